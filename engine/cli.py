@@ -1,0 +1,200 @@
+"""`python -m engine`: checkpoints, prompts, parity logits, speaker embeddings, offline synthesis."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import Zonos2Config, preset_params
+from engine.prompt import Conditioning, PromptBuilder
+from engine.sampling import SamplingParams
+from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(arg: str | None) -> str:
+    return arg or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _weights(args: argparse.Namespace) -> WeightSources:
+    src = WeightSources(
+        model_path=getattr(args, "model_path", None),
+        dac_weights=getattr(args, "dac_weights", None),
+        speaker_weights=getattr(args, "speaker_weights", None),
+    )
+    src.check()
+    return src
+
+
+def _read_embedding(path: str) -> torch.Tensor:
+    arr = np.load(path, allow_pickle=False)
+    if isinstance(arr, np.lib.npyio.NpzFile):
+        arr = arr["emb"] if "emb" in arr.files else arr[arr.files[0]]
+    arr = np.asarray(arr, dtype=np.float32).squeeze()
+    if arr.ndim == 2:
+        arr = arr.mean(0)
+    return torch.from_numpy(arr)
+
+
+def cmd_make_checkpoint(args: argparse.Namespace) -> None:
+    from engine.checkpoint import count_params, write_checkpoint
+
+    path = write_checkpoint(args.out, args.preset, seed=args.seed, fmt=args.format, device=args.device or "cpu")
+    n_tensors, n_params = count_params(Zonos2Config.from_dict(preset_params(args.preset)))
+    print(json.dumps({"weights": str(path), "tensors": n_tensors, "params": n_params}))
+
+
+def cmd_prompt(args: argparse.Namespace) -> None:
+    cfg = Zonos2Config.from_file(args.model_path) if args.model_path else Zonos2Config.from_dict(preset_params("full"))
+    text = args.text
+    if args.language is not None:
+        from engine.textnorm import TextNormalizer
+
+        text = TextNormalizer().normalize(text, args.language)
+    cond = Conditioning(
+        speaker=args.speaker,
+        clean_speaker_background=args.clean_background,
+        accurate_mode=not args.expressive,
+        speaking_rate_bucket=args.speaking_rate_bucket,
+        quality_buckets=None if args.no_quality else json.loads(args.quality_buckets),
+    )
+    ids = PromptBuilder(cfg).build(text, cond)
+    np.save(args.out, ids)
+    print(json.dumps({"out": args.out, "frames": len(ids)}))
+
+
+def cmd_logits(args: argparse.Namespace) -> None:
+    device = _device(args.device)
+    model = load_model(_weights(args), device, _DTYPES[args.dtype])
+    ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64)).to(device)
+    spk = _read_embedding(args.speaker_embedding).to(device) if args.speaker_embedding else None
+    logits = model.forward_full(ids, speaker=spk)
+    np.save(args.out, logits.float().cpu().numpy())
+    print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
+
+
+def cmd_speaker_embed(args: argparse.Namespace) -> None:
+    from engine.audio import decode_audio
+
+    encoder = load_speaker_encoder(_weights(args), _device(args.device))
+    wav, sr = decode_audio(Path(args.audio).read_bytes())
+    emb = encoder.embed(wav, sr).float().cpu().numpy().astype(_np_dtype(args.dtype))
+    np.save(args.out, emb)
+    print(json.dumps({"out": args.out, "dim": int(emb.shape[-1]), "seconds": round(len(wav) / sr, 3)}))
+
+
+def _np_dtype(name: str) -> type:
+    return {"float32": np.float32, "float16": np.float16}[name]
+
+
+def cmd_synthesize(args: argparse.Namespace) -> None:
+    import soundfile as sf
+
+    from engine.offline import synthesize
+
+    device = _device(args.device)
+    src = _weights(args)
+    model = load_model(src, device)
+    codec = load_codec(src, device)
+    speaker = None
+    if args.voice:
+        from engine.audio import decode_audio
+
+        wav, sr = decode_audio(Path(args.voice).read_bytes())
+        speaker = load_speaker_encoder(src, device).embed(wav, sr).to(device)
+    elif args.speaker_embedding:
+        speaker = _read_embedding(args.speaker_embedding).to(device)
+    text = args.text
+    if args.language:
+        from engine.textnorm import TextNormalizer
+
+        text = TextNormalizer().normalize(text, args.language)
+    params = SamplingParams(seed=args.seed)
+    result = synthesize(model, codec, text, params, speaker=speaker, max_frames=args.max_frames)
+    sf.write(args.output, result.audio, 44100, subtype="PCM_16")
+    print(json.dumps({
+        "out": args.output,
+        "seconds": round(len(result.audio) / 44100, 3),
+        "frames": len(result.frames),
+        "finish_reason": result.finish_reason,
+        "weights": src.describe(),
+    }))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def weights_args(sp: argparse.ArgumentParser, model: bool = True, dac: bool = False, spk: bool = False) -> None:
+        if model:
+            sp.add_argument("--model-path", help="ZONOS2 dir (params.json + model.pth); default: random tiny model")
+        if dac:
+            sp.add_argument("--dac-weights", help="DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC")
+        if spk:
+            sp.add_argument("--speaker-weights", help="ECAPA HF dir (config.json + model.safetensors)")
+        sp.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
+
+    sp = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")
+    sp.add_argument("--preset", choices=["tiny", "full"], default="tiny")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--format", choices=["pth", "safetensors"], default="pth")
+    sp.add_argument("--device", help="where to generate the random tensors (cuda is much faster for full)")
+    sp.set_defaults(func=cmd_make_checkpoint)
+
+    sp = sub.add_parser("prompt", help="write the prompt ids [P, 10] of a text")
+    sp.add_argument("text")
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--model-path", help="take the conditioning layout from this checkpoint's params.json")
+    sp.add_argument("--speaker", action="store_true", help="include the speaker slot and markers")
+    sp.add_argument("--clean-background", action="store_true")
+    sp.add_argument("--expressive", action="store_true", help="omit the accurate-mode marker")
+    sp.add_argument("--speaking-rate-bucket", type=int)
+    sp.add_argument("--quality-buckets", default='{"trailing_silence_s": 3}')
+    sp.add_argument("--no-quality", action="store_true")
+    sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
+    sp.set_defaults(func=cmd_prompt)
+
+    sp = sub.add_parser("logits", help="teacher-forced logits [T, 9, 1026] of a frame sequence")
+    weights_args(sp)
+    sp.add_argument("--input-ids", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--speaker-embedding")
+    sp.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    sp.set_defaults(func=cmd_logits)
+
+    sp = sub.add_parser("speaker-embed", help="embed a reference clip with the speaker encoder")
+    weights_args(sp, model=False, spk=True)
+    sp.add_argument("--audio", required=True)
+    sp.add_argument("--out", required=True)
+    sp.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    sp.set_defaults(func=cmd_speaker_embed)
+
+    sp = sub.add_parser("synthesize", help="text to a 44.1 kHz WAV")
+    weights_args(sp, dac=True, spk=True)
+    sp.add_argument("text")
+    sp.add_argument("-o", "--output", required=True)
+    sp.add_argument("--voice", help="reference clip to clone")
+    sp.add_argument("--speaker-embedding", help=".npy speaker embedding")
+    sp.add_argument("--seed", type=int)
+    sp.add_argument("--max-frames", type=int, default=1024)
+    sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
+    sp.set_defaults(func=cmd_synthesize)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,37 @@
+"""Delayed end-of-audio detection (runs on the host, outside the captured decode step).
+
+Codebook c is delayed by c frames, so an EOA (1024) seen in codebook c at generated frame `step`
+marks aligned frame `step - c`. At the first frame containing any EOA the aligned length is fixed to
+`step - max{c : frame[c] == EOA}` and generation continues for n_codebooks more frames so every
+codebook's last real code arrives (the reference's countdown of n_codebooks + 1, decremented at once).
+Later EOAs are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class EosTracker:
+    n_codebooks: int = 9
+    eoa_id: int = 1024
+    eos_frame: int | None = None  # aligned frames to keep, once known
+    countdown: int = -1
+    frames: int = 0  # generated frames seen
+
+    def push(self, frame: np.ndarray) -> bool:
+        """Feed one generated frame [n_codebooks]; returns True when generation should stop."""
+        step = self.frames
+        self.frames += 1
+        if self.eos_frame is None:
+            hits = np.flatnonzero(frame[: self.n_codebooks] == self.eoa_id)
+            if hits.size:
+                self.eos_frame = max(0, step - int(hits.max()))
+                self.countdown = self.n_codebooks + 1
+        if self.countdown > 0:
+            self.countdown -= 1
+            return self.countdown == 0
+        return False

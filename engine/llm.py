@@ -1,0 +1,133 @@
+"""The LLM node: static slots over the model's KV cache, packed (chunked) prefill, batched decode.
+
+A request walks prefill (text-only prompt, or a prompt whose frame 0 takes a speaker embedding) and
+then decode, one frame per step, until the delayed EOS or its frame budget ends it. The node samples
+a full frame [cb0..cb8] per step with per-request parameters held in slot-indexed buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.eos import EosTracker
+from engine.model import PrefillSeq, Zonos2
+from engine.sampling import SamplerState, SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One request's state inside the LLM node."""
+
+    rid: int
+    prompt: np.ndarray  # [P, n_codebooks + 1]
+    params: SamplingParams
+    max_frames: int
+    speaker: Tensor | None = None  # raw x-vector, injected at frame 0
+    ignore_eos: bool = False
+    seed: int = 0
+    slot: int = -1
+    prefilled: int = 0  # prompt frames already in the KV cache
+    generated: int = 0
+    last_codes: np.ndarray | None = None
+    eos: EosTracker = field(default_factory=EosTracker)
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < self.prompt_len
+
+    @property
+    def next_position(self) -> int:
+        """Cache position the next decode input (the last sampled frame) is written to."""
+        return self.prompt_len + self.generated - 1
+
+
+class LLMNode:
+    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None) -> None:
+        self.model = model
+        self.cfg = model.cfg
+        self.device = model.multi_output.weight.device
+        self.cache = model.setup_cache(n_slots, max_len)
+        self.max_len = self.cache.max_len
+        self.sampler = SamplerState(n_slots, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device)
+        self.free_slots = list(range(n_slots - 1, -1, -1))
+        self.n_slots = n_slots
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def can_admit(self) -> bool:
+        return bool(self.free_slots)
+
+    def admit(self, seq: Sequence) -> None:
+        if seq.prompt_len >= self.max_len - 1:
+            raise ValueError(f"prompt of {seq.prompt_len} frames does not fit the {self.max_len}-frame context")
+        seq.slot = self.free_slots.pop()
+        if seq.params.seed is None:
+            seq.seed = int.from_bytes(os.urandom(8), "little") & (2**63 - 1)
+        else:
+            seq.seed = seq.params.seed
+        seq.eos = EosTracker(self.cfg.n_codebooks, self.cfg.eoa_id)
+        self.sampler.admit(seq.slot, seq.params, seq.seed)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.slot >= 0:
+            self.free_slots.append(seq.slot)
+            seq.slot = -1
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
+        """Run prompt chunks [(seq, n_frames)] in one packed call. Sequences whose prompt completes
+        get their first frame sampled; returns [(seq, codes)] for those."""
+        ids, seqs, speakers = [], [], []
+        for seq, n in chunks:
+            start = seq.prefilled
+            ids.append(torch.from_numpy(seq.prompt[start:start + n]))
+            seqs.append(PrefillSeq(seq.slot, start, n))
+            speakers.append(seq.speaker if start == 0 else None)
+        logits = self.model.prefill(torch.cat(ids).to(self.device), seqs, speakers)
+        done = []
+        for i, (seq, n) in enumerate(chunks):
+            seq.prefilled += n
+            if not seq.in_prefill:
+                done.append(i)
+        if not done:
+            return []
+        slots = torch.tensor([chunks[i][0].slot for i in done], device=self.device)
+        codes = self.sampler.sample(logits[done], slots).cpu().numpy()
+        out = []
+        for j, i in enumerate(done):
+            seq = chunks[i][0]
+            out.append((seq, self._accept(seq, codes[j])))
+        return out
+
+    def decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, np.ndarray]]:
+        """One frame for each sequence (all past prefill)."""
+        n = len(seqs)
+        ids = np.empty((n, self.cfg.n_codebooks + 1), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, : self.cfg.n_codebooks] = s.last_codes
+        ids[:, self.cfg.n_codebooks] = self.cfg.text_pad_id
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        positions = torch.tensor([s.next_position for s in seqs], device=self.device)
+        logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions)
+        codes = self.sampler.sample(logits, slots).cpu().numpy()
+        return [(s, self._accept(s, codes[i])) for i, s in enumerate(seqs)]
+
+    def _accept(self, seq: Sequence, codes: np.ndarray) -> np.ndarray:
+        seq.generated += 1
+        seq.last_codes = codes
+        if seq.eos.push(codes) and not seq.ignore_eos:
+            seq.finish_reason = "eos"
+        elif seq.generated >= seq.max_frames:
+            seq.finish_reason = "max_frames"
+        elif seq.next_position + 1 >= self.max_len - 1:
+            seq.finish_reason = "context"
+        return codes

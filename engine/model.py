@@ -1,0 +1,328 @@
+"""The ZONOS2 backbone: one readable file, a static per-slot KV cache, two entry points.
+
+`prefill()` runs many prompts of different lengths (or chunks of them) in one call and returns the
+last-position logits of each; `decode()` advances a batch of slots by one frame. Both write K/V into
+the static cache, so a slot's context lives in `[layer, slot, :length]`.
+
+Parameters are kept in compute-friendly layouts; `engine.checkpoint` maps the release state dict
+(3-D `wkv`, `w_in` chunk order, interleaved `experts.w13`, ...) onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import Zonos2Config
+
+QK_NORM_EPS = 1e-6
+
+
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    x32 = x.float()
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, affine: bool = True) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_tables(cfg: Zonos2Config, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """cos/sin [max_seqlen, head_dim/2] in fp32 for interleaved (GPT-J style) rotary embeddings."""
+    half = cfg.head_dim // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(0, half, dtype=torch.float64, device=device) * 2 / cfg.head_dim)
+    angles = torch.arange(cfg.max_seqlen, dtype=torch.float64, device=device)[:, None] * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [N, H, D]; cos/sin [N, D/2]. Rotates adjacent pairs (x[2i], x[2i+1])."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((x0 * c - x1 * s, x1 * c + x0 * s), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+@dataclass
+class PrefillSeq:
+    """One prompt (or one chunk of it) inside a packed prefill batch."""
+
+    slot: int
+    start: int  # frames of this slot already in the KV cache
+    length: int  # new frames in this call
+
+
+class KVCache(nn.Module):
+    """Static cache: [layers, slots, max_len, kv_heads, head_dim] for K (post norm+RoPE) and raw V."""
+
+    def __init__(self, cfg: Zonos2Config, n_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        shape = (cfg.n_layers, n_slots, max_len, cfg.n_kv_heads, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.n_slots = n_slots
+        self.max_len = max_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Zonos2Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)  # K rows, then V rows
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.gater = nn.Linear(cfg.dim, cfg.n_heads, bias=False)
+        self.temp = nn.Parameter(torch.ones(1, cfg.n_heads, 1))
+
+    def project(self, a: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        n = a.shape[0]
+        gate = torch.sigmoid(self.gater(a))
+        q = self.wq(a).view(n, self.n_heads, self.head_dim)
+        kv = self.wkv(a).view(n, 2, self.n_kv, self.head_dim)
+        k, v = kv[:, 0], kv[:, 1]
+        # QK-norm has no weight; |temp| scales q per head (the softmax scale 1/sqrt(d) still applies).
+        q = rms_norm(q, None, QK_NORM_EPS) * self.temp.abs().to(q.dtype)
+        k = rms_norm(k, None, QK_NORM_EPS)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+    def output(self, o: Tensor, gate: Tensor) -> Tensor:
+        """o [N, H, D] attention output; headwise sigmoid gate before wo."""
+        return self.wo((o * gate[..., None].to(o.dtype)).flatten(1))
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, cfg: Zonos2Config) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate
+        # Release chunk order: [0] = up (linear branch), [1] = gate (SiLU branch).
+        self.w_in = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)
+        self.w_out = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, router_state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        up, gate = self.w_in(x).split(self.inter, dim=-1)
+        return self.w_out(up * F.silu(gate)), None
+
+
+class Router(nn.Module):
+    """EDA router: a depth-threaded bottleneck state feeds a small GELU MLP that scores the experts."""
+
+    def __init__(self, cfg: Zonos2Config, first: bool) -> None:
+        super().__init__()
+        r, e = cfg.router_dim, cfg.n_experts
+        self.down_proj = nn.Linear(cfg.dim, r)
+        self.router_mlp = nn.Sequential(
+            nn.Linear(r, r), nn.GELU(), nn.Linear(r, r), nn.GELU(), nn.Linear(r, e, bias=False)
+        )
+        self.rmsnorm_eda = RMSNorm(r, cfg.norm_eps)
+        self.register_buffer("balancing_biases", torch.zeros(e))
+        self.router_states_scale = None if first else nn.Parameter(torch.ones(r))
+        self.bias_sign = 1.0 if cfg.balancing_bias_added else -1.0
+
+    def forward(self, x: Tensor, prev_state: Tensor | None, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        r = self.down_proj(x)
+        if self.router_states_scale is not None and prev_state is not None:
+            r = r + prev_state * self.router_states_scale
+        probs = torch.softmax(self.router_mlp(self.rmsnorm_eda(r)).float(), dim=-1)
+        # The bias only steers selection; the weights are the unrenormalised probabilities.
+        chosen = torch.topk(probs + self.bias_sign * self.balancing_biases.float(), k, dim=-1).indices
+        return chosen, probs.gather(-1, chosen), r
+
+
+class MoEFFN(nn.Module):
+    def __init__(self, cfg: Zonos2Config, layer: int) -> None:
+        super().__init__()
+        self.k = cfg.moe_topk[layer]
+        self.inter = cfg.intermediate
+        self.router = Router(cfg, first=layer == cfg.moe_layers[0])
+        # gate_up: [E, 2*inter, dim], gate rows first (de-interleaved from the release w13); down: [E, dim, inter].
+        self.experts = nn.Module()
+        self.experts.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.intermediate, cfg.dim))
+        self.experts.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.intermediate))
+
+    def forward(self, x: Tensor, router_state: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        chosen, weights, state = self.router(x, router_state, self.k)
+        return self.run_experts(x, chosen, weights), state
+
+    def run_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """Token loop over the experts in use (eager path: reads only the chosen experts)."""
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        flat = chosen.flatten()
+        token = torch.arange(x.shape[0], device=x.device).repeat_interleave(self.k)
+        w = weights.flatten()
+        for e in flat.unique().tolist():
+            sel = (flat == e).nonzero().squeeze(1)
+            rows = token[sel]
+            h = x[rows] @ self.experts.gate_up[e].t()
+            gate, up = h.split(self.inter, dim=-1)
+            y = (F.silu(gate.float()) * up.float()).to(x.dtype) @ self.experts.down[e].t()
+            out.index_add_(0, rows, y.float() * w[sel, None])
+        return out.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Zonos2Config, layer: int) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward: nn.Module = MoEFFN(cfg, layer) if cfg.is_moe(layer) else DenseFFN(cfg)
+
+
+class Zonos2(nn.Module):
+    def __init__(self, cfg: Zonos2Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # Tables 0..8: audio codebooks (1026 rows each); table 9: text (text_vocab + 1 rows, last = pad).
+        self.multi_embedder = nn.Module()
+        self.multi_embedder.embedders = nn.ModuleList(
+            [nn.Embedding(cfg.audio_vocab, cfg.dim) for _ in range(cfg.n_codebooks)]
+            + [nn.Embedding(cfg.text_vocab + 1, cfg.dim)]
+        )
+        if cfg.speaker_enabled:
+            in_dim = cfg.speaker_lda_dim or cfg.speaker_embedding_dim
+            self.speaker_lda_projection = (
+                nn.Linear(cfg.speaker_embedding_dim, cfg.speaker_lda_dim) if cfg.speaker_lda_dim else None
+            )
+            self.speaker_projection = nn.Linear(in_dim, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.multi_output = nn.Linear(cfg.dim, cfg.n_codebooks * cfg.audio_vocab, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.cache: KVCache | None = None
+
+    # ---- setup -------------------------------------------------------------------------------
+    def setup_cache(self, n_slots: int, max_len: int | None = None) -> KVCache:
+        p = self.multi_output.weight
+        max_len = min(max_len or self.cfg.max_seqlen, self.cfg.max_seqlen)
+        self.cache = KVCache(self.cfg, n_slots, max_len, p.device, p.dtype)
+        return self.cache
+
+    # ---- pieces ------------------------------------------------------------------------------
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [N, 10] -> summed embeddings [N, dim], added in column order 0..9 as the reference does."""
+        tables = self.multi_embedder.embedders
+        e = tables[0](ids[:, 0])
+        for c in range(1, len(tables)):
+            e = e + tables[c](ids[:, c])
+        return e
+
+    def project_speaker(self, spk: Tensor) -> Tensor:
+        """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame."""
+        x = spk.to(self.speaker_projection.weight.dtype)
+        if self.speaker_lda_projection is not None:
+            x = self.speaker_lda_projection(x)
+        return self.speaker_projection(x)
+
+    def head(self, h: Tensor) -> Tensor:
+        logits = self.multi_output(self.out_norm(h)).float().view(-1, self.cfg.n_codebooks, self.cfg.audio_vocab)
+        if self.cfg.softcap > 0:
+            logits = self.cfg.softcap * torch.tanh(logits / self.cfg.softcap)
+        return logits
+
+    def _layers(self, h: Tensor, positions: Tensor, attend) -> Tensor:
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        router_state: Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            q, k, v, gate = layer.attention.project(layer.attention_norm(h), cos, sin)
+            h = h + layer.attention.output(attend(i, q, k, v), gate)
+            y, state = layer.feed_forward(layer.ffn_norm(h), router_state)
+            router_state = state if state is not None else router_state
+            h = h + y
+        return h
+
+    # ---- entry points ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None = None) -> Tensor:
+        """Packed prefill. ids [sum(length), 10]. A speaker row replaces frame 0 of a sequence whose
+        chunk starts at 0. Returns logits [len(seqs), 9, audio_vocab] of each chunk's last frame."""
+        assert self.cache is not None, "call setup_cache first"
+        cache = self.cache
+        e = self.embed(ids)
+        offsets, off = [], 0
+        for i, s in enumerate(seqs):
+            offsets.append(off)
+            spk = speakers[i] if speakers else None
+            if spk is not None and s.start == 0:
+                e[off] = self.project_speaker(spk).to(e.dtype)
+            off += s.length
+        h = rms_norm(e, None, self.cfg.norm_eps)
+        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=ids.device) for s in seqs])
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            out = torch.empty_like(q)
+            for s, o in zip(seqs, offsets, strict=True):
+                end = s.start + s.length
+                cache.k[layer, s.slot, s.start:end] = k[o:o + s.length]
+                cache.v[layer, s.slot, s.start:end] = v[o:o + s.length]
+                kk, vv = cache.k[layer, s.slot, :end], cache.v[layer, s.slot, :end]
+                # Causal with an offset: new frame i sees cached frames 0..start+i.
+                mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
+                out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
+            return out
+
+        h = self._layers(h, positions, attend)
+        last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=ids.device)
+        return self.head(h[last])
+
+    @torch.inference_mode()
+    def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None) -> Tensor:
+        """One frame per slot. ids [B, 10]; positions [B] = index of this frame. Attends over the first
+        `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length."""
+        assert self.cache is not None, "call setup_cache first"
+        cache = self.cache
+        t = attn_len or int(positions.max()) + 1
+        h = rms_norm(self.embed(ids), None, self.cfg.norm_eps)
+        valid = torch.arange(t, device=ids.device)[None, :] <= positions[:, None]  # [B, t]
+
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            cache.k[layer].index_put_((slots, positions), k)
+            cache.v[layer].index_put_((slots, positions), v)
+            kk, vv = cache.k[layer][slots, :t], cache.v[layer][slots, :t]  # [B, t, Hkv, D]
+            return _sdpa_batched(q, kk, vv, valid)
+
+        return self.head(self._layers(h, positions, attend))
+
+    @torch.inference_mode()
+    def forward_full(self, ids: Tensor, speaker: Tensor | None = None) -> Tensor:
+        """Teacher-forced logits for every frame of one sequence [T, 10] -> [T, 9, V] (no cache)."""
+        e = self.embed(ids)
+        if speaker is not None:
+            e[0] = self.project_speaker(speaker).to(e.dtype)
+        h = rms_norm(e, None, self.cfg.norm_eps)
+        t = ids.shape[0]
+        mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        h = self._layers(h, torch.arange(t, device=ids.device), lambda _i, q, k, v: _sdpa(q, k, v, mask))
+        return self.head(h)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """q [T, H, D], k/v [S, Hkv, D], mask [T, S] (True = attend) -> [T, H, D]."""
+    rep = q.shape[1] // k.shape[1]
+    kk = k.repeat_interleave(rep, dim=1).transpose(0, 1)
+    vv = v.repeat_interleave(rep, dim=1).transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), kk, vv, attn_mask=mask)
+    return o.transpose(0, 1)
+
+
+def _sdpa_batched(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
+    """Decode attention: q [B, H, D], k/v [B, S, Hkv, D], valid [B, S] -> [B, H, D]."""
+    rep = q.shape[1] // k.shape[2]
+    kk = k.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, H, S, D]
+    vv = v.repeat_interleave(rep, dim=2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=valid[:, None, None, :])
+    return o[:, :, 0, :]

@@ -1,0 +1,168 @@
+"""Per-request multi-codebook sampling over static slot-indexed buffers.
+
+Everything here is tensor math with fixed shapes (no host sync, no Python per request), so a decode
+step can capture it in a CUDA graph. Each request keeps its own temperature / top-k / top-p / min-p /
+repetition settings: the reference collapses them to the batch's extreme values; we do not.
+
+Randomness is counter-based: the noise for (request seed, frame index, codebook, token) is a hash, and
+a sample is argmax(masked logits / T + Gumbel noise), which is an exact draw from the filtered
+softmax. A seeded request therefore produces the same frames whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    """Reference defaults (`message/tts.py`). top_k < 1 means 1024, as in the reference."""
+
+    temperature: float = 1.15
+    top_k: int = 106
+    top_p: float = 0.0
+    min_p: float = 0.18
+    repetition_window: int = 50
+    repetition_penalty: float = 1.2
+    repetition_codebooks: int = 8
+    seed: int | None = None
+
+    def validate(self, n_codebooks: int = 9) -> None:
+        checks = [
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (0.0 <= self.top_p <= 1.0, "top_p must be in [0, 1]"),
+            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
+            (0 <= self.repetition_window <= HISTORY, f"repetition_window must be in 0..{HISTORY}"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 1.0,
+             "repetition_penalty must be >= 1"),
+            (-1 <= self.repetition_codebooks <= n_codebooks,
+             f"repetition_codebooks must be in -1..{n_codebooks} (-1 = all)"),
+            (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
+            (-1 <= self.top_k <= 100_000, "top_k must be an integer (< 1 means 1024)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A 32-bit integer hash (lowbias32-style) in int64 arithmetic; multipliers < 2**31 avoid overflow."""
+    x = x & _M32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed: Tensor, step: Tensor, shape_cv: tuple[int, ...]) -> Tensor:
+    """Gumbel(0,1) noise [B, C, V] determined by (seed[b], step[b], codebook, token) alone."""
+    c, v = shape_cv
+    dev = seed.device
+    key = _mix32(_mix32(seed) ^ _mix32((seed >> 32) + 0x5BD1E995))
+    key = _mix32(key + _mix32(step * 0x2545F491 + 0x9E3779B9))  # [B]
+    idx = torch.arange(c * v, device=dev, dtype=torch.int64).view(1, c, v)
+    h = _mix32(_mix32(key.view(-1, 1, 1) ^ idx) + idx * 0x3C6EF372)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 random bits
+    return -torch.log(-torch.log(u))
+
+
+class SamplerState:
+    """Static per-slot sampling state. Write a request's parameters with `admit`, then every step's
+    `sample` reads them by slot index and appends the sampled frame to the slot's history ring."""
+
+    def __init__(self, n_slots: int, n_codebooks: int, vocab: int, device: torch.device | str) -> None:
+        self.n_codebooks, self.vocab = n_codebooks, vocab
+        f32 = {"device": device, "dtype": torch.float32}
+        i64 = {"device": device, "dtype": torch.int64}
+        self.temperature = torch.ones(n_slots, **f32)
+        self.top_k = torch.full((n_slots,), vocab, **i64)
+        self.top_p = torch.zeros(n_slots, **f32)
+        self.min_p = torch.zeros(n_slots, **f32)
+        self.rep_penalty = torch.ones(n_slots, **f32)
+        self.rep_window = torch.zeros(n_slots, **i64)
+        self.rep_codebooks = torch.zeros(n_slots, **i64)
+        self.seed = torch.zeros(n_slots, **i64)
+        self.step = torch.zeros(n_slots, **i64)  # frames generated so far
+        self.history = torch.zeros(n_slots, HISTORY, n_codebooks, **i64)
+        self.history_step = torch.full((n_slots, HISTORY), -1, **i64)
+
+    def admit(self, slot: int, p: SamplingParams, seed: int) -> None:
+        """Reset a slot for a new request (host -> device writes, outside any captured graph)."""
+        k = p.top_k if p.top_k >= 1 else 1024
+        self.temperature[slot] = max(p.temperature, 1e-6)
+        self.top_k[slot] = min(max(k, 1), self.vocab)
+        self.top_p[slot] = p.top_p
+        self.min_p[slot] = p.min_p
+        self.rep_penalty[slot] = max(p.repetition_penalty, 1.0)
+        self.rep_window[slot] = min(max(p.repetition_window, 0), HISTORY)
+        rc = p.repetition_codebooks
+        self.rep_codebooks[slot] = self.n_codebooks if rc < 0 else min(rc, self.n_codebooks)
+        self.seed[slot] = seed
+        self.step[slot] = 0
+        self.history_step[slot] = -1
+
+    def sample(self, logits: Tensor, slots: Tensor) -> Tensor:
+        """logits [B, C, V] (fp32) for the given slots -> codes [B, C] (int64). Updates the slots' state."""
+        step = self.step[slots]
+        scores = self.filtered_logits(logits, slots) + gumbel_noise(self.seed[slots], step, logits.shape[1:])
+        codes = scores.argmax(-1)
+        self._record(codes, slots, step)
+        return codes
+
+    def filtered_logits(self, logits: Tensor, slots: Tensor) -> Tensor:
+        """Repetition penalty, temperature, top-k, top-p, min-p: the log-distribution each row samples
+        from (unnormalised; removed tokens are -inf)."""
+        b, c, _ = logits.shape
+        logits = self._repetition_penalty(logits.float(), slots, self.step[slots])
+        logits = logits / self.temperature[slots].view(b, 1, 1)
+
+        # One descending sort serves both top-k (k-th value) and top-p (smallest kept value).
+        sorted_l, _ = torch.sort(logits, dim=-1, descending=True)
+        k = self.top_k[slots].view(b, 1, 1).expand(b, c, 1)
+        kth = sorted_l.gather(-1, k - 1)
+        keep = logits >= kth  # ties with the k-th value are kept, as in the reference
+        sorted_l = torch.where(sorted_l >= kth, sorted_l, float("-inf"))
+        sorted_p = torch.softmax(sorted_l, dim=-1)
+
+        p = self.top_p[slots].view(b, 1, 1)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > p  # mass before this entry already exceeds p
+        n_kept = (~drop).sum(-1, keepdim=True).clamp(min=1)
+        p_floor = sorted_l.gather(-1, n_kept - 1)
+        use_p = (p > 0) & (p < 1)
+        keep = keep & (~use_p | (logits >= p_floor))
+
+        # min-p on the top-k/top-p filtered distribution: prob >= min_p * max_prob.
+        probs = torch.softmax(torch.where(keep, logits, float("-inf")), dim=-1)
+        min_p = self.min_p[slots].view(b, 1, 1)
+        keep = keep & (probs >= min_p * probs.amax(-1, keepdim=True))
+        return torch.where(keep, logits, float("-inf"))
+
+    def _repetition_penalty(self, logits: Tensor, slots: Tensor, step: Tensor) -> Tensor:
+        b, c, v = logits.shape
+        hist = self.history[slots]  # [B, H, C]
+        hstep = self.history_step[slots]  # [B, H]
+        window = self.rep_window[slots].view(b, 1)
+        in_window = (hstep >= 0) & (hstep < step.view(b, 1)) & (hstep >= step.view(b, 1) - window)
+        cb = torch.arange(c, device=logits.device).view(1, 1, c)
+        valid = in_window[:, :, None] & (hist < v - 2) & (cb < self.rep_codebooks[slots].view(b, 1, 1))
+        # Presence per (codebook, token): invalid entries land in a spare column that is dropped.
+        idx = torch.where(valid, hist, v).transpose(1, 2)  # [B, C, H]
+        seen = torch.zeros(b, c, v + 1, device=logits.device, dtype=torch.bool)
+        seen.scatter_(2, idx, True)
+        seen = seen[..., :v]
+        pen = self.rep_penalty[slots].view(b, 1, 1)
+        return torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+
+    def _record(self, codes: Tensor, slots: Tensor, step: Tensor) -> None:
+        pos = step % HISTORY
+        self.history.index_put_((slots, pos), codes)
+        self.history_step.index_put_((slots, pos), step)
+        self.step.index_put_((slots,), step + 1)
