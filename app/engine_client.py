@@ -1,0 +1,315 @@
+"""Gateway side of the engine: spawns the engine process, talks to it over two shared-memory rings,
+routes its events to per-request streams, and restarts it if it dies.
+
+Each submitted request gets a `Stream`: a bounded asyncio queue of events. A consumer that falls
+behind by more than `max_buffered_s` of audio is cancelled (its GPU slot is freed) and told why,
+so one slow client never holds memory or GPU time that others need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine import messages as m
+from engine.ipc import AsyncRingReader, ShmRing
+from engine.server import EngineSettings, engine_main
+from engine.weights import WeightSources
+
+log = logging.getLogger("gateway.engine")
+
+SAMPLE_RATE = 44100
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is starting, restarting or overloaded."""
+
+
+@dataclass
+class Event:
+    type: str
+    header: dict[str, Any]
+    pcm: np.ndarray | None = None  # int16 for audio events
+
+
+@dataclass
+class Stream:
+    """Events of one engine request, in order, ending with `finished` or `error`."""
+
+    rid: int
+    client: EngineClient
+    max_buffered_samples: int
+    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    buffered_samples: int = 0
+    done: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+
+    def _deliver(self, ev: Event) -> None:
+        if self.done:
+            return
+        if ev.pcm is not None:
+            self.buffered_samples += len(ev.pcm)
+            if self.buffered_samples > self.max_buffered_samples:
+                self.client.cancel(self.rid)
+                self._end(Event(m.ERROR, {"code": "slow_consumer",
+                                          "message": "audio was not read fast enough; generation stopped"}))
+                return
+        if ev.type in (m.FINISHED, m.ERROR):
+            self._end(ev)
+        else:
+            self.queue.put_nowait(ev)
+
+    def _end(self, ev: Event) -> None:
+        self.done = True
+        self.client._streams.pop(self.rid, None)
+        self.queue.put_nowait(ev)
+
+    async def next(self) -> Event:
+        ev = await self.queue.get()
+        if ev.pcm is not None:
+            self.buffered_samples -= len(ev.pcm)
+        return ev
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> Event:
+        if self.done and self.queue.empty():
+            raise StopAsyncIteration
+        return await self.next()
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.client.cancel(self.rid)
+            self._end(Event(m.FINISHED, {"reason": "cancelled", "stats": {}}))
+
+
+class EngineClient:
+    def __init__(
+        self,
+        weights: WeightSources,
+        settings: EngineSettings,
+        ring_bytes: int = 64 << 20,
+        max_buffered_s: float = 60.0,
+        restart: bool = True,
+        log_level: str = "INFO",
+    ) -> None:
+        self.weights = weights
+        self.settings = settings
+        self.ring_bytes = ring_bytes
+        self.max_buffered_samples = int(max_buffered_s * SAMPLE_RATE)
+        self.restart = restart
+        self.log_level = log_level
+        self.info: dict[str, Any] = {}
+        self.stats: dict[str, Any] = {}
+        self.ready = asyncio.Event()
+        self.restarts = 0
+        self.start_error: str | None = None
+        self._rid = itertools.count(1)
+        self._streams: dict[int, Stream] = {}
+        self._embeds: dict[int, asyncio.Future[np.ndarray]] = {}
+        self._cancel_acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._proc: mp.process.BaseProcess | None = None
+        self._inbox: ShmRing | None = None  # gateway -> engine
+        self._events: ShmRing | None = None  # engine -> gateway
+        self._reader: AsyncRingReader | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
+        self.on_stats: list[Any] = []
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._spawn()
+        self._tasks.append(asyncio.create_task(self._supervise(), name="engine-supervisor"))
+
+    def _spawn(self) -> None:
+        self.ready.clear()
+        self._inbox = ShmRing.create(self.ring_bytes)
+        self._events = ShmRing.create(self.ring_bytes)
+        ctx = mp.get_context("spawn")
+        self._proc = ctx.Process(
+            target=engine_main,
+            args=(self.weights, self.settings, self._inbox.spec(), self._events.spec(), self.log_level),
+            name="zonos-engine",
+            daemon=True,
+        )
+        self._proc.start()
+        self._reader = AsyncRingReader(self._events)
+        self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name="engine-dispatch"))
+        log.info("engine process %s started", self._proc.pid)
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            proc = self._proc
+            assert proc is not None
+            died: asyncio.Future[None] = loop.create_future()
+            loop.add_reader(proc.sentinel, lambda f=died: f.done() or f.set_result(None))
+            try:
+                await died
+            finally:
+                loop.remove_reader(proc.sentinel)
+            if self._closing:
+                return
+            proc.join(timeout=1)
+            code = proc.exitcode
+            log.error("engine process exited with code %s", code)
+            self._fail_all("engine_restarted", f"the engine process stopped (exit code {code}); it is restarting")
+            self._teardown_rings()
+            if not self.restart:
+                self.start_error = self.start_error or f"engine exited with code {code}"
+                return
+            self.restarts += 1
+            await asyncio.sleep(min(0.5 * self.restarts, 5.0))
+            self._spawn()
+
+    def _teardown_rings(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        for ring in (self._inbox, self._events):
+            if ring is not None:
+                with contextlib.suppress(Exception):
+                    ring.close()
+                    ring.unlink()
+        self._inbox = self._events = None
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._inbox is not None and self._proc is not None and self._proc.is_alive():
+            self._inbox.try_put({"type": m.SHUTDOWN})
+            await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all("shutdown", "the server is shutting down")
+        self._teardown_rings()
+
+    def kill_engine(self) -> None:
+        """Fault injection for tests and operators: the supervisor restarts it."""
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    # ---- requests --------------------------------------------------------------------------------
+    def submit(self, req: m.SubmitRequest) -> Stream:
+        """Send a request; raises EngineUnavailable when the engine cannot take it now."""
+        if not self.ready.is_set() or self._inbox is None:
+            raise EngineUnavailable("the engine is not ready")
+        req.rid = next(self._rid)
+        header, payload = req.encode()
+        stream = Stream(req.rid, self, self.max_buffered_samples)
+        self._streams[req.rid] = stream
+        if not self._inbox.try_put(header, payload):
+            del self._streams[req.rid]
+            raise EngineUnavailable("the engine inbox is full")
+        return stream
+
+    def cancel(self, rid: int) -> asyncio.Future[dict[str, Any]]:
+        """Ask the engine to stop a request; the future resolves when the engine has freed its slot."""
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        if self._inbox is not None and self._inbox.try_put({"type": m.CANCEL, "rid": rid}):
+            self._cancel_acks[rid] = fut
+        else:
+            fut.set_result({})
+        return fut
+
+    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
+        """Run the speaker_encoder node on one clip (float32 mono)."""
+        if not self.ready.is_set() or self._inbox is None:
+            raise EngineUnavailable("the engine is not ready")
+        rid = next(self._rid)
+        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._embeds[rid] = fut
+        clip = np.ascontiguousarray(clip, dtype=np.float32)
+        if not self._inbox.try_put({"type": m.EMBED, "rid": rid, "clip_sr": int(sample_rate)}, clip.tobytes()):
+            del self._embeds[rid]
+            raise EngineUnavailable("the engine inbox is full")
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._embeds.pop(rid, None)
+
+    # ---- events ----------------------------------------------------------------------------------
+    async def _dispatch(self, reader: AsyncRingReader) -> None:
+        try:
+            while True:
+                for header, payload in await reader.get_batch():
+                    self._on_event(header, payload)
+        except Exception as e:  # RingClosed on restart/close
+            log.debug("dispatch ended: %r", e)
+
+    def _on_event(self, header: dict[str, Any], payload: bytes | None) -> None:
+        kind = header.get("type")
+        rid = header.get("rid")
+        if kind == m.AUDIO:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._deliver(Event(kind, header, np.frombuffer(payload or b"", dtype=np.int16)))
+        elif kind == m.FINISHED and rid in self._cancel_acks:
+            fut = self._cancel_acks.pop(rid)
+            if not fut.done():
+                fut.set_result(dict(header))
+            if rid in self._streams:
+                self._streams[rid]._deliver(Event(kind, header))
+        elif kind in (m.STARTED, m.FINISHED, m.ERROR) and rid is not None:
+            if kind == m.ERROR and rid in self._embeds:
+                fut = self._embeds.pop(rid)
+                if not fut.done():
+                    fut.set_exception(ValueError(header.get("message", "speaker encoder failed")))
+                return
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream._deliver(Event(kind, header))
+        elif kind == m.EMBEDDING:
+            fut = self._embeds.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_result(np.frombuffer(payload or b"", dtype=np.float32).copy())
+        elif kind == m.READY:
+            self.info = dict(header)
+            self.start_error = None
+            self.ready.set()
+            log.info("engine ready on %s (slots %s, warm-up %.2fs)", header.get("device"), header.get("slots"),
+                     header.get("warmup_s", 0))
+        elif kind == m.STATS:
+            self.stats = dict(header)
+            for cb in self.on_stats:
+                cb(self.stats)
+        elif kind == m.ERROR:
+            self.start_error = header.get("message")
+            log.error("engine error: %s", header.get("message"))
+
+    def _fail_all(self, code: str, message: str) -> None:
+        self.ready.clear()
+        for stream in list(self._streams.values()):
+            stream._end(Event(m.ERROR, {"code": code, "message": message}))
+        self._streams.clear()
+        for fut in self._embeds.values():
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(message))
+        self._embeds.clear()
+        for ack in self._cancel_acks.values():
+            if not ack.done():
+                ack.set_result({})
+        self._cancel_acks.clear()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._streams)

@@ -1,0 +1,143 @@
+"""The gateway's shared state and the one path every API takes to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import logging
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from app.engine_client import EngineClient, EngineUnavailable, Stream
+from app.metrics import Metrics
+from app.settings import GatewaySettings
+from app.synthesis import PromptFactory, RequestError, SynthesisOptions
+from app.voices import AUDIO_SUFFIXES, Voice, VoiceError, VoiceStore, parse_embedding_file
+from engine.audio import AudioDecodeError, decode_audio
+from engine.config import Zonos2Config, preset_params
+from engine.textnorm import TextNormalizer
+
+log = logging.getLogger("gateway")
+
+
+def model_config(settings: GatewaySettings) -> Zonos2Config:
+    if settings.weights.model_path:
+        return Zonos2Config.from_file(settings.weights.model_path)
+    return Zonos2Config.from_dict(preset_params(settings.weights.random_preset))
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.cfg = model_config(settings)
+        self.metrics = Metrics()
+        self.engine = EngineClient(
+            settings.weights, settings.engine, max_buffered_s=settings.limits.max_buffered_audio_s,
+            log_level=settings.log_level,
+        )
+        self.engine.on_stats.append(self.metrics.on_engine_stats)
+        normalizer = TextNormalizer() if settings.text_normalization else None
+        self.prompts = PromptFactory(self.cfg, normalizer)
+        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim)
+        self.sessions = 0
+        self.started_at = time.time()
+        self._defaults_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.engine.start()
+        if self.settings.default_voices_dir:
+            self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
+
+    async def close(self) -> None:
+        if self._defaults_task:
+            self._defaults_task.cancel()
+        await self.engine.close()
+
+    # ---- auth scope ------------------------------------------------------------------------------
+    @staticmethod
+    def owner_of(api_key: str | None) -> str:
+        return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
+
+    # ---- audio in --------------------------------------------------------------------------------
+    async def decode_clip(self, data: bytes) -> tuple[np.ndarray, int]:
+        """Decode an uploaded reference clip in a worker thread and apply the size limits."""
+        lim = self.settings.limits
+        if len(data) > lim.max_upload_bytes:
+            raise RequestError("upload_too_large", f"clips are limited to {lim.max_upload_bytes} bytes", 413)
+        if not data:
+            raise RequestError("bad_audio", "the clip is empty")
+        try:
+            samples, sr = await asyncio.to_thread(decode_audio, data)
+        except AudioDecodeError as e:
+            raise RequestError("bad_audio", str(e)) from None
+        seconds = len(samples) / sr
+        if seconds > lim.max_clip_seconds:
+            raise RequestError("clip_too_long", f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
+        if seconds < lim.min_clip_seconds:
+            raise RequestError("clip_too_short", f"clips need at least {lim.min_clip_seconds:g} s of audio")
+        return samples, sr
+
+    async def embed_clip(self, samples: np.ndarray, sr: int) -> np.ndarray:
+        try:
+            return await self.engine.embed(samples, sr)
+        except EngineUnavailable as e:
+            raise RequestError("engine_busy", str(e), 503) from None
+        except ValueError as e:
+            raise RequestError("bad_audio", str(e)) from None
+
+    # ---- the path to the engine ------------------------------------------------------------------
+    async def start_utterance(
+        self, text: str, opts: SynthesisOptions, voice: Voice | None = None,
+        clip: tuple[np.ndarray, int] | None = None,
+    ) -> Stream:
+        if len(text) > self.settings.limits.max_text_chars:
+            raise RequestError("text_too_long", f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
+        embedding = voice.embedding if voice is not None else None
+        prompt = await self.prompts.build(text, opts, speaker=embedding is not None or clip is not None)
+        req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
+        try:
+            return self.engine.submit(req)
+        except EngineUnavailable as e:
+            raise RequestError("engine_busy", str(e), 503) from None
+
+    def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
+        if ref is None or ref == "":
+            return None
+        try:
+            return self.voices.get(ref, owner)
+        except VoiceError as e:
+            raise RequestError(e.code, str(e), e.status) from None
+
+    # ---- default voices --------------------------------------------------------------------------
+    async def _load_default_voices(self, folder: Path) -> None:
+        await self.engine.ready.wait()
+        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES | {".npy", ".npz"})
+        for path in files:
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+                name = re.sub(r"[_\-]+", " ", path.stem).strip()[:64] or path.stem
+                vid = "default_" + hashlib.sha1(str(path.relative_to(folder)).encode()).hexdigest()[:16]
+                preview = None
+                if path.suffix.lower() in {".npy", ".npz"}:
+                    emb = parse_embedding_file(data, self.cfg.speaker_embedding_dim)
+                else:
+                    samples, sr = await self.decode_clip(data)
+                    emb = await self.embed_clip(samples, sr)
+                    preview = wav_bytes(samples, sr)
+                voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb),
+                              details={"file": path.name})
+                self.voices.remember_default(voice, emb, preview)
+                log.info("default voice %r ready (%s)", name, vid)
+            except (RequestError, VoiceError, OSError) as e:
+                log.warning("default voice %s skipped: %s", path, e)
+
+
+def wav_bytes(samples: np.ndarray, sr: int) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, sr, format="WAV", subtype="PCM_16")
+    return buf.getvalue()

@@ -1,0 +1,75 @@
+"""The Starlette application: routes, lifespan (engine process start/stop), CORS, the demo page."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from app import http_api, voices_api
+from app.gateway import Gateway
+from app.settings import GatewaySettings
+from app.ws import websocket_endpoint
+
+ROOT = Path(__file__).resolve().parent.parent
+templates = Jinja2Templates(directory=str(ROOT / "templates"))
+
+
+async def index(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return templates.TemplateResponse(request, "index.html", {
+        "auth": gw.settings.auth_enabled,
+        "weights": gw.settings.weights.describe(),
+        "random_weights": gw.settings.weights.model_path is None,
+    }, headers={"Cache-Control": "no-store"})
+
+
+def create_app(settings: GatewaySettings) -> Starlette:
+    gateway = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.gateway = gateway
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.close()
+
+    routes = [
+        Route("/", index),
+        Route("/healthz", http_api.healthz),
+        Route("/readyz", http_api.readyz),
+        Route("/metrics", http_api.metrics),
+        Route("/v1/models", http_api.models),
+        Route("/tts/capabilities", http_api.capabilities),
+        Route("/v1/audio/speech", http_api.openai_speech, methods=["POST"]),
+        Route("/tts/generate", http_api.tts_generate, methods=["POST"]),
+        Route("/v1/voices", voices_api.list_voices, methods=["GET"]),
+        Route("/v1/voices", voices_api.create_voice, methods=["POST"]),
+        Route("/v1/voices/blend", voices_api.blend_voices, methods=["POST"]),
+        Route("/v1/voices/{voice}", voices_api.voice_detail, methods=["GET", "PATCH", "DELETE"]),
+        Route("/v1/voices/{voice}/embedding", voices_api.voice_embedding),
+        Route("/v1/voices/{voice}/preview", voices_api.voice_preview),
+        WebSocketRoute("/v1/tts/ws", websocket_endpoint),
+        Mount("/static", StaticFiles(directory=str(ROOT / "static")), name="static"),
+    ]
+    middleware = []
+    if settings.cors_origins:
+        middleware.append(Middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],
+            allow_headers=["Authorization", "X-API-Key", "Content-Type"],
+            expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format"],
+        ))
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,54 @@
+"""Gateway settings: every limit configurable, with defaults a public deployment can live with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.server import EngineSettings
+from engine.weights import WeightSources
+
+
+@dataclass
+class Limits:
+    max_text_chars: int = 2000  # one utterance (one engine request)
+    max_buffer_chars: int = 10_000  # text buffered in one WebSocket session, not yet spoken
+    max_sessions: int = 256  # concurrent WebSocket sessions
+    max_pending_utterances: int = 32  # queued utterances per session
+    max_inflight_per_session: int = 2  # utterances generating at once per session (current + next)
+    max_upload_bytes: int = 10 << 20
+    max_clip_seconds: float = 60.0
+    min_clip_seconds: float = 0.5
+    max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
+    idle_timeout_s: float = 300.0
+    max_frames: int = 3000  # per utterance (about 35 s of audio)
+    max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
+    max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
+
+
+@dataclass
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    weights: WeightSources = field(default_factory=WeightSources)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    limits: Limits = field(default_factory=Limits)
+    data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")))
+    default_voices_dir: Path | None = None
+    api_keys: tuple[str, ...] = ()  # empty: no auth
+    cors_origins: tuple[str, ...] = ()
+    text_normalization: bool = True
+    log_level: str = "INFO"
+
+    @property
+    def voices_dir(self) -> Path:
+        return self.data_dir / "voices"
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.api_keys)
+
+
+def loopback(host: str) -> bool:
+    return host in {"127.0.0.1", "localhost", "::1"} or host.startswith("127.")

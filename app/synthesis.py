@@ -1,0 +1,206 @@
+"""From an API request to an engine request: parameter validation, text normalization, prompt ids,
+and the output side (PCM encoding and streaming resampling)."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import soxr
+
+from engine.config import Zonos2Config
+from engine.messages import SubmitRequest
+from engine.prompt import Conditioning, PromptBuilder, PromptError
+from engine.sampling import SamplingParams
+from engine.textnorm import TextNormalizer, normalize_language
+
+NATIVE_RATE = 44100
+OUTPUT_RATES = (44100, 24000, 16000, 8000)
+ENCODINGS = ("pcm_s16le", "pcm_f32le")
+
+
+class RequestError(ValueError):
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+_SAMPLING_KEYS = {
+    "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_window": int,
+    "repetition_penalty": float, "repetition_codebooks": int, "seed": int,
+}
+PARAM_KEYS = set(_SAMPLING_KEYS) | {
+    "max_frames", "ignore_eos", "language", "text_normalization", "speaking_rate", "speed",
+    "speaking_rate_bucket", "quality_buckets", "quality_values", "accurate_mode", "clean_speaker_background",
+}
+
+
+@dataclass
+class SynthesisOptions:
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cond: Conditioning = field(default_factory=Conditioning)
+    max_frames: int | None = None
+    ignore_eos: bool = False
+    language: str = "en_us"
+    text_normalization: bool = True
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int | float) or (
+            isinstance(value, float) and not value.is_integer()
+        ):
+            raise RequestError("bad_params", f"{key} must be an integer")
+        return int(value)
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise RequestError("bad_params", f"{key} must be a finite number")
+        return float(value)
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise RequestError("bad_params", f"{key} must be true or false")
+        return value
+    return value
+
+
+def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: SynthesisOptions | None = None
+                  ) -> SynthesisOptions:
+    """Validate a params dict (WebSocket `params`, or the fields of an HTTP request)."""
+    params = params or {}
+    if not isinstance(params, dict):
+        raise RequestError("bad_params", "params must be an object")
+    unknown = sorted(set(params) - PARAM_KEYS)
+    if unknown:
+        raise RequestError("bad_params", f"unknown params {unknown}; known: {sorted(PARAM_KEYS)}")
+    base = base or SynthesisOptions()
+    sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
+    cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})
+    opts = SynthesisOptions(sampling, cond, base.max_frames, base.ignore_eos, base.language, base.text_normalization)
+
+    for key, kind in _SAMPLING_KEYS.items():
+        if key in params:
+            value = params[key]
+            if key == "seed" and value is None:
+                sampling.seed = None
+                continue
+            setattr(sampling, key, _typed(key, value, kind))
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise RequestError("bad_params", str(e)) from None
+
+    if "max_frames" in params and params["max_frames"] is not None:
+        mf = _typed("max_frames", params["max_frames"], int)
+        if not 1 <= mf <= max_frames_limit:
+            raise RequestError("bad_params", f"max_frames must be in 1..{max_frames_limit}")
+        opts.max_frames = mf
+    if "ignore_eos" in params:
+        opts.ignore_eos = _typed("ignore_eos", params["ignore_eos"], bool)
+    if "language" in params:
+        try:
+            opts.language = normalize_language(str(params["language"]))
+        except ValueError as e:
+            raise RequestError("bad_params", str(e)) from None
+    if "text_normalization" in params:
+        opts.text_normalization = _typed("text_normalization", params["text_normalization"], bool)
+    rate_keys = [k for k in ("speaking_rate", "speed", "speaking_rate_bucket") if params.get(k) is not None]
+    if rate_keys:
+        cond.speaking_rate = cond.speed = cond.speaking_rate_bucket = None
+        if len(rate_keys) > 1:
+            raise RequestError("bad_params", "give only one of speaking_rate, speed and speaking_rate_bucket")
+        key = rate_keys[0]
+        setattr(cond, key, _typed(key, params[key], int if key == "speaking_rate_bucket" else float))
+    if "quality_buckets" in params or "quality_values" in params:
+        qb, qv = params.get("quality_buckets", "absent"), params.get("quality_values")
+        if qb != "absent" and qv is not None:
+            raise RequestError("bad_params", "give quality_buckets or quality_values, not both")
+        if qv is not None:
+            cond.quality_buckets, cond.quality_values = None, _dict_of(qv, float, "quality_values")
+        else:
+            cond.quality_values = None
+            cond.quality_buckets = None if qb is None else _dict_of(qb, int, "quality_buckets")
+    for key in ("accurate_mode", "clean_speaker_background"):
+        if key in params:
+            setattr(cond, key, _typed(key, params[key], bool))
+    return opts
+
+
+def _dict_of(value: Any, kind: type, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise RequestError("bad_params", f"{name} must be an object of feature -> value")
+    return {str(k): _typed(f"{name}.{k}", v, kind) for k, v in value.items()}
+
+
+class PromptFactory:
+    """Text -> prompt ids, with normalization off the event loop."""
+
+    def __init__(self, cfg: Zonos2Config, normalizer: TextNormalizer | None) -> None:
+        self.cfg = cfg
+        self.builder = PromptBuilder(cfg)
+        self.normalizer = normalizer
+
+    def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
+        if opts.text_normalization and self.normalizer is not None:
+            text = self.normalizer.normalize(text, opts.language)
+        cond = Conditioning(**{k: getattr(opts.cond, k) for k in Conditioning.__dataclass_fields__})
+        cond.speaker = speaker and self.cfg.speaker_enabled
+        try:
+            return self.builder.build(text, cond)
+        except PromptError as e:
+            raise RequestError("bad_params", str(e)) from None
+
+    async def build(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
+        return await asyncio.to_thread(self.build_sync, text, opts, speaker)
+
+    def request(
+        self, prompt: np.ndarray, opts: SynthesisOptions, default_max_frames: int,
+        embedding: np.ndarray | None = None, clip: tuple[np.ndarray, int] | None = None,
+    ) -> SubmitRequest:
+        return SubmitRequest(
+            rid=0,
+            prompt=prompt,
+            params=opts.sampling,
+            max_frames=opts.max_frames or default_max_frames,
+            ignore_eos=opts.ignore_eos,
+            speaker_embedding=embedding,
+            clip=clip[0] if clip else None,
+            clip_sr=clip[1] if clip else 0,
+        )
+
+
+class PcmEncoder:
+    """int16 PCM at 44.1 kHz from the engine -> the client's encoding and sample rate.
+
+    Resampling runs through soxr's streaming resampler, so chunk boundaries leave no seams."""
+
+    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE) -> None:
+        if encoding not in ENCODINGS:
+            raise RequestError("bad_params", f"encoding must be one of {ENCODINGS}")
+        if sample_rate not in OUTPUT_RATES:
+            raise RequestError("bad_params", f"sample_rate must be one of {OUTPUT_RATES}")
+        self.encoding, self.sample_rate = encoding, sample_rate
+        self._rs = (
+            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+            if sample_rate != NATIVE_RATE else None
+        )
+
+    def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
+        x = pcm16.astype(np.float32) / 32768.0
+        if self._rs is not None:
+            x = self._rs.resample_chunk(x, last=last)
+        return x
+
+    def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes:
+        if self._rs is None and self.encoding == "pcm_s16le":
+            return pcm16.astype("<i2", copy=False).tobytes()
+        x = self.float32(pcm16, last)
+        if self.encoding == "pcm_f32le":
+            return x.astype("<f4", copy=False).tobytes()
+        return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return 2 if self.encoding == "pcm_s16le" else 4

@@ -1,0 +1,248 @@
+"""Voices: speaker embeddings with a name, an owner, a preview clip, kept on disk.
+
+Layout: `<root>/<voice id>/{meta.json, embedding.npy, preview.wav}`. A voice is written into a
+temporary folder and renamed into place, so a crash or a full disk never leaves half a voice. Ids of
+clip voices derive from a hash of (owner, clips), so uploading the same clip twice gives the same
+voice without running the speaker encoder again. Default voices come from a folder of clips or
+`.npy` files and belong to everyone; they cannot be deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("gateway.voices")
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
+_NAME_OK = re.compile(r"^[\w .,'()\-]{1,64}$", re.UNICODE)
+
+
+class VoiceError(ValueError):
+    def __init__(self, code: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+
+
+@dataclass
+class Voice:
+    id: str
+    name: str
+    owner: str  # "" = public (default voices and voices made without an API key)
+    source: str  # clip | clips | embedding | blend | default
+    dim: int
+    created_at: float = field(default_factory=time.time)
+    has_preview: bool = False
+    details: dict = field(default_factory=dict)
+    embedding: np.ndarray | None = field(default=None, repr=False)
+
+    def public(self) -> dict:
+        d = asdict(self)
+        d.pop("embedding")
+        d.pop("owner")
+        d["default"] = self.source == "default"
+        return d
+
+
+def validate_name(name: str) -> str:
+    name = name.strip()
+    if not _NAME_OK.match(name):
+        raise VoiceError("bad_name", "voice names are 1-64 letters, digits, spaces and . , ' ( ) - _")
+    return name
+
+
+def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
+    """A `.npy` / `.npz` speaker embedding: (D,) or (N, D) averaged; no pickles."""
+    try:
+        obj = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as e:
+        raise VoiceError("bad_embedding", f"not a .npy/.npz array file: {e}") from None
+    if isinstance(obj, np.lib.npyio.NpzFile):
+        key = "emb" if "emb" in obj.files else (obj.files[0] if len(obj.files) == 1 else None)
+        if key is None:
+            raise VoiceError("bad_embedding", f".npz must hold one array or an 'emb' array, found {obj.files}")
+        arr = obj[key]
+    else:
+        arr = obj
+    if arr.dtype.names and "emb" in arr.dtype.names:
+        arr = arr["emb"]
+    if not np.issubdtype(arr.dtype, np.number):
+        raise VoiceError("bad_embedding", f"embedding must be numeric, got {arr.dtype}")
+    arr = np.asarray(arr, dtype=np.float32).squeeze()
+    if arr.ndim == 2:
+        arr = arr.mean(axis=0)
+    if arr.ndim != 1 or arr.shape[0] != dim:
+        raise VoiceError("bad_embedding", f"embedding must have shape ({dim},) or (N, {dim}), got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise VoiceError("bad_embedding", "embedding contains NaN or infinite values")
+    return arr
+
+
+def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
+    """Spherical interpolation of directions, linear interpolation of norms (the reference's blend)."""
+    if not 0.0 <= t <= 1.0:
+        raise VoiceError("bad_blend", "t must be in [0, 1]")
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0 or nb == 0:
+        return ((1 - t) * a + t * b).astype(np.float32)
+    ua, ub = a / na, b / nb
+    dot = float(np.clip(np.dot(ua, ub), -1.0, 1.0))
+    omega = np.arccos(dot)
+    if omega < 1e-4:  # nearly parallel: lerp is exact enough and avoids 0/0
+        direction = (1 - t) * ua + t * ub
+    else:
+        direction = (np.sin((1 - t) * omega) * ua + np.sin(t * omega) * ub) / np.sin(omega)
+    return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
+
+
+class VoiceStore:
+    def __init__(self, root: Path, dim: int) -> None:
+        self.root = root
+        self.dim = dim
+        self._lock = threading.Lock()
+        self._voices: dict[str, Voice] = {}
+        self._default_previews: dict[str, bytes | None] = {}
+        self.error: str | None = None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self._load()
+        except OSError as e:
+            self.error = f"voice store at {root} is unusable: {e}"
+            log.error(self.error)
+
+    def _load(self) -> None:
+        for d in sorted(self.root.iterdir()):
+            if not d.is_dir() or d.name.startswith("."):
+                continue
+            try:
+                meta = json.loads((d / "meta.json").read_text())
+                emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)
+                if emb.shape != (self.dim,):
+                    log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
+                    continue
+                self._voices[meta["id"]] = Voice(**meta, embedding=emb)
+            except Exception as e:  # a damaged voice folder must not stop the server
+                log.warning("skipping unreadable voice folder %s: %s", d, e)
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def visible(self, voice: Voice, owner: str) -> bool:
+        return voice.owner in ("", owner)
+
+    def list(self, owner: str) -> list[Voice]:
+        with self._lock:
+            vs = [v for v in self._voices.values() if self.visible(v, owner)]
+        return sorted(vs, key=lambda v: (v.source != "default", -v.created_at))
+
+    def get(self, ref: str, owner: str) -> Voice:
+        """By id, else by name (newest wins)."""
+        with self._lock:
+            v = self._voices.get(ref)
+            if v is None or not self.visible(v, owner):
+                named = [x for x in self._voices.values() if x.name == ref and self.visible(x, owner)]
+                v = max(named, key=lambda x: x.created_at) if named else None
+        if v is None:
+            raise VoiceError("unknown_voice", f"no voice {ref!r}", status=404)
+        return v
+
+    def preview_path(self, voice: Voice) -> Path:
+        return self.root / voice.id / "preview.wav"
+
+    # ---- changes ---------------------------------------------------------------------------------
+    @staticmethod
+    def clip_id(owner: str, clips: list[bytes]) -> str:
+        h = hashlib.sha256(owner.encode())
+        for c in clips:
+            h.update(hashlib.sha256(c).digest())
+        return "v_" + h.hexdigest()[:16]
+
+    def find(self, voice_id: str) -> Voice | None:
+        with self._lock:
+            return self._voices.get(voice_id)
+
+    def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
+        if self.error:
+            raise VoiceError("voice_store_unavailable", self.error, status=503)
+        embedding = np.asarray(embedding, dtype=np.float32)
+        if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
+            raise VoiceError("bad_embedding", f"embedding must be {self.dim} finite values")
+        voice.embedding = embedding
+        voice.dim = self.dim
+        voice.has_preview = preview_wav is not None
+        self._write(voice, preview_wav)
+        with self._lock:
+            self._voices[voice.id] = voice
+        return voice
+
+    def _write(self, voice: Voice, preview_wav: bytes | None) -> None:
+        final = self.root / voice.id
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+            try:
+                meta = voice.public() | {"owner": voice.owner}
+                meta.pop("default")
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                np.save(tmp / "embedding.npy", voice.embedding)
+                if preview_wav is not None:
+                    (tmp / "preview.wav").write_bytes(preview_wav)
+                old = None
+                if final.exists():
+                    old = self.root / f".old-{voice.id}-{os.getpid()}-{time.monotonic_ns()}"
+                    os.replace(final, old)
+                os.replace(tmp, final)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            raise VoiceError("voice_store_unavailable", f"could not save the voice: {e.strerror or e}", 507) from e
+
+    def rename(self, ref: str, owner: str, name: str) -> Voice:
+        v = self.get(ref, owner)
+        if v.source == "default":
+            raise VoiceError("read_only", "default voices cannot be renamed", status=403)
+        if v.owner != owner:
+            raise VoiceError("forbidden", "this voice belongs to another key", status=403)
+        v.name = validate_name(name)
+        preview = self.preview_path(v).read_bytes() if v.has_preview else None
+        self._write(v, preview)
+        return v
+
+    def delete(self, ref: str, owner: str) -> Voice:
+        v = self.get(ref, owner)
+        if v.source == "default":
+            raise VoiceError("read_only", "default voices cannot be deleted", status=403)
+        if v.owner != owner:
+            raise VoiceError("forbidden", "this voice belongs to another key", status=403)
+        with self._lock:
+            self._voices.pop(v.id, None)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self.root / v.id)
+        return v
+
+    def remember_default(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None) -> None:
+        """Default voices live in memory only; their source folder is the truth."""
+        voice.embedding = np.asarray(embedding, dtype=np.float32)
+        voice.has_preview = preview_wav is not None
+        with self._lock:
+            self._voices[voice.id] = voice
+        self._default_previews[voice.id] = preview_wav
+
+    def preview_bytes(self, voice: Voice) -> bytes | None:
+        if voice.source == "default":
+            return self._default_previews.get(voice.id)
+        p = self.preview_path(voice)
+        return p.read_bytes() if p.exists() else None

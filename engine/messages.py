@@ -1,0 +1,87 @@
+"""The records exchanged between the gateway and the engine process over the shared-memory rings.
+
+Every record is a msgpack header dict plus an optional raw payload (no pickling).
+
+gateway -> engine
+  submit   {rid, prompt_frames, params, max_frames, ignore_eos, speaker: none|embedding|clip,
+            clip_sr?}                      payload: prompt int32 [P, 10] + (speaker f32 [D] | clip f32 [N])
+  cancel   {rid}
+  embed    {rid, clip_sr}                  payload: clip f32 [N] (mono)
+  shutdown {}
+
+engine -> gateway
+  ready     {device, slots, max_context, weights, ...}
+  started   {rid, queue_ms}
+  audio     {rid, index, samples}          payload: int16 PCM at 44.1 kHz
+  finished  {rid, reason, stats}           reason: eos | max_frames | context | cancelled
+  error     {rid, code, message}
+  embedding {rid, dim}                     payload: f32 [dim]
+  stats     {active, waiting, step_ms, ...} (about once a second)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from engine.sampling import SamplingParams
+
+SUBMIT, CANCEL, EMBED, SHUTDOWN = "submit", "cancel", "embed", "shutdown"
+READY, STARTED, AUDIO, FINISHED, ERROR, EMBEDDING, STATS = (
+    "ready", "started", "audio", "finished", "error", "embedding", "stats",
+)
+
+
+@dataclass
+class SubmitRequest:
+    rid: int
+    prompt: np.ndarray  # [P, n_codebooks + 1] int
+    params: SamplingParams
+    max_frames: int
+    ignore_eos: bool = False
+    speaker_embedding: np.ndarray | None = None  # [D] float32
+    clip: np.ndarray | None = None  # [N] float32 mono, embedded by the speaker_encoder node
+    clip_sr: int = 0
+
+    def encode(self) -> tuple[dict[str, Any], bytes]:
+        prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
+        header: dict[str, Any] = {
+            "type": SUBMIT,
+            "rid": self.rid,
+            "prompt_frames": int(prompt.shape[0]),
+            "prompt_width": int(prompt.shape[1]),
+            "params": asdict(self.params),
+            "max_frames": self.max_frames,
+            "ignore_eos": self.ignore_eos,
+            "speaker": "none",
+        }
+        parts = [prompt.tobytes()]
+        if self.speaker_embedding is not None:
+            header["speaker"] = "embedding"
+            parts.append(np.ascontiguousarray(self.speaker_embedding, dtype=np.float32).tobytes())
+        elif self.clip is not None:
+            header["speaker"] = "clip"
+            header["clip_sr"] = self.clip_sr
+            parts.append(np.ascontiguousarray(self.clip, dtype=np.float32).tobytes())
+        return header, b"".join(parts)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> SubmitRequest:
+        buf = payload or b""
+        p, w = int(header["prompt_frames"]), int(header["prompt_width"])
+        n_prompt = p * w * 4
+        prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
+        rest = np.frombuffer(buf, dtype=np.float32, offset=n_prompt) if len(buf) > n_prompt else None
+        kind = header.get("speaker", "none")
+        return cls(
+            rid=int(header["rid"]),
+            prompt=prompt,
+            params=SamplingParams(**header["params"]),
+            max_frames=int(header["max_frames"]),
+            ignore_eos=bool(header.get("ignore_eos", False)),
+            speaker_embedding=rest.copy() if kind == "embedding" and rest is not None else None,
+            clip=rest.copy() if kind == "clip" and rest is not None else None,
+            clip_sr=int(header.get("clip_sr", 0)),
+        )

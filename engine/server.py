@@ -1,0 +1,369 @@
+"""The engine process: owns the device and runs the three nodes (LLM, dac_decoder, speaker_encoder).
+
+One loop, one iteration at a time:
+  read the inbox ring -> cancels, admissions (speaker_encoder for clone requests) ->
+  one batched decode step for every running stream -> at most one bounded prefill chunk ->
+  EOS bookkeeping -> batched DAC decode of every ready chunk -> PCM into the outbox ring.
+A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
+for at most one chunk. Cancels free the slot before the next step runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine import messages as m
+from engine.ipc import Outbox, RingSpec, ShmRing
+from engine.llm import LLMNode, Sequence
+from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
+
+log = logging.getLogger("engine")
+
+
+@dataclass
+class EngineSettings:
+    device: str = "auto"  # cpu | cuda | cuda:N
+    dac_device: str | None = None  # place the dac_decoder elsewhere (default: with the LLM)
+    max_batch: int = 8  # decode slots
+    max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
+    max_queue: int = 64  # requests waiting for a slot before new ones are refused
+    prefill_chunk: int = 256  # prompt frames per loop iteration
+    cuda_graphs: bool = True
+    first_chunk_frames: int = 8
+    chunk_frames: int = 16
+    context_frames: int = 16
+    outbox_bytes_per_request: int = 32 << 20
+    stats_interval_s: float = 1.0
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+@dataclass
+class Job:
+    """Engine-side bookkeeping of one request."""
+
+    seq: Sequence
+    t_arrival: float
+    t_admitted: float = 0.0
+    t_prefilled: float = 0.0
+    t_first_audio: float = 0.0
+    audio_index: int = 0
+    samples: int = 0
+    clip: np.ndarray | None = None
+    clip_sr: int = 0
+    pending_frames: list[np.ndarray] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, src: WeightSources, settings: EngineSettings, inbox: ShmRing, outbox_ring: ShmRing):
+        from engine.dac_stream import ChunkSchedule, StreamingDecoder
+
+        self.settings = settings
+        self.device = settings.resolved_device()
+        self.inbox = inbox
+        self.outbox = Outbox(outbox_ring, settings.outbox_bytes_per_request)
+        self.out_ring = outbox_ring
+        t0 = time.perf_counter()
+        model = load_model(src, self.device)
+        self.llm = LLMNode(model, settings.max_batch, settings.max_context)
+        self.codec = load_codec(src, settings.dac_device or self.device)
+        self.speaker_encoder = load_speaker_encoder(src, self.device)
+        schedule = ChunkSchedule(
+            first_chunk_frames=settings.first_chunk_frames,
+            chunk_frames=settings.chunk_frames,
+            context_frames=settings.context_frames,
+        )
+        self.dac = StreamingDecoder(self.codec, schedule)
+        self.src = src
+        self.load_s = time.perf_counter() - t0
+        self.waiting: deque[Job] = deque()
+        self.running: dict[int, Job] = {}
+        self.step_times: deque[float] = deque(maxlen=200)
+        self.counters = {"steps": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
+        self.stopping = False
+        self._last_stats = 0.0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Run one short request through every node so first traffic pays no lazy-init cost."""
+        t0 = time.perf_counter()
+        from engine.prompt import PromptBuilder
+        from engine.sampling import SamplingParams
+
+        prompt = PromptBuilder(self.llm.cfg).build("warm up")
+        seq = Sequence(rid=-1, prompt=prompt, params=SamplingParams(seed=0), max_frames=40, ignore_eos=True)
+        self.llm.admit(seq)
+        frames = [c for _, c in self.llm.prefill([(seq, seq.prompt_len)])]
+        while seq.finish_reason is None:
+            frames.extend(c for _, c in self.llm.decode([seq]))
+        self.llm.release(seq)
+        self.dac.open(-1)
+        self.dac.push(-1, np.stack(frames))
+        self.dac.finish(-1, None)
+        while self.dac.pending():
+            self.dac.step()
+        clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
+        self.speaker_encoder.embed(clip, 24000)
+        self._sync()
+        return time.perf_counter() - t0
+
+    def ready_info(self, warmup_s: float) -> dict[str, Any]:
+        cfg = self.llm.cfg
+        return {
+            "type": m.READY,
+            "device": self.device,
+            "dac_device": self.settings.dac_device or self.device,
+            "slots": self.llm.n_slots,
+            "max_context": self.llm.max_len,
+            "load_s": round(self.load_s, 3),
+            "warmup_s": round(warmup_s, 3),
+            "weights": self.src.describe(),
+            "speaker_dim": cfg.speaker_embedding_dim,
+            "pid": os.getpid(),
+        }
+
+    def _sync(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self.stopping:
+            busy = self.running or self.waiting or self.dac.pending()
+            if not busy and self.outbox.pending_bytes() == 0:
+                self.inbox.wait(timeout=0.5)
+            self._read_inbox()
+            self._admit()
+            self._step()
+            self.outbox.flush()
+            self._maybe_stats()
+
+    def _read_inbox(self) -> None:
+        while (rec := self.inbox.get()) is not None:
+            header, payload = rec
+            kind = header.get("type")
+            try:
+                if kind == m.SUBMIT:
+                    self._on_submit(header, payload)
+                elif kind == m.CANCEL:
+                    self._cancel(int(header["rid"]))
+                elif kind == m.EMBED:
+                    self._on_embed(header, payload)
+                elif kind == m.SHUTDOWN:
+                    self.stopping = True
+                else:
+                    log.warning("unknown record type %r", kind)
+            except ValueError as e:
+                log.warning("refused %s: %s", kind, e)
+                if header.get("rid") is not None:
+                    self._error(int(header["rid"]), "bad_request", str(e))
+            except Exception as e:  # a bad request must never take the engine down
+                log.exception("refused record %r", kind)
+                rid = header.get("rid")
+                if rid is not None:
+                    self._error(int(rid), "bad_request", str(e))
+
+    def _on_submit(self, header: dict[str, Any], payload: bytes | None) -> None:
+        req = m.SubmitRequest.decode(header, payload)
+        cfg = self.llm.cfg
+        if req.prompt.ndim != 2 or req.prompt.shape[1] != cfg.n_codebooks + 1:
+            return self._error(req.rid, "bad_request", f"prompt must be [P, {cfg.n_codebooks + 1}]")
+        if len(req.prompt) >= self.llm.max_len - 1:
+            return self._error(
+                req.rid, "prompt_too_long",
+                f"prompt of {len(req.prompt)} frames does not fit the {self.llm.max_len}-frame context",
+            )
+        if len(self.waiting) >= self.settings.max_queue + len(self.llm.free_slots):  # free slots admit at once
+            return self._error(req.rid, "queue_full", "the engine queue is full; retry later")
+        req.params.validate(cfg.n_codebooks)
+        speaker = None
+        if req.speaker_embedding is not None:
+            if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
+                return self._error(req.rid, "bad_voice", f"speaker embedding must have {cfg.speaker_embedding_dim} values")
+            speaker = torch.from_numpy(req.speaker_embedding).to(self.device)
+        max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
+        seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
+                       speaker=speaker, ignore_eos=req.ignore_eos)
+        self.waiting.append(Job(seq, time.perf_counter(), clip=req.clip, clip_sr=req.clip_sr))
+
+    def _on_embed(self, header: dict[str, Any], payload: bytes | None) -> None:
+        rid = int(header["rid"])
+        clip = np.frombuffer(payload or b"", dtype=np.float32).copy()
+        try:
+            emb = self.speaker_encoder.embed(clip, int(header["clip_sr"])).float().cpu().numpy()
+        except ValueError as e:
+            return self._error(rid, "bad_audio", str(e))
+        self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(), force=True)
+
+    def _admit(self) -> None:
+        while self.waiting and self.llm.can_admit():
+            job = self.waiting.popleft()
+            seq = job.seq
+            if job.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first
+                try:
+                    seq.speaker = self.speaker_encoder.embed(job.clip, job.clip_sr).to(self.device)
+                except ValueError as e:
+                    self._error(seq.rid, "bad_audio", str(e))
+                    continue
+                job.clip = None
+            self.llm.admit(seq)
+            job.t_admitted = time.perf_counter()
+            self.running[seq.rid] = job
+            self.dac.open(seq.rid, detect_eos=not seq.ignore_eos)
+            self.outbox.put(seq.rid, {"type": m.STARTED, "rid": seq.rid,
+                                      "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2)})
+
+    def _step(self) -> None:
+        if not self.running:
+            return
+        t0 = time.perf_counter()
+        results: list[tuple[Sequence, np.ndarray]] = []
+        live = [j.seq for j in self.running.values() if j.seq.finish_reason is None]
+        decoding = [s for s in live if not s.in_prefill]
+        if decoding:
+            results += self.llm.decode(decoding)
+            self.counters["decode_frames"] += len(decoding)
+        chunks, budget = [], self.settings.prefill_chunk
+        for seq in live:
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                n = min(budget, seq.prompt_len - seq.prefilled)
+                chunks.append((seq, n))
+                budget -= n
+        if chunks:
+            results += self.llm.prefill(chunks)
+            self.counters["prefill_frames"] += sum(n for _, n in chunks)
+        now = time.perf_counter()
+        for seq, codes in results:
+            job = self.running[seq.rid]
+            if seq.generated == 1:
+                job.t_prefilled = now
+            eos_known = seq.eos.eos_frame is not None and not seq.ignore_eos
+            self.dac.push(seq.rid, codes[None], eos_frame=seq.eos.eos_frame if eos_known else None)
+            if seq.finish_reason is not None:
+                eos = None if seq.ignore_eos else seq.eos.eos_frame
+                self.dac.finish(seq.rid, eos)
+                self.llm.release(seq)
+        self._decode_audio()
+        self.step_times.append(time.perf_counter() - t0)
+        self.counters["steps"] += 1
+
+    def _decode_audio(self) -> None:
+        if not self.dac.pending():
+            return
+        for rid, pcm, final in self.dac.step():
+            job = self.running.get(rid)
+            if job is None:
+                continue
+            now = time.perf_counter()
+            if job.audio_index == 0:
+                job.t_first_audio = now
+            header = {"type": m.AUDIO, "rid": rid, "index": job.audio_index, "samples": len(pcm)}
+            job.audio_index += 1
+            job.samples += len(pcm)
+            if not self.outbox.put(rid, header, pcm, notify=False):
+                self._cancel(rid, reason="backpressure")
+                self._error(rid, "backpressure", "the gateway is not reading this stream; cancelled")
+                continue
+            if final:
+                self._finish(job, now)
+
+    def _finish(self, job: Job, now: float) -> None:
+        seq = job.seq
+        del self.running[seq.rid]
+        if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
+            seq.finish_reason = "eos"
+        self.llm.release(seq)
+        audio_s = job.samples / 44100
+        e2e = now - job.t_arrival
+        stats = {
+            "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2),
+            "prefill_ms": round((job.t_prefilled - job.t_admitted) * 1e3, 2),
+            "ttfa_ms": round((job.t_first_audio - job.t_arrival) * 1e3, 2),
+            "e2e_ms": round(e2e * 1e3, 2),
+            "prompt_frames": seq.prompt_len,
+            "frames": seq.generated,
+            "eos_frame": seq.eos.eos_frame,
+            "audio_s": round(audio_s, 4),
+            "rtf": round(e2e / audio_s, 4) if audio_s > 0 else None,
+        }
+        self.counters["finished"] += 1
+        self.outbox.put(seq.rid, {"type": m.FINISHED, "rid": seq.rid, "reason": seq.finish_reason, "stats": stats},
+                        force=True)
+
+    def _cancel(self, rid: int, reason: str = "cancelled") -> None:
+        t0 = time.perf_counter()
+        for job in list(self.waiting):
+            if job.seq.rid == rid:
+                self.waiting.remove(job)
+                break
+        else:
+            job = self.running.pop(rid, None)
+            if job is None:  # already finished or unknown: nothing to free, but acknowledge
+                if reason == "cancelled":
+                    self.outbox.put(rid, {"type": m.FINISHED, "rid": rid, "reason": "cancelled",
+                                          "stats": {"free_ms": 0.0, "free_slots": len(self.llm.free_slots)}},
+                                    force=True)
+                return
+            self.llm.release(job.seq)
+            self.dac.drop(rid)
+        self.outbox.discard(rid)
+        self.counters["cancelled"] += 1
+        if reason == "cancelled":  # the acknowledgement the gateway waits for (slot already free)
+            free_ms = round((time.perf_counter() - t0) * 1e3, 3)
+            self.outbox.put(rid, {"type": m.FINISHED, "rid": rid, "reason": "cancelled",
+                                  "stats": {"frames": job.seq.generated, "free_ms": free_ms,
+                                            "free_slots": len(self.llm.free_slots)}}, force=True)
+
+    def _error(self, rid: int, code: str, message: str) -> None:
+        self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message}, force=True)
+
+    def _maybe_stats(self) -> None:
+        now = time.perf_counter()
+        if now - self._last_stats < self.settings.stats_interval_s:
+            return
+        self._last_stats = now
+        steps = list(self.step_times)
+        self.outbox.put("stats", {
+            "type": m.STATS,
+            "active": len(self.running),
+            "waiting": len(self.waiting),
+            "free_slots": len(self.llm.free_slots),
+            "step_ms_p50": round(float(np.median(steps)) * 1e3, 3) if steps else None,
+            "outbox_bytes": self.outbox.pending_bytes(),
+            **self.counters,
+        }, force=True)
+
+
+def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,
+                log_level: str = "INFO") -> None:
+    """Entry point of the engine process (multiprocessing 'spawn' target)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
+    try:
+        engine = Engine(src, settings, inbox, out_ring)
+        warm = engine.warmup()
+    except Exception as e:
+        log.exception("engine failed to start")
+        out_ring.try_put({"type": m.ERROR, "rid": None, "code": "engine_start_failed", "message": str(e)})
+        raise SystemExit(1) from e
+    info = engine.ready_info(warm)
+    log.info("engine ready: %s", info)
+    engine.outbox.put("ready", info, force=True)
+    engine.outbox.flush()
+    engine.run()
+    engine.outbox.flush()
+    log.info("engine stopped")
