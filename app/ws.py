@@ -156,7 +156,7 @@ class Session:
         elif kind == "session.config":
             await self._on_config(data)
         elif kind == "close":
-            await self._flush(None)
+            await self._flush(None, reply=False)
             self._closing = True
             await self._wait_idle()
             await self.send_json({"type": "session.closed"})
@@ -241,10 +241,12 @@ class Session:
         if sentences:
             self._work.set()
 
-    async def _flush(self, ctx: str | None) -> None:
+    async def _flush(self, ctx: str | None, reply: bool = True) -> None:
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 self._enqueue(c, buf.flush())
+        if not reply:
+            return
         last = max((u.seq for u in self.queue if ctx is None or u.context_id == ctx), default=0)
         if last == 0:
             await self.send_json({"type": "flushed", "context_id": ctx})

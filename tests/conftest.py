@@ -1,0 +1,81 @@
+"""Shared fixtures: a real gateway server (uvicorn + engine process) on a free loopback port."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, data_dir: Path, *extra: str) -> None:
+        self.port = free_port()
+        self.data_dir = data_dir
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/ws"
+        self.log = data_dir.parent / f"server-{self.port}.log"
+        cmd = [sys.executable, "-m", "app", "--port", str(self.port), "--data-dir", str(data_dir),
+               "--max-batch", "6", "--max-context", "1024", *extra]
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"server not ready: {self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def start_server(tmp_path_factory) -> Iterator:
+    started: list[ServerProcess] = []
+
+    def start(*extra: str, data_dir: Path | None = None) -> ServerProcess:
+        d = data_dir or tmp_path_factory.mktemp("data")
+        srv = ServerProcess(d, *extra)
+        started.append(srv)
+        srv.wait_ready()
+        return srv
+
+    yield start
+    for srv in started:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server) -> ServerProcess:
+    """One server shared by the gateway tests (tiny CPU model)."""
+    return start_server()

@@ -1,0 +1,229 @@
+"""HTTP endpoints of a real server on loopback: formats decoded, voices end to end, errors, auth."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+pytestmark = pytest.mark.slow
+FAST = {"max_frames": 40, "ignore_eos": True, "seed": 1}
+
+
+def wav_clip(seconds: float = 1.0, sr: int = 44100, freq: float = 220.0) -> bytes:
+    t = np.arange(int(seconds * sr)) / sr
+    buf = io.BytesIO()
+    sf.write(buf, (0.2 * np.sin(2 * np.pi * freq * t)).astype(np.float32), sr, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def speech(server, timeout: float = 120, **body):
+    return httpx.post(server.url + "/v1/audio/speech", json={"model": "zonos2", "params": FAST} | body, timeout=timeout)
+
+
+def test_service_endpoints(server):
+    assert httpx.get(server.url + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(server.url + "/readyz").json()
+    assert ready["status"] == "ready" and ready["engine"]["device"] == "cpu"
+    caps = httpx.get(server.url + "/tts/capabilities").json()
+    assert caps["speaker_embedding_dim"] == 2048 and len(caps["speaking_rate_buckets"]) == 8
+    assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "zonos2"
+    speech(server, input="Metrics please.", response_format="pcm")
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("zonos_active_sessions", "zonos_engine_queue_depth", "zonos_time_to_first_audio_seconds_bucket",
+                 "zonos_rtf_bucket", "zonos_engine_step_ms", "zonos_requests_total"):
+        assert name in text, name
+
+
+def test_index_page(server):
+    r = httpx.get(server.url + "/")
+    assert r.status_code == 200 and "text/html" in r.headers["content-type"]
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
+def test_openai_speech_formats_decode(server, fmt):
+    r = speech(server, input="Format check.", response_format=fmt)
+    assert r.status_code == 200, r.text
+    audio, sr = sf.read(io.BytesIO(r.content))
+    assert sr == 24000
+    expected = 40 * 512 * 24000 / 44100
+    assert abs(len(audio) - expected) < 0.05 * expected  # codecs pad a little
+
+
+def test_openai_pcm_is_16bit_24k_and_streams(server):
+    r = speech(server, input="Raw PCM.", response_format="pcm")
+    assert r.headers["content-type"].startswith("audio/pcm")
+    assert abs(len(r.content) // 2 - 40 * 512 * 24000 / 44100) <= 2
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=120,
+                      json={"input": "Sentence one. Sentence two.", "response_format": "pcm", "params": FAST}) as r:
+        chunks = [c for c in r.iter_raw() if c]
+    assert len(chunks) > 2  # arrives in pieces, not as one blob
+
+
+def test_openai_sse(server):
+    r = speech(server, input="Events.", response_format="pcm", stream_format="sse")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert abs(len(pcm) // 2 - 40 * 512 * 24000 / 44100) <= 2
+
+
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ({"input": "x", "response_format": "aac"}, 400, "bad_params"),
+        ({"input": ""}, 400, "empty_text"),
+        ({"input": "x" * 5000}, 400, "text_too_long"),
+        ({"input": "x", "voice": "nobody-by-this-name"}, 404, "unknown_voice"),
+        ({"input": "x", "speed": 9}, 400, "bad_params"),
+        ({"input": "x", "surprise": 1}, 400, "bad_params"),
+        ({"input": "x", "params": {"top_p": 3}}, 400, "bad_params"),
+    ],
+)
+def test_openai_bad_input(server, body, status, code):
+    r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == status and r.json()["error"]["code"] == code
+
+
+def test_openai_builtin_voice_names_work(server):
+    assert speech(server, input="Alloy maps to the model voice.", voice="alloy", response_format="pcm").status_code == 200
+
+
+def test_tts_generate_reference_compatible(server):
+    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
+        "text": "Reference client.", "max_tokens": 40, "seed": 5, "temperature": 1.0, "topk": 50, "ignore_eos": True,
+        "stream": False, "speaking_rate_enabled": True, "speaking_rate_bucket": 3,
+        "quality_buckets": [None, None, None, None, None, 3]})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-audio-format"] == "float32" and r.headers["x-audio-sample-rate"] == "44100"
+    x = np.frombuffer(r.content, dtype="<f4")
+    assert len(x) == 40 * 512 and np.abs(x).max() <= 1.0
+    with httpx.stream("POST", server.url + "/tts/generate", timeout=120, json={
+            "text": "Streamed with a fade.", "max_tokens": 40, "ignore_eos": True, "fade_out_ms": 50}) as s:
+        body = b"".join(s.iter_bytes())
+    y = np.frombuffer(body, dtype="<f4")
+    assert len(y) == 40 * 512 and abs(y[-1]) < 1e-3
+
+
+@pytest.mark.parametrize(
+    "body, code",
+    [
+        ({"text": "x", "language": "klingon"}, "bad_params"),
+        ({"text": "x", "max_tokens": 0}, "bad_params"),
+        ({"text": "x", "speaker_blend_t": 2, "speaker_blend_embedding_id_a": "a", "speaker_blend_embedding_id_b": "b"},
+         "bad_params"),
+        ({"text": "x", "speaker_audio_base64": "!!!"}, "bad_params"),
+        ({"text": "x", "speaker_embedding_id": "nope"}, "unknown_voice"),
+        ({"text": "x", "speaking_rate_enabled": True, "speaking_rate_bucket": 99}, "bad_params"),
+    ],
+)
+def test_tts_generate_bad_input(server, body, code):
+    r = httpx.post(server.url + "/tts/generate", json=body, timeout=60)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["code"] == code, r.text
+
+
+def test_voice_lifecycle_and_persistence(start_server, tmp_path):
+    srv = start_server(data_dir=tmp_path / "data")
+    files = {"file": ("anna.wav", wav_clip(), "audio/wav")}
+    r = httpx.post(srv.url + "/v1/voices", files=files, data={"name": "Anna"}, timeout=60)
+    assert r.status_code == 201, r.text
+    voice = r.json()
+    again = httpx.post(srv.url + "/v1/voices", files=files, data={"name": "Anna"}, timeout=60)
+    assert again.status_code == 200 and again.json()["deduplicated"] and again.json()["id"] == voice["id"]
+    assert [v["id"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]] == [voice["id"]]
+
+    # use it by name over HTTP, and download its preview and embedding
+    r = httpx.post(srv.url + "/v1/audio/speech", timeout=120,
+                   json={"input": "Anna speaks.", "voice": "Anna", "response_format": "wav", "params": FAST})
+    assert r.status_code == 200
+    prev = httpx.get(srv.url + f"/v1/voices/{voice['id']}/preview")
+    assert sf.read(io.BytesIO(prev.content))[1] == 44100
+    emb = np.load(io.BytesIO(httpx.get(srv.url + f"/v1/voices/{voice['id']}/embedding").content))
+    assert emb.shape == (2048,)
+
+    # restart with the same data dir: the voice is still there
+    srv.stop()
+    srv2 = start_server(data_dir=tmp_path / "data")
+    assert httpx.get(srv2.url + f"/v1/voices/{voice['id']}").json()["name"] == "Anna"
+    assert httpx.delete(srv2.url + f"/v1/voices/{voice['id']}").status_code == 200
+    assert httpx.get(srv2.url + f"/v1/voices/{voice['id']}").status_code == 404
+
+
+def test_embedding_import_export_blend(server):
+    rng = np.random.default_rng(0)
+    embs = [rng.standard_normal(2048).astype(np.float32) for _ in range(2)]
+    ids = []
+    for i, e in enumerate(embs):
+        buf = io.BytesIO()
+        np.save(buf, e)
+        r = httpx.post(server.url + "/v1/voices", files={"embedding": (f"e{i}.npy", buf.getvalue())},
+                       data={"name": f"emb {i}"})
+        assert r.status_code == 201, r.text
+        ids.append(r.json()["id"])
+    back = np.load(io.BytesIO(httpx.get(server.url + f"/v1/voices/{ids[0]}/embedding").content))
+    assert np.array_equal(back, embs[0])  # round trip is exact
+    for t, expected in ((0.0, embs[0]), (1.0, embs[1])):
+        r = httpx.post(server.url + "/v1/voices/blend", json={"a": ids[0], "b": ids[1], "t": t, "name": f"b{t}"})
+        assert r.status_code == 201, r.text
+        got = np.load(io.BytesIO(httpx.get(server.url + f"/v1/voices/{r.json()['id']}/embedding").content))
+        assert np.allclose(got, expected, atol=1e-4)
+    r = httpx.patch(server.url + f"/v1/voices/{ids[0]}", json={"name": "renamed"})
+    assert r.json()["name"] == "renamed"
+    # a blended voice works in /tts/generate's blend fields too
+    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
+        "text": "Blend.", "max_tokens": 20, "ignore_eos": True, "stream": False,
+        "speaker_blend_embedding_id_a": ids[0], "speaker_blend_embedding_id_b": ids[1], "speaker_blend_t": 0.3})
+    assert r.status_code == 200 and len(r.content) == 20 * 512 * 4
+
+
+@pytest.mark.parametrize(
+    "files, status, code",
+    [
+        ({"file": ("x.wav", b"this is not audio")}, 400, "bad_audio"),
+        ({"file": ("short.wav", wav_clip(0.1))}, 400, "clip_too_short"),
+        ({"file": ("big.wav", b"\0" * (11 << 20))}, 413, None),
+        ({"embedding": ("e.npy", b"nope")}, 400, "bad_embedding"),
+    ],
+)
+def test_bad_uploads(server, files, status, code):
+    r = httpx.post(server.url + "/v1/voices", files=files, timeout=60)
+    assert r.status_code == status, r.text
+    if code:
+        assert r.json()["error"]["code"] == code
+
+
+@pytest.mark.parametrize("arr", [np.ones(7, np.float32), np.full(2048, np.nan, np.float32)])
+def test_bad_embeddings(server, arr):
+    buf = io.BytesIO()
+    np.save(buf, arr)
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("e.npy", buf.getvalue())})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding"
+
+
+def test_api_keys_scope_voices(start_server):
+    srv = start_server("--api-key", "alpha", "--api-key", "beta")
+    assert httpx.post(srv.url + "/v1/audio/speech", json={"input": "x"}).status_code == 401
+    a = {"Authorization": "Bearer alpha"}
+    b = {"X-API-Key": "beta"}
+    r = httpx.post(srv.url + "/v1/voices", headers=a, files={"file": ("a.wav", wav_clip(freq=300))}, timeout=60)
+    assert r.status_code == 201
+    vid = r.json()["id"]
+    assert httpx.get(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404  # invisible to another key
+    assert httpx.delete(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404
+    assert httpx.get(srv.url + f"/v1/voices/{vid}?api_key=alpha").status_code == 200
+    import asyncio
+
+    import websockets
+
+    async def ws_try(url: str) -> dict:
+        async with websockets.connect(url) as ws:
+            return json.loads(await ws.recv())
+
+    denied = asyncio.run(ws_try(srv.ws_url))
+    assert denied["type"] == "error" and denied["code"] == "unauthorized"
+    assert asyncio.run(ws_try(srv.ws_url + "?api_key=beta"))["type"] == "session.created"

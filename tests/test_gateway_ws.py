@@ -1,0 +1,216 @@
+"""The WebSocket protocol against a real server on loopback, with the `websockets` client."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import time
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+
+pytestmark = pytest.mark.slow
+
+
+class Client:
+    def __init__(self, ws: websockets.ClientConnection) -> None:
+        self.ws = ws
+        self.audio: dict[str, bytearray] = {}
+        self.current: str | None = None
+        self.log: list[dict[str, Any]] = []
+
+    async def send(self, **msg: Any) -> None:
+        await self.ws.send(json.dumps(msg))
+
+    async def recv(self, timeout: float = 60) -> dict[str, Any]:
+        """Next JSON message; binary frames on the way are collected for the current utterance."""
+        while True:
+            msg = await asyncio.wait_for(self.ws.recv(), timeout)
+            if isinstance(msg, bytes):
+                assert self.current is not None, "audio outside an utterance"
+                self.audio[self.current] += msg
+                continue
+            d = json.loads(msg)
+            self.log.append(d)
+            if d["type"] == "audio.start":
+                self.current = d["utterance_id"]
+                self.audio[self.current] = bytearray()
+            elif d["type"] == "audio.done":
+                self.current = None
+            return d
+
+    async def until(self, kind: str, timeout: float = 60) -> dict[str, Any]:
+        while True:
+            d = await self.recv(timeout)
+            if d["type"] == kind:
+                return d
+
+
+async def connect(server, **config: Any) -> Client:
+    ws = await websockets.connect(server.ws_url, max_size=None)
+    c = Client(ws)
+    created = await c.recv()
+    assert created["type"] == "session.created" and created["session_id"].startswith("s_")
+    if config:
+        await c.send(type="session.config", **config)
+        assert (await c.recv())["type"] == "session.updated"
+    return c
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_full_session_streamed_text(server):
+    async def go():
+        c = await connect(server, encoding="pcm_s16le", sample_rate=24000,
+                          params={"seed": 1, "max_frames": 60, "ignore_eos": True})
+        await c.send(type="text", text="Hello there. How are", context_id="turn-1")
+        await c.send(type="text", text=" you today?", context_id="turn-1")
+        await c.send(type="flush", context_id="turn-1")
+        done = []
+        while True:
+            d = await c.recv()
+            if d["type"] == "audio.done":
+                done.append(d)
+            if d["type"] == "flushed":
+                break
+        starts = [x for x in c.log if x["type"] == "audio.start"]
+        await c.send(type="close")
+        assert (await c.recv())["type"] == "session.closed"
+        return c, starts, done
+
+    c, starts, done = run(go())
+    assert [s["text"] for s in starts] == ["Hello there.", "How are you today?"]
+    assert all(s["context_id"] == "turn-1" for s in starts)
+    for d in done:
+        pcm = np.frombuffer(bytes(c.audio[d["utterance_id"]]), dtype="<i2")
+        # 60 frames of 512 samples at 44.1 kHz, resampled to 24 kHz (soxr streaming keeps the length)
+        assert abs(len(pcm) - 60 * 512 * 24000 / 44100) <= 2
+        st = d["stats"]
+        assert st["frames"] == 60 and st["ttfa_ms"] > 0 and st["rtf"] > 0
+        assert st["audio_ms"] == pytest.approx(60 * 512 / 44.1, abs=0.2)
+
+
+def test_float32_native_rate_and_seed_reproducible(server):
+    async def one() -> bytes:
+        c = await connect(server, encoding="pcm_f32le", params={"seed": 77, "max_frames": 40, "ignore_eos": True})
+        await c.send(type="text", text="Same seed, same audio.", flush=True)
+        d = await c.until("audio.done")
+        await c.ws.close()
+        return bytes(c.audio[d["utterance_id"]])
+
+    a, b = run(one()), run(one())
+    x = np.frombuffer(a, dtype="<f4")
+    assert len(x) == 40 * 512 and np.abs(x).max() <= 1.0
+    assert a == b
+
+
+def test_cancel_mid_utterance_stops_audio_and_frees_gpu(server):
+    async def go():
+        c = await connect(server, params={"seed": 3, "max_frames": 2000, "ignore_eos": True})
+        await c.send(type="text", text="A very long story that we will interrupt.", flush=True)
+        await c.until("audio.start")
+        while len(c.audio[c.current]) < 8192:  # some audio has arrived
+            msg = await asyncio.wait_for(c.ws.recv(), 30)
+            if isinstance(msg, bytes):
+                c.audio[c.current] += msg
+        t0 = time.perf_counter()
+        await c.send(type="cancel")
+        after: list[Any] = []
+        while True:
+            msg = await asyncio.wait_for(c.ws.recv(), 30)
+            if isinstance(msg, str) and json.loads(msg)["type"] == "cancelled":
+                break
+        # nothing of the cancelled text may follow `cancelled`
+        try:
+            while True:
+                after.append(await asyncio.wait_for(c.ws.recv(), 0.5))
+        except TimeoutError:
+            pass
+        elapsed = time.perf_counter() - t0
+        await c.ws.close()
+        return after, elapsed
+
+    after, elapsed = run(go())
+    assert after == []
+    assert elapsed < 5
+    deadline = time.time() + 5
+    while (active := engine_active(server)) != 0 and time.time() < deadline:
+        time.sleep(0.3)
+    assert active == 0  # the engine slot is free again
+
+
+def engine_active(server) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("zonos_engine_active_requests"):
+            return float(line.split()[-1])
+    raise AssertionError("metric missing")
+
+
+def test_two_sessions_at_once(server):
+    async def session(text: str, seed: int) -> int:
+        c = await connect(server, params={"seed": seed, "max_frames": 50, "ignore_eos": True})
+        await c.send(type="text", text=text, flush=True)
+        d = await c.until("audio.done")
+        await c.ws.close()
+        return len(c.audio[d["utterance_id"]])
+
+    async def go():
+        return await asyncio.gather(session("First session speaking.", 1), session("Second one too.", 2))
+
+    assert run(go()) == [50 * 512 * 2, 50 * 512 * 2]
+
+
+def test_voice_clip_in_session_config(server):
+    buf = io.BytesIO()
+    sf.write(buf, 0.1 * np.sin(np.linspace(0, 2000, 44100)).astype(np.float32), 44100, format="WAV")
+    clip = base64.b64encode(buf.getvalue()).decode()
+
+    async def go():
+        c = await connect(server)
+        await c.send(type="session.config", voice_clip=clip, params={"max_frames": 30, "ignore_eos": True})
+        upd = await c.recv()
+        await c.send(type="text", text="Cloned voice.", flush=True)
+        d = await c.until("audio.done")
+        await c.ws.close()
+        return upd, d
+
+    upd, d = run(go())
+    assert upd["voice"] == "clip" and d["stats"]["frames"] == 30
+
+
+@pytest.mark.parametrize(
+    "payload, code",
+    [
+        ("{not json", "bad_message"),
+        (json.dumps({"type": "dance"}), "bad_message"),
+        (json.dumps({"type": "text", "text": 5}), "bad_message"),
+        (json.dumps({"type": "text", "text": "x" * 20000}), "text_too_long"),
+        (json.dumps({"type": "session.config", "voice": "no-such-voice"}), "unknown_voice"),
+        (json.dumps({"type": "session.config", "params": {"temperature": "hot"}}), "bad_params"),
+        (json.dumps({"type": "session.config", "params": {"bogus": 1}}), "bad_params"),
+        (json.dumps({"type": "session.config", "sample_rate": 12345}), "bad_params"),
+        (json.dumps({"type": "session.config", "voice_clip": "bm90IGF1ZGlv"}), "bad_audio"),
+        (json.dumps([1, 2]), "bad_message"),
+    ],
+)
+def test_bad_input_gets_clear_errors_and_session_continues(server, payload, code):
+    async def go():
+        c = await connect(server, params={"max_frames": 20, "ignore_eos": True})
+        await c.ws.send(payload)
+        err = await c.recv()
+        await c.send(type="text", text="still alive", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return err, done
+
+    err, done = run(go())
+    assert err["type"] == "error" and err["code"] == code and err["message"]
+    assert done["stats"]["frames"] == 20
