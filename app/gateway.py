@@ -41,15 +41,19 @@ class Gateway:
             log_level=settings.log_level,
         )
         self.engine.on_stats.append(self.metrics.on_engine_stats)
-        normalizer = TextNormalizer() if settings.text_normalization else None
-        self.prompts = PromptFactory(self.cfg, normalizer)
+        self.normalizer = TextNormalizer() if settings.text_normalization else None
+        self.prompts = PromptFactory(self.cfg, self.normalizer)
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim)
         self.sessions = 0
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
+        self._warm_task: asyncio.Task[dict[str, bool]] | None = None
 
     async def start(self) -> None:
         await self.engine.start()
+        if self.normalizer is not None and self.normalizer.available:
+            # English grammars take ~1 s from the cache, ~1 min to compile the first time: not on a request.
+            self._warm_task = asyncio.create_task(asyncio.to_thread(self.normalizer.warm, ["en_us"]))
         if self.settings.default_voices_dir:
             self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
 

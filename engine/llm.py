@@ -52,15 +52,25 @@ class Sequence:
 
 
 class LLMNode:
-    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None) -> None:
+    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = model.multi_output.weight.device
-        self.cache = model.setup_cache(n_slots, max_len)
+        on_gpu = self.device.type == "cuda"
+        if on_gpu:
+            model.enable_triton()
+        # One extra slot is scratch: padding rows of a captured batch point at it.
+        self.cache = model.setup_cache(n_slots + 1, max_len)
         self.max_len = self.cache.max_len
-        self.sampler = SamplerState(n_slots, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device)
+        self.sampler = SamplerState(n_slots + 1, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device)
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
+        self.graphs = None
+        if on_gpu and cuda_graphs:
+            from engine.cuda_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots)
+            self.graphs.capture()
 
     # ---- slots ---------------------------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -115,10 +125,14 @@ class LLMNode:
         for i, s in enumerate(seqs):
             ids[i, : self.cfg.n_codebooks] = s.last_codes
         ids[:, self.cfg.n_codebooks] = self.cfg.text_pad_id
-        slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        positions = torch.tensor([s.next_position for s in seqs], device=self.device)
-        logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions)
-        codes = self.sampler.sample(logits, slots).cpu().numpy()
+        slots = torch.tensor([s.slot for s in seqs])
+        positions = torch.tensor([s.next_position for s in seqs])
+        if self.graphs is not None:
+            codes = self.graphs.run(torch.from_numpy(ids), slots, positions).cpu().numpy()
+        else:
+            slots, positions = slots.to(self.device), positions.to(self.device)
+            logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions)
+            codes = self.sampler.sample(logits, slots).cpu().numpy()
         return [(s, self._accept(s, codes[i])) for i, s in enumerate(seqs)]
 
     def _accept(self, seq: Sequence, codes: np.ndarray) -> np.ndarray:

@@ -152,8 +152,14 @@ class MoEFFN(nn.Module):
         self.experts.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.intermediate, cfg.dim))
         self.experts.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.intermediate))
 
+    use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
+
     def forward(self, x: Tensor, router_state: Tensor | None) -> tuple[Tensor, Tensor | None]:
         chosen, weights, state = self.router(x, router_state, self.k)
+        if self.use_triton:
+            from engine.kernels.moe import fused_moe
+
+            return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights), state
         return self.run_experts(x, chosen, weights), state
 
     def run_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
@@ -204,6 +210,14 @@ class Zonos2(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.cache: KVCache | None = None
+        self.use_triton = False
+
+    def enable_triton(self) -> None:
+        """Switch decode attention and MoE to the Triton kernels (CUDA): no host syncs, graph-capturable."""
+        self.use_triton = True
+        for layer in self.layers:
+            if isinstance(layer.feed_forward, MoEFFN):
+                layer.feed_forward.use_triton = True
 
     # ---- setup -------------------------------------------------------------------------------
     def setup_cache(self, n_slots: int, max_len: int | None = None) -> KVCache:
@@ -285,8 +299,20 @@ class Zonos2(nn.Module):
         `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length."""
         assert self.cache is not None, "call setup_cache first"
         cache = self.cache
-        t = attn_len or int(positions.max()) + 1
         h = rms_norm(self.embed(ids), None, self.cfg.norm_eps)
+        if self.use_triton:
+            from engine.kernels.decode_attention import decode_attention
+
+            lengths = (positions + 1).to(torch.int32)
+
+            def attend_fast(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+                cache.k[layer].index_put_((slots, positions), k)
+                cache.v[layer].index_put_((slots, positions), v)
+                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths)
+
+            return self.head(self._layers(h, positions, attend_fast))
+
+        t = attn_len or int(positions.max()) + 1
         valid = torch.arange(t, device=ids.device)[None, :] <= positions[:, None]  # [B, t]
 
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:

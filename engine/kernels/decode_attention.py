@@ -1,0 +1,93 @@
+"""Decode attention over the static per-slot KV cache, reading only each slot's real length.
+
+Split-K ("flash decoding"): program (b, kv_head, split) attends one query frame's G = H / H_kv heads
+to tokens [split * CHUNK, min((split + 1) * CHUNK, length[b])) of slot[b], keeping an online softmax;
+a second pass merges the splits. Every launch has the same grid whatever the lengths, so the step can
+be captured in a CUDA graph; programs past a slot's length exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+CHUNK = 256  # tokens per split
+BLOCK_T = 64  # tokens per inner iteration
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
+    stride_qb, stride_qh,
+    stride_ks, stride_kt, stride_kh,
+    stride_vs, stride_vt, stride_vh,
+    n_splits, scale,
+    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(len_ptr + b)
+    start = split * CHUNK_
+    g = tl.arange(0, GP)
+    d = tl.arange(0, D)
+    row = b * tl.num_programs(1) * G + kvh * G + g  # index of (b, head) for the outputs
+    out_ok = g < G
+    if start >= length:
+        # nothing to attend in this split: mark it empty for the merge
+        tl.store(m_ptr + row * n_splits + split, float("-inf"), mask=out_ok)
+        tl.store(l_ptr + row * n_splits + split, 0.0, mask=out_ok)
+        return
+    slot = tl.load(slot_ptr + b)
+    q = tl.load(q_ptr + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :],
+                mask=out_ok[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    end = tl.minimum(start + CHUNK_, length)
+    k_base = k_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = v_ptr + slot * stride_vs + kvh * stride_vh
+    for i in range(CHUNK_ // BLOCK):  # static trip count; masked lanes past `end` fetch nothing
+        t = start + i * BLOCK + tl.arange(0, BLOCK)
+        t_ok = t < end
+        k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK]
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    tl.store(m_ptr + row * n_splits + split, m_i, mask=out_ok)
+    tl.store(l_ptr + row * n_splits + split, l_i, mask=out_ok)
+    tl.store(acc_ptr + (row * n_splits + split)[:, None] * D + d[None, :], acc, mask=out_ok[:, None])
+
+
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+    """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
+    to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D)."""
+    b, h, d = q.shape
+    hkv = k_cache.shape[2]
+    g = h // hkv
+    n_splits = triton.cdiv(k_cache.shape[1], CHUNK)
+    m = torch.empty(b, h, n_splits, device=q.device, dtype=torch.float32)
+    l_ = torch.empty_like(m)
+    acc = torch.empty(b, h, n_splits, d, device=q.device, dtype=torch.float32)
+    _split_kernel[(b, hkv, n_splits)](
+        q, k_cache, v_cache, slots, lengths, m, l_, acc,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        n_splits, d ** -0.5,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK=BLOCK_T,
+    )
+    # Merge the splits (empty ones have m = -inf, l = 0, and unwritten acc that gets weight 0).
+    m_max = m.amax(-1, keepdim=True)
+    w = torch.where(l_ > 0, torch.exp(m - m_max), torch.zeros_like(m))
+    acc = torch.where((l_ > 0)[..., None], acc, torch.zeros_like(acc))
+    out = (w[..., None] * acc).sum(2) / (w * l_).sum(-1, keepdim=True)
+    return out.to(q.dtype)

@@ -1,0 +1,378 @@
+"""Text normalization: language codes, pre/post punctuation rules, fallbacks, caching, locking, and (slow,
+only with nemo-text-processing installed) real English normalization."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import ClassVar
+
+import pytest
+
+import engine.textnorm as tn
+from engine.textnorm import (
+    SUPPORTED_LANGUAGES,
+    TextNormalizer,
+    normalize_language,
+    post_process,
+    pre_process,
+)
+
+ALL_CODES = ["en_us", "en_gb", "fr_fr", "de", "es", "it", "pt_br", "ja", "cmn", "ko"]
+
+
+@pytest.fixture(autouse=True)
+def _norm_enabled(monkeypatch):
+    monkeypatch.delenv("ZONOS2_TTS_NORM", raising=False)
+
+
+def _warnings(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "engine.textnorm" and r.levelno == logging.WARNING]
+
+
+# ---------------------------------------------------------------- a stand-in for NeMo's Normalizer
+
+
+class FakeVerbalizer:
+    fst = "verbalizer-fst"
+
+
+class FakeNormalizer:
+    """Records how it was built and called; output is a tagged echo of its input."""
+
+    # per-test state: the `fake` fixture gives every test a fresh subclass
+    builds: ClassVar[list[dict]]
+    calls: ClassVar[list[tuple[str, bool]]]
+    build_error: ClassVar[Exception | None]
+    fail_on_cached: ClassVar[bool]
+    delay_s: ClassVar[float]
+    active: ClassVar[int]
+    max_active: ClassVar[int]
+    _guard: ClassVar[threading.Lock]
+
+    def __init__(self, input_case, lang, cache_dir, overwrite_cache):
+        cls = type(self)
+        cls.builds.append(
+            {"input_case": input_case, "lang": lang, "cache_dir": cache_dir, "overwrite": overwrite_cache}
+        )
+        if cls.build_error is not None:
+            raise cls.build_error
+        if cache_dir is not None:
+            far = os.path.join(cache_dir, f"{lang}_tagger.far")
+            if cls.fail_on_cached and os.path.exists(far) and not overwrite_cache:
+                raise RuntimeError("corrupt .far")
+            with open(far, "w") as f:
+                f.write("fst")
+        self.lang = lang
+        self.verbalizer = FakeVerbalizer()
+
+    def normalize(self, text, punct_post_process=False):
+        cls = type(self)
+        with cls._guard:
+            cls.active += 1
+            cls.max_active = max(cls.max_active, cls.active)
+        try:
+            cls.calls.append((text, punct_post_process))
+            if cls.delay_s:
+                time.sleep(cls.delay_s)
+            if "boom" in text:
+                raise RuntimeError("grammar exploded")
+            if "blank" in text:
+                return "   "
+            return f"<{self.lang}>{text}"
+        finally:
+            with cls._guard:
+                cls.active -= 1
+
+
+def _fake_generator_main(path, graphs):
+    with open(path, "w") as f:
+        f.write(repr(graphs))
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    state = {"builds": [], "calls": [], "build_error": None, "fail_on_cached": False, "delay_s": 0.0}
+    F = type("F", (FakeNormalizer,), {**state, "active": 0, "max_active": 0, "_guard": threading.Lock()})
+    monkeypatch.setattr(tn, "_load_nemo", lambda: (F, _fake_generator_main, "fake1.0"))
+    return F
+
+
+# ---------------------------------------------------------------- language codes
+
+
+def test_supported_languages_are_the_ten_reference_codes():
+    assert list(SUPPORTED_LANGUAGES) == ALL_CODES
+    assert set(tn.NEMO_LANGUAGE.values()) == {"en", "fr", "de", "es", "it", "pt", "ja", "zh", "ko"}
+
+
+@pytest.mark.parametrize(
+    ("code", "want"),
+    [
+        ("en_us", "en_us"),
+        ("EN-US", "en_us"),
+        ("en-gb", "en_gb"),
+        (" Fr_FR ", "fr_fr"),
+        ("pt-BR", "pt_br"),
+        ("CMN", "cmn"),
+        ("ko", "ko"),
+    ],
+)
+def test_normalize_language_canonicalises(code, want):
+    assert normalize_language(code) == want
+
+
+@pytest.mark.parametrize("code", ["en", "fr", "pt", "zh", "ru", "", "en__us", "english"])
+def test_normalize_language_rejects_unknown_codes_listing_the_supported_ones(code):
+    with pytest.raises(ValueError) as ei:
+        normalize_language(code)
+    msg = str(ei.value)
+    assert repr(code) in msg
+    for c in ALL_CODES:
+        assert c in msg
+
+
+# ---------------------------------------------------------------- punctuation spacing
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("Dr. Smith was born in 1990.", "Dr. Smith was born in 1990 ."),
+        ("Dr. Smith has 21 cats.", "Dr. Smith has 21 cats."),
+        ("I have 5, you have 6!", "I have 5 , you have 6 !"),
+        ("Call 911? Now: 3; go", "Call 911 ? Now: 3 ; go"),
+        ("It is 3:30 pm.", "It is 3:30 pm."),  # ':' between digits and '.' after a letter: untouched
+        ("pi is 3.14 and 1,000 is big", "pi is 3.14 and 1,000 is big"),
+        ("ends with 7.\nnext 8:\tthen", "ends with 7 .\nnext 8 :\tthen"),
+        ("no digits here.", "no digits here."),
+    ],
+)
+def test_pre_process_spaces_punctuation_after_digits(text, want):
+    assert pre_process(text) == want
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("twenty one cats .", "twenty one cats."),
+        ("five , six !", "five, six!"),
+        ("wait  ?", "wait?"),
+        ("three :thirty", "three :thirty"),  # not followed by whitespace/end: untouched
+        ("a ... b", "a ... b"),
+        ("done .\nnext", "done.\nnext"),
+    ],
+)
+def test_post_process_removes_spaces_before_punctuation(text, want):
+    assert post_process(text) == want
+
+
+# ---------------------------------------------------------------- fallbacks to the raw text
+
+
+def test_module_import_does_not_import_nemo():
+    code = (
+        "import sys, engine.textnorm as t; "
+        "assert 'nemo_text_processing' not in sys.modules and 'pynini' not in sys.modules; "
+        "t.TextNormalizer(cache_dir='/nonexistent'); "
+        "assert 'pynini' not in sys.modules"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=60)
+
+
+def test_missing_package_returns_raw_text_and_warns_once(monkeypatch, tmp_path, caplog):
+    # None in sys.modules makes `import nemo_text_processing...` raise ModuleNotFoundError, as if absent.
+    for mod in (
+        "nemo_text_processing",
+        "nemo_text_processing.text_normalization",
+        "nemo_text_processing.text_normalization.normalize",
+        "nemo_text_processing.text_normalization.en",
+        "nemo_text_processing.text_normalization.en.graph_utils",
+        "pynini",
+    ):
+        monkeypatch.setitem(sys.modules, mod, None)
+    norm = TextNormalizer(cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+        assert norm.available is False
+        for text in ("$5.32", "It is 3:30 pm.", "Dr. Smith has 21 cats."):
+            assert norm.normalize(text) == text
+        assert norm.normalize("$1", "de") == "$1"
+        assert norm.warm(["en_us", "de"]) == {"en_us": False, "de": False}
+    warns = _warnings(caplog)
+    assert len(warns) == 1, [r.getMessage() for r in warns]
+    assert "unavailable" in warns[0].getMessage()
+    assert not list(tmp_path.iterdir())
+
+
+def test_exception_inside_normalizer_returns_raw_text(fake, tmp_path, caplog):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+        assert norm.normalize("boom 5.") == "boom 5."
+        assert norm.normalize("blank") == "blank"  # an empty result also falls back
+    assert len(_warnings(caplog)) == 1
+    assert norm.normalize("ok") == "<en>ok"  # the normalizer keeps working afterwards
+    assert len(fake.builds) == 1
+
+
+def test_grammar_build_failure_returns_raw_text_and_is_not_retried(fake, tmp_path, caplog):
+    fake.build_error = RuntimeError("FstOpError")
+    norm = TextNormalizer(cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+        for _ in range(3):
+            assert norm.normalize("Das kostet 5 €.", "de") == "Das kostet 5 €."
+        assert norm.warm(["de"]) == {"de": False}
+    assert len(fake.builds) == 1
+    assert len([r for r in _warnings(caplog) if "FstOpError" in r.getMessage()]) == 1
+    fake.build_error = None
+    assert norm.normalize("x", "en_us") == "<en>x"  # other languages are unaffected
+
+
+def test_env_zero_disables_normalization(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("ZONOS2_TTS_NORM", "0")
+    norm = TextNormalizer(cache_dir=tmp_path)
+    assert norm.enabled is False
+    assert norm.normalize("$5.32") == "$5.32"
+    assert norm.warm(["en_us"]) == {"en_us": False}
+    assert fake.builds == []
+    monkeypatch.setenv("ZONOS2_TTS_NORM", "1")  # read at every call
+    assert norm.normalize("$5.32") == "<en>$5.32"
+    assert TextNormalizer(cache_dir=tmp_path, enabled=False).normalize("$5.32") == "$5.32"
+
+
+def test_unsupported_language_returns_raw_text_and_warns_once(fake, tmp_path, caplog):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+        for _ in range(3):
+            assert norm.normalize("Мне 21 год.", "ru") == "Мне 21 год."
+    assert len(_warnings(caplog)) == 1
+    assert fake.builds == []
+
+
+def test_blank_text_is_returned_untouched(fake, tmp_path):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    assert norm.normalize("") == ""
+    assert norm.normalize("  \n") == "  \n"
+    assert fake.builds == []
+
+
+# ---------------------------------------------------------------- wiring, caching, locking
+
+
+def test_language_mapping_case_moses_and_punctuation(fake, tmp_path):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    assert norm.normalize("Dr. Smith was born in 1990.", "EN-GB") == "<en>Dr. Smith was born in 1990."
+    assert fake.calls[-1] == ("Dr. Smith was born in 1990 .", True)
+    assert norm.normalize("Es kostet 5,32.", "de") == "<de>Es kostet 5,32."
+    assert fake.calls[-1] == ("Es kostet 5,32 .", False)  # no moses for de
+    assert norm.normalize("價格是5.", "cmn") == "<zh>價格是5."
+    assert fake.calls[-1] == ("價格是5 .", True)
+    norm.normalize("5,000원입니다", "ko")
+    norm.normalize("São 3.", "pt_br")
+    cases = {b["lang"]: b["input_case"] for b in fake.builds}
+    assert cases == {"en": "cased", "de": "cased", "zh": "cased", "ko": "lower_cased", "pt": "cased"}
+    for b in fake.builds:
+        assert b["cache_dir"] == os.path.join(str(tmp_path), "fake1.0", f"{b['lang']}_{b['input_case']}")
+        assert b["overwrite"] is False
+
+
+def test_grammar_built_once_per_language_and_shared_by_codes(fake, tmp_path):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    for code in ("en_us", "en_gb", "en-US", "en_us"):
+        norm.normalize("1", code)
+    assert [b["lang"] for b in fake.builds] == ["en"]
+    assert norm.loaded_languages() == ["en"]
+
+
+def test_warm_builds_up_front_and_validates_codes(fake, tmp_path):
+    norm = TextNormalizer(cache_dir=tmp_path)
+    with pytest.raises(ValueError, match="supported"):
+        norm.warm(["en_us", "xx"])
+    assert fake.builds == []
+    assert norm.warm(["en_us", "en_gb", "ja", "cmn"]) == {
+        "en_us": True,
+        "en_gb": True,
+        "ja": True,
+        "cmn": True,
+    }
+    assert sorted(b["lang"] for b in fake.builds) == ["en", "ja", "zh"]
+    norm.normalize("2", "ja")
+    assert len(fake.builds) == 3
+    # zh/ja verbalizers never write their own .far; the wrapper does (ja under a "jp_" name)
+    assert (tmp_path / "fake1.0" / "ja_cased" / "jp_tn_True_deterministic_verbalizer.far").exists()
+    assert (tmp_path / "fake1.0" / "zh_cased" / "zh_tn_True_deterministic_verbalizer.far").exists()
+    assert not list((tmp_path / "fake1.0" / "en_cased").glob("*verbalizer*"))
+
+
+def test_new_instance_reuses_disk_cache_and_rebuilds_a_corrupt_one(fake, tmp_path):
+    TextNormalizer(cache_dir=tmp_path).warm(["en_us"])
+    fake.fail_on_cached = True  # the cached .far now "fails to load"
+    norm = TextNormalizer(cache_dir=tmp_path)
+    assert norm.normalize("7") == "<en>7"
+    assert [b["overwrite"] for b in fake.builds] == [False, False, True]
+
+
+def test_unwritable_cache_dir_builds_in_memory(fake, tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    norm = TextNormalizer(cache_dir=blocker)
+    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+        assert norm.normalize("3") == "<en>3"
+    assert [b["cache_dir"] for b in fake.builds] == [None]
+    assert any("not writable" in r.getMessage() for r in _warnings(caplog))
+
+
+def test_concurrent_calls_build_once_and_never_overlap_within_a_language(fake, tmp_path):
+    fake.delay_s = 0.01
+    norm = TextNormalizer(cache_dir=tmp_path)
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            results.append(norm.normalize(f"item {i}.", "en_us" if i % 2 else "en_gb"))
+        except BaseException as exc:  # pragma: no cover - would fail the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not errors
+    assert sorted(results) == sorted(f"<en>item {i}." for i in range(16))
+    assert len(fake.builds) == 1
+    assert fake.max_active == 1
+
+
+def test_get_normalizer_is_a_singleton():
+    assert tn.get_normalizer() is tn.get_normalizer()
+
+
+# ---------------------------------------------------------------- the real thing
+
+HAVE_NEMO = (
+    importlib.util.find_spec("nemo_text_processing") is not None
+    and importlib.util.find_spec("pynini") is not None
+)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
+def test_real_english_normalization():
+    # Shares the server's grammar cache ($ZONOS2_TTS_NORM_CACHE_DIR or ~/.cache/zonos2-tts-norm):
+    # the first run compiles the English grammars (about 1 min on 2 cores), later runs load them in about 1 s.
+    norm = TextNormalizer()
+    assert norm.available
+    assert norm.warm(["en_us"]) == {"en_us": True}
+    assert norm.normalize("$5.32") == "five dollars thirty two cents"
+    assert norm.normalize("It is 3:30 pm.") == "It is three thirty PM."
+    assert norm.normalize("Dr. Smith has 21 cats.") == "doctor Smith has twenty one cats."
+    assert norm.normalize("Dr. Smith has 21 cats.", "en_gb") == "doctor Smith has twenty one cats."
+    assert norm.normalize("No numbers here.") == "No numbers here."
+    assert norm.loaded_languages() == ["en"]
