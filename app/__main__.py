@@ -28,6 +28,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--max-context", type=int, help="frames per slot (prompt + audio)")
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
     p.add_argument("--default-voices-dir", help="folder of clips / .npy embeddings offered to everyone")
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable); "
@@ -53,6 +54,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         max_context=a.max_context,
         prefill_chunk=a.prefill_chunk,
         cuda_graphs=not a.no_cuda_graphs,
+        compile=not a.no_compile,
     )
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()

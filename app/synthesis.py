@@ -92,10 +92,12 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     except ValueError as e:
         raise RequestError("bad_params", str(e)) from None
 
-    if "max_frames" in params and params["max_frames"] is not None:
-        mf = _typed("max_frames", params["max_frames"], int)
-        if not 1 <= mf <= max_frames_limit:
-            raise RequestError("bad_params", f"max_frames must be in 1..{max_frames_limit}")
+    if "max_frames" in params:  # null resets to the server limit
+        mf = params["max_frames"]
+        if mf is not None:
+            mf = _typed("max_frames", mf, int)
+            if not 1 <= mf <= max_frames_limit:
+                raise RequestError("bad_params", f"max_frames must be in 1..{max_frames_limit}")
         opts.max_frames = mf
     if "ignore_eos" in params:
         opts.ignore_eos = _typed("ignore_eos", params["ignore_eos"], bool)
@@ -107,8 +109,9 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     if "text_normalization" in params:
         opts.text_normalization = _typed("text_normalization", params["text_normalization"], bool)
     rate_keys = [k for k in ("speaking_rate", "speed", "speaking_rate_bucket") if params.get(k) is not None]
+    if any(k in params for k in ("speaking_rate", "speed", "speaking_rate_bucket")):
+        cond.speaking_rate = cond.speed = cond.speaking_rate_bucket = None  # given keys replace; nulls reset
     if rate_keys:
-        cond.speaking_rate = cond.speed = cond.speaking_rate_bucket = None
         if len(rate_keys) > 1:
             raise RequestError("bad_params", "give only one of speaking_rate, speed and speaking_rate_bucket")
         key = rate_keys[0]

@@ -28,7 +28,7 @@ import numpy as np
 log = logging.getLogger("gateway.voices")
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
-_NAME_OK = re.compile(r"^[\w .,'()\-]{1,64}$", re.UNICODE)
+_NAME_OK = re.compile(r"^[\w .,'()+&\-]{1,64}$", re.UNICODE)
 
 
 class VoiceError(ValueError):
@@ -60,7 +60,7 @@ class Voice:
 def validate_name(name: str) -> str:
     name = name.strip()
     if not _NAME_OK.match(name):
-        raise VoiceError("bad_name", "voice names are 1-64 letters, digits, spaces and . , ' ( ) - _")
+        raise VoiceError("bad_name", "voice names are 1-64 letters, digits, spaces and . , ' ( ) + & - _")
     return name
 
 

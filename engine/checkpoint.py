@@ -231,7 +231,10 @@ def random_model(
     cfg = Zonos2Config.from_dict(preset_params(preset))
     dtype = dtype or default_dtype(device)
     # Generated in the stored dtype (bf16), as make-checkpoint writes it: the embedded default equals the file.
-    state = random_release_state(cfg, seed=seed, dtype=torch.bfloat16, device=device)
+    # The tiny default is drawn on the CPU so it is the same model on every device; full-size weights
+    # are drawn on the target device (the CPU would take minutes for 7.7 B values).
+    gen_device = "cpu" if preset == "tiny" else device
+    state = random_release_state(cfg, seed=seed, dtype=torch.bfloat16, device=gen_device)
     return build_model(cfg, state, device, dtype)
 
 

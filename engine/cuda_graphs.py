@@ -47,9 +47,9 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton autotune/compile and allocator pools outside the capture
-                self._step(self.buckets[-1])
-                self._step(1)
+            # warm up every size: Triton and torch.compile build their kernels here, not inside a capture
+            for b in [self.buckets[-1], *self.buckets]:
+                self._step(b)
         torch.cuda.current_stream().wait_stream(stream)
         pool = None
         for b in reversed(self.buckets):

@@ -52,17 +52,21 @@ class Sequence:
 
 
 class LLMNode:
-    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True) -> None:
+    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True,
+                 compile: bool = False) -> None:
         self.model = model
         self.cfg = model.cfg
         self.device = model.multi_output.weight.device
         on_gpu = self.device.type == "cuda"
         if on_gpu:
             model.enable_triton()
+            if compile:
+                model.compile_decode()
         # One extra slot is scratch: padding rows of a captured batch point at it.
         self.cache = model.setup_cache(n_slots + 1, max_len)
         self.max_len = self.cache.max_len
-        self.sampler = SamplerState(n_slots + 1, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device)
+        self.sampler = SamplerState(n_slots + 1, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device,
+                                    compiled=on_gpu and compile)
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
         self.graphs = None

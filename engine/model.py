@@ -56,6 +56,72 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.flatten(-2).to(x.dtype)
 
 
+# ---- per-layer stages as pure functions of tensors -------------------------------------------------
+# The modules below call these; the decode path can run torch.compile'd copies of them (one compiled
+# graph serves all 28 layers, since weights are arguments), which fuses their many small kernels.
+def attention_in(h: Tensor, norm_w: Tensor, gater_w: Tensor, wq: Tensor, wkv: Tensor, temp: Tensor, cos: Tensor,
+                 sin: Tensor, n_heads: int, n_kv: int, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """attention_norm, headwise gate, q/k/v projections, weightless QK-norm with |temp| on q, RoPE."""
+    n = h.shape[0]
+    a = rms_norm(h, norm_w, eps)
+    gate = torch.sigmoid(F.linear(a, gater_w))
+    q = F.linear(a, wq).view(n, n_heads, -1)
+    kv = F.linear(a, wkv).view(n, 2, n_kv, q.shape[-1])
+    k, v = kv[:, 0], kv[:, 1]
+    # QK-norm has no weight; |temp| scales q per head (the softmax scale 1/sqrt(d) still applies).
+    q = rms_norm(q, None, QK_NORM_EPS) * temp.abs().to(q.dtype)
+    k = rms_norm(k, None, QK_NORM_EPS)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+
+
+def attention_out(h: Tensor, o: Tensor, gate: Tensor, wo: Tensor, ffn_norm_w: Tensor, eps: float
+                  ) -> tuple[Tensor, Tensor]:
+    """Headwise gate, wo, residual add, ffn_norm -> (residual, FFN input)."""
+    h = h + F.linear((o * gate[..., None].to(o.dtype)).flatten(1), wo)
+    return h, rms_norm(h, ffn_norm_w, eps)
+
+
+def dense_ffn(x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
+    up, gate = F.linear(x, w_in).chunk(2, dim=-1)  # release chunk order: up, then gate
+    return F.linear(up * F.silu(gate), w_out)
+
+
+def route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
+          b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
+          eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """EDA router -> (chosen experts [N, k], their unrenormalised probabilities, pre-norm state)."""
+    r = F.linear(x, down_w, down_b)
+    if scale is not None and prev is not None:
+        r = r + prev * scale
+    z = rms_norm(r, eda_w, eps)
+    logits = F.linear(F.gelu(F.linear(F.gelu(F.linear(z, w0, b0)), w2, b2)), w4)
+    probs = torch.softmax(logits.float(), dim=-1)
+    # The bias only steers selection; the weights are the unrenormalised probabilities.
+    chosen = torch.topk(probs + bias_sign * bias.float(), k, dim=-1).indices
+    return chosen, probs.gather(-1, chosen), r
+
+
+class Stages:
+    """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA)."""
+
+    def __init__(self, compiled: bool = False) -> None:
+        from engine.kernels_ref import merge_splits
+
+        if compiled:
+            # variants: batch 1 / static / dynamic batch, x first-MoE (no carry) / top-1 / top-2 routers
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
+        self.attention_in = wrap(attention_in)
+        self.attention_out = wrap(attention_out)
+        self.dense_ffn = wrap(dense_ffn)
+        self.route = wrap(route)
+        self.merge_splits = wrap(merge_splits)
+        self.compiled = compiled
+
+
+PLAIN = Stages()
+
+
 @dataclass
 class PrefillSeq:
     """One prompt (or one chunk of it) inside a packed prefill batch."""
@@ -87,20 +153,6 @@ class Attention(nn.Module):
         self.gater = nn.Linear(cfg.dim, cfg.n_heads, bias=False)
         self.temp = nn.Parameter(torch.ones(1, cfg.n_heads, 1))
 
-    def project(self, a: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        n = a.shape[0]
-        gate = torch.sigmoid(self.gater(a))
-        q = self.wq(a).view(n, self.n_heads, self.head_dim)
-        kv = self.wkv(a).view(n, 2, self.n_kv, self.head_dim)
-        k, v = kv[:, 0], kv[:, 1]
-        # QK-norm has no weight; |temp| scales q per head (the softmax scale 1/sqrt(d) still applies).
-        q = rms_norm(q, None, QK_NORM_EPS) * self.temp.abs().to(q.dtype)
-        k = rms_norm(k, None, QK_NORM_EPS)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
-
-    def output(self, o: Tensor, gate: Tensor) -> Tensor:
-        """o [N, H, D] attention output; headwise sigmoid gate before wo."""
-        return self.wo((o * gate[..., None].to(o.dtype)).flatten(1))
 
 
 class DenseFFN(nn.Module):
@@ -111,9 +163,8 @@ class DenseFFN(nn.Module):
         self.w_in = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)
         self.w_out = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, router_state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        up, gate = self.w_in(x).split(self.inter, dim=-1)
-        return self.w_out(up * F.silu(gate)), None
+    def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
+        return stages.dense_ffn(x, self.w_in.weight, self.w_out.weight), None
 
 
 class Router(nn.Module):
@@ -131,14 +182,13 @@ class Router(nn.Module):
         self.router_states_scale = None if first else nn.Parameter(torch.ones(r))
         self.bias_sign = 1.0 if cfg.balancing_bias_added else -1.0
 
-    def forward(self, x: Tensor, prev_state: Tensor | None, k: int) -> tuple[Tensor, Tensor, Tensor]:
-        r = self.down_proj(x)
-        if self.router_states_scale is not None and prev_state is not None:
-            r = r + prev_state * self.router_states_scale
-        probs = torch.softmax(self.router_mlp(self.rmsnorm_eda(r)).float(), dim=-1)
-        # The bias only steers selection; the weights are the unrenormalised probabilities.
-        chosen = torch.topk(probs + self.bias_sign * self.balancing_biases.float(), k, dim=-1).indices
-        return chosen, probs.gather(-1, chosen), r
+    def forward(self, x: Tensor, prev_state: Tensor | None, k: int, stages: Stages = PLAIN
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        mlp = self.router_mlp
+        prev = prev_state if self.router_states_scale is not None else None
+        return stages.route(x, prev, self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
+                            mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias, mlp[4].weight,
+                            self.rmsnorm_eda.weight, self.balancing_biases, self.bias_sign, k, self.rmsnorm_eda.eps)
 
 
 class MoEFFN(nn.Module):
@@ -154,8 +204,8 @@ class MoEFFN(nn.Module):
 
     use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
 
-    def forward(self, x: Tensor, router_state: Tensor | None) -> tuple[Tensor, Tensor | None]:
-        chosen, weights, state = self.router(x, router_state, self.k)
+    def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
+        chosen, weights, state = self.router(x, router_state, self.k, stages)
         if self.use_triton:
             from engine.kernels.moe import fused_moe
 
@@ -211,6 +261,11 @@ class Zonos2(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.cache: KVCache | None = None
         self.use_triton = False
+        self.decode_stages = PLAIN
+
+    def compile_decode(self) -> None:
+        """Run the decode path through torch.compile'd stage functions (fewer, fused kernels)."""
+        self.decode_stages = Stages(compiled=True)
 
     def enable_triton(self) -> None:
         """Switch decode attention and MoE to the Triton kernels (CUDA): no host syncs, graph-capturable."""
@@ -248,13 +303,16 @@ class Zonos2(nn.Module):
             logits = self.cfg.softcap * torch.tanh(logits / self.cfg.softcap)
         return logits
 
-    def _layers(self, h: Tensor, positions: Tensor, attend) -> Tensor:
+    def _layers(self, h: Tensor, positions: Tensor, attend, stages: Stages = PLAIN) -> Tensor:
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         router_state: Tensor | None = None
         for i, layer in enumerate(self.layers):
-            q, k, v, gate = layer.attention.project(layer.attention_norm(h), cos, sin)
-            h = h + layer.attention.output(attend(i, q, k, v), gate)
-            y, state = layer.feed_forward(layer.ffn_norm(h), router_state)
+            att = layer.attention
+            q, k, v, gate = stages.attention_in(h, layer.attention_norm.weight, att.gater.weight, att.wq.weight,
+                                                att.wkv.weight, att.temp, cos, sin, heads, kv_heads, eps)
+            h, x = stages.attention_out(h, attend(i, q, k, v), gate, att.wo.weight, layer.ffn_norm.weight, eps)
+            y, state = layer.feed_forward(x, router_state, stages)
             router_state = state if state is not None else router_state
             h = h + y
         return h
@@ -308,9 +366,10 @@ class Zonos2(nn.Module):
             def attend_fast(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
                 cache.k[layer].index_put_((slots, positions), k)
                 cache.v[layer].index_put_((slots, positions), v)
-                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths)
+                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths,
+                                        self.decode_stages.merge_splits)
 
-            return self.head(self._layers(h, positions, attend_fast))
+            return self.head(self._layers(h, positions, attend_fast, self.decode_stages))
 
         t = attn_len or int(positions.max()) + 1
         valid = torch.arange(t, device=ids.device)[None, :] <= positions[:, None]  # [B, t]
@@ -321,7 +380,7 @@ class Zonos2(nn.Module):
             kk, vv = cache.k[layer][slots, :t], cache.v[layer][slots, :t]  # [B, t, Hkv, D]
             return _sdpa_batched(q, kk, vv, valid)
 
-        return self.head(self._layers(h, positions, attend))
+        return self.head(self._layers(h, positions, attend, self.decode_stages))
 
     @torch.inference_mode()
     def forward_full(self, ids: Tensor, speaker: Tensor | None = None) -> Tensor:

@@ -78,8 +78,12 @@ class SamplerState:
     """Static per-slot sampling state. Write a request's parameters with `admit`, then every step's
     `sample` reads them by slot index and appends the sampled frame to the slot's history ring."""
 
-    def __init__(self, n_slots: int, n_codebooks: int, vocab: int, device: torch.device | str) -> None:
+    def __init__(self, n_slots: int, n_codebooks: int, vocab: int, device: torch.device | str,
+                 compiled: bool = False) -> None:
         self.n_codebooks, self.vocab = n_codebooks, vocab
+        # torch.compile fuses the ~60 small kernels of filtering and hashing (CUDA decode graphs)
+        self._filter = torch.compile(self.filtered_logits, fullgraph=True) if compiled else self.filtered_logits
+        self._noise = torch.compile(gumbel_noise, fullgraph=True) if compiled else gumbel_noise
         f32 = {"device": device, "dtype": torch.float32}
         i64 = {"device": device, "dtype": torch.int64}
         self.temperature = torch.ones(n_slots, **f32)
@@ -112,7 +116,7 @@ class SamplerState:
     def sample(self, logits: Tensor, slots: Tensor) -> Tensor:
         """logits [B, C, V] (fp32) for the given slots -> codes [B, C] (int64). Updates the slots' state."""
         step = self.step[slots]
-        scores = self.filtered_logits(logits, slots) + gumbel_noise(self.seed[slots], step, logits.shape[1:])
+        scores = self._filter(logits, slots) + self._noise(self.seed[slots], step, logits.shape[1:])
         codes = scores.argmax(-1)
         self._record(codes, slots, step)
         return codes

@@ -28,10 +28,11 @@ class WeightSources:
                 raise FileNotFoundError(f"{name} {p} does not exist")
 
     def describe(self) -> dict[str, str]:
+        size = "full-size" if self.random_preset == "full" else "tiny"
         return {
-            "model": self.model_path or f"random {self.random_preset} (seed {self.seed})",
-            "dac": self.dac_weights or "random tiny DAC",
-            "speaker_encoder": self.speaker_weights or "random tiny ECAPA",
+            "model": self.model_path or f"random {size} ZONOS2 (seed {self.seed})",
+            "dac": self.dac_weights or f"random {size} DAC",
+            "speaker_encoder": self.speaker_weights or f"random {size} ECAPA",
         }
 
 
@@ -58,4 +59,7 @@ def load_speaker_encoder(src: WeightSources, device: str | torch.device):
 
     if src.speaker_weights:
         return SpeakerEncoder.from_pretrained(src.speaker_weights, device=device)
-    return SpeakerEncoder.random(seed=src.seed).to(device)
+    from engine.speaker import EcapaConfig
+
+    config = EcapaConfig.release() if src.random_preset == "full" else EcapaConfig.tiny()
+    return SpeakerEncoder.random(config, seed=src.seed).to(device)

@@ -13,6 +13,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.kernels_ref import merge_splits
+
 CHUNK = 256  # tokens per split
 BLOCK_T = 64  # tokens per inner iteration
 
@@ -67,7 +69,8 @@ def _split_kernel(
     tl.store(acc_ptr + (row * n_splits + split)[:, None] * D + d[None, :], acc, mask=out_ok[:, None])
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                     merge=merge_splits) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
     to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D)."""
     b, h, d = q.shape
@@ -85,9 +88,4 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         n_splits, d ** -0.5,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK=BLOCK_T,
     )
-    # Merge the splits (empty ones have m = -inf, l = 0, and unwritten acc that gets weight 0).
-    m_max = m.amax(-1, keepdim=True)
-    w = torch.where(l_ > 0, torch.exp(m - m_max), torch.zeros_like(m))
-    acc = torch.where((l_ > 0)[..., None], acc, torch.zeros_like(acc))
-    out = (w[..., None] * acc).sum(2) / (w * l_).sum(-1, keepdim=True)
-    return out.to(q.dtype)
+    return merge(m, l_, acc).to(q.dtype)

@@ -1,0 +1,139 @@
+"""Engine microbenchmark: the captured decode step (model + sampler) per batch size, against the weight
+bytes it must read. Full-size random weights in bf16 on one GPU.
+
+    python bench/decode_step.py --batches 1 2 4 8 16 32 64 --context 400 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from engine.checkpoint import random_model, release_shapes
+from engine.llm import LLMNode
+from engine.model import MoEFFN, PrefillSeq
+from engine.sampling import SamplingParams
+
+
+def weight_bytes(model, experts_touched: list[int]) -> int:
+    """Bytes of weights one decode step reads: everything but the experts, plus the experts in use."""
+    cfg = model.cfg
+    shapes = release_shapes(cfg)
+    total = 0
+    for name, shape in shapes.items():
+        if name.startswith("multi_embedder") or name.startswith("speaker_") or ".experts." in name:
+            continue
+        total += math.prod(shape) * 2
+    total += cfg.n_codebooks * 10 * cfg.dim * 2  # embedding rows actually gathered (approx)
+    per_expert = 3 * cfg.intermediate * cfg.dim * 2
+    return total + sum(experts_touched) * per_expert
+
+
+def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
+    """Distinct experts per MoE layer for one eager decode step of batch b (random routing input)."""
+    counts: list[int] = []
+    hooks = []
+    for layer in model.layers:
+        ff = layer.feed_forward
+        if isinstance(ff, MoEFFN):
+            def hook(mod, args, out):
+                chosen, _, _ = out
+                counts.append(int(chosen.unique().numel()))
+            hooks.append(ff.router.register_forward_hook(hook))
+    ids = torch.randint(0, 1024, (b, 10), device="cuda")
+    ids[:, 9] = model.cfg.text_pad_id
+    model.decode(ids, torch.arange(b, device="cuda"), torch.full((b,), 300, device="cuda"))
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--context", type=int, default=400, help="frames already in each slot's cache")
+    p.add_argument("--max-context", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t0 = time.perf_counter()
+    model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    print(f"random full model on GPU in {time.perf_counter() - t0:.1f} s; "
+          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    max_b = max(a.batches)
+    t0 = time.perf_counter()
+    node = LLMNode(model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile)
+    print(f"KV cache + graph capture in {time.perf_counter() - t0:.1f} s")
+    for s in range(max_b):
+        node.sampler.admit(s, SamplingParams(), seed=s)
+    # fill every slot's cache with `context` frames so attention reads a realistic length
+    ids = torch.randint(0, 1024, (a.context, 10), device="cuda")
+    ids[:, 9] = model.cfg.text_pad_id
+    for s in range(max_b):
+        model.prefill(ids, [PrefillSeq(s, 0, a.context)])
+    torch.cuda.synchronize()
+
+    rows = []
+    for b in a.batches:
+        step_ids = torch.randint(0, 1024, (b, 10))
+        step_ids[:, 9] = model.cfg.text_pad_id
+        slots = torch.arange(b)
+        pos = torch.full((b,), a.context)
+        g = node.graphs
+        for _ in range(5):
+            g.run(step_ids, slots, pos)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(a.iters):
+            start.record()
+            g.graphs[g.bucket(b)].replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        ms = times[len(times) // 2]
+        # whole host loop step as the engine runs it: inputs in, replay, codes out to the host
+        t1 = time.perf_counter()
+        for _ in range(a.iters):
+            g.run(step_ids, slots, pos).cpu()
+        host_ms = (time.perf_counter() - t1) / a.iters * 1e3
+        touched = experts_in_use(model, node, b)
+        wb = weight_bytes(model, touched)
+        kv = b * (a.context + 1) * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 2
+        rows.append({"batch": b, "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
+                     "kv_gb": kv / 1e9, "eff_gbps": (wb + kv) / (ms / 1e3) / 1e9,
+                     "experts_per_layer": sum(touched) / len(touched)})
+    print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "
+          f"{'experts/layer':>13} {'frames/s':>9}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['graph_ms']:9.3f} {r['step_ms_with_io']:8.3f} {r['weight_gb']:10.3f} "
+              f"{r['kv_gb']:7.3f} {r['eff_gbps']:7.0f} {r['experts_per_layer']:13.1f} "
+              f"{r['batch'] * 1000 / r['step_ms_with_io']:9.0f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for b in (1, max_b):
+            step_ids = torch.randint(0, 1024, (b, 10), device="cuda")
+            step_ids[:, 9] = model.cfg.text_pad_id
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    model.decode(step_ids, torch.arange(b, device="cuda"), torch.full((b,), a.context, device="cuda"))
+                torch.cuda.synchronize()
+            print(f"--- eager decode kernels, batch {b} (5 steps) ---")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
