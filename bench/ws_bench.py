@@ -40,6 +40,7 @@ class Result:
     on_time: int = 0
     frames: int = 0
     error: str = ""
+    engine: dict = field(default_factory=dict)
 
 
 def reference_clip(seconds: float = 5.0, sr: int = 44100) -> str:
@@ -88,6 +89,7 @@ async def one_request(url: str, clip: str | None, frames: int, rate: int) -> Res
                 d = json.loads(msg)
                 if d["type"] == "audio.done":
                     res.ok = True
+                    res.engine = d["stats"].get("engine", {})
                     res.ttft = (first or now) - t0
                     res.e2e = now - t0
                     res.audio_s = samples / rate
@@ -131,6 +133,8 @@ async def level(url: str, clip: str | None, concurrency: int, n: int, frames: in
         "ttft_p95": pct([r.ttft for r in ok], 95),
         "on_time": sum(r.on_time for r in ok) / max(1, sum(r.frames for r in ok)),
         "errors": sorted({r.error for r in results if not r.ok}),
+        "engine_p50_ms": {k: pct([r.engine.get(k) or 0.0 for r in ok], 50)
+                          for k in ("speaker_encoder_ms", "queue_ms", "prefill_ms", "ttfa_ms", "e2e_ms")},
     }
 
 
@@ -140,7 +144,7 @@ HEADER = (f"{'run':>10} {'ok':>8} {'TTFTp50':>8} {'E2Ep50':>7} {'E2Ep95':>7} {'I
 
 def row(r: dict, tag: str) -> str:
     return (f"{tag + '/c' + str(r['c']):>10} {r['ok']:>8} {r['ttft_p50']:8.3f} {r['e2e_p50']:7.3f} {r['e2e_p95']:7.3f} "
-            f"{r['itl_mean']:8.3f} {r['rtf_mean']:8.3f} {r['req_s']:6.2f} {r['aud_s_s' if False else 'audio_s_s']:8.2f} "
+            f"{r['itl_mean']:8.3f} {r['rtf_mean']:8.3f} {r['req_s']:6.2f} {r['audio_s_s']:8.2f} "
             f"{r['audlen']:6.2f} {r['ttft_p95']:8.3f} {r['on_time']:8.1%}")
 
 
@@ -167,6 +171,7 @@ async def main() -> None:
         print(row(r, tag), flush=True)
         if r["errors"]:
             print(f"   errors: {r['errors']}", flush=True)
+        print("   engine p50 ms: " + ", ".join(f"{k} {v:.1f}" for k, v in r["engine_p50_ms"].items()), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

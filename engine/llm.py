@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,6 +52,13 @@ class Sequence:
         return self.prompt_len + self.generated - 1
 
 
+@dataclass
+class PendingDecode:
+    seqs: list[Sequence]
+    codes: Any  # np.ndarray (CPU) or a pinned torch tensor being filled (CUDA)
+    done: Any  # torch.cuda.Event, or None
+
+
 class LLMNode:
     def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True,
                  compile: bool = False) -> None:
@@ -69,6 +77,8 @@ class LLMNode:
                                     compiled=on_gpu and compile)
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
+        self._host_codes = torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64,
+                                       pin_memory=on_gpu)
         self.graphs = None
         if on_gpu and cuda_graphs:
             from engine.cuda_graphs import DecodeGraphs
@@ -124,6 +134,11 @@ class LLMNode:
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, np.ndarray]]:
         """One frame for each sequence (all past prefill)."""
+        return self.decode_finish(self.decode_start(seqs))
+
+    def decode_start(self, seqs: list[Sequence]) -> PendingDecode:
+        """Launch one decode step and return at once; the GPU works while the host does other things
+        (the engine decodes audio meanwhile). `decode_finish` waits for the codes."""
         n = len(seqs)
         ids = np.empty((n, self.cfg.n_codebooks + 1), dtype=np.int64)
         for i, s in enumerate(seqs):
@@ -132,12 +147,26 @@ class LLMNode:
         slots = torch.tensor([s.slot for s in seqs])
         positions = torch.tensor([s.next_position for s in seqs])
         if self.graphs is not None:
-            codes = self.graphs.run(torch.from_numpy(ids), slots, positions).cpu().numpy()
+            codes = self.graphs.run(torch.from_numpy(ids), slots, positions)
         else:
             slots, positions = slots.to(self.device), positions.to(self.device)
             logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions)
-            codes = self.sampler.sample(logits, slots).cpu().numpy()
-        return [(s, self._accept(s, codes[i])) for i, s in enumerate(seqs)]
+            codes = self.sampler.sample(logits, slots)
+        if self.device.type != "cuda":
+            return PendingDecode(seqs, codes.numpy(), None)
+        host = self._host_codes[:n]
+        host.copy_(codes, non_blocking=True)  # pinned: the copy runs behind the step, no sync here
+        done = torch.cuda.Event()
+        done.record()
+        return PendingDecode(seqs, host, done)
+
+    def decode_finish(self, pending: PendingDecode) -> list[tuple[Sequence, np.ndarray]]:
+        if pending.done is not None:
+            pending.done.synchronize()
+            codes = pending.codes.numpy().copy()
+        else:
+            codes = pending.codes
+        return [(s, self._accept(s, codes[i])) for i, s in enumerate(pending.seqs)]
 
     def _accept(self, seq: Sequence, codes: np.ndarray) -> np.ndarray:
         seq.generated += 1

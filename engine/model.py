@@ -347,7 +347,8 @@ class Zonos2(nn.Module):
                 out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
             return out
 
-        h = self._layers(h, positions, attend)
+        # the compiled stages (dynamic in the frame count) serve prefill too once compiled for decode
+        h = self._layers(h, positions, attend, self.decode_stages if self.use_triton else PLAIN)
         last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=ids.device)
         return self.head(h[last])
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,6 +62,7 @@ class Job:
     samples: int = 0
     clip: np.ndarray | None = None
     clip_sr: int = 0
+    clip_ms: float = 0.0
     pending_frames: list[np.ndarray] = field(default_factory=list)
 
 
@@ -85,7 +84,10 @@ class Engine:
         schedule = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
                     "reference": ChunkSchedule.reference}[settings.chunk_schedule]()
         self.dac = StreamingDecoder(self.codec, schedule)
-        self.dac_worker = DacWorker(self.dac, self.codec.device)
+        # The dac_decoder runs in this thread on its own CUDA stream, launched while a decode step is in
+        # flight: chunk decodes overlap the LLM instead of lengthening it. (A separate Python thread
+        # convoys on the GIL behind this loop: its hundreds of small launches each wait a switch interval.)
+        self.dac_stream = torch.cuda.Stream(self.codec.device) if self.codec.device.type == "cuda" else None
         self.src = src
         self.load_s = time.perf_counter() - t0
         self.waiting: deque[Job] = deque()
@@ -114,9 +116,10 @@ class Engine:
         self.dac.finish(-1, None)
         while self.dac.pending():
             self.dac.step()
-        if self.codec.device.type == "cuda":  # cuDNN plans for every chunk shape, built now, not on a request
-            self.dac.warmup(max_batch=self.llm.n_slots)
-        self.dac_worker.start()
+        if self.dac_stream is not None:  # cuDNN plans for every chunk shape now, not on a request
+            with torch.cuda.stream(self.dac_stream):
+                n = self.dac.warmup(max_batch=self.llm.n_slots)
+            log.info("dac_decoder warmed %d chunk shapes", n)
         clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
         self.speaker_encoder.embed(clip, 24000)
         self._sync()
@@ -150,11 +153,15 @@ class Engine:
                 self.inbox.wait(timeout=0.5 if not self.running else 0.002)
             self._read_inbox()
             self._admit()
-            self._step()
-            self._emit_audio()
+            try:
+                self._step()
+            except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
+                log.exception("engine step failed; failing the running requests")
+                for rid in list(self.running):
+                    self._cancel(rid, reason="failed")
+                    self._error(rid, "internal", "the engine hit an internal error on this request")
             self.outbox.flush()
             self._maybe_stats()
-        self.dac_worker.stop()
 
     def _read_inbox(self) -> None:
         while (rec := self.inbox.get()) is not None:
@@ -219,7 +226,9 @@ class Engine:
             seq = job.seq
             if job.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first
                 try:
+                    t_clip = time.perf_counter()
                     seq.speaker = self.speaker_encoder.embed(job.clip, job.clip_sr).to(self.device)
+                    job.clip_ms = (time.perf_counter() - t_clip) * 1e3
                 except ValueError as e:
                     self._error(seq.rid, "bad_audio", str(e))
                     continue
@@ -238,8 +247,10 @@ class Engine:
         results: list[tuple[Sequence, np.ndarray]] = []
         live = [j.seq for j in self.running.values() if j.seq.finish_reason is None]
         decoding = [s for s in live if not s.in_prefill]
-        if decoding:
-            results += self.llm.decode(decoding)
+        pending = self.llm.decode_start(decoding) if decoding else None
+        self._decode_audio()  # overlaps the decode step in flight
+        if pending is not None:
+            results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(decoding)
         chunks, budget = [], self.settings.prefill_chunk
         for seq in live:
@@ -254,7 +265,10 @@ class Engine:
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
         for seq, codes in results:
-            job = self.running[seq.rid]
+            job = self.running.get(seq.rid)
+            if job is None:  # its audio completed (or it was cancelled) while this step was in flight
+                self.llm.release(seq)
+                continue
             if seq.generated == 1:
                 job.t_prefilled = now
             eos_known = seq.eos.eos_frame is not None and not seq.ignore_eos
@@ -263,21 +277,21 @@ class Engine:
                 eos = None if seq.ignore_eos else seq.eos.eos_frame
                 self.dac.finish(seq.rid, eos)
                 self.llm.release(seq)
-        self.dac_worker.wake.set()
+        if not live:
+            self._decode_audio()  # only audio left to decode
         self.step_times.append(time.perf_counter() - t0)
         self.counters["steps"] += 1
 
-    def _emit_audio(self) -> None:
-        """Send the chunks the dac_decoder thread has finished since the last iteration (one doorbell)."""
-        sent = 0
-        while True:
-            try:
-                rid, pcm, final = self.dac_worker.out.get_nowait()
-            except queue.Empty:
-                if sent:
-                    self.out_ring.notify()
-                return
-            sent += 1
+    def _decode_audio(self) -> None:
+        """Decode every ready chunk (batched across requests) and send it (one doorbell)."""
+        if not self.dac.pending():
+            return
+        if self.dac_stream is not None:
+            with torch.cuda.stream(self.dac_stream):
+                items = self.dac.step(max_batch=self.llm.n_slots)
+        else:
+            items = self.dac.step(max_batch=self.llm.n_slots)
+        for rid, pcm, final in items:
             job = self.running.get(rid)
             if job is None:
                 continue
@@ -293,6 +307,8 @@ class Engine:
                 continue
             if final:
                 self._finish(job, now)
+        if items:
+            self.out_ring.notify()
 
     def _finish(self, job: Job, now: float) -> None:
         seq = job.seq
@@ -312,7 +328,9 @@ class Engine:
             "eos_frame": seq.eos.eos_frame,
             "audio_s": round(audio_s, 4),
             "rtf": round(e2e / audio_s, 4) if audio_s > 0 else None,
+            "speaker_encoder_ms": round(job.clip_ms, 2),
         }
+        log.info("rid %d done: %s", seq.rid, stats)
         self.counters["finished"] += 1
         self.outbox.put(seq.rid, {"type": m.FINISHED, "rid": seq.rid, "reason": seq.finish_reason, "stats": stats},
                         force=True)
@@ -359,45 +377,6 @@ class Engine:
             "outbox_bytes": self.outbox.pending_bytes(),
             **self.counters,
         }, force=True)
-
-
-class DacWorker(threading.Thread):
-    """Runs the dac_decoder node beside the LLM loop (its own thread and CUDA stream), so chunk decodes
-    overlap decode steps instead of lengthening them."""
-
-    def __init__(self, dac, device: torch.device) -> None:
-        super().__init__(name="dac_decoder", daemon=True)
-        self.dac, self.device = dac, device
-        self.wake = threading.Event()
-        self.out: queue.SimpleQueue[tuple[int, np.ndarray, bool]] = queue.SimpleQueue()
-        self._stopping = False
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        try:
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-                while not self._stopping:
-                    self.wake.wait(0.05)
-                    self.wake.clear()
-                    while self.dac.pending() and not self._stopping:
-                        for item in self.dac.step():
-                            self.out.put(item)
-        except BaseException as e:  # surfaced by the engine loop, which then exits (and is restarted)
-            self.error = e
-            log.exception("dac_decoder failed")
-
-    def stop(self) -> None:
-        self._stopping = True
-        self.wake.set()
-        if self.is_alive():
-            self.join(5)
-
-
-def _nullcontext():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,

@@ -83,14 +83,23 @@ def test_dac_bf16_vs_fp32_snr():
 
 
 def test_compiled_decode_matches_plain():
+    """torch.compile fuses the bf16 stages differently, so whole trajectories may drift after a near-tie;
+    one step's logits from the same cache must agree."""
     from engine.checkpoint import random_model
-    from engine.llm import LLMNode
+    from engine.model import PrefillSeq
     from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
-    prompt = PromptBuilder(model.cfg).build("Compiled or not.")
-    plain = _run(LLMNode(model, n_slots=4, max_len=256, compile=False), [prompt], [9], 40)[0]
-    fused = _run(LLMNode(model, n_slots=4, max_len=256, compile=True), [prompt], [9], 40)[0]
-    same = float((plain == fused).all(-1).mean())
-    print(f"torch.compile'd decode vs plain: {same:.1%} of frames identical")
-    assert same >= 0.9
+    model.enable_triton()
+    ids = torch.from_numpy(PromptBuilder(model.cfg).build("Compiled or not.")).cuda()
+    model.setup_cache(4, 256)
+    model.prefill(ids, [PrefillSeq(1, 0, len(ids)), ], None)
+    new = torch.randint(0, 1024, (3, 10), device="cuda")
+    new[:, 9] = model.cfg.text_pad_id
+    slots, pos = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([len(ids), 0, 0], device="cuda")
+    plain = model.decode(new, slots, pos)
+    model.compile_decode()
+    fused = model.decode(new, slots, pos)
+    cos = _cos(plain, fused)
+    print(f"torch.compile'd decode vs plain, one step: cos {cos:.6f}")
+    assert cos > 0.999
