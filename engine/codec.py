@@ -1,7 +1,6 @@
-"""DAC 44.1 kHz codec wrapper and the ZONOS2 delay-pattern helpers.
+"""DAC 44.1 kHz codec wrapper.
 
-ZONOS2 emits audio codes in a *delayed* layout: generated frame k holds codebook c of aligned
-audio frame k - c (model spec §5.3). `shear` applies that delay, `shear_up` removes it. `Codec`
+ZONOS2 emits audio codes in a *delayed* layout (engine/delay.py undoes it). `Codec`
 wraps `dac.DAC` (descript-audio-codec 1.0.0) and exposes only what serving needs: aligned codes
 [B, F, 9] -> float32 PCM [B, F * 512] at 44.1 kHz (spec §8).
 
@@ -37,7 +36,7 @@ N_CODEBOOKS = 9
 CODEBOOK_SIZE = 1024
 CODEBOOK_DIM = 8
 EOA_ID = 1024
-PAD_ID = 1025
+
 MAX_CODE = CODEBOOK_SIZE - 1
 
 # Constructor kwargs of the official 44.1 kHz 8 kbps model (the dac.DAC defaults). latent_dim is
@@ -67,28 +66,6 @@ PRESETS: dict[str, dict[str, Any]] = {"full": FULL_KWARGS, "tiny": TINY_KWARGS}
 
 class CodecLoadError(ValueError):
     """A weights file is unreadable, not a DAC file, or not the 44.1 kHz / 9 x 1024 codec."""
-
-
-# --------------------------------------------------------------------------------------------
-# delay pattern
-
-
-def shear(x: torch.Tensor, pad: int = PAD_ID) -> torch.Tensor:
-    """Apply the codebook delay, keeping the length: out[..., t, c] = x[..., t - c, c] (t >= c)."""
-    n_frames, n_cb = x.shape[-2:]
-    out = x.new_full(x.shape, pad)
-    for c in range(min(n_cb, n_frames)):
-        out[..., c:, c] = x[..., : n_frames - c, c]
-    return out
-
-
-def shear_up(x: torch.Tensor, pad: int = PAD_ID) -> torch.Tensor:
-    """Remove the codebook delay: out[..., r, j] = x[..., r + j, j] if r + j < F else pad."""
-    n_frames, n_cb = x.shape[-2:]
-    out = x.new_full(x.shape, pad)
-    for j in range(min(n_cb, n_frames)):
-        out[..., : n_frames - j, j] = x[..., j:, j]
-    return out
 
 
 # --------------------------------------------------------------------------------------------

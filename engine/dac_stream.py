@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .codec import EOA_ID, HOP, N_CODEBOOKS, PAD_ID, Codec
+from .codec import EOA_ID, HOP, N_CODEBOOKS, Codec
+from .delay import PAD_ID
 
 log = logging.getLogger(__name__)
 

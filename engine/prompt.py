@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.config import BOS_ID, BYTE_TOKEN_OFFSET, EOS_ID, Zonos2Config
+from engine.delay import shear, shear_up  # noqa: F401  (re-exported: the prompt tail is sheared)
 
 # DAC-44k codes of 0.2 s of silence (17 frames x 9 codebooks), as the reference ships them.
 SILENCE_FRAMES = np.array(
@@ -29,23 +30,6 @@ _OPEN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*\+\s*$")
 
 class PromptError(ValueError):
     """A request whose conditioning cannot be expressed by this checkpoint."""
-
-
-def shear(x: np.ndarray, pad: int = 1025) -> np.ndarray:
-    """Delay codebook c by c frames, keeping the length: out[t, c] = x[t - c, c] (pad where t < c)."""
-    out = np.full_like(x, pad)
-    for c in range(x.shape[1]):
-        out[c:, c] = x[: x.shape[0] - c, c]
-    return out
-
-
-def shear_up(x: np.ndarray, pad: int = 1025) -> np.ndarray:
-    """Inverse of the delay: out[r, c] = x[r + c, c] (pad where r + c runs past the end)."""
-    out = np.full_like(x, pad)
-    n = x.shape[0]
-    for c in range(x.shape[1]):
-        out[: max(n - c, 0), c] = x[c:, c]
-    return out
 
 
 def parse_bucket_label(label: str) -> tuple[float, float]:
