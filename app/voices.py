@@ -10,20 +10,26 @@ voice without running the speaker encoder again. Default voices come from a fold
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+import zipfile
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+
+from app.synthesis import RequestError
 
 log = logging.getLogger("gateway.voices")
 
@@ -31,10 +37,8 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
 _NAME_OK = re.compile(r"^[\w .,'()+&\-]{1,64}$", re.UNICODE)
 
 
-class VoiceError(ValueError):
-    def __init__(self, code: str, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.code, self.status = code, status
+class VoiceError(RequestError):
+    """A RequestError, so every API that parses or resolves voices answers it as a clean 4xx/5xx JSON error."""
 
 
 @dataclass
@@ -64,31 +68,77 @@ def validate_name(name: str) -> str:
     return name
 
 
-def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
-    """A `.npy` / `.npz` speaker embedding: (D,) or (N, D) averaged; no pickles."""
-    try:
-        obj = np.load(io.BytesIO(data), allow_pickle=False)
-    except Exception as e:
-        raise VoiceError("bad_embedding", f"not a .npy/.npz array file: {e}") from None
-    if isinstance(obj, np.lib.npyio.NpzFile):
-        key = "emb" if "emb" in obj.files else (obj.files[0] if len(obj.files) == 1 else None)
-        if key is None:
-            raise VoiceError("bad_embedding", f".npz must hold one array or an 'emb' array, found {obj.files}")
-        arr = obj[key]
+# An uploaded (N, D) array may hold at most this many float64 rows (as many bytes in any dtype). The limit is
+# checked from the .npy header, before any data is read, so a small .npz cannot inflate into gigabytes.
+MAX_EMBEDDING_ROWS = 1024
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _read_npy(fp: BinaryIO, max_bytes: int) -> np.ndarray:
+    """One `.npy` stream; its header is checked (no objects, bounded size) before the data is read."""
+    fmt = np.lib.format
+    version = fmt.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, fortran, dtype = fmt.read_array_header_2_0(fp)
     else:
-        arr = obj
-    if arr.dtype.names and "emb" in arr.dtype.names:
+        raise VoiceError("bad_embedding", f"unsupported .npy format version {version[0]}.{version[1]}")
+    if dtype.hasobject:
+        raise VoiceError("bad_embedding", "object arrays (pickles) are not accepted; save plain float32 numbers")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > max_bytes:
+        raise VoiceError("bad_embedding", f"array of shape {shape} ({dtype}) is too large for a speaker embedding")
+    raw = fp.read(nbytes)
+    if len(raw) != nbytes:
+        raise VoiceError("bad_embedding", f"truncated array data ({len(raw)} of {nbytes} bytes)")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _load_array(data: bytes, max_bytes: int) -> np.ndarray:
+    if data.startswith(_NPY_MAGIC):
+        return _read_npy(io.BytesIO(data), max_bytes)
+    if not data.startswith(_ZIP_MAGIC):
+        raise VoiceError("bad_embedding", "not a .npy/.npz array file")
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {n.removesuffix(".npy"): n for n in zf.namelist()}
+        key = "emb" if "emb" in members else (next(iter(members)) if len(members) == 1 else None)
+        if key is None:
+            raise VoiceError("bad_embedding", f".npz must hold one array or an 'emb' array, found {sorted(members)}")
+        with zf.open(members[key]) as fp:
+            return _read_npy(fp, max_bytes)
+
+
+def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
+    """A `.npy` / `.npz` speaker embedding: (D,) or (N, D) averaged; real numbers only, no pickles.
+
+    An `.npz` gives its `emb` array, or its only array; a structured array gives its `emb` field.
+    """
+    try:
+        arr = _load_array(bytes(data), MAX_EMBEDDING_ROWS * dim * 8)
+    except VoiceError:
+        raise
+    except Exception as e:  # bad zip, bad header, unreadable member...
+        raise VoiceError("bad_embedding", f"not a readable .npy/.npz array file: {e}") from None
+    if arr.dtype.names:
+        if "emb" not in arr.dtype.names:
+            raise VoiceError("bad_embedding", f"structured array without an 'emb' field (fields {arr.dtype.names})")
         arr = arr["emb"]
-    if not np.issubdtype(arr.dtype, np.number):
-        raise VoiceError("bad_embedding", f"embedding must be numeric, got {arr.dtype}")
-    arr = np.asarray(arr, dtype=np.float32).squeeze()
-    if arr.ndim == 2:
-        arr = arr.mean(axis=0)
-    if arr.ndim != 1 or arr.shape[0] != dim:
-        raise VoiceError("bad_embedding", f"embedding must have shape ({dim},) or (N, {dim}), got {arr.shape}")
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise VoiceError("bad_embedding", f"embedding must hold real numbers (float or int), got {arr.dtype}")
+    shape = arr.shape
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = np.asarray(arr, dtype=np.float32).squeeze()
+        if arr.ndim == 2 and arr.shape[1] == dim:
+            if arr.shape[0] == 0:
+                raise VoiceError("bad_embedding", f"embedding array of shape {shape} holds no rows")
+            arr = arr.mean(axis=0)
+    if arr.shape != (dim,):
+        raise VoiceError("bad_embedding", f"embedding must have shape ({dim},) or (N, {dim}), got {shape}")
     if not np.isfinite(arr).all():
         raise VoiceError("bad_embedding", "embedding contains NaN or infinite values")
-    return arr
+    return np.array(arr, dtype=np.float32)  # a writable copy, not a view of the upload
 
 
 def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
@@ -108,6 +158,12 @@ def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
     return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
 
 
+def _store_error(what: str, e: OSError) -> VoiceError:
+    """507 Insufficient Storage when the disk or quota is full, 503 for any other I/O failure."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return VoiceError("voice_store_unavailable", f"{what}: {e.strerror or e}", 507 if full else 503)
+
+
 class VoiceStore:
     def __init__(self, root: Path, dim: int) -> None:
         self.root = root
@@ -124,18 +180,39 @@ class VoiceStore:
             log.error(self.error)
 
     def _load(self) -> None:
+        self._recover()
         for d in sorted(self.root.iterdir()):
             if not d.is_dir() or d.name.startswith("."):
                 continue
             try:
                 meta = json.loads((d / "meta.json").read_text())
+                if not isinstance(meta, dict) or meta.get("id") != d.name:
+                    raise ValueError(f"meta.json names voice {meta.get('id') if isinstance(meta, dict) else meta!r}")
                 emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)
                 if emb.shape != (self.dim,):
                     log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
                     continue
+                if not np.isfinite(emb).all():
+                    raise ValueError("embedding.npy holds NaN or infinite values")
                 self._voices[meta["id"]] = Voice(**meta, embedding=emb)
             except Exception as e:  # a damaged voice folder must not stop the server
                 log.warning("skipping unreadable voice folder %s: %s", d, e)
+
+    def _recover(self) -> None:
+        """Finish what a crash interrupted: `.tmp-*` (unfinished writes) and `.del-*` (deletes) go away; a
+        `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed."""
+        for d in sorted(self.root.iterdir()):
+            if not d.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if d.name.startswith(".old-"):
+                    final = self.root / d.name[len(".old-"):].rsplit("-", 2)[0]
+                    if not final.exists():
+                        os.replace(d, final)
+                        log.warning("restored voice %s after an interrupted update", final.name)
+                        continue
+                if d.name.startswith((".tmp-", ".old-", ".del-")):
+                    shutil.rmtree(d)
 
     # ---- queries ---------------------------------------------------------------------------------
     def visible(self, voice: Voice, owner: str) -> bool:
@@ -208,7 +285,7 @@ class VoiceStore:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
         except OSError as e:
-            raise VoiceError("voice_store_unavailable", f"could not save the voice: {e.strerror or e}", 507) from e
+            raise _store_error("could not save the voice", e) from e
 
     def rename(self, ref: str, owner: str, name: str) -> Voice:
         v = self.get(ref, owner)
@@ -216,9 +293,13 @@ class VoiceStore:
             raise VoiceError("read_only", "default voices cannot be renamed", status=403)
         if v.owner != owner:
             raise VoiceError("forbidden", "this voice belongs to another key", status=403)
-        v.name = validate_name(name)
-        preview = self.preview_path(v).read_bytes() if v.has_preview else None
-        self._write(v, preview)
+        name = validate_name(name)
+        try:
+            preview = self.preview_path(v).read_bytes() if v.has_preview else None
+        except OSError as e:
+            raise _store_error("could not read the voice", e) from e
+        self._write(replace(v, name=name), preview)  # the voice in memory changes only once it is on disk
+        v.name = name
         return v
 
     def delete(self, ref: str, owner: str) -> Voice:
@@ -227,10 +308,17 @@ class VoiceStore:
             raise VoiceError("read_only", "default voices cannot be deleted", status=403)
         if v.owner != owner:
             raise VoiceError("forbidden", "this voice belongs to another key", status=403)
+        # Renamed aside first (atomic), so a failed or interrupted delete never leaves half a voice to reload.
+        gone = self.root / f".del-{v.id}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            os.replace(self.root / v.id, gone)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _store_error("could not delete the voice", e) from e
         with self._lock:
             self._voices.pop(v.id, None)
-        with contextlib.suppress(OSError):
-            shutil.rmtree(self.root / v.id)
+        shutil.rmtree(gone, ignore_errors=True)
         return v
 
     def remember_default(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None) -> None:

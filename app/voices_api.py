@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 import numpy as np
 from starlette.datastructures import UploadFile
@@ -20,6 +21,12 @@ MAX_CLIPS = 8
 
 def _voice_error(e: VoiceError) -> JSONResponse:
     return error_response(RequestError(e.code, str(e), e.status))
+
+
+def _name_from_filename(filename: str) -> str:
+    """A default voice name from an upload's file name: the stem, with characters names cannot hold replaced."""
+    stem = re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0]
+    return re.sub(r"[^\w .,'()+&\-]", "_", stem).strip()[:64].strip() or "voice"
 
 
 def _owner(request: Request) -> str:
@@ -50,8 +57,8 @@ async def create_voice(request: Request) -> Response:
         if len(clips) > MAX_CLIPS:
             raise RequestError("bad_upload", f"at most {MAX_CLIPS} clips per voice")
         datas = [await f.read() for f in clips]
-        default_name = (clips[0].filename if clips else emb_file.filename) or "voice"  # type: ignore[union-attr]
-        name = validate_name(str(name_field) if name_field else default_name.rsplit(".", 1)[0][:64] or "voice")
+        filename = (clips[0].filename if clips else emb_file.filename) or ""  # type: ignore[union-attr]
+        name = validate_name(str(name_field) if name_field else _name_from_filename(filename))
         if clips:
             vid = VoiceStore.clip_id(owner, datas)
             existing = gw.voices.find(vid)
@@ -87,7 +94,9 @@ async def blend_voices(request: Request) -> Response:
         t = data.get("t", 0.5)
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
             raise RequestError("bad_blend", "t must be a number in [0, 1]")
-        a, b = gw.voices.get(str(data.get("a")), owner), gw.voices.get(str(data.get("b")), owner)
+        if not all(isinstance(data.get(k), str) and data[k] for k in ("a", "b")):
+            raise RequestError("bad_blend", "a blend needs two voices: 'a' and 'b' (ids or names)")
+        a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
         assert a.embedding is not None and b.embedding is not None
         name = validate_name(str(data.get("name") or f"{a.name} + {b.name}")[:64])
         emb = slerp(a.embedding, b.embedding, float(t))

@@ -33,14 +33,24 @@ def _weights(args: argparse.Namespace) -> WeightSources:
     return src
 
 
-def _read_embedding(path: str) -> torch.Tensor:
+def _read_embedding(path: str, dim: int) -> torch.Tensor:
+    """A .npy/.npz speaker embedding, (D,) or (N, D) averaged; refused unless it is `dim` finite numbers."""
     arr = np.load(path, allow_pickle=False)
     if isinstance(arr, np.lib.npyio.NpzFile):
-        arr = arr["emb"] if "emb" in arr.files else arr[arr.files[0]]
+        with arr:
+            if "emb" not in arr.files and len(arr.files) != 1:
+                raise ValueError(f"{path}: an .npz embedding must hold one array or an 'emb' array, found {arr.files}")
+            arr = arr["emb"] if "emb" in arr.files else arr[arr.files[0]]
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise ValueError(f"{path}: a speaker embedding must hold real numbers, got {arr.dtype}")
     arr = np.asarray(arr, dtype=np.float32).squeeze()
-    if arr.ndim == 2:
+    if arr.ndim == 2 and arr.shape[0] > 0:
         arr = arr.mean(0)
-    return torch.from_numpy(arr)
+    if arr.shape != (dim,):
+        raise ValueError(f"{path}: the speaker embedding must have shape ({dim},) or (N, {dim}), got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{path}: the speaker embedding contains NaN or infinite values")
+    return torch.from_numpy(np.array(arr))
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
@@ -74,24 +84,27 @@ def cmd_logits(args: argparse.Namespace) -> None:
     device = _device(args.device)
     model = load_model(_weights(args), device, _DTYPES[args.dtype])
     ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64)).to(device)
-    spk = _read_embedding(args.speaker_embedding).to(device) if args.speaker_embedding else None
+    dim = model.cfg.speaker_embedding_dim
+    spk = _read_embedding(args.speaker_embedding, dim).to(device) if args.speaker_embedding else None
     logits = model.forward_full(ids, speaker=spk)
     np.save(args.out, logits.float().cpu().numpy())
     print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
 
 
 def cmd_speaker_embed(args: argparse.Namespace) -> None:
+    """The speaker_encoder node as a tool: clip -> [enc_dim] float32 .npy (whatever --dtype the network ran in)."""
     from engine.audio import decode_audio
 
-    encoder = load_speaker_encoder(_weights(args), _device(args.device))
+    src = _weights(args)
+    encoder = load_speaker_encoder(src, _device(args.device))
+    if _DTYPES[args.dtype] != torch.float32:
+        encoder = encoder.to(dtype=_DTYPES[args.dtype])
+        encoder.frontend.float()  # the log-mel DSP always runs in float32
     wav, sr = decode_audio(Path(args.audio).read_bytes())
-    emb = encoder.embed(wav, sr).float().cpu().numpy().astype(_np_dtype(args.dtype))
+    emb = encoder.embed(wav, sr).float().cpu().numpy().astype(np.float32)
     np.save(args.out, emb)
-    print(json.dumps({"out": args.out, "dim": int(emb.shape[-1]), "seconds": round(len(wav) / sr, 3)}))
-
-
-def _np_dtype(name: str) -> type:
-    return {"float32": np.float32, "float16": np.float16}[name]
+    print(json.dumps({"out": args.out, "dim": int(emb.shape[-1]), "seconds": round(len(wav) / sr, 3),
+                      "sample_rate": sr, "dtype": args.dtype, "encoder": src.describe()["speaker_encoder"]}))
 
 
 def cmd_synthesize(args: argparse.Namespace) -> None:
@@ -110,7 +123,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         wav, sr = decode_audio(Path(args.voice).read_bytes())
         speaker = load_speaker_encoder(src, device).embed(wav, sr).to(device)
     elif args.speaker_embedding:
-        speaker = _read_embedding(args.speaker_embedding).to(device)
+        speaker = _read_embedding(args.speaker_embedding, model.cfg.speaker_embedding_dim).to(device)
     text = args.text
     if args.language:
         from engine.textnorm import TextNormalizer
@@ -174,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     weights_args(sp, model=False, spk=True)
     sp.add_argument("--audio", required=True)
     sp.add_argument("--out", required=True)
-    sp.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    sp.add_argument("--dtype", choices=list(_DTYPES), default="float32",
+                    help="dtype the ECAPA network runs in (the log-mel frontend and the output stay float32)")
     sp.set_defaults(func=cmd_speaker_embed)
 
     sp = sub.add_parser("synthesize", help="text to a 44.1 kHz WAV")
@@ -195,6 +209,6 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad input or weights (SpeakerCheckpointError, AudioDecodeError), bad path
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,309 @@
+"""`python -m engine ...` end to end: real subprocesses in temporary folders, on synthetic checkpoints the
+tests write in the release formats (ZONOS2 params.json + model.pth, DAC .pth, ECAPA HF folder).
+
+One subprocess per command (each costs a few seconds of imports); the variants of a command call
+`engine.cli.main(argv)` in-process, which is the same code without the interpreter start.
+The speaker-embed parity checks reuse the independent float64 NumPy ECAPA of tests/test_speaker.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torchaudio
+from safetensors.torch import load_file, save_file
+
+from engine.checkpoint import load_checkpoint, random_model
+from engine.cli import main
+from engine.codec import Codec
+from engine.config import Zonos2Config, preset_params
+from engine.offline import synthesize
+from engine.prompt import Conditioning, PromptBuilder
+from engine.sampling import SamplingParams
+from engine.speaker import EcapaConfig, SpeakerEncoder
+from tests.test_speaker import _ref_embed, _tone
+
+ROOT = Path(__file__).resolve().parent.parent
+SPK_SEED = 3  # not the no-weights default (seed 0), so a test can tell the two apart
+
+
+def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    r = subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, f"rc={r.returncode}\n{r.stderr[-3000:]}"
+    return r
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def in_process(capsys, *args: str) -> tuple[int, str, str]:
+    """engine.cli.main in this process -> (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = 0
+    try:
+        main(list(args))
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("cli")
+    made = last_json(cli("make-checkpoint", "--preset", "tiny", "--out", str(d / "ckpt"), "--seed", "0").stdout)
+    Codec.random("tiny", seed=1).save(d / "dac.pth")
+    enc = SpeakerEncoder.random(EcapaConfig.tiny(), seed=SPK_SEED)
+    enc.save_pretrained(d / "spk")
+    sf.write(d / "clip24.wav", _tone(int(1.2 * 24_000), 24_000, seed=5), 24_000, subtype="FLOAT")
+    stereo = np.stack([_tone(44_100, 44_100, seed=6), _tone(44_100, 44_100, seed=7, amp=0.1)], axis=1)
+    sf.write(d / "clip44_stereo.wav", stereo, 44_100, subtype="PCM_16")
+    sf.write(d / "clip44.wav", _tone(int(1.1 * 44_100), 44_100, seed=8), 44_100, subtype="FLOAT")
+    return {"dir": d, "made": made, "ckpt": d / "ckpt", "dac": d / "dac.pth", "spk": d / "spk", "enc": enc}
+
+
+# ---- make-checkpoint ---------------------------------------------------------------------------------
+
+
+def test_make_checkpoint_writes_the_embedded_default(assets):
+    made, ck = assets["made"], assets["ckpt"]
+    assert Path(made["weights"]) == ck / "model.pth" and made["tensors"] > 0 and made["params"] > 0
+    assert json.loads((ck / "params.json").read_text()) == json.loads(json.dumps(preset_params("tiny")))
+    loaded = load_checkpoint(ck, "cpu", torch.float32).state_dict()
+    default = random_model("tiny", seed=0, dtype=torch.float32).state_dict()
+    assert loaded.keys() == default.keys()
+    for k, v in loaded.items():
+        assert torch.equal(v, default[k]), k  # the file is exactly the no-weights default
+
+
+# ---- prompt ------------------------------------------------------------------------------------------
+
+
+def test_prompt_matches_prompt_builder(assets, capsys):
+    d, ck = assets["dir"], assets["ckpt"]
+    text = "Hello there, how are you?"
+    r = cli("prompt", text, "--out", str(d / "p.npy"), "--model-path", str(ck), "--speaker",
+            "--speaking-rate-bucket", "3")
+    ids = np.load(d / "p.npy")
+    cfg = Zonos2Config.from_file(ck)
+    want = PromptBuilder(cfg).build(text, Conditioning(speaker=True, speaking_rate_bucket=3))
+    assert ids.ndim == 2 and ids.shape[1] == 10 and np.issubdtype(ids.dtype, np.integer)
+    assert np.array_equal(ids, want) and last_json(r.stdout)["frames"] == len(ids)
+
+    # Variants in-process: the defaults (full-size layout) and every switch off.
+    full = PromptBuilder(Zonos2Config.from_dict(preset_params("full")))
+    code, _, _ = in_process(capsys, "prompt", text, "--out", str(d / "p0.npy"))
+    assert code == 0 and np.array_equal(np.load(d / "p0.npy"), full.build(text, Conditioning()))
+    code, _, _ = in_process(capsys, "prompt", text, "--out", str(d / "p1.npy"), "--no-quality", "--expressive",
+                            "--clean-background", "--speaker")
+    want = full.build(text, Conditioning(speaker=True, clean_speaker_background=True, accurate_mode=False,
+                                         quality_buckets=None))
+    assert code == 0 and np.array_equal(np.load(d / "p1.npy"), want)
+
+
+# ---- logits ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_logits_match_forward_full(assets, capsys):
+    d, ck = assets["dir"], assets["ckpt"]
+    model = load_checkpoint(ck, "cpu", torch.float32)
+    ids = PromptBuilder(model.cfg).build("Teacher forcing.", Conditioning(speaker=True))
+    np.save(d / "ids.npy", ids)
+    emb = np.random.default_rng(0).standard_normal(model.cfg.speaker_embedding_dim).astype(np.float32)
+    np.save(d / "emb.npy", emb)
+    r = cli("logits", "--model-path", str(ck), "--input-ids", str(d / "ids.npy"), "--out", str(d / "l.npy"),
+            "--speaker-embedding", str(d / "emb.npy"), "--device", "cpu")
+    got = np.load(d / "l.npy")
+    assert got.shape == (len(ids), 9, 1026) and got.dtype == np.float32
+    assert last_json(r.stdout)["shape"] == [len(ids), 9, 1026]
+    with torch.inference_mode():
+        want = model.forward_full(torch.from_numpy(ids.astype(np.int64)), speaker=torch.from_numpy(emb))
+    np.testing.assert_allclose(got, want.float().numpy(), rtol=1e-4, atol=1e-4)
+
+    # A speaker embedding of the wrong size is refused with a message, not a traceback.
+    np.save(d / "bad.npy", emb[:100])
+    code, _, err = in_process(capsys, "logits", "--model-path", str(ck), "--input-ids", str(d / "ids.npy"),
+                              "--out", str(d / "l2.npy"), "--speaker-embedding", str(d / "bad.npy"),
+                              "--device", "cpu")
+    assert code == 2 and "(2048,)" in err and "(100,)" in err
+
+
+# ---- synthesize --------------------------------------------------------------------------------------
+
+
+def check_wav(path: Path) -> np.ndarray:
+    info = sf.info(str(path))
+    assert info.samplerate == 44_100 and info.subtype == "PCM_16" and info.channels == 1
+    assert info.frames > 0 and info.frames % 512 == 0, info.frames
+    audio, _ = sf.read(str(path), dtype="float32")
+    assert np.isfinite(audio).all()
+    return audio
+
+
+@pytest.mark.slow
+def test_synthesize_without_weights(tmp_path):
+    r = cli("synthesize", "Hello from the default model.", "-o", str(tmp_path / "out.wav"), "--max-frames", "16",
+            "--seed", "1", "--device", "cpu")
+    audio = check_wav(tmp_path / "out.wav")
+    out = last_json(r.stdout)
+    assert out["frames"] == len(audio) // 512 <= 16
+    assert out["weights"]["model"].startswith("random tiny") and out["weights"]["dac"].startswith("random tiny")
+
+
+@pytest.mark.slow
+def test_synthesize_with_checkpoints_and_voice_clip(assets, tmp_path):
+    ck, dac, spk = assets["ckpt"], assets["dac"], assets["spk"]
+    clip = assets["dir"] / "clip44_stereo.wav"
+    r = cli("synthesize", "Cloned voice.", "-o", str(tmp_path / "out.wav"), "--model-path", str(ck),
+            "--dac-weights", str(dac), "--speaker-weights", str(spk), "--voice", str(clip),
+            "--max-frames", "12", "--seed", "4", "--device", "cpu")
+    audio = check_wav(tmp_path / "out.wav")
+    out = last_json(r.stdout)
+    assert out["weights"] == {"model": str(ck), "dac": str(dac), "speaker_encoder": str(spk)}
+
+    # The same request in-process, from the same files: same frames, same audio (up to 16-bit rounding).
+    model = load_checkpoint(ck, "cpu")
+    wav, sr = sf.read(str(clip), dtype="float32")
+    speaker = SpeakerEncoder.from_pretrained(spk).embed(wav.T, sr)
+    want = synthesize(model, Codec.load(dac), "Cloned voice.", SamplingParams(seed=4), speaker=speaker, max_frames=12)
+    assert out["frames"] == len(want.frames) and len(audio) == len(want.audio)
+    np.testing.assert_allclose(audio, np.clip(want.audio, -1, 1), atol=2 / 32768)
+
+
+# ---- speaker-embed -----------------------------------------------------------------------------------
+
+
+def reference_embedding(enc: SpeakerEncoder, wav: np.ndarray, sr: int) -> np.ndarray:
+    """Independent float64 ECAPA (tests/test_speaker.py) after the prescribed torchaudio resampler."""
+    mono = wav.mean(axis=1) if wav.ndim == 2 else wav
+    mono = torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+    wav24 = mono if sr == 24_000 else torchaudio.transforms.Resample(sr, 24_000)(mono)
+    weights = {k: v.double().numpy() for k, v in enc.state_dict().items()}
+    return _ref_embed(weights, enc.config, wav24.double().numpy())
+
+
+def assert_parity(got: np.ndarray, ref: np.ndarray) -> None:
+    assert got.dtype == np.float32 and got.shape == ref.shape == (2048,)
+    rel = np.abs(got - ref).max() / np.abs(ref).max()
+    assert rel < 1e-5, f"max |diff| / max |ref| = {rel:.2e}"
+
+
+def test_speaker_embed_cli_matches_independent_reference(assets):
+    d, spk = assets["dir"], assets["spk"]
+    clip = d / "clip44_stereo.wav"  # 44.1 kHz, stereo, 16-bit: mixdown + resampling + the float32 network
+    r = cli("speaker-embed", "--speaker-weights", str(spk), "--audio", str(clip), "--out", str(d / "e.npy"),
+            "--device", "cpu")
+    out = last_json(r.stdout)
+    assert out["dim"] == 2048 and out["sample_rate"] == 44_100 and out["encoder"] == str(spk)
+    got = np.load(d / "e.npy")
+    wav, sr = sf.read(str(clip), dtype="float32")
+    assert_parity(got, reference_embedding(assets["enc"], wav, sr))
+
+
+@pytest.mark.parametrize("name, sr", [("clip24.wav", 24_000), ("clip44.wav", 44_100)])
+def test_speaker_embed_parity_per_rate(assets, capsys, name, sr):
+    d, spk = assets["dir"], assets["spk"]
+    code, out, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(spk), "--audio", str(d / name),
+                                "--out", str(d / f"e-{sr}.npy"), "--dtype", "float32", "--device", "cpu")
+    assert code == 0, err
+    assert last_json(out)["sample_rate"] == sr
+    got = np.load(d / f"e-{sr}.npy")
+    wav, file_sr = sf.read(str(d / name), dtype="float32")
+    assert file_sr == sr
+    assert_parity(got, reference_embedding(assets["enc"], wav, sr))
+    # The loaded checkpoint, not the random default, did the work.
+    default = SpeakerEncoder.random(EcapaConfig.tiny(), seed=0).embed(wav, sr).numpy()
+    assert np.abs(got - default).max() > 1e-3
+
+
+def test_speaker_embed_reduced_precision_still_writes_float32(assets, capsys):
+    d, spk = assets["dir"], assets["spk"]
+    code, _, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(spk), "--audio",
+                                str(d / "clip24.wav"), "--out", str(d / "bf16.npy"), "--dtype", "bfloat16",
+                                "--device", "cpu")
+    assert code == 0, err
+    got = np.load(d / "bf16.npy")
+    assert got.dtype == np.float32 and got.shape == (2048,)
+    wav, sr = sf.read(str(d / "clip24.wav"), dtype="float32")
+    want = assets["enc"].embed(wav, sr).numpy()
+    assert np.abs(got - want).max() / np.abs(want).max() < 0.05  # bf16 network, float32 log-mel
+
+
+def broken_checkpoint(assets, tmp_path: Path, mutate) -> Path:
+    d = tmp_path / "broken"
+    assets["enc"].save_pretrained(d)
+    state = load_file(str(d / "model.safetensors"))
+    mutate(state)
+    save_file(state, str(d / "model.safetensors"))
+    return d
+
+
+def test_speaker_embed_refuses_renamed_tensor(assets, tmp_path):
+    def rename(s: dict) -> None:
+        s["asp.tdnn.linear.weight"] = s.pop("asp.tdnn.conv.weight")
+
+    ck = broken_checkpoint(assets, tmp_path, rename)
+    r = cli("speaker-embed", "--speaker-weights", str(ck), "--audio", str(assets["dir"] / "clip24.wav"),
+            "--out", str(tmp_path / "e.npy"), "--device", "cpu", check=False)
+    assert r.returncode == 2, r.stderr
+    assert "missing tensor(s): asp.tdnn.conv.weight" in r.stderr
+    assert "unexpected tensor(s): asp.tdnn.linear.weight" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "e.npy").exists()
+
+
+def _wrong_shape(s: dict) -> None:
+    s["fc.weight"] = torch.zeros(1024, s["fc.weight"].shape[1], 1)
+
+
+def _bad_config(d: Path) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"architectures": ["Qwen3TTSForConditionalGeneration"]}))
+
+
+@pytest.mark.parametrize(
+    "case, needle",
+    [
+        ("wrong_shape", "fc.weight: checkpoint (1024, 192, 1) vs expected (2048, 192, 1)"),
+        ("no_config", "has no config.json"),
+        ("bad_architecture", "unsupported speaker encoder architecture"),
+        ("no_such_dir", "does not exist"),
+        ("not_audio", "could not decode audio"),
+        ("empty_clip", "zero samples"),
+        ("too_short", "too short"),
+    ],
+)
+def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
+    ck, audio = assets["spk"], assets["dir"] / "clip24.wav"
+    if case == "wrong_shape":
+        ck = broken_checkpoint(assets, tmp_path, _wrong_shape)
+    elif case in ("no_config", "bad_architecture"):
+        ck = broken_checkpoint(assets, tmp_path, lambda s: None)
+        if case == "no_config":
+            (ck / "config.json").unlink()
+        else:
+            _bad_config(ck)
+    elif case == "no_such_dir":
+        ck = tmp_path / "nowhere"
+    elif case == "not_audio":
+        audio = tmp_path / "x.wav"
+        audio.write_text("definitely not a RIFF file")
+    elif case == "empty_clip":
+        audio = tmp_path / "empty.wav"
+        sf.write(audio, np.zeros(0, np.float32), 24_000)
+    elif case == "too_short":
+        audio = tmp_path / "short.wav"
+        sf.write(audio, _tone(600, 24_000), 24_000)  # 25 ms: fewer mel frames than the kernels need
+    code, _, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(ck), "--audio", str(audio),
+                              "--out", str(tmp_path / "e.npy"), "--device", "cpu")
+    assert code == 2 and err.startswith("error: ") and needle in err, err
+    assert not (tmp_path / "e.npy").exists()

@@ -1,0 +1,603 @@
+"""Voices as first-class objects.
+
+Unit tests of app/voices.py (embedding files, SLERP, the on-disk VoiceStore with its atomic writes and
+crash recovery), then the /v1/voices API on the shared loopback server (tests/conftest.py `server`):
+averaging several clips, previews, .npy/.npz round trips, blends, renames, deletes, every bad input,
+and voices used by name from /v1/audio/speech, /tts/generate and the WebSocket protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import errno
+import io
+import json
+import logging
+import os
+import pickle
+import zipfile
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+
+from app import voices as voices_mod
+from app.voices import MAX_EMBEDDING_ROWS, Voice, VoiceError, VoiceStore, parse_embedding_file, slerp
+
+D = 2048  # the model's speaker embedding dimension (tiny preset and release alike)
+FAST = {"max_frames": 12, "ignore_eos": True, "seed": 7}
+
+
+def npy(arr: np.ndarray, allow_pickle: bool = False) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, arr, allow_pickle=allow_pickle)
+    return buf.getvalue()
+
+
+def npz(compressed: bool = False, **arrays: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buf, **arrays)
+    return buf.getvalue()
+
+
+def rand(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape or (D,)).astype(np.float32)
+
+
+# ======================================================================================================
+# Embedding files
+# ======================================================================================================
+
+
+def test_parse_embedding_accepts_npy_npz_and_averages():
+    e = rand(1)
+    assert np.array_equal(parse_embedding_file(npy(e), D), e)
+    assert np.array_equal(parse_embedding_file(npy(e.astype(np.float64)), D), e)
+    assert np.array_equal(parse_embedding_file(npy(e[None, None]), D), e)  # (1, 1, D) squeezes
+    assert np.array_equal(parse_embedding_file(npy(np.arange(D, dtype=np.int16)), D), np.arange(D))
+    rows = rand(2, 3, D)
+    np.testing.assert_allclose(parse_embedding_file(npy(rows), D), rows.mean(0), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(parse_embedding_file(npy(np.asfortranarray(rows)), D), rows.mean(0), rtol=1e-6)
+    # .npz: the 'emb' array wins over others; a single array needs no particular name
+    got = parse_embedding_file(npz(other=rand(9), emb=rows), D)
+    np.testing.assert_allclose(got, rows.mean(0), rtol=1e-6, atol=1e-7)
+    assert np.array_equal(parse_embedding_file(npz(compressed=True, anything=e), D), e)
+    # a structured array with a numeric 'emb' field gives that field
+    rec = np.zeros(2, dtype=[("emb", "<f4", (D,)), ("label", "<i4")])
+    rec["emb"] = rows[:2]
+    np.testing.assert_allclose(parse_embedding_file(npy(rec), D), rows[:2].mean(0), rtol=1e-6, atol=1e-7)
+    out = parse_embedding_file(npy(e), D)
+    assert out.dtype == np.float32 and out.flags.writeable and out.flags.c_contiguous
+
+
+def _header_only_npz(shape: tuple[int, ...]) -> bytes:
+    """An .npz whose member *claims* a huge array but holds no data: must be refused from the header."""
+    member = io.BytesIO()
+    np.lib.format.write_array_header_1_0(member, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("emb.npy", member.getvalue())
+    return buf.getvalue()
+
+
+def _truncated_npy() -> bytes:
+    return npy(rand(3))[:-100]
+
+
+BAD_EMBEDDINGS = {
+    "wrong_dimension": (npy(np.ones(7, np.float32)), "shape (2048,) or (N, 2048), got (7,)"),
+    "transposed_rows": (npy(rand(4, D, 3)), "got (2048, 3)"),
+    "one_row_too_short": (npy(rand(4, 1, 100)), "got (1, 100)"),
+    "three_dims": (npy(rand(5, 2, 3, D)), "got (2, 3, 2048)"),
+    "no_rows": (npy(np.zeros((0, D), np.float32)), "holds no rows"),
+    "nan": (npy(np.full(D, np.nan, np.float32)), "NaN or infinite"),
+    "inf_in_one_row": (npy(np.stack([rand(6), np.full(D, np.inf, np.float32)])), "NaN or infinite"),
+    "float64_overflow": (npy(np.full(D, 1e300)), "NaN or infinite"),
+    "complex": (npy(np.ones(D, np.complex64)), "real numbers"),
+    "bool": (npy(np.ones(D, bool)), "real numbers"),
+    "strings": (npy(np.array(["a"] * D)), "real numbers"),
+    "pickled_object_array": (npy(np.array([rand(7)], dtype=object), allow_pickle=True), "object arrays"),
+    "pickled_object_in_npz": (npz(emb=np.array([1, "x"], dtype=object)), "object arrays"),
+    "raw_pickle": (pickle.dumps(rand(8)), "not a .npy/.npz"),
+    "structured_without_emb": (npy(np.zeros(3, dtype=[("x", "<f4"), ("y", "<f4")])), "'emb' field"),
+    "npz_two_arrays_no_emb": (npz(a=rand(9), b=rand(10)), "one array or an 'emb' array"),
+    "npz_empty": (npz(), "one array or an 'emb' array"),
+    "truncated": (_truncated_npy(), "truncated"),
+    "text": (b"definitely not numpy", "not a .npy/.npz"),
+    "empty": (b"", "not a .npy/.npz"),
+    "bad_zip": (b"PK\x03\x04" + b"\0" * 64, "not a readable"),
+    "huge_header": (_header_only_npz((10**9, D)), "too large"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EMBEDDINGS))
+def test_parse_embedding_refuses(case):
+    data, needle = BAD_EMBEDDINGS[case]
+    with pytest.raises(VoiceError) as err:
+        parse_embedding_file(data, D)
+    assert err.value.code == "bad_embedding" and err.value.status == 400
+    assert needle in str(err.value), str(err.value)
+
+
+def test_compressed_npz_bomb_is_refused_before_inflating():
+    data = npz(compressed=True, emb=np.zeros((MAX_EMBEDDING_ROWS + 1, D)))
+    assert len(data) < 100_000  # ~16 MB of zeros in a few KB
+    with pytest.raises(VoiceError, match="too large"):
+        parse_embedding_file(data, D)
+    with pytest.raises(VoiceError, match="too large"):
+        parse_embedding_file(npz(compressed=True, emb=np.zeros((2 * MAX_EMBEDDING_ROWS + 1, 8), np.float32)), 8)
+    ok = npz(compressed=True, emb=np.ones((MAX_EMBEDDING_ROWS, 8)))  # at the limit: accepted
+    assert np.array_equal(parse_embedding_file(ok, 8), np.ones(8, np.float32))
+
+
+# ======================================================================================================
+# SLERP
+# ======================================================================================================
+
+
+def test_slerp_endpoints_midpoint_and_range():
+    a, b = rand(11) * 3, rand(12)
+    np.testing.assert_allclose(slerp(a, b, 0.0), a, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(slerp(a, b, 1.0), b, rtol=1e-5, atol=1e-5)
+    mid = slerp(a, b, 0.5)
+    na, nb = np.linalg.norm(a), np.linalg.norm(b)
+    assert np.isclose(np.linalg.norm(mid), (na + nb) / 2, rtol=1e-5)  # norms interpolate linearly
+    ua, ub, um = a / na, b / nb, mid / np.linalg.norm(mid)
+    assert np.isclose(um @ ua, um @ ub, rtol=1e-4)  # the direction is halfway along the great circle
+    assert slerp(a, b, 0.3).dtype == np.float32
+    np.testing.assert_allclose(slerp(a, 2 * a, 0.5), 1.5 * a, rtol=1e-5)  # parallel: no 0/0
+    np.testing.assert_allclose(slerp(np.zeros(D, np.float32), b, 0.25), 0.25 * b, rtol=1e-6)
+    for t in (-0.01, 1.01, float("nan")):
+        with pytest.raises(VoiceError, match=r"\[0, 1\]"):
+            slerp(a, b, t)
+
+
+# ======================================================================================================
+# VoiceStore on disk
+# ======================================================================================================
+
+DIM = 16
+
+
+def add(store: VoiceStore, vid: str, name: str, seed: int = 0, owner: str = "", preview: bytes | None = None,
+        created_at: float | None = None) -> Voice:
+    v = Voice(id=vid, name=name, owner=owner, source="embedding", dim=DIM)
+    if created_at is not None:
+        v.created_at = created_at
+    return store.add(v, rand(seed, DIM), preview)
+
+
+def entries(root) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_store_persists_and_reloads(tmp_path):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_a", "Anna", seed=1, preview=b"RIFF-fake-wav", created_at=1.0)
+    add(store, "v_b", "Ben", seed=2, created_at=2.0)
+    assert entries(tmp_path) == ["v_a", "v_b"]
+    assert entries(tmp_path / "v_a") == ["embedding.npy", "meta.json", "preview.wav"]
+    meta = json.loads((tmp_path / "v_a" / "meta.json").read_text())
+    assert meta["id"] == "v_a" and meta["name"] == "Anna" and "embedding" not in meta
+
+    again = VoiceStore(tmp_path, DIM)
+    assert again.error is None
+    assert [v.id for v in again.list("")] == ["v_b", "v_a"]  # newest first
+    a = again.get("v_a", "")
+    assert a.name == "Anna" and a.has_preview and np.array_equal(a.embedding, rand(1, DIM))
+    assert again.preview_bytes(a) == b"RIFF-fake-wav"
+    assert again.preview_bytes(again.get("Ben", "")) is None
+
+
+def test_get_by_id_or_name_newest_wins_and_owners_are_separate(tmp_path):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_old", "Same", seed=1, created_at=1.0)
+    add(store, "v_new", "Same", seed=2, created_at=2.0)
+    add(store, "v_key", "Private", seed=3, owner="k1")
+    assert store.get("Same", "").id == "v_new" and store.get("v_old", "").id == "v_old"
+    assert store.get("Private", "k1").id == "v_key"
+    for ref, owner in (("Private", ""), ("v_key", "k2"), ("nobody", "")):
+        with pytest.raises(VoiceError) as err:
+            store.get(ref, owner)
+        assert err.value.code == "unknown_voice" and err.value.status == 404
+    assert {v.id for v in store.list("k1")} == {"v_old", "v_new", "v_key"}  # public voices + its own
+    assert {v.id for v in store.list("k2")} == {"v_old", "v_new"}
+
+
+def test_disk_full_in_the_middle_of_a_write_leaves_no_half_voice(tmp_path, monkeypatch):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_keep", "Keep", seed=1)
+
+    def no_space(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(voices_mod.np, "save", no_space)  # meta.json is written, the embedding fails
+    with pytest.raises(VoiceError) as err:
+        add(store, "v_new", "New", seed=2, preview=b"wav")
+    assert err.value.code == "voice_store_unavailable" and err.value.status == 507
+    assert "No space left on device" in str(err.value)
+    # rewriting an existing voice (a rename) fails the same way and changes nothing
+    with pytest.raises(VoiceError) as err:
+        store.rename("Keep", "", "Renamed")
+    assert err.value.status == 507
+    monkeypatch.undo()
+
+    assert entries(tmp_path) == ["v_keep"]  # no temp folder, no half voice, the old one untouched
+    assert store.find("v_new") is None and store.get("v_keep", "").name == "Keep"
+    reloaded = VoiceStore(tmp_path, DIM)
+    assert [(v.id, v.name) for v in reloaded.list("")] == [("v_keep", "Keep")]
+    assert np.array_equal(reloaded.get("v_keep", "").embedding, rand(1, DIM))
+
+
+class Crash(BaseException):
+    """Stands for the process dying: nothing catches it."""
+
+
+def test_crash_between_the_two_renames_is_recovered_at_load(tmp_path, monkeypatch):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_x", "Before", seed=1)
+    real_replace, calls = os.replace, []
+
+    def dies_on_second(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:  # the old version is set aside; the new one never lands
+            raise Crash
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(voices_mod.os, "replace", dies_on_second)
+    with pytest.raises(Crash):
+        store.rename("v_x", "", "After")
+    monkeypatch.undo()
+    assert "v_x" not in entries(tmp_path) and any(n.startswith(".old-v_x-") for n in entries(tmp_path))
+    (tmp_path / ".tmp-leftover").mkdir()
+    (tmp_path / ".del-v_gone-1-2").mkdir()
+
+    reloaded = VoiceStore(tmp_path, DIM)
+    assert entries(tmp_path) == ["v_x"]  # restored; leftovers cleaned
+    v = reloaded.get("v_x", "")
+    assert v.name == "Before" and np.array_equal(v.embedding, rand(1, DIM))
+
+
+def test_damaged_voice_folders_are_skipped(tmp_path, caplog):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_good", "Good", seed=1)
+    for vid in ("v_meta", "v_noemb", "v_dim", "v_pickle", "v_nan", "v_moved"):
+        add(store, vid, vid, seed=2)
+    (tmp_path / "v_meta" / "meta.json").write_text("{ not json")
+    (tmp_path / "v_noemb" / "embedding.npy").unlink()
+    np.save(tmp_path / "v_dim" / "embedding.npy", np.ones(DIM + 1, np.float32))
+    np.save(tmp_path / "v_pickle" / "embedding.npy", np.array([1, "x"], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "v_nan" / "embedding.npy", np.full(DIM, np.nan, np.float32))
+    os.rename(tmp_path / "v_moved", tmp_path / "v_copy")  # meta.json names a folder that is not this one
+    (tmp_path / "stray.txt").write_text("not a voice")
+    (tmp_path / "v_empty").mkdir()
+
+    with caplog.at_level(logging.WARNING, logger="gateway.voices"):
+        reloaded = VoiceStore(tmp_path, DIM)
+    assert reloaded.error is None
+    assert [v.id for v in reloaded.list("")] == ["v_good"]
+    skipped = caplog.text
+    for name in ("v_meta", "v_noemb", "v_pickle", "v_nan", "v_copy", "v_empty"):
+        assert name in skipped, name
+    assert "v_dim" in skipped and "dimension" in skipped
+    add(reloaded, "v_more", "More", seed=3)  # the store still works
+    assert reloaded.get("More", "").id == "v_more"
+
+
+def test_unwritable_store_root_reports_unavailable(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    store = VoiceStore(blocker / "voices", DIM)  # cannot be created: its parent is a file
+    assert store.error and "unusable" in store.error
+    assert store.list("") == []
+    with pytest.raises(VoiceError) as err:
+        add(store, "v_a", "A")
+    assert err.value.code == "voice_store_unavailable" and err.value.status == 503
+
+    # A root that exists but refuses writes (EACCES; root ignores chmod, so simulated): 503, not 507.
+    ok = VoiceStore(tmp_path / "voices", DIM)
+
+    def denied(*_a, **_k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(voices_mod.tempfile, "mkdtemp", denied)
+    with pytest.raises(VoiceError) as err:
+        add(ok, "v_a", "A")
+    assert err.value.code == "voice_store_unavailable" and err.value.status == 503
+    assert "Permission denied" in str(err.value)
+
+
+def test_rename_keeps_embedding_and_preview(tmp_path):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_a", "Old name", seed=4, preview=b"preview-bytes")
+    v = store.rename("Old name", "", "  New name  ")
+    assert v.name == "New name" and v.id == "v_a"
+    reloaded = VoiceStore(tmp_path, DIM)
+    r = reloaded.get("New name", "")
+    assert r.id == "v_a" and np.array_equal(r.embedding, rand(4, DIM))
+    assert reloaded.preview_bytes(r) == b"preview-bytes"
+    with pytest.raises(VoiceError):
+        reloaded.get("Old name", "")
+    for bad in ("", "x" * 65, "semi;colon", "new\nline"):
+        with pytest.raises(VoiceError) as err:
+            store.rename("v_a", "", bad)
+        assert err.value.code == "bad_name"
+    assert store.get("v_a", "").name == "New name"
+
+
+def test_default_and_foreign_voices_are_read_only(tmp_path):
+    store = VoiceStore(tmp_path, DIM)
+    store.remember_default(Voice(id="default_1", name="Narrator", owner="", source="default", dim=DIM),
+                           rand(5, DIM), None)
+    add(store, "v_pub", "Public", seed=6)
+    for op in (lambda: store.rename("Narrator", "", "x"), lambda: store.delete("default_1", "")):
+        with pytest.raises(VoiceError) as err:
+            op()
+        assert err.value.code == "read_only" and err.value.status == 403
+    with pytest.raises(VoiceError) as err:
+        store.delete("v_pub", "some-key")  # visible to every key, owned by none of them
+    assert err.value.code == "forbidden"
+    assert entries(tmp_path) == ["v_pub"]  # defaults are never written to the store
+
+
+def test_delete_then_reuse_the_name(tmp_path, monkeypatch):
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_1", "Reused", seed=1)
+
+    def io_error(*_a, **_k):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(voices_mod.os, "replace", io_error)
+    with pytest.raises(VoiceError) as err:
+        store.delete("Reused", "")
+    assert err.value.status == 503 and store.get("Reused", "").id == "v_1"  # a failed delete changes nothing
+    monkeypatch.undo()
+
+    assert store.delete("Reused", "").id == "v_1"
+    assert entries(tmp_path) == []
+    with pytest.raises(VoiceError):
+        store.get("Reused", "")
+    add(store, "v_2", "Reused", seed=2)
+    assert store.get("Reused", "").id == "v_2"
+    reloaded = VoiceStore(tmp_path, DIM)
+    assert [v.id for v in reloaded.list("")] == ["v_2"]
+    assert np.array_equal(reloaded.get("Reused", "").embedding, rand(2, DIM))
+
+
+# ======================================================================================================
+# The /v1/voices API on a real server
+# ======================================================================================================
+
+
+def clip_wav(freq: float, seconds: float = 0.8, sr: int = 24_000) -> tuple[bytes, np.ndarray]:
+    t = np.arange(int(seconds * sr)) / sr
+    x = (0.25 * np.sin(2 * np.pi * freq * t) + 0.05 * np.sin(2 * np.pi * 3.1 * freq * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, x, sr, format="WAV", subtype="PCM_16")
+    return buf.getvalue(), x
+
+
+def post_voice(server, files, name: str | None = None) -> httpx.Response:
+    return httpx.post(server.url + "/v1/voices", files=files, data={"name": name} if name else None, timeout=120)
+
+
+def created(r: httpx.Response) -> dict:
+    assert r.status_code in (200, 201), r.text
+    return r.json()
+
+
+def embedding_of(server, ref: str) -> np.ndarray:
+    r = httpx.get(server.url + f"/v1/voices/{ref}/embedding", timeout=30)
+    assert r.status_code == 200, r.text
+    return np.load(io.BytesIO(r.content), allow_pickle=False)
+
+
+def upload_embedding(server, arr_bytes: bytes, name: str | None, filename: str = "e.npy") -> httpx.Response:
+    return post_voice(server, {"embedding": (filename, arr_bytes, "application/octet-stream")}, name)
+
+
+def pcm(server, voice: str) -> bytes:
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
+        "input": "Voice check.", "voice": voice, "response_format": "pcm", "params": FAST})
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+@pytest.mark.slow
+def test_several_clips_average_their_embeddings(server):
+    clips = [clip_wav(170.0), clip_wav(240.0, 1.1), clip_wav(310.0, 0.9, sr=16_000)]
+    singles = []
+    for i, (data, _) in enumerate(clips):
+        v = created(post_voice(server, {"file": (f"tv-single-{i}.wav", data, "audio/wav")}, f"tv single {i}"))
+        assert v["source"] == "clip" and v["details"]["clips"] == 1
+        singles.append(embedding_of(server, v["id"]))
+    for n in (2, 3):
+        files = [("file", (f"c{i}.wav", clips[i][0], "audio/wav")) for i in range(n)]
+        v = created(post_voice(server, files, f"tv average {n}"))
+        assert v["source"] == "clips" and v["details"]["clips"] == n and v["dim"] == D
+        got = embedding_of(server, v["id"])
+        np.testing.assert_allclose(got, np.mean(singles[:n], axis=0), rtol=1e-5, atol=1e-6)
+        # the preview is the first clip, as uploaded
+        prev = httpx.get(server.url + f"/v1/voices/{v['id']}/preview")
+        assert prev.status_code == 200 and prev.headers["content-type"] == "audio/wav"
+        audio, sr = sf.read(io.BytesIO(prev.content), dtype="float32")
+        assert sr == 24_000 and np.abs(audio - clips[0][1]).max() <= 1 / 32768 + 1e-6
+
+
+@pytest.mark.slow
+def test_embedding_export_import_round_trip(server):
+    data, _ = clip_wav(205.0)
+    clip_voice = created(post_voice(server, {"file": ("tv-rt.wav", data, "audio/wav")}, "tv round trip clip"))
+    exported = httpx.get(server.url + f"/v1/voices/{clip_voice['id']}/embedding")
+    assert exported.headers["content-disposition"] == f'attachment; filename="{clip_voice["id"]}.npy"'
+    emb = np.load(io.BytesIO(exported.content), allow_pickle=False)
+    assert emb.dtype == np.float32 and emb.shape == (D,)
+
+    imported = created(upload_embedding(server, exported.content, "tv round trip npy"))
+    assert imported["source"] == "embedding" and imported["dim"] == D and not imported["has_preview"]
+    assert np.array_equal(embedding_of(server, imported["id"]), emb)
+    # the same voice: the same audio for the same seed
+    assert pcm(server, "tv round trip npy") == pcm(server, clip_voice["id"])
+
+    rows = np.stack([emb, rand(21), rand(22)])
+    from_npz = created(upload_embedding(server, npz(emb=rows, note=np.zeros(3)), "tv round trip npz", "x.npz"))
+    np.testing.assert_allclose(embedding_of(server, from_npz["id"]), rows.mean(0), rtol=1e-6, atol=1e-7)
+    r = httpx.get(server.url + f"/v1/voices/{imported['id']}/preview")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "no_preview"
+
+
+@pytest.mark.slow
+def test_blend_by_name(server):
+    a, b = rand(31) * 2, rand(32)
+    created(upload_embedding(server, npy(a), "tv blend A"))
+    created(upload_embedding(server, npy(b), "tv blend B"))
+    for t, want in ((0, a), (1, b), (0.25, slerp(a, b, 0.25))):
+        r = httpx.post(server.url + "/v1/voices/blend", json={"a": "tv blend A", "b": "tv blend B", "t": t,
+                                                                "name": f"tv blend {t}"})
+        v = created(r)
+        assert v["source"] == "blend" and v["details"]["t"] == t
+        np.testing.assert_allclose(embedding_of(server, f"tv blend {t}"), want, rtol=1e-5, atol=1e-5)
+    v = created(httpx.post(server.url + "/v1/voices/blend", json={"a": "tv blend A", "b": "tv blend B"}))
+    assert v["name"] == "tv blend A + tv blend B" and v["details"]["t"] == 0.5
+    # voices and blends by name in /tts/generate
+    for extra in ({"speaker_embedding_id": "tv blend 0.25"},
+                  {"speaker_blend_embedding_id_a": "tv blend A", "speaker_blend_embedding_id_b": "tv blend B",
+                   "speaker_blend_t": 0.25}):
+        r = httpx.post(server.url + "/tts/generate", timeout=120, json={
+            "text": "Blend.", "max_tokens": 8, "ignore_eos": True, "stream": False, "seed": 3} | extra)
+        assert r.status_code == 200 and len(r.content) == 8 * 512 * 4, r.text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "body, status, code",
+    [
+        ({"a": "tv blend A", "b": "tv blend B", "t": -0.1}, 400, "bad_blend"),
+        ({"a": "tv blend A", "b": "tv blend B", "t": 1.5}, 400, "bad_blend"),
+        ({"a": "tv blend A", "b": "tv blend B", "t": "0.5"}, 400, "bad_blend"),
+        ({"a": "tv blend A", "b": "tv blend B", "t": True}, 400, "bad_blend"),
+        ({"a": "tv blend A", "b": "tv blend B", "t": None}, 400, "bad_blend"),
+        ({"a": "tv blend A"}, 400, "bad_blend"),
+        ({"a": "tv blend A", "b": "no such voice"}, 404, "unknown_voice"),
+        ({"a": "tv blend A", "b": "tv blend B", "name": "bad/name"}, 400, "bad_name"),
+    ],
+)
+def test_bad_blends(server, body, status, code):
+    created(upload_embedding(server, npy(rand(31) * 2), "tv blend A"))
+    created(upload_embedding(server, npy(rand(32)), "tv blend B"))
+    r = httpx.post(server.url + "/v1/voices/blend", json=body)
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_rename_delete_and_reuse_the_name(server):
+    v = created(upload_embedding(server, npy(rand(41)), "tv rename me"))
+    before = embedding_of(server, v["id"])
+    r = httpx.patch(server.url + f"/v1/voices/{v['id']}", json={"name": "tv renamed"})
+    assert r.status_code == 200 and r.json()["name"] == "tv renamed" and r.json()["id"] == v["id"]
+    assert np.array_equal(embedding_of(server, "tv renamed"), before)
+    assert httpx.get(server.url + "/v1/voices/tv rename me").status_code == 404
+    r = httpx.patch(server.url + "/v1/voices/tv renamed", json={"name": "a|b"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
+    assert pcm(server, "tv renamed")  # usable by its new name
+
+    assert httpx.delete(server.url + "/v1/voices/tv renamed").json() == {"deleted": v["id"]}
+    assert httpx.get(server.url + f"/v1/voices/{v['id']}").status_code == 404
+    r = httpx.post(server.url + "/v1/audio/speech", json={"input": "x", "voice": "tv renamed"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_voice"
+    again = created(upload_embedding(server, npy(rand(42)), "tv renamed"))
+    assert again["id"] != v["id"]
+    assert np.array_equal(embedding_of(server, "tv renamed"), rand(42))
+    assert httpx.get(server.url + f"/v1/voices/{again['id']}").json()["name"] == "tv renamed"
+
+
+@pytest.mark.slow
+def test_voice_by_name_over_websocket(server):
+    v = created(upload_embedding(server, npy(rand(51)), "tv ws voice"))
+
+    async def go() -> tuple[dict, dict, int]:
+        async with websockets.connect(server.ws_url, max_size=None) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(json.dumps({"type": "session.config", "voice": "tv ws voice",
+                                      "params": {"max_frames": 10, "ignore_eos": True}}))
+            upd = json.loads(await ws.recv())
+            await ws.send(json.dumps({"type": "text", "text": "By name.", "flush": True}))
+            n = 0
+            while True:
+                msg = await asyncio.wait_for(ws.recv(), 60)
+                if isinstance(msg, bytes):
+                    n += len(msg)
+                    continue
+                d = json.loads(msg)
+                assert d["type"] != "error", d
+                if d["type"] == "audio.done":
+                    return upd, d, n
+
+    upd, done, n = asyncio.run(go())
+    assert upd["type"] == "session.updated" and upd["voice"] == v["id"]
+    assert done["stats"]["frames"] == 10 and n > 0
+
+
+@pytest.mark.slow
+def test_default_name_comes_from_any_file_name(server):
+    v = created(upload_embedding(server, npy(rand(61)), None, filename="C:\\fakepath\\tv my#voice!.npy"))
+    assert v["name"] == "tv my_voice_"
+    v = created(upload_embedding(server, npy(rand(62)), None, filename=".npy"))
+    assert v["name"] == "voice"
+
+
+def _zero_length_wav() -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(0, np.float32), 24_000, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+BAD_UPLOADS = {
+    "wrong_dimension": ({"embedding": ("e.npy", npy(np.ones(512, np.float32)))}, 400, "bad_embedding"),
+    "nan": ({"embedding": ("e.npy", npy(np.full(D, np.nan, np.float32)))}, 400, "bad_embedding"),
+    "pickled_object_npz": ({"embedding": ("e.npz", npz(emb=np.array([1, "x"], dtype=object)))}, 400,
+                           "bad_embedding"),
+    "structured": ({"embedding": ("e.npy", npy(np.zeros(3, dtype=[("x", "<f4")])))}, 400, "bad_embedding"),
+    "npz_bomb": ({"embedding": ("e.npz", _header_only_npz((10**9, D)))}, 400, "bad_embedding"),
+    "non_audio": ({"file": ("x.wav", b"this is plain text, not a WAV")}, 400, "bad_audio"),
+    "empty_file": ({"file": ("x.wav", b"")}, 400, "bad_audio"),
+    "zero_length_wav": ({"file": ("x.wav", _zero_length_wav())}, 400, "bad_audio"),
+    "both_kinds": ({"file": ("x.wav", b"RIFF"), "embedding": ("e.npy", npy(rand(1)))}, 400, "bad_upload"),
+    "bad_name": ({"embedding": ("e.npy", npy(rand(71)))}, 400, "bad_name"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
+def test_bad_voice_uploads(server, case):
+    files, status, code = BAD_UPLOADS[case]
+    data = {"name": "no/slashes"} if case == "bad_name" else None
+    r = httpx.post(server.url + "/v1/voices", files=files, data=data, timeout=60)
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    assert r.json()["error"]["message"]
+
+
+@pytest.mark.slow
+def test_no_upload_and_unknown_voices(server):
+    r = httpx.post(server.url + "/v1/voices", data={"name": "only a name"}, files={"x": ("x", b"")})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
+    r = httpx.post(server.url + "/v1/voices", json={"name": "json body"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
+    for method, path, body in (("GET", "", None), ("GET", "/embedding", None), ("GET", "/preview", None),
+                               ("PATCH", "", {"name": "x"}), ("DELETE", "", None)):
+        r = httpx.request(method, server.url + f"/v1/voices/tv-nobody{path}", json=body)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_voice", (method, path, r.text)
+    r = httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_embedding_id": "tv-nobody"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_voice"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arr", [np.ones(5, np.float32), np.full(D, np.inf, np.float32)])
+def test_inline_embedding_in_tts_generate_is_validated(server, arr):
+    r = httpx.post(server.url + "/tts/generate", timeout=60, json={
+        "text": "x", "speaker_embedding_base64": base64.b64encode(npy(arr)).decode()})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding", r.text
