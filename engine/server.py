@@ -149,7 +149,7 @@ class Engine:
         while not self.stopping:
             generating = any(j.seq.finish_reason is None for j in self.running.values()) or self.waiting
             if not generating and self.outbox.pending_bytes() == 0:
-                # idle, or only audio decoding left: sleep until a request or a decoded chunk arrives
+                # idle: sleep until a request arrives (only audio left to decode: just a short nap)
                 self.inbox.wait(timeout=0.5 if not self.running else 0.002)
             self._read_inbox()
             self._admit()
