@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 
 from app.settings import GatewaySettings, Limits, loopback
 from engine.server import EngineSettings
 from engine.weights import WeightSources
+
+# Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
+_LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
+                  "max_buffered_audio_s": ["--max-buffered-audio"]}
+_ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes"}  # 0 allowed (no minimum / OS default)
 
 
 def parse_args(argv: list[str] | None = None) -> GatewaySettings:
@@ -27,6 +34,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--max-batch", type=int, help="decode slots (default: 64 on GPU, 8 on CPU)")
     p.add_argument("--max-context", type=int, help="frames per slot (prompt + audio)")
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--max-queue", type=int, default=EngineSettings.max_queue,
+                   help="requests waiting for a decode slot before new ones get queue_full")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
@@ -36,10 +45,17 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without API keys")
     p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable)")
     p.add_argument("--no-text-normalization", action="store_true")
-    p.add_argument("--max-frames", type=int, default=Limits.max_frames)
-    p.add_argument("--max-sessions", type=int, default=Limits.max_sessions)
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
+    lim = p.add_argument_group("limits", "app/settings.py Limits; the table is in docs/reliability.md")
+    for f in dataclasses.fields(Limits):
+        lim.add_argument("--" + f.name.replace("_", "-"), *_LIMIT_ALIASES.get(f.name, []), dest="limit_" + f.name,
+                         type=type(f.default), default=f.default, metavar=type(f.default).__name__.upper(),
+                         help=f"default {f.default}")
     a = p.parse_args(argv)
+    limit_values = {f.name: getattr(a, "limit_" + f.name) for f in dataclasses.fields(Limits)}
+    for name, value in limit_values.items():
+        if value < 0 or (value == 0 and name not in _ZERO_OK):
+            p.error(f"--{name.replace('_', '-')} must be {'>= 0' if name in _ZERO_OK else '> 0'}")
 
     keys = tuple(a.api_key) + tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
     if not loopback(a.host) and not keys and not a.no_auth:
@@ -53,12 +69,13 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         max_batch=a.max_batch or (64 if on_gpu else 8),
         max_context=a.max_context,
         prefill_chunk=a.prefill_chunk,
+        max_queue=a.max_queue,
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
     )
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()
-    limits = Limits(max_frames=a.max_frames, max_sessions=a.max_sessions)
+    limits = Limits(**limit_values)
     return GatewaySettings(
         host=a.host, port=a.port, weights=weights, engine=engine, limits=limits, data_dir=Path(a.data_dir),
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
@@ -79,10 +96,20 @@ def main(argv: list[str] | None = None) -> None:
     from app.server import create_app
 
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
-    uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
-    )
+    kwargs = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                  ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5)
+    sndbuf = settings.limits.tcp_send_buffer_bytes
+    if not sndbuf:
+        uvicorn.run(create_app(settings), **kwargs)
+        return
+    # A capped kernel send buffer: set on the listening socket, every accepted connection inherits it.
+    config = uvicorn.Config(create_app(settings), **kwargs)
+    sock = config.bind_socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    if not server.started:
+        sys.exit(3)
 
 
 if __name__ == "__main__":

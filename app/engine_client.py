@@ -2,8 +2,10 @@
 routes its events to per-request streams, and restarts it if it dies.
 
 Each submitted request gets a `Stream`: a bounded asyncio queue of events. A consumer that falls
-behind by more than `max_buffered_s` of audio is cancelled (its GPU slot is freed) and told why,
-so one slow client never holds memory or GPU time that others need.
+behind by more than `max_buffered_s` of audio is cancelled (its GPU slot is freed), its unread audio
+is dropped and the error is the next event it reads, so one slow client never holds memory or GPU
+time that others need. A stream nobody reads yet (the next utterance, generating ahead while the
+current one plays) is bounded by its max_frames instead; its head start does not count as falling behind.
 """
 
 from __future__ import annotations
@@ -51,14 +53,19 @@ class Stream:
     buffered_samples: int = 0
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
+    reading: bool = False  # the consumer has started to read this stream
+    head_start: int = 0  # samples buffered before it did, not yet read: allowed on top of the limit
 
     def _deliver(self, ev: Event) -> None:
         if self.done:
             return
         if ev.pcm is not None:
             self.buffered_samples += len(ev.pcm)
-            if self.buffered_samples > self.max_buffered_samples:
+            if self.reading and self.buffered_samples > self.max_buffered_samples + self.head_start:
                 self.client.cancel(self.rid)
+                while not self.queue.empty():  # free the unread audio now; the error is what comes next
+                    self.queue.get_nowait()
+                self.buffered_samples = self.head_start = 0
                 self._end(Event(m.ERROR, {"code": "slow_consumer",
                                           "message": "audio was not read fast enough; generation stopped"}))
                 return
@@ -73,9 +80,12 @@ class Stream:
         self.queue.put_nowait(ev)
 
     async def next(self) -> Event:
+        if not self.reading:
+            self.reading, self.head_start = True, self.buffered_samples
         ev = await self.queue.get()
         if ev.pcm is not None:
             self.buffered_samples -= len(ev.pcm)
+            self.head_start = max(0, self.head_start - len(ev.pcm))
         return ev
 
     def __aiter__(self) -> Stream:

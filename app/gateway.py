@@ -18,7 +18,7 @@ from app.metrics import Metrics
 from app.settings import GatewaySettings
 from app.synthesis import PromptFactory, RequestError, SynthesisOptions
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceError, VoiceStore, parse_embedding_file
-from engine.audio import AudioDecodeError, decode_audio
+from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
 from engine.textnorm import TextNormalizer
 
@@ -76,7 +76,9 @@ class Gateway:
         if not data:
             raise RequestError("bad_audio", "the clip is empty")
         try:
-            samples, sr = await asyncio.to_thread(decode_audio, data)
+            samples, sr = await asyncio.to_thread(decode_audio, data, lim.max_clip_seconds)
+        except ClipTooLong as e:
+            raise RequestError("clip_too_long", str(e)) from None
         except AudioDecodeError as e:
             raise RequestError("bad_audio", str(e)) from None
         seconds = len(samples) / sr

@@ -33,9 +33,19 @@ def error_response(e: RequestError) -> JSONResponse:
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    body = await request.body()
-    if len(body) > max_bytes:
-        raise RequestError("body_too_large", f"request bodies are limited to {max_bytes} bytes", 413)
+    # Refused before it is read (declared size) or as soon as it passes the limit (chunked): a huge
+    # body never sits in memory.
+    too_large = RequestError("body_too_large", f"request bodies are limited to {max_bytes} bytes", 413)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    body = b"".join(parts)
     try:
         data = json.loads(body or b"null")
     except ValueError:
@@ -122,11 +132,13 @@ async def openai_speech(request: Request) -> Response:
         if len(text) > gw.settings.limits.max_http_chars:
             raise RequestError("text_too_long", f"input is limited to {gw.settings.limits.max_http_chars} characters")
         fmt = data.get("response_format", "mp3")
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
-        rate = int(data.get("sample_rate", 24000))
-        if rate not in (44100, 24000, 16000, 8000) or (fmt == "opus" and rate not in OPUS_RATES):
+        rate = data.get("sample_rate", 24000)
+        if (isinstance(rate, bool) or rate not in (44100, 24000, 16000, 8000)
+                or (fmt == "opus" and rate not in OPUS_RATES)):
             raise RequestError("bad_params", "sample_rate must be 24000 (OpenAI), 44100, 16000 or 8000")
+        rate = int(rate)
         stream_format = data.get("stream_format", "audio")
         if stream_format not in ("audio", "sse"):
             raise RequestError("bad_params", "stream_format must be 'audio' or 'sse'")

@@ -22,9 +22,14 @@ class Limits:
     min_clip_seconds: float = 0.5
     max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
     idle_timeout_s: float = 300.0
+    send_timeout_s: float = 30.0  # one WebSocket send that makes no progress this long: the client is gone
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
     max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
+    # Kernel send buffer of each client socket (SO_SNDBUF), 0 = the OS's autotuning (up to tcp_wmem's
+    # max, 4 MiB by default: ~45 s of 44.1 kHz s16 audio that a non-reading client parks in the kernel
+    # before the gateway sees backpressure and max_buffered_audio_s starts counting).
+    tcp_send_buffer_bytes: int = 0
 
 
 @dataclass

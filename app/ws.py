@@ -17,8 +17,10 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
@@ -34,6 +36,10 @@ from engine import messages as m
 log = logging.getLogger("gateway.ws")
 
 DEFAULT_CONTEXT = "default"
+
+
+class ClientStalled(Exception):
+    """A send to the client made no progress for send_timeout_s: it reads nothing at all."""
 
 
 @dataclass
@@ -64,7 +70,8 @@ class Session:
         self.encoding, self.sample_rate = "pcm_s16le", 44100
         self.buffers: dict[str, TextBuffer] = {}
         self.queue: deque[Utterance] = deque()  # not yet played, in order; the head may be generating
-        self.flush_marks: deque[tuple[str | None, int]] = deque()  # (context, last utterance seq)
+        # [context, last utterance seq, flushes waiting on it]: repeated flushes share one mark
+        self.flush_marks: deque[list[Any]] = deque()
         self.played_seq = 0  # highest utterance seq fully handled
         self._seq = itertools.count(1)
         self._send_lock = asyncio.Lock()
@@ -79,7 +86,16 @@ class Session:
 
     async def _send_json_locked(self, msg: dict[str, Any]) -> None:
         if self.ws.application_state == WebSocketState.CONNECTED:
-            await self.ws.send_text(json.dumps(msg))
+            await self._send(self.ws.send_text(json.dumps(msg)))
+
+    async def _send(self, send: Coroutine[Any, Any, None]) -> None:
+        # A send waits while the socket's buffers are full. One that waits this long belongs to a client
+        # that reads nothing at all (the keepalive cannot close it: its ping is stuck behind the audio).
+        try:
+            async with asyncio.timeout(self.limits.send_timeout_s):
+                await send
+        except TimeoutError:
+            raise ClientStalled(f"no send progress in {self.limits.send_timeout_s:g} s") from None
 
     async def error(self, code: str, message: str, **extra: Any) -> None:
         self.gw.metrics.errors.labels(code).inc()
@@ -103,12 +119,18 @@ class Session:
             "model": {"frame_rate": 44100 / 512, "native_sample_rate": 44100, **self.gw.settings.weights.describe()},
         })
         pump = asyncio.create_task(self._pump(), name=f"pump-{self.id}")
+        recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
         try:
-            await self._receive_loop()
+            # The pump only ends by raising (the client vanished mid-send, or a bug): then the session
+            # ends too, rather than waiting forever on a queue that nothing plays.
+            done, _ = await asyncio.wait({pump, recv}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
         finally:
-            pump.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pump
+            for task in (pump, recv):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
             self._cancel_all(None)
 
     async def _receive_loop(self) -> None:
@@ -224,15 +246,28 @@ class Session:
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
         buf = self.buffers.setdefault(ctx, TextBuffer(self.limits.max_text_chars))
-        self._enqueue(ctx, buf.append(text))
+        before = buf.text
+        try:
+            self._enqueue(ctx, buf.append(text))
+        except RequestError:
+            buf.text = before  # refused whole: nothing of this message is queued
+            raise
+        finally:
+            self._drop_empty_buffers()
         if data.get("flush"):
             await self._flush(ctx)
 
+    def _drop_empty_buffers(self) -> None:
+        # a context costs memory only while it holds text (context ids are the client's to invent)
+        for c in [c for c, b in self.buffers.items() if not b.text]:
+            del self.buffers[c]
+
     def _enqueue(self, ctx: str, sentences: list[str]) -> None:
+        if len(self.queue) + len(sentences) > self.limits.max_pending_utterances:
+            raise RequestError("too_many_utterances",
+                               f"at most {self.limits.max_pending_utterances} utterances may be queued "
+                               f"({len(self.queue)} are); this text was not accepted")
         for text in sentences:
-            if len(self.queue) >= self.limits.max_pending_utterances:
-                raise RequestError("too_many_utterances",
-                                   f"at most {self.limits.max_pending_utterances} utterances may be queued")
             seq = next(self._seq)
             self.queue.append(Utterance(
                 id=f"u_{seq}", seq=seq, context_id=ctx, text=text, opts=self.opts, voice=self.voice,
@@ -244,14 +279,22 @@ class Session:
     async def _flush(self, ctx: str | None, reply: bool = True) -> None:
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
-                self._enqueue(c, buf.flush())
+                before = buf.text
+                try:
+                    self._enqueue(c, buf.flush())
+                except RequestError:
+                    buf.text = before  # still buffered; a later flush can speak it
+                    raise
+        self._drop_empty_buffers()
         if not reply:
             return
         last = max((u.seq for u in self.queue if ctx is None or u.context_id == ctx), default=0)
         if last == 0:
             await self.send_json({"type": "flushed", "context_id": ctx})
+        elif self.flush_marks and self.flush_marks[-1][:2] == [ctx, last]:
+            self.flush_marks[-1][2] += 1
         else:
-            self.flush_marks.append((ctx, last))
+            self.flush_marks.append([ctx, last, 1])
 
     async def _on_cancel(self, ctx: str | None) -> None:
         async with self._send_lock:
@@ -262,6 +305,7 @@ class Session:
         for c, buf in self.buffers.items():
             if ctx is None or c == ctx:
                 buf.clear()
+        self._drop_empty_buffers()
         for u in list(self.queue):
             if ctx is None or u.context_id == ctx:
                 u.cancelled = True
@@ -270,7 +314,7 @@ class Session:
                 elif u.start_task is not None:
                     u.start_task.cancel()
                 self.queue.remove(u)
-        self.flush_marks = deque((c, s) for c, s in self.flush_marks if not (ctx is None or c == ctx))
+        self.flush_marks = deque(mark for mark in self.flush_marks if not (ctx is None or mark[0] == ctx))
         self._work.set()
 
     # ---- playback ------------------------------------------------------------------------------
@@ -327,13 +371,13 @@ class Session:
                     assert ev.pcm is not None
                     data = u.encoder.encode(ev.pcm)
                     if data:
-                        await self.ws.send_bytes(data)
+                        await self._send(self.ws.send_bytes(data))
                         samples_out += len(data) // u.encoder.bytes_per_sample
                         first_sent = first_sent or time.perf_counter()
                 elif ev.type == m.FINISHED:
                     tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
                     if tail:
-                        await self.ws.send_bytes(tail)
+                        await self._send(self.ws.send_bytes(tail))
                         samples_out += len(tail) // u.encoder.bytes_per_sample
                     now = time.perf_counter()
                     engine_stats = ev.header.get("stats", {})
@@ -361,11 +405,12 @@ class Session:
     async def _signal_flushes(self) -> None:
         pending = {u.seq for u in self.queue}
         while self.flush_marks:
-            ctx, last = self.flush_marks[0]
+            ctx, last, count = self.flush_marks[0]
             if any(s <= last for s in pending):
                 return
             self.flush_marks.popleft()
-            await self.send_json({"type": "flushed", "context_id": ctx})
+            for _ in range(count):
+                await self.send_json({"type": "flushed", "context_id": ctx})
 
     async def _wait_idle(self) -> None:
         while self.queue:
@@ -385,10 +430,26 @@ def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
     }
 
 
+def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
+    """Browsers send Origin on WebSockets and CORS does not apply to them: without this check any web
+    page could drive a loopback gateway that has no API key (cross-site WebSocket hijacking)."""
+    origin = ws.headers.get("origin")
+    if origin is None:  # not a browser
+        return True
+    if "*" in allowed or origin in allowed:
+        return True
+    return urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower()  # same origin: the demo page
+
+
 async def websocket_endpoint(ws: WebSocket) -> None:
     gw: Gateway = ws.app.state.gateway
     key = api_key_from(ws.headers, ws.query_params)
     await ws.accept()
+    if not origin_allowed(ws, gw.settings.cors_origins):
+        await ws.send_text(json.dumps({"type": "error", "code": "origin_not_allowed",
+                                       "message": "this page's origin may not use the API (see --cors-origin)"}))
+        await ws.close(1008)
+        return
     if not key_ok(key, gw.settings.api_keys):
         await ws.send_text(json.dumps({"type": "error", "code": "unauthorized", "message": "missing or wrong API key"}))
         await ws.close(1008)
@@ -404,6 +465,9 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await Session(ws, gw, gw.owner_of(key if gw.settings.api_keys else None)).run()
     except WebSocketDisconnect:
         pass
+    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
+        log.info("session closed: the client stopped reading (%s)", e)
+        gw.metrics.errors.labels("client_stalled").inc()
     except Exception:
         log.exception("session failed")
         with contextlib.suppress(Exception):

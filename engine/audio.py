@@ -30,11 +30,17 @@ class AudioDecodeError(ValueError):
     """The uploaded bytes are not a decodable, non-empty audio clip."""
 
 
-def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
+class ClipTooLong(AudioDecodeError):
+    """The file's header declares more audio than the caller accepts (refused before decoding)."""
+
+
+def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndarray, int]:
     """Decode a WAV/FLAC/OGG/MP3 byte string to float32 mono samples in [-1, 1].
 
     Multi-channel audio is mixed down by averaging the channels (what ffmpeg ``-ac 1`` does
     in the reference server). Returns ``(samples[T], sample_rate)`` at the file's own rate.
+    With ``max_seconds``, a file whose header declares a longer duration is refused before it is
+    decoded (a small compressed upload can decode to a very large float array).
     Raises :class:`AudioDecodeError` with a human-readable reason on any problem.
     """
     if isinstance(data, (bytearray, memoryview)):
@@ -44,6 +50,15 @@ def decode_audio(data: bytes) -> tuple[np.ndarray, int]:
     if len(data) == 0:
         raise AudioDecodeError("audio payload is empty (0 bytes)")
 
+    if max_seconds is not None:
+        try:
+            info = sf.info(io.BytesIO(data))
+        except (sf.LibsndfileError, RuntimeError, TypeError, ValueError, EOFError):
+            info = None  # let the decode below produce the detailed error
+        if info is not None and info.samplerate > 0 and info.frames > 0:
+            seconds = info.frames / info.samplerate
+            if seconds > max_seconds:
+                raise ClipTooLong(f"clips are limited to {max_seconds:g} s (this one is {seconds:.1f} s)")
     try:
         # always_2d -> [frames, channels] whatever the channel count; float32 scales PCM
         # integers by 1/2^(bits-1), the same as the reference's int16 / 32768.

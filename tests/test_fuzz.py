@@ -1,0 +1,245 @@
+"""Fuzzing of the WebSocket protocol and of the HTTP request parsing (hypothesis) against a real server.
+
+Every reply must be a well-formed success or a well-formed error with a specific code: never a 5xx,
+never `internal`, never a hang (every exchange has a timeout), never a traceback in the server log,
+and the server must still serve a normal request afterwards.
+
+Deterministic by default (CI); ZONOS_FUZZ_RANDOM=1 explores new examples, ZONOS_FUZZ_EXAMPLES=N sets
+how many per test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import re
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+import websockets
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.http_api import _GENERATE_FIELDS, _OPENAI_FIELDS
+from app.synthesis import PARAM_KEYS
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("ZONOS_FUZZ_EXAMPLES", "50"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ZONOS_FUZZ_RANDOM"),
+                database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+CODE = re.compile(r"^[a-z][a-z_]*$")
+SERVER_TYPES = {"session.created", "session.updated", "audio.start", "audio.done", "flushed", "cancelled",
+                "session.closed", "error"}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(start_server):
+    # every utterance is short (30 frames), so a fuzzed request that is valid costs little
+    return start_server("--max-frames", "30", "--max-pending-utterances", "8", "--max-http-chars", "300")
+
+
+def small_wav() -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, (0.1 * np.sin(np.arange(16000) / 5)).astype(np.float32), 16000, format="WAV")
+    return buf.getvalue()
+
+
+def npy(values: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, values)
+    return buf.getvalue()
+
+
+# ---- strategies ----------------------------------------------------------------------------------------
+leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)
+        | st.text(max_size=30))
+anything = st.recursive(leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
+                        max_leaves=8)
+short_text = st.text(max_size=60) | st.sampled_from(["Hello there.", "One. Two. Three.", "¿Qué tal?", "数字 123。",
+                                                    "", "   ", "\n\n", "a" * 250])
+b64 = (st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
+       | st.just(base64.b64encode(small_wav()).decode())
+       | st.just("data:audio/wav;base64," + base64.b64encode(small_wav()).decode())
+       | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
+       | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
+       | st.text(max_size=40))
+typical_params = {
+    "temperature": st.floats(-1, 3) | anything, "top_k": st.integers(-5, 2000) | anything,
+    "top_p": st.floats(-0.5, 1.5) | anything, "min_p": st.floats(-0.5, 1.5) | anything,
+    "repetition_window": st.integers(-5, 300) | anything, "repetition_penalty": st.floats(0, 3) | anything,
+    "repetition_codebooks": st.integers(-3, 12) | anything, "seed": st.integers(-5, 2**64) | anything,
+    "max_frames": st.integers(-5, 40) | anything, "ignore_eos": st.booleans() | anything,
+    "language": st.sampled_from(["en_us", "de", "ja", "klingon", "EN-us"]) | anything,
+    "text_normalization": st.booleans() | anything, "speaking_rate": st.floats(-5, 40) | anything,
+    "speed": st.floats(-1, 5) | anything, "speaking_rate_bucket": st.integers(-2, 10) | anything,
+    "quality_buckets": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
+                                                   st.integers(-2, 12) | anything, max_size=3) | anything,
+    "quality_values": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
+                                                  st.floats(allow_nan=True) | anything, max_size=3) | anything,
+    "accurate_mode": st.booleans() | anything, "clean_speaker_background": st.booleans() | anything,
+}
+assert set(typical_params) == PARAM_KEYS
+
+
+@st.composite
+def params(draw) -> Any:
+    if draw(st.integers(0, 9)) == 0:
+        return draw(anything)
+    keys = draw(st.lists(st.sampled_from([*sorted(PARAM_KEYS), "bogus"]), max_size=5, unique=True))
+    return {k: draw(typical_params.get(k, anything)) for k in keys}
+
+
+def message(kind: str, fields: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+    return st.fixed_dictionaries({"type": st.just(kind)}, optional=fields)
+
+
+ctx = st.text(min_size=0, max_size=140) | anything
+ws_json = st.one_of(
+    message("text", {"text": short_text | anything, "context_id": ctx, "flush": st.booleans() | anything,
+                     "extra": anything}),
+    message("flush", {"context_id": ctx}),
+    message("cancel", {"context_id": ctx}),
+    message("session.config", {"voice": st.none() | st.text(max_size=20) | anything, "voice_clip": st.none() | b64,
+                               "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
+                               "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
+                               "params": params()}),
+    message("close", {}),
+    st.dictionaries(st.text(max_size=12), anything, max_size=4),
+    st.fixed_dictionaries({"type": anything}),
+)
+ws_frame = (ws_json.map(lambda d: json.dumps(d)) | st.text(max_size=40) | anything.map(json.dumps)
+            | st.binary(max_size=64))
+
+
+# ---- WebSocket -----------------------------------------------------------------------------------------
+def check_reply(d: Any) -> None:
+    assert isinstance(d, dict) and d.get("type") in SERVER_TYPES, d
+    if d["type"] == "error":
+        assert CODE.match(str(d.get("code"))) and d["code"] != "internal", d
+        assert isinstance(d.get("message"), str), d
+
+
+async def ws_exchange(url: str, frames: list[str | bytes]) -> list[dict[str, Any]]:
+    replies: list[dict[str, Any]] = []
+    async with websockets.connect(url, max_size=None, open_timeout=20) as ws:
+        replies.append(json.loads(await asyncio.wait_for(ws.recv(), 20)))
+        # short utterances by default; the fuzzed config may override this
+        await ws.send(json.dumps({"type": "session.config", "params": {"max_frames": 8, "ignore_eos": True}}))
+        try:
+            for f in frames:
+                await ws.send(f)
+            await ws.send(json.dumps({"type": "cancel"}))
+            await ws.send(json.dumps({"type": "close"}))
+            while True:  # the session must end by itself: session.closed, then a normal close
+                msg = await asyncio.wait_for(ws.recv(), 30)
+                if isinstance(msg, str):
+                    replies.append(json.loads(msg))
+        except websockets.ConnectionClosedOK:
+            pass
+        assert ws.close_code in (1000, None), (ws.close_code, ws.close_reason)
+    return replies
+
+
+@FUZZ
+@given(frames=st.lists(ws_frame, min_size=1, max_size=6))
+def test_fuzz_websocket_messages(fuzz_server, frames):
+    replies = asyncio.run(asyncio.wait_for(ws_exchange(fuzz_server.ws_url, frames), 90))
+    for d in replies:
+        check_reply(d)
+    assert replies[0]["type"] == "session.created"
+    assert replies[-1]["type"] == "session.closed"
+
+
+# ---- HTTP ----------------------------------------------------------------------------------------------
+openai_values = {
+    "model": st.sampled_from(["zonos2", "tts-1"]) | anything, "input": short_text | anything,
+    "voice": st.sampled_from(["alloy", "nobody"]) | anything,
+    "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
+    "speed": st.floats(0, 5) | anything, "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
+    "instructions": anything, "stream": anything, "params": params(),
+    "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,
+}
+generate_values = {
+    "text": short_text | anything, "max_tokens": st.integers(-3, 40) | anything,
+    "fade_out_ms": st.floats(-10, 6000) | anything, "stream": st.booleans() | anything,
+    "topk": st.integers(-3, 2000) | anything, "speaker_audio_base64": b64, "speaker_wav_base64": b64,
+    "speaker_embedding_base64": b64, "speaker_embedding_id": st.text(max_size=20) | anything,
+    "speaker_blend_embedding_id_a": st.text(max_size=10) | anything,
+    "speaker_blend_embedding_id_b": st.text(max_size=10) | anything, "speaker_blend_t": st.floats() | anything,
+    "speaking_rate_enabled": st.booleans() | anything,
+    "quality_enabled": st.booleans() | anything,
+    "quality_buckets": st.lists(st.none() | st.integers(-2, 12), max_size=8) | anything,
+    "quality_values": st.lists(st.none() | st.floats(), max_size=8) | anything,
+}
+
+
+@st.composite
+def body(draw, fields: set[str], values: dict[str, st.SearchStrategy], valid: dict[str, Any]) -> bytes:
+    """Mostly a valid request with 1-3 fields changed (so the fuzz reaches deep into the parsing),
+    sometimes any JSON value or bytes that are not JSON at all."""
+    shape = draw(st.integers(0, 19))
+    if shape == 0:
+        return draw(st.binary(max_size=200))
+    if shape == 1:
+        return json.dumps(draw(anything)).encode()
+    d = dict(valid)
+    for k in draw(st.lists(st.sampled_from([*sorted(fields), "surprise"]), min_size=1, max_size=3, unique=True)):
+        if k in d and draw(st.integers(0, 4)) == 0:
+            del d[k]
+        else:
+            d[k] = draw(values[k] if k in values else typical_params.get(k, anything))
+    return json.dumps(d).encode()
+
+
+def check_http(r: httpx.Response) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert CODE.match(err["code"]) and err["code"] != "internal" and isinstance(err["message"], str), err
+    else:
+        assert r.status_code == 200
+        assert r.headers["content-type"].split(";")[0] in {"audio/pcm", "audio/wav", "audio/mpeg", "audio/flac",
+                                                           "audio/ogg", "text/event-stream"}
+
+
+def post(url: str, data: bytes, content_type: str) -> httpx.Response:
+    # the whole body is read: a stream that breaks off mid-way raises here
+    return httpx.post(url, content=data, headers={"content-type": content_type}, timeout=60)
+
+
+content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "application/x-www-form-urlencoded", ""])
+
+
+@FUZZ
+@given(data=body(_OPENAI_FIELDS, openai_values, {"input": "Hello there.", "response_format": "pcm",
+                                                  "params": {"max_frames": 5, "ignore_eos": True}}),
+       ctype=content_types)
+def test_fuzz_openai_speech(fuzz_server, data, ctype):
+    check_http(post(fuzz_server.url + "/v1/audio/speech", data, ctype))
+
+
+@FUZZ
+@given(data=body(_GENERATE_FIELDS, generate_values, {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True,
+                                                     "stream": False}),
+       ctype=content_types)
+def test_fuzz_tts_generate(fuzz_server, data, ctype):
+    check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
+
+
+def test_server_healthy_after_fuzzing(fuzz_server):
+    """Runs after the fuzz tests (file order): a normal request still works, nothing crashed."""
+    r = httpx.post(fuzz_server.url + "/v1/audio/speech", timeout=60, json={
+        "input": "Still fine.", "response_format": "pcm", "params": {"max_frames": 20, "ignore_eos": True}})
+    assert r.status_code == 200 and abs(len(r.content) // 2 - 20 * 512 * 24000 / 44100) <= 2
+    assert httpx.get(fuzz_server.url + "/readyz").status_code == 200
+    metrics = httpx.get(fuzz_server.url + "/metrics").text
+    assert "zonos_engine_restarts 0.0" in metrics  # the engine never fell over
+    log = fuzz_server.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
