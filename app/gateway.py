@@ -17,7 +17,7 @@ from app.engine_client import EngineClient, EngineUnavailable, Stream
 from app.metrics import Metrics
 from app.settings import GatewaySettings
 from app.synthesis import PromptFactory, RequestError, SynthesisOptions
-from app.voices import AUDIO_SUFFIXES, Voice, VoiceError, VoiceStore, parse_embedding_file
+from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
 from engine.textnorm import TextNormalizer
@@ -114,10 +114,7 @@ class Gateway:
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":
             return None
-        try:
-            return self.voices.get(ref, owner)
-        except VoiceError as e:
-            raise RequestError(e.code, str(e), e.status) from None
+        return self.voices.get(ref, owner)  # VoiceError is a RequestError: unknown_voice, 404
 
     # ---- default voices --------------------------------------------------------------------------
     async def _load_default_voices(self, folder: Path) -> None:
@@ -139,7 +136,7 @@ class Gateway:
                               details={"file": path.name})
                 self.voices.remember_default(voice, emb, preview)
                 log.info("default voice %r ready (%s)", name, vid)
-            except (RequestError, VoiceError, OSError) as e:
+            except (RequestError, OSError) as e:
                 log.warning("default voice %s skipped: %s", path, e)
 
 

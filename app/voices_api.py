@@ -14,13 +14,9 @@ from app.auth import require_key
 from app.gateway import Gateway, wav_bytes
 from app.http_api import error_response, read_json
 from app.synthesis import RequestError
-from app.voices import Voice, VoiceError, VoiceStore, parse_embedding_file, slerp, validate_name
+from app.voices import Voice, VoiceStore, parse_embedding_file, slerp, validate_name
 
 MAX_CLIPS = 8
-
-
-def _voice_error(e: VoiceError) -> JSONResponse:
-    return error_response(RequestError(e.code, str(e), e.status))
 
 
 def _name_from_filename(filename: str) -> str:
@@ -81,8 +77,6 @@ async def create_voice(request: Request) -> Response:
         return JSONResponse(voice.public(), status_code=201)
     except RequestError as e:
         return error_response(e)
-    except VoiceError as e:
-        return _voice_error(e)
 
 
 async def blend_voices(request: Request) -> Response:
@@ -107,8 +101,6 @@ async def blend_voices(request: Request) -> Response:
         return JSONResponse(voice.public(), status_code=201)
     except RequestError as e:
         return error_response(e)
-    except VoiceError as e:
-        return _voice_error(e)
 
 
 async def list_voices(request: Request) -> Response:
@@ -135,8 +127,6 @@ async def voice_detail(request: Request) -> Response:
         return JSONResponse({"deleted": v.id})
     except RequestError as e:
         return error_response(e)
-    except VoiceError as e:
-        return _voice_error(e)
 
 
 async def voice_embedding(request: Request) -> Response:
@@ -145,8 +135,6 @@ async def voice_embedding(request: Request) -> Response:
         v = gw.voices.get(request.path_params["voice"], _owner(request))
     except RequestError as e:
         return error_response(e)
-    except VoiceError as e:
-        return _voice_error(e)
     buf = io.BytesIO()
     np.save(buf, np.asarray(v.embedding, dtype=np.float32))
     return Response(buf.getvalue(), media_type="application/octet-stream",
@@ -159,8 +147,6 @@ async def voice_preview(request: Request) -> Response:
         v = gw.voices.get(request.path_params["voice"], _owner(request))
     except RequestError as e:
         return error_response(e)
-    except VoiceError as e:
-        return _voice_error(e)
     data = gw.voices.preview_bytes(v)
     if data is None:
         return error_response(RequestError("no_preview", "this voice has no reference audio", 404))

@@ -15,41 +15,9 @@ import pytest
 import soundfile as sf
 import websockets
 
+from tests.wsclient import Client
+
 pytestmark = pytest.mark.slow
-
-
-class Client:
-    def __init__(self, ws: websockets.ClientConnection) -> None:
-        self.ws = ws
-        self.audio: dict[str, bytearray] = {}
-        self.current: str | None = None
-        self.log: list[dict[str, Any]] = []
-
-    async def send(self, **msg: Any) -> None:
-        await self.ws.send(json.dumps(msg))
-
-    async def recv(self, timeout: float = 60) -> dict[str, Any]:
-        """Next JSON message; binary frames on the way are collected for the current utterance."""
-        while True:
-            msg = await asyncio.wait_for(self.ws.recv(), timeout)
-            if isinstance(msg, bytes):
-                assert self.current is not None, "audio outside an utterance"
-                self.audio[self.current] += msg
-                continue
-            d = json.loads(msg)
-            self.log.append(d)
-            if d["type"] == "audio.start":
-                self.current = d["utterance_id"]
-                self.audio[self.current] = bytearray()
-            elif d["type"] == "audio.done":
-                self.current = None
-            return d
-
-    async def until(self, kind: str, timeout: float = 60) -> dict[str, Any]:
-        while True:
-            d = await self.recv(timeout)
-            if d["type"] == kind:
-                return d
 
 
 async def connect(server, **config: Any) -> Client:

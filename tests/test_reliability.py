@@ -27,6 +27,7 @@ import websockets
 from app.__main__ import parse_args
 from app.settings import Limits
 from tests.conftest import ROOT
+from tests.wsclient import Client
 
 FRAME_BYTES = 512 * 2  # one frame of pcm_s16le at 44.1 kHz
 ALLOWED_ORIGIN = "http://allowed.example"
@@ -84,49 +85,6 @@ def wav(seconds: float, sr: int = 16000, subtype: str = "PCM_16") -> bytes:
     buf = io.BytesIO()
     sf.write(buf, (0.2 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), sr, format="WAV", subtype=subtype)
     return buf.getvalue()
-
-
-class Client:
-    def __init__(self, ws: Any) -> None:
-        self.ws = ws
-        self.audio: dict[str, bytearray] = {}
-        self.current: str | None = None
-        self.log: list[dict[str, Any]] = []
-
-    async def send(self, **msg: Any) -> None:
-        await self.ws.send(json.dumps(msg))
-
-    async def recv(self, timeout: float = 60) -> dict[str, Any]:
-        while True:
-            msg = await asyncio.wait_for(self.ws.recv(), timeout)
-            if isinstance(msg, bytes):
-                assert self.current is not None, "audio outside an utterance"
-                self.audio[self.current] += msg
-                continue
-            d = json.loads(msg)
-            self.log.append(d)
-            if d["type"] == "audio.start":
-                self.current = d["utterance_id"]
-                self.audio[self.current] = bytearray()
-            elif d["type"] in ("audio.done", "error") and d.get("utterance_id") == self.current:
-                self.current = None
-            return d
-
-    async def until(self, kind: str, timeout: float = 60) -> dict[str, Any]:
-        while True:
-            d = await self.recv(timeout)
-            if d["type"] == kind:
-                return d
-
-    async def audio_bytes(self, n: int, timeout: float = 60) -> None:
-        """Read until the current utterance has at least n bytes of audio."""
-        assert self.current is not None
-        while len(self.audio[self.current]) < n:
-            msg = await asyncio.wait_for(self.ws.recv(), timeout)
-            if isinstance(msg, bytes):
-                self.audio[self.current] += msg
-            else:
-                self.log.append(json.loads(msg))
 
 
 async def connect(srv, config: dict[str, Any] | None = None, **kw: Any) -> Client:
