@@ -421,3 +421,19 @@ def test_embed_matches_independent_reference(cfg: EcapaConfig, sr: int) -> None:
     # The frontend alone agrees too (log domain, so absolute).
     mel = model.frontend(torch.from_numpy(wav24)[None])[0].double().numpy()
     np.testing.assert_allclose(mel, _ref_logmel(wav24), atol=2e-4)
+
+
+def test_decode_refuses_long_clips_from_the_header_before_decoding(monkeypatch):
+    import engine.audio as audio
+
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(44100 * 5, np.float32), 44100, format="FLAC")
+    data = buf.getvalue()
+    calls = []
+    monkeypatch.setattr(audio.sf, "read", lambda *a, **k: calls.append(1))  # must not be reached
+    with pytest.raises(audio.ClipTooLong, match="limited to 3 s"):
+        audio.decode_audio(data, max_seconds=3)
+    assert calls == []
+    monkeypatch.undo()
+    samples, sr = audio.decode_audio(data, max_seconds=10)
+    assert sr == 44100 and len(samples) == 44100 * 5
