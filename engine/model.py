@@ -146,7 +146,7 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: Zonos2Config) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # weights only: the computation is attention_in / attention_out above
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wkv = nn.Linear(cfg.dim, 2 * cfg.n_kv_heads * cfg.head_dim, bias=False)  # K rows, then V rows
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
@@ -154,11 +154,9 @@ class Attention(nn.Module):
         self.temp = nn.Parameter(torch.ones(1, cfg.n_heads, 1))
 
 
-
 class DenseFFN(nn.Module):
     def __init__(self, cfg: Zonos2Config) -> None:
         super().__init__()
-        self.inter = cfg.intermediate
         # Release chunk order: [0] = up (linear branch), [1] = gate (SiLU branch).
         self.w_in = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)
         self.w_out = nn.Linear(cfg.intermediate, cfg.dim, bias=False)

@@ -65,6 +65,5 @@ def synthesize(
     if len(codes) == 0:
         audio = np.zeros(0, dtype=np.float32)
     else:
-        dev = next(codec.parameters()).device if hasattr(codec, "parameters") else "cpu"
-        audio = codec.decode(torch.from_numpy(codes)[None].to(dev))[0].float().cpu().numpy()
+        audio = codec.decode(torch.from_numpy(codes)[None].to(codec.device))[0].float().cpu().numpy()
     return Synthesis(audio=audio, frames=frames, eos_frame=eos, finish_reason=seq.finish_reason or "")
