@@ -124,16 +124,17 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for b in (1, max_b):
-            step_ids = torch.randint(0, 1024, (b, 10), device="cuda")
-            step_ids[:, 9] = model.cfg.text_pad_id
+        for b in sorted({1, 8, max_b}):
+            g = node.graphs
+            graph = g.graphs[g.bucket(b)]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    model.decode(step_ids, torch.arange(b, device="cuda"), torch.full((b,), a.context, device="cuda"))
+                    graph.replay()
                 torch.cuda.synchronize()
-            print(f"--- eager decode kernels, batch {b} (5 steps) ---")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
-
+            events = prof.key_averages()
+            n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 5
+            print(f"--- graph replay kernels, batch {b} (5 replays; {n_kernels:.0f} kernels per step) ---")
+            print(events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 if __name__ == "__main__":
     main()

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ConfigError, Zonos2Config, preset_params
-from engine.model import Zonos2, rope_tables
+from engine.model import Zonos2
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ def build_model(
         converted[name] = t.to(device)
     # Buffers that are not part of the checkpoint (RoPE tables) are recomputed on the target device.
     model.load_state_dict(converted, strict=False, assign=True)
-    model.rope_cos, model.rope_sin = rope_tables(cfg, torch.device(device))
+    model.init_buffers(torch.device(device))
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise CheckpointError(f"model parameters not filled by the checkpoint: {leftover[:8]}")

@@ -80,11 +80,15 @@ class LLMNode:
         self._host_codes = torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64,
                                        pin_memory=on_gpu)
         self.graphs = None
-        if on_gpu and cuda_graphs:
-            from engine.cuda_graphs import DecodeGraphs
+        self.prefill_graphs = None
+        if on_gpu:
+            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
 
-            self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots)
-            self.graphs.capture()
+            self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots)
+            if cuda_graphs:
+                self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots)
+                self.graphs.capture()
+                self.prefill_graphs.capture()
 
     # ---- slots ---------------------------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -107,16 +111,40 @@ class LLMNode:
             seq.slot = -1
 
     # ---- steps ---------------------------------------------------------------------------------
+    @property
+    def max_prefill_frames(self) -> int:
+        """Largest packed prefill one call runs (the engine's chunk budget should not exceed it)."""
+        return self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 1 << 30
+
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
-        """Run prompt chunks [(seq, n_frames)] in one packed call. Sequences whose prompt completes
-        get their first frame sampled; returns [(seq, codes)] for those."""
+        """Run prompt chunks [(seq, n_frames)] packed. Sequences whose prompt completes get their
+        first frame sampled; returns [(seq, codes)] for those."""
+        out: list[tuple[Sequence, np.ndarray]] = []
+        group: list[tuple[Sequence, int]] = []
+        max_seqs = self.prefill_graphs.max_seqs if self.prefill_graphs is not None else 1 << 30
+        for seq, n in chunks:
+            if n > self.max_prefill_frames:
+                raise ValueError(f"prefill chunk of {n} frames exceeds {self.max_prefill_frames}")
+            if group and (len(group) == max_seqs or sum(m for _, m in group) + n > self.max_prefill_frames):
+                out += self._prefill_packed(group)
+                group = []
+            group.append((seq, n))
+        if group:
+            out += self._prefill_packed(group)
+        return out
+
+    def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
         ids, seqs, speakers = [], [], []
         for seq, n in chunks:
             start = seq.prefilled
             ids.append(torch.from_numpy(seq.prompt[start:start + n]))
             seqs.append(PrefillSeq(seq.slot, start, n))
             speakers.append(seq.speaker if start == 0 else None)
-        logits = self.model.prefill(torch.cat(ids).to(self.device), seqs, speakers)
+        packed = torch.cat(ids).to(self.device, non_blocking=True)
+        if self.prefill_graphs is not None:
+            logits = self.prefill_graphs.run(packed, seqs, speakers)
+        else:
+            logits = self.model.prefill(packed, seqs, speakers)
         done = []
         for i, (seq, n) in enumerate(chunks):
             seq.prefilled += n

@@ -59,19 +59,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---- per-layer stages as pure functions of tensors -------------------------------------------------
 # The modules below call these; the decode path can run torch.compile'd copies of them (one compiled
 # graph serves all 28 layers, since weights are arguments), which fuses their many small kernels.
-def attention_in(h: Tensor, norm_w: Tensor, gater_w: Tensor, wq: Tensor, wkv: Tensor, temp: Tensor, cos: Tensor,
-                 sin: Tensor, n_heads: int, n_kv: int, eps: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """attention_norm, headwise gate, q/k/v projections, weightless QK-norm with |temp| on q, RoPE."""
+def attention_in(h: Tensor, norm_w: Tensor, w_qkvg: Tensor, temp: Tensor, cos: Tensor, sin: Tensor,
+                 k_cache: Tensor, v_cache: Tensor, layer: Tensor, slots: Tensor, positions: Tensor,
+                 n_heads: int, n_kv: int, eps: float) -> tuple[Tensor, Tensor]:
+    """attention_norm, q/k/v projections and the headwise gate as one GEMM, weightless QK-norm with
+    |temp| on q, RoPE; writes K (normed, rotated) and raw V into the cache at (layer, slot, position)
+    for every row (in place: compiled, this fuses into the RoPE kernel). Returns (q, gate)."""
     n = h.shape[0]
     a = rms_norm(h, norm_w, eps)
-    gate = torch.sigmoid(F.linear(a, gater_w))
-    q = F.linear(a, wq).view(n, n_heads, -1)
-    kv = F.linear(a, wkv).view(n, 2, n_kv, q.shape[-1])
+    d = (w_qkvg.shape[0] - n_heads) // (n_heads + 2 * n_kv)
+    q, kv, g = F.linear(a, w_qkvg).split([n_heads * d, 2 * n_kv * d, n_heads], dim=-1)
+    gate = torch.sigmoid(g)
+    q = q.view(n, n_heads, d)
+    kv = kv.view(n, 2, n_kv, d)
     k, v = kv[:, 0], kv[:, 1]
     # QK-norm has no weight; |temp| scales q per head (the softmax scale 1/sqrt(d) still applies).
     q = rms_norm(q, None, QK_NORM_EPS) * temp.abs().to(q.dtype)
     k = rms_norm(k, None, QK_NORM_EPS)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, gate
+    k_cache.index_put_((layer, slots, positions), apply_rope(k, cos, sin))
+    v_cache.index_put_((layer, slots, positions), v)
+    return apply_rope(q, cos, sin), gate
 
 
 def attention_out(h: Tensor, o: Tensor, gate: Tensor, wo: Tensor, ffn_norm_w: Tensor, eps: float
@@ -79,6 +86,34 @@ def attention_out(h: Tensor, o: Tensor, gate: Tensor, wo: Tensor, ffn_norm_w: Te
     """Headwise gate, wo, residual add, ffn_norm -> (residual, FFN input)."""
     h = h + F.linear((o * gate[..., None].to(o.dtype)).flatten(1), wo)
     return h, rms_norm(h, ffn_norm_w, eps)
+
+
+def attention_out_splits(h: Tensor, m: Tensor, l_: Tensor, acc: Tensor, gate: Tensor, wo: Tensor,
+                         ffn_norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """attention_out after split-K decode attention: the merge of the splits fuses with the gate."""
+    from engine.kernels_ref import merge_splits
+
+    return attention_out(h, merge_splits(m, l_, acc).to(h.dtype), gate, wo, ffn_norm_w, eps)
+
+
+def embed_sum(ids: Tensor, tables: list[Tensor]) -> Tensor:
+    """ids [N, 10] -> sum of the 10 tables' rows [N, dim], added in column order 0..9 as the reference does."""
+    e = F.embedding(ids[:, 0], tables[0])
+    for c in range(1, len(tables)):
+        e = e + F.embedding(ids[:, c], tables[c])
+    return e
+
+
+def embed_norm(ids: Tensor, tables: list[Tensor], eps: float) -> Tensor:
+    return rms_norm(embed_sum(ids, tables), None, eps)
+
+
+def head(h: Tensor, norm_w: Tensor, w: Tensor, n_codebooks: int, softcap: float, eps: float) -> Tensor:
+    """out_norm, the 9 x 1026 output layer, softcap -> fp32 logits [N, 9, V]."""
+    logits = F.linear(rms_norm(h, norm_w, eps), w).float().view(h.shape[0], n_codebooks, -1)
+    if softcap > 0:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
 
 
 def dense_ffn(x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
@@ -105,17 +140,17 @@ class Stages:
     """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA)."""
 
     def __init__(self, compiled: bool = False) -> None:
-        from engine.kernels_ref import merge_splits
-
         if compiled:
             # variants: batch 1 / static / dynamic batch, x first-MoE (no carry) / top-1 / top-2 routers
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
         self.attention_in = wrap(attention_in)
         self.attention_out = wrap(attention_out)
+        self.attention_out_splits = wrap(attention_out_splits)
+        self.embed_norm = wrap(embed_norm)
+        self.head = wrap(head)
         self.dense_ffn = wrap(dense_ffn)
         self.route = wrap(route)
-        self.merge_splits = wrap(merge_splits)
         self.compiled = compiled
 
 
@@ -129,6 +164,52 @@ class PrefillSeq:
     slot: int
     start: int  # frames of this slot already in the KV cache
     length: int  # new frames in this call
+
+
+@dataclass
+class PackedPrefill:
+    """Host-built metadata of one packed prefill call, padded to `n_tokens` tokens and `n_seqs` sequences
+    (fixed sizes, so a captured graph can take it): per-token cache slot and position, which speaker
+    row (if any) replaces a token's embedding, the attention block table, and each chunk's last token."""
+
+    tok_slot: Tensor
+    tok_pos: Tensor
+    spk: Tensor
+    spk_of_tok: Tensor
+    blocks: tuple[Tensor, Tensor, Tensor, Tensor]
+    last_idx: Tensor
+
+    @staticmethod
+    def build(model: Zonos2, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None, n_tokens: int,
+              n_seqs: int, device: torch.device, scratch_slot: int | None = None) -> PackedPrefill:
+        from engine.kernels.prefill_attention import build_block_table, max_blocks
+
+        total = sum(s.length for s in seqs)
+        if total > n_tokens or len(seqs) > n_seqs:
+            raise ValueError(f"{len(seqs)} chunks / {total} frames exceed the packed size {n_seqs} / {n_tokens}")
+        scratch = model.cache.n_slots - 1 if scratch_slot is None else scratch_slot
+        tok_slot = torch.full((n_tokens,), scratch, dtype=torch.int64)
+        tok_pos = torch.zeros(n_tokens, dtype=torch.int64)
+        spk_of_tok = torch.full((n_tokens,), -1, dtype=torch.int64)
+        spk = torch.zeros(n_seqs, model.cfg.speaker_embedding_dim, dtype=torch.float32, device=device)
+        last_idx = torch.zeros(n_seqs, dtype=torch.int64)
+        table, off = [], 0
+        for i, s in enumerate(seqs):
+            tok_slot[off:off + s.length] = s.slot
+            tok_pos[off:off + s.length] = torch.arange(s.start, s.start + s.length)
+            sp = speakers[i] if speakers else None
+            if sp is not None and s.start == 0:
+                spk[i] = sp.to(device=device, dtype=torch.float32).reshape(-1)
+                spk_of_tok[off] = i
+            table.append((s.slot, off, s.start, s.length))
+            last_idx[i] = off + s.length - 1
+            off += s.length
+        blocks = build_block_table(table, max_blocks(n_tokens, n_seqs), device=device)
+        return PackedPrefill(tok_slot.to(device), tok_pos.to(device), spk, spk_of_tok.to(device), blocks,
+                             last_idx.to(device))
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (self.tok_slot, self.tok_pos, self.spk, self.spk_of_tok, *self.blocks, self.last_idx)
 
 
 class KVCache(nn.Module):
@@ -152,6 +233,22 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.gater = nn.Linear(cfg.dim, cfg.n_heads, bias=False)
         self.temp = nn.Parameter(torch.ones(1, cfg.n_heads, 1))
+        self._fused: Tensor | None = None
+
+    def fused_weight(self) -> Tensor:
+        """[wq; wkv; gater] as one matrix, so the three projections are one GEMM. The separate
+        parameters become views into it (no second copy); rebuilt if they were moved or replaced."""
+        w = self._fused
+        if w is None or self.wq.weight.data_ptr() != w.data_ptr():
+            with torch.inference_mode(False), torch.no_grad():
+                parts = (self.wq.weight, self.wkv.weight, self.gater.weight)
+                w = torch.cat([p.detach() for p in parts])
+                off = 0
+                for p in parts:
+                    p.data = w[off:off + p.shape[0]]
+                    off += p.shape[0]
+            self._fused = w
+        return w
 
 
 class DenseFFN(nn.Module):
@@ -180,11 +277,11 @@ class Router(nn.Module):
         self.router_states_scale = None if first else nn.Parameter(torch.ones(r))
         self.bias_sign = 1.0 if cfg.balancing_bias_added else -1.0
 
-    def forward(self, x: Tensor, prev_state: Tensor | None, k: int, stages: Stages = PLAIN
-                ) -> tuple[Tensor, Tensor, Tensor]:
+    def forward(self, x: Tensor, prev_state: Tensor | None, k: int, route_fn=route) -> tuple[Tensor, Tensor, Tensor]:
+        """route_fn: `route`, its compiled copy, or the fused Triton router (same signature)."""
         mlp = self.router_mlp
         prev = prev_state if self.router_states_scale is not None else None
-        return stages.route(x, prev, self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
+        return route_fn(x, prev, self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
                             mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias, mlp[4].weight,
                             self.rmsnorm_eda.weight, self.balancing_biases, self.bias_sign, k, self.rmsnorm_eda.eps)
 
@@ -203,11 +300,13 @@ class MoEFFN(nn.Module):
     use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
 
     def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
-        chosen, weights, state = self.router(x, router_state, self.k, stages)
         if self.use_triton:
             from engine.kernels.moe import fused_moe
+            from engine.kernels.router import fused_route
 
+            chosen, weights, state = self.router(x, router_state, self.k, fused_route)
             return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights), state
+        chosen, weights, state = self.router(x, router_state, self.k, stages.route)
         return self.run_experts(x, chosen, weights), state
 
     def run_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
@@ -257,6 +356,7 @@ class Zonos2(nn.Module):
         cos, sin = rope_tables(cfg)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("layer_ids", torch.arange(cfg.n_layers), persistent=False)
         self.cache: KVCache | None = None
         self.use_triton = False
         self.decode_stages = PLAIN
@@ -273,6 +373,11 @@ class Zonos2(nn.Module):
                 layer.feed_forward.use_triton = True
 
     # ---- setup -------------------------------------------------------------------------------
+    def init_buffers(self, device: torch.device) -> None:
+        """(Re)compute the buffers no checkpoint holds (RoPE tables, layer ids), e.g. after a meta build."""
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg, device)
+        self.layer_ids = torch.arange(self.cfg.n_layers, device=device)
+
     def setup_cache(self, n_slots: int, max_len: int | None = None) -> KVCache:
         p = self.multi_output.weight
         max_len = min(max_len or self.cfg.max_seqlen, self.cfg.max_seqlen)
@@ -282,11 +387,10 @@ class Zonos2(nn.Module):
     # ---- pieces ------------------------------------------------------------------------------
     def embed(self, ids: Tensor) -> Tensor:
         """ids [N, 10] -> summed embeddings [N, dim], added in column order 0..9 as the reference does."""
-        tables = self.multi_embedder.embedders
-        e = tables[0](ids[:, 0])
-        for c in range(1, len(tables)):
-            e = e + tables[c](ids[:, c])
-        return e
+        return embed_sum(ids, self.embed_tables())
+
+    def embed_tables(self) -> list[Tensor]:
+        return [t.weight for t in self.multi_embedder.embedders]
 
     def project_speaker(self, spk: Tensor) -> Tensor:
         """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame."""
@@ -295,21 +399,28 @@ class Zonos2(nn.Module):
             x = self.speaker_lda_projection(x)
         return self.speaker_projection(x)
 
-    def head(self, h: Tensor) -> Tensor:
-        logits = self.multi_output(self.out_norm(h)).float().view(-1, self.cfg.n_codebooks, self.cfg.audio_vocab)
-        if self.cfg.softcap > 0:
-            logits = self.cfg.softcap * torch.tanh(logits / self.cfg.softcap)
-        return logits
+    def head(self, h: Tensor, stages: Stages = PLAIN) -> Tensor:
+        return stages.head(h, self.out_norm.weight, self.multi_output.weight, self.cfg.n_codebooks,
+                           self.cfg.softcap, self.cfg.norm_eps)
 
-    def _layers(self, h: Tensor, positions: Tensor, attend, stages: Stages = PLAIN) -> Tensor:
+    def _layers(self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend,
+                stages: Stages = PLAIN) -> Tensor:
+        """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q) reads the
+        cache (this call's K/V already written) and returns the attention output [N, H, D], or the
+        split-K partials (m, l, acc) that attention_out_splits merges."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         router_state: Tensor | None = None
         for i, layer in enumerate(self.layers):
             att = layer.attention
-            q, k, v, gate = stages.attention_in(h, layer.attention_norm.weight, att.gater.weight, att.wq.weight,
-                                                att.wkv.weight, att.temp, cos, sin, heads, kv_heads, eps)
-            h, x = stages.attention_out(h, attend(i, q, k, v), gate, att.wo.weight, layer.ffn_norm.weight, eps)
+            q, gate = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
+                                          cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
+                                          eps)
+            o = attend(i, q)
+            if isinstance(o, tuple):
+                h, x = stages.attention_out_splits(h, *o, gate, att.wo.weight, layer.ffn_norm.weight, eps)
+            else:
+                h, x = stages.attention_out(h, o, gate, att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             router_state = state if state is not None else router_state
             h = h + y
@@ -321,6 +432,9 @@ class Zonos2(nn.Module):
         """Packed prefill. ids [sum(length), 10]. A speaker row replaces frame 0 of a sequence whose
         chunk starts at 0. Returns logits [len(seqs), 9, audio_vocab] of each chunk's last frame."""
         assert self.cache is not None, "call setup_cache first"
+        if self.use_triton:
+            batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device)
+            return self.prefill_packed(ids, *batch.tensors())[: len(seqs)]
         cache = self.cache
         e = self.embed(ids)
         offsets, off = [], 0
@@ -331,66 +445,90 @@ class Zonos2(nn.Module):
                 e[off] = self.project_speaker(spk).to(e.dtype)
             off += s.length
         h = rms_norm(e, None, self.cfg.norm_eps)
-        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=ids.device) for s in seqs])
+        dev = ids.device
+        positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in seqs])
+        slots = torch.cat([torch.full((s.length,), s.slot, device=dev) for s in seqs])
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def attend(layer: int, q: Tensor) -> Tensor:
             out = torch.empty_like(q)
             for s, o in zip(seqs, offsets, strict=True):
                 end = s.start + s.length
-                cache.k[layer, s.slot, s.start:end] = k[o:o + s.length]
-                cache.v[layer, s.slot, s.start:end] = v[o:o + s.length]
                 kk, vv = cache.k[layer, s.slot, :end], cache.v[layer, s.slot, :end]
                 # Causal with an offset: new frame i sees cached frames 0..start+i.
                 mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
                 out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
             return out
 
-        # the compiled stages (dynamic in the frame count) serve prefill too once compiled for decode
-        h = self._layers(h, positions, attend, self.decode_stages if self.use_triton else PLAIN)
-        last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=ids.device)
+        h = self._layers(h, cache, slots, positions, attend)
+        last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=dev)
         return self.head(h[last])
+
+    @torch.inference_mode()
+    def prefill_packed(self, ids: Tensor, tok_slot: Tensor, tok_pos: Tensor, spk: Tensor, spk_of_tok: Tensor,
+                       block_slot: Tensor, block_start: Tensor, block_len: Tensor, block_pos0: Tensor,
+                       last_idx: Tensor) -> Tensor:
+        """The prefill as pure tensor work of fixed shapes (Triton attention over the cache, no host
+        sync), so a CUDA graph per token count can replay it. Padding tokens write into the scratch
+        slot and belong to no attention block. Returns logits [len(last_idx), 9, audio_vocab]."""
+        from engine.kernels.prefill_attention import prefill_attention
+
+        cache = self.cache
+        assert cache is not None, "call setup_cache first"
+        e = self.embed(ids)
+        if self.cfg.speaker_enabled:
+            # frame 0 of a cloned prompt takes the projected speaker row instead of the embedding sum
+            rows = self.project_speaker(spk).to(e.dtype)[spk_of_tok.clamp(min=0)]
+            e = torch.where((spk_of_tok >= 0)[:, None], rows, e)
+        h = rms_norm(e, None, self.cfg.norm_eps)
+
+        def attend(layer: int, q: Tensor) -> Tensor:
+            return prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start, block_len,
+                                     block_pos0)
+
+        h = self._layers(h, cache, tok_slot, tok_pos, attend, self.decode_stages)
+        return self.head(h[last_idx], self.decode_stages)
 
     @torch.inference_mode()
     def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None) -> Tensor:
         """One frame per slot. ids [B, 10]; positions [B] = index of this frame. Attends over the first
         `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length."""
         assert self.cache is not None, "call setup_cache first"
-        cache = self.cache
-        h = rms_norm(self.embed(ids), None, self.cfg.norm_eps)
+        cache, stages = self.cache, self.decode_stages
+        h = stages.embed_norm(ids, self.embed_tables(), self.cfg.norm_eps)
         if self.use_triton:
-            from engine.kernels.decode_attention import decode_attention
+            from engine.kernels.decode_attention import decode_attention_splits
 
             lengths = (positions + 1).to(torch.int32)
 
-            def attend_fast(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-                cache.k[layer].index_put_((slots, positions), k)
-                cache.v[layer].index_put_((slots, positions), v)
-                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths,
-                                        self.decode_stages.merge_splits)
+            def attend_fast(layer: int, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                return decode_attention_splits(q, cache.k[layer], cache.v[layer], slots, lengths)
 
-            return self.head(self._layers(h, positions, attend_fast, self.decode_stages))
+            return self.head(self._layers(h, cache, slots, positions, attend_fast, stages), stages)
 
         t = attn_len or int(positions.max()) + 1
         valid = torch.arange(t, device=ids.device)[None, :] <= positions[:, None]  # [B, t]
 
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            cache.k[layer].index_put_((slots, positions), k)
-            cache.v[layer].index_put_((slots, positions), v)
+        def attend(layer: int, q: Tensor) -> Tensor:
             kk, vv = cache.k[layer][slots, :t], cache.v[layer][slots, :t]  # [B, t, Hkv, D]
             return _sdpa_batched(q, kk, vv, valid)
 
-        return self.head(self._layers(h, positions, attend, self.decode_stages))
+        return self.head(self._layers(h, cache, slots, positions, attend, stages), stages)
 
     @torch.inference_mode()
     def forward_full(self, ids: Tensor, speaker: Tensor | None = None) -> Tensor:
-        """Teacher-forced logits for every frame of one sequence [T, 10] -> [T, 9, V] (no cache)."""
+        """Teacher-forced logits for every frame of one sequence [T, 10] -> [T, 9, V], through a
+        private one-slot cache (the model's own cache is untouched)."""
         e = self.embed(ids)
         if speaker is not None:
             e[0] = self.project_speaker(speaker).to(e.dtype)
         h = rms_norm(e, None, self.cfg.norm_eps)
         t = ids.shape[0]
+        p = self.multi_output.weight
+        cache = KVCache(self.cfg, 1, t, p.device, p.dtype)
         mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-        h = self._layers(h, torch.arange(t, device=ids.device), lambda _i, q, k, v: _sdpa(q, k, v, mask))
+        positions = torch.arange(t, device=ids.device)
+        h = self._layers(h, cache, torch.zeros_like(positions), positions,
+                         lambda i, q: _sdpa(q, cache.k[i, 0], cache.v[i, 0], mask))
         return self.head(h)
 
 

@@ -252,7 +252,7 @@ class Engine:
         if pending is not None:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(decoding)
-        chunks, budget = [], self.settings.prefill_chunk
+        chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         for seq in live:
             if budget <= 0:
                 break

@@ -96,3 +96,65 @@ def test_model_decode_with_kernels_matches_eager():
         model.prefill(ids, [PrefillSeq(2, 0, len(ids))])
         outs.append(model.decode(new, torch.tensor([2], device=DEV), torch.tensor([len(ids)], device=DEV)))
     assert rel_err(outs[1], outs[0]) < (3e-2 if CUDA else 1e-4)
+
+
+def _random_chosen(gen: torch.Generator, n: int, k: int, n_experts: int) -> torch.Tensor:
+    """k distinct experts per token, as top-k gives."""
+    return torch.rand(n, n_experts, generator=gen).argsort(-1)[:, :k].to(DEV)
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("k", [1, 2])
+def test_align_blocks_triton_equals_torch(block_m, k):
+    from engine.kernels.moe import align_blocks_triton
+
+    gen = torch.Generator().manual_seed(block_m * 10 + k)
+    sizes = [1, 2, 3, 7, 8, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 511, 600]
+    sizes += torch.randint(1, 600, (6,), generator=gen).tolist()
+    for n in sizes:
+        chosen = _random_chosen(gen, n, k, 16)
+        if n % 3 == 0:  # skewed: most pairs on a few experts
+            chosen = torch.where(torch.rand(n, k, generator=gen).to(DEV) < 0.8, chosen % 3, chosen)
+            chosen[:, 1:] = torch.where(chosen[:, 1:] == chosen[:, :1], (chosen[:, :1] + 1) % 16, chosen[:, 1:])
+        ref = align_blocks(chosen, 16, block_m)
+        got = align_blocks_triton(chosen, 16, block_m)
+        assert torch.equal(got[0], ref[0]), (n, k)
+        assert torch.equal(got[1], ref[1]), (n, k)
+        assert got[0].dtype == got[1].dtype == torch.int64
+
+
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_align_blocks_triton_edge_cases(block_m):
+    from engine.kernels.moe import align_blocks_triton
+
+    cases = [
+        torch.full((1, 1), 5),  # one pair
+        torch.full((600, 1), 15),  # every pair on the last expert
+        torch.zeros(300, 1, dtype=torch.int64),  # every pair on the first expert
+        torch.stack([torch.zeros(300, dtype=torch.int64), torch.full((300,), 7)], 1),  # two experts, k = 2
+        torch.arange(16).view(16, 1),  # every expert once
+        torch.arange(32).view(16, 2) % 16,  # every expert twice, k = 2
+        torch.arange(16 * 64).view(-1, 1) % 16,  # every expert full blocks at block_m 64
+        torch.arange(16 * 64 + 1).view(-1, 1) % 16,  # ... and one more pair
+    ]
+    for chosen in cases:
+        chosen = chosen.to(DEV)
+        ref = align_blocks(chosen, 16, block_m)
+        got = align_blocks_triton(chosen, 16, block_m)
+        assert torch.equal(got[0], ref[0]), chosen.shape
+        assert torch.equal(got[1], ref[1]), chosen.shape
+
+
+def test_fused_moe_reads_routing_weights_in_their_own_dtype():
+    torch.manual_seed(1)
+    n, e, dim, inter = 6, 4, 64, 64
+    x = torch.randn(n, dim, device=DEV, dtype=DT)
+    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
+    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    for k in (1, 2):
+        weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
+        half = weights.half()
+        a = fused_moe(x, gate_up, down, chosen, half, block_n=64, block_k=64)
+        b = fused_moe(x, gate_up, down, chosen, half.float(), block_n=64, block_k=64)
+        assert a.dtype == b.dtype == x.dtype and a.shape == (n, dim)
+        assert torch.equal(a, b), k

@@ -69,10 +69,16 @@ def _split_kernel(
     tl.store(acc_ptr + (row * n_splits + split)[:, None] * D + d[None, :], acc, mask=out_ok[:, None])
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
-                     merge=merge_splits) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
     to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D)."""
+    return merge_splits(*decode_attention_splits(q, k_cache, v_cache, slots, lengths)).to(q.dtype)
+
+
+def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    """The split pass alone: (m, l, acc) partials for `merge_splits`, which the caller can fuse with
+    what follows the attention."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
@@ -88,4 +94,4 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor,
         n_splits, d ** -0.5,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK=BLOCK_T,
     )
-    return merge(m, l_, acc).to(q.dtype)
+    return m, l_, acc

@@ -1,0 +1,71 @@
+"""Engine microbenchmark: packed prefill of several prompts (the engine's prefill_clone walk without the
+speaker encoder), full-size random weights in bf16 on one GPU.
+
+    python bench/prefill_step.py --prompts 1 2 4 8 --length 110 [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.checkpoint import random_model
+from engine.llm import LLMNode
+from engine.model import PrefillSeq
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--prompts", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--length", type=int, default=110, help="frames per prompt (a short sentence + clone)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--json")
+    a = p.parse_args()
+    model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)
+    node = LLMNode(model, n_slots=max(a.prompts), max_len=2048, compile=not a.no_compile)
+    graphs = node.prefill_graphs
+    print(f"prefill graphs (tokens {graphs.buckets}) captured in {graphs.capture_s:.1f} s", flush=True)
+    spk = torch.randn(model.cfg.speaker_embedding_dim, device="cuda")
+    rows = []
+    for n in a.prompts:
+        ids = torch.randint(0, 1024, (n * a.length, 10), device="cuda")
+        ids[:, 9] = model.cfg.text_pad_id
+        seqs = [PrefillSeq(s, 0, a.length) for s in range(n)]
+        for _ in range(3):
+            graphs.run(ids, seqs, [spk] * n)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            graphs.run(ids, seqs, [spk] * n)
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        times.sort()
+        rows.append({"prompts": n, "frames": n * a.length, "ms": times[len(times) // 2]})
+        print(f"prefill {n:>3} x {a.length} frames: {rows[-1]['ms']:8.2f} ms  "
+              f"({n * a.length / rows[-1]['ms'] * 1e3:,.0f} frames/s)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        n = a.prompts[0]
+        ids = torch.randint(0, 1024, (n * a.length, 10), device="cuda")
+        ids[:, 9] = model.cfg.text_pad_id
+        seqs = [PrefillSeq(s, 0, a.length) for s in range(n)]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                graphs.run(ids, seqs, [spk] * n)
+            torch.cuda.synchronize()
+        print(f"--- prefill {n} x {a.length}, 3 calls ---")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The EDA router as one Triton kernel: `fused_route` = `engine.model.route`, in one launch.
+
+Program i takes ROWS token rows and does, with the rows' activations in registers throughout:
+  r = x W_down^T + b_down (x streamed in BLOCK_K-wide chunks)   [+ prev * scale when a state is carried]
+  z = rms_norm(r) * eda_w
+  logits = W4 gelu(W2 gelu(W0 z + b0) + b2)
+  probs = softmax(logits); chosen = top-k(probs + bias_sign * bias); weights = probs[chosen]
+Every intermediate that PyTorch would hold in the activation dtype (each linear's and gelu's output, the
+carried state's product and sum, the normalised z) is rounded to that dtype here too, so expert choices
+match the plain path except where two scores genuinely tie. Top-k is an iterative max taking the lowest
+index among equal scores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _gelu(x):
+    # nn.GELU() default: the exact erf form, as PyTorch writes it.
+    return x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _router_kernel(
+    x_ptr, prev_ptr, down_w_ptr, down_b_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
+    bias_ptr, chosen_ptr, weight_ptr, r_ptr,
+    N, stride_x, stride_prev, stride_dw, stride_r, bias_sign, eps,
+    DIM: tl.constexpr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+):
+    dt = x_ptr.dtype.element_ty
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < N
+    rr = tl.arange(0, R)
+    kk = tl.arange(0, BLOCK_K)
+
+    # r = linear(x, down_w, down_b): fp32 accumulation, one rounding to the activation dtype.
+    acc = tl.zeros([ROWS, R], tl.float32)
+    for k0 in range(0, DIM, BLOCK_K):
+        xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
+        wt = tl.load(down_w_ptr + rr[None, :] * stride_dw + (k0 + kk)[:, None])  # [BLOCK_K, R] = W^T chunk
+        acc = tl.dot(xt, wt, acc, input_precision=PREC)
+    r = (acc + tl.load(down_b_ptr + rr).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if HAS_PREV:
+        pv = tl.load(prev_ptr + rows[:, None] * stride_prev + rr[None, :], mask=row_ok[:, None], other=0.0)
+        sc = tl.load(scale_ptr + rr)
+        carried = (pv.to(tl.float32) * sc.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        r = (r + carried).to(dt).to(tl.float32)
+    tl.store(r_ptr + rows[:, None] * stride_r + rr[None, :], r.to(r_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+    # z = rms_norm(r, eda_w, eps), in fp32, rounded once.
+    inv = tl.math.rsqrt(tl.sum(r * r, axis=1) / R + eps)
+    z = (r * inv[:, None] * tl.load(eda_w_ptr + rr).to(tl.float32)[None, :]).to(dt)
+
+    # The MLP; weights are [out, in] (nn.Linear), read transposed as [in, out].
+    w0t = tl.load(w0_ptr + rr[None, :] * R + rr[:, None])
+    h = tl.dot(z, w0t, input_precision=PREC) + tl.load(b0_ptr + rr).to(tl.float32)[None, :]
+    h = _gelu(h.to(dt).to(tl.float32)).to(dt)
+    w2t = tl.load(w2_ptr + rr[None, :] * R + rr[:, None])
+    h = tl.dot(h, w2t, input_precision=PREC) + tl.load(b2_ptr + rr).to(tl.float32)[None, :]
+    h = _gelu(h.to(dt).to(tl.float32)).to(dt)
+    ee = tl.arange(0, E_PAD)
+    e_ok = ee < E
+    w4t = tl.load(w4_ptr + ee[None, :] * R + rr[:, None], mask=e_ok[None, :], other=0.0)
+    logits = tl.dot(h, w4t, input_precision=PREC).to(dt).to(tl.float32)
+    logits = tl.where(e_ok[None, :], logits, -float("inf"))
+
+    m = tl.max(logits, axis=1)
+    p = tl.exp(logits - m[:, None])
+    probs = p / tl.sum(p, axis=1)[:, None]
+    bias = tl.load(bias_ptr + ee, mask=e_ok, other=0.0).to(tl.float32)
+    score = tl.where(e_ok[None, :], probs + bias_sign * bias[None, :], -float("inf"))
+    for j in tl.static_range(TOP_K):
+        best = tl.max(score, axis=1)
+        idx = tl.min(tl.where(score == best[:, None], ee[None, :], E_PAD), axis=1)
+        hit = ee[None, :] == idx[:, None]
+        tl.store(chosen_ptr + rows * TOP_K + j, idx.to(tl.int64), mask=row_ok)
+        tl.store(weight_ptr + rows * TOP_K + j, tl.sum(tl.where(hit, probs, 0.0), axis=1), mask=row_ok)
+        score = tl.where(hit, -float("inf"), score)
+
+
+def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
+                b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
+                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int = 8
+                ) -> tuple[Tensor, Tensor, Tensor]:
+    """`engine.model.route` in one launch -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in
+    x's dtype). All weights are expected in x's dtype (as in the model); no host sync, graph-capturable."""
+    n, dim = x.shape
+    r_dim = down_w.shape[0]
+    e = w4.shape[0]
+    has_prev = scale is not None and prev is not None
+    assert r_dim == triton.next_power_of_2(r_dim) and r_dim >= 16, "router_dim must be a power of two >= 16"
+    block_k = min(block_k, dim)
+    assert dim % block_k == 0, (dim, block_k)
+    dev = x.device
+    chosen = torch.empty(n, k, device=dev, dtype=torch.int64)
+    weights = torch.empty(n, k, device=dev, dtype=torch.float32)
+    r = torch.empty(n, r_dim, device=dev, dtype=x.dtype)
+    if n == 0:
+        return chosen, weights, r
+    if block_rows is None:
+        # tl.dot needs >= 16 rows; more rows per weight read for big batches. At 8 warps these tiles compile
+        # for sm_90 without register spills (64 rows spill).
+        block_rows = 16 if n <= 1024 else 32
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    down_w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
+    if has_prev:
+        prev = prev if prev.stride(-1) == 1 else prev.contiguous()
+    _router_kernel[(triton.cdiv(n, block_rows),)](
+        x, prev if has_prev else x, down_w, down_b.contiguous(), scale.contiguous() if has_prev else down_b,
+        w0.contiguous(), b0.contiguous(), w2.contiguous(), b2.contiguous(), w4.contiguous(), eda_w.contiguous(),
+        bias.contiguous(), chosen, weights, r,
+        n, x.stride(0), prev.stride(0) if has_prev else 0, down_w.stride(0), r.stride(0), float(bias_sign),
+        float(eps),
+        DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
+        ROWS=block_rows, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+    )
+    return chosen, weights, r
