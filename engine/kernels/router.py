@@ -1,7 +1,7 @@
-"""The EDA router as one Triton kernel: `fused_route` = `engine.model.route`, in one launch.
+"""The EDA router in two launches (a cuBLAS GEMM, then one Triton kernel): `fused_route` = `engine.model.route`.
 
-Program i takes ROWS token rows and does, with the rows' activations in registers throughout:
-  r = x W_down^T + b_down (x streamed in BLOCK_K-wide chunks)   [+ prev * scale when a state is carried]
+After r = x W_down^T + b_down, program i takes ROWS token rows and does, in registers throughout:
+  r += prev * scale   (when a state is carried)
   z = rms_norm(r) * eda_w
   logits = W4 gelu(W2 gelu(W0 z + b0) + b2)
   probs = softmax(logits); chosen = top-k(probs + bias_sign * bias); weights = probs[chosen]
@@ -31,7 +31,7 @@ def _router_kernel(
     bias_ptr, chosen_ptr, weight_ptr, r_ptr,
     N, stride_x, stride_prev, stride_dw, stride_r, bias_sign, eps,
     DIM: tl.constexpr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, DOWN: tl.constexpr,
 ):
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -39,13 +39,16 @@ def _router_kernel(
     rr = tl.arange(0, R)
     kk = tl.arange(0, BLOCK_K)
 
-    # r = linear(x, down_w, down_b): fp32 accumulation, one rounding to the activation dtype.
-    acc = tl.zeros([ROWS, R], tl.float32)
-    for k0 in range(0, DIM, BLOCK_K):
-        xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
-        wt = tl.load(down_w_ptr + rr[None, :] * stride_dw + (k0 + kk)[:, None])  # [BLOCK_K, R] = W^T chunk
-        acc = tl.dot(xt, wt, acc, input_precision=PREC)
-    r = (acc + tl.load(down_b_ptr + rr).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    if DOWN:
+        # r = linear(x, down_w, down_b): fp32 accumulation, one rounding to the activation dtype.
+        acc = tl.zeros([ROWS, R], tl.float32)
+        for k0 in range(0, DIM, BLOCK_K):
+            xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
+            wt = tl.load(down_w_ptr + rr[None, :] * stride_dw + (k0 + kk)[:, None])  # [BLOCK_K, R] = W^T chunk
+            acc = tl.dot(xt, wt, acc, input_precision=PREC)
+        r = (acc + tl.load(down_b_ptr + rr).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+    else:  # x already holds linear(x, down_w, down_b) [N, R]
+        r = tl.load(x_ptr + rows[:, None] * stride_x + rr[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     if HAS_PREV:
         pv = tl.load(prev_ptr + rows[:, None] * stride_prev + rr[None, :], mask=row_ok[:, None], other=0.0)
         sc = tl.load(scale_ptr + rr)
@@ -86,10 +89,14 @@ def _router_kernel(
 
 def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
                 b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
-                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int = 8
-                ) -> tuple[Tensor, Tensor, Tensor]:
-    """`engine.model.route` in one launch -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in
-    x's dtype). All weights are expected in x's dtype (as in the model); no host sync, graph-capturable."""
+                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int = 8,
+                down_in_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """`engine.model.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
+    All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
+
+    By default the 2048 -> 128 down-projection is a cuBLAS GEMM and the rest one launch: inside the kernel,
+    each program would stream all of W_down (512 KB) alone, which at batch 1 took 39 us on an H200 against
+    a few us for the GEMM over all SMs. `down_in_kernel=True` does everything in one launch."""
     n, dim = x.shape
     r_dim = down_w.shape[0]
     e = w4.shape[0]
@@ -107,6 +114,9 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
         # tl.dot needs >= 16 rows; more rows per weight read for big batches. At 8 warps these tiles compile
         # for sm_90 without register spills (64 rows spill).
         block_rows = 16 if n <= 1024 else 32
+    if not down_in_kernel:
+        x = torch.nn.functional.linear(x, down_w, down_b)
+        dim = block_k = r_dim
     x = x if x.stride(-1) == 1 else x.contiguous()
     down_w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
     if has_prev:
@@ -118,7 +128,7 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
         n, x.stride(0), prev.stride(0) if has_prev else 0, down_w.stride(0), r.stride(0), float(bias_sign),
         float(eps),
         DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
-        ROWS=block_rows, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        ROWS=block_rows, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32", DOWN=down_in_kernel,
         num_warps=num_warps,
     )
     return chosen, weights, r
