@@ -10,8 +10,6 @@ import itertools
 
 import torch
 
-from engine.kernels.moe import fused_moe
-
 
 def bench(fn, iters: int = 30) -> float:
     for _ in range(3):
@@ -32,29 +30,37 @@ def bench(fn, iters: int = 30) -> float:
 
 
 def main() -> None:
+    from engine.kernels import moe
+
     torch.manual_seed(0)
     e, dim, inter = 16, 2048, 3072
     gate_up = torch.randn(e, 2 * inter, dim, device="cuda", dtype=torch.bfloat16) * 0.02
     down = torch.randn(e, dim, inter, device="cuda", dtype=torch.bfloat16) * 0.02
-    for n in (1, 2, 8, 64, 256):
+    for n in (1, 4, 8, 64):
         x = torch.randn(n, dim, device="cuda", dtype=torch.bfloat16)
         chosen = torch.randint(0, e, (n, 1), device="cuda")
         w = torch.rand(n, 1, device="cuda")
         touched = chosen.unique().numel()
         gb = touched * 3 * inter * dim * 2 / 1e9
+        if n <= moe.GEMV_MAX_PAIRS:
+            configs = [("gemv", bn, bk) for bn, bk in itertools.product((8, 16, 32), (128, 256, 512))]
+        else:
+            configs = [("blocked", bn, bk) for bn, bk in itertools.product((32, 64, 128), (64, 128, 256))]
         best = None
-        for bn, bk in itertools.product((16, 32, 64, 128), (64, 128, 256)):
-            bm = 16 if n <= 64 else 64
+        for kind, bn, bk in configs:
+            def call(x=x, c=chosen, w=w, bn=bn, bk=bk, kind=kind):
+                if kind == "gemv":
+                    return moe._moe_gemv(x, gate_up, down, c, w, block_n=bn, block_k=bk)
+                return moe.fused_moe(x, gate_up, down, c, w, block_m=16, block_n=bn, block_k=bk)
             try:
-                us = bench(lambda x=x, c=chosen, w=w, bm=bm, bn=bn, bk=bk: fused_moe(x, gate_up, down, c, w, block_m=bm,
-                                                                          block_n=bn, block_k=bk))
+                us = bench(call)
             except Exception as exc:  # a config the GPU cannot run is skipped
-                print(f"n={n} bn={bn} bk={bk}: {type(exc).__name__}")
+                print(f"n={n} {kind} bn={bn} bk={bk}: {type(exc).__name__}")
                 continue
-            print(f"n={n:>4} experts={touched:>2} bm={bm} bn={bn:>3} bk={bk:>3}: {us:7.1f} us "
+            print(f"n={n:>4} experts={touched:>2} {kind} bn={bn:>3} bk={bk:>3}: {us:7.1f} us "
                   f"({gb / us * 1e6:6.0f} GB/s)", flush=True)
             if best is None or us < best[0]:
-                best = (us, bn, bk)
+                best = (us, kind, bn, bk)
         print(f"BEST n={n}: {best}")
 
 

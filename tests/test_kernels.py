@@ -57,7 +57,7 @@ def test_align_blocks_groups_pairs_by_expert():
     assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
 
 
-@pytest.mark.parametrize("n, k", [(1, 1), (5, 2), (37, 1)])
+@pytest.mark.parametrize("n, k", [(1, 1), (2, 2), (4, 1), (5, 2), (37, 1)])  # <= 4 pairs: the GEMV path
 def test_fused_moe_matches_reference(n, k):
     torch.manual_seed(n)
     e, dim, inter = 4, 128, 192
@@ -143,6 +143,26 @@ def test_align_blocks_triton_edge_cases(block_m):
         got = align_blocks_triton(chosen, 16, block_m)
         assert torch.equal(got[0], ref[0]), chosen.shape
         assert torch.equal(got[1], ref[1]), chosen.shape
+
+
+def test_moe_gemv_path_equals_blocked_path():
+    """The per-pair GEMV kernels (decode batch <= 4) and the aligned blocked kernels agree."""
+    from engine.kernels import moe
+
+    torch.manual_seed(2)
+    n, e, dim, inter = 3, 4, 128, 192
+    x = torch.randn(n, dim, device=DEV, dtype=DT)
+    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
+    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    for k in (1, 2):
+        weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
+        gemv = moe._combine_topk(moe._moe_gemv(x, gate_up, down, chosen, weights), n, k, x.dtype)
+        old, moe.GEMV_MAX_PAIRS = moe.GEMV_MAX_PAIRS, 0
+        try:
+            blocked = fused_moe(x, gate_up, down, chosen, weights, block_n=64, block_k=64)
+        finally:
+            moe.GEMV_MAX_PAIRS = old
+        assert rel_err(gemv, blocked) < TOL, (k, rel_err(gemv, blocked))
 
 
 def test_fused_moe_reads_routing_weights_in_their_own_dtype():

@@ -193,6 +193,87 @@ def align_blocks_triton(chosen: Tensor, n_experts: int, block_m: int) -> tuple[T
     return sorted_pairs, block_expert
 
 
+@triton.jit
+def _gemv_gate_up_kernel(
+    x_ptr, w_ptr, chosen_ptr, h_ptr, INTER,
+    stride_x, stride_we, stride_wn, stride_h,
+    K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # one (token, k) pair per program row of the grid: no alignment, the pair's expert read directly
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = pair // TOP_K
+    expert = tl.load(chosen_ptr + pair)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    kk = tl.arange(0, BLOCK_K)
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        x = tl.load(x_ptr + token * stride_x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = n_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (n + INTER)[:, None] * stride_wn + (k0 + kk)[None, :], mask=w_mask, other=0.0)
+        acc_g += tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+        acc_u += tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+    g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + pair * stride_h + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_kernel(
+    h_ptr, w_ptr, chosen_ptr, weight_ptr, out_ptr, N,
+    stride_h, stride_we, stride_wn, stride_out,
+    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(chosen_ptr + pair)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + kk) < K
+        h = tl.load(h_ptr + pair * stride_h + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
+    acc = acc * tl.load(weight_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# Up to this many (token, k) pairs the MoE runs as per-pair GEMVs: at decode batch 1-4 the blocked kernels
+# keep too few SMs busy (one 16-row block per expert, 32-48 column tiles) and pay for the alignment.
+GEMV_MAX_PAIRS = 4
+
+
+def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
+              block_n: int = 16, block_k: int = 256) -> Tensor:
+    n, dim = x.shape
+    inter = gate_up.shape[1] // 2
+    k = chosen.shape[1]
+    pairs = chosen.contiguous().view(-1)
+    h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
+    _gemv_gate_up_kernel[(n * k, triton.cdiv(inter, block_n))](
+        x, gate_up, pairs, h, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        K=dim, TOP_K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
+    _gemv_down_kernel[(n * k, triton.cdiv(dim, block_n))](
+        h, down, pairs, weights.contiguous().view(-1), out, dim,
+        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        K=inter, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return out
+
+
 def fused_moe(
     x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
     block_m: int = 16, block_n: int = 64, block_k: int = 128,
@@ -203,6 +284,8 @@ def fused_moe(
     e, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     k = chosen.shape[1]
+    if n * k <= GEMV_MAX_PAIRS:
+        return _combine_topk(_moe_gemv(x, gate_up, down, chosen, weights), n, k, x.dtype)
     sorted_pairs, block_expert = align_blocks_triton(chosen, e, block_m)
     n_blocks = block_expert.numel()
     h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
@@ -221,9 +304,14 @@ def fused_moe(
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         K=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
+    return _combine_topk(out, n, k, x.dtype)
+
+
+def _combine_topk(out: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
+    """Per-pair outputs [n*k, dim] -> [n, dim] in the activation dtype (top-1 rows were written in it)."""
     if k == 1:
         return out
-    out = out.view(n, k, dim)
+    out = out.view(n, k, -1)
     if k == 2:
-        return torch.add(out[:, 0], out[:, 1], out=torch.empty(n, dim, device=x.device, dtype=x.dtype))
-    return out.sum(1).to(x.dtype)
+        return torch.add(out[:, 0], out[:, 1], out=torch.empty(n, out.shape[-1], device=out.device, dtype=dtype))
+    return out.sum(1).to(dtype)
