@@ -88,14 +88,6 @@ def attention_out(h: Tensor, o: Tensor, gate: Tensor, wo: Tensor, ffn_norm_w: Te
     return h, rms_norm(h, ffn_norm_w, eps)
 
 
-def attention_out_splits(h: Tensor, m: Tensor, l_: Tensor, acc: Tensor, gate: Tensor, wo: Tensor,
-                         ffn_norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """attention_out after split-K decode attention: the merge of the splits fuses with the gate."""
-    from engine.kernels_ref import merge_splits
-
-    return attention_out(h, merge_splits(m, l_, acc).to(h.dtype), gate, wo, ffn_norm_w, eps)
-
-
 def embed_sum(ids: Tensor, tables: list[Tensor]) -> Tensor:
     """ids [N, 10] -> sum of the 10 tables' rows [N, dim], added in column order 0..9 as the reference does."""
     e = F.embedding(ids[:, 0], tables[0])
@@ -146,7 +138,6 @@ class Stages:
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
         self.attention_in = wrap(attention_in)
         self.attention_out = wrap(attention_out)
-        self.attention_out_splits = wrap(attention_out_splits)
         self.embed_norm = wrap(embed_norm)
         self.head = wrap(head)
         self.dense_ffn = wrap(dense_ffn)
@@ -406,8 +397,7 @@ class Zonos2(nn.Module):
     def _layers(self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend,
                 stages: Stages = PLAIN) -> Tensor:
         """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q) reads the
-        cache (this call's K/V already written) and returns the attention output [N, H, D], or the
-        split-K partials (m, l, acc) that attention_out_splits merges."""
+        cache (this call's K/V already written) and returns the attention output [N, H, D]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         router_state: Tensor | None = None
@@ -416,11 +406,7 @@ class Zonos2(nn.Module):
             q, gate = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
                                           cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
                                           eps)
-            o = attend(i, q)
-            if isinstance(o, tuple):
-                h, x = stages.attention_out_splits(h, *o, gate, att.wo.weight, layer.ffn_norm.weight, eps)
-            else:
-                h, x = stages.attention_out(h, o, gate, att.wo.weight, layer.ffn_norm.weight, eps)
+            h, x = stages.attention_out(h, attend(i, q), gate, att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             router_state = state if state is not None else router_state
             h = h + y
@@ -496,12 +482,12 @@ class Zonos2(nn.Module):
         cache, stages = self.cache, self.decode_stages
         h = stages.embed_norm(ids, self.embed_tables(), self.cfg.norm_eps)
         if self.use_triton:
-            from engine.kernels.decode_attention import decode_attention_splits
+            from engine.kernels.decode_attention import decode_attention
 
             lengths = (positions + 1).to(torch.int32)
 
-            def attend_fast(layer: int, q: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-                return decode_attention_splits(q, cache.k[layer], cache.v[layer], slots, lengths)
+            def attend_fast(layer: int, q: Tensor) -> Tensor:
+                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths)
 
             return self.head(self._layers(h, cache, slots, positions, attend_fast, stages), stages)
 

@@ -35,7 +35,7 @@ class EngineSettings:
     max_batch: int = 8  # decode slots
     max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
     max_queue: int = 64  # requests waiting for a slot before new ones are refused
-    prefill_chunk: int = 256  # prompt frames per loop iteration
+    prefill_chunk: int = 512  # prompt frames per loop iteration (a 4-prompt prefill is ~9 ms on an H200)
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
     chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference

@@ -43,6 +43,24 @@ def test_decode_attention_matches_reference(h, hkv, d):
         assert rel_err(out[i], ref) < TOL, (i, rel_err(out[i], ref))
 
 
+def test_merge_kernel_matches_plain_merge_with_empty_splits():
+    from engine.kernels.decode_attention import merge_splits_triton
+
+    torch.manual_seed(1)
+    b, h, s, d = 3, 4, 5, 64
+    m = torch.randn(b, h, s, device=DEV)
+    l_ = torch.rand(b, h, s, device=DEV) + 0.5
+    acc = torch.randn(b, h, s, d, device=DEV)
+    m[0, :, 2:] = float("-inf")  # splits past the slot's length: empty, acc never written
+    l_[0, :, 2:] = 0
+    acc[0, :, 2:] = float("nan")
+    out = merge_splits_triton(m, l_, acc, torch.float32)
+    w = torch.where(l_ > 0, torch.exp(m - m.amax(-1, keepdim=True)), torch.zeros_like(m))
+    ref = (w[..., None] * torch.nan_to_num(acc)).sum(2) / (w * l_).sum(-1, keepdim=True)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_align_blocks_groups_pairs_by_expert():
     chosen = torch.tensor([[2, 0], [2, 3], [1, 2]], device=DEV)
     sorted_pairs, block_expert = align_blocks(chosen, n_experts=4, block_m=4)

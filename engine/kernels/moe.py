@@ -254,22 +254,25 @@ GEMV_MAX_PAIRS = 4
 
 
 def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
-              block_n: int = 16, block_k: int = 256) -> Tensor:
+              block_n: int = 8, block_k: int = 512) -> Tensor:
+    """Defaults from bench/moe_sweep.py on an H200: 8 x 512 tiles read one expert (37.7 MB) in 16.4 us
+    (2.3 TB/s); 16 x 256 took 35.6 us."""
     n, dim = x.shape
     inter = gate_up.shape[1] // 2
     k = chosen.shape[1]
     pairs = chosen.contiguous().view(-1)
     h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
+    bk_in, bk_out = min(block_k, triton.next_power_of_2(dim)), min(block_k, triton.next_power_of_2(inter))
     _gemv_gate_up_kernel[(n * k, triton.cdiv(inter, block_n))](
         x, gate_up, pairs, h, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        K=dim, TOP_K=k, BLOCK_N=block_n, BLOCK_K=block_k,
+        K=dim, TOP_K=k, BLOCK_N=block_n, BLOCK_K=bk_in,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _gemv_down_kernel[(n * k, triton.cdiv(dim, block_n))](
         h, down, pairs, weights.contiguous().view(-1), out, dim,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=inter, BLOCK_N=block_n, BLOCK_K=block_k,
+        K=inter, BLOCK_N=block_n, BLOCK_K=bk_out,
     )
     return out
 
