@@ -22,12 +22,40 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
+def capture_buckets(buckets: tuple[int, ...], work) -> dict[int, torch.cuda.CUDAGraph]:
+    """Run `work(b)` once per bucket on a side stream (Triton and torch.compile build their kernels there,
+    not inside a capture; the largest first, so dynamic shapes are seen early), then capture one graph per
+    bucket, largest first, all sharing one memory pool."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for b in [buckets[-1], *buckets]:
+            work(b)
+    torch.cuda.current_stream().wait_stream(stream)
+    graphs, pool = {}, None
+    for b in reversed(buckets):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=pool):
+            work(b)
+        pool = g.pool()
+        graphs[b] = g
+    torch.cuda.synchronize()
+    return graphs
+
+
+def smallest_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{what} {n} exceeds the largest captured size {buckets[-1]}")
+
+
 class DecodeGraphs:
     def __init__(self, model: Zonos2, sampler: SamplerState, scratch_slot: int, max_batch: int,
                  buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
         self.model, self.sampler = model, sampler
         dev = model.multi_output.weight.device
-        self.buckets = sorted({b for b in buckets if b < max_batch} | {max_batch})
+        self.buckets = tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
         width = model.cfg.n_codebooks + 1
         self.ids = torch.full((max_batch, width), model.cfg.audio_pad_id, dtype=torch.int64, device=dev)
         self.ids[:, -1] = model.cfg.text_pad_id
@@ -44,29 +72,12 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            # warm up every size: Triton and torch.compile build their kernels here, not inside a capture
-            for b in [self.buckets[-1], *self.buckets]:
-                self._step(b)
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = None
-        for b in reversed(self.buckets):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self._step(b)
-            pool = g.pool()
-            self.graphs[b] = g
-        torch.cuda.synchronize()
+        self.graphs = capture_buckets(self.buckets, self._step)
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs), self.buckets, self.capture_s)
 
     def bucket(self, n: int) -> int:
-        for b in self.buckets:
-            if b >= n:
-                return b
-        raise ValueError(f"batch {n} exceeds the largest captured batch {self.buckets[-1]}")
+        return smallest_bucket(self.buckets, n, "batch")
 
     def run(self, ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
         """ids [n, 10], slots [n], positions [n] (any device) -> sampled codes [n, 9] on the GPU."""
@@ -127,28 +138,15 @@ class PrefillGraphs:
     def capture(self) -> None:
         t0 = time.perf_counter()
         self._ensure_inputs()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for b in self.buckets:  # compile / autotune outside any capture
-                self.model.prefill_packed(*self.inputs[b])
-        torch.cuda.current_stream().wait_stream(stream)
-        pool = None
-        for b in reversed(self.buckets):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[b] = self.model.prefill_packed(*self.inputs[b])
-            pool = g.pool()
-            self.graphs[b] = g
-        torch.cuda.synchronize()
+        self.graphs = capture_buckets(self.buckets, self._prefill)
         self.capture_s = time.perf_counter() - t0
         log.info("captured %d prefill graphs (tokens %s) in %.1f s", len(self.graphs), self.buckets, self.capture_s)
 
+    def _prefill(self, b: int) -> None:
+        self.outputs[b] = self.model.prefill_packed(*self.inputs[b])
+
     def bucket(self, n_tokens: int) -> int:
-        for b in self.buckets:
-            if b >= n_tokens:
-                return b
-        raise ValueError(f"{n_tokens} prefill frames exceed the largest captured bucket {self.max_tokens}")
+        return smallest_bucket(self.buckets, n_tokens, "prefill of")
 
     def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None) -> Tensor:
         """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V]."""
@@ -166,5 +164,5 @@ class PrefillGraphs:
         if b in self.graphs:
             self.graphs[b].replay()
         else:  # not captured: the same fixed-shape work, launched eagerly
-            self.outputs[b] = self.model.prefill_packed(*static)
+            self._prefill(b)
         return self.outputs[b][: len(seqs)]

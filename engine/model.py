@@ -356,12 +356,13 @@ class Zonos2(nn.Module):
         """Run the decode path through torch.compile'd stage functions (fewer, fused kernels)."""
         self.decode_stages = Stages(compiled=True)
 
-    def enable_triton(self) -> None:
-        """Switch decode attention and MoE to the Triton kernels (CUDA): no host syncs, graph-capturable."""
-        self.use_triton = True
+    def enable_triton(self, on: bool = True) -> None:
+        """Switch attention, router and MoE to the Triton kernels (CUDA, or Triton's interpreter): no host
+        syncs, graph-capturable. `on=False` returns to the plain PyTorch path."""
+        self.use_triton = on
         for layer in self.layers:
             if isinstance(layer.feed_forward, MoEFFN):
-                layer.feed_forward.use_triton = True
+                layer.feed_forward.use_triton = on
 
     # ---- setup -------------------------------------------------------------------------------
     def init_buffers(self, device: torch.device) -> None:

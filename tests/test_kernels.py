@@ -75,13 +75,19 @@ def test_align_blocks_groups_pairs_by_expert():
     assert sorted(p for p in sorted_pairs.tolist() if p < 6) == list(range(6))
 
 
+def _moe_inputs(n: int, e: int, dim: int, inter: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Activations [n, dim] and expert weights scaled like a trained layer's."""
+    x = torch.randn(n, dim, device=DEV, dtype=DT)
+    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
+    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    return x, gate_up, down
+
+
 @pytest.mark.parametrize("n, k", [(1, 1), (2, 2), (4, 1), (5, 2), (37, 1)])  # <= 4 pairs: the GEMV path
 def test_fused_moe_matches_reference(n, k):
     torch.manual_seed(n)
     e, dim, inter = 4, 128, 192
-    x = torch.randn(n, dim, device=DEV, dtype=DT)
-    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
-    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    x, gate_up, down = _moe_inputs(n, e, dim, inter)
     probs = torch.rand(n, e, device=DEV).softmax(-1)
     weights, chosen = probs.topk(k, dim=-1)
     out = fused_moe(x, gate_up, down, chosen, weights, block_n=64, block_k=64)
@@ -106,10 +112,7 @@ def test_model_decode_with_kernels_matches_eager():
     new[0, 9] = model.cfg.text_pad_id
     outs = []
     for fast in (False, True):
-        model.use_triton = fast
-        for layer in model.layers:
-            if hasattr(layer.feed_forward, "use_triton"):
-                layer.feed_forward.use_triton = fast
+        model.enable_triton(fast)
         model.setup_cache(3, 128)
         model.prefill(ids, [PrefillSeq(2, 0, len(ids))])
         outs.append(model.decode(new, torch.tensor([2], device=DEV), torch.tensor([len(ids)], device=DEV)))
@@ -168,10 +171,8 @@ def test_moe_gemv_path_equals_blocked_path():
     from engine.kernels import moe
 
     torch.manual_seed(2)
-    n, e, dim, inter = 3, 4, 128, 192
-    x = torch.randn(n, dim, device=DEV, dtype=DT)
-    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
-    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    n, e = 3, 4
+    x, gate_up, down = _moe_inputs(n, e, 128, 192)
     for k in (1, 2):
         weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
         gemv = moe._combine_topk(moe._moe_gemv(x, gate_up, down, chosen, weights), n, k, x.dtype)
@@ -185,10 +186,8 @@ def test_moe_gemv_path_equals_blocked_path():
 
 def test_fused_moe_reads_routing_weights_in_their_own_dtype():
     torch.manual_seed(1)
-    n, e, dim, inter = 6, 4, 64, 64
-    x = torch.randn(n, dim, device=DEV, dtype=DT)
-    gate_up = torch.randn(e, 2 * inter, dim, device=DEV, dtype=DT) / dim**0.5
-    down = torch.randn(e, dim, inter, device=DEV, dtype=DT) / inter**0.5
+    n, e, dim = 6, 4, 64
+    x, gate_up, down = _moe_inputs(n, e, dim, 64)
     for k in (1, 2):
         weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
         half = weights.half()

@@ -158,10 +158,7 @@ def test_model_packed_prefill_matches_eager():
     half = len(a) // 2
     outs = []
     for fast in (False, True):
-        model.use_triton = fast
-        for layer in model.layers:
-            if hasattr(layer.feed_forward, "use_triton"):
-                layer.feed_forward.use_triton = fast
+        model.enable_triton(fast)
         model.setup_cache(4, 128)
         # call 1: first half of prompt a (with its speaker) and all of b; call 2: the rest of a
         first = model.prefill(torch.cat([a[:half], b]), [PrefillSeq(1, 0, half), PrefillSeq(2, 0, len(b))],
