@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: GPU tests, the decode-step microbenchmark, then the end-to-end
-# WebSocket benchmark against a server on full-size random weights. Logs go to $OUT.
-# Usage (device tool): bash bench/device_run.sh [tests] [micro] [e2e]   (default: all three)
+# One call on the GPU machine: GPU tests, the decode-step, prefill and MoE microbenchmarks, then the
+# end-to-end WebSocket benchmark against a server on full-size random weights. Logs go to $OUT.
+# Usage (device tool): bash bench/device_run.sh [tests] [micro] [prefill] [moe] [e2e]   (default: all)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -9,7 +9,7 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
-steps=${*:-tests micro e2e}
+steps=${*:-tests micro prefill moe e2e}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in $steps; do
   case $step in
@@ -20,6 +20,11 @@ for step in $steps; do
     micro)
       timeout 300 python3 bench/decode_step.py --batches 1 2 4 8 16 32 64 ${MICRO_ARGS:-} --json "$OUT/decode.json" 2>&1 \
         | tee "$OUT/decode.log" | grep -v "^\s*$" | tail -70 ;;
+    prefill)
+      timeout 200 python3 bench/prefill_step.py --prompts 1 2 4 --json "$OUT/prefill.json" 2>&1 \
+        | tee "$OUT/prefill.log" | grep prefill ;;
+    moe)
+      timeout 200 python3 bench/moe_sweep.py 2>&1 | tee "$OUT/moe_sweep.log" | grep BEST ;;
     e2e)
       python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization \
         > "$OUT/server.log" 2>&1 &
