@@ -121,13 +121,10 @@ class PrefillGraphs:
     def _static_inputs(self, n_tokens: int) -> tuple[Tensor, ...]:
         from engine.model import PackedPrefill, PrefillSeq
 
-        dev = self.model.multi_output.weight.device
-        ids = torch.full((n_tokens, self.model.cfg.n_codebooks + 1), self.model.cfg.audio_pad_id, dtype=torch.int64,
-                         device=dev)
-        ids[:, -1] = self.model.cfg.text_pad_id
+        ids = self.pad_row.repeat(n_tokens, 1)
         # a representative batch: one sequence in the scratch slot, the rest padding
         meta = PackedPrefill.build(self.model, [PrefillSeq(self.scratch_slot, 0, 1)], None, n_tokens,
-                                   self.max_seqs, dev, self.scratch_slot)
+                                   self.max_seqs, ids.device, self.scratch_slot)
         return (ids, *meta.tensors())
 
     def _ensure_inputs(self) -> None:

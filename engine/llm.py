@@ -121,14 +121,16 @@ class LLMNode:
         first frame sampled; returns [(seq, codes)] for those."""
         out: list[tuple[Sequence, np.ndarray]] = []
         group: list[tuple[Sequence, int]] = []
+        frames, max_frames = 0, self.max_prefill_frames
         max_seqs = self.prefill_graphs.max_seqs if self.prefill_graphs is not None else 1 << 30
         for seq, n in chunks:
-            if n > self.max_prefill_frames:
-                raise ValueError(f"prefill chunk of {n} frames exceeds {self.max_prefill_frames}")
-            if group and (len(group) == max_seqs or sum(m for _, m in group) + n > self.max_prefill_frames):
+            if n > max_frames:
+                raise ValueError(f"prefill chunk of {n} frames exceeds {max_frames}")
+            if group and (len(group) == max_seqs or frames + n > max_frames):
                 out += self._prefill_packed(group)
-                group = []
+                group, frames = [], 0
             group.append((seq, n))
+            frames += n
         if group:
             out += self._prefill_packed(group)
         return out

@@ -133,7 +133,7 @@ class Stages:
 
     def __init__(self, compiled: bool = False) -> None:
         if compiled:
-            # variants: batch 1 / static / dynamic batch, x first-MoE (no carry) / top-1 / top-2 routers
+            # variants: batch 1 / static / dynamic batch (decode buckets and prefill sizes) x stage arguments
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
         self.attention_in = wrap(attention_in)
@@ -421,7 +421,7 @@ class Zonos2(nn.Module):
         assert self.cache is not None, "call setup_cache first"
         if self.use_triton:
             batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device)
-            return self.prefill_packed(ids, *batch.tensors())[: len(seqs)]
+            return self.prefill_packed(ids, *batch.tensors())
         cache = self.cache
         e = self.embed(ids)
         offsets, off = [], 0
