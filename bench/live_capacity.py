@@ -1,0 +1,583 @@
+"""Live capacity: how many listeners one server can feed at once without their audio breaking up.
+
+    python bench/live_capacity.py --url ws://127.0.0.1:8000/v1/tts/ws \\
+        --levels 1 8 16 32 64 96 128 160 192 --duration 30 --warmup 5 \\
+        --out results.json --plot docs/live_capacity.png
+    python bench/live_capacity.py --voice bench-voice ...    # a stored voice instead of a clone per request
+    python bench/live_capacity.py --plot-only results.json --plot docs/live_capacity.png   # redraw a saved run
+
+Against a GPU server (full-size random weights), started first with
+
+    python -m app --random-weights full --device cuda
+
+(the client is one Python process: run it on a machine or core the server does not need; its own event
+loop lag is reported per level, `loop lag`, and a lag of tens of ms means the client, not the server, is
+the limit).
+
+Player model. At level N, N clients run at once for `--warmup` + `--duration` seconds (client starts are
+spread evenly over the first `--ramp` seconds, so they do not all cut audio in lockstep). Each client
+sends requests back to back, as a voice agent speaking turn after turn: every request is its own
+WebSocket session (`session.config` with 24 kHz `pcm_s16le`, fixed-length generation
+`{"max_frames": 292, "ignore_eos": true}` = 3.39 s of audio, and the voice), then one `text` message
+with `flush`; the client reads until `audio.done` and starts its next request at once (it does not wait
+for playback to finish, so N is the number of streams being generated at any moment). By default the
+voice is cloned for every request (`voice_clip`: the clip of bench/ws_bench.py, or `--voice-clip FILE`);
+`--voice NAME` uploads that clip once at start through `POST /v1/voices` and then uses the stored voice.
+Only requests whose text was sent inside the measured window (after the warm-up, before its end) count;
+those still running at the end are read to completion. Connection setup is outside TTFA (it is
+reported as `connect_ms`).
+
+Stall rule. Each stream is played by a simulated player from its client-side arrival times: playback
+starts `--prebuffer-ms` (150 ms) after the first audio byte arrived and consumes samples in real time at
+the stream's sample rate. Whenever the player has played everything that has arrived and more is still
+to come, it stalls; playback resumes the moment the next chunk arrives (no re-buffering), and the
+stream's later deadlines move by the stall's length. A stall is counted for any gap > 0; the end of the
+stream is not a stall. Per stream: number of stalls, total and longest stall (ms).
+
+Per level: streams completed and errors (by code), TTFA p50/p95 (text sent -> first audio byte), the
+share of streams with no stall (errored streams count as not stall-free), mean per-stream stall ms and
+the longest stall, audio seconds per second delivered inside the window (all streams' bytes that
+arrived in it), the engine's `queue_ms` (from `audio.done` stats) p50/p95, and the client's loop lag.
+A level passes when >= 99 % of its streams are stall-free (`--min-stall-free`) and TTFA p95 <= 300 ms
+(`--max-ttfa-p95-ms`); capacity is the largest N that passes. The run stops after `--stop-after-fail`
+consecutive failed levels (0: run them all).
+
+Output: a table on stdout; `--out` JSON with the configuration, every level's summary, the capacity and
+every per-stream record (rewritten after each level, so an interrupted run keeps what it measured);
+`--plot` a PNG of the stall-free share and TTFA p50/p95 against N (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import numpy as np
+
+try:
+    from bench.ws_bench import TEXT, reference_clip
+except ImportError:  # run as a script: bench/ itself is sys.path[0]
+    from ws_bench import TEXT, reference_clip  # type: ignore[no-redef]
+
+BYTES_PER_SAMPLE = 2  # pcm_s16le
+DEFAULT_LEVELS = [1, 8, 16, 32, 64, 96, 128, 160, 192]
+
+
+# ---- pure logic: no network ----------------------------------------------------------------------------
+
+
+@dataclass
+class Playback:
+    """What a listener heard: stalls (count, total and longest, ms) and the audio length (s)."""
+
+    stalls: int = 0
+    stall_ms_total: float = 0.0
+    stall_ms_max: float = 0.0
+    audio_s: float = 0.0
+    play_start: float | None = None  # arrival clock: when playback began
+    play_end: float | None = None  # when the last sample was played
+
+
+def play(events: Iterable[tuple[float, int]], sample_rate: int, prebuffer_s: float = 0.15) -> Playback:
+    """Simulate the player over `(arrival_time_s, n_samples)` events (the stall rule in the docstring).
+
+    Playback starts `prebuffer_s` after the first non-empty chunk; `dry` is the clock time at which the
+    player has played everything that arrived so far. A chunk arriving after `dry` is a stall of
+    `t - dry`, and playback resumes at `t`.
+    """
+    out = Playback()
+    dry: float | None = None
+    total = 0
+    for t, n in sorted(events, key=lambda e: e[0]):
+        if n <= 0:
+            continue
+        if dry is None:
+            out.play_start = dry = t + prebuffer_s
+        elif t > dry:
+            gap_ms = (t - dry) * 1e3
+            out.stalls += 1
+            out.stall_ms_total += gap_ms
+            out.stall_ms_max = max(out.stall_ms_max, gap_ms)
+            dry = t
+        dry += n / sample_rate
+        total += n
+    out.audio_s = total / sample_rate
+    out.play_end = dry
+    return out
+
+
+def delivered_audio_s(streams: Iterable[Sequence[tuple[float, int]]], t0: float, t1: float,
+                      sample_rate: int) -> float:
+    """Audio seconds that arrived in [t0, t1), over all streams' `(arrival_time_s, n_samples)` events."""
+    return sum(n for ev in streams for t, n in ev if t0 <= t < t1) / sample_rate
+
+
+def pct(xs: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (linear interpolation), None for no data."""
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
+
+
+@dataclass
+class StreamRecord:
+    """One request, as the client saw it. Times in seconds are relative to its level's start."""
+
+    level: int
+    client: int
+    seq: int  # the client's n-th request in this level
+    t_start: float  # connect began
+    t_sent: float = -1.0  # text sent (after connect + session.config); -1 if it never got that far
+    ok: bool = False
+    error: str = ""
+    counted: bool = False  # text sent inside the measured window
+    connect_ms: float | None = None
+    ttfa_ms: float | None = None  # text sent -> first audio byte (client clock)
+    e2e_ms: float | None = None  # text sent -> audio.done
+    audio_s: float = 0.0
+    chunks: int = 0
+    stalls: int = 0
+    stall_ms_total: float = 0.0
+    stall_ms_max: float = 0.0
+    server_ttfa_ms: float | None = None  # audio.done stats.ttfa_ms
+    queue_ms: float | None = None  # audio.done stats.engine.queue_ms
+    finish_reason: str | None = None
+    events: list[tuple[float, int]] = field(default_factory=list)  # (arrival s, samples); in JSON with --events
+
+    def apply(self, p: Playback) -> None:
+        self.stalls, self.stall_ms_total, self.stall_ms_max = p.stalls, p.stall_ms_total, p.stall_ms_max
+        self.audio_s = p.audio_s
+
+    def public(self, with_events: bool = False) -> dict[str, Any]:
+        d = asdict(self)
+        if not with_events:
+            d.pop("events")
+        for k, v in d.items():
+            if isinstance(v, float):
+                d[k] = round(v, 4 if k in ("t_start", "t_sent") else 3)
+        return d
+
+
+def _r(x: float | None, nd: int = 1) -> float | None:
+    return None if x is None or math.isnan(x) else round(x, nd)
+
+
+def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float, window_s: float,
+                    loop_lag_ms: Sequence[float] = ()) -> dict[str, Any]:
+    """A level's summary from its counted stream records (see the module docstring for each field)."""
+    counted = [r for r in records if r.counted]
+    ok = [r for r in counted if r.ok]
+    errors = [r for r in counted if not r.ok]
+    stall_free = [r for r in ok if r.stalls == 0]
+    ttfa = [r.ttfa_ms for r in ok if r.ttfa_ms is not None]
+    queue = [r.queue_ms for r in ok if r.queue_ms is not None]
+    return {
+        "n": n,
+        "attempted": len(counted),
+        "streams": len(ok),
+        "errors": len(errors),
+        "error_codes": dict(Counter(r.error for r in errors)),
+        "ttfa_p50_ms": _r(pct(ttfa, 50)),
+        "ttfa_p95_ms": _r(pct(ttfa, 95)),
+        "ttfa_max_ms": _r(max(ttfa)) if ttfa else None,
+        "stall_free_streams": len(stall_free),
+        "stall_free_share": len(stall_free) / len(counted) if counted else 0.0,
+        "stalls_mean": round(float(np.mean([r.stalls for r in ok])), 3) if ok else None,
+        "stall_ms_mean": _r(float(np.mean([r.stall_ms_total for r in ok])), 2) if ok else None,
+        "stall_ms_max": _r(max(r.stall_ms_max for r in ok)) if ok else None,
+        "stall_total_ms_max": _r(max(r.stall_ms_total for r in ok)) if ok else None,
+        "audio_s_per_s": round(delivered_s / window_s, 2) if window_s > 0 else None,
+        "queue_ms_p50": _r(pct(queue, 50)),
+        "queue_ms_p95": _r(pct(queue, 95)),
+        "connect_ms_p50": _r(pct([r.connect_ms for r in ok if r.connect_ms is not None], 50)),
+        "e2e_ms_p50": _r(pct([r.e2e_ms for r in ok if r.e2e_ms is not None], 50)),
+        "audio_s_mean": round(float(np.mean([r.audio_s for r in ok])), 3) if ok else None,
+        "loop_lag_ms_p99": _r(pct(loop_lag_ms, 99)),
+        "loop_lag_ms_max": _r(max(loop_lag_ms)) if len(loop_lag_ms) else None,
+        "window_s": round(window_s, 3),
+    }
+
+
+def judge(summary: dict[str, Any], min_stall_free: float = 0.99, max_ttfa_p95_ms: float = 300.0) -> dict[str, Any]:
+    """Adds the pass flags to a level summary: `stall_ok`, `ttfa_ok`, `passed` (both, and >= 1 stream)."""
+    p95 = summary.get("ttfa_p95_ms")
+    summary["stall_ok"] = bool(summary.get("streams")) and summary["stall_free_share"] >= min_stall_free
+    summary["ttfa_ok"] = p95 is not None and p95 <= max_ttfa_p95_ms
+    summary["passed"] = summary["stall_ok"] and summary["ttfa_ok"]
+    return summary
+
+
+def capacity(levels: Iterable[dict[str, Any]]) -> int | None:
+    """The largest N among the levels that passed, None if none did."""
+    passed = [lv["n"] for lv in levels if lv.get("passed")]
+    return max(passed) if passed else None
+
+
+def should_stop(levels: Sequence[dict[str, Any]], stop_after_fail: int) -> bool:
+    """True once the last `stop_after_fail` levels all failed (0 never stops)."""
+    if stop_after_fail <= 0 or len(levels) < stop_after_fail:
+        return False
+    return not any(lv.get("passed") for lv in levels[-stop_after_fail:])
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+HEADER = (f"{'N':>5} {'streams':>7} {'err':>4} {'TTFA p50':>8} {'p95 ms':>7} {'stall-free':>10} "
+          f"{'stall mean':>10} {'max ms':>7} {'audio-s/s':>9} {'queue p50':>9} {'p95 ms':>7} {'loop lag':>8}  pass")
+
+
+def table_row(lv: dict[str, Any]) -> str:
+    flags = ("ok" if lv["passed"] else "FAIL") + ("" if lv["stall_ok"] else " stalls") + \
+        ("" if lv["ttfa_ok"] else " ttfa")
+    return (f"{lv['n']:>5} {lv['streams']:>7} {lv['errors']:>4} {_fmt(lv['ttfa_p50_ms'], '8.0f')} "
+            f"{_fmt(lv['ttfa_p95_ms'], '7.0f')} {lv['stall_free_share']:>10.1%} {_fmt(lv['stall_ms_mean'], '10.1f')} "
+            f"{_fmt(lv['stall_ms_max'], '7.0f')} {_fmt(lv['audio_s_per_s'], '9.1f')} "
+            f"{_fmt(lv['queue_ms_p50'], '9.1f')} {_fmt(lv['queue_ms_p95'], '7.1f')} "
+            f"{_fmt(lv['loop_lag_ms_max'], '8.1f')}  {flags}")
+
+
+def table(levels: Sequence[dict[str, Any]]) -> str:
+    return "\n".join([HEADER, *(table_row(lv) for lv in levels)])
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """PNG of the stall-free share and TTFA p50/p95 against N, with both thresholds and the capacity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    cfg = result.get("config", {})
+    ns = [lv["n"] for lv in levels]
+    failed = [lv for lv in levels if not lv.get("passed")]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5))
+    ax1.plot(ns, [100 * lv["stall_free_share"] for lv in levels], "o-", color="tab:green")
+    ax1.plot([lv["n"] for lv in failed], [100 * lv["stall_free_share"] for lv in failed], "x", color="tab:red",
+             ms=9, label="level failed")
+    ax1.axhline(100 * cfg.get("min_stall_free", 0.99), color="grey", ls="--", lw=1,
+                label=f"{100 * cfg.get('min_stall_free', 0.99):g} % threshold")
+    ax1.set_ylabel("stall-free streams (%)")
+    ax1.set_ylim(-2, 102)
+    ax2.plot(ns, [lv["ttfa_p50_ms"] for lv in levels], "o-", label="TTFA p50")
+    ax2.plot(ns, [lv["ttfa_p95_ms"] for lv in levels], "s-", label="TTFA p95")
+    ax2.axhline(cfg.get("max_ttfa_p95_ms", 300), color="grey", ls="--", lw=1,
+                label=f"p95 threshold {cfg.get('max_ttfa_p95_ms', 300):g} ms")
+    ax2.set_ylabel("time to first audio (ms)")
+    ax2.set_ylim(bottom=0)
+    ax2.set_xlabel("concurrent streams N")
+    ax2.set_xticks(ns)
+    cap = result.get("capacity")
+    for ax in (ax1, ax2):
+        if cap is not None:
+            ax.axvline(cap, color="tab:red", lw=1, alpha=0.6, label=f"capacity {cap}" if ax is ax1 else None)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    voice = "clone per request" if cfg.get("voice_mode", "clone") == "clone" else f"stored voice {cfg.get('voice')}"
+    fig.suptitle(f"Live capacity: {voice}, prebuffer {cfg.get('prebuffer_ms', 150):g} ms, "
+                 f"{cfg.get('frames', 292)} frames, {cfg.get('sample_rate', 24000)} Hz s16", fontsize=10)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the network side ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Options:
+    url: str = "ws://127.0.0.1:8000/v1/tts/ws"
+    levels: list[int] = field(default_factory=lambda: list(DEFAULT_LEVELS))
+    duration: float = 30.0
+    warmup: float = 5.0
+    ramp: float = 2.0
+    prebuffer_ms: float = 150.0
+    frames: int = 292
+    sample_rate: int = 24000
+    voice: str | None = None  # a stored voice's name (uploaded at start); None: clone per request
+    voice_clip: str | None = None  # a clip file; None: bench/ws_bench.py's reference_clip()
+    text: str = TEXT
+    min_stall_free: float = 0.99
+    max_ttfa_p95_ms: float = 300.0
+    stop_after_fail: int = 2
+    request_timeout: float = 60.0
+    error_backoff_ms: float = 200.0
+    pause: float = 2.0
+    api_key: str | None = None
+    deflate: bool = True
+    events: bool = False
+    out: str | None = None
+    plot: str | None = None
+
+    def config(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["voice_mode"] = "stored" if self.voice else "clone"
+        d["api_key"] = "(set)" if self.api_key else None  # never written out
+        return d
+
+
+def http_base(ws_url: str) -> str:
+    u = urlsplit(ws_url)
+    return urlunsplit(("https" if u.scheme == "wss" else "http", u.netloc, "", "", ""))
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | None = None) -> str:
+    """Stores the clip as voice `name` through `POST /v1/voices` (the same clip gives the same voice: the
+    server deduplicates it) and returns the voice id."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=http_base(ws_url), headers=_headers(api_key), timeout=120) as c:
+        r = await c.post("/v1/voices", data={"name": name},
+                         files={"file": ("live_capacity.wav", base64.b64decode(clip_b64), "audio/wav")})
+        if r.status_code not in (200, 201):
+            raise RuntimeError(f"voice upload failed: {r.status_code} {r.text[:300]}")
+        return str(r.json()["id"])
+
+
+async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamRecord, clock0: float) -> None:
+    """One request in its own session; fills `rec` (times relative to `clock0`)."""
+    import websockets
+
+    t_conn = time.perf_counter()
+    rec.t_start = t_conn - clock0
+    t_sent: float | None = None
+    first: float | None = None
+    try:
+        async with asyncio.timeout(opts.request_timeout), websockets.connect(
+                opts.url, max_size=None, additional_headers=_headers(opts.api_key),
+                compression="deflate" if opts.deflate else None) as ws:
+            created = json.loads(await ws.recv())
+            if created.get("type") != "session.created":
+                rec.error = str(created.get("code") or created.get("type"))
+                return
+            await ws.send(json.dumps(session_cfg))
+            while True:
+                d = json.loads(await ws.recv())
+                if d.get("type") == "session.updated":
+                    break
+                if d.get("type") == "error":
+                    rec.error = str(d.get("code", "error"))
+                    return
+            t_sent = time.perf_counter()
+            rec.connect_ms = (t_sent - t_conn) * 1e3
+            rec.t_sent = t_sent - clock0
+            await ws.send(json.dumps({"type": "text", "text": opts.text, "flush": True}))
+            async for msg in ws:
+                now = time.perf_counter()
+                if isinstance(msg, bytes):
+                    if msg:
+                        first = first or now
+                        rec.events.append((now - clock0, len(msg) // BYTES_PER_SAMPLE))
+                    continue
+                d = json.loads(msg)
+                if d.get("type") == "audio.done":
+                    stats = d.get("stats") or {}
+                    engine = stats.get("engine") or {}
+                    rec.ok = True
+                    rec.e2e_ms = (now - t_sent) * 1e3
+                    rec.server_ttfa_ms = stats.get("ttfa_ms")
+                    q = engine.get("queue_ms", stats.get("queue_ms"))
+                    rec.queue_ms = float(q) if q is not None else None
+                    rec.finish_reason = stats.get("finish_reason")
+                    break
+                if d.get("type") == "error":
+                    rec.error = str(d.get("code", "error"))
+                    break
+            else:
+                rec.error = "closed"
+    except TimeoutError:
+        rec.error = "timeout"
+    except Exception as e:  # count it, don't crash the benchmark
+        rec.error = type(e).__name__
+    finally:
+        rec.chunks = len(rec.events)
+        if first is not None and t_sent is not None:
+            rec.ttfa_ms = (first - t_sent) * 1e3
+        if rec.ok and not rec.events:
+            rec.ok, rec.error = False, "no_audio"
+        rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
+
+
+async def _loop_lag(samples: list[tuple[float, float]], clock0: float, stop: asyncio.Event,
+                    every: float = 0.01) -> None:
+    """Records how late the client's own event loop wakes up (ms), to tell a client-bound run."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(every)
+        now = time.perf_counter()
+        samples.append((now - clock0, (now - t - every) * 1e3))
+
+
+async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple[dict[str, Any], list[StreamRecord]]:
+    records: list[StreamRecord] = []
+    clock0 = time.perf_counter()
+    w0, w1 = opts.warmup, opts.warmup + opts.duration
+    lag: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(min(opts.ramp, opts.warmup) * i / n)
+        seq = 0
+        while time.perf_counter() - clock0 < w1:
+            rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0)
+            records.append(rec)
+            await one_stream(opts, session_cfg, rec, clock0)
+            seq += 1
+            if not rec.ok:
+                await asyncio.sleep(opts.error_backoff_ms / 1e3)
+
+    lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
+    await asyncio.gather(*(client(i) for i in range(n)))
+    stop.set()
+    await lag_task
+    for r in records:  # a request that failed before its text was sent counts by when it started
+        r.counted = w0 <= (r.t_sent if r.t_sent >= 0 else r.t_start) < w1
+    delivered = delivered_audio_s([r.events for r in records], w0, w1, opts.sample_rate)
+    summary = summarize_level(n, records, delivered, opts.duration, [ms for t, ms in lag if w0 <= t < w1])
+    return judge(summary, opts.min_stall_free, opts.max_ttfa_p95_ms), records
+
+
+def _write_json(path: str, result: dict[str, Any]) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs every level (until the stop rule) and returns the result that `--out` holds."""
+    if opts.voice_clip:
+        clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode()
+    else:
+        clip = reference_clip()
+    session_cfg: dict[str, Any] = {"type": "session.config", "encoding": "pcm_s16le",
+                                   "sample_rate": opts.sample_rate,
+                                   "params": {"max_frames": opts.frames, "ignore_eos": True}}
+    result: dict[str, Any] = {"config": opts.config(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                              "levels": [], "capacity": None, "streams": []}
+    if opts.voice:
+        voice_id = await upload_voice(opts.url, opts.voice, clip, opts.api_key)
+        session_cfg["voice"] = voice_id
+        result["config"]["voice_id"] = voice_id
+    else:
+        session_cfg["voice_clip"] = clip
+    # one untimed request first: checks the configuration and takes one-off start-up costs out of level 1
+    pre = StreamRecord(level=0, client=0, seq=0, t_start=0.0)
+    await one_stream(opts, session_cfg, pre, time.perf_counter())
+    if not pre.ok:
+        raise RuntimeError(f"the first request failed: {pre.error}")
+    log(f"live capacity: {opts.url}, {result['config']['voice_mode']} voice, {opts.frames} frames, "
+        f"{opts.sample_rate} Hz s16, prebuffer {opts.prebuffer_ms:g} ms, {opts.warmup:g} s warm-up + "
+        f"{opts.duration:g} s per level")
+    log(HEADER)
+    for i, n in enumerate(opts.levels):
+        if i:
+            await asyncio.sleep(opts.pause)
+        summary, records = await run_level(opts, n, session_cfg)
+        result["levels"].append(summary)
+        result["streams"].extend(r.public(opts.events) for r in records)
+        result["capacity"] = capacity(result["levels"])
+        log(table_row(summary))
+        if summary["error_codes"]:
+            log(f"      errors: {summary['error_codes']}")
+        if opts.out:
+            _write_json(opts.out, result)
+        if should_stop(result["levels"], opts.stop_after_fail):
+            log(f"      stopping: {opts.stop_after_fail} consecutive levels failed")
+            break
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Options()
+    p.add_argument("--url", default=d.url, help="the server's WebSocket endpoint")
+    p.add_argument("--levels", type=int, nargs="+", default=d.levels, help="concurrent streams N per level")
+    p.add_argument("--duration", type=float, default=d.duration, help="measured seconds per level")
+    p.add_argument("--warmup", type=float, default=d.warmup, help="seconds per level before measuring")
+    p.add_argument("--ramp", type=float, default=d.ramp, help="client starts spread over these seconds (<= warmup)")
+    p.add_argument("--prebuffer-ms", type=float, default=d.prebuffer_ms, help="playback starts this long after the first byte")
+    p.add_argument("--frames", type=int, default=d.frames, help="max_frames per request (ignore_eos)")
+    p.add_argument("--sample-rate", type=int, default=d.sample_rate, choices=[8000, 16000, 24000, 44100])
+    p.add_argument("--voice", help="store the clip once as this voice and use it (default: clone per request)")
+    p.add_argument("--voice-clip", help="reference clip file (default: bench/ws_bench.py's synthetic clip)")
+    p.add_argument("--text", default=d.text)
+    p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
+    p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
+    p.add_argument("--stop-after-fail", type=int, default=d.stop_after_fail,
+                   help="stop after this many consecutive failed levels (0: never)")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout)
+    p.add_argument("--error-backoff-ms", type=float, default=d.error_backoff_ms,
+                   help="a client waits this long after a failed request")
+    p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
+    p.add_argument("--api-key")
+    p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
+    p.add_argument("--events", action="store_true", help="keep every chunk's (arrival s, samples) in the JSON")
+    p.add_argument("--out", help="write the raw JSON here")
+    p.add_argument("--plot", help="write the PNG here (needs matplotlib)")
+    p.add_argument("--plot-only", metavar="RESULTS_JSON", help="redraw the table and plot from a saved run")
+    return p.parse_args(argv)
+
+
+def options(a: argparse.Namespace) -> Options:
+    return Options(url=a.url, levels=a.levels, duration=a.duration, warmup=a.warmup, ramp=a.ramp,
+                   prebuffer_ms=a.prebuffer_ms, frames=a.frames, sample_rate=a.sample_rate, voice=a.voice,
+                   voice_clip=a.voice_clip, text=a.text, min_stall_free=a.min_stall_free,
+                   max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
+                   request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, pause=a.pause,
+                   api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)
+
+
+def _plot_or_warn(result: dict[str, Any], path: str) -> None:
+    try:
+        plot(result, path)
+    except ImportError:
+        print(f"no plot: matplotlib is not installed here (`pip install matplotlib`, then "
+              f"`python bench/live_capacity.py --plot-only RESULTS.json --plot {path}`)", file=sys.stderr)
+        return
+    print(f"plot: {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    if a.plot_only:
+        result = json.loads(Path(a.plot_only).read_text())
+        cfg = result.setdefault("config", {})
+        for lv in result["levels"]:  # re-judged with this command's thresholds, recorded in the config
+            judge(lv, a.min_stall_free, a.max_ttfa_p95_ms)
+        cfg["min_stall_free"], cfg["max_ttfa_p95_ms"] = a.min_stall_free, a.max_ttfa_p95_ms
+        result["capacity"] = capacity(result["levels"])
+        print(table(result["levels"]))
+        print(f"capacity: {result['capacity']}")
+        _plot_or_warn(result, a.plot or str(Path(a.plot_only).with_suffix(".png")))
+        return result
+    opts = options(a)
+    result = asyncio.run(run_benchmark(opts))
+    if opts.out:
+        _write_json(opts.out, result)
+    cap = result["capacity"]
+    print(f"capacity: {cap if cap is not None else 'none'} (>= {opts.min_stall_free:.0%} stall-free streams "
+          f"and TTFA p95 <= {opts.max_ttfa_p95_ms:g} ms)")
+    if opts.plot:
+        _plot_or_warn(result, opts.plot)
+    return result
+
+
+if __name__ == "__main__":
+    main()

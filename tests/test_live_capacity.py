@@ -1,0 +1,237 @@
+"""bench/live_capacity.py: the player's stall rule, the summary and capacity rule on synthetic data, and one
+short run against the tiny CPU server (no assertions on speed)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.live_capacity import (
+    Options,
+    StreamRecord,
+    capacity,
+    delivered_audio_s,
+    judge,
+    main,
+    one_stream,
+    play,
+    should_stop,
+    summarize_level,
+    table,
+    upload_voice,
+)
+from bench.ws_bench import reference_clip
+
+SR = 24000
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def chunks(times: list[float], seconds: float = 0.1) -> list[tuple[float, int]]:
+    return [(t, round(seconds * SR)) for t in times]
+
+
+# ---- the player --------------------------------------------------------------------------------------
+
+
+def test_real_time_arrival_never_stalls():
+    # 20 ms of audio every 20 ms, from t = 1 s: the player (150 ms behind) always has audio
+    ev = chunks([1.0 + 0.02 * i for i in range(100)], 0.02)
+    p = play(ev, SR, 0.15)
+    assert p.stalls == 0 and p.stall_ms_total == 0 and p.stall_ms_max == 0
+    assert p.audio_s == pytest.approx(2.0)
+    assert p.play_start == pytest.approx(1.15)
+    assert p.play_end == pytest.approx(3.15)
+
+
+def test_one_stall_of_known_length():
+    # 100 ms at t=0, played from 0.15 to 0.25; the next chunk comes at 0.5: a 250 ms stall
+    p = play(chunks([0.0, 0.5]), SR, 0.15)
+    assert p.stalls == 1
+    assert p.stall_ms_total == pytest.approx(250)
+    assert p.stall_ms_max == pytest.approx(250)
+    assert p.play_end == pytest.approx(0.6)  # resumed at 0.5 with 100 ms to play
+
+
+def test_resume_moves_later_deadlines():
+    # after the stall, playback resumes at 0.5 and runs dry at 0.6: the chunk at 0.65 is a 50 ms stall;
+    # resumed at 0.65 it runs dry at 0.75, so the chunk at 0.8 (on time for the first schedule, which
+    # needed it at 0.45 + stalls) is another 50 ms stall
+    p = play(chunks([0.0, 0.5, 0.65, 0.8]), SR, 0.15)
+    assert p.stalls == 3
+    assert p.stall_ms_total == pytest.approx(250 + 50 + 50)
+    assert p.stall_ms_max == pytest.approx(250)
+
+
+def test_prebuffer_absorbs_a_late_chunk():
+    ev = chunks([0.0, 0.3])  # the second chunk is needed at prebuffer + 0.1 s
+    assert play(ev, SR, 0.15).stall_ms_total == pytest.approx(50)
+    assert play(ev, SR, 0.25).stalls == 0
+    assert play(ev, SR, 0.0).stall_ms_total == pytest.approx(200)
+    # audio that arrives before playback starts is simply buffered
+    burst = chunks([0.0, 0.01, 0.02, 0.03])
+    assert play(burst, SR, 0.15).stalls == 0
+    assert play(burst, SR, 0.15).play_end == pytest.approx(0.55)
+
+
+def test_end_of_stream_and_empty_chunks_are_not_stalls():
+    p = play([(0.0, 2400), (0.05, 0), (2.0, 0)], SR, 0.15)
+    assert p.stalls == 0 and p.audio_s == pytest.approx(0.1)
+    empty = play([], SR, 0.15)
+    assert empty.stalls == 0 and empty.audio_s == 0 and empty.play_start is None
+    # the player starts from the first non-empty chunk
+    assert play([(0.0, 0), (1.0, 2400)], SR, 0.15).play_start == pytest.approx(1.15)
+
+
+def test_sample_rate_sets_the_playback_speed():
+    ev = [(0.0, 4410), (0.15, 4410)]  # 100 ms each at 44.1 kHz, 183.75 ms at 24 kHz
+    assert play(ev, 44100, 0.0).stall_ms_total == pytest.approx(50)
+    assert play(ev, SR, 0.0).stalls == 0
+
+
+def test_delivered_audio_counts_arrivals_inside_the_window():
+    a = chunks([0.5, 1.0, 1.5, 2.0])
+    b = chunks([0.9, 1.9, 3.0])
+    assert delivered_audio_s([a, b], 1.0, 2.0, SR) == pytest.approx(0.3)  # 1.0, 1.5, 1.9
+    assert delivered_audio_s([], 0, 1, SR) == 0
+
+
+# ---- summary and capacity ------------------------------------------------------------------------------
+
+
+def rec(ok: bool = True, ttfa: float = 100.0, stall_ms: list[float] | None = None, counted: bool = True,
+        error: str = "", queue: float | None = 2.0) -> StreamRecord:
+    stall_ms = stall_ms or []
+    return StreamRecord(level=4, client=0, seq=0, t_start=0.0, t_sent=1.0, ok=ok, error=error, counted=counted,
+                        ttfa_ms=ttfa if ok else None, audio_s=3.39 if ok else 0.0, stalls=len(stall_ms),
+                        stall_ms_total=sum(stall_ms), stall_ms_max=max(stall_ms, default=0.0),
+                        queue_ms=queue if ok else None)
+
+
+def test_summary_of_a_level():
+    records = [rec(ttfa=t) for t in (100, 110, 120, 130, 140, 150, 160)]
+    records += [rec(ttfa=200, stall_ms=[30, 10]), rec(ok=False, error="engine_busy"),
+                rec(ttfa=5000, stall_ms=[900], counted=False)]  # warm-up: ignored
+    s = summarize_level(4, records, delivered_s=27.0, window_s=10.0, loop_lag_ms=[0.1, 0.2, 5.0])
+    assert s["n"] == 4 and s["attempted"] == 9 and s["streams"] == 8 and s["errors"] == 1
+    assert s["error_codes"] == {"engine_busy": 1}
+    assert s["stall_free_streams"] == 7
+    assert s["stall_free_share"] == pytest.approx(7 / 9)  # the error is not a stall-free stream
+    assert s["ttfa_p50_ms"] == pytest.approx(135)
+    assert s["ttfa_max_ms"] == 200
+    assert s["stall_ms_mean"] == pytest.approx(40 / 8)
+    assert s["stall_ms_max"] == 30 and s["stall_total_ms_max"] == 40
+    assert s["audio_s_per_s"] == pytest.approx(2.7)
+    assert s["queue_ms_p50"] == 2.0
+    assert s["loop_lag_ms_max"] == 5.0
+    json.dumps(s, allow_nan=False)
+
+
+def test_summary_without_streams_is_valid_json_and_fails():
+    s = judge(summarize_level(8, [rec(ok=False, error="timeout")], 0.0, 10.0))
+    assert s["streams"] == 0 and s["stall_free_share"] == 0 and s["ttfa_p95_ms"] is None
+    assert not s["passed"] and not s["stall_ok"] and not s["ttfa_ok"]
+    assert s["queue_ms_p50"] is None
+    json.dumps(s, allow_nan=False)
+    assert "FAIL" in table([s])
+
+
+def test_thresholds():
+    def lv(share: float, p95: float | None, streams: int = 100) -> dict:
+        return judge({"n": 1, "streams": streams, "stall_free_share": share, "ttfa_p95_ms": p95})
+
+    assert lv(0.99, 300.0)["passed"]
+    assert lv(1.0, 120.0)["passed"]
+    s = lv(0.985, 120.0)
+    assert not s["passed"] and not s["stall_ok"] and s["ttfa_ok"]
+    s = lv(1.0, 300.5)
+    assert not s["passed"] and s["stall_ok"] and not s["ttfa_ok"]
+    assert not lv(1.0, None)["passed"]
+    assert judge({"n": 1, "streams": 10, "stall_free_share": 0.9, "ttfa_p95_ms": 500},
+                 min_stall_free=0.9, max_ttfa_p95_ms=600)["passed"]
+
+
+def test_capacity_is_the_largest_passing_level():
+    levels = [{"n": n, "passed": p} for n, p in [(1, True), (8, True), (16, False), (32, True), (64, False)]]
+    assert capacity(levels) == 32
+    assert capacity([{"n": 1, "passed": False}]) is None
+    assert capacity([]) is None
+
+
+def test_stop_after_consecutive_failures():
+    res = [{"passed": p} for p in (True, False, True, False)]
+    assert not should_stop(res, 2)
+    assert should_stop([*res, {"passed": False}], 2)
+    assert should_stop(res, 1)
+    assert not should_stop([*res, {"passed": False}], 0)
+    assert not should_stop([{"passed": False}], 2)
+
+
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
+def test_plot_only_redraws_from_saved_json(tmp_path: Path, capsys):
+    levels = [summarize_level(n, [rec(ttfa=t, stall_ms=[50] if n == 64 else None) for t in (80 + n, 120 + n)],
+                              10.0 * n, 10.0) for n in (1, 16, 64)]
+    saved = {"config": {"prebuffer_ms": 150, "frames": 292, "sample_rate": 24000}, "levels": levels,
+             "capacity": None, "streams": []}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(saved))
+    out = main(["--plot-only", str(path), "--plot", str(tmp_path / "p.png")])
+    assert out["capacity"] == 16  # 64 has stalls
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "capacity: 16" in printed and "FAIL stalls" in printed
+    main(["--plot-only", str(path)])  # the default PNG goes next to the JSON
+    assert (tmp_path / "r.png").exists()
+
+
+# ---- against the tiny CPU server -----------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_one_level_against_the_server(server, tmp_path: Path):
+    out = tmp_path / "results.json"
+    argv = ["--url", server.ws_url, "--levels", "2", "--duration", "4", "--warmup", "1", "--ramp", "0.5",
+            "--frames", "40", "--request-timeout", "120", "--out", str(out)]
+    if HAS_MPL:
+        argv += ["--plot", str(tmp_path / "plot.png")]
+    main(argv)
+    res = json.loads(out.read_text())
+    assert set(res) >= {"config", "levels", "capacity", "streams", "started", "finished"}
+    assert res["config"]["voice_mode"] == "clone" and res["config"]["frames"] == 40
+    (lv,) = res["levels"]
+    for k in ("n", "streams", "errors", "ttfa_p50_ms", "ttfa_p95_ms", "stall_free_share", "stall_ms_mean",
+              "stall_ms_max", "audio_s_per_s", "queue_ms_p50", "stall_ok", "ttfa_ok", "passed"):
+        assert k in lv
+    assert lv["n"] == 2 and lv["streams"] >= 1 and lv["errors"] == 0
+    counted = [s for s in res["streams"] if s["counted"]]
+    assert len(counted) == lv["attempted"] >= 1
+    for s in counted:
+        assert s["ok"] and s["level"] == 2 and s["client"] in (0, 1)
+        assert s["ttfa_ms"] > 0 and s["chunks"] >= 1 and s["queue_ms"] is not None
+        # fixed-length generation: 40 frames of 512 samples at 44.1 kHz, resampled to 24 kHz
+        assert s["audio_s"] == pytest.approx(40 * 512 / 44100, abs=2e-3)
+        assert s["stalls"] >= 0 and s["stall_ms_total"] >= s["stall_ms_max"] >= 0
+    if HAS_MPL:
+        assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_stored_voice_is_uploaded_once_and_used(server):
+    async def go() -> tuple[str, str, StreamRecord]:
+        clip = reference_clip(seconds=3.0)
+        a = await upload_voice(server.ws_url, "live-capacity", clip)
+        b = await upload_voice(server.ws_url, "live-capacity", clip)  # the same clip: the same voice
+        r = StreamRecord(level=1, client=0, seq=0, t_start=0.0)
+        cfg = {"type": "session.config", "voice": a, "encoding": "pcm_s16le", "sample_rate": SR,
+               "params": {"max_frames": 20, "ignore_eos": True}}
+        await one_stream(Options(url=server.ws_url), cfg, r, time.perf_counter())
+        return a, b, r
+
+    a, b, r = asyncio.run(go())
+    assert a == b and a.startswith("v_")
+    assert r.ok, r.error
+    assert r.audio_s == pytest.approx(20 * 512 / 44100, abs=2e-3)
