@@ -31,14 +31,26 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="size of the random model used without --model-path (full = release size, GPU)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--dac-device", help="run the dac_decoder node on another device")
-    p.add_argument("--max-batch", type=int, help="decode slots (default: 64 on GPU, 8 on CPU)")
-    p.add_argument("--max-context", type=int, help="frames per slot (prompt + audio)")
+    p.add_argument("--max-batch", type=int, help="decode slots (default: 128 on GPU, 8 on CPU)")
+    p.add_argument("--max-context", type=int,
+                   help="frames per slot (prompt + audio); default: the model's max_seqlen, or what fits in free GPU memory")
     p.add_argument("--prefill-chunk", type=int, default=EngineSettings.prefill_chunk,
                    help="prompt frames prefilled per engine step (on a GPU at most 512, the largest captured size)")
     p.add_argument("--dac-dtype", choices=["float32", "bfloat16"], default=EngineSettings.dac_dtype,
                    help="DAC precision on the GPU (bfloat16: ~37 dB SNR vs float32, less GPU time per chunk)")
     p.add_argument("--max-queue", type=int, default=EngineSettings.max_queue,
                    help="requests waiting for a decode slot before new ones get queue_full")
+    p.add_argument("--dac-frames-per-step", type=int, default=EngineSettings.dac_frames_per_step,
+                   help="DAC input frames launched per engine iteration (0: all that are ready)")
+    p.add_argument("--dac-max-batch", type=int, default=EngineSettings.dac_max_batch,
+                   help="chunks per DAC call (each shape is a captured CUDA graph)")
+    p.add_argument("--admission", choices=["auto", "realtime", "slots"], default=EngineSettings.admission,
+                   help="realtime: start a stream only while running ones keep real time (auto: on GPU); "
+                        "slots: whenever a decode slot is free")
+    p.add_argument("--admission-headroom", type=float, default=EngineSettings.admission_headroom,
+                   help="realtime admission: keep the engine iteration under this share of a frame (11.6 ms)")
+    p.add_argument("--admission-max-wait", type=float, default=EngineSettings.admission_max_wait_s,
+                   help="realtime admission: seconds a request may wait before engine_busy")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
@@ -69,11 +81,16 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     engine = EngineSettings(
         device=a.device,
         dac_device=a.dac_device,
-        max_batch=a.max_batch or (64 if on_gpu else 8),
+        max_batch=a.max_batch or (128 if on_gpu else 8),
         max_context=a.max_context,
         prefill_chunk=a.prefill_chunk,
         dac_dtype=a.dac_dtype,
         max_queue=a.max_queue,
+        dac_frames_per_step=a.dac_frames_per_step,
+        dac_max_batch=a.dac_max_batch,
+        admission=a.admission,
+        admission_headroom=a.admission_headroom,
+        admission_max_wait_s=a.admission_max_wait,
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
     )
@@ -101,7 +118,9 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
     kwargs = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                  ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5)
+                  ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
+                  # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
+                  ws_per_message_deflate=False)
     sndbuf = settings.limits.tcp_send_buffer_bytes
     if not sndbuf:
         uvicorn.run(create_app(settings), **kwargs)

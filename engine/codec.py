@@ -131,7 +131,12 @@ def _freeze_weight_norm(module: torch.nn.Module) -> list[tuple[torch.nn.Module, 
 
 
 def _snake(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # x + sin(alpha x)^2 / (alpha + 1e-9), with the reciprocal precomputed by Codec.to()
+    # x + sin(alpha x)^2 / (alpha + 1e-9), with the reciprocal precomputed by Codec.to(); on a GPU one
+    # fused pass (engine/kernels/snake.py) instead of four elementwise kernels
+    if x.is_cuda:
+        from engine.kernels.snake import snake
+
+        return snake(x, self.alpha, self.inv_alpha)
     return torch.addcmul(x, self.inv_alpha, torch.sin(self.alpha * x).square())
 
 
@@ -139,10 +144,10 @@ def _eager_snake(module: torch.nn.Module) -> list[torch.nn.Module]:
     """Swap dac's TorchScript'ed Snake for an eager version; return the Snake modules.
 
     On CPU the scripted function re-profiles for every new input length (50-180 ms each, and a
-    streaming decoder sees many lengths); eager is bit-identical there. On an H200 (full codec,
-    fp32, 50 frames) eager addcmul takes 3.5 vs 5.8 ms at batch 1 but 80 vs 66 ms at batch 64:
-    a fused Snake kernel could win those 15% back. (The GPU's own per-new-shape cost, 40-65 ms,
-    is cuDNN plan building, paid by both: see StreamingDecoder.warmup.)
+    streaming decoder sees many lengths); eager is bit-identical there. On a GPU the Snake is one
+    fused Triton pass (the eager four-kernel form took 80 vs the scripted 66 ms at batch 64 on an
+    H200). (The GPU's own per-new-shape cost, 40-65 ms, is cuDNN plan building: see
+    StreamingDecoder.warmup.)
     """
     dac = _import_dac()
     snakes = [m for m in module.modules() if isinstance(m, dac.nn.layers.Snake1d)]

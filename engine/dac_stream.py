@@ -1,6 +1,6 @@
 """dac_decoder node: incremental DAC decoding of ZONOS2 delayed frames, batched across requests.
 
-Usage (one thread calls `step`; open/push/finish/drop may come from others)::
+Usage (one thread, the engine loop, calls everything)::
 
     dec = StreamingDecoder(codec, ChunkSchedule())
     dec.warmup(max_batch=64)               # at startup on GPU: pre-builds every cuDNN shape (~2-4 s)
@@ -10,6 +10,8 @@ Usage (one thread calls `step`; open/push/finish/drop may come from others)::
     dec.finish(rid, eos_frame)             # generation over; eos_frame None = no EOS, keep all N
     for rid, pcm, is_final in dec.step():  # int16 PCM; float32 with step(as_float=True)
         ...
+    dec.launch(); ...; dec.collect()       # the same, split: launch returns at once on a GPU,
+                                           # collect returns the calls that have finished
     dec.drop(rid)                          # cancel: forget the request
 
 Stream layout. With N delayed frames received, A = N - 8 aligned frames are complete (codebook 8
@@ -56,8 +58,7 @@ from __future__ import annotations
 
 import bisect
 import logging
-import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,7 +101,7 @@ class ChunkSchedule:
     """
 
     first_chunk_frames: int = 12
-    chunk_frames: int = 32
+    chunk_frames: int = 64
     context_frames: int = 2 * RF_FRAMES
     overlap_frames: int = 0
     lookahead_frames: int | None = RF_FRAMES
@@ -146,11 +147,14 @@ class ChunkSchedule:
             planned += size
         return out
 
-    def length_buckets(self, quantum: int = 16, up_to: int = 64) -> list[int]:
+    def length_buckets(self, quantum: int = 16) -> list[int]:
         """Input lengths chunks are rounded up to (by extending their left context where the
-        history allows): the non-final lengths plus multiples of `quantum`; beyond the largest,
-        multiples of 64."""
-        return sorted(set(self.input_lengths()) | set(range(quantum, max(up_to, *self.input_lengths()) + 1, quantum)))
+        history allows): the non-final lengths plus multiples of `quantum` up to the longest final
+        chunk that follows the schedule (a chunk's worth, the 8 frames that complete at the end, and
+        context); beyond, multiples of 64."""
+        longest_final = self.context_frames + self.chunk_frames + DELAY
+        top = max(64, *self.input_lengths(), -(-longest_final // quantum) * quantum)
+        return sorted(set(self.input_lengths()) | set(range(quantum, top + 1, quantum)))
 
     def sizes(self, n: int) -> list[int]:
         """The first n chunk sizes (for docs/tests)."""
@@ -265,26 +269,40 @@ class _Chunk:
     pcm: np.ndarray | None = None
 
 
+@dataclass
+class _Flight:
+    """DAC calls launched together: their PCM lands in host memory when `done` has passed."""
+
+    chunks: list[_Chunk]
+    outputs: list[tuple[list[_Chunk], torch.Tensor]]  # (chunks of one call, PCM [b, n * 512] on the host)
+    done: torch.cuda.Event | None  # None: computed synchronously (CPU)
+
+
 class StreamingDecoder:
-    """Per-request frame buffers + batched incremental DAC decoding (see module docstring)."""
+    """Per-request frame buffers + batched incremental DAC decoding (see module docstring).
+
+    Single-threaded: the engine loop calls everything. `launch` cuts ready chunks and starts their DAC
+    calls (on a GPU: graph replays on the current stream, PCM copied to pinned host memory, nothing
+    waited for); `collect` stitches the calls that have finished, in launch order. `step` is both, waiting.
+    """
 
     def __init__(self, codec: Codec, schedule: ChunkSchedule | None = None) -> None:
         self.codec = codec
         self.schedule = schedule or ChunkSchedule()
         self._reqs: dict[int, _Req] = {}
-        self._lock = threading.Lock()
-        self._step_lock = threading.Lock()
+        self._flights: deque[_Flight] = deque()
         self._n_steps = 0
         self.length_buckets = self.schedule.length_buckets()
+        self.graphs = None  # engine.cuda_graphs.DacGraphs once captured
+        self._on_gpu = torch.device(getattr(codec, "device", "cpu")).type == "cuda"
 
     # ---- request lifecycle (cheap, no DAC work) -------------------------------------------
 
     def open(self, rid: int, detect_eos: bool = True) -> None:
         """Start a request. detect_eos=False for ignore_eos requests (see module docstring)."""
-        with self._lock:
-            if rid in self._reqs:
-                raise KeyError(f"request {rid} already open")
-            self._reqs[rid] = _Req(detect_eos=detect_eos)
+        if rid in self._reqs:
+            raise KeyError(f"request {rid} already open")
+        self._reqs[rid] = _Req(detect_eos=detect_eos)
 
     def push(self, rid: int, frames: np.ndarray | torch.Tensor, eos_frame: int | None = None) -> None:
         """Append delayed frames [n, 9] (or one frame [9]); opens rid if needed."""
@@ -294,44 +312,59 @@ class StreamingDecoder:
         f = f[None] if f.ndim == 1 else f
         if f.ndim != 2 or f.shape[1] != N_CODEBOOKS:  # e.g. a [n, 10] row with the text column
             raise ValueError(f"frames must be [n, {N_CODEBOOKS}] audio codes, got shape {np.shape(frames)}")
-        with self._lock:
+        req = self._reqs.get(rid)
+        if req is None:
+            req = self._reqs[rid] = _Req()
+        if not req.done:
+            req.append(f)
+        if eos_frame is not None:
+            self._set_eos(rid, req, eos_frame)
+
+    def push_rows(self, rids: list[int], frames: np.ndarray) -> None:
+        """One generated frame for each of `rids` (frames [len(rids), 9], row i for rids[i]): the decode
+        step's whole batch in one call, the EOA scan done once for the batch."""
+        eoa_rows = set(np.flatnonzero((frames == EOA_ID).any(axis=1)).tolist())
+        for i, rid in enumerate(rids):
             req = self._reqs.get(rid)
             if req is None:
                 req = self._reqs[rid] = _Req()
-            if not req.done:
-                req.append(f)
-            if eos_frame is not None:
-                self._set_eos(rid, req, eos_frame)
+            if req.done:
+                continue
+            if i in eoa_rows or req.n == req.buf.shape[0]:
+                req.append(frames[i : i + 1])
+            else:  # the common case: room in the buffer and no EOA to look at
+                req.buf[req.n] = frames[i]
+                req.n += 1
 
     def finish(self, rid: int, eos_frame: int | None = None) -> None:
         """No more frames. eos_frame: aligned frames to keep; None = keep all N received."""
-        with self._lock:
-            req = self._get(rid)
-            if eos_frame is not None:
-                self._set_eos(rid, req, eos_frame)
-            req.finished = True
-            if req.final_sent:
-                del self._reqs[rid]  # final audio already returned (eos was known early)
+        req = self._get(rid)
+        if eos_frame is not None:
+            self._set_eos(rid, req, eos_frame)
+        req.finished = True
+        if req.final_sent:
+            del self._reqs[rid]  # final audio already returned (eos was known early)
 
     def drop(self, rid: int) -> None:
-        """Cancel: forget the request (an in-flight step discards its chunks)."""
-        with self._lock:
-            self._reqs.pop(rid, None)
+        """Cancel: forget the request (chunks of it in flight are discarded when they land)."""
+        self._reqs.pop(rid, None)
 
     def pending(self) -> bool:
-        """True if `step` would decode something."""
-        with self._lock:
-            return any(self._ready(r) for r in self._reqs.values())
+        """True if `launch` would decode something."""
+        return any(self._ready(r) for r in self._reqs.values())
+
+    def in_flight(self) -> int:
+        """DAC calls launched and not yet collected."""
+        return len(self._flights)
 
     def active(self) -> int:
-        with self._lock:
-            return len(self._reqs)
+        return len(self._reqs)
 
     # ---- decoding -------------------------------------------------------------------------
 
     def step(self, max_batch: int = 64, as_float: bool = False,
              max_frames: int | None = None) -> list[tuple[int, np.ndarray, bool]]:
-        """Decode ready chunks; return (rid, pcm, is_final) per request with new audio.
+        """Decode ready chunks and wait for them; return (rid, pcm, is_final) per request with new audio.
 
         pcm is int16 (or float32 in [-1, 1] with as_float=True). Every request gets exactly one
         is_final=True tuple (its pcm may be empty), after which it is forgotten.
@@ -339,46 +372,72 @@ class StreamingDecoder:
         (context included), to cap the time one step can take; requests that do not fit stay
         pending, least recently served first next time (None: decode everything ready).
         """
-        with self._step_lock:  # stitching relies on chunks being completed in plan order
-            with self._lock:
-                self._n_steps += 1
-                saved = {rid: (req.planned, req.n_chunks, req.tail_planned, req.done) for rid, req in self._reqs.items()}
-                chunks: list[_Chunk] = []
-                budget = max_frames if max_frames is not None else float("inf")
-                for rid, req in sorted(self._reqs.items(), key=lambda kv: kv[1].served):
-                    if budget <= 0:
-                        break
-                    mine = self._plan(rid, req)
-                    if mine:
-                        req.served = self._n_steps
-                        budget -= sum(c.end - c.start for c in mine)
-                        chunks += mine
-            try:
-                self._run(chunks, max_batch)
-            except BaseException:
-                # e.g. CUDA OOM: un-plan so the same chunks are cut again by the next step()
-                with self._lock:
-                    for c in chunks:
-                        if c.rid in saved and self._reqs.get(c.rid) is c.req:
-                            c.req.planned, c.req.n_chunks, c.req.tail_planned, c.req.done = saved[c.rid]
-                raise
-            out: list[tuple[int, np.ndarray, bool]] = []
-            with self._lock:
-                by_req: dict[int, list[_Chunk]] = defaultdict(list)
-                for c in chunks:
-                    if self._reqs.get(c.rid) is c.req:  # not dropped/reopened meanwhile
-                        by_req[c.rid].append(c)
-                for rid, cs in by_req.items():
-                    pcm = np.concatenate([self._stitch(c) for c in cs])
-                    final = cs[-1].final
-                    if final:
-                        self._retire(rid, cs[-1].req)
-                    elif not pcm.size:
-                        continue  # e.g. a first chunk shorter than overlap_frames: all withheld
-                    out.append((rid, pcm if as_float else to_int16(pcm), final))
+        self.launch(max_batch, max_frames)
+        return self.collect(as_float, wait=True)
+
+    def launch(self, max_batch: int = 64, max_frames: int | None = None) -> int:
+        """Cut ready chunks (at most max_frames DAC input frames, least recently served first) and start
+        their DAC calls; returns the number of chunks launched. On a GPU nothing is waited for."""
+        self._n_steps += 1
+        saved = {rid: (req.planned, req.n_chunks, req.tail_planned, req.done) for rid, req in self._reqs.items()}
+        chunks: list[_Chunk] = []
+        budget = max_frames if max_frames is not None else float("inf")
+        for rid, req in sorted(self._reqs.items(), key=lambda kv: kv[1].served):
+            if budget <= 0:
+                break
+            mine = self._plan(rid, req)
+            if mine:
+                req.served = self._n_steps
+                budget -= sum(c.end - c.start for c in mine)
+                chunks += mine
+        if not chunks:
+            return 0
+        try:
+            self._flights.append(self._run(chunks, max_batch))
+        except BaseException:
+            # e.g. CUDA OOM: un-plan so the same chunks are cut again by the next launch()
+            for c in chunks:
+                if c.rid in saved and self._reqs.get(c.rid) is c.req:
+                    c.req.planned, c.req.n_chunks, c.req.tail_planned, c.req.done = saved[c.rid]
+            raise
+        return len(chunks)
+
+    def collect(self, as_float: bool = False, wait: bool = False) -> list[tuple[int, np.ndarray, bool]]:
+        """Stitch every launched call that has finished (all of them with wait=True), in launch order:
+        (rid, pcm, is_final) per request with new audio."""
+        out: list[tuple[int, np.ndarray, bool]] = []
+        while self._flights:
+            flight = self._flights[0]
+            if flight.done is not None:
+                if wait:
+                    flight.done.synchronize()
+                elif not flight.done.query():
+                    break
+            self._flights.popleft()
+            for part, pcm in flight.outputs:
+                rows = pcm.numpy()
+                for c, row in zip(part, rows, strict=False):
+                    c.pcm = row
+            out += self._emit(flight.chunks, as_float)
         return out
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _emit(self, chunks: list[_Chunk], as_float: bool) -> list[tuple[int, np.ndarray, bool]]:
+        out: list[tuple[int, np.ndarray, bool]] = []
+        by_req: dict[int, list[_Chunk]] = defaultdict(list)
+        for c in chunks:
+            if self._reqs.get(c.rid) is c.req:  # not dropped/reopened meanwhile
+                by_req[c.rid].append(c)
+        for rid, cs in by_req.items():
+            pcm = np.concatenate([self._stitch(c) for c in cs])
+            final = cs[-1].final
+            if final:
+                self._retire(rid, cs[-1].req)
+            elif not pcm.size:
+                continue  # e.g. a first chunk shorter than overlap_frames: all withheld
+            out.append((rid, pcm if as_float else to_int16(pcm), final))
+        return out
 
     def _get(self, rid: int) -> _Req:
         try:
@@ -456,10 +515,11 @@ class StreamingDecoder:
     def _batch_bucket(n: int, max_batch: int) -> int:
         return min(max_batch, 1 << (n - 1).bit_length())
 
-    def _run(self, chunks: list[_Chunk], max_batch: int) -> None:
+    def _run(self, chunks: list[_Chunk], max_batch: int) -> _Flight:
         groups: dict[int, list[_Chunk]] = defaultdict(list)
         for c in chunks:
             groups[c.end - c.start].append(c)
+        outputs: list[tuple[list[_Chunk], torch.Tensor]] = []
         for length, group in groups.items():
             if length == 0:
                 for c in group:
@@ -469,24 +529,56 @@ class StreamingDecoder:
                 part = group[i : i + max_batch]
                 rows = [c.codes for c in part]
                 # pad the batch to a power of two: cuDNN builds a plan per (batch, length) shape
-                # (40-65 ms each on an H200), so a bounded shape set can be warmed up front
+                # (40-65 ms each on an H200), so a bounded shape set can be warmed (and captured) up front
                 rows += rows[:1] * (self._batch_bucket(len(rows), max_batch) - len(rows))
-                pcm = self.codec.decode(torch.from_numpy(np.stack(rows))).cpu().numpy()
-                for c, row in zip(part, pcm, strict=False):
-                    c.pcm = row
+                outputs.append((part, self._decode(np.stack(rows))))
+        done = None
+        if self._on_gpu:
+            done = torch.cuda.Event()
+            done.record()
+        return _Flight(chunks, outputs, done)
 
-    def warmup(self, max_batch: int = 64, short_finals: bool = True) -> int:
-        """Decode once at every shape `step` will use, so no request pays cuDNN plan building
-        (40-65 ms per new (batch, length) on an H200): all length buckets x power-of-two
-        batches, plus batch 1 at every length below the largest bucket (finals of short
-        utterances, which have no history to pad with). Returns the number of shapes run."""
+    def _decode(self, codes: np.ndarray) -> torch.Tensor:
+        """One DAC call; on a GPU launched only: PCM lands in pinned host memory behind the stream."""
+        x = torch.from_numpy(codes)
+        if not self._on_gpu:
+            return self.codec.decode(x)
+        x = x.pin_memory()  # a pageable copy would wait for the stream's earlier work
+        shape = (codes.shape[0], codes.shape[1])
+        if self.graphs is not None and shape in self.graphs:
+            pcm = self.graphs.run(x)
+        else:
+            pcm = self.codec.decode(x.to(self.codec.device, non_blocking=True))
+        host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+        host.copy_(pcm, non_blocking=True)
+        return host
+
+    def warm_shapes(self, max_batch: int = 64, short_finals: bool = True) -> set[tuple[int, int]]:
+        """Every (batch, length) `launch` uses: all length buckets x power-of-two batches, plus batch 1
+        at every length below the largest bucket (finals of short utterances, which have no history to
+        pad with)."""
         shapes = {(self._batch_bucket(b, max_batch), n) for n in self.length_buckets
                   for b in (1 << k for k in range(max_batch.bit_length()))}
         if short_finals:
             shapes |= {(1, n) for n in range(1, max(self.length_buckets) + 1)}
+        return shapes
+
+    def warmup(self, max_batch: int = 64, short_finals: bool = True) -> int:
+        """Decode once at every shape `launch` will use, so no request pays cuDNN plan building
+        (40-65 ms per new (batch, length) on an H200). Returns the number of shapes run."""
+        shapes = self.warm_shapes(max_batch, short_finals)
         for b, n in sorted(shapes):
             self.codec.decode(torch.zeros(b, n, N_CODEBOOKS, dtype=torch.long))
         return len(shapes)
+
+    def capture(self, max_batch: int = 64) -> int:
+        """On a GPU: capture every warm shape in a CUDA graph, so a launch costs the engine thread one
+        replay instead of the eager call's ~900 kernel launches. Returns the number of graphs."""
+        from engine.cuda_graphs import DacGraphs
+
+        self.graphs = DacGraphs(self.codec, self.warm_shapes(max_batch))
+        self.graphs.capture()
+        return len(self.graphs.graphs)
 
     def _stitch(self, c: _Chunk) -> np.ndarray:
         """Cross-fade with the withheld tail, withhold the new tail; return samples to emit."""

@@ -22,10 +22,13 @@ class EosTracker:
     countdown: int = -1
     frames: int = 0  # generated frames seen
 
-    def push(self, frame: np.ndarray) -> bool:
-        """Feed one generated frame [n_codebooks]; returns True when generation should stop."""
+    def push(self, frame: np.ndarray, has_eoa: bool | None = None) -> bool:
+        """Feed one generated frame [n_codebooks]; returns True when generation should stop.
+        has_eoa: whether the frame holds an EOA, when the caller scanned its whole batch at once."""
         step = self.frames
         self.frames += 1
+        if has_eoa is False and self.countdown <= 0:
+            return False
         if self.eos_frame is None:
             hits = np.flatnonzero(frame[: self.n_codebooks] == self.eoa_id)
             if hits.size:

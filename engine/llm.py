@@ -196,12 +196,13 @@ class LLMNode:
             codes = pending.codes.numpy().copy()
         else:
             codes = pending.codes
-        return [(s, self._accept(s, codes[i])) for i, s in enumerate(pending.seqs)]
+        eoa = (codes[:, : self.cfg.n_codebooks] == self.cfg.eoa_id).any(axis=1).tolist()  # one scan per batch
+        return [(s, self._accept(s, codes[i], eoa[i])) for i, s in enumerate(pending.seqs)]
 
-    def _accept(self, seq: Sequence, codes: np.ndarray) -> np.ndarray:
+    def _accept(self, seq: Sequence, codes: np.ndarray, has_eoa: bool | None = None) -> np.ndarray:
         seq.generated += 1
         seq.last_codes = codes
-        if seq.eos.push(codes) and not seq.ignore_eos:
+        if seq.eos.push(codes, has_eoa) and not seq.ignore_eos:
             seq.finish_reason = "eos"
         elif seq.generated >= seq.max_frames:
             seq.finish_reason = "max_frames"

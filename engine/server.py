@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine import messages as m
+from engine.admission import RealtimeAdmission
 from engine.ipc import Outbox, RingSpec, ShmRing
 from engine.llm import LLMNode, Sequence
 from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
@@ -40,6 +41,14 @@ class EngineSettings:
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
     chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
     dac_dtype: str = "float32"  # float32 | bfloat16 (37 dB SNR vs fp32 measured on random weights)
+    dac_max_batch: int = 32  # chunks per DAC call (each (batch, length) shape is captured in a graph)
+    # DAC input frames launched per iteration (0: all that are ready). Spreads the chunks of streams that
+    # would otherwise cut in lockstep over iterations; least recently served first.
+    dac_frames_per_step: int = 384
+    dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
+    admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
+    admission_headroom: float = 0.8  # realtime: admit while the iteration period stays under 0.8 x 11.6 ms
+    admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
 
@@ -77,17 +86,26 @@ class Engine:
         self.out_ring = outbox_ring
         t0 = time.perf_counter()
         model = load_model(src, self.device)
-        self.llm = LLMNode(model, settings.max_batch, settings.max_context, settings.cuda_graphs, settings.compile)
+        max_context = settings.max_context or kv_frames_that_fit(model, settings.max_batch + 1)
+        self.llm = LLMNode(model, settings.max_batch, max_context, settings.cuda_graphs, settings.compile)
         dac_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dac_dtype]
         self.codec = load_codec(src, settings.dac_device or self.device, dac_dtype)
         self.speaker_encoder = load_speaker_encoder(src, self.device)
         schedule = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
                     "reference": ChunkSchedule.reference}[settings.chunk_schedule]()
         self.dac = StreamingDecoder(self.codec, schedule)
-        # The dac_decoder runs in this thread on its own CUDA stream, launched while a decode step is in
-        # flight: chunk decodes overlap the LLM instead of lengthening it. (A separate Python thread
-        # convoys on the GIL behind this loop: its hundreds of small launches each wait a switch interval.)
+        # The dac_decoder runs in this thread on its own CUDA stream: its calls are graph replays that
+        # return at once, and their PCM is collected on a later iteration, so the LLM never waits for
+        # audio. The LLM's stream has the higher priority: where both have work queued, the decode step's
+        # blocks are scheduled first. (A separate Python thread convoys on the GIL behind this loop.)
         self.dac_stream = torch.cuda.Stream(self.codec.device) if self.codec.device.type == "cuda" else None
+        on_gpu = self.device.startswith("cuda")
+        self.llm_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
+        mode = settings.admission if settings.admission != "auto" else ("realtime" if on_gpu else "slots")
+        if mode not in ("realtime", "slots"):
+            raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
+        self.admission = RealtimeAdmission(settings.admission_headroom, settings.admission_max_wait_s,
+                                           enabled=mode == "realtime")
         self.src = src
         self.load_s = time.perf_counter() - t0
         self.waiting: deque[Job] = deque()
@@ -116,10 +134,12 @@ class Engine:
         self.dac.finish(-1, None)
         while self.dac.pending():
             self.dac.step()
-        if self.dac_stream is not None:  # cuDNN plans for every chunk shape now, not on a request
+        if self.dac_stream is not None:  # cuDNN plans (and graphs) for every chunk shape now, not on a request
             with torch.cuda.stream(self.dac_stream):
-                n = self.dac.warmup(max_batch=self.llm.n_slots)
-            log.info("dac_decoder warmed %d chunk shapes", n)
+                n = self.dac.warmup(max_batch=self.settings.dac_max_batch)
+                if self.settings.cuda_graphs:
+                    self.dac.capture(max_batch=self.settings.dac_max_batch)
+            log.info("dac_decoder warmed %d chunk shapes%s", n, " and captured them" if self.dac.graphs else "")
         clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
         self.speaker_encoder.embed(clip, 24000)
         self._sync()
@@ -146,6 +166,13 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
+        if self.llm_stream is not None:
+            with torch.cuda.stream(self.llm_stream):
+                self._loop()
+        else:
+            self._loop()
+
+    def _loop(self) -> None:
         while not self.stopping:
             generating = any(j.seq.finish_reason is None for j in self.running.values()) or self.waiting
             if not generating and self.outbox.pending_bytes() == 0:
@@ -221,8 +248,14 @@ class Engine:
         self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(), force=True)
 
     def _admit(self) -> None:
+        now = time.perf_counter()
+        streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
+        admitted = 0
         while self.waiting and self.llm.can_admit():
+            if not self.admission.may_admit(streams, admitted + 1):
+                break
             job = self.waiting.popleft()
+            admitted += 1
             seq = job.seq
             if job.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first
                 try:
@@ -239,6 +272,13 @@ class Engine:
             self.dac.open(seq.rid, detect_eos=not seq.ignore_eos)
             self.outbox.put(seq.rid, {"type": m.STARTED, "rid": seq.rid,
                                       "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2)})
+        # what live streams could not make room for within max_wait_s is refused, oldest first
+        while (self.admission.enabled and self.waiting
+               and now - self.waiting[0].t_arrival > self.admission.max_wait_s):
+            job = self.waiting.popleft()
+            self._error(job.seq.rid, "engine_busy",
+                        f"every stream the GPU can keep in real time is playing; waited "
+                        f"{self.admission.max_wait_s:g} s", retry_after_ms=self.admission.retry_after_ms())
 
     def _step(self) -> None:
         if not self.running:
@@ -248,7 +288,8 @@ class Engine:
         live = [j.seq for j in self.running.values() if j.seq.finish_reason is None]
         decoding = [s for s in live if not s.in_prefill]
         pending = self.llm.decode_start(decoding) if decoding else None
-        self._decode_audio()  # overlaps the decode step in flight
+        self.admission.observe_launch(t0, len(decoding))
+        self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
         if pending is not None:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(decoding)
@@ -264,6 +305,7 @@ class Engine:
             results += self.llm.prefill(chunks)
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
+        plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
         for seq, codes in results:
             job = self.running.get(seq.rid)
             if job is None:  # its audio completed (or it was cancelled) while this step was in flight
@@ -272,25 +314,37 @@ class Engine:
             if seq.generated == 1:
                 job.t_prefilled = now
             eos_known = seq.eos.eos_frame is not None and not seq.ignore_eos
+            if not eos_known and seq.finish_reason is None:
+                plain_rids.append(seq.rid)
+                plain_rows.append(codes)
+                continue
             self.dac.push(seq.rid, codes[None], eos_frame=seq.eos.eos_frame if eos_known else None)
             if seq.finish_reason is not None:
                 eos = None if seq.ignore_eos else seq.eos.eos_frame
                 self.dac.finish(seq.rid, eos)
                 self.llm.release(seq)
+        if plain_rids:
+            self.dac.push_rows(plain_rids, np.stack(plain_rows))
         if not live:
-            self._decode_audio()  # only audio left to decode
+            self._audio()  # only audio left to decode
         self.step_times.append(time.perf_counter() - t0)
         self.counters["steps"] += 1
 
-    def _decode_audio(self) -> None:
-        """Decode every ready chunk (batched across requests) and send it (one doorbell)."""
-        if not self.dac.pending():
+    def _audio(self) -> None:
+        """Send the chunks whose DAC calls have landed; launch the ready ones (never waits on the GPU)."""
+        self._send_audio(self.dac.collect())
+        if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
+        budget = self.settings.dac_frames_per_step or None
         if self.dac_stream is not None:
             with torch.cuda.stream(self.dac_stream):
-                items = self.dac.step(max_batch=self.llm.n_slots)
+                self.dac.launch(self.settings.dac_max_batch, budget)
         else:
-            items = self.dac.step(max_batch=self.llm.n_slots)
+            self.dac.launch(self.settings.dac_max_batch, budget)
+        self._send_audio(self.dac.collect())  # on a CPU the calls have already run
+
+    def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
+        """Put decoded PCM in the events ring (one doorbell for all of it)."""
         for rid, pcm, final in items:
             job = self.running.get(rid)
             if job is None:
@@ -359,8 +413,8 @@ class Engine:
                                   "stats": {"frames": job.seq.generated, "free_ms": free_ms,
                                             "free_slots": len(self.llm.free_slots)}}, force=True)
 
-    def _error(self, rid: int, code: str, message: str) -> None:
-        self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message}, force=True)
+    def _error(self, rid: int, code: str, message: str, **extra: Any) -> None:
+        self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message, **extra}, force=True)
 
     def _maybe_stats(self) -> None:
         now = time.perf_counter()
@@ -374,9 +428,30 @@ class Engine:
             "waiting": len(self.waiting),
             "free_slots": len(self.llm.free_slots),
             "step_ms_p50": round(float(np.median(steps)) * 1e3, 3) if steps else None,
+            "period_ms": round(self.admission.period_s * 1e3, 3),
+            "dac_in_flight": self.dac.in_flight(),
             "outbox_bytes": self.outbox.pending_bytes(),
             **self.counters,
         }, force=True)
+
+
+def kv_frames_that_fit(model: Any, slots: int, reserve_bytes: int = 16 << 30) -> int | None:
+    """Frames per slot of a KV cache sized from free GPU memory: the model's max_seqlen when it fits,
+    else what `slots` slots can hold once `reserve_bytes` are kept back (DAC graphs, activations,
+    prefill). None on a CPU (the model's own limit)."""
+    dev = model.multi_output.weight.device
+    if dev.type != "cuda":
+        return None
+    cfg = model.cfg
+    per_frame = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.multi_output.weight.element_size()
+    free, _ = torch.cuda.mem_get_info(dev)
+    fit = int(max(0, free - reserve_bytes) // (slots * per_frame))
+    if fit >= cfg.max_seqlen:
+        return None
+    if fit < 256:
+        raise RuntimeError(f"{slots} KV slots do not fit in {free / 2**30:.1f} GiB free: lower --max-batch")
+    log.warning("KV cache: %d frames per slot fit in free memory (model max %d)", fit, cfg.max_seqlen)
+    return fit
 
 
 def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,

@@ -195,3 +195,18 @@ def test_fused_moe_reads_routing_weights_in_their_own_dtype():
         b = fused_moe(x, gate_up, down, chosen, half.float(), block_n=64, block_k=64)
         assert a.dtype == b.dtype == x.dtype and a.shape == (n, dim)
         assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("t", [1, 777, 3000])
+def test_fused_snake_matches_reference(t):
+    from engine.kernels.snake import snake, snake_reference
+
+    torch.manual_seed(3)
+    c = 6
+    x = torch.randn(2, c, t, device=DEV, dtype=DT) * 3
+    alpha = (torch.rand(1, c, 1, device=DEV) * 2 + 0.05).to(DT)
+    inv = (alpha.float() + 1e-9).reciprocal().to(DT)
+    ref = snake_reference(x.float(), alpha.float(), inv.float())
+    out = snake(x, alpha, inv, block=256)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    assert rel_err(out, ref) < (1e-2 if CUDA else 1e-6)

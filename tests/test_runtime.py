@@ -138,7 +138,7 @@ def test_full_queue_refuses_clearly_and_recovers(rt):
         return len(refused), codes, after
 
     n_refused, codes, (pcm, end, _) = lt.run(go())
-    assert n_refused == 3 and codes == {"queue_full"}
+    assert n_refused == 3 and codes == {"queue_full"}, (n_refused, codes)
     assert end["type"] == m.FINISHED and len(pcm) == 20 * 512
 
 
