@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from engine import messages as m
-from engine.ipc import AsyncRingReader, ShmRing
+from engine.ipc import AsyncRingReader, ShmRing, remove_stale_segments
+from engine.lifeline import close_quietly, open_lifeline
 from engine.server import EngineSettings, engine_main
 from engine.weights import WeightSources
 
@@ -131,12 +132,16 @@ class EngineClient:
         self._inbox: ShmRing | None = None  # gateway -> engine
         self._events: ShmRing | None = None  # engine -> gateway
         self._reader: AsyncRingReader | None = None
+        self._lifeline_w: int | None = None  # write end of the engine's lifeline pipe
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self.on_stats: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
+        stale = remove_stale_segments()
+        if stale:
+            log.warning("removed %d shared-memory rings left by dead gateways: %s", len(stale), ", ".join(stale))
         self._spawn()
         self._tasks.append(asyncio.create_task(self._supervise(), name="engine-supervisor"))
 
@@ -145,13 +150,19 @@ class EngineClient:
         self._inbox = ShmRing.create(self.ring_bytes)
         self._events = ShmRing.create(self.ring_bytes)
         ctx = mp.get_context("spawn")
+        # The engine exits by itself (and unlinks the rings) once this process is gone: it watches for
+        # EOF on a pipe whose only write end we keep until the engine has been reaped.
+        lifeline, self._lifeline_w = open_lifeline()
         self._proc = ctx.Process(
             target=engine_main,
-            args=(self.weights, self.settings, self._inbox.spec(), self._events.spec(), self.log_level),
+            args=(self.weights, self.settings, self._inbox.spec(), self._events.spec(), self.log_level, lifeline),
             name="zonos-engine",
             daemon=True,
         )
-        self._proc.start()
+        try:
+            self._proc.start()
+        finally:
+            close_quietly(lifeline.fd)  # the child has its own copy now
         self._reader = AsyncRingReader(self._events)
         self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name="engine-dispatch"))
         log.info("engine process %s started", self._proc.pid)
@@ -182,6 +193,8 @@ class EngineClient:
             self._spawn()
 
     def _teardown_rings(self) -> None:
+        close_quietly(self._lifeline_w)  # the engine is gone (or must go): its lifeline ends
+        self._lifeline_w = None
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -249,11 +262,12 @@ class EngineClient:
         fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         self._embeds[rid] = fut
         clip = np.ascontiguousarray(clip, dtype=np.float32)
-        if not self._inbox.try_put({"type": m.EMBED, "rid": rid, "clip_sr": int(sample_rate)}, clip.tobytes()):
-            del self._embeds[rid]
-            raise EngineUnavailable("the engine inbox is full")
-        try:
+        try:  # RecordTooLarge (a ValueError) when the clip can never fit the inbox
+            if not self._inbox.try_put({"type": m.EMBED, "rid": rid, "clip_sr": int(sample_rate)}, clip):
+                raise EngineUnavailable("the engine inbox is full")
             return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise EngineUnavailable(f"the speaker encoder did not answer within {timeout:g} s") from None
         finally:
             self._embeds.pop(rid, None)
 

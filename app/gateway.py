@@ -8,6 +8,7 @@ import io
 import logging
 import re
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -20,9 +21,12 @@ from app.synthesis import PromptFactory, RequestError, SynthesisOptions
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
+from engine.ipc import RecordTooLarge
 from engine.textnorm import TextNormalizer
 
 log = logging.getLogger("gateway")
+
+CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
 
 
 def model_config(settings: GatewaySettings) -> Zonos2Config:
@@ -48,6 +52,7 @@ class Gateway:
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
         self._warm_task: asyncio.Task[dict[str, bool]] | None = None
+        self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
 
     async def start(self) -> None:
         await self.engine.start()
@@ -88,13 +93,34 @@ class Gateway:
             raise RequestError("clip_too_short", f"clips need at least {lim.min_clip_seconds:g} s of audio")
         return samples, sr
 
-    async def embed_clip(self, samples: np.ndarray, sr: int) -> np.ndarray:
+    async def embed_samples(self, samples: np.ndarray, sr: int) -> np.ndarray:
+        """One speaker_encoder run in the engine: decoded clip -> embedding."""
         try:
             return await self.engine.embed(samples, sr)
         except EngineUnavailable as e:
             raise RequestError("engine_busy", str(e), 503) from None
+        except RecordTooLarge:
+            raise RequestError("clip_too_long", f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
+                               "engine takes in one piece: send a shorter clip or a lower sample rate") from None
         except ValueError as e:
             raise RequestError("bad_audio", str(e)) from None
+
+    async def embed_clip(self, raw: bytes, owner: str) -> Voice:
+        """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded
+        once, so the session keeps 2048 floats instead of the decoded audio, and its utterances skip the
+        speaker encoder. The embedding is a function of the bytes alone: a clip sent again is not re-run."""
+        digest = hashlib.sha256(raw).digest()
+        emb = self._clip_embeddings.get(digest)
+        if emb is None:
+            samples, sr = await self.decode_clip(raw)
+            emb = await self.embed_samples(samples, sr)
+            del samples
+            self._clip_embeddings[digest] = emb
+            while len(self._clip_embeddings) > CLIP_CACHE:
+                self._clip_embeddings.popitem(last=False)
+        else:
+            self._clip_embeddings.move_to_end(digest)
+        return Voice(id="clip", name="clip", owner=owner, source="clip", dim=len(emb), embedding=emb)
 
     # ---- the path to the engine ------------------------------------------------------------------
     async def start_utterance(
@@ -130,7 +156,7 @@ class Gateway:
                     emb = parse_embedding_file(data, self.cfg.speaker_embedding_dim)
                 else:
                     samples, sr = await self.decode_clip(data)
-                    emb = await self.embed_clip(samples, sr)
+                    emb = await self.embed_samples(samples, sr)
                     preview = wav_bytes(samples, sr)
                 voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb),
                               details={"file": path.name})

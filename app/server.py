@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from http import HTTPStatus
 from pathlib import Path
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
@@ -18,6 +21,7 @@ from starlette.templating import Jinja2Templates
 from app import http_api, voices_api
 from app.gateway import Gateway
 from app.settings import GatewaySettings
+from app.synthesis import RequestError
 from app.ws import websocket_endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +35,46 @@ async def index(request: Request) -> Response:
         "weights": gw.settings.weights.describe(),
         "random_weights": gw.settings.weights.model_path is None,
     }, headers={"Cache-Control": "no-store"})
+
+
+# ---- every error is JSON {"error": {"code", "message"}} ----------------------------------------------------
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+
+
+def json_error(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+async def request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return http_api.error_response(exc)
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (unknown route, wrong method, static file not found...)."""
+    assert isinstance(exc, HTTPException)
+    status = exc.status_code
+    code = _HTTP_CODES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    message = {404: f"no such endpoint: {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))
+    return json_error(code, message, status, exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> Response:
+    # ServerErrorMiddleware calls this for an unhandled exception, then re-raises it (so it is logged)
+    return json_error("internal", "internal error", 500)
+
+
+class JsonCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered in the same JSON error shape."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        resp = super().preflight_response(request_headers)
+        if resp.status_code < 400:
+            return resp
+        headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
+        return json_error("cors_refused", f"{bytes(resp.body).decode()} (see --cors-origin)", resp.status_code,
+                          headers)
 
 
 def create_app(settings: GatewaySettings) -> Starlette:
@@ -66,10 +110,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
     middleware = []
     if settings.cors_origins:
         middleware.append(Middleware(
-            CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],
+            JsonCORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],
             allow_headers=["Authorization", "X-API-Key", "Content-Type"],
             expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format"],
         ))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    handlers = {RequestError: request_error, HTTPException: http_error, Exception: internal_error}
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
     return app

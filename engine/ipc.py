@@ -77,6 +77,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import re
 import secrets
 import select
 import struct
@@ -91,6 +92,11 @@ from typing import Any
 
 import msgpack
 
+try:
+    import _posixshmem  # what multiprocessing.shared_memory unlinks with
+except ImportError:  # pragma: no cover - not POSIX
+    _posixshmem = None  # type: ignore[assignment]
+
 __all__ = [
     "AsyncRingReader",
     "Outbox",
@@ -99,6 +105,8 @@ __all__ = [
     "RingClosed",
     "RingSpec",
     "ShmRing",
+    "remove_stale_segments",
+    "unlink_segment",
 ]
 
 Record = tuple[dict[str, Any], bytes | None]
@@ -418,6 +426,49 @@ class ShmRing:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.unlink()
+
+
+# --------------------------------------------------------------------------- cleanup by name
+
+_SHM_DIR = "/dev/shm"
+_PREFIX_RE = re.compile(r"^zonos-(\d+)-[0-9a-f]+$")
+
+
+def unlink_segment(name: str) -> bool:
+    """Remove a segment by name from any process (the engine does it when its gateway died);
+    True if it existed. The creator's resource tracker is told, so it does not report a leak."""
+    if _posixshmem is None:
+        return False
+    try:
+        _posixshmem.shm_unlink("/" + name)
+    except FileNotFoundError:
+        return False
+    with contextlib.suppress(Exception):
+        resource_tracker.unregister("/" + name, "shared_memory")
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink rings whose creator (the pid in their name, ``zonos-<pid>-<hex>``) no longer exists:
+    what a gateway killed together with its engine and resource tracker (a process group SIGKILL)
+    leaves behind. A gateway calls it when it starts. Linux only (elsewhere: nothing to list)."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_SHM_DIR):
+            m = _PREFIX_RE.match(name)
+            if m and not _pid_alive(int(m.group(1))) and unlink_segment(name):
+                removed.append(name)
+    return removed
 
 
 # --------------------------------------------------------------------------- asyncio

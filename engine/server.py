@@ -22,7 +22,8 @@ import torch
 
 from engine import messages as m
 from engine.admission import RealtimeAdmission
-from engine.ipc import Outbox, RingSpec, ShmRing
+from engine.ipc import Outbox, RingSpec, ShmRing, unlink_segment
+from engine.lifeline import Lifeline, watch_parent
 from engine.llm import LLMNode, Sequence
 from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
 
@@ -455,9 +456,11 @@ def kv_frames_that_fit(model: Any, slots: int, reserve_bytes: int = 16 << 30) ->
 
 
 def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,
-                log_level: str = "INFO") -> None:
-    """Entry point of the engine process (multiprocessing 'spawn' target)."""
+                log_level: str = "INFO", lifeline: Lifeline | None = None) -> None:
+    """Entry point of the engine process (multiprocessing 'spawn' target). When the gateway that
+    started it dies (`lifeline`, engine/lifeline.py), the engine unlinks both rings and exits."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    watch_parent(lifeline, lambda: [unlink_segment(s.name) for s in (inbox_spec, outbox_spec)])
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
     try:

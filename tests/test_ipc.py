@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -473,3 +474,79 @@ def test_unrelated_process_attach_does_not_unlink(ring: ShmRing) -> None:
     assert res.stderr == ""
     assert _shm_exists(ring.name)
     assert ring.wait(1) and ring.get() == ({"from": "child"}, b"abc")
+
+
+# ---- the engine's lifeline: an orphan cleans up and exits (engine/lifeline.py) ---------------------------
+_ORPHAN_SCRIPT = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import multiprocessing as mp
+from engine.ipc import ShmRing, unlink_segment
+from engine.lifeline import close_quietly, open_lifeline, watch_parent
+
+def engine(lifeline, name):  # what engine_main does first
+    watch_parent(lifeline, lambda: unlink_segment(name))
+    time.sleep(600)
+
+if __name__ == "__main__":
+    ring = ShmRing.create(4096)
+    lifeline, keep = open_lifeline()
+    proc = mp.get_context("spawn").Process(target=engine, args=({use_pipe} and lifeline or None, ring.name),
+                                           daemon=True)
+    proc.start()
+    close_quietly(lifeline.fd)
+    print(proc.pid, ring.name, flush=True)
+    time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # zombie: gone
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.parametrize("use_pipe", [True, False], ids=["pipe", "ppid"])
+def test_orphaned_engine_unlinks_its_rings_and_exits(tmp_path: Path, use_pipe: bool) -> None:
+    """SIGKILL the 'gateway': its child notices (EOF on the lifeline pipe, or, without one, a new parent
+    pid), unlinks the ring and exits; the ring's creator never got to clean up."""
+    script = tmp_path / "orphan.py"
+    script.write_text(textwrap.dedent(_ORPHAN_SCRIPT.format(repo=str(REPO), use_pipe=use_pipe)))
+    gw = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert gw.stdout is not None
+        pid_s, name = gw.stdout.readline().split()
+        child = int(pid_s)
+        assert _shm_exists(name) and not _gone(child)
+        time.sleep(0.5)
+        assert not _gone(child)  # a live gateway keeps its engine
+        gw.kill()
+        gw.wait(10)
+        deadline = time.monotonic() + 60
+        while not (_gone(child) and not _shm_exists(name)):
+            assert time.monotonic() < deadline, "the orphan kept running or left its ring"
+            time.sleep(0.05)
+    finally:
+        if gw.poll() is None:
+            gw.kill()
+    stderr = gw.stderr.read() if gw.stderr else ""
+    assert "leaked shared_memory" not in stderr, stderr  # unregistered from the tracker, not reported as leaked
+
+
+def test_stale_rings_of_dead_creators_are_removed() -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    pid = int(dead.stdout)  # a pid that no longer runs (reuse within the test is vanishingly unlikely)
+    mine = ShmRing.create(4096)
+    stale = ShmRing.create(4096, name=f"zonos-{pid}-deadbeef")
+    stale.close()
+    try:
+        removed = ipc.remove_stale_segments()
+        assert f"zonos-{pid}-deadbeef" in removed and not _shm_exists(f"zonos-{pid}-deadbeef")
+        assert _shm_exists(mine.name)  # a live creator's ring stays
+    finally:
+        mine.close()
+        mine.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
