@@ -7,7 +7,6 @@ import asyncio
 import base64
 import binascii
 import json
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,17 +18,17 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from app.audio_formats import FORMATS, OPUS_RATES, encode_file, wav_stream_header
 from app.auth import require_key
 from app.gateway import Gateway
-from app.synthesis import PcmEncoder, RequestError, SynthesisOptions, parse_options
-from app.text_buffer import TextBuffer
+from app.json_input import parse_json_object
+from app.pipeline import speak
+from app.synthesis import PcmEncoder, RequestError, SynthesisOptions, check_text, parse_options
 from app.voices import Voice, parse_embedding_file, slerp
-from engine import messages as m
 from engine.textnorm import SUPPORTED_LANGUAGES
 
 OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
 
 
 def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse({"error": {"code": e.code, "message": str(e)}, "detail": str(e)}, status_code=e.status)
+    return JSONResponse({"error": {"code": e.code, "message": str(e)}}, status_code=e.status)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -45,72 +44,38 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
         if size > max_bytes:
             raise too_large
         parts.append(chunk)
-    body = b"".join(parts)
+    return parse_json_object(b"".join(parts), "bad_json", "the body")
+
+
+# ---- shared by the HTTP speech routes (the utterance pipeline itself is app/pipeline.py) ----------------
+def http_text(data: dict[str, Any], key: str, limit: int) -> str:
+    text = data.get(key)
+    if not isinstance(text, str) or not text.strip():
+        raise RequestError("empty_text", f"{key} must be a non-empty string")
+    if len(text) > limit:
+        raise RequestError("text_too_long", f"{key} is limited to {limit} characters")
+    return check_text(text, key)
+
+
+async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    """Start the first utterance before answering, so that bad input still gets a 4xx: the stream with
+    its first chunk already taken (raises the RequestError of a refused first utterance)."""
     try:
-        data = json.loads(body or b"null")
-    except ValueError:
-        raise RequestError("bad_json", "the body must be JSON") from None
-    if not isinstance(data, dict):
-        raise RequestError("bad_json", "the body must be a JSON object")
-    return data
+        first = await anext(pcm)
+    except StopAsyncIteration:
+        first = np.zeros(0, np.int16)
 
+    async def chunks() -> AsyncIterator[np.ndarray]:
+        yield first
+        async for x in pcm:
+            yield x
 
-# ---- the utterance pipeline shared by the HTTP APIs --------------------------------------------------
-async def stream_text(
-    gw: Gateway, text: str, opts: SynthesisOptions, voice: Voice | None, clip: tuple[np.ndarray, int] | None,
-    stats_out: dict[str, Any] | None = None,
-) -> AsyncIterator[np.ndarray]:
-    """int16 PCM at 44.1 kHz for a whole text: sentence by sentence, the next one generating while
-    the current one streams. Closing the iterator (client gone) cancels the engine work."""
-    buf = TextBuffer(gw.settings.limits.max_text_chars)
-    buf.append(text)
-    sentences = buf.flush()
-    if not sentences:
-        raise RequestError("empty_text", "there is no text to speak")
-    starts: list[asyncio.Task[Any]] = []
-    depth = gw.settings.limits.max_inflight_per_session
-
-    def start(i: int) -> None:
-        while len(starts) <= i and len(starts) < len(sentences):
-            starts.append(asyncio.create_task(gw.start_utterance(sentences[len(starts)], opts, voice, clip)))
-
-    t0 = time.perf_counter()
-    first: float | None = None
-    frames = 0
-    try:
-        for i in range(len(sentences)):
-            start(i + depth - 1)
-            stream = await starts[i]
-            async for ev in stream:
-                if ev.type == m.AUDIO and ev.pcm is not None:
-                    first = first or time.perf_counter()
-                    yield ev.pcm
-                elif ev.type == m.ERROR:
-                    raise RequestError(ev.header.get("code", "internal"), ev.header.get("message", ""), 500)
-                elif ev.type == m.FINISHED:
-                    frames += int(ev.header.get("stats", {}).get("frames") or 0)
-        if stats_out is not None:
-            stats_out.update(ttfa_ms=round(((first or time.perf_counter()) - t0) * 1e3, 2), frames=frames,
-                             utterances=len(sentences))
-    finally:
-        for task in starts:
-            if not task.done():
-                task.cancel()
-            elif not task.cancelled() and task.exception() is None:
-                task.result().cancel()
+    return chunks()
 
 
 async def collect(pcm: AsyncIterator[np.ndarray]) -> np.ndarray:
     parts = [x async for x in pcm]
     return np.concatenate(parts) if parts else np.zeros(0, np.int16)
-
-
-def _record(gw: Gateway, api: str, t0: float, samples: int, rate: int, stats: dict[str, Any]) -> None:
-    audio_ms = samples / rate * 1e3
-    gw.metrics.observe_utterance(api, {
-        "ttfa_ms": stats.get("ttfa_ms"), "audio_ms": audio_ms,
-        "rtf": (time.perf_counter() - t0) * 1e3 / audio_ms if audio_ms else None,
-    })
 
 
 # ---- OpenAI-compatible ------------------------------------------------------------------------------
@@ -126,11 +91,7 @@ async def openai_speech(request: Request) -> Response:
         unknown = sorted(set(data) - _OPENAI_FIELDS)
         if unknown:
             raise RequestError("bad_params", f"unknown fields {unknown}")
-        text = data.get("input")
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError("empty_text", "input must be a non-empty string")
-        if len(text) > gw.settings.limits.max_http_chars:
-            raise RequestError("text_too_long", f"input is limited to {gw.settings.limits.max_http_chars} characters")
+        text = http_text(data, "input", gw.settings.limits.max_http_chars)
         fmt = data.get("response_format", "mp3")
         if not isinstance(fmt, str) or fmt not in FORMATS:
             raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
@@ -147,12 +108,13 @@ async def openai_speech(request: Request) -> Response:
         # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
         base = SynthesisOptions()
         base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0
-        opts = parse_options(data.get("params"), gw.settings.limits.max_frames, base)
+        params = data.get("params")
         speed = data.get("speed", 1.0)
-        if not isinstance(speed, int | float) or not 0.25 <= speed <= 4.0:
-            raise RequestError("bad_params", "speed must be between 0.25 and 4.0")
-        if speed != 1.0 and gw.cfg.speaking_rate_buckets:
-            opts.cond.speed = float(speed)
+        if speed != 1.0 or isinstance(speed, bool):  # checked with every API's bounds, by parse_options
+            parse_options({"speed": speed}, gw.settings.limits.max_frames)
+            if gw.cfg.speaking_rate_buckets and (params is None or isinstance(params, dict)):
+                params = {**(params or {}), "speed": speed}  # ignored by a model without rate buckets, as OpenAI
+        opts = parse_options(params, gw.settings.limits.max_frames, base, cfg=gw.cfg)
         voice = None
         ref = data.get("voice")
         if ref is not None:
@@ -167,38 +129,32 @@ async def openai_speech(request: Request) -> Response:
     except RequestError as e:
         return error_response(e)
 
-    t0 = time.perf_counter()
-    stats: dict[str, Any] = {}
     encoder = PcmEncoder("pcm_s16le", rate)
     media = FORMATS[fmt][0]
     headers = {"X-Audio-Sample-Rate": str(rate), "X-Audio-Channels": "1"}
-    pcm = stream_text(gw, text, opts, voice, None, stats)
-    try:  # start the first utterance before answering so bad input still gets a 4xx
-        first = await anext(pcm)
+    speech = speak(gw, "openai", text, opts, voice, None)
+    try:
+        chunks = await first_chunk(speech)
     except RequestError as e:
         return error_response(e)
-    except StopAsyncIteration:
-        first = np.zeros(0, np.int16)
-
-    async def chunks() -> AsyncIterator[np.ndarray]:
-        yield first
-        async for x in pcm:
-            yield x
 
     if FORMATS[fmt][3]:
         async def body() -> AsyncIterator[bytes]:
-            n = 0
             if fmt == "wav":
                 yield wav_stream_header(rate)
-            async for x in chunks():
-                data = encoder.encode(x)
-                n += len(data) // 2
-                if stream_format == "sse":
-                    yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-                elif data:
-                    yield data
+            try:
+                async for x in chunks:
+                    data = encoder.encode(x)
+                    if stream_format == "sse":
+                        yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
+                    elif data:
+                        yield data
+            except RequestError as e:
+                if stream_format != "sse":
+                    raise  # the response is cut off, not ended as if complete
+                yield _sse({"type": "error", "error": {"code": e.code, "message": str(e)}})
+                return
             tail = encoder.encode(np.zeros(0, np.int16), last=True)
-            n += len(tail) // 2
             if stream_format == "sse":
                 if tail:
                     yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
@@ -206,16 +162,16 @@ async def openai_speech(request: Request) -> Response:
                                                                     "total_tokens": len(text)}})
             elif tail:
                 yield tail
-            _record(gw, "openai", t0, n, rate, stats)
 
         return StreamingResponse(body(), media_type="text/event-stream" if stream_format == "sse" else media,
-                                 headers=headers, background=BackgroundTask(pcm.aclose))
+                                 headers=headers, background=BackgroundTask(speech.aclose))
     try:
-        audio = await collect(chunks())
+        audio = await collect(chunks)
     except RequestError as e:
         return error_response(e)
+    finally:
+        await speech.aclose()
     samples = np.concatenate([encoder.float32(audio), encoder.float32(np.zeros(0, np.int16), last=True)])
-    _record(gw, "openai", t0, len(samples), rate, stats)
     return Response(await asyncio.to_thread(encode_file, samples, rate, fmt), media_type=media, headers=headers)
 
 
@@ -281,7 +237,7 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
                 qv = {f: v for f, v in zip(gw.cfg.quality_features, qv, strict=False) if v is not None}
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
-    opts = parse_options(p, gw.settings.limits.max_frames)
+    opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
 
     audio_b64 = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
     emb_b64 = data.get("speaker_embedding_base64")
@@ -292,7 +248,7 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
         raise RequestError("bad_params", "use one speaker source: audio, embedding, speaker_embedding_id or a blend")
     voice, clip = None, None
     if audio_b64:
-        clip = await gw.decode_clip(_b64(audio_b64, "speaker_audio_base64"))
+        voice = await gw.embed_clip(_b64(audio_b64, "speaker_audio_base64"), owner)
     elif emb_b64:
         emb = parse_embedding_file(_b64(emb_b64, "speaker_embedding_base64"), gw.cfg.speaker_embedding_dim)
         voice = Voice(id="inline", name="inline", owner=owner, source="embedding", dim=len(emb), embedding=emb)
@@ -317,59 +273,43 @@ async def tts_generate(request: Request) -> Response:
     try:
         key = require_key(request)
         data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
-        text = data.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise RequestError("empty_text", "text must be a non-empty string")
-        if len(text) > gw.settings.limits.max_http_chars:
-            raise RequestError("text_too_long", f"text is limited to {gw.settings.limits.max_http_chars} characters")
+        text = http_text(data, "text", gw.settings.limits.max_http_chars)
         fade_ms = data.get("fade_out_ms") or 0.0
         if not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= 5000:
             raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
         opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     except RequestError as e:
         return error_response(e)
-    t0 = time.perf_counter()
-    stats: dict[str, Any] = {}
-    pcm = stream_text(gw, text, opts, voice, clip, stats)
+    speech = speak(gw, "tts_generate", text, opts, voice, clip)
     headers = {"X-Audio-Sample-Rate": "44100", "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
     try:
-        first = await anext(pcm)
+        chunks = await first_chunk(speech)
     except RequestError as e:
         return error_response(e)
-    except StopAsyncIteration:
-        first = np.zeros(0, np.int16)
     fade_n = int(44100 * fade_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends
         held = np.zeros(0, np.float32)
-        n = 0
-
-        async def source() -> AsyncIterator[np.ndarray]:
-            yield first
-            async for x in pcm:
-                yield x
-
-        async for x in source():
+        async for x in chunks:
             f = np.concatenate([held, x.astype(np.float32) / 32768.0])
             cut = max(0, len(f) - fade_n)
             held = f[cut:]
             if cut:
-                n += cut
                 yield f[:cut].astype("<f4").tobytes()
         if len(held):
             w = 0.5 * (1 + np.cos(np.linspace(0, np.pi, len(held), dtype=np.float32)))
-            n += len(held)
             yield (held * w).astype("<f4").tobytes()
-        _record(gw, "tts_generate", t0, n, 44100, stats)
 
     if data.get("stream", True):
         return StreamingResponse(floats(), media_type="audio/pcm", headers=headers,
-                                 background=BackgroundTask(pcm.aclose))
+                                 background=BackgroundTask(speech.aclose))
     try:
         body = b"".join([b async for b in floats()])
     except RequestError as e:
         return error_response(e)
+    finally:
+        await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import soxr
 
-from engine.config import Zonos2Config
+from engine.config import Zonos2Config, preset_params
 from engine.messages import SubmitRequest
 from engine.prompt import Conditioning, PromptBuilder, PromptError
 from engine.sampling import SamplingParams
@@ -28,6 +28,18 @@ class RequestError(ValueError):
         self.code, self.status = code, status
 
 
+def check_text(text: str, name: str = "text") -> str:
+    """The one check of client text every API makes: it must be valid Unicode (JSON can carry a lone
+    surrogate such as "\\ud800", which has no UTF-8 form and so no prompt)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            "bad_text", f"{name} contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}); "
+            "send valid Unicode text") from None
+    return text
+
+
 _SAMPLING_KEYS = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_window": int,
     "repetition_penalty": float, "repetition_codebooks": int, "seed": int,
@@ -36,6 +48,18 @@ PARAM_KEYS = set(_SAMPLING_KEYS) | {
     "max_frames", "ignore_eos", "language", "text_normalization", "speaking_rate", "speed",
     "speaking_rate_bucket", "quality_buckets", "quality_values", "accurate_mode", "clean_speaker_background",
 }
+# The bounds every API shares (WebSocket params, /v1/audio/speech, /tts/generate).
+SPEED_RANGE = (0.25, 4.0)  # multiplier of the neutral speaking rate (OpenAI's range)
+SPEAKING_RATE_RANGE = (1.0, 100.0)  # UTF-8 bytes per second; the buckets span 0-8 ... 40+
+QUALITY_VALUE_LIMIT = 1e6  # raw quality values map onto bucket ranges (the outer ones are open)
+_RELEASE_CFG: Zonos2Config | None = None
+
+
+def _release_cfg() -> Zonos2Config:
+    global _RELEASE_CFG
+    if _RELEASE_CFG is None:
+        _RELEASE_CFG = Zonos2Config.from_dict(preset_params("full"))
+    return _RELEASE_CFG
 
 
 @dataclass
@@ -66,9 +90,12 @@ def _typed(key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: SynthesisOptions | None = None
-                  ) -> SynthesisOptions:
-    """Validate a params dict (WebSocket `params`, or the fields of an HTTP request)."""
+def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: SynthesisOptions | None = None,
+                  cfg: Zonos2Config | None = None) -> SynthesisOptions:
+    """Validate a params dict (WebSocket `params`, or the fields of an HTTP request) when it arrives,
+    against the model's conditioning (`cfg`: its speaking-rate buckets and quality features; the release
+    model's when not given), so no later utterance can fail on it. The one place every API's bounds live."""
+    cfg = cfg or _release_cfg()
     params = params or {}
     if not isinstance(params, dict):
         raise RequestError("bad_params", "params must be an object")
@@ -88,9 +115,11 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
                 continue
             setattr(sampling, key, _typed(key, value, kind))
     try:
-        sampling.validate()
+        sampling.validate(cfg.n_codebooks)
     except ValueError as e:
         raise RequestError("bad_params", str(e)) from None
+    if sampling.top_k > cfg.codebook_size:
+        raise RequestError("bad_params", f"top_k must be at most {cfg.codebook_size} (< 1 means all)")
 
     if "max_frames" in params:  # null resets to the server limit
         mf = params["max_frames"]
@@ -115,26 +144,45 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
         if len(rate_keys) > 1:
             raise RequestError("bad_params", "give only one of speaking_rate, speed and speaking_rate_bucket")
         key = rate_keys[0]
-        setattr(cond, key, _typed(key, params[key], int if key == "speaking_rate_bucket" else float))
+        value = _typed(key, params[key], int if key == "speaking_rate_bucket" else float)
+        n = len(cfg.speaking_rate_buckets)
+        if not n:
+            raise RequestError("bad_params", "this model has no speaking-rate conditioning")
+        lo, hi = {"speaking_rate_bucket": (0, n - 1), "speed": SPEED_RANGE, "speaking_rate": SPEAKING_RATE_RANGE}[key]
+        if not lo <= value <= hi:
+            raise RequestError("bad_params", f"{key} must be in {lo:g}..{hi:g}")
+        setattr(cond, key, value)
     if "quality_buckets" in params or "quality_values" in params:
         qb, qv = params.get("quality_buckets", "absent"), params.get("quality_values")
         if qb != "absent" and qv is not None:
             raise RequestError("bad_params", "give quality_buckets or quality_values, not both")
         if qv is not None:
-            cond.quality_buckets, cond.quality_values = None, _dict_of(qv, float, "quality_values")
+            cond.quality_buckets, cond.quality_values = None, _quality(qv, float, "quality_values", cfg)
         else:
             cond.quality_values = None
-            cond.quality_buckets = None if qb is None else _dict_of(qb, int, "quality_buckets")
+            cond.quality_buckets = None if qb is None else _quality(qb, int, "quality_buckets", cfg)
     for key in ("accurate_mode", "clean_speaker_background"):
         if key in params:
             setattr(cond, key, _typed(key, params[key], bool))
     return opts
 
 
-def _dict_of(value: Any, kind: type, name: str) -> dict:
+def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
     if not isinstance(value, dict):
         raise RequestError("bad_params", f"{name} must be an object of feature -> value")
-    return {str(k): _typed(f"{name}.{k}", v, kind) for k, v in value.items()}
+    out = {}
+    for k, v in value.items():
+        if k not in cfg.quality_buckets:
+            known = ", ".join(cfg.quality_features) or "none"
+            raise RequestError("bad_params", f"{name}: unknown quality feature {k!r} (known: {known})")
+        x = _typed(f"{name}.{k}", v, kind)
+        n = len(cfg.quality_buckets[k])
+        if kind is int and not 0 <= x < n:
+            raise RequestError("bad_params", f"{name}.{k} must be a bucket in 0..{n - 1}")
+        if kind is float and abs(x) > QUALITY_VALUE_LIMIT:
+            raise RequestError("bad_params", f"{name}.{k} must be within ±{QUALITY_VALUE_LIMIT:g}")
+        out[k] = x
+    return out
 
 
 class PromptFactory:
@@ -146,6 +194,7 @@ class PromptFactory:
         self.normalizer = normalizer
 
     def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
+        check_text(text)
         if opts.text_normalization and self.normalizer is not None:
             text = self.normalizer.normalize(text, opts.language)
         cond = Conditioning(**{k: getattr(opts.cond, k) for k in Conditioning.__dataclass_fields__})

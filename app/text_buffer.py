@@ -1,18 +1,79 @@
-"""Buffers text streamed in from an LLM and cuts it into utterances at sentence boundaries."""
+"""Buffers text streamed in from an LLM and cuts it into utterances at sentence boundaries.
+
+Sentence boundaries come from sentencex (Wikimedia's rule-based segmenter: per-language abbreviation
+lists with fallbacks, ~300 languages), so "Dr. Smith paid $5.50 on Jan. 3rd." stays one sentence.
+Streaming rule: a sentence is handed out only once its end is certain, that is once the segmenter sees
+text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
+complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
+hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
+takes one frame per byte), at a clause mark or a space if there is one, never inside a character.
+"""
 
 from __future__ import annotations
 
 import re
+import unicodedata
 
-# A sentence ends at . ! ? … (optionally followed by closing quotes/brackets) and then whitespace,
-# or at a CJK full stop, or at a newline. "Dr. Smith" style abbreviations are not worth a model here:
-# a short utterance costs little, and waiting costs latency.
-_BOUNDARY = re.compile(r"([.!?…]+[\"'”’)\]]*)(\s+)|([。！？]+)|(\n+)")
+import sentencex
+
+# The gateway's text-normalization languages (engine.textnorm) -> sentencex language codes.
+_SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
+# Where a too-long sentence is best cut: after a clause mark (ASCII ones need a space after them).
+_CLAUSE = re.compile(r"[,;:)\]](?=\s)|\s[–—-](?=\s)|[、，；：]")
+_JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
+# A period can end an abbreviation or an initial, and the segmenter decides by the word after it
+# ("J. R. R. To" splits, "J. R. R. Tolkien" does not): such an end is certain once that word is complete.
+_PERIOD_END = re.compile(r"\.[\"'”’)\]]*\s*$")
+_COMPLETE_WORD = re.compile(r"\S\s")
+
+
+def segmenter_language(language: str) -> str:
+    return _SEGMENTER_LANGUAGE.get(language, language.split("_")[0] or "en")
+
+
+def utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def _attached(ch: str) -> bool:
+    """A character that belongs to the one before it (a cut before it would split what is seen as one)."""
+    cp = ord(ch)
+    return (bool(unicodedata.combining(ch)) or ch in _JOINERS or 0xFE00 <= cp <= 0xFE0F
+            or 0x1F3FB <= cp <= 0x1F3FF or 0xE0020 <= cp <= 0xE007F or unicodedata.category(ch) == "Mc")
+
+
+def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
+    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes, nothing lost."""
+    parts: list[str] = []
+    sentence = sentence.strip()
+    while utf8_len(sentence) > max_bytes:
+        # the longest prefix that fits, in characters
+        fit = len(sentence.encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore"))
+        head = sentence[:fit]
+        cut = 0
+        clauses = [m.end() for m in _CLAUSE.finditer(head)]
+        if clauses and clauses[-1] >= fit // 2:
+            cut = clauses[-1]
+        elif (space := max(head.rfind(" "), head.rfind("\n"), head.rfind("\t"))) > 0:
+            cut = space
+        else:  # no space (CJK, emoji, a long word): cut between characters, not inside a cluster
+            cut = fit
+            while cut > 1 and (_attached(sentence[cut]) or sentence[cut - 1] in _JOINERS):
+                cut -= 1
+        cut = max(cut, 1)
+        piece = sentence[:cut].strip()
+        if piece:
+            parts.append(piece)
+        sentence = sentence[cut:].strip()
+    if sentence:
+        parts.append(sentence)
+    return parts
 
 
 class TextBuffer:
-    def __init__(self, max_utterance_chars: int) -> None:
-        self.max_chars = max_utterance_chars
+    def __init__(self, max_utterance_bytes: int, language: str = "en_us") -> None:
+        self.max_bytes = max(8, max_utterance_bytes)
+        self.language = language
         self.text = ""
 
     def __len__(self) -> int:
@@ -26,38 +87,47 @@ class TextBuffer:
     def flush(self) -> list[str]:
         """Everything buffered, complete or not."""
         out = self._complete()
-        rest = self.text.strip()
-        self.text = ""
-        if rest:
-            out.extend(self._split_long(rest))
+        rest, self.text = self.text, ""
+        for sentence in self._segments(rest):
+            out.extend(split_to_budget(sentence, self.max_bytes))
         return out
 
     def clear(self) -> None:
         self.text = ""
 
+    def _segments(self, text: str) -> list[str]:
+        """Sentences of text (each with its trailing whitespace), as the segmenter cuts them."""
+        if not text.strip():
+            return []
+        segments = [s for s in sentencex.segment(segmenter_language(self.language), text) if s]
+        if "".join(segments) != text:  # the segmenter keeps every character; if it ever does not, cut nothing
+            return [text]
+        return segments
+
     def _complete(self) -> list[str]:
         out: list[str] = []
-        while m := _BOUNDARY.search(self.text):
-            end = m.end(1) if m.group(1) else m.end()
-            sentence = self.text[:end].strip()
-            self.text = self.text[m.end():]
-            if sentence:
-                out.extend(self._split_long(sentence))
-        # A run-on text without punctuation still gets spoken once it is too long to be one utterance.
-        while len(self.text) > self.max_chars:
-            cut = self.text.rfind(" ", 0, self.max_chars)
-            cut = cut if cut > 0 else self.max_chars
-            out.append(self.text[:cut].strip())
-            self.text = self.text[cut:].lstrip()
-        return [s for s in out if s]
-
-    def _split_long(self, sentence: str) -> list[str]:
-        parts = []
-        while len(sentence) > self.max_chars:
-            cut = sentence.rfind(" ", 0, self.max_chars)
-            cut = cut if cut > 0 else self.max_chars
-            parts.append(sentence[:cut].strip())
-            sentence = sentence[cut:].strip()
-        if sentence:
-            parts.append(sentence)
-        return parts
+        # A newline ends a sentence now: whatever precedes it is complete.
+        nl = self.text.rfind("\n")
+        if nl >= 0:
+            done, self.text = self.text[: nl + 1], self.text[nl + 1:]
+            for line in done.split("\n"):
+                for sentence in self._segments(line):
+                    out.extend(split_to_budget(sentence, self.max_bytes))
+        # Otherwise a sentence is complete once the segmenter starts another one after it (after a
+        # period: once the first word after it is complete).
+        segments = self._segments(self.text)
+        keep = 1
+        if len(segments) > 1 and _PERIOD_END.search(segments[-2]) and not _COMPLETE_WORD.search(segments[-1]):
+            keep = 2
+        if len(segments) > keep:
+            for sentence in segments[:-keep]:
+                out.extend(split_to_budget(sentence, self.max_bytes))
+            self.text = "".join(segments[-keep:])
+        # A run-on text without a sentence end is still spoken once it passes the utterance budget.
+        if utf8_len(self.text) > self.max_bytes:
+            pieces = split_to_budget(self.text, self.max_bytes)
+            out.extend(pieces[:-1])
+            self.text = self.text[self.text.rfind(pieces[-1]):]  # keeps the whitespace after it
+        if not self.text.strip():
+            self.text = ""
+        return [s for s in out if s.strip()]

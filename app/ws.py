@@ -1,8 +1,9 @@
 """The WebSocket streaming session (`/v1/tts/ws`); the protocol is written down in docs/protocol.md.
 
-Text arrives in pieces; complete sentences become utterances; utterances play strictly in order
-while the next one is already generating. Every send goes through one lock, and a cancel marks its
-utterances before `cancelled` is sent under that lock, so no audio of cancelled text can follow it.
+Text arrives in pieces; complete sentences become utterances of the session's UtterancePipeline
+(app/pipeline.py), which plays them strictly in order while the next one is already generating. Every
+send goes through one lock, and a cancel marks its utterances before `cancelled` is sent under that
+lock, so no audio of cancelled text can follow it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import itertools
 import json
 import logging
 import secrets
 import time
-from collections import deque
 from collections.abc import Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,37 +24,18 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.auth import api_key_from, key_ok
-from app.engine_client import Stream
 from app.gateway import Gateway
-from app.synthesis import ENCODINGS, OUTPUT_RATES, PcmEncoder, RequestError, SynthesisOptions, parse_options
+from app.json_input import parse_json_object
+from app.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer, utterance_bytes
+from app.synthesis import ENCODINGS, OUTPUT_RATES, RequestError, SynthesisOptions, check_text, parse_options
 from app.text_buffer import TextBuffer
 from app.voices import Voice
-from engine import messages as m
 
 log = logging.getLogger("gateway.ws")
-
-DEFAULT_CONTEXT = "default"
 
 
 class ClientStalled(Exception):
     """A send to the client made no progress for send_timeout_s: it reads nothing at all."""
-
-
-@dataclass
-class Utterance:
-    id: str
-    seq: int
-    context_id: str
-    text: str
-    opts: SynthesisOptions
-    voice: Voice | None
-    clip: tuple[np.ndarray, int] | None
-    encoder: PcmEncoder
-    t_created: float = field(default_factory=time.perf_counter)
-    stream: Stream | None = None
-    start_task: asyncio.Task[None] | None = None
-    error: RequestError | None = None
-    cancelled: bool = False
 
 
 class Session:
@@ -69,13 +48,11 @@ class Session:
         self.clip: tuple[np.ndarray, int] | None = None
         self.encoding, self.sample_rate = "pcm_s16le", 44100
         self.buffers: dict[str, TextBuffer] = {}
-        self.queue: deque[Utterance] = deque()  # not yet played, in order; the head may be generating
-        # [context, last utterance seq, flushes waiting on it]: repeated flushes share one mark
-        self.flush_marks: deque[list[Any]] = deque()
-        self.played_seq = 0  # highest utterance seq fully handled
-        self._seq = itertools.count(1)
+        self.pipe = UtterancePipeline(gw, "ws")
+        # (context or None for all, the last queued utterance it waits for) -> flushes waiting on it.
+        # Every key names a queued utterance in its scope, so there are at most 2 per queued utterance.
+        self.flush_marks: dict[tuple[str | None, int], int] = {}
         self._send_lock = asyncio.Lock()
-        self._work = asyncio.Event()
         self._closing = False
         self._last_activity = time.monotonic()
 
@@ -111,6 +88,7 @@ class Session:
             "voice": None,
             "limits": {
                 "max_text_chars": self.limits.max_text_chars,
+                "max_utterance_bytes": utterance_bytes(self.gw),
                 "max_buffer_chars": self.limits.max_buffer_chars,
                 "max_pending_utterances": self.limits.max_pending_utterances,
                 "max_frames": self.limits.max_frames,
@@ -121,8 +99,8 @@ class Session:
         pump = asyncio.create_task(self._pump(), name=f"pump-{self.id}")
         recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
         try:
-            # The pump only ends by raising (the client vanished mid-send, or a bug): then the session
-            # ends too, rather than waiting forever on a queue that nothing plays.
+            # The pump ends after `close`, or by raising (the client vanished mid-send, or a bug): then the
+            # session ends too, rather than waiting forever on a queue that nothing plays.
             done, _ = await asyncio.wait({pump, recv}, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
@@ -134,11 +112,12 @@ class Session:
             self._cancel_all(None)
 
     async def _receive_loop(self) -> None:
-        while not self._closing:
+        # It reads on after `close` too (a cancel still stops the rest); the pump ends the session.
+        while True:
             try:
                 msg = await asyncio.wait_for(self.ws.receive(), timeout=self._idle_left())
             except TimeoutError:
-                if self.queue:  # still speaking: not idle
+                if self.pipe.queue:  # still speaking: not idle
                     self._last_activity = time.monotonic()
                     continue
                 await self.error("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s; closing")
@@ -151,11 +130,9 @@ class Session:
                 await self.error("bad_message", "send control messages as JSON text frames")
                 continue
             try:
-                data = json.loads(msg.get("text") or "")
-                if not isinstance(data, dict):
-                    raise ValueError("not an object")
-            except ValueError:
-                await self.error("bad_message", "messages must be JSON objects")
+                data = parse_json_object(msg.get("text") or "", "bad_message", "a message")
+            except RequestError as e:
+                await self.error(e.code, str(e))
                 continue
             try:
                 await self._handle(data)
@@ -178,11 +155,13 @@ class Session:
         elif kind == "session.config":
             await self._on_config(data)
         elif kind == "close":
-            await self._flush(None, reply=False)
-            self._closing = True
-            await self._wait_idle()
-            await self.send_json({"type": "session.closed"})
-            await self.ws.close(1000)
+            self._check_fields(data, set())
+            if not self._closing:
+                # No more text can come, so the rest is queued whatever the utterance limit (it is bounded
+                # by the buffer limit); the pump sends session.closed once all of it has played.
+                await self._flush(None, reply=False, enforce_limit=False)
+                self._closing = True
+                self.pipe.changed.set()
         else:
             raise RequestError("bad_message", f"unknown message type {kind!r}")
 
@@ -210,7 +189,8 @@ class Session:
             raise RequestError("bad_params", f"encoding must be one of {list(ENCODINGS)}")
         if rate not in OUTPUT_RATES:
             raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
-        opts = parse_options(data.get("params"), self.limits.max_frames, base=self.opts) if "params" in data else self.opts
+        opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
+                if "params" in data else self.opts)
         voice, clip = self.voice, self.clip
         if "voice" in data:
             ref = data["voice"]
@@ -222,7 +202,7 @@ class Session:
                 raw = base64.b64decode(str(data["voice_clip"]).split(",")[-1], validate=True)
             except (binascii.Error, ValueError):
                 raise RequestError("bad_audio", "voice_clip must be base64 audio") from None
-            clip, voice = await self.gw.decode_clip(raw), None
+            voice, clip = await self.gw.embed_clip(raw, self.owner), None
         self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
         await self.send_json({
             "type": "session.updated",
@@ -237,15 +217,19 @@ class Session:
         text = data.get("text")
         if not isinstance(text, str):
             raise RequestError("bad_message", "text must be a string")
+        check_text(text)
         ctx = self._context(data)
         assert ctx is not None
+        if self._closing:
+            raise RequestError("bad_message", "the session is closing: no text is taken after close")
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(text) > self.limits.max_buffer_chars:
             raise RequestError(
                 "buffer_full" if buffered else "text_too_long",
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
-        buf = self.buffers.setdefault(ctx, TextBuffer(self.limits.max_text_chars))
+        buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, self.opts.language))
+        buf.language = self.opts.language
         before = buf.text
         try:
             self._enqueue(ctx, buf.append(text))
@@ -262,159 +246,122 @@ class Session:
         for c in [c for c, b in self.buffers.items() if not b.text]:
             del self.buffers[c]
 
-    def _enqueue(self, ctx: str, sentences: list[str]) -> None:
-        if len(self.queue) + len(sentences) > self.limits.max_pending_utterances:
+    def _enqueue(self, ctx: str, sentences: list[str], enforce_limit: bool = True) -> None:
+        queued = len(self.pipe)
+        if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
             raise RequestError("too_many_utterances",
                                f"at most {self.limits.max_pending_utterances} utterances may be queued "
-                               f"({len(self.queue)} are); this text was not accepted")
-        for text in sentences:
-            seq = next(self._seq)
-            self.queue.append(Utterance(
-                id=f"u_{seq}", seq=seq, context_id=ctx, text=text, opts=self.opts, voice=self.voice,
-                clip=self.clip, encoder=PcmEncoder(self.encoding, self.sample_rate),
-            ))
-        if sentences:
-            self._work.set()
+                               f"({queued} are); this text was not accepted")
+        self.pipe.add(sentences, self.opts, self.voice, self.clip, context_id=ctx,
+                      encoder=(self.encoding, self.sample_rate))
 
-    async def _flush(self, ctx: str | None, reply: bool = True) -> None:
+    async def _flush(self, ctx: str | None, reply: bool = True, enforce_limit: bool = True) -> None:
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 before = buf.text
                 try:
-                    self._enqueue(c, buf.flush())
+                    self._enqueue(c, buf.flush(), enforce_limit)
                 except RequestError:
                     buf.text = before  # still buffered; a later flush can speak it
                     raise
         self._drop_empty_buffers()
         if not reply:
             return
-        last = max((u.seq for u in self.queue if ctx is None or u.context_id == ctx), default=0)
-        if last == 0:
+        last = self._last_queued(ctx, None)
+        if last is None:
             await self.send_json({"type": "flushed", "context_id": ctx})
-        elif self.flush_marks and self.flush_marks[-1][:2] == [ctx, last]:
-            self.flush_marks[-1][2] += 1
-        else:
-            self.flush_marks.append([ctx, last, 1])
+        else:  # repeated flushes of the same text share one mark
+            self.flush_marks[(ctx, last)] = self.flush_marks.get((ctx, last), 0) + 1
+
+    def _last_queued(self, ctx: str | None, at_most: int | None) -> int | None:
+        """The seq of the last queued utterance of ctx (None: of any context), optionally <= at_most."""
+        return max((u.seq for u in self.pipe.queue if (ctx is None or u.context_id == ctx)
+                    and (at_most is None or u.seq <= at_most)), default=None)
 
     async def _on_cancel(self, ctx: str | None) -> None:
         async with self._send_lock:
             self._cancel_all(ctx)
             await self._send_json_locked({"type": "cancelled", "context_id": ctx})
+            # The flushes the cancel left with nothing to wait for are answered now, after `cancelled`.
+            await self._signal_flushes_locked()
 
     def _cancel_all(self, ctx: str | None) -> None:
         for c, buf in self.buffers.items():
             if ctx is None or c == ctx:
                 buf.clear()
         self._drop_empty_buffers()
-        for u in list(self.queue):
-            if ctx is None or u.context_id == ctx:
-                u.cancelled = True
-                if u.stream is not None:
-                    u.stream.cancel()
-                elif u.start_task is not None:
-                    u.start_task.cancel()
-                self.queue.remove(u)
-        self.flush_marks = deque(mark for mark in self.flush_marks if not (ctx is None or mark[0] == ctx))
-        self._work.set()
+        self.pipe.cancel(ctx)
 
     # ---- playback ------------------------------------------------------------------------------
-    def _prefetch(self) -> None:
-        """Keep up to max_inflight utterances generating: the one playing and the next ones."""
-        for u in itertools.islice(self.queue, self.limits.max_inflight_per_session):
-            if u.start_task is None:
-                u.start_task = asyncio.create_task(self._start(u))
-
-    async def _start(self, u: Utterance) -> None:
-        try:
-            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip)
-            if u.cancelled:
-                u.stream.cancel()
-        except RequestError as e:
-            u.error = e
-
     async def _pump(self) -> None:
+        """Plays the queue in order; after `close` it ends the session once the queue is empty. It only
+        ends otherwise by raising (the client vanished mid-send, or a bug), and then the session ends."""
+        pipe = self.pipe
         while True:
-            if not self.queue:
-                self._work.clear()
-                await self._signal_flushes()
-                await self._work.wait()
-                continue
-            self._prefetch()
-            u = self.queue[0]
-            assert u.start_task is not None
-            await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancel still propagates
-            if not u.cancelled:
+            pipe.changed.clear()  # before looking: a change made while this awaits is not missed
+            if pipe.queue:
+                u = pipe.queue[0]
                 await self._play(u)
-            if self.queue and self.queue[0] is u:
-                self.queue.popleft()
-            self.played_seq = max(self.played_seq, u.seq)
+                pipe.done(u)
+                await self._signal_flushes()
+                continue
             await self._signal_flushes()
+            if self._closing and not pipe.queue:
+                await self.send_json({"type": "session.closed"})
+                await self.ws.close(1000)
+                return
+            await pipe.changed.wait()
 
     async def _play(self, u: Utterance) -> None:
-        if u.error is not None:
-            await self.error(u.error.code, str(u.error), context_id=u.context_id, utterance_id=u.id)
-            return
-        assert u.stream is not None
-        first_sent: float | None = None
+        assert u.encoder is not None
         started = False
-        samples_out = 0
-        async for ev in u.stream:
-            self._prefetch()
-            async with self._send_lock:
-                if u.cancelled:
-                    return
-                if not started:
-                    await self._send_json_locked({"type": "audio.start", "context_id": u.context_id,
-                                                  "utterance_id": u.id, "text": u.text})
-                    started = True
-                if ev.type == m.AUDIO:
-                    assert ev.pcm is not None
-                    data = u.encoder.encode(ev.pcm)
+        async with contextlib.aclosing(self.pipe.play(u)) as chunks:
+            async for pcm in chunks:
+                async with self._send_lock:
+                    if u.cancelled:
+                        return
+                    if not started:
+                        await self._send_json_locked({"type": "audio.start", "context_id": u.context_id,
+                                                      "utterance_id": u.id, "text": u.text})
+                        started = True
+                    data = u.encoder.encode(pcm)
                     if data:
                         await self._send(self.ws.send_bytes(data))
-                        samples_out += len(data) // u.encoder.bytes_per_sample
-                        first_sent = first_sent or time.perf_counter()
-                elif ev.type == m.FINISHED:
-                    tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
-                    if tail:
-                        await self._send(self.ws.send_bytes(tail))
-                        samples_out += len(tail) // u.encoder.bytes_per_sample
-                    now = time.perf_counter()
-                    engine_stats = ev.header.get("stats", {})
-                    audio_ms = samples_out / u.encoder.sample_rate * 1e3
-                    stats = {
-                        "ttfa_ms": round((first_sent - u.t_created) * 1e3, 2) if first_sent else None,
-                        "audio_ms": round(audio_ms, 2),
-                        "frames": engine_stats.get("frames"),
-                        "rtf": round((now - u.t_created) * 1e3 / audio_ms, 4) if audio_ms else None,
-                        "finish_reason": ev.header.get("reason"),
-                        "engine": engine_stats,
-                    }
-                    await self._send_json_locked({"type": "audio.done", "context_id": u.context_id,
-                                                  "utterance_id": u.id, "stats": stats})
-                    self.gw.metrics.observe_utterance("ws", stats)
-                    return
-                elif ev.type == m.ERROR:
-                    code = ev.header.get("code", "internal")
-                    self.gw.metrics.errors.labels(code).inc()
-                    await self._send_json_locked({"type": "error", "code": code,
-                                                  "message": ev.header.get("message", ""),
-                                                  "context_id": u.context_id, "utterance_id": u.id})
-                    return
+        async with self._send_lock:
+            if u.cancelled:
+                return
+            if u.error is not None:  # counted by the pipeline
+                await self._send_json_locked({"type": "error", "code": u.error.code, "message": str(u.error),
+                                              "context_id": u.context_id, "utterance_id": u.id})
+                return
+            if not started:
+                await self._send_json_locked({"type": "audio.start", "context_id": u.context_id,
+                                              "utterance_id": u.id, "text": u.text})
+            tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
+            if tail:
+                await self._send(self.ws.send_bytes(tail))
+            await self._send_json_locked({"type": "audio.done", "context_id": u.context_id,
+                                          "utterance_id": u.id, "stats": u.stats()})
 
     async def _signal_flushes(self) -> None:
-        pending = {u.seq for u in self.queue}
-        while self.flush_marks:
-            ctx, last, count = self.flush_marks[0]
-            if any(s <= last for s in pending):
-                return
-            self.flush_marks.popleft()
-            for _ in range(count):
-                await self.send_json({"type": "flushed", "context_id": ctx})
+        async with self._send_lock:
+            await self._signal_flushes_locked()
 
-    async def _wait_idle(self) -> None:
-        while self.queue:
-            await asyncio.sleep(0.01)
+    async def _signal_flushes_locked(self) -> None:
+        """Answer every flush whose text has all been played (or cancelled); re-key the others to the last
+        utterance they still wait for, so marks stay bounded by the queue."""
+        marks: dict[tuple[str | None, int], int] = {}
+        answered: list[tuple[str | None, int]] = []
+        for (ctx, last), count in self.flush_marks.items():
+            still = self._last_queued(ctx, last)
+            if still is None:
+                answered.append((ctx, count))
+            else:
+                marks[(ctx, still)] = marks.get((ctx, still), 0) + count
+        self.flush_marks = marks
+        for ctx, count in answered:
+            for _ in range(count):
+                await self._send_json_locked({"type": "flushed", "context_id": ctx})
 
 
 def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:

@@ -1,12 +1,12 @@
-"""Gateway-side request handling: parameter validation, sentence splitting, output encoding."""
+"""Gateway-side request handling: parameter validation, text validation, output encoding (sentence
+splitting: tests/test_text_buffer.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from app.synthesis import PcmEncoder, PromptFactory, RequestError, SynthesisOptions, parse_options
-from app.text_buffer import TextBuffer
+from app.synthesis import PcmEncoder, PromptFactory, RequestError, SynthesisOptions, check_text, parse_options
 from engine.config import Zonos2Config, preset_params
 from engine.textnorm import TextNormalizer
 
@@ -34,18 +34,50 @@ def test_parse_options_refuses_bad_values(params):
         parse_options(params, 3000)
 
 
-def test_sentence_splitting_for_streamed_text():
-    buf = TextBuffer(max_utterance_chars=40)
-    assert buf.append("Hello there. How") == ["Hello there."]
-    assert buf.append(" are you?") == []  # a sentence ends only when the next one starts (or a flush)
-    assert buf.append(" Fine!\nNext") == ["How are you?", "Fine!"]
-    assert buf.append("…") == []
-    assert buf.flush() == ["Next…"]
-    assert buf.append("你好。再见") == ["你好。"]
-    buf.clear()
-    long = "word " * 30  # no punctuation: still spoken, in pieces at word boundaries, nothing lost
-    pieces = buf.append(long) + buf.flush()
-    assert all(len(p) <= 40 for p in pieces) and " ".join(pieces).split() == long.split()
+TINY = Zonos2Config.from_dict(preset_params("tiny"))
+
+
+@pytest.mark.parametrize("params", [
+    {"speaking_rate_bucket": 8}, {"speaking_rate_bucket": -1}, {"speaking_rate": -5}, {"speaking_rate": 0},
+    {"speed": 9.0}, {"speed": 0.01}, {"speed": -1}, {"quality_buckets": {"lufs": 99}},
+    {"quality_buckets": {"lufs": -1}}, {"quality_buckets": {"nosuch": 1}}, {"quality_values": {"nosuch": 1.0}},
+    {"quality_values": {"lufs": 1e300}}, {"top_k": 5000}, {"top_k": 1025},
+])
+def test_parse_options_checks_conditioning_when_it_arrives(params):
+    """Issue 17.9: values that would fail every later utterance are refused by the config itself, with
+    one set of bounds for every API."""
+    for cfg in (None, TINY):
+        with pytest.raises(RequestError) as e:
+            parse_options(params, 3000, cfg=cfg)
+        assert e.value.code == "bad_params" and e.value.status == 400
+
+
+@pytest.mark.parametrize("params", [
+    {"speaking_rate_bucket": 0}, {"speaking_rate_bucket": 7}, {"speaking_rate": 15.5}, {"speed": 0.25},
+    {"speed": 4}, {"quality_buckets": {"lufs": 11, "trailing_silence_s": 0}}, {"quality_values": {"lufs": -20.0}},
+    {"top_k": 1024}, {"top_k": 0}, {"top_k": -1},
+])
+def test_parse_options_accepts_values_at_the_bounds(params):
+    opts = parse_options(params, 3000, cfg=TINY)
+    PromptFactory(TINY, None).build_sync("Bounds.", opts, speaker=False)  # and the prompt builds
+
+
+def test_a_model_without_rate_buckets_refuses_rate_params():
+    cfg = Zonos2Config.from_dict(preset_params("tiny") | {"speaking_rate_buckets": [], "speaking_rate_num_buckets": 0})
+    with pytest.raises(RequestError):
+        parse_options({"speed": 1.5}, 3000, cfg=cfg)
+
+
+def test_lone_surrogates_are_a_coded_error():
+    """Issue 17.6: text JSON can carry but UTF-8 cannot."""
+    assert check_text("fine ✓ 😀") == "fine ✓ 😀"
+    for bad in ("\ud800 hello.", "tail \udfff"):
+        with pytest.raises(RequestError) as e:
+            check_text(bad, "input")
+        assert e.value.code == "bad_text" and e.value.status == 400 and "input" in str(e.value)
+        with pytest.raises(RequestError) as e:  # and the prompt builder, the last line of defense
+            PromptFactory(TINY, None).build_sync(bad, SynthesisOptions(), speaker=False)
+        assert e.value.code == "bad_text"
 
 
 def test_pcm_encoder_resamples_without_seams():

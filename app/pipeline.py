@@ -1,0 +1,249 @@
+"""The utterance pipeline every API speaks through (the WebSocket session and both HTTP speech routes).
+
+Text is cut into sentences (app/text_buffer.py), each sentence is one utterance (one engine request),
+and utterances play strictly in order while the next ones already generate (up to
+`max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
+The per-utterance stats (time to first audio, real-time factor) and the HTTP status of every engine
+error code are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.engine_client import Stream
+from app.gateway import Gateway
+from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
+from app.text_buffer import TextBuffer
+from app.voices import Voice
+from engine import messages as m
+
+log = logging.getLogger("gateway.pipeline")
+
+DEFAULT_CONTEXT = "default"
+NATIVE_RATE = 44100
+
+# The status an HTTP client gets for an error the engine (or the stream to it) reports. Over the
+# WebSocket the code itself is what the client sees. A code missing here is a bug: 500 `internal`.
+ENGINE_ERROR_STATUS = {
+    "prompt_too_long": 400,  # the prompt (after text normalization) does not fit the engine's context
+    "bad_request": 400,
+    "bad_voice": 400,
+    "bad_audio": 400,
+    "queue_full": 503,
+    "engine_busy": 503,
+    "engine_restarted": 503,
+    "shutdown": 503,
+    "backpressure": 503,
+    "slow_consumer": 503,
+}
+
+# One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
+# about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
+# share the engine's context; the prompt's other rows (conditioning, BOS/EOS, 17 frames of silence)
+# take at most PROMPT_OVERHEAD frames.
+AUDIO_FRAMES_PER_BYTE = 6
+PROMPT_OVERHEAD = 32
+MIN_UTTERANCE_BYTES = 64
+
+
+def engine_error(header: dict[str, Any]) -> RequestError:
+    code = str(header.get("code") or "internal")
+    status = ENGINE_ERROR_STATUS.get(code, 500)
+    return RequestError(code if status != 500 else "internal", str(header.get("message") or code), status)
+
+
+def utterance_bytes(gw: Gateway) -> int:
+    """The UTF-8 size of the longest utterance: at most --max-text-chars bytes, and small enough that its
+    prompt and its speech fit the engine's context and --max-frames."""
+    lim = gw.settings.limits
+    context = int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
+    fits_context = (context - PROMPT_OVERHEAD) // (1 + AUDIO_FRAMES_PER_BYTE)
+    fits_frames = lim.max_frames // AUDIO_FRAMES_PER_BYTE
+    return max(MIN_UTTERANCE_BYTES, min(lim.max_text_chars, fits_context, fits_frames))
+
+
+def text_buffer(gw: Gateway, language: str) -> TextBuffer:
+    return TextBuffer(utterance_bytes(gw), language)
+
+
+def split_text(gw: Gateway, text: str, language: str) -> list[str]:
+    """A whole text (an HTTP input) as its utterances, in order."""
+    buf = text_buffer(gw, language)
+    return buf.append(text) + buf.flush()
+
+
+@dataclass(eq=False)
+class Utterance:
+    id: str
+    seq: int
+    context_id: str
+    text: str
+    opts: SynthesisOptions
+    voice: Voice | None
+    clip: tuple[np.ndarray, int] | None
+    encoder: PcmEncoder | None = None  # the client's encoding (WebSocket); HTTP routes encode themselves
+    t_created: float = field(default_factory=time.perf_counter)  # its text was complete
+    t_head: float | None = None  # it began to play: the utterance before it had been sent
+    t_first: float | None = None  # its first audio was handed to the client
+    t_done: float | None = None  # its last audio was handed to the client
+    samples: int = 0  # 44.1 kHz samples handed to the client
+    stream: Stream | None = None
+    start_task: asyncio.Task[None] | None = None
+    error: RequestError | None = None
+    finish: dict[str, Any] | None = None  # the engine's `finished` event
+    cancelled: bool = False
+
+    def stats(self) -> dict[str, Any]:
+        """`ttfa_ms`: from the moment it could play (its text complete and the utterance before it sent)
+        to its first audio sent, which is the wait a listener hears. `rtf`: wall time from that moment to
+        its last audio sent, divided by its audio time."""
+        finish = self.finish or {}
+        engine_stats = finish.get("stats", {})
+        start = max(self.t_created, self.t_head or self.t_created)
+        audio_ms = self.samples / NATIVE_RATE * 1e3
+        return {
+            "ttfa_ms": round((self.t_first - start) * 1e3, 2) if self.t_first else None,
+            "audio_ms": round(audio_ms, 2),
+            "frames": engine_stats.get("frames"),
+            "rtf": round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4) if audio_ms else None,
+            "finish_reason": finish.get("reason"),
+            "engine": engine_stats,
+        }
+
+
+class UtterancePipeline:
+    """The utterances of one session (or one HTTP request), played strictly in order."""
+
+    def __init__(self, gw: Gateway, api: str, depth: int | None = None) -> None:
+        self.gw, self.api = gw, api
+        self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
+        self.queue: deque[Utterance] = deque()  # not yet fully played, in order; the head is playing
+        self.changed = asyncio.Event()  # set whenever utterances are added or dropped
+        self._seq = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, texts: Iterable[str], opts: SynthesisOptions, voice: Voice | None,
+            clip: tuple[np.ndarray, int] | None, context_id: str = DEFAULT_CONTEXT,
+            encoder: tuple[str, int] | None = None) -> list[Utterance]:
+        added = []
+        for text in texts:
+            seq = next(self._seq)
+            u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
+                          clip=clip, encoder=PcmEncoder(*encoder) if encoder else None)
+            self.queue.append(u)
+            added.append(u)
+        if added:
+            self.prefetch()
+            self.changed.set()
+        return added
+
+    def prefetch(self) -> None:
+        """Keep the first `depth` utterances generating: the one playing and the next ones."""
+        for u in itertools.islice(self.queue, self.depth):
+            if u.start_task is None:
+                u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
+
+    async def _start(self, u: Utterance) -> None:
+        try:
+            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip)
+        except RequestError as e:
+            u.error = e
+        except Exception:  # a bug must cost this utterance, not the session
+            log.exception("starting %s failed", u.id)
+            u.error = RequestError("internal", "internal error while starting this utterance", 500)
+        else:
+            if u.cancelled:
+                u.stream.cancel()
+
+    def cancel(self, context_id: str | None = None) -> list[Utterance]:
+        """Drop the queued utterances of a context (None: all) and stop their GPU work now."""
+        dropped = [u for u in self.queue if context_id is None or u.context_id == context_id]
+        for u in dropped:
+            u.cancelled = True
+            if u.stream is not None:
+                u.stream.cancel()
+            elif u.start_task is not None:
+                u.start_task.cancel()
+            self.queue.remove(u)
+        if dropped:
+            self.prefetch()
+            self.changed.set()
+        return dropped
+
+    def done(self, u: Utterance) -> None:
+        """The consumer has handled u (played it, or reported its error)."""
+        if self.queue and self.queue[0] is u:
+            self.queue.popleft()
+            self.prefetch()
+            self.changed.set()
+
+    async def play(self, u: Utterance) -> AsyncIterator[np.ndarray]:
+        """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
+        u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
+        u.t_head = time.perf_counter()
+        self.prefetch()
+        assert u.start_task is not None
+        await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
+        if u.cancelled or u.error is not None:
+            if u.error is not None:
+                self.gw.metrics.errors.labels(u.error.code).inc()
+            return
+        assert u.stream is not None
+        async for ev in u.stream:
+            if u.cancelled:
+                return
+            if ev.type == m.AUDIO:
+                if ev.pcm is not None and len(ev.pcm):
+                    yield ev.pcm
+                    u.samples += len(ev.pcm)
+                    u.t_done = time.perf_counter()
+                    u.t_first = u.t_first or u.t_done
+            elif ev.type == m.FINISHED:
+                if not u.cancelled:
+                    u.finish = dict(ev.header)
+                    u.t_done = u.t_done or time.perf_counter()
+                    self.gw.metrics.observe_utterance(self.api, u.stats())
+                return
+            elif ev.type == m.ERROR:
+                u.error = engine_error(ev.header)
+                self.gw.metrics.errors.labels(u.error.code).inc()
+                return
+
+    def close(self) -> None:
+        self.cancel(None)
+
+
+async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
+                clip: tuple[np.ndarray, int] | None) -> AsyncIterator[np.ndarray]:
+    """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
+    generating while the current one streams. An utterance's error is raised (a RequestError with its
+    HTTP status); closing the iterator (the client is gone) cancels the engine work."""
+    sentences = split_text(gw, text, opts.language)
+    if not sentences:
+        raise RequestError("empty_text", "there is no text to speak")
+    pipe = UtterancePipeline(gw, api)
+    pipe.add(sentences, opts, voice, clip)
+    try:
+        while pipe.queue:
+            u = pipe.queue[0]
+            async with contextlib.aclosing(pipe.play(u)) as pcm:
+                async for x in pcm:
+                    yield x
+            if u.error is not None:
+                raise u.error
+            pipe.done(u)
+    finally:
+        pipe.close()

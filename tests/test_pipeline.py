@@ -1,0 +1,356 @@
+"""The WebSocket session and the utterance pipeline in-process, against a fake engine whose streams the
+test drives event by event: ordering, flush, cancel and close are checked without a model and without
+depending on how fast anything runs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from starlette.websockets import WebSocketState
+
+from app.engine_client import Event, Stream
+from app.metrics import Metrics
+from app.pipeline import ENGINE_ERROR_STATUS, engine_error, speak, utterance_bytes
+from app.settings import GatewaySettings, Limits
+from app.synthesis import RequestError, SynthesisOptions
+from app.ws import Session
+from engine import messages as m
+from engine.config import Zonos2Config, preset_params
+
+TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only on events
+
+
+class FakeEngine:
+    """Stands in for Gateway.start_utterance + the engine: every utterance gets a real Stream that the
+    test feeds with audio and a finish."""
+
+    def __init__(self) -> None:
+        self.streams: list[Stream] = []
+        self.texts: list[str] = []
+        self.cancelled: list[int] = []
+        self._streams: dict[int, Stream] = {}
+        self._changed = asyncio.Event()
+
+    def cancel(self, rid: int) -> None:
+        self.cancelled.append(rid)
+
+    async def start_utterance(self, text: str, opts: Any, voice: Any = None, clip: Any = None) -> Stream:
+        stream = Stream(len(self.streams) + 1, self, 10**9)  # type: ignore[arg-type]
+        self._streams[stream.rid] = stream
+        self.streams.append(stream)
+        self.texts.append(text)
+        self._changed.set()
+        return stream
+
+    async def started(self, n: int) -> Stream:
+        """Wait until n utterances have been started; the n-th one's stream."""
+        async with asyncio.timeout(TIMEOUT):
+            while len(self.streams) < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.streams[n - 1]
+
+    @staticmethod
+    def play(stream: Stream, samples: int = 512, finish: bool = True) -> None:
+        stream._deliver(Event(m.AUDIO, {"type": m.AUDIO}, np.ones(samples, np.int16)))
+        if finish:
+            stream._deliver(Event(m.FINISHED, {"type": m.FINISHED, "reason": "eos", "stats": {"frames": 1}}))
+
+
+def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
+    settings = replace(GatewaySettings(), limits=limits or Limits())
+    engine = FakeEngine()
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    gw = SimpleNamespace(settings=settings, metrics=Metrics(), cfg=cfg, start_utterance=engine.start_utterance,
+                         engine=SimpleNamespace(info={"max_context": 6144}), fake=engine,
+                         resolve_voice=lambda ref, owner: None)
+    return gw
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.application_state = WebSocketState.CONNECTED
+        self.inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.out: asyncio.Queue[Any] = asyncio.Queue()
+        self.close_code: int | None = None
+
+    async def receive(self) -> dict[str, Any]:
+        return await self.inbox.get()
+
+    async def send_text(self, text: str) -> None:
+        await self.out.put(json.loads(text))
+
+    async def send_bytes(self, data: bytes) -> None:
+        await self.out.put(data)
+
+    async def close(self, code: int = 1000) -> None:
+        self.close_code = code
+        self.application_state = WebSocketState.DISCONNECTED
+
+    def send(self, **msg: Any) -> None:
+        self.inbox.put_nowait({"type": "websocket.receive", "text": json.dumps(msg)})
+
+    async def next_json(self) -> dict[str, Any]:
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                msg = await self.out.get()
+                if isinstance(msg, dict):
+                    return msg
+
+    async def until(self, kind: str) -> list[dict[str, Any]]:
+        """Messages up to and including the first of type kind."""
+        seen = []
+        while True:
+            seen.append(await self.next_json())
+            if seen[-1]["type"] == kind:
+                return seen
+
+
+async def open_session(limits: Limits | None = None) -> tuple[Session, FakeSocket, FakeEngine, asyncio.Task]:
+    gw = fake_gateway(limits)
+    ws = FakeSocket()
+    session = Session(ws, gw, "")  # type: ignore[arg-type]
+    task = asyncio.create_task(session.run())
+    assert (await ws.next_json())["type"] == "session.created"
+    return session, ws, gw.fake, task
+
+
+async def shut(ws: FakeSocket, task: asyncio.Task) -> None:
+    ws.inbox.put_nowait({"type": "websocket.disconnect"})
+    async with asyncio.timeout(TIMEOUT):
+        await task
+
+
+def test_close_with_a_full_queue_still_speaks_everything_and_closes():
+    """Issue 17.2: 3 queued utterances (the limit) plus unterminated text, then close."""
+    async def go():
+        _session, ws, engine, task = await open_session(Limits(max_pending_utterances=3))
+        ws.send(type="text", text="One. Two. Three. Four")
+        ws.send(type="close")
+        for i in range(1, 5):
+            engine.play(await engine.started(i))
+        seen = await ws.until("session.closed")
+        async with asyncio.timeout(TIMEOUT):
+            await task  # the session ends by itself
+        return seen, ws.close_code, engine.texts
+
+    seen, code, texts = asyncio.run(go())
+    assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["One.", "Two.", "Three.", "Four"]
+    assert not [d for d in seen if d["type"] == "error"]
+    assert sum(d["type"] == "audio.done" for d in seen) == 4 and code == 1000
+    assert texts == ["One.", "Two.", "Three.", "Four"]
+
+
+def test_text_after_close_is_refused_but_cancel_still_works():
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="A long one.", flush=True)
+        stream = await engine.started(1)
+        engine.play(stream, finish=False)
+        await ws.until("audio.start")
+        ws.send(type="close")
+        ws.send(type="text", text="More.")
+        err = await ws.until("error")
+        ws.send(type="cancel")
+        rest = await ws.until("session.closed")
+        async with asyncio.timeout(TIMEOUT):
+            await task
+        return err[-1], rest
+
+    err, rest = asyncio.run(go())
+    assert err["code"] == "bad_message" and "closing" in err["message"]
+    assert [d["type"] for d in rest] == ["cancelled", "flushed", "session.closed"]
+
+
+def test_flush_then_cancel_answers_the_flush_after_cancelled():
+    """Issue 17.3: a flush whose text is cancelled is answered by `flushed` right after `cancelled`."""
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="First turn.", context_id="a")
+        ws.send(type="flush", context_id="a")
+        ws.send(type="text", text="Other turn.", context_id="b")
+        ws.send(type="flush", context_id="b")
+        engine.play(await engine.started(1), finish=False)
+        await ws.until("audio.start")
+        ws.send(type="cancel", context_id="a")
+        after_cancel = await ws.until("flushed")
+        engine.play(await engine.started(2))
+        rest = await ws.until("flushed")
+        await shut(ws, task)
+        return after_cancel, rest, engine
+
+    after_cancel, rest, engine = asyncio.run(go())
+    assert [(d["type"], d.get("context_id")) for d in after_cancel] == [("cancelled", "a"), ("flushed", "a")]
+    assert [(d["type"], d.get("context_id")) for d in rest] == [
+        ("audio.start", "b"), ("audio.done", "b"), ("flushed", "b")]
+    assert engine.cancelled == [1]
+
+
+def test_cancel_all_answers_every_pending_flush_once():
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="One. Two.", flush=True)
+        ws.send(type="flush")
+        ws.send(type="flush", context_id="default")
+        engine.play(await engine.started(1), finish=False)
+        await ws.until("audio.start")
+        ws.send(type="cancel")
+        seen = await ws.until("cancelled")
+        seen += [await ws.next_json() for _ in range(3)]
+        ws.send(type="flush")  # nothing queued: answered at once
+        seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert [d["type"] for d in seen] == ["cancelled", "flushed", "flushed", "flushed", "flushed"]
+
+
+def test_pending_flush_marks_stay_bounded():
+    """Issue 17.12: alternating flushes, and flushes of text that is then cancelled, while one long
+    utterance plays, cost at most two marks per queued utterance; every flush is still answered once."""
+    async def go():
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Playing for a long time.", context_id="a", flush=True)
+        engine.play(await engine.started(1), finish=False)
+        await ws.until("audio.start")
+        n = 300
+        for i in range(n):
+            ws.send(type="flush", context_id=None if i % 2 else "a")
+        for _ in range(n):  # text of another context, flushed for all, then cancelled
+            ws.send(type="text", text="Brief.", context_id="b")
+            ws.send(type="flush")
+            ws.send(type="cancel", context_id="b")
+        got = []
+        while sum(d["type"] == "cancelled" for d in got) < n:
+            got.append(await ws.next_json())
+        marks = len(session.flush_marks)
+        engine.play(engine.streams[0])
+        flushed = sum(d["type"] == "flushed" for d in got)
+        while flushed < 2 * n + 1:
+            d = await ws.next_json()
+            flushed += d["type"] == "flushed"
+        await shut(ws, task)
+        return marks, session.flush_marks
+
+    marks, left = asyncio.run(go())
+    assert marks <= 2 and left == {}
+
+
+def test_utterances_play_in_order_and_the_next_one_is_prefetched():
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="One. Two. Three.", flush=True)
+        first = await engine.started(1)
+        await engine.started(2)  # the next one generates while the first plays
+        assert len(engine.streams) == 2  # max_inflight_per_session
+        engine.play(engine.streams[1])  # the second finishes first: it still plays second
+        engine.play(first)
+        engine.play(await engine.started(3))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    starts = [d["text"] for d in seen if d["type"] == "audio.start"]
+    assert starts == ["One.", "Two.", "Three."]
+    done = [d for d in seen if d["type"] == "audio.done"]
+    assert all(d["stats"]["audio_ms"] == pytest.approx(512 / 44.1, abs=0.01) for d in done)
+    assert all(d["stats"]["ttfa_ms"] is not None and d["stats"]["rtf"] is not None for d in done)
+
+
+def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
+    """Issue 17.6 (text side): no `internal`, no lost session."""
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.inbox.put_nowait({"type": "websocket.receive", "text": '{"type":"text","text":"\\ud800 hello."}'})
+        err = await ws.next_json()
+        ws.send(type="text", text="Still here.", flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen
+
+    err, seen = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "bad_text"
+    assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
+
+
+def test_a_failing_start_costs_one_utterance_not_the_session():
+    async def go():
+        session, ws, engine, task = await open_session()
+        real = engine.start_utterance
+
+        async def start(text, *a):
+            if text == "Bad.":
+                raise RuntimeError("a bug")
+            return await real(text, *a)
+
+        session.gw.start_utterance = start
+        ws.send(type="text", text="Bad. Good.", flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    kinds = [(d["type"], d.get("code")) for d in seen]
+    assert kinds[0] == ("error", "internal") and ("audio.done", None) in kinds
+
+
+def test_http_speak_yields_every_sentence_in_order():
+    """Issue 17.1 at the pipeline: all sentences, trailing whitespace included, in order."""
+    async def go():
+        gw = fake_gateway()
+        chunks = []
+
+        async def feed():
+            for i in range(1, 4):
+                FakeEngine.play(await gw.fake.started(i), samples=100 * i)
+
+        feeder = asyncio.create_task(feed())
+        async for x in speak(gw, "openai", "One. Two. Three. \n", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+            chunks.append(len(x))
+        await feeder
+        return chunks, gw.fake.texts
+
+    chunks, texts = asyncio.run(go())
+    assert texts == ["One.", "Two.", "Three."] and chunks == [100, 200, 300]
+
+
+def test_engine_errors_map_to_http_statuses():
+    assert engine_error({"code": "prompt_too_long", "message": "x"}).status == 400
+    assert engine_error({"code": "queue_full"}).status == 503
+    unknown = engine_error({"code": "weird"})
+    assert unknown.status == 500 and unknown.code == "internal"
+    assert all(400 <= s < 600 and s != 500 for s in ENGINE_ERROR_STATUS.values())
+
+    async def go():
+        gw = fake_gateway()
+
+        async def feed():
+            stream = await gw.fake.started(1)
+            stream._deliver(Event(m.ERROR, {"code": "prompt_too_long", "message": "too long"}))
+
+        feeder = asyncio.create_task(feed())
+        with pytest.raises(RequestError) as e:
+            async for _ in speak(gw, "openai", "Hi.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+                pass
+        await feeder
+        return e.value
+
+    err = asyncio.run(go())
+    assert (err.code, err.status) == ("prompt_too_long", 400)
+
+
+def test_utterance_budget_follows_the_engine_context():
+    gw = fake_gateway()
+    assert utterance_bytes(gw) == min(Limits().max_text_chars, (6144 - 32) // 7, Limits().max_frames // 6)
+    gw.engine.info["max_context"] = 1024
+    assert utterance_bytes(gw) == (1024 - 32) // 7

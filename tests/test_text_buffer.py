@@ -1,0 +1,114 @@
+"""Sentence splitting of streamed text (app/text_buffer.py): the segmenter, the streaming rule, and the
+UTF-8 budget of one utterance."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.text_buffer import TextBuffer, split_to_budget, utf8_len
+
+ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
+ISSUE_SENTENCES = ["Dr. Smith paid $5.50 on Jan. 3rd, 2026.", "He left at 5 p.m. today."]
+
+
+def stream(text: str, step: int, budget: int = 500, language: str = "en_us") -> list[str]:
+    buf = TextBuffer(budget, language)
+    out = []
+    for i in range(0, len(text), step):
+        out += buf.append(text[i:i + step])
+    return out + buf.flush()
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_abbreviations_numbers_and_times_do_not_cut_sentences(step):
+    """Issue 17.4: two utterances, whatever pieces the text arrives in."""
+    assert stream(ISSUE_TEXT, step) == ISSUE_SENTENCES
+
+
+def test_word_by_word_like_an_llm():
+    buf = TextBuffer(500)
+    out = []
+    for word in ISSUE_TEXT.split(" "):
+        out += buf.append(word + " ")
+    assert out == ISSUE_SENTENCES[:1]  # the second one's end is not certain until more text or a flush
+    assert buf.flush() == ISSUE_SENTENCES[1:]
+
+
+@pytest.mark.parametrize("text, language, sentences", [
+    ("J. R. R. Tolkien wrote it. Then Mr. Baggins left.", "en_us",
+     ["J. R. R. Tolkien wrote it.", "Then Mr. Baggins left."]),
+    ("The value is 3.14. Version 2.0.1 shipped. Done!", "en_us",
+     ["The value is 3.14.", "Version 2.0.1 shipped.", "Done!"]),
+    ("Visit https://example.com/a.b?x=1. Then email a.b@c.org. Thanks.", "en_us",
+     ["Visit https://example.com/a.b?x=1.", "Then email a.b@c.org.", "Thanks."]),
+    ("I live in the U.S. It is big. See e.g. the docs, i.e. the manual.", "en_us",
+     ["I live in the U.S.", "It is big.", "See e.g. the docs, i.e. the manual."]),
+    ("你好。今天天气很好！我们去公园吧？好的", "cmn", ["你好。", "今天天气很好！", "我们去公园吧？", "好的"]),
+    ("こんにちは。元気ですか？はい", "ja", ["こんにちは。", "元気ですか？", "はい"]),
+    ("Am 3. Januar kam Dr. Müller. Er ging z.B. nach Hause.", "de",
+     ["Am 3. Januar kam Dr. Müller.", "Er ging z.B. nach Hause."]),
+    ("Line one\nLine two\n\nThree. Four", "en_us", ["Line one", "Line two", "Three.", "Four"]),
+])
+def test_segmenter_cases(text, language, sentences):
+    assert stream(text, 1000, language=language) == sentences
+    assert stream(text, 1, language=language) == sentences
+
+
+def test_streaming_rule():
+    buf = TextBuffer(max_utterance_bytes=40)
+    assert buf.append("Hello there. How") == []  # after a period: once the next word is complete
+    assert buf.append(" are") == ["Hello there."]
+    assert buf.append(" you?") == []  # a sentence ends only when the next one starts (or a flush)
+    assert buf.append(" Fine!\nNext") == ["How are you?", "Fine!"]  # a newline ends one at once
+    assert buf.append("…") == []
+    assert buf.flush() == ["Next…"]
+    assert buf.append("Dr. ") == []  # "Dr." could go on: not a sentence yet
+    assert buf.append("Smith") == []
+    assert buf.flush() == ["Dr. Smith"]
+    assert buf.append("你好。再见") == ["你好。"]  # no period: certain as soon as text follows
+    assert buf.append("！O") == ["再见！"]
+    buf.clear()
+    buf.clear()
+    long = "word " * 30  # no punctuation: still spoken, in pieces at word boundaries, nothing lost
+    pieces = buf.append(long) + buf.flush()
+    assert all(len(p) <= 40 for p in pieces) and " ".join(pieces).split() == long.split()
+
+
+def test_trailing_whitespace_is_not_lost():
+    """Issue 17.1: "Hello world. " gave empty_text over HTTP (the sentence came out of append)."""
+    buf = TextBuffer(500)
+    assert buf.append("Hello world. \n") + buf.flush() == ["Hello world."]
+    assert TextBuffer(500).flush() == []
+
+
+@pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500, "👨‍👩‍👧" * 50, "e\u0301" * 300, "中" * 900])
+def test_long_text_is_cut_by_utf8_length_and_nothing_is_lost(text):
+    """Issue 17.7: the prompt is one frame per byte, so the budget counts bytes, and a cut never splits a
+    character or a cluster (family emoji, combining accents)."""
+    pieces = stream(text, 37, budget=100)
+    assert "".join(pieces) == text
+    assert all(utf8_len(p) <= 100 for p in pieces)
+    if not text.startswith(("👨", "e")):  # no clusters: every piece but the last is full to a character
+        assert all(utf8_len(p) > 100 - 4 for p in pieces[:-1])
+    if text.startswith("👨"):
+        assert all(p.startswith("👨") and p.endswith("👧") for p in pieces)
+    if text.startswith("e"):
+        assert all(p.startswith("e") and p.endswith("\u0301") for p in pieces)
+
+
+def test_long_sentences_are_cut_at_clauses_then_spaces():
+    s = "This is a long clause, with a comma; and then more words here and there and everywhere"
+    assert split_to_budget(s, 50) == ["This is a long clause, with a comma;",
+                                      "and then more words here and there and everywhere"]
+    assert split_to_budget("aaaa bbbb cccc", 9) == ["aaaa", "bbbb cccc"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=400),
+       step=st.integers(1, 50), budget=st.integers(8, 120))
+def test_every_character_is_spoken_once_in_order(text, step, budget):
+    pieces = stream(text, step, budget=budget)
+    assert "".join("".join(p.split()) for p in pieces) == "".join(text.split())
+    assert all(p.strip() and utf8_len(p) <= budget for p in pieces)
