@@ -1,8 +1,11 @@
-"""Optional API keys: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or `?api_key=KEY` (browsers)."""
+"""Optional API keys: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or `?api_key=KEY` (browsers), and the
+log filter that keeps a query-string key out of uvicorn's access and WebSocket logs."""
 
 from __future__ import annotations
 
 import hmac
+import logging
+import re
 from collections.abc import Mapping
 
 from starlette.requests import Request
@@ -30,3 +33,43 @@ def require_key(request: Request) -> str | None:
     if not key_ok(key, keys):
         raise RequestError("unauthorized", "missing or wrong API key", 401)
     return key if keys else None
+
+
+def authorized(request: Request) -> bool:
+    """Whether the caller may see what a key guards (always, when auth is off)."""
+    keys = request.app.state.gateway.settings.api_keys
+    return key_ok(api_key_from(request.headers, request.query_params), keys)
+
+
+# ---- keys out of the logs --------------------------------------------------------------------------------
+_QUERY_KEY = re.compile(r"([?&;]api_key=)[^&;\s\"']*", re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """`/v1/tts/ws?api_key=SECRET&x=1` -> `/v1/tts/ws?api_key=[redacted]&x=1`."""
+    return _QUERY_KEY.sub(r"\1[redacted]", text) if "api_key=" in text.lower() else text
+
+
+class RedactKeys(logging.Filter):
+    """uvicorn logs every request line with its query string (access log: `GET /metrics?api_key=... 200`;
+    WebSocket handshakes on uvicorn.error). Browsers can only send a WebSocket key that way."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
+        return True
+
+
+_REDACTING = RedactKeys()
+
+
+def install_log_redaction() -> None:
+    """Idempotent. A logger's filters survive uvicorn's logging dictConfig, which replaces only handlers."""
+    for name in ("uvicorn.access", "uvicorn.error", "uvicorn", "websockets.server"):
+        logger = logging.getLogger(name)
+        if _REDACTING not in logger.filters:
+            logger.addFilter(_REDACTING)

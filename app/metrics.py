@@ -27,10 +27,16 @@ class Metrics:
         self.step_ms = Gauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
         self.engine_restarts = Gauge("zonos_engine_restarts", "Engine process restarts", registry=r)
         self.engine_ready = Gauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
+        self.engine_finished = Gauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
+                                     "started)", registry=r)
+        self.engine_cancelled = Gauge("zonos_engine_cancelled", "Requests the engine stopped early: a cancel, a "
+                                      "client gone, a slow consumer (since it started)", registry=r)
 
     def on_engine_stats(self, stats: dict[str, Any]) -> None:
         self.queue_depth.set(stats.get("waiting", 0))
         self.engine_active.set(stats.get("active", 0))
+        self.engine_finished.set(stats.get("finished", 0))
+        self.engine_cancelled.set(stats.get("cancelled", 0))
         if stats.get("step_ms_p50") is not None:
             self.step_ms.set(stats["step_ms_p50"])
 

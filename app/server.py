@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 
@@ -19,6 +19,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
 from app import http_api, voices_api
+from app.auth import authorized, install_log_redaction, require_key
 from app.gateway import Gateway
 from app.settings import GatewaySettings
 from app.synthesis import RequestError
@@ -29,12 +30,40 @@ templates = Jinja2Templates(directory=str(ROOT / "templates"))
 
 
 async def index(request: Request) -> Response:
+    """The demo page is public (it asks for the key); with auth on it names the weight files, not their paths."""
     gw: Gateway = request.app.state.gateway
+    weights = gw.settings.weights.describe()
+    if gw.settings.auth_enabled:
+        weights = {k: Path(v).name or v for k, v in weights.items()}
     return templates.TemplateResponse(request, "index.html", {
         "auth": gw.settings.auth_enabled,
-        "weights": gw.settings.weights.describe(),
+        "weights": weights,
         "random_weights": gw.settings.weights.model_path is None,
     }, headers={"Cache-Control": "no-store"})
+
+
+# ---- which routes a key guards (docs/reliability.md, "Authentication") ------------------------------------
+# Keyed inside their handlers: speech, /tts/generate, every /v1/voices route, the WebSocket. Keyed here:
+# /metrics (traffic, errors, engine state) and /v1/models (as OpenAI; it names the weights). Public:
+# /healthz, /readyz without details (for orchestrators), /tts/capabilities (static facts about the
+# model that a client needs to build its first request), the demo page and its static files.
+def keyed(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    async def guarded(request: Request) -> Response:
+        require_key(request)  # RequestError unauthorized -> 401 JSON
+        return await endpoint(request)
+
+    guarded.__name__ = endpoint.__name__
+    return guarded
+
+
+async def readyz(request: Request) -> Response:
+    """Ready or not for anyone (a probe has no key); the engine's details (pid, device, weights, the
+    reason it is not ready) only with a key."""
+    resp = await http_api.readyz(request)
+    if authorized(request):
+        return resp
+    status = "ready" if resp.status_code == 200 else "not_ready"
+    return JSONResponse({"status": status}, status_code=resp.status_code)
 
 
 # ---- every error is JSON {"error": {"code", "message"}} ----------------------------------------------------
@@ -78,11 +107,13 @@ class JsonCORSMiddleware(CORSMiddleware):
 
 
 def create_app(settings: GatewaySettings) -> Starlette:
+    install_log_redaction()
     gateway = Gateway(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         app.state.gateway = gateway
+        install_log_redaction()  # again: uvicorn configured logging after create_app
         await gateway.start()
         try:
             yield
@@ -92,9 +123,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
     routes = [
         Route("/", index),
         Route("/healthz", http_api.healthz),
-        Route("/readyz", http_api.readyz),
-        Route("/metrics", http_api.metrics),
-        Route("/v1/models", http_api.models),
+        Route("/readyz", readyz),
+        Route("/metrics", keyed(http_api.metrics)),
+        Route("/v1/models", keyed(http_api.models)),
         Route("/tts/capabilities", http_api.capabilities),
         Route("/v1/audio/speech", http_api.openai_speech, methods=["POST"]),
         Route("/tts/generate", http_api.tts_generate, methods=["POST"]),

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +26,7 @@ import soundfile as sf
 import websockets
 
 from app.__main__ import parse_args
-from app.settings import Limits
+from app.settings import GatewaySettings, Limits
 from tests.conftest import ROOT
 from tests.wsclient import Client
 
@@ -159,12 +160,12 @@ def test_idle_session_is_closed(limited):
     async def go():
         c = await connect(limited)
         t0 = time.monotonic()
-        err = await c.recv(timeout=15)
-        return err, time.monotonic() - t0, await closed_code(c.ws)
+        err = await c.recv(timeout=120)
+        return err, time.monotonic() - t0, await closed_code(c.ws, 120)
 
     err, waited, code = run(go())
     assert err["type"] == "error" and err["code"] == "idle_timeout"
-    assert 3.5 <= waited < 10 and code == 1000
+    assert waited >= 3.5 and code == 1000  # not before the 4 s timeout (the session started just before t0)
 
 
 @slow
@@ -386,100 +387,135 @@ def errors_total(srv, code: str) -> float:
     return 0.0
 
 
+async def never_read(srv, frames: int, sndbuf_client: int | None = 4096) -> Any:
+    """A session that asks for audio and then never reads a byte (nor answers pings)."""
+    sock = socket.socket()
+    if sndbuf_client:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, sndbuf_client)
+    sock.connect(("127.0.0.1", srv.port))
+    ws = await websockets.connect(srv.ws_url, sock=sock, max_queue=2, ping_interval=None)
+    await ws.recv()
+    await ws.send(json.dumps({"type": "session.config", **fast(frames)}))
+    await ws.send(json.dumps({"type": "text", "text": "Never read.", "flush": True}))
+    return ws
+
+
 @slow
-def test_client_that_never_reads_is_dropped(limited):
-    """No read at all: the keepalive cannot help (its ping waits behind the audio), so a send that makes
-    no progress for --send-timeout (12 s here) ends the session; its slot and engine work are freed."""
+def test_client_that_never_reads_is_dropped(limited, server):
+    """A client that never reads again, in the two cases docs/reliability.md describes:
+
+    - its audio overflows the socket buffers (here a 32 KiB send buffer): a send blocks, and the send
+      timeout (--send-timeout, 12 s here) ends the session: `client_stalled`, slot and engine freed;
+    - its audio fits in the buffers (default flags, a short utterance): no send ever blocks, and it is
+      uvicorn's keepalive that closes the connection (a ping every 20 s, no pong within 20 s).
+    Both are waited for on state, with generous ceilings; only lower bounds are timed."""
     quiet(limited)
-    before = errors_total(limited, "client_stalled")
+    quiet(server)
+    stalled_before = errors_total(limited, "client_stalled"), errors_total(server, "client_stalled")
 
     async def go():
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", limited.port))
-        ws = await websockets.connect(limited.ws_url, sock=sock, max_queue=2, ping_interval=None)
-        await ws.recv()
-        await ws.send(json.dumps({"type": "session.config", **fast(600)}))
-        await ws.send(json.dumps({"type": "text", "text": "Never read.", "flush": True}))
         t0 = time.monotonic()
-        await await_for(lambda: gauge(limited, "zonos_active_sessions") == 0, 60, 0.5)
-        dropped_after = time.monotonic() - t0
-        ws.transport.abort()
-        return dropped_after
+        big = await never_read(limited, 600)  # 600 frames: 600 KB of audio > the buffers
+        small = await never_read(server, 10, None)  # 10 frames: 10 KB, fits
+        await await_for(lambda: gauge(limited, "zonos_active_sessions") == 0, 120, 0.5)
+        big_gone = time.monotonic() - t0
+        await await_for(lambda: gauge(server, "zonos_active_sessions") == 0, 180, 0.5)
+        small_gone = time.monotonic() - t0
+        for ws in (big, small):
+            ws.transport.abort()
+        return big_gone, small_gone
 
-    dropped_after = run(go())
-    assert 12 <= dropped_after < 45
-    assert errors_total(limited, "client_stalled") == before + 1
+    big_gone, small_gone = run(go(), timeout=300)
+    assert big_gone >= 12  # the send timeout acted, and not sooner
+    assert errors_total(limited, "client_stalled") == stalled_before[0] + 1
     assert gauge(limited, "zonos_engine_active_requests") == 0
+    assert small_gone >= 35  # the keepalive: its first ping goes out 20 s after the handshake
+    # the small one: closed although no send ever waited, so not counted as stalled
+    assert errors_total(server, "client_stalled") == stalled_before[1]
+    assert gauge(server, "zonos_active_sessions") == 0
 
 
 # ---- faults ---------------------------------------------------------------------------------------------
 @slow
 def test_client_vanishing_stops_engine_work(server):
+    """A client that drops its connection mid-utterance: the engine request is cancelled (the engine's own
+    count of requests it stopped early goes up by one), not run to its end. Waited for on state."""
     quiet(server)
 
-    async def ws_vanish() -> float:
+    def cancelled() -> float:
+        return gauge(server, "zonos_engine_cancelled")
+
+    async def ws_vanish() -> None:
         c = await connect(server, fast(2500))
         await c.send(type="text", text="Nobody will hear the end of this.", flush=True)
         await c.until("audio.start")
         await c.audio_bytes(16 * FRAME_BYTES)
-        await await_for(lambda: gauge(server, "zonos_engine_active_requests") >= 1, 10)
+        await await_for(lambda: gauge(server, "zonos_engine_active_requests") >= 1, 60)
         c.ws.transport.abort()  # gone without a close frame
-        return await await_for(lambda: gauge(server, "zonos_engine_active_requests") == 0, 10)
+        await await_for(lambda: gauge(server, "zonos_engine_active_requests") == 0, 60)
 
-    freed_ws = run(ws_vanish())
+    before = cancelled()
+    run(ws_vanish())
+    wait_for(lambda: cancelled() == before + 1, 30)  # (the stats gauges are refreshed once a second)
 
-    def http_vanish() -> float:
+    def http_vanish() -> None:
         with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60, json={
                 "input": "Streamed to a client that leaves.", "response_format": "pcm",
                 "params": {"max_frames": 2500, "ignore_eos": True}}) as r:
             body, got = r.iter_raw(), 0  # (closing this iterator would already drop the connection)
             while got <= 16 * FRAME_BYTES:
                 got += len(next(body))
-            wait_for(lambda: gauge(server, "zonos_engine_active_requests") >= 1, 10)
+            wait_for(lambda: gauge(server, "zonos_engine_active_requests") >= 1, 60)
         # leaving the block closes the connection mid-body
-        return wait_for(lambda: gauge(server, "zonos_engine_active_requests") == 0, 10)
+        wait_for(lambda: gauge(server, "zonos_engine_active_requests") == 0, 60)
 
-    freed_http = http_vanish()
-    # 2500 frames take far longer than this on CPU: the work was cancelled, not finished
-    assert freed_ws < 3 and freed_http < 3
-    print(f"engine slot freed {freed_ws:.2f} s (WebSocket) / {freed_http:.2f} s (HTTP) after the client vanished")
+    before = cancelled()
+    http_vanish()
+    wait_for(lambda: cancelled() == before + 1, 30)
+
+
+def test_uploads_decode_off_the_event_loop(tmp_path, monkeypatch):
+    """Decoding runs in a worker thread: while a decode is held up (here: until the loop itself releases
+    it), the event loop goes on serving. Were the decode on the loop, nothing could release it."""
+    import app.gateway as gateway_mod
+
+    started, release = threading.Event(), threading.Event()
+
+    def held_decode(data: bytes, max_seconds: float) -> tuple[np.ndarray, int]:
+        started.set()
+        assert release.wait(60), "the event loop never got to release the decode"
+        return np.zeros(16000, np.float32), 16000
+
+    monkeypatch.setattr(gateway_mod, "decode_audio", held_decode)
+    gw = gateway_mod.Gateway(GatewaySettings(data_dir=tmp_path, text_normalization=False))
+
+    async def go() -> tuple[int, int]:
+        task = asyncio.create_task(gw.decode_clip(b"clip bytes"))
+        assert await asyncio.to_thread(started.wait, 60)
+        ticks = 0
+        for _ in range(100):  # the loop runs other work meanwhile
+            await asyncio.sleep(0)
+            ticks += 1
+        release.set()
+        samples, _ = await task
+        return ticks, len(samples)
+
+    assert run(go()) == (100, 16000)
 
 
 @slow
-def test_uploads_decode_off_the_event_loop(server):
-    """Three ~9 MB MP3 uploads that decode to ~40 min of audio each (then fail clip_too_long):
-    decoding runs in worker threads, so /healthz keeps answering at once meanwhile."""
+def test_a_huge_mp3_is_refused_without_decoding_it(server):
+    """A 9 MB MP3 stream (about 40 min of audio) is refused as clip_too_long at once: its length is
+    known from the file before decoding, and decoding never goes past the limit anyway."""
     sr = 8000
     x = (0.1 * np.random.default_rng(0).standard_normal(sr * 30)).astype(np.float32)
     buf = io.BytesIO()
     sf.write(buf, x, sr, format="MP3", subtype="MPEG_LAYER_III")
     mp3 = buf.getvalue()
-    frames = mp3[mp3.find(mp3[:2], 4):]  # without the first (Xing) frame, which would declare the length
+    frames = mp3[mp3.find(mp3[:2], 4):]  # without the first (Xing) frame, which declares the length
     big = frames * ((9 << 20) // len(frames))
-    results: list[httpx.Response] = []
-
-    def upload() -> None:
-        results.append(httpx.post(server.url + "/v1/voices", files={"file": ("long.mp3", big, "audio/mpeg")},
-                                  timeout=120))
-
-    threads = [threading.Thread(target=upload) for _ in range(3)]
-    latencies = []
-    with httpx.Client(timeout=10) as client:
-        for t in threads:
-            t.start()
-        while any(t.is_alive() for t in threads):
-            t0 = time.perf_counter()
-            assert client.get(server.url + "/healthz").status_code == 200
-            latencies.append(time.perf_counter() - t0)
-            time.sleep(0.02)
-    for t in threads:
-        t.join()
-    assert [r.status_code for r in results] == [400] * 3
-    assert {r.json()["error"]["code"] for r in results} == {"clip_too_long"}
-    print(f"/healthz during 3 big decodes: {len(latencies)} probes, max {max(latencies) * 1e3:.0f} ms, "
-          f"median {sorted(latencies)[len(latencies) // 2] * 1e3:.0f} ms")
-    assert len(latencies) >= 5 and max(latencies) < 0.5
+    r = httpx.post(server.url + "/v1/voices", files={"file": ("long.mp3", big, "audio/mpeg")}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "clip_too_long", r.text
 
 
 @slow
@@ -542,10 +578,287 @@ def test_short_soak(server):
     args = soak.parse_args(["--url", server.url, "--duration", "25", "--sessions", "6", "--min-frames", "20",
                             "--max-frames", "60", "--kill-engine", "1", "--cancel", "0.15", "--vanish", "0.1",
                             "--slow", "0.1", "--bad", "0.15", "--seed", "1", "--timeout", "60",
-                            "--max-gateway-anon-growth-mb", "40"])
+                            "--max-gateway-anon-growth-mb", "60"])
     summary = asyncio.run(soak.soak(args))
     print(json.dumps(summary, indent=1))
+    # What must hold whatever the machine's speed: nothing lost or unaccounted, exact lengths, no audio
+    # after a cancel, every bad input answered, quiet at the end (soak's own checks). How many
+    # utterances fit in 25 s is the machine's speed: only "some" is asserted (real figures: the long run).
     assert summary["problems"] == []
-    assert summary["utterances"]["completed"] >= 10
+    assert summary["utterances"]["completed"] >= 1
     assert summary["utterances"]["length_ok"] == summary["utterances"]["completed"]
     assert summary["engine_kills"] and summary["server_after"]["ready"]
+
+
+# ---- hostile input: a coded error, never `internal`, a 500 or a lost session (issue 17) -------------------
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def silent_flac(seconds: float, sr: int, mark: int = 0) -> bytes:
+    """Near-silent FLAC: small on disk, large once decoded (one marked sample makes each clip distinct)."""
+    x = np.zeros(int(seconds * sr), np.float32)
+    x[mark] = 0.5
+    buf = io.BytesIO()
+    sf.write(buf, x, sr, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def no_internals(message: str) -> None:
+    """An error message says what is wrong with the input, not what Python objects were involved."""
+    for needle in ("object at 0x", "_io.", "Traceback", "ring capacity", "exceeds ring", "RecursionError"):
+        assert needle not in message, message
+
+
+def test_json_depth_and_shape_are_coded_errors():
+    from app.json_input import MAX_DEPTH, parse_json_object
+    from app.synthesis import RequestError
+
+    nested = "{\"a\":" + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
+    for raw, needle in ((DEEP, "nested"), (DEEP.encode(), "nested"), (nested, "nested"), ("[1]", "not an array"),
+                        ("{x", "not valid JSON"), ("", "empty"), (b"\xff\xfe\xfa", "not valid JSON"),
+                        ('"\\ud800"', "not a string")):
+        with pytest.raises(RequestError) as e:
+            parse_json_object(raw, "bad_json", "the body")
+        assert e.value.code == "bad_json" and e.value.status == 400 and needle in str(e.value), (raw[:20], e.value)
+    ok = "{\"a\":" + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"
+    assert parse_json_object(ok, "bad_json", "the body") == json.loads(ok)
+    assert parse_json_object(b'{"t": "\\u00e9\\ud83d\\ude00"}', "bad_json", "the body") == {"t": "é😀"}
+
+
+@slow
+def test_deeply_nested_json_gets_a_coded_error(server):
+    async def go():
+        c = await connect(server, fast())
+        await c.ws.send(DEEP)
+        err = await c.recv()
+        await c.send(type="text", text="Still here.", flush=True)  # the session goes on
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return err, done
+
+    err, done = run(go())
+    assert err["type"] == "error" and err["code"] == "bad_message" and "nested" in err["message"], err
+    assert done["stats"]["frames"] == 10
+    for path, body in (("/v1/audio/speech", DEEP), ("/tts/generate", DEEP),
+                       ("/v1/voices/blend", "[" * 30_000 + "]" * 30_000)):  # (its bodies are limited to 64 KiB)
+        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", (path, r.status_code, r.text[:200])
+
+
+def assert_json_error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    assert r.headers["content-type"].startswith("application/json"), r.headers["content-type"]
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body  # no `detail`
+    assert body["error"]["code"] == code and body["error"]["message"], body
+    no_internals(body["error"]["message"])
+    return body
+
+
+@slow
+def test_every_http_error_is_json(limited, server):
+    assert_json_error(httpx.get(server.url + "/no/such/route"), 404, "not_found")
+    assert_json_error(httpx.get(server.url + "/static/no-such-file.js"), 404, "not_found")
+    r = httpx.get(server.url + "/v1/audio/speech")
+    assert_json_error(r, 405, "method_not_allowed")
+    assert "POST" in r.headers["allow"]
+    assert_json_error(httpx.put(server.url + "/v1/voices"), 405, "method_not_allowed")
+    # a preflight from an origin that is not allowed (CORS on), and any preflight with CORS off
+    preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+    assert_json_error(httpx.options(limited.url + "/v1/audio/speech", headers=preflight), 400, "cors_refused")
+    assert_json_error(httpx.options(server.url + "/v1/audio/speech", headers=preflight), 405, "method_not_allowed")
+    # the gateway's own errors carry exactly code and message
+    assert_json_error(httpx.post(server.url + "/v1/audio/speech", json={"input": " "}), 400, "empty_text")
+    assert_json_error(httpx.get(server.url + "/v1/voices/nobody-at-all"), 404, "unknown_voice")
+
+
+@slow
+def test_high_rate_clips_are_refused_from_the_header(server):
+    """A 59 s FLAC at 384 kHz is 80 KB but 90 MB once decoded: refused before decoding, with a message
+    about the file, on every API that takes a clip; the session goes on."""
+    clip = silent_flac(59, 384_000)
+    assert len(clip) < 200_000
+    b64 = base64.b64encode(clip).decode()
+    r = httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_audio_base64": b64}, timeout=60)
+    assert "384000 Hz" in assert_json_error(r, 400, "bad_audio")["error"]["message"]
+    r = httpx.post(server.url + "/v1/voices", files={"file": ("hi.flac", clip, "audio/flac")}, timeout=60)
+    assert "384000 Hz" in assert_json_error(r, 400, "bad_audio")["error"]["message"]
+    r = httpx.post(server.url + "/v1/voices", files={"file": ("x.wav", b"plain text, not audio")}, timeout=60)
+    assert "not recognised" in assert_json_error(r, 400, "bad_audio")["error"]["message"]
+
+    async def go():
+        c = await connect(server, fast())
+        await c.send(type="session.config", voice_clip=b64)
+        err = await c.recv()
+        await c.send(type="text", text="Still here.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return err, done
+
+    err, done = run(go())
+    assert err["type"] == "error" and err["code"] == "bad_audio" and "384000 Hz" in err["message"], err
+    no_internals(err["message"])
+    assert done["stats"]["frames"] == 10
+
+
+def test_a_clip_becomes_one_embedding(tmp_path):
+    """Gateway.embed_clip: a request's or session's clip is decoded and embedded once; what is kept is the
+    2048-float embedding (a Voice), and the same bytes again cost no speaker_encoder run."""
+    from app.gateway import Gateway
+
+    gw = Gateway(GatewaySettings(data_dir=tmp_path, text_normalization=False))
+    runs: list[tuple[int, int]] = []
+
+    async def fake_embed(samples: np.ndarray, sr: int) -> np.ndarray:
+        runs.append((len(samples), sr))
+        return np.full(2048, 0.5, np.float32)
+
+    gw.engine.embed = fake_embed  # type: ignore[method-assign]
+    clip = wav(1.0)
+
+    async def go():
+        return [await gw.embed_clip(c, "owner") for c in (clip, clip, wav(2.0))]
+
+    a, b, _ = run(go())
+    assert runs == [(16000, 16000), (32000, 16000)]  # one run per distinct clip
+    assert a.source == "clip" and a.owner == "owner" and a.embedding is not None and a.embedding.shape == (2048,)
+    assert np.array_equal(a.embedding, b.embedding)
+
+
+@slow
+def test_sessions_holding_clips_keep_embeddings_not_audio(server):
+    """Ten sessions, each with its own 35 s clip at 192 kHz (20 KB as FLAC, 27 MB decoded): the gateway's
+    heap does not keep the decoded audio (it did: 27 MB per session), and every session speaks with its voice."""
+    quiet(server)
+
+    def rss_anon_mb() -> float:
+        for line in Path(f"/proc/{server.proc.pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no RssAnon")
+
+    async def go():
+        sessions = [await connect(server) for _ in range(10)]
+        before = rss_anon_mb()
+        for i, c in enumerate(sessions):
+            await c.send(type="session.config", voice_clip=base64.b64encode(silent_flac(35, 192_000, i)).decode(),
+                         **fast())
+            updated = await c.recv(timeout=120)
+            assert updated["type"] == "session.updated" and updated["voice"] == "clip", updated
+        growth = rss_anon_mb() - before
+        for c in sessions:
+            await c.send(type="text", text="With my voice.", flush=True)
+        dones = [await c.until("audio.done", timeout=120) for c in sessions]
+        for c in sessions:
+            await c.ws.close()
+        return growth, dones
+
+    growth, dones = run(go(), timeout=600)
+    print(f"gateway heap growth for 10 sessions holding 192 kHz clips: {growth:.1f} MB")
+    assert all(d["stats"]["frames"] == 10 for d in dones)
+    assert growth < 100, f"the gateway's heap grew {growth:.0f} MB for 10 sessions"
+
+
+# ---- which HTTP routes a key guards; keys kept out of the logs (issue 17 item 14) ------------------------
+KEY = "k-test-7c1e"
+
+
+@pytest.fixture(scope="module")
+def keyed(start_server):
+    return start_server("--api-key", KEY)
+
+
+@slow
+def test_which_routes_a_key_guards(keyed):
+    u = keyed.url
+    auth = {"Authorization": f"Bearer {KEY}"}
+    # public: liveness, readiness without details, model facts, the demo page
+    assert httpx.get(u + "/healthz").json() == {"status": "ok"}
+    assert httpx.get(u + "/readyz").json() == {"status": "ready"}  # no pid, device or weights
+    assert httpx.get(u + "/readyz?api_key=wrong").json() == {"status": "ready"}
+    assert httpx.get(u + "/readyz", headers=auth).json()["engine"]["pid"] > 0
+    assert httpx.get(u + "/tts/capabilities").json()["speaker_embedding_dim"] == 2048
+    page = httpx.get(u + "/")
+    assert page.status_code == 200 and 'data-auth="true"' in page.text
+    assert httpx.get(u + "/static/app.js").status_code == 200
+    # keyed: 401 JSON without a key (or with a wrong one), served with it
+    for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None), ("GET", "/v1/voices", None),
+                               ("POST", "/v1/audio/speech", {"input": "x"}), ("POST", "/tts/generate", {"text": "x"}),
+                               ("POST", "/v1/voices/blend", {"a": "x", "b": "y"}),
+                               ("GET", "/v1/voices/x/embedding", None)):
+        for headers in ({}, {"X-API-Key": "wrong"}):
+            r = httpx.request(method, u + path, json=body, headers=headers)
+            assert_json_error(r, 401, "unauthorized")
+    assert "zonos_active_sessions" in httpx.get(u + "/metrics", headers=auth).text
+    assert httpx.get(u + f"/metrics?api_key={KEY}").status_code == 200
+    assert httpx.get(u + "/v1/models", headers={"X-API-Key": KEY}).json()["data"][0]["id"] == "zonos2"
+    assert httpx.get(u + "/v1/voices", headers=auth).status_code == 200
+
+    async def ws_first(url: str) -> dict[str, Any]:
+        async with websockets.connect(url) as ws:
+            return json.loads(await ws.recv())
+
+    assert run(ws_first(keyed.ws_url))["code"] == "unauthorized"
+    assert run(ws_first(keyed.ws_url + f"?api_key={KEY}"))["type"] == "session.created"
+    # uvicorn logs every request line with its query string: the key is redacted, HTTP and WebSocket
+    log = keyed.log.read_text()
+    assert KEY not in log, [line for line in log.splitlines() if KEY in line][:3]
+    assert "GET /metrics?api_key=[redacted]" in log and "/v1/tts/ws?api_key=[redacted]" in log
+
+
+# ---- the engine does not outlive its gateway (issue 17 item 13) --------------------------------------------
+def _proc_gone(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    return state in ("Z", "X")  # a zombie nobody reaped has exited
+
+
+@slow
+def test_engine_exits_when_its_gateway_is_killed(tmp_path):
+    """SIGKILL the gateway (not its process group): the engine notices, unlinks both shared-memory rings
+    and exits; a new gateway on the same port comes up and serves."""
+    from tests.conftest import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    def launch(name: str) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "app", "--port", str(port), "--data-dir", str(tmp_path / "data"),
+               "--max-batch", "2", "--max-context", "512", "--no-text-normalization"]
+        log = (tmp_path / f"{name}.log").open("w")
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+
+    def ready(proc: subprocess.Popen) -> bool:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
+        try:
+            return httpx.get(url + "/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    first = launch("first")
+    second = None
+    engine_pid = None
+    try:
+        wait_for(lambda: ready(first), 180, 0.3)
+        engine_pid = httpx.get(url + "/readyz").json()["engine"]["pid"]
+        rings = [n for n in os.listdir("/dev/shm") if n.startswith(f"zonos-{first.pid}-")]
+        assert len(rings) == 2, rings
+        first.kill()  # the gateway alone: the engine is not in the signal
+        first.wait(10)
+        wait_for(lambda: _proc_gone(engine_pid), 60, 0.1)
+        wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in rings), 30, 0.1)
+        second = launch("second")
+        wait_for(lambda: ready(second), 180, 0.3)
+        r = httpx.post(url + "/v1/audio/speech", timeout=120, json={
+            "input": "Back again.", "response_format": "pcm", "params": {"max_frames": 10, "ignore_eos": True}})
+        assert r.status_code == 200 and len(r.content) > 0
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(30)
+        if engine_pid is not None and not _proc_gone(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)  # do not leave the orphan behind a failed test
