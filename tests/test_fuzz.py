@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 import websockets
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from app.http_api import _GENERATE_FIELDS, _OPENAI_FIELDS
@@ -62,9 +62,28 @@ leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(all
         | st.text(max_size=30))
 anything = st.recursive(leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
                         max_leaves=8)
-short_text = st.text(max_size=60) | st.sampled_from(["Hello there.", "One. Two. Three.", "¿Qué tal?", "数字 123。",
-                                                    "", "   ", "\n\n", "a" * 250])
+# Issue 17: lone surrogates (valid JSON escapes, invalid text), multi-byte text that is long in UTF-8 bytes
+# (one prompt frame per byte) though short in characters, and the ordinary cases.
+surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), min_size=1,
+                     max_size=12)
+short_text = (st.text(max_size=60) | surrogates
+              | st.sampled_from(["Hello there.", "One. Two. Three.", "¿Qué tal?", "数字 123。", "", "   ", "\n\n",
+                                 "a" * 250, "\ud800 hello.", "Fine. \udfff", "😀" * 600, "Привет" * 250,
+                                 "数" * 700 + "。", "é" * 400 + ". Done."]))
+def silent_flac(seconds: float, sr: int, channels: int = 1) -> bytes:
+    """Small on disk, large once decoded: what a clip at a high rate or with many channels is."""
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros((int(seconds * sr), channels), np.float32), sr, format="FLAC", subtype="PCM_16")
+    return buf.getvalue()
+
+
+HIGH_RATE_CLIPS = [base64.b64encode(c).decode() for c in (
+    silent_flac(59, 384_000),  # over the rate limit: refused from the header
+    silent_flac(20, 192_000),  # at the limit: decoded and embedded
+    silent_flac(2, 48_000, 8),  # 8 channels, mixed down
+)]
 b64 = (st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
+       | st.sampled_from(HIGH_RATE_CLIPS)
        | st.just(base64.b64encode(small_wav()).decode())
        | st.just("data:audio/wav;base64," + base64.b64encode(small_wav()).decode())
        | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
@@ -114,8 +133,13 @@ ws_json = st.one_of(
     st.dictionaries(st.text(max_size=12), anything, max_size=4),
     st.fixed_dictionaries({"type": anything}),
 )
+# Nesting deeper than any message needs (the JSON parser stops at the recursion limit, ~1000): alone,
+# or as the value of a field.
+deep_json = st.builds(lambda n, wrap, obj: (('{"type":"text","text":%s}' if wrap else "%s")
+                                           % (("{\"a\":" * n + "1" + "}" * n) if obj else "[" * n + "]" * n)),
+                      st.sampled_from([33, 999, 1001, 100_000]), st.booleans(), st.booleans())
 ws_frame = (ws_json.map(lambda d: json.dumps(d)) | st.text(max_size=40) | anything.map(json.dumps)
-            | st.binary(max_size=64))
+            | st.binary(max_size=64) | deep_json)
 
 
 # ---- WebSocket -----------------------------------------------------------------------------------------
@@ -147,8 +171,16 @@ async def ws_exchange(url: str, frames: list[str | bytes]) -> list[dict[str, Any
     return replies
 
 
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
 @FUZZ
 @given(frames=st.lists(ws_frame, min_size=1, max_size=6))
+# issue 17's cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
+@example(frames=[DEEP, '{"type":"text","text":' + DEEP + "}", '{"type":"text","text":"\\ud800 hello."}'])
+@example(frames=[json.dumps({"type": "text", "text": t, "flush": True}) for t in ("😀" * 600, "Привет" * 250)])
+@example(frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
+         + [json.dumps({"type": "text", "text": "Hi.", "flush": True})])
 def test_fuzz_websocket_messages(fuzz_server, frames):
     replies = asyncio.run(asyncio.wait_for(ws_exchange(fuzz_server.ws_url, frames), 90))
     for d in replies:
@@ -189,6 +221,8 @@ def body(draw, fields: set[str], values: dict[str, st.SearchStrategy], valid: di
         return draw(st.binary(max_size=200))
     if shape == 1:
         return json.dumps(draw(anything)).encode()
+    if shape == 2:
+        return draw(deep_json).encode()
     d = dict(valid)
     for k in draw(st.lists(st.sampled_from([*sorted(fields), "surprise"]), min_size=1, max_size=3, unique=True)):
         if k in d and draw(st.integers(0, 4)) == 0:
@@ -221,6 +255,10 @@ content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "appli
 @given(data=body(_OPENAI_FIELDS, openai_values, {"input": "Hello there.", "response_format": "pcm",
                                                   "params": {"max_frames": 5, "ignore_eos": True}}),
        ctype=content_types)
+@example(data=DEEP.encode(), ctype="application/json")
+@example(data=b'{"input": "\\ud800 hi", "response_format": "pcm"}', ctype="application/json")
+@example(data=json.dumps({"input": "Привет" * 50, "response_format": "pcm",
+                          "params": {"max_frames": 5, "ignore_eos": True}}).encode(), ctype="application/json")
 def test_fuzz_openai_speech(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/v1/audio/speech", data, ctype))
 
@@ -229,6 +267,12 @@ def test_fuzz_openai_speech(fuzz_server, data, ctype):
 @given(data=body(_GENERATE_FIELDS, generate_values, {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True,
                                                      "stream": False}),
        ctype=content_types)
+@example(data=DEEP.encode(), ctype="application/json")
+@example(data=b'{"text": "\\udfff", "stream": false}', ctype="application/json")
+@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[0]})
+         .encode(), ctype="application/json")
+@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[1]})
+         .encode(), ctype="application/json")
 def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
