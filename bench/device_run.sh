@@ -43,14 +43,16 @@ for step in $steps; do
         gpid=$(pgrep -f "python3 -m app" | head -1)
         python3 bench/live_capacity.py --levels $PROFILE_LEVEL --duration 14 --warmup 4 --out /tmp/prof.json \
           > "$OUT/profile_level.log" 2>&1 &
+        bench_pid=$!
         sleep 8
         py-spy record --format raw --nonblocking -d 8 -p "$epid" -o "$OUT/pyspy_engine.txt" > /dev/null 2>&1 &
+        spy_pid=$!
         py-spy record --format raw --nonblocking -d 8 -p "$gpid" -o "$OUT/pyspy_gateway.txt" > /dev/null 2>&1
-        wait
+        wait $spy_pid $bench_pid
         tail -3 "$OUT/profile_level.log"
       fi
       curl -s localhost:8000/metrics | grep -E "^zonos_engine" | tee "$OUT/metrics_capacity.txt"
-      kill %1; sleep 2; grep -E "captured|KV cache|warmed|ready|Error|error" "$OUT/server.log" | head -20 ;;
+      kill %1; sleep 2; grep -E "captured|KV cache|warmed|ready|Error|error" "$OUT/server.log" | grep -v readyz | head -20 ;;
     e2e)
       python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization \
         > "$OUT/server.log" 2>&1 &

@@ -10,11 +10,13 @@ for at most one chunk. Cancels free the slot before the next step runs.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,6 +27,7 @@ from engine.admission import RealtimeAdmission
 from engine.ipc import Outbox, RingSpec, ShmRing, unlink_segment
 from engine.lifeline import Lifeline, watch_parent
 from engine.llm import LLMNode, Sequence
+from engine.speaker_worker import SpeakerWorker
 from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
@@ -70,10 +73,8 @@ class Job:
     t_first_audio: float = 0.0
     audio_index: int = 0
     samples: int = 0
-    clip: np.ndarray | None = None
-    clip_sr: int = 0
-    clip_ms: float = 0.0
-    pending_frames: list[np.ndarray] = field(default_factory=list)
+    clip_ms: float = 0.0  # speaker_encoder time of a clone request (its thread, queue included)
+    speaker_pending: bool = False  # its clip is with the speaker_encoder: not admissible yet
 
 
 class Engine:
@@ -92,6 +93,10 @@ class Engine:
         dac_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dac_dtype]
         self.codec = load_codec(src, settings.dac_device or self.device, dac_dtype)
         self.speaker_encoder = load_speaker_encoder(src, self.device)
+        self.speaker = SpeakerWorker(self.speaker_encoder)
+        # the loop waits for each decode step with the GIL released; when the step is done it must get the
+        # GIL back from the speaker_encoder thread at once, not after the default 5 ms switch interval
+        sys.setswitchinterval(2e-4)
         schedule = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
                     "reference": ChunkSchedule.reference}[settings.chunk_schedule]()
         self.dac = StreamingDecoder(self.codec, schedule)
@@ -144,6 +149,10 @@ class Engine:
         clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
         self.speaker_encoder.embed(clip, 24000)
         self._sync()
+        # everything built so far (modules, compiled graphs) lives as long as the process: keep it out of
+        # the cyclic collector, whose full passes over it paused every stream for hundreds of ms
+        gc.collect()
+        gc.freeze()
         return time.perf_counter() - t0
 
     def ready_info(self, warmup_s: float) -> dict[str, Any]:
@@ -180,6 +189,7 @@ class Engine:
                 # idle: sleep until a request arrives (only audio left to decode: just a short nap)
                 self.inbox.wait(timeout=0.5 if not self.running else 0.002)
             self._read_inbox()
+            self._speaker_results()
             self._admit()
             try:
                 self._step()
@@ -237,36 +247,49 @@ class Engine:
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
                        speaker=speaker, ignore_eos=req.ignore_eos)
-        self.waiting.append(Job(seq, time.perf_counter(), clip=req.clip, clip_sr=req.clip_sr))
+        job = Job(seq, time.perf_counter())
+        if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
+            job.speaker_pending = True
+            self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
+        self.waiting.append(job)
 
     def _on_embed(self, header: dict[str, Any], payload: bytes | None) -> None:
-        rid = int(header["rid"])
         clip = np.frombuffer(payload or b"", dtype=np.float32).copy()
-        try:
-            emb = self.speaker_encoder.embed(clip, int(header["clip_sr"])).float().cpu().numpy()
-        except ValueError as e:
-            return self._error(rid, "bad_audio", str(e))
-        self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(), force=True)
+        self.speaker.submit(("embed", int(header["rid"]), time.perf_counter()), clip, int(header["clip_sr"]))
+
+    def _speaker_results(self) -> None:
+        for (kind, rid, t_sent), emb, err in self.speaker.results():
+            if kind == "embed":
+                if err is not None:
+                    self._error(rid, "bad_audio" if isinstance(err, ValueError) else "internal", str(err))
+                else:
+                    assert emb is not None
+                    self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(),
+                                    force=True)
+                continue
+            job = next((j for j in self.waiting if j.seq.rid == rid), None)
+            if job is None:  # cancelled while its clip was being embedded
+                continue
+            if err is not None:
+                self.waiting.remove(job)
+                self._error(rid, "bad_audio" if isinstance(err, ValueError) else "internal", str(err))
+                continue
+            job.seq.speaker = torch.from_numpy(emb).to(self.device)
+            job.clip_ms = (time.perf_counter() - t_sent) * 1e3
+            job.speaker_pending = False
 
     def _admit(self) -> None:
         now = time.perf_counter()
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
         admitted = 0
-        while self.waiting and self.llm.can_admit():
-            if not self.admission.may_admit(streams, admitted + 1):
+        for job in list(self.waiting) if self.waiting and self.llm.can_admit() else ():
+            if not self.llm.can_admit() or not self.admission.may_admit(streams, admitted + 1):
                 break
-            job = self.waiting.popleft()
+            if job.speaker_pending:  # later arrivals with a voice ready go first
+                continue
+            self.waiting.remove(job)
             admitted += 1
             seq = job.seq
-            if job.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first
-                try:
-                    t_clip = time.perf_counter()
-                    seq.speaker = self.speaker_encoder.embed(job.clip, job.clip_sr).to(self.device)
-                    job.clip_ms = (time.perf_counter() - t_clip) * 1e3
-                except ValueError as e:
-                    self._error(seq.rid, "bad_audio", str(e))
-                    continue
-                job.clip = None
             self.llm.admit(seq)
             job.t_admitted = time.perf_counter()
             self.running[seq.rid] = job
