@@ -218,7 +218,9 @@ def test_text_and_buffer_limits_refuse_never_truncate(limited):
 def test_too_many_utterances_refuses_the_whole_message(limited):
     async def go():
         c = await connect(limited, fast())
-        await c.send(type="text", text="One. Two. Three. Four. ", flush=True)
+        # six sentences certain at once (the buffer keeps the last until the text after it starts), no
+        # flush: over the limit of 3 queued, so the message is refused whole
+        await c.send(type="text", text="One. Two. Three. Four. Five. Six. Seven. ")
         err = await c.recv()
         await c.send(type="text", text="Five. Six. Seven.", flush=True)
         await c.until("flushed")
