@@ -120,7 +120,10 @@ def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
     except VoiceError:
         raise
     except Exception as e:  # bad zip, bad header, unreadable member...
-        raise VoiceError("bad_embedding", f"not a readable .npy/.npz array file: {e}") from None
+        detail = str(e)
+        if re.search(r"object at 0x[0-9a-fA-F]+", detail):  # numpy's header parser quotes Python objects
+            detail = "the array header is damaged"
+        raise VoiceError("bad_embedding", f"not a readable .npy/.npz array file: {detail}") from None
     if arr.dtype.names:
         if "emb" not in arr.dtype.names:
             raise VoiceError("bad_embedding", f"structured array without an 'emb' field (fields {arr.dtype.names})")

@@ -122,6 +122,14 @@ def test_parse_embedding_refuses(case):
     assert needle in str(err.value), str(err.value)
 
 
+def test_embedding_errors_describe_the_file_not_python_objects():
+    header = b"{garbage}" + b" " * 6 + b"\n"
+    bad_header = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+    with pytest.raises(VoiceError) as e:
+        parse_embedding_file(bad_header, D)
+    assert "object at 0x" not in str(e.value) and "header is damaged" in str(e.value), e.value
+
+
 def test_compressed_npz_bomb_is_refused_before_inflating():
     data = npz(compressed=True, emb=np.zeros((MAX_EMBEDDING_ROWS + 1, D)))
     assert len(data) < 100_000  # ~16 MB of zeros in a few KB
