@@ -201,7 +201,7 @@ def test_async_reader_wakes_on_put_without_polling() -> None:
                 t = threading.Timer(0.1, ring.try_put, args=({"i": i, "t": time.perf_counter_ns()},))
                 gets_before = ring.gets
                 t.start()
-                header, _ = await asyncio.wait_for(reader.get(), timeout=5)
+                header, _ = await asyncio.wait_for(reader.get(), timeout=60)
                 latencies.append((time.perf_counter_ns() - header["t"]) / 1e3)
                 assert header["i"] == i
                 assert ring.gets - gets_before <= 3  # woken by the doorbell, not by polling the ring
@@ -283,7 +283,7 @@ def test_spawn_echo_byte_exact_and_throughput(echo, capsys: pytest.CaptureFixtur
             received += 1
             progressed = True
         if not progressed:
-            assert from_child.wait(timeout=5), "echo child stalled"
+            assert from_child.wait(timeout=60), "echo child stalled"
     elapsed = time.perf_counter() - t0
     mib = n * CHUNK_SAMPLES * 2 / (1 << 20)
     with capsys.disabled():
@@ -304,7 +304,7 @@ def test_spawn_wakeup_latency_with_async_reader(echo, capsys: pytest.CaptureFixt
                 await asyncio.sleep(0.0005)  # let the child go back to sleep on its doorbell
                 t_put = time.perf_counter_ns()
                 assert to_child.try_put({"seq": i, "t_put": t_put}, b"\x01" * 64)
-                header, payload = await asyncio.wait_for(reader.get(), timeout=5)
+                header, payload = await asyncio.wait_for(reader.get(), timeout=60)
                 t_wake = time.perf_counter_ns()
                 assert header["seq"] == i and payload == b"\x01" * 64
                 to_engine.append(header["t_rx"] - t_put)
@@ -367,9 +367,10 @@ def test_no_lost_wakeup_under_race(mode: str, monkeypatch: pytest.MonkeyPatch) -
     try:
         if mode.startswith("wait"):
             while len(got) < n:
-                t0, limit = time.monotonic(), (3 if got else 60)  # the first one waits for the child to start
+                t0, limit = time.monotonic(), (20 if got else 60)  # the first one waits for the child to start
                 woke = ring.wait(timeout=limit)
-                # The producer waits for us before each burst: a missed doorbell is a 3 s stall.
+                # The producer waits for us before each burst: a missed doorbell stalls for good (the
+                # ceiling is generous so that a loaded machine's scheduling delay is not taken for one).
                 assert woke and time.monotonic() - t0 < limit, f"lost wakeup after {len(got)} records"
                 while (rec := ring.get()) is not None:
                     got.append((rec[0]["i"], rec[1]))
@@ -379,13 +380,13 @@ def test_no_lost_wakeup_under_race(mode: str, monkeypatch: pytest.MonkeyPatch) -
                 reader = AsyncRingReader(ring)
                 try:
                     while len(got) < n:
-                        batch = await asyncio.wait_for(reader.get_batch(), timeout=3 if got else 60)
+                        batch = await asyncio.wait_for(reader.get_batch(), timeout=20 if got else 60)
                         got.extend((h["i"], p) for h, p in batch)
                 finally:
                     reader.close()
 
             asyncio.run(main())
-        proc.join(10)
+        proc.join(60)
         assert proc.exitcode == 0
     finally:
         if proc.is_alive():
@@ -426,7 +427,7 @@ from engine.ipc import ShmRing
 
 def child(spec):
     ring = ShmRing.attach(spec)
-    assert ring.wait(5)
+    assert ring.wait(60)
     assert ring.get() == ({{"hello": 1}}, b"pcm")
     ring.close()
 
@@ -473,7 +474,7 @@ def test_unrelated_process_attach_does_not_unlink(ring: ShmRing) -> None:
     assert res.returncode == 0, res.stderr
     assert res.stderr == ""
     assert _shm_exists(ring.name)
-    assert ring.wait(1) and ring.get() == ({"from": "child"}, b"abc")
+    assert ring.wait(30) and ring.get() == ({"from": "child"}, b"abc")
 
 
 # ---- the engine's lifeline: an orphan cleans up and exits (engine/lifeline.py) ---------------------------
