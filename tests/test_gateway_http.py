@@ -83,6 +83,13 @@ def test_openai_sse(server):
         ({"input": "x", "speed": 9}, 400, "bad_params"),
         ({"input": "x", "surprise": 1}, 400, "bad_params"),
         ({"input": "x", "params": {"top_p": 3}}, 400, "bad_params"),
+        # issue 17.9: the same bounds as the WebSocket's params
+        ({"input": "x", "speed": 0.01}, 400, "bad_params"),
+        ({"input": "x", "speed": True}, 400, "bad_params"),
+        ({"input": "x", "params": {"speaking_rate_bucket": 8}}, 400, "bad_params"),
+        ({"input": "x", "params": {"quality_buckets": {"nosuch": 1}}}, 400, "bad_params"),
+        ({"input": "x", "params": {"top_k": 5000}}, 400, "bad_params"),
+        ({"input": "x", "speed": 2.0, "params": {"speaking_rate_bucket": 3}}, 400, "bad_params"),
     ],
 )
 def test_openai_bad_input(server, body, status, code):
@@ -120,6 +127,11 @@ def test_tts_generate_reference_compatible(server):
         ({"text": "x", "speaker_audio_base64": "!!!"}, "bad_params"),
         ({"text": "x", "speaker_embedding_id": "nope"}, "unknown_voice"),
         ({"text": "x", "speaking_rate_enabled": True, "speaking_rate_bucket": 99}, "bad_params"),
+        ({"text": "x", "speaking_rate_enabled": True, "speaking_rate": -5}, "bad_params"),
+        ({"text": "x", "speaking_rate_enabled": True, "speed": 9.0}, "bad_params"),
+        ({"text": "x", "topk": 5000}, "bad_params"),
+        ({"text": "x", "quality_buckets": {"lufs": 99}}, "bad_params"),
+        ({"text": "x", "quality_values": {"nosuch": 1.0}}, "bad_params"),
     ],
 )
 def test_tts_generate_bad_input(server, body, code):
@@ -227,3 +239,74 @@ def test_api_keys_scope_voices(start_server):
     denied = asyncio.run(ws_try(srv.ws_url))
     assert denied["type"] == "error" and denied["code"] == "unauthorized"
     assert asyncio.run(ws_try(srv.ws_url + "?api_key=beta"))["type"] == "session.created"
+
+
+# ---- issue 17: nothing lost, nothing 500 -------------------------------------------------------------
+FRAMES = 20
+ONE = {"max_frames": FRAMES, "ignore_eos": True, "seed": 1}
+
+
+def pcm24k_samples(frames: int) -> float:
+    return frames * 512 * 24000 / 44100
+
+
+@pytest.mark.parametrize("text, utterances", [
+    ("One. Two. Three.", 3), ("Hello world. ", 1), ("Hello world.\n", 1),
+    ("Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today.", 2),
+])
+def test_openai_speech_speaks_every_sentence(server, text, utterances):
+    """Issue 17.1: only the last sentence was spoken ("One. Two. Three." gave the bytes of one), and a
+    trailing space or newline gave 400 empty_text."""
+    r = speech(server, input=text, response_format="pcm", params=ONE)
+    assert r.status_code == 200, r.text
+    assert abs(len(r.content) // 2 - pcm24k_samples(utterances * FRAMES)) <= 2
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=120,
+                      json={"input": text, "response_format": "wav", "params": ONE}) as s:
+        audio, _ = sf.read(io.BytesIO(b"".join(s.iter_bytes())))
+    assert abs(len(audio) - pcm24k_samples(utterances * FRAMES)) <= 2
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_tts_generate_speaks_every_sentence(server, stream):
+    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
+        "text": "One. Two. Three. ", "max_tokens": FRAMES, "ignore_eos": True, "stream": stream})
+    assert r.status_code == 200, r.text
+    assert len(r.content) == 3 * FRAMES * 512 * 4
+
+
+def test_openai_sse_speaks_every_sentence(server):
+    r = speech(server, input="One. Two.", response_format="pcm", stream_format="sse", params=ONE)
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert events[-1]["type"] == "speech.audio.done"
+    assert abs(len(pcm) // 2 - pcm24k_samples(2 * FRAMES)) <= 2
+
+
+@pytest.mark.parametrize("route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text")])
+def test_lone_surrogate_is_400_bad_text(server, route, field):
+    """Issue 17.6: a lone surrogate (valid JSON, no UTF-8 form) was a 500."""
+    extra = ', "response_format": "pcm"' if field == "input" else ""
+    body = '{"' + field + '": "\\ud800 hi"' + extra + "}"
+    r = httpx.post(server.url + route, content=body.encode(), headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_text", r.text
+
+
+@pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500])
+def test_multibyte_input_is_all_spoken_not_500(server, text):
+    """Issue 17.7: 600 emoji or 1500 Cyrillic letters without a space were prompt_too_long, HTTP 500.
+    They are cut into utterances by UTF-8 length and all spoken (each one is `frames` long here)."""
+    from app.text_buffer import TextBuffer
+    from tests.test_gateway_ws import utterance_budget
+
+    buf = TextBuffer(utterance_budget(server))
+    n = len(buf.append(text) + buf.flush())
+    assert n > 1
+    frames = 3
+    r = speech(server, input=text, response_format="pcm", params={"max_frames": frames, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert abs(len(r.content) // 2 - pcm24k_samples(n * frames)) <= 2
+    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
+        "text": text, "max_tokens": frames, "ignore_eos": True, "stream": False})
+    assert r.status_code == 200, r.text
+    assert len(r.content) == n * frames * 512 * 4

@@ -171,6 +171,14 @@ def test_voice_clip_in_session_config(server):
         (json.dumps({"type": "session.config", "sample_rate": 12345}), "bad_params"),
         (json.dumps({"type": "session.config", "voice_clip": "bm90IGF1ZGlv"}), "bad_audio"),
         (json.dumps([1, 2]), "bad_message"),
+        # issue 17.6: a lone surrogate is a coded error, not `internal` and a lost session
+        ('{"type": "text", "text": "\\ud800 hello."}', "bad_text"),
+        ('{"type": "text", "text": "Fine. \\udfff", "flush": true}', "bad_text"),
+        # issue 17.9: conditioning that would fail every later utterance is refused by the config
+        *((json.dumps({"type": "session.config", "params": p}), "bad_params") for p in (
+            {"speaking_rate_bucket": 8}, {"speaking_rate_bucket": -1}, {"speaking_rate": -5},
+            {"quality_buckets": {"lufs": 99}}, {"quality_buckets": {"nosuch": 1}},
+            {"quality_values": {"nosuch": 1.0}}, {"speed": 9.0}, {"speed": 0.01}, {"top_k": 5000})),
     ],
 )
 def test_bad_input_gets_clear_errors_and_session_continues(server, payload, code):
@@ -186,3 +194,65 @@ def test_bad_input_gets_clear_errors_and_session_continues(server, payload, code
     err, done = run(go())
     assert err["type"] == "error" and err["code"] == code and err["message"]
     assert done["stats"]["frames"] == 20
+
+
+def utterance_budget(server) -> int:
+    async def go():
+        async with websockets.connect(server.ws_url) as ws:
+            return json.loads(await ws.recv())["limits"]["max_utterance_bytes"]
+
+    return run(go())
+
+
+def test_abbreviations_do_not_cut_sentences(server):
+    """Issue 17.4: two utterances, not five ('Dr.', 'Smith paid $5.50 on Jan.', ...)."""
+    async def go():
+        c = await connect(server, params={"max_frames": 3, "ignore_eos": True})
+        text = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
+        for word in text.split(" "):
+            await c.send(type="text", text=word + " ")
+        await c.send(type="flush")
+        await c.until("flushed")
+        await c.ws.close()
+        return [d["text"] for d in c.log if d["type"] == "audio.start"]
+
+    assert run(go()) == ["Dr. Smith paid $5.50 on Jan. 3rd, 2026.", "He left at 5 p.m. today."]
+
+
+@pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500])
+def test_multibyte_text_is_cut_by_bytes_and_all_spoken(server, text):
+    """Issue 17.7: 600 emoji (2400 bytes) or 1500 Cyrillic letters without a space gave prompt_too_long;
+    now they are cut into utterances that fit the engine's context, and every character is spoken."""
+    budget = utterance_budget(server)
+
+    async def go():
+        c = await connect(server, params={"max_frames": 3, "ignore_eos": True})
+        await c.send(type="text", text=text, flush=True)
+        await c.until("flushed", timeout=300)
+        await c.ws.close()
+        return c.log
+
+    log = run(go())
+    assert not [d for d in log if d["type"] == "error"]
+    spoken = [d["text"] for d in log if d["type"] == "audio.start"]
+    assert "".join(spoken) == text and all(len(t.encode()) <= budget for t in spoken)
+    assert len(spoken) > 1 and sum(d["type"] == "audio.done" for d in log) == len(spoken)
+
+
+def test_close_with_a_full_queue_speaks_everything_then_closes(server):
+    """Issue 17.2: 32 queued utterances (the limit) plus unterminated text, then close: everything is
+    spoken and session.closed comes (it never came: the close's flush was refused)."""
+    n = 32  # --max-pending-utterances default
+
+    async def go():
+        c = await connect(server, params={"max_frames": 2, "ignore_eos": True})
+        await c.send(type="text", text=" ".join(f"Number {i}." for i in range(n)) + " And the rest")
+        await c.send(type="close")
+        await c.until("session.closed", timeout=300)
+        return c.log
+
+    log = run(go())
+    assert not [d for d in log if d["type"] == "error"]
+    spoken = [d["text"] for d in log if d["type"] == "audio.start"]
+    assert spoken == [f"Number {i}." for i in range(n)] + ["And the rest"]
+    assert sum(d["type"] == "audio.done" for d in log) == n + 1
