@@ -458,16 +458,22 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_segments() -> list[str]:
+def remove_stale_segments(min_age_s: float = 60.0) -> list[str]:
     """Unlink rings whose creator (the pid in their name, ``zonos-<pid>-<hex>``) no longer exists:
     what a gateway killed together with its engine and resource tracker (a process group SIGKILL)
-    leaves behind. A gateway calls it when it starts. Linux only (elsewhere: nothing to list)."""
+    leaves behind. A gateway calls it when it starts. Rings younger than ``min_age_s`` are left alone
+    (a creator in another pid namespace sharing /dev/shm looks dead, and its engine may be attaching
+    right now). Linux only (elsewhere: nothing to list)."""
     removed = []
+    now = time.time()
     with contextlib.suppress(OSError):
         for name in os.listdir(_SHM_DIR):
             m = _PREFIX_RE.match(name)
-            if m and not _pid_alive(int(m.group(1))) and unlink_segment(name):
-                removed.append(name)
+            if not m or _pid_alive(int(m.group(1))):
+                continue
+            with contextlib.suppress(OSError):
+                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(name):
+                    removed.append(name)
     return removed
 
 

@@ -543,7 +543,8 @@ def test_stale_rings_of_dead_creators_are_removed() -> None:
     stale = ShmRing.create(4096, name=f"zonos-{pid}-deadbeef")
     stale.close()
     try:
-        removed = ipc.remove_stale_segments()
+        assert f"zonos-{pid}-deadbeef" not in ipc.remove_stale_segments()  # too young: perhaps attaching now
+        removed = ipc.remove_stale_segments(min_age_s=0)
         assert f"zonos-{pid}-deadbeef" in removed and not _shm_exists(f"zonos-{pid}-deadbeef")
         assert _shm_exists(mine.name)  # a live creator's ring stays
     finally:
