@@ -36,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="frames per slot (prompt + audio); default: the model's max_seqlen, or what fits in free GPU memory")
     p.add_argument("--prefill-chunk", type=int, default=EngineSettings.prefill_chunk,
                    help="prompt frames prefilled per engine step (on a GPU at most 512, the largest captured size)")
-    p.add_argument("--dac-dtype", choices=["float32", "bfloat16"], default=EngineSettings.dac_dtype,
+    p.add_argument("--dac-dtype", choices=["auto", "float32", "bfloat16"], default=EngineSettings.dac_dtype,
                    help="DAC precision on the GPU (bfloat16: ~37 dB SNR vs float32, less GPU time per chunk)")
     p.add_argument("--max-queue", type=int, default=EngineSettings.max_queue,
                    help="requests waiting for a decode slot before new ones get queue_full")

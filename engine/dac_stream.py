@@ -83,9 +83,11 @@ class ChunkSchedule:
         frames and emits first_chunk_frames - holdback of them (time to first audio).
     chunk_frames: cap on later chunk sizes. Chunk i+1 has min(chunk_frames, max(first // 2,
         pace * frames emitted so far)) frames, so a chunk never brings more than pace x the audio
-        the client already holds: a generator running at >= pace x real time (DAC time aside)
-        never starves it.
-        Sizes depend on the schedule only, so requests stay in step and batch together.
+        the client already holds. With pace 0.5 a player that starts 150 ms after its first byte
+        never stalls while a step takes up to ~10 ms (the generator at >= 1.16x real time); pace 1
+        stalled from 9 ms and 64-frame chunks from 8 ms (a model of the player; the load where it
+        matters is the live-capacity benchmark's). Sizes depend on the schedule only, so requests
+        stay in step and batch together.
     context_frames: already-decoded frames re-fed to DAC before each chunk (left context; the
         held-back frames are part of it). Left edge effects vanish at holdback + 9.
     overlap_frames: raised-cosine cross-fade between held-back audio and its re-decode.
@@ -95,17 +97,17 @@ class ChunkSchedule:
 
     Default (`.exact` is True): hold back 9 frames with 18 of context and no cross-fade, so the
     stream equals a one-shot decode up to float rounding (~-120 dB in fp32 on CPU; on GPU the
-    rounding floor is TF32 convs ~-63 dB, bf16 ~-38 dB). Chunk sizes 12, 6, 9, 18, 32, 32...;
+    rounding floor is TF32 convs ~-63 dB, bf16 ~-38 dB). Chunk sizes 12, 6, 6, 7, 11, 16, 24, 32...;
     first audio after 20 steps (3 frames). `low_latency()` holds back 4: first audio after 16
     steps, but the worst seam frame is only ~10-12 dB below the signal (bench/dac_seams.py).
     """
 
     first_chunk_frames: int = 12
-    chunk_frames: int = 64
+    chunk_frames: int = 32
     context_frames: int = 2 * RF_FRAMES
     overlap_frames: int = 0
     lookahead_frames: int | None = RF_FRAMES
-    pace: float = 1.0
+    pace: float = 0.5
 
     def __post_init__(self) -> None:
         if self.first_chunk_frames <= 0 or self.chunk_frames <= 0:
@@ -166,7 +168,8 @@ class ChunkSchedule:
     @classmethod
     def low_latency(cls) -> ChunkSchedule:
         """First audio 4 steps earlier than the default, at the cost of small seam errors."""
-        return cls(first_chunk_frames=8, chunk_frames=32, context_frames=16, overlap_frames=4, lookahead_frames=None)
+        return cls(first_chunk_frames=8, chunk_frames=32, context_frames=16, overlap_frames=4, lookahead_frames=None,
+                   pace=1.0)
 
     @classmethod
     def reference(cls) -> ChunkSchedule:

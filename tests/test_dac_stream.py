@@ -193,7 +193,7 @@ def test_load_refuses_bad_files(codec: Codec, tmp_path):
 
 
 def test_schedule_sizes():
-    assert ChunkSchedule().sizes(7) == [12, 6, 9, 18, 36, 64, 64] and ChunkSchedule().exact
+    assert ChunkSchedule().sizes(9) == [12, 6, 6, 7, 11, 16, 24, 32, 32] and ChunkSchedule().exact
     assert ChunkSchedule.low_latency().sizes(6) == [8, 4, 8, 16, 32, 32]
     assert ChunkSchedule.reference().sizes(3) == [16, 16, 16]
     with pytest.raises(ValueError):
@@ -584,3 +584,34 @@ def test_frame_budget_bounds_each_launch(codec: Codec):
     for rid, f in frames.items():
         x = np.concatenate(out[rid])
         assert len(x) == 120 * HOP and snr_db(decode_offline(codec, f), x) > 90
+
+
+def _player_stalls(schedule: ChunkSchedule, step_ms: float, frames: int = 292, prebuffer_ms: float = 150.0,
+                   dac_ms: float = 10.0) -> list[float]:
+    """Stalls (ms) of a player that starts prebuffer_ms after the first chunk, when one frame is generated
+    every step_ms and each chunk lands dac_ms after its last frame (its 8 delayed codebooks included)."""
+    frame_ms = HOP / 44.1
+    events, planned, n = [], 0, 0
+    while planned + schedule.next_size(n, planned) + 8 <= frames:
+        planned += schedule.next_size(n, planned)
+        n += 1
+        events.append(((planned + 8) * step_ms + dac_ms, planned - schedule.holdback))
+    events.append((frames * step_ms + dac_ms, frames))
+    runs_out = events[0][0] + prebuffer_ms + events[0][1] * frame_ms
+    stalls, emitted = [], events[0][1]
+    for t, total in events[1:]:
+        if t > runs_out:
+            stalls.append(t - runs_out)
+            runs_out = t
+        runs_out += (total - emitted) * frame_ms
+        emitted = total
+    return stalls
+
+
+def test_default_schedule_feeds_a_player_until_steps_near_real_time():
+    """Chunks grow with the audio the client holds, at half its rate: a 150 ms prebuffer then covers a
+    generator running down to ~1.16x real time (10 ms per step), which is where a loaded GPU runs."""
+    for step_ms in (2.5, 5.0, 8.0, 9.5):
+        assert _player_stalls(ChunkSchedule(), step_ms) == [], step_ms
+    assert _player_stalls(ChunkSchedule(pace=1.0), 9.5)  # growing as fast as the buffer: a stall
+    assert _player_stalls(ChunkSchedule(chunk_frames=64, pace=1.0), 8.0)

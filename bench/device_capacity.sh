@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the live-capacity report: a full-size server (random weights), the
+# live-capacity benchmark with a clone per request and with a stored voice, the seed's table
+# (bench/ws_bench.py), py-spy of the engine and the gateway under load, then the GPU tests.
+# At most 8 files come back, so everything goes into these under $OUT:
+#   run.log, capacity_clone.json, capacity_voice.json, ws_bench.json, pyspy_engine.txt, pyspy_gateway.txt,
+#   server.log (its tail), gpu_tests.log
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
+exec > >(tee "$OUT/run.log") 2>&1
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
+python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
+  > /tmp/server.log 2>&1 &
+server=$!
+for _ in $(seq 300); do curl -sf localhost:8000/readyz > /dev/null && break; sleep 1; done
+curl -s localhost:8000/readyz | head -c 800; echo
+grep -E "captured|KV cache|warmed" /tmp/server.log
+CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
+timeout 200 $CAP --levels ${LEVELS:-48 64 96 128 160} --out "$OUT/capacity_clone.json"
+timeout 90 $CAP --levels ${VOICE_LEVELS:-96 128} --voice bench-voice --out "$OUT/capacity_voice.json"
+# the profiled level: engine and gateway threads, and the gateway's CPU share
+epid=$(curl -s localhost:8000/readyz | python3 -c "import json,sys; print(json.load(sys.stdin)['engine']['pid'])")
+$CAP --levels ${PROFILE_LEVEL:-128} --duration 14 --out /tmp/prof.json > /tmp/prof.log 2>&1 &
+bench=$!
+sleep 8
+t0=$(awk '{print $14+$15}' /proc/$server/stat)
+py-spy record --format raw --nonblocking -d 8 -p "$epid" -o "$OUT/pyspy_engine.txt" > /dev/null 2>&1 &
+spy=$!
+py-spy record --format raw --nonblocking -d 8 -p "$server" -o "$OUT/pyspy_gateway.txt" > /dev/null 2>&1
+wait $spy
+t1=$(awk '{print $14+$15}' /proc/$server/stat)
+echo "gateway CPU over the profiled 8 s at level ${PROFILE_LEVEL:-128}: $(( (t1 - t0) * 100 / $(getconf CLK_TCK) / 8 )) % of a core"
+wait $bench
+tail -4 /tmp/prof.log
+timeout 150 python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} --json "$OUT/ws_bench.json"
+curl -s localhost:8000/metrics | grep -E "^zonos_engine"
+kill $server; sleep 3
+grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done" /tmp/server.log | tail -40 > "$OUT/server.log"
+timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
+  tests/test_prefill_attention.py tests/test_fused_router.py > "$OUT/gpu_tests.log" 2>&1
+tail -25 "$OUT/gpu_tests.log"
