@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -15,20 +17,37 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from app.audio_formats import FORMATS, OPUS_RATES, encode_file, wav_stream_header
+from app.audio_formats import FORMAT_ALIASES, FORMATS, G711, OPUS_RATES, StreamEncoder
 from app.auth import require_key
 from app.gateway import Gateway
 from app.json_input import parse_json_object
 from app.pipeline import speak
-from app.synthesis import PcmEncoder, RequestError, SynthesisOptions, check_text, parse_options
+from app.synthesis import (
+    ENCODINGS,
+    G711_RATE,
+    OUTPUT_RATES,
+    PARAM_KEYS,
+    PcmEncoder,
+    RequestError,
+    SynthesisOptions,
+    check_text,
+    parse_options,
+)
 from app.voices import Voice, parse_embedding_file, slerp
+from engine.config import preset_params
 from engine.textnorm import SUPPORTED_LANGUAGES
 
-OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
+# the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
+RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}
 
 
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse({"error": {"code": e.code, "message": str(e)}}, status_code=e.status)
+def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
+    """Every HTTP error: {"error": {"code", "message"}}. The reference server's routes (/tts/...) add
+    `detail` (the same message), which is where the reference's web UI looks for it."""
+    body: dict[str, Any] = {"error": {"code": e.code, "message": str(e)}}
+    if detail:
+        body["detail"] = str(e)
+    return JSONResponse(body, status_code=e.status)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -79,100 +98,152 @@ async def collect(pcm: AsyncIterator[np.ndarray]) -> np.ndarray:
 
 
 # ---- OpenAI-compatible ------------------------------------------------------------------------------
+# Every built-in voice name OpenAI's API lists (its SDK's `voice` literal). Each one is a library voice of
+# that name (any case: put `marin.wav` in --default-voices-dir, or clone a voice named "marin"), or else
+# the model's own unconditioned voice.
+OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
+                           "verse", "marin", "cedar"})
 _OPENAI_FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format", "instructions", "stream",
                   "params", "sample_rate"}
+# the reference server's speaker fields (its /tts/generate and /v1/audio/speech take them)
+SPEAKER_FIELDS = {"speaker_audio_base64", "speaker_audio_name", "speaker_embedding_base64", "speaker_embedding_name",
+                  "speaker_embedding_id", "speaker_blend_embedding_id_a", "speaker_blend_embedding_id_b",
+                  "speaker_blend_t", "speaker_wav_base64"}
+# What /v1/audio/speech takes besides OpenAI's fields: the reference's extras (`speaking_rate_enabled` and
+# the speaker fields) and every key of `params` at the top level (`extra_body={"seed": 3}`).
+_SPEECH_FIELDS = _OPENAI_FIELDS | SPEAKER_FIELDS | PARAM_KEYS | {"speaking_rate_enabled"}
+_RATE_KEYS = ("speed", "speaking_rate", "speaking_rate_bucket")
+
+
+def speech_params(gw: Gateway, data: dict[str, Any]) -> dict[str, Any]:
+    """`params` with the top-level parameter fields merged in (the same key in both places must agree).
+    `speed` is OpenAI's: 1.0 is "not set"; other values need a model with speaking-rate buckets (without
+    them, as the reference, it is checked and ignored). `speaking_rate_enabled: false` (the reference's
+    switch) drops the top-level rate fields, as the reference does; left out, they apply."""
+    params = data.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise RequestError("bad_params", "params must be an object")
+    params = dict(params or {})
+    top = {k: data[k] for k in PARAM_KEYS if k in data}
+    enabled = data.get("speaking_rate_enabled")
+    if enabled is not None and not isinstance(enabled, bool):
+        raise RequestError("bad_params", "speaking_rate_enabled must be true or false")
+    if enabled is False:
+        for k in _RATE_KEYS:
+            top.pop(k, None)
+    if "speed" in top:
+        speed = top.pop("speed")
+        if speed != 1.0 or isinstance(speed, bool):
+            parse_options({"speed": speed}, gw.settings.limits.max_frames)  # every API's bounds
+            if gw.cfg.speaking_rate_buckets:
+                top["speed"] = speed
+    for k, v in top.items():
+        if k in params and params[k] != v:
+            raise RequestError("bad_params", f"{k} is given twice, at the top level and in params, with different values")
+        params[k] = v
+    return params
+
+
+def openai_voice(gw: Gateway, ref: Any, owner: str) -> Voice | None:
+    """`voice`: a library voice (id or name), an OpenAI name, or OpenAI's custom-voice object {"id": ...}."""
+    if isinstance(ref, dict) and set(ref) == {"id"}:
+        ref = ref["id"]
+    if ref is None or ref == "":
+        return None
+    if not isinstance(ref, str):
+        raise RequestError("bad_params", 'voice must be a voice name or id (or {"id": ...})')
+    try:
+        return gw.resolve_voice(ref, owner)
+    except RequestError:
+        if ref.lower() not in OPENAI_VOICES:
+            raise
+    named = [v for v in gw.voices.list(owner) if v.name.lower() == ref.lower()]
+    return named[0] if named else None  # the model's own voice
 
 
 async def openai_speech(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     try:
         key = require_key(request)
-        data = await read_json(request, gw.settings.limits.max_upload_bytes)
-        unknown = sorted(set(data) - _OPENAI_FIELDS)
+        owner = gw.owner_of(key)
+        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+        unknown = sorted(set(data) - _SPEECH_FIELDS)
         if unknown:
             raise RequestError("bad_params", f"unknown fields {unknown}")
         text = http_text(data, "input", gw.settings.limits.max_http_chars)
         fmt = data.get("response_format", "mp3")
+        fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
         if not isinstance(fmt, str) or fmt not in FORMATS:
             raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
-        rate = data.get("sample_rate", 24000)
-        if (isinstance(rate, bool) or rate not in (44100, 24000, 16000, 8000)
-                or (fmt == "opus" and rate not in OPUS_RATES)):
-            raise RequestError("bad_params", "sample_rate must be 24000 (OpenAI), 44100, 16000 or 8000")
+        rate = data.get("sample_rate", G711_RATE if fmt in G711 else 24000)
+        if isinstance(rate, bool) or rate not in OUTPUT_RATES or (fmt == "opus" and rate not in OPUS_RATES):
+            allowed = [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES]
+            raise RequestError("bad_params", f"sample_rate must be one of {allowed} for {fmt} "
+                               "(default 24000 as OpenAI; 8000 for mulaw and alaw)")
         rate = int(rate)
         stream_format = data.get("stream_format", "audio")
         if stream_format not in ("audio", "sse"):
             raise RequestError("bad_params", "stream_format must be 'audio' or 'sse'")
-        if stream_format == "sse" and fmt != "pcm":
-            raise RequestError("bad_params", "stream_format 'sse' streams pcm; set response_format to 'pcm'")
+        if "instructions" in data and not isinstance(data["instructions"], str | None):
+            raise RequestError("bad_params", "instructions must be a string")  # accepted; the model takes none
         # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
         base = SynthesisOptions()
         base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0
-        params = data.get("params")
-        speed = data.get("speed", 1.0)
-        if speed != 1.0 or isinstance(speed, bool):  # checked with every API's bounds, by parse_options
-            parse_options({"speed": speed}, gw.settings.limits.max_frames)
-            if gw.cfg.speaking_rate_buckets and (params is None or isinstance(params, dict)):
-                params = {**(params or {}), "speed": speed}  # ignored by a model without rate buckets, as OpenAI
-        opts = parse_options(params, gw.settings.limits.max_frames, base, cfg=gw.cfg)
-        voice = None
+        base.sampling.repetition_codebooks = -1
+        opts = parse_options(speech_params(gw, data), gw.settings.limits.max_frames, base, cfg=gw.cfg)
+        speaker = await speaker_source(gw, data, owner)
         ref = data.get("voice")
-        if ref is not None:
-            if not isinstance(ref, str):
-                raise RequestError("bad_params", "voice must be a string")
-            try:
-                voice = gw.resolve_voice(ref, gw.owner_of(key))
-            except RequestError:
-                if ref.lower() not in OPENAI_VOICES:
-                    raise
-                voice = None  # OpenAI's built-in names map to the model's own (unconditioned) voice
+        if speaker is not None:
+            if isinstance(ref, str) and ref and ref.lower() not in OPENAI_VOICES:
+                raise RequestError("bad_params", "give a voice or the speaker_* fields, not both")
+            voice = speaker
+        else:
+            voice = openai_voice(gw, ref, owner)
     except RequestError as e:
         return error_response(e)
 
-    encoder = PcmEncoder("pcm_s16le", rate)
+    pcm = PcmEncoder("pcm_f32le", rate)  # the resampler: 44.1 kHz int16 from the engine -> float32 at `rate`
+    out = StreamEncoder(fmt, rate)
     media = FORMATS[fmt][0]
     headers = {"X-Audio-Sample-Rate": str(rate), "X-Audio-Channels": "1"}
+    if fmt in RAW_SAMPLE_FORMATS:
+        headers["X-Audio-Format"] = RAW_SAMPLE_FORMATS[fmt]
     speech = speak(gw, "openai", text, opts, voice, None)
     try:
         chunks = await first_chunk(speech)
     except RequestError as e:
         return error_response(e)
+    sse = stream_format == "sse"
+    # libsndfile's encoders (flac, mp3, opus) take a worker thread; raw samples are encoded in place
+    threaded = fmt in ("flac", "mp3", "opus")
 
-    if FORMATS[fmt][3]:
-        async def body() -> AsyncIterator[bytes]:
-            if fmt == "wav":
-                yield wav_stream_header(rate)
-            try:
-                async for x in chunks:
-                    data = encoder.encode(x)
-                    if stream_format == "sse":
-                        yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-                    elif data:
-                        yield data
-            except RequestError as e:
-                if stream_format != "sse":
-                    raise  # the response is cut off, not ended as if complete
-                yield _sse({"type": "error", "error": {"code": e.code, "message": str(e)}})
-                return
-            tail = encoder.encode(np.zeros(0, np.int16), last=True)
-            if stream_format == "sse":
-                if tail:
-                    yield _sse({"type": "speech.audio.delta", "audio": base64.b64encode(tail).decode()})
-                yield _sse({"type": "speech.audio.done", "usage": {"input_tokens": len(text), "output_tokens": 0,
-                                                                    "total_tokens": len(text)}})
-            elif tail:
-                yield tail
+    async def encode(x: np.ndarray) -> bytes:
+        return await asyncio.to_thread(out.write, x) if threaded else out.write(x)
 
-        return StreamingResponse(body(), media_type="text/event-stream" if stream_format == "sse" else media,
-                                 headers=headers, background=BackgroundTask(speech.aclose))
-    try:
-        audio = await collect(chunks)
-    except RequestError as e:
-        return error_response(e)
-    finally:
-        await speech.aclose()
-    samples = np.concatenate([encoder.float32(audio), encoder.float32(np.zeros(0, np.int16), last=True)])
-    return Response(await asyncio.to_thread(encode_file, samples, rate, fmt), media_type=media, headers=headers)
+    def frame(data: bytes) -> bytes:
+        return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}) if sse else data
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for x in chunks:
+                data = await encode(pcm.float32(x))
+                if data:
+                    yield frame(data)
+        except RequestError as e:
+            if not sse:
+                raise  # the response is cut off, not ended as if complete
+            yield _sse({"type": "error", "error": {"code": e.code, "message": str(e)}})
+            return
+        tail = await encode(pcm.float32(np.zeros(0, np.int16), last=True))
+        tail += await asyncio.to_thread(out.close) if threaded else out.close()
+        if tail:
+            yield frame(tail)
+        if sse:
+            yield _sse({"type": "speech.audio.done", "usage": {"input_tokens": len(text), "output_tokens": 0,
+                                                                "total_tokens": len(text)}})
+
+    return StreamingResponse(body(), media_type="text/event-stream" if sse else media, headers=headers,
+                             background=BackgroundTask(speech.aclose))
 
 
 def _sse(obj: dict[str, Any]) -> bytes:
@@ -190,7 +261,7 @@ _GENERATE_FIELDS = {
 }
 
 
-def _b64(value: Any, name: str) -> bytes:
+def b64_field(value: Any, name: str) -> bytes:
     try:
         return base64.b64decode(str(value).split(",", 1)[-1], validate=True)
     except (binascii.Error, ValueError):
@@ -238,7 +309,12 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
     opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
+    return opts, await speaker_source(gw, data, owner), None
 
+
+async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice | None:
+    """The reference's speaker fields: one of a clip, an embedding file (base64 or data: URLs), a voice id
+    (`speaker_embedding_id`: any voice of the library, defaults included) or a blend of two; None if none."""
     audio_b64 = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
     emb_b64 = data.get("speaker_embedding_base64")
     vid = data.get("speaker_embedding_id")
@@ -246,26 +322,25 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
     modes = sum([bool(audio_b64), bool(emb_b64), bool(vid), any(blend)])
     if modes > 1:
         raise RequestError("bad_params", "use one speaker source: audio, embedding, speaker_embedding_id or a blend")
-    voice, clip = None, None
     if audio_b64:
-        voice = await gw.embed_clip(_b64(audio_b64, "speaker_audio_base64"), owner)
-    elif emb_b64:
-        emb = parse_embedding_file(_b64(emb_b64, "speaker_embedding_base64"), gw.cfg.speaker_embedding_dim)
-        voice = Voice(id="inline", name="inline", owner=owner, source="embedding", dim=len(emb), embedding=emb)
-    elif vid:
-        voice = gw.resolve_voice(str(vid), owner)
-    elif any(blend):
+        return await gw.embed_clip(b64_field(audio_b64, "speaker_audio_base64"), owner)
+    if emb_b64:
+        emb = parse_embedding_file(b64_field(emb_b64, "speaker_embedding_base64"), gw.cfg.speaker_embedding_dim)
+        return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=len(emb), embedding=emb)
+    if vid:
+        return gw.resolve_voice(str(vid), owner)
+    if any(blend):
         if not all(blend):
             raise RequestError("bad_params", "a blend needs both speaker_blend_embedding_id_a and _b")
         t = data.get("speaker_blend_t")
         t = 0.5 if t is None else t
-        if not isinstance(t, int | float) or not 0 <= t <= 1:
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
             raise RequestError("bad_params", "speaker_blend_t must be in [0, 1]")
         a, b = (gw.resolve_voice(str(x), owner) for x in blend)
         assert a is not None and b is not None and a.embedding is not None and b.embedding is not None
         emb = slerp(a.embedding, b.embedding, float(t))
-        voice = Voice(id="blend", name="blend", owner=owner, source="blend", dim=len(emb), embedding=emb)
-    return opts, voice, clip
+        return Voice(id="blend", name="blend", owner=owner, source="blend", dim=len(emb), embedding=emb)
+    return None
 
 
 async def tts_generate(request: Request) -> Response:
@@ -279,13 +354,13 @@ async def tts_generate(request: Request) -> Response:
             raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
         opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     except RequestError as e:
-        return error_response(e)
+        return error_response(e, detail=True)
     speech = speak(gw, "tts_generate", text, opts, voice, clip)
     headers = {"X-Audio-Sample-Rate": "44100", "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
     try:
         chunks = await first_chunk(speech)
     except RequestError as e:
-        return error_response(e)
+        return error_response(e, detail=True)
     fade_n = int(44100 * fade_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
@@ -307,7 +382,7 @@ async def tts_generate(request: Request) -> Response:
     try:
         body = b"".join([b async for b in floats()])
     except RequestError as e:
-        return error_response(e)
+        return error_response(e, detail=True)
     finally:
         await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)
@@ -333,11 +408,39 @@ async def metrics(request: Request) -> Response:
     return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+@functools.cache
+def _quality_dropout(model_path: str | None, preset: str) -> dict[str, float]:
+    """The training dropout of each quality feature, from the checkpoint's params (the reference's UI shows
+    it next to the feature's "Off" choice); Zonos2Config keeps only what inference needs."""
+    try:
+        if model_path:
+            path = Path(model_path)
+            if path.is_dir():
+                path = next((path / n for n in ("params.json", "config.json") if (path / n).exists()), path)
+            raw = json.loads(path.read_text()).get("quality_dropout")
+        else:
+            raw = preset_params(preset).get("quality_dropout")
+    except (OSError, ValueError):
+        raw = None
+    return raw if isinstance(raw, dict) else {}
+
+
+def quality_dropout(gw: Gateway) -> dict[str, float]:
+    raw = _quality_dropout(gw.settings.weights.model_path and str(gw.settings.weights.model_path),
+                           gw.settings.weights.random_preset)
+    default = raw.get("default", 0.0)
+    out = {}
+    for f in gw.cfg.quality_features:
+        v = raw.get(f, default)
+        out[f] = float(v) if isinstance(v, int | float) else 0.0
+    return out
+
+
 async def capabilities(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     cfg = gw.cfg
     return JSONResponse({
-        "text_normalization_enabled": gw.settings.text_normalization,
+        "text_normalization_enabled": gw.normalizer is not None and gw.normalizer.available,
         "text_norm_languages": list(SUPPORTED_LANGUAGES),
         "speaker_enabled": cfg.speaker_enabled,
         "speaker_embedding_dim": cfg.speaker_embedding_dim,
@@ -347,8 +450,10 @@ async def capabilities(request: Request) -> Response:
         "speaking_rate_num_buckets": len(cfg.speaking_rate_buckets),
         "speaking_rate_buckets": list(cfg.speaking_rate_buckets),
         "quality_enabled": bool(cfg.quality_features),
+        "quality_num_buckets": cfg.n_quality_tokens,
         "quality_features": list(cfg.quality_features),
         "quality_buckets": {k: list(v) for k, v in cfg.quality_buckets.items()},
+        "quality_dropout_by_feature": quality_dropout(gw),
         "default_quality_buckets": {"trailing_silence_s": 3},
         "speaker_background_token_enabled": cfg.background_token,
         "accurate_mode_token_enabled": cfg.accurate_token and cfg.background_token,
@@ -357,8 +462,8 @@ async def capabilities(request: Request) -> Response:
         "speaker_embedding_cache": True,
         "speaker_embedding_blend": True,
         "default_voices_enabled": gw.settings.default_voices_dir is not None,
-        "output": {"native_sample_rate": 44100, "ws_encodings": ["pcm_s16le", "pcm_f32le"],
-                   "ws_sample_rates": [44100, 24000, 16000, 8000], "http_formats": sorted(FORMATS)},
+        "output": {"native_sample_rate": 44100, "ws_encodings": list(ENCODINGS),
+                   "ws_sample_rates": list(OUTPUT_RATES), "http_formats": sorted(FORMATS)},
     })
 
 

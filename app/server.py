@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
+import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
+from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -17,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import http_api, voices_api
 from app.auth import authorized, install_log_redaction, require_key
@@ -26,7 +31,16 @@ from app.synthesis import RequestError
 from app.ws import websocket_endpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-templates = Jinja2Templates(directory=str(ROOT / "templates"))
+
+
+def web_dir(name: str) -> Path:
+    """The demo page's `templates` / `static`: package data next to this module once installed
+    (pyproject.toml maps them into the `app` package), the repository's top-level folders in a checkout."""
+    installed = Path(__file__).resolve().parent / name
+    return installed if installed.is_dir() else ROOT / name
+
+
+templates = Jinja2Templates(directory=str(web_dir("templates")))
 
 
 async def index(request: Request) -> Response:
@@ -106,6 +120,62 @@ class JsonCORSMiddleware(CORSMiddleware):
                           headers)
 
 
+# ---- CORS (with --cors-origin): the request headers browser clients send ------------------------------------
+CORS_ALLOW_HEADERS = [
+    "Authorization", "X-API-Key", "Content-Type", "Accept", "X-Request-ID",
+    "X-TTS-Session-ID",  # the ZONOS2 reference web UI, on every speaker and generate call
+    # the OpenAI JavaScript SDK (dangerouslyAllowBrowser) and other Stainless-generated clients
+    "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta", "X-Stainless-Lang", "X-Stainless-Package-Version",
+    "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
+    "X-Stainless-Retry-Count", "X-Stainless-Timeout", "X-Stainless-Read-Timeout", "X-Stainless-Async",
+    "X-Stainless-Helper-Method", "X-Stainless-Raw-Response",
+]
+CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format", "X-Request-ID"]
+
+
+# ---- X-Request-ID ------------------------------------------------------------------------------------------
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
+access_log = logging.getLogger("gateway.requests")
+
+
+class RequestIdMiddleware:
+    """Every HTTP response and WebSocket handshake carries `X-Request-ID`: the client's own when it sent a
+    plausible one (1-128 URL-safe characters), else a new `req_<24 hex>`. One log line per request names
+    it (method, path without the query, status, duration), so a client's report finds the server's line."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        rid = given if _REQUEST_ID_OK.match(given) else "req_" + secrets.token_hex(12)
+        scope.setdefault("state", {})["request_id"] = rid
+        t0 = time.perf_counter()
+        status: int | str = "-"
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                MutableHeaders(scope=message).append("X-Request-ID", rid)
+            elif message["type"] == "websocket.accept":
+                status = 101
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            elif message["type"] == "websocket.close" and status == "-":
+                status = 403  # closed before the handshake completed
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            method = scope.get("method", "WS")
+            access_log.info("%s %s %s %s %.1f ms", rid, method, scope.get("path", ""), status,
+                            (time.perf_counter() - t0) * 1e3)
+
+
 def create_app(settings: GatewaySettings) -> Starlette:
     install_log_redaction()
     gateway = Gateway(settings)
@@ -129,6 +199,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/tts/capabilities", http_api.capabilities),
         Route("/v1/audio/speech", http_api.openai_speech, methods=["POST"]),
         Route("/tts/generate", http_api.tts_generate, methods=["POST"]),
+        Route("/tts/speakers", voices_api.tts_list_speakers, methods=["GET"]),
+        Route("/tts/speakers", voices_api.tts_cache_speaker, methods=["POST"]),
+        Route("/tts/speakers/{speaker}/preview", voices_api.tts_speaker_preview, methods=["GET"]),
         Route("/v1/voices", voices_api.list_voices, methods=["GET"]),
         Route("/v1/voices", voices_api.create_voice, methods=["POST"]),
         Route("/v1/voices/blend", voices_api.blend_voices, methods=["POST"]),
@@ -136,14 +209,13 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/voices/{voice}/embedding", voices_api.voice_embedding),
         Route("/v1/voices/{voice}/preview", voices_api.voice_preview),
         WebSocketRoute("/v1/tts/ws", websocket_endpoint),
-        Mount("/static", StaticFiles(directory=str(ROOT / "static")), name="static"),
+        Mount("/static", StaticFiles(directory=str(web_dir("static"))), name="static"),
     ]
-    middleware = []
+    middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id
     if settings.cors_origins:
         middleware.append(Middleware(
             JsonCORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],
-            allow_headers=["Authorization", "X-API-Key", "Content-Type"],
-            expose_headers=["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format"],
+            allow_headers=CORS_ALLOW_HEADERS, expose_headers=CORS_EXPOSE_HEADERS,
         ))
     handlers = {RequestError: request_error, HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)

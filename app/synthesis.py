@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import soxr
 
+from app.audio_formats import G711, g711_encode
 from engine.config import Zonos2Config, preset_params
 from engine.messages import SubmitRequest
 from engine.prompt import Conditioning, PromptBuilder, PromptError
@@ -19,13 +20,29 @@ from engine.textnorm import TextNormalizer, normalize_language
 
 NATIVE_RATE = 44100
 OUTPUT_RATES = (44100, 24000, 16000, 8000)
-ENCODINGS = ("pcm_s16le", "pcm_f32le")
+# G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is usually wanted at 8000 Hz: a client
+# that names one of them without a sample rate gets 8000 (`default_rate`).
+ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
+G711_RATE = 8000
 
 
 class RequestError(ValueError):
     def __init__(self, code: str, message: str, status: int = 400) -> None:
         super().__init__(message)
         self.code, self.status = code, status
+
+
+def check_encoding(encoding: object) -> str:
+    """A client's encoding name (`ulaw` is accepted for `mulaw`), or bad_params."""
+    encoding = "mulaw" if encoding == "ulaw" else encoding
+    if encoding not in ENCODINGS:
+        raise RequestError("bad_params", f"encoding must be one of {list(ENCODINGS)}")
+    return str(encoding)
+
+
+def default_rate(encoding: str, current: int = NATIVE_RATE) -> int:
+    """The sample rate a client gets when it names an encoding and no rate: 8000 for G.711."""
+    return G711_RATE if encoding in G711 else current
 
 
 def check_text(text: str, name: str = "text") -> str:
@@ -229,8 +246,7 @@ class PcmEncoder:
     Resampling runs through soxr's streaming resampler, so chunk boundaries leave no seams."""
 
     def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE) -> None:
-        if encoding not in ENCODINGS:
-            raise RequestError("bad_params", f"encoding must be one of {ENCODINGS}")
+        encoding = check_encoding(encoding)
         if sample_rate not in OUTPUT_RATES:
             raise RequestError("bad_params", f"sample_rate must be one of {OUTPUT_RATES}")
         self.encoding, self.sample_rate = encoding, sample_rate
@@ -251,8 +267,10 @@ class PcmEncoder:
         x = self.float32(pcm16, last)
         if self.encoding == "pcm_f32le":
             return x.astype("<f4", copy=False).tobytes()
+        if self.encoding in G711:
+            return g711_encode(x, self.encoding)
         return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
 
     @property
     def bytes_per_sample(self) -> int:
-        return 2 if self.encoding == "pcm_s16le" else 4
+        return {"pcm_s16le": 2, "pcm_f32le": 4}.get(self.encoding, 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import re
+from dataclasses import dataclass
 
 import numpy as np
 from starlette.datastructures import UploadFile
@@ -12,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.auth import require_key
 from app.gateway import Gateway, wav_bytes
-from app.http_api import read_json
+from app.http_api import b64_field, error_response, read_json
 from app.synthesis import RequestError
 from app.voices import Voice, VoiceStore, parse_embedding_file, slerp, validate_name
 
@@ -55,25 +56,63 @@ async def create_voice(request: Request) -> Response:
     filename = (clips[0].filename if clips else emb_file.filename) or ""  # type: ignore[union-attr]
     name = validate_name(str(name_field) if name_field else _name_from_filename(filename))
     if clips:
-        vid = VoiceStore.clip_id(owner, datas)
-        existing = gw.voices.find(vid)
-        if existing is not None:
-            return JSONResponse(existing.public() | {"deduplicated": True}, status_code=200)
-        decoded = [await gw.decode_clip(d) for d in datas]
-        embs = [await gw.embed_samples(s, sr) for s, sr in decoded]
-        voice = Voice(id=vid, name=name, owner=owner, source="clip" if len(embs) == 1 else "clips",
-                      dim=gw.cfg.speaker_embedding_dim,
-                      details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)})
-        gw.voices.add(voice, np.mean(embs, axis=0), wav_bytes(*decoded[0]))
+        stored = await store_clips(gw, owner, datas, name, rename=bool(name_field))
     else:
         data = await emb_file.read()  # type: ignore[union-attr]
         if len(data) > lim.max_upload_bytes:
             raise RequestError("upload_too_large", "embedding file too large", 413)
-        emb = parse_embedding_file(data, gw.cfg.speaker_embedding_dim)
-        vid = VoiceStore.clip_id(owner, [emb.tobytes()])
-        voice = Voice(id=vid, name=name, owner=owner, source="embedding", dim=len(emb))
-        gw.voices.add(voice, emb)
-    return JSONResponse(voice.public(), status_code=201)
+        stored = store_embedding(gw, owner, data, name, rename=bool(name_field))
+    return JSONResponse(stored.public(), status_code=201 if stored.created else 200)
+
+
+@dataclass
+class Stored:
+    voice: Voice
+    created: bool  # False: these clips (or this array) were a voice already
+    renamed_from: str | None = None  # ... which had this other name
+
+    def public(self) -> dict:
+        extra = {} if self.created else {"deduplicated": True}
+        return self.voice.public() | extra | ({"renamed_from": self.renamed_from} if self.renamed_from else {})
+
+
+def _dedup(gw: Gateway, existing: Voice, owner: str, name: str, rename: bool) -> Stored:
+    """The same clip (or embedding) again is the voice it already is. Under another name given explicitly,
+    that voice takes the new name, and the answer says what it was called (`renamed_from`)."""
+    if rename and name != existing.name and existing.owner == owner and existing.source != "default":
+        old = existing.name
+        return Stored(gw.voices.rename(existing.id, owner, name), False, old)
+    return Stored(existing, False)
+
+
+async def store_clips(gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True,
+                      details: dict | None = None) -> Stored:
+    """Clips -> a library voice (their embeddings averaged), or the voice these same clips already are."""
+    vid = VoiceStore.clip_id(owner, datas)
+    existing = gw.voices.find(vid)
+    if existing is not None:
+        return _dedup(gw, existing, owner, name, rename)
+    decoded = [await gw.decode_clip(d) for d in datas]
+    embs = [await gw.embed_samples(s, sr) for s, sr in decoded]
+    voice = Voice(id=vid, name=name, owner=owner, source="clip" if len(embs) == 1 else "clips",
+                  dim=gw.cfg.speaker_embedding_dim,
+                  details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)}
+                  | (details or {}))
+    gw.voices.add(voice, np.mean(embs, axis=0), wav_bytes(*decoded[0]))
+    return Stored(voice, True)
+
+
+def store_embedding(gw: Gateway, owner: str, data: bytes, name: str, rename: bool = True,
+                    details: dict | None = None) -> Stored:
+    """A .npy/.npz embedding file -> a library voice (the same array twice: the same voice)."""
+    emb = parse_embedding_file(data, gw.cfg.speaker_embedding_dim)
+    vid = VoiceStore.clip_id(owner, [emb.tobytes()])
+    existing = gw.voices.find(vid)
+    if existing is not None:
+        return _dedup(gw, existing, owner, name, rename)
+    voice = Voice(id=vid, name=name, owner=owner, source="embedding", dim=len(emb), details=details or {})
+    gw.voices.add(voice, emb)
+    return Stored(voice, True)
 
 
 async def blend_voices(request: Request) -> Response:
@@ -132,4 +171,109 @@ async def voice_preview(request: Request) -> Response:
     data = gw.voices.preview_bytes(v)
     if data is None:
         raise RequestError("no_preview", "this voice has no reference audio", 404)
+    return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})
+
+
+# ---- the ZONOS2 reference server's speaker routes (/tts/speakers), over the voice library ------------------
+# Same request and answer shapes as the reference, so its web UI can upload, list, preview and blend. Its
+# speakers live in one browser session's memory (the client-chosen X-TTS-Session-ID); here an upload is a
+# library voice like any other (kept on disk, visible to the same API key, usable by every API), which
+# remembers the session that uploaded it: `scope` is "session" for that session, "library" otherwise.
+SESSION_HEADER = "x-tts-session-id"
+_SPEAKER_UPLOAD_FIELDS = {"label", "speaker_audio_base64", "speaker_wav_base64", "speaker_audio_name",
+                          "speaker_embedding_base64", "speaker_embedding_name"}
+_SOURCE_TYPES = {"clip": "audio", "clips": "audio", "embedding": "embedding_file", "blend": "blend"}
+
+
+def _tts_session(request: Request, required: bool) -> str | None:
+    sid = request.headers.get(SESSION_HEADER, "").strip()[:128]
+    if not sid and required:
+        raise RequestError("missing_session", "Cached speaker operations require the X-TTS-Session-ID header.")
+    return sid or None
+
+
+def _label(text: str) -> str:
+    """A label (any text) as a voice name: characters that names cannot hold become '_'."""
+    return re.sub(r"[^\w .,'()+&\-]", "_", text).strip()[:64].strip()
+
+
+def speaker_record(v: Voice, session: str | None) -> dict:
+    """A voice in the reference's speaker shape."""
+    d = {"id": v.id, "label": v.name,
+         "source_type": ("audio" if v.has_preview else "embedding_file") if v.source == "default"
+         else _SOURCE_TYPES.get(v.source, v.source),
+         "original_name": v.details.get("original_name") or v.details.get("file"),
+         "dimension": v.dim, "created_at": v.created_at, "has_preview": v.has_preview}
+    if v.source == "default":
+        return d | {"scope": "default", "is_default": True}
+    mine = session is not None and v.details.get("tts_session") == session
+    return d | {"scope": "session" if mine else "library", "is_default": False}
+
+
+async def tts_list_speakers(request: Request) -> Response:
+    """The default voices (by label), then the caller's library voices, newest first."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        sid = _tts_session(request, required=False)
+    except RequestError as e:
+        return error_response(e, detail=True)
+    voices = gw.voices.list(owner)
+    defaults = sorted((v for v in voices if v.source == "default"), key=lambda v: v.name.lower())
+    others = [v for v in voices if v.source != "default"]
+    return JSONResponse({"speakers": [speaker_record(v, sid) for v in defaults + others]})
+
+
+async def tts_cache_speaker(request: Request) -> Response:
+    """JSON {label?, speaker_audio_base64 | speaker_wav_base64, speaker_audio_name?} or
+    {label?, speaker_embedding_base64, speaker_embedding_name?}; base64 or data: URLs."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        sid = _tts_session(request, required=True)
+        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+        unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
+        if unknown:
+            raise RequestError("bad_params", f"unknown fields {unknown}")
+        audio = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
+        emb = data.get("speaker_embedding_base64")
+        if not audio and not emb:
+            raise RequestError("bad_params", "Provide an audio file or saved embedding file to cache.")
+        if audio and emb:
+            raise RequestError("bad_params", "Provide either a reference audio file or a saved embedding file, not both.")
+        file_name = data.get("speaker_audio_name" if audio else "speaker_embedding_name")
+        file_name = str(file_name) if file_name else None
+        label = _label(str(data.get("label") or ""))
+        name = label or (_name_from_filename(file_name) if file_name else "") or (
+            "Speaker audio" if audio else "Speaker embedding")
+        details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
+        if audio:
+            raw = b64_field(audio, "speaker_audio_base64")
+            stored = await store_clips(gw, owner, [raw], name, rename=bool(label), details=details)
+        else:
+            raw = b64_field(emb, "speaker_embedding_base64")
+            if len(raw) > gw.settings.limits.max_upload_bytes:
+                raise RequestError("upload_too_large", "embedding file too large", 413)
+            stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
+    except RequestError as e:
+        return error_response(e, detail=True)
+    extra = {} if stored.created else {"deduplicated": True}
+    if stored.renamed_from:
+        extra["renamed_from"] = stored.renamed_from
+    return JSONResponse(speaker_record(stored.voice, sid) | extra, status_code=201 if stored.created else 200)
+
+
+async def tts_speaker_preview(request: Request) -> Response:
+    """The reference clip as WAV. As in the reference, a non-default voice needs the session header."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        v = gw.voices.get(request.path_params["speaker"], owner)
+        if v.source != "default":
+            _tts_session(request, required=True)
+        data = gw.voices.preview_bytes(v)
+        if data is None:
+            raise RequestError("no_preview", "Cached speaker preview audio is not available.", 404)
+    except RequestError as e:
+        return error_response(e, detail=True)
     return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})

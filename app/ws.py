@@ -16,7 +16,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,7 +27,15 @@ from app.auth import api_key_from, key_ok
 from app.gateway import Gateway
 from app.json_input import parse_json_object
 from app.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer, utterance_bytes
-from app.synthesis import ENCODINGS, OUTPUT_RATES, RequestError, SynthesisOptions, check_text, parse_options
+from app.synthesis import (
+    OUTPUT_RATES,
+    RequestError,
+    SynthesisOptions,
+    check_encoding,
+    check_text,
+    default_rate,
+    parse_options,
+)
 from app.text_buffer import TextBuffer
 from app.voices import Voice
 
@@ -78,6 +86,20 @@ class Session:
         self.gw.metrics.errors.labels(code).inc()
         await self.send_json({"type": "error", "code": code, "message": message, **extra})
 
+    def configure_from_query(self, query: Mapping[str, str]) -> None:
+        """Settings in the URL (`?encoding=mulaw&sample_rate=8000&voice=Ada`) for a client that cannot send
+        a session.config first: checked like one, in effect from session.created on."""
+        if "encoding" in query:
+            self.encoding = check_encoding(query["encoding"])
+            self.sample_rate = default_rate(self.encoding, self.sample_rate)
+        if "sample_rate" in query:
+            rate = query["sample_rate"]
+            if not rate.isdigit() or int(rate) not in OUTPUT_RATES:
+                raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
+            self.sample_rate = int(rate)
+        if query.get("voice"):
+            self.voice = self.gw.resolve_voice(query["voice"], self.owner)
+
     # ---- main ----------------------------------------------------------------------------------
     async def run(self) -> None:
         await self.send_json({
@@ -85,7 +107,7 @@ class Session:
             "session_id": self.id,
             "encoding": self.encoding,
             "sample_rate": self.sample_rate,
-            "voice": None,
+            "voice": self.voice.id if self.voice else None,
             "limits": {
                 "max_text_chars": self.limits.max_text_chars,
                 "max_utterance_bytes": utterance_bytes(self.gw),
@@ -183,11 +205,10 @@ class Session:
     # ---- messages ------------------------------------------------------------------------------
     async def _on_config(self, data: dict[str, Any]) -> None:
         self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params"})
-        encoding = data.get("encoding", self.encoding)
-        rate = data.get("sample_rate", self.sample_rate)
-        if encoding not in ENCODINGS:
-            raise RequestError("bad_params", f"encoding must be one of {list(ENCODINGS)}")
-        if rate not in OUTPUT_RATES:
+        encoding = check_encoding(data.get("encoding", self.encoding))
+        # G.711 named without a rate: 8000 Hz (what telephony clients mean)
+        rate = data.get("sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate)
+        if isinstance(rate, bool) or rate not in OUTPUT_RATES:
             raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
         opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
                 if "params" in data else self.opts)
@@ -406,10 +427,17 @@ async def websocket_endpoint(ws: WebSocket) -> None:
                                        "message": "the server is at its session limit; retry later"}))
         await ws.close(1013)
         return
+    session = Session(ws, gw, gw.owner_of(key if gw.settings.api_keys else None))
+    try:
+        session.configure_from_query(ws.query_params)
+    except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
+        await ws.send_text(json.dumps({"type": "error", "code": e.code, "message": str(e)}))
+        await ws.close(1008)
+        return
     gw.sessions += 1
     gw.metrics.sessions.inc()
     try:
-        await Session(ws, gw, gw.owner_of(key if gw.settings.api_keys else None)).run()
+        await session.run()
     except WebSocketDisconnect:
         pass
     except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
