@@ -6,12 +6,7 @@
 #   run.log, capacity_clone.json, capacity_voice.json, ws_bench.json, pyspy_engine.txt, pyspy_gateway.txt,
 #   server.log (its tail), gpu_tests.log
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
+source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \

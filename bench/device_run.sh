@@ -4,12 +4,7 @@
 # Usage (device tool): bash bench/device_run.sh [tests] [micro] [prefill] [moe] [dac] [capacity] [e2e]
 # (default: all but capacity)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
+source "$(dirname "$0")/device_env.sh"
 steps=${*:-tests micro prefill moe dac e2e}
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 for step in $steps; do
