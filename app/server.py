@@ -170,6 +170,10 @@ class RequestIdMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception:
+            if scope["type"] == "http" and status == "-":  # answered here, so that a 500 carries the id too
+                await json_error("internal", "internal error", 500)(scope, receive, send_with_id)
+            raise  # ServerErrorMiddleware logs it (and sends nothing more: a response has started)
         finally:
             method = scope.get("method", "WS")
             access_log.info("%s %s %s %s %.1f ms", rid, method, scope.get("path", ""), status,

@@ -1,0 +1,419 @@
+"""Clients nobody here wrote (issue 14), against a real server on loopback.
+
+* The ZONOS2 reference web UI (`tts_ui.html` of Zyphra/ZONOS2 at 8fee419): its requests replayed exactly as
+  the page builds them (routes, headers, bodies, CORS preflights from another origin), written down here as
+  data so that this test does not need their repository (tests/test_browser.py drives the page itself).
+* The official `openai` SDK on its defaults, and with LiveKit's (mp3 over SSE), every OpenAI voice name,
+  `extra_body` parameters, and an `X-Request-ID` on every response.
+* Telephony: G.711 mu-law / A-law at 8 kHz over HTTP and the WebSocket; WebSocket settings in the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from app.audio_formats import g711_decode
+from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
+
+pytestmark = pytest.mark.slow
+
+REF_ORIGIN = "http://127.0.0.1:8200"  # where the reference UI is served from (another origin than the gateway)
+FRAMES = 40
+FAST = {"max_frames": FRAMES, "ignore_eos": True}
+
+
+def samples_at(rate: int, frames: int = FRAMES) -> float:
+    return frames * 512 * rate / 44100
+
+
+def wait_for(check, what: str, ceiling: float = 120.0):
+    """Poll until check() is truthy; the ceiling only bounds a hang (CI machines are slow and busy)."""
+    deadline = time.monotonic() + ceiling
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def ref_server(start_server, tmp_path_factory):
+    """A gateway that allows the reference UI's origin, with two default voices (as the reference ships)."""
+    voices = tmp_path_factory.mktemp("default-voices")
+    (voices / "BritishFemale.wav").write_bytes(wav_clip(1.0, freq=180))
+    (voices / "AmericanMale.wav").write_bytes(wav_clip(1.0, freq=120))
+    srv = start_server("--cors-origin", REF_ORIGIN, "--default-voices-dir", str(voices))
+    wait_for(lambda: sum(v["default"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]) == 2,
+             "the default voices to load")
+    return srv
+
+
+# ---- the reference web UI's requests, as tts_ui.html builds them ------------------------------------------
+SESSION = "3b5d0c62-1f0e-4c43-9a51-0c8f3c7e9d11"  # crypto.randomUUID(), kept in sessionStorage
+# speakerRequestHeaders(): the session header on every speaker and generate call, plus Content-Type on POSTs.
+# GET /tts/capabilities sends no custom header (a simple request: no preflight).
+UI_GET = {"X-TTS-Session-ID": SESSION}
+UI_POST = {"X-TTS-Session-ID": SESSION, "Content-Type": "application/json"}
+# Chromium's preflight lists the non-safelisted request headers lower-cased, sorted, comma-separated.
+UI_PREFLIGHTS = [
+    ("GET", "/tts/speakers", "x-tts-session-id"),
+    ("POST", "/tts/speakers", "content-type,x-tts-session-id"),
+    ("GET", "/tts/speakers/{id}/preview", "x-tts-session-id"),
+    ("POST", "/tts/generate", "content-type,x-tts-session-id"),
+]
+# refreshSpeakerCapability() reads these fields of /tts/capabilities to build its controls.
+UI_CAPABILITY_FIELDS = [
+    "speaker_enabled", "speaker_embedding_dim", "n_codebooks", "max_tokens", "speaking_rate_num_buckets",
+    "speaking_rate_buckets", "quality_num_buckets", "quality_features", "quality_buckets",
+    "quality_dropout_by_feature", "speaker_background_token_enabled", "accurate_mode_token_enabled",
+    "text_normalization_enabled", "text_norm_languages",
+]
+# The speaker records the UI renders (renderSpeakerLibrary, renderSpeakerSelectOptions, autoSelectInitialSpeaker).
+UI_SPEAKER_FIELDS = {"id", "label", "source_type", "is_default", "original_name", "dimension", "created_at",
+                     "has_preview"}
+
+
+def ui_generate_body(text: str, **speaker) -> dict:
+    """generate() with the page's control defaults (max tokens slid to its minimum, 64, to keep CPU runs short)."""
+    body = {
+        "text": text, "language": "en_us", "text_normalization": True, "temperature": 1.15, "topk": 106,
+        "top_p": 0.0, "min_p": 0.18, "max_tokens": 64, "fade_out_ms": 20.0, "speaking_rate_enabled": False,
+        "quality_enabled": True, "quality_buckets": None, "repetition_window": 50, "repetition_penalty": 1.2,
+        "repetition_codebooks": 8, "seed": None, "stream": True, "speaker_embedding_id": None,
+        "clean_speaker_background": False, "accurate_mode": True, "speaker_blend_embedding_id_a": None,
+        "speaker_blend_embedding_id_b": None, "speaker_blend_t": None,
+    }
+    body["quality_buckets"] = {"trailing_silence_s": 3}  # qualityEnabled is checked once the bins exist
+    return body | speaker
+
+
+def data_url(data: bytes, mime: str) -> str:
+    """FileReader.readAsDataURL, which cacheSpeakerFile() uses for both uploads."""
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def preflight(srv, method: str, path: str, headers: str) -> httpx.Response:
+    return httpx.options(srv.url + path, headers={
+        "Origin": REF_ORIGIN, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers})
+
+
+def test_reference_ui_requests_replayed_cross_origin(ref_server):
+    """Issue 14.1-2: the speaker panel's routes answered 404, the capabilities lacked quality_num_buckets, and
+    from another origin every request failed its preflight (X-TTS-Session-ID was not an allowed header)."""
+    srv = ref_server
+    origin = {"Origin": REF_ORIGIN}
+    for method, path, headers in UI_PREFLIGHTS:
+        r = preflight(srv, method, path.format(id="default_x"), headers)
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["access-control-allow-origin"] == REF_ORIGIN
+        allowed = {h.strip().lower() for h in r.headers["access-control-allow-headers"].split(",")}
+        assert set(headers.split(",")) <= allowed
+
+    caps = httpx.get(srv.url + "/tts/capabilities", headers=origin)
+    assert caps.headers["access-control-allow-origin"] == REF_ORIGIN
+    caps = caps.json()
+    assert not [f for f in UI_CAPABILITY_FIELDS if f not in caps]
+    assert caps["quality_num_buckets"] == sum(len(b) for b in caps["quality_buckets"].values()) > 0
+    assert set(caps["quality_dropout_by_feature"]) == set(caps["quality_features"])
+
+    # refreshSpeakerLibrary(): the default voices, BritishFemale among them (the page auto-selects it)
+    r = httpx.get(srv.url + "/tts/speakers", headers=origin | UI_GET)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == REF_ORIGIN
+    speakers = r.json()["speakers"]
+    assert [s["label"] for s in speakers] == ["AmericanMale", "BritishFemale"]
+    assert all(set(s) >= UI_SPEAKER_FIELDS and s["is_default"] and s["scope"] == "default" for s in speakers)
+    british = next(s for s in speakers if s["label"].lower() == "britishfemale")
+    assert british["id"].startswith("default_") and british["source_type"] == "audio" and british["has_preview"]
+
+    # cacheSpeakerFile(file, 'audio') and (file, 'embedding')
+    clip = wav_clip(1.2, freq=260)
+    r = httpx.post(srv.url + "/tts/speakers", headers=origin | UI_POST, timeout=120, content=json.dumps({
+        "label": "my voice", "speaker_audio_base64": data_url(clip, "audio/wav"), "speaker_audio_name": "my voice.wav"}))
+    assert r.status_code in (200, 201), r.text
+    assert r.headers["access-control-allow-origin"] == REF_ORIGIN
+    mine = r.json()
+    assert set(mine) >= UI_SPEAKER_FIELDS
+    assert (mine["label"], mine["source_type"], mine["original_name"], mine["dimension"], mine["has_preview"],
+            mine["is_default"], mine["scope"]) == ("my voice", "audio", "my voice.wav", 2048, True, False, "session")
+    npy = io.BytesIO()
+    np.save(npy, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
+    r = httpx.post(srv.url + "/tts/speakers", headers=origin | UI_POST, timeout=60, content=json.dumps({
+        "label": "saved", "speaker_embedding_base64": data_url(npy.getvalue(), "application/octet-stream"),
+        "speaker_embedding_name": "saved.npy"}))
+    assert r.status_code in (200, 201), r.text
+    saved = r.json()
+    assert (saved["source_type"], saved["has_preview"]) == ("embedding_file", False)
+
+    # listed (this session's, newest first, after the defaults), also as library voices
+    listed = httpx.get(srv.url + "/tts/speakers", headers=origin | UI_GET).json()["speakers"]
+    ids = [s["id"] for s in listed]
+    assert ids.index(saved["id"]) < ids.index(mine["id"]) and ids[:2] == [s["id"] for s in speakers]
+    assert {v["id"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]} >= {mine["id"], saved["id"]}
+    other = httpx.get(srv.url + "/tts/speakers", headers={"X-TTS-Session-ID": "another-tab"}).json()["speakers"]
+    assert next(s for s in other if s["id"] == mine["id"])["scope"] == "library"
+
+    # getSpeakerPreviewUrl(): WAV for clips and default clips
+    for sid in (mine["id"], british["id"]):
+        r = httpx.get(srv.url + f"/tts/speakers/{sid}/preview", headers=origin | UI_GET)
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/wav"
+        assert r.headers["access-control-allow-origin"] == REF_ORIGIN
+        assert sf.info(io.BytesIO(r.content)).duration > 0.5
+
+    # generate(): one speaker, then a blend of a default voice and the upload; float32 44.1 kHz streams
+    for speaker in ({"speaker_embedding_id": mine["id"]},
+                    {"speaker_blend_embedding_id_a": british["id"], "speaker_blend_embedding_id_b": mine["id"],
+                     "speaker_blend_t": 0.5}):
+        with httpx.stream("POST", srv.url + "/tts/generate", headers=origin | UI_POST, timeout=120,
+                          content=json.dumps(ui_generate_body("Hello from the reference page.", **speaker))) as r:
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == REF_ORIGIN
+            assert r.headers["x-audio-format"] == "float32" and r.headers["x-audio-sample-rate"] == "44100"
+            # the UI reads these headers only same-origin; cross-origin they are exposed too
+            assert "x-audio-sample-rate" in r.headers["access-control-expose-headers"].lower()
+            pcm = b"".join(r.iter_bytes())
+        assert len(pcm) % 4 == 0 and 0 < len(pcm) <= 64 * 512 * 4
+
+
+@pytest.mark.parametrize("body, status, detail", [
+    ({"label": "x"}, 400, "Provide an audio file or saved embedding file to cache."),
+    ({"speaker_audio_base64": "!!!"}, 400, "base64"),
+    ({"speaker_embedding_base64": data_url(b"nope", "application/octet-stream")}, 400, ".npy"),
+])
+def test_reference_speaker_errors_carry_detail(ref_server, body, status, detail):
+    """readErrorMessage() shows `detail`; our error shape is kept alongside it."""
+    r = httpx.post(ref_server.url + "/tts/speakers", headers=UI_POST, content=json.dumps(body), timeout=60)
+    assert r.status_code == status
+    assert detail in r.json()["detail"] and r.json()["error"]["message"] == r.json()["detail"]
+
+
+def test_reference_speaker_session_header_rules(ref_server):
+    """As the reference: uploads need X-TTS-Session-ID; listing works without it (defaults and the rest)."""
+    r = httpx.post(ref_server.url + "/tts/speakers", json={"speaker_audio_base64": data_url(wav_clip(), "audio/wav")})
+    assert r.status_code == 400 and "X-TTS-Session-ID" in r.json()["detail"]
+    assert httpx.get(ref_server.url + "/tts/speakers").status_code == 200
+
+
+def test_reference_readme_speech_body(ref_server):
+    """Issue 14.3: the reference README's /v1/audio/speech body with its extra fields was 400 `unknown fields`.
+    It works, with OpenAI's output defaults (here pcm: 16-bit at 24 kHz, where the reference sends float32
+    at 44.1 kHz: docs/clients.md says so)."""
+    default = httpx.get(ref_server.url + "/tts/speakers").json()["speakers"][0]["id"]
+    body = {"model": "zonos2", "input": "Hello world", "voice": "alloy", "response_format": "pcm",
+            "speaking_rate_enabled": True, "speaking_rate_bucket": 3, "repetition_window": 50,
+            "repetition_penalty": 1.2, "repetition_codebooks": 8, "speaker_embedding_id": default,
+            "max_frames": FRAMES, "ignore_eos": True}
+    r = httpx.post(ref_server.url + "/v1/audio/speech", json=body, headers=UI_GET, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-audio-sample-rate"] == "24000" and r.headers["x-audio-format"] == "int16"
+    assert abs(len(r.content) // 2 - samples_at(24000)) <= 2
+    # speaking_rate_enabled false: the reference ignores its rate fields, so do we (no bucket 99 error)
+    off = body | {"speaking_rate_enabled": False, "speaking_rate_bucket": 99}
+    assert httpx.post(ref_server.url + "/v1/audio/speech", json=off, timeout=120).status_code == 200
+    both = body | {"voice": "BritishFemale"}
+    r = httpx.post(ref_server.url + "/v1/audio/speech", json=both, timeout=60)
+    assert r.status_code == 400 and "not both" in r.json()["error"]["message"]
+
+
+# ---- the official openai SDK --------------------------------------------------------------------------------
+openai = pytest.importorskip("openai", reason="the openai package is not installed (requirements.txt)")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus", "flac"])
+def test_openai_sdk_formats_stream(client, fmt):
+    """Issue 14.5 and 14.7 through the SDK: each format streams in pieces (mp3, opus and flac used to arrive
+    whole), and extra_body parameters (top-level `seed`, `max_frames`...) are taken."""
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="First sentence. Second one.", response_format=fmt,
+            extra_body={"seed": 3} | FAST) as resp:
+        assert resp.headers["x-request-id"]
+        chunks = [c for c in resp.iter_bytes() if c]
+    assert len(chunks) >= 2  # at least one piece per sentence
+    data = b"".join(chunks)
+    if fmt == "pcm":
+        n = len(data) // 2
+    else:
+        audio, sr = decode(data)
+        assert sr == 24000
+        n = len(audio)
+    expected = samples_at(24000, 2 * FRAMES)
+    assert expected - 2 <= n <= expected + EXTRA_SAMPLES.get(fmt, 2)
+
+
+def test_openai_sdk_seed_at_top_level_is_reproducible(client):
+    """Issue 14.7: extra_body={"seed": 3} was 400 `unknown fields ['seed']`."""
+    def pcm(seed: int, **extra) -> bytes:
+        return client.audio.speech.create(model="tts-1", voice="ash", input="Seeded.", response_format="pcm",
+                                          extra_body={"seed": seed, **FAST, **extra}).content
+    a = pcm(3)
+    assert a == pcm(3) and a != pcm(4)
+    assert pcm(3, params={"seed": 3}) == a  # the same key in both places is fine when it agrees
+    with pytest.raises(openai.BadRequestError, match="given twice"):
+        pcm(3, params={"seed": 4})
+    # `instructions` is accepted (and ignored: the model takes no style prompt)
+    assert client.audio.speech.create(model="gpt-4o-mini-tts", voice="coral", input="Seeded.", response_format="pcm",
+                                      instructions="Speak cheerfully.", extra_body={"seed": 3, **FAST}).content == a
+
+
+@pytest.mark.parametrize("voice", ["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
+                                   "shimmer", "verse", "marin", "cedar"])
+def test_openai_sdk_every_voice_name(client, voice):
+    """Issue 14.6: marin and cedar were 404 unknown_voice."""
+    r = client.audio.speech.create(model="tts-1", voice=voice, input="Hi.", response_format="pcm", extra_body=FAST)
+    assert len(r.content) // 2 == pytest.approx(samples_at(24000), abs=2)
+
+
+def test_openai_voice_name_maps_to_a_library_voice(client, server):
+    """An OpenAI name is the library voice of that name when there is one (any case), else the model's voice;
+    OpenAI's custom-voice object {"id": ...} names a library voice too."""
+    def pcm(voice) -> bytes:
+        return client.audio.speech.create(model="tts-1", voice=voice, input="Mapped.", response_format="pcm",
+                                          extra_body={"seed": 9, **FAST}).content
+    model_voice = pcm("echo")
+    r = httpx.post(server.url + "/v1/voices", files={"file": ("e.wav", wav_clip(1.0, freq=330))},
+                   data={"name": "Echo"}, timeout=120)
+    assert r.status_code in (200, 201), r.text
+    vid = r.json()["id"]
+    try:
+        mapped = pcm("echo")
+        assert mapped != model_voice and mapped == pcm(vid) == pcm({"id": vid})
+    finally:
+        httpx.delete(server.url + f"/v1/voices/{vid}")
+    assert pcm("echo") == model_voice
+
+
+def sse_events(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "wav", "flac", "pcm"])
+def test_openai_sdk_sse_every_format(client, fmt):
+    """Issue 14.4: LiveKit's defaults (response_format mp3, stream_format sse) were 400. The delta events carry
+    that format's bytes, which concatenate into a file of it."""
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="One. Two.", response_format=fmt, stream_format="sse",
+            extra_body=FAST) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp.read().decode())
+    assert events[-1]["type"] == "speech.audio.done" and "usage" in events[-1]
+    deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2
+    data = b"".join(deltas)
+    n = len(data) // 2 if fmt == "pcm" else len(decode(data)[0])
+    expected = samples_at(24000, 2 * FRAMES)
+    assert expected - 2 <= n <= expected + EXTRA_SAMPLES.get(fmt, 2)
+
+
+def test_request_id_on_every_response_and_logged(server):
+    """Issue 14.8: X-Request-ID on every response (success, error, 404, the WebSocket handshake), the
+    client's own echoed, and each one in the server's log."""
+    ids = []
+    for method, path, kw in (("GET", "/healthz", {}), ("GET", "/no/such/route", {}),
+                             ("POST", "/v1/audio/speech", {"json": {"input": ""}}),
+                             ("GET", "/static/app.js", {})):
+        r = httpx.request(method, server.url + path, **kw)
+        assert re.fullmatch(r"req_[0-9a-f]{24}", r.headers["x-request-id"]), (path, r.headers)
+        ids.append(r.headers["x-request-id"])
+    assert len(set(ids)) == len(ids)
+    r = httpx.get(server.url + "/healthz", headers={"X-Request-ID": "client-chosen-42"})
+    assert r.headers["x-request-id"] == "client-chosen-42"
+    r = httpx.get(server.url + "/healthz", headers={"X-Request-ID": "bad id\twith junk"})
+    assert r.headers["x-request-id"].startswith("req_")
+
+    import websockets
+
+    async def handshake() -> str:
+        async with websockets.connect(server.ws_url) as ws:
+            await ws.recv()
+            return ws.response.headers["x-request-id"]
+
+    ids.append(asyncio.run(handshake()))
+    wait_for(lambda: all(i in server.log.read_text() for i in [*ids, "client-chosen-42"]), "the request ids in the log")
+
+
+# ---- telephony: G.711 at 8 kHz ------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["mulaw", "alaw", "ulaw"])
+def test_http_g711(server, fmt):
+    """Issue 14.9: mulaw / alaw as HTTP formats, 8000 Hz by default, one byte a sample, and the same signal
+    as 16-bit PCM at 8 kHz within G.711's quantization."""
+    body = {"input": "Telephone.", "response_format": fmt, "params": {"seed": 2, **FAST}}
+    r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-audio-sample-rate"] == "8000"
+    law = "mulaw" if fmt == "ulaw" else fmt
+    assert r.headers["content-type"].startswith("audio/PCMU" if law == "mulaw" else "audio/PCMA")
+    assert abs(len(r.content) - samples_at(8000)) <= 2
+    ref = httpx.post(server.url + "/v1/audio/speech", timeout=120,
+                     json=body | {"response_format": "pcm", "sample_rate": 8000}).content
+    x = np.frombuffer(ref, "<i2").astype(np.float32) / 32768
+    y = g711_decode(r.content, law)
+    assert len(x) == len(y) and np.abs(x - y).max() <= np.abs(x).max() / 16 + 1e-3
+
+
+def ws_session(url: str, messages: list[dict], until: str = "flushed") -> tuple[list[dict], bytes]:
+    import websockets
+
+    async def run() -> tuple[list[dict], bytes]:
+        events, audio = [], b""
+        async with websockets.connect(url, max_size=None) as ws:
+            for m in messages:
+                await ws.send(json.dumps(m))
+            while True:
+                msg = await asyncio.wait_for(ws.recv(), 120)
+                if isinstance(msg, bytes):
+                    audio += msg
+                    continue
+                events.append(json.loads(msg))
+                if events[-1]["type"] in (until, "error"):
+                    return events, audio
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("law", ["mulaw", "alaw"])
+def test_ws_g711_from_config_and_from_url(server, law):
+    """Issue 14.9-10: `encoding: mulaw|alaw` on the WebSocket gives 8000 Hz unless a rate is named, and the
+    URL query sets encoding, sample_rate and voice before session.created, for clients that send no config."""
+    text = [{"type": "text", "text": "Hello.", "context_id": "c"}, {"type": "flush", "context_id": "c"}]
+    params = {"type": "session.config", "params": {"seed": 5, **FAST}}
+    events, audio = ws_session(server.ws_url, [{"type": "session.config", "encoding": law}, params, *text])
+    updated = [e for e in events if e["type"] == "session.updated"]
+    assert (updated[0]["encoding"], updated[0]["sample_rate"]) == (law, 8000)
+    assert abs(len(audio) - samples_at(8000)) <= 2  # one byte a sample
+    events2, audio2 = ws_session(server.ws_url + f"?encoding={law}", [params, *text])
+    created = events2[0]
+    assert (created["type"], created["encoding"], created["sample_rate"]) == ("session.created", law, 8000)
+    assert audio2 == audio
+    events3, audio3 = ws_session(server.ws_url + f"?encoding={law}&sample_rate=16000", [params, *text])
+    assert (events3[0]["encoding"], events3[0]["sample_rate"]) == (law, 16000)
+    assert abs(len(audio3) - samples_at(16000)) <= 2
+
+
+def test_ws_url_settings_pcm_voice_and_refusals(server):
+    """`?encoding=pcm_s16le&sample_rate=24000&voice=...`; a bad value is refused, not silently replaced."""
+    r = httpx.post(server.url + "/v1/voices", files={"file": ("q.wav", wav_clip(1.0, freq=410))},
+                   data={"name": "Query voice"}, timeout=120)
+    vid = r.json()["id"]
+    events, audio = ws_session(server.ws_url + "?encoding=pcm_s16le&sample_rate=24000&voice=Query%20voice", [
+        {"type": "session.config", "params": FAST}, {"type": "text", "text": "Hi."}, {"type": "flush"}])
+    assert (events[0]["encoding"], events[0]["sample_rate"], events[0]["voice"]) == ("pcm_s16le", 24000, vid)
+    assert abs(len(audio) // 2 - samples_at(24000)) <= 2
+    for query, code in (("?encoding=opus", "bad_params"), ("?sample_rate=22050", "bad_params"),
+                        ("?voice=nobody", "unknown_voice")):
+        events, _ = ws_session(server.ws_url + query, [])
+        assert events[0]["type"] == "error" and events[0]["code"] == code, (query, events)
