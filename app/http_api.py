@@ -35,10 +35,12 @@ from app.synthesis import (
 )
 from app.voices import Voice, parse_embedding_file, slerp
 from engine.config import preset_params
+from engine.sampling import HISTORY
 from engine.textnorm import SUPPORTED_LANGUAGES
 
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
 RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}
+MAX_REPETITION_WINDOW = HISTORY
 
 
 def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
@@ -282,6 +284,10 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
                          ("accurate_mode", "accurate_mode"), ("ignore_eos", "ignore_eos")):
         if data.get(theirs) is not None:
             p[ours] = data[theirs]
+    # The reference UI's slider goes to 512 recent frames; the engine checks at most 256 (its ring). The
+    # reference clamps its other sampling values; this one is clamped here rather than refused.
+    if isinstance(p.get("repetition_window"), int) and not isinstance(p["repetition_window"], bool):
+        p["repetition_window"] = min(p["repetition_window"], MAX_REPETITION_WINDOW)
     if data.get("max_tokens") is not None:
         mt = data["max_tokens"]
         if not isinstance(mt, int) or mt <= 0:

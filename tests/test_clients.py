@@ -186,6 +186,13 @@ def test_reference_ui_requests_replayed_cross_origin(ref_server):
         assert len(pcm) % 4 == 0 and 0 < len(pcm) <= 64 * 512 * 4
 
 
+def test_reference_ui_slider_ranges_are_taken(ref_server):
+    """The UI's repetition window slider reaches 512 frames (the engine keeps 256: clamped, not refused)."""
+    body = ui_generate_body("Slider at the top.", repetition_window=512, max_tokens=20, stream=False)
+    r = httpx.post(ref_server.url + "/tts/generate", headers=UI_POST, content=json.dumps(body), timeout=120)
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("body, status, detail", [
     ({"label": "x"}, 400, "Provide an audio file or saved embedding file to cache."),
     ({"speaker_audio_base64": "!!!"}, 400, "base64"),
