@@ -30,17 +30,8 @@ from app.settings import GatewaySettings
 from app.synthesis import RequestError
 from app.ws import websocket_endpoint
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def web_dir(name: str) -> Path:
-    """The demo page's `templates` / `static`: package data next to this module once installed
-    (pyproject.toml maps them into the `app` package), the repository's top-level folders in a checkout."""
-    installed = Path(__file__).resolve().parent / name
-    return installed if installed.is_dir() else ROOT / name
-
-
-templates = Jinja2Templates(directory=str(web_dir("templates")))
+WEB = Path(__file__).resolve().parent  # app/templates and app/static: package data (pyproject.toml)
+templates = Jinja2Templates(directory=str(WEB / "templates"))
 
 
 async def index(request: Request) -> Response:
@@ -213,7 +204,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/voices/{voice}/embedding", voices_api.voice_embedding),
         Route("/v1/voices/{voice}/preview", voices_api.voice_preview),
         WebSocketRoute("/v1/tts/ws", websocket_endpoint),
-        Mount("/static", StaticFiles(directory=str(web_dir("static"))), name="static"),
+        Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id
     if settings.cors_origins:
