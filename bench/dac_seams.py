@@ -18,8 +18,9 @@ import time
 import numpy as np
 import torch
 
-from engine.codec import HOP, Codec
-from engine.dac_stream import ChunkSchedule, StreamingDecoder, decode_offline
+from engine.dac.codec import HOP, Codec
+from engine.dac.schedule import ChunkSchedule
+from engine.dac.streaming import StreamingDecoder, decode_offline
 
 SCHEDULES: dict[str, ChunkSchedule] = {
     "reference (16/ctx4/ov4)": ChunkSchedule.reference(),

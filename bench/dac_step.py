@@ -16,9 +16,9 @@ import types
 
 import torch
 
-from engine.codec import HOP, SAMPLE_RATE, Codec
-from engine.cuda_graphs import DacGraphs
-from engine.kernels.snake import snake_reference
+from engine.dac.codec import HOP, SAMPLE_RATE, Codec
+from engine.dac.graphs import DacGraphs
+from engine.model.kernels.snake import snake_reference
 
 CONTEXT = 18
 
@@ -45,7 +45,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--json")
     a = p.parse_args()
-    import engine.codec as codec_mod
+    import engine.dac.codec as codec_mod
 
     rows = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from engine.checkpoint import random_model, release_shapes
-from engine.llm import LLMNode
-from engine.model import MoEFFN, PrefillSeq
+from engine.llm.node import LLMNode
+from engine.model.checkpoint import random_model, release_shapes
+from engine.model.zonos2 import MoEFFN, PrefillSeq
 from engine.sampling import SamplingParams
 
 

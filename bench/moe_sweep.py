@@ -30,7 +30,7 @@ def bench(fn, iters: int = 30) -> float:
 
 
 def main() -> None:
-    from engine.kernels import moe
+    from engine.model.kernels import moe
 
     torch.manual_seed(0)
     e, dim, inter = 16, 2048, 3072

@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from engine.checkpoint import random_model
-from engine.llm import LLMNode
-from engine.model import PrefillSeq
+from engine.llm.node import LLMNode
+from engine.model.checkpoint import random_model
+from engine.model.zonos2 import PrefillSeq
 
 
 def main() -> None:

@@ -54,7 +54,7 @@ def _read_embedding(path: str, dim: int) -> torch.Tensor:
 
 
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
-    from engine.checkpoint import count_params, write_checkpoint
+    from engine.model.checkpoint import count_params, write_checkpoint
 
     path = write_checkpoint(args.out, args.preset, seed=args.seed, fmt=args.format, device=args.device or "cpu")
     n_tensors, n_params = count_params(Zonos2Config.from_dict(preset_params(args.preset)))

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from engine import messages as m
-from engine.admission import RealtimeAdmission
 from engine.ipc import Outbox, RingSpec, ShmRing, unlink_segment
 from engine.lifeline import Lifeline, watch_parent
-from engine.llm import LLMNode, Sequence
-from engine.speaker_worker import SpeakerWorker
+from engine.llm.node import LLMNode, Sequence
+from engine.runtime.admission import RealtimeAdmission
+from engine.speaker.worker import SpeakerWorker
 from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
@@ -86,7 +86,8 @@ class Job:
 
 class Engine:
     def __init__(self, src: WeightSources, settings: EngineSettings, inbox: ShmRing, outbox_ring: ShmRing):
-        from engine.dac_stream import ChunkSchedule, StreamingDecoder
+        from engine.dac.schedule import ChunkSchedule
+        from engine.dac.streaming import StreamingDecoder
 
         self.settings = settings
         self.device = settings.resolved_device()

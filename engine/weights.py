@@ -37,7 +37,7 @@ class WeightSources:
 
 
 def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None):
-    from engine.checkpoint import load_checkpoint, random_model
+    from engine.model.checkpoint import load_checkpoint, random_model
 
     if src.model_path:
         return load_checkpoint(src.model_path, device, dtype)
@@ -46,7 +46,7 @@ def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtyp
 
 
 def load_codec(src: WeightSources, device: str | torch.device, dtype: torch.dtype = torch.float32):
-    from engine.codec import Codec
+    from engine.dac.codec import Codec
 
     if src.dac_weights:
         return Codec.load(src.dac_weights, device=device, dtype=dtype)
@@ -55,11 +55,11 @@ def load_codec(src: WeightSources, device: str | torch.device, dtype: torch.dtyp
 
 
 def load_speaker_encoder(src: WeightSources, device: str | torch.device):
-    from engine.speaker import SpeakerEncoder
+    from engine.speaker.encoder import SpeakerEncoder
 
     if src.speaker_weights:
         return SpeakerEncoder.from_pretrained(src.speaker_weights, device=device)
-    from engine.speaker import EcapaConfig
+    from engine.speaker.encoder import EcapaConfig
 
     config = EcapaConfig.release() if src.random_preset == "full" else EcapaConfig.tiny()
     return SpeakerEncoder.random(config, seed=src.seed).to(device)

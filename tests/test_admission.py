@@ -1,10 +1,10 @@
-"""Realtime admission (engine/admission.py): new streams wait rather than make running ones stall."""
+"""Realtime admission (engine/runtime/admission.py): new streams wait rather than make running ones stall."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.admission import FRAME_S, RealtimeAdmission
+from engine.runtime.admission import FRAME_S, RealtimeAdmission
 
 
 def simulate(adm: RealtimeAdmission, arrivals: int | dict[int, int], fixed_s: float, per_stream_s: float,

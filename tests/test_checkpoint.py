@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 
-from engine.checkpoint import (
+from engine.config import ConfigError, Zonos2Config, preset_params
+from engine.model.checkpoint import (
     CheckpointError,
     build_model,
     count_params,
@@ -20,7 +21,6 @@ from engine.checkpoint import (
     release_shapes,
     write_checkpoint,
 )
-from engine.config import ConfigError, Zonos2Config, preset_params
 
 TINY = Zonos2Config.from_dict(preset_params("tiny"))
 

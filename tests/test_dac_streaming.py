@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.codec import HOP, Codec, CodecLoadError
-from engine.dac_stream import (
-    ChunkSchedule,
+from engine.dac.codec import HOP, Codec, CodecLoadError
+from engine.dac.schedule import ChunkSchedule
+from engine.dac.streaming import (
     StreamingDecoder,
     aligned_codes,
     crossfade_window,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.eos import EosTracker
+from engine.llm.eos import EosTracker
 
 
 def run(frames: list[list[int]]) -> tuple[EosTracker, int | None]:

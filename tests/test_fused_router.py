@@ -1,4 +1,4 @@
-"""The fused router kernel against `engine.model.route`. Without a GPU it runs in Triton's interpreter
+"""The fused router kernel against `engine.model.zonos2.route`. Without a GPU it runs in Triton's interpreter
 (float32, plus a float16 run that checks the kernel rounds its intermediates as PyTorch does); on a GPU,
 natively."""
 
@@ -15,8 +15,8 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine.kernels.router import fused_route  # noqa: E402
-from engine.model import route  # noqa: E402
+from engine.model.kernels.router import fused_route  # noqa: E402
+from engine.model.zonos2 import route  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 DIM, R, EPS = 2048, 128, 1e-5

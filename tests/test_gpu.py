@@ -15,7 +15,7 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_bf16_gpu_model_matches_fp32_cpu():
-    from engine.checkpoint import random_model
+    from engine.model.checkpoint import random_model
     from engine.prompt import Conditioning, PromptBuilder
 
     cpu = random_model("tiny", device="cpu", dtype=torch.float32)
@@ -32,7 +32,7 @@ def test_bf16_gpu_model_matches_fp32_cpu():
 
 
 def _run(node, prompts, seeds, steps):
-    from engine.llm import Sequence
+    from engine.llm.node import Sequence
     from engine.sampling import SamplingParams
 
     seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True)
@@ -51,8 +51,8 @@ def _run(node, prompts, seeds, steps):
 
 
 def test_graphs_equal_eager_and_seeded_batch_independence():
-    from engine.checkpoint import random_model
-    from engine.llm import LLMNode
+    from engine.llm.node import LLMNode
+    from engine.model.checkpoint import random_model
     from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
@@ -71,7 +71,7 @@ def test_graphs_equal_eager_and_seeded_batch_independence():
 
 
 def test_dac_bf16_vs_fp32_snr():
-    from engine.codec import Codec
+    from engine.dac.codec import Codec
 
     codec = Codec.random("full", seed=0)
     codes = torch.randint(0, 1024, (4, 48, 9))
@@ -85,8 +85,8 @@ def test_dac_bf16_vs_fp32_snr():
 def test_compiled_decode_matches_plain():
     """torch.compile fuses the bf16 stages differently, so whole trajectories may drift after a near-tie;
     one step's logits from the same cache must agree."""
-    from engine.checkpoint import random_model
-    from engine.model import PrefillSeq
+    from engine.model.checkpoint import random_model
+    from engine.model.zonos2 import PrefillSeq
     from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
@@ -108,9 +108,9 @@ def test_compiled_decode_matches_plain():
 def test_prefill_graphs_match_unpadded_prefill():
     """A captured, padded prefill replay gives the plain packed prefill's last-frame logits, speakers
     and a chunk continuing a cached prompt included."""
-    from engine.checkpoint import random_model
-    from engine.cuda_graphs import PrefillGraphs
-    from engine.model import PrefillSeq
+    from engine.llm.graphs import PrefillGraphs
+    from engine.model.checkpoint import random_model
+    from engine.model.zonos2 import PrefillSeq
     from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
@@ -135,9 +135,9 @@ def test_prefill_graphs_match_unpadded_prefill():
 def test_dac_graphs_equal_eager_and_stream_equals_one_shot():
     """Captured DAC shapes replay the eager decode; a stream launched and collected asynchronously on the
     GPU (fused Snake, graphs, several calls in flight) equals the one-shot decode of the same codes."""
-    from engine.codec import HOP, Codec
-    from engine.cuda_graphs import DacGraphs
-    from engine.dac_stream import StreamingDecoder, decode_offline
+    from engine.dac.codec import HOP, Codec
+    from engine.dac.graphs import DacGraphs
+    from engine.dac.streaming import StreamingDecoder, decode_offline
 
     for dtype, floor in ((torch.float32, 50.0), (torch.bfloat16, 25.0)):
         codec = Codec.random("full", seed=0, device="cuda", dtype=dtype)

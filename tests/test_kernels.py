@@ -13,8 +13,8 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine.kernels.decode_attention import decode_attention  # noqa: E402
-from engine.kernels.moe import align_blocks, fused_moe  # noqa: E402
+from engine.model.kernels.decode_attention import decode_attention  # noqa: E402
+from engine.model.kernels.moe import align_blocks, fused_moe  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 DT = torch.bfloat16 if CUDA else torch.float32
@@ -44,7 +44,7 @@ def test_decode_attention_matches_reference(h, hkv, d):
 
 
 def test_merge_kernel_matches_plain_merge_with_empty_splits():
-    from engine.kernels.decode_attention import merge_splits_triton
+    from engine.model.kernels.decode_attention import merge_splits_triton
 
     torch.manual_seed(1)
     b, h, s, d = 3, 4, 5, 64
@@ -102,8 +102,8 @@ def test_fused_moe_matches_reference(n, k):
 
 def test_model_decode_with_kernels_matches_eager():
     """The tiny model's decode through the Triton kernels equals the eager path."""
-    from engine.checkpoint import random_model
-    from engine.model import PrefillSeq
+    from engine.model.checkpoint import random_model
+    from engine.model.zonos2 import PrefillSeq
     from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device=DEV, dtype=DT)
@@ -127,7 +127,7 @@ def _random_chosen(gen: torch.Generator, n: int, k: int, n_experts: int) -> torc
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("k", [1, 2])
 def test_align_blocks_triton_equals_torch(block_m, k):
-    from engine.kernels.moe import align_blocks_triton
+    from engine.model.kernels.moe import align_blocks_triton
 
     gen = torch.Generator().manual_seed(block_m * 10 + k)
     sizes = [1, 2, 3, 7, 8, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 300, 511, 600]
@@ -146,7 +146,7 @@ def test_align_blocks_triton_equals_torch(block_m, k):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_align_blocks_triton_edge_cases(block_m):
-    from engine.kernels.moe import align_blocks_triton
+    from engine.model.kernels.moe import align_blocks_triton
 
     cases = [
         torch.full((1, 1), 5),  # one pair
@@ -168,7 +168,7 @@ def test_align_blocks_triton_edge_cases(block_m):
 
 def test_moe_gemv_path_equals_blocked_path():
     """The per-pair GEMV kernels (decode batch <= 4) and the aligned blocked kernels agree."""
-    from engine.kernels import moe
+    from engine.model.kernels import moe
 
     torch.manual_seed(2)
     n, e = 3, 4
@@ -199,7 +199,7 @@ def test_fused_moe_reads_routing_weights_in_their_own_dtype():
 
 @pytest.mark.parametrize("t", [1, 777, 3000])
 def test_fused_snake_matches_reference(t):
-    from engine.kernels.snake import snake, snake_reference
+    from engine.model.kernels.snake import snake, snake_reference
 
     torch.manual_seed(3)
     c = 6

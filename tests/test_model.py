@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.checkpoint import build_model, random_release_state
 from engine.config import Zonos2Config, preset_params
-from engine.model import PrefillSeq
+from engine.model.checkpoint import build_model, random_release_state
+from engine.model.zonos2 import PrefillSeq
 from engine.prompt import Conditioning, PromptBuilder
 from tests.zonos2_reference import reference_logits
 

@@ -13,7 +13,7 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 
-from engine.kernels.prefill_attention import (  # noqa: E402
+from engine.model.kernels.prefill_attention import (  # noqa: E402
     BLOCK_M,
     build_block_table,
     max_blocks,
@@ -146,8 +146,8 @@ def test_empty_table_gives_zeros():
 def test_model_packed_prefill_matches_eager():
     """The tiny model's packed prefill (Triton attention over the cache, speaker rows, padding to a
     fixed size, a chunk continuing a cached prompt) gives the eager per-sequence prefill's logits."""
-    from engine.checkpoint import random_model
-    from engine.model import PackedPrefill, PrefillSeq
+    from engine.model.checkpoint import random_model
+    from engine.model.zonos2 import PackedPrefill, PrefillSeq
     from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("tiny", device=DEV, dtype=DT)

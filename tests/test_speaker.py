@@ -20,7 +20,7 @@ import torchaudio
 from safetensors.torch import load_file, save_file
 
 from engine.audio import AudioDecodeError, decode_audio, resample
-from engine.speaker import EcapaConfig, SpeakerCheckpointError, SpeakerEncoder
+from engine.speaker.encoder import EcapaConfig, SpeakerCheckpointError, SpeakerEncoder
 
 SR = 24_000
 

@@ -1,7 +1,7 @@
 """A plain, slow, obviously-correct ZONOS2 forward written from the spec (tests only).
 
 It reads the RELEASE state dict directly (release key names and layouts) and shares no code with
-`engine.model` or `engine.checkpoint`, so a mapping or layout bug in the engine shows up as a mismatch.
+`engine.model.zonos2` or `engine.model.checkpoint`, so a mapping or layout bug in the engine shows up as a mismatch.
 """
 
 from __future__ import annotations

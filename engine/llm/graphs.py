@@ -14,7 +14,7 @@ import time
 import torch
 from torch import Tensor
 
-from engine.model import Zonos2
+from engine.model.zonos2 import Zonos2
 from engine.sampling import SamplerState
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class PrefillGraphs:
                                     device=model.multi_output.weight.device)
 
     def _static_inputs(self, n_tokens: int) -> tuple[Tensor, ...]:
-        from engine.model import PackedPrefill, PrefillSeq
+        from engine.model.zonos2 import PackedPrefill, PrefillSeq
 
         ids = self.pad_row.repeat(n_tokens, 1)
         # a representative batch: one sequence in the scratch slot, the rest padding
@@ -147,7 +147,7 @@ class PrefillGraphs:
 
     def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None) -> Tensor:
         """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V]."""
-        from engine.model import PackedPrefill
+        from engine.model.zonos2 import PackedPrefill
 
         n = ids.shape[0]
         b = self.bucket(n)
@@ -164,53 +164,3 @@ class PrefillGraphs:
             self._prefill(b)
         return self.outputs[b][: len(seqs)]
 
-
-class DacGraphs:
-    """The dac_decoder's codec.decode captured per (batch, input length) shape. An eager decode of one
-    chunk batch is ~900 launches: the launching thread stays blocked on the full launch queue for most of
-    the GPU time (33-47 ms of a 44-62 ms call at batch 64 on an H200), and the engine thread is that
-    thread. A replay is one launch (~0.03 ms of host time) whatever the batch. Each shape has its own
-    static codes and PCM; all share one memory pool, so they must run on one stream, one at a time."""
-
-    def __init__(self, codec, shapes: set[tuple[int, int]]) -> None:
-        self.codec = codec
-        self.shapes = sorted(shapes, key=lambda s: (-s[0] * s[1], s))  # largest first: the pool fits them all
-        self.inputs: dict[tuple[int, int], Tensor] = {}
-        self.outputs: dict[tuple[int, int], Tensor] = {}
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.capture_s = 0.0
-
-    def capture(self) -> None:
-        t0 = time.perf_counter()
-        from engine.codec import N_CODEBOOKS
-
-        dev = self.codec.device
-        for shape in self.shapes:
-            self.inputs[shape] = torch.zeros(*shape, N_CODEBOOKS, dtype=torch.long, device=dev)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):  # cuDNN picks and builds its plans outside a capture
-            for shape in self.shapes:
-                self.codec.decode(self.inputs[shape])
-        torch.cuda.current_stream(dev).wait_stream(side)
-        pool = None
-        for shape in self.shapes:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
-                self.outputs[shape] = self.codec.decode(self.inputs[shape])
-            pool = g.pool()
-            self.graphs[shape] = g
-        torch.cuda.synchronize(dev)
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured %d dac_decoder graphs in %.1f s", len(self.graphs), self.capture_s)
-
-    def __contains__(self, shape: tuple[int, int]) -> bool:
-        return shape in self.graphs
-
-    def run(self, codes: Tensor) -> Tensor:
-        """codes [b, n, 9] (pinned host or device) -> the shape's static PCM [b, n * 512], valid until the
-        next replay of that shape on the same stream."""
-        shape = (codes.shape[0], codes.shape[1])
-        self.inputs[shape].copy_(codes, non_blocking=True)
-        self.graphs[shape].replay()
-        return self.outputs[shape]

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.eos import EosTracker
-from engine.model import PrefillSeq, Zonos2
+from engine.llm.eos import EosTracker
+from engine.model.zonos2 import PrefillSeq, Zonos2
 from engine.sampling import SamplerState, SamplingParams
 
 
@@ -82,7 +82,7 @@ class LLMNode:
         self.graphs = None
         self.prefill_graphs = None
         if on_gpu:
-            from engine.cuda_graphs import DecodeGraphs, PrefillGraphs
+            from engine.llm.graphs import DecodeGraphs, PrefillGraphs
 
             self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots)
             if cuda_graphs:

@@ -4,7 +4,7 @@ The release state dict has no prefix and stores some tensors in layouts of its o
 `attention.wkv.weight` [2, kv*hd, dim] (K then V), dense `feed_forward.w_in.weight` [2, inter, dim]
 (up then gate), `experts.w13` [E, 2*inter, dim] row-interleaved (even rows gate, odd rows up),
 `experts.w2` [E, dim, inter], and no `router_states_scale` on the first MoE layer. This module maps
-that dict onto `engine.model.Zonos2`, writes it (synthetic checkpoints), and checks it tensor by tensor.
+that dict onto `engine.model.zonos2.Zonos2`, writes it (synthetic checkpoints), and checks it tensor by tensor.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from engine.config import ConfigError, Zonos2Config, preset_params
-from engine.model import Zonos2
+from engine.model.zonos2 import Zonos2
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 last-position logits of each; `decode()` advances a batch of slots by one frame. Both write K/V into
 the static cache, so a slot's context lives in `[layer, slot, :length]`.
 
-Parameters are kept in compute-friendly layouts; `engine.checkpoint` maps the release state dict
+Parameters are kept in compute-friendly layouts; `engine.model.checkpoint` maps the release state dict
 (3-D `wkv`, `w_in` chunk order, interleaved `experts.w13`, ...) onto them.
 """
 
@@ -173,7 +173,7 @@ class PackedPrefill:
     @staticmethod
     def build(model: Zonos2, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None, n_tokens: int,
               n_seqs: int, device: torch.device, scratch_slot: int | None = None) -> PackedPrefill:
-        from engine.kernels.prefill_attention import build_block_table, max_blocks
+        from engine.model.kernels.prefill_attention import build_block_table, max_blocks
 
         total = sum(s.length for s in seqs)
         if total > n_tokens or len(seqs) > n_seqs:
@@ -292,8 +292,8 @@ class MoEFFN(nn.Module):
 
     def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
         if self.use_triton:
-            from engine.kernels.moe import fused_moe
-            from engine.kernels.router import fused_route
+            from engine.model.kernels.moe import fused_moe
+            from engine.model.kernels.router import fused_route
 
             chosen, weights, state = self.router(x, router_state, self.k, fused_route)
             return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights), state
@@ -457,7 +457,7 @@ class Zonos2(nn.Module):
         """The prefill as pure tensor work of fixed shapes (Triton attention over the cache, no host
         sync), so a CUDA graph per token count can replay it. Padding tokens write into the scratch
         slot and belong to no attention block. Returns logits [len(last_idx), 9, audio_vocab]."""
-        from engine.kernels.prefill_attention import prefill_attention
+        from engine.model.kernels.prefill_attention import prefill_attention
 
         cache = self.cache
         assert cache is not None, "call setup_cache first"
@@ -483,7 +483,7 @@ class Zonos2(nn.Module):
         cache, stages = self.cache, self.decode_stages
         h = stages.embed_norm(ids, self.embed_tables(), self.cfg.norm_eps)
         if self.use_triton:
-            from engine.kernels.decode_attention import decode_attention
+            from engine.model.kernels.decode_attention import decode_attention
 
             lengths = (positions + 1).to(torch.int32)
 

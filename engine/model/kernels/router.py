@@ -1,4 +1,4 @@
-"""The EDA router in two launches (a cuBLAS GEMM, then one Triton kernel): `fused_route` = `engine.model.route`.
+"""The EDA router in two launches (a cuBLAS GEMM, then one Triton kernel): `fused_route` = `engine.model.zonos2.route`.
 
 After r = x W_down^T + b_down, program i takes ROWS token rows and does, in registers throughout:
   r += prev * scale   (when a state is carried)
@@ -93,7 +93,7 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
                 b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
                 eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int = 8,
                 down_in_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """`engine.model.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
+    """`engine.model.zonos2.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
     All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
 
     By default the 2048 -> 128 down-projection is a cuBLAS GEMM and the rest one launch: inside the kernel,
