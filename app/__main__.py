@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -20,6 +21,22 @@ _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--se
 _ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes"}  # 0 allowed (no minimum / OS default)
 
 
+def parse_devices(p: argparse.ArgumentParser, value: str | None, gpus: int) -> list[str]:
+    """--devices: a comma list of cpu / cuda / cuda:N (repeats allowed: two engines on one device), or
+    `all`: cuda:0..N-1 for the N GPUs this process sees (CUDA_VISIBLE_DEVICES), one cpu engine without any."""
+    if value is None:
+        return []
+    if value.strip() == "all":
+        return [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
+    devices = [d.strip() for d in value.split(",") if d.strip()]
+    for d in devices:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            p.error(f"--devices: {d!r} is not cpu, cuda or cuda:N")
+    if not devices:
+        p.error("--devices needs at least one device")
+    return ["cuda:0" if d == "cuda" else d for d in devices]
+
+
 def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p = argparse.ArgumentParser(prog="zonos-gateway", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
@@ -30,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--random-weights", choices=["tiny", "full"], default="tiny",
                    help="size of the random model used without --model-path (full = release size, GPU)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--devices", help="one engine process per device, placed by headroom: cuda:0,cuda:1,... "
+                   "(all: every visible GPU; cpu,cpu works too); docs/scaling.md")
     p.add_argument("--dac-device", help="run the dac_decoder node on another device")
     p.add_argument("--max-batch", type=int, help="decode slots (default: 128 on GPU, 8 on CPU)")
     p.add_argument("--max-context", type=int,
@@ -77,9 +96,15 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         p.error(f"binding to {a.host} exposes the GPU: give --api-key KEY (or --no-auth to serve without keys)")
     import torch
 
-    on_gpu = a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available())
+    devices = parse_devices(p, a.devices, torch.cuda.device_count() if a.devices == "all" else 0)
+    if devices and a.device != "auto":
+        p.error("give --device (one engine) or --devices (one engine per device), not both")
+    if devices and a.dac_device:
+        p.error("--dac-device is for one engine (--device); with --devices each engine keeps its DAC on its device")
+    on_gpu = (any(d.startswith("cuda") for d in devices) if devices else
+              a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available()))
     engine = EngineSettings(
-        device=a.device,
+        device=devices[0] if devices else a.device,
         dac_device=a.dac_device,
         max_batch=a.max_batch or (128 if on_gpu else 8),
         max_context=a.max_context,
@@ -98,7 +123,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     weights.check()
     limits = Limits(**limit_values)
     return GatewaySettings(
-        host=a.host, port=a.port, weights=weights, engine=engine, limits=limits, data_dir=Path(a.data_dir),
+        host=a.host, port=a.port, weights=weights, engine=engine, devices=tuple(devices), limits=limits,
+        data_dir=Path(a.data_dir),
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
         cors_origins=tuple(a.cors_origin), text_normalization=not a.no_text_normalization,
         log_level=a.log_level.upper(),

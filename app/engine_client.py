@@ -6,6 +6,10 @@ behind by more than `max_buffered_s` of audio is cancelled (its GPU slot is free
 is dropped and the error is the next event it reads, so one slow client never holds memory or GPU
 time that others need. A stream nobody reads yet (the next utterance, generating ahead while the
 current one plays) is bounded by its max_frames instead; its head start does not count as falling behind.
+
+`EnginePool` runs one `EngineClient` per device (`--devices`): each engine has its own process, rings
+and supervisor, so one engine's death ends only the requests placed on it, and it restarts alone. A new
+request goes to the ready engine with the most headroom (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import contextlib
 import itertools
 import logging
 import multiprocessing as mp
+import os
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +31,7 @@ import numpy as np
 from engine import messages as m
 from engine.ipc import AsyncRingReader, ShmRing, remove_stale_segments
 from engine.lifeline import close_quietly, open_lifeline
+from engine.runtime.admission import FRAME_S
 from engine.server import EngineSettings, engine_main
 from engine.weights import WeightSources
 
@@ -34,6 +42,12 @@ SAMPLE_RATE = 44100
 
 class EngineUnavailable(RuntimeError):
     """The engine is starting, restarting or overloaded."""
+
+
+def sweep_stale_rings() -> None:
+    stale = remove_stale_segments()
+    if stale:
+        log.warning("removed %d shared-memory rings left by dead gateways: %s", len(stale), ", ".join(stale))
 
 
 @dataclass
@@ -103,6 +117,28 @@ class Stream:
             self._end(Event(m.FINISHED, {"reason": "cancelled", "stats": {}}))
 
 
+_SPAWN_ENV_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """os.environ with `env` applied while a child is spawned (it inherits the environment at exec)."""
+    if not env:
+        yield
+        return
+    with _SPAWN_ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 class EngineClient:
     def __init__(
         self,
@@ -112,9 +148,19 @@ class EngineClient:
         max_buffered_s: float = 60.0,
         restart: bool = True,
         log_level: str = "INFO",
+        name: str | None = None,
+        device: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.weights = weights
         self.settings = settings
+        # In a pool: the engine's name (its Prometheus label), the device it was asked for (what the
+        # operator wrote in --devices) and the environment its process gets on top of ours
+        # (CUDA_VISIBLE_DEVICES: the process sees only its own GPU, as cuda:0).
+        self.name = name
+        self.device = device or settings.device
+        self.env = dict(env or {})
+        self.submitted = 0  # requests placed on this engine (and embeddings run on it), since the gateway started
         self.ring_bytes = ring_bytes
         self.max_buffered_samples = int(max_buffered_s * SAMPLE_RATE)
         self.restart = restart
@@ -138,12 +184,20 @@ class EngineClient:
         self.on_stats: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
-    async def start(self) -> None:
-        stale = remove_stale_segments()
-        if stale:
-            log.warning("removed %d shared-memory rings left by dead gateways: %s", len(stale), ", ".join(stale))
+    async def start(self, sweep: bool = True) -> None:
+        if sweep:
+            sweep_stale_rings()
         self._spawn()
-        self._tasks.append(asyncio.create_task(self._supervise(), name="engine-supervisor"))
+        self._tasks.append(asyncio.create_task(self._supervise(), name=f"engine-supervisor{self._tag}"))
+
+    @property
+    def _tag(self) -> str:
+        return "" if self.name is None else f"-{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How log lines and error messages name this engine."""
+        return "the engine" if self.name is None else f"engine {self.name} ({self.device})"
 
     def _spawn(self) -> None:
         self.ready.clear()
@@ -156,16 +210,18 @@ class EngineClient:
         self._proc = ctx.Process(
             target=engine_main,
             args=(self.weights, self.settings, self._inbox.spec(), self._events.spec(), self.log_level, lifeline),
-            name="zonos-engine",
+            name=f"zonos-engine{self._tag}",
             daemon=True,
         )
         try:
-            self._proc.start()
+            with _environment(self.env):
+                self._proc.start()
         finally:
             close_quietly(lifeline.fd)  # the child has its own copy now
         self._reader = AsyncRingReader(self._events)
-        self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name="engine-dispatch"))
-        log.info("engine process %s started", self._proc.pid)
+        self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name=f"engine-dispatch{self._tag}"))
+        log.info("%s: process %s started%s", self.label, self._proc.pid,
+                 "".join(f" {k}={v}" for k, v in self.env.items()))
 
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
@@ -182,8 +238,9 @@ class EngineClient:
                 return
             proc.join(timeout=1)
             code = proc.exitcode
-            log.error("engine process exited with code %s", code)
-            self._fail_all("engine_restarted", f"the engine process stopped (exit code {code}); it is restarting")
+            log.error("%s: process exited with code %s", self.label, code)
+            self._fail_all("engine_restarted", f"{self.label} process stopped (exit code {code}); it is restarting")
+            self.stats = {}  # its last STATS record describes a process that is gone
             self._teardown_rings()
             if not self.restart:
                 self.start_error = self.start_error or f"engine exited with code {code}"
@@ -243,6 +300,7 @@ class EngineClient:
         if not self._inbox.try_put(header, payload):
             del self._streams[req.rid]
             raise EngineUnavailable("the engine inbox is full")
+        self.submitted += 1
         return stream
 
     def cancel(self, rid: int) -> asyncio.Future[dict[str, Any]]:
@@ -265,6 +323,7 @@ class EngineClient:
         try:  # RecordTooLarge (a ValueError) when the clip can never fit the inbox
             if not self._inbox.try_put({"type": m.EMBED, "rid": rid, "clip_sr": int(sample_rate)}, clip):
                 raise EngineUnavailable("the engine inbox is full")
+            self.submitted += 1
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise EngineUnavailable(f"the speaker encoder did not answer within {timeout:g} s") from None
@@ -294,6 +353,8 @@ class EngineClient:
             if rid in self._streams:
                 self._streams[rid]._deliver(Event(kind, header))
         elif kind in (m.STARTED, m.FINISHED, m.ERROR) and rid is not None:
+            if kind == m.FINISHED and self.name is not None and isinstance(header.get("stats"), dict):
+                header["stats"]["engine_id"] = self.name  # which engine of the pool ran it (audio.done stats)
             if kind == m.ERROR and rid in self._embeds:
                 fut = self._embeds.pop(rid)
                 if not fut.done():
@@ -310,15 +371,15 @@ class EngineClient:
             self.info = dict(header)
             self.start_error = None
             self.ready.set()
-            log.info("engine ready on %s (slots %s, warm-up %.2fs)", header.get("device"), header.get("slots"),
-                     header.get("warmup_s", 0))
+            log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, header.get("device"),
+                     header.get("slots"), header.get("warmup_s", 0))
         elif kind == m.STATS:
             self.stats = dict(header)
             for cb in self.on_stats:
                 cb(self.stats)
         elif kind == m.ERROR:
             self.start_error = header.get("message")
-            log.error("engine error: %s", header.get("message"))
+            log.error("%s error: %s", self.label, header.get("message"))
 
     def _fail_all(self, code: str, message: str) -> None:
         self.ready.clear()
@@ -337,3 +398,150 @@ class EngineClient:
     @property
     def in_flight(self) -> int:
         return len(self._streams)
+
+    @property
+    def slots(self) -> int:
+        return int(self.info.get("slots") or self.settings.max_batch)
+
+    @property
+    def realtime_admission(self) -> bool:
+        mode = self.settings.admission
+        return mode == "realtime" or (mode == "auto" and str(self.info.get("device", self.device)).startswith("cuda"))
+
+    def headroom(self) -> float:
+        """How many more requests this engine can start now without a wait: its free slots, counted from
+        the requests this gateway has open on it (exact and up to date: it counts a request from the
+        moment it is sent, before the engine's next STATS record), and, under realtime admission, the
+        streams its measured iteration cost still admits (engine/runtime/admission.py's rule with the period and
+        stream count of its last STATS record). Negative: requests would queue."""
+        load = self.in_flight
+        free = float(self.slots - load)
+        if self.realtime_admission:
+            active, period_ms = self.stats.get("active") or 0, self.stats.get("period_ms") or 0.0
+            if active and period_ms:
+                bound_ms = self.settings.admission_headroom * FRAME_S * 1e3
+                free = min(free, bound_ms / (period_ms / active) - load)
+        return free
+
+    def describe(self) -> dict[str, Any]:
+        """This engine's entry in /readyz."""
+        st = self.stats
+        return {
+            "engine": self.name, "device": self.device, "ready": self.ready.is_set(), "pid": self.pid,
+            "restarts": self.restarts, "in_flight": self.in_flight, "slots": self.slots,
+            "active": st.get("active"), "waiting": st.get("waiting"), "submitted": self.submitted,
+            **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
+               if not self.ready.is_set() else {}),
+        }
+
+
+class _AnyReady:
+    """`ready` of a pool: set while at least one engine is ready (the Event interface the gateway uses)."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        self._engines = engines
+
+    def is_set(self) -> bool:
+        return any(e.ready.is_set() for e in self._engines)
+
+    async def wait(self) -> bool:
+        if self.is_set():
+            return True
+        waits = [asyncio.ensure_future(e.ready.wait()) for e in self._engines]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return True
+
+
+class EnginePool:
+    """One engine per device, placed by headroom. With one device it behaves as that one EngineClient."""
+
+    def __init__(self, engines: list[EngineClient]) -> None:
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.engines = engines
+        self.ready = _AnyReady(engines)
+        self.on_placed: list[Any] = []  # callbacks (engine, "utterance" | "embedding"): a request was placed on it
+        self._turn = itertools.count()
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        sweep_stale_rings()
+        for e in self.engines:
+            await e.start(sweep=False)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.close() for e in self.engines))
+
+    def kill_engine(self, index: int = 0) -> None:
+        self.engines[index].kill_engine()
+
+    # ---- what the single-engine gateway read from its one EngineClient ----------------------------
+    @property
+    def first_ready(self) -> EngineClient:
+        return next((e for e in self.engines if e.ready.is_set()), self.engines[0])
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.first_ready.info
+
+    @property
+    def restarts(self) -> int:
+        return sum(e.restarts for e in self.engines)
+
+    @property
+    def start_error(self) -> str | None:
+        return next((e.start_error for e in self.engines if e.start_error), None)
+
+    @property
+    def pid(self) -> int | None:
+        return self.first_ready.pid
+
+    @property
+    def alive(self) -> bool:
+        return any(e.alive for e in self.engines)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.engines)
+
+    # ---- placement -------------------------------------------------------------------------------
+    def by_headroom(self) -> list[EngineClient]:
+        """Ready engines, most headroom first; ties go round-robin, so an idle pool spreads its first requests."""
+        ready = [e for e in self.engines if e.ready.is_set()]
+        if len(ready) > 1:
+            turn = next(self._turn) % len(ready)
+            ready = ready[turn:] + ready[:turn]
+            ready.sort(key=lambda e: -e.headroom())  # stable: the rotation breaks ties
+        return ready
+
+    def _placed(self, e: EngineClient, kind: str) -> None:
+        for cb in self.on_placed:
+            cb(e, kind)
+
+    def submit(self, req: m.SubmitRequest) -> Stream:
+        """Send a request to the engine with the most headroom (the next one when its inbox is full)."""
+        error: EngineUnavailable | None = None
+        for e in self.by_headroom():
+            try:
+                stream = e.submit(req)
+            except EngineUnavailable as exc:
+                error = exc
+                continue
+            self._placed(e, "utterance")
+            return stream
+        raise error or EngineUnavailable("no engine is ready" if len(self.engines) > 1 else "the engine is not ready")
+
+    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
+        """The speaker_encoder on one engine (any: every engine runs the same weights), most headroom first."""
+        error: EngineUnavailable | None = None
+        for e in self.by_headroom():  # an engine that is full, or dies under the clip: the next one runs it
+            try:
+                self._placed(e, "embedding")
+                return await e.embed(clip, sample_rate, timeout)
+            except EngineUnavailable as exc:
+                error = exc
+        raise error or EngineUnavailable("no engine is ready" if len(self.engines) > 1 else "the engine is not ready")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import logging
+import os
 import re
 import time
 from collections import OrderedDict
@@ -14,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from app.engine_client import EngineClient, EngineUnavailable, Stream
+from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Stream
 from app.metrics import Metrics
 from app.settings import GatewaySettings
 from app.synthesis import PromptFactory, RequestError, SynthesisOptions
@@ -35,16 +37,46 @@ def model_config(settings: GatewaySettings) -> Zonos2Config:
     return Zonos2Config.from_dict(preset_params(settings.weights.random_preset))
 
 
+def engine_device(device: str, pooled: bool) -> tuple[str, dict[str, str]]:
+    """The device an engine process is told, and the environment it gets. In a pool (--devices) an engine
+    on cuda:N sees only that GPU (CUDA_VISIBLE_DEVICES, mapped through ours when it is set), as cuda:0:
+    every kernel, graph and allocation of the process is then on its own GPU whatever the current device."""
+    if not pooled or not device.startswith("cuda"):
+        return device, {}
+    index = int(device.partition(":")[2] or 0)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        if index >= len(visible):
+            raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has "
+                             f"{len(visible)} device(s)")
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": visible[index]}
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(index)}
+
+
+def engine_pool(settings: GatewaySettings) -> EnginePool:
+    """One EngineClient per device of --devices (one on --device without it), each supervised alone."""
+    pooled = bool(settings.devices)
+    engines = []
+    for i, device in enumerate(settings.devices or (settings.engine.device,)):
+        child_device, env = engine_device(device, pooled)
+        engines.append(EngineClient(
+            settings.weights, dataclasses.replace(settings.engine, device=child_device),
+            max_buffered_s=settings.limits.max_buffered_audio_s, log_level=settings.log_level,
+            name=str(i), device=device, env=env,
+        ))
+    return EnginePool(engines)
+
+
 class Gateway:
     def __init__(self, settings: GatewaySettings) -> None:
         self.settings = settings
         self.cfg = model_config(settings)
         self.metrics = Metrics()
-        self.engine = EngineClient(
-            settings.weights, settings.engine, max_buffered_s=settings.limits.max_buffered_audio_s,
-            log_level=settings.log_level,
-        )
-        self.engine.on_stats.append(self.metrics.on_engine_stats)
+        # `engine` places every request on one of `engines` (one process per device, docs/scaling.md)
+        self.engine = engine_pool(settings)
+        self.engines = self.engine.engines
+        self.metrics.engines = lambda: self.engines
+        self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
         self.normalizer = TextNormalizer() if settings.text_normalization else None
         self.prompts = PromptFactory(self.cfg, self.normalizer)
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim)

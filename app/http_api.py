@@ -401,10 +401,11 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
+    engines = [e.describe() for e in gw.engines]  # ready = at least one engine ready (docs/scaling.md)
     if gw.engine.ready.is_set():
-        return JSONResponse({"status": "ready", "engine": gw.engine.info})
+        return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines})
     reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")
-    return JSONResponse({"status": "not_ready", "reason": reason}, status_code=503)
+    return JSONResponse({"status": "not_ready", "reason": reason, "engines": engines}, status_code=503)
 
 
 async def metrics(request: Request) -> Response:

@@ -38,6 +38,9 @@ class GatewaySettings:
     port: int = 8000
     weights: WeightSources = field(default_factory=WeightSources)
     engine: EngineSettings = field(default_factory=EngineSettings)
+    # --devices: one engine process per entry (cpu, cuda:N; repeats allowed), placed by headroom
+    # (docs/scaling.md). Empty: one engine on engine.device (--device).
+    devices: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")))
     default_voices_dir: Path | None = None
