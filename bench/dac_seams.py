@@ -36,7 +36,7 @@ SCHEDULES: dict[str, ChunkSchedule] = {
 
 def stream(codec: Codec, schedule: ChunkSchedule, frames: np.ndarray, eos: int | None) -> np.ndarray:
     dec = StreamingDecoder(codec, schedule)
-    dec.open(0, detect_eos=False)  # random codes may contain 1024: do not cap at a fake EOA
+    dec.open(0)
     out = []
     for k in range(len(frames)):
         dec.push(0, frames[k])

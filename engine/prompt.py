@@ -161,7 +161,3 @@ class PromptBuilder:
             [silence, np.full((len(silence), 1), self.cfg.text_pad_id, dtype=np.int64)], axis=1
         )
         return np.concatenate([np.array(rows, dtype=np.int64).reshape(-1, self.cfg.n_codebooks + 1), silence_rows])
-
-    @property
-    def speaker_position(self) -> int:
-        return 0

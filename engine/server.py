@@ -304,7 +304,7 @@ class Engine:
             self.llm.admit(seq)
             job.t_admitted = time.perf_counter()
             self.running[seq.rid] = job
-            self.dac.open(seq.rid, detect_eos=not seq.ignore_eos)
+            self.dac.open(seq.rid)
             self.outbox.put(seq.rid, {"type": m.STARTED, "rid": seq.rid,
                                       "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2)})
         # what live streams could not make room for within max_wait_s is refused, oldest first
@@ -350,15 +350,13 @@ class Engine:
                 continue
             if seq.generated == 1:
                 job.t_prefilled = now
-            eos_known = seq.eos.eos_frame is not None and not seq.ignore_eos
-            if not eos_known and seq.finish_reason is None:
+            if seq.audio_frames is None and seq.finish_reason is None:
                 plain_rids.append(seq.rid)
                 plain_rows.append(codes)
                 continue
-            self.dac.push(seq.rid, codes[None], eos_frame=seq.eos.eos_frame if eos_known else None)
+            self.dac.push(seq.rid, codes[None], eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
-                eos = None if seq.ignore_eos else seq.eos.eos_frame
-                self.dac.finish(seq.rid, eos)
+                self.dac.finish(seq.rid, seq.audio_frames)
                 self.llm.release(seq)
         if plain_rids:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))

@@ -57,7 +57,7 @@ def stream(codec: Codec, frames: np.ndarray, eos: int | None, schedule: ChunkSch
     eos + c, c <= 8); otherwise only at finish (the random codes carry no EOA).
     """
     dec = StreamingDecoder(codec, schedule)
-    dec.open(7, detect_eos=False)
+    dec.open(7)
     out, finals = [], 0
     for k, f in enumerate(frames):
         dec.push(7, f, eos_frame=eos if eos_at_push and eos is not None and k >= eos else None)
@@ -286,21 +286,24 @@ def test_eos_from_push_finalizes_early(codec: Codec):
     assert len(x) == eos * HOP and snr_db(decode_offline(codec, frames, eos), x) > 90
 
 
-def test_eoa_in_frames_caps_streaming(codec: Codec):
-    """Engine reports eos only at finish: audio past the first EOA must not leak out before."""
+def test_known_eos_caps_streaming_while_frames_keep_coming(codec: Codec):
+    """The LLM node knows the audio ends at frame 67 when the EOA appears in delayed frame 70 (codebook 3)
+    and says so with that frame; frames still arrive until its countdown ends 9 frames later. Nothing
+    past the EOS is ever emitted, and without an EOS (ignore_eos) every frame is."""
     frames = random_frames(120, seed=4)
-    frames[70, 3] = 1024  # EOA in codebook 3 of delayed frame 70 -> eos_frame 67 (spec §7)
+    frames[70, 3] = 1024
     eos = 67
-    for detect, finish_eos, total in [(True, eos, eos), (True, None, 120), (False, None, 120)]:
+    for eos_at_70, total in [(eos, eos), (None, 120)]:
         dec = StreamingDecoder(codec)
-        dec.open(1, detect_eos=detect)
+        dec.open(1)
         emitted = 0
-        for k in range(79):  # the engine's countdown ends 9 frames after the EOA
-            dec.push(1, frames[k])
+        for k in range(79):
+            dec.push(1, frames[k], eos_frame=eos_at_70 if k >= 70 else None)
             emitted += sum(len(p) for _, p, _ in dec.step())
-            assert not detect or emitted <= eos * HOP
-        dec.push(1, frames[79:] if finish_eos is None else frames[79:80])
-        dec.finish(1, finish_eos)
+            assert emitted <= total * HOP
+        if eos_at_70 is None:
+            dec.push(1, frames[79:])
+        dec.finish(1, eos_at_70)
         emitted += sum(len(p) for _, p, _ in dec.step())
         assert emitted == total * HOP
 
@@ -337,7 +340,7 @@ def test_batching_equals_alone(codec: Codec):
         for rid in frames:
             k = t - lag[rid]
             if k == 0:
-                dec.open(rid, detect_eos=False)
+                dec.open(rid)
             if 0 <= k < 90:
                 e = eos[rid]
                 dec.push(rid, frames[rid][k], eos_frame=e if e is not None and k >= e else None)
@@ -544,15 +547,14 @@ def test_drop_while_in_flight_discards_its_audio(codec: Codec):
 
 
 def test_push_rows_equals_push(codec: Codec):
-    rows = random_frames(60, seed=5)
-    rows[30, 4] = 1024  # an EOA: the batched path must still cap the stream at it
+    rows = random_frames(100, seed=5)  # past the first buffer (64 rows): the batched path grows it too
     a, b = StreamingDecoder(codec), StreamingDecoder(codec)
-    for k in range(60):
+    for k in range(100):
         a.push(9, rows[k])
         b.push_rows([9], rows[k][None])
     ra, rb = a._reqs[9], b._reqs[9]
-    assert ra.n == rb.n == 60 and ra.eoa_cap == rb.eoa_cap == 26
-    assert np.array_equal(ra.buf[:60], rb.buf[:60])
+    assert ra.n == rb.n == 100
+    assert np.array_equal(ra.buf[:100], rb.buf[:100])
 
 
 def test_frame_budget_bounds_each_launch(codec: Codec):

@@ -6,7 +6,7 @@ Usage (one thread, the engine loop, calls everything)::
     dec.warmup(max_batch=64)               # at startup on GPU: pre-builds every cuDNN shape (~2-4 s)
     dec.open(rid)                          # optional: push() opens implicitly
     dec.push(rid, frames)                  # delayed frames [n, 9] (or [9]) as sampled, EOA/pad included
-    dec.push(rid, frames, eos_frame=k)     # optional: eos as soon as the engine detects it (spec §7)
+    dec.push(rid, frames, eos_frame=k)     # where the audio ends, once the LLM node knows (spec §7)
     dec.finish(rid, eos_frame)             # generation over; eos_frame None = no EOS, keep all N
     for rid, pcm, is_final in dec.step():  # int16 PCM; float32 with step(as_float=True)
         ...
@@ -28,11 +28,11 @@ lookahead_frames (= overlap_frames unless set), decoded without right context, f
 The final chunk emits everything. Holding back 9 frames (the receptive field) with 18 frames of
 context makes the stream equal the one-shot decode: that is the default schedule.
 
-EOA. Unless opened with detect_eos=False, non-final chunks never extend past the first EOA the
-frames show (spec §7 rule), so nothing after the EOS is emitted even if the engine only reports
-eos_frame at `finish`, 9 frames later. The cap only delays audio: `finish(rid, None)` (ignore_eos)
-still decodes every frame. With eos_frame known (push or finish) and every frame before it
-complete, the final chunk is decoded without waiting for `finish`.
+End of audio. The decoder does not look for EOA codes itself: the LLM node decides where the audio
+ends (its delayed-EOS tracker, spec §7) and says so with `push(..., eos_frame=k)` as soon as it knows,
+or at `finish`. Chunks never extend past a known eos_frame; `finish(rid, None)` (ignore_eos) keeps every
+frame. With eos_frame known and every frame before it complete, the final chunk is decoded without
+waiting for `finish`.
 
 Latency. Chunk 0 is ready after first_chunk_frames + 8 generated frames and emits
 first_chunk_frames - holdback frames (default: 20 steps, 3 frames; `low_latency()`: 16 steps,
@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.dac.codec import EOA_ID, HOP, N_CODEBOOKS, Codec
+from engine.dac.codec import HOP, N_CODEBOOKS, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.delay import PAD_ID
 
@@ -115,8 +115,6 @@ class _Req:
     tail_planned: int = 0  # frames the last planned chunk withholds (its tail may not exist yet)
     tail: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
     emitted: int = 0  # samples returned so far
-    detect_eos: bool = True
-    eoa_cap: int | None = None  # eos implied by the first EOA in the frames (spec §7)
     done: bool = False  # final chunk planned; later pushes are ignored
     final_sent: bool = False  # final audio returned; kept only until finish() (or drop())
     served: int = 0  # step() count when last decoded (max_frames fairness)
@@ -128,21 +126,12 @@ class _Req:
             grown[: self.n] = self.buf[: self.n]
             self.buf = grown
         self.buf[self.n : need] = frames
-        if self.detect_eos and self.eoa_cap is None:
-            hit = frames == EOA_ID
-            rows = np.flatnonzero(hit.any(axis=1))
-            if rows.size:
-                k = int(rows[0])
-                self.eoa_cap = max(0, self.n + k - int(np.flatnonzero(hit[k]).max()))
         self.n = need
 
     def available(self) -> int:
         """Complete aligned frames that may be decoded now."""
         a = max(0, self.n - DELAY)
-        for cap in (self.eos, self.eoa_cap):
-            if cap is not None:
-                a = min(a, cap)
-        return a
+        return a if self.eos is None else min(a, self.eos)
 
     def final_target(self) -> int | None:
         """Target frame count if the final chunk can be decoded now, else None."""
@@ -194,11 +183,11 @@ class StreamingDecoder:
 
     # ---- request lifecycle (cheap, no DAC work) -------------------------------------------
 
-    def open(self, rid: int, detect_eos: bool = True) -> None:
-        """Start a request. detect_eos=False for ignore_eos requests (see module docstring)."""
+    def open(self, rid: int) -> None:
+        """Start a request."""
         if rid in self._reqs:
             raise KeyError(f"request {rid} already open")
-        self._reqs[rid] = _Req(detect_eos=detect_eos)
+        self._reqs[rid] = _Req()
 
     def push(self, rid: int, frames: np.ndarray | torch.Tensor, eos_frame: int | None = None) -> None:
         """Append delayed frames [n, 9] (or one frame [9]); opens rid if needed."""
@@ -218,17 +207,16 @@ class StreamingDecoder:
 
     def push_rows(self, rids: list[int], frames: np.ndarray) -> None:
         """One generated frame for each of `rids` (frames [len(rids), 9], row i for rids[i]): the decode
-        step's whole batch in one call, the EOA scan done once for the batch."""
-        eoa_rows = set(np.flatnonzero((frames == EOA_ID).any(axis=1)).tolist())
+        step's whole batch in one call."""
         for i, rid in enumerate(rids):
             req = self._reqs.get(rid)
             if req is None:
                 req = self._reqs[rid] = _Req()
             if req.done:
                 continue
-            if i in eoa_rows or req.n == req.buf.shape[0]:
+            if req.n == req.buf.shape[0]:
                 req.append(frames[i : i + 1])
-            else:  # the common case: room in the buffer and no EOA to look at
+            else:  # the common case: room in the buffer
                 req.buf[req.n] = frames[i]
                 req.n += 1
 

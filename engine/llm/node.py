@@ -39,6 +39,12 @@ class Sequence:
     finish_reason: str | None = None
 
     @property
+    def audio_frames(self) -> int | None:
+        """Aligned frames the audio keeps, once the delayed EOS fixed it (None: not known, or ignore_eos:
+        every frame). The one place that decides where a request's audio ends."""
+        return None if self.ignore_eos else self.eos.eos_frame
+
+    @property
     def prompt_len(self) -> int:
         return len(self.prompt)
 

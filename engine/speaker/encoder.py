@@ -596,16 +596,6 @@ class SpeakerEncoder(nn.Module):
         mel = self.frontend(x.to(self.device).unsqueeze(0))
         return self.forward(mel)[0].to("cpu", torch.float32)
 
-    def embed_batch(self, clips: Iterable[tuple[np.ndarray | torch.Tensor, int]]) -> torch.Tensor:
-        """Embed several ``(wav, sample_rate)`` clips -> ``[N, enc_dim]``.
-
-        Clips are run one at a time on purpose: padding them into one batch would change the
-        reflect-padded edges and the pooling statistics, i.e. the embeddings.
-        """
-        out = [self.embed(wav, sr) for wav, sr in clips]
-        if not out:
-            return torch.empty((0, self.config.enc_dim), dtype=torch.float32)
-        return torch.stack(out)
 
 
 def _match_checkpoint(
