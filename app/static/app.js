@@ -119,7 +119,6 @@ function applyCapabilities(c) {
   caps = c;
   const lang = $("#p-language");
   lang.replaceChildren(...c.text_norm_languages.map((l) => el("option", { value: l }, l)));
-  $("#p-text_normalization").disabled = !c.text_normalization_enabled;
   const rate = $("#p-speaking_rate_bucket");
   const names = ["slowest", "very slow", "slow", "relaxed", "normal", "brisk", "fast", "fastest"];
   rate.replaceChildren(
@@ -134,6 +133,16 @@ function applyCapabilities(c) {
   limits.max_frames = c.max_tokens;
   $("#p-max_frames").placeholder = `server limit (${c.max_tokens})`;
   restoreParams();
+}
+
+// What this server cannot do, shown as off (and why), whatever the saved or default setting says.
+function applyServerSwitches() {
+  const norm = $("#p-text_normalization");
+  const off = caps && !caps.text_normalization_enabled;
+  norm.disabled = !!off;
+  if (off) norm.checked = false;
+  $("#norm-off").hidden = !off;
+  norm.closest("label").title = off ? "This server was started with --no-text-normalization" : "";
 }
 
 function readParams() {
@@ -161,8 +170,14 @@ function readParams() {
 }
 
 function saveParams() {
-  const state = {};
+  let state = {};
+  try {
+    state = JSON.parse(localStorage.getItem(PARAMS_STORE) || "{}"); // a control this server disables keeps its choice
+  } catch {
+    /* corrupt: start again */
+  }
   for (const input of form.querySelectorAll("[name]")) {
+    if (input.disabled) continue;
     if (input.type === "radio") {
       if (input.checked) state[input.name] = input.value;
     } else state[input.name] = input.type === "checkbox" ? input.checked : input.value;
@@ -190,6 +205,7 @@ function restoreParams(defaults = false) {
     }
     input.dispatchEvent(new Event("input"));
   }
+  applyServerSwitches();
   saveParams();
 }
 
@@ -321,6 +337,8 @@ async function deleteVoice(v) {
   }
 }
 
+const NEEDS_TWO = "Needs two voices in the library.";
+
 function renderBlend(voices) {
   const a = $("#blend-a");
   const b = $("#blend-b");
@@ -334,7 +352,10 @@ function renderBlend(voices) {
   if (voices.length > 1 && a.value === b.value) b.selectedIndex = a.selectedIndex === 0 ? 1 : 0; // two different voices
   const ok = voices.length >= 2;
   $("#blend-submit").disabled = !ok;
-  setStatus($("#blend-status"), ok ? "" : "Needs two voices in the library.", "muted");
+  const status = $("#blend-status");
+  // Keep what the last blend said ("Created ..."); only the "needs two voices" hint comes and goes.
+  if (!ok) setStatus(status, NEEDS_TWO, "muted");
+  else if (status.textContent === NEEDS_TWO) setStatus(status, "");
   updateBlendLabel();
 }
 
@@ -400,8 +421,15 @@ $("#clone").addEventListener("submit", async (e) => {
   try {
     const res = await api("/v1/voices", { method: "POST", body });
     const v = await res.json();
-    setStatus(status, v.deduplicated ? `Already in the library as "${v.name}".` : `Cloned "${v.name}".`, "ok");
-    log(v.deduplicated ? `voice ${v.name} already existed (same clip)` : `cloned voice ${v.name} (${v.id})`);
+    // The same clip again is the voice it already is; under a new name it is renamed (the server says so).
+    const msg = v.renamed_from
+      ? `This clip was already in the library as "${v.renamed_from}": renamed to "${v.name}".`
+      : v.deduplicated
+        ? `This clip is already in the library as "${v.name}".`
+        : `Cloned "${v.name}".`;
+    setStatus(status, msg, "ok");
+    log(v.renamed_from ? `voice ${v.renamed_from} renamed to ${v.name} (same clip)`
+      : v.deduplicated ? `voice ${v.name} already existed (same clip)` : `cloned voice ${v.name} (${v.id})`);
     $("#clone").reset();
     clearRecording();
     await loadVoices(v.id);
@@ -614,7 +642,7 @@ function onPlayerStats(s) {
   Z.underruns = s.underruns;
   Z.bufferedMs = s.bufferedMs;
   for (const ev of s.events || []) {
-    if (ev === "start" && turn && turn.firstPlayAt == null) turn.firstPlayAt = performance.now();
+    if (ev === "start" && turn && !turn.stopping && turn.firstPlayAt == null) turn.firstPlayAt = performance.now();
     if (ev === "drained" && turn && turn.flushed) finishTurn("done");
   }
 }
@@ -983,7 +1011,10 @@ function updateMetrics() {
   }
   const detail = [];
   if (audio.ctx) detail.push(`start threshold ${Math.round(s.thresholdMs)} ms`);
-  if (t?.firstPlayAt != null) detail.push(`sound after ${fmtMs(t.firstPlayAt - t.t0)}`);
+  // "sound after" only once something of this text was heard: Stop before playback started says so instead
+  const heard = t && s.played - t.playedBase > 0;
+  if (t?.firstPlayAt != null && heard) detail.push(`sound after ${fmtMs(t.firstPlayAt - t.t0)}`);
+  else if (t?.ended === "stopped" && !heard) detail.push("stopped before any sound played");
   if (t?.utterances) detail.push(`${t.utterances} sentence${t.utterances > 1 ? "s" : ""}`);
   if (s.underruns) detail.push("underruns: generation is slower than playback here; the buffer grows to compensate");
   $("#m-detail").textContent = detail.join(" · ");
