@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
     p.add_argument("--default-voices-dir", help="folder of clips / .npy embeddings offered to everyone")
+    p.add_argument("--shared-voices", action="store_true", help="other gateways use the same --data-dir (a shared "
+                   "folder: Ray Serve replicas, several hosts): see their voices; docs/scaling.md")
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable); "
                    "env ZONOS_API_KEYS=k1,k2")
     p.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without API keys")
@@ -126,6 +128,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         host=a.host, port=a.port, weights=weights, engine=engine, devices=tuple(devices), limits=limits,
         data_dir=Path(a.data_dir),
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
+        shared_voices=a.shared_voices,
         cors_origins=tuple(a.cors_origin), text_normalization=not a.no_text_normalization,
         log_level=a.log_level.upper(),
     )

@@ -79,7 +79,7 @@ class Gateway:
         self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
         self.normalizer = TextNormalizer() if settings.text_normalization else None
         self.prompts = PromptFactory(self.cfg, self.normalizer)
-        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim)
+        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
         self.sessions = 0
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None

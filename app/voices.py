@@ -161,18 +161,39 @@ def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
     return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
 
 
+def _folder_mark(d: Path) -> tuple[int, int]:
+    st = d.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def _safe_id(voice_id: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9_\-]{1,80}", voice_id))
+
+
 def _store_error(what: str, e: OSError) -> VoiceError:
     """507 Insufficient Storage when the disk or quota is full, 503 for any other I/O failure."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     return VoiceError("voice_store_unavailable", f"{what}: {e.strerror or e}", 507 if full else 503)
 
 
+SHARED_RECOVER_AGE_S = 600.0  # shared store: a write or delete in progress elsewhere is far younger than this
+SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse mtime can hide a change)
+
+
 class VoiceStore:
-    def __init__(self, root: Path, dim: int) -> None:
+    def __init__(self, root: Path, dim: int, shared: bool = False) -> None:
+        """`shared`: other gateways (Ray Serve replicas, other hosts) use the same folder. Reads then
+        pick up their changes (the folder is rescanned when its mtime moves, and an id not known here is
+        looked up on disk), and the crash recovery at start leaves alone what is younger than
+        SHARED_RECOVER_AGE_S, which may be another gateway's write in progress (docs/scaling.md)."""
         self.root = root
         self.dim = dim
+        self.shared = shared
         self._lock = threading.Lock()
         self._voices: dict[str, Voice] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # shared: voice id -> (inode, mtime_ns) of the folder loaded
+        self._root_seen: tuple[int, int] | None = None
+        self._scanned_at = 0.0
         self._default_previews: dict[str, bytes | None] = {}
         self.error: str | None = None
         try:
@@ -184,30 +205,79 @@ class VoiceStore:
 
     def _load(self) -> None:
         self._recover()
+        if self.shared:
+            self._sync(force=True)
+            return
         for d in sorted(self.root.iterdir()):
             if not d.is_dir() or d.name.startswith("."):
                 continue
-            try:
-                meta = json.loads((d / "meta.json").read_text())
-                if not isinstance(meta, dict) or meta.get("id") != d.name:
-                    raise ValueError(f"meta.json names voice {meta.get('id') if isinstance(meta, dict) else meta!r}")
-                emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)
-                if emb.shape != (self.dim,):
-                    log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
-                    continue
-                if not np.isfinite(emb).all():
-                    raise ValueError("embedding.npy holds NaN or infinite values")
-                self._voices[meta["id"]] = Voice(**meta, embedding=emb)
-            except Exception as e:  # a damaged voice folder must not stop the server
-                log.warning("skipping unreadable voice folder %s: %s", d, e)
+            v = self._read_folder(d)
+            if v is not None:
+                self._voices[v.id] = v
+
+    def _read_folder(self, d: Path) -> Voice | None:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            if not isinstance(meta, dict) or meta.get("id") != d.name:
+                raise ValueError(f"meta.json names voice {meta.get('id') if isinstance(meta, dict) else meta!r}")
+            emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)
+            if emb.shape != (self.dim,):
+                log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
+                return None
+            if not np.isfinite(emb).all():
+                raise ValueError("embedding.npy holds NaN or infinite values")
+            return Voice(**meta, embedding=emb)
+        except Exception as e:  # a damaged voice folder must not stop the server
+            log.warning("skipping unreadable voice folder %s: %s", d, e)
+            return None
+
+    def _sync(self, force: bool = False, voice_id: str | None = None) -> None:
+        """Shared store: take in what other gateways added, replaced or deleted since the last look (one
+        stat of the folder when nothing changed); `voice_id`, unknown here, is looked up on disk as well
+        (a network filesystem may show a new entry before the folder's mtime moves)."""
+        if not self.shared:
+            return
+        try:
+            st = os.stat(self.root)
+            mark = (st.st_ino, st.st_mtime_ns)
+            if not force and mark == self._root_seen and time.monotonic() - self._scanned_at < SHARED_RESCAN_S:
+                if voice_id is None or self._voices.get(voice_id) is not None or not _safe_id(voice_id):
+                    return
+                d = self.root / voice_id
+                if d.is_dir() and (v := self._read_folder(d)) is not None:
+                    with self._lock:
+                        self._voices[v.id] = v
+                        self._seen[v.id] = _folder_mark(d)
+                return
+            self._root_seen, self._scanned_at = mark, time.monotonic()
+            on_disk = {d.name: _folder_mark(d) for d in self.root.iterdir()
+                       if not d.name.startswith(".") and d.is_dir()}
+        except OSError as e:
+            log.warning("voice store at %s: could not look for other gateways' changes: %s", self.root, e)
+            return
+        fresh = {}
+        for vid, mark in on_disk.items():
+            if self._seen.get(vid) != mark and (v := self._read_folder(self.root / vid)) is not None:
+                fresh[vid] = (v, mark)
+        with self._lock:
+            for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in on_disk]:
+                del self._voices[vid]
+                self._seen.pop(vid, None)
+            for vid, (v, mark) in fresh.items():
+                self._voices[vid] = v
+                self._seen[vid] = mark
 
     def _recover(self) -> None:
         """Finish what a crash interrupted: `.tmp-*` (unfinished writes) and `.del-*` (deletes) go away; a
-        `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed."""
+        `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed.
+        Shared: only what is older than SHARED_RECOVER_AGE_S (younger may be another gateway's work)."""
+        now = time.time()
         for d in sorted(self.root.iterdir()):
             if not d.is_dir():
                 continue
             with contextlib.suppress(OSError):
+                if self.shared and d.name.startswith(".") and now - d.stat().st_mtime < SHARED_RECOVER_AGE_S:
+                    continue
                 if d.name.startswith(".old-"):
                     final = self.root / d.name[len(".old-"):].rsplit("-", 2)[0]
                     if not final.exists():
@@ -222,12 +292,14 @@ class VoiceStore:
         return voice.owner in ("", owner)
 
     def list(self, owner: str) -> list[Voice]:
+        self._sync()
         with self._lock:
             vs = [v for v in self._voices.values() if self.visible(v, owner)]
         return sorted(vs, key=lambda v: (v.source != "default", -v.created_at))
 
     def get(self, ref: str, owner: str) -> Voice:
         """By id, else by name (newest wins)."""
+        self._sync(voice_id=ref)
         with self._lock:
             v = self._voices.get(ref)
             if v is None or not self.visible(v, owner):
@@ -249,6 +321,7 @@ class VoiceStore:
         return "v_" + h.hexdigest()[:16]
 
     def find(self, voice_id: str) -> Voice | None:
+        self._sync(voice_id=voice_id)
         with self._lock:
             return self._voices.get(voice_id)
 

@@ -61,6 +61,37 @@ def test_each_gpu_engine_sees_only_its_gpu(monkeypatch):
         engine_device("cuda:2", pooled=True)
 
 
+# ---- one voice library for many gateways ---------------------------------------------------------------------
+def test_shared_voice_store_sees_other_gateways_changes(tmp_path, monkeypatch):
+    """Two gateways (Ray Serve replicas) on one --data-dir with --shared-voices: each sees what the other
+    adds, renames and deletes, and a starting one leaves the other's write in progress alone."""
+    from app import voices as voices_mod
+    from app.voices import Voice, VoiceError, VoiceStore
+
+    dim = 16
+    monkeypatch.setattr(voices_mod, "SHARED_RESCAN_S", 0.0)  # no wait for a coarse-mtime rescan
+    a = VoiceStore(tmp_path, dim, shared=True)
+    in_progress = tmp_path / ".tmp-another-gateway-writing"
+    in_progress.mkdir()
+    crashed = tmp_path / ".tmp-crashed-long-ago"
+    crashed.mkdir()
+    os.utime(crashed, (time.time() - 2 * voices_mod.SHARED_RECOVER_AGE_S,) * 2)
+    b = VoiceStore(tmp_path, dim, shared=True)
+    assert in_progress.exists() and not crashed.exists()
+
+    emb = np.arange(dim, dtype=np.float32)
+    a.add(Voice(id="v_1", name="First", owner="", source="embedding", dim=dim), emb)
+    got = b.get("v_1", "")  # an id written by the other gateway
+    assert got.name == "First" and np.array_equal(got.embedding, emb)
+    a.rename("v_1", "", "Renamed")
+    assert b.get("Renamed", "").id == "v_1" and [v.name for v in b.list("")] == ["Renamed"]
+    a.delete("v_1", "")
+    assert b.list("") == []
+    with pytest.raises(VoiceError):
+        b.get("v_1", "")
+    assert VoiceStore(tmp_path, dim).list("") == []  # an unshared store reads the same layout
+
+
 # ---- placement (no engine process) ------------------------------------------------------------------------
 def fake_engine(name: str, slots: int = 8, open_requests: int = 0, device: str = "cpu",
                 **settings: Any) -> EngineClient:
