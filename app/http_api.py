@@ -44,8 +44,8 @@ MAX_REPETITION_WINDOW = HISTORY
 
 
 def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
-    """Every HTTP error: {"error": {"code", "message"}}. The reference server's routes (/tts/...) add
-    `detail` (the same message), which is where the reference's web UI looks for it."""
+    """Every HTTP error: {"error": {"code", "message"}}. The reference server's speaker routes
+    (/tts/speakers...) add `detail` (the same message): the reference's web UI shows that field."""
     body: dict[str, Any] = {"error": {"code": e.code, "message": str(e)}}
     if detail:
         body["detail"] = str(e)
@@ -360,13 +360,13 @@ async def tts_generate(request: Request) -> Response:
             raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
         opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     except RequestError as e:
-        return error_response(e, detail=True)
+        return error_response(e)
     speech = speak(gw, "tts_generate", text, opts, voice, clip)
     headers = {"X-Audio-Sample-Rate": "44100", "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
     try:
         chunks = await first_chunk(speech)
     except RequestError as e:
-        return error_response(e, detail=True)
+        return error_response(e)
     fade_n = int(44100 * fade_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
@@ -388,7 +388,7 @@ async def tts_generate(request: Request) -> Response:
     try:
         body = b"".join([b async for b in floats()])
     except RequestError as e:
-        return error_response(e, detail=True)
+        return error_response(e)
     finally:
         await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)

@@ -96,7 +96,7 @@ def test_pcm_encoder_resamples_without_seams():
 
 def test_pcm_encoder_refuses_unknown_formats():
     with pytest.raises(RequestError):
-        PcmEncoder("mulaw", 8000)
+        PcmEncoder("opus", 8000)  # (mulaw and alaw are encodings now: tests/test_audio_formats.py)
     with pytest.raises(RequestError):
         PcmEncoder("pcm_s16le", 22050)
 
