@@ -1,5 +1,6 @@
-"""Optional API keys: `Authorization: Bearer KEY`, `X-API-Key: KEY`, or `?api_key=KEY` (browsers), and the
-log filter that keeps a query-string key out of uvicorn's access and WebSocket logs."""
+"""Optional API keys: `Authorization: Bearer KEY` (or `Token KEY`), `X-API-Key: KEY` (or `xi-api-key`), or
+`?api_key=KEY` (browsers), and the log filter that keeps a query-string key out of uvicorn's access and
+WebSocket logs."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from app.synthesis import RequestError
 
 
 def api_key_from(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
+    """Our key headers and those of the services whose clients we serve unchanged: `Authorization: Bearer`
+    (OpenAI) or `Token` (Deepgram), `X-API-Key` (ours, Cartesia), `xi-api-key` (ElevenLabs), `?api_key=`."""
     auth = headers.get("authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip() or None
-    return headers.get("x-api-key") or query.get("api_key") or None
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() in ("bearer", "token"):
+        return token.strip() or None
+    return headers.get("x-api-key") or headers.get("xi-api-key") or query.get("api_key") or None
 
 
 def key_ok(key: str | None, keys: tuple[str, ...]) -> bool:

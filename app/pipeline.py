@@ -168,9 +168,11 @@ class UtterancePipeline:
             if u.cancelled:
                 u.stream.cancel()
 
-    def cancel(self, context_id: str | None = None) -> list[Utterance]:
-        """Drop the queued utterances of a context (None: all) and stop their GPU work now."""
-        dropped = [u for u in self.queue if context_id is None or u.context_id == context_id]
+    def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
+        """Drop the queued utterances of a context (None: all), only those queued after utterance number
+        `after` when it is given, and stop their GPU work now."""
+        dropped = [u for u in self.queue if (context_id is None or u.context_id == context_id)
+                   and (after is None or u.seq > after)]
         for u in dropped:
             u.cancelled = True
             if u.stream is not None:

@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import http_api, voices_api
 from app.auth import authorized, install_log_redaction, require_key
+from app.dialects import cartesia, deepgram, elevenlabs
 from app.gateway import Gateway
 from app.settings import GatewaySettings
 from app.synthesis import RequestError
@@ -204,6 +205,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/voices/{voice}/embedding", voices_api.voice_embedding),
         Route("/v1/voices/{voice}/preview", voices_api.voice_preview),
         WebSocketRoute("/v1/tts/ws", websocket_endpoint),
+        # the voice-agent frameworks' dialects (app/dialects/, docs/dialects.md)
+        WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_endpoint),
+        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
+        WebSocketRoute("/tts/websocket", cartesia.endpoint),
+        WebSocketRoute("/v1/speak", deepgram.endpoint),
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id

@@ -1,0 +1,213 @@
+"""ElevenLabs' text-to-speech WebSockets on the session core.
+
+* `/v1/text-to-speech/{voice_id}/multi-stream-input` (what pipecat's `ElevenLabsTTSService` and LiveKit's
+  elevenlabs plugin speak): contexts, each its own lane (a context still generating never holds back a
+  newer one). In: `{"text": " ", "context_id", "voice_settings"}` opens a context; `{"text", "context_id"}`
+  appends; `{"context_id", "flush": true}` speaks what is buffered; `{"context_id", "close_context": true}`
+  closes it (what was flushed is still spoken, the rest is dropped and its GPU work stops); `{"text": ""}`
+  keeps the socket alive; `{"close_socket": true}` closes every context that way, then the socket.
+  Out: `{"audio": <base64>, "normalizedAlignment": null, "alignment": null, "contextId"}` and, once a
+  closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
+* `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
+  contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
+
+`voice_id` is one of our voices (id or name). `output_format` (pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000,
+mp3_22050_*, mp3_44100_*, opus_48000_*) maps onto our encoders; `auto_mode=true` speaks every text message
+as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
+`voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
+counterpart and are ignored. ZONOS2 produces no alignment: both alignment fields are always null.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from app.dialects.common import base_options, serve, with_language, with_speed
+from app.dialects.formats import OutputFormat
+from app.gateway import Gateway
+from app.pipeline import DEFAULT_CONTEXT, Utterance
+from app.session import Hold, StreamingSession
+from app.synthesis import RequestError, SynthesisOptions, parse_options
+
+MAX_CONTEXTS = 16  # ElevenLabs allows 5; closed contexts that still speak count until their isFinal
+QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
+
+
+def output_format(name: str) -> OutputFormat:
+    parts = name.split("_")
+    kinds = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
+    if len(parts) < 2 or parts[0] not in kinds or not parts[1].isdigit():
+        raise RequestError("invalid_output_format", f"unsupported output_format {name!r}")
+    try:
+        return OutputFormat(kinds[parts[0]], int(parts[1])).check()
+    except RequestError as e:
+        raise RequestError("invalid_output_format", f"output_format {name!r}: {e}") from None
+
+
+def _flag(value: str | None) -> bool | None:
+    return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(eq=False)
+class Context:
+    id: str
+    opts: SynthesisOptions
+    flushed_upto: int | None = None  # the last utterance a flush covers: close_context still speaks up to it
+    closing: bool = False
+
+
+class ElevenLabsSession(StreamingSession):
+    api = "elevenlabs"
+    lane_per_context = True
+    max_contexts = MAX_CONTEXTS
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str, multi: bool = True) -> None:
+        super().__init__(ws, gw, owner)
+        self.multi = multi
+        q = ws.query_params
+        self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
+        self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
+        opts = base_options(gw, q)
+        if q.get("language_code"):
+            opts = with_language(gw, opts, q["language_code"])
+        if q.get("apply_text_normalization", "").lower() == "off":
+            opts = parse_options({"text_normalization": False}, self.limits.max_frames, base=opts, cfg=gw.cfg)
+        if q.get("seed", "").isdigit():
+            opts = parse_options({"seed": int(q["seed"]) % (1 << 31)}, self.limits.max_frames, base=opts, cfg=gw.cfg)
+        self.opts = opts
+        self.auto_mode = bool(_flag(q.get("auto_mode")))
+        self.ctxs: dict[str, Context] = {}
+
+    # ---- the core's questions ----------------------------------------------------------------------
+    def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Any, Any]:
+        c = self.ctxs.get(ctx)
+        return (c.opts if c else self.opts), self.voice, None
+
+    def encoder_for(self, ctx: str) -> Any:
+        return self.format.encoder()
+
+    def hold_for(self, ctx: str) -> Hold | None:
+        return None if self.auto_mode else Hold(quiet_s=QUIET_S)
+
+    def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+        msg: dict[str, Any] = {"message": message, "error": code}
+        ctx = extra.get("context_id")
+        if self.multi and isinstance(ctx, str):
+            msg["contextId"] = ctx
+        return msg
+
+    def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
+        return {"context_id": data.get("context_id")} if self.multi else {}
+
+    # ---- messages ----------------------------------------------------------------------------------
+    async def on_message(self, data: dict[str, Any]) -> None:
+        if data.get("close_socket") is True:
+            await self._close_socket()
+            return
+        ctx = self._context_id(data)
+        if data.get("close_context") is True:
+            await self._close_context(ctx)
+            return
+        text = data.get("text")
+        if text is not None and not isinstance(text, str):
+            raise RequestError("bad_message", "text must be a string")
+        flush = data.get("flush") is True
+        if text is None and not flush:
+            raise RequestError("bad_message", "send text, flush, close_context or close_socket")
+        if not self.multi and text == "":  # the single-context socket: end of input
+            await self._end_of_input()
+            return
+        if not text and not flush and "voice_settings" not in data:
+            return  # {"text": ""}: a keepalive
+        c = self._open(ctx, data)
+        if text:
+            self.append_text(ctx, text)
+            if self.auto_mode and not flush:
+                await self.flush(ctx)
+        if flush:
+            await self.flush(ctx)
+            last = self.last_queued(ctx)
+            c.flushed_upto = last if last is not None else c.flushed_upto
+
+    def _context_id(self, data: dict[str, Any]) -> str:
+        ctx = data.get("context_id") if self.multi else None
+        if ctx is None:
+            return DEFAULT_CONTEXT
+        if not isinstance(ctx, str) or not 0 < len(ctx) <= 128:
+            raise RequestError("bad_message", "context_id must be a string of 1-128 characters")
+        return ctx
+
+    def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+        c = self.ctxs.get(ctx)
+        if c is not None and not c.closing:
+            return c
+        # a new context, or a closed id used again ("not linked to the previous context")
+        if c is None and len(self.ctxs) >= MAX_CONTEXTS:
+            raise RequestError("max_active_conversations", f"at most {MAX_CONTEXTS} contexts may be open on "
+                               "one socket; close one first")
+        settings = data.get("voice_settings")
+        opts = self.opts
+        if isinstance(settings, dict):
+            opts = with_speed(self.gw, opts, settings.get("speed"))
+        elif settings is not None:
+            raise RequestError("bad_message", "voice_settings must be an object")
+        c = self.ctxs[ctx] = Context(ctx, opts)
+        return c
+
+    async def _close_context(self, ctx: str) -> None:
+        c = self.ctxs.get(ctx)
+        if c is None:
+            return  # never opened, or already final
+        if c.closing:  # closed twice: the client wants none of it any more (pipecat on a barge-in)
+            await self.cancel(ctx)
+            return
+        c.closing = True
+        # What a flush covered is still spoken; text after the last flush is dropped and stops now.
+        await self.cancel(ctx, after=c.flushed_upto)
+        await self.add_mark(ctx, lambda: self._final(c))
+
+    async def _final(self, c: Context) -> None:
+        """Under the send lock: the context's last message."""
+        if self.ctxs.get(c.id) is c:
+            del self.ctxs[c.id]
+        await self.send_json_locked({"isFinal": True, "contextId": c.id} if self.multi else {"isFinal": True})
+
+    async def _close_socket(self) -> None:
+        for ctx in list(self.ctxs):
+            if not self.ctxs[ctx].closing:
+                await self._close_context(ctx)
+        await self.close()
+
+    async def _end_of_input(self) -> None:
+        c = self._open(DEFAULT_CONTEXT, {})
+        await self.flush(DEFAULT_CONTEXT)
+        c.closing = True
+        await self.add_mark(DEFAULT_CONTEXT, lambda: self._final(c))
+        await self.close()
+
+    # ---- playback ------------------------------------------------------------------------------------
+    async def on_audio(self, u: Utterance, data: bytes) -> None:
+        msg: dict[str, Any] = {"audio": base64.b64encode(data).decode(), "normalizedAlignment": None,
+                               "alignment": None}
+        if self.multi:
+            msg["contextId"] = u.context_id
+        else:
+            msg["isFinal"] = None
+        await self.send_json_locked(msg)
+
+
+def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+    """ElevenLabs' HTTP error body."""
+    return {"detail": {"status": {"unknown_voice": "voice_not_found"}.get(code, code), "message": message}}
+
+
+async def multi_stream_endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=True), _refusal)
+
+
+async def stream_input_endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=False), _refusal)

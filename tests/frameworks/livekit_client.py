@@ -1,0 +1,55 @@
+"""Drives one of LiveKit Agents' real TTS plugins (elevenlabs, cartesia, deepgram) against the gateway (run by
+tests/test_dialects.py in the frameworks' virtualenv): configured as for the real provider except for its
+base URL, with a voice from our library, and each plugin's default output format (ElevenLabs': MP3 at
+22.05 kHz). Streams one text and prints one JSON line: audio bytes (decoded PCM), sample rate, errors.
+
+    python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+
+TIMEOUT = 120
+
+
+def make_tts(kind: str, base: str, key: str, voice: str, session: aiohttp.ClientSession):
+    if kind == "elevenlabs":
+        from livekit.plugins import elevenlabs
+        return elevenlabs.TTS(api_key=key, base_url=base + "/v1", voice_id=voice, http_session=session)
+    if kind == "cartesia":
+        from livekit.plugins import cartesia
+        return cartesia.TTS(api_key=key, base_url=base, voice=voice, http_session=session)
+    if kind == "deepgram":
+        from livekit.plugins import deepgram
+        return deepgram.TTS(api_key=key, base_url=base + "/v1/speak", model=voice, http_session=session)
+    raise SystemExit(f"unknown plugin {kind}")
+
+
+async def main(kind: str, base: str, key: str, voice: str) -> dict:
+    errors: list[str] = []
+    audio, rates = 0, set()
+    async with aiohttp.ClientSession() as session:
+        tts = make_tts(kind, base, key, voice, session)
+        stream = tts.stream()
+        stream.push_text("Hello there. How are you today?")
+        stream.flush()
+        stream.end_input()
+        try:
+            async with asyncio.timeout(TIMEOUT):
+                async for ev in stream:
+                    audio += len(ev.frame.data.tobytes())
+                    rates.add(ev.frame.sample_rate)
+        except Exception as e:  # the plugin's own error, reported
+            errors.append(f"{type(e).__name__}: {e}")
+        await stream.aclose()
+        await tts.aclose()
+    return {"service": kind, "audio_bytes": audio, "sample_rate": min(rates) if rates else None, "errors": errors}
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(*sys.argv[1:5]))))

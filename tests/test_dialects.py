@@ -1,0 +1,669 @@
+"""The ElevenLabs, Cartesia and Deepgram WebSocket dialects against a real server on loopback: the message
+sequences their framework services send (pipecat, LiveKit Agents), interruption (close_context, cancel,
+Clear: the engine's work stops, no audio of that context follows), formats, voices and auth.
+
+The `frameworks` group drives the real pipecat services (and LiveKit's plugins) against the gateway with only
+their URL changed. They live in their own virtualenv (pipecat pins soxr 1.0, we pin 1.1):
+`scripts/setup-frameworks` makes `.venv-frameworks`; without it the group is skipped. Waits are bounded by
+generous ceilings; nothing here depends on how fast the machine is."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+import numpy as np
+import pytest
+import websockets
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+KEY = "dialect-key"
+FAST = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz
+LONG = {"max_frames": 2500, "ignore_eos": True}  # far longer than any test waits for
+SAMPLES = 20 * 512
+FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv-frameworks/bin/python"))
+
+
+# ---- helpers ------------------------------------------------------------------------------------------
+def run(coro, timeout: float = 240):
+    async def bounded():
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+def params(p: dict[str, Any]) -> str:
+    return quote(json.dumps(p))
+
+
+def gauge(srv, name: str) -> float:
+    text = httpx.get(srv.url + "/metrics", headers={"X-API-Key": KEY}, timeout=60).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 90) -> None:
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.2)
+
+
+def engine_stopped(srv, cancelled_before: float) -> None:
+    """The engine stopped work early (its own count of cancelled requests went up) and holds none now.
+    (Its stats gauges are refreshed about once a second.)"""
+    wait_for(lambda: gauge(srv, "zonos_engine_cancelled") > cancelled_before)
+    wait_for(lambda: gauge(srv, "zonos_engine_active_requests") == 0)
+
+
+def resampled(n44: int, rate: int) -> int:
+    return round(n44 * rate / 44100)
+
+
+async def recv_json(ws, timeout: float = 90) -> dict[str, Any]:
+    while True:
+        msg = await asyncio.wait_for(ws.recv(), timeout)
+        if isinstance(msg, str):
+            return json.loads(msg)
+
+
+@pytest.fixture(scope="module")
+def srv(start_server):
+    """One keyed server for every dialect test: each test sends its dialect's own auth header."""
+    s = start_server("--api-key", KEY)
+    emb = np.random.default_rng(7).standard_normal(2048).astype(np.float32)
+    buf = io.BytesIO()
+    np.save(buf, emb)
+    r = httpx.post(s.url + "/v1/voices", headers={"X-API-Key": KEY}, files={"embedding": ("ada.npy", buf.getvalue())},
+                   data={"name": "Ada"}, timeout=60)
+    assert r.status_code in (200, 201), r.text
+    s.voice_id = r.json()["id"]
+    return s
+
+
+def ws_url(srv, path: str) -> str:
+    return srv.url.replace("http://", "ws://") + path
+
+
+# ---- ElevenLabs -------------------------------------------------------------------------------------
+def el_url(srv, voice: str = "Ada", fmt: str = "pcm_24000", p: dict | None = None, auto_mode: bool = True,
+           kind: str = "multi-stream-input") -> str:
+    return ws_url(srv, f"/v1/text-to-speech/{voice}/{kind}?model_id=eleven_flash_v2_5&output_format={fmt}"
+                       f"&auto_mode={str(auto_mode).lower()}&zonos_params={params(p or FAST)}")
+
+
+async def el_connect(url: str, key: str = KEY):
+    return await websockets.connect(url, additional_headers={"xi-api-key": key}, max_size=None)
+
+
+async def el_until_final(ws, ctx: str, log: list[dict[str, Any]]) -> None:
+    while True:
+        m = await recv_json(ws)
+        log.append(m)
+        if m.get("isFinal") and m.get("contextId") == ctx:
+            return
+        assert "error" not in m, m
+
+
+def el_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
+    return b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio") and m.get("contextId") == ctx)
+
+
+def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
+    """Context init with voice_settings, sentences, a keepalive, flush, close_context: every sentence is
+    spoken, then isFinal; audio messages carry contextId and null alignment (ZONOS2 has none)."""
+    async def go():
+        ws = await el_connect(el_url(srv))
+        await ws.send(json.dumps({"text": " ", "context_id": "c1", "voice_settings": {"stability": 0.5, "speed": 1.0}}))
+        await ws.send(json.dumps({"text": "Hello there. ", "context_id": "c1"}))
+        await ws.send(json.dumps({"text": ""}))  # keepalive
+        await ws.send(json.dumps({"text": "How are you today? ", "context_id": "c1"}))
+        await ws.send(json.dumps({"context_id": "c1", "flush": True}))
+        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c1", log)
+        await ws.send(json.dumps({"close_socket": True}))
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 60)
+        return log, ws.close_code
+
+    log, code = run(go())
+    audio = [m for m in log if "audio" in m]
+    assert audio and all(m["contextId"] == "c1" and m["alignment"] is None and m["normalizedAlignment"] is None
+                         for m in audio)
+    assert abs(len(el_audio(log, "c1")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4  # two sentences
+    assert log[-1] == {"isFinal": True, "contextId": "c1"} and code == 1000
+
+
+def test_elevenlabs_close_context_stops_the_gpu_work(srv):
+    """A barge-in: close_context on a context whose text was never flushed drops it; its engine work stops,
+    isFinal comes, no audio of it follows, and the next context speaks."""
+    async def go():
+        ws = await el_connect(el_url(srv, p=LONG))
+        await ws.send(json.dumps({"text": " ", "context_id": "turn1"}))
+        await ws.send(json.dumps({"text": "A long story that will be interrupted. It goes on. ", "context_id": "turn1"}))
+        while not (m := await recv_json(ws)).get("audio"):
+            assert "error" not in m, m
+        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+        await ws.send(json.dumps({"context_id": "turn1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "turn1", log)
+        final_at = len(log)
+        await ws.send(json.dumps({"text": " ", "context_id": "turn2"}))
+        await ws.send(json.dumps({"text": "Short answer. ", "context_id": "turn2", "flush": True}))
+        await ws.send(json.dumps({"context_id": "turn2", "close_context": True}))
+        # turn2 is FAST only through zonos_params of its own socket: this one is LONG, so cancel it when it speaks
+        while not (m := await recv_json(ws)).get("audio"):
+            log.append(m)
+        log.append(m)
+        await ws.send(json.dumps({"context_id": "turn2", "close_context": True}))  # closed twice: dropped
+        await el_until_final(ws, "turn2", log)
+        await ws.close()
+        return before, log, final_at
+
+    before, log, final_at = run(go())
+    assert not [m for m in log[final_at:] if m.get("contextId") == "turn1"]  # nothing of turn1 after its isFinal
+    assert el_audio(log, "turn2")
+    engine_stopped(srv, before)
+
+
+def test_elevenlabs_close_context_after_flush_finishes_the_flushed_text(srv):
+    """pipecat ends a turn with flush + close_context: everything flushed is still spoken, then isFinal.
+    Text sent after the last flush is dropped with the close."""
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps({"text": " ", "context_id": "c"}))
+        await ws.send(json.dumps({"text": "One sentence. And another one.", "context_id": "c"}))
+        await ws.send(json.dumps({"context_id": "c", "flush": True}))
+        await ws.send(json.dumps({"text": "Never spoken, it was not flushed", "context_id": "c"}))
+        await ws.send(json.dumps({"context_id": "c", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert abs(len(el_audio(log, "c")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
+
+
+def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
+    """Each context is its own stream: a new one speaks while an older one is still generating."""
+    async def go():
+        slow = await el_connect(el_url(srv, p=LONG))
+        # two sockets' worth of settings is not possible on one; a long context and a short one on the same
+        # socket: the short one (flushed, closed) ends while the long one is still generating
+        await slow.send(json.dumps({"text": "This one goes on for a very long time. ", "context_id": "long"}))
+        while not (m := await recv_json(slow)).get("audio"):
+            pass
+        await slow.send(json.dumps({"text": "Short. ", "context_id": "short", "flush": True}))
+        await slow.send(json.dumps({"context_id": "short", "close_context": True}))
+        while not (m := await recv_json(slow)).get("audio") or m.get("contextId") != "short":
+            pass
+        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+        await slow.send(json.dumps({"close_socket": True}))  # nothing flushed: both are dropped, then it closes
+        log: list[dict[str, Any]] = []
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(slow))
+        return before, log, slow.close_code
+
+    before, log, code = run(go())
+    finals = [m["contextId"] for m in log if m.get("isFinal")]
+    assert sorted(finals) == ["long", "short"] and code == 1000
+    engine_stopped(srv, before)
+
+
+@pytest.mark.parametrize("fmt, rate, width", [("pcm_16000", 16000, 2), ("pcm_22050", 22050, 2),
+                                              ("pcm_44100", 44100, 2), ("pcm_48000", 48000, 2),
+                                              ("ulaw_8000", 8000, 1), ("alaw_8000", 8000, 1)])
+def test_elevenlabs_output_formats(srv, fmt, rate, width):
+    async def go():
+        ws = await el_connect(el_url(srv, fmt=fmt))
+        await ws.send(json.dumps({"text": "Formats. ", "context_id": "f", "flush": True}))
+        await ws.send(json.dumps({"context_id": "f", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "f", log)
+        await ws.close()
+        return el_audio(log, "f")
+
+    audio = run(go())
+    assert abs(len(audio) // width - resampled(SAMPLES, rate)) <= 2
+
+
+def test_elevenlabs_mp3_output(srv):
+    async def go():
+        ws = await el_connect(el_url(srv, fmt="mp3_44100_128"))
+        await ws.send(json.dumps({"text": "Compressed. ", "context_id": "m", "flush": True}))
+        await ws.send(json.dumps({"context_id": "m", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "m", log)
+        await ws.close()
+        return el_audio(log, "m")
+
+    audio = run(go())
+    assert audio[:3] == b"ID3" or (audio[0] == 0xFF and audio[1] & 0xE0 == 0xE0), audio[:4]
+
+
+def test_elevenlabs_single_context_stream_input(srv):
+    """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes."""
+    async def go():
+        ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=False))
+        await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}}))
+        await ws.send(json.dumps({"text": "Hello from the old socket"}))
+        await ws.send(json.dumps({"text": ""}))
+        log = []
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws))
+        return log, ws.close_code
+
+    log, code = run(go())
+    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
+    assert log[-1] == {"isFinal": True} and code == 1000
+
+
+@pytest.mark.parametrize("path, key, status, code", [
+    ("/v1/text-to-speech/Nobody/multi-stream-input?output_format=pcm_24000", KEY, 404, "voice_not_found"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=wav_99", KEY, 400, "invalid_output_format"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_12345", KEY, 400, "invalid_output_format"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000", "wrong", 401, "unauthorized"),
+])
+def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await el_connect(ws_url(srv, path), key=key)
+        return e.value.response
+
+    resp = run(go())
+    assert resp.status_code == status and json.loads(resp.body)["detail"]["status"] == code
+
+
+def test_elevenlabs_voice_by_id(srv):
+    async def go():
+        ws = await el_connect(el_url(srv, voice=srv.voice_id))
+        await ws.send(json.dumps({"text": "By id. ", "context_id": "v", "flush": True}))
+        await ws.send(json.dumps({"context_id": "v", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "v", log)
+        await ws.close()
+        return el_audio(log, "v")
+
+    assert run(go())
+
+
+# ---- Cartesia -------------------------------------------------------------------------------------------
+def ca_url(srv, p: dict | None = None) -> str:
+    return ws_url(srv, f"/tts/websocket?cartesia_version=2026-03-01&zonos_params={params(p or FAST)}")
+
+
+async def ca_connect(srv, p: dict | None = None, key: str = KEY):
+    return await websockets.connect(ca_url(srv, p), additional_headers={"X-API-Key": key,
+                                                                         "Cartesia-Version": "2026-03-01"},
+                                    max_size=None)
+
+
+def ca_request(ctx: str, transcript: str, cont: bool, encoding: str = "pcm_s16le", rate: int = 24000,
+               **extra: Any) -> str:
+    return json.dumps({"model_id": "sonic-3.5", "transcript": transcript, "continue": cont, "context_id": ctx,
+                       "voice": {"mode": "id", "id": "Ada"}, "add_timestamps": True,
+                       "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate},
+                       "language": "en", **extra})
+
+
+async def ca_until(ws, ctx: str, kind: str, log: list[dict[str, Any]]) -> dict[str, Any]:
+    while True:
+        m = await recv_json(ws)
+        log.append(m)
+        assert "context_id" in m, m  # pipecat reads msg["context_id"] of every message
+        if m["context_id"] == ctx and m["type"] == kind:
+            return m
+        assert m["type"] != "error", m
+
+
+def ca_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
+    return b"".join(base64.b64decode(m["data"]) for m in log if m["type"] == "chunk" and m["context_id"] == ctx)
+
+
+def test_cartesia_continuations_then_done(srv):
+    """Transcripts of a context concatenated (a sentence split across two inputs), `continue: false` with an
+    empty transcript ends it: chunks, then done. No timestamps are sent (ZONOS2 has none)."""
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("k1", "Hello there. How ", True, max_buffer_delay_ms=0))
+        await ws.send(ca_request("k1", "are you today?", True, max_buffer_delay_ms=0))
+        await ws.send(ca_request("k1", "", False, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "k1", "done", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    chunks = [m for m in log if m["type"] == "chunk"]
+    assert chunks and all(m["status_code"] == 206 and m["done"] is False for m in chunks)
+    assert {m["type"] for m in log} == {"chunk", "done"}  # no timestamps
+    # max_buffer_delay_ms 0: each transcript is spoken as it comes ("Hello there. How " is two utterances)
+    assert abs(len(ca_audio(log, "k1")) // 2 - 3 * resampled(SAMPLES, 24000)) <= 6
+
+
+def test_cartesia_buffered_sentences_and_flush_done(srv):
+    """Without max_buffer_delay_ms 0, sentences are cut as on our socket; flush with continue answers
+    flush_done (flush_id 1) after the audio of the text before it, and later chunks carry that id."""
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("k2", "First part", True))
+        await ws.send(ca_request("k2", " of it.", True))
+        await ws.send(ca_request("k2", "", True, flush=True))
+        log: list[dict[str, Any]] = []
+        flush = await ca_until(ws, "k2", "flush_done", log)
+        first = len(ca_audio(log, "k2"))
+        await ws.send(ca_request("k2", "Second part.", False))
+        await ca_until(ws, "k2", "done", log)
+        await ws.close()
+        return flush, first, log
+
+    flush, first, log = run(go())
+    assert flush["flush_id"] == 1 and flush["flush_done"] is True
+    assert abs(first // 2 - resampled(SAMPLES, 24000)) <= 2
+    assert abs(len(ca_audio(log, "k2")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
+
+
+def test_cartesia_cancel_stops_the_gpu_work(srv):
+    """cancel drops the context at once: the engine stops, its done never comes, and no chunk of it follows
+    the first chunk of the context opened after the cancel."""
+    async def go():
+        ws = await ca_connect(srv, LONG)
+        await ws.send(ca_request("old", "This will be cancelled. Long before it ends. ", True, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "old", "chunk", log)
+        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+        await ws.send(json.dumps({"context_id": "old", "cancel": True}))
+        await ws.send(ca_request("new", "The new turn.", True, max_buffer_delay_ms=0))
+        first_new = await ca_until(ws, "new", "chunk", log)
+        at = log.index(first_new)
+        await ws.send(json.dumps({"context_id": "new", "cancel": True}))
+        await ws.send(ca_request("probe", "", False))  # answered at once: everything before it has been sent
+        await ca_until(ws, "probe", "done", log)
+        await ws.close()
+        return before, log, at
+
+    before, log, at = run(go())
+    assert not [m for m in log[at:] if m["context_id"] == "old"]
+    assert not [m for m in log if m["context_id"] in ("old", "new") and m["type"] == "done"]
+    engine_stopped(srv, before)
+
+
+@pytest.mark.parametrize("encoding, rate, width", [("pcm_f32le", 44100, 4), ("pcm_mulaw", 8000, 1),
+                                                   ("pcm_alaw", 8000, 1), ("pcm_s16le", 22050, 2)])
+def test_cartesia_output_formats(srv, encoding, rate, width):
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("f", "Formats.", False, encoding=encoding, rate=rate))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "f", "done", log)
+        await ws.close()
+        return ca_audio(log, "f")
+
+    audio = run(go())
+    assert abs(len(audio) // width - resampled(SAMPLES, rate)) <= 2
+    if encoding == "pcm_f32le":
+        assert np.abs(np.frombuffer(audio, "<f4")).max() <= 1.0
+
+
+@pytest.mark.parametrize("change, code", [
+    ({"voice": {"mode": "id", "id": "Nobody"}}, "unknown_voice"),
+    ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
+    ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
+    ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
+])
+def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
+    async def go():
+        ws = await ca_connect(srv)
+        bad = {**json.loads(ca_request("bad", "Nope.", False)), **change}
+        await ws.send(json.dumps(bad))
+        err = await recv_json(ws)
+        await ws.send(ca_request("good", "Still here.", False))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "good", "done", log)
+        await ws.close()
+        return err, log
+
+    err, log = run(go())
+    assert err["type"] == "error" and err["context_id"] == "bad" and err["title"] == code and err["done"] is True
+    assert ca_audio(log, "good")
+
+
+def test_cartesia_voice_embedding_of_our_size(srv):
+    emb = np.random.default_rng(3).standard_normal(2048).astype(np.float32).tolist()
+
+    async def go():
+        ws = await ca_connect(srv)
+        req = {**json.loads(ca_request("e", "An inline voice.", False)), "voice": {"mode": "embedding", "embedding": emb}}
+        await ws.send(json.dumps(req))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "e", "done", log)
+        await ws.close()
+        return ca_audio(log, "e")
+
+    assert run(go())
+
+
+def test_cartesia_refuses_a_wrong_key(srv):
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await ca_connect(srv, key="wrong")
+        return e.value.response
+
+    resp = run(go())
+    assert resp.status_code == 401 and json.loads(resp.body)["title"] == "unauthorized"
+
+
+# ---- Deepgram ---------------------------------------------------------------------------------------------
+def dg_url(srv, p: dict | None = None, encoding: str = "linear16", rate: int | None = 16000,
+           model: str = "Ada") -> str:
+    q = f"model={model}&encoding={encoding}" + (f"&sample_rate={rate}" if rate else "")
+    return ws_url(srv, f"/v1/speak?{q}&zonos_params={params(p or FAST)}")
+
+
+async def dg_connect(url: str, key: str = KEY, **kw: Any):
+    headers = {"Authorization": f"Token {key}"} if key else {}
+    ws = await websockets.connect(url, additional_headers=headers, max_size=None, **kw)
+    meta = await recv_json(ws)
+    assert meta["type"] == "Metadata" and meta["request_id"] and meta["model_name"] == "Ada", meta
+    return ws
+
+
+async def dg_until(ws, kind: str, log: list[Any]) -> dict[str, Any]:
+    while True:
+        msg = await asyncio.wait_for(ws.recv(), 90)
+        if isinstance(msg, bytes):
+            log.append(msg)
+            continue
+        m = json.loads(msg)
+        log.append(m)
+        if m["type"] == kind:
+            return m
+        assert m["type"] not in ("Warning", "Error"), m
+
+
+def dg_audio(log: list[Any]) -> bytes:
+    return b"".join(x for x in log if isinstance(x, bytes))
+
+
+def test_deepgram_speak_flush_as_pipecat_sends_it(srv):
+    """Speak per sentence, Flush at the end of the reply: binary audio, then Flushed with its sequence id;
+    a second reply on the same socket gets sequence id 1."""
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
+        await ws.send(json.dumps({"type": "Speak", "text": " How are you today?"}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        log: list[Any] = []
+        first = await dg_until(ws, "Flushed", log)
+        audio = dg_audio(log)
+        await ws.send(json.dumps({"type": "Speak", "text": "Again."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        second = await dg_until(ws, "Flushed", log := [])
+        await ws.send(json.dumps({"type": "Close"}))
+        with pytest.raises(websockets.ConnectionClosed):
+            await asyncio.wait_for(ws.recv(), 60)
+        return first, second, audio, dg_audio(log), ws.close_code
+
+    first, second, audio, again, code = run(go())
+    assert first == {"type": "Flushed", "sequence_id": 0} and second == {"type": "Flushed", "sequence_id": 1}
+    assert abs(len(audio) // 2 - 2 * resampled(SAMPLES, 16000)) <= 4
+    assert abs(len(again) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
+
+
+def test_deepgram_word_by_word_as_livekit_sends_it(srv):
+    """LiveKit sends one Speak per word, then Flush: sentences are still cut whole."""
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        for word in ["Dr.", "Smith", "paid", "on", "Jan.", "3rd.", "He", "left."]:
+            await ws.send(json.dumps({"type": "Speak", "text": word + " "}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        log: list[Any] = []
+        await dg_until(ws, "Flushed", log)
+        await ws.close()
+        return dg_audio(log)
+
+    assert abs(len(run(go())) // 2 - 2 * resampled(SAMPLES, 16000)) <= 4  # two sentences, not five
+
+
+def test_deepgram_clear_stops_the_gpu_work(srv):
+    """Clear drops the text and the audio: the engine stops, Cleared comes, the pending Flush is answered
+    after it, and no audio follows (a Flush with nothing buffered is answered at once, with none before it)."""
+    async def go():
+        ws = await dg_connect(dg_url(srv, LONG))
+        await ws.send(json.dumps({"type": "Speak", "text": "A long reply the user talks over. Really long."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 90), bytes):
+            pass
+        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+        await ws.send(json.dumps({"type": "Clear"}))
+        log: list[Any] = []
+        cleared = await dg_until(ws, "Cleared", log)
+        at = len(log)
+        await ws.send(json.dumps({"type": "Flush"}))
+        await dg_until(ws, "Flushed", log)
+        await dg_until(ws, "Flushed", log)
+        await ws.close()
+        return before, cleared, log[at:]
+
+    before, cleared, after = run(go())
+    assert cleared["type"] == "Cleared" and isinstance(cleared["sequence_id"], int)
+    assert after == [{"type": "Flushed", "sequence_id": 0}, {"type": "Flushed", "sequence_id": 1}]
+    engine_stopped(srv, before)
+
+
+def test_deepgram_close_speaks_the_rest_then_closes(srv):
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        await ws.send(json.dumps({"type": "Speak", "text": "Said before the close"}))
+        await ws.send(json.dumps({"type": "Close"}))
+        log: list[Any] = []
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                log.append(await asyncio.wait_for(ws.recv(), 90))
+        return dg_audio(log), ws.close_code
+
+    audio, code = run(go())
+    assert abs(len(audio) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
+
+
+@pytest.mark.parametrize("encoding, rate, width", [("mulaw", None, 1), ("alaw", 8000, 1), ("linear16", None, 2),
+                                                   ("linear16", 48000, 2)])
+def test_deepgram_encodings(srv, encoding, rate, width):
+    async def go():
+        ws = await dg_connect(dg_url(srv, encoding=encoding, rate=rate))
+        await ws.send(json.dumps({"type": "Speak", "text": "Encodings."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        log: list[Any] = []
+        await dg_until(ws, "Flushed", log)
+        await ws.close()
+        return dg_audio(log)
+
+    default = {"mulaw": 8000, "alaw": 8000, "linear16": 24000}[encoding]  # Deepgram's defaults
+    assert abs(len(run(go())) // width - resampled(SAMPLES, rate or default)) <= 2
+
+
+def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
+    async def go():
+        ws = await dg_connect(dg_url(srv), key="", subprotocols=["token", KEY])
+        assert ws.subprotocol == "token"
+        await ws.send(json.dumps({"type": "Speak", "text": "Browser."}))
+        await ws.send(json.dumps({"type": "Nope"}))
+        warning = await recv_json(ws)
+        await ws.close()
+        refused = []
+        for url, key in [(dg_url(srv), "wrong"), (dg_url(srv, model="Nobody"), KEY),
+                         (dg_url(srv, encoding="opus"), KEY), (dg_url(srv, rate=12345), KEY)]:
+            with pytest.raises(websockets.InvalidStatus) as e:
+                await dg_connect(url, key=key)
+            refused.append((e.value.response.status_code, json.loads(e.value.response.body)["err_code"]))
+        return warning, refused
+
+    warning, refused = run(go())
+    assert warning["type"] == "Warning" and warning["warn_code"] == "INVALID_MESSAGE"
+    assert refused == [(401, "UNAUTHORIZED"), (404, "UNKNOWN_VOICE"), (400, "UNSUPPORTED_ENCODING"),
+                       (400, "UNSUPPORTED_SAMPLE_RATE")]
+
+
+# ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
+frameworks = pytest.mark.skipif(not FRAMEWORKS_PYTHON.exists(),
+                                reason="no .venv-frameworks (scripts/setup-frameworks installs pipecat-ai)")
+
+
+def drive(client: str, service: str, srv) -> dict[str, Any]:
+    """Run tests/frameworks/<client>.py in the frameworks' virtualenv; it prints one JSON line."""
+    out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service,
+                          srv.url, KEY, "Ada"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.frameworks
+@frameworks
+@pytest.mark.parametrize("service", ["elevenlabs", "cartesia", "deepgram"])
+def test_pipecat_services_speak_through_the_gateway(srv, service):
+    """pipecat's ElevenLabsTTSService, CartesiaTTSService and DeepgramTTSService with only their URL changed
+    (and a voice from our library): a spoken turn is audio; an interrupted turn stops the engine's work."""
+    before = gauge(srv, "zonos_engine_cancelled")
+    result = drive("pipecat_client", service, srv)
+    assert result["errors"] == [], result
+    assert result["audio_bytes"] > 0 and result["sample_rate"] == 24000, result
+    assert result["after_interruption_bytes"] > 0, result  # the socket speaks on after the barge-in
+    engine_stopped(srv, before)  # the interrupted reply's engine work was stopped
+
+
+@pytest.mark.frameworks
+@frameworks
+@pytest.mark.parametrize("service", ["elevenlabs", "cartesia", "deepgram"])
+def test_livekit_plugins_speak_through_the_gateway(srv, service):
+    """LiveKit Agents' elevenlabs, cartesia and deepgram TTS plugins with only their base URL changed."""
+    check = subprocess.run([str(FRAMEWORKS_PYTHON), "-c", "import livekit.agents"], capture_output=True)
+    if check.returncode:
+        pytest.skip("livekit-agents is not installed in the frameworks' virtualenv")
+    result = drive("livekit_client", service, srv)
+    assert result["errors"] == [] and result["audio_bytes"] > 0, result
+
+
+def test_frameworks_group_is_collected():
+    """The framework tests exist (and are skipped, not silently missing, without their virtualenv)."""
+    assert sys.modules[__name__].test_pipecat_services_speak_through_the_gateway
