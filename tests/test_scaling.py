@@ -12,7 +12,10 @@ import asyncio
 import io
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -163,7 +166,7 @@ def wav_clip(seconds: float = 1.0, sr: int = 16000) -> bytes:
     return buf.getvalue()
 
 
-async def open_session(srv, frames: int, seed: int, voice: str | None = None) -> Client:
+async def open_session(srv: Any, frames: int, seed: int, voice: str | None = None) -> Client:
     ws = await websockets.connect(srv.ws_url, max_size=None)
     c = Client(ws)
     assert (await c.recv())["type"] == "session.created"
@@ -270,3 +273,181 @@ def test_killing_one_engine_leaves_the_other_streams_untouched(two_engines):
     again_results = asyncio.run(again())
     assert all(d["type"] == "audio.done" and n == 30 * SAMPLES_PER_FRAME * 2 for d, n in again_results)
     assert sorted(d["stats"]["engine"]["engine_id"] for d, _ in again_results) == ["0", "1"]
+
+
+# ---- many hosts: Ray Serve (opt-in: marker `ray`, skipped where ray does not import) --------------------------
+def _ray_imports() -> bool:
+    try:
+        import ray  # noqa: F401
+        from ray import serve  # noqa: F401
+    except Exception:  # not installed, or a protobuf too old for it (.venv): deploy/setup-ray.sh makes .venv-ray
+        return False
+    return True
+
+
+needs_ray = pytest.mark.skipif(not _ray_imports(), reason="ray[serve] does not import here: run "
+                               "deploy/setup-ray.sh, then .venv-ray/bin/python -m pytest tests/test_scaling.py -m ray")
+
+
+class RayGateways:
+    """deploy/ray_local.py in a subprocess: a one-node Ray cluster on loopback, 2 CPU replicas of the tiny
+    model behind Ray Serve's proxy, one shared voice folder."""
+
+    def __init__(self, tmp) -> None:
+        from tests.conftest import ROOT, free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/ws"
+        self.log = tmp / "ray-serve.log"
+        cmd = [sys.executable, "-m", "deploy.ray_local", "--port", str(self.port), "--replicas", "2", "--",
+               "--devices", "cpu", "--data-dir", str(tmp / "shared"), "--shared-voices", "--max-batch", "6",
+               "--max-context", "1024", "--no-text-normalization", "--max-frames", "600"]
+        env = os.environ | {"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def get(self, path: str) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30)
+
+    def replicas_answering(self, n: int, timeout: float, exclude: frozenset[str] = frozenset()) -> dict[str, dict]:
+        """Poll /readyz through the proxy until n different replicas (not in `exclude`) have answered ready."""
+        seen: dict[str, dict] = {}
+        t0 = time.monotonic()
+        while len(seen) < n:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray_local exited: {self.log.read_text()[-3000:]}")
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"{len(seen)} of {n} replicas answered: {self.log.read_text()[-3000:]}")
+            try:
+                r = self.get("/readyz")
+                replica = r.headers.get("x-zonos-replica")
+                if r.status_code == 200 and replica and replica not in exclude:
+                    seen[replica] = r.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        return seen
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # serve.shutdown + ray.shutdown
+            try:
+                self.proc.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def ray_gateways(tmp_path_factory):
+    if not _ray_imports():
+        pytest.skip("ray[serve] does not import here")
+    g = RayGateways(tmp_path_factory.mktemp("ray"))
+    try:
+        g.replicas_answering(2, 600)
+        yield g
+    finally:
+        g.stop()
+
+
+def proc_gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+async def ws_outcome(c: Client, timeout: float = 180) -> tuple[str, Any, int]:
+    """(how the utterance ended: audio.done / error / closed, the message or exception, audio bytes)."""
+    try:
+        while True:
+            d = await c.recv(timeout)
+            if d["type"] in ("audio.done", "error"):
+                n = len(c.audio.get(d.get("utterance_id", ""), b""))
+                await c.ws.close()
+                return d["type"], d, n
+    except websockets.ConnectionClosed as e:
+        return "closed", e, -1
+
+
+async def open_ray_session(g: RayGateways, frames: int, seed: int, voice: str | None = None) -> tuple[Client, str]:
+    c = await open_session(g, frames, seed, voice)
+    return c, c.ws.response.headers["x-zonos-replica"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_ray
+def test_ray_serve_websocket_openai_and_one_voice_library(ray_gateways):
+    g = ray_gateways
+    r = httpx.post(g.url + "/v1/voices", files={"file": ("v.wav", wav_clip(), "audio/wav")}, data={"name": "ray"},
+                   timeout=120)
+    assert r.status_code in (200, 201), r.text
+    voice, made_on = r.json()["id"], r.headers["x-zonos-replica"]
+    # every replica sees the voice one of them made (one shared folder): list until both have answered
+    answered: set[str] = set()
+    for _ in range(100):
+        r = g.get("/v1/voices")
+        assert voice in [v["id"] for v in r.json()["voices"]], r.json()
+        answered.add(r.headers["x-zonos-replica"])
+        if len(answered) == 2:
+            break
+    assert len(answered) == 2 and made_on in answered
+
+    frames = 60
+
+    async def go():
+        sessions = [await open_ray_session(g, frames, seed, voice) for seed in range(4)]
+        return [(rep, await ws_outcome(c)) for c, rep in sessions]
+
+    for _, (kind, d, n) in asyncio.run(go()):  # a WebSocket session through Ray's proxy, with the shared voice
+        assert kind == "audio.done" and n == frames * SAMPLES_PER_FRAME * 2, d
+    # an OpenAI-style request through the proxy: 16-bit PCM at 24 kHz
+    r = httpx.post(g.url + "/v1/audio/speech", json={"model": "tts-1", "input": "Hello through Ray.", "voice": voice,
+                                                     "response_format": "pcm", "max_frames": frames,
+                                                     "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200 and r.headers["x-zonos-replica"], r.text
+    assert abs(len(r.content) // 2 - frames * SAMPLES_PER_FRAME * 24000 // 44100) <= 2
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_ray
+def test_ray_replica_killed_mid_run(ray_gateways):
+    """SIGKILL one replica (a whole gateway) while its sessions stream: their connections drop, the other
+    replica's sessions finish whole, the dead replica's engine exits (its lifeline), Ray starts a new replica."""
+    g = ray_gateways
+    before = g.replicas_answering(2, 300)
+    frames = 400
+
+    async def go():
+        sessions: list[tuple[Client, str]] = []
+        for seed in range(300, 312):  # until both replicas hold at least one session (the router picks)
+            sessions.append(await open_ray_session(g, frames, seed))
+            if len(sessions) >= 4 and len({rep for _, rep in sessions}) == 2:
+                break
+        for c, _ in sessions:
+            await c.until("audio.start", 120)
+            await c.audio_bytes(1, 120)
+        victim = sessions[0][1]
+        os.kill(int(victim.rsplit("/", 1)[1]), signal.SIGKILL)
+        return victim, [(rep, await ws_outcome(c)) for c, rep in sessions]
+
+    victim, results = asyncio.run(go())
+    assert {rep for rep, _ in results} == set(before), results
+    for rep, (kind, d, n) in results:
+        if rep == victim:  # its gateway is gone: the connection drops (or an error arrives first)
+            assert kind in ("closed", "error"), (rep, kind, d)
+        else:  # the other replica's streams: untouched
+            assert kind == "audio.done" and n == frames * SAMPLES_PER_FRAME * 2, (rep, kind, d)
+    engine_pid = before[victim]["engines"][0]["pid"]
+    wait_for(lambda: proc_gone(engine_pid), 60)  # the dead gateway's engine exited by itself (its lifeline)
+    after = g.replicas_answering(2, 600, exclude=frozenset({victim}))  # the survivor and the replica Ray started instead
+    assert len(set(after) - set(before)) == 1
+
+    async def again():
+        sessions = [await open_ray_session(g, 30, seed) for seed in (400, 401)]
+        return [await ws_outcome(c) for c, _ in sessions]
+
+    assert all(kind == "audio.done" and n == 30 * SAMPLES_PER_FRAME * 2 for kind, _, n in asyncio.run(again()))
