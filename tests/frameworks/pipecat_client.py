@@ -39,6 +39,8 @@ class Collector(FrameProcessor):
         self.errors: list[str] = []
         self.stopped = asyncio.Event()
         self.first_audio = asyncio.Event()
+        self.marked: int | None = None  # audio bytes when the last turn was queued
+        self.last_turn = asyncio.Event()  # its first audio came (a stop of the turn before no longer counts)
 
     async def process_frame(self, frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
@@ -46,6 +48,9 @@ class Collector(FrameProcessor):
             self.audio += len(frame.audio)
             self.rates.add(frame.sample_rate)
             self.first_audio.set()
+            if self.marked is not None and not self.last_turn.is_set():
+                self.stopped.clear()
+                self.last_turn.set()
         elif isinstance(frame, TTSStoppedFrame):
             self.stopped.set()
         elif isinstance(frame, ErrorFrame):
@@ -104,14 +109,14 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     await worker.queue_frame(LLMFullResponseEndFrame())
 
     # 3. the same socket still speaks after the interruption
-    col.stopped.clear()
-    before = col.audio
+    col.marked = col.audio
     await worker.queue_frame(TTSSpeakFrame("Sure, go ahead."))
+    await asyncio.wait_for(col.last_turn.wait(), TIMEOUT)
     await asyncio.wait_for(col.stopped.wait(), TIMEOUT)
     await worker.queue_frame(EndFrame())
     await asyncio.wait_for(run, TIMEOUT)
     return {"service": kind, "audio_bytes": spoken, "sample_rate": min(col.rates) if col.rates else None,
-            "errors": col.errors, "after_interruption_bytes": col.audio - before}
+            "errors": col.errors, "after_interruption_bytes": col.audio - col.marked}
 
 
 if __name__ == "__main__":
