@@ -136,7 +136,9 @@ def test_placement_prefers_headroom_and_spreads_ties():
 # ---- two CPU engines behind one gateway ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def two_engines(start_server):
-    return start_server("--devices", "cpu,cpu")
+    srv = start_server("--devices", "cpu,cpu")  # ready: one engine is; the tests want both
+    wait_for(lambda: all(e["ready"] for e in httpx.get(srv.url + "/readyz").json()["engines"]), 180)
+    return srv
 
 
 def metrics(srv) -> str:
