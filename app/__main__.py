@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 from app.settings import GatewaySettings, Limits, loopback
-from engine.server import EngineSettings
-from engine.weights import WeightSources
+from engine.contract.settings import EngineSettings, WeightSources, visible_gpus
 
 # Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
 _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
@@ -96,19 +95,15 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     keys = tuple(a.api_key) + tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
     if not loopback(a.host) and not keys and not a.no_auth:
         p.error(f"binding to {a.host} exposes the GPU: give --api-key KEY (or --no-auth to serve without keys)")
-    import torch
-
-    devices = parse_devices(p, a.devices, torch.cuda.device_count() if a.devices == "all" else 0)
+    devices = parse_devices(p, a.devices, visible_gpus() if a.devices == "all" else 0)
     if devices and a.device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")
     if devices and a.dac_device:
         p.error("--dac-device is for one engine (--device); with --devices each engine keeps its DAC on its device")
-    on_gpu = (any(d.startswith("cuda") for d in devices) if devices else
-              a.device.startswith("cuda") or (a.device == "auto" and torch.cuda.is_available()))
     engine = EngineSettings(
         device=devices[0] if devices else a.device,
         dac_device=a.dac_device,
-        max_batch=a.max_batch or (128 if on_gpu else 8),
+        max_batch=a.max_batch,  # None: the engine picks (128 on a GPU, 8 on a CPU)
         max_context=a.max_context,
         prefill_chunk=a.prefill_chunk,
         dac_dtype=a.dac_dtype,

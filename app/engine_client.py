@@ -28,12 +28,12 @@ from typing import Any
 
 import numpy as np
 
-from engine import messages as m
-from engine.ipc import AsyncRingReader, ShmRing, remove_stale_segments
-from engine.lifeline import close_quietly, open_lifeline
-from engine.runtime.admission import FRAME_S
-from engine.server import EngineSettings, engine_main
-from engine.weights import WeightSources
+from engine.contract import records as m
+from engine.contract.constants import FRAME_S
+from engine.contract.lifeline import close_quietly, open_lifeline
+from engine.contract.rings import AsyncRingReader, ShmRing, remove_stale_segments
+from engine.contract.settings import EngineSettings, WeightSources
+from engine.runtime.main import engine_main
 
 log = logging.getLogger("gateway.engine")
 
@@ -401,7 +401,7 @@ class EngineClient:
 
     @property
     def slots(self) -> int:
-        return int(self.info.get("slots") or self.settings.max_batch)
+        return int(self.info.get("slots") or self.settings.max_batch or 0)  # known once the engine is ready
 
     @property
     def realtime_admission(self) -> bool:

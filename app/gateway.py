@@ -23,7 +23,7 @@ from app.synthesis import PromptFactory, RequestError, SynthesisOptions
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
-from engine.ipc import RecordTooLarge
+from engine.contract.rings import RecordTooLarge
 from engine.textnorm import TextNormalizer
 
 log = logging.getLogger("gateway")

@@ -35,7 +35,7 @@ from app.synthesis import (
 )
 from app.voices import Voice, parse_embedding_file, slerp
 from engine.config import preset_params
-from engine.sampling import HISTORY
+from engine.contract.records import HISTORY
 from engine.textnorm import SUPPORTED_LANGUAGES
 
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")

@@ -26,7 +26,7 @@ from app.gateway import Gateway
 from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
 from app.text_buffer import TextBuffer
 from app.voices import Voice
-from engine import messages as m
+from engine.contract import records as m
 
 log = logging.getLogger("gateway.pipeline")
 

@@ -6,8 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.server import EngineSettings
-from engine.weights import WeightSources
+from engine.contract.settings import EngineSettings, WeightSources
 
 
 @dataclass

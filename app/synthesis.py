@@ -13,9 +13,8 @@ import soxr
 
 from app.audio_formats import G711, g711_encode
 from engine.config import Zonos2Config, preset_params
-from engine.messages import SubmitRequest
+from engine.contract.records import SamplingParams, SubmitRequest
 from engine.prompt import Conditioning, PromptBuilder, PromptError
-from engine.sampling import SamplingParams
 from engine.textnorm import TextNormalizer, normalize_language
 
 NATIVE_RATE = 44100

@@ -13,10 +13,10 @@ import time
 
 import torch
 
+from engine.contract.records import SamplingParams
 from engine.llm.node import LLMNode
 from engine.model.checkpoint import random_model, release_shapes
 from engine.model.zonos2 import MoEFFN, PrefillSeq
-from engine.sampling import SamplingParams
 
 
 def weight_bytes(model, experts_touched: list[int]) -> int:

@@ -12,9 +12,10 @@ import numpy as np
 import torch
 
 from engine.config import Zonos2Config, preset_params
+from engine.contract.records import SamplingParams
+from engine.contract.settings import WeightSources
 from engine.prompt import Conditioning, PromptBuilder
-from engine.sampling import SamplingParams
-from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
+from engine.weights import load_codec, load_model, load_speaker_encoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

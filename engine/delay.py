@@ -5,17 +5,21 @@ Both functions keep the length and work on numpy arrays and torch tensors of sha
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
 
-PAD_ID = 1025
-A = TypeVar("A", np.ndarray, torch.Tensor)
+from engine.contract.constants import PAD_ID
+
+if TYPE_CHECKING:
+    import torch
+
+A = TypeVar("A", np.ndarray, "torch.Tensor")
 
 
 def _full_like(x: A, value: int) -> A:
-    return torch.full_like(x, value) if isinstance(x, torch.Tensor) else np.full_like(x, value)
+    # a tensor fills itself (torch is never imported here: the gateway builds prompts without it)
+    return np.full_like(x, value) if isinstance(x, np.ndarray) else x.new_full(x.shape, value)
 
 
 def shear(x: A, pad: int = PAD_ID) -> A:

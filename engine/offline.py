@@ -7,10 +7,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.contract.records import SamplingParams
 from engine.llm.node import LLMNode, Sequence
 from engine.model.zonos2 import Zonos2
 from engine.prompt import Conditioning, PromptBuilder, shear_up
-from engine.sampling import SamplingParams
 
 
 @dataclass

@@ -1,39 +1,14 @@
-"""Where each node's weights come from: the user's release files, or the embedded random default."""
+"""Loading each node's weights: the user's release files, or the embedded random default."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from engine.contract.settings import WeightSources
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WeightSources:
-    """`None` means the embedded random default of that node (tiny, deterministic: speaks noise)."""
-
-    model_path: str | None = None  # dir with params.json + model.pth / model.safetensors
-    dac_weights: str | None = None  # weights_44khz_8kbps_0.0.1.pth
-    speaker_weights: str | None = None  # HF dir: config.json + model.safetensors
-    random_preset: str = "tiny"  # for the LLM when model_path is None: tiny | full
-    seed: int = 0
-
-    def check(self) -> None:
-        for name, p in (("model path", self.model_path), ("DAC weights", self.dac_weights),
-                        ("speaker weights", self.speaker_weights)):
-            if p is not None and not Path(p).exists():
-                raise FileNotFoundError(f"{name} {p} does not exist")
-
-    def describe(self) -> dict[str, str]:
-        size = "full-size" if self.random_preset == "full" else "tiny"
-        return {
-            "model": self.model_path or f"random {size} ZONOS2 (seed {self.seed})",
-            "dac": self.dac_weights or f"random {size} DAC",
-            "speaker_encoder": self.speaker_weights or f"random {size} ECAPA",
-        }
 
 
 def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None):

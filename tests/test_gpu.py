@@ -32,8 +32,8 @@ def test_bf16_gpu_model_matches_fp32_cpu():
 
 
 def _run(node, prompts, seeds, steps):
+    from engine.contract.records import SamplingParams
     from engine.llm.node import Sequence
-    from engine.sampling import SamplingParams
 
     seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True)
             for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]

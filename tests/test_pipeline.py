@@ -20,8 +20,8 @@ from app.pipeline import ENGINE_ERROR_STATUS, engine_error, speak, utterance_byt
 from app.settings import GatewaySettings, Limits
 from app.synthesis import RequestError, SynthesisOptions
 from app.ws import Session
-from engine import messages as m
 from engine.config import Zonos2Config, preset_params
+from engine.contract import records as m
 
 TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only on events
 

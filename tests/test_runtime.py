@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 from app.engine_client import EngineClient
-from engine import messages as m
 from engine.config import Zonos2Config, preset_params
+from engine.contract import records as m
+from engine.contract.records import SamplingParams
+from engine.contract.settings import EngineSettings, WeightSources
 from engine.prompt import PromptBuilder
-from engine.sampling import SamplingParams
-from engine.server import EngineSettings
-from engine.weights import WeightSources
 from tests.asyncloop import LoopThread
 
 PB = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))

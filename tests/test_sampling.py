@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampling import SamplerState, SamplingParams
+from engine.contract.records import SamplingParams
+from engine.llm.sampling import SamplerState
 
 V, C = 1026, 9
 

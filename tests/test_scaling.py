@@ -27,8 +27,7 @@ import websockets
 from app.__main__ import parse_args
 from app.engine_client import EngineClient, EnginePool, EngineUnavailable
 from app.gateway import engine_device
-from engine.server import EngineSettings
-from engine.weights import WeightSources
+from engine.contract.settings import EngineSettings, WeightSources
 from tests.wsclient import Client
 
 SAMPLES_PER_FRAME = 512
@@ -37,11 +36,11 @@ SAMPLES_PER_FRAME = 512
 # ---- the flag ---------------------------------------------------------------------------------------------
 def test_devices_flag(capsys):
     s = parse_args(["--devices", "cpu,cpu"])
-    assert s.devices == ("cpu", "cpu") and s.engine.device == "cpu" and s.engine.max_batch == 8
+    assert s.devices == ("cpu", "cpu") and s.engine.device == "cpu" and s.engine.max_batch is None  # engine picks
     assert parse_args([]).devices == ()  # --device: the one-engine case, as before
     assert parse_args(["--device", "cpu"]).devices == ()
     assert parse_args(["--devices", "cuda, cuda:1"]).devices == ("cuda:0", "cuda:1")
-    assert parse_args(["--devices", "cuda:0,cuda:1"]).engine.max_batch == 128  # GPU defaults
+    assert parse_args(["--devices", "cuda:0,cuda:1"]).engine.max_batch is None  # the engine picks 128 on a GPU
     import torch
 
     if not torch.cuda.is_available():

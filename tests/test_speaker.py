@@ -19,8 +19,9 @@ import torch
 import torchaudio
 from safetensors.torch import load_file, save_file
 
-from engine.audio import AudioDecodeError, decode_audio, resample
+from engine.audio import AudioDecodeError, decode_audio
 from engine.speaker.encoder import EcapaConfig, SpeakerCheckpointError, SpeakerEncoder
+from engine.speaker.resample import resample
 
 SR = 24_000
 

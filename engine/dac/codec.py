@@ -28,14 +28,11 @@ from typing import Any
 
 import torch
 
+from engine.contract.constants import CODEBOOK_SIZE, HOP, N_CODEBOOKS, SAMPLE_RATE
+
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 44100
-HOP = 512
-N_CODEBOOKS = 9
-CODEBOOK_SIZE = 1024
 CODEBOOK_DIM = 8
-EOA_ID = 1024
 
 MAX_CODE = CODEBOOK_SIZE - 1
 

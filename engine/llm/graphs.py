@@ -14,8 +14,8 @@ import time
 import torch
 from torch import Tensor
 
+from engine.llm.sampling import SamplerState
 from engine.model.zonos2 import Zonos2
-from engine.sampling import SamplerState
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from engine.contract.records import SamplingParams
 from engine.llm.eos import EosTracker
+from engine.llm.sampling import SamplerState
 from engine.model.zonos2 import PrefillSeq, Zonos2
-from engine.sampling import SamplerState, SamplingParams
 
 
 @dataclass

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.dac.codec import HOP, SAMPLE_RATE
-
-FRAME_S = HOP / SAMPLE_RATE  # 11.6 ms: the real-time budget of one iteration
+from engine.contract.constants import FRAME_S
 
 
 @dataclass

@@ -30,7 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from engine.audio import resample
+from engine.speaker.resample import resample
 
 __all__ = [
     "ARCHITECTURE",

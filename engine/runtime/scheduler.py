@@ -1,6 +1,7 @@
-"""The engine process: owns the device and runs the three nodes (LLM, dac_decoder, speaker_encoder).
+"""The scheduler of the engine process: owns the device and runs the three nodes (LLM, dac_decoder,
+speaker_encoder) in one loop.
 
-One loop, one iteration at a time:
+One iteration at a time:
   read the inbox ring -> cancels, admissions (speaker_encoder for clone requests) ->
   one batched decode step for every running stream -> at most one bounded prefill chunk ->
   EOS bookkeeping -> batched DAC decode of every ready chunk -> PCM into the outbox ring.
@@ -22,51 +23,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from engine import messages as m
-from engine.ipc import Outbox, RingSpec, ShmRing, unlink_segment
-from engine.lifeline import Lifeline, watch_parent
+from engine.contract import records as m
+from engine.contract.rings import Outbox, ShmRing
+from engine.contract.settings import EngineSettings, WeightSources
 from engine.llm.node import LLMNode, Sequence
 from engine.runtime.admission import RealtimeAdmission
 from engine.speaker.worker import SpeakerWorker
-from engine.weights import WeightSources, load_codec, load_model, load_speaker_encoder
+from engine.weights import load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
-
-
-@dataclass
-class EngineSettings:
-    device: str = "auto"  # cpu | cuda | cuda:N
-    dac_device: str | None = None  # place the dac_decoder elsewhere (default: with the LLM)
-    max_batch: int = 8  # decode slots
-    max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
-    max_queue: int = 64  # requests waiting for a slot before new ones are refused
-    prefill_chunk: int = 512  # prompt frames per loop iteration (a 4-prompt prefill is ~9 ms on an H200)
-    # with at least prefill_group_min_streams decoding, a prefill of fewer than prefill_group_frames waits
-    # up to prefill_group_wait_ms for more arrivals to share its call (0: never)
-    prefill_group_wait_ms: float = 20.0
-    prefill_group_min_streams: int = 32
-    prefill_group_frames: int = 256
-    cuda_graphs: bool = True
-    compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
-    chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
-    # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
-    # auto: bfloat16 on a GPU, float32 on a CPU
-    dac_dtype: str = "auto"
-    dac_max_batch: int = 32  # chunks per DAC call (each (batch, length) shape is captured in a graph)
-    # DAC input frames launched per iteration (0: all that are ready). Spreads the chunks of streams that
-    # would otherwise cut in lockstep over iterations; least recently served first.
-    dac_frames_per_step: int = 384
-    dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
-    admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
-    admission_headroom: float = 0.8  # realtime: admit while the iteration period stays under 0.8 x 11.6 ms
-    admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
-    outbox_bytes_per_request: int = 32 << 20
-    stats_interval_s: float = 1.0
-
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
 
 
 @dataclass
@@ -84,20 +49,21 @@ class Job:
     speaker_pending: bool = False  # its clip is with the speaker_encoder: not admissible yet
 
 
-class Engine:
+class Scheduler:
     def __init__(self, src: WeightSources, settings: EngineSettings, inbox: ShmRing, outbox_ring: ShmRing):
         from engine.dac.schedule import ChunkSchedule
         from engine.dac.streaming import StreamingDecoder
 
         self.settings = settings
-        self.device = settings.resolved_device()
+        self.device = resolve_device(settings.device)
         self.inbox = inbox
         self.outbox = Outbox(outbox_ring, settings.outbox_bytes_per_request)
         self.out_ring = outbox_ring
         t0 = time.perf_counter()
         model = load_model(src, self.device)
-        max_context = settings.max_context or kv_frames_that_fit(model, settings.max_batch + 1)
-        self.llm = LLMNode(model, settings.max_batch, max_context, settings.cuda_graphs, settings.compile)
+        slots = settings.max_batch or (128 if self.device.startswith("cuda") else 8)
+        max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
+        self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile)
         dac_device = settings.dac_device or self.device
         dtype_name = settings.dac_dtype if settings.dac_dtype != "auto" else (
             "bfloat16" if dac_device.startswith("cuda") else "float32")
@@ -136,8 +102,8 @@ class Engine:
     def warmup(self) -> float:
         """Run one short request through every node so first traffic pays no lazy-init cost."""
         t0 = time.perf_counter()
+        from engine.contract.records import SamplingParams
         from engine.prompt import PromptBuilder
-        from engine.sampling import SamplingParams
 
         prompt = PromptBuilder(self.llm.cfg).build("warm up")
         seq = Sequence(rid=-1, prompt=prompt, params=SamplingParams(seed=0), max_frames=40, ignore_eos=True)
@@ -482,6 +448,13 @@ class Engine:
         }, force=True)
 
 
+def resolve_device(device: str) -> str:
+    """`auto` is a GPU when this process sees one."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
 def kv_frames_that_fit(model: Any, slots: int, reserve_bytes: int = 16 << 30) -> int | None:
     """Frames per slot of a KV cache sized from free GPU memory: the model's max_seqlen when it fits,
     else what `slots` slots can hold once `reserve_bytes` are kept back (DAC graphs, activations,
@@ -499,27 +472,3 @@ def kv_frames_that_fit(model: Any, slots: int, reserve_bytes: int = 16 << 30) ->
         raise RuntimeError(f"{slots} KV slots do not fit in {free / 2**30:.1f} GiB free: lower --max-batch")
     log.warning("KV cache: %d frames per slot fit in free memory (model max %d)", fit, cfg.max_seqlen)
     return fit
-
-
-def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,
-                log_level: str = "INFO", lifeline: Lifeline | None = None) -> None:
-    """Entry point of the engine process (multiprocessing 'spawn' target). When the gateway that
-    started it dies (`lifeline`, engine/lifeline.py), the engine unlinks both rings and exits."""
-    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
-    watch_parent(lifeline, lambda: [unlink_segment(s.name) for s in (inbox_spec, outbox_spec)])
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
-    try:
-        engine = Engine(src, settings, inbox, out_ring)
-        warm = engine.warmup()
-    except Exception as e:
-        log.exception("engine failed to start")
-        out_ring.try_put({"type": m.ERROR, "rid": None, "code": "engine_start_failed", "message": str(e)})
-        raise SystemExit(1) from e
-    info = engine.ready_info(warm)
-    log.info("engine ready: %s", info)
-    engine.outbox.put("ready", info, force=True)
-    engine.outbox.flush()
-    engine.run()
-    engine.outbox.flush()
-    log.info("engine stopped")

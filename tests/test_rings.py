@@ -1,4 +1,4 @@
-"""Tests for engine.ipc: the shared-memory rings between the gateway and the engine."""
+"""Tests for engine.contract.rings: the shared-memory rings between the gateway and the engine."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import ipc
-from engine.ipc import AsyncRingReader, Outbox, RecordTooLarge, RingClosed, RingSpec, ShmRing
+from engine.contract import rings as ipc
+from engine.contract.rings import AsyncRingReader, Outbox, RecordTooLarge, RingClosed, RingSpec, ShmRing
 
 REPO = Path(__file__).resolve().parents[1]
 SPAWN = mp.get_context("spawn")
@@ -423,7 +423,7 @@ _SPAWN_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
 import multiprocessing as mp
-from engine.ipc import ShmRing
+from engine.contract.rings import ShmRing
 
 def child(spec):
     ring = ShmRing.attach(spec)
@@ -463,7 +463,7 @@ def test_unrelated_process_attach_does_not_unlink(ring: ShmRing) -> None:
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO)!r})
-        from engine.ipc import RingSpec, ShmRing
+        from engine.contract.rings import RingSpec, ShmRing
         ring = ShmRing.attach(RingSpec({spec.name!r}, {spec.capacity}, {spec.fds!r}))
         assert ring.try_put({{"from": "child"}}, b"abc")
         ring.close()
@@ -477,13 +477,13 @@ def test_unrelated_process_attach_does_not_unlink(ring: ShmRing) -> None:
     assert ring.wait(30) and ring.get() == ({"from": "child"}, b"abc")
 
 
-# ---- the engine's lifeline: an orphan cleans up and exits (engine/lifeline.py) ---------------------------
+# ---- the engine's lifeline: an orphan cleans up and exits (engine/contract/lifeline.py) ---------------------------
 _ORPHAN_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
 import multiprocessing as mp
-from engine.ipc import ShmRing, unlink_segment
-from engine.lifeline import close_quietly, open_lifeline, watch_parent
+from engine.contract.rings import ShmRing, unlink_segment
+from engine.contract.lifeline import close_quietly, open_lifeline, watch_parent
 
 def engine(lifeline, name):  # what engine_main does first
     watch_parent(lifeline, lambda: unlink_segment(name))

@@ -11,45 +11,12 @@ softmax. A seeded request therefore produces the same frames whatever else share
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
+from engine.contract.records import HISTORY, SamplingParams
+
 _M32 = 0xFFFFFFFF
-
-
-@dataclass
-class SamplingParams:
-    """Reference defaults (`message/tts.py`). top_k < 1 means 1024, as in the reference."""
-
-    temperature: float = 1.15
-    top_k: int = 106
-    top_p: float = 0.0
-    min_p: float = 0.18
-    repetition_window: int = 50
-    repetition_penalty: float = 1.2
-    repetition_codebooks: int = 8
-    seed: int | None = None
-
-    def validate(self, n_codebooks: int = 9) -> None:
-        checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
-            (0.0 <= self.top_p <= 1.0, "top_p must be in [0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (0 <= self.repetition_window <= HISTORY, f"repetition_window must be in 0..{HISTORY}"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 1.0,
-             "repetition_penalty must be >= 1"),
-            (-1 <= self.repetition_codebooks <= n_codebooks,
-             f"repetition_codebooks must be in -1..{n_codebooks} (-1 = all)"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
-            (-1 <= self.top_k <= 100_000, "top_k must be an integer (< 1 means 1024)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
 
 
 def _mix32(x: Tensor) -> Tensor:

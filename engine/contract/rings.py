@@ -134,7 +134,7 @@ def _align8(n: int) -> int:
 def _check_platform() -> None:
     # The lock-free protocol relies on x86-64 store/load ordering (see module docstring).
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"engine.ipc.ShmRing needs x86-64 memory ordering, not {platform.machine()}")
+        raise RuntimeError(f"engine.contract.rings.ShmRing needs x86-64 memory ordering, not {platform.machine()}")
 
 
 # --------------------------------------------------------------------------- doorbell

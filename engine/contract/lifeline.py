@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-log = logging.getLogger("engine.lifeline")
+log = logging.getLogger("engine.contract.lifeline")
 
 
 def _rebuild(handle: Any, parent_pid: int) -> Lifeline:

@@ -1,0 +1,11 @@
+"""ZONOS2's fixed numbers, shared by every node and the gateway (spec §5, §8)."""
+
+from __future__ import annotations
+
+SAMPLE_RATE = 44100  # DAC 44.1 kHz: every PCM sample the engine produces
+HOP = 512  # samples per frame
+FRAME_S = HOP / SAMPLE_RATE  # 11.6 ms of audio per frame: the real-time budget of one decode step
+N_CODEBOOKS = 9
+CODEBOOK_SIZE = 1024
+EOA_ID = 1024  # end of audio, in any codebook
+PAD_ID = 1025  # the delay pattern's padding

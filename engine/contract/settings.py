@@ -1,0 +1,81 @@
+"""What the gateway tells the engine process at start: where the weights come from and how to run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class WeightSources:
+    """`None` means the embedded random default of that node (tiny, deterministic: speaks noise)."""
+
+    model_path: str | None = None  # dir with params.json + model.pth / model.safetensors
+    dac_weights: str | None = None  # weights_44khz_8kbps_0.0.1.pth
+    speaker_weights: str | None = None  # HF dir: config.json + model.safetensors
+    random_preset: str = "tiny"  # for the LLM when model_path is None: tiny | full
+    seed: int = 0
+
+    def check(self) -> None:
+        for name, p in (("model path", self.model_path), ("DAC weights", self.dac_weights),
+                        ("speaker weights", self.speaker_weights)):
+            if p is not None and not Path(p).exists():
+                raise FileNotFoundError(f"{name} {p} does not exist")
+
+    def describe(self) -> dict[str, str]:
+        size = "full-size" if self.random_preset == "full" else "tiny"
+        return {
+            "model": self.model_path or f"random {size} ZONOS2 (seed {self.seed})",
+            "dac": self.dac_weights or f"random {size} DAC",
+            "speaker_encoder": self.speaker_weights or f"random {size} ECAPA",
+        }
+
+
+@dataclass
+class EngineSettings:
+    device: str = "auto"  # cpu | cuda | cuda:N
+    dac_device: str | None = None  # place the dac_decoder elsewhere (default: with the LLM)
+    max_batch: int | None = None  # decode slots (None: 128 on a GPU, 8 on a CPU)
+    max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
+    max_queue: int = 64  # requests waiting for a slot before new ones are refused
+    prefill_chunk: int = 512  # prompt frames per loop iteration (a 4-prompt prefill is ~9 ms on an H200)
+    # with at least prefill_group_min_streams decoding, a prefill of fewer than prefill_group_frames waits
+    # up to prefill_group_wait_ms for more arrivals to share its call (0: never)
+    prefill_group_wait_ms: float = 20.0
+    prefill_group_min_streams: int = 32
+    prefill_group_frames: int = 256
+    cuda_graphs: bool = True
+    compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
+    chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
+    # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
+    # auto: bfloat16 on a GPU, float32 on a CPU
+    dac_dtype: str = "auto"
+    dac_max_batch: int = 32  # chunks per DAC call (each (batch, length) shape is captured in a graph)
+    # DAC input frames launched per iteration (0: all that are ready). Spreads the chunks of streams that
+    # would otherwise cut in lockstep over iterations; least recently served first.
+    dac_frames_per_step: int = 384
+    dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
+    admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
+    admission_headroom: float = 0.8  # realtime: admit while the iteration period stays under 0.8 x 11.6 ms
+    admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
+    outbox_bytes_per_request: int = 32 << 20
+    stats_interval_s: float = 1.0
+
+
+def visible_gpus() -> int:
+    """NVIDIA GPUs this process may use, found without importing torch (the gateway never does): the
+    driver's device list, narrowed by CUDA_VISIBLE_DEVICES as CUDA would narrow it."""
+    import os
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = Path("/proc/driver/nvidia/gpus")
+    present = len(list(gpus.iterdir())) if gpus.is_dir() else 0
+    if visible is None:
+        return present
+    entries = [v.strip() for v in visible.split(",")]
+    count = 0
+    for v in entries:  # CUDA stops at the first entry that names no device
+        if not v or v.startswith("-") or (v.isdigit() and int(v) >= present):
+            break
+        count += 1
+    return count

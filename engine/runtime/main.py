@@ -1,0 +1,41 @@
+"""The engine process's entry point: the spawn target the gateway names (importable without torch)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from engine.contract import records as m
+from engine.contract.lifeline import Lifeline, watch_parent
+from engine.contract.rings import RingSpec, ShmRing, unlink_segment
+from engine.contract.settings import EngineSettings, WeightSources
+
+log = logging.getLogger("engine")
+
+
+def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,
+                log_level: str = "INFO", lifeline: Lifeline | None = None) -> None:
+    """Entry point of the engine process (multiprocessing 'spawn' target). When the gateway that
+    started it dies (`lifeline`, engine/contract/lifeline.py), the engine unlinks both rings and exits."""
+    logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    watch_parent(lifeline, lambda: [unlink_segment(s.name) for s in (inbox_spec, outbox_spec)])
+    import torch  # here, in the spawned process: the gateway imports this module without torch
+
+    from engine.runtime.scheduler import Scheduler
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
+    try:
+        engine = Scheduler(src, settings, inbox, out_ring)
+        warm = engine.warmup()
+    except Exception as e:
+        log.exception("engine failed to start")
+        out_ring.try_put({"type": m.ERROR, "rid": None, "code": "engine_start_failed", "message": str(e)})
+        raise SystemExit(1) from e
+    info = engine.ready_info(warm)
+    log.info("engine ready: %s", info)
+    engine.outbox.put("ready", info, force=True)
+    engine.outbox.flush()
+    engine.run()
+    engine.outbox.flush()
+    log.info("engine stopped")
