@@ -165,44 +165,41 @@ def openai_voice(gw: Gateway, ref: Any, owner: str) -> Voice | None:
 
 async def openai_speech(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    try:
-        key = require_key(request)
-        owner = gw.owner_of(key)
-        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
-        unknown = sorted(set(data) - _SPEECH_FIELDS)
-        if unknown:
-            raise RequestError("bad_params", f"unknown fields {unknown}")
-        text = http_text(data, "input", gw.settings.limits.max_http_chars)
-        fmt = data.get("response_format", "mp3")
-        fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
-        if not isinstance(fmt, str) or fmt not in FORMATS:
-            raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
-        rate = data.get("sample_rate", G711_RATE if fmt in G711 else 24000)
-        if isinstance(rate, bool) or rate not in OUTPUT_RATES or (fmt == "opus" and rate not in OPUS_RATES):
-            allowed = [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES]
-            raise RequestError("bad_params", f"sample_rate must be one of {allowed} for {fmt} "
-                               "(default 24000 as OpenAI; 8000 for mulaw and alaw)")
-        rate = int(rate)
-        stream_format = data.get("stream_format", "audio")
-        if stream_format not in ("audio", "sse"):
-            raise RequestError("bad_params", "stream_format must be 'audio' or 'sse'")
-        if "instructions" in data and not isinstance(data["instructions"], str | None):
-            raise RequestError("bad_params", "instructions must be a string")  # accepted; the model takes none
-        # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
-        base = SynthesisOptions()
-        base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0
-        base.sampling.repetition_codebooks = -1
-        opts = parse_options(speech_params(gw, data), gw.settings.limits.max_frames, base, cfg=gw.cfg)
-        speaker = await speaker_source(gw, data, owner)
-        ref = data.get("voice")
-        if speaker is not None:
-            if isinstance(ref, str) and ref and ref.lower() not in OPENAI_VOICES:
-                raise RequestError("bad_params", "give a voice or the speaker_* fields, not both")
-            voice = speaker
-        else:
-            voice = openai_voice(gw, ref, owner)
-    except RequestError as e:
-        return error_response(e)
+    key = require_key(request)
+    owner = gw.owner_of(key)
+    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    unknown = sorted(set(data) - _SPEECH_FIELDS)
+    if unknown:
+        raise RequestError("bad_params", f"unknown fields {unknown}")
+    text = http_text(data, "input", gw.settings.limits.max_http_chars)
+    fmt = data.get("response_format", "mp3")
+    fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
+    if not isinstance(fmt, str) or fmt not in FORMATS:
+        raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
+    rate = data.get("sample_rate", G711_RATE if fmt in G711 else 24000)
+    if isinstance(rate, bool) or rate not in OUTPUT_RATES or (fmt == "opus" and rate not in OPUS_RATES):
+        allowed = [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES]
+        raise RequestError("bad_params", f"sample_rate must be one of {allowed} for {fmt} "
+                           "(default 24000 as OpenAI; 8000 for mulaw and alaw)")
+    rate = int(rate)
+    stream_format = data.get("stream_format", "audio")
+    if stream_format not in ("audio", "sse"):
+        raise RequestError("bad_params", "stream_format must be 'audio' or 'sse'")
+    if "instructions" in data and not isinstance(data["instructions"], str | None):
+        raise RequestError("bad_params", "instructions must be a string")  # accepted; the model takes none
+    # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
+    base = SynthesisOptions()
+    base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0
+    base.sampling.repetition_codebooks = -1
+    opts = parse_options(speech_params(gw, data), gw.settings.limits.max_frames, base, cfg=gw.cfg)
+    speaker = await speaker_source(gw, data, owner)
+    ref = data.get("voice")
+    if speaker is not None:
+        if isinstance(ref, str) and ref and ref.lower() not in OPENAI_VOICES:
+            raise RequestError("bad_params", "give a voice or the speaker_* fields, not both")
+        voice = speaker
+    else:
+        voice = openai_voice(gw, ref, owner)
 
     pcm = PcmEncoder("pcm_f32le", rate)  # the resampler: 44.1 kHz int16 from the engine -> float32 at `rate`
     out = StreamEncoder(fmt, rate)
@@ -211,10 +208,7 @@ async def openai_speech(request: Request) -> Response:
     if fmt in RAW_SAMPLE_FORMATS:
         headers["X-Audio-Format"] = RAW_SAMPLE_FORMATS[fmt]
     speech = speak(gw, "openai", text, opts, voice, None)
-    try:
-        chunks = await first_chunk(speech)
-    except RequestError as e:
-        return error_response(e)
+    chunks = await first_chunk(speech)
     sse = stream_format == "sse"
     # libsndfile's encoders (flac, mp3, opus) take a worker thread; raw samples are encoded in place
     threaded = fmt in ("flac", "mp3", "opus")
@@ -351,22 +345,16 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
 
 async def tts_generate(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    try:
-        key = require_key(request)
-        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
-        text = http_text(data, "text", gw.settings.limits.max_http_chars)
-        fade_ms = data.get("fade_out_ms") or 0.0
-        if not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= 5000:
-            raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
-        opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
-    except RequestError as e:
-        return error_response(e)
+    key = require_key(request)
+    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    text = http_text(data, "text", gw.settings.limits.max_http_chars)
+    fade_ms = data.get("fade_out_ms") or 0.0
+    if not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= 5000:
+        raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
+    opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     speech = speak(gw, "tts_generate", text, opts, voice, clip)
     headers = {"X-Audio-Sample-Rate": "44100", "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
-    try:
-        chunks = await first_chunk(speech)
-    except RequestError as e:
-        return error_response(e)
+    chunks = await first_chunk(speech)
     fade_n = int(44100 * fade_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
@@ -387,8 +375,6 @@ async def tts_generate(request: Request) -> Response:
                                  background=BackgroundTask(speech.aclose))
     try:
         body = b"".join([b async for b in floats()])
-    except RequestError as e:
-        return error_response(e)
     finally:
         await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)
