@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from engine.contract import rings as ipc
-from engine.contract.rings import AsyncRingReader, Outbox, RecordTooLarge, RingClosed, RingSpec, ShmRing
+from engine.contract.rings import AsyncRingReader, RecordTooLarge, RingClosed, RingSpec, ShmRing
+from engine.runtime.outbox import Outbox
 
 REPO = Path(__file__).resolve().parents[1]
 SPAWN = mp.get_context("spawn")

@@ -24,10 +24,11 @@ import numpy as np
 import torch
 
 from engine.contract import records as m
-from engine.contract.rings import Outbox, ShmRing
+from engine.contract.rings import ShmRing
 from engine.contract.settings import EngineSettings, WeightSources
 from engine.llm.node import LLMNode, Sequence
 from engine.runtime.admission import RealtimeAdmission
+from engine.runtime.outbox import Outbox
 from engine.speaker.worker import SpeakerWorker
 from engine.weights import load_codec, load_model, load_speaker_encoder
 
