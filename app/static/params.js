@@ -1,0 +1,124 @@
+// The Parameters card: static controls in the HTML, option lists from /tts/capabilities, kept in localStorage.
+
+import { $, el } from "./dom.js";
+
+const PARAMS_STORE = "zonos.params";
+const form = $("#params");
+let caps = null;
+// What the server allows: /tts/capabilities, then each session's `session.created` limits.
+export const limits = { max_frames: 3000 };
+
+export function initRangeOutputs() {
+  for (const input of form.querySelectorAll('input[type="range"]')) {
+    const out = form.querySelector(`output[for="${input.id}"]`);
+    const show = () => (out.textContent = Number(input.value).toFixed(2));
+    input.addEventListener("input", show);
+    show();
+  }
+}
+
+export function applyCapabilities(c) {
+  caps = c;
+  const lang = $("#p-language");
+  lang.replaceChildren(...c.text_norm_languages.map((l) => el("option", { value: l }, l)));
+  const rate = $("#p-speaking_rate_bucket");
+  const names = ["slowest", "very slow", "slow", "relaxed", "normal", "brisk", "fast", "fastest"];
+  rate.replaceChildren(
+    el("option", { value: "" }, "natural (off)"),
+    ...c.speaking_rate_buckets.map((label, i) =>
+      el("option", { value: String(i), title: `bucket ${i}: ${label} bytes of text per second` }, `${names[i] ?? i} (${label})`),
+    ),
+  );
+  $("#rate-field").hidden = !c.speaking_rate_enabled;
+  $("#p-repetition_codebooks").max = c.n_codebooks;
+  $("#p-max_frames").max = c.max_tokens;
+  limits.max_frames = c.max_tokens;
+  $("#p-max_frames").placeholder = `server limit (${c.max_tokens})`;
+  restoreParams();
+}
+
+// What this server cannot do, shown as off (and why), whatever the saved or default setting says.
+function applyServerSwitches() {
+  const norm = $("#p-text_normalization");
+  const off = caps && !caps.text_normalization_enabled;
+  norm.disabled = !!off;
+  if (off) norm.checked = false;
+  $("#norm-off").hidden = !off;
+  norm.closest("label").title = off ? "This server was started with --no-text-normalization" : "";
+}
+
+// Expressive mode and the clean-background marker only exist together with a speaker embedding.
+export function enableVoiceOptions(hasVoice) {
+  for (const n of form.querySelectorAll('input[name="mode"], #p-clean_speaker_background')) n.disabled = !hasVoice;
+}
+
+export function readParams() {
+  const v = (name) => form.elements[name].value;
+  const num = (name) => Number(v(name));
+  const p = {
+    temperature: num("temperature"),
+    top_k: Math.round(num("top_k")),
+    top_p: num("top_p"),
+    min_p: num("min_p"),
+    repetition_window: Math.round(num("repetition_window")),
+    repetition_penalty: num("repetition_penalty"),
+    repetition_codebooks: Math.round(num("repetition_codebooks")),
+    seed: v("seed") === "" ? null : Math.round(num("seed")),
+    // An empty field means "the server's limit": sending null would keep an earlier value (merge semantics).
+    max_frames: v("max_frames") === "" ? limits.max_frames : Math.round(num("max_frames")),
+    ignore_eos: form.elements.ignore_eos.checked,
+    language: v("language"),
+    text_normalization: form.elements.text_normalization.checked,
+    accurate_mode: form.querySelector('input[name="mode"]:checked').value === "accurate",
+    clean_speaker_background: form.elements.clean_speaker_background.checked,
+  };
+  if (v("speaking_rate_bucket") !== "") p.speaking_rate_bucket = Number(v("speaking_rate_bucket"));
+  return p;
+}
+
+export const readSampleRate = () => Number(form.elements.sample_rate.value);
+
+function saveParams() {
+  let state = {};
+  try {
+    state = JSON.parse(localStorage.getItem(PARAMS_STORE) || "{}"); // a control this server disables keeps its choice
+  } catch {
+    /* corrupt: start again */
+  }
+  for (const input of form.querySelectorAll("[name]")) {
+    if (input.disabled) continue;
+    if (input.type === "radio") {
+      if (input.checked) state[input.name] = input.value;
+    } else state[input.name] = input.type === "checkbox" ? input.checked : input.value;
+  }
+  localStorage.setItem(PARAMS_STORE, JSON.stringify(state));
+}
+
+export function restoreParams(defaults = false) {
+  let state = {};
+  try {
+    state = defaults ? {} : JSON.parse(localStorage.getItem(PARAMS_STORE) || "{}");
+  } catch {
+    /* corrupt: defaults */
+  }
+  for (const input of form.querySelectorAll("[name]")) {
+    const saved = state[input.name];
+    if (input.type === "radio") {
+      input.checked = saved !== undefined ? saved === input.value : input.dataset.default === "true";
+    } else if (input.type === "checkbox") {
+      input.checked = saved !== undefined ? !!saved : input.dataset.default === "true";
+    } else {
+      const val = saved !== undefined ? saved : input.dataset.default;
+      // Only accept a saved option that still exists (the server may have changed).
+      if (input.tagName !== "SELECT" || [...input.options].some((o) => o.value === val)) input.value = val;
+    }
+    input.dispatchEvent(new Event("input"));
+  }
+  applyServerSwitches();
+  saveParams();
+}
+
+form.addEventListener("input", saveParams);
+form.addEventListener("change", saveParams);
+form.addEventListener("submit", (e) => e.preventDefault());
+$("#params-reset").addEventListener("click", () => restoreParams(true));

@@ -1,0 +1,172 @@
+// The WebSocket session (/v1/tts/ws, see docs/protocol.md): one per page, reconnected when it closes.
+// It sends session.config only when the wanted one changed, and drops the audio of cancelled text.
+
+import { AUTH, apiKey } from "./api.js";
+import { counters } from "./counters.js";
+import { $ } from "./dom.js";
+import { log } from "./eventlog.js";
+
+const session = {
+  ws: null,
+  ready: null, // Promise resolved on session.created
+  sent: null, // the last session.config we sent (JSON), so it is only re-sent when something changed
+  retry: 0,
+  waiters: [], // resolvers waiting for session.updated / error after a session.config
+  awaitingCancel: 0, // cancels sent but not yet answered: audio before `cancelled` belongs to old text
+};
+
+// What the page does with the session: created(msg) before it counts as connected, message(msg) for
+// every JSON message, audio(ArrayBuffer) for each frame still wanted, closed() when the connection is lost.
+let handlers = null;
+export function setSessionHandlers(h) {
+  handlers = h;
+}
+
+function wsUrl() {
+  const proto = location.protocol === "https:" ? "wss:" : "ws:";
+  const key = apiKey();
+  return `${proto}//${location.host}/v1/tts/ws${key ? `?api_key=${encodeURIComponent(key)}` : ""}`;
+}
+
+function setConn(text, kind) {
+  const pill = $("#conn");
+  pill.textContent = text;
+  pill.className = `pill pill-${kind}`;
+}
+
+// Replace the session with a fresh one (new API key, or settings the old one cannot undo).
+export function reconnectNow() {
+  const old = session.ws;
+  session.ws = null; // the old socket's handlers see they are stale and stay quiet
+  if (old && old.readyState <= WebSocket.OPEN) old.close(1000);
+  connect();
+}
+
+export function connect() {
+  if (AUTH && !apiKey()) {
+    setConn("API key needed", "bad");
+    session.ready = Promise.reject(new Error("enter the server's API key first"));
+    session.ready.catch(() => {});
+    return;
+  }
+  setConn("connecting…", "wait");
+  const ws = new WebSocket(wsUrl());
+  ws.binaryType = "arraybuffer";
+  session.ws = ws;
+  session.sent = null;
+  session.awaitingCancel = 0;
+  let resolveReady, rejectReady;
+  session.ready = new Promise((res, rej) => ((resolveReady = res), (rejectReady = rej)));
+  session.ready.catch(() => {});
+  let unauthorized = false;
+
+  ws.onmessage = (e) => {
+    if (session.ws !== ws) return;
+    if (typeof e.data !== "string") return onAudio(e.data);
+    const msg = JSON.parse(e.data);
+    if (msg.type === "session.created") {
+      session.retry = 0;
+      handlers.created(msg);
+      counters.connected = true;
+      counters.sessionId = msg.session_id;
+      $("#session-id").textContent = msg.session_id;
+      setConn("connected", "ok");
+      log(`session ${msg.session_id} opened`);
+      resolveReady();
+    } else if (msg.type === "error" && msg.code === "unauthorized") {
+      unauthorized = true;
+    }
+    onMessage(msg);
+  };
+  ws.onclose = (e) => {
+    if (session.ws !== ws) return; // replaced on purpose
+    counters.connected = false;
+    rejectReady(new Error("the connection closed"));
+    for (const w of session.waiters.splice(0)) w.reject(new Error("the connection closed"));
+    handlers.closed();
+    if (unauthorized) {
+      setConn("wrong API key", "bad");
+      log("the server refused the API key; fix it in the header field", "err");
+      return; // reconnect when the key changes
+    }
+    // Back off 0.5 s, 1 s, 2 s … 10 s so a restarting server is not hammered.
+    if (session.retry === 0) log(`connection closed (${e.code}${e.reason ? ` ${e.reason}` : ""}); reconnecting`, "warn");
+    const delay = Math.min(10_000, 500 * 2 ** session.retry++);
+    setConn(`disconnected · retry in ${Math.round(delay / 1000) || 1} s`, "bad");
+    setTimeout(() => session.ws === ws && connect(), delay);
+  };
+}
+
+export function send(msg) {
+  session.ws.send(JSON.stringify(msg));
+}
+
+// Cancel what the server is still speaking; its audio still in flight is dropped until `cancelled`.
+export function cancel() {
+  if (session.ws?.readyState === WebSocket.OPEN) {
+    send({ type: "cancel" });
+    session.awaitingCancel++;
+  }
+}
+
+// The session, open and configured as cfg. Waiting out a reconnect back-off (server restarted, idle
+// timeout)? This retries right away.
+export async function configure(cfg) {
+  if (!session.ws || session.ws.readyState > WebSocket.OPEN) reconnectNow();
+  await session.ready;
+  await applyConfig(cfg);
+}
+
+// Send a session.config when the desired one differs from the last one sent, and wait for the answer
+// so a bad parameter is reported before any text is spoken with the old settings.
+async function applyConfig(cfg) {
+  const json = JSON.stringify(cfg);
+  if (json === session.sent) return;
+  // The server merges params into the session's: a speaking rate cannot be switched back off on the
+  // same session, so start a fresh one for that.
+  const prev = session.sent ? JSON.parse(session.sent) : null;
+  if (prev?.params.speaking_rate_bucket != null && cfg.params.speaking_rate_bucket == null) {
+    log("starting a fresh session: a speaking rate cannot be switched off on the same one", "warn");
+    reconnectNow();
+    await session.ready;
+  }
+  const answer = new Promise((resolve, reject) => session.waiters.push({ resolve, reject }));
+  send({ type: "session.config", ...cfg });
+  const timeout = new Promise((_, reject) => setTimeout(() => reject(new Error("no answer to session.config")), 10_000));
+  await Promise.race([answer, timeout]);
+  session.sent = json;
+}
+
+function onMessage(msg) {
+  switch (msg.type) {
+    case "session.updated": {
+      const w = session.waiters.shift();
+      if (w) w.resolve(msg);
+      log(`config: ${msg.sample_rate / 1000} kHz ${msg.encoding}, voice ${msg.voice ?? "none"}`);
+      break;
+    }
+    case "cancelled":
+      counters.cancelled++;
+      counters.lastCancelled = msg;
+      session.awaitingCancel = Math.max(0, session.awaitingCancel - 1);
+      log("■ cancelled by the server: no more audio of that text");
+      break;
+    case "error": {
+      counters.errors = [...counters.errors.slice(-49), msg];
+      const w = !msg.utterance_id && session.waiters.shift();
+      if (w) w.reject(new Error(`${msg.message} (${msg.code})`));
+      log(`error ${msg.code}: ${msg.message}`, "err");
+      break;
+    }
+  }
+  handlers.message(msg);
+}
+
+function onAudio(buf) {
+  // Audio of cancelled text can still be in flight until the server's `cancelled`: drop it.
+  if (session.awaitingCancel > 0) {
+    counters.framesDropped++;
+    return;
+  }
+  handlers.audio(buf);
+}
