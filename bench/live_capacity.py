@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import math
 import sys
@@ -284,7 +285,8 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
             ax.axvline(cap, color="tab:red", lw=1, alpha=0.6, label=f"capacity {cap}" if ax is ax1 else None)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    voice = "clone per request" if cfg.get("voice_mode", "clone") == "clone" else f"stored voice {cfg.get('voice')}"
+    mode = cfg.get("voice_mode", "clone")
+    voice = f"{mode} per request" if mode.startswith("clone") else f"stored voice {cfg.get('voice')}"
     fig.suptitle(f"Live capacity: {voice}, prebuffer {cfg.get('prebuffer_ms', 150):g} ms, "
                  f"{cfg.get('frames', 292)} frames, {cfg.get('sample_rate', 24000)} Hz s16", fontsize=10)
     fig.tight_layout()
@@ -308,6 +310,9 @@ class Options:
     sample_rate: int = 24000
     voice: str | None = None  # a stored voice's name (uploaded at start); None: clone per request
     voice_clip: str | None = None  # a clip file; None: bench/ws_bench.py's reference_clip()
+    # every request's clip differs in a few bytes, so no gateway's embedding cache (keyed by the clip's
+    # bytes) can serve it: each request runs the speaker encoder, as a clone of a new voice would
+    distinct_clips: bool = False
     text: str = TEXT
     min_stall_free: float = 0.99
     max_ttfa_p95_ms: float = 300.0
@@ -323,7 +328,7 @@ class Options:
 
     def config(self) -> dict[str, Any]:
         d = asdict(self)
-        d["voice_mode"] = "stored" if self.voice else "clone"
+        d["voice_mode"] = "stored" if self.voice else ("clone, distinct clips" if self.distinct_clips else "clone")
         d["api_key"] = "(set)" if self.api_key else None  # never written out
         return d
 
@@ -350,6 +355,17 @@ async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | Non
         return str(r.json()["id"])
 
 
+_clip_serial = itertools.count(1)
+
+
+def distinct_clip(clip_b64: str) -> str:
+    """The same WAV with its last 8 bytes (4 samples, ~0.1 ms) replaced by a serial number: inaudible,
+    but a different file to any cache."""
+    raw = bytearray(base64.b64decode(clip_b64))
+    raw[-8:] = next(_clip_serial).to_bytes(8, "little")
+    return base64.b64encode(bytes(raw)).decode()
+
+
 async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamRecord, clock0: float) -> None:
     """One request in its own session; fills `rec` (times relative to `clock0`)."""
     import websockets
@@ -366,6 +382,8 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             if created.get("type") != "session.created":
                 rec.error = str(created.get("code") or created.get("type"))
                 return
+            if opts.distinct_clips and "voice_clip" in session_cfg:
+                session_cfg = {**session_cfg, "voice_clip": distinct_clip(session_cfg["voice_clip"])}
             await ws.send(json.dumps(session_cfg))
             while True:
                 d = json.loads(await ws.recv())
@@ -517,6 +535,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-rate", type=int, default=d.sample_rate, choices=[8000, 16000, 24000, 44100])
     p.add_argument("--voice", help="store the clip once as this voice and use it (default: clone per request)")
     p.add_argument("--voice-clip", help="reference clip file (default: bench/ws_bench.py's synthetic clip)")
+    p.add_argument("--distinct-clips", action="store_true",
+                   help="alter a few bytes of the clip per request, so the speaker encoder runs for every "
+                        "request (a gateway caches embeddings by the clip's bytes)")
     p.add_argument("--text", default=d.text)
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
@@ -538,7 +559,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def options(a: argparse.Namespace) -> Options:
     return Options(url=a.url, levels=a.levels, duration=a.duration, warmup=a.warmup, ramp=a.ramp,
                    prebuffer_ms=a.prebuffer_ms, frames=a.frames, sample_rate=a.sample_rate, voice=a.voice,
-                   voice_clip=a.voice_clip, text=a.text, min_stall_free=a.min_stall_free,
+                   voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, min_stall_free=a.min_stall_free,
                    max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
                    request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, pause=a.pause,
                    api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)

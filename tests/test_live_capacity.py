@@ -235,3 +235,52 @@ def test_stored_voice_is_uploaded_once_and_used(server):
     assert a == b and a.startswith("v_")
     assert r.ok, r.error
     assert r.audio_s == pytest.approx(20 * 512 / 44100, abs=2e-3)
+
+
+def test_distinct_clips_are_new_files_of_the_same_audio():
+    import base64
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    from bench.live_capacity import distinct_clip
+
+    clip = reference_clip(seconds=1.0)
+    a, b = distinct_clip(clip), distinct_clip(clip)
+    assert len({clip, a, b}) == 3  # no cache keyed by the bytes can serve two of them
+    x0, sr0 = sf.read(io.BytesIO(base64.b64decode(clip)), dtype="int16")
+    xa, sra = sf.read(io.BytesIO(base64.b64decode(a)), dtype="int16")
+    assert sr0 == sra and len(x0) == len(xa) and np.array_equal(x0[:-4], xa[:-4])
+
+
+@pytest.mark.slow
+def test_distinct_clips_run_the_speaker_encoder_for_every_request(server):
+    """The gateway keeps embeddings by the clip's bytes: the same clip twice is embedded once, distinct
+    clips are embedded each time (counted by the engine's embedding requests)."""
+    import httpx
+
+    def embeddings() -> float:
+        text = httpx.get(server.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("zonos_engine_requests_total") and 'kind="embedding"' in line)
+
+    cfg = {"type": "session.config", "voice_clip": reference_clip(seconds=1.5), "encoding": "pcm_s16le",
+           "sample_rate": SR, "params": {"max_frames": 12, "ignore_eos": True}}
+
+    async def requests(opts: Options) -> list[StreamRecord]:
+        out = []
+        for i in range(3):
+            r = StreamRecord(level=1, client=0, seq=i, t_start=0.0)
+            await one_stream(opts, cfg, r, time.perf_counter())
+            out.append(r)
+        return out
+
+    before = embeddings()
+    same = asyncio.run(requests(Options(url=server.ws_url)))
+    after_same = embeddings()
+    distinct = asyncio.run(requests(Options(url=server.ws_url, distinct_clips=True)))
+    after_distinct = embeddings()
+    assert all(r.ok for r in same + distinct), [r.error for r in same + distinct]
+    assert after_same - before <= 1  # the clip was embedded once at most (maybe by an earlier test)
+    assert after_distinct - after_same == 3
