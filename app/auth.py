@@ -8,8 +8,10 @@ import hmac
 import logging
 import re
 from collections.abc import Mapping
+from urllib.parse import urlsplit
 
 from starlette.requests import Request
+from starlette.websockets import WebSocket
 
 from app.synthesis import RequestError
 
@@ -77,3 +79,14 @@ def install_log_redaction() -> None:
         logger = logging.getLogger(name)
         if _REDACTING not in logger.filters:
             logger.addFilter(_REDACTING)
+
+
+def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
+    """Browsers send Origin on WebSockets and CORS does not apply to them: without this check any web
+    page could drive a loopback gateway that has no API key (cross-site WebSocket hijacking)."""
+    origin = ws.headers.get("origin")
+    if origin is None:  # not a browser
+        return True
+    if "*" in allowed or origin in allowed:
+        return True
+    return urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower()  # same origin: the demo page

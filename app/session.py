@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from app.gateway import Gateway
 from app.json_input import parse_json_object
@@ -540,3 +540,27 @@ async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[s
         await ws.accept()
         await ws.send_text(json.dumps(body))
         await ws.close(1008)
+
+
+async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -> None:
+    """Run an accepted session to its end, counted among the gateway's sessions. A client that stopped
+    reading, or a bug, ends this session only (a bug with the dialect's `internal` error and close 1011)."""
+    gw.sessions += 1
+    gw.metrics.sessions.inc()
+    try:
+        await session.run()
+    except WebSocketDisconnect:
+        pass
+    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
+        log.info("%s session closed: the client stopped reading (%s)", session.api, e)
+        gw.metrics.errors.labels("client_stalled").inc()
+    except Exception:
+        log.exception("%s session failed", session.api)
+        with contextlib.suppress(Exception):
+            msg = session.render_error("internal", "internal error", {})
+            if msg is not None:
+                await ws.send_text(json.dumps(msg))
+            await ws.close(1011)
+    finally:
+        gw.sessions -= 1
+        gw.metrics.sessions.dec()

@@ -10,19 +10,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import contextlib
 import json
 import logging
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
-from app.auth import api_key_from, key_ok
+from app.auth import api_key_from, key_ok, origin_allowed
 from app.gateway import Gateway
 from app.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
-from app.session import ClientStalled, StreamingSession
+from app.session import StreamingSession, serve_session
 from app.synthesis import (
     OUTPUT_RATES,
     PcmEncoder,
@@ -197,17 +195,6 @@ def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
     }
 
 
-def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
-    """Browsers send Origin on WebSockets and CORS does not apply to them: without this check any web
-    page could drive a loopback gateway that has no API key (cross-site WebSocket hijacking)."""
-    origin = ws.headers.get("origin")
-    if origin is None:  # not a browser
-        return True
-    if "*" in allowed or origin in allowed:
-        return True
-    return urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower()  # same origin: the demo page
-
-
 async def websocket_endpoint(ws: WebSocket) -> None:
     gw: Gateway = ws.app.state.gateway
     key = api_key_from(ws.headers, ws.query_params)
@@ -233,20 +220,4 @@ async def websocket_endpoint(ws: WebSocket) -> None:
         await ws.send_text(json.dumps({"type": "error", "code": e.code, "message": str(e)}))
         await ws.close(1008)
         return
-    gw.sessions += 1
-    gw.metrics.sessions.inc()
-    try:
-        await session.run()
-    except WebSocketDisconnect:
-        pass
-    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
-        log.info("session closed: the client stopped reading (%s)", e)
-        gw.metrics.errors.labels("client_stalled").inc()
-    except Exception:
-        log.exception("session failed")
-        with contextlib.suppress(Exception):
-            await ws.send_text(json.dumps({"type": "error", "code": "internal", "message": "internal error"}))
-            await ws.close(1011)
-    finally:
-        gw.sessions -= 1
-        gw.metrics.sessions.dec()
+    await serve_session(ws, gw, session)

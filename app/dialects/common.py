@@ -4,20 +4,17 @@ their request fields onto ours (languages, speed)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket
 
-from app.auth import api_key_from, key_ok
+from app.auth import api_key_from, key_ok, origin_allowed
 from app.gateway import Gateway
 from app.json_input import parse_json_object
-from app.session import ClientStalled, StreamingSession, deny
+from app.session import StreamingSession, deny, serve_session
 from app.synthesis import RequestError, SynthesisOptions, parse_options
-from app.ws import origin_allowed
 
 log = logging.getLogger("gateway.dialects")
 
@@ -83,22 +80,4 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
         await refuse(e.code, str(e), e.status if e.status != 500 else 400)
         return
     await ws.accept(subprotocol=subprotocol)
-    gw.sessions += 1
-    gw.metrics.sessions.inc()
-    try:
-        await session.run()
-    except WebSocketDisconnect:
-        pass
-    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
-        log.info("%s session closed: the client stopped reading (%s)", session.api, e)
-        gw.metrics.errors.labels("client_stalled").inc()
-    except Exception:
-        log.exception("%s session failed", session.api)
-        with contextlib.suppress(Exception):
-            msg = session.render_error("internal", "internal error", {})
-            if msg is not None:
-                await ws.send_text(json.dumps(msg))
-            await ws.close(1011)
-    finally:
-        gw.sessions -= 1
-        gw.metrics.sessions.dec()
+    await serve_session(ws, gw, session)
