@@ -57,12 +57,13 @@ class Scheduler:
 
         self.settings = settings
         self.device = resolve_device(settings.device)
+        on_gpu = self.device.startswith("cuda")
         self.inbox = inbox
         self.outbox = Outbox(outbox_ring, settings.outbox_bytes_per_request)
         self.out_ring = outbox_ring
         t0 = time.perf_counter()
         model = load_model(src, self.device)
-        slots = settings.max_batch or (128 if self.device.startswith("cuda") else 8)
+        slots = settings.max_batch or (128 if on_gpu else 8)
         max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
         self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile)
         dac_device = settings.dac_device or self.device
@@ -83,7 +84,6 @@ class Scheduler:
         # audio. The LLM's stream has the higher priority: where both have work queued, the decode step's
         # blocks are scheduled first. (A separate Python thread convoys on the GIL behind this loop.)
         self.dac_stream = torch.cuda.Stream(self.codec.device) if self.codec.device.type == "cuda" else None
-        on_gpu = self.device.startswith("cuda")
         self.llm_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
         mode = settings.admission if settings.admission != "auto" else ("realtime" if on_gpu else "slots")
         if mode not in ("realtime", "slots"):
