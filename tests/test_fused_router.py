@@ -55,14 +55,15 @@ def _args(p: dict[str, torch.Tensor], x: torch.Tensor, prev: torch.Tensor | None
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("carry", [False, True])
 @pytest.mark.parametrize("down_in_kernel", [False, True])
-def test_fused_route_matches_route(n, k, carry, down_in_kernel):
+@pytest.mark.parametrize("row_kernel", [False, True])
+def test_fused_route_matches_route(n, k, carry, down_in_kernel, row_kernel):
     p = _router(n * 4 + k * 2 + carry)
     gen = torch.Generator().manual_seed(1000 + n)
     x = torch.randn(n, DIM, generator=gen)
     prev = torch.randn(n, R, generator=gen) if carry else None
     for bias_sign in (1.0, -1.0):
         args = _args(p, x, prev, bias_sign, k, torch.float32)
-        chosen, weights, r = fused_route(*args, down_in_kernel=down_in_kernel)
+        chosen, weights, r = fused_route(*args, down_in_kernel=down_in_kernel, row_kernel=row_kernel)
         ref_chosen, ref_weights, ref_r = route(*args)
         assert chosen.dtype == torch.int64 and chosen.shape == (n, k)
         assert weights.dtype == torch.float32 and weights.shape == (n, k)
@@ -98,7 +99,8 @@ def test_fused_route_masks_experts_to_a_power_of_two():
     torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=1e-5)
 
 
-def test_fused_route_rounds_like_pytorch_in_half_precision():
+@pytest.mark.parametrize("row_kernel", [False, True])
+def test_fused_route_rounds_like_pytorch_in_half_precision(row_kernel):
     """Each linear / gelu / state output is rounded to the activation dtype as PyTorch does: the state r is
     bit-equal almost everywhere (cuBLAS / CPU sum in other orders) and the choices agree. The interpreter
     cannot do bfloat16 arithmetic, so off the GPU this checks float16."""
@@ -108,7 +110,7 @@ def test_fused_route_rounds_like_pytorch_in_half_precision():
     n = 64
     x, prev = torch.randn(n, DIM, generator=gen), torch.randn(n, R, generator=gen)
     args = _args(p, x, prev, 1.0, 2, dtype)
-    chosen, weights, r = fused_route(*args)
+    chosen, weights, r = fused_route(*args, row_kernel=row_kernel)
     ref_chosen, ref_weights, ref_r = route(*args)
     assert r.dtype == dtype
     if not CUDA:

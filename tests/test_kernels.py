@@ -26,7 +26,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("h, hkv, d", [(4, 2, 64), (16, 4, 128)])
-def test_decode_attention_matches_reference(h, hkv, d):
+@pytest.mark.parametrize("chunk", [None, 32, 64, 256])
+def test_decode_attention_matches_reference(h, hkv, d, chunk):
     torch.manual_seed(0)
     n_slots, t_max, b = 5, 600 if CUDA else 300, 3
     k = torch.randn(n_slots, t_max, hkv, d, device=DEV, dtype=DT)
@@ -34,7 +35,7 @@ def test_decode_attention_matches_reference(h, hkv, d):
     q = torch.randn(b, h, d, device=DEV, dtype=DT)
     slots = torch.tensor([4, 0, 2], device=DEV)
     lengths = torch.tensor([1, 257, t_max - 3], device=DEV, dtype=torch.int32)
-    out = decode_attention(q, k, v, slots, lengths)
+    out = decode_attention(q, k, v, slots, lengths, chunk=chunk)
     for i in range(b):
         kk = k[slots[i], : lengths[i]].float().repeat_interleave(h // hkv, dim=1)  # [T, H, D]
         vv = v[slots[i], : lengths[i]].float().repeat_interleave(h // hkv, dim=1)
@@ -119,6 +120,57 @@ def test_model_decode_with_kernels_matches_eager():
     assert rel_err(outs[1], outs[0]) < (3e-2 if CUDA else 1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if CUDA else torch.float16])
+@pytest.mark.parametrize("n", [1, 5])
+def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
+    """kernels.qkv_rope after residual_norm_qkvg = the plain attention_in: the same q and gate logits, the
+    same K and V written at (slot, position), nothing else in the cache touched. In half precision its
+    roundings (after the norm, |temp|, RoPE) are PyTorch's, so almost every element is bit-equal."""
+    from engine.model.kernels.qkv_rope import qkv_rope_cache
+    from engine.model.zonos2 import QK_NORM_EPS, attention_in, residual_norm_qkvg
+
+    gen = torch.Generator().manual_seed(n)
+    heads, kv, d, dim, layers, slots_n, t_max = 4, 2, 64, 96, 2, 3, 40
+    w = (torch.randn((heads + 2 * kv) * d + heads, dim, generator=gen) * dim ** -0.5).to(DEV, dtype)
+    h = torch.randn(n, dim, generator=gen).to(DEV, dtype)
+    norm_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEV, dtype)
+    temp = (torch.randn(1, heads, 1, generator=gen) * 2).to(DEV, dtype)
+    half = torch.arange(d // 2, dtype=torch.float64)
+    ang = torch.arange(t_max, dtype=torch.float64)[:, None] * 1e4 ** (-half * 2 / d)[None, :]
+    cos, sin = ang.cos().float().to(DEV), ang.sin().float().to(DEV)
+    slots = torch.randint(0, slots_n, (n,), generator=gen).to(DEV)
+    positions = torch.randperm(t_max, generator=gen)[:n].to(DEV)
+    caches = [torch.zeros(layers, slots_n, t_max, kv, d, device=DEV, dtype=dtype) for _ in range(4)]
+    layer = torch.tensor(1, device=DEV)
+    q_ref, g_ref = attention_in(h, norm_w, w, temp, cos[positions], sin[positions], caches[0], caches[1], layer,
+                                slots, positions, heads, kv, 1e-5)
+    _, qkvg = residual_norm_qkvg(h, None, norm_w, w, 1e-5)
+    q, g = qkv_rope_cache(qkvg, temp, cos, sin, caches[2][1], caches[3][1], slots, positions, heads, kv,
+                          QK_NORM_EPS)
+    assert torch.equal(g, g_ref)
+    for got, ref in ((q, q_ref), (caches[2], caches[0]), (caches[3], caches[1])):
+        assert got.dtype == ref.dtype and got.shape == ref.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        else:
+            assert (got == ref).float().mean() > 0.98
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(caches[2][0], torch.zeros_like(caches[2][0]))  # the other layer is untouched
+
+
+def test_merge_kernel_applies_the_headwise_gate():
+    from engine.model.kernels.decode_attention import merge_splits_triton
+    from engine.model.zonos2 import apply_gate
+
+    torch.manual_seed(3)
+    b, h, s, d = 2, 4, 3, 64
+    m, l_ = torch.randn(b, h, s, device=DEV), torch.rand(b, h, s, device=DEV) + 0.5
+    acc = torch.randn(b, h, s, d, device=DEV)
+    logits = torch.randn(b, h + 7, device=DEV)[:, 3:3 + h]  # a strided view, as the GEMM output gives
+    gated = merge_splits_triton(m, l_, acc, torch.float32, gate=logits)
+    torch.testing.assert_close(gated, apply_gate(merge_splits_triton(m, l_, acc, torch.float32), logits))
+
+
 def _random_chosen(gen: torch.Generator, n: int, k: int, n_experts: int) -> torch.Tensor:
     """k distinct experts per token, as top-k gives."""
     return torch.rand(n, n_experts, generator=gen).argsort(-1)[:, :k].to(DEV)
@@ -166,16 +218,19 @@ def test_align_blocks_triton_edge_cases(block_m):
         assert torch.equal(got[1], ref[1]), chosen.shape
 
 
-def test_moe_gemv_path_equals_blocked_path():
-    """The per-pair GEMV kernels (decode batch <= 4) and the aligned blocked kernels agree."""
+@pytest.mark.parametrize("tiles", [None, ((4, 64, 4), (2, 4096, 8)), ((16, 2048, 8), (8, 64, 4))])
+def test_moe_gemv_path_equals_blocked_path(tiles):
+    """The per-pair GEMV kernels (decode batch <= 4), at any tile, and the aligned blocked kernels agree."""
     from engine.model.kernels import moe
 
+    gate_up_tile, down_tile = tiles or (None, None)
     torch.manual_seed(2)
     n, e = 3, 4
     x, gate_up, down = _moe_inputs(n, e, 128, 192)
     for k in (1, 2):
         weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
-        gemv = moe._combine_topk(moe._moe_gemv(x, gate_up, down, chosen, weights), n, k, x.dtype)
+        gemv = moe._combine_topk(moe._moe_gemv(x, gate_up, down, chosen, weights, gate_up_tile, down_tile), n, k,
+                                 x.dtype)
         old, moe.GEMV_MAX_PAIRS = moe.GEMV_MAX_PAIRS, 0
         try:
             blocked = fused_moe(x, gate_up, down, chosen, weights, block_n=64, block_k=64)

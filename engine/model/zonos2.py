@@ -64,12 +64,11 @@ def attention_in(h: Tensor, norm_w: Tensor, w_qkvg: Tensor, temp: Tensor, cos: T
                  n_heads: int, n_kv: int, eps: float) -> tuple[Tensor, Tensor]:
     """attention_norm, q/k/v projections and the headwise gate as one GEMM, weightless QK-norm with
     |temp| on q, RoPE; writes K (normed, rotated) and raw V into the cache at (layer, slot, position)
-    for every row (in place: compiled, this fuses into the RoPE kernel). Returns (q, gate)."""
+    for every row (in place: compiled, this fuses into the RoPE kernel). Returns (q, gate logits)."""
     n = h.shape[0]
     a = rms_norm(h, norm_w, eps)
     d = (w_qkvg.shape[0] - n_heads) // (n_heads + 2 * n_kv)
     q, kv, g = F.linear(a, w_qkvg).split([n_heads * d, 2 * n_kv * d, n_heads], dim=-1)
-    gate = torch.sigmoid(g)
     q = q.view(n, n_heads, d)
     kv = kv.view(n, 2, n_kv, d)
     k, v = kv[:, 0], kv[:, 1]
@@ -78,13 +77,26 @@ def attention_in(h: Tensor, norm_w: Tensor, w_qkvg: Tensor, temp: Tensor, cos: T
     k = rms_norm(k, None, QK_NORM_EPS)
     k_cache.index_put_((layer, slots, positions), apply_rope(k, cos, sin))
     v_cache.index_put_((layer, slots, positions), v)
-    return apply_rope(q, cos, sin), gate
+    return apply_rope(q, cos, sin), g
 
 
-def attention_out(h: Tensor, o: Tensor, gate: Tensor, wo: Tensor, ffn_norm_w: Tensor, eps: float
-                  ) -> tuple[Tensor, Tensor]:
-    """Headwise gate, wo, residual add, ffn_norm -> (residual, FFN input)."""
-    h = h + F.linear((o * gate[..., None].to(o.dtype)).flatten(1), wo)
+def residual_norm_qkvg(h: Tensor, y: Tensor | None, norm_w: Tensor, w_qkvg: Tensor, eps: float
+                       ) -> tuple[Tensor, Tensor]:
+    """The previous layer's FFN residual add, attention_norm and the fused q/k/v/gate GEMM -> (residual,
+    GEMM output); the fast path's head of attention_in (its tail is kernels.qkv_rope)."""
+    if y is not None:
+        h = h + y
+    return h, F.linear(rms_norm(h, norm_w, eps), w_qkvg)
+
+
+def apply_gate(o: Tensor, g: Tensor) -> Tensor:
+    """Headwise output gate: o [N, H, D] * sigmoid(logits g [N, H])."""
+    return o * torch.sigmoid(g)[..., None].to(o.dtype)
+
+
+def attention_out(h: Tensor, o: Tensor, wo: Tensor, ffn_norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """wo on the gated attention output, residual add, ffn_norm -> (residual, FFN input)."""
+    h = h + F.linear(o.flatten(1), wo)
     return h, rms_norm(h, ffn_norm_w, eps)
 
 
@@ -137,6 +149,7 @@ class Stages:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
         self.attention_in = wrap(attention_in)
+        self.residual_norm_qkvg = wrap(residual_norm_qkvg)
         self.attention_out = wrap(attention_out)
         self.embed_norm = wrap(embed_norm)
         self.head = wrap(head)
@@ -397,21 +410,32 @@ class Zonos2(nn.Module):
 
     def _layers(self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend,
                 stages: Stages = PLAIN) -> Tensor:
-        """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q) reads the
-        cache (this call's K/V already written) and returns the attention output [N, H, D]."""
+        """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q, g) reads the
+        cache (this call's K/V already written) and returns the attention output [N, H, D] gated by the
+        gate logits g [N, H] (`apply_gate`). With the Triton kernels on, the FFN residual add joins the
+        next layer's norm and QK-norm/RoPE/cache writes are one launch (kernels.qkv_rope)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         router_state: Tensor | None = None
+        y: Tensor | None = None
         for i, layer in enumerate(self.layers):
             att = layer.attention
-            q, gate = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
-                                          cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
-                                          eps)
-            h, x = stages.attention_out(h, attend(i, q), gate, att.wo.weight, layer.ffn_norm.weight, eps)
+            if self.use_triton:
+                from engine.model.kernels.qkv_rope import qkv_rope_cache
+
+                h, qkvg = stages.residual_norm_qkvg(h, y, layer.attention_norm.weight, att.fused_weight(), eps)
+                q, g = qkv_rope_cache(qkvg, att.temp, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], slots,
+                                      positions, heads, kv_heads, QK_NORM_EPS)
+            else:
+                if y is not None:
+                    h = h + y
+                q, g = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
+                                           cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
+                                           eps)
+            h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             router_state = state if state is not None else router_state
-            h = h + y
-        return h
+        return h + y
 
     # ---- entry points ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -436,7 +460,7 @@ class Zonos2(nn.Module):
         positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in seqs])
         slots = torch.cat([torch.full((s.length,), s.slot, device=dev) for s in seqs])
 
-        def attend(layer: int, q: Tensor) -> Tensor:
+        def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
             out = torch.empty_like(q)
             for s, o in zip(seqs, offsets, strict=True):
                 end = s.start + s.length
@@ -444,7 +468,7 @@ class Zonos2(nn.Module):
                 # Causal with an offset: new frame i sees cached frames 0..start+i.
                 mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
                 out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
-            return out
+            return apply_gate(out, g)
 
         h = self._layers(h, cache, slots, positions, attend)
         last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=dev)
@@ -468,9 +492,9 @@ class Zonos2(nn.Module):
             e = torch.where((spk_of_tok >= 0)[:, None], rows, e)
         h = rms_norm(e, None, self.cfg.norm_eps)
 
-        def attend(layer: int, q: Tensor) -> Tensor:
-            return prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start, block_len,
-                                     block_pos0)
+        def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
+            return apply_gate(prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start,
+                                                block_len, block_pos0), g)
 
         h = self._layers(h, cache, tok_slot, tok_pos, attend, self.decode_stages)
         return self.head(h[last_idx], self.decode_stages)
@@ -487,17 +511,17 @@ class Zonos2(nn.Module):
 
             lengths = (positions + 1).to(torch.int32)
 
-            def attend_fast(layer: int, q: Tensor) -> Tensor:
-                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths)
+            def attend_fast(layer: int, q: Tensor, g: Tensor) -> Tensor:
+                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths, gate=g)
 
             return self.head(self._layers(h, cache, slots, positions, attend_fast, stages), stages)
 
         t = attn_len or int(positions.max()) + 1
         valid = torch.arange(t, device=ids.device)[None, :] <= positions[:, None]  # [B, t]
 
-        def attend(layer: int, q: Tensor) -> Tensor:
+        def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
             kk, vv = cache.k[layer][slots, :t], cache.v[layer][slots, :t]  # [B, t, Hkv, D]
-            return _sdpa_batched(q, kk, vv, valid)
+            return apply_gate(_sdpa_batched(q, kk, vv, valid), g)
 
         return self.head(self._layers(h, cache, slots, positions, attend, stages), stages)
 
@@ -515,7 +539,7 @@ class Zonos2(nn.Module):
         mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
         positions = torch.arange(t, device=ids.device)
         h = self._layers(h, cache, torch.zeros_like(positions), positions,
-                         lambda i, q: _sdpa(q, cache.k[i, 0], cache.v[i, 0], mask))
+                         lambda i, q, g: apply_gate(_sdpa(q, cache.k[i, 0], cache.v[i, 0], mask), g))
         return self.head(h)
 
 

@@ -1,7 +1,7 @@
 """Decode attention over the static per-slot KV cache, reading only each slot's real length.
 
 Split-K ("flash decoding"): program (b, kv_head, split) attends one query frame's G = H / H_kv heads
-to tokens [split * CHUNK, min((split + 1) * CHUNK, length[b])) of slot[b], keeping an online softmax;
+to tokens [split * chunk, min((split + 1) * chunk, length[b])) of slot[b], keeping an online softmax;
 a second pass merges the splits. Every launch has the same grid whatever the lengths, so the step can
 be captured in a CUDA graph; programs past a slot's length exit at once.
 """
@@ -13,8 +13,17 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-CHUNK = 256  # tokens per split
-BLOCK_T = 64  # tokens per inner iteration
+BLOCK_T = 64  # tokens per inner iteration (at most)
+
+
+def split_tokens(batch: int) -> int:
+    """Tokens per split. A split is one program's serial loop, so at small batch short splits spread a
+    slot's context over more SMs; at large batch the grid is full anyway and long splits keep the
+    partials (written, then read by the merge) small. Thresholds from bench/kernel_sweep.py (H200)."""
+    return 64 if batch <= SMALL_BATCH else 256
+
+
+SMALL_BATCH = 16
 
 
 @triton.jit
@@ -68,7 +77,8 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, S_PAD: tl.constexpr):
+def _merge_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, S, H, stride_gate,
+                  D: tl.constexpr, S_PAD: tl.constexpr, HAS_GATE: tl.constexpr):
     # one (batch, head) row: weights exp(m_s - max m) over the non-empty splits (l > 0)
     row = tl.program_id(0)
     s = tl.arange(0, S_PAD)
@@ -79,34 +89,49 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, S, D: tl.constexpr, S_PAD: tl.
     used = l_ > 0
     w = tl.where(used, tl.exp(m - tl.max(m, 0)), 0.0)
     acc = tl.load(acc_ptr + (row * S + s)[:, None] * D + d[None, :], mask=used[:, None], other=0.0)
-    o = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_, 0)
-    tl.store(out_ptr + row * D + d, o.to(out_ptr.dtype.element_ty))
+    o = (tl.sum(w[:, None] * acc, 0) / tl.sum(w * l_, 0)).to(out_ptr.dtype.element_ty)
+    if HAS_GATE:
+        # the headwise gate, rounded as the plain path does: sigmoid(g) in the activation dtype, then o * gate
+        g = tl.load(gate_ptr + (row // H) * stride_gate + row % H).to(tl.float32)
+        gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
+        o = (o.to(tl.float32) * gate.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * D + d, o)
 
 
-def merge_splits_triton(m: Tensor, l_: Tensor, acc: Tensor, dtype: torch.dtype) -> Tensor:
-    """Combine the split partials into [B, H, D] in `dtype`, as one launch with a fixed plan (the compiled merge's generated kernel varied
-    between 12 and 80 us per layer at batch 64 on an H200 from one compile to the next)."""
+def merge_splits_triton(m: Tensor, l_: Tensor, acc: Tensor, dtype: torch.dtype, gate: Tensor | None = None
+                        ) -> Tensor:
+    """Combine the split partials into [B, H, D] in `dtype`, as one launch with a fixed plan (the compiled
+    merge's generated kernel varied between 12 and 80 us per layer at batch 64 on an H200 from one compile to
+    the next). gate: headwise gate logits [B, H] (any row stride): the output is o * sigmoid(gate)."""
     b, h, s = m.shape
     d = acc.shape[-1]
     out = torch.empty(b, h, d, device=m.device, dtype=dtype)
-    _merge_kernel[(b * h,)](m, l_, acc, out, s, D=d, S_PAD=max(2, triton.next_power_of_2(s)))
+    if gate is not None:
+        assert gate.shape == (b, h) and gate.stride(1) == 1
+    _merge_kernel[(b * h,)](m, l_, acc, m if gate is None else gate, out, s, h,
+                            0 if gate is None else gate.stride(0),
+                            D=d, S_PAD=max(2, triton.next_power_of_2(s)), HAS_GATE=gate is not None)
     return out
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                     chunk: int | None = None, gate: Tensor | None = None) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
-    to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D)."""
-    return merge_splits_triton(*decode_attention_splits(q, k_cache, v_cache, slots, lengths), q.dtype)
+    to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D).
+    chunk: tokens per split (default `split_tokens(B)`); gate: headwise gate logits [B, H], applied."""
+    return merge_splits_triton(*decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk), q.dtype,
+                               gate)
 
 
-def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor
-                            ) -> tuple[Tensor, Tensor, Tensor]:
+def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
+                            chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The split pass alone: per-split running max m and sum l [B, H, S] and unnormalised output acc
     [B, H, S, D] in fp32; a split past a slot's length has m = -inf, l = 0 and acc unwritten."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
-    n_splits = triton.cdiv(k_cache.shape[1], CHUNK)
+    chunk = chunk or split_tokens(b)
+    n_splits = triton.cdiv(k_cache.shape[1], chunk)
     m = torch.empty(b, h, n_splits, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(b, h, n_splits, d, device=q.device, dtype=torch.float32)
@@ -116,6 +141,6 @@ def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: 
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         n_splits, d ** -0.5,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=CHUNK, BLOCK=BLOCK_T,
+        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK=min(BLOCK_T, chunk),
     )
     return m, l_, acc

@@ -251,28 +251,34 @@ def _gemv_down_kernel(
 # Up to this many (token, k) pairs the MoE runs as per-pair GEMVs: at decode batch 1-4 the blocked kernels
 # keep too few SMs busy (one 16-row block per expert, 32-48 column tiles) and pay for the alignment.
 GEMV_MAX_PAIRS = 4
+# (BLOCK_N, BLOCK_K, num_warps) of the two GEMVs. A GEMV loop has no software pipelining, so the bytes one
+# program has in flight are one tile: tiles are wide in K to keep enough of them in flight per SM to
+# stream the expert at full bandwidth. Chosen by bench/kernel_sweep.py on an H200.
+GEMV_GATE_UP_TILE = (8, 512, 4)
+GEMV_DOWN_TILE = (8, 512, 4)
 
 
 def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
-              block_n: int = 8, block_k: int = 512) -> Tensor:
-    """Defaults from bench/moe_sweep.py on an H200: 8 x 512 tiles read one expert (37.7 MB) in 16.4 us
-    (2.3 TB/s); 16 x 256 took 35.6 us."""
+              gate_up_tile: tuple[int, int, int] | None = None,
+              down_tile: tuple[int, int, int] | None = None) -> Tensor:
+    """One (token, k) pair per program row: the pair's expert rows are read directly, no alignment."""
     n, dim = x.shape
     inter = gate_up.shape[1] // 2
     k = chosen.shape[1]
+    gu_n, gu_k, gu_w = gate_up_tile or GEMV_GATE_UP_TILE
+    dn_n, dn_k, dn_w = down_tile or GEMV_DOWN_TILE
     pairs = chosen.contiguous().view(-1)
     h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
-    bk_in, bk_out = min(block_k, triton.next_power_of_2(dim)), min(block_k, triton.next_power_of_2(inter))
-    _gemv_gate_up_kernel[(n * k, triton.cdiv(inter, block_n))](
+    _gemv_gate_up_kernel[(n * k, triton.cdiv(inter, gu_n))](
         x, gate_up, pairs, h, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        K=dim, TOP_K=k, BLOCK_N=block_n, BLOCK_K=bk_in,
+        K=dim, TOP_K=k, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(dim)), num_warps=gu_w,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
-    _gemv_down_kernel[(n * k, triton.cdiv(dim, block_n))](
+    _gemv_down_kernel[(n * k, triton.cdiv(dim, dn_n))](
         h, down, pairs, weights.contiguous().view(-1), out, dim,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=inter, BLOCK_N=block_n, BLOCK_K=bk_out,
+        K=inter, BLOCK_N=dn_n, BLOCK_K=min(dn_k, triton.next_power_of_2(inter)), num_warps=dn_w,
     )
     return out
 

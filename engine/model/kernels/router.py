@@ -18,6 +18,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+# Decode batches up to this many rows take the per-row kernel; its warps. Chosen by bench/kernel_sweep.py.
+ROW_KERNEL_MAX_ROWS = 8
+ROW_KERNEL_WARPS = 4
+
 
 @triton.jit
 def _gelu(x):
@@ -89,16 +93,77 @@ def _router_kernel(
         score = tl.where(hit, -float("inf"), score)
 
 
+@triton.jit
+def _router_row_kernel(
+    x_ptr, prev_ptr, down_w_ptr, down_b_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
+    bias_ptr, chosen_ptr, weight_ptr, r_ptr,
+    stride_x, stride_prev, stride_dw, stride_r, bias_sign, eps,
+    DIM: tl.constexpr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_PREV: tl.constexpr, BLOCK_K: tl.constexpr, DOWN: tl.constexpr,
+):
+    """The same computation for one token row per program, as GEMVs (broadcast and sum) instead of tl.dot:
+    at decode batch 1-8 the dot form pads every program to 16 rows and serialises on one SM's tensor-core
+    pipeline (~23 us per layer on an H200); here each row's chain is a few coalesced loads and reductions."""
+    dt = x_ptr.dtype.element_ty
+    row = tl.program_id(0)
+    out_r = tl.arange(0, R)  # output features: axis 0 of every weight tile ([out, in], nn.Linear layout)
+    in_r = tl.arange(0, R)  # input features: axis 1
+    if DOWN:
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([R], tl.float32)
+        for k0 in range(0, DIM, BLOCK_K):
+            xv = tl.load(x_ptr + row * stride_x + k0 + kk).to(tl.float32)
+            w = tl.load(down_w_ptr + out_r[:, None] * stride_dw + (k0 + kk)[None, :]).to(tl.float32)
+            acc += tl.sum(w * xv[None, :], axis=1)
+        r = (acc + tl.load(down_b_ptr + out_r).to(tl.float32)).to(dt).to(tl.float32)
+    else:
+        r = tl.load(x_ptr + row * stride_x + out_r).to(tl.float32)
+    if HAS_PREV:
+        pv = tl.load(prev_ptr + row * stride_prev + out_r).to(tl.float32)
+        carried = (pv * tl.load(scale_ptr + out_r).to(tl.float32)).to(dt).to(tl.float32)
+        r = (r + carried).to(dt).to(tl.float32)
+    tl.store(r_ptr + row * stride_r + out_r, r.to(r_ptr.dtype.element_ty))
+    inv = tl.math.rsqrt(tl.sum(r * r, axis=0) / R + eps)
+    z = (r * inv * tl.load(eda_w_ptr + out_r).to(tl.float32)).to(dt).to(tl.float32)
+
+    w0 = tl.load(w0_ptr + out_r[:, None] * R + in_r[None, :]).to(tl.float32)
+    h = tl.sum(w0 * z[None, :], axis=1) + tl.load(b0_ptr + out_r).to(tl.float32)
+    h = _gelu(h.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    w2 = tl.load(w2_ptr + out_r[:, None] * R + in_r[None, :]).to(tl.float32)
+    h = tl.sum(w2 * h[None, :], axis=1) + tl.load(b2_ptr + out_r).to(tl.float32)
+    h = _gelu(h.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    ee = tl.arange(0, E_PAD)
+    e_ok = ee < E
+    w4 = tl.load(w4_ptr + ee[:, None] * R + in_r[None, :], mask=e_ok[:, None], other=0.0).to(tl.float32)
+    logits = tl.sum(w4 * h[None, :], axis=1).to(dt).to(tl.float32)
+    logits = tl.where(e_ok, logits, -float("inf"))
+
+    p = tl.exp(logits - tl.max(logits, axis=0))
+    probs = p / tl.sum(p, axis=0)
+    bias = tl.load(bias_ptr + ee, mask=e_ok, other=0.0).to(tl.float32)
+    score = tl.where(e_ok, probs + bias_sign * bias, -float("inf"))
+    for j in tl.static_range(TOP_K):
+        best = tl.max(score, axis=0)
+        idx = tl.min(tl.where(score == best, ee, E_PAD), axis=0)
+        hit = ee == idx
+        tl.store(chosen_ptr + row * TOP_K + j, idx.to(tl.int64))
+        tl.store(weight_ptr + row * TOP_K + j, tl.sum(tl.where(hit, probs, 0.0), axis=0))
+        score = tl.where(hit, -float("inf"), score)
+
+
 def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
                 b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
-                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int = 8,
-                down_in_kernel: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int | None = None,
+                down_in_kernel: bool = False, row_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`engine.model.zonos2.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
     All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
 
     By default the 2048 -> 128 down-projection is a cuBLAS GEMM and the rest one launch: inside the kernel,
     each program would stream all of W_down (512 KB) alone, which at batch 1 took 39 us on an H200 against
-    a few us for the GEMM over all SMs. `down_in_kernel=True` does everything in one launch."""
+    a few us for the GEMM over all SMs. `down_in_kernel=True` does everything in one launch.
+
+    Up to ROW_KERNEL_MAX_ROWS rows (decode at small batch) each row is one program of GEMVs
+    (`_router_row_kernel`); above, ROWS-row tiles on the tensor cores. `row_kernel` forces either."""
     n, dim = x.shape
     r_dim = down_w.shape[0]
     e = w4.shape[0]
@@ -123,6 +188,18 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
     down_w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
     if has_prev:
         prev = prev if prev.stride(-1) == 1 else prev.contiguous()
+    if row_kernel if row_kernel is not None else n <= ROW_KERNEL_MAX_ROWS:
+        _router_row_kernel[(n,)](
+            x, prev if has_prev else x, down_w, down_b.contiguous(), scale.contiguous() if has_prev else down_b,
+            w0.contiguous(), b0.contiguous(), w2.contiguous(), b2.contiguous(), w4.contiguous(),
+            eda_w.contiguous(), bias.contiguous(), chosen, weights, r,
+            x.stride(0), prev.stride(0) if has_prev else 0, down_w.stride(0), r.stride(0), float(bias_sign),
+            float(eps),
+            DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
+            BLOCK_K=min(block_k, 64) if down_in_kernel else block_k, DOWN=down_in_kernel,
+            num_warps=num_warps or ROW_KERNEL_WARPS,
+        )
+        return chosen, weights, r
     _router_kernel[(triton.cdiv(n, block_rows),)](
         x, prev if has_prev else x, down_w, down_b.contiguous(), scale.contiguous() if has_prev else down_b,
         w0.contiguous(), b0.contiguous(), w2.contiguous(), b2.contiguous(), w4.contiguous(), eda_w.contiguous(),
@@ -131,6 +208,6 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
         float(eps),
         DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
         ROWS=block_rows, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32", DOWN=down_in_kernel,
-        num_warps=num_warps,
+        num_warps=num_warps or 8,
     )
     return chosen, weights, r

@@ -1,0 +1,157 @@
+"""Tile and variant sweep for the decode step's own kernels, at full-size shapes in bf16 on one GPU: which
+router kernel, which MoE GEMV tiles and which decode-attention split length are fastest at each batch.
+The defaults in engine/model/kernels/ (ROW_KERNEL_*, GEMV_*_TILE, split_tokens) come from its output.
+
+    python bench/kernel_sweep.py [--json out.json]
+
+Every timing is a CUDA graph of 20 back-to-back calls replayed 30 times (launch gaps as in the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton
+
+DIM, R, E, INTER = 2048, 128, 16, 3072
+H, H_KV, D = 16, 4, 128
+
+
+def bench(fn, reps: int = 20, iters: int = 30) -> float:
+    """us per call of fn, inside a CUDA graph."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(iters):
+        g.replay()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / iters / reps * 1e3
+
+
+def sweep(name: str, configs: dict[str, object], results: list[dict]) -> None:
+    best = None
+    for label, fn in configs.items():
+        try:
+            us = bench(fn)
+        except Exception as exc:  # a config this GPU cannot compile or run is skipped, and said so
+            print(f"{name} {label}: {type(exc).__name__}: {str(exc)[:80]}")
+            continue
+        results.append({"kernel": name, "config": label, "us": round(us, 2)})
+        print(f"{name:<28} {label:<34} {us:8.2f} us")
+        if best is None or us < best[0]:
+            best = (us, label)
+    if best:
+        print(f"BEST {name}: {best[1]} {best[0]:.2f} us")
+        results.append({"kernel": name, "best": best[1], "us": round(best[0], 2)})
+
+
+def router_sweep(results: list[dict]) -> None:
+    from engine.model.kernels.router import fused_route
+
+    dt, dev = torch.bfloat16, "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, s=0.05):
+        return (torch.randn(*shape, device=dev, generator=g) * s).to(dt)
+
+    w = dict(down_w=rnd(R, DIM), down_b=rnd(R), scale=1 + rnd(R), w0=rnd(R, R, s=0.1), b0=rnd(R),
+             w2=rnd(R, R, s=0.1), b2=rnd(R), w4=rnd(E, R, s=0.1), eda_w=1 + rnd(R), bias=rnd(E))
+    for n in (1, 2, 4, 8, 16):
+        x, prev = rnd(n, DIM, s=1.0), rnd(n, R, s=1.0)
+
+        def call(row: bool, warps: int, down: bool, x=x, prev=prev):
+            return lambda: fused_route(x, prev, w["down_w"], w["down_b"], w["scale"], w["w0"], w["b0"], w["w2"],
+                                       w["b2"], w["w4"], w["eda_w"], w["bias"], 1.0, 1, 1e-5, row_kernel=row,
+                                       num_warps=warps, down_in_kernel=down)
+        configs = {f"{'row' if row else 'dot'} warps={wp} down_in_kernel={down}": call(row, wp, down)
+                   for row, wp, down in itertools.product((False, True), (2, 4, 8), (False, True))}
+        sweep(f"router n={n}", configs, results)
+
+
+def moe_gemv_sweep(results: list[dict]) -> None:
+    dt, dev = torch.bfloat16, "cuda"
+    gate_up = torch.randn(E, 2 * INTER, DIM, device=dev, dtype=dt) * 0.02
+    down = torch.randn(E, DIM, INTER, device=dev, dtype=dt) * 0.02
+    for pairs in (1, 2, 4):
+        _moe_gemv_at(pairs, gate_up, down, results)
+
+
+def _moe_gemv_at(pairs: int, gate_up: torch.Tensor, down: torch.Tensor, results: list[dict]) -> None:
+    from engine.model.kernels import moe
+
+    dev, dt = gate_up.device, gate_up.dtype
+    flat = torch.randperm(E, device=dev)[:pairs]
+    x = torch.randn(pairs, DIM, device=dev, dtype=dt)
+    h = torch.randn(pairs, INTER, device=dev, dtype=dt)
+    w = torch.rand(pairs, device=dev)
+    out = torch.empty(pairs, DIM, device=dev, dtype=dt)
+    hb = torch.empty(pairs, INTER, device=dev, dtype=dt)
+    gu_mb, dn_mb = pairs * 2 * INTER * DIM * 2 / 1e6, pairs * DIM * INTER * 2 / 1e6
+
+    def gate_up_call(bn, bk, wp):
+        return lambda: moe._gemv_gate_up_kernel[(pairs, triton.cdiv(INTER, bn))](
+            x, gate_up, flat, hb, INTER, x.stride(0), gate_up.stride(0), gate_up.stride(1), hb.stride(0),
+            K=DIM, TOP_K=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp)
+
+    def down_call(bn, bk, wp):
+        return lambda: moe._gemv_down_kernel[(pairs, triton.cdiv(DIM, bn))](
+            h, down, flat, w, out, DIM, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+            K=INTER, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp)
+
+    grid = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)))
+    sweep(f"gemv gate_up pairs={pairs} ({gu_mb:.1f} MB)",
+          {f"bn={bn} bk={bk} warps={wp}": gate_up_call(bn, bk, wp) for bn, bk, wp in grid}, results)
+    sweep(f"gemv down pairs={pairs} ({dn_mb:.1f} MB)",
+          {f"bn={bn} bk={bk} warps={wp}": down_call(bn, bk, wp)
+           for bn, bk, wp in grid + list(itertools.product((2, 4, 8), (4096,), (4, 8)))}, results)
+
+
+def attention_sweep(results: list[dict]) -> None:
+    for b, length in itertools.product((1, 8, 32, 128), (300, 1000)):
+        _attention_at(b, length, results)
+
+
+def _attention_at(b: int, length: int, results: list[dict]) -> None:
+    from engine.model.kernels.decode_attention import decode_attention
+
+    dt, dev, max_len = torch.bfloat16, "cuda", 2048
+    k = torch.randn(b, max_len, H_KV, D, device=dev, dtype=dt)
+    v = torch.randn_like(k)
+    q = torch.randn(b, H, D, device=dev, dtype=dt)
+    slots = torch.arange(b, device=dev)
+    lengths = torch.full((b,), length, device=dev, dtype=torch.int32)
+
+    def call(c: int):
+        return lambda: decode_attention(q, k, v, slots, lengths, chunk=c)
+    sweep(f"attention b={b} len={length}", {f"chunk={c}": call(c) for c in (32, 64, 128, 256)}, results)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", choices=["router", "moe", "attention"], nargs="+")
+    p.add_argument("--json")
+    a = p.parse_args()
+    results: list[dict] = []
+    parts = {"router": router_sweep, "moe": moe_gemv_sweep, "attention": attention_sweep}
+    for name in a.only or parts:
+        parts[name](results)
+    print(f"device: {torch.cuda.get_device_name()}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
