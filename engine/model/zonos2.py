@@ -460,17 +460,7 @@ class Zonos2(nn.Module):
         positions = torch.cat([torch.arange(s.start, s.start + s.length, device=dev) for s in seqs])
         slots = torch.cat([torch.full((s.length,), s.slot, device=dev) for s in seqs])
 
-        def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
-            out = torch.empty_like(q)
-            for s, o in zip(seqs, offsets, strict=True):
-                end = s.start + s.length
-                kk, vv = cache.k[layer, s.slot, :end], cache.v[layer, s.slot, :end]
-                # Causal with an offset: new frame i sees cached frames 0..start+i.
-                mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
-                out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
-            return apply_gate(out, g)
-
-        h = self._layers(h, cache, slots, positions, attend)
+        h = self._layers(h, cache, slots, positions, _causal_attend(cache, seqs, offsets))
         last = torch.tensor([o + s.length - 1 for s, o in zip(seqs, offsets, strict=True)], device=dev)
         return self.head(h[last])
 
@@ -536,11 +526,25 @@ class Zonos2(nn.Module):
         t = ids.shape[0]
         p = self.multi_output.weight
         cache = KVCache(self.cfg, 1, t, p.device, p.dtype)
-        mask = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
         positions = torch.arange(t, device=ids.device)
-        h = self._layers(h, cache, torch.zeros_like(positions), positions,
-                         lambda i, q, g: apply_gate(_sdpa(q, cache.k[i, 0], cache.v[i, 0], mask), g))
-        return self.head(h)
+        attend = _causal_attend(cache, [PrefillSeq(0, 0, t)], [0])
+        return self.head(self._layers(h, cache, torch.zeros_like(positions), positions, attend))
+
+
+# Attention: a plain path for prefill (`_causal_attend`) and decode (`_sdpa_batched`), the references the
+# Triton kernels of each (kernels.prefill_attention, kernels.decode_attention) are tested against.
+def _causal_attend(cache: KVCache, seqs: list[PrefillSeq], offsets: list[int]):
+    """attend(layer, q, g) for packed rows: chunk s (rows offsets[i]...) sees its slot's cached frames
+    0..start+i (causal with an offset), gated."""
+    def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
+        out = torch.empty_like(q)
+        for s, o in zip(seqs, offsets, strict=True):
+            end = s.start + s.length
+            kk, vv = cache.k[layer, s.slot, :end], cache.v[layer, s.slot, :end]
+            mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
+            out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
+        return apply_gate(out, g)
+    return attend
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
