@@ -52,6 +52,17 @@ def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
     return counts
 
 
+def use_previous_kernel_settings() -> None:
+    """The settings measured as build d22021a: 8 x 512 MoE GEMV tiles, cuBLAS for every projection, the
+    per-row router up to 8 rows, 256-token attention splits from batch 17."""
+    from engine.model.kernels import decode_attention, gemv, moe, router
+
+    moe.GEMV_GATE_UP_TILE = moe.GEMV_DOWN_TILE = {1: (8, 512, 4), 2: (8, 512, 4)}
+    gemv.MAX_ROWS = 0
+    router.ROW_KERNEL_MAX_ROWS = 8
+    decode_attention.split_tokens = lambda batch: 64 if batch <= 16 else 256
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -61,7 +72,11 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--previous-kernels", action="store_true",
+                   help="the kernel settings before the sweep (A/B against the defaults, in the same run)")
     a = p.parse_args()
+    if a.previous_kernels:
+        use_previous_kernel_settings()
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)

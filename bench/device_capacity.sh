@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the live-capacity report: a full-size server (random weights), the
 # live-capacity benchmark with a clone per request and with a stored voice, the seed's table
-# (bench/ws_bench.py), py-spy of the engine and the gateway under load, then the GPU tests.
+# (bench/ws_bench.py) with a clone and without a voice at c=1, py-spy of the engine and the gateway under
+# load, then the GPU tests and (DECODE_STEP=1) the captured decode step per batch.
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, capacity_clone.json, capacity_voice.json, ws_bench.json, pyspy_engine.txt, pyspy_gateway.txt,
 #   server.log (its tail), gpu_tests.log
@@ -33,9 +34,14 @@ echo "gateway CPU over the profiled 8 s at level ${PROFILE_LEVEL:-128}: $(( (t1 
 wait $bench
 tail -4 /tmp/prof.log
 timeout 150 python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} --json "$OUT/ws_bench.json"
+# the same request without a voice: is first audio as fast as with a clone?
+timeout 60 python3 bench/ws_bench.py --concurrency 1 --requests ${REQS:-30} --no-clone
 curl -s localhost:8000/metrics | grep -E "^zonos_engine"
 kill $server; sleep 3
 grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done" /tmp/server.log | tail -40 > "$OUT/server.log"
 timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
   tests/test_prefill_attention.py tests/test_fused_router.py > "$OUT/gpu_tests.log" 2>&1
 tail -25 "$OUT/gpu_tests.log"
+if [ "${DECODE_STEP:-0}" = 1 ]; then
+  timeout ${DECODE_STEP_S:-120} python3 bench/decode_step.py --batches 1 8 64 128 | grep -v Warning
+fi

@@ -123,11 +123,11 @@ def test_model_decode_with_kernels_matches_eager():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if CUDA else torch.float16])
 @pytest.mark.parametrize("n", [1, 5])
 def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
-    """kernels.qkv_rope after residual_norm_qkvg = the plain attention_in: the same q and gate logits, the
+    """kernels.qkv_rope after the norm and the fused GEMM = the plain attention_in: the same q and gate logits, the
     same K and V written at (slot, position), nothing else in the cache touched. In half precision its
     roundings (after the norm, |temp|, RoPE) are PyTorch's, so almost every element is bit-equal."""
     from engine.model.kernels.qkv_rope import qkv_rope_cache
-    from engine.model.zonos2 import QK_NORM_EPS, attention_in, residual_norm_qkvg
+    from engine.model.zonos2 import QK_NORM_EPS, attention_in, residual_norm
 
     gen = torch.Generator().manual_seed(n)
     heads, kv, d, dim, layers, slots_n, t_max = 4, 2, 64, 96, 2, 3, 40
@@ -144,7 +144,7 @@ def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
     layer = torch.tensor(1, device=DEV)
     q_ref, g_ref = attention_in(h, norm_w, w, temp, cos[positions], sin[positions], caches[0], caches[1], layer,
                                 slots, positions, heads, kv, 1e-5)
-    _, qkvg = residual_norm_qkvg(h, None, norm_w, w, 1e-5)
+    qkvg = torch.nn.functional.linear(residual_norm(h, None, norm_w, 1e-5)[1], w)
     q, g = qkv_rope_cache(qkvg, temp, cos, sin, caches[2][1], caches[3][1], slots, positions, heads, kv,
                           QK_NORM_EPS)
     assert torch.equal(g, g_ref)
@@ -156,6 +156,29 @@ def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
             assert (got == ref).float().mean() > 0.98
             torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(caches[2][0], torch.zeros_like(caches[2][0]))  # the other layer is untouched
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 6])
+@pytest.mark.parametrize("extra", ["none", "bias", "residual"])
+@pytest.mark.parametrize("tile", [None, (4, 64, 4), (1, 4096, 8)])
+def test_gemv_linear_equals_f_linear(m, extra, tile):
+    """kernels.gemv.linear = [residual +] F.linear at any tile (K and N not multiples of it); past MAX_ROWS
+    rows it is cuBLAS itself. In half precision one rounding per output, as PyTorch's."""
+    from engine.model.kernels.gemv import linear
+
+    gen = torch.Generator().manual_seed(m)
+    n, k = 37, 300
+    for dtype in (torch.float32, DT if CUDA else torch.float16):
+        x = torch.randn(m, k, generator=gen).to(DEV, dtype)
+        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEV, dtype)
+        b = torch.randn(n, generator=gen).to(DEV, dtype) if extra == "bias" else None
+        r = torch.randn(m, n, generator=gen).to(DEV, dtype) if extra == "residual" else None
+        got = linear(x, w, bias=b, residual=r, tile=tile)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        ref = (ref.to(dtype) if r is None else (r.float() + ref.to(dtype).float())).to(dtype)
+        assert got.dtype == dtype and got.shape == (m, n)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), ref.float(), rtol=tol, atol=tol)
 
 
 def test_merge_kernel_applies_the_headwise_gate():

@@ -80,13 +80,11 @@ def attention_in(h: Tensor, norm_w: Tensor, w_qkvg: Tensor, temp: Tensor, cos: T
     return apply_rope(q, cos, sin), g
 
 
-def residual_norm_qkvg(h: Tensor, y: Tensor | None, norm_w: Tensor, w_qkvg: Tensor, eps: float
-                       ) -> tuple[Tensor, Tensor]:
-    """The previous layer's FFN residual add, attention_norm and the fused q/k/v/gate GEMM -> (residual,
-    GEMM output); the fast path's head of attention_in (its tail is kernels.qkv_rope)."""
+def residual_norm(h: Tensor, y: Tensor | None, norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The previous layer's FFN residual add and the next norm -> (residual, normed)."""
     if y is not None:
         h = h + y
-    return h, F.linear(rms_norm(h, norm_w, eps), w_qkvg)
+    return h, rms_norm(h, norm_w, eps)
 
 
 def apply_gate(o: Tensor, g: Tensor) -> Tensor:
@@ -149,7 +147,8 @@ class Stages:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         wrap = (lambda f: torch.compile(f, fullgraph=True, dynamic=None)) if compiled else (lambda f: f)
         self.attention_in = wrap(attention_in)
-        self.residual_norm_qkvg = wrap(residual_norm_qkvg)
+        self.residual_norm = wrap(residual_norm)
+        self.rms_norm = wrap(rms_norm)
         self.attention_out = wrap(attention_out)
         self.embed_norm = wrap(embed_norm)
         self.head = wrap(head)
@@ -413,7 +412,8 @@ class Zonos2(nn.Module):
         """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q, g) reads the
         cache (this call's K/V already written) and returns the attention output [N, H, D] gated by the
         gate logits g [N, H] (`apply_gate`). With the Triton kernels on, the FFN residual add joins the
-        next layer's norm and QK-norm/RoPE/cache writes are one launch (kernels.qkv_rope)."""
+        next layer's norm, QK-norm/RoPE/cache writes are one launch (kernels.qkv_rope), and small batches
+        take GEMV kernels for the projections (kernels.gemv)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         router_state: Tensor | None = None
@@ -421,18 +421,21 @@ class Zonos2(nn.Module):
         for i, layer in enumerate(self.layers):
             att = layer.attention
             if self.use_triton:
+                from engine.model.kernels.gemv import linear
                 from engine.model.kernels.qkv_rope import qkv_rope_cache
 
-                h, qkvg = stages.residual_norm_qkvg(h, y, layer.attention_norm.weight, att.fused_weight(), eps)
-                q, g = qkv_rope_cache(qkvg, att.temp, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], slots,
-                                      positions, heads, kv_heads, QK_NORM_EPS)
+                h, a = stages.residual_norm(h, y, layer.attention_norm.weight, eps)
+                q, g = qkv_rope_cache(linear(a, att.fused_weight()), att.temp, self.rope_cos, self.rope_sin,
+                                      cache.k[i], cache.v[i], slots, positions, heads, kv_heads, QK_NORM_EPS)
+                h = linear(attend(i, q, g).flatten(1), att.wo.weight, residual=h)
+                x = stages.rms_norm(h, layer.ffn_norm.weight, eps)
             else:
                 if y is not None:
                     h = h + y
                 q, g = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
                                            cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
                                            eps)
-            h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
+                h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             router_state = state if state is not None else router_state
         return h + y
