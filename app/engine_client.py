@@ -31,7 +31,8 @@ import numpy as np
 from engine.contract import records as m
 from engine.contract.constants import FRAME_S
 from engine.contract.lifeline import close_quietly, open_lifeline
-from engine.contract.rings import AsyncRingReader, ShmRing, remove_stale_segments
+from engine.contract.rings import AsyncRingReader, ShmRing
+from engine.contract.segments import remove_stale_segments
 from engine.contract.settings import EngineSettings, WeightSources
 from engine.runtime.main import engine_main
 

@@ -4,7 +4,10 @@ The defaults in engine/model/kernels/ (ROW_KERNEL_*, GEMV_*_TILE, split_tokens) 
 
     python bench/kernel_sweep.py [--json out.json]
 
-Every timing is a CUDA graph of 20 back-to-back calls replayed 30 times (launch gaps as in the step).
+Every timing is a CUDA graph of 20 back-to-back calls replayed 30 times (launch gaps as in the step). The
+calls re-read the same weights, and the H200's L2 (50 MB) holds an expert's 25 or 12.6 MB: the numbers rank
+tiles, they are not HBM bandwidths. The decode step's profile (bench/decode_step.py --profile) gives the
+in-step times, where each layer reads other weights.
 """
 
 from __future__ import annotations

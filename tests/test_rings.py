@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from engine.contract import rings as ipc
+from engine.contract import segments
 from engine.contract.rings import AsyncRingReader, RecordTooLarge, RingClosed, RingSpec, ShmRing
 from engine.runtime.outbox import Outbox
 
@@ -483,7 +484,8 @@ _ORPHAN_SCRIPT = """
 import sys, time
 sys.path.insert(0, {repo!r})
 import multiprocessing as mp
-from engine.contract.rings import ShmRing, unlink_segment
+from engine.contract.rings import ShmRing
+from engine.contract.segments import unlink_segment
 from engine.contract.lifeline import close_quietly, open_lifeline, watch_parent
 
 def engine(lifeline, name):  # what engine_main does first
@@ -544,8 +546,8 @@ def test_stale_rings_of_dead_creators_are_removed() -> None:
     stale = ShmRing.create(4096, name=f"zonos-{pid}-deadbeef")
     stale.close()
     try:
-        assert f"zonos-{pid}-deadbeef" not in ipc.remove_stale_segments()  # too young: perhaps attaching now
-        removed = ipc.remove_stale_segments(min_age_s=0)
+        assert f"zonos-{pid}-deadbeef" not in segments.remove_stale_segments()  # too young: perhaps attaching now
+        removed = segments.remove_stale_segments(min_age_s=0)
         assert f"zonos-{pid}-deadbeef" in removed and not _shm_exists(f"zonos-{pid}-deadbeef")
         assert _shm_exists(mine.name)  # a live creator's ring stays
     finally:

@@ -77,8 +77,6 @@ import asyncio
 import contextlib
 import os
 import platform
-import re
-import secrets
 import select
 import struct
 import sys
@@ -91,10 +89,7 @@ from typing import Any
 
 import msgpack
 
-try:
-    import _posixshmem  # what multiprocessing.shared_memory unlinks with
-except ImportError:  # pragma: no cover - not POSIX
-    _posixshmem = None  # type: ignore[assignment]
+from engine.contract.segments import new_segment_name
 
 __all__ = [
     "AsyncRingReader",
@@ -103,8 +98,6 @@ __all__ = [
     "RingClosed",
     "RingSpec",
     "ShmRing",
-    "remove_stale_segments",
-    "unlink_segment",
 ]
 
 Record = tuple[dict[str, Any], bytes | None]
@@ -250,7 +243,7 @@ class ShmRing:
         if capacity < 64:
             raise ValueError("capacity must be at least 64 bytes")
         capacity = _align8(capacity)
-        name = name or f"zonos-{os.getpid()}-{secrets.token_hex(4)}"
+        name = name or new_segment_name()
         shm = shared_memory.SharedMemory(name, create=True, size=_CTRL_BYTES + capacity)
         ring = cls(shm, _Doorbell.create(), capacity, owner=True)
         ring._ctl[_W_CAPACITY] = capacity
@@ -424,55 +417,6 @@ class ShmRing:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 self.unlink()
-
-
-# --------------------------------------------------------------------------- cleanup by name
-
-_SHM_DIR = "/dev/shm"
-_PREFIX_RE = re.compile(r"^zonos-(\d+)-[0-9a-f]+$")
-
-
-def unlink_segment(name: str) -> bool:
-    """Remove a segment by name from any process (the engine does it when its gateway died);
-    True if it existed. The creator's resource tracker is told, so it does not report a leak."""
-    if _posixshmem is None:
-        return False
-    try:
-        _posixshmem.shm_unlink("/" + name)
-    except FileNotFoundError:
-        return False
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister("/" + name, "shared_memory")
-    return True
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_stale_segments(min_age_s: float = 60.0) -> list[str]:
-    """Unlink rings whose creator (the pid in their name, ``zonos-<pid>-<hex>``) no longer exists:
-    what a gateway killed together with its engine and resource tracker (a process group SIGKILL)
-    leaves behind. A gateway calls it when it starts. Rings younger than ``min_age_s`` are left alone
-    (a creator in another pid namespace sharing /dev/shm looks dead, and its engine may be attaching
-    right now). Linux only (elsewhere: nothing to list)."""
-    removed = []
-    now = time.time()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(_SHM_DIR):
-            m = _PREFIX_RE.match(name)
-            if not m or _pid_alive(int(m.group(1))):
-                continue
-            with contextlib.suppress(OSError):
-                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(name):
-                    removed.append(name)
-    return removed
 
 
 # --------------------------------------------------------------------------- asyncio

@@ -7,7 +7,8 @@ import os
 
 from engine.contract import records as m
 from engine.contract.lifeline import Lifeline, watch_parent
-from engine.contract.rings import RingSpec, ShmRing, unlink_segment
+from engine.contract.rings import RingSpec, ShmRing
+from engine.contract.segments import unlink_segment
 from engine.contract.settings import EngineSettings, WeightSources
 
 log = logging.getLogger("engine")
