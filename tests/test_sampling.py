@@ -133,3 +133,32 @@ def test_temperature_zero_is_greedy():
     st.admit(0, SamplingParams(temperature=0.0, repetition_window=0), seed=1)
     logits = torch.randn(1, C, V)
     assert torch.equal(st.sample(logits, torch.tensor([0]))[0], logits[0].argmax(-1))
+
+
+def test_first_frame_after_prefill_is_sampled_outside_the_compiled_sampler():
+    """The prefill path samples any number of rows, so it must not go through the torch.compile'd copies:
+    each new row count would trace again while every live stream waits. With those copies made to fail,
+    prefill still samples, and the same frames as an intact node with the same seeds."""
+    from engine.llm.node import LLMNode, Sequence
+    from engine.model.checkpoint import random_model
+    from engine.prompt import PromptBuilder
+
+    model = random_model("tiny")
+    prompts = [PromptBuilder(model.cfg).build(t) for t in ("One.", "Two words.", "And three.")]
+
+    def first_frames(poison: bool) -> list[np.ndarray]:
+        node = LLMNode(model, n_slots=4, max_len=128)
+        if poison:
+            def traced(*_args, **_kwargs):
+                raise AssertionError("prefill sampling went through the compiled sampler")
+            node.sampler._filter = node.sampler._noise = traced
+        seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=10 + i), max_frames=4)
+                for i, p in enumerate(prompts)]
+        for s in seqs:
+            node.admit(s)
+        return [codes for _, codes in node.prefill([(s, s.prompt_len) for s in seqs])]
+
+    got, ref = first_frames(poison=True), first_frames(poison=False)
+    assert len(got) == 3
+    for a, b in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(a, b)

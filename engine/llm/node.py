@@ -162,7 +162,7 @@ class LLMNode:
         if not done:
             return []
         slots = torch.tensor([chunks[i][0].slot for i in done], device=self.device)
-        codes = self.sampler.sample(logits[done], slots).cpu().numpy()
+        codes = self.sampler.sample(logits[done], slots, eager=True).cpu().numpy()
         out = []
         for j, i in enumerate(done):
             seq = chunks[i][0]

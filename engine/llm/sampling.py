@@ -80,10 +80,16 @@ class SamplerState:
         self.step[slot] = 0
         self.history_step[slot] = -1
 
-    def sample(self, logits: Tensor, slots: Tensor) -> Tensor:
-        """logits [B, C, V] (fp32) for the given slots -> codes [B, C] (int64). Updates the slots' state."""
+    def sample(self, logits: Tensor, slots: Tensor, eager: bool = False) -> Tensor:
+        """logits [B, C, V] (fp32) for the given slots -> codes [B, C] (int64). Updates the slots' state.
+
+        eager: skip the compiled copies. For rows of any count outside the captured decode graphs (the
+        first frame after a prefill): each new count would make torch.compile trace again while serving,
+        and the whole engine loop (every live stream) waited for it, up to 0.7 s on an H200 when clone
+        requests arrived in groups of varying size."""
         step = self.step[slots]
-        scores = self._filter(logits, slots) + self._noise(self.seed[slots], step, logits.shape[1:])
+        filt, noise = (self.filtered_logits, gumbel_noise) if eager else (self._filter, self._noise)
+        scores = filt(logits, slots) + noise(self.seed[slots], step, logits.shape[1:])
         codes = scores.argmax(-1)
         self._record(codes, slots, step)
         return codes
