@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the final-build report: the GPU tests (run while the server starts and
 # captures its graphs; they assert results, not speed), a full-size server (random weights), the
-# live-capacity benchmark with a clone per request and with a stored voice, the seed's table
+# live-capacity benchmark with a clone per request (one clip re-sent, and a distinct clip each time) and
+# with a stored voice, the seed's table
 # (bench/ws_bench.py) and the same request without a voice at c=1, py-spy of the engine and the gateway
 # under load, then, with the GPU to itself again, the captured decode step per batch and its profile.
 # At most 8 files come back, so everything goes into these under $OUT:
@@ -25,6 +26,8 @@ tail -4 "$OUT/gpu_tests.log"
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
 timeout 200 $CAP --levels ${LEVELS:-48 64 96 128 160} --out "$OUT/capacity_clone.json"
 timeout 90 $CAP --levels ${VOICE_LEVELS:-96 128} --voice bench-voice --out "$OUT/capacity_voice.json"
+# every request with a clip the gateway has not embedded yet (its table goes to run.log)
+timeout 90 $CAP --levels ${DISTINCT_LEVELS:-32 64} --distinct-clips
 # the profiled level: engine and gateway threads, and the gateway's CPU share
 epid=$(curl -s localhost:8000/readyz | python3 -c "import json,sys; print(json.load(sys.stdin)['engine']['pid'])")
 $CAP --levels ${PROFILE_LEVEL:-128} --duration 14 --out /tmp/prof.json > /tmp/prof.log 2>&1 &
