@@ -1,5 +1,6 @@
 """Block-size sweep for the fused MoE kernels (full-size expert shapes, bf16): which BLOCK_N / BLOCK_K
-read the routed experts fastest at each token count.
+read the routed experts fastest at each token count (the blocked path; bench/kernel_sweep.py sweeps the
+per-pair GEMV tiles of each kernel on its own).
 
     python bench/moe_sweep.py
 """
@@ -50,7 +51,7 @@ def main() -> None:
         for kind, bn, bk in configs:
             def call(x=x, c=chosen, w=w, bn=bn, bk=bk, kind=kind):
                 if kind == "gemv":
-                    return moe._moe_gemv(x, gate_up, down, c, w, block_n=bn, block_k=bk)
+                    return moe._moe_gemv(x, gate_up, down, c, w, gate_up_tile=(bn, bk, 4), down_tile=(bn, bk, 4))
                 return moe.fused_moe(x, gate_up, down, c, w, block_m=16, block_n=bn, block_k=bk)
             try:
                 us = bench(call)
