@@ -74,12 +74,12 @@ def router_sweep(results: list[dict]) -> None:
     for n in (1, 2, 4, 8, 16):
         x, prev = rnd(n, DIM, s=1.0), rnd(n, R, s=1.0)
 
-        def call(row: bool, warps: int, down: bool, x=x, prev=prev):
+        def call(row: bool, warps: int, x=x, prev=prev):
             return lambda: fused_route(x, prev, w["down_w"], w["down_b"], w["scale"], w["w0"], w["b0"], w["w2"],
                                        w["b2"], w["w4"], w["eda_w"], w["bias"], 1.0, 1, 1e-5, row_kernel=row,
-                                       num_warps=warps, down_in_kernel=down)
-        configs = {f"{'row' if row else 'dot'} warps={wp} down_in_kernel={down}": call(row, wp, down)
-                   for row, wp, down in itertools.product((False, True), (2, 4, 8), (False, True))}
+                                       num_warps=warps)
+        configs = {f"{'row' if row else 'dot'} warps={wp}": call(row, wp)
+                   for row, wp in itertools.product((False, True), (2, 4, 8))}
         sweep(f"router n={n}", configs, results)
 
 

@@ -54,16 +54,15 @@ def _args(p: dict[str, torch.Tensor], x: torch.Tensor, prev: torch.Tensor | None
 @pytest.mark.parametrize("n", [1, 3, 17])
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("carry", [False, True])
-@pytest.mark.parametrize("down_in_kernel", [False, True])
 @pytest.mark.parametrize("row_kernel", [False, True])
-def test_fused_route_matches_route(n, k, carry, down_in_kernel, row_kernel):
+def test_fused_route_matches_route(n, k, carry, row_kernel):
     p = _router(n * 4 + k * 2 + carry)
     gen = torch.Generator().manual_seed(1000 + n)
     x = torch.randn(n, DIM, generator=gen)
     prev = torch.randn(n, R, generator=gen) if carry else None
     for bias_sign in (1.0, -1.0):
         args = _args(p, x, prev, bias_sign, k, torch.float32)
-        chosen, weights, r = fused_route(*args, down_in_kernel=down_in_kernel, row_kernel=row_kernel)
+        chosen, weights, r = fused_route(*args, row_kernel=row_kernel)
         ref_chosen, ref_weights, ref_r = route(*args)
         assert chosen.dtype == torch.int64 and chosen.shape == (n, k)
         assert weights.dtype == torch.float32 and weights.shape == (n, k)

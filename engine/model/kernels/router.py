@@ -1,4 +1,5 @@
-"""The EDA router in two launches (a cuBLAS GEMM, then one Triton kernel): `fused_route` = `engine.model.zonos2.route`.
+"""The EDA router in two launches (the down-projection GEMM, then one Triton kernel): `fused_route` =
+`engine.model.zonos2.route`.
 
 After r = x W_down^T + b_down, program i takes ROWS token rows and does, in registers throughout:
   r += prev * scale   (when a state is carried)
@@ -32,28 +33,19 @@ def _gelu(x):
 
 @triton.jit
 def _router_kernel(
-    x_ptr, prev_ptr, down_w_ptr, down_b_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
+    x_ptr, prev_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
     bias_ptr, chosen_ptr, weight_ptr, r_ptr,
-    N, stride_x, stride_prev, stride_dw, stride_r, bias_sign, eps,
-    DIM: tl.constexpr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr, DOWN: tl.constexpr,
+    N, stride_x, stride_prev, stride_r, bias_sign, eps,
+    R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
 ):
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < N
     rr = tl.arange(0, R)
-    kk = tl.arange(0, BLOCK_K)
 
-    if DOWN:
-        # r = linear(x, down_w, down_b): fp32 accumulation, one rounding to the activation dtype.
-        acc = tl.zeros([ROWS, R], tl.float32)
-        for k0 in range(0, DIM, BLOCK_K):
-            xt = tl.load(x_ptr + rows[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None], other=0.0)
-            wt = tl.load(down_w_ptr + rr[None, :] * stride_dw + (k0 + kk)[:, None])  # [BLOCK_K, R] = W^T chunk
-            acc = tl.dot(xt, wt, acc, input_precision=PREC)
-        r = (acc + tl.load(down_b_ptr + rr).to(tl.float32)[None, :]).to(dt).to(tl.float32)
-    else:  # x already holds linear(x, down_w, down_b) [N, R]
-        r = tl.load(x_ptr + rows[:, None] * stride_x + rr[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    # x holds the down-projection linear(x, down_w, down_b) [N, R]
+    r = tl.load(x_ptr + rows[:, None] * stride_x + rr[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     if HAS_PREV:
         pv = tl.load(prev_ptr + rows[:, None] * stride_prev + rr[None, :], mask=row_ok[:, None], other=0.0)
         sc = tl.load(scale_ptr + rr)
@@ -96,29 +88,19 @@ def _router_kernel(
 
 @triton.jit
 def _router_row_kernel(
-    x_ptr, prev_ptr, down_w_ptr, down_b_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
+    x_ptr, prev_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
     bias_ptr, chosen_ptr, weight_ptr, r_ptr,
-    stride_x, stride_prev, stride_dw, stride_r, bias_sign, eps,
-    DIM: tl.constexpr, R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-    HAS_PREV: tl.constexpr, BLOCK_K: tl.constexpr, DOWN: tl.constexpr,
+    stride_x, stride_prev, stride_r, bias_sign, eps,
+    R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, HAS_PREV: tl.constexpr,
 ):
     """The same computation for one token row per program, as GEMVs (broadcast and sum) instead of tl.dot:
-    at decode batch 1-8 the dot form pads every program to 16 rows and serialises on one SM's tensor-core
+    at decode batches the dot form pads every program to 16 rows and serialises on one SM's tensor-core
     pipeline (~23 us per layer on an H200); here each row's chain is a few coalesced loads and reductions."""
     dt = x_ptr.dtype.element_ty
     row = tl.program_id(0)
     out_r = tl.arange(0, R)  # output features: axis 0 of every weight tile ([out, in], nn.Linear layout)
     in_r = tl.arange(0, R)  # input features: axis 1
-    if DOWN:
-        kk = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([R], tl.float32)
-        for k0 in range(0, DIM, BLOCK_K):
-            xv = tl.load(x_ptr + row * stride_x + k0 + kk).to(tl.float32)
-            w = tl.load(down_w_ptr + out_r[:, None] * stride_dw + (k0 + kk)[None, :]).to(tl.float32)
-            acc += tl.sum(w * xv[None, :], axis=1)
-        r = (acc + tl.load(down_b_ptr + out_r).to(tl.float32)).to(dt).to(tl.float32)
-    else:
-        r = tl.load(x_ptr + row * stride_x + out_r).to(tl.float32)
+    r = tl.load(x_ptr + row * stride_x + out_r).to(tl.float32)
     if HAS_PREV:
         pv = tl.load(prev_ptr + row * stride_prev + out_r).to(tl.float32)
         carried = (pv * tl.load(scale_ptr + out_r).to(tl.float32)).to(dt).to(tl.float32)
@@ -154,63 +136,45 @@ def _router_row_kernel(
 
 def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
                 b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
-                eps: float, block_rows: int | None = None, block_k: int = 128, num_warps: int | None = None,
-                down_in_kernel: bool = False, row_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                eps: float, block_rows: int | None = None, num_warps: int | None = None,
+                row_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """`engine.model.zonos2.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
     All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
 
-    By default the 2048 -> 128 down-projection is a cuBLAS GEMM and the rest one launch: inside the kernel,
-    each program would stream all of W_down (512 KB) alone, which at batch 1 took 39 us on an H200 against
-    a few us for the GEMM over all SMs. `down_in_kernel=True` does everything in one launch.
+    The 2048 -> 128 down-projection is one GEMM over all SMs (kernels.gemv at small batch, cuBLAS above):
+    inside the router kernel each program would stream all of W_down (512 KB) alone, which took 16-31 us
+    per call on an H200 against ~5 us as a separate GEMM (bench/kernel_sweep.py). Up to ROW_KERNEL_MAX_ROWS
+    rows (decode) each row is one program of GEMVs (`_router_row_kernel`); above (prefill), ROWS-row tiles
+    on the tensor cores. `row_kernel` forces either."""
+    from engine.model.kernels.gemv import linear
 
-    Up to ROW_KERNEL_MAX_ROWS rows (decode at small batch) each row is one program of GEMVs
-    (`_router_row_kernel`); above, ROWS-row tiles on the tensor cores. `row_kernel` forces either."""
-    n, dim = x.shape
+    n = x.shape[0]
     r_dim = down_w.shape[0]
     e = w4.shape[0]
     has_prev = scale is not None and prev is not None
     assert r_dim == triton.next_power_of_2(r_dim) and r_dim >= 16, "router_dim must be a power of two >= 16"
-    block_k = min(block_k, dim)
-    assert dim % block_k == 0, (dim, block_k)
     dev = x.device
     chosen = torch.empty(n, k, device=dev, dtype=torch.int64)
     weights = torch.empty(n, k, device=dev, dtype=torch.float32)
     r = torch.empty(n, r_dim, device=dev, dtype=x.dtype)
     if n == 0:
         return chosen, weights, r
-    if block_rows is None:
-        # tl.dot needs >= 16 rows; more rows per weight read for big batches. At 8 warps these tiles compile
-        # for sm_90 without register spills (64 rows spill).
-        block_rows = 16 if n <= 1024 else 32
-    if not down_in_kernel:
-        from engine.model.kernels.gemv import linear
-
-        x = linear(x, down_w, down_b)
-        dim = block_k = r_dim
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    down_w = down_w if down_w.stride(-1) == 1 else down_w.contiguous()
+    x = linear(x, down_w, down_b)
     if has_prev:
         prev = prev if prev.stride(-1) == 1 else prev.contiguous()
+    args = (x, prev if has_prev else x, scale.contiguous() if has_prev else down_b, w0.contiguous(), b0.contiguous(),
+            w2.contiguous(), b2.contiguous(), w4.contiguous(), eda_w.contiguous(), bias.contiguous(), chosen, weights,
+            r)
+    shape = dict(R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev)
+    strides = (x.stride(0), prev.stride(0) if has_prev else 0, r.stride(0), float(bias_sign), float(eps))
     if row_kernel if row_kernel is not None else n <= ROW_KERNEL_MAX_ROWS:
-        _router_row_kernel[(n,)](
-            x, prev if has_prev else x, down_w, down_b.contiguous(), scale.contiguous() if has_prev else down_b,
-            w0.contiguous(), b0.contiguous(), w2.contiguous(), b2.contiguous(), w4.contiguous(),
-            eda_w.contiguous(), bias.contiguous(), chosen, weights, r,
-            x.stride(0), prev.stride(0) if has_prev else 0, down_w.stride(0), r.stride(0), float(bias_sign),
-            float(eps),
-            DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
-            BLOCK_K=min(block_k, 64) if down_in_kernel else block_k, DOWN=down_in_kernel,
-            num_warps=num_warps or ROW_KERNEL_WARPS,
-        )
+        _router_row_kernel[(n,)](*args, *strides, **shape, num_warps=num_warps or ROW_KERNEL_WARPS)
         return chosen, weights, r
+    # tl.dot needs >= 16 rows; more rows per weight read for big batches. At 8 warps these tiles compile
+    # for sm_90 without register spills (64 rows spill).
+    block_rows = block_rows or (16 if n <= 1024 else 32)
     _router_kernel[(triton.cdiv(n, block_rows),)](
-        x, prev if has_prev else x, down_w, down_b.contiguous(), scale.contiguous() if has_prev else down_b,
-        w0.contiguous(), b0.contiguous(), w2.contiguous(), b2.contiguous(), w4.contiguous(), eda_w.contiguous(),
-        bias.contiguous(), chosen, weights, r,
-        n, x.stride(0), prev.stride(0) if has_prev else 0, down_w.stride(0), r.stride(0), float(bias_sign),
-        float(eps),
-        DIM=dim, R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev,
-        ROWS=block_rows, BLOCK_K=block_k, PREC="ieee" if x.dtype == torch.float32 else "tf32", DOWN=down_in_kernel,
+        *args, n, *strides, **shape, ROWS=block_rows, PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps or 8,
     )
     return chosen, weights, r
