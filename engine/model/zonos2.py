@@ -414,16 +414,17 @@ class Zonos2(nn.Module):
         gate logits g [N, H] (`apply_gate`). With the Triton kernels on, the FFN residual add joins the
         next layer's norm, QK-norm/RoPE/cache writes are one launch (kernels.qkv_rope), and small batches
         take GEMV kernels for the projections (kernels.gemv)."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
+        if self.use_triton:  # the kernels index the RoPE tables by position themselves
+            from engine.model.kernels.gemv import linear
+            from engine.model.kernels.qkv_rope import qkv_rope_cache
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         router_state: Tensor | None = None
         y: Tensor | None = None
         for i, layer in enumerate(self.layers):
             att = layer.attention
             if self.use_triton:
-                from engine.model.kernels.gemv import linear
-                from engine.model.kernels.qkv_rope import qkv_rope_cache
-
                 h, a = stages.residual_norm(h, y, layer.attention_norm.weight, eps)
                 q, g = qkv_rope_cache(linear(a, att.fused_weight()), att.temp, self.rope_cos, self.rope_sin,
                                       cache.k[i], cache.v[i], slots, positions, heads, kv_heads, QK_NORM_EPS)
