@@ -123,6 +123,27 @@ def test_cancel_frees_the_slot_within_a_step(rt):
     assert round_trip < 1.0  # one decode step of the tiny model is ~20 ms on this CPU
 
 
+@pytest.mark.parametrize("params", [
+    {"temperature": 1e308}, {"repetition_penalty": 1e39}, {"temperature": float("nan")}, {"top_p": float("inf")},
+    {"temperature": "hot"}, {"top_k": 2**40},
+])
+def test_a_record_outside_the_bounds_is_that_requests_error(rt, params):
+    """Issue 21: a value the gateway's door would refuse, sent straight to the engine (an older gateway, a
+    bug), is that request's bad_request; the engine lives on and serves the next request."""
+    lt, client = rt
+    restarts = client.restarts
+
+    async def go():
+        bad = m.SubmitRequest(rid=0, prompt=PB.build("x"), params=SamplingParams(), max_frames=10, ignore_eos=True)
+        bad.params.__dict__.update(params)  # past the dataclass: what a record off the ring can hold
+        return await collect(client, bad), await collect(client, request("after it", 10, seed=1))
+
+    (_, end, _), (pcm, after, _) = lt.run(go())
+    assert end["type"] == m.ERROR and end["code"] == "bad_request", end
+    assert after["type"] == m.FINISHED and len(pcm) == 10 * 512
+    assert client.restarts == restarts
+
+
 def test_full_queue_refuses_clearly_and_recovers(rt):
     lt, client = rt
 

@@ -21,7 +21,6 @@ engine -> gateway
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,6 +32,27 @@ READY, STARTED, AUDIO, FINISHED, ERROR, EMBEDDING, STATS = (
 )
 
 HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
+
+# The bounds of every sampling value, in this one place: the gateway checks them when a request arrives
+# (every API and dialect, app/synthesis.py parse_options), the engine again on submit (a record outside
+# them is that request's `bad_request`). The sampler keeps each value in a float32 or int64 tensor; each
+# bound lies well inside those (1e308 passed `isfinite` once and overflowed the sampler's float32 tensor,
+# killing the engine) and past what still changes the sampling: logits are a few tens at most, so at
+# temperature 100 every code is already about equally likely, and a penalty of 100 already rules a
+# repeated code out. docs/reliability.md ("Bounds") lists them.
+TEMPERATURE_MAX = 100.0
+REPETITION_PENALTY_MAX = 100.0
+TOP_K_MAX = 100_000  # < 1 means 1024 (the reference); the gateway also caps it at the codebook size
+SEED_LIMIT = 2**63  # the sampler's int64 seed
+
+
+def _number(value: object) -> bool:
+    """A JSON number (bool is an int in Python, not a number here)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -49,17 +69,22 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self, n_codebooks: int = 9) -> None:
+        """ValueError naming the first value outside its bounds (or of the wrong type)."""
+        t, rp = self.temperature, self.repetition_penalty
         checks = [
-            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
-            (0.0 <= self.top_p <= 1.0, "top_p must be in [0, 1]"),
-            (0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (0 <= self.repetition_window <= HISTORY, f"repetition_window must be in 0..{HISTORY}"),
-            (math.isfinite(self.repetition_penalty) and self.repetition_penalty >= 1.0,
-             "repetition_penalty must be >= 1"),
-            (-1 <= self.repetition_codebooks <= n_codebooks,
-             f"repetition_codebooks must be in -1..{n_codebooks} (-1 = all)"),
-            (self.seed is None or 0 <= self.seed < 2**63, "seed must be a non-negative 63-bit integer"),
-            (-1 <= self.top_k <= 100_000, "top_k must be an integer (< 1 means 1024)"),
+            (_number(t) and 0.0 <= t <= TEMPERATURE_MAX, f"temperature must be a number in [0, {TEMPERATURE_MAX:g}]"),
+            (_number(self.top_p) and 0.0 <= self.top_p <= 1.0, "top_p must be a number in [0, 1]"),
+            (_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be a number in [0, 1]"),
+            (_integer(self.repetition_window) and 0 <= self.repetition_window <= HISTORY,
+             f"repetition_window must be an integer in 0..{HISTORY}"),
+            (_number(rp) and 1.0 <= rp <= REPETITION_PENALTY_MAX,
+             f"repetition_penalty must be a number in [1, {REPETITION_PENALTY_MAX:g}]"),
+            (_integer(self.repetition_codebooks) and -1 <= self.repetition_codebooks <= n_codebooks,
+             f"repetition_codebooks must be an integer in -1..{n_codebooks} (-1 = all)"),
+            (self.seed is None or (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT),
+             "seed must be a non-negative 63-bit integer"),
+            (_integer(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
+             f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means 1024)"),
         ]
         for ok, msg in checks:
             if not ok:
