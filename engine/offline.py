@@ -8,9 +8,10 @@ import numpy as np
 import torch
 
 from engine.contract.records import SamplingParams
+from engine.dac.streaming import decode_offline
 from engine.llm.node import LLMNode, Sequence
 from engine.model.zonos2 import Zonos2
-from engine.prompt import Conditioning, PromptBuilder, shear_up
+from engine.prompt import Conditioning, PromptBuilder
 
 
 @dataclass
@@ -33,17 +34,20 @@ def generate_frames(
     node = LLMNode(model, n_slots=1, max_len=min(model.cfg.max_seqlen, len(prompt) + max_frames + 2))
     seq = Sequence(rid=0, prompt=prompt, params=params, max_frames=max_frames, speaker=speaker,
                    ignore_eos=ignore_eos)
+    return seq, run_sequence(node, seq)
+
+
+def run_sequence(node: LLMNode, seq: Sequence) -> np.ndarray:
+    """Admit `seq` into `node`, prefill it, decode it to its end and free its slot: its generated
+    (delayed) frames [N, 9]. The CLI, the engine's warm-up and the tests all generate through here."""
     node.admit(seq)
-    frames = [codes for _, codes in node.prefill([(seq, seq.prompt_len)])]
-    while seq.finish_reason is None:
-        frames.extend(codes for _, codes in node.decode([seq]))
-    return seq, np.stack(frames)
-
-
-def aligned_codes(frames: np.ndarray, eos_frame: int | None, pad: int = 1025) -> np.ndarray:
-    """Delayed frames [N, 9] -> aligned codes [F, 9] to decode: undo the shear, cut at the EOS frame."""
-    aligned = shear_up(frames, pad)
-    return aligned[: eos_frame if eos_frame is not None else len(aligned)]
+    try:
+        frames = [codes for _, codes in node.prefill([(seq, seq.prompt_len)])]
+        while seq.finish_reason is None:
+            frames.extend(codes for _, codes in node.decode([seq]))
+    finally:
+        node.release(seq)
+    return np.stack(frames)
 
 
 def synthesize(
@@ -61,9 +65,5 @@ def synthesize(
     prompt = PromptBuilder(model.cfg).build(text, cond)
     seq, frames = generate_frames(model, prompt, params or SamplingParams(), max_frames, speaker, ignore_eos)
     eos = None if ignore_eos else seq.eos.eos_frame
-    codes = aligned_codes(frames, eos)
-    if len(codes) == 0:
-        audio = np.zeros(0, dtype=np.float32)
-    else:
-        audio = codec.decode(torch.from_numpy(codes)[None].to(codec.device))[0].float().cpu().numpy()
+    audio = decode_offline(codec, frames, eos).astype(np.float32)
     return Synthesis(audio=audio, frames=frames, eos_frame=eos, finish_reason=seq.finish_reason or "")

@@ -22,21 +22,23 @@ def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSp
     watch_parent(lifeline, lambda: [unlink_segment(s.name) for s in (inbox_spec, outbox_spec)])
     import torch  # here, in the spawned process: the gateway imports this module without torch
 
+    from engine.runtime.engine import Engine
     from engine.runtime.scheduler import Scheduler
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
     inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
     try:
-        engine = Scheduler(src, settings, inbox, out_ring)
-        warm = engine.warmup()
+        engine = Engine(src, settings)
+        warmup_s = engine.warmup()
+        scheduler = Scheduler(engine, inbox, out_ring)
     except Exception as e:
         log.exception("engine failed to start")
         out_ring.try_put({"type": m.ERROR, "rid": None, "code": "engine_start_failed", "message": str(e)})
         raise SystemExit(1) from e
-    info = engine.ready_info(warm)
+    info = {"type": m.READY, **engine.describe(), "warmup_s": round(warmup_s, 3)}
     log.info("engine ready: %s", info)
-    engine.outbox.put("ready", info, force=True)
-    engine.outbox.flush()
-    engine.run()
-    engine.outbox.flush()
+    scheduler.outbox.put("ready", info, force=True)
+    scheduler.outbox.flush()
+    scheduler.run()
+    scheduler.outbox.flush()
     log.info("engine stopped")

@@ -11,10 +11,7 @@ for at most one chunk. Cancels free the slot before the next step runs.
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,12 +22,10 @@ import torch
 
 from engine.contract import records as m
 from engine.contract.rings import ShmRing
-from engine.contract.settings import EngineSettings, WeightSources
-from engine.llm.node import LLMNode, Sequence
+from engine.llm.node import Sequence
 from engine.runtime.admission import RealtimeAdmission
+from engine.runtime.engine import Engine
 from engine.runtime.outbox import Outbox
-from engine.speaker.worker import SpeakerWorker
-from engine.weights import load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
 
@@ -51,47 +46,22 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, src: WeightSources, settings: EngineSettings, inbox: ShmRing, outbox_ring: ShmRing):
-        from engine.dac.schedule import ChunkSchedule
-        from engine.dac.streaming import StreamingDecoder
+    """Batches, admits and moves records: the inbox ring -> the engine's nodes -> the events ring."""
 
-        self.settings = settings
-        self.device = resolve_device(settings.device)
-        on_gpu = self.device.startswith("cuda")
+    def __init__(self, engine: Engine, inbox: ShmRing, outbox_ring: ShmRing):
+        self.engine = engine
+        self.settings = settings = engine.settings
+        self.llm = engine.llm
+        self.dac = engine.dac
+        self.speaker = engine.speaker
         self.inbox = inbox
         self.outbox = Outbox(outbox_ring, settings.outbox_bytes_per_request)
         self.out_ring = outbox_ring
-        t0 = time.perf_counter()
-        model = load_model(src, self.device)
-        slots = settings.max_batch or (128 if on_gpu else 8)
-        max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
-        self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile)
-        dac_device = settings.dac_device or self.device
-        dtype_name = settings.dac_dtype if settings.dac_dtype != "auto" else (
-            "bfloat16" if dac_device.startswith("cuda") else "float32")
-        dac_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-        self.codec = load_codec(src, dac_device, dac_dtype)
-        self.speaker_encoder = load_speaker_encoder(src, self.device)
-        self.speaker = SpeakerWorker(self.speaker_encoder)
-        # the loop waits for each decode step with the GIL released; when the step is done it must get the
-        # GIL back from the speaker_encoder thread at once, not after the default 5 ms switch interval
-        sys.setswitchinterval(2e-4)
-        schedule = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
-                    "reference": ChunkSchedule.reference}[settings.chunk_schedule]()
-        self.dac = StreamingDecoder(self.codec, schedule)
-        # The dac_decoder runs in this thread on its own CUDA stream: its calls are graph replays that
-        # return at once, and their PCM is collected on a later iteration, so the LLM never waits for
-        # audio. The LLM's stream has the higher priority: where both have work queued, the decode step's
-        # blocks are scheduled first. (A separate Python thread convoys on the GIL behind this loop.)
-        self.dac_stream = torch.cuda.Stream(self.codec.device) if self.codec.device.type == "cuda" else None
-        self.llm_stream = torch.cuda.Stream(self.device, priority=-1) if on_gpu else None
-        mode = settings.admission if settings.admission != "auto" else ("realtime" if on_gpu else "slots")
+        mode = settings.admission if settings.admission != "auto" else ("realtime" if engine.on_gpu else "slots")
         if mode not in ("realtime", "slots"):
             raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
         self.admission = RealtimeAdmission(settings.admission_headroom, settings.admission_max_wait_s,
                                            enabled=mode == "realtime")
-        self.src = src
-        self.load_s = time.perf_counter() - t0
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
         self.step_times: deque[float] = deque(maxlen=200)
@@ -99,65 +69,9 @@ class Scheduler:
         self.stopping = False
         self._last_stats = 0.0
 
-    # ---- lifecycle -------------------------------------------------------------------------------
-    def warmup(self) -> float:
-        """Run one short request through every node so first traffic pays no lazy-init cost."""
-        t0 = time.perf_counter()
-        from engine.contract.records import SamplingParams
-        from engine.prompt import PromptBuilder
-
-        prompt = PromptBuilder(self.llm.cfg).build("warm up")
-        seq = Sequence(rid=-1, prompt=prompt, params=SamplingParams(seed=0), max_frames=40, ignore_eos=True)
-        self.llm.admit(seq)
-        frames = [c for _, c in self.llm.prefill([(seq, seq.prompt_len)])]
-        while seq.finish_reason is None:
-            frames.extend(c for _, c in self.llm.decode([seq]))
-        self.llm.release(seq)
-        self.dac.open(-1)
-        self.dac.push(-1, np.stack(frames))
-        self.dac.finish(-1, None)
-        while self.dac.pending():
-            self.dac.step()
-        if self.dac_stream is not None:  # cuDNN plans (and graphs) for every chunk shape now, not on a request
-            with torch.cuda.stream(self.dac_stream):
-                n = self.dac.warmup(max_batch=self.settings.dac_max_batch)
-                if self.settings.cuda_graphs:
-                    self.dac.capture(max_batch=self.settings.dac_max_batch)
-            log.info("dac_decoder warmed %d chunk shapes%s", n, " and captured them" if self.dac.graphs else "")
-        clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
-        self.speaker_encoder.embed(clip, 24000)
-        self._sync()
-        # everything built so far (modules, compiled graphs) lives as long as the process: keep it out of
-        # the cyclic collector, whose full passes over it paused every stream for hundreds of ms
-        gc.collect()
-        gc.freeze()
-        return time.perf_counter() - t0
-
-    def ready_info(self, warmup_s: float) -> dict[str, Any]:
-        cfg = self.llm.cfg
-        return {
-            "type": m.READY,
-            "device": self.device,
-            "dac_device": self.settings.dac_device or self.device,
-            "slots": self.llm.n_slots,
-            "max_context": self.llm.max_len,
-            "load_s": round(self.load_s, 3),
-            "warmup_s": round(warmup_s, 3),
-            "weights": self.src.describe(),
-            "speaker_dim": cfg.speaker_embedding_dim,
-            "pid": os.getpid(),
-        }
-
-    def _sync(self) -> None:
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
-        if self.llm_stream is not None:
-            with torch.cuda.stream(self.llm_stream):
-                self._loop()
-        else:
+        with self.engine.llm_stream():
             self._loop()
 
     def _loop(self) -> None:
@@ -221,7 +135,7 @@ class Scheduler:
         if req.speaker_embedding is not None:
             if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
                 return self._error(req.rid, "bad_voice", f"speaker embedding must have {cfg.speaker_embedding_dim} values")
-            speaker = torch.from_numpy(req.speaker_embedding).to(self.device)
+            speaker = torch.from_numpy(req.speaker_embedding).to(self.engine.device)
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
                        speaker=speaker, ignore_eos=req.ignore_eos)
@@ -252,7 +166,7 @@ class Scheduler:
                 self.waiting.remove(job)
                 self._error(rid, "bad_audio" if isinstance(err, ValueError) else "internal", str(err))
                 continue
-            job.seq.speaker = torch.from_numpy(emb).to(self.device)
+            job.seq.speaker = torch.from_numpy(emb).to(self.engine.device)
             job.clip_ms = (time.perf_counter() - t_sent) * 1e3
             job.speaker_pending = False
 
@@ -349,12 +263,8 @@ class Scheduler:
         self._send_audio(self.dac.collect())
         if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
-        budget = self.settings.dac_frames_per_step or None
-        if self.dac_stream is not None:
-            with torch.cuda.stream(self.dac_stream):
-                self.dac.launch(self.settings.dac_max_batch, budget)
-        else:
-            self.dac.launch(self.settings.dac_max_batch, budget)
+        with self.engine.dac_stream():
+            self.dac.launch(self.settings.dac_max_batch, self.settings.dac_frames_per_step or None)
         self._send_audio(self.dac.collect())  # on a CPU the calls have already run
 
     def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
@@ -448,28 +358,3 @@ class Scheduler:
             **self.counters,
         }, force=True)
 
-
-def resolve_device(device: str) -> str:
-    """`auto` is a GPU when this process sees one."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def kv_frames_that_fit(model: Any, slots: int, reserve_bytes: int = 16 << 30) -> int | None:
-    """Frames per slot of a KV cache sized from free GPU memory: the model's max_seqlen when it fits,
-    else what `slots` slots can hold once `reserve_bytes` are kept back (DAC graphs, activations,
-    prefill). None on a CPU (the model's own limit)."""
-    dev = model.multi_output.weight.device
-    if dev.type != "cuda":
-        return None
-    cfg = model.cfg
-    per_frame = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * model.multi_output.weight.element_size()
-    free, _ = torch.cuda.mem_get_info(dev)
-    fit = int(max(0, free - reserve_bytes) // (slots * per_frame))
-    if fit >= cfg.max_seqlen:
-        return None
-    if fit < 256:
-        raise RuntimeError(f"{slots} KV slots do not fit in {free / 2**30:.1f} GiB free: lower --max-batch")
-    log.warning("KV cache: %d frames per slot fit in free memory (model max %d)", fit, cfg.max_seqlen)
-    return fit
