@@ -4,6 +4,12 @@ Every row is `[a0..a8 | t]`; prompt rows carry the audio pad (1025) in the codeb
 silence tail, whose text column is the text pad (519). Layout (spec §5.2):
   [speaker slot][background marker][accurate marker]  (only with a speaker embedding)
   [speaking-rate bucket]?  [quality buckets...]  [BOS][bytes + 192][EOS]  [17 sheared silence frames]
+
+A continuation (engine/longform.py; the reference's `build_continuation_prompt` with the speaker frames its
+scheduler adds) has the same conditioning rows, the text of the context chunks and the new chunk joined by a
+space, and in place of the silence the context chunks' generated (delayed) frames with the text pad:
+  [conditioning...]  [BOS][bytes of "CONTEXT TEXT"][EOS]  [context frames | 519]
+A non-final chunk (more chunks of the same voice follow) has no trailing-silence conditioning.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ SILENCE_FRAMES = np.array(
     dtype=np.int64,
 )
 DEFAULT_QUALITY_BUCKETS = {"trailing_silence_s": 3}
+TRAILING_SILENCE = "trailing_silence_s"  # the quality feature a non-final chunk leaves out
 _RANGE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*-\s*(-?\d+(?:\.\d+)?)\s*$")
 _OPEN = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*\+\s*$")
 
@@ -108,7 +115,9 @@ class PromptBuilder:
         neutral = (lo + hi) / 2 if hi != float("inf") else lo
         return value_to_bucket(labels, float(cond.speed) * neutral)
 
-    def quality_ids(self, cond: Conditioning) -> list[int]:
+    def quality_ids(self, cond: Conditioning, non_final: bool = False) -> list[int]:
+        """The quality tokens, in feature order. non_final: without trailing-silence conditioning (and, as
+        the reference, with no quality conditioning at all when the model has no such feature)."""
         if cond.quality_buckets is not None and cond.quality_values is not None:
             raise PromptError("give quality_buckets or quality_values, not both")
         feats = self.cfg.quality_features
@@ -124,13 +133,17 @@ class PromptBuilder:
                 if not 0 <= int(b) < n:
                     raise PromptError(f"quality bucket for {name} must be in 0..{n - 1}")
                 chosen[name] = int(b)
+        if non_final:
+            if TRAILING_SILENCE not in feats:
+                return []
+            chosen.pop(TRAILING_SILENCE, None)
         return [self.quality_base + self.quality_offsets[f] + chosen[f] for f in feats if f in chosen]
 
     def _check_feature(self, name: str) -> None:
         if name not in self.cfg.quality_buckets:
             raise PromptError(f"unknown quality feature {name!r}; known: {', '.join(self.cfg.quality_features)}")
 
-    def conditioning_ids(self, cond: Conditioning) -> list[int]:
+    def conditioning_ids(self, cond: Conditioning, non_final: bool = False) -> list[int]:
         ids: list[int] = []
         if cond.speaker:
             if not self.cfg.speaker_enabled:
@@ -144,20 +157,41 @@ class PromptBuilder:
         if rate is not None:
             ids.append(self.rate_base + rate)
         if self.cfg.quality_features:
-            ids.extend(self.quality_ids(cond))
+            ids.extend(self.quality_ids(cond, non_final))
         return ids
 
     # ---- whole prompt ----------------------------------------------------------------------------
     def text_ids(self, text: str) -> list[int]:
         return [BOS_ID, *(b + BYTE_TOKEN_OFFSET for b in text.encode("utf-8")), EOS_ID]
 
-    def build(self, text: str, cond: Conditioning | None = None) -> np.ndarray:
-        """Prompt ids [P, n_codebooks + 1] (int64)."""
+    def _text_rows(self, text_col: list[int]) -> np.ndarray:
+        rows = np.full((len(text_col), self.cfg.n_codebooks + 1), self.cfg.audio_pad_id, dtype=np.int64)
+        rows[:, -1] = text_col
+        return rows
+
+    def _audio_rows(self, frames: np.ndarray) -> np.ndarray:
+        """Delayed frames [F, n_codebooks] as prompt rows, with the text pad in the text column."""
+        pad = np.full((len(frames), 1), self.cfg.text_pad_id, dtype=np.int64)
+        return np.concatenate([np.asarray(frames, dtype=np.int64).reshape(-1, self.cfg.n_codebooks), pad], axis=1)
+
+    def build(self, text: str, cond: Conditioning | None = None, non_final: bool = False) -> np.ndarray:
+        """Prompt ids [P, n_codebooks + 1] (int64) of a fresh utterance (or a first, non-final chunk)."""
         cond = cond or Conditioning()
-        text_col = self.conditioning_ids(cond) + self.text_ids(text)
-        rows = [[*self.pad_row, t] for t in text_col]
-        silence = shear(SILENCE_FRAMES, self.cfg.audio_pad_id)
-        silence_rows = np.concatenate(
-            [silence, np.full((len(silence), 1), self.cfg.text_pad_id, dtype=np.int64)], axis=1
-        )
-        return np.concatenate([np.array(rows, dtype=np.int64).reshape(-1, self.cfg.n_codebooks + 1), silence_rows])
+        head = self._text_rows(self.conditioning_ids(cond, non_final) + self.text_ids(text))
+        return np.concatenate([head, self._audio_rows(shear(SILENCE_FRAMES, self.cfg.audio_pad_id))])
+
+    def build_continuation(self, context_text: str, text: str, context_frames: np.ndarray,
+                           cond: Conditioning | None = None, non_final: bool = False) -> np.ndarray:
+        """Prompt ids of a chunk that continues `context_frames` (the delayed frames [F, n_codebooks] the
+        context chunks generated, already trimmed), whose transcript is `context_text`. No frames: the
+        chunk starts fresh (`build`)."""
+        frames = np.asarray(context_frames, dtype=np.int64)
+        if frames.size == 0:
+            return self.build(text, cond, non_final)
+        if frames.ndim != 2 or frames.shape[1] != self.cfg.n_codebooks:
+            raise PromptError(f"context frames must have shape [F, {self.cfg.n_codebooks}], got {frames.shape}")
+        if frames.min() < 0 or frames.max() > self.cfg.audio_pad_id:
+            raise PromptError(f"context frames must be codes in 0..{self.cfg.audio_pad_id}")
+        cond = cond or Conditioning()
+        head = self._text_rows(self.conditioning_ids(cond, non_final) + self.text_ids(f"{context_text} {text}"))
+        return np.concatenate([head, self._audio_rows(frames)])
