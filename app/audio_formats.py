@@ -1,13 +1,21 @@
-"""Output formats for HTTP responses, all streamed as the audio is generated, through libsndfile (soundfile).
+"""Output formats for HTTP responses, streamed as the audio is generated, through libsndfile (soundfile) and,
+for AAC, FFmpeg's encoder (PyAV).
 
 * `pcm` (16-bit little-endian), `mulaw` / `alaw` (G.711, one byte a sample): raw samples, no header.
-* `wav`: 16-bit PCM with the 'unknown length' sizes (0xFFFFFFFF) that players accept for streams.
+* `wav`: 16-bit PCM (or any of the dialects' sample encodings, `wav_header`) with the 'unknown length'
+  sizes (0xFFFFFFFF) that players accept for streams; soundfile, ffmpeg and Chromium read it.
 * `flac`, `mp3` (constant bit rate), `opus` (in Ogg, pages of ~50 ms): libsndfile's encoders write into
   a `StreamSink`, and every byte they append goes out as soon as it exists. At the end an encoder seeks
   back to fill in header fields that only the finished file knows (FLAC's STREAMINFO sample count and
   MD5, LAME's Info frame); those bytes were sent already, so a streamed file leaves them "unknown", as
   every streamed FLAC and MP3 does (`ffmpeg`, browsers and libFLAC decode them; python-soundfile's
-  `sf.read` wants a sample count and refuses such a FLAC, read it with `sf.blocks` or libFLAC instead).
+  `sf.read` wants a sample count and refuses such a FLAC).
+* `aac`: AAC-LC in ADTS frames (a header on every frame, so a stream needs no file header), FFmpeg's
+  native encoder through PyAV; the muxer flushes after every packet.
+
+`StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
+finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
+when it did not ask for a stream (app/http_api.py).
 
 G.711 is libsndfile's codec too (its RAW format with the ULAW / ALAW subtype): a well-kept C library
 instead of the `audioop` module that Python 3.13 removed.
@@ -19,6 +27,7 @@ import io
 import logging
 import struct
 
+import av
 import numpy as np
 import soundfile as sf
 
@@ -33,6 +42,7 @@ FORMATS: dict[str, tuple[str, str | None, str | None]] = {
     "opus": ("audio/ogg", "OGG", "OPUS"),
     "mulaw": ("audio/PCMU", "RAW", "ULAW"),
     "alaw": ("audio/PCMA", "RAW", "ALAW"),
+    "aac": ("audio/aac", None, None),  # ADTS
 }
 FORMAT_ALIASES = {"ulaw": "mulaw", "pcmu": "mulaw", "pcma": "alaw"}
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
@@ -40,15 +50,24 @@ OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 MP3_COMPRESSION = 0.6  # constant bit rate: 64 kbit/s at 16-24 kHz, 32 at 8 kHz, 160 at 44.1 kHz
 OPUS_PAGE_MS = 50.0  # libsndfile's default Ogg page latency is 1 s: the first Opus bytes would wait for it
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h
+# AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
+AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, 44100: 128000, 48000: 128000}
+# WAVE format tags and bits per sample of the sample encodings a WAV may carry
+WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
+_UNKNOWN = 0xFFFFFFFF
 
 
-def wav_stream_header(sample_rate: int, channels: int = 1, bits: int = 16) -> bytes:
-    """RIFF/WAVE header for a stream of unknown length (sizes set to 0xFFFFFFFF)."""
-    block = channels * bits // 8
+def wav_header(sample_rate: int, encoding: str = "pcm_s16le", data_bytes: int | None = None) -> bytes:
+    """RIFF/WAVE header of mono audio in one of WAV_ENCODINGS; without `data_bytes`, for a stream of unknown
+    length (both sizes 0xFFFFFFFF)."""
+    tag, bits = WAV_ENCODINGS[encoding]
+    block = bits // 8
+    riff = _UNKNOWN if data_bytes is None else 36 + data_bytes
+    data = _UNKNOWN if data_bytes is None else data_bytes
     return (
-        b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, channels, sample_rate, sample_rate * block, block, bits)
-        + b"data" + struct.pack("<I", 0xFFFFFFFF)
+        b"RIFF" + struct.pack("<I", riff) + b"WAVE"
+        + b"fmt " + struct.pack("<IHHIIHH", 16, tag, 1, sample_rate, sample_rate * block, block, bits)
+        + b"data" + struct.pack("<I", data)
     )
 
 
@@ -140,49 +159,118 @@ class StreamSink(io.RawIOBase):
         return data
 
 
+class _AdtsSink(io.RawIOBase):
+    """Where PyAV's ADTS muxer writes: collects the bytes until they are taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        self._pending += memoryview(b).cast("B")
+        return len(b)
+
+    def take(self) -> bytes:
+        data = bytes(self._pending)
+        self._pending.clear()
+        return data
+
+
+class AacEncoder:
+    """float32 mono samples -> AAC-LC in ADTS frames, each frame out as soon as it is encoded (the encoder
+    holds about 2048 samples back: its look-ahead)."""
+
+    def __init__(self, sample_rate: int) -> None:
+        if sample_rate not in AAC_BIT_RATE:
+            raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
+        self.sample_rate = sample_rate
+        self._sink = _AdtsSink()
+        # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold ~4 s of audio back
+        self._out = av.open(self._sink, "w", format="adts", options={"flush_packets": "1"})
+        self._stream = self._out.add_stream("aac", rate=sample_rate, layout="mono")
+        self._stream.bit_rate = AAC_BIT_RATE[sample_rate]
+
+    def write(self, samples: np.ndarray) -> bytes:
+        if len(samples):
+            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="flt",
+                                               layout="mono")
+            frame.sample_rate = self.sample_rate
+            self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
+        return self._sink.take()
+
+    def close(self) -> bytes:
+        self._out.mux(self._stream.encode(None))
+        self._out.close()
+        return self._sink.take()
+
+
 class StreamEncoder:
     """float32 mono samples in, the bytes of one HTTP format out, as soon as the encoder produces them:
-    `write(samples)` returns what is ready (possibly nothing), `close()` the rest."""
+    `write(samples)` returns what is ready (possibly nothing), `close()` the rest. With `whole=True` every
+    byte comes from `close()`: the finished file, its header complete (see the module docstring)."""
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, whole: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         if fmt == "opus" and sample_rate not in OPUS_RATES:
             raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
-        self.fmt, self.sample_rate = fmt, sample_rate
-        self._header = wav_stream_header(sample_rate) if fmt == "wav" else b""
-        self._sink: StreamSink | None = None
+        self.fmt, self.sample_rate, self.whole = fmt, sample_rate, whole
+        self._header = wav_header(sample_rate) if fmt == "wav" and not whole else b""
+        self._held = bytearray()  # whole: everything so far (wav's samples; the others' output)
+        self._sink: StreamSink | io.BytesIO | None = None
         self._file: sf.SoundFile | None = None
+        self._aac = AacEncoder(sample_rate) if fmt == "aac" else None
         if fmt in ("flac", "mp3", "opus"):
             _, container, subtype = FORMATS[fmt]
-            self._sink = StreamSink()
+            # a whole file is written into a seekable buffer, so the encoder's last header patch lands
+            self._sink = io.BytesIO() if whole else StreamSink()
             extra = {"bitrate_mode": "CONSTANT", "compression_level": MP3_COMPRESSION} if fmt == "mp3" else {}
             self._file = sf.SoundFile(self._sink, "w", sample_rate, 1, format=container, subtype=subtype, **extra)
             if fmt == "opus":
                 _set_ogg_page_latency(self._file, OPUS_PAGE_MS)
 
     def write(self, samples: np.ndarray) -> bytes:
+        data = self._encode(np.asarray(samples, dtype=np.float32))
+        if self.whole:
+            self._held += data
+            return b""
+        return data
+
+    def _encode(self, x: np.ndarray) -> bytes:
         head, self._header = self._header, b""
-        x = np.asarray(samples, dtype=np.float32)
         if self.fmt in ("pcm", "wav"):
             return head + np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
         if self.fmt in G711:
             return g711_encode(x, self.fmt)
+        if self._aac is not None:
+            return self._aac.write(x)
         assert self._file is not None and self._sink is not None
         if len(x):
             self._file.write(x)
-        return self._sink.take()
+        return self._sink.take() if isinstance(self._sink, StreamSink) else b""
 
     def close(self) -> bytes:
-        if self._file is None:
-            head, self._header = self._header, b""
-            return head
-        assert self._sink is not None
-        self._file.close()
-        self._file = None
-        if self._sink.dropped:
-            log.debug("%s stream: %d header bytes patched at the end were already sent", self.fmt, self._sink.dropped)
-        return self._sink.take()
+        if self._aac is not None:
+            tail = self._aac.close()
+        elif self._file is not None:
+            assert self._sink is not None
+            self._file.close()
+            self._file = None
+            if isinstance(self._sink, io.BytesIO):  # whole: the finished file
+                return self._sink.getvalue()
+            if self._sink.dropped:
+                log.debug("%s stream: %d header bytes patched at the end were already sent", self.fmt,
+                          self._sink.dropped)
+            tail = self._sink.take()
+        else:
+            tail, self._header = self._header, b""
+        if not self.whole:
+            return tail
+        data = bytes(self._held + tail)
+        return wav_header(self.sample_rate, data_bytes=len(data)) + data if self.fmt == "wav" else data
 
 
 def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
@@ -196,7 +284,8 @@ def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
         log.warning("could not set the Ogg page latency: %s", e)
 
 
-def encode_file(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
-    """Encode float32 mono samples into a whole file of the given format (what a stream of it holds)."""
-    enc = StreamEncoder(fmt, sample_rate)
+def encode_file(samples: np.ndarray, sample_rate: int, fmt: str, whole: bool = False) -> bytes:
+    """Encode float32 mono samples into a file of the given format: what a stream of it holds, or with
+    `whole`, the file with its header complete."""
+    enc = StreamEncoder(fmt, sample_rate, whole)
     return enc.write(samples) + enc.close()

@@ -1,13 +1,28 @@
-"""The HTTP output formats without a server: G.711 against the standard's formulas, the streaming sink."""
+"""The HTTP output formats without a server: G.711 against the standard's formulas, the streaming sink, AAC
+decoded by FFmpeg (PyAV and the ffmpeg program), whole FLAC and WAV files that soundfile and wave open."""
 
 from __future__ import annotations
 
 import io
+import shutil
+import subprocess
+import wave
 
+import av
 import numpy as np
 import pytest
+import soundfile as sf
 
-from app.audio_formats import FORMATS, StreamEncoder, StreamSink, g711_decode, g711_encode
+from app.audio_formats import (
+    FORMATS,
+    WAV_ENCODINGS,
+    StreamEncoder,
+    StreamSink,
+    encode_file,
+    g711_decode,
+    g711_encode,
+    wav_header,
+)
 from app.synthesis import PcmEncoder, RequestError, check_encoding, default_rate
 from tests.test_gateway_http import EXTRA_SAMPLES, decode
 
@@ -92,10 +107,85 @@ def test_stream_encoders_emit_while_encoding(fmt):
     first_half = b"".join(pieces[:10])
     assert len(first_half) > 0.2 * sum(map(len, pieces))  # the first second is out before the second one is in
     data = b"".join(pieces)
-    if fmt in ("wav", "flac", "mp3", "opus"):
+    if fmt == "aac":
+        y, sr = decode_aac(data)
+        assert sr == rate and len(x) <= len(y) <= len(x) + AAC_EXTRA
+    elif fmt in ("wav", "flac", "mp3", "opus"):
         y, sr = decode(data)
         assert sr == rate and len(x) <= len(y) <= len(x) + EXTRA_SAMPLES.get(fmt, 0)
     elif fmt == "pcm":
         assert len(data) == 2 * len(x)
     else:
         assert len(data) == len(x)
+
+
+# FFmpeg's AAC encoder starts with 1024 samples of priming and pads the last frame to 1024
+AAC_EXTRA = 2 * 1024
+
+
+def decode_aac(data: bytes) -> tuple[np.ndarray, int]:
+    """ADTS -> float32 samples, rate, through FFmpeg's decoder (PyAV)."""
+    with av.open(io.BytesIO(data), format="adts") as f:
+        frames = [fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)]
+        rate = f.streams.audio[0].rate
+    return np.concatenate(frames), rate
+
+
+def tone(rate: int, seconds: float = 1.0) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000, 44100])
+def test_aac_is_adts_that_ffmpeg_decodes_to_the_signal(rate):
+    """Issue 24.2: AAC-LC in ADTS frames (sync word on every frame), decoded back to the tone it encoded."""
+    x = tone(rate)
+    data = encode_file(x, rate, "aac")
+    assert data[:2] == b"\xff\xf1"  # ADTS sync, MPEG-4, no CRC
+    y, sr = decode_aac(data)
+    assert sr == rate and len(x) <= len(y) <= len(x) + AAC_EXTRA
+    # the encoder's delay is its 1024 priming samples: the tone is there, in phase, after them
+    ref, got = x[rate // 10: rate // 2], y[1024 + rate // 10: 1024 + rate // 2]
+    assert np.corrcoef(ref, got)[0, 1] > 0.98
+
+
+@pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="no ffmpeg program")
+def test_aac_stream_decodes_in_the_ffmpeg_program():
+    data = encode_file(tone(24000), 24000, "aac")
+    out = subprocess.run(["ffmpeg", "-v", "error", "-f", "aac", "-i", "-", "-f", "s16le", "-ac", "1", "-"],
+                         input=data, capture_output=True, timeout=60)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    assert 24000 <= len(out.stdout) // 2 <= 24000 + AAC_EXTRA
+
+
+@pytest.mark.parametrize("fmt", ["flac", "wav"])
+def test_whole_files_carry_their_length(fmt):
+    """Issue 24.3: a streamed FLAC has no sample count and sf.read refuses it; a streamed WAV says
+    0xFFFFFFFF (wave reports 2**31 frames). The whole file says how long it is, to every reader."""
+    x = tone(24000)
+    enc = StreamEncoder(fmt, 24000, whole=True)
+    assert all(enc.write(x[i:i + 2400]) == b"" for i in range(0, len(x), 2400))  # nothing before the end
+    data = enc.close()
+    y, sr = sf.read(io.BytesIO(data), dtype="float32")
+    assert sr == 24000 and len(y) == len(x) and np.abs(y - x).max() < 1e-3
+    assert sf.info(io.BytesIO(data)).frames == len(x)
+    if fmt == "wav":
+        with wave.open(io.BytesIO(data)) as w:
+            assert w.getnframes() == len(x)
+    streamed = encode_file(x, 24000, fmt)
+    if fmt == "flac":
+        with pytest.raises(Exception, match="too big"):  # what the issue saw: why a whole file is needed
+            sf.read(io.BytesIO(streamed))
+
+
+@pytest.mark.parametrize("encoding", sorted(WAV_ENCODINGS))
+def test_wav_header_of_every_sample_encoding(encoding):
+    """The dialects' WAV containers (Deepgram's container=wav, Cartesia's wav): soundfile reads the header
+    of each sample encoding, with and without a length."""
+    x = tone(8000, 0.25)
+    enc = {"pcm_s16le": lambda v: np.round(v * 32767).astype("<i2").tobytes(),
+           "pcm_f32le": lambda v: v.astype("<f4").tobytes(),
+           "mulaw": lambda v: g711_encode(v, "mulaw"), "alaw": lambda v: g711_encode(v, "alaw")}[encoding]
+    body = enc(x)
+    for header in (wav_header(8000, encoding, len(body)), wav_header(8000, encoding)):
+        y, sr = sf.read(io.BytesIO(header + body), dtype="float32")
+        assert sr == 8000 and len(y) == len(x) and np.abs(y - x).max() < 0.02
