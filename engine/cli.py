@@ -76,20 +76,68 @@ def cmd_prompt(args: argparse.Namespace) -> None:
         speaking_rate_bucket=args.speaking_rate_bucket,
         quality_buckets=None if args.no_quality else json.loads(args.quality_buckets),
     )
-    ids = PromptBuilder(cfg).build(text, cond)
+    builder = PromptBuilder(cfg)
+    if args.context_codes is not None:
+        if args.context_text is None:
+            raise ValueError("--context-codes needs --context-text (the transcript of those frames)")
+        frames = np.load(args.context_codes, allow_pickle=False)
+        if not np.issubdtype(frames.dtype, np.integer):
+            raise ValueError(f"{args.context_codes}: context codes must be integers, got {frames.dtype}")
+        ids = builder.build_continuation(args.context_text, text, frames, cond, non_final=args.non_final)
+    elif args.context_text is not None:
+        raise ValueError("--context-text needs --context-codes (the frames it is the transcript of)")
+    else:
+        ids = builder.build(text, cond, non_final=args.non_final)
     np.save(args.out, ids)
     print(json.dumps({"out": args.out, "frames": len(ids)}))
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
+    """Teacher-forced logits of every frame, or with a guidance scale the guided logits [9, V] of the last
+    frame (engine/guidance.py): speaker CFG against the same ids without the speaker, prefix CFG against
+    --uncond-input-ids with the speaker kept (prefix CFG wins when both are given, as in the reference)."""
+    from engine.guidance import Guidance, guide
+
     device = _device(args.device)
     model = load_model(_weights(args), device, _DTYPES[args.dtype])
-    ids = torch.from_numpy(np.load(args.input_ids, allow_pickle=False).astype(np.int64)).to(device)
+    ids = _read_ids(args.input_ids, model.cfg).to(device)
     dim = model.cfg.speaker_embedding_dim
     spk = _read_embedding(args.speaker_embedding, dim).to(device) if args.speaker_embedding else None
-    logits = model.forward_full(ids, speaker=spk)
-    np.save(args.out, logits.float().cpu().numpy())
-    print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
+    if args.cfg_scale is None and args.prefix_cfg_scale is None:
+        if args.uncond_input_ids:
+            raise ValueError("--uncond-input-ids needs --prefix-cfg-scale")
+        logits = model.forward_full(ids, speaker=spk)
+        np.save(args.out, logits.float().cpu().numpy())
+        print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
+        return
+    g = Guidance(cfg_scale=1.0 if args.cfg_scale is None else args.cfg_scale,
+                 prefix_cfg_scale=1.0 if args.prefix_cfg_scale is None else args.prefix_cfg_scale)
+    g.validate()
+    if args.prefix_cfg_scale is not None and not args.uncond_input_ids:
+        raise ValueError("--prefix-cfg-scale needs --uncond-input-ids (the chunk's fresh prompt)")
+    if args.cfg_scale is not None and args.prefix_cfg_scale is None and spk is None:
+        raise ValueError("--cfg-scale (speaker CFG) needs --speaker-embedding")
+    cond = model.forward_full(ids, speaker=spk)[-1]
+    twin = g.twin(has_speaker=spk is not None, continuation=bool(args.uncond_input_ids))
+    if twin is None:  # every scale is 1.0: the conditional logits
+        kind, scale, uncond = "none", 1.0, cond
+    elif twin[0] == "prefix":
+        kind, scale = twin
+        uncond = model.forward_full(_read_ids(args.uncond_input_ids, model.cfg).to(device), speaker=spk)[-1]
+    else:
+        kind, scale = twin
+        uncond = model.forward_full(ids, speaker=None)[-1]
+    guided = guide(cond[None], uncond[None], scale)[0]
+    np.save(args.out, guided.cpu().numpy())
+    print(json.dumps({"out": args.out, "shape": list(guided.shape), "guidance": kind, "scale": scale}))
+
+
+def _read_ids(path: str, cfg: Zonos2Config) -> torch.Tensor:
+    arr = np.load(path, allow_pickle=False)
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 2 or arr.shape[1] != cfg.n_codebooks + 1:
+        raise ValueError(f"{path}: prompt ids must be integers of shape [T, {cfg.n_codebooks + 1}], "
+                         f"got {arr.dtype} {arr.shape}")
+    return torch.from_numpy(arr.astype(np.int64))
 
 
 def cmd_speaker_embed(args: argparse.Namespace) -> None:
@@ -174,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--quality-buckets", default='{"trailing_silence_s": 3}')
     sp.add_argument("--no-quality", action="store_true")
     sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
+    sp.add_argument("--context-text", help="continuation: the transcript of --context-codes")
+    sp.add_argument("--context-codes", help="continuation: .npy [frames, 9] int, the context chunks' generated "
+                    "(delayed) frames, already trimmed")
+    sp.add_argument("--non-final", action="store_true",
+                    help="a chunk more chunks follow: no trailing-silence conditioning")
     sp.set_defaults(func=cmd_prompt)
 
     sp = sub.add_parser("logits", help="teacher-forced logits [T, 9, 1026] of a frame sequence")
@@ -182,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--speaker-embedding")
     sp.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    sp.add_argument("--cfg-scale", type=float,
+                    help="speaker CFG: write the guided logits [9, V] of the last frame (needs --speaker-embedding)")
+    sp.add_argument("--uncond-input-ids", help="prefix CFG: the unconditional twin's prompt ids (.npy)")
+    sp.add_argument("--prefix-cfg-scale", type=float,
+                    help="prefix CFG: write the guided logits [9, V] of the last frame (needs --uncond-input-ids)")
     sp.set_defaults(func=cmd_logits)
 
     sp = sub.add_parser("speaker-embed", help="embed a reference clip with the speaker encoder")

@@ -110,6 +110,28 @@ def test_prompt_matches_prompt_builder(assets, capsys):
     assert code == 0 and np.array_equal(np.load(d / "p1.npy"), want)
 
 
+def test_prompt_continuation(assets, capsys):
+    """--context-text/--context-codes/--non-final write PromptBuilder.build_continuation's ids."""
+    d = assets["dir"]
+    full = PromptBuilder(Zonos2Config.from_dict(preset_params("full")))
+    codes = np.random.default_rng(1).integers(0, 1024, size=(12, 9))
+    np.save(d / "ctx.npy", codes)
+    code, out, _ = in_process(capsys, "prompt", "And then.", "--out", str(d / "c.npy"), "--speaker",
+                              "--context-text", "It began.", "--context-codes", str(d / "ctx.npy"), "--non-final")
+    want = full.build_continuation("It began.", "And then.", codes, Conditioning(speaker=True), non_final=True)
+    got = np.load(d / "c.npy")
+    assert code == 0 and np.array_equal(got, want) and last_json(out)["frames"] == len(want)
+    assert np.array_equal(got[-12:, :9], codes) and 511 not in got[:, 9]  # no trailing-silence token
+    code, _, _ = in_process(capsys, "prompt", "Last.", "--out", str(d / "n.npy"), "--non-final")
+    assert code == 0 and np.array_equal(np.load(d / "n.npy"), full.build("Last.", Conditioning(), non_final=True))
+    code, _, err = in_process(capsys, "prompt", "x", "--out", str(d / "e.npy"), "--context-codes", str(d / "ctx.npy"))
+    assert code == 2 and "--context-text" in err
+    np.save(d / "bad.npy", codes[:, :5])
+    code, _, err = in_process(capsys, "prompt", "x", "--out", str(d / "e.npy"), "--context-text", "y",
+                              "--context-codes", str(d / "bad.npy"))
+    assert code == 2 and "[F, 9]" in err
+
+
 # ---- logits ------------------------------------------------------------------------------------------
 
 
@@ -136,6 +158,60 @@ def test_logits_match_forward_full(assets, capsys):
                               "--out", str(d / "l2.npy"), "--speaker-embedding", str(d / "bad.npy"),
                               "--device", "cpu")
     assert code == 2 and "(2048,)" in err and "(100,)" in err
+
+
+def _one_minus_cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return 1.0 - float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_logits_guidance_is_the_formula_on_plain_passes(assets, capsys):
+    """--cfg-scale / --prefix-cfg-scale write uncond + s * (cond - uncond) of the last frame, where cond and
+    uncond are two plain fp32 forward passes: speaker CFG drops the speaker from the same ids, prefix CFG
+    runs the fresh prompt with the speaker."""
+    d, ck = assets["dir"], assets["ckpt"]
+    model = load_checkpoint(ck, "cpu", torch.float32)
+    pb = PromptBuilder(model.cfg)
+    cond_spk = Conditioning(speaker=True)
+    ids = pb.build("Guided speech.", cond_spk)
+    emb = np.random.default_rng(2).standard_normal(model.cfg.speaker_embedding_dim).astype(np.float32)
+    np.save(d / "g_ids.npy", ids)
+    np.save(d / "g_emb.npy", emb)
+    common = ["--model-path", str(ck), "--device", "cpu", "--speaker-embedding", str(d / "g_emb.npy")]
+
+    def plain(x: np.ndarray, spk: np.ndarray | None) -> np.ndarray:
+        with torch.inference_mode():
+            s = torch.from_numpy(spk) if spk is not None else None
+            return model.forward_full(torch.from_numpy(x.astype(np.int64)), speaker=s)[-1].float().numpy()
+
+    code, out, _ = in_process(capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"),
+                              "--out", str(d / "g.npy"), "--cfg-scale", "2.5")
+    got = np.load(d / "g.npy")
+    c, u = plain(ids, emb), plain(ids, None)
+    want = u + 2.5 * (c - u)
+    assert code == 0 and got.shape == (9, 1026) and last_json(out)["guidance"] == "speaker"
+    assert _one_minus_cos(got, want) < 1e-6 and np.allclose(got, want, atol=1e-4)
+    assert not np.allclose(got, c, atol=1e-3)  # guidance changed the logits
+
+    codes = np.random.default_rng(3).integers(0, 1024, size=(20, 9))
+    cont = pb.build_continuation("Before.", "Guided speech.", codes, cond_spk)
+    fresh = pb.build("Guided speech.", cond_spk)
+    np.save(d / "p_ids.npy", cont)
+    np.save(d / "p_unc.npy", fresh)
+    code, out, _ = in_process(capsys, "logits", *common, "--input-ids", str(d / "p_ids.npy"), "--out",
+                              str(d / "p.npy"), "--uncond-input-ids", str(d / "p_unc.npy"),
+                              "--prefix-cfg-scale", "-0.5", "--cfg-scale", "3")  # prefix CFG wins
+    got = np.load(d / "p.npy")
+    c, u = plain(cont, emb), plain(fresh, emb)
+    want = u + -0.5 * (c - u)
+    assert code == 0 and last_json(out)["guidance"] == "prefix"
+    assert _one_minus_cos(got, want) < 1e-6 and np.allclose(got, want, atol=1e-4)
+
+    for args, needle in ((["--cfg-scale", "nan"], "cfg_scale"), (["--prefix-cfg-scale", "2"], "--uncond-input-ids"),
+                         (["--uncond-input-ids", str(d / "p_unc.npy")], "--prefix-cfg-scale")):
+        code, _, err = in_process(capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"),
+                                  "--out", str(d / "x.npy"), *args)
+        assert code == 2 and needle in err, err
 
 
 # ---- synthesize --------------------------------------------------------------------------------------

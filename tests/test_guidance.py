@@ -1,0 +1,51 @@
+"""engine/guidance.py: the reference's guidance formula, its batch form and which twin a request gets."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.guidance import Guidance, guide, guide_rows
+
+
+def test_guide_formula_per_row_scales():
+    g = torch.Generator().manual_seed(0)
+    cond, uncond = torch.randn(3, 9, 17, generator=g), torch.randn(3, 9, 17, generator=g)
+    scales = torch.tensor([2.0, 1.0, -1.0])
+    out = guide(cond, uncond, scales)
+    assert out.dtype == torch.float32 and out.shape == cond.shape
+    torch.testing.assert_close(out[0], uncond[0] + 2.0 * (cond[0] - uncond[0]))
+    torch.testing.assert_close(out[1], cond[1])  # 1.0: the conditional logits
+    torch.testing.assert_close(out[2], 2 * uncond[2] - cond[2])  # negative scale opposes the condition
+    torch.testing.assert_close(guide(cond.bfloat16(), uncond.bfloat16(), 0.5),
+                               uncond.bfloat16().float() + 0.5 * (cond.bfloat16().float() - uncond.bfloat16().float()))
+
+
+def test_guide_rows_touches_only_the_conditional_rows():
+    """The reference's _apply_cfg: pairs (cond_row, uncond_row, scale); twins and other rows unchanged."""
+    logits = torch.randn(4, 9, 8, generator=torch.Generator().manual_seed(1))
+    out = guide_rows(logits, [(0, 1, 2.0), (3, 2, 0.5)])
+    torch.testing.assert_close(out[0], logits[1] + 2.0 * (logits[0] - logits[1]))
+    torch.testing.assert_close(out[3], logits[2] + 0.5 * (logits[3] - logits[2]))
+    torch.testing.assert_close(out[1:3], logits[1:3])
+    torch.testing.assert_close(guide_rows(logits, []), logits)
+
+
+def test_which_twin():
+    assert Guidance().twin(has_speaker=True, continuation=True) is None
+    assert Guidance(cfg_scale=2.0).twin(has_speaker=True, continuation=False) == ("speaker", 2.0)
+    assert Guidance(cfg_scale=2.0).twin(has_speaker=False, continuation=True) is None  # nothing to drop
+    assert Guidance(prefix_cfg_scale=1.5).twin(has_speaker=False, continuation=False) is None  # first chunk
+    both = Guidance(cfg_scale=2.0, prefix_cfg_scale=-0.5)
+    assert both.twin(has_speaker=True, continuation=True) == ("prefix", -0.5)  # prefix CFG wins
+    assert both.twin(has_speaker=True, continuation=False) == ("speaker", 2.0)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, 101.0, True, "2"])
+@pytest.mark.parametrize("name", ["cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale"])
+def test_validate_refuses(name, value):
+    with pytest.raises(ValueError, match=name):
+        Guidance(**{name: value}).validate()
+    Guidance(**{name: -3}).validate()
