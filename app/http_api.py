@@ -319,6 +319,10 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
     emb_b64 = data.get("speaker_embedding_base64")
     vid = data.get("speaker_embedding_id")
     blend = data.get("speaker_blend_embedding_id_a"), data.get("speaker_blend_embedding_id_b")
+    for key, ref in (("speaker_embedding_id", vid), ("speaker_blend_embedding_id_a", blend[0]),
+                     ("speaker_blend_embedding_id_b", blend[1])):
+        if ref is not None and not isinstance(ref, str):  # a voice id or name: 12 is not the voice "12"
+            raise RequestError("bad_params", f"{key} must be a voice id or name (a string)")
     modes = sum([bool(audio_b64), bool(emb_b64), bool(vid), any(blend)])
     if modes > 1:
         raise RequestError("bad_params", "use one speaker source: audio, embedding, speaker_embedding_id or a blend")
@@ -328,7 +332,7 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
         emb = parse_embedding_file(b64_field(emb_b64, "speaker_embedding_base64"), gw.cfg.speaker_embedding_dim)
         return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=len(emb), embedding=emb)
     if vid:
-        return gw.resolve_voice(str(vid), owner)
+        return gw.resolve_voice(vid, owner)
     if any(blend):
         if not all(blend):
             raise RequestError("bad_params", "a blend needs both speaker_blend_embedding_id_a and _b")
@@ -336,7 +340,7 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
         t = 0.5 if t is None else t
         if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
             raise RequestError("bad_params", "speaker_blend_t must be in [0, 1]")
-        a, b = (gw.resolve_voice(str(x), owner) for x in blend)
+        a, b = (gw.resolve_voice(x, owner) for x in blend)
         assert a is not None and b is not None and a.embedding is not None and b.embedding is not None
         emb = slerp(a.embedding, b.embedding, float(t))
         return Voice(id="blend", name="blend", owner=owner, source="blend", dim=len(emb), embedding=emb)

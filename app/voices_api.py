@@ -15,7 +15,7 @@ from app.auth import require_key
 from app.gateway import Gateway, wav_bytes
 from app.http_api import b64_field, error_response, read_json
 from app.synthesis import RequestError
-from app.voices import Voice, VoiceStore, parse_embedding_file, slerp, validate_name
+from app.voices import Voice, VoiceError, VoiceStore, parse_embedding_file, slerp, validate_name
 
 MAX_CLIPS = 8
 
@@ -24,6 +24,14 @@ def _name_from_filename(filename: str) -> str:
     """A default voice name from an upload's file name: the stem, with characters names cannot hold replaced."""
     stem = re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0]
     return re.sub(r"[^\w .,'()+&\-]", "_", stem).strip()[:64].strip() or "voice"
+
+
+def text_field(value: object, key: str, code: str = "bad_name") -> str | None:
+    """A JSON field that names something (a voice name, a label, a file name): a string, or None when null
+    or absent. Anything else (null's cousins true, 12, {}) is refused, never turned into "True" or "12"."""
+    if value is None or isinstance(value, str):
+        return value
+    raise VoiceError(code, f"{key} must be a string")
 
 
 def _owner(request: Request) -> str:
@@ -48,6 +56,8 @@ async def create_voice(request: Request) -> Response:
     clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
     emb_file = form.get("embedding")
     name_field = form.get("name")
+    if name_field is not None and not isinstance(name_field, str):
+        raise RequestError("bad_name", "name must be a form field, not a file")
     if (not clips) == (not isinstance(emb_file, UploadFile)):
         raise RequestError("bad_upload", "give either 1-8 'file' clips or one 'embedding' file")
     if len(clips) > MAX_CLIPS:
@@ -127,7 +137,7 @@ async def blend_voices(request: Request) -> Response:
         raise RequestError("bad_blend", "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
     assert a.embedding is not None and b.embedding is not None
-    name = validate_name(str(data.get("name") or f"{a.name} + {b.name}")[:64])
+    name = validate_name((text_field(data.get("name"), "name") or f"{a.name} + {b.name}")[:64])
     emb = slerp(a.embedding, b.embedding, float(t))
     vid = VoiceStore.clip_id(owner, [a.id.encode(), b.id.encode(), np.float64(t).tobytes()])
     voice = Voice(id=vid, name=name, owner=owner, source="blend", dim=len(emb),
@@ -151,7 +161,7 @@ async def voice_detail(request: Request) -> Response:
         return JSONResponse(gw.voices.get(ref, owner).public())
     if request.method == "PATCH":
         data = await read_json(request, 4096)
-        return JSONResponse(gw.voices.rename(ref, owner, str(data.get("name", ""))).public())
+        return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
     v = gw.voices.delete(ref, owner)
     return JSONResponse({"deleted": v.id})
 
@@ -241,9 +251,9 @@ async def tts_cache_speaker(request: Request) -> Response:
             raise RequestError("bad_params", "Provide an audio file or saved embedding file to cache.")
         if audio and emb:
             raise RequestError("bad_params", "Provide either a reference audio file or a saved embedding file, not both.")
-        file_name = data.get("speaker_audio_name" if audio else "speaker_embedding_name")
-        file_name = str(file_name) if file_name else None
-        label = _label(str(data.get("label") or ""))
+        name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
+        file_name = text_field(data.get(name_key), name_key, "bad_params") or None
+        label = _label(text_field(data.get("label"), "label", "bad_params") or "")
         name = label or (_name_from_filename(file_name) if file_name else "") or (
             "Speaker audio" if audio else "Speaker embedding")
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}

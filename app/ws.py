@@ -20,6 +20,7 @@ from starlette.websockets import WebSocket
 from app.auth import api_key_from, key_ok, origin_allowed
 from app.gateway import Gateway
 from app.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
+from app.query_input import query_int
 from app.session import StreamingSession, serve_session
 from app.synthesis import (
     OUTPUT_RATES,
@@ -52,10 +53,10 @@ class Session(StreamingSession):
             self.encoding = check_encoding(query["encoding"])
             self.sample_rate = default_rate(self.encoding, self.sample_rate)
         if "sample_rate" in query:
-            rate = query["sample_rate"]
-            if not rate.isdigit() or int(rate) not in OUTPUT_RATES:
+            rate = query_int(query, "sample_rate")
+            if rate not in OUTPUT_RATES:
                 raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
-            self.sample_rate = int(rate)
+            self.sample_rate = rate
         if query.get("voice"):
             self.voice = self.gw.resolve_voice(query["voice"], self.owner)
 

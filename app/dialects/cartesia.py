@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket
 
-from app.dialects.common import base_options, serve, with_language, with_speed
+from app.dialects.common import base_options, forget_idle, serve, with_language, with_speed
 from app.dialects.formats import OutputFormat
 from app.gateway import Gateway
 from app.pipeline import Utterance
@@ -38,8 +38,9 @@ from app.session import Hold, StreamingSession
 from app.synthesis import RequestError, SynthesisOptions
 from app.voices import Voice
 
-MAX_CONTEXTS = 16
+MAX_CONTEXTS = 16  # holding text or audio (an ended one counts until its done)
 DEFAULT_BUFFER_DELAY_MS = 3000
+MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 QUIET_S = 0.3
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
 _STATUS = {"unknown_voice": 404, "unauthorized": 401}
@@ -125,8 +126,10 @@ class CartesiaSession(StreamingSession):
             await self.flush(ctx)
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
-        if ctx not in self.ctxs and len(self.ctxs) >= MAX_CONTEXTS:
-            raise RequestError("too_many_contexts", f"at most {MAX_CONTEXTS} contexts may be open at once")
+        live = self.contexts()
+        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
+            raise RequestError("too_many_contexts", f"at most {MAX_CONTEXTS} contexts may hold text or audio "
+                               "at once")
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
             raise RequestError("bad_message", "output_format must be an object")
@@ -146,9 +149,11 @@ class CartesiaSession(StreamingSession):
         elif isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
             opts = with_speed(self.gw, opts, data["speed"])
         delay = data.get("max_buffer_delay_ms")
-        if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool) or delay < 0):
-            raise RequestError("bad_message", "max_buffer_delay_ms must be a non-negative integer")
+        if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
+                                  or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
+            raise RequestError("bad_message", f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay)
+        forget_idle(self.ctxs, live | {ctx})
         return c
 
     def _voice(self, spec: Any) -> Voice | None:
@@ -161,10 +166,8 @@ class CartesiaSession(StreamingSession):
                 raise RequestError("bad_message", "voice.id must be a string")
             return self.gw.resolve_voice(ref, self.owner)
         if mode == "embedding":
-            emb = np.asarray(spec.get("embedding") or [], dtype=np.float32)
             dim = self.gw.cfg.speaker_embedding_dim
-            if emb.shape != (dim,) or not np.isfinite(emb).all():
-                raise RequestError("bad_message", f"voice.embedding must be {dim} finite numbers (a ZONOS2 voice)")
+            emb = embedding_vector(spec.get("embedding"), dim)
             return Voice(id="inline", name="inline", owner=self.owner, source="embedding", dim=dim, embedding=emb)
         raise RequestError("bad_message", "voice.mode must be 'id' or 'embedding'")
 
@@ -209,6 +212,23 @@ class CartesiaSession(StreamingSession):
 
     def _ctx_of(self, u: Utterance) -> Context | None:
         return self.ctxs.get(u.context_id)
+
+
+def embedding_vector(value: Any, dim: int) -> np.ndarray:
+    """`voice.embedding`: exactly `dim` JSON numbers (not booleans, not strings), each finite in float32,
+    as float32; anything else is bad_message (on its context: the socket and its other contexts go on)."""
+    bad = RequestError("bad_message", f"voice.embedding must be a list of {dim} finite numbers (a ZONOS2 voice)")
+    if not isinstance(value, list) or len(value) != dim or not all(type(x) in (int, float) for x in value):
+        raise bad
+    try:
+        emb = np.array(value, dtype=np.float64)
+    except OverflowError:  # an integer past float64, such as 10**400
+        raise bad from None
+    with np.errstate(over="ignore"):
+        emb = emb.astype(np.float32)  # past float32's range: inf, refused below
+    if not np.isfinite(emb).all():
+        raise bad
+    return emb
 
 
 def _refusal(code: str, message: str, status: int) -> dict[str, Any]:

@@ -33,6 +33,18 @@ def base_options(gw: Gateway, query: Mapping[str, str]) -> SynthesisOptions:
                          cfg=gw.cfg)
 
 
+# Contexts that hold no text or audio cost only their settings; past this many such, the oldest are forgotten
+# (their ids are the client's to invent). A forgotten id used again opens a new context.
+MAX_IDLE_CONTEXTS = 64
+
+
+def forget_idle(ctxs: dict[str, Any], live: set[str]) -> None:
+    """Drop the oldest entries of `ctxs` not in `live` (holding text or audio) past MAX_IDLE_CONTEXTS."""
+    idle = [k for k in ctxs if k not in live]
+    for k in idle[:max(0, len(idle) - MAX_IDLE_CONTEXTS)]:
+        del ctxs[k]
+
+
 def with_language(gw: Gateway, opts: SynthesisOptions, code: Any) -> SynthesisOptions:
     """A client's language: one we normalize text for, or (any other: the model reads bytes of every
     language) no text normalization, as that would read numbers and dates in English."""

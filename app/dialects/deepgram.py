@@ -26,6 +26,7 @@ from app.dialects.common import base_options, serve
 from app.dialects.formats import OutputFormat
 from app.gateway import Gateway
 from app.pipeline import DEFAULT_CONTEXT, Utterance
+from app.query_input import query_int
 from app.session import Hold, StreamingSession
 from app.synthesis import RequestError
 
@@ -44,11 +45,10 @@ class DeepgramSession(StreamingSession):
         name = (q.get("encoding") or "linear16").lower()
         if name not in _ENCODINGS:
             raise RequestError("UNSUPPORTED_ENCODING", f"encoding must be one of {list(_ENCODINGS)}")
-        rate = q.get("sample_rate") or str(_DEFAULT_RATE[name])
-        if not rate.isdigit():
-            raise RequestError("INVALID_QUERY_PARAMETER", "sample_rate must be an integer")
+        rate = query_int(q, "sample_rate", "INVALID_QUERY_PARAMETER")
+        rate = _DEFAULT_RATE[name] if rate is None else rate
         try:
-            self.format = OutputFormat(_ENCODINGS[name], int(rate)).check()
+            self.format = OutputFormat(_ENCODINGS[name], rate).check()
         except RequestError as e:
             raise RequestError("UNSUPPORTED_SAMPLE_RATE", str(e)) from None
         self.model = q.get("model") or ""
@@ -78,8 +78,9 @@ class DeepgramSession(StreamingSession):
                 raise RequestError("INVALID_MESSAGE", "Speak needs a text string")
             self.append_text(DEFAULT_CONTEXT, text)
         elif kind == "Flush":
-            n, self.sequence = self.sequence, self.sequence + 1
-            await self.flush(DEFAULT_CONTEXT, answer={"type": "Flushed", "sequence_id": n})
+            # a Flush that is refused (too_many_utterances) takes no sequence id: the next one gets it
+            await self.flush(DEFAULT_CONTEXT, answer={"type": "Flushed", "sequence_id": self.sequence})
+            self.sequence += 1
         elif kind == "Clear":
             await self.cancel(None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)})
         elif kind == "Close":

@@ -26,24 +26,25 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from app.dialects.common import base_options, serve, with_language, with_speed
+from app.dialects.common import base_options, forget_idle, serve, with_language, with_speed
 from app.dialects.formats import OutputFormat
 from app.gateway import Gateway
 from app.pipeline import DEFAULT_CONTEXT, Utterance
+from app.query_input import decimal, query_int
 from app.session import Hold, StreamingSession
 from app.synthesis import RequestError, SynthesisOptions, parse_options
 
-MAX_CONTEXTS = 16  # ElevenLabs allows 5; closed contexts that still speak count until their isFinal
+MAX_CONTEXTS = 16  # holding text or audio (ElevenLabs allows 5); a closed one counts until its isFinal
 QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
 
 
 def output_format(name: str) -> OutputFormat:
     parts = name.split("_")
     kinds = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
-    if len(parts) < 2 or parts[0] not in kinds or not parts[1].isdigit():
+    if len(parts) < 2 or parts[0] not in kinds:
         raise RequestError("invalid_output_format", f"unsupported output_format {name!r}")
     try:
-        return OutputFormat(kinds[parts[0]], int(parts[1])).check()
+        return OutputFormat(kinds[parts[0]], decimal(parts[1], "the sample rate of output_format")).check()
     except RequestError as e:
         raise RequestError("invalid_output_format", f"output_format {name!r}: {e}") from None
 
@@ -76,8 +77,9 @@ class ElevenLabsSession(StreamingSession):
             opts = with_language(gw, opts, q["language_code"])
         if q.get("apply_text_normalization", "").lower() == "off":
             opts = parse_options({"text_normalization": False}, self.limits.max_frames, base=opts, cfg=gw.cfg)
-        if q.get("seed", "").isdigit():
-            opts = parse_options({"seed": int(q["seed"]) % (1 << 31)}, self.limits.max_frames, base=opts, cfg=gw.cfg)
+        seed = query_int(q, "seed")  # ElevenLabs takes 0..4294967295
+        if seed is not None:
+            opts = parse_options({"seed": seed % (1 << 31)}, self.limits.max_frames, base=opts, cfg=gw.cfg)
         self.opts = opts
         self.auto_mode = bool(_flag(q.get("auto_mode")))
         self.ctxs: dict[str, Context] = {}
@@ -109,13 +111,16 @@ class ElevenLabsSession(StreamingSession):
             await self._close_socket()
             return
         ctx = self._context_id(data)
-        if data.get("close_context") is True:
-            await self._close_context(ctx)
-            return
+        close = data.get("close_context") is True
         text = data.get("text")
         if text is not None and not isinstance(text, str):
             raise RequestError("bad_message", "text must be a string")
         flush = data.get("flush") is True
+        # auto_mode speaks every text as it comes: a flush each
+        speak = flush or (self.auto_mode and bool(text))
+        if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
+            await self._close_context(ctx)
+            return
         if text is None and not flush:
             raise RequestError("bad_message", "send text, flush, close_context or close_socket")
         if not self.multi and text == "":  # the single-context socket: end of input
@@ -126,12 +131,12 @@ class ElevenLabsSession(StreamingSession):
         c = self._open(ctx, data)
         if text:
             self.append_text(ctx, text)
-            if self.auto_mode and not flush:
-                await self.flush(ctx)
-        if flush:
+        if speak:
             await self.flush(ctx)
             last = self.last_queued(ctx)
             c.flushed_upto = last if last is not None else c.flushed_upto
+        if close:  # text + flush + close_context in one message: spoken, then isFinal
+            await self._close_context(ctx)
 
     def _context_id(self, data: dict[str, Any]) -> str:
         ctx = data.get("context_id") if self.multi else None
@@ -142,20 +147,24 @@ class ElevenLabsSession(StreamingSession):
         return ctx
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+        live = self.contexts()
+        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
+            raise RequestError("max_active_conversations", f"at most {MAX_CONTEXTS} contexts may hold text or "
+                               "audio on one socket; close one first")
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
             return c
         # a new context, or a closed id used again ("not linked to the previous context")
-        if c is None and len(self.ctxs) >= MAX_CONTEXTS:
-            raise RequestError("max_active_conversations", f"at most {MAX_CONTEXTS} contexts may be open on "
-                               "one socket; close one first")
         settings = data.get("voice_settings")
         opts = self.opts
         if isinstance(settings, dict):
             opts = with_speed(self.gw, opts, settings.get("speed"))
         elif settings is not None:
             raise RequestError("bad_message", "voice_settings must be an object")
-        c = self.ctxs[ctx] = Context(ctx, opts)
+        # A closed id used again: what the closed context flushed is still its own, still spoken; a close
+        # of this one drops only what comes after it.
+        c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=self.last_queued(ctx))
+        forget_idle(self.ctxs, live | {ctx})
         return c
 
     async def _close_context(self, ctx: str) -> None:
