@@ -40,6 +40,7 @@ from engine.textnorm import SUPPORTED_LANGUAGES
 
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
 RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}
+WHOLE_FILE_FORMATS = ("flac", "wav")  # sent finished unless a stream was asked for (openai_speech)
 MAX_REPETITION_WINDOW = HISTORY
 
 
@@ -175,7 +176,7 @@ async def openai_speech(request: Request) -> Response:
     fmt = data.get("response_format", "mp3")
     fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)} (aac is not offered)")
+        raise RequestError("bad_params", f"response_format must be one of {sorted(FORMATS)}")
     rate = data.get("sample_rate", G711_RATE if fmt in G711 else 24000)
     if isinstance(rate, bool) or rate not in OUTPUT_RATES or (fmt == "opus" and rate not in OPUS_RATES):
         allowed = [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES]
@@ -185,6 +186,14 @@ async def openai_speech(request: Request) -> Response:
     stream_format = data.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise RequestError("bad_params", "stream_format must be 'audio' or 'sse'")
+    if data.get("stream") is not None and not isinstance(data["stream"], bool):
+        raise RequestError("bad_params", "stream must be true or false")
+    sse = stream_format == "sse"
+    # FLAC and WAV headers hold the length, known only at the end: a client that did not ask for a stream
+    # (SSE, `stream: true`, or the openai SDK's with_streaming_response) gets the finished file, which
+    # every reader opens; a stream of them leaves the length unknown (app/audio_formats.py).
+    streamed = sse or data.get("stream") is True or request.headers.get("x-stainless-raw-response") == "stream"
+    whole = fmt in WHOLE_FILE_FORMATS and not streamed
     if "instructions" in data and not isinstance(data["instructions"], str | None):
         raise RequestError("bad_params", "instructions must be a string")  # accepted; the model takes none
     # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
@@ -202,16 +211,16 @@ async def openai_speech(request: Request) -> Response:
         voice = openai_voice(gw, ref, owner)
 
     pcm = PcmEncoder("pcm_f32le", rate)  # the resampler: 44.1 kHz int16 from the engine -> float32 at `rate`
-    out = StreamEncoder(fmt, rate)
+    out = StreamEncoder(fmt, rate, whole=whole)
     media = FORMATS[fmt][0]
     headers = {"X-Audio-Sample-Rate": str(rate), "X-Audio-Channels": "1"}
     if fmt in RAW_SAMPLE_FORMATS:
         headers["X-Audio-Format"] = RAW_SAMPLE_FORMATS[fmt]
     speech = speak(gw, "openai", text, opts, voice, None)
     chunks = await first_chunk(speech)
-    sse = stream_format == "sse"
-    # libsndfile's encoders (flac, mp3, opus) take a worker thread; raw samples are encoded in place
-    threaded = fmt in ("flac", "mp3", "opus")
+    # libsndfile's and FFmpeg's encoders (flac, mp3, opus, aac) take a worker thread; raw samples are
+    # encoded in place
+    threaded = fmt in ("flac", "mp3", "opus", "aac")
 
     async def encode(x: np.ndarray) -> bytes:
         return await asyncio.to_thread(out.write, x) if threaded else out.write(x)
@@ -238,6 +247,12 @@ async def openai_speech(request: Request) -> Response:
             yield _sse({"type": "speech.audio.done", "usage": {"input_tokens": len(text), "output_tokens": 0,
                                                                 "total_tokens": len(text)}})
 
+    if whole:
+        try:
+            audio = b"".join([b async for b in body()])
+        finally:
+            await speech.aclose()
+        return Response(audio, media_type=media, headers=headers)
     return StreamingResponse(body(), media_type="text/event-stream" if sse else media, headers=headers,
                              background=BackgroundTask(speech.aclose))
 

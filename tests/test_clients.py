@@ -17,12 +17,14 @@ import json
 import re
 import time
 
+import av
 import httpx
 import numpy as np
 import pytest
 import soundfile as sf
 
 from app.audio_formats import g711_decode
+from tests.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 
 pytestmark = pytest.mark.slow
@@ -242,10 +244,11 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="not-needed", max_retries=0, timeout=120)
 
 
-@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus", "flac"])
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus", "flac", "aac"])
 def test_openai_sdk_formats_stream(client, fmt):
     """Issue 14.5 and 14.7 through the SDK: each format streams in pieces (mp3, opus and flac used to arrive
-    whole), and extra_body parameters (top-level `seed`, `max_frames`...) are taken."""
+    whole; with_streaming_response says it wants a stream), and extra_body parameters (top-level `seed`,
+    `max_frames`...) are taken."""
     with client.audio.speech.with_streaming_response.create(
             model="tts-1", voice="alloy", input="First sentence. Second one.", response_format=fmt,
             extra_body={"seed": 3} | FAST) as resp:
@@ -255,12 +258,56 @@ def test_openai_sdk_formats_stream(client, fmt):
     data = b"".join(chunks)
     if fmt == "pcm":
         n = len(data) // 2
+    elif fmt == "aac":
+        audio, sr = decode_aac(data)
+        assert sr == 24000
+        n = len(audio)
     else:
         audio, sr = decode(data)
         assert sr == 24000
         n = len(audio)
     expected = samples_at(24000, 2 * FRAMES)
-    assert expected - 2 <= n <= expected + EXTRA_SAMPLES.get(fmt, 2)
+    assert expected - 2 <= n <= expected + (AAC_EXTRA if fmt == "aac" else EXTRA_SAMPLES.get(fmt, 2))
+
+
+@pytest.mark.parametrize("fmt", ["flac", "wav"])
+def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
+    """Issue 24.3: `create()` (no stream asked for) gets a finished FLAC / WAV with its length in the header:
+    soundfile.read opens it (the streamed FLAC gave "array is too big"), as do wave and FFmpeg."""
+    r = client.audio.speech.create(model="tts-1", voice="alloy", input="First sentence. Second one.",
+                                   response_format=fmt, extra_body={"seed": 3} | FAST)
+    audio, sr = sf.read(io.BytesIO(r.content), dtype="float32")
+    expected = samples_at(24000, 2 * FRAMES)
+    assert sr == 24000 and abs(len(audio) - expected) <= 2
+    assert sf.info(io.BytesIO(r.content)).frames == len(audio)
+    with av.open(io.BytesIO(r.content)) as f:
+        assert sum(fr.samples for fr in f.decode(audio=0)) == len(audio)
+    if fmt == "wav":
+        import wave
+
+        with wave.open(io.BytesIO(r.content)) as w:
+            assert w.getnframes() == len(audio)
+    # the same request as a stream (`stream: true`) carries the same audio
+    streamed = httpx.post(str(client.base_url) + "audio/speech", timeout=120, json={
+        "input": "First sentence. Second one.", "voice": "alloy", "response_format": fmt, "seed": 3, **FAST,
+        "stream": True}).content
+    assert np.abs(decode(streamed)[0] - audio).max() < 1e-3
+
+
+def test_openai_sdk_aac_decodes_in_ffmpeg(client):
+    """Issue 24.2: response_format aac was refused. ADTS that FFmpeg's decoder (PyAV) reads whole, at the
+    length of the speech plus the encoder's priming and padding, matching the PCM of the same request."""
+    body = dict(model="tts-1", voice="alloy", input="Advanced audio coding.", extra_body={"seed": 4} | FAST)
+    r = client.audio.speech.create(response_format="aac", **body)
+    assert r.response.headers["content-type"] == "audio/aac" and r.content[:2] == b"\xff\xf1"
+    audio, sr = decode_aac(r.content)
+    expected = samples_at(24000)
+    assert sr == 24000 and expected - 2 <= len(audio) <= expected + AAC_EXTRA
+    # the same speech as the PCM answer, at its loudness (the waveform itself is the tone test's business in
+    # tests/test_audio_formats.py: the CPU tests' random weights speak noise, which AAC keeps only in level)
+    pcm = np.frombuffer(client.audio.speech.create(response_format="pcm", **body).content, "<i2") / 32768
+    rms = np.sqrt(np.mean(pcm ** 2)), np.sqrt(np.mean(audio[1024:1024 + len(pcm)] ** 2))
+    assert rms[0] > 0 and 0.7 < rms[1] / rms[0] < 1.3, rms
 
 
 def test_openai_sdk_seed_at_top_level_is_reproducible(client):

@@ -75,8 +75,10 @@ def test_openai_speech_formats_decode(server, fmt):
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus", "mulaw", "pcm"])
 def test_every_format_streams(server, fmt):
     """Issue 14.5: mp3, opus and flac arrived whole (first byte = last byte); they stream as encoded now.
-    Three sentences of ~0.5 s each: bytes of the first one arrive while the last one is still generated."""
-    body = {"input": "One. Two. Three.", "response_format": fmt, "params": {"max_frames": 40, "ignore_eos": True}}
+    Three sentences of ~0.5 s each: bytes of the first one arrive while the last one is still generated.
+    `stream: true`: without it FLAC and WAV come as finished files, their lengths in the header (issue 24.3)."""
+    body = {"input": "One. Two. Three.", "response_format": fmt, "params": {"max_frames": 40, "ignore_eos": True},
+            "stream": True}
     with httpx.stream("POST", server.url + "/v1/audio/speech", json=body, timeout=120) as r:
         assert r.status_code == 200
         chunks = [c for c in r.iter_raw() if c]
