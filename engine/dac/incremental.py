@@ -1,0 +1,196 @@
+"""The DAC decoder run incrementally: each call decodes only a stream's new frames, exactly.
+
+`IncrementalDAC` runs the same modules (and weights) as `Codec.decode`, layer by layer, on windows made
+of each stream's cached left context and the new input. Every convolution of dac's decoder is
+non-causal and "same length" (kernel k, dilation d, padding (k - 1) d / 2): fed its last (k - 1) d input
+samples as state and the new samples without padding, it returns the outputs whose right context has
+arrived, i.e. the stage lags its input by (k - 1) d / 2 samples. A residual unit adds its input delayed
+by the same lag (taken from the same window). A transposed convolution with stride s and kernel 2 s
+keeps the previous input sample: each output depends on two consecutive inputs. Snake and tanh are
+pointwise and the quantizer's `from_codes` works per frame. So a call of F new frames returns
+F x 512 samples, those of aligned times [a x 512 - LAG, (a + F) x 512 - LAG) where a is the number of
+frames the stream fed before (LAG = 4,757 samples, 9.3 frames, for the 44.1 kHz architecture).
+
+Ends. The one-shot decode pads every convolution's input with zeros outside [0, T x rate) (T: the
+stream's aligned frames, rate: the stage's samples per frame). Here each window is masked to zero
+outside that range (inside the Snake that precedes every padded convolution, on the latent for the first
+one), so the first call sees the zero left padding and the calls that feed frames past T (their codes
+are ignored) flush the right padding: the stream's samples in [0, T x 512) equal the one-shot decode to
+float rounding. Masking with `where`, not a product, also keeps a reused slot's stale state out of reach;
+the state is zeroed at a stream's first call anyway.
+
+Batching. The states of all streams live in one tensor, a row per slot (`slots` of them, plus a scratch
+row for batch padding); a call gathers its rows by slot index, runs, and scatters them back, all on the
+device, so with every per-call input in one packed tensor (`pack`) a call of fixed (batch, F) is a CUDA
+graph replay (engine/dac/graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.dac.codec import HOP, MAX_CODE, N_CODEBOOKS, Codec
+from engine.model.kernels.snake import mask_outside
+
+UNBOUNDED = 1 << 40  # "T not known yet": no right mask (any frame count a stream can reach is far below)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One windowed stage of the decoder. Its input is a stream of `channels` x (rate per frame) samples;
+    the new input of a call that starts at frame a covers times [a * rate - lag, ...)."""
+
+    kind: str  # "in": first conv on the latent; "up": Snake + transposed conv; "res": residual unit; "out"
+    rate: int
+    lag: int
+    keep: int  # left-context input samples kept per stream (the state)
+    channels: int
+    offset: int  # where its state starts in a slot's state row
+    modules: tuple[torch.nn.Module, ...]
+    stride: int = 1
+
+
+def _conv_shape(conv: torch.nn.Module) -> tuple[int, int, int]:
+    (k,), (d,), (p,) = conv.kernel_size, conv.dilation, conv.padding
+    return k, d, p
+
+
+def build_layers(model: torch.nn.Module) -> tuple[list[Layer], int]:
+    """The decoder's stages with their rates, lags and state sizes; returns (layers, final lag in samples)."""
+    dac = __import__("dac")
+    seq = list(model.decoder.model)
+    layers: list[Layer] = []
+    rate, lag, offset = 1, 0, 0
+
+    def add(kind: str, keep: int, channels: int, modules: tuple, stride: int = 1) -> None:
+        nonlocal offset
+        layers.append(Layer(kind, rate, lag, keep, channels, offset, modules, stride))
+        offset += keep * channels
+
+    def same_conv(conv: torch.nn.Module) -> int:
+        k, d, p = _conv_shape(conv)
+        if (k - 1) * d != 2 * p or conv.stride[0] != 1:
+            raise ValueError(f"not a same-length convolution: {conv}")
+        return p
+
+    first, blocks, (snake, last, tanh) = seq[0], seq[1:-3], seq[-3:]
+    add("in", 2 * same_conv(first), first.in_channels, (first,))
+    lag += same_conv(first)
+    for block in blocks:
+        if not isinstance(block, dac.model.dac.DecoderBlock):
+            raise ValueError(f"unexpected decoder stage {type(block).__name__}")
+        up_snake, up, *units = list(block.block)
+        (k,), (s,), (p,) = up.kernel_size, up.stride, up.padding
+        if k != 2 * s:
+            raise ValueError(f"transposed conv kernel {k} != 2 x stride {s}")
+        add("up", 1, up.in_channels, (up_snake, up), stride=s)
+        rate, lag = rate * s, lag * s + p
+        for unit in units:
+            s1, conv7, s2, conv1 = list(unit.block)
+            pad = same_conv(conv7)
+            if _conv_shape(conv1) != (1, 1, 0):
+                raise ValueError(f"residual unit's second conv is not 1x1: {conv1}")
+            add("res", 2 * pad, conv7.in_channels, (s1, conv7, s2, conv1))
+            lag += pad
+    if not isinstance(tanh, torch.nn.Tanh):
+        raise ValueError("the decoder does not end with tanh")
+    add("out", 2 * same_conv(last), last.in_channels, (snake, last))
+    lag += same_conv(last)
+    if rate != HOP:
+        raise ValueError(f"decoder upsamples {rate}x, not {HOP}x")
+    return layers, lag
+
+
+def _masked_snake(snake: torch.nn.Module, x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """Snake where lo <= t < hi (per batch row), 0 elsewhere: one fused pass on a GPU."""
+    if x.is_cuda:
+        from engine.model.kernels.snake import snake as fused
+
+        return fused(x, snake.alpha, snake.inv_alpha, lo, hi)
+    return mask_outside(snake(x), lo, hi)
+
+
+class IncrementalDAC:
+    """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
+    share slots must run on one CUDA stream, in order."""
+
+    def __init__(self, codec: Codec, slots: int) -> None:
+        self.codec = codec
+        self.slots = slots
+        self.scratch = slots  # the state row of batch-padding rows
+        self.layers, self.lag = build_layers(codec.model)
+        self.state_size = self.layers[-1].offset + self.layers[-1].keep * self.layers[-1].channels
+        self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
+        self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
+        self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
+
+    # ---- host side: one packed int64 row per call row -------------------------------------------
+
+    def pack_width(self, frames: int) -> int:
+        return frames * N_CODEBOOKS + 2 + 2 * len(self.layers)
+
+    def pack(self, codes: np.ndarray, slots: np.ndarray, start: np.ndarray, total: np.ndarray) -> np.ndarray:
+        """codes [B, F, 9] (aligned; rows past a stream's end are ignored), slot, first frame fed (a) and
+        aligned frame count (T, UNBOUNDED if not known) per row -> the call's packed input [B, width]:
+        codes, slot, fresh (a == 0), then each layer's window bounds (lo, hi) in its own samples."""
+        b, f, _ = codes.shape
+        out = np.empty((b, self.pack_width(f)), dtype=np.int64)
+        out[:, : f * N_CODEBOOKS] = codes.reshape(b, -1)
+        out[:, f * N_CODEBOOKS] = slots
+        out[:, f * N_CODEBOOKS + 1] = start == 0
+        base = self._shift[None, :] - start[:, None] * self._rates[None, :]
+        width = self._rates * f + self._shift - np.array([ly.lag for ly in self.layers])  # keep + new samples
+        bounds = out[:, f * N_CODEBOOKS + 2 :].reshape(b, len(self.layers), 2)
+        bounds[:, :, 0] = np.clip(base, 0, width)
+        bounds[:, :, 1] = np.clip(base + np.minimum(total, UNBOUNDED)[:, None] * self._rates[None, :], 0, width)
+        return out
+
+    # ---- device side ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, packed: Tensor, frames: int) -> Tensor:
+        """packed [B, pack_width(frames)] int64 on the codec's device -> float32 PCM [B, frames * 512];
+        the rows' states advance by `frames`."""
+        b, f = packed.shape[0], frames
+        codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
+        slots = packed[:, f * N_CODEBOOKS]
+        fresh = packed[:, f * N_CODEBOOKS + 1] != 0
+        bounds = packed[:, f * N_CODEBOOKS + 2 :]
+        state = self.state.index_select(0, slots).masked_fill_(fresh[:, None], 0)  # reset on a stream's start
+        new_state = torch.empty_like(state)
+        x = self.codec.model.quantizer.from_codes(codes.clamp(0, MAX_CODE).transpose(1, 2))[0]
+        for j, ly in enumerate(self.layers):
+            n = ly.keep * ly.channels
+            win = torch.cat([state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep), x], dim=-1)
+            new_state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep).copy_(win[..., -ly.keep :])
+            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1])
+        self.state.index_copy_(0, slots, new_state)
+        return x.squeeze(1).float()
+
+    @staticmethod
+    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+        if ly.kind == "in":
+            (conv,) = ly.modules
+            return F.conv1d(mask_outside(win, lo, hi), conv.weight, conv.bias)
+        if ly.kind == "up":
+            snake, up = ly.modules
+            # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
+            return F.conv_transpose1d(_masked_snake(snake, win, lo, hi), up.weight, up.bias, stride=ly.stride,
+                                      padding=ly.stride)
+        if ly.kind == "res":
+            s1, conv7, s2, conv1 = ly.modules
+            h = F.conv1d(_masked_snake(s1, win, lo, hi), conv7.weight, conv7.bias, dilation=conv7.dilation)
+            h = F.conv1d(s2(h), conv1.weight, conv1.bias)
+            half = ly.keep // 2  # the skip input delayed by the conv's lag
+            return win[..., half : half + h.shape[-1]] + h
+        snake, conv = ly.modules
+        return torch.tanh(F.conv1d(_masked_snake(snake, win, lo, hi), conv.weight, conv.bias))
+
+    def reset(self, slot: int) -> None:
+        """Zero one slot's state (a stream's first call does this itself, in order with earlier calls)."""
+        self.state[slot].zero_()
