@@ -237,6 +237,11 @@ class StreamingDecoder:
         """True if `launch` would decode something."""
         return any(self._ready(r) for r in self._reqs.values())
 
+    def queued_frames(self) -> int:
+        """Aligned frames ready to decode that no launched call covers yet: the decoder's backlog, which
+        realtime admission reads (engine/runtime/admission.py)."""
+        return sum(r.available() - r.planned for r in self._reqs.values() if self._ready(r))
+
     def in_flight(self) -> int:
         """DAC calls launched and not yet collected."""
         return len(self._flights)
