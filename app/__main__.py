@@ -69,6 +69,10 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="realtime admission: keep the engine iteration under this share of a frame (11.6 ms)")
     p.add_argument("--admission-max-wait", type=float, default=EngineSettings.admission_max_wait_s,
                    help="realtime admission: seconds a request may wait before engine_busy")
+    p.add_argument("--admission-lead-floor-ms", type=float, default=EngineSettings.admission_lead_floor_ms,
+                   help="realtime admission: admit only while every playing stream's player holds more audio")
+    p.add_argument("--admission-prebuffer-ms", type=float, default=EngineSettings.admission_prebuffer_ms,
+                   help="realtime admission: the player model starts playing this long after a stream's first byte")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
@@ -78,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable); "
                    "env ZONOS_API_KEYS=k1,k2")
     p.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without API keys")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without an API key, serve this Host name too besides the loopback ones (repeatable; "
+                        "'*': any); docs/reliability.md, Host rule")
     p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable)")
     p.add_argument("--no-text-normalization", action="store_true")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
@@ -95,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     keys = tuple(a.api_key) + tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
     if not loopback(a.host) and not keys and not a.no_auth:
         p.error(f"binding to {a.host} exposes the GPU: give --api-key KEY (or --no-auth to serve without keys)")
+    if not loopback(a.host) and not keys and not a.allowed_host:
+        print(f"zonos-gateway: without an API key only loopback Host names are served; clients reaching {a.host} "
+              "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)", file=sys.stderr)
     devices = parse_devices(p, a.devices, visible_gpus() if a.devices == "all" else 0)
     if devices and a.device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")
@@ -113,6 +123,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         admission=a.admission,
         admission_headroom=a.admission_headroom,
         admission_max_wait_s=a.admission_max_wait,
+        admission_lead_floor_ms=a.admission_lead_floor_ms,
+        admission_prebuffer_ms=a.admission_prebuffer_ms,
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
     )
@@ -124,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         data_dir=Path(a.data_dir),
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
         shared_voices=a.shared_voices,
-        cors_origins=tuple(a.cors_origin), text_normalization=not a.no_text_normalization,
+        cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=not a.no_text_normalization,
         log_level=a.log_level.upper(),
     )
 
@@ -138,13 +150,16 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
+    from app.http_protocol import bounded_protocol
     from app.server import create_app
 
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
     kwargs = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                   ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
                   # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
-                  ws_per_message_deflate=False)
+                  ws_per_message_deflate=False,
+                  # bounded request heads, answered in JSON (app/http_protocol.py)
+                  http=bounded_protocol(settings.limits.head_timeout_s))
     sndbuf = settings.limits.tcp_send_buffer_bytes
     if not sndbuf:
         uvicorn.run(create_app(settings), **kwargs)

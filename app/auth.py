@@ -1,18 +1,22 @@
-"""Optional API keys: `Authorization: Bearer KEY` (or `Token KEY`), `X-API-Key: KEY` (or `xi-api-key`), or
+"""Who may use the gateway. Optional API keys: `Authorization: Bearer KEY` (or `Token KEY`), `X-API-Key: KEY` (or `xi-api-key`), or
 `?api_key=KEY` (browsers), and the log filter that keeps a query-string key out of uvicorn's access and
-WebSocket logs."""
+WebSocket logs; the WebSocket origin rule; the host rule (DNS rebinding)."""
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from starlette.datastructures import Headers
 from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from app.settings import loopback
 from app.synthesis import RequestError
 
 
@@ -90,3 +94,54 @@ def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
     if "*" in allowed or origin in allowed:
         return True
     return urlsplit(origin).netloc.lower() == ws.headers.get("host", "").lower()  # same origin: the demo page
+
+
+# ---- the host rule: DNS rebinding -----------------------------------------------------------------------
+def host_name(host_header: str) -> str:
+    """The name of a Host header, lower case, without its port: "[::1]:8000" -> "::1", "Evil.Example:80" ->
+    "evil.example"."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def host_allowed(host_header: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a keyless gateway serves a request with this Host: a loopback name or address, or one given
+    with --allowed-host ("*": any). No Host at all is not a browser (every browser sends one)."""
+    if host_header is None or "*" in allowed:
+        return True
+    name = host_name(host_header)
+    return loopback(name) or name.removesuffix(".") in allowed
+
+
+class HostCheck:
+    """Without API keys, serve only the Host names of host_allowed. A web page whose DNS name is rebound to
+    127.0.0.1 is same-origin with a loopback gateway in the browser's eyes (its Origin matches its Host,
+    both the attacker's name), so neither CORS nor the WebSocket origin rule stops it; the Host it sends
+    is still the attacker's name, and that is refused here: HTTP with a JSON 403, a WebSocket handshake
+    with the same response (or, where the server cannot send one, closed with 1008). With keys every Host
+    is served: a rebinding page has no key to send."""
+
+    def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
+        self.app, self.allowed = app, tuple(host_name(h).removesuffix(".") for h in allowed)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or host_allowed(Headers(scope=scope).get("host"), self.allowed):
+            await self.app(scope, receive, send)
+            return
+        name = host_name(Headers(scope=scope).get("host", ""))[:100]
+        body = json.dumps({"error": {"code": "host_not_allowed", "message": (
+            f"this gateway has no API key and serves only loopback host names, not {name!r}: start it with "
+            f"--allowed-host {name or 'NAME'} (or give it an --api-key)")}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 403, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        elif "websocket.http.response" in scope.get("extensions", {}):
+            await receive()  # websocket.connect
+            await send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})

@@ -24,7 +24,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import http_api, voices_api
-from app.auth import authorized, install_log_redaction, require_key
+from app.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.dialects import cartesia, deepgram, elevenlabs
 from app.gateway import Gateway
 from app.settings import GatewaySettings
@@ -150,7 +150,7 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
+            if message["type"] in ("http.response.start", "websocket.http.response.start"):  # (a refused handshake)
                 status = message["status"]
                 MutableHeaders(scope=message).append("X-Request-ID", rid)
             elif message["type"] == "websocket.accept":
@@ -213,6 +213,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id
+    if not settings.auth_enabled:  # the host rule (DNS rebinding): app/auth.py HostCheck
+        middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:
         middleware.append(Middleware(
             JsonCORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],

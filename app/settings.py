@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ class Limits:
     max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
     idle_timeout_s: float = 300.0
     send_timeout_s: float = 30.0  # one WebSocket send that makes no progress this long: the client is gone
+    head_timeout_s: float = 30.0  # a request head (line and headers) not complete this long: 408, closed
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
     max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
@@ -46,6 +48,9 @@ class GatewaySettings:
     shared_voices: bool = False  # --shared-voices: other gateways use the same voice folder (docs/scaling.md)
     api_keys: tuple[str, ...] = ()  # empty: no auth
     cors_origins: tuple[str, ...] = ()
+    # --allowed-host: Host names served without an API key besides the loopback ones ("*": any); the host
+    # rule (app/auth.py, docs/reliability.md "Host rule")
+    allowed_hosts: tuple[str, ...] = ()
     text_normalization: bool = True
     log_level: str = "INFO"
 
@@ -59,4 +64,11 @@ class GatewaySettings:
 
 
 def loopback(host: str) -> bool:
-    return host in {"127.0.0.1", "localhost", "::1"} or host.startswith("127.")
+    """A loopback name or address: localhost, 127.0.0.0/8, ::1 (also written [::1])."""
+    host = host.strip().lower().removeprefix("[").removesuffix("]")
+    if host in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
