@@ -150,6 +150,12 @@ class IncrementalDAC:
         bounds[:, :, 1] = np.clip(base + np.minimum(total, UNBOUNDED)[:, None] * self._rates[None, :], 0, width)
         return out
 
+    def idle_rows(self, batch: int, frames: int) -> Tensor:
+        """A call's packed input whose rows decode nothing into the scratch slot (warm-up, graph capture)."""
+        none = np.zeros(batch, dtype=np.int64)
+        codes = np.zeros((batch, frames, N_CODEBOOKS), dtype=np.int64)
+        return torch.from_numpy(self.pack(codes, none + self.scratch, none, none)).to(self.codec.device)
+
     # ---- device side ---------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -1,118 +1,65 @@
-"""When the dac_decoder cuts chunks and how much it re-decodes (the stream's latency and its seams)."""
+"""How many new frames each dac_decoder call feeds a stream: its latency and how streams batch together."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from engine.dac.codec import N_CODEBOOKS
 
-log = logging.getLogger(__name__)
-
 DELAY = N_CODEBOOKS - 1  # codebook 8 of aligned frame t arrives with delayed frame t + 8
 
-
-RF_FRAMES = 9  # DAC-44k decoder receptive field, each side, in frames (measured: exact beyond 9)
+FIRST_AUDIO_FRAMES = 10  # the decoder's lag (4,757 samples, engine/dac/incremental.py) rounded up to frames
 
 
 @dataclass(frozen=True)
 class ChunkSchedule:
-    """When to cut chunks and how much to re-decode, in aligned frames (512 samples, 11.6 ms).
+    """New aligned frames (512 samples, 11.6 ms) per dac_decoder call of a stream.
 
-    first_chunk_frames: size of chunk 0; it is ready after first_chunk_frames + 8 generated
-        frames and emits first_chunk_frames - holdback of them (time to first audio).
-    chunk_frames: cap on later chunk sizes. Chunk i+1 has min(chunk_frames, max(first // 2,
-        pace * frames emitted so far)) frames, so a chunk never brings more than pace x the audio
-        the client already holds. With pace 0.5 a player that starts 150 ms after its first byte
-        never stalls while a step takes up to ~10 ms (the generator at >= 1.16x real time); pace 1
-        stalled from 9 ms and 64-frame chunks from 8 ms (a model of the player; the load where it
-        matters is the live-capacity benchmark's). Sizes depend on the schedule only, so requests
-        stay in step and batch together.
-    context_frames: already-decoded frames re-fed to DAC before each chunk (left context; the
-        held-back frames are part of it). Left edge effects vanish at holdback + 9.
-    overlap_frames: raised-cosine cross-fade between held-back audio and its re-decode.
-    lookahead_frames: frames held back at the end of each non-final chunk, whose decode lacked
-        right context; the next chunk re-decodes them. None = overlap_frames (the reference's
-        rule). Each frame costs one generation step of latency.
+    The decoder decodes every frame once and exactly (engine/dac/incremental.py), whatever the call sizes:
+    they only set when audio leaves and how calls batch. A call of F frames returns the stream's next
+    F x 512 samples, delayed by the decoder's lag of 4,757 samples (9.3 frames), and calls batch only with
+    calls of the same F (one CUDA graph per (batch bucket, F)).
 
-    Default (`.exact` is True): hold back 9 frames with 18 of context and no cross-fade, so the
-    stream equals a one-shot decode up to float rounding (~-120 dB in fp32 on CPU; on GPU the
-    rounding floor is TF32 convs ~-63 dB, bf16 ~-38 dB). Chunk sizes 12, 6, 6, 7, 11, 16, 24, 32...;
-    first audio after 20 steps (3 frames). `low_latency()` holds back 4: first audio after 16
-    steps, but the worst seam frame is only ~10-12 dB below the signal (bench/dac_seams.py).
+    frames: new frames per call once a stream is running. All streams use the same size, so a stream's
+        first call and its last ones batch with everyone's steady calls.
+    first_frames: frames of call 0 (None: `frames`). Call 0 is ready after first_frames + 8 generated
+        frames (codebook 8 lags by 8) and emits first_frames x 512 - 4,757 samples.
+
+    Default: 10 frames per call. First audio after 18 steps (10 + 8; the lag allows no earlier audio:
+    a 9-frame call emits nothing), 363 samples, then 10 frames (116 ms) every 10 steps: a player that
+    starts 150 ms after its first byte never stalls while a step takes up to 11.6 ms (real time).
+    One size for every call keeps one graph shape per batch bucket and lets every ready stream share
+    one call. The final calls of a stream feed the frames past its end (masked) that flush the decoder:
+    10 after the last real frame, in calls of the same size.
     """
 
-    first_chunk_frames: int = 12
-    chunk_frames: int = 32
-    context_frames: int = 2 * RF_FRAMES
-    overlap_frames: int = 0
-    lookahead_frames: int | None = RF_FRAMES
-    pace: float = 0.5
+    frames: int = FIRST_AUDIO_FRAMES
+    first_frames: int | None = None
 
     def __post_init__(self) -> None:
-        if self.first_chunk_frames <= 0 or self.chunk_frames <= 0:
-            raise ValueError("first_chunk_frames and chunk_frames must be > 0")
-        if self.overlap_frames < 0 or self.pace <= 0:
-            raise ValueError("overlap_frames must be >= 0 and pace > 0")
-        if self.holdback < self.overlap_frames:
-            raise ValueError("lookahead_frames must be >= overlap_frames (the fade uses held-back audio)")
-        if self.context_frames < self.holdback:
-            raise ValueError("context_frames must be >= lookahead_frames (held-back frames are re-decoded)")
-        if self.first_chunk_frames <= self.holdback:
-            log.warning(
-                "ChunkSchedule: first_chunk_frames %d <= holdback %d: chunk 0 emits no audio",
-                self.first_chunk_frames, self.holdback,
-            )
+        if self.frames <= 0 or (self.first_frames is not None and self.first_frames <= 0):
+            raise ValueError("frames and first_frames must be > 0")
 
-    @property
-    def holdback(self) -> int:
-        return self.overlap_frames if self.lookahead_frames is None else self.lookahead_frames
+    def next_size(self, n_calls: int) -> int:
+        """New frames of a stream's next call, given the calls it had."""
+        return self.first_frames if n_calls == 0 and self.first_frames is not None else self.frames
 
-    @property
-    def exact(self) -> bool:
-        """True if streaming reproduces one-shot decoding (no seam error at all)."""
-        return self.holdback >= RF_FRAMES + self.overlap_frames and self.context_frames >= self.holdback + RF_FRAMES
-
-    def next_size(self, n_chunks: int, decoded: int) -> int:
-        """Size of the next chunk, given the chunks/aligned frames already cut."""
-        if n_chunks == 0:
-            return self.first_chunk_frames
-        emitted = max(0, decoded - self.holdback)
-        return max(1, min(self.chunk_frames, max(self.first_chunk_frames // 2, int(self.pace * emitted))))
-
-    def input_lengths(self, n: int = 16) -> list[int]:
-        """DAC input lengths (context included) of the first n non-final chunks."""
-        out, planned = [], 0
-        for i in range(n):
-            size = self.next_size(i, planned)
-            out.append(planned + size - max(0, planned - self.context_frames))
-            planned += size
-        return out
-
-    def length_buckets(self, quantum: int = 16) -> list[int]:
-        """Input lengths chunks are rounded up to (by extending their left context where the
-        history allows): the non-final lengths plus multiples of `quantum` up to the longest final
-        chunk that follows the schedule (a chunk's worth, the 8 frames that complete at the end, and
-        context); beyond, multiples of 64."""
-        longest_final = self.context_frames + self.chunk_frames + DELAY
-        top = max(64, *self.input_lengths(), -(-longest_final // quantum) * quantum)
-        return sorted(set(self.input_lengths()) | set(range(quantum, top + 1, quantum)))
+    def call_sizes(self) -> tuple[int, ...]:
+        """Every call size (F) a stream uses (its last calls included)."""
+        return tuple(sorted({self.frames, self.next_size(0)}))
 
     def sizes(self, n: int) -> list[int]:
-        """The first n chunk sizes (for docs/tests)."""
-        out: list[int] = []
-        for i in range(n):
-            out.append(self.next_size(i, sum(out)))
-        return out
+        """The first n call sizes (for docs/tests)."""
+        return [self.next_size(i) for i in range(n)]
 
     @classmethod
     def low_latency(cls) -> ChunkSchedule:
-        """First audio 4 steps earlier than the default, at the cost of small seam errors."""
-        return cls(first_chunk_frames=8, chunk_frames=32, context_frames=16, overlap_frames=4, lookahead_frames=None,
-                   pace=1.0)
+        """First audio as early as the default, then 4 frames per call: audio leaves every 4 steps
+        (2.5x the calls of the default, in smaller batches)."""
+        return cls(frames=4, first_frames=FIRST_AUDIO_FRAMES)
 
     @classmethod
     def reference(cls) -> ChunkSchedule:
-        """ZONOS2's TTSVocoderManager: 16-frame chunks, 4 frames of context = overlap."""
-        return cls(first_chunk_frames=16, chunk_frames=16, context_frames=4, overlap_frames=4,
-                   lookahead_frames=None, pace=1e9)
+        """ZONOS2's TTSVocoderManager cadence, 16-frame chunks (decoded exactly here; the reference
+        re-decodes 4 frames of context and cross-fades them, with audible seams)."""
+        return cls(frames=16)

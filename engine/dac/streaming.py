@@ -3,7 +3,8 @@
 Usage (one thread, the engine loop, calls everything)::
 
     dec = StreamingDecoder(codec, ChunkSchedule())
-    dec.warmup(max_batch=64)               # at startup on GPU: pre-builds every cuDNN shape (~2-4 s)
+    dec.warmup(max_batch=64)               # at startup on GPU: every call shape once (cuDNN plans)
+    dec.capture(max_batch=64)              # and in CUDA graphs
     dec.open(rid)                          # optional: push() opens implicitly
     dec.push(rid, frames)                  # delayed frames [n, 9] (or [9]) as sampled, EOA/pad included
     dec.push(rid, frames, eos_frame=k)     # where the audio ends, once the LLM node knows (spec §7)
@@ -19,44 +20,32 @@ lags by 8 frames), capped at eos_frame once known. The final request keeps targe
 min(eos_frame, N), or N without EOS (the last 8 then miss codebooks, padded 1025 -> code 1023, as
 in the reference), and `step` returns exactly target * 512 samples in total, in order, no gap.
 
-Chunks. Chunk i covers aligned frames [d, e) (sizes: `ChunkSchedule`). DAC's convolutions are
-non-causal with a receptive field of exactly 9 frames each side, so each chunk decodes
-[d - context, e), drops the audio before its kept region, cross-fades the first overlap_frames of
-the kept region with the audio the previous chunk held back (raised cosine
-w = 0.5 (1 - cos(linspace(0, pi, n))), out = (1 - w) prev + w new), and holds back its own last
-lookahead_frames (= overlap_frames unless set), decoded without right context, for the next chunk.
-The final chunk emits everything. Holding back 9 frames (the receptive field) with 18 frames of
-context makes the stream equal the one-shot decode: that is the default schedule.
+Decoding. Each stream holds a slot of `IncrementalDAC`'s state cache from its first call to its last:
+every call feeds it the next F complete aligned frames (F from `ChunkSchedule`) and returns the next
+F x 512 samples of its audio, 4,757 samples (the decoder's lag) behind the frames fed, decoded exactly
+as the one-shot decode would (no context decoded twice, no seams). Once the stream's length T is known
+and its frames are complete, its last calls feed the frames past T (masked, they only flush the
+decoder's right padding) until the audio reaches T x 512 samples; a call never feeds a frame past a
+known eos_frame as real audio.
 
 End of audio. The decoder does not look for EOA codes itself: the LLM node decides where the audio
 ends (its delayed-EOS tracker, spec §7) and says so with `push(..., eos_frame=k)` as soon as it knows,
-or at `finish`. Chunks never extend past a known eos_frame; `finish(rid, None)` (ignore_eos) keeps every
-frame. With eos_frame known and every frame before it complete, the final chunk is decoded without
-waiting for `finish`.
+or at `finish`. Audio never extends past a known eos_frame; `finish(rid, None)` (ignore_eos) keeps every
+frame. With eos_frame known and every frame before it complete, the final calls run without waiting
+for `finish`.
 
-Latency. Chunk 0 is ready after first_chunk_frames + 8 generated frames and emits
-first_chunk_frames - holdback frames (default: 20 steps, 3 frames; `low_latency()`: 16 steps,
-4 frames; the reference: 24 steps, 12 frames). Later chunks grow with the audio already sent,
-see `ChunkSchedule`.
+Batching. `launch` gives each ready stream its next call, least recently served first, and batches the
+calls of equal F (every call in steady state: one size) into one DAC call, split at max_batch and padded
+to a power of two with rows that write a scratch slot. A stream that fell behind gets its next calls in
+later rounds of the same launch (each round reads the states the previous one wrote, in stream order).
+max_frames bounds the frames one launch feeds; what does not fit waits for the next launch.
 
-Batching. `step` decodes every ready chunk of every request in as few DAC calls as possible:
-chunks with equal input length (equal in steady state: sizes depend on the schedule only) share a
-call, split at max_batch. A request that fell behind contributes several consecutive chunks to the
-same call (their inputs are codes only; cross-fades are applied afterwards, in order).
-step(max_frames=...) bounds the DAC work of one call; what does not fit waits, least recently
-served first.
-
-Shapes. cuDNN builds an execution plan per (batch, length) input shape: 40-65 ms the first time
-on an H200, a stall for every stream. So input lengths are rounded up to a few bucket lengths by
-feeding more real left context (only when the history allows; beyond the 9-frame receptive field
-it does not change the kept audio) and batches are padded to powers of two with dummy rows;
-`warmup` runs every such shape once. Both paddings depend only on the request itself, so a
-request's PCM does not depend on its batch mates beyond float rounding.
+Shapes. A DAC call's shape is (batch bucket, F): a handful, all warmed (`warmup`: cuDNN builds a plan
+per shape, 40-65 ms the first time on an H200) and captured in CUDA graphs (`capture`) at start.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
@@ -65,20 +54,18 @@ import numpy as np
 import torch
 
 from engine.dac.codec import HOP, N_CODEBOOKS, Codec
+from engine.dac.incremental import UNBOUNDED, IncrementalDAC
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.delay import PAD_ID
 
 log = logging.getLogger(__name__)
 
+DEFAULT_SLOTS = 256  # streams decoding at once; more wait for a slot (state: ~0.25 MB each, full DAC, bf16)
+
 
 def to_int16(pcm: np.ndarray) -> np.ndarray:
     """float PCM in [-1, 1] -> int16 (clip, * 32767, round half to even)."""
     return np.rint(np.clip(pcm, -1.0, 1.0) * 32767.0).astype(np.int16)
-
-
-def crossfade_window(n: int) -> np.ndarray:
-    """Fade-in weight of the new chunk: w = 0.5 (1 - cos(linspace(0, pi, n)))."""
-    return (0.5 * (1.0 - np.cos(np.linspace(0.0, np.pi, n)))).astype(np.float32)
 
 
 def aligned_codes(delayed: np.ndarray, start: int, end: int, pad: int = PAD_ID) -> np.ndarray:
@@ -110,14 +97,13 @@ class _Req:
     n: int = 0  # delayed frames received
     eos: int | None = None
     finished: bool = False
-    planned: int = 0  # aligned frames handed to DAC (decoded or in flight)
-    n_chunks: int = 0
-    tail_planned: int = 0  # frames the last planned chunk withholds (its tail may not exist yet)
-    tail: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    slot: int = -1  # its row of the DAC state cache, from its first call to its last
+    fed: int = 0  # aligned frames handed to the DAC (decoded or in flight), flush frames included
+    calls: int = 0
     emitted: int = 0  # samples returned so far
-    done: bool = False  # final chunk planned; later pushes are ignored
+    done: bool = False  # final call planned; later pushes are ignored
     final_sent: bool = False  # final audio returned; kept only until finish() (or drop())
-    served: int = 0  # step() count when last decoded (max_frames fairness)
+    served: int = 0  # launch count when last given a call (max_frames fairness)
 
     def append(self, frames: np.ndarray) -> None:
         need = self.n + frames.shape[0]
@@ -134,7 +120,7 @@ class _Req:
         return a if self.eos is None else min(a, self.eos)
 
     def final_target(self) -> int | None:
-        """Target frame count if the final chunk can be decoded now, else None."""
+        """Target frame count if the final calls can run now, else None."""
         if self.finished:
             return target_frames(self.n, self.eos)
         if self.eos is not None and self.n - DELAY >= self.eos:
@@ -143,14 +129,16 @@ class _Req:
 
 
 @dataclass
-class _Chunk:
+class _Call:
+    """One stream's part of a DAC call: frames [start, start + size) fed, the next size x 512 samples out."""
+
     rid: int
     req: _Req
-    start: int  # first aligned frame fed to DAC (context included)
-    keep_from: int  # first aligned frame whose audio is kept (cross-faded region included)
-    end: int
+    start: int
+    size: int  # 0: a final with nothing left to decode
+    total: int  # aligned frames of the stream (UNBOUNDED while unknown): frames from there on are masked
     final: bool
-    codes: np.ndarray  # [end - start, 9]
+    before: tuple[int, int, bool, int]  # the request's (fed, calls, done, slot) before this call (rollback)
     pcm: np.ndarray | None = None
 
 
@@ -158,28 +146,32 @@ class _Chunk:
 class _Flight:
     """DAC calls launched together: their PCM lands in host memory when `done` has passed."""
 
-    chunks: list[_Chunk]
-    outputs: list[tuple[list[_Chunk], torch.Tensor]]  # (chunks of one call, PCM [b, n * 512] on the host)
+    calls: list[_Call]
+    outputs: list[tuple[list[_Call], torch.Tensor]]  # (calls of one DAC call, PCM [b, F * 512] on the host)
     done: torch.cuda.Event | None  # None: computed synchronously (CPU)
 
 
 class StreamingDecoder:
     """Per-request frame buffers + batched incremental DAC decoding (see module docstring).
 
-    Single-threaded: the engine loop calls everything. `launch` cuts ready chunks and starts their DAC
-    calls (on a GPU: graph replays on the current stream, PCM copied to pinned host memory, nothing
-    waited for); `collect` stitches the calls that have finished, in launch order. `step` is both, waiting.
+    Single-threaded: the engine loop calls everything. `launch` plans the ready calls and starts them (on a
+    GPU: graph replays on the current stream, PCM copied to pinned host memory, nothing waited for); every
+    launch must run on the same CUDA stream (the calls share the state cache). `collect` returns the audio
+    of the calls that have finished, in launch order. `step` is both, waiting.
     """
 
-    def __init__(self, codec: Codec, schedule: ChunkSchedule | None = None) -> None:
+    def __init__(self, codec: Codec, schedule: ChunkSchedule | None = None, slots: int = DEFAULT_SLOTS) -> None:
         self.codec = codec
         self.schedule = schedule or ChunkSchedule()
+        self.net = IncrementalDAC(codec, slots)
+        self.lag = self.net.lag  # samples between the frames fed and the audio out
+        self._flush = -(-self.lag // HOP)  # frames past the end that complete the audio
         self._reqs: dict[int, _Req] = {}
+        self._free = list(range(slots - 1, -1, -1))  # a stack: the lowest free slot on top
         self._flights: deque[_Flight] = deque()
         self._n_steps = 0
-        self.length_buckets = self.schedule.length_buckets()
         self.graphs = None  # engine.dac.graphs.DacGraphs once captured
-        self._on_gpu = torch.device(getattr(codec, "device", "cpu")).type == "cuda"
+        self._on_gpu = codec.device.type == "cuda"
 
     # ---- request lifecycle (cheap, no DAC work) -------------------------------------------
 
@@ -230,17 +222,16 @@ class StreamingDecoder:
             del self._reqs[rid]  # final audio already returned (eos was known early)
 
     def drop(self, rid: int) -> None:
-        """Cancel: forget the request (chunks of it in flight are discarded when they land)."""
-        self._reqs.pop(rid, None)
+        """Cancel: forget the request and free its slot (its calls in flight are discarded when they land;
+        the slot's next stream resets the state in order after them)."""
+        req = self._reqs.pop(rid, None)
+        if req is not None:
+            self._release(req)
 
     def pending(self) -> bool:
         """True if `launch` would decode something."""
-        return any(self._ready(r) for r in self._reqs.values())
-
-    def queued_frames(self) -> int:
-        """Aligned frames ready to decode that no launched call covers yet: the decoder's backlog, which
-        realtime admission reads (engine/runtime/admission.py)."""
-        return sum(r.available() - r.planned for r in self._reqs.values() if self._ready(r))
+        free = bool(self._free)
+        return any(self._next(r, free) is not None for r in self._reqs.values())
 
     def in_flight(self) -> int:
         """DAC calls launched and not yet collected."""
@@ -253,47 +244,59 @@ class StreamingDecoder:
 
     def step(self, max_batch: int = 64, as_float: bool = False,
              max_frames: int | None = None) -> list[tuple[int, np.ndarray, bool]]:
-        """Decode ready chunks and wait for them; return (rid, pcm, is_final) per request with new audio.
+        """Decode the ready calls and wait for them; return (rid, pcm, is_final) per request with new audio.
 
         pcm is int16 (or float32 in [-1, 1] with as_float=True). Every request gets exactly one
         is_final=True tuple (its pcm may be empty), after which it is forgotten.
-        max_batch: chunks per DAC call. max_frames: bound on the DAC input frames of this call
-        (context included), to cap the time one step can take; requests that do not fit stay
-        pending, least recently served first next time (None: decode everything ready).
+        max_batch: streams per DAC call. max_frames: bound on the frames this call feeds (flush frames
+        included), to cap the time one step can take; requests that do not fit stay pending, least
+        recently served first next time (None: decode everything ready).
         """
         self.launch(max_batch, max_frames)
         return self.collect(as_float, wait=True)
 
     def launch(self, max_batch: int = 64, max_frames: int | None = None) -> int:
-        """Cut ready chunks (at most max_frames DAC input frames, least recently served first) and start
-        their DAC calls; returns the number of chunks launched. On a GPU nothing is waited for."""
+        """Plan the ready calls (at most max_frames frames fed, least recently served first) and start their
+        DAC calls; returns the number of stream calls launched. On a GPU nothing is waited for."""
         self._n_steps += 1
-        saved = {rid: (req.planned, req.n_chunks, req.tail_planned, req.done) for rid, req in self._reqs.items()}
-        chunks: list[_Chunk] = []
         budget = max_frames if max_frames is not None else float("inf")
-        for rid, req in sorted(self._reqs.items(), key=lambda kv: kv[1].served):
-            if budget <= 0:
+        order = sorted(self._reqs.items(), key=lambda kv: kv[1].served)
+        rounds: list[list[_Call]] = []
+        while budget > 0:  # round r + 1 gives the streams still ready their next call
+            rnd = []
+            for rid, req in order:
+                if budget <= 0:
+                    break
+                call = self._plan(rid, req)
+                if call is not None:
+                    req.served = self._n_steps
+                    budget -= max(call.size, 1)
+                    rnd.append(call)
+            if not rnd:
                 break
-            mine = self._plan(rid, req)
-            if mine:
-                req.served = self._n_steps
-                budget -= sum(c.end - c.start for c in mine)
-                chunks += mine
-        if not chunks:
+            rounds.append(rnd)
+        if not rounds:
             return 0
-        try:
-            self._flights.append(self._run(chunks, max_batch))
-        except BaseException:
-            # e.g. CUDA OOM: un-plan so the same chunks are cut again by the next launch()
-            for c in chunks:
-                if c.rid in saved and self._reqs.get(c.rid) is c.req:
-                    c.req.planned, c.req.n_chunks, c.req.tail_planned, c.req.done = saved[c.rid]
-            raise
-        return len(chunks)
+        flight, error = self._run(rounds, max_batch)
+        self._flights.append(flight)
+        for call in flight.calls:
+            if call.final:
+                self._release(call.req)
+        if error is not None:
+            # e.g. CUDA OOM: un-plan the calls that did not run (each stream back to the first of them), so
+            # the next launch plans them again; the calls that ran land as usual
+            ran = {id(c) for c in flight.calls}
+            for call in reversed([c for r in rounds for c in r if id(c) not in ran]):
+                req = call.req
+                req.fed, req.calls, req.done, slot = call.before
+                if slot < 0:
+                    self._release(req)
+            raise error
+        return len(flight.calls)
 
     def collect(self, as_float: bool = False, wait: bool = False) -> list[tuple[int, np.ndarray, bool]]:
-        """Stitch every launched call that has finished (all of them with wait=True), in launch order:
-        (rid, pcm, is_final) per request with new audio."""
+        """Return the audio of every launched call that has finished (all of them with wait=True), in launch
+        order: (rid, pcm, is_final) per request with new audio."""
         out: list[tuple[int, np.ndarray, bool]] = []
         while self._flights:
             flight = self._flights[0]
@@ -307,26 +310,10 @@ class StreamingDecoder:
                 rows = pcm.numpy()
                 for c, row in zip(part, rows, strict=False):
                     c.pcm = row
-            out += self._emit(flight.chunks, as_float)
+            out += self._emit(flight.calls, as_float)
         return out
 
     # ---- internals ------------------------------------------------------------------------
-
-    def _emit(self, chunks: list[_Chunk], as_float: bool) -> list[tuple[int, np.ndarray, bool]]:
-        out: list[tuple[int, np.ndarray, bool]] = []
-        by_req: dict[int, list[_Chunk]] = defaultdict(list)
-        for c in chunks:
-            if self._reqs.get(c.rid) is c.req:  # not dropped/reopened meanwhile
-                by_req[c.rid].append(c)
-        for rid, cs in by_req.items():
-            pcm = np.concatenate([self._stitch(c) for c in cs])
-            final = cs[-1].final
-            if final:
-                self._retire(rid, cs[-1].req)
-            elif not pcm.size:
-                continue  # e.g. a first chunk shorter than overlap_frames: all withheld
-            out.append((rid, pcm if as_float else to_int16(pcm), final))
-        return out
 
     def _get(self, rid: int) -> _Req:
         try:
@@ -340,13 +327,164 @@ class StreamingDecoder:
         if req.eos is not None and eos != req.eos:
             log.warning("request %s: eos_frame %s after %s; keeping the smaller", rid, eos, req.eos)
             eos = min(eos, req.eos)
-        if req.planned > eos:
+        if (req.eos is None or eos < req.eos) and req.fed > eos:
             log.warning(
                 "request %s: eos_frame %s arrived after frames up to %s were decoded; "
-                "audio is truncated at eos but the last chunk's seam may be audible",
-                rid, eos, req.planned,
+                "audio is cut at eos, but its last frames were decoded with the frames after it",
+                rid, eos, req.fed,
             )
         req.eos = eos
+
+    def _release(self, req: _Req) -> None:
+        if req.slot >= 0:
+            self._free.append(req.slot)
+            req.slot = -1
+
+    def _next(self, req: _Req, slot_free: bool) -> tuple[int, int, bool] | None:
+        """(size, total, final) of the request's next call if it can be planned now, else None."""
+        if req.done:
+            return None
+        target = req.final_target()
+        if target is None:
+            size = self.schedule.next_size(req.calls)
+            if req.available() - req.fed < size or (req.slot < 0 and not slot_free):
+                return None
+            return size, (req.eos if req.eos is not None else UNBOUNDED), False
+        left = target + self._flush - req.fed if target > 0 else 0  # fed frames cover fed x 512 - lag samples
+        if left <= 0:
+            return 0, target, True  # nothing left to decode: a final without a DAC call
+        if req.slot < 0 and not slot_free:
+            return None
+        sizes = self.schedule.call_sizes()
+        size = next((s for s in sizes if s >= left), sizes[-1])
+        return size, target, size >= left
+
+    def _plan(self, rid: int, req: _Req) -> _Call | None:
+        """The request's next call, if ready; advances its plan pointer."""
+        nxt = self._next(req, bool(self._free))
+        if nxt is None:
+            return None
+        size, total, final = nxt
+        call = _Call(rid, req, req.fed, size, total, final, (req.fed, req.calls, req.done, req.slot))
+        if size:
+            if req.slot < 0:
+                req.slot = self._free.pop()
+            req.fed += size
+            req.calls += 1
+        req.done = final
+        return call
+
+    @staticmethod
+    def _batch_bucket(n: int, max_batch: int) -> int:
+        return min(max_batch, 1 << (n - 1).bit_length())
+
+    def _run(self, rounds: list[list[_Call]], max_batch: int) -> tuple[_Flight, BaseException | None]:
+        """Start the rounds' DAC calls in order. If one raises, the flight holds the calls that ran before it
+        and the error is returned."""
+        ran: list[_Call] = []
+        outputs: list[tuple[list[_Call], torch.Tensor]] = []
+        error: BaseException | None = None
+        for rnd in rounds:
+            groups: dict[int, list[_Call]] = defaultdict(list)
+            for c in rnd:
+                groups[c.size].append(c)
+            ok = {id(c) for c in groups.pop(0, [])}  # finals without a DAC call
+            try:
+                for size, group in sorted(groups.items()):
+                    for i in range(0, len(group), max_batch):
+                        part = group[i : i + max_batch]
+                        outputs.append((part, self._decode(part, size, self._batch_bucket(len(part), max_batch))))
+                        ok |= {id(c) for c in part}
+            except BaseException as e:  # launch un-plans what did not run, then raises it
+                error = e
+            ran += [c for c in rnd if id(c) in ok]  # a stream has at most one call per round
+            if error is not None:
+                break
+        done = None
+        if self._on_gpu:
+            done = torch.cuda.Event()
+            done.record()
+        return _Flight(ran, outputs, done), error
+
+    def _pack(self, part: list[_Call], size: int, batch: int) -> np.ndarray:
+        codes = np.stack([aligned_codes(c.req.buf[: c.req.n], c.start, c.start + size) for c in part])
+        slots = np.array([c.req.slot for c in part], dtype=np.int64)
+        start = np.array([c.start for c in part], dtype=np.int64)
+        total = np.array([c.total for c in part], dtype=np.int64)
+        pad = batch - len(part)
+        if pad:  # rows that decode nothing into the scratch slot
+            codes = np.concatenate([codes, np.zeros((pad, size, N_CODEBOOKS), dtype=np.int64)])
+            slots = np.concatenate([slots, np.full(pad, self.net.scratch, dtype=np.int64)])
+            start, total = np.concatenate([start, np.zeros(pad, np.int64)]), np.concatenate([total, np.zeros(pad, np.int64)])
+        return self.net.pack(codes, slots, start, total)
+
+    def _decode(self, part: list[_Call], size: int, batch: int) -> torch.Tensor:
+        """One DAC call; on a GPU launched only: PCM lands in pinned host memory behind the stream."""
+        x = torch.from_numpy(self._pack(part, size, batch))
+        if not self._on_gpu:
+            return self.net.run(x, size)
+        x = x.pin_memory()  # a pageable copy would wait for the stream's earlier work
+        if self.graphs is not None and (batch, size) in self.graphs:
+            pcm = self.graphs.run(x, size)
+        else:
+            pcm = self.net.run(x.to(self.codec.device, non_blocking=True), size)
+        host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
+        host.copy_(pcm, non_blocking=True)
+        return host
+
+    def warm_shapes(self, max_batch: int = 64) -> set[tuple[int, int]]:
+        """Every (batch, F) `launch` uses: power-of-two batches (capped at max_batch) x the schedule's sizes."""
+        return {(self._batch_bucket(1 << k, max_batch), f) for k in range(max_batch.bit_length())
+                for f in self.schedule.call_sizes()}
+
+    def warmup(self, max_batch: int = 64) -> int:
+        """Run every shape `launch` uses once (rows on the scratch slot), so no request pays cuDNN plan
+        building (40-65 ms per new shape on an H200). Returns the number of shapes run."""
+        shapes = self.warm_shapes(max_batch)
+        for b, f in sorted(shapes):
+            self.net.run(self.net.idle_rows(b, f), f)
+        return len(shapes)
+
+    def capture(self, max_batch: int = 64) -> int:
+        """On a GPU: capture every warm shape in a CUDA graph, so a launch costs the engine thread one
+        replay per DAC call instead of ~1,000 kernel launches. Returns the number of graphs."""
+        from engine.dac.graphs import DacGraphs
+
+        self.graphs = DacGraphs(self.net, self.warm_shapes(max_batch))
+        self.graphs.capture()
+        return len(self.graphs.graphs)
+
+    def _emit(self, calls: list[_Call], as_float: bool) -> list[tuple[int, np.ndarray, bool]]:
+        out: list[tuple[int, np.ndarray, bool]] = []
+        by_req: dict[int, list[_Call]] = defaultdict(list)
+        for c in calls:
+            if self._reqs.get(c.rid) is c.req:  # not dropped/reopened meanwhile
+                by_req[c.rid].append(c)
+        for rid, cs in by_req.items():
+            pcm = np.concatenate([self._cut(c) for c in cs])
+            final = cs[-1].final
+            if final:
+                self._retire(rid, cs[-1].req)
+            elif not pcm.size:
+                continue  # e.g. a first call shorter than the lag: all of it before time 0
+            out.append((rid, pcm if as_float else to_int16(pcm), final))
+        return out
+
+    def _cut(self, c: _Call) -> np.ndarray:
+        """The call's samples the stream emits: times in [0, its end), after what it emitted already."""
+        req = c.req
+        if c.pcm is None or not c.size:
+            return np.zeros(0, dtype=np.float32)
+        t0 = c.start * HOP - self.lag  # the call's first sample, in the stream's time
+        end = t0 + c.pcm.shape[0]
+        if c.total < UNBOUNDED:
+            end = min(end, c.total * HOP)
+        if req.eos is not None:  # eos may have arrived after the launch
+            end = min(end, req.eos * HOP)
+        lo = max(req.emitted, t0, 0)
+        seg = c.pcm[lo - t0 : max(lo, end) - t0].astype(np.float32, copy=False)
+        req.emitted += seg.shape[0]
+        return seg
 
     def _retire(self, rid: int, req: _Req) -> None:
         req.final_sent = True
@@ -355,138 +493,3 @@ class StreamingDecoder:
         else:  # eos made it final before the engine's finish(): keep a tombstone for push/finish
             req.buf = req.buf[:0]
             req.n = 0
-
-    def _ready(self, req: _Req) -> bool:
-        if req.done:
-            return False
-        if req.final_target() is not None:
-            return True
-        return req.available() - req.planned >= self.schedule.next_size(req.n_chunks, req.planned)
-
-    def _plan(self, rid: int, req: _Req) -> list[_Chunk]:
-        """Cut the request's ready frames into chunks and advance its plan pointer."""
-        chunks = []
-        if req.done:
-            return chunks
-        final_at = req.final_target()
-        limit = req.available() if final_at is None else final_at
-        while True:
-            size = self.schedule.next_size(req.n_chunks, req.planned)
-            if final_at is None and req.planned + size > limit:
-                break
-            end = req.planned + size if final_at is None else max(limit, req.planned)
-            # the kept region starts with the frames the previous chunk withheld (cross-fade)
-            keep_from = req.planned - req.tail_planned
-            start = min(keep_from, max(0, req.planned - self.schedule.context_frames))
-            # round the input length up to a warm shape with more real left context, when the
-            # history allows: invisible in the output (beyond the receptive field, or at worst
-            # better context), and a function of this request alone, so batching stays neutral
-            start -= self._pad_to_bucket(end - start, start)
-            final = final_at is not None
-            # end <= N always: non-final end <= N - 8, final end <= min(eos, N) (or planned)
-            codes = aligned_codes(req.buf[: req.n], start, end)
-            chunks.append(_Chunk(rid, req, start, keep_from, end, final, codes))
-            req.tail_planned = 0 if final else min(self.schedule.holdback, end - keep_from)
-            req.planned = max(req.planned, end)
-            req.n_chunks += 1
-            if final:
-                req.done = True
-                break
-        return chunks
-
-    def _pad_to_bucket(self, length: int, start: int) -> int:
-        """Extra left-context frames that bring `length` to a bucket length (0 if impossible)."""
-        i = bisect.bisect_left(self.length_buckets, length)
-        target = self.length_buckets[i] if i < len(self.length_buckets) else -(-length // 64) * 64
-        return target - length if target - length <= start else 0
-
-    @staticmethod
-    def _batch_bucket(n: int, max_batch: int) -> int:
-        return min(max_batch, 1 << (n - 1).bit_length())
-
-    def _run(self, chunks: list[_Chunk], max_batch: int) -> _Flight:
-        groups: dict[int, list[_Chunk]] = defaultdict(list)
-        for c in chunks:
-            groups[c.end - c.start].append(c)
-        outputs: list[tuple[list[_Chunk], torch.Tensor]] = []
-        for length, group in groups.items():
-            if length == 0:
-                for c in group:
-                    c.pcm = np.zeros(0, dtype=np.float32)
-                continue
-            for i in range(0, len(group), max_batch):
-                part = group[i : i + max_batch]
-                rows = [c.codes for c in part]
-                # pad the batch to a power of two: cuDNN builds a plan per (batch, length) shape
-                # (40-65 ms each on an H200), so a bounded shape set can be warmed (and captured) up front
-                rows += rows[:1] * (self._batch_bucket(len(rows), max_batch) - len(rows))
-                outputs.append((part, self._decode(np.stack(rows))))
-        done = None
-        if self._on_gpu:
-            done = torch.cuda.Event()
-            done.record()
-        return _Flight(chunks, outputs, done)
-
-    def _decode(self, codes: np.ndarray) -> torch.Tensor:
-        """One DAC call; on a GPU launched only: PCM lands in pinned host memory behind the stream."""
-        x = torch.from_numpy(codes)
-        if not self._on_gpu:
-            return self.codec.decode(x)
-        x = x.pin_memory()  # a pageable copy would wait for the stream's earlier work
-        shape = (codes.shape[0], codes.shape[1])
-        if self.graphs is not None and shape in self.graphs:
-            pcm = self.graphs.run(x)
-        else:
-            pcm = self.codec.decode(x.to(self.codec.device, non_blocking=True))
-        host = torch.empty(pcm.shape, dtype=pcm.dtype, pin_memory=True)
-        host.copy_(pcm, non_blocking=True)
-        return host
-
-    def warm_shapes(self, max_batch: int = 64, short_finals: bool = True) -> set[tuple[int, int]]:
-        """Every (batch, length) `launch` uses: all length buckets x power-of-two batches, plus batch 1
-        at every length below the largest bucket (finals of short utterances, which have no history to
-        pad with)."""
-        shapes = {(self._batch_bucket(b, max_batch), n) for n in self.length_buckets
-                  for b in (1 << k for k in range(max_batch.bit_length()))}
-        if short_finals:
-            shapes |= {(1, n) for n in range(1, max(self.length_buckets) + 1)}
-        return shapes
-
-    def warmup(self, max_batch: int = 64, short_finals: bool = True) -> int:
-        """Decode once at every shape `launch` will use, so no request pays cuDNN plan building
-        (40-65 ms per new (batch, length) on an H200). Returns the number of shapes run."""
-        shapes = self.warm_shapes(max_batch, short_finals)
-        for b, n in sorted(shapes):
-            self.codec.decode(torch.zeros(b, n, N_CODEBOOKS, dtype=torch.long))
-        return len(shapes)
-
-    def capture(self, max_batch: int = 64) -> int:
-        """On a GPU: capture every warm shape in a CUDA graph, so a launch costs the engine thread one
-        replay instead of the eager call's ~900 kernel launches. Returns the number of graphs."""
-        from engine.dac.graphs import DacGraphs
-
-        self.graphs = DacGraphs(self.codec, self.warm_shapes(max_batch))
-        self.graphs.capture()
-        return len(self.graphs.graphs)
-
-    def _stitch(self, c: _Chunk) -> np.ndarray:
-        """Cross-fade with the withheld tail, withhold the new tail; return samples to emit."""
-        req = c.req
-        assert c.pcm is not None
-        audio = c.pcm[(c.keep_from - c.start) * HOP :].astype(np.float32, copy=True)
-        # the kept region starts with the held-back frames: fade from the old decode of their
-        # first overlap_frames into the new one, then take the new decode (it has left context)
-        ov = min(self.schedule.overlap_frames * HOP, req.tail.shape[0], audio.shape[0])
-        if ov:
-            w = crossfade_window(ov)
-            audio[:ov] = (1.0 - w) * req.tail[:ov] + w * audio[:ov]
-        if c.final:
-            emit, req.tail = audio, audio[:0]
-            if req.eos is not None and req.emitted + emit.shape[0] > req.eos * HOP:
-                # eos arrived after we decoded past it: never emit more than eos_frame frames
-                emit = emit[: max(0, req.eos * HOP - req.emitted)]
-        else:
-            hold = min(self.schedule.holdback * HOP, audio.shape[0])
-            emit, req.tail = audio[: audio.shape[0] - hold], audio[audio.shape[0] - hold :]
-        req.emitted += emit.shape[0]
-        return emit
