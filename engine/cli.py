@@ -34,8 +34,9 @@ def _weights(args: argparse.Namespace) -> WeightSources:
     return src
 
 
-def _read_embedding(path: str, dim: int) -> torch.Tensor:
-    """A .npy/.npz speaker embedding, (D,) or (N, D) averaged; refused unless it is `dim` finite numbers."""
+def _read_embedding(path: str, dim: int | None) -> torch.Tensor:
+    """A .npy/.npz speaker embedding, (D,) or (N, D) averaged; refused unless it is `dim` (any D when None)
+    finite numbers."""
     arr = np.load(path, allow_pickle=False)
     if isinstance(arr, np.lib.npyio.NpzFile):
         with arr:
@@ -47,8 +48,10 @@ def _read_embedding(path: str, dim: int) -> torch.Tensor:
     arr = np.asarray(arr, dtype=np.float32).squeeze()
     if arr.ndim == 2 and arr.shape[0] > 0:
         arr = arr.mean(0)
-    if arr.shape != (dim,):
-        raise ValueError(f"{path}: the speaker embedding must have shape ({dim},) or (N, {dim}), got {arr.shape}")
+    want = dim if dim is not None else arr.shape[0] if arr.ndim == 1 and arr.size else None
+    if want is None or arr.shape != (want,):
+        d = dim if dim is not None else "D"
+        raise ValueError(f"{path}: the speaker embedding must have shape ({d},) or (N, {d}), got {arr.shape}")
     if not np.isfinite(arr).all():
         raise ValueError(f"{path}: the speaker embedding contains NaN or infinite values")
     return torch.from_numpy(np.array(arr))
@@ -140,20 +143,57 @@ def _read_ids(path: str, cfg: Zonos2Config) -> torch.Tensor:
     return torch.from_numpy(arr.astype(np.int64))
 
 
+def _emotion(args: argparse.Namespace, emb: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """--emotion NAME=W ... applied to a speaker embedding (engine/emotion.py): (embedding, hidden delta)."""
+    from engine.emotion import EmotionDirections, EmotionError, parse_request
+
+    sliders: dict[str, float] = {}
+    for item in args.emotion or []:
+        name, sep, weight = item.partition("=")
+        try:
+            sliders[name.strip()] = float(weight) if sep else 1.0
+        except ValueError:
+            raise ValueError(f"--emotion {item!r}: expected NAME=WEIGHT") from None
+    fields = {"emotion_enabled": True, "emotion_sliders": sliders, "emotion_valence": args.valence,
+              "emotion_arousal": args.arousal, "emotion_strength": args.emotion_strength}
+    req = parse_request(fields)
+    if not req.requested:
+        return emb, None
+    if not args.emotion_directions_dir:
+        raise ValueError("--emotion/--valence/--arousal need --emotion-directions-dir")
+    try:
+        return EmotionDirections.load(args.emotion_directions_dir).apply(emb, req, args.speaker_key)
+    except EmotionError as e:
+        raise ValueError(str(e)) from None
+
+
 def cmd_speaker_embed(args: argparse.Namespace) -> None:
-    """The speaker_encoder node as a tool: clip -> [enc_dim] float32 .npy (whatever --dtype the network ran in)."""
+    """The speaker_encoder node as a tool: clip -> [enc_dim] float32 .npy (whatever --dtype the network ran in);
+    with --emotion, the vector after emotion injection (of the clip's or of --speaker-embedding)."""
     from engine.audio import decode_audio
 
     src = _weights(args)
-    encoder = load_speaker_encoder(src, _device(args.device))
-    if _DTYPES[args.dtype] != torch.float32:
-        encoder = encoder.to(dtype=_DTYPES[args.dtype])
-        encoder.frontend.float()  # the log-mel DSP always runs in float32
-    wav, sr = decode_audio(Path(args.audio).read_bytes())
-    emb = encoder.embed(wav, sr).float().cpu().numpy().astype(np.float32)
+    info: dict = {}
+    if args.audio:
+        encoder = load_speaker_encoder(src, _device(args.device))
+        if _DTYPES[args.dtype] != torch.float32:
+            encoder = encoder.to(dtype=_DTYPES[args.dtype])
+            encoder.frontend.float()  # the log-mel DSP always runs in float32
+        wav, sr = decode_audio(Path(args.audio).read_bytes())
+        emb = encoder.embed(wav, sr).float().cpu().numpy().astype(np.float32)
+        info = {"seconds": round(len(wav) / sr, 3), "sample_rate": sr, "dtype": args.dtype,
+                "encoder": src.describe()["speaker_encoder"]}
+    else:
+        emb = _read_embedding(args.speaker_embedding, None).numpy()
+    emb, delta = _emotion(args, emb)
+    if delta is not None:  # 'proj' directions: the embedding stays, the projected speaker row moves
+        if not args.out_delta:
+            raise ValueError("these emotion directions move the projected speaker row ('proj' space), not the "
+                             "embedding: give --out-delta to write that delta")
+        np.save(args.out_delta, delta)
+        info["out_delta"] = args.out_delta
     np.save(args.out, emb)
-    print(json.dumps({"out": args.out, "dim": int(emb.shape[-1]), "seconds": round(len(wav) / sr, 3),
-                      "sample_rate": sr, "dtype": args.dtype, "encoder": src.describe()["speaker_encoder"]}))
+    print(json.dumps({"out": args.out, "dim": int(emb.shape[-1]), **info}))
 
 
 def cmd_synthesize(args: argparse.Namespace) -> None:
@@ -173,6 +213,14 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         speaker = load_speaker_encoder(src, device).embed(wav, sr).to(device)
     elif args.speaker_embedding:
         speaker = _read_embedding(args.speaker_embedding, model.cfg.speaker_embedding_dim).to(device)
+    if args.emotion or args.valence or args.arousal:
+        if speaker is None:
+            raise ValueError("--emotion needs a voice (--voice or --speaker-embedding): it moves the speaker vector")
+        emb, delta = _emotion(args, speaker.float().cpu().numpy())
+        if delta is not None:
+            raise ValueError("emotion directions in the 'proj' space (the reference's shipped folder) add to the "
+                             "projected speaker row inside the model: not built yet")
+        speaker = torch.from_numpy(emb).to(device)
     text = args.text
     if args.language:
         from engine.textnorm import TextNormalizer
@@ -242,10 +290,23 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefix CFG: write the guided logits [9, V] of the last frame (needs --uncond-input-ids)")
     sp.set_defaults(func=cmd_logits)
 
+    def emotion_args(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--emotion", action="append", metavar="NAME=WEIGHT",
+                        help="emotion slider (repeatable), e.g. happy=1.0")
+        sp.add_argument("--valence", type=float, default=0.0)
+        sp.add_argument("--arousal", type=float, default=0.0)
+        sp.add_argument("--emotion-strength", type=float, default=1.0)
+        sp.add_argument("--emotion-directions-dir", help="folder in the reference's emotion_directions/ format")
+        sp.add_argument("--speaker-key", help="the speaker's key in calibration.json (default: its defaults)")
+
     sp = sub.add_parser("speaker-embed", help="embed a reference clip with the speaker encoder")
     weights_args(sp, model=False, spk=True)
-    sp.add_argument("--audio", required=True)
+    src = sp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--audio", help="the clip to embed")
+    src.add_argument("--speaker-embedding", help=".npy embedding to apply --emotion to")
     sp.add_argument("--out", required=True)
+    sp.add_argument("--out-delta", help="'proj' emotion directions: where to write the projected-row delta")
+    emotion_args(sp)
     sp.add_argument("--dtype", choices=list(_DTYPES), default="float32",
                     help="dtype the ECAPA network runs in (the log-mel frontend and the output stay float32)")
     sp.set_defaults(func=cmd_speaker_embed)
@@ -259,6 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int)
     sp.add_argument("--max-frames", type=int, default=1024)
     sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
+    emotion_args(sp)
     sp.set_defaults(func=cmd_synthesize)
     return p
 

@@ -1,0 +1,220 @@
+"""Emotion control (engine/emotion.py) on synthetic folders in the reference's emotion_directions/ format,
+against the reference's formulas computed here in float64 (emotion-control-clean: tts/emotion.py
+apply_emotion / emotion_hidden_delta and its server's calibration folding)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engine.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
+
+D = 48  # the release is 2048; the formulas do not care
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_folder(root: Path, space: str = "raw", calibration: dict | None = None, dim: int = D, in_dim: int = D,
+                 seed: int = 0) -> dict[str, np.ndarray]:
+    """A folder laid out as the reference ships its own: extra manifest keys (neutral, norm) included."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    vecs = {n: (0.05 * rng.standard_normal(dim)).astype(np.float32)
+            for n in ("happy", "sad", "angry", "surprised", "valence", "arousal")}
+    manifest: dict = {"dim": dim, "ref_base_norm": 0.157, "neutral": "neutral", "space": space, "directions": {}}
+    for n, v in vecs.items():
+        np.save(root / f"{n}.npy", v)
+        kind = "axis" if n in ("valence", "arousal") else "named"
+        manifest["directions"][n] = {"file": f"{n}.npy", "kind": kind, "norm": float(np.linalg.norm(v))}
+    if space == "lda":
+        w = rng.standard_normal((dim, in_dim)).astype(np.float32) / np.sqrt(in_dim)
+        b = (0.1 * rng.standard_normal(dim)).astype(np.float32)
+        for name, arr in (("lda_w.npy", w), ("lda_b.npy", b), ("lda_pinv.npy", np.linalg.pinv(w).astype(np.float32))):
+            np.save(root / name, arr)
+        manifest["input_dim"] = in_dim
+        manifest["lda"] = {"weight": "lda_w.npy", "bias": "lda_b.npy", "pinv": "lda_pinv.npy"}
+        vecs.update(W=w, b=b)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    if calibration is not None:
+        (root / "calibration.json").write_text(json.dumps(calibration))
+    return vecs
+
+
+CAL = {"objective": "emotion2vec_target_prob", "grid": [1.0, 2.0, 3.0, 4.0], "min_prob": 0.12,
+       "global_default": 3.0, "default": {"happy": 2.0, "sad": 3.0},
+       "by_speaker": {"v_alice": {"happy": 4.0}}, "labels": {"v_alice": "Alice"}}
+
+
+def base_embedding(n: int = D, seed: int = 9) -> np.ndarray:
+    return (0.2 * np.random.default_rng(seed).standard_normal(n)).astype(np.float32)
+
+
+def expected_delta(vecs, sliders, valence, arousal, strength, cal=lambda name: 1.0) -> np.ndarray:
+    d = np.zeros(len(vecs["happy"]), np.float64)
+    for name, w in sliders.items():
+        d += w * cal(name) * vecs[name].astype(np.float64)
+    d += valence * cal("valence") * vecs["valence"] + arousal * cal("arousal") * vecs["arousal"]
+    return strength * d
+
+
+def one_minus_cos(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return 1 - float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+def test_raw_space_norm_preserving(tmp_path):
+    vecs = write_folder(tmp_path)
+    dirs = EmotionDirections.load(tmp_path)
+    assert dirs.names == ["happy", "sad", "angry", "surprised"] and dirs.axis_names == ["valence", "arousal"]
+    base = base_embedding()
+    req = EmotionRequest(enabled=True, sliders={"happy": 1.0, "sad": -0.5}, valence=0.3, strength=1.5)
+    emb, delta = dirs.apply(base, req)
+    moved = base.astype(np.float64) + expected_delta(vecs, req.sliders, 0.3, 0.0, 1.5)
+    want = moved * np.linalg.norm(base.astype(np.float64)) / np.linalg.norm(moved)
+    assert delta is None and emb.dtype == np.float32 and emb.shape == (D,)
+    np.testing.assert_allclose(emb, want, rtol=1e-5, atol=1e-6)
+    assert abs(np.linalg.norm(emb) - np.linalg.norm(base)) < 1e-5  # the magnitude the model was trained on
+    assert one_minus_cos(emb, base) > 1e-3  # it did move
+
+
+def test_calibration_folds_into_the_weights(tmp_path):
+    vecs = write_folder(tmp_path, calibration=CAL)
+    dirs = EmotionDirections.load(tmp_path)
+    base = base_embedding()
+    req = EmotionRequest(enabled=True, sliders={"happy": 0.5, "angry": 1.0}, arousal=-0.4)
+    for key, cal in (("v_alice", {"happy": 4.0}), ("v_bob", {}), (None, {})):
+        def strength(name, cal=cal):
+            return cal.get(name, CAL["default"].get(name, CAL["global_default"]))
+        emb, _ = dirs.apply(base, req, key)
+        moved = base + expected_delta(vecs, req.sliders, 0.0, -0.4, 1.0, strength)
+        np.testing.assert_allclose(emb, moved * np.linalg.norm(base) / np.linalg.norm(moved), rtol=1e-5, atol=1e-6)
+    assert dirs.capabilities()["emotion_calibrated"] is True
+
+
+def test_lda_space(tmp_path):
+    vecs = write_folder(tmp_path, space="lda", dim=24, in_dim=D)
+    dirs = EmotionDirections.load(tmp_path)
+    base = base_embedding()
+    req = EmotionRequest(enabled=True, sliders={"surprised": 0.8}, valence=-0.2, strength=2.0)
+    emb, delta = dirs.apply(base, req)
+    w, b = vecs["W"].astype(np.float64), vecs["b"].astype(np.float64)
+    x = w @ base + b
+    moved = x + expected_delta(vecs, req.sliders, -0.2, 0.0, 2.0)
+    moved *= np.linalg.norm(x) / np.linalg.norm(moved)
+    want = np.linalg.pinv(vecs["W"]).astype(np.float64) @ (moved - b)
+    assert delta is None and emb.shape == (D,)
+    np.testing.assert_allclose(emb, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(w @ emb + b, moved, rtol=1e-4, atol=1e-5)  # the model's LDA recovers it
+
+
+def test_proj_space_gives_a_hidden_delta(tmp_path):
+    """The reference's shipped folder is of this kind: the embedding stays, strength * delta is added to the
+    projected speaker row (no norm preservation)."""
+    vecs = write_folder(tmp_path, space="proj")
+    dirs = EmotionDirections.load(tmp_path)
+    base = base_embedding()
+    req = EmotionRequest(enabled=True, sliders={"happy": 1.0}, strength=3.0)
+    emb, delta = dirs.apply(base, req)
+    assert np.array_equal(emb, base) and delta is not None
+    np.testing.assert_allclose(delta, expected_delta(vecs, req.sliders, 0, 0, 3.0), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("req", [EmotionRequest(enabled=False, sliders={"happy": 1.0}),
+                                 EmotionRequest(enabled=True, sliders={"happy": 0.0, "nonexistent": 0.0}),
+                                 EmotionRequest(enabled=True, sliders={"happy": 1.0}, strength=0.0),
+                                 EmotionRequest(enabled=True)])
+def test_nothing_requested_changes_nothing(tmp_path, req):
+    write_folder(tmp_path)
+    base = base_embedding()
+    emb, delta = EmotionDirections.load(tmp_path).apply(base, req)
+    assert np.array_equal(emb, base) and delta is None
+
+
+def test_refusals(tmp_path):
+    write_folder(tmp_path)
+    dirs = EmotionDirections.load(tmp_path)
+    with pytest.raises(EmotionError, match="unknown emotion"):
+        dirs.apply(base_embedding(), EmotionRequest(enabled=True, sliders={"smug": 1.0}))
+    with pytest.raises(EmotionError, match="48"):
+        dirs.apply(base_embedding(20), EmotionRequest(enabled=True, sliders={"happy": 1.0}))
+    del dirs.axes["arousal"]
+    with pytest.raises(EmotionError, match="arousal"):
+        dirs.check(EmotionRequest(enabled=True, arousal=0.5))
+
+
+def test_bad_folders(tmp_path):
+    with pytest.raises(EmotionError, match="not an emotion directions folder"):
+        EmotionDirections.load(tmp_path / "missing")
+    write_folder(tmp_path / "a")
+    np.save(tmp_path / "a" / "sad.npy", np.zeros(D + 1, np.float32))
+    with pytest.raises(EmotionError, match="'sad' has 49 values"):
+        EmotionDirections.load(tmp_path / "a")
+    write_folder(tmp_path / "b", space="sphere")
+    with pytest.raises(EmotionError, match="space"):
+        EmotionDirections.load(tmp_path / "b")
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps({"dim": D, "directions": {}}))
+    with pytest.raises(EmotionError, match="no directions"):
+        EmotionDirections.load(tmp_path / "c")
+    write_folder(tmp_path / "d")
+    np.save(tmp_path / "d" / "happy.npy", np.full(D, np.nan, np.float32))
+    with pytest.raises(EmotionError, match="NaN"):
+        EmotionDirections.load(tmp_path / "d")
+
+
+def test_parse_request():
+    req = parse_request({"emotion_enabled": True, "emotion_sliders": {"happy": 1, "sad": -0.5},
+                         "emotion_valence": 0.2, "emotion_arousal": None, "emotion_strength": 2,
+                         "emotion_cfg_scale": 1.5})
+    assert req == EmotionRequest(True, {"happy": 1.0, "sad": -0.5}, 0.2, 0.0, 2.0, 1.5) and req.requested
+    assert parse_request({}) == EmotionRequest()
+    for bad in ({"emotion_enabled": 1}, {"emotion_sliders": [1]}, {"emotion_sliders": {"happy": "1"}},
+                {"emotion_sliders": {"happy": float("nan")}}, {"emotion_valence": 11}, {"emotion_strength": True},
+                {"emotion_cfg_scale": 1e9}, {"emotion_sliders": {str(i): 1 for i in range(65)}}):
+        with pytest.raises(EmotionError, match=next(iter(bad)).split("_")[1]):
+            parse_request(bad)
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_speaker_embed_cli_applies_emotion(tmp_path):
+    vecs = write_folder(tmp_path / "dirs", dim=2048, calibration=CAL)
+    base = base_embedding(2048)
+    np.save(tmp_path / "e.npy", base)
+    r = cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "o.npy"),
+            "--emotion", "happy=1.0", "--emotion", "sad=0.25", "--valence", "0.5", "--emotion-strength", "0.7",
+            "--speaker-key", "v_alice", "--emotion-directions-dir", str(tmp_path / "dirs"))
+    assert r.returncode == 0, r.stderr[-2000:]
+
+    def strength(name):
+        return {"happy": 4.0}.get(name, CAL["default"].get(name, CAL["global_default"]))
+    moved = base + expected_delta(vecs, {"happy": 1.0, "sad": 0.25}, 0.5, 0.0, 0.7, strength)
+    np.testing.assert_allclose(np.load(tmp_path / "o.npy"), moved * np.linalg.norm(base) / np.linalg.norm(moved),
+                               rtol=1e-5, atol=1e-6)
+    r = cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "x.npy"),
+            "--emotion", "smug=1", "--emotion-directions-dir", str(tmp_path / "dirs"))
+    assert r.returncode == 2 and "unknown emotion" in r.stderr
+
+
+@pytest.mark.slow
+def test_synthesize_cli_with_emotion_is_synthesis_with_the_injected_vector(tmp_path):
+    """End to end offline: --emotion gives the audio of the same seed with the injected embedding."""
+    write_folder(tmp_path / "dirs", dim=2048)
+    np.save(tmp_path / "e.npy", base_embedding(2048))
+    emo = ["--emotion", "angry=1", "--emotion-directions-dir", str(tmp_path / "dirs")]
+    assert cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "i.npy"),
+               *emo).returncode == 0
+    common = ["Feel it.", "--seed", "4", "--max-frames", "40", "--device", "cpu"]
+    a = cli("synthesize", *common, "-o", str(tmp_path / "a.wav"), "--speaker-embedding", str(tmp_path / "e.npy"), *emo)
+    b = cli("synthesize", *common, "-o", str(tmp_path / "b.wav"), "--speaker-embedding", str(tmp_path / "i.npy"))
+    c = cli("synthesize", *common, "-o", str(tmp_path / "c.wav"), "--speaker-embedding", str(tmp_path / "e.npy"))
+    assert a.returncode == b.returncode == c.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    wav = [(tmp_path / f"{n}.wav").read_bytes() for n in "abc"]
+    assert wav[0] == wav[1] and wav[0] != wav[2]
