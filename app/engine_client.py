@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from engine.contract import records as m
-from engine.contract.constants import FRAME_S
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.rings import AsyncRingReader, ShmRing
 from engine.contract.segments import remove_stale_segments
@@ -413,15 +412,14 @@ class EngineClient:
         """How many more requests this engine can start now without a wait: its free slots, counted from
         the requests this gateway has open on it (exact and up to date: it counts a request from the
         moment it is sent, before the engine's next STATS record), and, under realtime admission, the
-        streams its measured iteration cost still admits (engine/runtime/admission.py's rule with the period and
-        stream count of its last STATS record). Negative: requests would queue."""
+        streams the engine's own admission rule still admitted at its last STATS record
+        (engine/runtime/admission.py), less what this gateway sent since. Negative: requests would queue."""
         load = self.in_flight
         free = float(self.slots - load)
-        if self.realtime_admission:
-            active, period_ms = self.stats.get("active") or 0, self.stats.get("period_ms") or 0.0
-            if active and period_ms:
-                bound_ms = self.settings.admission_headroom * FRAME_S * 1e3
-                free = min(free, bound_ms / (period_ms / active) - load)
+        admissible = self.stats.get("admissible")
+        if self.realtime_admission and admissible is not None:
+            seen = (self.stats.get("active") or 0) + (self.stats.get("waiting") or 0)
+            free = min(free, admissible - (load - seen))
         return free
 
     def describe(self) -> dict[str, Any]:

@@ -62,3 +62,70 @@ def test_nothing_measured_admits():
 def test_bad_headroom_is_refused(headroom: float):
     with pytest.raises(ValueError):
         RealtimeAdmission(headroom=headroom)
+
+
+def test_a_playing_stream_low_on_audio_stops_admission():
+    adm = RealtimeAdmission()
+    adm.observe_launch(0.0, 10)
+    adm.observe_launch(5e-3, 10)  # 5 ms for 10 streams: the period alone would admit many more
+    assert adm.may_admit(10, 1, min_lead_s=0.5)
+    assert not adm.may_admit(10, 1, min_lead_s=0.05)  # a player is about to run dry: nobody starts
+    adm.observe_prefill(0.1)  # a prefill costs every playing stream 100 ms once
+    assert not adm.may_admit(10, 1, min_lead_s=0.15) and adm.may_admit(10, 1, min_lead_s=0.3)
+    assert adm.admissible(10, 0.3, limit=50) == 2  # 0.3 - 2 x 0.1 >= 0.08, a third would not be
+
+
+def test_lead_is_what_a_player_prebuffering_150_ms_still_holds():
+    adm = RealtimeAdmission(prebuffer_s=0.15)
+    assert adm.lead_s(0.2, first_audio=10.0, now=10.1) == 0.2  # not playing yet: holds all it got
+    assert abs(adm.lead_s(0.2, first_audio=10.0, now=10.25) - 0.1) < 1e-9  # played 0.1 s of it
+
+
+def test_a_hidden_bottleneck_cannot_make_playing_streams_stall():
+    """Twice the streams the GPU can carry are offered, and the decode period is cheap: the bottleneck is
+    the audio decoder, which delivers at most `dac_frames` frames per iteration (the period model cannot
+    see it). Admission by the listeners' lead must keep every admitted stream playing: no player runs dry.
+    Virtual clock, one frame of audio per stream per iteration, 150 ms prebuffer."""
+    adm = RealtimeAdmission(headroom=1.0, max_wait_s=2.0)
+    frame, length, dac_frames = FRAME_S, 200, 48  # 48 streams' worth of audio per iteration at most
+    now, waiting, arrived, refused = 0.0, [], 0, 0
+    streams: list[dict[str, float]] = []  # generated, delivered, first (time of first audio, -1: none)
+    stalls = 0
+    for it in range(3000):
+        for _ in range(2 if it % 1 == 0 else 0):  # ~2 arrivals per iteration: far more than fits
+            waiting.append(now)
+            arrived += 1
+        live = [s for s in streams if s["delivered"] < length]
+        period = 2e-3 + 4e-5 * len(live)  # decode alone would carry ~240 streams in real time
+        adm.observe_launch(now, len(live))
+        leads = [adm.lead_s(s["delivered"] * frame, s["first"], now) for s in live if s["first"] >= 0]
+        min_lead = min(leads) if leads else None
+        stalls += sum(1 for lead in leads if lead < 0)
+        admitted = 0
+        starting = sum(1 for s in live if s["first"] < 0)
+        backlog = sum(s["generated"] - s["delivered"] for s in live) / dac_frames  # iterations of decoder work
+        while waiting and len(live) + admitted < 256 and adm.may_admit(len(live), admitted + 1, min_lead, starting,
+                                                                       backlog):
+            waiting.pop(0)
+            admitted += 1
+            streams.append({"generated": 0, "delivered": 0, "first": -1.0, "served": -1})
+        if admitted:  # their prefill: one call, a few ms, that every playing stream waits for
+            period += 4e-3
+            adm.observe_prefill(4e-3)
+        waiting = [t for t in waiting if now - t <= adm.max_wait_s]
+        refused = arrived - len(waiting) - len(streams)
+        for s in streams:
+            s["generated"] = min(length, s["generated"] + 1)
+        budget = dac_frames  # the decoder serves the stream it served least recently first
+        for s in sorted((s for s in streams if s["generated"] > s["delivered"]), key=lambda s: s["served"]):
+            n = min(budget, int(s["generated"] - s["delivered"]))
+            if n <= 0:
+                break
+            if s["first"] < 0:
+                s["first"] = now
+            s["delivered"] += n
+            s["served"] = it
+            budget -= n
+        now += period
+    assert stalls == 0  # no playing stream ever ran dry
+    assert len(streams) > 100 and refused > 0  # the decoder was used, and the excess was refused, not stalled

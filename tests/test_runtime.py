@@ -223,3 +223,34 @@ def test_killed_engine_is_restarted_and_serves_again(rt):
     assert last.type == m.ERROR and last.header["code"] == "engine_restarted"
     assert new_pid != old_pid and client.restarts >= 1
     assert end["type"] == m.FINISHED and len(pcm) == 16 * 512
+
+
+def test_realtime_admission_answers_overload_with_engine_busy_and_a_hint():
+    """With realtime admission and a lead floor no playing stream can meet, a newcomer waits its bounded
+    time in the queue, then gets engine_busy with a retry hint; the playing stream is untouched."""
+    lt = LoopThread()
+    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_context=2048, admission="realtime",
+                              admission_max_wait_s=0.3, admission_lead_floor_ms=1e7, stats_interval_s=0.2)
+    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], int]:
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        playing = client.submit(request("a long stream", 2000, seed=1))
+        while (ev := await playing.next()).type != m.AUDIO:  # it plays: admission now reads its lead
+            assert ev.type == m.STARTED, ev.header
+        newcomer = client.submit(request("a newcomer", 20, seed=2))
+        first = await newcomer.next()
+        refused = first.header | {"type": first.type}
+        playing.cancel()
+        pcm, end, _ = await collect(client, request("after the load", 20, seed=3))
+        return refused, end, len(pcm)
+
+    try:
+        refused, end, n = lt.run(go(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert refused["type"] == m.ERROR and refused["code"] == "engine_busy", refused
+    assert refused["retry_after_ms"] > 0
+    assert end["type"] == m.FINISHED and n == 20 * 512  # once the load is gone, requests start again

@@ -56,8 +56,12 @@ class EngineSettings:
     dac_frames_per_step: int = 384
     dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
     admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
-    admission_headroom: float = 0.8  # realtime: admit while the iteration period stays under 0.8 x 11.6 ms
+    admission_headroom: float = 0.9  # realtime: admit while the iteration period stays under 0.9 x 11.6 ms
     admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
+    # realtime: admit while every playing stream's player holds more than this much audio (after the prefill
+    # a new stream costs), for a player that starts admission_prebuffer_ms after the stream's first byte
+    admission_lead_floor_ms: float = 80.0
+    admission_prebuffer_ms: float = 150.0
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
 

@@ -1,12 +1,30 @@
-"""Admission that protects live streams: a new stream starts only if the running ones keep real time.
+"""Admission that protects live streams: a new stream starts only while the running ones stay ahead of
+their players.
 
-Every running stream gets one frame (512 samples, 11.6 ms of audio) per engine iteration, so the
-iteration period is what the listeners feel: above 11.6 ms every stream falls behind its player at once.
-The controller keeps an exponential average of the period per running stream and, before a new stream
-is admitted, predicts the period with it as that cost times the streams (an overestimate: much of a step
-is fixed cost, so the average only falls as streams are added, and admission errs on the safe side). A stream is admitted while that prediction stays under
-`headroom` x 11.6 ms (with nothing measured yet, `cold_start` streams per iteration); otherwise it waits in the engine queue (its `queue_ms` is reported), and a
-request that has waited `max_wait_s` is refused with `engine_busy` and a retry hint.
+Two signals, both measured:
+
+* **The listeners' lead.** For every stream that has sent audio, the engine knows how much it delivered and
+  when its first byte left; a player that starts `prebuffer_s` after that byte (the live-capacity client's
+  150 ms) has played `now - first - prebuffer` seconds of it, so `lead = delivered - played` is the audio
+  that player still holds. It sees everything a listener feels (a slow decode step, a DAC backlog, a burst
+  of prefills) whatever its cause. A new stream is admitted only while the smallest lead, less the prefill
+  the new stream will cost, stays above `lead_floor_s`; below it every admission waits until the running
+  streams are safe again (streams end, leads grow back).
+* **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
+  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps an exponential
+  average of the period per running stream and predicts the period with the new stream as that cost
+  times the streams (an overestimate: much of a step is fixed cost); a stream is admitted while the
+  prediction stays under `headroom` x 11.6 ms. This gate acts before any lead exists (a burst of arrivals
+  into an idle engine) and keeps the leads growing.
+* **The decoder's backlog.** Frames ready for the dac_decoder but not yet launched, in iterations of its
+  per-iteration budget: when it cannot keep up with the LLM (it runs on a lower-priority stream, behind
+  the decode step), this grows long before a lead runs out.
+* **Slow start.** What a new stream costs shows in the leads only once its audio flows (~20 iterations
+  after admission), so at most `max_starting` admitted streams may be without first audio at a time.
+
+A request that cannot start waits in the engine queue (its `queue_ms` is reported) and after `max_wait_s`
+is refused with `engine_busy` and a `retry_after_ms` hint: when the soonest running stream is expected to
+end.
 """
 
 from __future__ import annotations
@@ -18,13 +36,18 @@ from engine.contract.constants import FRAME_S
 
 @dataclass
 class RealtimeAdmission:
-    headroom: float = 0.8  # admit while the predicted period stays under headroom x FRAME_S
+    headroom: float = 0.9  # admit while the predicted period stays under headroom x FRAME_S
     max_wait_s: float = 5.0  # then engine_busy
+    lead_floor_s: float = 0.08  # admit while every playing stream holds more audio than this (after the prefill)
+    prebuffer_s: float = 0.15  # the player model: playback starts this long after a stream's first byte
     smoothing: float = 0.3  # weight of the newest period in the average
     cold_start: int = 8  # streams admitted per iteration while no period is measured
+    max_starting: int = 16  # streams admitted whose first audio has not left yet (their cost is not seen yet)
+    max_dac_backlog: float = 2.0  # iterations of dac_decoder work queued (ready, not launched) before it is behind
     enabled: bool = True
     period_s: float = 0.0  # average iteration period while streams run (0: nothing measured yet)
     cost_s: float = 0.0  # average iteration period per stream
+    prefill_s: float = 0.0  # average duration of a prefill call (what an admission costs every stream once)
     _last_launch: float | None = None
 
     def __post_init__(self) -> None:
@@ -32,6 +55,8 @@ class RealtimeAdmission:
             raise ValueError("admission headroom must be in (0, 1]")
         if self.max_wait_s <= 0:
             raise ValueError("max_wait_s must be > 0")
+        if self.lead_floor_s < 0 or self.prebuffer_s < 0:
+            raise ValueError("lead_floor_s and prebuffer_s must be >= 0")
 
     @property
     def bound_s(self) -> float:
@@ -47,20 +72,48 @@ class RealtimeAdmission:
             self.cost_s = period / streams if first else (1 - a) * self.cost_s + a * period / streams
         self._last_launch = now if streams else None
 
+    def observe_prefill(self, seconds: float) -> None:
+        """Called with the host-measured duration of every prefill call."""
+        a = self.smoothing
+        self.prefill_s = seconds if self.prefill_s == 0 else (1 - a) * self.prefill_s + a * seconds
+
+    def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
+        """Audio a player holds that started `prebuffer_s` after the stream's first byte at `first_audio`."""
+        return delivered_s - max(0.0, now - first_audio - self.prebuffer_s)
+
     def predicted_s(self, streams: int, new: int = 1) -> float:
         """The iteration period expected with `new` more streams than the `streams` measured."""
         if streams == 0 or self.period_s == 0:
             return 0.0
         return self.cost_s * (streams + new)
 
-    def may_admit(self, streams: int, new: int = 1) -> bool:
-        """May the `new`-th stream admitted in this iteration start, with `streams` running?"""
+    def may_admit(self, streams: int, new: int = 1, min_lead_s: float | None = None, starting: int = 0,
+                  dac_backlog: float = 0.0) -> bool:
+        """May the `new`-th stream admitted in this iteration start, with `streams` running (`starting` of
+        them admitted but without audio yet), the smallest lead of a playing stream `min_lead_s` (None:
+        none is playing yet) and `dac_backlog` iterations of decoder work queued?"""
         if not self.enabled:
             return True
+        if starting + new > self.max_starting:  # slow start: what the last admissions cost is not seen yet
+            return False
+        if dac_backlog > self.max_dac_backlog:  # the audio decoder is behind the LLM
+            return False
+        if min_lead_s is not None and min_lead_s - new * self.prefill_s < self.lead_floor_s:
+            return False
         if streams == 0 or self.period_s == 0:  # nothing measured: a few at a time until it is
             return new <= self.cold_start
         return self.predicted_s(streams, new) <= self.bound_s
 
-    def retry_after_ms(self) -> int:
-        """A hint for refused clients: about one utterance's worth of time."""
-        return int(max(1.0, self.max_wait_s) * 1000)
+    def admissible(self, streams: int, min_lead_s: float | None, limit: int, starting: int = 0,
+                   dac_backlog: float = 0.0) -> int:
+        """How many more streams may start now (at most `limit`): what the gateway's placement uses."""
+        n = 0
+        while n < limit and self.may_admit(streams, n + 1, min_lead_s, starting, dac_backlog):
+            n += 1
+        return n
+
+    def retry_after_ms(self, soonest_end_s: float | None = None) -> int:
+        """A hint for refused clients: when the soonest running stream is expected to end (else about one
+        utterance's worth of time)."""
+        wait = soonest_end_s if soonest_end_s is not None else self.max_wait_s
+        return int(min(max(wait, 0.1), 30.0) * 1000)

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from engine.contract import records as m
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.rings import ShmRing
 from engine.llm.node import Sequence
 from engine.runtime.admission import RealtimeAdmission
@@ -37,7 +38,8 @@ class Job:
     seq: Sequence
     t_arrival: float
     t_admitted: float = 0.0
-    t_prefilled: float = 0.0
+    t_prefill_start: float = 0.0  # its first prompt chunk went into a prefill call
+    t_prefilled: float = 0.0  # its first frame was sampled
     t_first_audio: float = 0.0
     audio_index: int = 0
     samples: int = 0
@@ -61,6 +63,8 @@ class Scheduler:
         if mode not in ("realtime", "slots"):
             raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
         self.admission = RealtimeAdmission(settings.admission_headroom, settings.admission_max_wait_s,
+                                           lead_floor_s=settings.admission_lead_floor_ms / 1e3,
+                                           prebuffer_s=settings.admission_prebuffer_ms / 1e3,
                                            enabled=mode == "realtime")
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
@@ -173,9 +177,11 @@ class Scheduler:
     def _admit(self) -> None:
         now = time.perf_counter()
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
+        min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
         admitted = 0
         for job in list(self.waiting) if self.waiting and self.llm.can_admit() else ():
-            if not self.llm.can_admit() or not self.admission.may_admit(streams, admitted + 1):
+            if not self.llm.can_admit() or not self.admission.may_admit(streams, admitted + 1, min_lead,
+                                                                         starting, backlog):
                 break
             if job.speaker_pending:  # later arrivals with a voice ready go first
                 continue
@@ -194,7 +200,31 @@ class Scheduler:
             job = self.waiting.popleft()
             self._error(job.seq.rid, "engine_busy",
                         f"every stream the GPU can keep in real time is playing; waited "
-                        f"{self.admission.max_wait_s:g} s", retry_after_ms=self.admission.retry_after_ms())
+                        f"{self.admission.max_wait_s:g} s",
+                        retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()))
+
+    def _min_lead(self, now: float) -> float | None:
+        """The smallest lead (audio its player still holds) over the streams playing now."""
+        leads = [self.admission.lead_s(j.samples / SAMPLE_RATE, j.t_first_audio, now)
+                 for j in self.running.values() if j.audio_index]
+        return min(leads) if leads else None
+
+    def _starting(self) -> int:
+        """Admitted streams whose first audio has not left yet."""
+        return sum(1 for j in self.running.values() if not j.audio_index)
+
+    def _dac_backlog(self) -> float:
+        """The dac_decoder's queued work, in iterations of its per-iteration frame budget."""
+        budget = self.settings.dac_frames_per_step
+        return self.dac.queued_frames() / budget if budget else 0.0
+
+    def _soonest_end_s(self) -> float | None:
+        """When the first running stream is expected to end: its frames left (up to the frame budget)
+        at the measured iteration period. None when nothing runs or nothing is measured."""
+        left = [j.seq.max_frames - j.seq.generated for j in self.running.values() if j.seq.finish_reason is None]
+        if not left or not self.admission.period_s:
+            return None
+        return min(left) * self.admission.period_s
 
     def _step(self) -> None:
         if not self.running:
@@ -220,7 +250,12 @@ class Scheduler:
         if chunks and self._group_prefill(chunks, len(decoding), t0):
             chunks = []
         if chunks:
-            results += self.llm.prefill(chunks)
+            t_prefill = time.perf_counter()
+            for seq, _ in chunks:
+                job = self.running[seq.rid]
+                job.t_prefill_start = job.t_prefill_start or t_prefill
+            results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
+            self.admission.observe_prefill(time.perf_counter() - t_prefill)
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
         plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
@@ -294,11 +329,13 @@ class Scheduler:
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
         self.llm.release(seq)
-        audio_s = job.samples / 44100
+        audio_s = job.samples / SAMPLE_RATE
         e2e = now - job.t_arrival
-        stats = {
+        stats = {  # the engine's part of first audio, in the order it was spent
             "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2),
-            "prefill_ms": round((job.t_prefilled - job.t_admitted) * 1e3, 2),
+            "prefill_wait_ms": round((job.t_prefill_start - job.t_admitted) * 1e3, 2),
+            "prefill_ms": round((job.t_prefilled - job.t_prefill_start) * 1e3, 2),
+            "first_chunk_ms": round((job.t_first_audio - job.t_prefilled) * 1e3, 2),  # steps + the first DAC call
             "ttfa_ms": round((job.t_first_audio - job.t_arrival) * 1e3, 2),
             "e2e_ms": round(e2e * 1e3, 2),
             "prompt_frames": seq.prompt_len,
@@ -346,6 +383,8 @@ class Scheduler:
             return
         self._last_stats = now
         steps = list(self.step_times)
+        streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
+        min_lead = self._min_lead(now)
         self.outbox.put("stats", {
             "type": m.STATS,
             "active": len(self.running),
@@ -353,6 +392,10 @@ class Scheduler:
             "free_slots": len(self.llm.free_slots),
             "step_ms_p50": round(float(np.median(steps)) * 1e3, 3) if steps else None,
             "period_ms": round(self.admission.period_s * 1e3, 3),
+            "min_lead_ms": round(min_lead * 1e3, 1) if min_lead is not None else None,
+            # streams that may start now (the gateway's placement reads it; slots bound it too)
+            "admissible": self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(),
+                                                    self._dac_backlog()),
             "dac_in_flight": self.dac.in_flight(),
             "outbox_bytes": self.outbox.pending_bytes(),
             **self.counters,
