@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 
@@ -9,12 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # the fused Snake runs in Triton's interpreter (before anything imports it)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from engine.dac.codec import HOP, Codec, CodecLoadError
-from engine.dac.schedule import ChunkSchedule
+from engine.dac.incremental import UNBOUNDED, IncrementalDAC, mask_outside
+from engine.dac.schedule import FIRST_AUDIO_FRAMES, ChunkSchedule
 from engine.dac.streaming import (
     StreamingDecoder,
     aligned_codes,
-    crossfade_window,
     decode_offline,
     to_int16,
 )
@@ -189,23 +193,122 @@ def test_load_refuses_bad_files(codec: Codec, tmp_path):
     refused("nan.pth", "non-finite")
 
 
+# ---- incremental DAC ----------------------------------------------------------------------------
+
+EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (measured ~128 dB)
+
+
+def test_lag_of_the_44k_architecture(codec: Codec):
+    net = IncrementalDAC(codec, slots=1)
+    # conv0 3 frames; each block's transposed conv ceil(s/2) + its residual units 3 + 9 + 27, at its rate;
+    # the last conv 3 samples
+    assert net.lag == 3 * 512 + 43 * 64 + 43 * 8 + 41 * 2 + 40 + 3 == 4757
+    assert -(-net.lag // HOP) == FIRST_AUDIO_FRAMES == ChunkSchedule().frames
+    assert [ly.kind for ly in net.layers] == ["in"] + (["up"] + ["res"] * 3) * 4 + ["out"]
+
+
+def feed(net: IncrementalDAC, codes: np.ndarray, slot: int, sizes) -> np.ndarray:
+    """Stream aligned codes [T, 9] through one slot in calls of the given sizes (cycled) until the audio is
+    complete; return the T * 512 samples of times [0, T * 512)."""
+    t, a, out, k = len(codes), 0, [], 0
+    while a * HOP - net.lag < t * HOP:
+        f = sizes[k % len(sizes)]
+        k += 1
+        c = np.full((1, f, 9), 1025, dtype=np.int64)
+        real = codes[a : a + f]
+        c[0, : len(real)] = real
+        p = net.pack(c, np.array([slot]), np.array([a]), np.array([t]))
+        out.append(net.run(torch.from_numpy(p), f)[0].numpy())
+        a += f
+    return np.concatenate(out)[net.lag : net.lag + t * HOP]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_incremental_equals_one_shot_for_any_call_sizes(codec: Codec, seed: int):
+    rng = np.random.default_rng(seed)
+    net = IncrementalDAC(codec, slots=3)
+    t = int(rng.integers(1, 60))
+    codes = rng.integers(0, 1024, (t, 9))
+    ref = codec.decode(torch.from_numpy(codes)[None])[0].numpy()
+    sizes = [int(x) for x in rng.integers(1, 24, 7)]
+    x = feed(net, codes, int(rng.integers(0, 3)), sizes)
+    assert len(x) == t * HOP
+    assert snr_db(ref, x) > EXACT_DB, (t, sizes)
+
+
+def test_incremental_rows_are_independent_and_a_reused_slot_starts_clean(codec: Codec):
+    """Two streams in one batch at different offsets each equal their one-shot decode; a slot whose state is
+    garbage (even NaN) is reset by its next stream's first call."""
+    net = IncrementalDAC(codec, slots=2)
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, 1024, (30, 9)), rng.integers(0, 1024, (17, 9))
+    net.state[1] = float("nan")
+    out: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    fed = {0: 0, 1: 0}
+    for call in range(6):
+        f = 8
+        codes = np.full((2, f, 9), 1025, dtype=np.int64)
+        for row, (c, start) in enumerate(((a, fed[0]), (b, fed[1]))):
+            real = c[start : start + f]
+            codes[row, : len(real)] = real
+        start = np.array([fed[0], fed[1]])
+        p = net.pack(codes, np.array([0, 1]), start, np.array([30, 17]))
+        y = net.run(torch.from_numpy(p), f).numpy()
+        for row in (0, 1):
+            out[row].append(y[row])
+            fed[row] += f
+        if call == 0:
+            fed[1] = 0  # stream b restarts (a new stream in slot 1): its second call is a first call again
+            out[1] = []
+    for row, c in ((0, a), (1, b)):
+        x = np.concatenate(out[row])[net.lag : net.lag + len(c) * HOP]
+        ref = codec.decode(torch.from_numpy(c)[None])[0].numpy()
+        assert np.isfinite(x).all() and snr_db(ref, x) > EXACT_DB, row
+
+
+def test_pack_bounds_mask_outside_the_stream(codec: Codec):
+    net = IncrementalDAC(codec, slots=1)
+    p = net.pack(np.zeros((2, 10, 9), dtype=np.int64), np.array([0, 0]), np.array([0, 20]), np.array([UNBOUNDED, 25]))
+    bounds = p[:, 10 * 9 + 2 :].reshape(2, -1, 2)
+    first = net.layers[0]  # the latent: 6 frames of state + 10 new
+    assert bounds[0, 0].tolist() == [first.keep, first.keep + 10]  # the first call: state is left padding
+    assert bounds[1, 0].tolist() == [0, first.keep + 5]  # frames 20..29 of a 25-frame stream: 5 are real
+    x = torch.ones(2, 1, 7)
+    y = mask_outside(x, torch.tensor([2, 0]), torch.tensor([4, 7]))
+    assert y[0, 0].tolist() == [0, 0, 1, 1, 0, 0, 0] and y[1].sum() == 7
+
+
+@pytest.mark.parametrize("t", [1, 777])
+def test_masked_fused_snake_matches_reference(t: int):
+    from engine.model.kernels.snake import snake, snake_reference
+
+    torch.manual_seed(3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 5, t, device=dev) * 3
+    alpha = torch.rand(1, 5, 1, device=dev) * 2 + 0.05
+    inv = (alpha + 1e-9).reciprocal()
+    bounds = torch.tensor([[0, t], [t // 3, t // 2 + 1], [t, t]], device=dev)  # strided columns, as in a call
+    ref = mask_outside(snake_reference(x, alpha, inv), bounds[:, 0], bounds[:, 1])
+    out = snake(x, alpha, inv, bounds[:, 0], bounds[:, 1], block=256)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snake(x, alpha, inv, block=256), snake_reference(x, alpha, inv), rtol=1e-5, atol=1e-5)
+    assert (out[2] == 0).all() and (out[0] != 0).any()
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 
 
 def test_schedule_sizes():
-    assert ChunkSchedule().sizes(9) == [12, 6, 6, 7, 11, 16, 24, 32, 32] and ChunkSchedule().exact
-    assert ChunkSchedule.low_latency().sizes(6) == [8, 4, 8, 16, 32, 32]
-    assert ChunkSchedule.reference().sizes(3) == [16, 16, 16]
+    assert ChunkSchedule().sizes(4) == [10, 10, 10, 10] and ChunkSchedule().call_sizes() == (10,)
+    assert ChunkSchedule.low_latency().sizes(3) == [10, 4, 4] and ChunkSchedule.low_latency().call_sizes() == (4, 10)
+    assert ChunkSchedule.reference().sizes(2) == [16, 16]
     with pytest.raises(ValueError):
-        ChunkSchedule(context_frames=4, lookahead_frames=8)
-    w = crossfade_window(5)
-    assert w[0] == 0 and w[-1] == pytest.approx(1) and np.all(np.diff(w) > 0)
+        ChunkSchedule(frames=0)
 
 
 def test_first_audio_timing(codec: Codec):
-    """Default: chunk 0 (12 aligned frames) is ready after 12 + 8 = 20 pushed frames."""
-    for sched, steps, frames in [(ChunkSchedule(), 20, 3), (ChunkSchedule.low_latency(), 16, 4),
-                                 (ChunkSchedule.reference(), 24, 12)]:
+    """Call 0 of F frames is ready after F + 8 pushed frames and emits F * 512 - 4757 samples."""
+    for sched, steps in [(ChunkSchedule(), 18), (ChunkSchedule.low_latency(), 18), (ChunkSchedule.reference(), 24)]:
         dec = StreamingDecoder(codec, sched)
         d = random_frames(40)
         for k in range(40):
@@ -213,34 +316,37 @@ def test_first_audio_timing(codec: Codec):
             if dec.pending():
                 assert k + 1 == steps
                 ((_, pcm, final),) = dec.step()
-                assert pcm.dtype == np.int16 and len(pcm) == frames * HOP and not final
+                assert pcm.dtype == np.int16 and len(pcm) == (steps - 8) * HOP - 4757 and not final
                 break
         else:
             pytest.fail("no chunk")
 
 
-SNR_CASES = {  # schedule, min SNR dB asserted (measured on the tiny codec: see test output)
-    "ctx4 (reference)": (ChunkSchedule.reference(), 15.0),
-    "ctx4 ov4": (ChunkSchedule(first_chunk_frames=8, context_frames=4, overlap_frames=4, lookahead_frames=None), 16.0),
-    "ctx16 ov4 (low_latency)": (ChunkSchedule.low_latency(), 20.0),
-    "ctx18 hold9 (default)": (ChunkSchedule(), 90.0),
+SCHEDULES = {
+    "default": ChunkSchedule(),
+    "low_latency": ChunkSchedule.low_latency(),
+    "reference": ChunkSchedule.reference(),
+    "1 frame": ChunkSchedule(frames=1),
+    "3 then 7": ChunkSchedule(frames=7, first_frames=3),
+    "32 then 5": ChunkSchedule(frames=5, first_frames=32),
 }
 
 
-@pytest.mark.parametrize("eos", [None, 97])
+@pytest.mark.parametrize("eos", [None, 97, 3])
 def test_stream_matches_one_shot(codec: Codec, eos, capsys):
+    """Any schedule, with or without EOS (eos=None: ignore_eos keeps every frame, the last 8 padded)."""
     frames = random_frames(150, seed=1)
     ref = decode_offline(codec, frames, eos)
     n = 150 if eos is None else eos
     assert len(ref) == n * HOP
     lines = []
-    for name, (sched, floor) in SNR_CASES.items():
+    for name, sched in SCHEDULES.items():
         x, finals = stream(codec, frames, eos, sched, eos_at_push=True)
         assert finals == 1
         assert len(x) == n * HOP, name
         snr = snr_db(ref, x)
-        lines.append(f"  {name:26s} SNR {snr:6.1f} dB (asserted >= {floor})")
-        assert snr >= floor, name
+        lines.append(f"  {name:12s} SNR {snr:6.1f} dB")
+        assert snr >= EXACT_DB, name
     with capsys.disabled():
         print(f"\nstream vs one-shot, tiny codec, 150 frames, eos={eos}:\n" + "\n".join(lines))
 
@@ -252,7 +358,7 @@ def test_eos_truncates_received_frames(codec: Codec):
     dec.finish(3, 20)
     ((rid, pcm, final),) = dec.step(as_float=True)
     assert rid == 3 and final and len(pcm) == 20 * HOP
-    assert np.array_equal(pcm, decode_offline(codec, frames, 20))
+    assert snr_db(decode_offline(codec, frames, 20), pcm) > EXACT_DB
     # eos_frame larger than the frames received is capped at N
     dec.push(4, frames[:10])
     dec.finish(4, 50)
@@ -283,7 +389,7 @@ def test_eos_from_push_finalizes_early(codec: Codec):
     dec.finish(1, eos)
     assert dec.active() == 0 and dec.step() == []
     x = np.concatenate(got)
-    assert len(x) == eos * HOP and snr_db(decode_offline(codec, frames, eos), x) > 90
+    assert len(x) == eos * HOP and snr_db(decode_offline(codec, frames, eos), x) > EXACT_DB
 
 
 def test_known_eos_caps_streaming_while_frames_keep_coming(codec: Codec):
@@ -296,45 +402,43 @@ def test_known_eos_caps_streaming_while_frames_keep_coming(codec: Codec):
     for eos_at_70, total in [(eos, eos), (None, 120)]:
         dec = StreamingDecoder(codec)
         dec.open(1)
-        emitted = 0
+        out = []
         for k in range(79):
             dec.push(1, frames[k], eos_frame=eos_at_70 if k >= 70 else None)
-            emitted += sum(len(p) for _, p, _ in dec.step())
-            assert emitted <= total * HOP
+            out += [p for _, p, _ in dec.step(as_float=True)]
+            assert sum(map(len, out)) <= total * HOP
         if eos_at_70 is None:
             dec.push(1, frames[79:])
         dec.finish(1, eos_at_70)
-        emitted += sum(len(p) for _, p, _ in dec.step())
-        assert emitted == total * HOP
+        out += [p for _, p, _ in dec.step(as_float=True)]
+        x = np.concatenate(out)
+        assert len(x) == total * HOP and snr_db(decode_offline(codec, frames, eos_at_70), x) > EXACT_DB
 
 
-class CountingCodec:
-    """Delegates to a Codec (or returns silence if None) and records every call's shape."""
+def record_calls(dec: StreamingDecoder, fail_first: bool = False) -> list[tuple[int, int]]:
+    """Record the (batch, frames) of every DAC call the decoder runs (optionally raising on the first, as a
+    CUDA OOM would); the real IncrementalDAC still runs them."""
+    calls: list[tuple[int, int]] = []
+    run = dec.net.run
+    fail = [fail_first]
 
-    sample_rate = 44100
+    def recorded(packed: torch.Tensor, frames: int) -> torch.Tensor:
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("CUDA out of memory (simulated)")
+        calls.append((packed.shape[0], frames))
+        return run(packed, frames)
 
-    def __init__(self, codec: Codec | None) -> None:
-        self.codec, self.calls = codec, []
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        self.calls.append(tuple(codes.shape))
-        if self.codec is None:
-            return torch.zeros(codes.shape[0], codes.shape[1] * HOP)
-        return self.codec.decode(codes)
+    dec.net.run = recorded  # type: ignore[method-assign]
+    return calls
 
 
 def test_batching_equals_alone(codec: Codec):
     frames = {rid: random_frames(90, seed=10 + rid) for rid in range(4)}
     eos = {0: None, 1: 70, 2: None, 3: 55}
-    lag = {0: 0, 1: 0, 2: 0, 3: 31}  # rid 3 starts late: another chunk phase
-    alone, n_alone_calls = {}, 0
-    for rid in frames:
-        cc = CountingCodec(codec)
-        alone[rid] = stream(cc, frames[rid], eos[rid], eos_at_push=True)[0]  # type: ignore[arg-type]
-        n_alone_calls += len(cc.calls)
-
-    cc = CountingCodec(codec)
-    dec = StreamingDecoder(cc)  # type: ignore[arg-type]
+    lag = {0: 0, 1: 0, 2: 5, 3: 31}  # rids 2 and 3 start late: other call phases
+    dec = StreamingDecoder(codec)
+    calls = record_calls(dec)
     out: dict[int, list[np.ndarray]] = {rid: [] for rid in frames}
     for t in range(130):
         for rid in frames:
@@ -347,26 +451,30 @@ def test_batching_equals_alone(codec: Codec):
             elif k == 90:
                 dec.finish(rid, eos[rid])
         if 40 <= t < 70:
-            continue  # the consumer stalls: requests pile up several ready chunks each
+            continue  # the consumer stalls: requests pile up several ready calls each
         for rid, pcm, _ in dec.step(as_float=True):
             out[rid].append(pcm)
     assert dec.active() == 0
     for rid in frames:
         x = np.concatenate(out[rid])
-        assert len(x) == len(alone[rid])
-        assert np.abs(to_int16(x).astype(int) - to_int16(alone[rid]).astype(int)).max() <= 1
-    assert max(b for b, _, _ in cc.calls) >= 3  # lockstep chunks really share DAC calls
-    assert len(cc.calls) <= 0.6 * n_alone_calls  # measured: 12 calls vs 22 decoding alone
+        assert len(x) == (90 if eos[rid] is None else eos[rid]) * HOP
+        assert snr_db(decode_offline(codec, frames[rid], eos[rid]), x) > EXACT_DB, rid
+    assert max(b for b, _ in calls) >= 4  # streams in different phases still share DAC calls
+    assert sum(b for b, _ in calls) < 2 * len(calls)  # most calls carry several streams
 
 
-def test_several_ready_chunks_of_one_request_share_a_call(codec: Codec):
-    cc = CountingCodec(codec)
-    dec = StreamingDecoder(cc, ChunkSchedule(first_chunk_frames=16, chunk_frames=16, pace=1e9))  # type: ignore[arg-type]
-    dec.push(1, random_frames(8 + 64))  # 64 aligned frames = 4 chunks of 16, all ready
-    ((_, pcm, final),) = dec.step()
-    assert not final and len(pcm) == (64 - 9) * HOP
-    # chunk 0 has no left context, chunk 1 has 16 frames of it, chunks 2 and 3 the full 18
-    assert cc.calls == [(1, 16, 9), (1, 32, 9), (2, 34, 9)]
+def test_a_stream_that_fell_behind_catches_up_in_one_launch(codec: Codec):
+    dec = StreamingDecoder(codec)
+    calls = record_calls(dec)
+    frames = random_frames(8 + 64, seed=8)
+    dec.push(1, frames)  # 64 aligned frames complete: 6 calls of 10 ready, in rounds of one launch
+    assert dec.launch() == 6 and dec.in_flight() == 1
+    ((_, pcm, final),) = dec.collect(as_float=True)
+    assert not final and len(pcm) == 60 * HOP - 4757
+    assert calls == [(1, 10)] * 6
+    dec.finish(1, None)
+    pcm2 = np.concatenate([p for _, p, _ in dec.step(as_float=True)])
+    assert snr_db(decode_offline(codec, frames), np.concatenate([pcm, pcm2])) > EXACT_DB
 
 
 def test_max_frames_budget_defers_requests(codec: Codec):
@@ -376,14 +484,14 @@ def test_max_frames_budget_defers_requests(codec: Codec):
     for k in range(60):
         for rid in frames:
             budget_dec.push(rid, frames[rid][k])
-        got = budget_dec.step(as_float=True, max_frames=12)
-        assert len(got) <= 1  # one 12-frame chunk fills the budget
+        got = budget_dec.step(as_float=True, max_frames=10)
+        assert len(got) <= 1  # one 10-frame call fills the budget
         for rid, p, _ in got:
             out[rid].append(p)
     for rid in frames:
         budget_dec.finish(rid, None)
     while budget_dec.pending():
-        for rid, p, _ in budget_dec.step(as_float=True, max_frames=12):
+        for rid, p, _ in budget_dec.step(as_float=True, max_frames=10):
             out[rid].append(p)
     assert budget_dec.active() == 0
     for rid in frames:
@@ -391,16 +499,17 @@ def test_max_frames_budget_defers_requests(codec: Codec):
         free_dec.finish(rid, None)
     alone = {rid: p for rid, p, _ in free_dec.step(as_float=True)}
     for rid in frames:  # deferring changes when audio leaves, never what it is
-        assert snr_db(alone[rid], np.concatenate(out[rid])) > 90
+        assert snr_db(alone[rid], np.concatenate(out[rid])) > EXACT_DB
 
 
 @pytest.mark.parametrize("schedule", [ChunkSchedule(), ChunkSchedule.low_latency()], ids=["default", "low_latency"])
-def test_warmup_covers_every_shape_step_uses(schedule: ChunkSchedule):
-    """cuDNN plans are per (batch, length): a served request must never meet a cold shape."""
-    cc = CountingCodec(None)
-    dec = StreamingDecoder(cc, schedule)  # type: ignore[arg-type]
+def test_warmup_covers_every_shape_step_uses(codec: Codec, schedule: ChunkSchedule):
+    """cuDNN plans (and graphs) are per (batch, frames): a served request must never meet a cold shape."""
+    dec = StreamingDecoder(codec, schedule)
+    calls = record_calls(dec)
     dec.warmup(max_batch=8)
-    warm, cc.calls = set(cc.calls), []
+    warm, served = set(calls), len(calls)
+    assert warm == dec.warm_shapes(max_batch=8)
     rng = np.random.default_rng(7)
     lengths = {rid: int(rng.integers(1, 120)) for rid in range(24)}  # short and long utterances
     starts = {rid: int(rng.integers(0, 60)) for rid in lengths}
@@ -418,7 +527,7 @@ def test_warmup_covers_every_shape_step_uses(schedule: ChunkSchedule):
             total[rid] += len(pcm)
     assert dec.active() == 0
     assert total == {rid: (n if eos[rid] is None else min(eos[rid], n)) * HOP for rid, n in lengths.items()}
-    assert set(cc.calls) <= warm, sorted(set(cc.calls) - warm)
+    assert set(calls[served:]) <= warm, sorted(set(calls[served:]) - warm)
 
 
 def test_drop_mid_stream(codec: Codec):
@@ -445,27 +554,52 @@ def test_drop_mid_stream(codec: Codec):
         dec.push(1, np.zeros((1, 10), dtype=np.int64))  # a frame with its text column
 
 
+def test_slots_are_reused_after_finish_and_drop_and_streams_wait_for_one(codec: Codec):
+    """Two slots, six streams: each new stream takes a slot a finished or dropped one left (its state
+    reset), a third concurrent stream waits for a slot, and every stream that is not dropped equals its
+    one-shot decode."""
+    dec = StreamingDecoder(codec, slots=2)
+    frames = {rid: random_frames(50 + 7 * rid, seed=70 + rid) for rid in range(6)}
+    starts = {0: 0, 1: 3, 2: 6, 3: 40, 4: 45, 5: 50}
+    out: dict[int, list[np.ndarray]] = {rid: [] for rid in frames}
+    used: set[int] = set()
+    waited = False
+    for t in range(400):
+        for rid, f in frames.items():
+            k = t - starts[rid]
+            if 0 <= k < len(f):
+                dec.push(rid, f[k])
+            elif k == len(f):
+                dec.finish(rid, None)
+        if t == 30:
+            dec.drop(1)  # cancel one mid-stream: its slot goes to a waiting stream
+        waited |= any(r.slot < 0 and r.available() >= 10 for r in dec._reqs.values())
+        for rid, pcm, _ in dec.step(as_float=True):
+            out[rid].append(pcm)
+        used |= {r.slot for r in dec._reqs.values() if r.slot >= 0}
+        if t > 60 and not dec.active():
+            break
+    assert dec.active() == 0 and used == {0, 1} and waited and sorted(dec._free) == [0, 1]
+    for rid, f in frames.items():
+        if rid == 1:
+            continue
+        x = np.concatenate(out[rid])
+        assert len(x) == len(f) * HOP and snr_db(decode_offline(codec, f), x) > EXACT_DB, rid
+
+
 def test_failed_decode_can_be_retried(codec: Codec):
-    class Flaky(CountingCodec):
-        fail = True
-
-        def decode(self, codes: torch.Tensor) -> torch.Tensor:
-            if self.fail:
-                self.fail = False
-                raise RuntimeError("CUDA out of memory (simulated)")
-            return super().decode(codes)
-
     frames = random_frames(70, seed=6)
-    dec = StreamingDecoder(Flaky(codec))  # type: ignore[arg-type]
+    dec = StreamingDecoder(codec)
+    record_calls(dec, fail_first=True)
     dec.push(1, frames[:40])
     with pytest.raises(RuntimeError, match="simulated"):
         dec.step()
-    assert dec.pending()
+    assert dec.pending() and dec._reqs[1].fed == 0
     out = [p for _, p, _ in dec.step(as_float=True)]
     dec.push(1, frames[40:])
     dec.finish(1, None)
     out += [p for _, p, _ in dec.step(as_float=True)]
-    assert snr_db(decode_offline(codec, frames), np.concatenate(out)) > 90
+    assert snr_db(decode_offline(codec, frames), np.concatenate(out)) > EXACT_DB
 
 
 def test_to_int16():
@@ -474,24 +608,20 @@ def test_to_int16():
 
 
 @pytest.mark.slow
-def test_full_size_codec_seams(capsys):
-    """Full 44.1 kHz architecture (random weights, 54 M decoder params): ~20 s on CPU."""
+def test_full_size_codec_streams_exactly(capsys):
+    """Full 44.1 kHz architecture (random weights, 54 M decoder params), fp32 on CPU."""
     from bench.dac_seams import measure
 
-    schedules = {
-        "ctx4 ov4": ChunkSchedule(first_chunk_frames=8, context_frames=4, overlap_frames=4, lookahead_frames=None),
-        "ctx16 ov4": ChunkSchedule.low_latency(),
-        "ctx18 hold9": ChunkSchedule(),
-    }
+    schedules = {"default": ChunkSchedule(), "low_latency": ChunkSchedule.low_latency(),
+                 "3 then 7": ChunkSchedule(frames=7, first_frames=3)}
     t0 = time.perf_counter()
-    res = measure("full", schedules, n_frames=64, seeds=1)
+    res = measure("full", schedules, n_frames=48, seeds=1)
     with capsys.disabled():
-        print(f"\nfull-size random codec, 64 frames ({time.perf_counter() - t0:.0f} s):")
+        print(f"\nfull-size random codec, 48 frames ({time.perf_counter() - t0:.0f} s):")
         for k, (snr, worst) in res.items():
             print(f"  {k:12s} SNR {snr:6.1f} dB, worst frame {worst:6.1f} dB")
-    # measured (CPU fp32, 80 frames): 15.3 / 18.6 / 119.9 dB
-    assert res["ctx4 ov4"][0] > 10 and res["ctx16 ov4"][0] > 14
-    assert res["ctx18 hold9"][0] > 90
+    for k, (snr, worst) in res.items():
+        assert snr > EXACT_DB and worst > EXACT_DB - 10, k
 
 
 class LateEvent:
@@ -531,19 +661,23 @@ def test_calls_in_flight_land_in_launch_order_and_equal_one_shot(codec: Codec):
     for rid, f in frames.items():
         x = np.concatenate(out[rid])
         assert len(x) == 150 * HOP
-        assert snr_db(decode_offline(codec, f), x) > 90
+        assert snr_db(decode_offline(codec, f), x) > EXACT_DB
 
 
-def test_drop_while_in_flight_discards_its_audio(codec: Codec):
-    dec = StreamingDecoder(codec)
-    a, b = random_frames(40, seed=1), random_frames(40, seed=2)
+def test_drop_while_in_flight_discards_its_audio_and_the_slot_is_reused_cleanly(codec: Codec):
+    dec = StreamingDecoder(codec, slots=2)
+    a, b, c = random_frames(40, seed=1), random_frames(40, seed=2), random_frames(30, seed=3)
     for k in range(40):
         dec.push_rows([1, 2], np.stack([a[k], b[k]]))
     assert dec.launch() > 0
     dec._flights[-1].done = LateEvent(1)  # type: ignore[assignment]
     dec.drop(1)
-    got = dec.collect(wait=True)
-    assert [rid for rid, _, _ in got] == [2]
+    dec.push(3, c)  # takes rid 1's slot while rid 1's calls are still in flight
+    dec.finish(3, None)
+    dec.launch()
+    got = dec.collect(wait=True, as_float=True)
+    assert [rid for rid, _, _ in got] == [2, 3]
+    assert snr_db(decode_offline(codec, c), got[1][1]) > EXACT_DB
 
 
 def test_push_rows_equals_push(codec: Codec):
@@ -558,21 +692,19 @@ def test_push_rows_equals_push(codec: Codec):
 
 
 def test_frame_budget_bounds_each_launch(codec: Codec):
-    """Streams that cut chunks in lockstep are spread over launches: a launch carries at most the
-    budget, or one request's ready chunks when those alone exceed it; every stream still gets all its
-    audio, in order, exactly."""
+    """Streams that become ready together are spread over launches: a launch feeds at most the budget
+    (plus one call that starts below it); every stream still gets all its audio, in order, exactly."""
     dec = StreamingDecoder(codec)
     n, budget = 8, 40
     frames = {rid: random_frames(120, seed=60 + rid) for rid in range(n)}
     out: dict[int, list[np.ndarray]] = {rid: [] for rid in frames}
-    longest_chunk = max(dec.length_buckets)
     spread = 0
     for k in range(120):
         dec.push_rows(list(frames), np.stack([frames[rid][k] for rid in frames]))
-        ready = sum(dec._ready(r) for r in dec._reqs.values())
+        ready = sum(dec._next(r, True) is not None for r in dec._reqs.values())
         if dec.launch(max_batch=8, max_frames=budget):
-            launched = dec._flights[-1].chunks
-            assert sum(c.end - c.start for c in launched) <= budget + longest_chunk
+            launched = dec._flights[-1].calls
+            assert sum(c.size for c in launched) < budget + max(dec.schedule.call_sizes())
             spread += len({c.rid for c in launched}) < ready
         for rid, pcm, _ in dec.collect(as_float=True):
             out[rid].append(pcm)
@@ -582,22 +714,22 @@ def test_frame_budget_bounds_each_launch(codec: Codec):
         dec.launch(max_batch=8, max_frames=budget)
         for rid, pcm, _ in dec.collect(as_float=True):
             out[rid].append(pcm)
-    assert spread  # lockstep chunks really were deferred to later launches
+    assert spread  # streams ready together really were deferred to later launches
     for rid, f in frames.items():
         x = np.concatenate(out[rid])
-        assert len(x) == 120 * HOP and snr_db(decode_offline(codec, f), x) > 90
+        assert len(x) == 120 * HOP and snr_db(decode_offline(codec, f), x) > EXACT_DB
 
 
 def _player_stalls(schedule: ChunkSchedule, step_ms: float, frames: int = 292, prebuffer_ms: float = 150.0,
-                   dac_ms: float = 10.0) -> list[float]:
-    """Stalls (ms) of a player that starts prebuffer_ms after the first chunk, when one frame is generated
-    every step_ms and each chunk lands dac_ms after its last frame (its 8 delayed codebooks included)."""
+                   dac_ms: float = 10.0, lag: int = 4757) -> list[float]:
+    """Stalls (ms) of a player that starts prebuffer_ms after the first audio, when one frame is generated
+    every step_ms and each call lands dac_ms after its last frame (its 8 delayed codebooks included)."""
     frame_ms = HOP / 44.1
-    events, planned, n = [], 0, 0
-    while planned + schedule.next_size(n, planned) + 8 <= frames:
-        planned += schedule.next_size(n, planned)
+    events, fed, n = [], 0, 0
+    while fed + schedule.next_size(n) + 8 <= frames:
+        fed += schedule.next_size(n)
         n += 1
-        events.append(((planned + 8) * step_ms + dac_ms, planned - schedule.holdback))
+        events.append(((fed + 8) * step_ms + dac_ms, (fed * HOP - lag) / HOP))
     events.append((frames * step_ms + dac_ms, frames))
     runs_out = events[0][0] + prebuffer_ms + events[0][1] * frame_ms
     stalls, emitted = [], events[0][1]
@@ -610,10 +742,10 @@ def _player_stalls(schedule: ChunkSchedule, step_ms: float, frames: int = 292, p
     return stalls
 
 
-def test_default_schedule_feeds_a_player_until_steps_near_real_time():
-    """Chunks grow with the audio the client holds, at half its rate: a 150 ms prebuffer then covers a
-    generator running down to ~1.16x real time (10 ms per step), which is where a loaded GPU runs."""
-    for step_ms in (2.5, 5.0, 8.0, 9.5):
+def test_default_schedule_feeds_a_player_until_steps_reach_real_time():
+    """10 frames per call from the first audio on: a 150 ms prebuffer covers a generator running up to real
+    time (11.6 ms per step)."""
+    for step_ms in (2.5, 5.0, 8.0, 11.0, 11.5):
         assert _player_stalls(ChunkSchedule(), step_ms) == [], step_ms
-    assert _player_stalls(ChunkSchedule(pace=1.0), 9.5)  # growing as fast as the buffer: a stall
-    assert _player_stalls(ChunkSchedule(chunk_frames=64, pace=1.0), 8.0)
+        assert _player_stalls(ChunkSchedule.low_latency(), step_ms) == [], step_ms
+    assert _player_stalls(ChunkSchedule(), 12.5)  # slower than real time: every player stalls eventually
