@@ -233,6 +233,11 @@ class StreamingDecoder:
         free = bool(self._free)
         return any(self._next(r, free) is not None for r in self._reqs.values())
 
+    def queued_frames(self) -> int:
+        """Frames ready to feed that no launched call covers yet: the decoder's backlog, which realtime
+        admission reads (engine/runtime/admission.py)."""
+        return sum(max(0, r.available() - r.fed) for r in self._reqs.values() if self._next(r, True) is not None)
+
     def in_flight(self) -> int:
         """DAC calls launched and not yet collected."""
         return len(self._flights)
