@@ -1,4 +1,4 @@
-"""Seam quality of the streaming DAC decoder vs one-shot decoding, on random-weight codecs.
+"""The streaming DAC decoder vs one-shot decoding, on random-weight codecs.
 
     python -m bench.dac_seams [--presets tiny full] [--frames 200] [--seeds 2] [--threads 1]
     python -m bench.dac_seams --presets full --device cuda --dtype bf16 [--throughput 64]
@@ -6,8 +6,10 @@
 For each schedule it streams random delayed codes frame by frame through `StreamingDecoder`
 (one `step` per pushed frame, as the engine does) and compares the stitched PCM with one
 `Codec.decode` of the same aligned codes: global SNR, and the worst 1-frame window (error energy
-relative to the signal's mean frame energy, i.e. the loudest seam). The codes are uniform random,
-so the audio is noise-like: the numbers rank schedules; they are not perceptual scores.
+relative to the signal's mean frame energy, i.e. the loudest seam). The decoder is exact for every
+schedule (it decodes each frame once, with its true context), so in fp32 on CPU both are float
+rounding (> 100 dB); on a GPU they show the rounding of the streamed calls' convolutions against the
+one-shot call's (bf16: ~40 dB).
 """
 
 from __future__ import annotations
@@ -23,14 +25,10 @@ from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline
 
 SCHEDULES: dict[str, ChunkSchedule] = {
-    "reference (16/ctx4/ov4)": ChunkSchedule.reference(),
-    "ctx4 ov4": ChunkSchedule(first_chunk_frames=8, context_frames=4, overlap_frames=4, lookahead_frames=None),
-    "ctx8 ov4": ChunkSchedule(first_chunk_frames=8, context_frames=8, overlap_frames=4, lookahead_frames=None),
-    "ctx16 ov4 (low_latency)": ChunkSchedule.low_latency(),
-    "ctx16 ov4 look6": ChunkSchedule(first_chunk_frames=10, context_frames=16, overlap_frames=4, lookahead_frames=6),
-    "ctx16 ov4 look8": ChunkSchedule(first_chunk_frames=12, context_frames=16, overlap_frames=4, lookahead_frames=8),
-    "ctx16 ov8": ChunkSchedule(first_chunk_frames=12, context_frames=16, overlap_frames=8, lookahead_frames=None),
-    "ctx18 look9 (default)": ChunkSchedule(),
+    "default (10)": ChunkSchedule(),
+    "low_latency (10, then 4)": ChunkSchedule.low_latency(),
+    "reference (16)": ChunkSchedule.reference(),
+    "1 frame per call": ChunkSchedule(frames=1),
 }
 
 
@@ -129,7 +127,7 @@ def main() -> None:
             codec = Codec.random(preset, device=args.device, dtype=dtype)
             codec.warmup()
             print(f"\n{preset} codec, {args.device} {args.dtype}, {args.throughput} streams x 400 frames")
-            for name in ("reference (16/ctx4/ov4)", "ctx16 ov4 (low_latency)", "ctx18 look9 (default)"):
+            for name in ("default (10)", "low_latency (10, then 4)", "reference (16)"):
                 t0 = time.perf_counter()
                 n = StreamingDecoder(codec, SCHEDULES[name]).warmup(max_batch=args.throughput)
                 print(f"{name:28s} warmup: {n} shapes in {time.perf_counter() - t0:.1f} s")
@@ -141,9 +139,9 @@ def main() -> None:
         res = measure(preset, SCHEDULES, args.frames, args.seeds, device=args.device, dtype=dtype)
         print(f"\n{preset} codec, {args.device} {args.dtype}, {args.frames} frames x {args.seeds} seeds "
               f"({time.perf_counter() - t0:.1f} s)")
-        print(f"{'schedule':28s} {'holdback':>8s} {'SNR dB':>8s} {'worst frame dB':>15s}")
+        print(f"{'schedule':28s} {'SNR dB':>8s} {'worst frame dB':>15s}")
         for name, (snr, worst) in res.items():
-            print(f"{name:28s} {SCHEDULES[name].holdback:8d} {snr:8.1f} {worst:15.1f}")
+            print(f"{name:28s} {snr:8.1f} {worst:15.1f}")
 
 
 if __name__ == "__main__":
