@@ -77,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
     p.add_argument("--default-voices-dir", help="folder of clips / .npy embeddings offered to everyone")
+    p.add_argument("--emotion-directions-dir", help="emotion directions in the reference's emotion_directions/ "
+                   "format (manifest.json, calibration.json, NAME.npy): the emotion_* request fields")
     p.add_argument("--shared-voices", action="store_true", help="other gateways use the same --data-dir (a shared "
                    "folder: Ray Serve replicas, several hosts): see their voices; docs/scaling.md")
     p.add_argument("--api-key", action="append", default=[], help="require this key (repeatable); "
@@ -130,11 +132,19 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     )
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()
+    if a.emotion_directions_dir:  # a folder that is not one is a flag error, not a failed request later
+        from app.synthesis import emotion_directions
+
+        try:
+            emotion_directions(Path(a.emotion_directions_dir))
+        except ValueError as e:
+            p.error(str(e))
     limits = Limits(**limit_values)
     return GatewaySettings(
         host=a.host, port=a.port, weights=weights, engine=engine, devices=tuple(devices), limits=limits,
         data_dir=Path(a.data_dir),
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
+        emotion_directions_dir=Path(a.emotion_directions_dir) if a.emotion_directions_dir else None,
         shared_voices=a.shared_voices,
         cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=not a.no_text_normalization,
         log_level=a.log_level.upper(),
