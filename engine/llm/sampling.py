@@ -7,6 +7,13 @@ repetition settings: the reference collapses them to the batch's extreme values;
 Randomness is counter-based: the noise for (request seed, frame index, codebook, token) is a hash, and
 a sample is argmax(masked logits / T + Gumbel noise), which is an exact draw from the filtered
 softmax. A seeded request therefore produces the same frames whatever else shares its batch.
+
+Batch invariance (#26) also needs the filters to give a row the same bits whatever the batch and
+whichever path samples it (the first frame after a prefill is sampled eagerly, later ones by the
+torch.compile'd copy inside the decode graph, built per batch bucket). So nothing here sums floats
+across a row: the Gumbel noise is a table lookup by hash (no log whose implementation differs between
+eager and compiled kernels), min-p compares exp(l - max) with min_p (the softmax's sum cancels), and
+top-p sums the kept probabilities as integers (fixed point, exact in any order).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from torch import Tensor
 from engine.contract.records import HISTORY, SamplingParams
 
 _M32 = 0xFFFFFFFF
+NOISE_BITS = 22  # Gumbel noise levels: 2**22 uniform quantiles (a 16 MiB fp32 table per device)
+_TOP_P_SCALE = float(2**31)  # fixed point of the top-p mass: 1026 tokens sum below 2**42, exact in int64
+_tables: dict[str, Tensor] = {}
 
 
 def _mix32(x: Tensor) -> Tensor:
@@ -29,16 +39,31 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def gumbel_noise(seed: Tensor, step: Tensor, shape_cv: tuple[int, ...]) -> Tensor:
-    """Gumbel(0,1) noise [B, C, V] determined by (seed[b], step[b], codebook, token) alone."""
+def gumbel_table(device: torch.device | str) -> Tensor:
+    """-log(-log(u)) at the 2**NOISE_BITS midpoints u = (i + 0.5) / 2**NOISE_BITS, computed once in float64
+    on the CPU: the same fp32 bits on every device and in eager and compiled code."""
+    key = str(torch.device(device))
+    if key not in _tables:
+        u = (torch.arange(2**NOISE_BITS, dtype=torch.float64) + 0.5) / 2**NOISE_BITS
+        _tables[key] = (-torch.log(-torch.log(u))).float().to(device)
+    return _tables[key]
+
+
+def noise_index(seed: Tensor, step: Tensor, shape_cv: tuple[int, ...]) -> Tensor:
+    """Table index [B, C, V] of the noise for (seed[b], step[b], codebook, token): a 32-bit hash's top bits."""
     c, v = shape_cv
     dev = seed.device
     key = _mix32(_mix32(seed) ^ _mix32((seed >> 32) + 0x5BD1E995))
     key = _mix32(key + _mix32(step * 0x2545F491 + 0x9E3779B9))  # [B]
     idx = torch.arange(c * v, device=dev, dtype=torch.int64).view(1, c, v)
     h = _mix32(_mix32(key.view(-1, 1, 1) ^ idx) + idx * 0x3C6EF372)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 random bits
-    return -torch.log(-torch.log(u))
+    return h >> (32 - NOISE_BITS)
+
+
+def gumbel_noise(seed: Tensor, step: Tensor, shape_cv: tuple[int, ...], table: Tensor | None = None) -> Tensor:
+    """Gumbel(0,1) noise [B, C, V] determined by (seed[b], step[b], codebook, token) alone."""
+    table = gumbel_table(seed.device) if table is None else table
+    return table[noise_index(seed, step, shape_cv)]
 
 
 class SamplerState:
@@ -51,6 +76,7 @@ class SamplerState:
         # torch.compile fuses the ~60 small kernels of filtering and hashing (CUDA decode graphs)
         self._filter = torch.compile(self.filtered_logits, fullgraph=True) if compiled else self.filtered_logits
         self._noise = torch.compile(gumbel_noise, fullgraph=True) if compiled else gumbel_noise
+        self.noise_table = gumbel_table(device)
         f32 = {"device": device, "dtype": torch.float32}
         i64 = {"device": device, "dtype": torch.int64}
         self.temperature = torch.ones(n_slots, **f32)
@@ -89,7 +115,7 @@ class SamplerState:
         requests arrived in groups of varying size."""
         step = self.step[slots]
         filt, noise = (self.filtered_logits, gumbel_noise) if eager else (self._filter, self._noise)
-        scores = filt(logits, slots) + noise(self.seed[slots], step, logits.shape[1:])
+        scores = filt(logits, slots) + noise(self.seed[slots], step, logits.shape[1:], self.noise_table)
         codes = scores.argmax(-1)
         self._record(codes, slots, step)
         return codes
@@ -107,19 +133,23 @@ class SamplerState:
         kth = sorted_l.gather(-1, k - 1)
         keep = logits >= kth  # ties with the k-th value are kept, as in the reference
         sorted_l = torch.where(sorted_l >= kth, sorted_l, float("-inf"))
-        sorted_p = torch.softmax(sorted_l, dim=-1)
 
+        # top-p: drop an entry when the mass before it already exceeds p. The unnormalised probabilities
+        # exp(l - max) in fixed point, summed as integers: the same total in any order, any batch.
+        mass = torch.round(torch.exp(sorted_l - sorted_l[..., :1]) * _TOP_P_SCALE).to(torch.int64)
+        before = mass.cumsum(-1) - mass
         p = self.top_p[slots].view(b, 1, 1)
-        drop = (sorted_p.cumsum(-1) - sorted_p) > p  # mass before this entry already exceeds p
+        drop = before.double() > p.double() * mass.sum(-1, keepdim=True).double()
         n_kept = (~drop).sum(-1, keepdim=True).clamp(min=1)
         p_floor = sorted_l.gather(-1, n_kept - 1)
         use_p = (p > 0) & (p < 1)
         keep = keep & (~use_p | (logits >= p_floor))
 
-        # min-p on the top-k/top-p filtered distribution: prob >= min_p * max_prob.
-        probs = torch.softmax(torch.where(keep, logits, float("-inf")), dim=-1)
+        # min-p on the top-k/top-p filtered distribution: prob >= min_p * max_prob, i.e.
+        # exp(l - max kept l) >= min_p (the softmax's normaliser cancels; no sum).
+        top = torch.where(keep, logits, float("-inf")).amax(-1, keepdim=True)
         min_p = self.min_p[slots].view(b, 1, 1)
-        keep = keep & (probs >= min_p * probs.amax(-1, keepdim=True))
+        keep = keep & (torch.exp(logits - top) >= min_p)
         return torch.where(keep, logits, float("-inf"))
 
     def _repetition_penalty(self, logits: Tensor, slots: Tensor, step: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ Parameters are kept in compute-friendly layouts; `engine.model.checkpoint` maps 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -139,7 +140,12 @@ def route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale:
 
 
 class Stages:
-    """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA)."""
+    """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA). The
+    batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the same members."""
+
+    batch_invariant = False
+    attention_split: int | None = None  # decode attention's split length (None: by batch size)
+    linear = None  # the Triton path's projections (None: kernels.gemv.linear)
 
     def __init__(self, compiled: bool = False) -> None:
         if compiled:
@@ -307,8 +313,11 @@ class MoEFFN(nn.Module):
             from engine.model.kernels.moe import fused_moe
             from engine.model.kernels.router import fused_route
 
-            chosen, weights, state = self.router(x, router_state, self.k, fused_route)
-            return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights), state
+            bi = stages.batch_invariant
+            route_fn = partial(fused_route, row_kernel=True, linear_fn=stages.linear) if bi else fused_route
+            chosen, weights, state = self.router(x, router_state, self.k, route_fn)
+            return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights,
+                             batch_invariant=bi), state
         chosen, weights, state = self.router(x, router_state, self.k, stages.route)
         return self.run_experts(x, chosen, weights), state
 
@@ -362,6 +371,7 @@ class Zonos2(nn.Module):
         self.register_buffer("layer_ids", torch.arange(cfg.n_layers), persistent=False)
         self.cache: KVCache | None = None
         self.use_triton = False
+        self.batch_invariant = False
         self.decode_stages = PLAIN
 
     def compile_decode(self) -> None:
@@ -375,6 +385,21 @@ class Zonos2(nn.Module):
         for layer in self.layers:
             if isinstance(layer.feed_forward, MoEFFN):
                 layer.feed_forward.use_triton = on
+
+    def set_batch_invariant(self, on: bool = True) -> None:
+        """Decode and prefill through `engine.model.batch_invariant`: a row's logits do not depend on the
+        other rows of the call, the bucket, the packing or the slot. Needs the Triton kernels on."""
+        if on and not self.use_triton:
+            raise ValueError("batch-invariant decoding runs on the Triton kernels: call enable_triton() first")
+        self.batch_invariant = on
+
+    def stages(self, phase: str) -> Stages:
+        """The stage functions of `phase` ("decode" or "prefill") in the current mode."""
+        if self.batch_invariant:
+            from engine.model import batch_invariant
+
+            return batch_invariant.DECODE if phase == "decode" else batch_invariant.PREFILL
+        return self.decode_stages
 
     # ---- setup -------------------------------------------------------------------------------
     def init_buffers(self, device: torch.device) -> None:
@@ -396,12 +421,14 @@ class Zonos2(nn.Module):
     def embed_tables(self) -> list[Tensor]:
         return [t.weight for t in self.multi_embedder.embedders]
 
-    def project_speaker(self, spk: Tensor) -> Tensor:
-        """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame."""
+    def project_speaker(self, spk: Tensor, stages: Stages = PLAIN) -> Tensor:
+        """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame.
+        stages: their `linear` (when set) runs the projections of rows [N, 2048]."""
         x = spk.to(self.speaker_projection.weight.dtype)
-        if self.speaker_lda_projection is not None:
-            x = self.speaker_lda_projection(x)
-        return self.speaker_projection(x)
+        layers = [m for m in (self.speaker_lda_projection, self.speaker_projection) if m is not None]
+        for m in layers:
+            x = stages.linear(x, m.weight, m.bias) if stages.linear is not None else m(x)
+        return x
 
     def head(self, h: Tensor, stages: Stages = PLAIN) -> Tensor:
         return stages.head(h, self.out_norm.weight, self.multi_output.weight, self.cfg.n_codebooks,
@@ -418,6 +445,8 @@ class Zonos2(nn.Module):
         if self.use_triton:  # the kernels index the RoPE tables by position themselves
             from engine.model.kernels.gemv import linear
             from engine.model.kernels.qkv_rope import qkv_rope_cache
+
+            linear = stages.linear or linear
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         router_state: Tensor | None = None
@@ -479,26 +508,28 @@ class Zonos2(nn.Module):
 
         cache = self.cache
         assert cache is not None, "call setup_cache first"
+        stages = self.stages("prefill")
         e = self.embed(ids)
         if self.cfg.speaker_enabled:
             # frame 0 of a cloned prompt takes the projected speaker row instead of the embedding sum
-            rows = self.project_speaker(spk).to(e.dtype)[spk_of_tok.clamp(min=0)]
+            rows = self.project_speaker(spk, stages).to(e.dtype)[spk_of_tok.clamp(min=0)]
             e = torch.where((spk_of_tok >= 0)[:, None], rows, e)
-        h = rms_norm(e, None, self.cfg.norm_eps)
+        norm = stages.rms_norm if self.batch_invariant else rms_norm
+        h = norm(e, None, self.cfg.norm_eps)
 
         def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
             return apply_gate(prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start,
                                                 block_len, block_pos0), g)
 
-        h = self._layers(h, cache, tok_slot, tok_pos, attend, self.decode_stages)
-        return self.head(h[last_idx], self.decode_stages)
+        h = self._layers(h, cache, tok_slot, tok_pos, attend, stages)
+        return self.head(h[last_idx], stages)
 
     @torch.inference_mode()
     def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None) -> Tensor:
         """One frame per slot. ids [B, 10]; positions [B] = index of this frame. Attends over the first
         `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length."""
         assert self.cache is not None, "call setup_cache first"
-        cache, stages = self.cache, self.decode_stages
+        cache, stages = self.cache, self.stages("decode")
         h = stages.embed_norm(ids, self.embed_tables(), self.cfg.norm_eps)
         if self.use_triton:
             from engine.model.kernels.decode_attention import decode_attention
@@ -506,7 +537,8 @@ class Zonos2(nn.Module):
             lengths = (positions + 1).to(torch.int32)
 
             def attend_fast(layer: int, q: Tensor, g: Tensor) -> Tensor:
-                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths, gate=g)
+                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths,
+                                        chunk=stages.attention_split, gate=g)
 
             return self.head(self._layers(h, cache, slots, positions, attend_fast, stages), stages)
 

@@ -24,6 +24,11 @@ def split_tokens(batch: int) -> int:
     return 64 if batch <= 32 else 128
 
 
+# The split length of batch-invariant decoding (engine.model.batch_invariant), for every batch: the merge
+# sums a row's splits, so their boundaries must not move with the batch. 64 is the fastest up to batch 32.
+FIXED_SPLIT = 64
+
+
 @triton.jit
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,

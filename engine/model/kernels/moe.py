@@ -287,15 +287,17 @@ def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights:
 
 def fused_moe(
     x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
-    block_m: int = 16, block_n: int = 64, block_k: int = 128,
+    block_m: int = 16, block_n: int = 64, block_k: int = 128, batch_invariant: bool = False,
 ) -> Tensor:
     """x [N, dim]; gate_up [E, 2*inter, dim] (gate rows, then up rows); down [E, dim, inter];
-    chosen / weights [N, k] -> [N, dim] = sum_k w * down_e(silu(gate_e x) * up_e x)."""
+    chosen / weights [N, k] -> [N, dim] = sum_k w * down_e(silu(gate_e x) * up_e x).
+    batch_invariant: the blocked kernels at every row count (a pair's sums do not depend on the block it
+    shares or on the pair count) and the top-k rows added in rank order."""
     n, dim = x.shape
     e, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     k = chosen.shape[1]
-    if n * k <= GEMV_MAX_PAIRS:
+    if n * k <= GEMV_MAX_PAIRS and not batch_invariant:
         return _combine_topk(_moe_gemv(x, gate_up, down, chosen, weights), n, k, x.dtype)
     sorted_pairs, block_expert = align_blocks_triton(chosen, e, block_m)
     n_blocks = block_expert.numel()
@@ -315,14 +317,20 @@ def fused_moe(
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         K=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )
-    return _combine_topk(out, n, k, x.dtype)
+    return _combine_topk(out, n, k, x.dtype, batch_invariant)
 
 
-def _combine_topk(out: Tensor, n: int, k: int, dtype: torch.dtype) -> Tensor:
-    """Per-pair outputs [n*k, dim] -> [n, dim] in the activation dtype (top-1 rows were written in it)."""
+def _combine_topk(out: Tensor, n: int, k: int, dtype: torch.dtype, in_order: bool = False) -> Tensor:
+    """Per-pair outputs [n*k, dim] -> [n, dim] in the activation dtype (top-1 rows were written in it).
+    in_order: k > 2 rows added one after the other in fp32 (a fixed order, not a reduction kernel's)."""
     if k == 1:
         return out
     out = out.view(n, k, -1)
     if k == 2:
         return torch.add(out[:, 0], out[:, 1], out=torch.empty(n, out.shape[-1], device=out.device, dtype=dtype))
+    if in_order:
+        acc = out[:, 0] + out[:, 1]
+        for j in range(2, k):
+            acc = acc + out[:, j]
+        return acc.to(dtype)
     return out.sum(1).to(dtype)

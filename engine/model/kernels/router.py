@@ -137,7 +137,7 @@ def _router_row_kernel(
 def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
                 b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
                 eps: float, block_rows: int | None = None, num_warps: int | None = None,
-                row_kernel: bool | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                row_kernel: bool | None = None, linear_fn=None) -> tuple[Tensor, Tensor, Tensor]:
     """`engine.model.zonos2.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
     All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
 
@@ -145,7 +145,8 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
     inside the router kernel each program would stream all of W_down (512 KB) alone, which took 16-31 us
     per call on an H200 against ~5 us as a separate GEMM (bench/kernel_sweep.py). Up to ROW_KERNEL_MAX_ROWS
     rows (decode) each row is one program of GEMVs (`_router_row_kernel`); above (prefill), ROWS-row tiles
-    on the tensor cores. `row_kernel` forces either."""
+    on the tensor cores. `row_kernel` forces either (batch-invariant routing takes the row kernel at
+    every row count); `linear_fn` replaces the down-projection's `kernels.gemv.linear`."""
     from engine.model.kernels.gemv import linear
 
     n = x.shape[0]
@@ -159,7 +160,7 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
     r = torch.empty(n, r_dim, device=dev, dtype=x.dtype)
     if n == 0:
         return chosen, weights, r
-    x = linear(x, down_w, down_b)
+    x = (linear_fn or linear)(x, down_w, down_b)
     if has_prev:
         prev = prev if prev.stride(-1) == 1 else prev.contiguous()
     args = (x, prev if has_prev else x, scale.contiguous() if has_prev else down_b, w0.contiguous(), b0.contiguous(),
