@@ -132,46 +132,68 @@ def test_prefill_graphs_match_unpadded_prefill():
     assert _cos(plain, replay) > 0.999 and _cos(plain_rest, replay_rest) > 0.999
 
 
-def test_dac_graphs_equal_eager_and_stream_equals_one_shot():
-    """Captured DAC shapes replay the eager decode; a stream launched and collected asynchronously on the
-    GPU (fused Snake, graphs, several calls in flight) equals the one-shot decode of the same codes."""
+def _snr(ref: np.ndarray, x: np.ndarray) -> float:
+    return float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / max(np.sum((ref - x).astype(np.float64) ** 2), 1e-30)))
+
+
+def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
+    """The incremental DAC's captured calls replay its eager calls (same state cache updates); a stream
+    launched and collected asynchronously on the GPU (fused masked Snake, graphs, several calls in flight,
+    3 streams in varying batches) equals the one-shot decode of the same codes, in fp32 and bf16."""
     from engine.dac.codec import HOP, Codec
     from engine.dac.graphs import DacGraphs
+    from engine.dac.incremental import IncrementalDAC
     from engine.dac.streaming import StreamingDecoder, decode_offline
 
     for dtype, floor in ((torch.float32, 50.0), (torch.bfloat16, 25.0)):
         codec = Codec.random("full", seed=0, device="cuda", dtype=dtype)
-        codes = torch.randint(0, 1024, (4, 82, 9), device="cuda")
-        eager = codec.decode(codes).clone()
-        graphs = DacGraphs(codec, {(4, 82), (1, 12)})
+        rng = np.random.default_rng(0)
+        codes = rng.integers(0, 1024, (3, 60, 9))
+        eager_net, graph_net = IncrementalDAC(codec, slots=4), IncrementalDAC(codec, slots=4)
+        graphs = DacGraphs(graph_net, {(4, 10)})
         graphs.capture()
-        replay = graphs.run(codes).clone()
-        snr = 10 * torch.log10(eager.pow(2).sum() / (eager - replay).pow(2).sum().clamp_min(1e-30))
-        print(f"DAC {dtype}: graph replay vs eager SNR {float(snr):.1f} dB")
-        assert float(snr) > 60
+        eager_out, graph_out = [], []
+        for a in range(0, 70, 10):  # 7 calls: 60 real frames, then the flush
+            c = np.zeros((4, 10, 9), dtype=np.int64)
+            c[:3, : max(0, min(10, 60 - a))] = codes[:, a : a + 10]
+            packed = torch.from_numpy(eager_net.pack(c, np.array([0, 1, 2, 4]), np.full(4, a), np.array([60] * 3 + [0])))
+            eager_out.append(eager_net.run(packed.cuda(), 10).cpu().numpy())
+            graph_out.append(graphs.run(packed.pin_memory(), 10).cpu().numpy())
+        eager, replay = np.concatenate(eager_out, 1)[:3], np.concatenate(graph_out, 1)[:3]
+        snr = _snr(eager, replay)
+        print(f"DAC {dtype}: incremental graph replay vs eager SNR {snr:.1f} dB")
+        assert snr > 60
+        lag = eager_net.lag
+        for r in range(3):
+            ref = codec.decode(torch.from_numpy(codes[r : r + 1]).cuda())[0].float().cpu().numpy()
+            snr = _snr(ref, replay[r, lag : lag + 60 * HOP])
+            print(f"DAC {dtype}: incremental (graphs) vs one-shot, row {r}: SNR {snr:.1f} dB")
+            assert snr > floor
 
         dec = StreamingDecoder(codec)
         dec.capture(max_batch=4)
-        rng = np.random.default_rng(0)
         frames = {rid: rng.integers(0, 1024, (200, 9)) for rid in range(3)}
         out: dict[int, list[np.ndarray]] = {rid: [] for rid in frames}
         stream = torch.cuda.Stream()
         for k in range(200):
-            dec.push_rows(list(frames), np.stack([frames[r][k] for r in frames]))
+            rids = [r for r in frames if k >= 7 * r]  # staggered starts: varying batches
+            dec.push_rows(rids, np.stack([frames[r][k - 7 * r] for r in rids]))
             with torch.cuda.stream(stream):
-                dec.launch(max_batch=4, max_frames=100)
+                dec.launch(max_batch=4, max_frames=20)
             for rid, pcm, _ in dec.collect(as_float=True):
                 out[rid].append(pcm)
         for rid in frames:
+            dec.push(rid, frames[rid][200 - 7 * rid :])
             dec.finish(rid, None)
         while dec.pending() or dec.in_flight():
             with torch.cuda.stream(stream):
                 dec.launch(max_batch=4)
             for rid, pcm, _ in dec.collect(as_float=True, wait=True):
                 out[rid].append(pcm)
+        assert dec.active() == 0
         for rid, f in frames.items():
             x = np.concatenate(out[rid])
-            ref = decode_offline(codec, f)
-            snr = 10 * np.log10(np.sum(ref**2) / max(np.sum((ref - x) ** 2), 1e-30))
+            snr = _snr(decode_offline(codec, f), x)
             print(f"DAC {dtype}: async stream vs one-shot SNR {snr:.1f} dB")
             assert len(x) == 200 * HOP and snr > floor
+
