@@ -75,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineSettings.batch_invariant,
+                   help="a seeded request gets the same codes whatever else runs (default on); "
+                        "--no-batch-invariant: batch-dependent kernels, the seed holds for a request alone")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
     p.add_argument("--default-voices-dir", help="folder of clips / .npy embeddings offered to everyone")
     p.add_argument("--emotion-directions-dir", help="emotion directions in the reference's emotion_directions/ "
@@ -129,6 +132,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         admission_prebuffer_ms=a.admission_prebuffer_ms,
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
+        batch_invariant=a.batch_invariant,
     )
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()

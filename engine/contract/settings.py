@@ -46,6 +46,9 @@ class EngineSettings:
     prefill_group_frames: int = 256
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
+    # a seeded request samples the same codes whatever else the GPU runs (engine/model/batch_invariant.py);
+    # off: cuBLAS/GEMV and per-batch tiles, faster, and a seed holds only for a request decoded alone
+    batch_invariant: bool = True
     chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
     # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
     # auto: bfloat16 on a GPU, float32 on a CPU

@@ -68,15 +68,20 @@ class PendingDecode:
 
 class LLMNode:
     def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True,
-                 compile: bool = False) -> None:
+                 compile: bool = False, batch_invariant: bool = False, triton: bool | None = None) -> None:
+        """batch_invariant: a row's logits do not depend on what shares its step or prefill
+        (`engine.model.batch_invariant`); it takes effect on the Triton kernels. triton: run them (default:
+        on a GPU; on a CPU only under Triton's interpreter, for tests)."""
         self.model = model
         self.cfg = model.cfg
         self.device = model.multi_output.weight.device
         on_gpu = self.device.type == "cuda"
-        if on_gpu:
+        if on_gpu if triton is None else triton:
             model.enable_triton()
-            if compile:
+            model.set_batch_invariant(batch_invariant)
+            if compile and on_gpu:
                 model.compile_decode()
+        self.batch_invariant = model.batch_invariant
         # One extra slot is scratch: padding rows of a captured batch point at it.
         self.cache = model.setup_cache(n_slots + 1, max_len)
         self.max_len = self.cache.max_len

@@ -48,7 +48,8 @@ class Engine:
         model = load_model(src, self.device)
         slots = settings.max_batch or (GPU_SLOTS if self.on_gpu else CPU_SLOTS)
         max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
-        self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile)
+        self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile,
+                           batch_invariant=settings.batch_invariant)
         self.dac_device = settings.dac_device or self.device
         dtype = settings.dac_dtype if settings.dac_dtype != "auto" else (
             "bfloat16" if self.dac_device.startswith("cuda") else "float32")
