@@ -17,7 +17,7 @@ from engine.contract.settings import EngineSettings, WeightSources, visible_gpus
 # Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
 _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
                   "max_buffered_audio_s": ["--max-buffered-audio"]}
-_ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes"}  # 0 allowed (no minimum / OS default)
+_ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes", "normalization_max_tasks"}  # 0 allowed (no minimum / OS default / never)
 
 
 def parse_devices(p: argparse.ArgumentParser, value: str | None, gpus: int) -> list[str]:
@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                         "'*': any); docs/reliability.md, Host rule")
     p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable)")
     p.add_argument("--no-text-normalization", action="store_true")
+    p.add_argument("--normalization-workers", type=int, default=0, metavar="N",
+                   help="worker processes that normalize text (default 0: one per CPU this process may use)")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     lim = p.add_argument_group("limits", "app/settings.py Limits; the table is in docs/reliability.md")
     for f in dataclasses.fields(Limits):
@@ -118,7 +120,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     engine = EngineSettings(
         device=devices[0] if devices else a.device,
         dac_device=a.dac_device,
-        max_batch=a.max_batch,  # None: the engine picks (128 on a GPU, 8 on a CPU)
+        max_batch=a.max_batch,  # None: the engine picks (256 on a GPU, 8 on a CPU)
         max_context=a.max_context,
         prefill_chunk=a.prefill_chunk,
         dac_dtype=a.dac_dtype,
@@ -143,6 +145,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             emotion_directions(Path(a.emotion_directions_dir))
         except ValueError as e:
             p.error(str(e))
+    if a.normalization_workers < 0:
+        p.error("--normalization-workers must be >= 0 (0: one per CPU)")
     limits = Limits(**limit_values)
     return GatewaySettings(
         host=a.host, port=a.port, weights=weights, engine=engine, devices=tuple(devices), limits=limits,
@@ -151,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         emotion_directions_dir=Path(a.emotion_directions_dir) if a.emotion_directions_dir else None,
         shared_voices=a.shared_voices,
         cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=not a.no_text_normalization,
+        normalization_workers=a.normalization_workers,
         log_level=a.log_level.upper(),
     )
 

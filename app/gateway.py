@@ -10,25 +10,47 @@ import logging
 import os
 import re
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import soundfile as sf
 
-from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Stream
+from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
 from app.metrics import Metrics
+from app.normalization import NormalizationPool, default_workers
 from app.settings import GatewaySettings
-from app.synthesis import PromptFactory, RequestError, SynthesisOptions
+from app.synthesis import PromptFactory, RequestError, SynthesisOptions, check_text
+from app.text_buffer import split_to_budget, utf8_len
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
+from engine.contract import records as m
 from engine.contract.rings import RecordTooLarge
-from engine.textnorm import TextNormalizer
 
 log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
+
+# One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
+# about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
+# share the engine's context; the prompt's other rows (conditioning, BOS/EOS, 17 frames of silence)
+# take at most PROMPT_OVERHEAD frames.
+AUDIO_FRAMES_PER_BYTE = 6
+PROMPT_OVERHEAD = 32
+MIN_UTTERANCE_BYTES = 64
+
+
+def utterance_bytes(gw: Gateway) -> int:
+    """The UTF-8 size of the longest utterance: at most --max-text-chars bytes, and small enough that its
+    prompt and its speech fit the engine's context and --max-frames. Text is cut to it twice: as written
+    (app/text_buffer.py, sentences) and as spoken, after normalization (Gateway.start_utterance)."""
+    lim = gw.settings.limits
+    context = int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
+    fits_context = (context - PROMPT_OVERHEAD) // (1 + AUDIO_FRAMES_PER_BYTE)
+    fits_frames = lim.max_frames // AUDIO_FRAMES_PER_BYTE
+    return max(MIN_UTTERANCE_BYTES, min(lim.max_text_chars, fits_context, fits_frames))
 
 
 def model_config(settings: GatewaySettings) -> Zonos2Config:
@@ -77,26 +99,32 @@ class Gateway:
         self.engines = self.engine.engines
         self.metrics.engines = lambda: self.engines
         self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
-        self.normalizer = TextNormalizer() if settings.text_normalization else None
-        self.prompts = PromptFactory(self.cfg, self.normalizer)
+        lim = settings.limits
+        # text normalization runs in worker processes (app/normalization.py); prompts get the spoken text
+        self.normalizer = NormalizationPool(
+            settings.normalization_workers or default_workers(), lim.normalization_cpu_s,
+            lim.normalization_max_tasks) if settings.text_normalization else None
+        self.prompts = PromptFactory(self.cfg, None)
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
         self.sessions = 0
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
-        self._warm_task: asyncio.Task[dict[str, bool]] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
 
     async def start(self) -> None:
         await self.engine.start()
         if self.normalizer is not None and self.normalizer.available:
-            # English grammars take ~1 s from the cache, ~1 min to compile the first time: not on a request.
-            self._warm_task = asyncio.create_task(asyncio.to_thread(self.normalizer.warm, ["en_us"]))
+            # each worker loads the English grammars as it starts (~1 s from the cache, ~1 min to compile
+            # the first time): not on a request
+            self.normalizer.start()
         if self.settings.default_voices_dir:
             self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
 
     async def close(self) -> None:
         if self._defaults_task:
             self._defaults_task.cancel()
+        if self.normalizer is not None:
+            await asyncio.to_thread(self.normalizer.close)
         await self.engine.close()
 
     # ---- auth scope ------------------------------------------------------------------------------
@@ -157,17 +185,31 @@ class Gateway:
     # ---- the path to the engine ------------------------------------------------------------------
     async def start_utterance(
         self, text: str, opts: SynthesisOptions, voice: Voice | None = None,
-        clip: tuple[np.ndarray, int] | None = None,
-    ) -> Stream:
+        clip: tuple[np.ndarray, int] | None = None, owner: object = None,
+    ) -> Stream | PieceStream:
+        """One utterance's engine work. Its text is normalized (in a worker process, in `owner`'s turn: a
+        session or an HTTP request), and the spoken text, which can be several times longer ("$1,234,567.89"
+        is 13 bytes written, 95 spoken), is cut to the utterance budget again: the model gets every byte of
+        it, in one engine request or in a few, one after another (PieceStream)."""
         if len(text) > self.settings.limits.max_text_chars:
             raise RequestError("text_too_long", f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
+        check_text(text)
+        if opts.text_normalization and self.normalizer is not None:
+            text = await self.normalizer.normalize(text, opts.language, owner)
+        budget = utterance_bytes(self)
+        pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]
         embedding = voice.embedding if voice is not None else None
-        prompt = await self.prompts.build(text, opts, speaker=embedding is not None or clip is not None)
-        req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
-        try:
-            return self.engine.submit(req)
-        except EngineUnavailable as e:
-            raise RequestError("engine_busy", str(e), 503) from None
+        speaker = embedding is not None or clip is not None
+
+        def submit(piece: str) -> Stream:
+            prompt = self.prompts.build_sync(piece, opts, speaker)
+            req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
+            try:
+                return self.engine.submit(req)
+            except EngineUnavailable as e:
+                raise RequestError("engine_busy", str(e), 503) from None
+
+        return submit(pieces[0]) if len(pieces) == 1 else PieceStream(submit, pieces)
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":
@@ -196,6 +238,60 @@ class Gateway:
                 log.info("default voice %r ready (%s)", name, vid)
             except (RequestError, OSError) as e:
                 log.warning("default voice %s skipped: %s", path, e)
+
+
+class PieceStream:
+    """An utterance whose spoken text takes more than one engine request, read as one Stream: the pieces
+    play in order, the next one submitted when the one before starts to be read (so one generates ahead,
+    as in the pipeline); one `finished` at the end with the frames of all, or the first error."""
+
+    def __init__(self, submit: Callable[[str], Stream], pieces: list[str]) -> None:
+        self._submit = submit
+        self._pending = deque(pieces[1:])
+        self.current: Stream = submit(pieces[0])
+        self.ahead: Stream | None = None
+        self.done = False
+        self._frames = 0
+        self._reason: str | None = None  # the first piece that did not end on its own (max_frames)
+
+    def __aiter__(self) -> PieceStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self.done:
+            if self.ahead is None and self._pending:
+                try:
+                    self.ahead = self._submit(self._pending.popleft())
+                except RequestError as e:
+                    self.cancel()
+                    return Event(m.ERROR, {"type": m.ERROR, "code": e.code, "message": str(e)})
+            try:
+                ev = await self.current.__anext__()
+            except StopAsyncIteration:  # (a stream always ends with an event; this is the guard)
+                ev = Event(m.FINISHED, {"type": m.FINISHED, "reason": "cancelled", "stats": {}})
+            if ev.type == m.FINISHED:
+                self._frames += int((ev.header.get("stats") or {}).get("frames") or 0)
+                if ev.header.get("reason") not in ("eos", None) and self._reason is None:
+                    self._reason = ev.header.get("reason")
+                if self.ahead is not None and ev.header.get("reason") != "cancelled":
+                    self.current, self.ahead = self.ahead, None
+                    continue
+                self.done = True
+                header = dict(ev.header)
+                header["stats"] = {**(header.get("stats") or {}), "frames": self._frames}
+                header["reason"] = self._reason or header.get("reason")
+                return Event(m.FINISHED, header)
+            if ev.type == m.ERROR:
+                self.cancel()
+            return ev
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.done = True
+        self._pending.clear()
+        self.current.cancel()
+        if self.ahead is not None:
+            self.ahead.cancel()
 
 
 def wav_bytes(samples: np.ndarray, sr: int) -> bytes:

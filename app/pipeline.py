@@ -1,7 +1,7 @@
 """The utterance pipeline every API speaks through (the WebSocket session and both HTTP speech routes).
 
-Text is cut into sentences (app/text_buffer.py), each sentence is one utterance (one engine request),
-and utterances play strictly in order while the next ones already generate (up to
+Text is cut into sentences (app/text_buffer.py), each sentence is one utterance (one engine request, or
+a few when its normalized text outgrows the budget: app/gateway.py), and utterances play strictly in order while the next ones already generate (up to
 `max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
 The per-utterance stats (time to first audio, real-time factor) and the HTTP status of every engine
 error code are defined here and nowhere else.
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from app.engine_client import Stream
-from app.gateway import Gateway
+from app.gateway import Gateway, utterance_bytes
 from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
 from app.text_buffer import TextBuffer
 from app.voices import Voice
@@ -48,29 +48,10 @@ ENGINE_ERROR_STATUS = {
     "slow_consumer": 503,
 }
 
-# One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
-# about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
-# share the engine's context; the prompt's other rows (conditioning, BOS/EOS, 17 frames of silence)
-# take at most PROMPT_OVERHEAD frames.
-AUDIO_FRAMES_PER_BYTE = 6
-PROMPT_OVERHEAD = 32
-MIN_UTTERANCE_BYTES = 64
-
-
 def engine_error(header: dict[str, Any]) -> RequestError:
     code = str(header.get("code") or "internal")
     status = ENGINE_ERROR_STATUS.get(code, 500)
     return RequestError(code if status != 500 else "internal", str(header.get("message") or code), status)
-
-
-def utterance_bytes(gw: Gateway) -> int:
-    """The UTF-8 size of the longest utterance: at most --max-text-chars bytes, and small enough that its
-    prompt and its speech fit the engine's context and --max-frames."""
-    lim = gw.settings.limits
-    context = int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
-    fits_context = (context - PROMPT_OVERHEAD) // (1 + AUDIO_FRAMES_PER_BYTE)
-    fits_frames = lim.max_frames // AUDIO_FRAMES_PER_BYTE
-    return max(MIN_UTTERANCE_BYTES, min(lim.max_text_chars, fits_context, fits_frames))
 
 
 def text_buffer(gw: Gateway, language: str) -> TextBuffer:
@@ -158,7 +139,7 @@ class UtterancePipeline:
 
     async def _start(self, u: Utterance) -> None:
         try:
-            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip)
+            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip, owner=self)
         except RequestError as e:
             u.error = e
         except Exception:  # a bug must cost this utterance, not the session

@@ -27,6 +27,11 @@ class Limits:
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
     max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
+    # Text normalization (app/normalization.py): the CPU one utterance's text may take in its worker before
+    # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
+    # normalizes before it is replaced (its memory given back).
+    normalization_cpu_s: float = 5.0
+    normalization_max_tasks: int = 500
     # Kernel send buffer of each client socket (SO_SNDBUF), 0 = the OS's autotuning (up to tcp_wmem's
     # max, 4 MiB by default: ~45 s of 44.1 kHz s16 audio that a non-reading client parks in the kernel
     # before the gateway sees backpressure and max_buffered_audio_s starts counting).
@@ -53,6 +58,7 @@ class GatewaySettings:
     # rule (app/auth.py, docs/reliability.md "Host rule")
     allowed_hosts: tuple[str, ...] = ()
     text_normalization: bool = True
+    normalization_workers: int = 0  # worker processes for text normalization; 0: the CPUs this process may use
     log_level: str = "INFO"
 
     @property

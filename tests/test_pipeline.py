@@ -40,7 +40,8 @@ class FakeEngine:
     def cancel(self, rid: int) -> None:
         self.cancelled.append(rid)
 
-    async def start_utterance(self, text: str, opts: Any, voice: Any = None, clip: Any = None) -> Stream:
+    async def start_utterance(self, text: str, opts: Any, voice: Any = None, clip: Any = None,
+                              owner: Any = None) -> Stream:
         stream = Stream(len(self.streams) + 1, self, 10**9)  # type: ignore[arg-type]
         self._streams[stream.rid] = stream
         self.streams.append(stream)
@@ -287,10 +288,10 @@ def test_a_failing_start_costs_one_utterance_not_the_session():
         session, ws, engine, task = await open_session()
         real = engine.start_utterance
 
-        async def start(text, *a):
+        async def start(text, *a, **kw):
             if text == "Bad.":
                 raise RuntimeError("a bug")
-            return await real(text, *a)
+            return await real(text, *a, **kw)
 
         session.gw.start_utterance = start
         ws.send(type="text", text="Bad. Good.", flush=True)

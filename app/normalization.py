@@ -1,0 +1,223 @@
+"""Text normalization off the event loop and out of the gateway process: a pool of worker processes.
+
+NeMo's grammars normalize one text per process at a time, at up to ~1 s of CPU for 300 bytes of
+digits, and hold a few hundred MB per loaded language. In the gateway's own process that serialized
+every session behind one lock and grew its memory for good (issue 21). Here:
+
+* Each worker process (`workers`, default: the CPUs this process may use) holds its own grammars (the
+  warm languages are loaded when it starts, others on first use) and normalizes one text at a time, so
+  texts normalize in parallel up to the cores given.
+* One text may take `cpu_limit_s` of CPU in its worker (loading the grammar excluded). Past it the
+  kernel ends the worker (a CPU-time interval timer whose signal keeps its default action, which needs
+  no Python, so it ends a worker stuck inside pynini's C code too), pebble starts another, and the
+  request gets `normalization_timeout`. CPU time rather than wall time: a busy machine does not fail
+  texts that merely wait for a core.
+* A worker is replaced after `max_tasks` texts, so whatever its grammars accumulate is given back.
+* Waiting texts go to the workers fairly: round-robin across owners (a session, an HTTP request), and
+  one owner never holds every worker while others wait, so one tenant's long text does not stand in
+  front of another session's first sentence.
+
+pebble (not concurrent.futures) because a worker that dies or is stopped fails only its own task and is
+replaced, where ProcessPoolExecutor breaks the whole pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import logging
+import multiprocessing
+import os
+import signal
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import pebble
+
+from app.synthesis import RequestError
+
+log = logging.getLogger("gateway.textnorm")
+
+T = TypeVar("T")
+
+# A wall-clock bound on one task, the grammar's first compile included (de, es: up to 4 min on 2 cores):
+# only a worker that hangs without using CPU ever reaches it.
+TASK_WALL_LIMIT_S = 900.0
+_CPU_SIGNAL = signal.SIGPROF  # ITIMER_PROF: user + system CPU time of the worker process
+
+
+def default_workers() -> int:
+    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def nemo_installed() -> bool:
+    """Whether a worker could normalize at all, known without importing NeMo here."""
+    return all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
+
+
+# ---- in the worker process ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def cpu_bound(seconds: float) -> Iterator[None]:
+    """End this process (SIGPROF, default action) if the block uses more than `seconds` of CPU."""
+    signal.signal(_CPU_SIGNAL, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
+
+
+def _worker_start(warm: tuple[str, ...]) -> None:
+    from engine.textnorm import get_normalizer
+
+    if warm:
+        get_normalizer().warm(warm)
+
+
+def normalize_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
+    """The worker's task: load the language's grammar (unbounded: it is the same for every text), then
+    normalize within the CPU bound."""
+    from engine.textnorm import get_normalizer, normalize_language
+
+    norm = get_normalizer()
+    with contextlib.suppress(ValueError):  # an unknown language: normalize() returns the text as it is
+        norm.warm([normalize_language(language)])
+    with cpu_bound(cpu_limit_s):
+        return norm.normalize(text, language)
+
+
+# ---- in the gateway -----------------------------------------------------------------------------------
+class NormalizationPool:
+    """Worker processes that normalize text; `normalize` is what the gateway awaits."""
+
+    def __init__(self, workers: int, cpu_limit_s: float, max_tasks: int, warm: tuple[str, ...] = ("en_us",),
+                 available: bool | None = None) -> None:
+        self.workers = max(1, workers)
+        self.cpu_limit_s = cpu_limit_s
+        self.max_tasks = max_tasks
+        self.warm = warm
+        self.available = nemo_installed() if available is None else available
+        # one owner may hold all workers only when it is the only one: otherwise one is left for the others
+        self.per_owner = max(1, self.workers - 1)
+        self._pool: pebble.ProcessPool | None = None
+        self._waiting: OrderedDict[object, deque[asyncio.Future[None]]] = OrderedDict()  # in round order
+        self._running: dict[object, int] = {}
+        self.active = 0
+
+    def start(self) -> None:
+        """Start the workers now (each loads the warm grammars), not on the first request."""
+        if self._pool is None:
+            # spawn: the gateway's threads and event loop are not forked into the workers
+            self._pool = pebble.ProcessPool(self.workers, self.max_tasks, initializer=_worker_start,
+                                            initargs=(self.warm,), context=multiprocessing.get_context("spawn"))
+            for _ in range(self.workers):
+                self._pool.submit(os.getpid, None)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.stop()
+            self._pool.join(timeout=10)
+            self._pool = None
+
+    async def normalize(self, text: str, language: str, owner: object = None) -> str:
+        """`text` in its spoken form; the text itself when NeMo is not installed or the worker fails (it is
+        logged); RequestError `normalization_timeout` past the CPU bound."""
+        if not self.available or not text.strip():
+            return text
+        try:
+            return await self.run(owner, normalize_in_worker, text, language, self.cpu_limit_s)
+        except pebble.ProcessExpired as e:
+            if e.exitcode == -_CPU_SIGNAL:
+                raise RequestError(
+                    "normalization_timeout", f"normalizing this text took more than {self.cpu_limit_s:g} s of CPU: "
+                    "send shorter sentences, or turn text_normalization off for it") from None
+            log.warning("a text-normalization worker died (exit code %s); this text is spoken as written", e.exitcode)
+            return text
+        except TimeoutError:
+            log.warning("a text-normalization worker hung for %g s and was replaced; this text is spoken as "
+                        "written", TASK_WALL_LIMIT_S)
+            return text
+
+    async def run(self, owner: object, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker, when it is this owner's turn."""
+        self.start()
+        assert self._pool is not None
+        await self._turn(owner)
+        try:
+            future = self._pool.submit(fn, TASK_WALL_LIMIT_S, *args)
+            try:
+                return await asyncio.wrap_future(future)
+            except asyncio.CancelledError:
+                future.cancel()  # a task not yet running is dropped; a running one finishes in its worker
+                raise
+        finally:
+            self._release(owner)
+
+    # ---- fair turns -------------------------------------------------------------------------------
+    def _may_run(self, owner: object) -> bool:
+        others = any(o is not owner for o in self._waiting) or any(o is not owner for o in self._running)
+        cap = self.per_owner if others else self.workers
+        return self.active < self.workers and self._running.get(owner, 0) < cap
+
+    async def _turn(self, owner: object) -> None:
+        if not self._waiting and self._may_run(owner):
+            self._take(owner)
+            return
+        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(owner, deque()).append(ticket)
+        self._dispatch()
+        try:
+            await ticket
+        except asyncio.CancelledError:
+            if ticket.done() and not ticket.cancelled():  # the turn was given just now: give it back
+                self._release(owner)
+            else:
+                self._forget(owner, ticket)
+            raise
+
+    def _take(self, owner: object) -> None:
+        self.active += 1
+        self._running[owner] = self._running.get(owner, 0) + 1
+
+    def _release(self, owner: object) -> None:
+        self.active -= 1
+        n = self._running.get(owner, 0) - 1
+        if n > 0:
+            self._running[owner] = n
+        else:
+            self._running.pop(owner, None)
+        self._dispatch()
+
+    def _forget(self, owner: object, ticket: asyncio.Future[None]) -> None:
+        queue = self._waiting.get(owner)
+        if queue is not None:
+            with contextlib.suppress(ValueError):
+                queue.remove(ticket)
+            if not queue:
+                del self._waiting[owner]
+
+    def _dispatch(self) -> None:
+        """Give free workers to waiting owners, round-robin: an owner served goes to the back."""
+        progress = True
+        while progress and self.active < self.workers:
+            progress = False
+            for owner in list(self._waiting):
+                if not self._may_run(owner):
+                    continue
+                queue = self._waiting.pop(owner)
+                ticket = queue.popleft()
+                if queue:
+                    self._waiting[owner] = queue  # to the back of the round
+                if ticket.cancelled():
+                    progress = True
+                    break
+                self._take(owner)
+                ticket.set_result(None)
+                progress = True
+                break
