@@ -35,7 +35,7 @@ class WeightSources:
 class EngineSettings:
     device: str = "auto"  # cpu | cuda | cuda:N
     dac_device: str | None = None  # place the dac_decoder elsewhere (default: with the LLM)
-    max_batch: int | None = None  # decode slots (None: 128 on a GPU, 8 on a CPU)
+    max_batch: int | None = None  # decode slots (None: 256 on a GPU, 8 on a CPU)
     max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
     max_queue: int = 64  # requests waiting for a slot before new ones are refused
     prefill_chunk: int = 512  # prompt frames per loop iteration (a 4-prompt prefill is ~9 ms on an H200)

@@ -19,7 +19,7 @@ from engine.model.zonos2 import Zonos2
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)  # those <= --max-batch are captured
 
 
 def capture_buckets(buckets: tuple[int, ...], work) -> dict[int, torch.cuda.CUDAGraph]:

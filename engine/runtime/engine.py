@@ -28,7 +28,9 @@ from engine.weights import load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
 
-GPU_SLOTS = 128  # decode slots on a GPU when --max-batch is not given
+# decode slots on a GPU when --max-batch is not given: 256 x the full context fit an H200's KV cache (84 GB);
+# where they do not, kv_frames_that_fit shortens the context rather than the slots
+GPU_SLOTS = 256
 CPU_SLOTS = 8
 DAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCHEDULES = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
@@ -58,7 +60,8 @@ class Engine:
         if settings.chunk_schedule not in SCHEDULES:
             raise ValueError(f"chunk_schedule must be one of {sorted(SCHEDULES)}, not {settings.chunk_schedule!r}")
         self.codec = load_codec(src, self.dac_device, DAC_DTYPES[dtype])
-        self.dac = StreamingDecoder(self.codec, SCHEDULES[settings.chunk_schedule]())
+        # twice the LLM's slots: a stream keeps its DAC slot while its last audio is decoded after generation
+        self.dac = StreamingDecoder(self.codec, SCHEDULES[settings.chunk_schedule](), slots=2 * slots)
         self.speaker_encoder = load_speaker_encoder(src, self.device)
         self.speaker = SpeakerWorker(self.speaker_encoder)
         # The dac_decoder runs in the scheduler's thread on its own CUDA stream: its calls are graph replays
