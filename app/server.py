@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import http_api, voices_api
 from app.auth import HostCheck, authorized, install_log_redaction, require_key
-from app.dialects import cartesia, deepgram, elevenlabs
+from app.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
 from app.gateway import Gateway
 from app.settings import GatewaySettings
 from app.synthesis import RequestError
@@ -116,6 +116,7 @@ class JsonCORSMiddleware(CORSMiddleware):
 CORS_ALLOW_HEADERS = [
     "Authorization", "X-API-Key", "Content-Type", "Accept", "X-Request-ID",
     "X-TTS-Session-ID",  # the ZONOS2 reference web UI, on every speaker and generate call
+    "xi-api-key", "Cartesia-Version",  # the ElevenLabs and Cartesia dialects' HTTP routes
     # the OpenAI JavaScript SDK (dangerouslyAllowBrowser) and other Stainless-generated clients
     "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta", "X-Stainless-Lang", "X-Stainless-Package-Version",
     "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
@@ -210,6 +211,16 @@ def create_app(settings: GatewaySettings) -> Starlette:
         WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
         WebSocketRoute("/tts/websocket", cartesia.endpoint),
         WebSocketRoute("/v1/speak", deepgram.endpoint),
+        # ... and their HTTP routes (synthesize() of LiveKit's plugins, the vendors' SDKs)
+        Route("/v1/text-to-speech/{voice_id}", elevenlabs_http.speech, methods=["POST"]),
+        Route("/v1/text-to-speech/{voice_id}/stream", elevenlabs_http.speech, methods=["POST"]),
+        Route("/v1/text-to-speech/{voice_id}/with-timestamps", elevenlabs_http.speech_with_timestamps,
+              methods=["POST"]),
+        Route("/v1/text-to-speech/{voice_id}/stream/with-timestamps", elevenlabs_http.stream_with_timestamps,
+              methods=["POST"]),
+        Route("/tts/bytes", cartesia_http.tts_bytes, methods=["POST"]),
+        Route("/tts/sse", cartesia_http.tts_sse, methods=["POST"]),
+        Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id

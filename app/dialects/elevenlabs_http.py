@@ -1,0 +1,134 @@
+"""ElevenLabs' text-to-speech HTTP routes (what LiveKit's elevenlabs plugin calls for `synthesize()`, pipecat's
+`ElevenLabsHttpTTSService` and ElevenLabs' own SDKs' `convert` / `stream`), on app/dialects/http.py.
+
+* `POST /v1/text-to-speech/{voice_id}` and `/stream`: the audio in `?output_format` (as on the WebSocket,
+  default `mp3_44100_128`), streamed as it is generated (both: a client of the first reads it whole).
+* `/with-timestamps`: one JSON object `{"audio_base64", "alignment": null, "normalized_alignment": null}`,
+  streamed too (the base64 grows as the audio is generated). `/stream/with-timestamps`: one such object per
+  line as each piece is ready. ZONOS2 produces no timings: both alignments are always null, as on the
+  WebSocket.
+
+Body: `text` (required), `voice_settings.speed` (our speed), `language_code`, `apply_text_normalization`
+(`off` turns normalization off), `seed`; `model_id`, `previous_text`, `next_text`, the request ids,
+pronunciation dictionaries, `use_pvc_as_ivc`, `apply_language_text_normalization`, the other voice settings
+and fields this gateway does not know are accepted and not used (ElevenLabs ignores unknown fields too).
+Query: `output_format`, `zonos_params` (our knobs); `enable_logging` and `optimize_streaming_latency` are
+accepted and not used. Errors: `{"detail": {"status", "message"}}` (app/dialects/elevenlabs.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.dialects.common import base_options, with_language, with_speed
+from app.dialects.elevenlabs import _refusal as elevenlabs_error
+from app.dialects.elevenlabs import output_format
+from app.dialects.http import Framing, HttpFormat, errors_as, open_request, speech_response, text_field
+from app.gateway import Gateway
+from app.synthesis import RequestError, SynthesisOptions, parse_options
+
+DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
+MAX_SEED = 4294967295  # ElevenLabs' seed range
+# fields that are accepted and not used, with the JSON types they may have (null is always allowed)
+_UNUSED: dict[str, tuple[type, ...]] = {
+    "model_id": (str,), "previous_text": (str,), "next_text": (str,), "previous_request_ids": (list,),
+    "next_request_ids": (list,), "pronunciation_dictionary_locators": (list,), "use_pvc_as_ivc": (bool,),
+    "apply_language_text_normalization": (bool,),
+}
+_NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
+
+
+def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
+    for key, types in _UNUSED.items():
+        if data.get(key) is not None and not isinstance(data[key], types):
+            raise RequestError("bad_params", f"{key} must be a {' or '.join(t.__name__ for t in types)}")
+    opts = base_options(gw, request.query_params)
+    lang = data.get("language_code")
+    if lang is not None:
+        if not isinstance(lang, str):
+            raise RequestError("bad_params", "language_code must be a string")
+        opts = with_language(gw, opts, lang)
+    norm = data.get("apply_text_normalization")
+    if norm is not None and norm not in ("auto", "on", "off"):
+        raise RequestError("bad_params", "apply_text_normalization must be 'auto', 'on' or 'off'")
+    limit = gw.settings.limits.max_frames
+    if norm == "off":
+        opts = parse_options({"text_normalization": False}, limit, base=opts, cfg=gw.cfg)
+    seed = data.get("seed")
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+            raise RequestError("bad_params", f"seed must be an integer in 0..{MAX_SEED}")
+        opts = parse_options({"seed": seed % (1 << 31)}, limit, base=opts, cfg=gw.cfg)  # as on the WebSocket
+    settings = data.get("voice_settings")
+    if settings is not None:
+        if not isinstance(settings, dict):
+            raise RequestError("bad_params", "voice_settings must be an object")
+        opts = with_speed(gw, opts, settings.get("speed"))
+    return opts
+
+
+def _format(request: Request) -> HttpFormat:
+    of = output_format(request.query_params.get("output_format") or DEFAULT_FORMAT)
+    return HttpFormat(of.encoding, of.sample_rate).check()
+
+
+async def _speak(request: Request, framing: Framing | None = None, media_type: str | None = None) -> Response:
+    gw, owner, data = await open_request(request)
+    fmt = _format(request)
+    voice = gw.resolve_voice(request.path_params["voice_id"], owner)
+    text = text_field(gw, data, "text")
+    opts = _options(gw, request, data)
+    return await speech_response(gw, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
+
+
+class _Base64Document:
+    """`{"audio_base64": "<the audio so far>...", "alignment": null, "normalized_alignment": null}` written
+    as the audio comes: base64 of whole 3-byte groups, the rest kept for the next piece."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._opened = False
+
+    def _open(self) -> bytes:
+        if self._opened:
+            return b""
+        self._opened = True
+        return b'{"audio_base64": "'
+
+    def chunk(self, data: bytes) -> bytes:
+        data = self._rest + data
+        cut = len(data) - len(data) % 3
+        self._rest = data[cut:]
+        return self._open() + base64.b64encode(data[:cut])
+
+    def end(self) -> bytes:
+        tail = json.dumps(_NULL_ALIGNMENT)[1:]  # '"alignment": null, ...}'
+        return self._open() + base64.b64encode(self._rest) + b'", ' + tail.encode()
+
+
+def _line(data: bytes) -> bytes:
+    return json.dumps({"audio_base64": base64.b64encode(data).decode(), **_NULL_ALIGNMENT}).encode() + b"\n"
+
+
+@errors_as(elevenlabs_error)
+async def speech(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id} and /v1/text-to-speech/{voice_id}/stream."""
+    return await _speak(request)
+
+
+@errors_as(elevenlabs_error)
+async def speech_with_timestamps(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id}/with-timestamps."""
+    doc = _Base64Document()
+    return await _speak(request, Framing(chunk=doc.chunk, end=doc.end), media_type="application/json")
+
+
+@errors_as(elevenlabs_error)
+async def stream_with_timestamps(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id}/stream/with-timestamps: one JSON object per line."""
+    return await _speak(request, Framing(chunk=_line), media_type="application/x-ndjson")
