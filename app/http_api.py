@@ -25,17 +25,22 @@ from app.pipeline import speak
 from app.synthesis import (
     ENCODINGS,
     G711_RATE,
+    GUIDANCE_KEYS,
+    LONG_FORM_KEYS,
     OUTPUT_RATES,
     PARAM_KEYS,
     PcmEncoder,
     RequestError,
     SynthesisOptions,
     check_text,
+    emotion_directions,
+    inject_emotion,
     parse_options,
 )
 from app.voices import Voice, parse_embedding_file, slerp
 from engine.config import preset_params
 from engine.contract.records import HISTORY
+from engine.emotion import EMOTION_FIELDS, NO_EMOTION
 from engine.textnorm import SUPPORTED_LANGUAGES
 
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
@@ -209,6 +214,7 @@ async def openai_speech(request: Request) -> Response:
         voice = speaker
     else:
         voice = openai_voice(gw, ref, owner)
+    voice = with_emotion(gw, data, opts, voice)
 
     pcm = PcmEncoder("pcm_f32le", rate)  # the resampler: 44.1 kHz int16 from the engine -> float32 at `rate`
     out = StreamEncoder(fmt, rate, whole=whole)
@@ -269,7 +275,7 @@ _GENERATE_FIELDS = {
     "clean_speaker_background", "accurate_mode", "stream", "speaker_audio_base64", "speaker_audio_name",
     "speaker_embedding_base64", "speaker_embedding_name", "speaker_embedding_id", "speaker_blend_embedding_id_a",
     "speaker_blend_embedding_id_b", "speaker_blend_t", "speaker_wav_base64", "ignore_eos",
-}
+} | set(LONG_FORM_KEYS) | set(GUIDANCE_KEYS) | set(EMOTION_FIELDS)
 
 
 def b64_field(value: Any, name: str) -> bytes:
@@ -323,8 +329,19 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
                 qv = {f: v for f, v in zip(gw.cfg.quality_features, qv, strict=False) if v is not None}
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
+    for key in (*LONG_FORM_KEYS, *GUIDANCE_KEYS, *EMOTION_FIELDS):  # the same names and bounds everywhere
+        if key in data:
+            p[key] = data[key]
     opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
-    return opts, await speaker_source(gw, data, owner), None
+    return opts, with_emotion(gw, data, opts, await speaker_source(gw, data, owner)), None
+
+
+def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voice: Voice | None) -> Voice | None:
+    """The request's voice with its emotion_* applied (the reference applies them where it resolves the
+    speaker embedding); its calibration key is the reference's `speaker_embedding_id`, else the voice's id."""
+    vid = data.get("speaker_embedding_id")
+    opts.emotion.speaker_key = vid if isinstance(vid, str) and vid else None
+    return inject_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice)
 
 
 async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice | None:
@@ -474,9 +491,16 @@ async def capabilities(request: Request) -> Response:
         "speaker_embedding_cache": True,
         "speaker_embedding_blend": True,
         "default_voices_enabled": gw.settings.default_voices_dir is not None,
+        **emotion_capabilities(gw),
         "output": {"native_sample_rate": 44100, "ws_encodings": list(ENCODINGS),
                    "ws_sample_rates": list(OUTPUT_RATES), "http_formats": sorted(FORMATS)},
     })
+
+
+def emotion_capabilities(gw: Gateway) -> dict[str, Any]:
+    """The reference's emotion entries: the loaded directions' names and axes (none without a speaker)."""
+    directions = emotion_directions(gw.settings.emotion_directions_dir) if gw.cfg.speaker_enabled else None
+    return directions.capabilities() if directions is not None else dict(NO_EMOTION)
 
 
 async def models(request: Request) -> Response:

@@ -4,9 +4,12 @@ and the output side (PCM encoding and streaming resampling)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import soxr
@@ -14,8 +17,15 @@ import soxr
 from app.audio_formats import G711, g711_encode
 from engine.config import Zonos2Config, preset_params
 from engine.contract.records import SamplingParams, SubmitRequest
+from engine.emotion import EMOTION_FIELDS, EmotionDirections, EmotionError, EmotionRequest
+from engine.emotion import parse_request as parse_emotion
+from engine.guidance import Guidance
+from engine.longform import LongFormOptions
 from engine.prompt import Conditioning, PromptBuilder, PromptError
 from engine.textnorm import TextNormalizer, normalize_language
+
+if TYPE_CHECKING:
+    from app.voices import Voice  # app.voices imports this module
 
 NATIVE_RATE = 44100
 OUTPUT_RATES = (44100, 24000, 16000, 8000)
@@ -60,10 +70,15 @@ _SAMPLING_KEYS = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_window": int,
     "repetition_penalty": float, "repetition_codebooks": int, "seed": int,
 }
+# the reference's long-form fields (prefix-cfg-longform) -> LongFormOptions; its guidance scales -> Guidance
+LONG_FORM_KEYS = {"long_form": "long_form", "long_form_chunk_chars": "chunk_chars",
+                  "long_form_window_chunks": "window_chunks", "long_form_pin_anchor": "pin_anchor",
+                  "long_form_split_mode": "split_mode"}
+GUIDANCE_KEYS = ("cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale")
 PARAM_KEYS = set(_SAMPLING_KEYS) | {
     "max_frames", "ignore_eos", "language", "text_normalization", "speaking_rate", "speed",
     "speaking_rate_bucket", "quality_buckets", "quality_values", "accurate_mode", "clean_speaker_background",
-}
+} | set(LONG_FORM_KEYS) | set(GUIDANCE_KEYS) | set(EMOTION_FIELDS)
 # The bounds every API shares (WebSocket params, /v1/audio/speech, /tts/generate).
 SPEED_RANGE = (0.25, 4.0)  # multiplier of the neutral speaking rate (OpenAI's range)
 SPEAKING_RATE_RANGE = (1.0, 100.0)  # UTF-8 bytes per second; the buckets span 0-8 ... 40+
@@ -86,6 +101,10 @@ class SynthesisOptions:
     ignore_eos: bool = False
     language: str = "en_us"
     text_normalization: bool = True
+    # Parsed and checked; the engine side (continuation, guidance twins) is not wired yet: docs/protocol.md
+    long_form: LongFormOptions = field(default_factory=LongFormOptions)
+    guidance: Guidance = field(default_factory=Guidance)
+    emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by inject_emotion
 
 
 def _typed(key: str, value: Any, kind: type) -> Any:
@@ -121,7 +140,9 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     base = base or SynthesisOptions()
     sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
     cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})
-    opts = SynthesisOptions(sampling, cond, base.max_frames, base.ignore_eos, base.language, base.text_normalization)
+    opts = SynthesisOptions(sampling, cond, base.max_frames, base.ignore_eos, base.language, base.text_normalization,
+                            dataclasses.replace(base.long_form), dataclasses.replace(base.guidance),
+                            dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)))
 
     for key, kind in _SAMPLING_KEYS.items():
         if key in params:
@@ -180,7 +201,58 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     for key in ("accurate_mode", "clean_speaker_background"):
         if key in params:
             setattr(cond, key, _typed(key, params[key], bool))
+    _long_form_guidance_emotion(params, opts)
     return opts
+
+
+def _long_form_guidance_emotion(params: dict[str, Any], opts: SynthesisOptions) -> None:
+    """The reference's long_form_*, *cfg_scale and emotion_* fields (null: the default, except long_form,
+    whose null is the reference's "auto")."""
+    defaults = LongFormOptions()
+    for key, attr in LONG_FORM_KEYS.items():
+        if key in params:
+            v = params[key]
+            setattr(opts.long_form, attr, v if v is not None or key == "long_form" else getattr(defaults, attr))
+    for key in GUIDANCE_KEYS:
+        if key in params:
+            setattr(opts.guidance, key, 1.0 if params[key] is None else params[key])
+    try:
+        opts.long_form.validate()
+        opts.guidance.validate()
+        if any(k in params for k in EMOTION_FIELDS):
+            given = parse_emotion({k: params[k] for k in EMOTION_FIELDS if k in params})
+            for k in EMOTION_FIELDS:
+                if k in params:
+                    attr = k.removeprefix("emotion_")
+                    setattr(opts.emotion, attr, getattr(given, attr))
+    except ValueError as e:
+        raise RequestError("bad_params", str(e)) from None
+
+
+@functools.cache
+def emotion_directions(folder: Path | None) -> EmotionDirections | None:
+    """The --emotion-directions-dir folder, loaded once (EmotionError when it is not one: at start)."""
+    return EmotionDirections.load(folder) if folder is not None else None
+
+
+def inject_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None) -> Voice | None:
+    """The voice with the request's emotion in its speaker embedding (a copy; the library's voice is not
+    touched). As the reference: no voice, emotion_enabled false or all weights 0: unchanged; no directions
+    loaded or an unknown name: bad_params."""
+    req = opts.emotion
+    if not req.requested or voice is None or voice.embedding is None:
+        return voice
+    if directions is None:
+        raise RequestError("bad_params", "emotion control needs emotion directions: this server was started "
+                           "without --emotion-directions-dir")
+    try:
+        emb, delta = directions.apply(voice.embedding, req, req.speaker_key or voice.id)
+    except EmotionError as e:
+        raise RequestError("bad_params", str(e)) from None
+    if delta is not None:
+        raise RequestError("bad_params", "these emotion directions ('proj' space, as the reference ships them) "
+                           "add to the projected speaker row inside the model, which is not built yet")
+    return dataclasses.replace(voice, embedding=emb)
 
 
 def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:

@@ -19,7 +19,7 @@ and, by the folder's space:
 - proj: the speaker vector is unchanged and strength * delta is added to the *projected* speaker row inside
   the model (the reference's shipped folder is this kind).
 Nothing is applied without a speaker, when disabled, or when every weight is 0; unknown names are refused.
-`emotion_cfg_scale` runs a twin without the emotion (engine/guidance.py).
+`emotion_cfg_scale` runs a twin without the emotion (engine/guidance.py; the twins are not built yet).
 
 numpy only: the gateway resolves speaker embeddings and applies this without torch.
 """
@@ -80,7 +80,7 @@ class EmotionRequest:
     valence: float = 0.0
     arousal: float = 0.0
     strength: float = 1.0
-    cfg_scale: float = 1.0
+    speaker_key: str | None = None  # the voice's key in calibration.json (the reference: speaker_embedding_id)
 
     @property
     def requested(self) -> bool:
@@ -171,9 +171,10 @@ class EmotionDirections:
 
     def apply(self, embedding: np.ndarray, req: EmotionRequest, speaker_key: str | None = None
               ) -> tuple[np.ndarray, np.ndarray | None]:
-        """(speaker embedding to send, hidden delta for the projected speaker row or None)."""
+        """(speaker embedding to send, hidden delta for the projected speaker row or None). speaker_key:
+        the calibration key (default: the request's)."""
         base = np.asarray(embedding, dtype=np.float32).reshape(-1)
-        delta = self.delta(req, speaker_key)
+        delta = self.delta(req, speaker_key if speaker_key is not None else req.speaker_key)
         if delta is None:
             return base, None
         if self.space == "proj":  # a delta in the model's hidden space: the model checks its size
@@ -218,15 +219,13 @@ def _matrix(path: Path, shape: tuple[int, ...]) -> np.ndarray:
 
 
 # ---- request fields -----------------------------------------------------------------------------------------
-EMOTION_FIELDS = ("emotion_enabled", "emotion_sliders", "emotion_valence", "emotion_arousal", "emotion_strength",
-                  "emotion_cfg_scale")
+# emotion_cfg_scale, the reference's sixth field, is a guidance scale: engine/guidance.py Guidance
+EMOTION_FIELDS = ("emotion_enabled", "emotion_sliders", "emotion_valence", "emotion_arousal", "emotion_strength")
 
 
 def parse_request(data: Mapping[str, object]) -> EmotionRequest:
     """The emotion_* fields of a request (absent or null: the default), checked; EmotionError names the
     field. Names are checked against the loaded directions later (`EmotionDirections.check`)."""
-    from engine.guidance import SCALE_LIMIT
-
     req = EmotionRequest()
     if (v := data.get("emotion_enabled")) is not None:
         if not isinstance(v, bool):
@@ -237,7 +236,7 @@ def parse_request(data: Mapping[str, object]) -> EmotionRequest:
             raise EmotionError(f"emotion_sliders must be an object of at most {MAX_SLIDERS} emotion -> weight")
         req.sliders = {str(k): _number(f"emotion_sliders.{k}", w, WEIGHT_LIMIT) for k, w in v.items()}
     for key, limit in (("emotion_valence", WEIGHT_LIMIT), ("emotion_arousal", WEIGHT_LIMIT),
-                       ("emotion_strength", STRENGTH_LIMIT), ("emotion_cfg_scale", SCALE_LIMIT)):
+                       ("emotion_strength", STRENGTH_LIMIT)):
         if (v := data.get(key)) is not None:
             setattr(req, key.removeprefix("emotion_"), _number(key, v, limit))
     return req

@@ -168,13 +168,12 @@ def test_bad_folders(tmp_path):
 
 def test_parse_request():
     req = parse_request({"emotion_enabled": True, "emotion_sliders": {"happy": 1, "sad": -0.5},
-                         "emotion_valence": 0.2, "emotion_arousal": None, "emotion_strength": 2,
-                         "emotion_cfg_scale": 1.5})
-    assert req == EmotionRequest(True, {"happy": 1.0, "sad": -0.5}, 0.2, 0.0, 2.0, 1.5) and req.requested
+                         "emotion_valence": 0.2, "emotion_arousal": None, "emotion_strength": 2})
+    assert req == EmotionRequest(True, {"happy": 1.0, "sad": -0.5}, 0.2, 0.0, 2.0) and req.requested
     assert parse_request({}) == EmotionRequest()
     for bad in ({"emotion_enabled": 1}, {"emotion_sliders": [1]}, {"emotion_sliders": {"happy": "1"}},
                 {"emotion_sliders": {"happy": float("nan")}}, {"emotion_valence": 11}, {"emotion_strength": True},
-                {"emotion_cfg_scale": 1e9}, {"emotion_sliders": {str(i): 1 for i in range(65)}}):
+                {"emotion_sliders": {str(i): 1 for i in range(65)}}):
         with pytest.raises(EmotionError, match=next(iter(bad)).split("_")[1]):
             parse_request(bad)
 
@@ -218,3 +217,65 @@ def test_synthesize_cli_with_emotion_is_synthesis_with_the_injected_vector(tmp_p
     assert a.returncode == b.returncode == c.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
     wav = [(tmp_path / f"{n}.wav").read_bytes() for n in "abc"]
     assert wav[0] == wav[1] and wav[0] != wav[2]
+
+
+# ---- the gateway: /tts/generate, /v1/audio/speech, /tts/capabilities -------------------------------------------
+def npy_b64(arr: np.ndarray) -> str:
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, arr.astype(np.float32))
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def emotion_server(start_server, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("emotion") / "dirs"
+    write_folder(folder, dim=2048, calibration=CAL)
+    return start_server("--emotion-directions-dir", str(folder)), EmotionDirections.load(folder)
+
+
+def test_gateway_applies_emotion_end_to_end(emotion_server, server):
+    """An emotion request gives the audio of the same request with the injected vector as its voice; the
+    capabilities list the folder's directions; bad emotion fields are 400 bad_params."""
+    import httpx
+
+    srv, dirs = emotion_server
+    caps = httpx.get(srv.url + "/tts/capabilities").json()
+    assert caps["emotion_enabled"] and caps["emotion_names"] == ["happy", "sad", "angry", "surprised"]
+    assert caps["emotion_axes"] == ["valence", "arousal"] and caps["emotion_calibrated"]
+    assert httpx.get(server.url + "/tts/capabilities").json()["emotion_enabled"] is False
+
+    base = base_embedding(2048)
+    emotion = {"emotion_enabled": True, "emotion_sliders": {"sad": 0.7}, "emotion_arousal": 0.4,
+               "emotion_strength": 1.2}
+    injected, _ = dirs.apply(base, parse_request(emotion))
+    common = {"text": "Feel it.", "max_tokens": 12, "seed": 3, "ignore_eos": True, "stream": False}
+
+    def generate(**body) -> bytes:
+        r = httpx.post(srv.url + "/tts/generate", json=common | body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.content
+
+    with_emotion = generate(speaker_embedding_base64=npy_b64(base), **emotion)
+    assert with_emotion == generate(speaker_embedding_base64=npy_b64(injected))
+    assert with_emotion != generate(speaker_embedding_base64=npy_b64(base))
+    assert generate(speaker_embedding_base64=npy_b64(base), **emotion | {"emotion_enabled": False}) == \
+        generate(speaker_embedding_base64=npy_b64(base))
+
+    speech = {"input": "Feel it.", "response_format": "pcm", "seed": 3, "max_frames": 12, "ignore_eos": True,
+              "speaker_embedding_base64": npy_b64(base)}
+    a = httpx.post(srv.url + "/v1/audio/speech", json=speech | emotion, timeout=120)
+    b = httpx.post(srv.url + "/v1/audio/speech", json=speech | {"speaker_embedding_base64": npy_b64(injected)},
+                   timeout=120)
+    assert a.status_code == b.status_code == 200 and a.content == b.content
+
+    for body in ({"emotion_sliders": {"smug": 1.0}}, {"emotion_sliders": {"happy": "x"}}, {"emotion_valence": 50},
+                 {"emotion_strength": None, "emotion_enabled": "yes"}):
+        r = httpx.post(srv.url + "/tts/generate", timeout=60,
+                       json=common | {"speaker_embedding_base64": npy_b64(base), "emotion_enabled": True} | body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
+    r = httpx.post(server.url + "/tts/generate", timeout=60,  # no --emotion-directions-dir
+                   json=common | {"speaker_embedding_base64": npy_b64(base)} | emotion)
+    assert r.status_code == 400 and "emotion-directions-dir" in r.json()["error"]["message"]

@@ -186,3 +186,47 @@ def test_non_final_without_the_feature_drops_all_quality():
 def test_continuation_refuses_bad_frames(frames):
     with pytest.raises(PromptError):
         PB.build_continuation("a", "b", frames)
+
+
+# ---- the request fields ---------------------------------------------------------------------------------------
+def test_parse_options_carries_the_fields():
+    from app.synthesis import SynthesisOptions, parse_options
+    from engine.guidance import Guidance
+
+    opts = parse_options({"long_form": True, "long_form_chunk_chars": 80, "long_form_window_chunks": 3,
+                          "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 2.0,
+                          "prefix_cfg_scale": -0.5, "emotion_cfg_scale": 1.5}, 100)
+    assert opts.long_form == LongFormOptions(True, 80, 3, False, "sentence")
+    assert opts.guidance == Guidance(2.0, -0.5, 1.5)
+    # a later params dict changes only what it names; null resets to the default (long_form: auto)
+    again = parse_options({"long_form_chunk_chars": None, "long_form": None, "cfg_scale": None}, 100, opts)
+    assert again.long_form == LongFormOptions(None, 150, 3, False, "sentence")
+    assert again.guidance == Guidance(1.0, -0.5, 1.5) and opts.guidance.cfg_scale == 2.0  # base untouched
+    assert SynthesisOptions().long_form == LongFormOptions() and SynthesisOptions().guidance == Guidance()
+
+
+@pytest.mark.parametrize("body", [{"long_form": "auto"}, {"long_form_chunk_chars": 0}, {"long_form_chunk_chars": 2.5},
+                                  {"long_form_window_chunks": 0}, {"long_form_pin_anchor": 1},
+                                  {"long_form_split_mode": "paragraph"}, {"cfg_scale": "2"},
+                                  {"prefix_cfg_scale": 1e300}, {"emotion_cfg_scale": True}])
+def test_http_routes_refuse_bad_fields(server, body):
+    import httpx
+
+    for route, base in (("/tts/generate", {"text": "x", "stream": False}), ("/v1/audio/speech", {"input": "x"})):
+        r = httpx.post(server.url + route, json=base | body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", (route, r.text)
+        assert next(iter(body)) in r.json()["error"]["message"]
+
+
+def test_http_routes_accept_the_fields(server):
+    import httpx
+
+    fields = {"long_form": None, "long_form_chunk_chars": 40, "long_form_window_chunks": 3,
+              "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 1.0,
+              "prefix_cfg_scale": 1.0}
+    r = httpx.post(server.url + "/tts/generate", timeout=120,
+                   json={"text": "Hello.", "max_tokens": 5, "ignore_eos": True, "stream": False} | fields)
+    assert r.status_code == 200 and len(r.content) == 5 * 512 * 4, r.text
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
+        "input": "Hello.", "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}} | fields)
+    assert r.status_code == 200, r.text
