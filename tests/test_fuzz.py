@@ -104,6 +104,19 @@ typical_params = {
                                                   st.floats(allow_nan=True) | anything, max_size=3) | anything,
     "accurate_mode": st.booleans() | anything, "clean_speaker_background": st.booleans() | anything,
 }
+# issue 22: the reference's long-form, guidance and emotion fields (more in the block at the end)
+floats_any = st.floats(allow_nan=True, allow_infinity=True)
+typical_params |= {
+    "long_form": st.none() | st.booleans() | anything, "long_form_chunk_chars": st.integers(-2, 300) | anything,
+    "long_form_window_chunks": st.integers(-1, 70) | anything, "long_form_pin_anchor": st.booleans() | anything,
+    "long_form_split_mode": st.sampled_from(["word", "sentence", "paragraph"]) | anything,
+    "cfg_scale": floats_any | anything, "prefix_cfg_scale": floats_any | anything,
+    "emotion_cfg_scale": floats_any | anything, "emotion_enabled": st.booleans() | anything,
+    "emotion_sliders": st.dictionaries(st.sampled_from(["happy", "sad", "valence", "smug", ""]),
+                                       st.floats(-12, 12) | floats_any | anything, max_size=3) | anything,
+    "emotion_valence": st.floats(-12, 12) | anything, "emotion_arousal": st.floats(-12, 12) | anything,
+    "emotion_strength": st.floats(-12, 12) | floats_any | anything,
+}
 assert set(typical_params) == PARAM_KEYS
 
 
@@ -286,4 +299,48 @@ def test_server_healthy_after_fuzzing(fuzz_server):
     metrics = httpx.get(fuzz_server.url + "/metrics").text
     assert "zonos_engine_restarts 0.0" in metrics  # the engine never fell over
     log = fuzz_server.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+# ---- issue 22: emotion fields against a server with emotion directions loaded --------------------------------
+@pytest.fixture(scope="module")
+def emotion_fuzz_server(start_server, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("emotion_fuzz")
+    rng = np.random.default_rng(0)
+    directions = {}
+    for name in ("happy", "sad", "valence", "arousal"):
+        np.save(folder / f"{name}.npy", (0.05 * rng.standard_normal(2048)).astype(np.float32))
+        directions[name] = {"file": f"{name}.npy", "kind": "axis" if name in ("valence", "arousal") else "named"}
+    (folder / "manifest.json").write_text(json.dumps({"dim": 2048, "space": "raw", "directions": directions}))
+    (folder / "calibration.json").write_text(json.dumps({"global_default": 2.0, "default": {"happy": 3.0}}))
+    return start_server("--max-frames", "30", "--emotion-directions-dir", str(folder))
+
+
+emotion_fields = [k for k in typical_params if k.startswith(("emotion_", "long_form", "cfg_", "prefix_cfg"))]
+emotion_voice = {"speaker_embedding_base64": base64.b64encode(npy(np.ones(2048, np.float32))).decode()}
+
+
+@FUZZ
+@given(data=body(set(emotion_fields), {}, {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True,
+                                           "stream": False, "emotion_enabled": True, **emotion_voice}))
+@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "emotion_enabled": True,
+                          "emotion_sliders": {"happy": 1.0}, "emotion_valence": 0.5, **emotion_voice}).encode())
+def test_fuzz_tts_generate_emotion(emotion_fuzz_server, data):
+    check_http(post(emotion_fuzz_server.url + "/tts/generate", data, "application/json"))
+
+
+@FUZZ
+@given(data=body(set(emotion_fields), {}, {"input": "Hello there.", "response_format": "pcm", "max_frames": 5,
+                                           "ignore_eos": True, "emotion_enabled": True, **emotion_voice}))
+def test_fuzz_openai_speech_emotion(emotion_fuzz_server, data):
+    check_http(post(emotion_fuzz_server.url + "/v1/audio/speech", data, "application/json"))
+
+
+def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
+    r = httpx.post(emotion_fuzz_server.url + "/tts/generate", timeout=60, json={
+        "text": "Still fine.", "max_tokens": 5, "ignore_eos": True, "stream": False, "emotion_enabled": True,
+        "emotion_sliders": {"sad": 1.0}, **emotion_voice})
+    assert r.status_code == 200 and len(r.content) == 5 * 512 * 4, r.text
+    assert "zonos_engine_restarts 0.0" in httpx.get(emotion_fuzz_server.url + "/metrics").text
+    log = emotion_fuzz_server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]

@@ -288,3 +288,115 @@ def test_fused_snake_matches_reference(t):
     out = snake(x, alpha, inv, block=256)
     assert out.dtype == x.dtype and out.shape == x.shape
     assert rel_err(out, ref) < (1e-2 if CUDA else 1e-6)
+
+
+# ---- batch invariance (#26): a row's bits do not depend on the rows beside it ------------------------
+def _rows_of_subsets(fn, x: torch.Tensor, subsets: list[list[int]]) -> None:
+    """fn(rows) on the whole batch and on each subset (in the subset's order): each row's output equal."""
+    full = fn(x)
+    for idx in subsets:
+        part = fn(x[idx])
+        for j, i in enumerate(idx):
+            assert torch.equal(part[j], full[i]), (len(idx), i)
+
+
+@pytest.mark.parametrize("tile", ["decode", "prefill"])
+def test_linear_fixed_equals_f_linear_and_its_rows_do_not_depend_on_the_batch(tile):
+    from engine.model.kernels.matmul import PREFILL_TILE, decode_tile, linear_fixed
+
+    torch.manual_seed(5)
+    m, n, k = 140, 96, 200  # K not a multiple of BLOCK_K; M over two 64-row tiles
+    x = torch.randn(m, k + 8, device=DEV, dtype=DT)[:, 4:4 + k]  # a strided view
+    w = torch.randn(n, k, device=DEV, dtype=DT) / k**0.5
+    b = torch.randn(n, device=DEV, dtype=DT)
+    res = torch.randn(m, n, device=DEV, dtype=DT)
+    t = decode_tile(n) if tile == "decode" else PREFILL_TILE
+    got = linear_fixed(x, w, b, res, tile=t)
+    ref = res.float() + torch.nn.functional.linear(x.float(), w.float(), b.float())
+    assert rel_err(got, ref) < TOL
+    subsets = [[7], [139, 0], [3, 64, 65, 100, 1], list(range(70)), list(range(139, -1, -1))]
+    _rows_of_subsets(lambda rows: linear_fixed(rows, w, b, tile=t), x, subsets)
+    assert linear_fixed(x[:0], w, tile=t).shape == (0, n)
+
+
+def test_rms_norm_rows_equals_residual_norm_and_its_rows_do_not_depend_on_the_batch():
+    from engine.model.kernels.rms_norm import rms_norm_rows
+    from engine.model.zonos2 import residual_norm, rms_norm
+
+    torch.manual_seed(6)
+    x, y = torch.randn(37, 96, device=DEV, dtype=DT), torch.randn(37, 96, device=DEV, dtype=DT)
+    w = torch.rand(96, device=DEV, dtype=DT) + 0.5
+    h, out = rms_norm_rows(x, w, 1e-5, add=y)
+    h_ref, out_ref = residual_norm(x, y, w, 1e-5)
+    assert torch.equal(h, h_ref)  # one rounding of an fp32 add either way
+    assert rel_err(out, out_ref) < TOL
+    assert rel_err(rms_norm_rows(x, None, 1e-5)[1], rms_norm(x, None, 1e-5)) < TOL
+    _rows_of_subsets(lambda rows: rms_norm_rows(rows, w, 1e-5)[1], x, [[3], [36, 0, 5], list(range(20))])
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_fused_moe_batch_invariant_rows_do_not_depend_on_the_batch(k):
+    """Batch-invariant MoE: the blocked kernels even for one pair (no GEMV switch), top-k summed in rank
+    order; a token's output is the same bits alone, with a few others or in a crowd, and matches the
+    reference."""
+    torch.manual_seed(7)
+    n, e, dim, inter = 24, 4, 64, 96
+    x, gate_up, down = _moe_inputs(n, e, dim, inter)
+    gen = torch.Generator().manual_seed(k)
+    chosen = _random_chosen(gen, n, k, e)
+    weights = torch.rand(n, k, generator=gen).to(DEV)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        return fused_moe(x[rows], gate_up, down, chosen[rows], weights[rows], batch_invariant=True)
+
+    full = run(list(range(n)))
+    for rows in ([5], [0, 23], [9, 3, 17, 1], list(range(11, 24))):
+        part = run(rows)
+        for j, i in enumerate(rows):
+            assert torch.equal(part[j], full[i]), (k, len(rows), i)
+    ref = fused_moe(x, gate_up, down, chosen, weights)
+    assert rel_err(full, ref) < TOL
+
+
+def test_fused_route_rows_do_not_depend_on_the_batch():
+    """Batch-invariant routing: the per-row kernel above ROW_KERNEL_MAX_ROWS too, the down-projection
+    through linear_fixed: a row's expert choice, weights and carried state do not depend on the batch."""
+    from functools import partial
+
+    from engine.config import Zonos2Config, preset_params
+    from engine.model.kernels.matmul import linear_fixed
+    from engine.model.kernels.router import ROW_KERNEL_MAX_ROWS, fused_route
+    from engine.model.zonos2 import Router
+
+    torch.manual_seed(8)
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    router = Router(cfg, first=False).to(DEV, DT)
+    n = ROW_KERNEL_MAX_ROWS + 3
+    x = torch.randn(n, cfg.dim, device=DEV, dtype=DT)
+    prev = torch.randn(n, cfg.router_dim, device=DEV, dtype=DT)
+    fn = partial(fused_route, row_kernel=True, linear_fn=linear_fixed)
+    full = router(x, prev, 2, fn)
+    for rows in ([4], [n - 1, 0, 77], list(range(40))):
+        part = router(x[rows], prev[rows], 2, fn)
+        for a, b in zip(part, full, strict=True):
+            assert torch.equal(a, b[rows]), rows
+
+
+def test_decode_attention_fixed_split_rows_do_not_depend_on_the_batch():
+    """With the batch-invariant split length, a query row's output is the same bits at batch 1 and 33
+    (where the default split length would change)."""
+    from engine.model.kernels.decode_attention import FIXED_SPLIT, split_tokens
+
+    assert split_tokens(33) != split_tokens(1)  # the default would cut a row's context differently
+    torch.manual_seed(9)
+    n_slots, t_max, b, h, hkv, d = 34, 200, 33, 4, 1, 64
+    k = torch.randn(n_slots, t_max, hkv, d, device=DEV, dtype=DT)
+    v = torch.randn(n_slots, t_max, hkv, d, device=DEV, dtype=DT)
+    q = torch.randn(b, h, d, device=DEV, dtype=DT)
+    g = torch.randn(b, h, device=DEV, dtype=DT)
+    slots = torch.randperm(n_slots, device=DEV)[:b]
+    lengths = torch.randint(1, t_max + 1, (b,), device=DEV, dtype=torch.int32)
+    full = decode_attention(q, k, v, slots, lengths, chunk=FIXED_SPLIT, gate=g)
+    for rows in ([0], [32, 5], [7, 8, 9]):
+        part = decode_attention(q[rows], k, v, slots[rows], lengths[rows], chunk=FIXED_SPLIT, gate=g[rows])
+        assert torch.equal(part, full[rows]), rows
