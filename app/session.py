@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import re
@@ -529,6 +530,22 @@ class StreamingSession:
                 await self._answer_locked(answer)
 
 
+# Set by `deny` in the task that runs the ASGI app, where uvicorn logs once the app returns.
+_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
+
+
+class _DenialLogFilter(logging.Filter):
+    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing handshake" after a
+    refusal sent as an HTTP response (the denial extension), though the response went out: dropped for
+    refusals `deny` made, kept for any other app that returns without answering."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_denied.get() and "returned without completing handshake" in record.getMessage())
+
+
+logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
+
+
 async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     """Refuse a WebSocket handshake with an HTTP response (the WebSocket Denial Response extension: the
     client's connect fails with this status and body); where the server lacks it, accept and close 1008."""
@@ -536,6 +553,7 @@ async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[s
 
     try:
         await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
+        _denied.set(True)
     except RuntimeError:
         await ws.accept()
         await ws.send_text(json.dumps(body))

@@ -305,6 +305,123 @@ def test_elevenlabs_voice_by_id(srv):
     assert run(go())
 
 
+# Issue 21: contexts that hold nothing, reused ids, close_context in the same message as the text.
+async def el_until_audio(ws, ctx: str, n_bytes: int, log: list[dict[str, Any]]) -> None:
+    """Read until `n_bytes` of ctx's audio have come (the context holds nothing more)."""
+    while len(el_audio(log, ctx)) < n_bytes:
+        m = await recv_json(ws)
+        log.append(m)
+        assert "error" not in m, m
+
+
+def test_elevenlabs_cap_counts_only_contexts_holding_text_or_audio(srv):
+    """17 turns with new context ids, each played to its end and never closed, and 16 flushes of unknown
+    ids: none of them holds text or audio, so none counts against the cap of 16."""
+    one = 2 * resampled(SAMPLES, 24000)
+
+    async def go():
+        ws = await el_connect(el_url(srv))
+        log: list[dict[str, Any]] = []
+        for i in range(17):
+            await ws.send(json.dumps({"text": "A turn. ", "context_id": f"t{i}", "flush": True}))
+            await el_until_audio(ws, f"t{i}", one, log)
+        for i in range(16):
+            await ws.send(json.dumps({"context_id": f"u{i}", "flush": True}))
+        await ws.send(json.dumps({"text": "Still room. ", "context_id": "last", "flush": True}))
+        await ws.send(json.dumps({"context_id": "last", "close_context": True}))
+        await el_until_final(ws, "last", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert len(el_audio(log, "last")) == one and not [m for m in log if "error" in m]
+
+
+def test_elevenlabs_reused_context_id_keeps_the_flushed_work(srv):
+    """Text + flush + close_context on "a", then " " + close_context on "a" again (a new context of the same
+    id): the first one's flushed sentences are all spoken (as much audio as the same text gets on a context
+    of its own), and each close gets its isFinal."""
+    text = "One sentence here. Two sentences here. Three sentences here. Four sentences here."
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        log: list[dict[str, Any]] = []
+        await ws.send(json.dumps({"text": text, "context_id": "ref", "flush": True}))
+        await ws.send(json.dumps({"context_id": "ref", "close_context": True}))
+        await el_until_final(ws, "ref", log)
+        await ws.send(json.dumps({"text": text, "context_id": "a"}))
+        await ws.send(json.dumps({"context_id": "a", "flush": True}))
+        await ws.send(json.dumps({"context_id": "a", "close_context": True}))
+        await ws.send(json.dumps({"text": " ", "context_id": "a"}))
+        await ws.send(json.dumps({"context_id": "a", "close_context": True}))
+        await el_until_final(ws, "a", log)
+        await el_until_final(ws, "a", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert len(el_audio(log, "a")) == len(el_audio(log, "ref")) >= 2 * 2 * resampled(SAMPLES, 24000)
+
+
+@pytest.mark.parametrize("auto_mode", [False, True])
+def test_elevenlabs_text_flush_and_close_in_one_message(srv, auto_mode):
+    """{"text", "flush": true, "close_context": true} on a new context: spoken, then isFinal."""
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=auto_mode))
+        await ws.send(json.dumps({"text": "All in one. ", "context_id": "one", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "one", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert len(el_audio(log, "one")) == 2 * resampled(SAMPLES, 24000) and log[-1] == {"isFinal": True,
+                                                                                     "contextId": "one"}
+
+
+def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
+    """auto_mode=true speaks every text as it comes: close_context after three texts keeps all three."""
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=True))
+        for t in ("First one. ", "Second one. ", "Third one. "):
+            await ws.send(json.dumps({"text": t, "context_id": "auto"}))
+        await ws.send(json.dumps({"context_id": "auto", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "auto", log)
+        await ws.close()
+        return log
+
+    assert len(el_audio(run(go()), "auto")) == 3 * 2 * resampled(SAMPLES, 24000)
+
+
+@pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),
+                                         ("output_format=pcm_24000&seed=%C2%B2", "bad_params"),
+                                         ("output_format=pcm_%D9%A3", "invalid_output_format")])
+def test_elevenlabs_unicode_digits_in_the_url_are_refused(srv, query, code):
+    """"²".isdigit() is true, int("²") raises: a 400 in ElevenLabs' shape, not a 500."""
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await el_connect(ws_url(srv, f"/v1/text-to-speech/Ada/multi-stream-input?{query}"))
+        return e.value.response
+
+    resp = run(go())
+    assert resp.status_code == 400 and json.loads(resp.body)["detail"]["status"] == code
+
+
+def test_a_refused_handshake_logs_no_error(srv):
+    """A correct refusal (unknown voice: 404) is no server error: uvicorn's "returned without completing
+    handshake" is not logged for it."""
+    async def go():
+        for path in ("/v1/text-to-speech/Nobody1/multi-stream-input", "/v1/speak?model=Nobody2"):
+            with pytest.raises(websockets.InvalidStatus):
+                await el_connect(ws_url(srv, path))
+
+    run(go())
+    wait_for(lambda: "Nobody2" in srv.log.read_text())  # the second refusal logged its 404: the first is done
+    log = srv.log.read_text()
+    assert "Nobody1" in log and "without completing handshake" not in log, log[-2000:]
+
+
 # ---- Cartesia -------------------------------------------------------------------------------------------
 def ca_url(srv, p: dict | None = None) -> str:
     return ws_url(srv, f"/tts/websocket?cartesia_version=2026-03-01&zonos_params={params(p or FAST)}")
@@ -471,6 +588,47 @@ def test_cartesia_refuses_a_wrong_key(srv):
     assert resp.status_code == 401 and json.loads(resp.body)["title"] == "unauthorized"
 
 
+@pytest.mark.parametrize("embedding", [
+    "abc", {"a": 1}, [1, "a"], [[1.0, 2.0], [3.0]], [10**400] * 2048, ["1"] * 2048, [True] * 2048, [1e39] * 2048,
+    [0.1] * 2047, [0.1] * 2049, None,
+])
+def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(srv, embedding):
+    """Issue 21: voice.embedding must be exactly 2048 finite JSON numbers; anything else is bad_message on
+    that context while another context of the socket plays on to its done."""
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("good", "Playing on. ", True, max_buffer_delay_ms=0))
+        bad = {**json.loads(ca_request("bad", "Nope.", False)), "voice": {"mode": "embedding", "embedding": embedding}}
+        await ws.send(json.dumps(bad))
+        await ws.send(ca_request("good", "To the end.", False, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        while (m := await recv_json(ws))["type"] != "error":
+            log.append(m)
+        await ca_until(ws, "good", "done", log)
+        await ws.close()
+        return m, log
+
+    err, log = run(go())
+    assert err["context_id"] == "bad" and err["title"] == "bad_message", err
+    assert len(ca_audio(log, "good")) == 2 * 2 * resampled(SAMPLES, 24000)
+
+
+def test_cartesia_cap_counts_only_contexts_holding_text_or_audio(srv):
+    """17 contexts, each flushed and played (flush_done) but never ended: none holds text or audio, so an
+    18th may open."""
+    async def go():
+        ws = await ca_connect(srv)
+        log: list[dict[str, Any]] = []
+        for i in range(18):
+            await ws.send(ca_request(f"k{i}", "A turn.", True, flush=True))
+            await ca_until(ws, f"k{i}", "flush_done", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert all(len(ca_audio(log, f"k{i}")) == 2 * resampled(SAMPLES, 24000) for i in range(18))
+
+
 # ---- Deepgram ---------------------------------------------------------------------------------------------
 def dg_url(srv, p: dict | None = None, encoding: str = "linear16", rate: int | None = 16000,
            model: str = "Ada") -> str:
@@ -620,6 +778,19 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
     assert warning["type"] == "Warning" and warning["warn_code"] == "INVALID_MESSAGE"
     assert refused == [(401, "UNAUTHORIZED"), (404, "UNKNOWN_VOICE"), (400, "UNSUPPORTED_ENCODING"),
                        (400, "UNSUPPORTED_SAMPLE_RATE")]
+
+
+@pytest.mark.parametrize("query, code", [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"),
+                                         ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")])
+def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
+    """Issue 21: a Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await dg_connect(ws_url(srv, f"/v1/speak?model=Ada&{query}"))
+        return e.value.response
+
+    resp = run(go())
+    assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
 
 
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
