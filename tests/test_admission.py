@@ -129,3 +129,4 @@ def test_a_hidden_bottleneck_cannot_make_playing_streams_stall():
         now += period
     assert stalls == 0  # no playing stream ever ran dry
     assert len(streams) > 100 and refused > 0  # the decoder was used, and the excess was refused, not stalled
+

@@ -27,6 +27,7 @@ from engine.llm.node import Sequence
 from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.outbox import Outbox
+from engine.runtime.profile import IterationProfiler, node_range
 
 log = logging.getLogger("engine")
 
@@ -72,6 +73,7 @@ class Scheduler:
         self.counters = {"steps": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
         self.stopping = False
         self._last_stats = 0.0
+        self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -233,7 +235,8 @@ class Scheduler:
         results: list[tuple[Sequence, np.ndarray]] = []
         live = [j.seq for j in self.running.values() if j.seq.finish_reason is None]
         decoding = [s for s in live if not s.in_prefill]
-        pending = self.llm.decode_start(decoding) if decoding else None
+        with node_range("decode"):
+            pending = self.llm.decode_start(decoding) if decoding else None
         self.admission.observe_launch(t0, len(decoding))
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
         if pending is not None:
@@ -254,7 +257,8 @@ class Scheduler:
             for seq, _ in chunks:
                 job = self.running[seq.rid]
                 job.t_prefill_start = job.t_prefill_start or t_prefill
-            results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
+            with node_range("prefill"):
+                results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
             self.admission.observe_prefill(time.perf_counter() - t_prefill)
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
@@ -280,6 +284,8 @@ class Scheduler:
             self._audio()  # only audio left to decode
         self.step_times.append(time.perf_counter() - t0)
         self.counters["steps"] += 1
+        if self.profiler is not None:
+            self.profiler.iteration(len(decoding))
 
     def _group_prefill(self, chunks: list[tuple[Sequence, int]], streams: int, now: float) -> bool:
         """Hold a small prefill back for a few iterations under load, so arrivals share one call: a packed
@@ -298,7 +304,7 @@ class Scheduler:
         self._send_audio(self.dac.collect())
         if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
-        with self.engine.dac_stream():
+        with self.engine.dac_stream(), node_range("dac"):
             self.dac.launch(self.settings.dac_max_batch, self.settings.dac_frames_per_step or None)
         self._send_audio(self.dac.collect())  # on a CPU the calls have already run
 

@@ -1,0 +1,141 @@
+"""Where one engine iteration's GPU time goes, measured while serving (torch.profiler).
+
+Set `ZONOS_PROFILE=PATH` (and optionally `ZONOS_PROFILE_STREAMS=128`, `ZONOS_PROFILE_ITERATIONS=200`) in the
+engine's environment: once that many streams are decoding, the scheduler profiles the next iterations and
+writes PATH (JSON): per iteration on average, the GPU time of each node (decode step, prefill, DAC,
+speaker encoder, other) and the time the GPU had nothing to do, from the kernels' own timestamps. Each
+kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
+decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
+from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for: profiling slows the loop.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+log = logging.getLogger("engine")
+
+NODES = ("decode", "prefill", "dac", "speaker")
+_active = False  # a profiler is recording: node_range marks the host ranges
+
+
+def node_range(node: str) -> contextlib.AbstractContextManager[Any]:
+    """The host range of one node's launches while a profile records (nothing otherwise: the hot loop pays
+    no profiler cost)."""
+    if not _active:
+        return contextlib.nullcontext()
+    from torch.profiler import record_function
+
+    return record_function(node)
+
+
+class IterationProfiler:
+    def __init__(self, path: str, streams: int, iterations: int) -> None:
+        self.path, self.streams, self.iterations = path, streams, iterations
+        self._prof: Any = None
+        self._count = 0
+        self._t0 = 0.0
+        self.done = False
+
+    @classmethod
+    def from_env(cls) -> IterationProfiler | None:
+        path = os.environ.get("ZONOS_PROFILE")
+        if not path:
+            return None
+        return cls(path, int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
+                   int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")))
+
+    def iteration(self, streams: int) -> None:
+        """Called once per engine iteration with the streams it decoded."""
+        if self.done:
+            return
+        if self._prof is None:
+            if streams >= self.streams:
+                from torch.profiler import ProfilerActivity, profile
+
+                global _active
+                self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                self._prof.__enter__()
+                _active = True
+                self._t0, self._count, self._streams = time.perf_counter(), 0, []
+            return
+        self._count += 1
+        self._streams.append(streams)
+        if self._count >= self.iterations:
+            self._finish()
+
+    def _finish(self) -> None:
+        import torch
+
+        global _active
+        _active = False
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - self._t0
+        self._prof.__exit__(None, None, None)
+        self.done = True
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            self._prof.export_chrome_trace(f.name)
+            with open(f.name) as fh:
+                trace = json.load(fh)
+        budget = iteration_budget(trace.get("traceEvents", []), self._count)
+        budget.update(iterations=self._count, wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
+                      streams_mean=round(sum(self._streams) / len(self._streams), 1))
+        with open(self.path, "w") as fh:
+            json.dump(budget, fh, indent=1)
+        log.info("iteration profile written to %s: %s", self.path, budget)
+
+
+def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str, Any]:
+    """GPU ms per iteration by node, and the GPU's idle time, from a chrome trace's events."""
+    ranges: dict[int, list[tuple[float, float, str]]] = {}  # host thread -> (start, end, node), sorted
+    launches: dict[int, tuple[int, float]] = {}  # correlation id -> (thread, launch ts)
+    kernels = []
+    for e in events:
+        cat, name = e.get("cat"), e.get("name", "")
+        if cat == "user_annotation" and name in NODES:
+            ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
+        elif cat == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (e["tid"], e["ts"])
+        elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(e)
+    for r in ranges.values():
+        r.sort()
+    starts = {tid: [s for s, _, _ in r] for tid, r in ranges.items()}
+    loop_tid = max(ranges, key=lambda t: len(ranges[t])) if ranges else None  # the scheduler's thread
+    busy: dict[str, float] = dict.fromkeys((*NODES, "other"), 0.0)
+    spans = []
+    for k in kernels:
+        node = "other"
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        if launch is not None and launch[0] != loop_tid:
+            node = "speaker"
+        elif launch is not None and loop_tid is not None:
+            tid, ts = launch
+            i = bisect.bisect_right(starts[tid], ts) - 1
+            if i >= 0 and ranges[tid][i][1] >= ts:
+                node = ranges[tid][i][2]
+        busy[node] += k.get("dur", 0)
+        spans.append((k["ts"], k["ts"] + k.get("dur", 0)))
+    spans.sort()
+    union, end, first = 0.0, None, spans[0][0] if spans else 0.0
+    for s, e in spans:
+        if end is None or s > end:
+            union += e - s
+            end = e
+        elif e > end:
+            union += e - end
+            end = e
+    total = (end - first) if spans else 0.0
+    n = max(1, iterations)
+    return {
+        "gpu_ms_per_iteration": {k: round(v / n / 1e3, 3) for k, v in busy.items()},
+        "gpu_busy_ms_per_iteration": round(union / n / 1e3, 3),  # any kernel running (nodes overlap)
+        "gpu_idle_ms_per_iteration": round((total - union) / n / 1e3, 3),
+    }
