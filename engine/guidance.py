@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch is imported where the math runs: the gateway validates scales without it
+    from torch import Tensor
 
 SCALE_LIMIT = 100.0  # |scale| bound at the door: the reference takes any float; past this it is noise
 
@@ -30,8 +31,10 @@ def guide(cond: Tensor, uncond: Tensor, scale: Tensor | float) -> Tensor:
     """Guided logits [B, 9, V] (fp32) from the conditional and unconditional rows' logits [B, 9, V].
 
     `scale`: one float, or [B] (one per row; 1.0 leaves that row's conditional logits as they are)."""
+    import torch
+
     c, u = cond.float(), uncond.float()
-    if isinstance(scale, Tensor):
+    if isinstance(scale, torch.Tensor):
         scale = scale.to(device=c.device, dtype=torch.float32).reshape(-1, *([1] * (c.dim() - 1)))
     return u + scale * (c - u)
 
