@@ -14,8 +14,12 @@ import asyncio
 import base64
 import io
 import json
+import os
 import re
+import subprocess
 import time
+from pathlib import Path
+from urllib.parse import quote
 
 import av
 import httpx
@@ -28,6 +32,7 @@ from tests.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 REF_ORIGIN = "http://127.0.0.1:8200"  # where the reference UI is served from (another origin than the gateway)
 FRAMES = 40
@@ -471,3 +476,235 @@ def test_ws_url_settings_pcm_voice_and_refusals(server):
                         ("?voice=nobody", "unknown_voice")):
         events, _ = ws_session(server.ws_url + query, [])
         assert events[0]["type"] == "error" and events[0]["code"] == code, (query, events)
+
+
+# ---- the dialects' HTTP routes (issue 24.1): ElevenLabs, Cartesia, Deepgram -----------------------------------
+DIALECT_KEY = "dialect-http-key"
+SEEDED = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz a sentence
+ZP = "zonos_params=" + quote(json.dumps(SEEDED))
+TWO = "Hello there. How are you?"  # two sentences: two utterances, one after the other
+
+
+def n_at(rate: int, sentences: int = 2) -> int:
+    return round(sentences * 20 * 512 * rate / 44100)
+
+
+def same_pcm(a: bytes, b: bytes) -> bool:
+    """The same seeded speech as 16-bit PCM: equal length, equal within the float noise of the decoder, whose
+    chunk sizes depend on timing (a few LSB), far below what another frame of speech would change."""
+    x, y = np.frombuffer(a, "<i2").astype(np.int32), np.frombuffer(b, "<i2").astype(np.int32)
+    return len(x) == len(y) and np.abs(x - y).max() <= 64
+
+
+@pytest.fixture(scope="module")
+def dsrv(start_server):
+    """A keyed server with a voice named Ada (an embedding: the clip path is the voices tests' business)."""
+    srv = start_server("--api-key", DIALECT_KEY, "--max-frames", "40")
+    buf = io.BytesIO()
+    np.save(buf, np.random.default_rng(7).standard_normal(2048).astype(np.float32))
+    r = httpx.post(srv.url + "/v1/voices", headers={"X-API-Key": DIALECT_KEY}, data={"name": "Ada"},
+                   files={"embedding": ("ada.npy", buf.getvalue())}, timeout=60)
+    assert r.status_code in (200, 201), r.text
+    return srv
+
+
+def el(dsrv, path: str, body: dict | None = None, query: str = "output_format=pcm_16000", key: str = DIALECT_KEY,
+       voice: str = "Ada") -> httpx.Response:
+    return httpx.post(f"{dsrv.url}/v1/text-to-speech/{voice}{path}?{ZP}&{query}", headers={"xi-api-key": key},
+                      json={"text": TWO, "model_id": "eleven_flash_v2_5"} if body is None else body, timeout=120)
+
+
+def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
+    """convert, stream, and both with-timestamps forms: one pipeline, the same seeded audio; alignment null."""
+    with httpx.stream("POST", f"{dsrv.url}/v1/text-to-speech/Ada/stream?{ZP}&output_format=pcm_16000",
+                      headers={"xi-api-key": DIALECT_KEY}, json={"text": TWO}, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
+        chunks = [c for c in r.iter_raw() if c]
+    pcm = b"".join(chunks)
+    assert len(chunks) >= 2 and len(pcm) == 2 * n_at(16000)  # pieces of each sentence, all of both
+    assert same_pcm(el(dsrv, "").content, pcm)
+    whole = el(dsrv, "/with-timestamps")
+    assert whole.headers["content-type"] == "application/json"
+    doc = whole.json()
+    assert same_pcm(base64.b64decode(doc["audio_base64"]), pcm) and doc["alignment"] is None
+    assert doc["normalized_alignment"] is None
+    lines = [json.loads(x) for x in el(dsrv, "/stream/with-timestamps").text.splitlines()]
+    assert len(lines) >= 2 and all(x["alignment"] is None and x["normalized_alignment"] is None for x in lines)
+    assert same_pcm(b"".join(base64.b64decode(x["audio_base64"]) for x in lines), pcm)
+
+
+@pytest.mark.parametrize("fmt, rate", [("mp3_44100_128", 44100), ("mp3_22050_32", 22050), ("ulaw_8000", 8000),
+                                       ("opus_48000_64", 48000), ("pcm_48000", 48000)])
+def test_elevenlabs_http_output_formats(dsrv, fmt, rate):
+    r = el(dsrv, "/stream", query=f"output_format={fmt}")
+    assert r.status_code == 200, r.text
+    if fmt.startswith("ulaw"):
+        assert r.headers["content-type"] == "audio/PCMU" and len(r.content) == n_at(8000)
+    elif fmt.startswith("pcm"):
+        assert len(r.content) == 2 * n_at(rate)
+    else:
+        audio, sr = decode(r.content)
+        assert sr == rate and n_at(rate) - 2 <= len(audio) <= n_at(rate) + EXTRA_SAMPLES.get(fmt[:3], 2)
+    default = httpx.post(f"{dsrv.url}/v1/text-to-speech/Ada?{ZP}", headers={"xi-api-key": DIALECT_KEY},
+                         json={"text": "Hi."}, timeout=120)
+    assert default.headers["content-type"] == "audio/mpeg" and decode(default.content)[1] == 44100  # mp3_44100_128
+
+
+@pytest.mark.parametrize("path, body, query, key, voice, status, code", [
+    ("/stream", None, "", "wrong", "Ada", 401, "unauthorized"),
+    ("/stream", None, "", DIALECT_KEY, "nobody", 404, "voice_not_found"),
+    ("/stream", None, "output_format=wav_44100", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
+    ("/stream", None, "output_format=opus_44100_64", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
+    ("", {"text": ""}, "", DIALECT_KEY, "Ada", 400, "empty_text"),
+    ("", {"text": "Hi.", "voice_settings": "fast"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+    ("", {"text": "Hi.", "seed": -1}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+    ("", {"text": "Hi.", "apply_text_normalization": "maybe"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+    ("/with-timestamps", {"text": "Hi.", "previous_text": 3}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+])
+def test_elevenlabs_http_errors(dsrv, path, body, query, key, voice, status, code):
+    """ElevenLabs' error body {"detail": {"status", "message"}} with the status, before any audio."""
+    r = el(dsrv, path, body, query, key, voice)
+    assert r.status_code == status and r.json()["detail"]["status"] == code, r.text
+    assert isinstance(r.json()["detail"]["message"], str)
+
+
+def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, **extra) -> httpx.Response:
+    body = {"model_id": "sonic-2", "transcript": TWO, "voice": {"mode": "id", "id": "Ada"},
+            "output_format": output_format, "language": "en"} | extra
+    return httpx.post(f"{dsrv.url}{path}?{ZP}", json=body, timeout=120,
+                      headers={"X-API-Key": key, "Cartesia-Version": "2025-04-16"})
+
+
+RAW16 = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
+
+
+def test_cartesia_bytes_and_sse(dsrv):
+    raw = cartesia(dsrv, "/tts/bytes", RAW16)
+    assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
+    assert len(raw.content) == 2 * n_at(24000)
+    # WAV of float samples (Cartesia's own curl example): soundfile reads the streamed header
+    wav = cartesia(dsrv, "/tts/bytes", {"container": "wav", "encoding": "pcm_f32le", "sample_rate": 44100})
+    audio, sr = sf.read(io.BytesIO(wav.content), dtype="float32")
+    assert wav.headers["content-type"] == "audio/wav" and sr == 44100 and len(audio) == n_at(44100)
+    mp3 = cartesia(dsrv, "/tts/bytes", {"container": "mp3", "sample_rate": 44100, "bit_rate": 128000})
+    audio, sr = decode(mp3.content)
+    assert sr == 44100 and n_at(44100) - 2 <= len(audio) <= n_at(44100) + EXTRA_SAMPLES["mp3"]
+    mulaw = cartesia(dsrv, "/tts/bytes", {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000})
+    assert len(mulaw.content) == n_at(8000)
+    # the event stream: chunks of the same audio, then done; context_id echoed on each
+    sse = cartesia(dsrv, "/tts/sse", RAW16, context_id="ctx-1", add_timestamps=True)
+    assert sse.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(sse.text)
+    assert [e["type"] for e in events[-1:]] == ["done"] and events[-1]["done"] is True
+    chunks = [e for e in events if e["type"] == "chunk"]
+    assert len(chunks) >= 2 and all(e["context_id"] == "ctx-1" and e["step_time"] >= 0 for e in chunks)
+    assert same_pcm(b"".join(base64.b64decode(e["data"]) for e in chunks), raw.content)
+    assert re.findall(r"^event: (\w+)$", sse.text, re.M) == [e["type"] for e in events]
+
+
+@pytest.mark.parametrize("path, fmt, key, extra, status, code", [
+    ("/tts/bytes", RAW16, "wrong", {}, 401, "unauthorized"),
+    ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "id", "id": "nobody"}}, 404, "unknown_voice"),
+    ("/tts/bytes", {"container": "ogg", "sample_rate": 24000}, DIALECT_KEY, {}, 400, "unsupported_format"),
+    ("/tts/bytes", RAW16 | {"sample_rate": 11025}, DIALECT_KEY, {}, 400, "unsupported_format"),
+    ("/tts/bytes", RAW16 | {"encoding": "pcm_s24le"}, DIALECT_KEY, {}, 400, "unsupported_format"),
+    ("/tts/sse", {"container": "wav", "encoding": "pcm_s16le", "sample_rate": 24000}, DIALECT_KEY, {}, 400,
+     "unsupported_format"),
+    ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, 400,
+     "bad_message"),
+    ("/tts/bytes", RAW16, DIALECT_KEY, {"transcript": ""}, 400, "empty_text"),
+    ("/tts/bytes", RAW16, DIALECT_KEY, {"generation_config": []}, 400, "bad_params"),
+    ("/tts/sse", RAW16, DIALECT_KEY, {"context_id": ""}, 400, "bad_params"),
+])
+def test_cartesia_http_errors(dsrv, path, fmt, key, extra, status, code):
+    """Cartesia's error body {"error", "title", "message", "status_code"}."""
+    r = cartesia(dsrv, path, fmt, key, **extra)
+    body = r.json()
+    assert r.status_code == status == body["status_code"] and body["title"] == code, r.text
+    assert body["message"] == body["error"]
+
+
+def deepgram(dsrv, query: str, key: str = DIALECT_KEY, body: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{dsrv.url}/v1/speak?{ZP}&{query}", headers={"Authorization": f"Token {key}"},
+                      json={"text": TWO} if body is None else body, timeout=120)
+
+
+def test_deepgram_rest_formats(dsrv):
+    """REST defaults as Deepgram's (linear16 in a WAV at 24 kHz), raw samples with container=none (LiveKit's and
+    pipecat's request), G.711, and the compressed encodings at Deepgram's fixed rates."""
+    wav = deepgram(dsrv, "model=Ada")
+    assert wav.status_code == 200 and wav.headers["content-type"] == "audio/wav"
+    assert wav.headers["dg-request-id"] and wav.headers["dg-model-name"] == "Ada"
+    audio, sr = sf.read(io.BytesIO(wav.content), dtype="int16")
+    assert sr == 24000 and len(audio) == n_at(24000)
+    raw = deepgram(dsrv, "model=Ada&encoding=linear16&container=none&sample_rate=24000")
+    assert raw.headers["content-type"] == "audio/pcm" and same_pcm(raw.content, audio.astype("<i2").tobytes())
+    mulaw = deepgram(dsrv, "model=Ada&encoding=mulaw&container=none")
+    assert len(mulaw.content) == n_at(8000)  # 8000 Hz by default
+    for enc, rate in (("mp3", 22050), ("flac", 48000)):
+        audio, sr = decode(deepgram(dsrv, f"model=Ada&encoding={enc}").content)
+        assert sr == rate and n_at(rate) - 2 <= len(audio) <= n_at(rate) + EXTRA_SAMPLES.get(enc, 2)
+    opus = deepgram(dsrv, "model=Ada&encoding=opus")
+    assert opus.content[:4] == b"OggS" and decode(opus.content)[1] == 48000
+    aac, sr = decode_aac(deepgram(dsrv, "model=Ada&encoding=aac").content)
+    assert sr == 22050 and n_at(22050) <= len(aac) <= n_at(22050) + AAC_EXTRA
+
+
+@pytest.mark.parametrize("query, key, body, status, code", [
+    ("model=Ada", "wrong", None, 401, "UNAUTHORIZED"),
+    ("model=nobody", DIALECT_KEY, None, 404, "UNKNOWN_VOICE"),
+    ("encoding=wma", DIALECT_KEY, None, 400, "UNSUPPORTED_ENCODING"),
+    ("encoding=mp3&sample_rate=8000", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
+    ("encoding=linear16&sample_rate=11025", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
+    ("encoding=linear16&sample_rate=２４０００", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+    ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
+    ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+    ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+    ("model=Ada", DIALECT_KEY, {"txt": "Hi."}, 400, "EMPTY_TEXT"),
+])
+def test_deepgram_rest_errors(dsrv, query, key, body, status, code):
+    """Deepgram's error body {"err_code", "err_msg", "request_id"}."""
+    r = deepgram(dsrv, query, key, body)
+    assert r.status_code == status and r.json()["err_code"] == code, r.text
+    assert r.json()["request_id"] and r.json()["err_msg"]
+
+
+def test_dialect_http_client_gone_stops_the_engine(dsrv):
+    """A client that leaves mid-answer stops the engine's work for it (the pipeline's cancellation)."""
+    def cancelled() -> float:
+        text = httpx.get(dsrv.url + "/metrics", headers={"X-API-Key": DIALECT_KEY}, timeout=60).text
+        return float(re.search(r"^zonos_engine_cancelled (\S+)$", text, re.M).group(1))
+
+    before = cancelled()
+    long = quote(json.dumps({"max_frames": 40, "ignore_eos": True}))
+    with httpx.stream("POST", f"{dsrv.url}/tts/bytes?zonos_params={long}", headers={"X-API-Key": DIALECT_KEY},
+                      timeout=120, json={"transcript": "One. Two. Three. Four. Five. Six.",
+                                         "voice": {"mode": "id", "id": "Ada"}, "output_format": RAW16}) as r:
+        next(r.iter_raw())  # the first audio, then away
+    wait_for(lambda: cancelled() > before, "the engine to count the cancelled request")
+
+
+# ---- LiveKit Agents' synthesize() on the HTTP dialects (opt-in: scripts/setup-frameworks) -------------------
+FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv-frameworks/bin/python"))
+
+
+def livekit_installed() -> bool:
+    return FRAMEWORKS_PYTHON.exists() and subprocess.run(
+        [str(FRAMEWORKS_PYTHON), "-c", "import livekit.agents"], capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize("service, rate", [("elevenlabs", 22050), ("cartesia", 24000), ("deepgram", 24000)])
+def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
+    """Issue 24.1: LiveKit's elevenlabs, cartesia and deepgram plugins' synthesize() (fixed phrases) got 404.
+    With only the base URL changed they speak: each plugin's default format, decoded by the plugin."""
+    if not livekit_installed():
+        pytest.skip("no .venv-frameworks with livekit-agents (scripts/setup-frameworks makes it)")
+    out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks/livekit_client.py"), service,
+                          dsrv.url, DIALECT_KEY, "Ada", "synthesize"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["errors"] == [] and result["sample_rate"] == rate, result
+    # two sentences of at most --max-frames 40 each, 16-bit mono (MP3 adds at most its decoder's delay)
+    assert 0 < result["audio_bytes"] <= 2 * (n_at(rate, 4) + EXTRA_SAMPLES["mp3"]), result

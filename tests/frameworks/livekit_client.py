@@ -1,9 +1,11 @@
 """Drives one of LiveKit Agents' real TTS plugins (elevenlabs, cartesia, deepgram) against the gateway (run by
 tests/test_dialects.py in the frameworks' virtualenv): configured as for the real provider except for its
 base URL, with a voice from our library, and each plugin's default output format (ElevenLabs': MP3 at
-22.05 kHz). Streams one text and prints one JSON line: audio bytes (decoded PCM), sample rate, errors.
+22.05 kHz). Streams one text (`stream()`, the WebSocket dialects) or synthesizes it (`synthesize()`, the
+plugins' one-shot HTTP calls: ElevenLabs' /stream, Cartesia's /tts/bytes, Deepgram's POST /v1/speak) and
+prints one JSON line: audio bytes (decoded PCM), sample rate, errors.
 
-    python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
+    python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE [synthesize]
 """
 
 from __future__ import annotations
@@ -30,15 +32,20 @@ def make_tts(kind: str, base: str, key: str, voice: str, session: aiohttp.Client
     raise SystemExit(f"unknown plugin {kind}")
 
 
-async def main(kind: str, base: str, key: str, voice: str) -> dict:
+async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream") -> dict:
+    from livekit.agents import APIConnectOptions
+
     errors: list[str] = []
     audio, rates = 0, set()
     async with aiohttp.ClientSession() as session:
         tts = make_tts(kind, base, key, voice, session)
-        stream = tts.stream()
-        stream.push_text("Hello there. How are you today?")
-        stream.flush()
-        stream.end_input()
+        if mode == "synthesize":  # a fixed phrase; no retries, so that a refusal is reported at once
+            stream = tts.synthesize("Hello there. How are you today?", conn_options=APIConnectOptions(max_retry=0))
+        else:
+            stream = tts.stream()
+            stream.push_text("Hello there. How are you today?")
+            stream.flush()
+            stream.end_input()
         try:
             async with asyncio.timeout(TIMEOUT):
                 async for ev in stream:
@@ -48,8 +55,9 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
             errors.append(f"{type(e).__name__}: {e}")
         await stream.aclose()
         await tts.aclose()
-    return {"service": kind, "audio_bytes": audio, "sample_rate": min(rates) if rates else None, "errors": errors}
+    return {"service": kind, "mode": mode, "audio_bytes": audio, "sample_rate": min(rates) if rates else None,
+            "errors": errors}
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(*sys.argv[1:5]))))
+    print(json.dumps(asyncio.run(main(*sys.argv[1:6]))))
