@@ -27,7 +27,6 @@ import io
 import logging
 import struct
 
-import av
 import numpy as np
 import soundfile as sf
 
@@ -186,6 +185,9 @@ class AacEncoder:
     def __init__(self, sample_rate: int) -> None:
         if sample_rate not in AAC_BIT_RATE:
             raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
+        import av  # FFmpeg in ~36 MB of shared libraries: loaded by the first AAC answer, not by every gateway
+
+        self._av = av
         self.sample_rate = sample_rate
         self._sink = _AdtsSink()
         # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold ~4 s of audio back
@@ -195,7 +197,7 @@ class AacEncoder:
 
     def write(self, samples: np.ndarray) -> bytes:
         if len(samples):
-            frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="flt",
+            frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="flt",
                                                layout="mono")
             frame.sample_rate = self.sample_rate
             self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
