@@ -21,7 +21,7 @@ from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Event
 from app.metrics import Metrics
 from app.normalization import NormalizationPool, default_workers
 from app.settings import GatewaySettings
-from app.synthesis import PromptFactory, RequestError, SynthesisOptions, check_text
+from app.synthesis import PromptFactory, RequestError, SynthesisOptions, check_text, emotion_directions
 from app.text_buffer import split_to_budget, utf8_len
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
@@ -104,7 +104,7 @@ class Gateway:
         self.normalizer = NormalizationPool(
             settings.normalization_workers or default_workers(), lim.normalization_cpu_s,
             lim.normalization_max_tasks) if settings.text_normalization else None
-        self.prompts = PromptFactory(self.cfg, None)
+        self.prompts = PromptFactory(self.cfg, None, emotion_directions(settings.emotion_directions_dir))
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
         self.sessions = 0
         self.started_at = time.time()

@@ -32,9 +32,9 @@ from app.synthesis import (
     PcmEncoder,
     RequestError,
     SynthesisOptions,
+    check_emotion,
     check_text,
     emotion_directions,
-    inject_emotion,
     parse_options,
 )
 from app.voices import Voice, parse_embedding_file, slerp
@@ -337,11 +337,12 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
 
 
 def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voice: Voice | None) -> Voice | None:
-    """The request's voice with its emotion_* applied (the reference applies them where it resolves the
-    speaker embedding); its calibration key is the reference's `speaker_embedding_id`, else the voice's id."""
+    """The voice, its emotion_* checked (PromptFactory.request applies them); the calibration key is the
+    reference's `speaker_embedding_id`, else the voice's id."""
     vid = data.get("speaker_embedding_id")
     opts.emotion.speaker_key = vid if isinstance(vid, str) and vid else None
-    return inject_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice)
+    check_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice)
+    return voice
 
 
 async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice | None:

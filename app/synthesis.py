@@ -104,7 +104,7 @@ class SynthesisOptions:
     # Parsed and checked; the engine side (continuation, guidance twins) is not wired yet: docs/protocol.md
     long_form: LongFormOptions = field(default_factory=LongFormOptions)
     guidance: Guidance = field(default_factory=Guidance)
-    emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by inject_emotion
+    emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
 
 
 def _typed(key: str, value: Any, kind: type) -> Any:
@@ -235,24 +235,32 @@ def emotion_directions(folder: Path | None) -> EmotionDirections | None:
     return EmotionDirections.load(folder) if folder is not None else None
 
 
-def inject_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None) -> Voice | None:
-    """The voice with the request's emotion in its speaker embedding (a copy; the library's voice is not
-    touched). As the reference: no voice, emotion_enabled false or all weights 0: unchanged; no directions
-    loaded or an unknown name: bad_params."""
+def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptions,
+                      embedding: np.ndarray | None) -> np.ndarray | None:
+    """The speaker embedding with the request's emotion in it (a new array). As the reference: no voice,
+    emotion_enabled false or all weights 0: unchanged; no directions loaded or an unknown name: bad_params."""
     req = opts.emotion
-    if not req.requested or voice is None or voice.embedding is None:
-        return voice
+    if not req.requested or embedding is None:
+        return embedding
     if directions is None:
         raise RequestError("bad_params", "emotion control needs emotion directions: this server was started "
                            "without --emotion-directions-dir")
     try:
-        emb, delta = directions.apply(voice.embedding, req, req.speaker_key or voice.id)
+        emb, delta = directions.apply(embedding, req)
     except EmotionError as e:
         raise RequestError("bad_params", str(e)) from None
     if delta is not None:
         raise RequestError("bad_params", "these emotion directions ('proj' space, as the reference ships them) "
                            "add to the projected speaker row inside the model, which is not built yet")
-    return dataclasses.replace(voice, embedding=emb)
+    return emb
+
+
+def check_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None) -> None:
+    """At the door: what emotion_embedding would refuse for this voice, refused now; the calibration key
+    defaults to the voice's id."""
+    if voice is not None and opts.emotion.speaker_key is None:
+        opts.emotion.speaker_key = voice.id
+    emotion_embedding(directions, opts, voice.embedding if voice is not None else None)
 
 
 def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
@@ -276,10 +284,12 @@ def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
 class PromptFactory:
     """Text -> prompt ids, with normalization off the event loop."""
 
-    def __init__(self, cfg: Zonos2Config, normalizer: TextNormalizer | None) -> None:
+    def __init__(self, cfg: Zonos2Config, normalizer: TextNormalizer | None,
+                 emotion: EmotionDirections | None = None) -> None:
         self.cfg = cfg
         self.builder = PromptBuilder(cfg)
         self.normalizer = normalizer
+        self.emotion = emotion  # --emotion-directions-dir
 
     def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
         check_text(text)
@@ -305,7 +315,8 @@ class PromptFactory:
             params=opts.sampling,
             max_frames=opts.max_frames or default_max_frames,
             ignore_eos=opts.ignore_eos,
-            speaker_embedding=embedding,
+            # every API's emotion is applied here, where the request's speaker embedding is final
+            speaker_embedding=emotion_embedding(self.emotion, opts, embedding),
             clip=clip[0] if clip else None,
             clip_sr=clip[1] if clip else 0,
         )
