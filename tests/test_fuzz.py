@@ -253,7 +253,7 @@ def check_http(r: httpx.Response) -> None:
     else:
         assert r.status_code == 200
         assert r.headers["content-type"].split(";")[0] in {"audio/pcm", "audio/wav", "audio/mpeg", "audio/flac",
-                                                           "audio/ogg", "text/event-stream"}
+                                                           "audio/ogg", "audio/aac", "text/event-stream"}
 
 
 def post(url: str, data: bytes, content_type: str) -> httpx.Response:
@@ -344,3 +344,129 @@ def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
     assert "zonos_engine_restarts 0.0" in httpx.get(emotion_fuzz_server.url + "/metrics").text
     log = emotion_fuzz_server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+# ---- the dialects' HTTP routes (issue 24.1: app/dialects/*_http.py) ------------------------------------------
+# Each answers in its vendor's error shape; the check is the same: never a 5xx or `internal`, a specific code.
+DIALECT_KEY = "fuzz-dialect-key"
+
+
+@pytest.fixture(scope="module")
+def dialect_fuzz_server(start_server):
+    srv = start_server("--max-frames", "30", "--max-http-chars", "300", "--api-key", DIALECT_KEY)
+    r = httpx.post(srv.url + "/v1/voices", headers={"X-API-Key": DIALECT_KEY}, data={"name": "Ada"}, timeout=60,
+                   files={"embedding": ("ada.npy", npy(np.random.default_rng(3).standard_normal(2048)
+                                                         .astype(np.float32)))})
+    assert r.status_code in (200, 201), r.text
+    return srv
+
+
+@st.composite
+def dialect_body(draw, values: dict[str, st.SearchStrategy], valid: dict[str, Any]) -> bytes:
+    """A valid request with 1-3 fields changed, removed or added, or any JSON value, or bytes."""
+    shape = draw(st.integers(0, 14))
+    if shape == 0:
+        return draw(st.binary(max_size=120))
+    if shape == 1:
+        return json.dumps(draw(anything)).encode()
+    d = dict(valid)
+    for k in draw(st.lists(st.sampled_from([*sorted(values), "surprise"]), min_size=1, max_size=3, unique=True)):
+        if k in d and draw(st.integers(0, 4)) == 0:
+            del d[k]
+        else:
+            d[k] = draw(values.get(k, anything))
+    return json.dumps(d).encode()
+
+
+DIALECT_MEDIA = {"audio/pcm", "audio/wav", "audio/mpeg", "audio/ogg", "audio/flac", "audio/aac", "audio/PCMU",
+                 "audio/PCMA", "application/json", "application/x-ndjson", "text/event-stream"}
+
+
+def check_dialect(r: httpx.Response, error_code: Any) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        code = error_code(r.json())
+        assert isinstance(code, str) and code.lower() != "internal" and re.fullmatch(r"[A-Za-z_]+", code), r.text
+    else:
+        assert r.status_code == 200 and r.headers["content-type"].split(";")[0] in DIALECT_MEDIA, r.headers
+
+
+FAST_Q = "zonos_params=" + json.dumps({"max_frames": 5, "ignore_eos": True})
+el_values = {
+    "text": short_text | anything, "model_id": st.sampled_from(["eleven_flash_v2_5"]) | anything,
+    "voice_settings": st.none() | st.fixed_dictionaries({}, optional={
+        "speed": st.floats(-1, 3) | anything, "stability": anything, "use_speaker_boost": anything}) | anything,
+    "language_code": st.sampled_from(["en", "de", "xx", ""]) | anything, "seed": st.integers(-3, 2**33) | anything,
+    "apply_text_normalization": st.sampled_from(["auto", "on", "off"]) | anything,
+    "previous_text": st.text(max_size=20) | anything, "next_text": anything, "previous_request_ids": anything,
+    "pronunciation_dictionary_locators": anything, "use_pvc_as_ivc": anything,
+    "apply_language_text_normalization": anything,
+}
+el_routes = st.sampled_from(["", "/stream", "/with-timestamps", "/stream/with-timestamps"])
+el_queries = st.sampled_from(["output_format=pcm_16000", "output_format=mp3_22050_32", "output_format=ulaw_8000",
+                              "output_format=opus_48000_32", "output_format=pcm_1", "output_format=pcm_",
+                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", ""])
+
+
+@FUZZ
+@given(data=dialect_body(el_values, {"text": "Hello there."}), route=el_routes, query=el_queries,
+       voice=st.sampled_from(["Ada", "Ada", "nobody", "%00", "x" * 300]), ctype=content_types)
+def test_fuzz_elevenlabs_http(dialect_fuzz_server, data, route, query, voice, ctype):
+    r = httpx.post(f"{dialect_fuzz_server.url}/v1/text-to-speech/{voice}{route}?{FAST_Q}&{query}", content=data,
+                   headers={"content-type": ctype, "xi-api-key": DIALECT_KEY}, timeout=60)
+    check_dialect(r, lambda b: b["detail"]["status"])
+
+
+cartesia_format = st.fixed_dictionaries({}, optional={
+    "container": st.sampled_from(["raw", "wav", "mp3", "ogg"]) | anything,
+    "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
+    "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1]) | anything,
+    "bit_rate": st.integers(-1, 10**6) | anything})
+cartesia_values = {
+    "transcript": short_text | anything, "model_id": anything, "language": st.sampled_from(["en", "xx"]) | anything,
+    "voice": st.fixed_dictionaries({}, optional={
+        "mode": st.sampled_from(["id", "embedding", "clone"]) | anything, "id": st.sampled_from(["Ada", "nobody"])
+        | anything, "embedding": st.lists(st.floats(allow_nan=True), max_size=4) | anything}) | anything,
+    "output_format": cartesia_format | anything,
+    "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(-1, 3) | anything,
+                                                             "volume": anything, "emotion": anything}) | anything,
+    "speed": anything, "context_id": st.text(max_size=140) | anything, "add_timestamps": anything,
+    "duration": anything,
+}
+CARTESIA_VALID = {"transcript": "Hello there.", "voice": {"mode": "id", "id": "Ada"},
+                  "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+
+
+@FUZZ
+@given(data=dialect_body(cartesia_values, CARTESIA_VALID), route=st.sampled_from(["/tts/bytes", "/tts/sse"]),
+       ctype=content_types)
+@example(data=json.dumps(CARTESIA_VALID | {"voice": {"mode": "embedding", "embedding": [1e39] * 2048}}).encode(),
+         route="/tts/bytes", ctype="application/json")
+def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype):
+    r = httpx.post(f"{dialect_fuzz_server.url}{route}?{FAST_Q}", content=data, timeout=60,
+                   headers={"content-type": ctype, "X-API-Key": DIALECT_KEY, "Cartesia-Version": "2025-04-16"})
+    check_dialect(r, lambda b: b["title"])
+
+
+deepgram_query = st.dictionaries(st.sampled_from(["model", "encoding", "container", "sample_rate", "speed",
+                                                  "bit_rate", "callback", "mip_opt_out"]),
+                                 st.sampled_from(["Ada", "nobody", "linear16", "mulaw", "alaw", "mp3", "opus", "flac",
+                                                  "aac", "wav", "none", "ogg", "8000", "22050", "48000", "1.1",
+                                                  "nan", "-1", "²", ""]), max_size=4)
+
+
+@FUZZ
+@given(data=dialect_body({"text": short_text | anything}, {"text": "Hello there."}), query=deepgram_query,
+       ctype=content_types)
+def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype):
+    r = httpx.post(f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}", params=query, content=data, timeout=60,
+                   headers={"content-type": ctype, "Authorization": f"Token {DIALECT_KEY}"})
+    check_dialect(r, lambda b: b["err_code"])
+
+
+def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
+    r = httpx.post(f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}&container=none", json={"text": "Still fine."},
+                   headers={"Authorization": f"Token {DIALECT_KEY}"}, timeout=60)
+    assert r.status_code == 200 and len(r.content) == 2 * round(5 * 512 * 24000 / 44100)
+    metrics = httpx.get(dialect_fuzz_server.url + "/metrics", headers={"X-API-Key": DIALECT_KEY}).text
+    assert "zonos_engine_restarts 0.0" in metrics
