@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.dac.codec import HOP, MAX_CODE, N_CODEBOOKS, Codec
-from engine.model.kernels.snake import mask_outside
 
 UNBOUNDED = 1 << 40  # "T not known yet": no right mask (any frame count a stream can reach is far below)
 
@@ -106,22 +105,27 @@ def build_layers(model: torch.nn.Module) -> tuple[list[Layer], int]:
     return layers, lag
 
 
-def _masked_snake(snake: torch.nn.Module, x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    """Snake where lo <= t < hi (per batch row), 0 elsewhere: one fused pass on a GPU."""
-    if x.is_cuda:
-        from engine.model.kernels.snake import snake as fused
-
-        return fused(x, snake.alpha, snake.inv_alpha, lo, hi)
-    return mask_outside(snake(x), lo, hi)
+def mask_outside(x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """x [B, C, T] with zeros outside lo <= t < hi (lo, hi: [B], one bound per row)."""
+    t = torch.arange(x.shape[-1], device=x.device)
+    valid = (t >= lo[:, None]) & (t < hi[:, None])
+    return torch.where(valid[:, None, :], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 class IncrementalDAC:
     """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
     share slots must run on one CUDA stream, in order."""
 
-    def __init__(self, codec: Codec, slots: int) -> None:
+    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True) -> None:
+        """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
+        Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
+        cudnn_benchmark: on a GPU, let cuDNN time its algorithms for each call shape at its first call
+        (warm-up) instead of taking its heuristic's pick; graph captures keep the choice."""
         self.codec = codec
         self.slots = slots
+        self.compiled = compiled
+        self.cudnn_benchmark = cudnn_benchmark
+        self._body = torch.compile(self._layers, dynamic=False, fullgraph=True) if compiled else self._layers
         self.scratch = slots  # the state row of batch-padding rows
         self.layers, self.lag = build_layers(codec.model)
         self.state_size = self.layers[-1].offset + self.layers[-1].keep * self.layers[-1].channels
@@ -162,40 +166,57 @@ class IncrementalDAC:
     def run(self, packed: Tensor, frames: int) -> Tensor:
         """packed [B, pack_width(frames)] int64 on the codec's device -> float32 PCM [B, frames * 512];
         the rows' states advance by `frames`."""
-        b, f = packed.shape[0], frames
-        codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
+        f = frames
         slots = packed[:, f * N_CODEBOOKS]
         fresh = packed[:, f * N_CODEBOOKS + 1] != 0
-        bounds = packed[:, f * N_CODEBOOKS + 2 :]
         state = self.state.index_select(0, slots).masked_fill_(fresh[:, None], 0)  # reset on a stream's start
-        new_state = torch.empty_like(state)
+        cudnn = torch.backends.cudnn
+        with cudnn.flags(enabled=cudnn.enabled, benchmark=self.cudnn_benchmark and packed.is_cuda,
+                         deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32):
+            pcm, new_state = self._body(packed, state, f)
+        self.state.index_copy_(0, slots, new_state)
+        return pcm
+
+    def _layers(self, packed: Tensor, state: Tensor, f: int) -> tuple[Tensor, Tensor]:
+        """The decoder on the rows' windows: (PCM [B, f * 512] float32, the rows' next states)."""
+        b = packed.shape[0]
+        codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
+        bounds = packed[:, f * N_CODEBOOKS + 2 :]
+        fused = packed.is_cuda and not self.compiled  # Inductor fuses the plain Snake with its neighbours
         x = self.codec.model.quantizer.from_codes(codes.clamp(0, MAX_CODE).transpose(1, 2))[0]
+        new_state = []
         for j, ly in enumerate(self.layers):
             n = ly.keep * ly.channels
             win = torch.cat([state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep), x], dim=-1)
-            new_state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep).copy_(win[..., -ly.keep :])
-            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1])
-        self.state.index_copy_(0, slots, new_state)
-        return x.squeeze(1).float()
+            new_state.append(win[..., -ly.keep :].reshape(b, n))
+            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1], fused)
+        return x.squeeze(1).float(), torch.cat(new_state, dim=1)
 
     @staticmethod
-    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool) -> Tensor:
+        def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
+            if fused:
+                from engine.model.kernels.snake import snake as fused_snake
+
+                return fused_snake(x, m.alpha, m.inv_alpha, lo, hi) if masked else fused_snake(x, m.alpha, m.inv_alpha)
+            y = torch.addcmul(x, m.inv_alpha, torch.sin(m.alpha * x).square())  # = snake_reference, traceable
+            return mask_outside(y, lo, hi) if masked else y
+
         if ly.kind == "in":
             (conv,) = ly.modules
             return F.conv1d(mask_outside(win, lo, hi), conv.weight, conv.bias)
         if ly.kind == "up":
-            snake, up = ly.modules
+            s, up = ly.modules
             # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
-            return F.conv_transpose1d(_masked_snake(snake, win, lo, hi), up.weight, up.bias, stride=ly.stride,
-                                      padding=ly.stride)
+            return F.conv_transpose1d(snake(s, win), up.weight, up.bias, stride=ly.stride, padding=ly.stride)
         if ly.kind == "res":
             s1, conv7, s2, conv1 = ly.modules
-            h = F.conv1d(_masked_snake(s1, win, lo, hi), conv7.weight, conv7.bias, dilation=conv7.dilation)
-            h = F.conv1d(s2(h), conv1.weight, conv1.bias)
+            h = F.conv1d(snake(s1, win), conv7.weight, conv7.bias, dilation=conv7.dilation)
+            h = F.conv1d(snake(s2, h, masked=False), conv1.weight, conv1.bias)
             half = ly.keep // 2  # the skip input delayed by the conv's lag
             return win[..., half : half + h.shape[-1]] + h
-        snake, conv = ly.modules
-        return torch.tanh(F.conv1d(_masked_snake(snake, win, lo, hi), conv.weight, conv.bias))
+        s, conv = ly.modules
+        return torch.tanh(F.conv1d(snake(s, win), conv.weight, conv.bias))
 
     def reset(self, slot: int) -> None:
         """Zero one slot's state (a stream's first call does this itself, in order with earlier calls)."""
