@@ -330,7 +330,7 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
     for key in (*LONG_FORM_KEYS, *GUIDANCE_KEYS, *EMOTION_FIELDS):  # the same names and bounds everywhere
-        if key in data:
+        if key in data and not (key in GUIDANCE_KEYS and data[key] is None):  # null: the default, as above
             p[key] = data[key]
     opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
     return opts, with_emotion(gw, data, opts, await speaker_source(gw, data, owner)), None

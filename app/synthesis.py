@@ -19,7 +19,6 @@ from engine.config import Zonos2Config, preset_params
 from engine.contract.records import SamplingParams, SubmitRequest
 from engine.emotion import EMOTION_FIELDS, EmotionDirections, EmotionError, EmotionRequest
 from engine.emotion import parse_request as parse_emotion
-from engine.guidance import Guidance
 from engine.longform import LongFormOptions
 from engine.prompt import Conditioning, PromptBuilder, PromptError
 from engine.textnorm import TextNormalizer, normalize_language
@@ -66,19 +65,20 @@ def check_text(text: str, name: str = "text") -> str:
     return text
 
 
+GUIDANCE_KEYS = ("cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale")  # engine/guidance.py
 _SAMPLING_KEYS = {
     "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_window": int,
-    "repetition_penalty": float, "repetition_codebooks": int, "seed": int,
+    "repetition_penalty": float, "repetition_codebooks": int, "seed": int, **dict.fromkeys(GUIDANCE_KEYS, float),
 }
-# the reference's long-form fields (prefix-cfg-longform) -> LongFormOptions; its guidance scales -> Guidance
+# the reference's long-form fields (prefix-cfg-longform) -> LongFormOptions; its guidance scales are
+# SamplingParams fields, as in the reference
 LONG_FORM_KEYS = {"long_form": "long_form", "long_form_chunk_chars": "chunk_chars",
                   "long_form_window_chunks": "window_chunks", "long_form_pin_anchor": "pin_anchor",
                   "long_form_split_mode": "split_mode"}
-GUIDANCE_KEYS = ("cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale")
 PARAM_KEYS = set(_SAMPLING_KEYS) | {
     "max_frames", "ignore_eos", "language", "text_normalization", "speaking_rate", "speed",
     "speaking_rate_bucket", "quality_buckets", "quality_values", "accurate_mode", "clean_speaker_background",
-} | set(LONG_FORM_KEYS) | set(GUIDANCE_KEYS) | set(EMOTION_FIELDS)
+} | set(LONG_FORM_KEYS) | set(EMOTION_FIELDS)
 # The bounds every API shares (WebSocket params, /v1/audio/speech, /tts/generate).
 SPEED_RANGE = (0.25, 4.0)  # multiplier of the neutral speaking rate (OpenAI's range)
 SPEAKING_RATE_RANGE = (1.0, 100.0)  # UTF-8 bytes per second; the buckets span 0-8 ... 40+
@@ -101,9 +101,8 @@ class SynthesisOptions:
     ignore_eos: bool = False
     language: str = "en_us"
     text_normalization: bool = True
-    # Parsed and checked; the engine side (continuation, guidance twins) is not wired yet: docs/protocol.md
+    # Parsed and checked; the engine side (continuation) is not wired yet: docs/protocol.md
     long_form: LongFormOptions = field(default_factory=LongFormOptions)
-    guidance: Guidance = field(default_factory=Guidance)
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
 
 
@@ -141,7 +140,7 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
     cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})
     opts = SynthesisOptions(sampling, cond, base.max_frames, base.ignore_eos, base.language, base.text_normalization,
-                            dataclasses.replace(base.long_form), dataclasses.replace(base.guidance),
+                            dataclasses.replace(base.long_form),
                             dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)))
 
     for key, kind in _SAMPLING_KEYS.items():
@@ -201,24 +200,20 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     for key in ("accurate_mode", "clean_speaker_background"):
         if key in params:
             setattr(cond, key, _typed(key, params[key], bool))
-    _long_form_guidance_emotion(params, opts)
+    _long_form_and_emotion(params, opts)
     return opts
 
 
-def _long_form_guidance_emotion(params: dict[str, Any], opts: SynthesisOptions) -> None:
-    """The reference's long_form_*, *cfg_scale and emotion_* fields (null: the default, except long_form,
-    whose null is the reference's "auto")."""
+def _long_form_and_emotion(params: dict[str, Any], opts: SynthesisOptions) -> None:
+    """The reference's long_form_* and emotion_* fields (null: the default, except long_form, whose null
+    is the reference's "auto")."""
     defaults = LongFormOptions()
     for key, attr in LONG_FORM_KEYS.items():
         if key in params:
             v = params[key]
             setattr(opts.long_form, attr, v if v is not None or key == "long_form" else getattr(defaults, attr))
-    for key in GUIDANCE_KEYS:
-        if key in params:
-            setattr(opts.guidance, key, 1.0 if params[key] is None else params[key])
     try:
         opts.long_form.validate()
-        opts.guidance.validate()
         if any(k in params for k in EMOTION_FIELDS):
             given = parse_emotion({k: params[k] for k in EMOTION_FIELDS if k in params})
             for k in EMOTION_FIELDS:

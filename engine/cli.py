@@ -99,7 +99,7 @@ def cmd_logits(args: argparse.Namespace) -> None:
     """Teacher-forced logits of every frame, or with a guidance scale the guided logits [9, V] of the last
     frame (engine/guidance.py): speaker CFG against the same ids without the speaker, prefix CFG against
     --uncond-input-ids with the speaker kept (prefix CFG wins when both are given, as in the reference)."""
-    from engine.guidance import Guidance, guide
+    from engine.guidance import guide, twin
 
     device = _device(args.device)
     model = load_model(_weights(args), device, _DTYPES[args.dtype])
@@ -113,22 +113,22 @@ def cmd_logits(args: argparse.Namespace) -> None:
         np.save(args.out, logits.float().cpu().numpy())
         print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
         return
-    g = Guidance(cfg_scale=1.0 if args.cfg_scale is None else args.cfg_scale,
-                 prefix_cfg_scale=1.0 if args.prefix_cfg_scale is None else args.prefix_cfg_scale)
+    g = SamplingParams(cfg_scale=1.0 if args.cfg_scale is None else args.cfg_scale,
+                       prefix_cfg_scale=1.0 if args.prefix_cfg_scale is None else args.prefix_cfg_scale)
     g.validate()
     if args.prefix_cfg_scale is not None and not args.uncond_input_ids:
         raise ValueError("--prefix-cfg-scale needs --uncond-input-ids (the chunk's fresh prompt)")
     if args.cfg_scale is not None and args.prefix_cfg_scale is None and spk is None:
         raise ValueError("--cfg-scale (speaker CFG) needs --speaker-embedding")
     cond = model.forward_full(ids, speaker=spk)[-1]
-    twin = g.twin(has_speaker=spk is not None, continuation=bool(args.uncond_input_ids))
-    if twin is None:  # every scale is 1.0: the conditional logits
+    which = twin(g, has_speaker=spk is not None, continuation=bool(args.uncond_input_ids))
+    if which is None:  # every scale is 1.0: the conditional logits
         kind, scale, uncond = "none", 1.0, cond
-    elif twin[0] == "prefix":
-        kind, scale = twin
+    elif which[0] == "prefix":
+        kind, scale = which
         uncond = model.forward_full(_read_ids(args.uncond_input_ids, model.cfg).to(device), speaker=spk)[-1]
     else:
-        kind, scale = twin
+        kind, scale = which
         uncond = model.forward_full(ids, speaker=None)[-1]
     guided = guide(cond[None], uncond[None], scale)[0]
     np.save(args.out, guided.cpu().numpy())

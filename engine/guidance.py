@@ -11,20 +11,19 @@ and the frame sampled from `guided` is written to both rows, so their histories 
   speaker embedding (the slot keeps its own embedding row);
 - prefix CFG (`prefix_cfg_scale`, continuation chunks only): the twin's prompt is the chunk generated fresh
   (`PromptBuilder.build`: no context text, no context frames, silence lead-in), keeping the speaker.
-Prefix CFG wins when both are asked for; 1.0 is off. Emotion CFG (`emotion_cfg_scale`) is a third kind of
+Prefix CFG wins when both are asked for; 1.0 is off. The scales are SamplingParams fields, as in the
+reference (engine/contract/records.py, with their bounds). Emotion CFG (`emotion_cfg_scale`) is a third kind of
 twin: the same prompt and speaker without the emotion (engine/emotion.py).
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where the math runs: the gateway validates scales without it
-    from torch import Tensor
+from engine.contract.records import SamplingParams
 
-SCALE_LIMIT = 100.0  # |scale| bound at the door: the reference takes any float; past this it is noise
+if TYPE_CHECKING:  # torch is imported where the math runs: the gateway imports this module without it
+    from torch import Tensor
 
 
 def guide(cond: Tensor, uncond: Tensor, scale: Tensor | float) -> Tensor:
@@ -48,25 +47,12 @@ def guide_rows(logits: Tensor, pairs: list[tuple[int, int, float]]) -> Tensor:
     return out
 
 
-@dataclass
-class Guidance:
-    """A request's guidance scales (the reference's `cfg_scale`, `prefix_cfg_scale`, `emotion_cfg_scale`)."""
-
-    cfg_scale: float = 1.0
-    prefix_cfg_scale: float = 1.0
-    emotion_cfg_scale: float = 1.0
-
-    def validate(self) -> None:
-        for name in ("cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or abs(v) > SCALE_LIMIT:
-                raise ValueError(f"{name} must be a number in [-{SCALE_LIMIT:g}, {SCALE_LIMIT:g}] (1.0 = off)")
-
-    def twin(self, has_speaker: bool, continuation: bool) -> tuple[str, float] | None:
-        """Which twin the reference runs for this request, with its scale; None: no twin. Prefix CFG needs a
-        continuation chunk, speaker CFG a speaker; prefix CFG wins over speaker CFG."""
-        if continuation and self.prefix_cfg_scale != 1.0:
-            return "prefix", float(self.prefix_cfg_scale)
-        if has_speaker and self.cfg_scale != 1.0:
-            return "speaker", float(self.cfg_scale)
-        return None
+def twin(params: SamplingParams, has_speaker: bool, continuation: bool) -> tuple[str, float] | None:
+    """Which twin the reference's long-form scheduler runs for a request, with its scale; None: no twin.
+    Prefix CFG needs a continuation chunk, speaker CFG a speaker; prefix CFG wins over speaker CFG. (The
+    emotion twin comes from another branch of the reference, which does not say how it combines.)"""
+    if continuation and params.prefix_cfg_scale != 1.0:
+        return "prefix", float(params.prefix_cfg_scale)
+    if has_speaker and params.cfg_scale != 1.0:
+        return "speaker", float(params.cfg_scale)
+    return None

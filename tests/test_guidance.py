@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from engine.guidance import Guidance, guide, guide_rows
+from engine.contract.records import SamplingParams
+from engine.guidance import guide, guide_rows, twin
 
 
 def test_guide_formula_per_row_scales():
@@ -34,18 +35,29 @@ def test_guide_rows_touches_only_the_conditional_rows():
 
 
 def test_which_twin():
-    assert Guidance().twin(has_speaker=True, continuation=True) is None
-    assert Guidance(cfg_scale=2.0).twin(has_speaker=True, continuation=False) == ("speaker", 2.0)
-    assert Guidance(cfg_scale=2.0).twin(has_speaker=False, continuation=True) is None  # nothing to drop
-    assert Guidance(prefix_cfg_scale=1.5).twin(has_speaker=False, continuation=False) is None  # first chunk
-    both = Guidance(cfg_scale=2.0, prefix_cfg_scale=-0.5)
-    assert both.twin(has_speaker=True, continuation=True) == ("prefix", -0.5)  # prefix CFG wins
-    assert both.twin(has_speaker=True, continuation=False) == ("speaker", 2.0)
+    assert twin(SamplingParams(), has_speaker=True, continuation=True) is None
+    assert twin(SamplingParams(cfg_scale=2.0), has_speaker=True, continuation=False) == ("speaker", 2.0)
+    assert twin(SamplingParams(cfg_scale=2.0), has_speaker=False, continuation=True) is None  # nothing to drop
+    assert twin(SamplingParams(prefix_cfg_scale=1.5), has_speaker=False, continuation=False) is None  # 1st chunk
+    both = SamplingParams(cfg_scale=2.0, prefix_cfg_scale=-0.5)
+    assert twin(both, has_speaker=True, continuation=True) == ("prefix", -0.5)  # prefix CFG wins
+    assert twin(both, has_speaker=True, continuation=False) == ("speaker", 2.0)
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, 101.0, True, "2"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, 101.0, True, "2", None])
 @pytest.mark.parametrize("name", ["cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale"])
 def test_validate_refuses(name, value):
     with pytest.raises(ValueError, match=name):
-        Guidance(**{name: value}).validate()
-    Guidance(**{name: -3}).validate()
+        SamplingParams(**{name: value}).validate()
+    SamplingParams(**{name: -3}).validate()
+
+
+def test_scales_travel_in_the_submit_record():
+    import numpy as np
+
+    from engine.contract.records import SubmitRequest
+
+    req = SubmitRequest(rid=1, prompt=np.zeros((3, 10), np.int64), max_frames=5,
+                        params=SamplingParams(cfg_scale=2.5, prefix_cfg_scale=-1.0, emotion_cfg_scale=3.0))
+    back = SubmitRequest.decode(*req.encode())
+    assert back.params == req.params and back.params.cfg_scale == 2.5

@@ -191,18 +191,24 @@ def test_continuation_refuses_bad_frames(frames):
 # ---- the request fields ---------------------------------------------------------------------------------------
 def test_parse_options_carries_the_fields():
     from app.synthesis import SynthesisOptions, parse_options
-    from engine.guidance import Guidance
 
     opts = parse_options({"long_form": True, "long_form_chunk_chars": 80, "long_form_window_chunks": 3,
                           "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 2.0,
                           "prefix_cfg_scale": -0.5, "emotion_cfg_scale": 1.5}, 100)
     assert opts.long_form == LongFormOptions(True, 80, 3, False, "sentence")
-    assert opts.guidance == Guidance(2.0, -0.5, 1.5)
+    s = opts.sampling
+    assert (s.cfg_scale, s.prefix_cfg_scale, s.emotion_cfg_scale) == (2.0, -0.5, 1.5)
     # a later params dict changes only what it names; null resets to the default (long_form: auto)
-    again = parse_options({"long_form_chunk_chars": None, "long_form": None, "cfg_scale": None}, 100, opts)
+    again = parse_options({"long_form_chunk_chars": None, "long_form": None, "cfg_scale": 1.0}, 100, opts)
     assert again.long_form == LongFormOptions(None, 150, 3, False, "sentence")
-    assert again.guidance == Guidance(1.0, -0.5, 1.5) and opts.guidance.cfg_scale == 2.0  # base untouched
-    assert SynthesisOptions().long_form == LongFormOptions() and SynthesisOptions().guidance == Guidance()
+    assert (again.sampling.cfg_scale, again.sampling.prefix_cfg_scale) == (1.0, -0.5)
+    assert opts.sampling.cfg_scale == 2.0 and opts.long_form.chunk_chars == 80  # the base is untouched
+    assert SynthesisOptions().long_form == LongFormOptions() and SynthesisOptions().sampling.cfg_scale == 1.0
+    # and they reach the engine's request
+    from app.synthesis import PromptFactory
+    from engine.config import Zonos2Config, preset_params
+    req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny")), None).request(np.zeros((2, 10)), opts, 9)
+    assert req.params.prefix_cfg_scale == -0.5
 
 
 @pytest.mark.parametrize("body", [{"long_form": "auto"}, {"long_form_chunk_chars": 0}, {"long_form_chunk_chars": 2.5},

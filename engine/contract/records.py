@@ -44,6 +44,9 @@ TEMPERATURE_MAX = 100.0
 REPETITION_PENALTY_MAX = 100.0
 TOP_K_MAX = 100_000  # < 1 means 1024 (the reference); the gateway also caps it at the codebook size
 SEED_LIMIT = 2**63  # the sampler's int64 seed
+# |cfg_scale|, |prefix_cfg_scale|, |emotion_cfg_scale| (engine/guidance.py): the reference takes any float;
+# guided logits scale with it, and past this they are noise
+CFG_SCALE_MAX = 100.0
 
 
 def _number(value: object) -> bool:
@@ -67,6 +70,10 @@ class SamplingParams:
     repetition_penalty: float = 1.2
     repetition_codebooks: int = 8
     seed: int | None = None
+    # Classifier-free guidance, the reference's TTSSamplingParams fields (engine/guidance.py): 1.0 = off.
+    cfg_scale: float = 1.0  # speaker CFG: a twin without the speaker
+    prefix_cfg_scale: float = 1.0  # continuation chunks: a twin generating the chunk fresh
+    emotion_cfg_scale: float = 1.0  # emotion: a twin without the emotion
 
     def validate(self, n_codebooks: int = 9) -> None:
         """ValueError naming the first value outside its bounds (or of the wrong type)."""
@@ -85,6 +92,10 @@ class SamplingParams:
              "seed must be a non-negative 63-bit integer"),
             (_integer(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
              f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means 1024)"),
+            *((_number(v) and abs(v) <= CFG_SCALE_MAX, f"{name} must be a number in [-{CFG_SCALE_MAX:g}, "
+               f"{CFG_SCALE_MAX:g}] (1.0 = off)")
+              for name, v in (("cfg_scale", self.cfg_scale), ("prefix_cfg_scale", self.prefix_cfg_scale),
+                              ("emotion_cfg_scale", self.emotion_cfg_scale))),
         ]
         for ok, msg in checks:
             if not ok:
