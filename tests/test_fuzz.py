@@ -470,3 +470,5 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
     assert r.status_code == 200 and len(r.content) == 2 * round(5 * 512 * 24000 / 44100)
     metrics = httpx.get(dialect_fuzz_server.url + "/metrics", headers={"X-API-Key": DIALECT_KEY}).text
     assert "zonos_engine_restarts 0.0" in metrics
+    log = dialect_fuzz_server.log.read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
