@@ -279,3 +279,72 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     r = httpx.post(server.url + "/tts/generate", timeout=60,  # no --emotion-directions-dir
                    json=common | {"speaker_embedding_base64": npy_b64(base)} | emotion)
     assert r.status_code == 400 and "emotion-directions-dir" in r.json()["error"]["message"]
+
+
+def upload_voice(url: str, emb: np.ndarray, name: str) -> str:
+    import io
+
+    import httpx
+
+    buf = io.BytesIO()
+    np.save(buf, emb.astype(np.float32))
+    r = httpx.post(url + "/v1/voices", files={"embedding": (f"{name}.npy", buf.getvalue())}, data={"name": name})
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+def test_websocket_params_apply_emotion(emotion_server):
+    """The WebSocket's params take the same fields: the audio is that of the injected vector as the voice."""
+    import asyncio
+
+    import websockets
+
+    from tests.wsclient import Client
+
+    srv, dirs = emotion_server
+    base = base_embedding(2048, seed=11)
+    plain_id = upload_voice(srv.url, base, "ws-plain")
+    emotion = {"emotion_enabled": True, "emotion_sliders": {"happy": 0.8}, "emotion_valence": -0.3}
+    req = parse_request(emotion)
+    req.speaker_key = plain_id
+    injected_id = upload_voice(srv.url, dirs.apply(base, req)[0], "ws-injected")
+
+    async def one(voice: str, extra: dict) -> bytes:
+        async with websockets.connect(srv.ws_url, max_size=None) as ws:
+            c = Client(ws)
+            await c.recv()
+            params = {"seed": 5, "max_frames": 12, "ignore_eos": True, **extra}
+            await c.send(type="session.config", voice=voice, encoding="pcm_f32le", params=params)
+            assert (await c.recv())["type"] == "session.updated"
+            await c.send(type="text", text="Feel it.", flush=True)
+            d = await c.until("audio.done")
+            return bytes(c.audio[d["utterance_id"]])
+
+    # the WebSocket has no speaker_embedding_id: the calibration key is the voice's id, as given here
+    assert asyncio.run(one(plain_id, emotion)) == asyncio.run(one(injected_id, {}))
+    assert asyncio.run(one(plain_id, emotion)) != asyncio.run(one(plain_id, {}))
+
+
+def test_reference_ui_bodies_are_accepted(emotion_server):
+    """The request bodies of the reference's web UI (tts_ui.html of prefix-cfg-longform and of
+    emotion-control-clean), field for field, with a library voice."""
+    import httpx
+
+    srv, _ = emotion_server
+    vid = upload_voice(srv.url, base_embedding(2048, seed=12), "ui-voice")
+    body = {
+        "text": "The reference page.", "language": "en_us", "text_normalization": False, "temperature": 1.15,
+        "topk": 106, "top_p": 0.0, "min_p": 0.18, "cfg_scale": 1.5, "prefix_cfg_scale": 1.0, "max_tokens": 8,
+        "fade_out_ms": 0.0, "speaking_rate_enabled": False, "quality_enabled": False, "quality_buckets": None,
+        "repetition_window": 50, "repetition_penalty": 1.2, "repetition_codebooks": 8, "seed": None,
+        "long_form": None, "long_form_chunk_chars": 150, "long_form_window_chunks": 2, "long_form_pin_anchor": True,
+        "long_form_split_mode": "word", "stream": True, "speaker_embedding_id": vid, "clean_speaker_background": False,
+        "accurate_mode": True, "speaker_blend_embedding_id_a": None, "speaker_blend_embedding_id_b": None,
+        "speaker_blend_t": None, "emotion_enabled": True, "emotion_sliders": {"surprised": 0.6},
+        "emotion_valence": 0.2, "emotion_arousal": 0, "emotion_strength": 1.0, "emotion_cfg_scale": 2.0,
+    }
+    r = httpx.post(srv.url + "/tts/generate", json=body, timeout=120)
+    # the random model may end at once (no ignore_eos in the UI's body): whole frames, at most 8
+    assert r.status_code == 200 and len(r.content) % (512 * 4) == 0 and len(r.content) <= 8 * 512 * 4, r.text
+    r = httpx.post(srv.url + "/tts/generate", json=body | {"emotion_sliders": {"smug": 1}}, timeout=60)
+    assert r.status_code == 400 and "smug" in r.json()["error"]["message"]
