@@ -13,9 +13,10 @@ every session behind one lock and grew its memory for good (issue 21). Here:
   request gets `normalization_timeout`. CPU time rather than wall time: a busy machine does not fail
   texts that merely wait for a core.
 * A worker is replaced after `max_tasks` texts, so whatever its grammars accumulate is given back.
-* Waiting texts go to the workers fairly: round-robin across owners (a session, an HTTP request), and
-  one owner never holds every worker while others wait, so one tenant's long text does not stand in
-  front of another session's first sentence.
+* Waiting texts go to the workers fairly (FairTurns): the owner (a session, an HTTP request) that has
+  used the workers least goes first, so a new session's first sentence is next whatever others have
+  queued; and texts longer than SHORT_TEXT_BYTES never hold the last free worker, so a short one (a
+  typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s for 300 bytes of digits).
 
 pebble (not concurrent.futures) because a worker that dies or is stopped fails only its own task and is
 replaced, where ProcessPoolExecutor breaks the whole pool.
@@ -26,12 +27,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import logging
 import multiprocessing
 import os
 import signal
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pebble
@@ -93,6 +96,89 @@ def normalize_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
 
 
 # ---- in the gateway -----------------------------------------------------------------------------------
+SHORT_TEXT_BYTES = 100  # texts up to this size may take the last free worker
+
+
+@dataclass(eq=False)
+class _Waiter:
+    owner: object
+    long: bool
+    seq: int
+    ticket: asyncio.Future[None]
+
+
+class FairTurns:
+    """Who gets the next free worker. The waiting text whose owner has used the workers least (seconds of
+    worker time, counted while the owner has texts waiting or running) goes first, earliest first among
+    equals; with more than one worker, long texts leave one worker to short ones."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.active = 0
+        self.active_long = 0
+        self._waiting: list[_Waiter] = []
+        self._running: dict[object, int] = {}
+        self._used: dict[object, float] = {}  # owner -> worker seconds, while it has texts here
+        self._seq = itertools.count()
+
+    def _may_run(self, long: bool) -> bool:
+        if self.active >= self.workers:
+            return False
+        return not long or self.workers == 1 or self.active_long < self.workers - 1
+
+    @contextlib.asynccontextmanager
+    async def turn(self, owner: object, long: bool) -> AsyncIterator[None]:
+        """Hold a worker for the block (after waiting for it)."""
+        w = _Waiter(owner, long, next(self._seq), asyncio.get_running_loop().create_future())
+        self._waiting.append(w)
+        self._dispatch()
+        try:
+            await w.ticket
+        except asyncio.CancelledError:
+            if w.ticket.done() and not w.ticket.cancelled():  # given just now: give it back
+                self._release(owner, long, 0.0)
+            else:
+                self._waiting.remove(w)
+                self._forget(owner)
+            raise
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            self._release(owner, long, time.monotonic() - t0)
+
+    def _take(self, owner: object, long: bool) -> None:
+        self.active += 1
+        self.active_long += long
+        self._running[owner] = self._running.get(owner, 0) + 1
+        self._used.setdefault(owner, 0.0)
+
+    def _release(self, owner: object, long: bool, seconds: float) -> None:
+        self.active -= 1
+        self.active_long -= long
+        self._running[owner] -= 1
+        if not self._running[owner]:
+            del self._running[owner]
+        self._used[owner] = self._used.get(owner, 0.0) + seconds
+        self._forget(owner)
+        self._dispatch()
+
+    def _forget(self, owner: object) -> None:
+        if owner not in self._running and not any(w.owner is owner for w in self._waiting):
+            self._used.pop(owner, None)
+
+    def _dispatch(self) -> None:
+        while self._waiting:
+            # (a waiter cancelled a moment ago leaves the list itself, in turn()'s handler)
+            runnable = [w for w in self._waiting if not w.ticket.done() and self._may_run(w.long)]
+            if not runnable:
+                return
+            w = min(runnable, key=lambda w: (self._used.get(w.owner, 0.0), w.seq))
+            self._waiting.remove(w)
+            self._take(w.owner, w.long)
+            w.ticket.set_result(None)
+
+
 class NormalizationPool:
     """Worker processes that normalize text; `normalize` is what the gateway awaits."""
 
@@ -103,12 +189,8 @@ class NormalizationPool:
         self.max_tasks = max_tasks
         self.warm = warm
         self.available = nemo_installed() if available is None else available
-        # one owner may hold all workers only when it is the only one: otherwise one is left for the others
-        self.per_owner = max(1, self.workers - 1)
+        self.turns = FairTurns(self.workers)
         self._pool: pebble.ProcessPool | None = None
-        self._waiting: OrderedDict[object, deque[asyncio.Future[None]]] = OrderedDict()  # in round order
-        self._running: dict[object, int] = {}
-        self.active = 0
 
     def start(self) -> None:
         """Start the workers now (each loads the warm grammars), not on the first request."""
@@ -131,7 +213,8 @@ class NormalizationPool:
         if not self.available or not text.strip():
             return text
         try:
-            return await self.run(owner, normalize_in_worker, text, language, self.cpu_limit_s)
+            return await self.run(owner, len(text.encode("utf-8", "surrogatepass")) > SHORT_TEXT_BYTES,
+                                  normalize_in_worker, text, language, self.cpu_limit_s)
         except pebble.ProcessExpired as e:
             if e.exitcode == -_CPU_SIGNAL:
                 raise RequestError(
@@ -144,80 +227,14 @@ class NormalizationPool:
                         "written", TASK_WALL_LIMIT_S)
             return text
 
-    async def run(self, owner: object, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args) in a worker, when it is this owner's turn."""
+    async def run(self, owner: object, long: bool, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) in a worker, in this owner's turn (`long`: a text over SHORT_TEXT_BYTES)."""
         self.start()
         assert self._pool is not None
-        await self._turn(owner)
-        try:
+        async with self.turns.turn(owner, long):
             future = self._pool.submit(fn, TASK_WALL_LIMIT_S, *args)
             try:
                 return await asyncio.wrap_future(future)
             except asyncio.CancelledError:
-                future.cancel()  # a task not yet running is dropped; a running one finishes in its worker
+                future.cancel()  # a task not yet running is dropped; a running one stops with its worker
                 raise
-        finally:
-            self._release(owner)
-
-    # ---- fair turns -------------------------------------------------------------------------------
-    def _may_run(self, owner: object) -> bool:
-        others = any(o is not owner for o in self._waiting) or any(o is not owner for o in self._running)
-        cap = self.per_owner if others else self.workers
-        return self.active < self.workers and self._running.get(owner, 0) < cap
-
-    async def _turn(self, owner: object) -> None:
-        if not self._waiting and self._may_run(owner):
-            self._take(owner)
-            return
-        ticket: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(owner, deque()).append(ticket)
-        self._dispatch()
-        try:
-            await ticket
-        except asyncio.CancelledError:
-            if ticket.done() and not ticket.cancelled():  # the turn was given just now: give it back
-                self._release(owner)
-            else:
-                self._forget(owner, ticket)
-            raise
-
-    def _take(self, owner: object) -> None:
-        self.active += 1
-        self._running[owner] = self._running.get(owner, 0) + 1
-
-    def _release(self, owner: object) -> None:
-        self.active -= 1
-        n = self._running.get(owner, 0) - 1
-        if n > 0:
-            self._running[owner] = n
-        else:
-            self._running.pop(owner, None)
-        self._dispatch()
-
-    def _forget(self, owner: object, ticket: asyncio.Future[None]) -> None:
-        queue = self._waiting.get(owner)
-        if queue is not None:
-            with contextlib.suppress(ValueError):
-                queue.remove(ticket)
-            if not queue:
-                del self._waiting[owner]
-
-    def _dispatch(self) -> None:
-        """Give free workers to waiting owners, round-robin: an owner served goes to the back."""
-        progress = True
-        while progress and self.active < self.workers:
-            progress = False
-            for owner in list(self._waiting):
-                if not self._may_run(owner):
-                    continue
-                queue = self._waiting.pop(owner)
-                ticket = queue.popleft()
-                if queue:
-                    self._waiting[owner] = queue  # to the back of the round
-                if ticket.cancelled():
-                    progress = True
-                    break
-                self._take(owner)
-                ticket.set_result(None)
-                progress = True
-                break
