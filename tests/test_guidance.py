@@ -61,3 +61,43 @@ def test_scales_travel_in_the_submit_record():
                         params=SamplingParams(cfg_scale=2.5, prefix_cfg_scale=-1.0, emotion_cfg_scale=3.0))
     back = SubmitRequest.decode(*req.encode())
     assert back.params == req.params and back.params.cfg_scale == 2.5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
+    """A speaker-CFG pair and a prefix-CFG pair prefilled in one packed batch through the production
+    prefill path (Triton attention on CUDA): each row's last logits equal forward_full's, and guide() on
+    them equals the formula on two plain passes (fp32: 1-cos < 1e-6)."""
+    import numpy as np
+
+    from engine.model.checkpoint import random_model
+    from engine.model.zonos2 import PrefillSeq
+    from engine.prompt import Conditioning, PromptBuilder
+
+    model = random_model("tiny", device="cuda", dtype=dtype)
+    model.enable_triton()
+    pb = PromptBuilder(model.cfg)
+    cond = Conditioning(speaker=True)
+    codes = np.random.default_rng(0).integers(0, 1024, size=(300, 9))
+    cont = pb.build_continuation("It began like this.", "And then it went on.", codes, cond)
+    fresh = pb.build("And then it went on.", cond)
+    spk = torch.randn(2048, device="cuda")
+    prompts = [cont, fresh, cont]  # conditional, prefix twin (speaker kept), speaker twin (no speaker)
+    speakers = [spk, spk, None]
+    model.setup_cache(4, len(cont) + 8)
+    ids = torch.from_numpy(np.concatenate(prompts)).cuda()
+    seqs = [PrefillSeq(slot=i, start=0, length=len(p)) for i, p in enumerate(prompts)]
+    packed = model.prefill(ids, seqs, speakers).float()
+    plain = torch.stack([model.forward_full(torch.from_numpy(p).cuda(), speaker=s)[-1].float()
+                         for p, s in zip(prompts, speakers, strict=True)])
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    for i in range(3):
+        cos = torch.nn.functional.cosine_similarity(packed[i].flatten().double(), plain[i].flatten().double(), 0)
+        assert 1 - float(cos) < tol, (i, float(cos))
+    for (i, j), s in (((0, 1), -0.5), ((0, 2), 2.5)):
+        got = guide_rows(packed, [(i, j, s)])[i]
+        want = plain[j] + s * (plain[i] - plain[j])
+        cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), 0)
+        assert 1 - float(cos) < tol, (i, j, float(cos))
