@@ -91,7 +91,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="without an API key, serve this Host name too besides the loopback ones (repeatable; "
                         "'*': any); docs/reliability.md, Host rule")
     p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable)")
-    p.add_argument("--no-text-normalization", action="store_true")
+    p.add_argument("--text-normalization", action=argparse.BooleanOptionalAction, default=True,
+                   help="numbers, dates, currency... read as words (NeMo grammars, if installed); default on")
     p.add_argument("--normalization-workers", type=int, default=0, metavar="N",
                    help="worker processes that normalize text (default 0: one per CPU this process may use)")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
@@ -154,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         default_voices_dir=Path(a.default_voices_dir) if a.default_voices_dir else None, api_keys=keys,
         emotion_directions_dir=Path(a.emotion_directions_dir) if a.emotion_directions_dir else None,
         shared_voices=a.shared_voices,
-        cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=not a.no_text_normalization,
+        cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=a.text_normalization,
         normalization_workers=a.normalization_workers,
         log_level=a.log_level.upper(),
     )

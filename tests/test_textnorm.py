@@ -376,3 +376,172 @@ def test_real_english_normalization():
     assert norm.normalize("Dr. Smith has 21 cats.", "en_gb") == "doctor Smith has twenty one cats."
     assert norm.normalize("No numbers here.") == "No numbers here."
     assert norm.loaded_languages() == ["en"]
+
+
+# ---------------------------------------------------------------- the gateway's worker pool (app/normalization.py)
+# Real worker processes; the tasks below stand in for a text only in what they cost (CPU, or waiting).
+
+
+def spin_within(cpu_s: float) -> None:
+    """A task that uses CPU until its bound ends the worker (as a pathological text would)."""
+    from app.normalization import cpu_bound
+
+    with cpu_bound(cpu_s):
+        while True:
+            pass
+
+
+def wait_for_file(path: str) -> int:
+    """A task that holds its worker until `path` exists (a long text, as long as the test wants)."""
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return os.getpid()
+
+
+def _pool(**kw):
+    from app.normalization import NormalizationPool
+
+    return NormalizationPool(kw.pop("workers", 1), kw.pop("cpu_limit_s", 30.0), kw.pop("max_tasks", 0),
+                             warm=(), available=True, **kw)
+
+
+def test_a_task_past_its_cpu_bound_ends_its_worker_and_the_next_task_runs():
+    import asyncio
+    import signal
+
+    import pebble
+
+    async def go():
+        pool = _pool()
+        try:
+            first = await pool.run("a", False, os.getpid)
+            with pytest.raises(pebble.ProcessExpired) as e:
+                await pool.run("a", False, spin_within, 0.3)
+            assert e.value.exitcode == -signal.SIGPROF
+            second = await pool.run("b", False, os.getpid)  # a new worker took its place
+            return first, second
+        finally:
+            pool.close()
+
+    first, second = asyncio.run(asyncio.wait_for(go(), 120))
+    assert first != second
+
+
+def test_workers_are_replaced_after_max_tasks():
+    import asyncio
+
+    async def go():
+        pool = _pool(max_tasks=2)
+        try:
+            return [await pool.run(None, False, os.getpid) for _ in range(6)]
+        finally:
+            pool.close()
+
+    pids = asyncio.run(asyncio.wait_for(go(), 120))
+    assert len(set(pids)) >= 3  # 2 tasks each (the start-up task included): every worker's memory is given back
+
+
+def test_a_short_text_gets_a_worker_while_long_ones_hold_the_others(tmp_path):
+    """Other sessions make progress while one tenant's long texts are being normalized: its texts hold one
+    worker of two (long texts leave one to short ones), whatever it has queued."""
+    import asyncio
+
+    gate = str(tmp_path / "release")
+
+    async def go():
+        pool = _pool(workers=2)
+        try:
+            long_ones = [asyncio.create_task(pool.run("tenant", True, wait_for_file, gate)) for _ in range(4)]
+            others = [await pool.run(f"session{i}", False, os.getpid) for i in range(3)]
+            held = [t.done() for t in long_ones]
+            assert pool.turns.active_long == 1  # the tenant's first text still runs
+            open(gate, "w").close()
+            return others, held, await asyncio.gather(*long_ones)
+        finally:
+            pool.close()
+
+    others, held, done = asyncio.run(asyncio.wait_for(go(), 120))
+    assert held == [False] * 4 and len(done) == 4 and all(others)
+
+
+def test_fair_turns_serve_the_owner_that_used_the_workers_least():
+    import asyncio
+
+    from app.normalization import FairTurns
+
+    async def go():
+        turns = FairTurns(1)
+        order: list[str] = []
+        release = asyncio.Event()
+
+        async def job(owner: str, hold: bool = False) -> None:
+            async with turns.turn(owner, False):
+                order.append(owner)
+                if hold:
+                    await release.wait()
+
+        first = asyncio.create_task(job("busy", hold=True))
+        while not order:
+            await asyncio.sleep(0)
+        queued = [asyncio.create_task(job("busy")) for _ in range(3)] + [asyncio.create_task(job("new"))]
+        await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(first, *queued)
+        return order
+
+    order = asyncio.run(asyncio.wait_for(go(), 30))
+    assert order[:2] == ["busy", "new"]  # the newcomer goes before the busy owner's queued texts
+
+
+def test_a_cancelled_wait_gives_its_turn_away():
+    import asyncio
+
+    from app.normalization import FairTurns
+
+    async def go():
+        turns = FairTurns(1)
+        release = asyncio.Event()
+
+        async def hold() -> None:
+            async with turns.turn("a", False):
+                await release.wait()
+
+        async def quick(owner: str) -> str:
+            async with turns.turn(owner, False):
+                return owner
+
+        holder = asyncio.create_task(hold())
+        await asyncio.sleep(0)
+        gone, stays = asyncio.create_task(quick("gone")), asyncio.create_task(quick("stays"))
+        await asyncio.sleep(0)
+        gone.cancel()
+        release.set()
+        await holder
+        return await stays, turns.active
+
+    assert asyncio.run(asyncio.wait_for(go(), 30)) == ("stays", 0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
+def test_real_normalization_past_its_cpu_bound_is_a_coded_error():
+    """Issue 21: `("+1-555-123-4567 " * 250)[:288]` takes about 1 s of CPU to normalize. Bounded at 0.05 s, it
+    fails with normalization_timeout, and the pool goes on normalizing (a new worker)."""
+    import asyncio
+
+    from app.normalization import NormalizationPool
+    from app.synthesis import RequestError
+
+    async def go():
+        pool = NormalizationPool(1, 0.05, 0)  # warms en_us as it starts: the shared grammar cache
+        try:
+            with pytest.raises(RequestError) as e:
+                await pool.normalize(("+1-555-123-4567 " * 250)[:288], "en_us")
+            pool.cpu_limit_s = 30.0
+            return e.value, await pool.normalize("Dr. Smith has 21 cats.", "en_us")
+        finally:
+            pool.close()
+
+    err, text = asyncio.run(asyncio.wait_for(go(), 600))
+    assert err.code == "normalization_timeout" and err.status == 400
+    assert text == "doctor Smith has twenty one cats."
