@@ -152,9 +152,10 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
 
 def test_elevenlabs_close_context_stops_the_gpu_work(srv):
     """A barge-in: close_context on a context whose text was never flushed drops it; its engine work stops,
-    isFinal comes, no audio of it follows, and the next context speaks."""
+    isFinal comes, no audio of it follows, and the next context speaks. (Without auto_mode: with it, every
+    text counts as flushed, and close_context speaks it all.)"""
     async def go():
-        ws = await el_connect(el_url(srv, p=LONG))
+        ws = await el_connect(el_url(srv, p=LONG, auto_mode=False))
         await ws.send(json.dumps({"text": " ", "context_id": "turn1"}))
         await ws.send(json.dumps({"text": "A long story that will be interrupted. It goes on. ", "context_id": "turn1"}))
         while not (m := await recv_json(ws)).get("audio"):
@@ -204,9 +205,10 @@ def test_elevenlabs_close_context_after_flush_finishes_the_flushed_text(srv):
 def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
     """Each context is its own stream: a newer context speaks while an older one is still generating (its
     2500 frames would take far longer than this test waits). close_socket with nothing flushed drops both,
-    stops their engine work, answers each with isFinal and closes."""
+    stops their engine work, answers each with isFinal and closes (without auto_mode, which flushes every
+    text)."""
     async def go():
-        ws = await el_connect(el_url(srv, p=LONG))
+        ws = await el_connect(el_url(srv, p=LONG, auto_mode=False))
         await ws.send(json.dumps({"text": "This one goes on for a very long time. ", "context_id": "long"}))
         while not (m := await recv_json(ws)).get("audio"):
             assert "error" not in m, m
