@@ -236,3 +236,41 @@ def test_http_routes_accept_the_fields(server):
     r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
         "input": "Hello.", "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}} | fields)
     assert r.status_code == 200, r.text
+
+
+# ---- streaming a chunk into the one vocoder stream --------------------------------------------------------------
+@pytest.mark.parametrize("last", [True, False])
+def test_chunk_stream_never_vocodes_past_the_kept_frames(last):
+    """With the engine's own end-of-audio rule (engine/llm/eos.py), for an EOA at any step in any codebook,
+    what is vocoded while the chunk streams plus the rest at its end is exactly the kept frames, in order."""
+    from engine.llm.eos import EosTracker
+    from engine.longform import ChunkStream, stream_margin
+
+    assert stream_margin() == 22
+    rng = np.random.default_rng(0)
+    for step in (0, 1, 5, 21, 22, 23, 40, 100):
+        for cb in (0, 4, 8):
+            tracker, chunk, fed, raw = EosTracker(), ChunkStream(), [], []
+            for t in range(step + 50):
+                frame = rng.integers(0, 1024, size=9)
+                if t == step:
+                    frame[cb] = 1024
+                raw.append(frame)
+                fed.append(chunk.push(frame))
+                if tracker.push(frame):
+                    break
+            rest, kept = chunk.finish(tracker.eos_frame, last)
+            assert np.array_equal(kept, trim_chunk_codes(np.array(raw), tracker.eos_frame, 0 if last else 3))
+            assert np.array_equal(np.concatenate([*fed, rest]), kept), (step, cb)
+            assert len(raw) == step + 10  # the countdown: 9 frames after the first EOA
+
+
+def test_chunk_stream_without_an_end_of_audio():
+    from engine.longform import ChunkStream
+
+    chunk = ChunkStream()
+    frames = np.arange(60 * 9).reshape(60, 9)
+    fed = [chunk.push(f) for f in frames]
+    assert sum(len(f) for f in fed) == 60 - 22
+    rest, kept = chunk.finish(None, last=False)  # ended at max_frames: all but the boundary trim
+    assert np.array_equal(kept, frames[:57]) and np.array_equal(np.concatenate([*fed, rest]), kept)
