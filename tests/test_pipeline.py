@@ -355,3 +355,83 @@ def test_utterance_budget_follows_the_engine_context():
     assert utterance_bytes(gw) == min(Limits().max_text_chars, (6144 - 32) // 7, Limits().max_frames // 6)
     gw.engine.info["max_context"] = 1024
     assert utterance_bytes(gw) == (1024 - 32) // 7
+
+
+# ---- an utterance whose spoken text outgrew the budget (app/gateway.py PieceStream) ---------------------
+def _piece_submitter(engine: FakeEngine, events: dict[str, list[Event]]) -> tuple[Any, list[str]]:
+    """submit(piece) -> a Stream that already holds the events given for that piece."""
+    submitted: list[str] = []
+
+    def submit(piece: str) -> Stream:
+        stream = Stream(len(engine.streams) + 1, engine, 10**9)  # type: ignore[arg-type]
+        engine._streams[stream.rid] = stream
+        engine.streams.append(stream)
+        submitted.append(piece)
+        for ev in events.get(piece, []):
+            stream._deliver(ev)
+        return stream
+
+    return submit, submitted
+
+
+def _audio(n: int = 512) -> Event:
+    return Event(m.AUDIO, {"type": m.AUDIO}, np.ones(n, np.int16))
+
+
+def _finished(reason: str = "eos", frames: int = 5) -> Event:
+    return Event(m.FINISHED, {"type": m.FINISHED, "reason": reason, "stats": {"frames": frames}})
+
+
+def test_pieces_play_in_order_one_ahead_and_finish_once():
+    from app.gateway import PieceStream
+
+    async def go():
+        engine = FakeEngine()
+        events = {p: [_audio(), _finished(frames=i + 1)] for i, p in enumerate(["one", "two", "three"])}
+        submit, submitted = _piece_submitter(engine, events)
+        stream = PieceStream(submit, ["one", "two", "three"])
+        assert submitted == ["one"]
+        first = await stream.__anext__()
+        assert first.type == m.AUDIO and submitted == ["one", "two"]  # the next generates while this plays
+        rest = [ev async for ev in stream]
+        return [first, *rest], submitted
+
+    seen, submitted = asyncio.run(go())
+    assert [ev.type for ev in seen] == [m.AUDIO] * 3 + [m.FINISHED]
+    assert seen[-1].header["stats"]["frames"] == 1 + 2 + 3 and seen[-1].header["reason"] == "eos"
+    assert submitted == ["one", "two", "three"]
+
+
+def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
+    from app.gateway import PieceStream
+
+    async def go():
+        engine = FakeEngine()
+        submit, _ = _piece_submitter(engine, {"a": [_audio(), _finished("max_frames")], "b": [_audio(), _finished()]})
+        cut = [ev async for ev in PieceStream(submit, ["a", "b"])]
+        err = Event(m.ERROR, {"type": m.ERROR, "code": "engine_restarted", "message": "x"})
+        submit, submitted = _piece_submitter(engine, {"x": [_audio(), err]})
+        failed = [ev async for ev in PieceStream(submit, ["x", "y", "z"])]
+        return cut, failed, submitted, engine
+
+    cut, failed, submitted, engine = asyncio.run(go())
+    assert cut[-1].type == m.FINISHED and cut[-1].header["reason"] == "max_frames"  # never hidden
+    assert [ev.type for ev in failed] == [m.AUDIO, m.ERROR]
+    assert submitted == ["x", "y"] and engine.streams[-1].done  # the one ahead was cancelled, z never sent
+    assert engine.cancelled == [engine.streams[-1].rid]
+
+
+def test_cancelling_pieces_stops_the_one_playing_and_the_one_ahead():
+    from app.gateway import PieceStream
+
+    async def go():
+        engine = FakeEngine()
+        submit, submitted = _piece_submitter(engine, {"a": [_audio()]})
+        stream = PieceStream(submit, ["a", "b", "c"])
+        await stream.__anext__()
+        stream.cancel()
+        return [ev async for ev in stream], submitted, engine
+
+    after, submitted, engine = asyncio.run(go())
+    assert after == [] and submitted == ["a", "b"]
+    assert sorted(engine.cancelled) == [s.rid for s in engine.streams]
