@@ -2,6 +2,11 @@
 bytes it must read. Full-size random weights in bf16 on one GPU.
 
     python bench/decode_step.py --batches 1 2 4 8 16 32 64 --context 400 [--profile]
+    python bench/decode_step.py --batches 1 64 128 --ab --json decode_ab.json   # batch invariance on vs off
+
+--ab runs the step once with batch-invariant decoding (engine/model/batch_invariant.py) and once without,
+each in its own process (the mode is baked into the captured graphs), and reports the invariant step's
+cost per batch: the flag question of issue #26 (a flag only if it costs more than 5 % at batch 64 and 128).
 """
 
 from __future__ import annotations
@@ -9,11 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from engine.contract.records import SamplingParams
+from engine.contract.settings import EngineSettings
 from engine.llm.node import LLMNode
 from engine.model.checkpoint import random_model, release_shapes
 from engine.model.zonos2 import MoEFFN, PrefillSeq
@@ -63,6 +73,28 @@ def use_previous_kernel_settings() -> None:
     decode_attention.split_tokens = lambda batch: 64 if batch <= 16 else 256
 
 
+def run_ab(argv: list[str], json_path: str | None) -> None:
+    """This script twice, batch invariance on and off, in fresh processes; prints and writes both and the cost."""
+    rows = {}
+    with tempfile.TemporaryDirectory() as d:
+        for mode in ("on", "off"):
+            out = Path(d) / f"{mode}.json"
+            flag = "--batch-invariant" if mode == "on" else "--no-batch-invariant"
+            print(f"=== batch invariance {mode} ===", flush=True)
+            subprocess.run([sys.executable, __file__, *argv, flag, "--json", str(out)], check=True)
+            rows[mode] = json.loads(out.read_text())
+    cost = []
+    print(f"{'batch':>5} {'invariant ms':>12} {'default ms':>10} {'cost':>7}")
+    for on, off in zip(rows["on"], rows["off"], strict=True):
+        c = {"batch": on["batch"], "invariant_ms": on["graph_ms"], "default_ms": off["graph_ms"],
+             "cost": on["graph_ms"] / off["graph_ms"] - 1}
+        cost.append(c)
+        print(f"{c['batch']:>5} {c['invariant_ms']:12.3f} {c['default_ms']:10.3f} {c['cost']:+7.1%}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"invariant": rows["on"], "default": rows["off"], "cost": cost}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -74,7 +106,17 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--previous-kernels", action="store_true",
                    help="the kernel settings before the sweep (A/B against the defaults, in the same run)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=EngineSettings.batch_invariant, help="batch-invariant decoding (the engine's default)")
+    p.add_argument("--ab", action="store_true", help="run with and without batch invariance; report the cost")
     a = p.parse_args()
+    if a.ab:
+        argv = [x for x in sys.argv[1:] if x not in ("--ab", "--batch-invariant", "--no-batch-invariant")]
+        if "--json" in argv:
+            i = argv.index("--json")
+            del argv[i:i + 2]
+        run_ab(argv, a.json)
+        return
     if a.previous_kernels:
         use_previous_kernel_settings()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -85,8 +127,9 @@ def main() -> None:
           f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
     max_b = max(a.batches)
     t0 = time.perf_counter()
-    node = LLMNode(model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile)
-    print(f"KV cache + graph capture in {time.perf_counter() - t0:.1f} s")
+    node = LLMNode(model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile,
+                   batch_invariant=a.batch_invariant)
+    print(f"KV cache + graph capture in {time.perf_counter() - t0:.1f} s (batch invariant: {node.batch_invariant})")
     for s in range(max_b):
         node.sampler.admit(s, SamplingParams(), seed=s)
     # fill every slot's cache with `context` frames so attention reads a realistic length
@@ -124,7 +167,7 @@ def main() -> None:
         touched = experts_in_use(model, node, b)
         wb = weight_bytes(model, touched)
         kv = b * (a.context + 1) * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 2
-        rows.append({"batch": b, "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
+        rows.append({"batch": b, "batch_invariant": node.batch_invariant, "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
                      "kv_gb": kv / 1e9, "eff_gbps": (wb + kv) / (ms / 1e3) / 1e9,
                      "experts_per_layer": sum(touched) / len(touched)})
     print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "

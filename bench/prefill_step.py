@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from engine.contract.settings import EngineSettings
 from engine.llm.node import LLMNode
 from engine.model.checkpoint import random_model
 from engine.model.zonos2 import PrefillSeq
@@ -25,9 +26,12 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   default=EngineSettings.batch_invariant, help="batch-invariant prefill (the engine's default)")
     a = p.parse_args()
     model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)
-    node = LLMNode(model, n_slots=max(a.prompts), max_len=2048, compile=not a.no_compile)
+    node = LLMNode(model, n_slots=max(a.prompts), max_len=2048, compile=not a.no_compile,
+                   batch_invariant=a.batch_invariant)
     graphs = node.prefill_graphs
     print(f"prefill graphs (tokens {graphs.buckets}) captured in {graphs.capture_s:.1f} s", flush=True)
     spk = torch.randn(model.cfg.speaker_embedding_dim, device="cuda")
@@ -46,7 +50,8 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
         times.sort()
-        rows.append({"prompts": n, "frames": n * a.length, "ms": times[len(times) // 2]})
+        rows.append({"prompts": n, "frames": n * a.length, "ms": times[len(times) // 2],
+                     "batch_invariant": node.batch_invariant})
         print(f"prefill {n:>3} x {a.length} frames: {rows[-1]['ms']:8.2f} ms  "
               f"({n * a.length / rows[-1]['ms'] * 1e3:,.0f} frames/s)", flush=True)
     if a.json:

@@ -373,6 +373,9 @@ class Zonos2(nn.Module):
         self.use_triton = False
         self.batch_invariant = False
         self.decode_stages = PLAIN
+        # trace(layer, op, tensor) -> tensor: called with each op's output rows on the eager Triton path
+        # (bench/seed_invariance.py finds the first op where a row differs); None when not diagnosing
+        self.trace = None
 
     def compile_decode(self) -> None:
         """Run the decode path through torch.compile'd stage functions (fewer, fused kernels)."""
@@ -451,14 +454,20 @@ class Zonos2(nn.Module):
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         router_state: Tensor | None = None
         y: Tensor | None = None
+        trace = self.trace or _no_trace
         for i, layer in enumerate(self.layers):
             att = layer.attention
             if self.use_triton:
                 h, a = stages.residual_norm(h, y, layer.attention_norm.weight, eps)
-                q, g = qkv_rope_cache(linear(a, att.fused_weight()), att.temp, self.rope_cos, self.rope_sin,
-                                      cache.k[i], cache.v[i], slots, positions, heads, kv_heads, QK_NORM_EPS)
-                h = linear(attend(i, q, g).flatten(1), att.wo.weight, residual=h)
-                x = stages.rms_norm(h, layer.ffn_norm.weight, eps)
+                trace(i, "residual", h)
+                trace(i, "attention_norm", a)
+                qkvg = trace(i, "qkvg", linear(a, att.fused_weight()))
+                q, g = qkv_rope_cache(qkvg, att.temp, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], slots,
+                                      positions, heads, kv_heads, QK_NORM_EPS)
+                trace(i, "q_rope", q)
+                o = trace(i, "attention", attend(i, q, g))
+                h = trace(i, "wo_residual", linear(o.flatten(1), att.wo.weight, residual=h))
+                x = trace(i, "ffn_norm", stages.rms_norm(h, layer.ffn_norm.weight, eps))
             else:
                 if y is not None:
                     h = h + y
@@ -467,7 +476,9 @@ class Zonos2(nn.Module):
                                            eps)
                 h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
-            router_state = state if state is not None else router_state
+            trace(i, "ffn", y)
+            if state is not None:
+                router_state = trace(i, "router_state", state)
         return h + y
 
     # ---- entry points ------------------------------------------------------------------------
@@ -565,6 +576,10 @@ class Zonos2(nn.Module):
         positions = torch.arange(t, device=ids.device)
         attend = _causal_attend(cache, [PrefillSeq(0, 0, t)], [0])
         return self.head(self._layers(h, cache, torch.zeros_like(positions), positions, attend))
+
+
+def _no_trace(layer: int, op: str, t: Tensor) -> Tensor:
+    return t
 
 
 # Attention: a plain path for prefill (`_causal_attend`) and decode (`_sdpa_batched`), the references the
