@@ -864,3 +864,223 @@ def test_engine_exits_when_its_gateway_is_killed(tmp_path):
                 p.wait(30)
         if engine_pid is not None and not _proc_gone(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)  # do not leave the orphan behind a failed test
+
+
+# ---- issue 21: numbers at the door, names as strings, no id skipped -----------------------------------------
+@slow
+def test_no_sampling_value_kills_the_engine(server):
+    """A finite value past float32 (or past its bound) once passed the door and killed the engine: every API
+    now refuses it with bad_params, the engine never restarts, and the session goes on."""
+    restarts = gauge(server, "zonos_engine_restarts")
+    for path, body in (("/v1/audio/speech", {"input": "x", "response_format": "pcm", "temperature": 1e308}),
+                       ("/v1/audio/speech", {"input": "x", "response_format": "pcm", "params": {"top_p": 1e-320,
+                                                                                                 "min_p": 2.0}}),
+                       ("/tts/generate", {"text": "x", "repetition_penalty": 1e39, "stream": False}),
+                       ("/tts/generate", {"text": "x", "temperature": 101, "stream": False})):
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert_json_error(r, 400, "bad_params")
+
+    async def go():
+        c = await connect(server, fast())
+        await c.send(type="session.config", params={"temperature": 1e300})
+        err = await c.recv()
+        await c.send(type="text", text="Still here.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return err, done
+
+    err, done = run(go())
+    assert err["type"] == "error" and err["code"] == "bad_params" and "temperature" in err["message"], err
+    assert done["stats"]["frames"] == 10
+    assert gauge(server, "zonos_engine_restarts") == restarts
+
+
+def test_numbers_in_urls_take_ascii_digits_only():
+    from app.query_input import decimal, query_int
+    from app.synthesis import RequestError
+
+    for bad in ("²", "٣", "1_000", "+1", " 1", "1 ", "", "1" * 19, "0x10", "1e3", "１"):
+        with pytest.raises(RequestError) as e:
+            decimal(bad, "sample_rate", "bad_params")
+        assert e.value.code == "bad_params" and e.value.status == 400 and "sample_rate" in str(e.value), bad
+    assert decimal("24000", "x") == 24000 and decimal("007", "x") == 7
+    assert query_int({"seed": ""}, "seed") is None and query_int({}, "seed") is None
+
+
+@slow
+def test_unicode_digit_in_our_socket_url_is_a_coded_error(server):
+    async def go():
+        async with websockets.connect(server.ws_url + "?sample_rate=%C2%B2") as ws:
+            err = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            return err, await closed_code(ws)
+
+    err, code = run(go())
+    assert err["type"] == "error" and err["code"] == "bad_params" and "sample_rate" in err["message"], err
+    assert code == 1008
+
+
+@slow
+def test_voice_names_and_references_must_be_strings(server):
+    buf = io.BytesIO()
+    np.save(buf, np.random.default_rng(21).standard_normal(2048).astype(np.float32))
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("named.npy", buf.getvalue())},
+                   data={"name": "Named"}, timeout=60)
+    assert r.status_code in (200, 201), r.text
+    vid = r.json()["id"]
+    for name in (None, True, 12, {"a": 1}, ["x"]):
+        assert_json_error(httpx.patch(server.url + f"/v1/voices/{vid}", json={"name": name}), 400, "bad_name")
+    assert httpx.get(server.url + f"/v1/voices/{vid}").json()["name"] == "Named"
+    assert_json_error(httpx.post(server.url + "/v1/voices/blend", json={"a": vid, "b": vid, "name": 12}), 400,
+                      "bad_name")
+    assert_json_error(httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_embedding_id": 12}), 400,
+                      "bad_params")
+    r = httpx.post(server.url + "/tts/speakers", headers={"X-TTS-Session-ID": "s21"}, timeout=60,
+                   json={"label": True, "speaker_embedding_base64": base64.b64encode(buf.getvalue()).decode()})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
+
+
+@slow
+def test_deepgram_refused_flush_takes_no_sequence_id(limited):
+    """A Flush refused with too_many_utterances (3 may be queued here) does not use up a sequence id: the
+    next Flush is answered Flushed 0."""
+    q = "zonos_params=" + json.dumps({"max_frames": 600, "ignore_eos": True}).replace(" ", "")
+
+    async def go():
+        async with websockets.connect(limited.url.replace("http", "ws") + "/v1/speak?" + q, max_size=None) as ws:
+            msgs: list[dict[str, Any]] = []
+
+            async def until(kind: str) -> dict[str, Any]:
+                while True:
+                    m = await asyncio.wait_for(ws.recv(), 120)
+                    if isinstance(m, str):
+                        msgs.append(json.loads(m))
+                        if msgs[-1]["type"] == kind:
+                            return msgs[-1]
+
+            await until("Metadata")
+            await ws.send(json.dumps({"type": "Speak", "text": "Alpha one. Beta two. Gamma three. Delta four"}))
+            await ws.send(json.dumps({"type": "Flush"}))
+            warning = await until("Warning")
+            await ws.send(json.dumps({"type": "Clear"}))
+            await until("Cleared")
+            await ws.send(json.dumps({"type": "Flush"}))
+            return warning, await until("Flushed")
+
+    warning, flushed = run(go())
+    assert warning["warn_code"] == "too_many_utterances", warning
+    assert flushed == {"type": "Flushed", "sequence_id": 0}
+
+
+# ---- issue 21 part B: request heads, the host rule, normalization's budgets (one block) ---------------------
+def raw_exchange(port: int, head: bytes, timeout: float = 60) -> tuple[bytes, bool]:
+    """Send `head`, read until the server closes: (everything it sent, whether it closed the connection)."""
+    got = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head)
+        while True:
+            try:
+                chunk = s.recv(65536)
+            except ConnectionResetError:
+                return got, True
+            except TimeoutError:
+                return got, False
+            if not chunk:
+                return got, True
+            got += chunk
+
+
+def raw_json_error(answer: bytes) -> tuple[int, dict[str, Any]]:
+    status_line, _, rest = answer.partition(b"\r\n")
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in headers.lower(), answer[:300]
+    return int(status_line.split()[1]), json.loads(body)["error"]
+
+
+UPGRADE = (b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+           b"Sec-WebSocket-Version: 13\r\n")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@slow
+def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
+    """Issue 21 #8: a WebSocket upgrade with an 8+ KB request line or header got no answer and kept its
+    connection (and a file descriptor) for minutes; a 70 KB request line got a text/plain 400."""
+    cases = {
+        "ws long target": (b"GET /v1/tts/ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"\r\n",
+                           414, "uri_too_long"),
+        "ws long header": (b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n" + UPGRADE
+                           + b"\r\n", 431, "headers_too_large"),
+        "ws many headers": (b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE
+                            + b"".join(b"X-H%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431, "headers_too_large"),
+        "70 KB target": (b"GET /healthz?x=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+                         414, "uri_too_long"),
+        "70 KB header": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+                         431, "headers_too_large"),
+        "endless header": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 80_000,
+                           431, "headers_too_large"),
+        "garbage": (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
+    }
+    for name, (head, status, code) in cases.items():
+        answer, closed = raw_exchange(server.port, head)
+        assert closed, name
+        assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+    # and nothing is held: 20 refused upgrades leave the gateway's descriptors where they were
+    before = open_fds(server.proc.pid)
+    for _ in range(20):
+        assert raw_exchange(server.port, cases["ws long target"][0])[1]
+    wait_for(lambda: open_fds(server.proc.pid) <= before, 60)
+    assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def hosts(start_server):
+    """No key, a short head timeout, one extra host name."""
+    return start_server("--head-timeout-s", "1", "--allowed-host", "Gateway.Example")
+
+
+@slow
+def test_an_unfinished_request_head_is_answered_and_closed(hosts):
+    for head in (b"", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "):
+        answer, closed = raw_exchange(hosts.port, head)
+        assert closed and raw_json_error(answer)[0] == 408 and raw_json_error(answer)[1]["code"] == "request_timeout"
+
+
+def test_host_rule_flags():
+    assert parse_args(["--allowed-host", "a.example", "--allowed-host", "b.example"]).allowed_hosts == (
+        "a.example", "b.example")
+    from app.auth import host_allowed
+
+    allowed = ("gateway.example",)
+    for host in ("localhost", "localhost:8000", "127.0.0.1:1", "127.9.9.9", "[::1]:8000", "::1", "LOCALHOST.",
+                 "gateway.example", "Gateway.Example:443", None):
+        assert host_allowed(host, allowed), host
+    for host in ("evil.example:8000", "evil.example", "localhost.evil.example", "127.0.0.1.evil.example",
+                 "10.0.0.1", "", "gateway.example.evil"):
+        assert not host_allowed(host, allowed), host
+    assert host_allowed("anything.example", ("*",))
+
+
+@slow
+def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
+    """Issue 21 #9: a keyless gateway on loopback served `/v1/voices` to `Host: evil.example:P` with a
+    matching Origin (what a browser sends after DNS rebinding)."""
+    p = hosts.port
+    for path in ("/v1/voices", "/healthz", "/"):
+        r = httpx.get(hosts.url + path, headers={"Host": f"evil.example:{p}", "Origin": f"http://evil.example:{p}"})
+        assert_json_error(r, 403, "host_not_allowed")
+    ws_head = (f"GET /v1/tts/ws HTTP/1.1\r\nHost: evil.example:{p}\r\nOrigin: http://evil.example:{p}\r\n"
+               .encode() + UPGRADE + b"\r\n")
+    answer, closed = raw_exchange(p, ws_head)
+    assert closed and raw_json_error(answer)[0] == 403 and raw_json_error(answer)[1]["code"] == "host_not_allowed"
+    for host in (f"localhost:{p}", f"127.0.0.1:{p}", f"[::1]:{p}", "gateway.example"):
+        assert httpx.get(hosts.url + "/v1/voices", headers={"Host": host}).status_code == 200, host
+    answer, _ = raw_exchange(p, f"GET /v1/tts/ws HTTP/1.1\r\nHost: gateway.example:{p}\r\n".encode() + UPGRADE
+                             + b"\r\n", timeout=5)
+    assert answer.startswith(b"HTTP/1.1 101")
+    # with a key any Host is served (a rebinding page has no key); without one it is still refused
+    r = httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+    assert_json_error(httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example"}), 401, "unauthorized")
