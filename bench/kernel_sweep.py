@@ -1,8 +1,11 @@
 """Tile and variant sweep for the decode step's own kernels, at full-size shapes in bf16 on one GPU: which
 router kernel, which MoE GEMV tiles and which decode-attention split length are fastest at each batch.
 The defaults in engine/model/kernels/ (ROW_KERNEL_*, GEMV_*_TILE, split_tokens) come from its output.
+`--only matmul` sweeps the batch-invariant GEMM's tiles (kernels/matmul.py): one tile must serve every row
+count, so each tile is timed at 1, 64 and 128 rows (decode) or 32, 128 and 512 (prefill), per projection
+shape, beside cuBLAS and the GEMV path.
 
-    python bench/kernel_sweep.py [--json out.json]
+    python bench/kernel_sweep.py [--only router moe attention matmul] [--json out.json]
 
 Every timing is a CUDA graph of 20 back-to-back calls replayed 30 times (launch gaps as in the step). The
 calls re-read the same weights, and the H200's L2 (50 MB) holds an expert's 25 or 12.6 MB: the numbers rank
@@ -141,13 +144,53 @@ def _attention_at(b: int, length: int, results: list[dict]) -> None:
     sweep(f"attention b={b} len={length}", {f"chunk={c}": call(c) for c in (32, 64, 128, 256)}, results)
 
 
+# The projections' weight shapes (N, K): fused q/k/v/gate, wo, the router's down-projection, the head.
+PROJECTIONS = {"qkvg": ((H + 2 * H_KV) * D + H, DIM), "wo": (DIM, H * D), "router_down": (R, DIM),
+               "head": (9 * 1026, DIM)}
+
+
+def matmul_sweep(results: list[dict]) -> None:
+    from engine.model.kernels import gemv, matmul
+
+    dt, dev = torch.bfloat16, "cuda"
+    phases = {
+        "decode": ((1, 64, 128), list(itertools.product((16, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)))),
+        "prefill": ((32, 128, 512), list(itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4)))),
+    }
+    for (name, (n, k)), (phase, (ms, tiles)) in itertools.product(PROJECTIONS.items(), phases.items()):
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        xs = {m: torch.randn(m, k, device=dev, dtype=dt) for m in ms}
+        base = {m: bench(lambda x=xs[m], w=w: gemv.linear(x, w)) for m in ms}  # GEMV up to 4 rows, cuBLAS above
+        print(f"matmul {phase} {name} (N={n}, K={k}) cuBLAS/GEMV: " + "  ".join(f"M={m} {base[m]:.2f}" for m in ms))
+        results.append({"kernel": f"matmul {phase} {name}", "config": "cublas/gemv",
+                        "us": {m: round(t, 2) for m, t in base.items()}})
+        best = None
+        for tile in tiles:
+            try:
+                us = {m: bench(lambda x=xs[m], w=w, t=tile: matmul.linear_fixed(x, w, tile=t)) for m in ms}
+            except Exception as exc:  # a tile this GPU cannot compile (shared memory) is skipped, and said so
+                print(f"matmul {phase} {name} {tile}: {type(exc).__name__}: {str(exc)[:80]}")
+                continue
+            score = sum(us[m] for m in ms[1:])  # the batches the flag is decided at; M=1 printed beside
+            results.append({"kernel": f"matmul {phase} {name}", "config": list(tile),
+                            "us": {m: round(t, 2) for m, t in us.items()}})
+            print(f"matmul {phase} {name:<12} {tile!s:<24} " + "  ".join(f"M={m} {us[m]:7.2f}" for m in ms)
+                  + f"  ({score / sum(base[m] for m in ms[1:]):.2f}x cuBLAS)")
+            if best is None or score < best[0]:
+                best = (score, tile, us)
+        if best:
+            print(f"BEST matmul {phase} {name}: {best[1]} " + "  ".join(f"M={m} {best[2][m]:.2f}" for m in ms))
+            results.append({"kernel": f"matmul {phase} {name}", "best": list(best[1]),
+                            "us": {m: round(t, 2) for m, t in best[2].items()}})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=["router", "moe", "attention"], nargs="+")
+    p.add_argument("--only", choices=["router", "moe", "attention", "matmul"], nargs="+")
     p.add_argument("--json")
     a = p.parse_args()
     results: list[dict] = []
-    parts = {"router": router_sweep, "moe": moe_gemv_sweep, "attention": attention_sweep}
+    parts = {"router": router_sweep, "moe": moe_gemv_sweep, "attention": attention_sweep, "matmul": matmul_sweep}
     for name in a.only or parts:
         parts[name](results)
     print(f"device: {torch.cuda.get_device_name()}")
