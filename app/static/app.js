@@ -11,7 +11,7 @@ import { updateMetrics } from "./metrics.js";
 import { applyCapabilities, initRangeOutputs, limits, readParams, readSampleRate, restoreParams } from "./params.js";
 import { setPlaybackEventHandler } from "./player.js";
 import { connect, reconnectNow, setSessionHandlers } from "./session.js";
-import { onConnectionLost, onPlaybackEvent, onTurnAudio, onTurnMessage, speak, stop } from "./speech.js";
+import { onConnectionLost, onPlaybackEvent, onTurnAudio, onTurnMessage, speak, stop, trackSentences } from "./speech.js";
 import { loadVoices, savedVoiceId, selectedVoiceId } from "./voices.js";
 import { drawWave } from "./waveform.js";
 import { blobToWav, encodeWav16 } from "./wav.js";
@@ -51,6 +51,9 @@ function onSpeak() {
     return;
   }
   speak(text, desiredConfig(), t0);
+  // On a small screen the output may be below the fold: bring it up (no scroll when it is in view).
+  const out = $("#card-output").getBoundingClientRect();
+  if (out.top < 0 || out.bottom > innerHeight) $("#card-output").scrollIntoView({ block: "nearest", behavior: "smooth" });
 }
 
 speakBtn.addEventListener("click", onSpeak);
@@ -67,6 +70,7 @@ countChars();
 
 function frame() {
   drawWave();
+  trackSentences();
   updateMetrics();
   requestAnimationFrame(frame);
 }

@@ -4,7 +4,7 @@
 import { counters } from "./counters.js";
 import { $, fmtMs } from "./dom.js";
 import { log } from "./eventlog.js";
-import { ensureAudio, playerSend, pushPcm } from "./player.js";
+import { ensureAudio, player, playerSend, pushPcm } from "./player.js";
 import { cancel, configure, send } from "./session.js";
 
 export let turn = null; // the text being spoken: {ctx, t0, firstFrameAt, samples, flushed, ...}
@@ -29,7 +29,8 @@ export async function speak(text, cfg, t0) {
   }
   const ctx = `turn-${++turnSeq}`;
   turn = { ctx, t0, firstFrameAt: null, firstPlayAt: null, samples: 0, playedBase: counters.samplesPlayed, utterances: 0,
-    audioMs: 0, serverTtfa: null, rtf: null, flushed: false, stopping: false, rate: cfg.sample_rate };
+    audioMs: 0, serverTtfa: null, rtf: null, flushed: false, stopping: false, rate: cfg.sample_rate,
+    sentences: new Map() }; // utterance id -> {startSample, doneAt, startedAt, stats}: see trackSentences
   playerSend({ type: "reset", stats: true });
   counters.clientTtfaMs = null;
   send({ type: "text", text, context_id: ctx });
@@ -54,6 +55,8 @@ export function stop() {
 
 function finishTurn(how) {
   if (!turn) return;
+  trackSentences();
+  for (const u of turn.sentences.values()) if (u.stats) logSentence(u); // generated, never heard (Stop)
   turn.ended = how;
   lastTurn = turn;
   turn = null;
@@ -77,6 +80,9 @@ export function onTurnMessage(msg) {
       if (!turn || msg.context_id !== turn.ctx) break;
       counters.lastStart = msg;
       turn.utterances++;
+      // its first sample is the next one received: it plays once everything before it has played
+      turn.sentences.set(msg.utterance_id, { id: msg.utterance_id, startSample: turn.samples, doneAt: null,
+        startedAt: null, stats: null });
       log(`▶ ${msg.utterance_id}: “${msg.text}”`);
       break;
     case "audio.done": {
@@ -89,7 +95,13 @@ export function onTurnMessage(msg) {
       // behind the earlier ones, which makes short sentences look absurdly slow.
       turn.audioMs += s.audio_ms;
       if (turn.audioMs > 0) turn.rtf = (performance.now() - turn.t0) / turn.audioMs;
-      log(`✓ ${msg.utterance_id}: ${fmtMs(s.audio_ms)} audio, server: first audio ${fmtMs(s.ttfa_ms)}, RTF ${s.rtf?.toFixed(2) ?? "–"}, ${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`);
+      const u = turn.sentences.get(msg.utterance_id);
+      if (u) {
+        trackSentences(); // first: did it start playing before it was complete?
+        u.doneAt = performance.now();
+        u.stats = s;
+        if (u.startedAt != null) logSentence(u); // it was heard while it was generated
+      }
       break;
     }
     case "flushed":
@@ -104,6 +116,41 @@ export function onTurnMessage(msg) {
     case "error":
       if (turn && (msg.context_id == null || msg.context_id === turn.ctx)) turn.error = msg.code;
       break;
+  }
+}
+
+// Each sentence's line in the event log says what a listener got from it: when it started playing (from the
+// Speak click) and either the server's first-audio wait and real-time factor (a sentence heard while it was
+// generated) or how long before its turn it was complete (one generated ahead, while an earlier sentence
+// played: the server's own figures are ~0 for it, because it waited for nothing).
+export function trackSentences() {
+  if (!turn) return;
+  const played = (player.stats.played - turn.playedBase) / (player.resample || 1); // stream-rate samples
+  for (const u of turn.sentences.values()) {
+    if (u.startedAt != null || played <= u.startSample) continue;
+    u.startedAt = performance.now();
+    if (u.stats) logSentence(u); // generated ahead: complete before it started
+  }
+}
+
+function logSentence(u) {
+  const s = u.stats;
+  turn.sentences.delete(u.id);
+  const head = `✓ ${u.id}: ${fmtMs(s.audio_ms)} audio`;
+  const end = `${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`;
+  const rtf = `RTF ${s.rtf?.toFixed(2) ?? "–"}`;
+  if (u.startedAt == null) {
+    log(`${head}, generated, not played (stopped) · ${end}`);
+    return;
+  }
+  const at = `${head}, played from +${fmtMs(u.startedAt - turn.t0)}`;
+  if (u.doneAt < u.startedAt) {
+    log(`${at} · generated ahead: complete ${fmtMs(u.startedAt - u.doneAt)} before it played · ${end}`);
+  } else if (s.ttfa_ms >= 1) {
+    log(`${at} · first audio ${fmtMs(s.ttfa_ms)} after its turn came (server), ${rtf} · ${end}`);
+  } else {
+    // begun ahead: its first audio waited for its turn, the rest was generated while it played
+    log(`${at} · begun ahead, complete ${fmtMs(u.doneAt - u.startedAt)} after it started, ${rtf} · ${end}`);
   }
 }
 
