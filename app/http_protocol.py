@@ -54,8 +54,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_fields = 0
         self._head_timer: asyncio.TimerHandle | None = None
-        self._head_raw = 0  # bytes received while a request head is incomplete
-        self._in_head = True
+        self._head_raw = 0  # bytes of the request head in progress, counted by whole chunks
+        self._in_head = False  # a request head has begun and is not complete
+        self._head_gen = 0  # a head began or ended: a chunk during which this changed is not all head
         self._refused = False
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
@@ -97,17 +98,21 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:  # the rest of a refused request: nothing more is parsed or answered
             return
-        if self._in_head:  # the parser keeps a header's pieces until it ends: bound what it may keep
+        gen = self._head_gen
+        super().data_received(data)
+        # The parser keeps a header's pieces until the header ends: bound what it may keep, counting the
+        # chunks that were all head (the one a head began in is let through: one read at most).
+        if self._in_head and gen == self._head_gen and not self._refused:
             self._head_raw += len(data)
             if self._head_raw > MAX_TARGET_BYTES + MAX_HEAD_BYTES:
                 self._refuse(431, "headers_too_large", self._fields_message())
-                return
-        super().data_received(data)
 
     # ---- parser callbacks -------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = self._head_fields = 0
+        self._head_bytes = self._head_fields = self._head_raw = 0
+        self._in_head = True
+        self._head_gen += 1
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
@@ -127,12 +132,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm_head_timer()
-        self._in_head, self._head_raw = False, 0
+        self._in_head = False
+        self._head_gen += 1
         super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._in_head = True  # what comes next is the next request's head
-        super().on_message_complete()
 
     @staticmethod
     def _fields_message() -> str:

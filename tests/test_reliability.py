@@ -1019,14 +1019,28 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
                          414, "uri_too_long"),
         "70 KB header": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
                          431, "headers_too_large"),
-        "endless header": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 80_000,
-                           431, "headers_too_large"),
         "garbage": (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
     }
     for name, (head, status, code) in cases.items():
         answer, closed = raw_exchange(server.port, head)
         assert closed, name
         assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+    # a header that never ends is cut off after a bounded number of bytes (what the parser may keep)
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Endless: ")
+        try:
+            while sent < 16 << 20:
+                s.sendall(b"a" * 16384)
+                sent += 16384
+        except (BrokenPipeError, ConnectionResetError):  # refused and closed: the rest was not read
+            pass
+        try:
+            answer = s.recv(65536)
+        except OSError:
+            answer = b""
+    assert sent < 4 << 20
+    assert not answer or raw_json_error(answer)[1]["code"] == "headers_too_large"
     # and nothing is held: 20 refused upgrades leave the gateway's descriptors where they were
     before = open_fds(server.proc.pid)
     for _ in range(20):
