@@ -16,7 +16,9 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit
+# n_pairs grows with the batch: not specialised on (Triton would compile another kernel for n_pairs == 1),
+# so every batch runs the same code, as batch-invariant decoding needs.
+@triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr,
     n_pairs, top_k, INTER,
@@ -56,7 +58,7 @@ def _gate_up_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(
     h_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
     n_pairs, N,
