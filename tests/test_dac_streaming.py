@@ -295,6 +295,28 @@ def test_masked_fused_snake_matches_reference(t: int):
     assert (out[2] == 0).all() and (out[0] != 0).any()
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 8, 70, 7, 3), (3, 4, 4, 80, 7, 9), (2, 20, 20, 33, 1, 1), (1, 48, 40, 100, 7, 1)])
+def test_triton_residual_convolutions_match_torch(shape):
+    """The residual units' Triton convolutions (engine/dac/conv_kernel.py, in the interpreter on CPU): the
+    unpadded dilated conv, with Snake or with the skip add in the epilogue."""
+    from engine.dac.conv_kernel import arrange, conv1d
+
+    b, c, n, length, k, d = shape
+    torch.manual_seed(0)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, w, bias = torch.randn(b, c, length, device=dev), torch.randn(n, c, k, device=dev), torch.randn(n, device=dev)
+    ref = torch.nn.functional.conv1d(x, w, bias, dilation=d)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4}  # TF32 dots on a GPU
+    torch.testing.assert_close(conv1d(x, arrange(w), bias, d), ref, **tol)
+    alpha = torch.rand(n, device=dev) + 0.1
+    inv = (alpha + 1e-9).reciprocal()
+    snaked = ref + inv[:, None] * torch.sin(alpha[:, None] * ref).square()
+    torch.testing.assert_close(conv1d(x, arrange(w), bias, d, snake=(alpha, inv)), snaked, **tol)
+    r = torch.randn(b, n, ref.shape[-1] + 5, device=dev)
+    torch.testing.assert_close(conv1d(x, arrange(w), bias, d, residual=(r, 3)), ref + r[..., 3 : 3 + ref.shape[-1]],
+                               **tol)
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 
 

@@ -116,15 +116,22 @@ class IncrementalDAC:
     """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
     share slots must run on one CUDA stream, in order."""
 
-    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True) -> None:
+    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True,
+                 kernels: str = "cudnn") -> None:
         """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
         cudnn_benchmark: on a GPU, let cuDNN time its algorithms for each call shape at its first call
-        (warm-up) instead of taking its heuristic's pick; graph captures keep the choice."""
+        (warm-up) instead of taking its heuristic's pick; graph captures keep the choice.
+        kernels: "cudnn", or "triton": the residual units' convolutions as Triton kernels with the next Snake
+        or the residual add in their epilogue (engine/dac/conv_kernel.py; on CPU in Triton's interpreter).
+        Weights are read from the codec now: build after the codec's last `to()`."""
+        if kernels not in ("cudnn", "triton") or (compiled and kernels == "triton"):
+            raise ValueError(f"kernels must be cudnn or triton (not with compiled), got {kernels!r}")
         self.codec = codec
         self.slots = slots
         self.compiled = compiled
         self.cudnn_benchmark = cudnn_benchmark
+        self.kernels = kernels
         self._body = torch.compile(self._layers, dynamic=False, fullgraph=True) if compiled else self._layers
         self.scratch = slots  # the state row of batch-padding rows
         self.layers, self.lag = build_layers(codec.model)
@@ -132,6 +139,12 @@ class IncrementalDAC:
         self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
+        self._arranged: dict[int, tuple[Tensor, Tensor]] = {}
+        if kernels == "triton":
+            from engine.dac.conv_kernel import arrange
+
+            self._arranged = {j: (arrange(ly.modules[1].weight), arrange(ly.modules[3].weight))
+                              for j, ly in enumerate(self.layers) if ly.kind == "res"}
 
     # ---- host side: one packed int64 row per call row -------------------------------------------
 
@@ -182,18 +195,20 @@ class IncrementalDAC:
         b = packed.shape[0]
         codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
         bounds = packed[:, f * N_CODEBOOKS + 2 :]
-        fused = packed.is_cuda and not self.compiled  # Inductor fuses the plain Snake with its neighbours
+        # Inductor fuses the plain Snake with its neighbours; with Triton kernels it runs in the interpreter on CPU
+        fused = (packed.is_cuda and not self.compiled) or self.kernels == "triton"
         x = self.codec.model.quantizer.from_codes(codes.clamp(0, MAX_CODE).transpose(1, 2))[0]
         new_state = []
         for j, ly in enumerate(self.layers):
             n = ly.keep * ly.channels
             win = torch.cat([state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep), x], dim=-1)
             new_state.append(win[..., -ly.keep :].reshape(b, n))
-            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1], fused)
+            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1], fused, self._arranged.get(j))
         return x.squeeze(1).float(), torch.cat(new_state, dim=1)
 
     @staticmethod
-    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool) -> Tensor:
+    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool,
+               arranged: tuple[Tensor, Tensor] | None) -> Tensor:
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
             if fused:
                 from engine.model.kernels.snake import snake as fused_snake
@@ -209,6 +224,12 @@ class IncrementalDAC:
             s, up = ly.modules
             # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
             return F.conv_transpose1d(snake(s, win), up.weight, up.bias, stride=ly.stride, padding=ly.stride)
+        if ly.kind == "res" and arranged is not None:  # two Triton kernels, Snake and skip add in their epilogues
+            from engine.dac.conv_kernel import conv1d
+
+            s1, conv7, s2, conv1 = ly.modules
+            h = conv1d(snake(s1, win), arranged[0], conv7.bias, conv7.dilation[0], snake=(s2.alpha, s2.inv_alpha))
+            return conv1d(h, arranged[1], conv1.bias, residual=(win, ly.keep // 2))
         if ly.kind == "res":
             s1, conv7, s2, conv1 = ly.modules
             h = F.conv1d(snake(s1, win), conv7.weight, conv7.bias, dilation=conv7.dilation)

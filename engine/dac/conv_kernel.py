@@ -1,0 +1,90 @@
+"""The residual units' convolutions of the incremental DAC as Triton implicit GEMMs, epilogues fused.
+
+A residual unit is Snake -> conv (kernel 7, dilation d) -> Snake -> conv (kernel 1) -> + skip. On cuDNN
+that is the two convolutions plus three elementwise passes over the activation (bias-free Snake, Snake,
+add) besides the masked Snake. Here `conv1d` computes out[b, n, t] = bias[n] + sum_k sum_c
+W[n, c, k] x[b, c, t + k d] on an unpadded window (the incremental decoder's, engine/dac/incremental.py)
+as tensor-core dots over (output channels x time) tiles, and applies in its epilogue either the next
+Snake (after the 7-tap conv) or the residual add (after the 1x1 conv, reading the skip from the window at
+an offset): a unit is the masked Snake and two kernels.
+
+Which is faster on a given GPU is measured by bench/dac_step.py (`--variants triton`); on CPU the kernel
+runs in Triton's interpreter (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+CONFIGS = [
+    triton.Config({"BLOCK_N": bn, "BLOCK_T": bt, "BLOCK_C": bc}, num_warps=w, num_stages=s)
+    for bn, bt, bc, w, s in [(64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 256, 32, 8, 3), (128, 64, 64, 4, 3),
+                             (32, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+]
+INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 32, "BLOCK_C": 16}  # small tiles: the interpreter is slow per element
+
+
+@triton.jit
+def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off,
+                 C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    pid_t, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_ok, t_ok = n < N, t < L_out
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    x_row = x_ptr + b * C * L_in
+    for k in tl.static_range(TAPS):
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            c_ok = c < C
+            # weights pre-arranged [TAPS, N, C]: contiguous along c
+            w = tl.load(w_ptr + (k * N + n[:, None]) * C + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
+            x = tl.load(x_row + c[:, None] * L_in + (t[None, :] + k * DIL), mask=c_ok[:, None] & t_ok[None, :],
+                        other=0.0)
+            acc = tl.dot(w, x, acc)
+    acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if SNAKE:
+        a = tl.load(alpha_ptr + n, mask=n_ok, other=1.0).to(tl.float32)[:, None]
+        inv = tl.load(inv_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        s = tl.sin(a * acc)
+        acc = acc + inv * s * s
+    ok = n_ok[:, None] & t_ok[None, :]
+    if RESIDUAL:
+        skip = tl.load(res_ptr + b * N * res_len + n[:, None] * res_len + res_off + t[None, :], mask=ok, other=0.0)
+        acc += skip.to(tl.float32)
+    tl.store(y_ptr + b * N * L_out + n[:, None] * L_out + t[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+_conv_tuned = triton.autotune(configs=CONFIGS, key=["C", "N", "L_out", "TAPS", "DIL"])(_conv_kernel)
+
+
+def arrange(weight: Tensor) -> Tensor:
+    """A conv weight [N, C, K] as the kernel reads it: [K, N, C], contiguous."""
+    return weight.permute(2, 0, 1).contiguous()
+
+
+def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tuple[Tensor, Tensor] | None = None,
+           residual: tuple[Tensor, int] | None = None) -> Tensor:
+    """x [B, C, L_in] (contiguous), weight from `arrange` ([K, N, C]), bias [N] -> [B, N, L_in - (K - 1) d]:
+    an unpadded convolution; then snake=(alpha, inv_alpha) applies Snake, or residual=(r, offset) adds
+    r[:, :, offset : offset + L_out] (r [B, N, L_r] contiguous)."""
+    x = x.contiguous()
+    b, c, l_in = x.shape
+    taps, n, _ = weight.shape
+    l_out = l_in - (taps - 1) * dilation
+    y = torch.empty(b, n, l_out, dtype=x.dtype, device=x.device)
+    alpha, inv = (snake[0].reshape(-1), snake[1].reshape(-1)) if snake is not None else (bias, bias)
+    res, off = residual if residual is not None else (x, 0)
+    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off)
+    flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None}
+    if x.is_cuda:
+        grid = lambda meta: (triton.cdiv(l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]), b)  # noqa: E731
+        _conv_tuned[grid](*args, **flags)
+    else:
+        grid = (triton.cdiv(l_out, INTERPRETED["BLOCK_T"]), triton.cdiv(n, INTERPRETED["BLOCK_N"]), b)
+        _conv_kernel[grid](*args, **flags, **INTERPRETED)
+    return y
