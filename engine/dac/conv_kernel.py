@@ -29,6 +29,7 @@ INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 32, "BLOCK_C": 16}  # small tiles: the 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off,
+                 B,  # only an autotuning key: the best tiles for 1 row are not those for 128
                  C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr, RESIDUAL: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     pid_t, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
@@ -59,7 +60,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
     tl.store(y_ptr + b * N * L_out + n[:, None] * L_out + t[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-_conv_tuned = triton.autotune(configs=CONFIGS, key=["C", "N", "L_out", "TAPS", "DIL"])(_conv_kernel)
+_conv_tuned = triton.autotune(configs=CONFIGS, key=["B", "C", "N", "L_out", "TAPS", "DIL"])(_conv_kernel)
 
 
 def arrange(weight: Tensor) -> Tensor:
@@ -79,7 +80,7 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tu
     y = torch.empty(b, n, l_out, dtype=x.dtype, device=x.device)
     alpha, inv = (snake[0].reshape(-1), snake[1].reshape(-1)) if snake is not None else (bias, bias)
     res, off = residual if residual is not None else (x, 0)
-    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off)
+    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, b)
     flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None}
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]), b)  # noqa: E731
