@@ -454,3 +454,99 @@ def test_page_says_normalization_is_off_on_this_server(browser, reference_setup)
     assert pg.is_disabled("#p-text_normalization") and not pg.is_checked("#p-text_normalization")
     assert "off on this server" in pg.inner_text("label[for='p-text_normalization']")
     context.close()
+
+
+# ---- issue 24: the page on a phone, the event log's sentence lines, our formats in Chromium ---------------------
+PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True, "has_touch": True}
+
+
+@pytest.fixture
+def phone(browser, server_url):
+    """The page at a phone's viewport, with touch and without a mouse (Chromium's mobile emulation)."""
+    context = browser.new_context(**PHONE)
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(server_url + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    pg.wait_for_selector("#p-language option[value='de']", state="attached")
+    yield pg
+    context.close()
+    assert not errors, f"JavaScript errors in the page: {errors}"
+
+
+IN_VIEW = """sel => { const r = document.querySelector(sel).getBoundingClientRect();
+                       return r.top >= 0 && r.bottom <= innerHeight && r.height > 0; }"""
+
+
+def test_phone_first_screen(phone):
+    """Issue 24.4: a compact notice, no keyboard-shortcut hint on a touch screen, card headings on one line
+    clear of their hints, a styled file input."""
+    assert phone.evaluate("matchMedia('(hover: none) and (pointer: coarse)').matches")  # a touch screen here
+    assert not phone.is_visible(".kbd-hint") and phone.is_visible("#char-count")
+    banner = phone.locator(".banner").bounding_box()
+    assert banner["height"] <= 64, banner  # was ~180 px: the notice's details open on a tap
+    assert "Random weights: the model speaks noise" in phone.inner_text(".banner summary")
+    phone.tap(".banner summary")
+    assert "--model-path" in phone.inner_text(".banner")
+    for card in ("#card-clone", "#card-output", "#card-library", "#card-log", "#card-text"):
+        h2 = phone.locator(f"{card} .card-head h2").bounding_box()
+        line = phone.eval_on_selector(f"{card} .card-head h2", "h => parseFloat(getComputedStyle(h).lineHeight)")
+        assert h2["height"] <= line * 1.2, (card, h2)  # one line
+        hint = phone.locator(f"{card} .card-head .hint")
+        if hint.count() and hint.is_visible():
+            box = hint.bounding_box()
+            apart = box["y"] >= h2["y"] + h2["height"] - 1 or box["x"] >= h2["x"] + h2["width"]
+            assert apart, (card, h2, box)  # beside the heading or below it, never over it
+    button = phone.eval_on_selector("#clone-file", "el => { const s = getComputedStyle(el, '::file-selector-button');"
+                                    " return [s.borderTopLeftRadius, s.fontWeight, s.cursor]; }")
+    assert button == ["8px", "600", "pointer"], button  # the page's button style, not the native one
+
+
+def test_phone_output_in_view_after_speak(phone):
+    """Issue 24.4: on a 390x844 screen the waveform and metrics were below the fold after tapping Speak."""
+    phone.fill("#p-max_frames", "100")
+    phone.evaluate("scrollTo(0, 0)")
+    phone.tap("#speak")
+    wait(phone, "window.__zonos.framesReceived > 0")
+    for sel in ("#wave", ".metrics", "#stop"):  # what is playing, its numbers, and the way to stop it
+        wait(phone, IN_VIEW, arg=sel, timeout=10_000)
+    wait(phone, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+
+
+def sentence_lines(page) -> list[str]:
+    return [t for t in page.locator("#log li span").all_inner_texts() if t.startswith("✓ u_")]
+
+
+def test_event_log_says_when_each_sentence_played(page):
+    """Issue 24.4: a sentence generated ahead was logged as "first audio 0 ms, RTF 0.00". Each line now says
+    when the sentence started playing; the second of two equal sentences (generated alongside the first,
+    sent once the first was sent) is complete before it plays, and says how long before."""
+    set_param(page, "max_frames", "60")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "The first sentence is spoken here. The second one was made while the first played.")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    assert z(page, "lastTurnEnd") == "done"
+    lines = sentence_lines(page)
+    assert len(lines) == 2, lines
+    for line in lines:
+        assert re.search(r"played from \+\d", line), line
+        assert "first audio 0 ms" not in line and "RTF 0.00" not in line, line
+    second = next(x for x in lines if x.startswith("✓ u_2"))
+    assert re.search(r"generated ahead: complete \d+(\.\d+)? m?s before it played", second), second
+
+
+@pytest.mark.parametrize("fmt, stream", [("aac", False), ("flac", False), ("flac", True), ("wav", False),
+                                         ("wav", True)])
+def test_chromium_decodes_our_http_formats(page, fmt, stream):
+    """Issue 24.2-3: AAC (ADTS), the finished FLAC and WAV and their streamed forms all decode in Chromium."""
+    got = page.evaluate("""async ([fmt, stream]) => {
+      const r = await fetch('/v1/audio/speech', {method: 'POST', headers: {'Content-Type': 'application/json'},
+        body: JSON.stringify({input: 'One. Two.', response_format: fmt, stream,
+                              params: {max_frames: 40, ignore_eos: true}})});
+      const audio = await new OfflineAudioContext(1, 1, 24000).decodeAudioData(await r.arrayBuffer());
+      return [r.status, audio.sampleRate, audio.length];
+    }""", [fmt, stream])
+    expected = round(2 * 40 * 512 * 24000 / 44100)
+    assert got[:2] == [200, 24000] and expected <= got[2] <= expected + (2048 if fmt == "aac" else 0), got
