@@ -36,7 +36,7 @@ for `finish`.
 
 Batching. `launch` gives each ready stream its next call, least recently served first, and batches the
 calls of equal F (every call in steady state: one size) into one DAC call, split at max_batch and padded
-to a power of two with rows that write a scratch slot. A stream that fell behind gets its next calls in
+to a batch bucket (every size to 8, then 4 per octave) with rows that write a scratch slot. A stream that fell behind gets its next calls in
 later rounds of the same launch (each round reads the states the previous one wrote, in stream order).
 max_frames bounds the frames one launch feeds; what does not fit waits for the next launch.
 
@@ -383,7 +383,10 @@ class StreamingDecoder:
 
     @staticmethod
     def _batch_bucket(n: int, max_batch: int) -> int:
-        return min(max_batch, 1 << (n - 1).bit_length())
+        """Rows of the call that carries n streams: n up to 8, then 4 sizes per octave (10, 12, 14, 16, 20,
+        ...), so padding rows are under 20 % of a call (powers of two wasted up to half)."""
+        step = 1 << max(0, (n - 1).bit_length() - 3)
+        return min(max_batch, -(-n // step) * step)
 
     def _run(self, rounds: list[list[_Call]], max_batch: int) -> tuple[_Flight, BaseException | None]:
         """Start the rounds' DAC calls in order. If one raises, the flight holds the calls that ran before it
@@ -440,8 +443,8 @@ class StreamingDecoder:
         return host
 
     def warm_shapes(self, max_batch: int = 64) -> set[tuple[int, int]]:
-        """Every (batch, F) `launch` uses: power-of-two batches (capped at max_batch) x the schedule's sizes."""
-        return {(self._batch_bucket(1 << k, max_batch), f) for k in range(max_batch.bit_length())
+        """Every (batch, F) `launch` uses: the batch buckets up to max_batch x the schedule's sizes."""
+        return {(self._batch_bucket(n, max_batch), f) for n in range(1, max_batch + 1)
                 for f in self.schedule.call_sizes()}
 
     def warmup(self, max_batch: int = 64) -> int:
