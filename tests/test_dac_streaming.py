@@ -490,7 +490,8 @@ def test_a_stream_that_fell_behind_catches_up_in_one_launch(codec: Codec):
     calls = record_calls(dec)
     frames = random_frames(8 + 64, seed=8)
     dec.push(1, frames)  # 64 aligned frames complete: 6 calls of 10 ready, in rounds of one launch
-    assert dec.launch() == 6 and dec.in_flight() == 1
+    assert dec.queued_frames() == 64  # the backlog admission reads
+    assert dec.launch() == 6 and dec.in_flight() == 1 and dec.queued_frames() == 0  # 4 left: not a call yet
     ((_, pcm, final),) = dec.collect(as_float=True)
     assert not final and len(pcm) == 60 * HOP - 4757
     assert calls == [(1, 10)] * 6

@@ -7,7 +7,7 @@ the arithmetic runs in float32 and is rounded to the activation's dtype once, at
 
 With per-row bounds (lo, hi) the output is zero outside lo <= t < hi: the incremental decoder
 (engine/dac/incremental.py) masks each convolution's window to the stream's extent that way, in the
-same pass.
+same pass (its `mask_outside` is the plain form).
 """
 
 from __future__ import annotations
@@ -55,15 +55,6 @@ def snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None,
     return y
 
 
-def snake_reference(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None,
-                    hi: Tensor | None = None) -> Tensor:
+def snake_reference(x: Tensor, alpha: Tensor, inv_alpha: Tensor) -> Tensor:
     """The same function as PyTorch ops (what the codec runs without a GPU)."""
-    y = torch.addcmul(x, inv_alpha, torch.sin(alpha * x).square())
-    return y if lo is None or hi is None else mask_outside(y, lo, hi)
-
-
-def mask_outside(x: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
-    """x [B, C, T] with zeros outside lo <= t < hi (lo, hi: [B])."""
-    t = torch.arange(x.shape[-1], device=x.device)
-    valid = (t >= lo[:, None]) & (t < hi[:, None])
-    return torch.where(valid[:, None, :], x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.addcmul(x, inv_alpha, torch.sin(alpha * x).square())
