@@ -118,3 +118,13 @@ def test_seeded_request_codes_alone_equal_codes_in_a_batch(model):
                  SamplingParams(top_k=3)], frames)[2]
     assert alone.shape == (frames, model.cfg.n_codebooks)
     np.testing.assert_array_equal(alone, busy)
+
+
+def test_batch_invariance_is_the_engine_default_and_a_flag_turns_it_off():
+    from app.__main__ import parse_args
+    from engine.contract.settings import EngineSettings
+
+    assert EngineSettings().batch_invariant
+    assert parse_args([]).engine.batch_invariant
+    assert not parse_args(["--no-batch-invariant"]).engine.batch_invariant
+    assert parse_args(["--batch-invariant"]).engine.batch_invariant
