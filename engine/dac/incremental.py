@@ -183,10 +183,12 @@ class IncrementalDAC:
         slots = packed[:, f * N_CODEBOOKS]
         fresh = packed[:, f * N_CODEBOOKS + 1] != 0
         state = self.state.index_select(0, slots).masked_fill_(fresh[:, None], 0)  # reset on a stream's start
-        cudnn = torch.backends.cudnn
-        with cudnn.flags(enabled=cudnn.enabled, benchmark=self.cudnn_benchmark and packed.is_cuda,
-                         deterministic=cudnn.deterministic, allow_tf32=cudnn.allow_tf32):
+        cudnn, before = torch.backends.cudnn, torch.backends.cudnn.benchmark
+        cudnn.benchmark = self.cudnn_benchmark and packed.is_cuda  # only for the DAC's own convolutions
+        try:
             pcm, new_state = self._body(packed, state, f)
+        finally:
+            cudnn.benchmark = before
         self.state.index_copy_(0, slots, new_state)
         return pcm
 
