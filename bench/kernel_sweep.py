@@ -179,7 +179,8 @@ def matmul_sweep(results: list[dict]) -> None:
             if best is None or score < best[0]:
                 best = (score, tile, us)
         if best:
-            print(f"BEST matmul {phase} {name}: {best[1]} " + "  ".join(f"M={m} {best[2][m]:.2f}" for m in ms))
+            print(f"BEST matmul {phase} {name}: {best[1]} " + "  ".join(f"M={m} {best[2][m]:.2f}" for m in ms)
+                  + (f"  -> kernels/matmul.py DECODE_TILES[({n}, {k})] = {best[1]}" if phase == "decode" else ""))
             results.append({"kernel": f"matmul {phase} {name}", "best": list(best[1]),
                             "us": {m: round(t, 2) for m, t in best[2].items()}})
 

@@ -62,7 +62,7 @@ class InvariantStages:
     batch_invariant = True
     attention_split = FIXED_SPLIT
 
-    def __init__(self, tile: Callable[[int], Tile]) -> None:
+    def __init__(self, tile: Callable[[int, int], Tile]) -> None:
         self.tile = tile
         self.residual_norm = _residual_norm
         self.rms_norm = _rms_norm
@@ -70,7 +70,7 @@ class InvariantStages:
         self.head = _head
 
     def linear(self, x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
-        return linear_fixed(x, w, bias, residual, tile=self.tile(w.shape[0]))
+        return linear_fixed(x, w, bias, residual, tile=self.tile(*w.shape))
 
     def dense_ffn(self, x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
         up, gate = self.linear(x, w_in).chunk(2, dim=-1)  # release chunk order: up, then gate
@@ -78,4 +78,4 @@ class InvariantStages:
 
 
 DECODE = InvariantStages(decode_tile)
-PREFILL = InvariantStages(lambda n: matmul.PREFILL_TILE)
+PREFILL = InvariantStages(lambda n, k: matmul.PREFILL_TILE)

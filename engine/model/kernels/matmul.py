@@ -23,11 +23,14 @@ from torch import Tensor
 DECODE_TILE = (64, 64, 64, 4, 4)
 DECODE_TILE_NARROW = (64, 32, 64, 4, 4)  # weights of at most NARROW_N rows (wo, the router's down-projection)
 NARROW_N = 2048
+# Per weight shape (N, K), where bench/kernel_sweep.py --only matmul found a better decode tile than the rule.
+DECODE_TILES: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 PREFILL_TILE = (128, 128, 64, 8, 3)
 
 
-def decode_tile(n: int) -> tuple[int, int, int, int, int]:
-    return DECODE_TILE_NARROW if n <= NARROW_N else DECODE_TILE
+def decode_tile(n: int, k: int = 0) -> tuple[int, int, int, int, int]:
+    """The decode tile of a weight [n, k]: a function of the weight's shape only, never of the rows."""
+    return DECODE_TILES.get((n, k)) or (DECODE_TILE_NARROW if n <= NARROW_N else DECODE_TILE)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -60,7 +63,7 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, M, N, stride_x, stride
 def linear_fixed(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
                  tile: tuple[int, int, int, int, int] | None = None) -> Tensor:
     """[residual +] F.linear(x, w, bias) for x [M, K] (any row stride), w [N, K]; tile as DECODE_TILE
-    (default: `decode_tile(N)`). A row's result is the same bits for every M. No host sync."""
+    (default: `decode_tile(N, K)`). A row's result is the same bits for every M. No host sync."""
     m, k = x.shape
     n = w.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -70,7 +73,7 @@ def linear_fixed(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Ten
         return out
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(-1) == 1
-    bm, bn, bk, warps, stages = tile or decode_tile(n)
+    bm, bn, bk, warps, stages = tile or decode_tile(n, k)
     _matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         x, w, x if bias is None else bias, x if residual is None else residual, out, m, n,
         x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
