@@ -688,9 +688,17 @@ def test_dialect_http_client_gone_stops_the_engine(dsrv):
 FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv-frameworks/bin/python"))
 
 
-def livekit_installed() -> bool:
+def framework_installed(module: str) -> bool:
     return FRAMEWORKS_PYTHON.exists() and subprocess.run(
-        [str(FRAMEWORKS_PYTHON), "-c", "import livekit.agents"], capture_output=True, timeout=120).returncode == 0
+        [str(FRAMEWORKS_PYTHON), "-c", f"import {module}"], capture_output=True, timeout=120).returncode == 0
+
+
+def drive_framework(client: str, service: str, srv, *extra: str) -> dict:
+    """Run tests/frameworks/<client>.py in the frameworks' virtualenv; it prints one JSON line."""
+    out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service,
+                          srv.url, DIALECT_KEY, "Ada", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.frameworks
@@ -698,13 +706,21 @@ def livekit_installed() -> bool:
 def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
     """Issue 24.1: LiveKit's elevenlabs, cartesia and deepgram plugins' synthesize() (fixed phrases) got 404.
     With only the base URL changed they speak: each plugin's default format, decoded by the plugin."""
-    if not livekit_installed():
+    if not framework_installed("livekit.agents"):
         pytest.skip("no .venv-frameworks with livekit-agents (scripts/setup-frameworks makes it)")
-    out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks/livekit_client.py"), service,
-                          dsrv.url, DIALECT_KEY, "Ada", "synthesize"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = drive_framework("livekit_client", service, dsrv, "synthesize")
     assert result["errors"] == [] and result["sample_rate"] == rate, result
     # two sentences of at most --max-frames 40 each, 16-bit mono (MP3 adds at most its decoder's delay)
     assert 0 < result["audio_bytes"] <= 2 * (n_at(rate, 4) + EXTRA_SAMPLES["mp3"]), result
+
+
+@pytest.mark.frameworks
+@pytest.mark.parametrize("service", ["elevenlabs", "cartesia", "deepgram"])
+def test_pipecat_http_services_through_the_http_dialects(dsrv, service):
+    """pipecat's ElevenLabsHttpTTSService (/stream/with-timestamps), CartesiaHttpTTSService (/tts/bytes) and
+    DeepgramHttpTTSService (POST /v1/speak) with only their base URL changed: a spoken turn at 24 kHz."""
+    if not framework_installed("pipecat"):
+        pytest.skip("no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)")
+    result = drive_framework("pipecat_http_client", service, dsrv)
+    assert result["errors"] == [] and result["sample_rate"] == 24000, result
+    assert 0 < result["audio_bytes"] <= 2 * n_at(24000, 4), result

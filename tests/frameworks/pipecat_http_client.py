@@ -1,0 +1,49 @@
+"""Drives one of pipecat's real HTTP TTS services (ElevenLabsHttpTTSService: /stream/with-timestamps,
+CartesiaHttpTTSService: /tts/bytes, DeepgramHttpTTSService: POST /v1/speak) against the gateway (run by
+tests/test_clients.py in the frameworks' virtualenv): configured as for the real provider except for its
+base URL, with a voice from our library. Speaks one turn and prints one JSON line: audio bytes, sample rate,
+errors.
+
+    python tests/frameworks/pipecat_http_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+from pipecat.frames.frames import EndFrame, TTSSpeakFrame
+from pipecat.pipeline.pipeline import Pipeline
+from pipecat_client import RATE, TIMEOUT, Collector, make_worker  # the same directory
+
+
+def make_service(kind: str, base: str, key: str, voice: str, session: aiohttp.ClientSession):
+    if kind == "elevenlabs":
+        from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService as Service
+    elif kind == "cartesia":
+        from pipecat.services.cartesia.tts import CartesiaHttpTTSService as Service
+    elif kind == "deepgram":
+        from pipecat.services.deepgram.tts import DeepgramHttpTTSService as Service
+    else:
+        raise SystemExit(f"unknown service {kind}")
+    return Service(api_key=key, base_url=base, aiohttp_session=session, sample_rate=RATE,
+                   settings=Service.Settings(voice=voice))
+
+
+async def main(kind: str, base: str, key: str, voice: str) -> dict:
+    async with aiohttp.ClientSession() as session:
+        col = Collector()
+        worker, running = await make_worker(Pipeline([make_service(kind, base, key, voice, session), col]))
+        run = asyncio.create_task(running)
+        await worker.queue_frame(TTSSpeakFrame("Hello there. How are you today?"))
+        await asyncio.wait_for(col.stopped.wait(), TIMEOUT)
+        await worker.queue_frame(EndFrame())
+        await asyncio.wait_for(run, TIMEOUT)
+    return {"service": kind, "audio_bytes": col.audio, "sample_rate": min(col.rates) if col.rates else None,
+            "errors": col.errors}
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(*sys.argv[1:5]))))
