@@ -17,6 +17,7 @@ import json
 import os
 import re
 from typing import Any
+from urllib.parse import quote, urlencode
 
 import httpx
 import numpy as np
@@ -26,7 +27,7 @@ import websockets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.http_api import _GENERATE_FIELDS, _OPENAI_FIELDS
+from app.http_api import _GENERATE_FIELDS, _SPEECH_FIELDS
 from app.synthesis import PARAM_KEYS
 
 pytestmark = pytest.mark.slow
@@ -34,6 +35,9 @@ pytestmark = pytest.mark.slow
 EXAMPLES = int(os.environ.get("ZONOS_FUZZ_EXAMPLES", "50"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ZONOS_FUZZ_RANDOM"),
                 database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+# The newer surfaces (dialect sockets and URLs, voice names): fewer examples each, so the file stays within
+# about a minute on two busy cores; ZONOS_FUZZ_EXAMPLES scales them too.
+FUZZ_SMALL = settings(FUZZ, max_examples=max(4, EXAMPLES // 3))
 CODE = re.compile(r"^[a-z][a-z_]*$")
 SERVER_TYPES = {"session.created", "session.updated", "audio.start", "audio.done", "flushed", "cancelled",
                 "session.closed", "error"}
@@ -89,19 +93,25 @@ b64 = (st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
        | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
        | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
        | st.text(max_size=40))
+# Issue 21: finite numbers past float32 (1e308 once killed the engine), past int64, subnormal, at the bounds.
+extreme = st.sampled_from([1e308, -1e308, 1e39, 3.4e38, 3.5e38, 1e300, 1e-320, -0.0, 100.0, 100.000001, 101,
+                           10**30, 2**63, 2**63 - 1, -(2**63), 2**64, 10**400])
 typical_params = {
-    "temperature": st.floats(-1, 3) | anything, "top_k": st.integers(-5, 2000) | anything,
-    "top_p": st.floats(-0.5, 1.5) | anything, "min_p": st.floats(-0.5, 1.5) | anything,
-    "repetition_window": st.integers(-5, 300) | anything, "repetition_penalty": st.floats(0, 3) | anything,
-    "repetition_codebooks": st.integers(-3, 12) | anything, "seed": st.integers(-5, 2**64) | anything,
-    "max_frames": st.integers(-5, 40) | anything, "ignore_eos": st.booleans() | anything,
+    "temperature": st.floats(-1, 3) | extreme | anything, "top_k": st.integers(-5, 2000) | extreme | anything,
+    "top_p": st.floats(-0.5, 1.5) | extreme | anything, "min_p": st.floats(-0.5, 1.5) | extreme | anything,
+    "repetition_window": st.integers(-5, 300) | extreme | anything,
+    "repetition_penalty": st.floats(0, 3) | extreme | anything,
+    "repetition_codebooks": st.integers(-3, 12) | extreme | anything,
+    "seed": st.integers(-5, 2**64) | extreme | anything,
+    "max_frames": st.integers(-5, 40) | extreme | anything, "ignore_eos": st.booleans() | anything,
     "language": st.sampled_from(["en_us", "de", "ja", "klingon", "EN-us"]) | anything,
-    "text_normalization": st.booleans() | anything, "speaking_rate": st.floats(-5, 40) | anything,
-    "speed": st.floats(-1, 5) | anything, "speaking_rate_bucket": st.integers(-2, 10) | anything,
+    "text_normalization": st.booleans() | anything, "speaking_rate": st.floats(-5, 40) | extreme | anything,
+    "speed": st.floats(-1, 5) | extreme | anything, "speaking_rate_bucket": st.integers(-2, 10) | extreme | anything,
     "quality_buckets": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
-                                                   st.integers(-2, 12) | anything, max_size=3) | anything,
+                                                   st.integers(-2, 12) | extreme | anything, max_size=3) | anything,
     "quality_values": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
-                                                  st.floats(allow_nan=True) | anything, max_size=3) | anything,
+                                                  st.floats(allow_nan=True) | extreme | anything, max_size=3)
+    | anything,
     "accurate_mode": st.booleans() | anything, "clean_speaker_background": st.booleans() | anything,
 }
 # issue 22: the reference's long-form, guidance and emotion fields (more in the block at the end)
@@ -210,6 +220,7 @@ openai_values = {
     "speed": st.floats(0, 5) | anything, "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
     "instructions": anything, "stream": anything, "params": params(),
     "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,
+    "speaking_rate_enabled": st.booleans() | anything,
 }
 generate_values = {
     "text": short_text | anything, "max_tokens": st.integers(-3, 40) | anything,
@@ -265,7 +276,7 @@ content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "appli
 
 
 @FUZZ
-@given(data=body(_OPENAI_FIELDS, openai_values, {"input": "Hello there.", "response_format": "pcm",
+@given(data=body(_SPEECH_FIELDS, generate_values | openai_values, {"input": "Hello there.", "response_format": "pcm",
                                                   "params": {"max_frames": 5, "ignore_eos": True}}),
        ctype=content_types)
 @example(data=DEEP.encode(), ctype="application/json")
@@ -290,6 +301,245 @@ def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
 
+# ---- voices: names must be strings (issue 21) -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def voices(fuzz_server) -> dict[str, str]:
+    """Two library voices: "Fuzzed" (what the dialect sockets speak with) and one that gets renamed."""
+    ids = {}
+    for name, value in (("Fuzzed", 1.0), ("Renamed", 0.5)):
+        r = httpx.post(fuzz_server.url + "/v1/voices", files={"embedding": (f"{name}.npy", npy(
+            np.full(2048, value, np.float32)))}, data={"name": name}, timeout=60)
+        assert r.status_code in (200, 201), r.text
+        ids[name] = r.json()["id"]
+    return ids
+
+
+@FUZZ_SMALL
+@given(name=st.text(max_size=70) | anything, label=st.text(max_size=70) | anything, t=st.floats() | anything)
+@example(name=12, label=True, t=0.5)
+def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
+    """A name or label is a string or nothing: never turned into "12" or "True"; no 5xx."""
+    url, vid = fuzz_server.url, voices["Renamed"]
+    before = httpx.get(url + f"/v1/voices/{vid}", timeout=60).json()["name"]
+    emb = base64.b64encode(npy(np.full(2048, 0.25, np.float32))).decode()
+    js = {"content-type": "application/json"}  # json.dumps: NaN and Infinity are sent as JSON extensions
+    patch = httpx.patch(url + f"/v1/voices/{vid}", content=json.dumps({"name": name}), headers=js, timeout=60)
+    for r in (patch,
+              httpx.post(url + "/v1/voices/blend", content=json.dumps({"a": vid, "b": vid, "t": t, "name": name}),
+                         headers=js, timeout=60),
+              httpx.post(url + "/tts/speakers", headers=js | {"X-TTS-Session-ID": "fuzz"}, timeout=60,
+                         content=json.dumps({"label": label, "speaker_embedding_base64": emb,
+                                             "speaker_embedding_name": name}))):
+        check_json_http(r)
+    after = httpx.get(url + f"/v1/voices/{vid}", timeout=60).json()["name"]
+    if patch.status_code == 200:
+        assert isinstance(name, str) and after == name.strip(), (name, after)
+    else:
+        assert after == before, (name, before, after)
+
+
+def check_json_http(r: httpx.Response) -> None:
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        err = r.json()["error"]
+        assert CODE.match(err["code"]) and err["code"] != "internal", err
+
+
+# ---- the dialects' sockets (issue 21): their URLs and their messages --------------------------------------
+digits = st.sampled_from(["24000", "8000", "²", "٣", "１６０００", "-1", "1e3", "", "99999999999999999999999", "0"])
+query_value = digits | st.text(max_size=12) | st.sampled_from(["true", "false", "pcm_24000", "ulaw_8000", "mp3_44100_128",
+                                                                "pcm_²", "opus_48000_64", "linear16", "mulaw"])
+zonos_params = params().map(lambda p: json.dumps(p)) | st.text(max_size=20)
+SOCKETS = {  # path -> the query keys it reads
+    "/v1/tts/ws": ["encoding", "sample_rate", "voice"],
+    "/v1/text-to-speech/Fuzzed/multi-stream-input": ["output_format", "auto_mode", "seed", "language_code",
+                                                     "apply_text_normalization", "zonos_params"],
+    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params"],
+    "/tts/websocket": ["cartesia_version", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
+}
+
+
+@st.composite
+def socket_url(draw) -> tuple[str, dict[str, str]]:
+    path = draw(st.sampled_from(sorted(SOCKETS)))
+    keys = draw(st.lists(st.sampled_from(SOCKETS[path]), max_size=3, unique=True))
+    return path, {k: draw(zonos_params if k == "zonos_params" else query_value) for k in keys}
+
+
+async def handshake(url: str) -> tuple[Any, Any]:
+    """(the open socket, None) or (None, the refusal's HTTP response)."""
+    try:
+        return await websockets.connect(url, max_size=None, open_timeout=30), None
+    except websockets.InvalidStatus as e:
+        return None, e.response
+
+
+def check_refusal(resp: Any) -> None:
+    assert 400 <= resp.status_code < 500, (resp.status_code, resp.body[:300])
+    body = json.loads(resp.body)
+    assert isinstance(body, dict) and "internal" not in json.dumps(body).lower(), body
+
+
+@FUZZ_SMALL
+@given(where=socket_url())
+@example(where=("/v1/speak", {"sample_rate": "²"}))
+@example(where=("/v1/tts/ws", {"sample_rate": "²"}))
+@example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
+@example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
+def test_fuzz_socket_urls(fuzz_server, voices, where):
+    """Every socket's URL settings: accepted, or refused with a 4xx in its dialect's shape (our socket: an
+    error with a code, then close 1008), never a 500 or a dropped connection."""
+    path, query = where
+
+    async def go():
+        ws, refused = await handshake(fuzz_server.ws_url.replace("/v1/tts/ws", path) + "?" + urlencode(query))
+        if refused is not None:
+            check_refusal(refused)
+            return
+        async with ws:
+            if path == "/v1/tts/ws":
+                first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                if first["type"] == "error":
+                    check_reply(first)
+                    with pytest.raises(websockets.ConnectionClosed):
+                        await asyncio.wait_for(ws.recv(), 30)
+                    assert ws.close_code == 1008
+                else:
+                    assert first["type"] == "session.created"
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+
+
+def dialect_ctx() -> st.SearchStrategy:
+    return st.sampled_from(["a", "b", "c"]) | st.text(max_size=6) | st.just("x" * 129) | anything
+
+
+embedding = (st.sampled_from(["abc", {"a": 1}, [1, "a"], [[1.0], [2.0]], [10**400] * 2048, ["1"] * 2048,
+                              [True] * 2048, [1e39] * 2048, [0.01] * 2048, [0.01] * 2047, None])
+             | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=3) | anything)
+el_message = st.fixed_dictionaries({}, optional={
+    "text": short_text | anything, "context_id": dialect_ctx(), "flush": st.booleans() | anything,
+    "close_context": st.booleans() | anything, "close_socket": st.just(False) | anything,
+    "voice_settings": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 5) | extreme | anything,
+                                                          "stability": anything}) | anything,
+})
+ca_output = st.fixed_dictionaries({}, optional={
+    "container": st.sampled_from(["raw", "wav"]) | anything,
+    "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "x"]) | anything,
+    "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400]) | extreme | anything}) | anything
+ca_message = st.fixed_dictionaries({}, optional={
+    "transcript": short_text | anything, "continue": st.booleans() | anything, "context_id": dialect_ctx(),
+    "flush": st.booleans() | anything, "cancel": st.booleans() | anything,
+    "voice": st.fixed_dictionaries({"mode": st.sampled_from(["id", "embedding", "clone"]) | anything},
+                                   optional={"id": st.sampled_from(["Fuzzed", "Nobody"]) | anything,
+                                             "embedding": embedding}) | anything,
+    "output_format": ca_output, "language": st.sampled_from(["en", "de", "xx"]) | anything,
+    "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400]) | extreme | anything,
+    "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
+    | anything,
+    "speed": extreme | anything,
+})
+dg_message = st.fixed_dictionaries({"type": st.sampled_from(["Speak", "Flush", "Clear", "Nope"]) | anything},
+                                   optional={"text": short_text | anything})
+VALID_CA = {"model_id": "sonic", "voice": {"mode": "id", "id": "Fuzzed"},
+            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 8000}}
+
+
+def check_dialect_reply(dialect: str, d: Any) -> None:
+    assert isinstance(d, dict), d
+    if dialect == "elevenlabs":
+        if "error" in d:
+            assert CODE.match(str(d["error"])) and d["error"] != "internal" and isinstance(d["message"], str), d
+        else:
+            assert "audio" in d or d.get("isFinal") is True, d
+    elif dialect == "cartesia":
+        assert d.get("type") in {"chunk", "done", "flush_done", "error"} and "context_id" in d, d
+        if d["type"] == "error":
+            assert CODE.match(str(d["error_code"])) and d["error_code"] != "internal", d
+    else:
+        assert d.get("type") in {"Metadata", "Flushed", "Cleared", "Warning", "Error"}, d
+        code = d.get("warn_code") or d.get("err_code")
+        if d["type"] in ("Warning", "Error"):
+            assert re.fullmatch(r"[A-Za-z_]+", str(code)) and code.lower() != "internal", d
+
+
+def context_ids(messages: list[Any]) -> set[str]:
+    return {m["context_id"] for m in messages if isinstance(m, dict) and isinstance(m.get("context_id"), str)
+            and 0 < len(m["context_id"]) <= 128}
+
+
+async def dialect_exchange(base: str, dialect: str, messages: list[Any]) -> None:
+    """Send the fuzzed messages, then what ends the session in that dialect; every reply must be well formed,
+    and the session must still work: a probe after the fuzz is spoken and answered, then a clean close."""
+    p = quote(json.dumps({"max_frames": 5, "ignore_eos": True}))
+    url = {"elevenlabs": f"/v1/text-to-speech/Fuzzed/multi-stream-input?output_format=pcm_8000&zonos_params={p}",
+           "cartesia": f"/tts/websocket?zonos_params={p}",
+           "deepgram": f"/v1/speak?model=Fuzzed&encoding=linear16&sample_rate=8000&zonos_params={p}"}[dialect]
+    async with websockets.connect(base + url, max_size=None, open_timeout=30) as ws:
+        for m in messages:
+            await ws.send(json.dumps(m))
+        if dialect == "elevenlabs":  # every context closed (each isFinal), then a probe context
+            for ctx in context_ids(messages):
+                await ws.send(json.dumps({"context_id": ctx, "close_context": True}))
+                await ws.send(json.dumps({"context_id": ctx, "close_context": True}))  # twice: dropped now
+            probe = {"text": "Probe. ", "context_id": "probe-21", "flush": True, "close_context": True}
+            done = lambda d: d == {"isFinal": True, "contextId": "probe-21"}  # noqa: E731
+        elif dialect == "cartesia":  # every context cancelled, then a probe context to its done
+            for ctx in context_ids(messages):
+                await ws.send(json.dumps({"context_id": ctx, "cancel": True}))
+            probe = {**VALID_CA, "transcript": "Probe.", "continue": False, "context_id": "probe-21"}
+            done = lambda d: d.get("type") == "done" and d.get("context_id") == "probe-21"  # noqa: E731
+        else:  # everything cleared, then a probe: its Flushed is the first after the last Cleared
+            await ws.send(json.dumps({"type": "Clear"}))
+            await ws.send(json.dumps({"type": "Speak", "text": "Probe."}))
+            probe = {"type": "Flush"}
+            clears = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("type") == "Clear")
+            seen = {"Cleared": 0}
+
+            def done(d: dict[str, Any]) -> bool:
+                seen["Cleared"] += d.get("type") == "Cleared"
+                return d.get("type") == "Flushed" and seen["Cleared"] == clears
+        await ws.send(json.dumps(probe))
+        while True:
+            msg = await asyncio.wait_for(ws.recv(), 60)
+            if isinstance(msg, bytes):
+                continue
+            d = json.loads(msg)
+            check_dialect_reply(dialect, d)
+            if done(d):
+                break
+
+
+def ends_the_socket(m: Any) -> bool:
+    """A fuzzed message that closes the socket (the probe after the fuzz needs it open)."""
+    return isinstance(m, dict) and (m.get("close_socket") is True or m.get("type") == "Close")
+
+
+dialect_case = st.sampled_from(["elevenlabs", "cartesia", "deepgram"]).flatmap(lambda d: st.tuples(st.just(d), st.lists(
+    {"elevenlabs": el_message, "cartesia": ca_message | ca_message.map(lambda m: {**VALID_CA, **m}),
+     "deepgram": dg_message}[d] | anything, max_size=6).map(lambda ms: [m for m in ms if not ends_the_socket(m)])))
+# issue 21: malformed embeddings next to a context that plays on; a Flush past the utterance limit
+ISSUE_21_EMBEDDINGS = [{**VALID_CA, "transcript": "Playing. ", "continue": True, "context_id": "a",
+                        "max_buffer_delay_ms": 0}] + [
+    {**VALID_CA, "transcript": "x", "context_id": f"e{i}", "voice": {"mode": "embedding", "embedding": e}}
+    for i, e in enumerate(["abc", {"a": 1}, [1, "a"], [10**400] * 2048, [True] * 2048, ["1"] * 2048])]
+
+
+@FUZZ_SMALL
+@given(case=dialect_case)
+@example(case=("cartesia", ISSUE_21_EMBEDDINGS))
+@example(case=("deepgram", [{"type": "Speak", "text": "One. Two. Three. Four. Five. Six. Seven. Eight. Nine"},
+                            {"type": "Flush"}, {"type": "Flush"}]))
+@example(case=("elevenlabs", [{"text": "All in one. ", "context_id": "a", "flush": True, "close_context": True},
+                              {"text": " ", "context_id": "a", "close_context": True}]))
+def test_fuzz_dialect_messages(fuzz_server, voices, case):
+    """Every dialect's message shapes (and malformed ones): well-formed replies only, no `internal`, and the
+    session still speaks a probe afterwards."""
+    dialect, messages = case
+    asyncio.run(asyncio.wait_for(dialect_exchange(fuzz_server.url.replace("http", "ws"), dialect, messages), 120))
+
+
 def test_server_healthy_after_fuzzing(fuzz_server):
     """Runs after the fuzz tests (file order): a normal request still works, nothing crashed."""
     r = httpx.post(fuzz_server.url + "/v1/audio/speech", timeout=60, json={
@@ -300,6 +550,7 @@ def test_server_healthy_after_fuzzing(fuzz_server):
     assert "zonos_engine_restarts 0.0" in metrics  # the engine never fell over
     log = fuzz_server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    assert "without completing handshake" not in log, log[-3000:]  # refusals are answered, not dropped
 
 
 # ---- issue 22: emotion fields against a server with emotion directions loaded --------------------------------
@@ -344,6 +595,7 @@ def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
     assert "zonos_engine_restarts 0.0" in httpx.get(emotion_fuzz_server.url + "/metrics").text
     log = emotion_fuzz_server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+    assert "without completing handshake" not in log, log[-3000:]  # refusals are answered, not dropped
 
 
 # ---- the dialects' HTTP routes (issue 24.1: app/dialects/*_http.py) ------------------------------------------
