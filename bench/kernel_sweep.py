@@ -154,7 +154,8 @@ def matmul_sweep(results: list[dict]) -> None:
 
     dt, dev = torch.bfloat16, "cuda"
     phases = {
-        "decode": ((1, 64, 128), list(itertools.product((16, 64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4)))),
+        "decode": ((1, 64, 128),
+                   list(itertools.product((16, 64, 128), (32, 64, 128), (64, 128), (4,), (3, 4), (1, 2, 4)))),
         "prefill": ((32, 128, 512), list(itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4)))),
     }
     for (name, (n, k)), (phase, (ms, tiles)) in itertools.product(PROJECTIONS.items(), phases.items()):

@@ -300,7 +300,7 @@ def _rows_of_subsets(fn, x: torch.Tensor, subsets: list[list[int]]) -> None:
             assert torch.equal(part[j], full[i]), (len(idx), i)
 
 
-@pytest.mark.parametrize("tile", ["decode", "prefill"])
+@pytest.mark.parametrize("tile", ["decode", "prefill", "split"])
 def test_linear_fixed_equals_f_linear_and_its_rows_do_not_depend_on_the_batch(tile):
     from engine.model.kernels.matmul import PREFILL_TILE, decode_tile, linear_fixed
 
@@ -310,7 +310,7 @@ def test_linear_fixed_equals_f_linear_and_its_rows_do_not_depend_on_the_batch(ti
     w = torch.randn(n, k, device=DEV, dtype=DT) / k**0.5
     b = torch.randn(n, device=DEV, dtype=DT)
     res = torch.randn(m, n, device=DEV, dtype=DT)
-    t = decode_tile(n) if tile == "decode" else PREFILL_TILE
+    t = {"decode": decode_tile(n, k), "prefill": PREFILL_TILE, "split": (16, 32, 32, 4, 2, 3)}[tile]
     got = linear_fixed(x, w, b, res, tile=t)
     ref = res.float() + torch.nn.functional.linear(x.float(), w.float(), b.float())
     assert rel_err(got, ref) < TOL

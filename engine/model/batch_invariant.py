@@ -26,10 +26,8 @@ from torch import Tensor
 
 from engine.model.kernels import matmul
 from engine.model.kernels.decode_attention import FIXED_SPLIT
-from engine.model.kernels.matmul import decode_tile, linear_fixed
+from engine.model.kernels.matmul import Tile, decode_tile, linear_fixed
 from engine.model.kernels.rms_norm import rms_norm_rows
-
-Tile = tuple[int, int, int, int, int]
 
 
 def _residual_norm(h: Tensor, y: Tensor | None, norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
