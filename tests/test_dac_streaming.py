@@ -317,6 +317,21 @@ def test_triton_residual_convolutions_match_torch(shape):
                                **tol)
 
 
+@pytest.mark.parametrize("shape", [(2, 16, 8, 9, 8), (3, 8, 4, 20, 4), (1, 8, 20, 13, 2)])
+def test_triton_transposed_convolution_matches_torch(shape):
+    """The transposed conv of the incremental window (stride s, kernel 2 s, padding s) as one Triton GEMM over
+    its s phases."""
+    from engine.dac.conv_kernel import arrange_transposed, conv1d
+
+    b, c_in, c_out, m, s = shape
+    torch.manual_seed(1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    w, bias, x = torch.randn(c_in, c_out, 2 * s, device=dev), torch.randn(c_out, device=dev), torch.randn(b, c_in, m + 1, device=dev)
+    ref = torch.nn.functional.conv_transpose1d(x, w, bias, stride=s, padding=s)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4}
+    torch.testing.assert_close(conv1d(x, arrange_transposed(w), bias, phases=s), ref, **tol)
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 
 

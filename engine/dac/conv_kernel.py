@@ -8,6 +8,10 @@ as tensor-core dots over (output channels x time) tiles, and applies in its epil
 Snake (after the 7-tap conv) or the residual add (after the 1x1 conv, reading the skip from the window at
 an offset): a unit is the masked Snake and two kernels.
 
+The transposed convolutions (stride s, kernel 2 s, padding s on the incremental window) are the same
+kernel: each output sample t s + r of channel c is a 2-tap conv of inputs t and t + 1 with the weights of
+phase r, so the s phases are s x C_out output channels of one GEMM, stored interleaved (`phases`).
+
 Which is faster on a given GPU is measured by bench/dac_step.py (`--variants triton`); on CPU the kernel
 runs in Triton's interpreter (tests).
 """
@@ -30,7 +34,8 @@ INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 32, "BLOCK_C": 16}  # small tiles: the 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off,
                  B,  # only an autotuning key: the best tiles for 1 row are not those for 128
-                 C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr, RESIDUAL: tl.constexpr,
+                 C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
+                 RESIDUAL: tl.constexpr, PHASES: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     pid_t, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,7 +52,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
             x = tl.load(x_row + c[:, None] * L_in + (t[None, :] + k * DIL), mask=c_ok[:, None] & t_ok[None, :],
                         other=0.0)
             acc = tl.dot(w, x, acc)
-    acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    acc += tl.load(b_ptr + n // PHASES, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SNAKE:
         a = tl.load(alpha_ptr + n, mask=n_ok, other=1.0).to(tl.float32)[:, None]
         inv = tl.load(inv_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
@@ -57,10 +62,12 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
     if RESIDUAL:
         skip = tl.load(res_ptr + b * N * res_len + n[:, None] * res_len + res_off + t[None, :], mask=ok, other=0.0)
         acc += skip.to(tl.float32)
-    tl.store(y_ptr + b * N * L_out + n[:, None] * L_out + t[None, :], acc.to(y_ptr.dtype.element_ty), mask=ok)
+    # output channel n = c * PHASES + r is sample t * PHASES + r of channel c (PHASES > 1: a transposed conv)
+    y = y_ptr + b * N * L_out + (n // PHASES)[:, None] * (L_out * PHASES) + t[None, :] * PHASES + (n % PHASES)[:, None]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-_conv_tuned = triton.autotune(configs=CONFIGS, key=["B", "C", "N", "L_out", "TAPS", "DIL"])(_conv_kernel)
+_conv_tuned = triton.autotune(configs=CONFIGS, key=["B", "C", "N", "L_out", "TAPS", "DIL", "PHASES"])(_conv_kernel)
 
 
 def arrange(weight: Tensor) -> Tensor:
@@ -68,20 +75,32 @@ def arrange(weight: Tensor) -> Tensor:
     return weight.permute(2, 0, 1).contiguous()
 
 
+def arrange_transposed(weight: Tensor) -> Tensor:
+    """A transposed conv's weight [C_in, C_out, 2 s] (stride s) as two taps over its phases: [2, C_out * s, C_in],
+    output channel c * s + r being phase r of channel c. Tap 0 multiplies input q, tap 1 input q + 1."""
+    c_in, c_out, k = weight.shape
+    s = k // 2
+    w = weight.reshape(c_in, c_out, 2, s).flip(2)  # [ci, co, tap, r]: tap 0 = W[..., r + s], tap 1 = W[..., r]
+    return w.permute(2, 1, 3, 0).reshape(2, c_out * s, c_in).contiguous()
+
+
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tuple[Tensor, Tensor] | None = None,
-           residual: tuple[Tensor, int] | None = None) -> Tensor:
+           residual: tuple[Tensor, int] | None = None, phases: int = 1) -> Tensor:
     """x [B, C, L_in] (contiguous), weight from `arrange` ([K, N, C]), bias [N] -> [B, N, L_in - (K - 1) d]:
     an unpadded convolution; then snake=(alpha, inv_alpha) applies Snake, or residual=(r, offset) adds
-    r[:, :, offset : offset + L_out] (r [B, N, L_r] contiguous)."""
+    r[:, :, offset : offset + L_out] (r [B, N, L_r] contiguous). phases=s, with a weight from
+    `arrange_transposed` and bias [N / s]: the transposed conv of stride s and padding s,
+    [B, N / s, (L_in - 1) s]."""
     x = x.contiguous()
     b, c, l_in = x.shape
     taps, n, _ = weight.shape
     l_out = l_in - (taps - 1) * dilation
-    y = torch.empty(b, n, l_out, dtype=x.dtype, device=x.device)
+    y = torch.empty(b, n // phases, l_out * phases, dtype=x.dtype, device=x.device)
     alpha, inv = (snake[0].reshape(-1), snake[1].reshape(-1)) if snake is not None else (bias, bias)
     res, off = residual if residual is not None else (x, 0)
     args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, b)
-    flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None}
+    flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None,
+             "PHASES": phases}
     if x.is_cuda:
         grid = lambda meta: (triton.cdiv(l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]), b)  # noqa: E731
         _conv_tuned[grid](*args, **flags)

@@ -122,8 +122,9 @@ class IncrementalDAC:
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
         cudnn_benchmark: on a GPU, let cuDNN time its algorithms for each call shape at its first call
         (warm-up) instead of taking its heuristic's pick; graph captures keep the choice.
-        kernels: "cudnn", or "triton": the residual units' convolutions as Triton kernels with the next Snake
-        or the residual add in their epilogue (engine/dac/conv_kernel.py; on CPU in Triton's interpreter).
+        kernels: "cudnn", or "triton": the residual units' and the transposed convolutions as Triton kernels,
+        the next Snake or the residual add in their epilogue (engine/dac/conv_kernel.py; on CPU in Triton's
+        interpreter).
         Weights are read from the codec now: build after the codec's last `to()`."""
         if kernels not in ("cudnn", "triton") or (compiled and kernels == "triton"):
             raise ValueError(f"kernels must be cudnn or triton (not with compiled), got {kernels!r}")
@@ -139,12 +140,15 @@ class IncrementalDAC:
         self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
-        self._arranged: dict[int, tuple[Tensor, Tensor]] = {}
+        self._arranged: dict[int, tuple[Tensor, ...]] = {}  # the Triton kernels' weights, per layer
         if kernels == "triton":
-            from engine.dac.conv_kernel import arrange
+            from engine.dac.conv_kernel import arrange, arrange_transposed
 
-            self._arranged = {j: (arrange(ly.modules[1].weight), arrange(ly.modules[3].weight))
-                              for j, ly in enumerate(self.layers) if ly.kind == "res"}
+            for j, ly in enumerate(self.layers):
+                if ly.kind == "res":
+                    self._arranged[j] = (arrange(ly.modules[1].weight), arrange(ly.modules[3].weight))
+                elif ly.kind == "up":
+                    self._arranged[j] = (arrange_transposed(ly.modules[1].weight),)
 
     # ---- host side: one packed int64 row per call row -------------------------------------------
 
@@ -210,7 +214,7 @@ class IncrementalDAC:
 
     @staticmethod
     def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool,
-               arranged: tuple[Tensor, Tensor] | None) -> Tensor:
+               arranged: tuple[Tensor, ...] | None) -> Tensor:
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
             if fused:
                 from engine.model.kernels.snake import snake as fused_snake
@@ -222,6 +226,11 @@ class IncrementalDAC:
         if ly.kind == "in":
             (conv,) = ly.modules
             return F.conv1d(mask_outside(win, lo, hi), conv.weight, conv.bias)
+        if ly.kind == "up" and arranged is not None:  # the phases of the transposed conv as one Triton GEMM
+            from engine.dac.conv_kernel import conv1d
+
+            s, up = ly.modules
+            return conv1d(snake(s, win), arranged[0], up.bias, phases=ly.stride)
         if ly.kind == "up":
             s, up = ly.modules
             # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
