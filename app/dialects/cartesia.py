@@ -157,19 +157,7 @@ class CartesiaSession(StreamingSession):
         return c
 
     def _voice(self, spec: Any) -> Voice | None:
-        if not isinstance(spec, dict):
-            raise RequestError("bad_message", "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
-        mode = spec.get("mode", "id")
-        if mode == "id":
-            ref = spec.get("id")
-            if not isinstance(ref, str):
-                raise RequestError("bad_message", "voice.id must be a string")
-            return self.gw.resolve_voice(ref, self.owner)
-        if mode == "embedding":
-            dim = self.gw.cfg.speaker_embedding_dim
-            emb = embedding_vector(spec.get("embedding"), dim)
-            return Voice(id="inline", name="inline", owner=self.owner, source="embedding", dim=dim, embedding=emb)
-        raise RequestError("bad_message", "voice.mode must be 'id' or 'embedding'")
+        return voice_of(self.gw, self.owner, spec)
 
     async def _done(self, c: Context) -> None:
         if self.ctxs.get(c.id) is c:
@@ -212,6 +200,24 @@ class CartesiaSession(StreamingSession):
 
     def _ctx_of(self, u: Utterance) -> Context | None:
         return self.ctxs.get(u.context_id)
+
+
+def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
+    """A request's `voice` (the WebSocket's and the HTTP routes'): `{"mode": "id", "id"}`, one of our voices,
+    or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
+    if not isinstance(spec, dict):
+        raise RequestError("bad_message", "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
+    mode = spec.get("mode", "id")
+    if mode == "id":
+        ref = spec.get("id")
+        if not isinstance(ref, str):
+            raise RequestError("bad_message", "voice.id must be a string")
+        return gw.resolve_voice(ref, owner)
+    if mode == "embedding":
+        dim = gw.cfg.speaker_embedding_dim
+        emb = embedding_vector(spec.get("embedding"), dim)
+        return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=dim, embedding=emb)
+    raise RequestError("bad_message", "voice.mode must be 'id' or 'embedding'")
 
 
 def embedding_vector(value: Any, dim: int) -> np.ndarray:

@@ -30,7 +30,7 @@ from starlette.responses import Response
 
 from app.dialects.cartesia import _ENCODINGS as CARTESIA_ENCODINGS
 from app.dialects.cartesia import _refusal as cartesia_error
-from app.dialects.cartesia import embedding_vector
+from app.dialects.cartesia import voice_of
 from app.dialects.common import base_options, with_language, with_speed
 from app.dialects.http import Framing, HttpFormat, errors_as, open_request, speech_response, text_field
 from app.gateway import Gateway
@@ -59,22 +59,6 @@ def _format(spec: Any, containers: tuple[str, ...]) -> HttpFormat:
     return HttpFormat(encoding, rate, wav=container == "wav").check()
 
 
-def _voice(gw: Gateway, owner: str, spec: Any) -> Voice | None:
-    if not isinstance(spec, dict):
-        raise RequestError("bad_params", 'voice must be an object: {"mode": "id", "id": ...}')
-    mode = spec.get("mode", "id")
-    if mode == "id":
-        ref = spec.get("id")
-        if not isinstance(ref, str):
-            raise RequestError("bad_params", "voice.id must be a string")
-        return gw.resolve_voice(ref, owner)
-    if mode == "embedding":
-        dim = gw.cfg.speaker_embedding_dim
-        emb = embedding_vector(spec.get("embedding"), dim)
-        return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=dim, embedding=emb)
-    raise RequestError("bad_params", "voice.mode must be 'id' or 'embedding'")
-
-
 def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
     lang = data.get("language")
     if lang is not None and not isinstance(lang, str):
@@ -94,7 +78,7 @@ async def _prepare(request: Request, containers: tuple[str, ...]
     gw, owner, data = await open_request(request)
     text = text_field(gw, data, "transcript")
     fmt = _format(data.get("output_format"), containers)
-    voice = _voice(gw, owner, data.get("voice"))
+    voice = voice_of(gw, owner, data.get("voice"))
     return gw, data, text, _options(gw, request, data), voice, fmt
 
 
