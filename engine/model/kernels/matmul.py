@@ -22,8 +22,12 @@ from torch import Tensor
 # column tiles give a narrow weight enough programs to read it on every SM. Prefill buckets are 32-512
 # rows: bigger tiles re-read the weight fewer times. bench/kernel_sweep.py --matmul measures others.
 DECODE_TILE = (64, 64, 64, 4, 4)
-DECODE_TILE_NARROW = (64, 32, 64, 4, 4)  # weights of at most NARROW_N rows (wo, the router's down-projection)
+DECODE_TILE_NARROW = (64, 32, 64, 4, 4)  # weights of at most NARROW_N rows (wo, dense w_out)
 NARROW_N = 2048
+# At most TINY_N rows (the router's 128-row down-projection): four column tiles alone would leave the GPU idle;
+# a fixed 4-way split-K gives 16 programs per row tile (cuBLAS itself split K here at small batches).
+DECODE_TILE_TINY = (64, 32, 64, 4, 4, 4)
+TINY_N = 256
 # Per weight shape (N, K), where bench/kernel_sweep.py --only matmul found a better decode tile than the rule.
 DECODE_TILES: dict[tuple[int, int], tuple[int, ...]] = {}
 PREFILL_TILE = (128, 128, 64, 8, 3)
@@ -31,7 +35,9 @@ PREFILL_TILE = (128, 128, 64, 8, 3)
 
 def decode_tile(n: int, k: int = 0) -> tuple[int, ...]:
     """The decode tile of a weight [n, k]: a function of the weight's shape only, never of the rows."""
-    return DECODE_TILES.get((n, k)) or (DECODE_TILE_NARROW if n <= NARROW_N else DECODE_TILE)
+    if (n, k) in DECODE_TILES:
+        return DECODE_TILES[(n, k)]
+    return DECODE_TILE_TINY if n <= TINY_N else DECODE_TILE_NARROW if n <= NARROW_N else DECODE_TILE
 
 
 @triton.jit
