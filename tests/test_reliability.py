@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import importlib.util
 import io
 import json
 import os
@@ -1098,3 +1099,67 @@ def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
     r = httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200
     assert_json_error(httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example"}), 401, "unauthorized")
+
+
+HAVE_NEMO = all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
+needs_nemo = pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
+# Issue 21 #5: 280 bytes as written (within the budget), 2054 bytes as spoken.
+DOLLARS = ("$1,234,567.89 " * 30)[:280] + "."
+PHONES = ("+1-555-123-4567 " * 250)[:4000]
+
+
+@pytest.fixture(scope="module")
+def normalizing(start_server):
+    """Text normalization on (conftest's servers run without it), one worker; context 1024 frames, so the
+    utterance budget is (1024 - 32) // 7 = 141 bytes."""
+    return start_server("--text-normalization", "--normalization-workers", "1")
+
+
+@pytest.fixture(scope="module")
+def norm_bounded(start_server):
+    return start_server("--text-normalization", "--normalization-workers", "1", "--normalization-cpu-s", "0.05")
+
+
+@slow
+@needs_nemo
+def test_normalized_text_longer_than_the_budget_is_spoken_whole(normalizing):
+    """Every byte of the spoken text reaches the model: it is cut to the budget again after normalization,
+    never cut short by max_frames or refused with prompt_too_long (the old outcome)."""
+    async def go():
+        c = await connect(normalizing, {"params": {"seed": 1}})
+        await c.send(type="text", text=DOLLARS, flush=True)
+        while (await c.recv(timeout=600))["type"] not in ("flushed", "error"):
+            pass
+        await c.ws.close()
+        return c.log
+
+    log = run(go(), timeout=900)
+    assert not [d for d in log if d["type"] == "error"], log
+    done = [d for d in log if d["type"] == "audio.done"]
+    assert done and all(d["stats"]["finish_reason"] != "max_frames" for d in done)
+    assert all(d["stats"]["engine"]["prompt_frames"] <= 1024 - 6 * 141 for d in done)  # prompt + speech fit
+    r = httpx.post(normalizing.url + "/v1/audio/speech", json={"input": DOLLARS, "response_format": "pcm"},
+                   timeout=900)
+    assert r.status_code == 200 and len(r.content) > 0
+
+
+@slow
+@needs_nemo
+def test_normalization_past_its_cpu_bound_is_a_coded_error(norm_bounded):
+    r = httpx.post(norm_bounded.url + "/v1/audio/speech", json={"input": PHONES[:280], "response_format": "pcm"},
+                   timeout=600)
+    assert_json_error(r, 400, "normalization_timeout")
+
+    async def go():
+        c = await connect(norm_bounded)
+        await c.send(type="text", text=PHONES[:140], flush=True)
+        err = await c.until("error", timeout=600)
+        await c.send(type="session.config", params={"text_normalization": False, **fast()["params"]})
+        await c.until("session.updated")
+        await c.send(type="text", text="Still here.", flush=True)
+        done = await c.until("audio.done", timeout=600)  # the session goes on
+        await c.ws.close()
+        return err, done
+
+    err, done = run(go(), timeout=900)
+    assert err["code"] == "normalization_timeout" and done["stats"]["frames"]
