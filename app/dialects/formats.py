@@ -4,7 +4,8 @@ ElevenLabs names a format `pcm_24000` / `ulaw_8000` / `mp3_44100_128`, Cartesia 
 `{"encoding": "pcm_s16le", "sample_rate": 24000}`, Deepgram `?encoding=linear16&sample_rate=24000`. Each
 becomes an `OutputFormat` (our encoding name and a rate). Our `PcmEncoder` (app/synthesis.py) encodes
 whatever it offers; what it does not, the rates only these services use (22050, 32000, 48000) and
-ElevenLabs' compressed formats (MP3 and Opus, through app/audio_formats.py's stream encoder), goes
+the compressed formats (ElevenLabs' MP3 and Opus; FLAC and AAC on the HTTP routes, through
+app/audio_formats.py's stream encoder), goes
 through `ResampledEncoder` below: the same streaming soxr resampler, then the same sample encodings.
 """
 
@@ -21,7 +22,7 @@ from app.synthesis import ENCODINGS, NATIVE_RATE, OUTPUT_RATES, PcmEncoder, Requ
 # Every rate a dialect may ask for (ElevenLabs pcm_8000 ... pcm_48000, Cartesia, Deepgram).
 RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
 SAMPLE_ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
-COMPRESSED = ("mp3", "opus")  # ElevenLabs' mp3_* and opus_48000_*
+COMPRESSED = ("mp3", "opus", "flac", "aac")  # ElevenLabs' mp3_* and opus_48000_*; the HTTP routes' others too
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class OutputFormat:
             raise RequestError("unsupported_format", f"{self.encoding} output is not available on this server")
         if self.encoding == "opus" and self.sample_rate not in audio_formats.OPUS_RATES:
             raise RequestError("unsupported_format", f"opus takes the sample rates {list(audio_formats.OPUS_RATES)}")
+        if self.encoding == "aac" and self.sample_rate not in audio_formats.AAC_BIT_RATE:
+            raise RequestError("unsupported_format", f"aac takes the sample rates {sorted(audio_formats.AAC_BIT_RATE)}")
         if self.encoding in ("mulaw", "alaw") and not hasattr(audio_formats, "g711_encode"):
             raise RequestError("unsupported_format", f"{self.encoding} output is not available on this server")
         return self
