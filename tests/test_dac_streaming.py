@@ -315,6 +315,10 @@ def test_triton_residual_convolutions_match_torch(shape):
     r = torch.randn(b, n, ref.shape[-1] + 5, device=dev)
     torch.testing.assert_close(conv1d(x, arrange(w), bias, d, residual=(r, 3)), ref + r[..., 3 : 3 + ref.shape[-1]],
                                **tol)
+    window = torch.full((b, n, 4 + ref.shape[-1]), 7.0, device=dev)  # written after its 4 cached samples
+    conv1d(x, arrange(w), bias, d, out=window[..., 4:])
+    torch.testing.assert_close(window[..., 4:], ref, **tol)
+    assert (window[..., :4] == 7).all()
 
 
 @pytest.mark.parametrize("shape", [(2, 16, 8, 9, 8), (3, 8, 4, 20, 4), (1, 8, 20, 13, 2)])

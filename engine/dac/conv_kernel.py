@@ -32,7 +32,7 @@ INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 32, "BLOCK_C": 16}  # small tiles: the 
 
 
 @triton.jit
-def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off,
+def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off, y_sb, y_sc,
                  B,  # only an autotuning key: the best tiles for 1 row are not those for 128
                  C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
                  RESIDUAL: tl.constexpr, PHASES: tl.constexpr,
@@ -63,7 +63,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
         skip = tl.load(res_ptr + b * N * res_len + n[:, None] * res_len + res_off + t[None, :], mask=ok, other=0.0)
         acc += skip.to(tl.float32)
     # output channel n = c * PHASES + r is sample t * PHASES + r of channel c (PHASES > 1: a transposed conv)
-    y = y_ptr + b * N * L_out + (n // PHASES)[:, None] * (L_out * PHASES) + t[None, :] * PHASES + (n % PHASES)[:, None]
+    y = y_ptr + b * y_sb + (n // PHASES)[:, None] * y_sc + t[None, :] * PHASES + (n % PHASES)[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
@@ -85,20 +85,23 @@ def arrange_transposed(weight: Tensor) -> Tensor:
 
 
 def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tuple[Tensor, Tensor] | None = None,
-           residual: tuple[Tensor, int] | None = None, phases: int = 1) -> Tensor:
+           residual: tuple[Tensor, int] | None = None, phases: int = 1, out: Tensor | None = None) -> Tensor:
     """x [B, C, L_in] (contiguous), weight from `arrange` ([K, N, C]), bias [N] -> [B, N, L_in - (K - 1) d]:
     an unpadded convolution; then snake=(alpha, inv_alpha) applies Snake, or residual=(r, offset) adds
     r[:, :, offset : offset + L_out] (r [B, N, L_r] contiguous). phases=s, with a weight from
     `arrange_transposed` and bias [N / s]: the transposed conv of stride s and padding s,
-    [B, N / s, (L_in - 1) s]."""
+    [B, N / s, (L_in - 1) s]. out: where to write it (a view whose last dimension is contiguous, e.g. the
+    next layer's window after its cached samples); a new tensor if None."""
     x = x.contiguous()
     b, c, l_in = x.shape
     taps, n, _ = weight.shape
     l_out = l_in - (taps - 1) * dilation
-    y = torch.empty(b, n // phases, l_out * phases, dtype=x.dtype, device=x.device)
+    y = torch.empty(b, n // phases, l_out * phases, dtype=x.dtype, device=x.device) if out is None else out
+    if y.shape != (b, n // phases, l_out * phases) or y.stride(-1) != 1:
+        raise ValueError(f"out must be [{b}, {n // phases}, {l_out * phases}] with unit stride in time")
     alpha, inv = (snake[0].reshape(-1), snake[1].reshape(-1)) if snake is not None else (bias, bias)
     res, off = residual if residual is not None else (x, 0)
-    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, b)
+    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, y.stride(0), y.stride(1), b)
     flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None,
              "PHASES": phases}
     if x.is_cuda:

@@ -203,18 +203,32 @@ class IncrementalDAC:
         bounds = packed[:, f * N_CODEBOOKS + 2 :]
         # Inductor fuses the plain Snake with its neighbours; with Triton kernels it runs in the interpreter on CPU
         fused = (packed.is_cuda and not self.compiled) or self.kernels == "triton"
+        def cached(ly: Layer) -> Tensor:  # the layer's state rows as [B, C, keep]
+            return state[:, ly.offset : ly.offset + ly.keep * ly.channels].view(b, ly.channels, ly.keep)
+
         x = self.codec.model.quantizer.from_codes(codes.clamp(0, MAX_CODE).transpose(1, 2))[0]
+        win = torch.cat([cached(self.layers[0]), x], dim=-1)
         new_state = []
         for j, ly in enumerate(self.layers):
-            n = ly.keep * ly.channels
-            win = torch.cat([state[:, ly.offset : ly.offset + n].view(b, ly.channels, ly.keep), x], dim=-1)
-            new_state.append(win[..., -ly.keep :].reshape(b, n))
-            x = self._layer(ly, win, bounds[:, 2 * j], bounds[:, 2 * j + 1], fused, self._arranged.get(j))
-        return x.squeeze(1).float(), torch.cat(new_state, dim=1)
+            new_state.append(win[..., -ly.keep :].reshape(b, ly.keep * ly.channels))
+            lo, hi, arranged = bounds[:, 2 * j], bounds[:, 2 * j + 1], self._arranged.get(j)
+            if j + 1 == len(self.layers):
+                return self._layer(ly, win, lo, hi, fused, arranged).squeeze(1).float(), torch.cat(new_state, dim=1)
+            nxt = self.layers[j + 1]
+            if arranged is None:
+                win = torch.cat([cached(nxt), self._layer(ly, win, lo, hi, fused, arranged)], dim=-1)
+            else:  # a Triton kernel writes straight into the next window, after its cached part
+                length = win.shape[-1] - ly.keep if ly.kind == "res" else (win.shape[-1] - 1) * ly.stride
+                nxt_win = torch.empty(b, nxt.channels, nxt.keep + length, dtype=win.dtype, device=win.device)
+                nxt_win[..., : nxt.keep] = cached(nxt)
+                self._layer(ly, win, lo, hi, fused, arranged, out=nxt_win[..., nxt.keep :])
+                win = nxt_win
+        raise AssertionError("unreachable: the decoder has layers")
 
     @staticmethod
     def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool,
-               arranged: tuple[Tensor, ...] | None) -> Tensor:
+               arranged: tuple[Tensor, ...] | None, out: Tensor | None = None) -> Tensor:
+        """One layer on its window; with Triton kernels (arranged weights) it can write into `out`."""
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
             if fused:
                 from engine.model.kernels.snake import snake as fused_snake
@@ -230,7 +244,7 @@ class IncrementalDAC:
             from engine.dac.conv_kernel import conv1d
 
             s, up = ly.modules
-            return conv1d(snake(s, win), arranged[0], up.bias, phases=ly.stride)
+            return conv1d(snake(s, win), arranged[0], up.bias, phases=ly.stride, out=out)
         if ly.kind == "up":
             s, up = ly.modules
             # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
@@ -240,7 +254,7 @@ class IncrementalDAC:
 
             s1, conv7, s2, conv1 = ly.modules
             h = conv1d(snake(s1, win), arranged[0], conv7.bias, conv7.dilation[0], snake=(s2.alpha, s2.inv_alpha))
-            return conv1d(h, arranged[1], conv1.bias, residual=(win, ly.keep // 2))
+            return conv1d(h, arranged[1], conv1.bias, residual=(win, ly.keep // 2), out=out)
         if ly.kind == "res":
             s1, conv7, s2, conv1 = ly.modules
             h = F.conv1d(snake(s1, win), conv7.weight, conv7.bias, dilation=conv7.dilation)
