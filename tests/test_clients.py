@@ -361,7 +361,7 @@ def sse_events(text: str) -> list[dict]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
 
 
-@pytest.mark.parametrize("fmt", ["mp3", "opus", "wav", "flac", "pcm"])
+@pytest.mark.parametrize("fmt", ["mp3", "opus", "wav", "flac", "pcm", "aac"])
 def test_openai_sdk_sse_every_format(client, fmt):
     """Issue 14.4: LiveKit's defaults (response_format mp3, stream_format sse) were 400. The delta events carry
     that format's bytes, which concatenate into a file of it."""
@@ -374,9 +374,9 @@ def test_openai_sdk_sse_every_format(client, fmt):
     deltas = [base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta"]
     assert len(deltas) >= 2
     data = b"".join(deltas)
-    n = len(data) // 2 if fmt == "pcm" else len(decode(data)[0])
+    n = len(data) // 2 if fmt == "pcm" else len(decode_aac(data)[0]) if fmt == "aac" else len(decode(data)[0])
     expected = samples_at(24000, 2 * FRAMES)
-    assert expected - 2 <= n <= expected + EXTRA_SAMPLES.get(fmt, 2)
+    assert expected - 2 <= n <= expected + (AAC_EXTRA if fmt == "aac" else EXTRA_SAMPLES.get(fmt, 2))
 
 
 def test_request_id_on_every_response_and_logged(server):
