@@ -49,6 +49,11 @@ class Metrics:
         self.engine_active = Gauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
         self.step_ms = Gauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
         self.engine_restarts = Gauge("zonos_engine_restarts", "Engine process restarts", registry=r)
+        # text normalization's worker processes (app/normalization.py); the gateway sets their functions
+        self.normalizing = Gauge("zonos_normalization_active", "Texts being normalized in worker processes",
+                                 registry=r)
+        self.normalization_waiting = Gauge("zonos_normalization_waiting", "Texts waiting for a normalization worker",
+                                           registry=r)
         self.engine_ready = Gauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
         self.engine_finished = Gauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
                                      "started)", registry=r)

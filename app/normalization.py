@@ -121,6 +121,10 @@ class FairTurns:
         self._used: dict[object, float] = {}  # owner -> worker seconds, while it has texts here
         self._seq = itertools.count()
 
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
     def _may_run(self, long: bool) -> bool:
         if self.active >= self.workers:
             return False
