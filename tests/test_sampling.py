@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from engine.contract.records import SamplingParams
+from engine.contract.records import (
+    HISTORY,
+    REPETITION_PENALTY_MAX,
+    SEED_LIMIT,
+    TEMPERATURE_MAX,
+    TOP_K_MAX,
+    SamplingParams,
+)
 from engine.llm.sampling import SamplerState
 
 V, C = 1026, 9
@@ -126,6 +133,28 @@ def test_different_seeds_differ_and_same_seed_repeats():
 def test_invalid_params_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs).validate()
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs a CUDA GPU")])])
+def test_values_at_their_bounds_sample_valid_codes(device):
+    """Issue 21: every value at the edge of its bound (records.py, checked at the door and on submit) fits the
+    sampler's tensors and samples valid codes, with a repeated history, on the device the engine runs on."""
+    edges = [SamplingParams(temperature=TEMPERATURE_MAX, repetition_penalty=REPETITION_PENALTY_MAX,
+                            repetition_window=HISTORY, repetition_codebooks=-1, top_k=TOP_K_MAX, top_p=1.0, min_p=1.0),
+             SamplingParams(temperature=0.0, repetition_penalty=1.0, repetition_window=0, top_k=-1, top_p=0.0,
+                            min_p=0.0, seed=SEED_LIMIT - 1),
+             SamplingParams(temperature=5e-324, top_p=1e-320, min_p=1e-320, repetition_penalty=REPETITION_PENALTY_MAX)]
+    st = SamplerState(len(edges), C, V, device)
+    for slot, p in enumerate(edges):
+        p.validate(C)
+        st.admit(slot, p, seed=p.seed or slot)
+    slots = torch.arange(len(edges), device=device)
+    logits = torch.randn(len(edges), C, V, device=device) * 30
+    for _ in range(HISTORY + 3):  # past the history ring: every code penalised at the largest penalty
+        codes = st.sample(logits, slots)
+        assert codes.shape == (len(edges), C) and bool(((codes >= 0) & (codes < V)).all())
 
 
 def test_temperature_zero_is_greedy():
