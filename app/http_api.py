@@ -305,7 +305,7 @@ async def generate_options(gw: Gateway, data: dict[str, Any], owner: str
         p["repetition_window"] = min(p["repetition_window"], MAX_REPETITION_WINDOW)
     if data.get("max_tokens") is not None:
         mt = data["max_tokens"]
-        if not isinstance(mt, int) or mt <= 0:
+        if isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0:
             raise RequestError("bad_params", "max_tokens must be a positive integer")
         p["max_frames"] = min(mt, gw.settings.limits.max_frames)
     if data.get("speaking_rate_enabled"):
@@ -386,7 +386,7 @@ async def tts_generate(request: Request) -> Response:
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     text = http_text(data, "text", gw.settings.limits.max_http_chars)
     fade_ms = data.get("fade_out_ms") or 0.0
-    if not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= 5000:
+    if isinstance(fade_ms, bool) or not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= 5000:
         raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
     opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     speech = speak(gw, "tts_generate", text, opts, voice, clip)

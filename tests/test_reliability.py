@@ -877,7 +877,9 @@ def test_no_sampling_value_kills_the_engine(server):
                        ("/v1/audio/speech", {"input": "x", "response_format": "pcm", "params": {"top_p": 1e-320,
                                                                                                  "min_p": 2.0}}),
                        ("/tts/generate", {"text": "x", "repetition_penalty": 1e39, "stream": False}),
-                       ("/tts/generate", {"text": "x", "temperature": 101, "stream": False})):
+                       ("/tts/generate", {"text": "x", "temperature": 101, "stream": False}),
+                       ("/tts/generate", {"text": "x", "fade_out_ms": True, "stream": False}),  # booleans are
+                       ("/tts/generate", {"text": "x", "max_tokens": True, "stream": False})):  # not numbers
         r = httpx.post(server.url + path, json=body, timeout=60)
         assert_json_error(r, 400, "bad_params")
 
