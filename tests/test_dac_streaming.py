@@ -336,6 +336,17 @@ def test_triton_transposed_convolution_matches_torch(shape):
     torch.testing.assert_close(conv1d(x, arrange_transposed(w), bias, phases=s), ref, **tol)
 
 
+@pytest.mark.slow
+def test_incremental_with_triton_kernels_equals_one_shot(codec: Codec):
+    """kernels="triton": every upsampling and residual conv in Triton (the interpreter on CPU, ~30 s), each
+    writing into the next window; two calls of 10 frames, then the flush."""
+    net = IncrementalDAC(codec, slots=2, kernels="triton")
+    codes = random_frames(7, seed=9)
+    x = feed(net, codes, 1, [10])
+    ref = codec.decode(torch.from_numpy(codes)[None])[0].numpy()
+    assert len(x) == 7 * HOP and snr_db(ref, x) > EXACT_DB
+
+
 # ---- streaming ----------------------------------------------------------------------------------
 
 
