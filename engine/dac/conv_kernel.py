@@ -33,24 +33,24 @@ INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 256, "BLOCK_C": 16}  # the interpreter 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off, y_sb, y_sc,
-                 B,  # only an autotuning key: the best tiles for 1 row are not those for 128
-                 C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
+                 B, C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
                  RESIDUAL: tl.constexpr, PHASES: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    pid_t, pid_n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    n_ok, t_ok = n < N, t < L_out
+    # the GEMM's columns are (row, time) pairs of the whole batch, so short rows (10 frames at the first
+    # stage) fill the tiles as well as long ones
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n_ok, i_ok = n < N, i < B * L_out
+    b, t = (i // L_out).to(tl.int64), i % L_out
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
-    x_row = x_ptr + b * C * L_in
+    x_col = x_ptr + b * C * L_in + t
     for k in tl.static_range(TAPS):
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             c_ok = c < C
             # weights pre-arranged [TAPS, N, C]: contiguous along c
             w = tl.load(w_ptr + (k * N + n[:, None]) * C + c[None, :], mask=n_ok[:, None] & c_ok[None, :], other=0.0)
-            x = tl.load(x_row + c[:, None] * L_in + (t[None, :] + k * DIL), mask=c_ok[:, None] & t_ok[None, :],
-                        other=0.0)
+            x = tl.load(x_col[None, :] + c[:, None] * L_in + k * DIL, mask=c_ok[:, None] & i_ok[None, :], other=0.0)
             acc = tl.dot(w, x, acc)
     acc += tl.load(b_ptr + n // PHASES, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if SNAKE:
@@ -58,15 +58,16 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
         inv = tl.load(inv_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         s = tl.sin(a * acc)
         acc = acc + inv * s * s
-    ok = n_ok[:, None] & t_ok[None, :]
+    ok = n_ok[:, None] & i_ok[None, :]
     if RESIDUAL:
-        skip = tl.load(res_ptr + b * N * res_len + n[:, None] * res_len + res_off + t[None, :], mask=ok, other=0.0)
+        skip = tl.load(res_ptr + (b * N * res_len + res_off + t)[None, :] + n[:, None] * res_len, mask=ok, other=0.0)
         acc += skip.to(tl.float32)
     # output channel n = c * PHASES + r is sample t * PHASES + r of channel c (PHASES > 1: a transposed conv)
-    y = y_ptr + b * y_sb + (n // PHASES)[:, None] * y_sc + t[None, :] * PHASES + (n % PHASES)[:, None]
+    y = y_ptr + (b * y_sb + t * PHASES)[None, :] + (n // PHASES)[:, None] * y_sc + (n % PHASES)[:, None]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+# B is in the key: the best tiles for 1 row are not those for 128
 _conv_tuned = triton.autotune(configs=CONFIGS, key=["B", "C", "N", "L_out", "TAPS", "DIL", "PHASES"])(_conv_kernel)
 
 
@@ -105,9 +106,9 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tu
     flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None,
              "PHASES": phases}
     if x.is_cuda:
-        grid = lambda meta: (triton.cdiv(l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]), b)  # noqa: E731
+        grid = lambda meta: (triton.cdiv(b * l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
         _conv_tuned[grid](*args, **flags)
     else:
-        grid = (triton.cdiv(l_out, INTERPRETED["BLOCK_T"]), triton.cdiv(n, INTERPRETED["BLOCK_N"]), b)
+        grid = (triton.cdiv(b * l_out, INTERPRETED["BLOCK_T"]), triton.cdiv(n, INTERPRETED["BLOCK_N"]))
         _conv_kernel[grid](*args, **flags, **INTERPRETED)
     return y
