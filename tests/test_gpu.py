@@ -273,3 +273,30 @@ def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
             print(f"DAC {dtype}: async stream vs one-shot SNR {snr:.1f} dB")
             assert len(x) == 200 * HOP and snr > floor
 
+
+
+def test_compiled_and_eager_sampler_agree_at_every_batch():
+    """The first frame after a prefill is sampled eagerly, later frames by the compiled sampler in the decode
+    graph (one compile per bucket): both draw the same table noise and filter without float sums, so a row
+    gets the same code from either path, alone or among 63 others."""
+    from engine.contract.records import SamplingParams
+    from engine.llm.sampling import SamplerState
+
+    c, v, n = 9, 1026, 64
+    params = SamplingParams(seed=5, top_p=0.9, min_p=0.1, temperature=0.8)
+    states = {compiled: SamplerState(n + 1, c, v, "cuda", compiled=compiled) for compiled in (False, True)}
+    for st in states.values():
+        for s in range(n):
+            st.admit(s, params if s == 7 else SamplingParams(seed=s, top_k=s % 50), seed=5 if s == 7 else s)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(4):
+        logits = torch.randn(n, c, v, device="cuda", generator=gen) * 3
+        codes = {}
+        for compiled, st in states.items():
+            alone = st.sample(logits[7:8], torch.tensor([7], device="cuda"))[0].clone()
+            st.step[7] -= 1  # the same frame again, now among the others
+            st.history_step[7, st.step[7] % st.history_step.shape[1]] = -1
+            batch = st.sample(logits, torch.arange(n, device="cuda"))
+            assert torch.equal(alone, batch[7]), compiled
+            codes[compiled] = batch
+        assert torch.equal(codes[False], codes[True])

@@ -191,3 +191,38 @@ def test_first_frame_after_prefill_is_sampled_outside_the_compiled_sampler():
     assert len(got) == 3
     for a, b in zip(got, ref, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_rows_filtered_logits_are_the_same_bits_in_any_batch():
+    """Top-p and min-p decide per row without float sums (fixed-point mass, exp(l - max) against min_p), so a
+    row's filtered logits, and its noise, are the same bits alone and among rows of other settings."""
+    from engine.llm.sampling import gumbel_noise
+
+    rng = np.random.default_rng(3)
+    st = SamplerState(8, C, V, "cpu")
+    for s in range(8):
+        st.admit(s, SamplingParams(top_p=(0.3, 0.9, 0.0)[s % 3], min_p=(0.0, 0.05, 0.2)[s % 3],
+                                   temperature=0.5 + 0.1 * s), seed=100 + s)
+    logits = torch.from_numpy(rng.normal(0, 3, size=(8, C, V)).astype(np.float32))
+    full = st.filtered_logits(logits, torch.arange(8))
+    noise = gumbel_noise(st.seed, st.step, (C, V))
+    for s in range(8):
+        one = torch.tensor([s])
+        assert torch.equal(st.filtered_logits(logits[s:s + 1], one)[0], full[s])
+        assert torch.equal(gumbel_noise(st.seed[one], st.step[one], (C, V))[0], noise[s])
+    plain = SamplerState(1, C, V, "cpu")
+    plain.admit(0, SamplingParams(top_p=0.0, min_p=0.0, temperature=0.5), seed=100)
+    # slot 0's top-p 0.3 keeps fewer codes than the same row unfiltered: the filter is active
+    unfiltered = plain.filtered_logits(logits[:1], torch.tensor([0]))[0]
+    assert (torch.isfinite(full[0]).sum(-1) < torch.isfinite(unfiltered).sum(-1)).all()
+
+
+def test_noise_table_is_gumbel():
+    """The table's quantiles follow Gumbel(0, 1): mean ~ Euler's gamma, and a hash's draws spread over it."""
+    from engine.llm.sampling import NOISE_BITS, gumbel_noise, gumbel_table
+
+    table = gumbel_table("cpu")
+    assert table.shape == (2**NOISE_BITS,) and torch.all(table[1:] > table[:-1])
+    assert abs(float(table.double().mean()) - 0.5772156649) < 1e-3
+    draws = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), (C, V)).double()
+    assert abs(float(draws.mean()) - 0.5772156649) < 0.01 and abs(float(draws.var()) - np.pi**2 / 6) < 0.05
