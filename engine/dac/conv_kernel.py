@@ -33,7 +33,7 @@ INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 256, "BLOCK_C": 16}  # the interpreter 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off, y_sb, y_sc,
-                 B, C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
+                 B, SIZE, C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
                  RESIDUAL: tl.constexpr, PHASES: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     # the GEMM's columns are (row, time) pairs of the whole batch, so short rows (10 frames at the first
@@ -67,8 +67,12 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
-# B is in the key: the best tiles for 1 row are not those for 128
-_conv_tuned = triton.autotune(configs=CONFIGS, key=["B", "C", "N", "L_out", "TAPS", "DIL", "PHASES"])(_conv_kernel)
+# Tuned per layer shape and SIZE, log2 of the GEMM's columns (the best tiles for 1 row are not those for 128),
+# with short timings: the engine's warm-up tunes every (layer, batch bucket) before serving, in seconds.
+_conv_tuned = triton.autotune(
+    configs=CONFIGS, key=["SIZE", "C", "N", "TAPS", "DIL", "PHASES"], cache_results=True,
+    do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=3, rep=10, quantiles=quantiles),
+)(_conv_kernel)
 
 
 def arrange(weight: Tensor) -> Tensor:
@@ -102,7 +106,8 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tu
         raise ValueError(f"out must be [{b}, {n // phases}, {l_out * phases}] with unit stride in time")
     alpha, inv = (snake[0].reshape(-1), snake[1].reshape(-1)) if snake is not None else (bias, bias)
     res, off = residual if residual is not None else (x, 0)
-    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, y.stride(0), y.stride(1), b)
+    args = (x, weight, bias, alpha, inv, res, y, l_in, l_out, res.shape[-1], off, y.stride(0), y.stride(1), b,
+            (b * l_out).bit_length())
     flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None,
              "PHASES": phases}
     if x.is_cuda:
