@@ -295,7 +295,8 @@ def test_masked_fused_snake_matches_reference(t: int):
     assert (out[2] == 0).all() and (out[0] != 0).any()
 
 
-@pytest.mark.parametrize("shape", [(2, 8, 8, 70, 7, 3), (3, 4, 4, 80, 7, 9), (2, 20, 20, 33, 1, 1), (1, 48, 40, 100, 7, 1)])
+@pytest.mark.parametrize("shape", [(2, 8, 8, 70, 7, 3), (3, 4, 4, 80, 7, 9), (2, 20, 20, 33, 1, 1), (1, 48, 40, 100, 7, 1),
+                                   (2, 8, 8, 700, 7, 9)])  # the last: rows long enough to be tiled one by one
 def test_triton_residual_convolutions_match_torch(shape):
     """The residual units' Triton convolutions (engine/dac/conv_kernel.py, in the interpreter on CPU): the
     unpadded dilated conv, with Snake or with the skip add in the epilogue."""
@@ -321,7 +322,7 @@ def test_triton_residual_convolutions_match_torch(shape):
     assert (window[..., :4] == 7).all()
 
 
-@pytest.mark.parametrize("shape", [(2, 16, 8, 9, 8), (3, 8, 4, 20, 4), (1, 8, 20, 13, 2)])
+@pytest.mark.parametrize("shape", [(2, 16, 8, 9, 8), (3, 8, 4, 20, 4), (1, 8, 20, 13, 2), (2, 8, 4, 600, 2)])
 def test_triton_transposed_convolution_matches_torch(shape):
     """The transposed conv of the incremental window (stride s, kernel 2 s, padding s) as one Triton GEMM over
     its s phases."""

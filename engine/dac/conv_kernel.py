@@ -28,20 +28,25 @@ CONFIGS = [
     for bn, bt, bc, w, s in [(64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 256, 32, 8, 3), (128, 64, 64, 4, 3),
                              (32, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
 ]
+FLAT_BELOW = 512  # rows shorter than this are tiled across the batch, longer ones row by row
 INTERPRETED = {"BLOCK_N": 16, "BLOCK_T": 256, "BLOCK_C": 16}  # the interpreter pays per program: long rows
 
 
 @triton.jit
 def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, L_out, res_len, res_off, y_sb, y_sc,
                  B, SIZE, C: tl.constexpr, N: tl.constexpr, TAPS: tl.constexpr, DIL: tl.constexpr, SNAKE: tl.constexpr,
-                 RESIDUAL: tl.constexpr, PHASES: tl.constexpr,
+                 RESIDUAL: tl.constexpr, PHASES: tl.constexpr, FLAT: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    # the GEMM's columns are (row, time) pairs of the whole batch, so short rows (10 frames at the first
-    # stage) fill the tiles as well as long ones
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    n_ok, i_ok = n < N, i < B * L_out
-    b, t = (i // L_out).to(tl.int64), i % L_out
+    n_ok = n < N
+    if FLAT:  # columns are the batch's (row, time) pairs: short rows (10 frames at the first stage) fill tiles
+        i = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        i_ok = i < B * L_out
+        b, t = (i // L_out).to(tl.int64), i % L_out
+    else:  # a tile within one row: contiguous loads and stores
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        i_ok = t < L_out
+        b = tl.program_id(2).to(tl.int64)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     x_col = x_ptr + b * C * L_in + t
     for k in tl.static_range(TAPS):
@@ -70,7 +75,7 @@ def _conv_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, inv_ptr, res_ptr, y_ptr, L_in, 
 # Tuned per layer shape and SIZE, log2 of the GEMM's columns (the best tiles for 1 row are not those for 128),
 # with short timings: the engine's warm-up tunes every (layer, batch bucket) before serving, in seconds.
 _conv_tuned = triton.autotune(
-    configs=CONFIGS, key=["SIZE", "C", "N", "TAPS", "DIL", "PHASES"], cache_results=True,
+    configs=CONFIGS, key=["SIZE", "C", "N", "TAPS", "DIL", "PHASES", "FLAT"], cache_results=True,
     do_bench=lambda fn, quantiles: triton.testing.do_bench(fn, warmup=3, rep=10, quantiles=quantiles),
 )(_conv_kernel)
 
@@ -110,10 +115,13 @@ def conv1d(x: Tensor, weight: Tensor, bias: Tensor, dilation: int = 1, snake: tu
             (b * l_out).bit_length())
     flags = {"C": c, "N": n, "TAPS": taps, "DIL": dilation, "SNAKE": snake is not None, "RESIDUAL": residual is not None,
              "PHASES": phases}
+    flat = l_out < FLAT_BELOW
+    flags["FLAT"] = flat
+    cols, rows = (b * l_out, 1) if flat else (l_out, b)
     if x.is_cuda:
-        grid = lambda meta: (triton.cdiv(b * l_out, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]))  # noqa: E731
+        grid = lambda meta: (triton.cdiv(cols, meta["BLOCK_T"]), triton.cdiv(n, meta["BLOCK_N"]), rows)  # noqa: E731
         _conv_tuned[grid](*args, **flags)
     else:
-        grid = (triton.cdiv(b * l_out, INTERPRETED["BLOCK_T"]), triton.cdiv(n, INTERPRETED["BLOCK_N"]))
+        grid = (triton.cdiv(cols, INTERPRETED["BLOCK_T"]), triton.cdiv(n, INTERPRETED["BLOCK_N"]), rows)
         _conv_kernel[grid](*args, **flags, **INTERPRETED)
     return y
