@@ -12,7 +12,7 @@ which decoded ~1.8 frames per new frame).
 long the launching thread is busy. A call of F frames for B streams yields B x F x 512 new samples: every
 row steady (all its frames real, its state in its own slot), as in the engine. Variants: cuDNN's timed
 algorithms (the default), its heuristic picks, the residual units' convolutions as Triton kernels
-(autotuned at the first call of each shape), torch.compile. --profile adds the top kernels of one eager
+(and the transposed ones; autotuned at the first call of each shape), torch.compile. --profile adds the top kernels of one eager
 call per variant at the largest batch and the first frame count (torch.profiler).
 """
 
@@ -34,7 +34,7 @@ VARIANTS = {  # IncrementalDAC options: cuDNN's heuristic algorithms / timed one
     "heuristic": {"cudnn_benchmark": False},
     "benchmark": {"cudnn_benchmark": True},
     "compiled": {"cudnn_benchmark": True, "compiled": True},
-    "triton": {"cudnn_benchmark": True, "kernels": "triton"},  # residual units' convs as Triton kernels
+    "triton": {"cudnn_benchmark": True, "kernels": "triton"},  # upsampling and residual convs in Triton
 }
 
 
