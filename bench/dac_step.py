@@ -11,9 +11,9 @@ which decoded ~1.8 frames per new frame).
 "ms" is GPU time per call (wall time of back-to-back calls, synchronized at the end); "host ms" is how
 long the launching thread is busy. A call of F frames for B streams yields B x F x 512 new samples: every
 row steady (all its frames real, its state in its own slot), as in the engine. Variants: cuDNN's timed
-algorithms (the default), its heuristic picks, the residual units' convolutions as Triton kernels
-(and the transposed ones; autotuned at the first call of each shape), torch.compile. --profile adds the top kernels of one eager
-call per variant at the largest batch and the first frame count (torch.profiler).
+algorithms (the default), its heuristic picks, every upsampling and residual convolution as a Triton
+kernel (autotuned at the first call of each shape), torch.compile. --profile adds the top kernels of one
+eager call per variant at the largest batch and the first frame count (torch.profiler).
 """
 
 from __future__ import annotations
