@@ -105,6 +105,10 @@ class Gateway:
             settings.normalization_workers or default_workers(), lim.normalization_cpu_s,
             lim.normalization_max_tasks) if settings.text_normalization else None
         self.prompts = PromptFactory(self.cfg, None, emotion_directions(settings.emotion_directions_dir))
+        if self.normalizer is not None:
+            turns = self.normalizer.turns
+            self.metrics.normalizing.set_function(lambda: turns.active)
+            self.metrics.normalization_waiting.set_function(lambda: turns.waiting)
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
         self.sessions = 0
         self.started_at = time.time()
