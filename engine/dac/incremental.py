@@ -263,7 +263,3 @@ class IncrementalDAC:
             return win[..., half : half + h.shape[-1]] + h
         s, conv = ly.modules
         return torch.tanh(F.conv1d(snake(s, win), conv.weight, conv.bias))
-
-    def reset(self, slot: int) -> None:
-        """Zero one slot's state (a stream's first call does this itself, in order with earlier calls)."""
-        self.state[slot].zero_()
