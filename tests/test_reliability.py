@@ -1112,9 +1112,11 @@ PHONES = ("+1-555-123-4567 " * 250)[:4000]
 
 @pytest.fixture(scope="module")
 def normalizing(start_server):
-    """Text normalization on (conftest's servers run without it), one worker; context 1024 frames, so the
-    utterance budget is (1024 - 32) // 7 = 141 bytes."""
-    return start_server("--text-normalization", "--normalization-workers", "1")
+    """Text normalization on (conftest's servers run without it) in two workers with a CPU bound no test
+    text reaches; context 2048 frames (the tiny model's), so the utterance budget is (2048 - 32) // 7 =
+    288 bytes, as in the issue's reproduction."""
+    return start_server("--text-normalization", "--normalization-workers", "2", "--normalization-cpu-s", "300",
+                        "--max-context", "2048")
 
 
 @pytest.fixture(scope="module")
@@ -1129,20 +1131,54 @@ def test_normalized_text_longer_than_the_budget_is_spoken_whole(normalizing):
     never cut short by max_frames or refused with prompt_too_long (the old outcome)."""
     async def go():
         c = await connect(normalizing, {"params": {"seed": 1}})
+        budget = c.log[0]["limits"]["max_utterance_bytes"]
         await c.send(type="text", text=DOLLARS, flush=True)
         while (await c.recv(timeout=600))["type"] not in ("flushed", "error"):
             pass
         await c.ws.close()
-        return c.log
+        return c.log, budget
 
-    log = run(go(), timeout=900)
+    log, budget = run(go(), timeout=900)
+    assert budget == 288 and len(DOLLARS.encode()) < budget  # one utterance as written; 2054 bytes spoken
     assert not [d for d in log if d["type"] == "error"], log
     done = [d for d in log if d["type"] == "audio.done"]
-    assert done and all(d["stats"]["finish_reason"] != "max_frames" for d in done)
-    assert all(d["stats"]["engine"]["prompt_frames"] <= 1024 - 6 * 141 for d in done)  # prompt + speech fit
+    assert len(done) == 1 and done[0]["stats"]["finish_reason"] != "max_frames"
+    assert done[0]["stats"]["engine"]["prompt_frames"] <= budget + 32  # the last piece: within the budget
     r = httpx.post(normalizing.url + "/v1/audio/speech", json={"input": DOLLARS, "response_format": "pcm"},
                    timeout=900)
     assert r.status_code == 200 and len(r.content) > 0
+
+
+@slow
+@needs_nemo
+def test_other_sessions_speak_while_a_long_text_is_normalized(normalizing):
+    """Issue 21 #6: normalization ran one text at a time in the gateway, so one tenant's long texts of
+    digits held every other session's first audio (0.2 s -> 8-13 s). Here a session speaks, start to end,
+    while a text of phone numbers (two utterances of ~288 bytes, seconds of CPU each) is being normalized."""
+    async def go():
+        heavy_audio = asyncio.Event()
+
+        async def heavy() -> int:
+            async with httpx.AsyncClient(timeout=600) as client, client.stream(
+                    "POST", normalizing.url + "/v1/audio/speech",
+                    json={"input": PHONES[:490], "response_format": "pcm"}) as r:
+                async for chunk in r.aiter_bytes():
+                    if chunk:
+                        heavy_audio.set()
+                        break
+                return r.status_code
+
+        task = asyncio.create_task(heavy())
+        await await_for(lambda: gauge(normalizing, "zonos_normalization_active") >= 1, 300)
+        c = await connect(normalizing, fast())
+        await c.send(type="text", text="Hello there, 21 cats.", flush=True)
+        done = await c.until("audio.done", timeout=300)
+        spoke_first = not heavy_audio.is_set()
+        await c.ws.close()
+        return done, spoke_first, await task
+
+    done, spoke_first, status = run(go(), timeout=900)
+    assert spoke_first and done["stats"]["frames"] and status == 200
 
 
 @slow
