@@ -151,6 +151,12 @@ class StreamRecord:
     stall_ms_max: float = 0.0
     server_ttfa_ms: float | None = None  # audio.done stats.ttfa_ms
     queue_ms: float | None = None  # audio.done stats.engine.queue_ms
+    # the engine's part of first audio (audio.done stats.engine), in the order it was spent
+    prefill_wait_ms: float | None = None
+    prefill_ms: float | None = None
+    first_chunk_ms: float | None = None  # first frame sampled -> first PCM landed (steps + the first DAC call)
+    engine_ttfa_ms: float | None = None
+    speaker_encoder_ms: float | None = None
     finish_reason: str | None = None
     events: list[tuple[float, int]] = field(default_factory=list)  # (arrival s, samples); in JSON with --events
 
@@ -192,6 +198,8 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
         "ttfa_max_ms": _r(max(ttfa)) if ttfa else None,
         "stall_free_streams": len(stall_free),
         "stall_free_share": len(stall_free) / len(counted) if counted else 0.0,
+        # overload: of the streams that were admitted (and so played), the share that never stalled
+        "admitted_stall_free_share": len(stall_free) / len(ok) if ok else None,
         "stalls_mean": round(float(np.mean([r.stalls for r in ok])), 3) if ok else None,
         "stall_ms_mean": _r(float(np.mean([r.stall_ms_total for r in ok])), 2) if ok else None,
         "stall_ms_max": _r(max(r.stall_ms_max for r in ok)) if ok else None,
@@ -199,6 +207,13 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
         "audio_s_per_s": round(delivered_s / window_s, 2) if window_s > 0 else None,
         "queue_ms_p50": _r(pct(queue, 50)),
         "queue_ms_p95": _r(pct(queue, 95)),
+        # where first audio went (p50 of each part; gateway = client TTFA - the engine's)
+        "ttfa_parts_p50_ms": {
+            part: _r(pct([getattr(r, part) for r in ok if getattr(r, part) is not None], 50))
+            for part in ("queue_ms", "prefill_wait_ms", "prefill_ms", "first_chunk_ms", "engine_ttfa_ms",
+                         "speaker_encoder_ms")
+        } | {"gateway_ms": _r(pct([r.ttfa_ms - r.engine_ttfa_ms for r in ok
+                                   if r.ttfa_ms is not None and r.engine_ttfa_ms is not None], 50))},
         "connect_ms_p50": _r(pct([r.connect_ms for r in ok if r.connect_ms is not None], 50)),
         "e2e_ms_p50": _r(pct([r.e2e_ms for r in ok if r.e2e_ms is not None], 50)),
         "audio_s_mean": round(float(np.mean([r.audio_s for r in ok])), 3) if ok else None,
@@ -412,6 +427,11 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                     rec.server_ttfa_ms = stats.get("ttfa_ms")
                     q = engine.get("queue_ms", stats.get("queue_ms"))
                     rec.queue_ms = float(q) if q is not None else None
+                    for part, key in (("prefill_wait_ms", "prefill_wait_ms"), ("prefill_ms", "prefill_ms"),
+                                      ("first_chunk_ms", "first_chunk_ms"), ("engine_ttfa_ms", "ttfa_ms"),
+                                      ("speaker_encoder_ms", "speaker_encoder_ms")):
+                        if engine.get(key) is not None:
+                            setattr(rec, part, float(engine[key]))
                     rec.finish_reason = stats.get("finish_reason")
                     break
                 if d.get("type") == "error":
@@ -513,6 +533,9 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         log(table_row(summary))
         if summary["error_codes"]:
             log(f"      errors: {summary['error_codes']}")
+        if summary.get("admitted_stall_free_share") is not None:
+            log(f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
+                f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}")
         if opts.out:
             _write_json(opts.out, result)
         if should_stop(result["levels"], opts.stop_after_fail):
