@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the kernels of this build: the GPU tests (beside the seed-invariance run:
+# both check results, not speed), then, with the GPU to themselves, the incremental DAC's variants
+# (bench/dac_step.py) and the decode step with and without batch invariance (bench/decode_step.py --ab).
+# Files under $OUT: run.log, gpu_tests.log, seed_invariance.json/.log, dac_step.json/.log, decode_ab.json/.log
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+exec > >(tee "$OUT/run.log") 2>&1
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
+timeout ${TESTS_S:-300} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py \
+  tests/test_dac_streaming.py tests/test_prefill_attention.py tests/test_fused_router.py tests/test_sampling.py \
+  tests/test_guidance.py} > "$OUT/gpu_tests.log" 2>&1 &
+tests=$!
+timeout ${SEED_S:-200} python3 bench/seed_invariance.py --json "$OUT/seed_invariance.json" > "$OUT/seed_invariance.log" 2>&1
+tail -25 "$OUT/seed_invariance.log"
+wait $tests; tail -8 "$OUT/gpu_tests.log"
+timeout ${DAC_S:-120} python3 bench/dac_step.py --json "$OUT/dac_step.json" --profile > "$OUT/dac_step.log" 2>&1
+grep -v "^\s*$" "$OUT/dac_step.log" | head -30
+timeout ${DECODE_S:-150} python3 bench/decode_step.py --batches ${BATCHES:-1 64 128} --ab --json "$OUT/decode_ab.json" \
+  > "$OUT/decode_ab.log" 2>&1
+grep -v "^\s*$" "$OUT/decode_ab.log" | tail -20
