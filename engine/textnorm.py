@@ -341,8 +341,9 @@ class TextNormalizer:
                 with self._lang_lock(lang):
                     self._get(lang)
                 result[code] = True
-            except Exception:
-                log.warning("text normalizer warm-up failed for %s (%s)", code, lang, exc_info=True)
+            except Exception:  # said once: the gateway's workers warm a language before each text
+                self._warn_once(f"warm:{lang}", "text normalizer warm-up failed for %s (%s)", code, lang,
+                                exc_info=True)
         return result
 
     # ------------------------------------------------------------------ normalizing

@@ -545,3 +545,13 @@ def test_real_normalization_past_its_cpu_bound_is_a_coded_error():
     err, text = asyncio.run(asyncio.wait_for(go(), 600))
     assert err.code == "normalization_timeout" and err.status == 400
     assert text == "doctor Smith has twenty one cats."
+
+
+def test_a_grammar_that_fails_to_build_is_warned_about_once(fake, tmp_path, caplog):
+    fake.build_error = RuntimeError("no grammar")
+    norm = TextNormalizer(cache_dir=tmp_path)
+    for _ in range(3):  # as the gateway's workers do before each text
+        assert norm.warm(["de"]) == {"de": False}
+        assert norm.normalize("2 cats.", "de") == "2 cats."
+    assert len(fake.builds) == 1
+    assert len([r for r in _warnings(caplog) if "warm-up failed" in r.getMessage()]) == 1
