@@ -76,8 +76,14 @@ def cpu_bound(seconds: float) -> Iterator[None]:
         signal.setitimer(signal.ITIMER_PROF, 0)
 
 
+WORKER_NICENESS = 5  # a flood of texts must not take the CPU the event loop and the engine's loop need
+
+
 def _worker_start(warm: tuple[str, ...]) -> None:
     from engine.textnorm import get_normalizer
+
+    with contextlib.suppress(OSError):
+        os.nice(WORKER_NICENESS)
 
     if warm:
         get_normalizer().warm(warm)
