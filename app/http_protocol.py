@@ -87,7 +87,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         self._disarm_head_timer()
         self.logger.info("refused a request head: %s %s", status, message)
-        self.transport.write(error_response(status, code, message))
+        if self.cycle is None or self.cycle.response_complete:  # (mid-response, a pipelined head is just closed)
+            self.transport.write(error_response(status, code, message))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
