@@ -1065,6 +1065,18 @@ def test_an_unfinished_request_head_is_answered_and_closed(hosts):
         assert closed and raw_json_error(answer)[0] == 408 and raw_json_error(answer)[1]["code"] == "request_timeout"
 
 
+def test_normalization_and_head_flags():
+    s = parse_args(["--head-timeout-s", "2.5", "--normalization-cpu-s", "0.5", "--normalization-max-tasks", "0",
+                    "--normalization-workers", "3"])
+    assert (s.limits.head_timeout_s, s.limits.normalization_cpu_s, s.limits.normalization_max_tasks) == (2.5, 0.5, 0)
+    assert s.normalization_workers == 3 and s.text_normalization
+    assert not parse_args(["--no-text-normalization"]).text_normalization
+    assert parse_args(["--no-text-normalization", "--text-normalization"]).text_normalization  # the last one
+    for bad in (["--normalization-workers", "-1"], ["--normalization-cpu-s", "0"], ["--head-timeout-s", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
 def test_host_rule_flags():
     assert parse_args(["--allowed-host", "a.example", "--allowed-host", "b.example"]).allowed_hosts == (
         "a.example", "b.example")
