@@ -15,8 +15,9 @@ every session behind one lock and grew its memory for good (issue 21). Here:
 * A worker is replaced after `max_tasks` texts, so whatever its grammars accumulate is given back.
 * Waiting texts go to the workers fairly (FairTurns): the owner (a session, an HTTP request) that has
   used the workers least goes first, so a new session's first sentence is next whatever others have
-  queued; and texts longer than SHORT_TEXT_BYTES never hold the last free worker, so a short one (a
-  typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s for 300 bytes of digits).
+  queued; and with two workers or more, texts longer than SHORT_TEXT_BYTES never hold the last free
+  worker, so a short one (a typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s
+  for 300 bytes of digits).
 
 pebble (not concurrent.futures) because a worker that dies or is stopped fails only its own task and is
 replaced, where ProcessPoolExecutor breaks the whole pool.
@@ -243,8 +244,16 @@ class NormalizationPool:
         assert self._pool is not None
         async with self.turns.turn(owner, long):
             future = self._pool.submit(fn, TASK_WALL_LIMIT_S, *args)
+            waiter = asyncio.wrap_future(future)
             try:
-                return await asyncio.wrap_future(future)
+                return await asyncio.shield(waiter)  # (a cancelled wrap_future would cancel, so kill, the task)
             except asyncio.CancelledError:
-                future.cancel()  # a task not yet running is dropped; a running one stops with its worker
+                # The caller is gone (a session closed, an utterance cancelled). A task not yet running is
+                # dropped; a running one finishes, within its CPU bound, holding its turn until then: ending
+                # its worker would cost a grammar reload, and a client could make that happen at will.
+                if not future.running():
+                    future.cancel()
+                else:
+                    with contextlib.suppress(BaseException):
+                        await waiter
                 raise

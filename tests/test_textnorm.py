@@ -392,7 +392,9 @@ def spin_within(cpu_s: float) -> None:
 
 
 def wait_for_file(path: str) -> int:
-    """A task that holds its worker until `path` exists (a long text, as long as the test wants)."""
+    """A task that holds its worker until `path` exists (a long text, as long as the test wants); it
+    creates `path`.started first."""
+    open(path + ".started", "a").close()
     while not os.path.exists(path):
         time.sleep(0.01)
     return os.getpid()
@@ -555,3 +557,30 @@ def test_a_grammar_that_fails_to_build_is_warned_about_once(fake, tmp_path, capl
         assert norm.normalize("2 cats.", "de") == "2 cats."
     assert len(fake.builds) == 1
     assert len([r for r in _warnings(caplog) if "warm-up failed" in r.getMessage()]) == 1
+
+
+def test_a_cancelled_text_finishes_in_its_worker_which_stays(tmp_path):
+    """A caller that goes away mid-normalization does not end the worker (a grammar reload a client could
+    cause at will); the worker's turn is held until its text is done."""
+    import asyncio
+
+    gate = str(tmp_path / "release")
+
+    async def go():
+        pool = _pool()
+        try:
+            first = await pool.run(None, False, os.getpid)
+            task = asyncio.create_task(pool.run("gone", True, wait_for_file, gate))
+            while not os.path.exists(gate + ".started"):  # running in its worker
+                await asyncio.sleep(0.01)
+            task.cancel()
+            held = pool.turns.active  # still held while the text runs
+            open(gate, "w").close()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return first, held, pool.turns.active, await pool.run(None, False, os.getpid)
+        finally:
+            pool.close()
+
+    first, held, after, again = asyncio.run(asyncio.wait_for(go(), 120))
+    assert held == 1 and after == 0 and again == first
