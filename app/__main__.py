@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--text-normalization", action=argparse.BooleanOptionalAction, default=True,
                    help="numbers, dates, currency... read as words (NeMo grammars, if installed); default on")
     p.add_argument("--normalization-workers", type=int, default=0, metavar="N",
-                   help="worker processes that normalize text (default 0: one per CPU this process may use)")
+                   help="worker processes that normalize text (default 0: one per CPU this process may use, "
+                        "at most 16)")
     p.add_argument("--log-level", default=os.environ.get("LOG_LEVEL", "INFO"))
     lim = p.add_argument_group("limits", "app/settings.py Limits; the table is in docs/reliability.md")
     for f in dataclasses.fields(Limits):

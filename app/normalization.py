@@ -4,7 +4,7 @@ NeMo's grammars normalize one text per process at a time, at up to ~1 s of CPU f
 digits, and hold a few hundred MB per loaded language. In the gateway's own process that serialized
 every session behind one lock and grew its memory for good (issue 21). Here:
 
-* Each worker process (`workers`, default: the CPUs this process may use) holds its own grammars (the
+* Each worker process (`workers`, default: the CPUs this process may use, at most 16) holds its own grammars (the
   warm languages are loaded when it starts, others on first use) and normalizes one text at a time, so
   texts normalize in parallel up to the cores given.
 * One text may take `cpu_limit_s` of CPU in its worker (loading the grammar excluded). Past it the
@@ -52,12 +52,19 @@ TASK_WALL_LIMIT_S = 900.0
 _CPU_SIGNAL = signal.SIGPROF  # ITIMER_PROF: user + system CPU time of the worker process
 
 
+# At most this many workers by default: each holds ~450 MB of grammars, and 16 normalize ~500 typical
+# sentences a second, more than a host's streams ask for; --normalization-workers sets any number.
+MAX_DEFAULT_WORKERS = 16
+
+
 def default_workers() -> int:
-    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow), at most
+    MAX_DEFAULT_WORKERS."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, MAX_DEFAULT_WORKERS))
 
 
 def nemo_installed() -> bool:

@@ -58,7 +58,7 @@ class GatewaySettings:
     # rule (app/auth.py, docs/reliability.md "Host rule")
     allowed_hosts: tuple[str, ...] = ()
     text_normalization: bool = True
-    normalization_workers: int = 0  # worker processes for text normalization; 0: the CPUs this process may use
+    normalization_workers: int = 0  # text normalization worker processes; 0: one per CPU (at most 16)
     log_level: str = "INFO"
 
     @property
