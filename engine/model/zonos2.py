@@ -307,6 +307,7 @@ class MoEFFN(nn.Module):
         self.experts.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.intermediate))
 
     use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
+    fp8 = False  # set by engine.model.quantize.quantize_experts(): e4m3 experts + experts.*_scale
 
     def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
         if self.use_triton:
@@ -316,9 +317,20 @@ class MoEFFN(nn.Module):
             bi = stages.batch_invariant
             route_fn = partial(fused_route, row_kernel=True, linear_fn=stages.linear) if bi else fused_route
             chosen, weights, state = self.router(x, router_state, self.k, route_fn)
+            if self.fp8:
+                from engine.model.kernels.moe_fp8 import fused_moe_fp8
+
+                ex = self.experts
+                return fused_moe_fp8(x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights,
+                                     batch_invariant=bi), state
             return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights,
                              batch_invariant=bi), state
         chosen, weights, state = self.router(x, router_state, self.k, stages.route)
+        if self.fp8:
+            from engine.model.quantize import moe_fp8_reference
+
+            ex = self.experts
+            return moe_fp8_reference(x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights), state
         return self.run_experts(x, chosen, weights), state
 
     def run_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:

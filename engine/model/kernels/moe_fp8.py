@@ -1,0 +1,159 @@
+"""FP8 (e4m3, block-scaled w8a8) fused MoE: the kernels of engine/model/kernels/moe.py with FP8 experts.
+
+Same routing and static shapes as `fused_moe` (the pairs sorted into BLOCK_M-row blocks of one expert by
+`align_blocks_triton`; no host sync, graph-capturable). Each kernel's reduction runs in steps of QBLOCK
+columns: it loads the activation rows in the model dtype, quantizes each row's QBLOCK group in registers
+(scale max(amax, 1e-10) / 448, round to e4m3), multiplies on the FP8 tensor cores against the expert's e4m3
+tile and adds the fp32 product times (row scale x the weight tile's scale). Quantizing in the kernel costs
+a few ALU ops per loaded activation and no extra launch or buffer; a row's value depends on that row only,
+so the kernels are batch-invariant like the bf16 blocked ones. The scheme and its plain-PyTorch reference:
+engine/model/quantize.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from engine.model.kernels.moe import _combine_topk, align_blocks_triton
+from engine.model.quantize import ACT_EPS, FP8, FP8_MAX, QBLOCK
+
+
+@triton.jit
+def _round_e4m3(v):
+    """v (fp32, |v| <= ~448) rounded to the nearest e4m3fn value (ties to even), still in fp32, saturated
+    at +-448. Done in fp32 arithmetic so the cast that follows is exact: Triton's interpreter rounds some
+    values wrongly when it casts to float8 itself (31.1 -> 16, subnormals to 0)."""
+    e = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.maximum(e, 121)  # below 2^-6 the e4m3 subnormals keep the spacing 2^-9
+    step = ((e - 3) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits: spacing 2^(exp - 3)
+    big = step * 12582912.0  # 1.5 * 2^23 * step: adding it leaves `step` as the last fp32 bit (RNE)
+    r = (v + big) - big
+    return tl.minimum(tl.maximum(r, -448.0), 448.0)
+
+
+@triton.jit
+def _quant_rows(a, fp8_max: tl.constexpr, eps: tl.constexpr):
+    """a [M, QB] fp32 -> (e4m3 [M, QB], scale [M]) per row."""
+    s = tl.maximum(tl.max(tl.abs(a), axis=1), eps) / fp8_max
+    return _round_e4m3(a / s[:, None]).to(tl.float8e4nv), s
+
+
+# n_pairs is not specialised on: every batch runs the same code (see moe.py)
+@triton.jit(do_not_specialize=["n_pairs"])
+def _gate_up_fp8_kernel(
+    x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    n_pairs, top_k, INTER,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < n_pairs
+    token = pair // top_k
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    kk = tl.arange(0, QB)
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    s_g = ws_ptr + expert * stride_se + (n // QB) * stride_sn  # scale row of each gate / up column
+    s_u = ws_ptr + expert * stride_se + ((n + INTER) // QB) * stride_sn
+    for k0 in range(0, K, QB):
+        k_ok = (k0 + kk) < K
+        x = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        xq, xs = _quant_rows(x, FP8_MAX_, EPS)
+        wg = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                     other=0.0)
+        wu = tl.load(w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
+                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        sg = tl.load(s_g + k0 // QB, mask=n_ok, other=0.0)
+        su = tl.load(s_u + k0 // QB, mask=n_ok, other=0.0)
+        acc_g += tl.dot(xq, wg) * (xs[:, None] * sg[None, :])
+        acc_u += tl.dot(xq, wu) * (xs[:, None] * su[None, :])
+    # GEMM outputs rounded to the activation dtype before silu-and-mul, as in the bf16 kernels
+    g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_pairs"])
+def _down_fp8_kernel(
+    h_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
+    n_pairs, N,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + rows)
+    row_ok = pair < n_pairs
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    kk = tl.arange(0, QB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_base = w_ptr + expert * stride_we
+    s_n = ws_ptr + expert * stride_se + (n // QB) * stride_sn
+    for k0 in range(0, K, QB):
+        k_ok = (k0 + kk) < K
+        h = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        hq, hs = _quant_rows(h, FP8_MAX_, EPS)
+        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
+                    other=0.0)
+        ws = tl.load(s_n + k0 // QB, mask=n_ok, other=0.0)
+        acc += tl.dot(hq, w) * (hs[:, None] * ws[None, :])
+    rw = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    tl.store(out_ptr + pair[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+def fused_moe_fp8(
+    x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
+    chosen: Tensor, weights: Tensor, block_m: int = 16, block_n: int = 64, batch_invariant: bool = False,
+) -> Tensor:
+    """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
+    [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
+    engine/model/quantize.py); chosen / weights [N, k] -> [N, dim] in x's dtype. The blocked kernels run
+    at every batch (they are batch-invariant); batch_invariant only fixes the top-k summation order."""
+    if gate_up.dtype != FP8 or down.dtype != FP8:
+        raise TypeError(f"fused_moe_fp8 takes float8_e4m3fn experts, not {gate_up.dtype} / {down.dtype}")
+    n, dim = x.shape
+    e, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    k = chosen.shape[1]
+    sorted_pairs, block_expert = align_blocks_triton(chosen, e, block_m)
+    n_blocks = block_expert.numel()
+    h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+    _gate_up_fp8_kernel[(n_blocks, triton.cdiv(inter, block_n))](
+        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert,
+        n * k, k, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        h.stride(0),
+        K=dim, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+    )
+    out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
+    _down_fp8_kernel[(n_blocks, triton.cdiv(dim, block_n))](
+        h, down, down_scale, out, sorted_pairs, block_expert, weights.contiguous().view(-1),
+        n * k, dim,
+        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
+        K=inter, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+    )
+    return _combine_topk(out, n, k, x.dtype, batch_invariant)
