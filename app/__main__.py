@@ -78,6 +78,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineSettings.batch_invariant,
                    help="a seeded request gets the same codes whatever else runs (default on); "
                         "--no-batch-invariant: batch-dependent kernels, the seed holds for a request alone")
+    p.add_argument("--quantization", choices=["none", "fp8"], default=EngineSettings.quantization,
+                   help="fp8: MoE experts quantized at load to block-scaled FP8 (half their memory and reads; "
+                        "a GPU with FP8 tensor cores); none: the exact bf16 model (default)")
     p.add_argument("--data-dir", default=os.environ.get("ZONOS_DATA_DIR", "data"), help="voices are kept here")
     p.add_argument("--default-voices-dir", help="folder of clips / .npy embeddings offered to everyone")
     p.add_argument("--emotion-directions-dir", help="emotion directions in the reference's emotion_directions/ "
@@ -119,6 +122,10 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         p.error("give --device (one engine) or --devices (one engine per device), not both")
     if devices and a.dac_device:
         p.error("--dac-device is for one engine (--device); with --devices each engine keeps its DAC on its device")
+    engine_devices = devices or [a.device]
+    if a.quantization == "fp8" and any(d == "cpu" or (d == "auto" and not visible_gpus()) for d in engine_devices):
+        p.error("--quantization fp8 runs on a GPU with FP8 tensor cores; this engine would run on the CPU: "
+                "drop the flag (or give a CUDA --device)")
     engine = EngineSettings(
         device=devices[0] if devices else a.device,
         dac_device=a.dac_device,
@@ -137,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
         batch_invariant=a.batch_invariant,
+        quantization=a.quantization,
     )
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()

@@ -11,13 +11,24 @@ from engine.contract.settings import WeightSources
 log = logging.getLogger(__name__)
 
 
-def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None):
+def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None,
+               quantization: str = "none"):
+    """The LLM; quantization "fp8" quantizes its bf16 experts at load (engine/model/quantize.py)."""
     from engine.model.checkpoint import load_checkpoint, random_model
 
     if src.model_path:
-        return load_checkpoint(src.model_path, device, dtype)
-    log.warning("no --model-path: using random %s weights (the model speaks noise)", src.random_preset)
-    return random_model(src.random_preset, seed=src.seed, device=device, dtype=dtype)
+        model = load_checkpoint(src.model_path, device, dtype)
+    else:
+        log.warning("no --model-path: using random %s weights (the model speaks noise)", src.random_preset)
+        model = random_model(src.random_preset, seed=src.seed, device=device, dtype=dtype)
+    if quantization == "fp8":
+        from engine.model.quantize import quantize_experts
+
+        size = quantize_experts(model)
+        log.info("MoE experts quantized to block-scaled FP8 (e4m3): %.2f GB", size / 1e9)
+    elif quantization != "none":
+        raise ValueError(f"unknown quantization {quantization!r} (none or fp8)")
+    return model
 
 
 def load_codec(src: WeightSources, device: str | torch.device, dtype: torch.dtype = torch.float32):

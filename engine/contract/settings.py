@@ -49,6 +49,9 @@ class EngineSettings:
     # a seeded request samples the same codes whatever else the GPU runs (engine/model/batch_invariant.py);
     # off: cuBLAS/GEMV and per-batch tiles, faster, and a seed holds only for a request decoded alone
     batch_invariant: bool = True
+    # none: experts in the model dtype (the exact default) | fp8: MoE experts quantized at load to block-scaled
+    # e4m3, w8a8 kernels (engine/model/quantize.py); needs a GPU with FP8 tensor cores, refused on a CPU
+    quantization: str = "none"
     chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
     # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
     # auto: bfloat16 on a GPU, float32 on a CPU

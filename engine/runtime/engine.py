@@ -47,7 +47,10 @@ class Engine:
         self.settings = settings
         self.device = resolve_device(settings.device)
         self.on_gpu = self.device.startswith("cuda")
-        model = load_model(src, self.device)
+        from engine.model.quantize import check_mode
+
+        check_mode(settings.quantization, self.device)  # before minutes of loading: fp8 needs FP8 tensor cores
+        model = load_model(src, self.device, quantization=settings.quantization)
         slots = settings.max_batch or (GPU_SLOTS if self.on_gpu else CPU_SLOTS)
         max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
         self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile,
@@ -123,6 +126,7 @@ class Engine:
             "slots": self.llm.n_slots,
             "max_context": self.llm.max_len,
             "load_s": round(self.load_s, 3),
+            "quantization": self.settings.quantization,
             "weights": self.src.describe(),
             "speaker_dim": self.llm.cfg.speaker_embedding_dim,
             "pid": os.getpid(),
