@@ -402,15 +402,20 @@ class Zonos2(nn.Module):
                 layer.feed_forward.use_triton = on
 
     def set_batch_invariant(self, on: bool = True) -> None:
-        """Decode and prefill through `engine.model.batch_invariant`: a row's logits do not depend on the
-        other rows of the call, the bucket, the packing or the slot. Needs the Triton kernels on."""
+        """Decode and prefill through `engine.model.batch_invariant` by default: a row's logits do not depend
+        on the other rows of the call, the bucket, the packing or the slot. Needs the Triton kernels on. A
+        call's `invariant` argument overrides it for that call (the LLM node picks the set per step)."""
         if on and not self.use_triton:
             raise ValueError("batch-invariant decoding runs on the Triton kernels: call enable_triton() first")
         self.batch_invariant = on
 
-    def stages(self, phase: str) -> Stages:
-        """The stage functions of `phase` ("decode" or "prefill") in the current mode."""
-        if self.batch_invariant:
+    def stages(self, phase: str, invariant: bool | None = None) -> Stages:
+        """The stage functions of `phase` ("decode" or "prefill"): the batch-invariant set if `invariant`
+        (None: the model's default, `set_batch_invariant`), else the default set. A plain attribute read per
+        call: switching sets recompiles nothing and syncs nothing."""
+        if self.batch_invariant if invariant is None else invariant:
+            if not self.use_triton:
+                raise ValueError("batch-invariant stages run on the Triton kernels: call enable_triton() first")
             from engine.model import batch_invariant
 
             return batch_invariant.DECODE if phase == "decode" else batch_invariant.PREFILL
@@ -495,13 +500,15 @@ class Zonos2(nn.Module):
 
     # ---- entry points ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: Tensor, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None = None) -> Tensor:
+    def prefill(self, ids: Tensor, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None = None,
+                invariant: bool | None = None) -> Tensor:
         """Packed prefill. ids [sum(length), 10]. A speaker row replaces frame 0 of a sequence whose
-        chunk starts at 0. Returns logits [len(seqs), 9, audio_vocab] of each chunk's last frame."""
+        chunk starts at 0. Returns logits [len(seqs), 9, audio_vocab] of each chunk's last frame.
+        invariant: the kernel set of the Triton path (`stages`)."""
         assert self.cache is not None, "call setup_cache first"
         if self.use_triton:
             batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device)
-            return self.prefill_packed(ids, *batch.tensors())
+            return self.prefill_packed(ids, *batch.tensors(), invariant=invariant)
         cache = self.cache
         e = self.embed(ids)
         offsets, off = [], 0
@@ -523,7 +530,7 @@ class Zonos2(nn.Module):
     @torch.inference_mode()
     def prefill_packed(self, ids: Tensor, tok_slot: Tensor, tok_pos: Tensor, spk: Tensor, spk_of_tok: Tensor,
                        block_slot: Tensor, block_start: Tensor, block_len: Tensor, block_pos0: Tensor,
-                       last_idx: Tensor) -> Tensor:
+                       last_idx: Tensor, invariant: bool | None = None) -> Tensor:
         """The prefill as pure tensor work of fixed shapes (Triton attention over the cache, no host
         sync), so a CUDA graph per token count can replay it. Padding tokens write into the scratch
         slot and belong to no attention block. Returns logits [len(last_idx), 9, audio_vocab]."""
@@ -531,13 +538,13 @@ class Zonos2(nn.Module):
 
         cache = self.cache
         assert cache is not None, "call setup_cache first"
-        stages = self.stages("prefill")
+        stages = self.stages("prefill", invariant)
         e = self.embed(ids)
         if self.cfg.speaker_enabled:
             # frame 0 of a cloned prompt takes the projected speaker row instead of the embedding sum
             rows = self.project_speaker(spk, stages).to(e.dtype)[spk_of_tok.clamp(min=0)]
             e = torch.where((spk_of_tok >= 0)[:, None], rows, e)
-        norm = stages.rms_norm if self.batch_invariant else rms_norm
+        norm = stages.rms_norm if stages.batch_invariant else rms_norm
         h = norm(e, None, self.cfg.norm_eps)
 
         def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
@@ -548,11 +555,13 @@ class Zonos2(nn.Module):
         return self.head(h[last_idx], stages)
 
     @torch.inference_mode()
-    def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None) -> Tensor:
+    def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None,
+               invariant: bool | None = None) -> Tensor:
         """One frame per slot. ids [B, 10]; positions [B] = index of this frame. Attends over the first
-        `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length."""
+        `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length.
+        invariant: the kernel set (`stages`)."""
         assert self.cache is not None, "call setup_cache first"
-        cache, stages = self.cache, self.stages("decode")
+        cache, stages = self.cache, self.stages("decode", invariant)
         h = stages.embed_norm(ids, self.embed_tables(), self.cfg.norm_eps)
         if self.use_triton:
             from engine.model.kernels.decode_attention import decode_attention
