@@ -14,6 +14,10 @@ Usage (one thread, the engine loop, calls everything)::
     dec.launch(); ...; dec.collect()       # the same, split: launch returns at once on a GPU,
                                            # collect returns the calls that have finished
     dec.drop(rid)                          # cancel: forget the request
+    dec.open(rid, hold=True)               # a non-final chunk (engine/longform.py): its end may be trimmed
+    dec.hold(rid, eos_frame)               # ... it ended: keep the stream open at its trimmed end
+    dec.resume(rid, hold=...)              # the next chunk's frames continue the same stream
+    dec.flush(rid)                         # or no next chunk: finish the held stream (its whole tail)
 
 Stream layout. With N delayed frames received, A = N - 8 aligned frames are complete (codebook 8
 lags by 8 frames), capped at eos_frame once known. The final request keeps target frames:
@@ -40,6 +44,19 @@ to a batch bucket (every size to 8, then 4 per octave) with rows that write a sc
 later rounds of the same launch (each round reads the states the previous one wrote, in stream order).
 max_frames bounds the frames one launch feeds; what does not fit waits for the next launch.
 
+Continuation (engine/longform.py). A reply of several chunks is ONE stream: each chunk after the first
+continues the delayed frames the chunks before it kept, so its frames are appended to the same buffer and
+decoded by the same state-cache slot (no join). A chunk opened with hold=True is non-final: at its end
+(`hold`) it keeps its frames up to its end of audio less BOUNDARY_TRIM (all its frames less the trim when it
+had none) and the stream stays open, its audio decoded up to the last aligned frame complete within the kept
+frames (8 before their end); `resume` cuts the buffer to the kept frames and the next chunk's frames follow
+(eos_frame of push/hold/finish counts from the current chunk's first frame). `flush` ends a held stream
+instead, as if its last chunk had been final: its audio up to that chunk's end of audio. While a held
+chunk is generating, its audio is held back so that nothing past its eventual trimmed end is ever decoded:
+with no end of audio seen after n frames, the end of audio is at least n - 8 (an EOA in codebook 8 at the
+next step), so the kept end at least n - 8 - BOUNDARY_TRIM and the complete aligned frames n - 16 - 3 (the
+reference's vocoder holds back 2 x 9 + 3 + 1 delayed frames, i.e. aligned n - 30: the same audio, later).
+
 Shapes. A DAC call's shape is (batch bucket, F): a handful, all warmed (`warmup`: cuDNN builds a plan
 per shape, 40-65 ms the first time on an H200) and captured in CUDA graphs (`capture`) at start.
 """
@@ -57,6 +74,7 @@ from engine.dac.codec import HOP, N_CODEBOOKS, Codec
 from engine.dac.incremental import UNBOUNDED, IncrementalDAC
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.delay import PAD_ID
+from engine.longform import BOUNDARY_TRIM
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +122,11 @@ class _Req:
     done: bool = False  # final call planned; later pushes are ignored
     final_sent: bool = False  # final audio returned; kept only until finish() (or drop())
     served: int = 0  # launch count when last given a call (max_frames fairness)
+    # continuation (module docstring): the current chunk starts at buf[offset]; hold: it is non-final
+    offset: int = 0
+    hold: bool = False
+    track_eos: bool = True  # an end of audio may come (False: ignore_eos, the chunk ends at its last frame)
+    held: int | None = None  # the chunk ended non-final: the stream's kept frames end here
 
     def append(self, frames: np.ndarray) -> None:
         need = self.n + frames.shape[0]
@@ -116,13 +139,28 @@ class _Req:
 
     def available(self) -> int:
         """Complete aligned frames that may be decoded now."""
-        a = max(0, self.n - DELAY)
-        return a if self.eos is None else min(a, self.eos)
+        a = self.n - DELAY if self.eos is None else min(self.n - DELAY, self.eos)
+        if self.hold and not self.finished:  # nothing past the chunk's eventual kept end
+            if self.held is not None:
+                end = self.held
+            elif self.eos is not None:
+                end = self.eos - BOUNDARY_TRIM
+            else:  # no end of audio yet: it is at least n - DELAY (see the module docstring)
+                end = self.n - BOUNDARY_TRIM - (DELAY if self.track_eos else 0)
+            a = min(a, end - DELAY)
+        return max(0, a)
+
+    def kept_end(self) -> int:
+        """Where the current chunk's kept frames end, once it has ended non-final."""
+        end = self.n if self.eos is None else min(self.eos, self.n)
+        return max(self.offset, end - BOUNDARY_TRIM)
 
     def final_target(self) -> int | None:
         """Target frame count if the final calls can run now, else None."""
         if self.finished:
             return target_frames(self.n, self.eos)
+        if self.hold:  # a non-final chunk's end is not the stream's
+            return None
         if self.eos is not None and self.n - DELAY >= self.eos:
             return self.eos  # every frame before EOS is complete: no need to wait for finish
         return None
@@ -177,11 +215,50 @@ class StreamingDecoder:
 
     # ---- request lifecycle (cheap, no DAC work) -------------------------------------------
 
-    def open(self, rid: int) -> None:
-        """Start a request."""
+    def open(self, rid: int, hold: bool = False, track_eos: bool = True) -> None:
+        """Start a request. hold: its first chunk is non-final (continuation); track_eos: an end of audio
+        may come (False with ignore_eos)."""
         if rid in self._reqs:
             raise KeyError(f"request {rid} already open")
-        self._reqs[rid] = _Req()
+        self._reqs[rid] = _Req(hold=hold, track_eos=track_eos)
+
+    def hold(self, rid: int, eos_frame: int | None) -> int:
+        """The current (non-final) chunk has ended with its end of audio at `eos_frame` (None: none):
+        keep the stream open at its trimmed end. Returns the chunk's kept frames (from its first)."""
+        req = self._get(rid)
+        if not req.hold or req.finished:
+            raise ValueError(f"stream {rid} is not a non-final chunk")
+        if eos_frame is not None:
+            self._set_eos(rid, req, req.offset + eos_frame)
+        req.held = req.kept_end()
+        if req.fed > req.held - DELAY and req.fed > 0:  # cannot happen: available() holds the margin back
+            log.warning("stream %s: frames up to %s decoded past the kept end %s", rid, req.fed, req.held)
+        return req.held - req.offset
+
+    def held(self, rid: int) -> bool:
+        """Is the stream open at the end of a non-final chunk (waiting for `resume` or `flush`)?"""
+        req = self._reqs.get(rid)
+        return req is not None and req.held is not None and not req.finished
+
+    def resume(self, rid: int, hold: bool = False, track_eos: bool = True) -> None:
+        """The next chunk continues the held stream: its frames follow the kept ones (`push` as usual)."""
+        req = self._get(rid)
+        if req.held is None or req.finished:
+            raise ValueError(f"stream {rid} is not held")
+        req.n = req.offset = req.held
+        req.held, req.eos, req.hold, req.track_eos = None, None, hold, track_eos
+
+    def make_final(self, rid: int) -> None:
+        """The current chunk, still generating, turns out to be the last: its end is the stream's (no trim)."""
+        self._get(rid).hold = False
+
+    def flush(self, rid: int) -> None:
+        """End a held stream as if its last chunk had been final: the rest of its audio, up to that chunk's
+        end of audio (all its frames without one)."""
+        req = self._get(rid)
+        req.hold = False
+        req.held = None
+        self.finish(rid)
 
     def push(self, rid: int, frames: np.ndarray | torch.Tensor, eos_frame: int | None = None) -> None:
         """Append delayed frames [n, 9] (or one frame [9]); opens rid if needed."""
@@ -197,7 +274,7 @@ class StreamingDecoder:
         if not req.done:
             req.append(f)
         if eos_frame is not None:
-            self._set_eos(rid, req, eos_frame)
+            self._set_eos(rid, req, req.offset + eos_frame)
 
     def push_rows(self, rids: list[int], frames: np.ndarray) -> None:
         """One generated frame for each of `rids` (frames [len(rids), 9], row i for rids[i]): the decode
@@ -215,10 +292,11 @@ class StreamingDecoder:
                 req.n += 1
 
     def finish(self, rid: int, eos_frame: int | None = None) -> None:
-        """No more frames. eos_frame: aligned frames to keep; None = keep all N received."""
+        """No more frames. eos_frame: aligned frames (of the current chunk) to keep; None = keep all N
+        received."""
         req = self._get(rid)
         if eos_frame is not None:
-            self._set_eos(rid, req, eos_frame)
+            self._set_eos(rid, req, req.offset + eos_frame)
         req.finished = True
         if req.final_sent:
             del self._reqs[rid]  # final audio already returned (eos was known early)
