@@ -31,6 +31,9 @@ class WeightSources:
         }
 
 
+BATCH_INVARIANT_MODES = ("seeded", "always", "off")
+
+
 @dataclass
 class EngineSettings:
     device: str = "auto"  # cpu | cuda | cuda:N
@@ -46,9 +49,11 @@ class EngineSettings:
     prefill_group_frames: int = 256
     cuda_graphs: bool = True
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
-    # a seeded request samples the same codes whatever else the GPU runs (engine/model/batch_invariant.py);
-    # off: cuBLAS/GEMV and per-batch tiles, faster, and a seed holds only for a request decoded alone
-    batch_invariant: bool = True
+    # which steps run the batch-invariant kernels (engine/model/batch_invariant.py), one of BATCH_INVARIANT_MODES:
+    # seeded: a decode step or packed prefill holding a request with an explicit seed (its codes are then the
+    # same whatever else runs), the default kernels otherwise; always: every step; off: none (a seed holds
+    # only for a request decoded alone)
+    batch_invariant: str = "seeded"
     # none: experts in the model dtype (the exact default) | fp8: MoE experts quantized at load to block-scaled
     # e4m3, w8a8 kernels (engine/model/quantize.py); needs a GPU with FP8 tensor cores, refused on a CPU
     quantization: str = "none"
@@ -70,6 +75,11 @@ class EngineSettings:
     admission_prebuffer_ms: float = 150.0
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
+    # continuation (engine/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
+    # flushed once its player (started admission_prebuffer_ms after the first byte) holds less than this much
+    # audio, or, before any of its audio went out, once it has been held this long
+    continuation_flush_lead_ms: float = 250.0
+    continuation_grace_ms: float = 100.0
 
 
 def visible_gpus() -> int:
