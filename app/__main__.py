@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from app.settings import GatewaySettings, Limits, loopback
-from engine.contract.settings import EngineSettings, WeightSources, visible_gpus
+from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, WeightSources, visible_gpus
 
 # Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
 _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
@@ -75,9 +75,13 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=EngineSettings.batch_invariant,
-                   help="a seeded request gets the same codes whatever else runs (default on); "
-                        "--no-batch-invariant: batch-dependent kernels, the seed holds for a request alone")
+    p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
+                   help="which steps run the batch-invariant kernels. seeded (default): those holding a request "
+                        "with a seed, whose codes then do not depend on what else runs; other steps take the "
+                        "faster default kernels. always: every step. off: none (a seed holds only for a "
+                        "request served alone)")
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_const", const="off",
+                   help="the same as --batch-invariant off")
     p.add_argument("--quantization", choices=["none", "fp8"], default=EngineSettings.quantization,
                    help="fp8: MoE experts quantized at load to block-scaled FP8 (half their memory and reads; "
                         "a GPU with FP8 tensor cores); none: the exact bf16 model (default)")

@@ -4,12 +4,19 @@ top-k / top-p / min-p, counter-based per-request noise), all reading static slot
 
 A live batch is padded up to its bucket with a scratch slot that no request owns; the sampler's
 writes to that slot are harmless. EOS detection stays outside, on the host.
+
+Each is captured once per kernel set the node runs (`kernel_sets`: False = the default kernels, True = the
+batch-invariant ones, `engine.model.batch_invariant`), so the node picks a set per step by choosing which
+graph to replay. The sets share everything but the graphs: the static inputs and outputs, the sampler's
+slot buffers and its compiled copies (one trace per bucket, reused), the KV cache, and one memory pool
+(only one graph runs at a time, so their temporaries may overlap).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -22,17 +29,18 @@ log = logging.getLogger(__name__)
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)  # those <= --max-batch are captured
 
 
-def capture_buckets(buckets: tuple[int, ...], work) -> dict[int, torch.cuda.CUDAGraph]:
+def capture_buckets(buckets: tuple[int, ...], work, pool=None) -> dict[int, torch.cuda.CUDAGraph]:
     """Run `work(b)` once per bucket on a side stream (Triton and torch.compile build their kernels there,
     not inside a capture; the largest first, so dynamic shapes are seen early), then capture one graph per
-    bucket, largest first, all sharing one memory pool."""
+    bucket, largest first, all sharing one memory pool (`pool`: that of graphs captured before, e.g. the
+    other kernel set's; only one graph may run at a time)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for b in [buckets[-1], *buckets]:
             work(b)
     torch.cuda.current_stream().wait_stream(stream)
-    graphs, pool = {}, None
+    graphs = {}
     for b in reversed(buckets):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool):
@@ -52,7 +60,8 @@ def smallest_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 class DecodeGraphs:
     def __init__(self, model: Zonos2, sampler: SamplerState, scratch_slot: int, max_batch: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, kernel_sets: tuple[bool, ...] = (False,)) -> None:
+        """kernel_sets: the sets captured (False: default kernels, True: batch-invariant), every bucket each."""
         self.model, self.sampler = model, sampler
         dev = model.multi_output.weight.device
         self.buckets = tuple(sorted({b for b in buckets if b < max_batch} | {max_batch}))
@@ -63,24 +72,30 @@ class DecodeGraphs:
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.codes = torch.zeros(max_batch, model.cfg.n_codebooks, dtype=torch.int64, device=dev)
         self.scratch_slot = scratch_slot
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_s = 0.0
+        self.kernel_sets = kernel_sets
+        self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {}  # kernel set -> bucket -> graph
+        self.capture_s: dict[bool, float] = {}
 
-    def _step(self, b: int) -> None:
-        logits = self.model.decode(self.ids[:b], self.slots[:b], self.positions[:b])
+    def _step(self, b: int, invariant: bool = False) -> None:
+        logits = self.model.decode(self.ids[:b], self.slots[:b], self.positions[:b], invariant=invariant)
         self.codes[:b] = self.sampler.sample(logits, self.slots[:b])
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
-        self.graphs = capture_buckets(self.buckets, self._step)
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured %d decode graphs (batch %s) in %.1f s", len(self.graphs), self.buckets, self.capture_s)
+        pool = None
+        for inv in self.kernel_sets:
+            t0 = time.perf_counter()
+            self.graphs[inv] = capture_buckets(self.buckets, partial(self._step, invariant=inv), pool)
+            pool = self.graphs[inv][self.buckets[0]].pool()
+            self.capture_s[inv] = time.perf_counter() - t0
+            log.info("captured %d decode graphs (%s kernels, batch %s) in %.1f s", len(self.graphs[inv]),
+                     "batch-invariant" if inv else "default", self.buckets, self.capture_s[inv])
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.buckets, n, "batch")
 
-    def run(self, ids: Tensor, slots: Tensor, positions: Tensor) -> Tensor:
-        """ids [n, 10], slots [n], positions [n] (any device) -> sampled codes [n, 9] on the GPU."""
+    def run(self, ids: Tensor, slots: Tensor, positions: Tensor, invariant: bool = False) -> Tensor:
+        """ids [n, 10], slots [n], positions [n] (any device) -> sampled codes [n, 9] on the GPU, by the graph
+        of kernel set `invariant` (one of kernel_sets)."""
         n = ids.shape[0]
         b = self.bucket(n)
         self.ids[:n].copy_(ids, non_blocking=True)
@@ -89,7 +104,7 @@ class DecodeGraphs:
         if b > n:
             self.slots[n:b] = self.scratch_slot
             self.positions[n:b] = 0
-        self.graphs[b].replay()
+        self.graphs[invariant][b].replay()
         return self.codes[:n]
 
 
@@ -101,19 +116,21 @@ class PrefillGraphs:
     captured, the same fixed-shape work launched eagerly). Eager prefill of a ~110-frame
     prompt is host-bound (~1,000 small launches, ~55 ms on an H200 for ~8 ms of GPU work); a replay
     costs only the GPU time. Each bucket has its own static inputs (token ids, per-token slot and
-    position, speaker rows, the attention block table, the chunks' last tokens)."""
+    position, speaker rows, the attention block table, the chunks' last tokens), shared by the kernel sets;
+    each set has its own graphs and outputs, in one memory pool."""
 
     def __init__(self, model: Zonos2, scratch_slot: int, max_seqs: int = 16,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS) -> None:
+                 buckets: tuple[int, ...] = PREFILL_BUCKETS, kernel_sets: tuple[bool, ...] = (False,)) -> None:
         self.model = model
         self.scratch_slot = scratch_slot
         self.max_seqs = max_seqs
         self.buckets = tuple(sorted(buckets))
         self.max_tokens = self.buckets[-1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.kernel_sets = kernel_sets
+        self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {}  # kernel set -> bucket -> graph
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
-        self.outputs: dict[int, Tensor] = {}
-        self.capture_s = 0.0
+        self.outputs: dict[tuple[bool, int], Tensor] = {}  # (kernel set, bucket) -> logits
+        self.capture_s: dict[bool, float] = {}
         cfg = model.cfg
         self.pad_row = torch.tensor([cfg.audio_pad_id] * cfg.n_codebooks + [cfg.text_pad_id],
                                     device=model.multi_output.weight.device)
@@ -133,20 +150,25 @@ class PrefillGraphs:
                 self.inputs[b] = self._static_inputs(b)
 
     def capture(self) -> None:
-        t0 = time.perf_counter()
         self._ensure_inputs()
-        self.graphs = capture_buckets(self.buckets, self._prefill)
-        self.capture_s = time.perf_counter() - t0
-        log.info("captured %d prefill graphs (tokens %s) in %.1f s", len(self.graphs), self.buckets, self.capture_s)
+        pool = None
+        for inv in self.kernel_sets:
+            t0 = time.perf_counter()
+            self.graphs[inv] = capture_buckets(self.buckets, partial(self._prefill, invariant=inv), pool)
+            pool = self.graphs[inv][self.buckets[0]].pool()
+            self.capture_s[inv] = time.perf_counter() - t0
+            log.info("captured %d prefill graphs (%s kernels, tokens %s) in %.1f s", len(self.graphs[inv]),
+                     "batch-invariant" if inv else "default", self.buckets, self.capture_s[inv])
 
-    def _prefill(self, b: int) -> None:
-        self.outputs[b] = self.model.prefill_packed(*self.inputs[b])
+    def _prefill(self, b: int, invariant: bool = False) -> None:
+        self.outputs[(invariant, b)] = self.model.prefill_packed(*self.inputs[b], invariant=invariant)
 
     def bucket(self, n_tokens: int) -> int:
         return smallest_bucket(self.buckets, n_tokens, "prefill of")
 
-    def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None) -> Tensor:
-        """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V]."""
+    def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None, invariant: bool = False) -> Tensor:
+        """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V], by
+        kernel set `invariant` (captured: one of kernel_sets)."""
         from engine.model.zonos2 import PackedPrefill
 
         n = ids.shape[0]
@@ -158,9 +180,9 @@ class PrefillGraphs:
         static[0][n:] = self.pad_row
         for dst, src in zip(static[1:], meta.tensors(), strict=True):
             dst.copy_(src, non_blocking=True)
-        if b in self.graphs:
-            self.graphs[b].replay()
+        if self.graphs:
+            self.graphs[invariant][b].replay()
         else:  # not captured: the same fixed-shape work, launched eagerly
-            self._prefill(b)
-        return self.outputs[b][: len(seqs)]
+            self._prefill(b, invariant)
+        return self.outputs[(invariant, b)][: len(seqs)]
 

@@ -8,6 +8,8 @@ a full frame [cb0..cb8] per step with per-request parameters held in slot-indexe
 from __future__ import annotations
 
 import os
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +18,7 @@ import torch
 from torch import Tensor
 
 from engine.contract.records import SamplingParams
+from engine.contract.settings import BATCH_INVARIANT_MODES
 from engine.llm.eos import EosTracker
 from engine.llm.sampling import SamplerState
 from engine.model.zonos2 import PrefillSeq, Zonos2
@@ -59,6 +62,10 @@ class Sequence:
         return self.prompt_len + self.generated - 1
 
 
+# the kernel sets each batch-invariance mode captures and may run (False: default kernels, True: batch-invariant)
+KERNEL_SETS = {"seeded": (False, True), "always": (True,), "off": (False,)}
+
+
 @dataclass
 class PendingDecode:
     seqs: list[Sequence]
@@ -68,20 +75,28 @@ class PendingDecode:
 
 class LLMNode:
     def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True,
-                 compile: bool = False, batch_invariant: bool = False, triton: bool | None = None) -> None:
-        """batch_invariant: a row's logits do not depend on what shares its step or prefill
-        (`engine.model.batch_invariant`); it takes effect on the Triton kernels. triton: run them (default:
-        on a GPU; on a CPU only under Triton's interpreter, for tests)."""
+                 compile: bool = False, batch_invariant: str = "off", triton: bool | None = None) -> None:
+        """batch_invariant: which calls run the batch-invariant kernels (`engine.model.batch_invariant`: a row's
+        logits do not depend on what shares its step or prefill), one of BATCH_INVARIANT_MODES: "seeded" (a
+        decode step or packed prefill with a request whose params carry a seed; the default kernels
+        otherwise), "always", "off". Both sets are captured when calls may pick either. It takes effect on
+        the Triton kernels (without them: "off"). triton: run them (default: on a GPU; on a CPU only under
+        Triton's interpreter, for tests)."""
+        if batch_invariant not in BATCH_INVARIANT_MODES:
+            raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}, not {batch_invariant!r}")
         self.model = model
         self.cfg = model.cfg
         self.device = model.multi_output.weight.device
         on_gpu = self.device.type == "cuda"
-        if on_gpu if triton is None else triton:
+        use_triton = on_gpu if triton is None else triton
+        if use_triton:
             model.enable_triton()
-            model.set_batch_invariant(batch_invariant)
+            model.set_batch_invariant(batch_invariant == "always")  # the default of direct model calls
             if compile and on_gpu:
                 model.compile_decode()
-        self.batch_invariant = model.batch_invariant
+        self.batch_invariant = batch_invariant if use_triton else "off"  # the mode in effect
+        self.kernel_sets = KERNEL_SETS[self.batch_invariant]
+        self.calls: Counter[tuple[str, bool]] = Counter()  # (phase, invariant) -> calls: which set each ran
         # One extra slot is scratch: padding rows of a captured batch point at it.
         self.cache = model.setup_cache(n_slots + 1, max_len)
         self.max_len = self.cache.max_len
@@ -96,9 +111,10 @@ class LLMNode:
         if on_gpu:
             from engine.llm.graphs import DecodeGraphs, PrefillGraphs
 
-            self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots)
+            self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots, kernel_sets=self.kernel_sets)
             if cuda_graphs:
-                self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots)
+                self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots,
+                                           kernel_sets=self.kernel_sets)
                 self.graphs.capture()
                 self.prefill_graphs.capture()
 
@@ -123,6 +139,15 @@ class LLMNode:
             seq.slot = -1
 
     # ---- steps ---------------------------------------------------------------------------------
+    def runs_invariant(self, seqs: Iterable[Sequence]) -> bool:
+        """Whether a call over `seqs` runs the batch-invariant kernels. "seeded": when one of them carries an
+        explicit seed, so a seeded request runs them in every call it is part of (alone or among any others)
+        and its codes do not depend on what else runs; calls of unseeded requests only take the faster
+        default kernels. A host-side read of the requests' params: no sync, nothing recompiled."""
+        if self.batch_invariant == "seeded":
+            return any(s.params.seed is not None for s in seqs)
+        return self.batch_invariant == "always"
+
     @property
     def max_prefill_frames(self) -> int:
         """Largest packed prefill one call runs (the engine's chunk budget should not exceed it)."""
@@ -155,10 +180,12 @@ class LLMNode:
             seqs.append(PrefillSeq(seq.slot, start, n))
             speakers.append(seq.speaker if start == 0 else None)
         packed = torch.cat(ids).to(self.device, non_blocking=True)
+        invariant = self.runs_invariant(seq for seq, _ in chunks)
+        self.calls[("prefill", invariant)] += 1
         if self.prefill_graphs is not None:
-            logits = self.prefill_graphs.run(packed, seqs, speakers)
+            logits = self.prefill_graphs.run(packed, seqs, speakers, invariant)
         else:
-            logits = self.model.prefill(packed, seqs, speakers)
+            logits = self.model.prefill(packed, seqs, speakers, invariant)
         done = []
         for i, (seq, n) in enumerate(chunks):
             seq.prefilled += n
@@ -188,11 +215,13 @@ class LLMNode:
         ids[:, self.cfg.n_codebooks] = self.cfg.text_pad_id
         slots = torch.tensor([s.slot for s in seqs])
         positions = torch.tensor([s.next_position for s in seqs])
+        invariant = self.runs_invariant(seqs)
+        self.calls[("decode", invariant)] += 1
         if self.graphs is not None:
-            codes = self.graphs.run(torch.from_numpy(ids), slots, positions)
+            codes = self.graphs.run(torch.from_numpy(ids), slots, positions, invariant)
         else:
             slots, positions = slots.to(self.device), positions.to(self.device)
-            logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions)
+            logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions, invariant=invariant)
             codes = self.sampler.sample(logits, slots)
         if self.device.type != "cuda":
             return PendingDecode(seqs, codes.numpy(), None)
