@@ -70,6 +70,10 @@ class Stream:
     t_submit: float = field(default_factory=time.perf_counter)
     reading: bool = False  # the consumer has started to read this stream
     head_start: int = 0  # samples buffered before it did, not yet read: allowed on top of the limit
+    # a held request's kept frames (the `kept` record: continuation, engine/longform.py), once they came;
+    # kept_ready is set then, or when the stream ends without them
+    kept: np.ndarray | None = None
+    kept_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
     def _deliver(self, ev: Event) -> None:
         if self.done:
@@ -91,6 +95,7 @@ class Stream:
 
     def _end(self, ev: Event) -> None:
         self.done = True
+        self.kept_ready.set()
         self.client._streams.pop(self.rid, None)
         self.queue.put_nowait(ev)
 
@@ -110,6 +115,11 @@ class Stream:
         if self.done and self.queue.empty():
             raise StopAsyncIteration
         return await self.next()
+
+    def end(self) -> None:
+        """No chunk continues this held request: the engine flushes its stream's tail now."""
+        if not self.done:
+            self.client.end(self.rid)
 
     def cancel(self) -> None:
         if not self.done:
@@ -312,6 +322,12 @@ class EngineClient:
             fut.set_result({})
         return fut
 
+    def end(self, rid: int) -> None:
+        """The continuation of rid's stream ends (an `end` record; lost only with a full inbox, and then the
+        engine flushes the held stream on its own when its player runs low)."""
+        if self._inbox is not None:
+            self._inbox.try_put({"type": m.END, "rid": rid})
+
     async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
         """Run the speaker_encoder node on one clip (float32 mono)."""
         if not self.ready.is_set() or self._inbox is None:
@@ -346,6 +362,11 @@ class EngineClient:
             stream = self._streams.get(rid)
             if stream is not None:
                 stream._deliver(Event(kind, header, np.frombuffer(payload or b"", dtype=np.int16)))
+        elif kind == m.KEPT:
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.kept = m.kept_frames(payload)
+                stream.kept_ready.set()
         elif kind == m.FINISHED and rid in self._cancel_acks:
             fut = self._cancel_acks.pop(rid)
             if not fut.done():

@@ -4,8 +4,9 @@ Every record is a msgpack header dict plus an optional raw payload (no pickling)
 
 gateway -> engine
   submit   {rid, prompt_frames, params, max_frames, ignore_eos, speaker: none|embedding|clip,
-            clip_sr?}                      payload: prompt int32 [P, 10] + (speaker f32 [D] | clip f32 [N])
+            clip_sr?, hold?, continues?}   payload: prompt int32 [P, 10] + (speaker f32 [D] | clip f32 [N])
   cancel   {rid}
+  end      {rid}                           the continuation of rid's stream ends: its held tail is flushed
   embed    {rid, clip_sr}                  payload: clip f32 [N] (mono)
   shutdown {}
 
@@ -13,6 +14,7 @@ engine -> gateway
   ready     {device, slots, max_context, weights, ...}
   started   {rid, queue_ms}
   audio     {rid, index, samples}          payload: int16 PCM at 44.1 kHz
+  kept      {rid, frames, eos_frame}       payload: int32 [frames, 9], a held request's kept (trimmed) frames
   finished  {rid, reason, stats}           reason: eos | max_frames | context | cancelled
   error     {rid, code, message}
   embedding {rid, dim}                     payload: f32 [dim]
@@ -26,9 +28,9 @@ from typing import Any
 
 import numpy as np
 
-SUBMIT, CANCEL, EMBED, SHUTDOWN = "submit", "cancel", "embed", "shutdown"
-READY, STARTED, AUDIO, FINISHED, ERROR, EMBEDDING, STATS = (
-    "ready", "started", "audio", "finished", "error", "embedding", "stats",
+SUBMIT, CANCEL, END, EMBED, SHUTDOWN = "submit", "cancel", "end", "embed", "shutdown"
+READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
+    "ready", "started", "audio", "kept", "finished", "error", "embedding", "stats",
 )
 
 HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
@@ -112,6 +114,12 @@ class SubmitRequest:
     speaker_embedding: np.ndarray | None = None  # [D] float32
     clip: np.ndarray | None = None  # [N] float32 mono, embedded by the speaker_encoder node
     clip_sr: int = 0
+    # Continuation (engine/longform.py, docs/protocol.md). hold: a non-final chunk: at its end the engine
+    # sends its kept frames (`kept`) and keeps its DAC stream open for the next chunk (or flushes it when
+    # none comes in time, or on `end`). continues: the rid of the held request whose DAC stream this one
+    # continues (0: a stream of its own); its prompt continues that request's kept frames.
+    hold: bool = False
+    continues: int = 0
 
     def encode(self) -> tuple[dict[str, Any], bytes]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
@@ -124,6 +132,8 @@ class SubmitRequest:
             "max_frames": self.max_frames,
             "ignore_eos": self.ignore_eos,
             "speaker": "none",
+            "hold": self.hold,
+            "continues": self.continues,
         }
         parts = [prompt.tobytes()]
         if self.speaker_embedding is not None:
@@ -152,4 +162,11 @@ class SubmitRequest:
             speaker_embedding=rest.copy() if kind == "embedding" and rest is not None else None,
             clip=rest.copy() if kind == "clip" and rest is not None else None,
             clip_sr=int(header.get("clip_sr", 0)),
+            hold=bool(header.get("hold", False)),
+            continues=int(header.get("continues", 0)),
         )
+
+
+def kept_frames(payload: bytes | None, n_codebooks: int = 9) -> np.ndarray:
+    """The frames of a `kept` record: int64 [F, n_codebooks]."""
+    return np.frombuffer(payload or b"", dtype=np.int32).reshape(-1, n_codebooks).astype(np.int64)

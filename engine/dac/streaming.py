@@ -235,6 +235,11 @@ class StreamingDecoder:
             log.warning("stream %s: frames up to %s decoded past the kept end %s", rid, req.fed, req.held)
         return req.held - req.offset
 
+    def chunk_frames(self, rid: int) -> np.ndarray:
+        """The current chunk's delayed frames received so far (a copy, int64 [n, 9])."""
+        req = self._get(rid)
+        return req.buf[req.offset : req.n].astype(np.int64)
+
     def held(self, rid: int) -> bool:
         """Is the stream open at the end of a non-final chunk (waiting for `resume` or `flush`)?"""
         req = self._reqs.get(rid)

@@ -7,6 +7,13 @@ One iteration at a time:
   EOS bookkeeping -> batched DAC decode of every ready chunk -> PCM into the outbox ring.
 A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
 for at most one chunk. Cancels free the slot before the next step runs.
+
+Continuation (engine/longform.py). A request submitted with `hold` is a non-final chunk: when its
+generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
+its audio up to the kept end still goes out under its rid. A request that `continues` it takes the stream
+over when admitted: the held request is finished then, and the stream's later audio is the new one's. A
+held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
+would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ class Job:
     samples: int = 0
     clip_ms: float = 0.0  # speaker_encoder time of a clone request (its thread, queue included)
     speaker_pending: bool = False  # its clip is with the speaker_encoder: not admissible yet
+    # continuation (module docstring)
+    hold: bool = False  # a non-final chunk: its end keeps the stream open
+    continues: int = 0  # the rid of the held request whose stream it takes over (0: none)
+    stream: int = 0  # its DAC stream (its own rid, or the first rid of the chain it continues)
+    t_held: float = 0.0  # its generation ended and its stream is held
+    stream_samples: int = 0  # audio of its DAC stream sent so far (earlier requests of the chain included)
+    t_stream_first: float = 0.0  # the stream's first audio left
 
 
 class Scheduler:
@@ -69,6 +83,8 @@ class Scheduler:
                                            enabled=mode == "realtime")
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
+        self.streams: dict[int, Job] = {}  # DAC stream -> the running request its audio belongs to
+        self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
         self.counters = {"steps": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
         self.stopping = False
@@ -89,6 +105,7 @@ class Scheduler:
             self._read_inbox()
             self._speaker_results()
             self._admit()
+            self._flush_held(time.perf_counter())
             try:
                 self._step()
             except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
@@ -108,6 +125,8 @@ class Scheduler:
                     self._on_submit(header, payload)
                 elif kind == m.CANCEL:
                     self._cancel(int(header["rid"]))
+                elif kind == m.END:
+                    self._end(int(header["rid"]))
                 elif kind == m.EMBED:
                     self._on_embed(header, payload)
                 elif kind == m.SHUTDOWN:
@@ -145,7 +164,7 @@ class Scheduler:
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
                        speaker=speaker, ignore_eos=req.ignore_eos)
-        job = Job(seq, time.perf_counter())
+        job = Job(seq, time.perf_counter(), hold=req.hold, continues=req.continues)
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
@@ -193,7 +212,7 @@ class Scheduler:
             self.llm.admit(seq)
             job.t_admitted = time.perf_counter()
             self.running[seq.rid] = job
-            self.dac.open(seq.rid)
+            self._open_stream(job)
             self.outbox.put(seq.rid, {"type": m.STARTED, "rid": seq.rid,
                                       "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2)})
         # what live streams could not make room for within max_wait_s is refused, oldest first
@@ -205,15 +224,74 @@ class Scheduler:
                         f"{self.admission.max_wait_s:g} s",
                         retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()))
 
+    def _open_stream(self, job: Job) -> None:
+        """The admitted request's DAC stream: the held one it continues, or a new one."""
+        prev = self.held.get(self.running[job.continues].stream) if job.continues in self.running else None
+        track_eos = not job.seq.ignore_eos
+        if prev is not None and prev.seq.rid == job.continues:
+            del self.held[prev.stream]
+            job.stream, job.stream_samples, job.t_stream_first = prev.stream, prev.stream_samples, prev.t_stream_first
+            self.dac.resume(job.stream, hold=job.hold, track_eos=track_eos)
+            self.streams[job.stream] = job
+            self._finish(prev, time.perf_counter())  # the stream's audio from here on is the new request's
+        else:
+            job.stream = job.seq.rid
+            self.dac.open(job.stream, hold=job.hold, track_eos=track_eos)
+            self.streams[job.stream] = job
+
+    def _end(self, rid: int) -> None:
+        """The continuation of rid's stream ends: a waiting or generating request becomes final, a held
+        stream is flushed now."""
+        job = self.running.get(rid)
+        if job is None:  # not admitted yet (or already finished): it opens its stream as a final chunk
+            for j in self.waiting:
+                if j.seq.rid == rid:
+                    j.hold = False
+            return
+        if not job.hold:
+            return
+        job.hold = False
+        if self.held.get(job.stream) is job:
+            del self.held[job.stream]
+            self.dac.flush(job.stream)
+        elif self.streams.get(job.stream) is job:
+            self.dac.make_final(job.stream)
+
+    def _hold(self, job: Job, now: float) -> None:
+        """A non-final chunk's generation ended: send its kept frames, hold its stream for the next."""
+        seq = job.seq
+        frames = self.dac.chunk_frames(job.stream)
+        kept = frames[: self.dac.hold(job.stream, seq.audio_frames)].astype(np.int32)
+        job.t_held = now
+        self.held[job.stream] = job
+        self.outbox.put(seq.rid, {"type": m.KEPT, "rid": seq.rid, "frames": len(kept),
+                                  "eos_frame": seq.audio_frames}, kept.tobytes(), force=True)
+
+    def _flush_held(self, now: float) -> None:
+        """Flush the held streams whose players would run dry before a next chunk's audio could come."""
+        if not self.held:
+            return
+        lead_s = self.settings.continuation_flush_lead_ms / 1e3
+        grace_s = self.settings.continuation_grace_ms / 1e3
+        for key, job in list(self.held.items()):
+            if job.t_stream_first:
+                due = self.admission.lead_s(job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s
+            else:
+                due = now - job.t_held >= grace_s
+            if due:
+                del self.held[key]
+                job.hold = False
+                self.dac.flush(key)
+
     def _min_lead(self, now: float) -> float | None:
         """The smallest lead (audio its player still holds) over the streams playing now."""
-        leads = [self.admission.lead_s(j.samples / SAMPLE_RATE, j.t_first_audio, now)
-                 for j in self.running.values() if j.audio_index]
+        leads = [self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now)
+                 for j in self.running.values() if j.t_stream_first]
         return min(leads) if leads else None
 
     def _starting(self) -> int:
-        """Admitted streams whose first audio has not left yet."""
-        return sum(1 for j in self.running.values() if not j.audio_index)
+        """Admitted streams whose first audio has not left yet (a continued stream has started)."""
+        return sum(1 for j in self.running.values() if not j.t_stream_first)
 
     def _dac_backlog(self) -> float:
         """The dac_decoder's queued work, in iterations of its per-iteration frame budget."""
@@ -271,12 +349,15 @@ class Scheduler:
             if seq.generated == 1:
                 job.t_prefilled = now
             if seq.audio_frames is None and seq.finish_reason is None:
-                plain_rids.append(seq.rid)
+                plain_rids.append(job.stream)
                 plain_rows.append(codes)
                 continue
-            self.dac.push(seq.rid, codes[None], eos_frame=seq.audio_frames)
+            self.dac.push(job.stream, codes[None], eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
-                self.dac.finish(seq.rid, seq.audio_frames)
+                if job.hold:
+                    self._hold(job, now)
+                else:
+                    self.dac.finish(job.stream, seq.audio_frames)
                 self.llm.release(seq)
         if plain_rids:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))
@@ -310,16 +391,19 @@ class Scheduler:
 
     def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
         """Put decoded PCM in the events ring (one doorbell for all of it)."""
-        for rid, pcm, final in items:
-            job = self.running.get(rid)
+        for key, pcm, final in items:
+            job = self.streams.get(key)
             if job is None:
                 continue
+            rid = job.seq.rid
             now = time.perf_counter()
             if job.audio_index == 0:
                 job.t_first_audio = now
+            job.t_stream_first = job.t_stream_first or now
             header = {"type": m.AUDIO, "rid": rid, "index": job.audio_index, "samples": len(pcm)}
             job.audio_index += 1
             job.samples += len(pcm)
+            job.stream_samples += len(pcm)
             if not self.outbox.put(rid, header, pcm, notify=False):
                 self._cancel(rid, reason="backpressure")
                 self._error(rid, "backpressure", "the gateway is not reading this stream; cancelled")
@@ -332,6 +416,8 @@ class Scheduler:
     def _finish(self, job: Job, now: float) -> None:
         seq = job.seq
         del self.running[seq.rid]
+        if self.streams.get(job.stream) is job:
+            del self.streams[job.stream]
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
         self.llm.release(seq)
@@ -341,8 +427,9 @@ class Scheduler:
             "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2),
             "prefill_wait_ms": round((job.t_prefill_start - job.t_admitted) * 1e3, 2),
             "prefill_ms": round((job.t_prefilled - job.t_prefill_start) * 1e3, 2),
-            "first_chunk_ms": round((job.t_first_audio - job.t_prefilled) * 1e3, 2),  # steps + the first DAC call
-            "ttfa_ms": round((job.t_first_audio - job.t_arrival) * 1e3, 2),
+            # steps + the first DAC call (None: a continued chunk that handed its stream on before its audio)
+            "first_chunk_ms": round((job.t_first_audio - job.t_prefilled) * 1e3, 2) if job.audio_index else None,
+            "ttfa_ms": round((job.t_first_audio - job.t_arrival) * 1e3, 2) if job.audio_index else None,
             "e2e_ms": round(e2e * 1e3, 2),
             "prompt_frames": seq.prompt_len,
             "frames": seq.generated,
@@ -371,7 +458,10 @@ class Scheduler:
                                     force=True)
                 return
             self.llm.release(job.seq)
-            self.dac.drop(rid)
+            if self.streams.get(job.stream) is job:  # its stream (held or not) ends with it
+                del self.streams[job.stream]
+                self.held.pop(job.stream, None)
+                self.dac.drop(job.stream)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
         if reason == "cancelled":  # the acknowledgement the gateway waits for (slot already free)
