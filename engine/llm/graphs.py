@@ -51,6 +51,22 @@ def capture_buckets(buckets: tuple[int, ...], work, pool=None) -> dict[int, torc
     return graphs
 
 
+def capture_sets(buckets: tuple[int, ...], kernel_sets: tuple[bool, ...], work, what: str
+                 ) -> tuple[dict[bool, dict[int, torch.cuda.CUDAGraph]], dict[bool, float], dict[bool, int]]:
+    """`capture_buckets` for each kernel set (`work(b, invariant)`), every graph in one memory pool. Returns
+    the graphs (set -> bucket -> graph), and per set the capture's seconds and the GPU memory it added to
+    the allocator's reserve (an upper bound: the eager warm-up's freed blocks stay reserved too)."""
+    graphs, seconds, reserved, pool = {}, {}, {}, None
+    for inv in kernel_sets:
+        t0, mem0 = time.perf_counter(), torch.cuda.memory_reserved()
+        graphs[inv] = capture_buckets(buckets, partial(work, invariant=inv), pool)
+        pool = graphs[inv][buckets[0]].pool()
+        seconds[inv], reserved[inv] = time.perf_counter() - t0, torch.cuda.memory_reserved() - mem0
+        log.info("captured %d %s graphs (%s kernels, %s) in %.1f s, +%.0f MiB reserved", len(buckets), what,
+                 "batch-invariant" if inv else "default", buckets, seconds[inv], reserved[inv] / 2**20)
+    return graphs, seconds, reserved
+
+
 def smallest_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
     for b in buckets:
         if b >= n:
@@ -75,20 +91,15 @@ class DecodeGraphs:
         self.kernel_sets = kernel_sets
         self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {}  # kernel set -> bucket -> graph
         self.capture_s: dict[bool, float] = {}
+        self.capture_bytes: dict[bool, int] = {}
 
     def _step(self, b: int, invariant: bool = False) -> None:
         logits = self.model.decode(self.ids[:b], self.slots[:b], self.positions[:b], invariant=invariant)
         self.codes[:b] = self.sampler.sample(logits, self.slots[:b])
 
     def capture(self) -> None:
-        pool = None
-        for inv in self.kernel_sets:
-            t0 = time.perf_counter()
-            self.graphs[inv] = capture_buckets(self.buckets, partial(self._step, invariant=inv), pool)
-            pool = self.graphs[inv][self.buckets[0]].pool()
-            self.capture_s[inv] = time.perf_counter() - t0
-            log.info("captured %d decode graphs (%s kernels, batch %s) in %.1f s", len(self.graphs[inv]),
-                     "batch-invariant" if inv else "default", self.buckets, self.capture_s[inv])
+        self.graphs, self.capture_s, self.capture_bytes = capture_sets(self.buckets, self.kernel_sets, self._step,
+                                                                       "decode")
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.buckets, n, "batch")
@@ -131,6 +142,7 @@ class PrefillGraphs:
         self.inputs: dict[int, tuple[Tensor, ...]] = {}
         self.outputs: dict[tuple[bool, int], Tensor] = {}  # (kernel set, bucket) -> logits
         self.capture_s: dict[bool, float] = {}
+        self.capture_bytes: dict[bool, int] = {}
         cfg = model.cfg
         self.pad_row = torch.tensor([cfg.audio_pad_id] * cfg.n_codebooks + [cfg.text_pad_id],
                                     device=model.multi_output.weight.device)
@@ -151,14 +163,8 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         self._ensure_inputs()
-        pool = None
-        for inv in self.kernel_sets:
-            t0 = time.perf_counter()
-            self.graphs[inv] = capture_buckets(self.buckets, partial(self._prefill, invariant=inv), pool)
-            pool = self.graphs[inv][self.buckets[0]].pool()
-            self.capture_s[inv] = time.perf_counter() - t0
-            log.info("captured %d prefill graphs (%s kernels, tokens %s) in %.1f s", len(self.graphs[inv]),
-                     "batch-invariant" if inv else "default", self.buckets, self.capture_s[inv])
+        self.graphs, self.capture_s, self.capture_bytes = capture_sets(self.buckets, self.kernel_sets,
+                                                                       self._prefill, "prefill")
 
     def _prefill(self, b: int, invariant: bool = False) -> None:
         self.outputs[(invariant, b)] = self.model.prefill_packed(*self.inputs[b], invariant=invariant)
