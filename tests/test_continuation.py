@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # the fused Snake runs in Triton's interprete
 from engine.dac.codec import HOP, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline
-from engine.longform import BOUNDARY_TRIM, trim_chunk_codes
+from engine.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
 
 EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/test_dac_streaming.py)
 
@@ -138,3 +138,217 @@ def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
         dec.step()
     dec.drop(4)
     assert dec.step() == [] and dec.active() == 0 and len(dec._free) == 2
+
+
+# ---- the engine (a real engine process, CPU, tiny model) --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def rt():
+    import asyncio
+
+    from app.engine_client import EngineClient
+    from engine.contract.settings import EngineSettings, WeightSources
+    from tests.asyncloop import LoopThread
+
+    lt = LoopThread()
+    # a long flush lead: on 2 busy cores the next chunk must never lose the race to the flush
+    settings = EngineSettings(device="cpu", max_batch=4, max_queue=4, max_context=1024, prefill_chunk=64,
+                              stats_interval_s=0.2, continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
+
+    async def start() -> None:
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+
+    lt.run(start(), timeout=200)
+    yield lt, client
+    lt.run(client.close())
+    lt.close()
+
+
+TEXTS = ["One.", "Two two.", "Three three three.", "Four.", "Five five."]
+
+
+def _builder():
+    from engine.config import Zonos2Config, preset_params
+    from engine.prompt import PromptBuilder
+
+    return PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
+
+
+async def _read(stream, out: list[np.ndarray]) -> dict:
+    from engine.contract import records as m
+
+    async for ev in stream:
+        if ev.type == m.AUDIO:
+            out.append(ev.pcm)
+        elif ev.type in (m.FINISHED, m.ERROR):
+            return ev.header | {"type": ev.type}
+    return {}
+
+
+def _submit_chain(client, texts: list[str], hold_last: bool, max_frames: int = 40):
+    """Submit the chunks one after another as the gateway does: each continues the kept frames the one
+    before sent (build_continuation of them); returns (streams, kept frames, prompts)."""
+    import asyncio
+
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.longform import Continuation
+
+    pb = _builder()
+    cont = Continuation()
+    streams, kept, prompts = [], [], []
+
+    async def go():
+        prev = None
+        for i, text in enumerate(texts):
+            final = i == len(texts) - 1 and not hold_last
+            if prev is None:
+                prompt = pb.build(text, non_final=not final)
+            else:
+                await asyncio.wait_for(prev.kept_ready.wait(), 120)
+                assert prev.kept is not None
+                kept.append(prev.kept)
+                cont.add(texts[i - 1], prev.kept)
+                ctx_text, ctx_codes = cont.window()
+                prompt = pb.build_continuation(ctx_text, text, ctx_codes, non_final=not final)
+            prompts.append(prompt)
+            req = m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=11 + i), max_frames=max_frames,
+                                  ignore_eos=True, hold=not final, continues=prev.rid if prev else 0)
+            prev = client.submit(req)
+            streams.append(prev)
+        if hold_last:
+            await asyncio.wait_for(prev.kept_ready.wait(), 120)
+            kept.append(prev.kept)
+    return go, streams, kept, prompts
+
+
+def test_a_reply_of_five_requests_is_one_stream_and_each_prompt_continues_the_kept_frames(rt, codec: Codec):
+    import asyncio
+
+    from engine.contract import records as m
+    from engine.dac.streaming import to_int16
+
+    lt, client = rt
+    go, streams, kept, prompts = _submit_chain(client, TEXTS, hold_last=True)
+    pcm: list[np.ndarray] = []
+
+    async def run():
+        submit = asyncio.create_task(go())
+        ends = []
+        while len(ends) < len(TEXTS):
+            while len(streams) <= len(ends):
+                await asyncio.sleep(0.01)
+            if len(ends) == len(TEXTS) - 1:
+                await submit
+                streams[-1].end()  # no sixth sentence: the last one's tail is flushed now
+            ends.append(await _read(streams[len(ends)], pcm))
+        return ends
+
+    ends = lt.run(run(), timeout=600)
+    assert [e["type"] for e in ends] == [m.FINISHED] * 5 and all(e["reason"] == "max_frames" for e in ends)
+    assert [len(k) for k in kept] == [40 - BOUNDARY_TRIM] * 5  # ignore_eos: all frames less the trim
+    # every prompt after the first continues exactly the frames the engine returned: the default window
+    # (the chunk before, and the first chunk pinned in front once it has left that tail)
+    pb = _builder()
+    for i in range(1, 5):
+        idx = windowed_context_indices(i, 1, pin_anchor=True)
+        assert idx == ([0] if i == 1 else [0, i - 1])
+        ref = pb.build_continuation(" ".join(TEXTS[j] for j in idx), TEXTS[i],
+                                    np.concatenate([kept[j] for j in idx]), non_final=True)
+        assert np.array_equal(prompts[i], ref)
+    x = np.concatenate(pcm)
+    total = sum(len(k) for k in kept[:4]) + 40  # the flushed last chunk keeps all its frames
+    assert len(x) == total * HOP
+    # one DAC stream: the audio is the one-shot decode of the kept frames end to end (up to the last
+    # chunk's end, which the flush decodes with frames the kept ones lack)
+    ref = to_int16(decode_offline(codec, np.concatenate(kept)))
+    n = (sum(len(k) for k in kept) - DELAY - 10) * HOP
+    assert snr_db(ref[:n].astype(np.float64), x[:n].astype(np.float64)) > 60
+
+
+def test_cancel_in_the_middle_of_a_continued_reply(rt):
+    """The second request of a reply is cancelled while it generates: no audio of it after the engine's
+    acknowledgement, and every LLM and DAC slot is free again."""
+    import asyncio
+
+    from engine.contract import records as m
+
+    lt, client = rt
+    go, streams, _, _ = _submit_chain(client, TEXTS[:2], hold_last=True, max_frames=300)
+    seen: list[tuple[str, int]] = []
+    on_event = client._on_event
+
+    def observe(header, payload):  # the events as they arrive from the engine, in order
+        seen.append((header.get("type"), header.get("rid")))
+        on_event(header, payload)
+
+    client._on_event = observe
+
+    async def run():
+        submit = asyncio.create_task(go())
+        while len(streams) < 1:
+            await asyncio.sleep(0.01)
+        assert (await _read(streams[0], []))["reason"] == "max_frames"  # finished once the second took over
+        await submit
+        second = streams[1]
+        ev = await second.next()
+        while ev.type != m.AUDIO:  # its own audio is playing: the middle of the reply
+            ev = await second.next()
+        ack = await client.cancel(second.rid)
+        await asyncio.sleep(0.5)
+        return second.rid, ack
+
+    try:
+        rid, ack = lt.run(run(), timeout=600)
+    finally:
+        client._on_event = on_event
+    assert ack["reason"] == "cancelled"
+    after = seen[seen.index((m.FINISHED, rid)) + 1:]
+    assert (m.AUDIO, rid) not in after and (m.KEPT, rid) not in after
+
+    async def idle():  # every slot is free again: the engine's stats say so
+        for _ in range(200):
+            if client.stats.get("free_slots") == 4 and client.stats.get("active") == 0:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    assert lt.run(idle(), timeout=30)
+
+
+def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
+    """No next sentence and no `end`: the engine finishes the held stream when its player runs low (the
+    default flush lead), with every frame of the chunk's audio."""
+    import asyncio
+
+    from app.engine_client import EngineClient
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings, WeightSources
+    from tests.asyncloop import LoopThread
+
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=2, max_context=512,
+                                                          stats_interval_s=0.2), ring_bytes=8 << 20)
+
+    async def run():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        req = m.SubmitRequest(rid=0, prompt=_builder().build("Hello there.", non_final=True),
+                              params=SamplingParams(seed=3), max_frames=60, ignore_eos=True, hold=True)
+        stream = client.submit(req)
+        pcm: list[np.ndarray] = []
+        end = await asyncio.wait_for(_read(stream, pcm), 120)
+        return stream, end, np.concatenate(pcm)
+
+    try:
+        stream, end, x = lt.run(run(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert end["type"] == m.FINISHED and end["reason"] == "max_frames"
+    assert stream.kept is not None and len(stream.kept) == 60 - BOUNDARY_TRIM
+    assert len(x) == 60 * HOP  # flushed as a final chunk: all 60 frames (ignore_eos), not the kept 57
