@@ -2,11 +2,14 @@
 bytes it must read. Full-size random weights in bf16 on one GPU.
 
     python bench/decode_step.py --batches 1 2 4 8 16 32 64 --context 400 [--profile]
-    python bench/decode_step.py --batches 1 64 128 --ab --json decode_ab.json   # batch invariance on vs off
+    python bench/decode_step.py --batches 1 64 128 --json decode_ab.json   # both kernel sets, and the cost
 
---ab runs the step once with batch-invariant decoding (engine/model/batch_invariant.py) and once without,
-each in its own process (the mode is baked into the captured graphs), and reports the invariant step's
-cost per batch: the flag question of issue #26 (a flag only if it costs more than 5 % at batch 64 and 128).
+The node runs in the engine's mode (--batch-invariant, default seeded), which captures a graph per bucket for
+both kernel sets, the default kernels and the batch-invariant ones (engine/model/batch_invariant.py), and
+replays the invariant set only for steps that hold a seeded request. Every captured set is timed per batch,
+in the same process, and with both the invariant set's cost per batch is reported (issue #26: a step with a
+seeded request pays it; the others do not). Each set's capture time and reserved graph memory are printed.
+--ab is kept as a name for this default (--batch-invariant seeded).
 """
 
 from __future__ import annotations
@@ -14,16 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from engine.contract.records import SamplingParams
-from engine.contract.settings import EngineSettings
+from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
 from engine.llm.node import LLMNode
 from engine.model.checkpoint import random_model, release_shapes
 from engine.model.zonos2 import MoEFFN, PrefillSeq
@@ -73,26 +72,8 @@ def use_previous_kernel_settings() -> None:
     decode_attention.split_tokens = lambda batch: 64 if batch <= 16 else 256
 
 
-def run_ab(argv: list[str], json_path: str | None) -> None:
-    """This script twice, batch invariance on and off, in fresh processes; prints and writes both and the cost."""
-    rows = {}
-    with tempfile.TemporaryDirectory() as d:
-        for mode in ("on", "off"):
-            out = Path(d) / f"{mode}.json"
-            flag = "--batch-invariant" if mode == "on" else "--no-batch-invariant"
-            print(f"=== batch invariance {mode} ===", flush=True)
-            subprocess.run([sys.executable, __file__, *argv, flag, "--json", str(out)], check=True)
-            rows[mode] = json.loads(out.read_text())
-    cost = []
-    print(f"{'batch':>5} {'invariant ms':>12} {'default ms':>10} {'cost':>7}")
-    for on, off in zip(rows["on"], rows["off"], strict=True):
-        c = {"batch": on["batch"], "invariant_ms": on["graph_ms"], "default_ms": off["graph_ms"],
-             "cost": on["graph_ms"] / off["graph_ms"] - 1}
-        cost.append(c)
-        print(f"{c['batch']:>5} {c['invariant_ms']:12.3f} {c['default_ms']:10.3f} {c['cost']:+7.1%}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"invariant": rows["on"], "default": rows["off"], "cost": cost}, f, indent=1)
+def kernels(invariant: bool) -> str:
+    return "invariant" if invariant else "default"
 
 
 def main() -> None:
@@ -106,17 +87,12 @@ def main() -> None:
     p.add_argument("--json")
     p.add_argument("--previous-kernels", action="store_true",
                    help="the kernel settings before the sweep (A/B against the defaults, in the same run)")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                   default=EngineSettings.batch_invariant, help="batch-invariant decoding (the engine's default)")
-    p.add_argument("--ab", action="store_true", help="run with and without batch invariance; report the cost")
+    p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
+                   help="the node's mode: seeded (the engine's default) captures and times both kernel sets")
+    p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
     a = p.parse_args()
     if a.ab:
-        argv = [x for x in sys.argv[1:] if x not in ("--ab", "--batch-invariant", "--no-batch-invariant")]
-        if "--json" in argv:
-            i = argv.index("--json")
-            del argv[i:i + 2]
-        run_ab(argv, a.json)
-        return
+        a.batch_invariant = "seeded"
     if a.previous_kernels:
         use_previous_kernel_settings()
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -130,6 +106,12 @@ def main() -> None:
     node = LLMNode(model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile,
                    batch_invariant=a.batch_invariant)
     print(f"KV cache + graph capture in {time.perf_counter() - t0:.1f} s (batch invariant: {node.batch_invariant})")
+    capture = {}
+    for what, graphs in (("decode", node.graphs), ("prefill", node.prefill_graphs)):
+        for inv in node.kernel_sets:
+            capture[f"{what}_{kernels(inv)}"] = {"s": graphs.capture_s[inv], "reserved_mib": graphs.capture_bytes[inv] / 2**20}
+            print(f"  {what} graphs, {kernels(inv)} kernels: captured in {graphs.capture_s[inv]:.1f} s, "
+                  f"+{graphs.capture_bytes[inv] / 2**20:.0f} MiB reserved")
     for s in range(max_b):
         node.sampler.admit(s, SamplingParams(), seed=s)
     # fill every slot's cache with `context` frames so attention reads a realistic length
@@ -140,20 +122,20 @@ def main() -> None:
     torch.cuda.synchronize()
 
     rows = []
-    for b in a.batches:
+    for b, inv in ((b, inv) for b in a.batches for inv in node.kernel_sets):
         step_ids = torch.randint(0, 1024, (b, 10))
         step_ids[:, 9] = model.cfg.text_pad_id
         slots = torch.arange(b)
         pos = torch.full((b,), a.context)
         g = node.graphs
         for _ in range(5):
-            g.run(step_ids, slots, pos)
+            g.run(step_ids, slots, pos, inv)
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         times = []
         for _ in range(a.iters):
             start.record()
-            g.graphs[g.bucket(b)].replay()
+            g.graphs[inv][g.bucket(b)].replay()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
@@ -162,36 +144,46 @@ def main() -> None:
         # whole host loop step as the engine runs it: inputs in, replay, codes out to the host
         t1 = time.perf_counter()
         for _ in range(a.iters):
-            g.run(step_ids, slots, pos).cpu()
+            g.run(step_ids, slots, pos, inv).cpu()
         host_ms = (time.perf_counter() - t1) / a.iters * 1e3
         touched = experts_in_use(model, node, b)
         wb = weight_bytes(model, touched)
         kv = b * (a.context + 1) * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 2
-        rows.append({"batch": b, "batch_invariant": node.batch_invariant, "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
+        rows.append({"batch": b, "kernels": kernels(inv), "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
                      "kv_gb": kv / 1e9, "eff_gbps": (wb + kv) / (ms / 1e3) / 1e9,
                      "experts_per_layer": sum(touched) / len(touched)})
-    print(f"{'batch':>5} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "
+    print(f"{'batch':>5} {'kernels':>9} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "
           f"{'experts/layer':>13} {'frames/s':>9}")
     for r in rows:
-        print(f"{r['batch']:>5} {r['graph_ms']:9.3f} {r['step_ms_with_io']:8.3f} {r['weight_gb']:10.3f} "
+        print(f"{r['batch']:>5} {r['kernels']:>9} {r['graph_ms']:9.3f} {r['step_ms_with_io']:8.3f} {r['weight_gb']:10.3f} "
               f"{r['kv_gb']:7.3f} {r['eff_gbps']:7.0f} {r['experts_per_layer']:13.1f} "
               f"{r['batch'] * 1000 / r['step_ms_with_io']:9.0f}")
+    cost = []
+    if len(node.kernel_sets) == 2:
+        print(f"{'batch':>5} {'invariant ms':>12} {'default ms':>10} {'cost':>7}")
+        by = {(r["batch"], r["kernels"]): r["graph_ms"] for r in rows}
+        for b in a.batches:
+            c = {"batch": b, "invariant_ms": by[(b, "invariant")], "default_ms": by[(b, "default")]}
+            c["cost"] = c["invariant_ms"] / c["default_ms"] - 1
+            cost.append(c)
+            print(f"{b:>5} {c['invariant_ms']:12.3f} {c['default_ms']:10.3f} {c['cost']:+7.1%}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"mode": node.batch_invariant, "rows": rows, "cost": cost, "capture": capture}, f, indent=1)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for b in sorted({1, 8, max_b}):
+        for b, inv in ((b, inv) for b in sorted({1, 8, max_b}) for inv in node.kernel_sets):
             g = node.graphs
-            graph = g.graphs[g.bucket(b)]
+            graph = g.graphs[inv][g.bucket(b)]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
                     graph.replay()
                 torch.cuda.synchronize()
             events = prof.key_averages()
             n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 5
-            print(f"--- graph replay kernels, batch {b} (5 replays; {n_kernels:.0f} kernels per step) ---")
+            print(f"--- graph replay kernels, batch {b}, {kernels(inv)} kernels (5 replays; {n_kernels:.0f} kernels "
+                  "per step) ---")
             print(events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
 
 if __name__ == "__main__":
