@@ -120,10 +120,14 @@ def test_e4m3_rounding_in_the_kernel_equals_torch_cast():
     assert torch.equal(out, ref), x[out != ref][:8]
 
 
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("n, dim, inter, e, k", [
-    (1, 256, 384, 4, 1), (5, 256, 384, 4, 1), (33, 128, 192, 4, 1), (7, 128, 192, 4, 2), (3, 256, 256, 16, 1),
+    (1, 256, 384, 4, 1), (2, 1024, 384, 4, 2), (5, 256, 384, 4, 1), (33, 128, 192, 4, 1), (7, 128, 192, 4, 2),
+    (3, 256, 256, 16, 1),
 ])
-def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k):
+def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k, blocked):
+    """Both paths (per-pair GEMVs up to GEMV_MAX_PAIRS pairs, the expert-blocked kernels always when
+    batch-invariant) against the plain reference, with partial QBLOCK groups (192 columns) and top-2."""
     from engine.model.kernels.moe_fp8 import fused_moe_fp8
 
     gq, gs, dq, ds = _experts(e, dim, inter, seed=n)
@@ -132,7 +136,7 @@ def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k):
     x = torch.randn(n, dim, generator=gen).to(DEV, dt)
     chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(DEV)
     weights = torch.rand(n, k, generator=gen).to(DEV)
-    out = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights)
+    out = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=blocked)
     ref = moe_fp8_reference(x, gq, gs, dq, ds, chosen, weights)
     assert out.dtype == x.dtype and out.shape == (n, dim)
     # fp32 on the CPU: only the summation order differs (a rounding of h may flip an fp8 step: ~1e-5)
@@ -263,14 +267,15 @@ def test_load_model_quantizes_at_load():
 # ---- GPU -----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer():
+@pytest.mark.parametrize("n", [1, 4, 128])
+def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer(n):
     """One full-size expert layer (16 experts, 2048 x 3072) on the FP8 tensor cores: equal to the reference
     within bf16 rounding, close to the bf16 experts, and a captured graph replays it bit for bit."""
     from engine.model.kernels.moe import fused_moe
     from engine.model.kernels.moe_fp8 import fused_moe_fp8
 
     torch.manual_seed(0)
-    e, dim, inter, n = 16, 2048, 3072, 128
+    e, dim, inter = 16, 2048, 3072
     gate_up = (torch.randn(e, 2 * inter, dim, device="cuda") * dim ** -0.5).bfloat16()
     down = (torch.randn(e, dim, inter, device="cuda") * inter ** -0.5).bfloat16()
     gq, gs = quantize_blocks(gate_up)
@@ -281,7 +286,7 @@ def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer():
     out = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights)
     ref = moe_fp8_reference(x, gq, gs, dq, ds, chosen, weights)
     bf16 = fused_moe(x, gate_up, down, chosen, weights)
-    print(f"fp8 kernel vs reference {rel_err(out, ref):.2e}, vs bf16 experts {rel_err(out, bf16):.3e}")
+    print(f"n={n}: fp8 kernel vs reference {rel_err(out, ref):.2e}, vs bf16 experts {rel_err(out, bf16):.3e}")
     assert rel_err(out, ref) < 1e-2
     assert rel_err(out, bf16) < 0.08
     static = torch.zeros_like(out)

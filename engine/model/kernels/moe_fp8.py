@@ -125,20 +125,134 @@ def _down_fp8_kernel(
              mask=row_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _gemv_fp8_step(a_ptr, w_ptr, ws_ptr, n, n_ok, k0, K, stride_wn, stride_sn,
+                   QB: tl.constexpr, G: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr):
+    """One reduction step of a GEMV over G groups of QB columns starting at k0: the activation groups
+    quantized as in the blocked kernels, times the e4m3 rows n of W; -> [BLOCK_N] fp32 partial sums."""
+    g = tl.arange(0, G)
+    q = tl.arange(0, QB)
+    col = k0 + g[:, None] * QB + q[None, :]  # [G, QB]
+    col_ok = col < K
+    a = tl.load(a_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(a), axis=1), EPS) / FP8_MAX_  # [G]
+    aq = _round_e4m3(a / s[:, None])  # on the e4m3 grid, kept in fp32: a GEMV has no tensor-core dot
+    w = tl.load(w_ptr + n[:, None, None] * stride_wn + col[None, :, :],
+                mask=n_ok[:, None, None] & col_ok[None, :, :], other=0.0).to(tl.float32)  # [N, G, QB]
+    part = tl.sum(w * aq[None, :, :], axis=2)  # [N, G]
+    ws = tl.load(ws_ptr + (n // QB)[:, None] * stride_sn + (k0 // QB + g)[None, :],
+                 mask=n_ok[:, None] & ((k0 + g * QB) < K)[None, :], other=0.0)
+    return tl.sum(part * (ws * s[None, :]), axis=1)
+
+
+@triton.jit
+def _gemv_gate_up_fp8_kernel(
+    x_ptr, w_ptr, ws_ptr, chosen_ptr, h_ptr, INTER,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
+    K: tl.constexpr, TOP_K: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+):
+    # one (token, k) pair per program row of the grid, its expert read directly (no alignment)
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(chosen_ptr + pair)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < INTER
+    x_row = x_ptr + (pair // TOP_K) * stride_x
+    w_base = w_ptr + expert * stride_we
+    s_base = ws_ptr + expert * stride_se
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, G * QB):
+        acc_g += _gemv_fp8_step(x_row, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn, QB, G, FP8_MAX_, EPS)
+        acc_u += _gemv_fp8_step(x_row, w_base, s_base, n + INTER, n_ok, k0, K, stride_wn, stride_sn, QB, G,
+                                FP8_MAX_, EPS)
+    g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
+    u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
+    h = g / (1.0 + tl.exp(-g)) * u
+    tl.store(h_ptr + pair * stride_h + n, h.to(h_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _gemv_down_fp8_kernel(
+    h_ptr, w_ptr, ws_ptr, chosen_ptr, weight_ptr, out_ptr, N,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    K: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(chosen_ptr + pair)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    w_base = w_ptr + expert * stride_we
+    s_base = ws_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, K, G * QB):
+        acc += _gemv_fp8_step(h_ptr + pair * stride_h, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn,
+                              QB, G, FP8_MAX_, EPS)
+    acc = acc * tl.load(weight_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + pair * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+# Up to this many (token, k) pairs the default (not batch-invariant) path runs per-pair GEMVs, as the bf16
+# MoE does (moe.GEMV_MAX_PAIRS): a 16-row block per expert keeps too few SMs busy at decode batch 1-4.
+GEMV_MAX_PAIRS = 4
+# (BLOCK_N, groups of QBLOCK columns per step, num_warps): first guesses, half the bf16 GEMV's bytes per
+# tile in flight would be (2, 2048) bf16 -> (4, 16) fp8 = 8 KB per step; bench/fp8_fidelity.py --sweep
+# times the alternatives on a GPU.
+GEMV_GATE_UP_TILE = (4, 8, 4)
+GEMV_DOWN_TILE = (4, 8, 4)
+
+
+def _moe_gemv_fp8(x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
+                  chosen: Tensor, weights: Tensor, gate_up_tile: tuple[int, int, int] | None = None,
+                  down_tile: tuple[int, int, int] | None = None) -> Tensor:
+    n, dim = x.shape
+    inter = gate_up.shape[1] // 2
+    k = chosen.shape[1]
+    gu_n, gu_g, gu_w = gate_up_tile or GEMV_GATE_UP_TILE
+    dn_n, dn_g, dn_w = down_tile or GEMV_DOWN_TILE
+    pairs = chosen.contiguous().view(-1)
+    h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
+    _gemv_gate_up_fp8_kernel[(n * k, triton.cdiv(inter, gu_n))](
+        x, gate_up, gate_up_scale, pairs, h, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        h.stride(0),
+        K=dim, TOP_K=k, QB=QBLOCK, G=min(gu_g, triton.next_power_of_2(triton.cdiv(dim, QBLOCK))), BLOCK_N=gu_n,
+        FP8_MAX_=FP8_MAX, EPS=ACT_EPS, num_warps=gu_w,
+    )
+    out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
+    _gemv_down_fp8_kernel[(n * k, triton.cdiv(dim, dn_n))](
+        h, down, down_scale, pairs, weights.contiguous().view(-1), out, dim,
+        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
+        K=inter, QB=QBLOCK, G=min(dn_g, triton.next_power_of_2(triton.cdiv(inter, QBLOCK))), BLOCK_N=dn_n,
+        FP8_MAX_=FP8_MAX, EPS=ACT_EPS, num_warps=dn_w,
+    )
+    return out
+
+
 def fused_moe_fp8(
     x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
     chosen: Tensor, weights: Tensor, block_m: int = 16, block_n: int = 64, batch_invariant: bool = False,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:
     """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
-    engine/model/quantize.py); chosen / weights [N, k] -> [N, dim] in x's dtype. The blocked kernels run
-    at every batch (they are batch-invariant); batch_invariant only fixes the top-k summation order."""
+    engine/model/quantize.py); chosen / weights [N, k] -> [N, dim] in x's dtype. Up to GEMV_MAX_PAIRS
+    pairs per-pair GEMVs (same quantization, another summation order); batch_invariant: the blocked
+    kernels at every row count and the top-k rows added in rank order."""
     if gate_up.dtype != FP8 or down.dtype != FP8:
         raise TypeError(f"fused_moe_fp8 takes float8_e4m3fn experts, not {gate_up.dtype} / {down.dtype}")
+    if gate_up_scale.stride(-1) != 1 or down_scale.stride(-1) != 1:
+        raise ValueError("the block scales must be contiguous in their last dimension")
     n, dim = x.shape
     e, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     k = chosen.shape[1]
+    if n * k <= GEMV_MAX_PAIRS and not batch_invariant:
+        out = _moe_gemv_fp8(x, gate_up, gate_up_scale, down, down_scale, chosen, weights)
+        return _combine_topk(out, n, k, x.dtype)
     sorted_pairs, block_expert = align_blocks_triton(chosen, e, block_m)
     n_blocks = block_expert.numel()
     h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
@@ -148,6 +262,7 @@ def fused_moe_fp8(
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
         h.stride(0),
         K=dim, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+        num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _down_fp8_kernel[(n_blocks, triton.cdiv(dim, block_n))](
@@ -155,5 +270,6 @@ def fused_moe_fp8(
         n * k, dim,
         h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
         K=inter, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return _combine_topk(out, n, k, x.dtype, batch_invariant)
