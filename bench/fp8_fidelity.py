@@ -1,6 +1,7 @@
 """FP8 experts against bf16 on the full-size model: fidelity and decode step time (issue 25, build item 2).
 
     python bench/fp8_fidelity.py --json fp8.json [--prompts 8 --frames 200 --batches 1 64 128 256]
+    python bench/fp8_fidelity.py --sweep --json sweep.json   # one full-size expert layer, tile variants
 
 One full-size random model (the weights bench/decode_step.py builds). The bf16 model generates a
 continuation of each prompt (its own samples, seeded); then the same prompt + continuation is teacher-forced
@@ -13,6 +14,8 @@ through the bf16 model and, after its experts are quantized in place (engine/mod
   * perplexity ratio fp8 / bf16 of the continuation (temperature 1),
 the metrics the reference's fp8 branch reports (cos 0.998, top-1 87.1 %, KL 0.014, PPL ratio 1.017, on trained
 weights). Then the captured decode step (graph replay, median) at each batch, bf16 then fp8.
+--sweep times one full-size MoE layer alone (16 experts, top-1), bf16 against fp8 with each tile variant of
+the fp8 kernels (triton.testing.do_bench, L2 flushed), to choose moe_fp8's tiles.
 
 Random weights are not trained weights: their logits are flatter and their activations have none of a
 trained model's outliers, so these figures show that the fp8 path is wired and sound, not what a trained
@@ -26,6 +29,7 @@ import dataclasses
 import gc
 import json
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -123,6 +127,61 @@ def step_times(model, node: LLMNode, batches: list[int], context: int, iters: in
     return rows
 
 
+def sweep(batches: list[int], seed: int) -> list[dict]:
+    """One full-size expert layer: bf16 fused_moe (its defaults) vs fused_moe_fp8 per tile variant."""
+    from engine.config import Zonos2Config, preset_params
+    from engine.model.quantize import quantize_blocks
+
+    cfg = Zonos2Config.from_dict(preset_params("full"))
+    e, dim, inter = cfg.n_experts, cfg.dim, cfg.intermediate
+    gen = torch.Generator("cuda").manual_seed(seed)
+    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda", generator=gen) * dim ** -0.5).bfloat16()
+    down = (torch.randn(e, dim, inter, device="cuda", generator=gen) * inter ** -0.5).bfloat16()
+    fp8 = (*quantize_blocks(gate_up), *quantize_blocks(down))
+    rows = []
+    for b in batches:
+        x = torch.randn(b, dim, device="cuda", generator=gen).bfloat16()
+        chosen = torch.randint(0, e, (b, 1), device="cuda", generator=gen)
+        w = torch.rand(b, 1, device="cuda", generator=gen)
+        rows.append(_sweep_batch(x, (gate_up, down), fp8, chosen, w))
+    return rows
+
+
+def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor, w: torch.Tensor) -> dict:
+    from triton.testing import do_bench
+
+    from engine.model.kernels import moe_fp8
+    from engine.model.kernels.moe import fused_moe
+
+    b = x.shape[0]
+    row = {"batch": b, "bf16_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w)) * 1e3,
+           "bf16_invariant_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w, batch_invariant=True)) * 1e3,
+           "default_us": do_bench(lambda: moe_fp8.fused_moe_fp8(x, *fp8, chosen, w)) * 1e3}
+    variants = {}
+    for bn in (32, 64, 128):
+        for nw in (4, 8):
+            for st in (2, 3, 4):
+                variants[f"blocked n{bn} w{nw} s{st}"] = partial(
+                    moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=bn, batch_invariant=True, num_warps=nw,
+                    num_stages=st)
+    if b <= moe_fp8.GEMV_MAX_PAIRS:
+        for tn in (2, 4, 8):
+            for g in (2, 4, 8, 16):
+                variants[f"gemv n{tn} g{g}"] = partial(moe_fp8._moe_gemv_fp8, x, *fp8, chosen, w,
+                                                       gate_up_tile=(tn, g, 4), down_tile=(tn, g, 4))
+    times = {}
+    for name, fn in variants.items():
+        try:
+            times[name] = do_bench(fn) * 1e3
+        except Exception as exc:  # a tile the compiler rejects (shared memory): skipped, not fatal
+            print(f"batch {b} {name}: {type(exc).__name__}: {str(exc)[:80]}")
+    best = min(times, key=times.get)
+    row.update(fp8_us=times, best=best, best_us=times[best])
+    print(f"batch {b:>4}: bf16 {row['bf16_us']:7.1f} us (invariant {row['bf16_invariant_us']:7.1f}) | fp8 "
+          f"default {row['default_us']:7.1f} us, best {row['best_us']:7.1f} us ({best})", flush=True)
+    return row
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", help="a bf16 checkpoint (default: full-size random weights)")
@@ -137,8 +196,15 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant)
+    p.add_argument("--sweep", action="store_true", help="only time one expert layer's kernels (tile variants)")
     p.add_argument("--json")
     a = p.parse_args()
+    if a.sweep:
+        rows = sweep(a.batches, a.seed)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"sweep": rows}, f, indent=1)
+        return
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     src = WeightSources(model_path=a.model_path, random_preset=a.preset, seed=a.seed)
