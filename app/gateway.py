@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
+from app.continuation import Chain, Link
 from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
 from app.metrics import Metrics
 from app.normalization import NormalizationPool, default_workers
@@ -190,11 +191,13 @@ class Gateway:
     async def start_utterance(
         self, text: str, opts: SynthesisOptions, voice: Voice | None = None,
         clip: tuple[np.ndarray, int] | None = None, owner: object = None,
+        chain: Chain | None = None, link: Link | None = None,
     ) -> Stream | PieceStream:
         """One utterance's engine work. Its text is normalized (in a worker process, in `owner`'s turn: a
         session or an HTTP request), and the spoken text, which can be several times longer ("$1,234,567.89"
         is 13 bytes written, 95 spoken), is cut to the utterance budget again: the model gets every byte of
-        it, in one engine request or in a few, one after another (PieceStream)."""
+        it, in one engine request or in a few, one after another (PieceStream). chain, link: its place in
+        its context's continuation chain (app/continuation.py)."""
         if len(text) > self.settings.limits.max_text_chars:
             raise RequestError("text_too_long", f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
         check_text(text)
@@ -213,7 +216,32 @@ class Gateway:
             except EngineUnavailable as e:
                 raise RequestError("engine_busy", str(e), 503) from None
 
+        if chain is not None and link is not None and len(pieces) == 1:
+            return await self._continue(chain, link, pieces[0], opts, embedding, clip)
+        if link is not None:
+            link.settle()  # an utterance of several requests is no chain member: the next starts fresh
         return submit(pieces[0]) if len(pieces) == 1 else PieceStream(submit, pieces)
+
+    async def _continue(self, chain: Chain, link: Link, text: str, opts: SynthesisOptions,
+                        embedding: np.ndarray | None, clip: tuple[np.ndarray, int] | None) -> Stream:
+        """One utterance of a continuation chain (app/continuation.py): it continues the chunks before it
+        and their DAC stream, on the engine that holds that stream."""
+        try:
+            ctx = await chain.context(link)
+            speaker = embedding is not None or clip is not None
+            # no await from reading link.final to settling the link: Chain.end sees either a final link or
+            # its stream
+            prompt = self.prompts.build_sync(text, opts, speaker, (ctx.text, ctx.codes), not link.final)
+            req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
+            req.hold, req.continues = not link.final, ctx.prev.rid if ctx.prev is not None else 0
+            try:  # the stream it continues lives on one engine
+                stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
+            except EngineUnavailable as e:
+                raise RequestError("engine_busy", str(e), 503) from None
+            link.settle(text, stream)
+            return stream
+        finally:
+            link.settle()
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":

@@ -3,6 +3,8 @@
 Text is cut into sentences (app/text_buffer.py), each sentence is one utterance (one engine request, or
 a few when its normalized text outgrows the budget: app/gateway.py), and utterances play strictly in order while the next ones already generate (up to
 `max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
+The utterances of a context continue one another (app/continuation.py: one voice, one DAC stream) unless
+their options say long_form false; `end` says a context's last utterance has been queued.
 The per-utterance stats (time to first audio, real-time factor) and the HTTP status of every engine
 error code are defined here and nowhere else.
 """
@@ -21,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from app.continuation import Chain, Link
 from app.engine_client import Stream
 from app.gateway import Gateway, utterance_bytes
 from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
@@ -84,6 +87,8 @@ class Utterance:
     error: RequestError | None = None
     finish: dict[str, Any] | None = None  # the engine's `finished` event
     cancelled: bool = False
+    chain: Chain | None = None  # its context's continuation chain (None: long_form false)
+    link: Link | None = None
 
     def stats(self) -> dict[str, Any]:
         """`ttfa_ms`: from the moment it could play (its text complete and the utterance before it sent)
@@ -112,6 +117,7 @@ class UtterancePipeline:
         self.queue: deque[Utterance] = deque()  # not yet fully played, in order; the head is playing
         self.changed = asyncio.Event()  # set whenever utterances are added or dropped
         self._seq = itertools.count(1)
+        self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/continuation.py)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -124,6 +130,11 @@ class UtterancePipeline:
             seq = next(self._seq)
             u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
                           clip=clip, encoder=PcmEncoder(*encoder) if encoder else None)
+            if opts.long_form.long_form is False:
+                self.end(context_id)
+            else:
+                u.chain = self.chains.get(context_id) or self.chains.setdefault(context_id, Chain(opts.long_form))
+                u.link = u.chain.link()
             self.queue.append(u)
             added.append(u)
         if added:
@@ -139,7 +150,8 @@ class UtterancePipeline:
 
     async def _start(self, u: Utterance) -> None:
         try:
-            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip, owner=self)
+            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip, owner=self, chain=u.chain,
+                                                     link=u.link)
         except RequestError as e:
             u.error = e
         except Exception:  # a bug must cost this utterance, not the session
@@ -148,12 +160,17 @@ class UtterancePipeline:
         else:
             if u.cancelled:
                 u.stream.cancel()
+        finally:
+            if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
+                u.link.settle()
 
     def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
         """Drop the queued utterances of a context (None: all), only those queued after utterance number
         `after` when it is given, and stop their GPU work now."""
         dropped = [u for u in self.queue if (context_id is None or u.context_id == context_id)
                    and (after is None or u.seq > after)]
+        for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain
+            self.chains.pop(ctx, None)
         for u in dropped:
             u.cancelled = True
             if u.stream is not None:
@@ -165,6 +182,14 @@ class UtterancePipeline:
             self.prefetch()
             self.changed.set()
         return dropped
+
+    def end(self, context_id: str | None = None) -> None:
+        """The last utterance of a context (None: of every context) has been queued: it is generated final,
+        or its held stream is flushed now; the context's next utterance starts a new chain."""
+        for ctx in [context_id] if context_id is not None else list(self.chains):
+            chain = self.chains.pop(ctx, None)
+            if chain is not None:
+                chain.end()
 
     def done(self, u: Utterance) -> None:
         """The consumer has handled u (played it, or reported its error)."""
@@ -219,6 +244,7 @@ async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice:
         raise RequestError("empty_text", "there is no text to speak")
     pipe = UtterancePipeline(gw, api)
     pipe.add(sentences, opts, voice, clip)
+    pipe.end()  # the whole text is here: its last sentence is final
     try:
         while pipe.queue:
             u = pipe.queue[0]

@@ -329,9 +329,11 @@ class StreamingSession:
         for u in lane.pipe.add(sentences, opts, voice, clip, context_id=ctx):
             u.encoder = self.encoder_for(ctx)  # type: ignore[assignment]
 
-    async def flush(self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True) -> None:
+    async def flush(self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True,
+                    end_turn: bool = True) -> None:
         """Speak what a context (None: every context) has buffered now; `answer` once all audio of the text
-        sent before it has been sent (at once when nothing of it is queued)."""
+        sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
+        complete: its last utterance ends the context's continuation (app/continuation.py)."""
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 before = buf.text
@@ -341,6 +343,9 @@ class StreamingSession:
                     buf.text = before  # still buffered; a later flush can speak it
                     raise
         self._drop_empty_buffers()
+        if end_turn:
+            for lane in self.lanes.values():
+                lane.pipe.end(ctx)
         if answer is not None:
             await self.add_mark(ctx, answer)
 
@@ -439,7 +444,7 @@ class StreamingSession:
         if self._closing or not self.buffered(ctx).strip():
             return
         try:
-            await self.flush(ctx)
+            await self.flush(ctx, end_turn=False)  # the hold timer: more text of the turn may follow
         except RequestError as e:  # too many utterances queued: it stays buffered for a later flush
             await self.error(e.code, str(e), **self.error_context({"context_id": ctx}))
         except Exception as e:  # the client is gone (a failed send); the session is ending

@@ -101,7 +101,7 @@ class SynthesisOptions:
     ignore_eos: bool = False
     language: str = "en_us"
     text_normalization: bool = True
-    # Parsed and checked; the engine side (continuation) is not wired yet: docs/protocol.md
+    # continuation across a context's utterances (app/continuation.py): on unless long_form is false
     long_form: LongFormOptions = field(default_factory=LongFormOptions)
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
 
@@ -286,14 +286,19 @@ class PromptFactory:
         self.normalizer = normalizer
         self.emotion = emotion  # --emotion-directions-dir
 
-    def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
+    def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool,
+                   context: tuple[str, np.ndarray] | None = None, non_final: bool = False) -> np.ndarray:
+        """context: (text, kept frames) of the earlier chunks this one continues (app/continuation.py);
+        non_final: a chunk with more to follow, without trailing-silence conditioning."""
         check_text(text)
         if opts.text_normalization and self.normalizer is not None:
             text = self.normalizer.normalize(text, opts.language)
         cond = Conditioning(**{k: getattr(opts.cond, k) for k in Conditioning.__dataclass_fields__})
         cond.speaker = speaker and self.cfg.speaker_enabled
         try:
-            return self.builder.build(text, cond)
+            if context is not None:
+                return self.builder.build_continuation(context[0], text, context[1], cond, non_final)
+            return self.builder.build(text, cond, non_final)
         except PromptError as e:
             raise RequestError("bad_params", str(e)) from None
 

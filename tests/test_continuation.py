@@ -234,6 +234,7 @@ def test_a_reply_of_five_requests_is_one_stream_and_each_prompt_continues_the_ke
     lt, client = rt
     go, streams, kept, prompts = _submit_chain(client, TEXTS, hold_last=True)
     pcm: list[np.ndarray] = []
+    sizes: list[int] = []
 
     async def run():
         submit = asyncio.create_task(go())
@@ -244,7 +245,10 @@ def test_a_reply_of_five_requests_is_one_stream_and_each_prompt_continues_the_ke
             if len(ends) == len(TEXTS) - 1:
                 await submit
                 streams[-1].end()  # no sixth sentence: the last one's tail is flushed now
-            ends.append(await _read(streams[len(ends)], pcm))
+            own: list[np.ndarray] = []
+            ends.append(await _read(streams[len(ends)], own))
+            sizes.append(sum(len(p) for p in own))
+            pcm.extend(own)
         return ends
 
     ends = lt.run(run(), timeout=600)
@@ -259,8 +263,11 @@ def test_a_reply_of_five_requests_is_one_stream_and_each_prompt_continues_the_ke
         ref = pb.build_continuation(" ".join(TEXTS[j] for j in idx), TEXTS[i],
                                     np.concatenate([kept[j] for j in idx]), non_final=True)
         assert np.array_equal(prompts[i], ref)
+    # each request's own audio is its kept frames' (the stream's audio is split where they end); the
+    # flushed last chunk keeps all its frames
+    assert sizes == [len(k) * HOP for k in kept[:4]] + [40 * HOP]
     x = np.concatenate(pcm)
-    total = sum(len(k) for k in kept[:4]) + 40  # the flushed last chunk keeps all its frames
+    total = sum(len(k) for k in kept[:4]) + 40
     assert len(x) == total * HOP
     # one DAC stream: the audio is the one-shot decode of the kept frames end to end (up to the last
     # chunk's end, which the flush decodes with frames the kept ones lack)

@@ -11,7 +11,8 @@ for at most one chunk. Cancels free the slot before the next step runs.
 Continuation (engine/longform.py). A request submitted with `hold` is a non-final chunk: when its
 generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
 its audio up to the kept end still goes out under its rid. A request that `continues` it takes the stream
-over when admitted: the held request is finished then, and the stream's later audio is the new one's. A
+over when admitted: the stream's audio up to the held request's kept end is still the held request's (it is
+finished when that is out), the audio after it the new one's. A
 held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
 would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
 """
@@ -30,6 +31,7 @@ import torch
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.rings import ShmRing
+from engine.dac.codec import HOP
 from engine.llm.node import Sequence
 from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
@@ -60,6 +62,10 @@ class Job:
     t_held: float = 0.0  # its generation ended and its stream is held
     stream_samples: int = 0  # audio of its DAC stream sent so far (earlier requests of the chain included)
     t_stream_first: float = 0.0  # the stream's first audio left
+    first_frame: int = 0  # its chunk's first frame in its stream
+    stream_end: int | None = None  # held: the stream sample its audio ends at (its kept frames' end)
+    successor: Job | None = None  # the request continuing its stream (it owns the stream until stream_end)
+    predecessor: Job | None = None
 
 
 class Scheduler:
@@ -230,14 +236,26 @@ class Scheduler:
         track_eos = not job.seq.ignore_eos
         if prev is not None and prev.seq.rid == job.continues:
             del self.held[prev.stream]
-            job.stream, job.stream_samples, job.t_stream_first = prev.stream, prev.stream_samples, prev.t_stream_first
+            assert prev.stream_end is not None
+            job.stream, job.t_stream_first = prev.stream, prev.t_stream_first
+            job.first_frame = prev.stream_end // HOP
             self.dac.resume(job.stream, hold=job.hold, track_eos=track_eos)
-            self.streams[job.stream] = job
-            self._finish(prev, time.perf_counter())  # the stream's audio from here on is the new request's
+            prev.successor, job.predecessor = job, prev
+            if prev.stream_samples >= prev.stream_end:  # all its audio is out already
+                self._hand_over(prev, time.perf_counter())
         else:
             job.stream = job.seq.rid
             self.dac.open(job.stream, hold=job.hold, track_eos=track_eos)
             self.streams[job.stream] = job
+
+    def _hand_over(self, job: Job, now: float) -> None:
+        """A held request's audio is all out: finish it; its successor owns the stream from here on."""
+        nxt = job.successor
+        assert nxt is not None
+        job.successor = nxt.predecessor = None
+        self._finish(job, now)
+        nxt.stream_samples = job.stream_samples
+        self.streams[nxt.stream] = nxt
 
     def _end(self, rid: int) -> None:
         """The continuation of rid's stream ends: a waiting or generating request becomes final, a held
@@ -253,6 +271,7 @@ class Scheduler:
         job.hold = False
         if self.held.get(job.stream) is job:
             del self.held[job.stream]
+            job.stream_end = None  # its audio now runs to its end of audio
             self.dac.flush(job.stream)
         elif self.streams.get(job.stream) is job:
             self.dac.make_final(job.stream)
@@ -262,6 +281,7 @@ class Scheduler:
         seq = job.seq
         frames = self.dac.chunk_frames(job.stream)
         kept = frames[: self.dac.hold(job.stream, seq.audio_frames)].astype(np.int32)
+        job.stream_end = (job.first_frame + len(kept)) * HOP
         job.t_held = now
         self.held[job.stream] = job
         self.outbox.put(seq.rid, {"type": m.KEPT, "rid": seq.rid, "frames": len(kept),
@@ -280,13 +300,13 @@ class Scheduler:
                 due = now - job.t_held >= grace_s
             if due:
                 del self.held[key]
-                job.hold = False
+                job.hold, job.stream_end = False, None
                 self.dac.flush(key)
 
     def _min_lead(self, now: float) -> float | None:
         """The smallest lead (audio its player still holds) over the streams playing now."""
         leads = [self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now)
-                 for j in self.running.values() if j.t_stream_first]
+                 for j in self.running.values() if j.t_stream_first and self.streams.get(j.stream) is j]
         return min(leads) if leads else None
 
     def _starting(self) -> int:
@@ -390,28 +410,42 @@ class Scheduler:
         self._send_audio(self.dac.collect())  # on a CPU the calls have already run
 
     def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
-        """Put decoded PCM in the events ring (one doorbell for all of it)."""
+        """Put decoded PCM in the events ring (one doorbell for all of it): each stream's audio to the request
+        it belongs to (a held request's up to its kept end, its successor's after it)."""
         for key, pcm, final in items:
             job = self.streams.get(key)
             if job is None:
                 continue
-            rid = job.seq.rid
             now = time.perf_counter()
-            if job.audio_index == 0:
-                job.t_first_audio = now
-            job.t_stream_first = job.t_stream_first or now
-            header = {"type": m.AUDIO, "rid": rid, "index": job.audio_index, "samples": len(pcm)}
-            job.audio_index += 1
-            job.samples += len(pcm)
-            job.stream_samples += len(pcm)
-            if not self.outbox.put(rid, header, pcm, notify=False):
-                self._cancel(rid, reason="backpressure")
-                self._error(rid, "backpressure", "the gateway is not reading this stream; cancelled")
-                continue
-            if final:
-                self._finish(job, now)
+            while (job.successor is not None and job.stream_end is not None
+                   and job.stream_samples + len(pcm) >= job.stream_end):
+                n = max(0, job.stream_end - job.stream_samples)
+                if n and not self._put_audio(job, pcm[:n], now):
+                    break
+                pcm, nxt = pcm[n:], job.successor
+                self._hand_over(job, now)
+                job = nxt
+            else:
+                if (len(pcm) or final) and self._put_audio(job, pcm, now) and final:
+                    self._finish(job, now)
         if items:
             self.out_ring.notify()
+
+    def _put_audio(self, job: Job, pcm: np.ndarray, now: float) -> bool:
+        """One audio record of job; False: the gateway is not reading it (it is cancelled)."""
+        rid = job.seq.rid
+        if job.audio_index == 0:
+            job.t_first_audio = now
+        job.t_stream_first = job.t_stream_first or now
+        header = {"type": m.AUDIO, "rid": rid, "index": job.audio_index, "samples": len(pcm)}
+        job.audio_index += 1
+        job.samples += len(pcm)
+        job.stream_samples += len(pcm)
+        if not self.outbox.put(rid, header, pcm, notify=False):
+            self._cancel(rid, reason="backpressure")
+            self._error(rid, "backpressure", "the gateway is not reading this stream; cancelled")
+            return False
+        return True
 
     def _finish(self, job: Job, now: float) -> None:
         seq = job.seq
@@ -458,10 +492,7 @@ class Scheduler:
                                     force=True)
                 return
             self.llm.release(job.seq)
-            if self.streams.get(job.stream) is job:  # its stream (held or not) ends with it
-                del self.streams[job.stream]
-                self.held.pop(job.stream, None)
-                self.dac.drop(job.stream)
+            self._cancel_stream(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
         if reason == "cancelled":  # the acknowledgement the gateway waits for (slot already free)
@@ -469,6 +500,25 @@ class Scheduler:
             self.outbox.put(rid, {"type": m.FINISHED, "rid": rid, "reason": "cancelled",
                                   "stats": {"frames": job.seq.generated, "free_ms": free_ms,
                                             "free_slots": len(self.llm.free_slots)}}, force=True)
+
+    def _cancel_stream(self, job: Job) -> None:
+        """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
+        left of the cancelled request's audio is dropped with it); else the stream is dropped, and a
+        predecessor still sending its tail is finished with what it sent."""
+        key, nxt, prev = job.stream, job.successor, job.predecessor
+        job.successor = job.predecessor = None
+        if nxt is not None:
+            nxt.predecessor = None
+            nxt.stream_samples = job.stream_samples
+            self.streams[key] = nxt
+            return
+        if self.streams.get(key) is job or prev is not None:
+            self.streams.pop(key, None)
+            self.held.pop(key, None)
+            self.dac.drop(key)
+        if prev is not None:
+            prev.successor = None
+            self._finish(prev, time.perf_counter())
 
     def _error(self, rid: int, code: str, message: str, **extra: Any) -> None:
         self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message, **extra}, force=True)
