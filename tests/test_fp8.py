@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -303,23 +304,44 @@ def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer(n):
     assert torch.equal(static, out)
 
 
+def _generate(node, prompts, seeds, steps) -> list:
+    from engine.contract.records import SamplingParams
+    from engine.llm.node import Sequence
+
+    seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True)
+            for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+    for s in seqs:
+        node.admit(s)
+    frames = {s.rid: [] for s in seqs}
+    for s, c in node.prefill([(s, s.prompt_len) for s in seqs]):  # packed together
+        frames[s.rid].append(c)
+    while any(s.finish_reason is None for s in seqs):
+        for s, c in node.decode([s for s in seqs if s.finish_reason is None]):
+            frames[s.rid].append(c)
+    for s in seqs:
+        node.release(s)
+    return [torch.from_numpy(np.stack(frames[s.rid])) for s in seqs]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_gpu_llm_node_serves_fp8_tiny_model_with_graphs():
-    """The tiny model, experts in fp8, through the LLM node with its decode / prefill graphs: the same codes
-    as its eager run of the same seeded request (graphs do not change the fp8 path)."""
-    from engine.contract.records import SamplingParams
+def test_gpu_llm_node_fp8_graphs_equal_eager_and_stay_batch_invariant():
+    """The tiny model with fp8 experts through the LLM node (batch-invariant kernels on every step): its
+    captured graphs replay exactly the eager kernels, and a seeded request gets the same codes alone and
+    decoded among three others."""
     from engine.contract.settings import WeightSources
-    from engine.llm.node import LLMNode, Sequence
-    from engine.offline import run_sequence
+    from engine.llm.node import LLMNode
     from engine.prompt import PromptBuilder
     from engine.weights import load_model
 
-    codes = []
-    for graphs in (False, True):
-        model = load_model(WeightSources(), "cuda", quantization="fp8")
-        node = LLMNode(model, 4, 512, graphs, False)
-        prompt = PromptBuilder(model.cfg).build("Graphs in eight bits.")
-        seq = Sequence(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=30, ignore_eos=True)
-        codes.append(run_sequence(node, seq))
-    assert (codes[0] == codes[1]).all()
+    model = load_model(WeightSources(), "cuda", quantization="fp8")
+    pb = PromptBuilder(model.cfg)
+    target = pb.build("The seeded one, in eight bits.")
+    others = [pb.build(t) for t in ("Other text here.", "Yet another request", "x")]
+    graphed = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=True, batch_invariant="always")
+    alone = _generate(graphed, [target], [42], 60)[0]
+    busy = _generate(graphed, [*others, target], [1, 2, 3, 42], 60)[-1]
+    eager = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=False, batch_invariant="always")
+    eager_alone = _generate(eager, [target], [42], 60)[0]
+    assert torch.equal(alone, eager_alone)
+    assert torch.equal(alone, busy)
