@@ -109,8 +109,8 @@ def test_seeded_request_codes_alone_equal_codes_in_a_batch(model):
     target = pb.build("The seeded one.")
     others = [pb.build(t) for t in ("Other text here.", "Yet another request, a longer one.", "x")]
     seeded = SamplingParams(seed=1234, top_p=0.9)
-    node = LLMNode(model, n_slots=6, max_len=96, cuda_graphs=CUDA, batch_invariant=True, triton=True)
-    assert node.batch_invariant
+    node = LLMNode(model, n_slots=6, max_len=96, cuda_graphs=CUDA, batch_invariant="always", triton=True)
+    assert node.kernel_sets == (True,)
     frames = 5
     alone = _run(node, [target], [seeded], frames)[0]
     busy = _run(node, [others[0], others[1], target, others[2]],
@@ -120,11 +120,118 @@ def test_seeded_request_codes_alone_equal_codes_in_a_batch(model):
     np.testing.assert_array_equal(alone, busy)
 
 
-def test_batch_invariance_is_the_engine_default_and_a_flag_turns_it_off():
-    from app.__main__ import parse_args
-    from engine.contract.settings import EngineSettings
+class KernelSpy:
+    """Counts the projections each kernel set runs (eager calls; a graph replay runs none): the invariant
+    set's `linear` (decode and prefill phases) and the default set's (`kernels.gemv.linear`). Calls through."""
 
-    assert EngineSettings().batch_invariant
-    assert parse_args([]).engine.batch_invariant
-    assert not parse_args(["--no-batch-invariant"]).engine.batch_invariant
-    assert parse_args(["--batch-invariant"]).engine.batch_invariant
+    def __init__(self, monkeypatch) -> None:
+        from engine.model import batch_invariant
+        from engine.model.kernels import gemv
+
+        self.counts = {"invariant": 0, "default": 0}
+        for stages in (batch_invariant.DECODE, batch_invariant.PREFILL):
+            monkeypatch.setattr(stages, "linear", self._wrap(stages.linear, "invariant"))
+        monkeypatch.setattr(gemv, "linear", self._wrap(gemv.linear, "default"))
+
+    def _wrap(self, fn, key: str):
+        def spy(*args, **kwargs):
+            self.counts[key] += 1
+            return fn(*args, **kwargs)
+        return spy
+
+    def take(self) -> dict[str, int]:
+        out, self.counts = self.counts, {"invariant": 0, "default": 0}
+        return out
+
+
+@pytest.mark.slow
+def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(model, monkeypatch):
+    """The engine's default mode ("seeded"): every call that holds a request with a seed (its prefill, packed
+    or alone, and each decode step it is part of) runs the batch-invariant kernels, every other call the
+    default ones. The seeded request's codes alone equal its codes packed among unseeded requests with other
+    sampling settings and its codes when it joins unseeded streams already decoding (their steps switch to
+    the invariant set while it runs and back after it ends). Eager calls, so the spy sees which kernels ran."""
+    from engine.contract.records import SamplingParams
+    from engine.llm.node import LLMNode, Sequence
+    from engine.prompt import PromptBuilder
+
+    spy = KernelSpy(monkeypatch)
+    pb = PromptBuilder(model.cfg)
+    target = pb.build("The seeded one.")
+    others = [pb.build(t) for t in ("Other text here.", "Yet another request, a longer one.", "x")]
+    unseeded = [SamplingParams(), SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(top_k=3)]
+    seeded = SamplingParams(seed=1234, top_p=0.9)
+    node = LLMNode(model, n_slots=6, max_len=96, cuda_graphs=False, batch_invariant="seeded", triton=True)
+    assert node.kernel_sets == (False, True) and not model.batch_invariant
+    frames = 4
+
+    alone = _run(node, [target], [seeded], frames)[0]
+    assert node.calls == {("prefill", True): 1, ("decode", True): frames - 1}
+    counts = spy.take()
+    assert counts["default"] == 0 and counts["invariant"] > 0
+
+    node.calls.clear()
+    packed = _run(node, [others[0], others[1], target, others[2]], [unseeded[0], unseeded[1], seeded, unseeded[2]],
+                  frames)[2]
+    assert node.calls == {("prefill", True): 1, ("decode", True): frames - 1}
+    counts = spy.take()
+    assert counts["default"] == 0 and counts["invariant"] > 0
+    np.testing.assert_array_equal(alone, packed)
+
+    # unseeded streams decode 2 frames alone (default kernels), the seeded one joins, runs its frames among
+    # them (invariant kernels) and ends; they decode 2 more frames (default kernels again)
+    node.calls.clear()
+    rest = [Sequence(rid=i, prompt=p, params=sp, max_frames=frames + 4, ignore_eos=True)
+            for i, (p, sp) in enumerate(zip(others, unseeded, strict=True))]
+    for s in rest:
+        node.admit(s)
+    node.prefill([(s, s.prompt_len) for s in rest])
+    for _ in range(2):
+        node.decode(rest)
+    assert node.calls == {("prefill", False): 1, ("decode", False): 2}
+    counts = spy.take()
+    assert counts["invariant"] == 0 and counts["default"] > 0
+    t = Sequence(rid=9, prompt=target, params=seeded, max_frames=frames, ignore_eos=True)
+    node.admit(t)
+    joined = [c for _, c in node.prefill([(t, t.prompt_len)])]
+    while t.finish_reason is None:
+        joined += [c for s, c in node.decode([*rest, t]) if s is t]
+    assert spy.take()["default"] == 0
+    while any(s.finish_reason is None for s in rest):
+        node.decode([s for s in rest if s.finish_reason is None])
+    counts = spy.take()
+    assert counts["invariant"] == 0 and counts["default"] > 0
+    assert node.calls == {("prefill", False): 1, ("decode", False): 2 + 2, ("prefill", True): 1,
+                          ("decode", True): frames - 1}
+    np.testing.assert_array_equal(alone, np.stack(joined))
+
+
+def test_modes_kernel_sets_and_refusals():
+    """Each mode's kernel sets; a node without the Triton kernels runs none of the invariant ones; an unknown
+    mode is refused."""
+    from engine.llm.node import KERNEL_SETS, LLMNode
+    from engine.model.checkpoint import random_model
+
+    assert KERNEL_SETS == {"seeded": (False, True), "always": (True,), "off": (False,)}
+    plain = random_model("tiny", device="cpu", dtype=torch.float32)
+    node = LLMNode(plain, n_slots=2, max_len=32, triton=False, batch_invariant="seeded")
+    assert node.batch_invariant == "off" and node.kernel_sets == (False,)
+    with pytest.raises(ValueError, match="batch_invariant must be one of"):
+        LLMNode(plain, n_slots=2, max_len=32, triton=False, batch_invariant=True)
+    with pytest.raises(ValueError, match="Triton"):
+        plain.decode(torch.zeros(1, 10, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                     torch.zeros(1, dtype=torch.int64), invariant=True)
+
+
+def test_seeded_is_the_engine_default_and_flags_pick_a_mode():
+    from app.__main__ import parse_args
+    from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
+
+    assert EngineSettings().batch_invariant == "seeded"
+    assert parse_args([]).engine.batch_invariant == "seeded"
+    assert parse_args(["--no-batch-invariant"]).engine.batch_invariant == "off"
+    for mode in BATCH_INVARIANT_MODES:
+        assert parse_args(["--batch-invariant", mode]).engine.batch_invariant == mode
+    for bad in (["--batch-invariant"], ["--batch-invariant", "on"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

@@ -51,10 +51,12 @@ def _run(node, prompts, seeds, steps, speakers=None):
     return [np.stack(frames[s.rid]) for s in seqs]
 
 
-@pytest.mark.parametrize("invariant", [True, False])
-def test_graphs_equal_eager_and_seeded_batch_independence(invariant):
-    """Batch-invariant (the default): a seeded request's codes alone and in a batch of 4 are identical.
-    Without it, most frames agree (a near-tie flipped by a batch-shaped bf16 GEMM diverges the rest)."""
+@pytest.mark.parametrize("mode", ["seeded", "always", "off"])
+def test_graphs_equal_eager_and_seeded_batch_independence(mode):
+    """--batch-invariant seeded (the default) or always: a seeded request's codes alone and among 3 unseeded
+    requests are identical (seeded: every call it is in replays the invariant set; a batch of unseeded ones
+    replays the default set). Off: most frames agree (a near-tie flipped by a batch-shaped bf16 GEMM
+    diverges the rest)."""
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
     from engine.prompt import PromptBuilder
@@ -63,13 +65,19 @@ def test_graphs_equal_eager_and_seeded_batch_independence(invariant):
     pb = PromptBuilder(model.cfg)
     target = pb.build("The seeded one.")
     others = [pb.build(t) for t in ("Other text here.", "Yet another request", "x")]
-    graphed = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=True, batch_invariant=invariant)
+    graphed = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=True, batch_invariant=mode)
     alone = _run(graphed, [target], [42], 60)[0]
-    busy = _run(graphed, [*others, target], [1, 2, 3, 42], 60)[-1]
-    eager = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=False, batch_invariant=invariant)
+    graphed.calls.clear()
+    busy = _run(graphed, [*others, target], [None, None, None, 42], 60)[-1]
+    invariant = mode != "off"
+    assert graphed.calls == {("prefill", invariant): 1, ("decode", invariant): 59}
+    graphed.calls.clear()
+    _run(graphed, others, [None, None, None], 10)
+    assert graphed.calls == {("prefill", mode == "always"): 1, ("decode", mode == "always"): 9}
+    eager = LLMNode(model, n_slots=8, max_len=256, cuda_graphs=False, batch_invariant=mode)
     eager_alone = _run(eager, [target], [42], 60)[0]
     same_batch = float((alone == busy).all(-1).mean())
-    print(f"batch invariant {invariant}: seeded request alone vs in a batch of 4: {same_batch:.1%} of frames identical")
+    print(f"batch invariant {mode}: seeded request alone vs among 3 unseeded: {same_batch:.1%} of frames identical")
     assert np.array_equal(alone, eager_alone)  # the graph replays exactly the eager kernels
     if invariant:
         np.testing.assert_array_equal(alone, busy)
@@ -80,14 +88,19 @@ def test_graphs_equal_eager_and_seeded_batch_independence(invariant):
 @pytest.mark.slow
 def test_seed_holds_alone_and_in_a_full_batch_full_size():
     """Issue #26's target, as the engine runs (full-size random weights, 128 slots, CUDA graphs, compiled
-    sampler, batch invariance): a seeded, voiced request's codes alone equal its codes when it is
-    prefilled packed with 127 other requests and decoded among them, in another slot and row."""
+    sampler, --batch-invariant seeded): a seeded, voiced request's codes alone equal its codes when it is
+    prefilled packed with 127 unseeded requests and decoded among them, in another slot and row; every call
+    it is in replays the invariant graphs, and the 127 alone replay the default ones."""
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
     from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("full", device="cuda", dtype=torch.bfloat16)
-    node = LLMNode(model, n_slots=128, max_len=512, compile=True, batch_invariant=True)
+    node = LLMNode(model, n_slots=128, max_len=512, compile=True, batch_invariant="seeded")
+    print("capture s / MiB reserved (decode, prefill), default and invariant kernels:",
+          {inv: (round(node.graphs.capture_s[inv], 1), node.graphs.capture_bytes[inv] >> 20,
+                 round(node.prefill_graphs.capture_s[inv], 1), node.prefill_graphs.capture_bytes[inv] >> 20)
+           for inv in node.kernel_sets})
     pb = PromptBuilder(model.cfg)
     target = pb.build("The seeded sentence we regenerate for an edit.", Conditioning(speaker=True))
     voice = torch.randn(model.cfg.speaker_embedding_dim, device="cuda")
@@ -96,7 +109,14 @@ def test_seed_holds_alone_and_in_a_full_batch_full_size():
     alone = _run(node, [target], [1234], frames, [voice])[0]
     prompts = [*others[:64], target, *others[64:]]
     speakers = [None] * 64 + [voice] + [None] * 63
-    full = _run(node, prompts, [*range(64), 1234, *range(64, 127)], frames, speakers)[64]
+    node.calls.clear()
+    full = _run(node, prompts, [None] * 64 + [1234] + [None] * 63, frames, speakers)[64]
+    # the prefill call that packs it is invariant; the calls packing only unseeded prompts need not be
+    assert node.calls[("prefill", True)] == 1 and node.calls[("decode", True)] == frames - 1
+    assert not node.calls[("decode", False)]
+    node.calls.clear()
+    _run(node, others, [None] * 127, 4)
+    assert not node.calls[("decode", True)] and not node.calls[("prefill", True)]
     same = (alone == full).all(-1)
     print(f"seeded request alone vs in a full batch of 128: {same.mean():.1%} of frames identical"
           + ("" if same.all() else f", first difference at frame {int(np.argmin(same))}"))
