@@ -61,8 +61,6 @@ def test_block_quantization_round_trip(shape):
     scale = s.repeat_interleave(QBLOCK, 1).repeat_interleave(QBLOCK, 2)[:, :m, :k]
     bound = torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)
     assert bool(((back - w).abs() <= bound).all())
-    tile_amax = q.float().abs().amax(dim=(0, 1, 2))  # some value of every tile column family reaches 448
-    assert float(tile_amax.max()) == FP8_MAX
     for i in range(s.shape[1]):  # the largest value of each tile maps to 448 exactly
         for j in range(s.shape[2]):
             t = q[:, i * QBLOCK:(i + 1) * QBLOCK, j * QBLOCK:(j + 1) * QBLOCK].float().abs()
