@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="realtime admission: admit only while every playing stream's player holds more audio")
     p.add_argument("--admission-prebuffer-ms", type=float, default=EngineSettings.admission_prebuffer_ms,
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
+    p.add_argument("--continuation-flush-lead-ms", type=float, default=EngineSettings.continuation_flush_lead_ms,
+                   help="a held stream (a sentence ended, the next not here yet) is flushed once its player holds "
+                        "less audio than this ...")
+    p.add_argument("--continuation-grace-ms", type=float, default=EngineSettings.continuation_grace_ms,
+                   help="... and it has been held this long (the time the next sentence has to arrive)")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
@@ -145,6 +150,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         admission_max_wait_s=a.admission_max_wait,
         admission_lead_floor_ms=a.admission_lead_floor_ms,
         admission_prebuffer_ms=a.admission_prebuffer_ms,
+        continuation_flush_lead_ms=a.continuation_flush_lead_ms,
+        continuation_grace_ms=a.continuation_grace_ms,
         cuda_graphs=not a.no_cuda_graphs,
         compile=not a.no_compile,
         batch_invariant=a.batch_invariant,

@@ -143,9 +143,11 @@ class UtterancePipeline:
         return added
 
     def prefetch(self) -> None:
-        """Keep the first `depth` utterances generating: the one playing and the next ones."""
-        for u in itertools.islice(self.queue, self.depth):
-            if u.start_task is None:
+        """Keep the first `depth` utterances generating: the one playing and the next ones. The utterances of
+        a continuation chain all start: each generates only once the one before it has (app/continuation.py),
+        and the one before cannot end its audio until the next continues its stream (or it is flushed)."""
+        for i, u in enumerate(self.queue):
+            if u.start_task is None and (i < self.depth or u.chain is not None):
                 u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
 
     async def _start(self, u: Utterance) -> None:

@@ -155,6 +155,13 @@ class ChunkStream:
         return kept[self.committed:], kept
 
 
+def reply_frames(chunk_frames: Sequence[int]) -> int:
+    """Frames a reply of chunks that generated these many frames each, without an end of audio, plays: each
+    chunk but the last keeps all but BOUNDARY_TRIM of them (at least none)."""
+    *held, last = chunk_frames
+    return sum(max(0, f - BOUNDARY_TRIM) for f in held) + last
+
+
 def windowed_context_indices(cur_index: int, context_chunks: int, pin_anchor: bool) -> list[int]:
     """The earlier chunks chunk `cur_index` continues: the last `context_chunks` of them, with chunk 0 in
     front once it has left that tail (when `pin_anchor`). E.g. context 1, pinned: 1 -> [0], 2 -> [0, 1],

@@ -31,7 +31,10 @@ class ServerProcess:
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/ws"
         self.log = data_dir.parent / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "app", "--port", str(self.port), "--data-dir", str(data_dir),
-               "--max-batch", "6", "--max-context", "1024", "--no-text-normalization", *extra]
+               "--max-batch", "6", "--max-context", "1024", "--no-text-normalization",
+               # 2 busy cores generate slower than real time: a player would always be dry, so give the next
+               # sentence of a reply time to arrive (tests/test_continuation.py tests the flush itself)
+               "--continuation-grace-ms", "5000", *extra]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from engine.longform import reply_frames
+
 pytestmark = pytest.mark.slow
 FAST = {"max_frames": 40, "ignore_eos": True, "seed": 1}
 
@@ -85,7 +87,7 @@ def test_every_format_streams(server, fmt):
     assert len(chunks) >= 3, [len(c) for c in chunks]  # pieces of every sentence, not one blob at the end
     if fmt in ("wav", "flac", "mp3", "opus"):
         audio, sr = decode(b"".join(chunks))
-        expected = 3 * 40 * 512 * sr / 44100
+        expected = reply_frames([40] * 3) * 512 * sr / 44100  # the sentences continue one another
         assert expected - 2 <= len(audio) <= expected + EXTRA_SAMPLES.get(fmt, 2)
 
 
@@ -294,11 +296,12 @@ def test_openai_speech_speaks_every_sentence(server, text, utterances):
     trailing space or newline gave 400 empty_text."""
     r = speech(server, input=text, response_format="pcm", params=ONE)
     assert r.status_code == 200, r.text
-    assert abs(len(r.content) // 2 - pcm24k_samples(utterances * FRAMES)) <= 2
+    frames = reply_frames([FRAMES] * utterances)  # the sentences continue one another (one stream)
+    assert abs(len(r.content) // 2 - pcm24k_samples(frames)) <= 2
     with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=120,
                       json={"input": text, "response_format": "wav", "params": ONE}) as s:
         audio, _ = sf.read(io.BytesIO(b"".join(s.iter_bytes())))
-    assert abs(len(audio) - pcm24k_samples(utterances * FRAMES)) <= 2
+    assert abs(len(audio) - pcm24k_samples(frames)) <= 2
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -306,7 +309,7 @@ def test_tts_generate_speaks_every_sentence(server, stream):
     r = httpx.post(server.url + "/tts/generate", timeout=120, json={
         "text": "One. Two. Three. ", "max_tokens": FRAMES, "ignore_eos": True, "stream": stream})
     assert r.status_code == 200, r.text
-    assert len(r.content) == 3 * FRAMES * 512 * 4
+    assert len(r.content) == reply_frames([FRAMES] * 3) * 512 * 4
 
 
 def test_openai_sse_speaks_every_sentence(server):
@@ -314,7 +317,7 @@ def test_openai_sse_speaks_every_sentence(server):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     pcm = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
     assert events[-1]["type"] == "speech.audio.done"
-    assert abs(len(pcm) // 2 - pcm24k_samples(2 * FRAMES)) <= 2
+    assert abs(len(pcm) // 2 - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
 
 
 @pytest.mark.parametrize("route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text")])
@@ -340,8 +343,8 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
     frames = 3
     r = speech(server, input=text, response_format="pcm", params={"max_frames": frames, "ignore_eos": True})
     assert r.status_code == 200, r.text
-    assert abs(len(r.content) // 2 - pcm24k_samples(n * frames)) <= 2
+    assert abs(len(r.content) // 2 - pcm24k_samples(reply_frames([frames] * n))) <= 2
     r = httpx.post(server.url + "/tts/generate", timeout=120, json={
         "text": text, "max_tokens": frames, "ignore_eos": True, "stream": False})
     assert r.status_code == 200, r.text
-    assert len(r.content) == n * frames * 512 * 4
+    assert len(r.content) == reply_frames([frames] * n) * 512 * 4

@@ -249,6 +249,8 @@ def test_pending_flush_marks_stay_bounded():
 def test_utterances_play_in_order_and_the_next_one_is_prefetched():
     async def go():
         _session, ws, engine, task = await open_session()
+        ws.send(type="session.config", params={"long_form": False})  # a continuation chain starts them all
+        assert (await ws.next_json())["type"] == "session.updated"
         ws.send(type="text", text="One. Two. Three.", flush=True)
         first = await engine.started(1)
         await engine.started(2)  # the next one generates while the first plays

@@ -76,10 +76,11 @@ class EngineSettings:
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
     # continuation (engine/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
-    # flushed once its player (started admission_prebuffer_ms after the first byte) holds less than this much
-    # audio, or, before any of its audio went out, once it has been held this long
+    # flushed once it has been held continuation_grace_ms (the gateway's time to send the next chunk after the
+    # kept frames) and its player (started admission_prebuffer_ms after the first byte) holds less than
+    # continuation_flush_lead_ms of audio (or none of its audio has gone out yet)
     continuation_flush_lead_ms: float = 250.0
-    continuation_grace_ms: float = 100.0
+    continuation_grace_ms: float = 40.0
 
 
 def visible_gpus() -> int:

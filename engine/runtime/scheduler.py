@@ -294,11 +294,10 @@ class Scheduler:
         lead_s = self.settings.continuation_flush_lead_ms / 1e3
         grace_s = self.settings.continuation_grace_ms / 1e3
         for key, job in list(self.held.items()):
-            if job.t_stream_first:
-                due = self.admission.lead_s(job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s
-            else:
-                due = now - job.t_held >= grace_s
-            if due:
+            if now - job.t_held < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
+                continue
+            if not job.t_stream_first or self.admission.lead_s(
+                    job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s:
                 del self.held[key]
                 job.hold, job.stream_end = False, None
                 self.dac.flush(key)
