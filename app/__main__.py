@@ -59,9 +59,13 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--max-queue", type=int, default=EngineSettings.max_queue,
                    help="requests waiting for a decode slot before new ones get queue_full")
     p.add_argument("--dac-frames-per-step", type=int, default=EngineSettings.dac_frames_per_step,
-                   help="DAC input frames launched per engine iteration (0: all that are ready)")
+                   help="new frames fed to the DAC per engine iteration (0: all that are ready)")
     p.add_argument("--dac-max-batch", type=int, default=EngineSettings.dac_max_batch,
-                   help="chunks per DAC call (each shape is a captured CUDA graph)")
+                   help="streams per DAC call (each shape is a captured CUDA graph)")
+    p.add_argument("--dac-min-batch", type=int, default=EngineSettings.dac_min_batch,
+                   help="a steady DAC call waits (up to --dac-max-hold iterations) for this many streams to join it")
+    p.add_argument("--dac-max-hold", type=int, default=EngineSettings.dac_max_hold,
+                   help="iterations a steady DAC call may wait for a larger batch (0: never)")
     p.add_argument("--admission", choices=["auto", "realtime", "slots"], default=EngineSettings.admission,
                    help="realtime: start a stream only while running ones keep real time (auto: on GPU); "
                         "slots: whenever a decode slot is free")
@@ -145,6 +149,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         max_queue=a.max_queue,
         dac_frames_per_step=a.dac_frames_per_step,
         dac_max_batch=a.dac_max_batch,
+        dac_min_batch=a.dac_min_batch,
+        dac_max_hold=a.dac_max_hold,
         admission=a.admission,
         admission_headroom=a.admission_headroom,
         admission_max_wait_s=a.admission_max_wait,

@@ -352,8 +352,8 @@ def test_incremental_with_triton_kernels_equals_one_shot(codec: Codec):
 
 
 def test_schedule_sizes():
-    assert ChunkSchedule().sizes(4) == [10, 10, 10, 10] and ChunkSchedule().call_sizes() == (10,)
-    assert ChunkSchedule.low_latency().sizes(3) == [10, 4, 4] and ChunkSchedule.low_latency().call_sizes() == (4, 10)
+    assert ChunkSchedule().sizes(4) == [13, 10, 10, 10] and ChunkSchedule().call_sizes() == (10, 13)
+    assert ChunkSchedule.low_latency().sizes(3) == [13, 4, 4] and ChunkSchedule.low_latency().call_sizes() == (4, 13)
     assert ChunkSchedule.reference().sizes(2) == [16, 16]
     with pytest.raises(ValueError):
         ChunkSchedule(frames=0)
@@ -361,7 +361,7 @@ def test_schedule_sizes():
 
 def test_first_audio_timing(codec: Codec):
     """Call 0 of F frames is ready after F + 8 pushed frames and emits F * 512 - 4757 samples."""
-    for sched, steps in [(ChunkSchedule(), 18), (ChunkSchedule.low_latency(), 18), (ChunkSchedule.reference(), 24)]:
+    for sched, steps in [(ChunkSchedule(), 21), (ChunkSchedule.low_latency(), 21), (ChunkSchedule.reference(), 24)]:
         dec = StreamingDecoder(codec, sched)
         d = random_frames(40)
         for k in range(40):
@@ -373,6 +373,36 @@ def test_first_audio_timing(codec: Codec):
                 break
         else:
             pytest.fail("no chunk")
+
+
+@pytest.mark.parametrize("rate", [24000, 16000])
+def test_the_first_call_gives_a_streaming_resampler_audio_to_send(rate: int):
+    """Call 0 of the default schedule emits enough samples that the gateway's streaming resampler
+    (app/synthesis.py, soxr HQ) already has output for a 24 or 16 kHz client: its first audio leaves with
+    call 0, not ten iterations later with call 1."""
+    import soxr
+
+    first = ChunkSchedule().next_size(0) * HOP - 4757
+    out = soxr.ResampleStream(44100, rate, 1, dtype="float32", quality="HQ").resample_chunk(np.zeros(first, np.float32))
+    assert len(out) > 0
+
+
+def test_steady_calls_wait_for_a_larger_batch_but_first_and_final_calls_never_do(codec: Codec):
+    """launch(min_batch, max_hold): a ready steady call (a stream's third or later) waits up to max_hold
+    launches while fewer than min_batch are ready; first, second and final calls go at once."""
+    dec = StreamingDecoder(codec, ChunkSchedule(frames=2, first_frames=2))
+    d = random_frames(60)
+    dec.push(1, d[:10])  # 10 delayed frames: 2 aligned ready -> call 0
+    assert dec.launch(min_batch=4, max_hold=3) == 1  # the first call never waits
+    dec.collect(wait=True)
+    dec.push(1, d[10:12])
+    assert dec.launch(min_batch=4, max_hold=3) == 1  # nor the second
+    dec.collect(wait=True)
+    dec.push(1, d[12:14])  # a steady call is ready: it waits 3 launches for others, then goes
+    assert [dec.launch(min_batch=4, max_hold=3) for _ in range(4)] == [0, 0, 0, 1]
+    dec.collect(wait=True)
+    dec.finish(1, None)  # the final calls never wait
+    assert dec.launch(min_batch=4, max_hold=3) >= 1
 
 
 SCHEDULES = {
@@ -517,7 +547,7 @@ def test_batching_equals_alone(codec: Codec):
 
 
 def test_a_stream_that_fell_behind_catches_up_in_one_launch(codec: Codec):
-    dec = StreamingDecoder(codec)
+    dec = StreamingDecoder(codec, ChunkSchedule(frames=10, first_frames=None))  # 10 frames in every call
     calls = record_calls(dec)
     frames = random_frames(8 + 64, seed=8)
     dec.push(1, frames)  # 64 aligned frames complete: 6 calls of 10 ready, in rounds of one launch

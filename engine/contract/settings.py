@@ -57,14 +57,20 @@ class EngineSettings:
     # none: experts in the model dtype (the exact default) | fp8: MoE experts quantized at load to block-scaled
     # e4m3, w8a8 kernels (engine/model/quantize.py); needs a GPU with FP8 tensor cores, refused on a CPU
     quantization: str = "none"
-    chunk_schedule: str = "default"  # default (seamless: 9-frame hold-back) | low_latency | reference
+    # new frames per dac_decoder call (engine/dac/schedule.py; every schedule is exact): default (13, then 10)
+    # | low_latency (13, then 4) | reference (16)
+    chunk_schedule: str = "default"
     # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
     # auto: bfloat16 on a GPU, float32 on a CPU
     dac_dtype: str = "auto"
-    dac_max_batch: int = 32  # chunks per DAC call (each (batch, length) shape is captured in a graph)
-    # DAC input frames launched per iteration (0: all that are ready). Spreads the chunks of streams that
-    # would otherwise cut in lockstep over iterations; least recently served first.
-    dac_frames_per_step: int = 384
+    dac_max_batch: int = 64  # streams per DAC call (each (batch, frames) shape is captured in a graph)
+    # new frames the DAC is fed per iteration (0: all that are ready), least recently served first: bounds
+    # the DAC work one iteration launches when many streams are ready at once
+    dac_frames_per_step: int = 1280
+    # a stream's steady DAC call waits up to dac_max_hold iterations while fewer than dac_min_batch streams
+    # have one ready, so calls gather into batches the GPU runs efficiently (first and final calls never wait)
+    dac_min_batch: int = 32
+    dac_max_hold: int = 4
     dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
     admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
     admission_headroom: float = 0.9  # realtime: admit while the iteration period stays under 0.9 x 11.6 ms

@@ -9,6 +9,11 @@ from engine.dac.codec import N_CODEBOOKS
 DELAY = N_CODEBOOKS - 1  # codebook 8 of aligned frame t arrives with delayed frame t + 8
 
 FIRST_AUDIO_FRAMES = 10  # the decoder's lag (4,757 samples, engine/dac/incremental.py) rounded up to frames
+# call 0 of the default schedule: 13 x 512 - 4,757 = 1,899 samples (43 ms), enough that a client's streaming
+# resampler (soxr HQ, app/synthesis.py) has output for it at 24 and 16 kHz (it needs ~1,700-1,770 input
+# samples before its first block); a 10-frame call 0 (363 samples) gave the client nothing to play until
+# call 1, ten iterations later (+80 ms of first audio at 64 streams on the H200)
+FIRST_CALL_FRAMES = 13
 
 
 @dataclass(frozen=True)
@@ -25,16 +30,16 @@ class ChunkSchedule:
     first_frames: frames of call 0 (None: `frames`). Call 0 is ready after first_frames + 8 generated
         frames (codebook 8 lags by 8) and emits first_frames x 512 - 4,757 samples.
 
-    Default: 10 frames per call. First audio after 18 steps (10 + 8; the lag allows no earlier audio:
-    a 9-frame call emits nothing), 363 samples, then 10 frames (116 ms) every 10 steps: a player that
-    starts 150 ms after its first byte never stalls while a step takes up to 11.6 ms (real time).
-    One size for every call keeps one graph shape per batch bucket and lets every ready stream share
-    one call. The final calls of a stream feed the frames past its end (masked) that flush the decoder:
+    Default: 13 frames in call 0, then 10 per call. First audio after 21 steps (13 + 8; a 10-frame call 0
+    would emit only 363 samples, which a 24 kHz client's resampler cannot yet turn into output), 1,899
+    samples, then 10 frames (116 ms) every 10 steps: a player that starts 150 ms after its first byte
+    never stalls while a step takes up to 11.6 ms (real time). One steady size keeps one graph shape
+    per batch bucket and lets every ready stream share one call. The final calls of a stream feed the frames past its end (masked) that flush the decoder:
     10 after the last real frame, in calls of the same size.
     """
 
     frames: int = FIRST_AUDIO_FRAMES
-    first_frames: int | None = None
+    first_frames: int | None = FIRST_CALL_FRAMES
 
     def __post_init__(self) -> None:
         if self.frames <= 0 or (self.first_frames is not None and self.first_frames <= 0):
@@ -56,10 +61,10 @@ class ChunkSchedule:
     def low_latency(cls) -> ChunkSchedule:
         """First audio as early as the default, then 4 frames per call: audio leaves every 4 steps
         (2.5x the calls of the default, in smaller batches)."""
-        return cls(frames=4, first_frames=FIRST_AUDIO_FRAMES)
+        return cls(frames=4, first_frames=FIRST_CALL_FRAMES)
 
     @classmethod
     def reference(cls) -> ChunkSchedule:
         """ZONOS2's TTSVocoderManager cadence, 16-frame chunks (decoded exactly here; the reference
         re-decodes 4 frames of context and cross-fades them, with audible seams)."""
-        return cls(frames=16)
+        return cls(frames=16, first_frames=None)

@@ -122,6 +122,7 @@ class _Req:
     done: bool = False  # final call planned; later pushes are ignored
     final_sent: bool = False  # final audio returned; kept only until finish() (or drop())
     served: int = 0  # launch count when last given a call (max_frames fairness)
+    ready_at: int = -1  # launch count when its next steady call was first found ready (-1: not ready)
     # continuation (module docstring): the current chunk starts at buf[offset]; hold: it is non-final
     offset: int = 0
     hold: bool = False
@@ -345,18 +346,27 @@ class StreamingDecoder:
         self.launch(max_batch, max_frames)
         return self.collect(as_float, wait=True)
 
-    def launch(self, max_batch: int = 64, max_frames: int | None = None) -> int:
+    def launch(self, max_batch: int = 64, max_frames: int | None = None, min_batch: int = 1,
+               max_hold: int = 0) -> int:
         """Plan the ready calls (at most max_frames frames fed, least recently served first) and start their
-        DAC calls; returns the number of stream calls launched. On a GPU nothing is waited for."""
+        DAC calls; returns the number of stream calls launched. On a GPU nothing is waited for.
+
+        min_batch, max_hold: while fewer than min_batch streams have a steady call ready (a third call or
+        later, before its end is known), those calls wait, each for at most max_hold launches, so that streams
+        gather into larger DAC calls (a call of 8 streams costs nearly what one of 32 does). A stream's
+        first two calls and the calls that end it never wait: they are its first audio and its end."""
         self._n_steps += 1
         budget = max_frames if max_frames is not None else float("inf")
         order = sorted(self._reqs.items(), key=lambda kv: kv[1].served)
+        held = self._held(min_batch, max_hold)
         rounds: list[list[_Call]] = []
         while budget > 0:  # round r + 1 gives the streams still ready their next call
             rnd = []
             for rid, req in order:
                 if budget <= 0:
                     break
+                if rid in held:
+                    continue
                 call = self._plan(rid, req)
                 if call is not None:
                     req.served = self._n_steps
@@ -449,6 +459,24 @@ class StreamingDecoder:
         size = next((s for s in sizes if s >= left), sizes[-1])
         return size, target, size >= left
 
+    def _held(self, min_batch: int, max_hold: int) -> set[int]:
+        """The streams whose ready steady call waits in this launch for others to join it."""
+        if min_batch <= 1 or max_hold <= 0:
+            return set()
+        free = bool(self._free)
+        steady = []
+        for rid, req in self._reqs.items():
+            nxt = self._next(req, free)
+            if nxt is None or req.calls < 2 or req.final_target() is not None:  # first audio or its end
+                req.ready_at = -1
+                continue
+            if req.ready_at < 0:
+                req.ready_at = self._n_steps
+            steady.append((rid, req))
+        if len(steady) >= min_batch:
+            return set()
+        return {rid for rid, req in steady if self._n_steps - req.ready_at < max_hold}
+
     def _plan(self, rid: int, req: _Req) -> _Call | None:
         """The request's next call, if ready; advances its plan pointer."""
         nxt = self._next(req, bool(self._free))
@@ -456,6 +484,7 @@ class StreamingDecoder:
             return None
         size, total, final = nxt
         call = _Call(rid, req, req.fed, size, total, final, (req.fed, req.calls, req.done, req.slot))
+        req.ready_at = -1
         if size:
             if req.slot < 0:
                 req.slot = self._free.pop()

@@ -405,7 +405,8 @@ class Scheduler:
         if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
         with self.engine.dac_stream(), node_range("dac"):
-            self.dac.launch(self.settings.dac_max_batch, self.settings.dac_frames_per_step or None)
+            self.dac.launch(self.settings.dac_max_batch, self.settings.dac_frames_per_step or None,
+                            self.settings.dac_min_batch, self.settings.dac_max_hold)
         self._send_audio(self.dac.collect())  # on a CPU the calls have already run
 
     def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
