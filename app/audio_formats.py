@@ -30,6 +30,8 @@ import struct
 import numpy as np
 import soundfile as sf
 
+from engine.contract.constants import SAMPLE_RATE
+
 log = logging.getLogger("gateway.audio")
 
 # name -> (media type, soundfile format, subtype); every format streams.
@@ -50,7 +52,7 @@ MP3_COMPRESSION = 0.6  # constant bit rate: 64 kbit/s at 16-24 kHz, 32 at 8 kHz,
 OPUS_PAGE_MS = 50.0  # libsndfile's default Ogg page latency is 1 s: the first Opus bytes would wait for it
 _SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h
 # AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
-AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, 44100: 128000, 48000: 128000}
+AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, SAMPLE_RATE: 128000, 48000: 128000}
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
 WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
 _UNKNOWN = 0xFFFFFFFF

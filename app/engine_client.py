@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from engine.contract import records as m
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.rings import AsyncRingReader, ShmRing
 from engine.contract.segments import remove_stale_segments
@@ -37,7 +38,6 @@ from engine.runtime.main import engine_main
 
 log = logging.getLogger("gateway.engine")
 
-SAMPLE_RATE = 44100
 
 
 class EngineUnavailable(RuntimeError):

@@ -39,6 +39,7 @@ from app.synthesis import (
 )
 from app.voices import Voice, parse_embedding_file, slerp
 from engine.config import preset_params
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import HISTORY
 from engine.emotion import EMOTION_FIELDS, NO_EMOTION
 from engine.textnorm import SUPPORTED_LANGUAGES
@@ -390,9 +391,9 @@ async def tts_generate(request: Request) -> Response:
         raise RequestError("bad_params", "fade_out_ms must be in 0..5000")
     opts, voice, clip = await generate_options(gw, data, gw.owner_of(key))
     speech = speak(gw, "tts_generate", text, opts, voice, clip)
-    headers = {"X-Audio-Sample-Rate": "44100", "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
+    headers = {"X-Audio-Sample-Rate": str(SAMPLE_RATE), "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
     chunks = await first_chunk(speech)
-    fade_n = int(44100 * fade_ms / 1000)
+    fade_n = int(SAMPLE_RATE * fade_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends
@@ -493,7 +494,7 @@ async def capabilities(request: Request) -> Response:
         "speaker_embedding_blend": True,
         "default_voices_enabled": gw.settings.default_voices_dir is not None,
         **emotion_capabilities(gw),
-        "output": {"native_sample_rate": 44100, "ws_encodings": list(ENCODINGS),
+        "output": {"native_sample_rate": SAMPLE_RATE, "ws_encodings": list(ENCODINGS),
                    "ws_sample_rates": list(OUTPUT_RATES), "http_formats": sorted(FORMATS)},
     })
 

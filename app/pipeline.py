@@ -30,11 +30,11 @@ from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
 from app.text_buffer import TextBuffer
 from app.voices import Voice
 from engine.contract import records as m
+from engine.contract.constants import SAMPLE_RATE
 
 log = logging.getLogger("gateway.pipeline")
 
 DEFAULT_CONTEXT = "default"
-NATIVE_RATE = 44100
 
 # The status an HTTP client gets for an error the engine (or the stream to it) reports. Over the
 # WebSocket the code itself is what the client sees. A code missing here is a bug: 500 `internal`.
@@ -97,7 +97,7 @@ class Utterance:
         finish = self.finish or {}
         engine_stats = finish.get("stats", {})
         start = max(self.t_created, self.t_head or self.t_created)
-        audio_ms = self.samples / NATIVE_RATE * 1e3
+        audio_ms = self.samples / SAMPLE_RATE * 1e3
         return {
             "ttfa_ms": round((self.t_first - start) * 1e3, 2) if self.t_first else None,
             "audio_ms": round(audio_ms, 2),

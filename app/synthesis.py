@@ -16,6 +16,7 @@ import soxr
 
 from app.audio_formats import G711, g711_encode
 from engine.config import Zonos2Config, preset_params
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import SamplingParams, SubmitRequest
 from engine.emotion import EMOTION_FIELDS, EmotionDirections, EmotionError, EmotionRequest
 from engine.emotion import parse_request as parse_emotion
@@ -26,8 +27,8 @@ from engine.textnorm import TextNormalizer, normalize_language
 if TYPE_CHECKING:
     from app.voices import Voice  # app.voices imports this module
 
-NATIVE_RATE = 44100
-OUTPUT_RATES = (44100, 24000, 16000, 8000)
+NATIVE_RATE = SAMPLE_RATE  # what the engine sends; every other rate is resampled from it
+OUTPUT_RATES = (SAMPLE_RATE, 24000, 16000, 8000)
 # G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is usually wanted at 8000 Hz: a client
 # that names one of them without a sample rate gets 8000 (`default_rate`).
 ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")

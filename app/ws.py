@@ -32,6 +32,7 @@ from app.synthesis import (
     default_rate,
     parse_options,
 )
+from engine.contract.constants import HOP, SAMPLE_RATE
 
 log = logging.getLogger("gateway.ws")
 
@@ -44,7 +45,7 @@ class Session(StreamingSession):
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
-        self.encoding, self.sample_rate = "pcm_s16le", 44100
+        self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
 
     def configure_from_query(self, query: Mapping[str, str]) -> None:
         """Settings in the URL (`?encoding=mulaw&sample_rate=8000&voice=Ada`) for a client that cannot send
@@ -76,7 +77,7 @@ class Session(StreamingSession):
                 "max_frames": self.limits.max_frames,
                 "idle_timeout_s": self.limits.idle_timeout_s,
             },
-            "model": {"frame_rate": 44100 / 512, "native_sample_rate": 44100, **self.gw.settings.weights.describe()},
+            "model": {"frame_rate": SAMPLE_RATE / HOP, "native_sample_rate": SAMPLE_RATE, **self.gw.settings.weights.describe()},
         })
 
     async def on_message(self, data: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.config import Zonos2Config, preset_params
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import SamplingParams
 from engine.contract.settings import WeightSources
 from engine.prompt import Conditioning, PromptBuilder
@@ -228,10 +229,10 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         text = TextNormalizer().normalize(text, args.language)
     params = SamplingParams(seed=args.seed)
     result = synthesize(model, codec, text, params, speaker=speaker, max_frames=args.max_frames)
-    sf.write(args.output, result.audio, 44100, subtype="PCM_16")
+    sf.write(args.output, result.audio, SAMPLE_RATE, subtype="PCM_16")
     print(json.dumps({
         "out": args.output,
-        "seconds": round(len(result.audio) / 44100, 3),
+        "seconds": round(len(result.audio) / SAMPLE_RATE, 3),
         "frames": len(result.frames),
         "finish_reason": result.finish_reason,
         "weights": src.describe(),

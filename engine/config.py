@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.contract.constants import CODEBOOK_SIZE, EOA_ID, N_CODEBOOKS, PAD_ID, SAMPLE_RATE
+
 # Keys the release params.json carries that only matter for training (or are informational).
 _IGNORED_KEYS = {"quality_dropout", "moe_impl", "quality_num_buckets", "speaking_rate_num_buckets"}
 
@@ -183,10 +185,19 @@ class Zonos2Config:
                 f"text_vocab {text_vocab} leaves no room for the 448 byte ids plus {n_cond} conditioning ids"
             )
 
-        codebook_size = int(d.get("codebook_size", 1024))
-        eoa, pad = int(d.get("eoa_id", 1024)), int(d.get("audio_pad_id", 1025))
-        if (eoa, pad) != (codebook_size, codebook_size + 1):
-            raise ConfigError(f"eoa_id/audio_pad_id must be codebook_size and codebook_size+1, got {eoa}/{pad}")
+        # the DAC, the delay pattern, the EOS rule and the gateway's audio are built on the contract's constants:
+        # a checkpoint that says otherwise is not one this server can run
+        codebook_size = int(d.get("codebook_size", CODEBOOK_SIZE))
+        eoa, pad = int(d.get("eoa_id", EOA_ID)), int(d.get("audio_pad_id", PAD_ID))
+        n_codebooks = int(d.get("n_codebooks", N_CODEBOOKS))
+        found = {"n_codebooks": n_codebooks, "codebook_size": codebook_size, "eoa_id": eoa, "audio_pad_id": pad}
+        want = {"n_codebooks": N_CODEBOOKS, "codebook_size": CODEBOOK_SIZE, "eoa_id": EOA_ID, "audio_pad_id": PAD_ID}
+        if "sample_rate" in d:
+            found["sample_rate"], want["sample_rate"] = int(d["sample_rate"]), SAMPLE_RATE
+        wrong = [f"{k} {found[k]} (this server: {want[k]})" for k in want if found[k] != want[k]]
+        if wrong:
+            raise ConfigError("the checkpoint is not the 44.1 kHz, 9 x 1024-code ZONOS2 this server runs: "
+                              + ", ".join(wrong))
         speaker_enabled = bool(d.get("speaker_enabled", False))
         lda = d.get("speaker_lda_dim")
         return cls(
@@ -199,7 +210,7 @@ class Zonos2Config:
             norm_eps=float(d.get("norm_eps", 1e-5)),
             rope_theta=float(d.get("rope_theta", 1e4)),
             max_seqlen=int(d.get("max_seqlen", 2048)),
-            n_codebooks=int(d.get("n_codebooks", 9)),
+            n_codebooks=n_codebooks,
             codebook_size=codebook_size,
             eoa_id=eoa,
             audio_pad_id=pad,

@@ -132,3 +132,12 @@ def test_nested_params_and_derived_text_vocab():
     del params["text_vocab"]
     cfg = Zonos2Config.from_dict({"model": params})
     assert cfg.text_vocab == 519 and cfg.conditioning_base == 448
+
+
+@pytest.mark.parametrize("field,value", [("n_codebooks", 8), ("codebook_size", 2048), ("eoa_id", 1023),
+                                         ("audio_pad_id", 1024), ("sample_rate", 24000)])
+def test_a_checkpoint_off_the_contracts_constants_is_refused(field: str, value: int):
+    """engine/contract/constants.py owns the audio facts; a params.json that disagrees is refused by name."""
+    d = preset_params("tiny") | {field: value}
+    with pytest.raises(ConfigError, match=field):
+        Zonos2Config.from_dict(d)

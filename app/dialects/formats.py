@@ -18,9 +18,10 @@ import soxr
 
 from app import audio_formats
 from app.synthesis import ENCODINGS, NATIVE_RATE, OUTPUT_RATES, PcmEncoder, RequestError
+from engine.contract.constants import SAMPLE_RATE
 
 # Every rate a dialect may ask for (ElevenLabs pcm_8000 ... pcm_48000, Cartesia, Deepgram).
-RATES = (8000, 16000, 22050, 24000, 32000, 44100, 48000)
+RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
 SAMPLE_ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
 COMPRESSED = ("mp3", "opus", "flac", "aac")  # ElevenLabs' mp3_* and opus_48000_*; the HTTP routes' others too
 
