@@ -1,15 +1,17 @@
 """Does a seed hold under load (issue #26)? One seeded request through the real LLMNode (CUDA graphs, the
 engine's settings), alone and among others, compared frame by frame with the request alone in slot 0.
 
-    python bench/seed_invariance.py --json seed_invariance.json                  # the engine's default mode
-    python bench/seed_invariance.py --no-batch-invariant --json seed_before.json # the batch-dependent kernels
+    python bench/seed_invariance.py --json seed_invariance.json                     # the engine's default mode
+    python bench/seed_invariance.py --batch-invariant off --json seed_before.json   # the batch-dependent kernels
 
 Scenarios: alone in another slot; for each batch size B, the request prefilled packed with B - 1 others in
 the same calls and decoded with them, and the request joining B - 1 streams already decoding (prefilled
-alone, its row last). For each B it then looks for the first op where the request's activations differ
-(eager, the same kernels the graphs replay, through Zonos2.trace): the prefill alone vs packed, and the
-decode row alone vs at row 0 of a padded batch of B in another slot with the same cache contents. Full-size
-random weights in bf16 (`--weights tiny` for a quick look); one GPU.
+alone, its row last). The others are unseeded (the mixed case: in the default mode, seeded, their steps run
+the default kernels until the seeded request joins them; --others-seeded gives them seeds). Each scenario
+records which kernel set its calls ran (LLMNode.calls). For each B it then looks for the first op where the
+request's activations differ (eager, the kernels the request's calls run, through Zonos2.trace): the
+prefill alone vs packed, and the decode row alone vs at row 0 of a padded batch of B in another slot with
+the same cache contents. Full-size random weights in bf16 (`--weights tiny` for a quick look); one GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from engine.contract.records import SamplingParams
-from engine.contract.settings import EngineSettings
+from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
 from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model
 from engine.model.zonos2 import PrefillSeq, Zonos2
@@ -122,27 +124,38 @@ def run_alone_in_slot(node: LLMNode, target: Job, slot: int) -> tuple[np.ndarray
     return result
 
 
-def compare(name: str, batch: int, result: tuple[np.ndarray, int], ref: np.ndarray) -> dict:
-    codes, slot = result
+def counted(node: LLMNode, run, *args, **kwargs) -> tuple[np.ndarray, int, dict[str, int]]:
+    """run(*args) -> (codes, slot), and the node's calls during it per phase and kernel set."""
+    node.calls.clear()
+    codes, slot = run(*args, **kwargs)
+    calls = {f"{phase}_{'invariant' if inv else 'default'}": n for (phase, inv), n in sorted(node.calls.items())}
+    return codes, slot, calls
+
+
+def compare(name: str, batch: int, result: tuple[np.ndarray, int, dict[str, int]], ref: np.ndarray) -> dict:
+    codes, slot, calls = result
     name = f"{name}, slot {slot}"
     same = (codes == ref).all(-1)
     first = None if same.all() else int(np.argmin(same))
     row = {"scenario": name, "batch": batch, "slot": slot, "identical": bool(same.all()), "frames": len(same),
-           "identical_frames": int(same.sum()), "first_different_frame": first,
+           "identical_frames": int(same.sum()), "first_different_frame": first, "calls": calls,
            "per_frame_identical": same.astype(int).tolist()}
     print(f"{name:<44} {'identical' if row['identical'] else 'DIFFERENT':>9}  {row['identical_frames']:>4}/"
-          f"{row['frames']} frames" + ("" if first is None else f", first difference at frame {first}"), flush=True)
+          f"{row['frames']} frames" + ("" if first is None else f", first difference at frame {first}")
+          + f"  calls {calls}", flush=True)
     return row
 
 
 def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job], batch: int) -> list[dict]:
     """The first op where the target's rows differ: prefill alone vs packed (the node's padded buckets),
-    decode alone vs in a padded batch of `batch` in another slot with the same cache contents."""
+    decode alone vs in a padded batch of `batch` in another slot with the same cache contents; by the kernel
+    set the node runs for the target's calls."""
     from engine.llm.graphs import PrefillGraphs
 
     out = []
     dev = node.device
     scratch = node.n_slots
+    inv = node.runs_invariant([Sequence(rid=0, prompt=target.prompt, params=target.params, max_frames=1)])
     eager = PrefillGraphs(model, scratch_slot=scratch)  # nothing captured: the same work, launched eagerly
     p = len(target.prompt)
     ids = torch.from_numpy(target.prompt).to(dev)
@@ -150,7 +163,7 @@ def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job],
 
     ta = Trace(torch.arange(p, device=dev))
     model.trace = ta
-    logits_a = eager.run(ids, [PrefillSeq(slot_a, 0, p)], [target.speaker])[0].clone()
+    logits_a = eager.run(ids, [PrefillSeq(slot_a, 0, p)], [target.speaker], inv)[0].clone()
     free = [s for s in range(1, scratch + 1) if s != slot_b]  # others' slots (the scratch one too)
     packed, seqs, speakers, off = [], [], [], 0
     for i, j in enumerate(others[: min(batch - 1, eager.max_seqs - 1, len(free) - 1)]):
@@ -165,7 +178,7 @@ def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job],
     speakers.append(target.speaker)
     tb = Trace(torch.arange(off, off + p, device=dev))
     model.trace = tb
-    logits_b = eager.run(torch.cat(packed).to(dev), seqs, speakers)[len(seqs) - 1].clone()
+    logits_b = eager.run(torch.cat(packed).to(dev), seqs, speakers, inv)[len(seqs) - 1].clone()
     model.trace = None
     d = first_difference(ta, tb)
     d.update(batch=batch, phase="prefill", packed_with=len(seqs) - 1, logits_identical=torch.equal(logits_a, logits_b))
@@ -189,13 +202,16 @@ def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job],
     pos_b[0] = p
     ta, tb = Trace(torch.tensor([0], device=dev)), Trace(torch.tensor([0], device=dev))
     model.trace = ta
-    la = model.decode(row.to(dev), torch.tensor([slot_a], device=dev), torch.tensor([p], device=dev))[0].clone()
+    la = model.decode(row.to(dev), torch.tensor([slot_a], device=dev), torch.tensor([p], device=dev),
+                      invariant=inv)[0].clone()
     model.trace = tb
-    lb = model.decode(ids_b.to(dev), slots_b.to(dev), pos_b.to(dev))[0].clone()
+    lb = model.decode(ids_b.to(dev), slots_b.to(dev), pos_b.to(dev), invariant=inv)[0].clone()
     model.trace = None
     d = first_difference(ta, tb)
     d.update(batch=batch, phase="decode", bucket=bucket, logits_identical=torch.equal(la, lb))
     out.append(d)
+    for d in out:
+        d["invariant_kernels"] = inv
     for d in out:
         where = "none" if d["identical"] else f"layer {d['first']['layer']} {d['first']['op']} " \
                                               f"(max |diff| {d['first']['max_abs_diff']:.3g})"
@@ -212,8 +228,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                   default=EngineSettings.batch_invariant, help="batch-invariant kernels (the engine's default)")
+    p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
+                   help="the node's mode (the engine's default: seeded)")
+    p.add_argument("--others-seeded", action="store_true", help="the other requests carry seeds too")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
     p.add_argument("--json")
     a = p.parse_args()
@@ -233,20 +250,22 @@ def main() -> None:
     others = []
     for i in range(n_slots - 1):
         spk = torch.randn(model.cfg.speaker_embedding_dim, generator=gen).to(a.device) if i % 2 else None
-        params = SamplingParams(seed=i, temperature=(0.7, 1.0, 1.2)[i % 3], top_p=0.9 if i % 4 == 1 else 0.0)
+        params = SamplingParams(seed=i if a.others_seeded else None, temperature=(0.7, 1.0, 1.2)[i % 3],
+                                top_p=0.9 if i % 4 == 1 else 0.0)
         others.append(Job(pb.build(OTHERS[i % len(OTHERS)], Conditioning(speaker=spk is not None)), params, spk,
                           a.frames + 20))
 
     ref = run_jobs(node, target, [], packed=True, target_index=0)[0]
-    rows = [compare("alone again", 1, run_jobs(node, target, [], packed=True, target_index=0), ref),
-            compare("alone, another slot", 1, run_alone_in_slot(node, target, n_slots - 1), ref)]
+    rows = [compare("alone again", 1, counted(node, run_jobs, node, target, [], packed=True, target_index=0), ref),
+            compare("alone, another slot", 1, counted(node, run_alone_in_slot, node, target, n_slots - 1), ref)]
     for b in a.batches:
         if b < 2:
             continue
         rows.append(compare(f"batch {b}, prefilled packed, row {b // 2}", b,
-                            run_jobs(node, target, others[: b - 1], packed=True, target_index=b // 2), ref))
+                            counted(node, run_jobs, node, target, others[: b - 1], packed=True, target_index=b // 2),
+                            ref))
         rows.append(compare(f"batch {b}, joins {b - 1} running streams", b,
-                            run_jobs(node, target, others[: b - 1], packed=False, target_index=0), ref))
+                            counted(node, run_jobs, node, target, others[: b - 1], packed=False, target_index=0), ref))
     ops = []
     for b in a.batches:
         ops += op_diagnostics(model, node, target, others, b)
@@ -254,7 +273,8 @@ def main() -> None:
     print(f"seed holds in every scenario: {ok}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"weights": a.weights, "batch_invariant": node.batch_invariant, "frames": a.frames,
+            json.dump({"weights": a.weights, "batch_invariant": node.batch_invariant, "others_seeded": a.others_seeded,
+                       "frames": a.frames,
                        "seed": a.seed, "all_identical": ok, "scenarios": rows, "ops": ops}, f, indent=1)
 
 
