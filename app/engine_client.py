@@ -30,6 +30,7 @@ import numpy as np
 
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.rings import AsyncRingReader, ShmRing
 from engine.contract.segments import remove_stale_segments
@@ -85,7 +86,7 @@ class Stream:
                 while not self.queue.empty():  # free the unread audio now; the error is what comes next
                     self.queue.get_nowait()
                 self.buffered_samples = self.head_start = 0
-                self._end(Event(m.ERROR, {"code": "slow_consumer",
+                self._end(Event(m.ERROR, {"code": E.SLOW_CONSUMER.value,
                                           "message": "audio was not read fast enough; generation stopped"}))
                 return
         if ev.type in (m.FINISHED, m.ERROR):
@@ -249,7 +250,7 @@ class EngineClient:
             proc.join(timeout=1)
             code = proc.exitcode
             log.error("%s: process exited with code %s", self.label, code)
-            self._fail_all("engine_restarted", f"{self.label} process stopped (exit code {code}); it is restarting")
+            self._fail_all(E.ENGINE_RESTARTED, f"{self.label} process stopped (exit code {code}); it is restarting")
             self.stats = {}  # its last STATS record describes a process that is gone
             self._teardown_rings()
             if not self.restart:
@@ -282,7 +283,7 @@ class EngineClient:
             self._proc.join(5)
         for t in self._tasks:
             t.cancel()
-        self._fail_all("shutdown", "the server is shutting down")
+        self._fail_all(E.SHUTDOWN, "the server is shutting down")
         self._teardown_rings()
 
     def kill_engine(self) -> None:

@@ -28,6 +28,7 @@ from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.config import Zonos2Config, preset_params
 from engine.contract import records as m
+from engine.contract.errors import EngineError as E
 from engine.contract.rings import RecordTooLarge
 
 log = logging.getLogger("gateway")
@@ -163,7 +164,7 @@ class Gateway:
         try:
             return await self.engine.embed(samples, sr)
         except EngineUnavailable as e:
-            raise RequestError("engine_busy", str(e), 503) from None
+            raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
         except RecordTooLarge:
             raise RequestError("clip_too_long", f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
                                "engine takes in one piece: send a shorter clip or a lower sample rate") from None
@@ -214,7 +215,7 @@ class Gateway:
             try:
                 return self.engine.submit(req)
             except EngineUnavailable as e:
-                raise RequestError("engine_busy", str(e), 503) from None
+                raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
 
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
@@ -237,7 +238,7 @@ class Gateway:
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
             except EngineUnavailable as e:
-                raise RequestError("engine_busy", str(e), 503) from None
+                raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
             link.settle(text, stream)
             return stream
         finally:

@@ -31,30 +31,17 @@ from app.text_buffer import TextBuffer
 from app.voices import Voice
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.pipeline")
 
 DEFAULT_CONTEXT = "default"
 
-# The status an HTTP client gets for an error the engine (or the stream to it) reports. Over the
-# WebSocket the code itself is what the client sees. A code missing here is a bug: 500 `internal`.
-ENGINE_ERROR_STATUS = {
-    "prompt_too_long": 400,  # the prompt (after text normalization) does not fit the engine's context
-    "bad_request": 400,
-    "bad_voice": 400,
-    "bad_audio": 400,
-    "queue_full": 503,
-    "engine_busy": 503,
-    "engine_restarted": 503,
-    "shutdown": 503,
-    "backpressure": 503,
-    "slow_consumer": 503,
-}
-
 def engine_error(header: dict[str, Any]) -> RequestError:
-    code = str(header.get("code") or "internal")
-    status = ENGINE_ERROR_STATUS.get(code, 500)
-    return RequestError(code if status != 500 else "internal", str(header.get("message") or code), status)
+    """An error the engine (or the stream to it) reported, as the gateway's error: the code and its HTTP
+    status from engine/contract/errors.py; an unknown code is a bug, `internal`."""
+    code = EngineError.of(header.get("code"))
+    return RequestError(code.value, str(header.get("message") or code.value), code.http_status)
 
 
 def text_buffer(gw: Gateway, language: str) -> TextBuffer:

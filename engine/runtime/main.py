@@ -6,6 +6,7 @@ import logging
 import os
 
 from engine.contract import records as m
+from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import Lifeline, watch_parent
 from engine.contract.rings import RingSpec, ShmRing
 from engine.contract.segments import unlink_segment
@@ -33,7 +34,7 @@ def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSp
         scheduler = Scheduler(engine, inbox, out_ring)
     except Exception as e:
         log.exception("engine failed to start")
-        out_ring.try_put({"type": m.ERROR, "rid": None, "code": "engine_start_failed", "message": str(e)})
+        out_ring.try_put({"type": m.ERROR, "rid": None, "code": E.ENGINE_START_FAILED.value, "message": str(e)})
         raise SystemExit(1) from e
     info = {"type": m.READY, **engine.describe(), "warmup_s": round(warmup_s, 3)}
     log.info("engine ready: %s", info)

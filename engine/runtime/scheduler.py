@@ -30,6 +30,7 @@ import torch
 
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.dac.codec import HOP
 from engine.llm.node import Sequence
@@ -118,7 +119,7 @@ class Scheduler:
                 log.exception("engine step failed; failing the running requests")
                 for rid in list(self.running):
                     self._cancel(rid, reason="failed")
-                    self._error(rid, "internal", "the engine hit an internal error on this request")
+                    self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
             self.outbox.flush()
             self._maybe_stats()
 
@@ -142,30 +143,30 @@ class Scheduler:
             except ValueError as e:
                 log.warning("refused %s: %s", kind, e)
                 if header.get("rid") is not None:
-                    self._error(int(header["rid"]), "bad_request", str(e))
+                    self._error(int(header["rid"]), E.BAD_REQUEST, str(e))
             except Exception as e:  # a bad request must never take the engine down
                 log.exception("refused record %r", kind)
                 rid = header.get("rid")
                 if rid is not None:
-                    self._error(int(rid), "bad_request", str(e))
+                    self._error(int(rid), E.BAD_REQUEST, str(e))
 
     def _on_submit(self, header: dict[str, Any], payload: bytes | None) -> None:
         req = m.SubmitRequest.decode(header, payload)
         cfg = self.llm.cfg
         if req.prompt.ndim != 2 or req.prompt.shape[1] != cfg.n_codebooks + 1:
-            return self._error(req.rid, "bad_request", f"prompt must be [P, {cfg.n_codebooks + 1}]")
+            return self._error(req.rid, E.BAD_REQUEST, f"prompt must be [P, {cfg.n_codebooks + 1}]")
         if len(req.prompt) >= self.llm.max_len - 1:
             return self._error(
-                req.rid, "prompt_too_long",
+                req.rid, E.PROMPT_TOO_LONG,
                 f"prompt of {len(req.prompt)} frames does not fit the {self.llm.max_len}-frame context",
             )
         if len(self.waiting) >= self.settings.max_queue + len(self.llm.free_slots):  # free slots admit at once
-            return self._error(req.rid, "queue_full", "the engine queue is full; retry later")
+            return self._error(req.rid, E.QUEUE_FULL, "the engine queue is full; retry later")
         req.params.validate(cfg.n_codebooks)
         speaker = None
         if req.speaker_embedding is not None:
             if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
-                return self._error(req.rid, "bad_voice", f"speaker embedding must have {cfg.speaker_embedding_dim} values")
+                return self._error(req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values")
             speaker = torch.from_numpy(req.speaker_embedding).to(self.engine.device)
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
@@ -184,7 +185,7 @@ class Scheduler:
         for (kind, rid, t_sent), emb, err in self.speaker.results():
             if kind == "embed":
                 if err is not None:
-                    self._error(rid, "bad_audio" if isinstance(err, ValueError) else "internal", str(err))
+                    self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 else:
                     assert emb is not None
                     self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(),
@@ -195,7 +196,7 @@ class Scheduler:
                 continue
             if err is not None:
                 self.waiting.remove(job)
-                self._error(rid, "bad_audio" if isinstance(err, ValueError) else "internal", str(err))
+                self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 continue
             job.seq.speaker = torch.from_numpy(emb).to(self.engine.device)
             job.clip_ms = (time.perf_counter() - t_sent) * 1e3
@@ -225,7 +226,7 @@ class Scheduler:
         while (self.admission.enabled and self.waiting
                and now - self.waiting[0].t_arrival > self.admission.max_wait_s):
             job = self.waiting.popleft()
-            self._error(job.seq.rid, "engine_busy",
+            self._error(job.seq.rid, E.ENGINE_BUSY,
                         f"every stream the GPU can keep in real time is playing; waited "
                         f"{self.admission.max_wait_s:g} s",
                         retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()))
@@ -443,7 +444,7 @@ class Scheduler:
         job.stream_samples += len(pcm)
         if not self.outbox.put(rid, header, pcm, notify=False):
             self._cancel(rid, reason="backpressure")
-            self._error(rid, "backpressure", "the gateway is not reading this stream; cancelled")
+            self._error(rid, E.BACKPRESSURE, "the gateway is not reading this stream; cancelled")
             return False
         return True
 
@@ -520,7 +521,7 @@ class Scheduler:
             prev.successor = None
             self._finish(prev, time.perf_counter())
 
-    def _error(self, rid: int, code: str, message: str, **extra: Any) -> None:
+    def _error(self, rid: int, code: E, message: str, **extra: Any) -> None:
         self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message, **extra}, force=True)
 
     def _maybe_stats(self) -> None:
