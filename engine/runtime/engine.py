@@ -92,6 +92,8 @@ class Engine:
         from engine.prompt import PromptBuilder
 
         prompt = PromptBuilder(self.llm.cfg).build("warm up")
+        if len(self.llm.kernel_sets) > 1:  # an unseeded request runs the default kernels, a seeded one the other set
+            run_sequence(self.llm, Sequence(rid=-1, prompt=prompt, params=SamplingParams(), max_frames=8))
         seq = Sequence(rid=-1, prompt=prompt, params=SamplingParams(seed=0), max_frames=40, ignore_eos=True)
         frames = run_sequence(self.llm, seq)
         self.dac.open(-1)
