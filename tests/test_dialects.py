@@ -26,6 +26,8 @@ import numpy as np
 import pytest
 import websockets
 
+from engine.longform import reply_frames
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +35,7 @@ KEY = "dialect-key"
 FAST = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz
 LONG = {"max_frames": 2500, "ignore_eos": True}  # far longer than any test waits for
 SAMPLES = 20 * 512
+REPLY2 = reply_frames([20, 20]) * 512  # two sentences of one turn: the first continued by the second
 FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv-frameworks/bin/python"))
 
 
@@ -199,7 +202,7 @@ def test_elevenlabs_close_context_after_flush_finishes_the_flushed_text(srv):
         return log
 
     log = run(go())
-    assert abs(len(el_audio(log, "c")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
+    assert abs(len(el_audio(log, "c")) // 2 - resampled(REPLY2, 24000)) <= 4
 
 
 def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
@@ -475,7 +478,7 @@ def test_cartesia_continuations_then_done(srv):
     assert chunks and all(m["status_code"] == 206 and m["done"] is False for m in chunks)
     assert {m["type"] for m in log} == {"chunk", "done"}  # no timestamps
     # max_buffer_delay_ms 0: each transcript is spoken as it comes ("Hello there. How " is two utterances)
-    assert abs(len(ca_audio(log, "k1")) // 2 - 3 * resampled(SAMPLES, 24000)) <= 6
+    assert abs(len(ca_audio(log, "k1")) // 2 - resampled(reply_frames([20] * 3) * 512, 24000)) <= 6
 
 
 def test_cartesia_buffered_sentences_and_flush_done(srv):
@@ -684,7 +687,7 @@ def test_deepgram_speak_flush_as_pipecat_sends_it(srv):
 
     first, second, audio, again, code = run(go())
     assert first == {"type": "Flushed", "sequence_id": 0} and second == {"type": "Flushed", "sequence_id": 1}
-    assert abs(len(audio) // 2 - 2 * resampled(SAMPLES, 16000)) <= 4
+    assert abs(len(audio) // 2 - resampled(REPLY2, 16000)) <= 4
     assert abs(len(again) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
 
 
@@ -700,7 +703,7 @@ def test_deepgram_word_by_word_as_livekit_sends_it(srv):
         await ws.close()
         return dg_audio(log)
 
-    assert abs(len(run(go())) // 2 - 2 * resampled(SAMPLES, 16000)) <= 4  # two sentences, not five
+    assert abs(len(run(go())) // 2 - resampled(REPLY2, 16000)) <= 4  # two sentences, not five
 
 
 def test_deepgram_clear_stops_the_gpu_work(srv):

@@ -119,11 +119,11 @@ class CartesiaSession(StreamingSession):
         if not cont:  # the context's last input: speak the rest, then done
             c.ended = True
             await self.flush(ctx, answer=lambda: self._done(c))
-        elif data.get("flush") is True:
+        elif data.get("flush") is True:  # with continue: more of the turn follows (its continuation goes on)
             c.flush_id += 1
-            await self.flush(ctx, answer=self._flush_done(c, c.flush_id))
+            await self.flush(ctx, answer=self._flush_done(c, c.flush_id), end_turn=False)
         elif c.buffer_delay_ms == 0:
-            await self.flush(ctx)
+            await self.flush(ctx, end_turn=False)
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
         live = self.contexts()

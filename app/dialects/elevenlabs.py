@@ -131,8 +131,8 @@ class ElevenLabsSession(StreamingSession):
         c = self._open(ctx, data)
         if text:
             self.append_text(ctx, text)
-        if speak:
-            await self.flush(ctx)
+        if speak:  # an explicit flush ends the turn (its continuation); auto_mode's does not
+            await self.flush(ctx, end_turn=flush)
             last = self.last_queued(ctx)
             c.flushed_upto = last if last is not None else c.flushed_upto
         if close:  # text + flush + close_context in one message: spoken, then isFinal

@@ -67,6 +67,7 @@ class Job:
     stream_end: int | None = None  # held: the stream sample its audio ends at (its kept frames' end)
     successor: Job | None = None  # the request continuing its stream (it owns the stream until stream_end)
     predecessor: Job | None = None
+    continued: bool = False  # its stream went on with its successor (its audio: its kept frames')
 
 
 class Scheduler:
@@ -254,6 +255,7 @@ class Scheduler:
         nxt = job.successor
         assert nxt is not None
         job.successor = nxt.predecessor = None
+        job.continued = True
         self._finish(job, now)
         nxt.stream_samples = job.stream_samples
         self.streams[nxt.stream] = nxt
@@ -472,6 +474,7 @@ class Scheduler:
             "audio_s": round(audio_s, 4),
             "rtf": round(e2e / audio_s, 4) if audio_s > 0 else None,
             "speaker_encoder_ms": round(job.clip_ms, 2),
+            "continued": job.continued,
         }
         log.info("rid %d done: %s", seq.rid, stats)
         self.counters["finished"] += 1
