@@ -15,6 +15,9 @@ on the slot. Every reduction a row goes through has one order here, whatever the
   * elementwise work (embedding sums, gates, softcap) has no reduction and runs as plain PyTorch.
 The sampler's side (noise keyed by seed and frame index, filters without float sums) is in
 `engine.llm.sampling`. Needs the Triton kernels: CUDA, or Triton's interpreter on a CPU.
+
+These stages cost decode time, so they run per call: `Zonos2.decode` / `prefill_packed(invariant=True)`,
+which the LLM node asks for on the calls that hold a seeded request (`LLMNode.runs_invariant`).
 """
 
 from __future__ import annotations
