@@ -724,3 +724,75 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
     assert "zonos_engine_restarts 0.0" in metrics
     log = dialect_fuzz_server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
+
+
+# ---- continuation records between the gateway and the engine (issue 22) ------------------------------------
+@pytest.fixture(scope="module")
+def engine_client():
+    from app.engine_client import EngineClient
+    from engine.contract.settings import EngineSettings, WeightSources
+    from tests.asyncloop import LoopThread
+
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512,
+                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+
+    async def start() -> None:
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+
+    lt.run(start(), timeout=200)
+    yield lt, client
+    lt.run(client.close())
+    lt.close()
+
+
+rid_values = st.integers(-3, 40) | st.integers(-(2**63), 2**63 - 1)
+continuation_op = st.one_of(
+    st.tuples(st.just("submit"), st.booleans(), rid_values),  # hold, continues (any rid: unknown, running, own)
+    st.tuples(st.just("end"), rid_values),
+    st.tuples(st.just("cancel"), rid_values),
+    st.tuples(st.just("continue_last"), st.booleans()),  # a well-formed continuation of the last held request
+)
+
+
+@FUZZ_SMALL
+@given(ops=st.lists(continuation_op, min_size=1, max_size=8))
+def test_fuzz_continuation_records(engine_client, ops):
+    """submit records with any hold/continues, `end` and cancels of any rid, in any order: every request is
+    answered (finished or error), the engine lives and is idle afterwards (every slot free)."""
+    from engine.config import Zonos2Config, preset_params
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.prompt import PromptBuilder
+
+    lt, client = engine_client
+    pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
+
+    async def go() -> list[dict[str, Any]]:
+        streams, ends = [], []
+        for op in ops:
+            if op[0] in ("submit", "continue_last"):
+                held = [s for s in streams if s.kept is not None]
+                hold, cont = (op[1], held[-1].rid if held else 0) if op[0] == "continue_last" else op[1:]
+                req = m.SubmitRequest(rid=0, prompt=pb.build("Hi.", non_final=hold), params=SamplingParams(seed=1),
+                                      max_frames=12, ignore_eos=True, hold=hold, continues=cont)
+                streams.append(client.submit(req))
+            elif op[0] == "end":
+                client.end(op[1])
+            else:
+                client._inbox.try_put({"type": m.CANCEL, "rid": op[1]})
+            await asyncio.sleep(0.01)
+        for s in streams:  # an unended held request is flushed by the engine on its own
+            s.end()
+            async for ev in s:
+                if ev.type in (m.FINISHED, m.ERROR):
+                    ends.append(ev.header | {"type": ev.type})
+        for _ in range(400):
+            if client.stats.get("active") == 0 and client.stats.get("free_slots") == 3:
+                return ends
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the engine is not idle: {client.stats}")
+
+    ends = lt.run(asyncio.wait_for(go(), 120), timeout=150)
+    assert all(e["type"] == m.FINISHED or e.get("code") for e in ends)
