@@ -28,6 +28,7 @@ import pytest
 import soundfile as sf
 
 from app.audio_formats import g711_decode
+from engine.longform import reply_frames
 from tests.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 
@@ -271,7 +272,7 @@ def test_openai_sdk_formats_stream(client, fmt):
         audio, sr = decode(data)
         assert sr == 24000
         n = len(audio)
-    expected = samples_at(24000, 2 * FRAMES)
+    expected = samples_at(24000, reply_frames([FRAMES] * 2))
     assert expected - 2 <= n <= expected + (AAC_EXTRA if fmt == "aac" else EXTRA_SAMPLES.get(fmt, 2))
 
 
@@ -282,7 +283,7 @@ def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
     r = client.audio.speech.create(model="tts-1", voice="alloy", input="First sentence. Second one.",
                                    response_format=fmt, extra_body={"seed": 3} | FAST)
     audio, sr = sf.read(io.BytesIO(r.content), dtype="float32")
-    expected = samples_at(24000, 2 * FRAMES)
+    expected = samples_at(24000, reply_frames([FRAMES] * 2))
     assert sr == 24000 and abs(len(audio) - expected) <= 2
     assert sf.info(io.BytesIO(r.content)).frames == len(audio)
     with av.open(io.BytesIO(r.content)) as f:
@@ -375,7 +376,7 @@ def test_openai_sdk_sse_every_format(client, fmt):
     assert len(deltas) >= 2
     data = b"".join(deltas)
     n = len(data) // 2 if fmt == "pcm" else len(decode_aac(data)[0]) if fmt == "aac" else len(decode(data)[0])
-    expected = samples_at(24000, 2 * FRAMES)
+    expected = samples_at(24000, reply_frames([FRAMES] * 2))
     assert expected - 2 <= n <= expected + (AAC_EXTRA if fmt == "aac" else EXTRA_SAMPLES.get(fmt, 2))
 
 
@@ -486,7 +487,7 @@ TWO = "Hello there. How are you?"  # two sentences: two utterances, one after th
 
 
 def n_at(rate: int, sentences: int = 2) -> int:
-    return round(sentences * 20 * 512 * rate / 44100)
+    return round(reply_frames([20] * sentences) * 512 * rate / 44100)  # the sentences continue one another
 
 
 def same_pcm(a: bytes, b: bytes) -> bool:
@@ -711,7 +712,7 @@ def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
     result = drive_framework("livekit_client", service, dsrv, "synthesize")
     assert result["errors"] == [] and result["sample_rate"] == rate, result
     # two sentences of at most --max-frames 40 each, 16-bit mono (MP3 adds at most its decoder's delay)
-    assert 0 < result["audio_bytes"] <= 2 * (n_at(rate, 4) + EXTRA_SAMPLES["mp3"]), result
+    assert 0 < result["audio_bytes"] <= 2 * (round(samples_at(rate, 2 * 40)) + EXTRA_SAMPLES["mp3"]), result
 
 
 @pytest.mark.frameworks
@@ -723,4 +724,4 @@ def test_pipecat_http_services_through_the_http_dialects(dsrv, service):
         pytest.skip("no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)")
     result = drive_framework("pipecat_http_client", service, dsrv)
     assert result["errors"] == [] and result["sample_rate"] == 24000, result
-    assert 0 < result["audio_bytes"] <= 2 * n_at(24000, 4), result
+    assert 0 < result["audio_bytes"] <= 2 * round(samples_at(24000, 2 * 40)), result
