@@ -44,11 +44,14 @@ class Link:
 
 @dataclass
 class Context:
-    """What a link continues: the window's text and kept frames, and the request whose stream it takes."""
+    """What a link continues: the window's text and kept frames, and the request whose stream it takes;
+    `smaller` are the windows to fall back to when its prompt would not fit the engine's context: without
+    the pinned first chunk, then none (a fresh prompt; the DAC stream still goes on)."""
 
     text: str
     codes: np.ndarray
     prev: Stream | None
+    smaller: list[tuple[str, np.ndarray]] = field(default_factory=list)
 
 
 class Chain:
@@ -82,7 +85,9 @@ class Chain:
             return Context("", np.zeros((0, 9), np.int64), None)
         self.cont.add(prev.text, stream.kept)
         text, codes = self.cont.window()
-        return Context(text, codes, stream)  # no frames (window 1, no anchor): a fresh prompt, the same stream
+        smaller = [w for w in (self.cont.window(anchor=False),) if len(w[1]) < len(codes)]
+        # no frames (window 1 without an anchor): a fresh prompt, the same stream
+        return Context(text, codes, stream, [*smaller, ("", np.zeros((0, 9), np.int64))])
 
     def end(self) -> None:
         """No utterance follows the last one queued: it is final (or its held stream is flushed now)."""

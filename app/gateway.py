@@ -44,12 +44,17 @@ PROMPT_OVERHEAD = 32
 MIN_UTTERANCE_BYTES = 64
 
 
+def engine_context(gw: Gateway) -> int:
+    """Frames of the engine's context (prompt + audio) per request."""
+    return int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
+
+
 def utterance_bytes(gw: Gateway) -> int:
     """The UTF-8 size of the longest utterance: at most --max-text-chars bytes, and small enough that its
     prompt and its speech fit the engine's context and --max-frames. Text is cut to it twice: as written
     (app/text_buffer.py, sentences) and as spoken, after normalization (Gateway.start_utterance)."""
     lim = gw.settings.limits
-    context = int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
+    context = engine_context(gw)
     fits_context = (context - PROMPT_OVERHEAD) // (1 + AUDIO_FRAMES_PER_BYTE)
     fits_frames = lim.max_frames // AUDIO_FRAMES_PER_BYTE
     return max(MIN_UTTERANCE_BYTES, min(lim.max_text_chars, fits_context, fits_frames))
@@ -230,9 +235,14 @@ class Gateway:
         try:
             ctx = await chain.context(link)
             speaker = embedding is not None or clip is not None
+            # the prompt and the chunk's speech must fit the engine's context (as utterance_bytes reckons)
+            room = engine_context(self) - PROMPT_OVERHEAD - AUDIO_FRAMES_PER_BYTE * utf8_len(text)
             # no await from reading link.final to settling the link: Chain.end sees either a final link or
             # its stream
-            prompt = self.prompts.build_sync(text, opts, speaker, (ctx.text, ctx.codes), not link.final)
+            for ctx_text, ctx_codes in [(ctx.text, ctx.codes), *ctx.smaller]:
+                prompt = self.prompts.build_sync(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
+                if len(prompt) <= room:
+                    break
             req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
             req.hold, req.continues = not link.final, ctx.prev.rid if ctx.prev is not None else 0
             try:  # the stream it continues lives on one engine

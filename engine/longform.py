@@ -228,10 +228,11 @@ class Continuation:
             self.tail = [*self.tail, (text, np.asarray(kept))][-n:]
         self.index += 1
 
-    def window(self) -> tuple[str, np.ndarray]:
-        """(context text, context frames [F, 9]) for the next chunk; empty frames: start fresh."""
+    def window(self, anchor: bool = True) -> tuple[str, np.ndarray]:
+        """(context text, context frames [F, 9]) for the next chunk; empty frames: start fresh. anchor=False:
+        without the pinned first chunk (a prompt that would not fit the context otherwise)."""
         n = context_chunks(self.window_chunks)
-        pinned = self.pin_anchor and self.anchor_codes is not None and self.index > n
+        pinned = anchor and self.pin_anchor and self.anchor_codes is not None and self.index > n
         parts = ([(self.anchor_text, self.anchor_codes)] if pinned and self.anchor_codes is not None else [])
         parts += self.tail
         text = " ".join(t for t, _ in parts)

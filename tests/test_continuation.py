@@ -393,3 +393,50 @@ def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
     assert end["type"] == m.FINISHED and end["reason"] == "max_frames"
     assert stream.kept is not None and len(stream.kept) == 60 - BOUNDARY_TRIM
     assert len(x) == 60 * HOP  # flushed as a final chunk: all 60 frames (ignore_eos), not the kept 57
+
+
+# ---- the gateway's chain (app/continuation.py) -------------------------------------------------------------
+class _Held:
+    """A submitted request as the chain sees it: its rid, its kept frames once they came, end()."""
+
+    def __init__(self, rid: int) -> None:
+        import asyncio
+
+        self.rid, self.kept, self.kept_ready, self.ended = rid, None, asyncio.Event(), False
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_chain_windows_in_order_restarts_after_a_failure_and_ends():
+    import asyncio
+
+    from app.continuation import Chain
+    from engine.longform import LongFormOptions
+
+    async def go():
+        chain = Chain(LongFormOptions(window_chunks=2, pin_anchor=True))
+        links = [chain.link() for _ in range(5)]
+        kept = [np.full((4 + i, 9), i, np.int64) for i in range(5)]
+        contexts = [asyncio.create_task(chain.context(ln)) for ln in links[1:]]  # all waiting, in order
+        streams = []
+        for i, ln in enumerate(links[:3]):
+            s = _Held(10 + i)
+            ln.settle(f"s{i}.", s)
+            s.kept = kept[i]
+            s.kept_ready.set()
+            streams.append(s)
+        c1, c2 = await contexts[0], await contexts[1]
+        c3 = await contexts[2]
+        links[3].settle()  # its request failed: the next starts over
+        c4 = await contexts[3]
+        chain.end()  # the last link is final (not submitted yet)
+        return c1, c2, c3, c4, links, streams
+
+    c1, c2, c3, c4, links, streams = asyncio.run(go())
+    assert (c1.text, c1.prev.rid) == ("s0.", 10) and np.array_equal(c1.codes, np.full((4, 9), 0))
+    assert c2.text == "s0. s1." and c2.prev.rid == 11 and len(c2.codes) == 4 + 5  # the first pinned in front
+    assert c3.text == "s0. s2." and c3.prev.rid == 12 and len(c3.codes) == 4 + 6  # the middle evicted
+    assert [t for t, _ in c3.smaller] == ["s2.", ""]  # without the anchor, then fresh
+    assert c4.prev is None and c4.codes.size == 0
+    assert links[4].final and not any(s.ended for s in streams)
