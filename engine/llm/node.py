@@ -133,6 +133,15 @@ class LLMNode:
         seq.eos = EosTracker(self.cfg.n_codebooks, self.cfg.eoa_id)
         self.sampler.admit(seq.slot, seq.params, seq.seed)
 
+    def admit_twin(self, seq: Sequence, twin: Sequence, scale: float) -> None:
+        """Admit the guidance twin of the admitted `seq` (engine/guidance.py): its own slot, the same seed,
+        the pair's guided logits in every step both are in (the scheduler keeps them in lockstep)."""
+        twin.params = seq.params
+        self.admit(twin)
+        twin.seed = seq.seed
+        self.sampler.admit(twin.slot, twin.params, seq.seed)
+        self.sampler.pair_slots(seq.slot, twin.slot, scale)
+
     def release(self, seq: Sequence) -> None:
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
@@ -160,19 +169,26 @@ class LLMNode:
         group: list[tuple[Sequence, int]] = []
         frames, max_frames = 0, self.max_prefill_frames
         max_seqs = self.prefill_graphs.max_seqs if self.prefill_graphs is not None else 1 << 30
+        done: list[tuple[Sequence, Tensor]] = []
         for seq, n in chunks:
             if n > max_frames:
                 raise ValueError(f"prefill chunk of {n} frames exceeds {max_frames}")
             if group and (len(group) == max_seqs or frames + n > max_frames):
-                out += self._prefill_packed(group)
+                done += self._prefill_packed(group)
                 group, frames = [], 0
             group.append((seq, n))
             frames += n
         if group:
-            out += self._prefill_packed(group)
-        return out
+            done += self._prefill_packed(group)
+        if not done:
+            return out
+        # one sampler call for every first frame: a guided request and its twin sample together
+        slots = torch.tensor([seq.slot for seq, _ in done], device=self.device)
+        codes = self.sampler.sample(torch.stack([row for _, row in done]), slots, eager=True).cpu().numpy()
+        return [(seq, self._accept(seq, codes[j])) for j, (seq, _) in enumerate(done)]
 
-    def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
+    def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Tensor]]:
+        """One packed prefill call; the last-position logits [C, V] of each sequence whose prompt it completed."""
         ids, seqs, speakers = [], [], []
         for seq, n in chunks:
             start = seq.prefilled
@@ -193,13 +209,8 @@ class LLMNode:
                 done.append(i)
         if not done:
             return []
-        slots = torch.tensor([chunks[i][0].slot for i in done], device=self.device)
-        codes = self.sampler.sample(logits[done], slots, eager=True).cpu().numpy()
-        out = []
-        for j, i in enumerate(done):
-            seq = chunks[i][0]
-            out.append((seq, self._accept(seq, codes[j])))
-        return out
+        rows = logits[done]  # a copy: a captured prefill's output buffer is overwritten by the next call
+        return [(chunks[i][0], rows[j]) for j, i in enumerate(done)]
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, np.ndarray]]:
         """One frame for each sequence (all past prefill)."""

@@ -14,6 +14,12 @@ torch.compile'd copy inside the decode graph, built per batch bucket). So nothin
 across a row: the Gumbel noise is a table lookup by hash (no log whose implementation differs between
 eager and compiled kernels), min-p compares exp(l - max) with min_p (the softmax's sum cancels), and
 top-p sums the kept probabilities as integers (fixed point, exact in any order).
+
+Classifier-free guidance (engine/guidance.py): a guided request's slot is paired with its twin's slot
+(`pair`), and in every `sample` call that holds both rows each of them samples from the same guided
+logits `uncond + s * (cond - uncond)`, computed in the same order for both rows, with the same seed, step
+and history: both rows draw the same frame, so the twin's history stays the conditional's. A slot paired
+with itself (every unguided one, the scratch slot) samples from its own logits (x + s * 0 = x, exactly).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.contract.records import HISTORY, SamplingParams
+from engine.guidance import guide
 
 _M32 = 0xFFFFFFFF
 NOISE_BITS = 22  # Gumbel noise levels: 2**22 uniform quantiles (a 16 MiB fp32 table per device)
@@ -90,6 +97,10 @@ class SamplerState:
         self.step = torch.zeros(n_slots, **i64)  # frames generated so far
         self.history = torch.zeros(n_slots, HISTORY, n_codebooks, **i64)
         self.history_step = torch.full((n_slots, HISTORY), -1, **i64)
+        # guidance pairs: the partner slot (itself: none), whether a slot is the twin, the pair's scale
+        self.pair = torch.arange(n_slots, **i64)
+        self.is_twin = torch.zeros(n_slots, device=device, dtype=torch.bool)
+        self.cfg = torch.ones(n_slots, **f32)
 
     def admit(self, slot: int, p: SamplingParams, seed: int) -> None:
         """Reset a slot for a new request (host -> device writes, outside any captured graph)."""
@@ -105,6 +116,24 @@ class SamplerState:
         self.seed[slot] = seed
         self.step[slot] = 0
         self.history_step[slot] = -1
+        self.pair[slot], self.is_twin[slot], self.cfg[slot] = slot, False, 1.0
+
+    def pair_slots(self, cond: int, twin: int, scale: float) -> None:
+        """Pair an admitted request's slot with its twin's (admitted with the same parameters and seed)."""
+        self.pair[cond], self.pair[twin] = twin, cond
+        self.is_twin[twin] = True
+        self.cfg[cond] = self.cfg[twin] = scale
+
+    def guided(self, logits: Tensor, slots: Tensor) -> Tensor:
+        """Each row's guided logits [B, C, V] (fp32): the pair's `guide(cond, uncond, s)` for a row whose
+        partner is in the batch (both rows get the same bits), its own logits otherwise."""
+        logits = logits.float()
+        b = slots.shape[0]
+        match = slots.view(1, b) == self.pair[slots].view(b, 1)  # [row, position of its partner]
+        pos = torch.where(match.any(1), match.to(torch.int64).argmax(1), torch.arange(b, device=slots.device))
+        other = logits[pos]
+        twin = self.is_twin[slots].view(b, 1, 1)
+        return guide(torch.where(twin, other, logits), torch.where(twin, logits, other), self.cfg[slots])
 
     def sample(self, logits: Tensor, slots: Tensor, eager: bool = False) -> Tensor:
         """logits [B, C, V] (fp32) for the given slots -> codes [B, C] (int64). Updates the slots' state.
@@ -115,6 +144,7 @@ class SamplerState:
         requests arrived in groups of varying size."""
         step = self.step[slots]
         filt, noise = (self.filtered_logits, gumbel_noise) if eager else (self._filter, self._noise)
+        logits = self.guided(logits, slots)  # before the repetition penalty, as the reference
         scores = filt(logits, slots) + noise(self.seed[slots], step, logits.shape[1:], self.noise_table)
         codes = scores.argmax(-1)
         self._record(codes, slots, step)
