@@ -4,7 +4,8 @@ Every record is a msgpack header dict plus an optional raw payload (no pickling)
 
 gateway -> engine
   submit   {rid, prompt_frames, params, max_frames, ignore_eos, speaker: none|embedding|clip,
-            clip_sr?, hold?, continues?}   payload: prompt int32 [P, 10] + (speaker f32 [D] | clip f32 [N])
+            clip_sr?, hold?, continues?,   payload: prompt int32 [P, 10] + uncond prompt int32 [U, 10]
+            uncond_frames?}                          + (speaker f32 [D] | clip f32 [N])
   cancel   {rid}
   end      {rid}                           the continuation of rid's stream ends: its held tail is flushed
   embed    {rid, clip_sr}                  payload: clip f32 [N] (mono)
@@ -120,6 +121,8 @@ class SubmitRequest:
     # continues (0: a stream of its own); its prompt continues that request's kept frames.
     hold: bool = False
     continues: int = 0
+    # prefix CFG (engine/guidance.py): the twin's prompt, the chunk generated fresh (the gateway builds it)
+    uncond_prompt: np.ndarray | None = None
 
     def encode(self) -> tuple[dict[str, Any], bytes]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
@@ -134,8 +137,13 @@ class SubmitRequest:
             "speaker": "none",
             "hold": self.hold,
             "continues": self.continues,
+            "uncond_frames": 0,
         }
         parts = [prompt.tobytes()]
+        if self.uncond_prompt is not None:
+            uncond = np.ascontiguousarray(self.uncond_prompt, dtype=np.int32).reshape(-1, prompt.shape[1])
+            header["uncond_frames"] = int(uncond.shape[0])
+            parts.append(uncond.tobytes())
         if self.speaker_embedding is not None:
             header["speaker"] = "embedding"
             parts.append(np.ascontiguousarray(self.speaker_embedding, dtype=np.float32).tobytes())
@@ -149,8 +157,11 @@ class SubmitRequest:
     def decode(cls, header: dict[str, Any], payload: bytes | None) -> SubmitRequest:
         buf = payload or b""
         p, w = int(header["prompt_frames"]), int(header["prompt_width"])
-        n_prompt = p * w * 4
+        u = int(header.get("uncond_frames", 0))
+        n_prompt = (p + u) * w * 4
         prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
+        uncond = (np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
+                  if u > 0 else None)
         rest = np.frombuffer(buf, dtype=np.float32, offset=n_prompt) if len(buf) > n_prompt else None
         kind = header.get("speaker", "none")
         return cls(
@@ -164,6 +175,7 @@ class SubmitRequest:
             clip_sr=int(header.get("clip_sr", 0)),
             hold=bool(header.get("hold", False)),
             continues=int(header.get("continues", 0)),
+            uncond_prompt=uncond,
         )
 
 

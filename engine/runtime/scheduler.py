@@ -15,6 +15,12 @@ over when admitted: the stream's audio up to the held request's kept end is stil
 finished when that is out), the audio after it the new one's. A
 held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
 would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
+
+Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice) or `prefix_cfg_scale` (and the
+prefix twin's prompt) != 1 gets a twin: a second slot (rid -rid: no audio, no records) that decodes in
+lockstep with it, its prompt without the speaker or the chunk's fresh prompt; the sampler guides both rows
+and they draw the same frame. The pair is admitted, prefilled (their last prompt chunks in the same call),
+decoded, released and cancelled together; admission counts the twin as a stream.
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ import numpy as np
 import torch
 
 from engine.contract import records as m
-from engine.contract.constants import SAMPLE_RATE
+from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
-from engine.dac.codec import HOP
+from engine.guidance import twin as twin_kind
 from engine.llm.node import Sequence
 from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
@@ -68,6 +74,10 @@ class Job:
     successor: Job | None = None  # the request continuing its stream (it owns the stream until stream_end)
     predecessor: Job | None = None
     continued: bool = False  # its stream went on with its successor (its audio: its kept frames')
+    # guidance (module docstring): its twin, the kind ("speaker" | "prefix") and the scale
+    twin: Sequence | None = None
+    twin_kind: str = ""
+    cfg_scale: float = 1.0
 
 
 class Scheduler:
@@ -173,6 +183,16 @@ class Scheduler:
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
                        speaker=speaker, ignore_eos=req.ignore_eos)
         job = Job(seq, time.perf_counter(), hold=req.hold, continues=req.continues)
+        kind = twin_kind(req.params, req.speaker_embedding is not None or req.clip is not None,
+                         req.uncond_prompt is not None)
+        if kind is not None:
+            job.twin_kind, job.cfg_scale = kind
+            uncond = req.uncond_prompt if job.twin_kind == "prefix" else req.prompt
+            assert uncond is not None
+            if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= self.llm.max_len - 1:
+                return self._error(req.rid, E.BAD_REQUEST, "the prefix twin's prompt does not fit")
+            job.twin = Sequence(rid=-req.rid, prompt=uncond, params=req.params, max_frames=max_frames,
+                                speaker=speaker if job.twin_kind == "prefix" else None, ignore_eos=req.ignore_eos)
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
@@ -200,24 +220,29 @@ class Scheduler:
                 self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 continue
             job.seq.speaker = torch.from_numpy(emb).to(self.engine.device)
+            if job.twin is not None and job.twin_kind == "prefix":  # the prefix twin keeps the voice
+                job.twin.speaker = job.seq.speaker
             job.clip_ms = (time.perf_counter() - t_sent) * 1e3
             job.speaker_pending = False
 
     def _admit(self) -> None:
         now = time.perf_counter()
-        streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
+        streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
         min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
         admitted = 0
         for job in list(self.waiting) if self.waiting and self.llm.can_admit() else ():
-            if not self.llm.can_admit() or not self.admission.may_admit(streams, admitted + 1, min_lead,
-                                                                         starting, backlog):
+            need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
+            if len(self.llm.free_slots) < need or not self.admission.may_admit(streams, admitted + need, min_lead,
+                                                                                starting, backlog):
                 break
             if job.speaker_pending:  # later arrivals with a voice ready go first
                 continue
             self.waiting.remove(job)
-            admitted += 1
+            admitted += need
             seq = job.seq
             self.llm.admit(seq)
+            if job.twin is not None:
+                self.llm.admit_twin(seq, job.twin, job.cfg_scale)
             job.t_admitted = time.perf_counter()
             self.running[seq.rid] = job
             self._open_stream(job)
@@ -333,7 +358,8 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         results: list[tuple[Sequence, np.ndarray]] = []
-        live = [j.seq for j in self.running.values() if j.seq.finish_reason is None]
+        jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
+        live = [s for j in jobs for s in (j.seq, j.twin) if s is not None]
         decoding = [s for s in live if not s.in_prefill]
         with node_range("decode"):
             pending = self.llm.decode_start(decoding) if decoding else None
@@ -343,20 +369,21 @@ class Scheduler:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(decoding)
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
-        for seq in live:
+        for job in jobs:
             if budget <= 0:
                 break
-            if seq.in_prefill:
-                n = min(budget, seq.prompt_len - seq.prefilled)
-                chunks.append((seq, n))
-                budget -= n
+            if job.seq.in_prefill:
+                part = self._prefill_chunks(job, budget)
+                chunks += part
+                budget -= sum(n for _, n in part)
         if chunks and self._group_prefill(chunks, len(decoding), t0):
             chunks = []
         if chunks:
             t_prefill = time.perf_counter()
             for seq, _ in chunks:
-                job = self.running[seq.rid]
-                job.t_prefill_start = job.t_prefill_start or t_prefill
+                if seq.rid in self.running:
+                    job = self.running[seq.rid]
+                    job.t_prefill_start = job.t_prefill_start or t_prefill
             with node_range("prefill"):
                 results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
             self.admission.observe_prefill(time.perf_counter() - t_prefill)
@@ -364,6 +391,10 @@ class Scheduler:
         now = time.perf_counter()
         plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
         for seq, codes in results:
+            if seq.rid < 0:  # a guidance twin: its frame is its request's, released with it
+                if -seq.rid not in self.running:
+                    self.llm.release(seq)
+                continue
             job = self.running.get(seq.rid)
             if job is None:  # its audio completed (or it was cancelled) while this step was in flight
                 self.llm.release(seq)
@@ -380,7 +411,7 @@ class Scheduler:
                     self._hold(job, now)
                 else:
                     self.dac.finish(job.stream, seq.audio_frames)
-                self.llm.release(seq)
+                self._release(job)
         if plain_rids:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))
         if not live:
@@ -389,6 +420,29 @@ class Scheduler:
         self.counters["steps"] += 1
         if self.profiler is not None:
             self.profiler.iteration(len(decoding))
+
+    @staticmethod
+    def _prefill_chunks(job: Job, budget: int) -> list[tuple[Sequence, int]]:
+        """The job's prompt chunks within `budget` frames; a guided request and its twin complete their
+        prompts in the same prefill (their first frame is sampled together), so until both remainders fit,
+        each keeps at least one frame back."""
+        seq, tw = job.seq, job.twin
+        left = seq.prompt_len - seq.prefilled
+        if tw is None:
+            return [(seq, min(budget, left))]
+        left_t = tw.prompt_len - tw.prefilled
+        if left + left_t <= budget:
+            n, n_t = left, left_t
+        else:
+            n = min(budget, left - 1)
+            n_t = min(budget - n, left_t - 1)
+        return [(s, k) for s, k in ((seq, n), (tw, n_t)) if k > 0]
+
+    def _release(self, job: Job) -> None:
+        """Free the job's slots (its twin's too)."""
+        self.llm.release(job.seq)
+        if job.twin is not None:
+            self.llm.release(job.twin)
 
     def _group_prefill(self, chunks: list[tuple[Sequence, int]], streams: int, now: float) -> bool:
         """Hold a small prefill back for a few iterations under load, so arrivals share one call: a packed
@@ -457,7 +511,7 @@ class Scheduler:
             del self.streams[job.stream]
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
-        self.llm.release(seq)
+        self._release(job)
         audio_s = job.samples / SAMPLE_RATE
         e2e = now - job.t_arrival
         stats = {  # the engine's part of first audio, in the order it was spent
@@ -495,7 +549,7 @@ class Scheduler:
                                           "stats": {"free_ms": 0.0, "free_slots": len(self.llm.free_slots)}},
                                     force=True)
                 return
-            self.llm.release(job.seq)
+            self._release(job)  # its twin's slot too
             self._cancel_stream(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
