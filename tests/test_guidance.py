@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -101,3 +102,94 @@ def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
         want = plain[j] + s * (plain[i] - plain[j])
         cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), 0)
         assert 1 - float(cos) < tol, (i, j, float(cos))
+
+
+# ---- twins in the sampler and the LLM node (issue 22.2) ------------------------------------------------------
+@pytest.mark.parametrize("scale", [2.5, -0.5])
+def test_a_pair_samples_the_guided_formula_and_the_twin_draws_the_same_frame(scale):
+    """Slots 0 (conditional) and 1 (twin) paired; slot 2, unpaired with the same parameters and seed, is
+    given guide(cond, uncond, s) computed here: all three draw the same frame at every step, so the guided
+    sampling is the formula and the twin's history is the conditional's. Slot 3 (unpaired) is untouched."""
+    from engine.llm.sampling import SamplerState
+
+    c, v = 9, 64
+    st = SamplerState(5, c, v, "cpu")
+    params = SamplingParams(temperature=1.0, top_k=20, min_p=0.05, repetition_penalty=1.5, repetition_window=8)
+    for slot in range(4):
+        st.admit(slot, params, seed=7)
+    st.pair_slots(0, 1, scale)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        cond, uncond, other = (torch.randn(c, v, generator=g) * 3 for _ in range(3))
+        logits = torch.stack([cond, uncond, guide(cond, uncond, scale), other])
+        slots = torch.tensor([3, 1, 2, 0])  # any order in the batch
+        codes = st.sample(logits[[3, 1, 2, 0]], slots, eager=True)
+        assert torch.equal(codes[3], codes[1]) and torch.equal(codes[3], codes[2])
+    assert torch.equal(st.history[0], st.history[1]) and torch.equal(st.history[0], st.history[2])
+    assert not torch.equal(st.history[0], st.history[3])
+
+
+def test_a_pair_whose_partner_is_not_in_the_batch_samples_its_own_logits():
+    from engine.llm.sampling import SamplerState
+
+    st = SamplerState(3, 9, 32, "cpu")
+    for slot in range(3):
+        st.admit(slot, SamplingParams(), seed=5)
+    st.pair_slots(0, 1, 3.0)
+    logits = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(4))
+    a = st.sample(logits[:1].clone(), torch.tensor([0]), eager=True)
+    b = st.sample(logits[:1].clone(), torch.tensor([2]), eager=True)  # slot 2: same seed and step, unpaired
+    assert torch.equal(a, b)
+
+
+def _node():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from engine.llm.node import LLMNode
+    from engine.model.checkpoint import random_model
+
+    return LLMNode(random_model("tiny", device="cpu", dtype=torch.float32), n_slots=4, max_len=256,
+                   cuda_graphs=False, triton=False)
+
+
+@pytest.mark.parametrize("kind", ["speaker", "prefix"])
+def test_twins_decode_in_lockstep_through_the_llm_node(kind):
+    """A guided request and its twin (speaker CFG: its prompt without the speaker; prefix CFG: the chunk's
+    fresh prompt) prefilled together and decoded together: the same frame at every step, the same
+    history; the guided first frame is the formula's on the two rows' prefill logits; release frees both."""
+    import numpy as np
+
+    from engine.llm.node import Sequence
+    from engine.llm.sampling import SamplerState
+    from engine.prompt import Conditioning, PromptBuilder
+
+    node = _node()
+    pb = PromptBuilder(node.cfg)
+    cond = Conditioning(speaker=True)
+    codes = np.random.default_rng(0).integers(0, 1024, size=(30, 9))
+    prompt = pb.build_continuation("It began.", "And went on.", codes, cond, non_final=True)
+    spk = torch.randn(node.cfg.speaker_embedding_dim, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(seed=9, cfg_scale=2.0, prefix_cfg_scale=-0.5)
+    scale = 2.0 if kind == "speaker" else -0.5
+    seq = Sequence(rid=1, prompt=prompt, params=params, max_frames=20, speaker=spk, ignore_eos=True)
+    tw = Sequence(rid=-1, prompt=prompt if kind == "speaker" else pb.build("And went on.", cond, non_final=True),
+                  params=params, max_frames=20, speaker=None if kind == "speaker" else spk, ignore_eos=True)
+    free = len(node.free_slots)
+    node.admit(seq)
+    node.admit_twin(seq, tw, scale)
+    assert len(node.free_slots) == free - 2
+    # the first frame: the formula on the two rows' own last logits (the model run alone per prompt)
+    want_logits = guide(node.model.forward_full(torch.from_numpy(seq.prompt), speaker=spk)[-1].float(),
+                        node.model.forward_full(torch.from_numpy(tw.prompt), speaker=tw.speaker)[-1].float(),
+                        scale)
+    ref = SamplerState(1, node.cfg.n_codebooks, node.cfg.audio_vocab, "cpu")
+    ref.admit(0, params, seq.seed)
+    want = ref.sample(want_logits[None], torch.tensor([0]), eager=True)[0].numpy()
+    first = dict((s.rid, c) for s, c in node.prefill([(seq, seq.prompt_len), (tw, tw.prompt_len)]))
+    assert np.array_equal(first[1], first[-1]) and np.array_equal(first[1], want)
+    for _ in range(8):
+        out = dict((s.rid, c) for s, c in node.decode([seq, tw]))
+        assert np.array_equal(out[1], out[-1])
+    assert torch.equal(node.sampler.history[seq.slot], node.sampler.history[tw.slot])
+    node.release(seq)
+    node.release(tw)
+    assert len(node.free_slots) == free
