@@ -193,3 +193,77 @@ def test_twins_decode_in_lockstep_through_the_llm_node(kind):
     node.release(seq)
     node.release(tw)
     assert len(node.free_slots) == free
+
+
+def test_engine_runs_guided_requests_and_frees_their_twins():
+    """Through a real engine process (CPU, tiny): a speaker-CFG request completes with all its audio; a
+    guided request cancelled mid-way has no audio after the acknowledgement; every slot (twins included) is
+    free afterwards; a prefix-CFG request without its twin's prompt runs unguided (nothing to drop)."""
+    import asyncio
+
+    import numpy as np
+
+    from app.engine_client import EngineClient
+    from engine.config import Zonos2Config, preset_params
+    from engine.contract import records as m
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.prompt import Conditioning, PromptBuilder
+    from tests.asyncloop import LoopThread
+
+    pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_context=512,
+                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+    emb = np.random.default_rng(2).standard_normal(2048).astype(np.float32)
+
+    def req(frames: int, **params) -> m.SubmitRequest:
+        return m.SubmitRequest(rid=0, prompt=pb.build("Hello there.", Conditioning(speaker=True)),
+                               params=SamplingParams(seed=4, **params), max_frames=frames, ignore_eos=True,
+                               speaker_embedding=emb)
+
+    async def read(stream) -> tuple[int, dict]:
+        n = 0
+        async for ev in stream:
+            if ev.type == m.AUDIO:
+                n += len(ev.pcm)
+            elif ev.type in (m.FINISHED, m.ERROR):
+                return n, ev.header
+        return n, {}
+
+    async def run():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        done = await read(client.submit(req(30, cfg_scale=2.0)))
+        prefix = await read(client.submit(req(20, prefix_cfg_scale=3.0)))
+        seen: list[tuple[str, int]] = []
+        on_event = client._on_event
+        client._on_event = lambda h, p: (seen.append((h.get("type"), h.get("rid"))), on_event(h, p))[1]
+        stream = client.submit(req(400, cfg_scale=2.0))
+        ev = await stream.next()
+        while ev.type != m.AUDIO:
+            ev = await stream.next()
+        running = None
+        for _ in range(200):  # while it generates, it and its twin hold two of the three slots
+            if client.stats.get("active") == 1:
+                running = client.stats.get("free_slots")
+                break
+            await asyncio.sleep(0.05)
+        ack = await client.cancel(stream.rid)
+        for _ in range(200):
+            if client.stats.get("active") == 0 and client.stats.get("free_slots") == 3:
+                break
+            await asyncio.sleep(0.05)
+        client._on_event = on_event
+        return done, prefix, ack, seen, stream.rid, dict(client.stats) | {"running_free": running}
+
+    try:
+        (n, end), (n2, end2), ack, seen, rid, stats = lt.run(run(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert end["reason"] == "max_frames" and n == 30 * 512
+    assert end2["reason"] == "max_frames" and n2 == 20 * 512
+    assert ack["reason"] == "cancelled"
+    assert (m.AUDIO, rid) not in seen[seen.index((m.FINISHED, rid)) + 1:]
+    assert stats["running_free"] == 1  # a guided request takes two slots
+    assert stats["active"] == 0 and stats["free_slots"] == 3  # the twins' slots are back too
