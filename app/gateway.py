@@ -245,6 +245,8 @@ class Gateway:
                     break
             req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
             req.hold, req.continues = not link.final, ctx.prev.rid if ctx.prev is not None else 0
+            if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
+                req.uncond_prompt = self.prompts.build_sync(text, opts, speaker, None, not link.final)
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
             except EngineUnavailable as e:
