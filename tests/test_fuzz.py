@@ -748,8 +748,10 @@ def engine_client():
 
 
 rid_values = st.integers(-3, 40) | st.integers(-(2**63), 2**63 - 1)
+guidance = st.tuples(st.sampled_from([1.0, 2.0, -0.5]), st.sampled_from([1.0, 3.0]), st.booleans(), st.booleans())
 continuation_op = st.one_of(
-    st.tuples(st.just("submit"), st.booleans(), rid_values),  # hold, continues (any rid: unknown, running, own)
+    # hold, continues (any rid: unknown, running, own), (cfg_scale, prefix_cfg_scale, a voice, a twin prompt)
+    st.tuples(st.just("submit"), st.booleans(), rid_values, guidance),
     st.tuples(st.just("end"), rid_values),
     st.tuples(st.just("cancel"), rid_values),
     st.tuples(st.just("continue_last"), st.booleans()),  # a well-formed continuation of the last held request
@@ -759,12 +761,13 @@ continuation_op = st.one_of(
 @FUZZ_SMALL
 @given(ops=st.lists(continuation_op, min_size=1, max_size=8))
 def test_fuzz_continuation_records(engine_client, ops):
-    """submit records with any hold/continues, `end` and cancels of any rid, in any order: every request is
-    answered (finished or error), the engine lives and is idle afterwards (every slot free)."""
+    """submit records with any hold/continues and guidance twins, `end` and cancels of any rid, in any order:
+    every request is answered (finished or error), the engine lives and is idle afterwards (every slot
+    free: the twins' too)."""
     from engine.config import Zonos2Config, preset_params
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
-    from engine.prompt import PromptBuilder
+    from engine.prompt import Conditioning, PromptBuilder
 
     lt, client = engine_client
     pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
@@ -774,9 +777,16 @@ def test_fuzz_continuation_records(engine_client, ops):
         for op in ops:
             if op[0] in ("submit", "continue_last"):
                 held = [s for s in streams if s.kept is not None]
-                hold, cont = (op[1], held[-1].rid if held else 0) if op[0] == "continue_last" else op[1:]
-                req = m.SubmitRequest(rid=0, prompt=pb.build("Hi.", non_final=hold), params=SamplingParams(seed=1),
-                                      max_frames=12, ignore_eos=True, hold=hold, continues=cont)
+                if op[0] == "continue_last":
+                    hold, cont, (cfg, pcfg, voice, uncond) = op[1], held[-1].rid if held else 0, (1.0, 1.0, False, False)
+                else:
+                    hold, cont, (cfg, pcfg, voice, uncond) = op[1:]
+                cond = Conditioning(speaker=voice)
+                req = m.SubmitRequest(rid=0, prompt=pb.build("Hi.", cond, non_final=hold),
+                                      params=SamplingParams(seed=1, cfg_scale=cfg, prefix_cfg_scale=pcfg),
+                                      max_frames=12, ignore_eos=True, hold=hold, continues=cont,
+                                      speaker_embedding=np.ones(2048, np.float32) if voice else None,
+                                      uncond_prompt=pb.build("Hi!", cond) if uncond else None)
                 streams.append(client.submit(req))
             elif op[0] == "end":
                 client.end(op[1])

@@ -62,6 +62,13 @@ def test_scales_travel_in_the_submit_record():
                         params=SamplingParams(cfg_scale=2.5, prefix_cfg_scale=-1.0, emotion_cfg_scale=3.0))
     back = SubmitRequest.decode(*req.encode())
     assert back.params == req.params and back.params.cfg_scale == 2.5
+    # the prefix twin's prompt travels between the prompt and the speaker embedding
+    req.uncond_prompt = np.arange(20).reshape(2, 10)
+    req.speaker_embedding = np.linspace(0, 1, 16, dtype=np.float32)
+    req.hold, req.continues = True, 7
+    back = SubmitRequest.decode(*req.encode())
+    assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
+    assert np.array_equal(back.speaker_embedding, req.speaker_embedding) and (back.hold, back.continues) == (True, 7)
 
 
 @pytest.mark.gpu
