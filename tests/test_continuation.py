@@ -440,3 +440,42 @@ def test_chain_windows_in_order_restarts_after_a_failure_and_ends():
     assert [t for t, _ in c3.smaller] == ["s2.", ""]  # without the anchor, then fresh
     assert c4.prev is None and c4.codes.size == 0
     assert links[4].final and not any(s.ended for s in streams)
+
+
+# ---- through the gateway (a real server: HTTP) --------------------------------------------------------------
+@pytest.mark.slow
+def test_http_reply_is_continued_by_default_and_long_form_false_turns_it_off(server):
+    import httpx
+
+    from engine.longform import reply_frames
+
+    def speak(**params) -> int:
+        r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
+            "input": "One. Two. Three.", "response_format": "pcm", "sample_rate": 44100,
+            "params": {"max_frames": 20, "ignore_eos": True, "seed": 2, **params}})
+        assert r.status_code == 200, r.text
+        return len(r.content) // 2
+
+    assert speak() == reply_frames([20] * 3) * HOP  # one stream: the first two keep all but 3 frames
+    assert speak(long_form=False) == 3 * 20 * HOP  # three independent requests
+
+
+@pytest.mark.slow
+def test_http_guided_continued_reply_with_a_voice(server):
+    """Speaker CFG and prefix CFG on a continued reply with a voice: every sentence spoken, all its frames."""
+    import io
+
+    import httpx
+
+    from engine.longform import reply_frames
+
+    buf = io.BytesIO()
+    np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("g.npy", buf.getvalue())}, data={"name": "G"},
+                   timeout=60)
+    assert r.status_code in (200, 201), r.text
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=180, json={
+        "input": "One. Two. Three.", "voice": r.json()["id"], "response_format": "pcm", "sample_rate": 44100,
+        "params": {"max_frames": 20, "ignore_eos": True, "cfg_scale": 2.0, "prefix_cfg_scale": 1.5}})
+    assert r.status_code == 200, r.text
+    assert len(r.content) // 2 == reply_frames([20] * 3) * HOP
