@@ -149,56 +149,76 @@ def test_a_pair_whose_partner_is_not_in_the_batch_samples_its_own_logits():
     assert torch.equal(a, b)
 
 
-def _node():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+def _node(device: str = "cpu"):
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
 
-    return LLMNode(random_model("tiny", device="cpu", dtype=torch.float32), n_slots=4, max_len=256,
-                   cuda_graphs=False, triton=False)
+    return LLMNode(random_model("tiny", device=device, dtype=torch.float32), n_slots=4, max_len=256,
+                   cuda_graphs=device != "cpu", triton=None if device != "cpu" else False)
 
 
 @pytest.mark.parametrize("kind", ["speaker", "prefix"])
 def test_twins_decode_in_lockstep_through_the_llm_node(kind):
+    twins_in_lockstep(kind, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["speaker", "prefix"])
+def test_gpu_twins_decode_in_lockstep_through_the_captured_graph(kind):
+    """The same through the GPU node: Triton prefill, the captured decode graph (with the sampler's
+    guidance in it), another request sharing the steps."""
+    twins_in_lockstep(kind, "cuda")
+
+
+def twins_in_lockstep(kind: str, device: str) -> None:
     """A guided request and its twin (speaker CFG: its prompt without the speaker; prefix CFG: the chunk's
-    fresh prompt) prefilled together and decoded together: the same frame at every step, the same
-    history; the guided first frame is the formula's on the two rows' prefill logits; release frees both."""
+    fresh prompt) prefilled together and decoded together, beside an unguided request: the same frame at
+    every step, the same history; the guided first frame is the formula's on the two rows' prefill
+    logits; release frees both."""
     import numpy as np
 
     from engine.llm.node import Sequence
     from engine.llm.sampling import SamplerState
     from engine.prompt import Conditioning, PromptBuilder
 
-    node = _node()
+    node = _node(device)
     pb = PromptBuilder(node.cfg)
     cond = Conditioning(speaker=True)
     codes = np.random.default_rng(0).integers(0, 1024, size=(30, 9))
     prompt = pb.build_continuation("It began.", "And went on.", codes, cond, non_final=True)
-    spk = torch.randn(node.cfg.speaker_embedding_dim, generator=torch.Generator().manual_seed(1))
+    spk = torch.randn(node.cfg.speaker_embedding_dim, generator=torch.Generator().manual_seed(1)).to(device)
     params = SamplingParams(seed=9, cfg_scale=2.0, prefix_cfg_scale=-0.5)
     scale = 2.0 if kind == "speaker" else -0.5
     seq = Sequence(rid=1, prompt=prompt, params=params, max_frames=20, speaker=spk, ignore_eos=True)
     tw = Sequence(rid=-1, prompt=prompt if kind == "speaker" else pb.build("And went on.", cond, non_final=True),
                   params=params, max_frames=20, speaker=None if kind == "speaker" else spk, ignore_eos=True)
+    other = Sequence(rid=2, prompt=pb.build("Someone else."), params=SamplingParams(seed=3), max_frames=20,
+                     ignore_eos=True)
     free = len(node.free_slots)
     node.admit(seq)
     node.admit_twin(seq, tw, scale)
-    assert len(node.free_slots) == free - 2
+    node.admit(other)
+    assert len(node.free_slots) == free - 3
     # the first frame: the formula on the two rows' own last logits (the model run alone per prompt)
-    want_logits = guide(node.model.forward_full(torch.from_numpy(seq.prompt), speaker=spk)[-1].float(),
-                        node.model.forward_full(torch.from_numpy(tw.prompt), speaker=tw.speaker)[-1].float(),
-                        scale)
-    ref = SamplerState(1, node.cfg.n_codebooks, node.cfg.audio_vocab, "cpu")
+    ids = [torch.from_numpy(p).to(device) for p in (seq.prompt, tw.prompt)]
+    want_logits = guide(node.model.forward_full(ids[0], speaker=spk)[-1].float(),
+                        node.model.forward_full(ids[1], speaker=tw.speaker)[-1].float(), scale)
+    ref = SamplerState(1, node.cfg.n_codebooks, node.cfg.audio_vocab, device)
     ref.admit(0, params, seq.seed)
-    want = ref.sample(want_logits[None], torch.tensor([0]), eager=True)[0].numpy()
-    first = dict((s.rid, c) for s, c in node.prefill([(seq, seq.prompt_len), (tw, tw.prompt_len)]))
+    want = ref.sample(want_logits[None], torch.tensor([0], device=device), eager=True)[0].cpu().numpy()
+    first = dict((s.rid, c) for s, c in node.prefill([(seq, seq.prompt_len), (other, other.prompt_len),
+                                                      (tw, tw.prompt_len)]))
     assert np.array_equal(first[1], first[-1]) and np.array_equal(first[1], want)
     for _ in range(8):
-        out = dict((s.rid, c) for s, c in node.decode([seq, tw]))
+        out = dict((s.rid, c) for s, c in node.decode([seq, other, tw]))
         assert np.array_equal(out[1], out[-1])
     assert torch.equal(node.sampler.history[seq.slot], node.sampler.history[tw.slot])
     node.release(seq)
     node.release(tw)
+    node.release(other)
     assert len(node.free_slots) == free
 
 
