@@ -329,6 +329,10 @@ class Options:
     # bytes) can serve it: each request runs the speaker encoder, as a clone of a new voice would
     distinct_clips: bool = False
     text: str = TEXT
+    # sentences per request (the text repeated): a reply of several sentences, continued one from the
+    # other by default (issue 22); the player then also stalls at a join that comes late
+    sentences: int = 1
+    long_form: bool = True
     min_stall_free: float = 0.99
     max_ttfa_p95_ms: float = 300.0
     stop_after_fail: int = 2
@@ -410,7 +414,8 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             t_sent = time.perf_counter()
             rec.connect_ms = (t_sent - t_conn) * 1e3
             rec.t_sent = t_sent - clock0
-            await ws.send(json.dumps({"type": "text", "text": opts.text, "flush": True}))
+            await ws.send(json.dumps({"type": "text", "text": " ".join([opts.text] * opts.sentences), "flush": True}))
+            done = 0
             async for msg in ws:
                 now = time.perf_counter()
                 if isinstance(msg, bytes):
@@ -420,6 +425,9 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                     continue
                 d = json.loads(msg)
                 if d.get("type") == "audio.done":
+                    done += 1
+                    if done < opts.sentences:  # the reply's last sentence ends the request
+                        continue
                     stats = d.get("stats") or {}
                     engine = stats.get("engine") or {}
                     rec.ok = True
@@ -505,7 +513,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         clip = reference_clip()
     session_cfg: dict[str, Any] = {"type": "session.config", "encoding": "pcm_s16le",
                                    "sample_rate": opts.sample_rate,
-                                   "params": {"max_frames": opts.frames, "ignore_eos": True}}
+                                   "params": {"max_frames": opts.frames, "ignore_eos": True,
+                                              "long_form": opts.long_form}}
     result: dict[str, Any] = {"config": opts.config(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                               "levels": [], "capacity": None, "streams": []}
     if opts.voice:
@@ -562,6 +571,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="alter a few bytes of the clip per request, so the speaker encoder runs for every "
                         "request (a gateway caches embeddings by the clip's bytes)")
     p.add_argument("--text", default=d.text)
+    p.add_argument("--sentences", type=int, default=d.sentences,
+                   help="sentences per request (--text repeated): a reply whose joins the player must not stall at")
+    p.add_argument("--no-long-form", action="store_true", help="long_form false: each sentence its own stream")
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
     p.add_argument("--stop-after-fail", type=int, default=d.stop_after_fail,
@@ -582,7 +594,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def options(a: argparse.Namespace) -> Options:
     return Options(url=a.url, levels=a.levels, duration=a.duration, warmup=a.warmup, ramp=a.ramp,
                    prebuffer_ms=a.prebuffer_ms, frames=a.frames, sample_rate=a.sample_rate, voice=a.voice,
-                   voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, min_stall_free=a.min_stall_free,
+                   voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, sentences=a.sentences,
+                   long_form=not a.no_long_form, min_stall_free=a.min_stall_free,
                    max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
                    request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, pause=a.pause,
                    api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)
