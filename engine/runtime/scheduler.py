@@ -294,7 +294,7 @@ class Scheduler:
                 if j.seq.rid == rid:
                     j.hold = False
             return
-        if not job.hold:
+        if not job.hold or job.successor is not None:  # final already, or its stream went on
             return
         job.hold = False
         if self.held.get(job.stream) is job:
