@@ -5,15 +5,15 @@
 # live capacity with a clone per request (one clip re-sent) and with a distinct clip each time, the overload
 # case (OVERLOAD streams offered for OVERLOAD_S seconds), then the seed's table (bench/ws_bench.py, c = 1..8).
 # At most 8 files come back, so everything goes into these under $OUT:
-#   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, overload.json, iteration_profile.json,
-#   ws_bench.json, server.log
+#   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
+#   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 ZONOS_PROFILE="$OUT/iteration_profile.json" ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-128} \
   python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
-  > "$OUT/server.log" 2>&1 &
+  > /tmp/server.log 2>&1 &
 server=$!
 if [ -n "${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py}" ]; then
   timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider \
@@ -23,12 +23,15 @@ if [ -n "${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_att
 fi
 for _ in $(seq 400); do curl -sf localhost:8000/readyz > /dev/null && break; sleep 1; done
 curl -s localhost:8000/readyz | head -c 800; echo
-grep -E "captured|KV cache|warmed" "$OUT/server.log"
+grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout 90 $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
+# replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)
+[ -n "${SENTENCE_LEVELS-64}" ] && timeout 90 $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
+  --out "$OUT/capacity_sentences.json"
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
@@ -36,4 +39,4 @@ curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_m
 [ -n "${REQS-30}" ] && timeout 150 python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"
 kill $server; sleep 3
-grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done" "$OUT/server.log" | tail -15
+grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done|gateway.requests" /tmp/server.log | tail -15
