@@ -149,7 +149,7 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
     audio = [m for m in log if "audio" in m]
     assert audio and all(m["contextId"] == "c1" and m["alignment"] is None and m["normalizedAlignment"] is None
                          for m in audio)
-    assert abs(len(el_audio(log, "c1")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4  # two sentences
+    assert abs(len(el_audio(log, "c1")) // 2 - resampled(REPLY2, 24000)) <= 4  # two sentences, continued
     assert log[-1] == {"isFinal": True, "contextId": "c1"} and code == 1000
 
 
@@ -396,7 +396,8 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
         await ws.close()
         return log
 
-    assert len(el_audio(run(go()), "auto")) == 3 * 2 * resampled(SAMPLES, 24000)
+    # auto_mode's texts are one turn until close_context: each continues the one before
+    assert len(el_audio(run(go()), "auto")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
 @pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),
@@ -615,7 +616,7 @@ def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(
 
     err, log = run(go())
     assert err["context_id"] == "bad" and err["title"] == "bad_message", err
-    assert len(ca_audio(log, "good")) == 2 * 2 * resampled(SAMPLES, 24000)
+    assert len(ca_audio(log, "good")) == 2 * resampled(REPLY2, 24000)  # the second sentence continues the first
 
 
 def test_cartesia_cap_counts_only_contexts_holding_text_or_audio(srv):
