@@ -114,11 +114,11 @@ def test_placement_prefers_headroom_and_spreads_ties():
         b._streams = dict.fromkeys(range(5))  # type: ignore[arg-type]
         firsts = {pool.by_headroom()[0].name for _ in range(4)}
         assert firsts == {"0", "1"}  # equal headroom: round-robin
-        # realtime admission (a GPU engine): 4 streams at 8 ms per iteration -> 2 ms each; the 0.8 x 11.6 ms
-        # bound admits 4.6 streams: headroom 0.6 although 4 of its 8 slots are free
+        # realtime admission (a GPU engine): the engine's own rule said, at its last STATS record with 3 streams
+        # active, that 2 more may start; the gateway sent one since: headroom 1 although 4 of 8 slots are free
         gpu = fake_engine("3", open_requests=4, device="cuda:0")
-        gpu.stats = {"active": 4, "period_ms": 8.0}
-        assert gpu.realtime_admission and 0.5 < gpu.headroom() < 0.7
+        gpu.stats = {"active": 3, "waiting": 0, "admissible": 2}
+        assert gpu.realtime_admission and gpu.headroom() == 1
         cpu = fake_engine("4", open_requests=4)
         cpu.stats = dict(gpu.stats)
         assert not cpu.realtime_admission and cpu.headroom() == 4  # slots admission: free slots only
