@@ -621,9 +621,10 @@ def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(
 
 def test_cartesia_cap_counts_only_contexts_holding_text_or_audio(srv):
     """17 contexts, each flushed and played (flush_done) but never ended: none holds text or audio, so an
-    18th may open."""
+    18th may open. (Without continuation: a turn that is never ended would otherwise hold its stream's
+    tail for the test server's 5 s continuation grace, 18 times.)"""
     async def go():
-        ws = await ca_connect(srv)
+        ws = await ca_connect(srv, FAST | {"long_form": False})
         log: list[dict[str, Any]] = []
         for i in range(18):
             await ws.send(ca_request(f"k{i}", "A turn.", True, flush=True))
