@@ -21,7 +21,6 @@ import logging
 import multiprocessing as mp
 import os
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +67,6 @@ class Stream:
     queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     buffered_samples: int = 0
     done: bool = False
-    t_submit: float = field(default_factory=time.perf_counter)
     reading: bool = False  # the consumer has started to read this stream
     head_start: int = 0  # samples buffered before it did, not yet read: allowed on top of the limit
     # a held request's kept frames (the `kept` record: continuation, engine/longform.py), once they came;
@@ -192,7 +190,6 @@ class EngineClient:
         self._lifeline_w: int | None = None  # write end of the engine's lifeline pipe
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
-        self.on_stats: list[Any] = []
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self, sweep: bool = True) -> None:
@@ -397,8 +394,6 @@ class EngineClient:
                      header.get("slots"), header.get("warmup_s", 0))
         elif kind == m.STATS:
             self.stats = dict(header)
-            for cb in self.on_stats:
-                cb(self.stats)
         elif kind == m.ERROR:
             self.start_error = header.get("message")
             log.error("%s error: %s", self.label, header.get("message"))

@@ -36,14 +36,10 @@ class OutputFormat:
             raise RequestError("unsupported_format", f"unsupported encoding {self.encoding!r}")
         if self.sample_rate not in RATES:
             raise RequestError("unsupported_format", f"sample rate must be one of {list(RATES)}, not {self.sample_rate}")
-        if self.encoding in COMPRESSED and not hasattr(audio_formats, "StreamEncoder"):
-            raise RequestError("unsupported_format", f"{self.encoding} output is not available on this server")
         if self.encoding == "opus" and self.sample_rate not in audio_formats.OPUS_RATES:
             raise RequestError("unsupported_format", f"opus takes the sample rates {list(audio_formats.OPUS_RATES)}")
         if self.encoding == "aac" and self.sample_rate not in audio_formats.AAC_BIT_RATE:
             raise RequestError("unsupported_format", f"aac takes the sample rates {sorted(audio_formats.AAC_BIT_RATE)}")
-        if self.encoding in ("mulaw", "alaw") and not hasattr(audio_formats, "g711_encode"):
-            raise RequestError("unsupported_format", f"{self.encoding} output is not available on this server")
         return self
 
     def encoder(self) -> PcmEncoder | ResampledEncoder:
