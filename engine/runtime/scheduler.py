@@ -227,9 +227,10 @@ class Scheduler:
 
     def _admit(self) -> None:
         now = time.perf_counter()
-        streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
-        min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
         admitted = 0
+        if self.waiting and self.llm.can_admit():  # the signals cost a pass over every stream: only when needed
+            streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
+            min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
         for job in list(self.waiting) if self.waiting and self.llm.can_admit() else ():
             need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
             if len(self.llm.free_slots) < need or not self.admission.may_admit(streams, admitted + need, min_lead,
