@@ -29,12 +29,12 @@ import numpy as np
 
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.entry import engine_main
 from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.rings import AsyncRingReader, ShmRing
 from engine.contract.segments import remove_stale_segments
 from engine.contract.settings import EngineSettings, WeightSources
-from engine.runtime.main import engine_main
 
 log = logging.getLogger("gateway.engine")
 
@@ -69,7 +69,7 @@ class Stream:
     done: bool = False
     reading: bool = False  # the consumer has started to read this stream
     head_start: int = 0  # samples buffered before it did, not yet read: allowed on top of the limit
-    # a held request's kept frames (the `kept` record: continuation, engine/longform.py), once they came;
+    # a held request's kept frames (the `kept` record: continuation, engine/frontend/longform.py), once they came;
     # kept_ready is set then, or when the stream ends without them
     kept: np.ndarray | None = None
     kept_ready: asyncio.Event = field(default_factory=asyncio.Event)

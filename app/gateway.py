@@ -25,11 +25,11 @@ from app.settings import GatewaySettings
 from app.synthesis import PromptFactory, RequestError, SynthesisOptions, check_text, emotion_directions
 from app.text_buffer import split_to_budget, utf8_len
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
-from engine.audio import AudioDecodeError, ClipTooLong, decode_audio
-from engine.config import Zonos2Config, preset_params
 from engine.contract import records as m
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import RecordTooLarge
+from engine.frontend.audio import AudioDecodeError, ClipTooLong, decode_audio
+from engine.frontend.config import Zonos2Config, preset_params
 
 log = logging.getLogger("gateway")
 

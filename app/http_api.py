@@ -38,11 +38,11 @@ from app.synthesis import (
     parse_options,
 )
 from app.voices import Voice, parse_embedding_file, slerp
-from engine.config import preset_params
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import HISTORY
-from engine.emotion import EMOTION_FIELDS, NO_EMOTION
-from engine.textnorm import SUPPORTED_LANGUAGES
+from engine.frontend.config import preset_params
+from engine.frontend.emotion import EMOTION_FIELDS, NO_EMOTION
+from engine.frontend.textnorm import SUPPORTED_LANGUAGES
 
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
 RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}

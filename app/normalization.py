@@ -88,7 +88,7 @@ WORKER_NICENESS = 5  # a flood of texts must not take the CPU the event loop and
 
 
 def _worker_start(warm: tuple[str, ...]) -> None:
-    from engine.textnorm import get_normalizer
+    from engine.frontend.textnorm import get_normalizer
 
     with contextlib.suppress(OSError):
         os.nice(WORKER_NICENESS)
@@ -100,7 +100,7 @@ def _worker_start(warm: tuple[str, ...]) -> None:
 def normalize_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
     """The worker's task: load the language's grammar (unbounded: it is the same for every text), then
     normalize within the CPU bound."""
-    from engine.textnorm import get_normalizer, normalize_language
+    from engine.frontend.textnorm import get_normalizer, normalize_language
 
     norm = get_normalizer()
     with contextlib.suppress(ValueError):  # an unknown language: normalize() returns the text as it is

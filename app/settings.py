@@ -50,7 +50,7 @@ class GatewaySettings:
     limits: Limits = field(default_factory=Limits)
     data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")))
     default_voices_dir: Path | None = None
-    emotion_directions_dir: Path | None = None  # --emotion-directions-dir (engine/emotion.py folder format)
+    emotion_directions_dir: Path | None = None  # --emotion-directions-dir (engine/frontend/emotion.py folder format)
     shared_voices: bool = False  # --shared-voices: other gateways use the same voice folder (docs/scaling.md)
     api_keys: tuple[str, ...] = ()  # empty: no auth
     cors_origins: tuple[str, ...] = ()

@@ -15,14 +15,14 @@ import numpy as np
 import soxr
 
 from app.audio_formats import G711, g711_encode
-from engine.config import Zonos2Config, preset_params
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import SamplingParams, SubmitRequest
-from engine.emotion import EMOTION_FIELDS, EmotionDirections, EmotionError, EmotionRequest
-from engine.emotion import parse_request as parse_emotion
-from engine.longform import LongFormOptions
-from engine.prompt import Conditioning, PromptBuilder, PromptError
-from engine.textnorm import TextNormalizer, normalize_language
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.emotion import EMOTION_FIELDS, EmotionDirections, EmotionError, EmotionRequest
+from engine.frontend.emotion import parse_request as parse_emotion
+from engine.frontend.longform import LongFormOptions
+from engine.frontend.prompt import Conditioning, PromptBuilder, PromptError
+from engine.frontend.textnorm import TextNormalizer, normalize_language
 
 if TYPE_CHECKING:
     from app.voices import Voice  # app.voices imports this module

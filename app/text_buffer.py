@@ -16,7 +16,7 @@ import unicodedata
 
 import sentencex
 
-# The gateway's text-normalization languages (engine.textnorm) -> sentencex language codes.
+# The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
 # Where a too-long sentence is best cut: after a clause mark (ASCII ones need a space after them).
 _CLAUSE = re.compile(r"[,;:)\]](?=\s)|\s[–—-](?=\s)|[、，；：]")

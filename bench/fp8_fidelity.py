@@ -37,11 +37,11 @@ import torch.nn.functional as F
 
 from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, WeightSources
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.llm.node import LLMNode, Sequence
 from engine.model.quantize import quantize_experts
 from engine.model.zonos2 import PrefillSeq
 from engine.offline import run_sequence
-from engine.prompt import Conditioning, PromptBuilder
 from engine.weights import load_model
 
 NOTE = ("random weights, not the trained release: flatter logits and no activation outliers, so the "
@@ -129,7 +129,7 @@ def step_times(model, node: LLMNode, batches: list[int], context: int, iters: in
 
 def sweep(batches: list[int], seed: int) -> list[dict]:
     """One full-size expert layer: bf16 fused_moe (its defaults) vs fused_moe_fp8 per tile variant."""
-    from engine.config import Zonos2Config, preset_params
+    from engine.frontend.config import Zonos2Config, preset_params
     from engine.model.quantize import quantize_blocks
 
     cfg = Zonos2Config.from_dict(preset_params("full"))

@@ -26,10 +26,10 @@ import torch
 
 from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model
 from engine.model.zonos2 import PrefillSeq, Zonos2
-from engine.prompt import Conditioning, PromptBuilder
 
 TARGET = "The seeded sentence, one we regenerate for an edit and expect to sound the same each time."
 OTHERS = ["Good morning, and welcome aboard.", "Turn left at the next intersection, then keep right.",

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.config import Zonos2Config, preset_params
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import SamplingParams
 from engine.contract.settings import WeightSources
-from engine.prompt import Conditioning, PromptBuilder
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.weights import load_codec, load_model, load_speaker_encoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +70,7 @@ def cmd_prompt(args: argparse.Namespace) -> None:
     cfg = Zonos2Config.from_file(args.model_path) if args.model_path else Zonos2Config.from_dict(preset_params("full"))
     text = args.text
     if args.language is not None:
-        from engine.textnorm import TextNormalizer
+        from engine.frontend.textnorm import TextNormalizer
 
         text = TextNormalizer().normalize(text, args.language)
     cond = Conditioning(
@@ -145,8 +145,8 @@ def _read_ids(path: str, cfg: Zonos2Config) -> torch.Tensor:
 
 
 def _emotion(args: argparse.Namespace, emb: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """--emotion NAME=W ... applied to a speaker embedding (engine/emotion.py): (embedding, hidden delta)."""
-    from engine.emotion import EmotionDirections, EmotionError, parse_request
+    """--emotion NAME=W ... applied to a speaker embedding (engine/frontend/emotion.py): (embedding, hidden delta)."""
+    from engine.frontend.emotion import EmotionDirections, EmotionError, parse_request
 
     sliders: dict[str, float] = {}
     for item in args.emotion or []:
@@ -171,7 +171,7 @@ def _emotion(args: argparse.Namespace, emb: np.ndarray) -> tuple[np.ndarray, np.
 def cmd_speaker_embed(args: argparse.Namespace) -> None:
     """The speaker_encoder node as a tool: clip -> [enc_dim] float32 .npy (whatever --dtype the network ran in);
     with --emotion, the vector after emotion injection (of the clip's or of --speaker-embedding)."""
-    from engine.audio import decode_audio
+    from engine.frontend.audio import decode_audio
 
     src = _weights(args)
     info: dict = {}
@@ -208,7 +208,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
     codec = load_codec(src, device)
     speaker = None
     if args.voice:
-        from engine.audio import decode_audio
+        from engine.frontend.audio import decode_audio
 
         wav, sr = decode_audio(Path(args.voice).read_bytes())
         speaker = load_speaker_encoder(src, device).embed(wav, sr).to(device)
@@ -224,7 +224,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         speaker = torch.from_numpy(emb).to(device)
     text = args.text
     if args.language:
-        from engine.textnorm import TextNormalizer
+        from engine.frontend.textnorm import TextNormalizer
 
         text = TextNormalizer().normalize(text, args.language)
     params = SamplingParams(seed=args.seed)

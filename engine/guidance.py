@@ -13,7 +13,7 @@ and the frame sampled from `guided` is written to both rows, so their histories 
   (`PromptBuilder.build`: no context text, no context frames, silence lead-in), keeping the speaker.
 Prefix CFG wins when both are asked for; 1.0 is off. The scales are SamplingParams fields, as in the
 reference (engine/contract/records.py, with their bounds). Emotion CFG (`emotion_cfg_scale`) is a third kind of
-twin: the same prompt and speaker without the emotion (engine/emotion.py).
+twin: the same prompt and speaker without the emotion (engine/frontend/emotion.py).
 """
 
 from __future__ import annotations

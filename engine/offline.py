@@ -9,9 +9,9 @@ import torch
 
 from engine.contract.records import SamplingParams
 from engine.dac.streaming import decode_offline
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.llm.node import LLMNode, Sequence
 from engine.model.zonos2 import Zonos2
-from engine.prompt import Conditioning, PromptBuilder
 
 
 @dataclass

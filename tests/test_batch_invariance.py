@@ -38,7 +38,7 @@ def model(monkeypatch):
 
 
 def _prompt(model, text: str) -> torch.Tensor:
-    from engine.prompt import PromptBuilder
+    from engine.frontend.prompt import PromptBuilder
 
     return torch.from_numpy(PromptBuilder(model.cfg).build(text)).to(DEV)
 
@@ -102,8 +102,8 @@ def test_seeded_request_codes_alone_equal_codes_in_a_batch(model):
     request's codes alone equal its codes as the third of four requests with other texts, seeds and
     sampling settings, in another slot."""
     from engine.contract.records import SamplingParams
+    from engine.frontend.prompt import PromptBuilder
     from engine.llm.node import LLMNode
-    from engine.prompt import PromptBuilder
 
     pb = PromptBuilder(model.cfg)
     target = pb.build("The seeded one.")
@@ -152,8 +152,8 @@ def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(mo
     sampling settings and its codes when it joins unseeded streams already decoding (their steps switch to
     the invariant set while it runs and back after it ends). Eager calls, so the spy sees which kernels ran."""
     from engine.contract.records import SamplingParams
+    from engine.frontend.prompt import PromptBuilder
     from engine.llm.node import LLMNode, Sequence
-    from engine.prompt import PromptBuilder
 
     spy = KernelSpy(monkeypatch)
     pb = PromptBuilder(model.cfg)

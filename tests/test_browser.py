@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.longform import reply_frames
+from engine.frontend.longform import reply_frames
 
 pytestmark = pytest.mark.browser
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from engine.config import ConfigError, Zonos2Config, preset_params
+from engine.frontend.config import ConfigError, Zonos2Config, preset_params
 from engine.model.checkpoint import (
     CheckpointError,
     build_model,

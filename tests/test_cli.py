@@ -21,12 +21,12 @@ import torchaudio
 from safetensors.torch import load_file, save_file
 
 from engine.cli import main
-from engine.config import Zonos2Config, preset_params
 from engine.contract.records import SamplingParams
 from engine.dac.codec import Codec
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.model.checkpoint import load_checkpoint, random_model
 from engine.offline import synthesize
-from engine.prompt import Conditioning, PromptBuilder
 from engine.speaker.encoder import EcapaConfig, SpeakerEncoder
 from tests.test_speaker import _ref_embed, _tone
 

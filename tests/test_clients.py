@@ -28,7 +28,7 @@ import pytest
 import soundfile as sf
 
 from app.audio_formats import g711_decode
-from engine.longform import reply_frames
+from engine.frontend.longform import reply_frames
 from tests.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():  # the fused Snake runs in Triton's interprete
 from engine.dac.codec import HOP, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline
-from engine.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
+from engine.frontend.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
 
 EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/test_dac_streaming.py)
 
@@ -171,8 +171,8 @@ TEXTS = ["One.", "Two two.", "Three three three.", "Four.", "Five five."]
 
 
 def _builder():
-    from engine.config import Zonos2Config, preset_params
-    from engine.prompt import PromptBuilder
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import PromptBuilder
 
     return PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
 
@@ -195,7 +195,7 @@ def _submit_chain(client, texts: list[str], hold_last: bool, max_frames: int = 4
 
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
-    from engine.longform import Continuation
+    from engine.frontend.longform import Continuation
 
     pb = _builder()
     cont = Continuation()
@@ -412,7 +412,7 @@ def test_chain_windows_in_order_restarts_after_a_failure_and_ends():
     import asyncio
 
     from app.continuation import Chain
-    from engine.longform import LongFormOptions
+    from engine.frontend.longform import LongFormOptions
 
     async def go():
         chain = Chain(LongFormOptions(window_chunks=2, pin_anchor=True))
@@ -447,7 +447,7 @@ def test_chain_windows_in_order_restarts_after_a_failure_and_ends():
 def test_http_reply_is_continued_by_default_and_long_form_false_turns_it_off(server):
     import httpx
 
-    from engine.longform import reply_frames
+    from engine.frontend.longform import reply_frames
 
     def speak(**params) -> int:
         r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
@@ -467,7 +467,7 @@ def test_http_guided_continued_reply_with_a_voice(server):
 
     import httpx
 
-    from engine.longform import reply_frames
+    from engine.frontend.longform import reply_frames
 
     buf = io.BytesIO()
     np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))

@@ -26,14 +26,18 @@ PROBE = textwrap.dedent("""
     import app
     for mod in pkgutil.walk_packages(app.__path__, "app."):
         importlib.import_module(mod.name)
+    # the process boundary: the gateway reaches into engine/ only through the contract and the front end
+    beyond = sorted(m for m in sys.modules if m.startswith("engine.")
+                    and not m.startswith(("engine.contract", "engine.frontend")))
+    assert not beyond, f"the gateway imported {beyond}"
     for name in ("engine.contract.records", "engine.contract.rings", "engine.contract.lifeline",
-                 "engine.contract.settings", "engine.contract.constants", "engine.runtime.main"):
+                 "engine.contract.settings", "engine.contract.constants", "engine.contract.entry"):
         importlib.import_module(name)
     from app.__main__ import parse_args
     from app.server import create_app
     create_app(parse_args(["--port", "8123"]))
-    from engine.prompt import PromptBuilder
-    from engine.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import PromptBuilder
+    from engine.frontend.config import Zonos2Config, preset_params
     PromptBuilder(Zonos2Config.from_dict(preset_params("tiny"))).build("Hello there.")
     print("imported", sorted(m for m in sys.modules if m.startswith(("app", "engine")))[-1], "without torch")
 """)

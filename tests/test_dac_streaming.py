@@ -22,7 +22,7 @@ from engine.dac.streaming import (
     decode_offline,
     to_int16,
 )
-from engine.delay import shear, shear_up
+from engine.frontend.delay import shear, shear_up
 
 # spec §5.3: 0.2 s of DAC silence (rows 2-15 repeat row 2) and its sheared prompt rows
 SILENCE = [[568, 778, 338, 524, 967, 360, 728, 550, 90], [568, 778, 10, 674, 364, 981, 741, 378, 731]]

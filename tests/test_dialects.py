@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import websockets
 
-from engine.longform import reply_frames
+from engine.frontend.longform import reply_frames
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Emotion control (engine/emotion.py) on synthetic folders in the reference's emotion_directions/ format,
+"""Emotion control (engine/frontend/emotion.py) on synthetic folders in the reference's emotion_directions/ format,
 against the reference's formulas computed here in float64 (emotion-control-clean: tts/emotion.py
 apply_emotion / emotion_hidden_delta and its server's calibration folding)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
+from engine.frontend.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
 
 D = 48  # the release is 2048; the formulas do not care
 ROOT = Path(__file__).resolve().parent.parent

@@ -213,7 +213,7 @@ def test_quantize_experts_only_touches_the_experts(tiny_pair):
 def test_tiny_model_fp8_close_to_full_precision(tiny_pair):
     """The fp8 model's logits stay close to the unquantized model's, on the eager (reference) path and
     through the Triton kernels; the two fp8 paths agree with each other much more closely."""
-    from engine.prompt import Conditioning, PromptBuilder
+    from engine.frontend.prompt import Conditioning, PromptBuilder
 
     full, fp8, _ = tiny_pair
     ids = torch.from_numpy(PromptBuilder(full.cfg).build("Eight bits.", Conditioning(speaker=True))).to(DEV)
@@ -328,8 +328,8 @@ def test_gpu_llm_node_fp8_graphs_equal_eager_and_stay_batch_invariant():
     captured graphs replay exactly the eager kernels, and a seeded request gets the same codes alone and
     decoded among three others."""
     from engine.contract.settings import WeightSources
+    from engine.frontend.prompt import PromptBuilder
     from engine.llm.node import LLMNode
-    from engine.prompt import PromptBuilder
     from engine.weights import load_model
 
     model = load_model(WeightSources(), "cuda", quantization="fp8")

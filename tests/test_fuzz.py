@@ -764,10 +764,10 @@ def test_fuzz_continuation_records(engine_client, ops):
     """submit records with any hold/continues and guidance twins, `end` and cancels of any rid, in any order:
     every request is answered (finished or error), the engine lives and is idle afterwards (every slot
     free: the twins' too)."""
-    from engine.config import Zonos2Config, preset_params
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
-    from engine.prompt import Conditioning, PromptBuilder
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import Conditioning, PromptBuilder
 
     lt, client = engine_client
     pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))

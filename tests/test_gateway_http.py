@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from engine.longform import reply_frames
+from engine.frontend.longform import reply_frames
 
 pytestmark = pytest.mark.slow
 FAST = {"max_frames": 40, "ignore_eos": True, "seed": 1}

@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 import websockets
 
-from engine.longform import BOUNDARY_TRIM
+from engine.frontend.longform import BOUNDARY_TRIM
 from tests.wsclient import Client
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_bf16_gpu_model_matches_fp32_cpu():
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.model.checkpoint import random_model
-    from engine.prompt import Conditioning, PromptBuilder
 
     cpu = random_model("tiny", device="cpu", dtype=torch.float32)
     gpu = random_model("tiny", device="cuda", dtype=torch.bfloat16)
@@ -57,9 +57,9 @@ def test_graphs_equal_eager_and_seeded_batch_independence(mode):
     requests are identical (seeded: every call it is in replays the invariant set; a batch of unseeded ones
     replays the default set). Off: most frames agree (a near-tie flipped by a batch-shaped bf16 GEMM
     diverges the rest)."""
+    from engine.frontend.prompt import PromptBuilder
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
-    from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
     pb = PromptBuilder(model.cfg)
@@ -91,9 +91,9 @@ def test_seed_holds_alone_and_in_a_full_batch_full_size():
     sampler, --batch-invariant seeded): a seeded, voiced request's codes alone equal its codes when it is
     prefilled packed with 127 unseeded requests and decoded among them, in another slot and row; every call
     it is in replays the invariant graphs, and the 127 alone replay the default ones."""
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
-    from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("full", device="cuda", dtype=torch.bfloat16)
     node = LLMNode(model, n_slots=128, max_len=512, compile=True, batch_invariant="seeded")
@@ -187,9 +187,9 @@ def test_dac_compiled_incremental_equals_eager():
 def test_compiled_decode_matches_plain():
     """torch.compile fuses the bf16 stages differently, so whole trajectories may drift after a near-tie;
     one step's logits from the same cache must agree."""
+    from engine.frontend.prompt import PromptBuilder
     from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PrefillSeq
-    from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
     model.enable_triton()
@@ -210,10 +210,10 @@ def test_compiled_decode_matches_plain():
 def test_prefill_graphs_match_unpadded_prefill():
     """A captured, padded prefill replay gives the plain packed prefill's last-frame logits, speakers
     and a chunk continuing a cached prompt included."""
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.llm.graphs import PrefillGraphs
     from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PrefillSeq
-    from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=torch.bfloat16)
     model.enable_triton()

@@ -80,9 +80,9 @@ def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
     them equals the formula on two plain passes (fp32: 1-cos < 1e-6)."""
     import numpy as np
 
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PrefillSeq
-    from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("tiny", device="cuda", dtype=dtype)
     model.enable_triton()
@@ -180,9 +180,9 @@ def twins_in_lockstep(kind: str, device: str) -> None:
     logits; release frees both."""
     import numpy as np
 
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.llm.node import Sequence
     from engine.llm.sampling import SamplerState
-    from engine.prompt import Conditioning, PromptBuilder
 
     node = _node(device)
     pb = PromptBuilder(node.cfg)
@@ -231,10 +231,10 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
     import numpy as np
 
     from app.engine_client import EngineClient
-    from engine.config import Zonos2Config, preset_params
     from engine.contract import records as m
     from engine.contract.settings import EngineSettings, WeightSources
-    from engine.prompt import Conditioning, PromptBuilder
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from tests.asyncloop import LoopThread
 
     pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))

@@ -103,9 +103,9 @@ def test_fused_moe_matches_reference(n, k):
 
 def test_model_decode_with_kernels_matches_eager():
     """The tiny model's decode through the Triton kernels equals the eager path."""
+    from engine.frontend.prompt import PromptBuilder
     from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PrefillSeq
-    from engine.prompt import PromptBuilder
 
     model = random_model("tiny", device=DEV, dtype=DT)
     ids = torch.from_numpy(PromptBuilder(model.cfg).build("kernels")).to(DEV)
@@ -363,7 +363,7 @@ def test_fused_route_rows_do_not_depend_on_the_batch():
     through linear_fixed: a row's expert choice, weights and carried state do not depend on the batch."""
     from functools import partial
 
-    from engine.config import Zonos2Config, preset_params
+    from engine.frontend.config import Zonos2Config, preset_params
     from engine.model.kernels.matmul import linear_fixed
     from engine.model.kernels.router import ROW_KERNEL_MAX_ROWS, fused_route
     from engine.model.zonos2 import Router

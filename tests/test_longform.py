@@ -1,4 +1,4 @@
-"""Long-form continuation (engine/longform.py, PromptBuilder.build_continuation) against hand-worked values
+"""Long-form continuation (engine/frontend/longform.py, PromptBuilder.build_continuation) against hand-worked values
 of the reference's semantics (`prefix-cfg-longform`: tts/longform.py, tokenizer/server.py's window state and
 the speaker frames its scheduler adds) and the expectations of its tests/misc/test_tts_longform.py."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import Zonos2Config, preset_params
-from engine.longform import (
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.longform import (
     BOUNDARY_TRIM,
     Continuation,
     LongFormOptions,
@@ -19,7 +19,7 @@ from engine.longform import (
     trim_chunk_codes,
     windowed_context_indices,
 )
-from engine.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear
+from engine.frontend.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear
 
 CFG = Zonos2Config.from_dict(preset_params("full"))
 PB = PromptBuilder(CFG)
@@ -206,7 +206,7 @@ def test_parse_options_carries_the_fields():
     assert SynthesisOptions().long_form == LongFormOptions() and SynthesisOptions().sampling.cfg_scale == 1.0
     # and they reach the engine's request
     from app.synthesis import PromptFactory
-    from engine.config import Zonos2Config, preset_params
+    from engine.frontend.config import Zonos2Config, preset_params
     req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny")), None).request(np.zeros((2, 10)), opts, 9)
     assert req.params.prefix_cfg_scale == -0.5
 
@@ -243,8 +243,8 @@ def test_http_routes_accept_the_fields(server):
 def test_chunk_stream_never_vocodes_past_the_kept_frames(last):
     """With the engine's own end-of-audio rule (engine/llm/eos.py), for an EOA at any step in any codebook,
     what is vocoded while the chunk streams plus the rest at its end is exactly the kept frames, in order."""
+    from engine.frontend.longform import ChunkStream, stream_margin
     from engine.llm.eos import EosTracker
-    from engine.longform import ChunkStream, stream_margin
 
     assert stream_margin() == 22
     rng = np.random.default_rng(0)
@@ -266,7 +266,7 @@ def test_chunk_stream_never_vocodes_past_the_kept_frames(last):
 
 
 def test_chunk_stream_without_an_end_of_audio():
-    from engine.longform import ChunkStream
+    from engine.frontend.longform import ChunkStream
 
     chunk = ChunkStream()
     frames = np.arange(60 * 9).reshape(60, 9)

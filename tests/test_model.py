@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import Zonos2Config, preset_params
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.model.checkpoint import build_model, random_release_state
 from engine.model.zonos2 import PrefillSeq
-from engine.prompt import Conditioning, PromptBuilder
 from tests.zonos2_reference import reference_logits
 
 PARAMS = preset_params("tiny")

@@ -20,9 +20,9 @@ from app.pipeline import engine_error, speak, utterance_bytes
 from app.settings import GatewaySettings, Limits
 from app.synthesis import RequestError, SynthesisOptions
 from app.ws import Session
-from engine.config import Zonos2Config, preset_params
 from engine.contract import records as m
 from engine.contract.errors import EngineError
+from engine.frontend.config import Zonos2Config, preset_params
 
 TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only on events
 

@@ -146,9 +146,9 @@ def test_empty_table_gives_zeros():
 def test_model_packed_prefill_matches_eager():
     """The tiny model's packed prefill (Triton attention over the cache, speaker rows, padding to a
     fixed size, a chunk continuing a cached prompt) gives the eager per-sequence prefill's logits."""
+    from engine.frontend.prompt import Conditioning, PromptBuilder
     from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PackedPrefill, PrefillSeq
-    from engine.prompt import Conditioning, PromptBuilder
 
     model = random_model("tiny", device=DEV, dtype=DT)
     pb = PromptBuilder(model.cfg)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.config import Zonos2Config, preset_params
-from engine.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear, shear_up
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear, shear_up
 
 CFG = Zonos2Config.from_dict(preset_params("full"))
 PB = PromptBuilder(CFG)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from app.engine_client import EngineClient
-from engine.config import Zonos2Config, preset_params
 from engine.contract import records as m
 from engine.contract.records import SamplingParams
 from engine.contract.settings import EngineSettings, WeightSources
-from engine.prompt import PromptBuilder
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.prompt import PromptBuilder
 from tests.asyncloop import LoopThread
 
 PB = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
@@ -190,7 +190,7 @@ def test_voice_embedding_and_clone_walks(rt):
     async def go():
         emb = await client.embed(clip, 44100)
         by_embedding = request("with a voice", 20, seed=3)
-        by_embedding.prompt = PB.build("with a voice", __import__("engine.prompt").prompt.Conditioning(speaker=True))
+        by_embedding.prompt = PB.build("with a voice", __import__("engine.frontend.prompt").prompt.Conditioning(speaker=True))
         by_embedding.speaker_embedding = emb
         by_clip = request("with a voice", 20, seed=3)
         by_clip.prompt = by_embedding.prompt

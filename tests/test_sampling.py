@@ -168,9 +168,9 @@ def test_first_frame_after_prefill_is_sampled_outside_the_compiled_sampler():
     """The prefill path samples any number of rows, so it must not go through the torch.compile'd copies:
     each new row count would trace again while every live stream waits. With those copies made to fail,
     prefill still samples, and the same frames as an intact node with the same seeds."""
+    from engine.frontend.prompt import PromptBuilder
     from engine.llm.node import LLMNode, Sequence
     from engine.model.checkpoint import random_model
-    from engine.prompt import PromptBuilder
 
     model = random_model("tiny")
     prompts = [PromptBuilder(model.cfg).build(t) for t in ("One.", "Two words.", "And three.")]

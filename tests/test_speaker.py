@@ -19,7 +19,7 @@ import torch
 import torchaudio
 from safetensors.torch import load_file, save_file
 
-from engine.audio import AudioDecodeError, decode_audio
+from engine.frontend.audio import AudioDecodeError, decode_audio
 from engine.speaker.encoder import EcapaConfig, SpeakerCheckpointError, SpeakerEncoder
 from engine.speaker.resample import resample
 
@@ -425,7 +425,7 @@ def test_embed_matches_independent_reference(cfg: EcapaConfig, sr: int) -> None:
 
 
 def test_decode_refuses_long_clips_from_the_header_before_decoding(monkeypatch):
-    import engine.audio as audio
+    import engine.frontend.audio as audio
 
     buf = io.BytesIO()
     sf.write(buf, np.zeros(44100 * 5, np.float32), 44100, format="FLAC")

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from app.synthesis import PcmEncoder, PromptFactory, RequestError, SynthesisOptions, check_text, parse_options
-from engine.config import Zonos2Config, preset_params
-from engine.textnorm import TextNormalizer
+from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.textnorm import TextNormalizer
 
 
 def test_parse_options_defaults_and_overrides():

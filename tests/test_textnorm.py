@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import pytest
 
-import engine.textnorm as tn
-from engine.textnorm import (
+import engine.frontend.textnorm as tn
+from engine.frontend.textnorm import (
     SUPPORTED_LANGUAGES,
     TextNormalizer,
     normalize_language,
@@ -32,7 +32,7 @@ def _norm_enabled(monkeypatch):
 
 
 def _warnings(caplog) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "engine.textnorm" and r.levelno == logging.WARNING]
+    return [r for r in caplog.records if r.name == "engine.frontend.textnorm" and r.levelno == logging.WARNING]
 
 
 # ---------------------------------------------------------------- a stand-in for NeMo's Normalizer
@@ -177,7 +177,7 @@ def test_post_process_removes_spaces_before_punctuation(text, want):
 
 def test_module_import_does_not_import_nemo():
     code = (
-        "import sys, engine.textnorm as t; "
+        "import sys, engine.frontend.textnorm as t; "
         "assert 'nemo_text_processing' not in sys.modules and 'pynini' not in sys.modules; "
         "t.TextNormalizer(cache_dir='/nonexistent'); "
         "assert 'pynini' not in sys.modules"
@@ -198,7 +198,7 @@ def test_missing_package_returns_raw_text_and_warns_once(monkeypatch, tmp_path, 
     ):
         monkeypatch.setitem(sys.modules, mod, None)
     norm = TextNormalizer(cache_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.textnorm"):
         assert norm.available is False
         for text in ("$5.32", "It is 3:30 pm.", "Dr. Smith has 21 cats."):
             assert norm.normalize(text) == text
@@ -212,7 +212,7 @@ def test_missing_package_returns_raw_text_and_warns_once(monkeypatch, tmp_path, 
 
 def test_exception_inside_normalizer_returns_raw_text(fake, tmp_path, caplog):
     norm = TextNormalizer(cache_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.textnorm"):
         assert norm.normalize("boom 5.") == "boom 5."
         assert norm.normalize("blank") == "blank"  # an empty result also falls back
     assert len(_warnings(caplog)) == 1
@@ -223,7 +223,7 @@ def test_exception_inside_normalizer_returns_raw_text(fake, tmp_path, caplog):
 def test_grammar_build_failure_returns_raw_text_and_is_not_retried(fake, tmp_path, caplog):
     fake.build_error = RuntimeError("FstOpError")
     norm = TextNormalizer(cache_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.textnorm"):
         for _ in range(3):
             assert norm.normalize("Das kostet 5 €.", "de") == "Das kostet 5 €."
         assert norm.warm(["de"]) == {"de": False}
@@ -247,7 +247,7 @@ def test_env_zero_disables_normalization(fake, tmp_path, monkeypatch):
 
 def test_unsupported_language_returns_raw_text_and_warns_once(fake, tmp_path, caplog):
     norm = TextNormalizer(cache_dir=tmp_path)
-    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.textnorm"):
         for _ in range(3):
             assert norm.normalize("Мне 21 год.", "ru") == "Мне 21 год."
     assert len(_warnings(caplog)) == 1
@@ -321,7 +321,7 @@ def test_unwritable_cache_dir_builds_in_memory(fake, tmp_path, caplog):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     norm = TextNormalizer(cache_dir=blocker)
-    with caplog.at_level(logging.WARNING, logger="engine.textnorm"):
+    with caplog.at_level(logging.WARNING, logger="engine.frontend.textnorm"):
         assert norm.normalize("3") == "<en>3"
     assert [b["cache_dir"] for b in fake.builds] == [None]
     assert any("not writable" in r.getMessage() for r in _warnings(caplog))

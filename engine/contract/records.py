@@ -115,7 +115,7 @@ class SubmitRequest:
     speaker_embedding: np.ndarray | None = None  # [D] float32
     clip: np.ndarray | None = None  # [N] float32 mono, embedded by the speaker_encoder node
     clip_sr: int = 0
-    # Continuation (engine/longform.py, docs/protocol.md). hold: a non-final chunk: at its end the engine
+    # Continuation (engine/frontend/longform.py, docs/protocol.md). hold: a non-final chunk: at its end the engine
     # sends its kept frames (`kept`) and keeps its DAC stream open for the next chunk (or flushes it when
     # none comes in time, or on `end`). continues: the rid of the held request whose DAC stream this one
     # continues (0: a stream of its own); its prompt continues that request's kept frames.

@@ -81,7 +81,7 @@ class EngineSettings:
     admission_prebuffer_ms: float = 150.0
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
-    # continuation (engine/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
+    # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
     # flushed once it has been held continuation_grace_ms (the gateway's time to send the next chunk after the
     # kept frames) and its player (started admission_prebuffer_ms after the first byte) holds less than
     # continuation_flush_lead_ms of audio (or none of its audio has gone out yet)

@@ -1,6 +1,6 @@
 """DAC 44.1 kHz codec wrapper.
 
-ZONOS2 emits audio codes in a *delayed* layout (engine/delay.py undoes it). `Codec`
+ZONOS2 emits audio codes in a *delayed* layout (engine/frontend/delay.py undoes it). `Codec`
 wraps `dac.DAC` (descript-audio-codec 1.0.0) and exposes only what serving needs: aligned codes
 [B, F, 9] -> float32 PCM [B, F * 512] at 44.1 kHz (spec §8).
 

@@ -14,7 +14,7 @@ Usage (one thread, the engine loop, calls everything)::
     dec.launch(); ...; dec.collect()       # the same, split: launch returns at once on a GPU,
                                            # collect returns the calls that have finished
     dec.drop(rid)                          # cancel: forget the request
-    dec.open(rid, hold=True)               # a non-final chunk (engine/longform.py): its end may be trimmed
+    dec.open(rid, hold=True)               # a non-final chunk (engine/frontend/longform.py): its end may be trimmed
     dec.hold(rid, eos_frame)               # ... it ended: keep the stream open at its trimmed end
     dec.resume(rid, hold=...)              # the next chunk's frames continue the same stream
     dec.flush(rid)                         # or no next chunk: finish the held stream (its whole tail)
@@ -44,7 +44,7 @@ to a batch bucket (every size to 8, then 4 per octave) with rows that write a sc
 later rounds of the same launch (each round reads the states the previous one wrote, in stream order).
 max_frames bounds the frames one launch feeds; what does not fit waits for the next launch.
 
-Continuation (engine/longform.py). A reply of several chunks is ONE stream: each chunk after the first
+Continuation (engine/frontend/longform.py). A reply of several chunks is ONE stream: each chunk after the first
 continues the delayed frames the chunks before it kept, so its frames are appended to the same buffer and
 decoded by the same state-cache slot (no join). A chunk opened with hold=True is non-final: at its end
 (`hold`) it keeps its frames up to its end of audio less BOUNDARY_TRIM (all its frames less the trim when it
@@ -73,8 +73,8 @@ import torch
 from engine.dac.codec import HOP, N_CODEBOOKS, Codec
 from engine.dac.incremental import UNBOUNDED, IncrementalDAC
 from engine.dac.schedule import DELAY, ChunkSchedule
-from engine.delay import PAD_ID
-from engine.longform import BOUNDARY_TRIM
+from engine.frontend.delay import PAD_ID
+from engine.frontend.longform import BOUNDARY_TRIM
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine.config import ConfigError, Zonos2Config, preset_params
+from engine.frontend.config import ConfigError, Zonos2Config, preset_params
 from engine.model.zonos2 import Zonos2
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import Zonos2Config
+from engine.frontend.config import Zonos2Config
 
 QK_NORM_EPS = 1e-6
 

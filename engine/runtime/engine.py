@@ -89,7 +89,7 @@ class Engine:
         traffic pays no lazy-init cost. Returns the seconds it took."""
         t0 = time.perf_counter()
         from engine.contract.records import SamplingParams
-        from engine.prompt import PromptBuilder
+        from engine.frontend.prompt import PromptBuilder
 
         prompt = PromptBuilder(self.llm.cfg).build("warm up")
         if len(self.llm.kernel_sets) > 1:  # an unseeded request runs the default kernels, a seeded one the other set

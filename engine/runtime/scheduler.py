@@ -8,7 +8,7 @@ One iteration at a time:
 A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
 for at most one chunk. Cancels free the slot before the next step runs.
 
-Continuation (engine/longform.py). A request submitted with `hold` is a non-final chunk: when its
+Continuation (engine/frontend/longform.py). A request submitted with `hold` is a non-final chunk: when its
 generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
 its audio up to the kept end still goes out under its rid. A request that `continues` it takes the stream
 over when admitted: the stream's audio up to the held request's kept end is still the held request's (it is

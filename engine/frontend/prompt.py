@@ -5,7 +5,7 @@ silence tail, whose text column is the text pad (519). Layout (spec §5.2):
   [speaker slot][background marker][accurate marker]  (only with a speaker embedding)
   [speaking-rate bucket]?  [quality buckets...]  [BOS][bytes + 192][EOS]  [17 sheared silence frames]
 
-A continuation (engine/longform.py; the reference's `build_continuation_prompt` with the speaker frames its
+A continuation (engine/frontend/longform.py; the reference's `build_continuation_prompt` with the speaker frames its
 scheduler adds) has the same conditioning rows, the text of the context chunks and the new chunk joined by a
 space, and in place of the silence the context chunks' generated (delayed) frames with the text pad:
   [conditioning...]  [BOS][bytes of "CONTEXT TEXT"][EOS]  [context frames | 519]
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import BOS_ID, BYTE_TOKEN_OFFSET, EOS_ID, Zonos2Config
-from engine.delay import shear, shear_up  # noqa: F401  (re-exported: the prompt tail is sheared)
+from engine.frontend.config import BOS_ID, BYTE_TOKEN_OFFSET, EOS_ID, Zonos2Config
+from engine.frontend.delay import shear, shear_up  # noqa: F401  (re-exported: the prompt tail is sheared)
 
 # DAC-44k codes of 0.2 s of silence (17 frames x 9 codebooks), as the reference ships them.
 SILENCE_FRAMES = np.array(

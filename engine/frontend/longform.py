@@ -2,7 +2,7 @@
 
 Long text is cut into chunks of whole words (or whole sentences); every chunk after the first is generated as
 the literal continuation of earlier chunks: their text goes into the prompt and their generated (delayed)
-frames follow it as teacher-forced audio rows (engine/prompt.py `PromptBuilder.build_continuation`). Because
+frames follow it as teacher-forced audio rows (engine/frontend/prompt.py `PromptBuilder.build_continuation`). Because
 a chunk continues the exact frames put before it, the chunks' frames concatenate into one delayed stream that
 one DAC stream decodes with no join.
 

@@ -127,7 +127,7 @@ def _ensure_cdifflib() -> None:
     except ImportError:
         shim = types.ModuleType("cdifflib")
         shim.CSequenceMatcher = difflib.SequenceMatcher  # type: ignore[attr-defined]
-        shim.__doc__ = "engine.textnorm stand-in: difflib.SequenceMatcher (C build not installed)"
+        shim.__doc__ = "engine.frontend.textnorm stand-in: difflib.SequenceMatcher (C build not installed)"
         sys.modules["cdifflib"] = shim
 
 

@@ -1,4 +1,5 @@
-"""The engine process's entry point: the spawn target the gateway names (importable without torch)."""
+"""The engine process's entry point: the spawn target the gateway names. It lives in the contract because both
+processes import it: the gateway to name it (torch-free: the engine's modules are imported inside), the engine to run."""
 
 from __future__ import annotations
 
