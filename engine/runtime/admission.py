@@ -22,6 +22,10 @@ Two signals, both measured:
 * **Slow start.** What a new stream costs shows in the leads only once its audio flows (~20 iterations
   after admission), so at most `max_starting` admitted streams may be without first audio at a time.
 
+The next chunk of a reply (a request that `continues` a held stream) is not a new stream: its listener is
+playing the previous chunk's tail. The scheduler admits it before any newcomer and past these gates (only
+free slots bound it), since holding it back would be a stall at a sentence join.
+
 A request that cannot start waits in the engine queue (its `queue_ms` is reported) and after `max_wait_s`
 is refused with `engine_busy` and a `retry_after_ms` hint: when the soonest running stream is expected to
 end.

@@ -231,10 +231,16 @@ class Scheduler:
         if self.waiting and self.llm.can_admit():  # the signals cost a pass over every stream: only when needed
             streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
             min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
-        for job in list(self.waiting) if self.waiting and self.llm.can_admit() else ():
+        # Continuations first, past the realtime gates: each carries on a reply whose listener is playing
+        # its held tail (the stream is not new: it decoded until its last chunk ended), so making it wait
+        # behind newcomers is exactly a stall at a sentence join. Only slots bound them.
+        order = sorted(self.waiting, key=lambda j: not j.continues) if self.waiting and self.llm.can_admit() else ()
+        for job in order:
             need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
-            if len(self.llm.free_slots) < need or not self.admission.may_admit(streams, admitted + need, min_lead,
-                                                                                starting, backlog):
+            if len(self.llm.free_slots) < need:
+                break
+            if not job.continues and not self.admission.may_admit(streams, admitted + need, min_lead, starting,
+                                                                  backlog):
                 break
             if job.speaker_pending:  # later arrivals with a voice ready go first
                 continue
