@@ -37,6 +37,7 @@ def _split_kernel(
     stride_vs, stride_vt, stride_vh,
     n_splits, scale,
     G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,13 +66,13 @@ def _split_kernel(
         t = start + i * BLOCK + tl.arange(0, BLOCK)
         t_ok = t < end
         k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale  # [GP, BLOCK]
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, BLOCK]
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     tl.store(m_ptr + row * n_splits + split, m_i, mask=out_ok)
@@ -145,5 +146,6 @@ def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: 
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         n_splits, d ** -0.5,
         G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK=min(BLOCK_T, chunk),
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 in full fp32, as the prefill kernel
     )
     return m, l_, acc
