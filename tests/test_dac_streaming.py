@@ -307,7 +307,9 @@ def test_triton_residual_convolutions_match_torch(shape):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     x, w, bias = torch.randn(b, c, length, device=dev), torch.randn(n, c, k, device=dev), torch.randn(n, device=dev)
     ref = torch.nn.functional.conv1d(x, w, bias, dilation=d)
-    tol = {"rtol": 1e-2, "atol": 1e-2} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4}  # TF32 dots on a GPU
+    # on a GPU both sides run TF32 dots (10-bit mantissa; cuDNN's fp32 conv too): the error of a c * k term
+    # sum of unit normals grows with its square root (an H200 saw 0.030 at c * k = 336)
+    tol = ({"rtol": 1e-2, "atol": 4e-3 * (c * k) ** 0.5} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4})
     torch.testing.assert_close(conv1d(x, arrange(w), bias, d), ref, **tol)
     alpha = torch.rand(n, device=dev) + 0.1
     inv = (alpha + 1e-9).reciprocal()
