@@ -449,6 +449,61 @@ def test_a_continuation_goes_before_newcomers_that_admission_holds_back():
     assert seen.index((m.FINISHED, b)) < seen.index((m.STARTED, n))
 
 
+def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier():
+    """Prompts are prefilled a bounded chunk per iteration; a reply's next chunk (its listener is playing the
+    held tail) takes the chunks before a newcomer's long prompt, even one admitted first: its first audio
+    comes first."""
+    import asyncio
+
+    from app.engine_client import EngineClient
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings, WeightSources
+    from tests.asyncloop import LoopThread
+
+    lt = LoopThread()
+    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2, prefill_chunk=16,
+                              admission="slots", continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
+    pb = _builder()
+    seen: list[tuple[str, int]] = []
+
+    async def run():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        on_event = client._on_event
+
+        def observe(header, payload):
+            seen.append((header.get("type"), header.get("rid")))
+            on_event(header, payload)
+
+        client._on_event = observe
+        first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
+                                              params=SamplingParams(seed=1), max_frames=20, ignore_eos=True,
+                                              hold=True))
+        await asyncio.wait_for(first.kept_ready.wait(), 120)
+        long_prompt = pb.build("A newcomer with a long story to tell, " * 16)
+        assert len(long_prompt) > 20 * 16  # many prefill calls
+        newcomer = client.submit(m.SubmitRequest(rid=0, prompt=long_prompt, params=SamplingParams(seed=2),
+                                                 max_frames=5, ignore_eos=True))
+        while (m.STARTED, newcomer.rid) not in seen:  # admitted (a slot was free), its prefill under way
+            await asyncio.sleep(0.005)
+        prompt = pb.build_continuation("One.", "Two two.", first.kept, non_final=False)
+        second = client.submit(m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=20,
+                                               ignore_eos=True, continues=first.rid))
+        ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
+        return second.rid, newcomer.rid, len(prompt), ends
+
+    try:
+        b, n, b_len, ends = lt.run(run(), timeout=400)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert [e["type"] for e in ends] == [m.FINISHED] * 3, ends
+    assert b_len < 20 * 16
+    assert seen.index((m.AUDIO, b)) < seen.index((m.AUDIO, n))
+
+
 # ---- the gateway's chain (app/continuation.py) -------------------------------------------------------------
 class _Held:
     """A submitted request as the chain sees it: its rid, its kept frames once they came, end()."""

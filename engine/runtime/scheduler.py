@@ -376,7 +376,9 @@ class Scheduler:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(decoding)
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
-        for job in jobs:
+        # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
+        # playing the held tail, a newcomer only waits for first audio
+        for job in sorted(jobs, key=lambda j: not j.continues):
             if budget <= 0:
                 break
             if job.seq.in_prefill:
