@@ -127,6 +127,30 @@ def test_a_held_chunk_without_end_of_audio_keeps_all_but_the_trim(codec: Codec):
     assert dec.hold(2, None) == 50 - BOUNDARY_TRIM
 
 
+def test_the_first_call_after_a_join_never_waits_for_a_batch(codec: Codec):
+    """Steady calls wait up to max_hold launches for others to batch with (launch's min_batch), but the first
+    call after `resume` is the audio at a sentence join, whose listener is playing the held tail: it goes the
+    launch it is ready, as with no batching at all; the steady calls after it wait as usual."""
+    rng = np.random.default_rng(3)
+    first, second = chunk(rng, 30, 2), chunk(rng, 40, 5)
+
+    def launches(max_hold: int) -> list[int]:
+        dec = StreamingDecoder(codec, ChunkSchedule(frames=2, first_frames=2), slots=2)
+        run_chunks(dec, 5, [first], final_last=False)  # chunk one played; its stream is held
+        dec.resume(5, hold=False)
+        out = []
+        for f in second[0][:16]:
+            dec.push(5, f)
+            out.append(dec.launch(min_batch=4, max_hold=max_hold))
+            dec.collect(wait=True)
+        return out
+
+    batched, alone = launches(3), launches(0)
+    join = next(i for i, n in enumerate(alone) if n)
+    assert batched[:join] == alone[:join] == [0] * join and batched[join] > 0  # the join's call: at once
+    assert sum(batched[join + 1:]) < sum(alone[join + 1:])  # later steady calls did wait for a batch
+
+
 def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
     rng = np.random.default_rng(8)
     chunks = [chunk(rng, 30, 2), chunk(rng, 40, 5)]

@@ -128,6 +128,7 @@ class _Req:
     hold: bool = False
     track_eos: bool = True  # an end of audio may come (False: ignore_eos, the chunk ends at its last frame)
     held: int | None = None  # the chunk ended non-final: the stream's kept frames end here
+    joined: bool = False  # resumed, its first call since not planned: the audio at the join never waits
 
     def append(self, frames: np.ndarray) -> None:
         need = self.n + frames.shape[0]
@@ -253,6 +254,7 @@ class StreamingDecoder:
             raise ValueError(f"stream {rid} is not held")
         req.n = req.offset = req.held
         req.held, req.eos, req.hold, req.track_eos = None, None, hold, track_eos
+        req.joined = True
 
     def make_final(self, rid: int) -> None:
         """The current chunk, still generating, turns out to be the last: its end is the stream's (no trim)."""
@@ -354,7 +356,8 @@ class StreamingDecoder:
         min_batch, max_hold: while fewer than min_batch streams have a steady call ready (a third call or
         later, before its end is known), those calls wait, each for at most max_hold launches, so that streams
         gather into larger DAC calls (a call of 8 streams costs nearly what one of 32 does). A stream's
-        first two calls and the calls that end it never wait: they are its first audio and its end."""
+        first two calls, its first call after a `resume` and the calls that end it never wait: they are its
+        first audio, the audio at a join and its end."""
         self._n_steps += 1
         budget = max_frames if max_frames is not None else float("inf")
         order = sorted(self._reqs.items(), key=lambda kv: kv[1].served)
@@ -467,7 +470,8 @@ class StreamingDecoder:
         steady = []
         for rid, req in self._reqs.items():
             nxt = self._next(req, free)
-            if nxt is None or req.calls < 2 or req.final_target() is not None:  # first audio or its end
+            if nxt is None or req.calls < 2 or req.joined or req.final_target() is not None:
+                # first audio, the audio at a sentence join (its player is playing the held tail) or its end
                 req.ready_at = -1
                 continue
             if req.ready_at < 0:
@@ -490,6 +494,7 @@ class StreamingDecoder:
                 req.slot = self._free.pop()
             req.fed += size
             req.calls += 1
+            req.joined = False
         req.done = final
         return call
 
