@@ -150,13 +150,13 @@ class Gateway:
         if len(data) > lim.max_upload_bytes:
             raise RequestError("upload_too_large", f"clips are limited to {lim.max_upload_bytes} bytes", 413)
         if not data:
-            raise RequestError("bad_audio", "the clip is empty")
+            raise RequestError(E.BAD_AUDIO, "the clip is empty")
         try:
             samples, sr = await asyncio.to_thread(decode_audio, data, lim.max_clip_seconds)
         except ClipTooLong as e:
             raise RequestError("clip_too_long", str(e)) from None
         except AudioDecodeError as e:
-            raise RequestError("bad_audio", str(e)) from None
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
         seconds = len(samples) / sr
         if seconds > lim.max_clip_seconds:
             raise RequestError("clip_too_long", f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
@@ -174,7 +174,7 @@ class Gateway:
             raise RequestError("clip_too_long", f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
                                "engine takes in one piece: send a shorter clip or a lower sample rate") from None
         except ValueError as e:
-            raise RequestError("bad_audio", str(e)) from None
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
 
     async def embed_clip(self, raw: bytes, owner: str) -> Voice:
         """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded

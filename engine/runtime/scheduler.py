@@ -128,7 +128,7 @@ class Scheduler:
             except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
                 log.exception("engine step failed; failing the running requests")
                 for rid in list(self.running):
-                    self._cancel(rid, reason="failed")
+                    self._cancel(rid, ack=False)
                     self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
             self.outbox.flush()
             self._maybe_stats()
@@ -499,7 +499,7 @@ class Scheduler:
         job.samples += len(pcm)
         job.stream_samples += len(pcm)
         if not self.outbox.send(rid, record, notify=False):
-            self._cancel(rid, reason="backpressure")
+            self._cancel(rid, ack=False)
             self._error(rid, E.BACKPRESSURE, "the gateway is not reading this stream; cancelled")
             return False
         return True
@@ -534,7 +534,9 @@ class Scheduler:
         self.counters["finished"] += 1
         self.outbox.send(seq.rid, m.Finished(seq.rid, seq.finish_reason, stats=stats), force=True)
 
-    def _cancel(self, rid: int, reason: str = m.CANCELLED) -> None:
+    def _cancel(self, rid: int, ack: bool = True) -> None:
+        """Stop a request and free its slots; ack: the gateway asked (a cancel record), it gets a `finished`
+        (cancelled) when the slot is free; else the engine stopped it and reports an error itself."""
         t0 = time.perf_counter()
         for job in list(self.waiting):
             if job.seq.rid == rid:
@@ -543,7 +545,7 @@ class Scheduler:
         else:
             job = self.running.pop(rid, None)
             if job is None:  # already finished or unknown: nothing to free, but acknowledge
-                if reason == m.CANCELLED:
+                if ack:
                     self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
                         free_ms=0.0, free_slots=len(self.llm.free_slots))), force=True)
                 return
@@ -551,7 +553,7 @@ class Scheduler:
             self._cancel_stream(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
-        if reason == m.CANCELLED:  # the acknowledgement the gateway waits for (slot already free)
+        if ack:  # the acknowledgement the gateway waits for (slot already free)
             free_ms = round((time.perf_counter() - t0) * 1e3, 3)
             self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
                 free_ms=free_ms, free_slots=len(self.llm.free_slots), frames=job.seq.generated)), force=True)
