@@ -22,7 +22,7 @@ import multiprocessing as mp
 import os
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,6 @@ from engine.contract.settings import EngineSettings, WeightSources
 log = logging.getLogger("gateway.engine")
 
 
-
 class EngineUnavailable(RuntimeError):
     """The engine is starting, restarting or overloaded."""
 
@@ -50,11 +49,10 @@ def sweep_stale_rings() -> None:
         log.warning("removed %d shared-memory rings left by dead gateways: %s", len(stale), ", ".join(stale))
 
 
-@dataclass
-class Event:
-    type: str
-    header: dict[str, Any]
-    pcm: np.ndarray | None = None  # int16 for audio events
+# What a Stream yields: the engine's records of one request (engine/contract/records.py), each with its
+# `type`; an Audio's `pcm` is int16 at 44.1 kHz. The last one is a Finished or an Error, the gateway's own
+# when it ends the stream itself (slow_consumer, engine_restarted, shutdown, a local cancel).
+Event = m.Started | m.Audio | m.Finished | m.Error
 
 
 @dataclass
@@ -77,17 +75,16 @@ class Stream:
     def _deliver(self, ev: Event) -> None:
         if self.done:
             return
-        if ev.pcm is not None:
+        if isinstance(ev, m.Audio):
             self.buffered_samples += len(ev.pcm)
             if self.reading and self.buffered_samples > self.max_buffered_samples + self.head_start:
                 self.client.cancel(self.rid)
                 while not self.queue.empty():  # free the unread audio now; the error is what comes next
                     self.queue.get_nowait()
                 self.buffered_samples = self.head_start = 0
-                self._end(Event(m.ERROR, {"code": E.SLOW_CONSUMER.value,
-                                          "message": "audio was not read fast enough; generation stopped"}))
+                self._end(m.Error(self.rid, E.SLOW_CONSUMER, "audio was not read fast enough; generation stopped"))
                 return
-        if ev.type in (m.FINISHED, m.ERROR):
+        if isinstance(ev, m.Finished | m.Error):
             self._end(ev)
         else:
             self.queue.put_nowait(ev)
@@ -102,7 +99,7 @@ class Stream:
         if not self.reading:
             self.reading, self.head_start = True, self.buffered_samples
         ev = await self.queue.get()
-        if ev.pcm is not None:
+        if isinstance(ev, m.Audio):
             self.buffered_samples -= len(ev.pcm)
             self.head_start = max(0, self.head_start - len(ev.pcm))
         return ev
@@ -123,7 +120,7 @@ class Stream:
     def cancel(self) -> None:
         if not self.done:
             self.client.cancel(self.rid)
-            self._end(Event(m.FINISHED, {"reason": "cancelled", "stats": {}}))
+            self._end(m.Finished(self.rid, m.CANCELLED))
 
 
 _SPAWN_ENV_LOCK = threading.Lock()
@@ -174,15 +171,15 @@ class EngineClient:
         self.max_buffered_samples = int(max_buffered_s * SAMPLE_RATE)
         self.restart = restart
         self.log_level = log_level
-        self.info: dict[str, Any] = {}
-        self.stats: dict[str, Any] = {}
+        self.info: dict[str, Any] = {}  # its Ready record's info() (/readyz), once it is ready
+        self.stats: m.Stats | None = None  # its last Stats record
         self.ready = asyncio.Event()
         self.restarts = 0
         self.start_error: str | None = None
         self._rid = itertools.count(1)
         self._streams: dict[int, Stream] = {}
         self._embeds: dict[int, asyncio.Future[np.ndarray]] = {}
-        self._cancel_acks: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._cancel_acks: dict[int, asyncio.Future[m.Finished | None]] = {}
         self._proc: mp.process.BaseProcess | None = None
         self._inbox: ShmRing | None = None  # gateway -> engine
         self._events: ShmRing | None = None  # engine -> gateway
@@ -248,7 +245,7 @@ class EngineClient:
             code = proc.exitcode
             log.error("%s: process exited with code %s", self.label, code)
             self._fail_all(E.ENGINE_RESTARTED, f"{self.label} process stopped (exit code {code}); it is restarting")
-            self.stats = {}  # its last STATS record describes a process that is gone
+            self.stats = None  # its last Stats record describes a process that is gone
             self._teardown_rings()
             if not self.restart:
                 self.start_error = self.start_error or f"engine exited with code {code}"
@@ -273,7 +270,7 @@ class EngineClient:
     async def close(self) -> None:
         self._closing = True
         if self._inbox is not None and self._proc is not None and self._proc.is_alive():
-            self._inbox.try_put({"type": m.SHUTDOWN})
+            self._inbox.try_put(*m.Shutdown().encode())
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()
@@ -301,7 +298,7 @@ class EngineClient:
         """Send a request; raises EngineUnavailable when the engine cannot take it now."""
         if not self.ready.is_set() or self._inbox is None:
             raise EngineUnavailable("the engine is not ready")
-        req.rid = next(self._rid)
+        req = replace(req, rid=next(self._rid))
         header, payload = req.encode()
         stream = Stream(req.rid, self, self.max_buffered_samples)
         self._streams[req.rid] = stream
@@ -311,20 +308,21 @@ class EngineClient:
         self.submitted += 1
         return stream
 
-    def cancel(self, rid: int) -> asyncio.Future[dict[str, Any]]:
-        """Ask the engine to stop a request; the future resolves when the engine has freed its slot."""
-        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        if self._inbox is not None and self._inbox.try_put({"type": m.CANCEL, "rid": rid}):
+    def cancel(self, rid: int) -> asyncio.Future[m.Finished | None]:
+        """Ask the engine to stop a request; the future resolves when the engine has freed its slot (its
+        acknowledgement, a Finished with `freed`; None when the engine cannot say: gone, or its inbox full)."""
+        fut: asyncio.Future[m.Finished | None] = asyncio.get_running_loop().create_future()
+        if self._inbox is not None and self._inbox.try_put(*m.Cancel(rid).encode()):
             self._cancel_acks[rid] = fut
         else:
-            fut.set_result({})
+            fut.set_result(None)
         return fut
 
     def end(self, rid: int) -> None:
         """The continuation of rid's stream ends (an `end` record; lost only with a full inbox, and then the
         engine flushes the held stream on its own when its player runs low)."""
         if self._inbox is not None:
-            self._inbox.try_put({"type": m.END, "rid": rid})
+            self._inbox.try_put(*m.End(rid).encode())
 
     async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
         """Run the speaker_encoder node on one clip (float32 mono)."""
@@ -333,9 +331,8 @@ class EngineClient:
         rid = next(self._rid)
         fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
         self._embeds[rid] = fut
-        clip = np.ascontiguousarray(clip, dtype=np.float32)
         try:  # RecordTooLarge (a ValueError) when the clip can never fit the inbox
-            if not self._inbox.try_put({"type": m.EMBED, "rid": rid, "clip_sr": int(sample_rate)}, clip):
+            if not self._inbox.try_put(*m.Embed(rid, int(sample_rate), clip).encode()):
                 raise EngineUnavailable("the engine inbox is full")
             self.submitted += 1
             return await asyncio.wait_for(fut, timeout)
@@ -354,54 +351,59 @@ class EngineClient:
             log.debug("dispatch ended: %r", e)
 
     def _on_event(self, header: dict[str, Any], payload: bytes | None) -> None:
-        kind = header.get("type")
-        rid = header.get("rid")
-        if kind == m.AUDIO:
-            stream = self._streams.get(rid)
+        try:
+            rec = m.decode(header, payload)
+        except m.MalformedRecord as e:  # dropped: a bug on the engine's side must not end the dispatch
+            log.warning("%s: dropped a malformed record: %s", self.label, e)
+            return
+        if isinstance(rec, m.Audio):
+            stream = self._streams.get(rec.rid)
             if stream is not None:
-                stream._deliver(Event(kind, header, np.frombuffer(payload or b"", dtype=np.int16)))
-        elif kind == m.KEPT:
-            stream = self._streams.get(rid)
+                stream._deliver(rec)
+        elif isinstance(rec, m.Kept):
+            stream = self._streams.get(rec.rid)
             if stream is not None:
-                stream.kept = m.kept_frames(payload)
+                stream.kept = rec.frames
                 stream.kept_ready.set()
-        elif kind == m.FINISHED and rid in self._cancel_acks:
-            fut = self._cancel_acks.pop(rid)
+        elif isinstance(rec, m.Finished) and rec.rid in self._cancel_acks:
+            fut = self._cancel_acks.pop(rec.rid)
             if not fut.done():
-                fut.set_result(dict(header))
-            if rid in self._streams:
-                self._streams[rid]._deliver(Event(kind, header))
-        elif kind in (m.STARTED, m.FINISHED, m.ERROR) and rid is not None:
-            if kind == m.FINISHED and self.name is not None and isinstance(header.get("stats"), dict):
-                header["stats"]["engine_id"] = self.name  # which engine of the pool ran it (audio.done stats)
-            if kind == m.ERROR and rid in self._embeds:
-                fut = self._embeds.pop(rid)
+                fut.set_result(rec)
+            if rec.rid in self._streams:
+                self._streams[rec.rid]._deliver(rec)
+        elif isinstance(rec, m.Started | m.Finished) or (isinstance(rec, m.Error) and rec.rid is not None):
+            if isinstance(rec, m.Finished) and self.name is not None and rec.stats is not None:
+                # which engine of the pool ran it (audio.done stats)
+                rec = replace(rec, stats=replace(rec.stats, engine_id=self.name))
+            if isinstance(rec, m.Error) and rec.rid in self._embeds:
+                fut = self._embeds.pop(rec.rid)
                 if not fut.done():
-                    fut.set_exception(ValueError(header.get("message", "speaker encoder failed")))
+                    fut.set_exception(ValueError(rec.message or "speaker encoder failed"))
                 return
-            stream = self._streams.get(rid)
+            stream = self._streams.get(rec.rid)
             if stream is not None:
-                stream._deliver(Event(kind, header))
-        elif kind == m.EMBEDDING:
-            fut = self._embeds.pop(rid, None)
+                stream._deliver(rec)
+        elif isinstance(rec, m.Embedding):
+            fut = self._embeds.pop(rec.rid, None)
             if fut is not None and not fut.done():
-                fut.set_result(np.frombuffer(payload or b"", dtype=np.float32).copy())
-        elif kind == m.READY:
-            self.info = dict(header)
+                fut.set_result(rec.embedding)
+        elif isinstance(rec, m.Ready):
+            self.info = rec.info()
             self.start_error = None
             self.ready.set()
-            log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, header.get("device"),
-                     header.get("slots"), header.get("warmup_s", 0))
-        elif kind == m.STATS:
-            self.stats = dict(header)
-        elif kind == m.ERROR:
-            self.start_error = header.get("message")
-            log.error("%s error: %s", self.label, header.get("message"))
+            log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, rec.device, rec.slots, rec.warmup_s)
+        elif isinstance(rec, m.Stats):
+            self.stats = rec
+        elif isinstance(rec, m.Error):
+            self.start_error = rec.message
+            log.error("%s error: %s", self.label, rec.message)
+        else:
+            log.warning("%s: dropped a %s record (the engine's inbox reads those)", self.label, rec.type)
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def _fail_all(self, code: E, message: str) -> None:
         self.ready.clear()
         for stream in list(self._streams.values()):
-            stream._end(Event(m.ERROR, {"code": code, "message": message}))
+            stream._end(m.Error(stream.rid, code, message))
         self._streams.clear()
         for fut in self._embeds.values():
             if not fut.done():
@@ -409,7 +411,7 @@ class EngineClient:
         self._embeds.clear()
         for ack in self._cancel_acks.values():
             if not ack.done():
-                ack.set_result({})
+                ack.set_result(None)
         self._cancel_acks.clear()
 
     @property
@@ -433,9 +435,10 @@ class EngineClient:
         (engine/runtime/admission.py), less what this gateway sent since. Negative: requests would queue."""
         load = self.in_flight
         free = float(self.slots - load)
-        admissible = self.stats.get("admissible")
-        if self.realtime_admission and admissible is not None:
-            seen = (self.stats.get("active") or 0) + (self.stats.get("waiting") or 0)
+        st = self.stats
+        admissible = st.admissible if st is not None else None
+        if self.realtime_admission and st is not None and admissible is not None:
+            seen = st.active + st.waiting
             free = min(free, admissible - (load - seen))
         return free
 
@@ -445,7 +448,8 @@ class EngineClient:
         return {
             "engine": self.name, "device": self.device, "ready": self.ready.is_set(), "pid": self.pid,
             "restarts": self.restarts, "in_flight": self.in_flight, "slots": self.slots,
-            "active": st.get("active"), "waiting": st.get("waiting"), "submitted": self.submitted,
+            "active": st.active if st else None, "waiting": st.waiting if st else None,
+            "submitted": self.submitted,
             **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
                if not self.ready.is_set() else {}),
         }

@@ -150,13 +150,13 @@ class Gateway:
         if len(data) > lim.max_upload_bytes:
             raise RequestError("upload_too_large", f"clips are limited to {lim.max_upload_bytes} bytes", 413)
         if not data:
-            raise RequestError("bad_audio", "the clip is empty")
+            raise RequestError(E.BAD_AUDIO, "the clip is empty")
         try:
             samples, sr = await asyncio.to_thread(decode_audio, data, lim.max_clip_seconds)
         except ClipTooLong as e:
             raise RequestError("clip_too_long", str(e)) from None
         except AudioDecodeError as e:
-            raise RequestError("bad_audio", str(e)) from None
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
         seconds = len(samples) / sr
         if seconds > lim.max_clip_seconds:
             raise RequestError("clip_too_long", f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
@@ -174,7 +174,7 @@ class Gateway:
             raise RequestError("clip_too_long", f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
                                "engine takes in one piece: send a shorter clip or a lower sample rate") from None
         except ValueError as e:
-            raise RequestError("bad_audio", str(e)) from None
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
 
     async def embed_clip(self, raw: bytes, owner: str) -> Voice:
         """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded
@@ -243,10 +243,12 @@ class Gateway:
                 prompt = self.prompts.build_sync(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
                 if len(prompt) <= room:
                     break
-            req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
-            req.hold, req.continues = not link.final, ctx.prev.rid if ctx.prev is not None else 0
+            req = dataclasses.replace(self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding,
+                                                           clip),
+                                      hold=not link.final, continues=ctx.prev.rid if ctx.prev is not None else 0)
             if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
-                req.uncond_prompt = self.prompts.build_sync(text, opts, speaker, None, not link.final)
+                req = dataclasses.replace(req, uncond_prompt=self.prompts.build_sync(text, opts, speaker, None,
+                                                                                       not link.final))
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
             except EngineUnavailable as e:
@@ -309,24 +311,22 @@ class PieceStream:
                     self.ahead = self._submit(self._pending.popleft())
                 except RequestError as e:
                     self.cancel()
-                    return Event(m.ERROR, {"type": m.ERROR, "code": e.code, "message": str(e)})
+                    return m.Error(self.current.rid, E.of(e.code), str(e))
             try:
                 ev = await self.current.__anext__()
             except StopAsyncIteration:  # (a stream always ends with an event; this is the guard)
-                ev = Event(m.FINISHED, {"type": m.FINISHED, "reason": "cancelled", "stats": {}})
-            if ev.type == m.FINISHED:
-                self._frames += int((ev.header.get("stats") or {}).get("frames") or 0)
-                if ev.header.get("reason") not in ("eos", None) and self._reason is None:
-                    self._reason = ev.header.get("reason")
-                if self.ahead is not None and ev.header.get("reason") != "cancelled":
+                ev = m.Finished(self.current.rid, m.CANCELLED)
+            if isinstance(ev, m.Finished):
+                self._frames += ev.stats.frames if ev.stats is not None else 0
+                if ev.reason != "eos" and self._reason is None:
+                    self._reason = ev.reason
+                if self.ahead is not None and ev.reason != m.CANCELLED:
                     self.current, self.ahead = self.ahead, None
                     continue
                 self.done = True
-                header = dict(ev.header)
-                header["stats"] = {**(header.get("stats") or {}), "frames": self._frames}
-                header["reason"] = self._reason or header.get("reason")
-                return Event(m.FINISHED, header)
-            if ev.type == m.ERROR:
+                stats = dataclasses.replace(ev.stats, frames=self._frames) if ev.stats is not None else None
+                return dataclasses.replace(ev, reason=self._reason or ev.reason, stats=stats)
+            if isinstance(ev, m.Error):
                 self.cancel()
             return ev
         raise StopAsyncIteration

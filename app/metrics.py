@@ -11,9 +11,14 @@ slots, the requests this gateway has open on it, its placement headroom and the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.contract.records import Stats
+
+if TYPE_CHECKING:
+    from app.pipeline import UtteranceStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -23,7 +28,7 @@ class EngineView(Protocol):
     """What the metrics read of one engine (app/engine_client.py EngineClient)."""
 
     name: str | None
-    stats: dict[str, Any]
+    stats: Stats | None  # its last Stats record (None: not heard from since it started)
     restarts: int
 
     @property
@@ -95,19 +100,19 @@ class Metrics:
         steps = []
         for eng in engines:
             name = eng.name or "0"
-            st = eng.stats
+            st = eng.stats or Stats()
             g = self.by_engine
             g["ready"].labels(name).set(1 if eng.ready.is_set() else 0)
             g["restarts"].labels(name).set(eng.restarts)
             g["open"].labels(name).set(eng.in_flight)
             g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
             for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms"):
-                g[key].labels(name).set(st.get(key) or 0)
-            if st.get("step_ms_p50") is not None:
-                g["step_ms_p50"].labels(name).set(st["step_ms_p50"])
-                steps.append(st["step_ms_p50"])
+                g[key].labels(name).set(getattr(st, key) or 0)
+            if st.step_ms_p50 is not None:
+                g["step_ms_p50"].labels(name).set(st.step_ms_p50)
+                steps.append(st.step_ms_p50)
             for key in total:
-                total[key] += st.get(key) or 0
+                total[key] += getattr(st, key) or 0
         self.engine_active.set(total["active"])
         self.queue_depth.set(total["waiting"])
         self.engine_finished.set(total["finished"])
@@ -119,13 +124,14 @@ class Metrics:
             self.engine_restarts.set(sum(e.restarts for e in engines))
 
 
-    def observe_utterance(self, api: str, stats: dict[str, Any]) -> None:
+    def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
+        """One utterance played: its listener's time to first audio and real-time factor (app/pipeline.py)."""
         self.requests.labels(api, "ok").inc()
-        if stats.get("ttfa_ms") is not None:
-            self.ttfa.labels(api).observe(stats["ttfa_ms"] / 1e3)
-        if stats.get("rtf") is not None:
-            self.rtf.labels(api).observe(stats["rtf"])
-        self.audio_seconds.inc(stats.get("audio_ms", 0) / 1e3)
+        if stats.listener_ttfa_ms is not None:
+            self.ttfa.labels(api).observe(stats.listener_ttfa_ms / 1e3)
+        if stats.listener_rtf is not None:
+            self.rtf.labels(api).observe(stats.listener_rtf)
+        self.audio_seconds.inc(stats.audio_ms / 1e3)
 
     def render(self) -> bytes:
         if self.engines is not None:

@@ -5,8 +5,10 @@ a few when its normalized text outgrows the budget: app/gateway.py), and utteran
 `max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
 The utterances of a context continue one another (app/continuation.py: one voice, one DAC stream) unless
 their options say long_form false; `end` says a context's last utterance has been queued.
-The per-utterance stats (time to first audio, real-time factor) and the HTTP status of every engine
-error code are defined here and nowhere else.
+What the gateway alone measures of an utterance (`UtteranceStats`: the listener's time to first audio and
+real-time factor) is defined here; the engine's own timings come measured in its `finished` record
+(engine/contract/records.py RequestStats) and pass through unchanged. An engine error becomes the gateway's
+error here (its code and HTTP status: engine/contract/errors.py).
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ log = logging.getLogger("gateway.pipeline")
 
 DEFAULT_CONTEXT = "default"
 
-def engine_error(header: dict[str, Any]) -> RequestError:
+
+def engine_error(err: m.Error) -> RequestError:
     """An error the engine (or the stream to it) reported, as the gateway's error: the code and its HTTP
-    status from engine/contract/errors.py; an unknown code is a bug, `internal`."""
-    code = EngineError.of(header.get("code"))
-    return RequestError(code.value, str(header.get("message") or code.value), code.http_status)
+    status from engine/contract/errors.py (an unknown code already read as `internal`, a bug)."""
+    return RequestError(err.code.value, err.message or err.code.value, err.code.http_status)
 
 
 def text_buffer(gw: Gateway, language: str) -> TextBuffer:
@@ -52,6 +54,34 @@ def split_text(gw: Gateway, text: str, language: str) -> list[str]:
     """A whole text (an HTTP input) as its utterances, in order."""
     buf = text_buffer(gw, language)
     return buf.append(text) + buf.flush()
+
+
+@dataclass(frozen=True)
+class UtteranceStats:
+    """An utterance's `audio.done` stats. The gateway measures only what the engine cannot see: the time
+    from the moment the utterance could play (its text complete and the utterance before it sent) to what
+    the listener gets. That moment comes before the text normalization, the placement, the engine's inbox
+    and queue; the engine's own clock (`engine`, RequestStats) starts when it read the request.
+
+    JSON (docs/protocol.md, the names clients read): `ttfa_ms` is `listener_ttfa_ms`, `rtf` is
+    `listener_rtf`; the engine's `engine.ttfa_ms` and `engine.rtf` are a different measure (its part)."""
+
+    listener_ttfa_ms: float | None  # could play -> its first audio sent: the wait a listener hears
+    listener_rtf: float | None  # could play -> its last audio sent, over its audio time
+    audio_ms: float  # the audio handed to the client
+    frames: int | None  # the engine's (RequestStats.frames)
+    finish_reason: str | None
+    engine: m.RequestStats | None
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "ttfa_ms": self.listener_ttfa_ms,
+            "audio_ms": self.audio_ms,
+            "frames": self.frames,
+            "rtf": self.listener_rtf,
+            "finish_reason": self.finish_reason,
+            "engine": self.engine.as_dict() if self.engine is not None else {},
+        }
 
 
 @dataclass(eq=False)
@@ -72,27 +102,28 @@ class Utterance:
     stream: Stream | None = None
     start_task: asyncio.Task[None] | None = None
     error: RequestError | None = None
-    finish: dict[str, Any] | None = None  # the engine's `finished` event
+    finish: m.Finished | None = None  # the engine's `finished` record
     cancelled: bool = False
     chain: Chain | None = None  # its context's continuation chain (None: long_form false)
     link: Link | None = None
 
-    def stats(self) -> dict[str, Any]:
-        """`ttfa_ms`: from the moment it could play (its text complete and the utterance before it sent)
-        to its first audio sent, which is the wait a listener hears. `rtf`: wall time from that moment to
-        its last audio sent, divided by its audio time."""
-        finish = self.finish or {}
-        engine_stats = finish.get("stats", {})
-        start = max(self.t_created, self.t_head or self.t_created)
+    def measured(self) -> UtteranceStats:
+        start = max(self.t_created, self.t_head or self.t_created)  # the moment it could play
         audio_ms = self.samples / SAMPLE_RATE * 1e3
-        return {
-            "ttfa_ms": round((self.t_first - start) * 1e3, 2) if self.t_first else None,
-            "audio_ms": round(audio_ms, 2),
-            "frames": engine_stats.get("frames"),
-            "rtf": round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4) if audio_ms else None,
-            "finish_reason": finish.get("reason"),
-            "engine": engine_stats,
-        }
+        engine = self.finish.stats if self.finish is not None else None
+        return UtteranceStats(
+            listener_ttfa_ms=round((self.t_first - start) * 1e3, 2) if self.t_first else None,
+            listener_rtf=(round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4)
+                          if audio_ms else None),
+            audio_ms=round(audio_ms, 2),
+            frames=engine.frames if engine is not None else None,
+            finish_reason=self.finish.reason if self.finish is not None else None,
+            engine=engine,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """`audio.done`'s stats (UtteranceStats.as_json)."""
+        return self.measured().as_json()
 
 
 class UtterancePipeline:
@@ -145,7 +176,8 @@ class UtterancePipeline:
             u.error = e
         except Exception:  # a bug must cost this utterance, not the session
             log.exception("starting %s failed", u.id)
-            u.error = RequestError("internal", "internal error while starting this utterance", 500)
+            u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance",
+                                   EngineError.INTERNAL.http_status)
         else:
             if u.cancelled:
                 u.stream.cancel()
@@ -202,20 +234,20 @@ class UtterancePipeline:
         async for ev in u.stream:
             if u.cancelled:
                 return
-            if ev.type == m.AUDIO:
-                if ev.pcm is not None and len(ev.pcm):
+            if isinstance(ev, m.Audio):
+                if len(ev.pcm):
                     yield ev.pcm
                     u.samples += len(ev.pcm)
                     u.t_done = time.perf_counter()
                     u.t_first = u.t_first or u.t_done
-            elif ev.type == m.FINISHED:
+            elif isinstance(ev, m.Finished):
                 if not u.cancelled:
-                    u.finish = dict(ev.header)
+                    u.finish = ev
                     u.t_done = u.t_done or time.perf_counter()
-                    self.gw.metrics.observe_utterance(self.api, u.stats())
+                    self.gw.metrics.observe_utterance(self.api, u.measured())
                 return
-            elif ev.type == m.ERROR:
-                u.error = engine_error(ev.header)
+            elif isinstance(ev, m.Error):
+                u.error = engine_error(ev)
                 self.gw.metrics.errors.labels(u.error.code).inc()
                 return
 

@@ -201,15 +201,16 @@ def _builder():
     return PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
 
 
-async def _read(stream, out: list[np.ndarray]) -> dict:
+async def _read(stream, out: list[np.ndarray]):
+    """The stream's audio into out; its last record (a Finished or an Error)."""
     from engine.contract import records as m
 
     async for ev in stream:
         if ev.type == m.AUDIO:
             out.append(ev.pcm)
         elif ev.type in (m.FINISHED, m.ERROR):
-            return ev.header | {"type": ev.type}
-    return {}
+            return ev
+    return None
 
 
 def _submit_chain(client, texts: list[str], hold_last: bool, max_frames: int = 40):
@@ -310,7 +311,7 @@ def five_requests(lt, client, codec: Codec, min_snr_db: float) -> None:
         return ends
 
     ends = lt.run(run(), timeout=600)
-    assert [e["type"] for e in ends] == [m.FINISHED] * 5 and all(e["reason"] == "max_frames" for e in ends)
+    assert [e.type for e in ends] == [m.FINISHED] * 5 and all(e.reason == "max_frames" for e in ends)
     assert [len(k) for k in kept] == [40 - BOUNDARY_TRIM] * 5  # ignore_eos: all frames less the trim
     # every prompt after the first continues exactly the frames the engine returned: the default window
     # (the chunk before, and the first chunk pinned in front once it has left that tail)
@@ -356,7 +357,7 @@ def test_cancel_in_the_middle_of_a_continued_reply(rt):
         submit = asyncio.create_task(go())
         while len(streams) < 1:
             await asyncio.sleep(0.01)
-        assert (await _read(streams[0], []))["reason"] == "max_frames"  # finished once the second took over
+        assert (await _read(streams[0], [])).reason == "max_frames"  # finished once the second took over
         await submit
         second = streams[1]
         ev = await second.next()
@@ -370,13 +371,13 @@ def test_cancel_in_the_middle_of_a_continued_reply(rt):
         rid, ack = lt.run(run(), timeout=600)
     finally:
         client._on_event = on_event
-    assert ack["reason"] == "cancelled"
+    assert ack is not None and ack.reason == "cancelled"
     after = seen[seen.index((m.FINISHED, rid)) + 1:]
     assert (m.AUDIO, rid) not in after and (m.KEPT, rid) not in after
 
     async def idle():  # every slot is free again: the engine's stats say so
         for _ in range(200):
-            if client.stats.get("free_slots") == 4 and client.stats.get("active") == 0:
+            if client.stats is not None and client.stats.free_slots == 4 and client.stats.active == 0:
                 return True
             await asyncio.sleep(0.05)
         return False
@@ -414,7 +415,7 @@ def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
     finally:
         lt.run(client.close())
         lt.close()
-    assert end["type"] == m.FINISHED and end["reason"] == "max_frames"
+    assert end.type == m.FINISHED and end.reason == "max_frames"
     assert stream.kept is not None and len(stream.kept) == 60 - BOUNDARY_TRIM
     assert len(x) == 60 * HOP  # flushed as a final chunk: all 60 frames (ignore_eos), not the kept 57
 

@@ -772,7 +772,7 @@ def test_fuzz_continuation_records(engine_client, ops):
     lt, client = engine_client
     pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
 
-    async def go() -> list[dict[str, Any]]:
+    async def go() -> list[m.Finished | m.Error]:
         streams, ends = [], []
         for op in ops:
             if op[0] in ("submit", "continue_last"):
@@ -791,18 +791,18 @@ def test_fuzz_continuation_records(engine_client, ops):
             elif op[0] == "end":
                 client.end(op[1])
             else:
-                client._inbox.try_put({"type": m.CANCEL, "rid": op[1]})
+                client._inbox.try_put(*m.Cancel(op[1]).encode())
             await asyncio.sleep(0.01)
         for s in streams:  # an unended held request is flushed by the engine on its own
             s.end()
             async for ev in s:
                 if ev.type in (m.FINISHED, m.ERROR):
-                    ends.append(ev.header | {"type": ev.type})
+                    ends.append(ev)
         for _ in range(400):
-            if client.stats.get("active") == 0 and client.stats.get("free_slots") == 3:
+            if client.stats is not None and client.stats.active == 0 and client.stats.free_slots == 3:
                 return ends
             await asyncio.sleep(0.05)
         raise AssertionError(f"the engine is not idle: {client.stats}")
 
     ends = lt.run(asyncio.wait_for(go(), 120), timeout=150)
-    assert all(e["type"] == m.FINISHED or e.get("code") for e in ends)
+    assert all(isinstance(e, m.Finished | m.Error) for e in ends)

@@ -54,6 +54,8 @@ def test_validate_refuses(name, value):
 
 
 def test_scales_travel_in_the_submit_record():
+    from dataclasses import replace
+
     import numpy as np
 
     from engine.contract.records import SubmitRequest
@@ -63,9 +65,8 @@ def test_scales_travel_in_the_submit_record():
     back = SubmitRequest.decode(*req.encode())
     assert back.params == req.params and back.params.cfg_scale == 2.5
     # the prefix twin's prompt travels between the prompt and the speaker embedding
-    req.uncond_prompt = np.arange(20).reshape(2, 10)
-    req.speaker_embedding = np.linspace(0, 1, 16, dtype=np.float32)
-    req.hold, req.continues = True, 7
+    req = replace(req, uncond_prompt=np.arange(20).reshape(2, 10),
+                  speaker_embedding=np.linspace(0, 1, 16, dtype=np.float32), hold=True, continues=7)
     back = SubmitRequest.decode(*req.encode())
     assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding) and (back.hold, back.continues) == (True, 7)
@@ -248,14 +249,14 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
                                params=SamplingParams(seed=4, **params), max_frames=frames, ignore_eos=True,
                                speaker_embedding=emb)
 
-    async def read(stream) -> tuple[int, dict]:
+    async def read(stream) -> tuple[int, m.Finished | m.Error | None]:
         n = 0
         async for ev in stream:
             if ev.type == m.AUDIO:
                 n += len(ev.pcm)
             elif ev.type in (m.FINISHED, m.ERROR):
-                return n, ev.header
-        return n, {}
+                return n, ev
+        return n, None
 
     async def run():
         await client.start()
@@ -271,26 +272,29 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
             ev = await stream.next()
         running = None
         for _ in range(200):  # while it generates, it and its twin hold two of the three slots
-            if client.stats.get("active") == 1:
-                running = client.stats.get("free_slots")
+            if client.stats is not None and client.stats.active == 1:
+                running = client.stats.free_slots
                 break
             await asyncio.sleep(0.05)
         ack = await client.cancel(stream.rid)
         for _ in range(200):
-            if client.stats.get("active") == 0 and client.stats.get("free_slots") == 3:
+            if client.stats is not None and client.stats.active == 0 and client.stats.free_slots == 3:
                 break
             await asyncio.sleep(0.05)
         client._on_event = on_event
-        return done, prefix, ack, seen, stream.rid, dict(client.stats) | {"running_free": running}
+        last = client.stats
+        assert last is not None
+        return done, prefix, ack, seen, stream.rid, {"active": last.active, "free_slots": last.free_slots,
+                                                     "running_free": running}
 
     try:
         (n, end), (n2, end2), ack, seen, rid, stats = lt.run(run(), timeout=300)
     finally:
         lt.run(client.close())
         lt.close()
-    assert end["reason"] == "max_frames" and n == 30 * 512
-    assert end2["reason"] == "max_frames" and n2 == 20 * 512
-    assert ack["reason"] == "cancelled"
+    assert isinstance(end, m.Finished) and end.reason == "max_frames" and n == 30 * 512
+    assert isinstance(end2, m.Finished) and end2.reason == "max_frames" and n2 == 20 * 512
+    assert ack is not None and ack.reason == "cancelled"
     assert (m.AUDIO, rid) not in seen[seen.index((m.FINISHED, rid)) + 1:]
     assert stats["running_free"] == 1  # a guided request takes two slots
     assert stats["active"] == 0 and stats["free_slots"] == 3  # the twins' slots are back too

@@ -27,6 +27,13 @@ from engine.frontend.config import Zonos2Config, preset_params
 TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only on events
 
 
+def engine_stats(frames: int) -> m.RequestStats:
+    """A finished record's stats, as the engine measures them (only `frames` matters here)."""
+    return m.RequestStats(queue_ms=0.0, prefill_wait_ms=0.0, prefill_ms=1.0, first_chunk_ms=1.0, ttfa_ms=2.0,
+                          e2e_ms=3.0, prompt_frames=10, frames=frames, eos_frame=None, audio_s=frames * 512 / 44100,
+                          rtf=0.5, speaker_encoder_ms=0.0, continued=False)
+
+
 class FakeEngine:
     """Stands in for Gateway.start_utterance + the engine: every utterance gets a real Stream that the
     test feeds with audio and a finish."""
@@ -62,9 +69,9 @@ class FakeEngine:
 
     @staticmethod
     def play(stream: Stream, samples: int = 512, finish: bool = True) -> None:
-        stream._deliver(Event(m.AUDIO, {"type": m.AUDIO}, np.ones(samples, np.int16)))
+        stream._deliver(m.Audio(stream.rid, 0, np.ones(samples, np.int16)))
         if finish:
-            stream._deliver(Event(m.FINISHED, {"type": m.FINISHED, "reason": "eos", "stats": {"frames": 1}}))
+            stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
 
 
 def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
@@ -331,9 +338,9 @@ def test_http_speak_yields_every_sentence_in_order():
 
 
 def test_engine_errors_map_to_http_statuses():
-    assert engine_error({"code": "prompt_too_long", "message": "x"}).status == 400
-    assert engine_error({"code": "queue_full"}).status == 503
-    unknown = engine_error({"code": "weird"})
+    assert engine_error(m.Error(1, EngineError.PROMPT_TOO_LONG, "x")).status == 400
+    assert engine_error(m.Error(1, EngineError.QUEUE_FULL, "")).status == 503
+    unknown = engine_error(m.decode({"type": m.ERROR, "rid": 1, "code": "weird", "message": ""}))
     assert unknown.status == 500 and unknown.code == "internal"
     # every code the engine sends for a client's request is a 4xx or 503; only a bug (internal) is a 500
     assert all(400 <= c.http_status < 600 and (c.http_status != 500) == (c is not EngineError.INTERNAL)
@@ -344,7 +351,7 @@ def test_engine_errors_map_to_http_statuses():
 
         async def feed():
             stream = await gw.fake.started(1)
-            stream._deliver(Event(m.ERROR, {"code": "prompt_too_long", "message": "too long"}))
+            stream._deliver(m.Error(stream.rid, EngineError.PROMPT_TOO_LONG, "too long"))
 
         feeder = asyncio.create_task(feed())
         with pytest.raises(RequestError) as e:
@@ -382,11 +389,11 @@ def _piece_submitter(engine: FakeEngine, events: dict[str, list[Event]]) -> tupl
 
 
 def _audio(n: int = 512) -> Event:
-    return Event(m.AUDIO, {"type": m.AUDIO}, np.ones(n, np.int16))
+    return m.Audio(0, 0, np.ones(n, np.int16))
 
 
 def _finished(reason: str = "eos", frames: int = 5) -> Event:
-    return Event(m.FINISHED, {"type": m.FINISHED, "reason": reason, "stats": {"frames": frames}})
+    return m.Finished(0, reason, stats=engine_stats(frames))
 
 
 def test_pieces_play_in_order_one_ahead_and_finish_once():
@@ -405,7 +412,8 @@ def test_pieces_play_in_order_one_ahead_and_finish_once():
 
     seen, submitted = asyncio.run(go())
     assert [ev.type for ev in seen] == [m.AUDIO] * 3 + [m.FINISHED]
-    assert seen[-1].header["stats"]["frames"] == 1 + 2 + 3 and seen[-1].header["reason"] == "eos"
+    assert isinstance(seen[-1], m.Finished) and seen[-1].stats is not None
+    assert seen[-1].stats.frames == 1 + 2 + 3 and seen[-1].reason == "eos"
     assert submitted == ["one", "two", "three"]
 
 
@@ -416,13 +424,13 @@ def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
         engine = FakeEngine()
         submit, _ = _piece_submitter(engine, {"a": [_audio(), _finished("max_frames")], "b": [_audio(), _finished()]})
         cut = [ev async for ev in PieceStream(submit, ["a", "b"])]
-        err = Event(m.ERROR, {"type": m.ERROR, "code": "engine_restarted", "message": "x"})
+        err = m.Error(0, EngineError.ENGINE_RESTARTED, "x")
         submit, submitted = _piece_submitter(engine, {"x": [_audio(), err]})
         failed = [ev async for ev in PieceStream(submit, ["x", "y", "z"])]
         return cut, failed, submitted, engine
 
     cut, failed, submitted, engine = asyncio.run(go())
-    assert cut[-1].type == m.FINISHED and cut[-1].header["reason"] == "max_frames"  # never hidden
+    assert isinstance(cut[-1], m.Finished) and cut[-1].reason == "max_frames"  # never hidden
     assert [ev.type for ev in failed] == [m.AUDIO, m.ERROR]
     assert submitted == ["x", "y"] and engine.streams[-1].done  # the one ahead was cancelled, z never sent
     assert engine.cancelled == [engine.streams[-1].rid]

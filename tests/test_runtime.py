@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from engine.contract import records as m
 from engine.contract.records import SamplingParams
 from engine.contract.settings import EngineSettings, WeightSources
 from engine.frontend.config import Zonos2Config, preset_params
-from engine.frontend.prompt import PromptBuilder
+from engine.frontend.prompt import Conditioning, PromptBuilder
 from tests.asyncloop import LoopThread
 
 PB = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
@@ -43,15 +44,16 @@ def request(text: str, max_frames: int, ignore_eos: bool = True, **params: Any) 
                            ignore_eos=ignore_eos)
 
 
-async def collect(client: EngineClient, req: m.SubmitRequest) -> tuple[np.ndarray, dict[str, Any], list[int]]:
+async def collect(client: EngineClient, req: m.SubmitRequest) -> tuple[np.ndarray, m.Finished | m.Error, list[int]]:
     stream = client.submit(req)
-    pcm, indexes, end = [], [], {}
+    pcm, indexes, end = [], [], None
     async for ev in stream:
-        if ev.type == m.AUDIO:
+        if isinstance(ev, m.Audio):
             pcm.append(ev.pcm)
-            indexes.append(ev.header["index"])
-        elif ev.type in (m.FINISHED, m.ERROR):
-            end = ev.header | {"type": ev.type}
+            indexes.append(ev.index)
+        elif isinstance(ev, m.Finished | m.Error):
+            end = ev
+    assert end is not None
     return (np.concatenate(pcm) if pcm else np.zeros(0, np.int16)), end, indexes
 
 
@@ -69,19 +71,22 @@ def test_concurrent_requests_stream_correct_audio(rt):
 
     results = lt.run(go())
     for req, (pcm, end, idx) in zip(reqs, results, strict=True):
-        assert end["type"] == m.FINISHED, end
+        assert end.type == m.FINISHED, end
+        assert isinstance(end, m.Finished) and end.stats is not None
         assert idx == list(range(len(idx)))  # chunks arrive in order, none lost
-        stats = end["stats"]
+        stats = end.stats
         if req.ignore_eos:
-            assert end["reason"] == "max_frames" and stats["frames"] == req.max_frames
+            assert end.reason == "max_frames" and stats.frames == req.max_frames
             assert len(pcm) == req.max_frames * 512  # every aligned frame, no gap, no duplicate
         else:
-            eos = stats["eos_frame"]
-            if end["reason"] == "eos":
-                assert len(pcm) == eos * 512 and eos + 8 <= stats["frames"] <= eos + 8 + 9
+            eos = stats.eos_frame
+            if end.reason == "eos":
+                assert eos is not None
+                assert len(pcm) == eos * 512 and eos + 8 <= stats.frames <= eos + 8 + 9
             else:
-                assert len(pcm) == stats["frames"] * 512
-        assert stats["ttfa_ms"] > 0 and stats["audio_s"] == pytest.approx(len(pcm) / 44100, abs=1e-3)
+                assert len(pcm) == stats.frames * 512
+        assert stats.ttfa_ms is not None and stats.ttfa_ms > 0
+        assert stats.audio_s == pytest.approx(len(pcm) / 44100, abs=1e-3)
         assert np.abs(pcm.astype(np.int32)).max() > 0
 
 
@@ -118,8 +123,9 @@ def test_cancel_frees_the_slot_within_a_step(rt):
         return time.perf_counter() - t0, ack
 
     round_trip, ack = lt.run(go())
-    print(f"cancel -> slot free: {round_trip * 1e3:.1f} ms round trip, {ack['stats']['free_ms']} ms in the engine")
-    assert ack["reason"] == "cancelled" and ack["stats"]["free_slots"] == SLOTS
+    assert ack is not None and ack.freed is not None
+    print(f"cancel -> slot free: {round_trip * 1e3:.1f} ms round trip, {ack.freed.free_ms} ms in the engine")
+    assert ack.reason == "cancelled" and ack.freed.free_slots == SLOTS
     assert round_trip < 1.0  # one decode step of the tiny model is ~20 ms on this CPU
 
 
@@ -139,8 +145,8 @@ def test_a_record_outside_the_bounds_is_that_requests_error(rt, params):
         return await collect(client, bad), await collect(client, request("after it", 10, seed=1))
 
     (_, end, _), (pcm, after, _) = lt.run(go())
-    assert end["type"] == m.ERROR and end["code"] == "bad_request", end
-    assert after["type"] == m.FINISHED and len(pcm) == 10 * 512
+    assert end.type == m.ERROR and end.code == "bad_request", end
+    assert after.type == m.FINISHED and len(pcm) == 10 * 512
     assert client.restarts == restarts
 
 
@@ -151,7 +157,7 @@ def test_full_queue_refuses_clearly_and_recovers(rt):
         streams = [client.submit(request(f"long {i}", 900, seed=i)) for i in range(SLOTS + QUEUE + 3)]
         firsts = await asyncio.gather(*(s.next() for s in streams))
         refused = [s for s, ev in zip(streams, firsts, strict=True) if ev.type == m.ERROR]
-        codes = {ev.header["code"] for ev in firsts if ev.type == m.ERROR}
+        codes = {ev.code for ev in firsts if isinstance(ev, m.Error)}
         for s in streams:
             s.cancel()
         after = await collect(client, request("after the storm", 20, seed=9))
@@ -159,7 +165,7 @@ def test_full_queue_refuses_clearly_and_recovers(rt):
 
     n_refused, codes, (pcm, end, _) = lt.run(go())
     assert n_refused == 3 and codes == {"queue_full"}, (n_refused, codes)
-    assert end["type"] == m.FINISHED and len(pcm) == 20 * 512
+    assert end.type == m.FINISHED and len(pcm) == 20 * 512
 
 
 def test_bad_requests_get_errors_and_engine_lives(rt):
@@ -169,17 +175,16 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
     async def go():
         too_long = m.SubmitRequest(rid=0, prompt=PB.build("x" * 1100), params=SamplingParams(), max_frames=10)
         bad_params = request("x", 10, temperature=-1.0)
-        bad_spk = request("x", 10)
-        bad_spk.speaker_embedding = np.ones(7, np.float32)
-        short_clip = request("x", 10)
-        short_clip.clip, short_clip.clip_sr = np.zeros(100, np.float32), 24000
+        bad_spk = replace(request("x", 10), speaker_embedding=np.ones(7, np.float32))
+        short_clip = replace(request("x", 10), clip=np.zeros(100, np.float32), clip_sr=24000)
         results = [await collect(client, r) for r in (too_long, bad_params, bad_spk, short_clip)]
         ok = await collect(client, request("still fine", 12, seed=1))
         return results, ok
 
     results, ok = lt.run(go())
-    assert [r[1].get("code") for r in results] == ["prompt_too_long", "bad_request", "bad_voice", "bad_audio"]
-    assert ok[1]["type"] == m.FINISHED and cfg.speaker_embedding_dim == 2048
+    assert [getattr(r[1], "code", None) for r in results] == ["prompt_too_long", "bad_request", "bad_voice",
+                                                             "bad_audio"]
+    assert ok[1].type == m.FINISHED and cfg.speaker_embedding_dim == 2048
 
 
 def test_voice_embedding_and_clone_walks(rt):
@@ -189,12 +194,9 @@ def test_voice_embedding_and_clone_walks(rt):
 
     async def go():
         emb = await client.embed(clip, 44100)
-        by_embedding = request("with a voice", 20, seed=3)
-        by_embedding.prompt = PB.build("with a voice", __import__("engine.frontend.prompt").prompt.Conditioning(speaker=True))
-        by_embedding.speaker_embedding = emb
-        by_clip = request("with a voice", 20, seed=3)
-        by_clip.prompt = by_embedding.prompt
-        by_clip.clip, by_clip.clip_sr = clip, 44100
+        prompt = PB.build("with a voice", Conditioning(speaker=True))
+        by_embedding = replace(request("with a voice", 20, seed=3), prompt=prompt, speaker_embedding=emb)
+        by_clip = replace(request("with a voice", 20, seed=3), prompt=prompt, clip=clip, clip_sr=44100)
         a = await collect(client, by_embedding)
         b = await collect(client, by_clip)
         return emb, a, b
@@ -202,7 +204,7 @@ def test_voice_embedding_and_clone_walks(rt):
     emb, a, b = lt.run(go())
     assert emb.shape == (2048,) and np.isfinite(emb).all()
     # prefill_clone (clip -> speaker_encoder -> LLM) equals prefill with the cached embedding
-    assert a[1]["type"] == b[1]["type"] == m.FINISHED
+    assert a[1].type == b[1].type == m.FINISHED
     assert np.array_equal(a[0], b[0])
 
 
@@ -220,9 +222,9 @@ def test_killed_engine_is_restarted_and_serves_again(rt):
         return events[-1], old_pid, client.pid, after
 
     last, old_pid, new_pid, (pcm, end, _) = lt.run(go(), timeout=240)
-    assert last.type == m.ERROR and last.header["code"] == "engine_restarted"
+    assert last.type == m.ERROR and last.code == "engine_restarted"
     assert new_pid != old_pid and client.restarts >= 1
-    assert end["type"] == m.FINISHED and len(pcm) == 16 * 512
+    assert end.type == m.FINISHED and len(pcm) == 16 * 512
 
 
 def test_realtime_admission_answers_overload_with_engine_busy_and_a_hint():
@@ -233,15 +235,15 @@ def test_realtime_admission_answers_overload_with_engine_busy_and_a_hint():
                               admission_max_wait_s=0.3, admission_lead_floor_ms=1e7, stats_interval_s=0.2)
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
-    async def go() -> tuple[dict[str, Any], dict[str, Any], int]:
+    async def go() -> tuple[m.Started | m.Audio | m.Finished | m.Error, m.Finished | m.Error, int]:
         await client.start()
         await asyncio.wait_for(client.ready.wait(), 180)
         playing = client.submit(request("a long stream", 2000, seed=1))
         while (ev := await playing.next()).type != m.AUDIO:  # it plays: admission now reads its lead
-            assert ev.type == m.STARTED, ev.header
+            assert ev.type == m.STARTED, ev
         newcomer = client.submit(request("a newcomer", 20, seed=2))
         first = await newcomer.next()
-        refused = first.header | {"type": first.type}
+        refused = first
         playing.cancel()
         pcm, end, _ = await collect(client, request("after the load", 20, seed=3))
         return refused, end, len(pcm)
@@ -251,6 +253,31 @@ def test_realtime_admission_answers_overload_with_engine_busy_and_a_hint():
     finally:
         lt.run(client.close())
         lt.close()
-    assert refused["type"] == m.ERROR and refused["code"] == "engine_busy", refused
-    assert refused["retry_after_ms"] > 0
-    assert end["type"] == m.FINISHED and n == 20 * 512  # once the load is gone, requests start again
+    assert isinstance(refused, m.Error) and refused.code == "engine_busy", refused
+    assert refused.retry_after_ms is not None and refused.retry_after_ms > 0
+    assert end.type == m.FINISHED and n == 20 * 512  # once the load is gone, requests start again
+
+
+def test_a_malformed_record_in_the_inbox_is_refused_and_the_engine_lives(rt):
+    """A record that is none of the contract's (engine/contract/records.py), put straight into the engine's
+    inbox: one that names a request is that request's bad_request, an unknown type is logged and dropped;
+    the engine serves the next request."""
+    from app.engine_client import Stream
+
+    lt, client = rt
+    restarts = client.restarts
+
+    async def go():
+        rid = next(client._rid)
+        stream = Stream(rid, client, client.max_buffered_samples)
+        client._streams[rid] = stream
+        assert client._inbox is not None
+        assert client._inbox.try_put({"type": m.SUBMIT, "rid": rid, "prompt_frames": "many"})
+        assert client._inbox.try_put({"type": "no_such_record", "rid": rid})
+        first = await stream.next()
+        return first, await collect(client, request("after it", 10, seed=1))
+
+    first, (pcm, after, _) = lt.run(go())
+    assert isinstance(first, m.Error) and first.code == "bad_request", first
+    assert after.type == m.FINISHED and len(pcm) == 10 * 512
+    assert client.restarts == restarts

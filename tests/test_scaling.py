@@ -27,6 +27,7 @@ import websockets
 from app.__main__ import parse_args
 from app.engine_client import EngineClient, EnginePool, EngineUnavailable
 from app.gateway import engine_device
+from engine.contract import records as m
 from engine.contract.settings import EngineSettings, WeightSources
 from tests.wsclient import Client
 
@@ -117,10 +118,10 @@ def test_placement_prefers_headroom_and_spreads_ties():
         # realtime admission (a GPU engine): the engine's own rule said, at its last STATS record with 3 streams
         # active, that 2 more may start; the gateway sent one since: headroom 1 although 4 of 8 slots are free
         gpu = fake_engine("3", open_requests=4, device="cuda:0")
-        gpu.stats = {"active": 3, "waiting": 0, "admissible": 2}
+        gpu.stats = m.Stats(active=3, waiting=0, admissible=2)
         assert gpu.realtime_admission and gpu.headroom() == 1
         cpu = fake_engine("4", open_requests=4)
-        cpu.stats = dict(gpu.stats)
+        cpu.stats = gpu.stats
         assert not cpu.realtime_admission and cpu.headroom() == 4  # slots admission: free slots only
         assert pool.ready.is_set()
         for e in (a, b):

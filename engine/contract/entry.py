@@ -35,11 +35,11 @@ def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSp
         scheduler = Scheduler(engine, inbox, out_ring)
     except Exception as e:
         log.exception("engine failed to start")
-        out_ring.try_put({"type": m.ERROR, "rid": None, "code": E.ENGINE_START_FAILED.value, "message": str(e)})
+        out_ring.try_put(*m.Error(None, E.ENGINE_START_FAILED, str(e)).encode())
         raise SystemExit(1) from e
-    info = {"type": m.READY, **engine.describe(), "warmup_s": round(warmup_s, 3)}
-    log.info("engine ready: %s", info)
-    scheduler.outbox.put("ready", info, force=True)
+    ready = m.Ready(**engine.describe(), warmup_s=round(warmup_s, 3))
+    log.info("engine ready: %s", ready.info())
+    scheduler.outbox.send("ready", ready, force=True)
     scheduler.outbox.flush()
     scheduler.run()
     scheduler.outbox.flush()

@@ -1,38 +1,54 @@
 """The records exchanged between the gateway and the engine process over the shared-memory rings.
 
-Every record is a msgpack header dict plus an optional raw payload (no pickling).
+Every record is one frozen class below: its `encode()` gives the wire form, a msgpack header dict (with
+its "type") plus an optional raw payload (numpy arrays written straight into the ring; no pickling), and
+`decode(header, payload)` (one dispatch on "type") rebuilds it, validating every field and the payload's
+size: anything else is a `MalformedRecord`, which its reader logs and drops (the engine answers a request's
+malformed record with `bad_request`), so neither process ever crashes on one.
 
 gateway -> engine
-  submit   {rid, prompt_frames, params, max_frames, ignore_eos, speaker: none|embedding|clip,
-            clip_sr?, hold?, continues?,   payload: prompt int32 [P, 10] + uncond prompt int32 [U, 10]
-            uncond_frames?}                          + (speaker f32 [D] | clip f32 [N])
-  cancel   {rid}
-  end      {rid}                           the continuation of rid's stream ends: its held tail is flushed
-  embed    {rid, clip_sr}                  payload: clip f32 [N] (mono)
-  shutdown {}
+  SubmitRequest  submit   {rid, prompt_frames, prompt_width, params,  payload: prompt int32 [P, 10]
+                           max_frames, ignore_eos, speaker: none|        + uncond prompt int32 [U, 10]
+                           embedding|clip, clip_sr?, hold, continues,    + (speaker f32 [D] | clip f32 [N])
+                           uncond_frames}
+  Cancel         cancel   {rid}
+  End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
+  Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
+  Shutdown       shutdown {}
 
 engine -> gateway
-  ready     {device, slots, max_context, weights, ...}
-  started   {rid, queue_ms}
-  audio     {rid, index, samples}          payload: int16 PCM at 44.1 kHz
-  kept      {rid, frames, eos_frame}       payload: int32 [frames, 9], a held request's kept (trimmed) frames
-  finished  {rid, reason, stats}           reason: eos | max_frames | context | cancelled
-  error     {rid, code, message}
-  embedding {rid, dim}                     payload: f32 [dim]
-  stats     {active, waiting, step_ms, ...} (about once a second)
+  Ready          ready     {device, slots, max_context, weights, warmup_s, ...}
+  Started        started   {rid, queue_ms}
+  Audio          audio     {rid, index, samples}  payload: int16 PCM at 44.1 kHz
+  Kept           kept      {rid, frames, eos_frame} payload: int32 [frames, 9], a held request's kept (trimmed) frames
+  Finished       finished  {rid, reason, stats, freed}  reason: eos | max_frames | context | cancelled;
+                           stats: RequestStats (a request that ran to its end), freed: CancelStats (a cancel's ack)
+  Error          error     {rid, code, message, retry_after_ms}  code: an EngineError (engine/contract/errors.py)
+  Embedding      embedding {rid, dim}             payload: f32 [dim]
+  Stats          stats     EngineStats's fields (about once a second)
+
+`RequestStats` are measured once, in the engine, and reach the client unchanged as `audio.done`'s
+`stats.engine`; the gateway adds only what it alone measures (app/pipeline.py, `UtteranceStats`).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
+import functools
+import types
+import typing
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar, Union
 
 import numpy as np
+
+from engine.contract.constants import N_CODEBOOKS
+from engine.contract.errors import EngineError
 
 SUBMIT, CANCEL, END, EMBED, SHUTDOWN = "submit", "cancel", "end", "embed", "shutdown"
 READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
     "ready", "started", "audio", "kept", "finished", "error", "embedding", "stats",
 )
+CANCELLED = "cancelled"  # the finish reason of a cancelled request (the others: eos, max_frames, context)
 
 HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
 
@@ -105,8 +121,112 @@ class SamplingParams:
                 raise ValueError(msg)
 
 
-@dataclass
-class SubmitRequest:
+# ---- the records' machinery ---------------------------------------------------------------------------
+
+class MalformedRecord(ValueError):
+    """A record off a ring that is none of the contract's: an unknown type, a field missing or of the wrong
+    type, a payload of the wrong size. `rid`: the request it names, when it names one."""
+
+    def __init__(self, message: str, rid: int | None = None) -> None:
+        super().__init__(message)
+        self.rid = rid
+
+
+Payload = bytes | np.ndarray | None  # what `encode` hands the ring: a C-contiguous buffer, or none
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _conforms(value: object, hint: Any) -> bool:
+    """value is of the (simple) annotated type: bool, int, float, str, dict, None, or a union of them."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        return any(_conforms(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return _integer(value)
+    if hint is float:
+        return _number(value)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or typing.get_origin(hint) is dict:
+        return isinstance(value, dict)
+    return hint is Any
+
+
+def _values(cls: type, data: object, where: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The fields of dataclass cls read off a msgpack dict, each checked against its annotation; a field
+    with a default may be absent (it reads as its default), keys that are no field are ignored."""
+    if not isinstance(data, dict):
+        raise MalformedRecord(f"{where} is not a map")
+    rid = data.get("rid") if _integer(data.get("rid")) else None
+    hints, out = _hints(cls), {}
+    for f in fields(cls):
+        if f.name in skip or not f.init:
+            continue
+        if f.name not in data:
+            if f.default is MISSING:
+                raise MalformedRecord(f"{where} has no {f.name!r}", rid)
+            out[f.name] = f.default
+            continue
+        value = data[f.name]
+        if not _conforms(value, hints[f.name]):
+            raise MalformedRecord(f"{where}: {f.name} must be {hints[f.name]}, not {value!r}", rid)
+        out[f.name] = value
+    return out
+
+
+def _floats(payload: bytes | None, count: int | None, what: str, rid: int | None) -> np.ndarray:
+    buf = payload or b""
+    if len(buf) % 4 or (count is not None and len(buf) != count * 4):
+        raise MalformedRecord(f"{what}: a payload of {len(buf)} bytes is not {count if count is not None else 'n'} "
+                              f"float32 values", rid)
+    return np.frombuffer(buf, dtype=np.float32).copy()
+
+
+def _array_equal(a: object, b: object) -> bool:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and bool(
+            np.array_equal(a, b))
+    return a == b
+
+
+class Record:
+    """One message on a ring. A plain record's header is its fields (and "type"), with no payload; a record
+    with arrays encodes them into the payload itself. Records that hold arrays compare them by value."""
+
+    type: ClassVar[str]
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        return {"type": self.type, **{f.name: getattr(self, f.name) for f in fields(self)}}, None  # type: ignore[arg-type]
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Record:
+        return cls(**_values(cls, header, f"a {cls.type} record"))
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return all(_array_equal(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))  # type: ignore[arg-type]
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def record(cls: type) -> type:
+    """A frozen record class (its equality is Record's: arrays by value)."""
+    return dataclass(frozen=True, eq=False)(cls)
+
+
+# ---- gateway -> engine --------------------------------------------------------------------------------
+
+@record
+class SubmitRequest(Record):
+    type: ClassVar[str] = SUBMIT
     rid: int
     prompt: np.ndarray  # [P, n_codebooks + 1] int
     params: SamplingParams
@@ -124,7 +244,7 @@ class SubmitRequest:
     # prefix CFG (engine/guidance.py): the twin's prompt, the chunk generated fresh (the gateway builds it)
     uncond_prompt: np.ndarray | None = None
 
-    def encode(self) -> tuple[dict[str, Any], bytes]:
+    def encode(self) -> tuple[dict[str, Any], Payload]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
         header: dict[str, Any] = {
             "type": SUBMIT,
@@ -155,30 +275,353 @@ class SubmitRequest:
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes | None) -> SubmitRequest:
+        v = _values(_SubmitHeader, header, "a submit record")
+        rid, p, w, u = v["rid"], v["prompt_frames"], v["prompt_width"], v["uncond_frames"]
+        if min(p, w, u) < 0:
+            raise MalformedRecord("a submit record's prompt sizes must not be negative", rid)
+        if v["speaker"] not in ("none", "embedding", "clip"):
+            raise MalformedRecord(f"a submit record's speaker must be none, embedding or clip, not {v['speaker']!r}",
+                                  rid)
+        params = v["params"]
+        known = {f.name for f in fields(SamplingParams)}
+        if not all(isinstance(k, str) and k in known for k in params):
+            raise MalformedRecord(f"a submit record's params has unknown keys: {sorted(map(str, set(params) - known))}",
+                                  rid)
         buf = payload or b""
-        p, w = int(header["prompt_frames"]), int(header["prompt_width"])
-        u = int(header.get("uncond_frames", 0))
         n_prompt = (p + u) * w * 4
+        if len(buf) < n_prompt:
+            raise MalformedRecord(f"a submit record's payload of {len(buf)} bytes holds no {p}+{u}-frame prompt", rid)
         prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
         uncond = (np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
                   if u > 0 else None)
-        rest = np.frombuffer(buf, dtype=np.float32, offset=n_prompt) if len(buf) > n_prompt else None
-        kind = header.get("speaker", "none")
+        rest = _floats(buf[n_prompt:], None, "a submit record's voice", rid) if len(buf) > n_prompt else None
+        kind = v["speaker"]
         return cls(
-            rid=int(header["rid"]),
+            rid=rid,
             prompt=prompt,
-            params=SamplingParams(**header["params"]),
-            max_frames=int(header["max_frames"]),
-            ignore_eos=bool(header.get("ignore_eos", False)),
-            speaker_embedding=rest.copy() if kind == "embedding" and rest is not None else None,
-            clip=rest.copy() if kind == "clip" and rest is not None else None,
-            clip_sr=int(header.get("clip_sr", 0)),
-            hold=bool(header.get("hold", False)),
-            continues=int(header.get("continues", 0)),
+            params=SamplingParams(**params),
+            max_frames=v["max_frames"],
+            ignore_eos=v["ignore_eos"],
+            speaker_embedding=rest if kind == "embedding" else None,
+            clip=rest if kind == "clip" else None,
+            clip_sr=v["clip_sr"],
+            hold=v["hold"],
+            continues=v["continues"],
             uncond_prompt=uncond,
         )
 
 
-def kept_frames(payload: bytes | None, n_codebooks: int = 9) -> np.ndarray:
-    """The frames of a `kept` record: int64 [F, n_codebooks]."""
-    return np.frombuffer(payload or b"", dtype=np.int32).reshape(-1, n_codebooks).astype(np.int64)
+@dataclass(frozen=True)
+class _SubmitHeader:
+    """A submit record's header fields (what `_values` checks)."""
+
+    rid: int
+    prompt_frames: int
+    prompt_width: int
+    params: dict[str, Any]
+    max_frames: int
+    ignore_eos: bool = False
+    speaker: str = "none"
+    clip_sr: int = 0
+    hold: bool = False
+    continues: int = 0
+    uncond_frames: int = 0
+
+
+@record
+class Cancel(Record):
+    type: ClassVar[str] = CANCEL
+    rid: int
+
+
+@record
+class End(Record):
+    """The continuation of rid's stream ends: its held tail is flushed."""
+
+    type: ClassVar[str] = END
+    rid: int
+
+
+@record
+class Embed(Record):
+    """Run the speaker_encoder on one clip; answered with an `Embedding` (or an `Error`)."""
+
+    type: ClassVar[str] = EMBED
+    rid: int
+    clip_sr: int
+    clip: np.ndarray  # [N] float32 mono
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        return ({"type": EMBED, "rid": self.rid, "clip_sr": self.clip_sr},
+                np.ascontiguousarray(self.clip, dtype=np.float32))
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Embed:
+        v = _values(cls, header, "an embed record", skip=("clip",))
+        return cls(**v, clip=_floats(payload, None, "an embed record's clip", v["rid"]))
+
+
+@record
+class Shutdown(Record):
+    type: ClassVar[str] = SHUTDOWN
+
+
+# ---- engine -> gateway --------------------------------------------------------------------------------
+
+@record
+class Ready(Record):
+    """The engine has loaded and warmed its nodes: what it runs (the gateway's /readyz shows `info()`)."""
+
+    type: ClassVar[str] = READY
+    device: str
+    dac_device: str
+    slots: int
+    max_context: int
+    load_s: float
+    quantization: str
+    weights: dict[str, Any]
+    speaker_dim: int
+    pid: int
+    warmup_s: float
+
+    def info(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@record
+class Started(Record):
+    """A request was admitted: its generation starts."""
+
+    type: ClassVar[str] = STARTED
+    rid: int
+    queue_ms: float
+
+
+@record
+class Audio(Record):
+    """The next PCM chunk of a request (index counts them from 0)."""
+
+    type: ClassVar[str] = AUDIO
+    rid: int
+    index: int
+    pcm: np.ndarray  # int16 at 44.1 kHz
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        pcm = np.ascontiguousarray(self.pcm, dtype=np.int16)
+        return {"type": AUDIO, "rid": self.rid, "index": self.index, "samples": len(pcm)}, pcm
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Audio:
+        v = _values(_AudioHeader, header, "an audio record")
+        buf = payload or b""
+        if v["samples"] < 0 or len(buf) != 2 * v["samples"]:
+            raise MalformedRecord(f"an audio record of {v['samples']} samples has a payload of {len(buf)} bytes",
+                                  v["rid"])
+        return cls(rid=v["rid"], index=v["index"], pcm=np.frombuffer(buf, dtype=np.int16))
+
+
+@dataclass(frozen=True)
+class _AudioHeader:
+    rid: int
+    index: int
+    samples: int
+
+
+@record
+class Kept(Record):
+    """A held request's kept (trimmed) frames: what the next chunk of its stream continues."""
+
+    type: ClassVar[str] = KEPT
+    rid: int
+    frames: np.ndarray  # int [F, N_CODEBOOKS]
+    eos_frame: int | None
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        frames = np.ascontiguousarray(self.frames, dtype=np.int32).reshape(-1, N_CODEBOOKS)
+        return {"type": KEPT, "rid": self.rid, "frames": len(frames), "eos_frame": self.eos_frame}, frames.reshape(-1)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Kept:
+        v = _values(_KeptHeader, header, "a kept record")
+        buf = payload or b""
+        if v["frames"] < 0 or len(buf) != v["frames"] * N_CODEBOOKS * 4:
+            raise MalformedRecord(f"a kept record of {v['frames']} frames has a payload of {len(buf)} bytes", v["rid"])
+        frames = np.frombuffer(buf, dtype=np.int32).reshape(-1, N_CODEBOOKS).astype(np.int64)
+        return cls(rid=v["rid"], frames=frames, eos_frame=v["eos_frame"])
+
+
+@dataclass(frozen=True)
+class _KeptHeader:
+    rid: int
+    frames: int
+    eos_frame: int | None
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """What the engine measured of one request that ran to its end, in the order its first audio was spent
+    (ms; `audio.done`'s `stats.engine`, unchanged). Its clock starts when the submit record was read off
+    the inbox, so the gateway's own queueing and the client's play-out are not in it."""
+
+    queue_ms: float  # read -> admitted (a clone request's speaker encoder included)
+    prefill_wait_ms: float  # admitted -> its first prompt chunk went into a prefill call
+    prefill_ms: float  # -> its first frame was sampled
+    first_chunk_ms: float | None  # -> its first audio left: steps + the first DAC call (None: no audio of its own,
+    # a continued chunk that handed its stream on before it)
+    ttfa_ms: float | None  # read -> its first audio left (the sum of the four above)
+    e2e_ms: float  # read -> its last audio left
+    prompt_frames: int
+    frames: int  # frames generated
+    eos_frame: int | None
+    audio_s: float  # the audio it sent
+    rtf: float | None  # e2e / audio_s
+    speaker_encoder_ms: float  # a clone request's speaker encoder (queue included)
+    continued: bool  # its stream went on with the next chunk (continuation)
+    engine_id: str | None = None  # the engine of the pool that ran it (set by the gateway, --devices)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The JSON clients see (engine_id only in a pool)."""
+        d = asdict(self)
+        if d["engine_id"] is None:
+            del d["engine_id"]
+        return d
+
+
+@dataclass(frozen=True)
+class CancelStats:
+    """A cancel's acknowledgement: the slot is free (already so when the request had ended)."""
+
+    free_ms: float  # the engine's time to free it
+    free_slots: int  # the engine's free slots after it
+    frames: int | None = None  # what the request had generated (None: it had already ended, or was unknown)
+
+
+@record
+class Finished(Record):
+    """A request ended: the last record of its rid (or an `Error`). `stats`: a request that ran to its end;
+    `freed`: the engine's acknowledgement of a cancel."""
+
+    type: ClassVar[str] = FINISHED
+    rid: int
+    reason: str  # eos | max_frames | context | cancelled
+    stats: RequestStats | None = None
+    freed: CancelStats | None = None
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        return {"type": FINISHED, "rid": self.rid, "reason": self.reason,
+                "stats": None if self.stats is None else asdict(self.stats),
+                "freed": None if self.freed is None else asdict(self.freed)}, None
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Finished:
+        v = _values(_FinishedHeader, header, "a finished record")
+        stats, freed = v["stats"], v["freed"]
+        return cls(rid=v["rid"], reason=v["reason"],
+                   stats=None if stats is None else RequestStats(**_values(RequestStats, stats, "finished stats")),
+                   freed=None if freed is None else CancelStats(**_values(CancelStats, freed, "finished freed")))
+
+
+@dataclass(frozen=True)
+class _FinishedHeader:
+    rid: int
+    reason: str
+    stats: dict[str, Any] | None = None
+    freed: dict[str, Any] | None = None
+
+
+@record
+class Error(Record):
+    """A request failed (rid None: the engine itself, e.g. it could not start). An unknown code reads as
+    `internal` (a bug)."""
+
+    type: ClassVar[str] = ERROR
+    rid: int | None
+    code: EngineError
+    message: str
+    retry_after_ms: int | None = None  # engine_busy: when to try again
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        return {"type": ERROR, "rid": self.rid, "code": self.code.value, "message": self.message,
+                "retry_after_ms": self.retry_after_ms}, None
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Error:
+        v = _values(_ErrorHeader, header, "an error record")
+        return cls(rid=v["rid"], code=EngineError.of(v["code"]), message=v["message"],
+                   retry_after_ms=v["retry_after_ms"])
+
+
+@dataclass(frozen=True)
+class _ErrorHeader:
+    rid: int | None
+    code: str
+    message: str
+    retry_after_ms: int | None = None
+
+
+@record
+class Embedding(Record):
+    """The speaker_encoder's voice for an `Embed`."""
+
+    type: ClassVar[str] = EMBEDDING
+    rid: int
+    embedding: np.ndarray  # [dim] float32
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        emb = np.ascontiguousarray(self.embedding, dtype=np.float32).reshape(-1)
+        return {"type": EMBEDDING, "rid": self.rid, "dim": len(emb)}, emb
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Embedding:
+        v = _values(_EmbeddingHeader, header, "an embedding record")
+        return cls(rid=v["rid"], embedding=_floats(payload, v["dim"], "an embedding record", v["rid"]))
+
+
+@dataclass(frozen=True)
+class _EmbeddingHeader:
+    rid: int
+    dim: int
+
+
+@record
+class Stats(Record):
+    """The engine's state, about once a second (the gateway's placement and metrics read the last one). The
+    defaults stand for an engine not heard from (yet, or since it restarted)."""
+
+    type: ClassVar[str] = STATS
+    active: int = 0  # requests admitted and not finished
+    waiting: int = 0
+    free_slots: int = 0
+    step_ms_p50: float | None = None
+    period_ms: float = 0.0  # the measured iteration period
+    min_lead_ms: float | None = None  # the smallest lead over the streams playing
+    admissible: int | None = None  # streams that may start now (None: not known)
+    dac_in_flight: int = 0
+    outbox_bytes: int = 0
+    steps: int = 0
+    prefill_frames: int = 0
+    decode_frames: int = 0
+    finished: int = 0
+    cancelled: int = 0
+
+
+REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Shutdown)  # gateway -> engine
+EVENTS: tuple[type[Record], ...] = (Ready, Started, Audio, Kept, Finished, Error, Embedding, Stats)  # engine -> gateway
+_BY_TYPE: dict[str, type[Record]] = {cls.type: cls for cls in REQUESTS + EVENTS}
+
+
+def decode(header: object, payload: bytes | None = None) -> Record:
+    """The record a ring held; MalformedRecord when it is none of the contract's."""
+    if not isinstance(header, dict):
+        raise MalformedRecord(f"a record header must be a map, not {type(header).__name__}")
+    cls = _BY_TYPE.get(header.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise MalformedRecord(f"unknown record type {header.get('type')!r}")
+    try:
+        return cls.decode(header, payload)
+    except MalformedRecord:
+        raise
+    except (TypeError, ValueError) as e:  # e.g. a SamplingParams value msgpack cannot hold
+        raise MalformedRecord(f"a {cls.type} record: {e}", header.get("rid") if _integer(header.get("rid")) else None
+                              ) from e
+

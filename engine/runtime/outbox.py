@@ -6,6 +6,7 @@ from collections import OrderedDict, deque
 from collections.abc import Hashable
 from typing import Any
 
+from engine.contract.records import Record
 from engine.contract.rings import RecordTooLarge, ShmRing
 
 
@@ -50,6 +51,11 @@ class Outbox:
         self._pending.setdefault(key, deque()).append((header, body))
         self._bytes[key] = used + size
         return True
+
+    def send(self, key: Hashable, record: Record, *, force: bool = False, notify: bool = True) -> bool:
+        """``put`` of one record of the contract (engine/contract/records.py)."""
+        header, payload = record.encode()
+        return self.put(key, header, payload, force=force, notify=notify)
 
     def flush(self, notify: bool = True) -> int:
         """Move queued records into the ring until it is full; returns how many moved."""

@@ -29,7 +29,6 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -129,40 +128,44 @@ class Scheduler:
             except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
                 log.exception("engine step failed; failing the running requests")
                 for rid in list(self.running):
-                    self._cancel(rid, reason="failed")
+                    self._cancel(rid, ack=False)
                     self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
             self.outbox.flush()
             self._maybe_stats()
 
     def _read_inbox(self) -> None:
         while (rec := self.inbox.get()) is not None:
-            header, payload = rec
-            kind = header.get("type")
             try:
-                if kind == m.SUBMIT:
-                    self._on_submit(header, payload)
-                elif kind == m.CANCEL:
-                    self._cancel(int(header["rid"]))
-                elif kind == m.END:
-                    self._end(int(header["rid"]))
-                elif kind == m.EMBED:
-                    self._on_embed(header, payload)
-                elif kind == m.SHUTDOWN:
+                msg = m.decode(*rec)
+            except m.MalformedRecord as e:  # answered, when it names a request; never the engine's end
+                log.warning("refused a record: %s", e)
+                if e.rid is not None:
+                    self._error(e.rid, E.BAD_REQUEST, str(e))
+                continue
+            rid = getattr(msg, "rid", None)
+            try:
+                if isinstance(msg, m.SubmitRequest):
+                    self._on_submit(msg)
+                elif isinstance(msg, m.Cancel):
+                    self._cancel(msg.rid)
+                elif isinstance(msg, m.End):
+                    self._end(msg.rid)
+                elif isinstance(msg, m.Embed):
+                    self._on_embed(msg)
+                elif isinstance(msg, m.Shutdown):
                     self.stopping = True
                 else:
-                    log.warning("unknown record type %r", kind)
+                    log.warning("unknown record type %r", msg.type)
             except ValueError as e:
-                log.warning("refused %s: %s", kind, e)
-                if header.get("rid") is not None:
-                    self._error(int(header["rid"]), E.BAD_REQUEST, str(e))
-            except Exception as e:  # a bad request must never take the engine down
-                log.exception("refused record %r", kind)
-                rid = header.get("rid")
+                log.warning("refused %s: %s", msg.type, e)
                 if rid is not None:
-                    self._error(int(rid), E.BAD_REQUEST, str(e))
+                    self._error(rid, E.BAD_REQUEST, str(e))
+            except Exception as e:  # a bad request must never take the engine down
+                log.exception("refused record %r", msg.type)
+                if rid is not None:
+                    self._error(rid, E.BAD_REQUEST, str(e))
 
-    def _on_submit(self, header: dict[str, Any], payload: bytes | None) -> None:
-        req = m.SubmitRequest.decode(header, payload)
+    def _on_submit(self, req: m.SubmitRequest) -> None:
         cfg = self.llm.cfg
         if req.prompt.ndim != 2 or req.prompt.shape[1] != cfg.n_codebooks + 1:
             return self._error(req.rid, E.BAD_REQUEST, f"prompt must be [P, {cfg.n_codebooks + 1}]")
@@ -198,9 +201,8 @@ class Scheduler:
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
         self.waiting.append(job)
 
-    def _on_embed(self, header: dict[str, Any], payload: bytes | None) -> None:
-        clip = np.frombuffer(payload or b"", dtype=np.float32).copy()
-        self.speaker.submit(("embed", int(header["rid"]), time.perf_counter()), clip, int(header["clip_sr"]))
+    def _on_embed(self, req: m.Embed) -> None:
+        self.speaker.submit(("embed", req.rid, time.perf_counter()), req.clip, req.clip_sr)
 
     def _speaker_results(self) -> None:
         for (kind, rid, t_sent), emb, err in self.speaker.results():
@@ -209,8 +211,7 @@ class Scheduler:
                     self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 else:
                     assert emb is not None
-                    self.outbox.put(rid, {"type": m.EMBEDDING, "rid": rid, "dim": int(emb.shape[0])}, emb.tobytes(),
-                                    force=True)
+                    self.outbox.send(rid, m.Embedding(rid, emb), force=True)
                 continue
             job = next((j for j in self.waiting if j.seq.rid == rid), None)
             if job is None:  # cancelled while its clip was being embedded
@@ -253,8 +254,7 @@ class Scheduler:
             job.t_admitted = time.perf_counter()
             self.running[seq.rid] = job
             self._open_stream(job)
-            self.outbox.put(seq.rid, {"type": m.STARTED, "rid": seq.rid,
-                                      "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2)})
+            self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=round((job.t_admitted - job.t_arrival) * 1e3, 2)))
         # what live streams could not make room for within max_wait_s is refused, oldest first
         while (self.admission.enabled and self.waiting
                and now - self.waiting[0].t_arrival > self.admission.max_wait_s):
@@ -319,8 +319,7 @@ class Scheduler:
         job.stream_end = (job.first_frame + len(kept)) * HOP
         job.t_held = now
         self.held[job.stream] = job
-        self.outbox.put(seq.rid, {"type": m.KEPT, "rid": seq.rid, "frames": len(kept),
-                                  "eos_frame": seq.audio_frames}, kept.tobytes(), force=True)
+        self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
 
     def _flush_held(self, now: float) -> None:
         """Flush the held streams whose players would run dry before a next chunk's audio could come."""
@@ -503,12 +502,12 @@ class Scheduler:
         if job.audio_index == 0:
             job.t_first_audio = now
         job.t_stream_first = job.t_stream_first or now
-        header = {"type": m.AUDIO, "rid": rid, "index": job.audio_index, "samples": len(pcm)}
+        record = m.Audio(rid, job.audio_index, pcm)
         job.audio_index += 1
         job.samples += len(pcm)
         job.stream_samples += len(pcm)
-        if not self.outbox.put(rid, header, pcm, notify=False):
-            self._cancel(rid, reason="backpressure")
+        if not self.outbox.send(rid, record, notify=False):
+            self._cancel(rid, ack=False)
             self._error(rid, E.BACKPRESSURE, "the gateway is not reading this stream; cancelled")
             return False
         return True
@@ -523,28 +522,29 @@ class Scheduler:
         self._release(job)
         audio_s = job.samples / SAMPLE_RATE
         e2e = now - job.t_arrival
-        stats = {  # the engine's part of first audio, in the order it was spent
-            "queue_ms": round((job.t_admitted - job.t_arrival) * 1e3, 2),
-            "prefill_wait_ms": round((job.t_prefill_start - job.t_admitted) * 1e3, 2),
-            "prefill_ms": round((job.t_prefilled - job.t_prefill_start) * 1e3, 2),
+        stats = m.RequestStats(  # the engine's part of first audio, in the order it was spent
+            queue_ms=round((job.t_admitted - job.t_arrival) * 1e3, 2),
+            prefill_wait_ms=round((job.t_prefill_start - job.t_admitted) * 1e3, 2),
+            prefill_ms=round((job.t_prefilled - job.t_prefill_start) * 1e3, 2),
             # steps + the first DAC call (None: a continued chunk that handed its stream on before its audio)
-            "first_chunk_ms": round((job.t_first_audio - job.t_prefilled) * 1e3, 2) if job.audio_index else None,
-            "ttfa_ms": round((job.t_first_audio - job.t_arrival) * 1e3, 2) if job.audio_index else None,
-            "e2e_ms": round(e2e * 1e3, 2),
-            "prompt_frames": seq.prompt_len,
-            "frames": seq.generated,
-            "eos_frame": seq.eos.eos_frame,
-            "audio_s": round(audio_s, 4),
-            "rtf": round(e2e / audio_s, 4) if audio_s > 0 else None,
-            "speaker_encoder_ms": round(job.clip_ms, 2),
-            "continued": job.continued,
-        }
+            first_chunk_ms=round((job.t_first_audio - job.t_prefilled) * 1e3, 2) if job.audio_index else None,
+            ttfa_ms=round((job.t_first_audio - job.t_arrival) * 1e3, 2) if job.audio_index else None,
+            e2e_ms=round(e2e * 1e3, 2),
+            prompt_frames=seq.prompt_len,
+            frames=seq.generated,
+            eos_frame=seq.eos.eos_frame,
+            audio_s=round(audio_s, 4),
+            rtf=round(e2e / audio_s, 4) if audio_s > 0 else None,
+            speaker_encoder_ms=round(job.clip_ms, 2),
+            continued=job.continued,
+        )
         log.info("rid %d done: %s", seq.rid, stats)
         self.counters["finished"] += 1
-        self.outbox.put(seq.rid, {"type": m.FINISHED, "rid": seq.rid, "reason": seq.finish_reason, "stats": stats},
-                        force=True)
+        self.outbox.send(seq.rid, m.Finished(seq.rid, seq.finish_reason, stats=stats), force=True)
 
-    def _cancel(self, rid: int, reason: str = "cancelled") -> None:
+    def _cancel(self, rid: int, ack: bool = True) -> None:
+        """Stop a request and free its slots; ack: the gateway asked (a cancel record), it gets a `finished`
+        (cancelled) when the slot is free; else the engine stopped it and reports an error itself."""
         t0 = time.perf_counter()
         for job in list(self.waiting):
             if job.seq.rid == rid:
@@ -553,20 +553,18 @@ class Scheduler:
         else:
             job = self.running.pop(rid, None)
             if job is None:  # already finished or unknown: nothing to free, but acknowledge
-                if reason == "cancelled":
-                    self.outbox.put(rid, {"type": m.FINISHED, "rid": rid, "reason": "cancelled",
-                                          "stats": {"free_ms": 0.0, "free_slots": len(self.llm.free_slots)}},
-                                    force=True)
+                if ack:
+                    self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
+                        free_ms=0.0, free_slots=len(self.llm.free_slots))), force=True)
                 return
             self._release(job)  # its twin's slot too
             self._cancel_stream(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
-        if reason == "cancelled":  # the acknowledgement the gateway waits for (slot already free)
+        if ack:  # the acknowledgement the gateway waits for (slot already free)
             free_ms = round((time.perf_counter() - t0) * 1e3, 3)
-            self.outbox.put(rid, {"type": m.FINISHED, "rid": rid, "reason": "cancelled",
-                                  "stats": {"frames": job.seq.generated, "free_ms": free_ms,
-                                            "free_slots": len(self.llm.free_slots)}}, force=True)
+            self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
+                free_ms=free_ms, free_slots=len(self.llm.free_slots), frames=job.seq.generated)), force=True)
 
     def _cancel_stream(self, job: Job) -> None:
         """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
@@ -587,8 +585,8 @@ class Scheduler:
             prev.successor = None
             self._finish(prev, time.perf_counter())
 
-    def _error(self, rid: int, code: E, message: str, **extra: Any) -> None:
-        self.outbox.put(rid, {"type": m.ERROR, "rid": rid, "code": code, "message": message, **extra}, force=True)
+    def _error(self, rid: int, code: E, message: str, retry_after_ms: int | None = None) -> None:
+        self.outbox.send(rid, m.Error(rid, code, message, retry_after_ms=retry_after_ms), force=True)
 
     def _maybe_stats(self) -> None:
         now = time.perf_counter()
@@ -598,19 +596,17 @@ class Scheduler:
         steps = list(self.step_times)
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
         min_lead = self._min_lead(now)
-        self.outbox.put("stats", {
-            "type": m.STATS,
-            "active": len(self.running),
-            "waiting": len(self.waiting),
-            "free_slots": len(self.llm.free_slots),
-            "step_ms_p50": round(float(np.median(steps)) * 1e3, 3) if steps else None,
-            "period_ms": round(self.admission.period_s * 1e3, 3),
-            "min_lead_ms": round(min_lead * 1e3, 1) if min_lead is not None else None,
+        self.outbox.send("stats", m.Stats(
+            active=len(self.running),
+            waiting=len(self.waiting),
+            free_slots=len(self.llm.free_slots),
+            step_ms_p50=round(float(np.median(steps)) * 1e3, 3) if steps else None,
+            period_ms=round(self.admission.period_s * 1e3, 3),
+            min_lead_ms=round(min_lead * 1e3, 1) if min_lead is not None else None,
             # streams that may start now (the gateway's placement reads it; slots bound it too)
-            "admissible": self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(),
-                                                    self._dac_backlog()),
-            "dac_in_flight": self.dac.in_flight(),
-            "outbox_bytes": self.outbox.pending_bytes(),
+            admissible=self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(),
+                                                 self._dac_backlog()),
+            dac_in_flight=self.dac.in_flight(),
+            outbox_bytes=self.outbox.pending_bytes(),
             **self.counters,
-        }, force=True)
-
+        ), force=True)
