@@ -468,7 +468,7 @@ def test_a_continuation_goes_before_newcomers_that_admission_holds_back():
     finally:
         lt.run(client.close())
         lt.close()
-    assert [e["type"] for e in ends] == [m.FINISHED] * 3, ends
+    assert [e.type for e in ends] == [m.FINISHED] * 3, ends
     assert seen.index((m.STARTED, b)) < seen.index((m.STARTED, n))  # the continuation went first
     assert seen.index((m.FINISHED, a)) < seen.index((m.STARTED, n))  # the newcomer waited for the reply's end
     assert seen.index((m.FINISHED, b)) < seen.index((m.STARTED, n))
@@ -524,7 +524,7 @@ def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier()
     finally:
         lt.run(client.close())
         lt.close()
-    assert [e["type"] for e in ends] == [m.FINISHED] * 3, ends
+    assert [e.type for e in ends] == [m.FINISHED] * 3, ends
     assert b_len < 20 * 16
     assert seen.index((m.AUDIO, b)) < seen.index((m.AUDIO, n))
 
