@@ -39,8 +39,8 @@ def _resampler(orig_sr: int, new_sr: int, dtype: torch.dtype, device: torch.devi
     if n * (2 * width + o) > _MAX_KERNEL_ELEMENTS:
         raise ValueError(
             f"unsupported sample-rate conversion {orig_sr} Hz -> {new_sr} Hz: the rates share no "
-            f"useful common divisor (reduced ratio {o}:{n}); use a standard rate such as 8000, "
-            "16000, 22050, 24000, 44100 or 48000 Hz"
+            f"useful common divisor (reduced ratio {o}:{n}); use a standard rate such as 8, 16, "
+            "22.05, 24, 44.1 or 48 kHz"
         )
     return _cached_resampler(orig_sr, new_sr, dtype, str(device))
 
