@@ -348,3 +348,93 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
     assert r.status_code == 200 and len(r.content) % (512 * 4) == 0 and len(r.content) <= 8 * 512 * 4, r.text
     r = httpx.post(srv.url + "/tts/generate", json=body | {"emotion_sliders": {"smug": 1}}, timeout=60)
     assert r.status_code == 400 and "smug" in r.json()["error"]["message"]
+
+
+# ---- 'proj' space: the delta on the projected speaker row inside the model (issue 22.3) -------------------------
+def _tiny_model():
+    import os
+
+    import torch
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on a CPU (tests/test_prefill_attention.py)
+    from engine.model.checkpoint import random_model
+
+    torch.manual_seed(0)
+    return random_model("tiny", device="cpu", dtype=torch.float32)
+
+
+def _voiced(model, text: str, seed: int):
+    import torch
+
+    from engine.frontend.prompt import Conditioning, PromptBuilder
+
+    ids = torch.from_numpy(PromptBuilder(model.cfg).build(text, Conditioning(speaker=True)))
+    g = torch.Generator().manual_seed(seed)
+    return ids, torch.randn(model.cfg.speaker_embedding_dim, generator=g), torch.randn(model.cfg.dim, generator=g)
+
+
+def _patched_projection(model, spk, delta, ids):
+    """The reference by hand: forward_full with the speaker projection's output patched (+ delta)."""
+    hook = model.speaker_projection.register_forward_hook(lambda m, inp, out: out + delta.to(out.dtype))
+    try:
+        return model.forward_full(ids, speaker=spk)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_proj_delta_lands_on_the_projected_speaker_row(triton):
+    """prefill(emotions=[delta]) and forward_full(emotion=delta) give the logits of the model whose speaker
+    projection output is patched by hand to projected + delta (the reference's `projected_speaker +
+    emotion_delta`), through the plain path and the packed fixed-shape path the CUDA graphs capture."""
+    import torch
+
+    from engine.model.zonos2 import PackedPrefill, PrefillSeq
+
+    model = _tiny_model()
+    ids, spk, delta = _voiced(model, "Feel it, all of it.", 1)
+    want = _patched_projection(model, spk, delta, ids)
+    plain = model.forward_full(ids, speaker=spk)
+    assert (want[-1] - plain[-1]).abs().max() > 1e-3  # the delta matters
+    torch.testing.assert_close(model.forward_full(ids, speaker=spk, emotion=delta), want, rtol=0, atol=0)
+    model.enable_triton(triton)
+    model.setup_cache(3, 128)
+    got = model.prefill(ids, [PrefillSeq(1, 0, len(ids))], [spk], emotions=[delta])
+    tol = 1e-4 if triton else 1e-6
+    torch.testing.assert_close(got[0], want[-1], rtol=tol, atol=tol)
+    if triton:  # padded to a bucket, as a captured graph runs it (static [n_seqs, dim] deltas)
+        meta = PackedPrefill.build(model, [PrefillSeq(1, 0, len(ids))], [spk], len(ids) + 5, 4, torch.device("cpu"),
+                                   emotions=[delta])
+        padded = model.prefill_packed(torch.cat([ids, ids[:5]]), *meta.tensors())[:1]
+        torch.testing.assert_close(padded[0], want[-1], rtol=tol, atol=tol)
+    model.enable_triton(False)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_packed_requests_with_different_deltas_equal_each_alone(triton):
+    """Three voiced prompts in one packed prefill through the LLM node, with delta a, none and delta b:
+    each row's logits are those of its request run alone (the reference's per-batch stacking: zeros where a
+    request has no delta); a chunk that does not start at 0 takes no delta."""
+    import torch
+
+    from engine.contract.records import SamplingParams
+    from engine.llm.node import LLMNode, Sequence
+
+    model = _tiny_model()
+    node = LLMNode(model, n_slots=4, max_len=128, cuda_graphs=False, triton=triton)
+    items = [_voiced(model, t, s) for t, s in (("Feel it.", 1), ("Another voice here.", 2), ("Third one.", 3))]
+    emotions = [items[0][2], None, 5 * items[2][2]]
+    seqs = [Sequence(rid=i + 1, prompt=ids.numpy(), params=SamplingParams(seed=1), max_frames=4, speaker=spk,
+                     emotion=emo) for i, ((ids, spk, _), emo) in enumerate(zip(items, emotions, strict=True))]
+    for s in seqs:
+        node.admit(s)
+    head = 4  # the first sequence in two chunks: its delta lands with its first chunk only
+    rows = node._prefill_packed([(seqs[0], head), (seqs[1], seqs[1].prompt_len), (seqs[2], seqs[2].prompt_len)])
+    rows += node._prefill_packed([(seqs[0], seqs[0].prompt_len - head)])
+    got = {s.rid: r for s, r in rows}
+    tol = 1e-4 if triton else 1e-5
+    for s, (ids, spk, _), emo in zip(seqs, items, emotions, strict=True):
+        alone = model.forward_full(ids, speaker=spk, emotion=emo)[-1]
+        torch.testing.assert_close(got[s.rid], alone, rtol=tol, atol=tol)
+    for s in seqs:
+        node.release(s)

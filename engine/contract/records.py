@@ -5,7 +5,11 @@ Every record is a msgpack header dict plus an optional raw payload (no pickling)
 gateway -> engine
   submit   {rid, prompt_frames, params, max_frames, ignore_eos, speaker: none|embedding|clip,
             clip_sr?, hold?, continues?,   payload: prompt int32 [P, 10] + uncond prompt int32 [U, 10]
-            uncond_frames?}                          + (speaker f32 [D] | clip f32 [N])
+            uncond_frames?, emotion_dim?,            + emotion delta f32 [E] + uncond speaker f32 [S]
+            uncond_speaker_dim?}                     + (speaker f32 [D] | clip f32 [N])
+           emotion delta: 'proj' emotion, added to the projected speaker row (E = the model's hidden size);
+           uncond speaker: raw/lda emotion, the speaker embedding without it (the emotion-CFG twin's voice);
+           both optional (E, S = 0 or absent: none; engine/frontend/emotion.py, engine/guidance.py)
   cancel   {rid}
   end      {rid}                           the continuation of rid's stream ends: its held tail is flushed
   embed    {rid, clip_sr}                  payload: clip f32 [N] (mono)
@@ -123,6 +127,11 @@ class SubmitRequest:
     continues: int = 0
     # prefix CFG (engine/guidance.py): the twin's prompt, the chunk generated fresh (the gateway builds it)
     uncond_prompt: np.ndarray | None = None
+    # emotion (engine/frontend/emotion.py): 'proj' space, the delta [hidden] added to the projected speaker row;
+    # raw/lda space (the speaker embedding carries the emotion), the embedding without it: the voice of the
+    # emotion-CFG twin (engine/guidance.py), sent only when emotion_cfg_scale asks for that twin
+    emotion_delta: np.ndarray | None = None
+    uncond_speaker: np.ndarray | None = None
 
     def encode(self) -> tuple[dict[str, Any], bytes]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
@@ -144,6 +153,11 @@ class SubmitRequest:
             uncond = np.ascontiguousarray(self.uncond_prompt, dtype=np.int32).reshape(-1, prompt.shape[1])
             header["uncond_frames"] = int(uncond.shape[0])
             parts.append(uncond.tobytes())
+        for key, arr in (("emotion_dim", self.emotion_delta), ("uncond_speaker_dim", self.uncond_speaker)):
+            if arr is not None:
+                vec = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+                header[key] = int(vec.shape[0])
+                parts.append(vec.tobytes())
         if self.speaker_embedding is not None:
             header["speaker"] = "embedding"
             parts.append(np.ascontiguousarray(self.speaker_embedding, dtype=np.float32).tobytes())
@@ -162,6 +176,13 @@ class SubmitRequest:
         prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
         uncond = (np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
                   if u > 0 else None)
+        vectors = []  # emotion delta, uncond speaker
+        for key in ("emotion_dim", "uncond_speaker_dim"):
+            n = int(header.get(key, 0))
+            if n < 0 or n_prompt + 4 * n > len(buf):
+                raise ValueError(f"{key} {n} does not fit the payload")
+            vectors.append(np.frombuffer(buf, dtype=np.float32, count=n, offset=n_prompt).copy() if n else None)
+            n_prompt += 4 * n
         rest = np.frombuffer(buf, dtype=np.float32, offset=n_prompt) if len(buf) > n_prompt else None
         kind = header.get("speaker", "none")
         return cls(
@@ -176,6 +197,8 @@ class SubmitRequest:
             hold=bool(header.get("hold", False)),
             continues=int(header.get("continues", 0)),
             uncond_prompt=uncond,
+            emotion_delta=vectors[0],
+            uncond_speaker=vectors[1],
         )
 
 
