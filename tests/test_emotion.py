@@ -263,6 +263,8 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     assert with_emotion != generate(speaker_embedding_base64=npy_b64(base))
     assert generate(speaker_embedding_base64=npy_b64(base), **emotion | {"emotion_enabled": False}) == \
         generate(speaker_embedding_base64=npy_b64(base))
+    # emotion CFG on raw directions: the twin's voice is the embedding before the emotion moved it
+    assert generate(speaker_embedding_base64=npy_b64(base), **emotion, emotion_cfg_scale=2.0) != with_emotion
 
     speech = {"input": "Feel it.", "response_format": "pcm", "seed": 3, "max_frames": 12, "ignore_eos": True,
               "speaker_embedding_base64": npy_b64(base)}
@@ -272,7 +274,7 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     assert a.status_code == b.status_code == 200 and a.content == b.content
 
     for body in ({"emotion_sliders": {"smug": 1.0}}, {"emotion_sliders": {"happy": "x"}}, {"emotion_valence": 50},
-                 {"emotion_strength": None, "emotion_enabled": "yes"}):
+                 {"emotion_strength": None, "emotion_enabled": "yes"}, {"emotion_cfg_scale": 101}):
         r = httpx.post(srv.url + "/tts/generate", timeout=60,
                        json=common | {"speaker_embedding_base64": npy_b64(base), "emotion_enabled": True} | body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
@@ -438,3 +440,143 @@ def test_packed_requests_with_different_deltas_equal_each_alone(triton):
         torch.testing.assert_close(got[s.rid], alone, rtol=tol, atol=tol)
     for s in seqs:
         node.release(s)
+
+
+def test_engine_serves_proj_deltas_and_refuses_bad_ones():
+    """Through a real engine process (CPU, tiny): a wrong-size or non-finite delta is that request's bad_voice,
+    a delta without a voice and a header lying about the payload are bad_request, and the engine lives; a
+    delta changes the audio of the same seed and is deterministic; an emotion-CFG request (its twin: the
+    request without the delta) completes with all its audio and every slot is free afterwards."""
+    import asyncio
+
+    from app.engine_client import EngineClient
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import Conditioning, PromptBuilder
+    from tests.asyncloop import LoopThread
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    pb = PromptBuilder(cfg)
+    rng = np.random.default_rng(5)
+    emb = rng.standard_normal(cfg.speaker_embedding_dim).astype(np.float32)
+    delta = (3 * rng.standard_normal(cfg.dim)).astype(np.float32)
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_context=512,
+                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+
+    def req(delta=None, voice=True, **params) -> m.SubmitRequest:
+        return m.SubmitRequest(rid=0, prompt=pb.build("Feel it.", Conditioning(speaker=voice)),
+                               params=SamplingParams(seed=4, **params), max_frames=16, ignore_eos=True,
+                               speaker_embedding=emb if voice else None, emotion_delta=delta)
+
+    async def read(stream) -> tuple[bytes, dict]:
+        pcm = []
+        async for ev in stream:
+            if ev.type == m.AUDIO:
+                pcm.append(ev.pcm.tobytes())
+            elif ev.type in (m.FINISHED, m.ERROR):
+                return b"".join(pcm), ev.header
+        return b"".join(pcm), {}
+
+    async def run():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        bad = [await read(client.submit(r)) for r in (req(np.ones(cfg.dim + 1, np.float32)),
+                                                       req(np.full(cfg.dim, np.nan, np.float32)),
+                                                       req(delta, voice=False))]
+        class Lying(m.SubmitRequest):  # a header that claims more payload than there is
+            def encode(self):
+                header, payload = super().encode()
+                return header | {"emotion_dim": 10**6}, payload
+
+        bad.append(await read(client.submit(Lying(**vars(req(delta))))))
+        plain, with_delta, again = [await read(client.submit(r)) for r in (req(), req(delta), req(delta))]
+        guided = await read(client.submit(req(delta, emotion_cfg_scale=2.0)))
+        for _ in range(200):
+            if client.stats.get("active") == 0 and client.stats.get("free_slots") == 3:
+                break
+            await asyncio.sleep(0.05)
+        return bad, plain, with_delta, again, guided, dict(client.stats)
+
+    try:
+        bad, plain, with_delta, again, guided, stats = lt.run(run(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert [h.get("code") for _, h in bad] == ["bad_voice", "bad_voice", "bad_request", "bad_request"], bad
+    assert "emotion" in bad[0][1]["message"]
+    for pcm, end in (plain, with_delta, again, guided):
+        assert end.get("reason") == "max_frames" and len(pcm) == 16 * 512 * 2, end
+    assert with_delta[0] == again[0] and with_delta[0] != plain[0]
+    assert guided[0] != with_delta[0]  # the guided logits are not the conditional ones
+    assert stats["active"] == 0 and stats["free_slots"] == 3
+
+
+def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
+    """PromptFactory.request (every API's path to the engine): 'proj' folders send the delta and the voice
+    unchanged, also for a clip voice; raw folders send the moved voice, and with emotion_cfg_scale the voice
+    before it (the twin's); a 'proj' folder built for another hidden size is bad_params at the door;
+    emotion_cfg_scale is accepted and bounded like the other guidance scales."""
+    from app.synthesis import PromptFactory, RequestError, parse_options
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    vecs = write_folder(tmp_path / "proj", space="proj", dim=cfg.dim)
+    write_folder(tmp_path / "raw", dim=cfg.speaker_embedding_dim)
+    write_folder(tmp_path / "wide", space="proj", dim=cfg.dim + 1)
+    base = base_embedding(cfg.speaker_embedding_dim)
+    prompt = np.zeros((4, 10), np.int64)
+    fields = {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0}, "emotion_strength": 2.0}
+    opts = parse_options(fields | {"emotion_cfg_scale": 2.5}, 100, cfg=cfg)
+    assert opts.sampling.emotion_cfg_scale == 2.5
+
+    proj = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "proj"))
+    r = proj.request(prompt, opts, 50, base)
+    assert np.array_equal(r.speaker_embedding, base) and r.uncond_speaker is None
+    np.testing.assert_allclose(r.emotion_delta, expected_delta(vecs, {"happy": 1.0}, 0, 0, 2.0), rtol=1e-6, atol=1e-7)
+    clip = proj.request(prompt, opts, 50, None, (np.zeros(1000, np.float32), 16000))
+    assert clip.speaker_embedding is None and np.array_equal(clip.emotion_delta, r.emotion_delta)
+    assert proj.request(prompt, parse_options({}, 100, cfg=cfg), 50, base).emotion_delta is None
+
+    raw = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "raw"))
+    r = raw.request(prompt, opts, 50, base)
+    assert r.emotion_delta is None and not np.array_equal(r.speaker_embedding, base)
+    assert np.array_equal(r.uncond_speaker, base)
+    assert raw.request(prompt, parse_options(fields, 100, cfg=cfg), 50, base).uncond_speaker is None  # scale 1: off
+
+    wide = EmotionDirections.load(tmp_path / "wide")
+    with pytest.raises(RequestError, match=f"{cfg.dim} values"):
+        PromptFactory(cfg, None, wide).request(prompt, opts, 50, base)
+    for bad in (101.0, float("nan"), "2", True):
+        with pytest.raises(RequestError, match="emotion_cfg_scale"):
+            parse_options(fields | {"emotion_cfg_scale": bad}, 100, cfg=cfg)
+
+
+def test_gateway_serves_proj_directions(start_server, tmp_path):
+    """A 'proj' folder (the reference ships this kind) of the model's hidden size: capabilities list it, an
+    emotion changes the audio of the same seed, emotion_cfg_scale guides it, and the demo page's fields
+    (sliders, valence/arousal, strength) are accepted."""
+    import httpx
+
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    write_folder(tmp_path / "proj", space="proj", dim=cfg.dim, calibration=CAL)
+    srv = start_server("--emotion-directions-dir", str(tmp_path / "proj"))
+    caps = httpx.get(srv.url + "/tts/capabilities").json()
+    assert caps["emotion_enabled"] and caps["emotion_axes"] == ["valence", "arousal"] and caps["emotion_calibrated"]
+    common = {"text": "Feel it.", "max_tokens": 12, "seed": 3, "ignore_eos": True, "stream": False,
+              "speaker_embedding_base64": npy_b64(base_embedding(2048))}
+    emotion = {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0, "sad": 0.0}, "emotion_valence": 0.5,
+               "emotion_arousal": -0.2, "emotion_strength": 3.0}
+
+    def generate(**body) -> bytes:
+        r = httpx.post(srv.url + "/tts/generate", json=common | body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.content
+
+    plain, moved = generate(), generate(**emotion)
+    assert moved != plain and moved == generate(**emotion)
+    assert generate(**emotion, emotion_cfg_scale=2.5) not in (plain, moved)
