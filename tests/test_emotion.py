@@ -580,3 +580,20 @@ def test_gateway_serves_proj_directions(start_server, tmp_path):
     plain, moved = generate(), generate(**emotion)
     assert moved != plain and moved == generate(**emotion)
     assert generate(**emotion, emotion_cfg_scale=2.5) not in (plain, moved)
+
+
+def test_synthesize_cli_with_proj_directions(tmp_path):
+    """`synthesize --emotion` with a 'proj' folder: the delta moves the projected speaker row (other audio of
+    the same seed); a folder of another hidden size is a clear error."""
+    write_folder(tmp_path / "dirs", space="proj", dim=128)  # the tiny model's hidden size
+    write_folder(tmp_path / "wide", space="proj", dim=129)
+    np.save(tmp_path / "e.npy", base_embedding(2048))
+    common = ["Feel it.", "--seed", "4", "--max-frames", "20", "--device", "cpu",
+              "--speaker-embedding", str(tmp_path / "e.npy")]
+    emo = ["--emotion", "happy=1", "--emotion-strength", "5"]
+    a = cli("synthesize", *common, "-o", str(tmp_path / "a.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "dirs"))
+    b = cli("synthesize", *common, "-o", str(tmp_path / "b.wav"))
+    assert a.returncode == b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    assert (tmp_path / "a.wav").read_bytes() != (tmp_path / "b.wav").read_bytes()
+    w = cli("synthesize", *common, "-o", str(tmp_path / "w.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "wide"))
+    assert w.returncode == 2 and "128 values" in w.stderr, w.stderr[-2000:]
