@@ -342,7 +342,7 @@ def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voic
     reference's `speaker_embedding_id`, else the voice's id."""
     vid = data.get("speaker_embedding_id")
     opts.emotion.speaker_key = vid if isinstance(vid, str) and vid else None
-    check_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice)
+    check_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice, gw.cfg.dim)
     return voice
 
 

@@ -231,32 +231,51 @@ def emotion_directions(folder: Path | None) -> EmotionDirections | None:
     return EmotionDirections.load(folder) if folder is not None else None
 
 
-def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptions,
-                      embedding: np.ndarray | None) -> np.ndarray | None:
-    """The speaker embedding with the request's emotion in it (a new array). As the reference: no voice,
-    emotion_enabled false or all weights 0: unchanged; no directions loaded or an unknown name: bad_params."""
+@dataclass
+class EmotionConditioning:
+    """A request's voice with its emotion (engine/frontend/emotion.py), as SubmitRequest carries it."""
+
+    embedding: np.ndarray | None  # the speaker embedding (raw/lda: with the emotion in it)
+    delta: np.ndarray | None = None  # 'proj': added to the projected speaker row inside the model
+    uncond_speaker: np.ndarray | None = None  # raw/lda with emotion_cfg_scale: the emotion-CFG twin's voice
+
+
+def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptions, embedding: np.ndarray | None,
+                      hidden_dim: int | None = None, clip: bool = False) -> EmotionConditioning:
+    """The speaker embedding with the request's emotion (new arrays). As the reference: no voice,
+    emotion_enabled false or all weights 0: unchanged; no directions loaded or an unknown name: bad_params.
+    'proj' directions give a delta of the model's hidden size (`hidden_dim`, checked when given); they also
+    serve a voice given as a clip (`clip`: the engine embeds it), since they leave the embedding as it is."""
     req = opts.emotion
-    if not req.requested or embedding is None:
-        return embedding
+    if not req.requested or (embedding is None and not (clip and directions is not None
+                                                        and directions.space == "proj")):
+        return EmotionConditioning(embedding)
     if directions is None:
         raise RequestError("bad_params", "emotion control needs emotion directions: this server was started "
                            "without --emotion-directions-dir")
+    if directions.space == "proj" and hidden_dim is not None and directions.dim != hidden_dim:
+        raise RequestError("bad_params", f"the emotion directions are {directions.dim}-dimensional; this model's "
+                           f"projected speaker row has {hidden_dim} values")
     try:
+        if embedding is None:  # a clip with 'proj' directions: the delta alone
+            return EmotionConditioning(None, directions.delta(req, req.speaker_key))
         emb, delta = directions.apply(embedding, req)
     except EmotionError as e:
         raise RequestError("bad_params", str(e)) from None
-    if delta is not None:
-        raise RequestError("bad_params", "these emotion directions ('proj' space, as the reference ships them) "
-                           "add to the projected speaker row inside the model, which is not built yet")
-    return emb
+    # the emotion-CFG twin (engine/guidance.py): 'proj' drops the delta; raw/lda needs the embedding before
+    plain = (np.asarray(embedding, dtype=np.float32).reshape(-1)
+             if delta is None and opts.sampling.emotion_cfg_scale != 1.0 and not np.array_equal(emb, embedding)
+             else None)
+    return EmotionConditioning(emb, delta, plain)
 
 
-def check_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None) -> None:
+def check_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None,
+                  hidden_dim: int | None = None) -> None:
     """At the door: what emotion_embedding would refuse for this voice, refused now; the calibration key
     defaults to the voice's id."""
     if voice is not None and opts.emotion.speaker_key is None:
         opts.emotion.speaker_key = voice.id
-    emotion_embedding(directions, opts, voice.embedding if voice is not None else None)
+    emotion_embedding(directions, opts, voice.embedding if voice is not None else None, hidden_dim)
 
 
 def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
@@ -310,16 +329,20 @@ class PromptFactory:
         self, prompt: np.ndarray, opts: SynthesisOptions, default_max_frames: int,
         embedding: np.ndarray | None = None, clip: tuple[np.ndarray, int] | None = None,
     ) -> SubmitRequest:
+        # every API's emotion is applied here, where the request's speaker embedding is final (every chunk of a
+        # continued reply comes here with the same voice and options: each carries the same emotion)
+        emo = emotion_embedding(self.emotion, opts, embedding, self.cfg.dim, clip is not None)
         return SubmitRequest(
             rid=0,
             prompt=prompt,
             params=opts.sampling,
             max_frames=opts.max_frames or default_max_frames,
             ignore_eos=opts.ignore_eos,
-            # every API's emotion is applied here, where the request's speaker embedding is final
-            speaker_embedding=emotion_embedding(self.emotion, opts, embedding),
+            speaker_embedding=emo.embedding,
             clip=clip[0] if clip else None,
             clip_sr=clip[1] if clip else 0,
+            emotion_delta=emo.delta,
+            uncond_speaker=emo.uncond_speaker,
         )
 
 

@@ -4,6 +4,9 @@ engine's settings), alone and among others, compared frame by frame with the req
     python bench/seed_invariance.py --json seed_invariance.json                     # the engine's default mode
     python bench/seed_invariance.py --batch-invariant off --json seed_before.json   # the batch-dependent kernels
 
+`--target continuation` makes the seeded request a reply's second sentence (a continuation prompt), `--target
+cfg` a speaker-CFG request with its twin (issue #26: the same for the continuation and guidance paths).
+
 Scenarios: alone in another slot; for each batch size B, the request prefilled packed with B - 1 others in
 the same calls and decoded with them, and the request joining B - 1 streams already decoding (prefilled
 alone, its row last). The others are unseeded (the mixed case: in the default mode, seeded, their steps run
@@ -44,6 +47,7 @@ class Job:
     params: SamplingParams
     speaker: torch.Tensor | None
     frames: int
+    cfg_scale: float = 1.0  # != 1: speaker CFG, a twin without the speaker decoding in lockstep (engine/guidance.py)
 
 
 class Trace:
@@ -81,6 +85,15 @@ def run_jobs(node: LLMNode, target: Job, others: list[Job], packed: bool, target
     t = seq(0, target)
     rest = [seq(i + 1, j) for i, j in enumerate(others)]
     codes: list[np.ndarray] = []
+    # the guided target's twin: its prompt without the speaker, admitted, prefilled and decoded with it
+    twin = (Sequence(rid=-1, prompt=target.prompt, params=target.params, max_frames=target.frames, speaker=None,
+                     ignore_eos=True) if target.cfg_scale != 1.0 else None)
+    mine = [t] if twin is None else [t, twin]
+
+    def admit_target() -> None:
+        node.admit(t)
+        if twin is not None:
+            node.admit_twin(t, twin, target.cfg_scale)
 
     def step(active: list[Sequence]) -> None:
         for s, c in node.decode(active):
@@ -88,9 +101,12 @@ def run_jobs(node: LLMNode, target: Job, others: list[Job], packed: bool, target
                 codes.append(c)
 
     if packed:
-        order = [*rest[:target_index], t, *rest[target_index:]]
+        order = [*rest[:target_index], *mine, *rest[target_index:]]
         for s in order:
-            node.admit(s)
+            if s is t:
+                admit_target()
+            elif s is not twin:
+                node.admit(s)
         slot = t.slot
         for s, c in node.prefill([(s, s.prompt_len) for s in order]):
             if s is t:
@@ -102,12 +118,12 @@ def run_jobs(node: LLMNode, target: Job, others: list[Job], packed: bool, target
         node.prefill([(s, s.prompt_len) for s in rest])
         for _ in range(warmup):
             node.decode([s for s in rest if s.finish_reason is None])
-        node.admit(t)
+        admit_target()
         slot = t.slot
-        codes += [c for _, c in node.prefill([(t, t.prompt_len)])]
-        live = [*rest, t]
+        codes += [c for s, c in node.prefill([(s, s.prompt_len) for s in mine]) if s is t]
+        live = [*rest, *mine]
     while t.finish_reason is None:
-        step([s for s in live if s.finish_reason is None])
+        step([s for s in live if s.finish_reason is None or s is twin])
     for s in live:
         node.release(s)
     return np.stack(codes), slot
@@ -231,13 +247,17 @@ def main() -> None:
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
                    help="the node's mode (the engine's default: seeded)")
     p.add_argument("--others-seeded", action="store_true", help="the other requests carry seeds too")
+    p.add_argument("--target", choices=["plain", "continuation", "cfg"], default="plain",
+                   help="the seeded request: a sentence with a voice; the second sentence of a reply (a "
+                        "continuation prompt of the first's text and codes, engine/frontend/longform.py); or "
+                        "a sentence with speaker CFG (cfg_scale 2, its twin in lockstep)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
     p.add_argument("--json")
     a = p.parse_args()
     t0 = time.perf_counter()
     gpu = a.device.startswith("cuda")
     model = random_model(a.weights, seed=0, device=a.device, dtype=torch.bfloat16 if gpu else torch.float32)
-    n_slots = max(a.batches)
+    n_slots = max(a.batches) + (a.target == "cfg")  # the twin takes a slot
     node = LLMNode(model, n_slots=n_slots, max_len=a.max_context, compile=gpu and not a.no_compile,
                    batch_invariant=a.batch_invariant, triton=True)
     print(f"{a.weights} model, {n_slots} slots, graphs captured in {time.perf_counter() - t0:.0f} s; "
@@ -246,7 +266,12 @@ def main() -> None:
     pb = PromptBuilder(model.cfg)
     gen = torch.Generator().manual_seed(0)
     voice = torch.randn(model.cfg.speaker_embedding_dim, generator=gen).to(a.device)
-    target = Job(pb.build(TARGET, Conditioning(speaker=True)), SamplingParams(seed=a.seed), voice, a.frames)
+    if a.target == "continuation":
+        context = np.random.default_rng(a.seed).integers(0, model.cfg.codebook_size, (120, model.cfg.n_codebooks))
+        prompt = pb.build_continuation(OTHERS[0], TARGET, context, Conditioning(speaker=True))
+    else:
+        prompt = pb.build(TARGET, Conditioning(speaker=True))
+    target = Job(prompt, SamplingParams(seed=a.seed), voice, a.frames, cfg_scale=2.0 if a.target == "cfg" else 1.0)
     others = []
     for i in range(n_slots - 1):
         spk = torch.randn(model.cfg.speaker_embedding_dim, generator=gen).to(a.device) if i % 2 else None
@@ -257,7 +282,7 @@ def main() -> None:
 
     ref = run_jobs(node, target, [], packed=True, target_index=0)[0]
     rows = [compare("alone again", 1, counted(node, run_jobs, node, target, [], packed=True, target_index=0), ref),
-            compare("alone, another slot", 1, counted(node, run_alone_in_slot, node, target, n_slots - 1), ref)]
+            compare("alone, another slot", 1, counted(node, run_alone_in_slot, node, target, n_slots - 1 - (a.target == "cfg")), ref)]
     for b in a.batches:
         if b < 2:
             continue
@@ -273,7 +298,8 @@ def main() -> None:
     print(f"seed holds in every scenario: {ok}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"weights": a.weights, "batch_invariant": node.batch_invariant, "others_seeded": a.others_seeded,
+            json.dump({"weights": a.weights, "target": a.target, "batch_invariant": node.batch_invariant,
+                       "others_seeded": a.others_seeded,
                        "frames": a.frames,
                        "seed": a.seed, "all_identical": ok, "scenarios": rows, "ops": ops}, f, indent=1)
 

@@ -214,13 +214,16 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         speaker = load_speaker_encoder(src, device).embed(wav, sr).to(device)
     elif args.speaker_embedding:
         speaker = _read_embedding(args.speaker_embedding, model.cfg.speaker_embedding_dim).to(device)
+    emotion = None
     if args.emotion or args.valence or args.arousal:
         if speaker is None:
             raise ValueError("--emotion needs a voice (--voice or --speaker-embedding): it moves the speaker vector")
         emb, delta = _emotion(args, speaker.float().cpu().numpy())
-        if delta is not None:
-            raise ValueError("emotion directions in the 'proj' space (the reference's shipped folder) add to the "
-                             "projected speaker row inside the model: not built yet")
+        if delta is not None:  # 'proj' directions (the reference's shipped folder): the projected speaker row moves
+            if delta.shape != (model.cfg.dim,):
+                raise ValueError(f"the emotion directions are {delta.shape[0]}-dimensional; this model's projected "
+                                 f"speaker row has {model.cfg.dim} values")
+            emotion = torch.from_numpy(delta).to(device)
         speaker = torch.from_numpy(emb).to(device)
     text = args.text
     if args.language:
@@ -228,7 +231,7 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
 
         text = TextNormalizer().normalize(text, args.language)
     params = SamplingParams(seed=args.seed)
-    result = synthesize(model, codec, text, params, speaker=speaker, max_frames=args.max_frames)
+    result = synthesize(model, codec, text, params, speaker=speaker, max_frames=args.max_frames, emotion=emotion)
     sf.write(args.output, result.audio, SAMPLE_RATE, subtype="PCM_16")
     print(json.dumps({
         "out": args.output,

@@ -10,10 +10,17 @@ and the frame sampled from `guided` is written to both rows, so their histories 
 - speaker CFG (`cfg_scale`): the twin has the same prompt ids (speaker slot and markers included) and no
   speaker embedding (the slot keeps its own embedding row);
 - prefix CFG (`prefix_cfg_scale`, continuation chunks only): the twin's prompt is the chunk generated fresh
-  (`PromptBuilder.build`: no context text, no context frames, silence lead-in), keeping the speaker.
-Prefix CFG wins when both are asked for; 1.0 is off. The scales are SamplingParams fields, as in the
-reference (engine/contract/records.py, with their bounds). Emotion CFG (`emotion_cfg_scale`) is a third kind of
-twin: the same prompt and speaker without the emotion (engine/frontend/emotion.py).
+  (`PromptBuilder.build`: no context text, no context frames, silence lead-in), keeping the speaker (and its
+  emotion);
+- emotion CFG (`emotion_cfg_scale`, the reference's emotion-control-clean branch; a request with a voice and
+  an emotion): the twin is the same request without the emotion: the same prompt and speaker embedding and
+  no delta on the projected speaker row ('proj' directions, as the reference), or the speaker embedding
+  before the emotion moved it (raw/lda directions, which the reference's twin does not cover: it guides only
+  a hidden delta; the gateway sends that embedding as `SubmitRequest.uncond_speaker`).
+A request runs one twin, as in the reference (one `cfg_twin` per request): prefix CFG wins over speaker CFG
+(the reference's prefix-cfg-longform branch), and emotion CFG, which no reference branch combines with the
+others, comes last. 1.0 is off. The scales are SamplingParams fields, as in the reference
+(engine/contract/records.py, with their bounds).
 """
 
 from __future__ import annotations
@@ -47,12 +54,16 @@ def guide_rows(logits: Tensor, pairs: list[tuple[int, int, float]]) -> Tensor:
     return out
 
 
-def twin(params: SamplingParams, has_speaker: bool, continuation: bool) -> tuple[str, float] | None:
-    """Which twin the reference's long-form scheduler runs for a request, with its scale; None: no twin.
-    Prefix CFG needs a continuation chunk, speaker CFG a speaker; prefix CFG wins over speaker CFG. (The
-    emotion twin comes from another branch of the reference, which does not say how it combines.)"""
+def twin(params: SamplingParams, has_speaker: bool, continuation: bool, has_emotion: bool = False
+         ) -> tuple[str, float] | None:
+    """Which twin the reference runs for a request, with its scale; None: no twin. Prefix CFG needs a
+    continuation chunk, speaker CFG a speaker, emotion CFG a speaker with an emotion (as the reference's
+    scheduler: `speaker_emotion_delta is not None and speaker_embedding is not None`); prefix CFG wins over
+    speaker CFG, and both over emotion CFG (module docstring)."""
     if continuation and params.prefix_cfg_scale != 1.0:
         return "prefix", float(params.prefix_cfg_scale)
     if has_speaker and params.cfg_scale != 1.0:
         return "speaker", float(params.cfg_scale)
+    if has_speaker and has_emotion and params.emotion_cfg_scale != 1.0:
+        return "emotion", float(params.emotion_cfg_scale)
     return None

@@ -552,3 +552,51 @@ def test_chromium_decodes_our_http_formats(page, fmt, stream):
     }""", [fmt, stream])
     expected = round(reply_frames([40, 40]) * 512 * 24000 / 44100)  # the second sentence continues the first
     assert got[:2] == [200, 24000] and expected <= got[2] <= expected + (2048 if fmt == "aac" else 0), got
+
+
+# ---- issue 22.3: the emotion sliders, shown when the server has emotion directions -----------------------------
+def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory, tmp_path):
+    """Without emotion directions the Emotion set is hidden (and no emotion_* field is sent); with a folder
+    ('proj', calibrated, as the reference ships one) there is a slider per named emotion and axis, the
+    strength is a multiplier of the calibrated strengths, and Speak with a voice sends the emotion_* fields
+    and completes."""
+    from tests.test_emotion import CAL, write_folder
+
+    assert page.is_hidden("#emotion-set")
+    assert "emotion_enabled" not in page.evaluate("import('/static/params.js').then(m => m.readParams())")
+    folder = tmp_path_factory.mktemp("emotion") / "dirs"
+    write_folder(folder, space="proj", dim=128, calibration=CAL)  # the tiny model's hidden size
+    with gateway(tmp_path_factory, "--emotion-directions-dir", str(folder)) as url:
+        context = browser.new_context()
+        pg = context.new_page()
+        errors: list[str] = []
+        pg.on("pageerror", lambda e: errors.append(str(e)))
+        sent: list[dict] = []
+        pg.on("websocket", lambda ws: ws.on("framesent", lambda f: sent.append(json.loads(f))
+                                           if isinstance(f, str) and '"session.config"' in f else None))
+        pg.goto(url + "/")
+        pg.wait_for_function("window.__zonos && window.__zonos.connected")
+        pg.wait_for_selector("#p-language option[value='de']", state="attached")
+        assert pg.is_visible("#emotion-set")
+        names = pg.eval_on_selector_all("#emotion-sliders input", "xs => xs.map(x => x.dataset.emotion)")
+        assert names == ["happy", "sad", "angry", "surprised", "valence", "arousal"]
+        assert pg.get_attribute("#p-emotion_strength", "max") == "3" and pg.input_value("#p-emotion_strength") == "1"
+        assert "calibrated" in pg.inner_text("#emotion-strength-label")
+        vid = clone_from_file(pg, write_clip(tmp_path / "emo.wav"), "Emo test")
+        pg.select_option("#voice", vid)
+        pg.check("#p-emotion_enabled")
+        for sel, value in (("#p-emotion-happy", "0.5"), ("#p-emotion-valence", "-0.25"), ("#p-emotion_cfg_scale", "1.5")):
+            pg.eval_on_selector(sel, "(x, v) => { x.value = v; x.dispatchEvent(new Event('input', {bubbles: true})); }",
+                                value)
+        set_param(pg, "max_frames", "20")
+        pg.fill("#text", "Feel it.")
+        pg.click("#speak")
+        wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+        assert pg.evaluate("window.__zonos.lastTurnEnd") == "done"
+        params = [m["params"] for m in sent if "params" in m][-1]
+        assert params["emotion_enabled"] is True and params["emotion_cfg_scale"] == 1.5
+        assert params["emotion_sliders"] == {"happy": 0.5, "sad": 0, "angry": 0, "surprised": 0}
+        assert (params["emotion_valence"], params["emotion_arousal"], params["emotion_strength"]) == (-0.25, 0, 1)
+        assert [m.get("voice") for m in sent][-1] == vid
+        context.close()
+        assert not errors, errors

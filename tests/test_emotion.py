@@ -263,6 +263,8 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     assert with_emotion != generate(speaker_embedding_base64=npy_b64(base))
     assert generate(speaker_embedding_base64=npy_b64(base), **emotion | {"emotion_enabled": False}) == \
         generate(speaker_embedding_base64=npy_b64(base))
+    # emotion CFG on raw directions: the twin's voice is the embedding before the emotion moved it
+    assert generate(speaker_embedding_base64=npy_b64(base), **emotion, emotion_cfg_scale=2.0) != with_emotion
 
     speech = {"input": "Feel it.", "response_format": "pcm", "seed": 3, "max_frames": 12, "ignore_eos": True,
               "speaker_embedding_base64": npy_b64(base)}
@@ -272,7 +274,7 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     assert a.status_code == b.status_code == 200 and a.content == b.content
 
     for body in ({"emotion_sliders": {"smug": 1.0}}, {"emotion_sliders": {"happy": "x"}}, {"emotion_valence": 50},
-                 {"emotion_strength": None, "emotion_enabled": "yes"}):
+                 {"emotion_strength": None, "emotion_enabled": "yes"}, {"emotion_cfg_scale": 101}):
         r = httpx.post(srv.url + "/tts/generate", timeout=60,
                        json=common | {"speaker_embedding_base64": npy_b64(base), "emotion_enabled": True} | body)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
@@ -348,3 +350,252 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
     assert r.status_code == 200 and len(r.content) % (512 * 4) == 0 and len(r.content) <= 8 * 512 * 4, r.text
     r = httpx.post(srv.url + "/tts/generate", json=body | {"emotion_sliders": {"smug": 1}}, timeout=60)
     assert r.status_code == 400 and "smug" in r.json()["error"]["message"]
+
+
+# ---- 'proj' space: the delta on the projected speaker row inside the model (issue 22.3) -------------------------
+def _tiny_model():
+    import os
+
+    import torch
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on a CPU (tests/test_prefill_attention.py)
+    from engine.model.checkpoint import random_model
+
+    torch.manual_seed(0)
+    return random_model("tiny", device="cpu", dtype=torch.float32)
+
+
+def _voiced(model, text: str, seed: int):
+    import torch
+
+    from engine.frontend.prompt import Conditioning, PromptBuilder
+
+    ids = torch.from_numpy(PromptBuilder(model.cfg).build(text, Conditioning(speaker=True)))
+    g = torch.Generator().manual_seed(seed)
+    return ids, torch.randn(model.cfg.speaker_embedding_dim, generator=g), torch.randn(model.cfg.dim, generator=g)
+
+
+def _patched_projection(model, spk, delta, ids):
+    """The reference by hand: forward_full with the speaker projection's output patched (+ delta)."""
+    hook = model.speaker_projection.register_forward_hook(lambda m, inp, out: out + delta.to(out.dtype))
+    try:
+        return model.forward_full(ids, speaker=spk)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_proj_delta_lands_on_the_projected_speaker_row(triton):
+    """prefill(emotions=[delta]) and forward_full(emotion=delta) give the logits of the model whose speaker
+    projection output is patched by hand to projected + delta (the reference's `projected_speaker +
+    emotion_delta`), through the plain path and the packed fixed-shape path the CUDA graphs capture."""
+    import torch
+
+    from engine.model.zonos2 import PackedPrefill, PrefillSeq
+
+    model = _tiny_model()
+    ids, spk, delta = _voiced(model, "Feel it, all of it.", 1)
+    want = _patched_projection(model, spk, delta, ids)
+    plain = model.forward_full(ids, speaker=spk)
+    assert (want[-1] - plain[-1]).abs().max() > 1e-3  # the delta matters
+    torch.testing.assert_close(model.forward_full(ids, speaker=spk, emotion=delta), want, rtol=0, atol=0)
+    model.enable_triton(triton)
+    model.setup_cache(3, 128)
+    got = model.prefill(ids, [PrefillSeq(1, 0, len(ids))], [spk], emotions=[delta])
+    tol = 1e-4 if triton else 1e-6
+    torch.testing.assert_close(got[0], want[-1], rtol=tol, atol=tol)
+    if triton:  # padded to a bucket, as a captured graph runs it (static [n_seqs, dim] deltas)
+        meta = PackedPrefill.build(model, [PrefillSeq(1, 0, len(ids))], [spk], len(ids) + 5, 4, torch.device("cpu"),
+                                   emotions=[delta])
+        padded = model.prefill_packed(torch.cat([ids, ids[:5]]), *meta.tensors())[:1]
+        torch.testing.assert_close(padded[0], want[-1], rtol=tol, atol=tol)
+    model.enable_triton(False)
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_packed_requests_with_different_deltas_equal_each_alone(triton):
+    """Three voiced prompts in one packed prefill through the LLM node, with delta a, none and delta b:
+    each row's logits are those of its request run alone (the reference's per-batch stacking: zeros where a
+    request has no delta); a chunk that does not start at 0 takes no delta."""
+    import torch
+
+    from engine.contract.records import SamplingParams
+    from engine.llm.node import LLMNode, Sequence
+
+    model = _tiny_model()
+    node = LLMNode(model, n_slots=4, max_len=128, cuda_graphs=False, triton=triton)
+    items = [_voiced(model, t, s) for t, s in (("Feel it.", 1), ("Another voice here.", 2), ("Third one.", 3))]
+    emotions = [items[0][2], None, 5 * items[2][2]]
+    seqs = [Sequence(rid=i + 1, prompt=ids.numpy(), params=SamplingParams(seed=1), max_frames=4, speaker=spk,
+                     emotion=emo) for i, ((ids, spk, _), emo) in enumerate(zip(items, emotions, strict=True))]
+    for s in seqs:
+        node.admit(s)
+    head = 4  # the first sequence in two chunks: its delta lands with its first chunk only
+    rows = node._prefill_packed([(seqs[0], head), (seqs[1], seqs[1].prompt_len), (seqs[2], seqs[2].prompt_len)])
+    rows += node._prefill_packed([(seqs[0], seqs[0].prompt_len - head)])
+    got = {s.rid: r for s, r in rows}
+    tol = 1e-4 if triton else 1e-5
+    for s, (ids, spk, _), emo in zip(seqs, items, emotions, strict=True):
+        alone = model.forward_full(ids, speaker=spk, emotion=emo)[-1]
+        torch.testing.assert_close(got[s.rid], alone, rtol=tol, atol=tol)
+    for s in seqs:
+        node.release(s)
+
+
+def test_engine_serves_proj_deltas_and_refuses_bad_ones():
+    """Through a real engine process (CPU, tiny): a wrong-size or non-finite delta is that request's bad_voice,
+    a delta without a voice and a header lying about the payload are bad_request, and the engine lives; a
+    delta changes the audio of the same seed and is deterministic; an emotion-CFG request (its twin: the
+    request without the delta) completes with all its audio and every slot is free afterwards."""
+    import asyncio
+
+    from app.engine_client import EngineClient
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import Conditioning, PromptBuilder
+    from tests.asyncloop import LoopThread
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    pb = PromptBuilder(cfg)
+    rng = np.random.default_rng(5)
+    emb = rng.standard_normal(cfg.speaker_embedding_dim).astype(np.float32)
+    delta = (3 * rng.standard_normal(cfg.dim)).astype(np.float32)
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_context=512,
+                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+
+    def req(delta=None, voice=True, **params) -> m.SubmitRequest:
+        return m.SubmitRequest(rid=0, prompt=pb.build("Feel it.", Conditioning(speaker=voice)),
+                               params=SamplingParams(seed=4, **params), max_frames=16, ignore_eos=True,
+                               speaker_embedding=emb if voice else None, emotion_delta=delta)
+
+    async def read(stream) -> tuple[bytes, dict]:
+        pcm = []
+        async for ev in stream:
+            if ev.type == m.AUDIO:
+                pcm.append(ev.pcm.tobytes())
+            elif ev.type == m.FINISHED:
+                return b"".join(pcm), {"reason": ev.reason}
+            elif ev.type == m.ERROR:
+                return b"".join(pcm), {"code": ev.code.value, "message": ev.message}
+        return b"".join(pcm), {}
+
+    async def run():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        bad = [await read(client.submit(r)) for r in (req(np.ones(cfg.dim + 1, np.float32)),
+                                                       req(np.full(cfg.dim, np.nan, np.float32)),
+                                                       req(delta, voice=False))]
+        class Lying(m.SubmitRequest):  # a header that claims more payload than there is
+            def encode(self):
+                header, payload = super().encode()
+                return header | {"emotion_dim": 10**6}, payload
+
+        bad.append(await read(client.submit(Lying(**vars(req(delta))))))
+        plain, with_delta, again = [await read(client.submit(r)) for r in (req(), req(delta), req(delta))]
+        guided = await read(client.submit(req(delta, emotion_cfg_scale=2.0)))
+        for _ in range(200):
+            if client.stats is not None and client.stats.active == 0 and client.stats.free_slots == 3:
+                break
+            await asyncio.sleep(0.05)
+        return bad, plain, with_delta, again, guided, client.stats
+
+    try:
+        bad, plain, with_delta, again, guided, stats = lt.run(run(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    assert [h.get("code") for _, h in bad] == ["bad_voice", "bad_voice", "bad_request", "bad_request"], bad
+    assert "emotion" in bad[0][1]["message"]
+    for pcm, end in (plain, with_delta, again, guided):
+        assert end.get("reason") == "max_frames" and len(pcm) == 16 * 512 * 2, end
+    assert with_delta[0] == again[0] and with_delta[0] != plain[0]
+    assert guided[0] != with_delta[0]  # the guided logits are not the conditional ones
+    assert stats.active == 0 and stats.free_slots == 3
+
+
+def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
+    """PromptFactory.request (every API's path to the engine): 'proj' folders send the delta and the voice
+    unchanged, also for a clip voice; raw folders send the moved voice, and with emotion_cfg_scale the voice
+    before it (the twin's); a 'proj' folder built for another hidden size is bad_params at the door;
+    emotion_cfg_scale is accepted and bounded like the other guidance scales."""
+    from app.synthesis import PromptFactory, RequestError, parse_options
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    vecs = write_folder(tmp_path / "proj", space="proj", dim=cfg.dim)
+    write_folder(tmp_path / "raw", dim=cfg.speaker_embedding_dim)
+    write_folder(tmp_path / "wide", space="proj", dim=cfg.dim + 1)
+    base = base_embedding(cfg.speaker_embedding_dim)
+    prompt = np.zeros((4, 10), np.int64)
+    fields = {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0}, "emotion_strength": 2.0}
+    opts = parse_options(fields | {"emotion_cfg_scale": 2.5}, 100, cfg=cfg)
+    assert opts.sampling.emotion_cfg_scale == 2.5
+
+    proj = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "proj"))
+    r = proj.request(prompt, opts, 50, base)
+    assert np.array_equal(r.speaker_embedding, base) and r.uncond_speaker is None
+    np.testing.assert_allclose(r.emotion_delta, expected_delta(vecs, {"happy": 1.0}, 0, 0, 2.0), rtol=1e-6, atol=1e-7)
+    clip = proj.request(prompt, opts, 50, None, (np.zeros(1000, np.float32), 16000))
+    assert clip.speaker_embedding is None and np.array_equal(clip.emotion_delta, r.emotion_delta)
+    assert proj.request(prompt, parse_options({}, 100, cfg=cfg), 50, base).emotion_delta is None
+
+    raw = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "raw"))
+    r = raw.request(prompt, opts, 50, base)
+    assert r.emotion_delta is None and not np.array_equal(r.speaker_embedding, base)
+    assert np.array_equal(r.uncond_speaker, base)
+    assert raw.request(prompt, parse_options(fields, 100, cfg=cfg), 50, base).uncond_speaker is None  # scale 1: off
+
+    wide = EmotionDirections.load(tmp_path / "wide")
+    with pytest.raises(RequestError, match=f"{cfg.dim} values"):
+        PromptFactory(cfg, None, wide).request(prompt, opts, 50, base)
+    for bad in (101.0, float("nan"), "2", True):
+        with pytest.raises(RequestError, match="emotion_cfg_scale"):
+            parse_options(fields | {"emotion_cfg_scale": bad}, 100, cfg=cfg)
+
+
+def test_gateway_serves_proj_directions(start_server, tmp_path):
+    """A 'proj' folder (the reference ships this kind) of the model's hidden size: capabilities list it, an
+    emotion changes the audio of the same seed, emotion_cfg_scale guides it, and the demo page's fields
+    (sliders, valence/arousal, strength) are accepted."""
+    import httpx
+
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    write_folder(tmp_path / "proj", space="proj", dim=cfg.dim, calibration=CAL)
+    srv = start_server("--emotion-directions-dir", str(tmp_path / "proj"))
+    caps = httpx.get(srv.url + "/tts/capabilities").json()
+    assert caps["emotion_enabled"] and caps["emotion_axes"] == ["valence", "arousal"] and caps["emotion_calibrated"]
+    common = {"text": "Feel it.", "max_tokens": 12, "seed": 3, "ignore_eos": True, "stream": False,
+              "speaker_embedding_base64": npy_b64(base_embedding(2048))}
+    emotion = {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0, "sad": 0.0}, "emotion_valence": 0.5,
+               "emotion_arousal": -0.2, "emotion_strength": 3.0}
+
+    def generate(**body) -> bytes:
+        r = httpx.post(srv.url + "/tts/generate", json=common | body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.content
+
+    plain, moved = generate(), generate(**emotion)
+    assert moved != plain and moved == generate(**emotion)
+    assert generate(**emotion, emotion_cfg_scale=2.5) not in (plain, moved)
+
+
+def test_synthesize_cli_with_proj_directions(tmp_path):
+    """`synthesize --emotion` with a 'proj' folder: the delta moves the projected speaker row (other audio of
+    the same seed); a folder of another hidden size is a clear error."""
+    write_folder(tmp_path / "dirs", space="proj", dim=128)  # the tiny model's hidden size
+    write_folder(tmp_path / "wide", space="proj", dim=129)
+    np.save(tmp_path / "e.npy", base_embedding(2048))
+    common = ["Feel it.", "--seed", "4", "--max-frames", "20", "--device", "cpu",
+              "--speaker-embedding", str(tmp_path / "e.npy")]
+    emo = ["--emotion", "happy=1", "--emotion-strength", "5"]
+    a = cli("synthesize", *common, "-o", str(tmp_path / "a.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "dirs"))
+    b = cli("synthesize", *common, "-o", str(tmp_path / "b.wav"))
+    assert a.returncode == b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
+    assert (tmp_path / "a.wav").read_bytes() != (tmp_path / "b.wav").read_bytes()
+    w = cli("synthesize", *common, "-o", str(tmp_path / "w.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "wide"))
+    assert w.returncode == 2 and "128 values" in w.stderr, w.stderr[-2000:]

@@ -748,9 +748,11 @@ def engine_client():
 
 
 rid_values = st.integers(-3, 40) | st.integers(-(2**63), 2**63 - 1)
-guidance = st.tuples(st.sampled_from([1.0, 2.0, -0.5]), st.sampled_from([1.0, 3.0]), st.booleans(), st.booleans())
+guidance = st.tuples(st.sampled_from([1.0, 2.0, -0.5]), st.sampled_from([1.0, 3.0]), st.booleans(), st.booleans(),
+                     st.sampled_from([1.0, 2.0]), st.sampled_from(["none", "delta", "wrong", "uncond"]))
 continuation_op = st.one_of(
-    # hold, continues (any rid: unknown, running, own), (cfg_scale, prefix_cfg_scale, a voice, a twin prompt)
+    # hold, continues (any rid: unknown, running, own), (cfg_scale, prefix_cfg_scale, a voice, a twin prompt,
+    # emotion_cfg_scale, an emotion: a 'proj' delta of the right or a wrong size, or a raw/lda twin's voice)
     st.tuples(st.just("submit"), st.booleans(), rid_values, guidance),
     st.tuples(st.just("end"), rid_values),
     st.tuples(st.just("cancel"), rid_values),
@@ -778,15 +780,20 @@ def test_fuzz_continuation_records(engine_client, ops):
             if op[0] in ("submit", "continue_last"):
                 held = [s for s in streams if s.kept is not None]
                 if op[0] == "continue_last":
-                    hold, cont, (cfg, pcfg, voice, uncond) = op[1], held[-1].rid if held else 0, (1.0, 1.0, False, False)
+                    hold, cont = op[1], held[-1].rid if held else 0
+                    cfg, pcfg, voice, uncond, ecfg, emotion = 1.0, 1.0, False, False, 1.0, "none"
                 else:
-                    hold, cont, (cfg, pcfg, voice, uncond) = op[1:]
+                    hold, cont, (cfg, pcfg, voice, uncond, ecfg, emotion) = op[1:]
                 cond = Conditioning(speaker=voice)
                 req = m.SubmitRequest(rid=0, prompt=pb.build("Hi.", cond, non_final=hold),
-                                      params=SamplingParams(seed=1, cfg_scale=cfg, prefix_cfg_scale=pcfg),
+                                      params=SamplingParams(seed=1, cfg_scale=cfg, prefix_cfg_scale=pcfg,
+                                                            emotion_cfg_scale=ecfg),
                                       max_frames=12, ignore_eos=True, hold=hold, continues=cont,
                                       speaker_embedding=np.ones(2048, np.float32) if voice else None,
-                                      uncond_prompt=pb.build("Hi!", cond) if uncond else None)
+                                      uncond_prompt=pb.build("Hi!", cond) if uncond else None,
+                                      emotion_delta={"delta": np.full(128, 0.5, np.float32),  # the tiny model's dim
+                                                     "wrong": np.ones(7, np.float32)}.get(emotion),
+                                      uncond_speaker=np.full(2048, 0.5, np.float32) if emotion == "uncond" else None)
                 streams.append(client.submit(req))
             elif op[0] == "end":
                 client.end(op[1])

@@ -43,6 +43,13 @@ def test_which_twin():
     both = SamplingParams(cfg_scale=2.0, prefix_cfg_scale=-0.5)
     assert twin(both, has_speaker=True, continuation=True) == ("prefix", -0.5)  # prefix CFG wins
     assert twin(both, has_speaker=True, continuation=False) == ("speaker", 2.0)
+    # emotion CFG (emotion-control-clean): a voice with an emotion; the other twins win when asked for too
+    emo = SamplingParams(emotion_cfg_scale=3.0)
+    assert twin(emo, has_speaker=True, continuation=False, has_emotion=True) == ("emotion", 3.0)
+    assert twin(emo, has_speaker=True, continuation=True, has_emotion=False) is None  # no emotion to drop
+    assert twin(emo, has_speaker=False, continuation=False, has_emotion=True) is None
+    assert twin(SamplingParams(emotion_cfg_scale=3.0, cfg_scale=2.0), True, False, True) == ("speaker", 2.0)
+    assert twin(SamplingParams(emotion_cfg_scale=3.0, prefix_cfg_scale=0.5), True, True, True) == ("prefix", 0.5)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, 101.0, True, "2", None])
@@ -70,6 +77,21 @@ def test_scales_travel_in_the_submit_record():
     back = SubmitRequest.decode(*req.encode())
     assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding) and (back.hold, back.continues) == (True, 7)
+    assert back.emotion_delta is None and back.uncond_speaker is None
+    # emotion: the 'proj' delta and the raw/lda twin's voice, between the twin's prompt and the speaker
+    req.emotion_delta = np.linspace(-1, 1, 24, dtype=np.float32)
+    req.uncond_speaker = np.linspace(1, 2, 16, dtype=np.float32)
+    back = SubmitRequest.decode(*req.encode())
+    assert np.array_equal(back.emotion_delta, req.emotion_delta) and np.array_equal(back.uncond_speaker,
+                                                                                     req.uncond_speaker)
+    assert np.array_equal(back.speaker_embedding, req.speaker_embedding)
+    assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
+    req.speaker_embedding, req.clip, req.clip_sr = None, np.ones(100, np.float32), 16000
+    back = SubmitRequest.decode(*req.encode())
+    assert np.array_equal(back.clip, req.clip) and np.array_equal(back.emotion_delta, req.emotion_delta)
+    header, payload = req.encode()
+    with pytest.raises(ValueError, match="emotion_dim"):  # a header that lies about the payload
+        SubmitRequest.decode(header | {"emotion_dim": 10**6}, payload)
 
 
 @pytest.mark.gpu
@@ -160,14 +182,17 @@ def _node(device: str = "cpu"):
                    cuda_graphs=device != "cpu", triton=None if device != "cpu" else False)
 
 
-@pytest.mark.parametrize("kind", ["speaker", "prefix"])
+KINDS = ["speaker", "prefix", "emotion", "emotion_raw"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_twins_decode_in_lockstep_through_the_llm_node(kind):
     twins_in_lockstep(kind, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("kind", ["speaker", "prefix"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_gpu_twins_decode_in_lockstep_through_the_captured_graph(kind):
     """The same through the GPU node: Triton prefill, the captured decode graph (with the sampler's
     guidance in it), another request sharing the steps."""
@@ -176,9 +201,10 @@ def test_gpu_twins_decode_in_lockstep_through_the_captured_graph(kind):
 
 def twins_in_lockstep(kind: str, device: str) -> None:
     """A guided request and its twin (speaker CFG: its prompt without the speaker; prefix CFG: the chunk's
-    fresh prompt) prefilled together and decoded together, beside an unguided request: the same frame at
-    every step, the same history; the guided first frame is the formula's on the two rows' prefill
-    logits; release frees both."""
+    fresh prompt; emotion CFG: the same prompt and voice without the 'proj' delta on the projected speaker
+    row, or, emotion_raw, with the speaker embedding before a raw/lda emotion moved it) prefilled together
+    and decoded together, beside an unguided request: the same frame at every step, the same history; the
+    guided first frame is the formula's on the two rows' prefill logits; release frees both."""
     import numpy as np
 
     from engine.frontend.prompt import Conditioning, PromptBuilder
@@ -191,10 +217,14 @@ def twins_in_lockstep(kind: str, device: str) -> None:
     codes = np.random.default_rng(0).integers(0, 1024, size=(30, 9))
     prompt = pb.build_continuation("It began.", "And went on.", codes, cond, non_final=True)
     spk = torch.randn(node.cfg.speaker_embedding_dim, generator=torch.Generator().manual_seed(1)).to(device)
-    params = SamplingParams(seed=9, cfg_scale=2.0, prefix_cfg_scale=-0.5)
-    scale = 2.0 if kind == "speaker" else -0.5
-    seq = Sequence(rid=1, prompt=prompt, params=params, max_frames=20, speaker=spk, ignore_eos=True)
-    tw = Sequence(rid=-1, prompt=prompt if kind == "speaker" else pb.build("And went on.", cond, non_final=True),
+    params = SamplingParams(seed=9, cfg_scale=2.0, prefix_cfg_scale=-0.5, emotion_cfg_scale=3.0)
+    scale = {"speaker": 2.0, "prefix": -0.5}.get(kind, 3.0)
+    g = torch.Generator().manual_seed(2)
+    delta = torch.randn(node.cfg.dim, generator=g).to(device) if kind == "emotion" else None
+    moved = spk + 0.3 * torch.randn(spk.shape, generator=g).to(device)  # emotion_raw: the voice with its emotion
+    seq = Sequence(rid=1, prompt=prompt, params=params, max_frames=20, ignore_eos=True,
+                   speaker=moved if kind == "emotion_raw" else spk, emotion=delta)
+    tw = Sequence(rid=-1, prompt=pb.build("And went on.", cond, non_final=True) if kind == "prefix" else prompt,
                   params=params, max_frames=20, speaker=None if kind == "speaker" else spk, ignore_eos=True)
     other = Sequence(rid=2, prompt=pb.build("Someone else."), params=SamplingParams(seed=3), max_frames=20,
                      ignore_eos=True)
@@ -205,7 +235,7 @@ def twins_in_lockstep(kind: str, device: str) -> None:
     assert len(node.free_slots) == free - 3
     # the first frame: the formula on the two rows' own last logits (the model run alone per prompt)
     ids = [torch.from_numpy(p).to(device) for p in (seq.prompt, tw.prompt)]
-    want_logits = guide(node.model.forward_full(ids[0], speaker=spk)[-1].float(),
+    want_logits = guide(node.model.forward_full(ids[0], speaker=seq.speaker, emotion=delta)[-1].float(),
                         node.model.forward_full(ids[1], speaker=tw.speaker)[-1].float(), scale)
     ref = SamplerState(1, node.cfg.n_codebooks, node.cfg.audio_vocab, device)
     ref.admit(0, params, seq.seed)

@@ -8,13 +8,40 @@ let caps = null;
 // What the server allows: /tts/capabilities, then each session's `session.created` limits.
 export const limits = { max_frames: 3000 };
 
+function showRange(input) {
+  const out = form.querySelector(`output[for="${input.id}"]`);
+  const show = () => (out.textContent = Number(input.value).toFixed(2));
+  input.addEventListener("input", show);
+  show();
+}
+
 export function initRangeOutputs() {
-  for (const input of form.querySelectorAll('input[type="range"]')) {
-    const out = form.querySelector(`output[for="${input.id}"]`);
-    const show = () => (out.textContent = Number(input.value).toFixed(2));
-    input.addEventListener("input", show);
-    show();
+  for (const input of form.querySelectorAll('input[type="range"]')) showRange(input);
+}
+
+// Emotion (the reference's emotion-control-clean page): a slider per named emotion and axis the server's
+// directions have (-1..1), the strength (a multiplier of the calibrated strengths when calibrated) and the
+// emotion guidance scale; the whole set is hidden when the server has no emotion directions.
+function buildEmotion(c) {
+  const on = !!c.emotion_enabled;
+  $("#emotion-set").hidden = !on;
+  const box = $("#emotion-sliders");
+  box.replaceChildren();
+  if (!on) return;
+  for (const name of [...c.emotion_names, ...c.emotion_axes]) {
+    const id = `p-emotion-${name}`;
+    const input = el("input", { id, name: `emotion:${name}`, type: "range", min: "-1", max: "1", step: "0.05",
+                                value: "0", "data-default": "0", "data-emotion": name });
+    const label = name.replace(/_/g, " ");
+    box.append(el("label", { class: "field range", for: id },
+      el("span", {}, `${label.charAt(0).toUpperCase()}${label.slice(1)} `, el("output", { for: id })), input));
+    showRange(input);
   }
+  const strength = $("#p-emotion_strength");
+  const [max, step, def] = c.emotion_calibrated ? ["3", "0.05", "1"] : ["12", "0.1", "3"];
+  Object.assign(strength, { max, step, value: def });
+  strength.dataset.default = def;
+  $("#emotion-strength-label").firstChild.nodeValue = c.emotion_calibrated ? "Strength (× calibrated) " : "Strength ";
 }
 
 export function applyCapabilities(c) {
@@ -34,6 +61,7 @@ export function applyCapabilities(c) {
   $("#p-max_frames").max = c.max_tokens;
   limits.max_frames = c.max_tokens;
   $("#p-max_frames").placeholder = `server limit (${c.max_tokens})`;
+  buildEmotion(c);
   restoreParams();
 }
 
@@ -73,7 +101,22 @@ export function readParams() {
     clean_speaker_background: form.elements.clean_speaker_background.checked,
   };
   if (v("speaking_rate_bucket") !== "") p.speaking_rate_bucket = Number(v("speaking_rate_bucket"));
+  if (caps && caps.emotion_enabled) Object.assign(p, readEmotion());
   return p;
+}
+
+// The emotion_* fields (always all of them: session.config merges, so a field left out would keep its old value).
+function readEmotion() {
+  const value = (name) => Number(form.elements[`emotion:${name}`].value);
+  const axis = (name) => (caps.emotion_axes.includes(name) ? value(name) : 0);
+  return {
+    emotion_enabled: form.elements.emotion_enabled.checked,
+    emotion_sliders: Object.fromEntries(caps.emotion_names.map((n) => [n, value(n)])),
+    emotion_valence: axis("valence"),
+    emotion_arousal: axis("arousal"),
+    emotion_strength: Number(form.elements.emotion_strength.value),
+    emotion_cfg_scale: Number(form.elements.emotion_cfg_scale.value),
+  };
 }
 
 export const readSampleRate = () => Number(form.elements.sample_rate.value);

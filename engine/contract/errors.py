@@ -9,7 +9,7 @@ from enum import StrEnum
 class EngineError(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"  # the prompt (after text normalization) does not fit the context
     BAD_REQUEST = "bad_request"  # a record outside the contract's bounds
-    BAD_VOICE = "bad_voice"  # a speaker embedding of the wrong size
+    BAD_VOICE = "bad_voice"  # a speaker embedding (or an emotion vector) of the wrong size
     BAD_AUDIO = "bad_audio"  # a clip the speaker encoder cannot use
     QUEUE_FULL = "queue_full"
     ENGINE_BUSY = "engine_busy"  # realtime admission: no room for another live stream within the wait

@@ -9,8 +9,12 @@ malformed record with `bad_request`), so neither process ever crashes on one.
 gateway -> engine
   SubmitRequest  submit   {rid, prompt_frames, prompt_width, params,  payload: prompt int32 [P, 10]
                            max_frames, ignore_eos, speaker: none|        + uncond prompt int32 [U, 10]
-                           embedding|clip, clip_sr?, hold, continues,    + (speaker f32 [D] | clip f32 [N])
-                           uncond_frames}
+                           embedding|clip, clip_sr?, hold, continues,    + emotion delta f32 [E]
+                           uncond_frames, emotion_dim,                   + uncond speaker f32 [S]
+                           uncond_speaker_dim}                           + (speaker f32 [D] | clip f32 [N])
+                 emotion delta: 'proj' emotion, added to the projected speaker row (E = the model's hidden
+                 size); uncond speaker: raw/lda emotion, the speaker embedding without it (the emotion-CFG
+                 twin's voice); both optional (E, S = 0: none; engine/frontend/emotion.py, engine/guidance.py)
   Cancel         cancel   {rid}
   End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
   Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
@@ -243,6 +247,11 @@ class SubmitRequest(Record):
     continues: int = 0
     # prefix CFG (engine/guidance.py): the twin's prompt, the chunk generated fresh (the gateway builds it)
     uncond_prompt: np.ndarray | None = None
+    # emotion (engine/frontend/emotion.py): 'proj' space, the delta [hidden] added to the projected speaker row;
+    # raw/lda space (the speaker embedding carries the emotion), the embedding without it: the voice of the
+    # emotion-CFG twin (engine/guidance.py), sent only when emotion_cfg_scale asks for that twin
+    emotion_delta: np.ndarray | None = None
+    uncond_speaker: np.ndarray | None = None
 
     def encode(self) -> tuple[dict[str, Any], Payload]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
@@ -264,6 +273,11 @@ class SubmitRequest(Record):
             uncond = np.ascontiguousarray(self.uncond_prompt, dtype=np.int32).reshape(-1, prompt.shape[1])
             header["uncond_frames"] = int(uncond.shape[0])
             parts.append(uncond.tobytes())
+        for key, arr in (("emotion_dim", self.emotion_delta), ("uncond_speaker_dim", self.uncond_speaker)):
+            if arr is not None:
+                vec = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1)
+                header[key] = int(vec.shape[0])
+                parts.append(vec.tobytes())
         if self.speaker_embedding is not None:
             header["speaker"] = "embedding"
             parts.append(np.ascontiguousarray(self.speaker_embedding, dtype=np.float32).tobytes())
@@ -294,6 +308,13 @@ class SubmitRequest(Record):
         prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
         uncond = (np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
                   if u > 0 else None)
+        vectors = []  # emotion delta, uncond speaker
+        for key in ("emotion_dim", "uncond_speaker_dim"):
+            n = v[key]
+            if n < 0 or n_prompt + 4 * n > len(buf):
+                raise MalformedRecord(f"a submit record's {key} {n} does not fit its payload", rid)
+            vectors.append(np.frombuffer(buf, dtype=np.float32, count=n, offset=n_prompt).copy() if n else None)
+            n_prompt += 4 * n
         rest = _floats(buf[n_prompt:], None, "a submit record's voice", rid) if len(buf) > n_prompt else None
         kind = v["speaker"]
         return cls(
@@ -308,6 +329,8 @@ class SubmitRequest(Record):
             hold=v["hold"],
             continues=v["continues"],
             uncond_prompt=uncond,
+            emotion_delta=vectors[0],
+            uncond_speaker=vectors[1],
         )
 
 
@@ -326,6 +349,8 @@ class _SubmitHeader:
     hold: bool = False
     continues: int = 0
     uncond_frames: int = 0
+    emotion_dim: int = 0
+    uncond_speaker_dim: int = 0
 
 
 @record

@@ -17,9 +17,9 @@ and, by the folder's space:
 - raw:  emb' = (emb + strength * delta) * |emb| / |emb + strength * delta|   (norm-preserving)
 - lda:  the same in the LDA space the folder carries (x = W emb + b), mapped back with its pseudo-inverse;
 - proj: the speaker vector is unchanged and strength * delta is added to the *projected* speaker row inside
-  the model (the reference's shipped folder is this kind).
+  the model (the reference's shipped folder is this kind; the delta travels as SubmitRequest.emotion_delta).
 Nothing is applied without a speaker, when disabled, or when every weight is 0; unknown names are refused.
-`emotion_cfg_scale` runs a twin without the emotion (engine/guidance.py; the twins are not built yet).
+`emotion_cfg_scale` runs a twin without the emotion (engine/guidance.py).
 
 numpy only: the gateway resolves speaker embeddings and applies this without torch.
 """

@@ -127,7 +127,7 @@ class PrefillGraphs:
     captured, the same fixed-shape work launched eagerly). Eager prefill of a ~110-frame
     prompt is host-bound (~1,000 small launches, ~55 ms on an H200 for ~8 ms of GPU work); a replay
     costs only the GPU time. Each bucket has its own static inputs (token ids, per-token slot and
-    position, speaker rows, the attention block table, the chunks' last tokens), shared by the kernel sets;
+    position, speaker rows and their emotion deltas, the attention block table, the chunks' last tokens), shared by the kernel sets;
     each set has its own graphs and outputs, in one memory pool."""
 
     def __init__(self, model: Zonos2, scratch_slot: int, max_seqs: int = 16,
@@ -172,16 +172,19 @@ class PrefillGraphs:
     def bucket(self, n_tokens: int) -> int:
         return smallest_bucket(self.buckets, n_tokens, "prefill of")
 
-    def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None, invariant: bool = False) -> Tensor:
+    def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None, invariant: bool = False,
+            emotions: list[Tensor | None] | None = None) -> Tensor:
         """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V], by
-        kernel set `invariant` (captured: one of kernel_sets)."""
+        kernel set `invariant` (captured: one of kernel_sets). emotions: each sequence's emotion delta or None
+        (a static [max_seqs, dim] input: zeros where none)."""
         from engine.model.zonos2 import PackedPrefill
 
         n = ids.shape[0]
         b = self.bucket(n)
         self._ensure_inputs()
         static = self.inputs[b]
-        meta = PackedPrefill.build(self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot)
+        meta = PackedPrefill.build(self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot,
+                                   emotions)
         static[0][:n].copy_(ids, non_blocking=True)
         static[0][n:] = self.pad_row
         for dst, src in zip(static[1:], meta.tensors(), strict=True):

@@ -1,8 +1,9 @@
 """The LLM node: static slots over the model's KV cache, packed (chunked) prefill, batched decode.
 
-A request walks prefill (text-only prompt, or a prompt whose frame 0 takes a speaker embedding) and
-then decode, one frame per step, until the delayed EOS or its frame budget ends it. The node samples
-a full frame [cb0..cb8] per step with per-request parameters held in slot-indexed buffers.
+A request walks prefill (text-only prompt, or a prompt whose frame 0 takes a speaker embedding, maybe with
+an emotion delta on its projected row) and then decode, one frame per step, until the delayed EOS or its
+frame budget ends it. The node samples a full frame [cb0..cb8] per step with per-request parameters held
+in slot-indexed buffers.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Sequence:
     params: SamplingParams
     max_frames: int
     speaker: Tensor | None = None  # raw x-vector, injected at frame 0
+    emotion: Tensor | None = None  # [dim] added to the projected speaker row ('proj' emotion directions)
     ignore_eos: bool = False
     seed: int = 0
     slot: int = -1
@@ -189,19 +191,20 @@ class LLMNode:
 
     def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Tensor]]:
         """One packed prefill call; the last-position logits [C, V] of each sequence whose prompt it completed."""
-        ids, seqs, speakers = [], [], []
+        ids, seqs, speakers, emotions = [], [], [], []
         for seq, n in chunks:
             start = seq.prefilled
             ids.append(torch.from_numpy(seq.prompt[start:start + n]))
             seqs.append(PrefillSeq(seq.slot, start, n))
             speakers.append(seq.speaker if start == 0 else None)
+            emotions.append(seq.emotion if start == 0 else None)
         packed = torch.cat(ids).to(self.device, non_blocking=True)
         invariant = self.runs_invariant(seq for seq, _ in chunks)
         self.calls[("prefill", invariant)] += 1
         if self.prefill_graphs is not None:
-            logits = self.prefill_graphs.run(packed, seqs, speakers, invariant)
+            logits = self.prefill_graphs.run(packed, seqs, speakers, invariant, emotions)
         else:
-            logits = self.model.prefill(packed, seqs, speakers, invariant)
+            logits = self.model.prefill(packed, seqs, speakers, invariant, emotions)
         done = []
         for i, (seq, n) in enumerate(chunks):
             seq.prefilled += n

@@ -179,18 +179,23 @@ class PrefillSeq:
 class PackedPrefill:
     """Host-built metadata of one packed prefill call, padded to `n_tokens` tokens and `n_seqs` sequences
     (fixed sizes, so a captured graph can take it): per-token cache slot and position, which speaker
-    row (if any) replaces a token's embedding, the attention block table, and each chunk's last token."""
+    row (if any) replaces a token's embedding, each speaker row's emotion delta (zeros: none), the
+    attention block table, and each chunk's last token."""
 
     tok_slot: Tensor
     tok_pos: Tensor
     spk: Tensor
+    emo: Tensor
     spk_of_tok: Tensor
     blocks: tuple[Tensor, Tensor, Tensor, Tensor]
     last_idx: Tensor
 
     @staticmethod
     def build(model: Zonos2, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None, n_tokens: int,
-              n_seqs: int, device: torch.device, scratch_slot: int | None = None) -> PackedPrefill:
+              n_seqs: int, device: torch.device, scratch_slot: int | None = None,
+              emotions: list[Tensor | None] | None = None) -> PackedPrefill:
+        """emotions: per sequence, the hidden-space emotion delta [dim] added to its projected speaker row
+        (engine/frontend/emotion.py, 'proj' space), or None."""
         from engine.model.kernels.prefill_attention import build_block_table, max_blocks
 
         total = sum(s.length for s in seqs)
@@ -201,6 +206,7 @@ class PackedPrefill:
         tok_pos = torch.zeros(n_tokens, dtype=torch.int64)
         spk_of_tok = torch.full((n_tokens,), -1, dtype=torch.int64)
         spk = torch.zeros(n_seqs, model.cfg.speaker_embedding_dim, dtype=torch.float32, device=device)
+        emo = torch.zeros(n_seqs, model.cfg.dim, dtype=torch.float32, device=device)
         last_idx = torch.zeros(n_seqs, dtype=torch.int64)
         table, off = [], 0
         for i, s in enumerate(seqs):
@@ -210,15 +216,17 @@ class PackedPrefill:
             if sp is not None and s.start == 0:
                 spk[i] = sp.to(device=device, dtype=torch.float32).reshape(-1)
                 spk_of_tok[off] = i
+                if emotions and emotions[i] is not None:
+                    emo[i] = emotions[i].to(device=device, dtype=torch.float32).reshape(-1)
             table.append((s.slot, off, s.start, s.length))
             last_idx[i] = off + s.length - 1
             off += s.length
         blocks = build_block_table(table, max_blocks(n_tokens, n_seqs), device=device)
-        return PackedPrefill(tok_slot.to(device), tok_pos.to(device), spk, spk_of_tok.to(device), blocks,
+        return PackedPrefill(tok_slot.to(device), tok_pos.to(device), spk, emo, spk_of_tok.to(device), blocks,
                              last_idx.to(device))
 
     def tensors(self) -> tuple[Tensor, ...]:
-        return (self.tok_slot, self.tok_pos, self.spk, self.spk_of_tok, *self.blocks, self.last_idx)
+        return (self.tok_slot, self.tok_pos, self.spk, self.emo, self.spk_of_tok, *self.blocks, self.last_idx)
 
 
 class KVCache(nn.Module):
@@ -441,13 +449,17 @@ class Zonos2(nn.Module):
     def embed_tables(self) -> list[Tensor]:
         return [t.weight for t in self.multi_embedder.embedders]
 
-    def project_speaker(self, spk: Tensor, stages: Stages = PLAIN) -> Tensor:
+    def project_speaker(self, spk: Tensor, stages: Stages = PLAIN, emotion: Tensor | None = None) -> Tensor:
         """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame.
-        stages: their `linear` (when set) runs the projections of rows [N, 2048]."""
+        stages: their `linear` (when set) runs the projections of rows [N, 2048]. emotion: the hidden-space
+        emotion delta [..., dim] added to the projected row in its dtype, as the reference's
+        `projected_speaker + emotion_delta` ('proj' emotion directions, engine/frontend/emotion.py)."""
         x = spk.to(self.speaker_projection.weight.dtype)
         layers = [m for m in (self.speaker_lda_projection, self.speaker_projection) if m is not None]
         for m in layers:
             x = stages.linear(x, m.weight, m.bias) if stages.linear is not None else m(x)
+        if emotion is not None:
+            x = x + emotion.to(device=x.device, dtype=x.dtype)
         return x
 
     def head(self, h: Tensor, stages: Stages = PLAIN) -> Tensor:
@@ -501,13 +513,15 @@ class Zonos2(nn.Module):
     # ---- entry points ------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, ids: Tensor, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None = None,
-                invariant: bool | None = None) -> Tensor:
+                invariant: bool | None = None, emotions: list[Tensor | None] | None = None) -> Tensor:
         """Packed prefill. ids [sum(length), 10]. A speaker row replaces frame 0 of a sequence whose
-        chunk starts at 0. Returns logits [len(seqs), 9, audio_vocab] of each chunk's last frame.
-        invariant: the kernel set of the Triton path (`stages`)."""
+        chunk starts at 0 (plus its emotion delta [dim], `emotions`, when given). Returns logits
+        [len(seqs), 9, audio_vocab] of each chunk's last frame. invariant: the kernel set of the Triton path
+        (`stages`)."""
         assert self.cache is not None, "call setup_cache first"
         if self.use_triton:
-            batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device)
+            batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device,
+                                        emotions=emotions)
             return self.prefill_packed(ids, *batch.tensors(), invariant=invariant)
         cache = self.cache
         e = self.embed(ids)
@@ -516,7 +530,7 @@ class Zonos2(nn.Module):
             offsets.append(off)
             spk = speakers[i] if speakers else None
             if spk is not None and s.start == 0:
-                e[off] = self.project_speaker(spk).to(e.dtype)
+                e[off] = self.project_speaker(spk, emotion=emotions[i] if emotions else None).to(e.dtype)
             off += s.length
         h = rms_norm(e, None, self.cfg.norm_eps)
         dev = ids.device
@@ -528,12 +542,14 @@ class Zonos2(nn.Module):
         return self.head(h[last])
 
     @torch.inference_mode()
-    def prefill_packed(self, ids: Tensor, tok_slot: Tensor, tok_pos: Tensor, spk: Tensor, spk_of_tok: Tensor,
+    def prefill_packed(self, ids: Tensor, tok_slot: Tensor, tok_pos: Tensor, spk: Tensor, emo: Tensor,
+                       spk_of_tok: Tensor,
                        block_slot: Tensor, block_start: Tensor, block_len: Tensor, block_pos0: Tensor,
                        last_idx: Tensor, invariant: bool | None = None) -> Tensor:
         """The prefill as pure tensor work of fixed shapes (Triton attention over the cache, no host
         sync), so a CUDA graph per token count can replay it. Padding tokens write into the scratch
-        slot and belong to no attention block. Returns logits [len(last_idx), 9, audio_vocab]."""
+        slot and belong to no attention block. emo [n_seqs, dim]: each speaker row's emotion delta (zeros:
+        none; x + 0 is x). Returns logits [len(last_idx), 9, audio_vocab]."""
         from engine.model.kernels.prefill_attention import prefill_attention
 
         cache = self.cache
@@ -542,7 +558,7 @@ class Zonos2(nn.Module):
         e = self.embed(ids)
         if self.cfg.speaker_enabled:
             # frame 0 of a cloned prompt takes the projected speaker row instead of the embedding sum
-            rows = self.project_speaker(spk, stages).to(e.dtype)[spk_of_tok.clamp(min=0)]
+            rows = self.project_speaker(spk, stages, emotion=emo).to(e.dtype)[spk_of_tok.clamp(min=0)]
             e = torch.where((spk_of_tok >= 0)[:, None], rows, e)
         norm = stages.rms_norm if stages.batch_invariant else rms_norm
         h = norm(e, None, self.cfg.norm_eps)
@@ -584,12 +600,12 @@ class Zonos2(nn.Module):
         return self.head(self._layers(h, cache, slots, positions, attend, stages), stages)
 
     @torch.inference_mode()
-    def forward_full(self, ids: Tensor, speaker: Tensor | None = None) -> Tensor:
+    def forward_full(self, ids: Tensor, speaker: Tensor | None = None, emotion: Tensor | None = None) -> Tensor:
         """Teacher-forced logits for every frame of one sequence [T, 10] -> [T, 9, V], through a
-        private one-slot cache (the model's own cache is untouched)."""
+        private one-slot cache (the model's own cache is untouched). emotion: the speaker row's delta."""
         e = self.embed(ids)
         if speaker is not None:
-            e[0] = self.project_speaker(speaker).to(e.dtype)
+            e[0] = self.project_speaker(speaker, emotion=emotion).to(e.dtype)
         h = rms_norm(e, None, self.cfg.norm_eps)
         t = ids.shape[0]
         p = self.multi_output.weight

@@ -16,9 +16,10 @@ finished when that is out), the audio after it the new one's. A
 held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
 would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
 
-Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice) or `prefix_cfg_scale` (and the
-prefix twin's prompt) != 1 gets a twin: a second slot (rid -rid: no audio, no records) that decodes in
-lockstep with it, its prompt without the speaker or the chunk's fresh prompt; the sampler guides both rows
+Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice), `prefix_cfg_scale` (and the
+prefix twin's prompt) or `emotion_cfg_scale` (and a voice with an emotion) != 1 gets a twin: a second slot
+(rid -rid: no audio, no records) that decodes in lockstep with it, its prompt without the speaker, the
+chunk's fresh prompt, or the request without its emotion; the sampler guides both rows
 and they draw the same frame. The pair is admitted, prefilled (their last prompt chunks in the same call),
 decoded, released and cancelled together; admission counts the twin as a stream.
 """
@@ -73,7 +74,7 @@ class Job:
     successor: Job | None = None  # the request continuing its stream (it owns the stream until stream_end)
     predecessor: Job | None = None
     continued: bool = False  # its stream went on with its successor (its audio: its kept frames')
-    # guidance (module docstring): its twin, the kind ("speaker" | "prefix") and the scale
+    # guidance (module docstring): its twin, the kind ("speaker" | "prefix" | "emotion") and the scale
     twin: Sequence | None = None
     twin_kind: str = ""
     cfg_scale: float = 1.0
@@ -177,25 +178,45 @@ class Scheduler:
         if len(self.waiting) >= self.settings.max_queue + len(self.llm.free_slots):  # free slots admit at once
             return self._error(req.rid, E.QUEUE_FULL, "the engine queue is full; retry later")
         req.params.validate(cfg.n_codebooks)
-        speaker = None
+        speaker = emotion = uncond_speaker = None
         if req.speaker_embedding is not None:
             if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
                 return self._error(req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values")
             speaker = torch.from_numpy(req.speaker_embedding).to(self.engine.device)
+        has_speaker = req.speaker_embedding is not None or req.clip is not None
+        # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill
+        for name, vec, size, voiced in (
+                ("emotion delta", req.emotion_delta, cfg.dim, has_speaker),
+                ("uncond speaker embedding", req.uncond_speaker, cfg.speaker_embedding_dim, speaker is not None)):
+            if vec is None:
+                continue
+            if vec.shape != (size,) or not np.isfinite(vec).all():
+                return self._error(req.rid, E.BAD_VOICE, f"the {name} must have {size} finite values (the "
+                                   "emotion directions must be built for this model)")
+            if not voiced:
+                return self._error(req.rid, E.BAD_REQUEST, f"an {name} needs a speaker embedding")
+        if req.emotion_delta is not None:
+            emotion = torch.from_numpy(req.emotion_delta).to(self.engine.device)
+        if req.uncond_speaker is not None:
+            uncond_speaker = torch.from_numpy(req.uncond_speaker).to(self.engine.device)
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
-                       speaker=speaker, ignore_eos=req.ignore_eos)
+                       speaker=speaker, emotion=emotion, ignore_eos=req.ignore_eos)
         job = Job(seq, time.perf_counter(), hold=req.hold, continues=req.continues)
-        kind = twin_kind(req.params, req.speaker_embedding is not None or req.clip is not None,
-                         req.uncond_prompt is not None)
+        kind = twin_kind(req.params, has_speaker, req.uncond_prompt is not None,
+                         emotion is not None or uncond_speaker is not None)
         if kind is not None:
             job.twin_kind, job.cfg_scale = kind
             uncond = req.uncond_prompt if job.twin_kind == "prefix" else req.prompt
             assert uncond is not None
             if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= self.llm.max_len - 1:
                 return self._error(req.rid, E.BAD_REQUEST, "the prefix twin's prompt does not fit")
+            # prefix: the voice and its emotion; speaker: neither; emotion: the voice without the emotion
+            twin_speaker = {"prefix": speaker, "speaker": None,
+                            "emotion": uncond_speaker if uncond_speaker is not None else speaker}[job.twin_kind]
             job.twin = Sequence(rid=-req.rid, prompt=uncond, params=req.params, max_frames=max_frames,
-                                speaker=speaker if job.twin_kind == "prefix" else None, ignore_eos=req.ignore_eos)
+                                speaker=twin_speaker, emotion=emotion if job.twin_kind == "prefix" else None,
+                                ignore_eos=req.ignore_eos)
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
@@ -221,7 +242,7 @@ class Scheduler:
                 self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 continue
             job.seq.speaker = torch.from_numpy(emb).to(self.engine.device)
-            if job.twin is not None and job.twin_kind == "prefix":  # the prefix twin keeps the voice
+            if job.twin is not None and job.twin_kind in ("prefix", "emotion"):  # these twins keep the voice
                 job.twin.speaker = job.seq.speaker
             job.clip_ms = (time.perf_counter() - t_sent) * 1e3
             job.speaker_pending = False
