@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from app.synthesis import RequestError
+from app.errors import RequestError
 
 # 18 digits: every setting fits in an int64, and int() of a huge digit string is never reached
 _DECIMAL = re.compile(r"[0-9]{1,18}")
