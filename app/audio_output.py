@@ -24,7 +24,7 @@ FFmpeg's encoder (PyAV):
 
 `StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
 finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
-when it did not ask for a stream (app/http_api.py).
+when it did not ask for a stream (app/openai_api.py).
 
 G.711 is libsndfile's codec too (its RAW format with the ULAW / ALAW subtype): a well-kept C library
 instead of the `audioop` module that Python 3.13 removed.

@@ -5,8 +5,8 @@ a few when its normalized text outgrows the budget: app/gateway.py), and utteran
 `max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
 The utterances of a context continue one another (app/continuation.py: one voice, one DAC stream) unless
 their options say long_form false; `end` says a context's last utterance has been queued.
-The per-utterance stats (time to first audio, real-time factor) and the HTTP status of every engine
-error code are defined here and nowhere else.
+The per-utterance stats (time to first audio, real-time factor) are defined here and nowhere else; an
+engine error becomes a RequestError here (its code and HTTP status: engine/contract/errors.py).
 """
 
 from __future__ import annotations
