@@ -254,8 +254,8 @@ async def tts_cache_speaker(request: Request) -> Response:
         if audio and emb:
             raise RequestError(G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both.")
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
-        file_name = text_field(data.get(name_key), name_key, "bad_params") or None
-        label = _label(text_field(data.get("label"), "label", "bad_params") or "")
+        file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        label = _label(text_field(data.get("label"), "label", G.BAD_PARAMS) or "")
         name = label or (_name_from_filename(file_name) if file_name else "") or (
             "Speaker audio" if audio else "Speaker embedding")
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
