@@ -166,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()
     if a.emotion_directions_dir:  # a folder that is not one is a flag error, not a failed request later
-        from app.synthesis import emotion_directions
+        from app.emotion import emotion_directions
 
         try:
             emotion_directions(Path(a.emotion_directions_dir))

@@ -16,8 +16,9 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 from starlette.websockets import WebSocket
 
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.settings import loopback
-from app.synthesis import RequestError
 
 
 def api_key_from(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
@@ -41,7 +42,7 @@ def require_key(request: Request) -> str | None:
     keys = request.app.state.gateway.settings.api_keys
     key = api_key_from(request.headers, request.query_params)
     if not key_ok(key, keys):
-        raise RequestError("unauthorized", "missing or wrong API key", 401)
+        raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
     return key if keys else None
 
 
@@ -131,16 +132,17 @@ class HostCheck:
             await self.app(scope, receive, send)
             return
         name = host_name(Headers(scope=scope).get("host", ""))[:100]
-        body = json.dumps({"error": {"code": "host_not_allowed", "message": (
+        body = json.dumps({"error": {"code": G.HOST_NOT_ALLOWED, "message": (
             f"this gateway has no API key and serves only loopback host names, not {name!r}: start it with "
             f"--allowed-host {name or 'NAME'} (or give it an --api-key)")}}).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 403, "headers": headers})
+            await send({"type": "http.response.start", "status": G.HOST_NOT_ALLOWED.http_status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
         elif "websocket.http.response" in scope.get("extensions", {}):
             await receive()  # websocket.connect
-            await send({"type": "websocket.http.response.start", "status": 403, "headers": headers})
+            await send({"type": "websocket.http.response.start", "status": G.HOST_NOT_ALLOWED.http_status,
+                        "headers": headers})
             await send({"type": "websocket.http.response.body", "body": body})
         else:
             await receive()

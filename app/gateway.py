@@ -18,11 +18,15 @@ import numpy as np
 import soundfile as sf
 
 from app.continuation import Chain, Link
+from app.emotion import emotion_directions
 from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.metrics import Metrics
 from app.normalization import NormalizationPool, default_workers
+from app.options import SynthesisOptions
+from app.prompts import PromptFactory
 from app.settings import GatewaySettings
-from app.synthesis import PromptFactory, RequestError, SynthesisOptions, check_text, emotion_directions
 from app.text_buffer import split_to_budget, utf8_len
 from app.voices import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
@@ -148,20 +152,20 @@ class Gateway:
         """Decode an uploaded reference clip in a worker thread and apply the size limits."""
         lim = self.settings.limits
         if len(data) > lim.max_upload_bytes:
-            raise RequestError("upload_too_large", f"clips are limited to {lim.max_upload_bytes} bytes", 413)
+            raise RequestError(G.UPLOAD_TOO_LARGE, f"clips are limited to {lim.max_upload_bytes} bytes")
         if not data:
             raise RequestError(E.BAD_AUDIO, "the clip is empty")
         try:
             samples, sr = await asyncio.to_thread(decode_audio, data, lim.max_clip_seconds)
         except ClipTooLong as e:
-            raise RequestError("clip_too_long", str(e)) from None
+            raise RequestError(G.CLIP_TOO_LONG, str(e)) from None
         except AudioDecodeError as e:
             raise RequestError(E.BAD_AUDIO, str(e)) from None
         seconds = len(samples) / sr
         if seconds > lim.max_clip_seconds:
-            raise RequestError("clip_too_long", f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
+            raise RequestError(G.CLIP_TOO_LONG, f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
         if seconds < lim.min_clip_seconds:
-            raise RequestError("clip_too_short", f"clips need at least {lim.min_clip_seconds:g} s of audio")
+            raise RequestError(G.CLIP_TOO_SHORT, f"clips need at least {lim.min_clip_seconds:g} s of audio")
         return samples, sr
 
     async def embed_samples(self, samples: np.ndarray, sr: int) -> np.ndarray:
@@ -169,9 +173,9 @@ class Gateway:
         try:
             return await self.engine.embed(samples, sr)
         except EngineUnavailable as e:
-            raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
+            raise RequestError(E.ENGINE_BUSY, str(e)) from None
         except RecordTooLarge:
-            raise RequestError("clip_too_long", f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
+            raise RequestError(G.CLIP_TOO_LONG, f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
                                "engine takes in one piece: send a shorter clip or a lower sample rate") from None
         except ValueError as e:
             raise RequestError(E.BAD_AUDIO, str(e)) from None
@@ -205,8 +209,7 @@ class Gateway:
         it, in one engine request or in a few, one after another (PieceStream). chain, link: its place in
         its context's continuation chain (app/continuation.py)."""
         if len(text) > self.settings.limits.max_text_chars:
-            raise RequestError("text_too_long", f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
-        check_text(text)
+            raise RequestError(G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         budget = utterance_bytes(self)
@@ -220,7 +223,7 @@ class Gateway:
             try:
                 return self.engine.submit(req)
             except EngineUnavailable as e:
-                raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
+                raise RequestError(E.ENGINE_BUSY, str(e)) from None
 
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
@@ -252,7 +255,7 @@ class Gateway:
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
             except EngineUnavailable as e:
-                raise RequestError(E.ENGINE_BUSY, str(e), E.ENGINE_BUSY.http_status) from None
+                raise RequestError(E.ENGINE_BUSY, str(e)) from None
             link.settle(text, stream)
             return stream
         finally:

@@ -25,6 +25,9 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from app.errors import GatewayError as G
+from engine.contract.errors import EngineError as E
+
 MAX_TARGET_BYTES = 8000  # the request line is the method, this, and " HTTP/1.1": under websockets' 8192
 MAX_FIELD_BYTES = 8000  # one header line, "name: value"
 MAX_HEADERS = 100  # websockets refuses more than 128
@@ -72,7 +75,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if not self.transport.is_closing():
-            self._refuse(408, "request_timeout", f"the request head was not complete within {self.head_timeout_s:g} s")
+            self._refuse(G.REQUEST_TIMEOUT.http_status, G.REQUEST_TIMEOUT, f"the request head was not complete within {self.head_timeout_s:g} s")
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -94,7 +97,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         # also how uvicorn answers our HeadRefused: httptools raises it again as a parser error
         if not self._refused:
-            self._refuse(400, "bad_request", msg)
+            self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, msg)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:  # the rest of a refused request: nothing more is parsed or answered
@@ -106,7 +109,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._in_head and gen == self._head_gen and not self._refused:
             self._head_raw += len(data)
             if self._head_raw > MAX_TARGET_BYTES + MAX_HEAD_BYTES:
-                self._refuse(431, "headers_too_large", self._fields_message())
+                self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
 
     # ---- parser callbacks -------------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -119,7 +122,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
-            self._refuse(414, "uri_too_long", f"the request target is limited to {MAX_TARGET_BYTES} bytes")
+            self._refuse(G.URI_TOO_LONG.http_status, G.URI_TOO_LONG, f"the request target is limited to {MAX_TARGET_BYTES} bytes")
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -127,7 +130,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_bytes += size
         self._head_fields += 1
         if size > MAX_FIELD_BYTES or self._head_fields > MAX_HEADERS or self._head_bytes > MAX_HEAD_BYTES:
-            self._refuse(431, "headers_too_large", self._fields_message())
+            self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
             raise HeadRefused
         super().on_header(name, value)
 

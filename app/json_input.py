@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from app.synthesis import RequestError
+from app.errors import RequestError
 
 # Our messages and bodies nest a few levels at most ({"params": {"quality_buckets": {...}}}). A deeper
 # document is refused whole, so no later code (validation, json.dumps, msgpack) ever walks one.

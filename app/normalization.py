@@ -40,7 +40,8 @@ from typing import Any, TypeVar
 
 import pebble
 
-from app.synthesis import RequestError
+from app.errors import GatewayError as G
+from app.errors import RequestError
 
 log = logging.getLogger("gateway.textnorm")
 
@@ -236,7 +237,7 @@ class NormalizationPool:
         except pebble.ProcessExpired as e:
             if e.exitcode == -_CPU_SIGNAL:
                 raise RequestError(
-                    "normalization_timeout", f"normalizing this text took more than {self.cpu_limit_s:g} s of CPU: "
+                    G.NORMALIZATION_TIMEOUT, f"normalizing this text took more than {self.cpu_limit_s:g} s of CPU: "
                     "send shorter sentences, or turn text_normalization off for it") from None
             log.warning("a text-normalization worker died (exit code %s); this text is spoken as written", e.exitcode)
             return text

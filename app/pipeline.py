@@ -25,10 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from app.audio_output import Encoder
 from app.continuation import Chain, Link
 from app.engine_client import Stream
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway, utterance_bytes
-from app.synthesis import PcmEncoder, RequestError, SynthesisOptions
+from app.options import SynthesisOptions
 from app.text_buffer import TextBuffer
 from app.voices import Voice
 from engine.contract import records as m
@@ -43,7 +46,7 @@ DEFAULT_CONTEXT = "default"
 def engine_error(err: m.Error) -> RequestError:
     """An error the engine (or the stream to it) reported, as the gateway's error: the code and its HTTP
     status from engine/contract/errors.py (an unknown code already read as `internal`, a bug)."""
-    return RequestError(err.code.value, err.message or err.code.value, err.code.http_status)
+    return RequestError(err.code, err.message or err.code.value)
 
 
 def text_buffer(gw: Gateway, language: str) -> TextBuffer:
@@ -93,7 +96,7 @@ class Utterance:
     opts: SynthesisOptions
     voice: Voice | None
     clip: tuple[np.ndarray, int] | None
-    encoder: PcmEncoder | None = None  # the client's encoding (WebSocket); HTTP routes encode themselves
+    encoder: Encoder | None = None  # the client's encoding (WebSocket); HTTP routes encode themselves
     t_created: float = field(default_factory=time.perf_counter)  # its text was complete
     t_head: float | None = None  # it began to play: the utterance before it had been sent
     t_first: float | None = None  # its first audio was handed to the client
@@ -147,7 +150,7 @@ class UtterancePipeline:
         for text in texts:
             seq = next(self._seq)
             u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
-                          clip=clip, encoder=PcmEncoder(*encoder) if encoder else None)
+                          clip=clip, encoder=Encoder(*encoder) if encoder else None)
             if opts.long_form.long_form is False:
                 self.end(context_id)
             else:
@@ -176,8 +179,7 @@ class UtterancePipeline:
             u.error = e
         except Exception:  # a bug must cost this utterance, not the session
             log.exception("starting %s failed", u.id)
-            u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance",
-                                   EngineError.INTERNAL.http_status)
+            u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
         else:
             if u.cancelled:
                 u.stream.cancel()
@@ -262,7 +264,7 @@ async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice:
     HTTP status); closing the iterator (the client is gone) cancels the engine work."""
     sentences = split_text(gw, text, opts.language)
     if not sentences:
-        raise RequestError("empty_text", "there is no text to speak")
+        raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe = UtterancePipeline(gw, api)
     pipe.add(sentences, opts, voice, clip)
     pipe.end()  # the whole text is here: its last sentence is final

@@ -8,13 +8,14 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from app.synthesis import RequestError
+from app.errors import GatewayError as G
+from app.errors import RequestError
 
 # 18 digits: every setting fits in an int64, and int() of a huge digit string is never reached
 _DECIMAL = re.compile(r"[0-9]{1,18}")
 
 
-def decimal(text: str, name: str, code: str = "bad_params") -> int:
+def decimal(text: str, name: str, code: str = G.BAD_PARAMS) -> int:
     """`text` as a non-negative integer written in ASCII digits, else RequestError(code)."""
     if not _DECIMAL.fullmatch(text):
         shown = text if len(text) <= 24 else text[:24] + "..."
@@ -22,7 +23,7 @@ def decimal(text: str, name: str, code: str = "bad_params") -> int:
     return int(text)
 
 
-def query_int(query: Mapping[str, str], key: str, code: str = "bad_params") -> int | None:
+def query_int(query: Mapping[str, str], key: str, code: str = G.BAD_PARAMS) -> int | None:
     """The integer setting `key` of a query string (None when absent or empty)."""
     raw = query.get(key)
     return None if raw is None or raw == "" else decimal(raw, key, code)

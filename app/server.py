@@ -23,13 +23,15 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import http_api, voices_api
+from app import http_api, openai_api, reference_api, voices_api
 from app.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
 from app.settings import GatewaySettings
-from app.synthesis import RequestError
 from app.ws import websocket_endpoint
+from engine.contract.errors import EngineError as E
 
 WEB = Path(__file__).resolve().parent  # app/templates and app/static: package data (pyproject.toml)
 templates = Jinja2Templates(directory=str(WEB / "templates"))
@@ -73,7 +75,7 @@ async def readyz(request: Request) -> Response:
 
 
 # ---- every error is JSON {"error": {"code", "message"}} ----------------------------------------------------
-_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
+_HTTP_CODES = {404: G.NOT_FOUND, 405: G.METHOD_NOT_ALLOWED}
 
 
 def json_error(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -97,7 +99,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
 
 async def internal_error(request: Request, exc: Exception) -> Response:
     # ServerErrorMiddleware calls this for an unhandled exception, then re-raises it (so it is logged)
-    return json_error("internal", "internal error", 500)
+    return json_error(E.INTERNAL, "internal error", E.INTERNAL.http_status)
 
 
 class JsonCORSMiddleware(CORSMiddleware):
@@ -108,7 +110,7 @@ class JsonCORSMiddleware(CORSMiddleware):
         if resp.status_code < 400:
             return resp
         headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
-        return json_error("cors_refused", f"{bytes(resp.body).decode()} (see --cors-origin)", resp.status_code,
+        return json_error(G.CORS_REFUSED, f"{bytes(resp.body).decode()} (see --cors-origin)", resp.status_code,
                           headers)
 
 
@@ -165,7 +167,7 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send_with_id)
         except Exception:
             if scope["type"] == "http" and status == "-":  # answered here, so that a 500 carries the id too
-                await json_error("internal", "internal error", 500)(scope, receive, send_with_id)
+                await json_error(E.INTERNAL, "internal error", E.INTERNAL.http_status)(scope, receive, send_with_id)
             raise  # ServerErrorMiddleware logs it (and sends nothing more: a response has started)
         finally:
             method = scope.get("method", "WS")
@@ -194,8 +196,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/metrics", keyed(http_api.metrics)),
         Route("/v1/models", keyed(http_api.models)),
         Route("/tts/capabilities", http_api.capabilities),
-        Route("/v1/audio/speech", http_api.openai_speech, methods=["POST"]),
-        Route("/tts/generate", http_api.tts_generate, methods=["POST"]),
+        Route("/v1/audio/speech", openai_api.openai_speech, methods=["POST"]),
+        Route("/tts/generate", reference_api.tts_generate, methods=["POST"]),
         Route("/tts/speakers", voices_api.tts_list_speakers, methods=["GET"]),
         Route("/tts/speakers", voices_api.tts_cache_speaker, methods=["POST"]),
         Route("/tts/speakers/{speaker}/preview", voices_api.tts_speaker_preview, methods=["GET"]),

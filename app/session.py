@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import logging
 import re
@@ -32,12 +31,15 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, Protocol
 
 import numpy as np
-from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocket, WebSocketState
 
+from app.checks import check_text
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
 from app.json_input import parse_json_object
+from app.options import SynthesisOptions
 from app.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
-from app.synthesis import RequestError, SynthesisOptions, check_text
 from app.text_buffer import TextBuffer
 from app.voices import Voice
 
@@ -120,7 +122,7 @@ class StreamingSession:
         raise NotImplementedError
 
     async def on_binary(self, data: bytes) -> None:
-        await self.error("bad_message", "send control messages as JSON text frames")
+        await self.error(G.BAD_MESSAGE, "send control messages as JSON text frames")
 
     def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
         """The dialect's error message (None: send nothing)."""
@@ -144,7 +146,7 @@ class StreamingSession:
             await self.send_json_locked(msg)
 
     async def on_idle(self) -> None:
-        await self.error("idle_timeout", f"no message for {self.limits.idle_timeout_s:g} s; closing")
+        await self.error(G.IDLE_TIMEOUT, f"no message for {self.limits.idle_timeout_s:g} s; closing")
         await self.ws.close(1000)
 
     async def on_closed(self) -> None:
@@ -247,7 +249,7 @@ class StreamingSession:
                 await self.on_binary(msg["bytes"])
                 continue
             try:
-                data = parse_json_object(msg.get("text") or "", "bad_message", "a message")
+                data = parse_json_object(msg.get("text") or "", G.BAD_MESSAGE, "a message")
             except RequestError as e:
                 await self.error(e.code, str(e))
                 continue
@@ -287,14 +289,14 @@ class StreamingSession:
         of it queued or kept) with a RequestError."""
         check_text(text)
         if self._closing:
-            raise RequestError("bad_message", "the session is closing: no text is taken after close")
+            raise RequestError(G.BAD_MESSAGE, "the session is closing: no text is taken after close")
         if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
-            raise RequestError("too_many_contexts", f"at most {self.max_contexts} contexts may be open at once; "
+            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; "
                                "close one first")
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(text) > self.limits.max_buffer_chars:
             raise RequestError(
-                "buffer_full" if buffered else "text_too_long",
+                G.BUFFER_FULL if buffered else G.TEXT_TOO_LONG,
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
         opts = self.settings_for(ctx)[0]
@@ -321,7 +323,7 @@ class StreamingSession:
             return
         queued = sum(len(lane.pipe) for lane in self.lanes.values())
         if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
-            raise RequestError("too_many_utterances",
+            raise RequestError(G.TOO_MANY_UTTERANCES,
                                f"at most {self.limits.max_pending_utterances} utterances may be queued "
                                f"({queued} are); this text was not accepted")
         opts, voice, clip = self.settings_for(ctx)
@@ -361,7 +363,7 @@ class StreamingSession:
             return
         assert lane is not None
         if sum(x.entries for x in self.lanes.values()) >= MAX_PENDING_ANSWERS:
-            raise RequestError("buffer_full", f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
+            raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
         lane.add((ctx, last), answer)
 
     def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
@@ -533,57 +535,3 @@ class StreamingSession:
         for answer, count in due:
             for _ in range(count):
                 await self._answer_locked(answer)
-
-
-# Set by `deny` in the task that runs the ASGI app, where uvicorn logs once the app returns.
-_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
-
-
-class _DenialLogFilter(logging.Filter):
-    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing handshake" after a
-    refusal sent as an HTTP response (the denial extension), though the response went out: dropped for
-    refusals `deny` made, kept for any other app that returns without answering."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (_denied.get() and "returned without completing handshake" in record.getMessage())
-
-
-logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
-
-
-async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
-    """Refuse a WebSocket handshake with an HTTP response (the WebSocket Denial Response extension: the
-    client's connect fails with this status and body); where the server lacks it, accept and close 1008."""
-    from starlette.responses import JSONResponse
-
-    try:
-        await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
-        _denied.set(True)
-    except RuntimeError:
-        await ws.accept()
-        await ws.send_text(json.dumps(body))
-        await ws.close(1008)
-
-
-async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -> None:
-    """Run an accepted session to its end, counted among the gateway's sessions. A client that stopped
-    reading, or a bug, ends this session only (a bug with the dialect's `internal` error and close 1011)."""
-    gw.sessions += 1
-    gw.metrics.sessions.inc()
-    try:
-        await session.run()
-    except WebSocketDisconnect:
-        pass
-    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
-        log.info("%s session closed: the client stopped reading (%s)", session.api, e)
-        gw.metrics.errors.labels("client_stalled").inc()
-    except Exception:
-        log.exception("%s session failed", session.api)
-        with contextlib.suppress(Exception):
-            msg = session.render_error("internal", "internal error", {})
-            if msg is not None:
-                await ws.send_text(json.dumps(msg))
-            await ws.close(1011)
-    finally:
-        gw.sessions -= 1
-        gw.metrics.sessions.dec()

@@ -29,7 +29,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from app.synthesis import RequestError
+from app.errors import GatewayError as G
+from app.errors import RequestError
 
 log = logging.getLogger("gateway.voices")
 
@@ -64,7 +65,7 @@ class Voice:
 def validate_name(name: str) -> str:
     name = name.strip()
     if not _NAME_OK.match(name):
-        raise VoiceError("bad_name", "voice names are 1-64 letters, digits, spaces and . , ' ( ) + & - _")
+        raise VoiceError(G.BAD_NAME, "voice names are 1-64 letters, digits, spaces and . , ' ( ) + & - _")
     return name
 
 
@@ -84,15 +85,15 @@ def _read_npy(fp: BinaryIO, max_bytes: int) -> np.ndarray:
     elif version == (2, 0):
         shape, fortran, dtype = fmt.read_array_header_2_0(fp)
     else:
-        raise VoiceError("bad_embedding", f"unsupported .npy format version {version[0]}.{version[1]}")
+        raise VoiceError(G.BAD_EMBEDDING, f"unsupported .npy format version {version[0]}.{version[1]}")
     if dtype.hasobject:
-        raise VoiceError("bad_embedding", "object arrays (pickles) are not accepted; save plain float32 numbers")
+        raise VoiceError(G.BAD_EMBEDDING, "object arrays (pickles) are not accepted; save plain float32 numbers")
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > max_bytes:
-        raise VoiceError("bad_embedding", f"array of shape {shape} ({dtype}) is too large for a speaker embedding")
+        raise VoiceError(G.BAD_EMBEDDING, f"array of shape {shape} ({dtype}) is too large for a speaker embedding")
     raw = fp.read(nbytes)
     if len(raw) != nbytes:
-        raise VoiceError("bad_embedding", f"truncated array data ({len(raw)} of {nbytes} bytes)")
+        raise VoiceError(G.BAD_EMBEDDING, f"truncated array data ({len(raw)} of {nbytes} bytes)")
     return np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
 
@@ -100,12 +101,12 @@ def _load_array(data: bytes, max_bytes: int) -> np.ndarray:
     if data.startswith(_NPY_MAGIC):
         return _read_npy(io.BytesIO(data), max_bytes)
     if not data.startswith(_ZIP_MAGIC):
-        raise VoiceError("bad_embedding", "not a .npy/.npz array file")
+        raise VoiceError(G.BAD_EMBEDDING, "not a .npy/.npz array file")
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         members = {n.removesuffix(".npy"): n for n in zf.namelist()}
         key = "emb" if "emb" in members else (next(iter(members)) if len(members) == 1 else None)
         if key is None:
-            raise VoiceError("bad_embedding", f".npz must hold one array or an 'emb' array, found {sorted(members)}")
+            raise VoiceError(G.BAD_EMBEDDING, f".npz must hold one array or an 'emb' array, found {sorted(members)}")
         with zf.open(members[key]) as fp:
             return _read_npy(fp, max_bytes)
 
@@ -123,31 +124,31 @@ def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
         detail = str(e)
         if re.search(r"object at 0x[0-9a-fA-F]+", detail):  # numpy's header parser quotes Python objects
             detail = "the array header is damaged"
-        raise VoiceError("bad_embedding", f"not a readable .npy/.npz array file: {detail}") from None
+        raise VoiceError(G.BAD_EMBEDDING, f"not a readable .npy/.npz array file: {detail}") from None
     if arr.dtype.names:
         if "emb" not in arr.dtype.names:
-            raise VoiceError("bad_embedding", f"structured array without an 'emb' field (fields {arr.dtype.names})")
+            raise VoiceError(G.BAD_EMBEDDING, f"structured array without an 'emb' field (fields {arr.dtype.names})")
         arr = arr["emb"]
     if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
-        raise VoiceError("bad_embedding", f"embedding must hold real numbers (float or int), got {arr.dtype}")
+        raise VoiceError(G.BAD_EMBEDDING, f"embedding must hold real numbers (float or int), got {arr.dtype}")
     shape = arr.shape
     with np.errstate(over="ignore", invalid="ignore"):
         arr = np.asarray(arr, dtype=np.float32).squeeze()
         if arr.ndim == 2 and arr.shape[1] == dim:
             if arr.shape[0] == 0:
-                raise VoiceError("bad_embedding", f"embedding array of shape {shape} holds no rows")
+                raise VoiceError(G.BAD_EMBEDDING, f"embedding array of shape {shape} holds no rows")
             arr = arr.mean(axis=0)
     if arr.shape != (dim,):
-        raise VoiceError("bad_embedding", f"embedding must have shape ({dim},) or (N, {dim}), got {shape}")
+        raise VoiceError(G.BAD_EMBEDDING, f"embedding must have shape ({dim},) or (N, {dim}), got {shape}")
     if not np.isfinite(arr).all():
-        raise VoiceError("bad_embedding", "embedding contains NaN or infinite values")
+        raise VoiceError(G.BAD_EMBEDDING, "embedding contains NaN or infinite values")
     return np.array(arr, dtype=np.float32)  # a writable copy, not a view of the upload
 
 
 def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
     """Spherical interpolation of directions, linear interpolation of norms (the reference's blend)."""
     if not 0.0 <= t <= 1.0:
-        raise VoiceError("bad_blend", "t must be in [0, 1]")
+        raise VoiceError(G.BAD_BLEND, "t must be in [0, 1]")
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     if na == 0 or nb == 0:
         return ((1 - t) * a + t * b).astype(np.float32)
@@ -173,7 +174,7 @@ def _safe_id(voice_id: str) -> bool:
 def _store_error(what: str, e: OSError) -> VoiceError:
     """507 Insufficient Storage when the disk or quota is full, 503 for any other I/O failure."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    return VoiceError("voice_store_unavailable", f"{what}: {e.strerror or e}", 507 if full else 503)
+    return VoiceError(G.VOICE_STORE_UNAVAILABLE, f"{what}: {e.strerror or e}", 507 if full else 503)
 
 
 SHARED_RECOVER_AGE_S = 600.0  # shared store: a write or delete in progress elsewhere is far younger than this
@@ -306,7 +307,7 @@ class VoiceStore:
                 named = [x for x in self._voices.values() if x.name == ref and self.visible(x, owner)]
                 v = max(named, key=lambda x: x.created_at) if named else None
         if v is None:
-            raise VoiceError("unknown_voice", f"no voice {ref!r}", status=404)
+            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref!r}")
         return v
 
     def preview_path(self, voice: Voice) -> Path:
@@ -327,10 +328,10 @@ class VoiceStore:
 
     def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
         if self.error:
-            raise VoiceError("voice_store_unavailable", self.error, status=503)
+            raise VoiceError(G.VOICE_STORE_UNAVAILABLE, self.error)
         embedding = np.asarray(embedding, dtype=np.float32)
         if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
-            raise VoiceError("bad_embedding", f"embedding must be {self.dim} finite values")
+            raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
         voice.embedding = embedding
         voice.dim = self.dim
         voice.has_preview = preview_wav is not None
@@ -366,9 +367,9 @@ class VoiceStore:
     def rename(self, ref: str, owner: str, name: str) -> Voice:
         v = self.get(ref, owner)
         if v.source == "default":
-            raise VoiceError("read_only", "default voices cannot be renamed", status=403)
+            raise VoiceError(G.READ_ONLY, "default voices cannot be renamed")
         if v.owner != owner:
-            raise VoiceError("forbidden", "this voice belongs to another key", status=403)
+            raise VoiceError(G.FORBIDDEN, "this voice belongs to another key")
         name = validate_name(name)
         try:
             preview = self.preview_path(v).read_bytes() if v.has_preview else None
@@ -381,9 +382,9 @@ class VoiceStore:
     def delete(self, ref: str, owner: str) -> Voice:
         v = self.get(ref, owner)
         if v.source == "default":
-            raise VoiceError("read_only", "default voices cannot be deleted", status=403)
+            raise VoiceError(G.READ_ONLY, "default voices cannot be deleted")
         if v.owner != owner:
-            raise VoiceError("forbidden", "this voice belongs to another key", status=403)
+            raise VoiceError(G.FORBIDDEN, "this voice belongs to another key")
         # Renamed aside first (atomic), so a failed or interrupted delete never leaves half a voice to reload.
         gone = self.root / f".del-{v.id}-{os.getpid()}-{time.monotonic_ns()}"
         try:

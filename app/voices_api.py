@@ -12,9 +12,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.auth import require_key
+from app.checks import base64_payload
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway, wav_bytes
-from app.http_api import b64_field, error_response, read_json
-from app.synthesis import RequestError
+from app.http_api import error_response, read_json
 from app.voices import Voice, VoiceError, VoiceStore, parse_embedding_file, slerp, validate_name
 
 MAX_CLIPS = 8
@@ -26,7 +28,7 @@ def _name_from_filename(filename: str) -> str:
     return re.sub(r"[^\w .,'()+&\-]", "_", stem).strip()[:64].strip() or "voice"
 
 
-def text_field(value: object, key: str, code: str = "bad_name") -> str | None:
+def text_field(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
     """A JSON field that names something (a voice name, a label, a file name): a string, or None when null
     or absent. Anything else (null's cousins true, 12, {}) is refused, never turned into "True" or "12"."""
     if value is None or isinstance(value, str):
@@ -46,22 +48,22 @@ async def create_voice(request: Request) -> Response:
     owner = _owner(request)
     length = int(request.headers.get("content-length") or 0)
     if length > lim.max_upload_bytes * MAX_CLIPS + 65536:
-        raise RequestError("upload_too_large", f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
+        raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise RequestError("bad_upload", "send multipart/form-data with a 'file' (clip) or 'embedding' part")
+        raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
     try:
         form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
     except Exception as e:  # starlette raises MultiPartException / HTTPException on limits
-        raise RequestError("bad_upload", f"could not read the upload: {getattr(e, 'detail', e)}", 413) from None
+        raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {getattr(e, 'detail', e)}", 413) from None
     clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
     emb_file = form.get("embedding")
     name_field = form.get("name")
     if name_field is not None and not isinstance(name_field, str):
-        raise RequestError("bad_name", "name must be a form field, not a file")
+        raise RequestError(G.BAD_NAME, "name must be a form field, not a file")
     if (not clips) == (not isinstance(emb_file, UploadFile)):
-        raise RequestError("bad_upload", "give either 1-8 'file' clips or one 'embedding' file")
+        raise RequestError(G.BAD_UPLOAD, "give either 1-8 'file' clips or one 'embedding' file")
     if len(clips) > MAX_CLIPS:
-        raise RequestError("bad_upload", f"at most {MAX_CLIPS} clips per voice")
+        raise RequestError(G.BAD_UPLOAD, f"at most {MAX_CLIPS} clips per voice")
     datas = [await f.read() for f in clips]
     filename = (clips[0].filename if clips else emb_file.filename) or ""  # type: ignore[union-attr]
     name = validate_name(str(name_field) if name_field else _name_from_filename(filename))
@@ -70,7 +72,7 @@ async def create_voice(request: Request) -> Response:
     else:
         data = await emb_file.read()  # type: ignore[union-attr]
         if len(data) > lim.max_upload_bytes:
-            raise RequestError("upload_too_large", "embedding file too large", 413)
+            raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
         stored = store_embedding(gw, owner, data, name, rename=bool(name_field))
     return JSONResponse(stored.public(), status_code=201 if stored.created else 200)
 
@@ -132,9 +134,9 @@ async def blend_voices(request: Request) -> Response:
     data = await read_json(request, 65536)
     t = data.get("t", 0.5)
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
-        raise RequestError("bad_blend", "t must be a number in [0, 1]")
+        raise RequestError(G.BAD_BLEND, "t must be a number in [0, 1]")
     if not all(isinstance(data.get(k), str) and data[k] for k in ("a", "b")):
-        raise RequestError("bad_blend", "a blend needs two voices: 'a' and 'b' (ids or names)")
+        raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
     assert a.embedding is not None and b.embedding is not None
     name = validate_name((text_field(data.get("name"), "name") or f"{a.name} + {b.name}")[:64])
@@ -180,7 +182,7 @@ async def voice_preview(request: Request) -> Response:
     v = gw.voices.get(request.path_params["voice"], _owner(request))
     data = gw.voices.preview_bytes(v)
     if data is None:
-        raise RequestError("no_preview", "this voice has no reference audio", 404)
+        raise RequestError(G.NO_PREVIEW, "this voice has no reference audio", 404)
     return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})
 
 
@@ -198,7 +200,7 @@ _SOURCE_TYPES = {"clip": "audio", "clips": "audio", "embedding": "embedding_file
 def _tts_session(request: Request, required: bool) -> str | None:
     sid = request.headers.get(SESSION_HEADER, "").strip()[:128]
     if not sid and required:
-        raise RequestError("missing_session", "Cached speaker operations require the X-TTS-Session-ID header.")
+        raise RequestError(G.MISSING_SESSION, "Cached speaker operations require the X-TTS-Session-ID header.")
     return sid or None
 
 
@@ -244,26 +246,26 @@ async def tts_cache_speaker(request: Request) -> Response:
         data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
         unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
         if unknown:
-            raise RequestError("bad_params", f"unknown fields {unknown}")
+            raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
         audio = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
         emb = data.get("speaker_embedding_base64")
         if not audio and not emb:
-            raise RequestError("bad_params", "Provide an audio file or saved embedding file to cache.")
+            raise RequestError(G.BAD_PARAMS, "Provide an audio file or saved embedding file to cache.")
         if audio and emb:
-            raise RequestError("bad_params", "Provide either a reference audio file or a saved embedding file, not both.")
+            raise RequestError(G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both.")
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
-        file_name = text_field(data.get(name_key), name_key, "bad_params") or None
-        label = _label(text_field(data.get("label"), "label", "bad_params") or "")
+        file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        label = _label(text_field(data.get("label"), "label", G.BAD_PARAMS) or "")
         name = label or (_name_from_filename(file_name) if file_name else "") or (
             "Speaker audio" if audio else "Speaker embedding")
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
         if audio:
-            raw = b64_field(audio, "speaker_audio_base64")
+            raw = base64_payload(audio, "speaker_audio_base64")
             stored = await store_clips(gw, owner, [raw], name, rename=bool(label), details=details)
         else:
-            raw = b64_field(emb, "speaker_embedding_base64")
+            raw = base64_payload(emb, "speaker_embedding_base64")
             if len(raw) > gw.settings.limits.max_upload_bytes:
-                raise RequestError("upload_too_large", "embedding file too large", 413)
+                raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
             stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
     except RequestError as e:
         return error_response(e, detail=True)
@@ -283,7 +285,7 @@ async def tts_speaker_preview(request: Request) -> Response:
             _tts_session(request, required=True)
         data = gw.voices.preview_bytes(v)
         if data is None:
-            raise RequestError("no_preview", "Cached speaker preview audio is not available.", 404)
+            raise RequestError(G.NO_PREVIEW, "Cached speaker preview audio is not available.", 404)
     except RequestError as e:
         return error_response(e, detail=True)
     return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})

@@ -8,31 +8,24 @@ utterances before `cancelled` is sent under that lock, so no audio of cancelled 
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 import logging
 from collections.abc import Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket
 
-from app.auth import api_key_from, key_ok, origin_allowed
+from app.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
+from app.checks import base64_payload, check_context_id, check_sample_rate
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
+from app.handshake import in_band_error, serve
+from app.options import SynthesisOptions, parse_options
 from app.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
 from app.query_input import query_int
-from app.session import StreamingSession, serve_session
-from app.synthesis import (
-    OUTPUT_RATES,
-    PcmEncoder,
-    RequestError,
-    SynthesisOptions,
-    check_encoding,
-    check_text,
-    default_rate,
-    parse_options,
-)
+from app.session import StreamingSession
 from engine.contract.constants import HOP, SAMPLE_RATE
+from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.ws")
 
@@ -47,19 +40,20 @@ class Session(StreamingSession):
         super().__init__(ws, gw, owner)
         self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
 
-    def configure_from_query(self, query: Mapping[str, str]) -> None:
-        """Settings in the URL (`?encoding=mulaw&sample_rate=8000&voice=Ada`) for a client that cannot send
-        a session.config first: checked like one, in effect from session.created on."""
+    @classmethod
+    def from_query(cls, ws: WebSocket, gw: Gateway, owner: str) -> Session:
+        """A session with the settings in its URL (`?encoding=mulaw&sample_rate=8000&voice=Ada`), for a client
+        that cannot send a session.config first: checked like one, in effect from session.created on."""
+        session = cls(ws, gw, owner)
+        query: Mapping[str, str] = ws.query_params
         if "encoding" in query:
-            self.encoding = check_encoding(query["encoding"])
-            self.sample_rate = default_rate(self.encoding, self.sample_rate)
+            session.encoding = check_encoding(query["encoding"])
+            session.sample_rate = default_rate(session.encoding, session.sample_rate)
         if "sample_rate" in query:
-            rate = query_int(query, "sample_rate")
-            if rate not in OUTPUT_RATES:
-                raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
-            self.sample_rate = rate
+            session.sample_rate = check_sample_rate(query_int(query, "sample_rate"), OUTPUT_RATES)
         if query.get("voice"):
-            self.voice = self.gw.resolve_voice(query["voice"], self.owner)
+            session.voice = gw.resolve_voice(query["voice"], owner)
+        return session
 
     # ---- main ----------------------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -101,14 +95,14 @@ class Session(StreamingSession):
             # the buffer limit); session.closed is sent once all of it has played.
             await self.close()
         else:
-            raise RequestError("bad_message", f"unknown message type {kind!r}")
+            raise RequestError(G.BAD_MESSAGE, f"unknown message type {kind!r}")
 
     async def on_closed(self) -> None:
         await self.send_json({"type": "session.closed"})
         await self.ws.close(1000)
 
-    def encoder_for(self, ctx: str) -> PcmEncoder:
-        return PcmEncoder(self.encoding, self.sample_rate)
+    def encoder_for(self, ctx: str) -> Encoder:
+        return Encoder(self.encoding, self.sample_rate)
 
     @property
     def flush_marks(self) -> dict[tuple[str | None, int], int]:
@@ -120,16 +114,12 @@ class Session(StreamingSession):
     def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
         unknown = sorted(set(data) - allowed - {"type"})
         if unknown:
-            raise RequestError("bad_message", f"unknown fields {unknown}")
+            raise RequestError(G.BAD_MESSAGE, f"unknown fields {unknown}")
 
     @staticmethod
     def _context(data: dict[str, Any], allow_none: bool = False) -> str | None:
-        ctx = data.get("context_id")
-        if ctx is None:
-            return None if allow_none else DEFAULT_CONTEXT
-        if not isinstance(ctx, str) or not 0 < len(ctx) <= 128:
-            raise RequestError("bad_message", "context_id must be a string of 1-128 characters")
-        return ctx
+        ctx = check_context_id(data.get("context_id"))
+        return ctx if ctx is not None or allow_none else DEFAULT_CONTEXT
 
     # ---- messages ------------------------------------------------------------------------------
     async def _on_config(self, data: dict[str, Any]) -> None:
@@ -137,21 +127,17 @@ class Session(StreamingSession):
         encoding = check_encoding(data.get("encoding", self.encoding))
         # G.711 named without a rate: 8000 Hz (what telephony clients mean)
         rate = data.get("sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate)
-        if isinstance(rate, bool) or rate not in OUTPUT_RATES:
-            raise RequestError("bad_params", f"sample_rate must be one of {list(OUTPUT_RATES)}")
+        rate = check_sample_rate(rate, OUTPUT_RATES)
         opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
                 if "params" in data else self.opts)
         voice, clip = self.voice, self.clip
         if "voice" in data:
             ref = data["voice"]
             if ref is not None and not isinstance(ref, str):
-                raise RequestError("bad_params", "voice must be a voice id, a name or null")
+                raise RequestError(G.BAD_PARAMS, "voice must be a voice id, a name or null")
             voice, clip = self.gw.resolve_voice(ref, self.owner), None
         if data.get("voice_clip") is not None:
-            try:
-                raw = base64.b64decode(str(data["voice_clip"]).split(",")[-1], validate=True)
-            except (binascii.Error, ValueError):
-                raise RequestError("bad_audio", "voice_clip must be base64 audio") from None
+            raw = base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
             voice, clip = await self.gw.embed_clip(raw, self.owner), None
         self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
         await self.send_json({
@@ -166,8 +152,7 @@ class Session(StreamingSession):
         self._check_fields(data, {"text", "context_id", "flush"})
         text = data.get("text")
         if not isinstance(text, str):
-            raise RequestError("bad_message", "text must be a string")
-        check_text(text)
+            raise RequestError(G.BAD_MESSAGE, "text must be a string")
         ctx = self._context(data)
         assert ctx is not None
         self.append_text(ctx, text)
@@ -198,28 +183,4 @@ def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
-    gw: Gateway = ws.app.state.gateway
-    key = api_key_from(ws.headers, ws.query_params)
-    await ws.accept()
-    if not origin_allowed(ws, gw.settings.cors_origins):
-        await ws.send_text(json.dumps({"type": "error", "code": "origin_not_allowed",
-                                       "message": "this page's origin may not use the API (see --cors-origin)"}))
-        await ws.close(1008)
-        return
-    if not key_ok(key, gw.settings.api_keys):
-        await ws.send_text(json.dumps({"type": "error", "code": "unauthorized", "message": "missing or wrong API key"}))
-        await ws.close(1008)
-        return
-    if gw.sessions >= gw.settings.limits.max_sessions:
-        await ws.send_text(json.dumps({"type": "error", "code": "too_many_sessions",
-                                       "message": "the server is at its session limit; retry later"}))
-        await ws.close(1013)
-        return
-    session = Session(ws, gw, gw.owner_of(key if gw.settings.api_keys else None))
-    try:
-        session.configure_from_query(ws.query_params)
-    except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
-        await ws.send_text(json.dumps({"type": "error", "code": e.code, "message": str(e)}))
-        await ws.close(1008)
-        return
-    await serve_session(ws, gw, session)
+    await serve(ws, lambda gw, owner: Session.from_query(ws, gw, owner), in_band_error, in_band=True)

@@ -13,17 +13,19 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.audio_formats import (
+from app.audio_output import (
     FORMATS,
     WAV_ENCODINGS,
+    Encoder,
     StreamEncoder,
     StreamSink,
-    encode_file,
+    check_encoding,
+    default_rate,
     g711_decode,
     g711_encode,
     wav_header,
 )
-from app.synthesis import PcmEncoder, RequestError, check_encoding, default_rate
+from app.errors import RequestError
 from tests.test_gateway_http import EXTRA_SAMPLES, decode
 
 
@@ -68,7 +70,7 @@ def test_g711_chunks_equal_the_whole(law):
     whole = g711_encode(x, law)
     assert b"".join(g711_encode(x[i:i + 333], law) for i in range(0, len(x), 333)) == whole
     pcm = np.round(x * 32767).astype(np.int16)
-    enc = PcmEncoder(law, 8000)
+    enc = Encoder(law, 8000)
     assert enc.bytes_per_sample == 1
     assert len(enc.encode(pcm[:4410]) + enc.encode(pcm[4410:], last=True)) == pytest.approx(8000 * 8000 / 44100, abs=2)
 
@@ -131,6 +133,12 @@ def decode_aac(data: bytes) -> tuple[np.ndarray, int]:
     return np.concatenate(frames), rate
 
 
+def stream_encode(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
+    """What a stream of `fmt` holds: every byte StreamEncoder hands out, as an HTTP answer sends them."""
+    enc = StreamEncoder(fmt, sample_rate)
+    return enc.write(samples) + enc.close()
+
+
 def tone(rate: int, seconds: float = 1.0) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
 
@@ -139,7 +147,7 @@ def tone(rate: int, seconds: float = 1.0) -> np.ndarray:
 def test_aac_is_adts_that_ffmpeg_decodes_to_the_signal(rate):
     """Issue 24.2: AAC-LC in ADTS frames (sync word on every frame), decoded back to the tone it encoded."""
     x = tone(rate)
-    data = encode_file(x, rate, "aac")
+    data = stream_encode(x, rate, "aac")
     assert data[:2] == b"\xff\xf1"  # ADTS sync, MPEG-4, no CRC
     y, sr = decode_aac(data)
     assert sr == rate and len(x) <= len(y) <= len(x) + AAC_EXTRA
@@ -150,7 +158,7 @@ def test_aac_is_adts_that_ffmpeg_decodes_to_the_signal(rate):
 
 @pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="no ffmpeg program")
 def test_aac_stream_decodes_in_the_ffmpeg_program():
-    data = encode_file(tone(24000), 24000, "aac")
+    data = stream_encode(tone(24000), 24000, "aac")
     out = subprocess.run(["ffmpeg", "-v", "error", "-f", "aac", "-i", "-", "-f", "s16le", "-ac", "1", "-"],
                          input=data, capture_output=True, timeout=60)
     assert out.returncode == 0 and not out.stderr, out.stderr
@@ -171,7 +179,7 @@ def test_whole_files_carry_their_length(fmt):
     if fmt == "wav":
         with wave.open(io.BytesIO(data)) as w:
             assert w.getnframes() == len(x)
-    streamed = encode_file(x, 24000, fmt)
+    streamed = stream_encode(x, 24000, fmt)
     if fmt == "flac":
         with pytest.raises(Exception, match="too big"):  # what the issue saw: why a whole file is needed
             sf.read(io.BytesIO(streamed))

@@ -521,7 +521,9 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
     unchanged, also for a clip voice; raw folders send the moved voice, and with emotion_cfg_scale the voice
     before it (the twin's); a 'proj' folder built for another hidden size is bad_params at the door;
     emotion_cfg_scale is accepted and bounded like the other guidance scales."""
-    from app.synthesis import PromptFactory, RequestError, parse_options
+    from app.errors import RequestError
+    from app.options import parse_options
+    from app.prompts import PromptFactory
     from engine.frontend.config import Zonos2Config, preset_params
 
     cfg = Zonos2Config.from_dict(preset_params("tiny"))

@@ -27,8 +27,9 @@ import websockets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.http_api import _GENERATE_FIELDS, _SPEECH_FIELDS
-from app.synthesis import PARAM_KEYS
+from app.openai_api import SPEECH_FIELDS as _SPEECH_FIELDS
+from app.options import PARAM_KEYS
+from app.reference_api import GENERATE_FIELDS as _GENERATE_FIELDS
 
 pytestmark = pytest.mark.slow
 

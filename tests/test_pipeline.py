@@ -15,10 +15,11 @@ import pytest
 from starlette.websockets import WebSocketState
 
 from app.engine_client import Event, Stream
+from app.errors import RequestError
 from app.metrics import Metrics
+from app.options import SynthesisOptions
 from app.pipeline import engine_error, speak, utterance_bytes
 from app.settings import GatewaySettings, Limits
-from app.synthesis import RequestError, SynthesisOptions
 from app.ws import Session
 from engine.contract import records as m
 from engine.contract.errors import EngineError

@@ -613,8 +613,8 @@ def no_internals(message: str) -> None:
 
 
 def test_json_depth_and_shape_are_coded_errors():
+    from app.errors import RequestError
     from app.json_input import MAX_DEPTH, parse_json_object
-    from app.synthesis import RequestError
 
     nested = "{\"a\":" + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
     for raw, needle in ((DEEP, "nested"), (DEEP.encode(), "nested"), (nested, "nested"), ("[1]", "not an array"),
@@ -899,8 +899,8 @@ def test_no_sampling_value_kills_the_engine(server):
 
 
 def test_numbers_in_urls_take_ascii_digits_only():
+    from app.errors import RequestError
     from app.query_input import decimal, query_int
-    from app.synthesis import RequestError
 
     for bad in ("²", "٣", "1_000", "+1", " 1", "1 ", "", "1" * 19, "0x10", "1e3", "１"):
         with pytest.raises(RequestError) as e:

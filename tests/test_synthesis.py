@@ -6,7 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.synthesis import PcmEncoder, PromptFactory, RequestError, SynthesisOptions, check_text, parse_options
+from app.audio_output import OUTPUT_RATES, Encoder, check_encoding
+from app.checks import check_sample_rate, check_text
+from app.errors import RequestError
+from app.options import SynthesisOptions, parse_options
+from app.prompts import PromptFactory
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.textnorm import TextNormalizer
 
@@ -84,21 +88,22 @@ def test_pcm_encoder_resamples_without_seams():
     """Chunked streaming resampling equals resampling the whole signal at once (soxr streaming)."""
     t = np.arange(44100) / 44100
     x = (0.5 * np.sin(2 * np.pi * 440 * t) * 32767).astype(np.int16)
-    whole = np.frombuffer(PcmEncoder("pcm_f32le", 24000).encode(x, last=True), dtype="<f4")
-    enc = PcmEncoder("pcm_f32le", 24000)
+    whole = np.frombuffer(Encoder("pcm_f32le", 24000).encode(x, last=True), dtype="<f4")
+    enc = Encoder("pcm_f32le", 24000)
     parts = [enc.encode(c) for c in np.array_split(x, 17)] + [enc.encode(np.zeros(0, np.int16), last=True)]
     streamed = np.frombuffer(b"".join(parts), dtype="<f4")
     assert abs(len(streamed) - 24000) <= 1 and len(streamed) == len(whole)
     assert np.abs(streamed - whole).max() < 1e-4
-    native = PcmEncoder("pcm_s16le", 44100).encode(x)
+    native = Encoder("pcm_s16le", 44100).encode(x)
     assert native == x.astype("<i2").tobytes()
 
 
-def test_pcm_encoder_refuses_unknown_formats():
+def test_our_websocket_refuses_unknown_formats():
+    """The encoding and rate checks of our WebSocket's door (app/ws.py; the encoder takes what they pass)."""
     with pytest.raises(RequestError):
-        PcmEncoder("opus", 8000)  # (mulaw and alaw are encodings now: tests/test_audio_formats.py)
+        check_encoding("opus")  # (mulaw and alaw are encodings now: tests/test_audio_formats.py)
     with pytest.raises(RequestError):
-        PcmEncoder("pcm_s16le", 22050)
+        check_sample_rate(22050, OUTPUT_RATES)
 
 
 @pytest.mark.slow

@@ -531,8 +531,8 @@ def test_real_normalization_past_its_cpu_bound_is_a_coded_error():
     fails with normalization_timeout, and the pool goes on normalizing (a new worker)."""
     import asyncio
 
+    from app.errors import RequestError
     from app.normalization import NormalizationPool
-    from app.synthesis import RequestError
 
     async def go():
         pool = NormalizationPool(1, 0.05, 0)  # warms en_us as it starts: the shared grammar cache

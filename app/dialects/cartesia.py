@@ -30,12 +30,16 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket
 
-from app.dialects.common import base_options, forget_idle, serve, with_language, with_speed
-from app.dialects.formats import OutputFormat
+from app.audio_output import OutputFormat
+from app.checks import check_context_id
+from app.dialects.common import dialect_options, forget_idle
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
+from app.handshake import serve
+from app.options import SynthesisOptions
 from app.pipeline import Utterance
 from app.session import Hold, StreamingSession
-from app.synthesis import RequestError, SynthesisOptions
 from app.voices import Voice
 
 MAX_CONTEXTS = 16  # holding text or audio (an ended one counts until its done)
@@ -43,7 +47,7 @@ DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 QUIET_S = 0.3
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
-_STATUS = {"unknown_voice": 404, "unauthorized": 401}
+_STATUS = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
 
 
 @dataclass(eq=False)
@@ -66,7 +70,7 @@ class CartesiaSession(StreamingSession):
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
-        self.opts = base_options(gw, ws.query_params)
+        self.opts = dialect_options(gw, ws.query_params)
         self.ctxs: dict[str, Context] = {}
 
     # ---- the core's questions ----------------------------------------------------------------------
@@ -93,12 +97,10 @@ class CartesiaSession(StreamingSession):
 
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
-        ctx = data.get("context_id")
-        if ctx is not None and (not isinstance(ctx, str) or not 0 < len(ctx) <= 128):
-            raise RequestError("bad_message", "context_id must be a string of 1-128 characters")
+        ctx = check_context_id(data.get("context_id"))
         if data.get("cancel") is True:
             if ctx is None:
-                raise RequestError("bad_message", "cancel needs a context_id")
+                raise RequestError(G.BAD_MESSAGE, "cancel needs a context_id")
             c = self.ctxs.pop(ctx, None)
             if c is not None:
                 c.failed = True  # its done is not sent
@@ -106,10 +108,10 @@ class CartesiaSession(StreamingSession):
             return
         transcript = data.get("transcript")
         if not isinstance(transcript, str):
-            raise RequestError("bad_message", "transcript must be a string")
+            raise RequestError(G.BAD_MESSAGE, "transcript must be a string")
         cont = data.get("continue", False)
         if not isinstance(cont, bool):
-            raise RequestError("bad_message", "continue must be true or false")
+            raise RequestError(G.BAD_MESSAGE, "continue must be true or false")
         ctx = ctx or "ctx_" + secrets.token_hex(8)
         c = self.ctxs.get(ctx)
         if c is None or c.ended:  # a new context (an id used again after its done starts afresh)
@@ -128,30 +130,25 @@ class CartesiaSession(StreamingSession):
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError("too_many_contexts", f"at most {MAX_CONTEXTS} contexts may hold text or audio "
+            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {MAX_CONTEXTS} contexts may hold text or audio "
                                "at once")
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
-            raise RequestError("bad_message", "output_format must be an object")
+            raise RequestError(G.BAD_MESSAGE, "output_format must be an object")
         if fmt.get("container", "raw") != "raw":
-            raise RequestError("unsupported_format", "the WebSocket streams container 'raw'")
-        encoding, rate = _ENCODINGS.get(str(fmt.get("encoding"))), fmt.get("sample_rate")
-        if encoding is None:
-            raise RequestError("unsupported_format", f"encoding must be one of {list(_ENCODINGS)}")
-        if not isinstance(rate, int) or isinstance(rate, bool):
-            raise RequestError("unsupported_format", "sample_rate must be an integer")
-        output = OutputFormat(encoding, rate).check()
+            raise RequestError(G.UNSUPPORTED_FORMAT, "the WebSocket streams container 'raw'")
+        output = output_format(fmt.get("encoding"), fmt.get("sample_rate"))
         voice = self._voice(data.get("voice"))
-        opts = with_language(self.gw, self.opts, data.get("language"))
         config = data.get("generation_config")
         if isinstance(config, dict):
-            opts = with_speed(self.gw, opts, config.get("speed"))
-        elif isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
-            opts = with_speed(self.gw, opts, data["speed"])
+            speed = config.get("speed")
+        else:
+            speed = data.get("speed") if isinstance(data.get("speed"), int | float) else None
+        opts = dialect_options(self.gw, base=self.opts, language=data.get("language"), speed=speed)
         delay = data.get("max_buffer_delay_ms")
         if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
                                   or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
-            raise RequestError("bad_message", f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
+            raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay)
         forget_idle(self.ctxs, live | {ctx})
         return c
@@ -202,28 +199,38 @@ class CartesiaSession(StreamingSession):
         return self.ctxs.get(u.context_id)
 
 
+def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:
+    """Cartesia's `encoding` and `sample_rate` (the WebSocket's and the HTTP routes') as our OutputFormat."""
+    ours = _ENCODINGS.get(encoding) if isinstance(encoding, str) else None
+    if ours is None:
+        raise RequestError(G.UNSUPPORTED_FORMAT, f"encoding must be one of {list(_ENCODINGS)}")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        raise RequestError(G.UNSUPPORTED_FORMAT, "sample_rate must be an integer")
+    return OutputFormat(ours, rate, wav).check()
+
+
 def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
     """A request's `voice` (the WebSocket's and the HTTP routes'): `{"mode": "id", "id"}`, one of our voices,
     or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
     if not isinstance(spec, dict):
-        raise RequestError("bad_message", "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
+        raise RequestError(G.BAD_MESSAGE, "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
     mode = spec.get("mode", "id")
     if mode == "id":
         ref = spec.get("id")
         if not isinstance(ref, str):
-            raise RequestError("bad_message", "voice.id must be a string")
+            raise RequestError(G.BAD_MESSAGE, "voice.id must be a string")
         return gw.resolve_voice(ref, owner)
     if mode == "embedding":
         dim = gw.cfg.speaker_embedding_dim
         emb = embedding_vector(spec.get("embedding"), dim)
         return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=dim, embedding=emb)
-    raise RequestError("bad_message", "voice.mode must be 'id' or 'embedding'")
+    raise RequestError(G.BAD_MESSAGE, "voice.mode must be 'id' or 'embedding'")
 
 
 def embedding_vector(value: Any, dim: int) -> np.ndarray:
     """`voice.embedding`: exactly `dim` JSON numbers (not booleans, not strings), each finite in float32,
     as float32; anything else is bad_message (on its context: the socket and its other contexts go on)."""
-    bad = RequestError("bad_message", f"voice.embedding must be a list of {dim} finite numbers (a ZONOS2 voice)")
+    bad = RequestError(G.BAD_MESSAGE, f"voice.embedding must be a list of {dim} finite numbers (a ZONOS2 voice)")
     if not isinstance(value, list) or len(value) != dim or not all(type(x) in (int, float) for x in value):
         raise bad
     try:

@@ -28,55 +28,55 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.dialects.cartesia import _ENCODINGS as CARTESIA_ENCODINGS
+from app.audio_output import OutputFormat
+from app.checks import check_context_id, text_field
 from app.dialects.cartesia import _refusal as cartesia_error
-from app.dialects.cartesia import voice_of
-from app.dialects.common import base_options, with_language, with_speed
-from app.dialects.http import Framing, HttpFormat, errors_as, open_request, speech_response, text_field
+from app.dialects.cartesia import output_format, voice_of
+from app.dialects.common import dialect_options
+from app.dialects.http import errors_as, open_request
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
-from app.synthesis import RequestError, SynthesisOptions
+from app.http_api import Framing, speech_response
+from app.options import SynthesisOptions
 from app.voices import Voice
 
 CONTAINERS = ("raw", "wav", "mp3")
 
 
-def _format(spec: Any, containers: tuple[str, ...]) -> HttpFormat:
+def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
     if not isinstance(spec, dict):
-        raise RequestError("bad_params", "output_format must be an object")
+        raise RequestError(G.BAD_PARAMS, "output_format must be an object")
     container, rate = spec.get("container", "raw"), spec.get("sample_rate")
     if container not in containers:
-        raise RequestError("unsupported_format", f"output_format.container must be one of {list(containers)}")
+        raise RequestError(G.UNSUPPORTED_FORMAT, f"output_format.container must be one of {list(containers)}")
+    if container != "mp3":
+        return output_format(spec.get("encoding"), rate, wav=container == "wav")
     if not isinstance(rate, int) or isinstance(rate, bool):
-        raise RequestError("unsupported_format", "output_format.sample_rate must be an integer")
-    if container == "mp3":
-        bit_rate = spec.get("bit_rate")
-        if bit_rate is not None and (not isinstance(bit_rate, int) or isinstance(bit_rate, bool)):
-            raise RequestError("unsupported_format", "output_format.bit_rate must be an integer")
-        return HttpFormat("mp3", rate).check()
-    encoding = CARTESIA_ENCODINGS.get(spec.get("encoding")) if isinstance(spec.get("encoding"), str) else None
-    if encoding is None:
-        raise RequestError("unsupported_format", f"output_format.encoding must be one of {list(CARTESIA_ENCODINGS)}")
-    return HttpFormat(encoding, rate, wav=container == "wav").check()
+        raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.sample_rate must be an integer")
+    bit_rate = spec.get("bit_rate")
+    if bit_rate is not None and (not isinstance(bit_rate, int) or isinstance(bit_rate, bool)):
+        raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.bit_rate must be an integer")
+    return OutputFormat("mp3", rate).check()
 
 
 def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
     lang = data.get("language")
     if lang is not None and not isinstance(lang, str):
-        raise RequestError("bad_params", "language must be a string")
-    opts = with_language(gw, base_options(gw, request.query_params), lang)
+        raise RequestError(G.BAD_PARAMS, "language must be a string")
     config = data.get("generation_config")
     if config is not None and not isinstance(config, dict):
-        raise RequestError("bad_params", "generation_config must be an object")
+        raise RequestError(G.BAD_PARAMS, "generation_config must be an object")
     speed = (config or {}).get("speed")
     if speed is None and isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
         speed = data["speed"]  # the older top-level speed; its named speeds ("slow", ...) are not used
-    return with_speed(gw, opts, speed)
+    return dialect_options(gw, request.query_params, language=lang, speed=speed)
 
 
 async def _prepare(request: Request, containers: tuple[str, ...]
-                   ) -> tuple[Gateway, dict[str, Any], str, SynthesisOptions, Voice | None, HttpFormat]:
+                   ) -> tuple[Gateway, dict[str, Any], str, SynthesisOptions, Voice | None, OutputFormat]:
     gw, owner, data = await open_request(request)
-    text = text_field(gw, data, "transcript")
+    text = text_field(data, "transcript", gw.settings.limits.max_http_chars)
     fmt = _format(data.get("output_format"), containers)
     voice = voice_of(gw, owner, data.get("voice"))
     return gw, data, text, _options(gw, request, data), voice, fmt
@@ -97,9 +97,7 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
 async def tts_sse(request: Request) -> Response:
     """POST /tts/sse."""
     gw, data, text, opts, voice, fmt = await _prepare(request, ("raw",))
-    ctx = data.get("context_id")
-    if ctx is not None and (not isinstance(ctx, str) or not 0 < len(ctx) <= 128):
-        raise RequestError("bad_params", "context_id must be a string of 1-128 characters")
+    ctx = check_context_id(data.get("context_id"), G.BAD_PARAMS)
     last = time.perf_counter()
 
     def chunk(audio: bytes) -> bytes:

@@ -1,36 +1,54 @@
-"""What the dialect adapters share: the handshake (origin, API key, session limit, refused in the
-dialect's own error shape as an HTTP response to the upgrade), the session's life, and the mapping of
-their request fields onto ours (languages, speed)."""
+"""What the dialect adapters share: their request fields as our options, parsed once (languages, speed,
+seed, text normalization, and our own knobs in `?zonos_params=`), and the bound on idle contexts. Their
+sockets' handshake is every streaming API's, app/handshake.py."""
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from starlette.websockets import WebSocket
-
-from app.auth import api_key_from, key_ok, origin_allowed
+from app.errors import GatewayError as G
 from app.gateway import Gateway
 from app.json_input import parse_json_object
-from app.session import StreamingSession, deny, serve_session
-from app.synthesis import RequestError, SynthesisOptions, parse_options
-
-log = logging.getLogger("gateway.dialects")
+from app.options import SynthesisOptions, parse_options
 
 # Their language codes (ISO 639-1, BCP 47) -> our text-normalization languages.
 LANGUAGES = {"en": "en_us", "en_us": "en_us", "en_gb": "en_gb", "fr": "fr_fr", "de": "de", "es": "es", "it": "it",
              "pt": "pt_br", "pt_br": "pt_br", "ja": "ja", "zh": "cmn", "cmn": "cmn", "ko": "ko"}
+_RATE_KEYS = ("speaking_rate", "speaking_rate_bucket")
 
 
-def base_options(gw: Gateway, query: Mapping[str, str]) -> SynthesisOptions:
-    """Our own knobs on a dialect's socket: `?zonos_params=<JSON object>` takes the `params` of our
-    session.config (seed, max_frames, temperature, ...), checked the same way."""
-    raw = query.get("zonos_params")
-    if not raw:
-        return SynthesisOptions()
-    return parse_options(parse_json_object(raw, "bad_params", "zonos_params"), gw.settings.limits.max_frames,
-                         cfg=gw.cfg)
+def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: SynthesisOptions | None = None, *,
+                    language: Any = None, speed: Any = None, text_normalization: bool | None = None,
+                    seed: int | None = None) -> SynthesisOptions:
+    """A dialect request's options, parsed and bounded once (app/options.py), on `base` (a session's):
+
+    * `query`'s `?zonos_params=<JSON object>`: our own knobs, the `params` of our session.config (seed,
+      max_frames, temperature, ...); the dialect's own fields below win over them;
+    * `language`: one we normalize text for, or (any other: the model reads bytes of every language) no
+      text normalization, as that would read numbers and dates in English;
+    * `speed`: a multiplier (ElevenLabs' voice_settings.speed, Cartesia's generation_config.speed, Deepgram's
+      ?speed) within our bounds; a model without speaking-rate buckets ignores it, as the OpenAI route does;
+    * `text_normalization` false turns it off; `seed` is taken modulo 2**31."""
+    params: dict[str, Any] = {}
+    raw = query.get("zonos_params") if query is not None else None
+    if raw:
+        params = parse_json_object(raw, G.BAD_PARAMS, "zonos_params")
+    if isinstance(language, str) and language:
+        code = language.strip().lower()
+        lang = LANGUAGES.get(code.replace("-", "_")) or LANGUAGES.get(code[:2])
+        params["language" if lang is not None else "text_normalization"] = lang if lang is not None else False
+    if text_normalization is False:
+        params["text_normalization"] = False
+    if seed is not None:
+        params["seed"] = seed % (1 << 31)
+    if speed is not None and speed != 1 and gw.cfg.speaking_rate_buckets:
+        for key in _RATE_KEYS:  # a speed replaces any other rate (as a later config does)
+            params.pop(key, None)
+        params["speed"] = speed
+    if not params:
+        return base if base is not None else SynthesisOptions()
+    return parse_options(params, gw.settings.limits.max_frames, base=base, cfg=gw.cfg)
 
 
 # Contexts that hold no text or audio cost only their settings; past this many such, the oldest are forgotten
@@ -43,53 +61,3 @@ def forget_idle(ctxs: dict[str, Any], live: set[str]) -> None:
     idle = [k for k in ctxs if k not in live]
     for k in idle[:max(0, len(idle) - MAX_IDLE_CONTEXTS)]:
         del ctxs[k]
-
-
-def with_language(gw: Gateway, opts: SynthesisOptions, code: Any) -> SynthesisOptions:
-    """A client's language: one we normalize text for, or (any other: the model reads bytes of every
-    language) no text normalization, as that would read numbers and dates in English."""
-    if not isinstance(code, str) or not code:
-        return opts
-    lang = LANGUAGES.get(code.strip().lower().replace("-", "_")) or LANGUAGES.get(code.strip().lower()[:2])
-    if lang is None:
-        return parse_options({"text_normalization": False}, gw.settings.limits.max_frames, base=opts, cfg=gw.cfg)
-    return parse_options({"language": lang}, gw.settings.limits.max_frames, base=opts, cfg=gw.cfg)
-
-
-def with_speed(gw: Gateway, opts: SynthesisOptions, speed: Any) -> SynthesisOptions:
-    """A speed multiplier (ElevenLabs' voice_settings.speed, Cartesia's generation_config.speed) within our
-    bounds; a model without speaking-rate buckets ignores it, as the OpenAI route does."""
-    if speed is None or speed == 1 or not gw.cfg.speaking_rate_buckets:
-        return opts
-    return parse_options({"speed": speed}, gw.settings.limits.max_frames, base=opts, cfg=gw.cfg)
-
-
-async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
-                refusal: Callable[[str, str, int], dict[str, Any]], key: str | None = None,
-                subprotocol: str | None = None) -> None:
-    """Run one dialect session. `make(gw, owner)` builds it from the URL (raising RequestError for a bad
-    voice or format); `refusal(code, message, status)` is the dialect's error body for a refused handshake.
-    `key`: the API key the dialect found (default: our headers and ?api_key=)."""
-    gw: Gateway = ws.app.state.gateway
-    key = key if key is not None else api_key_from(ws.headers, ws.query_params)
-
-    def refuse(code: str, message: str, status: int) -> Any:
-        gw.metrics.errors.labels(code).inc()
-        return deny(ws, status, refusal(code, message, status))
-
-    if not origin_allowed(ws, gw.settings.cors_origins):
-        await refuse("origin_not_allowed", "this page's origin may not use the API (see --cors-origin)", 403)
-        return
-    if not key_ok(key, gw.settings.api_keys):
-        await refuse("unauthorized", "missing or wrong API key", 401)
-        return
-    if gw.sessions >= gw.settings.limits.max_sessions:
-        await refuse("too_many_sessions", "the server is at its session limit; retry later", 429)
-        return
-    try:
-        session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
-    except RequestError as e:
-        await refuse(e.code, str(e), e.status if e.status != 500 else 400)
-        return
-    await ws.accept(subprotocol=subprotocol)
-    await serve_session(ws, gw, session)

@@ -21,14 +21,16 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
+from app.audio_output import OutputFormat
 from app.auth import api_key_from
-from app.dialects.common import base_options, serve
-from app.dialects.formats import OutputFormat
+from app.dialects.common import dialect_options
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
+from app.handshake import serve
 from app.pipeline import DEFAULT_CONTEXT, Utterance
 from app.query_input import query_int
 from app.session import Hold, StreamingSession
-from app.synthesis import RequestError
 
 QUIET_S = 0.3
 _ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
@@ -41,16 +43,13 @@ class DeepgramSession(StreamingSession):
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
         q = ws.query_params
-        self.opts = base_options(gw, q)
+        self.opts = dialect_options(gw, q)
         name = (q.get("encoding") or "linear16").lower()
         if name not in _ENCODINGS:
-            raise RequestError("UNSUPPORTED_ENCODING", f"encoding must be one of {list(_ENCODINGS)}")
-        rate = query_int(q, "sample_rate", "INVALID_QUERY_PARAMETER")
+            raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {list(_ENCODINGS)}")
+        rate = query_int(q, "sample_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
         rate = _DEFAULT_RATE[name] if rate is None else rate
-        try:
-            self.format = OutputFormat(_ENCODINGS[name], rate).check()
-        except RequestError as e:
-            raise RequestError("UNSUPPORTED_SAMPLE_RATE", str(e)) from None
+        self.format = OutputFormat(_ENCODINGS[name], rate).check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
         self.model = q.get("model") or ""
         self.voice = gw.resolve_voice(self.model, owner) if self.model else None
         self.request_id = str(uuid.uuid4())
@@ -75,7 +74,7 @@ class DeepgramSession(StreamingSession):
         if kind == "Speak":
             text = data.get("text")
             if not isinstance(text, str):
-                raise RequestError("INVALID_MESSAGE", "Speak needs a text string")
+                raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, "Speak needs a text string")
             self.append_text(DEFAULT_CONTEXT, text)
         elif kind == "Flush":
             # a Flush that is refused (too_many_utterances) takes no sequence id: the next one gets it
@@ -86,7 +85,7 @@ class DeepgramSession(StreamingSession):
         elif kind == "Close":
             await self.close()
         else:
-            raise RequestError("INVALID_MESSAGE", f"unknown message type {kind!r}: send Speak, Flush, Clear or Close")
+            raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, f"unknown message type {kind!r}: send Speak, Flush, Clear or Close")
 
     async def on_utterance_error(self, u: Utterance) -> None:
         assert u.error is not None

@@ -19,11 +19,15 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.dialects.common import base_options, with_speed
+from app.audio_output import OutputFormat
+from app.checks import text_field
+from app.dialects.common import dialect_options
 from app.dialects.deepgram import _refusal as deepgram_error
-from app.dialects.http import HttpFormat, errors_as, open_request, speech_response, text_field
+from app.dialects.http import errors_as, open_request
+from app.errors import GatewayError as G
+from app.errors import RequestError
+from app.http_api import speech_response
 from app.query_input import query_int
-from app.synthesis import RequestError
 
 _SAMPLES = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 _COMPRESSED = {"mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
@@ -31,27 +35,24 @@ DEFAULT_RATE = {"linear16": 24000, "mulaw": 8000, "alaw": 8000, "flac": 48000}
 FIXED_RATE = {"mp3": 22050, "opus": 48000, "aac": 22050}  # not configurable on Deepgram either
 
 
-def http_format(query: Any) -> HttpFormat:
+def http_format(query: Any) -> OutputFormat:
     name = (query.get("encoding") or "linear16").lower()
     if name not in _SAMPLES and name not in _COMPRESSED:
-        raise RequestError("UNSUPPORTED_ENCODING", f"encoding must be one of {[*_SAMPLES, *_COMPRESSED]}")
-    rate = query_int(query, "sample_rate", "INVALID_QUERY_PARAMETER")
+        raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {[*_SAMPLES, *_COMPRESSED]}")
+    rate = query_int(query, "sample_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
     if name in FIXED_RATE:
         if rate is not None and rate != FIXED_RATE[name]:
-            raise RequestError("UNSUPPORTED_SAMPLE_RATE", f"{name} is {FIXED_RATE[name]} Hz; sample_rate cannot be set")
+            raise RequestError(G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE, f"{name} is {FIXED_RATE[name]} Hz; sample_rate cannot be set")
         rate = FIXED_RATE[name]
     elif rate is None:
         rate = DEFAULT_RATE[name]
     container = (query.get("container") or ("wav" if name in _SAMPLES else "ogg" if name == "opus" else "none")).lower()
     allowed = ("wav", "none") if name in _SAMPLES else ("ogg",) if name == "opus" else ("none",)
     if container not in allowed:
-        raise RequestError("UNSUPPORTED_CONTAINER", f"{name} takes the container {' or '.join(allowed)}")
-    try:
-        if name in _SAMPLES:
-            return HttpFormat(_SAMPLES[name], rate, wav=container == "wav").check()
-        return HttpFormat(_COMPRESSED[name], rate).check()
-    except RequestError as e:
-        raise RequestError("UNSUPPORTED_SAMPLE_RATE", str(e)) from None
+        raise RequestError(G.DEEPGRAM_UNSUPPORTED_CONTAINER, f"{name} takes the container {' or '.join(allowed)}")
+    fmt = OutputFormat(_SAMPLES[name], rate, wav=container == "wav") if name in _SAMPLES else OutputFormat(
+        _COMPRESSED[name], rate)
+    return fmt.check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
 
 
 @errors_as(deepgram_error)
@@ -60,18 +61,18 @@ async def speak(request: Request) -> Response:
     gw, owner, data = await open_request(request)
     q = request.query_params
     if q.get("callback"):
-        raise RequestError("INVALID_QUERY_PARAMETER", "callback is not supported: the audio is the response")
+        raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "callback is not supported: the audio is the response")
     fmt = http_format(q)
     model = q.get("model") or ""
     voice = gw.resolve_voice(model, owner) if model else None
-    text = text_field(gw, data, "text")
-    opts = base_options(gw, q)
+    text = text_field(data, "text", gw.settings.limits.max_http_chars)
+    speed = None
     if q.get("speed"):
         try:
             speed = float(q["speed"])
         except ValueError:
-            raise RequestError("INVALID_QUERY_PARAMETER", "speed must be a number") from None
-        opts = with_speed(gw, opts, speed)
+            raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "speed must be a number") from None
+    opts = dialect_options(gw, q, speed=speed)
     request_id = str(uuid.uuid4())
     headers = {"dg-request-id": request_id, "dg-model-name": voice.name if voice else "zonos2",
                "dg-char-count": str(len(text))}

@@ -26,13 +26,17 @@ from typing import Any
 
 from starlette.websockets import WebSocket
 
-from app.dialects.common import base_options, forget_idle, serve, with_language, with_speed
-from app.dialects.formats import OutputFormat
+from app.audio_output import OutputFormat
+from app.checks import check_context_id
+from app.dialects.common import dialect_options, forget_idle
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
+from app.handshake import serve
+from app.options import SynthesisOptions
 from app.pipeline import DEFAULT_CONTEXT, Utterance
 from app.query_input import decimal, query_int
 from app.session import Hold, StreamingSession
-from app.synthesis import RequestError, SynthesisOptions, parse_options
 
 MAX_CONTEXTS = 16  # holding text or audio (ElevenLabs allows 5); a closed one counts until its isFinal
 QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
@@ -42,11 +46,11 @@ def output_format(name: str) -> OutputFormat:
     parts = name.split("_")
     kinds = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
     if len(parts) < 2 or parts[0] not in kinds:
-        raise RequestError("invalid_output_format", f"unsupported output_format {name!r}")
+        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"unsupported output_format {name!r}")
     try:
         return OutputFormat(kinds[parts[0]], decimal(parts[1], "the sample rate of output_format")).check()
     except RequestError as e:
-        raise RequestError("invalid_output_format", f"output_format {name!r}: {e}") from None
+        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"output_format {name!r}: {e}") from None
 
 
 def _flag(value: str | None) -> bool | None:
@@ -72,15 +76,9 @@ class ElevenLabsSession(StreamingSession):
         q = ws.query_params
         self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
-        opts = base_options(gw, q)
-        if q.get("language_code"):
-            opts = with_language(gw, opts, q["language_code"])
-        if q.get("apply_text_normalization", "").lower() == "off":
-            opts = parse_options({"text_normalization": False}, self.limits.max_frames, base=opts, cfg=gw.cfg)
-        seed = query_int(q, "seed")  # ElevenLabs takes 0..4294967295
-        if seed is not None:
-            opts = parse_options({"seed": seed % (1 << 31)}, self.limits.max_frames, base=opts, cfg=gw.cfg)
-        self.opts = opts
+        off = q.get("apply_text_normalization", "").lower() == "off"
+        self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
+                                    seed=query_int(q, "seed"))  # ElevenLabs takes seeds in 0..4294967295
         self.auto_mode = bool(_flag(q.get("auto_mode")))
         self.ctxs: dict[str, Context] = {}
 
@@ -114,7 +112,7 @@ class ElevenLabsSession(StreamingSession):
         close = data.get("close_context") is True
         text = data.get("text")
         if text is not None and not isinstance(text, str):
-            raise RequestError("bad_message", "text must be a string")
+            raise RequestError(G.BAD_MESSAGE, "text must be a string")
         flush = data.get("flush") is True
         # auto_mode speaks every text as it comes: a flush each
         speak = flush or (self.auto_mode and bool(text))
@@ -122,7 +120,7 @@ class ElevenLabsSession(StreamingSession):
             await self._close_context(ctx)
             return
         if text is None and not flush:
-            raise RequestError("bad_message", "send text, flush, close_context or close_socket")
+            raise RequestError(G.BAD_MESSAGE, "send text, flush, close_context or close_socket")
         if not self.multi and text == "":  # the single-context socket: end of input
             await self._end_of_input()
             return
@@ -139,17 +137,13 @@ class ElevenLabsSession(StreamingSession):
             await self._close_context(ctx)
 
     def _context_id(self, data: dict[str, Any]) -> str:
-        ctx = data.get("context_id") if self.multi else None
-        if ctx is None:
-            return DEFAULT_CONTEXT
-        if not isinstance(ctx, str) or not 0 < len(ctx) <= 128:
-            raise RequestError("bad_message", "context_id must be a string of 1-128 characters")
-        return ctx
+        ctx = check_context_id(data.get("context_id")) if self.multi else None
+        return DEFAULT_CONTEXT if ctx is None else ctx
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError("max_active_conversations", f"at most {MAX_CONTEXTS} contexts may hold text or "
+            raise RequestError(G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS, f"at most {MAX_CONTEXTS} contexts may hold text or "
                                "audio on one socket; close one first")
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
@@ -158,9 +152,9 @@ class ElevenLabsSession(StreamingSession):
         settings = data.get("voice_settings")
         opts = self.opts
         if isinstance(settings, dict):
-            opts = with_speed(self.gw, opts, settings.get("speed"))
+            opts = dialect_options(self.gw, base=opts, speed=settings.get("speed"))
         elif settings is not None:
-            raise RequestError("bad_message", "voice_settings must be an object")
+            raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close
         # of this one drops only what comes after it.
         c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=self.last_queued(ctx))
@@ -211,7 +205,8 @@ class ElevenLabsSession(StreamingSession):
 
 def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
     """ElevenLabs' HTTP error body."""
-    return {"detail": {"status": {"unknown_voice": "voice_not_found"}.get(code, code), "message": message}}
+    status = G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code
+    return {"detail": {"status": status, "message": message}}
 
 
 async def multi_stream_endpoint(ws: WebSocket) -> None:

@@ -25,12 +25,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.dialects.common import base_options, with_language, with_speed
+from app.audio_output import OutputFormat
+from app.checks import text_field
+from app.dialects.common import dialect_options
 from app.dialects.elevenlabs import _refusal as elevenlabs_error
 from app.dialects.elevenlabs import output_format
-from app.dialects.http import Framing, HttpFormat, errors_as, open_request, speech_response, text_field
+from app.dialects.http import errors_as, open_request
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from app.gateway import Gateway
-from app.synthesis import RequestError, SynthesisOptions, parse_options
+from app.http_api import Framing, speech_response
+from app.options import SynthesisOptions
 
 DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 MAX_SEED = 4294967295  # ElevenLabs' seed range
@@ -46,42 +51,33 @@ _NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
 def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
     for key, types in _UNUSED.items():
         if data.get(key) is not None and not isinstance(data[key], types):
-            raise RequestError("bad_params", f"{key} must be a {' or '.join(t.__name__ for t in types)}")
-    opts = base_options(gw, request.query_params)
+            raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
     lang = data.get("language_code")
-    if lang is not None:
-        if not isinstance(lang, str):
-            raise RequestError("bad_params", "language_code must be a string")
-        opts = with_language(gw, opts, lang)
+    if lang is not None and not isinstance(lang, str):
+        raise RequestError(G.BAD_PARAMS, "language_code must be a string")
     norm = data.get("apply_text_normalization")
     if norm is not None and norm not in ("auto", "on", "off"):
-        raise RequestError("bad_params", "apply_text_normalization must be 'auto', 'on' or 'off'")
-    limit = gw.settings.limits.max_frames
-    if norm == "off":
-        opts = parse_options({"text_normalization": False}, limit, base=opts, cfg=gw.cfg)
+        raise RequestError(G.BAD_PARAMS, "apply_text_normalization must be 'auto', 'on' or 'off'")
     seed = data.get("seed")
-    if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
-            raise RequestError("bad_params", f"seed must be an integer in 0..{MAX_SEED}")
-        opts = parse_options({"seed": seed % (1 << 31)}, limit, base=opts, cfg=gw.cfg)  # as on the WebSocket
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise RequestError(G.BAD_PARAMS, f"seed must be an integer in 0..{MAX_SEED}")
     settings = data.get("voice_settings")
-    if settings is not None:
-        if not isinstance(settings, dict):
-            raise RequestError("bad_params", "voice_settings must be an object")
-        opts = with_speed(gw, opts, settings.get("speed"))
-    return opts
+    if settings is not None and not isinstance(settings, dict):
+        raise RequestError(G.BAD_PARAMS, "voice_settings must be an object")
+    # as on the WebSocket
+    return dialect_options(gw, request.query_params, language=lang, text_normalization=False if norm == "off" else None,
+                           seed=seed, speed=(settings or {}).get("speed"))
 
 
-def _format(request: Request) -> HttpFormat:
-    of = output_format(request.query_params.get("output_format") or DEFAULT_FORMAT)
-    return HttpFormat(of.encoding, of.sample_rate).check()
+def _format(request: Request) -> OutputFormat:
+    return output_format(request.query_params.get("output_format") or DEFAULT_FORMAT)
 
 
 async def _speak(request: Request, framing: Framing | None = None, media_type: str | None = None) -> Response:
     gw, owner, data = await open_request(request)
     fmt = _format(request)
     voice = gw.resolve_voice(request.path_params["voice_id"], owner)
-    text = text_field(gw, data, "text")
+    text = text_field(data, "text", gw.settings.limits.max_http_chars)
     opts = _options(gw, request, data)
     return await speech_response(gw, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
 

@@ -57,7 +57,7 @@ CANCELLED = "cancelled"  # the finish reason of a cancelled request (the others:
 HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
 
 # The bounds of every sampling value, in this one place: the gateway checks them when a request arrives
-# (every API and dialect, app/synthesis.py parse_options), the engine again on submit (a record outside
+# (every API and dialect, app/options.py parse_options), the engine again on submit (a record outside
 # them is that request's `bad_request`). The sampler keeps each value in a float32 or int64 tensor; each
 # bound lies well inside those (1e308 passed `isfinite` once and overflowed the sampler's float32 tensor,
 # killing the engine) and past what still changes the sampling: logits are a few tens at most, so at

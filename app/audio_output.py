@@ -1,5 +1,14 @@
-"""Output formats for HTTP responses, streamed as the audio is generated, through libsndfile (soundfile) and,
-for AAC, FFmpeg's encoder (PyAV).
+"""Audio output: every encoding, format and rate table the gateway answers in, the sample conversions, and
+the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked for.
+
+* `Encoder` (below): one streaming encoder for every API. soxr's streaming resampler (chunk boundaries
+  leave no seams), then a sample encoding (`pcm_s16le`, `pcm_f32le`, `mulaw`, `alaw`: raw samples, optionally
+  in a WAV container of unknown length) or a compressed format (`StreamEncoder`).
+* `OutputFormat`: an encoding at a rate (and a container), checked against these tables; each API's door
+  builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
+
+The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile) and, for AAC,
+FFmpeg's encoder (PyAV):
 
 * `pcm` (16-bit little-endian), `mulaw` / `alaw` (G.711, one byte a sample): raw samples, no header.
 * `wav`: 16-bit PCM (or any of the dialects' sample encodings, `wav_header`) with the 'unknown length'
@@ -15,7 +24,7 @@ for AAC, FFmpeg's encoder (PyAV).
 
 `StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
 finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
-when it did not ask for a stream (app/http_api.py).
+when it did not ask for a stream (app/openai_api.py).
 
 G.711 is libsndfile's codec too (its RAW format with the ULAW / ALAW subtype): a well-kept C library
 instead of the `audioop` module that Python 3.13 removed.
@@ -26,13 +35,29 @@ from __future__ import annotations
 import io
 import logging
 import struct
+from dataclasses import dataclass
 
 import numpy as np
 import soundfile as sf
+import soxr
 
+from app.checks import check_sample_rate
+from app.errors import GatewayError as G
+from app.errors import RequestError
 from engine.contract.constants import SAMPLE_RATE
 
 log = logging.getLogger("gateway.audio")
+
+NATIVE_RATE = SAMPLE_RATE  # what the engine sends; every other rate is resampled from it
+# Our WebSocket's and OpenAI's rates; the dialects' (ElevenLabs pcm_8000 ... pcm_48000, Cartesia, Deepgram)
+OUTPUT_RATES = (SAMPLE_RATE, 24000, 16000, 8000)
+RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
+# the sample encodings (our names); G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is
+# usually wanted at 8000 Hz: a client that names one of them without a sample rate gets 8000 (`default_rate`)
+ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
+G711_RATE = 8000
+COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
+BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
 
 # name -> (media type, soundfile format, subtype); every format streams.
 FORMATS: dict[str, tuple[str, str | None, str | None]] = {
@@ -46,6 +71,9 @@ FORMATS: dict[str, tuple[str, str | None, str | None]] = {
     "aac": ("audio/aac", None, None),  # ADTS
 }
 FORMAT_ALIASES = {"ulaw": "mulaw", "pcmu": "mulaw", "pcma": "alaw"}
+# media type of each encoding sent raw (a WAV container is audio/wav)
+MEDIA_TYPES = {"pcm_s16le": "audio/pcm", "pcm_f32le": "audio/pcm", "mulaw": FORMATS["mulaw"][0],
+               "alaw": FORMATS["alaw"][0], **{k: FORMATS[k][0] for k in COMPRESSED}}
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 MP3_COMPRESSION = 0.6  # constant bit rate: 64 kbit/s at 16-24 kHz, 32 at 8 kHz, 160 at 44.1 kHz
@@ -56,6 +84,33 @@ AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
 WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
 _UNKNOWN = 0xFFFFFFFF
+
+
+def check_encoding(encoding: object) -> str:
+    """A client's encoding name (`ulaw` is accepted for `mulaw`), or bad_params."""
+    encoding = "mulaw" if encoding == "ulaw" else encoding
+    if encoding not in ENCODINGS:
+        raise RequestError(G.BAD_PARAMS, f"encoding must be one of {list(ENCODINGS)}")
+    return str(encoding)
+
+
+def default_rate(encoding: str, current: int = NATIVE_RATE) -> int:
+    """The sample rate a client gets when it names an encoding and no rate: 8000 for G.711."""
+    return G711_RATE if encoding in G711 else current
+
+
+def int16_bytes(x: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> 16-bit little-endian PCM (clipped, rounded)."""
+    return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
+
+
+def sample_bytes(x: np.ndarray, encoding: str) -> bytes:
+    """float32 samples -> the bytes of one of ENCODINGS."""
+    if encoding == "pcm_f32le":
+        return x.astype("<f4", copy=False).tobytes()
+    if encoding in G711:
+        return g711_encode(x, encoding)
+    return int16_bytes(x)
 
 
 def wav_header(sample_rate: int, encoding: str = "pcm_s16le", data_bytes: int | None = None) -> bytes:
@@ -246,7 +301,7 @@ class StreamEncoder:
     def _encode(self, x: np.ndarray) -> bytes:
         head, self._header = self._header, b""
         if self.fmt in ("pcm", "wav"):
-            return head + np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
+            return head + int16_bytes(x)
         if self.fmt in G711:
             return g711_encode(x, self.fmt)
         if self._aac is not None:
@@ -288,8 +343,75 @@ def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
         log.warning("could not set the Ogg page latency: %s", e)
 
 
-def encode_file(samples: np.ndarray, sample_rate: int, fmt: str, whole: bool = False) -> bytes:
-    """Encode float32 mono samples into a file of the given format: what a stream of it holds, or with
-    `whole`, the file with its header complete."""
-    enc = StreamEncoder(fmt, sample_rate, whole)
-    return enc.write(samples) + enc.close()
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """An encoding (one of ENCODINGS or COMPRESSED) at a rate; the sample encodings optionally in a WAV
+    container of unknown length (a stream's)."""
+
+    encoding: str
+    sample_rate: int
+    wav: bool = False
+
+    def check(self, rates: tuple[int, ...] = RATES, code: str = G.UNSUPPORTED_FORMAT) -> OutputFormat:
+        """Refused with `code` unless an encoder offers it at one of `rates`."""
+        if self.encoding not in ENCODINGS + COMPRESSED:
+            raise RequestError(code, f"unsupported encoding {self.encoding!r}")
+        if self.wav and self.encoding not in ENCODINGS:
+            raise RequestError(code, f"{self.encoding} does not go in a WAV container")
+        if self.encoding == "opus":
+            rates = tuple(r for r in rates if r in OPUS_RATES)
+        elif self.encoding == "aac":
+            rates = tuple(r for r in rates if r in AAC_BIT_RATE)
+        what = f"{self.encoding} takes the sample rates" if self.encoding in ("opus", "aac") else "sample rate must be one of"
+        check_sample_rate(self.sample_rate, rates, code, what, f", not {self.sample_rate}")
+        return self
+
+    @property
+    def media_type(self) -> str:
+        return "audio/wav" if self.wav else MEDIA_TYPES[self.encoding]
+
+    def encoder(self, whole: bool = False) -> Encoder:
+        return Encoder(self.encoding, self.sample_rate, wav=self.wav, whole=whole)
+
+
+class Encoder:
+    """int16 PCM at 44.1 kHz from the engine -> one output format, chunk by chunk: `encode(pcm16)` returns
+    what is ready, `encode(..., last=True)` the rest. `whole` (a compressed format, or a WAV): every byte at
+    the end, the file's header complete (StreamEncoder). `threaded`: its encoder is worth a worker thread."""
+
+    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False,
+                 whole: bool = False) -> None:
+        self.encoding, self.sample_rate = encoding, sample_rate
+        self._rs = (soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+                    if sample_rate != NATIVE_RATE else None)
+        self._file: StreamEncoder | None = None
+        if encoding in COMPRESSED:
+            self._file = StreamEncoder(encoding, sample_rate, whole)
+        elif wav and whole:  # the finished file: its sizes are known at the end
+            if encoding != "pcm_s16le":
+                raise ValueError("a whole WAV file holds pcm_s16le")
+            self._file = StreamEncoder("wav", sample_rate, whole=True)
+        self._header = wav_header(sample_rate, encoding) if wav and self._file is None else b""
+        self.threaded = encoding in COMPRESSED
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return BYTES_PER_SAMPLE.get(self.encoding, 1)
+
+    def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
+        """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
+        x = pcm16.astype(np.float32) / 32768.0
+        if self._rs is not None:
+            x = self._rs.resample_chunk(x, last=last)
+        return x
+
+    def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes:
+        head, self._header = self._header, b""
+        if self._rs is None and self.encoding == "pcm_s16le" and self._file is None:
+            return head + pcm16.astype("<i2", copy=False).tobytes()
+        x = self.float32(pcm16, last)
+        if self._file is not None:
+            data = self._file.write(x)
+            return head + (data + self._file.close() if last else data)
+        return head + sample_bytes(x, self.encoding)
