@@ -10,6 +10,14 @@ replays the invariant set only for steps that hold a seeded request. Every captu
 in the same process, and with both the invariant set's cost per batch is reported (issue #26: a step with a
 seeded request pays it; the others do not). Each set's capture time and reserved graph memory are printed.
 --ab is kept as a name for this default (--batch-invariant seeded).
+
+    python bench/decode_step.py --batches 64 128 --overlap-host-ms 2.7   # overlap scheduling (#25)
+
+--overlap-host-ms H: the engine loop's two schedules of decode steps, per batch, with H ms of host
+bookkeeping per step (a busy wait standing in for EOS, DAC pushes and records; 2.66 ms was the idle gap
+measured at ~93 streams): sequential (launch, read back, bookkeeping, then the next launch: the GPU idles for
+the bookkeeping) and overlapped (`--overlap-decode`: launch step k+1, then read back step k and do its
+bookkeeping while k+1 runs). Period per step of each, ms; overlapped should approach max(step, H).
 """
 
 from __future__ import annotations
@@ -19,11 +27,12 @@ import json
 import math
 import time
 
+import numpy as np
 import torch
 
 from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
-from engine.llm.node import LLMNode
+from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model, release_shapes
 from engine.model.zonos2 import MoEFFN, PrefillSeq
 
@@ -76,6 +85,48 @@ def kernels(invariant: bool) -> str:
     return "invariant" if invariant else "default"
 
 
+def _busy(ms: float) -> None:
+    end = time.perf_counter() + ms / 1e3
+    while time.perf_counter() < end:
+        pass
+
+
+def overlap_rows(node: LLMNode, batches: list[int], context: int, host_ms: float, iters: int) -> list[dict]:
+    """Period per decode step, sequential vs overlapped, with `host_ms` of bookkeeping per step (module doc).
+    Each slot's cache already holds `context` frames; the steps run through the node as the engine runs them
+    (decode_start / decode_finish, the codes read back and accounted per sequence)."""
+    rows = []
+    for b in batches:
+        seqs = []
+        for s in range(b):
+            seq = Sequence(rid=s + 1, prompt=np.zeros((context, 10), np.int64), params=SamplingParams(),
+                           max_frames=1 << 30, ignore_eos=True)
+            seq.slot, seq.prefilled = s, context
+            seqs.append(seq)
+        row = {"batch": b, "host_ms": host_ms}
+        for overlap in (False, True):
+            for seq in seqs:
+                seq.launched = seq.generated = 1
+            if node.device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            prev = None
+            for _ in range(iters):
+                pending = node.decode_start(seqs)
+                if overlap:
+                    pending, prev = prev, pending
+                if pending is not None:
+                    node.decode_finish(pending)
+                _busy(host_ms)
+            if prev is not None:
+                node.decode_finish(prev)
+            row["overlap_ms" if overlap else "sequential_ms"] = (time.perf_counter() - t0) / iters * 1e3
+        rows.append(row)
+        print(f"batch {b}: {host_ms} ms host work per step: sequential {row['sequential_ms']:.3f} ms/step, "
+              f"overlapped {row['overlap_ms']:.3f} ms/step")
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
@@ -90,6 +141,9 @@ def main() -> None:
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
                    help="the node's mode: seeded (the engine's default) captures and times both kernel sets")
     p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
+    p.add_argument("--overlap-host-ms", type=float,
+                   help="also time the engine loop's decode steps sequential vs overlapped (--overlap-decode) with "
+                        "this much host bookkeeping per step")
     a = p.parse_args()
     if a.ab:
         a.batch_invariant = "seeded"
@@ -167,9 +221,12 @@ def main() -> None:
             c["cost"] = c["invariant_ms"] / c["default_ms"] - 1
             cost.append(c)
             print(f"{b:>5} {c['invariant_ms']:12.3f} {c['default_ms']:10.3f} {c['cost']:+7.1%}")
+    overlap = overlap_rows(node, a.batches, a.context, a.overlap_host_ms, a.iters) \
+        if a.overlap_host_ms is not None else []
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"mode": node.batch_invariant, "rows": rows, "cost": cost, "capture": capture}, f, indent=1)
+            json.dump({"mode": node.batch_invariant, "rows": rows, "cost": cost, "capture": capture,
+                       "overlap": overlap}, f, indent=1)
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -7,6 +7,8 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
+# SERVER_ARGS adds server flags, e.g. SERVER_ARGS=--overlap-decode for overlap scheduling of decode steps (#25;
+# off by default until measured): compare its iteration profile's idle time and capacity with a run without.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1

@@ -326,3 +326,28 @@ def test_compiled_and_eager_sampler_agree_at_every_batch():
             assert torch.equal(alone, batch[7]), compiled
             codes[compiled] = batch
         assert torch.equal(codes[False], codes[True])
+
+
+def test_overlap_with_captured_graphs_equals_eager_without():
+    """Overlap scheduling (#25) as the engine runs it on a GPU: captured decode graphs that gather their
+    inputs from the sampler's device buffer, step k+1 launched before step k is read back, the slots of a
+    request that ended (EOS, cancel) kept until the step in flight that still writes them is read. Every
+    seeded request of tests/test_overlap.py's mix (different lengths, a guided pair, a cancel, admissions
+    into slots freed one step before) has the same frames as an eager engine without overlap, and no
+    admission lands in a slot a step in flight writes (drive asserts it)."""
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.runtime.engine import Engine
+    from tests.test_overlap import SLOTS, compare_mixed
+
+    def engine(graphs: bool) -> Engine:
+        return Engine(WeightSources(), EngineSettings(
+            device="cuda", max_batch=SLOTS, max_queue=16, max_context=512, prefill_chunk=64, compile=False,
+            cuda_graphs=graphs, dac_dtype="float32", stats_interval_s=1e9, continuation_flush_lead_ms=-1e9,
+            continuation_grace_ms=1e9))
+
+    eager = engine(False)
+    graphed = engine(True)
+    assert graphed.llm.graphs is not None and eager.llm.graphs is None
+    _, overlapped = compare_mixed(eager, False, graphed, True, pcm_tolerance=64)
+    print("reasons with overlap:", {rid: end.reason for rid, end in sorted(overlapped.ends.items())})
+    assert any(again for _, _, again in overlapped.admissions)  # a slot freed one step before went to a newcomer

@@ -281,3 +281,44 @@ def test_a_malformed_record_in_the_inbox_is_refused_and_the_engine_lives(rt):
     assert isinstance(first, m.Error) and first.code == "bad_request", first
     assert after.type == m.FINISHED and len(pcm) == 10 * 512
     assert client.restarts == restarts
+
+
+def test_overlap_engine_process_same_audio_and_cancel_frees_slots(rt):
+    """An engine process with overlap scheduling (`overlap_decode`, #25): seeded requests of different lengths
+    running together give the audio of the engine without overlap (the module's), and a cancel mid-way is
+    acknowledged once its slot is free (one step later: the step in flight still wrote it) with every slot
+    free (no audio after the acknowledgement: tests/test_overlap.py)."""
+    lt0, plain = rt
+    reqs = [request("Hello.", 30, seed=1), request("A somewhat longer sentence to speak.", 57, seed=2, top_k=20),
+            request("Fourth, with the end-of-audio rule.", 400, ignore_eos=False, seed=4)]
+
+    async def batch(client: EngineClient):
+        return await asyncio.gather(*(collect(client, r) for r in reqs))
+
+    want = lt0.run(batch(plain))
+    lt = LoopThread()
+    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_queue=QUEUE, max_context=1024, prefill_chunk=64,
+                              stats_interval_s=0.2, overlap_decode=True)
+    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
+
+    async def go():
+        await client.start()
+        await asyncio.wait_for(client.ready.wait(), 180)
+        got = await batch(client)
+        stream = client.submit(request("This will be interrupted.", 900, seed=5))
+        async for ev in stream:
+            if ev.type == m.AUDIO:
+                break
+        return got, await client.cancel(stream.rid)
+
+    try:
+        got, ack = lt.run(go(), timeout=300)
+    finally:
+        lt.run(client.close())
+        lt.close()
+    for (pa, ea, _), (pb, eb, _) in zip(want, got, strict=True):
+        assert isinstance(ea, m.Finished) and isinstance(eb, m.Finished) and ea.reason == eb.reason
+        assert ea.stats.frames == eb.stats.frames and ea.stats.eos_frame == eb.stats.eos_frame
+        assert len(pa) == len(pb) and np.abs(pa.astype(np.int32) - pb.astype(np.int32)).max() <= 1
+    assert ack is not None and ack.reason == "cancelled" and ack.freed is not None
+    assert ack.freed.free_slots == SLOTS

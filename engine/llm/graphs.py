@@ -3,7 +3,9 @@
 top-k / top-p / min-p, counter-based per-request noise), all reading static slot-indexed buffers.
 
 A live batch is padded up to its bucket with a scratch slot that no request owns; the sampler's
-writes to that slot are harmless. EOS detection stays outside, on the host.
+writes to that slot are harmless. EOS detection stays outside, on the host. A step's inputs are gathered
+inside the graph from each slot's last sampled frame (the sampler's device buffer), so the host passes only
+slots and positions, and may launch a step before it has read the one before back (overlap scheduling).
 
 Each is captured once per kernel set the node runs (`kernel_sets`: False = the default kernels, True = the
 batch-invariant ones, `engine.model.batch_invariant`), so the node picks a set per step by choosing which
@@ -94,6 +96,9 @@ class DecodeGraphs:
         self.capture_bytes: dict[bool, int] = {}
 
     def _step(self, b: int, invariant: bool = False) -> None:
+        # each row's input: its slot's last sampled frame, on the device (the sampler wrote it in the step
+        # before, or the prefill sampled it), so the step needs nothing from the host but slots and positions
+        self.ids[:b, : self.model.cfg.n_codebooks] = self.sampler.last[self.slots[:b]]
         logits = self.model.decode(self.ids[:b], self.slots[:b], self.positions[:b], invariant=invariant)
         self.codes[:b] = self.sampler.sample(logits, self.slots[:b])
 
@@ -104,14 +109,18 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.buckets, n, "batch")
 
-    def run(self, ids: Tensor, slots: Tensor, positions: Tensor, invariant: bool = False) -> Tensor:
-        """ids [n, 10], slots [n], positions [n] (any device) -> sampled codes [n, 9] on the GPU, by the graph
-        of kernel set `invariant` (one of kernel_sets)."""
-        n = ids.shape[0]
+    def run(self, ids: Tensor | None, slots: Tensor, positions: Tensor, invariant: bool = False) -> Tensor:
+        """slots [n], positions [n] (any device; pinned host memory keeps the launch free of syncs) -> sampled
+        codes [n, 9] on the GPU, by the graph of kernel set `invariant` (one of kernel_sets). Each row's input
+        is its slot's last sampled frame (`SamplerState.last`); ids [n, 10]: write these frames there first
+        instead (benchmarks that force the inputs)."""
+        n = slots.shape[0]
         b = self.bucket(n)
-        self.ids[:n].copy_(ids, non_blocking=True)
         self.slots[:n].copy_(slots, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
+        if ids is not None:
+            frames = ids[:, : self.model.cfg.n_codebooks].to(self.codes.device, non_blocking=True)
+            self.sampler.last.index_put_((self.slots[:n],), frames)
         if b > n:
             self.slots[n:b] = self.scratch_slot
             self.positions[n:b] = 0

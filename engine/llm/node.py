@@ -40,6 +40,7 @@ class Sequence:
     slot: int = -1
     prefilled: int = 0  # prompt frames already in the KV cache
     generated: int = 0
+    launched: int = 0  # frames whose sampling has been launched (prefill's first + decode steps); >= generated
     last_codes: np.ndarray | None = None
     eos: EosTracker = field(default_factory=EosTracker)
     finish_reason: str | None = None
@@ -63,6 +64,12 @@ class Sequence:
         """Cache position the next decode input (the last sampled frame) is written to."""
         return self.prompt_len + self.generated - 1
 
+    @property
+    def launch_position(self) -> int:
+        """Cache position of the input of the next step launched for it: its last launched frame's. Equal to
+        next_position when every launched step was read back; one ahead while a step is in flight (overlap)."""
+        return self.prompt_len + self.launched - 1
+
 
 # the kernel sets each batch-invariance mode captures and may run (False: default kernels, True: batch-invariant)
 KERNEL_SETS = {"seeded": (False, True), "always": (True,), "off": (False,)}
@@ -71,6 +78,7 @@ KERNEL_SETS = {"seeded": (False, True), "always": (True,), "off": (False,)}
 @dataclass
 class PendingDecode:
     seqs: list[Sequence]
+    slots: set[int]  # the slots the step writes (KV cache, sampler state, last frame)
     codes: Any  # np.ndarray (CPU) or a pinned torch tensor being filled (CUDA)
     done: Any  # torch.cuda.Event, or None
 
@@ -106,8 +114,15 @@ class LLMNode:
                                     compiled=on_gpu and compile)
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
-        self._host_codes = torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64,
-                                       pin_memory=on_gpu)
+        # Two of each host buffer, alternating per launch: with overlap two steps are in flight at once (one
+        # being read back, the next running), each copying its inputs in and its codes out through its own.
+        self._host_codes = [torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu)
+                            for _ in range(2)]
+        self._host_inputs = [torch.zeros(2, n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._flip = 0
+        self._text_col = torch.full((n_slots + 1, 1), self.cfg.text_pad_id, dtype=torch.int64, device=self.device)
+        self.in_flight: list[PendingDecode] = []  # launched steps not yet read back (decode_finish), oldest first
+        self.deferred: set[int] = set()  # released slots a step in flight still writes: freed when it is read
         self.graphs = None
         self.prefill_graphs = None
         if on_gpu:
@@ -144,10 +159,32 @@ class LLMNode:
         self.sampler.admit(twin.slot, twin.params, seq.seed)
         self.sampler.pair_slots(seq.slot, twin.slot, scale)
 
-    def release(self, seq: Sequence) -> None:
-        if seq.slot >= 0:
-            self.free_slots.append(seq.slot)
-            seq.slot = -1
+    def release(self, seq: Sequence) -> bool:
+        """Give seq's slot back. A slot that a launched step not yet read back still writes (its KV row, its
+        sampler state, its last frame) is kept until that step is read (`decode_finish`), so a new admission
+        never sees the stale write; that step's row of seq is discarded. True: the slot is free now."""
+        if seq.slot < 0:
+            return True
+        slot, seq.slot = seq.slot, -1
+        if any(slot in p.slots for p in self.in_flight):
+            self.deferred.add(slot)
+            return False
+        self.free_slots.append(slot)
+        return True
+
+    def wants_step(self, seq: Sequence) -> bool:
+        """Whether a step launched now could give seq a frame it keeps: its launched frames are below its frame
+        budget and the context. (Without overlap every launched frame is read back before the next launch,
+        and a sequence at either limit has already finished; with overlap this stops one step early.)"""
+        return seq.launched < seq.max_frames and seq.prompt_len + seq.launched < self.max_len - 1
+
+    def _free_deferred(self) -> None:
+        if not self.deferred:
+            return
+        busy = set().union(*(p.slots for p in self.in_flight))
+        for slot in sorted(self.deferred - busy, reverse=True):  # a fixed order: slot reuse is reproducible
+            self.deferred.discard(slot)
+            self.free_slots.append(slot)
 
     # ---- steps ---------------------------------------------------------------------------------
     def runs_invariant(self, seqs: Iterable[Sequence]) -> bool:
@@ -187,6 +224,8 @@ class LLMNode:
         # one sampler call for every first frame: a guided request and its twin sample together
         slots = torch.tensor([seq.slot for seq, _ in done], device=self.device)
         codes = self.sampler.sample(torch.stack([row for _, row in done]), slots, eager=True).cpu().numpy()
+        for seq, _ in done:
+            seq.launched += 1
         return [(seq, self._accept(seq, codes[j])) for j, (seq, _) in enumerate(done)]
 
     def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Tensor]]:
@@ -221,38 +260,65 @@ class LLMNode:
 
     def decode_start(self, seqs: list[Sequence]) -> PendingDecode:
         """Launch one decode step and return at once; the GPU works while the host does other things
-        (the engine decodes audio meanwhile). `decode_finish` waits for the codes."""
+        (the engine decodes audio meanwhile; with overlap it also reads back the step before). Each row's
+        input is its slot's last sampled frame, which the sampler keeps on the device (`SamplerState.last`),
+        so a step may be launched before the one before it was read back. `decode_finish` waits for the codes.
+        At most two steps may be in flight."""
+        if len(self.in_flight) >= 2:
+            raise RuntimeError("two decode steps are in flight already: read one back first")
         n = len(seqs)
-        ids = np.empty((n, self.cfg.n_codebooks + 1), dtype=np.int64)
-        for i, s in enumerate(seqs):
-            ids[i, : self.cfg.n_codebooks] = s.last_codes
-        ids[:, self.cfg.n_codebooks] = self.cfg.text_pad_id
-        slots = torch.tensor([s.slot for s in seqs])
-        positions = torch.tensor([s.next_position for s in seqs])
+        buf = self._flip
+        self._flip ^= 1
+        inputs = self._host_inputs[buf][:, :n]
+        inputs.numpy()[:] = [[s.slot for s in seqs], [s.launch_position for s in seqs]]
+        for s in seqs:
+            s.launched += 1
+        slots, positions = inputs[0], inputs[1]
         invariant = self.runs_invariant(seqs)
         self.calls[("decode", invariant)] += 1
         if self.graphs is not None:
-            codes = self.graphs.run(torch.from_numpy(ids), slots, positions, invariant)
+            codes = self.graphs.run(None, slots, positions, invariant)
         else:
-            slots, positions = slots.to(self.device), positions.to(self.device)
-            logits = self.model.decode(torch.from_numpy(ids).to(self.device), slots, positions, invariant=invariant)
+            slots = slots.to(self.device, non_blocking=True)
+            positions = positions.to(self.device, non_blocking=True)
+            ids = torch.cat([self.sampler.last[slots], self._text_col[:n]], 1)
+            logits = self.model.decode(ids, slots, positions, invariant=invariant)
             codes = self.sampler.sample(logits, slots)
+        used = {s.slot for s in seqs}
         if self.device.type != "cuda":
-            return PendingDecode(seqs, codes.numpy(), None)
-        host = self._host_codes[:n]
-        host.copy_(codes, non_blocking=True)  # pinned: the copy runs behind the step, no sync here
-        done = torch.cuda.Event()
-        done.record()
-        return PendingDecode(seqs, host, done)
+            pending = PendingDecode(seqs, used, codes.numpy(), None)
+        else:
+            host = self._host_codes[buf][:n]
+            host.copy_(codes, non_blocking=True)  # pinned: the copy runs behind the step, no sync here
+            done = torch.cuda.Event()
+            done.record()
+            pending = PendingDecode(seqs, used, host, done)
+        self.in_flight.append(pending)
+        return pending
 
     def decode_finish(self, pending: PendingDecode) -> list[tuple[Sequence, np.ndarray]]:
+        """Wait for a launched step's codes and account them. Rows of sequences released since the launch (they
+        finished on the step before, or were cancelled) are discarded; the slots they kept are freed now."""
         if pending.done is not None:
             pending.done.synchronize()
             codes = pending.codes.numpy().copy()
         else:
             codes = pending.codes
+        self.in_flight.remove(pending)
+        self._free_deferred()
+        keep = [i for i, s in enumerate(pending.seqs) if s.slot >= 0]
+        if not keep:
+            return []
+        if len(keep) < len(codes):
+            codes = codes[keep]
         eoa = (codes[:, : self.cfg.n_codebooks] == self.cfg.eoa_id).any(axis=1).tolist()  # one scan per batch
-        return [(s, self._accept(s, codes[i], eoa[i])) for i, s in enumerate(pending.seqs)]
+        return [(pending.seqs[i], self._accept(pending.seqs[i], codes[j], eoa[j])) for j, i in enumerate(keep)]
+
+    def abandon(self, pending: PendingDecode) -> None:
+        """Forget a launched step without its codes (the engine's error path): its deferred slots are freed."""
+        if pending in self.in_flight:
+            self.in_flight.remove(pending)
+        self._free_deferred()
 
     def _accept(self, seq: Sequence, codes: np.ndarray, has_eoa: bool | None = None) -> np.ndarray:
         seq.generated += 1

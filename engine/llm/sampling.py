@@ -97,6 +97,9 @@ class SamplerState:
         self.step = torch.zeros(n_slots, **i64)  # frames generated so far
         self.history = torch.zeros(n_slots, HISTORY, n_codebooks, **i64)
         self.history_step = torch.full((n_slots, HISTORY), -1, **i64)
+        # each slot's last sampled frame: the next decode step's input, gathered by slot on the device (so a
+        # step can be launched before the host has read the one before back: overlap scheduling)
+        self.last = torch.zeros(n_slots, n_codebooks, **i64)
         # guidance pairs: the partner slot (itself: none), whether a slot is the twin, the pair's scale
         self.pair = torch.arange(n_slots, **i64)
         self.is_twin = torch.zeros(n_slots, device=device, dtype=torch.bool)
@@ -203,3 +206,4 @@ class SamplerState:
         self.history.index_put_((slots, pos), codes)
         self.history_step.index_put_((slots, pos), step)
         self.step.index_put_((slots,), step + 1)
+        self.last.index_put_((slots,), codes)

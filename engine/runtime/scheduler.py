@@ -16,6 +16,17 @@ finished when that is out), the audio after it the new one's. A
 held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
 would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
 
+Overlap scheduling (`overlap_decode`, #25; off by default until measured on a GPU). The step for iteration
+k+1 is launched before step k's codes are read back: each row's input is its slot's last sampled frame, which
+the sampler keeps on the device, and its position is counted from the frames launched (`Sequence.launched`).
+The host then does step k's bookkeeping (EOS, DAC pushes, records) while step k+1 runs. A request that
+ended on step k (EOS, cancel; a frame budget or the context is seen before launching, `LLMNode.wants_step`)
+already has a row in step k+1: that row is discarded, and its slots (its twin's too) are freed only when
+step k+1 is read back (`LLMNode.release` defers them), so an admission never sees that step's stale write; a
+cancel is acknowledged then. Newly prefilled requests join the next step launched. The sampler's noise is
+keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so seeded output is the
+same with and without overlap.
+
 Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice), `prefix_cfg_scale` (and the
 prefix twin's prompt) or `emotion_cfg_scale` (and a voice with an emotion) != 1 gets a twin: a second slot
 (rid -rid: no audio, no records) that decodes in lockstep with it, its prompt without the speaker, the
@@ -39,7 +50,7 @@ from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.guidance import twin as twin_kind
-from engine.llm.node import Sequence
+from engine.llm.node import PendingDecode, Sequence
 from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.outbox import Outbox
@@ -108,6 +119,10 @@ class Scheduler:
         self.stopping = False
         self._last_stats = 0.0
         self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
+        # overlap scheduling (module docstring): the decode step launched last, read back next iteration
+        self.overlap = settings.overlap_decode
+        self._inflight: PendingDecode | None = None
+        self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -116,23 +131,29 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self.stopping:
-            generating = any(j.seq.finish_reason is None for j in self.running.values()) or self.waiting
+            generating = (any(j.seq.finish_reason is None for j in self.running.values()) or self.waiting
+                          or self._inflight is not None)
             if not generating and self.outbox.pending_bytes() == 0:
                 # idle: sleep until a request arrives (only audio left to decode: just a short nap)
                 self.inbox.wait(timeout=0.5 if not self.running else 0.002)
-            self._read_inbox()
-            self._speaker_results()
-            self._admit()
-            self._flush_held(time.perf_counter())
-            try:
-                self._step()
-            except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
-                log.exception("engine step failed; failing the running requests")
-                for rid in list(self.running):
-                    self._cancel(rid, ack=False)
-                    self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
-            self.outbox.flush()
-            self._maybe_stats()
+            self.iterate()
+
+    def iterate(self) -> None:
+        """One engine iteration (the module docstring), without waiting for work."""
+        self._read_inbox()
+        self._speaker_results()
+        self._admit()
+        self._flush_held(time.perf_counter())
+        try:
+            self._step()
+        except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
+            log.exception("engine step failed; failing the running requests")
+            for rid in list(self.running):
+                self._cancel(rid, ack=False)
+                self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
+            self._drop_inflight()
+        self.outbox.flush()
+        self._maybe_stats()
 
     def _read_inbox(self) -> None:
         while (rec := self.inbox.get()) is not None:
@@ -381,20 +402,25 @@ class Scheduler:
         return min(left) * self.admission.period_s
 
     def _step(self) -> None:
-        if not self.running:
+        if not self.running and self._inflight is None:
             return
         t0 = time.perf_counter()
         results: list[tuple[Sequence, np.ndarray]] = []
         jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
         live = [s for j in jobs for s in (j.seq, j.twin) if s is not None]
-        decoding = [s for s in live if not s.in_prefill]
+        # a guided request's twin decodes in lockstep with it: the request's frame budget decides for both
+        decoding = [s for j in jobs if self.llm.wants_step(j.seq) for s in (j.seq, j.twin)
+                    if s is not None and not s.in_prefill]
         with node_range("decode"):
             pending = self.llm.decode_start(decoding) if decoding else None
         self.admission.observe_launch(t0, len(decoding))
+        if self.overlap:  # read back the step launched last iteration while this one runs
+            pending, self._inflight = self._inflight, pending
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
         if pending is not None:
             results += self.llm.decode_finish(pending)
-            self.counters["decode_frames"] += len(decoding)
+            self.counters["decode_frames"] += len(pending.seqs)
+            self._send_acks()
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
         # playing the held tail, a newcomer only waits for first audio
@@ -443,7 +469,7 @@ class Scheduler:
                 self._release(job)
         if plain_rids:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))
-        if not live:
+        if not live and self._inflight is None:
             self._audio()  # only audio left to decode
         self.step_times.append(time.perf_counter() - t0)
         self.counters["steps"] += 1
@@ -467,11 +493,39 @@ class Scheduler:
             n_t = min(budget - n, left_t - 1)
         return [(s, k) for s, k in ((seq, n), (tw, n_t)) if k > 0]
 
-    def _release(self, job: Job) -> None:
-        """Free the job's slots (its twin's too)."""
-        self.llm.release(job.seq)
+    def _release(self, job: Job) -> bool:
+        """Free the job's slots (its twin's too). False: a step in flight still writes one of them; it is
+        freed when that step is read back (LLMNode.release)."""
+        freed = self.llm.release(job.seq)
         if job.twin is not None:
-            self.llm.release(job.twin)
+            freed = self.llm.release(job.twin) and freed
+        return freed
+
+    def _send_acks(self) -> None:
+        """Acknowledge the cancels whose slots the last step read back freed."""
+        if not self._acks:
+            return
+        waiting = []
+        for rid, t0, job, slots in self._acks:
+            if any(s in self.llm.deferred for s in slots):
+                waiting.append((rid, t0, job, slots))
+                continue
+            self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
+                free_ms=round((time.perf_counter() - t0) * 1e3, 3), free_slots=len(self.llm.free_slots),
+                frames=job.seq.generated)), force=True)
+        self._acks = waiting
+
+    def _drop_inflight(self) -> None:
+        """The error path: forget the steps in flight (read back when the device still answers), so their
+        slots come free and pending cancels are acknowledged."""
+        self._inflight = None
+        for pending in list(self.llm.in_flight):
+            try:
+                self.llm.decode_finish(pending)  # every row's sequence was released above: nothing is kept
+            except Exception:
+                log.exception("the decode step in flight failed too")
+                self.llm.abandon(pending)
+        self._send_acks()
 
     def _group_prefill(self, chunks: list[tuple[Sequence, int]], streams: int, now: float) -> bool:
         """Hold a small prefill back for a few iterations under load, so arrivals share one call: a packed
@@ -578,7 +632,11 @@ class Scheduler:
                     self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
                         free_ms=0.0, free_slots=len(self.llm.free_slots))), force=True)
                 return
-            self._release(job)  # its twin's slot too
+            slots = [s.slot for s in (job.seq, job.twin) if s is not None]
+            if not self._release(job) and ack:  # its twin's slot too
+                # overlap: the step in flight still writes its slots; acknowledged once that step is read back
+                self._acks.append((rid, t0, job, slots))
+                ack = False
             self._cancel_stream(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1

@@ -1,0 +1,287 @@
+"""Overlap scheduling of decode steps (#25, `EngineSettings.overlap_decode`): the scheduler launches step k+1
+before it reads step k back. On a CPU (tiny model, eager decode) the same engine loop runs the same logic as
+with graphs; here it is driven one iteration at a time (`Scheduler.iterate`), so nothing depends on speed.
+
+Every seeded request's frames and audio must be the same with overlap on and off: concurrent requests of
+different lengths, one ending on a real EOS, a guided request with its twin, a reply continued across two
+requests, a cancel mid-way (no audio after its acknowledgement, every slot free after), and admissions into
+slots a request released one step before."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from engine.contract import records as m
+from engine.contract.records import SamplingParams
+from engine.contract.rings import ShmRing
+from engine.contract.settings import EngineSettings, WeightSources
+from engine.dac.schedule import ChunkSchedule
+from engine.dac.streaming import StreamingDecoder
+from engine.frontend.prompt import Conditioning, PromptBuilder
+from engine.runtime.engine import Engine
+from engine.runtime.scheduler import Scheduler
+
+SLOTS = 4
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same float reductions in every run
+    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_queue=16, max_context=512, prefill_chunk=64,
+                              stats_interval_s=1e9, continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    yield Engine(WeightSources(), settings)
+    torch.set_num_threads(n)
+
+
+@dataclass
+class Run:
+    """What one drive of the scheduler produced, per rid."""
+
+    frames: dict[int, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))  # pushed to the DAC
+    pcm: dict[int, list[np.ndarray]] = field(default_factory=lambda: defaultdict(list))
+    ends: dict[int, m.Record] = field(default_factory=dict)
+    kept: dict[int, np.ndarray] = field(default_factory=dict)
+    audio_after_end: list[int] = field(default_factory=list)
+    iterations: int = 0
+    # (rid, slot, the slot was freed one step before: released while a step in flight still wrote it)
+    admissions: list[tuple[int, int, bool]] = field(default_factory=list)
+
+    def codes(self, rid: int) -> np.ndarray:
+        return np.stack(self.frames[rid])
+
+    def audio(self, rid: int) -> np.ndarray:
+        return np.concatenate(self.pcm[rid]) if self.pcm[rid] else np.zeros(0, np.int16)
+
+
+def drive(engine: Engine, overlap: bool, submit: list[m.SubmitRequest], cancel_at: dict[int, int] | None = None,
+          submit_at: dict[int, tuple[int, list[m.SubmitRequest]]] | None = None, on_kept=None,
+          max_iterations: int = 3000) -> Run:
+    """Run the scheduler over `submit` (all sent before the first iteration) until every request ended.
+    cancel_at {rid: n}: cancel rid once n of its frames went to the DAC; submit_at {rid: (n, requests)}:
+    submit those then. on_kept(rid, frames): more requests to submit when a held request's kept frames come."""
+    cancel_at = dict(cancel_at or {})
+    submit_at = dict(submit_at or {})
+    # a fresh dac_decoder each run: it keeps the entry of a stream whose audio completed before its generation
+    # ended (final audio sent, `finish` never called), so a rid can not be opened twice in one decoder
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(16 << 20), ShmRing.create(64 << 20)
+    sched = Scheduler(engine, inbox, out)
+    sched.overlap = overlap
+    llm, dac = engine.llm, engine.dac
+    run = Run()
+    streams: dict[int, int] = {}  # DAC stream -> the rid whose frames it carries now
+    expected = {r.rid for r in submit} | {r.rid for _, later in submit_at.values() for r in later}
+
+    def put(rec: m.Record) -> None:
+        assert inbox.try_put(*rec.encode())
+
+    push, push_rows, admit = dac.push, dac.push_rows, llm.admit
+
+    def rec_push(key, frames, eos_frame=None):
+        run.frames[streams.get(key, key)].extend(np.asarray(frames).reshape(-1, 9))
+        return push(key, frames, eos_frame=eos_frame)
+
+    def rec_push_rows(keys, frames):
+        for k, f in zip(keys, frames, strict=True):
+            run.frames[streams.get(k, k)].append(f)
+        return push_rows(keys, frames)
+
+    freed_at: dict[int, int] = {}  # slot -> the iteration that freed it after keeping it back (a step wrote it)
+
+    def rec_admit(seq):
+        admit(seq)
+        # never into a slot a step in flight still writes (its stale write would land in the new request)
+        assert all(seq.slot not in p.slots for p in llm.in_flight)
+        run.admissions.append((seq.rid, seq.slot, freed_at.get(seq.slot) == run.iterations - 1))
+        if seq.rid > 0:
+            streams.setdefault(seq.rid, seq.rid)
+
+    def rec_free_deferred():
+        kept = set(llm.deferred)
+        free_deferred()
+        for slot in kept - llm.deferred:
+            freed_at[slot] = run.iterations
+
+    free_deferred = llm._free_deferred
+    dac.push, dac.push_rows, llm.admit, llm._free_deferred = rec_push, rec_push_rows, rec_admit, rec_free_deferred
+    try:
+        for r in submit:
+            put(r)
+        while run.iterations < max_iterations:
+            with engine.llm_stream():  # as Scheduler.run
+                sched.iterate()
+            run.iterations += 1
+            while (got := out.get()) is not None:
+                rec = m.decode(*got)
+                rid = getattr(rec, "rid", None)
+                if isinstance(rec, m.Audio):
+                    if rid in run.ends:
+                        run.audio_after_end.append(rid)
+                    run.pcm[rid].append(rec.pcm)
+                elif isinstance(rec, m.Kept):
+                    run.kept[rid] = rec.frames
+                    for nxt in on_kept(rid, rec.frames) if on_kept else ():
+                        expected.add(nxt.rid)
+                        if nxt.continues:
+                            streams[nxt.continues] = nxt.rid  # the stream's frames are the new request's now
+                        put(nxt)
+                elif isinstance(rec, m.Finished | m.Error):
+                    run.ends[rid] = rec
+            for rid, n in list(cancel_at.items()):
+                if len(run.frames[rid]) >= n:
+                    del cancel_at[rid]
+                    put(m.Cancel(rid))
+            for rid, (n, later) in list(submit_at.items()):
+                if len(run.frames[rid]) >= n or rid in run.ends:
+                    del submit_at[rid]
+                    for r in later:
+                        put(r)
+            if expected <= run.ends.keys() and not sched.running and sched._inflight is None:
+                break
+        else:
+            raise AssertionError(f"not done after {max_iterations} iterations: {sorted(expected - run.ends.keys())}")
+        assert not llm.in_flight and not llm.deferred
+        assert sorted(llm.free_slots) == list(range(SLOTS))  # every slot (twins' too) is free again
+    finally:
+        dac.push, dac.push_rows, llm.admit, llm._free_deferred = push, push_rows, admit, free_deferred
+        for pending in list(llm.in_flight):  # a failed run leaves the node clean for the next
+            llm.abandon(pending)
+        inbox.close()
+        out.close()
+        for ring in (inbox, out):
+            ring.unlink()
+    return run
+
+
+def _pb() -> PromptBuilder:
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    return PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
+
+
+def req(rid: int, text: str, max_frames: int, ignore_eos: bool = True, cond: Conditioning | None = None,
+        **kw: Any) -> m.SubmitRequest:
+    extra = {k: kw.pop(k) for k in ("speaker_embedding", "hold", "continues", "prompt") if k in kw}
+    prompt = extra.pop("prompt", None)
+    if prompt is None:
+        prompt = _pb().build(text, cond or Conditioning(), non_final=extra.get("hold", False))
+    return m.SubmitRequest(rid=rid, prompt=prompt, params=SamplingParams(**kw), max_frames=max_frames,
+                           ignore_eos=ignore_eos, **extra)
+
+
+def assert_same(a: Run, b: Run, rids, pcm_tolerance: int = 1) -> None:
+    for rid in rids:
+        assert type(a.ends[rid]) is type(b.ends[rid]) and a.ends[rid].reason == b.ends[rid].reason, rid
+        np.testing.assert_array_equal(a.codes(rid), b.codes(rid), err_msg=f"rid {rid}")
+        pa, pb = a.audio(rid), b.audio(rid)
+        assert len(pa) == len(pb), rid
+        # the codes are identical; PCM may differ by float rounding of differently batched DAC calls only
+        assert len(pa) == 0 or np.abs(pa.astype(np.int32) - pb.astype(np.int32)).max() <= pcm_tolerance, rid
+
+
+def mixed_requests() -> tuple[list[m.SubmitRequest], dict[int, int], dict[int, tuple[int, list[m.SubmitRequest]]]]:
+    """The mix of the first test: (requests, cancel_at, submit_at) for `drive`. With 4 slots, rid 6 waits at
+    the head of the queue when rid 1 is cancelled, and rids 8-10 come while rid 3 nears its EOS (on the CPU's
+    tiny model, frame 104) with every slot busy."""
+    voice = np.random.default_rng(0).normal(size=2048).astype(np.float32)
+    reqs = [
+        req(1, "This will be interrupted.", 200, seed=6),
+        req(2, "A somewhat longer sentence to speak.", 57, seed=2, temperature=0.8, top_k=20),
+        req(3, "Fourth, with the end-of-audio rule.", 300, ignore_eos=False, seed=4),
+        req(4, "Hello.", 30, seed=1),
+        req(6, "x", 1, seed=8),
+        req(5, "Guided by a voice.", 25, cond=Conditioning(speaker=True), speaker_embedding=voice, seed=5,
+            cfg_scale=2.0),
+        req(7, "Long filler.", 150, seed=10),
+    ]
+    later = [req(8, "Another late one, a bit longer.", 33, seed=9, repetition_penalty=1.5),
+             req(9, "Late one.", 20, seed=7, top_p=0.9), req(10, "And one more.", 15, seed=11)]
+    return reqs, {1: 6}, {3: (100, later)}
+
+
+def compare_mixed(a: Engine, overlap_a: bool, b: Engine, overlap_b: bool, pcm_tolerance: int = 1) -> tuple[Run, Run]:
+    """`mixed_requests` through engine a and engine b: every request but the cancelled one has the same frames
+    and audio; the cancelled one's frames are a prefix (one step more at most where b overlaps and a not)."""
+    reqs, cancel_at, submit_at = mixed_requests()
+    ra = drive(a, overlap_a, reqs, cancel_at, submit_at)
+    rb = drive(b, overlap_b, reqs, cancel_at, submit_at)
+    rids = [r.rid for r in reqs + submit_at[3][1]]
+    assert_same(ra, rb, [r for r in rids if r != 1], pcm_tolerance)
+    for r in (ra, rb):
+        assert r.ends[1].reason == m.CANCELLED and r.ends[1].freed is not None and r.ends[1].freed.free_slots >= 1
+        assert not r.audio_after_end  # nothing of a request after its end (the cancel's acknowledgement)
+    n_a, n_b = len(ra.codes(1)), len(rb.codes(1))
+    assert 6 <= n_a <= n_b <= n_a + 1
+    np.testing.assert_array_equal(ra.codes(1), rb.codes(1)[:n_a])
+    return ra, rb
+
+
+def test_overlap_gives_the_same_frames_and_audio(engine: Engine):
+    """More requests than slots, of different lengths and sampling settings, one ended by its EOS, one guided
+    (its twin takes a slot), one cancelled mid-way: with overlap each request's frames and audio are those
+    without. The slots of the cancelled request and of the EOS one (a step in flight still wrote them) go
+    to waiting requests the step after they were freed; every slot is free at the end."""
+    off, on = compare_mixed(engine, False, engine, True)
+    rids = list(range(1, 11))
+    for r in (off, on):
+        assert {rid: r.ends[rid].reason for rid in rids} == {
+            1: m.CANCELLED, 2: "max_frames", 3: "eos", 4: "max_frames", 5: "max_frames", 6: "max_frames",
+            7: "max_frames", 8: "max_frames", 9: "max_frames", 10: "max_frames"}
+        assert len(r.audio(4)) == 30 * 512 and len(r.codes(4)) == 30
+    # the cancelled request's frames are a prefix of what it would have said (compare_mixed: one step more
+    # with overlap at most, the step in flight when the cancel came being discarded)
+    # with overlap, the cancelled request's slot and the EOS one's were kept back one step (the step in flight
+    # wrote them) and then went to a waiting request at once
+    fresh = [rid for rid, _, again in on.admissions if again]
+    assert 6 in fresh and any(r in fresh for r in (8, 9, 10)), on.admissions
+
+
+def test_overlap_with_a_real_end_of_audio(engine: Engine):
+    """Requests that end on their delayed EOS (the tiny random model reaches one with a repetition-free
+    high temperature): the EOS frame, the frame count and the audio are the same with overlap; the row of
+    the step launched after the EOS is discarded."""
+    reqs = [req(10 + i, f"Words number {i}.", 240, ignore_eos=False, seed=100 + i, temperature=1.5)
+            for i in range(3)]
+    off = drive(engine, False, reqs)
+    on = drive(engine, True, reqs)
+    assert_same(off, on, [r.rid for r in reqs])
+    reasons = [on.ends[r.rid].reason for r in reqs]
+    print("reasons", reasons, [on.ends[r.rid].stats.eos_frame for r in reqs])
+    for r in reqs:
+        a, b = off.ends[r.rid].stats, on.ends[r.rid].stats
+        assert (a.frames, a.eos_frame) == (b.frames, b.eos_frame)
+    assert "eos" in reasons
+
+
+def test_overlap_continued_reply(engine: Engine):
+    """A reply of two requests (the first held and ended by its EOS; the second continues its kept frames,
+    submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio are the same
+    with overlap."""
+    from engine.frontend.longform import Continuation
+
+    texts = ["First part.", "And the second part."]
+
+    def on_kept(rid: int, kept: np.ndarray):
+        if rid != 20:
+            return []
+        cont = Continuation()
+        cont.add(texts[0], kept)
+        ctx_text, ctx_codes = cont.window()
+        prompt = _pb().build_continuation(ctx_text, texts[1], ctx_codes, non_final=False)
+        return [req(21, "", 30, prompt=prompt, continues=20, seed=12)]
+
+    reqs = [req(20, texts[0], 200, ignore_eos=False, hold=True, seed=26, temperature=1.5),  # its EOS: frame 68
+            req(22, "Someone else.", 50, seed=13)]
+    off = drive(engine, False, reqs, on_kept=on_kept)
+    on = drive(engine, True, reqs, on_kept=on_kept)
+    np.testing.assert_array_equal(off.kept[20], on.kept[20])
+    assert_same(off, on, [20, 21, 22])
+    assert on.ends[20].reason == "eos" and on.ends[20].stats.eos_frame == 68
+    assert on.ends[21].reason == "max_frames" and len(on.codes(21)) == 30
