@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,7 +62,6 @@ def test_validate_refuses(name, value):
 
 
 def test_scales_travel_in_the_submit_record():
-    from dataclasses import replace
 
     import numpy as np
 
@@ -79,14 +79,14 @@ def test_scales_travel_in_the_submit_record():
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding) and (back.hold, back.continues) == (True, 7)
     assert back.emotion_delta is None and back.uncond_speaker is None
     # emotion: the 'proj' delta and the raw/lda twin's voice, between the twin's prompt and the speaker
-    req.emotion_delta = np.linspace(-1, 1, 24, dtype=np.float32)
-    req.uncond_speaker = np.linspace(1, 2, 16, dtype=np.float32)
+    req = replace(req, emotion_delta=np.linspace(-1, 1, 24, dtype=np.float32),
+                  uncond_speaker=np.linspace(1, 2, 16, dtype=np.float32))
     back = SubmitRequest.decode(*req.encode())
     assert np.array_equal(back.emotion_delta, req.emotion_delta) and np.array_equal(back.uncond_speaker,
                                                                                      req.uncond_speaker)
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding)
     assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
-    req.speaker_embedding, req.clip, req.clip_sr = None, np.ones(100, np.float32), 16000
+    req = replace(req, speaker_embedding=None, clip=np.ones(100, np.float32), clip_sr=16000)
     back = SubmitRequest.decode(*req.encode())
     assert np.array_equal(back.clip, req.clip) and np.array_equal(back.emotion_delta, req.emotion_delta)
     header, payload = req.encode()

@@ -286,7 +286,7 @@ class LLMNode:
             codes = self.sampler.sample(logits, slots)
         used = {s.slot for s in seqs}
         if self.device.type != "cuda":
-            pending = PendingDecode(seqs, used, codes.numpy(), None)
+            pending = PendingDecode(seqs, used, codes.numpy().copy(), None)  # a copy: the graphs reuse their buffer
         else:
             host = self._host_codes[buf][:n]
             host.copy_(codes, non_blocking=True)  # pinned: the copy runs behind the step, no sync here

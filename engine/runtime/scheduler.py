@@ -594,6 +594,9 @@ class Scheduler:
             del self.streams[job.stream]
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
+            # no more frames will reach its stream (the steps in flight are discarded): the dac_decoder forgets
+            # it (it kept the stream until told, and a decoder that is never told grows by one per request)
+            self.dac.finish(job.stream, seq.audio_frames)
         self._release(job)
         audio_s = job.samples / SAMPLE_RATE
         e2e = now - job.t_arrival
