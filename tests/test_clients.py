@@ -180,9 +180,11 @@ def test_reference_ui_requests_replayed_cross_origin(ref_server):
         assert sf.info(io.BytesIO(r.content)).duration > 0.5
 
     # generate(): one speaker, then a blend of a default voice and the upload; float32 44.1 kHz streams
-    for speaker in ({"speaker_embedding_id": mine["id"]},
+    # seeded (the page's seed field): unseeded, the random model ends ~5 % of utterances on an EOS at frame 0,
+    # a legitimate empty answer that made this check fail about one run in ten
+    for speaker in ({"speaker_embedding_id": mine["id"], "seed": 11},
                     {"speaker_blend_embedding_id_a": british["id"], "speaker_blend_embedding_id_b": mine["id"],
-                     "speaker_blend_t": 0.5}):
+                     "speaker_blend_t": 0.5, "seed": 11}):
         with httpx.stream("POST", srv.url + "/tts/generate", headers=origin | UI_POST, timeout=120,
                           content=json.dumps(ui_generate_body("Hello from the reference page.", **speaker))) as r:
             assert r.status_code == 200
