@@ -60,6 +60,15 @@ class SynthesisOptions:
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
 
 
+def finite(value: int | float) -> bool:
+    """A finite number: JSON carries integers of any size, and math.isfinite raises OverflowError on one past
+    float's range (10**400), which is no number any field takes."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _typed(key: str, value: Any, kind: type) -> Any:
     if kind is int:
         if isinstance(value, bool) or not isinstance(value, int | float) or (
@@ -68,7 +77,7 @@ def _typed(key: str, value: Any, kind: type) -> Any:
             raise RequestError(G.BAD_PARAMS, f"{key} must be an integer")
         return int(value)
     if kind is float:
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
             raise RequestError(G.BAD_PARAMS, f"{key} must be a finite number")
         return float(value)
     if kind is bool:

@@ -243,6 +243,7 @@ def parse_request(data: Mapping[str, object]) -> EmotionRequest:
 
 
 def _number(name: str, value: object, limit: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or abs(value) > limit:
+    # abs() before float(): an integer past float's range (JSON carries any) is out of bounds, not an OverflowError
+    if isinstance(value, bool) or not isinstance(value, int | float) or abs(value) > limit or not math.isfinite(value):
         raise EmotionError(f"{name} must be a number in [-{limit:g}, {limit:g}]")
     return float(value)
