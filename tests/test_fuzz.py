@@ -588,6 +588,46 @@ def test_fuzz_openai_speech_emotion(emotion_fuzz_server, data):
     check_http(post(emotion_fuzz_server.url + "/v1/audio/speech", data, "application/json"))
 
 
+# An integer past float's range (JSON carries any: 1 followed by 400 zeros) in a number field: math.isfinite
+# raised OverflowError on it, a 500 `internal` on every route.
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale",
+                                   "emotion_strength", "emotion_valence", "emotion_arousal", "emotion_sliders"])
+def test_huge_integers_are_bad_params(emotion_fuzz_server, field):
+    value = '{"happy": %s}' % HUGE if field == "emotion_sliders" else HUGE
+    voice = json.dumps(emotion_voice)[1:-1]
+    for path, head in (("/tts/generate", '"text": "Hi.", "max_tokens": 5, "stream": false'),
+                       ("/v1/audio/speech", '"input": "Hi.", "response_format": "pcm", "max_frames": 5')):
+        r = post(emotion_fuzz_server.url + path, f'{{{head}, "emotion_enabled": true, {voice}, "{field}": {value}}}'
+                 .encode(), "application/json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", (path, r.status_code, r.text)
+    if field == "temperature":  # the OpenAI route's own speed too
+        r = post(emotion_fuzz_server.url + "/v1/audio/speech", f'{{"input": "Hi.", "speed": {HUGE}}}'.encode(),
+                 "application/json")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
+
+
+def test_websocket_config_refuses_an_unknown_emotion_at_once(emotion_fuzz_server):
+    """session.config with emotion fields its voice cannot take (an unknown name) is refused when it comes, as
+    every HTTP door refuses it: it was accepted (session.updated) and then failed every utterance."""
+    async def run() -> list[dict[str, Any]]:
+        async with websockets.connect(emotion_fuzz_server.ws_url, max_size=None, open_timeout=20) as ws:
+            await asyncio.wait_for(ws.recv(), 20)
+            await ws.send(json.dumps({"type": "session.config", "voice_clip": base64.b64encode(small_wav()).decode(),
+                                      "params": {"emotion_enabled": True, "emotion_sliders": {"nope": 1.0}}}))
+            first = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            await ws.send(json.dumps({"type": "session.config", "params": {
+                "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}, "emotion_cfg_scale": 2.0}}))
+            second = json.loads(await asyncio.wait_for(ws.recv(), 60))
+            return [first, second]
+
+    refused, ok = asyncio.run(run())
+    assert refused["type"] == "error" and refused["code"] == "bad_params" and "nope" in refused["message"], refused
+    assert ok["type"] == "session.updated" and ok["voice"] is None, ok  # the refused config changed nothing
+
+
 def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
     r = httpx.post(emotion_fuzz_server.url + "/tts/generate", timeout=60, json={
         "text": "Still fine.", "max_tokens": 5, "ignore_eos": True, "stream": False, "emotion_enabled": True,
