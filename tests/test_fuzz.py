@@ -596,7 +596,7 @@ HUGE = "1" + "0" * 400
 @pytest.mark.parametrize("field", ["temperature", "top_p", "cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale",
                                    "emotion_strength", "emotion_valence", "emotion_arousal", "emotion_sliders"])
 def test_huge_integers_are_bad_params(emotion_fuzz_server, field):
-    value = '{"happy": %s}' % HUGE if field == "emotion_sliders" else HUGE
+    value = f'{{"happy": {HUGE}}}' if field == "emotion_sliders" else HUGE
     voice = json.dumps(emotion_voice)[1:-1]
     for path, head in (("/tts/generate", '"text": "Hi.", "max_tokens": 5, "stream": false'),
                        ("/v1/audio/speech", '"input": "Hi.", "response_format": "pcm", "max_frames": 5')):
