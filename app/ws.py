@@ -8,6 +8,7 @@ utterances before `cancelled` is sent under that lock, so no audio of cancelled 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -140,6 +141,10 @@ class Session(StreamingSession):
         if data.get("voice_clip") is not None:
             raw = base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
             voice, clip = await self.gw.embed_clip(raw, self.owner), None
+        # the emotion's calibration key is the voice's id (docs/protocol.md; our socket has no field for another)
+        key = voice.id if voice is not None else None
+        if opts.emotion.speaker_key != key:
+            opts = dataclasses.replace(opts, emotion=dataclasses.replace(opts.emotion, speaker_key=key))
         if "params" in data or voice is not self.voice:  # the emotion this voice would refuse, refused now
             emotion_embedding(emotion_directions(self.gw.settings.emotion_directions_dir), opts,
                               voice.embedding if voice is not None else None, self.gw.cfg.dim, clip is not None)

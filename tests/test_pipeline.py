@@ -451,3 +451,24 @@ def test_cancelling_pieces_stops_the_one_playing_and_the_one_ahead():
     after, submitted, engine = asyncio.run(go())
     assert after == [] and submitted == ["a", "b"]
     assert sorted(engine.cancelled) == [s.rid for s in engine.streams]
+
+
+def test_our_socket_calibrates_the_emotion_by_the_voice_id():
+    """docs/protocol.md: the emotion's calibration key is the voice's id (our socket has no field naming
+    another); it follows the voice a session.config picks, and is dropped with the voice."""
+    voice = SimpleNamespace(id="v_ada", embedding=np.ones(2048, np.float32))
+
+    async def go():
+        session, ws, _engine, task = await open_session()
+        session.gw.resolve_voice = lambda ref, owner: voice if ref else None
+        ws.send(type="session.config", voice="ada", params={"emotion_strength": 2.0})
+        await ws.until("session.updated")
+        keyed = session.opts.emotion.speaker_key
+        ws.send(type="session.config", voice=None)
+        await ws.until("session.updated")
+        dropped = session.opts.emotion.speaker_key
+        await shut(ws, task)
+        return keyed, dropped, session.opts.emotion.strength
+
+    keyed, dropped, strength = asyncio.run(go())
+    assert keyed == "v_ada" and dropped is None and strength == 2.0
