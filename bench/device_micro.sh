@@ -2,7 +2,7 @@
 # One call on the GPU machine for the kernels of this build: the GPU tests (beside the seed-invariance run:
 # both check results, not speed), then, with the GPU to themselves, the incremental DAC's variants
 # (bench/dac_step.py) and the decode step with and without batch invariance (bench/decode_step.py --ab).
-# Files under $OUT: run.log, gpu_tests.log, seed_invariance.json/.log, dac_step.json/.log, decode_ab.json/.log
+# Files under $OUT: run.log, gpu_tests.log, seed_invariance[_continuation,_cfg].json/.log, dac_step.json/.log, decode_ab.json/.log
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
@@ -15,6 +15,12 @@ timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/
 tests=$!
 timeout ${SEED_S:-200} python3 bench/seed_invariance.py --json "$OUT/seed_invariance.json" > "$OUT/seed_invariance.log" 2>&1
 tail -25 "$OUT/seed_invariance.log"
+# the continuation and guidance paths (issue 26): a reply's second sentence, a speaker-CFG request with its twin
+for target in ${SEED_TARGETS:-continuation cfg}; do
+  timeout ${SEED_S:-200} python3 bench/seed_invariance.py --target $target --batches 8 128 --frames 60 \
+    --json "$OUT/seed_invariance_$target.json" > "$OUT/seed_invariance_$target.log" 2>&1
+  grep -v "^  ops" "$OUT/seed_invariance_$target.log" | tail -8
+done
 wait $tests; tail -8 "$OUT/gpu_tests.log"
 timeout ${DAC_S:-120} python3 bench/dac_step.py --json "$OUT/dac_step.json" --profile > "$OUT/dac_step.log" 2>&1
 grep -v "^\s*$" "$OUT/dac_step.log" | head -30
