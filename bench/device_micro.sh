@@ -27,3 +27,6 @@ grep -v "^\s*$" "$OUT/dac_step.log" | head -30
 timeout ${DECODE_S:-150} python3 bench/decode_step.py --batches ${BATCHES:-1 64 128} --ab --json "$OUT/decode_ab.json" \
   > "$OUT/decode_ab.log" 2>&1
 grep -v "^\s*$" "$OUT/decode_ab.log" | tail -20
+# at most 8 files come back from $OUT: every result in one archive, beside this run's log
+(cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude run.log ./* \
+  && find . -maxdepth 1 -type f ! -name results.tgz ! -name run.log -delete)
