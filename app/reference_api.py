@@ -97,6 +97,9 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
         if data.get("quality_values") is not None:
             qv = data["quality_values"]
             if isinstance(qv, list):
+                if len(qv) > len(gw.cfg.quality_features):
+                    raise RequestError(G.BAD_PARAMS, f"quality_values has {len(qv)} values; this model has "
+                                       f"{len(gw.cfg.quality_features)} quality features")
                 qv = {f: v for f, v in zip(gw.cfg.quality_features, qv, strict=False) if v is not None}
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
@@ -105,7 +108,10 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
             p[key] = data[key]
     opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
     voice = with_emotion(gw, data, opts, await speaker_source(gw, data, owner))
-    return GenerateRequest(text, opts, voice, float(fade_ms), bool(data.get("stream", True)))
+    stream = data.get("stream", True)
+    if stream is not None and not isinstance(stream, bool):  # "false" is a string, and truthy
+        raise RequestError(G.BAD_PARAMS, "stream must be true or false")
+    return GenerateRequest(text, opts, voice, float(fade_ms), bool(stream))
 
 
 def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voice: Voice | None) -> Voice | None:

@@ -609,6 +609,15 @@ def test_huge_integers_are_bad_params(emotion_fuzz_server, field):
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
 
 
+@pytest.mark.parametrize("extra", ['"stream": "false"', '"stream": 0', '"quality_values": [0, 0, 0, 0, 0, 0, 0, 0, 0]'])
+def test_generate_refuses_what_it_used_to_read_loosely(emotion_fuzz_server, extra):
+    """/tts/generate: a `stream` that is not a boolean ("false", a string, streamed) and a quality_values list
+    longer than the model's quality features (silently cut) are bad_params."""
+    r = post(emotion_fuzz_server.url + "/tts/generate", f'{{"text": "Hi.", "max_tokens": 5, {extra}}}'.encode(),
+             "application/json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
+
+
 def test_websocket_config_refuses_an_unknown_emotion_at_once(emotion_fuzz_server):
     """session.config with emotion fields its voice cannot take (an unknown name) is refused when it comes, as
     every HTTP door refuses it: it was accepted (session.updated) and then failed every utterance."""
