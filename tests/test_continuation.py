@@ -420,77 +420,17 @@ def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
     assert len(x) == 60 * HOP  # flushed as a final chunk: all 60 frames (ignore_eos), not the kept 57
 
 
-def test_a_continuation_goes_before_newcomers_that_admission_holds_back():
-    """Under load (realtime admission with a lead floor no playing stream meets: no new stream may start),
-    the next chunk of a playing reply is still admitted at once, ahead of a newcomer that arrived before it:
-    it carries on a stream whose listener is playing the held tail, so waiting would be a stall at the join.
-    The newcomer starts only when the reply is done."""
+def _run_observed(settings, body):
+    """An engine process with `settings`; body(client, seen) runs once it is ready, with `seen` the (type, rid)
+    of every event in the order the engine sent them. Returns (body's result, seen)."""
     import asyncio
 
     from app.engine_client import EngineClient
-    from engine.contract import records as m
-    from engine.contract.records import SamplingParams
-    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.contract.settings import WeightSources
     from tests.asyncloop import LoopThread
 
     lt = LoopThread()
-    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2,
-                              admission="realtime", admission_lead_floor_ms=1e7, admission_max_wait_s=120,
-                              continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
-    pb = _builder()
-    seen: list[tuple[str, int]] = []
-
-    async def run():
-        await client.start()
-        await asyncio.wait_for(client.ready.wait(), 180)
-        on_event = client._on_event
-
-        def observe(header, payload):  # the events as they arrive from the engine, in order
-            seen.append((header.get("type"), header.get("rid")))
-            on_event(header, payload)
-
-        client._on_event = observe
-        first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
-                                              params=SamplingParams(seed=1), max_frames=30, ignore_eos=True,
-                                              hold=True))
-        await asyncio.wait_for(first.kept_ready.wait(), 120)
-        newcomer = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("A newcomer."),
-                                                 params=SamplingParams(seed=2), max_frames=10, ignore_eos=True))
-        prompt = pb.build_continuation("One.", "Two two.", first.kept, non_final=False)
-        second = client.submit(m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=30,
-                                               ignore_eos=True, continues=first.rid))
-        ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
-        return first.rid, second.rid, newcomer.rid, ends
-
-    try:
-        a, b, n, ends = lt.run(run(), timeout=400)
-    finally:
-        lt.run(client.close())
-        lt.close()
-    assert [e.type for e in ends] == [m.FINISHED] * 3, ends
-    assert seen.index((m.STARTED, b)) < seen.index((m.STARTED, n))  # the continuation went first
-    assert seen.index((m.FINISHED, a)) < seen.index((m.STARTED, n))  # the newcomer waited for the reply's end
-    assert seen.index((m.FINISHED, b)) < seen.index((m.STARTED, n))
-
-
-def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier():
-    """Prompts are prefilled a bounded chunk per iteration; a reply's next chunk (its listener is playing the
-    held tail) takes the chunks before a newcomer's long prompt, even one admitted first: its first audio
-    comes first."""
-    import asyncio
-
-    from app.engine_client import EngineClient
-    from engine.contract import records as m
-    from engine.contract.records import SamplingParams
-    from engine.contract.settings import EngineSettings, WeightSources
-    from tests.asyncloop import LoopThread
-
-    lt = LoopThread()
-    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2, prefill_chunk=16,
-                              admission="slots", continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
-    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
-    pb = _builder()
     seen: list[tuple[str, int]] = []
 
     async def run():
@@ -503,6 +443,66 @@ def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier()
             on_event(header, payload)
 
         client._on_event = observe
+        return await body(client, seen)
+
+    try:
+        return lt.run(run(), timeout=400), seen
+    finally:
+        lt.run(client.close())
+        lt.close()
+
+
+def test_a_continuation_goes_before_newcomers_that_admission_holds_back():
+    """Under load (realtime admission with a lead floor no playing stream meets: no new stream may start),
+    the next chunk of a playing reply is still admitted at once, ahead of a newcomer that arrived before it:
+    it carries on a stream whose listener is playing the held tail, so waiting would be a stall at the join.
+    The newcomer starts only when the reply is done."""
+    import asyncio
+
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings
+
+    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2,
+                              admission="realtime", admission_lead_floor_ms=1e7, admission_max_wait_s=120,
+                              continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    pb = _builder()
+
+    async def body(client, seen):
+        first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
+                                              params=SamplingParams(seed=1), max_frames=30, ignore_eos=True,
+                                              hold=True))
+        await asyncio.wait_for(first.kept_ready.wait(), 120)
+        newcomer = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("A newcomer."),
+                                                 params=SamplingParams(seed=2), max_frames=10, ignore_eos=True))
+        prompt = pb.build_continuation("One.", "Two two.", first.kept, non_final=False)
+        second = client.submit(m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=30,
+                                               ignore_eos=True, continues=first.rid))
+        ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
+        return first.rid, second.rid, newcomer.rid, ends
+
+    (a, b, n, ends), seen = _run_observed(settings, body)
+    assert [e.type for e in ends] == [m.FINISHED] * 3, ends
+    assert seen.index((m.STARTED, b)) < seen.index((m.STARTED, n))  # the continuation went first
+    assert seen.index((m.FINISHED, a)) < seen.index((m.STARTED, n))  # the newcomer waited for the reply's end
+    assert seen.index((m.FINISHED, b)) < seen.index((m.STARTED, n))
+
+
+def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier():
+    """Prompts are prefilled a bounded chunk per iteration; a reply's next chunk (its listener is playing the
+    held tail) takes the chunks before a newcomer's long prompt, even one admitted first: its first audio
+    comes first."""
+    import asyncio
+
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.contract.settings import EngineSettings
+
+    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2, prefill_chunk=16,
+                              admission="slots", continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    pb = _builder()
+
+    async def body(client, seen):
         first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
                                               params=SamplingParams(seed=1), max_frames=20, ignore_eos=True,
                                               hold=True))
@@ -519,11 +519,7 @@ def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier()
         ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
         return second.rid, newcomer.rid, len(prompt), ends
 
-    try:
-        b, n, b_len, ends = lt.run(run(), timeout=400)
-    finally:
-        lt.run(client.close())
-        lt.close()
+    (b, n, b_len, ends), seen = _run_observed(settings, body)
     assert [e.type for e in ends] == [m.FINISHED] * 3, ends
     assert b_len < 20 * 16
     assert seen.index((m.AUDIO, b)) < seen.index((m.AUDIO, n))
