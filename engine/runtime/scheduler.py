@@ -424,13 +424,13 @@ class Scheduler:
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
         # playing the held tail, a newcomer only waits for first audio
-        for job in sorted(jobs, key=lambda j: not j.continues):
+        # (only the few prompts in prefill are ordered, not every stream of the step)
+        for job in sorted((j for j in jobs if j.seq.in_prefill), key=lambda j: not j.continues):
             if budget <= 0:
                 break
-            if job.seq.in_prefill:
-                part = self._prefill_chunks(job, budget)
-                chunks += part
-                budget -= sum(n for _, n in part)
+            part = self._prefill_chunks(job, budget)
+            chunks += part
+            budget -= sum(n for _, n in part)
         if chunks and self._group_prefill(chunks, len(decoding), t0):
             chunks = []
         if chunks:
