@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the kernels of this build: the GPU tests (beside the seed-invariance run:
-# both check results, not speed), then, with the GPU to themselves, the incremental DAC's variants
-# (bench/dac_step.py) and the decode step with and without batch invariance (bench/decode_step.py --ab).
-# Files under $OUT: run.log, gpu_tests.log, seed_invariance[_continuation,_cfg].json/.log, dac_step.json/.log, decode_ab.json/.log
+# both check results, not speed), then, with the GPU to themselves, FP8 experts against bf16
+# (bench/fp8_fidelity.py), the DAC's variants if DAC_S is set (bench/dac_step.py) and the decode step (bench/decode_step.py,
+# DECODE_ARGS: --ab for the batch-invariance cost, --overlap-host-ms MS for overlapped steps).
+# Files under $OUT: run.log, gpu_tests.log, seed_invariance[_continuation,_cfg].json/.log, fp8_fidelity.json/.log,
+# dac_step.json/.log, decode_ab.json/.log (all but run.log packed into results.tgz)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
@@ -22,11 +24,16 @@ for target in ${SEED_TARGETS:-continuation cfg}; do
   grep -v "^  ops" "$OUT/seed_invariance_$target.log" | tail -8
 done
 wait $tests; tail -8 "$OUT/gpu_tests.log"
-timeout ${DAC_S:-120} python3 bench/dac_step.py --json "$OUT/dac_step.json" --profile > "$OUT/dac_step.log" 2>&1
-grep -v "^\s*$" "$OUT/dac_step.log" | head -30
-timeout ${DECODE_S:-150} python3 bench/decode_step.py --batches ${BATCHES:-1 64 128} --ab --json "$OUT/decode_ab.json" \
-  > "$OUT/decode_ab.log" 2>&1
-grep -v "^\s*$" "$OUT/decode_ab.log" | tail -20
+# FP8 experts against bf16 on the full-size model (issue 25): fidelity figures and decode step times
+[ -n "${FP8_S-150}" ] && { timeout ${FP8_S:-150} python3 bench/fp8_fidelity.py --prompts ${FP8_PROMPTS:-4} \
+  --frames ${FP8_FRAMES:-100} --batches ${FP8_BATCHES:-64 128} --json "$OUT/fp8_fidelity.json" \
+  > "$OUT/fp8_fidelity.log" 2>&1; grep -v "^\s*$" "$OUT/fp8_fidelity.log" | tail -24; }
+[ -n "${DAC_S-}" ] && { timeout ${DAC_S} python3 bench/dac_step.py --json "$OUT/dac_step.json" --profile \
+  > "$OUT/dac_step.log" 2>&1; grep -v "^\s*$" "$OUT/dac_step.log" | head -30; }
+# the decode step: sequential vs overlapped (--overlap-decode) with the host work the engine measured per step
+[ -n "${DECODE_S-150}" ] && { timeout ${DECODE_S:-150} python3 bench/decode_step.py --batches ${BATCHES:-1 64 128} \
+  ${DECODE_ARGS:---ab} --json "$OUT/decode_ab.json" > "$OUT/decode_ab.log" 2>&1
+  grep -v "^\s*$" "$OUT/decode_ab.log" | tail -20; }
 # at most 8 files come back from $OUT: every result in one archive, beside this run's log
 (cd "$OUT" && tar czf results.tgz --exclude results.tgz --exclude run.log ./* \
   && find . -maxdepth 1 -type f ! -name results.tgz ! -name run.log -delete)
