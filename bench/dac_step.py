@@ -11,8 +11,7 @@ which decoded ~1.8 frames per new frame).
 "ms" is GPU time per call (wall time of back-to-back calls, synchronized at the end); "host ms" is how
 long the launching thread is busy. A call of F frames for B streams yields B x F x 512 new samples: every
 row steady (all its frames real, its state in its own slot), as in the engine. Variants: cuDNN's timed
-algorithms (the default), its heuristic picks, every upsampling and residual convolution as a Triton
-kernel (autotuned at the first call of each shape), torch.compile. --profile adds the top kernels of one
+algorithms (the default), its heuristic picks, torch.compile. --profile adds the top kernels of one
 eager call per variant at the largest batch and the first frame count (torch.profiler).
 """
 
@@ -34,7 +33,6 @@ VARIANTS = {  # IncrementalDAC options: cuDNN's heuristic algorithms / timed one
     "heuristic": {"cudnn_benchmark": False},
     "benchmark": {"cudnn_benchmark": True},
     "compiled": {"cudnn_benchmark": True, "compiled": True},
-    "triton": {"cudnn_benchmark": True, "kernels": "triton"},  # upsampling and residual convs in Triton
 }
 
 
@@ -78,7 +76,7 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--one-shot-frames", type=int, default=48, help="frames of the one-shot baseline (0: skip)")
-    p.add_argument("--variants", nargs="+", default=["benchmark", "heuristic", "triton"], choices=sorted(VARIANTS),
+    p.add_argument("--variants", nargs="+", default=["benchmark", "heuristic"], choices=sorted(VARIANTS),
                    help="IncrementalDAC options to compare (compiled: minutes of torch.compile per shape)")
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()

@@ -295,61 +295,6 @@ def test_masked_fused_snake_matches_reference(t: int):
     assert (out[2] == 0).all() and (out[0] != 0).any()
 
 
-@pytest.mark.parametrize("shape", [(2, 8, 8, 70, 7, 3), (3, 4, 4, 80, 7, 9), (2, 20, 20, 33, 1, 1), (1, 48, 40, 100, 7, 1),
-                                   (2, 8, 8, 700, 7, 9)])  # the last: rows long enough to be tiled one by one
-def test_triton_residual_convolutions_match_torch(shape):
-    """The residual units' Triton convolutions (engine/dac/conv_kernel.py, in the interpreter on CPU): the
-    unpadded dilated conv, with Snake or with the skip add in the epilogue."""
-    from engine.dac.conv_kernel import arrange, conv1d
-
-    b, c, n, length, k, d = shape
-    torch.manual_seed(0)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x, w, bias = torch.randn(b, c, length, device=dev), torch.randn(n, c, k, device=dev), torch.randn(n, device=dev)
-    ref = torch.nn.functional.conv1d(x, w, bias, dilation=d)
-    # on a GPU both sides run TF32 dots (10-bit mantissa; cuDNN's fp32 conv too): the error of a c * k term
-    # sum of unit normals grows with its square root (an H200 saw 0.030 at c * k = 336)
-    tol = ({"rtol": 1e-2, "atol": 4e-3 * (c * k) ** 0.5} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4})
-    torch.testing.assert_close(conv1d(x, arrange(w), bias, d), ref, **tol)
-    alpha = torch.rand(n, device=dev) + 0.1
-    inv = (alpha + 1e-9).reciprocal()
-    snaked = ref + inv[:, None] * torch.sin(alpha[:, None] * ref).square()
-    torch.testing.assert_close(conv1d(x, arrange(w), bias, d, snake=(alpha, inv)), snaked, **tol)
-    r = torch.randn(b, n, ref.shape[-1] + 5, device=dev)
-    torch.testing.assert_close(conv1d(x, arrange(w), bias, d, residual=(r, 3)), ref + r[..., 3 : 3 + ref.shape[-1]],
-                               **tol)
-    window = torch.full((b, n, 4 + ref.shape[-1]), 7.0, device=dev)  # written after its 4 cached samples
-    conv1d(x, arrange(w), bias, d, out=window[..., 4:])
-    torch.testing.assert_close(window[..., 4:], ref, **tol)
-    assert (window[..., :4] == 7).all()
-
-
-@pytest.mark.parametrize("shape", [(2, 16, 8, 9, 8), (3, 8, 4, 20, 4), (1, 8, 20, 13, 2), (2, 8, 4, 600, 2)])
-def test_triton_transposed_convolution_matches_torch(shape):
-    """The transposed conv of the incremental window (stride s, kernel 2 s, padding s) as one Triton GEMM over
-    its s phases."""
-    from engine.dac.conv_kernel import arrange_transposed, conv1d
-
-    b, c_in, c_out, m, s = shape
-    torch.manual_seed(1)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    w, bias, x = torch.randn(c_in, c_out, 2 * s, device=dev), torch.randn(c_out, device=dev), torch.randn(b, c_in, m + 1, device=dev)
-    ref = torch.nn.functional.conv_transpose1d(x, w, bias, stride=s, padding=s)
-    tol = {"rtol": 1e-2, "atol": 1e-2} if dev == "cuda" else {"rtol": 1e-5, "atol": 1e-4}
-    torch.testing.assert_close(conv1d(x, arrange_transposed(w), bias, phases=s), ref, **tol)
-
-
-@pytest.mark.slow
-def test_incremental_with_triton_kernels_equals_one_shot(codec: Codec):
-    """kernels="triton": every upsampling and residual conv in Triton (the interpreter on CPU, ~30 s), each
-    writing into the next window; two calls of 10 frames, then the flush."""
-    net = IncrementalDAC(codec, slots=2, kernels="triton")
-    codes = random_frames(7, seed=9)
-    x = feed(net, codes, 1, [10])
-    ref = codec.decode(torch.from_numpy(codes)[None])[0].numpy()
-    assert len(x) == 7 * HOP and snr_db(ref, x) > EXACT_DB
-
-
 # ---- streaming ----------------------------------------------------------------------------------
 
 

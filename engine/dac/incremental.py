@@ -116,23 +116,16 @@ class IncrementalDAC:
     """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
     share slots must run on one CUDA stream, in order."""
 
-    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True,
-                 kernels: str = "cudnn") -> None:
+    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True) -> None:
         """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
         cudnn_benchmark: on a GPU, let cuDNN time its algorithms for each call shape at its first call
         (warm-up) instead of taking its heuristic's pick; graph captures keep the choice.
-        kernels: "cudnn", or "triton": the residual units' and the transposed convolutions as Triton kernels,
-        the next Snake or the residual add in their epilogue (engine/dac/conv_kernel.py; on CPU in Triton's
-        interpreter).
         Weights are read from the codec now: build after the codec's last `to()`."""
-        if kernels not in ("cudnn", "triton") or (compiled and kernels == "triton"):
-            raise ValueError(f"kernels must be cudnn or triton (not with compiled), got {kernels!r}")
         self.codec = codec
         self.slots = slots
         self.compiled = compiled
         self.cudnn_benchmark = cudnn_benchmark
-        self.kernels = kernels
         self._body = torch.compile(self._layers, dynamic=False, fullgraph=True) if compiled else self._layers
         self.scratch = slots  # the state row of batch-padding rows
         self.layers, self.lag = build_layers(codec.model)
@@ -140,15 +133,6 @@ class IncrementalDAC:
         self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
-        self._arranged: dict[int, tuple[Tensor, ...]] = {}  # the Triton kernels' weights, per layer
-        if kernels == "triton":
-            from engine.dac.conv_kernel import arrange, arrange_transposed
-
-            for j, ly in enumerate(self.layers):
-                if ly.kind == "res":
-                    self._arranged[j] = (arrange(ly.modules[1].weight), arrange(ly.modules[3].weight))
-                elif ly.kind == "up":
-                    self._arranged[j] = (arrange_transposed(ly.modules[1].weight),)
 
     # ---- host side: one packed int64 row per call row -------------------------------------------
 
@@ -201,8 +185,8 @@ class IncrementalDAC:
         b = packed.shape[0]
         codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
         bounds = packed[:, f * N_CODEBOOKS + 2 :]
-        # Inductor fuses the plain Snake with its neighbours; with Triton kernels it runs in the interpreter on CPU
-        fused = (packed.is_cuda and not self.compiled) or self.kernels == "triton"
+        # Inductor fuses the plain Snake with its neighbours
+        fused = packed.is_cuda and not self.compiled
         def cached(ly: Layer) -> Tensor:  # the layer's state rows as [B, C, keep]
             return state[:, ly.offset : ly.offset + ly.keep * ly.channels].view(b, ly.channels, ly.keep)
 
@@ -211,24 +195,15 @@ class IncrementalDAC:
         new_state = []
         for j, ly in enumerate(self.layers):
             new_state.append(win[..., -ly.keep :].reshape(b, ly.keep * ly.channels))
-            lo, hi, arranged = bounds[:, 2 * j], bounds[:, 2 * j + 1], self._arranged.get(j)
+            lo, hi = bounds[:, 2 * j], bounds[:, 2 * j + 1]
             if j + 1 == len(self.layers):
-                return self._layer(ly, win, lo, hi, fused, arranged).squeeze(1).float(), torch.cat(new_state, dim=1)
-            nxt = self.layers[j + 1]
-            if arranged is None:
-                win = torch.cat([cached(nxt), self._layer(ly, win, lo, hi, fused, arranged)], dim=-1)
-            else:  # a Triton kernel writes straight into the next window, after its cached part
-                length = win.shape[-1] - ly.keep if ly.kind == "res" else (win.shape[-1] - 1) * ly.stride
-                nxt_win = torch.empty(b, nxt.channels, nxt.keep + length, dtype=win.dtype, device=win.device)
-                nxt_win[..., : nxt.keep] = cached(nxt)
-                self._layer(ly, win, lo, hi, fused, arranged, out=nxt_win[..., nxt.keep :])
-                win = nxt_win
+                return self._layer(ly, win, lo, hi, fused).squeeze(1).float(), torch.cat(new_state, dim=1)
+            win = torch.cat([cached(self.layers[j + 1]), self._layer(ly, win, lo, hi, fused)], dim=-1)
         raise AssertionError("unreachable: the decoder has layers")
 
     @staticmethod
-    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool,
-               arranged: tuple[Tensor, ...] | None, out: Tensor | None = None) -> Tensor:
-        """One layer on its window; with Triton kernels (arranged weights) it can write into `out`."""
+    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool) -> Tensor:
+        """One layer on its window."""
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
             if fused:
                 from engine.model.kernels.snake import snake as fused_snake
@@ -240,21 +215,10 @@ class IncrementalDAC:
         if ly.kind == "in":
             (conv,) = ly.modules
             return F.conv1d(mask_outside(win, lo, hi), conv.weight, conv.bias)
-        if ly.kind == "up" and arranged is not None:  # the phases of the transposed conv as one Triton GEMM
-            from engine.dac.conv_kernel import conv1d
-
-            s, up = ly.modules
-            return conv1d(snake(s, win), arranged[0], up.bias, phases=ly.stride, out=out)
         if ly.kind == "up":
             s, up = ly.modules
             # padding = stride crops the outputs that still miss an input: exactly `stride` per new input
             return F.conv_transpose1d(snake(s, win), up.weight, up.bias, stride=ly.stride, padding=ly.stride)
-        if ly.kind == "res" and arranged is not None:  # two Triton kernels, Snake and skip add in their epilogues
-            from engine.dac.conv_kernel import conv1d
-
-            s1, conv7, s2, conv1 = ly.modules
-            h = conv1d(snake(s1, win), arranged[0], conv7.bias, conv7.dilation[0], snake=(s2.alpha, s2.inv_alpha))
-            return conv1d(h, arranged[1], conv1.bias, residual=(win, ly.keep // 2), out=out)
         if ly.kind == "res":
             s1, conv7, s2, conv1 = ly.modules
             h = F.conv1d(snake(s1, win), conv7.weight, conv7.bias, dilation=conv7.dilation)

@@ -201,11 +201,11 @@ class StreamingDecoder:
     """
 
     def __init__(self, codec: Codec, schedule: ChunkSchedule | None = None, slots: int = DEFAULT_SLOTS,
-                 compiled: bool = False, kernels: str = "cudnn") -> None:
-        """slots: streams decoding at once (more wait for one); compiled, kernels: see IncrementalDAC."""
+                 compiled: bool = False) -> None:
+        """slots: streams decoding at once (more wait for one); compiled: see IncrementalDAC."""
         self.codec = codec
         self.schedule = schedule or ChunkSchedule()
-        self.net = IncrementalDAC(codec, slots, compiled=compiled, kernels=kernels)
+        self.net = IncrementalDAC(codec, slots, compiled=compiled)
         self.lag = self.net.lag  # samples between the frames fed and the audio out
         self._flush = -(-self.lag // HOP)  # frames past the end that complete the audio
         self._reqs: dict[int, _Req] = {}
