@@ -23,22 +23,22 @@ if [ -n "${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_att
     > "$OUT/gpu_tests.log" 2>&1 &
   tests=$!
 fi
-for _ in $(seq 400); do curl -sf localhost:8000/readyz > /dev/null && break; sleep 1; done
+for _ in $(seq ${READY_S:-400}); do curl -sf localhost:8000/readyz > /dev/null && break; sleep 1; done
 curl -s localhost:8000/readyz | head -c 800; echo
 grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
-[ -n "${DISTINCT_LEVELS-128}" ] && timeout 90 $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
+[ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
 # replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)
-[ -n "${SENTENCE_LEVELS-64}" ] && timeout 90 $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
+[ -n "${SENTENCE_LEVELS-64}" ] && timeout ${SENTENCE_S:-90} $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
   --out "$OUT/capacity_sentences.json"
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
 curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms "
-[ -n "${REQS-30}" ] && timeout 150 python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
+[ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"
 kill $server; sleep 3
 grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done|gateway.requests" /tmp/server.log | tail -15
