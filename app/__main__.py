@@ -83,9 +83,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--continuation-grace-ms", type=float, default=EngineSettings.continuation_grace_ms,
                    help="... and it has been held this long (the time the next sentence has to arrive)")
     p.add_argument("--no-cuda-graphs", action="store_true")
-    p.add_argument("--overlap-decode", action="store_true",
+    p.add_argument("--overlap-decode", action=argparse.BooleanOptionalAction, default=None,
                    help="launch each decode step before the one before it is read back, so the host's bookkeeping "
-                        "overlaps the GPU (same seeded output; off by default until measured on a GPU)")
+                        "overlaps the GPU (same seeded output; default: on with a GPU, off on a CPU)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step (faster start)")
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
                    help="which steps run the batch-invariant kernels. seeded (default): those holding a request "

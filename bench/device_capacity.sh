@@ -7,13 +7,13 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
-# SERVER_ARGS adds server flags, e.g. SERVER_ARGS=--overlap-decode for overlap scheduling of decode steps (#25;
-# off by default until measured): compare its iteration profile's idle time and capacity with a run without.
+# SERVER_ARGS adds server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling
+# (#25; on by default with a GPU): compare its iteration profile's idle time and capacity with a default run.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
-ZONOS_PROFILE="$OUT/iteration_profile.json" ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-128} \
+ZONOS_PROFILE="$OUT/iteration_profile.json" ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-110} \
   python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
   > /tmp/server.log 2>&1 &
 server=$!

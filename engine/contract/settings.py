@@ -50,9 +50,9 @@ class EngineSettings:
     cuda_graphs: bool = True
     # overlap scheduling of decode steps (#25): launch step N+1 before step N's codes are read back, so the host's
     # bookkeeping (EOS, DAC pushes, records) runs while the GPU decodes instead of between steps. Seeded output is
-    # the same either way. Off by default until measured on a GPU (bench/device_capacity.sh with
-    # SERVER_ARGS=--overlap-decode, docs/architecture.md)
-    overlap_decode: bool = False
+    # the same either way. None: on with a GPU (measured on the H200: first audio 45 ms instead of 56 at one
+    # stream, 186 instead of 206 at 64; docs/benchmarks.md), off on a CPU, where a launch is not asynchronous
+    overlap_decode: bool | None = None
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
     # which steps run the batch-invariant kernels (engine/model/batch_invariant.py), one of BATCH_INVARIANT_MODES:
     # seeded: a decode step or packed prefill holding a request with an explicit seed (its codes are then the
