@@ -16,6 +16,7 @@ from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, Weig
 
 # Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
 _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
+                  "ws_ping_interval_s": ["--ws-ping-interval"],
                   "max_buffered_audio_s": ["--max-buffered-audio"]}
 _ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes", "normalization_max_tasks"}  # 0 allowed (no minimum / OS default / never)
 
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
     kwargs = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                   ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
+                  ws_ping_interval=settings.limits.ws_ping_interval_s, ws_ping_timeout=settings.limits.ws_ping_interval_s,
                   # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
                   ws_per_message_deflate=False,
                   # bounded request heads, answered in JSON (app/http_protocol.py)

@@ -23,6 +23,9 @@ class Limits:
     max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
     idle_timeout_s: float = 300.0
     send_timeout_s: float = 30.0  # one WebSocket send that makes no progress this long: the client is gone
+    # WebSocket keepalive (uvicorn's): a ping this long after the handshake and after each pong; a client that
+    # has not answered one within as long again is disconnected (ends sessions whose client vanished silently)
+    ws_ping_interval_s: float = 20.0
     head_timeout_s: float = 30.0  # a request head (line and headers) not complete this long: 408, closed
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
