@@ -7,8 +7,9 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
-# PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling
-# (#25; on by default with a GPU): compare its iteration profile's idle time and capacity with a default run.
+# PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
+# server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (#25; on by
+# default with a GPU): compare its iteration profile's idle time and capacity with a default run.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
@@ -18,7 +19,7 @@ ZONOS_PROFILE="$OUT/iteration_profile.json" ZONOS_PROFILE_STREAMS=${PROFILE_STRE
   > /tmp/server.log 2>&1 &
 server=$!
 if [ -n "${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py}" ]; then
-  timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider \
+  timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
     ${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py} \
     > "$OUT/gpu_tests.log" 2>&1 &
   tests=$!
