@@ -843,3 +843,28 @@ def test_livekit_plugins_speak_through_the_gateway(srv, service):
     result = drive("livekit_client", service, srv)
     assert result["errors"] == [] and result["audio_bytes"] > 0, result
 
+
+
+EMOTION = {**FAST, "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}
+
+
+def test_emotion_a_voice_at_connect_would_refuse_is_refused_at_connect(srv):
+    """ElevenLabs' URL and Deepgram's model fix the voice at connect: emotion fields in `zonos_params` that it
+    would refuse (this server has no emotion directions) are a 400 of the dialect's shape then, not an error
+    at every utterance. Without a voice the reference ignores emotion, so a voiceless Deepgram socket opens."""
+    async def go():
+        out = []
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await el_connect(ws_url(srv, f"/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000"
+                                         f"&zonos_params={params(EMOTION)}"))
+        out.append((e.value.response.status_code, json.loads(e.value.response.body)["detail"]["status"]))
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await dg_connect(dg_url(srv, EMOTION))
+        out.append((e.value.response.status_code, json.loads(e.value.response.body)["err_code"]))
+        ws = await websockets.connect(ws_url(srv, f"/v1/speak?encoding=linear16&zonos_params={params(EMOTION)}"),
+                                      additional_headers={"Authorization": f"Token {KEY}"})
+        out.append((await recv_json(ws))["type"])
+        await ws.close()
+        return out
+
+    assert run(go()) == [(400, "bad_params"), (400, "BAD_PARAMS"), "Metadata"]
