@@ -313,6 +313,7 @@ def test_overlap_with_captured_graphs_equals_eager_without():
     def engine(graphs: bool) -> Engine:
         return Engine(WeightSources(), EngineSettings(
             device="cuda", max_batch=SLOTS, max_queue=16, max_context=512, prefill_chunk=64, compile=False,
+            admission="slots",  # admitted as slots free up, as on a CPU (realtime admission times the wall clock)
             cuda_graphs=graphs, dac_dtype="float32", stats_interval_s=1e9, continuation_flush_lead_ms=-1e9,
             continuation_grace_ms=1e9))
 
