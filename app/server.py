@@ -31,6 +31,7 @@ from app.errors import RequestError
 from app.gateway import Gateway
 from app.settings import GatewaySettings
 from app.ws import websocket_endpoint
+from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 
 WEB = Path(__file__).resolve().parent  # app/templates and app/static: package data (pyproject.toml)
@@ -47,6 +48,7 @@ async def index(request: Request) -> Response:
         "auth": gw.settings.auth_enabled,
         "weights": weights,
         "random_weights": gw.settings.weights.model_path is None,
+        "native_rate": SAMPLE_RATE,
     }, headers={"Cache-Control": "no-store"})
 
 

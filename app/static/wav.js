@@ -2,7 +2,8 @@
 // MediaRecorder gives webm/ogg Opus; the server wants WAV/FLAC/OGG/MP3 clips. Decode it with an
 // OfflineAudioContext (which also resamples to its own rate) and write a mono 16-bit PCM WAV ourselves.
 
-export async function blobToWav(blob, rate = 44100) {
+// the model's native rate, which the page's template writes (engine/contract/constants.py owns it)
+export async function blobToWav(blob, rate = Number(document.body.dataset.nativeRate)) {
   const decoder = new OfflineAudioContext(1, 1, rate);
   const audio = await decoder.decodeAudioData(await blob.arrayBuffer());
   const mono = new Float32Array(audio.length);
