@@ -49,7 +49,7 @@ def test_prefill_logits_do_not_depend_on_packing_slot_or_chunks(model):
     from engine.model.zonos2 import PrefillSeq
 
     model.setup_cache(6, 128)
-    a, b = _prompt(model, "The one we follow."), _prompt(model, "Another prompt, longer than the first one.")
+    a, b = _prompt(model, "The one we follow."), _prompt(model, "Another, longer one.")
     spk = torch.randn(model.cfg.speaker_embedding_dim, device=DEV)
     alone = model.prefill(a, [PrefillSeq(0, 0, len(a))], [spk])[0]
     packed = model.prefill(torch.cat([b, a]), [PrefillSeq(3, 0, len(b)), PrefillSeq(4, 0, len(a))], [None, spk])[1]
@@ -134,8 +134,8 @@ def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(mo
 
     spy = KernelSpy(monkeypatch)
     pb = PromptBuilder(model.cfg)
-    target = pb.build("The seeded one.")
-    others = [pb.build(t) for t in ("Other text.", "Another, longer one.", "x")]
+    target = pb.build("Seeded.")
+    others = [pb.build(t) for t in ("Other.", "Another, longer.", "x")]
     unseeded = [SamplingParams(), SamplingParams(temperature=0.6, top_p=0.9), SamplingParams(top_k=3)]
     seeded = SamplingParams(seed=1234, top_p=0.9)
     node = LLMNode(model, n_slots=6, max_len=96, cuda_graphs=False, batch_invariant="seeded", triton=True)
