@@ -154,7 +154,9 @@ def test_full_queue_refuses_clearly_and_recovers(rt):
     lt, client = rt
 
     async def go():
-        streams = [client.submit(request(f"long {i}", 900, seed=i)) for i in range(SLOTS + QUEUE + 3)]
+        # long enough to hold their slots while all are submitted (~50 ms), short enough not to wait long for
+        # the queued ones' first events (they start when these end)
+        streams = [client.submit(request(f"long {i}", 300, seed=i)) for i in range(SLOTS + QUEUE + 3)]
         firsts = await asyncio.gather(*(s.next() for s in streams))
         refused = [s for s, ev in zip(streams, firsts, strict=True) if ev.type == m.ERROR]
         codes = {ev.code for ev in firsts if isinstance(ev, m.Error)}
