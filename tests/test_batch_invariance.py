@@ -25,22 +25,14 @@ DT = torch.bfloat16 if CUDA else torch.float32
 
 @pytest.fixture
 def model(monkeypatch):
-    import torch
-
-    from engine.frontend.config import Zonos2Config, preset_params
-    from engine.model.checkpoint import build_model, random_release_state
     from engine.model.kernels import gemv, matmul
+    from tests.models import four_layer_tiny
 
     if not CUDA:
         for name in ("DECODE_TILE", "DECODE_TILE_NARROW", "PREFILL_TILE"):
             monkeypatch.setattr(matmul, name, (16, 512, 128, 4, 1))
         monkeypatch.setattr(gemv, "TILE", (64, 512, 4))  # the default set's GEMV: few, wide column tiles
-    # the tiny preset cut to 4 layers with every kind still in it (interpreter time is per layer): a dense
-    # layer, a top-1 MoE layer, a top-2 one, a dense last layer
-    params = {**preset_params("tiny"), "n_layers": 4, "moe_start_from_layer": 1, "special_topk_layers": {"2": 2}}
-    cfg = Zonos2Config.from_dict(params)
-    m = build_model(cfg, random_release_state(cfg, seed=0, dtype=torch.bfloat16), DEV, DT)
-    assert cfg.moe_topk == (0, 1, 2, 0)
+    m = four_layer_tiny(DEV, DT)  # interpreter time is per layer
     m.enable_triton()
     m.set_batch_invariant(True)
     return m

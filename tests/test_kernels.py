@@ -104,10 +104,10 @@ def test_fused_moe_matches_reference(n, k):
 def test_model_decode_with_kernels_matches_eager():
     """The tiny model's decode through the Triton kernels equals the eager path."""
     from engine.frontend.prompt import PromptBuilder
-    from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PrefillSeq
+    from tests.models import four_layer_tiny
 
-    model = random_model("tiny", device=DEV, dtype=DT)
+    model = four_layer_tiny(DEV, DT)  # interpreter time is per layer
     ids = torch.from_numpy(PromptBuilder(model.cfg).build("kernels")).to(DEV)
     new = torch.full((1, 10), 5, device=DEV)
     new[0, 9] = model.cfg.text_pad_id

@@ -147,10 +147,10 @@ def test_model_packed_prefill_matches_eager():
     """The tiny model's packed prefill (Triton attention over the cache, speaker rows, padding to a
     fixed size, a chunk continuing a cached prompt) gives the eager per-sequence prefill's logits."""
     from engine.frontend.prompt import Conditioning, PromptBuilder
-    from engine.model.checkpoint import random_model
     from engine.model.zonos2 import PackedPrefill, PrefillSeq
+    from tests.models import four_layer_tiny
 
-    model = random_model("tiny", device=DEV, dtype=DT)
+    model = four_layer_tiny(DEV, DT)  # interpreter time is per layer
     pb = PromptBuilder(model.cfg)
     a = torch.from_numpy(pb.build("packed prefill", Conditioning(speaker=True))).to(DEV)
     b = torch.from_numpy(pb.build("two")).to(DEV)
