@@ -64,9 +64,9 @@ def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptio
 
 
 def check_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None,
-                  hidden_dim: int | None = None) -> None:
-    """At the door: what emotion_embedding would refuse for this voice, refused now; the calibration key
-    defaults to the voice's id."""
+                  hidden_dim: int | None = None, clip: bool = False) -> None:
+    """At the door: what emotion_embedding would refuse for this voice (or a clip: `clip`), refused now; the
+    calibration key defaults to the voice's id."""
     if voice is not None and opts.emotion.speaker_key is None:
         opts.emotion.speaker_key = voice.id
-    emotion_embedding(directions, opts, voice.embedding if voice is not None else None, hidden_dim)
+    emotion_embedding(directions, opts, voice.embedding if voice is not None else None, hidden_dim, clip)

@@ -18,7 +18,7 @@ import numpy as np
 import soundfile as sf
 
 from app.continuation import Chain, Link
-from app.emotion import emotion_directions
+from app.emotion import check_emotion, emotion_directions
 from app.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
 from app.errors import GatewayError as G
 from app.errors import RequestError
@@ -179,6 +179,11 @@ class Gateway:
                                "engine takes in one piece: send a shorter clip or a lower sample rate") from None
         except ValueError as e:
             raise RequestError(E.BAD_AUDIO, str(e)) from None
+
+    def check_emotion(self, opts: SynthesisOptions, voice: Voice | None, clip: bool = False) -> None:
+        """A request's emotion fields that its voice (or a clip) would refuse, refused at the door
+        (app/emotion.py), against this server's --emotion-directions-dir."""
+        check_emotion(self.prompts.emotion, opts, voice, self.cfg.dim, clip)
 
     async def embed_clip(self, raw: bytes, owner: str) -> Voice:
         """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded

@@ -20,7 +20,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from app.audio_output import ENCODINGS, FORMATS, OUTPUT_RATES, OutputFormat
-from app.emotion import emotion_directions
 from app.errors import GatewayError as G
 from app.errors import RequestError
 from app.gateway import Gateway
@@ -212,7 +211,7 @@ async def capabilities(request: Request) -> Response:
 
 def emotion_capabilities(gw: Gateway) -> dict[str, Any]:
     """The reference's emotion entries: the loaded directions' names and axes (none without a speaker)."""
-    directions = emotion_directions(gw.settings.emotion_directions_dir) if gw.cfg.speaker_enabled else None
+    directions = gw.prompts.emotion if gw.cfg.speaker_enabled else None
     return directions.capabilities() if directions is not None else dict(NO_EMOTION)
 
 

@@ -15,7 +15,6 @@ from starlette.responses import Response, StreamingResponse
 
 from app.auth import require_key
 from app.checks import base64_payload, text_field
-from app.emotion import check_emotion, emotion_directions
 from app.errors import GatewayError as G
 from app.errors import RequestError
 from app.gateway import Gateway
@@ -119,7 +118,7 @@ def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voic
     reference's `speaker_embedding_id`, else the voice's id."""
     vid = data.get("speaker_embedding_id")
     opts.emotion.speaker_key = vid if isinstance(vid, str) and vid else None
-    check_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice, gw.cfg.dim)
+    gw.check_emotion(opts, voice)
     return voice
 
 

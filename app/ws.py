@@ -17,7 +17,6 @@ from starlette.websockets import WebSocket
 
 from app.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
 from app.checks import base64_payload, check_context_id, check_sample_rate
-from app.emotion import emotion_directions, emotion_embedding
 from app.errors import GatewayError as G
 from app.errors import RequestError
 from app.gateway import Gateway
@@ -146,8 +145,7 @@ class Session(StreamingSession):
         if opts.emotion.speaker_key != key:
             opts = dataclasses.replace(opts, emotion=dataclasses.replace(opts.emotion, speaker_key=key))
         if "params" in data or voice is not self.voice:  # the emotion this voice would refuse, refused now
-            emotion_embedding(emotion_directions(self.gw.settings.emotion_directions_dir), opts,
-                              voice.embedding if voice is not None else None, self.gw.cfg.dim, clip is not None)
+            self.gw.check_emotion(opts, voice, clip is not None)
         self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
         await self.send_json({
             "type": "session.updated",

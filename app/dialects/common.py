@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from app.emotion import check_emotion, emotion_directions
 from app.errors import GatewayError as G
 from app.gateway import Gateway
 from app.json_input import parse_json_object
@@ -50,13 +49,6 @@ def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: S
     if not params:
         return base if base is not None else SynthesisOptions()
     return parse_options(params, gw.settings.limits.max_frames, base=base, cfg=gw.cfg)
-
-
-def check_connect_emotion(gw: Gateway, opts: SynthesisOptions, voice: Any) -> None:
-    """A socket whose voice is fixed at connect (ElevenLabs' URL, Deepgram's model): the emotion fields of its
-    `zonos_params` that this voice would refuse (unknown names, no directions loaded) are refused at connect,
-    not at every utterance; the calibration key defaults to the voice's id, as on our socket."""
-    check_emotion(emotion_directions(gw.settings.emotion_directions_dir), opts, voice, gw.cfg.dim)
 
 
 # Contexts that hold no text or audio cost only their settings; past this many such, the oldest are forgotten

@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket
 
 from app.audio_output import OutputFormat
 from app.auth import api_key_from
-from app.dialects.common import check_connect_emotion, dialect_options
+from app.dialects.common import dialect_options
 from app.errors import GatewayError as G
 from app.errors import RequestError
 from app.gateway import Gateway
@@ -52,7 +52,7 @@ class DeepgramSession(StreamingSession):
         self.format = OutputFormat(_ENCODINGS[name], rate).check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
         self.model = q.get("model") or ""
         self.voice = gw.resolve_voice(self.model, owner) if self.model else None
-        check_connect_emotion(gw, self.opts, self.voice)
+        gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.request_id = str(uuid.uuid4())
         self.sequence = 0  # Flushes so far
 

@@ -28,7 +28,7 @@ from starlette.websockets import WebSocket
 
 from app.audio_output import OutputFormat
 from app.checks import check_context_id
-from app.dialects.common import check_connect_emotion, dialect_options, forget_idle
+from app.dialects.common import dialect_options, forget_idle
 from app.errors import GatewayError as G
 from app.errors import RequestError
 from app.gateway import Gateway
@@ -79,7 +79,7 @@ class ElevenLabsSession(StreamingSession):
         off = q.get("apply_text_normalization", "").lower() == "off"
         self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
                                     seed=query_int(q, "seed"))  # ElevenLabs takes seeds in 0..4294967295
-        check_connect_emotion(gw, self.opts, self.voice)
+        gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.auto_mode = bool(_flag(q.get("auto_mode")))
         self.ctxs: dict[str, Context] = {}
 

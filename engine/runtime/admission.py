@@ -10,9 +10,10 @@ Two signals, both measured:
   of prefills) whatever its cause. (It counts no credit for a prebuffer not yet started, so a stream that
   has just sent its small first chunk holds admission back until its next one: a brake on bursts. A
   version with that credit admitted more at 128 offered on the H200 and let the dac_decoder fall behind
-  the decode steps: every playing stream stalled ~5 s at once; docs/benchmarks.md.) A new stream is admitted only while the smallest lead, less the prefill
-  the new stream will cost, stays above `lead_floor_s`; below it every admission waits until the running
-  streams are safe again (streams end, leads grow back).
+  the decode steps: every playing stream stalled ~5 s at once; docs/benchmarks.md.) A new stream is
+  admitted only while the smallest lead, less the prefill the new stream will cost, stays above
+  `lead_floor_s`; below it every admission waits until the running streams are safe again (streams end,
+  leads grow back).
 * **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
   engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps an exponential
   average of the period per running stream and predicts the period with the new stream as that cost
