@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from starlette.websockets import WebSocketState
 
+from app.emotion import check_emotion
 from app.engine_client import Event, Stream
 from app.errors import RequestError
 from app.metrics import Metrics
@@ -82,6 +83,8 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
     gw = SimpleNamespace(settings=settings, metrics=Metrics(), cfg=cfg, start_utterance=engine.start_utterance,
                          engine=SimpleNamespace(info={"max_context": 6144}), fake=engine,
                          resolve_voice=lambda ref, owner: None)
+    # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
+    gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
     return gw
 
 
