@@ -90,6 +90,8 @@ class Metrics:
                               "started)", e, registry=r),
             "cancelled": Gauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
                                "started)", e, registry=r),
+            "paced": Gauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
+                           "its audio decoder was behind (since it started)", e, registry=r),
         }
         self.engines: Callable[[], Sequence[EngineView]] | None = None  # set by the gateway: read at each render
 
@@ -106,7 +108,7 @@ class Metrics:
             g["restarts"].labels(name).set(eng.restarts)
             g["open"].labels(name).set(eng.in_flight)
             g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
-            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms"):
+            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced"):
                 g[key].labels(name).set(getattr(st, key) or 0)
             if st.step_ms_p50 is not None:
                 g["step_ms_p50"].labels(name).set(st.step_ms_p50)

@@ -11,7 +11,8 @@ which decoded ~1.8 frames per new frame).
 "ms" is GPU time per call (wall time of back-to-back calls, synchronized at the end); "host ms" is how
 long the launching thread is busy. A call of F frames for B streams yields B x F x 512 new samples: every
 row steady (all its frames real, its state in its own slot), as in the engine. Variants: cuDNN's timed
-algorithms (the default), its heuristic picks, torch.compile. --profile adds the top kernels of one
+algorithms (the default, with the fused Triton passes and NHWC windows), its heuristic picks, the plain
+form (PyTorch's ops and layout), torch.compile. --profile adds the top kernels of one
 eager call per variant at the largest batch and the first frame count (torch.profiler).
 """
 
@@ -32,6 +33,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 VARIANTS = {  # IncrementalDAC options: cuDNN's heuristic algorithms / timed ones (the default) / torch.compile
     "heuristic": {"cudnn_benchmark": False},
     "benchmark": {"cudnn_benchmark": True},
+    "plain": {"cudnn_benchmark": True, "fused": False},  # PyTorch's layout and ops, no Triton passes
     "compiled": {"cudnn_benchmark": True, "compiled": True},
 }
 

@@ -158,9 +158,9 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
            "bf16_invariant_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w, batch_invariant=True)) * 1e3,
            "default_us": do_bench(lambda: moe_fp8.fused_moe_fp8(x, *fp8, chosen, w)) * 1e3}
     variants = {}
-    for bn in (32, 64, 128):
+    for bn in (32, 64, 128, 256):
         for nw in (4, 8):
-            for st in (2, 3, 4):
+            for st in (2, 3, 4, 5):
                 variants[f"blocked n{bn} w{nw} s{st}"] = partial(
                     moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=bn, batch_invariant=True, num_warps=nw,
                     num_stages=st)

@@ -236,6 +236,30 @@ def test_incremental_equals_one_shot_for_any_call_sizes(codec: Codec, seed: int)
     assert snr_db(ref, x) > EXACT_DB, (t, sizes)
 
 
+def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec):
+    """The GPU's fused form (bias in the Snake, bias + residual + concatenation in one pass; here in Triton's
+    interpreter) decodes what the plain ops decode, for a first call and later ones."""
+    from engine.model.kernels.snake import bias_residual
+
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 1024, (23, 9))
+    ref = codec.decode(torch.from_numpy(codes)[None])[0].numpy()
+    plain = feed(IncrementalDAC(codec, slots=2, fused=False), codes, 1, [13, 10])
+    fused = feed(IncrementalDAC(codec, slots=2, fused=True), codes, 1, [13, 10])
+    np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)
+    assert snr_db(ref, fused) > EXACT_DB
+    h, skip, bias = torch.randn(2, 3, 5), torch.randn(2, 3, 9), torch.randn(3)
+    out = torch.zeros(2, 3, 8)
+    bias_residual(h, bias, out[..., 3:], skip[..., 2:7])
+    torch.testing.assert_close(out[..., 3:], h + bias[:, None] + skip[..., 2:7])
+    assert (out[..., :3] == 0).all()
+    nlc = torch.zeros(2, 8, 3).transpose(1, 2)  # channels contiguous, as the fused windows
+    bias_residual(h, bias, nlc[..., 3:], skip[..., 2:7])
+    torch.testing.assert_close(nlc, out)
+    with pytest.raises(ValueError, match="not h's"):
+        bias_residual(h, bias, torch.zeros(2, 3, 4))
+
+
 def test_incremental_rows_are_independent_and_a_reused_slot_starts_clean(codec: Codec):
     """Two streams in one batch at different offsets each equal their one-shot decode; a slot whose state is
     garbage (even NaN) is reset by its next stream's first call."""
@@ -289,10 +313,17 @@ def test_masked_fused_snake_matches_reference(t: int):
     inv = (alpha + 1e-9).reciprocal()
     bounds = torch.tensor([[0, t], [t // 3, t // 2 + 1], [t, t]], device=dev)  # strided columns, as in a call
     ref = mask_outside(snake_reference(x, alpha, inv), bounds[:, 0], bounds[:, 1])
-    out = snake(x, alpha, inv, bounds[:, 0], bounds[:, 1], block=256)
+    out = snake(x, alpha, inv, bounds[:, 0], bounds[:, 1])
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(snake(x, alpha, inv, block=256), snake_reference(x, alpha, inv), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(snake(x, alpha, inv), snake_reference(x, alpha, inv), rtol=1e-5, atol=1e-5)
     assert (out[2] == 0).all() and (out[0] != 0).any()
+    bias = torch.randn(5, device=dev)
+    torch.testing.assert_close(snake(x, alpha, inv, bias=bias),
+                               snake_reference(x + bias[:, None], alpha, inv), rtol=1e-5, atol=1e-5)
+    nlc = x.transpose(1, 2).contiguous().transpose(1, 2)  # channels contiguous (the decoder's NHWC windows)
+    y = snake(nlc, alpha, inv, bounds[:, 0], bounds[:, 1])
+    assert y.stride() == nlc.stride()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
 # ---- streaming ----------------------------------------------------------------------------------

@@ -624,6 +624,7 @@ class Stats(Record):
     dac_in_flight: int = 0
     outbox_bytes: int = 0
     steps: int = 0
+    paced: int = 0  # iterations that launched no decode step: the dac_decoder was behind (admission.py)
     prefill_frames: int = 0
     decode_frames: int = 0
     finished: int = 0

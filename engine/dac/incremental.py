@@ -116,21 +116,32 @@ class IncrementalDAC:
     """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
     share slots must run on one CUDA stream, in order."""
 
-    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True) -> None:
+    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True,
+                 fused: bool | None = None) -> None:
         """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
+        fused (None: on a GPU; ignored when compiled; True on a CPU runs Triton's interpreter): the Triton
+        passes of engine/model/kernels/snake.py. Each Snake is one pass with its mask and the preceding
+        convolution's bias; each layer's output goes into the next window with its bias and residual in
+        one pass. The plain form (a bias add, a residual add and a concatenation, each a pass over the
+        activation) was 40 % of a call's GPU time on an H200.
         cudnn_benchmark: on a GPU, let cuDNN time its algorithms for each call shape at its first call
         (warm-up) instead of taking its heuristic's pick; graph captures keep the choice.
         Weights are read from the codec now: build after the codec's last `to()`."""
         self.codec = codec
         self.slots = slots
         self.compiled = compiled
+        self.fused = (codec.device.type == "cuda") if fused is None else fused
         self.cudnn_benchmark = cudnn_benchmark
         self._body = torch.compile(self._layers, dynamic=False, fullgraph=True) if compiled else self._layers
         self.scratch = slots  # the state row of batch-padding rows
         self.layers, self.lag = build_layers(codec.model)
         self.state_size = self.layers[-1].offset + self.layers[-1].keep * self.layers[-1].channels
         self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
+        # the fused form's convolution weights as [out, in, 1, k] (transposed: [in, out, 1, k]) in NHWC
+        self._nhwc = [tuple(m.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+                            for m in ly.modules if isinstance(m, torch.nn.modules.conv._ConvNd))
+                      for ly in self.layers] if self.fused else []
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
 
@@ -185,8 +196,7 @@ class IncrementalDAC:
         b = packed.shape[0]
         codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
         bounds = packed[:, f * N_CODEBOOKS + 2 :]
-        # Inductor fuses the plain Snake with its neighbours
-        fused = packed.is_cuda and not self.compiled
+        fused = self.fused and not self.compiled  # Inductor fuses the plain form with its neighbours itself
         def cached(ly: Layer) -> Tensor:  # the layer's state rows as [B, C, keep]
             return state[:, ly.offset : ly.offset + ly.keep * ly.channels].view(b, ly.channels, ly.keep)
 
@@ -196,19 +206,54 @@ class IncrementalDAC:
         for j, ly in enumerate(self.layers):
             new_state.append(win[..., -ly.keep :].reshape(b, ly.keep * ly.channels))
             lo, hi = bounds[:, 2 * j], bounds[:, 2 * j + 1]
-            if j + 1 == len(self.layers):
-                return self._layer(ly, win, lo, hi, fused).squeeze(1).float(), torch.cat(new_state, dim=1)
-            win = torch.cat([cached(self.layers[j + 1]), self._layer(ly, win, lo, hi, fused)], dim=-1)
-        raise AssertionError("unreachable: the decoder has layers")
+            last = j + 1 == len(self.layers)
+            if fused:
+                win = self._layer_into(j, win, lo, hi, None if last else cached(self.layers[j + 1]))
+            elif last:
+                win = self._layer(ly, win, lo, hi)
+            else:
+                win = torch.cat([cached(self.layers[j + 1]), self._layer(ly, win, lo, hi)], dim=-1)
+        return win.squeeze(1).float(), torch.cat(new_state, dim=1)
+
+    def _layer_into(self, j: int, win: Tensor, lo: Tensor, hi: Tensor, cached_next: Tensor | None) -> Tensor:
+        """Layer j on its window, fused: returns the next layer's window, its cached state followed by this
+        layer's output (the PCM after the last layer). The convolutions run on cuDNN's NHWC layout, which
+        the windows keep (no transposes around each convolution), and without their bias: it is added in
+        the Snake that follows (conv7) or in the pass that writes the output into the next window, with the
+        residual, so no extra pass adds a bias or concatenates."""
+        from engine.model.kernels.snake import bias_residual, snake
+
+        ly, weights = self.layers[j], self._nhwc[j]
+        if ly.kind == "in":  # the latent is narrow: its window stays in PyTorch's layout
+            (conv,) = ly.modules
+            h, bias, skip = F.conv1d(mask_outside(win, lo, hi), conv.weight), conv.bias, None
+        elif ly.kind == "up":
+            s, up = ly.modules
+            h = F.conv_transpose2d(snake(win, s.alpha, s.inv_alpha, lo, hi).unsqueeze(2), weights[0], None,
+                                   stride=(1, ly.stride), padding=(0, ly.stride)).squeeze(2)
+            bias, skip = up.bias, None
+        elif ly.kind == "res":
+            s1, conv7, s2, conv1 = ly.modules
+            h = F.conv2d(snake(win, s1.alpha, s1.inv_alpha, lo, hi).unsqueeze(2), weights[0], None,
+                         dilation=(1, conv7.dilation[0])).squeeze(2)
+            h = F.conv2d(snake(h, s2.alpha, s2.inv_alpha, bias=conv7.bias).unsqueeze(2), weights[1]).squeeze(2)
+            half = ly.keep // 2  # the skip input delayed by the conv's lag
+            bias, skip = conv1.bias, win[..., half : half + h.shape[-1]]
+        else:
+            s, conv = ly.modules
+            h = F.conv2d(snake(win, s.alpha, s.inv_alpha, lo, hi).unsqueeze(2), weights[0]).squeeze(2)
+            return torch.tanh(h + conv.bias[:, None])
+        assert cached_next is not None
+        bsz, channels, keep = cached_next.shape
+        nxt = torch.empty(bsz, keep + h.shape[-1], channels, dtype=h.dtype, device=h.device).transpose(1, 2)
+        nxt[..., :keep].copy_(cached_next)
+        bias_residual(h, bias, nxt[..., keep:], skip)
+        return nxt
 
     @staticmethod
-    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor, fused: bool) -> Tensor:
-        """One layer on its window."""
+    def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+        """One layer on its window, as PyTorch ops (a CPU, torch.compile)."""
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
-            if fused:
-                from engine.model.kernels.snake import snake as fused_snake
-
-                return fused_snake(x, m.alpha, m.inv_alpha, lo, hi) if masked else fused_snake(x, m.alpha, m.inv_alpha)
             y = torch.addcmul(x, m.inv_alpha, torch.sin(m.alpha * x).square())  # = snake_reference, traceable
             return mask_outside(y, lo, hi) if masked else y
 

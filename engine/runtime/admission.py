@@ -1,19 +1,18 @@
 """Admission that protects live streams: a new stream starts only while the running ones stay ahead of
 their players.
 
-Two signals, both measured:
+Its signals, all measured:
 
 * **The listeners' lead.** For every stream that has sent audio, the engine knows how much it delivered and
   when its first byte left; a player that starts `prebuffer_s` after that byte (the live-capacity client's
-  150 ms) has played `now - first - prebuffer` seconds of it, so `lead = delivered - played` is the audio
-  that player still holds. It sees everything a listener feels (a slow decode step, a DAC backlog, a burst
-  of prefills) whatever its cause. (It counts no credit for a prebuffer not yet started, so a stream that
-  has just sent its small first chunk holds admission back until its next one: a brake on bursts. A
-  version with that credit admitted more at 128 offered on the H200 and let the dac_decoder fall behind
-  the decode steps: every playing stream stalled ~5 s at once; docs/benchmarks.md.) A new stream is
-  admitted only while the smallest lead, less the prefill the new stream will cost, stays above
-  `lead_floor_s`; below it every admission waits until the running streams are safe again (streams end,
-  leads grow back).
+  150 ms) runs dry at `first + prebuffer + delivered` if no more audio comes, so its lead, the time it can
+  go without new audio, is `delivered - (now - first - prebuffer)`. Before it starts playing that is
+  more than the audio it holds: the rest of its prebuffer counts too (counting only the audio made every
+  stream that had just sent its first, small chunk look about to stall, and on the H200 held 128 offered
+  streams to ~95 running, the rest queued ~0.7 s). It sees everything a listener feels (a slow decode
+  step, a DAC backlog, a burst of prefills) whatever its cause. A new stream is admitted only while the
+  smallest lead, less the prefill the new stream will cost, stays above `lead_floor_s`; below it every
+  admission waits until the running streams are safe again (streams end, leads grow back).
 * **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
   engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps an exponential
   average of the period per running stream and predicts the period with the new stream as that cost
@@ -21,10 +20,16 @@ Two signals, both measured:
   prediction stays under `headroom` x 11.6 ms. This gate acts before any lead exists (a burst of arrivals
   into an idle engine) and keeps the leads growing.
 * **The decoder's backlog.** Frames ready for the dac_decoder but not yet launched, in iterations of its
-  per-iteration budget: when it cannot keep up with the LLM (it runs on a lower-priority stream, behind
-  the decode step), this grows long before a lead runs out.
-* **Slow start.** What a new stream costs shows in the leads only once its audio flows (~20 iterations
-  after admission), so at most `max_starting` admitted streams may be without first audio at a time.
+  per-iteration budget. The dac_decoder runs on a lower-priority CUDA stream, behind the decode steps:
+  when the GPU is short, the LLM keeps stepping at full speed and the audio decoder gets what is left, so
+  the frames pile up undecoded while every player runs dry (on the H200, 128 offered with the prebuffer
+  credit above: every playing stream stalled ~5 s at once). Past `max_dac_backlog` the decoder is
+  **behind**: no stream is admitted, and the scheduler launches no decode step or prefill until it has
+  caught up (`dac_behind`): frames the audio decoder cannot follow are worth nothing to a listener, and
+  the GPU time they would take is what the decoder needs.
+* **Slow start.** What a new stream costs shows in the leads only once its audio flows and its player
+  plays (~20 iterations to its first audio, then the prebuffer), so at most `max_starting` admitted
+  streams may be starting at a time (`is_starting`: no audio yet, or its player still prebuffering).
 
 The next chunk of a reply (a request that `continues` a held stream) is not a new stream: its listener is
 playing the previous chunk's tail. The scheduler admits it before any newcomer and past these gates (only
@@ -50,8 +55,8 @@ class RealtimeAdmission:
     prebuffer_s: float = 0.15  # the player model: playback starts this long after a stream's first byte
     smoothing: float = 0.3  # weight of the newest period in the average
     cold_start: int = 8  # streams admitted per iteration while no period is measured
-    max_starting: int = 16  # streams admitted whose first audio has not left yet (their cost is not seen yet)
-    max_dac_backlog: float = 2.0  # iterations of dac_decoder work queued (ready, not launched) before it is behind
+    max_starting: int = 16  # streams admitted whose players have not started yet (their cost is not seen yet)
+    max_dac_backlog: float = 1.0  # iterations of dac_decoder work queued (ready, not launched): past it, behind
     enabled: bool = True
     period_s: float = 0.0  # average iteration period while streams run (0: nothing measured yet)
     cost_s: float = 0.0  # average iteration period per stream
@@ -86,8 +91,21 @@ class RealtimeAdmission:
         self.prefill_s = seconds if self.prefill_s == 0 else (1 - a) * self.prefill_s + a * seconds
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
-        """Audio a player holds that started `prebuffer_s` after the stream's first byte at `first_audio`."""
-        return delivered_s - max(0.0, now - first_audio - self.prebuffer_s)
+        """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)
+        runs dry if no more audio comes: the audio it holds, plus the rest of its prebuffer if it has not
+        started playing yet."""
+        return delivered_s - (now - first_audio - self.prebuffer_s)
+
+    def is_starting(self, first_audio: float | None, now: float) -> bool:
+        """An admitted stream whose player has not started playing: no audio yet (`first_audio` None) or its
+        first byte less than `prebuffer_s` ago. Its lead still holds the rest of the prebuffer, so what it
+        costs the others is not seen in the leads yet (slow start)."""
+        return first_audio is None or now - first_audio < self.prebuffer_s
+
+    def dac_behind(self, dac_backlog: float) -> bool:
+        """Is the audio decoder behind the LLM (`dac_backlog` iterations of its work queued)? Then nothing
+        starts and no decode step is launched until it has caught up."""
+        return self.enabled and dac_backlog > self.max_dac_backlog
 
     def predicted_s(self, streams: int, new: int = 1) -> float:
         """The iteration period expected with `new` more streams than the `streams` measured."""
@@ -104,7 +122,7 @@ class RealtimeAdmission:
             return True
         if starting + new > self.max_starting:  # slow start: what the last admissions cost is not seen yet
             return False
-        if dac_backlog > self.max_dac_backlog:  # the audio decoder is behind the LLM
+        if self.dac_behind(dac_backlog):  # the audio decoder is behind the LLM
             return False
         if min_lead_s is not None and min_lead_s - new * self.prefill_s < self.lead_floor_s:
             return False

@@ -115,7 +115,8 @@ class Scheduler:
         self.streams: dict[int, Job] = {}  # DAC stream -> the running request its audio belongs to
         self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
-        self.counters = {"steps": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
+        self.counters = {"steps": 0, "paced": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0,
+                         "cancelled": 0}
         self.stopping = False
         self._last_stats = 0.0
         self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
@@ -273,7 +274,7 @@ class Scheduler:
         admitted = 0
         if self.waiting and self.llm.can_admit():  # the signals cost a pass over every stream: only when needed
             streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
-            min_lead, starting, backlog = self._min_lead(now), self._starting(), self._dac_backlog()
+            min_lead, starting, backlog = self._min_lead(now), self._starting(now), self._dac_backlog()
         # Continuations first, past the realtime gates: each carries on a reply whose listener is playing
         # its held tail (the stream is not new: it decoded until its last chunk ended), so making it wait
         # behind newcomers is exactly a stall at a sentence join. Only slots bound them.
@@ -384,9 +385,15 @@ class Scheduler:
                  for j in self.running.values() if j.t_stream_first and self.streams.get(j.stream) is j]
         return min(leads) if leads else None
 
-    def _starting(self) -> int:
-        """Admitted streams whose first audio has not left yet (a continued stream has started)."""
-        return sum(1 for j in self.running.values() if not j.t_stream_first)
+    def _starting(self, now: float) -> int:
+        """Admitted streams whose players have not started playing (a continued stream has started)."""
+        return sum(1 for j in self.running.values() if self.admission.is_starting(j.t_stream_first or None, now))
+
+    def _dac_behind(self) -> bool:
+        """Is the dac_decoder behind the LLM? Only possible while it has every launch it may have in flight
+        (else it launches what is ready at once): the backlog's pass over every stream runs only then."""
+        return (self.dac.in_flight() >= self.settings.dac_max_in_flight
+                and self.admission.dac_behind(self._dac_backlog()))
 
     def _dac_backlog(self) -> float:
         """The dac_decoder's queued work, in iterations of its per-iteration frame budget."""
@@ -403,6 +410,10 @@ class Scheduler:
 
     def _step(self) -> None:
         if not self.running and self._inflight is None:
+            return
+        if self._dac_behind():  # no new frames until the audio decoder has caught up (admission.py)
+            self.counters["paced"] += 1
+            self._audio()
             return
         t0 = time.perf_counter()
         results: list[tuple[Sequence, np.ndarray]] = []
@@ -686,7 +697,7 @@ class Scheduler:
             period_ms=round(self.admission.period_s * 1e3, 3),
             min_lead_ms=round(min_lead * 1e3, 1) if min_lead is not None else None,
             # streams that may start now (the gateway's placement reads it; slots bound it too)
-            admissible=self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(),
+            admissible=self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(now),
                                                  self._dac_backlog()),
             dac_in_flight=self.dac.in_flight(),
             outbox_bytes=self.outbox.pending_bytes(),
