@@ -58,6 +58,8 @@ from engine.runtime.profile import IterationProfiler, node_range
 
 log = logging.getLogger("engine")
 
+SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this long is a stall of every stream: logged
+
 
 @dataclass
 class Job:
@@ -124,6 +126,7 @@ class Scheduler:
         self.overlap = settings.overlap_decode if settings.overlap_decode is not None else engine.on_gpu
         self._inflight: PendingDecode | None = None
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
+        self._paced_since = 0.0  # when the decode steps last started waiting for the dac_decoder (0: not waiting)
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -141,10 +144,12 @@ class Scheduler:
 
     def iterate(self) -> None:
         """One engine iteration (the module docstring), without waiting for work."""
+        t0 = time.perf_counter()
         self._read_inbox()
         self._speaker_results()
         self._admit()
         self._flush_held(time.perf_counter())
+        t_step = time.perf_counter()
         try:
             self._step()
         except Exception:  # a bug must cost the requests in flight, not the engine and everyone after
@@ -153,8 +158,13 @@ class Scheduler:
                 self._cancel(rid, ack=False)
                 self._error(rid, E.INTERNAL, "the engine hit an internal error on this request")
             self._drop_inflight()
+        t_out = time.perf_counter()
         self.outbox.flush()
         self._maybe_stats()
+        if (t_end := time.perf_counter()) - t0 > SLOW_ITERATION_S:  # every listener felt it: say where it went
+            log.warning("slow iteration: %.0f ms (inbox + admission %.0f, step %.0f, outbox + stats %.0f) with %d "
+                        "running, %d waiting", (t_end - t0) * 1e3, (t_step - t0) * 1e3, (t_out - t_step) * 1e3,
+                        (t_end - t_out) * 1e3, len(self.running), len(self.waiting))
 
     def _read_inbox(self) -> None:
         while (rec := self.inbox.get()) is not None:
@@ -413,8 +423,15 @@ class Scheduler:
             return
         if self._dac_behind():  # no new frames until the audio decoder has caught up (admission.py)
             self.counters["paced"] += 1
+            self._paced_since = self._paced_since or time.perf_counter()
             self._audio()
             return
+        if self._paced_since:
+            paused = time.perf_counter() - self._paced_since
+            self._paced_since = 0.0
+            if paused > SLOW_ITERATION_S:
+                log.warning("decode steps paused %.0f ms: the dac_decoder was behind (%d running)", paused * 1e3,
+                            len(self.running))
         t0 = time.perf_counter()
         results: list[tuple[Sequence, np.ndarray]] = []
         jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
