@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine for the capacity report: the GPU tests (run while the server starts and
 # captures its graphs; they assert results, not speed), a full-size server (random weights) whose engine
-# profiles one iteration's GPU time by node once PROFILE_STREAMS streams decode (engine/runtime/profile.py),
+# profiles one iteration's GPU time by node once PROFILE_STREAMS streams decode (engine/runtime/profile.py; in a
+# level of PROFILE_LEVEL offered streams that is not counted: set PROFILE_LEVEL= to skip it),
 # live capacity with a clone per request (one clip re-sent) and with a distinct clip each time, the overload
 # case (OVERLOAD streams offered for OVERLOAD_S seconds), then the seed's table (bench/ws_bench.py, c = 1..8).
 # At most 8 files come back, so everything goes into these under $OUT:
@@ -29,6 +30,10 @@ curl -s localhost:8000/readyz | head -c 800; echo
 grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
+# the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
+# (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
+[ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \
+  --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json > /dev/null 2>&1
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"

@@ -78,7 +78,7 @@ class EngineSettings:
     dac_max_hold: int = 4
     dac_max_in_flight: int = 3  # DAC launches not yet landed before the engine stops launching more
     admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
-    admission_headroom: float = 1.0  # realtime: admit while the predicted iteration period stays under 11.6 ms
+    admission_headroom: float = 0.9  # realtime: admit while the predicted iteration period stays under 0.9 x 11.6 ms
     admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
     # realtime: admit while every playing stream's player holds more than this much audio (after the prefill
     # a new stream costs), for a player that starts admission_prebuffer_ms after the stream's first byte

@@ -49,13 +49,13 @@ from engine.contract.constants import FRAME_S
 
 @dataclass
 class RealtimeAdmission:
-    headroom: float = 1.0  # admit while the predicted period stays under headroom x FRAME_S
+    headroom: float = 0.9  # admit while the predicted period stays under headroom x FRAME_S
     max_wait_s: float = 5.0  # then engine_busy
     lead_floor_s: float = 0.08  # admit while every playing stream holds more audio than this (after the prefill)
     prebuffer_s: float = 0.15  # the player model: playback starts this long after a stream's first byte
     smoothing: float = 0.3  # weight of the newest period in the average
     cold_start: int = 8  # streams admitted per iteration while no period is measured
-    max_starting: int = 24  # streams admitted whose players have not started yet (their cost is not seen yet)
+    max_starting: int = 16  # streams admitted whose players have not started yet (their cost is not seen yet)
     max_dac_backlog: float = 1.0  # iterations of dac_decoder work queued (ready, not launched): past it, behind
     enabled: bool = True
     period_s: float = 0.0  # average iteration period while streams run (0: nothing measured yet)
