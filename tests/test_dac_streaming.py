@@ -242,15 +242,19 @@ def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec)
     from engine.model.kernels.snake import bias_residual
 
     gpu = torch.cuda.is_available()
-    if gpu:  # TF32 convolutions there: the two forms' cuDNN algorithms round differently
+    if gpu:
         codec = Codec.random("tiny", seed=0, device="cuda", dtype=torch.float32)
     rng = np.random.default_rng(11)
     codes = rng.integers(0, 1024, (23, 9))
-    ref = codec.decode(torch.from_numpy(codes).to(codec.device)[None])[0].cpu().numpy()
-    plain = feed(IncrementalDAC(codec, slots=2, fused=False), codes, 1, [13, 10])
-    fused = feed(IncrementalDAC(codec, slots=2, fused=True), codes, 1, [13, 10])
+    # full fp32 convolutions on a GPU: with TF32 (which other tests may switch on) the two forms' cuDNN
+    # algorithms (NCL, NHWC) round their inputs to 10 bits each, ~40 dB apart after the decoder's 40 layers
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=False):
+        ref = codec.decode(torch.from_numpy(codes).to(codec.device)[None])[0].cpu().numpy()
+        plain = feed(IncrementalDAC(codec, slots=2, fused=False), codes, 1, [13, 10])
+        fused = feed(IncrementalDAC(codec, slots=2, fused=True), codes, 1, [13, 10])
     if gpu:
-        assert snr_db(plain, fused) > 50 and snr_db(ref, fused) > 50
+        print(f"fused vs plain SNR {snr_db(plain, fused):.1f} dB, vs one-shot {snr_db(ref, fused):.1f} dB")
+        assert snr_db(plain, fused) > 60 and snr_db(ref, fused) > 60
     else:
         np.testing.assert_allclose(fused, plain, rtol=1e-5, atol=1e-6)
         assert snr_db(ref, fused) > EXACT_DB
