@@ -38,8 +38,10 @@ timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capa
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
 # replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)
+# (SENTENCE_ARGS=--mixed: every other client sends single sentences beside them; the report gives the later
+# sentences' prefill and first audio, and each kind's stall-free share)
 [ -n "${SENTENCE_LEVELS-64}" ] && timeout ${SENTENCE_S:-90} $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
-  --out "$OUT/capacity_sentences.json"
+  ${SENTENCE_ARGS:-} --out "$OUT/capacity_sentences.json"
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"

@@ -158,6 +158,10 @@ class StreamRecord:
     engine_ttfa_ms: float | None = None
     speaker_encoder_ms: float | None = None
     finish_reason: str | None = None
+    sentences: int = 1  # sentences in this request's text (a reply of several: one continued stream)
+    # the engine's figures for each sentence after the first (its own request, continuing the stream):
+    # queue_ms, prefill_ms (the continuation prompt), ttfa_ms (its arrival -> its first PCM), prompt_frames
+    later: list[dict[str, float]] = field(default_factory=list)
     events: list[tuple[float, int]] = field(default_factory=list)  # (arrival s, samples); in JSON with --events
 
     def apply(self, p: Playback) -> None:
@@ -220,7 +224,21 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
         "loop_lag_ms_p99": _r(pct(loop_lag_ms, 99)),
         "loop_lag_ms_max": _r(max(loop_lag_ms)) if len(loop_lag_ms) else None,
         "window_s": round(window_s, 3),
-    }
+    } | _replies(ok)
+
+
+def _replies(ok: Sequence[StreamRecord]) -> dict[str, Any]:
+    """With replies of several sentences: the engine's cost of the sentences after the first (p50 / p95 of
+    each part) and, beside single-sentence requests (--mixed), the stall-free share of each kind."""
+    later = [x for r in ok for x in r.later]
+    if not later:
+        return {}
+    replies, singles = [r for r in ok if r.sentences > 1], [r for r in ok if r.sentences == 1]
+    parts = {f"{part}_{q}": _r(pct([x[part] for x in later if x.get(part) is not None], q))
+             for part in ("queue_ms", "prefill_ms", "ttfa_ms", "prompt_frames") for q in (50, 95)}
+    return {"later_sentences": len(later), "later_sentence_parts_ms": parts,
+            "reply_stall_free_share": sum(r.stalls == 0 for r in replies) / len(replies) if replies else None,
+            "single_stall_free_share": sum(r.stalls == 0 for r in singles) / len(singles) if singles else None}
 
 
 def judge(summary: dict[str, Any], min_stall_free: float = 0.99, max_ttfa_p95_ms: float = 300.0) -> dict[str, Any]:
@@ -333,6 +351,7 @@ class Options:
     # other by default (issue 22); the player then also stalls at a join that comes late
     sentences: int = 1
     long_form: bool = True
+    mixed: bool = False  # every other client sends single-sentence requests, beside the replies of `sentences`
     min_stall_free: float = 0.99
     max_ttfa_p95_ms: float = 300.0
     stop_after_fail: int = 2
@@ -385,8 +404,17 @@ def distinct_clip(clip_b64: str) -> str:
     return base64.b64encode(bytes(raw)).decode()
 
 
+def _engine_parts(stats: dict[str, Any]) -> dict[str, float]:
+    """The engine's figures of one utterance from its audio.done stats."""
+    engine = stats.get("engine") or {}
+    parts = {"queue_ms": engine.get("queue_ms", stats.get("queue_ms")), "prefill_ms": engine.get("prefill_ms"),
+             "ttfa_ms": engine.get("ttfa_ms"), "prompt_frames": engine.get("prompt_frames")}
+    return {k: float(v) for k, v in parts.items() if v is not None}
+
+
 async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamRecord, clock0: float) -> None:
-    """One request in its own session; fills `rec` (times relative to `clock0`)."""
+    """One request of `rec.sentences` sentences in its own session; fills `rec` (times relative to
+    `clock0`)."""
     import websockets
 
     t_conn = time.perf_counter()
@@ -414,7 +442,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             t_sent = time.perf_counter()
             rec.connect_ms = (t_sent - t_conn) * 1e3
             rec.t_sent = t_sent - clock0
-            await ws.send(json.dumps({"type": "text", "text": " ".join([opts.text] * opts.sentences), "flush": True}))
+            await ws.send(json.dumps({"type": "text", "text": " ".join([opts.text] * rec.sentences), "flush": True}))
             done = 0
             async for msg in ws:
                 now = time.perf_counter()
@@ -426,9 +454,11 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                 d = json.loads(msg)
                 if d.get("type") == "audio.done":
                     done += 1
-                    if done < opts.sentences:  # the reply's last sentence ends the request
-                        continue
                     stats = d.get("stats") or {}
+                    if done > 1:
+                        rec.later.append(_engine_parts(stats))
+                    if done < rec.sentences:  # the reply's last sentence ends the request
+                        continue
                     engine = stats.get("engine") or {}
                     rec.ok = True
                     rec.e2e_ms = (now - t_sent) * 1e3
@@ -481,7 +511,8 @@ async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple
         await asyncio.sleep(min(opts.ramp, opts.warmup) * i / n)
         seq = 0
         while time.perf_counter() - clock0 < w1:
-            rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0)
+            sentences = 1 if opts.mixed and i % 2 else opts.sentences
+            rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, sentences=sentences)
             records.append(rec)
             await one_stream(opts, session_cfg, rec, clock0)
             seq += 1
@@ -574,6 +605,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sentences", type=int, default=d.sentences,
                    help="sentences per request (--text repeated): a reply whose joins the player must not stall at")
     p.add_argument("--no-long-form", action="store_true", help="long_form false: each sentence its own stream")
+    p.add_argument("--mixed", action="store_true",
+                   help="every other client sends single-sentence requests beside the --sentences replies")
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
     p.add_argument("--stop-after-fail", type=int, default=d.stop_after_fail,
@@ -595,7 +628,7 @@ def options(a: argparse.Namespace) -> Options:
     return Options(url=a.url, levels=a.levels, duration=a.duration, warmup=a.warmup, ramp=a.ramp,
                    prebuffer_ms=a.prebuffer_ms, frames=a.frames, sample_rate=a.sample_rate, voice=a.voice,
                    voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, sentences=a.sentences,
-                   long_form=not a.no_long_form, min_stall_free=a.min_stall_free,
+                   long_form=not a.no_long_form, mixed=a.mixed, min_stall_free=a.min_stall_free,
                    max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
                    request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, pause=a.pause,
                    api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)

@@ -131,6 +131,17 @@ def test_summary_of_a_level():
     json.dumps(s, allow_nan=False)
 
 
+def test_summary_of_replies_beside_single_sentences():
+    reply = rec()
+    reply.sentences, reply.later = 3, [{"prefill_ms": 30.0, "ttfa_ms": 90.0, "queue_ms": 1.0, "prompt_frames": 400.0},
+                                       {"prefill_ms": 50.0, "ttfa_ms": 110.0, "queue_ms": 1.0, "prompt_frames": 700.0}]
+    s = summarize_level(4, [reply, rec(stall_ms=[20])], delivered_s=1.0, window_s=1.0)
+    assert s["later_sentences"] == 2 and s["later_sentence_parts_ms"]["prefill_ms_50"] == pytest.approx(40)
+    assert s["reply_stall_free_share"] == 1.0 and s["single_stall_free_share"] == 0.0
+    assert "later_sentences" not in summarize_level(4, [rec()], 1.0, 1.0)  # single sentences only
+    json.dumps(s, allow_nan=False)
+
+
 def test_summary_without_streams_is_valid_json_and_fails():
     s = judge(summarize_level(8, [rec(ok=False, error="timeout")], 0.0, 10.0))
     assert s["streams"] == 0 and s["stall_free_share"] == 0 and s["ttfa_p95_ms"] is None
@@ -194,8 +205,9 @@ def test_plot_only_redraws_from_saved_json(tmp_path: Path, capsys):
 @pytest.mark.slow
 def test_one_level_against_the_server(server, tmp_path: Path):
     out = tmp_path / "results.json"
+    # client 0 sends replies of two sentences (one continued stream), client 1 single sentences
     argv = ["--url", server.ws_url, "--levels", "2", "--duration", "4", "--warmup", "1", "--ramp", "0.5",
-            "--frames", "40", "--request-timeout", "120", "--out", str(out)]
+            "--frames", "40", "--request-timeout", "120", "--sentences", "2", "--mixed", "--out", str(out)]
     if HAS_MPL:
         argv += ["--plot", str(tmp_path / "plot.png")]
     main(argv)
@@ -212,8 +224,13 @@ def test_one_level_against_the_server(server, tmp_path: Path):
     for s in counted:
         assert s["ok"] and s["level"] == 2 and s["client"] in (0, 1)
         assert s["ttfa_ms"] > 0 and s["chunks"] >= 1 and s["queue_ms"] is not None
-        # fixed-length generation: 40 frames of 512 samples at 44.1 kHz, resampled to 24 kHz
-        assert s["audio_s"] == pytest.approx(40 * 512 / 44100, abs=2e-3)
+        assert s["sentences"] == (2 if s["client"] == 0 else 1)
+        if s["sentences"] == 1:  # fixed-length generation: 40 frames of 512 samples at 44.1 kHz, at 24 kHz
+            assert s["audio_s"] == pytest.approx(40 * 512 / 44100, abs=2e-3) and not s["later"]
+        else:  # the second sentence's own figures: its continuation prompt holds the first one's frames
+            (later,) = s["later"]
+            assert later["prefill_ms"] > 0 and later["prompt_frames"] > 40
+            assert s["audio_s"] > 40 * 512 / 44100
         assert s["stalls"] >= 0 and s["stall_ms_total"] >= s["stall_ms_max"] >= 0
     if HAS_MPL:
         assert (tmp_path / "plot.png").stat().st_size > 1000
