@@ -286,3 +286,48 @@ def test_overlap_continued_reply(engine: Engine):
     assert_same(off, on, [20, 21, 22])
     assert on.ends[20].reason == "eos" and on.ends[20].stats.eos_frame == 68
     assert on.ends[21].reason == "max_frames" and len(on.codes(21)) == 30
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap: bool):
+    """While the audio decoder is behind (its launches all in flight, more than an iteration of its work
+    queued), the scheduler launches no decode step; once it catches up, the request goes on to its end with
+    every frame. (The decoder's state is faked: on a CPU its calls run at once and it is never behind.)"""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap = overlap
+        sched.admission.enabled = True  # the realtime rules (a CPU engine admits by slots)
+        assert inbox.try_put(*req(1, "Hello there.", max_frames=30).encode())
+        while sched.counters["decode_frames"] < 3:
+            sched.iterate()
+        dac = sched.dac
+        behind = {"in_flight": lambda: sched.settings.dac_max_in_flight,
+                  "queued_frames": lambda: 2 * sched.settings.dac_frames_per_step}
+        real = {k: getattr(dac, k) for k in behind}
+        decoded, launched = sched.counters["decode_frames"], len(engine.llm.in_flight)
+        for k, fn in behind.items():
+            setattr(dac, k, fn)
+        for _ in range(5):
+            sched.iterate()
+        assert sched.counters["paced"] == 5 and sched.counters["decode_frames"] == decoded
+        assert len(engine.llm.in_flight) == launched  # nothing launched meanwhile
+        for k, fn in real.items():
+            setattr(dac, k, fn)
+        ends = []
+        for _ in range(500):
+            sched.iterate()
+            while (got := out.get()) is not None:
+                rec = m.decode(*got)
+                if isinstance(rec, m.Finished | m.Error):
+                    ends.append(rec)
+            if ends and not sched.running and sched._inflight is None:
+                break
+        (end,) = ends
+        assert isinstance(end, m.Finished) and end.stats is not None and end.stats.frames == 30
+        assert sched.counters["paced"] == 5
+    finally:
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
