@@ -78,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
                    help="realtime admission: admit only while every playing stream's player holds more audio")
     p.add_argument("--admission-prebuffer-ms", type=float, default=EngineSettings.admission_prebuffer_ms,
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
+    p.add_argument("--admission-max-starting", type=int, default=EngineSettings.admission_max_starting,
+                   help="realtime admission: streams admitted whose players have not started yet (slow start)")
     p.add_argument("--continuation-flush-lead-ms", type=float, default=EngineSettings.continuation_flush_lead_ms,
                    help="a held stream (a sentence ended, the next not here yet) is flushed once its player holds "
                         "less audio than this ...")
@@ -160,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         admission_max_wait_s=a.admission_max_wait,
         admission_lead_floor_ms=a.admission_lead_floor_ms,
         admission_prebuffer_ms=a.admission_prebuffer_ms,
+        admission_max_starting=a.admission_max_starting,
         continuation_flush_lead_ms=a.continuation_flush_lead_ms,
         continuation_grace_ms=a.continuation_grace_ms,
         cuda_graphs=not a.no_cuda_graphs,

@@ -62,6 +62,14 @@ def test_nothing_measured_admits():
 def test_bad_headroom_is_refused(headroom: float):
     with pytest.raises(ValueError):
         RealtimeAdmission(headroom=headroom)
+    with pytest.raises(ValueError, match="max_starting"):
+        RealtimeAdmission(max_starting=0)
+
+
+def test_slow_start_bounds_the_streams_whose_players_have_not_started():
+    adm = RealtimeAdmission(max_starting=3)
+    assert adm.may_admit(0, 1, starting=2) and not adm.may_admit(0, 2, starting=2)
+    assert adm.admissible(0, None, limit=50, starting=1) == 2
 
 
 def test_a_playing_stream_low_on_audio_stops_admission():

@@ -299,6 +299,7 @@ def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap:
         sched = Scheduler(engine, inbox, out)
         sched.overlap = overlap
         sched.admission.enabled = True  # the realtime rules (a CPU engine admits by slots)
+        assert sched.admission.max_starting == sched.settings.admission_max_starting
         assert inbox.try_put(*req(1, "Hello there.", max_frames=30).encode())
         while sched.counters["decode_frames"] < 3:
             sched.iterate()

@@ -84,6 +84,8 @@ class EngineSettings:
     # a new stream costs), for a player that starts admission_prebuffer_ms after the stream's first byte
     admission_lead_floor_ms: float = 80.0
     admission_prebuffer_ms: float = 150.0
+    # realtime: streams admitted whose players have not started yet (slow start: their cost is not seen yet)
+    admission_max_starting: int = 16
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
     # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is

@@ -111,6 +111,7 @@ class Scheduler:
         self.admission = RealtimeAdmission(settings.admission_headroom, settings.admission_max_wait_s,
                                            lead_floor_s=settings.admission_lead_floor_ms / 1e3,
                                            prebuffer_s=settings.admission_prebuffer_ms / 1e3,
+                                           max_starting=settings.admission_max_starting,
                                            enabled=mode == "realtime")
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
