@@ -15,7 +15,8 @@ through the bf16 model and, after its experts are quantized in place (engine/mod
 the metrics the reference's fp8 branch reports (cos 0.998, top-1 87.1 %, KL 0.014, PPL ratio 1.017, on trained
 weights). Then the captured decode step (graph replay, median) at each batch, bf16 then fp8.
 --sweep times one full-size MoE layer alone (16 experts, top-1), bf16 against fp8 with each tile variant of
-the fp8 kernels (triton.testing.do_bench, L2 flushed), to choose moe_fp8's tiles.
+the fp8 kernels and its prequant variant (activations quantized once; triton.testing.do_bench, L2 flushed),
+to choose moe_fp8's tiles and whether prequant becomes the default.
 
 Random weights are not trained weights: their logits are flatter and their activations have none of a
 trained model's outliers, so these figures show that the fp8 path is wired and sound, not what a trained
@@ -164,6 +165,11 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
                 variants[f"blocked n{bn} w{nw} s{st}"] = partial(
                     moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=bn, batch_invariant=True, num_warps=nw,
                     num_stages=st)
+    for nw in (4, 8):  # the activations quantized once (x before the kernels, h in gate_up's epilogue)
+        for st in (2, 3, 4, 5):
+            variants[f"prequant n128 w{nw} s{st}"] = partial(
+                moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=128, batch_invariant=True, num_warps=nw,
+                num_stages=st, prequant=True)
     if b <= moe_fp8.GEMV_MAX_PAIRS:
         for tn in (2, 4, 8):
             for g in (2, 4, 8, 16):

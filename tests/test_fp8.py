@@ -145,6 +145,30 @@ def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k, blocked):
     assert rel_err(ref, _exact_moe(x.float(), gu, dn, chosen, weights)) < 0.1
 
 
+@pytest.mark.parametrize("n, dim, inter, e, k", [(9, 256, 384, 4, 1), (7, 128, 192, 4, 2)])
+def test_prequantized_activations_give_the_same_output(n, dim, inter, e, k):
+    """The prequant variant (activations quantized once: x before the kernels, h in gate_up's epilogue)
+    computes exactly what the default blocked kernels compute, partial QBLOCK groups (192) and top-2 too;
+    its activation quantizer equals the plain reference's."""
+    from engine.model.kernels.moe_fp8 import fused_moe_fp8, quantize_act_fp8
+
+    gq, gs, dq, ds = _experts(e, dim, inter, seed=n)
+    gen = torch.Generator().manual_seed(20 + n)
+    dt = torch.bfloat16 if CUDA else torch.float32
+    x = torch.randn(n, dim, generator=gen).to(DEV, dt)
+    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(DEV)
+    weights = torch.rand(n, k, generator=gen).to(DEV)
+    default = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True)
+    prequant = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True, prequant=True)
+    assert torch.equal(prequant, default)
+    part = x[:, : dim - 64]  # a partial last group
+    q, scale = quantize_act_fp8(part)
+    back = q.float() * scale.repeat_interleave(QBLOCK, dim=1)[:, : part.shape[1]]
+    torch.testing.assert_close(back, quantize_act(part), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="block_n"):
+        fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True, prequant=True, block_n=64)
+
+
 def _exact_moe(x, gate_up, down, chosen, weights):
     inter = gate_up.shape[1] // 2
     out = torch.zeros_like(x)

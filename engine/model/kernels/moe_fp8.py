@@ -44,12 +44,15 @@ def _quant_rows(a, fp8_max: tl.constexpr, eps: tl.constexpr):
 # n_pairs is not specialised on: every batch runs the same code (see moe.py)
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, xq_ptr, xs_ptr, hs_ptr,
     n_pairs, top_k, INTER,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_xs, stride_hs,
     K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr,
 ):
+    # PREQ: x comes quantized (xq e4m3 [N, K] with the scales xs [N, K/QB], quantize_act_fp8), and the
+    # output is written quantized too (e4m3 with one scale per row and QB columns: BLOCK_N == QB), as the
+    # down kernel's PREQ reads it; the same values as quantizing in the loops, computed once per element
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -69,9 +72,14 @@ def _gate_up_fp8_kernel(
     s_u = ws_ptr + expert * stride_se + ((n + INTER) // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
-        x = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        xq, xs = _quant_rows(x, FP8_MAX_, EPS)
+        if PREQ:
+            xq = tl.load(xq_ptr + token[:, None] * stride_x + (k0 + kk)[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            xs = tl.load(xs_ptr + token * stride_xs + k0 // QB, mask=row_ok, other=0.0)
+        else:
+            x = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            xq, xs = _quant_rows(x, FP8_MAX_, EPS)
         wg = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
                      other=0.0)
         wu = tl.load(w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
@@ -84,17 +92,22 @@ def _gate_up_fp8_kernel(
     g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
     u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    if PREQ:  # rounded to the activation dtype first, as the unquantized h would be stored
+        hq, hs = _quant_rows(h.to(x_ptr.dtype.element_ty).to(tl.float32), FP8_MAX_, EPS)
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], hq, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(hs_ptr + rows * stride_hs + pid_n, hs, mask=row_ok)
+    else:
+        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_fp8_kernel(
-    h_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
+    h_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr, hs_ptr,
     n_pairs, N,
-    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_hs,
     K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -112,9 +125,14 @@ def _down_fp8_kernel(
     s_n = ws_ptr + expert * stride_se + (n // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
-        h = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        hq, hs = _quant_rows(h, FP8_MAX_, EPS)
+        if PREQ:  # h quantized by the gate_up kernel's PREQ epilogue
+            hq = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :],
+                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            hs = tl.load(hs_ptr + rows * stride_hs + k0 // QB, mask=row_ok, other=0.0)
+        else:
+            h = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :],
+                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            hq, hs = _quant_rows(h, FP8_MAX_, EPS)
         w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
                     other=0.0)
         ws = tl.load(s_n + k0 // QB, mask=n_ok, other=0.0)
@@ -232,10 +250,36 @@ def _moe_gemv_fp8(x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tenso
     return out
 
 
+@triton.jit
+def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_s, QB: tl.constexpr, FP8_MAX_: tl.constexpr,
+                      EPS: tl.constexpr):
+    row = tl.program_id(0)
+    g = tl.program_id(1)  # one row's group of QB columns
+    k = g * QB + tl.arange(0, QB)
+    x = tl.load(x_ptr + row * stride_x + k, mask=k < K, other=0.0).to(tl.float32)
+    q, sc = _quant_rows(x[None, :], FP8_MAX_, EPS)
+    tl.store(q_ptr + row * stride_x + k[None, :], q, mask=(k < K)[None, :])
+    tl.store(s_ptr + row * stride_s + g + tl.arange(0, 1), sc)
+
+
+def quantize_act_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [N, K] -> (e4m3 [N, K], float32 scales [N, ceil(K / QBLOCK)]): the activation quantization of the
+    kernels (per row and QBLOCK columns, engine/model/quantize.py `quantize_act`), done once."""
+    x = x.contiguous()
+    n, k = x.shape
+    groups = triton.cdiv(k, QBLOCK)
+    q = torch.empty(n, k, device=x.device, dtype=FP8)
+    scale = torch.empty(n, groups, device=x.device, dtype=torch.float32)
+    if n:
+        _quant_act_kernel[(n, groups)](x, q, scale, k, x.stride(0), scale.stride(0), QB=QBLOCK, FP8_MAX_=FP8_MAX,
+                                       EPS=ACT_EPS)
+    return q, scale
+
+
 def fused_moe_fp8(
     x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
     chosen: Tensor, weights: Tensor, block_m: int = 16, block_n: int = 128, batch_invariant: bool = False,
-    num_warps: int = 8, num_stages: int = 3,
+    num_warps: int = 8, num_stages: int = 3, prequant: bool = False,
 ) -> Tensor:
     """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
@@ -243,7 +287,13 @@ def fused_moe_fp8(
     pairs per-pair GEMVs (same quantization, another summation order); batch_invariant: the blocked
     kernels at every row count and the top-k rows added in rank order. The tile (128 columns, 8 warps, 3
     stages) is the best of bench/fp8_fidelity.py --sweep over batches 64 / 128 / 256 on an H200 (the first
-    guess, 64 columns and 4 warps, took 2.1x its time at batch 64)."""
+    guess, 64 columns and 4 warps, took 2.1x its time at batch 64).
+
+    prequant (blocked kernels, block_n = QBLOCK): the activations are quantized once, x by
+    `quantize_act_fp8` and h in the gate_up kernel's epilogue, instead of inside the reduction loops of
+    every column tile's program (that ALU work, not the weights' bytes, bounds the FP8 kernels at batch
+    128-256 on an H200); the same values, so the same output. Off until bench/fp8_fidelity.py --sweep shows
+    it is faster on a GPU."""
     if gate_up.dtype != FP8 or down.dtype != FP8:
         raise TypeError(f"fused_moe_fp8 takes float8_e4m3fn experts, not {gate_up.dtype} / {down.dtype}")
     if gate_up_scale.stride(-1) != 1 or down_scale.stride(-1) != 1:
@@ -257,21 +307,32 @@ def fused_moe_fp8(
         return _combine_topk(out, n, k, x.dtype)
     sorted_pairs, block_expert = align_blocks_triton(chosen, e, block_m)
     n_blocks = block_expert.numel()
-    h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+    if prequant:
+        if block_n != QBLOCK:
+            raise ValueError(f"prequant writes h's scales per column tile: block_n must be {QBLOCK}")
+        x = x.contiguous()  # xq has x's row stride
+        xq, xs = quantize_act_fp8(x)
+        h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=FP8)
+        hs = torch.empty(n_blocks * block_m, triton.cdiv(inter, QBLOCK), device=x.device, dtype=torch.float32)
+    else:
+        xq, xs = x, x  # unused
+        h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
+        hs = h
     _gate_up_fp8_kernel[(n_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert,
+        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, xq, xs, hs,
         n * k, k, inter,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
-        h.stride(0),
-        K=dim, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+        h.stride(0), xs.stride(0), hs.stride(0),
+        K=dim, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS, PREQ=prequant,
         num_warps=num_warps, num_stages=num_stages,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _down_fp8_kernel[(n_blocks, triton.cdiv(dim, block_n))](
-        h, down, down_scale, out, sorted_pairs, block_expert, weights.contiguous().view(-1),
+        h, down, down_scale, out, sorted_pairs, block_expert, weights.contiguous().view(-1), hs,
         n * k, dim,
         h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
-        K=inter, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS,
+        hs.stride(0),
+        K=inter, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS, PREQ=prequant,
         num_warps=num_warps, num_stages=num_stages,
     )
     return _combine_topk(out, n, k, x.dtype, batch_invariant)
