@@ -332,3 +332,31 @@ def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap:
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
+
+
+def test_a_slow_iteration_is_logged_with_where_it_went(engine: Engine, monkeypatch, caplog):
+    """An iteration past SLOW_ITERATION_S stalls every stream: the engine says so, with its parts, at most
+    once per SLOW_LOG_INTERVAL_S (a fake clock: nothing here depends on speed)."""
+    from engine.runtime import scheduler as sched_mod
+
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(1 << 20)
+    clock = [1000.0]
+    monkeypatch.setattr(sched_mod.time, "perf_counter", lambda: clock[0])
+    try:
+        sched = Scheduler(engine, inbox, out)
+
+        def slow_step() -> None:
+            clock[0] += 0.3
+
+        sched._step = slow_step
+        with caplog.at_level("WARNING", logger="engine"):
+            for _ in range(3):
+                sched.iterate()
+            clock[0] += sched_mod.SLOW_LOG_INTERVAL_S
+            sched.iterate()
+        lines = [r.getMessage() for r in caplog.records if "slow iteration" in r.getMessage()]
+        assert len(lines) == 2 and "step 300" in lines[0] and "(3 slow iterations" in lines[1]
+    finally:
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()

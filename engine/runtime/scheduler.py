@@ -59,6 +59,7 @@ from engine.runtime.profile import IterationProfiler, node_range
 log = logging.getLogger("engine")
 
 SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this long is a stall of every stream: logged
+SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Scheduler:
         self._inflight: PendingDecode | None = None
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
         self._paced_since = 0.0  # when the decode steps last started waiting for the dac_decoder (0: not waiting)
+        self._slow, self._slow_logged = 0, 0.0  # slow iterations since the last line about them, and its time
 
     # ---- the loop --------------------------------------------------------------------------------
     def run(self) -> None:
@@ -163,9 +165,13 @@ class Scheduler:
         self.outbox.flush()
         self._maybe_stats()
         if (t_end := time.perf_counter()) - t0 > SLOW_ITERATION_S:  # every listener felt it: say where it went
-            log.warning("slow iteration: %.0f ms (inbox + admission %.0f, step %.0f, outbox + stats %.0f) with %d "
-                        "running, %d waiting", (t_end - t0) * 1e3, (t_step - t0) * 1e3, (t_out - t_step) * 1e3,
-                        (t_end - t_out) * 1e3, len(self.running), len(self.waiting))
+            self._slow += 1
+            if t_end - self._slow_logged > SLOW_LOG_INTERVAL_S:  # a slow CPU engine must not flood the log
+                log.warning("slow iteration: %.0f ms (inbox + admission %.0f, step %.0f, outbox + stats %.0f) with "
+                            "%d running, %d waiting (%d slow iterations since the last such line)",
+                            (t_end - t0) * 1e3, (t_step - t0) * 1e3, (t_out - t_step) * 1e3, (t_end - t_out) * 1e3,
+                            len(self.running), len(self.waiting), self._slow)
+                self._slow_logged, self._slow = t_end, 0
 
     def _read_inbox(self) -> None:
         while (rec := self.inbox.get()) is not None:
