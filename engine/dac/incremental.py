@@ -141,7 +141,7 @@ class IncrementalDAC:
         # the fused form's convolution weights as [out, in, 1, k] (transposed: [in, out, 1, k]) in NHWC
         self._nhwc = [tuple(m.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
                             for m in ly.modules if isinstance(m, torch.nn.modules.conv._ConvNd))
-                      for ly in self.layers] if self.fused else []
+                      for ly in self.layers] if self.fused and not compiled else []
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
 
