@@ -239,7 +239,7 @@ def test_incremental_equals_one_shot_for_any_call_sizes(codec: Codec, seed: int)
 def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec):
     """The GPU's fused form (bias in the Snake, bias + residual + concatenation in one pass, NHWC windows;
     on a CPU in Triton's interpreter) decodes what the plain ops decode, for a first call and later ones."""
-    from engine.model.kernels.snake import bias_residual
+    from engine.dac.kernels import bias_residual
 
     gpu = torch.cuda.is_available()
     if gpu:
@@ -315,7 +315,7 @@ def test_pack_bounds_mask_outside_the_stream(codec: Codec):
 
 @pytest.mark.parametrize("t", [1, 777])
 def test_masked_fused_snake_matches_reference(t: int):
-    from engine.model.kernels.snake import snake, snake_reference
+    from engine.dac.kernels import snake, snake_reference
 
     torch.manual_seed(3)
     dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -277,7 +277,7 @@ def test_fused_moe_reads_routing_weights_in_their_own_dtype():
 
 @pytest.mark.parametrize("t", [1, 777, 3000])
 def test_fused_snake_matches_reference(t):
-    from engine.model.kernels.snake import snake, snake_reference
+    from engine.dac.kernels import snake, snake_reference
 
     torch.manual_seed(3)
     c = 6

@@ -129,9 +129,9 @@ def _freeze_weight_norm(module: torch.nn.Module) -> list[tuple[torch.nn.Module, 
 
 def _snake(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     # x + sin(alpha x)^2 / (alpha + 1e-9), with the reciprocal precomputed by Codec.to(); on a GPU one
-    # fused pass (engine/model/kernels/snake.py) instead of four elementwise kernels
+    # fused pass (engine/dac/kernels.py) instead of four elementwise kernels
     if x.is_cuda:
-        from engine.model.kernels.snake import snake
+        from engine.dac.kernels import snake
 
         return snake(x, self.alpha, self.inv_alpha)
     return torch.addcmul(x, self.inv_alpha, torch.sin(self.alpha * x).square())

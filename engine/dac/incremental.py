@@ -121,7 +121,7 @@ class IncrementalDAC:
         """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
         fused (None: on a GPU; ignored when compiled; True on a CPU runs Triton's interpreter): the Triton
-        passes of engine/model/kernels/snake.py. Each Snake is one pass with its mask and the preceding
+        passes of engine/dac/kernels.py. Each Snake is one pass with its mask and the preceding
         convolution's bias; each layer's output goes into the next window with its bias and residual in
         one pass. The plain form (a bias add, a residual add and a concatenation, each a pass over the
         activation) was 40 % of a call's GPU time on an H200.
@@ -221,7 +221,7 @@ class IncrementalDAC:
         the windows keep (no transposes around each convolution), and without their bias: it is added in
         the Snake that follows (conv7) or in the pass that writes the output into the next window, with the
         residual, so no extra pass adds a bias or concatenates."""
-        from engine.model.kernels.snake import bias_residual, snake
+        from engine.dac.kernels import bias_residual, snake
 
         ly, weights = self.layers[j], self._nhwc[j]
         if ly.kind == "in":  # the latent is narrow: its window stays in PyTorch's layout

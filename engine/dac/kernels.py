@@ -1,6 +1,6 @@
-"""DAC's Snake activation in one pass: y = x + sin(alpha x)^2 / (alpha + 1e-9), per channel; and the
-residual add that ends each of the DAC's residual units, with the convolution's bias, written into the
-next window.
+"""The dac_decoder's elementwise passes in Triton: DAC's Snake activation in one pass,
+y = x + sin(alpha x)^2 / (alpha + 1e-9) per channel, and the residual add that ends each of the DAC's
+residual units, with the convolution's bias, written into the next window.
 
 Written as PyTorch ops the Snake is four elementwise kernels (mul, sin, square, addcmul), each reading and
 writing the whole activation; the DAC decoder's late stages hold 96-192 channels x 12,800-25,600 samples
