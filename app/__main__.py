@@ -79,7 +79,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--admission-prebuffer-ms", type=float, default=EngineSettings.admission_prebuffer_ms,
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
     p.add_argument("--admission-max-starting", type=int, default=EngineSettings.admission_max_starting,
-                   help="realtime admission: streams admitted whose players have not started yet (slow start)")
+                   help="realtime admission: streams admitted whose players have not started yet (slow start; >= 2: a "
+                        "guided request starts with its twin)")
     p.add_argument("--continuation-flush-lead-ms", type=float, default=EngineSettings.continuation_flush_lead_ms,
                    help="a held stream (a sentence ended, the next not here yet) is flushed once its player holds "
                         "less audio than this ...")

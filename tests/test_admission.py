@@ -63,7 +63,7 @@ def test_bad_headroom_is_refused(headroom: float):
     with pytest.raises(ValueError):
         RealtimeAdmission(headroom=headroom)
     with pytest.raises(ValueError, match="max_starting"):
-        RealtimeAdmission(max_starting=0)
+        RealtimeAdmission(max_starting=1)
 
 
 def test_slow_start_bounds_the_streams_whose_players_have_not_started():

@@ -291,41 +291,53 @@ def test_overlap_continued_reply(engine: Engine):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap: bool):
     """While the audio decoder is behind (its launches all in flight, more than an iteration of its work
-    queued), the scheduler launches no decode step; once it catches up, the request goes on to its end with
-    every frame. (The decoder's state is faked: on a CPU its calls run at once and it is never behind.)"""
+    queued), the scheduler launches no decode step, but still reads back the step in flight and acknowledges
+    a cancel; once the decoder catches up, the other request goes on to its end with every frame. (The
+    decoder's state is faked: on a CPU its calls run at once and it is never behind.)"""
     engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
     inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    ends: dict[int, m.Record] = {}
+
+    def drain() -> None:
+        while (got := out.get()) is not None:
+            rec = m.decode(*got)
+            if isinstance(rec, m.Finished | m.Error):
+                ends[rec.rid] = rec
+
     try:
         sched = Scheduler(engine, inbox, out)
         sched.overlap = overlap
         sched.admission.enabled = True  # the realtime rules (a CPU engine admits by slots)
         assert sched.admission.max_starting == sched.settings.admission_max_starting
-        assert inbox.try_put(*req(1, "Hello there.", max_frames=30).encode())
-        while sched.counters["decode_frames"] < 3:
+        for rid in (1, 2):
+            assert inbox.try_put(*req(rid, "Hello there.", max_frames=30).encode())
+        while sched.counters["decode_frames"] < 6:
             sched.iterate()
         dac = sched.dac
         behind = {"in_flight": lambda: sched.settings.dac_max_in_flight,
                   "queued_frames": lambda: 2 * sched.settings.dac_frames_per_step}
         real = {k: getattr(dac, k) for k in behind}
-        decoded, launched = sched.counters["decode_frames"], len(engine.llm.in_flight)
         for k, fn in behind.items():
             setattr(dac, k, fn)
-        for _ in range(5):
+        steps = sched.counters["steps"]
+        sched.iterate()  # the step in flight (overlap) is read back, no new one is launched
+        decoded = sched.counters["decode_frames"]
+        assert not engine.llm.in_flight
+        assert inbox.try_put(*m.Cancel(2).encode())
+        for _ in range(4):
             sched.iterate()
-        assert sched.counters["paced"] == 5 and sched.counters["decode_frames"] == decoded
-        assert len(engine.llm.in_flight) == launched  # nothing launched meanwhile
+            drain()
+        assert sched.counters["paced"] == 5 and sched.counters["steps"] == steps
+        assert sched.counters["decode_frames"] == decoded and not engine.llm.in_flight
+        assert isinstance(ends.get(2), m.Finished) and ends[2].reason == m.CANCELLED  # acknowledged meanwhile
         for k, fn in real.items():
             setattr(dac, k, fn)
-        ends = []
         for _ in range(500):
             sched.iterate()
-            while (got := out.get()) is not None:
-                rec = m.decode(*got)
-                if isinstance(rec, m.Finished | m.Error):
-                    ends.append(rec)
-            if ends and not sched.running and sched._inflight is None:
+            drain()
+            if 1 in ends and not sched.running and sched._inflight is None:
                 break
-        (end,) = ends
+        end = ends[1]
         assert isinstance(end, m.Finished) and end.stats is not None and end.stats.frames == 30
         assert sched.counters["paced"] == 5
     finally:

@@ -38,11 +38,12 @@ def _tiles(x: Tensor) -> tuple[int, int]:
 def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_alpha_ptr, bias_ptr, lo_ptr, hi_ptr, bound_stride, C, T,
                   sxb, sxc, sxt, syb, syc, syt,
                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, MASKED: tl.constexpr, BIAS: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # the longest axis: the grid's unbounded one
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(2).to(tl.int64)
     c_ok = c < C
     mask = c_ok[:, None] & (t < T)[None, :]
+    c, t = c.to(tl.int64), t.to(tl.int64)  # offsets past 2^31 elements (a one-shot decode of minutes)
     a = tl.load(alpha_ptr + c, mask=c_ok, other=1.0).to(tl.float32)[:, None]
     inv = tl.load(inv_alpha_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
     x = tl.load(x_ptr + b * sxb + c[:, None] * sxc + t[None, :] * sxt, mask=mask, other=0.0).to(tl.float32)
@@ -70,7 +71,7 @@ def snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None,
     if x.numel():
         bounds = (lo, hi, lo.stride(0)) if masked else (x, x, 0)
         bc, bt = _tiles(x)
-        _snake_kernel[(b, triton.cdiv(c, bc), triton.cdiv(t, bt))](
+        _snake_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc), b)](
             x, y, alpha.reshape(-1), inv_alpha.reshape(-1), bias if bias is not None else x, *bounds, c, t,
             *x.stride(), *y.stride(), BLOCK_C=bc, BLOCK_T=bt, MASKED=masked, BIAS=bias is not None)
     return y
@@ -79,11 +80,12 @@ def snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None,
 @triton.jit
 def _bias_residual_kernel(h_ptr, bias_ptr, skip_ptr, out_ptr, C, T, shb, shc, sht, ssb, ssc, sst, sob, soc, sot,
                           BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, SKIP: tl.constexpr):
-    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    b = tl.program_id(2).to(tl.int64)
     c_ok = c < C
     mask = c_ok[:, None] & (t < T)[None, :]
+    c, t = c.to(tl.int64), t.to(tl.int64)
     y = tl.load(h_ptr + b * shb + c[:, None] * shc + t[None, :] * sht, mask=mask, other=0.0).to(tl.float32)
     y += tl.load(bias_ptr + c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
     if SKIP:
@@ -101,7 +103,7 @@ def bias_residual(h: Tensor, bias: Tensor, out: Tensor, skip: Tensor | None = No
         b, c, t = h.shape
         sk = skip if skip is not None else h
         bc, bt = _tiles(out)
-        _bias_residual_kernel[(b, triton.cdiv(c, bc), triton.cdiv(t, bt))](
+        _bias_residual_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc), b)](
             h, bias.reshape(-1), sk, out, c, t, *h.stride(), *sk.stride(), *out.stride(),
             BLOCK_C=bc, BLOCK_T=bt, SKIP=skip is not None)
     return out

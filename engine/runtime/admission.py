@@ -70,8 +70,8 @@ class RealtimeAdmission:
             raise ValueError("max_wait_s must be > 0")
         if self.lead_floor_s < 0 or self.prebuffer_s < 0:
             raise ValueError("lead_floor_s and prebuffer_s must be >= 0")
-        if self.max_starting < 1:
-            raise ValueError("max_starting must be >= 1")
+        if self.max_starting < 2:  # a guided request starts with its twin: two at once
+            raise ValueError("max_starting must be >= 2")
 
     @property
     def bound_s(self) -> float:

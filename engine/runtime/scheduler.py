@@ -60,6 +60,7 @@ log = logging.getLogger("engine")
 
 SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this long is a stall of every stream: logged
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
+PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
 
 
 @dataclass
@@ -406,6 +407,20 @@ class Scheduler:
         """Admitted streams whose players have not started playing (a continued stream has started)."""
         return sum(1 for j in self.running.values() if self.admission.is_starting(j.t_stream_first or None, now))
 
+    def _paced(self) -> bool:
+        """Is this iteration paused for the dac_decoder? Counts the pauses and logs a long one when it ends."""
+        if self._dac_behind():
+            self.counters["paced"] += 1
+            self._paced_since = self._paced_since or time.perf_counter()
+            return True
+        if self._paced_since:
+            paused = time.perf_counter() - self._paced_since
+            self._paced_since = 0.0
+            if paused > SLOW_ITERATION_S:
+                log.warning("decode steps paused %.0f ms: the dac_decoder was behind (%d running)", paused * 1e3,
+                            len(self.running))
+        return False
+
     def _dac_behind(self) -> bool:
         """Is the dac_decoder behind the LLM? Only possible while it has every launch it may have in flight
         (else it launches what is ready at once): the backlog's pass over every stream runs only then."""
@@ -427,18 +442,8 @@ class Scheduler:
 
     def _step(self) -> None:
         if not self.running and self._inflight is None:
-            return
-        if self._dac_behind():  # no new frames until the audio decoder has caught up (admission.py)
-            self.counters["paced"] += 1
-            self._paced_since = self._paced_since or time.perf_counter()
-            self._audio()
-            return
-        if self._paced_since:
-            paused = time.perf_counter() - self._paced_since
             self._paced_since = 0.0
-            if paused > SLOW_ITERATION_S:
-                log.warning("decode steps paused %.0f ms: the dac_decoder was behind (%d running)", paused * 1e3,
-                            len(self.running))
+            return
         t0 = time.perf_counter()
         results: list[tuple[Sequence, np.ndarray]] = []
         jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
@@ -446,9 +451,14 @@ class Scheduler:
         # a guided request's twin decodes in lockstep with it: the request's frame budget decides for both
         decoding = [s for j in jobs if self.llm.wants_step(j.seq) for s in (j.seq, j.twin)
                     if s is not None and not s.in_prefill]
+        # no new frames (no decode step, no prefill) while the audio decoder is behind (admission.py); the step
+        # in flight is still read back, its cancels acknowledged
+        paced = bool(live) and self._paced()
+        if paced:
+            decoding = []
         with node_range("decode"):
             pending = self.llm.decode_start(decoding) if decoding else None
-        self.admission.observe_launch(t0, len(decoding))
+        self.admission.observe_launch(t0, len(decoding))  # none: the pause is not an iteration's period
         if self.overlap:  # read back the step launched last iteration while this one runs
             pending, self._inflight = self._inflight, pending
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
@@ -456,11 +466,13 @@ class Scheduler:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(pending.seqs)
             self._send_acks()
+        elif paced:
+            time.sleep(PACED_NAP_S)  # the DAC's calls take milliseconds: no need to spin on them
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
         # playing the held tail, a newcomer only waits for first audio
         # (only the few prompts in prefill are ordered, not every stream of the step)
-        for job in sorted((j for j in jobs if j.seq.in_prefill), key=lambda j: not j.continues):
+        for job in sorted((j for j in jobs if j.seq.in_prefill and not paced), key=lambda j: not j.continues):
             if budget <= 0:
                 break
             part = self._prefill_chunks(job, budget)
@@ -506,8 +518,9 @@ class Scheduler:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))
         if not live and self._inflight is None:
             self._audio()  # only audio left to decode
-        self.step_times.append(time.perf_counter() - t0)
-        self.counters["steps"] += 1
+        if not paced:
+            self.step_times.append(time.perf_counter() - t0)
+            self.counters["steps"] += 1
         if self.profiler is not None:
             self.profiler.iteration(len(decoding))
 
