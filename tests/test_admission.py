@@ -90,6 +90,9 @@ def test_lead_is_how_long_a_player_prebuffering_150_ms_can_go_without_audio():
     assert abs(adm.lead_s(0.2, first_audio=10.0, now=10.25) - 0.1) < 1e-9  # played 0.1 s of it
     assert adm.lead_s(0.2, first_audio=10.0, now=10.4) < 0  # ran dry 50 ms ago
     assert adm.is_starting(None, 10.0) and adm.is_starting(10.0, 10.1) and not adm.is_starting(10.0, 10.2)
+    # what it holds (a held sentence end is flushed by it): no credit for the wait before it starts
+    assert adm.held_s(0.2, first_audio=10.0, now=10.1) == 0.2
+    assert abs(adm.held_s(0.2, first_audio=10.0, now=10.25) - 0.1) < 1e-9
 
 
 def test_a_hidden_bottleneck_cannot_make_playing_streams_stall():

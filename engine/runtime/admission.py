@@ -98,6 +98,11 @@ class RealtimeAdmission:
         started playing yet."""
         return delivered_s - (now - first_audio - self.prebuffer_s)
 
+    def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:
+        """The audio that player holds now (before it starts: all it got, no credit for the prebuffer's wait).
+        A held sentence end is flushed by this (scheduler `_flush_held`), as the continuation settings say."""
+        return delivered_s - max(0.0, now - first_audio - self.prebuffer_s)
+
     def is_starting(self, first_audio: float | None, now: float) -> bool:
         """An admitted stream whose player has not started playing: no audio yet (`first_audio` None) or its
         first byte less than `prebuffer_s` ago. Its lead still holds the rest of the prebuffer, so what it

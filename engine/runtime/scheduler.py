@@ -391,7 +391,7 @@ class Scheduler:
         for key, job in list(self.held.items()):
             if now - job.t_held < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
                 continue
-            if not job.t_stream_first or self.admission.lead_s(
+            if not job.t_stream_first or self.admission.held_s(
                     job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s:
                 del self.held[key]
                 job.hold, job.stream_end = False, None
