@@ -119,6 +119,14 @@ def test_e4m3_rounding_in_the_kernel_equals_torch_cast():
     assert torch.equal(out, ref), x[out != ref][:8]
 
 
+def _moe_inputs(n: int, dim: int, e: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """n tokens (bf16 on a GPU, fp32 on the CPU), each routed to k distinct of e experts, with weights."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=gen).to(DEV, torch.bfloat16 if CUDA else torch.float32)
+    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(DEV)
+    return x, chosen, torch.rand(n, k, generator=gen).to(DEV)
+
+
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("n, dim, inter, e, k", [
     (1, 256, 384, 4, 1), (2, 512, 384, 4, 2), (5, 256, 384, 4, 1), (33, 128, 192, 4, 1), (7, 128, 192, 4, 2),
@@ -130,11 +138,7 @@ def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k, blocked):
     from engine.model.kernels.moe_fp8 import fused_moe_fp8
 
     gq, gs, dq, ds = _experts(e, dim, inter, seed=n)
-    gen = torch.Generator().manual_seed(10 + n)
-    dt = torch.bfloat16 if CUDA else torch.float32
-    x = torch.randn(n, dim, generator=gen).to(DEV, dt)
-    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(DEV)
-    weights = torch.rand(n, k, generator=gen).to(DEV)
+    x, chosen, weights = _moe_inputs(n, dim, e, k, seed=10 + n)
     out = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=blocked)
     ref = moe_fp8_reference(x, gq, gs, dq, ds, chosen, weights)
     assert out.dtype == x.dtype and out.shape == (n, dim)
@@ -153,11 +157,7 @@ def test_prequantized_activations_give_the_same_output(n, dim, inter, e, k):
     from engine.model.kernels.moe_fp8 import fused_moe_fp8, quantize_act_fp8
 
     gq, gs, dq, ds = _experts(e, dim, inter, seed=n)
-    gen = torch.Generator().manual_seed(20 + n)
-    dt = torch.bfloat16 if CUDA else torch.float32
-    x = torch.randn(n, dim, generator=gen).to(DEV, dt)
-    chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(n)]).to(DEV)
-    weights = torch.rand(n, k, generator=gen).to(DEV)
+    x, chosen, weights = _moe_inputs(n, dim, e, k, seed=20 + n)
     default = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True)
     prequant = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True, prequant=True)
     assert torch.equal(prequant, default)

@@ -41,6 +41,19 @@ def _quant_rows(a, fp8_max: tl.constexpr, eps: tl.constexpr):
     return _round_e4m3(a / s[:, None]).to(tl.float8e4nv), s
 
 
+@triton.jit
+def _act_group(a_ptr, q_ptr, s_ptr, row, row_ok, k0, kk, K, stride, stride_s,
+               QB: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr):
+    """Rows `row` of an activation, columns k0 + kk (one QB group), as (e4m3 [M, QB], scale [M]): read
+    quantized (q_ptr, s_ptr: PREQ) or read from a_ptr and quantized here."""
+    mask = row_ok[:, None] & ((k0 + kk) < K)[None, :]
+    offs = row[:, None] * stride + (k0 + kk)[None, :]
+    if PREQ:
+        return (tl.load(q_ptr + offs, mask=mask, other=0.0),
+                tl.load(s_ptr + row * stride_s + k0 // QB, mask=row_ok, other=0.0))
+    return _quant_rows(tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32), FP8_MAX_, EPS)
+
+
 # n_pairs is not specialised on: every batch runs the same code (see moe.py)
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_fp8_kernel(
@@ -72,14 +85,8 @@ def _gate_up_fp8_kernel(
     s_u = ws_ptr + expert * stride_se + ((n + INTER) // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
-        if PREQ:
-            xq = tl.load(xq_ptr + token[:, None] * stride_x + (k0 + kk)[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            xs = tl.load(xs_ptr + token * stride_xs + k0 // QB, mask=row_ok, other=0.0)
-        else:
-            x = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            xq, xs = _quant_rows(x, FP8_MAX_, EPS)
+        xq, xs = _act_group(x_ptr, xq_ptr, xs_ptr, token, row_ok, k0, kk, K, stride_x, stride_xs, QB, FP8_MAX_, EPS,
+                            PREQ)
         wg = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
                      other=0.0)
         wu = tl.load(w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
@@ -125,14 +132,9 @@ def _down_fp8_kernel(
     s_n = ws_ptr + expert * stride_se + (n // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
-        if PREQ:  # h quantized by the gate_up kernel's PREQ epilogue
-            hq = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :],
-                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            hs = tl.load(hs_ptr + rows * stride_hs + k0 // QB, mask=row_ok, other=0.0)
-        else:
-            h = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :],
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            hq, hs = _quant_rows(h, FP8_MAX_, EPS)
+        # PREQ: h was quantized by the gate_up kernel's epilogue
+        hq, hs = _act_group(h_ptr, h_ptr, hs_ptr, rows, row_ok, k0, kk, K, stride_h, stride_hs, QB, FP8_MAX_, EPS,
+                            PREQ)
         w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
                     other=0.0)
         ws = tl.load(s_n + k0 // QB, mask=n_ok, other=0.0)
