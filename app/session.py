@@ -386,15 +386,17 @@ class StreamingSession:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
 
-    async def cancel(self, ctx: str | None, answer: Answer | None = None, after: int | None = None) -> None:
+    async def cancel(self, ctx: str | None, answer: Answer | None = None, after: int | None = None,
+                     supersedes: bool = False) -> None:
         """Barge-in: drop (see `drop`), send `answer`, then answer every mark the drop left with nothing to
-        wait for. No audio of the dropped text follows the answer."""
+        wait for, or (`supersedes`) forget those marks: `answer` stands for them. No audio of the dropped text
+        follows the answer."""
         async with self._send_lock:
             self.drop(ctx, after)
             if answer is not None:
                 await self._answer_locked(answer)
             for lane in list(self.lanes.values()):
-                await self._answer_marks_locked(lane)
+                await self._answer_marks_locked(lane, forget_due=supersedes)
 
     async def close(self) -> None:
         """No more text: speak what is buffered (past --max-pending-utterances: it is bounded by the buffer
@@ -520,9 +522,9 @@ class StreamingSession:
         async with self._send_lock:
             await self._answer_marks_locked(lane)
 
-    async def _answer_marks_locked(self, lane: Lane) -> None:
-        """Answer every mark whose text has all been played (or dropped); re-key the others to the last
-        utterance they still wait for."""
+    async def _answer_marks_locked(self, lane: Lane, forget_due: bool = False) -> None:
+        """Answer (or, `forget_due`, forget) every mark whose text has all been played (or dropped); re-key
+        the others to the last utterance they still wait for."""
         marks, lane.marks, lane.entries = lane.marks, {}, 0
         due: list[list[Any]] = []
         for (ctx, last), entries in marks.items():
@@ -532,6 +534,8 @@ class StreamingSession:
             else:
                 for answer, count in entries:
                     lane.add((ctx, still), answer, count)
+        if forget_due:
+            due = []
         for answer, count in due:
             for _ in range(count):
                 await self._answer_locked(answer)

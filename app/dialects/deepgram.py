@@ -4,7 +4,8 @@ pipecat's `DeepgramTTSService` and LiveKit's deepgram plugin speak) on the sessi
 In: `{"type": "Speak", "text"}` appends text (sentences are cut as on our own socket; a buffered sentence
 end is spoken once no text has come for 0.3 s), `{"type": "Flush"}` speaks what is buffered and is answered
 by `{"type": "Flushed", "sequence_id"}` after its audio, `{"type": "Clear"}` drops everything and stops the
-GPU work, answered by `{"type": "Cleared", "sequence_id"}` (no audio of the cleared text follows it),
+GPU work, answered by `{"type": "Cleared", "sequence_id"}` (no audio of the cleared text follows it, nor a
+`Flushed` of a Flush whose text it dropped),
 `{"type": "Close"}` speaks what is left, answers the flushes, and closes the socket (1000).
 Out: binary audio (raw: linear16, mulaw or alaw at `sample_rate`), `{"type": "Metadata", ...}` once the
 socket opens, `Flushed`, `Cleared`, `{"type": "Warning", ...}` for a message it cannot take and
@@ -82,7 +83,10 @@ class DeepgramSession(StreamingSession):
             await self.flush(DEFAULT_CONTEXT, answer={"type": "Flushed", "sequence_id": self.sequence})
             self.sequence += 1
         elif kind == "Clear":
-            await self.cancel(None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)})
+            # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
+            # ends whichever turn is playing at a Flushed, by then the next one)
+            await self.cancel(None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)},
+                              supersedes=True)
         elif kind == "Close":
             await self.close()
         else:
