@@ -14,9 +14,9 @@ import json
 import sys
 
 import aiohttp
-from pipecat.frames.frames import EndFrame, TTSSpeakFrame
+from pipecat.frames.frames import EndFrame
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat_client import RATE, TIMEOUT, Collector, make_worker  # the same directory
+from pipecat_client import RATE, Collector, make_worker, speak, within  # the same directory
 
 
 def make_service(kind: str, base: str, key: str, voice: str, session: aiohttp.ClientSession):
@@ -37,11 +37,10 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         col = Collector()
         worker, running = await make_worker(Pipeline([make_service(kind, base, key, voice, session), col]))
         run = asyncio.create_task(running)
-        await worker.queue_frame(TTSSpeakFrame("Hello there. How are you today?"))
-        await asyncio.wait_for(col.stopped.wait(), TIMEOUT)
+        audio = await speak(worker, col, "Hello there. How are you today?", "the turn")
         await worker.queue_frame(EndFrame())
-        await asyncio.wait_for(run, TIMEOUT)
-    return {"service": kind, "audio_bytes": col.audio, "sample_rate": min(col.rates) if col.rates else None,
+        await within(run, "the pipeline to end")
+    return {"service": kind, "audio_bytes": audio, "sample_rate": min(col.rates) if col.rates else None,
             "errors": col.errors}
 
 
