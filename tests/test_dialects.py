@@ -400,6 +400,34 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     assert len(el_audio(run(go()), "auto")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
+def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(srv):
+    """pipecat (auto_mode=true) closes a context it interrupts once, mid-reply, with no flush: once the
+    context's audio plays, that close drops the rest and stops its engine work (speaking it on piled
+    interrupted replies up until new turns got too_many_utterances); isFinal comes, no audio of it after."""
+    async def go():
+        ws = await el_connect(el_url(srv, p=LONG, auto_mode=True))
+        await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
+        for t in ("A long reply the user talks over. ", "It has a second sentence. ", "And a third one. "):
+            await ws.send(json.dumps({"text": t, "context_id": "reply"}))
+        while not (m := await recv_json(ws)).get("audio"):
+            assert "error" not in m, m
+        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+        await ws.send(json.dumps({"context_id": "reply", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "reply", log)
+        final_at = len(log)
+        await ws.send(json.dumps({"text": "Sure, go ahead. ", "context_id": "next", "flush": True,
+                                  "close_context": True}))
+        await el_until_final(ws, "next", log)
+        await ws.close()
+        return before, log, final_at
+
+    before, log, final_at = run(go())
+    assert not [m for m in log[final_at:] if m.get("contextId") == "reply"]
+    assert el_audio(log, "next")
+    engine_stopped(srv, before)
+
+
 @pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),
                                          ("output_format=pcm_24000&seed=%C2%B2", "bad_params"),
                                          ("output_format=pcm_%D9%A3", "invalid_output_format")])

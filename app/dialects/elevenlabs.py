@@ -4,7 +4,8 @@
   elevenlabs plugin speak): contexts, each its own lane (a context still generating never holds back a
   newer one). In: `{"text": " ", "context_id", "voice_settings"}` opens a context; `{"text", "context_id"}`
   appends; `{"context_id", "flush": true}` speaks what is buffered; `{"context_id", "close_context": true}`
-  closes it (what was flushed is still spoken, the rest is dropped and its GPU work stops); `{"text": ""}`
+  closes it (what was flushed is still spoken, the rest is dropped and its GPU work stops; with auto_mode,
+  texts count as flushed until the context's audio has begun, then a close is a barge-in); `{"text": ""}`
   keeps the socket alive; `{"close_socket": true}` closes every context that way, then the socket.
   Out: `{"audio": <base64>, "normalizedAlignment": null, "alignment": null, "contextId"}` and, once a
   closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
@@ -61,8 +62,20 @@ def _flag(value: str | None) -> bool | None:
 class Context:
     id: str
     opts: SynthesisOptions
-    flushed_upto: int | None = None  # the last utterance a flush covers: close_context still speaks up to it
+    flushed_upto: int | None = None  # the last utterance an explicit flush covers: close_context speaks up to it
+    auto_upto: int | None = None  # the last utterance auto_mode spoke as it came
+    opened_after: int | None = None  # the id's last utterance before this context (a closed one's, still its own)
+    said: bool = False  # its audio has begun to reach the client
     closing: bool = False
+
+    def kept_by_close(self) -> int | None:
+        """The last utterance a close_context still speaks. What a flush covered, always; what auto_mode
+        spoke as it came only while none of the context's audio has been sent: a close then ends its input
+        (issue 21: three texts then close_context speak all three), once its audio plays a close is a
+        barge-in (pipecat closes an interrupted context once; keeping its reply running piled interrupted
+        replies up until new turns were refused with too_many_utterances)."""
+        marks = [m for m in (self.flushed_upto, None if self.said else self.auto_upto) if m is not None]
+        return max(marks, default=None)
 
 
 class ElevenLabsSession(StreamingSession):
@@ -133,7 +146,10 @@ class ElevenLabsSession(StreamingSession):
         if speak:  # an explicit flush ends the turn (its continuation); auto_mode's does not
             await self.flush(ctx, end_turn=flush)
             last = self.last_queued(ctx)
-            c.flushed_upto = last if last is not None else c.flushed_upto
+            if last is not None and flush:
+                c.flushed_upto = last
+            elif last is not None:
+                c.auto_upto = last
         if close:  # text + flush + close_context in one message: spoken, then isFinal
             await self._close_context(ctx)
 
@@ -158,7 +174,8 @@ class ElevenLabsSession(StreamingSession):
             raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close
         # of this one drops only what comes after it.
-        c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=self.last_queued(ctx))
+        before = self.last_queued(ctx)
+        c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=before, opened_after=before)
         forget_idle(self.ctxs, live | {ctx})
         return c
 
@@ -170,8 +187,8 @@ class ElevenLabsSession(StreamingSession):
             await self.cancel(ctx)
             return
         c.closing = True
-        # What a flush covered is still spoken; text after the last flush is dropped and stops now.
-        await self.cancel(ctx, after=c.flushed_upto)
+        # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now.
+        await self.cancel(ctx, after=c.kept_by_close())
         await self.add_mark(ctx, lambda: self._final(c))
 
     async def _final(self, c: Context) -> None:
@@ -195,6 +212,9 @@ class ElevenLabsSession(StreamingSession):
 
     # ---- playback ------------------------------------------------------------------------------------
     async def on_audio(self, u: Utterance, data: bytes) -> None:
+        c = self.ctxs.get(u.context_id)
+        if c is not None and (c.opened_after is None or u.seq > c.opened_after):
+            c.said = True
         msg: dict[str, Any] = {"audio": base64.b64encode(data).decode(), "normalizedAlignment": None,
                                "alignment": None}
         if self.multi:

@@ -134,7 +134,18 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     step("1. a spoken turn")
     spoken = await speak(worker, col, "Hello there. How are you today?", "the first turn")
 
-    step(f"2. an LLM reply interrupted once its audio has begun (turn 1: {spoken} bytes)")
+    step(f"2a. replies interrupted while the LLM still streams them (turn 1: {spoken} bytes)")
+    # pipecat interrupts the turn it is streaming (ElevenLabs: one close_context, Cartesia: cancel, Deepgram:
+    # Clear); the reply's end comes after. Interrupted replies must not pile up on the server.
+    for n in range(3):
+        col.first_audio.clear()
+        await worker.queue_frames([LLMFullResponseStartFrame(),
+                                   *(TextFrame(f"Reply {n}, sentence {i}, cut short. ") for i in range(5))])
+        await within(col.first_audio.wait(), f"interrupted reply {n}'s first audio")
+        await worker.queue_frame(InterruptionFrame())
+        await worker.queue_frame(LLMFullResponseEndFrame())
+
+    step("2b. an LLM reply interrupted once its audio has begun")
     # The LLM streams the whole reply long before it is spoken, then the user barges in. pipecat ends the turn
     # (ElevenLabs: flush + close_context, Cartesia: continue false, Deepgram: Flush), then interrupts it
     # (ElevenLabs: close_context again, Cartesia: cancel, Deepgram: Clear).
@@ -143,7 +154,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
                                *(TextFrame(f"This is sentence number {i} of a long reply. ") for i in range(8)),
                                LLMFullResponseEndFrame()])
     await within(col.first_audio.wait(), "the reply's first audio")
-    step("2. interrupting")
+    step("2b. interrupting")
     await worker.queue_frame(InterruptionFrame())
 
     step("3. the same socket still speaks after the interruption")
