@@ -400,15 +400,17 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     assert len(el_audio(run(go()), "auto")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
-def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(srv):
-    """pipecat (auto_mode=true) closes a context it interrupts once, mid-reply, with no flush: once the
-    context's audio plays, that close drops the rest and stops its engine work (speaking it on piled
-    interrupted replies up until new turns got too_many_utterances); isFinal comes, no audio of it after."""
+@pytest.mark.parametrize("flush_each", [False, True], ids=["pipecat", "livekit"])
+def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(srv, flush_each):
+    """pipecat and LiveKit (auto_mode=true; LiveKit flushes every sentence) close a context they interrupt
+    once, with no text-less flush: once the context's audio plays, that close drops the rest and stops its
+    engine work (speaking it on piled interrupted replies up: each next turn's first audio came later, then
+    its text got too_many_utterances); isFinal comes, no audio of it after."""
     async def go():
         ws = await el_connect(el_url(srv, p=LONG, auto_mode=True))
         await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
         for t in ("A long reply the user talks over. ", "It has a second sentence. ", "And a third one. "):
-            await ws.send(json.dumps({"text": t, "context_id": "reply"}))
+            await ws.send(json.dumps({"text": t, "context_id": "reply", **({"flush": True} if flush_each else {})}))
         while not (m := await recv_json(ws)).get("audio"):
             assert "error" not in m, m
         before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
@@ -426,6 +428,27 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
     assert not [m for m in log[final_at:] if m.get("contextId") == "reply"]
     assert el_audio(log, "next")
     engine_stopped(srv, before)
+
+
+def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_while_it_plays(srv):
+    """LiveKit's normal end of a turn (auto_mode, every sentence flushed): `{"text": "", "flush": true}` then
+    close_context, while the turn's audio already plays: every sentence is still spoken, then isFinal."""
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=True))
+        await ws.send(json.dumps({"text": " ", "context_id": "turn"}))
+        for t in ("First one. ", "Second one. ", "Third one. "):
+            await ws.send(json.dumps({"text": t, "context_id": "turn", "flush": True}))
+        log: list[dict[str, Any]] = []
+        while not (m := await recv_json(ws)).get("audio"):
+            assert "error" not in m, m
+        log.append(m)
+        await ws.send(json.dumps({"text": "", "context_id": "turn", "flush": True}))
+        await ws.send(json.dumps({"context_id": "turn", "close_context": True}))
+        await el_until_final(ws, "turn", log)
+        await ws.close()
+        return log
+
+    assert len(el_audio(run(go()), "turn")) == 3 * 2 * resampled(SAMPLES, 24000)  # each flush ends a sentence
 
 
 @pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),

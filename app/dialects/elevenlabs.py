@@ -5,7 +5,8 @@
   newer one). In: `{"text": " ", "context_id", "voice_settings"}` opens a context; `{"text", "context_id"}`
   appends; `{"context_id", "flush": true}` speaks what is buffered; `{"context_id", "close_context": true}`
   closes it (what was flushed is still spoken, the rest is dropped and its GPU work stops; with auto_mode,
-  texts count as flushed until the context's audio has begun, then a close is a barge-in); `{"text": ""}`
+  texts and flushes with text count as flushed until the context's audio has begun, after that only a
+  text-less flush does and a close is a barge-in); `{"text": ""}`
   keeps the socket alive; `{"close_socket": true}` closes every context that way, then the socket.
   Out: `{"audio": <base64>, "normalizedAlignment": null, "alignment": null, "contextId"}` and, once a
   closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
@@ -62,18 +63,19 @@ def _flag(value: str | None) -> bool | None:
 class Context:
     id: str
     opts: SynthesisOptions
-    flushed_upto: int | None = None  # the last utterance an explicit flush covers: close_context speaks up to it
-    auto_upto: int | None = None  # the last utterance auto_mode spoke as it came
+    flushed_upto: int | None = None  # the last utterance a flush that ended input covers: a close speaks up to it
+    auto_upto: int | None = None  # the last utterance auto_mode spoke as it came (a text, or a flush with text)
     opened_after: int | None = None  # the id's last utterance before this context (a closed one's, still its own)
     said: bool = False  # its audio has begun to reach the client
     closing: bool = False
 
     def kept_by_close(self) -> int | None:
-        """The last utterance a close_context still speaks. What a flush covered, always; what auto_mode
-        spoke as it came only while none of the context's audio has been sent: a close then ends its input
-        (issue 21: three texts then close_context speak all three), once its audio plays a close is a
-        barge-in (pipecat closes an interrupted context once; keeping its reply running piled interrupted
-        replies up until new turns were refused with too_many_utterances)."""
+        """The last utterance a close_context still speaks. What a flush that ended input covered, always;
+        what auto_mode spoke as it came only while none of the context's audio has been sent: a close then
+        ends its input (issue 21: three texts then close_context speak all three), once its audio plays a
+        close is a barge-in (pipecat and LiveKit close an interrupted context once, with no text-less flush
+        before; keeping its reply running piled interrupted replies up: new turns' first audio came later
+        at every barge-in, then their text was refused with too_many_utterances)."""
         marks = [m for m in (self.flushed_upto, None if self.said else self.auto_upto) if m is not None]
         return max(marks, default=None)
 
@@ -143,10 +145,13 @@ class ElevenLabsSession(StreamingSession):
         c = self._open(ctx, data)
         if text:
             self.append_text(ctx, text)
+        # For a close, with auto_mode a flush that carries text is one more text spoken as it comes (LiveKit's
+        # plugin flushes every sentence so); a text-less flush, or one with the close, ends the turn's input.
+        ends_input = flush and (not self.auto_mode or not text or close)
         if speak:  # an explicit flush ends the turn (its continuation); auto_mode's does not
             await self.flush(ctx, end_turn=flush)
             last = self.last_queued(ctx)
-            if last is not None and flush:
+            if last is not None and ends_input:
                 c.flushed_upto = last
             elif last is not None:
                 c.auto_upto = last
