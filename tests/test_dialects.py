@@ -123,6 +123,17 @@ async def el_until_final(ws, ctx: str, log: list[dict[str, Any]]) -> None:
         assert "error" not in m, m
 
 
+async def el_close_once_it_plays(srv, ws, ctx: str, log: list[dict[str, Any]]) -> float:
+    """A barge-in: wait for ctx's first audio, then close_context once, and read to its isFinal (into log).
+    The engine's cancelled count before the close."""
+    while not (m := await recv_json(ws)).get("audio"):
+        assert "error" not in m, m
+    before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
+    await ws.send(json.dumps({"context_id": ctx, "close_context": True}))
+    await el_until_final(ws, ctx, log)
+    return before
+
+
 def el_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
     return b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio") and m.get("contextId") == ctx)
 
@@ -155,18 +166,14 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
 
 def test_elevenlabs_close_context_stops_the_gpu_work(srv):
     """A barge-in: close_context on a context whose text was never flushed drops it; its engine work stops,
-    isFinal comes, no audio of it follows, and the next context speaks. (Without auto_mode: with it, every
-    text counts as flushed, and close_context speaks it all.)"""
+    isFinal comes, no audio of it follows, and the next context speaks. (Without auto_mode; with it see
+    test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in.)"""
     async def go():
         ws = await el_connect(el_url(srv, p=LONG, auto_mode=False))
         await ws.send(json.dumps({"text": " ", "context_id": "turn1"}))
         await ws.send(json.dumps({"text": "A long story that will be interrupted. It goes on. ", "context_id": "turn1"}))
-        while not (m := await recv_json(ws)).get("audio"):
-            assert "error" not in m, m
-        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
-        await ws.send(json.dumps({"context_id": "turn1", "close_context": True}))
         log: list[dict[str, Any]] = []
-        await el_until_final(ws, "turn1", log)
+        before = await el_close_once_it_plays(srv, ws, "turn1", log)
         final_at = len(log)
         await ws.send(json.dumps({"text": " ", "context_id": "turn2"}))
         await ws.send(json.dumps({"text": "Short answer. ", "context_id": "turn2", "flush": True}))
@@ -411,12 +418,8 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
         await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
         for t in ("A long reply the user talks over. ", "It has a second sentence. ", "And a third one. "):
             await ws.send(json.dumps({"text": t, "context_id": "reply", **({"flush": True} if flush_each else {})}))
-        while not (m := await recv_json(ws)).get("audio"):
-            assert "error" not in m, m
-        before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
-        await ws.send(json.dumps({"context_id": "reply", "close_context": True}))
         log: list[dict[str, Any]] = []
-        await el_until_final(ws, "reply", log)
+        before = await el_close_once_it_plays(srv, ws, "reply", log)
         final_at = len(log)
         await ws.send(json.dumps({"text": "Sure, go ahead. ", "context_id": "next", "flush": True,
                                   "close_context": True}))

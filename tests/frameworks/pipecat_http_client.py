@@ -41,7 +41,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         await worker.queue_frame(EndFrame())
         await within(run, "the pipeline to end")
     return {"service": kind, "audio_bytes": audio, "sample_rate": min(col.rates) if col.rates else None,
-            "errors": col.errors}
+            "errors": col.reported_errors()}
 
 
 if __name__ == "__main__":
