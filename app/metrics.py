@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.contract.records import Stats
+from engine.contract.records import AdmissionGate, Stats
 
 if TYPE_CHECKING:
     from app.pipeline import UtteranceStats
@@ -93,6 +93,9 @@ class Metrics:
             "paced": Gauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
                            "its audio decoder was behind (since it started)", e, registry=r),
         }
+        self.held_by_gate = Gauge("zonos_engine_admission_held_by_engine", "Iterations in which a waiting request "
+                                  "was held back, by the realtime admission gate that held it (since the engine "
+                                  "started; engine/runtime/admission.py)", ["engine", "gate"], registry=r)
         self.engines: Callable[[], Sequence[EngineView]] | None = None  # set by the gateway: read at each render
 
     def refresh_engines(self, engines: Sequence[EngineView]) -> None:
@@ -110,6 +113,8 @@ class Metrics:
             g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
             for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced"):
                 g[key].labels(name).set(getattr(st, key) or 0)
+            for gate in AdmissionGate:
+                self.held_by_gate.labels(name, gate.value).set(getattr(st, f"held_{gate.value}"))
             if st.step_ms_p50 is not None:
                 g["step_ms_p50"].labels(name).set(st.step_ms_p50)
                 steps.append(st.step_ms_p50)

@@ -19,7 +19,8 @@ ZONOS_PROFILE="$OUT/iteration_profile.json" ZONOS_PROFILE_STREAMS=${PROFILE_STRE
   python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
   > /tmp/server.log 2>&1 &
 server=$!
-if [ -n "${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py}" ]; then
+# TESTS= (empty) runs no tests
+if [ -n "${TESTS-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py}" ]; then
   timeout ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
     ${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py} \
     > "$OUT/gpu_tests.log" 2>&1 &
@@ -45,7 +46,7 @@ timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capa
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
-curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced"
+curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced|^zonos_engine_admission_held"
 grep -E "slow iteration|decode steps paused|Traceback|recompil" /tmp/server.log | head -30
 [ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"

@@ -49,7 +49,7 @@ RECORDS: list[m.Record] = [
     m.Error(12, E.ENGINE_BUSY, "every stream is playing", retry_after_ms=250),
     m.Error(None, E.ENGINE_START_FAILED, "no weights"),
     m.Embedding(6, RNG.standard_normal(2048).astype(np.float32)),
-    m.Stats(active=2, waiting=1, free_slots=2, step_ms_p50=21.5, period_ms=22.0, min_lead_ms=None, admissible=1,
+    m.Stats(active=2, waiting=1, free_slots=2, step_ms_p50=21.5, period_ms=22.0, min_slack_ms=None, admissible=1,
             dac_in_flight=1, outbox_bytes=0, steps=100, prefill_frames=64, decode_frames=200, finished=3,
             cancelled=1),
     m.Stats(),

@@ -41,6 +41,7 @@ import functools
 import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, fields
+from enum import StrEnum
 from typing import Any, ClassVar, Union
 
 import numpy as np
@@ -619,7 +620,8 @@ class Stats(Record):
     free_slots: int = 0
     step_ms_p50: float | None = None
     period_ms: float = 0.0  # the measured iteration period
-    min_lead_ms: float | None = None  # the smallest lead over the streams playing
+    min_slack_ms: float | None = None  # the smallest slack over the streams playing (engine/runtime/admission.py)
+    prefill_cost_ms: float = 0.0  # what a prefill adds to its iteration (admission charges it to every stream)
     admissible: int | None = None  # streams that may start now (None: not known)
     dac_in_flight: int = 0
     outbox_bytes: int = 0
@@ -629,6 +631,23 @@ class Stats(Record):
     decode_frames: int = 0
     finished: int = 0
     cancelled: int = 0
+    # iterations in which a waiting newcomer was held back, by the admission gate that held it (since start)
+    held_starting: int = 0
+    held_dac_behind: int = 0
+    held_slack: int = 0
+    held_period: int = 0
+    held_cold_start: int = 0
+
+
+class AdmissionGate(StrEnum):
+    """What holds a newcomer back under realtime admission (engine/runtime/admission.py); `Stats.held_<value>`
+    counts the iterations each held one."""
+
+    STARTING = "starting"  # slow start: max_starting streams whose cost is not seen yet
+    DAC_BEHIND = "dac_behind"  # the audio decoder is behind the LLM
+    SLACK = "slack"  # a playing stream's slack, less the prefill, is under the floor
+    PERIOD = "period"  # the predicted iteration period is over headroom x the frame
+    COLD_START = "cold_start"  # nothing measured yet: cold_start streams per iteration
 
 
 REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Shutdown)  # gateway -> engine

@@ -316,6 +316,15 @@ class StreamingDecoder:
         if req is not None:
             self._release(req)
 
+    def frames_to_next(self, rid: int) -> int:
+        """Frames the stream still needs before its next call can be planned (0: it can be now); -1 when no
+        next chunk is coming on its own (no such stream, its final call planned, or a held chunk end, which
+        waits for the next sentence or its flush). What admission's slack is measured by."""
+        req = self._reqs.get(rid)
+        if req is None or req.done or req.held is not None or req.final_target() is not None:
+            return -1
+        return max(0, self.schedule.next_size(req.calls) - (req.available() - req.fed))
+
     def pending(self) -> bool:
         """True if `launch` would decode something."""
         free = bool(self._free)

@@ -3,22 +3,34 @@ their players.
 
 Its signals, all measured:
 
-* **The listeners' lead.** For every stream that has sent audio, the engine knows how much it delivered and
+* **The listeners' slack.** For every stream that has sent audio, the engine knows how much it delivered and
   when its first byte left; a player that starts `prebuffer_s` after that byte (the live-capacity client's
   150 ms) runs dry at `first + prebuffer + delivered` if no more audio comes, so its lead, the time it can
   go without new audio, is `delivered - (now - first - prebuffer)`. Before it starts playing that is
   more than the audio it holds: the rest of its prebuffer counts too (counting only the audio made every
-  stream that had just sent its first, small chunk look about to stall, and on the H200 held 128 offered
-  streams to ~95 running, the rest queued ~0.7 s). It sees everything a listener feels (a slow decode
-  step, a DAC backlog, a burst of prefills) whatever its cause. A new stream is admitted only while the
-  smallest lead, less the prefill the new stream will cost, stays above `lead_floor_s`; below it every
-  admission waits until the running streams are safe again (streams end, leads grow back).
+  stream that had just sent its first, small chunk look about to stall). Audio comes in chunks (10 frames,
+  116 ms), so a lead falls by a chunk's length between two chunks and is lowest just before one: the lead
+  alone says a stream whose next chunk is due now is in danger and one whose chunk is 100 ms away is safe.
+  What decides a stall is the **slack**, the lead left when the next chunk lands: the lead less the frames
+  the stream still needs for its next dac_decoder call (`frames_to_next`), plus two iterations for the call
+  and its delivery, at the measured period. It stays level between chunks and grows while the period is
+  under the frame. (On the H200 a lead floor of 80 ms, less the host's wait for a prefill, held 128 offered
+  streams to ~120 running and queued newcomers ~0.6 s: every young stream passed under it before its second
+  chunk.) The slack sees everything a listener feels (a slow decode step, a DAC backlog, a burst of
+  prefills) whatever its cause. A new stream is admitted only while the smallest slack, less the GPU time
+  of the prefill the new stream will cost, stays above `lead_floor_s`; below it every admission waits
+  until the running streams are safe again (streams end, slack grows back).
 * **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
-  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps an exponential
-  average of the period per running stream and predicts the period with the new stream as that cost
-  times the streams (an overestimate: much of a step is fixed cost); a stream is admitted while the
-  prediction stays under `headroom` x 11.6 ms. This gate acts before any lead exists (a burst of arrivals
-  into an idle engine) and keeps the leads growing.
+  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps the median of the
+  last `PERIOD_WINDOW` periods of iterations that ran no prefill, and of their period per running stream,
+  and predicts the period with the new stream as that cost times the streams (an overestimate: much of a
+  step is fixed cost); a stream is admitted while the prediction stays under `headroom` x 11.6 ms. This
+  gate acts before any lead exists (a burst of arrivals into an idle engine) and keeps the leads growing.
+  A prefill is a one-time cost, charged by the slack gate: an average that took it in (the exponential
+  one before) jumped after every admission's prefill and held the next arrivals back.
+* **What a prefill costs the playing streams**: how much longer an iteration that ran one took than the
+  median one (`prefill_s`). The host's own wait for a prefill call is no measure of it: the call syncs
+  behind the decode step in flight, so it took ~15 ms at 96 streams for a few GPU-ms of prefill.
 * **The decoder's backlog.** Frames ready for the dac_decoder but not yet launched, in iterations of its
   per-iteration budget. The dac_decoder runs on a lower-priority CUDA stream, behind the decode steps:
   when the GPU is short, the LLM keeps stepping at full speed and the audio decoder gets what is left, so
@@ -35,6 +47,9 @@ The next chunk of a reply (a request that `continues` a held stream) is not a ne
 playing the previous chunk's tail. The scheduler admits it before any newcomer and past these gates (only
 free slots bound it), since holding it back would be a stall at a sentence join.
 
+Which gate held a waiting newcomer back is counted per iteration (`Gate`, the engine's stats and
+`zonos_engine_admission_held_by_engine{gate}`), so a capacity run says what limited it.
+
 A request that cannot start waits in the engine queue (its `queue_ms` is reported) and after `max_wait_s`
 is refused with `engine_busy` and a `retry_after_ms` hint: when the soonest running stream is expected to
 end.
@@ -42,26 +57,34 @@ end.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 from engine.contract.constants import FRAME_S
+from engine.contract.records import AdmissionGate as Gate
+
+PERIOD_WINDOW = 32  # iterations (without a prefill) whose median period the period gate predicts from
+DELIVERY_ITERATIONS = 2  # a chunk's dac_decoder call is launched, lands and is sent within ~2 iterations
 
 
 @dataclass
 class RealtimeAdmission:
     headroom: float = 0.9  # admit while the predicted period stays under headroom x FRAME_S
     max_wait_s: float = 5.0  # then engine_busy
-    lead_floor_s: float = 0.08  # admit while every playing stream holds more audio than this (after the prefill)
+    lead_floor_s: float = 0.03  # admit while every playing stream's slack stays above this (after the prefill)
     prebuffer_s: float = 0.15  # the player model: playback starts this long after a stream's first byte
-    smoothing: float = 0.3  # weight of the newest period in the average
+    smoothing: float = 0.3  # weight of the newest prefill in the average of what prefills cost
     cold_start: int = 8  # streams admitted per iteration while no period is measured
-    max_starting: int = 16  # streams admitted whose players have not started yet (their cost is not seen yet)
+    max_starting: int = 32  # streams admitted whose players have not started yet (their cost is not seen yet)
     max_dac_backlog: float = 1.0  # iterations of dac_decoder work queued (ready, not launched): past it, behind
     enabled: bool = True
-    period_s: float = 0.0  # average iteration period while streams run (0: nothing measured yet)
-    cost_s: float = 0.0  # average iteration period per stream
-    prefill_s: float = 0.0  # average duration of a prefill call (what an admission costs every stream once)
+    period_s: float = 0.0  # median iteration period (no prefill in it) while streams run (0: nothing measured)
+    cost_s: float = 0.0  # median iteration period per stream
+    prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
     _last_launch: float | None = None
+    _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))
+    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))
 
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1.0:
@@ -77,26 +100,33 @@ class RealtimeAdmission:
     def bound_s(self) -> float:
         return self.headroom * FRAME_S
 
-    def observe_launch(self, now: float, streams: int) -> None:
-        """Called at every decode-step launch with the number of streams it carries."""
+    def observe_launch(self, now: float, streams: int, prefilled: bool = False) -> None:
+        """Called at every decode-step launch with the number of streams it carries; `prefilled`: the
+        iteration since the last launch ran a prefill."""
         if streams and self._last_launch is not None:
             period = now - self._last_launch
-            first = self.period_s == 0
-            a = self.smoothing
-            self.period_s = period if first else (1 - a) * self.period_s + a * period
-            self.cost_s = period / streams if first else (1 - a) * self.cost_s + a * period / streams
+            if prefilled:
+                if self.period_s:  # what the prefill added to a plain iteration
+                    extra = max(0.0, period - self.period_s)
+                    a = self.smoothing
+                    self.prefill_s = extra if self.prefill_s == 0 else (1 - a) * self.prefill_s + a * extra
+            else:
+                self._periods.append(period)
+                self._costs.append(period / streams)
+                self.period_s = statistics.median(self._periods)
+                self.cost_s = statistics.median(self._costs)
         self._last_launch = now if streams else None
-
-    def observe_prefill(self, seconds: float) -> None:
-        """Called with the host-measured duration of every prefill call."""
-        a = self.smoothing
-        self.prefill_s = seconds if self.prefill_s == 0 else (1 - a) * self.prefill_s + a * seconds
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)
         runs dry if no more audio comes: the audio it holds, plus the rest of its prebuffer if it has not
         started playing yet."""
         return delivered_s - (now - first_audio - self.prebuffer_s)
+
+    def slack_s(self, lead_s: float, frames_to_next: int) -> float:
+        """The lead left when the stream's next chunk lands: `frames_to_next` more frames, then its call
+        and delivery, at the measured period (the lead itself while nothing is measured)."""
+        return lead_s - (frames_to_next + DELIVERY_ITERATIONS) * self.period_s if frames_to_next >= 0 else lead_s
 
     def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """The audio that player holds now (before it starts: all it got, no credit for the prebuffer's wait).
@@ -120,28 +150,33 @@ class RealtimeAdmission:
             return 0.0
         return self.cost_s * (streams + new)
 
-    def may_admit(self, streams: int, new: int = 1, min_lead_s: float | None = None, starting: int = 0,
-                  dac_backlog: float = 0.0) -> bool:
-        """May the `new`-th stream admitted in this iteration start, with `streams` running (`starting` of
-        them admitted but without audio yet), the smallest lead of a playing stream `min_lead_s` (None:
-        none is playing yet) and `dac_backlog` iterations of decoder work queued?"""
+    def gate(self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0,
+             dac_backlog: float = 0.0) -> Gate | None:
+        """What holds back the `new`-th stream admitted in this iteration, with `streams` running (`starting`
+        of them admitted but without audio yet), the smallest slack of a playing stream `min_slack_s` (None:
+        none is playing yet) and `dac_backlog` iterations of decoder work queued; None: it may start."""
         if not self.enabled:
-            return True
+            return None
         if starting + new > self.max_starting:  # slow start: what the last admissions cost is not seen yet
-            return False
+            return Gate.STARTING
         if self.dac_behind(dac_backlog):  # the audio decoder is behind the LLM
-            return False
-        if min_lead_s is not None and min_lead_s - new * self.prefill_s < self.lead_floor_s:
-            return False
+            return Gate.DAC_BEHIND
+        if min_slack_s is not None and min_slack_s - new * self.prefill_s < self.lead_floor_s:
+            return Gate.SLACK
         if streams == 0 or self.period_s == 0:  # nothing measured: a few at a time until it is
-            return new <= self.cold_start
-        return self.predicted_s(streams, new) <= self.bound_s
+            return None if new <= self.cold_start else Gate.COLD_START
+        return None if self.predicted_s(streams, new) <= self.bound_s else Gate.PERIOD
 
-    def admissible(self, streams: int, min_lead_s: float | None, limit: int, starting: int = 0,
+    def may_admit(self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0,
+                  dac_backlog: float = 0.0) -> bool:
+        """May the `new`-th stream admitted in this iteration start (`gate`)?"""
+        return self.gate(streams, new, min_slack_s, starting, dac_backlog) is None
+
+    def admissible(self, streams: int, min_slack_s: float | None, limit: int, starting: int = 0,
                    dac_backlog: float = 0.0) -> int:
         """How many more streams may start now (at most `limit`): what the gateway's placement uses."""
         n = 0
-        while n < limit and self.may_admit(streams, n + 1, min_lead_s, starting, dac_backlog):
+        while n < limit and self.may_admit(streams, n + 1, min_slack_s, starting, dac_backlog):
             n += 1
         return n
 

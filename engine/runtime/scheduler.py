@@ -51,7 +51,7 @@ from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.guidance import twin as twin_kind
 from engine.llm.node import PendingDecode, Sequence
-from engine.runtime.admission import RealtimeAdmission
+from engine.runtime.admission import Gate, RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.outbox import Outbox
 from engine.runtime.profile import IterationProfiler, node_range
@@ -129,6 +129,9 @@ class Scheduler:
         self.overlap = settings.overlap_decode if settings.overlap_decode is not None else engine.on_gpu
         self._inflight: PendingDecode | None = None
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
+        self._prefilled = False  # this iteration ran a prefill (admission measures what it added to the period)
+        # iterations in which a waiting newcomer was held back, by the admission gate that held it (admission.Gate)
+        self.held_by = {g.value: 0 for g in Gate}
         self._paced_since = 0.0  # when the decode steps last started waiting for the dac_decoder (0: not waiting)
         self._slow, self._slow_logged = 0, 0.0  # slow iterations since the last line about them, and its time
 
@@ -292,7 +295,7 @@ class Scheduler:
         admitted = 0
         if self.waiting and self.llm.can_admit():  # the signals cost a pass over every stream: only when needed
             streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
-            min_lead, starting, backlog = self._min_lead(now), self._starting(now), self._dac_backlog()
+            min_slack, starting, backlog = self._min_slack(now), self._starting(now), self._dac_backlog()
         # Continuations first, past the realtime gates: each carries on a reply whose listener is playing
         # its held tail (the stream is not new: it decoded until its last chunk ended), so making it wait
         # behind newcomers is exactly a stall at a sentence join. Only slots bound them.
@@ -301,9 +304,11 @@ class Scheduler:
             need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
             if len(self.llm.free_slots) < need:
                 break
-            if not job.continues and not self.admission.may_admit(streams, admitted + need, min_lead, starting,
-                                                                  backlog):
-                break
+            if not job.continues:
+                gate = self.admission.gate(streams, admitted + need, min_slack, starting, backlog)
+                if gate is not None:
+                    self.held_by[gate.value] += 1  # what limited this iteration's admissions
+                    break
             if job.speaker_pending:  # later arrivals with a voice ready go first
                 continue
             self.waiting.remove(job)
@@ -397,11 +402,13 @@ class Scheduler:
                 job.hold, job.stream_end = False, None
                 self.dac.flush(key)
 
-    def _min_lead(self, now: float) -> float | None:
-        """The smallest lead (audio its player still holds) over the streams playing now."""
-        leads = [self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now)
-                 for j in self.running.values() if j.t_stream_first and self.streams.get(j.stream) is j]
-        return min(leads) if leads else None
+    def _min_slack(self, now: float) -> float | None:
+        """The smallest slack (the lead its player will have left when its next chunk lands) over the streams
+        playing now (admission.py)."""
+        slacks = [self.admission.slack_s(self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now),
+                                         self.dac.frames_to_next(j.stream))
+                  for j in self.running.values() if j.t_stream_first and self.streams.get(j.stream) is j]
+        return min(slacks) if slacks else None
 
     def _starting(self, now: float) -> int:
         """Admitted streams whose players have not started playing (a continued stream has started)."""
@@ -458,7 +465,9 @@ class Scheduler:
             decoding = []
         with node_range("decode"):
             pending = self.llm.decode_start(decoding) if decoding else None
-        self.admission.observe_launch(t0, len(decoding))  # none: the pause is not an iteration's period
+        # none: the pause is not an iteration's period
+        self.admission.observe_launch(t0, len(decoding), prefilled=self._prefilled)
+        self._prefilled = False
         if self.overlap:  # read back the step launched last iteration while this one runs
             pending, self._inflight = self._inflight, pending
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
@@ -488,7 +497,7 @@ class Scheduler:
                     job.t_prefill_start = job.t_prefill_start or t_prefill
             with node_range("prefill"):
                 results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
-            self.admission.observe_prefill(time.perf_counter() - t_prefill)
+            self._prefilled = True  # the next launch's period tells what it cost the playing streams
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
         plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
@@ -725,18 +734,20 @@ class Scheduler:
         self._last_stats = now
         steps = list(self.step_times)
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
-        min_lead = self._min_lead(now)
+        min_slack = self._min_slack(now)
         self.outbox.send("stats", m.Stats(
             active=len(self.running),
             waiting=len(self.waiting),
             free_slots=len(self.llm.free_slots),
             step_ms_p50=round(float(np.median(steps)) * 1e3, 3) if steps else None,
             period_ms=round(self.admission.period_s * 1e3, 3),
-            min_lead_ms=round(min_lead * 1e3, 1) if min_lead is not None else None,
+            min_slack_ms=round(min_slack * 1e3, 1) if min_slack is not None else None,
+            prefill_cost_ms=round(self.admission.prefill_s * 1e3, 3),
             # streams that may start now (the gateway's placement reads it; slots bound it too)
-            admissible=self.admission.admissible(streams, min_lead, len(self.llm.free_slots), self._starting(now),
+            admissible=self.admission.admissible(streams, min_slack, len(self.llm.free_slots), self._starting(now),
                                                  self._dac_backlog()),
             dac_in_flight=self.dac.in_flight(),
             outbox_bytes=self.outbox.pending_bytes(),
             **self.counters,
+            **{f"held_{gate}": n for gate, n in self.held_by.items()},
         ), force=True)
