@@ -75,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--admission-max-wait", type=float, default=EngineSettings.admission_max_wait_s,
                    help="realtime admission: seconds a request may wait before engine_busy")
     p.add_argument("--admission-lead-floor-ms", type=float, default=EngineSettings.admission_lead_floor_ms,
-                   help="realtime admission: admit only while every playing stream's player holds more audio")
+                   help="realtime admission: admit only while every playing stream's player will still hold this much "
+                        "audio (ms) when its next chunk lands")
     p.add_argument("--admission-prebuffer-ms", type=float, default=EngineSettings.admission_prebuffer_ms,
                    help="realtime admission: the player model starts playing this long after a stream's first byte")
     p.add_argument("--admission-max-starting", type=int, default=EngineSettings.admission_max_starting,

@@ -90,6 +90,8 @@ class Metrics:
                               "started)", e, registry=r),
             "cancelled": Gauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
                                "started)", e, registry=r),
+            "starting": Gauge("zonos_engine_starting_by_engine", "Admitted streams whose players have not started "
+                              "yet (realtime admission's slow start bounds them)", e, registry=r),
             "paced": Gauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
                            "its audio decoder was behind (since it started)", e, registry=r),
         }
@@ -111,7 +113,7 @@ class Metrics:
             g["restarts"].labels(name).set(eng.restarts)
             g["open"].labels(name).set(eng.in_flight)
             g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
-            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced"):
+            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced", "starting"):
                 g[key].labels(name).set(getattr(st, key) or 0)
             for gate in AdmissionGate:
                 self.held_by_gate.labels(name, gate.value).set(getattr(st, f"held_{gate.value}"))

@@ -623,6 +623,7 @@ class Stats(Record):
     min_slack_ms: float | None = None  # the smallest slack over the streams playing (engine/runtime/admission.py)
     prefill_cost_ms: float = 0.0  # what a prefill adds to its iteration (admission charges it to every stream)
     admissible: int | None = None  # streams that may start now (None: not known)
+    starting: int = 0  # admitted streams whose players have not started (admission's slow start counts them)
     dac_in_flight: int = 0
     outbox_bytes: int = 0
     steps: int = 0

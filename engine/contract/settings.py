@@ -80,12 +80,13 @@ class EngineSettings:
     admission: str = "auto"  # realtime (protect live streams) | slots (a free slot is enough) | auto: realtime on GPU
     admission_headroom: float = 0.9  # realtime: admit while the predicted iteration period stays under 0.9 x 11.6 ms
     admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
-    # realtime: admit while every playing stream's player holds more than this much audio (after the prefill
-    # a new stream costs), for a player that starts admission_prebuffer_ms after the stream's first byte
-    admission_lead_floor_ms: float = 80.0
+    # realtime: admit while every playing stream's slack (the audio its player, started admission_prebuffer_ms
+    # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
+    # a new stream costs (engine/runtime/admission.py)
+    admission_lead_floor_ms: float = 40.0
     admission_prebuffer_ms: float = 150.0
     # realtime: streams admitted whose players have not started yet (slow start: their cost is not seen yet)
-    admission_max_starting: int = 16
+    admission_max_starting: int = 32
     outbox_bytes_per_request: int = 32 << 20
     stats_interval_s: float = 1.0
     # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is

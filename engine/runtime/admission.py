@@ -21,15 +21,17 @@ Its signals, all measured:
   of the prefill the new stream will cost, stays above `lead_floor_s`; below it every admission waits
   until the running streams are safe again (streams end, slack grows back).
 * **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
-  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps the median of the
-  last `PERIOD_WINDOW` periods of iterations that ran no prefill, and of their period per running stream,
-  and predicts the period with the new stream as that cost times the streams (an overestimate: much of a
-  step is fixed cost); a stream is admitted while the prediction stays under `headroom` x 11.6 ms. This
-  gate acts before any lead exists (a burst of arrivals into an idle engine) and keeps the leads growing.
-  A prefill is a one-time cost, charged by the slack gate: an average that took it in (the exponential
-  one before) jumped after every admission's prefill and held the next arrivals back.
+  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps the mean of the
+  last `PERIOD_WINDOW` iteration periods, and of their period per running stream, and predicts the period
+  with the new stream as that cost times the streams (an overestimate: much of a step is fixed cost); a
+  stream is admitted while the prediction stays under `headroom` x 11.6 ms. This gate acts before any lead
+  exists (a burst of arrivals into an idle engine) and keeps the leads growing. The mean takes in the
+  prefills and speaker-encoder calls that iterations carry, as the listeners feel them, spread over the
+  window (an exponential average with weight 0.3 jumped at every admission's prefill and held the next
+  arrivals back; a median of the iterations without a prefill let the H200 run the average period past
+  the frame under overload: 2.4 % of admitted streams stalled).
 * **What a prefill costs the playing streams**: how much longer an iteration that ran one took than the
-  median one (`prefill_s`). The host's own wait for a prefill call is no measure of it: the call syncs
+  median one without (`prefill_s`). The host's own wait for a prefill call is no measure of it: the call syncs
   behind the decode step in flight, so it took ~15 ms at 96 streams for a few GPU-ms of prefill.
 * **The decoder's backlog.** Frames ready for the dac_decoder but not yet launched, in iterations of its
   per-iteration budget. The dac_decoder runs on a lower-priority CUDA stream, behind the decode steps:
@@ -63,28 +65,33 @@ from dataclasses import dataclass, field
 
 from engine.contract.constants import FRAME_S
 from engine.contract.records import AdmissionGate as Gate
+from engine.contract.settings import EngineSettings
 
-PERIOD_WINDOW = 32  # iterations (without a prefill) whose median period the period gate predicts from
+_DEFAULTS = EngineSettings()  # the defaults live there (the engine's settings); tests build the controller alone
+
+PERIOD_WINDOW = 32  # iterations whose mean period the period gate predicts from
 DELIVERY_ITERATIONS = 2  # a chunk's dac_decoder call is launched, lands and is sent within ~2 iterations
 
 
 @dataclass
 class RealtimeAdmission:
-    headroom: float = 0.9  # admit while the predicted period stays under headroom x FRAME_S
-    max_wait_s: float = 5.0  # then engine_busy
-    lead_floor_s: float = 0.03  # admit while every playing stream's slack stays above this (after the prefill)
-    prebuffer_s: float = 0.15  # the player model: playback starts this long after a stream's first byte
+    headroom: float = _DEFAULTS.admission_headroom  # admit while the predicted period stays under headroom x FRAME_S
+    max_wait_s: float = _DEFAULTS.admission_max_wait_s  # then engine_busy
+    # admit while every playing stream's slack stays above this (after the prefill)
+    lead_floor_s: float = _DEFAULTS.admission_lead_floor_ms / 1e3
+    prebuffer_s: float = _DEFAULTS.admission_prebuffer_ms / 1e3  # the player: it starts this long after the first byte
     smoothing: float = 0.3  # weight of the newest prefill in the average of what prefills cost
     cold_start: int = 8  # streams admitted per iteration while no period is measured
-    max_starting: int = 32  # streams admitted whose players have not started yet (their cost is not seen yet)
+    max_starting: int = _DEFAULTS.admission_max_starting  # admitted streams whose players have not started yet
     max_dac_backlog: float = 1.0  # iterations of dac_decoder work queued (ready, not launched): past it, behind
     enabled: bool = True
-    period_s: float = 0.0  # median iteration period (no prefill in it) while streams run (0: nothing measured)
-    cost_s: float = 0.0  # median iteration period per stream
+    period_s: float = 0.0  # mean iteration period over the last PERIOD_WINDOW while streams run (0: nothing yet)
+    cost_s: float = 0.0  # mean iteration period per stream
     prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
     _last_launch: float | None = None
-    _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))
-    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))
+    _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # every iteration's
+    _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # its period per stream
+    _plain: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # iterations with no prefill
 
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1.0:
@@ -106,15 +113,16 @@ class RealtimeAdmission:
         if streams and self._last_launch is not None:
             period = now - self._last_launch
             if prefilled:
-                if self.period_s:  # what the prefill added to a plain iteration
-                    extra = max(0.0, period - self.period_s)
+                if self._plain:  # what the prefill added to a plain iteration
+                    extra = max(0.0, period - statistics.median(self._plain))
                     a = self.smoothing
                     self.prefill_s = extra if self.prefill_s == 0 else (1 - a) * self.prefill_s + a * extra
             else:
-                self._periods.append(period)
-                self._costs.append(period / streams)
-                self.period_s = statistics.median(self._periods)
-                self.cost_s = statistics.median(self._costs)
+                self._plain.append(period)
+            self._periods.append(period)
+            self._costs.append(period / streams)
+            self.period_s = statistics.fmean(self._periods)
+            self.cost_s = statistics.fmean(self._costs)
         self._last_launch = now if streams else None
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:

@@ -734,7 +734,7 @@ class Scheduler:
         self._last_stats = now
         steps = list(self.step_times)
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
-        min_slack = self._min_slack(now)
+        min_slack, starting = self._min_slack(now), self._starting(now)
         self.outbox.send("stats", m.Stats(
             active=len(self.running),
             waiting=len(self.waiting),
@@ -744,8 +744,9 @@ class Scheduler:
             min_slack_ms=round(min_slack * 1e3, 1) if min_slack is not None else None,
             prefill_cost_ms=round(self.admission.prefill_s * 1e3, 3),
             # streams that may start now (the gateway's placement reads it; slots bound it too)
-            admissible=self.admission.admissible(streams, min_slack, len(self.llm.free_slots), self._starting(now),
+            admissible=self.admission.admissible(streams, min_slack, len(self.llm.free_slots), starting,
                                                  self._dac_backlog()),
+            starting=starting,
             dac_in_flight=self.dac.in_flight(),
             outbox_bytes=self.outbox.pending_bytes(),
             **self.counters,
