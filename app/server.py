@@ -31,6 +31,7 @@ from app.errors import RequestError
 from app.gateway import Gateway
 from app.settings import GatewaySettings
 from app.ws import websocket_endpoint
+from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 
@@ -133,6 +134,7 @@ CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Forma
 # ---- X-Request-ID ------------------------------------------------------------------------------------------
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
 access_log = logging.getLogger("gateway.requests")
+log = logging.getLogger("gateway")
 
 
 class RequestIdMiddleware:
@@ -186,6 +188,10 @@ def create_app(settings: GatewaySettings) -> Starlette:
         app.state.gateway = gateway
         install_log_redaction()  # again: uvicorn configured logging after create_app
         await gateway.start()
+        # the gateway's heap from start (modules, routes, templates) out of the collector's full passes, which
+        # held every socket's audio at once (engine/contract/collector.py)
+        freeze_startup_heap()
+        log_long_pauses(log)
         try:
             yield
         finally:

@@ -47,7 +47,7 @@ timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capa
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
 curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced|^zonos_engine_admission_held"
-grep -E "slow iteration|decode steps paused|Traceback|recompil" /tmp/server.log | head -30
+grep -E "slow iteration|decode steps paused|gc pause|Traceback|recompil" /tmp/server.log | head -30
 [ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"
 kill $server; sleep 3

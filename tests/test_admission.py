@@ -81,7 +81,7 @@ def test_a_playing_stream_low_on_slack_stops_admission():
     adm.observe_launch(39 * 5e-3 + 105e-3, 10, prefilled=True)  # a prefill made its iteration 100 ms longer
     assert abs(adm.prefill_s - 0.1) < 1e-9
     assert not adm.may_admit(10, 1, min_slack_s=0.12) and adm.may_admit(10, 1, min_slack_s=0.3)
-    assert adm.admissible(10, 0.3, limit=50) == 2  # 0.3 - 2 x 0.1 >= 0.04, a third would not be
+    assert adm.admissible(10, 0.3, limit=50) == 2  # 0.3 - 2 x 0.1 >= 0.06, a third would not be
 
 
 def test_a_prefill_is_spread_over_the_period_window_and_measured_by_what_it_adds():

@@ -83,7 +83,7 @@ class EngineSettings:
     # realtime: admit while every playing stream's slack (the audio its player, started admission_prebuffer_ms
     # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
     # a new stream costs (engine/runtime/admission.py)
-    admission_lead_floor_ms: float = 40.0
+    admission_lead_floor_ms: float = 60.0
     admission_prebuffer_ms: float = 150.0
     # realtime: streams admitted whose players have not started yet (slow start: their cost is not seen yet)
     admission_max_starting: int = 32

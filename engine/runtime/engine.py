@@ -8,7 +8,6 @@ records between the rings and the nodes.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.settings import EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder
@@ -112,8 +112,8 @@ class Engine:
         self.sync()
         # everything built so far (modules, compiled graphs) lives as long as the process: keep it out of
         # the cyclic collector, whose full passes over it paused every stream for hundreds of ms
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
+        log_long_pauses(log)
         return time.perf_counter() - t0
 
     def sync(self) -> None:

@@ -1,0 +1,39 @@
+"""Python's cyclic garbage collector in a realtime process: what both processes (gateway and engine) do.
+
+A full collection walks every tracked object and holds the process meanwhile: in the gateway it holds every
+socket's audio, in the engine every stream's next step. With the heap built at start (modules, routes,
+compiled graphs) frozen out of the collector, a full pass only walks what serving allocated since. Any
+collection longer than `LOG_PAUSE_S` is logged, so a capacity run can tell a collector pause from a slow step.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from typing import Any
+
+LOG_PAUSE_S = 0.02  # a collection longer than this is logged (a player's prebuffer is 150 ms)
+
+
+def freeze_startup_heap() -> None:
+    """Collect once, then move everything alive into the permanent generation (never walked again)."""
+    gc.collect()
+    gc.freeze()
+
+
+def log_long_pauses(log: logging.Logger) -> None:
+    """Log every collection that holds the process longer than LOG_PAUSE_S (once per process)."""
+    if any(getattr(cb, "_logs_pauses", False) for cb in gc.callbacks):
+        return
+    started = [0.0]
+
+    def watch(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif (pause := time.perf_counter() - started[0]) > LOG_PAUSE_S:
+            log.warning("gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)", pause * 1e3,
+                        info.get("generation", -1), info.get("collected", 0), gc.get_freeze_count())
+
+    watch._logs_pauses = True  # type: ignore[attr-defined]
+    gc.callbacks.append(watch)
