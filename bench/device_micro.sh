@@ -10,7 +10,7 @@ source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # every test with a CUDA path: the captured graphs (default, invariant, overlap, emotion rows), kernels, twins
-timeout ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py \
+timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/test_gpu.py tests/test_kernels.py \
   tests/test_dac_streaming.py tests/test_prefill_attention.py tests/test_fused_router.py tests/test_sampling.py \
   tests/test_guidance.py tests/test_fp8.py tests/test_batch_invariance.py \
   tests/test_continuation.py::test_gpu_a_reply_of_five_requests_is_one_stream} > "$OUT/gpu_tests.log" 2>&1 &
