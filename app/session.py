@@ -221,6 +221,9 @@ class StreamingSession:
             # held every stream's audio 50-140 ms at once every ~12 s at 128 streams on the H200
             await asyncio.wait((recv, closed))
             self._shutdown()
+            # an error raised above carries this frame in its traceback: the frame must not hold the tasks
+            # (`done` and the loop's `task` included) that hold that error
+            recv = closed = done = task = None
 
     def _shutdown(self) -> None:
         for _, _, timer in self._holds.values():
@@ -235,7 +238,11 @@ class StreamingSession:
                 # the pump's frame (in the traceback its task keeps of the CancelledError) holds the lane: a lane
                 # still holding its task would make a cycle that only the collector's full passes free
                 lane.task = None
+            lane.marks.clear()  # answers never due (a barge-in, a closed socket): closures over this session
+        self.lanes.clear()
         self.buffers.clear()
+        if self._failed.done():  # its error's traceback holds the failed pump's frame, which holds this session
+            self._failed = asyncio.get_running_loop().create_future()
 
     async def _receive_loop(self) -> None:
         # It reads on after `close` too (a cancel still stops the rest); the pumps end the session.
