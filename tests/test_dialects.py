@@ -435,7 +435,9 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
 
 def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_while_it_plays(srv):
     """LiveKit's normal end of a turn (auto_mode, every sentence flushed): `{"text": "", "flush": true}` then
-    close_context, while the turn's audio already plays: every sentence is still spoken, then isFinal."""
+    close_context, while the turn's audio already plays: every sentence is still spoken, then isFinal; and the
+    sentences are one turn, each continuing the one before (one voice, one DAC stream: a flush that carries
+    text does not end a turn with auto_mode)."""
     async def go():
         ws = await el_connect(el_url(srv, auto_mode=True))
         await ws.send(json.dumps({"text": " ", "context_id": "turn"}))
@@ -451,7 +453,7 @@ def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_whi
         await ws.close()
         return log
 
-    assert len(el_audio(run(go()), "turn")) == 3 * 2 * resampled(SAMPLES, 24000)  # each flush ends a sentence
+    assert len(el_audio(run(go()), "turn")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
 @pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),

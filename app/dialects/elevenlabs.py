@@ -148,8 +148,11 @@ class ElevenLabsSession(StreamingSession):
         # For a close, with auto_mode a flush that carries text is one more text spoken as it comes (LiveKit's
         # plugin flushes every sentence so); a text-less flush, or one with the close, ends the turn's input.
         ends_input = flush and (not self.auto_mode or not text or close)
-        if speak:  # an explicit flush ends the turn (its continuation); auto_mode's does not
-            await self.flush(ctx, end_turn=flush)
+        # A flush that ends the turn's input ends its continuation too (the next sentence starts a new stream);
+        # with auto_mode, a flush that carries text (LiveKit's every sentence) is one more sentence of the turn,
+        # so a LiveKit reply is one voice and one DAC stream, as pipecat's (issue 22)
+        if speak:
+            await self.flush(ctx, end_turn=ends_input)
             last = self.last_queued(ctx)
             if last is not None and ends_input:
                 c.flushed_upto = last
