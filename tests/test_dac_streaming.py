@@ -247,11 +247,14 @@ def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec)
     rng = np.random.default_rng(11)
     codes = rng.integers(0, 1024, (23, 9))
     # full fp32 convolutions on a GPU: with TF32 (which other tests may switch on) the two forms' cuDNN
-    # algorithms (NCL, NHWC) round their inputs to 10 bits each, ~40 dB apart after the decoder's 40 layers
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False, allow_tf32=False):
+    # algorithms (NCL, NHWC) round their inputs to 10 bits each, ~40 dB apart after the decoder's 40 layers;
+    # and deterministic algorithms, chosen without timing them (the decoder's own benchmark mode, on by default,
+    # may pick an FFT or Winograd algorithm for one form and not the other: this test failed on the H200 in
+    # three runs with TF32 off, its message cut; untested on a GPU since)
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
         ref = codec.decode(torch.from_numpy(codes).to(codec.device)[None])[0].cpu().numpy()
-        plain = feed(IncrementalDAC(codec, slots=2, fused=False), codes, 1, [13, 10])
-        fused = feed(IncrementalDAC(codec, slots=2, fused=True), codes, 1, [13, 10])
+        plain = feed(IncrementalDAC(codec, slots=2, fused=False, cudnn_benchmark=False), codes, 1, [13, 10])
+        fused = feed(IncrementalDAC(codec, slots=2, fused=True, cudnn_benchmark=False), codes, 1, [13, 10])
     if gpu:
         print(f"fused vs plain SNR {snr_db(plain, fused):.1f} dB, vs one-shot {snr_db(ref, fused):.1f} dB")
         assert snr_db(plain, fused) > 60 and snr_db(ref, fused) > 60

@@ -336,6 +336,9 @@ def test_elevenlabs_cap_counts_only_contexts_holding_text_or_audio(srv):
         log: list[dict[str, Any]] = []
         for i in range(17):
             await ws.send(json.dumps({"text": "A turn. ", "context_id": f"t{i}", "flush": True}))
+            # the turn's end (with auto_mode a flush with text is one more sentence of the turn: its stream's
+            # tail would wait for a next one, for the test server's 5 s continuation grace)
+            await ws.send(json.dumps({"text": "", "context_id": f"t{i}", "flush": True}))
             await el_until_audio(ws, f"t{i}", one, log)
         for i in range(16):
             await ws.send(json.dumps({"context_id": f"u{i}", "flush": True}))
