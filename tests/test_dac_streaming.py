@@ -218,7 +218,7 @@ def feed(net: IncrementalDAC, codes: np.ndarray, slot: int, sizes) -> np.ndarray
         real = codes[a : a + f]
         c[0, : len(real)] = real
         p = net.pack(c, np.array([slot]), np.array([a]), np.array([t]))
-        out.append(net.run(torch.from_numpy(p), f)[0].numpy())
+        out.append(net.run(torch.from_numpy(p).to(net.state.device), f)[0].cpu().numpy())
         a += f
     return np.concatenate(out)[net.lag : net.lag + t * HOP]
 
@@ -248,9 +248,7 @@ def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec)
     codes = rng.integers(0, 1024, (23, 9))
     # full fp32 convolutions on a GPU: with TF32 (which other tests may switch on) the two forms' cuDNN
     # algorithms (NCL, NHWC) round their inputs to 10 bits each, ~40 dB apart after the decoder's 40 layers;
-    # and deterministic algorithms, chosen without timing them (the decoder's own benchmark mode, on by default,
-    # may pick an FFT or Winograd algorithm for one form and not the other: this test failed on the H200 in
-    # three runs with TF32 off, its message cut; untested on a GPU since)
+    # and deterministic algorithms, chosen without timing them, so both forms get comparable ones
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True, allow_tf32=False):
         ref = codec.decode(torch.from_numpy(codes).to(codec.device)[None])[0].cpu().numpy()
         plain = feed(IncrementalDAC(codec, slots=2, fused=False, cudnn_benchmark=False), codes, 1, [13, 10])
