@@ -33,12 +33,30 @@ for _ in $(seq ${READY_S:-400}); do curl -sf localhost:8000/readyz > /dev/null &
 curl -s localhost:8000/readyz | head -c 800; echo
 grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
+# PYSPY_S=10: py-spy samples the engine's and the gateway's threads for that long in the first level's
+# measured window (the carried py-spy wheel); bench/stack_summary.py prints where their host time went
+if [ -n "${PYSPY_S:-}" ]; then
+  engine_pid=$(curl -s localhost:8000/readyz | python3 -c "import json, sys; print(json.load(sys.stdin)['engine']['pid'])")
+  (sleep $(( ${WARMUP:-4} + 3 ))
+   for who in engine:$engine_pid gateway:$server; do
+     py-spy record --pid ${who#*:} -d $PYSPY_S -r 200 -f raw -o /tmp/pyspy_${who%%:*}.txt --nonblocking \
+       > /tmp/pyspy_${who%%:*}.log 2>&1 &
+   done; wait) &
+  pyspy=$!
+fi
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
 # (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
 [ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \
   --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json > /dev/null 2>&1
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
+if [ -n "${pyspy:-}" ]; then
+  wait $pyspy
+  for who in engine gateway; do
+    echo "== py-spy, $who (${PYSPY_S} s at 200 Hz)"; tail -2 /tmp/pyspy_$who.log
+    python3 bench/stack_summary.py /tmp/pyspy_$who.txt --wall $(( PYSPY_S * 200 )) --top 30
+  done
+fi
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
 # replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)

@@ -381,6 +381,28 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
+async def admission_held(ws_url: str, api_key: str | None = None) -> dict[str, float] | None:
+    """The engine's admission counters (`zonos_engine_admission_held_by_engine{gate}`, summed over engines):
+    how many iterations each gate held a waiting newcomer back. None: the server has no /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient(base_url=http_base(ws_url), headers=_headers(api_key), timeout=10) as c:
+            r = await c.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    held: dict[str, float] = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "zonos_engine_admission_held_by_engine":
+                gate = sample.labels.get("gate", "")
+                held[gate] = held.get(gate, 0.0) + sample.value
+    return held
+
+
 async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | None = None) -> str:
     """Stores the clip as voice `name` through `POST /v1/voices` (the same clip gives the same voice: the
     server deduplicates it) and returns the voice id."""
@@ -567,7 +589,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
     for i, n in enumerate(opts.levels):
         if i:
             await asyncio.sleep(opts.pause)
+        before = await admission_held(opts.url, opts.api_key)
         summary, records = await run_level(opts, n, session_cfg)
+        after = await admission_held(opts.url, opts.api_key)
+        if before is not None and after is not None:  # what held newcomers back in this level (iterations)
+            summary["admission_held"] = {g: after[g] - before.get(g, 0.0) for g in after}
         result["levels"].append(summary)
         result["streams"].extend(r.public(opts.events) for r in records)
         result["capacity"] = capacity(result["levels"])
@@ -577,6 +603,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         if summary.get("admitted_stall_free_share") is not None:
             log(f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
                 f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}")
+        if summary.get("admission_held"):
+            log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
         if opts.out:
             _write_json(opts.out, result)
         if should_stop(result["levels"], opts.stop_after_fail):

@@ -219,6 +219,11 @@ def test_one_level_against_the_server(server, tmp_path: Path):
               "stall_ms_max", "audio_s_per_s", "queue_ms_p50", "stall_ok", "ttfa_ok", "passed"):
         assert k in lv
     assert lv["n"] == 2 and lv["streams"] >= 1 and lv["errors"] == 0
+    # the engine's admission counters over the level, read from /metrics (CPU: slots admission, held by none)
+    from engine.contract.records import AdmissionGate
+
+    assert set(lv["admission_held"]) == {g.value for g in AdmissionGate}
+    assert all(v >= 0 for v in lv["admission_held"].values())
     counted = [s for s in res["streams"] if s["counted"]]
     assert len(counted) == lv["attempted"] >= 1
     for s in counted:

@@ -24,3 +24,22 @@ def test_iteration_budget_attributes_kernels_to_the_node_that_launched_them():
     assert b["gpu_ms_per_iteration"] == {"decode": 5.0, "prefill": 0.0, "dac": 2.0, "speaker": 0.5, "other": 1.0}
     assert b["gpu_busy_ms_per_iteration"] == 7.9  # 100..6500, 8000..8500, 9000..10000
     assert b["gpu_idle_ms_per_iteration"] == 2.0  # of the 9.9 ms from the first kernel to the last
+
+
+def test_stack_summary_counts_own_and_inclusive_time_per_function():
+    """bench/stack_summary.py: py-spy's collapsed stacks -> each function's own and inclusive share."""
+    from bench.stack_summary import parse, summarize
+
+    stacks = parse([
+        'process 1:"python";run (engine/runtime/scheduler.py:100);launch (engine/dac/streaming.py:380) 30\n',
+        'process 1:"python";run (engine/runtime/scheduler.py:120);launch (engine/dac/streaming.py:390) 10\n',
+        'process 1:"python";run (engine/runtime/scheduler.py:101) 5\n',
+        "not a stack line\n",
+    ])
+    assert [n for _, n in stacks] == [30, 10, 5]
+    text = summarize(stacks, top=3, wall=100)
+    own = text.split("inclusive")[0]
+    assert "40.0%  launch (engine/dac/streaming.py)" in own  # two lines of one function: one entry
+    assert "5.0%  run (engine/runtime/scheduler.py)" in own
+    assert "45.0%  run (engine/runtime/scheduler.py)" in text.split("inclusive")[1]
+    assert summarize([]) == "no samples"
