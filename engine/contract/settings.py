@@ -82,8 +82,11 @@ class EngineSettings:
     admission_max_wait_s: float = 5.0  # realtime: a request waiting longer is refused with engine_busy
     # realtime: admit while every playing stream's slack (the audio its player, started admission_prebuffer_ms
     # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
-    # a new stream costs (engine/runtime/admission.py)
-    admission_lead_floor_ms: float = 60.0
+    # a new stream costs (engine/runtime/admission.py). A stream that has just sent its first chunk has ~70 ms
+    # of slack at ~10 ms iterations (its 43 ms of audio and its player's 150 ms prebuffer, less 12 iterations
+    # to its next chunk): at 60 ms every such stream held the door shut (H200, 128 offered: queue p95 110 ms,
+    # first audio p95 379 ms); at 40 ms, 294 ms, and still no stall at 128, 160 or 256 offered
+    admission_lead_floor_ms: float = 40.0
     admission_prebuffer_ms: float = 150.0
     # realtime: streams admitted whose players have not started yet (slow start: their cost is not seen yet)
     admission_max_starting: int = 32

@@ -22,6 +22,7 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES
 from engine.llm.eos import EosTracker
 from engine.llm.sampling import SamplerState
+from engine.model.transfer import to_device
 from engine.model.zonos2 import PrefillSeq, Zonos2
 
 
@@ -237,7 +238,7 @@ class LLMNode:
             seqs.append(PrefillSeq(seq.slot, start, n))
             speakers.append(seq.speaker if start == 0 else None)
             emotions.append(seq.emotion if start == 0 else None)
-        packed = torch.cat(ids).to(self.device, non_blocking=True)
+        packed = to_device(torch.cat(ids), self.device)
         invariant = self.runs_invariant(seq for seq, _ in chunks)
         self.calls[("prefill", invariant)] += 1
         if self.prefill_graphs is not None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.frontend.config import Zonos2Config
+from engine.model.transfer import to_device
 
 QK_NORM_EPS = 1e-6
 
@@ -222,8 +223,8 @@ class PackedPrefill:
             last_idx[i] = off + s.length - 1
             off += s.length
         blocks = build_block_table(table, max_blocks(n_tokens, n_seqs), device=device)
-        return PackedPrefill(tok_slot.to(device), tok_pos.to(device), spk, emo, spk_of_tok.to(device), blocks,
-                             last_idx.to(device))
+        return PackedPrefill(to_device(tok_slot, device), to_device(tok_pos, device), spk, emo,
+                             to_device(spk_of_tok, device), blocks, to_device(last_idx, device))
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.tok_slot, self.tok_pos, self.spk, self.emo, self.spk_of_tok, *self.blocks, self.last_idx)

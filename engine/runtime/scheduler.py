@@ -43,7 +43,6 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from engine.contract import records as m
 from engine.contract.constants import HOP, SAMPLE_RATE
@@ -51,6 +50,7 @@ from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.guidance import twin as twin_kind
 from engine.llm.node import PendingDecode, Sequence
+from engine.model.transfer import to_device
 from engine.runtime.admission import Gate, RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.outbox import Outbox
@@ -225,7 +225,7 @@ class Scheduler:
         if req.speaker_embedding is not None:
             if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
                 return self._error(req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values")
-            speaker = torch.from_numpy(req.speaker_embedding).to(self.engine.device)
+            speaker = to_device(req.speaker_embedding, self.engine.device)
         has_speaker = req.speaker_embedding is not None or req.clip is not None
         # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill
         for name, vec, size, voiced in (
@@ -239,9 +239,9 @@ class Scheduler:
             if not voiced:
                 return self._error(req.rid, E.BAD_REQUEST, f"an {name} needs a speaker embedding")
         if req.emotion_delta is not None:
-            emotion = torch.from_numpy(req.emotion_delta).to(self.engine.device)
+            emotion = to_device(req.emotion_delta, self.engine.device)
         if req.uncond_speaker is not None:
-            uncond_speaker = torch.from_numpy(req.uncond_speaker).to(self.engine.device)
+            uncond_speaker = to_device(req.uncond_speaker, self.engine.device)
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
         seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
                        speaker=speaker, emotion=emotion, ignore_eos=req.ignore_eos)
@@ -284,7 +284,7 @@ class Scheduler:
                 self.waiting.remove(job)
                 self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 continue
-            job.seq.speaker = torch.from_numpy(emb).to(self.engine.device)
+            job.seq.speaker = to_device(emb, self.engine.device)
             if job.twin is not None and job.twin_kind in ("prefix", "emotion"):  # these twins keep the voice
                 job.twin.speaker = job.seq.speaker
             job.clip_ms = (time.perf_counter() - t_sent) * 1e3

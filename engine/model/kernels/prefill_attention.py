@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from engine.model.transfer import to_device
+
 BLOCK_M = 16  # query tokens per block (x G heads: 64 tile rows at G = 4)
 BLOCK_N = 64  # cache rows per inner iteration
 
@@ -178,6 +180,6 @@ def build_block_table(seqs: list[tuple[int, int, int, int]], n_blocks: int, bloc
     if len(rows) > n_blocks:
         raise ValueError(f"{len(rows)} blocks needed, table holds {n_blocks}")
     rows += [(0, 0, 0, 0)] * (n_blocks - len(rows))
-    table = torch.tensor(rows, dtype=torch.int32).reshape(n_blocks, 4).t().contiguous().to(device)
+    table = to_device(torch.tensor(rows, dtype=torch.int32).reshape(n_blocks, 4).t().contiguous(), device)
     slot_, start, pos0, len_ = table.unbind(0)
     return slot_, start, len_, pos0
