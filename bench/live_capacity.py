@@ -37,7 +37,9 @@ stream is not a stall. Per stream: number of stalls, total and longest stall (ms
 Per level: streams completed and errors (by code), TTFA p50/p95 (text sent -> first audio byte), the
 share of streams with no stall (errored streams count as not stall-free), mean per-stream stall ms and
 the longest stall, audio seconds per second delivered inside the window (all streams' bytes that
-arrived in it), the engine's `queue_ms` (from `audio.done` stats) p50/p95, and the client's loop lag.
+arrived in it), the engine's `queue_ms` (from `audio.done` stats) p50/p95, the client's loop lag, and
+(`admission_held`, read from the server's /metrics before and after the level) in how many engine
+iterations each admission gate held a waiting newcomer back: what limited the level.
 A level passes when >= 99 % of its streams are stall-free (`--min-stall-free`) and TTFA p95 <= 300 ms
 (`--max-ttfa-p95-ms`); capacity is the largest N that passes. The run stops after `--stop-after-fail`
 consecutive failed levels (0: run them all).
