@@ -74,11 +74,6 @@ def gumbel_noise(seed: Tensor, step: Tensor, shape_cv: tuple[int, ...], table: T
     return table[noise_index(seed, step, shape_cv)]
 
 
-# a free slot's parameters (the order of the blocks' rows); top_k's default is the vocabulary, pair's the slot
-_FLOAT_FIELDS = {"temperature": 1.0, "top_p": 0.0, "min_p": 0.0, "rep_penalty": 1.0, "cfg": 1.0}
-_INT_FIELDS = {"top_k": 0, "rep_window": 0, "rep_codebooks": 0, "seed": 0, "step": 0, "pair": 0}
-
-
 class SamplerState:
     """Static per-slot sampling state. Write a request's parameters with `admit`, then every step's
     `sample` reads them by slot index and appends the sampled frame to the slot's history ring."""
@@ -95,12 +90,12 @@ class SamplerState:
         # a slot's parameters are one column of two blocks (float, integer), so `admit` writes a request's
         # in two copies, queued behind the step in flight (one write per field was ~14 small launches per
         # admission: 10 % of the engine loop's time at 128 streams on the H200, py-spy)
-        self._floats = torch.stack([torch.full((n_slots,), v, **f32) for v in _FLOAT_FIELDS.values()])
-        self._ints = torch.stack([torch.full((n_slots,), v, **i64) for v in _INT_FIELDS.values()])
+        # a free slot's values, in the blocks' row order (`admit` writes a column in the same order)
+        self._floats = torch.tensor([[1.0], [0.0], [0.0], [1.0], [1.0]], **f32).repeat(1, n_slots)
+        self._ints = torch.tensor([[vocab], [0], [0], [0], [0], [0]], **i64).repeat(1, n_slots)
         self.temperature, self.top_p, self.min_p, self.rep_penalty, self.cfg = self._floats.unbind(0)
         # step: frames generated so far; pair: the guidance partner slot (itself: none)
         self.top_k, self.rep_window, self.rep_codebooks, self.seed, self.step, self.pair = self._ints.unbind(0)
-        self.top_k.fill_(vocab)
         self.pair.copy_(torch.arange(n_slots, **i64))
         self.history = torch.zeros(n_slots, HISTORY, n_codebooks, **i64)
         self.history_step = torch.full((n_slots, HISTORY), -1, **i64)
