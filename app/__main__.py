@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     weights = WeightSources(a.model_path, a.dac_weights, a.speaker_weights, random_preset=a.random_weights)
     weights.check()
     if a.emotion_directions_dir:  # a folder that is not one is a flag error, not a failed request later
-        from app.emotion import emotion_directions
+        from app.core.emotion import emotion_directions
 
         try:
             emotion_directions(Path(a.emotion_directions_dir))
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     import uvicorn
 
-    from app.http_protocol import bounded_protocol
+    from app.io.http_protocol import bounded_protocol
     from app.server import create_app
 
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
                   ws_ping_interval=settings.limits.ws_ping_interval_s, ws_ping_timeout=settings.limits.ws_ping_interval_s,
                   # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
                   ws_per_message_deflate=False,
-                  # bounded request heads, answered in JSON (app/http_protocol.py)
+                  # bounded request heads, answered in JSON (app/io/http_protocol.py)
                   http=bounded_protocol(settings.limits.head_timeout_s))
     sndbuf = settings.limits.tcp_send_buffer_bytes
     if not sndbuf:

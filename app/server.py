@@ -23,14 +23,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app import http_api, openai_api, reference_api, voices_api
-from app.auth import HostCheck, authorized, install_log_redaction, require_key
-from app.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
-from app.errors import GatewayError as G
-from app.errors import RequestError
-from app.gateway import Gateway
+from app.core.gateway import Gateway
+from app.doors import openai_speech, reference, service, speech, voices
+from app.doors.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
+from app.doors.ws import websocket_endpoint
+from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.ws import websocket_endpoint
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
@@ -70,7 +70,7 @@ def keyed(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
 async def readyz(request: Request) -> Response:
     """Ready or not for anyone (a probe has no key); the engine's details (pid, device, weights, the
     reason it is not ready) only with a key."""
-    resp = await http_api.readyz(request)
+    resp = await service.readyz(request)
     if authorized(request):
         return resp
     status = "ready" if resp.status_code == 200 else "not_ready"
@@ -87,7 +87,7 @@ def json_error(code: str, message: str, status: int, headers: dict[str, str] | N
 
 async def request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return http_api.error_response(exc)
+    return speech.error_response(exc)
 
 
 async def http_error(request: Request, exc: Exception) -> Response:
@@ -199,24 +199,24 @@ def create_app(settings: GatewaySettings) -> Starlette:
 
     routes = [
         Route("/", index),
-        Route("/healthz", http_api.healthz),
+        Route("/healthz", service.healthz),
         Route("/readyz", readyz),
-        Route("/metrics", keyed(http_api.metrics)),
-        Route("/v1/models", keyed(http_api.models)),
-        Route("/tts/capabilities", http_api.capabilities),
-        Route("/v1/audio/speech", openai_api.openai_speech, methods=["POST"]),
-        Route("/tts/generate", reference_api.tts_generate, methods=["POST"]),
-        Route("/tts/speakers", voices_api.tts_list_speakers, methods=["GET"]),
-        Route("/tts/speakers", voices_api.tts_cache_speaker, methods=["POST"]),
-        Route("/tts/speakers/{speaker}/preview", voices_api.tts_speaker_preview, methods=["GET"]),
-        Route("/v1/voices", voices_api.list_voices, methods=["GET"]),
-        Route("/v1/voices", voices_api.create_voice, methods=["POST"]),
-        Route("/v1/voices/blend", voices_api.blend_voices, methods=["POST"]),
-        Route("/v1/voices/{voice}", voices_api.voice_detail, methods=["GET", "PATCH", "DELETE"]),
-        Route("/v1/voices/{voice}/embedding", voices_api.voice_embedding),
-        Route("/v1/voices/{voice}/preview", voices_api.voice_preview),
+        Route("/metrics", keyed(service.metrics)),
+        Route("/v1/models", keyed(service.models)),
+        Route("/tts/capabilities", service.capabilities),
+        Route("/v1/audio/speech", openai_speech.openai_speech, methods=["POST"]),
+        Route("/tts/generate", reference.tts_generate, methods=["POST"]),
+        Route("/tts/speakers", voices.tts_list_speakers, methods=["GET"]),
+        Route("/tts/speakers", voices.tts_cache_speaker, methods=["POST"]),
+        Route("/tts/speakers/{speaker}/preview", voices.tts_speaker_preview, methods=["GET"]),
+        Route("/v1/voices", voices.list_voices, methods=["GET"]),
+        Route("/v1/voices", voices.create_voice, methods=["POST"]),
+        Route("/v1/voices/blend", voices.blend_voices, methods=["POST"]),
+        Route("/v1/voices/{voice}", voices.voice_detail, methods=["GET", "PATCH", "DELETE"]),
+        Route("/v1/voices/{voice}/embedding", voices.voice_embedding),
+        Route("/v1/voices/{voice}/preview", voices.voice_preview),
         WebSocketRoute("/v1/tts/ws", websocket_endpoint),
-        # the voice-agent frameworks' dialects (app/dialects/, docs/dialects.md)
+        # the voice-agent frameworks' dialects (app/doors/dialects/, docs/dialects.md)
         WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_endpoint),
         WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
         WebSocketRoute("/tts/websocket", cartesia.endpoint),
@@ -234,7 +234,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id
-    if not settings.auth_enabled:  # the host rule (DNS rebinding): app/auth.py HostCheck
+    if not settings.auth_enabled:  # the host rule (DNS rebinding): app/io/auth.py HostCheck
         middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:
         middleware.append(Middleware(

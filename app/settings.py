@@ -30,7 +30,7 @@ class Limits:
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
     max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
-    # Text normalization (app/normalization.py): the CPU one utterance's text may take in its worker before
+    # Text normalization (app/core/normalization.py): the CPU one utterance's text may take in its worker before
     # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
     # normalizes before it is replaced (its memory given back).
     normalization_cpu_s: float = 5.0
@@ -58,7 +58,7 @@ class GatewaySettings:
     api_keys: tuple[str, ...] = ()  # empty: no auth
     cors_origins: tuple[str, ...] = ()
     # --allowed-host: Host names served without an API key besides the loopback ones ("*": any); the host
-    # rule (app/auth.py, docs/reliability.md "Host rule")
+    # rule (app/io/auth.py, docs/reliability.md "Host rule")
     allowed_hosts: tuple[str, ...] = ()
     text_normalization: bool = True
     normalization_workers: int = 0  # text normalization worker processes; 0: one per CPU (at most 16)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.audio_output import (
+from app.io.audio_output import (
     FORMATS,
     WAV_ENCODINGS,
     Encoder,
@@ -25,7 +25,7 @@ from app.audio_output import (
     g711_encode,
     wav_header,
 )
-from app.errors import RequestError
+from app.io.errors import RequestError
 from tests.test_gateway_http import EXTRA_SAMPLES, decode
 
 

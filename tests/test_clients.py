@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.audio_output import g711_decode
+from app.io.audio_output import g711_decode
 from engine.frontend.longform import reply_frames
 from tests.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip

@@ -54,7 +54,7 @@ def _js(msg: Any) -> dict[str, Any]:
 
 
 def _dialects(port: int) -> None:
-    """A session of each framework dialect (app/dialects/): one plays to its end, then a barge-in
+    """A session of each framework dialect (app/doors/dialects/): one plays to its end, then a barge-in
     (ElevenLabs' close_context, Cartesia's cancel, Deepgram's Clear) once audio plays, and the socket closes."""
     base = f"ws://127.0.0.1:{port}"
     with connect(f"{base}/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000") as ws:

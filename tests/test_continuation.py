@@ -171,7 +171,7 @@ def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
 def rt():
     import asyncio
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract.settings import EngineSettings, WeightSources
     from tests.asyncloop import LoopThread
 
@@ -261,7 +261,7 @@ def test_gpu_a_reply_of_five_requests_is_one_stream(codec: Codec):
     one-shot decode on the CPU: cuDNN's algorithms differ in rounding only)."""
     import asyncio
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract.settings import EngineSettings, WeightSources
     from tests.asyncloop import LoopThread
 
@@ -390,7 +390,7 @@ def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
     default flush lead), with every frame of the chunk's audio."""
     import asyncio
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
     from engine.contract.settings import EngineSettings, WeightSources
@@ -425,7 +425,7 @@ def _run_observed(settings, body):
     of every event in the order the engine sent them. Returns (body's result, seen)."""
     import asyncio
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract.settings import WeightSources
     from tests.asyncloop import LoopThread
 
@@ -525,7 +525,7 @@ def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier()
     assert seen.index((m.AUDIO, b)) < seen.index((m.AUDIO, n))
 
 
-# ---- the gateway's chain (app/continuation.py) -------------------------------------------------------------
+# ---- the gateway's chain (app/core/continuation.py) -------------------------------------------------------------
 class _Held:
     """A submitted request as the chain sees it: its rid, its kept frames once they came, end()."""
 
@@ -541,7 +541,7 @@ class _Held:
 def test_chain_windows_in_order_restarts_after_a_failure_and_ends():
     import asyncio
 
-    from app.continuation import Chain
+    from app.core.continuation import Chain
     from engine.frontend.longform import LongFormOptions
 
     async def go():

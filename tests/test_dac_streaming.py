@@ -368,7 +368,7 @@ def test_first_audio_timing(codec: Codec):
 @pytest.mark.parametrize("rate", [24000, 16000])
 def test_the_first_call_gives_a_streaming_resampler_audio_to_send(rate: int):
     """Call 0 of the default schedule emits enough samples that the gateway's streaming resampler
-    (app/audio_output.py, soxr HQ) already has output for a 24 or 16 kHz client: its first audio leaves with
+    (app/io/audio_output.py, soxr HQ) already has output for a 24 or 16 kHz client: its first audio leaves with
     call 0, not ten iterations later with call 1."""
     import soxr
 

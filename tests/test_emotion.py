@@ -451,7 +451,7 @@ def test_engine_serves_proj_deltas_and_refuses_bad_ones():
     request without the delta) completes with all its audio and every slot is free afterwards."""
     import asyncio
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
     from engine.contract.settings import EngineSettings, WeightSources
@@ -523,9 +523,9 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
     unchanged, also for a clip voice; raw folders send the moved voice, and with emotion_cfg_scale the voice
     before it (the twin's); a 'proj' folder built for another hidden size is bad_params at the door;
     emotion_cfg_scale is accepted and bounded like the other guidance scales."""
-    from app.errors import RequestError
-    from app.options import parse_options
-    from app.prompts import PromptFactory
+    from app.core.options import parse_options
+    from app.core.prompts import PromptFactory
+    from app.io.errors import RequestError
     from engine.frontend.config import Zonos2Config, preset_params
 
     cfg = Zonos2Config.from_dict(preset_params("tiny"))

@@ -27,9 +27,9 @@ import websockets
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from app.openai_api import SPEECH_FIELDS as _SPEECH_FIELDS
-from app.options import PARAM_KEYS
-from app.reference_api import GENERATE_FIELDS as _GENERATE_FIELDS
+from app.core.options import PARAM_KEYS
+from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
+from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
 
 pytestmark = pytest.mark.slow
 
@@ -648,7 +648,7 @@ def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
     assert "without completing handshake" not in log, log[-3000:]  # refusals are answered, not dropped
 
 
-# ---- the dialects' HTTP routes (issue 24.1: app/dialects/*_http.py) ------------------------------------------
+# ---- the dialects' HTTP routes (issue 24.1: app/doors/dialects/*_http.py) ------------------------------------------
 # Each answers in its vendor's error shape; the check is the same: never a 5xx or `internal`, a specific code.
 DIALECT_KEY = "fuzz-dialect-key"
 
@@ -779,7 +779,7 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
 # ---- continuation records between the gateway and the engine (issue 22) ------------------------------------
 @pytest.fixture(scope="module")
 def engine_client():
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract.settings import EngineSettings, WeightSources
     from tests.asyncloop import LoopThread
 

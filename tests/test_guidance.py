@@ -261,7 +261,7 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
 
     import numpy as np
 
-    from app.engine_client import EngineClient
+    from app.core.engine_client import EngineClient
     from engine.contract import records as m
     from engine.contract.settings import EngineSettings, WeightSources
     from engine.frontend.config import Zonos2Config, preset_params

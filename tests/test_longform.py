@@ -190,7 +190,7 @@ def test_continuation_refuses_bad_frames(frames):
 
 # ---- the request fields ---------------------------------------------------------------------------------------
 def test_parse_options_carries_the_fields():
-    from app.options import SynthesisOptions, parse_options
+    from app.core.options import SynthesisOptions, parse_options
 
     opts = parse_options({"long_form": True, "long_form_chunk_chars": 80, "long_form_window_chunks": 3,
                           "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 2.0,
@@ -205,7 +205,7 @@ def test_parse_options_carries_the_fields():
     assert opts.sampling.cfg_scale == 2.0 and opts.long_form.chunk_chars == 80  # the base is untouched
     assert SynthesisOptions().long_form == LongFormOptions() and SynthesisOptions().sampling.cfg_scale == 1.0
     # and they reach the engine's request
-    from app.prompts import PromptFactory
+    from app.core.prompts import PromptFactory
     from engine.frontend.config import Zonos2Config, preset_params
     req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny")), None).request(np.zeros((2, 10)), opts, 9)
     assert req.params.prefix_cfg_scale == -0.5

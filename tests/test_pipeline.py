@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from starlette.websockets import WebSocketState
 
-from app.emotion import check_emotion
-from app.engine_client import Event, Stream
-from app.errors import RequestError
-from app.metrics import Metrics
-from app.options import SynthesisOptions
-from app.pipeline import engine_error, speak, utterance_bytes
+from app.core.emotion import check_emotion
+from app.core.engine_client import Event, Stream
+from app.core.metrics import Metrics
+from app.core.options import SynthesisOptions
+from app.core.pipeline import engine_error, speak, utterance_bytes
+from app.doors.ws import Session
+from app.io.errors import RequestError
 from app.settings import GatewaySettings, Limits
-from app.ws import Session
 from engine.contract import records as m
 from engine.contract.errors import EngineError
 from engine.frontend.config import Zonos2Config, preset_params
@@ -375,7 +375,7 @@ def test_utterance_budget_follows_the_engine_context():
     assert utterance_bytes(gw) == (1024 - 32) // 7
 
 
-# ---- an utterance whose spoken text outgrew the budget (app/gateway.py PieceStream) ---------------------
+# ---- an utterance whose spoken text outgrew the budget (app/core/gateway.py PieceStream) ---------------------
 def _piece_submitter(engine: FakeEngine, events: dict[str, list[Event]]) -> tuple[Any, list[str]]:
     """submit(piece) -> a Stream that already holds the events given for that piece."""
     submitted: list[str] = []
@@ -401,7 +401,7 @@ def _finished(reason: str = "eos", frames: int = 5) -> Event:
 
 
 def test_pieces_play_in_order_one_ahead_and_finish_once():
-    from app.gateway import PieceStream
+    from app.core.gateway import PieceStream
 
     async def go():
         engine = FakeEngine()
@@ -422,7 +422,7 @@ def test_pieces_play_in_order_one_ahead_and_finish_once():
 
 
 def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
-    from app.gateway import PieceStream
+    from app.core.gateway import PieceStream
 
     async def go():
         engine = FakeEngine()
@@ -441,7 +441,7 @@ def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
 
 
 def test_cancelling_pieces_stops_the_one_playing_and_the_one_ahead():
-    from app.gateway import PieceStream
+    from app.core.gateway import PieceStream
 
     async def go():
         engine = FakeEngine()

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from app.engine_client import EngineClient, Stream
+from app.core.engine_client import EngineClient, Stream
 from engine.contract import records as m
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing

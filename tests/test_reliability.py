@@ -488,7 +488,7 @@ def test_client_vanishing_stops_engine_work(server):
 def test_uploads_decode_off_the_event_loop(tmp_path, monkeypatch):
     """Decoding runs in a worker thread: while a decode is held up (here: until the loop itself releases
     it), the event loop goes on serving. Were the decode on the loop, nothing could release it."""
-    import app.gateway as gateway_mod
+    import app.core.gateway as gateway_mod
 
     started, release = threading.Event(), threading.Event()
 
@@ -621,8 +621,8 @@ def no_internals(message: str) -> None:
 
 
 def test_json_depth_and_shape_are_coded_errors():
-    from app.errors import RequestError
-    from app.json_input import MAX_DEPTH, parse_json_object
+    from app.io.errors import RequestError
+    from app.io.json_input import MAX_DEPTH, parse_json_object
 
     nested = "{\"a\":" + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
     for raw, needle in ((DEEP, "nested"), (DEEP.encode(), "nested"), (nested, "nested"), ("[1]", "not an array"),
@@ -715,7 +715,7 @@ def test_high_rate_clips_are_refused_from_the_header(server):
 def test_a_clip_becomes_one_embedding(tmp_path):
     """Gateway.embed_clip: a request's or session's clip is decoded and embedded once; what is kept is the
     2048-float embedding (a Voice), and the same bytes again cost no speaker_encoder run."""
-    from app.gateway import Gateway
+    from app.core.gateway import Gateway
 
     gw = Gateway(GatewaySettings(data_dir=tmp_path, text_normalization=False))
     runs: list[tuple[int, int]] = []
@@ -907,8 +907,8 @@ def test_no_sampling_value_kills_the_engine(server):
 
 
 def test_numbers_in_urls_take_ascii_digits_only():
-    from app.errors import RequestError
-    from app.query_input import decimal, query_int
+    from app.io.errors import RequestError
+    from app.io.query_input import decimal, query_int
 
     for bad in ("²", "٣", "1_000", "+1", " 1", "1 ", "", "1" * 19, "0x10", "1e3", "１"):
         with pytest.raises(RequestError) as e:
@@ -1088,7 +1088,7 @@ def test_normalization_and_head_flags():
 def test_host_rule_flags():
     assert parse_args(["--allowed-host", "a.example", "--allowed-host", "b.example"]).allowed_hosts == (
         "a.example", "b.example")
-    from app.auth import host_allowed
+    from app.io.auth import host_allowed
 
     allowed = ("gateway.example",)
     for host in ("localhost", "localhost:8000", "127.0.0.1:1", "127.9.9.9", "[::1]:8000", "::1", "LOCALHOST.",

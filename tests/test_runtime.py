@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.engine_client import EngineClient
+from app.core.engine_client import EngineClient
 from engine.contract import records as m
 from engine.contract.records import SamplingParams
 from engine.contract.settings import EngineSettings, WeightSources
@@ -264,7 +264,7 @@ def test_a_malformed_record_in_the_inbox_is_refused_and_the_engine_lives(rt):
     """A record that is none of the contract's (engine/contract/records.py), put straight into the engine's
     inbox: one that names a request is that request's bad_request, an unknown type is logged and dropped;
     the engine serves the next request."""
-    from app.engine_client import Stream
+    from app.core.engine_client import Stream
 
     lt, client = rt
     restarts = client.restarts

@@ -25,8 +25,8 @@ import soundfile as sf
 import websockets
 
 from app.__main__ import parse_args
-from app.engine_client import EngineClient, EnginePool, EngineUnavailable
-from app.gateway import engine_device
+from app.core.engine_client import EngineClient, EnginePool, EngineUnavailable
+from app.core.gateway import engine_device
 from engine.contract import records as m
 from engine.contract.settings import EngineSettings, WeightSources
 from tests.wsclient import Client
@@ -68,8 +68,8 @@ def test_each_gpu_engine_sees_only_its_gpu(monkeypatch):
 def test_shared_voice_store_sees_other_gateways_changes(tmp_path, monkeypatch):
     """Two gateways (Ray Serve replicas) on one --data-dir with --shared-voices: each sees what the other
     adds, renames and deletes, and a starting one leaves the other's write in progress alone."""
-    from app import voices as voices_mod
-    from app.voices import Voice, VoiceError, VoiceStore
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceError, VoiceStore
 
     dim = 16
     monkeypatch.setattr(voices_mod, "SHARED_RESCAN_S", 0.0)  # no wait for a coarse-mtime rescan

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from app.audio_output import OUTPUT_RATES, Encoder, check_encoding
-from app.checks import check_sample_rate, check_text
-from app.errors import RequestError
-from app.options import SynthesisOptions, parse_options
-from app.prompts import PromptFactory
+from app.core.options import SynthesisOptions, parse_options
+from app.core.prompts import PromptFactory
+from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding
+from app.io.checks import check_sample_rate, check_text
+from app.io.errors import RequestError
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.textnorm import TextNormalizer
 
@@ -99,7 +99,7 @@ def test_pcm_encoder_resamples_without_seams():
 
 
 def test_our_websocket_refuses_unknown_formats():
-    """The encoding and rate checks of our WebSocket's door (app/ws.py; the encoder takes what they pass)."""
+    """The encoding and rate checks of our WebSocket's door (app/doors/ws.py; the encoder takes what they pass)."""
     with pytest.raises(RequestError):
         check_encoding("opus")  # (mulaw and alaw are encodings now: tests/test_audio_formats.py)
     with pytest.raises(RequestError):

@@ -1,4 +1,4 @@
-"""Sentence splitting of streamed text (app/text_buffer.py): the segmenter, the streaming rule, and the
+"""Sentence splitting of streamed text (app/core/text_buffer.py): the segmenter, the streaming rule, and the
 UTF-8 budget of one utterance."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.text_buffer import TextBuffer, split_to_budget, utf8_len
+from app.core.text_buffer import TextBuffer, split_to_budget, utf8_len
 
 ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
 ISSUE_SENTENCES = ["Dr. Smith paid $5.50 on Jan. 3rd, 2026.", "He left at 5 p.m. today."]

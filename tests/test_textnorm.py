@@ -378,13 +378,13 @@ def test_real_english_normalization():
     assert norm.loaded_languages() == ["en"]
 
 
-# ---------------------------------------------------------------- the gateway's worker pool (app/normalization.py)
+# ---------------------------------------------------------------- the gateway's worker pool (app/core/normalization.py)
 # Real worker processes; the tasks below stand in for a text only in what they cost (CPU, or waiting).
 
 
 def spin_within(cpu_s: float) -> None:
     """A task that uses CPU until its bound ends the worker (as a pathological text would)."""
-    from app.normalization import cpu_bound
+    from app.core.normalization import cpu_bound
 
     with cpu_bound(cpu_s):
         while True:
@@ -401,7 +401,7 @@ def wait_for_file(path: str) -> int:
 
 
 def _pool(**kw):
-    from app.normalization import NormalizationPool
+    from app.core.normalization import NormalizationPool
 
     return NormalizationPool(kw.pop("workers", 1), kw.pop("cpu_limit_s", 30.0), kw.pop("max_tasks", 0),
                              warm=(), available=True, **kw)
@@ -469,7 +469,7 @@ def test_a_short_text_gets_a_worker_while_long_ones_hold_the_others(tmp_path):
 def test_fair_turns_serve_the_owner_that_used_the_workers_least():
     import asyncio
 
-    from app.normalization import FairTurns
+    from app.core.normalization import FairTurns
 
     async def go():
         turns = FairTurns(1)
@@ -498,7 +498,7 @@ def test_fair_turns_serve_the_owner_that_used_the_workers_least():
 def test_a_cancelled_wait_gives_its_turn_away():
     import asyncio
 
-    from app.normalization import FairTurns
+    from app.core.normalization import FairTurns
 
     async def go():
         turns = FairTurns(1)
@@ -531,8 +531,8 @@ def test_real_normalization_past_its_cpu_bound_is_a_coded_error():
     fails with normalization_timeout, and the pool goes on normalizing (a new worker)."""
     import asyncio
 
-    from app.errors import RequestError
-    from app.normalization import NormalizationPool
+    from app.core.normalization import NormalizationPool
+    from app.io.errors import RequestError
 
     async def go():
         pool = NormalizationPool(1, 0.05, 0)  # warms en_us as it starts: the shared grammar cache

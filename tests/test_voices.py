@@ -1,6 +1,6 @@
 """Voices as first-class objects.
 
-Unit tests of app/voices.py (embedding files, SLERP, the on-disk VoiceStore with its atomic writes and
+Unit tests of app/voices/library.py (embedding files, SLERP, the on-disk VoiceStore with its atomic writes and
 crash recovery), then the /v1/voices API on the shared loopback server (tests/conftest.py `server`):
 averaging several clips, previews, .npy/.npz round trips, blends, renames, deletes, every bad input,
 and voices used by name from /v1/audio/speech, /tts/generate and the WebSocket protocol.
@@ -24,8 +24,8 @@ import pytest
 import soundfile as sf
 import websockets
 
-from app import voices as voices_mod
-from app.voices import MAX_EMBEDDING_ROWS, Voice, VoiceError, VoiceStore, parse_embedding_file, slerp
+from app.voices import library as voices_mod
+from app.voices.library import MAX_EMBEDDING_ROWS, Voice, VoiceError, VoiceStore, parse_embedding_file, slerp
 
 D = 2048  # the model's speaker embedding dimension (tiny preset and release alike)
 FAST = {"max_frames": 12, "ignore_eos": True, "seed": 7}

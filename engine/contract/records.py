@@ -32,7 +32,7 @@ engine -> gateway
   Stats          stats     EngineStats's fields (about once a second)
 
 `RequestStats` are measured once, in the engine, and reach the client unchanged as `audio.done`'s
-`stats.engine`; the gateway adds only what it alone measures (app/pipeline.py, `UtteranceStats`).
+`stats.engine`; the gateway adds only what it alone measures (app/core/stats.py, `UtteranceStats`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ CANCELLED = "cancelled"  # the finish reason of a cancelled request (the others:
 HISTORY = 256  # repetition ring length per slot; repetition_window is capped at it
 
 # The bounds of every sampling value, in this one place: the gateway checks them when a request arrives
-# (every API and dialect, app/options.py parse_options), the engine again on submit (a record outside
+# (every API and dialect, app/core/options.py parse_options), the engine again on submit (a record outside
 # them is that request's `bad_request`). The sampler keeps each value in a float32 or int64 tensor; each
 # bound lies well inside those (1e308 passed `isfinite` once and overflowed the sampler's float32 tensor,
 # killing the engine) and past what still changes the sampling: logits are a few tens at most, so at

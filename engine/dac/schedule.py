@@ -10,7 +10,7 @@ DELAY = N_CODEBOOKS - 1  # codebook 8 of aligned frame t arrives with delayed fr
 
 FIRST_AUDIO_FRAMES = 10  # the decoder's lag (4,757 samples, engine/dac/incremental.py) rounded up to frames
 # call 0 of the default schedule: 13 x 512 - 4,757 = 1,899 samples (43 ms), enough that a client's streaming
-# resampler (soxr HQ, app/audio_output.py) has output for it at 24 and 16 kHz (it needs ~1,700-1,770 input
+# resampler (soxr HQ, app/io/audio_output.py) has output for it at 24 and 16 kHz (it needs ~1,700-1,770 input
 # samples before its first block); a 10-frame call 0 (363 samples) gave the client nothing to play until
 # call 1, ten iterations later (+80 ms of first audio at 64 streams on the H200)
 FIRST_CALL_FRAMES = 13

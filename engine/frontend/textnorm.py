@@ -28,7 +28,7 @@ files, so the output matches.
 `normalize` blocks and uses the CPU. With the grammar loaded, a short sentence takes 20-60 ms (de
 up to about 1.5 s) and 300 characters of English about 0.3 s. Calls for one language are
 serialized, because NeMo's `Normalizer` is not thread-safe. The gateway runs it in worker processes
-(app/normalization.py: parallel, a CPU bound per text, workers recycled), never in its own process.
+(app/core/normalization.py: parallel, a CPU bound per text, workers recycled), never in its own process.
 
 Nothing from NeMo or pynini is imported until the first normalization. Importing this module is
 cheap, and it works without the package installed.

@@ -1,0 +1,96 @@
+"""The gateway's side of continuation across sentences (engine/frontend/longform.py, issue 22): one voice and one
+DAC stream from a context's first utterance to its last.
+
+Every utterance of a context is a `Link` of that context's `Chain`, in order. An utterance after the first
+is generated with the reference's continuation prompt (`PromptBuilder.build_continuation`) of the window of
+earlier chunks (`Continuation`: their spoken text and the kept frames the engine returned in their `kept`
+records), submitted with `continues` = the request before it (on the same engine), so the engine continues
+that request's DAC stream. Every link is submitted `hold` (non-final: no trailing-silence conditioning, its
+last BOUNDARY_TRIM frames dropped, its stream kept open) unless it is known to be the last: `Chain.end`
+(an HTTP text's end, a WebSocket flush, close) makes the last link final, or, when it is already
+submitted, asks the engine to flush its stream. A link whose request failed or was cancelled, or an
+utterance of several engine requests (PieceStream), starts the chain over: the next utterance is fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.core.engine_client import Stream
+from engine.frontend.longform import Continuation, LongFormOptions
+
+
+@dataclass(eq=False)
+class Link:
+    """One utterance's place in its context's chain."""
+
+    prev: Link | None
+    final: bool = False  # the last of its chain: generated final, its stream ends with it
+    text: str = ""  # the spoken (normalized) text it was generated from, once submitted
+    stream: Stream | None = None  # its engine request, once submitted as a chain member
+    settled: asyncio.Event = field(default_factory=asyncio.Event)  # submitted, or given up (stream None)
+
+    def settle(self, text: str = "", stream: Stream | None = None) -> None:
+        if not self.settled.is_set():
+            self.text, self.stream = text, stream
+            self.settled.set()
+
+
+@dataclass
+class Context:
+    """What a link continues: the window's text and kept frames, and the request whose stream it takes;
+    `smaller` are the windows to fall back to when its prompt would not fit the engine's context: without
+    the pinned first chunk, then none (a fresh prompt; the DAC stream still goes on)."""
+
+    text: str
+    codes: np.ndarray
+    prev: Stream | None
+    smaller: list[tuple[str, np.ndarray]] = field(default_factory=list)
+
+
+class Chain:
+    """The continuation state of one context (see the module docstring)."""
+
+    def __init__(self, opts: LongFormOptions) -> None:
+        self.opts = opts
+        self.cont = self._fresh()
+        self.last: Link | None = None
+
+    def _fresh(self) -> Continuation:
+        return Continuation(window_chunks=self.opts.window_chunks, pin_anchor=self.opts.pin_anchor)
+
+    def link(self) -> Link:
+        """The next utterance's link (in the order the utterances were queued)."""
+        self.last = Link(prev=self.last)
+        return self.last
+
+    async def context(self, link: Link) -> Context:
+        """Wait until the link before has been submitted and its kept frames came back; the window the link
+        continues (empty: it starts the chain over). Called once per link, in chain order."""
+        prev, link.prev = link.prev, None  # a chain holds no more than its newest links
+        if prev is None:
+            return Context("", np.zeros((0, 9), np.int64), None)
+        await prev.settled.wait()
+        stream = prev.stream
+        if stream is not None:
+            await stream.kept_ready.wait()
+        if stream is None or stream.kept is None:  # failed, cancelled, final or not a chain member
+            self.cont = self._fresh()
+            return Context("", np.zeros((0, 9), np.int64), None)
+        self.cont.add(prev.text, stream.kept)
+        text, codes = self.cont.window()
+        smaller = [w for w in (self.cont.window(anchor=False),) if len(w[1]) < len(codes)]
+        # no frames (window 1 without an anchor): a fresh prompt, the same stream
+        return Context(text, codes, stream, [*smaller, ("", np.zeros((0, 9), np.int64))])
+
+    def end(self) -> None:
+        """No utterance follows the last one queued: it is final (or its held stream is flushed now)."""
+        last = self.last
+        if last is None:
+            return
+        last.final = True
+        if last.stream is not None:
+            last.stream.end()

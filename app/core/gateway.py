@@ -1,0 +1,353 @@
+"""The gateway's shared state and the one path every API takes to the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import io
+import logging
+import os
+import re
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+
+from app.core.continuation import Chain, Link
+from app.core.emotion import check_emotion, emotion_directions
+from app.core.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
+from app.core.metrics import Metrics
+from app.core.normalization import NormalizationPool, default_workers
+from app.core.options import SynthesisOptions
+from app.core.prompts import PromptFactory
+from app.core.text_buffer import split_to_budget, utf8_len
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.settings import GatewaySettings
+from app.voices.library import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
+from engine.contract import records as m
+from engine.contract.errors import EngineError as E
+from engine.contract.rings import RecordTooLarge
+from engine.frontend.audio import AudioDecodeError, ClipTooLong, decode_audio
+from engine.frontend.config import Zonos2Config, preset_params
+
+log = logging.getLogger("gateway")
+
+CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
+
+# One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
+# about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
+# share the engine's context; the prompt's other rows (conditioning, BOS/EOS, 17 frames of silence)
+# take at most PROMPT_OVERHEAD frames.
+AUDIO_FRAMES_PER_BYTE = 6
+PROMPT_OVERHEAD = 32
+MIN_UTTERANCE_BYTES = 64
+
+
+def engine_context(gw: Gateway) -> int:
+    """Frames of the engine's context (prompt + audio) per request."""
+    return int(gw.engine.info.get("max_context") or gw.settings.engine.max_context or gw.cfg.max_seqlen)
+
+
+def utterance_bytes(gw: Gateway) -> int:
+    """The UTF-8 size of the longest utterance: at most --max-text-chars bytes, and small enough that its
+    prompt and its speech fit the engine's context and --max-frames. Text is cut to it twice: as written
+    (app/core/text_buffer.py, sentences) and as spoken, after normalization (Gateway.start_utterance)."""
+    lim = gw.settings.limits
+    context = engine_context(gw)
+    fits_context = (context - PROMPT_OVERHEAD) // (1 + AUDIO_FRAMES_PER_BYTE)
+    fits_frames = lim.max_frames // AUDIO_FRAMES_PER_BYTE
+    return max(MIN_UTTERANCE_BYTES, min(lim.max_text_chars, fits_context, fits_frames))
+
+
+def model_config(settings: GatewaySettings) -> Zonos2Config:
+    if settings.weights.model_path:
+        return Zonos2Config.from_file(settings.weights.model_path)
+    return Zonos2Config.from_dict(preset_params(settings.weights.random_preset))
+
+
+def engine_device(device: str, pooled: bool) -> tuple[str, dict[str, str]]:
+    """The device an engine process is told, and the environment it gets. In a pool (--devices) an engine
+    on cuda:N sees only that GPU (CUDA_VISIBLE_DEVICES, mapped through ours when it is set), as cuda:0:
+    every kernel, graph and allocation of the process is then on its own GPU whatever the current device."""
+    if not pooled or not device.startswith("cuda"):
+        return device, {}
+    index = int(device.partition(":")[2] or 0)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        if index >= len(visible):
+            raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has "
+                             f"{len(visible)} device(s)")
+        return "cuda:0", {"CUDA_VISIBLE_DEVICES": visible[index]}
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(index)}
+
+
+def engine_pool(settings: GatewaySettings) -> EnginePool:
+    """One EngineClient per device of --devices (one on --device without it), each supervised alone."""
+    pooled = bool(settings.devices)
+    engines = []
+    for i, device in enumerate(settings.devices or (settings.engine.device,)):
+        child_device, env = engine_device(device, pooled)
+        engines.append(EngineClient(
+            settings.weights, dataclasses.replace(settings.engine, device=child_device),
+            max_buffered_s=settings.limits.max_buffered_audio_s, log_level=settings.log_level,
+            name=str(i), device=device, env=env,
+        ))
+    return EnginePool(engines)
+
+
+class Gateway:
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.cfg = model_config(settings)
+        self.metrics = Metrics()
+        # `engine` places every request on one of `engines` (one process per device, docs/scaling.md)
+        self.engine = engine_pool(settings)
+        self.engines = self.engine.engines
+        self.metrics.engines = lambda: self.engines
+        self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
+        lim = settings.limits
+        # text normalization runs in worker processes (app/core/normalization.py); prompts get the spoken text
+        self.normalizer = NormalizationPool(
+            settings.normalization_workers or default_workers(), lim.normalization_cpu_s,
+            lim.normalization_max_tasks) if settings.text_normalization else None
+        self.prompts = PromptFactory(self.cfg, None, emotion_directions(settings.emotion_directions_dir))
+        if self.normalizer is not None:
+            turns = self.normalizer.turns
+            self.metrics.normalizing.set_function(lambda: turns.active)
+            self.metrics.normalization_waiting.set_function(lambda: turns.waiting)
+        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
+        self.sessions = 0
+        self.started_at = time.time()
+        self._defaults_task: asyncio.Task[None] | None = None
+        self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
+
+    async def start(self) -> None:
+        await self.engine.start()
+        if self.normalizer is not None and self.normalizer.available:
+            # each worker loads the English grammars as it starts (~1 s from the cache, ~1 min to compile
+            # the first time): not on a request
+            self.normalizer.start()
+        if self.settings.default_voices_dir:
+            self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
+
+    async def close(self) -> None:
+        if self._defaults_task:
+            self._defaults_task.cancel()
+        if self.normalizer is not None:
+            await asyncio.to_thread(self.normalizer.close)
+        await self.engine.close()
+
+    # ---- auth scope ------------------------------------------------------------------------------
+    @staticmethod
+    def owner_of(api_key: str | None) -> str:
+        return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
+
+    # ---- audio in --------------------------------------------------------------------------------
+    async def decode_clip(self, data: bytes) -> tuple[np.ndarray, int]:
+        """Decode an uploaded reference clip in a worker thread and apply the size limits."""
+        lim = self.settings.limits
+        if len(data) > lim.max_upload_bytes:
+            raise RequestError(G.UPLOAD_TOO_LARGE, f"clips are limited to {lim.max_upload_bytes} bytes")
+        if not data:
+            raise RequestError(E.BAD_AUDIO, "the clip is empty")
+        try:
+            samples, sr = await asyncio.to_thread(decode_audio, data, lim.max_clip_seconds)
+        except ClipTooLong as e:
+            raise RequestError(G.CLIP_TOO_LONG, str(e)) from None
+        except AudioDecodeError as e:
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
+        seconds = len(samples) / sr
+        if seconds > lim.max_clip_seconds:
+            raise RequestError(G.CLIP_TOO_LONG, f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
+        if seconds < lim.min_clip_seconds:
+            raise RequestError(G.CLIP_TOO_SHORT, f"clips need at least {lim.min_clip_seconds:g} s of audio")
+        return samples, sr
+
+    async def embed_samples(self, samples: np.ndarray, sr: int) -> np.ndarray:
+        """One speaker_encoder run in the engine: decoded clip -> embedding."""
+        try:
+            return await self.engine.embed(samples, sr)
+        except EngineUnavailable as e:
+            raise RequestError(E.ENGINE_BUSY, str(e)) from None
+        except RecordTooLarge:
+            raise RequestError(G.CLIP_TOO_LONG, f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
+                               "engine takes in one piece: send a shorter clip or a lower sample rate") from None
+        except ValueError as e:
+            raise RequestError(E.BAD_AUDIO, str(e)) from None
+
+    def check_emotion(self, opts: SynthesisOptions, voice: Voice | None, clip: bool = False) -> None:
+        """A request's emotion fields that its voice (or a clip) would refuse, refused at the door
+        (app/core/emotion.py), against this server's --emotion-directions-dir."""
+        check_emotion(self.prompts.emotion, opts, voice, self.cfg.dim, clip)
+
+    async def embed_clip(self, raw: bytes, owner: str) -> Voice:
+        """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded
+        once, so the session keeps 2048 floats instead of the decoded audio, and its utterances skip the
+        speaker encoder. The embedding is a function of the bytes alone: a clip sent again is not re-run."""
+        digest = hashlib.sha256(raw).digest()
+        emb = self._clip_embeddings.get(digest)
+        if emb is None:
+            samples, sr = await self.decode_clip(raw)
+            emb = await self.embed_samples(samples, sr)
+            del samples
+            self._clip_embeddings[digest] = emb
+            while len(self._clip_embeddings) > CLIP_CACHE:
+                self._clip_embeddings.popitem(last=False)
+        else:
+            self._clip_embeddings.move_to_end(digest)
+        return Voice(id="clip", name="clip", owner=owner, source="clip", dim=len(emb), embedding=emb)
+
+    # ---- the path to the engine ------------------------------------------------------------------
+    async def start_utterance(
+        self, text: str, opts: SynthesisOptions, voice: Voice | None = None,
+        clip: tuple[np.ndarray, int] | None = None, owner: object = None,
+        chain: Chain | None = None, link: Link | None = None,
+    ) -> Stream | PieceStream:
+        """One utterance's engine work. Its text is normalized (in a worker process, in `owner`'s turn: a
+        session or an HTTP request), and the spoken text, which can be several times longer ("$1,234,567.89"
+        is 13 bytes written, 95 spoken), is cut to the utterance budget again: the model gets every byte of
+        it, in one engine request or in a few, one after another (PieceStream). chain, link: its place in
+        its context's continuation chain (app/core/continuation.py)."""
+        if len(text) > self.settings.limits.max_text_chars:
+            raise RequestError(G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
+        if opts.text_normalization and self.normalizer is not None:
+            text = await self.normalizer.normalize(text, opts.language, owner)
+        budget = utterance_bytes(self)
+        pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]
+        embedding = voice.embedding if voice is not None else None
+        speaker = embedding is not None or clip is not None
+
+        def submit(piece: str) -> Stream:
+            prompt = self.prompts.build_sync(piece, opts, speaker)
+            req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
+            try:
+                return self.engine.submit(req)
+            except EngineUnavailable as e:
+                raise RequestError(E.ENGINE_BUSY, str(e)) from None
+
+        if chain is not None and link is not None and len(pieces) == 1:
+            return await self._continue(chain, link, pieces[0], opts, embedding, clip)
+        if link is not None:
+            link.settle()  # an utterance of several requests is no chain member: the next starts fresh
+        return submit(pieces[0]) if len(pieces) == 1 else PieceStream(submit, pieces)
+
+    async def _continue(self, chain: Chain, link: Link, text: str, opts: SynthesisOptions,
+                        embedding: np.ndarray | None, clip: tuple[np.ndarray, int] | None) -> Stream:
+        """One utterance of a continuation chain (app/core/continuation.py): it continues the chunks before it
+        and their DAC stream, on the engine that holds that stream."""
+        try:
+            ctx = await chain.context(link)
+            speaker = embedding is not None or clip is not None
+            # the prompt and the chunk's speech must fit the engine's context (as utterance_bytes reckons)
+            room = engine_context(self) - PROMPT_OVERHEAD - AUDIO_FRAMES_PER_BYTE * utf8_len(text)
+            # no await from reading link.final to settling the link: Chain.end sees either a final link or
+            # its stream
+            for ctx_text, ctx_codes in [(ctx.text, ctx.codes), *ctx.smaller]:
+                prompt = self.prompts.build_sync(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
+                if len(prompt) <= room:
+                    break
+            req = dataclasses.replace(self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding,
+                                                           clip),
+                                      hold=not link.final, continues=ctx.prev.rid if ctx.prev is not None else 0)
+            if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
+                req = dataclasses.replace(req, uncond_prompt=self.prompts.build_sync(text, opts, speaker, None,
+                                                                                       not link.final))
+            try:  # the stream it continues lives on one engine
+                stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
+            except EngineUnavailable as e:
+                raise RequestError(E.ENGINE_BUSY, str(e)) from None
+            link.settle(text, stream)
+            return stream
+        finally:
+            link.settle()
+
+    def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
+        if ref is None or ref == "":
+            return None
+        return self.voices.get(ref, owner)  # VoiceError is a RequestError: unknown_voice, 404
+
+    # ---- default voices --------------------------------------------------------------------------
+    async def _load_default_voices(self, folder: Path) -> None:
+        await self.engine.ready.wait()
+        files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES | {".npy", ".npz"})
+        for path in files:
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+                name = re.sub(r"[_\-]+", " ", path.stem).strip()[:64] or path.stem
+                vid = "default_" + hashlib.sha1(str(path.relative_to(folder)).encode()).hexdigest()[:16]
+                preview = None
+                if path.suffix.lower() in {".npy", ".npz"}:
+                    emb = parse_embedding_file(data, self.cfg.speaker_embedding_dim)
+                else:
+                    samples, sr = await self.decode_clip(data)
+                    emb = await self.embed_samples(samples, sr)
+                    preview = wav_bytes(samples, sr)
+                voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb),
+                              details={"file": path.name})
+                self.voices.remember_default(voice, emb, preview)
+                log.info("default voice %r ready (%s)", name, vid)
+            except (RequestError, OSError) as e:
+                log.warning("default voice %s skipped: %s", path, e)
+
+
+class PieceStream:
+    """An utterance whose spoken text takes more than one engine request, read as one Stream: the pieces
+    play in order, the next one submitted when the one before starts to be read (so one generates ahead,
+    as in the pipeline); one `finished` at the end with the frames of all, or the first error."""
+
+    def __init__(self, submit: Callable[[str], Stream], pieces: list[str]) -> None:
+        self._submit = submit
+        self._pending = deque(pieces[1:])
+        self.current: Stream = submit(pieces[0])
+        self.ahead: Stream | None = None
+        self.done = False
+        self._frames = 0
+        self._reason: str | None = None  # the first piece that did not end on its own (max_frames)
+
+    def __aiter__(self) -> PieceStream:
+        return self
+
+    async def __anext__(self) -> Event:
+        while not self.done:
+            if self.ahead is None and self._pending:
+                try:
+                    self.ahead = self._submit(self._pending.popleft())
+                except RequestError as e:
+                    self.cancel()
+                    return m.Error(self.current.rid, E.of(e.code), str(e))
+            try:
+                ev = await self.current.__anext__()
+            except StopAsyncIteration:  # (a stream always ends with an event; this is the guard)
+                ev = m.Finished(self.current.rid, m.CANCELLED)
+            if isinstance(ev, m.Finished):
+                self._frames += ev.stats.frames if ev.stats is not None else 0
+                if ev.reason != "eos" and self._reason is None:
+                    self._reason = ev.reason
+                if self.ahead is not None and ev.reason != m.CANCELLED:
+                    self.current, self.ahead = self.ahead, None
+                    continue
+                self.done = True
+                stats = dataclasses.replace(ev.stats, frames=self._frames) if ev.stats is not None else None
+                return dataclasses.replace(ev, reason=self._reason or ev.reason, stats=stats)
+            if isinstance(ev, m.Error):
+                self.cancel()
+            return ev
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.done = True
+        self._pending.clear()
+        self.current.cancel()
+        if self.ahead is not None:
+            self.ahead.cancel()
+
+
+def wav_bytes(samples: np.ndarray, sr: int) -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, sr, format="WAV", subtype="PCM_16")
+    return buf.getvalue()

@@ -1,0 +1,146 @@
+"""Prometheus metrics of the gateway and of its engines (each engine reports through its stats event).
+
+The engine gauges without a label are totals over the engines (as with one engine): requests, queue,
+finished and cancelled are sums, `zonos_engine_step_ms` is the slowest engine's median step,
+`zonos_engine_ready` is 1 while at least one engine is ready (readiness). The same gauges per engine
+carry the label `engine` (its index in --devices) under the name `..._by_engine`, with the engine's free
+slots, the requests this gateway has open on it, its placement headroom and the requests placed on it
+(`zonos_engine_requests_total{engine, kind}`, kind utterance or embedding). docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from app.core.stats import UtteranceStats
+from engine.contract.records import AdmissionGate, Stats
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+_RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
+
+
+class EngineView(Protocol):
+    """What the metrics read of one engine (app/core/engine_client.py EngineClient)."""
+
+    name: str | None
+    stats: Stats | None  # its last Stats record (None: not heard from since it started)
+    restarts: int
+
+    @property
+    def ready(self) -> Any: ...
+    @property
+    def in_flight(self) -> int: ...
+    def headroom(self) -> float: ...
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.sessions = Gauge("zonos_active_sessions", "Open WebSocket sessions", registry=r)
+        self.requests = Counter("zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"],
+                                registry=r)
+        self.ttfa = Histogram("zonos_time_to_first_audio_seconds", "Text complete to first audio byte sent",
+                              ["api"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.rtf = Histogram("zonos_rtf", "Wall time / audio time per utterance", ["api"], buckets=_RTF_BUCKETS,
+                             registry=r)
+        self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
+        self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
+        self.queue_depth = Gauge("zonos_engine_queue_depth", "Requests waiting for an engine slot", registry=r)
+        self.engine_active = Gauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
+        self.step_ms = Gauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
+        self.engine_restarts = Gauge("zonos_engine_restarts", "Engine process restarts", registry=r)
+        # text normalization's worker processes (app/core/normalization.py); the gateway sets their functions
+        self.normalizing = Gauge("zonos_normalization_active", "Texts being normalized in worker processes",
+                                 registry=r)
+        self.normalization_waiting = Gauge("zonos_normalization_waiting", "Texts waiting for a normalization worker",
+                                           registry=r)
+        self.engine_ready = Gauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
+        self.engine_finished = Gauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
+                                     "started)", registry=r)
+        self.engine_cancelled = Gauge("zonos_engine_cancelled", "Requests the engine stopped early: a cancel, a "
+                                      "client gone, a slow consumer (since it started)", registry=r)
+        # per engine (label `engine`)
+        e = ["engine"]
+        self.engine_requests = Counter("zonos_engine_requests", "Requests placed on each engine, by kind "
+                                       "(utterance, embedding)", ["engine", "kind"], registry=r)
+        self.by_engine = {
+            "ready": Gauge("zonos_engine_ready_by_engine", "1 when this engine accepts requests", e, registry=r),
+            "restarts": Gauge("zonos_engine_restarts_by_engine", "Restarts of this engine's process", e, registry=r),
+            "active": Gauge("zonos_engine_active_requests_by_engine", "Requests in this engine's slots", e,
+                            registry=r),
+            "waiting": Gauge("zonos_engine_queue_depth_by_engine", "Requests waiting for a slot of this engine", e,
+                             registry=r),
+            "free_slots": Gauge("zonos_engine_free_slots_by_engine", "Free decode slots of this engine", e,
+                                registry=r),
+            "open": Gauge("zonos_engine_open_requests_by_engine", "Requests this gateway has open on this engine "
+                          "(sent and not finished)", e, registry=r),
+            "headroom": Gauge("zonos_engine_headroom_by_engine", "Requests this engine could start now (free slots, "
+                              "and under realtime admission what its iteration period admits); placement picks "
+                              "the largest", e, registry=r),
+            "step_ms_p50": Gauge("zonos_engine_step_ms_by_engine", "Median loop step time of this engine (ms)", e,
+                                 registry=r),
+            "period_ms": Gauge("zonos_engine_period_ms_by_engine", "Average iteration period of this engine while "
+                               "streams run (ms)", e, registry=r),
+            "finished": Gauge("zonos_engine_finished_by_engine", "Requests this engine ran to their end (since it "
+                              "started)", e, registry=r),
+            "cancelled": Gauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
+                               "started)", e, registry=r),
+            "starting": Gauge("zonos_engine_starting_by_engine", "Admitted streams whose players have not started "
+                              "yet (realtime admission's slow start bounds them)", e, registry=r),
+            "paced": Gauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
+                           "its audio decoder was behind (since it started)", e, registry=r),
+        }
+        self.held_by_gate = Gauge("zonos_engine_admission_held_by_engine", "Iterations in which a waiting request "
+                                  "was held back, by the realtime admission gate that held it (since the engine "
+                                  "started; engine/runtime/admission.py)", ["engine", "gate"], registry=r)
+        self.engines: Callable[[], Sequence[EngineView]] | None = None  # set by the gateway: read at each render
+
+    def refresh_engines(self, engines: Sequence[EngineView]) -> None:
+        """Every engine gauge from the engines' current state (their last STATS record; none while one is
+        down), the unlabelled ones as totals."""
+        total = {"active": 0.0, "waiting": 0.0, "finished": 0.0, "cancelled": 0.0}
+        steps = []
+        for eng in engines:
+            name = eng.name or "0"
+            st = eng.stats or Stats()
+            g = self.by_engine
+            g["ready"].labels(name).set(1 if eng.ready.is_set() else 0)
+            g["restarts"].labels(name).set(eng.restarts)
+            g["open"].labels(name).set(eng.in_flight)
+            g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
+            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced", "starting"):
+                g[key].labels(name).set(getattr(st, key) or 0)
+            for gate in AdmissionGate:
+                self.held_by_gate.labels(name, gate.value).set(getattr(st, f"held_{gate.value}"))
+            if st.step_ms_p50 is not None:
+                g["step_ms_p50"].labels(name).set(st.step_ms_p50)
+                steps.append(st.step_ms_p50)
+            for key in total:
+                total[key] += getattr(st, key) or 0
+        self.engine_active.set(total["active"])
+        self.queue_depth.set(total["waiting"])
+        self.engine_finished.set(total["finished"])
+        self.engine_cancelled.set(total["cancelled"])
+        if steps:
+            self.step_ms.set(max(steps))
+        if engines:
+            self.engine_ready.set(1 if any(e.ready.is_set() for e in engines) else 0)
+            self.engine_restarts.set(sum(e.restarts for e in engines))
+
+
+    def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
+        """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""
+        self.requests.labels(api, "ok").inc()
+        if stats.listener_ttfa_ms is not None:
+            self.ttfa.labels(api).observe(stats.listener_ttfa_ms / 1e3)
+        if stats.listener_rtf is not None:
+            self.rtf.labels(api).observe(stats.listener_rtf)
+        self.audio_seconds.inc(stats.audio_ms / 1e3)
+
+    def render(self) -> bytes:
+        if self.engines is not None:
+            self.refresh_engines(self.engines())
+        return generate_latest(self.registry)

@@ -1,0 +1,254 @@
+"""The utterance pipeline every API speaks through (the WebSocket session and both HTTP speech routes).
+
+Text is cut into sentences (app/core/text_buffer.py), each sentence is one utterance (one engine request, or
+a few when its normalized text outgrows the budget: app/core/gateway.py), and utterances play strictly in order while the next ones already generate (up to
+`max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
+The utterances of a context continue one another (app/core/continuation.py: one voice, one DAC stream) unless
+their options say long_form false; `end` says a context's last utterance has been queued.
+What the gateway alone measures of an utterance (`UtteranceStats`: the listener's time to first audio and
+real-time factor) is defined here; the engine's own timings come measured in its `finished` record
+(engine/contract/records.py RequestStats) and pass through unchanged. An engine error becomes the gateway's
+error here (its code and HTTP status: engine/contract/errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.core.continuation import Chain, Link
+from app.core.engine_client import Stream
+from app.core.gateway import Gateway, utterance_bytes
+from app.core.options import SynthesisOptions
+from app.core.stats import UtteranceStats
+from app.core.text_buffer import TextBuffer
+from app.io.audio_output import Encoder
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.voices.library import Voice
+from engine.contract import records as m
+from engine.contract.constants import SAMPLE_RATE
+from engine.contract.errors import EngineError
+
+log = logging.getLogger("gateway.pipeline")
+
+DEFAULT_CONTEXT = "default"
+
+
+def engine_error(err: m.Error) -> RequestError:
+    """An error the engine (or the stream to it) reported, as the gateway's error: the code and its HTTP
+    status from engine/contract/errors.py (an unknown code already read as `internal`, a bug)."""
+    return RequestError(err.code, err.message or err.code.value)
+
+
+def text_buffer(gw: Gateway, language: str) -> TextBuffer:
+    return TextBuffer(utterance_bytes(gw), language)
+
+
+def split_text(gw: Gateway, text: str, language: str) -> list[str]:
+    """A whole text (an HTTP input) as its utterances, in order."""
+    buf = text_buffer(gw, language)
+    return buf.append(text) + buf.flush()
+
+
+@dataclass(eq=False)
+class Utterance:
+    id: str
+    seq: int
+    context_id: str
+    text: str
+    opts: SynthesisOptions
+    voice: Voice | None
+    clip: tuple[np.ndarray, int] | None
+    encoder: Encoder | None = None  # the client's encoding (WebSocket); HTTP routes encode themselves
+    t_created: float = field(default_factory=time.perf_counter)  # its text was complete
+    t_head: float | None = None  # it began to play: the utterance before it had been sent
+    t_first: float | None = None  # its first audio was handed to the client
+    t_done: float | None = None  # its last audio was handed to the client
+    samples: int = 0  # 44.1 kHz samples handed to the client
+    stream: Stream | None = None
+    start_task: asyncio.Task[None] | None = None
+    error: RequestError | None = None
+    finish: m.Finished | None = None  # the engine's `finished` record
+    cancelled: bool = False
+    chain: Chain | None = None  # its context's continuation chain (None: long_form false)
+    link: Link | None = None
+
+    def measured(self) -> UtteranceStats:
+        start = max(self.t_created, self.t_head or self.t_created)  # the moment it could play
+        audio_ms = self.samples / SAMPLE_RATE * 1e3
+        engine = self.finish.stats if self.finish is not None else None
+        return UtteranceStats(
+            listener_ttfa_ms=round((self.t_first - start) * 1e3, 2) if self.t_first else None,
+            listener_rtf=(round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4)
+                          if audio_ms else None),
+            audio_ms=round(audio_ms, 2),
+            frames=engine.frames if engine is not None else None,
+            finish_reason=self.finish.reason if self.finish is not None else None,
+            engine=engine,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """`audio.done`'s stats (UtteranceStats.as_json)."""
+        return self.measured().as_json()
+
+
+class UtterancePipeline:
+    """The utterances of one session (or one HTTP request), played strictly in order."""
+
+    def __init__(self, gw: Gateway, api: str, depth: int | None = None) -> None:
+        self.gw, self.api = gw, api
+        self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
+        self.queue: deque[Utterance] = deque()  # not yet fully played, in order; the head is playing
+        self.changed = asyncio.Event()  # set whenever utterances are added or dropped
+        self._seq = itertools.count(1)
+        self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/core/continuation.py)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def add(self, texts: Iterable[str], opts: SynthesisOptions, voice: Voice | None,
+            clip: tuple[np.ndarray, int] | None, context_id: str = DEFAULT_CONTEXT,
+            encoder: tuple[str, int] | None = None) -> list[Utterance]:
+        added = []
+        for text in texts:
+            seq = next(self._seq)
+            u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
+                          clip=clip, encoder=Encoder(*encoder) if encoder else None)
+            if opts.long_form.long_form is False:
+                self.end(context_id)
+            else:
+                u.chain = self.chains.get(context_id) or self.chains.setdefault(context_id, Chain(opts.long_form))
+                u.link = u.chain.link()
+            self.queue.append(u)
+            added.append(u)
+        if added:
+            self.prefetch()
+            self.changed.set()
+        return added
+
+    def prefetch(self) -> None:
+        """Keep the first `depth` utterances generating: the one playing and the next ones. The utterances of
+        a continuation chain all start: each generates only once the one before it has (app/core/continuation.py),
+        and the one before cannot end its audio until the next continues its stream (or it is flushed)."""
+        for i, u in enumerate(self.queue):
+            if u.start_task is None and (i < self.depth or u.chain is not None):
+                u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
+
+    async def _start(self, u: Utterance) -> None:
+        try:
+            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip, owner=self, chain=u.chain,
+                                                     link=u.link)
+        except RequestError as e:
+            u.error = e
+        except Exception:  # a bug must cost this utterance, not the session
+            log.exception("starting %s failed", u.id)
+            u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
+        else:
+            if u.cancelled:
+                u.stream.cancel()
+        finally:
+            if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
+                u.link.settle()
+
+    def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
+        """Drop the queued utterances of a context (None: all), only those queued after utterance number
+        `after` when it is given, and stop their GPU work now."""
+        dropped = [u for u in self.queue if (context_id is None or u.context_id == context_id)
+                   and (after is None or u.seq > after)]
+        for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain
+            self.chains.pop(ctx, None)
+        for u in dropped:
+            u.cancelled = True
+            if u.stream is not None:
+                u.stream.cancel()
+            elif u.start_task is not None:
+                u.start_task.cancel()
+            self.queue.remove(u)
+        if dropped:
+            self.prefetch()
+            self.changed.set()
+        return dropped
+
+    def end(self, context_id: str | None = None) -> None:
+        """The last utterance of a context (None: of every context) has been queued: it is generated final,
+        or its held stream is flushed now; the context's next utterance starts a new chain."""
+        for ctx in [context_id] if context_id is not None else list(self.chains):
+            chain = self.chains.pop(ctx, None)
+            if chain is not None:
+                chain.end()
+
+    def done(self, u: Utterance) -> None:
+        """The consumer has handled u (played it, or reported its error)."""
+        if self.queue and self.queue[0] is u:
+            self.queue.popleft()
+            self.prefetch()
+            self.changed.set()
+
+    async def play(self, u: Utterance) -> AsyncIterator[np.ndarray]:
+        """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
+        u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
+        u.t_head = time.perf_counter()
+        self.prefetch()
+        assert u.start_task is not None
+        await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
+        if u.cancelled or u.error is not None:
+            if u.error is not None:
+                self.gw.metrics.errors.labels(u.error.code).inc()
+            return
+        assert u.stream is not None
+        async for ev in u.stream:
+            if u.cancelled:
+                return
+            if isinstance(ev, m.Audio):
+                if len(ev.pcm):
+                    yield ev.pcm
+                    u.samples += len(ev.pcm)
+                    u.t_done = time.perf_counter()
+                    u.t_first = u.t_first or u.t_done
+            elif isinstance(ev, m.Finished):
+                if not u.cancelled:
+                    u.finish = ev
+                    u.t_done = u.t_done or time.perf_counter()
+                    self.gw.metrics.observe_utterance(self.api, u.measured())
+                return
+            elif isinstance(ev, m.Error):
+                u.error = engine_error(ev)
+                self.gw.metrics.errors.labels(u.error.code).inc()
+                return
+
+    def close(self) -> None:
+        self.cancel(None)
+
+
+async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
+                clip: tuple[np.ndarray, int] | None) -> AsyncIterator[np.ndarray]:
+    """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
+    generating while the current one streams. An utterance's error is raised (a RequestError with its
+    HTTP status); closing the iterator (the client is gone) cancels the engine work."""
+    sentences = split_text(gw, text, opts.language)
+    if not sentences:
+        raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
+    pipe = UtterancePipeline(gw, api)
+    pipe.add(sentences, opts, voice, clip)
+    pipe.end()  # the whole text is here: its last sentence is final
+    try:
+        while pipe.queue:
+            u = pipe.queue[0]
+            async with contextlib.aclosing(pipe.play(u)) as pcm:
+                async for x in pcm:
+                    yield x
+            if u.error is not None:
+                raise u.error
+            pipe.done(u)
+    finally:
+        pipe.close()

@@ -1,0 +1,554 @@
+"""The session core every streaming WebSocket dialect runs on: ours (`/v1/tts/ws`, app/doors/ws.py) and the
+ElevenLabs, Cartesia and Deepgram dialects (app/doors/dialects/).
+
+The core holds what a session is: text buffered per context and cut into sentences (app/core/text_buffer.py),
+the utterances those sentences become, played in order through UtterancePipeline (app/core/pipeline.py),
+cancel (which stops the GPU work at once), flush marks answered once all audio of the text before them
+has been sent, the send lock and send timeout, the idle timeout and the close. A dialect adapter is a
+subclass that only translates: it parses its messages into `append_text` / `flush` / `cancel` / `close`
+calls and renders the playback events (`on_utterance_start`, `on_audio`, `on_utterance_done`,
+`on_utterance_error`) and errors in its own shape.
+
+Lanes. An ordered queue of utterances with its own pump is a lane. Ours and Deepgram's have one lane:
+every context plays in the order its sentences completed. ElevenLabs' and Cartesia's multi-context
+sockets have one lane per context, as those services do: a context that is still generating never holds
+back the audio of a newer one (a barge-in's new reply), and within a context utterances play in order.
+
+Every send goes through one lock, and a cancel marks its utterances cancelled under that lock before its
+acknowledgement is sent, so no audio of cancelled text can follow the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketState
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
+from app.core.text_buffer import TextBuffer
+from app.io.checks import check_text
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.io.json_input import parse_json_object
+from app.voices.library import Voice
+
+log = logging.getLogger("gateway.session")
+
+# A pending answer: a JSON message, or a coroutine function run under the send lock.
+Answer = dict[str, Any] | Callable[[], Awaitable[None]]
+
+MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
+# Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
+# has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
+_SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
+
+
+class ClientStalled(Exception):
+    """A send to the client made no progress for send_timeout_s: it reads nothing at all."""
+
+
+class Encoder(Protocol):
+    def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes: ...
+
+
+class Lane:
+    """One ordered queue of utterances and its pump."""
+
+    def __init__(self, key: str, pipe: UtterancePipeline) -> None:
+        self.key = key
+        self.pipe = pipe
+        # (context or None for all, the last queued utterance they wait for) -> their answers, in order,
+        # as [answer, count] (repeated equal answers share an entry). Every key names a queued utterance
+        # of its scope and is re-keyed as they play, so there are at most 2 keys per queued utterance.
+        self.marks: dict[tuple[str | None, int], list[list[Any]]] = {}
+        self.entries = 0  # [answer, count] entries in marks
+        self.task: asyncio.Task[None] | None = None
+
+    def add(self, key: tuple[str | None, int], answer: Answer, count: int = 1) -> None:
+        entries = self.marks.setdefault(key, [])
+        if entries and entries[-1][0] == answer:
+            entries[-1][1] += count
+        else:
+            entries.append([answer, count])
+            self.entries += 1
+
+
+class Hold:
+    """When buffered text that the streaming rule holds back is spoken without a flush: once no text has
+    come for `quiet_s` and it ends like a sentence, and in any case `max_s` after it began to wait."""
+
+    def __init__(self, quiet_s: float | None = None, max_s: float | None = None) -> None:
+        self.quiet_s, self.max_s = quiet_s, max_s
+
+
+class StreamingSession:
+    api = "ws"  # the metrics label of its utterances
+    lane_per_context = False
+    max_contexts = 64  # live contexts (with buffered text or queued audio), when each has its own lane
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
+        self.ws, self.gw, self.owner = ws, gw, owner
+        self.id = "s_" + secrets.token_hex(8)
+        self.limits = gw.settings.limits
+        self.opts = SynthesisOptions()
+        self.voice: Voice | None = None
+        self.clip: tuple[np.ndarray, int] | None = None
+        self.buffers: dict[str, TextBuffer] = {}
+        self.lanes: dict[str, Lane] = {}
+        self._send_lock = asyncio.Lock()
+        self._closing = False
+        self._closed = asyncio.Event()  # closing and everything has been played
+        self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._last_activity = time.monotonic()
+        self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
+        self._hold_tasks: set[asyncio.Task[None]] = set()
+
+    # ---- what a dialect provides ------------------------------------------------------------------
+    async def on_open(self) -> None:
+        """The socket is accepted and authorized."""
+
+    async def on_message(self, data: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    async def on_binary(self, data: bytes) -> None:
+        await self.error(G.BAD_MESSAGE, "send control messages as JSON text frames")
+
+    def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+        """The dialect's error message (None: send nothing)."""
+        return {"type": "error", "code": code, "message": message, **extra}
+
+    async def on_utterance_start(self, u: Utterance) -> None:
+        """Before its first audio (or its end, if it has none). Called under the send lock."""
+
+    async def on_audio(self, u: Utterance, data: bytes) -> None:
+        """Encoded audio of u. Called under the send lock."""
+        await self.send_bytes_locked(data)
+
+    async def on_utterance_done(self, u: Utterance) -> None:
+        """All audio of u has been sent. Called under the send lock."""
+
+    async def on_utterance_error(self, u: Utterance) -> None:
+        """u failed (u.error); counted by the pipeline. Called under the send lock."""
+        assert u.error is not None
+        msg = self.render_error(u.error.code, str(u.error), {"context_id": u.context_id, "utterance_id": u.id})
+        if msg is not None:
+            await self.send_json_locked(msg)
+
+    async def on_idle(self) -> None:
+        await self.error(G.IDLE_TIMEOUT, f"no message for {self.limits.idle_timeout_s:g} s; closing")
+        await self.ws.close(1000)
+
+    async def on_closed(self) -> None:
+        """After `close`, once everything has been played and answered."""
+        await self.ws.close(1000)
+
+    def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Voice | None, tuple[np.ndarray, int] | None]:
+        """The options, voice and clip of the utterances of a context."""
+        return self.opts, self.voice, self.clip
+
+    def encoder_for(self, ctx: str) -> Encoder:
+        raise NotImplementedError
+
+    def hold_for(self, ctx: str) -> Hold | None:
+        """How buffered text of a context is spoken without a flush (None: only by the streaming rule)."""
+        return None
+
+    # ---- sending -------------------------------------------------------------------------------
+    async def send_json(self, msg: dict[str, Any]) -> None:
+        async with self._send_lock:
+            await self.send_json_locked(msg)
+
+    async def send_json_locked(self, msg: dict[str, Any]) -> None:
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            await self._send(self.ws.send_text(json.dumps(msg)))
+
+    async def send_bytes_locked(self, data: bytes) -> None:
+        if self.ws.application_state == WebSocketState.CONNECTED:
+            await self._send(self.ws.send_bytes(data))
+
+    async def _send(self, send: Coroutine[Any, Any, None]) -> None:
+        # A send waits while the socket's buffers are full. One that waits this long belongs to a client
+        # that reads nothing at all (the keepalive cannot close it: its ping is stuck behind the audio).
+        try:
+            async with asyncio.timeout(self.limits.send_timeout_s):
+                await send
+        except TimeoutError:
+            raise ClientStalled(f"no send progress in {self.limits.send_timeout_s:g} s") from None
+
+    async def error(self, code: str, message: str, **extra: Any) -> None:
+        """A client-facing error (counted), in the dialect's shape."""
+        self.gw.metrics.errors.labels(code).inc()
+        msg = self.render_error(code, message, extra)
+        if msg is not None:
+            await self.send_json(msg)
+
+    async def _answer_locked(self, answer: Answer) -> None:
+        if isinstance(answer, dict):
+            await self.send_json_locked(answer)
+        else:
+            await answer()
+
+    # ---- main ----------------------------------------------------------------------------------
+    async def run(self) -> None:
+        await self.on_open()
+        recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
+        closed = asyncio.create_task(self._closed.wait(), name=f"closed-{self.id}")
+        try:
+            # A pump ends the session by failing (the client vanished mid-send, or a bug): then the session
+            # ends rather than waiting forever on a queue that nothing plays.
+            done, _ = await asyncio.wait({recv, closed, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()
+            if closed in done:
+                await self.on_closed()
+        finally:
+            recv.cancel()
+            closed.cancel()
+            # waited for, not awaited: awaiting a cancelled task raises its CancelledError here, whose traceback
+            # holds this frame, which holds the task, which holds the error: a cycle that kept every ended
+            # session (socket, resampler, records: ~120 objects) for the collector's full passes, which then
+            # held every stream's audio 50-140 ms at once every ~12 s at 128 streams on the H200
+            await asyncio.wait((recv, closed))
+            self._shutdown()
+            # an error raised above carries this frame in its traceback: the frame must not hold the tasks
+            # (`done` and the loop's `task` included) that hold that error
+            recv = closed = done = task = None
+
+    def _shutdown(self) -> None:
+        for _, _, timer in self._holds.values():
+            timer.cancel()
+        self._holds.clear()
+        for t in list(self._hold_tasks):
+            t.cancel()
+        for lane in list(self.lanes.values()):
+            lane.pipe.close()
+            if lane.task is not None:
+                lane.task.cancel()
+                # the pump's frame (in the traceback its task keeps of the CancelledError) holds the lane: a lane
+                # still holding its task would make a cycle that only the collector's full passes free
+                lane.task = None
+            lane.marks.clear()  # answers never due (a barge-in, a closed socket): closures over this session
+        self.lanes.clear()
+        self.buffers.clear()
+        if self._failed.done():  # its error's traceback holds the failed pump's frame, which holds this session
+            self._failed = asyncio.get_running_loop().create_future()
+
+    async def _receive_loop(self) -> None:
+        # It reads on after `close` too (a cancel still stops the rest); the pumps end the session.
+        while True:
+            try:
+                msg = await asyncio.wait_for(self.ws.receive(), timeout=self._idle_left())
+            except TimeoutError:
+                if self.playing():  # still speaking: not idle
+                    self._last_activity = time.monotonic()
+                    continue
+                await self.on_idle()
+                return
+            if msg["type"] == "websocket.disconnect":
+                return
+            self._last_activity = time.monotonic()
+            if msg.get("bytes") is not None:
+                await self.on_binary(msg["bytes"])
+                continue
+            try:
+                data = parse_json_object(msg.get("text") or "", G.BAD_MESSAGE, "a message")
+            except RequestError as e:
+                await self.error(e.code, str(e))
+                continue
+            try:
+                await self.on_message(data)
+            except RequestError as e:
+                await self.error(e.code, str(e), **self.error_context(data))
+
+    def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
+        """Fields of a message that its error echoes (Cartesia's and ElevenLabs' errors name the context)."""
+        return {}
+
+    def _idle_left(self) -> float:
+        return max(0.05, self.limits.idle_timeout_s - (time.monotonic() - self._last_activity))
+
+    def playing(self) -> bool:
+        return any(lane.pipe.queue for lane in self.lanes.values())
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # ---- text, flush, cancel, close --------------------------------------------------------------
+    def buffered(self, ctx: str) -> str:
+        buf = self.buffers.get(ctx)
+        return buf.text if buf is not None else ""
+
+    def contexts(self) -> set[str]:
+        """Contexts that hold text or audio now."""
+        keys = set(self.buffers)
+        if self.lane_per_context:
+            keys |= set(self.lanes)
+        return keys
+
+    def append_text(self, ctx: str, text: str) -> None:
+        """Append text to a context's buffer and queue the sentences it completes. Refused whole (nothing
+        of it queued or kept) with a RequestError."""
+        check_text(text)
+        if self._closing:
+            raise RequestError(G.BAD_MESSAGE, "the session is closing: no text is taken after close")
+        if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
+            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; "
+                               "close one first")
+        buffered = sum(len(b) for b in self.buffers.values())
+        if buffered + len(text) > self.limits.max_buffer_chars:
+            raise RequestError(
+                G.BUFFER_FULL if buffered else G.TEXT_TOO_LONG,
+                f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
+            )
+        opts = self.settings_for(ctx)[0]
+        buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
+        buf.language = opts.language
+        before = buf.text
+        try:
+            self._enqueue(ctx, buf.append(text))
+        except RequestError:
+            buf.text = before  # refused whole: nothing of this message is queued
+            raise
+        finally:
+            self._drop_empty_buffers()
+        self._hold(ctx)
+
+    def _drop_empty_buffers(self) -> None:
+        # a context costs memory only while it holds text (context ids are the client's to invent)
+        for c in [c for c, b in self.buffers.items() if not b.text]:
+            del self.buffers[c]
+            self._unhold(c)
+
+    def _enqueue(self, ctx: str, sentences: list[str], enforce_limit: bool = True) -> None:
+        if not sentences:
+            return
+        queued = sum(len(lane.pipe) for lane in self.lanes.values())
+        if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
+            raise RequestError(G.TOO_MANY_UTTERANCES,
+                               f"at most {self.limits.max_pending_utterances} utterances may be queued "
+                               f"({queued} are); this text was not accepted")
+        opts, voice, clip = self.settings_for(ctx)
+        lane = self._lane(ctx)
+        for u in lane.pipe.add(sentences, opts, voice, clip, context_id=ctx):
+            u.encoder = self.encoder_for(ctx)  # type: ignore[assignment]
+
+    async def flush(self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True,
+                    end_turn: bool = True) -> None:
+        """Speak what a context (None: every context) has buffered now; `answer` once all audio of the text
+        sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
+        complete: its last utterance ends the context's continuation (app/core/continuation.py)."""
+        for c, buf in list(self.buffers.items()):
+            if ctx is None or c == ctx:
+                before = buf.text
+                try:
+                    self._enqueue(c, buf.flush(), enforce_limit)
+                except RequestError:
+                    buf.text = before  # still buffered; a later flush can speak it
+                    raise
+        self._drop_empty_buffers()
+        if end_turn:
+            for lane in self.lanes.values():
+                lane.pipe.end(ctx)
+        if answer is not None:
+            await self.add_mark(ctx, answer)
+
+    async def add_mark(self, ctx: str | None, answer: Answer) -> None:
+        """`answer` once the utterances of ctx (None: of every context) queued now have been played."""
+        if ctx is None and self.lane_per_context:
+            raise ValueError("a session with a lane per context answers per context")
+        lane = self.lanes.get(ctx if self.lane_per_context else DEFAULT_CONTEXT)  # type: ignore[arg-type]
+        last = self.last_queued(ctx) if lane is not None else None
+        if last is None:
+            async with self._send_lock:
+                await self._answer_locked(answer)
+            return
+        assert lane is not None
+        if sum(x.entries for x in self.lanes.values()) >= MAX_PENDING_ANSWERS:
+            raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
+        lane.add((ctx, last), answer)
+
+    def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
+        """The number of the last queued utterance of ctx (None: of any context), optionally <= at_most."""
+        lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
+        return max((u.seq for lane in lanes if lane is not None for u in lane.pipe.queue
+                    if (ctx is None or u.context_id == ctx) and (at_most is None or u.seq <= at_most)),
+                   default=None)
+
+    def drop(self, ctx: str | None, after: int | None = None) -> None:
+        """Drop a context's (None: every context's) buffered text and queued utterances (only those after
+        utterance `after`, when given) and stop their GPU work now. Call under the send lock to answer
+        something after it; `cancel` does."""
+        for c, buf in self.buffers.items():
+            if ctx is None or c == ctx:
+                buf.clear()
+        self._drop_empty_buffers()
+        lanes = list(self.lanes.values()) if ctx is None or not self.lane_per_context else [self.lanes.get(ctx)]
+        for lane in lanes:
+            if lane is not None:
+                lane.pipe.cancel(ctx, after)
+
+    async def cancel(self, ctx: str | None, answer: Answer | None = None, after: int | None = None,
+                     supersedes: bool = False) -> None:
+        """Barge-in: drop (see `drop`), send `answer`, then answer every mark the drop left with nothing to
+        wait for, or (`supersedes`) forget those marks: `answer` stands for them. No audio of the dropped text
+        follows the answer."""
+        async with self._send_lock:
+            self.drop(ctx, after)
+            if answer is not None:
+                await self._answer_locked(answer)
+            for lane in list(self.lanes.values()):
+                await self._answer_marks_locked(lane, forget_due=supersedes)
+
+    async def close(self) -> None:
+        """No more text: speak what is buffered (past --max-pending-utterances: it is bounded by the buffer
+        limit), answer every mark, then `on_closed`. A cancel still stops the rest."""
+        if self._closing:
+            return
+        await self.flush(None, enforce_limit=False)
+        self._closing = True
+        for lane in self.lanes.values():
+            lane.pipe.changed.set()
+        self._check_closed()
+
+    def _check_closed(self) -> None:
+        if self._closing and not self.buffers and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values()):
+            self._closed.set()
+
+    # ---- holding buffered text ---------------------------------------------------------------------
+    def _hold(self, ctx: str) -> None:
+        """(Re)arm the timer that speaks ctx's held-back text (see `hold_for`)."""
+        hold = self.hold_for(ctx)
+        text = self.buffered(ctx)
+        if hold is None or not text.strip():
+            self._unhold(ctx)
+            return
+        now = time.monotonic()
+        first = self._holds[ctx][0] if ctx in self._holds else now
+        delays = []
+        if hold.quiet_s is not None and _SENTENCE_END.search(text):
+            delays.append(hold.quiet_s)
+        if hold.max_s is not None:
+            delays.append(max(0.0, first + hold.max_s - now))
+        self._unhold(ctx)
+        if delays:
+            timer = asyncio.get_running_loop().call_later(min(delays), self._hold_due, ctx)
+            self._holds[ctx] = (first, now, timer)
+
+    def _unhold(self, ctx: str) -> None:
+        entry = self._holds.pop(ctx, None)
+        if entry is not None:
+            entry[2].cancel()
+
+    def _hold_due(self, ctx: str) -> None:
+        self._holds.pop(ctx, None)
+        task = asyncio.create_task(self._speak_held(ctx), name=f"hold-{self.id}")
+        self._hold_tasks.add(task)
+        task.add_done_callback(self._hold_tasks.discard)
+
+    async def _speak_held(self, ctx: str) -> None:
+        if self._closing or not self.buffered(ctx).strip():
+            return
+        try:
+            await self.flush(ctx, end_turn=False)  # the hold timer: more text of the turn may follow
+        except RequestError as e:  # too many utterances queued: it stays buffered for a later flush
+            await self.error(e.code, str(e), **self.error_context({"context_id": ctx}))
+        except Exception as e:  # the client is gone (a failed send); the session is ending
+            log.debug("speaking held text failed: %s", e)
+
+    # ---- playback ------------------------------------------------------------------------------
+    def _lane(self, ctx: str) -> Lane:
+        key = ctx if self.lane_per_context else DEFAULT_CONTEXT
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = Lane(key, UtterancePipeline(self.gw, self.api))
+            lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")
+            lane.task.add_done_callback(self._pump_ended)
+        return lane
+
+    def _pump_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self._failed.done():
+            return
+        if task.exception() is not None:
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+
+    async def _pump(self, lane: Lane) -> None:
+        """Plays a lane's queue in order and answers its marks. A lane of its own context ends once it has
+        nothing left (a later text starts a new one). It only ends otherwise by raising (the client
+        vanished mid-send, or a bug), and then the session ends."""
+        pipe = lane.pipe
+        while True:
+            pipe.changed.clear()  # before looking: a change made while this awaits is not missed
+            if pipe.queue:
+                u = pipe.queue[0]
+                await self._play(lane, u)
+                pipe.done(u)
+                await self._answer_marks(lane)
+                continue
+            await self._answer_marks(lane)
+            if self.lane_per_context and not pipe.queue and not lane.marks and self.lanes.get(lane.key) is lane:
+                del self.lanes[lane.key]
+                self._check_closed()
+                return
+            self._check_closed()
+            await pipe.changed.wait()
+
+    async def _play(self, lane: Lane, u: Utterance) -> None:
+        assert u.encoder is not None
+        started = False
+        async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
+            async for pcm in chunks:
+                async with self._send_lock:
+                    if u.cancelled:
+                        return
+                    if not started:
+                        await self.on_utterance_start(u)
+                        started = True
+                    data = u.encoder.encode(pcm)
+                    if data:
+                        await self.on_audio(u, data)
+        async with self._send_lock:
+            if u.cancelled:
+                return
+            if u.error is not None:  # counted by the pipeline
+                await self.on_utterance_error(u)
+                return
+            if not started:
+                await self.on_utterance_start(u)
+            tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
+            if tail:
+                await self.on_audio(u, tail)
+            await self.on_utterance_done(u)
+
+    async def _answer_marks(self, lane: Lane) -> None:
+        async with self._send_lock:
+            await self._answer_marks_locked(lane)
+
+    async def _answer_marks_locked(self, lane: Lane, forget_due: bool = False) -> None:
+        """Answer (or, `forget_due`, forget) every mark whose text has all been played (or dropped); re-key
+        the others to the last utterance they still wait for."""
+        marks, lane.marks, lane.entries = lane.marks, {}, 0
+        due: list[list[Any]] = []
+        for (ctx, last), entries in marks.items():
+            still = self.last_queued(ctx, last)
+            if still is None:
+                due.extend(entries)
+            else:
+                for answer, count in entries:
+                    lane.add((ctx, still), answer, count)
+        if forget_due:
+            due = []
+        for answer, count in due:
+            for _ in range(count):
+                await self._answer_locked(answer)

@@ -1,0 +1,252 @@
+"""Cartesia's TTS WebSocket (`/tts/websocket`, what pipecat's `CartesiaTTSService` and LiveKit's cartesia
+plugin speak) on the session core.
+
+In: generation requests `{"transcript", "continue", "context_id", "model_id", "voice": {"mode": "id", "id"},
+"output_format": {"container": "raw", "encoding", "sample_rate"}, "language", "add_timestamps",
+"max_buffer_delay_ms", "generation_config": {"speed"}, "flush"}`; the transcripts of a context are
+concatenated verbatim; `continue: false` (or leaving `continue` out) ends the context: the rest is spoken
+and `done` follows its audio; `flush: true` with `continue: true` is answered by `flush_done`;
+`{"context_id", "cancel": true}` drops the context and stops its GPU work (no reply, as Cartesia).
+Out: `{"type": "chunk", "data": <base64>, "done": false, "status_code": 206, "step_time", "context_id"}`,
+`{"type": "done", ...}`, `{"type": "flush_done", "flush_id", ...}`, `{"type": "error", ...}`; every message
+carries `context_id`. Each context is its own lane, as Cartesia multiplexes contexts.
+
+The first request of a context fixes its voice (one of ours, by id or name; mode `embedding` takes a
+vector of our embedding size), output format and language. `max_buffer_delay_ms: 0` (what the frameworks
+send with sentence aggregation) speaks every transcript as it comes; otherwise sentences are cut as on our
+own socket, and what is buffered is spoken once `max_buffer_delay_ms` (3000 if not given) has passed.
+ZONOS2 produces no word or phoneme timings: `add_timestamps` is accepted and no `timestamps` message is
+ever sent.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.core.pipeline import Utterance
+from app.core.session import Hold, StreamingSession
+from app.doors.dialects.common import dialect_options, forget_idle
+from app.doors.handshake import serve
+from app.io.audio_output import OutputFormat
+from app.io.checks import check_context_id
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.voices.library import Voice
+
+MAX_CONTEXTS = 16  # holding text or audio (an ended one counts until its done)
+DEFAULT_BUFFER_DELAY_MS = 3000
+MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
+QUIET_S = 0.3
+_ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
+_STATUS = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
+
+
+@dataclass(eq=False)
+class Context:
+    id: str
+    opts: SynthesisOptions
+    voice: Voice | None
+    format: OutputFormat
+    buffer_delay_ms: int | None
+    flush_id: int = 0
+    ended: bool = False  # its last input came (continue: false); it may still be speaking
+    failed: bool = False
+    last_sent: float = field(default_factory=time.perf_counter)
+
+
+class CartesiaSession(StreamingSession):
+    api = "cartesia"
+    lane_per_context = True
+    max_contexts = MAX_CONTEXTS
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
+        super().__init__(ws, gw, owner)
+        self.opts = dialect_options(gw, ws.query_params)
+        self.ctxs: dict[str, Context] = {}
+
+    # ---- the core's questions ----------------------------------------------------------------------
+    def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Any, Any]:
+        c = self.ctxs.get(ctx)
+        return (c.opts, c.voice, None) if c else (self.opts, None, None)
+
+    def encoder_for(self, ctx: str) -> Any:
+        return self.ctxs[ctx].format.encoder()
+
+    def hold_for(self, ctx: str) -> Hold | None:
+        c = self.ctxs.get(ctx)
+        delay = DEFAULT_BUFFER_DELAY_MS if c is None or c.buffer_delay_ms is None else c.buffer_delay_ms
+        return Hold(quiet_s=min(QUIET_S, delay / 1e3), max_s=delay / 1e3)
+
+    def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+        ctx = extra.get("context_id")
+        return {"type": "error", "context_id": ctx if isinstance(ctx, str) else None,
+                "status_code": _STATUS.get(code, 400), "done": True, "error": message, "title": code,
+                "message": message, "error_code": code}
+
+    def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
+        return {"context_id": data.get("context_id")}
+
+    # ---- messages ----------------------------------------------------------------------------------
+    async def on_message(self, data: dict[str, Any]) -> None:
+        ctx = check_context_id(data.get("context_id"))
+        if data.get("cancel") is True:
+            if ctx is None:
+                raise RequestError(G.BAD_MESSAGE, "cancel needs a context_id")
+            c = self.ctxs.pop(ctx, None)
+            if c is not None:
+                c.failed = True  # its done is not sent
+            await self.cancel(ctx)
+            return
+        transcript = data.get("transcript")
+        if not isinstance(transcript, str):
+            raise RequestError(G.BAD_MESSAGE, "transcript must be a string")
+        cont = data.get("continue", False)
+        if not isinstance(cont, bool):
+            raise RequestError(G.BAD_MESSAGE, "continue must be true or false")
+        ctx = ctx or "ctx_" + secrets.token_hex(8)
+        c = self.ctxs.get(ctx)
+        if c is None or c.ended:  # a new context (an id used again after its done starts afresh)
+            c = self._open(ctx, data)
+        if transcript:
+            self.append_text(ctx, transcript)
+        if not cont:  # the context's last input: speak the rest, then done
+            c.ended = True
+            await self.flush(ctx, answer=lambda: self._done(c))
+        elif data.get("flush") is True:  # with continue: more of the turn follows (its continuation goes on)
+            c.flush_id += 1
+            await self.flush(ctx, answer=self._flush_done(c, c.flush_id), end_turn=False)
+        elif c.buffer_delay_ms == 0:
+            await self.flush(ctx, end_turn=False)
+
+    def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+        live = self.contexts()
+        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
+            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {MAX_CONTEXTS} contexts may hold text or audio "
+                               "at once")
+        fmt = data.get("output_format")
+        if not isinstance(fmt, dict):
+            raise RequestError(G.BAD_MESSAGE, "output_format must be an object")
+        if fmt.get("container", "raw") != "raw":
+            raise RequestError(G.UNSUPPORTED_FORMAT, "the WebSocket streams container 'raw'")
+        output = output_format(fmt.get("encoding"), fmt.get("sample_rate"))
+        voice = self._voice(data.get("voice"))
+        config = data.get("generation_config")
+        if isinstance(config, dict):
+            speed = config.get("speed")
+        else:
+            speed = data.get("speed") if isinstance(data.get("speed"), int | float) else None
+        opts = dialect_options(self.gw, base=self.opts, language=data.get("language"), speed=speed)
+        delay = data.get("max_buffer_delay_ms")
+        if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
+                                  or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
+            raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
+        c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay)
+        forget_idle(self.ctxs, live | {ctx})
+        return c
+
+    def _voice(self, spec: Any) -> Voice | None:
+        return voice_of(self.gw, self.owner, spec)
+
+    async def _done(self, c: Context) -> None:
+        if self.ctxs.get(c.id) is c:
+            del self.ctxs[c.id]
+        if not c.failed:
+            await self.send_json_locked({"type": "done", "done": True, "status_code": 206, "context_id": c.id})
+
+    def _flush_done(self, c: Context, flush_id: int) -> Any:
+        async def answer() -> None:
+            if not c.failed:
+                await self.send_json_locked({"type": "flush_done", "done": False, "flush_done": True,
+                                             "flush_id": flush_id, "status_code": 206, "context_id": c.id})
+        return answer
+
+    # ---- playback ------------------------------------------------------------------------------------
+    async def on_audio(self, u: Utterance, data: bytes) -> None:
+        c = self._ctx_of(u)
+        now = time.perf_counter()
+        msg: dict[str, Any] = {"type": "chunk", "data": base64.b64encode(data).decode(), "done": False,
+                               "status_code": 206, "step_time": round((now - c.last_sent) * 1e3, 3) if c else 0.0,
+                               "context_id": u.context_id}
+        if c is not None:
+            c.last_sent = now
+            if c.flush_id:
+                msg["flush_id"] = c.flush_id
+        await self.send_json_locked(msg)
+
+    async def on_utterance_start(self, u: Utterance) -> None:
+        c = self._ctx_of(u)
+        if c is not None:
+            c.last_sent = time.perf_counter()
+
+    async def on_utterance_error(self, u: Utterance) -> None:
+        """An error ends its context (done: true), as on Cartesia: the rest of it is dropped."""
+        await super().on_utterance_error(u)
+        c = self.ctxs.pop(u.context_id, None)
+        if c is not None:
+            c.failed = True
+        self.drop(u.context_id)
+
+    def _ctx_of(self, u: Utterance) -> Context | None:
+        return self.ctxs.get(u.context_id)
+
+
+def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:
+    """Cartesia's `encoding` and `sample_rate` (the WebSocket's and the HTTP routes') as our OutputFormat."""
+    ours = _ENCODINGS.get(encoding) if isinstance(encoding, str) else None
+    if ours is None:
+        raise RequestError(G.UNSUPPORTED_FORMAT, f"encoding must be one of {list(_ENCODINGS)}")
+    if not isinstance(rate, int) or isinstance(rate, bool):
+        raise RequestError(G.UNSUPPORTED_FORMAT, "sample_rate must be an integer")
+    return OutputFormat(ours, rate, wav).check()
+
+
+def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
+    """A request's `voice` (the WebSocket's and the HTTP routes'): `{"mode": "id", "id"}`, one of our voices,
+    or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
+    if not isinstance(spec, dict):
+        raise RequestError(G.BAD_MESSAGE, "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
+    mode = spec.get("mode", "id")
+    if mode == "id":
+        ref = spec.get("id")
+        if not isinstance(ref, str):
+            raise RequestError(G.BAD_MESSAGE, "voice.id must be a string")
+        return gw.resolve_voice(ref, owner)
+    if mode == "embedding":
+        dim = gw.cfg.speaker_embedding_dim
+        emb = embedding_vector(spec.get("embedding"), dim)
+        return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=dim, embedding=emb)
+    raise RequestError(G.BAD_MESSAGE, "voice.mode must be 'id' or 'embedding'")
+
+
+def embedding_vector(value: Any, dim: int) -> np.ndarray:
+    """`voice.embedding`: exactly `dim` JSON numbers (not booleans, not strings), each finite in float32,
+    as float32; anything else is bad_message (on its context: the socket and its other contexts go on)."""
+    bad = RequestError(G.BAD_MESSAGE, f"voice.embedding must be a list of {dim} finite numbers (a ZONOS2 voice)")
+    if not isinstance(value, list) or len(value) != dim or not all(type(x) in (int, float) for x in value):
+        raise bad
+    try:
+        emb = np.array(value, dtype=np.float64)
+    except OverflowError:  # an integer past float64, such as 10**400
+        raise bad from None
+    with np.errstate(over="ignore"):
+        emb = emb.astype(np.float32)  # past float32's range: inf, refused below
+    if not np.isfinite(emb).all():
+        raise bad
+    return emb
+
+
+def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+    return {"error": message, "title": code, "message": message, "status_code": status}
+
+
+async def endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: CartesiaSession(ws, gw, owner), _refusal)

@@ -1,0 +1,113 @@
+"""Deepgram Aura's streaming TTS WebSocket (`/v1/speak?model=..&encoding=linear16&sample_rate=..`, what
+pipecat's `DeepgramTTSService` and LiveKit's deepgram plugin speak) on the session core.
+
+In: `{"type": "Speak", "text"}` appends text (sentences are cut as on our own socket; a buffered sentence
+end is spoken once no text has come for 0.3 s), `{"type": "Flush"}` speaks what is buffered and is answered
+by `{"type": "Flushed", "sequence_id"}` after its audio, `{"type": "Clear"}` drops everything and stops the
+GPU work, answered by `{"type": "Cleared", "sequence_id"}` (no audio of the cleared text follows it, nor a
+`Flushed` of a Flush whose text it dropped),
+`{"type": "Close"}` speaks what is left, answers the flushes, and closes the socket (1000).
+Out: binary audio (raw: linear16, mulaw or alaw at `sample_rate`), `{"type": "Metadata", ...}` once the
+socket opens, `Flushed`, `Cleared`, `{"type": "Warning", ...}` for a message it cannot take and
+`{"type": "Error", ...}` for a sentence that failed.
+
+`model` names one of our voices (id or name); without it the model's own voice speaks. Authorization:
+`Authorization: Token KEY` (or Bearer), or the browser form, the subprotocols `token, KEY`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from app.core.gateway import Gateway
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance
+from app.core.session import Hold, StreamingSession
+from app.doors.dialects.common import dialect_options
+from app.doors.handshake import serve
+from app.io.audio_output import OutputFormat
+from app.io.auth import api_key_from
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.io.query_input import query_int
+
+QUIET_S = 0.3
+_ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+_DEFAULT_RATE = {"linear16": 24000, "mulaw": 8000, "alaw": 8000}
+
+
+class DeepgramSession(StreamingSession):
+    api = "deepgram"
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
+        super().__init__(ws, gw, owner)
+        q = ws.query_params
+        self.opts = dialect_options(gw, q)
+        name = (q.get("encoding") or "linear16").lower()
+        if name not in _ENCODINGS:
+            raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {list(_ENCODINGS)}")
+        rate = query_int(q, "sample_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
+        rate = _DEFAULT_RATE[name] if rate is None else rate
+        self.format = OutputFormat(_ENCODINGS[name], rate).check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
+        self.model = q.get("model") or ""
+        self.voice = gw.resolve_voice(self.model, owner) if self.model else None
+        gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
+        self.request_id = str(uuid.uuid4())
+        self.sequence = 0  # Flushes so far
+
+    def encoder_for(self, ctx: str) -> Any:
+        return self.format.encoder()
+
+    def hold_for(self, ctx: str) -> Hold | None:
+        return Hold(quiet_s=QUIET_S)
+
+    def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+        return {"type": "Warning", "warn_code": code, "warn_msg": message, "description": message, "code": code}
+
+    async def on_open(self) -> None:
+        await self.send_json({"type": "Metadata", "request_id": self.request_id,
+                              "model_name": self.voice.name if self.voice else "zonos2",
+                              "model_version": "zonos2", "model_uuid": self.voice.id if self.voice else ""})
+
+    async def on_message(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "Speak":
+            text = data.get("text")
+            if not isinstance(text, str):
+                raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, "Speak needs a text string")
+            self.append_text(DEFAULT_CONTEXT, text)
+        elif kind == "Flush":
+            # a Flush that is refused (too_many_utterances) takes no sequence id: the next one gets it
+            await self.flush(DEFAULT_CONTEXT, answer={"type": "Flushed", "sequence_id": self.sequence})
+            self.sequence += 1
+        elif kind == "Clear":
+            # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
+            # ends whichever turn is playing at a Flushed, by then the next one)
+            await self.cancel(None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)},
+                              supersedes=True)
+        elif kind == "Close":
+            await self.close()
+        else:
+            raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, f"unknown message type {kind!r}: send Speak, Flush, Clear or Close")
+
+    async def on_utterance_error(self, u: Utterance) -> None:
+        assert u.error is not None
+        await self.send_json_locked({"type": "Error", "err_code": u.error.code, "err_msg": str(u.error),
+                                     "description": str(u.error)})
+
+
+def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+    """Deepgram's HTTP error body."""
+    return {"err_code": code.upper(), "err_msg": message, "request_id": str(uuid.uuid4())}
+
+
+async def endpoint(ws: WebSocket) -> None:
+    key, subprotocol = api_key_from(ws.headers, ws.query_params), None
+    # Browsers cannot set headers on a WebSocket: Deepgram's SDKs send the key as subprotocols `token, KEY`.
+    protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+    if len(protocols) == 2 and protocols[0].lower() in ("token", "bearer"):
+        subprotocol = protocols[0]
+        key = key or protocols[1]
+    await serve(ws, lambda gw, owner: DeepgramSession(ws, gw, owner), _refusal, key=key, subprotocol=subprotocol)

@@ -1,0 +1,246 @@
+"""ElevenLabs' text-to-speech WebSockets on the session core.
+
+* `/v1/text-to-speech/{voice_id}/multi-stream-input` (what pipecat's `ElevenLabsTTSService` and LiveKit's
+  elevenlabs plugin speak): contexts, each its own lane (a context still generating never holds back a
+  newer one). In: `{"text": " ", "context_id", "voice_settings"}` opens a context; `{"text", "context_id"}`
+  appends; `{"context_id", "flush": true}` speaks what is buffered; `{"context_id", "close_context": true}`
+  closes it (what was flushed is still spoken, the rest is dropped and its GPU work stops; with auto_mode,
+  texts and flushes with text count as flushed until the context's audio has begun, after that only a
+  text-less flush does and a close is a barge-in); `{"text": ""}`
+  keeps the socket alive; `{"close_socket": true}` closes every context that way, then the socket.
+  Out: `{"audio": <base64>, "normalizedAlignment": null, "alignment": null, "contextId"}` and, once a
+  closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
+* `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
+  contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
+
+`voice_id` is one of our voices (id or name). `output_format` (pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000,
+mp3_22050_*, mp3_44100_*, opus_48000_*) maps onto our encoders; `auto_mode=true` speaks every text message
+as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
+`voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
+counterpart and are ignored. ZONOS2 produces no alignment: both alignment fields are always null.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance
+from app.core.session import Hold, StreamingSession
+from app.doors.dialects.common import dialect_options, forget_idle
+from app.doors.handshake import serve
+from app.io.audio_output import OutputFormat
+from app.io.checks import check_context_id
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.io.query_input import decimal, query_int
+
+MAX_CONTEXTS = 16  # holding text or audio (ElevenLabs allows 5); a closed one counts until its isFinal
+QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
+
+
+def output_format(name: str) -> OutputFormat:
+    parts = name.split("_")
+    kinds = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
+    if len(parts) < 2 or parts[0] not in kinds:
+        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"unsupported output_format {name!r}")
+    try:
+        return OutputFormat(kinds[parts[0]], decimal(parts[1], "the sample rate of output_format")).check()
+    except RequestError as e:
+        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"output_format {name!r}: {e}") from None
+
+
+def _flag(value: str | None) -> bool | None:
+    return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(eq=False)
+class Context:
+    id: str
+    opts: SynthesisOptions
+    flushed_upto: int | None = None  # the last utterance a flush that ended input covers: a close speaks up to it
+    auto_upto: int | None = None  # the last utterance auto_mode spoke as it came (a text, or a flush with text)
+    opened_after: int | None = None  # the id's last utterance before this context (a closed one's, still its own)
+    said: bool = False  # its audio has begun to reach the client
+    closing: bool = False
+
+    def kept_by_close(self) -> int | None:
+        """The last utterance a close_context still speaks. What a flush that ended input covered, always;
+        what auto_mode spoke as it came only while none of the context's audio has been sent: a close then
+        ends its input (issue 21: three texts then close_context speak all three), once its audio plays a
+        close is a barge-in (pipecat and LiveKit close an interrupted context once, with no text-less flush
+        before; keeping its reply running piled interrupted replies up: new turns' first audio came later
+        at every barge-in, then their text was refused with too_many_utterances)."""
+        marks = [m for m in (self.flushed_upto, None if self.said else self.auto_upto) if m is not None]
+        return max(marks, default=None)
+
+
+class ElevenLabsSession(StreamingSession):
+    api = "elevenlabs"
+    lane_per_context = True
+    max_contexts = MAX_CONTEXTS
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str, multi: bool = True) -> None:
+        super().__init__(ws, gw, owner)
+        self.multi = multi
+        q = ws.query_params
+        self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
+        self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
+        off = q.get("apply_text_normalization", "").lower() == "off"
+        self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
+                                    seed=query_int(q, "seed"))  # ElevenLabs takes seeds in 0..4294967295
+        gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
+        self.auto_mode = bool(_flag(q.get("auto_mode")))
+        self.ctxs: dict[str, Context] = {}
+
+    # ---- the core's questions ----------------------------------------------------------------------
+    def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Any, Any]:
+        c = self.ctxs.get(ctx)
+        return (c.opts if c else self.opts), self.voice, None
+
+    def encoder_for(self, ctx: str) -> Any:
+        return self.format.encoder()
+
+    def hold_for(self, ctx: str) -> Hold | None:
+        return None if self.auto_mode else Hold(quiet_s=QUIET_S)
+
+    def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+        msg: dict[str, Any] = {"message": message, "error": code}
+        ctx = extra.get("context_id")
+        if self.multi and isinstance(ctx, str):
+            msg["contextId"] = ctx
+        return msg
+
+    def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
+        return {"context_id": data.get("context_id")} if self.multi else {}
+
+    # ---- messages ----------------------------------------------------------------------------------
+    async def on_message(self, data: dict[str, Any]) -> None:
+        if data.get("close_socket") is True:
+            await self._close_socket()
+            return
+        ctx = self._context_id(data)
+        close = data.get("close_context") is True
+        text = data.get("text")
+        if text is not None and not isinstance(text, str):
+            raise RequestError(G.BAD_MESSAGE, "text must be a string")
+        flush = data.get("flush") is True
+        # auto_mode speaks every text as it comes: a flush each
+        speak = flush or (self.auto_mode and bool(text))
+        if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
+            await self._close_context(ctx)
+            return
+        if text is None and not flush:
+            raise RequestError(G.BAD_MESSAGE, "send text, flush, close_context or close_socket")
+        if not self.multi and text == "":  # the single-context socket: end of input
+            await self._end_of_input()
+            return
+        if not text and not flush and "voice_settings" not in data:
+            return  # {"text": ""}: a keepalive
+        c = self._open(ctx, data)
+        if text:
+            self.append_text(ctx, text)
+        # For a close, with auto_mode a flush that carries text is one more text spoken as it comes (LiveKit's
+        # plugin flushes every sentence so); a text-less flush, or one with the close, ends the turn's input.
+        ends_input = flush and (not self.auto_mode or not text or close)
+        # A flush that ends the turn's input ends its continuation too (the next sentence starts a new stream);
+        # with auto_mode, a flush that carries text (LiveKit's every sentence) is one more sentence of the turn,
+        # so a LiveKit reply is one voice and one DAC stream, as pipecat's (issue 22)
+        if speak:
+            await self.flush(ctx, end_turn=ends_input)
+            last = self.last_queued(ctx)
+            if last is not None and ends_input:
+                c.flushed_upto = last
+            elif last is not None:
+                c.auto_upto = last
+        if close:  # text + flush + close_context in one message: spoken, then isFinal
+            await self._close_context(ctx)
+
+    def _context_id(self, data: dict[str, Any]) -> str:
+        ctx = check_context_id(data.get("context_id")) if self.multi else None
+        return DEFAULT_CONTEXT if ctx is None else ctx
+
+    def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+        live = self.contexts()
+        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
+            raise RequestError(G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS, f"at most {MAX_CONTEXTS} contexts may hold text or "
+                               "audio on one socket; close one first")
+        c = self.ctxs.get(ctx)
+        if c is not None and not c.closing:
+            return c
+        # a new context, or a closed id used again ("not linked to the previous context")
+        settings = data.get("voice_settings")
+        opts = self.opts
+        if isinstance(settings, dict):
+            opts = dialect_options(self.gw, base=opts, speed=settings.get("speed"))
+        elif settings is not None:
+            raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
+        # A closed id used again: what the closed context flushed is still its own, still spoken; a close
+        # of this one drops only what comes after it.
+        before = self.last_queued(ctx)
+        c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=before, opened_after=before)
+        forget_idle(self.ctxs, live | {ctx})
+        return c
+
+    async def _close_context(self, ctx: str) -> None:
+        c = self.ctxs.get(ctx)
+        if c is None:
+            return  # never opened, or already final
+        if c.closing:  # closed twice: the client wants none of it any more (pipecat on a barge-in)
+            await self.cancel(ctx)
+            return
+        c.closing = True
+        # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now.
+        await self.cancel(ctx, after=c.kept_by_close())
+        await self.add_mark(ctx, lambda: self._final(c))
+
+    async def _final(self, c: Context) -> None:
+        """Under the send lock: the context's last message."""
+        if self.ctxs.get(c.id) is c:
+            del self.ctxs[c.id]
+        await self.send_json_locked({"isFinal": True, "contextId": c.id} if self.multi else {"isFinal": True})
+
+    async def _close_socket(self) -> None:
+        for ctx in list(self.ctxs):
+            if not self.ctxs[ctx].closing:
+                await self._close_context(ctx)
+        await self.close()
+
+    async def _end_of_input(self) -> None:
+        c = self._open(DEFAULT_CONTEXT, {})
+        await self.flush(DEFAULT_CONTEXT)
+        c.closing = True
+        await self.add_mark(DEFAULT_CONTEXT, lambda: self._final(c))
+        await self.close()
+
+    # ---- playback ------------------------------------------------------------------------------------
+    async def on_audio(self, u: Utterance, data: bytes) -> None:
+        c = self.ctxs.get(u.context_id)
+        if c is not None and (c.opened_after is None or u.seq > c.opened_after):
+            c.said = True
+        msg: dict[str, Any] = {"audio": base64.b64encode(data).decode(), "normalizedAlignment": None,
+                               "alignment": None}
+        if self.multi:
+            msg["contextId"] = u.context_id
+        else:
+            msg["isFinal"] = None
+        await self.send_json_locked(msg)
+
+
+def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+    """ElevenLabs' HTTP error body."""
+    status = G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code
+    return {"detail": {"status": status, "message": message}}
+
+
+async def multi_stream_endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=True), _refusal)
+
+
+async def stream_input_endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=False), _refusal)

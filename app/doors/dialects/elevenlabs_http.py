@@ -1,0 +1,130 @@
+"""ElevenLabs' text-to-speech HTTP routes (what LiveKit's elevenlabs plugin calls for `synthesize()`, pipecat's
+`ElevenLabsHttpTTSService` and ElevenLabs' own SDKs' `convert` / `stream`), on app/doors/dialects/http.py.
+
+* `POST /v1/text-to-speech/{voice_id}` and `/stream`: the audio in `?output_format` (as on the WebSocket,
+  default `mp3_44100_128`), streamed as it is generated (both: a client of the first reads it whole).
+* `/with-timestamps`: one JSON object `{"audio_base64", "alignment": null, "normalized_alignment": null}`,
+  streamed too (the base64 grows as the audio is generated). `/stream/with-timestamps`: one such object per
+  line as each piece is ready. ZONOS2 produces no timings: both alignments are always null, as on the
+  WebSocket.
+
+Body: `text` (required), `voice_settings.speed` (our speed), `language_code`, `apply_text_normalization`
+(`off` turns normalization off), `seed`; `model_id`, `previous_text`, `next_text`, the request ids,
+pronunciation dictionaries, `use_pvc_as_ivc`, `apply_language_text_normalization`, the other voice settings
+and fields this gateway does not know are accepted and not used (ElevenLabs ignores unknown fields too).
+Query: `output_format`, `zonos_params` (our knobs); `enable_logging` and `optimize_streaming_latency` are
+accepted and not used. Errors: `{"detail": {"status", "message"}}` (app/doors/dialects/elevenlabs.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.doors.dialects.common import dialect_options
+from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
+from app.doors.dialects.elevenlabs import output_format
+from app.doors.dialects.http import errors_as, open_request
+from app.doors.speech import Framing, speech_response
+from app.io.audio_output import OutputFormat
+from app.io.checks import text_field
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
+MAX_SEED = 4294967295  # ElevenLabs' seed range
+# fields that are accepted and not used, with the JSON types they may have (null is always allowed)
+_UNUSED: dict[str, tuple[type, ...]] = {
+    "model_id": (str,), "previous_text": (str,), "next_text": (str,), "previous_request_ids": (list,),
+    "next_request_ids": (list,), "pronunciation_dictionary_locators": (list,), "use_pvc_as_ivc": (bool,),
+    "apply_language_text_normalization": (bool,),
+}
+_NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
+
+
+def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
+    for key, types in _UNUSED.items():
+        if data.get(key) is not None and not isinstance(data[key], types):
+            raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
+    lang = data.get("language_code")
+    if lang is not None and not isinstance(lang, str):
+        raise RequestError(G.BAD_PARAMS, "language_code must be a string")
+    norm = data.get("apply_text_normalization")
+    if norm is not None and norm not in ("auto", "on", "off"):
+        raise RequestError(G.BAD_PARAMS, "apply_text_normalization must be 'auto', 'on' or 'off'")
+    seed = data.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
+        raise RequestError(G.BAD_PARAMS, f"seed must be an integer in 0..{MAX_SEED}")
+    settings = data.get("voice_settings")
+    if settings is not None and not isinstance(settings, dict):
+        raise RequestError(G.BAD_PARAMS, "voice_settings must be an object")
+    # as on the WebSocket
+    return dialect_options(gw, request.query_params, language=lang, text_normalization=False if norm == "off" else None,
+                           seed=seed, speed=(settings or {}).get("speed"))
+
+
+def _format(request: Request) -> OutputFormat:
+    return output_format(request.query_params.get("output_format") or DEFAULT_FORMAT)
+
+
+async def _speak(request: Request, framing: Framing | None = None, media_type: str | None = None) -> Response:
+    gw, owner, data = await open_request(request)
+    fmt = _format(request)
+    voice = gw.resolve_voice(request.path_params["voice_id"], owner)
+    text = text_field(data, "text", gw.settings.limits.max_http_chars)
+    opts = _options(gw, request, data)
+    return await speech_response(gw, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
+
+
+class _Base64Document:
+    """`{"audio_base64": "<the audio so far>...", "alignment": null, "normalized_alignment": null}` written
+    as the audio comes: base64 of whole 3-byte groups, the rest kept for the next piece."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+        self._opened = False
+
+    def _open(self) -> bytes:
+        if self._opened:
+            return b""
+        self._opened = True
+        return b'{"audio_base64": "'
+
+    def chunk(self, data: bytes) -> bytes:
+        data = self._rest + data
+        cut = len(data) - len(data) % 3
+        self._rest = data[cut:]
+        return self._open() + base64.b64encode(data[:cut])
+
+    def end(self) -> bytes:
+        tail = json.dumps(_NULL_ALIGNMENT)[1:]  # '"alignment": null, ...}'
+        return self._open() + base64.b64encode(self._rest) + b'", ' + tail.encode()
+
+
+def _line(data: bytes) -> bytes:
+    return json.dumps({"audio_base64": base64.b64encode(data).decode(), **_NULL_ALIGNMENT}).encode() + b"\n"
+
+
+@errors_as(elevenlabs_error)
+async def speech(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id} and /v1/text-to-speech/{voice_id}/stream."""
+    return await _speak(request)
+
+
+@errors_as(elevenlabs_error)
+async def speech_with_timestamps(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id}/with-timestamps."""
+    doc = _Base64Document()
+    return await _speak(request, Framing(chunk=doc.chunk, end=doc.end), media_type="application/json")
+
+
+@errors_as(elevenlabs_error)
+async def stream_with_timestamps(request: Request) -> Response:
+    """POST /v1/text-to-speech/{voice_id}/stream/with-timestamps: one JSON object per line."""
+    return await _speak(request, Framing(chunk=_line), media_type="application/x-ndjson")

@@ -1,0 +1,56 @@
+"""What the dialects' HTTP routes share (ElevenLabs' `/v1/text-to-speech/{voice}[/stream]`, Cartesia's
+`/tts/bytes` and `/tts/sse`, Deepgram's `POST /v1/speak`): one request is one text, spoken through the
+utterance pipeline as /v1/audio/speech is (app/core/pipeline.speak: every sentence in order, the next one
+generating while the current one streams; the client going away stops the GPU work), its audio sent as it is
+generated, and every refusal in the vendor's own error shape.
+
+The first sentence is started before the answer begins, so a refused request (bad voice, text too long for
+the engine) still gets its 4xx; an error after the audio began cuts the response off (or, on an event
+stream, is an error event), as on /v1/audio/speech.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.core.gateway import Gateway
+from app.doors.speech import read_json
+from app.io.auth import api_key_from, key_ok
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+ErrorBody = Callable[[str, str, int], dict[str, Any]]  # (code, message, status) -> the vendor's error body
+
+
+# ---- requests ---------------------------------------------------------------------------------------------
+def errors_as(body: ErrorBody) -> Callable[[Callable[[Request], Awaitable[Response]]],
+                                           Callable[[Request], Awaitable[Response]]]:
+    """A route whose RequestErrors answer in the vendor's error shape (and status) instead of ours."""
+    def wrap(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        @functools.wraps(endpoint)
+        async def route(request: Request) -> Response:
+            try:
+                return await endpoint(request)
+            except RequestError as e:
+                gw: Gateway = request.app.state.gateway
+                gw.metrics.errors.labels(e.code).inc()
+                return JSONResponse(body(e.code, str(e), e.status), status_code=e.status)
+        return route
+    return wrap
+
+
+async def open_request(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
+    """The caller's key (every dialect's header: `xi-api-key`, `X-API-Key`, `Authorization: Token|Bearer`,
+    `?api_key=`), its owner id, and the JSON body."""
+    gw: Gateway = request.app.state.gateway
+    key = api_key_from(request.headers, request.query_params)
+    if not key_ok(key, gw.settings.api_keys):
+        raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
+    owner = gw.owner_of(key if gw.settings.api_keys else None)
+    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    return gw, owner, data

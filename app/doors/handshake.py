@@ -1,0 +1,131 @@
+"""The one entry of every streaming WebSocket API (ours, `/v1/tts/ws`, and the ElevenLabs, Cartesia and
+Deepgram dialects): the handshake (origin, API key, session limit, the session built from the URL) refused
+in the API's own shape, then the session run to its end, counted among the gateway's sessions.
+
+A dialect refuses a handshake as those services do, with an HTTP response to the upgrade (the WebSocket
+Denial Response extension). Our own socket refuses in band, as it always has: accepted, the error as its
+first message, closed 1008 (1013, "try again later", at the session limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from app.core.gateway import Gateway
+from app.core.session import ClientStalled, StreamingSession
+from app.io.auth import api_key_from, key_ok, origin_allowed
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from engine.contract.errors import EngineError
+
+log = logging.getLogger("gateway.session")
+
+# (code, message, HTTP status) -> the API's error body for a refused handshake
+Refusal = Callable[[str, str, int], dict[str, Any]]
+
+
+# Set by `deny` in the task that runs the ASGI app, where uvicorn logs once the app returns.
+_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
+
+
+class _DenialLogFilter(logging.Filter):
+    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing handshake" after a
+    refusal sent as an HTTP response (the denial extension), though the response went out: dropped for
+    refusals `deny` made, kept for any other app that returns without answering."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_denied.get() and "returned without completing handshake" in record.getMessage())
+
+
+logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
+
+
+async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
+    """Refuse a WebSocket handshake with an HTTP response (the WebSocket Denial Response extension: the
+    client's connect fails with this status and body); where the server lacks it, accept and close 1008."""
+    from starlette.responses import JSONResponse
+
+    try:
+        await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
+        _denied.set(True)
+    except RuntimeError:
+        await ws.accept()
+        await ws.send_text(json.dumps(body))
+        await ws.close(1008)
+
+
+async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -> None:
+    """Run an accepted session to its end, counted among the gateway's sessions. A client that stopped
+    reading, or a bug, ends this session only (a bug with the dialect's `internal` error and close 1011)."""
+    gw.sessions += 1
+    gw.metrics.sessions.inc()
+    try:
+        await session.run()
+    except WebSocketDisconnect:
+        pass
+    except ClientStalled as e:  # its engine work is cancelled; closing politely would wait on it again
+        log.info("%s session closed: the client stopped reading (%s)", session.api, e)
+        gw.metrics.errors.labels(G.CLIENT_STALLED).inc()
+    except Exception:
+        log.exception("%s session failed", session.api)
+        with contextlib.suppress(Exception):
+            msg = session.render_error(EngineError.INTERNAL, "internal error", {})
+            if msg is not None:
+                await ws.send_text(json.dumps(msg))
+            await ws.close(1011)
+    finally:
+        gw.sessions -= 1
+        gw.metrics.sessions.dec()
+
+
+def in_band_error(code: str, message: str, status: int) -> dict[str, Any]:
+    """Our own socket's error message (app/core/session.py `render_error`'s shape)."""
+    return {"type": "error", "code": code, "message": message}
+
+
+async def refuse_in_band(ws: WebSocket, status: int, body: dict[str, Any]) -> None:
+    """Our socket's refusal: accept, send the error, close (1013 at the session limit, else 1008)."""
+    await ws.accept()
+    await ws.send_text(json.dumps(body))
+    await ws.close(1013 if status == G.TOO_MANY_SESSIONS.http_status else 1008)
+
+
+async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession], refusal: Refusal,
+                key: str | None = None, subprotocol: str | None = None, in_band: bool = False) -> None:
+    """Run one streaming session. `make(gw, owner)` builds it from the URL (raising RequestError for a bad
+    voice or format); `refusal(code, message, status)` is the API's error body for a refused handshake,
+    sent as an HTTP response, or with `in_band` as the first message of an accepted socket. `key`: the API
+    key the dialect found (default: our headers and ?api_key=)."""
+    gw: Gateway = ws.app.state.gateway
+    key = key if key is not None else api_key_from(ws.headers, ws.query_params)
+
+    async def refuse(code: str, message: str, status: int) -> None:
+        gw.metrics.errors.labels(code).inc()
+        body = refusal(code, message, status)
+        await (refuse_in_band(ws, status, body) if in_band else deny(ws, status, body))
+
+    if not origin_allowed(ws, gw.settings.cors_origins):
+        await refuse(G.ORIGIN_NOT_ALLOWED, "this page's origin may not use the API (see --cors-origin)",
+                     G.ORIGIN_NOT_ALLOWED.http_status)
+        return
+    if not key_ok(key, gw.settings.api_keys):
+        await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
+        return
+    if gw.sessions >= gw.settings.limits.max_sessions:
+        await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
+                     G.TOO_MANY_SESSIONS.http_status)
+        return
+    try:
+        session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+    except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
+        await refuse(e.code, str(e), e.status if e.status != 500 else 400)
+        return
+    await ws.accept(subprotocol=subprotocol)
+    await serve_session(ws, gw, session)

@@ -1,0 +1,121 @@
+"""What every HTTP route shares: JSON bodies read within a bound, the JSON error shape, the answer of the
+speech routes (the first sentence started before the answer begins, so bad input still gets a 4xx; the audio
+encoded as it is generated). The service endpoints (health, readiness, metrics, capabilities, models) are
+in app/doors/service.py. The speech routes' doors: app/doors/openai_speech.py (OpenAI), app/doors/reference.py (/tts/generate),
+app/doors/dialects/*_http.py; voices: app/doors/voices.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.core.pipeline import speak
+from app.io.audio_output import OutputFormat
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.io.json_input import parse_json_object
+from app.voices.library import Voice
+
+
+def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
+    """Every HTTP error: {"error": {"code", "message"}}. The reference server's speaker routes
+    (/tts/speakers...) add `detail` (the same message): the reference's web UI shows that field."""
+    body: dict[str, Any] = {"error": {"code": e.code, "message": str(e)}}
+    if detail:
+        body["detail"] = str(e)
+    return JSONResponse(body, status_code=e.status)
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    # Refused before it is read (declared size) or as soon as it passes the limit (chunked): a huge
+    # body never sits in memory.
+    too_large = RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large
+        parts.append(chunk)
+    return parse_json_object(b"".join(parts), G.BAD_JSON, "the body")
+
+
+
+
+async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+    """Start the first utterance before answering, so that bad input still gets a 4xx: the stream with
+    its first chunk already taken (raises the RequestError of a refused first utterance)."""
+    try:
+        first = await anext(pcm)
+    except StopAsyncIteration:
+        first = np.zeros(0, np.int16)
+
+    async def chunks() -> AsyncIterator[np.ndarray]:
+        yield first
+        async for x in pcm:
+            yield x
+
+    return chunks()
+
+
+
+# ---- the answer of every HTTP speech route ---------------------------------------------------------------------------------------------
+@dataclass
+class Framing:
+    """How encoded audio goes on the wire: as it is (the default), or wrapped (base64 JSON lines, events).
+    `chunk(data)` wraps a piece, `end()` closes the body, `error(e)` is an error after the audio began
+    (None: the response is cut off)."""
+
+    chunk: Callable[[bytes], bytes] = field(default=lambda data: data)
+    end: Callable[[], bytes] = field(default=lambda: b"")
+    error: Callable[[RequestError], bytes] | None = None
+
+
+async def speech_response(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
+                          fmt: OutputFormat, *, whole: bool = False, media_type: str | None = None,
+                          headers: dict[str, str] | None = None, framing: Framing | None = None) -> Response:
+    """Speak `text` and stream it in `fmt` (raises the RequestError of a refused first sentence); `whole`:
+    the finished file in one response (app/io/audio_output.py, StreamEncoder)."""
+    framing = framing or Framing()
+    enc = fmt.encoder(whole=whole)
+    speech = speak(gw, api, text, opts, voice, None)
+    chunks = await first_chunk(speech)
+
+    async def encode(x: np.ndarray, last: bool = False) -> bytes:
+        return await asyncio.to_thread(enc.encode, x, last) if enc.threaded else enc.encode(x, last)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for x in chunks:
+                data = await encode(x)
+                if data:
+                    yield framing.chunk(data)
+        except RequestError as e:
+            if framing.error is None:
+                raise  # cut off, not ended as if complete
+            yield framing.error(e)
+            return
+        tail = await encode(np.zeros(0, np.int16), last=True)
+        if tail:
+            yield framing.chunk(tail)
+        yield framing.end()
+
+    if whole:
+        try:
+            audio = b"".join([b async for b in body()])
+        finally:
+            await speech.aclose()
+        return Response(audio, media_type=media_type or fmt.media_type, headers=headers)
+    return StreamingResponse(body(), media_type=media_type or fmt.media_type, headers=headers,
+                             background=BackgroundTask(speech.aclose))

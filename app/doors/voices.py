@@ -1,0 +1,291 @@
+"""Voice library endpoints (`/v1/voices`): upload clips or embeddings, blend, rename, export, delete."""
+
+from __future__ import annotations
+
+import io
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from app.core.gateway import Gateway, wav_bytes
+from app.doors.speech import error_response, read_json
+from app.io.auth import require_key
+from app.io.checks import base64_payload
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.voices.library import Voice, VoiceError, VoiceStore, parse_embedding_file, slerp, validate_name
+
+MAX_CLIPS = 8
+
+
+def _name_from_filename(filename: str) -> str:
+    """A default voice name from an upload's file name: the stem, with characters names cannot hold replaced."""
+    stem = re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0]
+    return re.sub(r"[^\w .,'()+&\-]", "_", stem).strip()[:64].strip() or "voice"
+
+
+def text_field(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
+    """A JSON field that names something (a voice name, a label, a file name): a string, or None when null
+    or absent. Anything else (null's cousins true, 12, {}) is refused, never turned into "True" or "12"."""
+    if value is None or isinstance(value, str):
+        return value
+    raise VoiceError(code, f"{key} must be a string")
+
+
+def _owner(request: Request) -> str:
+    gw: Gateway = request.app.state.gateway
+    return gw.owner_of(require_key(request))
+
+
+async def create_voice(request: Request) -> Response:
+    """multipart/form-data: `file` (1..8 reference clips, averaged) or `embedding` (.npy/.npz); `name`."""
+    gw: Gateway = request.app.state.gateway
+    lim = gw.settings.limits
+    owner = _owner(request)
+    length = int(request.headers.get("content-length") or 0)
+    if length > lim.max_upload_bytes * MAX_CLIPS + 65536:
+        raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
+    try:
+        form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
+    except Exception as e:  # starlette raises MultiPartException / HTTPException on limits
+        raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {getattr(e, 'detail', e)}", 413) from None
+    clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
+    emb_file = form.get("embedding")
+    name_field = form.get("name")
+    if name_field is not None and not isinstance(name_field, str):
+        raise RequestError(G.BAD_NAME, "name must be a form field, not a file")
+    if (not clips) == (not isinstance(emb_file, UploadFile)):
+        raise RequestError(G.BAD_UPLOAD, "give either 1-8 'file' clips or one 'embedding' file")
+    if len(clips) > MAX_CLIPS:
+        raise RequestError(G.BAD_UPLOAD, f"at most {MAX_CLIPS} clips per voice")
+    datas = [await f.read() for f in clips]
+    filename = (clips[0].filename if clips else emb_file.filename) or ""  # type: ignore[union-attr]
+    name = validate_name(str(name_field) if name_field else _name_from_filename(filename))
+    if clips:
+        stored = await store_clips(gw, owner, datas, name, rename=bool(name_field))
+    else:
+        data = await emb_file.read()  # type: ignore[union-attr]
+        if len(data) > lim.max_upload_bytes:
+            raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
+        stored = store_embedding(gw, owner, data, name, rename=bool(name_field))
+    return JSONResponse(stored.public(), status_code=201 if stored.created else 200)
+
+
+@dataclass
+class Stored:
+    voice: Voice
+    created: bool  # False: these clips (or this array) were a voice already
+    renamed_from: str | None = None  # ... which had this other name
+
+    def public(self) -> dict:
+        extra = {} if self.created else {"deduplicated": True}
+        return self.voice.public() | extra | ({"renamed_from": self.renamed_from} if self.renamed_from else {})
+
+
+def _dedup(gw: Gateway, existing: Voice, owner: str, name: str, rename: bool) -> Stored:
+    """The same clip (or embedding) again is the voice it already is. Under another name given explicitly,
+    that voice takes the new name, and the answer says what it was called (`renamed_from`)."""
+    if rename and name != existing.name and existing.owner == owner and existing.source != "default":
+        old = existing.name
+        return Stored(gw.voices.rename(existing.id, owner, name), False, old)
+    return Stored(existing, False)
+
+
+async def store_clips(gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True,
+                      details: dict | None = None) -> Stored:
+    """Clips -> a library voice (their embeddings averaged), or the voice these same clips already are."""
+    vid = VoiceStore.clip_id(owner, datas)
+    existing = gw.voices.find(vid)
+    if existing is not None:
+        return _dedup(gw, existing, owner, name, rename)
+    decoded = [await gw.decode_clip(d) for d in datas]
+    embs = [await gw.embed_samples(s, sr) for s, sr in decoded]
+    voice = Voice(id=vid, name=name, owner=owner, source="clip" if len(embs) == 1 else "clips",
+                  dim=gw.cfg.speaker_embedding_dim,
+                  details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)}
+                  | (details or {}))
+    gw.voices.add(voice, np.mean(embs, axis=0), wav_bytes(*decoded[0]))
+    return Stored(voice, True)
+
+
+def store_embedding(gw: Gateway, owner: str, data: bytes, name: str, rename: bool = True,
+                    details: dict | None = None) -> Stored:
+    """A .npy/.npz embedding file -> a library voice (the same array twice: the same voice)."""
+    emb = parse_embedding_file(data, gw.cfg.speaker_embedding_dim)
+    vid = VoiceStore.clip_id(owner, [emb.tobytes()])
+    existing = gw.voices.find(vid)
+    if existing is not None:
+        return _dedup(gw, existing, owner, name, rename)
+    voice = Voice(id=vid, name=name, owner=owner, source="embedding", dim=len(emb), details=details or {})
+    gw.voices.add(voice, emb)
+    return Stored(voice, True)
+
+
+async def blend_voices(request: Request) -> Response:
+    """JSON {a, b, t, name}: SLERP between two voices' embeddings."""
+    gw: Gateway = request.app.state.gateway
+    owner = _owner(request)
+    data = await read_json(request, 65536)
+    t = data.get("t", 0.5)
+    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
+        raise RequestError(G.BAD_BLEND, "t must be a number in [0, 1]")
+    if not all(isinstance(data.get(k), str) and data[k] for k in ("a", "b")):
+        raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
+    a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
+    assert a.embedding is not None and b.embedding is not None
+    name = validate_name((text_field(data.get("name"), "name") or f"{a.name} + {b.name}")[:64])
+    emb = slerp(a.embedding, b.embedding, float(t))
+    vid = VoiceStore.clip_id(owner, [a.id.encode(), b.id.encode(), np.float64(t).tobytes()])
+    voice = Voice(id=vid, name=name, owner=owner, source="blend", dim=len(emb),
+                  details={"a": a.id, "b": b.id, "t": float(t)})
+    gw.voices.add(voice, emb)
+    return JSONResponse(voice.public(), status_code=201)
+
+
+async def list_voices(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    owner = _owner(request)
+    return JSONResponse({"voices": [v.public() for v in gw.voices.list(owner)]})
+
+
+async def voice_detail(request: Request) -> Response:
+    """GET a voice, PATCH {name} to rename, DELETE it."""
+    gw: Gateway = request.app.state.gateway
+    ref = request.path_params["voice"]
+    owner = _owner(request)
+    if request.method == "GET":
+        return JSONResponse(gw.voices.get(ref, owner).public())
+    if request.method == "PATCH":
+        data = await read_json(request, 4096)
+        return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
+    v = gw.voices.delete(ref, owner)
+    return JSONResponse({"deleted": v.id})
+
+
+async def voice_embedding(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    v = gw.voices.get(request.path_params["voice"], _owner(request))
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(v.embedding, dtype=np.float32))
+    return Response(buf.getvalue(), media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{v.id}.npy"'})
+
+
+async def voice_preview(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    v = gw.voices.get(request.path_params["voice"], _owner(request))
+    data = gw.voices.preview_bytes(v)
+    if data is None:
+        raise RequestError(G.NO_PREVIEW, "this voice has no reference audio", 404)
+    return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})
+
+
+# ---- the ZONOS2 reference server's speaker routes (/tts/speakers), over the voice library ------------------
+# Same request and answer shapes as the reference, so its web UI can upload, list, preview and blend. Its
+# speakers live in one browser session's memory (the client-chosen X-TTS-Session-ID); here an upload is a
+# library voice like any other (kept on disk, visible to the same API key, usable by every API), which
+# remembers the session that uploaded it: `scope` is "session" for that session, "library" otherwise.
+SESSION_HEADER = "x-tts-session-id"
+_SPEAKER_UPLOAD_FIELDS = {"label", "speaker_audio_base64", "speaker_wav_base64", "speaker_audio_name",
+                          "speaker_embedding_base64", "speaker_embedding_name"}
+_SOURCE_TYPES = {"clip": "audio", "clips": "audio", "embedding": "embedding_file", "blend": "blend"}
+
+
+def _tts_session(request: Request, required: bool) -> str | None:
+    sid = request.headers.get(SESSION_HEADER, "").strip()[:128]
+    if not sid and required:
+        raise RequestError(G.MISSING_SESSION, "Cached speaker operations require the X-TTS-Session-ID header.")
+    return sid or None
+
+
+def _label(text: str) -> str:
+    """A label (any text) as a voice name: characters that names cannot hold become '_'."""
+    return re.sub(r"[^\w .,'()+&\-]", "_", text).strip()[:64].strip()
+
+
+def speaker_record(v: Voice, session: str | None) -> dict:
+    """A voice in the reference's speaker shape."""
+    d = {"id": v.id, "label": v.name,
+         "source_type": ("audio" if v.has_preview else "embedding_file") if v.source == "default"
+         else _SOURCE_TYPES.get(v.source, v.source),
+         "original_name": v.details.get("original_name") or v.details.get("file"),
+         "dimension": v.dim, "created_at": v.created_at, "has_preview": v.has_preview}
+    if v.source == "default":
+        return d | {"scope": "default", "is_default": True}
+    mine = session is not None and v.details.get("tts_session") == session
+    return d | {"scope": "session" if mine else "library", "is_default": False}
+
+
+async def tts_list_speakers(request: Request) -> Response:
+    """The default voices (by label), then the caller's library voices, newest first."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        sid = _tts_session(request, required=False)
+    except RequestError as e:
+        return error_response(e, detail=True)
+    voices = gw.voices.list(owner)
+    defaults = sorted((v for v in voices if v.source == "default"), key=lambda v: v.name.lower())
+    others = [v for v in voices if v.source != "default"]
+    return JSONResponse({"speakers": [speaker_record(v, sid) for v in defaults + others]})
+
+
+async def tts_cache_speaker(request: Request) -> Response:
+    """JSON {label?, speaker_audio_base64 | speaker_wav_base64, speaker_audio_name?} or
+    {label?, speaker_embedding_base64, speaker_embedding_name?}; base64 or data: URLs."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        sid = _tts_session(request, required=True)
+        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+        unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
+        if unknown:
+            raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
+        audio = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
+        emb = data.get("speaker_embedding_base64")
+        if not audio and not emb:
+            raise RequestError(G.BAD_PARAMS, "Provide an audio file or saved embedding file to cache.")
+        if audio and emb:
+            raise RequestError(G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both.")
+        name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
+        file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        label = _label(text_field(data.get("label"), "label", G.BAD_PARAMS) or "")
+        name = label or (_name_from_filename(file_name) if file_name else "") or (
+            "Speaker audio" if audio else "Speaker embedding")
+        details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
+        if audio:
+            raw = base64_payload(audio, "speaker_audio_base64")
+            stored = await store_clips(gw, owner, [raw], name, rename=bool(label), details=details)
+        else:
+            raw = base64_payload(emb, "speaker_embedding_base64")
+            if len(raw) > gw.settings.limits.max_upload_bytes:
+                raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
+            stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
+    except RequestError as e:
+        return error_response(e, detail=True)
+    extra = {} if stored.created else {"deduplicated": True}
+    if stored.renamed_from:
+        extra["renamed_from"] = stored.renamed_from
+    return JSONResponse(speaker_record(stored.voice, sid) | extra, status_code=201 if stored.created else 200)
+
+
+async def tts_speaker_preview(request: Request) -> Response:
+    """The reference clip as WAV. As in the reference, a non-default voice needs the session header."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        owner = _owner(request)
+        v = gw.voices.get(request.path_params["speaker"], owner)
+        if v.source != "default":
+            _tts_session(request, required=True)
+        data = gw.voices.preview_bytes(v)
+        if data is None:
+            raise RequestError(G.NO_PREVIEW, "Cached speaker preview audio is not available.", 404)
+    except RequestError as e:
+        return error_response(e, detail=True)
+    return Response(data, media_type="audio/wav", headers={"Cache-Control": "private, max-age=3600"})

@@ -1,0 +1,193 @@
+"""The WebSocket streaming session (`/v1/tts/ws`); the protocol is written down in docs/protocol.md.
+
+Our dialect on the session core (app/core/session.py): text arrives in pieces; complete sentences become
+utterances of the session's one lane (an UtterancePipeline, app/core/pipeline.py), played strictly in order
+while the next one is already generating. Every send goes through one lock, and a cancel marks its
+utterances before `cancelled` is sent under that lock, so no audio of cancelled text can follow it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from starlette.websockets import WebSocket
+
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions, parse_options
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
+from app.core.session import StreamingSession
+from app.doors.handshake import in_band_error, serve
+from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
+from app.io.checks import base64_payload, check_context_id, check_sample_rate
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from app.io.query_input import query_int
+from engine.contract.constants import HOP, SAMPLE_RATE
+from engine.contract.errors import EngineError
+
+log = logging.getLogger("gateway.ws")
+
+
+class Session(StreamingSession):
+    """Our protocol on the session core: JSON control messages, binary PCM, one lane (every context's
+    utterances play in the order their sentences completed)."""
+
+    api = "ws"
+
+    def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
+        super().__init__(ws, gw, owner)
+        self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
+
+    @classmethod
+    def from_query(cls, ws: WebSocket, gw: Gateway, owner: str) -> Session:
+        """A session with the settings in its URL (`?encoding=mulaw&sample_rate=8000&voice=Ada`), for a client
+        that cannot send a session.config first: checked like one, in effect from session.created on."""
+        session = cls(ws, gw, owner)
+        query: Mapping[str, str] = ws.query_params
+        if "encoding" in query:
+            session.encoding = check_encoding(query["encoding"])
+            session.sample_rate = default_rate(session.encoding, session.sample_rate)
+        if "sample_rate" in query:
+            session.sample_rate = check_sample_rate(query_int(query, "sample_rate"), OUTPUT_RATES)
+        if query.get("voice"):
+            session.voice = gw.resolve_voice(query["voice"], owner)
+        return session
+
+    # ---- main ----------------------------------------------------------------------------------
+    async def on_open(self) -> None:
+        await self.send_json({
+            "type": "session.created",
+            "session_id": self.id,
+            "encoding": self.encoding,
+            "sample_rate": self.sample_rate,
+            "voice": self.voice.id if self.voice else None,
+            "limits": {
+                "max_text_chars": self.limits.max_text_chars,
+                "max_utterance_bytes": utterance_bytes(self.gw),
+                "max_buffer_chars": self.limits.max_buffer_chars,
+                "max_pending_utterances": self.limits.max_pending_utterances,
+                "max_frames": self.limits.max_frames,
+                "idle_timeout_s": self.limits.idle_timeout_s,
+            },
+            "model": {"frame_rate": SAMPLE_RATE / HOP, "native_sample_rate": SAMPLE_RATE, **self.gw.settings.weights.describe()},
+        })
+
+    async def on_message(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
+        if kind == "text":
+            await self._on_text(data)
+        elif kind == "flush":
+            self._check_fields(data, {"context_id"})
+            ctx = self._context(data, allow_none=True)
+            await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})
+        elif kind == "cancel":
+            self._check_fields(data, {"context_id"})
+            ctx = self._context(data, allow_none=True)
+            # The flushes the cancel left with nothing to wait for are answered right after `cancelled`.
+            await self.cancel(ctx, answer={"type": "cancelled", "context_id": ctx})
+        elif kind == "session.config":
+            await self._on_config(data)
+        elif kind == "close":
+            self._check_fields(data, set())
+            # No more text can come, so the rest is queued whatever the utterance limit (it is bounded by
+            # the buffer limit); session.closed is sent once all of it has played.
+            await self.close()
+        else:
+            raise RequestError(G.BAD_MESSAGE, f"unknown message type {kind!r}")
+
+    async def on_closed(self) -> None:
+        await self.send_json({"type": "session.closed"})
+        await self.ws.close(1000)
+
+    def encoder_for(self, ctx: str) -> Encoder:
+        return Encoder(self.encoding, self.sample_rate)
+
+    @property
+    def flush_marks(self) -> dict[tuple[str | None, int], int]:
+        """(context or None for all, the last queued utterance it waits for) -> flushes waiting on it."""
+        lane = self.lanes.get(DEFAULT_CONTEXT)
+        return {k: sum(c for _, c in v) for k, v in lane.marks.items()} if lane else {}
+
+    @staticmethod
+    def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
+        unknown = sorted(set(data) - allowed - {"type"})
+        if unknown:
+            raise RequestError(G.BAD_MESSAGE, f"unknown fields {unknown}")
+
+    @staticmethod
+    def _context(data: dict[str, Any], allow_none: bool = False) -> str | None:
+        ctx = check_context_id(data.get("context_id"))
+        return ctx if ctx is not None or allow_none else DEFAULT_CONTEXT
+
+    # ---- messages ------------------------------------------------------------------------------
+    async def _on_config(self, data: dict[str, Any]) -> None:
+        self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params"})
+        encoding = check_encoding(data.get("encoding", self.encoding))
+        # G.711 named without a rate: 8000 Hz (what telephony clients mean)
+        rate = data.get("sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate)
+        rate = check_sample_rate(rate, OUTPUT_RATES)
+        opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
+                if "params" in data else self.opts)
+        voice, clip = self.voice, self.clip
+        if "voice" in data:
+            ref = data["voice"]
+            if ref is not None and not isinstance(ref, str):
+                raise RequestError(G.BAD_PARAMS, "voice must be a voice id, a name or null")
+            voice, clip = self.gw.resolve_voice(ref, self.owner), None
+        if data.get("voice_clip") is not None:
+            raw = base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
+            voice, clip = await self.gw.embed_clip(raw, self.owner), None
+        # the emotion's calibration key is the voice's id (docs/protocol.md; our socket has no field for another)
+        key = voice.id if voice is not None else None
+        if opts.emotion.speaker_key != key:
+            opts = dataclasses.replace(opts, emotion=dataclasses.replace(opts.emotion, speaker_key=key))
+        if "params" in data or voice is not self.voice:  # the emotion this voice would refuse, refused now
+            self.gw.check_emotion(opts, voice, clip is not None)
+        self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
+        await self.send_json({
+            "type": "session.updated",
+            "voice": voice.id if voice else ("clip" if clip else None),
+            "encoding": encoding,
+            "sample_rate": rate,
+            "params": _describe_opts(opts),
+        })
+
+    async def _on_text(self, data: dict[str, Any]) -> None:
+        self._check_fields(data, {"text", "context_id", "flush"})
+        text = data.get("text")
+        if not isinstance(text, str):
+            raise RequestError(G.BAD_MESSAGE, "text must be a string")
+        ctx = self._context(data)
+        assert ctx is not None
+        self.append_text(ctx, text)
+        if data.get("flush"):
+            await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})
+
+    # ---- playback events -----------------------------------------------------------------------
+    async def on_utterance_start(self, u: Utterance) -> None:
+        await self.send_json_locked({"type": "audio.start", "context_id": u.context_id, "utterance_id": u.id,
+                                     "text": u.text})
+
+    async def on_utterance_done(self, u: Utterance) -> None:
+        await self.send_json_locked({"type": "audio.done", "context_id": u.context_id, "utterance_id": u.id,
+                                     "stats": u.stats()})
+
+
+def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
+    s, c = o.sampling, o.cond
+    return {
+        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
+        "repetition_window": s.repetition_window, "repetition_penalty": s.repetition_penalty,
+        "repetition_codebooks": s.repetition_codebooks, "seed": s.seed, "max_frames": o.max_frames,
+        "ignore_eos": o.ignore_eos, "language": o.language, "text_normalization": o.text_normalization,
+        "speaking_rate": c.speaking_rate, "speed": c.speed, "speaking_rate_bucket": c.speaking_rate_bucket,
+        "quality_buckets": c.quality_buckets, "quality_values": c.quality_values,
+        "accurate_mode": c.accurate_mode, "clean_speaker_background": c.clean_speaker_background,
+    }
+
+
+async def websocket_endpoint(ws: WebSocket) -> None:
+    await serve(ws, lambda gw, owner: Session.from_query(ws, gw, owner), in_band_error, in_band=True)

@@ -1,0 +1,417 @@
+"""Audio output: every encoding, format and rate table the gateway answers in, the sample conversions, and
+the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked for.
+
+* `Encoder` (below): one streaming encoder for every API. soxr's streaming resampler (chunk boundaries
+  leave no seams), then a sample encoding (`pcm_s16le`, `pcm_f32le`, `mulaw`, `alaw`: raw samples, optionally
+  in a WAV container of unknown length) or a compressed format (`StreamEncoder`).
+* `OutputFormat`: an encoding at a rate (and a container), checked against these tables; each API's door
+  builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
+
+The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile) and, for AAC,
+FFmpeg's encoder (PyAV):
+
+* `pcm` (16-bit little-endian), `mulaw` / `alaw` (G.711, one byte a sample): raw samples, no header.
+* `wav`: 16-bit PCM (or any of the dialects' sample encodings, `wav_header`) with the 'unknown length'
+  sizes (0xFFFFFFFF) that players accept for streams; soundfile, ffmpeg and Chromium read it.
+* `flac`, `mp3` (constant bit rate), `opus` (in Ogg, pages of ~50 ms): libsndfile's encoders write into
+  a `StreamSink`, and every byte they append goes out as soon as it exists. At the end an encoder seeks
+  back to fill in header fields that only the finished file knows (FLAC's STREAMINFO sample count and
+  MD5, LAME's Info frame); those bytes were sent already, so a streamed file leaves them "unknown", as
+  every streamed FLAC and MP3 does (`ffmpeg`, browsers and libFLAC decode them; python-soundfile's
+  `sf.read` wants a sample count and refuses such a FLAC).
+* `aac`: AAC-LC in ADTS frames (a header on every frame, so a stream needs no file header), FFmpeg's
+  native encoder through PyAV; the muxer flushes after every packet.
+
+`StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
+finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
+when it did not ask for a stream (app/doors/openai_speech.py).
+
+G.711 is libsndfile's codec too (its RAW format with the ULAW / ALAW subtype): a well-kept C library
+instead of the `audioop` module that Python 3.13 removed.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import soundfile as sf
+import soxr
+
+from app.io.checks import check_sample_rate
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from engine.contract.constants import SAMPLE_RATE
+
+log = logging.getLogger("gateway.audio")
+
+NATIVE_RATE = SAMPLE_RATE  # what the engine sends; every other rate is resampled from it
+# Our WebSocket's and OpenAI's rates; the dialects' (ElevenLabs pcm_8000 ... pcm_48000, Cartesia, Deepgram)
+OUTPUT_RATES = (SAMPLE_RATE, 24000, 16000, 8000)
+RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
+# the sample encodings (our names); G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is
+# usually wanted at 8000 Hz: a client that names one of them without a sample rate gets 8000 (`default_rate`)
+ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
+G711_RATE = 8000
+COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
+BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
+
+# name -> (media type, soundfile format, subtype); every format streams.
+FORMATS: dict[str, tuple[str, str | None, str | None]] = {
+    "pcm": ("audio/pcm", None, None),
+    "wav": ("audio/wav", "WAV", "PCM_16"),
+    "flac": ("audio/flac", "FLAC", "PCM_16"),
+    "mp3": ("audio/mpeg", "MP3", "MPEG_LAYER_III"),
+    "opus": ("audio/ogg", "OGG", "OPUS"),
+    "mulaw": ("audio/PCMU", "RAW", "ULAW"),
+    "alaw": ("audio/PCMA", "RAW", "ALAW"),
+    "aac": ("audio/aac", None, None),  # ADTS
+}
+FORMAT_ALIASES = {"ulaw": "mulaw", "pcmu": "mulaw", "pcma": "alaw"}
+# media type of each encoding sent raw (a WAV container is audio/wav)
+MEDIA_TYPES = {"pcm_s16le": "audio/pcm", "pcm_f32le": "audio/pcm", "mulaw": FORMATS["mulaw"][0],
+               "alaw": FORMATS["alaw"][0], **{k: FORMATS[k][0] for k in COMPRESSED}}
+G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
+MP3_COMPRESSION = 0.6  # constant bit rate: 64 kbit/s at 16-24 kHz, 32 at 8 kHz, 160 at 44.1 kHz
+OPUS_PAGE_MS = 50.0  # libsndfile's default Ogg page latency is 1 s: the first Opus bytes would wait for it
+_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h
+# AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
+AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, SAMPLE_RATE: 128000, 48000: 128000}
+# WAVE format tags and bits per sample of the sample encodings a WAV may carry
+WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
+_UNKNOWN = 0xFFFFFFFF
+
+
+def check_encoding(encoding: object) -> str:
+    """A client's encoding name (`ulaw` is accepted for `mulaw`), or bad_params."""
+    encoding = "mulaw" if encoding == "ulaw" else encoding
+    if encoding not in ENCODINGS:
+        raise RequestError(G.BAD_PARAMS, f"encoding must be one of {list(ENCODINGS)}")
+    return str(encoding)
+
+
+def default_rate(encoding: str, current: int = NATIVE_RATE) -> int:
+    """The sample rate a client gets when it names an encoding and no rate: 8000 for G.711."""
+    return G711_RATE if encoding in G711 else current
+
+
+def int16_bytes(x: np.ndarray) -> bytes:
+    """float32 samples in [-1, 1] -> 16-bit little-endian PCM (clipped, rounded)."""
+    return np.clip(np.round(x * 32768.0), -32768, 32767).astype("<i2").tobytes()
+
+
+def sample_bytes(x: np.ndarray, encoding: str) -> bytes:
+    """float32 samples -> the bytes of one of ENCODINGS."""
+    if encoding == "pcm_f32le":
+        return x.astype("<f4", copy=False).tobytes()
+    if encoding in G711:
+        return g711_encode(x, encoding)
+    return int16_bytes(x)
+
+
+def wav_header(sample_rate: int, encoding: str = "pcm_s16le", data_bytes: int | None = None) -> bytes:
+    """RIFF/WAVE header of mono audio in one of WAV_ENCODINGS; without `data_bytes`, for a stream of unknown
+    length (both sizes 0xFFFFFFFF)."""
+    tag, bits = WAV_ENCODINGS[encoding]
+    block = bits // 8
+    riff = _UNKNOWN if data_bytes is None else 36 + data_bytes
+    data = _UNKNOWN if data_bytes is None else data_bytes
+    return (
+        b"RIFF" + struct.pack("<I", riff) + b"WAVE"
+        + b"fmt " + struct.pack("<IHHIIHH", 16, tag, 1, sample_rate, sample_rate * block, block, bits)
+        + b"data" + struct.pack("<I", data)
+    )
+
+
+def g711_encode(samples: np.ndarray, law: str) -> bytes:
+    """float32 samples in [-1, 1] -> G.711 bytes (`law` is "mulaw" or "alaw"). Sample by sample, so
+    chunks encoded one after another are the same bytes as the whole signal encoded at once."""
+    if not len(samples):
+        return b""
+    pcm16 = np.clip(np.round(np.asarray(samples, dtype=np.float32) * 32768.0), -32768, 32767).astype(np.int16)
+    buf = io.BytesIO()
+    # 16-bit in (libsndfile's float path scales by 32767, not 32768); the rate means nothing to a memoryless
+    # codec, libsndfile only wants a valid one
+    sf.write(buf, pcm16, 8000, format="RAW", subtype=G711[law])
+    return buf.getvalue()
+
+
+def g711_decode(data: bytes, law: str) -> np.ndarray:
+    """G.711 bytes -> float32 samples (tests and clients that want to check what they got)."""
+    if not data:
+        return np.zeros(0, np.float32)
+    x, _ = sf.read(io.BytesIO(data), dtype="float32", samplerate=8000, channels=1, format="RAW",
+                   subtype=G711[law])
+    return x
+
+
+class StreamSink(io.RawIOBase):
+    """A seekable file for libsndfile that hands out what the encoder appends, as it appends it.
+
+    Bytes are handed out once (`take`) and then forgotten. A write that lands on bytes already handed out
+    (an encoder patching its header when it closes) can no longer reach the client and is dropped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sent = 0  # bytes handed out; the file offset of _pending[0]
+        self._pending = bytearray()
+        self._pos = 0
+        self.dropped = 0  # bytes of late header patches that were not sent
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def _end(self) -> int:
+        return self._sent + len(self._pending)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._end()}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def write(self, b) -> int:  # type: ignore[override]
+        data = memoryview(b).cast("B")
+        n = len(data)
+        start = self._pos
+        if start < self._sent:  # the part already handed out cannot change any more
+            skip = min(n, self._sent - start)
+            self.dropped += skip
+            data, start = data[skip:], start + skip
+        if len(data):
+            offset = start - self._sent
+            if offset > len(self._pending):
+                self._pending.extend(bytes(offset - len(self._pending)))
+            self._pending[offset:offset + len(data)] = data
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        # Encoders do not read back what they wrote; what was handed out reads as nothing.
+        offset = self._pos - self._sent
+        if offset < 0:
+            return b""
+        end = len(self._pending) if size is None or size < 0 else offset + size
+        data = bytes(self._pending[offset:end])
+        self._pos += len(data)
+        return data
+
+    def take(self) -> bytes:
+        data = bytes(self._pending)
+        self._sent += len(data)
+        self._pending.clear()
+        return data
+
+
+class _AdtsSink(io.RawIOBase):
+    """Where PyAV's ADTS muxer writes: collects the bytes until they are taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._pending = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:  # type: ignore[override]
+        self._pending += memoryview(b).cast("B")
+        return len(b)
+
+    def take(self) -> bytes:
+        data = bytes(self._pending)
+        self._pending.clear()
+        return data
+
+
+class AacEncoder:
+    """float32 mono samples -> AAC-LC in ADTS frames, each frame out as soon as it is encoded (the encoder
+    holds about 2048 samples back: its look-ahead)."""
+
+    def __init__(self, sample_rate: int) -> None:
+        if sample_rate not in AAC_BIT_RATE:
+            raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
+        import av  # FFmpeg in ~36 MB of shared libraries: loaded by the first AAC answer, not by every gateway
+
+        self._av = av
+        self.sample_rate = sample_rate
+        self._sink = _AdtsSink()
+        # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold ~4 s of audio back
+        self._out = av.open(self._sink, "w", format="adts", options={"flush_packets": "1"})
+        self._stream = self._out.add_stream("aac", rate=sample_rate, layout="mono")
+        self._stream.bit_rate = AAC_BIT_RATE[sample_rate]
+
+    def write(self, samples: np.ndarray) -> bytes:
+        if len(samples):
+            frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="flt",
+                                               layout="mono")
+            frame.sample_rate = self.sample_rate
+            self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
+        return self._sink.take()
+
+    def close(self) -> bytes:
+        self._out.mux(self._stream.encode(None))
+        self._out.close()
+        return self._sink.take()
+
+
+class StreamEncoder:
+    """float32 mono samples in, the bytes of one HTTP format out, as soon as the encoder produces them:
+    `write(samples)` returns what is ready (possibly nothing), `close()` the rest. With `whole=True` every
+    byte comes from `close()`: the finished file, its header complete (see the module docstring)."""
+
+    def __init__(self, fmt: str, sample_rate: int, whole: bool = False) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"unknown format {fmt!r}")
+        if fmt == "opus" and sample_rate not in OPUS_RATES:
+            raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
+        self.fmt, self.sample_rate, self.whole = fmt, sample_rate, whole
+        self._header = wav_header(sample_rate) if fmt == "wav" and not whole else b""
+        self._held = bytearray()  # whole: everything so far (wav's samples; the others' output)
+        self._sink: StreamSink | io.BytesIO | None = None
+        self._file: sf.SoundFile | None = None
+        self._aac = AacEncoder(sample_rate) if fmt == "aac" else None
+        if fmt in ("flac", "mp3", "opus"):
+            _, container, subtype = FORMATS[fmt]
+            # a whole file is written into a seekable buffer, so the encoder's last header patch lands
+            self._sink = io.BytesIO() if whole else StreamSink()
+            extra = {"bitrate_mode": "CONSTANT", "compression_level": MP3_COMPRESSION} if fmt == "mp3" else {}
+            self._file = sf.SoundFile(self._sink, "w", sample_rate, 1, format=container, subtype=subtype, **extra)
+            if fmt == "opus":
+                _set_ogg_page_latency(self._file, OPUS_PAGE_MS)
+
+    def write(self, samples: np.ndarray) -> bytes:
+        data = self._encode(np.asarray(samples, dtype=np.float32))
+        if self.whole:
+            self._held += data
+            return b""
+        return data
+
+    def _encode(self, x: np.ndarray) -> bytes:
+        head, self._header = self._header, b""
+        if self.fmt in ("pcm", "wav"):
+            return head + int16_bytes(x)
+        if self.fmt in G711:
+            return g711_encode(x, self.fmt)
+        if self._aac is not None:
+            return self._aac.write(x)
+        assert self._file is not None and self._sink is not None
+        if len(x):
+            self._file.write(x)
+        return self._sink.take() if isinstance(self._sink, StreamSink) else b""
+
+    def close(self) -> bytes:
+        if self._aac is not None:
+            tail = self._aac.close()
+        elif self._file is not None:
+            assert self._sink is not None
+            self._file.close()
+            self._file = None
+            if isinstance(self._sink, io.BytesIO):  # whole: the finished file
+                return self._sink.getvalue()
+            if self._sink.dropped:
+                log.debug("%s stream: %d header bytes patched at the end were already sent", self.fmt,
+                          self._sink.dropped)
+            tail = self._sink.take()
+        else:
+            tail, self._header = self._header, b""
+        if not self.whole:
+            return tail
+        data = bytes(self._held + tail)
+        return wav_header(self.sample_rate, data_bytes=len(data)) + data if self.fmt == "wav" else data
+
+
+def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
+    """libsndfile >= 1.2 closes an Ogg page every `ms` of audio (soundfile has no wrapper for the command)."""
+    try:
+        from soundfile import _ffi, _snd  # type: ignore[attr-defined]
+
+        value = _ffi.new("double*", float(ms))
+        _snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double"))
+    except Exception as e:  # an older libsndfile: pages of ~1 s, still a valid stream
+        log.warning("could not set the Ogg page latency: %s", e)
+
+
+
+@dataclass(frozen=True)
+class OutputFormat:
+    """An encoding (one of ENCODINGS or COMPRESSED) at a rate; the sample encodings optionally in a WAV
+    container of unknown length (a stream's)."""
+
+    encoding: str
+    sample_rate: int
+    wav: bool = False
+
+    def check(self, rates: tuple[int, ...] = RATES, code: str = G.UNSUPPORTED_FORMAT) -> OutputFormat:
+        """Refused with `code` unless an encoder offers it at one of `rates`."""
+        if self.encoding not in ENCODINGS + COMPRESSED:
+            raise RequestError(code, f"unsupported encoding {self.encoding!r}")
+        if self.wav and self.encoding not in ENCODINGS:
+            raise RequestError(code, f"{self.encoding} does not go in a WAV container")
+        if self.encoding == "opus":
+            rates = tuple(r for r in rates if r in OPUS_RATES)
+        elif self.encoding == "aac":
+            rates = tuple(r for r in rates if r in AAC_BIT_RATE)
+        what = f"{self.encoding} takes the sample rates" if self.encoding in ("opus", "aac") else "sample rate must be one of"
+        check_sample_rate(self.sample_rate, rates, code, what, f", not {self.sample_rate}")
+        return self
+
+    @property
+    def media_type(self) -> str:
+        return "audio/wav" if self.wav else MEDIA_TYPES[self.encoding]
+
+    def encoder(self, whole: bool = False) -> Encoder:
+        return Encoder(self.encoding, self.sample_rate, wav=self.wav, whole=whole)
+
+
+class Encoder:
+    """int16 PCM at 44.1 kHz from the engine -> one output format, chunk by chunk: `encode(pcm16)` returns
+    what is ready, `encode(..., last=True)` the rest. `whole` (a compressed format, or a WAV): every byte at
+    the end, the file's header complete (StreamEncoder). `threaded`: its encoder is worth a worker thread."""
+
+    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False,
+                 whole: bool = False) -> None:
+        self.encoding, self.sample_rate = encoding, sample_rate
+        self._rs = (soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+                    if sample_rate != NATIVE_RATE else None)
+        self._file: StreamEncoder | None = None
+        if encoding in COMPRESSED:
+            self._file = StreamEncoder(encoding, sample_rate, whole)
+        elif wav and whole:  # the finished file: its sizes are known at the end
+            if encoding != "pcm_s16le":
+                raise ValueError("a whole WAV file holds pcm_s16le")
+            self._file = StreamEncoder("wav", sample_rate, whole=True)
+        self._header = wav_header(sample_rate, encoding) if wav and self._file is None else b""
+        self.threaded = encoding in COMPRESSED
+
+    @property
+    def bytes_per_sample(self) -> int:
+        return BYTES_PER_SAMPLE.get(self.encoding, 1)
+
+    def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
+        """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
+        x = pcm16.astype(np.float32) / 32768.0
+        if self._rs is not None:
+            x = self._rs.resample_chunk(x, last=last)
+        return x
+
+    def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes:
+        head, self._header = self._header, b""
+        if self._rs is None and self.encoding == "pcm_s16le" and self._file is None:
+            return head + pcm16.astype("<i2", copy=False).tobytes()
+        x = self.float32(pcm16, last)
+        if self._file is not None:
+            data = self._file.write(x)
+            return head + (data + self._file.close() if last else data)
+        return head + sample_bytes(x, self.encoding)

@@ -1,0 +1,63 @@
+"""The checks every API's door shares, one function each: client text, a sample rate, a context id, a base64
+payload. Each door calls them on its own fields and names its own error code where its dialect has one."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Iterable
+from typing import Any
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+MAX_CONTEXT_ID = 128  # characters
+
+
+def check_text(text: str, name: str = "text") -> str:
+    """The one check of client text every API makes: it must be valid Unicode (JSON can carry a lone
+    surrogate such as "\\ud800", which has no UTF-8 form and so no prompt)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(
+            G.BAD_TEXT, f"{name} contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}); "
+            "send valid Unicode text") from None
+    return text
+
+
+def text_field(data: dict[str, Any], key: str, limit: int) -> str:
+    """The text of a one-shot (HTTP) request: a non-empty string within `limit` characters, valid Unicode."""
+    text = data.get(key)
+    if not isinstance(text, str) or not text.strip():
+        raise RequestError(G.EMPTY_TEXT, f"{key} must be a non-empty string")
+    if len(text) > limit:
+        raise RequestError(G.TEXT_TOO_LONG, f"{key} is limited to {limit} characters")
+    return check_text(text, key)
+
+
+def check_sample_rate(rate: object, allowed: Iterable[int], code: str = G.BAD_PARAMS,
+                      what: str = "sample_rate must be one of", note: str = "") -> int:
+    """`rate` as one of `allowed` (a number equal to one: 24000.0 is 24000; a boolean is none), else
+    RequestError(code)."""
+    allowed = list(allowed)
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or rate not in allowed:
+        raise RequestError(code, f"{what} {allowed}{note}")
+    return int(rate)
+
+
+def check_context_id(value: object, code: str = G.BAD_MESSAGE) -> str | None:
+    """A client's context id: None when absent, else a string of 1-128 characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_CONTEXT_ID:
+        raise RequestError(code, f"context_id must be a string of 1-{MAX_CONTEXT_ID} characters")
+    return value
+
+
+def base64_payload(value: object, name: str, code: str = G.BAD_PARAMS) -> bytes:
+    """Base64 bytes, or a data: URL's (what follows its first comma), else RequestError(code)."""
+    try:
+        return base64.b64decode(str(value).split(",", 1)[-1], validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(code, f"{name} must be base64 (or a data: URL)") from None

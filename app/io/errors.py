@@ -1,0 +1,101 @@
+"""Every error code the gateway itself answers with, defined once with its HTTP status, and `RequestError`,
+the one exception every API raises for a refused request. The engine's codes (engine_busy, prompt_too_long,
+internal, ...) are engine/contract/errors.py's `EngineError` and are not repeated here.
+
+The HTTP layers answer `RequestError.status` (app/doors/speech.py `error_response`, the dialects' `errors_as`);
+the WebSocket layers send `RequestError.code` in their dialect's shape (app/core/session.py `render_error`).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from engine.contract.errors import EngineError
+
+
+class GatewayError(StrEnum):
+    # requests and messages
+    BAD_MESSAGE = "bad_message"  # a WebSocket message that is not one of the dialect's
+    BAD_PARAMS = "bad_params"  # a field of a request out of its type or bounds
+    BAD_TEXT = "bad_text"  # text with no UTF-8 form (a lone surrogate)
+    BAD_JSON = "bad_json"  # an HTTP body that is not a JSON object
+    BODY_TOO_LARGE = "body_too_large"
+    EMPTY_TEXT = "empty_text"
+    TEXT_TOO_LONG = "text_too_long"
+    UNSUPPORTED_FORMAT = "unsupported_format"  # an output format or rate no encoder offers
+    NORMALIZATION_TIMEOUT = "normalization_timeout"
+    # a streaming session's limits
+    BUFFER_FULL = "buffer_full"
+    TOO_MANY_UTTERANCES = "too_many_utterances"
+    TOO_MANY_CONTEXTS = "too_many_contexts"
+    TOO_MANY_SESSIONS = "too_many_sessions"
+    IDLE_TIMEOUT = "idle_timeout"
+    CLIENT_STALLED = "client_stalled"  # counted only: the client reads nothing, so it is told nothing
+    # who may call
+    UNAUTHORIZED = "unauthorized"
+    ORIGIN_NOT_ALLOWED = "origin_not_allowed"
+    HOST_NOT_ALLOWED = "host_not_allowed"
+    CORS_REFUSED = "cors_refused"
+    # routes and request heads (app/server.py, app/io/http_protocol.py)
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TIMEOUT = "request_timeout"
+    URI_TOO_LONG = "uri_too_long"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    # clips and voices
+    UPLOAD_TOO_LARGE = "upload_too_large"
+    BAD_UPLOAD = "bad_upload"
+    CLIP_TOO_LONG = "clip_too_long"
+    CLIP_TOO_SHORT = "clip_too_short"
+    BAD_NAME = "bad_name"
+    BAD_EMBEDDING = "bad_embedding"
+    BAD_BLEND = "bad_blend"
+    UNKNOWN_VOICE = "unknown_voice"
+    NO_PREVIEW = "no_preview"
+    MISSING_SESSION = "missing_session"  # the reference's cached-speaker routes without X-TTS-Session-ID
+    READ_ONLY = "read_only"
+    FORBIDDEN = "forbidden"
+    VOICE_STORE_UNAVAILABLE = "voice_store_unavailable"
+    # the dialects' own codes, as those services spell them
+    ELEVENLABS_INVALID_OUTPUT_FORMAT = "invalid_output_format"
+    ELEVENLABS_MAX_ACTIVE_CONVERSATIONS = "max_active_conversations"
+    ELEVENLABS_VOICE_NOT_FOUND = "voice_not_found"
+    DEEPGRAM_UNSUPPORTED_ENCODING = "UNSUPPORTED_ENCODING"
+    DEEPGRAM_UNSUPPORTED_SAMPLE_RATE = "UNSUPPORTED_SAMPLE_RATE"
+    DEEPGRAM_UNSUPPORTED_CONTAINER = "UNSUPPORTED_CONTAINER"
+    DEEPGRAM_INVALID_QUERY_PARAMETER = "INVALID_QUERY_PARAMETER"
+    DEEPGRAM_INVALID_MESSAGE = "INVALID_MESSAGE"
+
+    @property
+    def http_status(self) -> int:
+        return _HTTP_STATUS.get(self, 400)
+
+
+_HTTP_STATUS = {
+    GatewayError.BODY_TOO_LARGE: 413, GatewayError.TOO_MANY_SESSIONS: 429, GatewayError.UNAUTHORIZED: 401,
+    GatewayError.ORIGIN_NOT_ALLOWED: 403, GatewayError.HOST_NOT_ALLOWED: 403, GatewayError.NOT_FOUND: 404,
+    GatewayError.METHOD_NOT_ALLOWED: 405, GatewayError.REQUEST_TIMEOUT: 408, GatewayError.URI_TOO_LONG: 414,
+    GatewayError.HEADERS_TOO_LARGE: 431, GatewayError.UPLOAD_TOO_LARGE: 413, GatewayError.UNKNOWN_VOICE: 404,
+    GatewayError.NO_PREVIEW: 404, GatewayError.READ_ONLY: 403, GatewayError.FORBIDDEN: 403,
+    GatewayError.VOICE_STORE_UNAVAILABLE: 503,
+}
+
+
+def http_status(code: str) -> int:
+    """The HTTP status of a gateway or engine code (400 for any other: a dialect's own)."""
+    for enum in (GatewayError, EngineError):
+        try:
+            return enum(code).http_status
+        except ValueError:
+            continue
+    return 400
+
+
+class RequestError(ValueError):
+    """A refused request: its code (a GatewayError or EngineError member) and the HTTP status that code maps
+    to, unless `status` says otherwise (a 413 for an upload the form parser refused, a 507 for a full disk)."""
+
+    def __init__(self, code: str, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.code: str = code
+        self.status: int = http_status(code) if status is None else status

@@ -1,0 +1,151 @@
+"""The HTTP/1.1 connection protocol uvicorn runs (`http=` in app/__main__.py): uvicorn's httptools
+protocol with bounds on the request head, so every connection is answered or closed in bounded time,
+whatever its size, and every refusal is our JSON error.
+
+Without it a WebSocket upgrade whose request line or one header passed 8 KiB was handed to the
+websockets parser, which refused it without a word and kept the connection (and its file descriptor)
+open; a 70 KB request line got uvicorn's text/plain 400; a client that never finished its headers held
+its connection forever. Here:
+
+* a request target over MAX_TARGET_BYTES gets 414 `uri_too_long`;
+* a header field over MAX_FIELD_BYTES, more than MAX_HEADERS fields, or more than MAX_HEAD_BYTES of
+  fields in all get 431 `headers_too_large`;
+* a request head that does not parse gets 400 `bad_request`;
+* a head not complete within `head_timeout_s` of the connection (or of the request's first byte) gets
+  408 `request_timeout`;
+and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a
+line, 128 headers), so an upgrade that passes here is never refused silently there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from app.io.errors import GatewayError as G
+from engine.contract.errors import EngineError as E
+
+MAX_TARGET_BYTES = 8000  # the request line is the method, this, and " HTTP/1.1": under websockets' 8192
+MAX_FIELD_BYTES = 8000  # one header line, "name: value"
+MAX_HEADERS = 100  # websockets refuses more than 128
+MAX_HEAD_BYTES = 64 << 10  # all header lines together
+HEAD_TIMEOUT_S = 30.0
+
+
+class HeadRefused(Exception):
+    """Raised inside a parser callback once the refusal has been written: stops the parse (httptools raises
+    it again as a parser error, which uvicorn hands to send_400_response)."""
+
+
+def error_response(status: int, code: str, message: str) -> bytes:
+    """A complete HTTP/1.1 response, our JSON error shape, that closes the connection."""
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return b"".join([
+        STATUS_LINE[status], b"content-type: application/json\r\n",
+        b"content-length: ", str(len(body)).encode(), b"\r\n", b"connection: close\r\n\r\n", body,
+    ])
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    head_timeout_s: float = HEAD_TIMEOUT_S
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_bytes = 0
+        self._head_fields = 0
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_raw = 0  # bytes of the request head in progress, counted by whole chunks
+        self._in_head = False  # a request head has begun and is not complete
+        self._head_gen = 0  # a head began or ended: a chunk during which this changed is not all head
+        self._refused = False
+
+    # ---- the head timer: armed while a request head is incomplete -------------------------------
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self._refuse(G.REQUEST_TIMEOUT.http_status, G.REQUEST_TIMEOUT, f"the request head was not complete within {self.head_timeout_s:g} s")
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()  # a client that connects and sends nothing is closed too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    # ---- refusals ---------------------------------------------------------------------------------
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        self._refused = True
+        self._disarm_head_timer()
+        self.logger.info("refused a request head: %s %s", status, message)
+        if self.cycle is None or self.cycle.response_complete:  # (mid-response, a pipelined head is just closed)
+            self.transport.write(error_response(status, code, message))
+        self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        # also how uvicorn answers our HeadRefused: httptools raises it again as a parser error
+        if not self._refused:
+            self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, msg)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:  # the rest of a refused request: nothing more is parsed or answered
+            return
+        gen = self._head_gen
+        super().data_received(data)
+        # The parser keeps a header's pieces until the header ends: bound what it may keep, counting the
+        # chunks that were all head (the one a head began in is let through: one read at most).
+        if self._in_head and gen == self._head_gen and not self._refused:
+            self._head_raw += len(data)
+            if self._head_raw > MAX_TARGET_BYTES + MAX_HEAD_BYTES:
+                self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
+
+    # ---- parser callbacks -------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = self._head_fields = self._head_raw = 0
+        self._in_head = True
+        self._head_gen += 1
+        self._arm_head_timer()
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        if len(self.url) > MAX_TARGET_BYTES:
+            self._refuse(G.URI_TOO_LONG.http_status, G.URI_TOO_LONG, f"the request target is limited to {MAX_TARGET_BYTES} bytes")
+            raise HeadRefused
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        size = len(name) + 2 + len(value)
+        self._head_bytes += size
+        self._head_fields += 1
+        if size > MAX_FIELD_BYTES or self._head_fields > MAX_HEADERS or self._head_bytes > MAX_HEAD_BYTES:
+            self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
+            raise HeadRefused
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head_timer()
+        self._in_head = False
+        self._head_gen += 1
+        super().on_headers_complete()
+
+    @staticmethod
+    def _fields_message() -> str:
+        return (f"request headers are limited to {MAX_HEADERS} fields of at most {MAX_FIELD_BYTES} bytes, "
+                f"{MAX_HEAD_BYTES} bytes in all")
+
+
+def bounded_protocol(head_timeout_s: float) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class with this head timeout (uvicorn builds one instance per connection)."""
+    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"head_timeout_s": head_timeout_s})

@@ -1,0 +1,58 @@
+"""One parser for every JSON object a client sends (WebSocket messages, HTTP bodies): a bad, deep or
+non-object document is a coded RequestError, never a RecursionError or a 500."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from app.io.errors import RequestError
+
+# Our messages and bodies nest a few levels at most ({"params": {"quality_buckets": {...}}}). A deeper
+# document is refused whole, so no later code (validation, json.dumps, msgpack) ever walks one.
+MAX_DEPTH = 32
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of a parsed JSON value (a scalar is 0), without recursion."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        d += 1
+        deepest = max(deepest, d)
+        if deepest > MAX_DEPTH:
+            return deepest
+        stack.extend((x, d) for x in v)
+    return deepest
+
+
+def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
+    """`raw` as a JSON object, else RequestError(code, "<what> must be ..."); `what` names the input
+    ("a message", "the body")."""
+    if not raw:
+        raise RequestError(code, f"{what} is empty: send a JSON object")
+    try:
+        data = json.loads(raw)
+    except RecursionError:  # json's C scanner nests on the C stack and stops at the recursion limit
+        data = None
+        too_deep = True
+    except ValueError:  # JSONDecodeError, and UnicodeDecodeError for bytes that are not UTF-8/16/32
+        raise RequestError(code, f"{what} must be a JSON object (this is not valid JSON)") from None
+    else:
+        # Only a document with enough brackets can be too deep: the count is one fast pass in C.
+        opens = raw.count("[") + raw.count("{") if isinstance(raw, str) else raw.count(b"[") + raw.count(b"{")
+        too_deep = opens > MAX_DEPTH and _depth(data) > MAX_DEPTH
+    if too_deep:
+        raise RequestError(code, f"{what} must be JSON nested at most {MAX_DEPTH} levels deep")
+    if not isinstance(data, dict):
+        raise RequestError(code, f"{what} must be a JSON object, not {_kind(data)}")
+    return data
+
+
+def _kind(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+        type(value), "null")

@@ -1,0 +1,29 @@
+"""One parser for the numbers a client puts in a URL (`?sample_rate=24000`, `?seed=7`, the 24000 of
+ElevenLabs' `output_format=pcm_24000`): ASCII digits only, else a coded RequestError (a 4xx, or a WebSocket
+error), never a ValueError from int(). `str.isdigit` is no check: "²" and "٣" are digits to it, and int()
+refuses the first."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+# 18 digits: every setting fits in an int64, and int() of a huge digit string is never reached
+_DECIMAL = re.compile(r"[0-9]{1,18}")
+
+
+def decimal(text: str, name: str, code: str = G.BAD_PARAMS) -> int:
+    """`text` as a non-negative integer written in ASCII digits, else RequestError(code)."""
+    if not _DECIMAL.fullmatch(text):
+        shown = text if len(text) <= 24 else text[:24] + "..."
+        raise RequestError(code, f"{name} must be a non-negative integer in ASCII digits, not {shown!r}")
+    return int(text)
+
+
+def query_int(query: Mapping[str, str], key: str, code: str = G.BAD_PARAMS) -> int | None:
+    """The integer setting `key` of a query string (None when absent or empty)."""
+    raw = query.get(key)
+    return None if raw is None or raw == "" else decimal(raw, key, code)

@@ -1,0 +1,413 @@
+"""Voices: speaker embeddings with a name, an owner, a preview clip, kept on disk.
+
+Layout: `<root>/<voice id>/{meta.json, embedding.npy, preview.wav}`. A voice is written into a
+temporary folder and renamed into place, so a crash or a full disk never leaves half a voice. Ids of
+clip voices derive from a hash of (owner, clips), so uploading the same clip twice gives the same
+voice without running the speaker encoder again. Default voices come from a folder of clips or
+`.npy` files and belong to everyone; they cannot be deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+import zipfile
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+log = logging.getLogger("gateway.voices")
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
+_NAME_OK = re.compile(r"^[\w .,'()+&\-]{1,64}$", re.UNICODE)
+
+
+class VoiceError(RequestError):
+    """A RequestError, so every API that parses or resolves voices answers it as a clean 4xx/5xx JSON error."""
+
+
+@dataclass
+class Voice:
+    id: str
+    name: str
+    owner: str  # "" = public (default voices and voices made without an API key)
+    source: str  # clip | clips | embedding | blend | default
+    dim: int
+    created_at: float = field(default_factory=time.time)
+    has_preview: bool = False
+    details: dict = field(default_factory=dict)
+    embedding: np.ndarray | None = field(default=None, repr=False)
+
+    def public(self) -> dict:
+        d = asdict(self)
+        d.pop("embedding")
+        d.pop("owner")
+        d["default"] = self.source == "default"
+        return d
+
+
+def validate_name(name: str) -> str:
+    name = name.strip()
+    if not _NAME_OK.match(name):
+        raise VoiceError(G.BAD_NAME, "voice names are 1-64 letters, digits, spaces and . , ' ( ) + & - _")
+    return name
+
+
+# An uploaded (N, D) array may hold at most this many float64 rows (as many bytes in any dtype). The limit is
+# checked from the .npy header, before any data is read, so a small .npz cannot inflate into gigabytes.
+MAX_EMBEDDING_ROWS = 1024
+_NPY_MAGIC = b"\x93NUMPY"
+_ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def _read_npy(fp: BinaryIO, max_bytes: int) -> np.ndarray:
+    """One `.npy` stream; its header is checked (no objects, bounded size) before the data is read."""
+    fmt = np.lib.format
+    version = fmt.read_magic(fp)
+    if version == (1, 0):
+        shape, fortran, dtype = fmt.read_array_header_1_0(fp)
+    elif version == (2, 0):
+        shape, fortran, dtype = fmt.read_array_header_2_0(fp)
+    else:
+        raise VoiceError(G.BAD_EMBEDDING, f"unsupported .npy format version {version[0]}.{version[1]}")
+    if dtype.hasobject:
+        raise VoiceError(G.BAD_EMBEDDING, "object arrays (pickles) are not accepted; save plain float32 numbers")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > max_bytes:
+        raise VoiceError(G.BAD_EMBEDDING, f"array of shape {shape} ({dtype}) is too large for a speaker embedding")
+    raw = fp.read(nbytes)
+    if len(raw) != nbytes:
+        raise VoiceError(G.BAD_EMBEDDING, f"truncated array data ({len(raw)} of {nbytes} bytes)")
+    return np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+
+
+def _load_array(data: bytes, max_bytes: int) -> np.ndarray:
+    if data.startswith(_NPY_MAGIC):
+        return _read_npy(io.BytesIO(data), max_bytes)
+    if not data.startswith(_ZIP_MAGIC):
+        raise VoiceError(G.BAD_EMBEDDING, "not a .npy/.npz array file")
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        members = {n.removesuffix(".npy"): n for n in zf.namelist()}
+        key = "emb" if "emb" in members else (next(iter(members)) if len(members) == 1 else None)
+        if key is None:
+            raise VoiceError(G.BAD_EMBEDDING, f".npz must hold one array or an 'emb' array, found {sorted(members)}")
+        with zf.open(members[key]) as fp:
+            return _read_npy(fp, max_bytes)
+
+
+def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
+    """A `.npy` / `.npz` speaker embedding: (D,) or (N, D) averaged; real numbers only, no pickles.
+
+    An `.npz` gives its `emb` array, or its only array; a structured array gives its `emb` field.
+    """
+    try:
+        arr = _load_array(bytes(data), MAX_EMBEDDING_ROWS * dim * 8)
+    except VoiceError:
+        raise
+    except Exception as e:  # bad zip, bad header, unreadable member...
+        detail = str(e)
+        if re.search(r"object at 0x[0-9a-fA-F]+", detail):  # numpy's header parser quotes Python objects
+            detail = "the array header is damaged"
+        raise VoiceError(G.BAD_EMBEDDING, f"not a readable .npy/.npz array file: {detail}") from None
+    if arr.dtype.names:
+        if "emb" not in arr.dtype.names:
+            raise VoiceError(G.BAD_EMBEDDING, f"structured array without an 'emb' field (fields {arr.dtype.names})")
+        arr = arr["emb"]
+    if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+        raise VoiceError(G.BAD_EMBEDDING, f"embedding must hold real numbers (float or int), got {arr.dtype}")
+    shape = arr.shape
+    with np.errstate(over="ignore", invalid="ignore"):
+        arr = np.asarray(arr, dtype=np.float32).squeeze()
+        if arr.ndim == 2 and arr.shape[1] == dim:
+            if arr.shape[0] == 0:
+                raise VoiceError(G.BAD_EMBEDDING, f"embedding array of shape {shape} holds no rows")
+            arr = arr.mean(axis=0)
+    if arr.shape != (dim,):
+        raise VoiceError(G.BAD_EMBEDDING, f"embedding must have shape ({dim},) or (N, {dim}), got {shape}")
+    if not np.isfinite(arr).all():
+        raise VoiceError(G.BAD_EMBEDDING, "embedding contains NaN or infinite values")
+    return np.array(arr, dtype=np.float32)  # a writable copy, not a view of the upload
+
+
+def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
+    """Spherical interpolation of directions, linear interpolation of norms (the reference's blend)."""
+    if not 0.0 <= t <= 1.0:
+        raise VoiceError(G.BAD_BLEND, "t must be in [0, 1]")
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0 or nb == 0:
+        return ((1 - t) * a + t * b).astype(np.float32)
+    ua, ub = a / na, b / nb
+    dot = float(np.clip(np.dot(ua, ub), -1.0, 1.0))
+    omega = np.arccos(dot)
+    if omega < 1e-4:  # nearly parallel: lerp is exact enough and avoids 0/0
+        direction = (1 - t) * ua + t * ub
+    else:
+        direction = (np.sin((1 - t) * omega) * ua + np.sin(t * omega) * ub) / np.sin(omega)
+    return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
+
+
+def _folder_mark(d: Path) -> tuple[int, int]:
+    st = d.stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def _safe_id(voice_id: str) -> bool:
+    return bool(re.fullmatch(r"[A-Za-z0-9_\-]{1,80}", voice_id))
+
+
+def _store_error(what: str, e: OSError) -> VoiceError:
+    """507 Insufficient Storage when the disk or quota is full, 503 for any other I/O failure."""
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    return VoiceError(G.VOICE_STORE_UNAVAILABLE, f"{what}: {e.strerror or e}", 507 if full else 503)
+
+
+SHARED_RECOVER_AGE_S = 600.0  # shared store: a write or delete in progress elsewhere is far younger than this
+SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse mtime can hide a change)
+
+
+class VoiceStore:
+    def __init__(self, root: Path, dim: int, shared: bool = False) -> None:
+        """`shared`: other gateways (Ray Serve replicas, other hosts) use the same folder. Reads then
+        pick up their changes (the folder is rescanned when its mtime moves, and an id not known here is
+        looked up on disk), and the crash recovery at start leaves alone what is younger than
+        SHARED_RECOVER_AGE_S, which may be another gateway's write in progress (docs/scaling.md)."""
+        self.root = root
+        self.dim = dim
+        self.shared = shared
+        self._lock = threading.Lock()
+        self._voices: dict[str, Voice] = {}
+        self._seen: dict[str, tuple[int, int]] = {}  # shared: voice id -> (inode, mtime_ns) of the folder loaded
+        self._root_seen: tuple[int, int] | None = None
+        self._scanned_at = 0.0
+        self._default_previews: dict[str, bytes | None] = {}
+        self.error: str | None = None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self._load()
+        except OSError as e:
+            self.error = f"voice store at {root} is unusable: {e}"
+            log.error(self.error)
+
+    def _load(self) -> None:
+        self._recover()
+        if self.shared:
+            self._sync(force=True)
+            return
+        for d in sorted(self.root.iterdir()):
+            if not d.is_dir() or d.name.startswith("."):
+                continue
+            v = self._read_folder(d)
+            if v is not None:
+                self._voices[v.id] = v
+
+    def _read_folder(self, d: Path) -> Voice | None:
+        try:
+            meta = json.loads((d / "meta.json").read_text())
+            if not isinstance(meta, dict) or meta.get("id") != d.name:
+                raise ValueError(f"meta.json names voice {meta.get('id') if isinstance(meta, dict) else meta!r}")
+            emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)
+            if emb.shape != (self.dim,):
+                log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
+                return None
+            if not np.isfinite(emb).all():
+                raise ValueError("embedding.npy holds NaN or infinite values")
+            return Voice(**meta, embedding=emb)
+        except Exception as e:  # a damaged voice folder must not stop the server
+            log.warning("skipping unreadable voice folder %s: %s", d, e)
+            return None
+
+    def _sync(self, force: bool = False, voice_id: str | None = None) -> None:
+        """Shared store: take in what other gateways added, replaced or deleted since the last look (one
+        stat of the folder when nothing changed); `voice_id`, unknown here, is looked up on disk as well
+        (a network filesystem may show a new entry before the folder's mtime moves)."""
+        if not self.shared:
+            return
+        try:
+            st = os.stat(self.root)
+            mark = (st.st_ino, st.st_mtime_ns)
+            if not force and mark == self._root_seen and time.monotonic() - self._scanned_at < SHARED_RESCAN_S:
+                if voice_id is None or self._voices.get(voice_id) is not None or not _safe_id(voice_id):
+                    return
+                d = self.root / voice_id
+                if d.is_dir() and (v := self._read_folder(d)) is not None:
+                    with self._lock:
+                        self._voices[v.id] = v
+                        self._seen[v.id] = _folder_mark(d)
+                return
+            self._root_seen, self._scanned_at = mark, time.monotonic()
+            on_disk = {d.name: _folder_mark(d) for d in self.root.iterdir()
+                       if not d.name.startswith(".") and d.is_dir()}
+        except OSError as e:
+            log.warning("voice store at %s: could not look for other gateways' changes: %s", self.root, e)
+            return
+        fresh = {}
+        for vid, mark in on_disk.items():
+            if self._seen.get(vid) != mark and (v := self._read_folder(self.root / vid)) is not None:
+                fresh[vid] = (v, mark)
+        with self._lock:
+            for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in on_disk]:
+                del self._voices[vid]
+                self._seen.pop(vid, None)
+            for vid, (v, mark) in fresh.items():
+                self._voices[vid] = v
+                self._seen[vid] = mark
+
+    def _recover(self) -> None:
+        """Finish what a crash interrupted: `.tmp-*` (unfinished writes) and `.del-*` (deletes) go away; a
+        `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed.
+        Shared: only what is older than SHARED_RECOVER_AGE_S (younger may be another gateway's work)."""
+        now = time.time()
+        for d in sorted(self.root.iterdir()):
+            if not d.is_dir():
+                continue
+            with contextlib.suppress(OSError):
+                if self.shared and d.name.startswith(".") and now - d.stat().st_mtime < SHARED_RECOVER_AGE_S:
+                    continue
+                if d.name.startswith(".old-"):
+                    final = self.root / d.name[len(".old-"):].rsplit("-", 2)[0]
+                    if not final.exists():
+                        os.replace(d, final)
+                        log.warning("restored voice %s after an interrupted update", final.name)
+                        continue
+                if d.name.startswith((".tmp-", ".old-", ".del-")):
+                    shutil.rmtree(d)
+
+    # ---- queries ---------------------------------------------------------------------------------
+    def visible(self, voice: Voice, owner: str) -> bool:
+        return voice.owner in ("", owner)
+
+    def list(self, owner: str) -> list[Voice]:
+        self._sync()
+        with self._lock:
+            vs = [v for v in self._voices.values() if self.visible(v, owner)]
+        return sorted(vs, key=lambda v: (v.source != "default", -v.created_at))
+
+    def get(self, ref: str, owner: str) -> Voice:
+        """By id, else by name (newest wins)."""
+        self._sync(voice_id=ref)
+        with self._lock:
+            v = self._voices.get(ref)
+            if v is None or not self.visible(v, owner):
+                named = [x for x in self._voices.values() if x.name == ref and self.visible(x, owner)]
+                v = max(named, key=lambda x: x.created_at) if named else None
+        if v is None:
+            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref!r}")
+        return v
+
+    def preview_path(self, voice: Voice) -> Path:
+        return self.root / voice.id / "preview.wav"
+
+    # ---- changes ---------------------------------------------------------------------------------
+    @staticmethod
+    def clip_id(owner: str, clips: list[bytes]) -> str:
+        h = hashlib.sha256(owner.encode())
+        for c in clips:
+            h.update(hashlib.sha256(c).digest())
+        return "v_" + h.hexdigest()[:16]
+
+    def find(self, voice_id: str) -> Voice | None:
+        self._sync(voice_id=voice_id)
+        with self._lock:
+            return self._voices.get(voice_id)
+
+    def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
+        if self.error:
+            raise VoiceError(G.VOICE_STORE_UNAVAILABLE, self.error)
+        embedding = np.asarray(embedding, dtype=np.float32)
+        if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
+            raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
+        voice.embedding = embedding
+        voice.dim = self.dim
+        voice.has_preview = preview_wav is not None
+        self._write(voice, preview_wav)
+        with self._lock:
+            self._voices[voice.id] = voice
+        return voice
+
+    def _write(self, voice: Voice, preview_wav: bytes | None) -> None:
+        final = self.root / voice.id
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
+            try:
+                meta = voice.public() | {"owner": voice.owner}
+                meta.pop("default")
+                (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                np.save(tmp / "embedding.npy", voice.embedding)
+                if preview_wav is not None:
+                    (tmp / "preview.wav").write_bytes(preview_wav)
+                old = None
+                if final.exists():
+                    old = self.root / f".old-{voice.id}-{os.getpid()}-{time.monotonic_ns()}"
+                    os.replace(final, old)
+                os.replace(tmp, final)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            finally:
+                if tmp.exists():
+                    shutil.rmtree(tmp, ignore_errors=True)
+        except OSError as e:
+            raise _store_error("could not save the voice", e) from e
+
+    def rename(self, ref: str, owner: str, name: str) -> Voice:
+        v = self.get(ref, owner)
+        if v.source == "default":
+            raise VoiceError(G.READ_ONLY, "default voices cannot be renamed")
+        if v.owner != owner:
+            raise VoiceError(G.FORBIDDEN, "this voice belongs to another key")
+        name = validate_name(name)
+        try:
+            preview = self.preview_path(v).read_bytes() if v.has_preview else None
+        except OSError as e:
+            raise _store_error("could not read the voice", e) from e
+        self._write(replace(v, name=name), preview)  # the voice in memory changes only once it is on disk
+        v.name = name
+        return v
+
+    def delete(self, ref: str, owner: str) -> Voice:
+        v = self.get(ref, owner)
+        if v.source == "default":
+            raise VoiceError(G.READ_ONLY, "default voices cannot be deleted")
+        if v.owner != owner:
+            raise VoiceError(G.FORBIDDEN, "this voice belongs to another key")
+        # Renamed aside first (atomic), so a failed or interrupted delete never leaves half a voice to reload.
+        gone = self.root / f".del-{v.id}-{os.getpid()}-{time.monotonic_ns()}"
+        try:
+            os.replace(self.root / v.id, gone)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _store_error("could not delete the voice", e) from e
+        with self._lock:
+            self._voices.pop(v.id, None)
+        shutil.rmtree(gone, ignore_errors=True)
+        return v
+
+    def remember_default(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None) -> None:
+        """Default voices live in memory only; their source folder is the truth."""
+        voice.embedding = np.asarray(embedding, dtype=np.float32)
+        voice.has_preview = preview_wav is not None
+        with self._lock:
+            self._voices[voice.id] = voice
+        self._default_previews[voice.id] = preview_wav
+
+    def preview_bytes(self, voice: Voice) -> bytes | None:
+        if voice.source == "default":
+            return self._default_previews.get(voice.id)
+        p = self.preview_path(voice)
+        return p.read_bytes() if p.exists() else None
