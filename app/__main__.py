@@ -7,11 +7,11 @@ import dataclasses
 import logging
 import os
 import re
-import socket
 import sys
 from pathlib import Path
 
 from app.settings import GatewaySettings, Limits, loopback
+from app.workers import default_workers, serve_workers
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, WeightSources, visible_gpus
 
 # Every field of Limits is a flag named after it (max_text_chars -> --max-text-chars); a few get a shorter alias.
@@ -117,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     p.add_argument("--cors-origin", action="append", default=[], help="allowed browser origin (repeatable)")
     p.add_argument("--text-normalization", action=argparse.BooleanOptionalAction, default=True,
                    help="numbers, dates, currency... read as words (NeMo grammars, if installed); default on")
+    p.add_argument("--workers", type=int, default=0, metavar="N",
+                   help="gateway processes on the one port, in front of the engines (default 0: one per four CPUs, "
+                        "at most 8; docs/architecture.md)")
     p.add_argument("--normalization-workers", type=int, default=0, metavar="N",
                    help="worker processes that normalize text (default 0: one per CPU this process may use, "
                         "at most 16)")
@@ -182,6 +185,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             emotion_directions(Path(a.emotion_directions_dir))
         except ValueError as e:
             p.error(str(e))
+    if not 0 <= a.workers <= 64:
+        p.error("--workers must be in 0..64 (0: one per four CPUs)")
     if a.normalization_workers < 0:
         p.error("--normalization-workers must be >= 0 (0: one per CPU)")
     limits = Limits(**limit_values)
@@ -193,6 +198,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         shared_voices=a.shared_voices,
         cors_origins=tuple(a.cors_origin), allowed_hosts=tuple(a.allowed_host), text_normalization=a.text_normalization,
         normalization_workers=a.normalization_workers,
+        workers=a.workers,
         log_level=a.log_level.upper(),
     )
 
@@ -204,30 +210,13 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    import uvicorn
-
-    from app.io.http_protocol import bounded_protocol
-    from app.server import create_app
+    workers = settings.workers or default_workers()
+    if workers > 1:  # the supervisor of several gateway processes (app/workers.py)
+        sys.exit(serve_workers(settings, workers))
+    from app.server import create_app, run_server
 
     print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
-    kwargs = dict(host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                  ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
-                  ws_ping_interval=settings.limits.ws_ping_interval_s, ws_ping_timeout=settings.limits.ws_ping_interval_s,
-                  # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
-                  ws_per_message_deflate=False,
-                  # bounded request heads, answered in JSON (app/io/http_protocol.py)
-                  http=bounded_protocol(settings.limits.head_timeout_s))
-    sndbuf = settings.limits.tcp_send_buffer_bytes
-    if not sndbuf:
-        uvicorn.run(create_app(settings), **kwargs)
-        return
-    # A capped kernel send buffer: set on the listening socket, every accepted connection inherits it.
-    config = uvicorn.Config(create_app(settings), **kwargs)
-    sock = config.bind_socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    server = uvicorn.Server(config)
-    server.run(sockets=[sock])
-    if not server.started:
+    if not run_server(create_app(settings), settings):
         sys.exit(3)
 
 

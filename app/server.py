@@ -6,6 +6,7 @@ import contextlib
 import logging
 import re
 import secrets
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
@@ -23,6 +24,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.core.engine_client import ControlLink
 from app.core.gateway import Gateway
 from app.doors import openai_speech, reference, service, speech, voices
 from app.doors.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
@@ -140,10 +142,12 @@ log = logging.getLogger("gateway")
 class RequestIdMiddleware:
     """Every HTTP response and WebSocket handshake carries `X-Request-ID`: the client's own when it sent a
     plausible one (1-128 URL-safe characters), else a new `req_<24 hex>`. One log line per request names
-    it (method, path without the query, status, duration), so a client's report finds the server's line."""
+    it (method, path without the query, status, duration), so a client's report finds the server's line.
+    With several gateway processes each answer also names its process (`X-Gateway-Process`, app/workers.py)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, process: int | None = None) -> None:
         self.app = app
+        self.process = None if process is None else str(process)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -160,9 +164,14 @@ class RequestIdMiddleware:
             if message["type"] in ("http.response.start", "websocket.http.response.start"):  # (a refused handshake)
                 status = message["status"]
                 MutableHeaders(scope=message).append("X-Request-ID", rid)
+                if self.process is not None:
+                    MutableHeaders(scope=message).append("X-Gateway-Process", self.process)
             elif message["type"] == "websocket.accept":
                 status = 101
-                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+                extra = [(b"x-request-id", rid.encode())]
+                if self.process is not None:
+                    extra.append((b"x-gateway-process", self.process.encode()))
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
             elif message["type"] == "websocket.close" and status == "-":
                 status = 403  # closed before the handshake completed
             await send(message)
@@ -179,9 +188,9 @@ class RequestIdMiddleware:
                             (time.perf_counter() - t0) * 1e3)
 
 
-def create_app(settings: GatewaySettings) -> Starlette:
+def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> Starlette:
     install_log_redaction()
-    gateway = Gateway(settings)
+    gateway = Gateway(settings, link)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -233,7 +242,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
-    middleware = [Middleware(RequestIdMiddleware)]  # outermost: even a refused preflight gets an id
+    middleware = [Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)]  # outermost: even a refused preflight gets an id
     if not settings.auth_enabled:  # the host rule (DNS rebinding): app/io/auth.py HostCheck
         middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:
@@ -245,3 +254,26 @@ def create_app(settings: GatewaySettings) -> Starlette:
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
     return app
+
+
+def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | None = None) -> bool:
+    """Serve `app` with uvicorn on `sock` (bound to host:port when not given) until a signal stops it; False
+    when it could not start."""
+    import uvicorn
+
+    from app.io.http_protocol import bounded_protocol
+
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+        ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
+        ws_ping_interval=settings.limits.ws_ping_interval_s, ws_ping_timeout=settings.limits.ws_ping_interval_s,
+        # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
+        ws_per_message_deflate=False,
+        # bounded request heads, answered in JSON (app/io/http_protocol.py)
+        http=bounded_protocol(settings.limits.head_timeout_s))
+    sock = sock or config.bind_socket()
+    if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.limits.tcp_send_buffer_bytes)
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return server.started

@@ -63,6 +63,8 @@ class GatewaySettings:
     text_normalization: bool = True
     normalization_workers: int = 0  # text normalization worker processes; 0: one per CPU (at most 16)
     log_level: str = "INFO"
+    # --workers: gateway processes in front of the engines (app/workers.py); 0: one per four CPUs, at most 8
+    workers: int = 0
 
     @property
     def voices_dir(self) -> Path:

@@ -31,7 +31,7 @@ PROBE = textwrap.dedent("""
                     and not m.startswith(("engine.contract", "engine.frontend")))
     assert not beyond, f"the gateway imported {beyond}"
     for name in ("engine.contract.records", "engine.contract.rings", "engine.contract.lifeline",
-                 "engine.contract.settings", "engine.contract.constants", "engine.contract.entry"):
+                 "engine.contract.settings", "engine.contract.constants", "engine.contract.process"):
         importlib.import_module(name)
     from app.__main__ import parse_args
     from app.server import create_app

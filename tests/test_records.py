@@ -53,6 +53,7 @@ RECORDS: list[m.Record] = [
             dac_in_flight=1, outbox_bytes=0, steps=100, prefill_frames=64, decode_frames=200, finished=3,
             cancelled=1),
     m.Stats(),
+    m.Reset(),  # (last: the tests above index this list)
 ]
 
 
@@ -80,7 +81,7 @@ def test_every_record_survives_the_ring(ring, rec):
 
 def test_every_record_type_is_covered():
     assert {type(r) for r in RECORDS} == set(m.REQUESTS + m.EVENTS)
-    assert [c.type for c in m.REQUESTS] == [m.SUBMIT, m.CANCEL, m.END, m.EMBED, m.SHUTDOWN]
+    assert [c.type for c in m.REQUESTS] == [m.SUBMIT, m.CANCEL, m.END, m.EMBED, m.RESET, m.SHUTDOWN]
     assert [c.type for c in m.EVENTS] == [m.READY, m.STARTED, m.AUDIO, m.KEPT, m.FINISHED, m.ERROR, m.EMBEDDING,
                                           m.STATS]
 

@@ -20,6 +20,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -29,10 +30,10 @@ import numpy as np
 
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
-from engine.contract.entry import engine_main
 from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import close_quietly, open_lifeline
-from engine.contract.rings import AsyncRingReader, ShmRing
+from engine.contract.process import run_engine
+from engine.contract.rings import AsyncRingReader, RingSpec, ShmRing
 from engine.contract.segments import remove_stale_segments
 from engine.contract.settings import EngineSettings, WeightSources
 
@@ -157,6 +158,9 @@ class EngineClient:
         name: str | None = None,
         device: str | None = None,
         env: dict[str, str] | None = None,
+        channel: int = 0,
+        channels: int = 1,
+        incarnation: int = 0,
     ) -> None:
         self.weights = weights
         self.settings = settings
@@ -176,7 +180,12 @@ class EngineClient:
         self.ready = asyncio.Event()
         self.restarts = 0
         self.start_error: str | None = None
-        self._rid = itertools.count(1)
+        # request ids: with several gateway processes (app/workers.py) process `channel` of `channels` uses the ids
+        # with rid % channels == channel (the engine routes events by it), each incarnation of it a fresh range
+        # (events still in the ring for its predecessor's requests are dropped, never taken for its own)
+        self.channels = channels
+        self._rid = itertools.count(channels * (1 + (incarnation << 32)) + channel, channels)
+        self._sent_since_stats = 0  # requests sent since the engine's last STATS record
         self._streams: dict[int, Stream] = {}
         self._embeds: dict[int, asyncio.Future[np.ndarray]] = {}
         self._cancel_acks: dict[int, asyncio.Future[m.Finished | None]] = {}
@@ -213,8 +222,8 @@ class EngineClient:
         # EOF on a pipe whose only write end we keep until the engine has been reaped.
         lifeline, self._lifeline_w = open_lifeline()
         self._proc = ctx.Process(
-            target=engine_main,
-            args=(self.weights, self.settings, self._inbox.spec(), self._events.spec(), self.log_level, lifeline),
+            target=run_engine,
+            args=(self.weights, self.settings, [(self._inbox.spec(), self._events.spec())], self.log_level, lifeline),
             name=f"zonos-engine{self._tag}",
             daemon=True,
         )
@@ -306,6 +315,7 @@ class EngineClient:
             del self._streams[req.rid]
             raise EngineUnavailable("the engine inbox is full")
         self.submitted += 1
+        self._sent_since_stats += 1
         return stream
 
     def cancel(self, rid: int) -> asyncio.Future[m.Finished | None]:
@@ -394,6 +404,7 @@ class EngineClient:
             log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, rec.device, rec.slots, rec.warmup_s)
         elif isinstance(rec, m.Stats):
             self.stats = rec
+            self._sent_since_stats = 0
         elif isinstance(rec, m.Error):
             self.start_error = rec.message
             log.error("%s error: %s", self.label, rec.message)
@@ -433,9 +444,11 @@ class EngineClient:
         moment it is sent, before the engine's next STATS record), and, under realtime admission, the
         streams the engine's own admission rule still admitted at its last STATS record
         (engine/runtime/admission.py), less what this gateway sent since. Negative: requests would queue."""
-        load = self.in_flight
-        free = float(self.slots - load)
         st = self.stats
+        load = self.in_flight
+        if self.channels > 1 and st is not None:  # other gateway processes share the engine: its own count
+            load = st.active + st.waiting + self._sent_since_stats
+        free = float(self.slots - load)
         admissible = st.admissible if st is not None else None
         if self.realtime_admission and st is not None and admissible is not None:
             seen = st.active + st.waiting
@@ -453,6 +466,106 @@ class EngineClient:
             **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
                if not self.ready.is_set() else {}),
         }
+
+
+class AttachedEngineClient(EngineClient):
+    """An engine that another process owns (the supervisor of several gateway processes, app/workers.py):
+    this gateway process uses one channel of it, whose rings the supervisor hands over through a
+    `ControlLink` each time the engine (re)starts, and says when it died."""
+
+    def __init__(self, weights: WeightSources, settings: EngineSettings, link: ControlLink, index: int,
+                 **kwargs: Any) -> None:
+        super().__init__(weights, settings, restart=False, channel=link.channel, channels=link.channels,
+                         incarnation=link.incarnation, **kwargs)
+        self.link = link
+        self.index = index
+        self._pid: int | None = None
+
+    async def start(self, sweep: bool = True) -> None:
+        self.link.engines[self.index] = self
+        self.link.start()
+
+    def attached(self, inbox: RingSpec, events: RingSpec, pid: int) -> None:
+        """The supervisor started the engine: its rings for this channel (its Ready record follows on them)."""
+        self._close_rings()
+        self._inbox, self._events, self._pid = ShmRing.attach(inbox), ShmRing.attach(events), pid
+        self._reader = AsyncRingReader(self._events)
+        self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name=f"engine-dispatch{self._tag}"))
+        log.info("%s: attached to process %s (channel %d of %d)", self.label, pid, self.link.channel,
+                 self.link.channels)
+
+    def down(self, message: str) -> None:
+        """The supervisor saw the engine die: its requests end here, until it is attached again."""
+        log.error("%s: %s", self.label, message)
+        self._fail_all(E.ENGINE_RESTARTED, message)
+        self.stats = None
+        self.restarts += 1
+        self._close_rings()
+
+    def _close_rings(self) -> None:
+        """Unmap this channel's rings (the supervisor owns and unlinks them)."""
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+        for ring in (self._inbox, self._events):
+            if ring is not None:
+                with contextlib.suppress(Exception):
+                    ring.close()
+        self._inbox = self._events = None
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        self._fail_all(E.SHUTDOWN, "the server is shutting down")
+        self._close_rings()
+
+    def kill_engine(self) -> None:
+        """Fault injection: the supervisor restarts it."""
+        if self._pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self._pid, signal.SIGKILL)
+
+    @property
+    def alive(self) -> bool:
+        return self._inbox is not None
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+
+@dataclass
+class ControlLink:
+    """A gateway process's line from its supervisor (app/workers.py): which channel of every engine it uses,
+    and the supervisor's word when an engine starts (`attach`) or dies (`down`)."""
+
+    conn: Any  # the receiving end of a multiprocessing Pipe
+    channel: int
+    channels: int
+    incarnation: int
+    sessions: Any = None  # the open-session count every gateway process shares (a multiprocessing Value)
+    engines: dict[int, AttachedEngineClient] = field(default_factory=dict)
+    _reading: bool = False
+
+    def start(self) -> None:
+        if not self._reading:
+            self._reading = True
+            asyncio.get_running_loop().add_reader(self.conn.fileno(), self._on_message)
+
+    def _on_message(self) -> None:
+        try:
+            kind, index, *rest = self.conn.recv()
+        except (EOFError, OSError):  # the supervisor is gone: this process's lifeline ends it
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            return
+        engine = self.engines.get(index)
+        if engine is None:
+            log.warning("supervisor named engine %s, which this gateway process does not have", index)
+        elif kind == "attach":
+            engine.attached(*rest)
+        elif kind == "down":
+            engine.down(*rest)
 
 
 class _AnyReady:
@@ -489,7 +602,8 @@ class EnginePool:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        sweep_stale_rings()
+        if not any(isinstance(e, AttachedEngineClient) for e in self.engines):  # a supervisor's own to sweep
+            sweep_stale_rings()
         for e in self.engines:
             await e.start(sweep=False)
 

@@ -13,13 +13,22 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import soundfile as sf
 
 from app.core.continuation import Chain, Link
 from app.core.emotion import check_emotion, emotion_directions
-from app.core.engine_client import EngineClient, EnginePool, EngineUnavailable, Event, Stream
+from app.core.engine_client import (
+    AttachedEngineClient,
+    ControlLink,
+    EngineClient,
+    EnginePool,
+    EngineUnavailable,
+    Event,
+    Stream,
+)
 from app.core.metrics import Metrics
 from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions
@@ -32,9 +41,11 @@ from app.voices.library import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embeddin
 from engine.contract import records as m
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import RecordTooLarge
+from engine.contract.settings import EngineSettings
 from engine.frontend.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.frontend.config import Zonos2Config, preset_params
 
+METRICS_REFRESH_S = 1.0  # several gateway processes: how often each writes its gauges for the others
 log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
@@ -86,44 +97,91 @@ def engine_device(device: str, pooled: bool) -> tuple[str, dict[str, str]]:
     return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(index)}
 
 
-def engine_pool(settings: GatewaySettings) -> EnginePool:
-    """One EngineClient per device of --devices (one on --device without it), each supervised alone."""
+def engine_settings(settings: GatewaySettings) -> list[tuple[str, EngineSettings, dict[str, str]]]:
+    """Each engine process's device as the operator named it, its settings and its environment: one per
+    device of --devices (one on --device without it)."""
     pooled = bool(settings.devices)
-    engines = []
-    for i, device in enumerate(settings.devices or (settings.engine.device,)):
+    out = []
+    for device in settings.devices or (settings.engine.device,):
         child_device, env = engine_device(device, pooled)
-        engines.append(EngineClient(
-            settings.weights, dataclasses.replace(settings.engine, device=child_device),
-            max_buffered_s=settings.limits.max_buffered_audio_s, log_level=settings.log_level,
-            name=str(i), device=device, env=env,
-        ))
+        out.append((device, dataclasses.replace(settings.engine, device=child_device), env))
+    return out
+
+
+def engine_pool(settings: GatewaySettings, link: ControlLink | None = None) -> EnginePool:
+    """One client per engine process, each supervised alone: by this process, or with several gateway
+    processes by their supervisor (app/workers.py), which hands this one its channel (`link`)."""
+    engines: list[EngineClient] = []
+    for i, (device, engine, env) in enumerate(engine_settings(settings)):
+        common: dict[str, Any] = dict(max_buffered_s=settings.limits.max_buffered_audio_s,
+                                      log_level=settings.log_level, name=str(i), device=device)
+        engines.append(AttachedEngineClient(settings.weights, engine, link, i, **common) if link is not None
+                       else EngineClient(settings.weights, engine, env=env, **common))
     return EnginePool(engines)
 
 
+class SessionCount:
+    """Open WebSocket sessions: this process's, or with several gateway processes (app/workers.py) a count in
+    shared memory that all of them take from, so the session limit is the server's."""
+
+    def __init__(self, shared: Any = None) -> None:
+        self._shared = shared  # a multiprocessing Value("i") with its lock
+        self._local = 0
+
+    @property
+    def value(self) -> int:
+        return int(self._shared.value) if self._shared is not None else self._local
+
+    def try_open(self, limit: int) -> bool:
+        """Take a session if fewer than `limit` are open."""
+        if self._shared is None:
+            if self._local >= limit:
+                return False
+            self._local += 1
+            return True
+        with self._shared.get_lock():
+            if self._shared.value >= limit:
+                return False
+            self._shared.value += 1
+            return True
+
+    def close(self) -> None:
+        if self._shared is None:
+            self._local -= 1
+            return
+        with self._shared.get_lock():
+            self._shared.value -= 1
+
+
 class Gateway:
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewaySettings, link: ControlLink | None = None) -> None:
         self.settings = settings
         self.cfg = model_config(settings)
         self.metrics = Metrics()
         # `engine` places every request on one of `engines` (one process per device, docs/scaling.md)
-        self.engine = engine_pool(settings)
+        self.engine = engine_pool(settings, link)
         self.engines = self.engine.engines
         self.metrics.engines = lambda: self.engines
         self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
         lim = settings.limits
         # text normalization runs in worker processes (app/core/normalization.py); prompts get the spoken text
         self.normalizer = NormalizationPool(
-            settings.normalization_workers or default_workers(), lim.normalization_cpu_s,
+            # several gateway processes split the CPUs' share of normalization between them
+            settings.normalization_workers or max(1, default_workers() // (link.channels if link else 1)),
+            lim.normalization_cpu_s,
             lim.normalization_max_tasks) if settings.text_normalization else None
         self.prompts = PromptFactory(self.cfg, None, emotion_directions(settings.emotion_directions_dir))
         if self.normalizer is not None:
             turns = self.normalizer.turns
-            self.metrics.normalizing.set_function(lambda: turns.active)
-            self.metrics.normalization_waiting.set_function(lambda: turns.waiting)
-        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices)
-        self.sessions = 0
+            self.metrics.track(self.metrics.normalizing, lambda: turns.active)
+            self.metrics.track(self.metrics.normalization_waiting, lambda: turns.waiting)
+        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim,
+                                 shared=settings.shared_voices or link is not None)  # other processes' voices too
+        self.sessions = SessionCount(link.sessions if link is not None else None)
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
+        self.link = link
+        self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
 
     async def start(self) -> None:
@@ -134,8 +192,17 @@ class Gateway:
             self.normalizer.start()
         if self.settings.default_voices_dir:
             self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
+        if self.link is not None:  # the other gateway processes render this one's gauges from its files
+            self._metrics_task = asyncio.create_task(self._refresh_metrics())
+
+    async def _refresh_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(METRICS_REFRESH_S)
+            self.metrics.refresh()
 
     async def close(self) -> None:
+        if self._metrics_task:
+            self._metrics_task.cancel()
         if self._defaults_task:
             self._defaults_task.cancel()
         if self.normalizer is not None:

@@ -6,17 +6,30 @@ finished and cancelled are sums, `zonos_engine_step_ms` is the slowest engine's 
 carry the label `engine` (its index in --devices) under the name `..._by_engine`, with the engine's free
 slots, the requests this gateway has open on it, its placement headroom and the requests placed on it
 (`zonos_engine_requests_total{engine, kind}`, kind utterance or embedding). docs/scaling.md.
+
+With several gateway processes (app/workers.py) every process writes its values to prometheus_client's
+multiprocess files and any of them answers /metrics for all: counters and histograms add up, the gateway's
+own gauges (sessions, open requests, normalization) are summed over the live processes, and the engine's
+gauges (each process sees the same stats) are the most recently written.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.core.stats import UtteranceStats
 from engine.contract.records import AdmissionGate, Stats
+
+# Several gateway processes (module docstring): a gauge of this process's own state is summed over the live
+# processes; one that every process reads off the engine's stats is the most recently written.
+OwnGauge = functools.partial(Gauge, multiprocess_mode="livesum")
+EngineGauge = functools.partial(Gauge, multiprocess_mode="livemostrecent")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
 _RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
@@ -39,7 +52,7 @@ class EngineView(Protocol):
 class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.sessions = Gauge("zonos_active_sessions", "Open WebSocket sessions", registry=r)
+        self.sessions = OwnGauge("zonos_active_sessions", "Open WebSocket sessions", registry=r)
         self.requests = Counter("zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"],
                                 registry=r)
         self.ttfa = Histogram("zonos_time_to_first_audio_seconds", "Text complete to first audio byte sent",
@@ -48,55 +61,56 @@ class Metrics:
                              registry=r)
         self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
         self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
-        self.queue_depth = Gauge("zonos_engine_queue_depth", "Requests waiting for an engine slot", registry=r)
-        self.engine_active = Gauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
-        self.step_ms = Gauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
-        self.engine_restarts = Gauge("zonos_engine_restarts", "Engine process restarts", registry=r)
+        self.queue_depth = EngineGauge("zonos_engine_queue_depth", "Requests waiting for an engine slot", registry=r)
+        self.engine_active = EngineGauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
+        self.step_ms = EngineGauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
+        self.engine_restarts = EngineGauge("zonos_engine_restarts", "Engine process restarts", registry=r)
         # text normalization's worker processes (app/core/normalization.py); the gateway sets their functions
-        self.normalizing = Gauge("zonos_normalization_active", "Texts being normalized in worker processes",
+        self.normalizing = OwnGauge("zonos_normalization_active", "Texts being normalized in worker processes",
                                  registry=r)
-        self.normalization_waiting = Gauge("zonos_normalization_waiting", "Texts waiting for a normalization worker",
+        self.normalization_waiting = OwnGauge("zonos_normalization_waiting", "Texts waiting for a normalization worker",
                                            registry=r)
-        self.engine_ready = Gauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
-        self.engine_finished = Gauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
+        self.engine_ready = EngineGauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
+        self.engine_finished = EngineGauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
                                      "started)", registry=r)
-        self.engine_cancelled = Gauge("zonos_engine_cancelled", "Requests the engine stopped early: a cancel, a "
+        self.engine_cancelled = EngineGauge("zonos_engine_cancelled", "Requests the engine stopped early: a cancel, a "
                                       "client gone, a slow consumer (since it started)", registry=r)
         # per engine (label `engine`)
         e = ["engine"]
         self.engine_requests = Counter("zonos_engine_requests", "Requests placed on each engine, by kind "
                                        "(utterance, embedding)", ["engine", "kind"], registry=r)
         self.by_engine = {
-            "ready": Gauge("zonos_engine_ready_by_engine", "1 when this engine accepts requests", e, registry=r),
-            "restarts": Gauge("zonos_engine_restarts_by_engine", "Restarts of this engine's process", e, registry=r),
-            "active": Gauge("zonos_engine_active_requests_by_engine", "Requests in this engine's slots", e,
+            "ready": EngineGauge("zonos_engine_ready_by_engine", "1 when this engine accepts requests", e, registry=r),
+            "restarts": EngineGauge("zonos_engine_restarts_by_engine", "Restarts of this engine's process", e, registry=r),
+            "active": EngineGauge("zonos_engine_active_requests_by_engine", "Requests in this engine's slots", e,
                             registry=r),
-            "waiting": Gauge("zonos_engine_queue_depth_by_engine", "Requests waiting for a slot of this engine", e,
+            "waiting": EngineGauge("zonos_engine_queue_depth_by_engine", "Requests waiting for a slot of this engine", e,
                              registry=r),
-            "free_slots": Gauge("zonos_engine_free_slots_by_engine", "Free decode slots of this engine", e,
+            "free_slots": EngineGauge("zonos_engine_free_slots_by_engine", "Free decode slots of this engine", e,
                                 registry=r),
-            "open": Gauge("zonos_engine_open_requests_by_engine", "Requests this gateway has open on this engine "
+            "open": OwnGauge("zonos_engine_open_requests_by_engine", "Requests this gateway has open on this engine "
                           "(sent and not finished)", e, registry=r),
-            "headroom": Gauge("zonos_engine_headroom_by_engine", "Requests this engine could start now (free slots, "
+            "headroom": EngineGauge("zonos_engine_headroom_by_engine", "Requests this engine could start now (free slots, "
                               "and under realtime admission what its iteration period admits); placement picks "
                               "the largest", e, registry=r),
-            "step_ms_p50": Gauge("zonos_engine_step_ms_by_engine", "Median loop step time of this engine (ms)", e,
+            "step_ms_p50": EngineGauge("zonos_engine_step_ms_by_engine", "Median loop step time of this engine (ms)", e,
                                  registry=r),
-            "period_ms": Gauge("zonos_engine_period_ms_by_engine", "Average iteration period of this engine while "
+            "period_ms": EngineGauge("zonos_engine_period_ms_by_engine", "Average iteration period of this engine while "
                                "streams run (ms)", e, registry=r),
-            "finished": Gauge("zonos_engine_finished_by_engine", "Requests this engine ran to their end (since it "
+            "finished": EngineGauge("zonos_engine_finished_by_engine", "Requests this engine ran to their end (since it "
                               "started)", e, registry=r),
-            "cancelled": Gauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
+            "cancelled": EngineGauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
                                "started)", e, registry=r),
-            "starting": Gauge("zonos_engine_starting_by_engine", "Admitted streams whose players have not started "
+            "starting": EngineGauge("zonos_engine_starting_by_engine", "Admitted streams whose players have not started "
                               "yet (realtime admission's slow start bounds them)", e, registry=r),
-            "paced": Gauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
+            "paced": EngineGauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
                            "its audio decoder was behind (since it started)", e, registry=r),
         }
-        self.held_by_gate = Gauge("zonos_engine_admission_held_by_engine", "Iterations in which a waiting request "
+        self.held_by_gate = EngineGauge("zonos_engine_admission_held_by_engine", "Iterations in which a waiting request "
                                   "was held back, by the realtime admission gate that held it (since the engine "
                                   "started; engine/runtime/admission.py)", ["engine", "gate"], registry=r)
         self.engines: Callable[[], Sequence[EngineView]] | None = None  # set by the gateway: read at each render
+        self._tracked: list[tuple[Gauge, Callable[[], float]]] = []
 
     def refresh_engines(self, engines: Sequence[EngineView]) -> None:
         """Every engine gauge from the engines' current state (their last STATS record; none while one is
@@ -140,7 +154,22 @@ class Metrics:
             self.rtf.labels(api).observe(stats.listener_rtf)
         self.audio_seconds.inc(stats.audio_ms / 1e3)
 
-    def render(self) -> bytes:
+    def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
+        """Set `gauge` from `read()` at every refresh (a function gauge that the multiprocess files can hold)."""
+        self._tracked.append((gauge, read))
+
+    def refresh(self) -> None:
+        """This process's gauges from the state they describe (before a render; every second with several
+        gateway processes, so that any of them renders the others' too)."""
         if self.engines is not None:
             self.refresh_engines(self.engines())
+        for gauge, read in self._tracked:
+            gauge.set(read())
+
+    def render(self) -> bytes:
+        self.refresh()
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # several gateway processes: everyone's values
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

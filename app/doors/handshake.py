@@ -62,9 +62,9 @@ async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[s
 
 
 async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -> None:
-    """Run an accepted session to its end, counted among the gateway's sessions. A client that stopped
-    reading, or a bug, ends this session only (a bug with the dialect's `internal` error and close 1011)."""
-    gw.sessions += 1
+    """Run an accepted session to its end; it holds one of the gateway's sessions (taken by `serve`) until
+    then. A client that stopped reading, or a bug, ends this session only (a bug with the dialect's
+    `internal` error and close 1011)."""
     gw.metrics.sessions.inc()
     try:
         await session.run()
@@ -81,7 +81,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
                 await ws.send_text(json.dumps(msg))
             await ws.close(1011)
     finally:
-        gw.sessions -= 1
+        gw.sessions.close()
         gw.metrics.sessions.dec()
 
 
@@ -118,14 +118,18 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
     if not key_ok(key, gw.settings.api_keys):
         await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
         return
-    if gw.sessions >= gw.settings.limits.max_sessions:
+    if not gw.sessions.try_open(gw.settings.limits.max_sessions):  # every gateway process's sessions count
         await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
                      G.TOO_MANY_SESSIONS.http_status)
         return
     try:
         session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+        await ws.accept(subprotocol=subprotocol)
     except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
+        gw.sessions.close()
         await refuse(e.code, str(e), e.status if e.status != 500 else 400)
         return
-    await ws.accept(subprotocol=subprotocol)
+    except BaseException:
+        gw.sessions.close()
+        raise
     await serve_session(ws, gw, session)

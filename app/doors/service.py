@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,13 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     engines = [e.describe() for e in gw.engines]  # ready = at least one engine ready (docs/scaling.md)
+    # with several gateway processes (app/workers.py): the one that answered
+    process = {"gateway": {"process": gw.link.channel, "processes": gw.link.channels, "pid": os.getpid()}
+               } if gw.link is not None else {}
     if gw.engine.ready.is_set():
-        return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines})
+        return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})
     reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")
-    return JSONResponse({"status": "not_ready", "reason": reason, "engines": engines}, status_code=503)
+    return JSONResponse({"status": "not_ready", "reason": reason, "engines": engines, **process}, status_code=503)
 
 
 async def metrics(request: Request) -> Response:

@@ -18,6 +18,8 @@ gateway -> engine
   Cancel         cancel   {rid}
   End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
   Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
+  Reset          reset    {}                      a new gateway process took this ring: the old one's requests are
+                                                  cancelled, the engine says `ready` again on it
   Shutdown       shutdown {}
 
 engine -> gateway
@@ -49,7 +51,7 @@ import numpy as np
 from engine.contract.constants import N_CODEBOOKS
 from engine.contract.errors import EngineError
 
-SUBMIT, CANCEL, END, EMBED, SHUTDOWN = "submit", "cancel", "end", "embed", "shutdown"
+SUBMIT, CANCEL, END, EMBED, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "reset", "shutdown"
 READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
     "ready", "started", "audio", "kept", "finished", "error", "embedding", "stats",
 )
@@ -388,6 +390,14 @@ class Embed(Record):
 
 
 @record
+class Reset(Record):
+    """The gateway process behind this ring was replaced (its supervisor writes this before the new one
+    starts): the engine cancels the old process's requests and sends `ready` again on this channel."""
+
+    type: ClassVar[str] = RESET
+
+
+@record
 class Shutdown(Record):
     type: ClassVar[str] = SHUTDOWN
 
@@ -651,7 +661,7 @@ class AdmissionGate(StrEnum):
     COLD_START = "cold_start"  # nothing measured yet: cold_start streams per iteration
 
 
-REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Shutdown)  # gateway -> engine
+REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Reset, Shutdown)  # gateway -> engine
 EVENTS: tuple[type[Record], ...] = (Ready, Started, Audio, Kept, Finished, Error, Embedding, Stats)  # engine -> gateway
 _BY_TYPE: dict[str, type[Record]] = {cls.type: cls for cls in REQUESTS + EVENTS}
 

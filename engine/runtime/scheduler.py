@@ -52,8 +52,8 @@ from engine.guidance import twin as twin_kind
 from engine.llm.node import PendingDecode, Sequence
 from engine.model.transfer import to_device
 from engine.runtime.admission import Gate, RealtimeAdmission
+from engine.runtime.channels import Inboxes, Outboxes, channel_of
 from engine.runtime.engine import Engine
-from engine.runtime.outbox import Outbox
 from engine.runtime.profile import IterationProfiler, node_range
 
 log = logging.getLogger("engine")
@@ -98,15 +98,16 @@ class Job:
 class Scheduler:
     """Batches, admits and moves records: the inbox ring -> the engine's nodes -> the events ring."""
 
-    def __init__(self, engine: Engine, inbox: ShmRing, outbox_ring: ShmRing):
+    def __init__(self, engine: Engine, inbox: ShmRing | list[ShmRing], outbox_ring: ShmRing | list[ShmRing]):
         self.engine = engine
         self.settings = settings = engine.settings
         self.llm = engine.llm
         self.dac = engine.dac
         self.speaker = engine.speaker
-        self.inbox = inbox
-        self.outbox = Outbox(outbox_ring, settings.outbox_bytes_per_request)
-        self.out_ring = outbox_ring
+        # one channel (a request ring and an events ring) per gateway process (engine/runtime/channels.py)
+        self.inbox = Inboxes(inbox if isinstance(inbox, list) else [inbox])
+        self.outbox = Outboxes(outbox_ring if isinstance(outbox_ring, list) else [outbox_ring],
+                               settings.outbox_bytes_per_request)
         mode = settings.admission if settings.admission != "auto" else ("realtime" if engine.on_gpu else "slots")
         if mode not in ("realtime", "slots"):
             raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
@@ -123,6 +124,7 @@ class Scheduler:
         self.counters = {"steps": 0, "paced": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0,
                          "cancelled": 0}
         self.stopping = False
+        self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
         self._last_stats = 0.0
         self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
         # overlap scheduling (module docstring): the decode step launched last, read back next iteration
@@ -178,7 +180,8 @@ class Scheduler:
                 self._slow_logged, self._slow = t_end, 0
 
     def _read_inbox(self) -> None:
-        while (rec := self.inbox.get()) is not None:
+        while (got := self.inbox.get()) is not None:
+            channel, rec = got
             try:
                 msg = m.decode(*rec)
             except m.MalformedRecord as e:  # answered, when it names a request; never the engine's end
@@ -196,6 +199,8 @@ class Scheduler:
                     self._end(msg.rid)
                 elif isinstance(msg, m.Embed):
                     self._on_embed(msg)
+                elif isinstance(msg, m.Reset):
+                    self._reset_channel(channel)
                 elif isinstance(msg, m.Shutdown):
                     self.stopping = True
                 else:
@@ -264,6 +269,18 @@ class Scheduler:
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
         self.waiting.append(job)
+
+    def _reset_channel(self, channel: int) -> None:
+        """A new gateway process took this channel: the old one's requests (waiting, running or held) are
+        cancelled without an acknowledgement (nobody waits for one) and the newcomer hears `ready`."""
+        n = len(self.inbox.rings)
+        rids = {j.seq.rid for j in (*self.waiting, *self.running.values()) if channel_of(j.seq.rid, n) == channel}
+        for rid in rids:
+            self._cancel(rid, ack=False)
+        log.warning("a new gateway process took channel %d: cancelled the %d requests of the last one",
+                    channel, len(rids))
+        if self.ready is not None:
+            self.outbox.boxes[channel].send("ready", self.ready, force=True)
 
     def _on_embed(self, req: m.Embed) -> None:
         self.speaker.submit(("embed", req.rid, time.perf_counter()), req.clip, req.clip_sr)
@@ -626,7 +643,7 @@ class Scheduler:
                 if (len(pcm) or final) and self._put_audio(job, pcm, now) and final:
                     self._finish(job, now)
         if items:
-            self.out_ring.notify()
+            self.outbox.notify()
 
     def _put_audio(self, job: Job, pcm: np.ndarray, now: float) -> bool:
         """One audio record of job; False: the gateway is not reading it (it is cancelled)."""

@@ -1,5 +1,5 @@
-"""The engine process's entry point: the spawn target the gateway names. It lives in the contract because both
-processes import it: the gateway to name it (torch-free: the engine's modules are imported inside), the engine to run."""
+"""The engine process's entry point (engine/contract/process.py names it for the gateway, which never
+imports torch)."""
 
 from __future__ import annotations
 
@@ -16,29 +16,33 @@ from engine.contract.settings import EngineSettings, WeightSources
 log = logging.getLogger("engine")
 
 
-def engine_main(src: WeightSources, settings: EngineSettings, inbox_spec: RingSpec, outbox_spec: RingSpec,
+def engine_main(src: WeightSources, settings: EngineSettings, channels: list[tuple[RingSpec, RingSpec]],
                 log_level: str = "INFO", lifeline: Lifeline | None = None) -> None:
-    """Entry point of the engine process (multiprocessing 'spawn' target). When the gateway that
-    started it dies (`lifeline`, engine/contract/lifeline.py), the engine unlinks both rings and exits."""
+    """Run the engine over its channels: one (requests, events) ring pair per gateway process. When the
+    process that started it dies (`lifeline`, engine/contract/lifeline.py), the engine unlinks every ring
+    and exits."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
-    watch_parent(lifeline, lambda: [unlink_segment(s.name) for s in (inbox_spec, outbox_spec)])
+    watch_parent(lifeline, lambda: [unlink_segment(s.name) for pair in channels for s in pair])
     import torch  # here, in the spawned process: the gateway imports this module without torch
 
     from engine.runtime.engine import Engine
     from engine.runtime.scheduler import Scheduler
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    inbox, out_ring = ShmRing.attach(inbox_spec), ShmRing.attach(outbox_spec)
+    inboxes = [ShmRing.attach(spec) for spec, _ in channels]
+    out_rings = [ShmRing.attach(spec) for _, spec in channels]
     try:
         engine = Engine(src, settings)
         warmup_s = engine.warmup()
-        scheduler = Scheduler(engine, inbox, out_ring)
+        scheduler = Scheduler(engine, inboxes, out_rings)
     except Exception as e:
         log.exception("engine failed to start")
-        out_ring.try_put(*m.Error(None, E.ENGINE_START_FAILED, str(e)).encode())
+        for ring in out_rings:
+            ring.try_put(*m.Error(None, E.ENGINE_START_FAILED, str(e)).encode())
         raise SystemExit(1) from e
     ready = m.Ready(**engine.describe(), warmup_s=round(warmup_s, 3))
     log.info("engine ready: %s", ready.info())
+    scheduler.ready = ready
     scheduler.outbox.send("ready", ready, force=True)
     scheduler.outbox.flush()
     scheduler.run()

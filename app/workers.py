@@ -1,0 +1,289 @@
+"""Several gateway processes in front of the engines (`--workers N`, docs/architecture.md "Gateway
+processes"): one event loop is a core, and a storm of clients (their clips to decode, their audio to encode)
+needs more than one.
+
+The process started by `python -m app` becomes the supervisor. It owns the engine processes (one per
+device) and their rings, one channel (a requests ring and an events ring) per gateway process, and it runs
+the N gateway processes, each a full gateway (uvicorn + the app) on its own socket of one port
+(SO_REUSEPORT: the kernel spreads new connections over them). Each gateway process numbers its requests in
+its own residue class (rid % N), so the engine routes every event to the right channel without a table.
+
+What they share: the session limit (a count in shared memory), the voice library (the folder, in its shared
+mode), API keys and settings (the same flags), the metrics (prometheus_client's multiprocess files: any
+process answers /metrics for all), and the engines' admission (the engine decides for every channel).
+
+Failures stay local. An engine that dies is restarted by the supervisor, which tells every gateway process
+(`down`, then `attach` with the new rings, app/core/engine_client.py ControlLink). A gateway process that
+dies takes only its own sessions: the supervisor writes a `reset` on its channel (the engine cancels its
+requests and frees their slots) and starts a new one in its place, whose request ids are a fresh range.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from app.core.gateway import engine_settings
+from app.settings import GatewaySettings
+from engine.contract import records as m
+from engine.contract.lifeline import Lifeline, close_quietly, open_lifeline, watch_parent
+from engine.contract.process import run_engine
+from engine.contract.rings import ShmRing
+from engine.contract.segments import remove_stale_segments
+
+log = logging.getLogger("gateway.supervisor")
+
+RING_BYTES = 64 << 20  # each ring of each channel (the single-process gateway's size)
+RESTART_BACKOFF_S = (0.5, 5.0)  # a process that keeps dying is restarted after 0.5 s, 1 s, ... at most 5 s
+
+
+def default_workers() -> int:
+    """Gateway processes by default: one per four CPUs (the engine's loop, the normalization workers and
+    the kernel's network work need the rest), at least one, at most eight."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A socket on host:port that other processes may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+class EngineProcess:
+    """The supervisor's side of one engine process: its channels (one per gateway process) and restarts."""
+
+    def __init__(self, settings: GatewaySettings, index: int, channels: int) -> None:
+        self.settings = settings
+        self.index = index
+        self.device, self.engine, self.env = engine_settings(settings)[index]
+        self.channels = channels
+        self.rings: list[tuple[ShmRing, ShmRing]] = []
+        self.proc: mp.process.BaseProcess | None = None
+        self.restarts = 0
+        self._lifeline_w: int | None = None
+
+    def spawn(self) -> None:
+        self.rings = [(ShmRing.create(RING_BYTES), ShmRing.create(RING_BYTES)) for _ in range(self.channels)]
+        lifeline, self._lifeline_w = open_lifeline()
+        specs = [(inbox.spec(), events.spec()) for inbox, events in self.rings]
+        self.proc = mp.get_context("spawn").Process(
+            target=run_engine, args=(self.settings.weights, self.engine, specs, self.settings.log_level, lifeline),
+            name=f"zonos-engine-{self.index}", daemon=True)
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            close_quietly(lifeline.fd)
+        log.info("engine %d (%s): process %s started with %d channels", self.index, self.device, self.proc.pid,
+                 self.channels)
+
+    def attach_message(self, channel: int) -> tuple[Any, ...]:
+        assert self.proc is not None
+        inbox, events = self.rings[channel]
+        return ("attach", self.index, inbox.spec(), events.spec(), self.proc.pid)
+
+    def reset(self, channel: int) -> None:
+        """A gateway process on `channel` died: the engine cancels its requests. The supervisor writes in its
+        place (the ring has one writer at a time: the dead process wrote last)."""
+        if self.rings and self.alive:
+            self.rings[channel][0].try_put(*m.Reset().encode())
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        """Every gateway process is gone: ask the engine to stop, then make sure it has."""
+        if self.alive and self.rings:
+            self.rings[0][0].try_put(*m.Shutdown().encode())
+        if self.proc is not None:
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+        self.teardown()
+
+    def teardown(self) -> None:
+        close_quietly(self._lifeline_w)
+        self._lifeline_w = None
+        for pair in self.rings:
+            for ring in pair:
+                with contextlib.suppress(Exception):
+                    ring.close()
+                    ring.unlink()
+        self.rings = []
+
+
+class GatewayProcess:
+    """One gateway process (channel `index` of every engine) and its control line."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.incarnation = 0
+        self.proc: mp.process.BaseProcess | None = None
+        self.conn: Connection | None = None
+        self.restarts = 0
+        self._lifeline_w: int | None = None
+
+    def spawn(self, settings: GatewaySettings, workers: int, sessions: Any, port: int) -> None:
+        ctx = mp.get_context("spawn")
+        child, self.conn = ctx.Pipe(duplex=False)  # (receiving end, sending end)
+        lifeline, lifeline_w = open_lifeline()
+        self.proc = ctx.Process(
+            target=gateway_process_main,
+            args=(settings, port, self.index, workers, self.incarnation, child, sessions, lifeline),
+            name=f"zonos-gateway-{self.index}", daemon=False)
+        self.proc.start()
+        child.close()
+        close_quietly(lifeline.fd)
+        self._lifeline_w = lifeline_w
+        log.info("gateway process %d: pid %s (incarnation %d)", self.index, self.proc.pid, self.incarnation)
+
+    def tell(self, message: tuple[Any, ...]) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.send(message)
+
+    def reaped(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+        close_quietly(self._lifeline_w)
+        self.incarnation += 1
+
+
+def serve_workers(settings: GatewaySettings, workers: int) -> int:
+    """The supervisor: start the engines and `workers` gateway processes, keep them running until SIGTERM or
+    SIGINT, then stop them all. Returns the exit code."""
+    stopping = False
+
+    def stop(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    stale = remove_stale_segments()
+    if stale:
+        log.warning("removed %d shared-memory rings left by dead gateways", len(stale))
+    # one port for all: reserve it here (a port in use fails now, with one message), each process binds it too
+    try:
+        reserved = listening_socket(settings.host, settings.port)
+    except OSError as e:
+        log.error("cannot bind %s:%s: %s", settings.host, settings.port, e)
+        return 3
+    port = reserved.getsockname()[1]
+    # the processes' metrics in files that any of them reads for /metrics (prometheus_client multiprocess)
+    metrics_dir = tempfile.mkdtemp(prefix="zonos-metrics-")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    sessions = mp.get_context("spawn").Value("i", 0)
+    engines = [EngineProcess(settings, i, workers) for i in range(len(engine_settings(settings)))]
+    gateways = [GatewayProcess(i) for i in range(workers)]
+    print(f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes "
+          "(demo page at /)", flush=True)
+    try:
+        for e in engines:
+            e.spawn()
+        for g in gateways:
+            g.spawn(settings, workers, sessions, port)
+            for e in engines:
+                g.tell(e.attach_message(g.index))
+        while not stopping:
+            sentinels = {e.proc.sentinel: e for e in engines if e.proc is not None}
+            sentinels.update({g.proc.sentinel: g for g in gateways if g.proc is not None})
+            for s in wait(list(sentinels), timeout=0.5):
+                if stopping:
+                    break
+                who = sentinels[s]
+                if isinstance(who, EngineProcess):
+                    _engine_died(who, gateways)
+                else:
+                    _gateway_died(who, engines, settings, workers, sessions, port, metrics_dir)
+    finally:
+        for g in gateways:
+            if g.proc is not None and g.proc.is_alive():
+                g.proc.terminate()  # uvicorn's graceful shutdown: its sessions end, its engine work is cancelled
+        deadline = time.monotonic() + 15
+        for g in gateways:
+            if g.proc is not None:
+                g.proc.join(max(0.1, deadline - time.monotonic()))
+                if g.proc.is_alive():
+                    g.proc.kill()
+                    g.proc.join(5)
+        for e in engines:
+            e.stop(timeout=10)
+        reserved.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    return 0
+
+
+def _engine_died(engine: EngineProcess, gateways: list[GatewayProcess]) -> None:
+    assert engine.proc is not None
+    engine.proc.join(1)
+    code = engine.proc.exitcode
+    log.error("engine %d process exited with code %s; restarting it", engine.index, code)
+    for g in gateways:
+        g.tell(("down", engine.index, f"engine {engine.index} process stopped (exit code {code}); it is restarting"))
+    engine.teardown()
+    engine.restarts += 1
+    time.sleep(min(RESTART_BACKOFF_S[0] * engine.restarts, RESTART_BACKOFF_S[1]))
+    engine.spawn()
+    for g in gateways:
+        g.tell(engine.attach_message(g.index))
+
+
+def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], settings: GatewaySettings, workers: int,
+                  sessions: Any, port: int, metrics_dir: str) -> None:
+    assert g.proc is not None
+    g.proc.join(1)
+    pid, code = g.proc.pid, g.proc.exitcode
+    log.error("gateway process %d (pid %s) exited with code %s; its sessions ended, starting another", g.index, pid,
+              code)
+    for e in engines:
+        e.reset(g.index)
+    with contextlib.suppress(Exception):
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, metrics_dir)
+    g.reaped()
+    g.restarts += 1
+    time.sleep(min(RESTART_BACKOFF_S[0] * g.restarts, RESTART_BACKOFF_S[1]))
+    g.spawn(settings, workers, sessions, port)
+    for e in engines:
+        if e.alive:
+            g.tell(e.attach_message(g.index))
+
+
+def gateway_process_main(settings: GatewaySettings, port: int, channel: int, channels: int, incarnation: int,
+                         conn: Connection, sessions: Any, lifeline: Lifeline) -> None:
+    """One gateway process (multiprocessing's spawn target): the app on its own socket of the shared port,
+    its engines attached through `conn`. It exits when the supervisor is gone."""
+    logging.basicConfig(level=settings.log_level,
+                        format=f"%(asctime)s gateway-{channel} %(name)s %(levelname)s %(message)s")
+    watch_parent(lifeline, lambda: None)
+    from app.core.engine_client import ControlLink
+    from app.server import create_app, run_server
+
+    link = ControlLink(conn, channel, channels, incarnation, sessions)
+    app = create_app(settings, link)
+    sock = listening_socket(settings.host, port)
+    run_server(app, settings, sock)
