@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from engine.model.embedding import embed_sum
 from engine.model.kernels import matmul
 from engine.model.kernels.decode_attention import FIXED_SPLIT
 from engine.model.kernels.matmul import Tile, decode_tile, linear_fixed
@@ -42,8 +43,6 @@ def _rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 def _embed_norm(ids: Tensor, tables: list[Tensor], eps: float) -> Tensor:
-    from engine.model.zonos2 import embed_sum
-
     return _rms_norm(embed_sum(ids, tables), None, eps)
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.frontend.config import Zonos2Config
+from engine.model.embedding import embed_sum
 from engine.model.transfer import to_device
 
 QK_NORM_EPS = 1e-6
@@ -98,14 +99,6 @@ def attention_out(h: Tensor, o: Tensor, wo: Tensor, ffn_norm_w: Tensor, eps: flo
     """wo on the gated attention output, residual add, ffn_norm -> (residual, FFN input)."""
     h = h + F.linear(o.flatten(1), wo)
     return h, rms_norm(h, ffn_norm_w, eps)
-
-
-def embed_sum(ids: Tensor, tables: list[Tensor]) -> Tensor:
-    """ids [N, 10] -> sum of the 10 tables' rows [N, dim], added in column order 0..9 as the reference does."""
-    e = F.embedding(ids[:, 0], tables[0])
-    for c in range(1, len(tables)):
-        e = e + F.embedding(ids[:, c], tables[c])
-    return e
 
 
 def embed_norm(ids: Tensor, tables: list[Tensor], eps: float) -> Tensor:
