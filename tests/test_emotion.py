@@ -538,7 +538,7 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
     opts = parse_options(fields | {"emotion_cfg_scale": 2.5}, 100, cfg=cfg)
     assert opts.sampling.emotion_cfg_scale == 2.5
 
-    proj = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "proj"))
+    proj = PromptFactory(cfg, EmotionDirections.load(tmp_path / "proj"))
     r = proj.request(prompt, opts, 50, base)
     assert np.array_equal(r.speaker_embedding, base) and r.uncond_speaker is None
     np.testing.assert_allclose(r.emotion_delta, expected_delta(vecs, {"happy": 1.0}, 0, 0, 2.0), rtol=1e-6, atol=1e-7)
@@ -546,7 +546,7 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
     assert clip.speaker_embedding is None and np.array_equal(clip.emotion_delta, r.emotion_delta)
     assert proj.request(prompt, parse_options({}, 100, cfg=cfg), 50, base).emotion_delta is None
 
-    raw = PromptFactory(cfg, None, EmotionDirections.load(tmp_path / "raw"))
+    raw = PromptFactory(cfg, EmotionDirections.load(tmp_path / "raw"))
     r = raw.request(prompt, opts, 50, base)
     assert r.emotion_delta is None and not np.array_equal(r.speaker_embedding, base)
     assert np.array_equal(r.uncond_speaker, base)
@@ -554,7 +554,7 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
 
     wide = EmotionDirections.load(tmp_path / "wide")
     with pytest.raises(RequestError, match=f"{cfg.dim} values"):
-        PromptFactory(cfg, None, wide).request(prompt, opts, 50, base)
+        PromptFactory(cfg, wide).request(prompt, opts, 50, base)
     for bad in (101.0, float("nan"), "2", True):
         with pytest.raises(RequestError, match="emotion_cfg_scale"):
             parse_options(fields | {"emotion_cfg_scale": bad}, 100, cfg=cfg)

@@ -207,7 +207,7 @@ def test_parse_options_carries_the_fields():
     # and they reach the engine's request
     from app.core.prompts import PromptFactory
     from engine.frontend.config import Zonos2Config, preset_params
-    req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny")), None).request(np.zeros((2, 10)), opts, 9)
+    req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny"))).request(np.zeros((2, 10)), opts, 9)
     assert req.params.prefix_cfg_scale == -0.5
 
 

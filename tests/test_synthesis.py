@@ -63,7 +63,7 @@ def test_parse_options_checks_conditioning_when_it_arrives(params):
 ])
 def test_parse_options_accepts_values_at_the_bounds(params):
     opts = parse_options(params, 3000, cfg=TINY)
-    PromptFactory(TINY, None).build_sync("Bounds.", opts, speaker=False)  # and the prompt builds
+    PromptFactory(TINY).build("Bounds.", opts, speaker=False)  # and the prompt builds
 
 
 def test_a_model_without_rate_buckets_refuses_rate_params():
@@ -80,7 +80,7 @@ def test_lone_surrogates_are_a_coded_error():
             check_text(bad, "input")
         assert e.value.code == "bad_text" and e.value.status == 400 and "input" in str(e.value)
         with pytest.raises(RequestError) as e:  # and the prompt builder, the last line of defense
-            PromptFactory(TINY, None).build_sync(bad, SynthesisOptions(), speaker=False)
+            PromptFactory(TINY).build(bad, SynthesisOptions(), speaker=False)
         assert e.value.code == "bad_text"
 
 
@@ -112,9 +112,7 @@ def test_prompts_use_text_normalization_when_available():
     if not norm.available:
         pytest.skip("nemo-text-processing is not installed")
     cfg = Zonos2Config.from_dict(preset_params("full"))
-    factory = PromptFactory(cfg, norm)
-    ids = factory.build_sync("I have $5.", SynthesisOptions(), speaker=False)
+    factory = PromptFactory(cfg)
+    ids = factory.build(norm.normalize("I have $5.", SynthesisOptions().language), SynthesisOptions(), speaker=False)
     text = bytes(int(t) - 192 for t in ids[:, 9] if 192 <= t < 448).decode()
     assert "five dollars" in text
-    raw = PromptFactory(cfg, norm).build_sync("I have $5.", SynthesisOptions(text_normalization=False), False)
-    assert bytes(int(t) - 192 for t in raw[:, 9] if 192 <= t < 448).decode() == "I have $5."

@@ -170,7 +170,7 @@ class Gateway:
             settings.normalization_workers or max(1, default_workers() // (link.channels if link else 1)),
             lim.normalization_cpu_s,
             lim.normalization_max_tasks) if settings.text_normalization else None
-        self.prompts = PromptFactory(self.cfg, None, emotion_directions(settings.emotion_directions_dir))
+        self.prompts = PromptFactory(self.cfg, emotion_directions(settings.emotion_directions_dir))
         if self.normalizer is not None:
             turns = self.normalizer.turns
             self.metrics.track(self.metrics.normalizing, lambda: turns.active)
@@ -290,7 +290,7 @@ class Gateway:
         speaker = embedding is not None or clip is not None
 
         def submit(piece: str) -> Stream:
-            prompt = self.prompts.build_sync(piece, opts, speaker)
+            prompt = self.prompts.build(piece, opts, speaker)
             req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
             try:
                 return self.engine.submit(req)
@@ -315,14 +315,14 @@ class Gateway:
             # no await from reading link.final to settling the link: Chain.end sees either a final link or
             # its stream
             for ctx_text, ctx_codes in [(ctx.text, ctx.codes), *ctx.smaller]:
-                prompt = self.prompts.build_sync(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
+                prompt = self.prompts.build(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
                 if len(prompt) <= room:
                     break
             req = dataclasses.replace(self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding,
                                                            clip),
                                       hold=not link.final, continues=ctx.prev.rid if ctx.prev is not None else 0)
             if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
-                req = dataclasses.replace(req, uncond_prompt=self.prompts.build_sync(text, opts, speaker, None,
+                req = dataclasses.replace(req, uncond_prompt=self.prompts.build(text, opts, speaker, None,
                                                                                        not link.final))
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)

@@ -1,8 +1,6 @@
-"""Text -> prompt ids -> the engine's SubmitRequest, with normalization off the event loop."""
+"""Text -> prompt ids -> the engine's SubmitRequest (the text comes normalized: app/core/normalization.py)."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 
@@ -15,26 +13,21 @@ from engine.contract.records import SubmitRequest
 from engine.frontend.config import Zonos2Config
 from engine.frontend.emotion import EmotionDirections
 from engine.frontend.prompt import Conditioning, PromptBuilder, PromptError
-from engine.frontend.textnorm import TextNormalizer
 
 
 class PromptFactory:
-    """Text -> prompt ids, with normalization off the event loop."""
+    """Text -> prompt ids -> the engine's request."""
 
-    def __init__(self, cfg: Zonos2Config, normalizer: TextNormalizer | None,
-                 emotion: EmotionDirections | None = None) -> None:
+    def __init__(self, cfg: Zonos2Config, emotion: EmotionDirections | None = None) -> None:
         self.cfg = cfg
         self.builder = PromptBuilder(cfg)
-        self.normalizer = normalizer
         self.emotion = emotion  # --emotion-directions-dir
 
-    def build_sync(self, text: str, opts: SynthesisOptions, speaker: bool,
-                   context: tuple[str, np.ndarray] | None = None, non_final: bool = False) -> np.ndarray:
+    def build(self, text: str, opts: SynthesisOptions, speaker: bool,
+              context: tuple[str, np.ndarray] | None = None, non_final: bool = False) -> np.ndarray:
         """context: (text, kept frames) of the earlier chunks this one continues (app/core/continuation.py);
         non_final: a chunk with more to follow, without trailing-silence conditioning."""
         check_text(text)
-        if opts.text_normalization and self.normalizer is not None:
-            text = self.normalizer.normalize(text, opts.language)
         cond = Conditioning(**{k: getattr(opts.cond, k) for k in Conditioning.__dataclass_fields__})
         cond.speaker = speaker and self.cfg.speaker_enabled
         try:
@@ -43,9 +36,6 @@ class PromptFactory:
             return self.builder.build(text, cond, non_final)
         except PromptError as e:
             raise RequestError(G.BAD_PARAMS, str(e)) from None
-
-    async def build(self, text: str, opts: SynthesisOptions, speaker: bool) -> np.ndarray:
-        return await asyncio.to_thread(self.build_sync, text, opts, speaker)
 
     def request(
         self, prompt: np.ndarray, opts: SynthesisOptions, default_max_frames: int,
