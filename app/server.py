@@ -99,7 +99,7 @@ async def http_error(request: Request, exc: Exception) -> Response:
     code = _HTTP_CODES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
     message = {404: f"no such endpoint: {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))
-    return json_error(code, message, status, exc.headers)
+    return json_error(code, message, status, dict(exc.headers or {}))
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:

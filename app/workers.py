@@ -201,19 +201,20 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     print(f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes "
           "(demo page at /)", flush=True)
     try:
-        for e in engines:
-            e.spawn()
+        for engine in engines:
+            engine.spawn()
         for g in gateways:
             g.spawn(settings, workers, sessions, port)
-            for e in engines:
-                g.tell(e.attach_message(g.index))
+            for engine in engines:
+                g.tell(engine.attach_message(g.index))
         while not stopping:
-            sentinels = {e.proc.sentinel: e for e in engines if e.proc is not None}
+            sentinels: dict[int, EngineProcess | GatewayProcess] = {
+                e.proc.sentinel: e for e in engines if e.proc is not None}
             sentinels.update({g.proc.sentinel: g for g in gateways if g.proc is not None})
             for s in wait(list(sentinels), timeout=0.5):
                 if stopping:
                     break
-                who = sentinels[s]
+                who = sentinels[s]  # type: ignore[index]  # wait() returns the sentinels it was given
                 if isinstance(who, EngineProcess):
                     _engine_died(who, gateways)
                 else:
@@ -229,8 +230,8 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
                 if g.proc.is_alive():
                     g.proc.kill()
                     g.proc.join(5)
-        for e in engines:
-            e.stop(timeout=10)
+        for engine in engines:
+            engine.stop(timeout=10)
         reserved.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
@@ -258,8 +259,8 @@ def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], settings: Gat
     pid, code = g.proc.pid, g.proc.exitcode
     log.error("gateway process %d (pid %s) exited with code %s; its sessions ended, starting another", g.index, pid,
               code)
-    for e in engines:
-        e.reset(g.index)
+    for engine in engines:
+        engine.reset(g.index)
     with contextlib.suppress(Exception):
         from prometheus_client import multiprocess
 
@@ -268,9 +269,9 @@ def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], settings: Gat
     g.restarts += 1
     time.sleep(min(RESTART_BACKOFF_S[0] * g.restarts, RESTART_BACKOFF_S[1]))
     g.spawn(settings, workers, sessions, port)
-    for e in engines:
-        if e.alive:
-            g.tell(e.attach_message(g.index))
+    for engine in engines:
+        if engine.alive:
+            g.tell(engine.attach_message(g.index))
 
 
 def gateway_process_main(settings: GatewaySettings, port: int, channel: int, channels: int, incarnation: int,

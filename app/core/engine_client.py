@@ -40,6 +40,11 @@ from engine.contract.settings import EngineSettings, WeightSources
 log = logging.getLogger("gateway.engine")
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class EngineUnavailable(RuntimeError):
     """The engine is starting, restarting or overloaded."""
 
@@ -243,7 +248,7 @@ class EngineClient:
             proc = self._proc
             assert proc is not None
             died: asyncio.Future[None] = loop.create_future()
-            loop.add_reader(proc.sentinel, lambda f=died: f.done() or f.set_result(None))
+            loop.add_reader(proc.sentinel, _resolve, died)
             try:
                 await died
             finally:
@@ -385,18 +390,18 @@ class EngineClient:
             if isinstance(rec, m.Finished) and self.name is not None and rec.stats is not None:
                 # which engine of the pool ran it (audio.done stats)
                 rec = replace(rec, stats=replace(rec.stats, engine_id=self.name))
-            if isinstance(rec, m.Error) and rec.rid in self._embeds:
-                fut = self._embeds.pop(rec.rid)
-                if not fut.done():
-                    fut.set_exception(ValueError(rec.message or "speaker encoder failed"))
+            if isinstance(rec, m.Error) and rec.rid is not None and rec.rid in self._embeds:
+                embed = self._embeds.pop(rec.rid)
+                if not embed.done():
+                    embed.set_exception(ValueError(rec.message or "speaker encoder failed"))
                 return
-            stream = self._streams.get(rec.rid)
+            stream = self._streams.get(rec.rid) if rec.rid is not None else None
             if stream is not None:
                 stream._deliver(rec)
         elif isinstance(rec, m.Embedding):
-            fut = self._embeds.pop(rec.rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(rec.embedding)
+            embedded = self._embeds.pop(rec.rid, None)
+            if embedded is not None and not embedded.done():
+                embedded.set_result(rec.embedding)
         elif isinstance(rec, m.Ready):
             self.info = rec.info()
             self.start_error = None

@@ -19,7 +19,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ import numpy as np
 
 from app.core.continuation import Chain, Link
 from app.core.engine_client import Stream
-from app.core.gateway import Gateway, utterance_bytes
+from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.stats import UtteranceStats
 from app.core.text_buffer import TextBuffer
@@ -75,7 +75,7 @@ class Utterance:
     t_first: float | None = None  # its first audio was handed to the client
     t_done: float | None = None  # its last audio was handed to the client
     samples: int = 0  # 44.1 kHz samples handed to the client
-    stream: Stream | None = None
+    stream: Stream | PieceStream | None = None
     start_task: asyncio.Task[None] | None = None
     error: RequestError | None = None
     finish: m.Finished | None = None  # the engine's `finished` record
@@ -194,7 +194,7 @@ class UtterancePipeline:
             self.prefetch()
             self.changed.set()
 
-    async def play(self, u: Utterance) -> AsyncIterator[np.ndarray]:
+    async def play(self, u: Utterance) -> AsyncGenerator[np.ndarray, None]:
         """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
         u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
         u.t_head = time.perf_counter()
@@ -231,7 +231,7 @@ class UtterancePipeline:
 
 
 async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
-                clip: tuple[np.ndarray, int] | None) -> AsyncIterator[np.ndarray]:
+                clip: tuple[np.ndarray, int] | None) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
     HTTP status); closing the iterator (the client is gone) cancels the engine work."""

@@ -204,10 +204,13 @@ class StreamingSession:
         await self.on_open()
         recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
         closed = asyncio.create_task(self._closed.wait(), name=f"closed-{self.id}")
+        waits: set[asyncio.Future[Any]] = {recv, closed, self._failed}
+        done: set[asyncio.Future[Any]] = set()
+        task: asyncio.Future[Any] | None = None
         try:
             # A pump ends the session by failing (the client vanished mid-send, or a bug): then the session
             # ends rather than waiting forever on a queue that nothing plays.
-            done, _ = await asyncio.wait({recv, closed, self._failed}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
             if closed in done:
@@ -217,13 +220,13 @@ class StreamingSession:
             closed.cancel()
             # waited for, not awaited: awaiting a cancelled task raises its CancelledError here, whose traceback
             # holds this frame, which holds the task, which holds the error: a cycle that kept every ended
-            # session (socket, resampler, records: ~120 objects) for the collector's full passes, which then
-            # held every stream's audio 50-140 ms at once every ~12 s at 128 streams on the H200
+            # session for the collector's full passes (docs/architecture.md, "The collector")
             await asyncio.wait((recv, closed))
             self._shutdown()
             # an error raised above carries this frame in its traceback: the frame must not hold the tasks
             # (`done` and the loop's `task` included) that hold that error
-            recv = closed = done = task = None
+            del recv, closed
+            waits, done, task = set(), set(), None
 
     def _shutdown(self) -> None:
         for _, _, timer in self._holds.values():

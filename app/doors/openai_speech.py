@@ -96,6 +96,7 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     opts = parse_options(_params(gw, data), gw.settings.limits.max_frames, base, cfg=gw.cfg)
     speaker = await speaker_source(gw, data, owner)
     ref = data.get("voice")
+    voice: Voice | None
     if speaker is not None:
         if isinstance(ref, str) and ref and ref.lower() not in OPENAI_VOICES:
             raise RequestError(G.BAD_PARAMS, "give a voice or the speaker_* fields, not both")

@@ -7,7 +7,7 @@ app/doors/dialects/*_http.py; voices: app/doors/voices.py."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +53,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 
-async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarray]:
+async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncGenerator[np.ndarray, None]:
     """Start the first utterance before answering, so that bad input still gets a 4xx: the stream with
     its first chunk already taken (raises the RequestError of a refused first utterance)."""
     try:
@@ -61,7 +61,7 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncIterator[np.ndarra
     except StopAsyncIteration:
         first = np.zeros(0, np.int16)
 
-    async def chunks() -> AsyncIterator[np.ndarray]:
+    async def chunks() -> AsyncGenerator[np.ndarray, None]:
         yield first
         async for x in pcm:
             yield x

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from starlette.datastructures import UploadFile
@@ -269,7 +270,7 @@ async def tts_cache_speaker(request: Request) -> Response:
             stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
     except RequestError as e:
         return error_response(e, detail=True)
-    extra = {} if stored.created else {"deduplicated": True}
+    extra: dict[str, Any] = {} if stored.created else {"deduplicated": True}
     if stored.renamed_from:
         extra["renamed_from"] = stored.renamed_from
     return JSONResponse(speaker_record(stored.voice, sid) | extra, status_code=201 if stored.created else 200)

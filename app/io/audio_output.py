@@ -182,7 +182,7 @@ class StreamSink(io.RawIOBase):
     def tell(self) -> int:
         return self._pos
 
-    def write(self, b) -> int:  # type: ignore[override]
+    def write(self, b) -> int:
         data = memoryview(b).cast("B")
         n = len(data)
         start = self._pos
@@ -225,7 +225,7 @@ class _AdtsSink(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:  # type: ignore[override]
+    def write(self, b) -> int:
         self._pending += memoryview(b).cast("B")
         return len(b)
 
@@ -335,7 +335,7 @@ class StreamEncoder:
 def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
     """libsndfile >= 1.2 closes an Ogg page every `ms` of audio (soundfile has no wrapper for the command)."""
     try:
-        from soundfile import _ffi, _snd  # type: ignore[attr-defined]
+        from soundfile import _ffi, _snd
 
         value = _ffi.new("double*", float(ms))
         _snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double"))

@@ -9,6 +9,7 @@ voice without running the speaker encoder again. Default voices come from a fold
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -25,7 +26,7 @@ import time
 import zipfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def _load_array(data: bytes, max_bytes: int) -> np.ndarray:
         if key is None:
             raise VoiceError(G.BAD_EMBEDDING, f".npz must hold one array or an 'emb' array, found {sorted(members)}")
         with zf.open(members[key]) as fp:
-            return _read_npy(fp, max_bytes)
+            return _read_npy(cast(BinaryIO, fp), max_bytes)
 
 
 def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
@@ -315,7 +316,7 @@ class VoiceStore:
 
     # ---- changes ---------------------------------------------------------------------------------
     @staticmethod
-    def clip_id(owner: str, clips: list[bytes]) -> str:
+    def clip_id(owner: str, clips: builtins.list[bytes]) -> str:
         h = hashlib.sha256(owner.encode())
         for c in clips:
             h.update(hashlib.sha256(c).digest())
@@ -348,6 +349,7 @@ class VoiceStore:
                 meta = voice.public() | {"owner": voice.owner}
                 meta.pop("default")
                 (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                assert voice.embedding is not None  # a stored voice always has one
                 np.save(tmp / "embedding.npy", voice.embedding)
                 if preview_wav is not None:
                     (tmp / "preview.wav").write_bytes(preview_wav)

@@ -44,7 +44,7 @@ import types
 import typing
 from dataclasses import MISSING, asdict, dataclass, fields
 from enum import StrEnum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, TypeVar, Union, cast, dataclass_transform
 
 import numpy as np
 
@@ -224,9 +224,13 @@ class Record:
     __hash__ = None  # type: ignore[assignment]
 
 
-def record(cls: type) -> type:
+_R = TypeVar("_R", bound=type)
+
+
+@dataclass_transform(frozen_default=True, eq_default=False)
+def record(cls: _R) -> _R:
     """A frozen record class (its equality is Record's: arrays by value)."""
-    return dataclass(frozen=True, eq=False)(cls)
+    return cast(_R, dataclass(frozen=True, eq=False)(cls))
 
 
 # ---- gateway -> engine --------------------------------------------------------------------------------

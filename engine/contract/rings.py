@@ -210,7 +210,7 @@ def _attach_untracked(name: str) -> shared_memory.SharedMemory:
             if rtype != "shared_memory":
                 orig(rname, rtype)
 
-        resource_tracker.register = register
+        resource_tracker.register = register  # type: ignore[assignment]  # the stub names its argument Sized
         try:
             return shared_memory.SharedMemory(name)
         finally:
@@ -229,8 +229,10 @@ class ShmRing:
         self._bell = bell
         self.capacity = capacity
         self.owner = owner
-        self._ctl = shm.buf[:_CTRL_BYTES].cast("Q")
-        self._data = shm.buf[_CTRL_BYTES : _CTRL_BYTES + capacity]
+        buf = shm.buf
+        assert buf is not None  # a mapped segment
+        self._ctl = buf[:_CTRL_BYTES].cast("Q")
+        self._data = buf[_CTRL_BYTES : _CTRL_BYTES + capacity]
         self._poll: select.poll | None = None
         self._closed = False
 

@@ -17,7 +17,7 @@ from multiprocessing import resource_tracker
 try:
     import _posixshmem  # what multiprocessing.shared_memory unlinks with
 except ImportError:  # pragma: no cover - not POSIX
-    _posixshmem = None  # type: ignore[assignment]
+    _posixshmem = None
 
 _SHM_DIR = "/dev/shm"
 _NAME_RE = re.compile(r"^zonos-(\d+)-[0-9a-f]+$")

@@ -122,7 +122,8 @@ class EmotionDirections:
             space = str(manifest.get("space", "raw"))
             if space not in SPACES:
                 raise EmotionError(f"space must be one of {list(SPACES)}, got {space!r}")
-            named, axes = {}, {}
+            named: dict[str, np.ndarray] = {}
+            axes: dict[str, np.ndarray] = {}
             for name, entry in manifest.get("directions", {}).items():
                 vec = _vector(root / entry["file"], dim, name)
                 (axes if str(entry.get("kind")) == "axis" or name in AXES else named)[str(name)] = vec
@@ -166,7 +167,8 @@ class EmotionDirections:
         terms += [(a, w) for a, w in zip(AXES, (req.valence, req.arousal), strict=True) if w != 0.0]
         for name, w in terms:
             scale = float(w) * (cal.strength(speaker_key, name) if cal is not None else 1.0)
-            delta += np.float32(scale) * self.named.get(name, self.axes.get(name))
+            direction = self.named[name] if name in self.named else self.axes[name]
+            delta += np.float32(scale) * direction
         return np.float32(req.strength) * delta
 
     def apply(self, embedding: np.ndarray, req: EmotionRequest, speaker_key: str | None = None

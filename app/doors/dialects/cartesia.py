@@ -47,7 +47,7 @@ DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 QUIET_S = 0.3
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
-_STATUS = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
+_STATUS: dict[str, int] = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
 
 
 @dataclass(eq=False)

@@ -234,8 +234,8 @@ class ElevenLabsSession(StreamingSession):
 
 def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
     """ElevenLabs' HTTP error body."""
-    status = G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code
-    return {"detail": {"status": status, "message": message}}
+    return {"detail": {"status": G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code,
+                       "message": message}}
 
 
 async def multi_stream_endpoint(ws: WebSocket) -> None:
