@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 
 import httpx
 import numpy as np
@@ -348,3 +349,36 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
         "text": text, "max_tokens": frames, "ignore_eos": True, "stream": False})
     assert r.status_code == 200, r.text
     assert len(r.content) == reply_frames([frames] * n) * 512 * 4
+
+
+def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_server):
+    """One slot, held by a long request: a second HTTP request waits in the engine's queue. When its client
+    gives up before any audio, the gateway cancels it there at once (it used to wait for the slot, then run
+    for nobody)."""
+    import threading
+
+    srv = start_server("--max-batch", "1")
+    long = {"input": "Hold the slot.", "response_format": "pcm", "params": {"ignore_eos": True, "max_frames": 2500}}
+    holder = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/audio/speech", json=long, timeout=300))
+    holder.start()
+
+    def engine() -> dict:
+        return httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
+
+    deadline = time.monotonic() + 60
+    while engine()["active"] != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up before its first audio
+        httpx.post(srv.url + "/v1/audio/speech", json={"input": "Queued."}, timeout=httpx.Timeout(30, read=3))
+    seen = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        e = engine()
+        seen.append((e["active"], e["waiting"]))
+        if e["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert seen[-1] == (1, 0), seen  # dropped from the queue while the slot's holder still runs
+    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+    assert 'zonos_errors_total{code="client_gone"} 1.0' in metrics
+    holder.join(300)

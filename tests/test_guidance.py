@@ -328,3 +328,72 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
     assert (m.AUDIO, rid) not in seen[seen.index((m.FINISHED, rid)) + 1:]
     assert stats["running_free"] == 1  # a guided request takes two slots
     assert stats["active"] == 0 and stats["free_slots"] == 3  # the twins' slots are back too
+
+
+def test_a_request_that_can_never_fit_is_refused_and_blocks_nobody():
+    """A guided request needs two decode slots: on a one-slot engine it is refused at once with
+    `cannot_fit` (it once waited forever, and every request behind it too); and on an engine whose free
+    slots cannot take a guided pair yet, a plain request queued behind the pair runs first."""
+    import asyncio
+
+    import numpy as np
+
+    from app.core.engine_client import EngineClient
+    from engine.contract import records as m
+    from engine.contract.errors import EngineError
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.frontend.config import Zonos2Config, preset_params
+    from engine.frontend.prompt import Conditioning, PromptBuilder
+    from tests.asyncloop import LoopThread
+
+    pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
+    emb = np.random.default_rng(2).standard_normal(2048).astype(np.float32)
+
+    def req(frames: int, **params) -> m.SubmitRequest:
+        return m.SubmitRequest(rid=0, prompt=pb.build("Hello there.", Conditioning(speaker=True)),
+                               params=SamplingParams(seed=4, **params), max_frames=frames, ignore_eos=True,
+                               speaker_embedding=emb)
+
+    async def end(stream) -> m.Finished | m.Error:
+        async for ev in stream:
+            if isinstance(ev, m.Finished | m.Error):
+                return ev
+        raise AssertionError("the stream ended without finished or error")
+
+    lt = LoopThread()
+    one = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=512),
+                       ring_bytes=8 << 20)
+    two = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=2, max_context=512),
+                       ring_bytes=8 << 20)
+
+    async def run():
+        await one.start()
+        await two.start()
+        await asyncio.wait_for(one.ready.wait(), 180)
+        await asyncio.wait_for(two.ready.wait(), 180)
+        guided = await asyncio.wait_for(end(one.submit(req(10, cfg_scale=2.0))), 60)
+        plain = await asyncio.wait_for(end(one.submit(req(10))), 120)  # the engine still serves
+        # two slots: a long plain request holds one; a guided pair waits for both; a short plain one behind
+        # the pair takes the free slot and ends while the pair still waits
+        long = two.submit(req(300))
+        await long.next()  # started
+        pair = two.submit(req(10, cfg_scale=2.0))
+        short = two.submit(req(5))
+        order = []
+
+        async def note(name, stream):
+            order.append((name, await end(stream)))
+
+        await asyncio.wait_for(asyncio.gather(note("short", short), note("long", long), note("pair", pair)), 240)
+        return guided, plain, order
+
+    try:
+        guided, plain, order = lt.run(run(), timeout=600)
+    finally:
+        lt.run(one.close())
+        lt.run(two.close())
+        lt.close()
+    assert isinstance(guided, m.Error) and guided.code == EngineError.CANNOT_FIT and "--max-batch" in guided.message
+    assert isinstance(plain, m.Finished) and plain.reason == "max_frames"
+    assert [name for name, _ in order] == ["short", "long", "pair"], order
+    assert all(isinstance(ev, m.Finished) and ev.reason == "max_frames" for _, ev in order), order

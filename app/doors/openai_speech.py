@@ -175,6 +175,6 @@ async def openai_speech(request: Request) -> Response:
             end=lambda: _sse({"type": "speech.audio.done", "usage": {"input_tokens": n, "output_tokens": 0,
                                                                       "total_tokens": n}}),
             error=lambda e: _sse({"type": "error", "error": {"code": e.code, "message": str(e)}}))
-    return await speech_response(gw, "openai", req.text, req.opts, req.voice, req.output, whole=req.whole,
+    return await speech_response(request, "openai", req.text, req.opts, req.voice, req.output, whole=req.whole,
                                  media_type="text/event-stream" if req.sse else FORMATS[req.format][0],
                                  headers=headers, framing=framing)

@@ -164,7 +164,7 @@ async def tts_generate(request: Request) -> Response:
     req = await parse_generate(gw, data, gw.owner_of(key))
     speech = speak(gw, "tts_generate", req.text, req.opts, req.voice, None)
     headers = {"X-Audio-Sample-Rate": str(SAMPLE_RATE), "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
-    chunks = await first_chunk(speech)
+    chunks = await first_chunk(speech, request)
     fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:

@@ -53,11 +53,31 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
 
 
 
-async def first_chunk(pcm: AsyncIterator[np.ndarray]) -> AsyncGenerator[np.ndarray, None]:
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has gone (its body is read: what comes next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> AsyncGenerator[np.ndarray, None]:
     """Start the first utterance before answering, so that bad input still gets a 4xx: the stream with
-    its first chunk already taken (raises the RequestError of a refused first utterance)."""
+    its first chunk already taken (raises the RequestError of a refused first utterance). A client that
+    leaves while its first sentence waits for the engine takes that work with it: the engine's queue drops
+    it at once (`client_gone`) instead of running it for nobody, or holding it for the client's timeout."""
+    nxt = asyncio.ensure_future(anext(pcm))
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        first = await anext(pcm)
+        await asyncio.wait((nxt, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not nxt.done():
+            nxt.cancel()  # the speech's generator ends here: its engine request is cancelled
+            await asyncio.wait((nxt,))
+    if nxt.cancelled():
+        request.app.state.gateway.metrics.errors.labels(G.CLIENT_GONE).inc()
+        raise RequestError(G.CLIENT_GONE, "the client left before its audio began")
+    try:
+        first = nxt.result()
     except StopAsyncIteration:
         first = np.zeros(0, np.int16)
 
@@ -82,15 +102,16 @@ class Framing:
     error: Callable[[RequestError], bytes] | None = None
 
 
-async def speech_response(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
+async def speech_response(request: Request, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
                           fmt: OutputFormat, *, whole: bool = False, media_type: str | None = None,
                           headers: dict[str, str] | None = None, framing: Framing | None = None) -> Response:
     """Speak `text` and stream it in `fmt` (raises the RequestError of a refused first sentence); `whole`:
     the finished file in one response (app/io/audio_output.py, StreamEncoder)."""
+    gw: Gateway = request.app.state.gateway
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
     speech = speak(gw, api, text, opts, voice, None)
-    chunks = await first_chunk(speech)
+    chunks = await first_chunk(speech, request)
 
     async def encode(x: np.ndarray, last: bool = False) -> bytes:
         return await asyncio.to_thread(enc.encode, x, last) if enc.threaded else enc.encode(x, last)

@@ -31,6 +31,7 @@ class GatewayError(StrEnum):
     TOO_MANY_SESSIONS = "too_many_sessions"
     IDLE_TIMEOUT = "idle_timeout"
     CLIENT_STALLED = "client_stalled"  # counted only: the client reads nothing, so it is told nothing
+    CLIENT_GONE = "client_gone"  # counted only: an HTTP client left before its audio began (its work is dropped)
     # who may call
     UNAUTHORIZED = "unauthorized"
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
@@ -77,7 +78,7 @@ _HTTP_STATUS = {
     GatewayError.METHOD_NOT_ALLOWED: 405, GatewayError.REQUEST_TIMEOUT: 408, GatewayError.URI_TOO_LONG: 414,
     GatewayError.HEADERS_TOO_LARGE: 431, GatewayError.UPLOAD_TOO_LARGE: 413, GatewayError.UNKNOWN_VOICE: 404,
     GatewayError.NO_PREVIEW: 404, GatewayError.READ_ONLY: 403, GatewayError.FORBIDDEN: 403,
-    GatewayError.VOICE_STORE_UNAVAILABLE: 503,
+    GatewayError.VOICE_STORE_UNAVAILABLE: 503, GatewayError.CLIENT_GONE: 499,
 }
 
 

@@ -12,6 +12,7 @@ class EngineError(StrEnum):
     BAD_VOICE = "bad_voice"  # a speaker embedding (or an emotion vector) of the wrong size
     BAD_AUDIO = "bad_audio"  # a clip the speaker encoder cannot use
     QUEUE_FULL = "queue_full"
+    CANNOT_FIT = "cannot_fit"  # the request needs more than this engine has at all (guidance's second slot)
     ENGINE_BUSY = "engine_busy"  # realtime admission: no room for another live stream within the wait
     ENGINE_RESTARTED = "engine_restarted"  # the engine process died; every request in flight ends with this
     ENGINE_START_FAILED = "engine_start_failed"
@@ -35,7 +36,7 @@ class EngineError(StrEnum):
 
 _HTTP_STATUS = {
     EngineError.PROMPT_TOO_LONG: 400, EngineError.BAD_REQUEST: 400, EngineError.BAD_VOICE: 400,
-    EngineError.BAD_AUDIO: 400, EngineError.QUEUE_FULL: 503, EngineError.ENGINE_BUSY: 503,
+    EngineError.BAD_AUDIO: 400, EngineError.CANNOT_FIT: 400, EngineError.QUEUE_FULL: 503, EngineError.ENGINE_BUSY: 503,
     EngineError.ENGINE_RESTARTED: 503, EngineError.ENGINE_START_FAILED: 503, EngineError.SHUTDOWN: 503,
     EngineError.BACKPRESSURE: 503, EngineError.SLOW_CONSUMER: 503, EngineError.INTERNAL: 500,
 }

@@ -60,6 +60,7 @@ log = logging.getLogger("engine")
 
 SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this long is a stall of every stream: logged
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
+HOL_GRACE_S = 1.0  # a request that needs more slots than are free lets smaller ones pass this long, then waits first
 PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
 
 
@@ -265,6 +266,12 @@ class Scheduler:
             job.twin = Sequence(rid=-req.rid, prompt=uncond, params=req.params, max_frames=max_frames,
                                 speaker=twin_speaker, emotion=emotion if job.twin_kind == "prefix" else None,
                                 ignore_eos=req.ignore_eos)
+        need = 1 + (job.twin is not None)
+        if need > self.llm.n_slots:  # it could wait forever, and hold up everything behind it
+            return self._error(req.rid, E.CANNOT_FIT,
+                               f"guidance (cfg_scale, prefix_cfg_scale or emotion_cfg_scale != 1) decodes a second "
+                               f"row beside the request and needs {need} decode slots; this engine has "
+                               f"{self.llm.n_slots} (--max-batch)")
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
@@ -320,6 +327,10 @@ class Scheduler:
         for job in order:
             need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
             if len(self.llm.free_slots) < need:
+                # no head-of-line blocking: a one-slot request behind a guided pair that does not fit yet may
+                # take the slot, until the pair has waited HOL_GRACE_S; then slots are kept for it as they free
+                if now - job.t_arrival < HOL_GRACE_S:
+                    continue
                 break
             if not job.continues:
                 gate = self.admission.gate(streams, admitted + need, min_slack, starting, backlog)

@@ -74,19 +74,19 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOp
 
 
 async def _prepare(request: Request, containers: tuple[str, ...]
-                   ) -> tuple[Gateway, dict[str, Any], str, SynthesisOptions, Voice | None, OutputFormat]:
+                   ) -> tuple[dict[str, Any], str, SynthesisOptions, Voice | None, OutputFormat]:
     gw, owner, data = await open_request(request)
     text = text_field(data, "transcript", gw.settings.limits.max_http_chars)
     fmt = _format(data.get("output_format"), containers)
     voice = voice_of(gw, owner, data.get("voice"))
-    return gw, data, text, _options(gw, request, data), voice, fmt
+    return data, text, _options(gw, request, data), voice, fmt
 
 
 @errors_as(cartesia_error)
 async def tts_bytes(request: Request) -> Response:
     """POST /tts/bytes."""
-    gw, _, text, opts, voice, fmt = await _prepare(request, CONTAINERS)
-    return await speech_response(gw, "cartesia", text, opts, voice, fmt)
+    _, text, opts, voice, fmt = await _prepare(request, CONTAINERS)
+    return await speech_response(request, "cartesia", text, opts, voice, fmt)
 
 
 def _event(kind: str, payload: dict[str, Any]) -> bytes:
@@ -96,7 +96,7 @@ def _event(kind: str, payload: dict[str, Any]) -> bytes:
 @errors_as(cartesia_error)
 async def tts_sse(request: Request) -> Response:
     """POST /tts/sse."""
-    gw, data, text, opts, voice, fmt = await _prepare(request, ("raw",))
+    data, text, opts, voice, fmt = await _prepare(request, ("raw",))
     ctx = check_context_id(data.get("context_id"), G.BAD_PARAMS)
     last = time.perf_counter()
 
@@ -114,5 +114,5 @@ async def tts_sse(request: Request) -> Response:
         return _event("error", {"type": "error", "done": True, "status_code": e.status, "error": str(e),
                                 "title": e.code, "message": str(e), "error_code": e.code, "context_id": ctx})
 
-    return await speech_response(gw, "cartesia", text, opts, voice, fmt, media_type="text/event-stream",
+    return await speech_response(request, "cartesia", text, opts, voice, fmt, media_type="text/event-stream",
                                  framing=Framing(chunk=chunk, end=done, error=error))

@@ -76,4 +76,4 @@ async def speak(request: Request) -> Response:
     request_id = str(uuid.uuid4())
     headers = {"dg-request-id": request_id, "dg-model-name": voice.name if voice else "zonos2",
                "dg-char-count": str(len(text))}
-    return await speech_response(gw, "deepgram", text, opts, voice, fmt, headers=headers)
+    return await speech_response(request, "deepgram", text, opts, voice, fmt, headers=headers)

@@ -79,7 +79,7 @@ async def _speak(request: Request, framing: Framing | None = None, media_type: s
     voice = gw.resolve_voice(request.path_params["voice_id"], owner)
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
     opts = _options(gw, request, data)
-    return await speech_response(gw, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
+    return await speech_response(request, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
 
 
 class _Base64Document:
