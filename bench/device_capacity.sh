@@ -23,9 +23,9 @@ env "${profile[@]}" python3 -m app --random-weights full --port 8000 --data-dir 
   > /tmp/server.log 2>&1 &
 server=$!
 # TESTS= (empty) runs no tests
-if [ -n "${TESTS-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py}" ]; then
+if [ -n "${TESTS-tests/engine/test_kernels.py tests/gpu/test_gpu.py tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py}" ]; then
   timeout -s INT -k 20 ${TESTS_S:-280} python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} \
-    ${TESTS:-tests/test_kernels.py tests/test_gpu.py tests/test_prefill_attention.py tests/test_fused_router.py} \
+    ${TESTS:-tests/engine/test_kernels.py tests/gpu/test_gpu.py tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py} \
     > "$OUT/gpu_tests.log" 2>&1 &
   tests=$!
 fi

@@ -10,6 +10,6 @@ timeout ${SWEEP_S:-240} python3 bench/kernel_sweep.py ${SWEEP_ARGS:-} --json "$O
 timeout 200 python3 bench/decode_step.py --batches ${BATCHES:-1 2 4 8 16 32 64 128} --profile \
   --json "$OUT/decode_step.json" > "$OUT/decode_step.log" 2>&1
 head -14 "$OUT/decode_step.log"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
-  tests/test_prefill_attention.py tests/test_fused_router.py > "$OUT/gpu_tests.log" 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_kernels.py tests/gpu/test_gpu.py \
+  tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py > "$OUT/gpu_tests.log" 2>&1
 tail -15 "$OUT/gpu_tests.log"

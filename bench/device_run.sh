@@ -10,8 +10,8 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv | tee "$OUT/gpu.t
 for step in $steps; do
   case $step in
     tests)
-      timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/test_kernels.py tests/test_gpu.py \
-        tests/test_prefill_attention.py tests/test_fused_router.py 2>&1 \
+      timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/engine/test_kernels.py tests/gpu/test_gpu.py \
+        tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py 2>&1 \
         | tee "$OUT/gpu_tests.log" | tail -25 ;;
     micro)
       timeout 300 python3 bench/decode_step.py --batches 1 2 4 8 16 32 64 ${MICRO_ARGS:-} --json "$OUT/decode.json" 2>&1 \

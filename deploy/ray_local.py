@@ -1,5 +1,5 @@
 """A one-node Ray cluster on loopback serving zonos-gateway replicas through Ray Serve's proxy: for trying
-the many-host layout on one machine, and for the `ray` tests (tests/test_scaling.py). It owns the cluster:
+the many-host layout on one machine, and for the `ray` tests (tests/system/test_scaling.py). It owns the cluster:
 started here, shut down (replicas, their engines, Ray's processes) when this process gets SIGINT/SIGTERM.
 
     .venv-ray/bin/python -m deploy.ray_local --port 8000 --replicas 2 -- --devices cpu --data-dir /tmp/v --shared-voices

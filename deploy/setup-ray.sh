@@ -2,7 +2,7 @@
 # Ray Serve in .venv-ray, layered over the gateway's .venv (scripts/setup makes that one): the gateway's
 # packages are read from .venv, Ray and its newer protobuf from .venv-ray, which comes first on sys.path.
 # Idempotent. Then:
-#   .venv-ray/bin/python -m pytest tests/test_scaling.py -m ray        # the local Ray Serve tests
+#   .venv-ray/bin/python -m pytest tests/system/test_scaling.py -m ray        # the local Ray Serve tests
 #   PYTHONPATH=$PWD .venv-ray/bin/serve run deploy/ray_serve_local.yaml
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -33,7 +33,7 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "app", "--port", str(self.port), "--data-dir", str(data_dir),
                "--max-batch", "6", "--max-context", "1024", "--no-text-normalization",
                # 2 busy cores generate slower than real time: a player would always be dry, so give the next
-               # sentence of a reply time to arrive (tests/test_continuation.py tests the flush itself)
+               # sentence of a reply time to arrive (tests/engine/test_continuation.py tests the flush itself)
                "--continuation-grace-ms", "5000", *extra]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,

@@ -1,5 +1,5 @@
 """Drives one of LiveKit Agents' real TTS plugins (elevenlabs, cartesia, deepgram) against the gateway (run by
-tests/test_dialects.py in the frameworks' virtualenv): configured as for the real provider except for its
+tests/system/test_dialects.py in the frameworks' virtualenv): configured as for the real provider except for its
 base URL, with a voice from our library, and each plugin's default output format (ElevenLabs': MP3 at
 22.05 kHz). Streams one text (`stream()`, the WebSocket dialects) or synthesizes it (`synthesize()`, the
 plugins' one-shot HTTP calls: ElevenLabs' /stream, Cartesia's /tts/bytes, Deepgram's POST /v1/speak) and

@@ -1,4 +1,4 @@
-"""Drives one of pipecat's real TTS services against the gateway (run by tests/test_dialects.py in the
+"""Drives one of pipecat's real TTS services against the gateway (run by tests/system/test_dialects.py in the
 frameworks' virtualenv, `.venv-frameworks`): the service is configured as for the real provider except for
 its URL, with a voice from our library. It speaks a turn, then a second turn is interrupted the way a
 pipecat pipeline interrupts (an InterruptionFrame when the user starts talking), then a last turn is spoken.

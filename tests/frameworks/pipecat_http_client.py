@@ -1,6 +1,6 @@
 """Drives one of pipecat's real HTTP TTS services (ElevenLabsHttpTTSService: /stream/with-timestamps,
 CartesiaHttpTTSService: /tts/bytes, DeepgramHttpTTSService: POST /v1/speak) against the gateway (run by
-tests/test_clients.py in the frameworks' virtualenv): configured as for the real provider except for its
+tests/system/test_clients.py in the frameworks' virtualenv): configured as for the real provider except for its
 base URL, with a voice from our library. Speaks one turn and prints one JSON line: audio bytes, sample rate,
 errors.
 

@@ -15,7 +15,7 @@ import pytest
 from engine.frontend.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
 
 D = 48  # the release is 2048; the formulas do not care
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_folder(root: Path, space: str = "raw", calibration: dict | None = None, dim: int = D, in_dim: int = D,
@@ -358,7 +358,7 @@ def _tiny_model():
 
     import torch
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on a CPU (tests/test_prefill_attention.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on a CPU (tests/engine/test_prefill_attention.py)
     from engine.model.checkpoint import random_model
 
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 * The ZONOS2 reference web UI (`tts_ui.html` of Zyphra/ZONOS2 at 8fee419): its requests replayed exactly as
   the page builds them (routes, headers, bodies, CORS preflights from another origin), written down here as
-  data so that this test does not need their repository (tests/test_browser.py drives the page itself).
+  data so that this test does not need their repository (tests/system/test_browser.py drives the page itself).
 * The official `openai` SDK on its defaults, and with LiveKit's (mp3 over SSE), every OpenAI voice name,
   `extra_body` parameters, and an `X-Request-ID` on every response.
 * Telephony: G.711 mu-law / A-law at 8 kHz over HTTP and the WebSocket; WebSocket settings in the URL.
@@ -29,11 +29,11 @@ import soundfile as sf
 
 from app.io.audio_output import g711_decode
 from engine.frontend.longform import reply_frames
-from tests.test_audio_formats import AAC_EXTRA, decode_aac
-from tests.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
+from tests.unit.test_audio_formats import AAC_EXTRA, decode_aac
+from tests.system.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 REF_ORIGIN = "http://127.0.0.1:8200"  # where the reference UI is served from (another origin than the gateway)
 FRAMES = 40
@@ -312,7 +312,7 @@ def test_openai_sdk_aac_decodes_in_ffmpeg(client):
     expected = samples_at(24000)
     assert sr == 24000 and expected - 2 <= len(audio) <= expected + AAC_EXTRA
     # the same speech as the PCM answer, at its loudness (the waveform itself is the tone test's business in
-    # tests/test_audio_formats.py: the CPU tests' random weights speak noise, which AAC keeps only in level)
+    # tests/unit/test_audio_formats.py: the CPU tests' random weights speak noise, which AAC keeps only in level)
     pcm = np.frombuffer(client.audio.speech.create(response_format="pcm", **body).content, "<i2") / 32768
     rms = np.sqrt(np.mean(pcm ** 2)), np.sqrt(np.mean(audio[1024:1024 + len(pcm)] ** 2))
     assert rms[0] > 0 and 0.7 < rms[1] / rms[0] < 1.3, rms

@@ -288,7 +288,7 @@ def _ray_imports() -> bool:
 
 
 needs_ray = pytest.mark.skipif(not _ray_imports(), reason="ray[serve] does not import here: run "
-                               "deploy/setup-ray.sh, then .venv-ray/bin/python -m pytest tests/test_scaling.py -m ray")
+                               "deploy/setup-ray.sh, then .venv-ray/bin/python -m pytest tests/system/test_scaling.py -m ray")
 
 
 class RayGateways:

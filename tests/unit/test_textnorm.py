@@ -182,7 +182,7 @@ def test_module_import_does_not_import_nemo():
         "t.TextNormalizer(cache_dir='/nonexistent'); "
         "assert 'pynini' not in sys.modules"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=repo, timeout=60)
 
 

@@ -1,6 +1,6 @@
 """The records between the gateway and the engine (engine/contract/records.py): every one survives the trip
 through a shared-memory ring unchanged, and a record that is none of the contract's is refused cleanly, by
-the decoder and by the gateway's dispatch (the engine's side: tests/test_runtime.py)."""
+the decoder and by the gateway's dispatch (the engine's side: tests/engine/test_runtime.py)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from engine.contract import segments
 from engine.contract.rings import AsyncRingReader, RecordTooLarge, RingClosed, RingSpec, ShmRing
 from engine.runtime.outbox import Outbox
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPAWN = mp.get_context("spawn")
 CHUNK_SAMPLES = 8192  # int16 PCM chunk = 16 KiB
 

@@ -303,12 +303,12 @@ def test_overlap_with_captured_graphs_equals_eager_without():
     """Overlap scheduling (#25) as the engine runs it on a GPU: captured decode graphs that gather their
     inputs from the sampler's device buffer, step k+1 launched before step k is read back, the slots of a
     request that ended (EOS, cancel) kept until the step in flight that still writes them is read. Every
-    seeded request of tests/test_overlap.py's mix (different lengths, a guided pair, a cancel, admissions
+    seeded request of tests/engine/test_overlap.py's mix (different lengths, a guided pair, a cancel, admissions
     into slots freed one step before) has the same frames as an eager engine without overlap, and no
     admission lands in a slot a step in flight writes (drive asserts it)."""
     from engine.contract.settings import EngineSettings, WeightSources
     from engine.runtime.engine import Engine
-    from tests.test_overlap import SLOTS, compare_mixed
+    from tests.engine.test_overlap import SLOTS, compare_mixed
 
     def engine(graphs: bool) -> Engine:
         return Engine(WeightSources(), EngineSettings(

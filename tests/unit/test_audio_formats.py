@@ -26,7 +26,7 @@ from app.io.audio_output import (
     wav_header,
 )
 from app.io.errors import RequestError
-from tests.test_gateway_http import EXTRA_SAMPLES, decode
+from tests.system.test_gateway_http import EXTRA_SAMPLES, decode
 
 
 def mulaw_byte(s: int) -> int:

@@ -289,7 +289,7 @@ def test_overlap_engine_process_same_audio_and_cancel_frees_slots(rt):
     """An engine process with overlap scheduling (`overlap_decode`, #25): seeded requests of different lengths
     running together give the audio of the engine without overlap (the module's), and a cancel mid-way is
     acknowledged once its slot is free (one step later: the step in flight still wrote it) with every slot
-    free (no audio after the acknowledgement: tests/test_overlap.py)."""
+    free (no audio after the acknowledgement: tests/engine/test_overlap.py)."""
     lt0, plain = rt
     reqs = [request("Hello.", 30, seed=1), request("A somewhat longer sentence to speak.", 57, seed=2, top_k=20),
             request("Fourth, with the end-of-audio rule.", 400, ignore_eos=False, seed=4)]

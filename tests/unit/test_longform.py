@@ -24,7 +24,7 @@ from engine.frontend.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, 
 CFG = Zonos2Config.from_dict(preset_params("full"))
 PB = PromptBuilder(CFG)
 PAD, TPAD = 1025, 519
-SLOT, NOISY, CLEAN, ACCURATE, TRAIL3 = 519, 517, 516, 518, 511  # release ids (tests/test_prompt.py)
+SLOT, NOISY, CLEAN, ACCURATE, TRAIL3 = 519, 517, 516, 518, 511  # release ids (tests/unit/test_prompt.py)
 RATE0 = 448  # first speaking-rate bucket id: 448 byte ids come first
 
 

@@ -52,7 +52,7 @@ class FakeEngine:
 
     async def start_utterance(self, text: str, opts: Any, voice: Any = None, clip: Any = None,
                               owner: Any = None, chain: Any = None, link: Any = None) -> Stream:
-        if link is not None:  # no continuation here (tests/test_continuation.py has it): the next starts fresh
+        if link is not None:  # no continuation here (tests/engine/test_continuation.py has it): the next starts fresh
             link.settle()
         stream = Stream(len(self.streams) + 1, self, 10**9)  # type: ignore[arg-type]
         self._streams[stream.rid] = stream

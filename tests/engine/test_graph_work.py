@@ -1,7 +1,7 @@
 """The work the CUDA graphs capture, run eagerly on the CPU: DecodeGraphs (each row's input gathered on the
 device from its slot's last sampled frame, a batch padded to its bucket with the scratch slot) and
 PrefillGraphs (packed prompts padded to a token bucket, speaker rows, emotion deltas as a fixed-shape input)
-give the codes the plain path gives. The GPU tests replay the captured graphs (tests/test_gpu.py); this
+give the codes the plain path gives. The GPU tests replay the captured graphs (tests/gpu/test_gpu.py); this
 checks what goes into them wherever the suite runs."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 # The packed prefill's attention is a Triton kernel: Triton's interpreter, on a CPU only. Where the suite has a
 # GPU (no interpreter: these CPU tensors would take the plain PyTorch path, whose matmuls differ with the row
-# count) tests/test_gpu.py replays the captured graphs themselves instead (pytestmark below).
+# count) tests/gpu/test_gpu.py replays the captured graphs themselves instead (pytestmark below).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -25,7 +25,7 @@ from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a CPU check; on a GPU tests/test_gpu.py replays the captured graphs")
+                                reason="a CPU check; on a GPU tests/gpu/test_gpu.py replays the captured graphs")
 
 TEXTS = ["One short line.", "A second, somewhat longer line of text.", "Three.", "And a fourth one here."]
 FRAMES = [14, 9, 5, 12]  # the batch shrinks as they end: 4 rows, then 3 (padded to the bucket of 4), 2, 1
@@ -74,7 +74,7 @@ def graphed_node(model) -> LLMNode:
 
 def plain_node(model) -> LLMNode:
     # the batch-invariant kernels on both sides: padding a batch to its bucket changes nothing by design
-    # (tests/test_batch_invariance.py), so the codes must be equal, not close
+    # (tests/engine/test_batch_invariance.py), so the codes must be equal, not close
     return LLMNode(model, n_slots=4, cuda_graphs=False)
 
 

@@ -1,5 +1,5 @@
 """Gateway-side request handling: parameter validation, text validation, output encoding (sentence
-splitting: tests/test_text_buffer.py)."""
+splitting: tests/unit/test_text_buffer.py)."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_pcm_encoder_resamples_without_seams():
 def test_our_websocket_refuses_unknown_formats():
     """The encoding and rate checks of our WebSocket's door (app/doors/ws.py; the encoder takes what they pass)."""
     with pytest.raises(RequestError):
-        check_encoding("opus")  # (mulaw and alaw are encodings now: tests/test_audio_formats.py)
+        check_encoding("opus")  # (mulaw and alaw are encodings now: tests/unit/test_audio_formats.py)
     with pytest.raises(RequestError):
         check_sample_rate(22050, OUTPUT_RATES)
 

@@ -36,7 +36,7 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright Pyt
 np = pytest.importorskip("numpy")
 sf = pytest.importorskip("soundfile")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -350,7 +350,7 @@ def reference_page(tmp_path_factory) -> Path:
                                   check=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError):
         pytest.skip(f"the reference UI needs a fetched Zyphra/ZONOS2 repository at {repo} "
-                    "(set ZONOS2_REFERENCE_REPO); the replay of its requests in tests/test_clients.py does not")
+                    "(set ZONOS2_REFERENCE_REPO); the replay of its requests in tests/system/test_clients.py does not")
     (where / "index.html").write_bytes(html)
     return where
 
@@ -439,7 +439,7 @@ def test_reference_ui_cross_origin(browser, reference_setup, tmp_path):
         context.close()
     assert not errors, errors
     assert all(int(line.rsplit(" ", 1)[1]) < 400 for line in seen), seen
-    # (CORS preflights do not show up as page responses; tests/test_clients.py replays them)
+    # (CORS preflights do not show up as page responses; tests/system/test_clients.py replays them)
     for route in ("GET /tts/capabilities", "GET /tts/speakers", "POST /tts/speakers",
                   "GET /tts/speakers/", "POST /tts/generate"):
         assert any(line.startswith(route) for line in seen), (route, seen)
@@ -565,7 +565,7 @@ def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory
     ('proj', calibrated, as the reference ships one) there is a slider per named emotion and axis, the
     strength is a multiplier of the calibrated strengths, and Speak with a voice sends the emotion_* fields
     and completes."""
-    from tests.test_emotion import CAL, write_folder
+    from tests.system.test_emotion import CAL, write_folder
 
     assert page.is_hidden("#emotion-set")
     assert "emotion_enabled" not in page.evaluate("import('/static/params.js').then(m => m.readParams())")

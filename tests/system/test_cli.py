@@ -3,7 +3,7 @@ tests write in the release formats (ZONOS2 params.json + model.pth, DAC .pth, EC
 
 One subprocess per command (each costs a few seconds of imports); the variants of a command call
 `engine.cli.main(argv)` in-process, which is the same code without the interpreter start.
-The speaker-embed parity checks reuse the independent float64 NumPy ECAPA of tests/test_speaker.py.
+The speaker-embed parity checks reuse the independent float64 NumPy ECAPA of tests/engine/test_speaker.py.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.model.checkpoint import load_checkpoint, random_model
 from engine.offline import synthesize
 from engine.speaker.encoder import EcapaConfig, SpeakerEncoder
-from tests.test_speaker import _ref_embed, _tone
+from tests.engine.test_speaker import _ref_embed, _tone
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPK_SEED = 3  # not the no-weights default (seed 0), so a test can tell the two apart
 
 
@@ -260,7 +260,7 @@ def test_synthesize_with_checkpoints_and_voice_clip(assets, tmp_path):
 
 
 def reference_embedding(enc: SpeakerEncoder, wav: np.ndarray, sr: int) -> np.ndarray:
-    """Independent float64 ECAPA (tests/test_speaker.py) after the prescribed torchaudio resampler."""
+    """Independent float64 ECAPA (tests/engine/test_speaker.py) after the prescribed torchaudio resampler."""
     mono = wav.mean(axis=1) if wav.ndim == 2 else wav
     mono = torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
     wav24 = mono if sr == 24_000 else torchaudio.transforms.Resample(sr, 24_000)(mono)

@@ -17,7 +17,7 @@ from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline
 from engine.frontend.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
 
-EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/test_dac_streaming.py)
+EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/engine/test_dac_streaming.py)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -30,7 +30,7 @@ from engine.frontend.longform import reply_frames
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "dialect-key"
 FAST = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz
 LONG = {"max_frames": 2500, "ignore_eos": True}  # far longer than any test waits for

@@ -336,7 +336,7 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
     """Issue 17.7: 600 emoji or 1500 Cyrillic letters without a space were prompt_too_long, HTTP 500.
     They are cut into utterances by UTF-8 length and all spoken (each one is `frames` long here)."""
     from app.core.text_buffer import TextBuffer
-    from tests.test_gateway_ws import utterance_budget
+    from tests.system.test_gateway_ws import utterance_budget
 
     buf = TextBuffer(utterance_budget(server))
     n = len(buf.append(text) + buf.flush())

@@ -236,6 +236,7 @@ def test_incremental_equals_one_shot_for_any_call_sizes(codec: Codec, seed: int)
     assert snr_db(ref, x) > EXACT_DB, (t, sizes)
 
 
+@pytest.mark.slow
 def test_fused_passes_equal_the_plain_form_and_the_one_shot_decode(codec: Codec):
     """The GPU's fused form (bias in the Snake, bias + residual + concatenation in one pass, NHWC windows;
     on a CPU in Triton's interpreter) decodes what the plain ops decode, for a first call and later ones."""
