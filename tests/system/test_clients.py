@@ -29,8 +29,8 @@ import soundfile as sf
 
 from app.io.audio_output import g711_decode
 from engine.frontend.longform import reply_frames
-from tests.unit.test_audio_formats import AAC_EXTRA, decode_aac
 from tests.system.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
+from tests.unit.test_audio_formats import AAC_EXTRA, decode_aac
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
