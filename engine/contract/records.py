@@ -674,9 +674,10 @@ def decode(header: object, payload: bytes | None = None) -> Record:
     """The record a ring held; MalformedRecord when it is none of the contract's."""
     if not isinstance(header, dict):
         raise MalformedRecord(f"a record header must be a map, not {type(header).__name__}")
-    cls = _BY_TYPE.get(header.get("type"))  # type: ignore[arg-type]
+    kind = header.get("type")
+    cls = _BY_TYPE.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise MalformedRecord(f"unknown record type {header.get('type')!r}")
+        raise MalformedRecord(f"unknown record type {kind!r}"[:200])
     try:
         return cls.decode(header, payload)
     except MalformedRecord:

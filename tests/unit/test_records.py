@@ -173,3 +173,52 @@ def test_the_gateway_drops_a_malformed_event_and_reads_on():
 
     seen = asyncio.run(go())
     assert [ev.type for ev in seen] == [m.AUDIO, m.FINISHED] and seen[-1] == m.Finished(1, "eos", stats=STATS)
+
+
+# ---- every malformed header or payload is a MalformedRecord, never another exception -------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_LEAVES = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64)
+           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.binary(max_size=8))
+_VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+    st.text(max_size=4) | st.integers(), inner, max_size=3), max_leaves=6)
+_ENCODED = [r.encode() for r in RECORDS]
+
+
+@st.composite
+def _mangled(draw: st.DrawFn) -> tuple[object, bytes | None]:
+    header, payload = draw(st.sampled_from(_ENCODED))
+    header = dict(header)
+    for _ in range(draw(st.integers(1, 3))):
+        what = draw(st.sampled_from(["replace", "drop", "add", "type"]))
+        keys = sorted(header, key=str)
+        if what == "replace" and keys:
+            header[draw(st.sampled_from(keys))] = draw(_VALUES)
+        elif what == "drop" and keys:
+            header.pop(draw(st.sampled_from(keys)))
+        elif what == "add":
+            header[draw(st.text(max_size=6))] = draw(_VALUES)
+        else:
+            header["type"] = draw(_VALUES | st.sampled_from([c.type for c in m.REQUESTS + m.EVENTS]))
+    raw = None if payload is None else bytes(memoryview(np.ascontiguousarray(payload)).cast("B"))
+    payload_out = draw(st.sampled_from(["keep", "none", "cut", "random"]))
+    if payload_out == "none":
+        raw = None
+    elif payload_out == "cut" and raw:
+        raw = raw[: draw(st.integers(0, len(raw) - 1))]
+    elif payload_out == "random":
+        raw = draw(st.binary(max_size=64))
+    top = draw(st.sampled_from(["dict", "other"]))
+    return (header if top == "dict" else draw(_VALUES)), raw
+
+
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_mangled())
+def test_every_malformed_record_is_a_malformed_record(case):
+    header, payload = case
+    try:
+        rec = m.decode(header, payload)
+    except m.MalformedRecord:
+        return
+    assert isinstance(rec, m.Record)
