@@ -96,6 +96,11 @@ async def http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors (unknown route, wrong method, static file not found...)."""
     assert isinstance(exc, HTTPException)
     status = exc.status_code
+    if status == 405 and request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+        # a preflight that no CORS rule took: one without Origin is malformed, not a wrong method
+        reason = ("a CORS preflight needs an Origin header" if "origin" not in request.headers
+                  else "this gateway allows no cross-origin requests (see --cors-origin)")
+        return json_error(G.CORS_REFUSED, reason, 400)
     code = _HTTP_CODES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
     message = {404: f"no such endpoint: {request.url.path}",
                405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))

@@ -98,13 +98,16 @@ def origin_allowed(ws: WebSocket, allowed: tuple[str, ...]) -> bool:
 
 
 # ---- the host rule: DNS rebinding -----------------------------------------------------------------------
-def host_name(host_header: str) -> str:
+# a Host header exactly: a DNS name or IPv4 address, or an IPv6 address in brackets, and an optional numeric port
+_HOST = re.compile(r"^(?:\[(?P<v6>[0-9a-f:.]+)\]|(?P<name>[a-z0-9._-]+))(?::[0-9]{1,5})?$")
+
+
+def host_name(host_header: str) -> str | None:
     """The name of a Host header, lower case, without its port: "[::1]:8000" -> "::1", "Evil.Example:80" ->
-    "evil.example"."""
-    host = host_header.strip().lower()
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
+    "evil.example"; None when it is not a host name with an optional numeric port (" 127.0.0.1",
+    "[::1]evil", "localhost:abc")."""
+    m = _HOST.match(host_header.lower())
+    return None if m is None else (m.group("v6") or m.group("name"))
 
 
 def host_allowed(host_header: str | None, allowed: tuple[str, ...]) -> bool:
@@ -113,7 +116,7 @@ def host_allowed(host_header: str | None, allowed: tuple[str, ...]) -> bool:
     if host_header is None or "*" in allowed:
         return True
     name = host_name(host_header)
-    return loopback(name) or name.removesuffix(".") in allowed
+    return name is not None and (loopback(name) or name.removesuffix(".") in allowed)
 
 
 class HostCheck:
@@ -125,13 +128,14 @@ class HostCheck:
     is served: a rebinding page has no key to send."""
 
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
-        self.app, self.allowed = app, tuple(host_name(h).removesuffix(".") for h in allowed)
+        self.app, self.allowed = app, tuple((host_name(h) or h.lower()).removesuffix(".") for h in allowed)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket") or host_allowed(Headers(scope=scope).get("host"), self.allowed):
             await self.app(scope, receive, send)
             return
-        name = host_name(Headers(scope=scope).get("host", ""))[:100]
+        given = Headers(scope=scope).get("host", "")
+        name = (host_name(given) or given)[:100]
         body = json.dumps({"error": {"code": G.HOST_NOT_ALLOWED, "message": (
             f"this gateway has no API key and serves only loopback host names, not {name!r}: start it with "
             f"--allowed-host {name or 'NAME'} (or give it an --api-key)")}}).encode()

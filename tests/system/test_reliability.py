@@ -1123,6 +1123,39 @@ def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
     assert_json_error(httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example"}), 401, "unauthorized")
 
 
+
+BAD_HOSTS = ["[::1]evil", " 127.0.0.1", "localhost:abc", "127.0.0.1:80:80", "[::1", "local host", "localhost:123456",
+             "localhost\t", "127.0.0.1 ", "::1", "localhost:", "[::1]:"]
+
+
+def test_the_host_rule_takes_only_exact_host_names():
+    """A keyless gateway serves a Host only when it is exactly a loopback name or address with an optional
+    numeric port ("[::1]evil", " 127.0.0.1" and "localhost:abc" were served)."""
+    from app.io.auth import host_allowed
+
+    for host in BAD_HOSTS:
+        assert not host_allowed(host, ()), host
+    for host in ("localhost", "LOCALHOST:8000", "127.0.0.1", "127.9.9.9:1", "[::1]", "[::1]:8000", "localhost."):
+        assert host_allowed(host, ()), host
+    assert host_allowed("gateway.example:80", ("gateway.example",))
+
+
+@pytest.mark.parametrize("host", [h for h in BAD_HOSTS if h.strip() == h])  # HTTP drops the spaces around a value
+def test_a_host_that_is_not_exactly_a_loopback_name_is_refused(hosts, host):
+    """The same rule on the wire."""
+    answer, _ = raw_exchange(hosts.port, f"GET /v1/voices HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+                             .encode("latin-1"), timeout=10)
+    status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
+    assert status in (400, 403), answer[:300]  # 400: a head the HTTP parser itself refuses
+
+
+@pytest.mark.parametrize("origin", [None, "https://elsewhere.example"])
+def test_a_preflight_nobody_allows_is_a_bad_request_not_a_wrong_method(hosts, origin):
+    headers = {"Access-Control-Request-Method": "POST"} | ({"Origin": origin} if origin else {})
+    r = httpx.options(hosts.url + "/v1/audio/speech", headers=headers)
+    assert_json_error(r, 400, "cors_refused")
+    assert ("Origin" in r.json()["error"]["message"]) == (origin is None)
+
 HAVE_NEMO = all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
 needs_nemo = pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
 # Issue 21 #5: 280 bytes as written (within the budget), 2054 bytes as spoken.
