@@ -27,17 +27,20 @@ def new_segment_name() -> str:
     return f"zonos-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def unlink_segment(name: str) -> bool:
+def unlink_segment(name: str, tracked: bool = True) -> bool:
     """Remove a segment by name from any process (the engine does it when its gateway died);
-    True if it existed. The creator's resource tracker is told, so it does not report a leak."""
+    True if it existed. `tracked`: our resource tracker (the one the engine shares with the gateway that
+    made it) knows the segment and is told, so it does not report a leak; a dead process's segment is
+    unknown to it, and telling it would print its KeyError."""
     if _posixshmem is None:
         return False
     try:
         _posixshmem.shm_unlink("/" + name)
     except FileNotFoundError:
         return False
-    with contextlib.suppress(Exception):
-        resource_tracker.unregister("/" + name, "shared_memory")
+    if tracked:
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister("/" + name, "shared_memory")
     return True
 
 
@@ -65,6 +68,6 @@ def remove_stale_segments(min_age_s: float = 60.0) -> list[str]:
             if not m or _pid_alive(int(m.group(1))):
                 continue
             with contextlib.suppress(OSError):
-                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(name):
+                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(name, tracked=False):
                     removed.append(name)
     return removed

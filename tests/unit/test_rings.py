@@ -555,3 +555,37 @@ def test_stale_rings_of_dead_creators_are_removed() -> None:
         mine.unlink()
         with contextlib.suppress(FileNotFoundError):
             stale.unlink()
+
+
+def test_removing_a_dead_gateways_rings_prints_nothing() -> None:
+    """A starting gateway removes what a killed one left, with one log line and no KeyError tracebacks from
+    the resource tracker (which never knew those segments)."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    name = f"zonos-{int(dead.stdout)}-cafe0001"
+    seg = shared_memory.SharedMemory(name, create=True, size=64)
+    resource_tracker.unregister(seg._name, "shared_memory")  # left behind: no live tracker knows it
+    seg.close()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "import logging; logging.basicConfig(level='INFO')\n"
+             "from app.core.engine_client import sweep_stale_rings\n"
+             "from engine.contract import segments\n"
+             "segments.remove_stale_segments.__defaults__ = (0.0,)\n"
+             "sweep_stale_rings()"],
+            capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert not _shm_exists(name)
+        assert "Traceback" not in out.stderr and "KeyError" not in out.stderr, out.stderr
+        assert out.stderr.count("removed") == 1, out.stderr
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            _posixshmem_unlink(name)
+
+
+def _posixshmem_unlink(name: str) -> None:
+    import _posixshmem
+
+    _posixshmem.shm_unlink("/" + name)
