@@ -1156,6 +1156,19 @@ def test_a_preflight_nobody_allows_is_a_bad_request_not_a_wrong_method(hosts, or
     assert_json_error(r, 400, "cors_refused")
     assert ("Origin" in r.json()["error"]["message"]) == (origin is None)
 
+
+def test_cors_origin_null_serves_a_page_opened_from_a_file(start_server):
+    """`--cors-origin null`: the reference UI opened from file:// sends `Origin: null`."""
+    srv = start_server("--cors-origin", "null")
+    r = httpx.options(srv.url + "/tts/generate", headers={"Origin": "null", "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "content-type"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "null"
+    r = httpx.get(srv.url + "/tts/capabilities", headers={"Origin": "null"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "null"
+    r = httpx.options(srv.url + "/tts/generate", headers={"Origin": "http://elsewhere.example",
+                                                          "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 400
+
 HAVE_NEMO = all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
 needs_nemo = pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
 # Issue 21 #5: 280 bytes as written (within the budget), 2054 bytes as spoken.
