@@ -17,6 +17,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def triton_on_cpu() -> None:
+    """Triton's kernels on a machine without CUDA: in Triton's interpreter, which must be chosen before the
+    kernels are first imported and then holds for the whole process. On a machine with CUDA nothing is set:
+    the interpreter would take over every kernel of the process, the GPU tests' too (a CPU test that needs
+    the interpreter skips there)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

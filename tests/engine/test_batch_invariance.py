@@ -8,15 +8,14 @@ The interpreter runs one Python call per program, so on a CPU the projections us
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import triton_on_cpu
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton_on_cpu()
 pytest.importorskip("triton")
 
 DEV = "cuda" if CUDA else "cpu"

@@ -5,15 +5,15 @@ precision, and the flag's refusals. GPU checks at the end are marked gpu."""
 from __future__ import annotations
 
 import copy
-import os
 
 import numpy as np
 import pytest
 import torch
 
+from tests.conftest import triton_on_cpu
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton_on_cpu()
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 

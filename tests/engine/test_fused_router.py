@@ -5,14 +5,14 @@ natively."""
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from tests.conftest import triton_on_cpu
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton_on_cpu()
 triton = pytest.importorskip("triton")
 
 from engine.model.kernels.router import fused_route  # noqa: E402

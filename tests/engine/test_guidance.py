@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import replace
 
 import pytest
@@ -173,8 +172,6 @@ def test_a_pair_whose_partner_is_not_in_the_batch_samples_its_own_logits():
 
 
 def _node(device: str = "cpu"):
-    if device == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
 

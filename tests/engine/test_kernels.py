@@ -3,14 +3,13 @@ they run in Triton's interpreter in float32; on a GPU, natively in bf16."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from tests.conftest import triton_on_cpu
+
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton_on_cpu()
 triton = pytest.importorskip("triton")
 
 from engine.model.kernels.decode_attention import decode_attention  # noqa: E402

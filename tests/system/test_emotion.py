@@ -354,11 +354,12 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
 
 # ---- 'proj' space: the delta on the projected speaker row inside the model (issue 22.3) -------------------------
 def _tiny_model():
-    import os
 
     import torch
 
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton path on a CPU (tests/engine/test_prefill_attention.py)
+    from tests.conftest import triton_on_cpu
+
+    triton_on_cpu()  # the Triton path on a CPU (tests/engine/test_prefill_attention.py)
     from engine.model.checkpoint import random_model
 
     torch.manual_seed(0)
@@ -384,7 +385,9 @@ def _patched_projection(model, spk, delta, ids):
         hook.remove()
 
 
-@pytest.mark.parametrize("triton", [False, True])
+@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="the Triton path of a CPU model needs Triton's interpreter, "
+    "which a process with CUDA does not set (tests/conftest.py triton_on_cpu); the GPU tests run the kernels"))])
 def test_proj_delta_lands_on_the_projected_speaker_row(triton):
     """prefill(emotions=[delta]) and forward_full(emotion=delta) give the logits of the model whose speaker
     projection output is patched by hand to projected + delta (the reference's `projected_speaker +
