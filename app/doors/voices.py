@@ -140,9 +140,17 @@ async def blend_voices(request: Request) -> Response:
         raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
     assert a.embedding is not None and b.embedding is not None
-    name = validate_name((text_field(data.get("name"), "name") or f"{a.name} + {b.name}")[:64])
-    emb = slerp(a.embedding, b.embedding, float(t))
+    given = text_field(data.get("name"), "name")
+    # a name the client gives is checked as everywhere else (too long is refused, never cut); the default
+    # name is ours to fit
+    name = validate_name(given) if given is not None else validate_name(f"{a.name} + {b.name}"[:64])
     vid = VoiceStore.clip_id(owner, [a.id.encode(), b.id.encode(), np.float64(t).tobytes()])
+    existing = gw.voices.find(vid)
+    if existing is not None and gw.voices.visible(existing, owner):  # the same blend again: that voice
+        if given is not None and existing.name != name:
+            existing = gw.voices.rename(vid, owner, name)
+        return JSONResponse(existing.public() | {"deduplicated": True}, status_code=200)
+    emb = slerp(a.embedding, b.embedding, float(t))
     voice = Voice(id=vid, name=name, owner=owner, source="blend", dim=len(emb),
                   details={"a": a.id, "b": b.id, "t": float(t)})
     gw.voices.add(voice, emb)

@@ -222,6 +222,22 @@ def test_embedding_import_export_blend(server):
         assert r.status_code == 201, r.text
         got = np.load(io.BytesIO(httpx.get(server.url + f"/v1/voices/{r.json()['id']}/embedding").content))
         assert np.allclose(got, expected, atol=1e-4)
+    # the same blend again is the same voice, unchanged; renamed only when a name is asked for
+    again = httpx.post(server.url + "/v1/voices/blend", json={"a": ids[0], "b": ids[1], "t": 1.0})
+    assert again.status_code == 200 and again.json()["name"] == "b1.0" and again.json()["deduplicated"] is True
+    again = httpx.post(server.url + "/v1/voices/blend", json={"a": ids[0], "b": ids[1], "t": 1.0, "name": "b one"})
+    assert again.status_code == 200 and again.json()["name"] == "b one"
+    assert httpx.get(server.url + f"/v1/voices/{again.json()['id']}").json()["name"] == "b one"
+    # a name over the limit is refused by every route alike, never cut
+    long = "n" * 65
+    r = httpx.post(server.url + "/v1/voices/blend", json={"a": ids[0], "b": ids[1], "t": 0.5, "name": long})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
+    r = httpx.patch(server.url + f"/v1/voices/{ids[0]}", json={"name": long})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
+    buf = io.BytesIO()
+    np.save(buf, embs[0] * 2)
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("e.npy", buf.getvalue())}, data={"name": long})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
     r = httpx.patch(server.url + f"/v1/voices/{ids[0]}", json={"name": "renamed"})
     assert r.json()["name"] == "renamed"
     # a blended voice works in /tts/generate's blend fields too
