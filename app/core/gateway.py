@@ -39,6 +39,7 @@ from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from app.voices.library import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
+from engine.contract.constants import HOP
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import RecordTooLarge
 from engine.contract.settings import EngineSettings
@@ -289,9 +290,10 @@ class Gateway:
         embedding = voice.embedding if voice is not None else None
         speaker = embedding is not None or clip is not None
 
-        def submit(piece: str) -> Stream:
+        def submit(piece: str, max_frames: int) -> Stream:
             prompt = self.prompts.build(piece, opts, speaker)
-            req = self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip)
+            req = dataclasses.replace(self.prompts.request(prompt, opts, max_frames, embedding, clip),
+                                      max_frames=max_frames)
             try:
                 return self.engine.submit(req)
             except EngineUnavailable as e:
@@ -301,7 +303,8 @@ class Gateway:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
         if link is not None:
             link.settle()  # an utterance of several requests is no chain member: the next starts fresh
-        return submit(pieces[0]) if len(pieces) == 1 else PieceStream(submit, pieces)
+        limit = opts.max_frames or self.settings.limits.max_frames  # the utterance's, however many requests
+        return submit(pieces[0], limit) if len(pieces) == 1 else PieceStream(submit, pieces, limit)
 
     async def _continue(self, chain: Chain, link: Link, text: str, opts: SynthesisOptions,
                         embedding: np.ndarray | None, clip: tuple[np.ndarray, int] | None) -> Stream:
@@ -365,16 +368,21 @@ class Gateway:
 class PieceStream:
     """An utterance whose spoken text takes more than one engine request, read as one Stream: the pieces
     play in order, the next one submitted when the one before starts to be read (so one generates ahead,
-    as in the pipeline); one `finished` at the end with the frames of all, or the first error."""
+    as in the pipeline); one `finished` at the end with the frames of all, or the first error. The frame
+    limit is the utterance's: each piece may take what the pieces before it left, and the audio stops at
+    the limit (`max_frames`)."""
 
-    def __init__(self, submit: Callable[[str], Stream], pieces: list[str]) -> None:
+    def __init__(self, submit: Callable[[str, int], Stream], pieces: list[str], max_frames: int) -> None:
         self._submit = submit
         self._pending = deque(pieces[1:])
-        self.current: Stream = submit(pieces[0])
+        self._limit = max_frames
+        self._left = max_frames * HOP  # samples the utterance may still play
+        self.current: Stream = submit(pieces[0], max_frames)
         self.ahead: Stream | None = None
         self.done = False
         self._frames = 0
         self._reason: str | None = None  # the first piece that did not end on its own (max_frames)
+        self._finished_sent = False
 
     def __aiter__(self) -> PieceStream:
         return self
@@ -383,7 +391,7 @@ class PieceStream:
         while not self.done:
             if self.ahead is None and self._pending:
                 try:
-                    self.ahead = self._submit(self._pending.popleft())
+                    self.ahead = self._submit(self._pending.popleft(), max(1, self._left // HOP))
                 except RequestError as e:
                     self.cancel()
                     return m.Error(self.current.rid, E.of(e.code), str(e))
@@ -403,8 +411,21 @@ class PieceStream:
                 return dataclasses.replace(ev, reason=self._reason or ev.reason, stats=stats)
             if isinstance(ev, m.Error):
                 self.cancel()
+            elif isinstance(ev, m.Audio):
+                if len(ev.pcm) >= self._left:  # the utterance's limit: this much of this piece, nothing after
+                    ev = dataclasses.replace(ev, pcm=ev.pcm[: self._left])
+                    self._end_at_limit()
+                self._left -= len(ev.pcm)
             return ev
+        if self._reason == "max_frames" and self._left == 0 and not self._finished_sent:
+            self._finished_sent = True
+            return m.Finished(self.current.rid, "max_frames")
         raise StopAsyncIteration
+
+    def _end_at_limit(self) -> None:
+        """The utterance reached its frame limit: the pieces in flight stop, and it finishes as max_frames."""
+        self.cancel()
+        self._reason = "max_frames"
 
     def cancel(self) -> None:
         self.done = True

@@ -398,3 +398,4 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'zonos_errors_total{code="client_gone"} 1.0' in metrics
     holder.join(300)
+
