@@ -292,6 +292,16 @@ def test_elevenlabs_single_context_stream_input(srv):
     ("/v1/text-to-speech/Nobody/multi-stream-input?output_format=pcm_24000", KEY, 404, "voice_not_found"),
     ("/v1/text-to-speech/Ada/multi-stream-input?output_format=wav_99", KEY, 400, "invalid_output_format"),
     ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_12345", KEY, 400, "invalid_output_format"),
+    # formats ElevenLabs does not have (opus is 48 kHz only, G.711 8 kHz only), and options out of their set
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=opus_24000_32", KEY, 400, "invalid_output_format"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=alaw_16000", KEY, 400, "invalid_output_format"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=mp3_44100_100", KEY, 400, "invalid_output_format"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&auto_mode=maybe", KEY, 400, "bad_params"),
+    ("/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&sync_alignment=1", KEY, 400, "bad_params"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&inactivity_timeout=999", KEY, 400,
+     "bad_params"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&apply_text_normalization=yes", KEY, 400,
+     "bad_params"),
     ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000", "wrong", 401, "unauthorized"),
 ])
 def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
@@ -302,6 +312,10 @@ def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
 
     resp = run(go())
     assert resp.status_code == status and json.loads(resp.body)["detail"]["status"] == code
+    detail = json.loads(resp.body)["detail"]["message"]
+    option = next((k for k in ("auto_mode", "sync_alignment", "inactivity_timeout", "apply_text_normalization",
+                               "output_format") if k in path and code != "voice_not_found" and status == 400), None)
+    assert option is None or option in detail, detail
 
 
 def test_elevenlabs_voice_by_id(srv):

@@ -354,8 +354,10 @@ zonos_params = params().map(lambda p: json.dumps(p)) | st.text(max_size=20)
 SOCKETS = {  # path -> the query keys it reads
     "/v1/tts/ws": ["encoding", "sample_rate", "voice"],
     "/v1/text-to-speech/Fuzzed/multi-stream-input": ["output_format", "auto_mode", "seed", "language_code",
-                                                     "apply_text_normalization", "zonos_params"],
-    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params"],
+                                                     "apply_text_normalization", "zonos_params", "sync_alignment",
+                                                     "inactivity_timeout", "enable_ssml_parsing"],
+    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params",
+                                               "optimize_streaming_latency", "enable_logging"],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
     "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
 }
@@ -707,7 +709,9 @@ el_values = {
 el_routes = st.sampled_from(["", "/stream", "/with-timestamps", "/stream/with-timestamps"])
 el_queries = st.sampled_from(["output_format=pcm_16000", "output_format=mp3_22050_32", "output_format=ulaw_8000",
                               "output_format=opus_48000_32", "output_format=pcm_1", "output_format=pcm_",
-                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", ""])
+                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", "",
+                              "output_format=opus_24000_32", "output_format=alaw_16000", "auto_mode=maybe",
+                              "apply_text_normalization=sometimes", "enable_logging=no", "inactivity_timeout=0"])
 
 
 @FUZZ

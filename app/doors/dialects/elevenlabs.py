@@ -13,8 +13,8 @@
 * `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
   contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
 
-`voice_id` is one of our voices (id or name). `output_format` (pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000,
-mp3_22050_*, mp3_44100_*, opus_48000_*) maps onto our encoders; `auto_mode=true` speaks every text message
+`voice_id` is one of our voices (id or name). `output_format` (exactly ElevenLabs' formats: OUTPUT_FORMATS)
+maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
 counterpart and are ignored. ZONOS2 produces no alignment: both alignment fields are always null.
@@ -23,6 +23,7 @@ counterpart and are ignored. ZONOS2 produces no alignment: both alignment fields
 from __future__ import annotations
 
 import base64
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,25 +39,48 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import decimal, query_int
+from app.io.query_input import query_int
 
 MAX_CONTEXTS = 16  # holding text or audio (ElevenLabs allows 5); a closed one counts until its isFinal
 QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
 
 
+# ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
+OUTPUT_FORMATS = frozenset(
+    [f"pcm_{r}" for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)] + ["ulaw_8000", "alaw_8000", "mp3_22050_32"]
+    + [f"mp3_44100_{b}" for b in (32, 64, 96, 128, 192)] + [f"opus_48000_{b}" for b in (32, 64, 96, 128, 192)])
+_KINDS = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
+# the URL options of ElevenLabs' speech routes that take a value from a fixed set (others are free text or
+# numbers: language_code, model_id, seed, inactivity_timeout)
+_CHOICES = {"apply_text_normalization": ("auto", "on", "off"), "auto_mode": ("true", "false"),
+            "sync_alignment": ("true", "false"), "enable_logging": ("true", "false"),
+            "enable_ssml_parsing": ("true", "false")}
+_BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4)}
+
+
 def output_format(name: str) -> OutputFormat:
-    parts = name.split("_")
-    kinds = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
-    if len(parts) < 2 or parts[0] not in kinds:
-        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"unsupported output_format {name!r}")
-    try:
-        return OutputFormat(kinds[parts[0]], decimal(parts[1], "the sample rate of output_format")).check()
-    except RequestError as e:
-        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT, f"output_format {name!r}: {e}") from None
+    if name not in OUTPUT_FORMATS:
+        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT,
+                           f"output_format {name[:40]!r} is not one of ElevenLabs' formats: {', '.join(sorted(OUTPUT_FORMATS))}")
+    kind, rate = name.split("_")[:2]
+    return OutputFormat(_KINDS[kind], int(rate)).check()
 
 
-def _flag(value: str | None) -> bool | None:
-    return None if value is None else value.strip().lower() in ("1", "true", "yes", "on")
+def check_url_options(query: Mapping[str, str]) -> None:
+    """Refuse a URL option whose value ElevenLabs would refuse, naming it (the output format is checked where
+    it is parsed)."""
+    for key, allowed in _CHOICES.items():
+        value = query.get(key)
+        if value is not None and value.lower() not in allowed:
+            raise RequestError(G.BAD_PARAMS, f"{key} must be one of {', '.join(allowed)}, not {value[:40]!r}")
+    for key, (lo, hi) in _BOUNDS.items():
+        number = query_int(query, key)
+        if number is not None and not lo <= number <= hi:
+            raise RequestError(G.BAD_PARAMS, f"{key} must be in {lo}..{hi}, not {number}")
+
+
+def _flag(value: str | None) -> bool:
+    return value is not None and value.lower() == "true"
 
 
 @dataclass(eq=False)
@@ -89,13 +113,14 @@ class ElevenLabsSession(StreamingSession):
         super().__init__(ws, gw, owner)
         self.multi = multi
         q = ws.query_params
+        check_url_options(q)
         self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
         off = q.get("apply_text_normalization", "").lower() == "off"
         self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
                                     seed=query_int(q, "seed"))  # ElevenLabs takes seeds in 0..4294967295
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
-        self.auto_mode = bool(_flag(q.get("auto_mode")))
+        self.auto_mode = _flag(q.get("auto_mode"))
         self.ctxs: dict[str, Context] = {}
 
     # ---- the core's questions ----------------------------------------------------------------------

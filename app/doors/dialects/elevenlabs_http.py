@@ -29,7 +29,7 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
-from app.doors.dialects.elevenlabs import output_format
+from app.doors.dialects.elevenlabs import check_url_options, output_format
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat
@@ -70,6 +70,7 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOp
 
 
 def _format(request: Request) -> OutputFormat:
+    check_url_options(request.query_params)
     return output_format(request.query_params.get("output_format") or DEFAULT_FORMAT)
 
 
