@@ -10,6 +10,7 @@ generous ceilings; nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import base64
 import io
 import json
@@ -407,6 +408,32 @@ def test_elevenlabs_text_flush_and_close_in_one_message(srv, auto_mode):
     assert len(el_audio(log, "one")) == 2 * resampled(SAMPLES, 24000) and log[-1] == {"isFinal": True,
                                                                                      "contextId": "one"}
 
+
+
+@pytest.mark.parametrize("auto_mode", [False, True])
+@pytest.mark.parametrize("shape", [
+    {"flush": True, "close_socket": True},
+    {"flush": True, "close_context": True, "close_socket": True},
+    {"close_socket": True},  # with auto_mode the text is spoken as it comes; without it, nothing was flushed
+])
+def test_elevenlabs_text_with_close_socket_in_one_message(srv, auto_mode, shape):
+    """A message that carries text, a flush and close_socket speaks the flushed text, then closes (it lost
+    the text: 0 bytes, no isFinal); text that was never flushed is dropped by the close."""
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=auto_mode))
+        await ws.send(json.dumps({"text": "All in one. ", "context_id": "one", **shape}))
+        log: list[dict[str, Any]] = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws))
+        return log, ws.close_code
+
+    log, code = run(go())
+    spoken = shape.get("flush") is True or auto_mode
+    assert not [m for m in log if "error" in m], log
+    assert len(el_audio(log, "one")) == (2 * resampled(SAMPLES, 24000) if spoken else 0)
+    assert log[-1] == {"isFinal": True, "contextId": "one"} if spoken else True
+    assert code == 1000
 
 def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     """auto_mode=true speaks every text as it comes: close_context after three texts keeps all three."""

@@ -146,9 +146,17 @@ class ElevenLabsSession(StreamingSession):
 
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
-        if data.get("close_socket") is True:
+        close_socket = data.get("close_socket") is True
+        text = data.get("text")
+        # whatever else a message carries comes first: text, a flush, a close_context are done, and only then
+        # the socket closes (its flushed text still spoken: _close_socket)
+        if not close_socket or (isinstance(text, str) and text) or data.get("flush") is True \
+                or data.get("close_context") is True:
+            await self._on_context_message(data)
+        if close_socket:
             await self._close_socket()
-            return
+
+    async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
         close = data.get("close_context") is True
         text = data.get("text")
