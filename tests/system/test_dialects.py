@@ -793,6 +793,41 @@ def test_deepgram_speak_flush_as_pipecat_sends_it(srv):
     assert abs(len(again) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
 
 
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_deepgram_speak_then_close_back_to_back_speaks_it_all(srv, flush):
+    """Speak (and Flush) immediately followed by Close: everything is spoken before the socket closes."""
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
+        if flush:
+            await ws.send(json.dumps({"type": "Flush"}))
+        await ws.send(json.dumps({"type": "Close"}))
+        log: list[Any] = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                msg = await asyncio.wait_for(ws.recv(), 90)
+                log.append(msg if isinstance(msg, bytes) else json.loads(msg))
+        return log, ws.close_code
+
+    log, code = run(go())
+    assert abs(len(dg_audio(log)) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
+    assert ({"type": "Flushed", "sequence_id": 0} in log) == flush
+
+
+def test_cartesia_transcript_with_continue_false_in_one_message_is_spoken(srv):
+    """A generation request whose transcript comes with continue: false (the whole turn in one message)."""
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("whole", "Hello there.", False))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "whole", "done", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert abs(len(ca_audio(log, "whole")) // 2 - resampled(SAMPLES, 24000)) <= 2
+
 def test_deepgram_word_by_word_as_livekit_sends_it(srv):
     """LiveKit sends one Speak per word, then Flush: sentences are still cut whole."""
     async def go():
