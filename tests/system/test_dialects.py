@@ -10,8 +10,8 @@ generous ceilings; nothing here depends on how fast the machine is."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import base64
+import contextlib
 import io
 import json
 import os
