@@ -9,7 +9,7 @@
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
 # PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
-# server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (#25; on by
+# server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (on by
 # default with a GPU): compare its iteration profile's idle time and capacity with a default run.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
