@@ -16,7 +16,7 @@ source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # the profile only with its own level (PROFILE_LEVEL= skips both): stopping the profiler holds the engine loop
-# for seconds, in whichever level it fires (on 2026-12-02 one run lost its 128 level to it: 3.5 s)
+# for seconds (3.5-4.2 s on an H200, docs/architecture.md), in whichever level it fires
 profile=(); [ -n "${PROFILE_LEVEL-128}" ] && profile=(ZONOS_PROFILE="$OUT/iteration_profile.json" \
   ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-110})
 env "${profile[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
