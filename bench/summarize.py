@@ -22,16 +22,23 @@ from live_capacity import table
 SMALL_JSON = 2500
 LOG_LINES = 8
 LOG_WIDTH = 160
-SKIP_CONFIG = {"url", "out", "plot", "api_key"}
+SKIP_CONFIG = {"url", "out", "plot", "api_key", "voice_mode"}  # voice_mode is derived, not a flag
+NEGATED = {"long_form", "deflate"}  # on by default: the command names them only when off
 
 
 def capacity_command(config: dict[str, Any]) -> str:
     """The bench/live_capacity.py command line that reproduces a run, from the config its JSON records."""
     args = ["python", "bench/live_capacity.py"]
     for key, value in config.items():
-        if key in SKIP_CONFIG or value is None or value is False:
+        if key in SKIP_CONFIG or value is None:
             continue
         flag = "--" + key.replace("_", "-")
+        if key in NEGATED:
+            if value is False:
+                args.append("--no-" + key.replace("_", "-"))
+            continue
+        if value is False:
+            continue
         if value is True:
             args.append(flag)
         elif isinstance(value, list):
