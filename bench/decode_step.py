@@ -7,11 +7,11 @@ bytes it must read. Full-size random weights in bf16 on one GPU.
 The node runs in the engine's mode (--batch-invariant, default seeded), which captures a graph per bucket for
 both kernel sets, the default kernels and the batch-invariant ones (engine/model/batch_invariant.py), and
 replays the invariant set only for steps that hold a seeded request. Every captured set is timed per batch,
-in the same process, and with both the invariant set's cost per batch is reported (issue #26: a step with a
+in the same process, and with both the invariant set's cost per batch is reported (a step with a
 seeded request pays it; the others do not). Each set's capture time and reserved graph memory are printed.
 --ab is kept as a name for this default (--batch-invariant seeded).
 
-    python bench/decode_step.py --batches 64 128 --overlap-host-ms 2.7   # overlap scheduling (#25)
+    python bench/decode_step.py --batches 64 128 --overlap-host-ms 2.7   # overlap scheduling
 
 --overlap-host-ms H: the engine loop's two schedules of decode steps, per batch, with H ms of host
 bookkeeping per step (a busy wait standing in for EOS, DAC pushes and records; 2.66 ms was the idle gap

@@ -9,14 +9,14 @@
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
 # PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
-# server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (#25; on by
+# server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (on by
 # default with a GPU): compare its iteration profile's idle time and capacity with a default run.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # the profile only with its own level (PROFILE_LEVEL= skips both): stopping the profiler holds the engine loop
-# for seconds, in whichever level it fires (on 2026-12-02 one run lost its 128 level to it: 3.5 s)
+# for seconds (3.5-4.2 s on an H200, docs/architecture.md), in whichever level it fires
 profile=(); [ -n "${PROFILE_LEVEL-128}" ] && profile=(ZONOS_PROFILE="$OUT/iteration_profile.json" \
   ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-110})
 env "${profile[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \

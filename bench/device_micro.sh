@@ -17,14 +17,14 @@ timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${
 tests=$!
 timeout ${SEED_S:-200} python3 bench/seed_invariance.py --json "$OUT/seed_invariance.json" > "$OUT/seed_invariance.log" 2>&1
 tail -25 "$OUT/seed_invariance.log"
-# the continuation and guidance paths (issue 26): a reply's second sentence, a speaker-CFG request with its twin
+# the continuation and guidance paths: a reply's second sentence, a speaker-CFG request with its twin
 for target in ${SEED_TARGETS:-continuation cfg}; do
   timeout ${SEED_S:-200} python3 bench/seed_invariance.py --target $target --batches 8 128 --frames 60 \
     --json "$OUT/seed_invariance_$target.json" > "$OUT/seed_invariance_$target.log" 2>&1
   grep -v "^  ops" "$OUT/seed_invariance_$target.log" | tail -8
 done
 wait $tests; tail -8 "$OUT/gpu_tests.log"
-# FP8 experts against bf16 on the full-size model (issue 25): fidelity figures and decode step times
+# FP8 experts against bf16 on the full-size model: fidelity figures and decode step times
 [ -n "${FP8_S-150}" ] && { timeout ${FP8_S:-150} python3 bench/fp8_fidelity.py --prompts ${FP8_PROMPTS:-4} \
   --frames ${FP8_FRAMES:-100} --batches ${FP8_BATCHES:-64 128} --json "$OUT/fp8_fidelity.json" \
   > "$OUT/fp8_fidelity.log" 2>&1; grep -v "^\s*$" "$OUT/fp8_fidelity.log" | tail -24; }

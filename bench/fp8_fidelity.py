@@ -1,4 +1,4 @@
-"""FP8 experts against bf16 on the full-size model: fidelity and decode step time (issue 25, build item 2).
+"""FP8 experts against bf16 on the full-size model: fidelity and decode step time.
 
     python bench/fp8_fidelity.py --json fp8.json [--prompts 8 --frames 200 --batches 1 64 128 256]
     python bench/fp8_fidelity.py --sweep --json sweep.json   # one full-size expert layer, tile variants

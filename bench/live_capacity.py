@@ -351,7 +351,7 @@ class Options:
     distinct_clips: bool = False
     text: str = TEXT
     # sentences per request (the text repeated): a reply of several sentences, continued one from the
-    # other by default (issue 22); the player then also stalls at a join that comes late
+    # other by default; the player then also stalls at a join that comes late
     sentences: int = 1
     long_form: bool = True
     mixed: bool = False  # every other client sends single-sentence requests, beside the replies of `sentences`

@@ -1,11 +1,11 @@
-"""Does a seed hold under load (issue #26)? One seeded request through the real LLMNode (CUDA graphs, the
+"""Does a seed hold under load? One seeded request through the real LLMNode (CUDA graphs, the
 engine's settings), alone and among others, compared frame by frame with the request alone in slot 0.
 
     python bench/seed_invariance.py --json seed_invariance.json                     # the engine's default mode
     python bench/seed_invariance.py --batch-invariant off --json seed_before.json   # the batch-dependent kernels
 
 `--target continuation` makes the seeded request a reply's second sentence (a continuation prompt), `--target
-cfg` a speaker-CFG request with its twin (issue #26: the same for the continuation and guidance paths).
+cfg` a speaker-CFG request with its twin (the same for the continuation and guidance paths).
 
 Scenarios: alone in another slot; for each batch size B, the request prefilled packed with B - 1 others in
 the same calls and decoded with them, and the request joining B - 1 streams already decoding (prefilled

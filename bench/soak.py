@@ -165,7 +165,7 @@ class Turn:
         elif kind == "audio.done":
             self.st.utterances_completed += 1
             frames = d["stats"]["frames"]
-            # a sentence the next one continued (issue 22) plays all but its last 3 frames
+            # a sentence the next one continued plays all but its last 3 frames
             played = frames - (3 if (d["stats"].get("engine") or {}).get("continued") else 0)
             if frames == self.frames and self.nbytes == played * 512 * 2:
                 self.st.length_ok += 1

@@ -1,4 +1,4 @@
-"""The gateway's side of continuation across sentences (engine/frontend/longform.py, issue 22): one voice and one
+"""The gateway's side of continuation across sentences (engine/frontend/longform.py): one voice and one
 DAC stream from a context's first utterance to its last.
 
 Every utterance of a context is a `Link` of that context's `Chain`, in order. An utterance after the first

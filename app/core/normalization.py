@@ -2,7 +2,7 @@
 
 NeMo's grammars normalize one text per process at a time, at up to ~1 s of CPU for 300 bytes of
 digits, and hold a few hundred MB per loaded language. In the gateway's own process that serialized
-every session behind one lock and grew its memory for good (issue 21). Here:
+every session behind one lock and grew its memory for good. Here:
 
 * Each worker process (`workers`, default: the CPUs this process may use, at most 16) holds its own grammars (the
   warm languages are loaded when it starts, others on first use) and normalizes one text at a time, so

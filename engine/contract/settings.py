@@ -41,17 +41,17 @@ class EngineSettings:
     max_batch: int | None = None  # decode slots (None: 256 on a GPU, 8 on a CPU)
     max_context: int | None = None  # frames per slot (prompt + audio); default: the model's max_seqlen
     max_queue: int = 64  # requests waiting for a slot before new ones are refused
-    prefill_chunk: int = 512  # prompt frames per loop iteration (a 4-prompt prefill is ~9 ms on an H200)
+    prefill_chunk: int = 512  # prompt frames per loop iteration (bounds one iteration's prefill time)
     # with at least prefill_group_min_streams decoding, a prefill of fewer than prefill_group_frames waits
     # up to prefill_group_wait_ms for more arrivals to share its call (0: never)
     prefill_group_wait_ms: float = 20.0
     prefill_group_min_streams: int = 32
     prefill_group_frames: int = 256
     cuda_graphs: bool = True
-    # overlap scheduling of decode steps (#25): launch step N+1 before step N's codes are read back, so the host's
+    # overlap scheduling of decode steps: launch step N+1 before step N's codes are read back, so the host's
     # bookkeeping (EOS, DAC pushes, records) runs while the GPU decodes instead of between steps. Seeded output is
-    # the same either way. None: on with a GPU (measured on the H200: first audio 45 ms instead of 56 at one
-    # stream, 186 instead of 206 at 64; docs/benchmarks.md), off on a CPU, where a launch is not asynchronous
+    # the same either way. None: on with a GPU (it shortens first audio: docs/architecture.md), off on a CPU,
+    # where a launch is not asynchronous
     overlap_decode: bool | None = None
     compile: bool = True  # torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start)
     # which steps run the batch-invariant kernels (engine/model/batch_invariant.py), one of BATCH_INVARIANT_MODES:
@@ -84,8 +84,8 @@ class EngineSettings:
     # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
     # a new stream costs (engine/runtime/admission.py). A stream that has just sent its first chunk has ~70 ms
     # of slack at ~10 ms iterations (its 43 ms of audio and its player's 150 ms prebuffer, less 12 iterations
-    # to its next chunk): at 60 ms every such stream held the door shut (H200, 128 offered: queue p95 110 ms,
-    # first audio p95 379 ms); at 40 ms, 294 ms, and still no stall at 128, 160 or 256 offered
+    # to its next chunk), so a higher floor holds the door shut whenever a young stream plays
+    # (docs/architecture.md)
     admission_lead_floor_ms: float = 40.0
     admission_prebuffer_ms: float = 150.0
     # realtime: streams admitted whose players have not started yet (slow start: their cost is not seen yet)

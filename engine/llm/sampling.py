@@ -8,7 +8,7 @@ Randomness is counter-based: the noise for (request seed, frame index, codebook,
 a sample is argmax(masked logits / T + Gumbel noise), which is an exact draw from the filtered
 softmax. A seeded request therefore produces the same frames whatever else shares its batch.
 
-Batch invariance (#26) also needs the filters to give a row the same bits whatever the batch and
+Batch invariance also needs the filters to give a row the same bits whatever the batch and
 whichever path samples it (the first frame after a prefill is sampled eagerly, later ones by the
 torch.compile'd copy inside the decode graph, built per batch bucket). So nothing here sums floats
 across a row: the Gumbel noise is a table lookup by hash (no log whose implementation differs between
@@ -88,8 +88,7 @@ class SamplerState:
         f32 = {"device": device, "dtype": torch.float32}
         i64 = {"device": device, "dtype": torch.int64}
         # a slot's parameters are one column of two blocks (float, integer), so `admit` writes a request's
-        # in two copies, queued behind the step in flight (one write per field was ~14 small launches per
-        # admission: 10 % of the engine loop's time at 128 streams on the H200, py-spy)
+        # in two copies, queued behind the step in flight (not one small launch per field)
         # a free slot's values, in the blocks' row order (`admit` writes a column in the same order)
         self._floats = torch.tensor([[1.0], [0.0], [0.0], [1.0], [1.0]], **f32).repeat(1, n_slots)
         self._ints = torch.tensor([[vocab], [0], [0], [0], [0], [0]], **i64).repeat(1, n_slots)

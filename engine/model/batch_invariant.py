@@ -1,4 +1,4 @@
-"""Batch-invariant stages (#26): a row's logits are the same bits whatever shares its step or its prefill.
+"""Batch-invariant stages: a row's logits are the same bits whatever shares its step or its prefill.
 
 A seeded request must sample the same codes alone and among 127 others, in any slot, prefilled alone or
 packed. Its logits therefore may not depend on the other rows of a call, on the batch or token bucket, or

@@ -1,9 +1,8 @@
 """Host -> device copies that never wait for the GPU.
 
 A copy from pageable host memory with `.to(device)` is followed by a sync of the stream: the engine loop
-then waits for everything queued before it (on the H200 at 128 streams, the decode step in flight), and
-the GPU idles while the loop prepares what comes next. py-spy on the loop at 128 streams: 7 % of its time
-in `_on_submit`'s speaker copy and 8 % in a prefill's block table, all of it such waits. From pinned memory
+then waits for everything queued before it (the decode step in flight), and the GPU idles while the loop
+prepares what comes next (the measurements: docs/architecture.md). From pinned memory
 the copy is queued behind that work and the host goes on; the caching host allocator keeps the pinned
 block until the copy has run.
 """

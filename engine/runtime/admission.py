@@ -1,60 +1,10 @@
 """Admission that protects live streams: a new stream starts only while the running ones stay ahead of
 their players.
 
-Its signals, all measured:
-
-* **The listeners' slack.** For every stream that has sent audio, the engine knows how much it delivered and
-  when its first byte left; a player that starts `prebuffer_s` after that byte (the live-capacity client's
-  150 ms) runs dry at `first + prebuffer + delivered` if no more audio comes, so its lead, the time it can
-  go without new audio, is `delivered - (now - first - prebuffer)`. Before it starts playing that is
-  more than the audio it holds: the rest of its prebuffer counts too (counting only the audio made every
-  stream that had just sent its first, small chunk look about to stall). Audio comes in chunks (10 frames,
-  116 ms), so a lead falls by a chunk's length between two chunks and is lowest just before one: the lead
-  alone says a stream whose next chunk is due now is in danger and one whose chunk is 100 ms away is safe.
-  What decides a stall is the **slack**, the lead left when the next chunk lands: the lead less the frames
-  the stream still needs for its next dac_decoder call (`frames_to_next`), plus two iterations for the call
-  and its delivery, at the measured period. It stays level between chunks and grows while the period is
-  under the frame. (On the H200 a lead floor of 80 ms, less the host's wait for a prefill, held 128 offered
-  streams to ~120 running and queued newcomers ~0.6 s: every young stream passed under it before its second
-  chunk.) The slack sees everything a listener feels (a slow decode step, a DAC backlog, a burst of
-  prefills) whatever its cause. A new stream is admitted only while the smallest slack, less the GPU time
-  of the prefill the new stream will cost, stays above `lead_floor_s`; below it every admission waits
-  until the running streams are safe again (streams end, slack grows back).
-* **The iteration period.** Every running stream gets one frame (512 samples, 11.6 ms of audio) per
-  engine iteration, so above 11.6 ms every lead shrinks at once. The controller keeps the mean of the
-  last `PERIOD_WINDOW` iteration periods, and of their period per running stream, and predicts the period
-  with the new stream as that cost times the streams (an overestimate: much of a step is fixed cost); a
-  stream is admitted while the prediction stays under `headroom` x 11.6 ms. This gate acts before any lead
-  exists (a burst of arrivals into an idle engine) and keeps the leads growing. The mean takes in the
-  prefills and speaker-encoder calls that iterations carry, as the listeners feel them, spread over the
-  window (an exponential average with weight 0.3 jumped at every admission's prefill and held the next
-  arrivals back; a median of the iterations without a prefill let the H200 run the average period past
-  the frame under overload: 2.4 % of admitted streams stalled).
-* **What a prefill costs the playing streams**: how much longer an iteration that ran one took than the
-  median one without (`prefill_s`). The host's own wait for a prefill call is no measure of it: the call syncs
-  behind the decode step in flight, so it took ~15 ms at 96 streams for a few GPU-ms of prefill.
-* **The decoder's backlog.** Frames ready for the dac_decoder but not yet launched, in iterations of its
-  per-iteration budget. The dac_decoder runs on a lower-priority CUDA stream, behind the decode steps:
-  when the GPU is short, the LLM keeps stepping at full speed and the audio decoder gets what is left, so
-  the frames pile up undecoded while every player runs dry (on the H200, 128 offered with the prebuffer
-  credit above: every playing stream stalled ~5 s at once). Past `max_dac_backlog` the decoder is
-  **behind**: no stream is admitted, and the scheduler launches no decode step or prefill until it has
-  caught up (`dac_behind`): frames the audio decoder cannot follow are worth nothing to a listener, and
-  the GPU time they would take is what the decoder needs.
-* **Slow start.** What a new stream costs shows in the leads only once its audio flows and its player
-  plays (~20 iterations to its first audio, then the prebuffer), so at most `max_starting` admitted
-  streams may be starting at a time (`is_starting`: no audio yet, or its player still prebuffering).
-
-The next chunk of a reply (a request that `continues` a held stream) is not a new stream: its listener is
-playing the previous chunk's tail. The scheduler admits it before any newcomer and past these gates (only
-free slots bound it), since holding it back would be a stall at a sentence join.
-
-Which gate held a waiting newcomer back is counted per iteration (`Gate`, the engine's stats and
-`zonos_engine_admission_held_by_engine{gate}`), so a capacity run says what limited it.
-
-A request that cannot start waits in the engine queue (its `queue_ms` is reported) and after `max_wait_s`
-is refused with `engine_busy` and a `retry_after_ms` hint: when the soonest running stream is expected to
-end.
+Gates, each measured: the listeners' slack (the lead left when a stream's next chunk lands), the predicted
+iteration period, the dac_decoder's backlog and slow start (few streams starting at once). A reply's next
+chunk bypasses them. Why each gate is built as it is, with the measurements behind it: docs/architecture.md,
+"Admission: the signals".
 """
 
 from __future__ import annotations

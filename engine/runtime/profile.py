@@ -7,8 +7,8 @@ speaker encoder, other) and the time the GPU had nothing to do, from the kernels
 kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
 decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
 from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for: profiling slows the loop,
-and stopping the profiler holds the engine loop for seconds (on the H200, 4.2 s at 125 streams: every stream
-stalls once): benchmarks trigger it in a level they do not count (bench/device_capacity.sh). The trace's
+and stopping the profiler holds the engine loop for seconds (every stream stalls once;
+the figure: docs/architecture.md): benchmarks trigger it in a level they do not count (bench/device_capacity.sh). The trace's
 export and analysis then run on a thread of their own.
 """
 

@@ -16,7 +16,7 @@ finished when that is out), the audio after it the new one's. A
 held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
 would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
 
-Overlap scheduling (`overlap_decode`, #25; on by default with a GPU). The step for iteration
+Overlap scheduling (`overlap_decode`; on by default with a GPU). The step for iteration
 k+1 is launched before step k's codes are read back: each row's input is its slot's last sampled frame, which
 the sampler keeps on the device, and its position is counted from the frames launched (`Sequence.launched`).
 The host then does step k's bookkeeping (EOS, DAC pushes, records) while step k+1 runs. A request that

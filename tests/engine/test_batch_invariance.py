@@ -1,4 +1,4 @@
-"""Batch invariance (#26) of the whole model and of the LLM node, on the Triton kernels: without a GPU in
+"""Batch invariance of the whole model and of the LLM node, on the Triton kernels: without a GPU in
 Triton's interpreter (float32), on a GPU natively. A prompt's logits do not depend on what it is packed
 with, on its slot or on being chunked; a decode row's on the batch; a seeded request's codes on the
 requests beside it.

@@ -1,4 +1,4 @@
-"""Continuation across sentences (issue 22.1): one DAC stream for a reply of several chunks, the kept
+"""Continuation across sentences: one DAC stream for a reply of several chunks, the kept
 frames the engine returns, the continued prompt, the held tail's flush, cancel in the middle (CPU, tiny)."""
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
         assert 1 - float(cos) < tol, (i, j, float(cos))
 
 
-# ---- twins in the sampler and the LLM node (issue 22.2) ------------------------------------------------------
+# ---- twins in the sampler and the LLM node ------------------------------------------------------
 @pytest.mark.parametrize("scale", [2.5, -0.5])
 def test_a_pair_samples_the_guided_formula_and_the_twin_draws_the_same_frame(scale):
     """Slots 0 (conditional) and 1 (twin) paired; slot 2, unpaired with the same parameters and seed, is

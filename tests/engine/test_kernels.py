@@ -289,7 +289,7 @@ def test_fused_snake_matches_reference(t):
     assert rel_err(out, ref) < (1e-2 if CUDA else 1e-6)
 
 
-# ---- batch invariance (#26): a row's bits do not depend on the rows beside it ------------------------
+# ---- batch invariance: a row's bits do not depend on the rows beside it ------------------------
 def _rows_of_subsets(fn, x: torch.Tensor, subsets: list[list[int]]) -> None:
     """fn(rows) on the whole batch and on each subset (in the subset's order): each row's output equal."""
     full = fn(x)

@@ -1,4 +1,4 @@
-"""Overlap scheduling of decode steps (#25, `EngineSettings.overlap_decode`): the scheduler launches step k+1
+"""Overlap scheduling of decode steps (`EngineSettings.overlap_decode`): the scheduler launches step k+1
 before it reads step k back. On a CPU (tiny model, eager decode) the same engine loop runs the same logic as
 with graphs; here it is driven one iteration at a time (`Scheduler.iterate`), so nothing depends on speed.
 

@@ -134,7 +134,7 @@ def test_cancel_frees_the_slot_within_a_step(rt):
     {"temperature": "hot"}, {"top_k": 2**40},
 ])
 def test_a_record_outside_the_bounds_is_that_requests_error(rt, params):
-    """Issue 21: a value the gateway's door would refuse, sent straight to the engine (an older gateway, a
+    """A value the gateway's door would refuse, sent straight to the engine (an older gateway, a
     bug), is that request's bad_request; the engine lives on and serves the next request."""
     lt, client = rt
     restarts = client.restarts
@@ -286,7 +286,7 @@ def test_a_malformed_record_in_the_inbox_is_refused_and_the_engine_lives(rt):
 
 
 def test_overlap_engine_process_same_audio_and_cancel_frees_slots(rt):
-    """An engine process with overlap scheduling (`overlap_decode`, #25): seeded requests of different lengths
+    """An engine process with overlap scheduling (`overlap_decode`): seeded requests of different lengths
     running together give the audio of the engine without overlap (the module's), and a cancel mid-way is
     acknowledged once its slot is free (one step later: the step in flight still wrote it) with every slot
     free (no audio after the acknowledgement: tests/engine/test_overlap.py)."""

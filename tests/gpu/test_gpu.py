@@ -87,7 +87,7 @@ def test_graphs_equal_eager_and_seeded_batch_independence(mode):
 
 @pytest.mark.slow
 def test_seed_holds_alone_and_in_a_full_batch_full_size():
-    """Issue #26's target, as the engine runs (full-size random weights, 128 slots, CUDA graphs, compiled
+    """The batch-invariance target, as the engine runs (full-size random weights, 128 slots, CUDA graphs, compiled
     sampler, --batch-invariant seeded): a seeded, voiced request's codes alone equal its codes when it is
     prefilled packed with 127 unseeded requests and decoded among them, in another slot and row; every call
     it is in replays the invariant graphs, and the 127 alone replay the default ones."""
@@ -300,7 +300,7 @@ def test_compiled_and_eager_sampler_agree_at_every_batch():
 
 
 def test_overlap_with_captured_graphs_equals_eager_without():
-    """Overlap scheduling (#25) as the engine runs it on a GPU: captured decode graphs that gather their
+    """Overlap scheduling as the engine runs it on a GPU: captured decode graphs that gather their
     inputs from the sampler's device buffer, step k+1 launched before step k is read back, the slots of a
     request that ended (EOS, cancel) kept until the step in flight that still writes them is read. Every
     seeded request of tests/engine/test_overlap.py's mix (different lengths, a guided pair, a cancel, admissions

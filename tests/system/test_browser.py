@@ -266,7 +266,7 @@ def test_blend_and_delete(page, tmp_path):
     wait(page, "window.__zonos.voices.some(v => v.source === 'blend')")
     blend = page.evaluate("window.__zonos.voices.find(v => v.source === 'blend')")
     assert blend["details"]["t"] == 0.25 and page.input_value("#voice") == blend["id"]
-    assert f'Created "{blend["name"]}"' in page.inner_text("#blend-status")  # issue 14.12: it stayed empty
+    assert f'Created "{blend["name"]}"' in page.inner_text("#blend-status")  # it stayed empty
     page.once("dialog", lambda d: d.accept())
     page.locator(f".library li[data-id='{blend['id']}']").get_by_role("button", name="Delete").click()
     wait(page, "id => !window.__zonos.voices.some(v => v.id === id)", arg=blend["id"])
@@ -286,7 +286,7 @@ def test_no_external_requests(browser, server_url):
 
 
 
-# ---- issue 14.12: what screenshots of the page in use showed ----------------------------------------------
+# ---- what screenshots of the page in use showed ----------------------------------------------
 def test_reupload_under_a_new_name_renames(page, tmp_path):
     """The same clip again under a new name used to keep the old name silently."""
     clip = write_clip(tmp_path / "eve.wav")
@@ -332,7 +332,7 @@ def test_stop_before_any_sound_says_so(page):
     assert z(page, "framesReceived") == 0
 
 
-# ---- the ZONOS2 reference web UI, from another origin (issue 14.1-2) ----------------------------------------
+# ---- the ZONOS2 reference web UI, from another origin ----------------------------------------
 REFERENCE_REPO = Path(os.environ.get("ZONOS2_REFERENCE_REPO", "/work/.mirror/Zyphra+ZONOS2/repo"))
 
 
@@ -458,7 +458,7 @@ def test_page_says_normalization_is_off_on_this_server(browser, reference_setup)
     context.close()
 
 
-# ---- issue 24: the page on a phone, the event log's sentence lines, our formats in Chromium ---------------------
+# ---- the page on a phone, the event log's sentence lines, our formats in Chromium ---------------------
 PHONE = {"viewport": {"width": 390, "height": 844}, "device_scale_factor": 2, "is_mobile": True, "has_touch": True}
 
 
@@ -482,7 +482,7 @@ IN_VIEW = """sel => { const r = document.querySelector(sel).getBoundingClientRec
 
 
 def test_phone_first_screen(phone):
-    """Issue 24.4: a compact notice, no keyboard-shortcut hint on a touch screen, card headings on one line
+    """A compact notice, no keyboard-shortcut hint on a touch screen, card headings on one line
     clear of their hints, a styled file input."""
     assert phone.evaluate("matchMedia('(hover: none) and (pointer: coarse)').matches")  # a touch screen here
     assert not phone.is_visible(".kbd-hint") and phone.is_visible("#char-count")
@@ -506,7 +506,7 @@ def test_phone_first_screen(phone):
 
 
 def test_phone_output_in_view_after_speak(phone):
-    """Issue 24.4: on a 390x844 screen the waveform and metrics were below the fold after tapping Speak."""
+    """On a 390x844 screen the waveform and metrics were below the fold after tapping Speak."""
     phone.fill("#p-max_frames", "100")
     phone.evaluate("scrollTo(0, 0)")
     phone.tap("#speak")
@@ -521,7 +521,7 @@ def sentence_lines(page) -> list[str]:
 
 
 def test_event_log_says_when_each_sentence_played(page):
-    """Issue 24.4: a sentence generated ahead was logged as "first audio 0 ms, RTF 0.00". Each line now says
+    """A sentence generated ahead was logged as "first audio 0 ms, RTF 0.00". Each line now says
     when the sentence started playing; the second of two equal sentences (generated alongside the first,
     sent once the first was sent) is complete before it plays, and says how long before."""
     set_param(page, "max_frames", "60")
@@ -547,7 +547,7 @@ def test_event_log_says_when_each_sentence_played(page):
 @pytest.mark.parametrize("fmt, stream", [("aac", False), ("flac", False), ("flac", True), ("wav", False),
                                          ("wav", True)])
 def test_chromium_decodes_our_http_formats(page, fmt, stream):
-    """Issue 24.2-3: AAC (ADTS), the finished FLAC and WAV and their streamed forms all decode in Chromium."""
+    """AAC (ADTS), the finished FLAC and WAV and their streamed forms all decode in Chromium."""
     got = page.evaluate("""async ([fmt, stream]) => {
       const r = await fetch('/v1/audio/speech', {method: 'POST', headers: {'Content-Type': 'application/json'},
         body: JSON.stringify({input: 'One. Two.', response_format: fmt, stream,
@@ -559,7 +559,7 @@ def test_chromium_decodes_our_http_formats(page, fmt, stream):
     assert got[:2] == [200, 24000] and expected <= got[2] <= expected + (2048 if fmt == "aac" else 0), got
 
 
-# ---- issue 22.3: the emotion sliders, shown when the server has emotion directions -----------------------------
+# ---- the emotion sliders, shown when the server has emotion directions -----------------------------
 def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory, tmp_path):
     """Without emotion directions the Emotion set is hidden (and no emotion_* field is sent); with a folder
     ('proj', calibrated, as the reference ships one) there is a slider per named emotion and axis, the

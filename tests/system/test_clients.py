@@ -1,4 +1,4 @@
-"""Clients nobody here wrote (issue 14), against a real server on loopback.
+"""Clients nobody here wrote, against a real server on loopback.
 
 * The ZONOS2 reference web UI (`tts_ui.html` of Zyphra/ZONOS2 at 8fee419): its requests replayed exactly as
   the page builds them (routes, headers, bodies, CORS preflights from another origin), written down here as
@@ -118,7 +118,7 @@ def preflight(srv, method: str, path: str, headers: str) -> httpx.Response:
 
 
 def test_reference_ui_requests_replayed_cross_origin(ref_server):
-    """Issue 14.1-2: the speaker panel's routes answered 404, the capabilities lacked quality_num_buckets, and
+    """The speaker panel's routes answered 404, the capabilities lacked quality_num_buckets, and
     from another origin every request failed its preflight (X-TTS-Session-ID was not an allowed header)."""
     srv = ref_server
     origin = {"Origin": REF_ORIGIN}
@@ -223,7 +223,7 @@ def test_reference_speaker_session_header_rules(ref_server):
 
 
 def test_reference_readme_speech_body(ref_server):
-    """Issue 14.3: the reference README's /v1/audio/speech body with its extra fields was 400 `unknown fields`.
+    """The reference README's /v1/audio/speech body with its extra fields was 400 `unknown fields`.
     It works, with OpenAI's output defaults (here pcm: 16-bit at 24 kHz, where the reference sends float32
     at 44.1 kHz: docs/clients.md says so)."""
     default = httpx.get(ref_server.url + "/tts/speakers").json()["speakers"][0]["id"]
@@ -254,7 +254,7 @@ def client(server):
 
 @pytest.mark.parametrize("fmt", ["wav", "pcm", "mp3", "opus", "flac", "aac"])
 def test_openai_sdk_formats_stream(client, fmt):
-    """Issue 14.5 and 14.7 through the SDK: each format streams in pieces (mp3, opus and flac used to arrive
+    """Through the SDK: each format streams in pieces (mp3, opus and flac used to arrive
     whole; with_streaming_response says it wants a stream), and extra_body parameters (top-level `seed`,
     `max_frames`...) are taken."""
     with client.audio.speech.with_streaming_response.create(
@@ -280,7 +280,7 @@ def test_openai_sdk_formats_stream(client, fmt):
 
 @pytest.mark.parametrize("fmt", ["flac", "wav"])
 def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
-    """Issue 24.3: `create()` (no stream asked for) gets a finished FLAC / WAV with its length in the header:
+    """`create()` (no stream asked for) gets a finished FLAC / WAV with its length in the header:
     soundfile.read opens it (the streamed FLAC gave "array is too big"), as do wave and FFmpeg."""
     r = client.audio.speech.create(model="tts-1", voice="alloy", input="First sentence. Second one.",
                                    response_format=fmt, extra_body={"seed": 3} | FAST)
@@ -303,7 +303,7 @@ def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
 
 
 def test_openai_sdk_aac_decodes_in_ffmpeg(client):
-    """Issue 24.2: response_format aac was refused. ADTS that FFmpeg's decoder (PyAV) reads whole, at the
+    """The response_format aac was refused. ADTS that FFmpeg's decoder (PyAV) reads whole, at the
     length of the speech plus the encoder's priming and padding, matching the PCM of the same request."""
     body = dict(model="tts-1", voice="alloy", input="Advanced audio coding.", extra_body={"seed": 4} | FAST)
     r = client.audio.speech.create(response_format="aac", **body)
@@ -319,7 +319,7 @@ def test_openai_sdk_aac_decodes_in_ffmpeg(client):
 
 
 def test_openai_sdk_seed_at_top_level_is_reproducible(client):
-    """Issue 14.7: extra_body={"seed": 3} was 400 `unknown fields ['seed']`."""
+    """With extra_body={"seed": 3} was 400 `unknown fields ['seed']`."""
     def pcm(seed: int, **extra) -> bytes:
         return client.audio.speech.create(model="tts-1", voice="ash", input="Seeded.", response_format="pcm",
                                           extra_body={"seed": seed, **FAST, **extra}).content
@@ -336,7 +336,7 @@ def test_openai_sdk_seed_at_top_level_is_reproducible(client):
 @pytest.mark.parametrize("voice", ["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
                                    "shimmer", "verse", "marin", "cedar"])
 def test_openai_sdk_every_voice_name(client, voice):
-    """Issue 14.6: marin and cedar were 404 unknown_voice."""
+    """Marin and cedar were 404 unknown_voice."""
     r = client.audio.speech.create(model="tts-1", voice=voice, input="Hi.", response_format="pcm", extra_body=FAST)
     assert len(r.content) // 2 == pytest.approx(samples_at(24000), abs=2)
 
@@ -366,7 +366,7 @@ def sse_events(text: str) -> list[dict]:
 
 @pytest.mark.parametrize("fmt", ["mp3", "opus", "wav", "flac", "pcm", "aac"])
 def test_openai_sdk_sse_every_format(client, fmt):
-    """Issue 14.4: LiveKit's defaults (response_format mp3, stream_format sse) were 400. The delta events carry
+    """LiveKit's defaults (response_format mp3, stream_format sse) were 400. The delta events carry
     that format's bytes, which concatenate into a file of it."""
     with client.audio.speech.with_streaming_response.create(
             model="tts-1", voice="alloy", input="One. Two.", response_format=fmt, stream_format="sse",
@@ -383,7 +383,7 @@ def test_openai_sdk_sse_every_format(client, fmt):
 
 
 def test_request_id_on_every_response_and_logged(server):
-    """Issue 14.8: X-Request-ID on every response (success, error, 404, the WebSocket handshake), the
+    """X-Request-ID on every response (success, error, 404, the WebSocket handshake), the
     client's own echoed, and each one in the server's log."""
     ids = []
     for method, path, kw in (("GET", "/healthz", {}), ("GET", "/no/such/route", {}),
@@ -412,7 +412,7 @@ def test_request_id_on_every_response_and_logged(server):
 # ---- telephony: G.711 at 8 kHz ------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["mulaw", "alaw", "ulaw"])
 def test_http_g711(server, fmt):
-    """Issue 14.9: mulaw / alaw as HTTP formats, 8000 Hz by default, one byte a sample, and the same signal
+    """The mulaw / alaw as HTTP formats, 8000 Hz by default, one byte a sample, and the same signal
     as 16-bit PCM at 8 kHz within G.711's quantization."""
     body = {"input": "Telephone.", "response_format": fmt, "params": {"seed": 2, **FAST}}
     r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=120)
@@ -449,7 +449,7 @@ def ws_session(url: str, messages: list[dict], until: str = "flushed") -> tuple[
 
 @pytest.mark.parametrize("law", ["mulaw", "alaw"])
 def test_ws_g711_from_config_and_from_url(server, law):
-    """Issue 14.9-10: `encoding: mulaw|alaw` on the WebSocket gives 8000 Hz unless a rate is named, and the
+    """`encoding: mulaw|alaw` on the WebSocket gives 8000 Hz unless a rate is named, and the
     URL query sets encoding, sample_rate and voice before session.created, for clients that send no config."""
     text = [{"type": "text", "text": "Hello.", "context_id": "c"}, {"type": "flush", "context_id": "c"}]
     params = {"type": "session.config", "params": {"seed": 5, **FAST}}
@@ -481,7 +481,7 @@ def test_ws_url_settings_pcm_voice_and_refusals(server):
         assert events[0]["type"] == "error" and events[0]["code"] == code, (query, events)
 
 
-# ---- the dialects' HTTP routes (issue 24.1): ElevenLabs, Cartesia, Deepgram -----------------------------------
+# ---- the dialects' HTTP routes: ElevenLabs, Cartesia, Deepgram -----------------------------------
 DIALECT_KEY = "dialect-http-key"
 SEEDED = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz a sentence
 ZP = "zonos_params=" + quote(json.dumps(SEEDED))
@@ -707,7 +707,7 @@ def drive_framework(client: str, service: str, srv, *extra: str) -> dict:
 @pytest.mark.frameworks
 @pytest.mark.parametrize("service, rate", [("elevenlabs", 22050), ("cartesia", 24000), ("deepgram", 24000)])
 def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
-    """Issue 24.1: LiveKit's elevenlabs, cartesia and deepgram plugins' synthesize() (fixed phrases) got 404.
+    """LiveKit's elevenlabs, cartesia and deepgram plugins' synthesize() (fixed phrases) got 404.
     With only the base URL changed they speak: each plugin's default format, decoded by the plugin."""
     if not framework_installed("livekit.agents"):
         pytest.skip("no .venv-frameworks with livekit-agents (scripts/setup-frameworks makes it)")

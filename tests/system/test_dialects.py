@@ -332,7 +332,7 @@ def test_elevenlabs_voice_by_id(srv):
     assert run(go())
 
 
-# Issue 21: contexts that hold nothing, reused ids, close_context in the same message as the text.
+# contexts that hold nothing, reused ids, close_context in the same message as the text.
 async def el_until_audio(ws, ctx: str, n_bytes: int, log: list[dict[str, Any]]) -> None:
     """Read until `n_bytes` of ctx's audio have come (the context holds nothing more)."""
     while len(el_audio(log, ctx)) < n_bytes:
@@ -699,7 +699,7 @@ def test_cartesia_refuses_a_wrong_key(srv):
     [0.1] * 2047, [0.1] * 2049, None,
 ])
 def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(srv, embedding):
-    """Issue 21: voice.embedding must be exactly 2048 finite JSON numbers; anything else is bad_message on
+    """The voice.embedding must be exactly 2048 finite JSON numbers; anything else is bad_message on
     that context while another context of the socket plays on to its done."""
     async def go():
         ws = await ca_connect(srv)
@@ -925,7 +925,7 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
 @pytest.mark.parametrize("query, code", [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"),
                                          ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")])
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
-    """Issue 21: a Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
+    """A Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
     async def go():
         with pytest.raises(websockets.InvalidStatus) as e:
             await dg_connect(ws_url(srv, f"/v1/speak?model=Ada&{query}"))

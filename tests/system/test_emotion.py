@@ -352,7 +352,7 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
     assert r.status_code == 400 and "smug" in r.json()["error"]["message"]
 
 
-# ---- 'proj' space: the delta on the projected speaker row inside the model (issue 22.3) -------------------------
+# ---- 'proj' space: the delta on the projected speaker row inside the model -------------------------
 def _tiny_model():
 
     import torch

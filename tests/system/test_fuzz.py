@@ -67,7 +67,7 @@ leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(all
         | st.text(max_size=30))
 anything = st.recursive(leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
                         max_leaves=8)
-# Issue 17: lone surrogates (valid JSON escapes, invalid text), multi-byte text that is long in UTF-8 bytes
+# lone surrogates (valid JSON escapes, invalid text), multi-byte text that is long in UTF-8 bytes
 # (one prompt frame per byte) though short in characters, and the ordinary cases.
 surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), min_size=1,
                      max_size=12)
@@ -94,7 +94,7 @@ b64 = (st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
        | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
        | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
        | st.text(max_size=40))
-# Issue 21: finite numbers past float32 (1e308 once killed the engine), past int64, subnormal, at the bounds.
+# finite numbers past float32 (1e308 once killed the engine), past int64, subnormal, at the bounds.
 extreme = st.sampled_from([1e308, -1e308, 1e39, 3.4e38, 3.5e38, 1e300, 1e-320, -0.0, 100.0, 100.000001, 101,
                            10**30, 2**63, 2**63 - 1, -(2**63), 2**64, 10**400])
 typical_params = {
@@ -115,7 +115,7 @@ typical_params = {
     | anything,
     "accurate_mode": st.booleans() | anything, "clean_speaker_background": st.booleans() | anything,
 }
-# issue 22: the reference's long-form, guidance and emotion fields (more in the block at the end)
+# the reference's long-form, guidance and emotion fields (more in the block at the end)
 floats_any = st.floats(allow_nan=True, allow_infinity=True)
 typical_params |= {
     "long_form": st.none() | st.booleans() | anything, "long_form_chunk_chars": st.integers(-2, 300) | anything,
@@ -200,7 +200,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 
 @FUZZ
 @given(frames=st.lists(ws_frame, min_size=1, max_size=6))
-# issue 17's cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
+# hostile-input cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
 @example(frames=[DEEP, '{"type":"text","text":' + DEEP + "}", '{"type":"text","text":"\\ud800 hello."}'])
 @example(frames=[json.dumps({"type": "text", "text": t, "flush": True}) for t in ("😀" * 600, "Привет" * 250)])
 @example(frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
@@ -302,7 +302,7 @@ def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
 
-# ---- voices: names must be strings (issue 21) -----------------------------------------------------------
+# ---- voices: names must be strings -----------------------------------------------------------
 @pytest.fixture(scope="module")
 def voices(fuzz_server) -> dict[str, str]:
     """Two library voices: "Fuzzed" (what the dialect sockets speak with) and one that gets renamed."""
@@ -346,7 +346,7 @@ def check_json_http(r: httpx.Response) -> None:
         assert CODE.match(err["code"]) and err["code"] != "internal", err
 
 
-# ---- the dialects' sockets (issue 21): their URLs and their messages --------------------------------------
+# ---- the dialects' sockets: their URLs and their messages --------------------------------------
 digits = st.sampled_from(["24000", "8000", "²", "٣", "１６０００", "-1", "1e3", "", "99999999999999999999999", "0"])
 query_value = digits | st.text(max_size=12) | st.sampled_from(["true", "false", "pcm_24000", "ulaw_8000", "mp3_44100_128",
                                                                 "pcm_²", "opus_48000_64", "linear16", "mulaw"])
@@ -522,7 +522,7 @@ def ends_the_socket(m: Any) -> bool:
 dialect_case = st.sampled_from(["elevenlabs", "cartesia", "deepgram"]).flatmap(lambda d: st.tuples(st.just(d), st.lists(
     {"elevenlabs": el_message, "cartesia": ca_message | ca_message.map(lambda m: {**VALID_CA, **m}),
      "deepgram": dg_message}[d] | anything, max_size=6).map(lambda ms: [m for m in ms if not ends_the_socket(m)])))
-# issue 21: malformed embeddings next to a context that plays on; a Flush past the utterance limit
+# malformed embeddings next to a context that plays on; a Flush past the utterance limit
 ISSUE_21_EMBEDDINGS = [{**VALID_CA, "transcript": "Playing. ", "continue": True, "context_id": "a",
                         "max_buffer_delay_ms": 0}] + [
     {**VALID_CA, "transcript": "x", "context_id": f"e{i}", "voice": {"mode": "embedding", "embedding": e}}
@@ -556,7 +556,7 @@ def test_server_healthy_after_fuzzing(fuzz_server):
     assert "without completing handshake" not in log, log[-3000:]  # refusals are answered, not dropped
 
 
-# ---- issue 22: emotion fields against a server with emotion directions loaded --------------------------------
+# ---- emotion fields against a server with emotion directions loaded --------------------------------
 @pytest.fixture(scope="module")
 def emotion_fuzz_server(start_server, tmp_path_factory):
     folder = tmp_path_factory.mktemp("emotion_fuzz")
@@ -650,7 +650,7 @@ def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
     assert "without completing handshake" not in log, log[-3000:]  # refusals are answered, not dropped
 
 
-# ---- the dialects' HTTP routes (issue 24.1: app/doors/dialects/*_http.py) ------------------------------------------
+# ---- the dialects' HTTP routes (app/doors/dialects/*_http.py) ------------------------------------------
 # Each answers in its vendor's error shape; the check is the same: never a 5xx or `internal`, a specific code.
 DIALECT_KEY = "fuzz-dialect-key"
 
@@ -780,7 +780,7 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]
 
 
-# ---- continuation records between the gateway and the engine (issue 22) ------------------------------------
+# ---- continuation records between the gateway and the engine ------------------------------------
 @pytest.fixture(scope="module")
 def engine_client():
     from app.core.engine_client import EngineClient

@@ -77,9 +77,9 @@ def test_openai_speech_formats_decode(server, fmt):
 
 @pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus", "mulaw", "pcm"])
 def test_every_format_streams(server, fmt):
-    """Issue 14.5: mp3, opus and flac arrived whole (first byte = last byte); they stream as encoded now.
+    """The mp3, opus and flac arrived whole (first byte = last byte); they stream as encoded now.
     Three sentences of ~0.5 s each: bytes of the first one arrive while the last one is still generated.
-    `stream: true`: without it FLAC and WAV come as finished files, their lengths in the header (issue 24.3)."""
+    `stream: true`: without it FLAC and WAV come as finished files, their lengths in the header."""
     body = {"input": "One. Two. Three.", "response_format": fmt, "params": {"max_frames": 40, "ignore_eos": True},
             "stream": True}
     with httpx.stream("POST", server.url + "/v1/audio/speech", json=body, timeout=120) as r:
@@ -113,7 +113,7 @@ def test_openai_sse(server):
 @pytest.mark.parametrize(
     "body, status, code",
     [
-        ({"input": "x", "response_format": "wma"}, 400, "bad_params"),  # (aac is offered since issue 24)
+        ({"input": "x", "response_format": "wma"}, 400, "bad_params"),  # (aac is offered)
         ({"input": "x", "response_format": "flac", "stream": "yes"}, 400, "bad_params"),
         ({"input": ""}, 400, "empty_text"),
         ({"input": "x" * 5000}, 400, "text_too_long"),
@@ -121,7 +121,7 @@ def test_openai_sse(server):
         ({"input": "x", "speed": 9}, 400, "bad_params"),
         ({"input": "x", "surprise": 1}, 400, "bad_params"),
         ({"input": "x", "params": {"top_p": 3}}, 400, "bad_params"),
-        # issue 17.9: the same bounds as the WebSocket's params
+        # the same bounds as the WebSocket's params
         ({"input": "x", "speed": 0.01}, 400, "bad_params"),
         ({"input": "x", "speed": True}, 400, "bad_params"),
         ({"input": "x", "params": {"speaking_rate_bucket": 8}}, 400, "bad_params"),
@@ -295,7 +295,7 @@ def test_api_keys_scope_voices(start_server):
     assert asyncio.run(ws_try(srv.ws_url + "?api_key=beta"))["type"] == "session.created"
 
 
-# ---- issue 17: nothing lost, nothing 500 -------------------------------------------------------------
+# ---- nothing lost, nothing 500 -------------------------------------------------------------
 FRAMES = 20
 ONE = {"max_frames": FRAMES, "ignore_eos": True, "seed": 1}
 
@@ -309,7 +309,7 @@ def pcm24k_samples(frames: int) -> float:
     ("Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today.", 2),
 ])
 def test_openai_speech_speaks_every_sentence(server, text, utterances):
-    """Issue 17.1: only the last sentence was spoken ("One. Two. Three." gave the bytes of one), and a
+    """Only the last sentence was spoken ("One. Two. Three." gave the bytes of one), and a
     trailing space or newline gave 400 empty_text."""
     r = speech(server, input=text, response_format="pcm", params=ONE)
     assert r.status_code == 200, r.text
@@ -339,7 +339,7 @@ def test_openai_sse_speaks_every_sentence(server):
 
 @pytest.mark.parametrize("route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text")])
 def test_lone_surrogate_is_400_bad_text(server, route, field):
-    """Issue 17.6: a lone surrogate (valid JSON, no UTF-8 form) was a 500."""
+    """A lone surrogate (valid JSON, no UTF-8 form) was a 500."""
     extra = ', "response_format": "pcm"' if field == "input" else ""
     body = '{"' + field + '": "\\ud800 hi"' + extra + "}"
     r = httpx.post(server.url + route, content=body.encode(), headers={"content-type": "application/json"},
@@ -349,7 +349,7 @@ def test_lone_surrogate_is_400_bad_text(server, route, field):
 
 @pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500])
 def test_multibyte_input_is_all_spoken_not_500(server, text):
-    """Issue 17.7: 600 emoji or 1500 Cyrillic letters without a space were prompt_too_long, HTTP 500.
+    """600 emoji or 1500 Cyrillic letters without a space were prompt_too_long, HTTP 500.
     They are cut into utterances by UTF-8 length and all spoken (each one is `frames` long here)."""
     from app.core.text_buffer import TextBuffer
     from tests.system.test_gateway_ws import utterance_budget

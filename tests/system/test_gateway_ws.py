@@ -174,10 +174,10 @@ def test_voice_clip_in_session_config(server):
         (json.dumps({"type": "session.config", "sample_rate": 12345}), "bad_params"),
         (json.dumps({"type": "session.config", "voice_clip": "bm90IGF1ZGlv"}), "bad_audio"),
         (json.dumps([1, 2]), "bad_message"),
-        # issue 17.6: a lone surrogate is a coded error, not `internal` and a lost session
+        # a lone surrogate is a coded error, not `internal` and a lost session
         ('{"type": "text", "text": "\\ud800 hello."}', "bad_text"),
         ('{"type": "text", "text": "Fine. \\udfff", "flush": true}', "bad_text"),
-        # issue 17.9: conditioning that would fail every later utterance is refused by the config
+        # conditioning that would fail every later utterance is refused by the config
         *((json.dumps({"type": "session.config", "params": p}), "bad_params") for p in (
             {"speaking_rate_bucket": 8}, {"speaking_rate_bucket": -1}, {"speaking_rate": -5},
             {"quality_buckets": {"lufs": 99}}, {"quality_buckets": {"nosuch": 1}},
@@ -208,7 +208,7 @@ def utterance_budget(server) -> int:
 
 
 def test_abbreviations_do_not_cut_sentences(server):
-    """Issue 17.4: two utterances, not five ('Dr.', 'Smith paid $5.50 on Jan.', ...)."""
+    """Two utterances, not five ('Dr.', 'Smith paid $5.50 on Jan.', ...)."""
     async def go():
         c = await connect(server, params={"max_frames": 3, "ignore_eos": True})
         text = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
@@ -224,7 +224,7 @@ def test_abbreviations_do_not_cut_sentences(server):
 
 @pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500])
 def test_multibyte_text_is_cut_by_bytes_and_all_spoken(server, text):
-    """Issue 17.7: 600 emoji (2400 bytes) or 1500 Cyrillic letters without a space gave prompt_too_long;
+    """600 emoji (2400 bytes) or 1500 Cyrillic letters without a space gave prompt_too_long;
     now they are cut into utterances that fit the engine's context, and every character is spoken."""
     budget = utterance_budget(server)
 
@@ -243,7 +243,7 @@ def test_multibyte_text_is_cut_by_bytes_and_all_spoken(server, text):
 
 
 def test_close_with_a_full_queue_speaks_everything_then_closes(server):
-    """Issue 17.2: 32 queued utterances (the limit) plus unterminated text, then close: everything is
+    """32 queued utterances (the limit) plus unterminated text, then close: everything is
     spoken and session.closed comes (it never came: the close's flush was refused)."""
     n = 32  # --max-pending-utterances default
 

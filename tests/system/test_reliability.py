@@ -601,7 +601,7 @@ def test_short_soak(server):
     assert summary["engine_kills"] and summary["server_after"]["ready"]
 
 
-# ---- hostile input: a coded error, never `internal`, a 500 or a lost session (issue 17) -------------------
+# ---- hostile input: a coded error, never `internal`, a 500 or a lost session -------------------
 DEEP = "[" * 100_000 + "]" * 100_000
 
 
@@ -770,7 +770,7 @@ def test_sessions_holding_clips_keep_embeddings_not_audio(server):
     assert growth < 100, f"the gateway's heap grew {growth:.0f} MB for 10 sessions"
 
 
-# ---- which HTTP routes a key guards; keys kept out of the logs (issue 17 item 14) ------------------------
+# ---- which HTTP routes a key guards; keys kept out of the logs ------------------------
 KEY = "k-test-7c1e"
 
 
@@ -817,7 +817,7 @@ def test_which_routes_a_key_guards(keyed):
     assert "GET /metrics?api_key=[redacted]" in log and "/v1/tts/ws?api_key=[redacted]" in log
 
 
-# ---- the engine does not outlive its gateway (issue 17 item 13) --------------------------------------------
+# ---- the engine does not outlive its gateway --------------------------------------------
 def _proc_gone(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -875,7 +875,7 @@ def test_engine_exits_when_its_gateway_is_killed(tmp_path):
             os.kill(engine_pid, signal.SIGKILL)  # do not leave the orphan behind a failed test
 
 
-# ---- issue 21: numbers at the door, names as strings, no id skipped -----------------------------------------
+# ---- numbers at the door, names as strings, no id skipped -----------------------------------------
 @slow
 def test_no_sampling_value_kills_the_engine(server):
     """A finite value past float32 (or past its bound) once passed the door and killed the engine: every API
@@ -982,7 +982,7 @@ def test_deepgram_refused_flush_takes_no_sequence_id(limited):
     assert flushed == {"type": "Flushed", "sequence_id": 0}
 
 
-# ---- issue 21 part B: request heads, the host rule, normalization's budgets (one block) ---------------------
+# ---- request heads, the host rule, normalization's budgets (one block) ---------------------
 def raw_exchange(port: int, head: bytes, timeout: float = 60) -> tuple[bytes, bool]:
     """Send `head`, read until the server closes: (everything it sent, whether it closed the connection)."""
     got = b""
@@ -1017,7 +1017,7 @@ def open_fds(pid: int) -> int:
 
 @slow
 def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
-    """Issue 21 #8: a WebSocket upgrade with an 8+ KB request line or header got no answer and kept its
+    """A WebSocket upgrade with an 8+ KB request line or header got no answer and kept its
     connection (and a file descriptor) for minutes; a 70 KB request line got a text/plain 400."""
     cases = {
         "ws long target": (b"GET /v1/tts/ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"\r\n",
@@ -1102,7 +1102,7 @@ def test_host_rule_flags():
 
 @slow
 def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
-    """Issue 21 #9: a keyless gateway on loopback served `/v1/voices` to `Host: evil.example:P` with a
+    """A keyless gateway on loopback served `/v1/voices` to `Host: evil.example:P` with a
     matching Origin (what a browser sends after DNS rebinding)."""
     p = hosts.port
     for path in ("/v1/voices", "/healthz", "/"):
@@ -1171,7 +1171,7 @@ def test_cors_origin_null_serves_a_page_opened_from_a_file(start_server):
 
 HAVE_NEMO = all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
 needs_nemo = pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
-# Issue 21 #5: 280 bytes as written (within the budget), 2054 bytes as spoken.
+# 280 bytes as written (within the budget), 2054 bytes as spoken.
 DOLLARS = ("$1,234,567.89 " * 30)[:280] + "."
 PHONES = ("+1-555-123-4567 " * 250)[:4000]
 
@@ -1223,7 +1223,7 @@ def test_normalized_text_longer_than_the_budget_is_spoken_whole(normalizing):
 @slow
 @needs_nemo
 def test_other_sessions_speak_while_a_long_text_is_normalized(normalizing):
-    """Issue 21 #6: normalization ran one text at a time in the gateway, so one tenant's long texts of
+    """Normalization ran one text at a time in the gateway, so one tenant's long texts of
     digits held every other session's first audio (0.2 s -> 8-13 s). Here a session speaks, start to end,
     while a text of phone numbers (two utterances of ~288 bytes, seconds of CPU each) is being normalized."""
     async def go():

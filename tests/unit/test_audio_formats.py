@@ -145,7 +145,7 @@ def tone(rate: int, seconds: float = 1.0) -> np.ndarray:
 
 @pytest.mark.parametrize("rate", [8000, 16000, 24000, 44100])
 def test_aac_is_adts_that_ffmpeg_decodes_to_the_signal(rate):
-    """Issue 24.2: AAC-LC in ADTS frames (sync word on every frame), decoded back to the tone it encoded."""
+    """AAC-LC in ADTS frames (sync word on every frame), decoded back to the tone it encoded."""
     x = tone(rate)
     data = stream_encode(x, rate, "aac")
     assert data[:2] == b"\xff\xf1"  # ADTS sync, MPEG-4, no CRC
@@ -167,7 +167,7 @@ def test_aac_stream_decodes_in_the_ffmpeg_program():
 
 @pytest.mark.parametrize("fmt", ["flac", "wav"])
 def test_whole_files_carry_their_length(fmt):
-    """Issue 24.3: a streamed FLAC has no sample count and sf.read refuses it; a streamed WAV says
+    """A streamed FLAC has no sample count and sf.read refuses it; a streamed WAV says
     0xFFFFFFFF (wave reports 2**31 frames). The whole file says how long it is, to every reader."""
     x = tone(24000)
     enc = StreamEncoder(fmt, 24000, whole=True)

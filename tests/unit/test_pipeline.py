@@ -143,7 +143,7 @@ async def shut(ws: FakeSocket, task: asyncio.Task) -> None:
 
 
 def test_close_with_a_full_queue_still_speaks_everything_and_closes():
-    """Issue 17.2: 3 queued utterances (the limit) plus unterminated text, then close."""
+    """3 queued utterances (the limit) plus unterminated text, then close."""
     async def go():
         _session, ws, engine, task = await open_session(Limits(max_pending_utterances=3))
         ws.send(type="text", text="One. Two. Three. Four")
@@ -184,7 +184,7 @@ def test_text_after_close_is_refused_but_cancel_still_works():
 
 
 def test_flush_then_cancel_answers_the_flush_after_cancelled():
-    """Issue 17.3: a flush whose text is cancelled is answered by `flushed` right after `cancelled`."""
+    """A flush whose text is cancelled is answered by `flushed` right after `cancelled`."""
     async def go():
         _session, ws, engine, task = await open_session()
         ws.send(type="text", text="First turn.", context_id="a")
@@ -228,7 +228,7 @@ def test_cancel_all_answers_every_pending_flush_once():
 
 
 def test_pending_flush_marks_stay_bounded():
-    """Issue 17.12: alternating flushes, and flushes of text that is then cancelled, while one long
+    """Alternating flushes, and flushes of text that is then cancelled, while one long
     utterance plays, cost at most two marks per queued utterance; every flush is still answered once."""
     async def go():
         session, ws, engine, task = await open_session()
@@ -283,7 +283,7 @@ def test_utterances_play_in_order_and_the_next_one_is_prefetched():
 
 
 def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
-    """Issue 17.6 (text side): no `internal`, no lost session."""
+    """Text side: no `internal`, no lost session."""
     async def go():
         _session, ws, engine, task = await open_session()
         ws.inbox.put_nowait({"type": "websocket.receive", "text": '{"type":"text","text":"\\ud800 hello."}'})
@@ -322,7 +322,7 @@ def test_a_failing_start_costs_one_utterance_not_the_session():
 
 
 def test_http_speak_yields_every_sentence_in_order():
-    """Issue 17.1 at the pipeline: all sentences, trailing whitespace included, in order."""
+    """At the pipeline: all sentences, trailing whitespace included, in order."""
     async def go():
         gw = fake_gateway()
         chunks = []

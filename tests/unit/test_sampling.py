@@ -139,7 +139,7 @@ def test_invalid_params_refused(kwargs):
     "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                                             reason="needs a CUDA GPU")])])
 def test_values_at_their_bounds_sample_valid_codes(device):
-    """Issue 21: every value at the edge of its bound (records.py, checked at the door and on submit) fits the
+    """Every value at the edge of its bound (records.py, checked at the door and on submit) fits the
     sampler's tensors and samples valid codes, with a repeated history, on the device the engine runs on."""
     edges = [SamplingParams(temperature=TEMPERATURE_MAX, repetition_penalty=REPETITION_PENALTY_MAX,
                             repetition_window=HISTORY, repetition_codebooks=-1, top_k=TOP_K_MAX, top_p=1.0, min_p=1.0),

@@ -48,7 +48,7 @@ TINY = Zonos2Config.from_dict(preset_params("tiny"))
     {"quality_values": {"lufs": 1e300}}, {"top_k": 5000}, {"top_k": 1025},
 ])
 def test_parse_options_checks_conditioning_when_it_arrives(params):
-    """Issue 17.9: values that would fail every later utterance are refused by the config itself, with
+    """Values that would fail every later utterance are refused by the config itself, with
     one set of bounds for every API."""
     for cfg in (None, TINY):
         with pytest.raises(RequestError) as e:
@@ -73,7 +73,7 @@ def test_a_model_without_rate_buckets_refuses_rate_params():
 
 
 def test_lone_surrogates_are_a_coded_error():
-    """Issue 17.6: text JSON can carry but UTF-8 cannot."""
+    """Text JSON can carry but UTF-8 cannot."""
     assert check_text("fine ✓ 😀") == "fine ✓ 😀"
     for bad in ("\ud800 hello.", "tail \udfff"):
         with pytest.raises(RequestError) as e:

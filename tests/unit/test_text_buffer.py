@@ -23,7 +23,7 @@ def stream(text: str, step: int, budget: int = 500, language: str = "en_us") -> 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
 def test_abbreviations_numbers_and_times_do_not_cut_sentences(step):
-    """Issue 17.4: two utterances, whatever pieces the text arrives in."""
+    """Two utterances, whatever pieces the text arrives in."""
     assert stream(ISSUE_TEXT, step) == ISSUE_SENTENCES
 
 
@@ -77,7 +77,7 @@ def test_streaming_rule():
 
 
 def test_trailing_whitespace_is_not_lost():
-    """Issue 17.1: "Hello world. " gave empty_text over HTTP (the sentence came out of append)."""
+    """"Hello world. " gave empty_text over HTTP (the sentence came out of append)."""
     buf = TextBuffer(500)
     assert buf.append("Hello world. \n") + buf.flush() == ["Hello world."]
     assert TextBuffer(500).flush() == []
@@ -85,7 +85,7 @@ def test_trailing_whitespace_is_not_lost():
 
 @pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500, "👨‍👩‍👧" * 50, "e\u0301" * 300, "中" * 900])
 def test_long_text_is_cut_by_utf8_length_and_nothing_is_lost(text):
-    """Issue 17.7: the prompt is one frame per byte, so the budget counts bytes, and a cut never splits a
+    """The prompt is one frame per byte, so the budget counts bytes, and a cut never splits a
     character or a cluster (family emoji, combining accents)."""
     pieces = stream(text, 37, budget=100)
     assert "".join(pieces) == text

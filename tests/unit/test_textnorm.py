@@ -527,7 +527,7 @@ def test_a_cancelled_wait_gives_its_turn_away():
 @pytest.mark.slow
 @pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
 def test_real_normalization_past_its_cpu_bound_is_a_coded_error():
-    """Issue 21: `("+1-555-123-4567 " * 250)[:288]` takes about 1 s of CPU to normalize. Bounded at 0.05 s, it
+    """`("+1-555-123-4567 " * 250)[:288]` takes about 1 s of CPU to normalize. Bounded at 0.05 s, it
     fails with normalization_timeout, and the pool goes on normalizing (a new worker)."""
     import asyncio
 

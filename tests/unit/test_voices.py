@@ -500,7 +500,7 @@ def test_bad_blends(server, body, status, code):
     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
     message = r.json()["error"]["message"]
     assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
+    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # about the file
         assert internal not in message, message
 
 
@@ -583,7 +583,7 @@ BAD_UPLOADS = {
     "non_audio": ({"file": ("x.wav", b"this is plain text, not a WAV")}, 400, "bad_audio"),
     "empty_file": ({"file": ("x.wav", b"")}, 400, "bad_audio"),
     "zero_length_wav": ({"file": ("x.wav", _zero_length_wav())}, 400, "bad_audio"),
-    # issue 17.8: 80 KB that decode to 90 MB, refused from the header; too many channels likewise
+    # 80 KB that decode to 90 MB, refused from the header; too many channels likewise
     "rate_384k": ({"file": ("x.flac", _silent(59, 384_000))}, 400, "bad_audio"),
     "channels_17": ({"file": ("x.wav", _silent(1, 8000, 17, "WAV"))}, 400, "bad_audio"),
     "both_kinds": ({"file": ("x.wav", b"RIFF"), "embedding": ("e.npy", npy(rand(1)))}, 400, "bad_upload"),
@@ -600,7 +600,7 @@ def test_bad_voice_uploads(server, case):
     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
     message = r.json()["error"]["message"]
     assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
+    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # about the file
         assert internal not in message, message
 
 

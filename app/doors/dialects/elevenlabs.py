@@ -96,7 +96,7 @@ class Context:
     def kept_by_close(self) -> int | None:
         """The last utterance a close_context still speaks. What a flush that ended input covered, always;
         what auto_mode spoke as it came only while none of the context's audio has been sent: a close then
-        ends its input (issue 21: three texts then close_context speak all three), once its audio plays a
+        ends its input (three texts then close_context speak all three), once its audio plays a
         close is a barge-in (pipecat and LiveKit close an interrupted context once, with no text-less flush
         before; keeping its reply running piled interrupted replies up: new turns' first audio came later
         at every barge-in, then their text was refused with too_many_utterances)."""
@@ -183,7 +183,7 @@ class ElevenLabsSession(StreamingSession):
         ends_input = flush and (not self.auto_mode or not text or close)
         # A flush that ends the turn's input ends its continuation too (the next sentence starts a new stream);
         # with auto_mode, a flush that carries text (LiveKit's every sentence) is one more sentence of the turn,
-        # so a LiveKit reply is one voice and one DAC stream, as pipecat's (issue 22)
+        # so a LiveKit reply is one voice and one DAC stream, as pipecat's
         if speak:
             await self.flush(ctx, end_turn=ends_input)
             last = self.last_queued(ctx)

@@ -1,7 +1,7 @@
 """`linear` with one reduction order for every row count: the batch-invariant projection.
 
 cuBLAS picks its kernel, tiles and split-K by M, and `kernels.gemv` switches from a GEMV to cuBLAS at 5
-rows, so a row's bf16 result changes with the number of rows beside it (the seed issue, #26). Here every
+rows, so a row's bf16 result changes with the number of rows beside it. Here every
 M, 1 included, runs the same compiled kernel: program (row tile, column tile) accumulates its [BLOCK_M,
 BLOCK_N] outputs over K in BLOCK_K steps, in order, with tensor-core dots; no split-K chosen by size (a
 weight may take a fixed split-K whose partials are added in split order, the same for every M). An output's

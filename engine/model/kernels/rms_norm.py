@@ -2,7 +2,7 @@
 
 torch.compile builds a norm kernel per batch bucket and picks its rows per program and warps by size, and
 PyTorch's own reduction splits a row over more threads or blocks when there are few rows; either moves a
-row's sum of squares by a last bit with the batch (#26). Here a row is always one program summing its
+row's sum of squares by a last bit with the batch. Here a row is always one program summing its
 whole row in registers with the same warps. `rms_norm_rows` = `engine.model.zonos2.rms_norm` (optionally
 after the residual add of `residual_norm`), up to that last bit.
 """

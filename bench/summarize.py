@@ -1,0 +1,96 @@
+"""Turn raw benchmark output into a small Markdown summary that can live in git.
+
+Usage: python bench/summarize.py RUN_DIR_OR_FILE... --out docs/bench-summaries/NAME.md [--build HASH]
+
+Capacity and overload JSON (bench/live_capacity.py `--out`) become their levels table plus the command that
+reproduces them; other small JSON is kept compact, large JSON is reduced to its top-level keys, and logs keep
+their last lines. The raw files themselves stay outside the repository.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from live_capacity import table
+
+SMALL_JSON = 2500
+LOG_LINES = 8
+LOG_WIDTH = 160
+SKIP_CONFIG = {"url", "out", "plot", "api_key", "voice_mode"}  # voice_mode is derived, not a flag
+NEGATED = {"long_form", "deflate"}  # on by default: the command names them only when off
+
+
+def capacity_command(config: dict[str, Any]) -> str:
+    """The bench/live_capacity.py command line that reproduces a run, from the config its JSON records."""
+    args = ["python", "bench/live_capacity.py"]
+    for key, value in config.items():
+        if key in SKIP_CONFIG or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if key in NEGATED:
+            if value is False:
+                args.append("--no-" + key.replace("_", "-"))
+            continue
+        if value is False:
+            continue
+        if value is True:
+            args.append(flag)
+        elif isinstance(value, list):
+            args += [flag, *map(str, value)]
+        else:
+            args += [flag, str(value)]
+    return shlex.join([*args, "--out", "OUT.json"])
+
+
+def summarize_file(path: Path) -> str:
+    head = f"### {path.name} ({path.stat().st_size:,} bytes raw)\n\n"
+    if path.suffix in (".json", ".jsonl"):
+        text = path.read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            data = None
+        if isinstance(data, dict) and "levels" in data and "config" in data:
+            return (head + f"Capacity: **{data.get('capacity')}** streams; started {data.get('started')}, "
+                    f"voice mode {data['config'].get('voice_mode', '-')}.\n\n"
+                    f"```\n{table(data['levels'])}\n```\n\nCommand: `{capacity_command(data['config'])}`\n")
+        compact = json.dumps(data, separators=(",", ":")) if data is not None else text
+        if len(compact) <= SMALL_JSON:
+            return head + f"```json\n{compact}\n```\n"
+        keys = list(data) if isinstance(data, dict) else f"list of {len(data)} records"
+        return head + f"Large JSON; top-level keys: {keys}.\n"
+    if path.name.startswith("pyspy"):
+        return head + "py-spy profile (raw, not kept).\n"
+    lines = [ln.rstrip()[:LOG_WIDTH] for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    return head + "Last lines:\n\n```\n" + "\n".join(lines[-LOG_LINES:]) + "\n```\n"
+
+
+def summarize(paths: list[Path], name: str, build: str) -> str:
+    files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
+    builds = sorted({m for f in files for m in re.findall(r"_([0-9a-f]{7})(?:_|\.)", f.name)})
+    out = [f"# Benchmark run {name}\n",
+           f"Build measured: {', '.join(builds) or build} (H200). Raw output is not kept in git; "
+           "rerun the command shown to reproduce a table.\n"]
+    out += [summarize_file(f) for f in files]
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", type=Path)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", default=None)
+    ap.add_argument("--build", default="unknown", help="build commit, when file names do not carry it")
+    a = ap.parse_args()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(summarize(a.paths, a.name or a.out.stem, a.build))
+
+
+if __name__ == "__main__":
+    main()
