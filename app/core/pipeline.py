@@ -31,6 +31,7 @@ from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.stats import UtteranceStats
 from app.core.text_buffer import TextBuffer
+from app.core.timestamps import SOURCE, WordClock
 from app.io.audio_output import Encoder
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -82,6 +83,16 @@ class Utterance:
     cancelled: bool = False
     chain: Chain | None = None  # its context's continuation chain (None: long_form false)
     link: Link | None = None
+    clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
+
+    def heard(self) -> dict[str, Any]:
+        """What its listener got before a barge-in: the audio sent and the words it covers."""
+        audio_s = self.samples / SAMPLE_RATE
+        out: dict[str, Any] = {"utterance_id": self.id, "text": self.text, "audio_ms": round(audio_s * 1e3, 1)}
+        if self.clock is not None:
+            out["words"] = self.clock.spoken(audio_s)
+            out["source"] = SOURCE
+        return out
 
     def measured(self) -> UtteranceStats:
         start = max(self.t_created, self.t_head or self.t_created)  # the moment it could play

@@ -28,6 +28,7 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -37,11 +38,13 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
 from app.core.text_buffer import TextBuffer
+from app.core.timestamps import WordClock, WordTime
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
 from app.voices.library import Voice
+from engine.contract.constants import SAMPLE_RATE
 
 log = logging.getLogger("gateway.session")
 
@@ -52,6 +55,17 @@ MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per 
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
+
+
+@dataclass
+class Chunk:
+    """What one audio message of an utterance covers: its span of the utterance's audio (seconds from the
+    utterance's first sample, 44.1 kHz time) and the words that span completes (app/core/timestamps.py;
+    none unless the session asks for word times, `words_for`)."""
+
+    start_s: float
+    end_s: float
+    words: list[WordTime] = field(default_factory=list)
 
 
 class ClientStalled(Exception):
@@ -131,9 +145,18 @@ class StreamingSession:
     async def on_utterance_start(self, u: Utterance) -> None:
         """Before its first audio (or its end, if it has none). Called under the send lock."""
 
-    async def on_audio(self, u: Utterance, data: bytes) -> None:
-        """Encoded audio of u. Called under the send lock."""
+    async def on_audio(self, u: Utterance, data: bytes, chunk: Chunk) -> None:
+        """Encoded audio of u and what it covers. Called under the send lock."""
         await self.send_bytes_locked(data)
+
+    async def on_words(self, u: Utterance, chunk: Chunk) -> None:
+        """The words u's audio completes after its last audio message (the encoder had nothing left to
+        send with them). Called under the send lock."""
+
+    def words_for(self, u: Utterance) -> bool:
+        """Whether u's word times are estimated (app/core/timestamps.py): for a dialect that sends them, or
+        for a barge-in's report of what was heard."""
+        return False
 
     async def on_utterance_done(self, u: Utterance) -> None:
         """All audio of u has been sent. Called under the send lock."""
@@ -510,6 +533,8 @@ class StreamingSession:
     async def _play(self, lane: Lane, u: Utterance) -> None:
         assert u.encoder is not None
         started = False
+        clock = u.clock = WordClock(u.text) if self.words_for(u) else None
+        fed, chunk = 0, Chunk(0.0, 0.0)  # the samples fed to the encoder; what the next message covers
         async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
             async for pcm in chunks:
                 async with self._send_lock:
@@ -519,8 +544,13 @@ class StreamingSession:
                         await self.on_utterance_start(u)
                         started = True
                     data = u.encoder.encode(pcm)
+                    fed += len(pcm)
+                    chunk.end_s = fed / SAMPLE_RATE
+                    if clock is not None:
+                        chunk.words += clock.feed(pcm)
                     if data:
-                        await self.on_audio(u, data)
+                        await self.on_audio(u, data, chunk)
+                        chunk = Chunk(chunk.end_s, chunk.end_s)
         async with self._send_lock:
             if u.cancelled:
                 return
@@ -530,8 +560,12 @@ class StreamingSession:
             if not started:
                 await self.on_utterance_start(u)
             tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
+            if clock is not None:
+                chunk.words += clock.finish()
             if tail:
-                await self.on_audio(u, tail)
+                await self.on_audio(u, tail, chunk)
+            elif chunk.words or chunk.end_s > chunk.start_s:
+                await self.on_words(u, chunk)
             await self.on_utterance_done(u)
 
     async def _answer_marks(self, lane: Lane) -> None:

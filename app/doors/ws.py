@@ -18,7 +18,8 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions, parse_options
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
-from app.core.session import StreamingSession
+from app.core.session import Chunk, StreamingSession
+from app.core.timestamps import SOURCE
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
 from app.io.checks import base64_payload, check_context_id, check_sample_rate
@@ -40,6 +41,7 @@ class Session(StreamingSession):
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
         self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
+        self.timestamps = False  # session.config `timestamps`: an `audio.words` message after each audio chunk
 
     @classmethod
     def from_query(cls, ws: WebSocket, gw: Gateway, owner: str) -> Session:
@@ -86,8 +88,17 @@ class Session(StreamingSession):
         elif kind == "cancel":
             self._check_fields(data, {"context_id"})
             ctx = self._context(data, allow_none=True)
-            # The flushes the cancel left with nothing to wait for are answered right after `cancelled`.
-            await self.cancel(ctx, answer={"type": "cancelled", "context_id": ctx})
+            # The flushes the cancel left with nothing to wait for are answered right after `cancelled`, which
+            # says what the listener got of each utterance that had begun to play (taken under the send lock,
+            # after the cancel: no more of their audio goes out)
+            begun = [u for lane in self.lanes.values() for u in lane.pipe.queue
+                     if (ctx is None or u.context_id == ctx) and u.samples]
+
+            async def cancelled() -> None:
+                await self.send_json_locked({"type": "cancelled", "context_id": ctx,
+                                             "heard": [u.heard() for u in begun]})
+
+            await self.cancel(ctx, answer=cancelled)
         elif kind == "session.config":
             await self._on_config(data)
         elif kind == "close":
@@ -124,7 +135,10 @@ class Session(StreamingSession):
 
     # ---- messages ------------------------------------------------------------------------------
     async def _on_config(self, data: dict[str, Any]) -> None:
-        self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params"})
+        self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps"})
+        stamps = data.get("timestamps", self.timestamps)
+        if not isinstance(stamps, bool):
+            raise RequestError(G.BAD_PARAMS, "timestamps must be true or false")
         encoding = check_encoding(data.get("encoding", self.encoding))
         # G.711 named without a rate: 8000 Hz (what telephony clients mean)
         rate = data.get("sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate)
@@ -147,12 +161,14 @@ class Session(StreamingSession):
         if "params" in data or voice is not self.voice:  # the emotion this voice would refuse, refused now
             self.gw.check_emotion(opts, voice, clip is not None)
         self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
+        self.timestamps = stamps
         await self.send_json({
             "type": "session.updated",
             "voice": voice.id if voice else ("clip" if clip else None),
             "encoding": encoding,
             "sample_rate": rate,
             "params": _describe_opts(opts),
+            "timestamps": stamps,
         })
 
     async def _on_text(self, data: dict[str, Any]) -> None:
@@ -167,6 +183,18 @@ class Session(StreamingSession):
             await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})
 
     # ---- playback events -----------------------------------------------------------------------
+    def words_for(self, u: Utterance) -> bool:
+        return True  # for `audio.words` when asked, and for what `cancelled` says was heard
+
+    async def on_audio(self, u: Utterance, data: bytes, chunk: Chunk) -> None:
+        await self.send_bytes_locked(data)
+        await self.on_words(u, chunk)
+
+    async def on_words(self, u: Utterance, chunk: Chunk) -> None:
+        if self.timestamps and chunk.words:
+            await self.send_json_locked({"type": "audio.words", "context_id": u.context_id, "utterance_id": u.id,
+                                         "words": [w.as_json() for w in chunk.words], "source": SOURCE})
+
     async def on_utterance_start(self, u: Utterance) -> None:
         await self.send_json_locked({"type": "audio.start", "context_id": u.context_id, "utterance_id": u.id,
                                      "text": u.text})

@@ -141,7 +141,8 @@ def el_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
 
 def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
     """Context init with voice_settings, sentences, a keepalive, flush, close_context: every sentence is
-    spoken, then isFinal; audio messages carry contextId and null alignment (ZONOS2 has none)."""
+    spoken, then isFinal; audio messages carry contextId and their alignment: every word once, in order, and
+    a clock that advances by each message's alignment stays on the audio (what pipecat's word times do)."""
     async def go():
         ws = await el_connect(el_url(srv))
         await ws.send(json.dumps({"text": " ", "context_id": "c1", "voice_settings": {"stability": 0.5, "speed": 1.0}}))
@@ -159,9 +160,15 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
 
     log, code = run(go())
     audio = [m for m in log if "audio" in m]
-    assert audio and all(m["contextId"] == "c1" and m["alignment"] is None and m["normalizedAlignment"] is None
-                         for m in audio)
+    assert audio and all(m["contextId"] == "c1" and m["alignment"] == m["normalizedAlignment"] for m in audio)
     assert abs(len(el_audio(log, "c1")) // 2 - resampled(REPLY2, 24000)) <= 4  # two sentences, continued
+    chars = "".join(c for m in audio for c in m["alignment"]["chars"])
+    assert chars.split() == "Hello there. How are you today?".split()
+    clock = 0.0
+    for m in audio:  # each message's alignment ends where its audio does
+        a = m["alignment"]
+        clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
+    assert abs(clock / 1e3 - len(el_audio(log, "c1")) / 2 / 24000) < 0.02
     assert log[-1] == {"isFinal": True, "contextId": "c1"} and code == 1000
 
 
@@ -563,7 +570,8 @@ def ca_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
 
 def test_cartesia_continuations_then_done(srv):
     """Transcripts of a context concatenated (a sentence split across two inputs), `continue: false` with an
-    empty transcript ends it: chunks, then done. No timestamps are sent (ZONOS2 has none)."""
+    empty transcript ends it: chunks, then done. With add_timestamps, `timestamps` messages give every word
+    once, in order, in seconds from the context's first audio (estimated: ZONOS2 gives no word times)."""
     async def go():
         ws = await ca_connect(srv)
         await ws.send(ca_request("k1", "Hello there. How ", True, max_buffer_delay_ms=0))
@@ -577,7 +585,14 @@ def test_cartesia_continuations_then_done(srv):
     log = run(go())
     chunks = [m for m in log if m["type"] == "chunk"]
     assert chunks and all(m["status_code"] == 206 and m["done"] is False for m in chunks)
-    assert {m["type"] for m in log} == {"chunk", "done"}  # no timestamps
+    assert {m["type"] for m in log} == {"chunk", "timestamps", "done"}
+    stamps = [m["word_timestamps"] for m in log if m["type"] == "timestamps"]
+    words = [w for s in stamps for w in s["words"]]
+    starts = [t for s in stamps for t in s["start"]]
+    ends = [t for s in stamps for t in s["end"]]
+    assert words == "Hello there. How are you today?".split() and starts == sorted(starts)
+    assert all(a <= b for a, b in zip(starts, ends, strict=True))
+    assert ends[-1] <= len(ca_audio(log, "k1")) / 2 / 24000 + 0.02
     # max_buffer_delay_ms 0: each transcript is spoken as it comes ("Hello there. How " is two utterances)
     assert abs(len(ca_audio(log, "k1")) // 2 - resampled(reply_frames([20] * 3) * 512, 24000)) <= 6
 

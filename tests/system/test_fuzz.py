@@ -152,7 +152,7 @@ ws_json = st.one_of(
     message("session.config", {"voice": st.none() | st.text(max_size=20) | anything, "voice_clip": st.none() | b64,
                                "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
                                "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
-                               "params": params()}),
+                               "params": params(), "timestamps": st.booleans() | anything}),
     message("close", {}),
     st.dictionaries(st.text(max_size=12), anything, max_size=4),
     st.fixed_dictionaries({"type": anything}),

@@ -259,3 +259,41 @@ def test_close_with_a_full_queue_speaks_everything_then_closes(server):
     spoken = [d["text"] for d in log if d["type"] == "audio.start"]
     assert spoken == [f"Number {i}." for i in range(n)] + ["And the rest"]
     assert sum(d["type"] == "audio.done" for d in log) == n + 1
+
+
+def test_word_times_and_what_a_barge_in_heard(server):
+    """session.config `timestamps`: `audio.words` after the audio that completes them, every word of each
+    utterance once, in order, within its audio sent; a cancel's `cancelled` says what each utterance that
+    had begun to play got (its audio, the words it covers)."""
+    async def go():
+        c = await connect(server, timestamps=True, params={"seed": 1, "max_frames": 60, "ignore_eos": True})
+        await c.send(type="text", text="Hello there. How are you today?", flush=True)
+        while (await c.recv())["type"] != "flushed":
+            pass
+        await c.send(type="session.config", params={"seed": 2, "max_frames": 2000, "ignore_eos": True})
+        await c.recv()
+        await c.send(type="text", text="A long one that plays for a while before it is cut.", flush=True)
+        while (await c.recv())["type"] != "audio.start":
+            pass
+        await c.audio_bytes(44100)  # half a second of 44.1 kHz s16 audio has been played
+        await c.send(type="cancel")
+        cancelled = await c.until("cancelled")
+        await c.ws.close()
+        return c.log, cancelled
+
+    log, cancelled = run(go())
+    words = [m for m in log if m.get("type") == "audio.words"]
+    by_u: dict[str, list] = {}
+    for m in words:
+        assert m["source"] == "estimated"
+        by_u.setdefault(m["utterance_id"], []).extend(m["words"])
+    first_two = [by_u[u] for u in ("u_1", "u_2")]
+    assert [w["word"] for w in first_two[0]] == ["Hello", "there."]
+    assert [w["word"] for w in first_two[1]] == ["How", "are", "you", "today?"]
+    for ws_ in first_two:
+        starts = [w["start_ms"] for w in ws_]
+        assert starts == sorted(starts) and all(w["end_ms"] <= 60 * 512 / 44.1 + 1 for w in ws_)
+    heard = cancelled["heard"]
+    assert len(heard) == 1 and heard[0]["audio_ms"] >= 400 and heard[0]["source"] == "estimated"
+    spoken = heard[0]["words"]
+    assert spoken == "A long one that plays for a while before it is cut.".split()[: len(spoken)]

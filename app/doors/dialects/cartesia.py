@@ -15,8 +15,9 @@ The first request of a context fixes its voice (one of ours, by id or name; mode
 vector of our embedding size), output format and language. `max_buffer_delay_ms: 0` (what the frameworks
 send with sentence aggregation) speaks every transcript as it comes; otherwise sentences are cut as on our
 own socket, and what is buffered is spoken once `max_buffer_delay_ms` (3000 if not given) has passed.
-ZONOS2 produces no word or phoneme timings: `add_timestamps` is accepted and no `timestamps` message is
-ever sent.
+`add_timestamps: true` on a context's first request adds `timestamps` messages (`word_timestamps`: words,
+start and end in seconds from the context's first audio), after the audio that completes them, estimated
+(app/core/timestamps.py: ZONOS2 gives no word timings); phoneme timestamps are not produced.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance
-from app.core.session import Hold, StreamingSession
+from app.core.session import Chunk, Hold, StreamingSession
 from app.doors.dialects.common import dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
@@ -41,6 +42,7 @@ from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
+from engine.contract.constants import SAMPLE_RATE
 
 MAX_CONTEXTS = 16  # holding text or audio (an ended one counts until its done)
 DEFAULT_BUFFER_DELAY_MS = 3000
@@ -61,6 +63,8 @@ class Context:
     ended: bool = False  # its last input came (continue: false); it may still be speaking
     failed: bool = False
     last_sent: float = field(default_factory=time.perf_counter)
+    timestamps: bool = False  # add_timestamps
+    audio_s: float = 0.0  # the context's audio sent before its playing utterance (its word times' origin)
 
 
 class CartesiaSession(StreamingSession):
@@ -149,7 +153,10 @@ class CartesiaSession(StreamingSession):
         if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
                                   or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
             raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
-        c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay)
+        stamps = data.get("add_timestamps", False)
+        if not isinstance(stamps, bool):
+            raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
+        c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay, timestamps=stamps)
         forget_idle(self.ctxs, live | {ctx})
         return c
 
@@ -170,7 +177,34 @@ class CartesiaSession(StreamingSession):
         return answer
 
     # ---- playback ------------------------------------------------------------------------------------
-    async def on_audio(self, u: Utterance, data: bytes) -> None:
+    def words_for(self, u: Utterance) -> bool:
+        c = self._ctx_of(u)
+        return c is not None and c.timestamps
+
+    async def on_words(self, u: Utterance, chunk: Chunk) -> None:
+        await self._timestamps(u, chunk)
+
+    async def on_utterance_done(self, u: Utterance) -> None:
+        c = self._ctx_of(u)
+        if c is not None:
+            c.audio_s += u.samples / SAMPLE_RATE
+
+    async def _timestamps(self, u: Utterance, chunk: Chunk) -> None:
+        c = self._ctx_of(u)
+        if c is None or not chunk.words:
+            return
+        t0 = c.audio_s
+        await self.send_json_locked({
+            "type": "timestamps", "context_id": u.context_id, "status_code": 206, "done": False,
+            "word_timestamps": {"words": [w.word for w in chunk.words],
+                                "start": [round(t0 + w.start_s, 3) for w in chunk.words],
+                                "end": [round(t0 + w.end_s, 3) for w in chunk.words]}})
+
+    async def on_audio(self, u: Utterance, data: bytes, chunk: Chunk) -> None:
+        await self._chunk(u, data)
+        await self._timestamps(u, chunk)
+
+    async def _chunk(self, u: Utterance, data: bytes) -> None:
         c = self._ctx_of(u)
         now = time.perf_counter()
         msg: dict[str, Any] = {"type": "chunk", "data": base64.b64encode(data).decode(), "done": False,

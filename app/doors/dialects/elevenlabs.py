@@ -17,7 +17,8 @@
 maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
-counterpart and are ignored. ZONOS2 produces no alignment: both alignment fields are always null.
+counterpart and are ignored. Every audio message carries `alignment` (and the same as `normalizedAlignment`):
+the characters of the words its audio completes, with estimated times (app/core/timestamps.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
-from app.core.session import Hold, StreamingSession
+from app.core.session import Chunk, Hold, StreamingSession
+from app.core.timestamps import char_alignment
 from app.doors.dialects.common import dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
@@ -252,12 +254,22 @@ class ElevenLabsSession(StreamingSession):
         await self.close()
 
     # ---- playback ------------------------------------------------------------------------------------
-    async def on_audio(self, u: Utterance, data: bytes) -> None:
+    def words_for(self, u: Utterance) -> bool:
+        return True  # every audio message carries its alignment
+
+    async def on_audio(self, u: Utterance, data: bytes, chunk: Chunk) -> None:
         c = self.ctxs.get(u.context_id)
         if c is not None and (c.opened_after is None or u.seq > c.opened_after):
             c.said = True
-        msg: dict[str, Any] = {"audio": base64.b64encode(data).decode(), "normalizedAlignment": None,
-                               "alignment": None}
+        await self._send_audio(u, base64.b64encode(data).decode(), chunk)
+
+    async def on_words(self, u: Utterance, chunk: Chunk) -> None:
+        await self._send_audio(u, "", chunk)
+
+    async def _send_audio(self, u: Utterance, audio: str, chunk: Chunk) -> None:
+        # the words' times are estimated (app/core/timestamps.py); normalized text has no times of its own
+        alignment = char_alignment(u.text, chunk.words, chunk.start_s, chunk.end_s)
+        msg: dict[str, Any] = {"audio": audio, "normalizedAlignment": alignment, "alignment": alignment}
         if self.multi:
             msg["contextId"] = u.context_id
         else:

@@ -1,0 +1,186 @@
+"""Word times of an utterance, on the audio actually sent (docs/protocol.md "Word timestamps").
+
+Sentence and chunk boundaries are exact: the gateway knows every sample's utterance. Inside a sentence ZONOS2
+says nothing about where a word falls, so without a forced aligner the words are placed inside the
+utterance's span: in proportion to their syllables (and the pauses their punctuation asks for), and within
+the part of the audio that is voiced (the silence before the first and after the last voiced frame is no
+word's). Every word is marked `"source": "estimated"`.
+
+The estimate streams: a word is placed once the audio sent reaches its estimated end (the total length is
+still unknown: it is reckoned from a speaking rate, stretched to the audio sent when that runs longer), and
+the words left when the utterance ends share the audio left, so the times are monotonic, every word gets
+one, and none lies past the audio sent when it is reported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.contract.constants import SAMPLE_RATE
+
+SOURCE = "estimated"  # what the client is told these times are
+SYLLABLES_PER_S = 4.2  # a typical speaking rate: the total is reckoned from it until the audio says more
+PAUSE_SYLLABLES = {",": 1.0, ";": 1.5, ":": 1.5, "-": 0.5, ".": 2.0, "!": 2.0, "?": 2.0, "…": 2.0}
+FRAME = SAMPLE_RATE // 100  # 10 ms of 44.1 kHz audio: the unit of the voiced-or-not decision
+QUIET_DB = 30.0  # a frame this far below the utterance's loudest frames is silence
+
+_WORD = re.compile(r"\S+")
+_VOWELS = re.compile(r"[aeiouyàâäéèêëîïôöùûüœæ]+", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class WordTime:
+    word: str
+    start_s: float  # from the utterance's first sample
+    end_s: float
+    char_start: int  # the word's place in the utterance's text
+    char_end: int
+
+    def as_json(self) -> dict[str, object]:
+        return {"word": self.word, "start_ms": round(self.start_s * 1e3, 1), "end_ms": round(self.end_s * 1e3, 1),
+                "char_start": self.char_start, "char_end": self.char_end}
+
+
+def syllables(word: str) -> float:
+    """A word's weight: its vowel groups (at least one; a letterless token such as a number counts its
+    characters), plus the pause its trailing punctuation asks for."""
+    letters = re.sub(r"[^\w]", "", word)
+    count = len(_VOWELS.findall(letters)) or max(1, len(letters) // 2)
+    if len(letters) > 2 and letters.lower().endswith("e") and count > 1 and not letters.lower().endswith("le"):
+        count -= 1  # a silent final e
+    return count + PAUSE_SYLLABLES.get(word[-1], 0.0)
+
+
+def char_alignment(text: str, words: list[WordTime], start_s: float, end_s: float) -> dict[str, list]:
+    """ElevenLabs' `alignment` of one audio message: the characters of the words it completes (each word's
+    characters share its span evenly, a space after each), times in ms from the message's first sample
+    (a word begun in an earlier message starts before 0), and a last space that runs to the message's end,
+    so a client that advances its clock by each message's alignment stays on the audio."""
+    chars: list[str] = []
+    starts: list[float] = []
+    durations: list[float] = []
+    for w in words:
+        piece = text[w.char_start:w.char_end]
+        step = (w.end_s - w.start_s) / max(1, len(piece))
+        for i, ch in enumerate(piece):
+            chars.append(ch)
+            starts.append(round((w.start_s + i * step - start_s) * 1e3, 1))
+            durations.append(round(step * 1e3, 1))
+        chars.append(" ")
+        starts.append(round((w.end_s - start_s) * 1e3, 1))
+        durations.append(0.0)
+    last = starts[-1] + durations[-1] if starts else 0.0
+    tail = round((end_s - start_s) * 1e3, 1)
+    if tail > last or not chars:
+        chars.append(" ")
+        starts.append(last)
+        durations.append(round(max(0.0, tail - last), 1))
+    return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": durations}
+
+
+class WordClock:
+    """The streaming estimate of one utterance's word times (module docstring)."""
+
+    def __init__(self, text: str) -> None:
+        self.words = [(m.group(), m.start(), m.end()) for m in _WORD.finditer(text)]
+        weights = [syllables(w) for w, _, _ in self.words]
+        self._ends = np.cumsum(weights) if weights else np.zeros(0)
+        self._total = float(self._ends[-1]) if weights else 0.0
+        self._next = 0  # the first word not placed yet
+        self._placed_to = 0.0  # where the last placed word ends
+        self._samples = 0
+        self._energy: list[float] = []  # per 10 ms frame of the audio so far
+        self._tail = np.zeros(0, np.int16)
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self.words)
+
+    def feed(self, pcm: np.ndarray) -> list[WordTime]:
+        """More of the utterance's audio (int16 at 44.1 kHz, as sent): the words it now holds."""
+        self._measure(pcm)
+        if self.done or not self._total:
+            return []
+        sent_s = self._samples / SAMPLE_RATE
+        start = self._voiced_start()
+        if start is None:
+            return []
+        span = max(self._total / SYLLABLES_PER_S, sent_s - start)  # the sentence's length as known so far
+        voiced_to = self._voiced_end()  # a word is placed only in voiced audio: never in a pause or the tail
+        out = []
+        while not self.done:
+            end = start + span * float(self._ends[self._next]) / self._total
+            if end > voiced_to:
+                break
+            out.append(self._place(end))
+        return out
+
+    def finish(self) -> list[WordTime]:
+        """The utterance's audio is complete: the words left share its voiced audio left."""
+        if self.done:
+            return []
+        start = self._voiced_start()
+        end = self._voiced_end()
+        begin = max(self._placed_to, start if start is not None else 0.0)
+        end = max(end, begin)
+        done_weight = float(self._ends[self._next - 1]) if self._next else 0.0
+        left = self._total - done_weight
+        out = []
+        while not self.done:
+            frac = (float(self._ends[self._next]) - done_weight) / left if left else 1.0
+            out.append(self._place(begin + (end - begin) * frac))
+        return out
+
+    def spoken(self, audio_s: float) -> list[str]:
+        """The words heard within the first `audio_s` of the utterance (a barge-in's report): those placed
+        that began by then, and of the rest, those whose estimated start lies within it."""
+        heard = []
+        start = self._voiced_start() or 0.0
+        span = max(self._total / SYLLABLES_PER_S, self._samples / SAMPLE_RATE - start) if self._total else 0.0
+        prev = 0.0
+        for i, (word, _, _) in enumerate(self.words):
+            begins = start + span * prev / self._total if self._total else 0.0
+            prev = float(self._ends[i])
+            if begins < audio_s:
+                heard.append(word)
+        return heard
+
+    # ---- the audio ---------------------------------------------------------------------------------
+    def _measure(self, pcm: np.ndarray) -> None:
+        self._samples += len(pcm)
+        x = np.concatenate([self._tail, pcm]) if len(self._tail) else pcm
+        whole = len(x) // FRAME * FRAME
+        if whole:
+            frames = x[:whole].astype(np.float32).reshape(-1, FRAME)
+            self._energy.extend(np.sqrt(np.mean(frames * frames, axis=1) + 1e-9).tolist())
+        self._tail = np.asarray(x[whole:], np.int16)
+
+    def _threshold(self) -> float:
+        loud = np.percentile(self._energy, 90) if self._energy else 0.0
+        return float(loud) * 10 ** (-QUIET_DB / 20)
+
+    def _voiced_start(self) -> float | None:
+        """When the first voiced frame begins (None: none yet)."""
+        th = self._threshold()
+        for i, e in enumerate(self._energy):
+            if e > th:
+                return i * FRAME / SAMPLE_RATE
+        return None
+
+    def _voiced_end(self) -> float:
+        th = self._threshold()
+        for i in range(len(self._energy) - 1, -1, -1):
+            if self._energy[i] > th:
+                return (i + 1) * FRAME / SAMPLE_RATE
+        return self._samples / SAMPLE_RATE
+
+    def _place(self, end: float) -> WordTime:
+        word, a, b = self.words[self._next]
+        start = self._placed_to if self._next else (self._voiced_start() or 0.0)
+        end = max(end, start)
+        self._next += 1
+        self._placed_to = end
+        return WordTime(word, start, end, a, b)

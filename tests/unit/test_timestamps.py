@@ -1,0 +1,70 @@
+"""Estimated word times (app/core/timestamps.py): every word gets one, in order, inside the voiced audio,
+never past the audio fed when it is given."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.core.timestamps import WordClock, char_alignment, syllables
+from engine.contract.constants import SAMPLE_RATE
+
+TEXT = "Hello there, how are you today? Fine, thanks."
+
+
+def speech(seconds: float, lead_s: float = 0.0, tail_s: float = 0.0, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    voiced = (rng.standard_normal(int(seconds * SAMPLE_RATE)) * 3000).astype(np.int16)
+    return np.concatenate([np.zeros(int(lead_s * SAMPLE_RATE), np.int16), voiced,
+                           np.zeros(int(tail_s * SAMPLE_RATE), np.int16)])
+
+
+@pytest.mark.parametrize("chunk", [512, 4096, 30000])
+@pytest.mark.parametrize("seconds", [0.4, 2.5, 9.0])
+def test_every_word_in_order_within_the_audio_fed(chunk, seconds):
+    audio = speech(seconds, lead_s=0.2, tail_s=0.5)
+    clock = WordClock(TEXT)
+    words, fed = [], 0
+    for i in range(0, len(audio), chunk):
+        piece = audio[i:i + chunk]
+        fed += len(piece)
+        new = clock.feed(piece)
+        assert all(w.end_s <= fed / SAMPLE_RATE + 1e-9 for w in new)
+        words += new
+    words += clock.finish()
+    assert [w.word for w in words] == TEXT.split()
+    assert [TEXT[w.char_start:w.char_end] for w in words] == TEXT.split()
+    starts = [w.start_s for w in words]
+    assert starts == sorted(starts) and all(w.end_s >= w.start_s for w in words)
+    assert all(b.start_s >= a.end_s - 1e-9 for a, b in zip(words, words[1:], strict=False))
+    assert words[0].start_s >= 0.2 - 0.011  # the leading silence is no word's
+    assert words[-1].end_s <= 0.2 + seconds + 0.011  # nor is the trailing one
+
+
+def test_longer_words_and_pauses_take_longer():
+    assert syllables("information") > syllables("cat")
+    assert syllables("end.") > syllables("end")
+    clock = WordClock("a extraordinary b")
+    words = clock.feed(speech(3.0)) + clock.finish()
+    spans = [w.end_s - w.start_s for w in words]
+    assert spans[1] > spans[0] and spans[1] > spans[2]
+
+
+def test_what_was_heard_before_a_barge_in():
+    clock = WordClock(TEXT)
+    clock.feed(speech(4.0))
+    assert clock.spoken(0.0) == []
+    heard = clock.spoken(1.0)
+    assert heard == TEXT.split()[: len(heard)] and 0 < len(heard) < len(TEXT.split())
+    assert clock.spoken(100.0) == TEXT.split()
+
+
+def test_an_elevenlabs_alignment_runs_to_its_message_end():
+    clock = WordClock(TEXT)
+    words = clock.feed(speech(3.0)) + clock.finish()
+    a = char_alignment(TEXT, words, 0.0, 3.0)
+    assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
+    assert "".join(a["chars"]).split() == TEXT.split()
+    assert abs(a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] - 3000.0) < 0.2
+    empty = char_alignment(TEXT, [], 1.0, 1.5)  # a message that completes no word still advances the clock
+    assert empty["chars"] == [" "] and empty["charDurationsMs"] == [500.0]
