@@ -3,6 +3,8 @@ never past the audio fed when it is given."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -36,7 +38,7 @@ def test_every_word_in_order_within_the_audio_fed(chunk, seconds):
     assert [TEXT[w.char_start:w.char_end] for w in words] == TEXT.split()
     starts = [w.start_s for w in words]
     assert starts == sorted(starts) and all(w.end_s >= w.start_s for w in words)
-    assert all(b.start_s >= a.end_s - 1e-9 for a, b in zip(words, words[1:], strict=False))
+    assert all(b.start_s >= a.end_s - 1e-9 for a, b in itertools.pairwise(words))
     assert words[0].start_s >= 0.2 - 0.011  # the leading silence is no word's
     assert words[-1].end_s <= 0.2 + seconds + 0.011  # nor is the trailing one
 
