@@ -350,7 +350,7 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
         device="cuda", max_batch=128, max_queue=256, max_context=512, compile=False, admission="slots",
         batch_invariant="seeded", prefill_group_wait_ms=0, stats_interval_s=1e9,
         continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9))
-    engine.codec = Codec.random("full", seed=0).to(device="cuda", dtype=torch.bfloat16)  # drive's decoder uses it
+    engine.codec = Codec.random("full", seed=0, device="cuda", dtype=torch.bfloat16)  # drive decodes with it
     frames = 60
     target = req(1, "The seeded sentence we regenerate for an edit.", frames, seed=1234)
 
