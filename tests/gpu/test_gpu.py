@@ -206,7 +206,8 @@ def test_prefill_graphs_match_unpadded_prefill():
 
 
 def _snr(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / max(np.sum((ref - x).astype(np.float64) ** 2), 1e-30)))
+    ref64, x64 = ref.astype(np.float64), x.astype(np.float64)  # before the difference: int16 PCM would wrap
+    return float(10 * np.log10(np.sum(ref64**2) / max(np.sum((ref64 - x64) ** 2), 1e-30)))
 
 
 def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
@@ -330,11 +331,6 @@ def test_overlap_with_captured_graphs_equals_eager_without():
 SEEDED_PCM_SNR_DB = 35.0
 
 
-def _pcm_snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    ref64, x64 = ref.astype(np.float64), x.astype(np.float64)
-    return float(10 * np.log10(np.sum(ref64**2) / max(np.sum((ref64 - x64) ** 2), 1e-30)))
-
-
 def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_the_stated_snr():
     """What docs/protocol.md promises for a seed, as the engine's scheduler serves it (overlap, CUDA graphs,
     --batch-invariant seeded, the dac_decoder's batching; a tiny random LLM and the full-size DAC in bf16):
@@ -372,7 +368,7 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
         c, p, r = serve(n)
         np.testing.assert_array_equal(c, codes, err_msg=f"beside {n}")
         assert len(p) == len(pcm) and r == reason, n
-        snr = _pcm_snr_db(pcm, p)
+        snr = _snr(pcm, p)
         print(f"seeded request beside {n} streams: codes identical, PCM SNR {snr:.1f} dB vs alone"
               + (" (identical)" if np.array_equal(p, pcm) else ""))
         assert snr >= SEEDED_PCM_SNR_DB, (n, snr)
