@@ -9,11 +9,8 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
-# every test with a CUDA path: the captured graphs (default, invariant, overlap, emotion rows), kernels, twins
-timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/gpu/test_gpu.py tests/engine/test_kernels.py \
-  tests/engine/test_dac_streaming.py tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py tests/unit/test_sampling.py \
-  tests/engine/test_guidance.py tests/engine/test_fp8.py tests/engine/test_batch_invariance.py \
-  tests/engine/test_continuation.py::test_gpu_a_reply_of_five_requests_is_one_stream} > "$OUT/gpu_tests.log" 2>&1 &
+timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider ${TESTS:-$GPU_TESTS} \
+  > "$OUT/gpu_tests.log" 2>&1 &
 tests=$!
 timeout ${SEED_S:-200} python3 bench/seed_invariance.py --json "$OUT/seed_invariance.json" > "$OUT/seed_invariance.log" 2>&1
 tail -25 "$OUT/seed_invariance.log"

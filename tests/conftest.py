@@ -28,6 +28,40 @@ def triton_on_cpu() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def process_settings() -> dict[str, object]:
+    """The process-wide settings a test could leave behind for every test after it: Triton's interpreter
+    (where CUDA is: a CPU run chooses it once, triton_on_cpu) and torch's global numerics (when torch is
+    imported)."""
+    got: dict[str, object] = {}
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return got
+    if torch.cuda.is_available():
+        got["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
+    got.update({
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "float32 matmul precision": torch.get_float32_matmul_precision(),
+        "threads": torch.get_num_threads(),
+    })
+    return got
+
+
+@pytest.fixture(autouse=True)
+def _process_settings_restored() -> Iterator[None]:
+    """Every test leaves the process-wide settings as it found them (monkeypatch, or a fixture that restores
+    them), so the GPU list passes in any order."""
+    before = process_settings()
+    yield
+    after = process_settings()
+    changed = {k: (before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]}
+    assert not changed, f"the test left process-wide settings changed (before, after): {changed}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

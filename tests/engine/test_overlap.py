@@ -68,7 +68,8 @@ def drive(engine: Engine, overlap: bool, submit: list[m.SubmitRequest], cancel_a
     submit those then. on_kept(rid, frames): more requests to submit when a held request's kept frames come."""
     cancel_at = dict(cancel_at or {})
     submit_at = dict(submit_at or {})
-    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)  # each run its own decoder
+    slots = engine.llm.n_slots
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * slots)  # each run its own decoder
     inbox, out = ShmRing.create(16 << 20), ShmRing.create(64 << 20)
     sched = Scheduler(engine, inbox, out)
     sched.overlap = overlap
@@ -146,7 +147,7 @@ def drive(engine: Engine, overlap: bool, submit: list[m.SubmitRequest], cancel_a
         else:
             raise AssertionError(f"not done after {max_iterations} iterations: {sorted(expected - run.ends.keys())}")
         assert not llm.in_flight and not llm.deferred
-        assert sorted(llm.free_slots) == list(range(SLOTS))  # every slot (twins' too) is free again
+        assert sorted(llm.free_slots) == list(range(slots))  # every slot (twins' too) is free again
         # and the dac_decoder holds no stream (one whose audio ended on its EOS before its generation did,
         # too: its entry was once kept forever, one more per such request)
         assert dac.active() == 0, sorted(dac._reqs)

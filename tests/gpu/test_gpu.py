@@ -206,7 +206,8 @@ def test_prefill_graphs_match_unpadded_prefill():
 
 
 def _snr(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref.astype(np.float64) ** 2) / max(np.sum((ref - x).astype(np.float64) ** 2), 1e-30)))
+    ref64, x64 = ref.astype(np.float64), x.astype(np.float64)  # before the difference: int16 PCM would wrap
+    return float(10 * np.log10(np.sum(ref64**2) / max(np.sum((ref64 - x64) ** 2), 1e-30)))
 
 
 def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
@@ -323,3 +324,51 @@ def test_overlap_with_captured_graphs_equals_eager_without():
     _, overlapped = compare_mixed(eager, False, graphed, True, pcm_tolerance=64)
     print("reasons with overlap:", {rid: end.reason for rid, end in sorted(overlapped.ends.items())})
     assert any(again for _, _, again in overlapped.admissions)  # a slot freed one step before went to a newcomer
+
+
+# docs/protocol.md (`seed`): a seeded request's PCM beside other streams is within this SNR of its PCM alone
+# (the codes are identical; the DAC decodes its chunks in batches whose size depends on the load)
+SEEDED_PCM_SNR_DB = 35.0
+
+
+def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_the_stated_snr():
+    """What docs/protocol.md promises for a seed, as the engine's scheduler serves it (overlap, CUDA graphs,
+    --batch-invariant seeded, the dac_decoder's batching; a tiny random LLM and the full-size DAC in bf16):
+    alone twice, the same codes and PCM bit for bit; beside 1, 8 and 127 unseeded streams decoding with it,
+    the same codes, length and end, and PCM within SEEDED_PCM_SNR_DB of the PCM alone. Driven one scheduler
+    iteration at a time: nothing depends on speed."""
+    from engine.contract.settings import EngineSettings, WeightSources
+    from engine.dac.codec import Codec
+    from engine.runtime.engine import Engine
+    from tests.engine.test_overlap import drive, req
+
+    engine = Engine(WeightSources(), EngineSettings(
+        device="cuda", max_batch=128, max_queue=256, max_context=512, compile=False, admission="slots",
+        batch_invariant="seeded", prefill_group_wait_ms=0, stats_interval_s=1e9,
+        continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9))
+    engine.codec = Codec.random("full", seed=0, device="cuda", dtype=torch.bfloat16)  # drive decodes with it
+    frames = 60
+    target = req(1, "The seeded sentence we regenerate for an edit.", frames, seed=1234)
+
+    def serve(n_others: int):
+        # the others start in the same iteration and outlast the target: every DAC call of the target's
+        # can batch it with them
+        others = [req(100 + i, f"Another stream, number {i}, with its own words.", frames + 20)
+                  for i in range(n_others)]
+        run = drive(engine, True, [*others[: n_others // 2], target, *others[n_others // 2:]], max_iterations=5000)
+        return run.codes(1), run.audio(1), run.ends[1].reason
+
+    codes, pcm, reason = serve(0)
+    assert len(codes) == frames and len(pcm) > 0
+    again = serve(0)
+    np.testing.assert_array_equal(again[0], codes)
+    np.testing.assert_array_equal(again[1], pcm)  # alone, the same DAC batches: identical PCM
+    assert again[2] == reason
+    for n in (1, 8, 127):
+        c, p, r = serve(n)
+        np.testing.assert_array_equal(c, codes, err_msg=f"beside {n}")
+        assert len(p) == len(pcm) and r == reason, n
+        snr = _snr(pcm, p)
+        print(f"seeded request beside {n} streams: codes identical, PCM SNR {snr:.1f} dB vs alone"
+              + (" (identical)" if np.array_equal(p, pcm) else ""))
+        assert snr >= SEEDED_PCM_SNR_DB, (n, snr)

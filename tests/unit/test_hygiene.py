@@ -4,7 +4,10 @@ in the interpreter on CUDA tensors)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -32,8 +35,6 @@ def test_only_the_triton_helper_writes_the_environment():
 
 
 def test_triton_on_cpu_sets_nothing_where_cuda_is(monkeypatch):
-    import os
-
     import torch
 
     from tests.conftest import triton_on_cpu
@@ -45,3 +46,32 @@ def test_triton_on_cpu_sets_nothing_where_cuda_is(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     triton_on_cpu()
     assert os.environ["TRITON_INTERPRET"] == "1"
+
+
+LEAKS = '''
+import torch
+
+
+def test_leaves_the_default_dtype_changed():
+    torch.set_default_dtype(torch.float64)
+
+
+def test_restores_it(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", not torch.backends.cudnn.deterministic)
+'''
+
+
+def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
+    """conftest's autouse check, loaded as a plugin into a pytest run of two tests: the one that leaves torch's
+    default dtype changed errors in its teardown, naming the setting; the one whose change monkeypatch undoes
+    passes."""
+    (tmp_path / "test_leaks.py").write_text(LEAKS)
+    root = TESTS.parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_leaks.py")],
+                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "2 passed, 1 error" in out, out  # the leaking test ran, and its teardown failed
+    assert "ERROR at teardown of test_leaves_the_default_dtype_changed" in out and "default dtype" in out, out

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One call on the GPU machine for the GPU test list (GPU_TESTS, bench/device_env.sh), which must pass in any
+# order: the list once in pytest-randomly's shuffled order (files and tests; RANDOMLY_SEED repeats an
+# order), then the seed-under-load test alone with its printed SNRs (SEED_TEST). The pytest-randomly wheel
+# travels in .whl (pip download --no-deps -d .whl pytest-randomly==5.1.0), as the other carried wheels.
+# Usage (device tool): bash bench/device_gpu_tests.sh [shuffled] [seeds]   (default: both)
+# Files under $OUT: gpu_tests_shuffled.log, seed_test.log
+set -uo pipefail
+source "$(dirname "$0")/device_env.sh"
+steps=${*:-shuffled seeds}
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
+rc=0
+for step in $steps; do
+  case $step in
+    shuffled)
+      python3 -c "import pytest_randomly" || { echo "pytest-randomly is not installed: carry its wheel in .whl"; exit 2; }
+      seed=${RANDOMLY_SEED:-$RANDOM}
+      echo "GPU list shuffled: --randomly-seed=$seed"
+      timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider -p randomly \
+        --randomly-seed="$seed" $GPU_TESTS > "$OUT/gpu_tests_shuffled.log" 2>&1 || rc=1
+      tail -15 "$OUT/gpu_tests_shuffled.log" ;;
+    seeds)
+      timeout -s INT -k 20 ${SEED_S:-240} python3 -m pytest -q -rP -p no:cacheprovider $SEED_TEST \
+        > "$OUT/seed_test.log" 2>&1 || rc=1
+      grep -E "seeded request|passed|failed|skipped|Error" "$OUT/seed_test.log" | tail -12 ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
+exit $rc
