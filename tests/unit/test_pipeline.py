@@ -44,6 +44,7 @@ class FakeEngine:
         self.streams: list[Stream] = []
         self.texts: list[str] = []
         self.cancelled: list[int] = []
+        self.limits: list[int] = []  # the max_frames each piece was submitted with
         self._streams: dict[int, Stream] = {}
         self._changed = asyncio.Event()
 
@@ -377,14 +378,16 @@ def test_utterance_budget_follows_the_engine_context():
 
 # ---- an utterance whose spoken text outgrew the budget (app/core/gateway.py PieceStream) ---------------------
 def _piece_submitter(engine: FakeEngine, events: dict[str, list[Event]]) -> tuple[Any, list[str]]:
-    """submit(piece) -> a Stream that already holds the events given for that piece."""
+    """submit(piece, max_frames) -> a Stream that already holds the events given for that piece."""
     submitted: list[str] = []
+    limits = engine.limits
 
-    def submit(piece: str) -> Stream:
+    def submit(piece: str, max_frames: int) -> Stream:
         stream = Stream(len(engine.streams) + 1, engine, 10**9)  # type: ignore[arg-type]
         engine._streams[stream.rid] = stream
         engine.streams.append(stream)
         submitted.append(piece)
+        limits.append(max_frames)
         for ev in events.get(piece, []):
             stream._deliver(ev)
         return stream
@@ -407,7 +410,7 @@ def test_pieces_play_in_order_one_ahead_and_finish_once():
         engine = FakeEngine()
         events = {p: [_audio(), _finished(frames=i + 1)] for i, p in enumerate(["one", "two", "three"])}
         submit, submitted = _piece_submitter(engine, events)
-        stream = PieceStream(submit, ["one", "two", "three"])
+        stream = PieceStream(submit, ["one", "two", "three"], 1000)
         assert submitted == ["one"]
         first = await stream.__anext__()
         assert first.type == m.AUDIO and submitted == ["one", "two"]  # the next generates while this plays
@@ -427,10 +430,10 @@ def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
     async def go():
         engine = FakeEngine()
         submit, _ = _piece_submitter(engine, {"a": [_audio(), _finished("max_frames")], "b": [_audio(), _finished()]})
-        cut = [ev async for ev in PieceStream(submit, ["a", "b"])]
+        cut = [ev async for ev in PieceStream(submit, ["a", "b"], 1000)]
         err = m.Error(0, EngineError.ENGINE_RESTARTED, "x")
         submit, submitted = _piece_submitter(engine, {"x": [_audio(), err]})
-        failed = [ev async for ev in PieceStream(submit, ["x", "y", "z"])]
+        failed = [ev async for ev in PieceStream(submit, ["x", "y", "z"], 1000)]
         return cut, failed, submitted, engine
 
     cut, failed, submitted, engine = asyncio.run(go())
@@ -440,13 +443,35 @@ def test_a_piece_cut_by_max_frames_is_reported_and_an_error_ends_the_rest():
     assert engine.cancelled == [engine.streams[-1].rid]
 
 
+def test_the_pieces_of_one_utterance_share_its_frame_limit():
+    """Each piece may take what the ones before it left; the audio stops at the limit, the one playing and
+    the one ahead are cancelled, and the utterance finishes max_frames."""
+    from app.core.gateway import PieceStream
+
+    async def go():
+        engine = FakeEngine()
+        events = {p: [_audio(3 * 512), _audio(3 * 512), _finished("max_frames")] for p in ("a", "b", "c")}
+        submit, submitted = _piece_submitter(engine, events)
+        seen = [ev async for ev in PieceStream(submit, ["a", "b", "c"], 8)]
+        return seen, submitted, engine
+
+    seen, submitted, engine = asyncio.run(go())
+    audio = [len(ev.pcm) for ev in seen if isinstance(ev, m.Audio)]
+    assert sum(audio) == 8 * 512 and audio == [3 * 512, 3 * 512, 2 * 512]
+    assert isinstance(seen[-1], m.Finished) and seen[-1].reason == "max_frames"
+    # b was sent ahead while a played (nothing played yet: all 8), c once a had played 6 (2 left); c is
+    # cancelled when b reaches the limit
+    assert engine.limits == [8, 8, 2] and submitted == ["a", "b", "c"]
+    assert engine.streams[-1].rid in engine.cancelled
+
+
 def test_cancelling_pieces_stops_the_one_playing_and_the_one_ahead():
     from app.core.gateway import PieceStream
 
     async def go():
         engine = FakeEngine()
         submit, submitted = _piece_submitter(engine, {"a": [_audio()]})
-        stream = PieceStream(submit, ["a", "b", "c"])
+        stream = PieceStream(submit, ["a", "b", "c"], 1000)
         await stream.__anext__()
         stream.cancel()
         return [ev async for ev in stream], submitted, engine
