@@ -37,7 +37,7 @@ from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.voices.library import AUDIO_SUFFIXES, Voice, VoiceStore, parse_embedding_file
+from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
 from engine.contract.errors import EngineError as E
@@ -348,7 +348,7 @@ class Gateway:
         for path in files:
             try:
                 data = await asyncio.to_thread(path.read_bytes)
-                name = re.sub(r"[_\-]+", " ", path.stem).strip()[:64] or path.stem
+                name = re.sub(r"[_\-]+", " ", path.stem).strip()[:MAX_NAME] or path.stem
                 vid = "default_" + hashlib.sha1(str(path.relative_to(folder)).encode()).hexdigest()[:16]
                 preview = None
                 if path.suffix.lower() in {".npy", ".npz"}:

@@ -18,15 +18,22 @@ from app.io.auth import require_key
 from app.io.checks import base64_payload
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.voices.library import Voice, VoiceError, VoiceStore, parse_embedding_file, slerp, validate_name
+from app.voices.library import (
+    Voice,
+    VoiceError,
+    VoiceStore,
+    derived_name,
+    parse_embedding_file,
+    slerp,
+    validate_name,
+)
 
 MAX_CLIPS = 8
 
 
 def _name_from_filename(filename: str) -> str:
     """A default voice name from an upload's file name: the stem, with characters names cannot hold replaced."""
-    stem = re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0]
-    return re.sub(r"[^\w .,'()+&\-]", "_", stem).strip()[:64].strip() or "voice"
+    return derived_name(re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0])
 
 
 def text_field(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
@@ -143,7 +150,7 @@ async def blend_voices(request: Request) -> Response:
     given = text_field(data.get("name"), "name")
     # a name the client gives is checked as everywhere else (too long is refused, never cut); the default
     # name is ours to fit
-    name = validate_name(given) if given is not None else validate_name(f"{a.name} + {b.name}"[:64])
+    name = validate_name(given) if given is not None else derived_name(f"{a.name} + {b.name}", "blend")
     vid = VoiceStore.clip_id(owner, [a.id.encode(), b.id.encode(), np.float64(t).tobytes()])
     existing = gw.voices.find(vid)
     if existing is not None and gw.voices.visible(existing, owner):  # the same blend again: that voice
@@ -213,11 +220,6 @@ def _tts_session(request: Request, required: bool) -> str | None:
     return sid or None
 
 
-def _label(text: str) -> str:
-    """A label (any text) as a voice name: characters that names cannot hold become '_'."""
-    return re.sub(r"[^\w .,'()+&\-]", "_", text).strip()[:64].strip()
-
-
 def speaker_record(v: Voice, session: str | None) -> dict:
     """A voice in the reference's speaker shape."""
     d = {"id": v.id, "label": v.name,
@@ -264,7 +266,8 @@ async def tts_cache_speaker(request: Request) -> Response:
             raise RequestError(G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both.")
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
         file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
-        label = _label(text_field(data.get("label"), "label", G.BAD_PARAMS) or "")
+        label = text_field(data.get("label"), "label", G.BAD_PARAMS)
+        label = validate_name(label) if label and label.strip() else None  # checked as every name is
         name = label or (_name_from_filename(file_name) if file_name else "") or (
             "Speaker audio" if audio else "Speaker embedding")
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}

@@ -36,7 +36,9 @@ from app.io.errors import RequestError
 log = logging.getLogger("gateway.voices")
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
-_NAME_OK = re.compile(r"^[\w .,'()+&\-]{1,64}$", re.UNICODE)
+MAX_NAME = 64
+_NAME_CHARS = r"\w .,'()+&\-"
+_NAME_OK = re.compile(rf"^[{_NAME_CHARS}]{{1,{MAX_NAME}}}$", re.UNICODE)
 
 
 class VoiceError(RequestError):
@@ -64,10 +66,18 @@ class Voice:
 
 
 def validate_name(name: str) -> str:
+    """A name a client gave (upload, rename, blend, speaker label): kept as given, less outer spaces, or refused;
+    never cut or changed."""
     name = name.strip()
     if not _NAME_OK.match(name):
-        raise VoiceError(G.BAD_NAME, "voice names are 1-64 letters, digits, spaces and . , ' ( ) + & - _")
+        raise VoiceError(G.BAD_NAME, f"voice names are 1-{MAX_NAME} letters, digits, spaces and . , ' ( ) + & - _")
     return name
+
+
+def derived_name(text: str, fallback: str = "voice") -> str:
+    """A name the server makes up (from a file name, or two voices' names): characters names cannot hold become
+    '_' and it is cut to the longest a name may be."""
+    return re.sub(rf"[^{_NAME_CHARS}]", "_", text).strip()[:MAX_NAME].strip() or fallback
 
 
 # An uploaded (N, D) array may hold at most this many float64 rows (as many bytes in any dtype). The limit is

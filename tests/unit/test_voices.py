@@ -500,7 +500,7 @@ def test_bad_blends(server, body, status, code):
     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
     message = r.json()["error"]["message"]
     assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # about the file
+    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
         assert internal not in message, message
 
 
@@ -583,7 +583,7 @@ BAD_UPLOADS = {
     "non_audio": ({"file": ("x.wav", b"this is plain text, not a WAV")}, 400, "bad_audio"),
     "empty_file": ({"file": ("x.wav", b"")}, 400, "bad_audio"),
     "zero_length_wav": ({"file": ("x.wav", _zero_length_wav())}, 400, "bad_audio"),
-    # 80 KB that decode to 90 MB, refused from the header; too many channels likewise
+    # issue 17.8: 80 KB that decode to 90 MB, refused from the header; too many channels likewise
     "rate_384k": ({"file": ("x.flac", _silent(59, 384_000))}, 400, "bad_audio"),
     "channels_17": ({"file": ("x.wav", _silent(1, 8000, 17, "WAV"))}, 400, "bad_audio"),
     "both_kinds": ({"file": ("x.wav", b"RIFF"), "embedding": ("e.npy", npy(rand(1)))}, 400, "bad_upload"),
@@ -600,7 +600,7 @@ def test_bad_voice_uploads(server, case):
     assert r.status_code == status and r.json()["error"]["code"] == code, r.text
     message = r.json()["error"]["message"]
     assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # about the file
+    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
         assert internal not in message, message
 
 
@@ -624,3 +624,37 @@ def test_inline_embedding_in_tts_generate_is_validated(server, arr):
     r = httpx.post(server.url + "/tts/generate", timeout=60, json={
         "text": "x", "speaker_embedding_base64": base64.b64encode(npy(arr)).decode()})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding", r.text
+
+
+@pytest.mark.slow
+def test_names_are_refused_alike_and_a_reblend_keeps_its_name(server):
+    """One name rule on every route: a name too long or with a bad character is refused, never cut; the same
+    blend again is the voice it already is, renamed only when a name is asked for."""
+    a = created(upload_embedding(server, npy(rand(51)), "tv same rule A"))
+    b = created(upload_embedding(server, npy(rand(52)), "tv same rule B"))
+    session = {"X-TTS-Session-ID": "tv-names"}
+    emb = base64.b64encode(npy(rand(53))).decode()
+    for bad in ("n" * 65, "a|b", " " + "x" * 65):
+        answers = {
+            "upload": upload_embedding(server, npy(rand(54)), bad),
+            "patch": httpx.patch(server.url + f"/v1/voices/{a['id']}", json={"name": bad}),
+            "blend": httpx.post(server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "name": bad}),
+            "speakers": httpx.post(server.url + "/tts/speakers", headers=session,
+                                   json={"label": bad, "speaker_embedding_base64": emb}),
+        }
+        for route, r in answers.items():
+            assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name", (route, bad, r.text)
+    assert httpx.get(server.url + f"/v1/voices/{a['id']}").json()["name"] == "tv same rule A"
+    ok = "n" * 64
+    first = httpx.post(server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "t": 0.3, "name": ok})
+    assert first.status_code == 201 and first.json()["name"] == ok, first.text
+    again = httpx.post(server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "t": 0.3})
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
+    assert again.json()["name"] == ok and again.json()["deduplicated"]
+    renamed = httpx.post(server.url + "/v1/voices/blend",
+                         json={"a": a["id"], "b": b["id"], "t": 0.3, "name": "tv same rule renamed"})
+    assert renamed.status_code == 200 and renamed.json()["name"] == "tv same rule renamed", renamed.text
+    # a name the server makes up from two long names is cut to the longest a name may be, not refused
+    long_a = created(upload_embedding(server, npy(rand(55)), "L" * 60))
+    made = httpx.post(server.url + "/v1/voices/blend", json={"a": long_a["id"], "b": b["id"]})
+    assert made.status_code == 201 and made.json()["name"] == ("L" * 60 + " + tv")[:64], made.text
