@@ -1091,11 +1091,11 @@ def test_host_rule_flags():
     from app.io.auth import host_allowed
 
     allowed = ("gateway.example",)
-    for host in ("localhost", "localhost:8000", "127.0.0.1:1", "127.9.9.9", "[::1]:8000", "::1", "LOCALHOST.",
+    for host in ("localhost", "localhost:8000", "127.0.0.1:1", "127.9.9.9", "[::1]:8000", "[::1]", "LOCALHOST.",
                  "gateway.example", "Gateway.Example:443", None):
         assert host_allowed(host, allowed), host
     for host in ("evil.example:8000", "evil.example", "localhost.evil.example", "127.0.0.1.evil.example",
-                 "10.0.0.1", "", "gateway.example.evil"):
+                 "10.0.0.1", "", "gateway.example.evil", "::1"):  # an IPv6 Host is bracketed (RFC 3986)
         assert not host_allowed(host, allowed), host
     assert host_allowed("anything.example", ("*",))
 
