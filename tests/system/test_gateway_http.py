@@ -397,5 +397,6 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
     assert seen[-1] == (1, 0), seen  # dropped from the queue while the slot's holder still runs
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'zonos_errors_total{code="client_gone"} 1.0' in metrics
+    assert "\nzonos_engine_cancelled 1.0\n" in metrics  # cancelled there, not run to its end for nobody
     holder.join(300)
 

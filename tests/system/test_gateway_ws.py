@@ -297,3 +297,50 @@ def test_word_times_and_what_a_barge_in_heard(server):
     assert len(heard) == 1 and heard[0]["audio_ms"] >= 400 and heard[0]["source"] == "estimated"
     spoken = heard[0]["words"]
     assert spoken == ["A", "long", "one", "that", "plays", "for", "a", "while", "before", "it", "is", "cut."][: len(spoken)]
+
+
+def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_server):
+    """One slot, held by one session's long utterance: a second session's utterance waits in the engine's
+    queue. When that socket drops without a word, the gateway cancels its engine request: it leaves the
+    queue cancelled (not run for nobody) while the holder still runs."""
+    srv = start_server("--max-batch", "1")
+
+    def engine() -> tuple[int, int, int]:
+        """(active, waiting, cancelled) of the one engine."""
+        e = httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        cancelled = next(float(line.split()[1]) for line in metrics.splitlines()
+                         if line.startswith("zonos_engine_cancelled "))
+        return e["active"], e["waiting"], int(cancelled)
+
+    async def wait_for(state: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+        seen: list[tuple[int, int, int]] = []
+        deadline = time.monotonic() + 120  # a failure guard only
+        while time.monotonic() < deadline:
+            seen.append(await asyncio.to_thread(engine))
+            if seen[-1] == state:
+                break
+            await asyncio.sleep(0.2)
+        return seen
+
+    async def drain(ws) -> None:  # the holder reads its audio: it is never cancelled as a slow consumer
+        async for _ in ws:
+            pass
+
+    async def go():
+        holder = await connect(srv, params={"max_frames": 2500, "ignore_eos": True})
+        await holder.send(type="text", text="Hold the slot.", flush=True)
+        await holder.until("audio.start", timeout=120)
+        reading = asyncio.create_task(drain(holder.ws))
+        queued = await connect(srv)
+        await queued.send(type="text", text="Queued.", flush=True)
+        before = await wait_for((1, 1, 0))  # it waits behind the holder
+        queued.ws.transport.abort()  # the client vanishes: no close frame
+        after = await wait_for((1, 0, 1))
+        await holder.ws.close()
+        await reading
+        return before, after
+
+    before, after = run(go())
+    assert before[-1] == (1, 1, 0), before
+    assert after[-1] == (1, 0, 1), after  # cancelled in the queue while the slot's holder still runs
