@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from app.core.gateway import Gateway
+from app.core.instructions import Instructions, apply_instructions
 from app.core.options import PARAM_KEYS, SynthesisOptions, check_speed, parse_options
 from app.doors.reference import SPEAKER_FIELDS, speaker_source, with_emotion
 from app.doors.speech import Framing, read_json, speech_response
@@ -61,6 +62,7 @@ class SpeechRequest:
     whole: bool  # a FLAC or WAV sent finished, its header complete
     opts: SynthesisOptions
     voice: Voice | None
+    instructions: Instructions | None = None  # what of `instructions` is applied, what is not
 
 
 async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: bool) -> SpeechRequest:
@@ -87,8 +89,9 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     # (SSE, `stream: true`, or the openai SDK's with_streaming_response) gets the finished file, which
     # every reader opens; a stream of them leaves the length unknown (app/io/audio_output.py).
     whole = fmt in WHOLE_FILE_FORMATS and not (sse or data.get("stream") is True or streamed)
-    if "instructions" in data and not isinstance(data["instructions"], str | None):
-        raise RequestError(G.BAD_PARAMS, "instructions must be a string")  # accepted; the model takes none
+    instructions = data.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise RequestError(G.BAD_PARAMS, "instructions must be a string")
     # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
     base = SynthesisOptions()
     base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0
@@ -103,9 +106,13 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
         voice = speaker
     else:
         voice = openai_voice(gw, ref, owner)
+    report = None
+    if instructions:  # onto the emotion axes and the speaking rate (app/core/instructions.py)
+        directions = gw.prompts.emotion if gw.cfg.speaker_enabled and voice is not None else None
+        opts, report = apply_instructions(instructions, opts, directions, bool(gw.cfg.speaking_rate_buckets))
     voice = with_emotion(gw, data, opts, voice)
     output = OutputFormat(_ENCODINGS.get(fmt, fmt), rate, wav=fmt == "wav")
-    return SpeechRequest(text, fmt, output, sse, whole, opts, voice)
+    return SpeechRequest(text, fmt, output, sse, whole, opts, voice, report)
 
 
 def _params(gw: Gateway, data: dict[str, Any]) -> dict[str, Any]:
@@ -167,6 +174,10 @@ async def openai_speech(request: Request) -> Response:
     headers = {"X-Audio-Sample-Rate": str(req.output.sample_rate), "X-Audio-Channels": "1"}
     if req.format in RAW_SAMPLE_FORMATS:
         headers["X-Audio-Format"] = RAW_SAMPLE_FORMATS[req.format]
+    if req.instructions is not None:  # what of the instructions was applied, and what was not (never silent)
+        headers["X-Instructions-Applied"] = ", ".join(req.instructions.applied) or "none"
+        if req.instructions.unmapped:
+            headers["X-Instructions-Not-Applied"] = "; ".join(req.instructions.unmapped)[:1000]
     framing = Framing()
     if req.sse:
         n = len(req.text)

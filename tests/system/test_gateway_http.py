@@ -400,3 +400,15 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
     assert "\nzonos_engine_cancelled 1.0\n" in metrics  # cancelled there, not run to its end for nobody
     holder.join(300)
 
+
+
+def test_openai_instructions_report_what_was_applied(server):
+    """`instructions` are never silently ignored: this server has no emotion directions, so "cheerfully" is
+    named as not applied, as is a manner with no control at all."""
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
+        "input": "Hi.", "instructions": "Whisper this cheerfully.", "response_format": "pcm",
+        "params": {"max_frames": 10, "ignore_eos": True}})
+    assert r.status_code == 200 and r.content
+    assert r.headers["x-instructions-applied"] == "none"
+    missing = r.headers["x-instructions-not-applied"]
+    assert "whisper" in missing and "cheerfully" in missing

@@ -1,0 +1,89 @@
+"""OpenAI's `instructions` ("speak cheerfully", "calm and slow") onto what ZONOS2 can do: the emotion axes
+(valence, arousal: needs --emotion-directions-dir with those axes) and the speaking rate (needs a model with
+speaking-rate buckets). The words below are the whole table (docs/clients.md); a word of the instructions
+that names a manner of speaking and is not in it, or that the server cannot apply, is reported back, never
+silently dropped. The words of an instruction add up, each capped to the axes' bounds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from app.core.options import SPEED_RANGE, SynthesisOptions
+from engine.frontend.emotion import EmotionDirections
+
+# word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes
+EMOTION_WORDS: dict[str, tuple[float, float]] = {
+    "cheerful": (0.6, 0.4), "happy": (0.6, 0.3), "joyful": (0.7, 0.5), "excited": (0.5, 0.7),
+    "enthusiastic": (0.5, 0.6), "upbeat": (0.5, 0.4), "warm": (0.4, -0.1), "friendly": (0.4, 0.1),
+    "calm": (0.1, -0.5), "soothing": (0.2, -0.6), "relaxed": (0.2, -0.5), "gentle": (0.2, -0.4),
+    "serious": (-0.1, -0.1), "sad": (-0.6, -0.3), "somber": (-0.5, -0.4), "melancholic": (-0.6, -0.4),
+    "angry": (-0.6, 0.6), "furious": (-0.8, 0.8), "annoyed": (-0.4, 0.3), "scared": (-0.5, 0.6),
+    "nervous": (-0.3, 0.5), "energetic": (0.3, 0.7), "tired": (-0.2, -0.6), "bored": (-0.3, -0.5),
+}
+# word -> a speed multiplier (the speaking rate)
+SPEED_WORDS: dict[str, float] = {"slow": 0.85, "slowly": 0.85, "fast": 1.2, "quick": 1.2, "quickly": 1.2,
+                                 "rapid": 1.25, "rapidly": 1.25, "brisk": 1.1, "briskly": 1.1, "leisurely": 0.8}
+# words that ask for a manner of speaking the table does not have (reported as not applied)
+MANNER_WORDS = {"whisper", "whispering", "shout", "shouting", "loud", "loudly", "quiet", "quietly", "soft",
+                "softly", "accent", "british", "american", "sarcastic", "sarcastically", "dramatic", "dramatically",
+                "robotic", "sing", "singing", "deep", "high", "low", "pitch", "emphasis", "emphasize"}
+AXIS_LIMIT = 1.0
+
+_WORD = re.compile(r"[a-z]+")
+
+
+@dataclass
+class Instructions:
+    """What an instruction asked for, what of it is applied, what is not (and why)."""
+
+    applied: list[str] = field(default_factory=list)
+    unmapped: list[str] = field(default_factory=list)
+
+
+def _lookup(word: str) -> tuple[float, float] | float | None:
+    """The table's value for a word or its adverb / noun ("cheerfully", "calmness")."""
+    for table in (EMOTION_WORDS, SPEED_WORDS):
+        for key, value in table.items():
+            if word == key or (word.startswith(key) and word[len(key):] in ("ly", "ally", "ily", "ness")):
+                return value
+    return None
+
+
+def apply_instructions(text: str, opts: SynthesisOptions, directions: EmotionDirections | None,
+                       speaking_rate: bool) -> tuple[SynthesisOptions, Instructions]:
+    """`opts` with what `text` asks for, and the report. A field the request sets itself (emotion_*,
+    speed) is not overridden."""
+    report = Instructions()
+    valence = arousal = 0.0
+    speed = 1.0
+    axes = directions is not None and all(a in directions.axes for a in ("valence", "arousal"))
+    for word in _WORD.findall(text.lower()):
+        value = _lookup(word)
+        if value is None:
+            if word in MANNER_WORDS:
+                report.unmapped.append(f"{word} (no such control)")
+            continue
+        if isinstance(value, tuple):
+            if not axes:
+                report.unmapped.append(f"{word} (no emotion directions with valence and arousal axes)")
+                continue
+            valence, arousal = valence + value[0], arousal + value[1]
+        else:
+            if not speaking_rate:
+                report.unmapped.append(f"{word} (this model has no speaking-rate control)")
+                continue
+            speed *= value
+        report.applied.append(word)
+    emo = opts.emotion
+    if (valence or arousal) and not emo.requested:
+        clip = lambda x: max(-AXIS_LIMIT, min(AXIS_LIMIT, x))  # noqa: E731
+        opts = dataclasses.replace(opts, emotion=dataclasses.replace(
+            emo, enabled=True, valence=clip(valence), arousal=clip(arousal)))
+    if speed != 1.0 and opts.cond.speed is None and opts.cond.speaking_rate is None \
+            and opts.cond.speaking_rate_bucket is None:
+        speed = max(SPEED_RANGE[0], min(SPEED_RANGE[1], speed))
+        opts = dataclasses.replace(opts, cond=dataclasses.replace(opts.cond, speed=speed))
+    return opts, report

@@ -1,0 +1,38 @@
+"""OpenAI `instructions` onto the emotion axes and the speaking rate (app/core/instructions.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from app.core.instructions import apply_instructions
+from app.core.options import SynthesisOptions
+from engine.frontend.emotion import EmotionDirections, EmotionRequest
+
+
+def directions() -> EmotionDirections:
+    rng = np.random.default_rng(0)
+    return EmotionDirections(dim=8, axes={a: rng.standard_normal(8).astype(np.float32) for a in ("valence", "arousal")})
+
+
+def test_manner_words_map_onto_the_axes_and_the_rate():
+    opts, report = apply_instructions("Speak cheerfully, and a bit slowly.", SynthesisOptions(), directions(), True)
+    assert report.applied == ["cheerfully", "slowly"] and report.unmapped == []
+    assert opts.emotion.enabled and opts.emotion.valence > 0 and opts.emotion.arousal > 0
+    assert opts.cond.speed == 0.85
+    calm, _ = apply_instructions("calm and slow", SynthesisOptions(), directions(), True)
+    assert calm.emotion.arousal < 0 and calm.cond.speed == 0.85
+
+
+def test_what_cannot_be_applied_is_reported_not_dropped():
+    opts, report = apply_instructions("Whisper it, cheerfully and fast.", SynthesisOptions(), None, False)
+    assert report.applied == []
+    assert [u.split()[0] for u in report.unmapped] == ["whisper", "cheerfully", "fast"]
+    assert not opts.emotion.enabled and opts.cond.speed is None
+
+
+def test_the_request_own_fields_win():
+    base = SynthesisOptions()
+    base.emotion = EmotionRequest(enabled=True, valence=-0.5)
+    base.cond.speed = 1.5
+    opts, _ = apply_instructions("cheerful and slow", base, directions(), True)
+    assert opts.emotion.valence == -0.5 and opts.cond.speed == 1.5
