@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.breaks import split_breaks
 from app.core.continuation import Chain, Link
 from app.core.engine_client import Stream
 from app.core.gateway import Gateway, PieceStream, utterance_bytes
@@ -40,6 +41,7 @@ from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError
 
+SILENCE_PIECE = 4096  # samples of a break sent at once (a cancel stops it within one)
 log = logging.getLogger("gateway.pipeline")
 
 DEFAULT_CONTEXT = "default"
@@ -84,6 +86,7 @@ class Utterance:
     chain: Chain | None = None  # its context's continuation chain (None: long_form false)
     link: Link | None = None
     clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
+    silence_s: float | None = None  # a break (app/core/breaks.py): this much silence, no engine work
 
     def heard(self) -> dict[str, Any]:
         """What its listener got before a barge-in: the audio sent and the words it covers."""
@@ -131,11 +134,15 @@ class UtterancePipeline:
             clip: tuple[np.ndarray, int] | None, context_id: str = DEFAULT_CONTEXT,
             encoder: tuple[str, int] | None = None) -> list[Utterance]:
         added = []
-        for text in texts:
+        pieces = [p for text in texts for p in split_breaks(text)]  # refused before anything is queued
+        for piece in pieces:
             seq = next(self._seq)
+            text = piece if isinstance(piece, str) else ""
             u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
                           clip=clip, encoder=Encoder(*encoder) if encoder else None)
-            if opts.long_form.long_form is False:
+            if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
+                u.silence_s = piece
+            elif opts.long_form.long_form is False:
                 self.end(context_id)
             else:
                 u.chain = self.chains.get(context_id) or self.chains.setdefault(context_id, Chain(opts.long_form))
@@ -152,7 +159,7 @@ class UtterancePipeline:
         a continuation chain all start: each generates only once the one before it has (app/core/continuation.py),
         and the one before cannot end its audio until the next continues its stream (or it is flushed)."""
         for i, u in enumerate(self.queue):
-            if u.start_task is None and (i < self.depth or u.chain is not None):
+            if u.start_task is None and u.silence_s is None and (i < self.depth or u.chain is not None):
                 u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
 
     async def _start(self, u: Utterance) -> None:
@@ -210,6 +217,16 @@ class UtterancePipeline:
         u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
         u.t_head = time.perf_counter()
         self.prefetch()
+        if u.silence_s is not None:  # a break: exact silence, in pieces a cancel can cut
+            left = round(u.silence_s * SAMPLE_RATE)
+            while left > 0 and not u.cancelled:
+                n = min(left, SILENCE_PIECE)
+                yield np.zeros(n, np.int16)
+                u.samples += n
+                left -= n
+                u.t_done = time.perf_counter()
+                u.t_first = u.t_first or u.t_done
+            return
         assert u.start_task is not None
         await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
         if u.cancelled or u.error is not None:

@@ -74,7 +74,9 @@ surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) |
 short_text = (st.text(max_size=60) | surrogates
               | st.sampled_from(["Hello there.", "One. Two. Three.", "¿Qué tal?", "数字 123。", "", "   ", "\n\n",
                                  "a" * 250, "\ud800 hello.", "Fine. \udfff", "😀" * 600, "Привет" * 250,
-                                 "数" * 700 + "。", "é" * 400 + ". Done."]))
+                                 "数" * 700 + "。", "é" * 400 + ". Done.", 'Go <break time="300ms"/> on.',
+                                 '<break time="bad"/>', '<break time="99s"/>.', "<break/>", '<break time=1s>x',
+                                 '[happy] Hi.', '<emotion value="happy"/> Hi.']))
 def silent_flac(seconds: float, sr: int, channels: int = 1) -> bytes:
     """Small on disk, large once decoded: what a clip at a high rate or with many channels is."""
     buf = io.BytesIO()

@@ -344,3 +344,28 @@ def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_
     before, after = run(go())
     assert before[-1] == (1, 1, 0), before
     assert after[-1] == (1, 0, 1), after  # cancelled in the queue while the slot's holder still runs
+
+
+def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
+    """`<break time="700ms"/>` between two sentences: an utterance of exactly that much silence between them,
+    and the sentence after it continues the one before (one continuation chain); a break without a valid
+    time is refused, never spoken."""
+    async def go():
+        c = await connect(server, encoding="pcm_s16le", sample_rate=24000,
+                          params={"seed": 1, "max_frames": 20, "ignore_eos": True})
+        await c.send(type="text", text='Hello there. <break time="700ms"/> How are you?', flush=True)
+        while (await c.recv())["type"] != "flushed":
+            pass
+        await c.send(type="text", text='Bad <break time="soon"/> tag.', flush=True)
+        err = await c.until("error")
+        await c.ws.close()
+        return c, err
+
+    c, err = run(go())
+    starts = [m for m in c.log if m["type"] == "audio.start"]
+    assert [m["text"] for m in starts] == ["Hello there.", "", "How are you?"]
+    silence = c.audio[starts[1]["utterance_id"]]
+    assert len(silence) == 2 * round(0.7 * 24000) and not any(silence)
+    done = {m["utterance_id"]: m for m in c.log if m["type"] == "audio.done"}
+    assert done[starts[0]["utterance_id"]]["stats"]["engine"]["continued"] is True  # the voice went on
+    assert err["code"] == "bad_text" and "break" in err["message"]

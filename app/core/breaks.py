@@ -1,0 +1,37 @@
+"""Inline breaks: `<break time="500ms"/>` (ElevenLabs' and Cartesia's syntax; also "1.5s") in a text is that
+much silence, exactly, between the speech before and after it. The speech after a break continues the speech
+before it (the same continuation chain: a break does not reset the voice)."""
+
+from __future__ import annotations
+
+import re
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
+_TAG = re.compile(r"<\s*break\b([^>]*)/?\s*>", re.IGNORECASE)
+_TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
+
+
+def split_breaks(text: str) -> list[str | float]:
+    """The text's pieces in order: spoken text (str, never empty or blank) and breaks (seconds). A break tag
+    without a valid time is refused (`bad_text`), never spoken as text."""
+    out: list[str | float] = []
+    pos = 0
+    for m in _TAG.finditer(text):
+        before = text[pos:m.start()]
+        if before.strip():
+            out.append(before.strip())
+        t = _TIME.search(m.group(1))
+        if t is None:
+            raise RequestError(G.BAD_TEXT, f"a break needs a time such as time=\"500ms\" or \"1.5s\": {m.group(0)[:60]!r}")
+        seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
+        if not 0 < seconds <= MAX_BREAK_S:
+            raise RequestError(G.BAD_TEXT, f"a break is more than 0 and at most {MAX_BREAK_S:g} s, not {seconds:g} s")
+        out.append(seconds)
+        pos = m.end()
+    rest = text[pos:]
+    if rest.strip() or not out:
+        out.append(rest if not out else rest.strip())
+    return out
