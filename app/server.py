@@ -27,7 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.core.engine_client import ControlLink
 from app.core.gateway import Gateway
 from app.doors import openai_speech, reference, service, speech, voices
-from app.doors.dialects import cartesia, cartesia_http, deepgram, deepgram_http, elevenlabs, elevenlabs_http
+from app.doors.dialects import (
+    cartesia,
+    cartesia_http,
+    deepgram,
+    deepgram_http,
+    elevenlabs,
+    elevenlabs_http,
+    elevenlabs_lexicons,
+)
 from app.doors.ws import websocket_endpoint
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.io.errors import GatewayError as G
@@ -237,6 +245,11 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         WebSocketRoute("/v1/speak", deepgram.endpoint),
         # ... and their HTTP routes (synthesize() of LiveKit's plugins, the vendors' SDKs)
         Route("/v1/text-to-speech/{voice_id}", elevenlabs_http.speech, methods=["POST"]),
+        Route("/v1/pronunciation-dictionaries", elevenlabs_lexicons.list_dictionaries, methods=["GET"]),
+        Route("/v1/pronunciation-dictionaries/add-from-file", elevenlabs_lexicons.add_from_file, methods=["POST"]),
+        Route("/v1/pronunciation-dictionaries/add-from-rules", elevenlabs_lexicons.add_from_rules, methods=["POST"]),
+        Route("/v1/pronunciation-dictionaries/{dictionary_id}", elevenlabs_lexicons.dictionary,
+              methods=["GET", "DELETE"]),
         Route("/v1/text-to-speech/{voice_id}/stream", elevenlabs_http.speech, methods=["POST"]),
         Route("/v1/text-to-speech/{voice_id}/with-timestamps", elevenlabs_http.speech_with_timestamps,
               methods=["POST"]),

@@ -37,6 +37,7 @@ from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
+from app.voices.lexicons import LexiconStore, Rule, apply_rules, rules_from_json
 from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
@@ -46,6 +47,7 @@ from engine.contract.settings import EngineSettings
 from engine.frontend.audio import AudioDecodeError, ClipTooLong, decode_audio
 from engine.frontend.config import Zonos2Config, preset_params
 
+MAX_LEXICON_ITEMS = 64  # dictionaries and inline rules one request names
 METRICS_REFRESH_S = 1.0  # several gateway processes: how often each writes its gauges for the others
 log = logging.getLogger("gateway")
 
@@ -176,6 +178,7 @@ class Gateway:
             turns = self.normalizer.turns
             self.metrics.track(self.metrics.normalizing, lambda: turns.active)
             self.metrics.track(self.metrics.normalization_waiting, lambda: turns.waiting)
+        self.lexicons = LexiconStore(settings.data_dir / "lexicons")
         self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim,
                                  shared=settings.shared_voices or link is not None)  # other processes' voices too
         self.sessions = SessionCount(link.sessions if link is not None else None)
@@ -283,6 +286,7 @@ class Gateway:
         its context's continuation chain (app/core/continuation.py)."""
         if len(text) > self.settings.limits.max_text_chars:
             raise RequestError(G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
+        text = apply_rules(text, opts.lexicon)  # pronunciation dictionaries: before normalization
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         budget = utterance_bytes(self)
@@ -335,6 +339,27 @@ class Gateway:
             return stream
         finally:
             link.settle()
+
+    def lexicon(self, spec: object, owner: str) -> tuple[Rule, ...]:
+        """Pronunciation rules from a request: a list of stored dictionaries (an id, or ElevenLabs' locator
+        `{pronunciation_dictionary_id, version_id}`) and inline rules (`{grapheme, alias}` or
+        `{string_to_replace, alias}`), in order (an earlier rule for the same text wins)."""
+        if spec is None:
+            return ()
+        if not isinstance(spec, list) or len(spec) > MAX_LEXICON_ITEMS:
+            raise RequestError(G.BAD_LEXICON, f"a lexicon is a list of at most {MAX_LEXICON_ITEMS} dictionary ids, "
+                                              "locators or rules")
+        rules: list[Rule] = []
+        for item in spec:
+            if isinstance(item, dict) and "pronunciation_dictionary_id" in item:
+                item = item["pronunciation_dictionary_id"]
+            if isinstance(item, str):
+                rules += self.lexicons.get(item, owner).rules
+            elif isinstance(item, dict):
+                rules += rules_from_json([item])
+            else:
+                raise RequestError(G.BAD_LEXICON, "a lexicon item is a dictionary id, a locator or a rule")
+        return tuple(rules)
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":

@@ -11,6 +11,7 @@ from typing import Any
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.voices.lexicons import Rule
 from engine.contract.records import SamplingParams
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.emotion import EMOTION_FIELDS, EmotionRequest
@@ -58,6 +59,8 @@ class SynthesisOptions:
     # continuation across a context's utterances (app/core/continuation.py): on unless long_form is false
     long_form: LongFormOptions = field(default_factory=LongFormOptions)
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
+    # pronunciation rules, applied to the text before its normalization (app/voices/lexicons.py)
+    lexicon: tuple[Rule, ...] = ()
 
 
 def finite(value: int | float) -> bool:

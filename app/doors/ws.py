@@ -135,7 +135,7 @@ class Session(StreamingSession):
 
     # ---- messages ------------------------------------------------------------------------------
     async def _on_config(self, data: dict[str, Any]) -> None:
-        self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps"})
+        self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps", "lexicon"})
         stamps = data.get("timestamps", self.timestamps)
         if not isinstance(stamps, bool):
             raise RequestError(G.BAD_PARAMS, "timestamps must be true or false")
@@ -145,6 +145,8 @@ class Session(StreamingSession):
         rate = check_sample_rate(rate, OUTPUT_RATES)
         opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
                 if "params" in data else self.opts)
+        if "lexicon" in data:  # pronunciation rules: stored dictionaries' ids and inline {grapheme, alias}
+            opts = dataclasses.replace(opts, lexicon=self.gw.lexicon(data["lexicon"], self.owner))
         voice, clip = self.voice, self.clip
         if "voice" in data:
             ref = data["voice"]

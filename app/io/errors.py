@@ -57,6 +57,8 @@ class GatewayError(StrEnum):
     READ_ONLY = "read_only"
     FORBIDDEN = "forbidden"
     VOICE_STORE_UNAVAILABLE = "voice_store_unavailable"
+    BAD_LEXICON = "bad_lexicon"  # a pronunciation dictionary that cannot be taken (a phoneme rule, bad PLS)
+    UNKNOWN_LEXICON = "unknown_lexicon"
     # the dialects' own codes, as those services spell them
     ELEVENLABS_INVALID_OUTPUT_FORMAT = "invalid_output_format"
     ELEVENLABS_MAX_ACTIVE_CONVERSATIONS = "max_active_conversations"
@@ -78,7 +80,7 @@ _HTTP_STATUS = {
     GatewayError.METHOD_NOT_ALLOWED: 405, GatewayError.REQUEST_TIMEOUT: 408, GatewayError.URI_TOO_LONG: 414,
     GatewayError.HEADERS_TOO_LARGE: 431, GatewayError.UPLOAD_TOO_LARGE: 413, GatewayError.UNKNOWN_VOICE: 404,
     GatewayError.NO_PREVIEW: 404, GatewayError.READ_ONLY: 403, GatewayError.FORBIDDEN: 403,
-    GatewayError.VOICE_STORE_UNAVAILABLE: 503, GatewayError.CLIENT_GONE: 499,
+    GatewayError.VOICE_STORE_UNAVAILABLE: 503, GatewayError.CLIENT_GONE: 499, GatewayError.UNKNOWN_LEXICON: 404,
 }
 
 

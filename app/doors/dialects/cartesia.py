@@ -23,6 +23,7 @@ start and end in seconds from the context's first audio), after the audio that c
 from __future__ import annotations
 
 import base64
+import dataclasses
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,9 @@ class CartesiaSession(StreamingSession):
         if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
                                   or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
             raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
+        lexicon = self.gw.lexicon(pronunciation_dict(data), self.owner)
+        if lexicon:
+            opts = dataclasses.replace(opts, lexicon=lexicon)
         stamps = data.get("add_timestamps", False)
         if not isinstance(stamps, bool):
             raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
@@ -231,6 +235,16 @@ class CartesiaSession(StreamingSession):
 
     def _ctx_of(self, u: Utterance) -> Context | None:
         return self.ctxs.get(u.context_id)
+
+
+def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
+    """Cartesia's `pronunciation_dict_id`: one of our pronunciation dictionaries (app/voices/lexicons.py)."""
+    pid = data.get("pronunciation_dict_id")
+    if pid is None:
+        return None
+    if not isinstance(pid, str):
+        raise RequestError(G.BAD_LEXICON, "pronunciation_dict_id must be a dictionary id")
+    return [pid]
 
 
 def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:

@@ -21,6 +21,7 @@ our voices, or `{"mode": "embedding", "embedding"}` of 2048 numbers), `output_fo
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 from typing import Any
@@ -31,7 +32,7 @@ from starlette.responses import Response
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.doors.dialects.cartesia import _refusal as cartesia_error
-from app.doors.dialects.cartesia import output_format, voice_of
+from app.doors.dialects.cartesia import output_format, pronunciation_dict, voice_of
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
@@ -60,7 +61,7 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
     return OutputFormat("mp3", rate).check()
 
 
-def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
+def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
     lang = data.get("language")
     if lang is not None and not isinstance(lang, str):
         raise RequestError(G.BAD_PARAMS, "language must be a string")
@@ -70,7 +71,9 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOp
     speed = (config or {}).get("speed")
     if speed is None and isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
         speed = data["speed"]  # the older top-level speed; its named speeds ("slow", ...) are not used
-    return dialect_options(gw, request.query_params, language=lang, speed=speed)
+    opts = dialect_options(gw, request.query_params, language=lang, speed=speed)
+    lexicon = gw.lexicon(pronunciation_dict(data), owner)
+    return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 
 
 async def _prepare(request: Request, containers: tuple[str, ...]
@@ -79,7 +82,7 @@ async def _prepare(request: Request, containers: tuple[str, ...]
     text = text_field(data, "transcript", gw.settings.limits.max_http_chars)
     fmt = _format(data.get("output_format"), containers)
     voice = voice_of(gw, owner, data.get("voice"))
-    return data, text, _options(gw, request, data), voice, fmt
+    return data, text, _options(gw, request, data, owner), voice, fmt
 
 
 @errors_as(cartesia_error)

@@ -24,6 +24,7 @@ the characters of the words its audio completes, with estimated times (app/core/
 from __future__ import annotations
 
 import base64
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -215,6 +216,9 @@ class ElevenLabsSession(StreamingSession):
             opts = dialect_options(self.gw, base=opts, speed=settings.get("speed"))
         elif settings is not None:
             raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
+        if data.get("pronunciation_dictionary_locators") is not None:  # a context's pronunciation dictionaries
+            opts = dataclasses.replace(opts, lexicon=self.gw.lexicon(data["pronunciation_dictionary_locators"],
+                                                                     self.owner))
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close
         # of this one drops only what comes after it.
         before = self.last_queued(ctx)

@@ -19,6 +19,7 @@ accepted and not used. Errors: `{"detail": {"status", "message"}}` (app/doors/di
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 from typing import Any
 
@@ -42,13 +43,13 @@ MAX_SEED = 4294967295  # ElevenLabs' seed range
 # fields that are accepted and not used, with the JSON types they may have (null is always allowed)
 _UNUSED: dict[str, tuple[type, ...]] = {
     "model_id": (str,), "previous_text": (str,), "next_text": (str,), "previous_request_ids": (list,),
-    "next_request_ids": (list,), "pronunciation_dictionary_locators": (list,), "use_pvc_as_ivc": (bool,),
+    "next_request_ids": (list,), "use_pvc_as_ivc": (bool,),
     "apply_language_text_normalization": (bool,),
 }
 _NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
 
 
-def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOptions:
+def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
     for key, types in _UNUSED.items():
         if data.get(key) is not None and not isinstance(data[key], types):
             raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
@@ -65,8 +66,10 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any]) -> SynthesisOp
     if settings is not None and not isinstance(settings, dict):
         raise RequestError(G.BAD_PARAMS, "voice_settings must be an object")
     # as on the WebSocket
-    return dialect_options(gw, request.query_params, language=lang, text_normalization=False if norm == "off" else None,
+    opts = dialect_options(gw, request.query_params, language=lang, text_normalization=False if norm == "off" else None,
                            seed=seed, speed=(settings or {}).get("speed"))
+    lexicon = gw.lexicon(data.get("pronunciation_dictionary_locators"), owner)
+    return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 
 
 def _format(request: Request) -> OutputFormat:
@@ -79,7 +82,7 @@ async def _speak(request: Request, framing: Framing | None = None, media_type: s
     fmt = _format(request)
     voice = gw.resolve_voice(request.path_params["voice_id"], owner)
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
-    opts = _options(gw, request, data)
+    opts = _options(gw, request, data, owner)
     return await speech_response(request, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
 
 

@@ -1,0 +1,189 @@
+"""Pronunciation dictionaries: alias rules ("tomato" is read as "tomahto"), stored per owner in the data dir
+beside the voices, applied to a text before its normalization (whole words, case-sensitive as PLS and
+ElevenLabs' rules are).
+
+ZONOS2 reads text, so a rule can only say what to read instead: an alias. A phoneme rule (IPA or CMU
+Arpabet, in a PLS `<phoneme>` or an ElevenLabs `phoneme` rule) has nothing to map onto and is refused when
+the dictionary is uploaded, naming the grapheme, never dropped in silence.
+
+The store is files (one JSON document per dictionary, written whole and renamed into place), read on each
+lookup, so every gateway process sees a dictionary the moment another one has written it.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import json
+import os
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from defusedxml import ElementTree
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+MAX_RULES = 5000  # rules in one dictionary
+MAX_TEXT = 256  # characters of a grapheme or an alias
+MAX_PER_OWNER = 100  # dictionaries one owner keeps
+_ID = re.compile(r"^pd_[0-9a-f]{16}$")
+_PLS_NS = "{http://www.w3.org/2005/01/pronunciation-lexicon}"
+
+
+@dataclass(frozen=True)
+class Rule:
+    grapheme: str  # the text to replace: whole words, case-sensitive
+    alias: str
+
+
+@dataclass
+class Lexicon:
+    id: str
+    name: str
+    owner: str
+    rules: list[Rule]
+    version_id: str = field(default_factory=lambda: "v_" + secrets.token_hex(8))
+    description: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def public(self) -> dict[str, Any]:
+        """ElevenLabs' metadata shape."""
+        return {"id": self.id, "name": self.name, "version_id": self.version_id,
+                "version_rules_num": len(self.rules), "description": self.description or None,
+                "creation_time_unix": int(self.created_at), "permission_on_resource": "admin"}
+
+
+def _rule(grapheme: object, alias: object, where: str) -> Rule:
+    if not isinstance(grapheme, str) or not grapheme.strip() or len(grapheme) > MAX_TEXT:
+        raise RequestError(G.BAD_LEXICON, f"{where}: the text to replace must be 1-{MAX_TEXT} characters")
+    if not isinstance(alias, str) or len(alias) > MAX_TEXT:
+        raise RequestError(G.BAD_LEXICON, f"{where}: the alias for {grapheme[:40]!r} must be text of at most "
+                                          f"{MAX_TEXT} characters")
+    return Rule(grapheme.strip(), alias)
+
+
+def _phoneme_refused(grapheme: str) -> RequestError:
+    return RequestError(G.BAD_LEXICON, f"the rule for {grapheme[:40]!r} gives phonemes: ZONOS2 reads text and has no "
+                                       "phoneme input, so only alias rules can be followed (write how it is "
+                                       "read instead)")
+
+
+def rules_from_json(rules: object) -> list[Rule]:
+    """ElevenLabs' `add-from-rules` rules ({type: alias, string_to_replace, alias}), or ours ({grapheme,
+    alias}); a phoneme rule is refused."""
+    if not isinstance(rules, list) or not rules or len(rules) > MAX_RULES:
+        raise RequestError(G.BAD_LEXICON, f"rules must be a list of 1-{MAX_RULES} rules")
+    out = []
+    for i, r in enumerate(rules):
+        if not isinstance(r, dict):
+            raise RequestError(G.BAD_LEXICON, f"rule {i} must be an object")
+        grapheme = r.get("string_to_replace", r.get("grapheme"))
+        if r.get("type", "alias") == "phoneme" or "phoneme" in r:
+            raise _phoneme_refused(str(grapheme))
+        if r.get("type", "alias") != "alias":
+            raise RequestError(G.BAD_LEXICON, f"rule {i}: type must be 'alias' (or 'phoneme', which is refused)")
+        out.append(_rule(grapheme, r.get("alias"), f"rule {i}"))
+    return out
+
+
+def rules_from_pls(data: bytes) -> list[Rule]:
+    """A W3C PLS lexicon: each lexeme's graphemes read as its alias; a lexeme with a phoneme is refused."""
+    try:
+        root = ElementTree.fromstring(data)
+    except Exception as e:  # defusedxml refuses entities and DTDs; a parse error is the file's
+        raise RequestError(G.BAD_LEXICON, f"not a PLS lexicon: {str(e)[:200]}") from None
+    if root.tag not in (f"{_PLS_NS}lexicon", "lexicon"):
+        raise RequestError(G.BAD_LEXICON, "not a PLS lexicon: the root element must be <lexicon>")
+    out = []
+    for lexeme in root:
+        if lexeme.tag not in (f"{_PLS_NS}lexeme", "lexeme"):
+            continue
+        graphemes = [g.text or "" for g in lexeme if g.tag in (f"{_PLS_NS}grapheme", "grapheme")]
+        aliases = [a.text or "" for a in lexeme if a.tag in (f"{_PLS_NS}alias", "alias")]
+        if any(p.tag in (f"{_PLS_NS}phoneme", "phoneme") for p in lexeme) and not aliases:
+            raise _phoneme_refused(graphemes[0] if graphemes else "?")
+        if not graphemes or not aliases:
+            raise RequestError(G.BAD_LEXICON, "every <lexeme> needs a <grapheme> and an <alias>")
+        out += [_rule(g, aliases[0], "a <lexeme>") for g in graphemes]
+    if not out or len(out) > MAX_RULES:
+        raise RequestError(G.BAD_LEXICON, f"a lexicon holds 1-{MAX_RULES} lexemes")
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(graphemes: tuple[str, ...]) -> re.Pattern[str]:
+    # the longest first, so "New York City" wins over "New York"; whole words only
+    alts = "|".join(re.escape(g) for g in sorted(graphemes, key=len, reverse=True))
+    return re.compile(rf"(?<!\w)(?:{alts})(?!\w)")
+
+
+def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
+    """`text` with each whole-word occurrence of a rule's grapheme read as its alias (the first rule of a
+    grapheme wins)."""
+    if not rules:
+        return text
+    table: dict[str, str] = {}
+    for r in rules:
+        table.setdefault(r.grapheme, r.alias)
+    return _pattern(tuple(table)).sub(lambda m: table[m.group(0)], text)
+
+
+class LexiconStore:
+    """Dictionaries on disk, per owner (the API key that made them; "" without keys)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, lid: str) -> Path:
+        return self.root / f"{lid}.json"
+
+    def add(self, owner: str, name: object, rules: list[Rule], description: object = None) -> Lexicon:
+        if not isinstance(name, str) or not name.strip() or len(name) > 100:
+            raise RequestError(G.BAD_LEXICON, "a dictionary needs a name of 1-100 characters")
+        if description is not None and (not isinstance(description, str) or len(description) > 1000):
+            raise RequestError(G.BAD_LEXICON, "description must be text of at most 1000 characters")
+        if len(self.list(owner)) >= MAX_PER_OWNER:
+            raise RequestError(G.BAD_LEXICON, f"at most {MAX_PER_OWNER} dictionaries per key; delete one first")
+        lex = Lexicon("pd_" + secrets.token_hex(8), name.strip(), owner, rules, description=description or "")
+        doc = asdict(lex)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self._path(lex.id))
+        return lex
+
+    def _read(self, path: Path) -> Lexicon | None:
+        try:
+            doc = json.loads(path.read_text())
+            doc["rules"] = [Rule(**r) for r in doc["rules"]]
+            return Lexicon(**doc)
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+
+    def get(self, lid: object, owner: str) -> Lexicon:
+        if not isinstance(lid, str) or not _ID.match(lid):
+            raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {str(lid)[:40]!r}")
+        lex = self._read(self._path(lid))
+        if lex is None or lex.owner != owner:
+            raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {lid!r}")
+        return lex
+
+    def list(self, owner: str) -> list[Lexicon]:
+        found = (self._read(p) for p in sorted(self.root.glob("pd_*.json")))
+        return sorted((x for x in found if x is not None and x.owner == owner), key=lambda x: x.created_at)
+
+    def delete(self, lid: object, owner: str) -> Lexicon:
+        lex = self.get(lid, owner)
+        self._path(lex.id).unlink(missing_ok=True)
+        return lex
+
+    def rules_of(self, ids: builtins.list[Any], owner: str) -> tuple[Rule, ...]:
+        """The rules of the dictionaries named, in order (an earlier dictionary's rule wins)."""
+        return tuple(r for lid in ids for r in self.get(lid, owner).rules)
