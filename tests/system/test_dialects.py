@@ -27,6 +27,12 @@ import numpy as np
 import pytest
 import websockets
 
+from app.core.gateway import Gateway
+from app.core.options import SynthesisOptions
+from app.doors.dialects.common import dialect_options
+from app.io.errors import RequestError
+from app.settings import GatewaySettings
+from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.longform import reply_frames
 
 pytestmark = pytest.mark.slow
@@ -310,6 +316,9 @@ def test_elevenlabs_single_context_stream_input(srv):
      "bad_params"),
     ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&apply_text_normalization=yes", KEY, 400,
      "bad_params"),
+    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&seed=4294967296", KEY, 400, "bad_params"),
+    ("/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&optimize_streaming_latency=5", KEY, 400,
+     "bad_params"),
     ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000", "wrong", 401, "unauthorized"),
 ])
 def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
@@ -322,8 +331,53 @@ def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
     assert resp.status_code == status and json.loads(resp.body)["detail"]["status"] == code
     detail = json.loads(resp.body)["detail"]["message"]
     option = next((k for k in ("auto_mode", "sync_alignment", "inactivity_timeout", "apply_text_normalization",
-                               "output_format") if k in path and code != "voice_not_found" and status == 400), None)
+                               "seed", "optimize_streaming_latency", "output_format") if k in path and code != "voice_not_found" and status == 400), None)
     assert option is None or option in detail, detail
+
+
+@pytest.mark.parametrize("kind, bad", [
+    ("multi-stream-input", {"text": 5}), ("multi-stream-input", {"text": "Hi. ", "context_id": "x" * 129}),
+    ("multi-stream-input", {"text": "Hi. ", "flush": True, "voice_settings": 3}), ("stream-input", {"text": 5})])
+def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_refused(srv, kind, bad):
+    """A message with close_socket whose other fields are refused: the error, then what was flushed before it
+    is spoken, its isFinal sent, and the socket closed (the client asked to close: it is not left open)."""
+    multi = kind == "multi-stream-input"
+
+    async def go():
+        ws = await el_connect(el_url(srv, kind=kind, auto_mode=False))
+        await ws.send(json.dumps({"text": "First. ", "context_id": "a", "flush": True}))
+        await ws.send(json.dumps({**bad, "close_socket": True}))
+        log: list[dict[str, Any]] = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws, timeout=60))
+        return log, ws.close_code
+
+    log, code = run(go())
+    errors = [m for m in log if "error" in m]
+    assert len(errors) == 1 and errors[0]["error"] == "bad_message", log
+    assert len(b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))) == 2 * resampled(SAMPLES, 24000)
+    assert log[-1] == ({"isFinal": True, "contextId": "a"} if multi else {"isFinal": True}) and code == 1000, log
+
+
+@pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
+def test_elevenlabs_every_url_option_it_has_is_accepted(srv, kind):
+    """ElevenLabs' URL options at the ends of their ranges open the socket and speak."""
+    options = ("&inactivity_timeout=180&sync_alignment=true&enable_logging=false&enable_ssml_parsing=false"
+               "&apply_text_normalization=on&language_code=de&seed=4294967295&optimize_streaming_latency=4")
+
+    async def go():
+        ws = await el_connect(el_url(srv, kind=kind) + options)
+        await ws.send(json.dumps({"text": "Options. ", "context_id": "o", "flush": True, "close_socket": True}))
+        log: list[dict[str, Any]] = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws))
+        return log, ws.close_code
+
+    log, code = run(go())
+    assert not [m for m in log if "error" in m] and code == 1000, log
+    assert len(b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))) == 2 * resampled(SAMPLES, 24000)
 
 
 def test_elevenlabs_voice_by_id(srv):
@@ -417,18 +471,22 @@ def test_elevenlabs_text_flush_and_close_in_one_message(srv, auto_mode):
 
 
 
+@pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
 @pytest.mark.parametrize("auto_mode", [False, True])
-@pytest.mark.parametrize("shape", [
-    {"flush": True, "close_socket": True},
-    {"flush": True, "close_context": True, "close_socket": True},
-    {"close_socket": True},  # with auto_mode the text is spoken as it comes; without it, nothing was flushed
-])
-def test_elevenlabs_text_with_close_socket_in_one_message(srv, auto_mode, shape):
-    """A message that carries text, a flush and close_socket speaks the flushed text, then closes (it lost
-    the text: 0 bytes, no isFinal); text that was never flushed is dropped by the close."""
+@pytest.mark.parametrize("shape", [dict.fromkeys(keys, True) for keys in (
+    (), ("flush",), ("close_context",), ("close_socket",), ("flush", "close_context"), ("flush", "close_socket"),
+    ("close_context", "close_socket"), ("flush", "close_context", "close_socket"))])
+def test_elevenlabs_text_with_every_combination_of_flush_and_closes_in_one_message(srv, kind, auto_mode, shape):
+    """Text with any of flush, close_context and close_socket in one message: flushed text (every text with
+    auto_mode) is spoken, its audio and then isFinal come before the socket closes; text never flushed is
+    dropped by a close. A message that closes nothing is followed by close_socket alone."""
+    multi = kind == "multi-stream-input"
+
     async def go():
-        ws = await el_connect(el_url(srv, auto_mode=auto_mode))
+        ws = await el_connect(el_url(srv, auto_mode=auto_mode, kind=kind))
         await ws.send(json.dumps({"text": "All in one. ", "context_id": "one", **shape}))
+        if not shape.get("close_socket"):
+            await ws.send(json.dumps({"close_socket": True}))
         log: list[dict[str, Any]] = []
         with contextlib.suppress(websockets.ConnectionClosed):
             while True:
@@ -438,9 +496,13 @@ def test_elevenlabs_text_with_close_socket_in_one_message(srv, auto_mode, shape)
     log, code = run(go())
     spoken = shape.get("flush") is True or auto_mode
     assert not [m for m in log if "error" in m], log
-    assert len(el_audio(log, "one")) == (2 * resampled(SAMPLES, 24000) if spoken else 0)
-    assert log[-1] == {"isFinal": True, "contextId": "one"} if spoken else True
+    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    assert len(audio) == (2 * resampled(SAMPLES, 24000) if spoken else 0), (len(audio), log[-1:])
+    assert all(m.get("contextId") == "one" for m in log) if multi else True
+    if spoken:
+        assert log[-1] == ({"isFinal": True, "contextId": "one"} if multi else {"isFinal": True}), log[-1]
     assert code == 1000
+
 
 def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     """auto_mode=true speaks every text as it comes: close_context after three texts keeps all three."""
@@ -948,6 +1010,28 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
 
     resp = run(go())
     assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
+
+
+@pytest.mark.parametrize("speed, status", [("nan", 400), ("inf", 400), ("9", 400), ("0.01", 400), ("1.1", 200)])
+def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status):
+    """?speed is a finite number within every API's speed bounds, refused naming it in Deepgram's shape even
+    on a model without speaking-rate buckets (which ignores it)."""
+    r = httpx.post(f"{srv.url}/v1/speak?model=Ada&container=none&speed={speed}&zonos_params={params(FAST)}",
+                   json={"text": "Hello there."}, headers={"Authorization": f"Token {KEY}"}, timeout=120)
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["err_code"] == "BAD_PARAMS" and "speed" in r.json()["err_msg"], r.text
+
+
+@pytest.mark.parametrize("speed", [float("nan"), float("inf"), 9.0, 0.01, "1.2", True])
+def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, speed):
+    """A dialect's speed outside every API's bounds is refused naming it even where the model has no
+    speaking-rate buckets and ignores speed (a good speed there leaves the options as they are)."""
+    gw = Gateway(GatewaySettings(data_dir=tmp_path, text_normalization=False))
+    gw.cfg = Zonos2Config.from_dict(preset_params("tiny") | {"speaking_rate_buckets": [], "speaking_rate_num_buckets": 0})
+    with pytest.raises(RequestError, match="speed"):
+        dialect_options(gw, speed=speed)
+    assert dialect_options(gw, speed=1.2) == SynthesisOptions()
 
 
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import io
 import json
 import os
@@ -360,16 +361,21 @@ def check_json_http(r: httpx.Response) -> None:
         assert CODE.match(err["code"]) and err["code"] != "internal", err
 
 
-# ---- the dialects' sockets (issue 21): their URLs and their messages --------------------------------------
+# ---- the dialects' sockets: their URLs and their messages --------------------------------------
 digits = st.sampled_from(["24000", "8000", "²", "٣", "１６０００", "-1", "1e3", "", "99999999999999999999999", "0"])
 query_value = digits | st.text(max_size=12) | st.sampled_from(["true", "false", "pcm_24000", "ulaw_8000", "mp3_44100_128",
-                                                                "pcm_²", "opus_48000_64", "linear16", "mulaw"])
+                                                                "pcm_²", "opus_48000_64", "linear16", "mulaw",
+                                                                "4294967295", "4294967296", "180", "181", "on"])
 zonos_params = params().map(lambda p: json.dumps(p)) | st.text(max_size=20)
 SOCKETS = {  # path -> the query keys it reads
     "/v1/tts/ws": ["encoding", "sample_rate", "voice"],
     "/v1/text-to-speech/Fuzzed/multi-stream-input": ["output_format", "auto_mode", "seed", "language_code",
-                                                     "apply_text_normalization", "zonos_params"],
-    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params"],
+                                                     "apply_text_normalization", "zonos_params", "sync_alignment",
+                                                     "inactivity_timeout", "enable_ssml_parsing", "model_id",
+                                                     "enable_logging", "optimize_streaming_latency"],
+    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params",
+                                               "optimize_streaming_latency", "enable_logging", "sync_alignment",
+                                               "inactivity_timeout", "apply_text_normalization", "language_code"],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
     "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
 }
@@ -555,6 +561,36 @@ def test_fuzz_dialect_messages(fuzz_server, voices, case):
     asyncio.run(asyncio.wait_for(dialect_exchange(fuzz_server.url.replace("http", "ws"), dialect, messages), 120))
 
 
+el_closing = st.fixed_dictionaries({"close_socket": st.just(True)}, optional={
+    "text": short_text | anything, "context_id": dialect_ctx(), "flush": st.booleans() | anything,
+    "close_context": st.booleans() | anything, "voice_settings": anything})
+
+
+@FUZZ_SMALL
+@given(kind=st.sampled_from(["multi-stream-input", "stream-input"]),
+       before=st.lists(el_message, max_size=3).map(lambda ms: [m for m in ms if not ends_the_socket(m)]),
+       last=el_closing)
+@example(kind="multi-stream-input", before=[], last={"text": "All in one. ", "flush": True, "close_socket": True})
+@example(kind="multi-stream-input", before=[], last={"text": "Hi. ", "context_id": "x" * 129, "close_socket": True})
+def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, before, last):
+    """close_socket with anything else in its message: well-formed replies only, and the socket closes
+    cleanly (1000) after the audio and isFinal of what was flushed, whatever the rest of the message was."""
+    p = quote(json.dumps({"max_frames": 5, "ignore_eos": True}))
+    url = f"/v1/text-to-speech/Fuzzed/{kind}?output_format=pcm_8000&zonos_params={p}"
+
+    async def go() -> int | None:
+        async with websockets.connect(fuzz_server.url.replace("http", "ws") + url, max_size=None,
+                                      open_timeout=30) as ws:
+            with contextlib.suppress(websockets.ConnectionClosed):  # {"text": ""} ends the one-context socket
+                for m in [*before, last]:
+                    await ws.send(json.dumps(m))
+                while True:
+                    check_dialect_reply("elevenlabs", json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            return ws.close_code
+
+    assert asyncio.run(asyncio.wait_for(go(), 120)) == 1000
+
+
 def test_server_healthy_after_fuzzing(fuzz_server):
     """Runs after the fuzz tests (file order): a normal request still works, nothing crashed."""
     r = httpx.post(fuzz_server.url + "/v1/audio/speech", timeout=60, json={
@@ -721,7 +757,10 @@ el_values = {
 el_routes = st.sampled_from(["", "/stream", "/with-timestamps", "/stream/with-timestamps"])
 el_queries = st.sampled_from(["output_format=pcm_16000", "output_format=mp3_22050_32", "output_format=ulaw_8000",
                               "output_format=opus_48000_32", "output_format=pcm_1", "output_format=pcm_",
-                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", ""])
+                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", "",
+                              "output_format=opus_24000_32", "output_format=alaw_16000", "auto_mode=maybe",
+                              "apply_text_normalization=sometimes", "enable_logging=no", "inactivity_timeout=0",
+                              "seed=4294967296", "seed=4294967295", "seed=-1"])
 
 
 @FUZZ
@@ -768,7 +807,7 @@ deepgram_query = st.dictionaries(st.sampled_from(["model", "encoding", "containe
                                                   "bit_rate", "callback", "mip_opt_out"]),
                                  st.sampled_from(["Ada", "nobody", "linear16", "mulaw", "alaw", "mp3", "opus", "flac",
                                                   "aac", "wav", "none", "ogg", "8000", "22050", "48000", "1.1",
-                                                  "nan", "-1", "²", ""]), max_size=4)
+                                                  "nan", "inf", "9", "0.01", "-1", "²", ""]), max_size=4)
 
 
 @FUZZ

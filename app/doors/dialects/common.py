@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.core.gateway import Gateway
-from app.core.options import SynthesisOptions, parse_options
+from app.core.options import SynthesisOptions, check_speed, parse_options
 from app.io.errors import GatewayError as G
 from app.io.json_input import parse_json_object
 
@@ -28,7 +28,8 @@ def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: S
     * `language`: one we normalize text for, or (any other: the model reads bytes of every language) no
       text normalization, as that would read numbers and dates in English;
     * `speed`: a multiplier (ElevenLabs' voice_settings.speed, Cartesia's generation_config.speed, Deepgram's
-      ?speed) within our bounds; a model without speaking-rate buckets ignores it, as the OpenAI route does;
+      ?speed) within every API's bounds (refused outside them); a model without speaking-rate buckets
+      ignores it, as the OpenAI route does;
     * `text_normalization` false turns it off; `seed` is taken modulo 2**31."""
     params: dict[str, Any] = {}
     raw = query.get("zonos_params") if query is not None else None
@@ -42,6 +43,8 @@ def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: S
         params["text_normalization"] = False
     if seed is not None:
         params["seed"] = seed % (1 << 31)
+    if speed is not None:
+        speed = check_speed(speed)  # every API's bounds, also where a model without rate buckets ignores it
     if speed is not None and speed != 1 and gw.cfg.speaking_rate_buckets:
         for key in _RATE_KEYS:  # a speed replaces any other rate (as a later config does)
             params.pop(key, None)

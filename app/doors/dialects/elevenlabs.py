@@ -54,11 +54,11 @@ OUTPUT_FORMATS = frozenset(
     + [f"mp3_44100_{b}" for b in (32, 64, 96, 128, 192)] + [f"opus_48000_{b}" for b in (32, 64, 96, 128, 192)])
 _KINDS = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
 # the URL options of ElevenLabs' speech routes that take a value from a fixed set (others are free text or
-# numbers: language_code, model_id, seed, inactivity_timeout)
+# numbers: language_code, model_id; the numbers' bounds are _BOUNDS)
 _CHOICES = {"apply_text_normalization": ("auto", "on", "off"), "auto_mode": ("true", "false"),
             "sync_alignment": ("true", "false"), "enable_logging": ("true", "false"),
             "enable_ssml_parsing": ("true", "false")}
-_BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4)}
+_BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4), "seed": (0, 4294967295)}
 
 
 def output_format(name: str) -> OutputFormat:
@@ -121,7 +121,7 @@ class ElevenLabsSession(StreamingSession):
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
         off = q.get("apply_text_normalization", "").lower() == "off"
         self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
-                                    seed=query_int(q, "seed"))  # ElevenLabs takes seeds in 0..4294967295
+                                    seed=query_int(q, "seed"))
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.auto_mode = _flag(q.get("auto_mode"))
         self.ctxs: dict[str, Context] = {}
@@ -150,14 +150,18 @@ class ElevenLabsSession(StreamingSession):
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
         close_socket = data.get("close_socket") is True
-        text = data.get("text")
-        # whatever else a message carries comes first: text, a flush, a close_context are done, and only then
-        # the socket closes (its flushed text still spoken: _close_socket)
-        if not close_socket or (isinstance(text, str) and text) or data.get("flush") is True \
-                or data.get("close_context") is True:
+        if not close_socket:
             await self._on_context_message(data)
-        if close_socket:
-            await self._close_socket()
+            return
+        # whatever else a message carries comes first: text, a flush, a close_context are done, and only then
+        # the socket closes (its flushed text still spoken: _close_socket); refused, they are answered with
+        # an error and the socket still closes, as the client asked
+        if data.keys() - {"close_socket", "context_id"}:
+            try:
+                await self._on_context_message(data)
+            except RequestError as e:
+                await self.error(e.code, str(e), **self.error_context(data))
+        await self._close_socket()
 
     async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
