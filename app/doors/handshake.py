@@ -4,7 +4,10 @@ in the API's own shape, then the session run to its end, counted among the gatew
 
 A dialect refuses a handshake as those services do, with an HTTP response to the upgrade (the WebSocket
 Denial Response extension). Our own socket refuses in band, as it always has: accepted, the error as its
-first message, closed 1008 (1013, "try again later", at the session limit).
+first message, closed 1008 (1013, "try again later", at the session limit). A stream the door refuses
+(app/core/admission.py: no engine could start it within --max-queue-ms) gets HTTP 503 with `Retry-After` on
+every socket, ours too, before the socket is accepted or a message is read: the cheapest answer a retrying
+client can get, and the one a load balancer understands.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     then. A client that stopped reading, or a bug, ends this session only (a bug with the dialect's
     `internal` error and close 1011)."""
     gw.metrics.sessions.inc()
+    gw.conversations.add(session.conversation)  # admitted: room is held for its utterances while it is active
     try:
         await session.run()
     except WebSocketDisconnect:
@@ -81,6 +85,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
                 await ws.send_text(json.dumps(msg))
             await ws.close(1011)
     finally:
+        gw.conversations.discard(session.conversation)
         gw.sessions.close()
         gw.metrics.sessions.dec()
 
@@ -117,6 +122,12 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
         return
     if not key_ok(key, gw.settings.api_keys):
         await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
+        return
+    try:
+        gw.admit()
+    except RequestError as e:  # at capacity: refused before anything of the session is read
+        gw.metrics.errors.labels(e.code).inc()
+        await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)
         return
     if not gw.sessions.try_open(gw.settings.limits.max_sessions):  # every gateway process's sessions count
         await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
