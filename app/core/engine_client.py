@@ -476,7 +476,7 @@ class EngineClient:
             "engine": self.name, "device": self.device, "ready": self.ready.is_set(), "pid": self.pid,
             "restarts": self.restarts, "in_flight": self.in_flight, "slots": self.slots,
             "active": st.active if st else None, "waiting": st.waiting if st else None,
-            "submitted": self.submitted,
+            "submitted": self.submitted, "started_per_s": self.start_rate.per_s,
             **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
                if not self.ready.is_set() else {}),
         }
