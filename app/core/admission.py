@@ -51,7 +51,9 @@ def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float) -> Deci
     if not engines:
         return Decision(False, math.inf, 1)
     free = sum(max(0.0, e.headroom) for e in engines)
-    ahead = sum(e.waiting + max(0.0, -e.headroom) for e in engines) + max(0.0, held - free)
+    # queued: the engine's queue at its last Stats, or what was sent past its room since (negative headroom
+    # counts both where the engine's load is this gateway's own count of its open requests)
+    ahead = sum(max(float(e.waiting), -e.headroom) for e in engines) + max(0.0, held - free)
     if free - held >= 1 and ahead == 0:
         return Decision(True, 0.0, 0)
     rates = [e.start_rate for e in engines if e.start_rate is not None]
