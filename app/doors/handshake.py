@@ -69,7 +69,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     then. A client that stopped reading, or a bug, ends this session only (a bug with the dialect's
     `internal` error and close 1011)."""
     gw.metrics.sessions.inc()
-    gw.conversations.add(session.conversation)  # admitted: room is held for its utterances while it is active
+    gw.conversations.add(session.conversation)  # room is held for its utterances while it is active
     try:
         await session.run()
     except WebSocketDisconnect:
@@ -133,14 +133,21 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
         await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
                      G.TOO_MANY_SESSIONS.http_status)
         return
+    session: StreamingSession | None = None
     try:
         session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+        # admitted: its room is held from now on (no newcomer takes it while the socket is accepted)
+        gw.conversations.add(session.conversation)
         await ws.accept(subprotocol=subprotocol)
     except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
         gw.sessions.close()
+        if session is not None:
+            gw.conversations.discard(session.conversation)
         await refuse(e.code, str(e), e.status if e.status != 500 else 400)
         return
     except BaseException:
         gw.sessions.close()
+        if session is not None:
+            gw.conversations.discard(session.conversation)
         raise
     await serve_session(ws, gw, session)
