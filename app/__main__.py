@@ -18,7 +18,9 @@ from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, Weig
 _LIMIT_ALIASES = {"idle_timeout_s": ["--idle-timeout"], "send_timeout_s": ["--send-timeout"],
                   "ws_ping_interval_s": ["--ws-ping-interval"],
                   "max_buffered_audio_s": ["--max-buffered-audio"]}
-_ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes", "normalization_max_tasks"}  # 0 allowed (no minimum / OS default / never)
+# 0 allowed (no minimum / OS default / never / no limit at the door / no hold)
+_ZERO_OK = {"min_clip_seconds", "tcp_send_buffer_bytes", "normalization_max_tasks", "max_queue_ms",
+            "conversation_hold_s"}
 
 
 def parse_devices(p: argparse.ArgumentParser, value: str | None, gpus: int) -> list[str]:

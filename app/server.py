@@ -213,7 +213,7 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         # the gateway's heap from start (modules, routes, templates) out of the collector's full passes, which
         # held every socket's audio at once (engine/contract/collector.py)
         freeze_startup_heap()
-        log_long_pauses(log)
+        log_long_pauses(log, gateway.metrics.observe_gc_pause)
         try:
             yield
         finally:

@@ -21,12 +21,20 @@ class Limits:
     max_clip_seconds: float = 60.0
     min_clip_seconds: float = 0.5
     max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
-    idle_timeout_s: float = 300.0
+    # a socket with no message this long is closed; LiveKit's plugins keep pooled sockets up to 3600 s, and a
+    # socket they reuse must still be open (pings keep the connection itself alive meanwhile)
+    idle_timeout_s: float = 3600.0
     send_timeout_s: float = 30.0  # one WebSocket send that makes no progress this long: the client is gone
     # WebSocket keepalive (uvicorn's): a ping this long after the handshake and after each pong; a client that
     # has not answered one within as long again is disconnected (ends sessions whose client vanished silently)
     ws_ping_interval_s: float = 20.0
     head_timeout_s: float = 30.0  # a request head (line and headers) not complete this long: 408, closed
+    # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
+    # refused at once (503, Retry-After) instead of queued; 0: no limit at the door (the engine alone)
+    max_queue_ms: float = 250.0
+    # room held for an admitted session's next utterance while it spoke within this long (or was just
+    # admitted)
+    conversation_hold_s: float = 10.0
     max_frames: int = 3000  # per utterance (about 35 s of audio)
     max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
     max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI

@@ -44,6 +44,14 @@ A level passes when >= 99 % of its streams are stall-free (`--min-stall-free`) a
 (`--max-ttfa-p95-ms`); capacity is the largest N that passes. The run stops after `--stop-after-fail`
 consecutive failed levels (0: run them all).
 
+Storm mode (`--storm`): the same clients, but a client the server refuses (the door's HTTP 503 to the
+WebSocket upgrade, or an `engine_busy` before its text was sent) retries at once instead of backing off, as a
+voice agent in front of several replicas would. A refusal is no error of an admitted stream: each level also
+reports the refusals (`refused`), how fast they were answered (`refusal_ms_p50` / `p95`, connect began
+-> refusal read) and the admitted streams' stall rate (`admitted_stall_rate`); the stall-free share and TTFA
+count the admitted streams only. Run it at 2-4x the capacity (`--storm --levels 256 384 512`, with
+`--distinct-clips` for a new clip per request).
+
 Output: a table on stdout; `--out` JSON with the configuration, every level's summary, the capacity and
 every per-stream record (rewritten after each level, so an interrupted run keeps what it measured);
 `--plot` a PNG of the stall-free share and TTFA p50/p95 against N (needs matplotlib).
@@ -143,6 +151,8 @@ class StreamRecord:
     t_sent: float = -1.0  # text sent (after connect + session.config); -1 if it never got that far
     ok: bool = False
     error: str = ""
+    refused: bool = False  # the server refused it before its text was sent (the door's 503, engine_busy)
+    refusal_ms: float | None = None  # connect began -> the refusal read
     counted: bool = False  # text sent inside the measured window
     connect_ms: float | None = None
     ttfa_ms: float | None = None  # text sent -> first audio byte (client clock)
@@ -189,8 +199,11 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
                     loop_lag_ms: Sequence[float] = ()) -> dict[str, Any]:
     """A level's summary from its counted stream records (see the module docstring for each field)."""
     counted = [r for r in records if r.counted]
+    refused = [r for r in counted if r.refused]
+    counted = [r for r in counted if not r.refused]  # a refused client never had a stream
     ok = [r for r in counted if r.ok]
     errors = [r for r in counted if not r.ok]
+    refusal_ms = [r.refusal_ms for r in refused if r.refusal_ms is not None]
     stall_free = [r for r in ok if r.stalls == 0]
     ttfa = [r.ttfa_ms for r in ok if r.ttfa_ms is not None]
     queue = [r.queue_ms for r in ok if r.queue_ms is not None]
@@ -207,6 +220,10 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
         "stall_free_share": len(stall_free) / len(counted) if counted else 0.0,
         # overload: of the streams that were admitted (and so played), the share that never stalled
         "admitted_stall_free_share": len(stall_free) / len(ok) if ok else None,
+        "admitted_stall_rate": 1 - len(stall_free) / len(ok) if ok else None,
+        "refused": len(refused),
+        "refusal_ms_p50": _r(pct(refusal_ms, 50)),
+        "refusal_ms_p95": _r(pct(refusal_ms, 95)),
         "stalls_mean": round(float(np.mean([r.stalls for r in ok])), 3) if ok else None,
         "stall_ms_mean": _r(float(np.mean([r.stall_ms_total for r in ok])), 2) if ok else None,
         "stall_ms_max": _r(max(r.stall_ms_max for r in ok)) if ok else None,
@@ -360,6 +377,7 @@ class Options:
     stop_after_fail: int = 2
     request_timeout: float = 60.0
     error_backoff_ms: float = 200.0
+    storm: bool = False  # a refused client retries at once (the module docstring, "Storm mode")
     pause: float = 2.0
     api_key: str | None = None
     deflate: bool = True
@@ -453,6 +471,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             created = json.loads(await ws.recv())
             if created.get("type") != "session.created":
                 rec.error = str(created.get("code") or created.get("type"))
+                _refused_in_band(rec, t_conn)
                 return
             if opts.distinct_clips and "voice_clip" in session_cfg:
                 session_cfg = {**session_cfg, "voice_clip": distinct_clip(session_cfg["voice_clip"])}
@@ -463,6 +482,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                     break
                 if d.get("type") == "error":
                     rec.error = str(d.get("code", "error"))
+                    _refused_in_band(rec, t_conn)
                     return
             t_sent = time.perf_counter()
             rec.connect_ms = (t_sent - t_conn) * 1e3
@@ -504,6 +524,10 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                 rec.error = "closed"
     except TimeoutError:
         rec.error = "timeout"
+    except websockets.InvalidStatus as e:  # the upgrade refused: the door's 503 (429: the session limit)
+        rec.error = f"http_{e.response.status_code}"
+        if e.response.status_code in REFUSED_STATUS:
+            rec.refused, rec.refusal_ms = True, (time.perf_counter() - t_conn) * 1e3
     except Exception as e:  # count it, don't crash the benchmark
         rec.error = type(e).__name__
     finally:
@@ -513,6 +537,16 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
         if rec.ok and not rec.events:
             rec.ok, rec.error = False, "no_audio"
         rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
+
+
+REFUSED_STATUS = (503, 429)
+REFUSED_CODES = ("engine_busy", "queue_full", "too_many_sessions")
+
+
+def _refused_in_band(rec: StreamRecord, t_conn: float) -> None:
+    """An error before the text was sent that says "not now": a refusal, not a failed stream."""
+    if rec.error in REFUSED_CODES:
+        rec.refused, rec.refusal_ms = True, (time.perf_counter() - t_conn) * 1e3
 
 
 async def _loop_lag(samples: list[tuple[float, float]], clock0: float, stop: asyncio.Event,
@@ -541,7 +575,7 @@ async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple
             records.append(rec)
             await one_stream(opts, session_cfg, rec, clock0)
             seq += 1
-            if not rec.ok:
+            if not rec.ok and not (opts.storm and rec.refused):  # storm: a refused client retries at once
                 await asyncio.sleep(opts.error_backoff_ms / 1e3)
 
     lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
@@ -605,6 +639,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         if summary.get("admitted_stall_free_share") is not None:
             log(f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
                 f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}")
+        if summary["refused"]:
+            p50 = _fmt(summary['refusal_ms_p50'], '.1f')
+            log(f"      refused: {summary['refused']}, answered p50 {p50} ms / "
+                f"p95 {_fmt(summary['refusal_ms_p95'], '.1f')} ms; admitted streams that stalled: "
+                f"{_fmt(summary['admitted_stall_rate'], '.2%')}")
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
         if opts.out:
@@ -645,6 +684,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.add_argument("--error-backoff-ms", type=float, default=d.error_backoff_ms,
                    help="a client waits this long after a failed request")
+    p.add_argument("--storm", action="store_true",
+                   help="refused clients retry at once; report the refusals' latency and the admitted "
+                        "streams' stalls")
     p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
     p.add_argument("--api-key")
     p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
@@ -661,7 +703,8 @@ def options(a: argparse.Namespace) -> Options:
                    voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, sentences=a.sentences,
                    long_form=not a.no_long_form, mixed=a.mixed, min_stall_free=a.min_stall_free,
                    max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
-                   request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, pause=a.pause,
+                   request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, storm=a.storm,
+                   pause=a.pause,
                    api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)
 
 

@@ -79,7 +79,10 @@ class ServerProcess:
                "--max-batch", "6", "--max-context", "1024", "--no-text-normalization",
                # 2 busy cores generate slower than real time: a player would always be dry, so give the next
                # sentence of a reply time to arrive (tests/engine/test_continuation.py tests the flush itself)
-               "--continuation-grace-ms", "5000", *extra]
+               "--continuation-grace-ms", "5000",
+               # ... and every queued request would be predicted late and refused at the door: the door is
+               # off here (0), tests/system/test_storm.py turns it on
+               "--max-queue-ms", "0", *extra]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)

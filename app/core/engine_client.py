@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.admission import EngineLoad, StartRate
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
@@ -182,6 +183,7 @@ class EngineClient:
         self.log_level = log_level
         self.info: dict[str, Any] = {}  # its Ready record's info() (/readyz), once it is ready
         self.stats: m.Stats | None = None  # its last Stats record
+        self.start_rate = StartRate()  # streams it started per second (the door, app/core/admission.py)
         self.ready = asyncio.Event()
         self.restarts = 0
         self.start_error: str | None = None
@@ -260,6 +262,7 @@ class EngineClient:
             log.error("%s: process exited with code %s", self.label, code)
             self._fail_all(E.ENGINE_RESTARTED, f"{self.label} process stopped (exit code {code}); it is restarting")
             self.stats = None  # its last Stats record describes a process that is gone
+            self.start_rate.reset()
             self._teardown_rings()
             if not self.restart:
                 self.start_error = self.start_error or f"engine exited with code {code}"
@@ -409,6 +412,7 @@ class EngineClient:
             log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, rec.device, rec.slots, rec.warmup_s)
         elif isinstance(rec, m.Stats):
             self.stats = rec
+            self.start_rate.observe(rec.active + rec.finished + rec.cancelled)
             self._sent_since_stats = 0
         elif isinstance(rec, m.Error):
             self.start_error = rec.message
@@ -460,6 +464,11 @@ class EngineClient:
             free = min(free, admissible - (load - seen))
         return free
 
+    def load(self) -> EngineLoad:
+        """What the door (app/core/admission.py) reads of this engine."""
+        st = self.stats
+        return EngineLoad(self.headroom(), st.waiting if st is not None else 0, self.start_rate.per_s)
+
     def describe(self) -> dict[str, Any]:
         """This engine's entry in /readyz."""
         st = self.stats
@@ -467,7 +476,7 @@ class EngineClient:
             "engine": self.name, "device": self.device, "ready": self.ready.is_set(), "pid": self.pid,
             "restarts": self.restarts, "in_flight": self.in_flight, "slots": self.slots,
             "active": st.active if st else None, "waiting": st.waiting if st else None,
-            "submitted": self.submitted,
+            "submitted": self.submitted, "started_per_s": self.start_rate.per_s,
             **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
                if not self.ready.is_set() else {}),
         }
@@ -504,6 +513,7 @@ class AttachedEngineClient(EngineClient):
         log.error("%s: %s", self.label, message)
         self._fail_all(E.ENGINE_RESTARTED, message)
         self.stats = None
+        self.start_rate.reset()
         self.restarts += 1
         self._close_rings()
 

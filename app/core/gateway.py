@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
+from app.core.admission import Conversation, Decision, decide, held_count
 from app.core.continuation import Chain, Link
 from app.core.emotion import check_emotion, emotion_directions
 from app.core.engine_client import (
@@ -52,6 +53,7 @@ METRICS_REFRESH_S = 1.0  # several gateway processes: how often each writes its 
 log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
+INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
 # about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
@@ -187,6 +189,7 @@ class Gateway:
         self.link = link
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
+        self.conversations: set[Conversation] = set()  # admitted streaming sessions (app/core/admission.py)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -217,6 +220,28 @@ class Gateway:
     @staticmethod
     def owner_of(api_key: str | None) -> str:
         return hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else ""
+
+    # ---- the door --------------------------------------------------------------------------------
+    def admission(self) -> Decision:
+        """Whether a new stream may start now (app/core/admission.py), from the ready engines' loads and the
+        room held for this process's admitted conversations."""
+        lim = self.settings.limits
+        loads = [e.load() for e in self.engines if e.ready.is_set()]
+        return decide(loads, held_count(self.conversations, lim.conversation_hold_s), lim.max_queue_ms / 1e3)
+
+    def admit(self) -> None:
+        """Refuse a new stream that could not start within --max-queue-ms: engine_busy (503) with Retry-After,
+        before anything of the request is read."""
+        d = self.admission()
+        if d.admitted:
+            return
+        self.metrics.door_refusals.inc()
+        limit = self.settings.limits.max_queue_ms
+        wait = "no engine is ready" if not self.engine.ready.is_set() else (
+            "its first audio could not start in time" if d.wait_s == float("inf") else
+            f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limit:g} ms)")
+        raise RequestError(E.ENGINE_BUSY, f"the server is at capacity: {wait}; retry in {d.retry_after_s} s",
+                           headers={"Retry-After": str(d.retry_after_s)})
 
     # ---- audio in --------------------------------------------------------------------------------
     async def decode_clip(self, data: bytes) -> tuple[np.ndarray, int]:
@@ -260,7 +285,8 @@ class Gateway:
         """A reference clip sent with a request or a session (not stored) as a voice: decoded and embedded
         once, so the session keeps 2048 floats instead of the decoded audio, and its utterances skip the
         speaker encoder. The embedding is a function of the bytes alone: a clip sent again is not re-run."""
-        digest = hashlib.sha256(raw).digest()
+        # hashlib releases the GIL for large inputs: a clip's digest runs beside the event loop
+        digest = (await asyncio.to_thread(_sha256, raw)) if len(raw) > INLINE_HASH else _sha256(raw)
         emb = self._clip_embeddings.get(digest)
         if emb is None:
             samples, sr = await self.decode_clip(raw)
@@ -458,6 +484,10 @@ class PieceStream:
         self.current.cancel()
         if self.ahead is not None:
             self.ahead.cancel()
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
 
 
 def wav_bytes(samples: np.ndarray, sr: int) -> bytes:

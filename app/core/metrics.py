@@ -32,6 +32,7 @@ OwnGauge = functools.partial(Gauge, multiprocess_mode="livesum")
 EngineGauge = functools.partial(Gauge, multiprocess_mode="livemostrecent")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+_GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
 _RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
@@ -61,6 +62,12 @@ class Metrics:
                              registry=r)
         self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
         self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
+        self.door_refusals = Counter(
+            "zonos_door_refusals", "New streams refused at the door before any of them was read: no engine "
+            "could start them within --max-queue-ms (app/core/admission.py)", registry=r)
+        self.gc_pause = Histogram(
+            "zonos_gc_pause_seconds", "Pauses of Python's cyclic collector, which hold the event loop (every "
+            "socket's audio), by generation", ["generation"], buckets=_GC_BUCKETS, registry=r)
         self.queue_depth = EngineGauge("zonos_engine_queue_depth", "Requests waiting for an engine slot", registry=r)
         self.engine_active = EngineGauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
         self.step_ms = EngineGauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
@@ -144,6 +151,10 @@ class Metrics:
             self.engine_ready.set(1 if any(e.ready.is_set() for e in engines) else 0)
             self.engine_restarts.set(sum(e.restarts for e in engines))
 
+
+    def observe_gc_pause(self, seconds: float, generation: int) -> None:
+        """One collection of Python's cyclic collector: the event loop was held this long."""
+        self.gc_pause.labels(str(generation)).observe(seconds)
 
     def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
         """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""

@@ -34,11 +34,13 @@ from typing import Any, Protocol
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
+from app.core.admission import Conversation
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import WordClock, WordTime
+from app.io.audio_output import encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -125,6 +127,7 @@ class StreamingSession:
         self._closed = asyncio.Event()  # closing and everything has been played
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._last_activity = time.monotonic()
+        self.conversation = Conversation()  # what the door holds room for (app/core/admission.py)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
         self._hold_tasks: set[asyncio.Task[None]] = set()
 
@@ -531,6 +534,13 @@ class StreamingSession:
             await pipe.changed.wait()
 
     async def _play(self, lane: Lane, u: Utterance) -> None:
+        self.conversation.started()
+        try:
+            await self._play_utterance(lane, u)
+        finally:
+            self.conversation.ended()
+
+    async def _play_utterance(self, lane: Lane, u: Utterance) -> None:
         assert u.encoder is not None
         started = False
         clock = u.clock = WordClock(u.text) if self.words_for(u) else None
@@ -543,7 +553,7 @@ class StreamingSession:
                     if not started:
                         await self.on_utterance_start(u)
                         started = True
-                    data = u.encoder.encode(pcm)
+                    data = await encode(u.encoder, pcm)
                     fed += len(pcm)
                     chunk.end_s = fed / SAMPLE_RATE
                     if clock is not None:
@@ -559,7 +569,7 @@ class StreamingSession:
                 return
             if not started:
                 await self.on_utterance_start(u)
-            tail = u.encoder.encode(np.zeros(0, np.int16), last=True)
+            tail = await encode(u.encoder, np.zeros(0, np.int16), last=True)
             if clock is not None:
                 chunk.words += clock.finish()
             if tail:

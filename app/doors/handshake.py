@@ -4,7 +4,10 @@ in the API's own shape, then the session run to its end, counted among the gatew
 
 A dialect refuses a handshake as those services do, with an HTTP response to the upgrade (the WebSocket
 Denial Response extension). Our own socket refuses in band, as it always has: accepted, the error as its
-first message, closed 1008 (1013, "try again later", at the session limit).
+first message, closed 1008 (1013, "try again later", at the session limit). A stream the door refuses
+(app/core/admission.py: no engine could start it within --max-queue-ms) gets HTTP 503 with `Retry-After` on
+every socket, ours too, before the socket is accepted or a message is read: the cheapest answer a retrying
+client can get, and the one a load balancer understands.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     then. A client that stopped reading, or a bug, ends this session only (a bug with the dialect's
     `internal` error and close 1011)."""
     gw.metrics.sessions.inc()
+    gw.conversations.add(session.conversation)  # room is held for its utterances while it is active
     try:
         await session.run()
     except WebSocketDisconnect:
@@ -81,6 +85,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
                 await ws.send_text(json.dumps(msg))
             await ws.close(1011)
     finally:
+        gw.conversations.discard(session.conversation)
         gw.sessions.close()
         gw.metrics.sessions.dec()
 
@@ -118,18 +123,31 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
     if not key_ok(key, gw.settings.api_keys):
         await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
         return
+    try:
+        gw.admit()
+    except RequestError as e:  # at capacity: refused before anything of the session is read
+        gw.metrics.errors.labels(e.code).inc()
+        await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)
+        return
     if not gw.sessions.try_open(gw.settings.limits.max_sessions):  # every gateway process's sessions count
         await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
                      G.TOO_MANY_SESSIONS.http_status)
         return
+    session: StreamingSession | None = None
     try:
         session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+        # admitted: its room is held from now on (no newcomer takes it while the socket is accepted)
+        gw.conversations.add(session.conversation)
         await ws.accept(subprotocol=subprotocol)
     except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
         gw.sessions.close()
+        if session is not None:
+            gw.conversations.discard(session.conversation)
         await refuse(e.code, str(e), e.status if e.status != 500 else 400)
         return
     except BaseException:
         gw.sessions.close()
+        if session is not None:
+            gw.conversations.discard(session.conversation)
         raise
     await serve_session(ws, gw, session)

@@ -137,9 +137,10 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
     if modes > 1:
         raise RequestError(G.BAD_PARAMS, "use one speaker source: audio, embedding, speaker_embedding_id or a blend")
     if audio_b64:
-        return await gw.embed_clip(base64_payload(audio_b64, "speaker_audio_base64"), owner)
+        return await gw.embed_clip(await base64_payload(audio_b64, "speaker_audio_base64"), owner)
     if emb_b64:
-        emb = parse_embedding_file(base64_payload(emb_b64, "speaker_embedding_base64"), gw.cfg.speaker_embedding_dim)
+        raw = await base64_payload(emb_b64, "speaker_embedding_base64")
+        emb = parse_embedding_file(raw, gw.cfg.speaker_embedding_dim)
         return Voice(id="inline", name="inline", owner=owner, source="embedding", dim=len(emb), embedding=emb)
     if vid:
         return gw.resolve_voice(vid, owner)
@@ -160,6 +161,7 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
 async def tts_generate(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     key = require_key(request)
+    gw.admit()  # before the body is read: a refused request costs no parsing
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     req = await parse_generate(gw, data, gw.owner_of(key))
     speech = speak(gw, "tts_generate", req.text, req.opts, req.voice, None)

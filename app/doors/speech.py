@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import speak
-from app.io.audio_output import OutputFormat
+from app.io.audio_output import OutputFormat, encode
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
@@ -32,7 +32,7 @@ def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
     body: dict[str, Any] = {"error": {"code": e.code, "message": str(e)}}
     if detail:
         body["detail"] = str(e)
-    return JSONResponse(body, status_code=e.status)
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -113,13 +113,10 @@ async def speech_response(request: Request, api: str, text: str, opts: Synthesis
     speech = speak(gw, api, text, opts, voice, None)
     chunks = await first_chunk(speech, request)
 
-    async def encode(x: np.ndarray, last: bool = False) -> bytes:
-        return await asyncio.to_thread(enc.encode, x, last) if enc.threaded else enc.encode(x, last)
-
     async def body() -> AsyncIterator[bytes]:
         try:
             async for x in chunks:
-                data = await encode(x)
+                data = await encode(enc, x)
                 if data:
                     yield framing.chunk(data)
         except RequestError as e:
@@ -127,7 +124,7 @@ async def speech_response(request: Request, api: str, text: str, opts: Synthesis
                 raise  # cut off, not ended as if complete
             yield framing.error(e)
             return
-        tail = await encode(np.zeros(0, np.int16), last=True)
+        tail = await encode(enc, np.zeros(0, np.int16), last=True)
         if tail:
             yield framing.chunk(tail)
         yield framing.end()

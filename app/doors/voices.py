@@ -272,10 +272,10 @@ async def tts_cache_speaker(request: Request) -> Response:
             "Speaker audio" if audio else "Speaker embedding")
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
         if audio:
-            raw = base64_payload(audio, "speaker_audio_base64")
+            raw = await base64_payload(audio, "speaker_audio_base64")
             stored = await store_clips(gw, owner, [raw], name, rename=bool(label), details=details)
         else:
-            raw = base64_payload(emb, "speaker_embedding_base64")
+            raw = await base64_payload(emb, "speaker_embedding_base64")
             if len(raw) > gw.settings.limits.max_upload_bytes:
                 raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
             stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)

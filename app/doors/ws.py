@@ -154,7 +154,7 @@ class Session(StreamingSession):
                 raise RequestError(G.BAD_PARAMS, "voice must be a voice id, a name or null")
             voice, clip = self.gw.resolve_voice(ref, self.owner), None
         if data.get("voice_clip") is not None:
-            raw = base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
+            raw = await base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
             voice, clip = await self.gw.embed_clip(raw, self.owner), None
         # the emotion's calibration key is the voice's id (docs/protocol.md; our socket has no field for another)
         key = voice.id if voice is not None else None

@@ -32,6 +32,7 @@ instead of the `audioop` module that Python 3.13 removed.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import struct
@@ -415,3 +416,9 @@ class Encoder:
             data = self._file.write(x)
             return head + (data + self._file.close() if last else data)
         return head + sample_bytes(x, self.encoding)
+
+
+async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:
+    """`enc.encode` off the event loop where it is heavy: a compressed format's codec (LAME, libopus, libFLAC,
+    FFmpeg's AAC) runs in a worker thread, with the GIL released; raw samples are encoded inline."""
+    return await asyncio.to_thread(enc.encode, pcm16, last) if enc.threaded else enc.encode(pcm16, last)

@@ -96,9 +96,12 @@ def http_status(code: str) -> int:
 
 class RequestError(ValueError):
     """A refused request: its code (a GatewayError or EngineError member) and the HTTP status that code maps
-    to, unless `status` says otherwise (a 413 for an upload the form parser refused, a 507 for a full disk)."""
+    to, unless `status` says otherwise (a 413 for an upload the form parser refused, a 507 for a full disk);
+    `headers`: what its HTTP answer carries besides (`Retry-After` of a refusal at the door)."""
 
-    def __init__(self, code: str, message: str, status: int | None = None) -> None:
+    def __init__(self, code: str, message: str, status: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.code: str = code
         self.status: int = http_status(code) if status is None else status
+        self.headers: dict[str, str] = headers or {}

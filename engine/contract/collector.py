@@ -3,7 +3,12 @@
 A full collection walks every tracked object and holds the process meanwhile: in the gateway it holds every
 socket's audio, in the engine every stream's next step. With the heap built at start (modules, routes,
 compiled graphs) frozen out of the collector, a full pass only walks what serving allocated since. Any
-collection longer than `LOG_PAUSE_S` is logged, so a capacity run can tell a collector pause from a slow step.
+collection longer than `LOG_PAUSE_S` is logged, so a capacity run can tell a collector pause from a slow step,
+and every pause can be handed to a metric (the gateway's `zonos_gc_pause_seconds`).
+
+The thresholds: a young collection walks what was allocated since the last one, so its pause grows with the
+first threshold; the default 700 allocations keeps each well under a millisecond, and the old generations'
+passes are what a realtime process must keep short (the frozen startup heap, and no cycles left by sessions).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 LOG_PAUSE_S = 0.02  # a collection longer than this is logged (a player's prebuffer is 150 ms)
@@ -22,8 +28,15 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-def log_long_pauses(log: logging.Logger) -> None:
-    """Log every collection that holds the process longer than LOG_PAUSE_S (once per process)."""
+# (seconds, generation) of every collection: the metric of the process's last `log_long_pauses(observe=...)`
+_observe: list[Callable[[float, int], None]] = []
+
+
+def log_long_pauses(log: logging.Logger, observe: Callable[[float, int], None] | None = None) -> None:
+    """Log every collection that holds the process longer than LOG_PAUSE_S (the watcher is installed once per
+    process) and hand each pause to `observe` (seconds, generation)."""
+    if observe is not None:
+        _observe[:] = [observe]
     if any(getattr(cb, "_logs_pauses", False) for cb in gc.callbacks):
         return
     started = [0.0]
@@ -31,7 +44,11 @@ def log_long_pauses(log: logging.Logger) -> None:
     def watch(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
-        elif (pause := time.perf_counter() - started[0]) > LOG_PAUSE_S:
+            return
+        pause = time.perf_counter() - started[0]
+        for fn in _observe:
+            fn(pause, info.get("generation", -1))
+        if pause > LOG_PAUSE_S:
             log.warning("gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)", pause * 1e3,
                         info.get("generation", -1), info.get("collected", 0), gc.get_freeze_count())
 

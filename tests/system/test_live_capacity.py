@@ -199,6 +199,16 @@ def test_plot_only_redraws_from_saved_json(tmp_path: Path, capsys):
     assert (tmp_path / "r.png").exists()
 
 
+def test_refusals_are_counted_apart():
+    """Storm mode: a refused client had no stream; the admitted streams' stall rate and TTFA leave it out."""
+    refused = [StreamRecord(level=4, client=1, seq=i, t_start=1.0, counted=True, error="http_503",
+                            refused=True, refusal_ms=ms) for i, ms in enumerate((2.0, 4.0, 6.0, 40.0))]
+    s = summarize_level(4, [rec(), rec(stall_ms=[20]), *refused], delivered_s=1.0, window_s=1.0)
+    assert s["refused"] == 4 and s["attempted"] == 2 and s["errors"] == 0
+    assert s["refusal_ms_p50"] == pytest.approx(5.0) and s["refusal_ms_p95"] > 6.0
+    assert s["stall_free_share"] == 0.5 and s["admitted_stall_rate"] == 0.5
+
+
 # ---- against the tiny CPU server -----------------------------------------------------------------------
 
 
@@ -306,3 +316,15 @@ def test_distinct_clips_run_the_speaker_encoder_for_every_request(server):
     assert all(r.ok for r in same + distinct), [r.error for r in same + distinct]
     assert after_same - before <= 1  # the clip was embedded once at most (maybe by an earlier test)
     assert after_distinct - after_same == 3
+
+
+@pytest.mark.slow
+def test_a_storm_level_against_a_one_slot_server(start_server, tmp_path: Path):
+    """Storm mode against the door: three clients on one decode slot, refused ones retrying at once."""
+    srv = start_server("--max-batch", "1", "--max-queue-ms", "250")
+    out = tmp_path / "storm.json"
+    main(["--url", srv.ws_url, "--levels", "3", "--duration", "3", "--warmup", "1", "--ramp", "0.2",
+          "--frames", "60", "--request-timeout", "120", "--storm", "--voice", "storm", "--out", str(out)])
+    (lv,) = json.loads(out.read_text())["levels"]
+    assert lv["refused"] >= 1 and lv["refusal_ms_p95"] >= lv["refusal_ms_p50"] > 0
+    assert lv["streams"] >= 1 and lv["errors"] == 0 and lv["admitted_stall_rate"] is not None

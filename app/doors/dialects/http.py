@@ -39,7 +39,7 @@ def errors_as(body: ErrorBody) -> Callable[[Callable[[Request], Awaitable[Respon
             except RequestError as e:
                 gw: Gateway = request.app.state.gateway
                 gw.metrics.errors.labels(e.code).inc()
-                return JSONResponse(body(e.code, str(e), e.status), status_code=e.status)
+                return JSONResponse(body(e.code, str(e), e.status), status_code=e.status, headers=e.headers)
         return route
     return wrap
 
@@ -51,6 +51,7 @@ async def open_request(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
     key = api_key_from(request.headers, request.query_params)
     if not key_ok(key, gw.settings.api_keys):
         raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
+    gw.admit()  # before the body is read: a refused request costs no parsing
     owner = gw.owner_of(key if gw.settings.api_keys else None)
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     return gw, owner, data

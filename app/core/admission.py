@@ -1,0 +1,115 @@
+"""The gateway's door: whether a new stream (a WebSocket session, an HTTP synthesis request) may start, decided
+from the engines' live state before the request's body, config or clip is read.
+
+A newcomer is admitted when an engine can start it now, or when the queue ahead of it is predicted to drain
+within `max_queue_s` (Little's law: the requests ahead, plus the held conversations that would take the room
+first, over the rate at which the engines started streams lately). Otherwise it is refused at once (HTTP 503
+with `Retry-After`, or the dialect's refusal of the WebSocket upgrade) and can go to another replica rather than
+wait seconds for its first audio.
+
+Admitted conversations come first: a session already admitted is never refused again (its next sentence, its
+next turn), and while it is active (admitted, or it spoke within `hold_s`, and it has no utterance generating
+now) the room its next utterance needs is held: newcomers see the engines' free room less those holds.
+
+`decide` is a pure function of numbers, so that the holds and the engines' loads can come from state that
+several gateway processes share.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+RATE_WINDOW = 5  # the engine's Stats records (about one a second) the start rate is measured over
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the door reads of one ready engine."""
+
+    headroom: float  # streams it can start now (EngineClient.headroom: free slots, realtime admission)
+    waiting: int  # requests in its queue at its last Stats record
+    start_rate: float | None  # streams it started per second lately (None: not measured yet)
+
+
+@dataclass(frozen=True)
+class Decision:
+    admitted: bool
+    wait_s: float  # the newcomer's predicted wait for an engine to start it (inf: cannot be predicted)
+    retry_after_s: int  # refused: when to try again (HTTP Retry-After, whole seconds, >= 1)
+
+
+def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float) -> Decision:
+    """Admit a newcomer if it can start within `max_queue_s`. `held`: room held for admitted conversations
+    that will speak again. No engine ready: refused (the engine is starting). max_queue_s <= 0: every
+    newcomer is admitted (the engines' own queue and wait bound it)."""
+    if max_queue_s <= 0:
+        return Decision(True, 0.0, 0)
+    if not engines:
+        return Decision(False, math.inf, 1)
+    free = sum(max(0.0, e.headroom) for e in engines)
+    # queued: the engine's queue at its last Stats, or what was sent past its room since (negative headroom
+    # counts both where the engine's load is this gateway's own count of its open requests)
+    ahead = sum(max(float(e.waiting), -e.headroom) for e in engines) + max(0.0, held - free)
+    if free - held >= 1 and ahead == 0:
+        return Decision(True, 0.0, 0)
+    rates = [e.start_rate for e in engines if e.start_rate is not None]
+    if not rates:  # nothing measured yet: a newcomer with nobody ahead of it waits for the next free room
+        return Decision(ahead == 0, 0.0 if ahead == 0 else math.inf, max(1, math.ceil(max_queue_s)))
+    rate = sum(rates)
+    wait = (ahead + 1) / rate if rate > 0 else math.inf
+    if wait <= max_queue_s:
+        return Decision(True, wait, 0)
+    retry = max_queue_s * 4 if math.isinf(wait) else wait - max_queue_s
+    return Decision(False, wait, max(1, math.ceil(retry)))
+
+
+class StartRate:
+    """Streams an engine started per second, from its Stats records: each counts the streams it has started
+    (active + finished + cancelled, since the process started), about once a second."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW + 1)
+
+    def observe(self, started: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self._seen and started < self._seen[-1][1]:  # a new engine process counts from zero
+            self._seen.clear()
+        self._seen.append((now, started))
+
+    def reset(self) -> None:
+        self._seen.clear()
+
+    @property
+    def per_s(self) -> float | None:
+        if len(self._seen) < 2:
+            return None
+        (t0, n0), (t1, n1) = self._seen[0], self._seen[-1]
+        return (n1 - n0) / (t1 - t0) if t1 > t0 else None
+
+
+class Conversation:
+    """An admitted session, as the door sees it: when it last spoke, and whether it is speaking now."""
+
+    def __init__(self) -> None:
+        self.last_spoke = time.monotonic()  # admitted counts as having spoken: its first utterance is held
+        self.generating = 0  # utterances of it with engine work now
+
+    def held(self, now: float, hold_s: float) -> bool:
+        return self.generating == 0 and now - self.last_spoke < hold_s
+
+    def started(self) -> None:
+        self.generating += 1
+        self.last_spoke = time.monotonic()
+
+    def ended(self) -> None:
+        self.generating = max(0, self.generating - 1)
+        self.last_spoke = time.monotonic()
+
+
+def held_count(conversations: Iterable[Conversation], hold_s: float, now: float | None = None) -> int:
+    now = time.monotonic() if now is None else now
+    return sum(1 for c in conversations if c.held(now, hold_s))
