@@ -916,3 +916,23 @@ def test_fuzz_continuation_records(engine_client, ops):
 
     ends = lt.run(asyncio.wait_for(go(), 120), timeout=150)
     assert all(isinstance(e, m.Finished | m.Error) for e in ends)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.fixed_dictionaries({}, optional={"name": st.text(max_size=120) | anything,
+                                              "rules": st.lists(st.fixed_dictionaries({}, optional={
+                                                  "type": st.sampled_from(["alias", "phoneme", "x"]) | anything,
+                                                  "string_to_replace": st.text(max_size=300) | anything,
+                                                  "alias": st.text(max_size=300) | anything,
+                                                  "phoneme": anything}), max_size=4) | anything,
+                                              "description": anything}),
+       pls=st.binary(max_size=200) | st.sampled_from([b"<lexicon/>", b"<lexicon><lexeme/></lexicon>"]))
+def test_fuzz_pronunciation_dictionaries(fuzz_server, body, pls):
+    """Any rules body or lexicon file: a dictionary or a 4xx, never a 5xx."""
+    r = httpx.post(fuzz_server.url + "/v1/pronunciation-dictionaries/add-from-rules", json=body, timeout=30)
+    assert r.status_code in (200, 400, 413), r.text
+    r = httpx.post(fuzz_server.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
+                   files={"file": ("x.pls", pls)}, data={"name": "fuzz"})
+    assert r.status_code in (200, 400, 413), r.text
+    for d in httpx.get(fuzz_server.url + "/v1/pronunciation-dictionaries").json()["pronunciation_dictionaries"]:
+        httpx.delete(fuzz_server.url + f"/v1/pronunciation-dictionaries/{d['id']}")

@@ -369,3 +369,52 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     done = {m["utterance_id"]: m for m in c.log if m["type"] == "audio.done"}
     assert done[starts[0]["utterance_id"]]["stats"]["engine"]["continued"] is True  # the voice went on
     assert err["code"] == "bad_text" and "break" in err["message"]
+
+
+def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
+    """Uploaded as PLS and as rules, listed, used by our session.config `lexicon` (the alias reaches the
+    model: the prompt grows by it), refused for phonemes, kept across a restart, deleted."""
+    from tests.unit.test_lexicons import PHONEME, PLS
+
+    data = tmp_path / "data"
+    srv = start_server(data_dir=data)
+    up = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
+                    files={"file": ("lex.pls", PLS)}, data={"name": "mine"})
+    assert up.status_code == 200 and up.json()["version_rules_num"] == 3, up.text
+    bad = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
+                     files={"file": ("lex.pls", PHONEME)}, data={"name": "phonemes"})
+    assert bad.status_code == 400 and "phoneme" in bad.text
+    rules = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-rules", timeout=30, json={
+        "name": "rules", "rules": [{"type": "alias", "string_to_replace": "hi", "alias": "hello there my friend"}]})
+    assert rules.status_code == 200
+    listed = httpx.get(srv.url + "/v1/pronunciation-dictionaries").json()["pronunciation_dictionaries"]
+    assert {d["name"] for d in listed} == {"mine", "rules"}
+
+    async def prompt_frames(lexicon):
+        c = await connect(srv, params={"seed": 1, "max_frames": 5, "ignore_eos": True},
+                          **({"lexicon": lexicon} if lexicon is not None else {}))
+        await c.send(type="text", text="Say hi to the tomato.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return done["stats"]["engine"]["prompt_frames"]
+
+    plain = run(prompt_frames(None))
+    aliased = run(prompt_frames([rules.json()["id"], {"pronunciation_dictionary_id": up.json()["id"]},
+                                 {"grapheme": "Say", "alias": "Say"}]))
+    assert aliased == plain + len("hello there my friend") - len("hi") + len("tomahto") - len("tomato")
+
+    async def refused():
+        c = await connect(srv)
+        await c.send(type="session.config", lexicon=["pd_0000000000000000"])
+        err = await c.until("error")
+        await c.ws.close()
+        return err
+
+    assert run(refused())["code"] == "unknown_lexicon"
+    srv.stop()
+    again = start_server(data_dir=data)  # a restart keeps them
+    got = httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}")
+    assert got.status_code == 200 and got.json()["rules"][0] == {"type": "alias", "string_to_replace": "tomato",
+                                                                "alias": "tomahto"}
+    assert httpx.delete(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 200
+    assert httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 404

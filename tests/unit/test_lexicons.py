@@ -1,0 +1,54 @@
+"""Pronunciation dictionaries (app/voices/lexicons.py): PLS and rule uploads, phoneme rules refused, alias
+rules applied to whole words, stored per owner."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.io.errors import RequestError
+from app.voices.lexicons import LexiconStore, Rule, apply_rules, rules_from_json, rules_from_pls
+
+PLS = b"""<?xml version="1.0" encoding="UTF-8"?>
+<lexicon version="1.0" xmlns="http://www.w3.org/2005/01/pronunciation-lexicon" alphabet="ipa" xml:lang="en-US">
+  <lexeme><grapheme>tomato</grapheme><alias>tomahto</alias></lexeme>
+  <lexeme><grapheme>ZONOS</grapheme><grapheme>Zonos</grapheme><alias>zoh nos</alias></lexeme>
+</lexicon>"""
+PHONEME = PLS.replace(b"<alias>tomahto</alias>", b"<phoneme>t\xc9\x99\xcb\x88m\xc9\x91\xcb\x90to\xca\x8a</phoneme>")
+
+
+def test_pls_aliases_are_read_and_phonemes_refused():
+    rules = rules_from_pls(PLS)
+    assert rules == [Rule("tomato", "tomahto"), Rule("ZONOS", "zoh nos"), Rule("Zonos", "zoh nos")]
+    with pytest.raises(RequestError) as e:
+        rules_from_pls(PHONEME)
+    assert e.value.code == "bad_lexicon" and "phoneme" in str(e.value) and "tomato" in str(e.value)
+    for bad in (b"not xml", b"<root/>", b'<!DOCTYPE x [<!ENTITY a "aaaa">]><lexicon>&a;</lexicon>'):
+        with pytest.raises(RequestError):
+            rules_from_pls(bad)
+
+
+def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():
+    assert rules_from_json([{"type": "alias", "string_to_replace": "SQL", "alias": "sequel"}]) == [Rule("SQL", "sequel")]
+    with pytest.raises(RequestError):
+        rules_from_json([{"type": "phoneme", "string_to_replace": "SQL", "phoneme": "si", "alphabet": "ipa"}])
+    for bad in ([], "x", [{"alias": "y"}], [{"string_to_replace": "x" * 300, "alias": "y"}]):
+        with pytest.raises(RequestError):
+            rules_from_json(bad)
+
+
+def test_aliases_replace_whole_words_case_sensitively():
+    rules = (Rule("tomato", "tomahto"), Rule("New York", "New York City"), Rule("New", "Old"))
+    assert apply_rules("A tomato, tomatoes, Tomato.", rules) == "A tomahto, tomatoes, Tomato."
+    assert apply_rules("New York is New.", rules) == "New York City is Old."  # the longest match first
+
+
+def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
+    store = LexiconStore(tmp_path)
+    lex = store.add("alice", "mine", [Rule("a", "b")])
+    assert [x.id for x in LexiconStore(tmp_path).list("alice")] == [lex.id]  # a new store (a restart) sees it
+    assert LexiconStore(tmp_path).list("bob") == []
+    with pytest.raises(RequestError) as e:
+        store.get(lex.id, "bob")
+    assert e.value.code == "unknown_lexicon"
+    store.delete(lex.id, "alice")
+    assert store.list("alice") == []
