@@ -7,72 +7,143 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.contract.flags import check, flag
 from engine.contract.settings import EngineSettings, WeightSources
+
+_DAY = 86_400.0
+_GIB = 1 << 30
+# Text normalization workers by default: at most this many (each holds ~450 MB of grammars, and 16 normalize
+# ~500 typical sentences a second, more than a host's streams ask for)
+MAX_DEFAULT_NORMALIZATION_WORKERS = 16
+MAX_WORKERS = 64  # --workers: gateway processes
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def max_normalization_workers() -> int:
+    """--normalization-workers' ceiling: one per usable CPU (at least the default's ceiling); each worker is a
+    process holding ~450 MB, so thousands would exhaust the host's memory."""
+    return max(usable_cpus(), MAX_DEFAULT_NORMALIZATION_WORKERS)
+
+
+def _limit(help: str, lo: float, hi: float, *, zero_ok: bool = False, aliases: tuple[str, ...] = ()) -> dict:
+    """A Limits flag: above 0 unless `zero_ok`."""
+    return flag(help, lo=lo, hi=hi, lo_open=not zero_ok and lo == 0, aliases=aliases)
 
 
 @dataclass
 class Limits:
-    max_text_chars: int = 2000  # one utterance (one engine request)
-    max_buffer_chars: int = 10_000  # text buffered in one WebSocket session, not yet spoken
-    max_sessions: int = 256  # concurrent WebSocket sessions
-    max_pending_utterances: int = 32  # queued utterances per session
-    max_inflight_per_session: int = 2  # utterances generating at once per session (current + next)
-    max_upload_bytes: int = 10 << 20
-    max_clip_seconds: float = 60.0
-    min_clip_seconds: float = 0.5
-    max_ws_message_bytes: int = 8 << 20  # a session.config may carry a base64 clip
+    """Every field is a flag named after it (max_text_chars -> --max-text-chars; docs/reliability.md)."""
+
+    max_text_chars: int = field(default=2000, metadata=_limit("characters of one utterance (one engine request)",
+                                                               0, 1_000_000))
+    max_buffer_chars: int = field(default=10_000, metadata=_limit(
+        "text buffered in one WebSocket session, not yet spoken", 0, 10_000_000))
+    max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 0, 1_000_000))
+    max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 0, 100_000))
+    max_inflight_per_session: int = field(default=2, metadata=_limit(
+        "utterances generating at once per session (current + next)", 0, 1024))
+    max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", 0, _GIB))
+    max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 0, 3600.0))
+    min_clip_seconds: float = field(default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)",
+                                                                  0, 3600.0, zero_ok=True))
+    max_ws_message_bytes: int = field(default=8 << 20, metadata=_limit(
+        "bytes of one WebSocket message (a session.config may carry a base64 clip)", 0, _GIB))
     # a socket with no message this long is closed; LiveKit's plugins keep pooled sockets up to 3600 s, and a
     # socket they reuse must still be open (pings keep the connection itself alive meanwhile)
-    idle_timeout_s: float = 3600.0
-    send_timeout_s: float = 30.0  # one WebSocket send that makes no progress this long: the client is gone
+    idle_timeout_s: float = field(default=3600.0, metadata=_limit(
+        "seconds a WebSocket may go without a message before it is closed", 0, _DAY, aliases=("--idle-timeout",)))
+    send_timeout_s: float = field(default=30.0, metadata=_limit(
+        "seconds one WebSocket send may make no progress before the client counts as gone", 0, _DAY,
+        aliases=("--send-timeout",)))
     # WebSocket keepalive (uvicorn's): a ping this long after the handshake and after each pong; a client that
     # has not answered one within as long again is disconnected (ends sessions whose client vanished silently)
-    ws_ping_interval_s: float = 20.0
-    head_timeout_s: float = 30.0  # a request head (line and headers) not complete this long: 408, closed
+    ws_ping_interval_s: float = field(default=20.0, metadata=_limit(
+        "seconds between WebSocket keepalive pings; a client silent as long again is disconnected", 0, _DAY,
+        aliases=("--ws-ping-interval",)))
+    head_timeout_s: float = field(default=30.0, metadata=_limit(
+        "seconds a request head (line and headers) may take before 408", 0, _DAY))
     # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
-    # refused at once (503, Retry-After) instead of queued; 0: no limit at the door (the engine alone)
-    max_queue_ms: float = 250.0
-    # room held for an admitted session's next utterance while it spoke within this long (or was just
-    # admitted)
-    conversation_hold_s: float = 10.0
-    max_frames: int = 3000  # per utterance (about 35 s of audio)
-    max_buffered_audio_s: float = 60.0  # generated but unread audio per request before slow_consumer
-    max_http_chars: int = 4096  # /v1/audio/speech input, as OpenAI
+    # refused at once (503, Retry-After) instead of queued
+    max_queue_ms: float = field(default=250.0, metadata=_limit(
+        "a new stream predicted to wait longer than this (ms) for an engine is refused at once (503, "
+        "Retry-After); 0: no limit at the door", 0, 60_000.0, zero_ok=True))
+    conversation_hold_s: float = field(default=10.0, metadata=_limit(
+        "seconds room is held for an admitted session's next utterance after it spoke (0: no hold)",
+        0, 3600.0, zero_ok=True))
+    max_frames: int = field(default=3000, metadata=_limit("frames per utterance (about 35 s of audio)",
+                                                           0, 1 << 20))
+    max_buffered_audio_s: float = field(default=60.0, metadata=_limit(
+        "seconds of generated but unread audio per request before slow_consumer", 0, 3600.0,
+        aliases=("--max-buffered-audio",)))
+    max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input",
+                                                               0, 1_000_000))
     # Text normalization (app/core/normalization.py): the CPU one utterance's text may take in its worker before
     # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
     # normalizes before it is replaced (its memory given back).
-    normalization_cpu_s: float = 5.0
-    normalization_max_tasks: int = 500
+    normalization_cpu_s: float = field(default=5.0, metadata=_limit(
+        "CPU seconds one text may take in its normalization worker", 0, 3600.0))
+    normalization_max_tasks: int = field(default=500, metadata=_limit(
+        "texts a normalization worker handles before it is replaced (0: never)", 0, 1 << 30, zero_ok=True))
     # Kernel send buffer of each client socket (SO_SNDBUF), 0 = the OS's autotuning (up to tcp_wmem's
     # max, 4 MiB by default: ~45 s of 44.1 kHz s16 audio that a non-reading client parks in the kernel
     # before the gateway sees backpressure and max_buffered_audio_s starts counting).
-    tcp_send_buffer_bytes: int = 0
+    tcp_send_buffer_bytes: int = field(default=0, metadata=_limit(
+        "SO_SNDBUF of each client socket (0: the OS's autotuning)", 0, _GIB, zero_ok=True))
+
+    def __post_init__(self) -> None:
+        check(self)
 
 
 @dataclass
 class GatewaySettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    """The flag fields here, in Limits, EngineSettings and WeightSources are `python -m app`'s flags."""
+
+    host: str = field(default="127.0.0.1", metadata=flag("address to bind"))
+    port: int = field(default=8000, metadata=flag("port to bind (0: any free one)", lo=0, hi=65535))
     weights: WeightSources = field(default_factory=WeightSources)
     engine: EngineSettings = field(default_factory=EngineSettings)
     # --devices: one engine process per entry (cpu, cuda:N; repeats allowed), placed by headroom
     # (docs/scaling.md). Empty: one engine on engine.device (--device).
     devices: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
-    data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")))
-    default_voices_dir: Path | None = None
-    emotion_directions_dir: Path | None = None  # --emotion-directions-dir (engine/frontend/emotion.py folder format)
-    shared_voices: bool = False  # --shared-voices: other gateways use the same voice folder (docs/scaling.md)
-    api_keys: tuple[str, ...] = ()  # empty: no auth
-    cors_origins: tuple[str, ...] = ()
-    # --allowed-host: Host names served without an API key besides the loopback ones ("*": any); the host
-    # rule (app/io/auth.py, docs/reliability.md "Host rule")
-    allowed_hosts: tuple[str, ...] = ()
-    text_normalization: bool = True
-    normalization_workers: int = 0  # text normalization worker processes; 0: one per CPU (at most 16)
-    log_level: str = "INFO"
-    # --workers: gateway processes in front of the engines (app/workers.py); 0: one per four CPUs, at most 8
-    workers: int = 0
+    data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")),
+                           metadata=flag("voices are kept here (env ZONOS_DATA_DIR)"))
+    default_voices_dir: Path | None = field(default=None, metadata=flag(
+        "folder of clips / .npy embeddings offered to everyone"))
+    emotion_directions_dir: Path | None = field(default=None, metadata=flag(
+        "emotion directions in the reference's emotion_directions/ format (manifest.json, calibration.json, "
+        "NAME.npy): the emotion_* request fields"))
+    shared_voices: bool = field(default=False, metadata=flag(
+        "other gateways use the same --data-dir (a shared folder: Ray Serve replicas, several hosts): see "
+        "their voices; docs/scaling.md"))
+    api_keys: tuple[str, ...] = field(default=(), metadata=flag(
+        "require this key (repeatable); env ZONOS_API_KEYS=k1,k2", name="api-key", metavar="KEY"))  # empty: no auth
+    cors_origins: tuple[str, ...] = field(default=(), metadata=flag(
+        "allowed browser origin (repeatable)", name="cors-origin", metavar="ORIGIN"))
+    # the host rule (app/io/auth.py, docs/reliability.md "Host rule")
+    allowed_hosts: tuple[str, ...] = field(default=(), metadata=flag(
+        "without an API key, serve this Host name too besides the loopback ones (repeatable; '*': any); "
+        "docs/reliability.md, Host rule", name="allowed-host", metavar="NAME"))
+    text_normalization: bool = field(default=True, metadata=flag(
+        "numbers, dates, currency... read as words (NeMo grammars, if installed); default on"))
+    normalization_workers: int = field(default=0, metadata=flag(
+        f"worker processes that normalize text (default 0: one per CPU this process may use, at most "
+        f"{MAX_DEFAULT_NORMALIZATION_WORKERS})", lo=0, hi=max_normalization_workers, metavar="N"))
+    log_level: str = field(default_factory=lambda: os.environ.get("LOG_LEVEL", "INFO").upper(), metadata=flag(
+        "debug, info, warning, error (env LOG_LEVEL)"))
+    workers: int = field(default=0, metadata=flag(
+        "gateway processes on the one port, in front of the engines (default 0: one per four CPUs, at most 8; "
+        "docs/architecture.md)", lo=0, hi=MAX_WORKERS, metavar="N"))
+
+    def __post_init__(self) -> None:
+        check(self)
 
     @property
     def voices_dir(self) -> Path:

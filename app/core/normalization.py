@@ -42,6 +42,7 @@ import pebble
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.settings import MAX_DEFAULT_NORMALIZATION_WORKERS, usable_cpus
 
 log = logging.getLogger("gateway.textnorm")
 
@@ -53,19 +54,9 @@ TASK_WALL_LIMIT_S = 900.0
 _CPU_SIGNAL = signal.SIGPROF  # ITIMER_PROF: user + system CPU time of the worker process
 
 
-# At most this many workers by default: each holds ~450 MB of grammars, and 16 normalize ~500 typical
-# sentences a second, more than a host's streams ask for; --normalization-workers sets any number.
-MAX_DEFAULT_WORKERS = 16
-
-
 def default_workers() -> int:
-    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow), at most
-    MAX_DEFAULT_WORKERS."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, MAX_DEFAULT_WORKERS))
+    """The CPUs this process may run on, at most MAX_DEFAULT_NORMALIZATION_WORKERS."""
+    return max(1, min(usable_cpus(), MAX_DEFAULT_NORMALIZATION_WORKERS))
 
 
 def nemo_installed() -> bool:

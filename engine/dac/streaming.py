@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.contract.settings import GPU_SLOTS
 from engine.dac.codec import HOP, N_CODEBOOKS, Codec
 from engine.dac.incremental import UNBOUNDED, IncrementalDAC
 from engine.dac.schedule import DELAY, ChunkSchedule
@@ -78,7 +79,7 @@ from engine.frontend.longform import BOUNDARY_TRIM
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SLOTS = 256  # streams decoding at once; more wait for a slot (state: ~0.25 MB each, full DAC, bf16)
+DEFAULT_SLOTS = GPU_SLOTS  # streams decoding at once; more wait for a slot (state: ~0.25 MB each, full DAC, bf16)
 
 
 def to_int16(pcm: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
-from engine.contract.settings import EngineSettings, WeightSources
+from engine.contract.settings import CHUNK_SCHEDULES, CPU_SLOTS, GPU_SLOTS, EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder
 from engine.llm.node import LLMNode, Sequence
@@ -28,13 +28,10 @@ from engine.weights import load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
 
-# decode slots on a GPU when --max-batch is not given: 256 x the full context fit an H200's KV cache (84 GB);
-# where they do not, kv_frames_that_fit shortens the context rather than the slots
-GPU_SLOTS = 256
-CPU_SLOTS = 8
 DAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SCHEDULES = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
              "reference": ChunkSchedule.reference}
+assert tuple(SCHEDULES) == CHUNK_SCHEDULES  # the flag's choices
 
 
 class Engine:
@@ -58,10 +55,6 @@ class Engine:
         self.dac_device = settings.dac_device or self.device
         dtype = settings.dac_dtype if settings.dac_dtype != "auto" else (
             "bfloat16" if self.dac_device.startswith("cuda") else "float32")
-        if dtype not in DAC_DTYPES:
-            raise ValueError(f"dac_dtype must be one of {sorted(DAC_DTYPES)} or auto, not {dtype!r}")
-        if settings.chunk_schedule not in SCHEDULES:
-            raise ValueError(f"chunk_schedule must be one of {sorted(SCHEDULES)}, not {settings.chunk_schedule!r}")
         self.codec = load_codec(src, self.dac_device, DAC_DTYPES[dtype])
         # twice the LLM's slots: a stream keeps its DAC slot while its last audio is decoded after generation
         self.dac = StreamingDecoder(self.codec, SCHEDULES[settings.chunk_schedule](), slots=2 * slots)
