@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.flags import add_flags
 from engine.contract.records import SamplingParams
 from engine.contract.settings import WeightSources
 from engine.frontend.config import Zonos2Config, preset_params
@@ -247,12 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     def weights_args(sp: argparse.ArgumentParser, model: bool = True, dac: bool = False, spk: bool = False) -> None:
-        if model:
-            sp.add_argument("--model-path", help="ZONOS2 dir (params.json + model.pth); default: random tiny model")
-        if dac:
-            sp.add_argument("--dac-weights", help="DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC")
-        if spk:
-            sp.add_argument("--speaker-weights", help="ECAPA HF dir (config.json + model.safetensors)")
+        names = ("model_path",) * model + ("dac_weights",) * dac + ("speaker_weights",) * spk
+        add_flags(sp, WeightSources, only=names)  # the gateway's flags of the same names
         sp.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available)")
 
     sp = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the release format")

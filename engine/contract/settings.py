@@ -28,11 +28,11 @@ class WeightSources:
     """`None` means the embedded random default of that node (tiny, deterministic: speaks noise)."""
 
     model_path: str | None = field(default=None, metadata=flag(
-        "ZONOS2 checkpoint dir (params.json + model.pth); default: random tiny model"))
+        "ZONOS2 checkpoint dir (params.json + model.pth); default: random tiny model", metavar="DIR"))
     dac_weights: str | None = field(default=None, metadata=flag(
-        "DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC"))
+        "DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC", metavar="FILE"))
     speaker_weights: str | None = field(default=None, metadata=flag(
-        "ECAPA speaker encoder HF dir (config.json + model.safetensors)"))
+        "ECAPA speaker encoder HF dir (config.json + model.safetensors)", metavar="DIR"))
     random_preset: str = field(default="tiny", metadata=flag(
         "size of the random model used without --model-path (full = release size, GPU)",
         choices=RANDOM_PRESETS, name="random-weights"))
@@ -62,9 +62,9 @@ class EngineSettings:
     """Every field with `flag` metadata is a `python -m app` flag (engine/contract/flags.py), checked against
     its bounds whenever settings are built."""
 
-    device: str = field(default="auto", metadata=flag("cpu, cuda, cuda:N (default: cuda if available)"))
+    device: str = field(default="auto", metadata=flag("cpu, cuda, cuda:N (default: cuda if available)", metavar="DEVICE"))
     dac_device: str | None = field(default=None, metadata=flag(
-        "run the dac_decoder node on another device (default: with the LLM)"))
+        "run the dac_decoder node on another device (default: with the LLM)", metavar="DEVICE"))
     max_batch: int | None = field(default=None, metadata=flag(
         f"decode slots (default: {GPU_SLOTS} on a GPU, {CPU_SLOTS} on a CPU)", lo=1, hi=MAX_SLOTS))
     max_context: int | None = field(default=None, metadata=flag(

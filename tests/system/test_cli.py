@@ -383,3 +383,95 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
                               "--out", str(tmp_path / "e.npy"), "--device", "cpu")
     assert code == 2 and err.startswith("error: ") and needle in err, err
     assert not (tmp_path / "e.npy").exists()
+
+
+# ---- `python -m app` flags: generated from the settings fields ------------------------------------------
+@pytest.mark.parametrize("argv,needle", [
+    (["--max-batch", "0"], "--max-batch must be an integer in 1..4096, got 0"),
+    (["--max-batch", "-3"], "--max-batch must be an integer in 1..4096, got -3"),
+    (["--normalization-workers", "100000"], "--normalization-workers must be an integer in 0.."),
+    (["--workers", "65"], "--workers must be an integer in 0..64"),
+    (["--port", "70000"], "--port must be an integer in 0..65535"),
+    (["--admission-headroom", "0"], "--admission-headroom must be a number in (0, 1]"),
+    (["--dac-max-in-flight", "0"], "--dac-max-in-flight must be an integer in 1..64"),
+    (["--idle-timeout", "-1"], "--idle-timeout-s must be a number in (0, 86400]"),
+    (["--max-sessions", "0"], "--max-sessions must be an integer in 1..1000000"),
+    (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
+])
+def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv, needle):
+    from app.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv)
+    assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_normalization_workers_ceiling_follows_the_cpus(monkeypatch, capsys):
+    from app import settings
+    from app.__main__ import parse_args
+
+    monkeypatch.setattr(settings, "usable_cpus", lambda: 40)
+    assert parse_args(["--normalization-workers", "40"]).normalization_workers == 40
+    with pytest.raises(SystemExit):
+        parse_args(["--normalization-workers", "41"])
+    assert "--normalization-workers must be an integer in 0..40, got 41" in capsys.readouterr().err
+
+
+def test_settings_built_in_code_are_checked_as_the_flags_are():
+    from app.settings import GatewaySettings, Limits
+    from engine.contract.settings import EngineSettings, WeightSources
+
+    for build in (lambda: EngineSettings(max_batch=0), lambda: EngineSettings(chunk_schedule="fast"),
+                  lambda: EngineSettings(dac_max_batch=True), lambda: Limits(max_frames=0),
+                  lambda: WeightSources(random_preset="huge"), lambda: GatewaySettings(workers=-1)):
+        with pytest.raises(ValueError, match="^--"):
+            build()
+    assert EngineSettings(max_batch=None).max_batch is None  # None: the engine picks
+
+
+def test_every_settings_field_is_a_flag_and_a_new_field_is_one():
+    """Each flag field of the settings is a `python -m app` flag whose value lands in that field; a field
+    added to a settings class is a flag with nothing else written."""
+    import dataclasses
+
+    from app.__main__ import build_parser, parse_args
+    from app.settings import GatewaySettings, Limits
+    from engine.contract import flags
+    from engine.contract.settings import EngineSettings, WeightSources
+
+    options = build_parser()._option_string_actions
+    for cls in (GatewaySettings, Limits, EngineSettings, WeightSources):
+        for f in dataclasses.fields(cls):
+            assert flags.flag_of(f) is not None or f.name in ("weights", "engine", "limits", "devices"), f.name
+            if flags.flag_of(f):
+                assert flags.option(f) in options, f.name
+    s = parse_args(["--dac-max-in-flight", "5", "--stats-interval-s", "0.5", "--chunk-schedule", "low_latency",
+                    "--prefill-group-frames", "64", "--random-weights-seed", "7", "--no-compile",
+                    "--no-cuda-graphs", "--cors-origin", "a", "--cors-origin", "b", "--log-level", "debug"])
+    assert (s.engine.dac_max_in_flight, s.engine.stats_interval_s, s.engine.chunk_schedule,
+            s.engine.prefill_group_frames, s.weights.seed) == (5, 0.5, "low_latency", 64, 7)
+    assert not s.engine.compile and not s.engine.cuda_graphs
+    assert s.cors_origins == ("a", "b") and s.log_level == "DEBUG"
+    assert parse_args([]).engine == EngineSettings() and parse_args([]).limits == Limits()
+
+    @dataclasses.dataclass
+    class Extended(EngineSettings):
+        new_knob: int = dataclasses.field(default=3, metadata=flags.flag("a new setting", lo=1, hi=9))
+
+    import argparse
+
+    p = argparse.ArgumentParser()
+    flags.add_flags(p, Extended)
+    assert "--new-knob" in p.format_help() and "range 1..9" in p.format_help()
+    assert Extended(**flags.values(p.parse_args(["--new-knob", "4"]), Extended)).new_knob == 4
+    with pytest.raises(ValueError, match="--new-knob must be an integer in 1..9, got 10"):
+        Extended(**flags.values(p.parse_args(["--new-knob", "10"]), Extended))
+
+
+def test_app_help_lists_every_flag():
+    r = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0
+    for name in ("--max-batch", "--normalization-workers", "--idle-timeout", "--no-batch-invariant", "--devices",
+                 "--no-auth", "--api-key", "--dac-max-in-flight", "--outbox-bytes-per-request"):
+        assert name in r.stdout, name
+    assert "decode slots (default: 256 on a GPU" in " ".join(r.stdout.split())
