@@ -120,8 +120,6 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
         sampling.validate(cfg.n_codebooks)
     except ValueError as e:
         raise RequestError(G.BAD_PARAMS, str(e)) from None
-    if sampling.top_k > cfg.codebook_size:
-        raise RequestError(G.BAD_PARAMS, f"top_k must be at most {cfg.codebook_size} (< 1 means all)")
 
     if "max_frames" in params:  # null resets to the server limit
         mf = params["max_frames"]

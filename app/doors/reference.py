@@ -26,7 +26,6 @@ from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import HISTORY
 from engine.frontend.emotion import EMOTION_FIELDS
 
-MAX_REPETITION_WINDOW = HISTORY
 # the reference server's speaker fields (its /tts/generate and /v1/audio/speech take them)
 SPEAKER_FIELDS = {"speaker_audio_base64", "speaker_audio_name", "speaker_embedding_base64", "speaker_embedding_name",
                   "speaker_embedding_id", "speaker_blend_embedding_id_a", "speaker_blend_embedding_id_b",
@@ -72,7 +71,7 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
     # The reference UI's slider goes to 512 recent frames; the engine checks at most 256 (its ring). The
     # reference clamps its other sampling values; this one is clamped here rather than refused.
     if isinstance(p.get("repetition_window"), int) and not isinstance(p["repetition_window"], bool):
-        p["repetition_window"] = min(p["repetition_window"], MAX_REPETITION_WINDOW)
+        p["repetition_window"] = min(p["repetition_window"], HISTORY)
     if data.get("max_tokens") is not None:
         mt = data["max_tokens"]
         if isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0:

@@ -48,7 +48,7 @@ from typing import Any, ClassVar, TypeVar, Union, cast, dataclass_transform
 
 import numpy as np
 
-from engine.contract.constants import N_CODEBOOKS
+from engine.contract.constants import CODEBOOK_SIZE, N_CODEBOOKS
 from engine.contract.errors import EngineError
 
 SUBMIT, CANCEL, END, EMBED, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "reset", "shutdown"
@@ -68,7 +68,7 @@ HISTORY = 256  # repetition ring length per slot; repetition_window is capped at
 # repeated code out. docs/reliability.md ("Bounds") lists them.
 TEMPERATURE_MAX = 100.0
 REPETITION_PENALTY_MAX = 100.0
-TOP_K_MAX = 100_000  # < 1 means 1024 (the reference); the gateway also caps it at the codebook size
+TOP_K_MAX = CODEBOOK_SIZE  # a codebook's codes; top_k < 1 means all of them (the reference)
 SEED_LIMIT = 2**63  # the sampler's int64 seed
 # |cfg_scale|, |prefix_cfg_scale|, |emotion_cfg_scale| (engine/guidance.py): the reference takes any float;
 # guided logits scale with it, and past this they are noise
@@ -86,7 +86,7 @@ def _integer(value: object) -> bool:
 
 @dataclass
 class SamplingParams:
-    """Reference defaults (`message/tts.py`). top_k < 1 means 1024, as in the reference."""
+    """Reference defaults (`message/tts.py`). top_k < 1 means every code (`top_k_codes`), as in the reference."""
 
     temperature: float = 1.15
     top_k: int = 106
@@ -101,7 +101,11 @@ class SamplingParams:
     prefix_cfg_scale: float = 1.0  # continuation chunks: a twin generating the chunk fresh
     emotion_cfg_scale: float = 1.0  # emotion: a twin without the emotion
 
-    def validate(self, n_codebooks: int = 9) -> None:
+    def top_k_codes(self) -> int:
+        """The codes top-k keeps: top_k, or all of a codebook's when it is below 1."""
+        return self.top_k if self.top_k >= 1 else CODEBOOK_SIZE
+
+    def validate(self, n_codebooks: int = N_CODEBOOKS) -> None:
         """ValueError naming the first value outside its bounds (or of the wrong type)."""
         t, rp = self.temperature, self.repetition_penalty
         checks = [
@@ -117,7 +121,7 @@ class SamplingParams:
             (self.seed is None or (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT),
              "seed must be a non-negative 63-bit integer"),
             (_integer(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
-             f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means 1024)"),
+             f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means all {CODEBOOK_SIZE})"),
             *((_number(v) and abs(v) <= CFG_SCALE_MAX, f"{name} must be a number in [-{CFG_SCALE_MAX:g}, "
                f"{CFG_SCALE_MAX:g}] (1.0 = off)")
               for name, v in (("cfg_scale", self.cfg_scale), ("prefix_cfg_scale", self.prefix_cfg_scale),

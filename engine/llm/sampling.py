@@ -106,7 +106,7 @@ class SamplerState:
 
     def admit(self, slot: int, p: SamplingParams, seed: int) -> None:
         """Reset a slot for a new request (host -> device writes, outside any captured graph)."""
-        k = p.top_k if p.top_k >= 1 else 1024
+        k = p.top_k_codes()
         rc = p.repetition_codebooks
         floats = (max(p.temperature, 1e-6), p.top_p, p.min_p, max(p.repetition_penalty, 1.0), 1.0)
         ints = (min(max(k, 1), self.vocab), min(max(p.repetition_window, 0), HISTORY),

@@ -226,3 +226,20 @@ def test_noise_table_is_gumbel():
     assert abs(float(table.double().mean()) - 0.5772156649) < 1e-3
     draws = gumbel_noise(torch.arange(64), torch.zeros(64, dtype=torch.int64), (C, V)).double()
     assert abs(float(draws.mean()) - 0.5772156649) < 0.01 and abs(float(draws.var()) - np.pi**2 / 6) < 0.05
+
+
+def test_top_k_has_one_limit_and_one_meaning_below_one():
+    """The gateway, the engine's check and the sampler share one top_k limit (the codebook size) and one
+    meaning of top_k < 1 (every code)."""
+    from app.core.options import parse_options
+    from app.io.errors import RequestError
+    from engine.contract.constants import CODEBOOK_SIZE
+
+    assert SamplingParams(top_k=0).top_k_codes() == SamplingParams(top_k=-1).top_k_codes() == CODEBOOK_SIZE
+    assert SamplingParams(top_k=7).top_k_codes() == 7
+    SamplingParams(top_k=CODEBOOK_SIZE).validate()
+    with pytest.raises(ValueError, match=f"top_k must be an integer in -1..{CODEBOOK_SIZE}") as engine_side:
+        SamplingParams(top_k=CODEBOOK_SIZE + 1).validate()
+    with pytest.raises(RequestError) as gateway_side:
+        parse_options({"top_k": CODEBOOK_SIZE + 1}, 100)
+    assert str(engine_side.value) in str(gateway_side.value)
