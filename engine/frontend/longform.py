@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engine.contract.constants import N_CODEBOOKS
+
 SPLIT_MODES = ("word", "sentence")
 DEFAULT_CHUNK_CHARS = 150  # the reference's long_form_chunk_chars
 DEFAULT_WINDOW_CHUNKS = 2  # the new chunk + one chunk of teacher-forced context
@@ -123,7 +125,7 @@ def trim_chunk_codes(frames: np.ndarray, eos_frame: int | None, drop_trailing_fr
 # Frames of a chunk held back from the vocoder while it streams, so nothing past its eventual trimmed end is
 # ever decoded: the end of audio is known at most 2 x 9 frames after the last kept frame (the EOA's codebook
 # shift < 9, then the countdown of 9 more frames), plus the boundary trim, plus one (the reference's margin).
-def stream_margin(n_codebooks: int = 9) -> int:
+def stream_margin(n_codebooks: int = N_CODEBOOKS) -> int:
     return 2 * n_codebooks + BOUNDARY_TRIM + 1
 
 
@@ -133,7 +135,7 @@ class ChunkStream:
     of a long-form chunk): `push` each generated frame and vocode what it returns; at the chunk's end
     `finish` returns the rest to vocode and the kept frames (the next chunk's context)."""
 
-    n_codebooks: int = 9
+    n_codebooks: int = N_CODEBOOKS
     raw: list[np.ndarray] = field(default_factory=list)
     committed: int = 0  # frames already handed to the vocoder
 
@@ -218,7 +220,7 @@ class Continuation:
     anchor_text: str = ""
     anchor_codes: np.ndarray | None = None
     tail: list[tuple[str, np.ndarray]] = field(default_factory=list)
-    n_codebooks: int = 9
+    n_codebooks: int = N_CODEBOOKS
 
     def add(self, text: str, kept: np.ndarray) -> None:
         if self.index == 0 and self.pin_anchor:
@@ -239,7 +241,7 @@ class Continuation:
         return text, concat_codes([c for _, c in parts], self.n_codebooks)
 
 
-def concat_codes(chunks: Sequence[np.ndarray], n_codebooks: int = 9) -> np.ndarray:
+def concat_codes(chunks: Sequence[np.ndarray], n_codebooks: int = N_CODEBOOKS) -> np.ndarray:
     """Frames of several chunks, in order, as one [F, n_codebooks] int64 array."""
     if not chunks:
         return np.zeros((0, n_codebooks), dtype=np.int64)

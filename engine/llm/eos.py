@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.contract.constants import EOA_ID, N_CODEBOOKS
+
 
 @dataclass
 class EosTracker:
-    n_codebooks: int = 9
-    eoa_id: int = 1024
+    n_codebooks: int = N_CODEBOOKS
+    eoa_id: int = EOA_ID
     eos_frame: int | None = None  # aligned frames to keep, once known
     countdown: int = -1
     frames: int = 0  # generated frames seen
