@@ -287,7 +287,10 @@ class EngineClient:
     async def close(self) -> None:
         self._closing = True
         if self._inbox is not None and self._proc is not None and self._proc.is_alive():
-            self._inbox.try_put(*m.Shutdown().encode())
+            if self.ready.is_set():
+                self._inbox.try_put(*m.Shutdown().encode())
+            else:  # still loading: it reads no record before it is ready, and has no request to finish
+                self._proc.terminate()
             await asyncio.get_running_loop().run_in_executor(None, self._proc.join, 10)
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()

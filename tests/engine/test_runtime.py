@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from dataclasses import replace
 from typing import Any
@@ -324,3 +325,22 @@ def test_overlap_engine_process_same_audio_and_cancel_frees_slots(rt):
         assert len(pa) == len(pb) and np.abs(pa.astype(np.int32) - pb.astype(np.int32)).max() <= 1
     assert ack is not None and ack.reason == "cancelled" and ack.freed is not None
     assert ack.freed.free_slots == SLOTS
+
+
+def test_closing_a_loading_engine_stops_it_at_once():
+    """An engine still loading reads no record, so a server stopped while it starts (SIGTERM) ends it rather
+    than waiting for it to load and read the Shutdown record."""
+    lt = LoopThread()
+    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=256),
+                          ring_bytes=1 << 20, restart=False)
+
+    async def start_and_close() -> None:
+        await client.start()  # spawned; its Ready record cannot have been read yet
+        assert not client.ready.is_set()
+        await client.close()
+
+    try:
+        lt.run(start_and_close(), timeout=120)
+    finally:
+        lt.close()
+    assert client._proc is not None and client._proc.exitcode == -signal.SIGTERM

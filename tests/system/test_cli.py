@@ -475,3 +475,7 @@ def test_app_help_lists_every_flag():
                  "--no-auth", "--api-key", "--dac-max-in-flight", "--outbox-bytes-per-request"):
         assert name in r.stdout, name
     assert "decode slots (default: 256 on a GPU" in " ".join(r.stdout.split())
+    # the real entry point refuses before it starts any process
+    r = subprocess.run([sys.executable, "-m", "app", "--normalization-workers", "100000"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--normalization-workers must be an integer in 0.." in r.stderr
