@@ -41,7 +41,7 @@ def test_devices_flag(capsys):
     assert parse_args([]).devices == ()  # --device: the one-engine case, as before
     assert parse_args(["--device", "cpu"]).devices == ()
     assert parse_args(["--devices", "cuda, cuda:1"]).devices == ("cuda:0", "cuda:1")
-    assert parse_args(["--devices", "cuda:0,cuda:1"]).engine.max_batch is None  # the engine picks 128 on a GPU
+    assert parse_args(["--devices", "cuda:0,cuda:1"]).engine.max_batch is None  # the engine picks (GPU_SLOTS)
     import torch
 
     if not torch.cuda.is_available():
