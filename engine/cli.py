@@ -17,6 +17,7 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import WeightSources
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.prompt import Conditioning, PromptBuilder
+from engine.offline import MAX_FRAMES
 from engine.weights import load_codec, load_model, load_speaker_encoder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -319,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--voice", help="reference clip to clone")
     sp.add_argument("--speaker-embedding", help=".npy speaker embedding")
     sp.add_argument("--seed", type=int)
-    sp.add_argument("--max-frames", type=int, default=1024)
+    sp.add_argument("--max-frames", type=int, default=MAX_FRAMES)
     sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
     emotion_args(sp)
     sp.set_defaults(func=cmd_synthesize)

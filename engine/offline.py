@@ -13,6 +13,8 @@ from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.llm.node import LLMNode, Sequence
 from engine.model.zonos2 import Zonos2
 
+MAX_FRAMES = 1024  # frames one offline synthesis generates at most unless told (about 12 s of audio)
+
 
 @dataclass
 class Synthesis:
@@ -59,7 +61,7 @@ def synthesize(
     params: SamplingParams | None = None,
     cond: Conditioning | None = None,
     speaker: torch.Tensor | None = None,
-    max_frames: int = 1024,
+    max_frames: int = MAX_FRAMES,
     ignore_eos: bool = False,
     emotion: torch.Tensor | None = None,
 ) -> Synthesis:
