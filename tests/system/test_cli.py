@@ -445,6 +445,8 @@ def test_every_settings_field_is_a_flag_and_a_new_field_is_one():
             assert flags.flag_of(f) is not None or f.name in ("weights", "engine", "limits", "devices"), f.name
             if flags.flag_of(f):
                 assert flags.option(f) in options, f.name
+                if f.type in ("int", "float", "int | None", "float | None"):  # every number is bounded
+                    assert flags.flag_of(f).lo is not None and flags.flag_of(f).hi is not None, f.name
     s = parse_args(["--dac-max-in-flight", "5", "--stats-interval-s", "0.5", "--chunk-schedule", "low_latency",
                     "--prefill-group-frames", "64", "--random-weights-seed", "7", "--no-compile",
                     "--no-cuda-graphs", "--cors-origin", "a", "--cors-origin", "b", "--log-level", "debug"])
