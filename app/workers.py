@@ -204,6 +204,8 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
         for engine in engines:
             engine.spawn()
         for g in gateways:
+            if stopping:  # a SIGTERM while they start: start no more
+                break
             g.spawn(settings, workers, sessions, port)
             for engine in engines:
                 g.tell(engine.attach_message(g.index))

@@ -8,6 +8,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -16,7 +18,7 @@ import pytest
 import websockets
 
 from engine.contract.segments import _SHM_DIR
-from tests.conftest import ServerProcess
+from tests.conftest import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 
@@ -181,3 +183,30 @@ def _parent_is(child: int, parent: int) -> bool:
             return int(f.read().rsplit(")", 1)[1].split()[1]) == parent
     except (OSError, ValueError, IndexError):
         return False
+
+
+_SIGTERM_WHILE_STARTING = """
+import os, signal, sys
+from app import workers
+from app.__main__ import parse_args
+
+spawned = []
+real_spawn = workers.GatewayProcess.spawn
+
+def spawn_then_sigterm(self, *args):
+    real_spawn(self, *args)
+    spawned.append(self.index)
+    os.kill(os.getpid(), signal.SIGTERM)  # the operator stops the server while its processes start
+
+workers.GatewayProcess.spawn = spawn_then_sigterm
+settings = parse_args(["--device", "cpu", "--port", "0", "--data-dir", sys.argv[1], "--no-text-normalization"])
+code = workers.serve_workers(settings, 3)
+print(spawned, code)
+"""
+
+
+def test_sigterm_while_gateway_processes_start_starts_no_more(tmp_path):
+    r = subprocess.run([sys.executable, "-c", _SIGTERM_WHILE_STARTING, str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[0] 0"  # one of three started, then all stopped
