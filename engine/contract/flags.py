@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Callable
@@ -53,13 +54,13 @@ def _fmt(v: float) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 
 
-def range_text(meta: Flag) -> str:
-    """The allowed range as the error and the help say it: 1..4096, (0, 3600], >= 0."""
+def range_text(meta: Flag, integer: bool) -> str:
+    """The allowed range as the error and the help say it: 1..4096 (an integer), (0, 3600], >= 0."""
     lo = None if meta.lo is None else _value(meta.lo)
     hi = None if meta.hi is None else _value(meta.hi)
     if lo is not None and hi is not None:
-        if isinstance(lo, int) and isinstance(hi, int):
-            return f"{lo + meta.lo_open}..{hi}"
+        if integer:
+            return f"{int(lo) + meta.lo_open}..{int(hi)}"
         return f"{'(' if meta.lo_open else '['}{_fmt(lo)}, {_fmt(hi)}]"
     if lo is not None:
         return f"{'>' if meta.lo_open else '>='} {_fmt(lo)}"
@@ -76,10 +77,13 @@ def _base_type(hint: Any) -> tuple[type, bool]:
     return (typing.get_origin(hint) or hint), optional
 
 
+_hints = functools.cache(typing.get_type_hints)  # a settings class's field types, resolved once
+
+
 def check(obj: Any) -> None:
     """ValueError naming the flag and its range for the first flag field of `obj` outside its bounds or
     choices (None passes where the field allows it)."""
-    hints = typing.get_type_hints(type(obj))
+    hints = _hints(type(obj))
     for f in dataclasses.fields(obj):
         meta = flag_of(f)
         if meta is None:
@@ -99,7 +103,7 @@ def check(obj: Any) -> None:
                    or (hi is not None and value > hi) or value != value)
             if bad:
                 raise ValueError(f"{option(f)} must be {'an integer' if kind is int else 'a number'} in "
-                                 f"{range_text(meta)}, got {value!r}")
+                                 f"{range_text(meta, kind is int)}, got {value!r}")
 
 
 _METAVARS = {int: "N", float: "X", str: "VALUE", Path: "PATH"}
@@ -108,10 +112,9 @@ _METAVARS = {int: "N", float: "X", str: "VALUE", Path: "PATH"}
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, dest: str = "",
               only: tuple[str, ...] | None = None) -> None:
     """One argument per flag field of `cls` (those named in `only`, when given), its destination
-    `dest + field name`. A bool is --x / --no-x; a
-    tuple is a repeatable flag; the bounds are checked after parsing (`check`), where the message can name
-    the range."""
-    hints = typing.get_type_hints(cls)
+    `dest + field name`. A bool is --x / --no-x; a tuple is a repeatable flag; the bounds are checked when
+    the settings are built from the values (`check`), where the message can name the range."""
+    hints = _hints(cls)
     for f in dataclasses.fields(cls):
         meta = flag_of(f)
         if meta is None or (only is not None and f.name not in only):
@@ -121,7 +124,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         names = [option(f), *meta.aliases]
         helptext = meta.help
         if kind in (int, float) and (meta.lo is not None or meta.hi is not None):
-            helptext += f"; range {range_text(meta)}"
+            helptext += f"; range {range_text(meta, kind is int)}"
         if default is not None and kind is not bool and "default" not in meta.help:
             helptext += f"; default {default}"
         kw: dict[str, Any] = {"dest": dest + f.name, "help": helptext.replace("%", "%%")}
@@ -136,7 +139,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 
 def values(ns: argparse.Namespace, cls: type, dest: str = "", only: tuple[str, ...] | None = None) -> dict[str, Any]:
     """The parsed values of `cls`'s flag fields, by field name, in the field's type (tuples, paths)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         if flag_of(f) is None or (only is not None and f.name not in only):
