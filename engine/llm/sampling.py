@@ -105,12 +105,15 @@ class SamplerState:
         self.is_twin = torch.zeros(n_slots, device=device, dtype=torch.bool)
 
     def admit(self, slot: int, p: SamplingParams, seed: int) -> None:
-        """Reset a slot for a new request (host -> device writes, outside any captured graph)."""
-        k = p.top_k_codes()
+        """Reset a slot for a new request (host -> device writes, outside any captured graph). Its values
+        within the contract's bounds (SamplingParams.validate, which the engine applied on submit), or a
+        ValueError."""
+        p.validate(self.n_codebooks)
         rc = p.repetition_codebooks
-        floats = (max(p.temperature, 1e-6), p.top_p, p.min_p, max(p.repetition_penalty, 1.0), 1.0)
-        ints = (min(max(k, 1), self.vocab), min(max(p.repetition_window, 0), HISTORY),
-                self.n_codebooks if rc < 0 else min(rc, self.n_codebooks), seed, 0, slot)
+        # temperature 0 is greedy: the logits are divided by a tiny one instead
+        floats = (max(p.temperature, 1e-6), p.top_p, p.min_p, p.repetition_penalty, 1.0)
+        ints = (min(p.top_k_codes(), self.vocab), p.repetition_window,
+                self.n_codebooks if rc < 0 else rc, seed, 0, slot)
         self._floats[:, slot] = to_device(torch.tensor(floats, dtype=torch.float32), self._floats.device)
         self._ints[:, slot] = to_device(torch.tensor(ints, dtype=torch.int64), self._ints.device)
         self.history_step[slot].fill_(-1)

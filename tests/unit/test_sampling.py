@@ -58,7 +58,7 @@ PARAMS = [
     SamplingParams(),
     SamplingParams(temperature=0.7, top_k=5, min_p=0.0, repetition_window=3, repetition_penalty=2.0),
     SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.05, repetition_codebooks=-1),
-    SamplingParams(temperature=1.0, top_k=1026, top_p=0.5, min_p=0.0, repetition_window=0),
+    SamplingParams(temperature=1.0, top_k=TOP_K_MAX, top_p=0.5, min_p=0.0, repetition_window=0),
 ]
 
 
@@ -106,7 +106,7 @@ def test_samples_follow_the_distribution():
     """Counter-based Gumbel-max is an exact categorical draw: frequencies match the probabilities."""
     n = 4000
     state = SamplerState(n, 1, 8, "cpu")
-    p = SamplingParams(temperature=1.0, top_k=8, min_p=0.0, repetition_window=0)
+    p = SamplingParams(temperature=1.0, top_k=8, min_p=0.0, repetition_window=0, repetition_codebooks=-1)
     for s in range(n):
         state.admit(s, p, seed=1000 + s)
     logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005]))
@@ -243,3 +243,13 @@ def test_top_k_has_one_limit_and_one_meaning_below_one():
     with pytest.raises(RequestError) as gateway_side:
         parse_options({"top_k": CODEBOOK_SIZE + 1}, 100)
     assert str(engine_side.value) in str(gateway_side.value)
+
+
+@pytest.mark.parametrize("bad", [{"top_k": TOP_K_MAX + 1}, {"repetition_penalty": 0.5}, {"repetition_window": HISTORY + 1},
+                                 {"repetition_codebooks": C + 1}, {"temperature": TEMPERATURE_MAX * 2}])
+def test_the_sampler_takes_only_values_within_the_contracts_bounds(bad):
+    """The sampler checks a request's values against the one set of bounds (SamplingParams.validate) rather
+    than bending them into its own."""
+    state = SamplerState(n_slots=1, n_codebooks=C, vocab=V, device="cpu")
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        state.admit(0, SamplingParams(**bad), seed=1)
