@@ -19,7 +19,8 @@ QUANTIZATION_MODES = ("none", "fp8")
 CHUNK_SCHEDULES = ("default", "low_latency", "reference")  # engine/dac/schedule.py
 DAC_DTYPES = ("auto", "float32", "bfloat16")
 ADMISSION_MODES = ("auto", "realtime", "slots")
-_MS = 60_000.0  # a minute: the ceiling of every millisecond setting
+_MS = 60_000.0  # a minute: the ceiling of a millisecond setting
+_NEVER = 1e9  # a wait (ms or s) this long never ends: the bound of the settings where that means "never"
 _FRAMES = 1 << 20  # the ceiling of a frame count (hours of audio)
 
 
@@ -146,7 +147,7 @@ class EngineSettings:
     # (docs/architecture.md)
     admission_lead_floor_ms: float = field(default=40.0, metadata=flag(
         "realtime admission: admit only while every playing stream's player will still hold this much audio "
-        "(ms) when its next chunk lands", lo=0.0, hi=_MS))
+        "(ms) when its next chunk lands", lo=0.0, hi=_NEVER))
     admission_prebuffer_ms: float = field(default=150.0, metadata=flag(
         "realtime admission: the player model starts playing this long after a stream's first byte",
         lo=0.0, hi=_MS))
@@ -156,16 +157,16 @@ class EngineSettings:
     outbox_bytes_per_request: int = field(default=32 << 20, metadata=flag(
         "bytes of records one request may have waiting for the gateway", lo=1 << 16, hi=1 << 32))
     stats_interval_s: float = field(default=1.0, metadata=flag(
-        "seconds between the engine's stats records", lo=0.0, hi=3600.0, lo_open=True))
+        "seconds between the engine's stats records", lo=0.0, hi=_NEVER, lo_open=True))
     # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
     # flushed once it has been held continuation_grace_ms (the gateway's time to send the next chunk after the
     # kept frames) and its player (started admission_prebuffer_ms after the first byte) holds less than
     # continuation_flush_lead_ms of audio (or none of its audio has gone out yet)
     continuation_flush_lead_ms: float = field(default=250.0, metadata=flag(
         "a held stream (a sentence ended, the next not here yet) is flushed once its player holds less audio "
-        "than this ...", lo=0.0, hi=_MS))
+        "than this (below 0: never) ...", lo=-_NEVER, hi=_NEVER))
     continuation_grace_ms: float = field(default=40.0, metadata=flag(
-        "... and it has been held this long (the time the next sentence has to arrive)", lo=0.0, hi=_MS))
+        "... and it has been held this long (the time the next sentence has to arrive)", lo=0.0, hi=_NEVER))
 
     def __post_init__(self) -> None:
         check(self)
