@@ -26,13 +26,13 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from app.io.errors import GatewayError as G
+from app.settings import Limits
 from engine.contract.errors import EngineError as E
 
 MAX_TARGET_BYTES = 8000  # the request line is the method, this, and " HTTP/1.1": under websockets' 8192
 MAX_FIELD_BYTES = 8000  # one header line, "name: value"
 MAX_HEADERS = 100  # websockets refuses more than 128
 MAX_HEAD_BYTES = 64 << 10  # all header lines together
-HEAD_TIMEOUT_S = 30.0
 
 
 class HeadRefused(Exception):
@@ -50,7 +50,7 @@ def error_response(status: int, code: str, message: str) -> bytes:
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    head_timeout_s: float = HEAD_TIMEOUT_S
+    head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured one
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -36,7 +36,7 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance
 from app.core.session import Chunk, Hold, StreamingSession
-from app.doors.dialects.common import dialect_options, forget_idle
+from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id
@@ -45,10 +45,8 @@ from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.contract.constants import SAMPLE_RATE
 
-MAX_CONTEXTS = 16  # holding text or audio (an ended one counts until its done)
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
-QUIET_S = 0.3
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
 _STATUS: dict[str, int] = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
 

@@ -54,6 +54,11 @@ def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: S
     return parse_options(params, gw.settings.limits.max_frames, base=base, cfg=gw.cfg)
 
 
+# Contexts holding text or audio on one connection of a multi-context dialect (ElevenLabs itself allows 5);
+# a closed one counts until its last audio is sent.
+MAX_CONTEXTS = 16
+# Without the client's own rule, a buffered sentence end is spoken once no text has come for this long.
+QUIET_S = 0.3
 # Contexts that hold no text or audio cost only their settings; past this many such, the oldest are forgotten
 # (their ids are the client's to invent). A forgotten id used again opens a new context.
 MAX_IDLE_CONTEXTS = 64

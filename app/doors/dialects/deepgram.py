@@ -25,7 +25,7 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
 from app.core.session import Hold, StreamingSession
-from app.doors.dialects.common import dialect_options
+from app.doors.dialects.common import QUIET_S, dialect_options
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
 from app.io.auth import api_key_from
@@ -33,7 +33,6 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
 
-QUIET_S = 0.3
 _ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 _DEFAULT_RATE = {"linear16": 24000, "mulaw": 8000, "alaw": 8000}
 

@@ -36,17 +36,13 @@ from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
 from app.core.session import Chunk, Hold, StreamingSession
 from app.core.timestamps import char_alignment
-from app.doors.dialects.common import dialect_options, forget_idle
+from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
-
-MAX_CONTEXTS = 16  # holding text or audio (ElevenLabs allows 5); a closed one counts until its isFinal
-QUIET_S = 0.3  # without auto_mode, a buffered sentence end is spoken once no text has come for this long
-
 
 # ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
 OUTPUT_FORMATS = frozenset(
