@@ -54,3 +54,18 @@ def test_the_probe_does_block_torch():
     probe = PROBE.split("import app\n")[0] + "import engine.llm.node\n"
     r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "the gateway imported torch" in r.stderr
+
+
+def test_model_constants_are_written_in_one_module():
+    """N_CODEBOOKS, CODEBOOK_SIZE, EOA_ID and PAD_ID are engine/contract/constants.py's; a default or a
+    preset elsewhere takes them from there, so no other module writes their values."""
+    import re
+
+    root = ROOT
+    owner = root / "engine" / "contract" / "constants.py"
+    written = re.compile(r"""["']?\b(n_codebooks|codebook_size|eoa_id|audio_pad_id|pad_id)\b["']?\s*(:\s*int\s*)?[=:]\s*\d""",
+                         re.IGNORECASE)
+    found = [f"{p.relative_to(root)}:{n}: {line.strip()}"
+             for p in sorted((root / "engine").rglob("*.py")) + sorted((root / "app").rglob("*.py")) if p != owner
+             for n, line in enumerate(p.read_text().splitlines(), 1) if written.search(line.split("#")[0])]
+    assert not found, found
