@@ -77,7 +77,10 @@ def _base_type(hint: Any) -> tuple[type, bool]:
     return (typing.get_origin(hint) or hint), optional
 
 
-_hints = functools.cache(typing.get_type_hints)  # a settings class's field types, resolved once
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    """A settings class's field types, resolved once."""
+    return typing.get_type_hints(cls)
 
 
 def check(obj: Any) -> None:
@@ -119,7 +122,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         meta = flag_of(f)
         if meta is None or (only is not None and f.name not in only):
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[operator]
         kind, _ = _base_type(hints[f.name])
         names = [option(f), *meta.aliases]
         helptext = meta.help
