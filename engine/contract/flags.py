@@ -86,7 +86,7 @@ def _hints(cls: type) -> dict[str, Any]:
 def check(obj: Any) -> None:
     """ValueError naming the flag and its range for the first flag field of `obj` outside its bounds or
     choices (None passes where the field allows it)."""
-    hints = _hints(type(obj))
+    hints = _hints(obj.__class__)
     for f in dataclasses.fields(obj):
         meta = flag_of(f)
         if meta is None:
