@@ -274,6 +274,10 @@ class EngineClient:
     def _teardown_rings(self) -> None:
         close_quietly(self._lifeline_w)  # the engine is gone (or must go): its lifeline ends
         self._lifeline_w = None
+        self._close_rings(unlink=True)
+
+    def _close_rings(self, unlink: bool = False) -> None:
+        """Stop reading and unmap this engine's rings; `unlink`: remove them too (their maker does)."""
         if self._reader is not None:
             self._reader.close()
             self._reader = None
@@ -281,7 +285,8 @@ class EngineClient:
             if ring is not None:
                 with contextlib.suppress(Exception):
                     ring.close()
-                    ring.unlink()
+                    if unlink:
+                        ring.unlink()
         self._inbox = self._events = None
 
     async def close(self) -> None:
@@ -519,17 +524,6 @@ class AttachedEngineClient(EngineClient):
         self.start_rate.reset()
         self.restarts += 1
         self._close_rings()
-
-    def _close_rings(self) -> None:
-        """Unmap this channel's rings (the supervisor owns and unlinks them)."""
-        if self._reader is not None:
-            self._reader.close()
-            self._reader = None
-        for ring in (self._inbox, self._events):
-            if ring is not None:
-                with contextlib.suppress(Exception):
-                    ring.close()
-        self._inbox = self._events = None
 
     async def close(self) -> None:
         self._closing = True
