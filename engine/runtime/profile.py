@@ -6,9 +6,11 @@ writes PATH (JSON): per iteration on average, the GPU time of each node (decode 
 speaker encoder, other) and the time the GPU had nothing to do, from the kernels' own timestamps. Each
 kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
 decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
-from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for: profiling slows the loop,
+from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for: profiling
+slows the loop,
 and stopping the profiler holds the engine loop for seconds (every stream stalls once;
-the figure: docs/architecture.md): benchmarks trigger it in a level they do not count (bench/device_capacity.sh). The trace's
+the figure: docs/architecture.md): benchmarks trigger it in a level they do not count (bench/device_capacity.sh). The
+trace's
 export and analysis then run on a thread of their own.
 """
 
@@ -53,8 +55,11 @@ class IterationProfiler:
         path = os.environ.get("ZONOS_PROFILE")
         if not path:
             return None
-        return cls(path, int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
-                   int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")))
+        return cls(
+            path,
+            int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
+            int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")),
+        )
 
     def iteration(self, streams: int) -> None:
         """Called once per engine iteration with the streams it decoded."""
@@ -92,8 +97,11 @@ class IterationProfiler:
             with open(f.name) as fh:
                 trace = json.load(fh)
         budget = iteration_budget(trace.get("traceEvents", []), self._count)
-        budget.update(iterations=self._count, wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
-                      streams_mean=round(sum(self._streams) / len(self._streams), 1))
+        budget.update(
+            iterations=self._count,
+            wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
+            streams_mean=round(sum(self._streams) / len(self._streams), 1),
+        )
         with open(self.path, "w") as fh:
             json.dump(budget, fh, indent=1)
         log.info("iteration profile written to %s: %s", self.path, budget)

@@ -30,12 +30,14 @@ def test_stack_summary_counts_own_and_inclusive_time_per_function():
     """bench/stack_summary.py: py-spy's collapsed stacks -> each function's own and inclusive share."""
     from bench.stack_summary import parse, summarize
 
-    stacks = parse([
-        'process 1:"python";run (engine/runtime/scheduler.py:100);launch (engine/dac/streaming.py:380) 30\n',
-        'process 1:"python";run (engine/runtime/scheduler.py:120);launch (engine/dac/streaming.py:390) 10\n',
-        'process 1:"python";run (engine/runtime/scheduler.py:101) 5\n',
-        "not a stack line\n",
-    ])
+    stacks = parse(
+        [
+            'process 1:"python";run (engine/runtime/scheduler.py:100);launch (engine/dac/streaming.py:380) 30\n',
+            'process 1:"python";run (engine/runtime/scheduler.py:120);launch (engine/dac/streaming.py:390) 10\n',
+            'process 1:"python";run (engine/runtime/scheduler.py:101) 5\n',
+            "not a stack line\n",
+        ]
+    )
     assert [n for _, n in stacks] == [30, 10, 5]
     text = summarize(stacks, top=3, wall=100)
     own = text.split("inclusive")[0]
