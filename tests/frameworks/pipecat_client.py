@@ -24,6 +24,7 @@ from pipecat.frames.frames import (
     TTSAudioRawFrame,
     TTSSpeakFrame,
     TTSStoppedFrame,
+    TTSTextFrame,
 )
 from pipecat.pipeline.pipeline import Pipeline
 from pipecat.processors.frame_processor import FrameDirection, FrameProcessor
@@ -43,6 +44,7 @@ class Collector(FrameProcessor):
         self.stopped = asyncio.Event()  # a TTSStoppedFrame came
         self.spoken = asyncio.Event()  # ... after audio of the turn being spoken
         self.silent = 0  # turns the random model left silent (see `speak`)
+        self.words: list[str] = []  # TTSTextFrames: the words the service timed (word timestamps)
 
     async def process_frame(self, frame, direction: FrameDirection) -> None:
         await super().process_frame(frame, direction)
@@ -54,6 +56,8 @@ class Collector(FrameProcessor):
             self.stopped.set()
             if self.audio > self.turn_start:
                 self.spoken.set()
+        elif isinstance(frame, TTSTextFrame):
+            self.words.append(frame.text)
         elif isinstance(frame, ErrorFrame):
             self.errors.append(str(frame.error))
         await self.push_frame(frame, direction)
@@ -147,6 +151,8 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
 
     step("1. a spoken turn")
     spoken = await speak(worker, col, "Hello there. How are you today?", "the first turn")
+    await asyncio.sleep(1.0)  # the service times its words against the audio: the last ones come after it
+    first_words = list(col.words)
 
     step(f"2a. replies interrupted while the LLM still streams them (turn 1: {spoken} bytes)")
     # pipecat interrupts the turn it is streaming (ElevenLabs: one close_context, Cartesia: cancel, Deepgram:
@@ -187,6 +193,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         "sample_rate": min(col.rates) if col.rates else None,
         "errors": col.reported_errors(),
         "after_interruption_bytes": after,
+        "first_turn_words": first_words,
     }
 
 
