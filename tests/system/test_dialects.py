@@ -1230,7 +1230,9 @@ def test_pipecat_services_speak_through_the_gateway(srv, service):
     assert result["after_interruption_bytes"] > 0, result  # the socket speaks on after the barge-in
     engine_stopped(srv, before)  # the interrupted reply's engine work was stopped
     if service != "deepgram":  # word-timed transcript frames from the alignment / timestamps we send
-        assert [w.strip() for w in result["first_turn_words"]] == ["Hello", "there.", "How", "are", "you", "today?"], result
+        assert [w.strip() for w in result["first_turn_words"]] == ["Hello", "there.", "How", "are", "you", "today?"], (
+            result
+        )
 
 
 @pytest.mark.frameworks
