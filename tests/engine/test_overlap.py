@@ -373,3 +373,42 @@ def test_a_slow_iteration_is_logged_with_where_it_went(engine: Engine, monkeypat
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
+
+
+def test_prefill_first_frame_comes_back_like_a_decode_step(engine: Engine):
+    """A prefill is launched without a wait: its first frame is sampled on the device and read back later
+    (`decode_finish`), while a decode step already carries the stream; the frames are those of the waiting
+    path. A cancel while the prefill is in flight keeps the slot until it is read back."""
+    from engine.llm.node import Sequence
+
+    llm = engine.llm
+    prompt = _pb().build("Read back later.", Conditioning())
+
+    def seq(rid: int) -> Sequence:
+        return Sequence(rid=rid, prompt=prompt, params=SamplingParams(seed=11), max_frames=8, ignore_eos=True)
+
+    ref = seq(1)
+    llm.admit(ref)
+    first = llm.prefill([(ref, ref.prompt_len)])[0][1]
+    second = llm.decode([ref])[0][1]
+    assert llm.release(ref)
+
+    a = seq(2)
+    llm.admit(a)
+    pending = llm.prefill_start([(a, a.prompt_len)])
+    assert pending is not None and pending.prefill and pending in llm.in_flight
+    assert (a.generated, a.launched, a.in_prefill) == (0, 1, False)  # launched, nothing read back yet
+    step = llm.decode_start([a])  # the stream's next step goes before its first frame is read
+    assert a.launch_position == a.prompt_len + 1
+    got = llm.decode_finish(pending)
+    np.testing.assert_array_equal(got[0][1], first)
+    np.testing.assert_array_equal(llm.decode_finish(step)[0][1], second)
+    assert a.generated == 2 and not llm.in_flight
+    assert llm.release(a)
+
+    b = seq(3)
+    llm.admit(b)
+    slot = b.slot
+    pending = llm.prefill_start([(b, b.prompt_len)])
+    assert not llm.release(b) and slot in llm.deferred  # the prefill in flight still writes the slot
+    assert llm.decode_finish(pending) == [] and slot in llm.free_slots and not llm.deferred
