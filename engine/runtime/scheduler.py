@@ -129,6 +129,8 @@ class Scheduler:
         self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
         self._last_stats = 0.0
         self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
+        if self.profiler is not None:
+            self.profiler.counts = self.dac.counts
         # overlap scheduling (module docstring): the decode step launched last, read back next iteration
         self.overlap = settings.overlap_decode if settings.overlap_decode is not None else engine.on_gpu
         self._inflight: PendingDecode | None = None

@@ -396,6 +396,38 @@ def test_steady_calls_wait_for_a_larger_batch_but_first_and_final_calls_never_do
     assert dec.launch(min_batch=4, max_hold=3) >= 1
 
 
+def test_held_steady_calls_fill_the_padding_rows_of_a_launch(codec: Codec):
+    """A launch whose DAC call is padded to its batch bucket gives the padding rows to held steady calls of the
+    same size (a padding row costs what a stream's does): 9 first calls (bucket 10) take one held call along,
+    and its audio is still exact."""
+    dec = StreamingDecoder(codec, ChunkSchedule(frames=2, first_frames=2))
+    d = {rid: random_frames(40, seed=rid) for rid in range(10)}
+    out: list[np.ndarray] = []
+
+    def collect() -> None:
+        out.extend(pcm for rid, pcm, _ in dec.collect(as_float=True, wait=True) if rid == 0)
+
+    for k in (10, 12):  # stream 0: calls 0 and 1, then a steady call ready
+        dec.push(0, d[0][k - (10 if k == 10 else 2):k])
+        assert dec.launch(min_batch=20, max_hold=5) == 1
+        collect()
+    dec.push(0, d[0][12:14])
+    assert dec.launch(min_batch=20, max_hold=5) == 0  # held: fewer than min_batch ready
+    for rid in range(1, 10):
+        dec.push(rid, d[rid][:10])  # 9 first calls, which never wait
+    before = dict(dec.counts)
+    assert dec.launch(min_batch=20, max_hold=5) == 10  # the held call rode along in the padding row
+    assert dec.counts["pad_rows"] == before.get("pad_rows", 0) and dec.counts["calls 10x2"] == 1
+    collect()
+    dec.push(0, d[0][14:])
+    dec.finish(0, None)
+    while dec.pending():
+        dec.launch()
+        collect()
+    x = np.concatenate(out)
+    assert len(x) == 40 * HOP and snr_db(decode_offline(codec, d[0]), x) > EXACT_DB
+
+
 SCHEDULES = {
     "default": ChunkSchedule(),
     "low_latency": ChunkSchedule.low_latency(),
