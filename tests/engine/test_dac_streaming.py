@@ -396,10 +396,10 @@ def test_steady_calls_wait_for_a_larger_batch_but_first_and_final_calls_never_do
     assert dec.launch(min_batch=4, max_hold=3) >= 1
 
 
-def test_held_steady_calls_fill_the_padding_rows_of_a_launch(codec: Codec):
-    """A launch whose DAC call is padded to its batch bucket gives the padding rows to held steady calls of the
-    same size (a padding row costs what a stream's does): 9 first calls (bucket 10) take one held call along,
-    and its audio is still exact."""
+def test_held_steady_calls_ride_along_with_a_launch_of_their_size(codec: Codec):
+    """A launch that runs a DAC call anyway (first, second or final calls, which never wait) takes the held
+    steady calls of the same size along (a call's cost is mostly fixed): 9 first calls take one held call,
+    the call fills its bucket of 10 with no padding row, and the held stream's audio is still exact."""
     dec = StreamingDecoder(codec, ChunkSchedule(frames=2, first_frames=2))
     d = {rid: random_frames(40, seed=rid) for rid in range(10)}
     out: list[np.ndarray] = []
