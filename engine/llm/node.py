@@ -220,8 +220,11 @@ class LLMNode:
     def prefill_start(self, chunks: list[tuple[Sequence, int]]) -> PendingDecode | None:
         """Launch prompt chunks [(seq, n_frames)] packed and return at once. Sequences whose prompt completes
         get their first frame sampled on the device (it is their slot's last frame, so a decode step may be
-        launched for them before it is read back); the returned pending (None: no prompt completed) comes
-        back like a decode step's, by `decode_finish`: an event and one pinned device-to-host copy, no wait."""
+        launched for them before it is read back); the returned pending comes back like a decode step's, by `decode_finish`: an event and one pinned device-to-host copy, no wait.
+        Its slots (every chunk's: the call writes their KV rows) stay held on release until it is read back;
+        None only for no chunks."""
+        if not chunks:
+            return None
         group: list[tuple[Sequence, int]] = []
         frames, max_frames = 0, self.max_prefill_frames
         max_seqs = self.prefill_graphs.max_seqs if self.prefill_graphs is not None else 1 << 30
@@ -236,11 +239,15 @@ class LLMNode:
             frames += n
         if group:
             done += self._prefill_packed(group)
-        if not done:
-            return None
         n = len(done)
         buf = self._first_flip
         self._first_flip ^= 1
+        written = {seq.slot for seq, _ in chunks}
+        if not done:  # no first frame: the event alone says when the call has run
+            none = torch.zeros(0, self.cfg.n_codebooks, dtype=torch.int64, device=self.device)
+            pending = self._pending([], none, self._host_first[buf][:0], written)
+            self.in_flight.append(pending)
+            return pending
         host_slots = self._host_first_slots[buf][:n]
         host_slots.numpy()[:] = [seq.slot for seq, _ in done]
         slots = host_slots.to(self.device, non_blocking=True)  # pinned: queued behind the prefill
@@ -249,14 +256,17 @@ class LLMNode:
         seqs = [seq for seq, _ in done]
         for seq in seqs:
             seq.launched += 1
-        pending = self._pending(seqs, codes, self._host_first[buf][:n], prefill=True)
+        pending = self._pending(seqs, codes, self._host_first[buf][:n], written)
         self.in_flight.append(pending)
         return pending
 
-    def _pending(self, seqs: list[Sequence], codes: Tensor, host: Tensor, prefill: bool = False) -> PendingDecode:
+    def _pending(self, seqs: list[Sequence], codes: Tensor, host: Tensor,
+                 prefill_slots: set[int] | None = None) -> PendingDecode:
         """The launched work's codes on their way to the host: a copy on a CPU (the graphs reuse their
-        buffers); on a GPU a pinned copy behind the work and an event (no sync here)."""
-        used = {s.slot for s in seqs}
+        buffers); on a GPU a pinned copy behind the work and an event (no sync here). prefill_slots: a
+        prefill's, the slots it writes."""
+        used = {s.slot for s in seqs} if prefill_slots is None else prefill_slots
+        prefill = prefill_slots is not None
         if self.device.type != "cuda":
             return PendingDecode(seqs, used, codes.numpy().copy(), None, prefill)
         host.copy_(codes, non_blocking=True)

@@ -512,6 +512,7 @@ class Scheduler:
         if self._inflight_prefill is not None:  # the first frames of the prefill launched last iteration
             prefilled, self._inflight_prefill = self._inflight_prefill, None
             results += self.llm.decode_finish(prefilled)
+            self._prefilled = True  # this iteration waited for it: the next launch's period tells its cost
             self._send_acks()
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
@@ -533,13 +534,13 @@ class Scheduler:
                     job.t_prefill_start = job.t_prefill_start or t_prefill
             with node_range("prefill"):
                 prefilled = self.llm.prefill_start(chunks)
-            if prefilled is not None:
-                # overlap: read back next iteration, after the decode step that already carries these streams
-                if self.overlap:
-                    self._inflight_prefill = prefilled
-                else:
-                    results += self.llm.decode_finish(prefilled)
-            self._prefilled = True  # the next launch's period tells what it cost the playing streams
+            assert prefilled is not None
+            # overlap: read back next iteration, after the decode step that already carries these streams
+            if self.overlap:
+                self._inflight_prefill = prefilled
+            else:
+                results += self.llm.decode_finish(prefilled)
+                self._prefilled = True  # the next launch's period tells what it cost the playing streams
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
         plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch

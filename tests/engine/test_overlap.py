@@ -409,6 +409,53 @@ def test_prefill_first_frame_comes_back_like_a_decode_step(engine: Engine):
     b = seq(3)
     llm.admit(b)
     slot = b.slot
-    pending = llm.prefill_start([(b, b.prompt_len)])
+    part = llm.prefill_start([(b, 2)])  # a first chunk only: no frame sampled, its KV rows still written
+    assert part is not None and part.seqs == [] and part.slots == {slot}
+    assert llm.decode_finish(part) == [] and b.prefilled == 2 and b.launched == 0
+    pending = llm.prefill_start([(b, b.prompt_len - 2)])
     assert not llm.release(b) and slot in llm.deferred  # the prefill in flight still writes the slot
     assert llm.decode_finish(pending) == [] and slot in llm.free_slots and not llm.deferred
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine: Engine, overlap: bool):
+    """The admission's prefill cost is the period of the iteration that waited for the prefill: the one that
+    ran it without overlap, the next one (which reads its first frames back) with overlap; the prefill's own
+    launch waits for nothing."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap = overlap
+        flags: list[bool] = []
+        launched: list[int] = []  # iterations that launched a prefill
+        observe, start = sched.admission.observe_launch, engine.llm.prefill_start
+
+        def rec_observe(now: float, streams: int, prefilled: bool = False) -> None:
+            flags.append(prefilled)
+            observe(now, streams, prefilled)
+
+        def rec_start(chunks):
+            launched.append(len(flags) - 1)
+            return start(chunks)
+
+        sched.admission.observe_launch, engine.llm.prefill_start = rec_observe, rec_start
+        assert inbox.try_put(*req(1, "The first one.", 40, seed=1).encode())
+        for i in range(30):
+            if i == 10:
+                assert inbox.try_put(*req(2, "The second one.", 20, seed=2).encode())
+            with engine.llm_stream():
+                sched.iterate()
+        assert len(launched) == 2
+        lag = 2 if overlap else 1
+        assert [i for i, f in enumerate(flags) if f] == [i + lag for i in launched]
+        while sched.running or sched._inflight is not None:
+            with engine.llm_stream():
+                sched.iterate()
+    finally:
+        engine.llm.prefill_start = start
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
