@@ -220,9 +220,9 @@ class LLMNode:
     def prefill_start(self, chunks: list[tuple[Sequence, int]]) -> PendingDecode | None:
         """Launch prompt chunks [(seq, n_frames)] packed and return at once. Sequences whose prompt completes
         get their first frame sampled on the device (it is their slot's last frame, so a decode step may be
-        launched for them before it is read back); the returned pending comes back like a decode step's, by `decode_finish`: an event and one pinned device-to-host copy, no wait.
-        Its slots (every chunk's: the call writes their KV rows) stay held on release until it is read back;
-        None only for no chunks."""
+        launched for them before it is read back); the returned pending comes back like a decode step's, by
+        `decode_finish`: an event and one pinned device-to-host copy, no wait. Its slots (every chunk's: the
+        call writes their KV rows) stay held on release until it is read back. None only for no chunks."""
         if not chunks:
             return None
         group: list[tuple[Sequence, int]] = []
@@ -339,8 +339,9 @@ class LLMNode:
         return pending
 
     def decode_finish(self, pending: PendingDecode) -> list[tuple[Sequence, np.ndarray]]:
-        """Wait for a launched step's codes (or a prefill's first frames) and account them. Rows of sequences released since the launch (they
-        finished on the step before, or were cancelled) are discarded; the slots they kept are freed now."""
+        """Wait for a launched step's codes (or a prefill's first frames) and account them. Rows of sequences
+        released since the launch (they finished on the step before, or were cancelled) are discarded; the
+        slots they kept are freed now."""
         if pending.done is not None:
             pending.done.synchronize()
             codes = pending.codes.numpy().copy()

@@ -24,9 +24,9 @@ ended on step k (EOS, cancel; a frame budget or the context is seen before launc
 already has a row in step k+1: that row is discarded, and its slots (its twin's too) are freed only when
 step k+1 is read back (`LLMNode.release` defers them), so an admission never sees that step's stale write; a
 cancel is acknowledged then. Newly prefilled requests join the next step launched; a prefill's first frames
-are read back on the next iteration like a decode step (`LLMNode.prefill_start`), without a wait. The sampler's noise is
-keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so seeded output is the
-same with and without overlap.
+are read back on the next iteration like a decode step (`LLMNode.prefill_start`), without a wait. The
+sampler's noise is keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so
+seeded output is the same with and without overlap.
 
 Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice), `prefix_cfg_scale` (and the
 prefix twin's prompt) or `emotion_cfg_scale` (and a voice with an emotion) != 1 gets a twin: a second slot
