@@ -38,10 +38,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p.add_argument_group("weights"), WeightSources)
     eng = p.add_argument_group("engine", "engine/contract/settings.py EngineSettings")
     add_flags(eng, EngineSettings, dest="engine_")
-    eng.add_argument("--devices", help="one engine process per device, placed by headroom: cuda:0,cuda:1,... "
-                     "(all: every visible GPU; cpu,cpu works too); docs/scaling.md")
-    eng.add_argument("--no-batch-invariant", dest="engine_batch_invariant", action="store_const", const="off",
-                     help="the same as --batch-invariant off")
+    eng.add_argument(
+        "--devices",
+        help="one engine process per device, placed by headroom: cuda:0,cuda:1,... "
+        "(all: every visible GPU; cpu,cpu works too); docs/scaling.md",
+    )
+    eng.add_argument(
+        "--no-batch-invariant",
+        dest="engine_batch_invariant",
+        action="store_const",
+        const="off",
+        help="the same as --batch-invariant off",
+    )
     p.add_argument("--no-auth", action="store_true", help="allow a non-loopback bind without API keys")
     lim = p.add_argument_group("limits", "app/settings.py Limits; the table is in docs/reliability.md")
     add_flags(lim, Limits, dest="limit_")
@@ -70,16 +78,21 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
     if not loopback(host) and not settings.api_keys and not a.no_auth:
         p.error(f"binding to {host} exposes the GPU: give --api-key KEY (or --no-auth to serve without keys)")
     if not loopback(host) and not settings.api_keys and not settings.allowed_hosts:
-        print(f"zonos-gateway: without an API key only loopback Host names are served; clients reaching {host} "
-              "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)", file=sys.stderr)
+        print(
+            f"zonos-gateway: without an API key only loopback Host names are served; clients reaching {host} "
+            "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)",
+            file=sys.stderr,
+        )
     if devices and a.engine_device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")
     if devices and engine.dac_device:
         p.error("--dac-device is for one engine (--device); with --devices each engine keeps its DAC on its device")
     engine_devices = devices or [engine.device]
     if engine.quantization == "fp8" and any(d == "cpu" or (d == "auto" and not visible_gpus()) for d in engine_devices):
-        p.error("--quantization fp8 runs on a GPU with FP8 tensor cores; this engine would run on the CPU: "
-                "drop the flag (or give a CUDA --device)")
+        p.error(
+            "--quantization fp8 runs on a GPU with FP8 tensor cores; this engine would run on the CPU: "
+            "drop the flag (or give a CUDA --device)"
+        )
     weights.check()
     if settings.emotion_directions_dir:  # a folder that is not one is a flag error, not a failed request later
         from app.core.emotion import emotion_directions

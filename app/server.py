@@ -55,12 +55,17 @@ async def index(request: Request) -> Response:
     weights = gw.settings.weights.describe()
     if gw.settings.auth_enabled:
         weights = {k: Path(v).name or v for k, v in weights.items()}
-    return templates.TemplateResponse(request, "index.html", {
-        "auth": gw.settings.auth_enabled,
-        "weights": weights,
-        "random_weights": gw.settings.weights.model_path is None,
-        "native_rate": SAMPLE_RATE,
-    }, headers={"Cache-Control": "no-store"})
+    return templates.TemplateResponse(
+        request,
+        "index.html",
+        {
+            "auth": gw.settings.auth_enabled,
+            "weights": weights,
+            "random_weights": gw.settings.weights.model_path is None,
+            "native_rate": SAMPLE_RATE,
+        },
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 # ---- which routes a key guards (docs/reliability.md, "Authentication") ------------------------------------
@@ -106,12 +111,17 @@ async def http_error(request: Request, exc: Exception) -> Response:
     status = exc.status_code
     if status == 405 and request.method == "OPTIONS" and "access-control-request-method" in request.headers:
         # a preflight that no CORS rule took: one without Origin is malformed, not a wrong method
-        reason = ("a CORS preflight needs an Origin header" if "origin" not in request.headers
-                  else "this gateway allows no cross-origin requests (see --cors-origin)")
+        reason = (
+            "a CORS preflight needs an Origin header"
+            if "origin" not in request.headers
+            else "this gateway allows no cross-origin requests (see --cors-origin)"
+        )
         return json_error(G.CORS_REFUSED, reason, 400)
     code = _HTTP_CODES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
-    message = {404: f"no such endpoint: {request.url.path}",
-               405: f"{request.method} is not allowed on {request.url.path}"}.get(status, str(exc.detail))
+    message = {
+        404: f"no such endpoint: {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }.get(status, str(exc.detail))
     return json_error(code, message, status, dict(exc.headers or {}))
 
 
@@ -128,20 +138,35 @@ class JsonCORSMiddleware(CORSMiddleware):
         if resp.status_code < 400:
             return resp
         headers = {k: v for k, v in resp.headers.items() if k not in ("content-length", "content-type")}
-        return json_error(G.CORS_REFUSED, f"{bytes(resp.body).decode()} (see --cors-origin)", resp.status_code,
-                          headers)
+        return json_error(G.CORS_REFUSED, f"{bytes(resp.body).decode()} (see --cors-origin)", resp.status_code, headers)
 
 
 # ---- CORS (with --cors-origin): the request headers browser clients send ------------------------------------
 CORS_ALLOW_HEADERS = [
-    "Authorization", "X-API-Key", "Content-Type", "Accept", "X-Request-ID",
+    "Authorization",
+    "X-API-Key",
+    "Content-Type",
+    "Accept",
+    "X-Request-ID",
     "X-TTS-Session-ID",  # the ZONOS2 reference web UI, on every speaker and generate call
-    "xi-api-key", "Cartesia-Version",  # the ElevenLabs and Cartesia dialects' HTTP routes
+    "xi-api-key",
+    "Cartesia-Version",  # the ElevenLabs and Cartesia dialects' HTTP routes
     # the OpenAI JavaScript SDK (dangerouslyAllowBrowser) and other Stainless-generated clients
-    "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta", "X-Stainless-Lang", "X-Stainless-Package-Version",
-    "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime", "X-Stainless-Runtime-Version",
-    "X-Stainless-Retry-Count", "X-Stainless-Timeout", "X-Stainless-Read-Timeout", "X-Stainless-Async",
-    "X-Stainless-Helper-Method", "X-Stainless-Raw-Response",
+    "OpenAI-Organization",
+    "OpenAI-Project",
+    "OpenAI-Beta",
+    "X-Stainless-Lang",
+    "X-Stainless-Package-Version",
+    "X-Stainless-OS",
+    "X-Stainless-Arch",
+    "X-Stainless-Runtime",
+    "X-Stainless-Runtime-Version",
+    "X-Stainless-Retry-Count",
+    "X-Stainless-Timeout",
+    "X-Stainless-Read-Timeout",
+    "X-Stainless-Async",
+    "X-Stainless-Helper-Method",
+    "X-Stainless-Raw-Response",
 ]
 CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format", "X-Request-ID"]
 
@@ -197,8 +222,9 @@ class RequestIdMiddleware:
             raise  # ServerErrorMiddleware logs it (and sends nothing more: a response has started)
         finally:
             method = scope.get("method", "WS")
-            access_log.info("%s %s %s %s %.1f ms", rid, method, scope.get("path", ""), status,
-                            (time.perf_counter() - t0) * 1e3)
+            access_log.info(
+                "%s %s %s %s %.1f ms", rid, method, scope.get("path", ""), status, (time.perf_counter() - t0) * 1e3
+            )
 
 
 def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> Starlette:
@@ -248,26 +274,38 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/v1/pronunciation-dictionaries", elevenlabs_lexicons.list_dictionaries, methods=["GET"]),
         Route("/v1/pronunciation-dictionaries/add-from-file", elevenlabs_lexicons.add_from_file, methods=["POST"]),
         Route("/v1/pronunciation-dictionaries/add-from-rules", elevenlabs_lexicons.add_from_rules, methods=["POST"]),
-        Route("/v1/pronunciation-dictionaries/{dictionary_id}", elevenlabs_lexicons.dictionary,
-              methods=["GET", "DELETE"]),
+        Route(
+            "/v1/pronunciation-dictionaries/{dictionary_id}", elevenlabs_lexicons.dictionary, methods=["GET", "DELETE"]
+        ),
         Route("/v1/text-to-speech/{voice_id}/stream", elevenlabs_http.speech, methods=["POST"]),
-        Route("/v1/text-to-speech/{voice_id}/with-timestamps", elevenlabs_http.speech_with_timestamps,
-              methods=["POST"]),
-        Route("/v1/text-to-speech/{voice_id}/stream/with-timestamps", elevenlabs_http.stream_with_timestamps,
-              methods=["POST"]),
+        Route(
+            "/v1/text-to-speech/{voice_id}/with-timestamps", elevenlabs_http.speech_with_timestamps, methods=["POST"]
+        ),
+        Route(
+            "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
+            elevenlabs_http.stream_with_timestamps,
+            methods=["POST"],
+        ),
         Route("/tts/bytes", cartesia_http.tts_bytes, methods=["POST"]),
         Route("/tts/sse", cartesia_http.tts_sse, methods=["POST"]),
         Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
-    middleware = [Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)]  # outermost: even a refused preflight gets an id
+    middleware = [
+        Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)
+    ]  # outermost: even a refused preflight gets an id
     if not settings.auth_enabled:  # the host rule (DNS rebinding): app/io/auth.py HostCheck
         middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:
-        middleware.append(Middleware(
-            JsonCORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "PATCH", "DELETE"],
-            allow_headers=CORS_ALLOW_HEADERS, expose_headers=CORS_EXPOSE_HEADERS,
-        ))
+        middleware.append(
+            Middleware(
+                JsonCORSMiddleware,
+                allow_origins=list(settings.cors_origins),
+                allow_methods=["GET", "POST", "PATCH", "DELETE"],
+                allow_headers=CORS_ALLOW_HEADERS,
+                expose_headers=CORS_EXPOSE_HEADERS,
+            )
+        )
     handlers = {RequestError: request_error, HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
@@ -282,13 +320,19 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
     from app.io.http_protocol import bounded_protocol
 
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-        ws_max_size=settings.limits.max_ws_message_bytes, timeout_graceful_shutdown=5,
-        ws_ping_interval=settings.limits.ws_ping_interval_s, ws_ping_timeout=settings.limits.ws_ping_interval_s,
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        ws_max_size=settings.limits.max_ws_message_bytes,
+        timeout_graceful_shutdown=5,
+        ws_ping_interval=settings.limits.ws_ping_interval_s,
+        ws_ping_timeout=settings.limits.ws_ping_interval_s,
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
-        http=bounded_protocol(settings.limits.head_timeout_s))
+        http=bounded_protocol(settings.limits.head_timeout_s),
+    )
     sock = sock or config.bind_socket()
     if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.limits.tcp_send_buffer_bytes)

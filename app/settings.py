@@ -41,61 +41,107 @@ def _limit(help: str, lo: float, hi: float, *, zero_ok: bool = False, aliases: t
 class Limits:
     """Every field is a flag named after it (max_text_chars -> --max-text-chars; docs/reliability.md)."""
 
-    max_text_chars: int = field(default=2000, metadata=_limit("characters of one utterance (one engine request)",
-                                                               0, 1_000_000))
-    max_buffer_chars: int = field(default=10_000, metadata=_limit(
-        "text buffered in one WebSocket session, not yet spoken", 0, 10_000_000))
+    max_text_chars: int = field(
+        default=2000, metadata=_limit("characters of one utterance (one engine request)", 0, 1_000_000)
+    )
+    max_buffer_chars: int = field(
+        default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
+    )
     max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 0, 1_000_000))
     max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 0, 100_000))
-    max_inflight_per_session: int = field(default=2, metadata=_limit(
-        "utterances generating at once per session (current + next)", 0, 1024))
+    max_inflight_per_session: int = field(
+        default=2, metadata=_limit("utterances generating at once per session (current + next)", 0, 1024)
+    )
     max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", 0, _GIB))
     max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 0, 3600.0))
-    min_clip_seconds: float = field(default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)",
-                                                                  0, 3600.0, zero_ok=True))
-    max_ws_message_bytes: int = field(default=8 << 20, metadata=_limit(
-        "bytes of one WebSocket message (a session.config may carry a base64 clip)", 0, _GIB))
+    min_clip_seconds: float = field(
+        default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)", 0, 3600.0, zero_ok=True)
+    )
+    max_ws_message_bytes: int = field(
+        default=8 << 20,
+        metadata=_limit("bytes of one WebSocket message (a session.config may carry a base64 clip)", 0, _GIB),
+    )
     # a socket with no message this long is closed; LiveKit's plugins keep pooled sockets up to 3600 s, and a
     # socket they reuse must still be open (pings keep the connection itself alive meanwhile)
-    idle_timeout_s: float = field(default=3600.0, metadata=_limit(
-        "seconds a WebSocket may go without a message before it is closed", 0, _DAY, aliases=("--idle-timeout",)))
-    send_timeout_s: float = field(default=30.0, metadata=_limit(
-        "seconds one WebSocket send may make no progress before the client counts as gone", 0, _DAY,
-        aliases=("--send-timeout",)))
+    idle_timeout_s: float = field(
+        default=3600.0,
+        metadata=_limit(
+            "seconds a WebSocket may go without a message before it is closed", 0, _DAY, aliases=("--idle-timeout",)
+        ),
+    )
+    send_timeout_s: float = field(
+        default=30.0,
+        metadata=_limit(
+            "seconds one WebSocket send may make no progress before the client counts as gone",
+            0,
+            _DAY,
+            aliases=("--send-timeout",),
+        ),
+    )
     # WebSocket keepalive (uvicorn's): a ping this long after the handshake and after each pong; a client that
     # has not answered one within as long again is disconnected (ends sessions whose client vanished silently)
-    ws_ping_interval_s: float = field(default=20.0, metadata=_limit(
-        "seconds between WebSocket keepalive pings; a client silent as long again is disconnected", 0, _DAY,
-        aliases=("--ws-ping-interval",)))
-    head_timeout_s: float = field(default=30.0, metadata=_limit(
-        "seconds a request head (line and headers) may take before 408", 0, _DAY))
+    ws_ping_interval_s: float = field(
+        default=20.0,
+        metadata=_limit(
+            "seconds between WebSocket keepalive pings; a client silent as long again is disconnected",
+            0,
+            _DAY,
+            aliases=("--ws-ping-interval",),
+        ),
+    )
+    head_timeout_s: float = field(
+        default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", 0, _DAY)
+    )
     # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
     # refused at once (503, Retry-After) instead of queued
-    max_queue_ms: float = field(default=250.0, metadata=_limit(
-        "a new stream predicted to wait longer than this (ms) for an engine is refused at once (503, "
-        "Retry-After); 0: no limit at the door", 0, 60_000.0, zero_ok=True))
-    conversation_hold_s: float = field(default=10.0, metadata=_limit(
-        "seconds room is held for an admitted session's next utterance after it spoke (0: no hold)",
-        0, 3600.0, zero_ok=True))
-    max_frames: int = field(default=3000, metadata=_limit("frames per utterance (about 35 s of audio)",
-                                                           0, 1 << 20))
-    max_buffered_audio_s: float = field(default=60.0, metadata=_limit(
-        "seconds of generated but unread audio per request before slow_consumer", 0, 3600.0,
-        aliases=("--max-buffered-audio",)))
-    max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input",
-                                                               0, 1_000_000))
+    max_queue_ms: float = field(
+        default=250.0,
+        metadata=_limit(
+            "a new stream predicted to wait longer than this (ms) for an engine is refused at once (503, "
+            "Retry-After); 0: no limit at the door",
+            0,
+            60_000.0,
+            zero_ok=True,
+        ),
+    )
+    conversation_hold_s: float = field(
+        default=10.0,
+        metadata=_limit(
+            "seconds room is held for an admitted session's next utterance after it spoke (0: no hold)",
+            0,
+            3600.0,
+            zero_ok=True,
+        ),
+    )
+    max_frames: int = field(default=3000, metadata=_limit("frames per utterance (about 35 s of audio)", 0, 1 << 20))
+    max_buffered_audio_s: float = field(
+        default=60.0,
+        metadata=_limit(
+            "seconds of generated but unread audio per request before slow_consumer",
+            0,
+            3600.0,
+            aliases=("--max-buffered-audio",),
+        ),
+    )
+    max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input", 0, 1_000_000))
     # Text normalization (app/core/normalization.py): the CPU one utterance's text may take in its worker before
     # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
     # normalizes before it is replaced (its memory given back).
-    normalization_cpu_s: float = field(default=5.0, metadata=_limit(
-        "CPU seconds one text may take in its normalization worker", 0, 3600.0))
-    normalization_max_tasks: int = field(default=500, metadata=_limit(
-        "texts a normalization worker handles before it is replaced (0: never)", 0, 1 << 30, zero_ok=True))
+    normalization_cpu_s: float = field(
+        default=5.0, metadata=_limit("CPU seconds one text may take in its normalization worker", 0, 3600.0)
+    )
+    normalization_max_tasks: int = field(
+        default=500,
+        metadata=_limit(
+            "texts a normalization worker handles before it is replaced (0: never)", 0, 1 << 30, zero_ok=True
+        ),
+    )
     # Kernel send buffer of each client socket (SO_SNDBUF), 0 = the OS's autotuning (up to tcp_wmem's
     # max, 4 MiB by default: ~45 s of 44.1 kHz s16 audio that a non-reading client parks in the kernel
     # before the gateway sees backpressure and max_buffered_audio_s starts counting).
-    tcp_send_buffer_bytes: int = field(default=0, metadata=_limit(
-        "SO_SNDBUF of each client socket (0: the OS's autotuning)", 0, _GIB, zero_ok=True))
+    tcp_send_buffer_bytes: int = field(
+        default=0, metadata=_limit("SO_SNDBUF of each client socket (0: the OS's autotuning)", 0, _GIB, zero_ok=True)
+    )
 
     def __post_init__(self) -> None:
         check(self)
@@ -113,34 +159,72 @@ class GatewaySettings:
     # (docs/scaling.md). Empty: one engine on engine.device (--device).
     devices: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
-    data_dir: Path = field(default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")),
-                           metadata=flag("voices are kept here (env ZONOS_DATA_DIR)"))
-    default_voices_dir: Path | None = field(default=None, metadata=flag(
-        "folder of clips / .npy embeddings offered to everyone"))
-    emotion_directions_dir: Path | None = field(default=None, metadata=flag(
-        "emotion directions in the reference's emotion_directions/ format (manifest.json, calibration.json, "
-        "NAME.npy): the emotion_* request fields"))
-    shared_voices: bool = field(default=False, metadata=flag(
-        "other gateways use the same --data-dir (a shared folder: Ray Serve replicas, several hosts): see "
-        "their voices; docs/scaling.md"))
-    api_keys: tuple[str, ...] = field(default=(), metadata=flag(
-        "require this key (repeatable); env ZONOS_API_KEYS=k1,k2", name="api-key", metavar="KEY"))  # empty: no auth
-    cors_origins: tuple[str, ...] = field(default=(), metadata=flag(
-        "allowed browser origin (repeatable)", name="cors-origin", metavar="ORIGIN"))
+    data_dir: Path = field(
+        default_factory=lambda: Path(os.environ.get("ZONOS_DATA_DIR", "data")),
+        metadata=flag("voices are kept here (env ZONOS_DATA_DIR)"),
+    )
+    default_voices_dir: Path | None = field(
+        default=None, metadata=flag("folder of clips / .npy embeddings offered to everyone")
+    )
+    emotion_directions_dir: Path | None = field(
+        default=None,
+        metadata=flag(
+            "emotion directions in the reference's emotion_directions/ format (manifest.json, calibration.json, "
+            "NAME.npy): the emotion_* request fields"
+        ),
+    )
+    shared_voices: bool = field(
+        default=False,
+        metadata=flag(
+            "other gateways use the same --data-dir (a shared folder: Ray Serve replicas, several hosts): see "
+            "their voices; docs/scaling.md"
+        ),
+    )
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=flag("require this key (repeatable); env ZONOS_API_KEYS=k1,k2", name="api-key", metavar="KEY"),
+    )  # empty: no auth
+    cors_origins: tuple[str, ...] = field(
+        default=(), metadata=flag("allowed browser origin (repeatable)", name="cors-origin", metavar="ORIGIN")
+    )
     # the host rule (app/io/auth.py, docs/reliability.md "Host rule")
-    allowed_hosts: tuple[str, ...] = field(default=(), metadata=flag(
-        "without an API key, serve this Host name too besides the loopback ones (repeatable; '*': any); "
-        "docs/reliability.md, Host rule", name="allowed-host", metavar="NAME"))
-    text_normalization: bool = field(default=True, metadata=flag(
-        "numbers, dates, currency... read as words (NeMo grammars, if installed); default on"))
-    normalization_workers: int = field(default=0, metadata=flag(
-        f"worker processes that normalize text (default 0: one per CPU this process may use, at most "
-        f"{MAX_DEFAULT_NORMALIZATION_WORKERS})", lo=0, hi=max_normalization_workers, metavar="N"))
-    log_level: str = field(default_factory=lambda: os.environ.get("LOG_LEVEL", "INFO").upper(), metadata=flag(
-        "debug, info, warning, error (env LOG_LEVEL)"))
-    workers: int = field(default=0, metadata=flag(
-        "gateway processes on the one port, in front of the engines (default 0: one per four CPUs, at most 8; "
-        "docs/architecture.md)", lo=0, hi=MAX_WORKERS, metavar="N"))
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "without an API key, serve this Host name too besides the loopback ones (repeatable; '*': any); "
+            "docs/reliability.md, Host rule",
+            name="allowed-host",
+            metavar="NAME",
+        ),
+    )
+    text_normalization: bool = field(
+        default=True,
+        metadata=flag("numbers, dates, currency... read as words (NeMo grammars, if installed); default on"),
+    )
+    normalization_workers: int = field(
+        default=0,
+        metadata=flag(
+            f"worker processes that normalize text (default 0: one per CPU this process may use, at most "
+            f"{MAX_DEFAULT_NORMALIZATION_WORKERS})",
+            lo=0,
+            hi=max_normalization_workers,
+            metavar="N",
+        ),
+    )
+    log_level: str = field(
+        default_factory=lambda: os.environ.get("LOG_LEVEL", "INFO").upper(),
+        metadata=flag("debug, info, warning, error (env LOG_LEVEL)"),
+    )
+    workers: int = field(
+        default=0,
+        metadata=flag(
+            "gateway processes on the one port, in front of the engines (default 0: one per four CPUs, at most 8; "
+            "docs/architecture.md)",
+            lo=0,
+            hi=MAX_WORKERS,
+            metavar="N",
+        ),
+    )
 
     def __post_init__(self) -> None:
         check(self)

@@ -80,8 +80,11 @@ class EngineProcess:
         lifeline, self._lifeline_w = open_lifeline()
         specs = [(inbox.spec(), events.spec()) for inbox, events in self.rings]
         self.proc = mp.get_context("spawn").Process(
-            target=run_engine, args=(self.settings.weights, self.engine, specs, self.settings.log_level, lifeline),
-            name=f"zonos-engine-{self.index}", daemon=True)
+            target=run_engine,
+            args=(self.settings.weights, self.engine, specs, self.settings.log_level, lifeline),
+            name=f"zonos-engine-{self.index}",
+            daemon=True,
+        )
         saved = {k: os.environ.get(k) for k in self.env}
         os.environ.update(self.env)
         try:
@@ -93,8 +96,9 @@ class EngineProcess:
                 else:
                     os.environ[k] = v
             close_quietly(lifeline.fd)
-        log.info("engine %d (%s): process %s started with %d channels", self.index, self.device, self.proc.pid,
-                 self.channels)
+        log.info(
+            "engine %d (%s): process %s started with %d channels", self.index, self.device, self.proc.pid, self.channels
+        )
 
     def attach_message(self, channel: int) -> tuple[Any, ...]:
         assert self.proc is not None
@@ -151,7 +155,9 @@ class GatewayProcess:
         self.proc = ctx.Process(
             target=gateway_process_main,
             args=(settings, port, self.index, workers, self.incarnation, child, sessions, lifeline),
-            name=f"zonos-gateway-{self.index}", daemon=False)
+            name=f"zonos-gateway-{self.index}",
+            daemon=False,
+        )
         self.proc.start()
         child.close()
         close_quietly(lifeline.fd)
@@ -198,8 +204,10 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     sessions = mp.get_context("spawn").Value("i", 0)
     engines = [EngineProcess(settings, i, workers) for i in range(len(engine_settings(settings)))]
     gateways = [GatewayProcess(i) for i in range(workers)]
-    print(f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes "
-          "(demo page at /)", flush=True)
+    print(
+        f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes (demo page at /)",
+        flush=True,
+    )
     try:
         for engine in engines:
             engine.spawn()
@@ -211,7 +219,8 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
                 g.tell(engine.attach_message(g.index))
         while not stopping:
             sentinels: dict[int, EngineProcess | GatewayProcess] = {
-                e.proc.sentinel: e for e in engines if e.proc is not None}
+                e.proc.sentinel: e for e in engines if e.proc is not None
+            }
             sentinels.update({g.proc.sentinel: g for g in gateways if g.proc is not None})
             for s in wait(list(sentinels), timeout=0.5):
                 if stopping:
@@ -254,13 +263,21 @@ def _engine_died(engine: EngineProcess, gateways: list[GatewayProcess]) -> None:
         g.tell(engine.attach_message(g.index))
 
 
-def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], settings: GatewaySettings, workers: int,
-                  sessions: Any, port: int, metrics_dir: str) -> None:
+def _gateway_died(
+    g: GatewayProcess,
+    engines: list[EngineProcess],
+    settings: GatewaySettings,
+    workers: int,
+    sessions: Any,
+    port: int,
+    metrics_dir: str,
+) -> None:
     assert g.proc is not None
     g.proc.join(1)
     pid, code = g.proc.pid, g.proc.exitcode
-    log.error("gateway process %d (pid %s) exited with code %s; its sessions ended, starting another", g.index, pid,
-              code)
+    log.error(
+        "gateway process %d (pid %s) exited with code %s; its sessions ended, starting another", g.index, pid, code
+    )
     for engine in engines:
         engine.reset(g.index)
     with contextlib.suppress(Exception):
@@ -276,12 +293,21 @@ def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], settings: Gat
             g.tell(engine.attach_message(g.index))
 
 
-def gateway_process_main(settings: GatewaySettings, port: int, channel: int, channels: int, incarnation: int,
-                         conn: Connection, sessions: Any, lifeline: Lifeline) -> None:
+def gateway_process_main(
+    settings: GatewaySettings,
+    port: int,
+    channel: int,
+    channels: int,
+    incarnation: int,
+    conn: Connection,
+    sessions: Any,
+    lifeline: Lifeline,
+) -> None:
     """One gateway process (multiprocessing's spawn target): the app on its own socket of the shared port,
     its engines attached through `conn`. It exits when the supervisor is gone."""
-    logging.basicConfig(level=settings.log_level,
-                        format=f"%(asctime)s gateway-{channel} %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=settings.log_level, format=f"%(asctime)s gateway-{channel} %(name)s %(levelname)s %(message)s"
+    )
     watch_parent(lifeline, lambda: None)
     from app.core.engine_client import ControlLink
     from app.server import create_app, run_server

@@ -54,9 +54,15 @@ def seam_stats(ref: np.ndarray, x: np.ndarray) -> tuple[float, float]:
     return snr, 10 * np.log10(sig / max(e_frames.max(), 1e-30))
 
 
-def measure(preset: str, schedules: dict[str, ChunkSchedule], n_frames: int = 200, seeds: int = 2,
-            eos: int | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
-            ) -> dict[str, tuple[float, float]]:
+def measure(
+    preset: str,
+    schedules: dict[str, ChunkSchedule],
+    n_frames: int = 200,
+    seeds: int = 2,
+    eos: int | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, tuple[float, float]]:
     """Mean global SNR and minimum worst-frame SNR over `seeds` random code sequences (the
     reference is a one-shot decode by the same codec, same dtype)."""
     codec = Codec.random(preset, device=device, dtype=dtype)
@@ -72,8 +78,14 @@ def measure(preset: str, schedules: dict[str, ChunkSchedule], n_frames: int = 20
     return {k: (float(np.mean([a for a, _ in v])), float(np.min([b for _, b in v]))) for k, v in res.items()}
 
 
-def throughput(codec: Codec, schedule: ChunkSchedule, streams: int, n_frames: int = 400,
-               stagger: int = 0, max_frames: int | None = None) -> dict[str, float]:
+def throughput(
+    codec: Codec,
+    schedule: ChunkSchedule,
+    streams: int,
+    n_frames: int = 400,
+    stagger: int = 0,
+    max_frames: int | None = None,
+) -> dict[str, float]:
     """`streams` requests, one pushed frame each per engine step; request i starts at a random
     step in [0, stagger) (0: all in lockstep, the worst case for one step's DAC time)."""
     rng = np.random.default_rng(0)
@@ -133,12 +145,16 @@ def main() -> None:
                 print(f"{name:28s} warmup: {n} shapes in {time.perf_counter() - t0:.1f} s")
                 for stagger, mf in ((0, None), (32, None), (32, 600)):
                     r = throughput(codec, SCHEDULES[name], args.throughput, stagger=stagger, max_frames=mf)
-                    print(f"{name:28s} stagger {stagger:2d} max_frames {mf}: "
-                          + " ".join(f"{k} {v:.3g}" for k, v in r.items()))
+                    print(
+                        f"{name:28s} stagger {stagger:2d} max_frames {mf}: "
+                        + " ".join(f"{k} {v:.3g}" for k, v in r.items())
+                    )
         t0 = time.perf_counter()
         res = measure(preset, SCHEDULES, args.frames, args.seeds, device=args.device, dtype=dtype)
-        print(f"\n{preset} codec, {args.device} {args.dtype}, {args.frames} frames x {args.seeds} seeds "
-              f"({time.perf_counter() - t0:.1f} s)")
+        print(
+            f"\n{preset} codec, {args.device} {args.dtype}, {args.frames} frames x {args.seeds} seeds "
+            f"({time.perf_counter() - t0:.1f} s)"
+        )
         print(f"{'schedule':28s} {'SNR dB':>8s} {'worst frame dB':>15s}")
         for name, (snr, worst) in res.items():
             print(f"{name:28s} {snr:8.1f} {worst:15.1f}")

@@ -78,8 +78,13 @@ def main() -> None:
     p.add_argument("--dtypes", nargs="+", default=["bf16"], choices=sorted(DTYPES))
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--one-shot-frames", type=int, default=48, help="frames of the one-shot baseline (0: skip)")
-    p.add_argument("--variants", nargs="+", default=["benchmark", "heuristic"], choices=sorted(VARIANTS),
-                   help="IncrementalDAC options to compare (compiled: minutes of torch.compile per shape)")
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        default=["benchmark", "heuristic"],
+        choices=sorted(VARIANTS),
+        help="IncrementalDAC options to compare (compiled: minutes of torch.compile per shape)",
+    )
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
 
@@ -99,11 +104,19 @@ def main() -> None:
                     audio_s = b * f * HOP / SAMPLE_RATE
                     ms_graph, host_graph = timed(lambda x=packed, g=graphs, n=f: g.run(x, n), a.reps)
                     ms_eager, host_eager = timed(lambda x=packed, n=f, d=net: d.run(x, n), max(3, a.reps // 4))
-                    row = {"decoder": "incremental", "variant": variant, "dtype": name, "batch": b, "frames": f,
-                           "graph_ms": round(ms_graph, 3), "graph_host_ms": round(host_graph, 4),
-                           "eager_ms": round(ms_eager, 3), "eager_host_ms": round(host_eager, 3),
-                           "new_audio_s_per_gpu_s": round(audio_s / (ms_graph / 1e3), 1),
-                           "capture_s": round(capture_s, 1)}
+                    row = {
+                        "decoder": "incremental",
+                        "variant": variant,
+                        "dtype": name,
+                        "batch": b,
+                        "frames": f,
+                        "graph_ms": round(ms_graph, 3),
+                        "graph_host_ms": round(host_graph, 4),
+                        "eager_ms": round(ms_eager, 3),
+                        "eager_host_ms": round(host_eager, 3),
+                        "new_audio_s_per_gpu_s": round(audio_s / (ms_graph / 1e3), 1),
+                        "capture_s": round(capture_s, 1),
+                    }
                     if a.one_shot_frames and variant == a.variants[0]:  # the baseline: a whole clip per row
                         n = a.one_shot_frames
                         codes = torch.randint(0, 1024, (b, n, N_CODEBOOKS), device="cuda")

@@ -58,9 +58,11 @@ def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
     for layer in model.layers:
         ff = layer.feed_forward
         if isinstance(ff, MoEFFN):
+
             def hook(mod, args, out):
                 chosen, _, _ = out
                 counts.append(int(chosen.unique().numel()))
+
             hooks.append(ff.router.register_forward_hook(hook))
     ids = torch.randint(0, 1024, (b, 10), device="cuda")
     ids[:, 9] = model.cfg.text_pad_id
@@ -99,8 +101,13 @@ def overlap_rows(node: LLMNode, batches: list[int], context: int, host_ms: float
     for b in batches:
         seqs = []
         for s in range(b):
-            seq = Sequence(rid=s + 1, prompt=np.zeros((context, 10), np.int64), params=SamplingParams(),
-                           max_frames=1 << 30, ignore_eos=True)
+            seq = Sequence(
+                rid=s + 1,
+                prompt=np.zeros((context, 10), np.int64),
+                params=SamplingParams(),
+                max_frames=1 << 30,
+                ignore_eos=True,
+            )
             seq.slot, seq.prefilled = s, context
             seqs.append(seq)
         row = {"batch": b, "host_ms": host_ms}
@@ -122,8 +129,10 @@ def overlap_rows(node: LLMNode, batches: list[int], context: int, host_ms: float
                 node.decode_finish(prev)
             row["overlap_ms" if overlap else "sequential_ms"] = (time.perf_counter() - t0) / iters * 1e3
         rows.append(row)
-        print(f"batch {b}: {host_ms} ms host work per step: sequential {row['sequential_ms']:.3f} ms/step, "
-              f"overlapped {row['overlap_ms']:.3f} ms/step")
+        print(
+            f"batch {b}: {host_ms} ms host work per step: sequential {row['sequential_ms']:.3f} ms/step, "
+            f"overlapped {row['overlap_ms']:.3f} ms/step"
+        )
     return rows
 
 
@@ -136,14 +145,24 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json")
-    p.add_argument("--previous-kernels", action="store_true",
-                   help="the kernel settings before the sweep (A/B against the defaults, in the same run)")
-    p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
-                   help="the node's mode: seeded (the engine's default) captures and times both kernel sets")
+    p.add_argument(
+        "--previous-kernels",
+        action="store_true",
+        help="the kernel settings before the sweep (A/B against the defaults, in the same run)",
+    )
+    p.add_argument(
+        "--batch-invariant",
+        choices=BATCH_INVARIANT_MODES,
+        default=EngineSettings.batch_invariant,
+        help="the node's mode: seeded (the engine's default) captures and times both kernel sets",
+    )
     p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
-    p.add_argument("--overlap-host-ms", type=float,
-                   help="also time the engine loop's decode steps sequential vs overlapped (--overlap-decode) with "
-                        "this much host bookkeeping per step")
+    p.add_argument(
+        "--overlap-host-ms",
+        type=float,
+        help="also time the engine loop's decode steps sequential vs overlapped (--overlap-decode) with "
+        "this much host bookkeeping per step",
+    )
     a = p.parse_args()
     if a.ab:
         a.batch_invariant = "seeded"
@@ -153,19 +172,27 @@ def main() -> None:
     t0 = time.perf_counter()
     model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
-    print(f"random full model on GPU in {time.perf_counter() - t0:.1f} s; "
-          f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated")
+    print(
+        f"random full model on GPU in {time.perf_counter() - t0:.1f} s; "
+        f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated"
+    )
     max_b = max(a.batches)
     t0 = time.perf_counter()
-    node = LLMNode(model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile,
-                   batch_invariant=a.batch_invariant)
+    node = LLMNode(
+        model, n_slots=max_b, max_len=a.max_context, compile=not a.no_compile, batch_invariant=a.batch_invariant
+    )
     print(f"KV cache + graph capture in {time.perf_counter() - t0:.1f} s (batch invariant: {node.batch_invariant})")
     capture = {}
     for what, graphs in (("decode", node.graphs), ("prefill", node.prefill_graphs)):
         for inv in node.kernel_sets:
-            capture[f"{what}_{kernels(inv)}"] = {"s": graphs.capture_s[inv], "reserved_mib": graphs.capture_bytes[inv] / 2**20}
-            print(f"  {what} graphs, {kernels(inv)} kernels: captured in {graphs.capture_s[inv]:.1f} s, "
-                  f"+{graphs.capture_bytes[inv] / 2**20:.0f} MiB reserved")
+            capture[f"{what}_{kernels(inv)}"] = {
+                "s": graphs.capture_s[inv],
+                "reserved_mib": graphs.capture_bytes[inv] / 2**20,
+            }
+            print(
+                f"  {what} graphs, {kernels(inv)} kernels: captured in {graphs.capture_s[inv]:.1f} s, "
+                f"+{graphs.capture_bytes[inv] / 2**20:.0f} MiB reserved"
+            )
     for s in range(max_b):
         node.sampler.admit(s, SamplingParams(), seed=s)
     # fill every slot's cache with `context` frames so attention reads a realistic length
@@ -203,15 +230,29 @@ def main() -> None:
         touched = experts_in_use(model, node, b)
         wb = weight_bytes(model, touched)
         kv = b * (a.context + 1) * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 2
-        rows.append({"batch": b, "kernels": kernels(inv), "graph_ms": ms, "step_ms_with_io": host_ms, "weight_gb": wb / 1e9,
-                     "kv_gb": kv / 1e9, "eff_gbps": (wb + kv) / (ms / 1e3) / 1e9,
-                     "experts_per_layer": sum(touched) / len(touched)})
-    print(f"{'batch':>5} {'kernels':>9} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "
-          f"{'experts/layer':>13} {'frames/s':>9}")
+        rows.append(
+            {
+                "batch": b,
+                "kernels": kernels(inv),
+                "graph_ms": ms,
+                "step_ms_with_io": host_ms,
+                "weight_gb": wb / 1e9,
+                "kv_gb": kv / 1e9,
+                "eff_gbps": (wb + kv) / (ms / 1e3) / 1e9,
+                "experts_per_layer": sum(touched) / len(touched),
+            }
+        )
+    print(
+        f"{'batch':>5} {'kernels':>9} {'graph ms':>9} {'step ms':>8} {'weights GB':>10} {'KV GB':>7} {'GB/s':>7} "
+        f"{'experts/layer':>13} {'frames/s':>9}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['kernels']:>9} {r['graph_ms']:9.3f} {r['step_ms_with_io']:8.3f} {r['weight_gb']:10.3f} "
-              f"{r['kv_gb']:7.3f} {r['eff_gbps']:7.0f} {r['experts_per_layer']:13.1f} "
-              f"{r['batch'] * 1000 / r['step_ms_with_io']:9.0f}")
+        print(
+            f"{r['batch']:>5} {r['kernels']:>9} {r['graph_ms']:9.3f} {r['step_ms_with_io']:8.3f} "
+            f"{r['weight_gb']:10.3f} "
+            f"{r['kv_gb']:7.3f} {r['eff_gbps']:7.0f} {r['experts_per_layer']:13.1f} "
+            f"{r['batch'] * 1000 / r['step_ms_with_io']:9.0f}"
+        )
     cost = []
     if len(node.kernel_sets) == 2:
         print(f"{'batch':>5} {'invariant ms':>12} {'default ms':>10} {'cost':>7}")
@@ -221,12 +262,16 @@ def main() -> None:
             c["cost"] = c["invariant_ms"] / c["default_ms"] - 1
             cost.append(c)
             print(f"{b:>5} {c['invariant_ms']:12.3f} {c['default_ms']:10.3f} {c['cost']:+7.1%}")
-    overlap = overlap_rows(node, a.batches, a.context, a.overlap_host_ms, a.iters) \
-        if a.overlap_host_ms is not None else []
+    overlap = (
+        overlap_rows(node, a.batches, a.context, a.overlap_host_ms, a.iters) if a.overlap_host_ms is not None else []
+    )
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"mode": node.batch_invariant, "rows": rows, "cost": cost, "capture": capture,
-                       "overlap": overlap}, f, indent=1)
+            json.dump(
+                {"mode": node.batch_invariant, "rows": rows, "cost": cost, "capture": capture, "overlap": overlap},
+                f,
+                indent=1,
+            )
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -239,9 +284,12 @@ def main() -> None:
                 torch.cuda.synchronize()
             events = prof.key_averages()
             n_kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 5
-            print(f"--- graph replay kernels, batch {b}, {kernels(inv)} kernels (5 replays; {n_kernels:.0f} kernels "
-                  "per step) ---")
+            print(
+                f"--- graph replay kernels, batch {b}, {kernels(inv)} kernels (5 replays; {n_kernels:.0f} kernels "
+                "per step) ---"
+            )
             print(events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+
 
 if __name__ == "__main__":
     main()

@@ -45,8 +45,10 @@ from engine.model.zonos2 import PrefillSeq
 from engine.offline import run_sequence
 from engine.weights import load_model
 
-NOTE = ("random weights, not the trained release: flatter logits and no activation outliers, so the "
-        "fidelity figures check the fp8 path, not what a trained checkpoint loses (run with --model-path for that)")
+NOTE = (
+    "random weights, not the trained release: flatter logits and no activation outliers, so the "
+    "fidelity figures check the fp8 path, not what a trained checkpoint loses (run with --model-path for that)"
+)
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Realtime speech needs every frame on time, or the listener hears a stall.",
@@ -64,19 +66,19 @@ def expert_bytes(model) -> int:
 
 
 @torch.no_grad()
-def teacher_forced(model, prompts: list[np.ndarray], frames: list[np.ndarray], speaker: torch.Tensor,
-                   builder: PromptBuilder) -> list[torch.Tensor]:
+def teacher_forced(
+    model, prompts: list[np.ndarray], frames: list[np.ndarray], speaker: torch.Tensor, builder: PromptBuilder
+) -> list[torch.Tensor]:
     """Logits [N, 9, V] (float32) predicting each generated frame, prompt + continuation teacher-forced."""
     out = []
     for prompt, gen in zip(prompts, frames, strict=True):
         ids = np.concatenate([prompt, builder._audio_rows(gen[:-1])])
         logits = model.forward_full(torch.from_numpy(ids).to(speaker.device), speaker=speaker)
-        out.append(logits[len(prompt) - 1:].float())
+        out.append(logits[len(prompt) - 1 :].float())
     return out
 
 
-def compare(ref: list[torch.Tensor], test: list[torch.Tensor], frames: list[np.ndarray],
-            temperature: float) -> dict:
+def compare(ref: list[torch.Tensor], test: list[torch.Tensor], frames: list[np.ndarray], temperature: float) -> dict:
     a, b = torch.cat(ref), torch.cat(test)  # [M, 9, V]
     target = torch.from_numpy(np.concatenate(frames)).to(a.device)  # [M, 9]
     per_cb = []
@@ -85,14 +87,16 @@ def compare(ref: list[torch.Tensor], test: list[torch.Tensor], frames: list[np.n
         lp, lq = F.log_softmax(x / temperature, -1), F.log_softmax(y / temperature, -1)
         nll_a = -F.log_softmax(x, -1).gather(1, t[:, None]).mean()
         nll_b = -F.log_softmax(y, -1).gather(1, t[:, None]).mean()
-        per_cb.append({
-            "codebook": cb,
-            "cosine": float(F.cosine_similarity(x, y, dim=-1).mean()),
-            "cosine_flat": float(F.cosine_similarity(x.flatten(), y.flatten(), dim=0)),
-            "top1_agreement": float((x.argmax(-1) == y.argmax(-1)).double().mean()),
-            "kl": float((lp.exp() * (lp - lq)).sum(-1).mean()),
-            "ppl_ratio": float(torch.exp(nll_b - nll_a)),
-        })
+        per_cb.append(
+            {
+                "codebook": cb,
+                "cosine": float(F.cosine_similarity(x, y, dim=-1).mean()),
+                "cosine_flat": float(F.cosine_similarity(x.flatten(), y.flatten(), dim=0)),
+                "top1_agreement": float((x.argmax(-1) == y.argmax(-1)).double().mean()),
+                "kl": float((lp.exp() * (lp - lq)).sum(-1).mean()),
+                "ppl_ratio": float(torch.exp(nll_b - nll_a)),
+            }
+        )
     mean = {k: float(np.mean([c[k] for c in per_cb])) for k in per_cb[0] if k != "codebook"}
     return {"per_codebook": per_cb, "mean": mean, "positions": int(a.shape[0])}
 
@@ -136,8 +140,8 @@ def sweep(batches: list[int], seed: int) -> list[dict]:
     cfg = Zonos2Config.from_dict(preset_params("full"))
     e, dim, inter = cfg.n_experts, cfg.dim, cfg.intermediate
     gen = torch.Generator("cuda").manual_seed(seed)
-    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda", generator=gen) * dim ** -0.5).bfloat16()
-    down = (torch.randn(e, dim, inter, device="cuda", generator=gen) * inter ** -0.5).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda", generator=gen) * dim**-0.5).bfloat16()
+    down = (torch.randn(e, dim, inter, device="cuda", generator=gen) * inter**-0.5).bfloat16()
     fp8 = (*quantize_blocks(gate_up), *quantize_blocks(down))
     rows = []
     for b in batches:
@@ -155,26 +159,47 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
     from engine.model.kernels.moe import fused_moe
 
     b = x.shape[0]
-    row = {"batch": b, "bf16_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w)) * 1e3,
-           "bf16_invariant_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w, batch_invariant=True)) * 1e3,
-           "default_us": do_bench(lambda: moe_fp8.fused_moe_fp8(x, *fp8, chosen, w)) * 1e3}
+    row = {
+        "batch": b,
+        "bf16_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w)) * 1e3,
+        "bf16_invariant_us": do_bench(lambda: fused_moe(x, *bf16, chosen, w, batch_invariant=True)) * 1e3,
+        "default_us": do_bench(lambda: moe_fp8.fused_moe_fp8(x, *fp8, chosen, w)) * 1e3,
+    }
     variants = {}
     for bn in (32, 64, 128, 256):
         for nw in (4, 8):
             for st in (2, 3, 4, 5):
                 variants[f"blocked n{bn} w{nw} s{st}"] = partial(
-                    moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=bn, batch_invariant=True, num_warps=nw,
-                    num_stages=st)
+                    moe_fp8.fused_moe_fp8,
+                    x,
+                    *fp8,
+                    chosen,
+                    w,
+                    block_n=bn,
+                    batch_invariant=True,
+                    num_warps=nw,
+                    num_stages=st,
+                )
     for nw in (4, 8):  # the activations quantized once (x before the kernels, h in gate_up's epilogue)
         for st in (2, 3, 4, 5):
             variants[f"prequant n128 w{nw} s{st}"] = partial(
-                moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, block_n=128, batch_invariant=True, num_warps=nw,
-                num_stages=st, prequant=True)
+                moe_fp8.fused_moe_fp8,
+                x,
+                *fp8,
+                chosen,
+                w,
+                block_n=128,
+                batch_invariant=True,
+                num_warps=nw,
+                num_stages=st,
+                prequant=True,
+            )
     if b <= moe_fp8.GEMV_MAX_PAIRS:
         for tn in (2, 4, 8):
             for g in (2, 4, 8, 16):
-                variants[f"gemv n{tn} g{g}"] = partial(moe_fp8._moe_gemv_fp8, x, *fp8, chosen, w,
-                                                       gate_up_tile=(tn, g, 4), down_tile=(tn, g, 4))
+                variants[f"gemv n{tn} g{g}"] = partial(
+                    moe_fp8._moe_gemv_fp8, x, *fp8, chosen, w, gate_up_tile=(tn, g, 4), down_tile=(tn, g, 4)
+                )
     times = {}
     for name, fn in variants.items():
         try:
@@ -183,16 +208,23 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
             print(f"batch {b} {name}: {type(exc).__name__}: {str(exc)[:80]}")
     best = min(times, key=times.get)
     row.update(fp8_us=times, best=best, best_us=times[best])
-    print(f"batch {b:>4}: bf16 {row['bf16_us']:7.1f} us (invariant {row['bf16_invariant_us']:7.1f}) | fp8 "
-          f"default {row['default_us']:7.1f} us, best {row['best_us']:7.1f} us ({best})", flush=True)
+    print(
+        f"batch {b:>4}: bf16 {row['bf16_us']:7.1f} us (invariant {row['bf16_invariant_us']:7.1f}) | fp8 "
+        f"default {row['default_us']:7.1f} us, best {row['best_us']:7.1f} us ({best})",
+        flush=True,
+    )
     return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-path", help="a bf16 checkpoint (default: full-size random weights)")
-    p.add_argument("--preset", choices=["full", "tiny"], default="full",
-                   help="random weights' size (tiny --device cpu: a smoke run of the fidelity part, no step times)")
+    p.add_argument(
+        "--preset",
+        choices=["full", "tiny"],
+        default="full",
+        help="random weights' size (tiny --device cpu: a smoke run of the fidelity part, no step times)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=int, default=len(TEXTS))
@@ -226,21 +258,39 @@ def main() -> None:
     max_len = max(a.context + 8, max(len(x) for x in prompts) + a.frames + 8)
     n_slots = max(a.batches)
 
-    report: dict = {"note": NOTE, "weights": src.describe()["model"], "temperature": params.temperature,
-                    "frames_per_prompt": a.frames, "prompts": a.prompts, "batch_invariant": a.batch_invariant}
+    report: dict = {
+        "note": NOTE,
+        "weights": src.describe()["model"],
+        "temperature": params.temperature,
+        "frames_per_prompt": a.frames,
+        "prompts": a.prompts,
+        "batch_invariant": a.batch_invariant,
+    }
     logits, steps, sizes = {}, {}, {"bf16": expert_bytes(model)}
     frames: list[np.ndarray] = []
     for mode in ("bf16", "fp8"):
         if mode == "fp8":
             sizes["fp8"] = quantize_experts(model)
         t0 = time.perf_counter()
-        node = LLMNode(model, n_slots, max_len, cuda_graphs=gpu, compile=gpu and not a.no_compile,
-                       batch_invariant=a.batch_invariant)
+        node = LLMNode(
+            model,
+            n_slots,
+            max_len,
+            cuda_graphs=gpu,
+            compile=gpu and not a.no_compile,
+            batch_invariant=a.batch_invariant,
+        )
         print(f"[{mode}] node (KV cache, graphs) in {time.perf_counter() - t0:.1f} s")
         if mode == "bf16":
             for i, prompt in enumerate(prompts):
-                seq = Sequence(rid=i, prompt=prompt, params=dataclasses.replace(params, seed=a.seed + i),
-                               max_frames=a.frames, ignore_eos=True, speaker=speaker)
+                seq = Sequence(
+                    rid=i,
+                    prompt=prompt,
+                    params=dataclasses.replace(params, seed=a.seed + i),
+                    max_frames=a.frames,
+                    ignore_eos=True,
+                    speaker=speaker,
+                )
                 frames.append(run_sequence(node, seq))
         logits[mode] = teacher_forced(model, prompts, frames, speaker, builder)
         if gpu:
@@ -257,15 +307,25 @@ def main() -> None:
     report["fidelity"] = fid
     report["expert_gb"] = {k: v / 1e9 for k, v in sizes.items()}
     report["decode_step"] = [
-        {"batch": x["batch"], "bf16_ms": x["graph_ms"], "fp8_ms": y["graph_ms"], "speedup": x["graph_ms"] / y["graph_ms"]}
-        for x, y in zip(steps.get("bf16", []), steps.get("fp8", []), strict=True)]
+        {
+            "batch": x["batch"],
+            "bf16_ms": x["graph_ms"],
+            "fp8_ms": y["graph_ms"],
+            "speedup": x["graph_ms"] / y["graph_ms"],
+        }
+        for x, y in zip(steps.get("bf16", []), steps.get("fp8", []), strict=True)
+    ]
     print(f"NOTE: {NOTE}")
-    print(f"fidelity over {fid['positions']} predicted frames x {a.prompts} prompts (temperature "
-          f"{params.temperature} for KL):")
+    print(
+        f"fidelity over {fid['positions']} predicted frames x {a.prompts} prompts (temperature "
+        f"{params.temperature} for KL):"
+    )
     print(f"{'cb':>3} {'cosine':>8} {'cos flat':>8} {'top-1':>7} {'KL':>8} {'PPL ratio':>9}")
     for c in fid["per_codebook"] + [dict(fid["mean"], codebook="all")]:
-        print(f"{c['codebook']:>3} {c['cosine']:8.5f} {c['cosine_flat']:8.5f} {c['top1_agreement']:7.1%} "
-              f"{c['kl']:8.5f} {c['ppl_ratio']:9.4f}")
+        print(
+            f"{c['codebook']:>3} {c['cosine']:8.5f} {c['cosine_flat']:8.5f} {c['top1_agreement']:7.1%} "
+            f"{c['kl']:8.5f} {c['ppl_ratio']:9.4f}"
+        )
     print(f"experts: {sizes['bf16'] / 1e9:.2f} GB bf16 -> {sizes['fp8'] / 1e9:.2f} GB fp8")
     print(f"{'batch':>5} {'bf16 ms':>8} {'fp8 ms':>8} {'speedup':>8}")
     for r in report["decode_step"]:

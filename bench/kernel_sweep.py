@@ -72,17 +72,46 @@ def router_sweep(results: list[dict]) -> None:
     def rnd(*shape, s=0.05):
         return (torch.randn(*shape, device=dev, generator=g) * s).to(dt)
 
-    w = dict(down_w=rnd(R, DIM), down_b=rnd(R), scale=1 + rnd(R), w0=rnd(R, R, s=0.1), b0=rnd(R),
-             w2=rnd(R, R, s=0.1), b2=rnd(R), w4=rnd(E, R, s=0.1), eda_w=1 + rnd(R), bias=rnd(E))
+    w = dict(
+        down_w=rnd(R, DIM),
+        down_b=rnd(R),
+        scale=1 + rnd(R),
+        w0=rnd(R, R, s=0.1),
+        b0=rnd(R),
+        w2=rnd(R, R, s=0.1),
+        b2=rnd(R),
+        w4=rnd(E, R, s=0.1),
+        eda_w=1 + rnd(R),
+        bias=rnd(E),
+    )
     for n in (1, 2, 4, 8, 16):
         x, prev = rnd(n, DIM, s=1.0), rnd(n, R, s=1.0)
 
         def call(row: bool, warps: int, x=x, prev=prev):
-            return lambda: fused_route(x, prev, w["down_w"], w["down_b"], w["scale"], w["w0"], w["b0"], w["w2"],
-                                       w["b2"], w["w4"], w["eda_w"], w["bias"], 1.0, 1, 1e-5, row_kernel=row,
-                                       num_warps=warps)
-        configs = {f"{'row' if row else 'dot'} warps={wp}": call(row, wp)
-                   for row, wp in itertools.product((False, True), (2, 4, 8))}
+            return lambda: fused_route(
+                x,
+                prev,
+                w["down_w"],
+                w["down_b"],
+                w["scale"],
+                w["w0"],
+                w["b0"],
+                w["w2"],
+                w["b2"],
+                w["w4"],
+                w["eda_w"],
+                w["bias"],
+                1.0,
+                1,
+                1e-5,
+                row_kernel=row,
+                num_warps=warps,
+            )
+
+        configs = {
+            f"{'row' if row else 'dot'} warps={wp}": call(row, wp)
+            for row, wp in itertools.product((False, True), (2, 4, 8))
+        }
         sweep(f"router n={n}", configs, results)
 
 
@@ -108,20 +137,54 @@ def _moe_gemv_at(pairs: int, gate_up: torch.Tensor, down: torch.Tensor, results:
 
     def gate_up_call(bn, bk, wp):
         return lambda: moe._gemv_gate_up_kernel[(pairs, triton.cdiv(INTER, bn))](
-            x, gate_up, flat, hb, INTER, x.stride(0), gate_up.stride(0), gate_up.stride(1), hb.stride(0),
-            K=DIM, TOP_K=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp)
+            x,
+            gate_up,
+            flat,
+            hb,
+            INTER,
+            x.stride(0),
+            gate_up.stride(0),
+            gate_up.stride(1),
+            hb.stride(0),
+            K=DIM,
+            TOP_K=1,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=wp,
+        )
 
     def down_call(bn, bk, wp):
         return lambda: moe._gemv_down_kernel[(pairs, triton.cdiv(DIM, bn))](
-            h, down, flat, w, out, DIM, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            K=INTER, BLOCK_N=bn, BLOCK_K=bk, num_warps=wp)
+            h,
+            down,
+            flat,
+            w,
+            out,
+            DIM,
+            h.stride(0),
+            down.stride(0),
+            down.stride(1),
+            out.stride(0),
+            K=INTER,
+            BLOCK_N=bn,
+            BLOCK_K=bk,
+            num_warps=wp,
+        )
 
     grid = list(itertools.product((2, 4, 8, 16), (512, 1024, 2048), (4, 8)))
-    sweep(f"gemv gate_up pairs={pairs} ({gu_mb:.1f} MB)",
-          {f"bn={bn} bk={bk} warps={wp}": gate_up_call(bn, bk, wp) for bn, bk, wp in grid}, results)
-    sweep(f"gemv down pairs={pairs} ({dn_mb:.1f} MB)",
-          {f"bn={bn} bk={bk} warps={wp}": down_call(bn, bk, wp)
-           for bn, bk, wp in grid + list(itertools.product((2, 4, 8), (4096,), (4, 8)))}, results)
+    sweep(
+        f"gemv gate_up pairs={pairs} ({gu_mb:.1f} MB)",
+        {f"bn={bn} bk={bk} warps={wp}": gate_up_call(bn, bk, wp) for bn, bk, wp in grid},
+        results,
+    )
+    sweep(
+        f"gemv down pairs={pairs} ({dn_mb:.1f} MB)",
+        {
+            f"bn={bn} bk={bk} warps={wp}": down_call(bn, bk, wp)
+            for bn, bk, wp in grid + list(itertools.product((2, 4, 8), (4096,), (4, 8)))
+        },
+        results,
+    )
 
 
 def attention_sweep(results: list[dict]) -> None:
@@ -141,12 +204,17 @@ def _attention_at(b: int, length: int, results: list[dict]) -> None:
 
     def call(c: int):
         return lambda: decode_attention(q, k, v, slots, lengths, chunk=c)
+
     sweep(f"attention b={b} len={length}", {f"chunk={c}": call(c) for c in (32, 64, 128, 256)}, results)
 
 
 # The projections' weight shapes (N, K): fused q/k/v/gate, wo, the router's down-projection, the head.
-PROJECTIONS = {"qkvg": ((H + 2 * H_KV) * D + H, DIM), "wo": (DIM, H * D), "router_down": (R, DIM),
-               "head": (9 * 1026, DIM)}
+PROJECTIONS = {
+    "qkvg": ((H + 2 * H_KV) * D + H, DIM),
+    "wo": (DIM, H * D),
+    "router_down": (R, DIM),
+    "head": (9 * 1026, DIM),
+}
 
 
 def matmul_sweep(results: list[dict]) -> None:
@@ -154,8 +222,10 @@ def matmul_sweep(results: list[dict]) -> None:
 
     dt, dev = torch.bfloat16, "cuda"
     phases = {
-        "decode": ((1, 64, 128),
-                   list(itertools.product((16, 64, 128), (32, 64, 128), (64, 128), (4,), (3, 4), (1, 2, 4)))),
+        "decode": (
+            (1, 64, 128),
+            list(itertools.product((16, 64, 128), (32, 64, 128), (64, 128), (4,), (3, 4), (1, 2, 4))),
+        ),
         "prefill": ((32, 128, 512), list(itertools.product((64, 128), (64, 128, 256), (64,), (4, 8), (3, 4)))),
     }
     for (name, (n, k)), (phase, (ms, tiles)) in itertools.product(PROJECTIONS.items(), phases.items()):
@@ -163,8 +233,13 @@ def matmul_sweep(results: list[dict]) -> None:
         xs = {m: torch.randn(m, k, device=dev, dtype=dt) for m in ms}
         base = {m: bench(lambda x=xs[m], w=w: gemv.linear(x, w)) for m in ms}  # GEMV up to 4 rows, cuBLAS above
         print(f"matmul {phase} {name} (N={n}, K={k}) cuBLAS/GEMV: " + "  ".join(f"M={m} {base[m]:.2f}" for m in ms))
-        results.append({"kernel": f"matmul {phase} {name}", "config": "cublas/gemv",
-                        "us": {m: round(t, 2) for m, t in base.items()}})
+        results.append(
+            {
+                "kernel": f"matmul {phase} {name}",
+                "config": "cublas/gemv",
+                "us": {m: round(t, 2) for m, t in base.items()},
+            }
+        )
         best = None
         for tile in tiles:
             try:
@@ -173,17 +248,33 @@ def matmul_sweep(results: list[dict]) -> None:
                 print(f"matmul {phase} {name} {tile}: {type(exc).__name__}: {str(exc)[:80]}")
                 continue
             score = sum(us[m] for m in ms[1:])  # the batches the flag is decided at; M=1 printed beside
-            results.append({"kernel": f"matmul {phase} {name}", "config": list(tile),
-                            "us": {m: round(t, 2) for m, t in us.items()}})
-            print(f"matmul {phase} {name:<12} {tile!s:<24} " + "  ".join(f"M={m} {us[m]:7.2f}" for m in ms)
-                  + f"  ({score / sum(base[m] for m in ms[1:]):.2f}x cuBLAS)")
+            results.append(
+                {
+                    "kernel": f"matmul {phase} {name}",
+                    "config": list(tile),
+                    "us": {m: round(t, 2) for m, t in us.items()},
+                }
+            )
+            print(
+                f"matmul {phase} {name:<12} {tile!s:<24} "
+                + "  ".join(f"M={m} {us[m]:7.2f}" for m in ms)
+                + f"  ({score / sum(base[m] for m in ms[1:]):.2f}x cuBLAS)"
+            )
             if best is None or score < best[0]:
                 best = (score, tile, us)
         if best:
-            print(f"BEST matmul {phase} {name}: {best[1]} " + "  ".join(f"M={m} {best[2][m]:.2f}" for m in ms)
-                  + (f"  -> kernels/matmul.py DECODE_TILES[({n}, {k})] = {best[1]}" if phase == "decode" else ""))
-            results.append({"kernel": f"matmul {phase} {name}", "best": list(best[1]),
-                            "us": {m: round(t, 2) for m, t in best[2].items()}})
+            print(
+                f"BEST matmul {phase} {name}: {best[1]} "
+                + "  ".join(f"M={m} {best[2][m]:.2f}" for m in ms)
+                + (f"  -> kernels/matmul.py DECODE_TILES[({n}, {k})] = {best[1]}" if phase == "decode" else "")
+            )
+            results.append(
+                {
+                    "kernel": f"matmul {phase} {name}",
+                    "best": list(best[1]),
+                    "us": {m: round(t, 2) for m, t in best[2].items()},
+                }
+            )
 
 
 def main() -> None:

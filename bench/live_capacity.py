@@ -129,8 +129,7 @@ def play(events: Iterable[tuple[float, int]], sample_rate: int, prebuffer_s: flo
     return out
 
 
-def delivered_audio_s(streams: Iterable[Sequence[tuple[float, int]]], t0: float, t1: float,
-                      sample_rate: int) -> float:
+def delivered_audio_s(streams: Iterable[Sequence[tuple[float, int]]], t0: float, t1: float, sample_rate: int) -> float:
     """Audio seconds that arrived in [t0, t1), over all streams' `(arrival_time_s, n_samples)` events."""
     return sum(n for ev in streams for t, n in ev if t0 <= t < t1) / sample_rate
 
@@ -195,8 +194,9 @@ def _r(x: float | None, nd: int = 1) -> float | None:
     return None if x is None or math.isnan(x) else round(x, nd)
 
 
-def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float, window_s: float,
-                    loop_lag_ms: Sequence[float] = ()) -> dict[str, Any]:
+def summarize_level(
+    n: int, records: Sequence[StreamRecord], delivered_s: float, window_s: float, loop_lag_ms: Sequence[float] = ()
+) -> dict[str, Any]:
     """A level's summary from its counted stream records (see the module docstring for each field)."""
     counted = [r for r in records if r.counted]
     refused = [r for r in counted if r.refused]
@@ -234,10 +234,27 @@ def summarize_level(n: int, records: Sequence[StreamRecord], delivered_s: float,
         # where first audio went (p50 of each part; gateway = client TTFA - the engine's)
         "ttfa_parts_p50_ms": {
             part: _r(pct([getattr(r, part) for r in ok if getattr(r, part) is not None], 50))
-            for part in ("queue_ms", "prefill_wait_ms", "prefill_ms", "first_chunk_ms", "engine_ttfa_ms",
-                         "speaker_encoder_ms")
-        } | {"gateway_ms": _r(pct([r.ttfa_ms - r.engine_ttfa_ms for r in ok
-                                   if r.ttfa_ms is not None and r.engine_ttfa_ms is not None], 50))},
+            for part in (
+                "queue_ms",
+                "prefill_wait_ms",
+                "prefill_ms",
+                "first_chunk_ms",
+                "engine_ttfa_ms",
+                "speaker_encoder_ms",
+            )
+        }
+        | {
+            "gateway_ms": _r(
+                pct(
+                    [
+                        r.ttfa_ms - r.engine_ttfa_ms
+                        for r in ok
+                        if r.ttfa_ms is not None and r.engine_ttfa_ms is not None
+                    ],
+                    50,
+                )
+            )
+        },
         "connect_ms_p50": _r(pct([r.connect_ms for r in ok if r.connect_ms is not None], 50)),
         "e2e_ms_p50": _r(pct([r.e2e_ms for r in ok if r.e2e_ms is not None], 50)),
         "audio_s_mean": round(float(np.mean([r.audio_s for r in ok])), 3) if ok else None,
@@ -254,11 +271,17 @@ def _replies(ok: Sequence[StreamRecord]) -> dict[str, Any]:
     if not later:
         return {}
     replies, singles = [r for r in ok if r.sentences > 1], [r for r in ok if r.sentences == 1]
-    parts = {f"{part}_{q}": _r(pct([x[part] for x in later if x.get(part) is not None], q))
-             for part in ("queue_ms", "prefill_ms", "ttfa_ms", "prompt_frames") for q in (50, 95)}
-    return {"later_sentences": len(later), "later_sentence_parts_ms": parts,
-            "reply_stall_free_share": sum(r.stalls == 0 for r in replies) / len(replies) if replies else None,
-            "single_stall_free_share": sum(r.stalls == 0 for r in singles) / len(singles) if singles else None}
+    parts = {
+        f"{part}_{q}": _r(pct([x[part] for x in later if x.get(part) is not None], q))
+        for part in ("queue_ms", "prefill_ms", "ttfa_ms", "prompt_frames")
+        for q in (50, 95)
+    }
+    return {
+        "later_sentences": len(later),
+        "later_sentence_parts_ms": parts,
+        "reply_stall_free_share": sum(r.stalls == 0 for r in replies) / len(replies) if replies else None,
+        "single_stall_free_share": sum(r.stalls == 0 for r in singles) / len(singles) if singles else None,
+    }
 
 
 def judge(summary: dict[str, Any], min_stall_free: float = 0.99, max_ttfa_p95_ms: float = 300.0) -> dict[str, Any]:
@@ -287,18 +310,23 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-HEADER = (f"{'N':>5} {'streams':>7} {'err':>4} {'TTFA p50':>8} {'p95 ms':>7} {'stall-free':>10} "
-          f"{'stall mean':>10} {'max ms':>7} {'audio-s/s':>9} {'queue p50':>9} {'p95 ms':>7} {'loop lag':>8}  pass")
+HEADER = (
+    f"{'N':>5} {'streams':>7} {'err':>4} {'TTFA p50':>8} {'p95 ms':>7} {'stall-free':>10} "
+    f"{'stall mean':>10} {'max ms':>7} {'audio-s/s':>9} {'queue p50':>9} {'p95 ms':>7} {'loop lag':>8}  pass"
+)
 
 
 def table_row(lv: dict[str, Any]) -> str:
-    flags = ("ok" if lv["passed"] else "FAIL") + ("" if lv["stall_ok"] else " stalls") + \
-        ("" if lv["ttfa_ok"] else " ttfa")
-    return (f"{lv['n']:>5} {lv['streams']:>7} {lv['errors']:>4} {_fmt(lv['ttfa_p50_ms'], '8.0f')} "
-            f"{_fmt(lv['ttfa_p95_ms'], '7.0f')} {lv['stall_free_share']:>10.1%} {_fmt(lv['stall_ms_mean'], '10.1f')} "
-            f"{_fmt(lv['stall_ms_max'], '7.0f')} {_fmt(lv['audio_s_per_s'], '9.1f')} "
-            f"{_fmt(lv['queue_ms_p50'], '9.1f')} {_fmt(lv['queue_ms_p95'], '7.1f')} "
-            f"{_fmt(lv['loop_lag_ms_max'], '8.1f')}  {flags}")
+    flags = (
+        ("ok" if lv["passed"] else "FAIL") + ("" if lv["stall_ok"] else " stalls") + ("" if lv["ttfa_ok"] else " ttfa")
+    )
+    return (
+        f"{lv['n']:>5} {lv['streams']:>7} {lv['errors']:>4} {_fmt(lv['ttfa_p50_ms'], '8.0f')} "
+        f"{_fmt(lv['ttfa_p95_ms'], '7.0f')} {lv['stall_free_share']:>10.1%} {_fmt(lv['stall_ms_mean'], '10.1f')} "
+        f"{_fmt(lv['stall_ms_max'], '7.0f')} {_fmt(lv['audio_s_per_s'], '9.1f')} "
+        f"{_fmt(lv['queue_ms_p50'], '9.1f')} {_fmt(lv['queue_ms_p95'], '7.1f')} "
+        f"{_fmt(lv['loop_lag_ms_max'], '8.1f')}  {flags}"
+    )
 
 
 def table(levels: Sequence[dict[str, Any]]) -> str:
@@ -318,16 +346,32 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     failed = [lv for lv in levels if not lv.get("passed")]
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(7, 6.5))
     ax1.plot(ns, [100 * lv["stall_free_share"] for lv in levels], "o-", color="tab:green")
-    ax1.plot([lv["n"] for lv in failed], [100 * lv["stall_free_share"] for lv in failed], "x", color="tab:red",
-             ms=9, label="level failed")
-    ax1.axhline(100 * cfg.get("min_stall_free", 0.99), color="grey", ls="--", lw=1,
-                label=f"{100 * cfg.get('min_stall_free', 0.99):g} % threshold")
+    ax1.plot(
+        [lv["n"] for lv in failed],
+        [100 * lv["stall_free_share"] for lv in failed],
+        "x",
+        color="tab:red",
+        ms=9,
+        label="level failed",
+    )
+    ax1.axhline(
+        100 * cfg.get("min_stall_free", 0.99),
+        color="grey",
+        ls="--",
+        lw=1,
+        label=f"{100 * cfg.get('min_stall_free', 0.99):g} % threshold",
+    )
     ax1.set_ylabel("stall-free streams (%)")
     ax1.set_ylim(-2, 102)
     ax2.plot(ns, [lv["ttfa_p50_ms"] for lv in levels], "o-", label="TTFA p50")
     ax2.plot(ns, [lv["ttfa_p95_ms"] for lv in levels], "s-", label="TTFA p95")
-    ax2.axhline(cfg.get("max_ttfa_p95_ms", 300), color="grey", ls="--", lw=1,
-                label=f"p95 threshold {cfg.get('max_ttfa_p95_ms', 300):g} ms")
+    ax2.axhline(
+        cfg.get("max_ttfa_p95_ms", 300),
+        color="grey",
+        ls="--",
+        lw=1,
+        label=f"p95 threshold {cfg.get('max_ttfa_p95_ms', 300):g} ms",
+    )
     ax2.set_ylabel("time to first audio (ms)")
     ax2.set_ylim(bottom=0)
     ax2.set_xlabel("concurrent streams N")
@@ -340,8 +384,11 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
         ax.legend(loc="best", fontsize=8)
     mode = cfg.get("voice_mode", "clone")
     voice = f"{mode} per request" if mode.startswith("clone") else f"stored voice {cfg.get('voice')}"
-    fig.suptitle(f"Live capacity: {voice}, prebuffer {cfg.get('prebuffer_ms', 150):g} ms, "
-                 f"{cfg.get('frames', 292)} frames, {cfg.get('sample_rate', 24000)} Hz s16", fontsize=10)
+    fig.suptitle(
+        f"Live capacity: {voice}, prebuffer {cfg.get('prebuffer_ms', 150):g} ms, "
+        f"{cfg.get('frames', 292)} frames, {cfg.get('sample_rate', 24000)} Hz s16",
+        fontsize=10,
+    )
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -429,8 +476,11 @@ async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | Non
     import httpx
 
     async with httpx.AsyncClient(base_url=http_base(ws_url), headers=_headers(api_key), timeout=120) as c:
-        r = await c.post("/v1/voices", data={"name": name},
-                         files={"file": ("live_capacity.wav", base64.b64decode(clip_b64), "audio/wav")})
+        r = await c.post(
+            "/v1/voices",
+            data={"name": name},
+            files={"file": ("live_capacity.wav", base64.b64decode(clip_b64), "audio/wav")},
+        )
         if r.status_code not in (200, 201):
             raise RuntimeError(f"voice upload failed: {r.status_code} {r.text[:300]}")
         return str(r.json()["id"])
@@ -450,8 +500,12 @@ def distinct_clip(clip_b64: str) -> str:
 def _engine_parts(stats: dict[str, Any]) -> dict[str, float]:
     """The engine's figures of one utterance from its audio.done stats."""
     engine = stats.get("engine") or {}
-    parts = {"queue_ms": engine.get("queue_ms", stats.get("queue_ms")), "prefill_ms": engine.get("prefill_ms"),
-             "ttfa_ms": engine.get("ttfa_ms"), "prompt_frames": engine.get("prompt_frames")}
+    parts = {
+        "queue_ms": engine.get("queue_ms", stats.get("queue_ms")),
+        "prefill_ms": engine.get("prefill_ms"),
+        "ttfa_ms": engine.get("ttfa_ms"),
+        "prompt_frames": engine.get("prompt_frames"),
+    }
     return {k: float(v) for k, v in parts.items() if v is not None}
 
 
@@ -465,9 +519,15 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
     t_sent: float | None = None
     first: float | None = None
     try:
-        async with asyncio.timeout(opts.request_timeout), websockets.connect(
-                opts.url, max_size=None, additional_headers=_headers(opts.api_key),
-                compression="deflate" if opts.deflate else None) as ws:
+        async with (
+            asyncio.timeout(opts.request_timeout),
+            websockets.connect(
+                opts.url,
+                max_size=None,
+                additional_headers=_headers(opts.api_key),
+                compression="deflate" if opts.deflate else None,
+            ) as ws,
+        ):
             created = json.loads(await ws.recv())
             if created.get("type") != "session.created":
                 rec.error = str(created.get("code") or created.get("type"))
@@ -510,9 +570,13 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                     rec.server_ttfa_ms = stats.get("ttfa_ms")
                     q = engine.get("queue_ms", stats.get("queue_ms"))
                     rec.queue_ms = float(q) if q is not None else None
-                    for part, key in (("prefill_wait_ms", "prefill_wait_ms"), ("prefill_ms", "prefill_ms"),
-                                      ("first_chunk_ms", "first_chunk_ms"), ("engine_ttfa_ms", "ttfa_ms"),
-                                      ("speaker_encoder_ms", "speaker_encoder_ms")):
+                    for part, key in (
+                        ("prefill_wait_ms", "prefill_wait_ms"),
+                        ("prefill_ms", "prefill_ms"),
+                        ("first_chunk_ms", "first_chunk_ms"),
+                        ("engine_ttfa_ms", "ttfa_ms"),
+                        ("speaker_encoder_ms", "speaker_encoder_ms"),
+                    ):
                         if engine.get(key) is not None:
                             setattr(rec, part, float(engine[key]))
                     rec.finish_reason = stats.get("finish_reason")
@@ -549,8 +613,9 @@ def _refused_in_band(rec: StreamRecord, t_conn: float) -> None:
         rec.refused, rec.refusal_ms = True, (time.perf_counter() - t_conn) * 1e3
 
 
-async def _loop_lag(samples: list[tuple[float, float]], clock0: float, stop: asyncio.Event,
-                    every: float = 0.01) -> None:
+async def _loop_lag(
+    samples: list[tuple[float, float]], clock0: float, stop: asyncio.Event, every: float = 0.01
+) -> None:
     """Records how late the client's own event loop wakes up (ms), to tell a client-bound run."""
     while not stop.is_set():
         t = time.perf_counter()
@@ -597,16 +662,20 @@ def _write_json(path: str, result: dict[str, Any]) -> None:
 
 async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs every level (until the stop rule) and returns the result that `--out` holds."""
-    if opts.voice_clip:
-        clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode()
-    else:
-        clip = reference_clip()
-    session_cfg: dict[str, Any] = {"type": "session.config", "encoding": "pcm_s16le",
-                                   "sample_rate": opts.sample_rate,
-                                   "params": {"max_frames": opts.frames, "ignore_eos": True,
-                                              "long_form": opts.long_form}}
-    result: dict[str, Any] = {"config": opts.config(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                              "levels": [], "capacity": None, "streams": []}
+    clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode() if opts.voice_clip else reference_clip()
+    session_cfg: dict[str, Any] = {
+        "type": "session.config",
+        "encoding": "pcm_s16le",
+        "sample_rate": opts.sample_rate,
+        "params": {"max_frames": opts.frames, "ignore_eos": True, "long_form": opts.long_form},
+    }
+    result: dict[str, Any] = {
+        "config": opts.config(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "levels": [],
+        "capacity": None,
+        "streams": [],
+    }
     if opts.voice:
         voice_id = await upload_voice(opts.url, opts.voice, clip, opts.api_key)
         session_cfg["voice"] = voice_id
@@ -618,9 +687,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
     await one_stream(opts, session_cfg, pre, time.perf_counter())
     if not pre.ok:
         raise RuntimeError(f"the first request failed: {pre.error}")
-    log(f"live capacity: {opts.url}, {result['config']['voice_mode']} voice, {opts.frames} frames, "
+    log(
+        f"live capacity: {opts.url}, {result['config']['voice_mode']} voice, {opts.frames} frames, "
         f"{opts.sample_rate} Hz s16, prebuffer {opts.prebuffer_ms:g} ms, {opts.warmup:g} s warm-up + "
-        f"{opts.duration:g} s per level")
+        f"{opts.duration:g} s per level"
+    )
     log(HEADER)
     for i, n in enumerate(opts.levels):
         if i:
@@ -637,13 +708,17 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         if summary["error_codes"]:
             log(f"      errors: {summary['error_codes']}")
         if summary.get("admitted_stall_free_share") is not None:
-            log(f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
-                f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}")
+            log(
+                f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
+                f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}"
+            )
         if summary["refused"]:
-            p50 = _fmt(summary['refusal_ms_p50'], '.1f')
-            log(f"      refused: {summary['refused']}, answered p50 {p50} ms / "
+            p50 = _fmt(summary["refusal_ms_p50"], ".1f")
+            log(
+                f"      refused: {summary['refused']}, answered p50 {p50} ms / "
                 f"p95 {_fmt(summary['refusal_ms_p95'], '.1f')} ms; admitted streams that stalled: "
-                f"{_fmt(summary['admitted_stall_rate'], '.2%')}")
+                f"{_fmt(summary['admitted_stall_rate'], '.2%')}"
+            )
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
         if opts.out:
@@ -663,30 +738,52 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=d.duration, help="measured seconds per level")
     p.add_argument("--warmup", type=float, default=d.warmup, help="seconds per level before measuring")
     p.add_argument("--ramp", type=float, default=d.ramp, help="client starts spread over these seconds (<= warmup)")
-    p.add_argument("--prebuffer-ms", type=float, default=d.prebuffer_ms, help="playback starts this long after the first byte")
+    p.add_argument(
+        "--prebuffer-ms", type=float, default=d.prebuffer_ms, help="playback starts this long after the first byte"
+    )
     p.add_argument("--frames", type=int, default=d.frames, help="max_frames per request (ignore_eos)")
     p.add_argument("--sample-rate", type=int, default=d.sample_rate, choices=[8000, 16000, 24000, 44100])
     p.add_argument("--voice", help="store the clip once as this voice and use it (default: clone per request)")
     p.add_argument("--voice-clip", help="reference clip file (default: bench/ws_bench.py's synthetic clip)")
-    p.add_argument("--distinct-clips", action="store_true",
-                   help="alter a few bytes of the clip per request, so the speaker encoder runs for every "
-                        "request (a gateway caches embeddings by the clip's bytes)")
+    p.add_argument(
+        "--distinct-clips",
+        action="store_true",
+        help="alter a few bytes of the clip per request, so the speaker encoder runs for every "
+        "request (a gateway caches embeddings by the clip's bytes)",
+    )
     p.add_argument("--text", default=d.text)
-    p.add_argument("--sentences", type=int, default=d.sentences,
-                   help="sentences per request (--text repeated): a reply whose joins the player must not stall at")
+    p.add_argument(
+        "--sentences",
+        type=int,
+        default=d.sentences,
+        help="sentences per request (--text repeated): a reply whose joins the player must not stall at",
+    )
     p.add_argument("--no-long-form", action="store_true", help="long_form false: each sentence its own stream")
-    p.add_argument("--mixed", action="store_true",
-                   help="every other client sends single-sentence requests beside the --sentences replies")
+    p.add_argument(
+        "--mixed",
+        action="store_true",
+        help="every other client sends single-sentence requests beside the --sentences replies",
+    )
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
-    p.add_argument("--stop-after-fail", type=int, default=d.stop_after_fail,
-                   help="stop after this many consecutive failed levels (0: never)")
+    p.add_argument(
+        "--stop-after-fail",
+        type=int,
+        default=d.stop_after_fail,
+        help="stop after this many consecutive failed levels (0: never)",
+    )
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
-    p.add_argument("--error-backoff-ms", type=float, default=d.error_backoff_ms,
-                   help="a client waits this long after a failed request")
-    p.add_argument("--storm", action="store_true",
-                   help="refused clients retry at once; report the refusals' latency and the admitted "
-                        "streams' stalls")
+    p.add_argument(
+        "--error-backoff-ms",
+        type=float,
+        default=d.error_backoff_ms,
+        help="a client waits this long after a failed request",
+    )
+    p.add_argument(
+        "--storm",
+        action="store_true",
+        help="refused clients retry at once; report the refusals' latency and the admitted streams' stalls",
+    )
     p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
     p.add_argument("--api-key")
     p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
@@ -698,22 +795,46 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def options(a: argparse.Namespace) -> Options:
-    return Options(url=a.url, levels=a.levels, duration=a.duration, warmup=a.warmup, ramp=a.ramp,
-                   prebuffer_ms=a.prebuffer_ms, frames=a.frames, sample_rate=a.sample_rate, voice=a.voice,
-                   voice_clip=a.voice_clip, distinct_clips=a.distinct_clips, text=a.text, sentences=a.sentences,
-                   long_form=not a.no_long_form, mixed=a.mixed, min_stall_free=a.min_stall_free,
-                   max_ttfa_p95_ms=a.max_ttfa_p95_ms, stop_after_fail=a.stop_after_fail,
-                   request_timeout=a.request_timeout, error_backoff_ms=a.error_backoff_ms, storm=a.storm,
-                   pause=a.pause,
-                   api_key=a.api_key, deflate=not a.no_deflate, events=a.events, out=a.out, plot=a.plot)
+    return Options(
+        url=a.url,
+        levels=a.levels,
+        duration=a.duration,
+        warmup=a.warmup,
+        ramp=a.ramp,
+        prebuffer_ms=a.prebuffer_ms,
+        frames=a.frames,
+        sample_rate=a.sample_rate,
+        voice=a.voice,
+        voice_clip=a.voice_clip,
+        distinct_clips=a.distinct_clips,
+        text=a.text,
+        sentences=a.sentences,
+        long_form=not a.no_long_form,
+        mixed=a.mixed,
+        min_stall_free=a.min_stall_free,
+        max_ttfa_p95_ms=a.max_ttfa_p95_ms,
+        stop_after_fail=a.stop_after_fail,
+        request_timeout=a.request_timeout,
+        error_backoff_ms=a.error_backoff_ms,
+        storm=a.storm,
+        pause=a.pause,
+        api_key=a.api_key,
+        deflate=not a.no_deflate,
+        events=a.events,
+        out=a.out,
+        plot=a.plot,
+    )
 
 
 def _plot_or_warn(result: dict[str, Any], path: str) -> None:
     try:
         plot(result, path)
     except ImportError:
-        print(f"no plot: matplotlib is not installed here (`pip install matplotlib`, then "
-              f"`python bench/live_capacity.py --plot-only RESULTS.json --plot {path}`)", file=sys.stderr)
+        print(
+            f"no plot: matplotlib is not installed here (`pip install matplotlib`, then "
+            f"`python bench/live_capacity.py --plot-only RESULTS.json --plot {path}`)",
+            file=sys.stderr,
+        )
         return
     print(f"plot: {path}")
 
@@ -740,8 +861,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if opts.out:
         _write_json(opts.out, result)
     cap = result["capacity"]
-    print(f"capacity: {cap if cap is not None else 'none'} (>= {opts.min_stall_free:.0%} stall-free streams "
-          f"and TTFA p95 <= {opts.max_ttfa_p95_ms:g} ms)")
+    print(
+        f"capacity: {cap if cap is not None else 'none'} (>= {opts.min_stall_free:.0%} stall-free streams "
+        f"and TTFA p95 <= {opts.max_ttfa_p95_ms:g} ms)"
+    )
     if opts.plot:
         _plot_or_warn(result, opts.plot)
     return result

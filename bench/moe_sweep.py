@@ -49,17 +49,21 @@ def main() -> None:
             configs = [("blocked", bn, bk) for bn, bk in itertools.product((32, 64, 128), (64, 128, 256))]
         best = None
         for kind, bn, bk in configs:
+
             def call(x=x, c=chosen, w=w, bn=bn, bk=bk, kind=kind):
                 if kind == "gemv":
                     return moe._moe_gemv(x, gate_up, down, c, w, gate_up_tile=(bn, bk, 4), down_tile=(bn, bk, 4))
                 return moe.fused_moe(x, gate_up, down, c, w, block_m=16, block_n=bn, block_k=bk)
+
             try:
                 us = bench(call)
             except Exception as exc:  # a config the GPU cannot run is skipped
                 print(f"n={n} {kind} bn={bn} bk={bk}: {type(exc).__name__}")
                 continue
-            print(f"n={n:>4} experts={touched:>2} {kind} bn={bn:>3} bk={bk:>3}: {us:7.1f} us "
-                  f"({gb / us * 1e6:6.0f} GB/s)", flush=True)
+            print(
+                f"n={n:>4} experts={touched:>2} {kind} bn={bn:>3} bk={bk:>3}: {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)",
+                flush=True,
+            )
             if best is None or us < best[0]:
                 best = (us, kind, bn, bk)
         print(f"BEST n={n}: {best}")

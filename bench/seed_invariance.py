@@ -35,10 +35,15 @@ from engine.model.checkpoint import random_model
 from engine.model.zonos2 import PrefillSeq, Zonos2
 
 TARGET = "The seeded sentence, one we regenerate for an edit and expect to sound the same each time."
-OTHERS = ["Good morning, and welcome aboard.", "Turn left at the next intersection, then keep right.",
-          "Numbers like 3.14 and 2048 get spelled out first.", "Short.",
-          "A much longer line of text, with commas, pauses, and a question at the end: does it hold?",
-          "Please hold while we connect your call.", "The quick brown fox jumps over the lazy dog."]
+OTHERS = [
+    "Good morning, and welcome aboard.",
+    "Turn left at the next intersection, then keep right.",
+    "Numbers like 3.14 and 2048 get spelled out first.",
+    "Short.",
+    "A much longer line of text, with commas, pauses, and a question at the end: does it hold?",
+    "Please hold while we connect your call.",
+    "The quick brown fox jumps over the lazy dog.",
+]
 
 
 @dataclass
@@ -64,30 +69,45 @@ class Trace:
 
 def first_difference(a: Trace, b: Trace) -> dict:
     """The first op (in execution order) whose rows differ between two traces of the same work."""
-    differing = [(la, op, float((x - y).abs().max())) for (la, op, x), (_, _, y) in zip(a.ops, b.ops, strict=True)
-                 if not torch.equal(x, y)]
+    differing = [
+        (la, op, float((x - y).abs().max()))
+        for (la, op, x), (_, _, y) in zip(a.ops, b.ops, strict=True)
+        if not torch.equal(x, y)
+    ]
     if not differing:
         return {"identical": True, "ops_compared": len(a.ops)}
     layer, op, diff = differing[0]
-    return {"identical": False, "ops_compared": len(a.ops), "ops_differing": len(differing),
-            "first": {"layer": layer, "op": op, "max_abs_diff": diff}}
+    return {
+        "identical": False,
+        "ops_compared": len(a.ops),
+        "ops_differing": len(differing),
+        "first": {"layer": layer, "op": op, "max_abs_diff": diff},
+    }
 
 
-def run_jobs(node: LLMNode, target: Job, others: list[Job], packed: bool, target_index: int,
-             warmup: int = 5) -> tuple[np.ndarray, int]:
+def run_jobs(
+    node: LLMNode, target: Job, others: list[Job], packed: bool, target_index: int, warmup: int = 5
+) -> tuple[np.ndarray, int]:
     """(codes [frames, 9], slot) of `target` decoded with `others`. packed: everyone admitted and prefilled together
     (the target at target_index of the prefill list); else the others prefill and decode `warmup` frames
     first, then the target joins (prefilled alone, its row last)."""
+
     def seq(rid: int, j: Job) -> Sequence:
-        return Sequence(rid=rid, prompt=j.prompt, params=j.params, max_frames=j.frames, speaker=j.speaker,
-                        ignore_eos=True)
+        return Sequence(
+            rid=rid, prompt=j.prompt, params=j.params, max_frames=j.frames, speaker=j.speaker, ignore_eos=True
+        )
 
     t = seq(0, target)
     rest = [seq(i + 1, j) for i, j in enumerate(others)]
     codes: list[np.ndarray] = []
     # the guided target's twin: its prompt without the speaker, admitted, prefilled and decoded with it
-    twin = (Sequence(rid=-1, prompt=target.prompt, params=target.params, max_frames=target.frames, speaker=None,
-                     ignore_eos=True) if target.cfg_scale != 1.0 else None)
+    twin = (
+        Sequence(
+            rid=-1, prompt=target.prompt, params=target.params, max_frames=target.frames, speaker=None, ignore_eos=True
+        )
+        if target.cfg_scale != 1.0
+        else None
+    )
     mine = [t] if twin is None else [t, twin]
 
     def admit_target() -> None:
@@ -153,12 +173,24 @@ def compare(name: str, batch: int, result: tuple[np.ndarray, int, dict[str, int]
     name = f"{name}, slot {slot}"
     same = (codes == ref).all(-1)
     first = None if same.all() else int(np.argmin(same))
-    row = {"scenario": name, "batch": batch, "slot": slot, "identical": bool(same.all()), "frames": len(same),
-           "identical_frames": int(same.sum()), "first_different_frame": first, "calls": calls,
-           "per_frame_identical": same.astype(int).tolist()}
-    print(f"{name:<44} {'identical' if row['identical'] else 'DIFFERENT':>9}  {row['identical_frames']:>4}/"
-          f"{row['frames']} frames" + ("" if first is None else f", first difference at frame {first}")
-          + f"  calls {calls}", flush=True)
+    row = {
+        "scenario": name,
+        "batch": batch,
+        "slot": slot,
+        "identical": bool(same.all()),
+        "frames": len(same),
+        "identical_frames": int(same.sum()),
+        "first_different_frame": first,
+        "calls": calls,
+        "per_frame_identical": same.astype(int).tolist(),
+    }
+    print(
+        f"{name:<44} {'identical' if row['identical'] else 'DIFFERENT':>9}  {row['identical_frames']:>4}/"
+        f"{row['frames']} frames"
+        + ("" if first is None else f", first difference at frame {first}")
+        + f"  calls {calls}",
+        flush=True,
+    )
     return row
 
 
@@ -218,8 +250,9 @@ def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job],
     pos_b[0] = p
     ta, tb = Trace(torch.tensor([0], device=dev)), Trace(torch.tensor([0], device=dev))
     model.trace = ta
-    la = model.decode(row.to(dev), torch.tensor([slot_a], device=dev), torch.tensor([p], device=dev),
-                      invariant=inv)[0].clone()
+    la = model.decode(row.to(dev), torch.tensor([slot_a], device=dev), torch.tensor([p], device=dev), invariant=inv)[
+        0
+    ].clone()
     model.trace = tb
     lb = model.decode(ids_b.to(dev), slots_b.to(dev), pos_b.to(dev), invariant=inv)[0].clone()
     model.trace = None
@@ -229,10 +262,16 @@ def op_diagnostics(model: Zonos2, node: LLMNode, target: Job, others: list[Job],
     for d in out:
         d["invariant_kernels"] = inv
     for d in out:
-        where = "none" if d["identical"] else f"layer {d['first']['layer']} {d['first']['op']} " \
-                                              f"(max |diff| {d['first']['max_abs_diff']:.3g})"
-        print(f"  ops, {d['phase']:<7} batch {batch:>3}: logits identical {d['logits_identical']}, "
-              f"first differing op: {where}", flush=True)
+        where = (
+            "none"
+            if d["identical"]
+            else f"layer {d['first']['layer']} {d['first']['op']} (max |diff| {d['first']['max_abs_diff']:.3g})"
+        )
+        print(
+            f"  ops, {d['phase']:<7} batch {batch:>3}: logits identical {d['logits_identical']}, "
+            f"first differing op: {where}",
+            flush=True,
+        )
     return out
 
 
@@ -244,13 +283,21 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--max-context", type=int, default=1024)
     p.add_argument("--no-compile", action="store_true")
-    p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant,
-                   help="the node's mode (the engine's default: seeded)")
+    p.add_argument(
+        "--batch-invariant",
+        choices=BATCH_INVARIANT_MODES,
+        default=EngineSettings.batch_invariant,
+        help="the node's mode (the engine's default: seeded)",
+    )
     p.add_argument("--others-seeded", action="store_true", help="the other requests carry seeds too")
-    p.add_argument("--target", choices=["plain", "continuation", "cfg"], default="plain",
-                   help="the seeded request: a sentence with a voice; the second sentence of a reply (a "
-                        "continuation prompt of the first's text and codes, engine/frontend/longform.py); or "
-                        "a sentence with speaker CFG (cfg_scale 2, its twin in lockstep)")
+    p.add_argument(
+        "--target",
+        choices=["plain", "continuation", "cfg"],
+        default="plain",
+        help="the seeded request: a sentence with a voice; the second sentence of a reply (a "
+        "continuation prompt of the first's text and codes, engine/frontend/longform.py); or "
+        "a sentence with speaker CFG (cfg_scale 2, its twin in lockstep)",
+    )
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of this script under TRITON_INTERPRET=1")
     p.add_argument("--json")
     a = p.parse_args()
@@ -258,10 +305,19 @@ def main() -> None:
     gpu = a.device.startswith("cuda")
     model = random_model(a.weights, seed=0, device=a.device, dtype=torch.bfloat16 if gpu else torch.float32)
     n_slots = max(a.batches) + (a.target == "cfg")  # the twin takes a slot
-    node = LLMNode(model, n_slots=n_slots, max_len=a.max_context, compile=gpu and not a.no_compile,
-                   batch_invariant=a.batch_invariant, triton=True)
-    print(f"{a.weights} model, {n_slots} slots, graphs captured in {time.perf_counter() - t0:.0f} s; "
-          f"batch invariant: {node.batch_invariant}", flush=True)
+    node = LLMNode(
+        model,
+        n_slots=n_slots,
+        max_len=a.max_context,
+        compile=gpu and not a.no_compile,
+        batch_invariant=a.batch_invariant,
+        triton=True,
+    )
+    print(
+        f"{a.weights} model, {n_slots} slots, graphs captured in {time.perf_counter() - t0:.0f} s; "
+        f"batch invariant: {node.batch_invariant}",
+        flush=True,
+    )
 
     pb = PromptBuilder(model.cfg)
     gen = torch.Generator().manual_seed(0)
@@ -275,22 +331,42 @@ def main() -> None:
     others = []
     for i in range(n_slots - 1):
         spk = torch.randn(model.cfg.speaker_embedding_dim, generator=gen).to(a.device) if i % 2 else None
-        params = SamplingParams(seed=i if a.others_seeded else None, temperature=(0.7, 1.0, 1.2)[i % 3],
-                                top_p=0.9 if i % 4 == 1 else 0.0)
-        others.append(Job(pb.build(OTHERS[i % len(OTHERS)], Conditioning(speaker=spk is not None)), params, spk,
-                          a.frames + 20))
+        params = SamplingParams(
+            seed=i if a.others_seeded else None, temperature=(0.7, 1.0, 1.2)[i % 3], top_p=0.9 if i % 4 == 1 else 0.0
+        )
+        others.append(
+            Job(pb.build(OTHERS[i % len(OTHERS)], Conditioning(speaker=spk is not None)), params, spk, a.frames + 20)
+        )
 
     ref = run_jobs(node, target, [], packed=True, target_index=0)[0]
-    rows = [compare("alone again", 1, counted(node, run_jobs, node, target, [], packed=True, target_index=0), ref),
-            compare("alone, another slot", 1, counted(node, run_alone_in_slot, node, target, n_slots - 1 - (a.target == "cfg")), ref)]
+    rows = [
+        compare("alone again", 1, counted(node, run_jobs, node, target, [], packed=True, target_index=0), ref),
+        compare(
+            "alone, another slot",
+            1,
+            counted(node, run_alone_in_slot, node, target, n_slots - 1 - (a.target == "cfg")),
+            ref,
+        ),
+    ]
     for b in a.batches:
         if b < 2:
             continue
-        rows.append(compare(f"batch {b}, prefilled packed, row {b // 2}", b,
-                            counted(node, run_jobs, node, target, others[: b - 1], packed=True, target_index=b // 2),
-                            ref))
-        rows.append(compare(f"batch {b}, joins {b - 1} running streams", b,
-                            counted(node, run_jobs, node, target, others[: b - 1], packed=False, target_index=0), ref))
+        rows.append(
+            compare(
+                f"batch {b}, prefilled packed, row {b // 2}",
+                b,
+                counted(node, run_jobs, node, target, others[: b - 1], packed=True, target_index=b // 2),
+                ref,
+            )
+        )
+        rows.append(
+            compare(
+                f"batch {b}, joins {b - 1} running streams",
+                b,
+                counted(node, run_jobs, node, target, others[: b - 1], packed=False, target_index=0),
+                ref,
+            )
+        )
     ops = []
     for b in a.batches:
         ops += op_diagnostics(model, node, target, others, b)
@@ -298,10 +374,21 @@ def main() -> None:
     print(f"seed holds in every scenario: {ok}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"weights": a.weights, "target": a.target, "batch_invariant": node.batch_invariant,
-                       "others_seeded": a.others_seeded,
-                       "frames": a.frames,
-                       "seed": a.seed, "all_identical": ok, "scenarios": rows, "ops": ops}, f, indent=1)
+            json.dump(
+                {
+                    "weights": a.weights,
+                    "target": a.target,
+                    "batch_invariant": node.batch_invariant,
+                    "others_seeded": a.others_seeded,
+                    "frames": a.frames,
+                    "seed": a.seed,
+                    "all_identical": ok,
+                    "scenarios": rows,
+                    "ops": ops,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

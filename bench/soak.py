@@ -40,8 +40,10 @@ from urllib.parse import urlsplit
 import httpx
 import websockets
 
-_TEXT = ("the quick brown fox jumps over a lazy dog while seven silver ships sail past our quiet harbor "
-         "under bright morning light and every sailor hums an old song about home")
+_TEXT = (
+    "the quick brown fox jumps over a lazy dog while seven silver ships sail past our quiet harbor "
+    "under bright morning light and every sailor hums an old song about home"
+)
 WORDS = tuple(_TEXT.split(" "))
 BAD_INPUTS: list[tuple[str | bytes, str]] = [
     ("{not json", "bad_message"),
@@ -99,7 +101,7 @@ def labelled(text: str, name: str) -> dict[str, float]:
     out = {}
     for line in text.splitlines():
         if line.startswith(name + "{"):
-            label = line[line.index('"') + 1:line.rindex('"')]
+            label = line[line.index('"') + 1 : line.rindex('"')]
             out[label] = float(line.split()[-1])
     return out
 
@@ -170,8 +172,14 @@ class Turn:
             if frames == self.frames and self.nbytes == played * 512 * 2:
                 self.st.length_ok += 1
             else:
-                self.st.length_bad.append({"utterance": d["utterance_id"], "frames": frames,
-                                           "expected_frames": self.frames, "bytes": self.nbytes})
+                self.st.length_bad.append(
+                    {
+                        "utterance": d["utterance_id"],
+                        "frames": frames,
+                        "expected_frames": self.frames,
+                        "bytes": self.nbytes,
+                    }
+                )
             self.current = None
         elif kind == "error":
             self.st.errors[d.get("code")] += 1
@@ -258,8 +266,7 @@ class Soak:
     async def session(self, wid: int) -> None:
         rng, st = self.rng, self.st
         try:
-            ws = await websockets.connect(self.ws_url, max_size=None, open_timeout=30,
-                                          additional_headers=self.headers)
+            ws = await websockets.connect(self.ws_url, max_size=None, open_timeout=30, additional_headers=self.headers)
         except OSError:
             st.sessions_connect_failed += 1
             await asyncio.sleep(1.0)
@@ -276,9 +283,16 @@ class Soak:
                 return
             st.sessions_opened += 1
             frames = rng.randint(self.a.min_frames, self.a.max_frames)
-            await ws.send(json.dumps({"type": "session.config", "encoding": "pcm_s16le", "sample_rate": 44100,
-                                      "params": {"ignore_eos": True, "max_frames": frames,
-                                                 "seed": rng.randrange(2**31)}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "session.config",
+                        "encoding": "pcm_s16le",
+                        "sample_rate": 44100,
+                        "params": {"ignore_eos": True, "max_frames": frames, "seed": rng.randrange(2**31)},
+                    }
+                )
+            )
             upd = json.loads(await asyncio.wait_for(ws.recv(), 30))
             if upd.get("type") != "session.updated":
                 st.unexpected.append(f"config: {upd}")
@@ -305,9 +319,16 @@ class Soak:
         """One turn; True if the client vanished."""
         rng, st = self.rng, self.st
         st.turns += 1
-        action = rng.choices(["normal", "cancel", "vanish", "slow", "bad"],
-                             weights=[1 - self.a.cancel - self.a.vanish - self.a.slow - self.a.bad,
-                                      self.a.cancel, self.a.vanish, self.a.slow, self.a.bad])[0]
+        action = rng.choices(
+            ["normal", "cancel", "vanish", "slow", "bad"],
+            weights=[
+                1 - self.a.cancel - self.a.vanish - self.a.slow - self.a.bad,
+                self.a.cancel,
+                self.a.vanish,
+                self.a.slow,
+                self.a.bad,
+            ],
+        )[0]
         t = Turn(ws, st, frames, self.a.timeout)
         if action == "bad":
             payload, code = rng.choice(BAD_INPUTS)
@@ -397,38 +418,72 @@ class Soak:
             text = (await client.get(self.http + "/metrics", headers=self.headers)).text
         st = self.st
         st.errors = Counter({k: v for k, v in st.errors.items() if v})
-        unexpected_codes = {k: v for k, v in st.errors.items()
-                            if not k.startswith("(bad input)") and (k not in FAULT_CODES or not a.kill_engine)}
+        unexpected_codes = {
+            k: v
+            for k, v in st.errors.items()
+            if not k.startswith("(bad input)") and (k not in FAULT_CODES or not a.kill_engine)
+        }
         mem: dict[str, Any] = {}
         for name, samples in self.mem.items():
             if samples:
-                mem[name] = {key: {"start": samples[0].get(key), "end": samples[-1].get(key),
-                                   "peak": max(x.get(key, 0) for x in samples)}
-                             for key in ("VmRSS", "RssAnon", "RssShmem")}
+                mem[name] = {
+                    key: {
+                        "start": samples[0].get(key),
+                        "end": samples[-1].get(key),
+                        "peak": max(x.get(key, 0) for x in samples),
+                    }
+                    for key in ("VmRSS", "RssAnon", "RssShmem")
+                }
         # samples are 2 s apart; the engine's restart with new rings shows as a drop
         mem["gateway_anon_every_10s"] = [x.get("RssAnon") for x in self.mem["gateway"][::5]]
         mem["gateway_shmem_every_10s"] = [x.get("RssShmem") for x in self.mem["gateway"][::5]]
         # every utterance that started ended visibly: audio.done, an error, our cancel, or our vanishing
-        unaccounted = st.utterances_started - (st.utterances_completed + st.utterances_failed
-                                               + st.utterances_cut_by_cancel + st.utterances_cut_by_vanish)
+        unaccounted = st.utterances_started - (
+            st.utterances_completed + st.utterances_failed + st.utterances_cut_by_cancel + st.utterances_cut_by_vanish
+        )
         summary = {
-            "config": {k: getattr(a, k) for k in ("url", "duration", "sessions", "min_frames", "max_frames",
-                                                  "cancel", "vanish", "slow", "bad", "kill_engine", "seed")},
+            "config": {
+                k: getattr(a, k)
+                for k in (
+                    "url",
+                    "duration",
+                    "sessions",
+                    "min_frames",
+                    "max_frames",
+                    "cancel",
+                    "vanish",
+                    "slow",
+                    "bad",
+                    "kill_engine",
+                    "seed",
+                )
+            },
             "wall_s": round(wall, 1),
-            "sessions": {"opened": st.sessions_opened, "closed_clean": st.sessions_closed_clean,
-                         "vanished": st.sessions_vanished, "refused": st.sessions_refused,
-                         "connect_failed": st.sessions_connect_failed},
+            "sessions": {
+                "opened": st.sessions_opened,
+                "closed_clean": st.sessions_closed_clean,
+                "vanished": st.sessions_vanished,
+                "refused": st.sessions_refused,
+                "connect_failed": st.sessions_connect_failed,
+            },
             "turns": {"total": st.turns, "flushed": st.turns_flushed},
-            "utterances": {"started": st.utterances_started, "completed": st.utterances_completed,
-                           "length_ok": st.length_ok, "length_bad": len(st.length_bad),
-                           "cut_by_cancel": st.utterances_cut_by_cancel,
-                           "cut_by_vanish": st.utterances_cut_by_vanish,
-                           "failed_after_start": st.utterances_failed,
-                           "unaccounted": unaccounted,
-                           "refused_before_start": st.utterances_refused},
+            "utterances": {
+                "started": st.utterances_started,
+                "completed": st.utterances_completed,
+                "length_ok": st.length_ok,
+                "length_bad": len(st.length_bad),
+                "cut_by_cancel": st.utterances_cut_by_cancel,
+                "cut_by_vanish": st.utterances_cut_by_vanish,
+                "failed_after_start": st.utterances_failed,
+                "unaccounted": unaccounted,
+                "refused_before_start": st.utterances_refused,
+            },
             "audio_s_received": round(st.audio_bytes / 2 / 44100, 1),
-            "cancels": {"sent": st.cancels_sent, "acked": st.cancels_acked,
-                        "audio_after_cancel": st.audio_after_cancel},
+            "cancels": {
+                "sent": st.cancels_sent,
+                "acked": st.cancels_acked,
+                "audio_after_cancel": st.audio_after_cancel,
+            },
             "slow_reader_pauses": st.slow_reader_pauses,
             "bad_inputs": {"sent": st.bad_inputs_sent, "answered_with_expected_code": st.bad_inputs_answered},
             "errors_by_code": dict(sorted(st.errors.items())),
@@ -436,9 +491,13 @@ class Soak:
             "hangs": st.hangs,
             "unexpected": st.unexpected[:20],
             "memory_rss_mb": mem,
-            "server_after": {"active_sessions": sessions, "engine_active_requests": active, "ready": ready,
-                             "engine_restarts": metric(text, "zonos_engine_restarts"),
-                             "server_errors_by_code": labelled(text, "zonos_errors_total")},
+            "server_after": {
+                "active_sessions": sessions,
+                "engine_active_requests": active,
+                "ready": ready,
+                "engine_restarts": metric(text, "zonos_engine_restarts"),
+                "server_errors_by_code": labelled(text, "zonos_errors_total"),
+            },
         }
         # heap growth once warm (the first traffic grows pools and caches once): the leak check
         gw = self.mem["gateway"]
@@ -459,8 +518,9 @@ class Soak:
         if st.bad_inputs_answered != st.bad_inputs_sent:
             problems.append("a bad input was not answered with its error code")
         if sessions != 0 or active != 0 or not ready:
-            problems.append(f"server not quiet after the run: sessions {sessions}, engine active {active}, "
-                            f"ready {ready}")
+            problems.append(
+                f"server not quiet after the run: sessions {sessions}, engine active {active}, ready {ready}"
+            )
         if unaccounted:
             problems.append(f"{unaccounted} started utterances ended without audio.done, error or cancel")
         if st.utterances_completed == 0:
@@ -486,9 +546,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key")
     p.add_argument("--server-pid", type=int, help="gateway pid for memory (default: found from the port)")
     p.add_argument("--json-out")
-    p.add_argument("--max-gateway-anon-growth-mb", type=float,
-                   help="fail if the gateway's heap (RssAnon) grew more than this once warm (after "
-                   "min(30 s, duration/4))")
+    p.add_argument(
+        "--max-gateway-anon-growth-mb",
+        type=float,
+        help="fail if the gateway's heap (RssAnon) grew more than this once warm (after min(30 s, duration/4))",
+    )
     a = p.parse_args(argv)
     host = urlsplit(a.url).hostname or ""
     if host not in ("127.0.0.1", "localhost", "::1") and not host.startswith("127."):

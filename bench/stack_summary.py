@@ -50,8 +50,10 @@ def summarize(stacks: Sequence[tuple[list[str], int]], top: int = 25, wall: int 
         for name in set(names):
             incl[name] += n
     of = "of the wall time" if wall else "of the samples"
-    lines = [f"{taken} samples" + (f" ({taken / wall:.1%} of {wall}: one thread always busy)" if wall else ""),
-             f"own time (innermost frame), share {of}, top {top}:"]
+    lines = [
+        f"{taken} samples" + (f" ({taken / wall:.1%} of {wall}: one thread always busy)" if wall else ""),
+        f"own time (innermost frame), share {of}, top {top}:",
+    ]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in own.most_common(top)]
     lines.append(f"inclusive (anywhere on the stack), share {of}, top {top}:")
     lines += [f"  {n / total:6.1%}  {name}" for name, n in incl.most_common(top)]

@@ -6,6 +6,7 @@ Capacity and overload JSON (bench/live_capacity.py `--out`) become their levels 
 reproduces them; other small JSON is kept compact, large JSON is reduced to its top-level keys, and logs keep
 their last lines. The raw files themselves stay outside the repository.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,11 @@ def summarize_file(path: Path) -> str:
         except json.JSONDecodeError:
             data = None
         if isinstance(data, dict) and "levels" in data and "config" in data:
-            return (head + f"Capacity: **{data.get('capacity')}** streams; started {data.get('started')}, "
-                    f"voice mode {data['config'].get('voice_mode', '-')}.\n\n"
-                    f"```\n{table(data['levels'])}\n```\n\nCommand: `{capacity_command(data['config'])}`\n")
+            return (
+                head + f"Capacity: **{data.get('capacity')}** streams; started {data.get('started')}, "
+                f"voice mode {data['config'].get('voice_mode', '-')}.\n\n"
+                f"```\n{table(data['levels'])}\n```\n\nCommand: `{capacity_command(data['config'])}`\n"
+            )
         compact = json.dumps(data, separators=(",", ":")) if data is not None else text
         if len(compact) <= SMALL_JSON:
             return head + f"```json\n{compact}\n```\n"
@@ -74,9 +77,11 @@ def summarize_file(path: Path) -> str:
 def summarize(paths: list[Path], name: str, build: str) -> str:
     files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
     builds = sorted({m for f in files for m in re.findall(r"_([0-9a-f]{7})(?:_|\.)", f.name)})
-    out = [f"# Benchmark run {name}\n",
-           f"Build measured: {', '.join(builds) or build} (H200). Raw output is not kept in git; "
-           "rerun the command shown to reproduce a table.\n"]
+    out = [
+        f"# Benchmark run {name}\n",
+        f"Build measured: {', '.join(builds) or build} (H200). Raw output is not kept in git; "
+        "rerun the command shown to reproduce a table.\n",
+    ]
     out += [summarize_file(f) for f in files]
     return "\n".join(out)
 

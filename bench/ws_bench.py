@@ -60,8 +60,12 @@ async def one_request(url: str, clip: str | None, frames: int, rate: int) -> Res
     try:
         async with websockets.connect(url, max_size=None) as ws:
             json.loads(await ws.recv())  # session.created
-            cfg = {"type": "session.config", "encoding": "pcm_s16le", "sample_rate": rate,
-                   "params": {"max_frames": frames, "ignore_eos": True}}
+            cfg = {
+                "type": "session.config",
+                "encoding": "pcm_s16le",
+                "sample_rate": rate,
+                "params": {"max_frames": frames, "ignore_eos": True},
+            }
             if clip:
                 cfg["voice_clip"] = clip
             await ws.send(json.dumps(cfg))
@@ -133,19 +137,25 @@ async def level(url: str, clip: str | None, concurrency: int, n: int, frames: in
         "ttft_p95": pct([r.ttft for r in ok], 95),
         "on_time": sum(r.on_time for r in ok) / max(1, sum(r.frames for r in ok)),
         "errors": sorted({r.error for r in results if not r.ok}),
-        "engine_p50_ms": {k: pct([r.engine.get(k) or 0.0 for r in ok], 50)
-                          for k in ("speaker_encoder_ms", "queue_ms", "prefill_ms", "ttfa_ms", "e2e_ms")},
+        "engine_p50_ms": {
+            k: pct([r.engine.get(k) or 0.0 for r in ok], 50)
+            for k in ("speaker_encoder_ms", "queue_ms", "prefill_ms", "ttfa_ms", "e2e_ms")
+        },
     }
 
 
-HEADER = (f"{'run':>10} {'ok':>8} {'TTFTp50':>8} {'E2Ep50':>7} {'E2Ep95':>7} {'ITLmean':>8} {'RTFmean':>8} "
-          f"{'req/s':>6} {'aud-s/s':>8} {'audlen':>6} {'TTFTp95':>8} {'on-time':>8}")
+HEADER = (
+    f"{'run':>10} {'ok':>8} {'TTFTp50':>8} {'E2Ep50':>7} {'E2Ep95':>7} {'ITLmean':>8} {'RTFmean':>8} "
+    f"{'req/s':>6} {'aud-s/s':>8} {'audlen':>6} {'TTFTp95':>8} {'on-time':>8}"
+)
 
 
 def row(r: dict, tag: str) -> str:
-    return (f"{tag + '/c' + str(r['c']):>10} {r['ok']:>8} {r['ttft_p50']:8.3f} {r['e2e_p50']:7.3f} {r['e2e_p95']:7.3f} "
-            f"{r['itl_mean']:8.3f} {r['rtf_mean']:8.3f} {r['req_s']:6.2f} {r['audio_s_s']:8.2f} "
-            f"{r['audlen']:6.2f} {r['ttft_p95']:8.3f} {r['on_time']:8.1%}")
+    return (
+        f"{tag + '/c' + str(r['c']):>10} {r['ok']:>8} {r['ttft_p50']:8.3f} {r['e2e_p50']:7.3f} {r['e2e_p95']:7.3f} "
+        f"{r['itl_mean']:8.3f} {r['rtf_mean']:8.3f} {r['req_s']:6.2f} {r['audio_s_s']:8.2f} "
+        f"{r['audlen']:6.2f} {r['ttft_p95']:8.3f} {r['on_time']:8.1%}"
+    )
 
 
 async def main() -> None:

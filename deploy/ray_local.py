@@ -22,8 +22,9 @@ from deploy.ray_serve import ZonosGateway
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m deploy.ray_local", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m deploy.ray_local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--port", type=int, default=8000, help="the proxy's port (127.0.0.1)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--num-cpus", type=float, default=4, help="CPUs the Ray node declares")

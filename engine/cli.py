@@ -116,8 +116,10 @@ def cmd_logits(args: argparse.Namespace) -> None:
         np.save(args.out, logits.float().cpu().numpy())
         print(json.dumps({"out": args.out, "shape": list(logits.shape)}))
         return
-    g = SamplingParams(cfg_scale=1.0 if args.cfg_scale is None else args.cfg_scale,
-                       prefix_cfg_scale=1.0 if args.prefix_cfg_scale is None else args.prefix_cfg_scale)
+    g = SamplingParams(
+        cfg_scale=1.0 if args.cfg_scale is None else args.cfg_scale,
+        prefix_cfg_scale=1.0 if args.prefix_cfg_scale is None else args.prefix_cfg_scale,
+    )
     g.validate()
     if args.prefix_cfg_scale is not None and not args.uncond_input_ids:
         raise ValueError("--prefix-cfg-scale needs --uncond-input-ids (the chunk's fresh prompt)")
@@ -141,8 +143,9 @@ def cmd_logits(args: argparse.Namespace) -> None:
 def _read_ids(path: str, cfg: Zonos2Config) -> torch.Tensor:
     arr = np.load(path, allow_pickle=False)
     if not np.issubdtype(arr.dtype, np.integer) or arr.ndim != 2 or arr.shape[1] != cfg.n_codebooks + 1:
-        raise ValueError(f"{path}: prompt ids must be integers of shape [T, {cfg.n_codebooks + 1}], "
-                         f"got {arr.dtype} {arr.shape}")
+        raise ValueError(
+            f"{path}: prompt ids must be integers of shape [T, {cfg.n_codebooks + 1}], got {arr.dtype} {arr.shape}"
+        )
     return torch.from_numpy(arr.astype(np.int64))
 
 
@@ -157,8 +160,13 @@ def _emotion(args: argparse.Namespace, emb: np.ndarray) -> tuple[np.ndarray, np.
             sliders[name.strip()] = float(weight) if sep else 1.0
         except ValueError:
             raise ValueError(f"--emotion {item!r}: expected NAME=WEIGHT") from None
-    fields = {"emotion_enabled": True, "emotion_sliders": sliders, "emotion_valence": args.valence,
-              "emotion_arousal": args.arousal, "emotion_strength": args.emotion_strength}
+    fields = {
+        "emotion_enabled": True,
+        "emotion_sliders": sliders,
+        "emotion_valence": args.valence,
+        "emotion_arousal": args.arousal,
+        "emotion_strength": args.emotion_strength,
+    }
     req = parse_request(fields)
     if not req.requested:
         return emb, None
@@ -184,15 +192,21 @@ def cmd_speaker_embed(args: argparse.Namespace) -> None:
             encoder.frontend.float()  # the log-mel DSP always runs in float32
         wav, sr = decode_audio(Path(args.audio).read_bytes())
         emb = encoder.embed(wav, sr).float().cpu().numpy().astype(np.float32)
-        info = {"seconds": round(len(wav) / sr, 3), "sample_rate": sr, "dtype": args.dtype,
-                "encoder": src.describe()["speaker_encoder"]}
+        info = {
+            "seconds": round(len(wav) / sr, 3),
+            "sample_rate": sr,
+            "dtype": args.dtype,
+            "encoder": src.describe()["speaker_encoder"],
+        }
     else:
         emb = _read_embedding(args.speaker_embedding, None).numpy()
     emb, delta = _emotion(args, emb)
     if delta is not None:  # 'proj' directions: the embedding stays, the projected speaker row moves
         if not args.out_delta:
-            raise ValueError("these emotion directions move the projected speaker row ('proj' space), not the "
-                             "embedding: give --out-delta to write that delta")
+            raise ValueError(
+                "these emotion directions move the projected speaker row ('proj' space), not the "
+                "embedding: give --out-delta to write that delta"
+            )
         np.save(args.out_delta, delta)
         info["out_delta"] = args.out_delta
     np.save(args.out, emb)
@@ -223,8 +237,10 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
         emb, delta = _emotion(args, speaker.float().cpu().numpy())
         if delta is not None:  # 'proj' directions (the reference's shipped folder): the projected speaker row moves
             if delta.shape != (model.cfg.dim,):
-                raise ValueError(f"the emotion directions are {delta.shape[0]}-dimensional; this model's projected "
-                                 f"speaker row has {model.cfg.dim} values")
+                raise ValueError(
+                    f"the emotion directions are {delta.shape[0]}-dimensional; this model's projected "
+                    f"speaker row has {model.cfg.dim} values"
+                )
             emotion = torch.from_numpy(delta).to(device)
         speaker = torch.from_numpy(emb).to(device)
     text = args.text
@@ -235,13 +251,17 @@ def cmd_synthesize(args: argparse.Namespace) -> None:
     params = SamplingParams(seed=args.seed)
     result = synthesize(model, codec, text, params, speaker=speaker, max_frames=args.max_frames, emotion=emotion)
     sf.write(args.output, result.audio, SAMPLE_RATE, subtype="PCM_16")
-    print(json.dumps({
-        "out": args.output,
-        "seconds": round(len(result.audio) / SAMPLE_RATE, 3),
-        "frames": len(result.frames),
-        "finish_reason": result.finish_reason,
-        "weights": src.describe(),
-    }))
+    print(
+        json.dumps(
+            {
+                "out": args.output,
+                "seconds": round(len(result.audio) / SAMPLE_RATE, 3),
+                "frames": len(result.frames),
+                "finish_reason": result.finish_reason,
+                "weights": src.describe(),
+            }
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,10 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-quality", action="store_true")
     sp.add_argument("--language", help="normalize the text first (en_us, de, ...)")
     sp.add_argument("--context-text", help="continuation: the transcript of --context-codes")
-    sp.add_argument("--context-codes", help="continuation: .npy [frames, 9] int, the context chunks' generated "
-                    "(delayed) frames, already trimmed")
-    sp.add_argument("--non-final", action="store_true",
-                    help="a chunk more chunks follow: no trailing-silence conditioning")
+    sp.add_argument(
+        "--context-codes",
+        help="continuation: .npy [frames, 9] int, the context chunks' generated (delayed) frames, already trimmed",
+    )
+    sp.add_argument(
+        "--non-final", action="store_true", help="a chunk more chunks follow: no trailing-silence conditioning"
+    )
     sp.set_defaults(func=cmd_prompt)
 
     sp = sub.add_parser("logits", help="teacher-forced logits [T, 9, 1026] of a frame sequence")
@@ -285,16 +308,23 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--speaker-embedding")
     sp.add_argument("--dtype", choices=list(_DTYPES), default="float32")
-    sp.add_argument("--cfg-scale", type=float,
-                    help="speaker CFG: write the guided logits [9, V] of the last frame (needs --speaker-embedding)")
+    sp.add_argument(
+        "--cfg-scale",
+        type=float,
+        help="speaker CFG: write the guided logits [9, V] of the last frame (needs --speaker-embedding)",
+    )
     sp.add_argument("--uncond-input-ids", help="prefix CFG: the unconditional twin's prompt ids (.npy)")
-    sp.add_argument("--prefix-cfg-scale", type=float,
-                    help="prefix CFG: write the guided logits [9, V] of the last frame (needs --uncond-input-ids)")
+    sp.add_argument(
+        "--prefix-cfg-scale",
+        type=float,
+        help="prefix CFG: write the guided logits [9, V] of the last frame (needs --uncond-input-ids)",
+    )
     sp.set_defaults(func=cmd_logits)
 
     def emotion_args(sp: argparse.ArgumentParser) -> None:
-        sp.add_argument("--emotion", action="append", metavar="NAME=WEIGHT",
-                        help="emotion slider (repeatable), e.g. happy=1.0")
+        sp.add_argument(
+            "--emotion", action="append", metavar="NAME=WEIGHT", help="emotion slider (repeatable), e.g. happy=1.0"
+        )
         sp.add_argument("--valence", type=float, default=0.0)
         sp.add_argument("--arousal", type=float, default=0.0)
         sp.add_argument("--emotion-strength", type=float, default=1.0)
@@ -309,8 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True)
     sp.add_argument("--out-delta", help="'proj' emotion directions: where to write the projected-row delta")
     emotion_args(sp)
-    sp.add_argument("--dtype", choices=list(_DTYPES), default="float32",
-                    help="dtype the ECAPA network runs in (the log-mel frontend and the output stay float32)")
+    sp.add_argument(
+        "--dtype",
+        choices=list(_DTYPES),
+        default="float32",
+        help="dtype the ECAPA network runs in (the log-mel frontend and the output stay float32)",
+    )
     sp.set_defaults(func=cmd_speaker_embed)
 
     sp = sub.add_parser("synthesize", help="text to a 44.1 kHz WAV")

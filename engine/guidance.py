@@ -54,8 +54,9 @@ def guide_rows(logits: Tensor, pairs: list[tuple[int, int, float]]) -> Tensor:
     return out
 
 
-def twin(params: SamplingParams, has_speaker: bool, continuation: bool, has_emotion: bool = False
-         ) -> tuple[str, float] | None:
+def twin(
+    params: SamplingParams, has_speaker: bool, continuation: bool, has_emotion: bool = False
+) -> tuple[str, float] | None:
     """Which twin the reference runs for a request, with its scale; None: no twin. Prefix CFG needs a
     continuation chunk, speaker CFG a speaker, emotion CFG a speaker with an emotion (as the reference's
     scheduler: `speaker_emotion_delta is not None and speaker_embedding is not None`); prefix CFG wins over

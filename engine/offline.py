@@ -36,8 +36,15 @@ def generate_frames(
     """Run one request to its end; returns the sequence and its generated (delayed) frames [N, 9].
     emotion: a 'proj' emotion delta [dim] for the projected speaker row."""
     node = LLMNode(model, n_slots=1, max_len=min(model.cfg.max_seqlen, len(prompt) + max_frames + 2))
-    seq = Sequence(rid=0, prompt=prompt, params=params, max_frames=max_frames, speaker=speaker,
-                   emotion=emotion, ignore_eos=ignore_eos)
+    seq = Sequence(
+        rid=0,
+        prompt=prompt,
+        params=params,
+        max_frames=max_frames,
+        speaker=speaker,
+        emotion=emotion,
+        ignore_eos=ignore_eos,
+    )
     return seq, run_sequence(node, seq)
 
 
@@ -68,8 +75,7 @@ def synthesize(
     cond = cond or Conditioning()
     cond.speaker = speaker is not None
     prompt = PromptBuilder(model.cfg).build(text, cond)
-    seq, frames = generate_frames(model, prompt, params or SamplingParams(), max_frames, speaker, ignore_eos,
-                                  emotion)
+    seq, frames = generate_frames(model, prompt, params or SamplingParams(), max_frames, speaker, ignore_eos, emotion)
     eos = None if ignore_eos else seq.eos.eos_frame
     audio = decode_offline(codec, frames, eos).astype(np.float32)
     return Synthesis(audio=audio, frames=frames, eos_frame=eos, finish_reason=seq.finish_reason or "")

@@ -11,8 +11,9 @@ from engine.contract.settings import WeightSources
 log = logging.getLogger(__name__)
 
 
-def load_model(src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None,
-               quantization: str = "none"):
+def load_model(
+    src: WeightSources, device: str | torch.device, dtype: torch.dtype | None = None, quantization: str = "none"
+):
     """The LLM; quantization "fp8" quantizes its bf16 experts at load (engine/model/quantize.py)."""
     from engine.model.checkpoint import load_checkpoint, random_model
 

@@ -38,16 +38,18 @@ def process_settings() -> dict[str, object]:
         return got
     if torch.cuda.is_available():
         got["TRITON_INTERPRET"] = os.environ.get("TRITON_INTERPRET")
-    got.update({
-        "default dtype": torch.get_default_dtype(),
-        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
-        "cudnn.benchmark": torch.backends.cudnn.benchmark,
-        "cudnn.deterministic": torch.backends.cudnn.deterministic,
-        "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-        "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-        "float32 matmul precision": torch.get_float32_matmul_precision(),
-        "threads": torch.get_num_threads(),
-    })
+    got.update(
+        {
+            "default dtype": torch.get_default_dtype(),
+            "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+            "cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "cudnn.deterministic": torch.backends.cudnn.deterministic,
+            "cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+            "matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "float32 matmul precision": torch.get_float32_matmul_precision(),
+            "threads": torch.get_num_threads(),
+        }
+    )
     return got
 
 
@@ -75,17 +77,33 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/ws"
         self.log = data_dir.parent / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "app", "--port", str(self.port), "--data-dir", str(data_dir),
-               "--max-batch", "6", "--max-context", "1024", "--no-text-normalization",
-               # 2 busy cores generate slower than real time: a player would always be dry, so give the next
-               # sentence of a reply time to arrive (tests/engine/test_continuation.py tests the flush itself)
-               "--continuation-grace-ms", "5000",
-               # ... and every queued request would be predicted late and refused at the door: the door is
-               # off here (0), tests/system/test_storm.py turns it on
-               "--max-queue-ms", "0", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(self.port),
+            "--data-dir",
+            str(data_dir),
+            "--max-batch",
+            "6",
+            "--max-context",
+            "1024",
+            "--no-text-normalization",
+            # 2 busy cores generate slower than real time: a player would always be dry, so give the next
+            # sentence of a reply time to arrive (tests/engine/test_continuation.py tests the flush itself)
+            "--continuation-grace-ms",
+            "5000",
+            # ... and every queued request would be predicted late and refused at the door: the door is
+            # off here (0), tests/system/test_storm.py turns it on
+            "--max-queue-ms",
+            "0",
+            *extra,
+        ]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def wait_ready(self, timeout: float = 180) -> None:
         t0 = time.monotonic()

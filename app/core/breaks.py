@@ -20,12 +20,12 @@ def split_breaks(text: str) -> list[str | float]:
     out: list[str | float] = []
     pos = 0
     for m in _TAG.finditer(text):
-        before = text[pos:m.start()]
+        before = text[pos : m.start()]
         if before.strip():
             out.append(before.strip())
         t = _TIME.search(m.group(1))
         if t is None:
-            raise RequestError(G.BAD_TEXT, f"a break needs a time such as time=\"500ms\" or \"1.5s\": {m.group(0)[:60]!r}")
+            raise RequestError(G.BAD_TEXT, f'a break needs a time such as time="500ms" or "1.5s": {m.group(0)[:60]!r}')
         seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
         if not 0 < seconds <= MAX_BREAK_S:
             raise RequestError(G.BAD_TEXT, f"a break is more than 0 and at most {MAX_BREAK_S:g} s, not {seconds:g} s")

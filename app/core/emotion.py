@@ -31,22 +31,33 @@ class EmotionConditioning:
     uncond_speaker: np.ndarray | None = None  # raw/lda with emotion_cfg_scale: the emotion-CFG twin's voice
 
 
-def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptions, embedding: np.ndarray | None,
-                      hidden_dim: int | None = None, clip: bool = False) -> EmotionConditioning:
+def emotion_embedding(
+    directions: EmotionDirections | None,
+    opts: SynthesisOptions,
+    embedding: np.ndarray | None,
+    hidden_dim: int | None = None,
+    clip: bool = False,
+) -> EmotionConditioning:
     """The speaker embedding with the request's emotion (new arrays). As the reference: no voice,
     emotion_enabled false or all weights 0: unchanged; no directions loaded or an unknown name: bad_params.
     'proj' directions give a delta of the model's hidden size (`hidden_dim`, checked when given); they also
     serve a voice given as a clip (`clip`: the engine embeds it), since they leave the embedding as it is."""
     req = opts.emotion
-    if not req.requested or (embedding is None and not (clip and directions is not None
-                                                        and directions.space == "proj")):
+    if not req.requested or (
+        embedding is None and not (clip and directions is not None and directions.space == "proj")
+    ):
         return EmotionConditioning(embedding)
     if directions is None:
-        raise RequestError(G.BAD_PARAMS, "emotion control needs emotion directions: this server was started "
-                           "without --emotion-directions-dir")
+        raise RequestError(
+            G.BAD_PARAMS,
+            "emotion control needs emotion directions: this server was started without --emotion-directions-dir",
+        )
     if directions.space == "proj" and hidden_dim is not None and directions.dim != hidden_dim:
-        raise RequestError(G.BAD_PARAMS, f"the emotion directions are {directions.dim}-dimensional; this "
-                           f"model's projected speaker row has {hidden_dim} values")
+        raise RequestError(
+            G.BAD_PARAMS,
+            f"the emotion directions are {directions.dim}-dimensional; this "
+            f"model's projected speaker row has {hidden_dim} values",
+        )
     try:
         if embedding is None:  # a clip with 'proj' directions: the delta alone
             return EmotionConditioning(None, directions.delta(req, req.speaker_key))
@@ -54,14 +65,21 @@ def emotion_embedding(directions: EmotionDirections | None, opts: SynthesisOptio
     except EmotionError as e:
         raise RequestError(G.BAD_PARAMS, str(e)) from None
     # the emotion-CFG twin (engine/guidance.py): 'proj' drops the delta; raw/lda needs the embedding before
-    plain = (np.asarray(embedding, dtype=np.float32).reshape(-1)
-             if delta is None and opts.sampling.emotion_cfg_scale != 1.0 and not np.array_equal(emb, embedding)
-             else None)
+    plain = (
+        np.asarray(embedding, dtype=np.float32).reshape(-1)
+        if delta is None and opts.sampling.emotion_cfg_scale != 1.0 and not np.array_equal(emb, embedding)
+        else None
+    )
     return EmotionConditioning(emb, delta, plain)
 
 
-def check_emotion(directions: EmotionDirections | None, opts: SynthesisOptions, voice: Voice | None,
-                  hidden_dim: int | None = None, clip: bool = False) -> None:
+def check_emotion(
+    directions: EmotionDirections | None,
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    hidden_dim: int | None = None,
+    clip: bool = False,
+) -> None:
     """At the door: what emotion_embedding would refuse for this voice (or a clip: `clip`), refused now; the
     calibration key defaults to the voice's id."""
     if voice is not None and opts.emotion.speaker_key is None:

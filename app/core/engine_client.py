@@ -241,8 +241,9 @@ class EngineClient:
             close_quietly(lifeline.fd)  # the child has its own copy now
         self._reader = AsyncRingReader(self._events)
         self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name=f"engine-dispatch{self._tag}"))
-        log.info("%s: process %s started%s", self.label, self._proc.pid,
-                 "".join(f" {k}={v}" for k, v in self.env.items()))
+        log.info(
+            "%s: process %s started%s", self.label, self._proc.pid, "".join(f" {k}={v}" for k, v in self.env.items())
+        )
 
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
@@ -481,12 +482,22 @@ class EngineClient:
         """This engine's entry in /readyz."""
         st = self.stats
         return {
-            "engine": self.name, "device": self.device, "ready": self.ready.is_set(), "pid": self.pid,
-            "restarts": self.restarts, "in_flight": self.in_flight, "slots": self.slots,
-            "active": st.active if st else None, "waiting": st.waiting if st else None,
-            "submitted": self.submitted, "started_per_s": self.start_rate.per_s,
-            **({"reason": self.start_error or ("restarting" if self.restarts else "starting")}
-               if not self.ready.is_set() else {}),
+            "engine": self.name,
+            "device": self.device,
+            "ready": self.ready.is_set(),
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "in_flight": self.in_flight,
+            "slots": self.slots,
+            "active": st.active if st else None,
+            "waiting": st.waiting if st else None,
+            "submitted": self.submitted,
+            "started_per_s": self.start_rate.per_s,
+            **(
+                {"reason": self.start_error or ("restarting" if self.restarts else "starting")}
+                if not self.ready.is_set()
+                else {}
+            ),
         }
 
 
@@ -495,10 +506,18 @@ class AttachedEngineClient(EngineClient):
     this gateway process uses one channel of it, whose rings the supervisor hands over through a
     `ControlLink` each time the engine (re)starts, and says when it died."""
 
-    def __init__(self, weights: WeightSources, settings: EngineSettings, link: ControlLink, index: int,
-                 **kwargs: Any) -> None:
-        super().__init__(weights, settings, restart=False, channel=link.channel, channels=link.channels,
-                         incarnation=link.incarnation, **kwargs)
+    def __init__(
+        self, weights: WeightSources, settings: EngineSettings, link: ControlLink, index: int, **kwargs: Any
+    ) -> None:
+        super().__init__(
+            weights,
+            settings,
+            restart=False,
+            channel=link.channel,
+            channels=link.channels,
+            incarnation=link.incarnation,
+            **kwargs,
+        )
         self.link = link
         self.index = index
         self._pid: int | None = None
@@ -513,8 +532,9 @@ class AttachedEngineClient(EngineClient):
         self._inbox, self._events, self._pid = ShmRing.attach(inbox), ShmRing.attach(events), pid
         self._reader = AsyncRingReader(self._events)
         self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name=f"engine-dispatch{self._tag}"))
-        log.info("%s: attached to process %s (channel %d of %d)", self.label, pid, self.link.channel,
-                 self.link.channels)
+        log.info(
+            "%s: attached to process %s (channel %d of %d)", self.label, pid, self.link.channel, self.link.channels
+        )
 
     def down(self, message: str) -> None:
         """The supervisor saw the engine die: its requests end here, until it is attached again."""

@@ -96,8 +96,9 @@ def engine_device(device: str, pooled: bool) -> tuple[str, dict[str, str]]:
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     if "CUDA_VISIBLE_DEVICES" in os.environ:
         if index >= len(visible):
-            raise ValueError(f"{device}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has "
-                             f"{len(visible)} device(s)")
+            raise ValueError(
+                f"{device}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r} has {len(visible)} device(s)"
+            )
         return "cuda:0", {"CUDA_VISIBLE_DEVICES": visible[index]}
     return "cuda:0", {"CUDA_VISIBLE_DEVICES": str(index)}
 
@@ -118,10 +119,17 @@ def engine_pool(settings: GatewaySettings, link: ControlLink | None = None) -> E
     processes by their supervisor (app/workers.py), which hands this one its channel (`link`)."""
     engines: list[EngineClient] = []
     for i, (device, engine, env) in enumerate(engine_settings(settings)):
-        common: dict[str, Any] = dict(max_buffered_s=settings.limits.max_buffered_audio_s,
-                                      log_level=settings.log_level, name=str(i), device=device)
-        engines.append(AttachedEngineClient(settings.weights, engine, link, i, **common) if link is not None
-                       else EngineClient(settings.weights, engine, env=env, **common))
+        common: dict[str, Any] = dict(
+            max_buffered_s=settings.limits.max_buffered_audio_s,
+            log_level=settings.log_level,
+            name=str(i),
+            device=device,
+        )
+        engines.append(
+            AttachedEngineClient(settings.weights, engine, link, i, **common)
+            if link is not None
+            else EngineClient(settings.weights, engine, env=env, **common)
+        )
     return EnginePool(engines)
 
 
@@ -170,19 +178,25 @@ class Gateway:
         self.engine.on_placed.append(lambda e, kind: self.metrics.engine_requests.labels(e.name, kind).inc())
         lim = settings.limits
         # text normalization runs in worker processes (app/core/normalization.py); prompts get the spoken text
-        self.normalizer = NormalizationPool(
-            # several gateway processes split the CPUs' share of normalization between them
-            settings.normalization_workers or max(1, default_workers() // (link.channels if link else 1)),
-            lim.normalization_cpu_s,
-            lim.normalization_max_tasks) if settings.text_normalization else None
+        self.normalizer = (
+            NormalizationPool(
+                # several gateway processes split the CPUs' share of normalization between them
+                settings.normalization_workers or max(1, default_workers() // (link.channels if link else 1)),
+                lim.normalization_cpu_s,
+                lim.normalization_max_tasks,
+            )
+            if settings.text_normalization
+            else None
+        )
         self.prompts = PromptFactory(self.cfg, emotion_directions(settings.emotion_directions_dir))
         if self.normalizer is not None:
             turns = self.normalizer.turns
             self.metrics.track(self.metrics.normalizing, lambda: turns.active)
             self.metrics.track(self.metrics.normalization_waiting, lambda: turns.waiting)
         self.lexicons = LexiconStore(settings.data_dir / "lexicons")
-        self.voices = VoiceStore(settings.voices_dir, self.cfg.speaker_embedding_dim,
-                                 shared=settings.shared_voices or link is not None)  # other processes' voices too
+        self.voices = VoiceStore(
+            settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices or link is not None
+        )  # other processes' voices too
         self.sessions = SessionCount(link.sessions if link is not None else None)
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
@@ -237,11 +251,20 @@ class Gateway:
             return
         self.metrics.door_refusals.inc()
         limit = self.settings.limits.max_queue_ms
-        wait = "no engine is ready" if not self.engine.ready.is_set() else (
-            "its first audio could not start in time" if d.wait_s == float("inf") else
-            f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limit:g} ms)")
-        raise RequestError(E.ENGINE_BUSY, f"the server is at capacity: {wait}; retry in {d.retry_after_s} s",
-                           headers={"Retry-After": str(d.retry_after_s)})
+        wait = (
+            "no engine is ready"
+            if not self.engine.ready.is_set()
+            else (
+                "its first audio could not start in time"
+                if d.wait_s == float("inf")
+                else f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limit:g} ms)"
+            )
+        )
+        raise RequestError(
+            E.ENGINE_BUSY,
+            f"the server is at capacity: {wait}; retry in {d.retry_after_s} s",
+            headers={"Retry-After": str(d.retry_after_s)},
+        )
 
     # ---- audio in --------------------------------------------------------------------------------
     async def decode_clip(self, data: bytes) -> tuple[np.ndarray, int]:
@@ -259,7 +282,9 @@ class Gateway:
             raise RequestError(E.BAD_AUDIO, str(e)) from None
         seconds = len(samples) / sr
         if seconds > lim.max_clip_seconds:
-            raise RequestError(G.CLIP_TOO_LONG, f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)")
+            raise RequestError(
+                G.CLIP_TOO_LONG, f"clips are limited to {lim.max_clip_seconds:g} s (got {seconds:.1f} s)"
+            )
         if seconds < lim.min_clip_seconds:
             raise RequestError(G.CLIP_TOO_SHORT, f"clips need at least {lim.min_clip_seconds:g} s of audio")
         return samples, sr
@@ -271,8 +296,11 @@ class Gateway:
         except EngineUnavailable as e:
             raise RequestError(E.ENGINE_BUSY, str(e)) from None
         except RecordTooLarge:
-            raise RequestError(G.CLIP_TOO_LONG, f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
-                               "engine takes in one piece: send a shorter clip or a lower sample rate") from None
+            raise RequestError(
+                G.CLIP_TOO_LONG,
+                f"this clip decodes to {samples.nbytes >> 20} MiB, more than the "
+                "engine takes in one piece: send a shorter clip or a lower sample rate",
+            ) from None
         except ValueError as e:
             raise RequestError(E.BAD_AUDIO, str(e)) from None
 
@@ -301,9 +329,14 @@ class Gateway:
 
     # ---- the path to the engine ------------------------------------------------------------------
     async def start_utterance(
-        self, text: str, opts: SynthesisOptions, voice: Voice | None = None,
-        clip: tuple[np.ndarray, int] | None = None, owner: object = None,
-        chain: Chain | None = None, link: Link | None = None,
+        self,
+        text: str,
+        opts: SynthesisOptions,
+        voice: Voice | None = None,
+        clip: tuple[np.ndarray, int] | None = None,
+        owner: object = None,
+        chain: Chain | None = None,
+        link: Link | None = None,
     ) -> Stream | PieceStream:
         """One utterance's engine work. Its text is normalized (in a worker process, in `owner`'s turn: a
         session or an HTTP request), and the spoken text, which can be several times longer ("$1,234,567.89"
@@ -311,7 +344,9 @@ class Gateway:
         it, in one engine request or in a few, one after another (PieceStream). chain, link: its place in
         its context's continuation chain (app/core/continuation.py)."""
         if len(text) > self.settings.limits.max_text_chars:
-            raise RequestError(G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters")
+            raise RequestError(
+                G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
+            )
         text = apply_rules(text, opts.lexicon)  # pronunciation dictionaries: before normalization
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
@@ -322,8 +357,9 @@ class Gateway:
 
         def submit(piece: str, max_frames: int) -> Stream:
             prompt = self.prompts.build(piece, opts, speaker)
-            req = dataclasses.replace(self.prompts.request(prompt, opts, max_frames, embedding, clip),
-                                      max_frames=max_frames)
+            req = dataclasses.replace(
+                self.prompts.request(prompt, opts, max_frames, embedding, clip), max_frames=max_frames
+            )
             try:
                 return self.engine.submit(req)
             except EngineUnavailable as e:
@@ -336,8 +372,15 @@ class Gateway:
         limit = opts.max_frames or self.settings.limits.max_frames  # the utterance's, however many requests
         return submit(pieces[0], limit) if len(pieces) == 1 else PieceStream(submit, pieces, limit)
 
-    async def _continue(self, chain: Chain, link: Link, text: str, opts: SynthesisOptions,
-                        embedding: np.ndarray | None, clip: tuple[np.ndarray, int] | None) -> Stream:
+    async def _continue(
+        self,
+        chain: Chain,
+        link: Link,
+        text: str,
+        opts: SynthesisOptions,
+        embedding: np.ndarray | None,
+        clip: tuple[np.ndarray, int] | None,
+    ) -> Stream:
         """One utterance of a continuation chain (app/core/continuation.py): it continues the chunks before it
         and their DAC stream, on the engine that holds that stream."""
         try:
@@ -351,12 +394,15 @@ class Gateway:
                 prompt = self.prompts.build(text, opts, speaker, (ctx_text, ctx_codes), not link.final)
                 if len(prompt) <= room:
                     break
-            req = dataclasses.replace(self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding,
-                                                           clip),
-                                      hold=not link.final, continues=ctx.prev.rid if ctx.prev is not None else 0)
+            req = dataclasses.replace(
+                self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip),
+                hold=not link.final,
+                continues=ctx.prev.rid if ctx.prev is not None else 0,
+            )
             if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
-                req = dataclasses.replace(req, uncond_prompt=self.prompts.build(text, opts, speaker, None,
-                                                                                       not link.final))
+                req = dataclasses.replace(
+                    req, uncond_prompt=self.prompts.build(text, opts, speaker, None, not link.final)
+                )
             try:  # the stream it continues lives on one engine
                 stream = ctx.prev.client.submit(req) if ctx.prev is not None else self.engine.submit(req)
             except EngineUnavailable as e:
@@ -373,8 +419,9 @@ class Gateway:
         if spec is None:
             return ()
         if not isinstance(spec, list) or len(spec) > MAX_LEXICON_ITEMS:
-            raise RequestError(G.BAD_LEXICON, f"a lexicon is a list of at most {MAX_LEXICON_ITEMS} dictionary ids, "
-                                              "locators or rules")
+            raise RequestError(
+                G.BAD_LEXICON, f"a lexicon is a list of at most {MAX_LEXICON_ITEMS} dictionary ids, locators or rules"
+            )
         rules: list[Rule] = []
         for item in spec:
             if isinstance(item, dict) and "pronunciation_dictionary_id" in item:
@@ -408,8 +455,7 @@ class Gateway:
                     samples, sr = await self.decode_clip(data)
                     emb = await self.embed_samples(samples, sr)
                     preview = wav_bytes(samples, sr)
-                voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb),
-                              details={"file": path.name})
+                voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb), details={"file": path.name})
                 self.voices.remember_default(voice, emb, preview)
                 log.info("default voice %r ready (%s)", name, vid)
             except (RequestError, OSError) as e:

@@ -16,20 +16,73 @@ from engine.frontend.emotion import EmotionDirections
 
 # word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes
 EMOTION_WORDS: dict[str, tuple[float, float]] = {
-    "cheerful": (0.6, 0.4), "happy": (0.6, 0.3), "joyful": (0.7, 0.5), "excited": (0.5, 0.7),
-    "enthusiastic": (0.5, 0.6), "upbeat": (0.5, 0.4), "warm": (0.4, -0.1), "friendly": (0.4, 0.1),
-    "calm": (0.1, -0.5), "soothing": (0.2, -0.6), "relaxed": (0.2, -0.5), "gentle": (0.2, -0.4),
-    "serious": (-0.1, -0.1), "sad": (-0.6, -0.3), "somber": (-0.5, -0.4), "melancholic": (-0.6, -0.4),
-    "angry": (-0.6, 0.6), "furious": (-0.8, 0.8), "annoyed": (-0.4, 0.3), "scared": (-0.5, 0.6),
-    "nervous": (-0.3, 0.5), "energetic": (0.3, 0.7), "tired": (-0.2, -0.6), "bored": (-0.3, -0.5),
+    "cheerful": (0.6, 0.4),
+    "happy": (0.6, 0.3),
+    "joyful": (0.7, 0.5),
+    "excited": (0.5, 0.7),
+    "enthusiastic": (0.5, 0.6),
+    "upbeat": (0.5, 0.4),
+    "warm": (0.4, -0.1),
+    "friendly": (0.4, 0.1),
+    "calm": (0.1, -0.5),
+    "soothing": (0.2, -0.6),
+    "relaxed": (0.2, -0.5),
+    "gentle": (0.2, -0.4),
+    "serious": (-0.1, -0.1),
+    "sad": (-0.6, -0.3),
+    "somber": (-0.5, -0.4),
+    "melancholic": (-0.6, -0.4),
+    "angry": (-0.6, 0.6),
+    "furious": (-0.8, 0.8),
+    "annoyed": (-0.4, 0.3),
+    "scared": (-0.5, 0.6),
+    "nervous": (-0.3, 0.5),
+    "energetic": (0.3, 0.7),
+    "tired": (-0.2, -0.6),
+    "bored": (-0.3, -0.5),
 }
 # word -> a speed multiplier (the speaking rate)
-SPEED_WORDS: dict[str, float] = {"slow": 0.85, "slowly": 0.85, "fast": 1.2, "quick": 1.2, "quickly": 1.2,
-                                 "rapid": 1.25, "rapidly": 1.25, "brisk": 1.1, "briskly": 1.1, "leisurely": 0.8}
+SPEED_WORDS: dict[str, float] = {
+    "slow": 0.85,
+    "slowly": 0.85,
+    "fast": 1.2,
+    "quick": 1.2,
+    "quickly": 1.2,
+    "rapid": 1.25,
+    "rapidly": 1.25,
+    "brisk": 1.1,
+    "briskly": 1.1,
+    "leisurely": 0.8,
+}
 # words that ask for a manner of speaking the table does not have (reported as not applied)
-MANNER_WORDS = {"whisper", "whispering", "shout", "shouting", "loud", "loudly", "quiet", "quietly", "soft",
-                "softly", "accent", "british", "american", "sarcastic", "sarcastically", "dramatic", "dramatically",
-                "robotic", "sing", "singing", "deep", "high", "low", "pitch", "emphasis", "emphasize"}
+MANNER_WORDS = {
+    "whisper",
+    "whispering",
+    "shout",
+    "shouting",
+    "loud",
+    "loudly",
+    "quiet",
+    "quietly",
+    "soft",
+    "softly",
+    "accent",
+    "british",
+    "american",
+    "sarcastic",
+    "sarcastically",
+    "dramatic",
+    "dramatically",
+    "robotic",
+    "sing",
+    "singing",
+    "deep",
+    "high",
+    "low",
+    "pitch",
+    "emphasis",
+    "emphasize",
+}
 AXIS_LIMIT = 1.0
 
 _WORD = re.compile(r"[a-z]+")
@@ -47,13 +100,14 @@ def _lookup(word: str) -> tuple[float, float] | float | None:
     """The table's value for a word or its adverb / noun ("cheerfully", "calmness")."""
     for table in (EMOTION_WORDS, SPEED_WORDS):
         for key, value in table.items():
-            if word == key or (word.startswith(key) and word[len(key):] in ("ly", "ally", "ily", "ness")):
+            if word == key or (word.startswith(key) and word[len(key) :] in ("ly", "ally", "ily", "ness")):
                 return value
     return None
 
 
-def apply_instructions(text: str, opts: SynthesisOptions, directions: EmotionDirections | None,
-                       speaking_rate: bool) -> tuple[SynthesisOptions, Instructions]:
+def apply_instructions(
+    text: str, opts: SynthesisOptions, directions: EmotionDirections | None, speaking_rate: bool
+) -> tuple[SynthesisOptions, Instructions]:
     """`opts` with what `text` asks for, and the report. A field the request sets itself (emotion_*,
     speed) is not overridden."""
     report = Instructions()
@@ -80,10 +134,15 @@ def apply_instructions(text: str, opts: SynthesisOptions, directions: EmotionDir
     emo = opts.emotion
     if (valence or arousal) and not emo.requested:
         clip = lambda x: max(-AXIS_LIMIT, min(AXIS_LIMIT, x))  # noqa: E731
-        opts = dataclasses.replace(opts, emotion=dataclasses.replace(
-            emo, enabled=True, valence=clip(valence), arousal=clip(arousal)))
-    if speed != 1.0 and opts.cond.speed is None and opts.cond.speaking_rate is None \
-            and opts.cond.speaking_rate_bucket is None:
+        opts = dataclasses.replace(
+            opts, emotion=dataclasses.replace(emo, enabled=True, valence=clip(valence), arousal=clip(arousal))
+        )
+    if (
+        speed != 1.0
+        and opts.cond.speed is None
+        and opts.cond.speaking_rate is None
+        and opts.cond.speaking_rate_bucket is None
+    ):
         speed = max(SPEED_RANGE[0], min(SPEED_RANGE[1], speed))
         opts = dataclasses.replace(opts, cond=dataclasses.replace(opts.cond, speed=speed))
     return opts, report

@@ -54,68 +54,133 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.sessions = OwnGauge("zonos_active_sessions", "Open WebSocket sessions", registry=r)
-        self.requests = Counter("zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"],
-                                registry=r)
-        self.ttfa = Histogram("zonos_time_to_first_audio_seconds", "Text complete to first audio byte sent",
-                              ["api"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.rtf = Histogram("zonos_rtf", "Wall time / audio time per utterance", ["api"], buckets=_RTF_BUCKETS,
-                             registry=r)
+        self.requests = Counter(
+            "zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"], registry=r
+        )
+        self.ttfa = Histogram(
+            "zonos_time_to_first_audio_seconds",
+            "Text complete to first audio byte sent",
+            ["api"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rtf = Histogram(
+            "zonos_rtf", "Wall time / audio time per utterance", ["api"], buckets=_RTF_BUCKETS, registry=r
+        )
         self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
         self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
         self.door_refusals = Counter(
-            "zonos_door_refusals", "New streams refused at the door before any of them was read: no engine "
-            "could start them within --max-queue-ms (app/core/admission.py)", registry=r)
+            "zonos_door_refusals",
+            "New streams refused at the door before any of them was read: no engine "
+            "could start them within --max-queue-ms (app/core/admission.py)",
+            registry=r,
+        )
         self.gc_pause = Histogram(
-            "zonos_gc_pause_seconds", "Pauses of Python's cyclic collector, which hold the event loop (every "
-            "socket's audio), by generation", ["generation"], buckets=_GC_BUCKETS, registry=r)
+            "zonos_gc_pause_seconds",
+            "Pauses of Python's cyclic collector, which hold the event loop (every socket's audio), by generation",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=r,
+        )
         self.queue_depth = EngineGauge("zonos_engine_queue_depth", "Requests waiting for an engine slot", registry=r)
         self.engine_active = EngineGauge("zonos_engine_active_requests", "Requests in engine slots", registry=r)
         self.step_ms = EngineGauge("zonos_engine_step_ms", "Median engine loop step time (ms)", registry=r)
         self.engine_restarts = EngineGauge("zonos_engine_restarts", "Engine process restarts", registry=r)
         # text normalization's worker processes (app/core/normalization.py); the gateway sets their functions
-        self.normalizing = OwnGauge("zonos_normalization_active", "Texts being normalized in worker processes",
-                                 registry=r)
-        self.normalization_waiting = OwnGauge("zonos_normalization_waiting", "Texts waiting for a normalization worker",
-                                           registry=r)
+        self.normalizing = OwnGauge(
+            "zonos_normalization_active", "Texts being normalized in worker processes", registry=r
+        )
+        self.normalization_waiting = OwnGauge(
+            "zonos_normalization_waiting", "Texts waiting for a normalization worker", registry=r
+        )
         self.engine_ready = EngineGauge("zonos_engine_ready", "1 when the engine accepts requests", registry=r)
-        self.engine_finished = EngineGauge("zonos_engine_finished", "Requests the engine ran to their end (since it "
-                                     "started)", registry=r)
-        self.engine_cancelled = EngineGauge("zonos_engine_cancelled", "Requests the engine stopped early: a cancel, a "
-                                      "client gone, a slow consumer (since it started)", registry=r)
+        self.engine_finished = EngineGauge(
+            "zonos_engine_finished", "Requests the engine ran to their end (since it started)", registry=r
+        )
+        self.engine_cancelled = EngineGauge(
+            "zonos_engine_cancelled",
+            "Requests the engine stopped early: a cancel, a client gone, a slow consumer (since it started)",
+            registry=r,
+        )
         # per engine (label `engine`)
         e = ["engine"]
-        self.engine_requests = Counter("zonos_engine_requests", "Requests placed on each engine, by kind "
-                                       "(utterance, embedding)", ["engine", "kind"], registry=r)
+        self.engine_requests = Counter(
+            "zonos_engine_requests",
+            "Requests placed on each engine, by kind (utterance, embedding)",
+            ["engine", "kind"],
+            registry=r,
+        )
         self.by_engine = {
             "ready": EngineGauge("zonos_engine_ready_by_engine", "1 when this engine accepts requests", e, registry=r),
-            "restarts": EngineGauge("zonos_engine_restarts_by_engine", "Restarts of this engine's process", e, registry=r),
-            "active": EngineGauge("zonos_engine_active_requests_by_engine", "Requests in this engine's slots", e,
-                            registry=r),
-            "waiting": EngineGauge("zonos_engine_queue_depth_by_engine", "Requests waiting for a slot of this engine", e,
-                             registry=r),
-            "free_slots": EngineGauge("zonos_engine_free_slots_by_engine", "Free decode slots of this engine", e,
-                                registry=r),
-            "open": OwnGauge("zonos_engine_open_requests_by_engine", "Requests this gateway has open on this engine "
-                          "(sent and not finished)", e, registry=r),
-            "headroom": EngineGauge("zonos_engine_headroom_by_engine", "Requests this engine could start now (free slots, "
-                              "and under realtime admission what its iteration period admits); placement picks "
-                              "the largest", e, registry=r),
-            "step_ms_p50": EngineGauge("zonos_engine_step_ms_by_engine", "Median loop step time of this engine (ms)", e,
-                                 registry=r),
-            "period_ms": EngineGauge("zonos_engine_period_ms_by_engine", "Average iteration period of this engine while "
-                               "streams run (ms)", e, registry=r),
-            "finished": EngineGauge("zonos_engine_finished_by_engine", "Requests this engine ran to their end (since it "
-                              "started)", e, registry=r),
-            "cancelled": EngineGauge("zonos_engine_cancelled_by_engine", "Requests this engine stopped early (since it "
-                               "started)", e, registry=r),
-            "starting": EngineGauge("zonos_engine_starting_by_engine", "Admitted streams whose players have not started "
-                              "yet (realtime admission's slow start bounds them)", e, registry=r),
-            "paced": EngineGauge("zonos_engine_paced_by_engine", "Iterations this engine launched no decode step because "
-                           "its audio decoder was behind (since it started)", e, registry=r),
+            "restarts": EngineGauge(
+                "zonos_engine_restarts_by_engine", "Restarts of this engine's process", e, registry=r
+            ),
+            "active": EngineGauge(
+                "zonos_engine_active_requests_by_engine", "Requests in this engine's slots", e, registry=r
+            ),
+            "waiting": EngineGauge(
+                "zonos_engine_queue_depth_by_engine", "Requests waiting for a slot of this engine", e, registry=r
+            ),
+            "free_slots": EngineGauge(
+                "zonos_engine_free_slots_by_engine", "Free decode slots of this engine", e, registry=r
+            ),
+            "open": OwnGauge(
+                "zonos_engine_open_requests_by_engine",
+                "Requests this gateway has open on this engine (sent and not finished)",
+                e,
+                registry=r,
+            ),
+            "headroom": EngineGauge(
+                "zonos_engine_headroom_by_engine",
+                "Requests this engine could start now (free slots, "
+                "and under realtime admission what its iteration period admits); placement picks "
+                "the largest",
+                e,
+                registry=r,
+            ),
+            "step_ms_p50": EngineGauge(
+                "zonos_engine_step_ms_by_engine", "Median loop step time of this engine (ms)", e, registry=r
+            ),
+            "period_ms": EngineGauge(
+                "zonos_engine_period_ms_by_engine",
+                "Average iteration period of this engine while streams run (ms)",
+                e,
+                registry=r,
+            ),
+            "finished": EngineGauge(
+                "zonos_engine_finished_by_engine",
+                "Requests this engine ran to their end (since it started)",
+                e,
+                registry=r,
+            ),
+            "cancelled": EngineGauge(
+                "zonos_engine_cancelled_by_engine",
+                "Requests this engine stopped early (since it started)",
+                e,
+                registry=r,
+            ),
+            "starting": EngineGauge(
+                "zonos_engine_starting_by_engine",
+                "Admitted streams whose players have not started yet (realtime admission's slow start bounds them)",
+                e,
+                registry=r,
+            ),
+            "paced": EngineGauge(
+                "zonos_engine_paced_by_engine",
+                "Iterations this engine launched no decode step because "
+                "its audio decoder was behind (since it started)",
+                e,
+                registry=r,
+            ),
         }
-        self.held_by_gate = EngineGauge("zonos_engine_admission_held_by_engine", "Iterations in which a waiting request "
-                                  "was held back, by the realtime admission gate that held it (since the engine "
-                                  "started; engine/runtime/admission.py)", ["engine", "gate"], registry=r)
+        self.held_by_gate = EngineGauge(
+            "zonos_engine_admission_held_by_engine",
+            "Iterations in which a waiting request "
+            "was held back, by the realtime admission gate that held it (since the engine "
+            "started; engine/runtime/admission.py)",
+            ["engine", "gate"],
+            registry=r,
+        )
         self.engines: Callable[[], Sequence[EngineView]] | None = None  # set by the gateway: read at each render
         self._tracked: list[tuple[Gauge, Callable[[], float]]] = []
 
@@ -150,7 +215,6 @@ class Metrics:
         if engines:
             self.engine_ready.set(1 if any(e.ready.is_set() for e in engines) else 0)
             self.engine_restarts.set(sum(e.restarts for e in engines))
-
 
     def observe_gc_pause(self, seconds: float, generation: int) -> None:
         """One collection of Python's cyclic collector: the event loop was held this long."""

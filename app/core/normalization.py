@@ -192,8 +192,14 @@ class FairTurns:
 class NormalizationPool:
     """Worker processes that normalize text; `normalize` is what the gateway awaits."""
 
-    def __init__(self, workers: int, cpu_limit_s: float, max_tasks: int, warm: tuple[str, ...] = ("en_us",),
-                 available: bool | None = None) -> None:
+    def __init__(
+        self,
+        workers: int,
+        cpu_limit_s: float,
+        max_tasks: int,
+        warm: tuple[str, ...] = ("en_us",),
+        available: bool | None = None,
+    ) -> None:
         self.workers = max(1, workers)
         self.cpu_limit_s = cpu_limit_s
         self.max_tasks = max_tasks
@@ -206,8 +212,13 @@ class NormalizationPool:
         """Start the workers now (each loads the warm grammars), not on the first request."""
         if self._pool is None:
             # spawn: the gateway's threads and event loop are not forked into the workers
-            self._pool = pebble.ProcessPool(self.workers, self.max_tasks, initializer=_worker_start,
-                                            initargs=(self.warm,), context=multiprocessing.get_context("spawn"))
+            self._pool = pebble.ProcessPool(
+                self.workers,
+                self.max_tasks,
+                initializer=_worker_start,
+                initargs=(self.warm,),
+                context=multiprocessing.get_context("spawn"),
+            )
             for _ in range(self.workers):
                 self._pool.submit(os.getpid, None)
 
@@ -223,18 +234,28 @@ class NormalizationPool:
         if not self.available or not text.strip():
             return text
         try:
-            return await self.run(owner, len(text.encode("utf-8", "surrogatepass")) > SHORT_TEXT_BYTES,
-                                  normalize_in_worker, text, language, self.cpu_limit_s)
+            return await self.run(
+                owner,
+                len(text.encode("utf-8", "surrogatepass")) > SHORT_TEXT_BYTES,
+                normalize_in_worker,
+                text,
+                language,
+                self.cpu_limit_s,
+            )
         except pebble.ProcessExpired as e:
             if e.exitcode == -_CPU_SIGNAL:
                 raise RequestError(
-                    G.NORMALIZATION_TIMEOUT, f"normalizing this text took more than {self.cpu_limit_s:g} s of CPU: "
-                    "send shorter sentences, or turn text_normalization off for it") from None
+                    G.NORMALIZATION_TIMEOUT,
+                    f"normalizing this text took more than {self.cpu_limit_s:g} s of CPU: "
+                    "send shorter sentences, or turn text_normalization off for it",
+                ) from None
             log.warning("a text-normalization worker died (exit code %s); this text is spoken as written", e.exitcode)
             return text
         except TimeoutError:
-            log.warning("a text-normalization worker hung for %g s and was replaced; this text is spoken as "
-                        "written", TASK_WALL_LIMIT_S)
+            log.warning(
+                "a text-normalization worker hung for %g s and was replaced; this text is spoken as written",
+                TASK_WALL_LIMIT_S,
+            )
             return text
 
     async def run(self, owner: object, long: bool, fn: Callable[..., T], *args: Any) -> T:

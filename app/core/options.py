@@ -22,18 +22,43 @@ from engine.frontend.textnorm import normalize_language
 
 GUIDANCE_KEYS = ("cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale")  # engine/guidance.py
 _SAMPLING_KEYS = {
-    "temperature": float, "top_k": int, "top_p": float, "min_p": float, "repetition_window": int,
-    "repetition_penalty": float, "repetition_codebooks": int, "seed": int, **dict.fromkeys(GUIDANCE_KEYS, float),
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+    "min_p": float,
+    "repetition_window": int,
+    "repetition_penalty": float,
+    "repetition_codebooks": int,
+    "seed": int,
+    **dict.fromkeys(GUIDANCE_KEYS, float),
 }
 # the reference's long-form fields (prefix-cfg-longform) -> LongFormOptions; its guidance scales are
 # SamplingParams fields, as in the reference
-LONG_FORM_KEYS = {"long_form": "long_form", "long_form_chunk_chars": "chunk_chars",
-                  "long_form_window_chunks": "window_chunks", "long_form_pin_anchor": "pin_anchor",
-                  "long_form_split_mode": "split_mode"}
-PARAM_KEYS = set(_SAMPLING_KEYS) | {
-    "max_frames", "ignore_eos", "language", "text_normalization", "speaking_rate", "speed",
-    "speaking_rate_bucket", "quality_buckets", "quality_values", "accurate_mode", "clean_speaker_background",
-} | set(LONG_FORM_KEYS) | set(EMOTION_FIELDS)
+LONG_FORM_KEYS = {
+    "long_form": "long_form",
+    "long_form_chunk_chars": "chunk_chars",
+    "long_form_window_chunks": "window_chunks",
+    "long_form_pin_anchor": "pin_anchor",
+    "long_form_split_mode": "split_mode",
+}
+PARAM_KEYS = (
+    set(_SAMPLING_KEYS)
+    | {
+        "max_frames",
+        "ignore_eos",
+        "language",
+        "text_normalization",
+        "speaking_rate",
+        "speed",
+        "speaking_rate_bucket",
+        "quality_buckets",
+        "quality_values",
+        "accurate_mode",
+        "clean_speaker_background",
+    }
+    | set(LONG_FORM_KEYS)
+    | set(EMOTION_FIELDS)
+)
 # The bounds every API shares (WebSocket params, /v1/audio/speech, /tts/generate).
 SPEED_RANGE = (0.25, 4.0)  # multiplier of the neutral speaking rate (OpenAI's range)
 SPEAKING_RATE_RANGE = (1.0, 100.0)  # UTF-8 bytes per second; the buckets span 0-8 ... 40+
@@ -74,8 +99,10 @@ def finite(value: int | float) -> bool:
 
 def _typed(key: str, value: Any, kind: type) -> Any:
     if kind is int:
-        if isinstance(value, bool) or not isinstance(value, int | float) or (
-            isinstance(value, float) and not value.is_integer()
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or (isinstance(value, float) and not value.is_integer())
         ):
             raise RequestError(G.BAD_PARAMS, f"{key} must be an integer")
         return int(value)
@@ -90,8 +117,12 @@ def _typed(key: str, value: Any, kind: type) -> Any:
     return value
 
 
-def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: SynthesisOptions | None = None,
-                  cfg: Zonos2Config | None = None) -> SynthesisOptions:
+def parse_options(
+    params: dict[str, Any] | None,
+    max_frames_limit: int,
+    base: SynthesisOptions | None = None,
+    cfg: Zonos2Config | None = None,
+) -> SynthesisOptions:
     """Validate a params dict (WebSocket `params`, or the fields of an HTTP request) when it arrives,
     against the model's conditioning (`cfg`: its speaking-rate buckets and quality features; the release
     model's when not given), so no later utterance can fail on it. The one place every API's bounds live."""
@@ -105,9 +136,16 @@ def parse_options(params: dict[str, Any] | None, max_frames_limit: int, base: Sy
     base = base or SynthesisOptions()
     sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
     cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})
-    opts = SynthesisOptions(sampling, cond, base.max_frames, base.ignore_eos, base.language, base.text_normalization,
-                            dataclasses.replace(base.long_form),
-                            dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)))
+    opts = SynthesisOptions(
+        sampling,
+        cond,
+        base.max_frames,
+        base.ignore_eos,
+        base.language,
+        base.text_normalization,
+        dataclasses.replace(base.long_form),
+        dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)),
+    )
 
     for key, kind in _SAMPLING_KEYS.items():
         if key in params:
@@ -204,8 +242,6 @@ def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
             raise RequestError(G.BAD_PARAMS, f"{name}.{k} must be within ±{QUALITY_VALUE_LIMIT:g}")
         out[k] = x
     return out
-
-
 
 
 def check_speed(value: Any) -> float:

@@ -1,7 +1,8 @@
 """The utterance pipeline every API speaks through (the WebSocket session and both HTTP speech routes).
 
 Text is cut into sentences (app/core/text_buffer.py), each sentence is one utterance (one engine request, or
-a few when its normalized text outgrows the budget: app/core/gateway.py), and utterances play strictly in order while the next ones already generate (up to
+a few when its normalized text outgrows the budget: app/core/gateway.py), and utterances play strictly in order while
+the next ones already generate (up to
 `max_inflight_per_session` at once, the one playing included). Cancelling stops their GPU work at once.
 The utterances of a context continue one another (app/core/continuation.py: one voice, one DAC stream) unless
 their options say long_form false; `end` says a context's last utterance has been queued.
@@ -103,8 +104,9 @@ class Utterance:
         engine = self.finish.stats if self.finish is not None else None
         return UtteranceStats(
             listener_ttfa_ms=round((self.t_first - start) * 1e3, 2) if self.t_first else None,
-            listener_rtf=(round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4)
-                          if audio_ms else None),
+            listener_rtf=(
+                round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4) if audio_ms else None
+            ),
             audio_ms=round(audio_ms, 2),
             frames=engine.frames if engine is not None else None,
             finish_reason=self.finish.reason if self.finish is not None else None,
@@ -130,16 +132,30 @@ class UtterancePipeline:
     def __len__(self) -> int:
         return len(self.queue)
 
-    def add(self, texts: Iterable[str], opts: SynthesisOptions, voice: Voice | None,
-            clip: tuple[np.ndarray, int] | None, context_id: str = DEFAULT_CONTEXT,
-            encoder: tuple[str, int] | None = None) -> list[Utterance]:
+    def add(
+        self,
+        texts: Iterable[str],
+        opts: SynthesisOptions,
+        voice: Voice | None,
+        clip: tuple[np.ndarray, int] | None,
+        context_id: str = DEFAULT_CONTEXT,
+        encoder: tuple[str, int] | None = None,
+    ) -> list[Utterance]:
         added = []
         pieces = [p for text in texts for p in split_breaks(text)]  # refused before anything is queued
         for piece in pieces:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
-            u = Utterance(id=f"u_{seq}", seq=seq, context_id=context_id, text=text, opts=opts, voice=voice,
-                          clip=clip, encoder=Encoder(*encoder) if encoder else None)
+            u = Utterance(
+                id=f"u_{seq}",
+                seq=seq,
+                context_id=context_id,
+                text=text,
+                opts=opts,
+                voice=voice,
+                clip=clip,
+                encoder=Encoder(*encoder) if encoder else None,
+            )
             if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
                 u.silence_s = piece
             elif opts.long_form.long_form is False:
@@ -164,8 +180,9 @@ class UtterancePipeline:
 
     async def _start(self, u: Utterance) -> None:
         try:
-            u.stream = await self.gw.start_utterance(u.text, u.opts, u.voice, u.clip, owner=self, chain=u.chain,
-                                                     link=u.link)
+            u.stream = await self.gw.start_utterance(
+                u.text, u.opts, u.voice, u.clip, owner=self, chain=u.chain, link=u.link
+            )
         except RequestError as e:
             u.error = e
         except Exception:  # a bug must cost this utterance, not the session
@@ -181,8 +198,11 @@ class UtterancePipeline:
     def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
         """Drop the queued utterances of a context (None: all), only those queued after utterance number
         `after` when it is given, and stop their GPU work now."""
-        dropped = [u for u in self.queue if (context_id is None or u.context_id == context_id)
-                   and (after is None or u.seq > after)]
+        dropped = [
+            u
+            for u in self.queue
+            if (context_id is None or u.context_id == context_id) and (after is None or u.seq > after)
+        ]
         for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain
             self.chains.pop(ctx, None)
         for u in dropped:
@@ -258,8 +278,9 @@ class UtterancePipeline:
         self.cancel(None)
 
 
-async def speak(gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
-                clip: tuple[np.ndarray, int] | None) -> AsyncGenerator[np.ndarray, None]:
+async def speak(
+    gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None, clip: tuple[np.ndarray, int] | None
+) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
     HTTP status); closing the iterator (the client is gone) cancels the engine work."""

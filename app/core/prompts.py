@@ -23,8 +23,14 @@ class PromptFactory:
         self.builder = PromptBuilder(cfg)
         self.emotion = emotion  # --emotion-directions-dir
 
-    def build(self, text: str, opts: SynthesisOptions, speaker: bool,
-              context: tuple[str, np.ndarray] | None = None, non_final: bool = False) -> np.ndarray:
+    def build(
+        self,
+        text: str,
+        opts: SynthesisOptions,
+        speaker: bool,
+        context: tuple[str, np.ndarray] | None = None,
+        non_final: bool = False,
+    ) -> np.ndarray:
         """context: (text, kept frames) of the earlier chunks this one continues (app/core/continuation.py);
         non_final: a chunk with more to follow, without trailing-silence conditioning."""
         check_text(text)
@@ -38,8 +44,12 @@ class PromptFactory:
             raise RequestError(G.BAD_PARAMS, str(e)) from None
 
     def request(
-        self, prompt: np.ndarray, opts: SynthesisOptions, default_max_frames: int,
-        embedding: np.ndarray | None = None, clip: tuple[np.ndarray, int] | None = None,
+        self,
+        prompt: np.ndarray,
+        opts: SynthesisOptions,
+        default_max_frames: int,
+        embedding: np.ndarray | None = None,
+        clip: tuple[np.ndarray, int] | None = None,
     ) -> SubmitRequest:
         # every API's emotion is applied here, where the request's speaker embedding is final (every chunk of a
         # continued reply comes here with the same voice and options: each carries the same emotion)
@@ -56,5 +66,3 @@ class PromptFactory:
             emotion_delta=emo.delta,
             uncond_speaker=emo.uncond_speaker,
         )
-
-

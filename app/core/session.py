@@ -333,8 +333,9 @@ class StreamingSession:
         if self._closing:
             raise RequestError(G.BAD_MESSAGE, "the session is closing: no text is taken after close")
         if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
-            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; "
-                               "close one first")
+            raise RequestError(
+                G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; close one first"
+            )
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(text) > self.limits.max_buffer_chars:
             raise RequestError(
@@ -365,16 +366,19 @@ class StreamingSession:
             return
         queued = sum(len(lane.pipe) for lane in self.lanes.values())
         if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
-            raise RequestError(G.TOO_MANY_UTTERANCES,
-                               f"at most {self.limits.max_pending_utterances} utterances may be queued "
-                               f"({queued} are); this text was not accepted")
+            raise RequestError(
+                G.TOO_MANY_UTTERANCES,
+                f"at most {self.limits.max_pending_utterances} utterances may be queued "
+                f"({queued} are); this text was not accepted",
+            )
         opts, voice, clip = self.settings_for(ctx)
         lane = self._lane(ctx)
         for u in lane.pipe.add(sentences, opts, voice, clip, context_id=ctx):
             u.encoder = self.encoder_for(ctx)  # type: ignore[assignment]
 
-    async def flush(self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True,
-                    end_turn: bool = True) -> None:
+    async def flush(
+        self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True, end_turn: bool = True
+    ) -> None:
         """Speak what a context (None: every context) has buffered now; `answer` once all audio of the text
         sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
         complete: its last utterance ends the context's continuation (app/core/continuation.py)."""
@@ -411,9 +415,16 @@ class StreamingSession:
     def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
         """The number of the last queued utterance of ctx (None: of any context), optionally <= at_most."""
         lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
-        return max((u.seq for lane in lanes if lane is not None for u in lane.pipe.queue
-                    if (ctx is None or u.context_id == ctx) and (at_most is None or u.seq <= at_most)),
-                   default=None)
+        return max(
+            (
+                u.seq
+                for lane in lanes
+                if lane is not None
+                for u in lane.pipe.queue
+                if (ctx is None or u.context_id == ctx) and (at_most is None or u.seq <= at_most)
+            ),
+            default=None,
+        )
 
     def drop(self, ctx: str | None, after: int | None = None) -> None:
         """Drop a context's (None: every context's) buffered text and queued utterances (only those after
@@ -428,8 +439,9 @@ class StreamingSession:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
 
-    async def cancel(self, ctx: str | None, answer: Answer | None = None, after: int | None = None,
-                     supersedes: bool = False) -> None:
+    async def cancel(
+        self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
+    ) -> None:
         """Barge-in: drop (see `drop`), send `answer`, then answer every mark the drop left with nothing to
         wait for, or (`supersedes`) forget those marks: `answer` stands for them. No audio of the dropped text
         follows the answer."""
@@ -452,7 +464,11 @@ class StreamingSession:
         self._check_closed()
 
     def _check_closed(self) -> None:
-        if self._closing and not self.buffers and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values()):
+        if (
+            self._closing
+            and not self.buffers
+            and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values())
+        ):
             self._closed.set()
 
     # ---- holding buffered text ---------------------------------------------------------------------

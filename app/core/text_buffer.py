@@ -38,8 +38,14 @@ def utf8_len(text: str) -> int:
 def _attached(ch: str) -> bool:
     """A character that belongs to the one before it (a cut before it would split what is seen as one)."""
     cp = ord(ch)
-    return (bool(unicodedata.combining(ch)) or ch in _JOINERS or 0xFE00 <= cp <= 0xFE0F
-            or 0x1F3FB <= cp <= 0x1F3FF or 0xE0020 <= cp <= 0xE007F or unicodedata.category(ch) == "Mc")
+    return (
+        bool(unicodedata.combining(ch))
+        or ch in _JOINERS
+        or 0xFE00 <= cp <= 0xFE0F
+        or 0x1F3FB <= cp <= 0x1F3FF
+        or 0xE0020 <= cp <= 0xE007F
+        or unicodedata.category(ch) == "Mc"
+    )
 
 
 def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
@@ -109,7 +115,7 @@ class TextBuffer:
         # A newline ends a sentence now: whatever precedes it is complete.
         nl = self.text.rfind("\n")
         if nl >= 0:
-            done, self.text = self.text[: nl + 1], self.text[nl + 1:]
+            done, self.text = self.text[: nl + 1], self.text[nl + 1 :]
             for line in done.split("\n"):
                 for sentence in self._segments(line):
                     out.extend(split_to_budget(sentence, self.max_bytes))
@@ -127,7 +133,7 @@ class TextBuffer:
         if utf8_len(self.text) > self.max_bytes:
             pieces = split_to_budget(self.text, self.max_bytes)
             out.extend(pieces[:-1])
-            self.text = self.text[self.text.rfind(pieces[-1]):]  # keeps the whitespace after it
+            self.text = self.text[self.text.rfind(pieces[-1]) :]  # keeps the whitespace after it
         if not self.text.strip():
             self.text = ""
         return [s for s in out if s.strip()]

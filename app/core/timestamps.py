@@ -40,8 +40,13 @@ class WordTime:
     char_end: int
 
     def as_json(self) -> dict[str, object]:
-        return {"word": self.word, "start_ms": round(self.start_s * 1e3, 1), "end_ms": round(self.end_s * 1e3, 1),
-                "char_start": self.char_start, "char_end": self.char_end}
+        return {
+            "word": self.word,
+            "start_ms": round(self.start_s * 1e3, 1),
+            "end_ms": round(self.end_s * 1e3, 1),
+            "char_start": self.char_start,
+            "char_end": self.char_end,
+        }
 
 
 def syllables(word: str) -> float:
@@ -63,7 +68,7 @@ def char_alignment(text: str, words: list[WordTime], start_s: float, end_s: floa
     starts: list[float] = []
     durations: list[float] = []
     for w in words:
-        piece = text[w.char_start:w.char_end]
+        piece = text[w.char_start : w.char_end]
         step = (w.end_s - w.start_s) / max(1, len(piece))
         for i, ch in enumerate(piece):
             chars.append(ch)

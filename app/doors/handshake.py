@@ -102,8 +102,14 @@ async def refuse_in_band(ws: WebSocket, status: int, body: dict[str, Any]) -> No
     await ws.close(1013 if status == G.TOO_MANY_SESSIONS.http_status else 1008)
 
 
-async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession], refusal: Refusal,
-                key: str | None = None, subprotocol: str | None = None, in_band: bool = False) -> None:
+async def serve(
+    ws: WebSocket,
+    make: Callable[[Gateway, str], StreamingSession],
+    refusal: Refusal,
+    key: str | None = None,
+    subprotocol: str | None = None,
+    in_band: bool = False,
+) -> None:
     """Run one streaming session. `make(gw, owner)` builds it from the URL (raising RequestError for a bad
     voice or format); `refusal(code, message, status)` is the API's error body for a refused handshake,
     sent as an HTTP response, or with `in_band` as the first message of an accepted socket. `key`: the API
@@ -117,8 +123,11 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
         await (refuse_in_band(ws, status, body) if in_band else deny(ws, status, body))
 
     if not origin_allowed(ws, gw.settings.cors_origins):
-        await refuse(G.ORIGIN_NOT_ALLOWED, "this page's origin may not use the API (see --cors-origin)",
-                     G.ORIGIN_NOT_ALLOWED.http_status)
+        await refuse(
+            G.ORIGIN_NOT_ALLOWED,
+            "this page's origin may not use the API (see --cors-origin)",
+            G.ORIGIN_NOT_ALLOWED.http_status,
+        )
         return
     if not key_ok(key, gw.settings.api_keys):
         await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
@@ -130,8 +139,9 @@ async def serve(ws: WebSocket, make: Callable[[Gateway, str], StreamingSession],
         await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)
         return
     if not gw.sessions.try_open(gw.settings.limits.max_sessions):  # every gateway process's sessions count
-        await refuse(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later",
-                     G.TOO_MANY_SESSIONS.http_status)
+        await refuse(
+            G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later", G.TOO_MANY_SESSIONS.http_status
+        )
         return
     session: StreamingSession | None = None
     try:

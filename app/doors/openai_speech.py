@@ -39,10 +39,21 @@ from app.voices.library import Voice
 # Every built-in voice name OpenAI's API lists (its SDK's `voice` literal). Each one is a library voice of
 # that name (any case: put `marin.wav` in --default-voices-dir, or clone a voice named "marin"), or else
 # the model's own unconditioned voice.
-OPENAI_VOICES = frozenset({"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
-                           "verse", "marin", "cedar"})
-_OPENAI_FIELDS = {"model", "input", "voice", "response_format", "speed", "stream_format", "instructions", "stream",
-                  "params", "sample_rate"}
+OPENAI_VOICES = frozenset(
+    {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar"}
+)
+_OPENAI_FIELDS = {
+    "model",
+    "input",
+    "voice",
+    "response_format",
+    "speed",
+    "stream_format",
+    "instructions",
+    "stream",
+    "params",
+    "sample_rate",
+}
 # What /v1/audio/speech takes besides OpenAI's fields: the reference's extras (`speaking_rate_enabled` and
 # the speaker fields) and every key of `params` at the top level (`extra_body={"seed": 3}`).
 SPEECH_FIELDS = _OPENAI_FIELDS | SPEAKER_FIELDS | PARAM_KEYS | {"speaking_rate_enabled"}
@@ -76,9 +87,11 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if not isinstance(fmt, str) or fmt not in FORMATS:
         raise RequestError(G.BAD_PARAMS, f"response_format must be one of {sorted(FORMATS)}")
-    rate = check_sample_rate(data.get("sample_rate", G711_RATE if fmt in G711 else 24000),
-                             [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES],
-                             note=f" for {fmt} (default 24000 as OpenAI; 8000 for mulaw and alaw)")
+    rate = check_sample_rate(
+        data.get("sample_rate", G711_RATE if fmt in G711 else 24000),
+        [r for r in OUTPUT_RATES if fmt != "opus" or r in OPUS_RATES],
+        note=f" for {fmt} (default 24000 as OpenAI; 8000 for mulaw and alaw)",
+    )
     stream_format = data.get("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise RequestError(G.BAD_PARAMS, "stream_format must be 'audio' or 'sse'")
@@ -140,7 +153,9 @@ def _params(gw: Gateway, data: dict[str, Any]) -> dict[str, Any]:
                 top["speed"] = speed
     for k, v in top.items():
         if k in params and params[k] != v:
-            raise RequestError(G.BAD_PARAMS, f"{k} is given twice, at the top level and in params, with different values")
+            raise RequestError(
+                G.BAD_PARAMS, f"{k} is given twice, at the top level and in params, with different values"
+            )
         params[k] = v
     return params
 
@@ -184,9 +199,20 @@ async def openai_speech(request: Request) -> Response:
         n = len(req.text)
         framing = Framing(
             chunk=lambda data: _sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()}),
-            end=lambda: _sse({"type": "speech.audio.done", "usage": {"input_tokens": n, "output_tokens": 0,
-                                                                      "total_tokens": n}}),
-            error=lambda e: _sse({"type": "error", "error": {"code": e.code, "message": str(e)}}))
-    return await speech_response(request, "openai", req.text, req.opts, req.voice, req.output, whole=req.whole,
-                                 media_type="text/event-stream" if req.sse else FORMATS[req.format][0],
-                                 headers=headers, framing=framing)
+            end=lambda: _sse(
+                {"type": "speech.audio.done", "usage": {"input_tokens": n, "output_tokens": 0, "total_tokens": n}}
+            ),
+            error=lambda e: _sse({"type": "error", "error": {"code": e.code, "message": str(e)}}),
+        )
+    return await speech_response(
+        request,
+        "openai",
+        req.text,
+        req.opts,
+        req.voice,
+        req.output,
+        whole=req.whole,
+        media_type="text/event-stream" if req.sse else FORMATS[req.format][0],
+        headers=headers,
+        framing=framing,
+    )

@@ -27,18 +27,58 @@ from engine.contract.records import HISTORY
 from engine.frontend.emotion import EMOTION_FIELDS
 
 # the reference server's speaker fields (its /tts/generate and /v1/audio/speech take them)
-SPEAKER_FIELDS = {"speaker_audio_base64", "speaker_audio_name", "speaker_embedding_base64", "speaker_embedding_name",
-                  "speaker_embedding_id", "speaker_blend_embedding_id_a", "speaker_blend_embedding_id_b",
-                  "speaker_blend_t", "speaker_wav_base64"}
+SPEAKER_FIELDS = {
+    "speaker_audio_base64",
+    "speaker_audio_name",
+    "speaker_embedding_base64",
+    "speaker_embedding_name",
+    "speaker_embedding_id",
+    "speaker_blend_embedding_id_a",
+    "speaker_blend_embedding_id_b",
+    "speaker_blend_t",
+    "speaker_wav_base64",
+}
 MAX_FADE_OUT_MS = 5000
-GENERATE_FIELDS = {
-    "text", "language", "text_normalization", "temperature", "topk", "top_p", "min_p", "max_tokens", "fade_out_ms",
-    "repetition_window", "repetition_penalty", "repetition_codebooks", "seed", "speaking_rate_enabled",
-    "speaking_rate_bucket", "speaking_rate", "speed", "quality_enabled", "quality_buckets", "quality_values",
-    "clean_speaker_background", "accurate_mode", "stream", "speaker_audio_base64", "speaker_audio_name",
-    "speaker_embedding_base64", "speaker_embedding_name", "speaker_embedding_id", "speaker_blend_embedding_id_a",
-    "speaker_blend_embedding_id_b", "speaker_blend_t", "speaker_wav_base64", "ignore_eos",
-} | set(LONG_FORM_KEYS) | set(GUIDANCE_KEYS) | set(EMOTION_FIELDS)
+GENERATE_FIELDS = (
+    {
+        "text",
+        "language",
+        "text_normalization",
+        "temperature",
+        "topk",
+        "top_p",
+        "min_p",
+        "max_tokens",
+        "fade_out_ms",
+        "repetition_window",
+        "repetition_penalty",
+        "repetition_codebooks",
+        "seed",
+        "speaking_rate_enabled",
+        "speaking_rate_bucket",
+        "speaking_rate",
+        "speed",
+        "quality_enabled",
+        "quality_buckets",
+        "quality_values",
+        "clean_speaker_background",
+        "accurate_mode",
+        "stream",
+        "speaker_audio_base64",
+        "speaker_audio_name",
+        "speaker_embedding_base64",
+        "speaker_embedding_name",
+        "speaker_embedding_id",
+        "speaker_blend_embedding_id_a",
+        "speaker_blend_embedding_id_b",
+        "speaker_blend_t",
+        "speaker_wav_base64",
+        "ignore_eos",
+    }
+    | set(LONG_FORM_KEYS)
+    | set(GUIDANCE_KEYS)
+    | set(EMOTION_FIELDS)
+)
 
 
 @dataclass
@@ -60,12 +100,21 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
     if unknown:
         raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
     p: dict[str, Any] = {}
-    for ours, theirs in (("temperature", "temperature"), ("top_k", "topk"), ("top_p", "top_p"), ("min_p", "min_p"),
-                         ("repetition_window", "repetition_window"), ("repetition_penalty", "repetition_penalty"),
-                         ("repetition_codebooks", "repetition_codebooks"), ("seed", "seed"),
-                         ("language", "language"), ("text_normalization", "text_normalization"),
-                         ("clean_speaker_background", "clean_speaker_background"),
-                         ("accurate_mode", "accurate_mode"), ("ignore_eos", "ignore_eos")):
+    for ours, theirs in (
+        ("temperature", "temperature"),
+        ("top_k", "topk"),
+        ("top_p", "top_p"),
+        ("min_p", "min_p"),
+        ("repetition_window", "repetition_window"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("repetition_codebooks", "repetition_codebooks"),
+        ("seed", "seed"),
+        ("language", "language"),
+        ("text_normalization", "text_normalization"),
+        ("clean_speaker_background", "clean_speaker_background"),
+        ("accurate_mode", "accurate_mode"),
+        ("ignore_eos", "ignore_eos"),
+    ):
         if data.get(theirs) is not None:
             p[ours] = data[theirs]
     # The reference UI's slider goes to 512 recent frames; the engine checks at most 256 (its ring). The
@@ -96,8 +145,11 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
             qv = data["quality_values"]
             if isinstance(qv, list):
                 if len(qv) > len(gw.cfg.quality_features):
-                    raise RequestError(G.BAD_PARAMS, f"quality_values has {len(qv)} values; this model has "
-                                       f"{len(gw.cfg.quality_features)} quality features")
+                    raise RequestError(
+                        G.BAD_PARAMS,
+                        f"quality_values has {len(qv)} values; this model has "
+                        f"{len(gw.cfg.quality_features)} quality features",
+                    )
                 qv = {f: v for f, v in zip(gw.cfg.quality_features, qv, strict=False) if v is not None}
             p.pop("quality_buckets", None)
             p["quality_values"] = qv
@@ -128,8 +180,11 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
     emb_b64 = data.get("speaker_embedding_base64")
     vid = data.get("speaker_embedding_id")
     blend = data.get("speaker_blend_embedding_id_a"), data.get("speaker_blend_embedding_id_b")
-    for key, ref in (("speaker_embedding_id", vid), ("speaker_blend_embedding_id_a", blend[0]),
-                     ("speaker_blend_embedding_id_b", blend[1])):
+    for key, ref in (
+        ("speaker_embedding_id", vid),
+        ("speaker_blend_embedding_id_a", blend[0]),
+        ("speaker_blend_embedding_id_b", blend[1]),
+    ):
         if ref is not None and not isinstance(ref, str):  # a voice id or name: 12 is not the voice "12"
             raise RequestError(G.BAD_PARAMS, f"{key} must be a voice id or name (a string)")
     modes = sum([bool(audio_b64), bool(emb_b64), bool(vid), any(blend)])
@@ -182,12 +237,11 @@ async def tts_generate(request: Request) -> Response:
             yield (held * w).astype("<f4").tobytes()
 
     if req.stream:
-        return StreamingResponse(floats(), media_type="audio/pcm", headers=headers,
-                                 background=BackgroundTask(speech.aclose))
+        return StreamingResponse(
+            floats(), media_type="audio/pcm", headers=headers, background=BackgroundTask(speech.aclose)
+        )
     try:
         body = b"".join([b async for b in floats()])
     finally:
         await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)
-
-

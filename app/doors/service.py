@@ -28,8 +28,11 @@ async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     engines = [e.describe() for e in gw.engines]  # ready = at least one engine ready (docs/scaling.md)
     # with several gateway processes (app/workers.py): the one that answered
-    process = {"gateway": {"process": gw.link.channel, "processes": gw.link.channels, "pid": os.getpid()}
-               } if gw.link is not None else {}
+    process = (
+        {"gateway": {"process": gw.link.channel, "processes": gw.link.channels, "pid": os.getpid()}}
+        if gw.link is not None
+        else {}
+    )
     if gw.engine.ready.is_set():
         return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})
     reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")
@@ -61,8 +64,9 @@ def _quality_dropout(model_path: str | None, preset: str) -> dict[str, float]:
 
 
 def quality_dropout(gw: Gateway) -> dict[str, float]:
-    raw = _quality_dropout(gw.settings.weights.model_path and str(gw.settings.weights.model_path),
-                           gw.settings.weights.random_preset)
+    raw = _quality_dropout(
+        gw.settings.weights.model_path and str(gw.settings.weights.model_path), gw.settings.weights.random_preset
+    )
     default = raw.get("default", 0.0)
     out = {}
     for f in gw.cfg.quality_features:
@@ -74,33 +78,39 @@ def quality_dropout(gw: Gateway) -> dict[str, float]:
 async def capabilities(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     cfg = gw.cfg
-    return JSONResponse({
-        "text_normalization_enabled": gw.normalizer is not None and gw.normalizer.available,
-        "text_norm_languages": list(SUPPORTED_LANGUAGES),
-        "speaker_enabled": cfg.speaker_enabled,
-        "speaker_embedding_dim": cfg.speaker_embedding_dim,
-        "n_codebooks": cfg.n_codebooks,
-        "max_tokens": gw.settings.limits.max_frames,
-        "speaking_rate_enabled": bool(cfg.speaking_rate_buckets),
-        "speaking_rate_num_buckets": len(cfg.speaking_rate_buckets),
-        "speaking_rate_buckets": list(cfg.speaking_rate_buckets),
-        "quality_enabled": bool(cfg.quality_features),
-        "quality_num_buckets": cfg.n_quality_tokens,
-        "quality_features": list(cfg.quality_features),
-        "quality_buckets": {k: list(v) for k, v in cfg.quality_buckets.items()},
-        "quality_dropout_by_feature": quality_dropout(gw),
-        "default_quality_buckets": {"trailing_silence_s": 3},
-        "speaker_background_token_enabled": cfg.background_token,
-        "accurate_mode_token_enabled": cfg.accurate_token and cfg.background_token,
-        "speaker_audio_upload": True,
-        "speaker_embedding_upload": True,
-        "speaker_embedding_cache": True,
-        "speaker_embedding_blend": True,
-        "default_voices_enabled": gw.settings.default_voices_dir is not None,
-        **emotion_capabilities(gw),
-        "output": {"native_sample_rate": SAMPLE_RATE, "ws_encodings": list(ENCODINGS),
-                   "ws_sample_rates": list(OUTPUT_RATES), "http_formats": sorted(FORMATS)},
-    })
+    return JSONResponse(
+        {
+            "text_normalization_enabled": gw.normalizer is not None and gw.normalizer.available,
+            "text_norm_languages": list(SUPPORTED_LANGUAGES),
+            "speaker_enabled": cfg.speaker_enabled,
+            "speaker_embedding_dim": cfg.speaker_embedding_dim,
+            "n_codebooks": cfg.n_codebooks,
+            "max_tokens": gw.settings.limits.max_frames,
+            "speaking_rate_enabled": bool(cfg.speaking_rate_buckets),
+            "speaking_rate_num_buckets": len(cfg.speaking_rate_buckets),
+            "speaking_rate_buckets": list(cfg.speaking_rate_buckets),
+            "quality_enabled": bool(cfg.quality_features),
+            "quality_num_buckets": cfg.n_quality_tokens,
+            "quality_features": list(cfg.quality_features),
+            "quality_buckets": {k: list(v) for k, v in cfg.quality_buckets.items()},
+            "quality_dropout_by_feature": quality_dropout(gw),
+            "default_quality_buckets": {"trailing_silence_s": 3},
+            "speaker_background_token_enabled": cfg.background_token,
+            "accurate_mode_token_enabled": cfg.accurate_token and cfg.background_token,
+            "speaker_audio_upload": True,
+            "speaker_embedding_upload": True,
+            "speaker_embedding_cache": True,
+            "speaker_embedding_blend": True,
+            "default_voices_enabled": gw.settings.default_voices_dir is not None,
+            **emotion_capabilities(gw),
+            "output": {
+                "native_sample_rate": SAMPLE_RATE,
+                "ws_encodings": list(ENCODINGS),
+                "ws_sample_rates": list(OUTPUT_RATES),
+                "http_formats": sorted(FORMATS),
+            },
+        }
+    )
 
 
 def emotion_capabilities(gw: Gateway) -> dict[str, Any]:
@@ -111,7 +121,17 @@ def emotion_capabilities(gw: Gateway) -> dict[str, Any]:
 
 async def models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    return JSONResponse({"object": "list", "data": [{
-        "id": "zonos2", "object": "model", "created": int(gw.started_at), "owned_by": "zonos-gateway",
-        "root": gw.settings.weights.describe()["model"],
-    }]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": "zonos2",
+                    "object": "model",
+                    "created": int(gw.started_at),
+                    "owned_by": "zonos-gateway",
+                    "root": gw.settings.weights.describe()["model"],
+                }
+            ],
+        }
+    )

@@ -1,7 +1,8 @@
 """What every HTTP route shares: JSON bodies read within a bound, the JSON error shape, the answer of the
 speech routes (the first sentence started before the answer begins, so bad input still gets a 4xx; the audio
 encoded as it is generated). The service endpoints (health, readiness, metrics, capabilities, models) are
-in app/doors/service.py. The speech routes' doors: app/doors/openai_speech.py (OpenAI), app/doors/reference.py (/tts/generate),
+in app/doors/service.py. The speech routes' doors: app/doors/openai_speech.py (OpenAI), app/doors/reference.py
+(/tts/generate),
 app/doors/dialects/*_http.py; voices: app/doors/voices.py."""
 
 from __future__ import annotations
@@ -51,8 +52,6 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     return parse_json_object(b"".join(parts), G.BAD_JSON, "the body")
 
 
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (its body is read: what comes next is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -89,8 +88,7 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
     return chunks()
 
 
-
-# ---- the answer of every HTTP speech route ---------------------------------------------------------------------------------------------
+# ---- the answer of every HTTP speech route --------------------------------------------------------------------------
 @dataclass
 class Framing:
     """How encoded audio goes on the wire: as it is (the default), or wrapped (base64 JSON lines, events).
@@ -102,9 +100,19 @@ class Framing:
     error: Callable[[RequestError], bytes] | None = None
 
 
-async def speech_response(request: Request, api: str, text: str, opts: SynthesisOptions, voice: Voice | None,
-                          fmt: OutputFormat, *, whole: bool = False, media_type: str | None = None,
-                          headers: dict[str, str] | None = None, framing: Framing | None = None) -> Response:
+async def speech_response(
+    request: Request,
+    api: str,
+    text: str,
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    fmt: OutputFormat,
+    *,
+    whole: bool = False,
+    media_type: str | None = None,
+    headers: dict[str, str] | None = None,
+    framing: Framing | None = None,
+) -> Response:
     """Speak `text` and stream it in `fmt` (raises the RequestError of a refused first sentence); `whole`:
     the finished file in one response (app/io/audio_output.py, StreamEncoder)."""
     gw: Gateway = request.app.state.gateway
@@ -135,5 +143,6 @@ async def speech_response(request: Request, api: str, text: str, opts: Synthesis
         finally:
             await speech.aclose()
         return Response(audio, media_type=media_type or fmt.media_type, headers=headers)
-    return StreamingResponse(body(), media_type=media_type or fmt.media_type, headers=headers,
-                             background=BackgroundTask(speech.aclose))
+    return StreamingResponse(
+        body(), media_type=media_type or fmt.media_type, headers=headers, background=BackgroundTask(speech.aclose)
+    )

@@ -105,8 +105,9 @@ def _dedup(gw: Gateway, existing: Voice, owner: str, name: str, rename: bool) ->
     return Stored(existing, False)
 
 
-async def store_clips(gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True,
-                      details: dict | None = None) -> Stored:
+async def store_clips(
+    gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True, details: dict | None = None
+) -> Stored:
     """Clips -> a library voice (their embeddings averaged), or the voice these same clips already are."""
     vid = VoiceStore.clip_id(owner, datas)
     existing = gw.voices.find(vid)
@@ -114,16 +115,21 @@ async def store_clips(gw: Gateway, owner: str, datas: list[bytes], name: str, re
         return _dedup(gw, existing, owner, name, rename)
     decoded = [await gw.decode_clip(d) for d in datas]
     embs = [await gw.embed_samples(s, sr) for s, sr in decoded]
-    voice = Voice(id=vid, name=name, owner=owner, source="clip" if len(embs) == 1 else "clips",
-                  dim=gw.cfg.speaker_embedding_dim,
-                  details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)}
-                  | (details or {}))
+    voice = Voice(
+        id=vid,
+        name=name,
+        owner=owner,
+        source="clip" if len(embs) == 1 else "clips",
+        dim=gw.cfg.speaker_embedding_dim,
+        details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)} | (details or {}),
+    )
     gw.voices.add(voice, np.mean(embs, axis=0), wav_bytes(*decoded[0]))
     return Stored(voice, True)
 
 
-def store_embedding(gw: Gateway, owner: str, data: bytes, name: str, rename: bool = True,
-                    details: dict | None = None) -> Stored:
+def store_embedding(
+    gw: Gateway, owner: str, data: bytes, name: str, rename: bool = True, details: dict | None = None
+) -> Stored:
     """A .npy/.npz embedding file -> a library voice (the same array twice: the same voice)."""
     emb = parse_embedding_file(data, gw.cfg.speaker_embedding_dim)
     vid = VoiceStore.clip_id(owner, [emb.tobytes()])
@@ -158,8 +164,9 @@ async def blend_voices(request: Request) -> Response:
             existing = gw.voices.rename(vid, owner, name)
         return JSONResponse(existing.public() | {"deduplicated": True}, status_code=200)
     emb = slerp(a.embedding, b.embedding, float(t))
-    voice = Voice(id=vid, name=name, owner=owner, source="blend", dim=len(emb),
-                  details={"a": a.id, "b": b.id, "t": float(t)})
+    voice = Voice(
+        id=vid, name=name, owner=owner, source="blend", dim=len(emb), details={"a": a.id, "b": b.id, "t": float(t)}
+    )
     gw.voices.add(voice, emb)
     return JSONResponse(voice.public(), status_code=201)
 
@@ -189,8 +196,11 @@ async def voice_embedding(request: Request) -> Response:
     v = gw.voices.get(request.path_params["voice"], _owner(request))
     buf = io.BytesIO()
     np.save(buf, np.asarray(v.embedding, dtype=np.float32))
-    return Response(buf.getvalue(), media_type="application/octet-stream",
-                    headers={"Content-Disposition": f'attachment; filename="{v.id}.npy"'})
+    return Response(
+        buf.getvalue(),
+        media_type="application/octet-stream",
+        headers={"Content-Disposition": f'attachment; filename="{v.id}.npy"'},
+    )
 
 
 async def voice_preview(request: Request) -> Response:
@@ -208,8 +218,14 @@ async def voice_preview(request: Request) -> Response:
 # library voice like any other (kept on disk, visible to the same API key, usable by every API), which
 # remembers the session that uploaded it: `scope` is "session" for that session, "library" otherwise.
 SESSION_HEADER = "x-tts-session-id"
-_SPEAKER_UPLOAD_FIELDS = {"label", "speaker_audio_base64", "speaker_wav_base64", "speaker_audio_name",
-                          "speaker_embedding_base64", "speaker_embedding_name"}
+_SPEAKER_UPLOAD_FIELDS = {
+    "label",
+    "speaker_audio_base64",
+    "speaker_wav_base64",
+    "speaker_audio_name",
+    "speaker_embedding_base64",
+    "speaker_embedding_name",
+}
 _SOURCE_TYPES = {"clip": "audio", "clips": "audio", "embedding": "embedding_file", "blend": "blend"}
 
 
@@ -222,11 +238,17 @@ def _tts_session(request: Request, required: bool) -> str | None:
 
 def speaker_record(v: Voice, session: str | None) -> dict:
     """A voice in the reference's speaker shape."""
-    d = {"id": v.id, "label": v.name,
-         "source_type": ("audio" if v.has_preview else "embedding_file") if v.source == "default"
-         else _SOURCE_TYPES.get(v.source, v.source),
-         "original_name": v.details.get("original_name") or v.details.get("file"),
-         "dimension": v.dim, "created_at": v.created_at, "has_preview": v.has_preview}
+    d = {
+        "id": v.id,
+        "label": v.name,
+        "source_type": ("audio" if v.has_preview else "embedding_file")
+        if v.source == "default"
+        else _SOURCE_TYPES.get(v.source, v.source),
+        "original_name": v.details.get("original_name") or v.details.get("file"),
+        "dimension": v.dim,
+        "created_at": v.created_at,
+        "has_preview": v.has_preview,
+    }
     if v.source == "default":
         return d | {"scope": "default", "is_default": True}
     mine = session is not None and v.details.get("tts_session") == session
@@ -263,13 +285,18 @@ async def tts_cache_speaker(request: Request) -> Response:
         if not audio and not emb:
             raise RequestError(G.BAD_PARAMS, "Provide an audio file or saved embedding file to cache.")
         if audio and emb:
-            raise RequestError(G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both.")
+            raise RequestError(
+                G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both."
+            )
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
         file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
         label = text_field(data.get("label"), "label", G.BAD_PARAMS)
         label = validate_name(label) if label and label.strip() else None  # checked as every name is
-        name = label or (_name_from_filename(file_name) if file_name else "") or (
-            "Speaker audio" if audio else "Speaker embedding")
+        name = (
+            label
+            or (_name_from_filename(file_name) if file_name else "")
+            or ("Speaker audio" if audio else "Speaker embedding")
+        )
         details = {"tts_session": sid, **({"original_name": file_name[:256]} if file_name else {})}
         if audio:
             raw = await base64_payload(audio, "speaker_audio_base64")

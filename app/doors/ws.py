@@ -60,22 +60,28 @@ class Session(StreamingSession):
 
     # ---- main ----------------------------------------------------------------------------------
     async def on_open(self) -> None:
-        await self.send_json({
-            "type": "session.created",
-            "session_id": self.id,
-            "encoding": self.encoding,
-            "sample_rate": self.sample_rate,
-            "voice": self.voice.id if self.voice else None,
-            "limits": {
-                "max_text_chars": self.limits.max_text_chars,
-                "max_utterance_bytes": utterance_bytes(self.gw),
-                "max_buffer_chars": self.limits.max_buffer_chars,
-                "max_pending_utterances": self.limits.max_pending_utterances,
-                "max_frames": self.limits.max_frames,
-                "idle_timeout_s": self.limits.idle_timeout_s,
-            },
-            "model": {"frame_rate": SAMPLE_RATE / HOP, "native_sample_rate": SAMPLE_RATE, **self.gw.settings.weights.describe()},
-        })
+        await self.send_json(
+            {
+                "type": "session.created",
+                "session_id": self.id,
+                "encoding": self.encoding,
+                "sample_rate": self.sample_rate,
+                "voice": self.voice.id if self.voice else None,
+                "limits": {
+                    "max_text_chars": self.limits.max_text_chars,
+                    "max_utterance_bytes": utterance_bytes(self.gw),
+                    "max_buffer_chars": self.limits.max_buffer_chars,
+                    "max_pending_utterances": self.limits.max_pending_utterances,
+                    "max_frames": self.limits.max_frames,
+                    "idle_timeout_s": self.limits.idle_timeout_s,
+                },
+                "model": {
+                    "frame_rate": SAMPLE_RATE / HOP,
+                    "native_sample_rate": SAMPLE_RATE,
+                    **self.gw.settings.weights.describe(),
+                },
+            }
+        )
 
     async def on_message(self, data: dict[str, Any]) -> None:
         kind = data.get("type")
@@ -91,12 +97,17 @@ class Session(StreamingSession):
             # The flushes the cancel left with nothing to wait for are answered right after `cancelled`, which
             # says what the listener got of each utterance that had begun to play (taken under the send lock,
             # after the cancel: no more of their audio goes out)
-            begun = [u for lane in self.lanes.values() for u in lane.pipe.queue
-                     if (ctx is None or u.context_id == ctx) and u.samples]
+            begun = [
+                u
+                for lane in self.lanes.values()
+                for u in lane.pipe.queue
+                if (ctx is None or u.context_id == ctx) and u.samples
+            ]
 
             async def cancelled() -> None:
-                await self.send_json_locked({"type": "cancelled", "context_id": ctx,
-                                             "heard": [u.heard() for u in begun]})
+                await self.send_json_locked(
+                    {"type": "cancelled", "context_id": ctx, "heard": [u.heard() for u in begun]}
+                )
 
             await self.cancel(ctx, answer=cancelled)
         elif kind == "session.config":
@@ -141,10 +152,15 @@ class Session(StreamingSession):
             raise RequestError(G.BAD_PARAMS, "timestamps must be true or false")
         encoding = check_encoding(data.get("encoding", self.encoding))
         # G.711 named without a rate: 8000 Hz (what telephony clients mean)
-        rate = data.get("sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate)
+        rate = data.get(
+            "sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate
+        )
         rate = check_sample_rate(rate, OUTPUT_RATES)
-        opts = (parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
-                if "params" in data else self.opts)
+        opts = (
+            parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
+            if "params" in data
+            else self.opts
+        )
         if "lexicon" in data:  # pronunciation rules: stored dictionaries' ids and inline {grapheme, alias}
             opts = dataclasses.replace(opts, lexicon=self.gw.lexicon(data["lexicon"], self.owner))
         voice, clip = self.voice, self.clip
@@ -164,14 +180,16 @@ class Session(StreamingSession):
             self.gw.check_emotion(opts, voice, clip is not None)
         self.opts, self.voice, self.clip, self.encoding, self.sample_rate = opts, voice, clip, encoding, rate
         self.timestamps = stamps
-        await self.send_json({
-            "type": "session.updated",
-            "voice": voice.id if voice else ("clip" if clip else None),
-            "encoding": encoding,
-            "sample_rate": rate,
-            "params": _describe_opts(opts),
-            "timestamps": stamps,
-        })
+        await self.send_json(
+            {
+                "type": "session.updated",
+                "voice": voice.id if voice else ("clip" if clip else None),
+                "encoding": encoding,
+                "sample_rate": rate,
+                "params": _describe_opts(opts),
+                "timestamps": stamps,
+            }
+        )
 
     async def _on_text(self, data: dict[str, Any]) -> None:
         self._check_fields(data, {"text", "context_id", "flush"})
@@ -194,28 +212,49 @@ class Session(StreamingSession):
 
     async def on_words(self, u: Utterance, chunk: Chunk) -> None:
         if self.timestamps and chunk.words:
-            await self.send_json_locked({"type": "audio.words", "context_id": u.context_id, "utterance_id": u.id,
-                                         "words": [w.as_json() for w in chunk.words], "source": SOURCE})
+            await self.send_json_locked(
+                {
+                    "type": "audio.words",
+                    "context_id": u.context_id,
+                    "utterance_id": u.id,
+                    "words": [w.as_json() for w in chunk.words],
+                    "source": SOURCE,
+                }
+            )
 
     async def on_utterance_start(self, u: Utterance) -> None:
-        await self.send_json_locked({"type": "audio.start", "context_id": u.context_id, "utterance_id": u.id,
-                                     "text": u.text})
+        await self.send_json_locked(
+            {"type": "audio.start", "context_id": u.context_id, "utterance_id": u.id, "text": u.text}
+        )
 
     async def on_utterance_done(self, u: Utterance) -> None:
-        await self.send_json_locked({"type": "audio.done", "context_id": u.context_id, "utterance_id": u.id,
-                                     "stats": u.stats()})
+        await self.send_json_locked(
+            {"type": "audio.done", "context_id": u.context_id, "utterance_id": u.id, "stats": u.stats()}
+        )
 
 
 def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
     s, c = o.sampling, o.cond
     return {
-        "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
-        "repetition_window": s.repetition_window, "repetition_penalty": s.repetition_penalty,
-        "repetition_codebooks": s.repetition_codebooks, "seed": s.seed, "max_frames": o.max_frames,
-        "ignore_eos": o.ignore_eos, "language": o.language, "text_normalization": o.text_normalization,
-        "speaking_rate": c.speaking_rate, "speed": c.speed, "speaking_rate_bucket": c.speaking_rate_bucket,
-        "quality_buckets": c.quality_buckets, "quality_values": c.quality_values,
-        "accurate_mode": c.accurate_mode, "clean_speaker_background": c.clean_speaker_background,
+        "temperature": s.temperature,
+        "top_k": s.top_k,
+        "top_p": s.top_p,
+        "min_p": s.min_p,
+        "repetition_window": s.repetition_window,
+        "repetition_penalty": s.repetition_penalty,
+        "repetition_codebooks": s.repetition_codebooks,
+        "seed": s.seed,
+        "max_frames": o.max_frames,
+        "ignore_eos": o.ignore_eos,
+        "language": o.language,
+        "text_normalization": o.text_normalization,
+        "speaking_rate": c.speaking_rate,
+        "speed": c.speed,
+        "speaking_rate_bucket": c.speaking_rate_bucket,
+        "quality_buckets": c.quality_buckets,
+        "quality_values": c.quality_values,
+        "accurate_mode": c.accurate_mode,
+        "clean_speaker_background": c.clean_speaker_background,
     }
 
 

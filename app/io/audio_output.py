@@ -73,8 +73,13 @@ FORMATS: dict[str, tuple[str, str | None, str | None]] = {
 }
 FORMAT_ALIASES = {"ulaw": "mulaw", "pcmu": "mulaw", "pcma": "alaw"}
 # media type of each encoding sent raw (a WAV container is audio/wav)
-MEDIA_TYPES = {"pcm_s16le": "audio/pcm", "pcm_f32le": "audio/pcm", "mulaw": FORMATS["mulaw"][0],
-               "alaw": FORMATS["alaw"][0], **{k: FORMATS[k][0] for k in COMPRESSED}}
+MEDIA_TYPES = {
+    "pcm_s16le": "audio/pcm",
+    "pcm_f32le": "audio/pcm",
+    "mulaw": FORMATS["mulaw"][0],
+    "alaw": FORMATS["alaw"][0],
+    **{k: FORMATS[k][0] for k in COMPRESSED},
+}
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 MP3_COMPRESSION = 0.6  # constant bit rate: 64 kbit/s at 16-24 kHz, 32 at 8 kHz, 160 at 44.1 kHz
@@ -122,9 +127,13 @@ def wav_header(sample_rate: int, encoding: str = "pcm_s16le", data_bytes: int | 
     riff = _UNKNOWN if data_bytes is None else 36 + data_bytes
     data = _UNKNOWN if data_bytes is None else data_bytes
     return (
-        b"RIFF" + struct.pack("<I", riff) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, tag, 1, sample_rate, sample_rate * block, block, bits)
-        + b"data" + struct.pack("<I", data)
+        b"RIFF"
+        + struct.pack("<I", riff)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, tag, 1, sample_rate, sample_rate * block, block, bits)
+        + b"data"
+        + struct.pack("<I", data)
     )
 
 
@@ -145,8 +154,7 @@ def g711_decode(data: bytes, law: str) -> np.ndarray:
     """G.711 bytes -> float32 samples (tests and clients that want to check what they got)."""
     if not data:
         return np.zeros(0, np.float32)
-    x, _ = sf.read(io.BytesIO(data), dtype="float32", samplerate=8000, channels=1, format="RAW",
-                   subtype=G711[law])
+    x, _ = sf.read(io.BytesIO(data), dtype="float32", samplerate=8000, channels=1, format="RAW", subtype=G711[law])
     return x
 
 
@@ -195,7 +203,7 @@ class StreamSink(io.RawIOBase):
             offset = start - self._sent
             if offset > len(self._pending):
                 self._pending.extend(bytes(offset - len(self._pending)))
-            self._pending[offset:offset + len(data)] = data
+            self._pending[offset : offset + len(data)] = data
         self._pos += n
         return n
 
@@ -255,8 +263,9 @@ class AacEncoder:
 
     def write(self, samples: np.ndarray) -> bytes:
         if len(samples):
-            frame = self._av.AudioFrame.from_ndarray(np.ascontiguousarray(samples, np.float32)[None, :], format="flt",
-                                               layout="mono")
+            frame = self._av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(samples, np.float32)[None, :], format="flt", layout="mono"
+            )
             frame.sample_rate = self.sample_rate
             self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
         return self._sink.take()
@@ -322,8 +331,9 @@ class StreamEncoder:
             if isinstance(self._sink, io.BytesIO):  # whole: the finished file
                 return self._sink.getvalue()
             if self._sink.dropped:
-                log.debug("%s stream: %d header bytes patched at the end were already sent", self.fmt,
-                          self._sink.dropped)
+                log.debug(
+                    "%s stream: %d header bytes patched at the end were already sent", self.fmt, self._sink.dropped
+                )
             tail = self._sink.take()
         else:
             tail, self._header = self._header, b""
@@ -342,7 +352,6 @@ def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
         _snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double"))
     except Exception as e:  # an older libsndfile: pages of ~1 s, still a valid stream
         log.warning("could not set the Ogg page latency: %s", e)
-
 
 
 @dataclass(frozen=True)
@@ -364,7 +373,11 @@ class OutputFormat:
             rates = tuple(r for r in rates if r in OPUS_RATES)
         elif self.encoding == "aac":
             rates = tuple(r for r in rates if r in AAC_BIT_RATE)
-        what = f"{self.encoding} takes the sample rates" if self.encoding in ("opus", "aac") else "sample rate must be one of"
+        what = (
+            f"{self.encoding} takes the sample rates"
+            if self.encoding in ("opus", "aac")
+            else "sample rate must be one of"
+        )
         check_sample_rate(self.sample_rate, rates, code, what, f", not {self.sample_rate}")
         return self
 
@@ -381,11 +394,15 @@ class Encoder:
     what is ready, `encode(..., last=True)` the rest. `whole` (a compressed format, or a WAV): every byte at
     the end, the file's header complete (StreamEncoder). `threaded`: its encoder is worth a worker thread."""
 
-    def __init__(self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False,
-                 whole: bool = False) -> None:
+    def __init__(
+        self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False, whole: bool = False
+    ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
-        self._rs = (soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
-                    if sample_rate != NATIVE_RATE else None)
+        self._rs = (
+            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+            if sample_rate != NATIVE_RATE
+            else None
+        )
         self._file: StreamEncoder | None = None
         if encoding in COMPRESSED:
             self._file = StreamEncoder(encoding, sample_rate, whole)

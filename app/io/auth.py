@@ -1,4 +1,5 @@
-"""Who may use the gateway. Optional API keys: `Authorization: Bearer KEY` (or `Token KEY`), `X-API-Key: KEY` (or `xi-api-key`), or
+"""Who may use the gateway. Optional API keys: `Authorization: Bearer KEY` (or `Token KEY`), `X-API-Key: KEY` (or
+`xi-api-key`), or
 `?api_key=KEY` (browsers), and the log filter that keeps a query-string key out of uvicorn's access and
 WebSocket logs; the WebSocket origin rule; the host rule (DNS rebinding)."""
 
@@ -136,17 +137,26 @@ class HostCheck:
             return
         given = Headers(scope=scope).get("host", "")
         name = (host_name(given) or given)[:100]
-        body = json.dumps({"error": {"code": G.HOST_NOT_ALLOWED, "message": (
-            f"this gateway has no API key and serves only loopback host names, not {name!r}: start it with "
-            f"--allowed-host {name or 'NAME'} (or give it an --api-key)")}}).encode()
+        body = json.dumps(
+            {
+                "error": {
+                    "code": G.HOST_NOT_ALLOWED,
+                    "message": (
+                        f"this gateway has no API key and serves only loopback host names, not {name!r}: start it with "
+                        f"--allowed-host {name or 'NAME'} (or give it an --api-key)"
+                    ),
+                }
+            }
+        ).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if scope["type"] == "http":
             await send({"type": "http.response.start", "status": G.HOST_NOT_ALLOWED.http_status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
         elif "websocket.http.response" in scope.get("extensions", {}):
             await receive()  # websocket.connect
-            await send({"type": "websocket.http.response.start", "status": G.HOST_NOT_ALLOWED.http_status,
-                        "headers": headers})
+            await send(
+                {"type": "websocket.http.response.start", "status": G.HOST_NOT_ALLOWED.http_status, "headers": headers}
+            )
             await send({"type": "websocket.http.response.body", "body": body})
         else:
             await receive()

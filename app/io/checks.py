@@ -27,8 +27,10 @@ def check_text(text: str, name: str = "text") -> str:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise RequestError(
-            G.BAD_TEXT, f"{name} contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}); "
-            "send valid Unicode text") from None
+            G.BAD_TEXT,
+            f"{name} contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}); "
+            "send valid Unicode text",
+        ) from None
     return text
 
 
@@ -42,8 +44,13 @@ def text_field(data: dict[str, Any], key: str, limit: int) -> str:
     return check_text(text, key)
 
 
-def check_sample_rate(rate: object, allowed: Iterable[int], code: str = G.BAD_PARAMS,
-                      what: str = "sample_rate must be one of", note: str = "") -> int:
+def check_sample_rate(
+    rate: object,
+    allowed: Iterable[int],
+    code: str = G.BAD_PARAMS,
+    what: str = "sample_rate must be one of",
+    note: str = "",
+) -> int:
     """`rate` as one of `allowed` (a number equal to one: 24000.0 is 24000; a boolean is none), else
     RequestError(code)."""
     allowed = list(allowed)
@@ -68,8 +75,7 @@ def b64decode_chunks(text: str) -> bytes:
     last = (len(text) - 1) // B64_CHUNK * B64_CHUNK
     if "=" in text[:last]:
         raise binascii.Error("padding before the end")
-    return b"".join(base64.b64decode(text[i:i + B64_CHUNK], validate=True)
-                    for i in range(0, len(text), B64_CHUNK))
+    return b"".join(base64.b64decode(text[i : i + B64_CHUNK], validate=True) for i in range(0, len(text), B64_CHUNK))
 
 
 async def base64_payload(value: object, name: str, code: str = G.BAD_PARAMS) -> bytes:

@@ -75,12 +75,24 @@ class GatewayError(StrEnum):
 
 
 _HTTP_STATUS = {
-    GatewayError.BODY_TOO_LARGE: 413, GatewayError.TOO_MANY_SESSIONS: 429, GatewayError.UNAUTHORIZED: 401,
-    GatewayError.ORIGIN_NOT_ALLOWED: 403, GatewayError.HOST_NOT_ALLOWED: 403, GatewayError.NOT_FOUND: 404,
-    GatewayError.METHOD_NOT_ALLOWED: 405, GatewayError.REQUEST_TIMEOUT: 408, GatewayError.URI_TOO_LONG: 414,
-    GatewayError.HEADERS_TOO_LARGE: 431, GatewayError.UPLOAD_TOO_LARGE: 413, GatewayError.UNKNOWN_VOICE: 404,
-    GatewayError.NO_PREVIEW: 404, GatewayError.READ_ONLY: 403, GatewayError.FORBIDDEN: 403,
-    GatewayError.VOICE_STORE_UNAVAILABLE: 503, GatewayError.CLIENT_GONE: 499, GatewayError.UNKNOWN_LEXICON: 404,
+    GatewayError.BODY_TOO_LARGE: 413,
+    GatewayError.TOO_MANY_SESSIONS: 429,
+    GatewayError.UNAUTHORIZED: 401,
+    GatewayError.ORIGIN_NOT_ALLOWED: 403,
+    GatewayError.HOST_NOT_ALLOWED: 403,
+    GatewayError.NOT_FOUND: 404,
+    GatewayError.METHOD_NOT_ALLOWED: 405,
+    GatewayError.REQUEST_TIMEOUT: 408,
+    GatewayError.URI_TOO_LONG: 414,
+    GatewayError.HEADERS_TOO_LARGE: 431,
+    GatewayError.UPLOAD_TOO_LARGE: 413,
+    GatewayError.UNKNOWN_VOICE: 404,
+    GatewayError.NO_PREVIEW: 404,
+    GatewayError.READ_ONLY: 403,
+    GatewayError.FORBIDDEN: 403,
+    GatewayError.VOICE_STORE_UNAVAILABLE: 503,
+    GatewayError.CLIENT_GONE: 499,
+    GatewayError.UNKNOWN_LEXICON: 404,
 }
 
 
@@ -99,8 +111,9 @@ class RequestError(ValueError):
     to, unless `status` says otherwise (a 413 for an upload the form parser refused, a 507 for a full disk);
     `headers`: what its HTTP answer carries besides (`Retry-After` of a refusal at the door)."""
 
-    def __init__(self, code: str, message: str, status: int | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, code: str, message: str, status: int | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.code: str = code
         self.status: int = http_status(code) if status is None else status

@@ -43,10 +43,17 @@ class HeadRefused(Exception):
 def error_response(status: int, code: str, message: str) -> bytes:
     """A complete HTTP/1.1 response, our JSON error shape, that closes the connection."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    return b"".join([
-        STATUS_LINE[status], b"content-type: application/json\r\n",
-        b"content-length: ", str(len(body)).encode(), b"\r\n", b"connection: close\r\n\r\n", body,
-    ])
+    return b"".join(
+        [
+            STATUS_LINE[status],
+            b"content-type: application/json\r\n",
+            b"content-length: ",
+            str(len(body)).encode(),
+            b"\r\n",
+            b"connection: close\r\n\r\n",
+            body,
+        ]
+    )
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
@@ -75,7 +82,11 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _head_timed_out(self) -> None:
         self._head_timer = None
         if not self.transport.is_closing():
-            self._refuse(G.REQUEST_TIMEOUT.http_status, G.REQUEST_TIMEOUT, f"the request head was not complete within {self.head_timeout_s:g} s")
+            self._refuse(
+                G.REQUEST_TIMEOUT.http_status,
+                G.REQUEST_TIMEOUT,
+                f"the request head was not complete within {self.head_timeout_s:g} s",
+            )
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -122,7 +133,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
-            self._refuse(G.URI_TOO_LONG.http_status, G.URI_TOO_LONG, f"the request target is limited to {MAX_TARGET_BYTES} bytes")
+            self._refuse(
+                G.URI_TOO_LONG.http_status, G.URI_TOO_LONG, f"the request target is limited to {MAX_TARGET_BYTES} bytes"
+            )
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -142,8 +155,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     @staticmethod
     def _fields_message() -> str:
-        return (f"request headers are limited to {MAX_HEADERS} fields of at most {MAX_FIELD_BYTES} bytes, "
-                f"{MAX_HEAD_BYTES} bytes in all")
+        return (
+            f"request headers are limited to {MAX_HEADERS} fields of at most {MAX_FIELD_BYTES} bytes, "
+            f"{MAX_HEAD_BYTES} bytes in all"
+        )
 
 
 def bounded_protocol(head_timeout_s: float) -> type[BoundedHttpToolsProtocol]:

@@ -55,4 +55,5 @@ def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
 
 def _kind(value: Any) -> str:
     return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
-        type(value), "null")
+        type(value), "null"
+    )

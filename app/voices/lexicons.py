@@ -54,24 +54,34 @@ class Lexicon:
 
     def public(self) -> dict[str, Any]:
         """ElevenLabs' metadata shape."""
-        return {"id": self.id, "name": self.name, "version_id": self.version_id,
-                "version_rules_num": len(self.rules), "description": self.description or None,
-                "creation_time_unix": int(self.created_at), "permission_on_resource": "admin"}
+        return {
+            "id": self.id,
+            "name": self.name,
+            "version_id": self.version_id,
+            "version_rules_num": len(self.rules),
+            "description": self.description or None,
+            "creation_time_unix": int(self.created_at),
+            "permission_on_resource": "admin",
+        }
 
 
 def _rule(grapheme: object, alias: object, where: str) -> Rule:
     if not isinstance(grapheme, str) or not grapheme.strip() or len(grapheme) > MAX_TEXT:
         raise RequestError(G.BAD_LEXICON, f"{where}: the text to replace must be 1-{MAX_TEXT} characters")
     if not isinstance(alias, str) or len(alias) > MAX_TEXT:
-        raise RequestError(G.BAD_LEXICON, f"{where}: the alias for {grapheme[:40]!r} must be text of at most "
-                                          f"{MAX_TEXT} characters")
+        raise RequestError(
+            G.BAD_LEXICON, f"{where}: the alias for {grapheme[:40]!r} must be text of at most {MAX_TEXT} characters"
+        )
     return Rule(grapheme.strip(), alias)
 
 
 def _phoneme_refused(grapheme: str) -> RequestError:
-    return RequestError(G.BAD_LEXICON, f"the rule for {grapheme[:40]!r} gives phonemes: ZONOS2 reads text and has no "
-                                       "phoneme input, so only alias rules can be followed (write how it is "
-                                       "read instead)")
+    return RequestError(
+        G.BAD_LEXICON,
+        f"the rule for {grapheme[:40]!r} gives phonemes: ZONOS2 reads text and has no "
+        "phoneme input, so only alias rules can be followed (write how it is "
+        "read instead)",
+    )
 
 
 def rules_from_json(rules: object) -> list[Rule]:

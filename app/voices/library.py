@@ -262,8 +262,9 @@ class VoiceStore:
                         self._seen[v.id] = _folder_mark(d)
                 return
             self._root_seen, self._scanned_at = mark, time.monotonic()
-            on_disk = {d.name: _folder_mark(d) for d in self.root.iterdir()
-                       if not d.name.startswith(".") and d.is_dir()}
+            on_disk = {
+                d.name: _folder_mark(d) for d in self.root.iterdir() if not d.name.startswith(".") and d.is_dir()
+            }
         except OSError as e:
             log.warning("voice store at %s: could not look for other gateways' changes: %s", self.root, e)
             return
@@ -291,7 +292,7 @@ class VoiceStore:
                 if self.shared and d.name.startswith(".") and now - d.stat().st_mtime < SHARED_RECOVER_AGE_S:
                     continue
                 if d.name.startswith(".old-"):
-                    final = self.root / d.name[len(".old-"):].rsplit("-", 2)[0]
+                    final = self.root / d.name[len(".old-") :].rsplit("-", 2)[0]
                     if not final.exists():
                         os.replace(d, final)
                         log.warning("restored voice %s after an interrupted update", final.name)

@@ -49,8 +49,13 @@ def log_long_pauses(log: logging.Logger, observe: Callable[[float, int], None] |
         for fn in _observe:
             fn(pause, info.get("generation", -1))
         if pause > LOG_PAUSE_S:
-            log.warning("gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)", pause * 1e3,
-                        info.get("generation", -1), info.get("collected", 0), gc.get_freeze_count())
+            log.warning(
+                "gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)",
+                pause * 1e3,
+                info.get("generation", -1),
+                info.get("collected", 0),
+                gc.get_freeze_count(),
+            )
 
     watch._logs_pauses = True  # type: ignore[attr-defined]
     gc.callbacks.append(watch)

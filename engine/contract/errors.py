@@ -35,8 +35,17 @@ class EngineError(StrEnum):
 
 
 _HTTP_STATUS = {
-    EngineError.PROMPT_TOO_LONG: 400, EngineError.BAD_REQUEST: 400, EngineError.BAD_VOICE: 400,
-    EngineError.BAD_AUDIO: 400, EngineError.CANNOT_FIT: 400, EngineError.QUEUE_FULL: 503, EngineError.ENGINE_BUSY: 503,
-    EngineError.ENGINE_RESTARTED: 503, EngineError.ENGINE_START_FAILED: 503, EngineError.SHUTDOWN: 503,
-    EngineError.BACKPRESSURE: 503, EngineError.SLOW_CONSUMER: 503, EngineError.INTERNAL: 500,
+    EngineError.PROMPT_TOO_LONG: 400,
+    EngineError.BAD_REQUEST: 400,
+    EngineError.BAD_VOICE: 400,
+    EngineError.BAD_AUDIO: 400,
+    EngineError.CANNOT_FIT: 400,
+    EngineError.QUEUE_FULL: 503,
+    EngineError.ENGINE_BUSY: 503,
+    EngineError.ENGINE_RESTARTED: 503,
+    EngineError.ENGINE_START_FAILED: 503,
+    EngineError.SHUTDOWN: 503,
+    EngineError.BACKPRESSURE: 503,
+    EngineError.SLOW_CONSUMER: 503,
+    EngineError.INTERNAL: 500,
 }

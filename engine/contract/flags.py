@@ -29,9 +29,17 @@ class Flag:
     metavar: str | None = None
 
 
-def flag(help: str, *, lo: Bound | None = None, hi: Bound | None = None, lo_open: bool = False,
-         choices: tuple[str, ...] | None = None, name: str | None = None, aliases: tuple[str, ...] = (),
-         metavar: str | None = None) -> dict[str, Flag]:
+def flag(
+    help: str,
+    *,
+    lo: Bound | None = None,
+    hi: Bound | None = None,
+    lo_open: bool = False,
+    choices: tuple[str, ...] | None = None,
+    name: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+) -> dict[str, Flag]:
     """Field metadata making the field a flag: `field(default=..., metadata=flag("help", lo=1, hi=64))`."""
     return {"flag": Flag(help, lo, hi, lo_open, choices, name, aliases, metavar)}
 
@@ -100,20 +108,30 @@ def check(obj: Any) -> None:
         if kind in (int, float):
             lo = None if meta.lo is None else _value(meta.lo)
             hi = None if meta.hi is None else _value(meta.hi)
-            bad = (isinstance(value, bool) or not isinstance(value, int | float)
-                   or (kind is int and not isinstance(value, int))
-                   or (lo is not None and (value <= lo if meta.lo_open else value < lo))
-                   or (hi is not None and value > hi) or value != value)
+            bad = (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or (kind is int and not isinstance(value, int))
+                or (lo is not None and (value <= lo if meta.lo_open else value < lo))
+                or (hi is not None and value > hi)
+                or value != value
+            )
             if bad:
-                raise ValueError(f"{option(f)} must be {'an integer' if kind is int else 'a number'} in "
-                                 f"{range_text(meta, kind is int)}, got {value!r}")
+                raise ValueError(
+                    f"{option(f)} must be {'an integer' if kind is int else 'a number'} in "
+                    f"{range_text(meta, kind is int)}, got {value!r}"
+                )
 
 
 _METAVARS = {int: "N", float: "X", str: "VALUE", Path: "PATH"}
 
 
-def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, dest: str = "",
-              only: tuple[str, ...] | None = None) -> None:
+def add_flags(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    cls: type,
+    dest: str = "",
+    only: tuple[str, ...] | None = None,
+) -> None:
     """One argument per flag field of `cls` (those named in `only`, when given), its destination
     `dest + field name`. A bool is --x / --no-x; a tuple is a repeatable flag; the bounds are checked when
     the settings are built from the values (`check`), where the message can name the range."""
@@ -136,8 +154,14 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         elif kind is tuple:
             parser.add_argument(*names, action="append", default=list(default), metavar=meta.metavar, **kw)
         else:
-            parser.add_argument(*names, type=str if kind is Path else kind, default=default,
-                                choices=meta.choices, metavar=meta.metavar or _METAVARS.get(kind), **kw)
+            parser.add_argument(
+                *names,
+                type=str if kind is Path else kind,
+                default=default,
+                choices=meta.choices,
+                metavar=meta.metavar or _METAVARS.get(kind),
+                **kw,
+            )
 
 
 def values(ns: argparse.Namespace, cls: type, dest: str = "", only: tuple[str, ...] | None = None) -> dict[str, Any]:

@@ -53,7 +53,14 @@ from engine.contract.errors import EngineError
 
 SUBMIT, CANCEL, END, EMBED, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "reset", "shutdown"
 READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
-    "ready", "started", "audio", "kept", "finished", "error", "embedding", "stats",
+    "ready",
+    "started",
+    "audio",
+    "kept",
+    "finished",
+    "error",
+    "embedding",
+    "stats",
 )
 CANCELLED = "cancelled"  # the finish reason of a cancelled request (the others: eos, max_frames, context)
 
@@ -112,20 +119,37 @@ class SamplingParams:
             (_number(t) and 0.0 <= t <= TEMPERATURE_MAX, f"temperature must be a number in [0, {TEMPERATURE_MAX:g}]"),
             (_number(self.top_p) and 0.0 <= self.top_p <= 1.0, "top_p must be a number in [0, 1]"),
             (_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be a number in [0, 1]"),
-            (_integer(self.repetition_window) and 0 <= self.repetition_window <= HISTORY,
-             f"repetition_window must be an integer in 0..{HISTORY}"),
-            (_number(rp) and 1.0 <= rp <= REPETITION_PENALTY_MAX,
-             f"repetition_penalty must be a number in [1, {REPETITION_PENALTY_MAX:g}]"),
-            (_integer(self.repetition_codebooks) and -1 <= self.repetition_codebooks <= n_codebooks,
-             f"repetition_codebooks must be an integer in -1..{n_codebooks} (-1 = all)"),
-            (self.seed is None or (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT),
-             "seed must be a non-negative 63-bit integer"),
-            (_integer(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
-             f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means all {CODEBOOK_SIZE})"),
-            *((_number(v) and abs(v) <= CFG_SCALE_MAX, f"{name} must be a number in [-{CFG_SCALE_MAX:g}, "
-               f"{CFG_SCALE_MAX:g}] (1.0 = off)")
-              for name, v in (("cfg_scale", self.cfg_scale), ("prefix_cfg_scale", self.prefix_cfg_scale),
-                              ("emotion_cfg_scale", self.emotion_cfg_scale))),
+            (
+                _integer(self.repetition_window) and 0 <= self.repetition_window <= HISTORY,
+                f"repetition_window must be an integer in 0..{HISTORY}",
+            ),
+            (
+                _number(rp) and 1.0 <= rp <= REPETITION_PENALTY_MAX,
+                f"repetition_penalty must be a number in [1, {REPETITION_PENALTY_MAX:g}]",
+            ),
+            (
+                _integer(self.repetition_codebooks) and -1 <= self.repetition_codebooks <= n_codebooks,
+                f"repetition_codebooks must be an integer in -1..{n_codebooks} (-1 = all)",
+            ),
+            (
+                self.seed is None or (_integer(self.seed) and 0 <= self.seed < SEED_LIMIT),
+                "seed must be a non-negative 63-bit integer",
+            ),
+            (
+                _integer(self.top_k) and -1 <= self.top_k <= TOP_K_MAX,
+                f"top_k must be an integer in -1..{TOP_K_MAX} (< 1 means all {CODEBOOK_SIZE})",
+            ),
+            *(
+                (
+                    _number(v) and abs(v) <= CFG_SCALE_MAX,
+                    f"{name} must be a number in [-{CFG_SCALE_MAX:g}, {CFG_SCALE_MAX:g}] (1.0 = off)",
+                )
+                for name, v in (
+                    ("cfg_scale", self.cfg_scale),
+                    ("prefix_cfg_scale", self.prefix_cfg_scale),
+                    ("emotion_cfg_scale", self.emotion_cfg_scale),
+                )
+            ),
         ]
         for ok, msg in checks:
             if not ok:
@@ -133,6 +157,7 @@ class SamplingParams:
 
 
 # ---- the records' machinery ---------------------------------------------------------------------------
+
 
 class MalformedRecord(ValueError):
     """A record off a ring that is none of the contract's: an unknown type, a field missing or of the wrong
@@ -195,15 +220,20 @@ def _values(cls: type, data: object, where: str, skip: tuple[str, ...] = ()) -> 
 def _floats(payload: bytes | None, count: int | None, what: str, rid: int | None) -> np.ndarray:
     buf = payload or b""
     if len(buf) % 4 or (count is not None and len(buf) != count * 4):
-        raise MalformedRecord(f"{what}: a payload of {len(buf)} bytes is not {count if count is not None else 'n'} "
-                              f"float32 values", rid)
+        raise MalformedRecord(
+            f"{what}: a payload of {len(buf)} bytes is not {count if count is not None else 'n'} float32 values", rid
+        )
     return np.frombuffer(buf, dtype=np.float32).copy()
 
 
 def _array_equal(a: object, b: object) -> bool:
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and bool(
-            np.array_equal(a, b))
+        return (
+            isinstance(a, np.ndarray)
+            and isinstance(b, np.ndarray)
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b))
+        )
     return a == b
 
 
@@ -238,6 +268,7 @@ def record(cls: _R) -> _R:
 
 
 # ---- gateway -> engine --------------------------------------------------------------------------------
+
 
 @record
 class SubmitRequest(Record):
@@ -305,20 +336,25 @@ class SubmitRequest(Record):
         if min(p, w, u) < 0:
             raise MalformedRecord("a submit record's prompt sizes must not be negative", rid)
         if v["speaker"] not in ("none", "embedding", "clip"):
-            raise MalformedRecord(f"a submit record's speaker must be none, embedding or clip, not {v['speaker']!r}",
-                                  rid)
+            raise MalformedRecord(
+                f"a submit record's speaker must be none, embedding or clip, not {v['speaker']!r}", rid
+            )
         params = v["params"]
         known = {f.name for f in fields(SamplingParams)}
         if not all(isinstance(k, str) and k in known for k in params):
-            raise MalformedRecord(f"a submit record's params has unknown keys: {sorted(map(str, set(params) - known))}",
-                                  rid)
+            raise MalformedRecord(
+                f"a submit record's params has unknown keys: {sorted(map(str, set(params) - known))}", rid
+            )
         buf = payload or b""
         n_prompt = (p + u) * w * 4
         if len(buf) < n_prompt:
             raise MalformedRecord(f"a submit record's payload of {len(buf)} bytes holds no {p}+{u}-frame prompt", rid)
         prompt = np.frombuffer(buf, dtype=np.int32, count=p * w).reshape(p, w).astype(np.int64)
-        uncond = (np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
-                  if u > 0 else None)
+        uncond = (
+            np.frombuffer(buf, dtype=np.int32, count=u * w, offset=p * w * 4).reshape(u, w).astype(np.int64)
+            if u > 0
+            else None
+        )
         vectors = []  # emotion delta, uncond speaker
         for key in ("emotion_dim", "uncond_speaker_dim"):
             n = v[key]
@@ -388,8 +424,10 @@ class Embed(Record):
     clip: np.ndarray  # [N] float32 mono
 
     def encode(self) -> tuple[dict[str, Any], Payload]:
-        return ({"type": EMBED, "rid": self.rid, "clip_sr": self.clip_sr},
-                np.ascontiguousarray(self.clip, dtype=np.float32))
+        return (
+            {"type": EMBED, "rid": self.rid, "clip_sr": self.clip_sr},
+            np.ascontiguousarray(self.clip, dtype=np.float32),
+        )
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes | None) -> Embed:
@@ -411,6 +449,7 @@ class Shutdown(Record):
 
 
 # ---- engine -> gateway --------------------------------------------------------------------------------
+
 
 @record
 class Ready(Record):
@@ -459,8 +498,9 @@ class Audio(Record):
         v = _values(_AudioHeader, header, "an audio record")
         buf = payload or b""
         if v["samples"] < 0 or len(buf) != 2 * v["samples"]:
-            raise MalformedRecord(f"an audio record of {v['samples']} samples has a payload of {len(buf)} bytes",
-                                  v["rid"])
+            raise MalformedRecord(
+                f"an audio record of {v['samples']} samples has a payload of {len(buf)} bytes", v["rid"]
+            )
         return cls(rid=v["rid"], index=v["index"], pcm=np.frombuffer(buf, dtype=np.int16))
 
 
@@ -552,17 +592,24 @@ class Finished(Record):
     freed: CancelStats | None = None
 
     def encode(self) -> tuple[dict[str, Any], Payload]:
-        return {"type": FINISHED, "rid": self.rid, "reason": self.reason,
-                "stats": None if self.stats is None else asdict(self.stats),
-                "freed": None if self.freed is None else asdict(self.freed)}, None
+        return {
+            "type": FINISHED,
+            "rid": self.rid,
+            "reason": self.reason,
+            "stats": None if self.stats is None else asdict(self.stats),
+            "freed": None if self.freed is None else asdict(self.freed),
+        }, None
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes | None) -> Finished:
         v = _values(_FinishedHeader, header, "a finished record")
         stats, freed = v["stats"], v["freed"]
-        return cls(rid=v["rid"], reason=v["reason"],
-                   stats=None if stats is None else RequestStats(**_values(RequestStats, stats, "finished stats")),
-                   freed=None if freed is None else CancelStats(**_values(CancelStats, freed, "finished freed")))
+        return cls(
+            rid=v["rid"],
+            reason=v["reason"],
+            stats=None if stats is None else RequestStats(**_values(RequestStats, stats, "finished stats")),
+            freed=None if freed is None else CancelStats(**_values(CancelStats, freed, "finished freed")),
+        )
 
 
 @dataclass(frozen=True)
@@ -585,14 +632,20 @@ class Error(Record):
     retry_after_ms: int | None = None  # engine_busy: when to try again
 
     def encode(self) -> tuple[dict[str, Any], Payload]:
-        return {"type": ERROR, "rid": self.rid, "code": self.code.value, "message": self.message,
-                "retry_after_ms": self.retry_after_ms}, None
+        return {
+            "type": ERROR,
+            "rid": self.rid,
+            "code": self.code.value,
+            "message": self.message,
+            "retry_after_ms": self.retry_after_ms,
+        }, None
 
     @classmethod
     def decode(cls, header: dict[str, Any], payload: bytes | None) -> Error:
         v = _values(_ErrorHeader, header, "an error record")
-        return cls(rid=v["rid"], code=EngineError.of(v["code"]), message=v["message"],
-                   retry_after_ms=v["retry_after_ms"])
+        return cls(
+            rid=v["rid"], code=EngineError.of(v["code"]), message=v["message"], retry_after_ms=v["retry_after_ms"]
+        )
 
 
 @dataclass(frozen=True)
@@ -687,6 +740,6 @@ def decode(header: object, payload: bytes | None = None) -> Record:
     except MalformedRecord:
         raise
     except (TypeError, ValueError) as e:  # e.g. a SamplingParams value msgpack cannot hold
-        raise MalformedRecord(f"a {cls.type} record: {e}", header.get("rid") if _integer(header.get("rid")) else None
-                              ) from e
-
+        raise MalformedRecord(
+            f"a {cls.type} record: {e}", header.get("rid") if _integer(header.get("rid")) else None
+        ) from e

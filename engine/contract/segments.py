@@ -68,6 +68,8 @@ def remove_stale_segments(min_age_s: float = 60.0) -> list[str]:
             if not m or _pid_alive(int(m.group(1))):
                 continue
             with contextlib.suppress(OSError):
-                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(name, tracked=False):
+                if now - os.stat(os.path.join(_SHM_DIR, name)).st_mtime >= min_age_s and unlink_segment(
+                    name, tracked=False
+                ):
                     removed.append(name)
     return removed

@@ -28,24 +28,37 @@ _FRAMES = 1 << 20  # the ceiling of a frame count (hours of audio)
 class WeightSources:
     """`None` means the embedded random default of that node (tiny, deterministic: speaks noise)."""
 
-    model_path: str | None = field(default=None, metadata=flag(
-        "ZONOS2 checkpoint dir (params.json + model.pth); default: random tiny model", metavar="DIR"))
-    dac_weights: str | None = field(default=None, metadata=flag(
-        "DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC", metavar="FILE"))
-    speaker_weights: str | None = field(default=None, metadata=flag(
-        "ECAPA speaker encoder HF dir (config.json + model.safetensors)", metavar="DIR"))
-    random_preset: str = field(default="tiny", metadata=flag(
-        "size of the random model used without --model-path (full = release size, GPU)",
-        choices=RANDOM_PRESETS, name="random-weights"))
-    seed: int = field(default=0, metadata=flag("seed of the random weights", lo=0, hi=SEED_LIMIT - 1,
-                                               name="random-weights-seed"))
+    model_path: str | None = field(
+        default=None,
+        metadata=flag("ZONOS2 checkpoint dir (params.json + model.pth); default: random tiny model", metavar="DIR"),
+    )
+    dac_weights: str | None = field(
+        default=None, metadata=flag("DAC weights_44khz_8kbps_0.0.1.pth; default: random tiny DAC", metavar="FILE")
+    )
+    speaker_weights: str | None = field(
+        default=None, metadata=flag("ECAPA speaker encoder HF dir (config.json + model.safetensors)", metavar="DIR")
+    )
+    random_preset: str = field(
+        default="tiny",
+        metadata=flag(
+            "size of the random model used without --model-path (full = release size, GPU)",
+            choices=RANDOM_PRESETS,
+            name="random-weights",
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=flag("seed of the random weights", lo=0, hi=SEED_LIMIT - 1, name="random-weights-seed")
+    )
 
     def __post_init__(self) -> None:
         check(self)
 
     def check(self) -> None:
-        for name, p in (("model path", self.model_path), ("DAC weights", self.dac_weights),
-                        ("speaker weights", self.speaker_weights)):
+        for name, p in (
+            ("model path", self.model_path),
+            ("DAC weights", self.dac_weights),
+            ("speaker weights", self.speaker_weights),
+        ):
             if p is not None and not Path(p).exists():
                 raise FileNotFoundError(f"{name} {p} does not exist")
 
@@ -63,110 +76,217 @@ class EngineSettings:
     """Every field with `flag` metadata is a `python -m app` flag (engine/contract/flags.py), checked against
     its bounds whenever settings are built."""
 
-    device: str = field(default="auto", metadata=flag("cpu, cuda, cuda:N (default: cuda if available)", metavar="DEVICE"))
-    dac_device: str | None = field(default=None, metadata=flag(
-        "run the dac_decoder node on another device (default: with the LLM)", metavar="DEVICE"))
-    max_batch: int | None = field(default=None, metadata=flag(
-        f"decode slots (default: {GPU_SLOTS} on a GPU, {CPU_SLOTS} on a CPU)", lo=1, hi=MAX_SLOTS))
-    max_context: int | None = field(default=None, metadata=flag(
-        "frames per slot (prompt + audio); default: the model's max_seqlen, or what fits in free GPU memory",
-        lo=1, hi=_FRAMES))
-    max_queue: int = field(default=64, metadata=flag(
-        "requests waiting for a decode slot before new ones get queue_full", lo=0, hi=1_000_000))
-    prefill_chunk: int = field(default=512, metadata=flag(
-        "prompt frames prefilled per engine step (on a GPU at most 512, the largest captured size)",
-        lo=1, hi=_FRAMES))
+    device: str = field(
+        default="auto", metadata=flag("cpu, cuda, cuda:N (default: cuda if available)", metavar="DEVICE")
+    )
+    dac_device: str | None = field(
+        default=None,
+        metadata=flag("run the dac_decoder node on another device (default: with the LLM)", metavar="DEVICE"),
+    )
+    max_batch: int | None = field(
+        default=None,
+        metadata=flag(f"decode slots (default: {GPU_SLOTS} on a GPU, {CPU_SLOTS} on a CPU)", lo=1, hi=MAX_SLOTS),
+    )
+    max_context: int | None = field(
+        default=None,
+        metadata=flag(
+            "frames per slot (prompt + audio); default: the model's max_seqlen, or what fits in free GPU memory",
+            lo=1,
+            hi=_FRAMES,
+        ),
+    )
+    max_queue: int = field(
+        default=64,
+        metadata=flag("requests waiting for a decode slot before new ones get queue_full", lo=0, hi=1_000_000),
+    )
+    prefill_chunk: int = field(
+        default=512,
+        metadata=flag(
+            "prompt frames prefilled per engine step (on a GPU at most 512, the largest captured size)",
+            lo=1,
+            hi=_FRAMES,
+        ),
+    )
     # with at least prefill_group_min_streams decoding, a prefill of fewer than prefill_group_frames waits
     # up to prefill_group_wait_ms for more arrivals to share its call (0: never)
-    prefill_group_wait_ms: float = field(default=20.0, metadata=flag(
-        "with --prefill-group-min-streams decoding, a small prefill waits this long for others to share its "
-        "call (0: never)", lo=0.0, hi=_MS))
-    prefill_group_min_streams: int = field(default=32, metadata=flag(
-        "decoding streams from which small prefills wait to be grouped", lo=0, hi=MAX_SLOTS))
-    prefill_group_frames: int = field(default=256, metadata=flag(
-        "a prefill of fewer frames than this waits to be grouped", lo=0, hi=_FRAMES))
+    prefill_group_wait_ms: float = field(
+        default=20.0,
+        metadata=flag(
+            "with --prefill-group-min-streams decoding, a small prefill waits this long for others to share its "
+            "call (0: never)",
+            lo=0.0,
+            hi=_MS,
+        ),
+    )
+    prefill_group_min_streams: int = field(
+        default=32, metadata=flag("decoding streams from which small prefills wait to be grouped", lo=0, hi=MAX_SLOTS)
+    )
+    prefill_group_frames: int = field(
+        default=256, metadata=flag("a prefill of fewer frames than this waits to be grouped", lo=0, hi=_FRAMES)
+    )
     cuda_graphs: bool = field(default=True, metadata=flag("capture the decode steps in CUDA graphs"))
     # overlap scheduling of decode steps: launch step N+1 before step N's codes are read back, so the host's
     # bookkeeping (EOS, DAC pushes, records) runs while the GPU decodes instead of between steps. Seeded output is
     # the same either way. None: on with a GPU (it shortens first audio: docs/architecture.md), off on a CPU,
     # where a launch is not asynchronous
-    overlap_decode: bool | None = field(default=None, metadata=flag(
-        "launch each decode step before the one before it is read back, so the host's bookkeeping overlaps "
-        "the GPU (same seeded output; default: on with a GPU, off on a CPU)"))
-    compile: bool = field(default=True, metadata=flag(
-        "torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start; --no-compile: "
-        "a faster start)"))
+    overlap_decode: bool | None = field(
+        default=None,
+        metadata=flag(
+            "launch each decode step before the one before it is read back, so the host's bookkeeping overlaps "
+            "the GPU (same seeded output; default: on with a GPU, off on a CPU)"
+        ),
+    )
+    compile: bool = field(
+        default=True,
+        metadata=flag(
+            "torch.compile the decode stages on CUDA (fuses small kernels; ~1 min at start; --no-compile: "
+            "a faster start)"
+        ),
+    )
     # which steps run the batch-invariant kernels (engine/model/batch_invariant.py): seeded: a decode step or
     # packed prefill holding a request with an explicit seed (its codes are then the same whatever else runs),
     # the default kernels otherwise; always: every step; off: none (a seed holds only for a request decoded alone)
-    batch_invariant: str = field(default="seeded", metadata=flag(
-        "which steps run the batch-invariant kernels. seeded (default): those holding a request with a seed, "
-        "whose codes then do not depend on what else runs; other steps take the faster default kernels. "
-        "always: every step. off: none (a seed holds only for a request served alone)",
-        choices=BATCH_INVARIANT_MODES))
+    batch_invariant: str = field(
+        default="seeded",
+        metadata=flag(
+            "which steps run the batch-invariant kernels. seeded (default): those holding a request with a seed, "
+            "whose codes then do not depend on what else runs; other steps take the faster default kernels. "
+            "always: every step. off: none (a seed holds only for a request served alone)",
+            choices=BATCH_INVARIANT_MODES,
+        ),
+    )
     # none: experts in the model dtype (the exact default) | fp8: MoE experts quantized at load to block-scaled
     # e4m3, w8a8 kernels (engine/model/quantize.py); needs a GPU with FP8 tensor cores, refused on a CPU
-    quantization: str = field(default="none", metadata=flag(
-        "fp8: MoE experts quantized at load to block-scaled FP8 (half their memory and reads; a GPU with FP8 "
-        "tensor cores); none: the exact bf16 model (default)", choices=QUANTIZATION_MODES))
-    chunk_schedule: str = field(default="default", metadata=flag(
-        "new frames per DAC call: default (13, then 10), low_latency (13, then 4), reference (16); every "
-        "schedule is exact", choices=CHUNK_SCHEDULES))
+    quantization: str = field(
+        default="none",
+        metadata=flag(
+            "fp8: MoE experts quantized at load to block-scaled FP8 (half their memory and reads; a GPU with FP8 "
+            "tensor cores); none: the exact bf16 model (default)",
+            choices=QUANTIZATION_MODES,
+        ),
+    )
+    chunk_schedule: str = field(
+        default="default",
+        metadata=flag(
+            "new frames per DAC call: default (13, then 10), low_latency (13, then 4), reference (16); every "
+            "schedule is exact",
+            choices=CHUNK_SCHEDULES,
+        ),
+    )
     # float32 | bfloat16 (38-40 dB SNR vs float32 on random weights, 1.6x the audio per GPU second) |
     # auto: bfloat16 on a GPU, float32 on a CPU
-    dac_dtype: str = field(default="auto", metadata=flag(
-        "DAC precision (bfloat16: ~37 dB SNR vs float32, less GPU time per chunk; auto: bfloat16 on a GPU)",
-        choices=DAC_DTYPES))
-    dac_max_batch: int = field(default=64, metadata=flag(
-        "streams per DAC call (each shape is a captured CUDA graph)", lo=1, hi=MAX_SLOTS))
+    dac_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "DAC precision (bfloat16: ~37 dB SNR vs float32, less GPU time per chunk; auto: bfloat16 on a GPU)",
+            choices=DAC_DTYPES,
+        ),
+    )
+    dac_max_batch: int = field(
+        default=64, metadata=flag("streams per DAC call (each shape is a captured CUDA graph)", lo=1, hi=MAX_SLOTS)
+    )
     # least recently served first: bounds the DAC work one iteration launches when many streams are ready at once
-    dac_frames_per_step: int = field(default=1280, metadata=flag(
-        "new frames fed to the DAC per engine iteration (0: all that are ready)", lo=0, hi=_FRAMES))
+    dac_frames_per_step: int = field(
+        default=1280,
+        metadata=flag("new frames fed to the DAC per engine iteration (0: all that are ready)", lo=0, hi=_FRAMES),
+    )
     # so calls gather into batches the GPU runs efficiently (first and final calls never wait)
-    dac_min_batch: int = field(default=32, metadata=flag(
-        "a steady DAC call waits (up to --dac-max-hold iterations) for this many streams to join it",
-        lo=1, hi=MAX_SLOTS))
-    dac_max_hold: int = field(default=4, metadata=flag(
-        "iterations a steady DAC call may wait for a larger batch (0: never)", lo=0, hi=1000))
-    dac_max_in_flight: int = field(default=3, metadata=flag(
-        "DAC launches not yet landed before the engine stops launching more", lo=1, hi=64))
-    admission: str = field(default="auto", metadata=flag(
-        "realtime: start a stream only while running ones keep real time (auto: on GPU); slots: whenever a "
-        "decode slot is free", choices=ADMISSION_MODES))
-    admission_headroom: float = field(default=0.9, metadata=flag(
-        "realtime admission: keep the engine iteration under this share of a frame (11.6 ms)",
-        lo=0.0, hi=1.0, lo_open=True))
-    admission_max_wait_s: float = field(default=5.0, metadata=flag(
-        "realtime admission: seconds a request may wait before engine_busy", lo=0.0, hi=3600.0,
-        name="admission-max-wait"))
+    dac_min_batch: int = field(
+        default=32,
+        metadata=flag(
+            "a steady DAC call waits (up to --dac-max-hold iterations) for this many streams to join it",
+            lo=1,
+            hi=MAX_SLOTS,
+        ),
+    )
+    dac_max_hold: int = field(
+        default=4, metadata=flag("iterations a steady DAC call may wait for a larger batch (0: never)", lo=0, hi=1000)
+    )
+    dac_max_in_flight: int = field(
+        default=3, metadata=flag("DAC launches not yet landed before the engine stops launching more", lo=1, hi=64)
+    )
+    admission: str = field(
+        default="auto",
+        metadata=flag(
+            "realtime: start a stream only while running ones keep real time (auto: on GPU); slots: whenever a "
+            "decode slot is free",
+            choices=ADMISSION_MODES,
+        ),
+    )
+    admission_headroom: float = field(
+        default=0.9,
+        metadata=flag(
+            "realtime admission: keep the engine iteration under this share of a frame (11.6 ms)",
+            lo=0.0,
+            hi=1.0,
+            lo_open=True,
+        ),
+    )
+    admission_max_wait_s: float = field(
+        default=5.0,
+        metadata=flag(
+            "realtime admission: seconds a request may wait before engine_busy",
+            lo=0.0,
+            hi=3600.0,
+            name="admission-max-wait",
+        ),
+    )
     # realtime: admit while every playing stream's slack (the audio its player, started admission_prebuffer_ms
     # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
     # a new stream costs (engine/runtime/admission.py). A stream that has just sent its first chunk has ~70 ms
     # of slack at ~10 ms iterations (its 43 ms of audio and its player's 150 ms prebuffer, less 12 iterations
     # to its next chunk), so a higher floor holds the door shut whenever a young stream plays
     # (docs/architecture.md)
-    admission_lead_floor_ms: float = field(default=40.0, metadata=flag(
-        "realtime admission: admit only while every playing stream's player will still hold this much audio "
-        "(ms) when its next chunk lands", lo=0.0, hi=_NEVER))
-    admission_prebuffer_ms: float = field(default=150.0, metadata=flag(
-        "realtime admission: the player model starts playing this long after a stream's first byte",
-        lo=0.0, hi=_MS))
-    admission_max_starting: int = field(default=32, metadata=flag(
-        "realtime admission: streams admitted whose players have not started yet (slow start; >= 2: a guided "
-        "request starts with its twin)", lo=1, hi=MAX_SLOTS))
-    outbox_bytes_per_request: int = field(default=32 << 20, metadata=flag(
-        "bytes of records one request may have waiting for the gateway", lo=1 << 16, hi=1 << 32))
-    stats_interval_s: float = field(default=1.0, metadata=flag(
-        "seconds between the engine's stats records", lo=0.0, hi=_NEVER, lo_open=True))
+    admission_lead_floor_ms: float = field(
+        default=40.0,
+        metadata=flag(
+            "realtime admission: admit only while every playing stream's player will still hold this much audio "
+            "(ms) when its next chunk lands",
+            lo=0.0,
+            hi=_NEVER,
+        ),
+    )
+    admission_prebuffer_ms: float = field(
+        default=150.0,
+        metadata=flag(
+            "realtime admission: the player model starts playing this long after a stream's first byte", lo=0.0, hi=_MS
+        ),
+    )
+    admission_max_starting: int = field(
+        default=32,
+        metadata=flag(
+            "realtime admission: streams admitted whose players have not started yet (slow start; >= 2: a guided "
+            "request starts with its twin)",
+            lo=1,
+            hi=MAX_SLOTS,
+        ),
+    )
+    outbox_bytes_per_request: int = field(
+        default=32 << 20,
+        metadata=flag("bytes of records one request may have waiting for the gateway", lo=1 << 16, hi=1 << 32),
+    )
+    stats_interval_s: float = field(
+        default=1.0, metadata=flag("seconds between the engine's stats records", lo=0.0, hi=_NEVER, lo_open=True)
+    )
     # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
     # flushed once it has been held continuation_grace_ms (the gateway's time to send the next chunk after the
     # kept frames) and its player (started admission_prebuffer_ms after the first byte) holds less than
     # continuation_flush_lead_ms of audio (or none of its audio has gone out yet)
-    continuation_flush_lead_ms: float = field(default=250.0, metadata=flag(
-        "a held stream (a sentence ended, the next not here yet) is flushed once its player holds less audio "
-        "than this (below 0: never) ...", lo=-_NEVER, hi=_NEVER))
-    continuation_grace_ms: float = field(default=40.0, metadata=flag(
-        "... and it has been held this long (the time the next sentence has to arrive)", lo=0.0, hi=_NEVER))
+    continuation_flush_lead_ms: float = field(
+        default=250.0,
+        metadata=flag(
+            "a held stream (a sentence ended, the next not here yet) is flushed once its player holds less audio "
+            "than this (below 0: never) ...",
+            lo=-_NEVER,
+            hi=_NEVER,
+        ),
+    )
+    continuation_grace_ms: float = field(
+        default=40.0,
+        metadata=flag(
+            "... and it has been held this long (the time the next sentence has to arrive)", lo=0.0, hi=_NEVER
+        ),
+    )
 
     def __post_init__(self) -> None:
         check(self)

@@ -91,9 +91,7 @@ def _check_kwargs(kwargs: Mapping[str, Any], where: str) -> None:
     if int(kwargs["codebook_size"]) != CODEBOOK_SIZE:
         problems.append(f"codebook_size={kwargs['codebook_size']} (need {CODEBOOK_SIZE})")
     cb_dim = kwargs["codebook_dim"]
-    if (list(cb_dim) if isinstance(cb_dim, list | tuple) else [cb_dim] * N_CODEBOOKS) != [
-        CODEBOOK_DIM
-    ] * N_CODEBOOKS:
+    if (list(cb_dim) if isinstance(cb_dim, list | tuple) else [cb_dim] * N_CODEBOOKS) != [CODEBOOK_DIM] * N_CODEBOOKS:
         problems.append(f"codebook_dim={cb_dim} (need {CODEBOOK_DIM})")
     if _hop_of(kwargs) != HOP:
         problems.append(f"encoder_rates={kwargs['encoder_rates']} -> hop {_hop_of(kwargs)} (need {HOP})")

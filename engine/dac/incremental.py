@@ -116,8 +116,9 @@ class IncrementalDAC:
     """A codec's decoder with a per-slot state cache (see module docstring). Not thread-safe; calls that
     share slots must run on one CUDA stream, in order."""
 
-    def __init__(self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True,
-                 fused: bool | None = None) -> None:
+    def __init__(
+        self, codec: Codec, slots: int, compiled: bool = False, cudnn_benchmark: bool = True, fused: bool | None = None
+    ) -> None:
         """compiled: run the layers through torch.compile (one compile per call shape, at its first call):
         Inductor fuses the windows, masks, Snakes and residual adds around cuDNN's convolutions.
         fused (None: on a GPU; ignored when compiled; True on a CPU runs Triton's interpreter): the Triton
@@ -139,9 +140,18 @@ class IncrementalDAC:
         self.state_size = self.layers[-1].offset + self.layers[-1].keep * self.layers[-1].channels
         self.state = torch.zeros(slots + 1, self.state_size, dtype=codec.dtype, device=codec.device)
         # the fused form's convolution weights as [out, in, 1, k] (transposed: [in, out, 1, k]) in NHWC
-        self._nhwc = [tuple(m.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-                            for m in ly.modules if isinstance(m, torch.nn.modules.conv._ConvNd))
-                      for ly in self.layers] if self.fused and not compiled else []
+        self._nhwc = (
+            [
+                tuple(
+                    m.weight.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+                    for m in ly.modules
+                    if isinstance(m, torch.nn.modules.conv._ConvNd)
+                )
+                for ly in self.layers
+            ]
+            if self.fused and not compiled
+            else []
+        )
         self._rates = np.array([ly.rate for ly in self.layers], dtype=np.int64)
         self._shift = np.array([ly.lag + ly.keep for ly in self.layers], dtype=np.int64)
 
@@ -197,6 +207,7 @@ class IncrementalDAC:
         codes = packed[:, : f * N_CODEBOOKS].reshape(b, f, N_CODEBOOKS)
         bounds = packed[:, f * N_CODEBOOKS + 2 :]
         fused = self.fused and not self.compiled  # Inductor fuses the plain form with its neighbours itself
+
         def cached(ly: Layer) -> Tensor:  # the layer's state rows as [B, C, keep]
             return state[:, ly.offset : ly.offset + ly.keep * ly.channels].view(b, ly.channels, ly.keep)
 
@@ -229,13 +240,22 @@ class IncrementalDAC:
             h, bias, skip = F.conv1d(mask_outside(win, lo, hi), conv.weight), conv.bias, None
         elif ly.kind == "up":
             s, up = ly.modules
-            h = F.conv_transpose2d(snake(win, s.alpha, s.inv_alpha, lo, hi).unsqueeze(2), weights[0], None,
-                                   stride=(1, ly.stride), padding=(0, ly.stride)).squeeze(2)
+            h = F.conv_transpose2d(
+                snake(win, s.alpha, s.inv_alpha, lo, hi).unsqueeze(2),
+                weights[0],
+                None,
+                stride=(1, ly.stride),
+                padding=(0, ly.stride),
+            ).squeeze(2)
             bias, skip = up.bias, None
         elif ly.kind == "res":
             s1, conv7, s2, conv1 = ly.modules
-            h = F.conv2d(snake(win, s1.alpha, s1.inv_alpha, lo, hi).unsqueeze(2), weights[0], None,
-                         dilation=(1, conv7.dilation[0])).squeeze(2)
+            h = F.conv2d(
+                snake(win, s1.alpha, s1.inv_alpha, lo, hi).unsqueeze(2),
+                weights[0],
+                None,
+                dilation=(1, conv7.dilation[0]),
+            ).squeeze(2)
             h = F.conv2d(snake(h, s2.alpha, s2.inv_alpha, bias=conv7.bias).unsqueeze(2), weights[1]).squeeze(2)
             half = ly.keep // 2  # the skip input delayed by the conv's lag
             bias, skip = conv1.bias, win[..., half : half + h.shape[-1]]
@@ -253,6 +273,7 @@ class IncrementalDAC:
     @staticmethod
     def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
         """One layer on its window, as PyTorch ops (a CPU, torch.compile)."""
+
         def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
             y = torch.addcmul(x, m.inv_alpha, torch.sin(m.alpha * x).square())  # = snake_reference, traceable
             return mask_outside(y, lo, hi) if masked else y

@@ -35,9 +35,28 @@ def _tiles(x: Tensor) -> tuple[int, int]:
 
 
 @triton.jit
-def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_alpha_ptr, bias_ptr, lo_ptr, hi_ptr, bound_stride, C, T,
-                  sxb, sxc, sxt, syb, syc, syt,
-                  BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, MASKED: tl.constexpr, BIAS: tl.constexpr):
+def _snake_kernel(
+    x_ptr,
+    y_ptr,
+    alpha_ptr,
+    inv_alpha_ptr,
+    bias_ptr,
+    lo_ptr,
+    hi_ptr,
+    bound_stride,
+    C,
+    T,
+    sxb,
+    sxc,
+    sxt,
+    syb,
+    syc,
+    syt,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    MASKED: tl.constexpr,
+    BIAS: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # the longest axis: the grid's unbounded one
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
@@ -58,8 +77,14 @@ def _snake_kernel(x_ptr, y_ptr, alpha_ptr, inv_alpha_ptr, bias_ptr, lo_ptr, hi_p
     tl.store(y_ptr + b * syb + c[:, None] * syc + t[None, :] * syt, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None, hi: Tensor | None = None,
-          bias: Tensor | None = None) -> Tensor:
+def snake(
+    x: Tensor,
+    alpha: Tensor,
+    inv_alpha: Tensor,
+    lo: Tensor | None = None,
+    hi: Tensor | None = None,
+    bias: Tensor | None = None,
+) -> Tensor:
     """x [B, C, T] (any strides; the output has x's layout); alpha and inv_alpha hold C values (any shape,
     e.g. dac's [1, C, 1]); lo and hi: optional integer [B] views with one common stride (zero output outside
     lo <= t < hi); bias: C values added to x first."""
@@ -72,14 +97,45 @@ def snake(x: Tensor, alpha: Tensor, inv_alpha: Tensor, lo: Tensor | None = None,
         bounds = (lo, hi, lo.stride(0)) if masked else (x, x, 0)
         bc, bt = _tiles(x)
         _snake_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc), b)](
-            x, y, alpha.reshape(-1), inv_alpha.reshape(-1), bias if bias is not None else x, *bounds, c, t,
-            *x.stride(), *y.stride(), BLOCK_C=bc, BLOCK_T=bt, MASKED=masked, BIAS=bias is not None)
+            x,
+            y,
+            alpha.reshape(-1),
+            inv_alpha.reshape(-1),
+            bias if bias is not None else x,
+            *bounds,
+            c,
+            t,
+            *x.stride(),
+            *y.stride(),
+            BLOCK_C=bc,
+            BLOCK_T=bt,
+            MASKED=masked,
+            BIAS=bias is not None,
+        )
     return y
 
 
 @triton.jit
-def _bias_residual_kernel(h_ptr, bias_ptr, skip_ptr, out_ptr, C, T, shb, shc, sht, ssb, ssc, sst, sob, soc, sot,
-                          BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, SKIP: tl.constexpr):
+def _bias_residual_kernel(
+    h_ptr,
+    bias_ptr,
+    skip_ptr,
+    out_ptr,
+    C,
+    T,
+    shb,
+    shc,
+    sht,
+    ssb,
+    ssc,
+    sst,
+    sob,
+    soc,
+    sot,
+    BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SKIP: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     b = tl.program_id(2).to(tl.int64)
@@ -104,8 +160,19 @@ def bias_residual(h: Tensor, bias: Tensor, out: Tensor, skip: Tensor | None = No
         sk = skip if skip is not None else h
         bc, bt = _tiles(out)
         _bias_residual_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc), b)](
-            h, bias.reshape(-1), sk, out, c, t, *h.stride(), *sk.stride(), *out.stride(),
-            BLOCK_C=bc, BLOCK_T=bt, SKIP=skip is not None)
+            h,
+            bias.reshape(-1),
+            sk,
+            out,
+            c,
+            t,
+            *h.stride(),
+            *sk.stride(),
+            *out.stride(),
+            BLOCK_C=bc,
+            BLOCK_T=bt,
+            SKIP=skip is not None,
+        )
     return out
 
 

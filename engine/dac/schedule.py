@@ -34,7 +34,8 @@ class ChunkSchedule:
     would emit only 363 samples, which a 24 kHz client's resampler cannot yet turn into output), 1,899
     samples, then 10 frames (116 ms) every 10 steps: a player that starts 150 ms after its first byte
     never stalls while a step takes up to 11.6 ms (real time). One steady size keeps one graph shape
-    per batch bucket and lets every ready stream share one call. The final calls of a stream feed the frames past its end (masked) that flush the decoder:
+    per batch bucket and lets every ready stream share one call. The final calls of a stream feed the frames past its
+    end (masked) that flush the decoder:
     10 after the last real frame, in calls of the same size.
     """
 

@@ -40,7 +40,8 @@ for `finish`.
 
 Batching. `launch` gives each ready stream its next call, least recently served first, and batches the
 calls of equal F (every call in steady state: one size) into one DAC call, split at max_batch and padded
-to a batch bucket (every size to 8, then 4 per octave) with rows that write a scratch slot. A stream that fell behind gets its next calls in
+to a batch bucket (every size to 8, then 4 per octave) with rows that write a scratch slot. A stream that fell behind
+gets its next calls in
 later rounds of the same launch (each round reads the states the previous one wrote, in stream order).
 max_frames bounds the frames one launch feeds; what does not fit waits for the next launch.
 
@@ -201,8 +202,9 @@ class StreamingDecoder:
     of the calls that have finished, in launch order. `step` is both, waiting.
     """
 
-    def __init__(self, codec: Codec, schedule: ChunkSchedule | None = None, slots: int = DEFAULT_SLOTS,
-                 compiled: bool = False) -> None:
+    def __init__(
+        self, codec: Codec, schedule: ChunkSchedule | None = None, slots: int = DEFAULT_SLOTS, compiled: bool = False
+    ) -> None:
         """slots: streams decoding at once (more wait for one); compiled: see IncrementalDAC."""
         self.codec = codec
         self.schedule = schedule or ChunkSchedule()
@@ -348,8 +350,9 @@ class StreamingDecoder:
 
     # ---- decoding -------------------------------------------------------------------------
 
-    def step(self, max_batch: int = 64, as_float: bool = False,
-             max_frames: int | None = None) -> list[tuple[int, np.ndarray, bool]]:
+    def step(
+        self, max_batch: int = 64, as_float: bool = False, max_frames: int | None = None
+    ) -> list[tuple[int, np.ndarray, bool]]:
         """Decode the ready calls and wait for them; return (rid, pcm, is_final) per request with new audio.
 
         pcm is int16 (or float32 in [-1, 1] with as_float=True). Every request gets exactly one
@@ -361,8 +364,7 @@ class StreamingDecoder:
         self.launch(max_batch, max_frames)
         return self.collect(as_float, wait=True)
 
-    def launch(self, max_batch: int = 64, max_frames: int | None = None, min_batch: int = 1,
-               max_hold: int = 0) -> int:
+    def launch(self, max_batch: int = 64, max_frames: int | None = None, min_batch: int = 1, max_hold: int = 0) -> int:
         """Plan the ready calls (at most max_frames frames fed, least recently served first) and start their
         DAC calls; returns the number of stream calls launched. On a GPU nothing is waited for.
 
@@ -396,8 +398,7 @@ class StreamingDecoder:
         if not rounds:
             return 0
         if held and budget > 0:
-            budget -= self._take_along(rounds[0], [(rid, req) for rid, req in order if rid in held], max_batch,
-                                       budget)
+            budget -= self._take_along(rounds[0], [(rid, req) for rid, req in order if rid in held], max_batch, budget)
         flight, error = self._run(rounds, max_batch)
         self._flights.append(flight)
         for call in flight.calls:
@@ -452,7 +453,9 @@ class StreamingDecoder:
             log.warning(
                 "request %s: eos_frame %s arrived after frames up to %s were decoded; "
                 "audio is cut at eos, but its last frames were decoded with the frames after it",
-                rid, eos, req.fed,
+                rid,
+                eos,
+                req.fed,
             )
         req.eos = eos
 
@@ -586,7 +589,10 @@ class StreamingDecoder:
         if pad:  # rows that decode nothing into the scratch slot
             codes = np.concatenate([codes, np.zeros((pad, size, N_CODEBOOKS), dtype=np.int64)])
             slots = np.concatenate([slots, np.full(pad, self.net.scratch, dtype=np.int64)])
-            start, total = np.concatenate([start, np.zeros(pad, np.int64)]), np.concatenate([total, np.zeros(pad, np.int64)])
+            start, total = (
+                np.concatenate([start, np.zeros(pad, np.int64)]),
+                np.concatenate([total, np.zeros(pad, np.int64)]),
+            )
         return self.net.pack(codes, slots, start, total)
 
     def _decode(self, part: list[_Call], size: int, batch: int) -> torch.Tensor:
@@ -612,8 +618,9 @@ class StreamingDecoder:
 
     def warm_shapes(self, max_batch: int = 64) -> set[tuple[int, int]]:
         """Every (batch, F) `launch` uses: the batch buckets up to max_batch x the schedule's sizes."""
-        return {(self._batch_bucket(n, max_batch), f) for n in range(1, max_batch + 1)
-                for f in self.schedule.call_sizes()}
+        return {
+            (self._batch_bucket(n, max_batch), f) for n in range(1, max_batch + 1) for f in self.schedule.call_sizes()
+        }
 
     def warmup(self, max_batch: int = 64) -> int:
         """Run every shape `launch` uses once (rows on the scratch slot), so no request pays cuDNN plan

@@ -115,16 +115,15 @@ def decode_audio(data: bytes, max_seconds: float | None = None) -> tuple[np.ndar
                     grown[:total] = mono[:total]
                     mono = grown
                 if channels > 1:
-                    np.mean(x, axis=1, dtype=np.float32, out=mono[total:total + n])
+                    np.mean(x, axis=1, dtype=np.float32, out=mono[total : total + n])
                 else:
-                    mono[total:total + n] = x[:, 0]
+                    mono[total : total + n] = x[:, 0]
                 total += n
         except ClipTooLong:
             raise
         except _LIBSNDFILE_ERRORS as exc:
             raise AudioDecodeError(
-                f"could not decode audio ({len(data)} bytes): the audio data is damaged or truncated "
-                f"({_reason(exc)})"
+                f"could not decode audio ({len(data)} bytes): the audio data is damaged or truncated ({_reason(exc)})"
             ) from exc
     if total == 0:
         raise AudioDecodeError("audio file decodes to zero samples (empty or zero-length clip)")

@@ -19,12 +19,38 @@ from engine.contract.constants import CODEBOOK_SIZE, EOA_ID, N_CODEBOOKS, PAD_ID
 _IGNORED_KEYS = {"quality_dropout", "moe_impl", "quality_num_buckets", "speaking_rate_num_buckets"}
 
 _KNOWN_KEYS = {
-    "model_type", "dtype", "n_layers", "dim", "head_dim", "n_heads", "n_kv_heads", "ffn_dim_multiplier",
-    "multiple_of", "norm_eps", "rope_theta", "max_seqlen", "n_codebooks", "codebook_size", "eoa_id",
-    "audio_pad_id", "text_vocab", "loss_softcap", "speaker_enabled", "speaker_embedding_dim",
-    "speaker_lda_dim", "speaker_background_token_enabled", "accurate_mode_token_enabled",
-    "speaking_rate_buckets", "quality_features", "quality_buckets", "moe_n_experts", "moe_router_topk",
-    "special_topk_layers", "moe_router_dim", "moe_start_from_layer", "moe_end_from_layer",
+    "model_type",
+    "dtype",
+    "n_layers",
+    "dim",
+    "head_dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim_multiplier",
+    "multiple_of",
+    "norm_eps",
+    "rope_theta",
+    "max_seqlen",
+    "n_codebooks",
+    "codebook_size",
+    "eoa_id",
+    "audio_pad_id",
+    "text_vocab",
+    "loss_softcap",
+    "speaker_enabled",
+    "speaker_embedding_dim",
+    "speaker_lda_dim",
+    "speaker_background_token_enabled",
+    "accurate_mode_token_enabled",
+    "speaking_rate_buckets",
+    "quality_features",
+    "quality_buckets",
+    "moe_n_experts",
+    "moe_router_topk",
+    "special_topk_layers",
+    "moe_router_dim",
+    "moe_start_from_layer",
+    "moe_end_from_layer",
     "moe_balancing_strategy",
 } | _IGNORED_KEYS
 
@@ -196,8 +222,9 @@ class Zonos2Config:
             found["sample_rate"], want["sample_rate"] = int(d["sample_rate"]), SAMPLE_RATE
         wrong = [f"{k} {found[k]} (this server: {want[k]})" for k in want if found[k] != want[k]]
         if wrong:
-            raise ConfigError("the checkpoint is not the 44.1 kHz, 9 x 1024-code ZONOS2 this server runs: "
-                              + ", ".join(wrong))
+            raise ConfigError(
+                "the checkpoint is not the 44.1 kHz, 9 x 1024-code ZONOS2 this server runs: " + ", ".join(wrong)
+            )
         speaker_enabled = bool(d.get("speaker_enabled", False))
         lda = d.get("speaker_lda_dim")
         return cls(
@@ -281,24 +308,79 @@ def _release_params() -> dict[str, Any]:
         "speaking_rate_buckets": ["0-8", "8-11", "11-14", "14-17", "17-21", "21-28", "28-40", "40+"],
         "quality_num_buckets": 60,
         "quality_features": [
-            "lufs", "estimated_snr", "max_pause", "estimated_bandlimit_hz", "leading_silence_s",
+            "lufs",
+            "estimated_snr",
+            "max_pause",
+            "estimated_bandlimit_hz",
+            "leading_silence_s",
             "trailing_silence_s",
         ],
         "quality_buckets": {
-            "lufs": ["-1000--50", "-50--45.5", "-45.5--41", "-41--36.5", "-36.5--32", "-32--27.5",
-                     "-27.5--23", "-23--18.5", "-18.5--14", "-14--9.5", "-9.5--5", "-5+"],
-            "estimated_snr": ["-1000-0", "0-6", "6-12", "12-18", "18-24", "24-30", "30-36", "36-42",
-                              "42-48", "48-54", "54-60", "60+"],
-            "max_pause": ["0-0.5", "0.5-1", "1-1.5", "1.5-2", "2-2.5", "2.5-3", "3-3.5", "3.5-4", "4-4.5",
-                          "4.5-5", "5-5.5", "5.5-6"],
-            "estimated_bandlimit_hz": ["495.3-3433", "3433-6371", "6371-9310", "9310-12248",
-                                       "12248-15186", "15186-18124", "18124-21062", "21062-24000"],
+            "lufs": [
+                "-1000--50",
+                "-50--45.5",
+                "-45.5--41",
+                "-41--36.5",
+                "-36.5--32",
+                "-32--27.5",
+                "-27.5--23",
+                "-23--18.5",
+                "-18.5--14",
+                "-14--9.5",
+                "-9.5--5",
+                "-5+",
+            ],
+            "estimated_snr": [
+                "-1000-0",
+                "0-6",
+                "6-12",
+                "12-18",
+                "18-24",
+                "24-30",
+                "30-36",
+                "36-42",
+                "42-48",
+                "48-54",
+                "54-60",
+                "60+",
+            ],
+            "max_pause": [
+                "0-0.5",
+                "0.5-1",
+                "1-1.5",
+                "1.5-2",
+                "2-2.5",
+                "2.5-3",
+                "3-3.5",
+                "3.5-4",
+                "4-4.5",
+                "4.5-5",
+                "5-5.5",
+                "5.5-6",
+            ],
+            "estimated_bandlimit_hz": [
+                "495.3-3433",
+                "3433-6371",
+                "6371-9310",
+                "9310-12248",
+                "12248-15186",
+                "15186-18124",
+                "18124-21062",
+                "21062-24000",
+            ],
             "leading_silence_s": ["0-0.05", "0.05-0.1", "0.1-0.25", "0.25-0.5", "0.5-1", "1-2", "2-4", "4+"],
             "trailing_silence_s": ["0-0.05", "0.05-0.1", "0.1-0.25", "0.25-0.5", "0.5-1", "1-2", "2-4", "4+"],
         },
         "quality_dropout": {
-            f: 0.25 for f in ("lufs", "estimated_snr", "max_pause", "estimated_bandlimit_hz",
-                              "leading_silence_s", "trailing_silence_s")
+            f: 0.25
+            for f in (
+                "lufs",
+                "estimated_snr",
+                "max_pause",
+                "estimated_bandlimit_hz",
+                "leading_silence_s",
+                "trailing_silence_s",
+            )
         },
         "moe_impl": "sonic",
         "moe_n_experts": 16,

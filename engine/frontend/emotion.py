@@ -65,7 +65,9 @@ class Calibration:
     def load(cls, path: Path) -> Calibration:
         data = json.loads(path.read_text())
         return cls(
-            by_speaker={str(k): {str(e): float(v) for e, v in d.items()} for k, d in data.get("by_speaker", {}).items()},
+            by_speaker={
+                str(k): {str(e): float(v) for e, v in d.items()} for k, d in data.get("by_speaker", {}).items()
+            },
             default={str(e): float(v) for e, v in data.get("default", {}).items()},
             global_default=float(data.get("global_default", 1.0)),
         )
@@ -84,8 +86,9 @@ class EmotionRequest:
 
     @property
     def requested(self) -> bool:
-        return self.enabled and (any(w != 0.0 for w in self.sliders.values()) or self.valence != 0.0
-                                 or self.arousal != 0.0)
+        return self.enabled and (
+            any(w != 0.0 for w in self.sliders.values()) or self.valence != 0.0 or self.arousal != 0.0
+        )
 
 
 @dataclass
@@ -127,8 +130,14 @@ class EmotionDirections:
             for name, entry in manifest.get("directions", {}).items():
                 vec = _vector(root / entry["file"], dim, name)
                 (axes if str(entry.get("kind")) == "axis" or name in AXES else named)[str(name)] = vec
-            out = cls(dim=dim, named=named, axes=axes, space=space, input_dim=int(manifest.get("input_dim", dim)),
-                      ref_base_norm=None if manifest.get("ref_base_norm") is None else float(manifest["ref_base_norm"]))
+            out = cls(
+                dim=dim,
+                named=named,
+                axes=axes,
+                space=space,
+                input_dim=int(manifest.get("input_dim", dim)),
+                ref_base_norm=None if manifest.get("ref_base_norm") is None else float(manifest["ref_base_norm"]),
+            )
             if space == "lda":
                 lda = manifest["lda"]
                 out.lda_weight = _matrix(root / lda["weight"], (dim, out.expected_input_dim))
@@ -171,8 +180,9 @@ class EmotionDirections:
             delta += np.float32(scale) * direction
         return np.float32(req.strength) * delta
 
-    def apply(self, embedding: np.ndarray, req: EmotionRequest, speaker_key: str | None = None
-              ) -> tuple[np.ndarray, np.ndarray | None]:
+    def apply(
+        self, embedding: np.ndarray, req: EmotionRequest, speaker_key: str | None = None
+    ) -> tuple[np.ndarray, np.ndarray | None]:
         """(speaker embedding to send, hidden delta for the projected speaker row or None). speaker_key:
         the calibration key (default: the request's)."""
         base = np.asarray(embedding, dtype=np.float32).reshape(-1)
@@ -182,8 +192,9 @@ class EmotionDirections:
         if self.space == "proj":  # a delta in the model's hidden space: the model checks its size
             return base, delta
         if base.size != self.expected_input_dim:
-            raise EmotionError(f"speaker embedding has {base.size} values; the directions are for "
-                               f"{self.expected_input_dim}")
+            raise EmotionError(
+                f"speaker embedding has {base.size} values; the directions are for {self.expected_input_dim}"
+            )
         if self.space == "lda":
             assert self.lda_weight is not None and self.lda_bias is not None and self.lda_pinv is not None
             x = self.lda_weight @ base + self.lda_bias
@@ -192,8 +203,12 @@ class EmotionDirections:
         return _rescale(base + delta, float(np.linalg.norm(base))).astype(np.float32), None
 
     def capabilities(self) -> dict:
-        return {"emotion_enabled": True, "emotion_names": self.names, "emotion_axes": self.axis_names,
-                "emotion_calibrated": self.calibration is not None}
+        return {
+            "emotion_enabled": True,
+            "emotion_names": self.names,
+            "emotion_axes": self.axis_names,
+            "emotion_calibrated": self.calibration is not None,
+        }
 
 
 NO_EMOTION = {"emotion_enabled": False, "emotion_names": [], "emotion_axes": [], "emotion_calibrated": False}
@@ -237,8 +252,11 @@ def parse_request(data: Mapping[str, object]) -> EmotionRequest:
         if not isinstance(v, dict) or len(v) > MAX_SLIDERS:
             raise EmotionError(f"emotion_sliders must be an object of at most {MAX_SLIDERS} emotion -> weight")
         req.sliders = {str(k): _number(f"emotion_sliders.{k}", w, WEIGHT_LIMIT) for k, w in v.items()}
-    for key, limit in (("emotion_valence", WEIGHT_LIMIT), ("emotion_arousal", WEIGHT_LIMIT),
-                       ("emotion_strength", STRENGTH_LIMIT)):
+    for key, limit in (
+        ("emotion_valence", WEIGHT_LIMIT),
+        ("emotion_arousal", WEIGHT_LIMIT),
+        ("emotion_strength", STRENGTH_LIMIT),
+    ):
         if (v := data.get(key)) is not None:
             setattr(req, key.removeprefix("emotion_"), _number(key, v, limit))
     return req

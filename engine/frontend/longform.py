@@ -43,7 +43,7 @@ _SENTENCE_END = re.compile(r'[.!?…]["\'”’)\]]*(?=\s)|[。！？]')
 def _sentences(text: str) -> list[str]:
     out, start = [], 0
     for m in _SENTENCE_END.finditer(text):
-        out.append(text[start:m.end()])
+        out.append(text[start : m.end()])
         start = m.end()
     out.append(text[start:])
     return [s.strip() for s in out if s.strip()]
@@ -144,17 +144,16 @@ class ChunkStream:
         upto = len(self.raw) - stream_margin(self.n_codebooks)
         if upto <= self.committed:
             return np.zeros((0, self.n_codebooks), dtype=np.int64)
-        out = concat_codes(self.raw[self.committed:upto], self.n_codebooks)
+        out = concat_codes(self.raw[self.committed : upto], self.n_codebooks)
         self.committed = upto
         return out
 
     def finish(self, eos_frame: int | None, last: bool) -> tuple[np.ndarray, np.ndarray]:
         """(frames still to vocode, kept frames): a non-final chunk loses BOUNDARY_TRIM more frames."""
-        kept = trim_chunk_codes(concat_codes(self.raw, self.n_codebooks), eos_frame,
-                                0 if last else BOUNDARY_TRIM)
+        kept = trim_chunk_codes(concat_codes(self.raw, self.n_codebooks), eos_frame, 0 if last else BOUNDARY_TRIM)
         if self.committed > len(kept):  # cannot happen with an end of audio: the margin covers it
             raise ValueError(f"{self.committed} frames were vocoded but only {len(kept)} are kept")
-        return kept[self.committed:], kept
+        return kept[self.committed :], kept
 
 
 def reply_frames(chunk_frames: Sequence[int]) -> int:
@@ -185,11 +184,18 @@ class LongFormOptions:
 
     def validate(self) -> None:
         lo, hi = CHUNK_CHARS_RANGE
-        if isinstance(self.chunk_chars, bool) or not isinstance(self.chunk_chars, int) or not lo <= self.chunk_chars <= hi:
+        if (
+            isinstance(self.chunk_chars, bool)
+            or not isinstance(self.chunk_chars, int)
+            or not lo <= self.chunk_chars <= hi
+        ):
             raise ValueError(f"long_form_chunk_chars must be an integer in {lo}..{hi}")
         lo, hi = WINDOW_CHUNKS_RANGE
-        if (isinstance(self.window_chunks, bool) or not isinstance(self.window_chunks, int)
-                or not lo <= self.window_chunks <= hi):
+        if (
+            isinstance(self.window_chunks, bool)
+            or not isinstance(self.window_chunks, int)
+            or not lo <= self.window_chunks <= hi
+        ):
             raise ValueError(f"long_form_window_chunks must be an integer in {lo}..{hi}")
         if self.split_mode not in SPLIT_MODES:
             raise ValueError(f"long_form_split_mode must be one of {list(SPLIT_MODES)}")
@@ -235,7 +241,7 @@ class Continuation:
         without the pinned first chunk (a prompt that would not fit the context otherwise)."""
         n = context_chunks(self.window_chunks)
         pinned = anchor and self.pin_anchor and self.anchor_codes is not None and self.index > n
-        parts = ([(self.anchor_text, self.anchor_codes)] if pinned and self.anchor_codes is not None else [])
+        parts = [(self.anchor_text, self.anchor_codes)] if pinned and self.anchor_codes is not None else []
         parts += self.tail
         text = " ".join(t for t, _ in parts)
         return text, concat_codes([c for _, c in parts], self.n_codebooks)

@@ -180,8 +180,14 @@ class PromptBuilder:
         head = self._text_rows(self.conditioning_ids(cond, non_final) + self.text_ids(text))
         return np.concatenate([head, self._audio_rows(shear(SILENCE_FRAMES, self.cfg.audio_pad_id))])
 
-    def build_continuation(self, context_text: str, text: str, context_frames: np.ndarray,
-                           cond: Conditioning | None = None, non_final: bool = False) -> np.ndarray:
+    def build_continuation(
+        self,
+        context_text: str,
+        text: str,
+        context_frames: np.ndarray,
+        cond: Conditioning | None = None,
+        non_final: bool = False,
+    ) -> np.ndarray:
         """Prompt ids of a chunk that continues `context_frames` (the delayed frames [F, n_codebooks] the
         context chunks generated, already trimmed), whose transcript is `context_text`. No frames: the
         chunk starts fresh (`build`)."""

@@ -186,9 +186,7 @@ class TextNormalizer:
         """`cache_dir`: root of the .far cache (default: $ZONOS2_TTS_NORM_CACHE_DIR or
         ~/.cache/zonos2-tts-norm). `enabled`: None follows ZONOS2_TTS_NORM at every call; True or
         False overrides it."""
-        self.cache_dir = (
-            os.path.expanduser(os.fspath(cache_dir)) if cache_dir is not None else default_cache_dir()
-        )
+        self.cache_dir = os.path.expanduser(os.fspath(cache_dir)) if cache_dir is not None else default_cache_dir()
         self._enabled = enabled
         self._lock = threading.Lock()  # guards the dicts and the one-time import
         self._lang_locks: dict[str, threading.Lock] = {}
@@ -262,9 +260,7 @@ class TextNormalizer:
         try:
             os.makedirs(lang_dir, exist_ok=True)  # type: ignore[arg-type]
         except OSError as exc:
-            log.warning(
-                "text-normalization cache %s not writable (%s); grammars stay in memory only", lang_dir, exc
-            )
+            log.warning("text-normalization cache %s not writable (%s); grammars stay in memory only", lang_dir, exc)
             lang_dir = None
 
         with _file_lock(os.path.join(lang_dir, ".build.lock")) if lang_dir else contextlib.nullcontext():
@@ -277,9 +273,7 @@ class TextNormalizer:
             )
 
             def make(overwrite: bool) -> Any:
-                return normalizer_cls(
-                    input_case=input_case, lang=lang, cache_dir=lang_dir, overwrite_cache=overwrite
-                )
+                return normalizer_cls(input_case=input_case, lang=lang, cache_dir=lang_dir, overwrite_cache=overwrite)
 
             try:
                 normalizer = make(False)
@@ -342,8 +336,7 @@ class TextNormalizer:
                     self._get(lang)
                 result[code] = True
             except Exception:  # said once: the gateway's workers warm a language before each text
-                self._warn_once(f"warm:{lang}", "text normalizer warm-up failed for %s (%s)", code, lang,
-                                exc_info=True)
+                self._warn_once(f"warm:{lang}", "text normalizer warm-up failed for %s (%s)", code, lang, exc_info=True)
         return result
 
     # ------------------------------------------------------------------ normalizing

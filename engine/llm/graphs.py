@@ -53,8 +53,9 @@ def capture_buckets(buckets: tuple[int, ...], work, pool=None) -> dict[int, torc
     return graphs
 
 
-def capture_sets(buckets: tuple[int, ...], kernel_sets: tuple[bool, ...], work, what: str
-                 ) -> tuple[dict[bool, dict[int, torch.cuda.CUDAGraph]], dict[bool, float], dict[bool, int]]:
+def capture_sets(
+    buckets: tuple[int, ...], kernel_sets: tuple[bool, ...], work, what: str
+) -> tuple[dict[bool, dict[int, torch.cuda.CUDAGraph]], dict[bool, float], dict[bool, int]]:
     """`capture_buckets` for each kernel set (`work(b, invariant)`), every graph in one memory pool. Returns
     the graphs (set -> bucket -> graph), and per set the capture's seconds and the GPU memory it added to
     the allocator's reserve (an upper bound: the eager warm-up's freed blocks stay reserved too)."""
@@ -64,8 +65,15 @@ def capture_sets(buckets: tuple[int, ...], kernel_sets: tuple[bool, ...], work, 
         graphs[inv] = capture_buckets(buckets, partial(work, invariant=inv), pool)
         pool = graphs[inv][buckets[0]].pool()
         seconds[inv], reserved[inv] = time.perf_counter() - t0, torch.cuda.memory_reserved() - mem0
-        log.info("captured %d %s graphs (%s kernels, %s) in %.1f s, +%.0f MiB reserved", len(buckets), what,
-                 "batch-invariant" if inv else "default", buckets, seconds[inv], reserved[inv] / 2**20)
+        log.info(
+            "captured %d %s graphs (%s kernels, %s) in %.1f s, +%.0f MiB reserved",
+            len(buckets),
+            what,
+            "batch-invariant" if inv else "default",
+            buckets,
+            seconds[inv],
+            reserved[inv] / 2**20,
+        )
     return graphs, seconds, reserved
 
 
@@ -77,8 +85,15 @@ def smallest_bucket(buckets: tuple[int, ...], n: int, what: str) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Zonos2, sampler: SamplerState, scratch_slot: int, max_batch: int,
-                 buckets: tuple[int, ...] = DEFAULT_BUCKETS, kernel_sets: tuple[bool, ...] = (False,)) -> None:
+    def __init__(
+        self,
+        model: Zonos2,
+        sampler: SamplerState,
+        scratch_slot: int,
+        max_batch: int,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        kernel_sets: tuple[bool, ...] = (False,),
+    ) -> None:
         """kernel_sets: the sets captured (False: default kernels, True: batch-invariant), every bucket each."""
         self.model, self.sampler = model, sampler
         dev = model.multi_output.weight.device
@@ -103,8 +118,9 @@ class DecodeGraphs:
         self.codes[:b] = self.sampler.sample(logits, self.slots[:b])
 
     def capture(self) -> None:
-        self.graphs, self.capture_s, self.capture_bytes = capture_sets(self.buckets, self.kernel_sets, self._step,
-                                                                       "decode")
+        self.graphs, self.capture_s, self.capture_bytes = capture_sets(
+            self.buckets, self.kernel_sets, self._step, "decode"
+        )
 
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.buckets, n, "batch")
@@ -139,11 +155,18 @@ class PrefillGraphs:
     captured, the same fixed-shape work launched eagerly). Eager prefill of a ~110-frame
     prompt is host-bound (~1,000 small launches, ~55 ms on an H200 for ~8 ms of GPU work); a replay
     costs only the GPU time. Each bucket has its own static inputs (token ids, per-token slot and
-    position, speaker rows and their emotion deltas, the attention block table, the chunks' last tokens), shared by the kernel sets;
+    position, speaker rows and their emotion deltas, the attention block table, the chunks' last tokens), shared by
+    the kernel sets;
     each set has its own graphs and outputs, in one memory pool."""
 
-    def __init__(self, model: Zonos2, scratch_slot: int, max_seqs: int = 16,
-                 buckets: tuple[int, ...] = PREFILL_BUCKETS, kernel_sets: tuple[bool, ...] = (False,)) -> None:
+    def __init__(
+        self,
+        model: Zonos2,
+        scratch_slot: int,
+        max_seqs: int = 16,
+        buckets: tuple[int, ...] = PREFILL_BUCKETS,
+        kernel_sets: tuple[bool, ...] = (False,),
+    ) -> None:
         self.model = model
         self.scratch_slot = scratch_slot
         self.max_seqs = max_seqs
@@ -156,16 +179,24 @@ class PrefillGraphs:
         self.capture_s: dict[bool, float] = {}
         self.capture_bytes: dict[bool, int] = {}
         cfg = model.cfg
-        self.pad_row = torch.tensor([cfg.audio_pad_id] * cfg.n_codebooks + [cfg.text_pad_id],
-                                    device=model.multi_output.weight.device)
+        self.pad_row = torch.tensor(
+            [cfg.audio_pad_id] * cfg.n_codebooks + [cfg.text_pad_id], device=model.multi_output.weight.device
+        )
 
     def _static_inputs(self, n_tokens: int) -> tuple[Tensor, ...]:
         from engine.model.zonos2 import PackedPrefill, PrefillSeq
 
         ids = self.pad_row.repeat(n_tokens, 1)
         # a representative batch: one sequence in the scratch slot, the rest padding
-        meta = PackedPrefill.build(self.model, [PrefillSeq(self.scratch_slot, 0, 1)], None, n_tokens,
-                                   self.max_seqs, ids.device, self.scratch_slot)
+        meta = PackedPrefill.build(
+            self.model,
+            [PrefillSeq(self.scratch_slot, 0, 1)],
+            None,
+            n_tokens,
+            self.max_seqs,
+            ids.device,
+            self.scratch_slot,
+        )
         return (ids, *meta.tensors())
 
     def _ensure_inputs(self) -> None:
@@ -175,8 +206,9 @@ class PrefillGraphs:
 
     def capture(self) -> None:
         self._ensure_inputs()
-        self.graphs, self.capture_s, self.capture_bytes = capture_sets(self.buckets, self.kernel_sets,
-                                                                       self._prefill, "prefill")
+        self.graphs, self.capture_s, self.capture_bytes = capture_sets(
+            self.buckets, self.kernel_sets, self._prefill, "prefill"
+        )
 
     def _prefill(self, b: int, invariant: bool = False) -> None:
         self.outputs[(invariant, b)] = self.model.prefill_packed(*self.inputs[b], invariant=invariant)
@@ -184,8 +216,14 @@ class PrefillGraphs:
     def bucket(self, n_tokens: int) -> int:
         return smallest_bucket(self.buckets, n_tokens, "prefill of")
 
-    def run(self, ids: Tensor, seqs: list, speakers: list[Tensor | None] | None, invariant: bool = False,
-            emotions: list[Tensor | None] | None = None) -> Tensor:
+    def run(
+        self,
+        ids: Tensor,
+        seqs: list,
+        speakers: list[Tensor | None] | None,
+        invariant: bool = False,
+        emotions: list[Tensor | None] | None = None,
+    ) -> Tensor:
         """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V], by
         kernel set `invariant` (captured: one of kernel_sets). emotions: each sequence's emotion delta or None
         (a static [max_seqs, dim] input: zeros where none)."""
@@ -195,8 +233,9 @@ class PrefillGraphs:
         b = self.bucket(n)
         self._ensure_inputs()
         static = self.inputs[b]
-        meta = PackedPrefill.build(self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot,
-                                   emotions)
+        meta = PackedPrefill.build(
+            self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot, emotions
+        )
         static[0][:n].copy_(ids, non_blocking=True)
         static[0][n:] = self.pad_row
         for dst, src in zip(static[1:], meta.tensors(), strict=True):
@@ -206,4 +245,3 @@ class PrefillGraphs:
         else:  # not captured: the same fixed-shape work, launched eagerly
             self._prefill(b, invariant)
         return self.outputs[(invariant, b)][: len(seqs)]
-

@@ -88,8 +88,16 @@ class PendingDecode:
 
 
 class LLMNode:
-    def __init__(self, model: Zonos2, n_slots: int, max_len: int | None = None, cuda_graphs: bool = True,
-                 compile: bool = False, batch_invariant: str = "off", triton: bool | None = None) -> None:
+    def __init__(
+        self,
+        model: Zonos2,
+        n_slots: int,
+        max_len: int | None = None,
+        cuda_graphs: bool = True,
+        compile: bool = False,
+        batch_invariant: str = "off",
+        triton: bool | None = None,
+    ) -> None:
         """batch_invariant: which calls run the batch-invariant kernels (`engine.model.batch_invariant`: a row's
         logits do not depend on what shares its step or prefill), one of BATCH_INVARIANT_MODES: "seeded" (a
         decode step or packed prefill with a request whose params carry a seed; the default kernels
@@ -114,20 +122,23 @@ class LLMNode:
         # One extra slot is scratch: padding rows of a captured batch point at it.
         self.cache = model.setup_cache(n_slots + 1, max_len)
         self.max_len = self.cache.max_len
-        self.sampler = SamplerState(n_slots + 1, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device,
-                                    compiled=on_gpu and compile)
+        self.sampler = SamplerState(
+            n_slots + 1, self.cfg.n_codebooks, self.cfg.audio_vocab, self.device, compiled=on_gpu and compile
+        )
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
         # Two of each host buffer, alternating per launch: with overlap two steps are in flight at once (one
         # being read back, the next running), each copying its inputs in and its codes out through its own.
-        self._host_codes = [torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu)
-                            for _ in range(2)]
+        self._host_codes = [
+            torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+        ]
         self._host_inputs = [torch.zeros(2, n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._flip = 0
         # a prefill's first frames and the slots that sample them, the same way (a prefill may be in flight
         # while the next is launched)
-        self._host_first = [torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu)
-                            for _ in range(2)]
+        self._host_first = [
+            torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+        ]
         self._host_first_slots = [torch.zeros(n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._first_flip = 0
         self._text_col = torch.full((n_slots + 1, 1), self.cfg.text_pad_id, dtype=torch.int64, device=self.device)
@@ -140,8 +151,9 @@ class LLMNode:
 
             self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots, kernel_sets=self.kernel_sets)
             if cuda_graphs:
-                self.graphs = DecodeGraphs(model, self.sampler, scratch_slot=n_slots, max_batch=n_slots,
-                                           kernel_sets=self.kernel_sets)
+                self.graphs = DecodeGraphs(
+                    model, self.sampler, scratch_slot=n_slots, max_batch=n_slots, kernel_sets=self.kernel_sets
+                )
                 self.graphs.capture()
                 self.prefill_graphs.capture()
 
@@ -260,8 +272,9 @@ class LLMNode:
         self.in_flight.append(pending)
         return pending
 
-    def _pending(self, seqs: list[Sequence], codes: Tensor, host: Tensor,
-                 prefill_slots: set[int] | None = None) -> PendingDecode:
+    def _pending(
+        self, seqs: list[Sequence], codes: Tensor, host: Tensor, prefill_slots: set[int] | None = None
+    ) -> PendingDecode:
         """The launched work's codes on their way to the host: a copy on a CPU (the graphs reuse their
         buffers); on a GPU a pinned copy behind the work and an event (no sync here). prefill_slots: a
         prefill's, the slots it writes."""
@@ -280,7 +293,7 @@ class LLMNode:
         ids, seqs, speakers, emotions = [], [], [], []
         for seq, n in chunks:
             start = seq.prefilled
-            ids.append(torch.from_numpy(seq.prompt[start:start + n]))
+            ids.append(torch.from_numpy(seq.prompt[start : start + n]))
             seqs.append(PrefillSeq(seq.slot, start, n))
             speakers.append(seq.speaker if start == 0 else None)
             emotions.append(seq.emotion if start == 0 else None)

@@ -78,8 +78,9 @@ class SamplerState:
     """Static per-slot sampling state. Write a request's parameters with `admit`, then every step's
     `sample` reads them by slot index and appends the sampled frame to the slot's history ring."""
 
-    def __init__(self, n_slots: int, n_codebooks: int, vocab: int, device: torch.device | str,
-                 compiled: bool = False) -> None:
+    def __init__(
+        self, n_slots: int, n_codebooks: int, vocab: int, device: torch.device | str, compiled: bool = False
+    ) -> None:
         self.n_codebooks, self.vocab = n_codebooks, vocab
         # torch.compile fuses the ~60 small kernels of filtering and hashing (CUDA decode graphs)
         self._filter = torch.compile(self.filtered_logits, fullgraph=True) if compiled else self.filtered_logits
@@ -112,8 +113,14 @@ class SamplerState:
         rc = p.repetition_codebooks
         # temperature 0 is greedy: the logits are divided by a tiny one instead
         floats = (max(p.temperature, 1e-6), p.top_p, p.min_p, p.repetition_penalty, 1.0)
-        ints = (min(p.top_k_codes(), self.vocab), p.repetition_window,
-                self.n_codebooks if rc < 0 else rc, seed, 0, slot)
+        ints = (
+            min(p.top_k_codes(), self.vocab),
+            p.repetition_window,
+            self.n_codebooks if rc < 0 else rc,
+            seed,
+            0,
+            slot,
+        )
         self._floats[:, slot] = to_device(torch.tensor(floats, dtype=torch.float32), self._floats.device)
         self._ints[:, slot] = to_device(torch.tensor(ints, dtype=torch.int64), self._ints.device)
         self.history_step[slot].fill_(-1)

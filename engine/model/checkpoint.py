@@ -89,6 +89,7 @@ def count_params(cfg: Zonos2Config) -> tuple[int, int]:
 # ---- random (synthetic) weights ----------------------------------------------------------------
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device: torch.device) -> Tensor:
     """Scales that keep activations and logits in a sane range for a random model."""
+
     def randn(std: float, mean: float = 0.0) -> Tensor:
         return torch.randn(shape, generator=gen, device=device) * std + mean
 
@@ -165,9 +166,7 @@ def to_model_state(cfg: Zonos2Config, state: dict[str, Tensor], dtype: torch.dty
             yield name, t.to(dtype)
 
 
-def build_model(
-    cfg: Zonos2Config, state: dict[str, Tensor], device: str | torch.device, dtype: torch.dtype
-) -> Zonos2:
+def build_model(cfg: Zonos2Config, state: dict[str, Tensor], device: str | torch.device, dtype: torch.dtype) -> Zonos2:
     state = _normalise_keys(state)
     check_release_state(cfg, state)
     with torch.device("meta"):

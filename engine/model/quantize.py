@@ -57,8 +57,9 @@ def quantize_act(x: Tensor, block: int = QBLOCK) -> Tensor:
     return q.reshape(n, kb * block)[:, :k]
 
 
-def moe_fp8_reference(x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
-                      chosen: Tensor, weights: Tensor) -> Tensor:
+def moe_fp8_reference(
+    x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor, chosen: Tensor, weights: Tensor
+) -> Tensor:
     """Plain PyTorch FP8 MoE: x [N, dim]; gate_up [E, 2*inter, dim] and down [E, dim, inter] in e4m3 with
     their block scales; chosen / weights [N, k] -> [N, dim] in x's dtype. Reads only the experts in use.
     GEMM outputs are rounded to x's dtype before silu-and-mul (as the bf16 path and the reference do)."""
@@ -111,9 +112,12 @@ def check_mode(quantization: str, device: str) -> None:
     if quantization == "none":
         return
     if not device.startswith("cuda"):
-        raise ValueError("--quantization fp8 needs a CUDA GPU with FP8 tensor cores (Ada / Hopper or newer); "
-                         f"the engine runs on {device}: drop the flag to serve in the model dtype")
+        raise ValueError(
+            "--quantization fp8 needs a CUDA GPU with FP8 tensor cores (Ada / Hopper or newer); "
+            f"the engine runs on {device}: drop the flag to serve in the model dtype"
+        )
     major, minor = torch.cuda.get_device_capability(torch.device(device))
     if (major, minor) < (8, 9):
-        raise ValueError(f"--quantization fp8 needs compute capability 8.9 or newer (FP8 tensor cores); "
-                         f"{device} has {major}.{minor}")
+        raise ValueError(
+            f"--quantization fp8 needs compute capability 8.9 or newer (FP8 tensor cores); {device} has {major}.{minor}"
+        )

@@ -62,9 +62,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 # ---- per-layer stages as pure functions of tensors -------------------------------------------------
 # The modules below call these; the decode path can run torch.compile'd copies of them (one compiled
 # graph serves all 28 layers, since weights are arguments), which fuses their many small kernels.
-def attention_in(h: Tensor, norm_w: Tensor, w_qkvg: Tensor, temp: Tensor, cos: Tensor, sin: Tensor,
-                 k_cache: Tensor, v_cache: Tensor, layer: Tensor, slots: Tensor, positions: Tensor,
-                 n_heads: int, n_kv: int, eps: float) -> tuple[Tensor, Tensor]:
+def attention_in(
+    h: Tensor,
+    norm_w: Tensor,
+    w_qkvg: Tensor,
+    temp: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    layer: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    n_heads: int,
+    n_kv: int,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """attention_norm, q/k/v projections and the headwise gate as one GEMM, weightless QK-norm with
     |temp| on q, RoPE; writes K (normed, rotated) and raw V into the cache at (layer, slot, position)
     for every row (in place: compiled, this fuses into the RoPE kernel). Returns (q, gate logits)."""
@@ -118,9 +131,23 @@ def dense_ffn(x: Tensor, w_in: Tensor, w_out: Tensor) -> Tensor:
     return F.linear(up * F.silu(gate), w_out)
 
 
-def route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
-          b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
-          eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def route(
+    x: Tensor,
+    prev: Tensor | None,
+    down_w: Tensor,
+    down_b: Tensor,
+    scale: Tensor | None,
+    w0: Tensor,
+    b0: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    w4: Tensor,
+    eda_w: Tensor,
+    bias: Tensor,
+    bias_sign: float,
+    k: int,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor]:
     """EDA router -> (chosen experts [N, k], their unrenormalised probabilities, pre-norm state)."""
     r = F.linear(x, down_w, down_b)
     if scale is not None and prev is not None:
@@ -185,9 +212,16 @@ class PackedPrefill:
     last_idx: Tensor
 
     @staticmethod
-    def build(model: Zonos2, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None, n_tokens: int,
-              n_seqs: int, device: torch.device, scratch_slot: int | None = None,
-              emotions: list[Tensor | None] | None = None) -> PackedPrefill:
+    def build(
+        model: Zonos2,
+        seqs: list[PrefillSeq],
+        speakers: list[Tensor | None] | None,
+        n_tokens: int,
+        n_seqs: int,
+        device: torch.device,
+        scratch_slot: int | None = None,
+        emotions: list[Tensor | None] | None = None,
+    ) -> PackedPrefill:
         """emotions: per sequence, the hidden-space emotion delta [dim] added to its projected speaker row
         (engine/frontend/emotion.py, 'proj' space), or None."""
         from engine.model.kernels.prefill_attention import build_block_table, max_blocks
@@ -204,8 +238,8 @@ class PackedPrefill:
         last_idx = torch.zeros(n_seqs, dtype=torch.int64)
         table, off = [], 0
         for i, s in enumerate(seqs):
-            tok_slot[off:off + s.length] = s.slot
-            tok_pos[off:off + s.length] = torch.arange(s.start, s.start + s.length)
+            tok_slot[off : off + s.length] = s.slot
+            tok_pos[off : off + s.length] = torch.arange(s.start, s.start + s.length)
             sp = speakers[i] if speakers else None
             if sp is not None and s.start == 0:
                 spk[i] = sp.to(device=device, dtype=torch.float32).reshape(-1)
@@ -216,8 +250,15 @@ class PackedPrefill:
             last_idx[i] = off + s.length - 1
             off += s.length
         blocks = build_block_table(table, max_blocks(n_tokens, n_seqs), device=device)
-        return PackedPrefill(to_device(tok_slot, device), to_device(tok_pos, device), spk, emo,
-                             to_device(spk_of_tok, device), blocks, to_device(last_idx, device))
+        return PackedPrefill(
+            to_device(tok_slot, device),
+            to_device(tok_pos, device),
+            spk,
+            emo,
+            to_device(spk_of_tok, device),
+            blocks,
+            to_device(last_idx, device),
+        )
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (self.tok_slot, self.tok_pos, self.spk, self.emo, self.spk_of_tok, *self.blocks, self.last_idx)
@@ -256,7 +297,7 @@ class Attention(nn.Module):
                 w = torch.cat([p.detach() for p in parts])
                 off = 0
                 for p in parts:
-                    p.data = w[off:off + p.shape[0]]
+                    p.data = w[off : off + p.shape[0]]
                     off += p.shape[0]
             self._fused = w
         return w
@@ -292,9 +333,23 @@ class Router(nn.Module):
         """route_fn: `route`, its compiled copy, or the fused Triton router (same signature)."""
         mlp = self.router_mlp
         prev = prev_state if self.router_states_scale is not None else None
-        return route_fn(x, prev, self.down_proj.weight, self.down_proj.bias, self.router_states_scale,
-                            mlp[0].weight, mlp[0].bias, mlp[2].weight, mlp[2].bias, mlp[4].weight,
-                            self.rmsnorm_eda.weight, self.balancing_biases, self.bias_sign, k, self.rmsnorm_eda.eps)
+        return route_fn(
+            x,
+            prev,
+            self.down_proj.weight,
+            self.down_proj.bias,
+            self.router_states_scale,
+            mlp[0].weight,
+            mlp[0].bias,
+            mlp[2].weight,
+            mlp[2].bias,
+            mlp[4].weight,
+            self.rmsnorm_eda.weight,
+            self.balancing_biases,
+            self.bias_sign,
+            k,
+            self.rmsnorm_eda.eps,
+        )
 
 
 class MoEFFN(nn.Module):
@@ -323,10 +378,10 @@ class MoEFFN(nn.Module):
                 from engine.model.kernels.moe_fp8 import fused_moe_fp8
 
                 ex = self.experts
-                return fused_moe_fp8(x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights,
-                                     batch_invariant=bi), state
-            return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights,
-                             batch_invariant=bi), state
+                return fused_moe_fp8(
+                    x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights, batch_invariant=bi
+                ), state
+            return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights, batch_invariant=bi), state
         chosen, weights, state = self.router(x, router_state, self.k, stages.route)
         if self.fp8:
             from engine.model.quantize import moe_fp8_reference
@@ -457,11 +512,13 @@ class Zonos2(nn.Module):
         return x
 
     def head(self, h: Tensor, stages: Stages = PLAIN) -> Tensor:
-        return stages.head(h, self.out_norm.weight, self.multi_output.weight, self.cfg.n_codebooks,
-                           self.cfg.softcap, self.cfg.norm_eps)
+        return stages.head(
+            h, self.out_norm.weight, self.multi_output.weight, self.cfg.n_codebooks, self.cfg.softcap, self.cfg.norm_eps
+        )
 
-    def _layers(self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend,
-                stages: Stages = PLAIN) -> Tensor:
+    def _layers(
+        self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend, stages: Stages = PLAIN
+    ) -> Tensor:
         """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q, g) reads the
         cache (this call's K/V already written) and returns the attention output [N, H, D] gated by the
         gate logits g [N, H] (`apply_gate`). With the Triton kernels on, the FFN residual add joins the
@@ -485,8 +542,19 @@ class Zonos2(nn.Module):
                 trace(i, "residual", h)
                 trace(i, "attention_norm", a)
                 qkvg = trace(i, "qkvg", linear(a, att.fused_weight()))
-                q, g = qkv_rope_cache(qkvg, att.temp, self.rope_cos, self.rope_sin, cache.k[i], cache.v[i], slots,
-                                      positions, heads, kv_heads, QK_NORM_EPS)
+                q, g = qkv_rope_cache(
+                    qkvg,
+                    att.temp,
+                    self.rope_cos,
+                    self.rope_sin,
+                    cache.k[i],
+                    cache.v[i],
+                    slots,
+                    positions,
+                    heads,
+                    kv_heads,
+                    QK_NORM_EPS,
+                )
                 trace(i, "q_rope", q)
                 o = trace(i, "attention", attend(i, q, g))
                 h = trace(i, "wo_residual", linear(o.flatten(1), att.wo.weight, residual=h))
@@ -494,9 +562,22 @@ class Zonos2(nn.Module):
             else:
                 if y is not None:
                     h = h + y
-                q, g = stages.attention_in(h, layer.attention_norm.weight, att.fused_weight(), att.temp, cos, sin,
-                                           cache.k, cache.v, self.layer_ids[i], slots, positions, heads, kv_heads,
-                                           eps)
+                q, g = stages.attention_in(
+                    h,
+                    layer.attention_norm.weight,
+                    att.fused_weight(),
+                    att.temp,
+                    cos,
+                    sin,
+                    cache.k,
+                    cache.v,
+                    self.layer_ids[i],
+                    slots,
+                    positions,
+                    heads,
+                    kv_heads,
+                    eps,
+                )
                 h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             trace(i, "ffn", y)
@@ -506,16 +587,21 @@ class Zonos2(nn.Module):
 
     # ---- entry points ------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, ids: Tensor, seqs: list[PrefillSeq], speakers: list[Tensor | None] | None = None,
-                invariant: bool | None = None, emotions: list[Tensor | None] | None = None) -> Tensor:
+    def prefill(
+        self,
+        ids: Tensor,
+        seqs: list[PrefillSeq],
+        speakers: list[Tensor | None] | None = None,
+        invariant: bool | None = None,
+        emotions: list[Tensor | None] | None = None,
+    ) -> Tensor:
         """Packed prefill. ids [sum(length), 10]. A speaker row replaces frame 0 of a sequence whose
         chunk starts at 0 (plus its emotion delta [dim], `emotions`, when given). Returns logits
         [len(seqs), 9, audio_vocab] of each chunk's last frame. invariant: the kernel set of the Triton path
         (`stages`)."""
         assert self.cache is not None, "call setup_cache first"
         if self.use_triton:
-            batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device,
-                                        emotions=emotions)
+            batch = PackedPrefill.build(self, seqs, speakers, ids.shape[0], len(seqs), ids.device, emotions=emotions)
             return self.prefill_packed(ids, *batch.tensors(), invariant=invariant)
         cache = self.cache
         e = self.embed(ids)
@@ -536,10 +622,21 @@ class Zonos2(nn.Module):
         return self.head(h[last])
 
     @torch.inference_mode()
-    def prefill_packed(self, ids: Tensor, tok_slot: Tensor, tok_pos: Tensor, spk: Tensor, emo: Tensor,
-                       spk_of_tok: Tensor,
-                       block_slot: Tensor, block_start: Tensor, block_len: Tensor, block_pos0: Tensor,
-                       last_idx: Tensor, invariant: bool | None = None) -> Tensor:
+    def prefill_packed(
+        self,
+        ids: Tensor,
+        tok_slot: Tensor,
+        tok_pos: Tensor,
+        spk: Tensor,
+        emo: Tensor,
+        spk_of_tok: Tensor,
+        block_slot: Tensor,
+        block_start: Tensor,
+        block_len: Tensor,
+        block_pos0: Tensor,
+        last_idx: Tensor,
+        invariant: bool | None = None,
+    ) -> Tensor:
         """The prefill as pure tensor work of fixed shapes (Triton attention over the cache, no host
         sync), so a CUDA graph per token count can replay it. Padding tokens write into the scratch
         slot and belong to no attention block. emo [n_seqs, dim]: each speaker row's emotion delta (zeros:
@@ -558,15 +655,17 @@ class Zonos2(nn.Module):
         h = norm(e, None, self.cfg.norm_eps)
 
         def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
-            return apply_gate(prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start,
-                                                block_len, block_pos0), g)
+            return apply_gate(
+                prefill_attention(q, cache.k[layer], cache.v[layer], block_slot, block_start, block_len, block_pos0), g
+            )
 
         h = self._layers(h, cache, tok_slot, tok_pos, attend, stages)
         return self.head(h[last_idx], stages)
 
     @torch.inference_mode()
-    def decode(self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None,
-               invariant: bool | None = None) -> Tensor:
+    def decode(
+        self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None, invariant: bool | None = None
+    ) -> Tensor:
         """One frame per slot. ids [B, 10]; positions [B] = index of this frame. Attends over the first
         `attn_len` cache entries of each slot (static under CUDA graphs), masked to each slot's length.
         invariant: the kernel set (`stages`)."""
@@ -579,8 +678,9 @@ class Zonos2(nn.Module):
             lengths = (positions + 1).to(torch.int32)
 
             def attend_fast(layer: int, q: Tensor, g: Tensor) -> Tensor:
-                return decode_attention(q, cache.k[layer], cache.v[layer], slots, lengths,
-                                        chunk=stages.attention_split, gate=g)
+                return decode_attention(
+                    q, cache.k[layer], cache.v[layer], slots, lengths, chunk=stages.attention_split, gate=g
+                )
 
             return self.head(self._layers(h, cache, slots, positions, attend_fast, stages), stages)
 
@@ -618,14 +718,16 @@ def _no_trace(layer: int, op: str, t: Tensor) -> Tensor:
 def _causal_attend(cache: KVCache, seqs: list[PrefillSeq], offsets: list[int]):
     """attend(layer, q, g) for packed rows: chunk s (rows offsets[i]...) sees its slot's cached frames
     0..start+i (causal with an offset), gated."""
+
     def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
         out = torch.empty_like(q)
         for s, o in zip(seqs, offsets, strict=True):
             end = s.start + s.length
             kk, vv = cache.k[layer, s.slot, :end], cache.v[layer, s.slot, :end]
             mask = torch.ones(s.length, end, dtype=torch.bool, device=q.device).tril(s.start)
-            out[o:o + s.length] = _sdpa(q[o:o + s.length], kk, vv, mask)
+            out[o : o + s.length] = _sdpa(q[o : o + s.length], kk, vv, mask)
         return apply_gate(out, g)
+
     return attend
 
 

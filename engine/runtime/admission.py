@@ -108,8 +108,9 @@ class RealtimeAdmission:
             return 0.0
         return self.cost_s * (streams + new)
 
-    def gate(self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0,
-             dac_backlog: float = 0.0) -> Gate | None:
+    def gate(
+        self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0, dac_backlog: float = 0.0
+    ) -> Gate | None:
         """What holds back the `new`-th stream admitted in this iteration, with `streams` running (`starting`
         of them admitted but without audio yet), the smallest slack of a playing stream `min_slack_s` (None:
         none is playing yet) and `dac_backlog` iterations of decoder work queued; None: it may start."""
@@ -125,13 +126,15 @@ class RealtimeAdmission:
             return None if new <= self.cold_start else Gate.COLD_START
         return None if self.predicted_s(streams, new) <= self.bound_s else Gate.PERIOD
 
-    def may_admit(self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0,
-                  dac_backlog: float = 0.0) -> bool:
+    def may_admit(
+        self, streams: int, new: int = 1, min_slack_s: float | None = None, starting: int = 0, dac_backlog: float = 0.0
+    ) -> bool:
         """May the `new`-th stream admitted in this iteration start (`gate`)?"""
         return self.gate(streams, new, min_slack_s, starting, dac_backlog) is None
 
-    def admissible(self, streams: int, min_slack_s: float | None, limit: int, starting: int = 0,
-                   dac_backlog: float = 0.0) -> int:
+    def admissible(
+        self, streams: int, min_slack_s: float | None, limit: int, starting: int = 0, dac_backlog: float = 0.0
+    ) -> int:
         """How many more streams may start now (at most `limit`): what the gateway's placement uses."""
         n = 0
         while n < limit and self.may_admit(streams, n + 1, min_slack_s, starting, dac_backlog):

@@ -29,8 +29,7 @@ from engine.weights import load_codec, load_model, load_speaker_encoder
 log = logging.getLogger("engine")
 
 DAC_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-SCHEDULES = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency,
-             "reference": ChunkSchedule.reference}
+SCHEDULES = {"default": ChunkSchedule, "low_latency": ChunkSchedule.low_latency, "reference": ChunkSchedule.reference}
 assert tuple(SCHEDULES) == CHUNK_SCHEDULES  # the flag's choices
 
 
@@ -50,11 +49,15 @@ class Engine:
         model = load_model(src, self.device, quantization=settings.quantization)
         slots = settings.max_batch or (GPU_SLOTS if self.on_gpu else CPU_SLOTS)
         max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
-        self.llm = LLMNode(model, slots, max_context, settings.cuda_graphs, settings.compile,
-                           batch_invariant=settings.batch_invariant)
+        self.llm = LLMNode(
+            model, slots, max_context, settings.cuda_graphs, settings.compile, batch_invariant=settings.batch_invariant
+        )
         self.dac_device = settings.dac_device or self.device
-        dtype = settings.dac_dtype if settings.dac_dtype != "auto" else (
-            "bfloat16" if self.dac_device.startswith("cuda") else "float32")
+        dtype = (
+            settings.dac_dtype
+            if settings.dac_dtype != "auto"
+            else ("bfloat16" if self.dac_device.startswith("cuda") else "float32")
+        )
         self.codec = load_codec(src, self.dac_device, DAC_DTYPES[dtype])
         # twice the LLM's slots: a stream keeps its DAC slot while its last audio is decoded after generation
         self.dac = StreamingDecoder(self.codec, SCHEDULES[settings.chunk_schedule](), slots=2 * slots)

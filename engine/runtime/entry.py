@@ -16,8 +16,13 @@ from engine.contract.settings import EngineSettings, WeightSources
 log = logging.getLogger("engine")
 
 
-def engine_main(src: WeightSources, settings: EngineSettings, channels: list[tuple[RingSpec, RingSpec]],
-                log_level: str = "INFO", lifeline: Lifeline | None = None) -> None:
+def engine_main(
+    src: WeightSources,
+    settings: EngineSettings,
+    channels: list[tuple[RingSpec, RingSpec]],
+    log_level: str = "INFO",
+    lifeline: Lifeline | None = None,
+) -> None:
     """Run the engine over its channels: one (requests, events) ring pair per gateway process. When the
     process that started it dies (`lifeline`, engine/contract/lifeline.py), the engine unlinks every ring
     and exits."""

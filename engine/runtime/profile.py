@@ -55,8 +55,11 @@ class IterationProfiler:
         path = os.environ.get("ZONOS_PROFILE")
         if not path:
             return None
-        return cls(path, int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
-                   int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")))
+        return cls(
+            path,
+            int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
+            int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")),
+        )
 
     def iteration(self, streams: int) -> None:
         """Called once per engine iteration with the streams it decoded."""
@@ -96,8 +99,11 @@ class IterationProfiler:
             with open(f.name) as fh:
                 trace = json.load(fh)
         budget = iteration_budget(trace.get("traceEvents", []), self._count)
-        budget.update(iterations=self._count, wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
-                      streams_mean=round(sum(self._streams) / len(self._streams), 1))
+        budget.update(
+            iterations=self._count,
+            wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
+            streams_mean=round(sum(self._streams) / len(self._streams), 1),
+        )
         if counts:
             budget["dac"] = dac_report(counts, budget["gpu_ms_per_iteration"]["dac"] * self._count)
         with open(self.path, "w") as fh:

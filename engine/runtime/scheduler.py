@@ -108,23 +108,26 @@ class Scheduler:
         self.speaker = engine.speaker
         # one channel (a request ring and an events ring) per gateway process (engine/runtime/channels.py)
         self.inbox = Inboxes(inbox if isinstance(inbox, list) else [inbox])
-        self.outbox = Outboxes(outbox_ring if isinstance(outbox_ring, list) else [outbox_ring],
-                               settings.outbox_bytes_per_request)
+        self.outbox = Outboxes(
+            outbox_ring if isinstance(outbox_ring, list) else [outbox_ring], settings.outbox_bytes_per_request
+        )
         mode = settings.admission if settings.admission != "auto" else ("realtime" if engine.on_gpu else "slots")
         if mode not in ("realtime", "slots"):
             raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
-        self.admission = RealtimeAdmission(settings.admission_headroom, settings.admission_max_wait_s,
-                                           lead_floor_s=settings.admission_lead_floor_ms / 1e3,
-                                           prebuffer_s=settings.admission_prebuffer_ms / 1e3,
-                                           max_starting=settings.admission_max_starting,
-                                           enabled=mode == "realtime")
+        self.admission = RealtimeAdmission(
+            settings.admission_headroom,
+            settings.admission_max_wait_s,
+            lead_floor_s=settings.admission_lead_floor_ms / 1e3,
+            prebuffer_s=settings.admission_prebuffer_ms / 1e3,
+            max_starting=settings.admission_max_starting,
+            enabled=mode == "realtime",
+        )
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
         self.streams: dict[int, Job] = {}  # DAC stream -> the running request its audio belongs to
         self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
-        self.counters = {"steps": 0, "paced": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0,
-                         "cancelled": 0}
+        self.counters = {"steps": 0, "paced": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
         self.stopping = False
         self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
         self._last_stats = 0.0
@@ -149,8 +152,12 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self.stopping:
-            generating = (any(j.seq.finish_reason is None for j in self.running.values()) or self.waiting
-                          or self._inflight is not None or self._inflight_prefill is not None)
+            generating = (
+                any(j.seq.finish_reason is None for j in self.running.values())
+                or self.waiting
+                or self._inflight is not None
+                or self._inflight_prefill is not None
+            )
             if not generating and self.outbox.pending_bytes() == 0:
                 # idle: sleep until a request arrives (only audio left to decode: just a short nap)
                 self.inbox.wait(timeout=0.5 if not self.running else 0.002)
@@ -178,10 +185,17 @@ class Scheduler:
         if (t_end := time.perf_counter()) - t0 > SLOW_ITERATION_S:  # every listener felt it: say where it went
             self._slow += 1
             if t_end - self._slow_logged > SLOW_LOG_INTERVAL_S:  # a slow CPU engine must not flood the log
-                log.warning("slow iteration: %.0f ms (inbox + admission %.0f, step %.0f, outbox + stats %.0f) with "
-                            "%d running, %d waiting (%d slow iterations since the last such line)",
-                            (t_end - t0) * 1e3, (t_step - t0) * 1e3, (t_out - t_step) * 1e3, (t_end - t_out) * 1e3,
-                            len(self.running), len(self.waiting), self._slow)
+                log.warning(
+                    "slow iteration: %.0f ms (inbox + admission %.0f, step %.0f, outbox + stats %.0f) with "
+                    "%d running, %d waiting (%d slow iterations since the last such line)",
+                    (t_end - t0) * 1e3,
+                    (t_step - t0) * 1e3,
+                    (t_out - t_step) * 1e3,
+                    (t_end - t_out) * 1e3,
+                    len(self.running),
+                    len(self.waiting),
+                    self._slow,
+                )
                 self._slow_logged, self._slow = t_end, 0
 
     def _read_inbox(self) -> None:
@@ -225,7 +239,8 @@ class Scheduler:
             return self._error(req.rid, E.BAD_REQUEST, f"prompt must be [P, {cfg.n_codebooks + 1}]")
         if len(req.prompt) >= self.llm.max_len - 1:
             return self._error(
-                req.rid, E.PROMPT_TOO_LONG,
+                req.rid,
+                E.PROMPT_TOO_LONG,
                 f"prompt of {len(req.prompt)} frames does not fit the {self.llm.max_len}-frame context",
             )
         if len(self.waiting) >= self.settings.max_queue + len(self.llm.free_slots):  # free slots admit at once
@@ -234,18 +249,24 @@ class Scheduler:
         speaker = emotion = uncond_speaker = None
         if req.speaker_embedding is not None:
             if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
-                return self._error(req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values")
+                return self._error(
+                    req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values"
+                )
             speaker = to_device(req.speaker_embedding, self.engine.device)
         has_speaker = req.speaker_embedding is not None or req.clip is not None
         # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill
         for name, vec, size, voiced in (
-                ("emotion delta", req.emotion_delta, cfg.dim, has_speaker),
-                ("uncond speaker embedding", req.uncond_speaker, cfg.speaker_embedding_dim, speaker is not None)):
+            ("emotion delta", req.emotion_delta, cfg.dim, has_speaker),
+            ("uncond speaker embedding", req.uncond_speaker, cfg.speaker_embedding_dim, speaker is not None),
+        ):
             if vec is None:
                 continue
             if vec.shape != (size,) or not np.isfinite(vec).all():
-                return self._error(req.rid, E.BAD_VOICE, f"the {name} must have {size} finite values (the "
-                                   "emotion directions must be built for this model)")
+                return self._error(
+                    req.rid,
+                    E.BAD_VOICE,
+                    f"the {name} must have {size} finite values (the emotion directions must be built for this model)",
+                )
             if not voiced:
                 return self._error(req.rid, E.BAD_REQUEST, f"an {name} needs a speaker embedding")
         if req.emotion_delta is not None:
@@ -253,11 +274,19 @@ class Scheduler:
         if req.uncond_speaker is not None:
             uncond_speaker = to_device(req.uncond_speaker, self.engine.device)
         max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
-        seq = Sequence(rid=req.rid, prompt=req.prompt, params=req.params, max_frames=max_frames,
-                       speaker=speaker, emotion=emotion, ignore_eos=req.ignore_eos)
+        seq = Sequence(
+            rid=req.rid,
+            prompt=req.prompt,
+            params=req.params,
+            max_frames=max_frames,
+            speaker=speaker,
+            emotion=emotion,
+            ignore_eos=req.ignore_eos,
+        )
         job = Job(seq, time.perf_counter(), hold=req.hold, continues=req.continues)
-        kind = twin_kind(req.params, has_speaker, req.uncond_prompt is not None,
-                         emotion is not None or uncond_speaker is not None)
+        kind = twin_kind(
+            req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
+        )
         if kind is not None:
             job.twin_kind, job.cfg_scale = kind
             uncond = req.uncond_prompt if job.twin_kind == "prefix" else req.prompt
@@ -265,17 +294,29 @@ class Scheduler:
             if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= self.llm.max_len - 1:
                 return self._error(req.rid, E.BAD_REQUEST, "the prefix twin's prompt does not fit")
             # prefix: the voice and its emotion; speaker: neither; emotion: the voice without the emotion
-            twin_speaker = {"prefix": speaker, "speaker": None,
-                            "emotion": uncond_speaker if uncond_speaker is not None else speaker}[job.twin_kind]
-            job.twin = Sequence(rid=-req.rid, prompt=uncond, params=req.params, max_frames=max_frames,
-                                speaker=twin_speaker, emotion=emotion if job.twin_kind == "prefix" else None,
-                                ignore_eos=req.ignore_eos)
+            twin_speaker = {
+                "prefix": speaker,
+                "speaker": None,
+                "emotion": uncond_speaker if uncond_speaker is not None else speaker,
+            }[job.twin_kind]
+            job.twin = Sequence(
+                rid=-req.rid,
+                prompt=uncond,
+                params=req.params,
+                max_frames=max_frames,
+                speaker=twin_speaker,
+                emotion=emotion if job.twin_kind == "prefix" else None,
+                ignore_eos=req.ignore_eos,
+            )
         need = 1 + (job.twin is not None)
         if need > self.llm.n_slots:  # it could wait forever, and hold up everything behind it
-            return self._error(req.rid, E.CANNOT_FIT,
-                               f"guidance (cfg_scale, prefix_cfg_scale or emotion_cfg_scale != 1) decodes a second "
-                               f"row beside the request and needs {need} decode slots; this engine has "
-                               f"{self.llm.n_slots} (--max-batch)")
+            return self._error(
+                req.rid,
+                E.CANNOT_FIT,
+                f"guidance (cfg_scale, prefix_cfg_scale or emotion_cfg_scale != 1) decodes a second "
+                f"row beside the request and needs {need} decode slots; this engine has "
+                f"{self.llm.n_slots} (--max-batch)",
+            )
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
             self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
@@ -288,8 +329,9 @@ class Scheduler:
         rids = {j.seq.rid for j in (*self.waiting, *self.running.values()) if channel_of(j.seq.rid, n) == channel}
         for rid in rids:
             self._cancel(rid, ack=False)
-        log.warning("a new gateway process took channel %d: cancelled the %d requests of the last one",
-                    channel, len(rids))
+        log.warning(
+            "a new gateway process took channel %d: cancelled the %d requests of the last one", channel, len(rids)
+        )
         if self.ready is not None:
             self.outbox.boxes[channel].send("ready", self.ready, force=True)
 
@@ -354,13 +396,14 @@ class Scheduler:
             self._open_stream(job)
             self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=round((job.t_admitted - job.t_arrival) * 1e3, 2)))
         # what live streams could not make room for within max_wait_s is refused, oldest first
-        while (self.admission.enabled and self.waiting
-               and now - self.waiting[0].t_arrival > self.admission.max_wait_s):
+        while self.admission.enabled and self.waiting and now - self.waiting[0].t_arrival > self.admission.max_wait_s:
             job = self.waiting.popleft()
-            self._error(job.seq.rid, E.ENGINE_BUSY,
-                        f"every stream the GPU can keep in real time is playing; waited "
-                        f"{self.admission.max_wait_s:g} s",
-                        retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()))
+            self._error(
+                job.seq.rid,
+                E.ENGINE_BUSY,
+                f"every stream the GPU can keep in real time is playing; waited {self.admission.max_wait_s:g} s",
+                retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()),
+            )
 
     def _open_stream(self, job: Job) -> None:
         """The admitted request's DAC stream: the held one it continues, or a new one."""
@@ -428,8 +471,10 @@ class Scheduler:
         for key, job in list(self.held.items()):
             if now - job.t_held < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
                 continue
-            if not job.t_stream_first or self.admission.held_s(
-                    job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s:
+            if (
+                not job.t_stream_first
+                or self.admission.held_s(job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s
+            ):
                 del self.held[key]
                 job.hold, job.stream_end = False, None
                 self.dac.flush(key)
@@ -437,9 +482,14 @@ class Scheduler:
     def _min_slack(self, now: float) -> float | None:
         """The smallest slack (the lead its player will have left when its next chunk lands) over the streams
         playing now (admission.py)."""
-        slacks = [self.admission.slack_s(self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now),
-                                         self.dac.frames_to_next(j.stream))
-                  for j in self.running.values() if j.t_stream_first and self.streams.get(j.stream) is j]
+        slacks = [
+            self.admission.slack_s(
+                self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now),
+                self.dac.frames_to_next(j.stream),
+            )
+            for j in self.running.values()
+            if j.t_stream_first and self.streams.get(j.stream) is j
+        ]
         return min(slacks) if slacks else None
 
     def _starting(self, now: float) -> int:
@@ -456,15 +506,19 @@ class Scheduler:
             paused = time.perf_counter() - self._paced_since
             self._paced_since = 0.0
             if paused > SLOW_ITERATION_S:
-                log.warning("decode steps paused %.0f ms: the dac_decoder was behind (%d running)", paused * 1e3,
-                            len(self.running))
+                log.warning(
+                    "decode steps paused %.0f ms: the dac_decoder was behind (%d running)",
+                    paused * 1e3,
+                    len(self.running),
+                )
         return False
 
     def _dac_behind(self) -> bool:
         """Is the dac_decoder behind the LLM? Only possible while it has every launch it may have in flight
         (else it launches what is ready at once): the backlog's pass over every stream runs only then."""
-        return (self.dac.in_flight() >= self.settings.dac_max_in_flight
-                and self.admission.dac_behind(self._dac_backlog()))
+        return self.dac.in_flight() >= self.settings.dac_max_in_flight and self.admission.dac_behind(
+            self._dac_backlog()
+        )
 
     def _dac_backlog(self) -> float:
         """The dac_decoder's queued work, in iterations of its per-iteration frame budget."""
@@ -488,8 +542,9 @@ class Scheduler:
         jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
         live = [s for j in jobs for s in (j.seq, j.twin) if s is not None]
         # a guided request's twin decodes in lockstep with it: the request's frame budget decides for both
-        decoding = [s for j in jobs if self.llm.wants_step(j.seq) for s in (j.seq, j.twin)
-                    if s is not None and not s.in_prefill]
+        decoding = [
+            s for j in jobs if self.llm.wants_step(j.seq) for s in (j.seq, j.twin) if s is not None and not s.in_prefill
+        ]
         # no new frames (no decode step, no prefill) while the audio decoder is behind (admission.py); the step
         # in flight is still read back, its cancels acknowledged
         paced = bool(live) and self._paced()
@@ -610,9 +665,19 @@ class Scheduler:
             if any(s in self.llm.deferred for s in slots):
                 waiting.append((rid, t0, job, slots))
                 continue
-            self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
-                free_ms=round((time.perf_counter() - t0) * 1e3, 3), free_slots=len(self.llm.free_slots),
-                frames=job.seq.generated)), force=True)
+            self.outbox.send(
+                rid,
+                m.Finished(
+                    rid,
+                    m.CANCELLED,
+                    freed=m.CancelStats(
+                        free_ms=round((time.perf_counter() - t0) * 1e3, 3),
+                        free_slots=len(self.llm.free_slots),
+                        frames=job.seq.generated,
+                    ),
+                ),
+                force=True,
+            )
         self._acks = waiting
 
     def _drop_inflight(self) -> None:
@@ -645,8 +710,12 @@ class Scheduler:
         if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
         with self.engine.dac_stream(), node_range("dac"):
-            self.dac.launch(self.settings.dac_max_batch, self.settings.dac_frames_per_step or None,
-                            self.settings.dac_min_batch, self.settings.dac_max_hold)
+            self.dac.launch(
+                self.settings.dac_max_batch,
+                self.settings.dac_frames_per_step or None,
+                self.settings.dac_min_batch,
+                self.settings.dac_max_hold,
+            )
         self._send_audio(self.dac.collect())  # on a CPU the calls have already run
 
     def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
@@ -657,8 +726,11 @@ class Scheduler:
             if job is None:
                 continue
             now = time.perf_counter()
-            while (job.successor is not None and job.stream_end is not None
-                   and job.stream_samples + len(pcm) >= job.stream_end):
+            while (
+                job.successor is not None
+                and job.stream_end is not None
+                and job.stream_samples + len(pcm) >= job.stream_end
+            ):
                 n = max(0, job.stream_end - job.stream_samples)
                 if n and not self._put_audio(job, pcm[:n], now):
                     break
@@ -732,8 +804,13 @@ class Scheduler:
             job = self.running.pop(rid, None)
             if job is None:  # already finished or unknown: nothing to free, but acknowledge
                 if ack:
-                    self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
-                        free_ms=0.0, free_slots=len(self.llm.free_slots))), force=True)
+                    self.outbox.send(
+                        rid,
+                        m.Finished(
+                            rid, m.CANCELLED, freed=m.CancelStats(free_ms=0.0, free_slots=len(self.llm.free_slots))
+                        ),
+                        force=True,
+                    )
                 return
             slots = [s.slot for s in (job.seq, job.twin) if s is not None]
             if not self._release(job) and ack:  # its twin's slot too
@@ -745,8 +822,15 @@ class Scheduler:
         self.counters["cancelled"] += 1
         if ack:  # the acknowledgement the gateway waits for (slot already free)
             free_ms = round((time.perf_counter() - t0) * 1e3, 3)
-            self.outbox.send(rid, m.Finished(rid, m.CANCELLED, freed=m.CancelStats(
-                free_ms=free_ms, free_slots=len(self.llm.free_slots), frames=job.seq.generated)), force=True)
+            self.outbox.send(
+                rid,
+                m.Finished(
+                    rid,
+                    m.CANCELLED,
+                    freed=m.CancelStats(free_ms=free_ms, free_slots=len(self.llm.free_slots), frames=job.seq.generated),
+                ),
+                force=True,
+            )
 
     def _cancel_stream(self, job: Job) -> None:
         """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
@@ -778,20 +862,25 @@ class Scheduler:
         steps = list(self.step_times)
         streams = sum(1 for j in self.running.values() if j.seq.finish_reason is None)
         min_slack, starting = self._min_slack(now), self._starting(now)
-        self.outbox.send("stats", m.Stats(
-            active=len(self.running),
-            waiting=len(self.waiting),
-            free_slots=len(self.llm.free_slots),
-            step_ms_p50=round(float(np.median(steps)) * 1e3, 3) if steps else None,
-            period_ms=round(self.admission.period_s * 1e3, 3),
-            min_slack_ms=round(min_slack * 1e3, 1) if min_slack is not None else None,
-            prefill_cost_ms=round(self.admission.prefill_s * 1e3, 3),
-            # streams that may start now (the gateway's placement reads it; slots bound it too)
-            admissible=self.admission.admissible(streams, min_slack, len(self.llm.free_slots), starting,
-                                                 self._dac_backlog()),
-            starting=starting,
-            dac_in_flight=self.dac.in_flight(),
-            outbox_bytes=self.outbox.pending_bytes(),
-            **self.counters,
-            **{f"held_{gate}": n for gate, n in self.held_by.items()},
-        ), force=True)
+        self.outbox.send(
+            "stats",
+            m.Stats(
+                active=len(self.running),
+                waiting=len(self.waiting),
+                free_slots=len(self.llm.free_slots),
+                step_ms_p50=round(float(np.median(steps)) * 1e3, 3) if steps else None,
+                period_ms=round(self.admission.period_s * 1e3, 3),
+                min_slack_ms=round(min_slack * 1e3, 1) if min_slack is not None else None,
+                prefill_cost_ms=round(self.admission.prefill_s * 1e3, 3),
+                # streams that may start now (the gateway's placement reads it; slots bound it too)
+                admissible=self.admission.admissible(
+                    streams, min_slack, len(self.llm.free_slots), starting, self._dac_backlog()
+                ),
+                starting=starting,
+                dac_in_flight=self.dac.in_flight(),
+                outbox_bytes=self.outbox.pending_bytes(),
+                **self.counters,
+                **{f"held_{gate}": n for gate, n in self.held_by.items()},
+            ),
+            force=True,
+        )

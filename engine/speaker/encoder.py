@@ -146,13 +146,11 @@ class EcapaConfig:
                 problems.append(f"enc_channels[:-1] must all be equal (identity residuals), got {body}")
             if ch[-1] != sum(ch[1:-1]):
                 problems.append(
-                    f"enc_channels[-1]={ch[-1]} must equal the MFA input width sum(enc_channels[1:-1])="
-                    f"{sum(ch[1:-1])}"
+                    f"enc_channels[-1]={ch[-1]} must equal the MFA input width sum(enc_channels[1:-1])={sum(ch[1:-1])}"
                 )
             if self.enc_res2net_scale > 0 and any(c % self.enc_res2net_scale for c in ch[1:-1]):
                 problems.append(
-                    f"SE-Res2Net widths {ch[1:-1]} must be divisible by enc_res2net_scale="
-                    f"{self.enc_res2net_scale}"
+                    f"SE-Res2Net widths {ch[1:-1]} must be divisible by enc_res2net_scale={self.enc_res2net_scale}"
                 )
             if self.enc_res2net_scale < 2:
                 problems.append(f"enc_res2net_scale must be >= 2, got {self.enc_res2net_scale}")
@@ -185,9 +183,7 @@ class EcapaConfig:
                 )
         model_type = data.get("model_type")
         if model_type is not None and model_type != MODEL_TYPE:
-            raise ValueError(
-                f"unsupported speaker encoder model_type {model_type!r}: expected {MODEL_TYPE!r}"
-            )
+            raise ValueError(f"unsupported speaker encoder model_type {model_type!r}: expected {MODEL_TYPE!r}")
         required = _INT_FIELDS + _LIST_FIELDS
         missing = [k for k in required if k not in data]
         if missing:
@@ -283,9 +279,7 @@ class SEBlock(nn.Module):
 class SERes2NetBlock(nn.Module):
     """1x1 TDNN -> Res2Net -> 1x1 TDNN -> SE, plus the identity residual."""
 
-    def __init__(
-        self, in_ch: int, out_ch: int, scale: int, se_channels: int, kernel: int, dilation: int
-    ) -> None:
+    def __init__(self, in_ch: int, out_ch: int, scale: int, se_channels: int, kernel: int, dilation: int) -> None:
         super().__init__()
         self.tdnn1 = TDNNBlock(in_ch, out_ch, 1, 1)
         self.res2net_block = Res2NetBlock(out_ch, scale, kernel, dilation)
@@ -364,9 +358,7 @@ class SpeakerEncoder(nn.Module):
         self.frontend = LogMelFrontend()
         blocks: list[nn.Module] = [TDNNBlock(cfg.mel_dim, ch[0], ks[0], dl[0])]
         for i in range(1, len(ch) - 1):
-            blocks.append(
-                SERes2NetBlock(ch[i - 1], ch[i], cfg.enc_res2net_scale, cfg.enc_se_channels, ks[i], dl[i])
-            )
+            blocks.append(SERes2NetBlock(ch[i - 1], ch[i], cfg.enc_res2net_scale, cfg.enc_se_channels, ks[i], dl[i]))
         self.blocks = nn.ModuleList(blocks)
         self.mfa = TDNNBlock(ch[-1], ch[-1], ks[-1], dl[-1])
         self.asp = AttentiveStatsPool(ch[-1], cfg.enc_attention_channels)
@@ -488,11 +480,7 @@ class SpeakerEncoder(nn.Module):
 
     def _prepare(self, wav: np.ndarray | torch.Tensor, sample_rate: int) -> torch.Tensor:
         """Any-rate mono/[C, T] float clip -> float32 [N] at 24 kHz, with validation."""
-        if (
-            isinstance(sample_rate, bool)
-            or not isinstance(sample_rate, (int, np.integer))
-            or sample_rate <= 0
-        ):
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, np.integer)) or sample_rate <= 0:
             raise ValueError(f"sample_rate must be a positive integer, got {sample_rate!r}")
         x = torch.from_numpy(np.asarray(wav)) if not isinstance(wav, torch.Tensor) else wav
         if not (torch.is_floating_point(x)):
@@ -530,7 +518,6 @@ class SpeakerEncoder(nn.Module):
         x = self._prepare(wav, sample_rate)
         mel = self.frontend(x.to(self.device).unsqueeze(0))
         return self.forward(mel)[0].to("cpu", torch.float32)
-
 
 
 def _match_checkpoint(

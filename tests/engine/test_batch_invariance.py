@@ -57,8 +57,8 @@ def test_prefill_logits_do_not_depend_on_packing_slot_or_chunks(model):
     assert torch.equal(alone, packed)
     assert torch.equal(alone, chunked)
     for slot in (4, 5):  # the cache rows the prompt left behind, too
-        assert torch.equal(model.cache.k[:, slot, :len(a)], model.cache.k[:, 0, :len(a)])
-        assert torch.equal(model.cache.v[:, slot, :len(a)], model.cache.v[:, 0, :len(a)])
+        assert torch.equal(model.cache.k[:, slot, : len(a)], model.cache.k[:, 0, : len(a)])
+        assert torch.equal(model.cache.v[:, slot, : len(a)], model.cache.v[:, 0, : len(a)])
 
 
 @pytest.mark.slow
@@ -81,8 +81,10 @@ def _run(node, prompts: list[np.ndarray], params: list, frames: int) -> list[np.
     """Admit every prompt, prefill them packed in one call, decode `frames` frames; codes per request."""
     from engine.llm.node import Sequence
 
-    seqs = [Sequence(rid=i, prompt=p, params=sp, max_frames=frames, ignore_eos=True)
-            for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    seqs = [
+        Sequence(rid=i, prompt=p, params=sp, max_frames=frames, ignore_eos=True)
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+    ]
     for s in seqs:
         node.admit(s)
     out: dict[int, list[np.ndarray]] = {s.rid: [] for s in seqs}
@@ -113,6 +115,7 @@ class KernelSpy:
         def spy(*args, **kwargs):
             self.counts[key] += 1
             return fn(*args, **kwargs)
+
         return spy
 
     def take(self) -> dict[str, int]:
@@ -147,8 +150,9 @@ def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(mo
     assert counts["default"] == 0 and counts["invariant"] > 0
 
     node.calls.clear()
-    packed = _run(node, [others[0], others[1], target, others[2]], [unseeded[0], unseeded[1], seeded, unseeded[2]],
-                  frames)[2]
+    packed = _run(
+        node, [others[0], others[1], target, others[2]], [unseeded[0], unseeded[1], seeded, unseeded[2]], frames
+    )[2]
     assert node.calls == {("prefill", True): 1, ("decode", True): frames - 1}
     counts = spy.take()
     assert counts["default"] == 0 and counts["invariant"] > 0
@@ -157,8 +161,10 @@ def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(mo
     # unseeded streams decode 2 frames alone (default kernels), the seeded one joins, runs its frames among
     # them (invariant kernels) and ends; they decode 2 more frames (default kernels again)
     node.calls.clear()
-    rest = [Sequence(rid=i, prompt=p, params=sp, max_frames=frames + 4, ignore_eos=True)
-            for i, (p, sp) in enumerate(zip(others, unseeded, strict=True))]
+    rest = [
+        Sequence(rid=i, prompt=p, params=sp, max_frames=frames + 4, ignore_eos=True)
+        for i, (p, sp) in enumerate(zip(others, unseeded, strict=True))
+    ]
     for s in rest:
         node.admit(s)
     node.prefill([(s, s.prompt_len) for s in rest])
@@ -177,8 +183,12 @@ def test_seeded_mode_picks_the_invariant_kernels_per_call_for_seeded_requests(mo
         node.decode([s for s in rest if s.finish_reason is None])
     counts = spy.take()
     assert counts["invariant"] == 0 and counts["default"] > 0
-    assert node.calls == {("prefill", False): 1, ("decode", False): 2 + 2, ("prefill", True): 1,
-                          ("decode", True): frames - 1}
+    assert node.calls == {
+        ("prefill", False): 1,
+        ("decode", False): 2 + 2,
+        ("prefill", True): 1,
+        ("decode", True): frames - 1,
+    }
     np.testing.assert_array_equal(alone, np.stack(joined))
 
 
@@ -195,8 +205,12 @@ def test_modes_kernel_sets_and_refusals():
     with pytest.raises(ValueError, match="batch_invariant must be one of"):
         LLMNode(plain, n_slots=2, max_len=32, triton=False, batch_invariant=True)
     with pytest.raises(ValueError, match="Triton"):
-        plain.decode(torch.zeros(1, 10, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                     torch.zeros(1, dtype=torch.int64), invariant=True)
+        plain.decode(
+            torch.zeros(1, 10, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int64),
+            invariant=True,
+        )
 
 
 def test_seeded_is_the_engine_default_and_flags_pick_a_mode():

@@ -44,8 +44,9 @@ def chunk(rng: np.random.Generator, eos: int, c: int) -> tuple[np.ndarray, int, 
     return frames, eos, eos + c
 
 
-def run_chunks(dec: StreamingDecoder, rid: int, chunks: list[tuple[np.ndarray, int, int]],
-               final_last: bool) -> tuple[list[np.ndarray], list[int]]:
+def run_chunks(
+    dec: StreamingDecoder, rid: int, chunks: list[tuple[np.ndarray, int, int]], final_last: bool
+) -> tuple[list[np.ndarray], list[int]]:
     """Stream the chunks into one stream as the scheduler does: frame by frame, the EOS when the engine
     knows it; every chunk but the last (or all, final_last False) held. Returns (PCM pieces, kept lengths).
     Checks after every step that nothing past a chunk's eventual kept end was fed to the decoder."""
@@ -85,8 +86,9 @@ def expected(codec: Codec, chunks: list[tuple[np.ndarray, int, int]]) -> np.ndar
     return decode_offline(codec, np.concatenate([*parts, frames]), offset + eos)
 
 
-@pytest.mark.parametrize("schedule", [ChunkSchedule(), ChunkSchedule(frames=7, first_frames=3)],
-                         ids=["default", "3 then 7"])
+@pytest.mark.parametrize(
+    "schedule", [ChunkSchedule(), ChunkSchedule(frames=7, first_frames=3)], ids=["default", "3 then 7"]
+)
 def test_five_chunks_are_one_stream_equal_to_one_shot(codec: Codec, schedule: ChunkSchedule):
     rng = np.random.default_rng(5)
     chunks = [chunk(rng, eos, c) for eos, c in [(40, 8), (31, 0), (25, 4), (60, 2), (33, 8)]]
@@ -148,7 +150,7 @@ def test_the_first_call_after_a_join_never_waits_for_a_batch(codec: Codec):
     batched, alone = launches(3), launches(0)
     join = next(i for i, n in enumerate(alone) if n)
     assert batched[:join] == alone[:join] == [0] * join and batched[join] > 0  # the join's call: at once
-    assert sum(batched[join + 1:]) < sum(alone[join + 1:])  # later steady calls did wait for a batch
+    assert sum(batched[join + 1 :]) < sum(alone[join + 1 :])  # later steady calls did wait for a batch
 
 
 def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
@@ -177,8 +179,16 @@ def rt():
 
     lt = LoopThread()
     # a long flush lead: on 2 busy cores the next chunk must never lose the race to the flush
-    settings = EngineSettings(device="cpu", max_batch=4, max_queue=4, max_context=1024, prefill_chunk=64,
-                              stats_interval_s=0.2, continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=4,
+        max_queue=4,
+        max_context=1024,
+        prefill_chunk=64,
+        stats_interval_s=0.2,
+        continuation_flush_lead_ms=-1e9,
+        continuation_grace_ms=1e9,
+    )
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
     async def start() -> None:
@@ -240,13 +250,21 @@ def _submit_chain(client, texts: list[str], hold_last: bool, max_frames: int = 4
                 ctx_text, ctx_codes = cont.window()
                 prompt = pb.build_continuation(ctx_text, text, ctx_codes, non_final=not final)
             prompts.append(prompt)
-            req = m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=11 + i), max_frames=max_frames,
-                                  ignore_eos=True, hold=not final, continues=prev.rid if prev else 0)
+            req = m.SubmitRequest(
+                rid=0,
+                prompt=prompt,
+                params=SamplingParams(seed=11 + i),
+                max_frames=max_frames,
+                ignore_eos=True,
+                hold=not final,
+                continues=prev.rid if prev else 0,
+            )
             prev = client.submit(req)
             streams.append(prev)
         if hold_last:
             await asyncio.wait_for(prev.kept_ready.wait(), 120)
             kept.append(prev.kept)
+
     return go, streams, kept, prompts
 
 
@@ -266,8 +284,16 @@ def test_gpu_a_reply_of_five_requests_is_one_stream(codec: Codec):
     from tests.asyncloop import LoopThread
 
     lt = LoopThread()
-    settings = EngineSettings(device="cuda", max_batch=8, max_context=1024, compile=False, dac_dtype="float32",
-                              stats_interval_s=0.2, continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    settings = EngineSettings(
+        device="cuda",
+        max_batch=8,
+        max_context=1024,
+        compile=False,
+        dac_dtype="float32",
+        stats_interval_s=0.2,
+        continuation_flush_lead_ms=-1e9,
+        continuation_grace_ms=1e9,
+    )
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
     async def start() -> None:
@@ -319,8 +345,9 @@ def five_requests(lt, client, codec: Codec, min_snr_db: float) -> None:
     for i in range(1, 5):
         idx = windowed_context_indices(i, 1, pin_anchor=True)
         assert idx == ([0] if i == 1 else [0, i - 1])
-        ref = pb.build_continuation(" ".join(TEXTS[j] for j in idx), TEXTS[i],
-                                    np.concatenate([kept[j] for j in idx]), non_final=True)
+        ref = pb.build_continuation(
+            " ".join(TEXTS[j] for j in idx), TEXTS[i], np.concatenate([kept[j] for j in idx]), non_final=True
+        )
         assert np.array_equal(prompts[i], ref)
     # each request's own audio is its kept frames' (the stream's audio is split where they end); the
     # flushed last chunk keeps all its frames
@@ -372,7 +399,7 @@ def test_cancel_in_the_middle_of_a_continued_reply(rt):
     finally:
         client._on_event = on_event
     assert ack is not None and ack.reason == "cancelled"
-    after = seen[seen.index((m.FINISHED, rid)) + 1:]
+    after = seen[seen.index((m.FINISHED, rid)) + 1 :]
     assert (m.AUDIO, rid) not in after and (m.KEPT, rid) not in after
 
     async def idle():  # every slot is free again: the engine's stats say so
@@ -397,14 +424,23 @@ def test_a_held_stream_with_no_next_chunk_is_flushed_on_its_own():
     from tests.asyncloop import LoopThread
 
     lt = LoopThread()
-    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=2, max_context=512,
-                                                          stats_interval_s=0.2), ring_bytes=8 << 20)
+    client = EngineClient(
+        WeightSources(),
+        EngineSettings(device="cpu", max_batch=2, max_context=512, stats_interval_s=0.2),
+        ring_bytes=8 << 20,
+    )
 
     async def run():
         await client.start()
         await asyncio.wait_for(client.ready.wait(), 180)
-        req = m.SubmitRequest(rid=0, prompt=_builder().build("Hello there.", non_final=True),
-                              params=SamplingParams(seed=3), max_frames=60, ignore_eos=True, hold=True)
+        req = m.SubmitRequest(
+            rid=0,
+            prompt=_builder().build("Hello there.", non_final=True),
+            params=SamplingParams(seed=3),
+            max_frames=60,
+            ignore_eos=True,
+            hold=True,
+        )
         stream = client.submit(req)
         pcm: list[np.ndarray] = []
         end = await asyncio.wait_for(_read(stream, pcm), 120)
@@ -463,21 +499,42 @@ def test_a_continuation_goes_before_newcomers_that_admission_holds_back():
     from engine.contract.records import SamplingParams
     from engine.contract.settings import EngineSettings
 
-    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2,
-                              admission="realtime", admission_lead_floor_ms=1e7, admission_max_wait_s=120,
-                              continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=4,
+        max_context=1024,
+        stats_interval_s=0.2,
+        admission="realtime",
+        admission_lead_floor_ms=1e7,
+        admission_max_wait_s=120,
+        continuation_flush_lead_ms=-1e9,
+        continuation_grace_ms=1e9,
+    )
     pb = _builder()
 
     async def body(client, seen):
-        first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
-                                              params=SamplingParams(seed=1), max_frames=30, ignore_eos=True,
-                                              hold=True))
+        first = client.submit(
+            m.SubmitRequest(
+                rid=0,
+                prompt=pb.build("One.", non_final=True),
+                params=SamplingParams(seed=1),
+                max_frames=30,
+                ignore_eos=True,
+                hold=True,
+            )
+        )
         await asyncio.wait_for(first.kept_ready.wait(), 120)
-        newcomer = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("A newcomer."),
-                                                 params=SamplingParams(seed=2), max_frames=10, ignore_eos=True))
+        newcomer = client.submit(
+            m.SubmitRequest(
+                rid=0, prompt=pb.build("A newcomer."), params=SamplingParams(seed=2), max_frames=10, ignore_eos=True
+            )
+        )
         prompt = pb.build_continuation("One.", "Two two.", first.kept, non_final=False)
-        second = client.submit(m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=30,
-                                               ignore_eos=True, continues=first.rid))
+        second = client.submit(
+            m.SubmitRequest(
+                rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=30, ignore_eos=True, continues=first.rid
+            )
+        )
         ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
         return first.rid, second.rid, newcomer.rid, ends
 
@@ -498,24 +555,43 @@ def test_a_continuation_prompt_is_prefilled_before_a_newcomer_admitted_earlier()
     from engine.contract.records import SamplingParams
     from engine.contract.settings import EngineSettings
 
-    settings = EngineSettings(device="cpu", max_batch=4, max_context=1024, stats_interval_s=0.2, prefill_chunk=16,
-                              admission="slots", continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=4,
+        max_context=1024,
+        stats_interval_s=0.2,
+        prefill_chunk=16,
+        admission="slots",
+        continuation_flush_lead_ms=-1e9,
+        continuation_grace_ms=1e9,
+    )
     pb = _builder()
 
     async def body(client, seen):
-        first = client.submit(m.SubmitRequest(rid=0, prompt=pb.build("One.", non_final=True),
-                                              params=SamplingParams(seed=1), max_frames=20, ignore_eos=True,
-                                              hold=True))
+        first = client.submit(
+            m.SubmitRequest(
+                rid=0,
+                prompt=pb.build("One.", non_final=True),
+                params=SamplingParams(seed=1),
+                max_frames=20,
+                ignore_eos=True,
+                hold=True,
+            )
+        )
         await asyncio.wait_for(first.kept_ready.wait(), 120)
         long_prompt = pb.build("A newcomer with a long story to tell, " * 16)
         assert len(long_prompt) > 20 * 16  # many prefill calls
-        newcomer = client.submit(m.SubmitRequest(rid=0, prompt=long_prompt, params=SamplingParams(seed=2),
-                                                 max_frames=5, ignore_eos=True))
+        newcomer = client.submit(
+            m.SubmitRequest(rid=0, prompt=long_prompt, params=SamplingParams(seed=2), max_frames=5, ignore_eos=True)
+        )
         while (m.STARTED, newcomer.rid) not in seen:  # admitted (a slot was free), its prefill under way
             await asyncio.sleep(0.005)
         prompt = pb.build_continuation("One.", "Two two.", first.kept, non_final=False)
-        second = client.submit(m.SubmitRequest(rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=20,
-                                               ignore_eos=True, continues=first.rid))
+        second = client.submit(
+            m.SubmitRequest(
+                rid=0, prompt=prompt, params=SamplingParams(seed=3), max_frames=20, ignore_eos=True, continues=first.rid
+            )
+        )
         ends = await asyncio.wait_for(asyncio.gather(_read(first, []), _read(second, []), _read(newcomer, [])), 240)
         return second.rid, newcomer.rid, len(prompt), ends
 
@@ -580,9 +656,16 @@ def test_http_reply_is_continued_by_default_and_long_form_false_turns_it_off(ser
     from engine.frontend.longform import reply_frames
 
     def speak(**params) -> int:
-        r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
-            "input": "One. Two. Three.", "response_format": "pcm", "sample_rate": 44100,
-            "params": {"max_frames": 20, "ignore_eos": True, "seed": 2, **params}})
+        r = httpx.post(
+            server.url + "/v1/audio/speech",
+            timeout=120,
+            json={
+                "input": "One. Two. Three.",
+                "response_format": "pcm",
+                "sample_rate": 44100,
+                "params": {"max_frames": 20, "ignore_eos": True, "seed": 2, **params},
+            },
+        )
         assert r.status_code == 200, r.text
         return len(r.content) // 2
 
@@ -601,11 +684,20 @@ def test_http_guided_continued_reply_with_a_voice(server):
 
     buf = io.BytesIO()
     np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
-    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("g.npy", buf.getvalue())}, data={"name": "G"},
-                   timeout=60)
+    r = httpx.post(
+        server.url + "/v1/voices", files={"embedding": ("g.npy", buf.getvalue())}, data={"name": "G"}, timeout=60
+    )
     assert r.status_code in (200, 201), r.text
-    r = httpx.post(server.url + "/v1/audio/speech", timeout=180, json={
-        "input": "One. Two. Three.", "voice": r.json()["id"], "response_format": "pcm", "sample_rate": 44100,
-        "params": {"max_frames": 20, "ignore_eos": True, "cfg_scale": 2.0, "prefix_cfg_scale": 1.5}})
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        timeout=180,
+        json={
+            "input": "One. Two. Three.",
+            "voice": r.json()["id"],
+            "response_format": "pcm",
+            "sample_rate": 44100,
+            "params": {"max_frames": 20, "ignore_eos": True, "cfg_scale": 2.0, "prefix_cfg_scale": 1.5},
+        },
+    )
     assert r.status_code == 200, r.text
     assert len(r.content) // 2 == reply_frames([20] * 3) * HOP

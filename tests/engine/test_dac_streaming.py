@@ -53,8 +53,9 @@ def random_frames(n: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 1024, (n, 9))
 
 
-def stream(codec: Codec, frames: np.ndarray, eos: int | None, schedule: ChunkSchedule | None = None,
-           eos_at_push: bool = False) -> tuple[np.ndarray, int]:
+def stream(
+    codec: Codec, frames: np.ndarray, eos: int | None, schedule: ChunkSchedule | None = None, eos_at_push: bool = False
+) -> tuple[np.ndarray, int]:
     """Push one frame per step like the engine; return (float PCM, number of finals).
 
     eos_at_push: report eos with frame eos (the earliest step the engine can know it is
@@ -331,8 +332,9 @@ def test_masked_fused_snake_matches_reference(t: int):
     torch.testing.assert_close(snake(x, alpha, inv), snake_reference(x, alpha, inv), rtol=1e-5, atol=1e-5)
     assert (out[2] == 0).all() and (out[0] != 0).any()
     bias = torch.randn(5, device=dev)
-    torch.testing.assert_close(snake(x, alpha, inv, bias=bias),
-                               snake_reference(x + bias[:, None], alpha, inv), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        snake(x, alpha, inv, bias=bias), snake_reference(x + bias[:, None], alpha, inv), rtol=1e-5, atol=1e-5
+    )
     nlc = x.transpose(1, 2).contiguous().transpose(1, 2)  # channels contiguous (the decoder's NHWC windows)
     y = snake(nlc, alpha, inv, bounds[:, 0], bounds[:, 1])
     assert y.stride() == nlc.stride()
@@ -408,7 +410,7 @@ def test_held_steady_calls_ride_along_with_a_launch_of_their_size(codec: Codec):
         out.extend(pcm for rid, pcm, _ in dec.collect(as_float=True, wait=True) if rid == 0)
 
     for k in (10, 12):  # stream 0: calls 0 and 1, then a steady call ready
-        dec.push(0, d[0][k - (10 if k == 10 else 2):k])
+        dec.push(0, d[0][k - (10 if k == 10 else 2) : k])
         assert dec.launch(min_batch=20, max_hold=5) == 1
         collect()
     dec.push(0, d[0][12:14])
@@ -719,8 +721,11 @@ def test_full_size_codec_streams_exactly(capsys):
     """Full 44.1 kHz architecture (random weights, 54 M decoder params), fp32 on CPU."""
     from bench.dac_seams import measure
 
-    schedules = {"default": ChunkSchedule(), "low_latency": ChunkSchedule.low_latency(),
-                 "3 then 7": ChunkSchedule(frames=7, first_frames=3)}
+    schedules = {
+        "default": ChunkSchedule(),
+        "low_latency": ChunkSchedule.low_latency(),
+        "3 then 7": ChunkSchedule(frames=7, first_frames=3),
+    }
     t0 = time.perf_counter()
     res = measure("full", schedules, n_frames=48, seeds=1)
     with capsys.disabled():
@@ -827,8 +832,14 @@ def test_frame_budget_bounds_each_launch(codec: Codec):
         assert len(x) == 120 * HOP and snr_db(decode_offline(codec, f), x) > EXACT_DB
 
 
-def _player_stalls(schedule: ChunkSchedule, step_ms: float, frames: int = 292, prebuffer_ms: float = 150.0,
-                   dac_ms: float = 10.0, lag: int = 4757) -> list[float]:
+def _player_stalls(
+    schedule: ChunkSchedule,
+    step_ms: float,
+    frames: int = 292,
+    prebuffer_ms: float = 150.0,
+    dac_ms: float = 10.0,
+    lag: int = 4757,
+) -> list[float]:
     """Stalls (ms) of a player that starts prebuffer_ms after the first audio, when one frame is generated
     every step_ms and each call lands dac_ms after its last frame (its 8 delayed codebooks included)."""
     frame_ms = HOP / 44.1

@@ -39,8 +39,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _experts(e: int, dim: int, inter: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(e, 2 * inter, dim, generator=gen) * dim ** -0.5
-    down = torch.randn(e, dim, inter, generator=gen) * inter ** -0.5
+    gate_up = torch.randn(e, 2 * inter, dim, generator=gen) * dim**-0.5
+    down = torch.randn(e, dim, inter, generator=gen) * inter**-0.5
     gq, gs = quantize_blocks(gate_up)
     dq, ds = quantize_blocks(down)
     return gq.to(DEV), gs.to(DEV), dq.to(DEV), ds.to(DEV)
@@ -59,11 +59,11 @@ def test_block_quantization_round_trip(shape):
     assert s.shape == (e, -(-m // QBLOCK), -(-k // QBLOCK)) and s.dtype == torch.float32
     back = dequantize_blocks(q, s)
     scale = s.repeat_interleave(QBLOCK, 1).repeat_interleave(QBLOCK, 2)[:, :m, :k]
-    bound = torch.maximum(w.abs() * 2.0 ** -4, scale * 2.0 ** -10) * (1 + 1e-6)
+    bound = torch.maximum(w.abs() * 2.0**-4, scale * 2.0**-10) * (1 + 1e-6)
     assert bool(((back - w).abs() <= bound).all())
     for i in range(s.shape[1]):  # the largest value of each tile maps to 448 exactly
         for j in range(s.shape[2]):
-            t = q[:, i * QBLOCK:(i + 1) * QBLOCK, j * QBLOCK:(j + 1) * QBLOCK].float().abs()
+            t = q[:, i * QBLOCK : (i + 1) * QBLOCK, j * QBLOCK : (j + 1) * QBLOCK].float().abs()
             assert torch.equal(t.amax(dim=(1, 2)), torch.full((e,), FP8_MAX))
 
 
@@ -73,7 +73,7 @@ def test_block_quantization_of_exact_values_is_lossless():
     q = (torch.randn(2, 128, 256, generator=gen) * 100).clamp(-448, 448).to(FP8)
     q[:, 0, 0] = 448.0
     q[:, 0, 128] = 448.0
-    w = q.float() * 2.0 ** -7
+    w = q.float() * 2.0**-7
     w[1, :, 128:] = 0
     q2, s2 = quantize_blocks(w)
     assert torch.equal(dequantize_blocks(q2, s2), w)
@@ -87,10 +87,10 @@ def test_activation_quantization_groups_rows_and_columns():
     x2 = x.clone()
     x2[1, 128:256] *= 1000
     b = quantize_act(x2)
-    changed = (a != b)
+    changed = a != b
     assert changed[1, 128:256].any() and not changed[[0, 2, 3]].any()
     assert not changed[1, :128].any() and not changed[1, 256:].any()
-    assert rel_err(a, x) < 2.0 ** -4
+    assert rel_err(a, x) < 2.0**-4
     assert torch.equal(quantize_act(torch.zeros(2, 130)), torch.zeros(2, 130))
 
 
@@ -128,10 +128,17 @@ def _moe_inputs(n: int, dim: int, e: int, k: int, seed: int) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("blocked", [False, True])
-@pytest.mark.parametrize("n, dim, inter, e, k", [
-    (1, 256, 384, 4, 1), (2, 512, 384, 4, 2), (5, 256, 384, 4, 1), (33, 128, 192, 4, 1), (7, 128, 192, 4, 2),
-    (3, 256, 256, 16, 1),
-])
+@pytest.mark.parametrize(
+    "n, dim, inter, e, k",
+    [
+        (1, 256, 384, 4, 1),
+        (2, 512, 384, 4, 2),
+        (5, 256, 384, 4, 1),
+        (33, 128, 192, 4, 1),
+        (7, 128, 192, 4, 2),
+        (3, 256, 256, 16, 1),
+    ],
+)
 def test_fused_moe_fp8_matches_reference(n, dim, inter, e, k, blocked):
     """Both paths (per-pair GEMVs up to GEMV_MAX_PAIRS pairs, the expert-blocked kernels always when
     batch-invariant) against the plain reference, with partial QBLOCK groups (192 columns) and top-2."""
@@ -191,7 +198,7 @@ def test_fused_moe_fp8_rows_are_batch_invariant():
     weights = torch.rand(9, 1, generator=gen).to(DEV)
     full = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True)
     for i in (0, 4, 8):
-        one = fused_moe_fp8(x[i:i + 1], gq, gs, dq, ds, chosen[i:i + 1], weights[i:i + 1], batch_invariant=True)
+        one = fused_moe_fp8(x[i : i + 1], gq, gs, dq, ds, chosen[i : i + 1], weights[i : i + 1], batch_invariant=True)
         assert torch.equal(one[0], full[i])
 
 
@@ -230,7 +237,8 @@ def test_quantize_experts_only_touches_the_experts(tiny_pair):
             assert torch.equal(p, before[name]), name
     assert size == expected
     assert all(fp8.layers[i].feed_forward.fp8 for i in moe) and not any(
-        layer.feed_forward.fp8 for layer in full.layers if isinstance(layer.feed_forward, MoEFFN))
+        layer.feed_forward.fp8 for layer in full.layers if isinstance(layer.feed_forward, MoEFFN)
+    )
 
 
 @pytest.mark.slow
@@ -299,8 +307,8 @@ def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer(n):
 
     torch.manual_seed(0)
     e, dim, inter = 16, 2048, 3072
-    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda") * dim ** -0.5).bfloat16()
-    down = (torch.randn(e, dim, inter, device="cuda") * inter ** -0.5).bfloat16()
+    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda") * dim**-0.5).bfloat16()
+    down = (torch.randn(e, dim, inter, device="cuda") * inter**-0.5).bfloat16()
     gq, gs = quantize_blocks(gate_up)
     dq, ds = quantize_blocks(down)
     x = torch.randn(n, dim, device="cuda").bfloat16()
@@ -330,8 +338,10 @@ def _generate(node, prompts, seeds, steps) -> list:
     from engine.contract.records import SamplingParams
     from engine.llm.node import Sequence
 
-    seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True)
-            for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+    seqs = [
+        Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True)
+        for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))
+    ]
     for s in seqs:
         node.admit(s)
     frames = {s.rid: [] for s in seqs}

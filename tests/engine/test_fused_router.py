@@ -36,19 +36,40 @@ def _router(seed: int, n_experts: int = 16, bias_scale: float = 0.05) -> dict[st
     w2, b2 = _linear(gen, R, R)
     w4, _ = _linear(gen, n_experts, R)
     return dict(
-        down_w=down_w, down_b=down_b, w0=w0, b0=b0, w2=w2, b2=b2, w4=w4,
+        down_w=down_w,
+        down_b=down_b,
+        w0=w0,
+        b0=b0,
+        w2=w2,
+        b2=b2,
+        w4=w4,
         scale=1 + 0.1 * torch.randn(R, generator=gen),
         eda_w=1 + 0.1 * torch.randn(R, generator=gen),
         bias=bias_scale * torch.randn(n_experts, generator=gen),
     )
 
 
-def _args(p: dict[str, torch.Tensor], x: torch.Tensor, prev: torch.Tensor | None, bias_sign: float, k: int,
-          dtype: torch.dtype) -> tuple:
+def _args(
+    p: dict[str, torch.Tensor], x: torch.Tensor, prev: torch.Tensor | None, bias_sign: float, k: int, dtype: torch.dtype
+) -> tuple:
     c = {name: t.to(DEV, dtype) for name, t in p.items()}
-    return (x.to(DEV, dtype), None if prev is None else prev.to(DEV, dtype), c["down_w"], c["down_b"],
-            None if prev is None else c["scale"], c["w0"], c["b0"], c["w2"], c["b2"], c["w4"], c["eda_w"],
-            c["bias"], bias_sign, k, EPS)
+    return (
+        x.to(DEV, dtype),
+        None if prev is None else prev.to(DEV, dtype),
+        c["down_w"],
+        c["down_b"],
+        None if prev is None else c["scale"],
+        c["w0"],
+        c["b0"],
+        c["w2"],
+        c["b2"],
+        c["w4"],
+        c["eda_w"],
+        c["bias"],
+        bias_sign,
+        k,
+        EPS,
+    )
 
 
 @pytest.mark.parametrize("n", [1, 3, 17])

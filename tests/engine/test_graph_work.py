@@ -24,8 +24,9 @@ from engine.llm.graphs import DecodeGraphs, PrefillGraphs
 from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
-                                reason="a CPU check; on a GPU tests/gpu/test_gpu.py replays the captured graphs")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="a CPU check; on a GPU tests/gpu/test_gpu.py replays the captured graphs"
+)
 
 TEXTS = ["One short line.", "A second, somewhat longer line of text.", "Three.", "And a fourth one here."]
 FRAMES = [14, 9, 5, 12]  # the batch shrinks as they end: 4 rows, then 3 (padded to the bucket of 4), 2, 1
@@ -37,10 +38,17 @@ def run(node: LLMNode, model, overlap: bool = False) -> dict[int, np.ndarray]:
     seqs = []
     for i, (text, frames) in enumerate(zip(TEXTS, FRAMES, strict=True)):
         voice = i % 2 == 0
-        seqs.append(Sequence(rid=i + 1, prompt=pb.build(text, Conditioning(speaker=voice)),
-                             params=SamplingParams(seed=20 + i, temperature=0.9), max_frames=frames, ignore_eos=True,
-                             speaker=torch.randn(model.cfg.speaker_embedding_dim, generator=gen) if voice else None,
-                             emotion=torch.randn(model.cfg.dim, generator=gen) if i == 2 else None))
+        seqs.append(
+            Sequence(
+                rid=i + 1,
+                prompt=pb.build(text, Conditioning(speaker=voice)),
+                params=SamplingParams(seed=20 + i, temperature=0.9),
+                max_frames=frames,
+                ignore_eos=True,
+                speaker=torch.randn(model.cfg.speaker_embedding_dim, generator=gen) if voice else None,
+                emotion=torch.randn(model.cfg.dim, generator=gen) if i == 2 else None,
+            )
+        )
     out: dict[int, list[np.ndarray]] = {s.rid: [] for s in seqs}
     for s in seqs:
         node.admit(s)
@@ -66,8 +74,9 @@ def run(node: LLMNode, model, overlap: bool = False) -> dict[int, np.ndarray]:
 def graphed_node(model) -> LLMNode:
     """A node whose decode and prefill go through DecodeGraphs / PrefillGraphs, not captured."""
     node = LLMNode(model, n_slots=4, cuda_graphs=False)
-    node.graphs = DecodeGraphs(model, node.sampler, scratch_slot=node.n_slots, max_batch=node.n_slots,
-                               kernel_sets=node.kernel_sets)
+    node.graphs = DecodeGraphs(
+        model, node.sampler, scratch_slot=node.n_slots, max_batch=node.n_slots, kernel_sets=node.kernel_sets
+    )
     node.prefill_graphs = PrefillGraphs(model, scratch_slot=node.n_slots, kernel_sets=node.kernel_sets)
     return node
 

@@ -21,8 +21,10 @@ def test_guide_formula_per_row_scales():
     torch.testing.assert_close(out[0], uncond[0] + 2.0 * (cond[0] - uncond[0]))
     torch.testing.assert_close(out[1], cond[1])  # 1.0: the conditional logits
     torch.testing.assert_close(out[2], 2 * uncond[2] - cond[2])  # negative scale opposes the condition
-    torch.testing.assert_close(guide(cond.bfloat16(), uncond.bfloat16(), 0.5),
-                               uncond.bfloat16().float() + 0.5 * (cond.bfloat16().float() - uncond.bfloat16().float()))
+    torch.testing.assert_close(
+        guide(cond.bfloat16(), uncond.bfloat16(), 0.5),
+        uncond.bfloat16().float() + 0.5 * (cond.bfloat16().float() - uncond.bfloat16().float()),
+    )
 
 
 def test_guide_rows_touches_only_the_conditional_rows():
@@ -66,23 +68,36 @@ def test_scales_travel_in_the_submit_record():
 
     from engine.contract.records import SubmitRequest
 
-    req = SubmitRequest(rid=1, prompt=np.zeros((3, 10), np.int64), max_frames=5,
-                        params=SamplingParams(cfg_scale=2.5, prefix_cfg_scale=-1.0, emotion_cfg_scale=3.0))
+    req = SubmitRequest(
+        rid=1,
+        prompt=np.zeros((3, 10), np.int64),
+        max_frames=5,
+        params=SamplingParams(cfg_scale=2.5, prefix_cfg_scale=-1.0, emotion_cfg_scale=3.0),
+    )
     back = SubmitRequest.decode(*req.encode())
     assert back.params == req.params and back.params.cfg_scale == 2.5
     # the prefix twin's prompt travels between the prompt and the speaker embedding
-    req = replace(req, uncond_prompt=np.arange(20).reshape(2, 10),
-                  speaker_embedding=np.linspace(0, 1, 16, dtype=np.float32), hold=True, continues=7)
+    req = replace(
+        req,
+        uncond_prompt=np.arange(20).reshape(2, 10),
+        speaker_embedding=np.linspace(0, 1, 16, dtype=np.float32),
+        hold=True,
+        continues=7,
+    )
     back = SubmitRequest.decode(*req.encode())
     assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding) and (back.hold, back.continues) == (True, 7)
     assert back.emotion_delta is None and back.uncond_speaker is None
     # emotion: the 'proj' delta and the raw/lda twin's voice, between the twin's prompt and the speaker
-    req = replace(req, emotion_delta=np.linspace(-1, 1, 24, dtype=np.float32),
-                  uncond_speaker=np.linspace(1, 2, 16, dtype=np.float32))
+    req = replace(
+        req,
+        emotion_delta=np.linspace(-1, 1, 24, dtype=np.float32),
+        uncond_speaker=np.linspace(1, 2, 16, dtype=np.float32),
+    )
     back = SubmitRequest.decode(*req.encode())
-    assert np.array_equal(back.emotion_delta, req.emotion_delta) and np.array_equal(back.uncond_speaker,
-                                                                                     req.uncond_speaker)
+    assert np.array_equal(back.emotion_delta, req.emotion_delta) and np.array_equal(
+        back.uncond_speaker, req.uncond_speaker
+    )
     assert np.array_equal(back.speaker_embedding, req.speaker_embedding)
     assert np.array_equal(back.uncond_prompt, req.uncond_prompt) and np.array_equal(back.prompt, req.prompt)
     req = replace(req, speaker_embedding=None, clip=np.ones(100, np.float32), clip_sr=16000)
@@ -120,8 +135,12 @@ def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
     ids = torch.from_numpy(np.concatenate(prompts)).cuda()
     seqs = [PrefillSeq(slot=i, start=0, length=len(p)) for i, p in enumerate(prompts)]
     packed = model.prefill(ids, seqs, speakers).float()
-    plain = torch.stack([model.forward_full(torch.from_numpy(p).cuda(), speaker=s)[-1].float()
-                         for p, s in zip(prompts, speakers, strict=True)])
+    plain = torch.stack(
+        [
+            model.forward_full(torch.from_numpy(p).cuda(), speaker=s)[-1].float()
+            for p, s in zip(prompts, speakers, strict=True)
+        ]
+    )
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     for i in range(3):
         cos = torch.nn.functional.cosine_similarity(packed[i].flatten().double(), plain[i].flatten().double(), 0)
@@ -175,8 +194,13 @@ def _node(device: str = "cpu"):
     from engine.llm.node import LLMNode
     from engine.model.checkpoint import random_model
 
-    return LLMNode(random_model("tiny", device=device, dtype=torch.float32), n_slots=4, max_len=256,
-                   cuda_graphs=device != "cpu", triton=None if device != "cpu" else False)
+    return LLMNode(
+        random_model("tiny", device=device, dtype=torch.float32),
+        n_slots=4,
+        max_len=256,
+        cuda_graphs=device != "cpu",
+        triton=None if device != "cpu" else False,
+    )
 
 
 KINDS = ["speaker", "prefix", "emotion", "emotion_raw"]
@@ -219,12 +243,26 @@ def twins_in_lockstep(kind: str, device: str) -> None:
     g = torch.Generator().manual_seed(2)
     delta = torch.randn(node.cfg.dim, generator=g).to(device) if kind == "emotion" else None
     moved = spk + 0.3 * torch.randn(spk.shape, generator=g).to(device)  # emotion_raw: the voice with its emotion
-    seq = Sequence(rid=1, prompt=prompt, params=params, max_frames=20, ignore_eos=True,
-                   speaker=moved if kind == "emotion_raw" else spk, emotion=delta)
-    tw = Sequence(rid=-1, prompt=pb.build("And went on.", cond, non_final=True) if kind == "prefix" else prompt,
-                  params=params, max_frames=20, speaker=None if kind == "speaker" else spk, ignore_eos=True)
-    other = Sequence(rid=2, prompt=pb.build("Someone else."), params=SamplingParams(seed=3), max_frames=20,
-                     ignore_eos=True)
+    seq = Sequence(
+        rid=1,
+        prompt=prompt,
+        params=params,
+        max_frames=20,
+        ignore_eos=True,
+        speaker=moved if kind == "emotion_raw" else spk,
+        emotion=delta,
+    )
+    tw = Sequence(
+        rid=-1,
+        prompt=pb.build("And went on.", cond, non_final=True) if kind == "prefix" else prompt,
+        params=params,
+        max_frames=20,
+        speaker=None if kind == "speaker" else spk,
+        ignore_eos=True,
+    )
+    other = Sequence(
+        rid=2, prompt=pb.build("Someone else."), params=SamplingParams(seed=3), max_frames=20, ignore_eos=True
+    )
     free = len(node.free_slots)
     node.admit(seq)
     node.admit_twin(seq, tw, scale)
@@ -232,13 +270,17 @@ def twins_in_lockstep(kind: str, device: str) -> None:
     assert len(node.free_slots) == free - 3
     # the first frame: the formula on the two rows' own last logits (the model run alone per prompt)
     ids = [torch.from_numpy(p).to(device) for p in (seq.prompt, tw.prompt)]
-    want_logits = guide(node.model.forward_full(ids[0], speaker=seq.speaker, emotion=delta)[-1].float(),
-                        node.model.forward_full(ids[1], speaker=tw.speaker)[-1].float(), scale)
+    want_logits = guide(
+        node.model.forward_full(ids[0], speaker=seq.speaker, emotion=delta)[-1].float(),
+        node.model.forward_full(ids[1], speaker=tw.speaker)[-1].float(),
+        scale,
+    )
     ref = SamplerState(1, node.cfg.n_codebooks, node.cfg.audio_vocab, device)
     ref.admit(0, params, seq.seed)
     want = ref.sample(want_logits[None], torch.tensor([0], device=device), eager=True)[0].cpu().numpy()
-    first = dict((s.rid, c) for s, c in node.prefill([(seq, seq.prompt_len), (other, other.prompt_len),
-                                                      (tw, tw.prompt_len)]))
+    first = dict(
+        (s.rid, c) for s, c in node.prefill([(seq, seq.prompt_len), (other, other.prompt_len), (tw, tw.prompt_len)])
+    )
     assert np.array_equal(first[1], first[-1]) and np.array_equal(first[1], want)
     for _ in range(8):
         out = dict((s.rid, c) for s, c in node.decode([seq, other, tw]))
@@ -267,14 +309,22 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
 
     pb = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
     lt = LoopThread()
-    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_context=512,
-                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+    client = EngineClient(
+        WeightSources(),
+        EngineSettings(device="cpu", max_batch=3, max_context=512, stats_interval_s=0.1),
+        ring_bytes=8 << 20,
+    )
     emb = np.random.default_rng(2).standard_normal(2048).astype(np.float32)
 
     def req(frames: int, **params) -> m.SubmitRequest:
-        return m.SubmitRequest(rid=0, prompt=pb.build("Hello there.", Conditioning(speaker=True)),
-                               params=SamplingParams(seed=4, **params), max_frames=frames, ignore_eos=True,
-                               speaker_embedding=emb)
+        return m.SubmitRequest(
+            rid=0,
+            prompt=pb.build("Hello there.", Conditioning(speaker=True)),
+            params=SamplingParams(seed=4, **params),
+            max_frames=frames,
+            ignore_eos=True,
+            speaker_embedding=emb,
+        )
 
     async def read(stream) -> tuple[int, m.Finished | m.Error | None]:
         n = 0
@@ -311,8 +361,14 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
         client._on_event = on_event
         last = client.stats
         assert last is not None
-        return done, prefix, ack, seen, stream.rid, {"active": last.active, "free_slots": last.free_slots,
-                                                     "running_free": running}
+        return (
+            done,
+            prefix,
+            ack,
+            seen,
+            stream.rid,
+            {"active": last.active, "free_slots": last.free_slots, "running_free": running},
+        )
 
     try:
         (n, end), (n2, end2), ack, seen, rid, stats = lt.run(run(), timeout=300)
@@ -322,7 +378,7 @@ def test_engine_runs_guided_requests_and_frees_their_twins():
     assert isinstance(end, m.Finished) and end.reason == "max_frames" and n == 30 * 512
     assert isinstance(end2, m.Finished) and end2.reason == "max_frames" and n2 == 20 * 512
     assert ack is not None and ack.reason == "cancelled"
-    assert (m.AUDIO, rid) not in seen[seen.index((m.FINISHED, rid)) + 1:]
+    assert (m.AUDIO, rid) not in seen[seen.index((m.FINISHED, rid)) + 1 :]
     assert stats["running_free"] == 1  # a guided request takes two slots
     assert stats["active"] == 0 and stats["free_slots"] == 3  # the twins' slots are back too
 
@@ -347,9 +403,14 @@ def test_a_request_that_can_never_fit_is_refused_and_blocks_nobody():
     emb = np.random.default_rng(2).standard_normal(2048).astype(np.float32)
 
     def req(frames: int, **params) -> m.SubmitRequest:
-        return m.SubmitRequest(rid=0, prompt=pb.build("Hello there.", Conditioning(speaker=True)),
-                               params=SamplingParams(seed=4, **params), max_frames=frames, ignore_eos=True,
-                               speaker_embedding=emb)
+        return m.SubmitRequest(
+            rid=0,
+            prompt=pb.build("Hello there.", Conditioning(speaker=True)),
+            params=SamplingParams(seed=4, **params),
+            max_frames=frames,
+            ignore_eos=True,
+            speaker_embedding=emb,
+        )
 
     async def end(stream) -> m.Finished | m.Error:
         async for ev in stream:
@@ -358,10 +419,8 @@ def test_a_request_that_can_never_fit_is_refused_and_blocks_nobody():
         raise AssertionError("the stream ended without finished or error")
 
     lt = LoopThread()
-    one = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=512),
-                       ring_bytes=8 << 20)
-    two = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=2, max_context=512),
-                       ring_bytes=8 << 20)
+    one = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=512), ring_bytes=8 << 20)
+    two = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=2, max_context=512), ring_bytes=8 << 20)
 
     async def run():
         await one.start()

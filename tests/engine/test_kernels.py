@@ -130,7 +130,7 @@ def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
 
     gen = torch.Generator().manual_seed(n)
     heads, kv, d, dim, layers, slots_n, t_max = 4, 2, 64, 96, 2, 3, 40
-    w = (torch.randn((heads + 2 * kv) * d + heads, dim, generator=gen) * dim ** -0.5).to(DEV, dtype)
+    w = (torch.randn((heads + 2 * kv) * d + heads, dim, generator=gen) * dim**-0.5).to(DEV, dtype)
     h = torch.randn(n, dim, generator=gen).to(DEV, dtype)
     norm_w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEV, dtype)
     temp = (torch.randn(1, heads, 1, generator=gen) * 2).to(DEV, dtype)
@@ -141,11 +141,24 @@ def test_qkv_rope_kernel_equals_plain_attention_in(dtype, n):
     positions = torch.randperm(t_max, generator=gen)[:n].to(DEV)
     caches = [torch.zeros(layers, slots_n, t_max, kv, d, device=DEV, dtype=dtype) for _ in range(4)]
     layer = torch.tensor(1, device=DEV)
-    q_ref, g_ref = attention_in(h, norm_w, w, temp, cos[positions], sin[positions], caches[0], caches[1], layer,
-                                slots, positions, heads, kv, 1e-5)
+    q_ref, g_ref = attention_in(
+        h,
+        norm_w,
+        w,
+        temp,
+        cos[positions],
+        sin[positions],
+        caches[0],
+        caches[1],
+        layer,
+        slots,
+        positions,
+        heads,
+        kv,
+        1e-5,
+    )
     qkvg = torch.nn.functional.linear(residual_norm(h, None, norm_w, 1e-5)[1], w)
-    q, g = qkv_rope_cache(qkvg, temp, cos, sin, caches[2][1], caches[3][1], slots, positions, heads, kv,
-                          QK_NORM_EPS)
+    q, g = qkv_rope_cache(qkvg, temp, cos, sin, caches[2][1], caches[3][1], slots, positions, heads, kv, QK_NORM_EPS)
     assert torch.equal(g, g_ref)
     for got, ref in ((q, q_ref), (caches[2], caches[0]), (caches[3], caches[1])):
         assert got.dtype == ref.dtype and got.shape == ref.shape
@@ -169,7 +182,7 @@ def test_gemv_linear_equals_f_linear(m, extra, tile):
     n, k = 37, 300
     for dtype in (torch.float32, DT if CUDA else torch.float16):
         x = torch.randn(m, k, generator=gen).to(DEV, dtype)
-        w = (torch.randn(n, k, generator=gen) * k ** -0.5).to(DEV, dtype)
+        w = (torch.randn(n, k, generator=gen) * k**-0.5).to(DEV, dtype)
         b = torch.randn(n, generator=gen).to(DEV, dtype) if extra == "bias" else None
         r = torch.randn(m, n, generator=gen).to(DEV, dtype) if extra == "residual" else None
         got = linear(x, w, bias=b, residual=r, tile=tile)
@@ -188,7 +201,7 @@ def test_merge_kernel_applies_the_headwise_gate():
     b, h, s, d = 2, 4, 3, 64
     m, l_ = torch.randn(b, h, s, device=DEV), torch.rand(b, h, s, device=DEV) + 0.5
     acc = torch.randn(b, h, s, d, device=DEV)
-    logits = torch.randn(b, h + 7, device=DEV)[:, 3:3 + h]  # a strided view, as the GEMM output gives
+    logits = torch.randn(b, h + 7, device=DEV)[:, 3 : 3 + h]  # a strided view, as the GEMM output gives
     gated = merge_splits_triton(m, l_, acc, torch.float32, gate=logits)
     torch.testing.assert_close(gated, apply_gate(merge_splits_triton(m, l_, acc, torch.float32), logits))
 
@@ -251,8 +264,9 @@ def test_moe_gemv_path_equals_blocked_path(tiles):
     x, gate_up, down = _moe_inputs(n, e, 128, 192)
     for k in (1, 2):
         weights, chosen = torch.rand(n, e, device=DEV).softmax(-1).topk(k, dim=-1)
-        gemv = moe._combine_topk(moe._moe_gemv(x, gate_up, down, chosen, weights, gate_up_tile, down_tile), n, k,
-                                 x.dtype)
+        gemv = moe._combine_topk(
+            moe._moe_gemv(x, gate_up, down, chosen, weights, gate_up_tile, down_tile), n, k, x.dtype
+        )
         old, moe.GEMV_MAX_PAIRS = moe.GEMV_MAX_PAIRS, 0
         try:
             blocked = fused_moe(x, gate_up, down, chosen, weights, block_n=64, block_k=64)
@@ -305,7 +319,7 @@ def test_linear_fixed_equals_f_linear_and_its_rows_do_not_depend_on_the_batch(ti
 
     torch.manual_seed(5)
     m, n, k = 140, 96, 200  # K not a multiple of BLOCK_K; M over two 64-row tiles
-    x = torch.randn(m, k + 8, device=DEV, dtype=DT)[:, 4:4 + k]  # a strided view
+    x = torch.randn(m, k + 8, device=DEV, dtype=DT)[:, 4 : 4 + k]  # a strided view
     w = torch.randn(n, k, device=DEV, dtype=DT) / k**0.5
     b = torch.randn(n, device=DEV, dtype=DT)
     res = torch.randn(m, n, device=DEV, dtype=DT)

@@ -34,8 +34,16 @@ SLOTS = 4
 def engine() -> Engine:
     n = torch.get_num_threads()
     torch.set_num_threads(1)  # the same float reductions in every run
-    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_queue=16, max_context=512, prefill_chunk=64,
-                              stats_interval_s=1e9, continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=SLOTS,
+        max_queue=16,
+        max_context=512,
+        prefill_chunk=64,
+        stats_interval_s=1e9,
+        continuation_flush_lead_ms=-1e9,
+        continuation_grace_ms=1e9,
+    )
     yield Engine(WeightSources(), settings)
     torch.set_num_threads(n)
 
@@ -60,9 +68,15 @@ class Run:
         return np.concatenate(self.pcm[rid]) if self.pcm[rid] else np.zeros(0, np.int16)
 
 
-def drive(engine: Engine, overlap: bool, submit: list[m.SubmitRequest], cancel_at: dict[int, int] | None = None,
-          submit_at: dict[int, tuple[int, list[m.SubmitRequest]]] | None = None, on_kept=None,
-          max_iterations: int = 3000) -> Run:
+def drive(
+    engine: Engine,
+    overlap: bool,
+    submit: list[m.SubmitRequest],
+    cancel_at: dict[int, int] | None = None,
+    submit_at: dict[int, tuple[int, list[m.SubmitRequest]]] | None = None,
+    on_kept=None,
+    max_iterations: int = 3000,
+) -> Run:
     """Run the scheduler over `submit` (all sent before the first iteration) until every request ended.
     cancel_at {rid: n}: cancel rid once n of its frames went to the DAC; submit_at {rid: (n, requests)}:
     submit those then. on_kept(rid, frames): more requests to submit when a held request's kept frames come."""
@@ -168,14 +182,16 @@ def _pb() -> PromptBuilder:
     return PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
 
 
-def req(rid: int, text: str, max_frames: int, ignore_eos: bool = True, cond: Conditioning | None = None,
-        **kw: Any) -> m.SubmitRequest:
+def req(
+    rid: int, text: str, max_frames: int, ignore_eos: bool = True, cond: Conditioning | None = None, **kw: Any
+) -> m.SubmitRequest:
     extra = {k: kw.pop(k) for k in ("speaker_embedding", "hold", "continues", "prompt") if k in kw}
     prompt = extra.pop("prompt", None)
     if prompt is None:
         prompt = _pb().build(text, cond or Conditioning(), non_final=extra.get("hold", False))
-    return m.SubmitRequest(rid=rid, prompt=prompt, params=SamplingParams(**kw), max_frames=max_frames,
-                           ignore_eos=ignore_eos, **extra)
+    return m.SubmitRequest(
+        rid=rid, prompt=prompt, params=SamplingParams(**kw), max_frames=max_frames, ignore_eos=ignore_eos, **extra
+    )
 
 
 def assert_same(a: Run, b: Run, rids, pcm_tolerance: int = 1) -> None:
@@ -199,12 +215,16 @@ def mixed_requests() -> tuple[list[m.SubmitRequest], dict[int, int], dict[int, t
         req(3, "Fourth, with the end-of-audio rule.", 300, ignore_eos=False, seed=4),
         req(4, "Hello.", 30, seed=1),
         req(6, "x", 1, seed=8),
-        req(5, "Guided by a voice.", 25, cond=Conditioning(speaker=True), speaker_embedding=voice, seed=5,
-            cfg_scale=2.0),
+        req(
+            5, "Guided by a voice.", 25, cond=Conditioning(speaker=True), speaker_embedding=voice, seed=5, cfg_scale=2.0
+        ),
         req(7, "Long filler.", 150, seed=10),
     ]
-    later = [req(8, "Another late one, a bit longer.", 33, seed=9, repetition_penalty=1.5),
-             req(9, "Late one.", 20, seed=7, top_p=0.9), req(10, "And one more.", 15, seed=11)]
+    later = [
+        req(8, "Another late one, a bit longer.", 33, seed=9, repetition_penalty=1.5),
+        req(9, "Late one.", 20, seed=7, top_p=0.9),
+        req(10, "And one more.", 15, seed=11),
+    ]
     return reqs, {1: 6}, {3: (100, later)}
 
 
@@ -234,8 +254,17 @@ def test_overlap_gives_the_same_frames_and_audio(engine: Engine):
     rids = list(range(1, 11))
     for r in (off, on):
         assert {rid: r.ends[rid].reason for rid in rids} == {
-            1: m.CANCELLED, 2: "max_frames", 3: "eos", 4: "max_frames", 5: "max_frames", 6: "max_frames",
-            7: "max_frames", 8: "max_frames", 9: "max_frames", 10: "max_frames"}
+            1: m.CANCELLED,
+            2: "max_frames",
+            3: "eos",
+            4: "max_frames",
+            5: "max_frames",
+            6: "max_frames",
+            7: "max_frames",
+            8: "max_frames",
+            9: "max_frames",
+            10: "max_frames",
+        }
         assert len(r.audio(4)) == 30 * 512 and len(r.codes(4)) == 30
     # the cancelled request's frames are a prefix of what it would have said (compare_mixed: one step more
     # with overlap at most, the step in flight when the cancel came being discarded)
@@ -249,8 +278,7 @@ def test_overlap_with_a_real_end_of_audio(engine: Engine):
     """Requests that end on their delayed EOS (the tiny random model reaches one with a repetition-free
     high temperature): the EOS frame, the frame count and the audio are the same with overlap; the row of
     the step launched after the EOS is discarded."""
-    reqs = [req(10 + i, f"Words number {i}.", 240, ignore_eos=False, seed=100 + i, temperature=1.5)
-            for i in range(3)]
+    reqs = [req(10 + i, f"Words number {i}.", 240, ignore_eos=False, seed=100 + i, temperature=1.5) for i in range(3)]
     off = drive(engine, False, reqs)
     on = drive(engine, True, reqs)
     assert_same(off, on, [r.rid for r in reqs])
@@ -264,7 +292,8 @@ def test_overlap_with_a_real_end_of_audio(engine: Engine):
 
 def test_overlap_continued_reply(engine: Engine):
     """A reply of two requests (the first held and ended by its EOS; the second continues its kept frames,
-    submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio are the same
+    submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio
+    are the same
     with overlap."""
     from engine.frontend.longform import Continuation
 
@@ -279,8 +308,10 @@ def test_overlap_continued_reply(engine: Engine):
         prompt = _pb().build_continuation(ctx_text, texts[1], ctx_codes, non_final=False)
         return [req(21, "", 30, prompt=prompt, continues=20, seed=12)]
 
-    reqs = [req(20, texts[0], 200, ignore_eos=False, hold=True, seed=26, temperature=1.5),  # its EOS: frame 68
-            req(22, "Someone else.", 50, seed=13)]
+    reqs = [
+        req(20, texts[0], 200, ignore_eos=False, hold=True, seed=26, temperature=1.5),  # its EOS: frame 68
+        req(22, "Someone else.", 50, seed=13),
+    ]
     off = drive(engine, False, reqs, on_kept=on_kept)
     on = drive(engine, True, reqs, on_kept=on_kept)
     np.testing.assert_array_equal(off.kept[20], on.kept[20])
@@ -315,8 +346,10 @@ def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap:
         while sched.counters["decode_frames"] < 6:
             sched.iterate()
         dac = sched.dac
-        behind = {"in_flight": lambda: sched.settings.dac_max_in_flight,
-                  "queued_frames": lambda: 2 * sched.settings.dac_frames_per_step}
+        behind = {
+            "in_flight": lambda: sched.settings.dac_max_in_flight,
+            "queued_frames": lambda: 2 * sched.settings.dac_frames_per_step,
+        }
         real = {k: getattr(dac, k) for k in behind}
         for k, fn in behind.items():
             setattr(dac, k, fn)

@@ -66,8 +66,8 @@ def check(seqs, t, h, k, v, **kw):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out.float()).all()
     for slot, off, pos, length in packed:
-        ref = reference(q[off: off + length], k, v, slot, pos, length)
-        err = rel_err(out[off: off + length], ref)
+        ref = reference(q[off : off + length], k, v, slot, pos, length)
+        err = rel_err(out[off : off + length], ref)
         assert err < TOL, (slot, pos, length, err)
     used = sum(length for *_, length in packed)
     assert (out[used:] == 0).all()  # padding tokens come out zero
@@ -110,10 +110,10 @@ def test_output_independent_of_pack_order():
         q = torch.zeros(t, h, d, device=DEV, dtype=DT)
         off = 0
         for i in order:
-            q[off: off + seqs[i][2]] = qs[i]
+            q[off : off + seqs[i][2]] = qs[i]
             off += seqs[i][2]
         _, out, packed = run_pack([seqs[i] for i in order], t, h, k, v, q=q)
-        return {i: out[p[1]: p[1] + p[3]] for i, p in zip(order, packed, strict=True)}
+        return {i: out[p[1] : p[1] + p[3]] for i, p in zip(order, packed, strict=True)}
 
     a, b = per_seq([0, 1, 2]), per_seq([2, 0, 1])
     for i in range(3):
@@ -121,8 +121,7 @@ def test_output_independent_of_pack_order():
 
 
 def test_build_block_table_pads_and_raises():
-    slot, start, length, pos0 = build_block_table([(3, 0, 5, 20), (1, 20, 0, 0), (0, 20, 0, 16)], 6,
-                                                  block_m=16)
+    slot, start, length, pos0 = build_block_table([(3, 0, 5, 20), (1, 20, 0, 0), (0, 20, 0, 16)], 6, block_m=16)
     assert all(x.dtype == torch.int32 and x.shape == (6,) for x in (slot, start, length, pos0))
     assert slot.tolist() == [3, 3, 0, 0, 0, 0]
     assert start.tolist() == [0, 16, 20, 0, 0, 0]
@@ -160,11 +159,16 @@ def test_model_packed_prefill_matches_eager():
         model.enable_triton(fast)
         model.setup_cache(4, 128)
         # call 1: first half of prompt a (with its speaker) and all of b; call 2: the rest of a
-        first = model.prefill(torch.cat([a[:half], b]), [PrefillSeq(1, 0, half), PrefillSeq(2, 0, len(b))],
-                              [spk, None])
+        first = model.prefill(torch.cat([a[:half], b]), [PrefillSeq(1, 0, half), PrefillSeq(2, 0, len(b))], [spk, None])
         if fast:  # the same call padded to a fixed size, as a captured graph runs it
-            meta = PackedPrefill.build(model, [PrefillSeq(1, 0, half), PrefillSeq(2, 0, len(b))], [spk, None],
-                                       half + len(b) + 7, 4, torch.device(DEV))
+            meta = PackedPrefill.build(
+                model,
+                [PrefillSeq(1, 0, half), PrefillSeq(2, 0, len(b))],
+                [spk, None],
+                half + len(b) + 7,
+                4,
+                torch.device(DEV),
+            )
             ids = torch.cat([a[:half], b, b[:7]])
             padded = model.prefill_packed(ids, *meta.tensors())[:2]
             assert rel_err(padded, first) < (1e-2 if CUDA else 1e-5)

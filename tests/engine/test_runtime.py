@@ -26,8 +26,9 @@ SLOTS, QUEUE = 4, 3
 @pytest.fixture(scope="module")
 def rt():
     lt = LoopThread()
-    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_queue=QUEUE, max_context=1024, prefill_chunk=64,
-                              stats_interval_s=0.2)
+    settings = EngineSettings(
+        device="cpu", max_batch=SLOTS, max_queue=QUEUE, max_context=1024, prefill_chunk=64, stats_interval_s=0.2
+    )
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
     async def start() -> None:
@@ -41,8 +42,9 @@ def rt():
 
 
 def request(text: str, max_frames: int, ignore_eos: bool = True, **params: Any) -> m.SubmitRequest:
-    return m.SubmitRequest(rid=0, prompt=PB.build(text), params=SamplingParams(**params), max_frames=max_frames,
-                           ignore_eos=ignore_eos)
+    return m.SubmitRequest(
+        rid=0, prompt=PB.build(text), params=SamplingParams(**params), max_frames=max_frames, ignore_eos=ignore_eos
+    )
 
 
 async def collect(client: EngineClient, req: m.SubmitRequest) -> tuple[np.ndarray, m.Finished | m.Error, list[int]]:
@@ -99,8 +101,10 @@ def test_seeded_request_same_audio_alone_and_in_busy_batch(rt):
         return await collect(client, request(**target))
 
     async def busy():
-        others = [collect(client, request(f"noise {i}", 70 + i, seed=None, top_k=5 + i, temperature=0.5 + i / 4))
-                  for i in range(3)]
+        others = [
+            collect(client, request(f"noise {i}", 70 + i, seed=None, top_k=5 + i, temperature=0.5 + i / 4))
+            for i in range(3)
+        ]
         res = await asyncio.gather(*others, collect(client, request(**target)))
         return res[-1]
 
@@ -130,10 +134,17 @@ def test_cancel_frees_the_slot_within_a_step(rt):
     assert round_trip < 1.0  # one decode step of the tiny model is ~20 ms on this CPU
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": 1e308}, {"repetition_penalty": 1e39}, {"temperature": float("nan")}, {"top_p": float("inf")},
-    {"temperature": "hot"}, {"top_k": 2**40},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": 1e308},
+        {"repetition_penalty": 1e39},
+        {"temperature": float("nan")},
+        {"top_p": float("inf")},
+        {"temperature": "hot"},
+        {"top_k": 2**40},
+    ],
+)
 def test_a_record_outside_the_bounds_is_that_requests_error(rt, params):
     """A value the gateway's door would refuse, sent straight to the engine (an older gateway, a
     bug), is that request's bad_request; the engine lives on and serves the next request."""
@@ -185,8 +196,12 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
         return results, ok
 
     results, ok = lt.run(go())
-    assert [getattr(r[1], "code", None) for r in results] == ["prompt_too_long", "bad_request", "bad_voice",
-                                                             "bad_audio"]
+    assert [getattr(r[1], "code", None) for r in results] == [
+        "prompt_too_long",
+        "bad_request",
+        "bad_voice",
+        "bad_audio",
+    ]
     assert ok[1].type == m.FINISHED and cfg.speaker_embedding_dim == 2048
 
 
@@ -234,8 +249,15 @@ def test_realtime_admission_answers_overload_with_engine_busy_and_a_hint():
     """With realtime admission and a lead floor no playing stream can meet, a newcomer waits its bounded
     time in the queue, then gets engine_busy with a retry hint; the playing stream is untouched."""
     lt = LoopThread()
-    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_context=2048, admission="realtime",
-                              admission_max_wait_s=0.3, admission_lead_floor_ms=1e7, stats_interval_s=0.2)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=SLOTS,
+        max_context=2048,
+        admission="realtime",
+        admission_max_wait_s=0.3,
+        admission_lead_floor_ms=1e7,
+        stats_interval_s=0.2,
+    )
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
     async def go() -> tuple[m.Started | m.Audio | m.Finished | m.Error, m.Finished | m.Error, int]:
@@ -292,16 +314,26 @@ def test_overlap_engine_process_same_audio_and_cancel_frees_slots(rt):
     acknowledged once its slot is free (one step later: the step in flight still wrote it) with every slot
     free (no audio after the acknowledgement: tests/engine/test_overlap.py)."""
     lt0, plain = rt
-    reqs = [request("Hello.", 30, seed=1), request("A somewhat longer sentence to speak.", 57, seed=2, top_k=20),
-            request("Fourth, with the end-of-audio rule.", 400, ignore_eos=False, seed=4)]
+    reqs = [
+        request("Hello.", 30, seed=1),
+        request("A somewhat longer sentence to speak.", 57, seed=2, top_k=20),
+        request("Fourth, with the end-of-audio rule.", 400, ignore_eos=False, seed=4),
+    ]
 
     async def batch(client: EngineClient):
         return await asyncio.gather(*(collect(client, r) for r in reqs))
 
     want = lt0.run(batch(plain))
     lt = LoopThread()
-    settings = EngineSettings(device="cpu", max_batch=SLOTS, max_queue=QUEUE, max_context=1024, prefill_chunk=64,
-                              stats_interval_s=0.2, overlap_decode=True)
+    settings = EngineSettings(
+        device="cpu",
+        max_batch=SLOTS,
+        max_queue=QUEUE,
+        max_context=1024,
+        prefill_chunk=64,
+        stats_interval_s=0.2,
+        overlap_decode=True,
+    )
     client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
 
     async def go():
@@ -331,8 +363,9 @@ def test_closing_a_loading_engine_stops_it_at_once():
     """An engine still loading reads no record, so a server stopped while it starts (SIGTERM) ends it rather
     than waiting for it to load and read the Shutdown record."""
     lt = LoopThread()
-    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=256),
-                          ring_bytes=1 << 20, restart=False)
+    client = EngineClient(
+        WeightSources(), EngineSettings(device="cpu", max_batch=1, max_context=256), ring_bytes=1 << 20, restart=False
+    )
 
     async def start_and_close() -> None:
         await client.start()  # spawned; its Ready record cannot have been read yet

@@ -254,12 +254,8 @@ def test_renamed_tensor_refused(tiny: SpeakerEncoder, tmp_path) -> None:
 
 
 def test_missing_tensor_refused(tiny: SpeakerEncoder, tmp_path) -> None:
-    with pytest.raises(
-        SpeakerCheckpointError, match=r"missing tensor\(s\): blocks\.2\.se_block\.conv2\.bias"
-    ):
-        SpeakerEncoder.from_pretrained(
-            _write_broken(tiny, tmp_path, lambda s: s.pop("blocks.2.se_block.conv2.bias"))
-        )
+    with pytest.raises(SpeakerCheckpointError, match=r"missing tensor\(s\): blocks\.2\.se_block\.conv2\.bias"):
+        SpeakerEncoder.from_pretrained(_write_broken(tiny, tmp_path, lambda s: s.pop("blocks.2.se_block.conv2.bias")))
 
 
 def test_wrong_shape_refused(tiny: SpeakerEncoder, tmp_path) -> None:
@@ -322,9 +318,7 @@ def _mel_to_hz_slaney(m: np.ndarray) -> np.ndarray:
     return np.where(m >= 15.0, 1000.0 * np.exp(logstep * (m - 15.0)), m * (200.0 / 3.0))
 
 
-def _slaney_filterbank(
-    sr: int = SR, n_fft: int = 1024, n_mels: int = 128, fmax: float = 12000.0
-) -> np.ndarray:
+def _slaney_filterbank(sr: int = SR, n_fft: int = 1024, n_mels: int = 128, fmax: float = 12000.0) -> np.ndarray:
     """[n_mels, n_fft//2+1] triangular filters on the slaney mel scale, area-normalised."""
     freqs = np.linspace(0.0, sr / 2, n_fft // 2 + 1)
     pts = _mel_to_hz_slaney(np.linspace(_hz_to_mel_slaney(0.0), _hz_to_mel_slaney(fmax), n_mels + 2))

@@ -5,7 +5,8 @@ base URL, with a voice from our library, and each plugin's default output format
 plugins' one-shot HTTP calls: ElevenLabs' /stream, Cartesia's /tts/bytes, Deepgram's POST /v1/speak) and
 prints one JSON line: audio bytes (decoded PCM), sample rate, errors.
 
-    python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE [synthesize]
+    python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
+    [synthesize]
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ TIMEOUT = 120
 def make_tts(kind: str, base: str, key: str, voice: str, session: aiohttp.ClientSession):
     if kind == "elevenlabs":
         from livekit.plugins import elevenlabs
+
         return elevenlabs.TTS(api_key=key, base_url=base + "/v1", voice_id=voice, http_session=session)
     if kind == "cartesia":
         from livekit.plugins import cartesia
+
         return cartesia.TTS(api_key=key, base_url=base, voice=voice, http_session=session)
     if kind == "deepgram":
         from livekit.plugins import deepgram
+
         return deepgram.TTS(api_key=key, base_url=base + "/v1/speak", model=voice, http_session=session)
     raise SystemExit(f"unknown plugin {kind}")
 
@@ -66,8 +70,13 @@ async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream")
         if audio:
             break
         print("[livekit_client] nothing was said: again", errors, file=sys.stderr, flush=True)
-    return {"service": kind, "mode": mode, "audio_bytes": audio, "sample_rate": min(rates) if rates else None,
-            "errors": errors}
+    return {
+        "service": kind,
+        "mode": mode,
+        "audio_bytes": audio,
+        "sample_rate": min(rates) if rates else None,
+        "errors": errors,
+    }
 
 
 if __name__ == "__main__":

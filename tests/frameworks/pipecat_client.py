@@ -73,13 +73,17 @@ def make_service(kind: str, base: str, key: str, voice: str):
     ws = base.replace("http://", "ws://").replace("https://", "wss://")
     if kind == "elevenlabs":
         from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+
         return ElevenLabsTTSService(api_key=key, url=ws, settings=ElevenLabsTTSService.Settings(voice=voice))
     if kind == "cartesia":
         from pipecat.services.cartesia.tts import CartesiaTTSService
-        return CartesiaTTSService(api_key=key, url=ws + "/tts/websocket",
-                                  settings=CartesiaTTSService.Settings(voice=voice))
+
+        return CartesiaTTSService(
+            api_key=key, url=ws + "/tts/websocket", settings=CartesiaTTSService.Settings(voice=voice)
+        )
     if kind == "deepgram":
         from pipecat.services.deepgram.tts import DeepgramTTSService
+
         return DeepgramTTSService(api_key=key, base_url=ws, settings=DeepgramTTSService.Settings(voice=voice))
     raise SystemExit(f"unknown service {kind}")
 
@@ -149,8 +153,9 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     # Clear); the reply's end comes after. Interrupted replies must not pile up on the server.
     for n in range(3):
         col.first_audio.clear()
-        await worker.queue_frames([LLMFullResponseStartFrame(),
-                                   *(TextFrame(f"Reply {n}, sentence {i}, cut short. ") for i in range(5))])
+        await worker.queue_frames(
+            [LLMFullResponseStartFrame(), *(TextFrame(f"Reply {n}, sentence {i}, cut short. ") for i in range(5))]
+        )
         await within(col.first_audio.wait(), f"interrupted reply {n}'s first audio")
         await worker.queue_frame(InterruptionFrame())
         await worker.queue_frame(LLMFullResponseEndFrame())
@@ -160,9 +165,13 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     # (ElevenLabs: flush + close_context, Cartesia: continue false, Deepgram: Flush), then interrupts it
     # (ElevenLabs: close_context again, Cartesia: cancel, Deepgram: Clear).
     col.first_audio.clear()
-    await worker.queue_frames([LLMFullResponseStartFrame(),
-                               *(TextFrame(f"This is sentence number {i} of a long reply. ") for i in range(8)),
-                               LLMFullResponseEndFrame()])
+    await worker.queue_frames(
+        [
+            LLMFullResponseStartFrame(),
+            *(TextFrame(f"This is sentence number {i} of a long reply. ") for i in range(8)),
+            LLMFullResponseEndFrame(),
+        ]
+    )
     await within(col.first_audio.wait(), "the reply's first audio")
     step("2b. interrupting")
     await worker.queue_frame(InterruptionFrame())
@@ -172,8 +181,13 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     step("4. ending")
     await worker.queue_frame(EndFrame())
     await within(run, "the pipeline to end")
-    return {"service": kind, "audio_bytes": spoken, "sample_rate": min(col.rates) if col.rates else None,
-            "errors": col.reported_errors(), "after_interruption_bytes": after}
+    return {
+        "service": kind,
+        "audio_bytes": spoken,
+        "sample_rate": min(col.rates) if col.rates else None,
+        "errors": col.reported_errors(),
+        "after_interruption_bytes": after,
+    }
 
 
 if __name__ == "__main__":

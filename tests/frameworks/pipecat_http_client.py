@@ -28,8 +28,9 @@ def make_service(kind: str, base: str, key: str, voice: str, session: aiohttp.Cl
         from pipecat.services.deepgram.tts import DeepgramHttpTTSService as Service
     else:
         raise SystemExit(f"unknown service {kind}")
-    return Service(api_key=key, base_url=base, aiohttp_session=session, sample_rate=RATE,
-                   settings=Service.Settings(voice=voice))
+    return Service(
+        api_key=key, base_url=base, aiohttp_session=session, sample_rate=RATE, settings=Service.Settings(voice=voice)
+    )
 
 
 async def main(kind: str, base: str, key: str, voice: str) -> dict:
@@ -40,8 +41,12 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         audio = await speak(worker, col, "Hello there. How are you today?", "the turn")
         await worker.queue_frame(EndFrame())
         await within(run, "the pipeline to end")
-    return {"service": kind, "audio_bytes": audio, "sample_rate": min(col.rates) if col.rates else None,
-            "errors": col.reported_errors()}
+    return {
+        "service": kind,
+        "audio_bytes": audio,
+        "sample_rate": min(col.rates) if col.rates else None,
+        "errors": col.reported_errors(),
+    }
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ def _run(node, prompts, seeds, steps, speakers=None):
     from engine.llm.node import Sequence
 
     speakers = speakers or [None] * len(prompts)
-    seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True, speaker=spk)
-            for i, (p, s, spk) in enumerate(zip(prompts, seeds, speakers, strict=True))]
+    seqs = [
+        Sequence(rid=i, prompt=p, params=SamplingParams(seed=s), max_frames=steps, ignore_eos=True, speaker=spk)
+        for i, (p, s, spk) in enumerate(zip(prompts, seeds, speakers, strict=True))
+    ]
     for s in seqs:
         node.admit(s)
     frames = {s.rid: [] for s in seqs}
@@ -97,10 +99,18 @@ def test_seed_holds_alone_and_in_a_full_batch_full_size():
 
     model = random_model("full", device="cuda", dtype=torch.bfloat16)
     node = LLMNode(model, n_slots=128, max_len=512, compile=True, batch_invariant="seeded")
-    print("capture s / MiB reserved (decode, prefill), default and invariant kernels:",
-          {inv: (round(node.graphs.capture_s[inv], 1), node.graphs.capture_bytes[inv] >> 20,
-                 round(node.prefill_graphs.capture_s[inv], 1), node.prefill_graphs.capture_bytes[inv] >> 20)
-           for inv in node.kernel_sets})
+    print(
+        "capture s / MiB reserved (decode, prefill), default and invariant kernels:",
+        {
+            inv: (
+                round(node.graphs.capture_s[inv], 1),
+                node.graphs.capture_bytes[inv] >> 20,
+                round(node.prefill_graphs.capture_s[inv], 1),
+                node.prefill_graphs.capture_bytes[inv] >> 20,
+            )
+            for inv in node.kernel_sets
+        },
+    )
     pb = PromptBuilder(model.cfg)
     target = pb.build("The seeded sentence we regenerate for an edit.", Conditioning(speaker=True))
     voice = torch.randn(model.cfg.speaker_embedding_dim, device="cuda")
@@ -118,8 +128,10 @@ def test_seed_holds_alone_and_in_a_full_batch_full_size():
     _run(node, others, [None] * 127, 4)
     assert not node.calls[("decode", True)] and not node.calls[("prefill", True)]
     same = (alone == full).all(-1)
-    print(f"seeded request alone vs in a full batch of 128: {same.mean():.1%} of frames identical"
-          + ("" if same.all() else f", first difference at frame {int(np.argmin(same))}"))
+    print(
+        f"seeded request alone vs in a full batch of 128: {same.mean():.1%} of frames identical"
+        + ("" if same.all() else f", first difference at frame {int(np.argmin(same))}")
+    )
     np.testing.assert_array_equal(alone, full)
 
 
@@ -166,7 +178,13 @@ def test_compiled_decode_matches_plain():
     model.enable_triton()
     ids = torch.from_numpy(PromptBuilder(model.cfg).build("Compiled or not.")).cuda()
     model.setup_cache(4, 256)
-    model.prefill(ids, [PrefillSeq(1, 0, len(ids)), ], None)
+    model.prefill(
+        ids,
+        [
+            PrefillSeq(1, 0, len(ids)),
+        ],
+        None,
+    )
     new = torch.randint(0, 1024, (3, 10), device="cuda")
     new[:, 9] = model.cfg.text_pad_id
     slots, pos = torch.tensor([1, 2, 3], device="cuda"), torch.tensor([len(ids), 0, 0], device="cuda")
@@ -230,7 +248,9 @@ def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
         for a in range(0, 70, 10):  # 7 calls: 60 real frames, then the flush
             c = np.zeros((4, 10, 9), dtype=np.int64)
             c[:3, : max(0, min(10, 60 - a))] = codes[:, a : a + 10]
-            packed = torch.from_numpy(eager_net.pack(c, np.array([0, 1, 2, 4]), np.full(4, a), np.array([60] * 3 + [0])))
+            packed = torch.from_numpy(
+                eager_net.pack(c, np.array([0, 1, 2, 4]), np.full(4, a), np.array([60] * 3 + [0]))
+            )
             eager_out.append(eager_net.run(packed.cuda(), 10).cpu().numpy())
             graph_out.append(graphs.run(packed.pin_memory(), 10).cpu().numpy())
         eager, replay = np.concatenate(eager_out, 1)[:3], np.concatenate(graph_out, 1)[:3]
@@ -272,7 +292,6 @@ def test_dac_graphed_streaming_equals_eager_streaming_equals_one_shot():
             assert len(x) == 200 * HOP and snr > floor
 
 
-
 def test_compiled_and_eager_sampler_agree_at_every_batch():
     """The first frame after a prefill is sampled eagerly, later frames by the compiled sampler in the decode
     graph (one compile per bucket): both draw the same table noise and filter without float sums, so a row
@@ -312,11 +331,23 @@ def test_overlap_with_captured_graphs_equals_eager_without():
     from tests.engine.test_overlap import SLOTS, compare_mixed
 
     def engine(graphs: bool) -> Engine:
-        return Engine(WeightSources(), EngineSettings(
-            device="cuda", max_batch=SLOTS, max_queue=16, max_context=512, prefill_chunk=64, compile=False,
-            admission="slots",  # admitted as slots free up, as on a CPU (realtime admission times the wall clock)
-            cuda_graphs=graphs, dac_dtype="float32", stats_interval_s=1e9, continuation_flush_lead_ms=-1e9,
-            continuation_grace_ms=1e9))
+        return Engine(
+            WeightSources(),
+            EngineSettings(
+                device="cuda",
+                max_batch=SLOTS,
+                max_queue=16,
+                max_context=512,
+                prefill_chunk=64,
+                compile=False,
+                admission="slots",  # admitted as slots free up, as on a CPU (realtime admission times the wall clock)
+                cuda_graphs=graphs,
+                dac_dtype="float32",
+                stats_interval_s=1e9,
+                continuation_flush_lead_ms=-1e9,
+                continuation_grace_ms=1e9,
+            ),
+        )
 
     eager = engine(False)
     graphed = engine(True)
@@ -342,10 +373,22 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
     from engine.runtime.engine import Engine
     from tests.engine.test_overlap import drive, req
 
-    engine = Engine(WeightSources(), EngineSettings(
-        device="cuda", max_batch=128, max_queue=256, max_context=512, compile=False, admission="slots",
-        batch_invariant="seeded", prefill_group_wait_ms=0, stats_interval_s=1e9,
-        continuation_flush_lead_ms=-1e9, continuation_grace_ms=1e9))
+    engine = Engine(
+        WeightSources(),
+        EngineSettings(
+            device="cuda",
+            max_batch=128,
+            max_queue=256,
+            max_context=512,
+            compile=False,
+            admission="slots",
+            batch_invariant="seeded",
+            prefill_group_wait_ms=0,
+            stats_interval_s=1e9,
+            continuation_flush_lead_ms=-1e9,
+            continuation_grace_ms=1e9,
+        ),
+    )
     engine.codec = Codec.random("full", seed=0, device="cuda", dtype=torch.bfloat16)  # drive decodes with it
     frames = 60
     target = req(1, "The seeded sentence we regenerate for an edit.", frames, seed=1234)
@@ -353,9 +396,10 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
     def serve(n_others: int):
         # the others start in the same iteration and outlast the target: every DAC call of the target's
         # can batch it with them
-        others = [req(100 + i, f"Another stream, number {i}, with its own words.", frames + 20)
-                  for i in range(n_others)]
-        run = drive(engine, True, [*others[: n_others // 2], target, *others[n_others // 2:]], max_iterations=5000)
+        others = [
+            req(100 + i, f"Another stream, number {i}, with its own words.", frames + 20) for i in range(n_others)
+        ]
+        run = drive(engine, True, [*others[: n_others // 2], target, *others[n_others // 2 :]], max_iterations=5000)
         return run.codes(1), run.audio(1), run.ends[1].reason
 
     codes, pcm, reason = serve(0)
@@ -369,6 +413,8 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
         np.testing.assert_array_equal(c, codes, err_msg=f"beside {n}")
         assert len(p) == len(pcm) and r == reason, n
         snr = _snr(pcm, p)
-        print(f"seeded request beside {n} streams: codes identical, PCM SNR {snr:.1f} dB vs alone"
-              + (" (identical)" if np.array_equal(p, pcm) else ""))
+        print(
+            f"seeded request beside {n} streams: codes identical, PCM SNR {snr:.1f} dB vs alone"
+            + (" (identical)" if np.array_equal(p, pcm) else "")
+        )
         assert snr >= SEEDED_PCM_SNR_DB, (n, snr)

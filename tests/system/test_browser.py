@@ -39,11 +39,18 @@ sf = pytest.importorskip("soundfile")
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
     "--autoplay-policy=no-user-gesture-required",
     # a fake microphone (a beep) and an auto-accepted permission prompt, for the recording test
-    "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+    "--use-fake-ui-for-media-stream",
+    "--use-fake-device-for-media-stream",
 ]
 TIMEOUT_MS = 30_000
 
@@ -63,8 +70,14 @@ def gateway(tmp_path_factory, *extra: str) -> Iterator[str]:
     device = os.environ.get("ZONOS_BROWSER_TEST_DEVICE", "cpu")
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--data-dir", str(data), "--device", device, *extra]
     with log.open("w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -142,7 +155,9 @@ def write_clip(path: Path, seconds: float = 1.0, rate: int = 16000) -> Path:
     t = np.arange(int(seconds * rate)) / rate
     seed = zlib.crc32(path.name.encode())
     rng = np.random.default_rng(seed)
-    x = 0.3 * np.sin(2 * np.pi * (120 + seed % 100) * t) * (0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)) + 0.02 * rng.standard_normal(len(t))
+    x = 0.3 * np.sin(2 * np.pi * (120 + seed % 100) * t) * (
+        0.6 + 0.4 * np.sin(2 * np.pi * 3 * t)
+    ) + 0.02 * rng.standard_normal(len(t))
     sf.write(path, x.astype(np.float32), rate, subtype="PCM_16")
     return path
 
@@ -285,7 +300,6 @@ def test_no_external_requests(browser, server_url):
     assert hosts <= {server_url.split("/")[2], "data:image/svg+"}, hosts
 
 
-
 # ---- what screenshots of the page in use showed ----------------------------------------------
 def test_reupload_under_a_new_name_renames(page, tmp_path):
     """The same clip again under a new name used to keep the old name silently."""
@@ -296,7 +310,9 @@ def test_reupload_under_a_new_name_renames(page, tmp_path):
     page.click("#clone-submit")
     wait(page, "window.__zonos.voices.some(v => v.name === 'Eve renamed')")
     assert 'already in the library as "Eve test": renamed to "Eve renamed"' in page.inner_text("#clone-status")
-    assert page.evaluate("id => window.__zonos.voices.filter(v => v.id === id).map(v => v.name)", vid) == ["Eve renamed"]
+    assert page.evaluate("id => window.__zonos.voices.filter(v => v.id === id).map(v => v.name)", vid) == [
+        "Eve renamed"
+    ]
 
 
 def test_speaks_at_8khz(page):
@@ -312,6 +328,7 @@ def test_speaks_at_8khz(page):
 def test_stop_before_any_sound_says_so(page):
     """Stop before playback started said "sound after 2.36 s" next to "0.0 s played". The audio frames are
     held back in the browser here (a routed WebSocket), so nothing can play before Stop."""
+
     def route(ws) -> None:
         server = ws.connect_to_server()
         server.on_message(lambda msg: None if isinstance(msg, bytes | bytearray) else ws.send(msg))
@@ -346,11 +363,14 @@ def reference_page(tmp_path_factory) -> Path:
         if (repo / "tts_ui.html").is_file():
             html = (repo / "tts_ui.html").read_bytes()
         else:
-            html = subprocess.run(["git", f"--git-dir={repo}", "show", "HEAD:tts_ui.html"], capture_output=True,
-                                  check=True, timeout=60).stdout
+            html = subprocess.run(
+                ["git", f"--git-dir={repo}", "show", "HEAD:tts_ui.html"], capture_output=True, check=True, timeout=60
+            ).stdout
     except (OSError, subprocess.SubprocessError):
-        pytest.skip(f"the reference UI needs a fetched Zyphra/ZONOS2 repository at {repo} "
-                    "(set ZONOS2_REFERENCE_REPO); the replay of its requests in tests/system/test_clients.py does not")
+        pytest.skip(
+            f"the reference UI needs a fetched Zyphra/ZONOS2 repository at {repo} "
+            "(set ZONOS2_REFERENCE_REPO); the replay of its requests in tests/system/test_clients.py does not"
+        )
     (where / "index.html").write_bytes(html)
     return where
 
@@ -371,8 +391,14 @@ def reference_setup(reference_page, tmp_path_factory) -> Iterator[tuple[str, str
     write_clip(voices / "BritishFemale.wav", seconds=1.5)
     write_clip(voices / "AmericanMale.wav", seconds=1.5)
     try:
-        with gateway(tmp_path_factory, "--cors-origin", page_origin, "--default-voices-dir", str(voices),
-                     "--no-text-normalization") as url:
+        with gateway(
+            tmp_path_factory,
+            "--cors-origin",
+            page_origin,
+            "--default-voices-dir",
+            str(voices),
+            "--no-text-normalization",
+        ) as url:
             deadline = time.monotonic() + 120  # default voices are embedded once the engine is up
             while True:
                 with urllib.request.urlopen(url + "/tts/speakers", timeout=10) as r:
@@ -396,8 +422,12 @@ def test_reference_ui_cross_origin(browser, reference_setup, tmp_path):
     seen: list[str] = []
     pg.on("pageerror", lambda e: errors.append(str(e)))
     pg.on("requestfailed", lambda r: None if "fonts." in r.url else errors.append(f"failed: {r.method} {r.url}"))
-    pg.on("response", lambda r: seen.append(f"{r.request.method} {r.url.removeprefix(gw)} {r.status}")
-          if r.url.startswith(gw) else None)
+    pg.on(
+        "response",
+        lambda r: (
+            seen.append(f"{r.request.method} {r.url.removeprefix(gw)} {r.status}") if r.url.startswith(gw) else None
+        ),
+    )
     try:
         pg.goto(page_origin + "/")
         pg.click("#paramsToggle")  # the parameters and speaker panel start folded
@@ -411,8 +441,9 @@ def test_reference_ui_cross_origin(browser, reference_setup, tmp_path):
 
         clip = write_clip(tmp_path / "Ref upload.wav", seconds=1.2)
         pg.set_input_files("#speakerAudioUpload", str(clip))
-        pg.wait_for_function("document.querySelector('#speakerLibraryStatus').textContent.startsWith('Cached 1')",
-                             timeout=60_000)
+        pg.wait_for_function(
+            "document.querySelector('#speakerLibraryStatus').textContent.startsWith('Cached 1')", timeout=60_000
+        )
         assert "Ref upload" in pg.inner_text("#speakerLibrary")
         # Their autoAssignSpeakers() sets Speaker A before the new option exists, so A falls back to None
         # (against their own server too); pick it with the library's "Use A" button.
@@ -422,8 +453,9 @@ def test_reference_ui_cross_origin(browser, reference_setup, tmp_path):
         pg.click("#speakerAPlay")  # the uploaded clip's preview
         pg.wait_for_function("document.querySelector('#speakerAPlay').textContent === 'Stop'", timeout=TIMEOUT_MS)
         pg.click("#speakerAPlay")
-        british = pg.eval_on_selector("#speakerASelect", "s => [...s.options].find(o => o.textContent.startsWith("
-                                      "'BritishFemale')).value")
+        british = pg.eval_on_selector(
+            "#speakerASelect", "s => [...s.options].find(o => o.textContent.startsWith('BritishFemale')).value"
+        )
         pg.select_option("#speakerBSelect", british)  # a blend of the upload and a default voice
         assert not pg.is_disabled("#speakerBlend")
 
@@ -440,8 +472,13 @@ def test_reference_ui_cross_origin(browser, reference_setup, tmp_path):
     assert not errors, errors
     assert all(int(line.rsplit(" ", 1)[1]) < 400 for line in seen), seen
     # (CORS preflights do not show up as page responses; tests/system/test_clients.py replays them)
-    for route in ("GET /tts/capabilities", "GET /tts/speakers", "POST /tts/speakers",
-                  "GET /tts/speakers/", "POST /tts/generate"):
+    for route in (
+        "GET /tts/capabilities",
+        "GET /tts/speakers",
+        "POST /tts/speakers",
+        "GET /tts/speakers/",
+        "POST /tts/generate",
+    ):
         assert any(line.startswith(route) for line in seen), (route, seen)
 
 
@@ -500,8 +537,11 @@ def test_phone_first_screen(phone):
             box = hint.bounding_box()
             apart = box["y"] >= h2["y"] + h2["height"] - 1 or box["x"] >= h2["x"] + h2["width"]
             assert apart, (card, h2, box)  # beside the heading or below it, never over it
-    button = phone.eval_on_selector("#clone-file", "el => { const s = getComputedStyle(el, '::file-selector-button');"
-                                    " return [s.borderTopLeftRadius, s.fontWeight, s.cursor]; }")
+    button = phone.eval_on_selector(
+        "#clone-file",
+        "el => { const s = getComputedStyle(el, '::file-selector-button');"
+        " return [s.borderTopLeftRadius, s.fontWeight, s.cursor]; }",
+    )
     assert button == ["8px", "600", "pointer"], button  # the page's button style, not the native one
 
 
@@ -539,22 +579,29 @@ def test_event_log_says_when_each_sentence_played(page):
     # which of the page's three wordings applies is the machine's speed (continued, the second is generated
     # after the first): ready before its turn, begun before it, or its first audio after it; each with its
     # number, never "first audio 0 ms" (checked above)
-    assert re.search(r"generated ahead: complete \d+(\.\d+)? m?s before it played"
-                     r"|begun ahead, complete \d+(\.\d+)? m?s after it started"
-                     r"|first audio \d+(\.\d+)? m?s after its turn came \(server\), RTF \d", second), second
+    assert re.search(
+        r"generated ahead: complete \d+(\.\d+)? m?s before it played"
+        r"|begun ahead, complete \d+(\.\d+)? m?s after it started"
+        r"|first audio \d+(\.\d+)? m?s after its turn came \(server\), RTF \d",
+        second,
+    ), second
 
 
-@pytest.mark.parametrize("fmt, stream", [("aac", False), ("flac", False), ("flac", True), ("wav", False),
-                                         ("wav", True)])
+@pytest.mark.parametrize(
+    "fmt, stream", [("aac", False), ("flac", False), ("flac", True), ("wav", False), ("wav", True)]
+)
 def test_chromium_decodes_our_http_formats(page, fmt, stream):
     """AAC (ADTS), the finished FLAC and WAV and their streamed forms all decode in Chromium."""
-    got = page.evaluate("""async ([fmt, stream]) => {
+    got = page.evaluate(
+        """async ([fmt, stream]) => {
       const r = await fetch('/v1/audio/speech', {method: 'POST', headers: {'Content-Type': 'application/json'},
         body: JSON.stringify({input: 'One. Two.', response_format: fmt, stream,
                               params: {max_frames: 40, ignore_eos: true}})});
       const audio = await new OfflineAudioContext(1, 1, 24000).decodeAudioData(await r.arrayBuffer());
       return [r.status, audio.sampleRate, audio.length];
-    }""", [fmt, stream])
+    }""",
+        [fmt, stream],
+    )
     expected = round(reply_frames([40, 40]) * 512 * 24000 / 44100)  # the second sentence continues the first
     assert got[:2] == [200, 24000] and expected <= got[2] <= expected + (2048 if fmt == "aac" else 0), got
 
@@ -577,8 +624,13 @@ def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory
         errors: list[str] = []
         pg.on("pageerror", lambda e: errors.append(str(e)))
         sent: list[dict] = []
-        pg.on("websocket", lambda ws: ws.on("framesent", lambda f: sent.append(json.loads(f))
-                                           if isinstance(f, str) and '"session.config"' in f else None))
+        pg.on(
+            "websocket",
+            lambda ws: ws.on(
+                "framesent",
+                lambda f: sent.append(json.loads(f)) if isinstance(f, str) and '"session.config"' in f else None,
+            ),
+        )
         pg.goto(url + "/")
         pg.wait_for_function("window.__zonos && window.__zonos.connected")
         pg.wait_for_selector("#p-language option[value='de']", state="attached")
@@ -590,9 +642,14 @@ def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory
         vid = clone_from_file(pg, write_clip(tmp_path / "emo.wav"), "Emo test")
         pg.select_option("#voice", vid)
         pg.check("#p-emotion_enabled")
-        for sel, value in (("#p-emotion-happy", "0.5"), ("#p-emotion-valence", "-0.25"), ("#p-emotion_cfg_scale", "1.5")):
-            pg.eval_on_selector(sel, "(x, v) => { x.value = v; x.dispatchEvent(new Event('input', {bubbles: true})); }",
-                                value)
+        for sel, value in (
+            ("#p-emotion-happy", "0.5"),
+            ("#p-emotion-valence", "-0.25"),
+            ("#p-emotion_cfg_scale", "1.5"),
+        ):
+            pg.eval_on_selector(
+                sel, "(x, v) => { x.value = v; x.dispatchEvent(new Event('input', {bubbles: true})); }", value
+            )
         set_param(pg, "max_frames", "20")
         pg.fill("#text", "Feel it.")
         pg.click("#speak")

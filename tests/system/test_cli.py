@@ -91,8 +91,9 @@ def test_make_checkpoint_writes_the_embedded_default(assets):
 def test_prompt_matches_prompt_builder(assets, capsys):
     d, ck = assets["dir"], assets["ckpt"]
     text = "Hello there, how are you?"
-    r = cli("prompt", text, "--out", str(d / "p.npy"), "--model-path", str(ck), "--speaker",
-            "--speaking-rate-bucket", "3")
+    r = cli(
+        "prompt", text, "--out", str(d / "p.npy"), "--model-path", str(ck), "--speaker", "--speaking-rate-bucket", "3"
+    )
     ids = np.load(d / "p.npy")
     cfg = Zonos2Config.from_file(ck)
     want = PromptBuilder(cfg).build(text, Conditioning(speaker=True, speaking_rate_bucket=3))
@@ -103,10 +104,20 @@ def test_prompt_matches_prompt_builder(assets, capsys):
     full = PromptBuilder(Zonos2Config.from_dict(preset_params("full")))
     code, _, _ = in_process(capsys, "prompt", text, "--out", str(d / "p0.npy"))
     assert code == 0 and np.array_equal(np.load(d / "p0.npy"), full.build(text, Conditioning()))
-    code, _, _ = in_process(capsys, "prompt", text, "--out", str(d / "p1.npy"), "--no-quality", "--expressive",
-                            "--clean-background", "--speaker")
-    want = full.build(text, Conditioning(speaker=True, clean_speaker_background=True, accurate_mode=False,
-                                         quality_buckets=None))
+    code, _, _ = in_process(
+        capsys,
+        "prompt",
+        text,
+        "--out",
+        str(d / "p1.npy"),
+        "--no-quality",
+        "--expressive",
+        "--clean-background",
+        "--speaker",
+    )
+    want = full.build(
+        text, Conditioning(speaker=True, clean_speaker_background=True, accurate_mode=False, quality_buckets=None)
+    )
     assert code == 0 and np.array_equal(np.load(d / "p1.npy"), want)
 
 
@@ -116,8 +127,19 @@ def test_prompt_continuation(assets, capsys):
     full = PromptBuilder(Zonos2Config.from_dict(preset_params("full")))
     codes = np.random.default_rng(1).integers(0, 1024, size=(12, 9))
     np.save(d / "ctx.npy", codes)
-    code, out, _ = in_process(capsys, "prompt", "And then.", "--out", str(d / "c.npy"), "--speaker",
-                              "--context-text", "It began.", "--context-codes", str(d / "ctx.npy"), "--non-final")
+    code, out, _ = in_process(
+        capsys,
+        "prompt",
+        "And then.",
+        "--out",
+        str(d / "c.npy"),
+        "--speaker",
+        "--context-text",
+        "It began.",
+        "--context-codes",
+        str(d / "ctx.npy"),
+        "--non-final",
+    )
     want = full.build_continuation("It began.", "And then.", codes, Conditioning(speaker=True), non_final=True)
     got = np.load(d / "c.npy")
     assert code == 0 and np.array_equal(got, want) and last_json(out)["frames"] == len(want)
@@ -127,8 +149,9 @@ def test_prompt_continuation(assets, capsys):
     code, _, err = in_process(capsys, "prompt", "x", "--out", str(d / "e.npy"), "--context-codes", str(d / "ctx.npy"))
     assert code == 2 and "--context-text" in err
     np.save(d / "bad.npy", codes[:, :5])
-    code, _, err = in_process(capsys, "prompt", "x", "--out", str(d / "e.npy"), "--context-text", "y",
-                              "--context-codes", str(d / "bad.npy"))
+    code, _, err = in_process(
+        capsys, "prompt", "x", "--out", str(d / "e.npy"), "--context-text", "y", "--context-codes", str(d / "bad.npy")
+    )
     assert code == 2 and "[F, 9]" in err
 
 
@@ -143,8 +166,19 @@ def test_logits_match_forward_full(assets, capsys):
     np.save(d / "ids.npy", ids)
     emb = np.random.default_rng(0).standard_normal(model.cfg.speaker_embedding_dim).astype(np.float32)
     np.save(d / "emb.npy", emb)
-    r = cli("logits", "--model-path", str(ck), "--input-ids", str(d / "ids.npy"), "--out", str(d / "l.npy"),
-            "--speaker-embedding", str(d / "emb.npy"), "--device", "cpu")
+    r = cli(
+        "logits",
+        "--model-path",
+        str(ck),
+        "--input-ids",
+        str(d / "ids.npy"),
+        "--out",
+        str(d / "l.npy"),
+        "--speaker-embedding",
+        str(d / "emb.npy"),
+        "--device",
+        "cpu",
+    )
     got = np.load(d / "l.npy")
     assert got.shape == (len(ids), 9, 1026) and got.dtype == np.float32
     assert last_json(r.stdout)["shape"] == [len(ids), 9, 1026]
@@ -154,9 +188,20 @@ def test_logits_match_forward_full(assets, capsys):
 
     # A speaker embedding of the wrong size is refused with a message, not a traceback.
     np.save(d / "bad.npy", emb[:100])
-    code, _, err = in_process(capsys, "logits", "--model-path", str(ck), "--input-ids", str(d / "ids.npy"),
-                              "--out", str(d / "l2.npy"), "--speaker-embedding", str(d / "bad.npy"),
-                              "--device", "cpu")
+    code, _, err = in_process(
+        capsys,
+        "logits",
+        "--model-path",
+        str(ck),
+        "--input-ids",
+        str(d / "ids.npy"),
+        "--out",
+        str(d / "l2.npy"),
+        "--speaker-embedding",
+        str(d / "bad.npy"),
+        "--device",
+        "cpu",
+    )
     assert code == 2 and "(2048,)" in err and "(100,)" in err
 
 
@@ -184,8 +229,9 @@ def test_logits_guidance_is_the_formula_on_plain_passes(assets, capsys):
             s = torch.from_numpy(spk) if spk is not None else None
             return model.forward_full(torch.from_numpy(x.astype(np.int64)), speaker=s)[-1].float().numpy()
 
-    code, out, _ = in_process(capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"),
-                              "--out", str(d / "g.npy"), "--cfg-scale", "2.5")
+    code, out, _ = in_process(
+        capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"), "--out", str(d / "g.npy"), "--cfg-scale", "2.5"
+    )
     got = np.load(d / "g.npy")
     c, u = plain(ids, emb), plain(ids, None)
     want = u + 2.5 * (c - u)
@@ -198,19 +244,35 @@ def test_logits_guidance_is_the_formula_on_plain_passes(assets, capsys):
     fresh = pb.build("Guided speech.", cond_spk)
     np.save(d / "p_ids.npy", cont)
     np.save(d / "p_unc.npy", fresh)
-    code, out, _ = in_process(capsys, "logits", *common, "--input-ids", str(d / "p_ids.npy"), "--out",
-                              str(d / "p.npy"), "--uncond-input-ids", str(d / "p_unc.npy"),
-                              "--prefix-cfg-scale", "-0.5", "--cfg-scale", "3")  # prefix CFG wins
+    code, out, _ = in_process(
+        capsys,
+        "logits",
+        *common,
+        "--input-ids",
+        str(d / "p_ids.npy"),
+        "--out",
+        str(d / "p.npy"),
+        "--uncond-input-ids",
+        str(d / "p_unc.npy"),
+        "--prefix-cfg-scale",
+        "-0.5",
+        "--cfg-scale",
+        "3",
+    )  # prefix CFG wins
     got = np.load(d / "p.npy")
     c, u = plain(cont, emb), plain(fresh, emb)
     want = u + -0.5 * (c - u)
     assert code == 0 and last_json(out)["guidance"] == "prefix"
     assert _one_minus_cos(got, want) < 1e-6 and np.allclose(got, want, atol=1e-4)
 
-    for args, needle in ((["--cfg-scale", "nan"], "cfg_scale"), (["--prefix-cfg-scale", "2"], "--uncond-input-ids"),
-                         (["--uncond-input-ids", str(d / "p_unc.npy")], "--prefix-cfg-scale")):
-        code, _, err = in_process(capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"),
-                                  "--out", str(d / "x.npy"), *args)
+    for args, needle in (
+        (["--cfg-scale", "nan"], "cfg_scale"),
+        (["--prefix-cfg-scale", "2"], "--uncond-input-ids"),
+        (["--uncond-input-ids", str(d / "p_unc.npy")], "--prefix-cfg-scale"),
+    ):
+        code, _, err = in_process(
+            capsys, "logits", *common, "--input-ids", str(d / "g_ids.npy"), "--out", str(d / "x.npy"), *args
+        )
         assert code == 2 and needle in err, err
 
 
@@ -228,8 +290,18 @@ def check_wav(path: Path) -> np.ndarray:
 
 @pytest.mark.slow
 def test_synthesize_without_weights(tmp_path):
-    r = cli("synthesize", "Hello from the default model.", "-o", str(tmp_path / "out.wav"), "--max-frames", "16",
-            "--seed", "1", "--device", "cpu")
+    r = cli(
+        "synthesize",
+        "Hello from the default model.",
+        "-o",
+        str(tmp_path / "out.wav"),
+        "--max-frames",
+        "16",
+        "--seed",
+        "1",
+        "--device",
+        "cpu",
+    )
     audio = check_wav(tmp_path / "out.wav")
     out = last_json(r.stdout)
     assert out["frames"] == len(audio) // 512 <= 16
@@ -240,9 +312,26 @@ def test_synthesize_without_weights(tmp_path):
 def test_synthesize_with_checkpoints_and_voice_clip(assets, tmp_path):
     ck, dac, spk = assets["ckpt"], assets["dac"], assets["spk"]
     clip = assets["dir"] / "clip44_stereo.wav"
-    r = cli("synthesize", "Cloned voice.", "-o", str(tmp_path / "out.wav"), "--model-path", str(ck),
-            "--dac-weights", str(dac), "--speaker-weights", str(spk), "--voice", str(clip),
-            "--max-frames", "12", "--seed", "4", "--device", "cpu")
+    r = cli(
+        "synthesize",
+        "Cloned voice.",
+        "-o",
+        str(tmp_path / "out.wav"),
+        "--model-path",
+        str(ck),
+        "--dac-weights",
+        str(dac),
+        "--speaker-weights",
+        str(spk),
+        "--voice",
+        str(clip),
+        "--max-frames",
+        "12",
+        "--seed",
+        "4",
+        "--device",
+        "cpu",
+    )
     audio = check_wav(tmp_path / "out.wav")
     out = last_json(r.stdout)
     assert out["weights"] == {"model": str(ck), "dac": str(dac), "speaker_encoder": str(spk)}
@@ -277,8 +366,17 @@ def assert_parity(got: np.ndarray, ref: np.ndarray) -> None:
 def test_speaker_embed_cli_matches_independent_reference(assets):
     d, spk = assets["dir"], assets["spk"]
     clip = d / "clip44_stereo.wav"  # 44.1 kHz, stereo, 16-bit: mixdown + resampling + the float32 network
-    r = cli("speaker-embed", "--speaker-weights", str(spk), "--audio", str(clip), "--out", str(d / "e.npy"),
-            "--device", "cpu")
+    r = cli(
+        "speaker-embed",
+        "--speaker-weights",
+        str(spk),
+        "--audio",
+        str(clip),
+        "--out",
+        str(d / "e.npy"),
+        "--device",
+        "cpu",
+    )
     out = last_json(r.stdout)
     assert out["dim"] == 2048 and out["sample_rate"] == 44_100 and out["encoder"] == str(spk)
     got = np.load(d / "e.npy")
@@ -289,8 +387,20 @@ def test_speaker_embed_cli_matches_independent_reference(assets):
 @pytest.mark.parametrize("name, sr", [("clip24.wav", 24_000), ("clip44.wav", 44_100)])
 def test_speaker_embed_parity_per_rate(assets, capsys, name, sr):
     d, spk = assets["dir"], assets["spk"]
-    code, out, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(spk), "--audio", str(d / name),
-                                "--out", str(d / f"e-{sr}.npy"), "--dtype", "float32", "--device", "cpu")
+    code, out, err = in_process(
+        capsys,
+        "speaker-embed",
+        "--speaker-weights",
+        str(spk),
+        "--audio",
+        str(d / name),
+        "--out",
+        str(d / f"e-{sr}.npy"),
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     assert last_json(out)["sample_rate"] == sr
     got = np.load(d / f"e-{sr}.npy")
@@ -304,9 +414,20 @@ def test_speaker_embed_parity_per_rate(assets, capsys, name, sr):
 
 def test_speaker_embed_reduced_precision_still_writes_float32(assets, capsys):
     d, spk = assets["dir"], assets["spk"]
-    code, _, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(spk), "--audio",
-                                str(d / "clip24.wav"), "--out", str(d / "bf16.npy"), "--dtype", "bfloat16",
-                                "--device", "cpu")
+    code, _, err = in_process(
+        capsys,
+        "speaker-embed",
+        "--speaker-weights",
+        str(spk),
+        "--audio",
+        str(d / "clip24.wav"),
+        "--out",
+        str(d / "bf16.npy"),
+        "--dtype",
+        "bfloat16",
+        "--device",
+        "cpu",
+    )
     assert code == 0, err
     got = np.load(d / "bf16.npy")
     assert got.dtype == np.float32 and got.shape == (2048,)
@@ -329,8 +450,18 @@ def test_speaker_embed_refuses_renamed_tensor(assets, tmp_path):
         s["asp.tdnn.linear.weight"] = s.pop("asp.tdnn.conv.weight")
 
     ck = broken_checkpoint(assets, tmp_path, rename)
-    r = cli("speaker-embed", "--speaker-weights", str(ck), "--audio", str(assets["dir"] / "clip24.wav"),
-            "--out", str(tmp_path / "e.npy"), "--device", "cpu", check=False)
+    r = cli(
+        "speaker-embed",
+        "--speaker-weights",
+        str(ck),
+        "--audio",
+        str(assets["dir"] / "clip24.wav"),
+        "--out",
+        str(tmp_path / "e.npy"),
+        "--device",
+        "cpu",
+        check=False,
+    )
     assert r.returncode == 2, r.stderr
     assert "missing tensor(s): asp.tdnn.conv.weight" in r.stderr
     assert "unexpected tensor(s): asp.tdnn.linear.weight" in r.stderr
@@ -379,25 +510,38 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
     elif case == "too_short":
         audio = tmp_path / "short.wav"
         sf.write(audio, _tone(600, 24_000), 24_000)  # 25 ms: fewer mel frames than the kernels need
-    code, _, err = in_process(capsys, "speaker-embed", "--speaker-weights", str(ck), "--audio", str(audio),
-                              "--out", str(tmp_path / "e.npy"), "--device", "cpu")
+    code, _, err = in_process(
+        capsys,
+        "speaker-embed",
+        "--speaker-weights",
+        str(ck),
+        "--audio",
+        str(audio),
+        "--out",
+        str(tmp_path / "e.npy"),
+        "--device",
+        "cpu",
+    )
     assert code == 2 and err.startswith("error: ") and needle in err, err
     assert not (tmp_path / "e.npy").exists()
 
 
 # ---- `python -m app` flags: generated from the settings fields ------------------------------------------
-@pytest.mark.parametrize("argv,needle", [
-    (["--max-batch", "0"], "--max-batch must be an integer in 1..4096, got 0"),
-    (["--max-batch", "-3"], "--max-batch must be an integer in 1..4096, got -3"),
-    (["--normalization-workers", "100000"], "--normalization-workers must be an integer in 0.."),
-    (["--workers", "65"], "--workers must be an integer in 0..64"),
-    (["--port", "70000"], "--port must be an integer in 0..65535"),
-    (["--admission-headroom", "0"], "--admission-headroom must be a number in (0, 1]"),
-    (["--dac-max-in-flight", "0"], "--dac-max-in-flight must be an integer in 1..64"),
-    (["--idle-timeout", "-1"], "--idle-timeout-s must be a number in (0, 86400]"),
-    (["--max-sessions", "0"], "--max-sessions must be an integer in 1..1000000"),
-    (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--max-batch", "0"], "--max-batch must be an integer in 1..4096, got 0"),
+        (["--max-batch", "-3"], "--max-batch must be an integer in 1..4096, got -3"),
+        (["--normalization-workers", "100000"], "--normalization-workers must be an integer in 0.."),
+        (["--workers", "65"], "--workers must be an integer in 0..64"),
+        (["--port", "70000"], "--port must be an integer in 0..65535"),
+        (["--admission-headroom", "0"], "--admission-headroom must be a number in (0, 1]"),
+        (["--dac-max-in-flight", "0"], "--dac-max-in-flight must be an integer in 1..64"),
+        (["--idle-timeout", "-1"], "--idle-timeout-s must be a number in (0, 86400]"),
+        (["--max-sessions", "0"], "--max-sessions must be an integer in 1..1000000"),
+        (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
+    ],
+)
 def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv, needle):
     from app.__main__ import parse_args
 
@@ -421,9 +565,14 @@ def test_settings_built_in_code_are_checked_as_the_flags_are():
     from app.settings import GatewaySettings, Limits
     from engine.contract.settings import EngineSettings, WeightSources
 
-    for build in (lambda: EngineSettings(max_batch=0), lambda: EngineSettings(chunk_schedule="fast"),
-                  lambda: EngineSettings(dac_max_batch=True), lambda: Limits(max_frames=0),
-                  lambda: WeightSources(random_preset="huge"), lambda: GatewaySettings(workers=-1)):
+    for build in (
+        lambda: EngineSettings(max_batch=0),
+        lambda: EngineSettings(chunk_schedule="fast"),
+        lambda: EngineSettings(dac_max_batch=True),
+        lambda: Limits(max_frames=0),
+        lambda: WeightSources(random_preset="huge"),
+        lambda: GatewaySettings(workers=-1),
+    ):
         with pytest.raises(ValueError, match=r"^--"):
             build()
     assert EngineSettings(max_batch=None).max_batch is None  # None: the engine picks
@@ -447,11 +596,35 @@ def test_every_settings_field_is_a_flag_and_a_new_field_is_one():
                 assert flags.option(f) in options, f.name
                 if f.type in ("int", "float", "int | None", "float | None"):  # every number is bounded
                     assert flags.flag_of(f).lo is not None and flags.flag_of(f).hi is not None, f.name
-    s = parse_args(["--dac-max-in-flight", "5", "--stats-interval-s", "0.5", "--chunk-schedule", "low_latency",
-                    "--prefill-group-frames", "64", "--random-weights-seed", "7", "--no-compile",
-                    "--no-cuda-graphs", "--cors-origin", "a", "--cors-origin", "b", "--log-level", "debug"])
-    assert (s.engine.dac_max_in_flight, s.engine.stats_interval_s, s.engine.chunk_schedule,
-            s.engine.prefill_group_frames, s.weights.seed) == (5, 0.5, "low_latency", 64, 7)
+    s = parse_args(
+        [
+            "--dac-max-in-flight",
+            "5",
+            "--stats-interval-s",
+            "0.5",
+            "--chunk-schedule",
+            "low_latency",
+            "--prefill-group-frames",
+            "64",
+            "--random-weights-seed",
+            "7",
+            "--no-compile",
+            "--no-cuda-graphs",
+            "--cors-origin",
+            "a",
+            "--cors-origin",
+            "b",
+            "--log-level",
+            "debug",
+        ]
+    )
+    assert (
+        s.engine.dac_max_in_flight,
+        s.engine.stats_interval_s,
+        s.engine.chunk_schedule,
+        s.engine.prefill_group_frames,
+        s.weights.seed,
+    ) == (5, 0.5, "low_latency", 64, 7)
     assert not s.engine.compile and not s.engine.cuda_graphs
     assert s.cors_origins == ("a", "b") and s.log_level == "DEBUG"
     assert parse_args([]).engine == EngineSettings() and parse_args([]).limits == Limits()
@@ -473,11 +646,25 @@ def test_every_settings_field_is_a_flag_and_a_new_field_is_one():
 def test_app_help_lists_every_flag():
     r = subprocess.run([sys.executable, "-m", "app", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0
-    for name in ("--max-batch", "--normalization-workers", "--idle-timeout", "--no-batch-invariant", "--devices",
-                 "--no-auth", "--api-key", "--dac-max-in-flight", "--outbox-bytes-per-request"):
+    for name in (
+        "--max-batch",
+        "--normalization-workers",
+        "--idle-timeout",
+        "--no-batch-invariant",
+        "--devices",
+        "--no-auth",
+        "--api-key",
+        "--dac-max-in-flight",
+        "--outbox-bytes-per-request",
+    ):
         assert name in r.stdout, name
     assert "decode slots (default: 256 on a GPU" in " ".join(r.stdout.split())
     # the real entry point refuses before it starts any process
-    r = subprocess.run([sys.executable, "-m", "app", "--normalization-workers", "100000"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "--normalization-workers", "100000"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--normalization-workers must be an integer in 0.." in r.stderr

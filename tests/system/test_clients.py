@@ -63,8 +63,10 @@ def ref_server(start_server, tmp_path_factory):
     (voices / "BritishFemale.wav").write_bytes(wav_clip(1.0, freq=180))
     (voices / "AmericanMale.wav").write_bytes(wav_clip(1.0, freq=120))
     srv = start_server("--cors-origin", REF_ORIGIN, "--default-voices-dir", str(voices))
-    wait_for(lambda: sum(v["default"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]) == 2,
-             "the default voices to load")
+    wait_for(
+        lambda: sum(v["default"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]) == 2,
+        "the default voices to load",
+    )
     return srv
 
 
@@ -83,25 +85,60 @@ UI_PREFLIGHTS = [
 ]
 # refreshSpeakerCapability() reads these fields of /tts/capabilities to build its controls.
 UI_CAPABILITY_FIELDS = [
-    "speaker_enabled", "speaker_embedding_dim", "n_codebooks", "max_tokens", "speaking_rate_num_buckets",
-    "speaking_rate_buckets", "quality_num_buckets", "quality_features", "quality_buckets",
-    "quality_dropout_by_feature", "speaker_background_token_enabled", "accurate_mode_token_enabled",
-    "text_normalization_enabled", "text_norm_languages",
+    "speaker_enabled",
+    "speaker_embedding_dim",
+    "n_codebooks",
+    "max_tokens",
+    "speaking_rate_num_buckets",
+    "speaking_rate_buckets",
+    "quality_num_buckets",
+    "quality_features",
+    "quality_buckets",
+    "quality_dropout_by_feature",
+    "speaker_background_token_enabled",
+    "accurate_mode_token_enabled",
+    "text_normalization_enabled",
+    "text_norm_languages",
 ]
 # The speaker records the UI renders (renderSpeakerLibrary, renderSpeakerSelectOptions, autoSelectInitialSpeaker).
-UI_SPEAKER_FIELDS = {"id", "label", "source_type", "is_default", "original_name", "dimension", "created_at",
-                     "has_preview"}
+UI_SPEAKER_FIELDS = {
+    "id",
+    "label",
+    "source_type",
+    "is_default",
+    "original_name",
+    "dimension",
+    "created_at",
+    "has_preview",
+}
 
 
 def ui_generate_body(text: str, **speaker) -> dict:
     """generate() with the page's control defaults (max tokens slid to its minimum, 64, to keep CPU runs short)."""
     body = {
-        "text": text, "language": "en_us", "text_normalization": True, "temperature": 1.15, "topk": 106,
-        "top_p": 0.0, "min_p": 0.18, "max_tokens": 64, "fade_out_ms": 20.0, "speaking_rate_enabled": False,
-        "quality_enabled": True, "quality_buckets": None, "repetition_window": 50, "repetition_penalty": 1.2,
-        "repetition_codebooks": 8, "seed": None, "stream": True, "speaker_embedding_id": None,
-        "clean_speaker_background": False, "accurate_mode": True, "speaker_blend_embedding_id_a": None,
-        "speaker_blend_embedding_id_b": None, "speaker_blend_t": None,
+        "text": text,
+        "language": "en_us",
+        "text_normalization": True,
+        "temperature": 1.15,
+        "topk": 106,
+        "top_p": 0.0,
+        "min_p": 0.18,
+        "max_tokens": 64,
+        "fade_out_ms": 20.0,
+        "speaking_rate_enabled": False,
+        "quality_enabled": True,
+        "quality_buckets": None,
+        "repetition_window": 50,
+        "repetition_penalty": 1.2,
+        "repetition_codebooks": 8,
+        "seed": None,
+        "stream": True,
+        "speaker_embedding_id": None,
+        "clean_speaker_background": False,
+        "accurate_mode": True,
+        "speaker_blend_embedding_id_a": None,
+        "speaker_blend_embedding_id_b": None,
+        "speaker_blend_t": None,
     }
     body["quality_buckets"] = {"trailing_silence_s": 3}  # qualityEnabled is checked once the bins exist
     return body | speaker
@@ -113,8 +150,14 @@ def data_url(data: bytes, mime: str) -> str:
 
 
 def preflight(srv, method: str, path: str, headers: str) -> httpx.Response:
-    return httpx.options(srv.url + path, headers={
-        "Origin": REF_ORIGIN, "Access-Control-Request-Method": method, "Access-Control-Request-Headers": headers})
+    return httpx.options(
+        srv.url + path,
+        headers={
+            "Origin": REF_ORIGIN,
+            "Access-Control-Request-Method": method,
+            "Access-Control-Request-Headers": headers,
+        },
+    )
 
 
 def test_reference_ui_requests_replayed_cross_origin(ref_server):
@@ -147,19 +190,45 @@ def test_reference_ui_requests_replayed_cross_origin(ref_server):
 
     # cacheSpeakerFile(file, 'audio') and (file, 'embedding')
     clip = wav_clip(1.2, freq=260)
-    r = httpx.post(srv.url + "/tts/speakers", headers=origin | UI_POST, timeout=120, content=json.dumps({
-        "label": "my voice", "speaker_audio_base64": data_url(clip, "audio/wav"), "speaker_audio_name": "my voice.wav"}))
+    r = httpx.post(
+        srv.url + "/tts/speakers",
+        headers=origin | UI_POST,
+        timeout=120,
+        content=json.dumps(
+            {
+                "label": "my voice",
+                "speaker_audio_base64": data_url(clip, "audio/wav"),
+                "speaker_audio_name": "my voice.wav",
+            }
+        ),
+    )
     assert r.status_code in (200, 201), r.text
     assert r.headers["access-control-allow-origin"] == REF_ORIGIN
     mine = r.json()
     assert set(mine) >= UI_SPEAKER_FIELDS
-    assert (mine["label"], mine["source_type"], mine["original_name"], mine["dimension"], mine["has_preview"],
-            mine["is_default"], mine["scope"]) == ("my voice", "audio", "my voice.wav", 2048, True, False, "session")
+    assert (
+        mine["label"],
+        mine["source_type"],
+        mine["original_name"],
+        mine["dimension"],
+        mine["has_preview"],
+        mine["is_default"],
+        mine["scope"],
+    ) == ("my voice", "audio", "my voice.wav", 2048, True, False, "session")
     npy = io.BytesIO()
     np.save(npy, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
-    r = httpx.post(srv.url + "/tts/speakers", headers=origin | UI_POST, timeout=60, content=json.dumps({
-        "label": "saved", "speaker_embedding_base64": data_url(npy.getvalue(), "application/octet-stream"),
-        "speaker_embedding_name": "saved.npy"}))
+    r = httpx.post(
+        srv.url + "/tts/speakers",
+        headers=origin | UI_POST,
+        timeout=60,
+        content=json.dumps(
+            {
+                "label": "saved",
+                "speaker_embedding_base64": data_url(npy.getvalue(), "application/octet-stream"),
+                "speaker_embedding_name": "saved.npy",
+            }
+        ),
+    )
     assert r.status_code in (200, 201), r.text
     saved = r.json()
     assert (saved["source_type"], saved["has_preview"]) == ("embedding_file", False)
@@ -182,11 +251,22 @@ def test_reference_ui_requests_replayed_cross_origin(ref_server):
     # generate(): one speaker, then a blend of a default voice and the upload; float32 44.1 kHz streams
     # seeded (the page's seed field): unseeded, the random model ends ~5 % of utterances on an EOS at frame 0,
     # a legitimate empty answer that made this check fail about one run in ten
-    for speaker in ({"speaker_embedding_id": mine["id"], "seed": 11},
-                    {"speaker_blend_embedding_id_a": british["id"], "speaker_blend_embedding_id_b": mine["id"],
-                     "speaker_blend_t": 0.5, "seed": 11}):
-        with httpx.stream("POST", srv.url + "/tts/generate", headers=origin | UI_POST, timeout=120,
-                          content=json.dumps(ui_generate_body("Hello from the reference page.", **speaker))) as r:
+    for speaker in (
+        {"speaker_embedding_id": mine["id"], "seed": 11},
+        {
+            "speaker_blend_embedding_id_a": british["id"],
+            "speaker_blend_embedding_id_b": mine["id"],
+            "speaker_blend_t": 0.5,
+            "seed": 11,
+        },
+    ):
+        with httpx.stream(
+            "POST",
+            srv.url + "/tts/generate",
+            headers=origin | UI_POST,
+            timeout=120,
+            content=json.dumps(ui_generate_body("Hello from the reference page.", **speaker)),
+        ) as r:
             assert r.status_code == 200
             assert r.headers["access-control-allow-origin"] == REF_ORIGIN
             assert r.headers["x-audio-format"] == "float32" and r.headers["x-audio-sample-rate"] == "44100"
@@ -203,11 +283,14 @@ def test_reference_ui_slider_ranges_are_taken(ref_server):
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("body, status, detail", [
-    ({"label": "x"}, 400, "Provide an audio file or saved embedding file to cache."),
-    ({"speaker_audio_base64": "!!!"}, 400, "base64"),
-    ({"speaker_embedding_base64": data_url(b"nope", "application/octet-stream")}, 400, ".npy"),
-])
+@pytest.mark.parametrize(
+    "body, status, detail",
+    [
+        ({"label": "x"}, 400, "Provide an audio file or saved embedding file to cache."),
+        ({"speaker_audio_base64": "!!!"}, 400, "base64"),
+        ({"speaker_embedding_base64": data_url(b"nope", "application/octet-stream")}, 400, ".npy"),
+    ],
+)
 def test_reference_speaker_errors_carry_detail(ref_server, body, status, detail):
     """readErrorMessage() shows `detail`; our error shape is kept alongside it."""
     r = httpx.post(ref_server.url + "/tts/speakers", headers=UI_POST, content=json.dumps(body), timeout=60)
@@ -227,10 +310,20 @@ def test_reference_readme_speech_body(ref_server):
     It works, with OpenAI's output defaults (here pcm: 16-bit at 24 kHz, where the reference sends float32
     at 44.1 kHz: docs/clients.md says so)."""
     default = httpx.get(ref_server.url + "/tts/speakers").json()["speakers"][0]["id"]
-    body = {"model": "zonos2", "input": "Hello world", "voice": "alloy", "response_format": "pcm",
-            "speaking_rate_enabled": True, "speaking_rate_bucket": 3, "repetition_window": 50,
-            "repetition_penalty": 1.2, "repetition_codebooks": 8, "speaker_embedding_id": default,
-            "max_frames": FRAMES, "ignore_eos": True}
+    body = {
+        "model": "zonos2",
+        "input": "Hello world",
+        "voice": "alloy",
+        "response_format": "pcm",
+        "speaking_rate_enabled": True,
+        "speaking_rate_bucket": 3,
+        "repetition_window": 50,
+        "repetition_penalty": 1.2,
+        "repetition_codebooks": 8,
+        "speaker_embedding_id": default,
+        "max_frames": FRAMES,
+        "ignore_eos": True,
+    }
     r = httpx.post(ref_server.url + "/v1/audio/speech", json=body, headers=UI_GET, timeout=120)
     assert r.status_code == 200, r.text
     assert r.headers["x-audio-sample-rate"] == "24000" and r.headers["x-audio-format"] == "int16"
@@ -258,8 +351,12 @@ def test_openai_sdk_formats_stream(client, fmt):
     whole; with_streaming_response says it wants a stream), and extra_body parameters (top-level `seed`,
     `max_frames`...) are taken."""
     with client.audio.speech.with_streaming_response.create(
-            model="tts-1", voice="alloy", input="First sentence. Second one.", response_format=fmt,
-            extra_body={"seed": 3} | FAST) as resp:
+        model="tts-1",
+        voice="alloy",
+        input="First sentence. Second one.",
+        response_format=fmt,
+        extra_body={"seed": 3} | FAST,
+    ) as resp:
         assert resp.headers["x-request-id"]
         chunks = [c for c in resp.iter_bytes() if c]
     assert len(chunks) >= 2  # at least one piece per sentence
@@ -282,8 +379,13 @@ def test_openai_sdk_formats_stream(client, fmt):
 def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
     """`create()` (no stream asked for) gets a finished FLAC / WAV with its length in the header:
     soundfile.read opens it (the streamed FLAC gave "array is too big"), as do wave and FFmpeg."""
-    r = client.audio.speech.create(model="tts-1", voice="alloy", input="First sentence. Second one.",
-                                   response_format=fmt, extra_body={"seed": 3} | FAST)
+    r = client.audio.speech.create(
+        model="tts-1",
+        voice="alloy",
+        input="First sentence. Second one.",
+        response_format=fmt,
+        extra_body={"seed": 3} | FAST,
+    )
     audio, sr = sf.read(io.BytesIO(r.content), dtype="float32")
     expected = samples_at(24000, reply_frames([FRAMES] * 2))
     assert sr == 24000 and abs(len(audio) - expected) <= 2
@@ -296,9 +398,18 @@ def test_openai_sdk_flac_and_wav_open_in_every_reader(client, fmt):
         with wave.open(io.BytesIO(r.content)) as w:
             assert w.getnframes() == len(audio)
     # the same request as a stream (`stream: true`) carries the same audio
-    streamed = httpx.post(str(client.base_url) + "audio/speech", timeout=120, json={
-        "input": "First sentence. Second one.", "voice": "alloy", "response_format": fmt, "seed": 3, **FAST,
-        "stream": True}).content
+    streamed = httpx.post(
+        str(client.base_url) + "audio/speech",
+        timeout=120,
+        json={
+            "input": "First sentence. Second one.",
+            "voice": "alloy",
+            "response_format": fmt,
+            "seed": 3,
+            **FAST,
+            "stream": True,
+        },
+    ).content
     assert np.abs(decode(streamed)[0] - audio).max() < 1e-3
 
 
@@ -314,27 +425,45 @@ def test_openai_sdk_aac_decodes_in_ffmpeg(client):
     # the same speech as the PCM answer, at its loudness (the waveform itself is the tone test's business in
     # tests/unit/test_audio_formats.py: the CPU tests' random weights speak noise, which AAC keeps only in level)
     pcm = np.frombuffer(client.audio.speech.create(response_format="pcm", **body).content, "<i2") / 32768
-    rms = np.sqrt(np.mean(pcm ** 2)), np.sqrt(np.mean(audio[1024:1024 + len(pcm)] ** 2))
+    rms = np.sqrt(np.mean(pcm**2)), np.sqrt(np.mean(audio[1024 : 1024 + len(pcm)] ** 2))
     assert rms[0] > 0 and 0.7 < rms[1] / rms[0] < 1.3, rms
 
 
 def test_openai_sdk_seed_at_top_level_is_reproducible(client):
     """With extra_body={"seed": 3} was 400 `unknown fields ['seed']`."""
+
     def pcm(seed: int, **extra) -> bytes:
-        return client.audio.speech.create(model="tts-1", voice="ash", input="Seeded.", response_format="pcm",
-                                          extra_body={"seed": seed, **FAST, **extra}).content
+        return client.audio.speech.create(
+            model="tts-1",
+            voice="ash",
+            input="Seeded.",
+            response_format="pcm",
+            extra_body={"seed": seed, **FAST, **extra},
+        ).content
+
     a = pcm(3)
     assert a == pcm(3) and a != pcm(4)
     assert pcm(3, params={"seed": 3}) == a  # the same key in both places is fine when it agrees
     with pytest.raises(openai.BadRequestError, match="given twice"):
         pcm(3, params={"seed": 4})
     # `instructions` is accepted (and ignored: the model takes no style prompt)
-    assert client.audio.speech.create(model="gpt-4o-mini-tts", voice="coral", input="Seeded.", response_format="pcm",
-                                      instructions="Speak cheerfully.", extra_body={"seed": 3, **FAST}).content == a
+    assert (
+        client.audio.speech.create(
+            model="gpt-4o-mini-tts",
+            voice="coral",
+            input="Seeded.",
+            response_format="pcm",
+            instructions="Speak cheerfully.",
+            extra_body={"seed": 3, **FAST},
+        ).content
+        == a
+    )
 
 
-@pytest.mark.parametrize("voice", ["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
-                                   "shimmer", "verse", "marin", "cedar"])
+@pytest.mark.parametrize(
+    "voice",
+    ["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse", "marin", "cedar"],
+)
 def test_openai_sdk_every_voice_name(client, voice):
     """Marin and cedar were 404 unknown_voice."""
     r = client.audio.speech.create(model="tts-1", voice=voice, input="Hi.", response_format="pcm", extra_body=FAST)
@@ -344,12 +473,19 @@ def test_openai_sdk_every_voice_name(client, voice):
 def test_openai_voice_name_maps_to_a_library_voice(client, server):
     """An OpenAI name is the library voice of that name when there is one (any case), else the model's voice;
     OpenAI's custom-voice object {"id": ...} names a library voice too."""
+
     def pcm(voice) -> bytes:
-        return client.audio.speech.create(model="tts-1", voice=voice, input="Mapped.", response_format="pcm",
-                                          extra_body={"seed": 9, **FAST}).content
+        return client.audio.speech.create(
+            model="tts-1", voice=voice, input="Mapped.", response_format="pcm", extra_body={"seed": 9, **FAST}
+        ).content
+
     model_voice = pcm("echo")
-    r = httpx.post(server.url + "/v1/voices", files={"file": ("e.wav", wav_clip(1.0, freq=330))},
-                   data={"name": "Echo"}, timeout=120)
+    r = httpx.post(
+        server.url + "/v1/voices",
+        files={"file": ("e.wav", wav_clip(1.0, freq=330))},
+        data={"name": "Echo"},
+        timeout=120,
+    )
     assert r.status_code in (200, 201), r.text
     vid = r.json()["id"]
     try:
@@ -369,8 +505,8 @@ def test_openai_sdk_sse_every_format(client, fmt):
     """LiveKit's defaults (response_format mp3, stream_format sse) were 400. The delta events carry
     that format's bytes, which concatenate into a file of it."""
     with client.audio.speech.with_streaming_response.create(
-            model="tts-1", voice="alloy", input="One. Two.", response_format=fmt, stream_format="sse",
-            extra_body=FAST) as resp:
+        model="tts-1", voice="alloy", input="One. Two.", response_format=fmt, stream_format="sse", extra_body=FAST
+    ) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         events = sse_events(resp.read().decode())
     assert events[-1]["type"] == "speech.audio.done" and "usage" in events[-1]
@@ -386,9 +522,12 @@ def test_request_id_on_every_response_and_logged(server):
     """X-Request-ID on every response (success, error, 404, the WebSocket handshake), the
     client's own echoed, and each one in the server's log."""
     ids = []
-    for method, path, kw in (("GET", "/healthz", {}), ("GET", "/no/such/route", {}),
-                             ("POST", "/v1/audio/speech", {"json": {"input": ""}}),
-                             ("GET", "/static/app.js", {})):
+    for method, path, kw in (
+        ("GET", "/healthz", {}),
+        ("GET", "/no/such/route", {}),
+        ("POST", "/v1/audio/speech", {"json": {"input": ""}}),
+        ("GET", "/static/app.js", {}),
+    ):
         r = httpx.request(method, server.url + path, **kw)
         assert re.fullmatch(r"req_[0-9a-f]{24}", r.headers["x-request-id"]), (path, r.headers)
         ids.append(r.headers["x-request-id"])
@@ -421,8 +560,9 @@ def test_http_g711(server, fmt):
     law = "mulaw" if fmt == "ulaw" else fmt
     assert r.headers["content-type"].startswith("audio/PCMU" if law == "mulaw" else "audio/PCMA")
     assert abs(len(r.content) - samples_at(8000)) <= 2
-    ref = httpx.post(server.url + "/v1/audio/speech", timeout=120,
-                     json=body | {"response_format": "pcm", "sample_rate": 8000}).content
+    ref = httpx.post(
+        server.url + "/v1/audio/speech", timeout=120, json=body | {"response_format": "pcm", "sample_rate": 8000}
+    ).content
     x = np.frombuffer(ref, "<i2").astype(np.float32) / 32768
     y = g711_decode(r.content, law)
     assert len(x) == len(y) and np.abs(x - y).max() <= np.abs(x).max() / 16 + 1e-3
@@ -444,6 +584,7 @@ def ws_session(url: str, messages: list[dict], until: str = "flushed") -> tuple[
                 events.append(json.loads(msg))
                 if events[-1]["type"] in (until, "error"):
                     return events, audio
+
     return asyncio.run(run())
 
 
@@ -468,15 +609,24 @@ def test_ws_g711_from_config_and_from_url(server, law):
 
 def test_ws_url_settings_pcm_voice_and_refusals(server):
     """`?encoding=pcm_s16le&sample_rate=24000&voice=...`; a bad value is refused, not silently replaced."""
-    r = httpx.post(server.url + "/v1/voices", files={"file": ("q.wav", wav_clip(1.0, freq=410))},
-                   data={"name": "Query voice"}, timeout=120)
+    r = httpx.post(
+        server.url + "/v1/voices",
+        files={"file": ("q.wav", wav_clip(1.0, freq=410))},
+        data={"name": "Query voice"},
+        timeout=120,
+    )
     vid = r.json()["id"]
-    events, audio = ws_session(server.ws_url + "?encoding=pcm_s16le&sample_rate=24000&voice=Query%20voice", [
-        {"type": "session.config", "params": FAST}, {"type": "text", "text": "Hi."}, {"type": "flush"}])
+    events, audio = ws_session(
+        server.ws_url + "?encoding=pcm_s16le&sample_rate=24000&voice=Query%20voice",
+        [{"type": "session.config", "params": FAST}, {"type": "text", "text": "Hi."}, {"type": "flush"}],
+    )
     assert (events[0]["encoding"], events[0]["sample_rate"], events[0]["voice"]) == ("pcm_s16le", 24000, vid)
     assert abs(len(audio) // 2 - samples_at(24000)) <= 2
-    for query, code in (("?encoding=opus", "bad_params"), ("?sample_rate=22050", "bad_params"),
-                        ("?voice=nobody", "unknown_voice")):
+    for query, code in (
+        ("?encoding=opus", "bad_params"),
+        ("?sample_rate=22050", "bad_params"),
+        ("?voice=nobody", "unknown_voice"),
+    ):
         events, _ = ws_session(server.ws_url + query, [])
         assert events[0]["type"] == "error" and events[0]["code"] == code, (query, events)
 
@@ -505,22 +655,42 @@ def dsrv(start_server):
     srv = start_server("--api-key", DIALECT_KEY, "--max-frames", "40")
     buf = io.BytesIO()
     np.save(buf, np.random.default_rng(7).standard_normal(2048).astype(np.float32))
-    r = httpx.post(srv.url + "/v1/voices", headers={"X-API-Key": DIALECT_KEY}, data={"name": "Ada"},
-                   files={"embedding": ("ada.npy", buf.getvalue())}, timeout=60)
+    r = httpx.post(
+        srv.url + "/v1/voices",
+        headers={"X-API-Key": DIALECT_KEY},
+        data={"name": "Ada"},
+        files={"embedding": ("ada.npy", buf.getvalue())},
+        timeout=60,
+    )
     assert r.status_code in (200, 201), r.text
     return srv
 
 
-def el(dsrv, path: str, body: dict | None = None, query: str = "output_format=pcm_16000", key: str = DIALECT_KEY,
-       voice: str = "Ada") -> httpx.Response:
-    return httpx.post(f"{dsrv.url}/v1/text-to-speech/{voice}{path}?{ZP}&{query}", headers={"xi-api-key": key},
-                      json={"text": TWO, "model_id": "eleven_flash_v2_5"} if body is None else body, timeout=120)
+def el(
+    dsrv,
+    path: str,
+    body: dict | None = None,
+    query: str = "output_format=pcm_16000",
+    key: str = DIALECT_KEY,
+    voice: str = "Ada",
+) -> httpx.Response:
+    return httpx.post(
+        f"{dsrv.url}/v1/text-to-speech/{voice}{path}?{ZP}&{query}",
+        headers={"xi-api-key": key},
+        json={"text": TWO, "model_id": "eleven_flash_v2_5"} if body is None else body,
+        timeout=120,
+    )
 
 
 def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
     """convert, stream, and both with-timestamps forms: one pipeline, the same seeded audio; alignment null."""
-    with httpx.stream("POST", f"{dsrv.url}/v1/text-to-speech/Ada/stream?{ZP}&output_format=pcm_16000",
-                      headers={"xi-api-key": DIALECT_KEY}, json={"text": TWO}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        f"{dsrv.url}/v1/text-to-speech/Ada/stream?{ZP}&output_format=pcm_16000",
+        headers={"xi-api-key": DIALECT_KEY},
+        json={"text": TWO},
+        timeout=120,
+    ) as r:
         assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
         chunks = [c for c in r.iter_raw() if c]
     pcm = b"".join(chunks)
@@ -536,8 +706,16 @@ def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
     assert same_pcm(b"".join(base64.b64decode(x["audio_base64"]) for x in lines), pcm)
 
 
-@pytest.mark.parametrize("fmt, rate", [("mp3_44100_128", 44100), ("mp3_22050_32", 22050), ("ulaw_8000", 8000),
-                                       ("opus_48000_64", 48000), ("pcm_48000", 48000)])
+@pytest.mark.parametrize(
+    "fmt, rate",
+    [
+        ("mp3_44100_128", 44100),
+        ("mp3_22050_32", 22050),
+        ("ulaw_8000", 8000),
+        ("opus_48000_64", 48000),
+        ("pcm_48000", 48000),
+    ],
+)
 def test_elevenlabs_http_output_formats(dsrv, fmt, rate):
     r = el(dsrv, "/stream", query=f"output_format={fmt}")
     assert r.status_code == 200, r.text
@@ -548,22 +726,26 @@ def test_elevenlabs_http_output_formats(dsrv, fmt, rate):
     else:
         audio, sr = decode(r.content)
         assert sr == rate and n_at(rate) - 2 <= len(audio) <= n_at(rate) + EXTRA_SAMPLES.get(fmt[:3], 2)
-    default = httpx.post(f"{dsrv.url}/v1/text-to-speech/Ada?{ZP}", headers={"xi-api-key": DIALECT_KEY},
-                         json={"text": "Hi."}, timeout=120)
+    default = httpx.post(
+        f"{dsrv.url}/v1/text-to-speech/Ada?{ZP}", headers={"xi-api-key": DIALECT_KEY}, json={"text": "Hi."}, timeout=120
+    )
     assert default.headers["content-type"] == "audio/mpeg" and decode(default.content)[1] == 44100  # mp3_44100_128
 
 
-@pytest.mark.parametrize("path, body, query, key, voice, status, code", [
-    ("/stream", None, "", "wrong", "Ada", 401, "unauthorized"),
-    ("/stream", None, "", DIALECT_KEY, "nobody", 404, "voice_not_found"),
-    ("/stream", None, "output_format=wav_44100", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
-    ("/stream", None, "output_format=opus_44100_64", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
-    ("", {"text": ""}, "", DIALECT_KEY, "Ada", 400, "empty_text"),
-    ("", {"text": "Hi.", "voice_settings": "fast"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
-    ("", {"text": "Hi.", "seed": -1}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
-    ("", {"text": "Hi.", "apply_text_normalization": "maybe"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
-    ("/with-timestamps", {"text": "Hi.", "previous_text": 3}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
-])
+@pytest.mark.parametrize(
+    "path, body, query, key, voice, status, code",
+    [
+        ("/stream", None, "", "wrong", "Ada", 401, "unauthorized"),
+        ("/stream", None, "", DIALECT_KEY, "nobody", 404, "voice_not_found"),
+        ("/stream", None, "output_format=wav_44100", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
+        ("/stream", None, "output_format=opus_44100_64", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
+        ("", {"text": ""}, "", DIALECT_KEY, "Ada", 400, "empty_text"),
+        ("", {"text": "Hi.", "voice_settings": "fast"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", {"text": "Hi.", "seed": -1}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", {"text": "Hi.", "apply_text_normalization": "maybe"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("/with-timestamps", {"text": "Hi.", "previous_text": 3}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+    ],
+)
 def test_elevenlabs_http_errors(dsrv, path, body, query, key, voice, status, code):
     """ElevenLabs' error body {"detail": {"status", "message"}} with the status, before any audio."""
     r = el(dsrv, path, body, query, key, voice)
@@ -572,10 +754,16 @@ def test_elevenlabs_http_errors(dsrv, path, body, query, key, voice, status, cod
 
 
 def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, **extra) -> httpx.Response:
-    body = {"model_id": "sonic-2", "transcript": TWO, "voice": {"mode": "id", "id": "Ada"},
-            "output_format": output_format, "language": "en"} | extra
-    return httpx.post(f"{dsrv.url}{path}?{ZP}", json=body, timeout=120,
-                      headers={"X-API-Key": key, "Cartesia-Version": "2025-04-16"})
+    body = {
+        "model_id": "sonic-2",
+        "transcript": TWO,
+        "voice": {"mode": "id", "id": "Ada"},
+        "output_format": output_format,
+        "language": "en",
+    } | extra
+    return httpx.post(
+        f"{dsrv.url}{path}?{ZP}", json=body, timeout=120, headers={"X-API-Key": key, "Cartesia-Version": "2025-04-16"}
+    )
 
 
 RAW16 = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
@@ -605,20 +793,35 @@ def test_cartesia_bytes_and_sse(dsrv):
     assert re.findall(r"^event: (\w+)$", sse.text, re.M) == [e["type"] for e in events]
 
 
-@pytest.mark.parametrize("path, fmt, key, extra, status, code", [
-    ("/tts/bytes", RAW16, "wrong", {}, 401, "unauthorized"),
-    ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "id", "id": "nobody"}}, 404, "unknown_voice"),
-    ("/tts/bytes", {"container": "ogg", "sample_rate": 24000}, DIALECT_KEY, {}, 400, "unsupported_format"),
-    ("/tts/bytes", RAW16 | {"sample_rate": 11025}, DIALECT_KEY, {}, 400, "unsupported_format"),
-    ("/tts/bytes", RAW16 | {"encoding": "pcm_s24le"}, DIALECT_KEY, {}, 400, "unsupported_format"),
-    ("/tts/sse", {"container": "wav", "encoding": "pcm_s16le", "sample_rate": 24000}, DIALECT_KEY, {}, 400,
-     "unsupported_format"),
-    ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, 400,
-     "bad_message"),
-    ("/tts/bytes", RAW16, DIALECT_KEY, {"transcript": ""}, 400, "empty_text"),
-    ("/tts/bytes", RAW16, DIALECT_KEY, {"generation_config": []}, 400, "bad_params"),
-    ("/tts/sse", RAW16, DIALECT_KEY, {"context_id": ""}, 400, "bad_params"),
-])
+@pytest.mark.parametrize(
+    "path, fmt, key, extra, status, code",
+    [
+        ("/tts/bytes", RAW16, "wrong", {}, 401, "unauthorized"),
+        ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "id", "id": "nobody"}}, 404, "unknown_voice"),
+        ("/tts/bytes", {"container": "ogg", "sample_rate": 24000}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"sample_rate": 11025}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"encoding": "pcm_s24le"}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        (
+            "/tts/sse",
+            {"container": "wav", "encoding": "pcm_s16le", "sample_rate": 24000},
+            DIALECT_KEY,
+            {},
+            400,
+            "unsupported_format",
+        ),
+        (
+            "/tts/bytes",
+            RAW16,
+            DIALECT_KEY,
+            {"voice": {"mode": "embedding", "embedding": [0.1] * 192}},
+            400,
+            "bad_message",
+        ),
+        ("/tts/bytes", RAW16, DIALECT_KEY, {"transcript": ""}, 400, "empty_text"),
+        ("/tts/bytes", RAW16, DIALECT_KEY, {"generation_config": []}, 400, "bad_params"),
+        ("/tts/sse", RAW16, DIALECT_KEY, {"context_id": ""}, 400, "bad_params"),
+    ],
+)
 def test_cartesia_http_errors(dsrv, path, fmt, key, extra, status, code):
     """Cartesia's error body {"error", "title", "message", "status_code"}."""
     r = cartesia(dsrv, path, fmt, key, **extra)
@@ -628,8 +831,12 @@ def test_cartesia_http_errors(dsrv, path, fmt, key, extra, status, code):
 
 
 def deepgram(dsrv, query: str, key: str = DIALECT_KEY, body: dict | None = None) -> httpx.Response:
-    return httpx.post(f"{dsrv.url}/v1/speak?{ZP}&{query}", headers={"Authorization": f"Token {key}"},
-                      json={"text": TWO} if body is None else body, timeout=120)
+    return httpx.post(
+        f"{dsrv.url}/v1/speak?{ZP}&{query}",
+        headers={"Authorization": f"Token {key}"},
+        json={"text": TWO} if body is None else body,
+        timeout=120,
+    )
 
 
 def test_deepgram_rest_formats(dsrv):
@@ -653,18 +860,21 @@ def test_deepgram_rest_formats(dsrv):
     assert sr == 22050 and n_at(22050) <= len(aac) <= n_at(22050) + AAC_EXTRA
 
 
-@pytest.mark.parametrize("query, key, body, status, code", [
-    ("model=Ada", "wrong", None, 401, "UNAUTHORIZED"),
-    ("model=nobody", DIALECT_KEY, None, 404, "UNKNOWN_VOICE"),
-    ("encoding=wma", DIALECT_KEY, None, 400, "UNSUPPORTED_ENCODING"),
-    ("encoding=mp3&sample_rate=8000", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
-    ("encoding=linear16&sample_rate=11025", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
-    ("encoding=linear16&sample_rate=２４０００", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
-    ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
-    ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
-    ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
-    ("model=Ada", DIALECT_KEY, {"txt": "Hi."}, 400, "EMPTY_TEXT"),
-])
+@pytest.mark.parametrize(
+    "query, key, body, status, code",
+    [
+        ("model=Ada", "wrong", None, 401, "UNAUTHORIZED"),
+        ("model=nobody", DIALECT_KEY, None, 404, "UNKNOWN_VOICE"),
+        ("encoding=wma", DIALECT_KEY, None, 400, "UNSUPPORTED_ENCODING"),
+        ("encoding=mp3&sample_rate=8000", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
+        ("encoding=linear16&sample_rate=11025", DIALECT_KEY, None, 400, "UNSUPPORTED_SAMPLE_RATE"),
+        ("encoding=linear16&sample_rate=２４０００", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
+        ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("model=Ada", DIALECT_KEY, {"txt": "Hi."}, 400, "EMPTY_TEXT"),
+    ],
+)
 def test_deepgram_rest_errors(dsrv, query, key, body, status, code):
     """Deepgram's error body {"err_code", "err_msg", "request_id"}."""
     r = deepgram(dsrv, query, key, body)
@@ -674,15 +884,24 @@ def test_deepgram_rest_errors(dsrv, query, key, body, status, code):
 
 def test_dialect_http_client_gone_stops_the_engine(dsrv):
     """A client that leaves mid-answer stops the engine's work for it (the pipeline's cancellation)."""
+
     def cancelled() -> float:
         text = httpx.get(dsrv.url + "/metrics", headers={"X-API-Key": DIALECT_KEY}, timeout=60).text
         return float(re.search(r"^zonos_engine_cancelled (\S+)$", text, re.M).group(1))
 
     before = cancelled()
     long = quote(json.dumps({"max_frames": 40, "ignore_eos": True}))
-    with httpx.stream("POST", f"{dsrv.url}/tts/bytes?zonos_params={long}", headers={"X-API-Key": DIALECT_KEY},
-                      timeout=120, json={"transcript": "One. Two. Three. Four. Five. Six.",
-                                         "voice": {"mode": "id", "id": "Ada"}, "output_format": RAW16}) as r:
+    with httpx.stream(
+        "POST",
+        f"{dsrv.url}/tts/bytes?zonos_params={long}",
+        headers={"X-API-Key": DIALECT_KEY},
+        timeout=120,
+        json={
+            "transcript": "One. Two. Three. Four. Five. Six.",
+            "voice": {"mode": "id", "id": "Ada"},
+            "output_format": RAW16,
+        },
+    ) as r:
         next(r.iter_raw())  # the first audio, then away
     wait_for(lambda: cancelled() > before, "the engine to count the cancelled request")
 
@@ -692,14 +911,32 @@ FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv
 
 
 def framework_installed(module: str) -> bool:
-    return FRAMEWORKS_PYTHON.exists() and subprocess.run(
-        [str(FRAMEWORKS_PYTHON), "-c", f"import {module}"], capture_output=True, timeout=120).returncode == 0
+    return (
+        FRAMEWORKS_PYTHON.exists()
+        and subprocess.run(
+            [str(FRAMEWORKS_PYTHON), "-c", f"import {module}"], capture_output=True, timeout=120
+        ).returncode
+        == 0
+    )
 
 
 def drive_framework(client: str, service: str, srv, *extra: str) -> dict:
     """Run tests/frameworks/<client>.py in the frameworks' virtualenv; it prints one JSON line."""
-    out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service,
-                          srv.url, DIALECT_KEY, "Ada", *extra], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [
+            str(FRAMEWORKS_PYTHON),
+            str(ROOT / "tests/frameworks" / f"{client}.py"),
+            service,
+            srv.url,
+            DIALECT_KEY,
+            "Ada",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -58,15 +58,23 @@ def _dialects(port: int) -> None:
     (ElevenLabs' close_context, Cartesia's cancel, Deepgram's Clear) once audio plays, and the socket closes."""
     base = f"ws://127.0.0.1:{port}"
     with connect(f"{base}/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000") as ws:
-        ws.send(json.dumps({"text": "Hello from the first context. ", "context_id": "a", "flush": True,
-                            "close_context": True}))  # spoken, then isFinal
+        ws.send(
+            json.dumps(
+                {"text": "Hello from the first context. ", "context_id": "a", "flush": True, "close_context": True}
+            )
+        )  # spoken, then isFinal
         _until(ws, lambda m: bool(_js(m).get("isFinal")))
-        ws.send(json.dumps({"text": "A second context, interrupted while it speaks. ", "context_id": "b",
-                            "flush": True}))
+        ws.send(
+            json.dumps({"text": "A second context, interrupted while it speaks. ", "context_id": "b", "flush": True})
+        )
         _until(ws, lambda m: "audio" in _js(m), timeout=20, silent_ok=True)
         ws.send(json.dumps({"context_id": "b", "close_context": True}))
-    ctx = {"model_id": "sonic-3.5", "voice": {"mode": "id", "id": "Ada"}, "language": "en",
-           "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+    ctx = {
+        "model_id": "sonic-3.5",
+        "voice": {"mode": "id", "id": "Ada"},
+        "language": "en",
+        "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000},
+    }
     with connect(f"{base}/tts/websocket?cartesia_version=2026-03-01") as ws:
         ws.send(json.dumps(ctx | {"context_id": "c1", "transcript": "A Cartesia context.", "continue": False}))
         _until(ws, lambda m: _js(m).get("type") == "done")
@@ -88,9 +96,15 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
     sessions leave to the collector can be looked at: our protocol's (played, abandoned), each dialect's
     (played, barged in on) and an HTTP request's."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"])),
-        host="127.0.0.1", port=port, log_level="warning", ws_per_message_deflate=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"])),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            ws_per_message_deflate=False,
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -102,8 +116,12 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
         url = f"ws://127.0.0.1:{port}/v1/tts/ws"
         emb = io.BytesIO()
         np.save(emb, np.random.default_rng(7).standard_normal(2048).astype(np.float32))
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/voices", files={"embedding": ("ada.npy", emb.getvalue())},
-                       data={"name": "Ada"}, timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/voices",
+            files={"embedding": ("ada.npy", emb.getvalue())},
+            data={"name": "Ada"},
+            timeout=60,
+        )
         assert r.status_code in (200, 201), r.text
         _speak(url, "A first session warms everything up.", leave_early=False)
         _dialects(port)
@@ -113,9 +131,11 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
             _speak(url, "This one plays to its end.", leave_early=False)
             _speak(url, "This one is left while it speaks, and goes on for a while longer.", leave_early=True)
             _dialects(port)
-            r = httpx.post(f"http://127.0.0.1:{port}/v1/audio/speech", timeout=60,
-                           json={"model": "zonos2", "input": "And one over HTTP.", "voice": "alloy",
-                                 "response_format": "pcm"})
+            r = httpx.post(
+                f"http://127.0.0.1:{port}/v1/audio/speech",
+                timeout=60,
+                json={"model": "zonos2", "input": "And one over HTTP.", "voice": "alloy", "response_format": "pcm"},
+            )
             assert r.status_code == 200  # (its audio may be empty: the random model's silent sentences)
             time.sleep(1.0)  # the server side of the sessions winds down
             gc.collect()

@@ -99,8 +99,13 @@ def srv(start_server):
     emb = np.random.default_rng(7).standard_normal(2048).astype(np.float32)
     buf = io.BytesIO()
     np.save(buf, emb)
-    r = httpx.post(s.url + "/v1/voices", headers={"X-API-Key": KEY}, files={"embedding": ("ada.npy", buf.getvalue())},
-                   data={"name": "Ada"}, timeout=60)
+    r = httpx.post(
+        s.url + "/v1/voices",
+        headers={"X-API-Key": KEY},
+        files={"embedding": ("ada.npy", buf.getvalue())},
+        data={"name": "Ada"},
+        timeout=60,
+    )
     assert r.status_code in (200, 201), r.text
     s.voice_id = r.json()["id"]
     return s
@@ -111,10 +116,19 @@ def ws_url(srv, path: str) -> str:
 
 
 # ---- ElevenLabs -------------------------------------------------------------------------------------
-def el_url(srv, voice: str = "Ada", fmt: str = "pcm_24000", p: dict | None = None, auto_mode: bool = True,
-           kind: str = "multi-stream-input") -> str:
-    return ws_url(srv, f"/v1/text-to-speech/{voice}/{kind}?model_id=eleven_flash_v2_5&output_format={fmt}"
-                       f"&auto_mode={str(auto_mode).lower()}&zonos_params={params(p or FAST)}")
+def el_url(
+    srv,
+    voice: str = "Ada",
+    fmt: str = "pcm_24000",
+    p: dict | None = None,
+    auto_mode: bool = True,
+    kind: str = "multi-stream-input",
+) -> str:
+    return ws_url(
+        srv,
+        f"/v1/text-to-speech/{voice}/{kind}?model_id=eleven_flash_v2_5&output_format={fmt}"
+        f"&auto_mode={str(auto_mode).lower()}&zonos_params={params(p or FAST)}",
+    )
 
 
 async def el_connect(url: str, key: str = KEY):
@@ -149,6 +163,7 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
     """Context init with voice_settings, sentences, a keepalive, flush, close_context: every sentence is
     spoken, then isFinal; audio messages carry contextId and their alignment: every word once, in order, and
     a clock that advances by each message's alignment stays on the audio (what pipecat's word times do)."""
+
     async def go():
         ws = await el_connect(el_url(srv))
         await ws.send(json.dumps({"text": " ", "context_id": "c1", "voice_settings": {"stability": 0.5, "speed": 1.0}}))
@@ -182,10 +197,13 @@ def test_elevenlabs_close_context_stops_the_gpu_work(srv):
     """A barge-in: close_context on a context whose text was never flushed drops it; its engine work stops,
     isFinal comes, no audio of it follows, and the next context speaks. (Without auto_mode; with it see
     test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in.)"""
+
     async def go():
         ws = await el_connect(el_url(srv, p=LONG, auto_mode=False))
         await ws.send(json.dumps({"text": " ", "context_id": "turn1"}))
-        await ws.send(json.dumps({"text": "A long story that will be interrupted. It goes on. ", "context_id": "turn1"}))
+        await ws.send(
+            json.dumps({"text": "A long story that will be interrupted. It goes on. ", "context_id": "turn1"})
+        )
         log: list[dict[str, Any]] = []
         before = await el_close_once_it_plays(srv, ws, "turn1", log)
         final_at = len(log)
@@ -210,6 +228,7 @@ def test_elevenlabs_close_context_stops_the_gpu_work(srv):
 def test_elevenlabs_close_context_after_flush_finishes_the_flushed_text(srv):
     """pipecat ends a turn with flush + close_context: everything flushed is still spoken, then isFinal.
     Text sent after the last flush is dropped with the close."""
+
     async def go():
         ws = await el_connect(el_url(srv, auto_mode=False))
         await ws.send(json.dumps({"text": " ", "context_id": "c"}))
@@ -231,6 +250,7 @@ def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
     2500 frames would take far longer than this test waits). close_socket with nothing flushed drops both,
     stops their engine work, answers each with isFinal and closes (without auto_mode, which flushes every
     text)."""
+
     async def go():
         ws = await el_connect(el_url(srv, p=LONG, auto_mode=False))
         await ws.send(json.dumps({"text": "This one goes on for a very long time. ", "context_id": "long"}))
@@ -252,9 +272,17 @@ def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
     engine_stopped(srv, before)
 
 
-@pytest.mark.parametrize("fmt, rate, width", [("pcm_16000", 16000, 2), ("pcm_22050", 22050, 2),
-                                              ("pcm_44100", 44100, 2), ("pcm_48000", 48000, 2),
-                                              ("ulaw_8000", 8000, 1), ("alaw_8000", 8000, 1)])
+@pytest.mark.parametrize(
+    "fmt, rate, width",
+    [
+        ("pcm_16000", 16000, 2),
+        ("pcm_22050", 22050, 2),
+        ("pcm_44100", 44100, 2),
+        ("pcm_48000", 48000, 2),
+        ("ulaw_8000", 8000, 1),
+        ("alaw_8000", 8000, 1),
+    ],
+)
 def test_elevenlabs_output_formats(srv, fmt, rate, width):
     async def go():
         ws = await el_connect(el_url(srv, fmt=fmt))
@@ -285,6 +313,7 @@ def test_elevenlabs_mp3_output(srv):
 
 def test_elevenlabs_single_context_stream_input(srv):
     """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes."""
+
     async def go():
         ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=False))
         await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}}))
@@ -302,25 +331,40 @@ def test_elevenlabs_single_context_stream_input(srv):
     assert log[-1] == {"isFinal": True} and code == 1000
 
 
-@pytest.mark.parametrize("path, key, status, code", [
-    ("/v1/text-to-speech/Nobody/multi-stream-input?output_format=pcm_24000", KEY, 404, "voice_not_found"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=wav_99", KEY, 400, "invalid_output_format"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_12345", KEY, 400, "invalid_output_format"),
-    # formats ElevenLabs does not have (opus is 48 kHz only, G.711 8 kHz only), and options out of their set
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=opus_24000_32", KEY, 400, "invalid_output_format"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=alaw_16000", KEY, 400, "invalid_output_format"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=mp3_44100_100", KEY, 400, "invalid_output_format"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&auto_mode=maybe", KEY, 400, "bad_params"),
-    ("/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&sync_alignment=1", KEY, 400, "bad_params"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&inactivity_timeout=999", KEY, 400,
-     "bad_params"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&apply_text_normalization=yes", KEY, 400,
-     "bad_params"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&seed=4294967296", KEY, 400, "bad_params"),
-    ("/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&optimize_streaming_latency=5", KEY, 400,
-     "bad_params"),
-    ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000", "wrong", 401, "unauthorized"),
-])
+@pytest.mark.parametrize(
+    "path, key, status, code",
+    [
+        ("/v1/text-to-speech/Nobody/multi-stream-input?output_format=pcm_24000", KEY, 404, "voice_not_found"),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=wav_99", KEY, 400, "invalid_output_format"),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_12345", KEY, 400, "invalid_output_format"),
+        # formats ElevenLabs does not have (opus is 48 kHz only, G.711 8 kHz only), and options out of their set
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=opus_24000_32", KEY, 400, "invalid_output_format"),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=alaw_16000", KEY, 400, "invalid_output_format"),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=mp3_44100_100", KEY, 400, "invalid_output_format"),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&auto_mode=maybe", KEY, 400, "bad_params"),
+        ("/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&sync_alignment=1", KEY, 400, "bad_params"),
+        (
+            "/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&inactivity_timeout=999",
+            KEY,
+            400,
+            "bad_params",
+        ),
+        (
+            "/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&apply_text_normalization=yes",
+            KEY,
+            400,
+            "bad_params",
+        ),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&seed=4294967296", KEY, 400, "bad_params"),
+        (
+            "/v1/text-to-speech/Ada/stream-input?output_format=pcm_24000&optimize_streaming_latency=5",
+            KEY,
+            400,
+            "bad_params",
+        ),
+        ("/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000", "wrong", 401, "unauthorized"),
+    ],
+)
 def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
     async def go():
         with pytest.raises(websockets.InvalidStatus) as e:
@@ -330,14 +374,34 @@ def test_elevenlabs_refused_handshakes(srv, path, key, status, code):
     resp = run(go())
     assert resp.status_code == status and json.loads(resp.body)["detail"]["status"] == code
     detail = json.loads(resp.body)["detail"]["message"]
-    option = next((k for k in ("auto_mode", "sync_alignment", "inactivity_timeout", "apply_text_normalization",
-                               "seed", "optimize_streaming_latency", "output_format") if k in path and code != "voice_not_found" and status == 400), None)
+    option = next(
+        (
+            k
+            for k in (
+                "auto_mode",
+                "sync_alignment",
+                "inactivity_timeout",
+                "apply_text_normalization",
+                "seed",
+                "optimize_streaming_latency",
+                "output_format",
+            )
+            if k in path and code != "voice_not_found" and status == 400
+        ),
+        None,
+    )
     assert option is None or option in detail, detail
 
 
-@pytest.mark.parametrize("kind, bad", [
-    ("multi-stream-input", {"text": 5}), ("multi-stream-input", {"text": "Hi. ", "context_id": "x" * 129}),
-    ("multi-stream-input", {"text": "Hi. ", "flush": True, "voice_settings": 3}), ("stream-input", {"text": 5})])
+@pytest.mark.parametrize(
+    "kind, bad",
+    [
+        ("multi-stream-input", {"text": 5}),
+        ("multi-stream-input", {"text": "Hi. ", "context_id": "x" * 129}),
+        ("multi-stream-input", {"text": "Hi. ", "flush": True, "voice_settings": 3}),
+        ("stream-input", {"text": 5}),
+    ],
+)
 def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_refused(srv, kind, bad):
     """A message with close_socket whose other fields are refused: the error, then what was flushed before it
     is spoken, its isFinal sent, and the socket closed (the client asked to close: it is not left open)."""
@@ -363,8 +427,10 @@ def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_ref
 @pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
 def test_elevenlabs_every_url_option_it_has_is_accepted(srv, kind):
     """ElevenLabs' URL options at the ends of their ranges open the socket and speak."""
-    options = ("&inactivity_timeout=180&sync_alignment=true&enable_logging=false&enable_ssml_parsing=false"
-               "&apply_text_normalization=on&language_code=de&seed=4294967295&optimize_streaming_latency=4")
+    options = (
+        "&inactivity_timeout=180&sync_alignment=true&enable_logging=false&enable_ssml_parsing=false"
+        "&apply_text_normalization=on&language_code=de&seed=4294967295&optimize_streaming_latency=4"
+    )
 
     async def go():
         ws = await el_connect(el_url(srv, kind=kind) + options)
@@ -457,6 +523,7 @@ def test_elevenlabs_reused_context_id_keeps_the_flushed_work(srv):
 @pytest.mark.parametrize("auto_mode", [False, True])
 def test_elevenlabs_text_flush_and_close_in_one_message(srv, auto_mode):
     """{"text", "flush": true, "close_context": true} on a new context: spoken, then isFinal."""
+
     async def go():
         ws = await el_connect(el_url(srv, auto_mode=auto_mode))
         await ws.send(json.dumps({"text": "All in one. ", "context_id": "one", "flush": True, "close_context": True}))
@@ -466,16 +533,30 @@ def test_elevenlabs_text_flush_and_close_in_one_message(srv, auto_mode):
         return log
 
     log = run(go())
-    assert len(el_audio(log, "one")) == 2 * resampled(SAMPLES, 24000) and log[-1] == {"isFinal": True,
-                                                                                     "contextId": "one"}
-
+    assert len(el_audio(log, "one")) == 2 * resampled(SAMPLES, 24000) and log[-1] == {
+        "isFinal": True,
+        "contextId": "one",
+    }
 
 
 @pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
 @pytest.mark.parametrize("auto_mode", [False, True])
-@pytest.mark.parametrize("shape", [dict.fromkeys(keys, True) for keys in (
-    (), ("flush",), ("close_context",), ("close_socket",), ("flush", "close_context"), ("flush", "close_socket"),
-    ("close_context", "close_socket"), ("flush", "close_context", "close_socket"))])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict.fromkeys(keys, True)
+        for keys in (
+            (),
+            ("flush",),
+            ("close_context",),
+            ("close_socket",),
+            ("flush", "close_context"),
+            ("flush", "close_socket"),
+            ("close_context", "close_socket"),
+            ("flush", "close_context", "close_socket"),
+        )
+    ],
+)
 def test_elevenlabs_text_with_every_combination_of_flush_and_closes_in_one_message(srv, kind, auto_mode, shape):
     """Text with any of flush, close_context and close_socket in one message: flushed text (every text with
     auto_mode) is spoken, its audio and then isFinal come before the socket closes; text never flushed is
@@ -506,6 +587,7 @@ def test_elevenlabs_text_with_every_combination_of_flush_and_closes_in_one_messa
 
 def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     """auto_mode=true speaks every text as it comes: close_context after three texts keeps all three."""
+
     async def go():
         ws = await el_connect(el_url(srv, auto_mode=True))
         for t in ("First one. ", "Second one. ", "Third one. "):
@@ -526,6 +608,7 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
     once, with no text-less flush: once the context's audio plays, that close drops the rest and stops its
     engine work (speaking it on piled interrupted replies up: each next turn's first audio came later, then
     its text got too_many_utterances); isFinal comes, no audio of it after."""
+
     async def go():
         ws = await el_connect(el_url(srv, p=LONG, auto_mode=True))
         await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
@@ -534,8 +617,9 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
         log: list[dict[str, Any]] = []
         before = await el_close_once_it_plays(srv, ws, "reply", log)
         final_at = len(log)
-        await ws.send(json.dumps({"text": "Sure, go ahead. ", "context_id": "next", "flush": True,
-                                  "close_context": True}))
+        await ws.send(
+            json.dumps({"text": "Sure, go ahead. ", "context_id": "next", "flush": True, "close_context": True})
+        )
         await el_until_final(ws, "next", log)
         await ws.close()
         return before, log, final_at
@@ -551,6 +635,7 @@ def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_whi
     close_context, while the turn's audio already plays: every sentence is still spoken, then isFinal; and the
     sentences are one turn, each continuing the one before (one voice, one DAC stream: a flush that carries
     text does not end a turn with auto_mode)."""
+
     async def go():
         ws = await el_connect(el_url(srv, auto_mode=True))
         await ws.send(json.dumps({"text": " ", "context_id": "turn"}))
@@ -569,11 +654,17 @@ def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_whi
     assert len(el_audio(run(go()), "turn")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
-@pytest.mark.parametrize("query, code", [("output_format=pcm_%C2%B2", "invalid_output_format"),
-                                         ("output_format=pcm_24000&seed=%C2%B2", "bad_params"),
-                                         ("output_format=pcm_%D9%A3", "invalid_output_format")])
+@pytest.mark.parametrize(
+    "query, code",
+    [
+        ("output_format=pcm_%C2%B2", "invalid_output_format"),
+        ("output_format=pcm_24000&seed=%C2%B2", "bad_params"),
+        ("output_format=pcm_%D9%A3", "invalid_output_format"),
+    ],
+)
 def test_elevenlabs_unicode_digits_in_the_url_are_refused(srv, query, code):
-    """"²".isdigit() is true, int("²") raises: a 400 in ElevenLabs' shape, not a 500."""
+    """ "²".isdigit() is true, int("²") raises: a 400 in ElevenLabs' shape, not a 500."""
+
     async def go():
         with pytest.raises(websockets.InvalidStatus) as e:
             await el_connect(ws_url(srv, f"/v1/text-to-speech/Ada/multi-stream-input?{query}"))
@@ -586,6 +677,7 @@ def test_elevenlabs_unicode_digits_in_the_url_are_refused(srv, query, code):
 def test_a_refused_handshake_logs_no_error(srv):
     """A correct refusal (unknown voice: 404) is no server error: uvicorn's "returned without completing
     handshake" is not logged for it."""
+
     async def go():
         for path in ("/v1/text-to-speech/Nobody1/multi-stream-input", "/v1/speak?model=Nobody2"):
             with pytest.raises(websockets.InvalidStatus):
@@ -603,17 +695,27 @@ def ca_url(srv, p: dict | None = None) -> str:
 
 
 async def ca_connect(srv, p: dict | None = None, key: str = KEY):
-    return await websockets.connect(ca_url(srv, p), additional_headers={"X-API-Key": key,
-                                                                         "Cartesia-Version": "2026-03-01"},
-                                    max_size=None)
+    return await websockets.connect(
+        ca_url(srv, p), additional_headers={"X-API-Key": key, "Cartesia-Version": "2026-03-01"}, max_size=None
+    )
 
 
-def ca_request(ctx: str, transcript: str, cont: bool, encoding: str = "pcm_s16le", rate: int = 24000,
-               **extra: Any) -> str:
-    return json.dumps({"model_id": "sonic-3.5", "transcript": transcript, "continue": cont, "context_id": ctx,
-                       "voice": {"mode": "id", "id": "Ada"}, "add_timestamps": True,
-                       "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate},
-                       "language": "en", **extra})
+def ca_request(
+    ctx: str, transcript: str, cont: bool, encoding: str = "pcm_s16le", rate: int = 24000, **extra: Any
+) -> str:
+    return json.dumps(
+        {
+            "model_id": "sonic-3.5",
+            "transcript": transcript,
+            "continue": cont,
+            "context_id": ctx,
+            "voice": {"mode": "id", "id": "Ada"},
+            "add_timestamps": True,
+            "output_format": {"container": "raw", "encoding": encoding, "sample_rate": rate},
+            "language": "en",
+            **extra,
+        }
+    )
 
 
 async def ca_until(ws, ctx: str, kind: str, log: list[dict[str, Any]]) -> dict[str, Any]:
@@ -634,6 +736,7 @@ def test_cartesia_continuations_then_done(srv):
     """Transcripts of a context concatenated (a sentence split across two inputs), `continue: false` with an
     empty transcript ends it: chunks, then done. With add_timestamps, `timestamps` messages give every word
     once, in order, in seconds from the context's first audio (estimated: ZONOS2 gives no word times)."""
+
     async def go():
         ws = await ca_connect(srv)
         await ws.send(ca_request("k1", "Hello there. How ", True, max_buffer_delay_ms=0))
@@ -662,6 +765,7 @@ def test_cartesia_continuations_then_done(srv):
 def test_cartesia_buffered_sentences_and_flush_done(srv):
     """Without max_buffer_delay_ms 0, sentences are cut as on our socket; flush with continue answers
     flush_done (flush_id 1) after the audio of the text before it, and later chunks carry that id."""
+
     async def go():
         ws = await ca_connect(srv)
         await ws.send(ca_request("k2", "First part", True))
@@ -684,6 +788,7 @@ def test_cartesia_buffered_sentences_and_flush_done(srv):
 def test_cartesia_cancel_stops_the_gpu_work(srv):
     """cancel drops the context at once: the engine stops, its done never comes, and no chunk of it follows
     the first chunk of the context opened after the cancel."""
+
     async def go():
         ws = await ca_connect(srv, LONG)
         await ws.send(ca_request("old", "This will be cancelled. Long before it ends. ", True, max_buffer_delay_ms=0))
@@ -706,8 +811,10 @@ def test_cartesia_cancel_stops_the_gpu_work(srv):
     engine_stopped(srv, before)
 
 
-@pytest.mark.parametrize("encoding, rate, width", [("pcm_f32le", 44100, 4), ("pcm_mulaw", 8000, 1),
-                                                   ("pcm_alaw", 8000, 1), ("pcm_s16le", 22050, 2)])
+@pytest.mark.parametrize(
+    "encoding, rate, width",
+    [("pcm_f32le", 44100, 4), ("pcm_mulaw", 8000, 1), ("pcm_alaw", 8000, 1), ("pcm_s16le", 22050, 2)],
+)
 def test_cartesia_output_formats(srv, encoding, rate, width):
     async def go():
         ws = await ca_connect(srv)
@@ -723,12 +830,15 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         assert np.abs(np.frombuffer(audio, "<f4")).max() <= 1.0
 
 
-@pytest.mark.parametrize("change, code", [
-    ({"voice": {"mode": "id", "id": "Nobody"}}, "unknown_voice"),
-    ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
-    ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
-    ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
-])
+@pytest.mark.parametrize(
+    "change, code",
+    [
+        ({"voice": {"mode": "id", "id": "Nobody"}}, "unknown_voice"),
+        ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
+        ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
+        ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
+    ],
+)
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
     async def go():
         ws = await ca_connect(srv)
@@ -751,7 +861,10 @@ def test_cartesia_voice_embedding_of_our_size(srv):
 
     async def go():
         ws = await ca_connect(srv)
-        req = {**json.loads(ca_request("e", "An inline voice.", False)), "voice": {"mode": "embedding", "embedding": emb}}
+        req = {
+            **json.loads(ca_request("e", "An inline voice.", False)),
+            "voice": {"mode": "embedding", "embedding": emb},
+        }
         await ws.send(json.dumps(req))
         log: list[dict[str, Any]] = []
         await ca_until(ws, "e", "done", log)
@@ -771,13 +884,26 @@ def test_cartesia_refuses_a_wrong_key(srv):
     assert resp.status_code == 401 and json.loads(resp.body)["title"] == "unauthorized"
 
 
-@pytest.mark.parametrize("embedding", [
-    "abc", {"a": 1}, [1, "a"], [[1.0, 2.0], [3.0]], [10**400] * 2048, ["1"] * 2048, [True] * 2048, [1e39] * 2048,
-    [0.1] * 2047, [0.1] * 2049, None,
-])
+@pytest.mark.parametrize(
+    "embedding",
+    [
+        "abc",
+        {"a": 1},
+        [1, "a"],
+        [[1.0, 2.0], [3.0]],
+        [10**400] * 2048,
+        ["1"] * 2048,
+        [True] * 2048,
+        [1e39] * 2048,
+        [0.1] * 2047,
+        [0.1] * 2049,
+        None,
+    ],
+)
 def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(srv, embedding):
     """The voice.embedding must be exactly 2048 finite JSON numbers; anything else is bad_message on
     that context while another context of the socket plays on to its done."""
+
     async def go():
         ws = await ca_connect(srv)
         await ws.send(ca_request("good", "Playing on. ", True, max_buffer_delay_ms=0))
@@ -800,6 +926,7 @@ def test_cartesia_cap_counts_only_contexts_holding_text_or_audio(srv):
     """17 contexts, each flushed and played (flush_done) but never ended: none holds text or audio, so an
     18th may open. (Without continuation: a turn that is never ended would otherwise hold its stream's
     tail for the test server's 5 s continuation grace, 18 times.)"""
+
     async def go():
         ws = await ca_connect(srv, FAST | {"long_form": False})
         log: list[dict[str, Any]] = []
@@ -814,8 +941,7 @@ def test_cartesia_cap_counts_only_contexts_holding_text_or_audio(srv):
 
 
 # ---- Deepgram ---------------------------------------------------------------------------------------------
-def dg_url(srv, p: dict | None = None, encoding: str = "linear16", rate: int | None = 16000,
-           model: str = "Ada") -> str:
+def dg_url(srv, p: dict | None = None, encoding: str = "linear16", rate: int | None = 16000, model: str = "Ada") -> str:
     q = f"model={model}&encoding={encoding}" + (f"&sample_rate={rate}" if rate else "")
     return ws_url(srv, f"/v1/speak?{q}&zonos_params={params(p or FAST)}")
 
@@ -848,6 +974,7 @@ def dg_audio(log: list[Any]) -> bytes:
 def test_deepgram_speak_flush_as_pipecat_sends_it(srv):
     """Speak per sentence, Flush at the end of the reply: binary audio, then Flushed with its sequence id;
     a second reply on the same socket gets sequence id 1."""
+
     async def go():
         ws = await dg_connect(dg_url(srv))
         await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
@@ -870,10 +997,10 @@ def test_deepgram_speak_flush_as_pipecat_sends_it(srv):
     assert abs(len(again) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
 
 
-
 @pytest.mark.parametrize("flush", [False, True])
 def test_deepgram_speak_then_close_back_to_back_speaks_it_all(srv, flush):
     """Speak (and Flush) immediately followed by Close: everything is spoken before the socket closes."""
+
     async def go():
         ws = await dg_connect(dg_url(srv))
         await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
@@ -894,6 +1021,7 @@ def test_deepgram_speak_then_close_back_to_back_speaks_it_all(srv, flush):
 
 def test_cartesia_transcript_with_continue_false_in_one_message_is_spoken(srv):
     """A generation request whose transcript comes with continue: false (the whole turn in one message)."""
+
     async def go():
         ws = await ca_connect(srv)
         await ws.send(ca_request("whole", "Hello there.", False))
@@ -905,8 +1033,10 @@ def test_cartesia_transcript_with_continue_false_in_one_message_is_spoken(srv):
     log = run(go())
     assert abs(len(ca_audio(log, "whole")) // 2 - resampled(SAMPLES, 24000)) <= 2
 
+
 def test_deepgram_word_by_word_as_livekit_sends_it(srv):
     """LiveKit sends one Speak per word, then Flush: sentences are still cut whole."""
+
     async def go():
         ws = await dg_connect(dg_url(srv))
         for word in ["Dr.", "Smith", "paid", "on", "Jan.", "3rd.", "He", "left."]:
@@ -924,6 +1054,7 @@ def test_deepgram_clear_stops_the_gpu_work(srv):
     """Clear drops the text and the audio: the engine stops, Cleared comes and stands for the Flush it
     dropped (no Flushed of it follows: pipecat would end its next turn at it), and no audio follows; the next
     Flush (nothing buffered: answered at once) keeps counting sequence ids."""
+
     async def go():
         ws = await dg_connect(dg_url(srv, LONG))
         await ws.send(json.dumps({"type": "Speak", "text": "A long reply the user talks over. Really long."}))
@@ -961,8 +1092,9 @@ def test_deepgram_close_speaks_the_rest_then_closes(srv):
     assert abs(len(audio) // 2 - resampled(SAMPLES, 16000)) <= 2 and code == 1000
 
 
-@pytest.mark.parametrize("encoding, rate, width", [("mulaw", None, 1), ("alaw", 8000, 1), ("linear16", None, 2),
-                                                   ("linear16", 48000, 2)])
+@pytest.mark.parametrize(
+    "encoding, rate, width", [("mulaw", None, 1), ("alaw", 8000, 1), ("linear16", None, 2), ("linear16", 48000, 2)]
+)
 def test_deepgram_encodings(srv, encoding, rate, width):
     async def go():
         ws = await dg_connect(dg_url(srv, encoding=encoding, rate=rate))
@@ -986,8 +1118,12 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
         warning = await recv_json(ws)
         await ws.close()
         refused = []
-        for url, key in [(dg_url(srv), "wrong"), (dg_url(srv, model="Nobody"), KEY),
-                         (dg_url(srv, encoding="opus"), KEY), (dg_url(srv, rate=12345), KEY)]:
+        for url, key in [
+            (dg_url(srv), "wrong"),
+            (dg_url(srv, model="Nobody"), KEY),
+            (dg_url(srv, encoding="opus"), KEY),
+            (dg_url(srv, rate=12345), KEY),
+        ]:
             with pytest.raises(websockets.InvalidStatus) as e:
                 await dg_connect(url, key=key)
             refused.append((e.value.response.status_code, json.loads(e.value.response.body)["err_code"]))
@@ -995,14 +1131,21 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
 
     warning, refused = run(go())
     assert warning["type"] == "Warning" and warning["warn_code"] == "INVALID_MESSAGE"
-    assert refused == [(401, "UNAUTHORIZED"), (404, "UNKNOWN_VOICE"), (400, "UNSUPPORTED_ENCODING"),
-                       (400, "UNSUPPORTED_SAMPLE_RATE")]
+    assert refused == [
+        (401, "UNAUTHORIZED"),
+        (404, "UNKNOWN_VOICE"),
+        (400, "UNSUPPORTED_ENCODING"),
+        (400, "UNSUPPORTED_SAMPLE_RATE"),
+    ]
 
 
-@pytest.mark.parametrize("query, code", [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"),
-                                         ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")])
+@pytest.mark.parametrize(
+    "query, code",
+    [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"), ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")],
+)
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
     """A Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
+
     async def go():
         with pytest.raises(websockets.InvalidStatus) as e:
             await dg_connect(ws_url(srv, f"/v1/speak?model=Ada&{query}"))
@@ -1016,8 +1159,12 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
 def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status):
     """?speed is a finite number within every API's speed bounds, refused naming it in Deepgram's shape even
     on a model without speaking-rate buckets (which ignores it)."""
-    r = httpx.post(f"{srv.url}/v1/speak?model=Ada&container=none&speed={speed}&zonos_params={params(FAST)}",
-                   json={"text": "Hello there."}, headers={"Authorization": f"Token {KEY}"}, timeout=120)
+    r = httpx.post(
+        f"{srv.url}/v1/speak?model=Ada&container=none&speed={speed}&zonos_params={params(FAST)}",
+        json={"text": "Hello there."},
+        headers={"Authorization": f"Token {KEY}"},
+        timeout=120,
+    )
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["err_code"] == "BAD_PARAMS" and "speed" in r.json()["err_msg"], r.text
@@ -1028,7 +1175,9 @@ def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, spee
     """A dialect's speed outside every API's bounds is refused naming it even where the model has no
     speaking-rate buckets and ignores speed (a good speed there leaves the options as they are)."""
     gw = Gateway(GatewaySettings(data_dir=tmp_path, text_normalization=False))
-    gw.cfg = Zonos2Config.from_dict(preset_params("tiny") | {"speaking_rate_buckets": [], "speaking_rate_num_buckets": 0})
+    gw.cfg = Zonos2Config.from_dict(
+        preset_params("tiny") | {"speaking_rate_buckets": [], "speaking_rate_num_buckets": 0}
+    )
     with pytest.raises(RequestError, match="speed"):
         dialect_options(gw, speed=speed)
     assert dialect_options(gw, speed=1.2) == SynthesisOptions()
@@ -1037,19 +1186,30 @@ def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, spee
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
 def installed(module: str) -> bool:
     """Whether the frameworks' virtualenv has `module` (a half-made one counts as none)."""
-    return FRAMEWORKS_PYTHON.exists() and subprocess.run(
-        [str(FRAMEWORKS_PYTHON), "-c", f"import {module}"], capture_output=True, timeout=120).returncode == 0
+    return (
+        FRAMEWORKS_PYTHON.exists()
+        and subprocess.run(
+            [str(FRAMEWORKS_PYTHON), "-c", f"import {module}"], capture_output=True, timeout=120
+        ).returncode
+        == 0
+    )
 
 
-frameworks = pytest.mark.skipif(not installed("pipecat"),
-                                reason="no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)")
+frameworks = pytest.mark.skipif(
+    not installed("pipecat"), reason="no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)"
+)
 
 
 def drive(client: str, service: str, srv) -> dict[str, Any]:
     """Run tests/frameworks/<client>.py in the frameworks' virtualenv; it prints one JSON line."""
     try:
-        out = subprocess.run([str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service,
-                              srv.url, KEY, "Ada"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        out = subprocess.run(
+            [str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service, srv.url, KEY, "Ada"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+        )
     except subprocess.TimeoutExpired as e:  # say where it stood: the client's last steps and the server's log
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         pytest.fail(f"{client} {service} hung: {err[-4000:]}\n-- server log --\n{srv.log.read_text()[-4000:]}")
@@ -1082,7 +1242,6 @@ def test_livekit_plugins_speak_through_the_gateway(srv, service):
     assert result["errors"] == [] and result["audio_bytes"] > 0, result
 
 
-
 EMOTION = {**FAST, "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}
 
 
@@ -1090,17 +1249,24 @@ def test_emotion_a_voice_at_connect_would_refuse_is_refused_at_connect(srv):
     """ElevenLabs' URL and Deepgram's model fix the voice at connect: emotion fields in `zonos_params` that it
     would refuse (this server has no emotion directions) are a 400 of the dialect's shape then, not an error
     at every utterance. Without a voice the reference ignores emotion, so a voiceless Deepgram socket opens."""
+
     async def go():
         out = []
         with pytest.raises(websockets.InvalidStatus) as e:
-            await el_connect(ws_url(srv, f"/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000"
-                                         f"&zonos_params={params(EMOTION)}"))
+            await el_connect(
+                ws_url(
+                    srv,
+                    f"/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000&zonos_params={params(EMOTION)}",
+                )
+            )
         out.append((e.value.response.status_code, json.loads(e.value.response.body)["detail"]["status"]))
         with pytest.raises(websockets.InvalidStatus) as e:
             await dg_connect(dg_url(srv, EMOTION))
         out.append((e.value.response.status_code, json.loads(e.value.response.body)["err_code"]))
-        ws = await websockets.connect(ws_url(srv, f"/v1/speak?encoding=linear16&zonos_params={params(EMOTION)}"),
-                                      additional_headers={"Authorization": f"Token {KEY}"})
+        ws = await websockets.connect(
+            ws_url(srv, f"/v1/speak?encoding=linear16&zonos_params={params(EMOTION)}"),
+            additional_headers={"Authorization": f"Token {KEY}"},
+        )
         out.append((await recv_json(ws))["type"])
         await ws.close()
         return out

@@ -18,13 +18,16 @@ D = 48  # the release is 2048; the formulas do not care
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def write_folder(root: Path, space: str = "raw", calibration: dict | None = None, dim: int = D, in_dim: int = D,
-                 seed: int = 0) -> dict[str, np.ndarray]:
+def write_folder(
+    root: Path, space: str = "raw", calibration: dict | None = None, dim: int = D, in_dim: int = D, seed: int = 0
+) -> dict[str, np.ndarray]:
     """A folder laid out as the reference ships its own: extra manifest keys (neutral, norm) included."""
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)
-    vecs = {n: (0.05 * rng.standard_normal(dim)).astype(np.float32)
-            for n in ("happy", "sad", "angry", "surprised", "valence", "arousal")}
+    vecs = {
+        n: (0.05 * rng.standard_normal(dim)).astype(np.float32)
+        for n in ("happy", "sad", "angry", "surprised", "valence", "arousal")
+    }
     manifest: dict = {"dim": dim, "ref_base_norm": 0.157, "neutral": "neutral", "space": space, "directions": {}}
     for n, v in vecs.items():
         np.save(root / f"{n}.npy", v)
@@ -44,9 +47,15 @@ def write_folder(root: Path, space: str = "raw", calibration: dict | None = None
     return vecs
 
 
-CAL = {"objective": "emotion2vec_target_prob", "grid": [1.0, 2.0, 3.0, 4.0], "min_prob": 0.12,
-       "global_default": 3.0, "default": {"happy": 2.0, "sad": 3.0},
-       "by_speaker": {"v_alice": {"happy": 4.0}}, "labels": {"v_alice": "Alice"}}
+CAL = {
+    "objective": "emotion2vec_target_prob",
+    "grid": [1.0, 2.0, 3.0, 4.0],
+    "min_prob": 0.12,
+    "global_default": 3.0,
+    "default": {"happy": 2.0, "sad": 3.0},
+    "by_speaker": {"v_alice": {"happy": 4.0}},
+    "labels": {"v_alice": "Alice"},
+}
 
 
 def base_embedding(n: int = D, seed: int = 9) -> np.ndarray:
@@ -87,8 +96,10 @@ def test_calibration_folds_into_the_weights(tmp_path):
     base = base_embedding()
     req = EmotionRequest(enabled=True, sliders={"happy": 0.5, "angry": 1.0}, arousal=-0.4)
     for key, cal in (("v_alice", {"happy": 4.0}), ("v_bob", {}), (None, {})):
+
         def strength(name, cal=cal):
             return cal.get(name, CAL["default"].get(name, CAL["global_default"]))
+
         emb, _ = dirs.apply(base, req, key)
         moved = base + expected_delta(vecs, req.sliders, 0.0, -0.4, 1.0, strength)
         np.testing.assert_allclose(emb, moved * np.linalg.norm(base) / np.linalg.norm(moved), rtol=1e-5, atol=1e-6)
@@ -123,10 +134,15 @@ def test_proj_space_gives_a_hidden_delta(tmp_path):
     np.testing.assert_allclose(delta, expected_delta(vecs, req.sliders, 0, 0, 3.0), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("req", [EmotionRequest(enabled=False, sliders={"happy": 1.0}),
-                                 EmotionRequest(enabled=True, sliders={"happy": 0.0, "nonexistent": 0.0}),
-                                 EmotionRequest(enabled=True, sliders={"happy": 1.0}, strength=0.0),
-                                 EmotionRequest(enabled=True)])
+@pytest.mark.parametrize(
+    "req",
+    [
+        EmotionRequest(enabled=False, sliders={"happy": 1.0}),
+        EmotionRequest(enabled=True, sliders={"happy": 0.0, "nonexistent": 0.0}),
+        EmotionRequest(enabled=True, sliders={"happy": 1.0}, strength=0.0),
+        EmotionRequest(enabled=True),
+    ],
+)
 def test_nothing_requested_changes_nothing(tmp_path, req):
     write_folder(tmp_path)
     base = base_embedding()
@@ -167,38 +183,79 @@ def test_bad_folders(tmp_path):
 
 
 def test_parse_request():
-    req = parse_request({"emotion_enabled": True, "emotion_sliders": {"happy": 1, "sad": -0.5},
-                         "emotion_valence": 0.2, "emotion_arousal": None, "emotion_strength": 2})
+    req = parse_request(
+        {
+            "emotion_enabled": True,
+            "emotion_sliders": {"happy": 1, "sad": -0.5},
+            "emotion_valence": 0.2,
+            "emotion_arousal": None,
+            "emotion_strength": 2,
+        }
+    )
     assert req == EmotionRequest(True, {"happy": 1.0, "sad": -0.5}, 0.2, 0.0, 2.0) and req.requested
     assert parse_request({}) == EmotionRequest()
-    for bad in ({"emotion_enabled": 1}, {"emotion_sliders": [1]}, {"emotion_sliders": {"happy": "1"}},
-                {"emotion_sliders": {"happy": float("nan")}}, {"emotion_valence": 11}, {"emotion_strength": True},
-                {"emotion_sliders": {str(i): 1 for i in range(65)}}):
+    for bad in (
+        {"emotion_enabled": 1},
+        {"emotion_sliders": [1]},
+        {"emotion_sliders": {"happy": "1"}},
+        {"emotion_sliders": {"happy": float("nan")}},
+        {"emotion_valence": 11},
+        {"emotion_strength": True},
+        {"emotion_sliders": {str(i): 1 for i in range(65)}},
+    ):
         with pytest.raises(EmotionError, match=next(iter(bad)).split("_")[1]):
             parse_request(bad)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_speaker_embed_cli_applies_emotion(tmp_path):
     vecs = write_folder(tmp_path / "dirs", dim=2048, calibration=CAL)
     base = base_embedding(2048)
     np.save(tmp_path / "e.npy", base)
-    r = cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "o.npy"),
-            "--emotion", "happy=1.0", "--emotion", "sad=0.25", "--valence", "0.5", "--emotion-strength", "0.7",
-            "--speaker-key", "v_alice", "--emotion-directions-dir", str(tmp_path / "dirs"))
+    r = cli(
+        "speaker-embed",
+        "--speaker-embedding",
+        str(tmp_path / "e.npy"),
+        "--out",
+        str(tmp_path / "o.npy"),
+        "--emotion",
+        "happy=1.0",
+        "--emotion",
+        "sad=0.25",
+        "--valence",
+        "0.5",
+        "--emotion-strength",
+        "0.7",
+        "--speaker-key",
+        "v_alice",
+        "--emotion-directions-dir",
+        str(tmp_path / "dirs"),
+    )
     assert r.returncode == 0, r.stderr[-2000:]
 
     def strength(name):
         return {"happy": 4.0}.get(name, CAL["default"].get(name, CAL["global_default"]))
+
     moved = base + expected_delta(vecs, {"happy": 1.0, "sad": 0.25}, 0.5, 0.0, 0.7, strength)
-    np.testing.assert_allclose(np.load(tmp_path / "o.npy"), moved * np.linalg.norm(base) / np.linalg.norm(moved),
-                               rtol=1e-5, atol=1e-6)
-    r = cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "x.npy"),
-            "--emotion", "smug=1", "--emotion-directions-dir", str(tmp_path / "dirs"))
+    np.testing.assert_allclose(
+        np.load(tmp_path / "o.npy"), moved * np.linalg.norm(base) / np.linalg.norm(moved), rtol=1e-5, atol=1e-6
+    )
+    r = cli(
+        "speaker-embed",
+        "--speaker-embedding",
+        str(tmp_path / "e.npy"),
+        "--out",
+        str(tmp_path / "x.npy"),
+        "--emotion",
+        "smug=1",
+        "--emotion-directions-dir",
+        str(tmp_path / "dirs"),
+    )
     assert r.returncode == 2 and "unknown emotion" in r.stderr
 
 
@@ -208,8 +265,12 @@ def test_synthesize_cli_with_emotion_is_synthesis_with_the_injected_vector(tmp_p
     write_folder(tmp_path / "dirs", dim=2048)
     np.save(tmp_path / "e.npy", base_embedding(2048))
     emo = ["--emotion", "angry=1", "--emotion-directions-dir", str(tmp_path / "dirs")]
-    assert cli("speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "i.npy"),
-               *emo).returncode == 0
+    assert (
+        cli(
+            "speaker-embed", "--speaker-embedding", str(tmp_path / "e.npy"), "--out", str(tmp_path / "i.npy"), *emo
+        ).returncode
+        == 0
+    )
     common = ["Feel it.", "--seed", "4", "--max-frames", "40", "--device", "cpu"]
     a = cli("synthesize", *common, "-o", str(tmp_path / "a.wav"), "--speaker-embedding", str(tmp_path / "e.npy"), *emo)
     b = cli("synthesize", *common, "-o", str(tmp_path / "b.wav"), "--speaker-embedding", str(tmp_path / "i.npy"))
@@ -248,8 +309,12 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     assert httpx.get(server.url + "/tts/capabilities").json()["emotion_enabled"] is False
 
     base = base_embedding(2048)
-    emotion = {"emotion_enabled": True, "emotion_sliders": {"sad": 0.7}, "emotion_arousal": 0.4,
-               "emotion_strength": 1.2}
+    emotion = {
+        "emotion_enabled": True,
+        "emotion_sliders": {"sad": 0.7},
+        "emotion_arousal": 0.4,
+        "emotion_strength": 1.2,
+    }
     injected, _ = dirs.apply(base, parse_request(emotion))
     common = {"text": "Feel it.", "max_tokens": 12, "seed": 3, "ignore_eos": True, "stream": False}
 
@@ -261,25 +326,44 @@ def test_gateway_applies_emotion_end_to_end(emotion_server, server):
     with_emotion = generate(speaker_embedding_base64=npy_b64(base), **emotion)
     assert with_emotion == generate(speaker_embedding_base64=npy_b64(injected))
     assert with_emotion != generate(speaker_embedding_base64=npy_b64(base))
-    assert generate(speaker_embedding_base64=npy_b64(base), **emotion | {"emotion_enabled": False}) == \
-        generate(speaker_embedding_base64=npy_b64(base))
+    assert generate(speaker_embedding_base64=npy_b64(base), **emotion | {"emotion_enabled": False}) == generate(
+        speaker_embedding_base64=npy_b64(base)
+    )
     # emotion CFG on raw directions: the twin's voice is the embedding before the emotion moved it
     assert generate(speaker_embedding_base64=npy_b64(base), **emotion, emotion_cfg_scale=2.0) != with_emotion
 
-    speech = {"input": "Feel it.", "response_format": "pcm", "seed": 3, "max_frames": 12, "ignore_eos": True,
-              "speaker_embedding_base64": npy_b64(base)}
+    speech = {
+        "input": "Feel it.",
+        "response_format": "pcm",
+        "seed": 3,
+        "max_frames": 12,
+        "ignore_eos": True,
+        "speaker_embedding_base64": npy_b64(base),
+    }
     a = httpx.post(srv.url + "/v1/audio/speech", json=speech | emotion, timeout=120)
-    b = httpx.post(srv.url + "/v1/audio/speech", json=speech | {"speaker_embedding_base64": npy_b64(injected)},
-                   timeout=120)
+    b = httpx.post(
+        srv.url + "/v1/audio/speech", json=speech | {"speaker_embedding_base64": npy_b64(injected)}, timeout=120
+    )
     assert a.status_code == b.status_code == 200 and a.content == b.content
 
-    for body in ({"emotion_sliders": {"smug": 1.0}}, {"emotion_sliders": {"happy": "x"}}, {"emotion_valence": 50},
-                 {"emotion_strength": None, "emotion_enabled": "yes"}, {"emotion_cfg_scale": 101}):
-        r = httpx.post(srv.url + "/tts/generate", timeout=60,
-                       json=common | {"speaker_embedding_base64": npy_b64(base), "emotion_enabled": True} | body)
+    for body in (
+        {"emotion_sliders": {"smug": 1.0}},
+        {"emotion_sliders": {"happy": "x"}},
+        {"emotion_valence": 50},
+        {"emotion_strength": None, "emotion_enabled": "yes"},
+        {"emotion_cfg_scale": 101},
+    ):
+        r = httpx.post(
+            srv.url + "/tts/generate",
+            timeout=60,
+            json=common | {"speaker_embedding_base64": npy_b64(base), "emotion_enabled": True} | body,
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
-    r = httpx.post(server.url + "/tts/generate", timeout=60,  # no --emotion-directions-dir
-                   json=common | {"speaker_embedding_base64": npy_b64(base)} | emotion)
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=60,  # no --emotion-directions-dir
+        json=common | {"speaker_embedding_base64": npy_b64(base)} | emotion,
+    )
     assert r.status_code == 400 and "emotion-directions-dir" in r.json()["error"]["message"]
 
 
@@ -335,15 +419,42 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
     srv, _ = emotion_server
     vid = upload_voice(srv.url, base_embedding(2048, seed=12), "ui-voice")
     body = {
-        "text": "The reference page.", "language": "en_us", "text_normalization": False, "temperature": 1.15,
-        "topk": 106, "top_p": 0.0, "min_p": 0.18, "cfg_scale": 1.5, "prefix_cfg_scale": 1.0, "max_tokens": 8,
-        "fade_out_ms": 0.0, "speaking_rate_enabled": False, "quality_enabled": False, "quality_buckets": None,
-        "repetition_window": 50, "repetition_penalty": 1.2, "repetition_codebooks": 8, "seed": None,
-        "long_form": None, "long_form_chunk_chars": 150, "long_form_window_chunks": 2, "long_form_pin_anchor": True,
-        "long_form_split_mode": "word", "stream": True, "speaker_embedding_id": vid, "clean_speaker_background": False,
-        "accurate_mode": True, "speaker_blend_embedding_id_a": None, "speaker_blend_embedding_id_b": None,
-        "speaker_blend_t": None, "emotion_enabled": True, "emotion_sliders": {"surprised": 0.6},
-        "emotion_valence": 0.2, "emotion_arousal": 0, "emotion_strength": 1.0, "emotion_cfg_scale": 2.0,
+        "text": "The reference page.",
+        "language": "en_us",
+        "text_normalization": False,
+        "temperature": 1.15,
+        "topk": 106,
+        "top_p": 0.0,
+        "min_p": 0.18,
+        "cfg_scale": 1.5,
+        "prefix_cfg_scale": 1.0,
+        "max_tokens": 8,
+        "fade_out_ms": 0.0,
+        "speaking_rate_enabled": False,
+        "quality_enabled": False,
+        "quality_buckets": None,
+        "repetition_window": 50,
+        "repetition_penalty": 1.2,
+        "repetition_codebooks": 8,
+        "seed": None,
+        "long_form": None,
+        "long_form_chunk_chars": 150,
+        "long_form_window_chunks": 2,
+        "long_form_pin_anchor": True,
+        "long_form_split_mode": "word",
+        "stream": True,
+        "speaker_embedding_id": vid,
+        "clean_speaker_background": False,
+        "accurate_mode": True,
+        "speaker_blend_embedding_id_a": None,
+        "speaker_blend_embedding_id_b": None,
+        "speaker_blend_t": None,
+        "emotion_enabled": True,
+        "emotion_sliders": {"surprised": 0.6},
+        "emotion_valence": 0.2,
+        "emotion_arousal": 0,
+        "emotion_strength": 1.0,
+        "emotion_cfg_scale": 2.0,
     }
     r = httpx.post(srv.url + "/tts/generate", json=body, timeout=120)
     # the random model may end at once (no ignore_eos in the UI's body): whole frames, at most 8
@@ -385,9 +496,21 @@ def _patched_projection(model, spk, delta, ids):
         hook.remove()
 
 
-@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=pytest.mark.skipif(
-    __import__("torch").cuda.is_available(), reason="the Triton path of a CPU model needs Triton's interpreter, "
-    "which a process with CUDA does not set (tests/conftest.py triton_on_cpu); the GPU tests run the kernels"))])
+@pytest.mark.parametrize(
+    "triton",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                __import__("torch").cuda.is_available(),
+                reason="the Triton path of a CPU model needs Triton's interpreter, "
+                "which a process with CUDA does not set (tests/conftest.py triton_on_cpu); the GPU "
+                "tests run the kernels",
+            ),
+        ),
+    ],
+)
 def test_proj_delta_lands_on_the_projected_speaker_row(triton):
     """prefill(emotions=[delta]) and forward_full(emotion=delta) give the logits of the model whose speaker
     projection output is patched by hand to projected + delta (the reference's `projected_speaker +
@@ -408,16 +531,29 @@ def test_proj_delta_lands_on_the_projected_speaker_row(triton):
     tol = 1e-4 if triton else 1e-6
     torch.testing.assert_close(got[0], want[-1], rtol=tol, atol=tol)
     if triton:  # padded to a bucket, as a captured graph runs it (static [n_seqs, dim] deltas)
-        meta = PackedPrefill.build(model, [PrefillSeq(1, 0, len(ids))], [spk], len(ids) + 5, 4, torch.device("cpu"),
-                                   emotions=[delta])
+        meta = PackedPrefill.build(
+            model, [PrefillSeq(1, 0, len(ids))], [spk], len(ids) + 5, 4, torch.device("cpu"), emotions=[delta]
+        )
         padded = model.prefill_packed(torch.cat([ids, ids[:5]]), *meta.tensors())[:1]
         torch.testing.assert_close(padded[0], want[-1], rtol=tol, atol=tol)
     model.enable_triton(False)
 
 
-@pytest.mark.parametrize("triton", [False, pytest.param(True, marks=pytest.mark.skipif(
-    not __import__("torch").cuda.is_available(), reason="Triton natively on a GPU; on a CPU the interpreter "
-    "takes 30 s, and the padded path with deltas is checked by test_proj_delta_lands_... and tests/test_graph_work"))])
+@pytest.mark.parametrize(
+    "triton",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                not __import__("torch").cuda.is_available(),
+                reason="Triton natively on a GPU; on a CPU the interpreter "
+                "takes 30 s, and the padded path with deltas is checked by test_proj_delta_lands_... "
+                "and tests/test_graph_work",
+            ),
+        ),
+    ],
+)
 def test_packed_requests_with_different_deltas_equal_each_alone(triton):
     """Three voiced prompts in one packed prefill through the LLM node, with delta a, none and delta b:
     each row's logits are those of its request run alone (the reference's per-batch stacking: zeros where a
@@ -431,8 +567,10 @@ def test_packed_requests_with_different_deltas_equal_each_alone(triton):
     node = LLMNode(model, n_slots=4, max_len=128, cuda_graphs=False, triton=triton)
     items = [_voiced(model, t, s) for t, s in (("Feel it.", 1), ("Another voice here.", 2), ("Third one.", 3))]
     emotions = [items[0][2], None, 5 * items[2][2]]
-    seqs = [Sequence(rid=i + 1, prompt=ids.numpy(), params=SamplingParams(seed=1), max_frames=4, speaker=spk,
-                     emotion=emo) for i, ((ids, spk, _), emo) in enumerate(zip(items, emotions, strict=True))]
+    seqs = [
+        Sequence(rid=i + 1, prompt=ids.numpy(), params=SamplingParams(seed=1), max_frames=4, speaker=spk, emotion=emo)
+        for i, ((ids, spk, _), emo) in enumerate(zip(items, emotions, strict=True))
+    ]
     for s in seqs:
         node.admit(s)
     head = 4  # the first sequence in two chunks: its delta lands with its first chunk only
@@ -468,13 +606,22 @@ def test_engine_serves_proj_deltas_and_refuses_bad_ones():
     emb = rng.standard_normal(cfg.speaker_embedding_dim).astype(np.float32)
     delta = (3 * rng.standard_normal(cfg.dim)).astype(np.float32)
     lt = LoopThread()
-    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_context=512,
-                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+    client = EngineClient(
+        WeightSources(),
+        EngineSettings(device="cpu", max_batch=3, max_context=512, stats_interval_s=0.1),
+        ring_bytes=8 << 20,
+    )
 
     def req(delta=None, voice=True, **params) -> m.SubmitRequest:
-        return m.SubmitRequest(rid=0, prompt=pb.build("Feel it.", Conditioning(speaker=voice)),
-                               params=SamplingParams(seed=4, **params), max_frames=16, ignore_eos=True,
-                               speaker_embedding=emb if voice else None, emotion_delta=delta)
+        return m.SubmitRequest(
+            rid=0,
+            prompt=pb.build("Feel it.", Conditioning(speaker=voice)),
+            params=SamplingParams(seed=4, **params),
+            max_frames=16,
+            ignore_eos=True,
+            speaker_embedding=emb if voice else None,
+            emotion_delta=delta,
+        )
 
     async def read(stream) -> tuple[bytes, dict]:
         pcm = []
@@ -490,9 +637,15 @@ def test_engine_serves_proj_deltas_and_refuses_bad_ones():
     async def run():
         await client.start()
         await asyncio.wait_for(client.ready.wait(), 180)
-        bad = [await read(client.submit(r)) for r in (req(np.ones(cfg.dim + 1, np.float32)),
-                                                       req(np.full(cfg.dim, np.nan, np.float32)),
-                                                       req(delta, voice=False))]
+        bad = [
+            await read(client.submit(r))
+            for r in (
+                req(np.ones(cfg.dim + 1, np.float32)),
+                req(np.full(cfg.dim, np.nan, np.float32)),
+                req(delta, voice=False),
+            )
+        ]
+
         class Lying(m.SubmitRequest):  # a header that claims more payload than there is
             def encode(self):
                 header, payload = super().encode()
@@ -576,10 +729,21 @@ def test_gateway_serves_proj_directions(start_server, tmp_path):
     srv = start_server("--emotion-directions-dir", str(tmp_path / "proj"))
     caps = httpx.get(srv.url + "/tts/capabilities").json()
     assert caps["emotion_enabled"] and caps["emotion_axes"] == ["valence", "arousal"] and caps["emotion_calibrated"]
-    common = {"text": "Feel it.", "max_tokens": 12, "seed": 3, "ignore_eos": True, "stream": False,
-              "speaker_embedding_base64": npy_b64(base_embedding(2048))}
-    emotion = {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0, "sad": 0.0}, "emotion_valence": 0.5,
-               "emotion_arousal": -0.2, "emotion_strength": 3.0}
+    common = {
+        "text": "Feel it.",
+        "max_tokens": 12,
+        "seed": 3,
+        "ignore_eos": True,
+        "stream": False,
+        "speaker_embedding_base64": npy_b64(base_embedding(2048)),
+    }
+    emotion = {
+        "emotion_enabled": True,
+        "emotion_sliders": {"happy": 1.0, "sad": 0.0},
+        "emotion_valence": 0.5,
+        "emotion_arousal": -0.2,
+        "emotion_strength": 3.0,
+    }
 
     def generate(**body) -> bytes:
         r = httpx.post(srv.url + "/tts/generate", json=common | body, timeout=120)
@@ -597,12 +761,25 @@ def test_synthesize_cli_with_proj_directions(tmp_path):
     write_folder(tmp_path / "dirs", space="proj", dim=128)  # the tiny model's hidden size
     write_folder(tmp_path / "wide", space="proj", dim=129)
     np.save(tmp_path / "e.npy", base_embedding(2048))
-    common = ["Feel it.", "--seed", "4", "--max-frames", "20", "--device", "cpu",
-              "--speaker-embedding", str(tmp_path / "e.npy")]
+    common = [
+        "Feel it.",
+        "--seed",
+        "4",
+        "--max-frames",
+        "20",
+        "--device",
+        "cpu",
+        "--speaker-embedding",
+        str(tmp_path / "e.npy"),
+    ]
     emo = ["--emotion", "happy=1", "--emotion-strength", "5"]
-    a = cli("synthesize", *common, "-o", str(tmp_path / "a.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "dirs"))
+    a = cli(
+        "synthesize", *common, "-o", str(tmp_path / "a.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "dirs")
+    )
     b = cli("synthesize", *common, "-o", str(tmp_path / "b.wav"))
     assert a.returncode == b.returncode == 0, (a.stderr[-2000:], b.stderr[-2000:])
     assert (tmp_path / "a.wav").read_bytes() != (tmp_path / "b.wav").read_bytes()
-    w = cli("synthesize", *common, "-o", str(tmp_path / "w.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "wide"))
+    w = cli(
+        "synthesize", *common, "-o", str(tmp_path / "w.wav"), *emo, "--emotion-directions-dir", str(tmp_path / "wide")
+    )
     assert w.returncode == 2 and "128 values" in w.stderr, w.stderr[-2000:]

@@ -35,14 +35,27 @@ from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
 pytestmark = pytest.mark.slow
 
 EXAMPLES = int(os.environ.get("ZONOS_FUZZ_EXAMPLES", "50"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.environ.get("ZONOS_FUZZ_RANDOM"),
-                database=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=not os.environ.get("ZONOS_FUZZ_RANDOM"),
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 # The newer surfaces (dialect sockets and URLs, voice names): fewer examples each, so the file stays within
 # about a minute on two busy cores; ZONOS_FUZZ_EXAMPLES scales them too.
 FUZZ_SMALL = settings(FUZZ, max_examples=max(4, EXAMPLES // 3))
 CODE = re.compile(r"^[a-z][a-z_]*$")
-SERVER_TYPES = {"session.created", "session.updated", "audio.start", "audio.done", "flushed", "cancelled",
-                "session.closed", "error"}
+SERVER_TYPES = {
+    "session.created",
+    "session.updated",
+    "audio.start",
+    "audio.done",
+    "flushed",
+    "cancelled",
+    "session.closed",
+    "error",
+}
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +77,52 @@ def npy(values: np.ndarray) -> bytes:
 
 
 # ---- strategies ----------------------------------------------------------------------------------------
-leaf = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)
-        | st.text(max_size=30))
-anything = st.recursive(leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4),
-                        max_leaves=8)
+leaf = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=30)
+)
+anything = st.recursive(
+    leaf, lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=12), c, max_size=4), max_leaves=8
+)
 # Issue 17: lone surrogates (valid JSON escapes, invalid text), multi-byte text that is long in UTF-8 bytes
 # (one prompt frame per byte) though short in characters, and the ordinary cases.
-surrogates = st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), min_size=1,
-                     max_size=12)
-short_text = (st.text(max_size=60) | surrogates
-              | st.sampled_from(["Hello there.", "One. Two. Three.", "¿Qué tal?", "数字 123。", "", "   ", "\n\n",
-                                 "a" * 250, "\ud800 hello.", "Fine. \udfff", "😀" * 600, "Привет" * 250,
-                                 "数" * 700 + "。", "é" * 400 + ". Done.", 'Go <break time="300ms"/> on.',
-                                 '<break time="bad"/>', '<break time="99s"/>.', "<break/>", '<break time=1s>x',
-                                 '[happy] Hi.', '<emotion value="happy"/> Hi.']))
+surrogates = st.text(
+    st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF) | st.characters(), min_size=1, max_size=12
+)
+short_text = (
+    st.text(max_size=60)
+    | surrogates
+    | st.sampled_from(
+        [
+            "Hello there.",
+            "One. Two. Three.",
+            "¿Qué tal?",
+            "数字 123。",
+            "",
+            "   ",
+            "\n\n",
+            "a" * 250,
+            "\ud800 hello.",
+            "Fine. \udfff",
+            "😀" * 600,
+            "Привет" * 250,
+            "数" * 700 + "。",
+            "é" * 400 + ". Done.",
+            'Go <break time="300ms"/> on.',
+            '<break time="bad"/>',
+            '<break time="99s"/>.',
+            "<break/>",
+            "<break time=1s>x",
+            "[happy] Hi.",
+            '<emotion value="happy"/> Hi.',
+        ]
+    )
+)
+
+
 def silent_flac(seconds: float, sr: int, channels: int = 1) -> bytes:
     """Small on disk, large once decoded: what a clip at a high rate or with many channels is."""
     buf = io.BytesIO()
@@ -85,50 +130,94 @@ def silent_flac(seconds: float, sr: int, channels: int = 1) -> bytes:
     return buf.getvalue()
 
 
-HIGH_RATE_CLIPS = [base64.b64encode(c).decode() for c in (
-    silent_flac(59, 384_000),  # over the rate limit: refused from the header
-    silent_flac(20, 192_000),  # at the limit: decoded and embedded
-    silent_flac(2, 48_000, 8),  # 8 channels, mixed down
-)]
-b64 = (st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
-       | st.sampled_from(HIGH_RATE_CLIPS)
-       | st.just(base64.b64encode(small_wav()).decode())
-       | st.just("data:audio/wav;base64," + base64.b64encode(small_wav()).decode())
-       | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
-       | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
-       | st.text(max_size=40))
+HIGH_RATE_CLIPS = [
+    base64.b64encode(c).decode()
+    for c in (
+        silent_flac(59, 384_000),  # over the rate limit: refused from the header
+        silent_flac(20, 192_000),  # at the limit: decoded and embedded
+        silent_flac(2, 48_000, 8),  # 8 channels, mixed down
+    )
+]
+b64 = (
+    st.binary(max_size=300).map(lambda b: base64.b64encode(b).decode())
+    | st.sampled_from(HIGH_RATE_CLIPS)
+    | st.just(base64.b64encode(small_wav()).decode())
+    | st.just("data:audio/wav;base64," + base64.b64encode(small_wav()).decode())
+    | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
+    | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
+    | st.text(max_size=40)
+)
 # Issue 21: finite numbers past float32 (1e308 once killed the engine), past int64, subnormal, at the bounds.
-extreme = st.sampled_from([1e308, -1e308, 1e39, 3.4e38, 3.5e38, 1e300, 1e-320, -0.0, 100.0, 100.000001, 101,
-                           10**30, 2**63, 2**63 - 1, -(2**63), 2**64, 10**400])
+extreme = st.sampled_from(
+    [
+        1e308,
+        -1e308,
+        1e39,
+        3.4e38,
+        3.5e38,
+        1e300,
+        1e-320,
+        -0.0,
+        100.0,
+        100.000001,
+        101,
+        10**30,
+        2**63,
+        2**63 - 1,
+        -(2**63),
+        2**64,
+        10**400,
+    ]
+)
 typical_params = {
-    "temperature": st.floats(-1, 3) | extreme | anything, "top_k": st.integers(-5, 2000) | extreme | anything,
-    "top_p": st.floats(-0.5, 1.5) | extreme | anything, "min_p": st.floats(-0.5, 1.5) | extreme | anything,
+    "temperature": st.floats(-1, 3) | extreme | anything,
+    "top_k": st.integers(-5, 2000) | extreme | anything,
+    "top_p": st.floats(-0.5, 1.5) | extreme | anything,
+    "min_p": st.floats(-0.5, 1.5) | extreme | anything,
     "repetition_window": st.integers(-5, 300) | extreme | anything,
     "repetition_penalty": st.floats(0, 3) | extreme | anything,
     "repetition_codebooks": st.integers(-3, 12) | extreme | anything,
     "seed": st.integers(-5, 2**64) | extreme | anything,
-    "max_frames": st.integers(-5, 40) | extreme | anything, "ignore_eos": st.booleans() | anything,
+    "max_frames": st.integers(-5, 40) | extreme | anything,
+    "ignore_eos": st.booleans() | anything,
     "language": st.sampled_from(["en_us", "de", "ja", "klingon", "EN-us"]) | anything,
-    "text_normalization": st.booleans() | anything, "speaking_rate": st.floats(-5, 40) | extreme | anything,
-    "speed": st.floats(-1, 5) | extreme | anything, "speaking_rate_bucket": st.integers(-2, 10) | extreme | anything,
-    "quality_buckets": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
-                                                   st.integers(-2, 12) | extreme | anything, max_size=3) | anything,
-    "quality_values": st.none() | st.dictionaries(st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
-                                                  st.floats(allow_nan=True) | extreme | anything, max_size=3)
+    "text_normalization": st.booleans() | anything,
+    "speaking_rate": st.floats(-5, 40) | extreme | anything,
+    "speed": st.floats(-1, 5) | extreme | anything,
+    "speaking_rate_bucket": st.integers(-2, 10) | extreme | anything,
+    "quality_buckets": st.none()
+    | st.dictionaries(
+        st.sampled_from(["trailing_silence_s", "pitch_std", "x"]), st.integers(-2, 12) | extreme | anything, max_size=3
+    )
     | anything,
-    "accurate_mode": st.booleans() | anything, "clean_speaker_background": st.booleans() | anything,
+    "quality_values": st.none()
+    | st.dictionaries(
+        st.sampled_from(["trailing_silence_s", "pitch_std", "x"]),
+        st.floats(allow_nan=True) | extreme | anything,
+        max_size=3,
+    )
+    | anything,
+    "accurate_mode": st.booleans() | anything,
+    "clean_speaker_background": st.booleans() | anything,
 }
 # issue 22: the reference's long-form, guidance and emotion fields (more in the block at the end)
 floats_any = st.floats(allow_nan=True, allow_infinity=True)
 typical_params |= {
-    "long_form": st.none() | st.booleans() | anything, "long_form_chunk_chars": st.integers(-2, 300) | anything,
-    "long_form_window_chunks": st.integers(-1, 70) | anything, "long_form_pin_anchor": st.booleans() | anything,
+    "long_form": st.none() | st.booleans() | anything,
+    "long_form_chunk_chars": st.integers(-2, 300) | anything,
+    "long_form_window_chunks": st.integers(-1, 70) | anything,
+    "long_form_pin_anchor": st.booleans() | anything,
     "long_form_split_mode": st.sampled_from(["word", "sentence", "paragraph"]) | anything,
-    "cfg_scale": floats_any | anything, "prefix_cfg_scale": floats_any | anything,
-    "emotion_cfg_scale": floats_any | anything, "emotion_enabled": st.booleans() | anything,
-    "emotion_sliders": st.dictionaries(st.sampled_from(["happy", "sad", "valence", "smug", ""]),
-                                       st.floats(-12, 12) | floats_any | anything, max_size=3) | anything,
-    "emotion_valence": st.floats(-12, 12) | anything, "emotion_arousal": st.floats(-12, 12) | anything,
+    "cfg_scale": floats_any | anything,
+    "prefix_cfg_scale": floats_any | anything,
+    "emotion_cfg_scale": floats_any | anything,
+    "emotion_enabled": st.booleans() | anything,
+    "emotion_sliders": st.dictionaries(
+        st.sampled_from(["happy", "sad", "valence", "smug", ""]), st.floats(-12, 12) | floats_any | anything, max_size=3
+    )
+    | anything,
+    "emotion_valence": st.floats(-12, 12) | anything,
+    "emotion_arousal": st.floats(-12, 12) | anything,
     "emotion_strength": st.floats(-12, 12) | floats_any | anything,
 }
 assert set(typical_params) == PARAM_KEYS
@@ -148,25 +237,42 @@ def message(kind: str, fields: dict[str, st.SearchStrategy]) -> st.SearchStrateg
 
 ctx = st.text(min_size=0, max_size=140) | anything
 ws_json = st.one_of(
-    message("text", {"text": short_text | anything, "context_id": ctx, "flush": st.booleans() | anything,
-                     "extra": anything}),
+    message(
+        "text", {"text": short_text | anything, "context_id": ctx, "flush": st.booleans() | anything, "extra": anything}
+    ),
     message("flush", {"context_id": ctx}),
     message("cancel", {"context_id": ctx}),
-    message("session.config", {"voice": st.none() | st.text(max_size=20) | anything, "voice_clip": st.none() | b64,
-                               "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
-                               "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
-                               "params": params()}),
+    message(
+        "session.config",
+        {
+            "voice": st.none() | st.text(max_size=20) | anything,
+            "voice_clip": st.none() | b64,
+            "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
+            "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
+            "params": params(),
+        },
+    ),
     message("close", {}),
     st.dictionaries(st.text(max_size=12), anything, max_size=4),
     st.fixed_dictionaries({"type": anything}),
 )
 # Nesting deeper than any message needs (the JSON parser stops at the recursion limit, ~1000): alone,
 # or as the value of a field.
-deep_json = st.builds(lambda n, wrap, obj: (('{"type":"text","text":%s}' if wrap else "%s")
-                                           % (("{\"a\":" * n + "1" + "}" * n) if obj else "[" * n + "]" * n)),
-                      st.sampled_from([33, 999, 1001, 100_000]), st.booleans(), st.booleans())
-ws_frame = (ws_json.map(lambda d: json.dumps(d)) | st.text(max_size=40) | anything.map(json.dumps)
-            | st.binary(max_size=64) | deep_json)
+deep_json = st.builds(
+    lambda n, wrap, obj: (
+        ('{"type":"text","text":%s}' if wrap else "%s") % (('{"a":' * n + "1" + "}" * n) if obj else "[" * n + "]" * n)
+    ),
+    st.sampled_from([33, 999, 1001, 100_000]),
+    st.booleans(),
+    st.booleans(),
+)
+ws_frame = (
+    ws_json.map(lambda d: json.dumps(d))
+    | st.text(max_size=40)
+    | anything.map(json.dumps)
+    | st.binary(max_size=64)
+    | deep_json
+)
 
 
 # ---- WebSocket -----------------------------------------------------------------------------------------
@@ -206,8 +312,10 @@ DEEP = "[" * 100_000 + "]" * 100_000
 # issue 17's cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
 @example(frames=[DEEP, '{"type":"text","text":' + DEEP + "}", '{"type":"text","text":"\\ud800 hello."}'])
 @example(frames=[json.dumps({"type": "text", "text": t, "flush": True}) for t in ("😀" * 600, "Привет" * 250)])
-@example(frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
-         + [json.dumps({"type": "text", "text": "Hi.", "flush": True})])
+@example(
+    frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
+    + [json.dumps({"type": "text", "text": "Hi.", "flush": True})]
+)
 def test_fuzz_websocket_messages(fuzz_server, frames):
     replies = asyncio.run(asyncio.wait_for(ws_exchange(fuzz_server.ws_url, frames), 90))
     for d in replies:
@@ -218,21 +326,31 @@ def test_fuzz_websocket_messages(fuzz_server, frames):
 
 # ---- HTTP ----------------------------------------------------------------------------------------------
 openai_values = {
-    "model": st.sampled_from(["zonos2", "tts-1"]) | anything, "input": short_text | anything,
+    "model": st.sampled_from(["zonos2", "tts-1"]) | anything,
+    "input": short_text | anything,
     "voice": st.sampled_from(["alloy", "nobody"]) | anything,
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
-    "speed": st.floats(0, 5) | anything, "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
-    "instructions": anything, "stream": anything, "params": params(),
+    "speed": st.floats(0, 5) | anything,
+    "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
+    "instructions": anything,
+    "stream": anything,
+    "params": params(),
     "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,
     "speaking_rate_enabled": st.booleans() | anything,
 }
 generate_values = {
-    "text": short_text | anything, "max_tokens": st.integers(-3, 40) | anything,
-    "fade_out_ms": st.floats(-10, 6000) | anything, "stream": st.booleans() | anything,
-    "topk": st.integers(-3, 2000) | anything, "speaker_audio_base64": b64, "speaker_wav_base64": b64,
-    "speaker_embedding_base64": b64, "speaker_embedding_id": st.text(max_size=20) | anything,
+    "text": short_text | anything,
+    "max_tokens": st.integers(-3, 40) | anything,
+    "fade_out_ms": st.floats(-10, 6000) | anything,
+    "stream": st.booleans() | anything,
+    "topk": st.integers(-3, 2000) | anything,
+    "speaker_audio_base64": b64,
+    "speaker_wav_base64": b64,
+    "speaker_embedding_base64": b64,
+    "speaker_embedding_id": st.text(max_size=20) | anything,
     "speaker_blend_embedding_id_a": st.text(max_size=10) | anything,
-    "speaker_blend_embedding_id_b": st.text(max_size=10) | anything, "speaker_blend_t": st.floats() | anything,
+    "speaker_blend_embedding_id_b": st.text(max_size=10) | anything,
+    "speaker_blend_t": st.floats() | anything,
     "speaking_rate_enabled": st.booleans() | anything,
     "quality_enabled": st.booleans() | anything,
     "quality_buckets": st.lists(st.none() | st.integers(-2, 12), max_size=8) | anything,
@@ -267,8 +385,15 @@ def check_http(r: httpx.Response) -> None:
         assert CODE.match(err["code"]) and err["code"] != "internal" and isinstance(err["message"], str), err
     else:
         assert r.status_code == 200
-        assert r.headers["content-type"].split(";")[0] in {"audio/pcm", "audio/wav", "audio/mpeg", "audio/flac",
-                                                           "audio/ogg", "audio/aac", "text/event-stream"}
+        assert r.headers["content-type"].split(";")[0] in {
+            "audio/pcm",
+            "audio/wav",
+            "audio/mpeg",
+            "audio/flac",
+            "audio/ogg",
+            "audio/aac",
+            "text/event-stream",
+        }
 
 
 def post(url: str, data: bytes, content_type: str) -> httpx.Response:
@@ -280,27 +405,49 @@ content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "appli
 
 
 @FUZZ
-@given(data=body(_SPEECH_FIELDS, generate_values | openai_values, {"input": "Hello there.", "response_format": "pcm",
-                                                  "params": {"max_frames": 5, "ignore_eos": True}}),
-       ctype=content_types)
+@given(
+    data=body(
+        _SPEECH_FIELDS,
+        generate_values | openai_values,
+        {"input": "Hello there.", "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}},
+    ),
+    ctype=content_types,
+)
 @example(data=DEEP.encode(), ctype="application/json")
 @example(data=b'{"input": "\\ud800 hi", "response_format": "pcm"}', ctype="application/json")
-@example(data=json.dumps({"input": "Привет" * 50, "response_format": "pcm",
-                          "params": {"max_frames": 5, "ignore_eos": True}}).encode(), ctype="application/json")
+@example(
+    data=json.dumps(
+        {"input": "Привет" * 50, "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}}
+    ).encode(),
+    ctype="application/json",
+)
 def test_fuzz_openai_speech(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/v1/audio/speech", data, ctype))
 
 
 @FUZZ
-@given(data=body(_GENERATE_FIELDS, generate_values, {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True,
-                                                     "stream": False}),
-       ctype=content_types)
+@given(
+    data=body(
+        _GENERATE_FIELDS,
+        generate_values,
+        {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True, "stream": False},
+    ),
+    ctype=content_types,
+)
 @example(data=DEEP.encode(), ctype="application/json")
 @example(data=b'{"text": "\\udfff", "stream": false}', ctype="application/json")
-@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[0]})
-         .encode(), ctype="application/json")
-@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[1]})
-         .encode(), ctype="application/json")
+@example(
+    data=json.dumps(
+        {"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[0]}
+    ).encode(),
+    ctype="application/json",
+)
+@example(
+    data=json.dumps(
+        {"text": "Hi.", "max_tokens": 5, "stream": False, "speaker_audio_base64": HIGH_RATE_CLIPS[1]}
+    ).encode(),
+    ctype="application/json",
+)
 def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
@@ -311,8 +458,12 @@ def voices(fuzz_server) -> dict[str, str]:
     """Two library voices: "Fuzzed" (what the dialect sockets speak with) and one that gets renamed."""
     ids = {}
     for name, value in (("Fuzzed", 1.0), ("Renamed", 0.5)):
-        r = httpx.post(fuzz_server.url + "/v1/voices", files={"embedding": (f"{name}.npy", npy(
-            np.full(2048, value, np.float32)))}, data={"name": name}, timeout=60)
+        r = httpx.post(
+            fuzz_server.url + "/v1/voices",
+            files={"embedding": (f"{name}.npy", npy(np.full(2048, value, np.float32)))},
+            data={"name": name},
+            timeout=60,
+        )
         assert r.status_code in (200, 201), r.text
         ids[name] = r.json()["id"]
     return ids
@@ -330,20 +481,39 @@ def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
     emb = base64.b64encode(npy(np.full(2048, 0.25, np.float32))).decode()
     js = {"content-type": "application/json"}  # json.dumps: NaN and Infinity are sent as JSON extensions
     patch = httpx.patch(url + f"/v1/voices/{vid}", content=json.dumps({"name": name}), headers=js, timeout=60)
-    blend = httpx.post(url + "/v1/voices/blend", content=json.dumps({"a": vid, "b": vid, "t": 0.5, "name": name}),
-                       headers=js, timeout=60)
-    for r in (patch, blend,
-              httpx.post(url + "/v1/voices/blend", content=json.dumps({"a": vid, "b": vid, "t": t, "name": name}),
-                         headers=js, timeout=60),
-              httpx.post(url + "/tts/speakers", headers=js | {"X-TTS-Session-ID": "fuzz"}, timeout=60,
-                         content=json.dumps({"label": label, "speaker_embedding_base64": emb,
-                                             "speaker_embedding_name": name}))):
+    blend = httpx.post(
+        url + "/v1/voices/blend",
+        content=json.dumps({"a": vid, "b": vid, "t": 0.5, "name": name}),
+        headers=js,
+        timeout=60,
+    )
+    for r in (
+        patch,
+        blend,
+        httpx.post(
+            url + "/v1/voices/blend",
+            content=json.dumps({"a": vid, "b": vid, "t": t, "name": name}),
+            headers=js,
+            timeout=60,
+        ),
+        httpx.post(
+            url + "/tts/speakers",
+            headers=js | {"X-TTS-Session-ID": "fuzz"},
+            timeout=60,
+            content=json.dumps({"label": label, "speaker_embedding_base64": emb, "speaker_embedding_name": name}),
+        ),
+    ):
         check_json_http(r)
     if isinstance(name, str) and name.strip():  # one name rule: a name is refused on every route or on none
-        label_as_name = httpx.post(url + "/tts/speakers", headers=js | {"X-TTS-Session-ID": "fuzz"}, timeout=60,
-                                   content=json.dumps({"label": name, "speaker_embedding_base64": emb}))
-        verdicts = {r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
-                    for r in (patch, blend, label_as_name)}
+        label_as_name = httpx.post(
+            url + "/tts/speakers",
+            headers=js | {"X-TTS-Session-ID": "fuzz"},
+            timeout=60,
+            content=json.dumps({"label": name, "speaker_embedding_base64": emb}),
+        )
+        verdicts = {
+            r.status_code == 400 and r.json()["error"]["code"] == "bad_name" for r in (patch, blend, label_as_name)
+        }
         assert len(verdicts) == 1, (name, patch.text, blend.text, label_as_name.text)
         if blend.status_code < 300:
             assert blend.json()["name"] == name.strip(), (name, blend.text)  # kept as given, never cut
@@ -363,19 +533,57 @@ def check_json_http(r: httpx.Response) -> None:
 
 # ---- the dialects' sockets: their URLs and their messages --------------------------------------
 digits = st.sampled_from(["24000", "8000", "²", "٣", "１６０００", "-1", "1e3", "", "99999999999999999999999", "0"])
-query_value = digits | st.text(max_size=12) | st.sampled_from(["true", "false", "pcm_24000", "ulaw_8000", "mp3_44100_128",
-                                                                "pcm_²", "opus_48000_64", "linear16", "mulaw",
-                                                                "4294967295", "4294967296", "180", "181", "on"])
+query_value = (
+    digits
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "true",
+            "false",
+            "pcm_24000",
+            "ulaw_8000",
+            "mp3_44100_128",
+            "pcm_²",
+            "opus_48000_64",
+            "linear16",
+            "mulaw",
+            "4294967295",
+            "4294967296",
+            "180",
+            "181",
+            "on",
+        ]
+    )
+)
 zonos_params = params().map(lambda p: json.dumps(p)) | st.text(max_size=20)
 SOCKETS = {  # path -> the query keys it reads
     "/v1/tts/ws": ["encoding", "sample_rate", "voice"],
-    "/v1/text-to-speech/Fuzzed/multi-stream-input": ["output_format", "auto_mode", "seed", "language_code",
-                                                     "apply_text_normalization", "zonos_params", "sync_alignment",
-                                                     "inactivity_timeout", "enable_ssml_parsing", "model_id",
-                                                     "enable_logging", "optimize_streaming_latency"],
-    "/v1/text-to-speech/Fuzzed/stream-input": ["output_format", "auto_mode", "seed", "zonos_params",
-                                               "optimize_streaming_latency", "enable_logging", "sync_alignment",
-                                               "inactivity_timeout", "apply_text_normalization", "language_code"],
+    "/v1/text-to-speech/Fuzzed/multi-stream-input": [
+        "output_format",
+        "auto_mode",
+        "seed",
+        "language_code",
+        "apply_text_normalization",
+        "zonos_params",
+        "sync_alignment",
+        "inactivity_timeout",
+        "enable_ssml_parsing",
+        "model_id",
+        "enable_logging",
+        "optimize_streaming_latency",
+    ],
+    "/v1/text-to-speech/Fuzzed/stream-input": [
+        "output_format",
+        "auto_mode",
+        "seed",
+        "zonos_params",
+        "optimize_streaming_latency",
+        "enable_logging",
+        "sync_alignment",
+        "inactivity_timeout",
+        "apply_text_normalization",
+        "language_code",
+    ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
     "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
 }
@@ -436,35 +644,79 @@ def dialect_ctx() -> st.SearchStrategy:
     return st.sampled_from(["a", "b", "c"]) | st.text(max_size=6) | st.just("x" * 129) | anything
 
 
-embedding = (st.sampled_from(["abc", {"a": 1}, [1, "a"], [[1.0], [2.0]], [10**400] * 2048, ["1"] * 2048,
-                              [True] * 2048, [1e39] * 2048, [0.01] * 2048, [0.01] * 2047, None])
-             | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=3) | anything)
-el_message = st.fixed_dictionaries({}, optional={
-    "text": short_text | anything, "context_id": dialect_ctx(), "flush": st.booleans() | anything,
-    "close_context": st.booleans() | anything, "close_socket": st.just(False) | anything,
-    "voice_settings": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 5) | extreme | anything,
-                                                          "stability": anything}) | anything,
-})
-ca_output = st.fixed_dictionaries({}, optional={
-    "container": st.sampled_from(["raw", "wav"]) | anything,
-    "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "x"]) | anything,
-    "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400]) | extreme | anything}) | anything
-ca_message = st.fixed_dictionaries({}, optional={
-    "transcript": short_text | anything, "continue": st.booleans() | anything, "context_id": dialect_ctx(),
-    "flush": st.booleans() | anything, "cancel": st.booleans() | anything,
-    "voice": st.fixed_dictionaries({"mode": st.sampled_from(["id", "embedding", "clone"]) | anything},
-                                   optional={"id": st.sampled_from(["Fuzzed", "Nobody"]) | anything,
-                                             "embedding": embedding}) | anything,
-    "output_format": ca_output, "language": st.sampled_from(["en", "de", "xx"]) | anything,
-    "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400]) | extreme | anything,
-    "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
-    | anything,
-    "speed": extreme | anything,
-})
-dg_message = st.fixed_dictionaries({"type": st.sampled_from(["Speak", "Flush", "Clear", "Nope"]) | anything},
-                                   optional={"text": short_text | anything})
-VALID_CA = {"model_id": "sonic", "voice": {"mode": "id", "id": "Fuzzed"},
-            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 8000}}
+embedding = (
+    st.sampled_from(
+        [
+            "abc",
+            {"a": 1},
+            [1, "a"],
+            [[1.0], [2.0]],
+            [10**400] * 2048,
+            ["1"] * 2048,
+            [True] * 2048,
+            [1e39] * 2048,
+            [0.01] * 2048,
+            [0.01] * 2047,
+            None,
+        ]
+    )
+    | st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=3)
+    | anything
+)
+el_message = st.fixed_dictionaries(
+    {},
+    optional={
+        "text": short_text | anything,
+        "context_id": dialect_ctx(),
+        "flush": st.booleans() | anything,
+        "close_context": st.booleans() | anything,
+        "close_socket": st.just(False) | anything,
+        "voice_settings": st.fixed_dictionaries(
+            {}, optional={"speed": st.floats(0, 5) | extreme | anything, "stability": anything}
+        )
+        | anything,
+    },
+)
+ca_output = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "container": st.sampled_from(["raw", "wav"]) | anything,
+            "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "x"]) | anything,
+            "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400]) | extreme | anything,
+        },
+    )
+    | anything
+)
+ca_message = st.fixed_dictionaries(
+    {},
+    optional={
+        "transcript": short_text | anything,
+        "continue": st.booleans() | anything,
+        "context_id": dialect_ctx(),
+        "flush": st.booleans() | anything,
+        "cancel": st.booleans() | anything,
+        "voice": st.fixed_dictionaries(
+            {"mode": st.sampled_from(["id", "embedding", "clone"]) | anything},
+            optional={"id": st.sampled_from(["Fuzzed", "Nobody"]) | anything, "embedding": embedding},
+        )
+        | anything,
+        "output_format": ca_output,
+        "language": st.sampled_from(["en", "de", "xx"]) | anything,
+        "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400]) | extreme | anything,
+        "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
+        | anything,
+        "speed": extreme | anything,
+    },
+)
+dg_message = st.fixed_dictionaries(
+    {"type": st.sampled_from(["Speak", "Flush", "Clear", "Nope"]) | anything}, optional={"text": short_text | anything}
+)
+VALID_CA = {
+    "model_id": "sonic",
+    "voice": {"mode": "id", "id": "Fuzzed"},
+    "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 8000},
+}
 
 
 def check_dialect_reply(dialect: str, d: Any) -> None:
@@ -486,17 +738,22 @@ def check_dialect_reply(dialect: str, d: Any) -> None:
 
 
 def context_ids(messages: list[Any]) -> set[str]:
-    return {m["context_id"] for m in messages if isinstance(m, dict) and isinstance(m.get("context_id"), str)
-            and 0 < len(m["context_id"]) <= 128}
+    return {
+        m["context_id"]
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("context_id"), str) and 0 < len(m["context_id"]) <= 128
+    }
 
 
 async def dialect_exchange(base: str, dialect: str, messages: list[Any]) -> None:
     """Send the fuzzed messages, then what ends the session in that dialect; every reply must be well formed,
     and the session must still work: a probe after the fuzz is spoken and answered, then a clean close."""
     p = quote(json.dumps({"max_frames": 5, "ignore_eos": True}))
-    url = {"elevenlabs": f"/v1/text-to-speech/Fuzzed/multi-stream-input?output_format=pcm_8000&zonos_params={p}",
-           "cartesia": f"/tts/websocket?zonos_params={p}",
-           "deepgram": f"/v1/speak?model=Fuzzed&encoding=linear16&sample_rate=8000&zonos_params={p}"}[dialect]
+    url = {
+        "elevenlabs": f"/v1/text-to-speech/Fuzzed/multi-stream-input?output_format=pcm_8000&zonos_params={p}",
+        "cartesia": f"/tts/websocket?zonos_params={p}",
+        "deepgram": f"/v1/speak?model=Fuzzed&encoding=linear16&sample_rate=8000&zonos_params={p}",
+    }[dialect]
     async with websockets.connect(base + url, max_size=None, open_timeout=30) as ws:
         for m in messages:
             await ws.send(json.dumps(m))
@@ -521,6 +778,7 @@ async def dialect_exchange(base: str, dialect: str, messages: list[Any]) -> None
             def done(d: dict[str, Any]) -> bool:
                 seen["Cleared"] += d.get("type") == "Cleared"
                 return d.get("type") == "Flushed" and seen["Cleared"] == clears
+
         await ws.send(json.dumps(probe))
         while True:
             msg = await asyncio.wait_for(ws.recv(), 60)
@@ -537,23 +795,51 @@ def ends_the_socket(m: Any) -> bool:
     return isinstance(m, dict) and (m.get("close_socket") is True or m.get("type") == "Close")
 
 
-dialect_case = st.sampled_from(["elevenlabs", "cartesia", "deepgram"]).flatmap(lambda d: st.tuples(st.just(d), st.lists(
-    {"elevenlabs": el_message, "cartesia": ca_message | ca_message.map(lambda m: {**VALID_CA, **m}),
-     "deepgram": dg_message}[d] | anything, max_size=6).map(lambda ms: [m for m in ms if not ends_the_socket(m)])))
+dialect_case = st.sampled_from(["elevenlabs", "cartesia", "deepgram"]).flatmap(
+    lambda d: st.tuples(
+        st.just(d),
+        st.lists(
+            {
+                "elevenlabs": el_message,
+                "cartesia": ca_message | ca_message.map(lambda m: {**VALID_CA, **m}),
+                "deepgram": dg_message,
+            }[d]
+            | anything,
+            max_size=6,
+        ).map(lambda ms: [m for m in ms if not ends_the_socket(m)]),
+    )
+)
 # issue 21: malformed embeddings next to a context that plays on; a Flush past the utterance limit
-ISSUE_21_EMBEDDINGS = [{**VALID_CA, "transcript": "Playing. ", "continue": True, "context_id": "a",
-                        "max_buffer_delay_ms": 0}] + [
+ISSUE_21_EMBEDDINGS = [
+    {**VALID_CA, "transcript": "Playing. ", "continue": True, "context_id": "a", "max_buffer_delay_ms": 0}
+] + [
     {**VALID_CA, "transcript": "x", "context_id": f"e{i}", "voice": {"mode": "embedding", "embedding": e}}
-    for i, e in enumerate(["abc", {"a": 1}, [1, "a"], [10**400] * 2048, [True] * 2048, ["1"] * 2048])]
+    for i, e in enumerate(["abc", {"a": 1}, [1, "a"], [10**400] * 2048, [True] * 2048, ["1"] * 2048])
+]
 
 
 @FUZZ_SMALL
 @given(case=dialect_case)
 @example(case=("cartesia", ISSUE_21_EMBEDDINGS))
-@example(case=("deepgram", [{"type": "Speak", "text": "One. Two. Three. Four. Five. Six. Seven. Eight. Nine"},
-                            {"type": "Flush"}, {"type": "Flush"}]))
-@example(case=("elevenlabs", [{"text": "All in one. ", "context_id": "a", "flush": True, "close_context": True},
-                              {"text": " ", "context_id": "a", "close_context": True}]))
+@example(
+    case=(
+        "deepgram",
+        [
+            {"type": "Speak", "text": "One. Two. Three. Four. Five. Six. Seven. Eight. Nine"},
+            {"type": "Flush"},
+            {"type": "Flush"},
+        ],
+    )
+)
+@example(
+    case=(
+        "elevenlabs",
+        [
+            {"text": "All in one. ", "context_id": "a", "flush": True, "close_context": True},
+            {"text": " ", "context_id": "a", "close_context": True},
+        ],
+    )
+)
 def test_fuzz_dialect_messages(fuzz_server, voices, case):
     """Every dialect's message shapes (and malformed ones): well-formed replies only, no `internal`, and the
     session still speaks a probe afterwards."""
@@ -561,15 +847,24 @@ def test_fuzz_dialect_messages(fuzz_server, voices, case):
     asyncio.run(asyncio.wait_for(dialect_exchange(fuzz_server.url.replace("http", "ws"), dialect, messages), 120))
 
 
-el_closing = st.fixed_dictionaries({"close_socket": st.just(True)}, optional={
-    "text": short_text | anything, "context_id": dialect_ctx(), "flush": st.booleans() | anything,
-    "close_context": st.booleans() | anything, "voice_settings": anything})
+el_closing = st.fixed_dictionaries(
+    {"close_socket": st.just(True)},
+    optional={
+        "text": short_text | anything,
+        "context_id": dialect_ctx(),
+        "flush": st.booleans() | anything,
+        "close_context": st.booleans() | anything,
+        "voice_settings": anything,
+    },
+)
 
 
 @FUZZ_SMALL
-@given(kind=st.sampled_from(["multi-stream-input", "stream-input"]),
-       before=st.lists(el_message, max_size=3).map(lambda ms: [m for m in ms if not ends_the_socket(m)]),
-       last=el_closing)
+@given(
+    kind=st.sampled_from(["multi-stream-input", "stream-input"]),
+    before=st.lists(el_message, max_size=3).map(lambda ms: [m for m in ms if not ends_the_socket(m)]),
+    last=el_closing,
+)
 @example(kind="multi-stream-input", before=[], last={"text": "All in one. ", "flush": True, "close_socket": True})
 @example(kind="multi-stream-input", before=[], last={"text": "Hi. ", "context_id": "x" * 129, "close_socket": True})
 def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, before, last):
@@ -579,8 +874,9 @@ def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, b
     url = f"/v1/text-to-speech/Fuzzed/{kind}?output_format=pcm_8000&zonos_params={p}"
 
     async def go() -> int | None:
-        async with websockets.connect(fuzz_server.url.replace("http", "ws") + url, max_size=None,
-                                      open_timeout=30) as ws:
+        async with websockets.connect(
+            fuzz_server.url.replace("http", "ws") + url, max_size=None, open_timeout=30
+        ) as ws:
             with contextlib.suppress(websockets.ConnectionClosed):  # {"text": ""} ends the one-context socket
                 for m in [*before, last]:
                     await ws.send(json.dumps(m))
@@ -593,8 +889,11 @@ def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, b
 
 def test_server_healthy_after_fuzzing(fuzz_server):
     """Runs after the fuzz tests (file order): a normal request still works, nothing crashed."""
-    r = httpx.post(fuzz_server.url + "/v1/audio/speech", timeout=60, json={
-        "input": "Still fine.", "response_format": "pcm", "params": {"max_frames": 20, "ignore_eos": True}})
+    r = httpx.post(
+        fuzz_server.url + "/v1/audio/speech",
+        timeout=60,
+        json={"input": "Still fine.", "response_format": "pcm", "params": {"max_frames": 20, "ignore_eos": True}},
+    )
     assert r.status_code == 200 and abs(len(r.content) // 2 - 20 * 512 * 24000 / 44100) <= 2
     assert httpx.get(fuzz_server.url + "/readyz").status_code == 200
     metrics = httpx.get(fuzz_server.url + "/metrics").text
@@ -623,17 +922,52 @@ emotion_voice = {"speaker_embedding_base64": base64.b64encode(npy(np.ones(2048, 
 
 
 @FUZZ
-@given(data=body(set(emotion_fields), {}, {"text": "Hello there.", "max_tokens": 5, "ignore_eos": True,
-                                           "stream": False, "emotion_enabled": True, **emotion_voice}))
-@example(data=json.dumps({"text": "Hi.", "max_tokens": 5, "stream": False, "emotion_enabled": True,
-                          "emotion_sliders": {"happy": 1.0}, "emotion_valence": 0.5, **emotion_voice}).encode())
+@given(
+    data=body(
+        set(emotion_fields),
+        {},
+        {
+            "text": "Hello there.",
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": False,
+            "emotion_enabled": True,
+            **emotion_voice,
+        },
+    )
+)
+@example(
+    data=json.dumps(
+        {
+            "text": "Hi.",
+            "max_tokens": 5,
+            "stream": False,
+            "emotion_enabled": True,
+            "emotion_sliders": {"happy": 1.0},
+            "emotion_valence": 0.5,
+            **emotion_voice,
+        }
+    ).encode()
+)
 def test_fuzz_tts_generate_emotion(emotion_fuzz_server, data):
     check_http(post(emotion_fuzz_server.url + "/tts/generate", data, "application/json"))
 
 
 @FUZZ
-@given(data=body(set(emotion_fields), {}, {"input": "Hello there.", "response_format": "pcm", "max_frames": 5,
-                                           "ignore_eos": True, "emotion_enabled": True, **emotion_voice}))
+@given(
+    data=body(
+        set(emotion_fields),
+        {},
+        {
+            "input": "Hello there.",
+            "response_format": "pcm",
+            "max_frames": 5,
+            "ignore_eos": True,
+            "emotion_enabled": True,
+            **emotion_voice,
+        },
+    )
+)
 def test_fuzz_openai_speech_emotion(emotion_fuzz_server, data):
     check_http(post(emotion_fuzz_server.url + "/v1/audio/speech", data, "application/json"))
 
@@ -643,19 +977,39 @@ def test_fuzz_openai_speech_emotion(emotion_fuzz_server, data):
 HUGE = "1" + "0" * 400
 
 
-@pytest.mark.parametrize("field", ["temperature", "top_p", "cfg_scale", "prefix_cfg_scale", "emotion_cfg_scale",
-                                   "emotion_strength", "emotion_valence", "emotion_arousal", "emotion_sliders"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "cfg_scale",
+        "prefix_cfg_scale",
+        "emotion_cfg_scale",
+        "emotion_strength",
+        "emotion_valence",
+        "emotion_arousal",
+        "emotion_sliders",
+    ],
+)
 def test_huge_integers_are_bad_params(emotion_fuzz_server, field):
     value = f'{{"happy": {HUGE}}}' if field == "emotion_sliders" else HUGE
     voice = json.dumps(emotion_voice)[1:-1]
-    for path, head in (("/tts/generate", '"text": "Hi.", "max_tokens": 5, "stream": false'),
-                       ("/v1/audio/speech", '"input": "Hi.", "response_format": "pcm", "max_frames": 5')):
-        r = post(emotion_fuzz_server.url + path, f'{{{head}, "emotion_enabled": true, {voice}, "{field}": {value}}}'
-                 .encode(), "application/json")
+    for path, head in (
+        ("/tts/generate", '"text": "Hi.", "max_tokens": 5, "stream": false'),
+        ("/v1/audio/speech", '"input": "Hi.", "response_format": "pcm", "max_frames": 5'),
+    ):
+        r = post(
+            emotion_fuzz_server.url + path,
+            f'{{{head}, "emotion_enabled": true, {voice}, "{field}": {value}}}'.encode(),
+            "application/json",
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", (path, r.status_code, r.text)
     if field == "temperature":  # the OpenAI route's own speed too
-        r = post(emotion_fuzz_server.url + "/v1/audio/speech", f'{{"input": "Hi.", "speed": {HUGE}}}'.encode(),
-                 "application/json")
+        r = post(
+            emotion_fuzz_server.url + "/v1/audio/speech",
+            f'{{"input": "Hi.", "speed": {HUGE}}}'.encode(),
+            "application/json",
+        )
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
 
 
@@ -663,22 +1017,43 @@ def test_huge_integers_are_bad_params(emotion_fuzz_server, field):
 def test_generate_refuses_what_it_used_to_read_loosely(emotion_fuzz_server, extra):
     """/tts/generate: a `stream` that is not a boolean ("false", a string, streamed) and a quality_values list
     longer than the model's quality features (silently cut) are bad_params."""
-    r = post(emotion_fuzz_server.url + "/tts/generate", f'{{"text": "Hi.", "max_tokens": 5, {extra}}}'.encode(),
-             "application/json")
+    r = post(
+        emotion_fuzz_server.url + "/tts/generate",
+        f'{{"text": "Hi.", "max_tokens": 5, {extra}}}'.encode(),
+        "application/json",
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
 
 
 def test_websocket_config_refuses_an_unknown_emotion_at_once(emotion_fuzz_server):
     """session.config with emotion fields its voice cannot take (an unknown name) is refused when it comes, as
     every HTTP door refuses it: it was accepted (session.updated) and then failed every utterance."""
+
     async def run() -> list[dict[str, Any]]:
         async with websockets.connect(emotion_fuzz_server.ws_url, max_size=None, open_timeout=20) as ws:
             await asyncio.wait_for(ws.recv(), 20)
-            await ws.send(json.dumps({"type": "session.config", "voice_clip": base64.b64encode(small_wav()).decode(),
-                                      "params": {"emotion_enabled": True, "emotion_sliders": {"nope": 1.0}}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "session.config",
+                        "voice_clip": base64.b64encode(small_wav()).decode(),
+                        "params": {"emotion_enabled": True, "emotion_sliders": {"nope": 1.0}},
+                    }
+                )
+            )
             first = json.loads(await asyncio.wait_for(ws.recv(), 60))
-            await ws.send(json.dumps({"type": "session.config", "params": {
-                "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}, "emotion_cfg_scale": 2.0}}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "session.config",
+                        "params": {
+                            "emotion_enabled": True,
+                            "emotion_sliders": {"happy": 1.0},
+                            "emotion_cfg_scale": 2.0,
+                        },
+                    }
+                )
+            )
             second = json.loads(await asyncio.wait_for(ws.recv(), 60))
             return [first, second]
 
@@ -688,9 +1063,19 @@ def test_websocket_config_refuses_an_unknown_emotion_at_once(emotion_fuzz_server
 
 
 def test_emotion_server_healthy_after_fuzzing(emotion_fuzz_server):
-    r = httpx.post(emotion_fuzz_server.url + "/tts/generate", timeout=60, json={
-        "text": "Still fine.", "max_tokens": 5, "ignore_eos": True, "stream": False, "emotion_enabled": True,
-        "emotion_sliders": {"sad": 1.0}, **emotion_voice})
+    r = httpx.post(
+        emotion_fuzz_server.url + "/tts/generate",
+        timeout=60,
+        json={
+            "text": "Still fine.",
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "stream": False,
+            "emotion_enabled": True,
+            "emotion_sliders": {"sad": 1.0},
+            **emotion_voice,
+        },
+    )
     assert r.status_code == 200 and len(r.content) == 5 * 512 * 4, r.text
     assert "zonos_engine_restarts 0.0" in httpx.get(emotion_fuzz_server.url + "/metrics").text
     log = emotion_fuzz_server.log.read_text()
@@ -706,9 +1091,13 @@ DIALECT_KEY = "fuzz-dialect-key"
 @pytest.fixture(scope="module")
 def dialect_fuzz_server(start_server):
     srv = start_server("--max-frames", "30", "--max-http-chars", "300", "--api-key", DIALECT_KEY)
-    r = httpx.post(srv.url + "/v1/voices", headers={"X-API-Key": DIALECT_KEY}, data={"name": "Ada"}, timeout=60,
-                   files={"embedding": ("ada.npy", npy(np.random.default_rng(3).standard_normal(2048)
-                                                         .astype(np.float32)))})
+    r = httpx.post(
+        srv.url + "/v1/voices",
+        headers={"X-API-Key": DIALECT_KEY},
+        data={"name": "Ada"},
+        timeout=60,
+        files={"embedding": ("ada.npy", npy(np.random.default_rng(3).standard_normal(2048).astype(np.float32)))},
+    )
     assert r.status_code in (200, 201), r.text
     return srv
 
@@ -730,8 +1119,19 @@ def dialect_body(draw, values: dict[str, st.SearchStrategy], valid: dict[str, An
     return json.dumps(d).encode()
 
 
-DIALECT_MEDIA = {"audio/pcm", "audio/wav", "audio/mpeg", "audio/ogg", "audio/flac", "audio/aac", "audio/PCMU",
-                 "audio/PCMA", "application/json", "application/x-ndjson", "text/event-stream"}
+DIALECT_MEDIA = {
+    "audio/pcm",
+    "audio/wav",
+    "audio/mpeg",
+    "audio/ogg",
+    "audio/flac",
+    "audio/aac",
+    "audio/PCMU",
+    "audio/PCMA",
+    "application/json",
+    "application/x-ndjson",
+    "text/event-stream",
+}
 
 
 def check_dialect(r: httpx.Response, error_code: Any) -> None:
@@ -745,83 +1145,184 @@ def check_dialect(r: httpx.Response, error_code: Any) -> None:
 
 FAST_Q = "zonos_params=" + json.dumps({"max_frames": 5, "ignore_eos": True})
 el_values = {
-    "text": short_text | anything, "model_id": st.sampled_from(["eleven_flash_v2_5"]) | anything,
-    "voice_settings": st.none() | st.fixed_dictionaries({}, optional={
-        "speed": st.floats(-1, 3) | anything, "stability": anything, "use_speaker_boost": anything}) | anything,
-    "language_code": st.sampled_from(["en", "de", "xx", ""]) | anything, "seed": st.integers(-3, 2**33) | anything,
+    "text": short_text | anything,
+    "model_id": st.sampled_from(["eleven_flash_v2_5"]) | anything,
+    "voice_settings": st.none()
+    | st.fixed_dictionaries(
+        {}, optional={"speed": st.floats(-1, 3) | anything, "stability": anything, "use_speaker_boost": anything}
+    )
+    | anything,
+    "language_code": st.sampled_from(["en", "de", "xx", ""]) | anything,
+    "seed": st.integers(-3, 2**33) | anything,
     "apply_text_normalization": st.sampled_from(["auto", "on", "off"]) | anything,
-    "previous_text": st.text(max_size=20) | anything, "next_text": anything, "previous_request_ids": anything,
-    "pronunciation_dictionary_locators": anything, "use_pvc_as_ivc": anything,
+    "previous_text": st.text(max_size=20) | anything,
+    "next_text": anything,
+    "previous_request_ids": anything,
+    "pronunciation_dictionary_locators": anything,
+    "use_pvc_as_ivc": anything,
     "apply_language_text_normalization": anything,
 }
 el_routes = st.sampled_from(["", "/stream", "/with-timestamps", "/stream/with-timestamps"])
-el_queries = st.sampled_from(["output_format=pcm_16000", "output_format=mp3_22050_32", "output_format=ulaw_8000",
-                              "output_format=opus_48000_32", "output_format=pcm_1", "output_format=pcm_",
-                              "output_format=pcm_２４０００", "output_format=x", "optimize_streaming_latency=9", "",
-                              "output_format=opus_24000_32", "output_format=alaw_16000", "auto_mode=maybe",
-                              "apply_text_normalization=sometimes", "enable_logging=no", "inactivity_timeout=0",
-                              "seed=4294967296", "seed=4294967295", "seed=-1"])
+el_queries = st.sampled_from(
+    [
+        "output_format=pcm_16000",
+        "output_format=mp3_22050_32",
+        "output_format=ulaw_8000",
+        "output_format=opus_48000_32",
+        "output_format=pcm_1",
+        "output_format=pcm_",
+        "output_format=pcm_２４０００",
+        "output_format=x",
+        "optimize_streaming_latency=9",
+        "",
+        "output_format=opus_24000_32",
+        "output_format=alaw_16000",
+        "auto_mode=maybe",
+        "apply_text_normalization=sometimes",
+        "enable_logging=no",
+        "inactivity_timeout=0",
+        "seed=4294967296",
+        "seed=4294967295",
+        "seed=-1",
+    ]
+)
 
 
 @FUZZ
-@given(data=dialect_body(el_values, {"text": "Hello there."}), route=el_routes, query=el_queries,
-       voice=st.sampled_from(["Ada", "Ada", "nobody", "%00", "x" * 300]), ctype=content_types)
+@given(
+    data=dialect_body(el_values, {"text": "Hello there."}),
+    route=el_routes,
+    query=el_queries,
+    voice=st.sampled_from(["Ada", "Ada", "nobody", "%00", "x" * 300]),
+    ctype=content_types,
+)
 def test_fuzz_elevenlabs_http(dialect_fuzz_server, data, route, query, voice, ctype):
-    r = httpx.post(f"{dialect_fuzz_server.url}/v1/text-to-speech/{voice}{route}?{FAST_Q}&{query}", content=data,
-                   headers={"content-type": ctype, "xi-api-key": DIALECT_KEY}, timeout=60)
+    r = httpx.post(
+        f"{dialect_fuzz_server.url}/v1/text-to-speech/{voice}{route}?{FAST_Q}&{query}",
+        content=data,
+        headers={"content-type": ctype, "xi-api-key": DIALECT_KEY},
+        timeout=60,
+    )
     check_dialect(r, lambda b: b["detail"]["status"])
 
 
-cartesia_format = st.fixed_dictionaries({}, optional={
-    "container": st.sampled_from(["raw", "wav", "mp3", "ogg"]) | anything,
-    "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
-    "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1]) | anything,
-    "bit_rate": st.integers(-1, 10**6) | anything})
+cartesia_format = st.fixed_dictionaries(
+    {},
+    optional={
+        "container": st.sampled_from(["raw", "wav", "mp3", "ogg"]) | anything,
+        "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
+        "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1]) | anything,
+        "bit_rate": st.integers(-1, 10**6) | anything,
+    },
+)
 cartesia_values = {
-    "transcript": short_text | anything, "model_id": anything, "language": st.sampled_from(["en", "xx"]) | anything,
-    "voice": st.fixed_dictionaries({}, optional={
-        "mode": st.sampled_from(["id", "embedding", "clone"]) | anything, "id": st.sampled_from(["Ada", "nobody"])
-        | anything, "embedding": st.lists(st.floats(allow_nan=True), max_size=4) | anything}) | anything,
+    "transcript": short_text | anything,
+    "model_id": anything,
+    "language": st.sampled_from(["en", "xx"]) | anything,
+    "voice": st.fixed_dictionaries(
+        {},
+        optional={
+            "mode": st.sampled_from(["id", "embedding", "clone"]) | anything,
+            "id": st.sampled_from(["Ada", "nobody"]) | anything,
+            "embedding": st.lists(st.floats(allow_nan=True), max_size=4) | anything,
+        },
+    )
+    | anything,
     "output_format": cartesia_format | anything,
-    "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(-1, 3) | anything,
-                                                             "volume": anything, "emotion": anything}) | anything,
-    "speed": anything, "context_id": st.text(max_size=140) | anything, "add_timestamps": anything,
+    "generation_config": st.fixed_dictionaries(
+        {}, optional={"speed": st.floats(-1, 3) | anything, "volume": anything, "emotion": anything}
+    )
+    | anything,
+    "speed": anything,
+    "context_id": st.text(max_size=140) | anything,
+    "add_timestamps": anything,
     "duration": anything,
 }
-CARTESIA_VALID = {"transcript": "Hello there.", "voice": {"mode": "id", "id": "Ada"},
-                  "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}}
+CARTESIA_VALID = {
+    "transcript": "Hello there.",
+    "voice": {"mode": "id", "id": "Ada"},
+    "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000},
+}
 
 
 @FUZZ
-@given(data=dialect_body(cartesia_values, CARTESIA_VALID), route=st.sampled_from(["/tts/bytes", "/tts/sse"]),
-       ctype=content_types)
-@example(data=json.dumps(CARTESIA_VALID | {"voice": {"mode": "embedding", "embedding": [1e39] * 2048}}).encode(),
-         route="/tts/bytes", ctype="application/json")
+@given(
+    data=dialect_body(cartesia_values, CARTESIA_VALID),
+    route=st.sampled_from(["/tts/bytes", "/tts/sse"]),
+    ctype=content_types,
+)
+@example(
+    data=json.dumps(CARTESIA_VALID | {"voice": {"mode": "embedding", "embedding": [1e39] * 2048}}).encode(),
+    route="/tts/bytes",
+    ctype="application/json",
+)
 def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype):
-    r = httpx.post(f"{dialect_fuzz_server.url}{route}?{FAST_Q}", content=data, timeout=60,
-                   headers={"content-type": ctype, "X-API-Key": DIALECT_KEY, "Cartesia-Version": "2025-04-16"})
+    r = httpx.post(
+        f"{dialect_fuzz_server.url}{route}?{FAST_Q}",
+        content=data,
+        timeout=60,
+        headers={"content-type": ctype, "X-API-Key": DIALECT_KEY, "Cartesia-Version": "2025-04-16"},
+    )
     check_dialect(r, lambda b: b["title"])
 
 
-deepgram_query = st.dictionaries(st.sampled_from(["model", "encoding", "container", "sample_rate", "speed",
-                                                  "bit_rate", "callback", "mip_opt_out"]),
-                                 st.sampled_from(["Ada", "nobody", "linear16", "mulaw", "alaw", "mp3", "opus", "flac",
-                                                  "aac", "wav", "none", "ogg", "8000", "22050", "48000", "1.1",
-                                                  "nan", "inf", "9", "0.01", "-1", "²", ""]), max_size=4)
+deepgram_query = st.dictionaries(
+    st.sampled_from(["model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "mip_opt_out"]),
+    st.sampled_from(
+        [
+            "Ada",
+            "nobody",
+            "linear16",
+            "mulaw",
+            "alaw",
+            "mp3",
+            "opus",
+            "flac",
+            "aac",
+            "wav",
+            "none",
+            "ogg",
+            "8000",
+            "22050",
+            "48000",
+            "1.1",
+            "nan",
+            "inf",
+            "9",
+            "0.01",
+            "-1",
+            "²",
+            "",
+        ]
+    ),
+    max_size=4,
+)
 
 
 @FUZZ
-@given(data=dialect_body({"text": short_text | anything}, {"text": "Hello there."}), query=deepgram_query,
-       ctype=content_types)
+@given(
+    data=dialect_body({"text": short_text | anything}, {"text": "Hello there."}),
+    query=deepgram_query,
+    ctype=content_types,
+)
 def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype):
-    r = httpx.post(f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}", params=query, content=data, timeout=60,
-                   headers={"content-type": ctype, "Authorization": f"Token {DIALECT_KEY}"})
+    r = httpx.post(
+        f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}",
+        params=query,
+        content=data,
+        timeout=60,
+        headers={"content-type": ctype, "Authorization": f"Token {DIALECT_KEY}"},
+    )
     check_dialect(r, lambda b: b["err_code"])
 
 
 def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
-    r = httpx.post(f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}&container=none", json={"text": "Still fine."},
-                   headers={"Authorization": f"Token {DIALECT_KEY}"}, timeout=60)
+    r = httpx.post(
+        f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}&container=none",
+        json={"text": "Still fine."},
+        headers={"Authorization": f"Token {DIALECT_KEY}"},
+        timeout=60,
+    )
     assert r.status_code == 200 and len(r.content) == 2 * round(5 * 512 * 24000 / 44100)
     metrics = httpx.get(dialect_fuzz_server.url + "/metrics", headers={"X-API-Key": DIALECT_KEY}).text
     assert "zonos_engine_restarts 0.0" in metrics
@@ -837,8 +1338,11 @@ def engine_client():
     from tests.asyncloop import LoopThread
 
     lt = LoopThread()
-    client = EngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512,
-                                                          stats_interval_s=0.1), ring_bytes=8 << 20)
+    client = EngineClient(
+        WeightSources(),
+        EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512, stats_interval_s=0.1),
+        ring_bytes=8 << 20,
+    )
 
     async def start() -> None:
         await client.start()
@@ -851,8 +1355,14 @@ def engine_client():
 
 
 rid_values = st.integers(-3, 40) | st.integers(-(2**63), 2**63 - 1)
-guidance = st.tuples(st.sampled_from([1.0, 2.0, -0.5]), st.sampled_from([1.0, 3.0]), st.booleans(), st.booleans(),
-                     st.sampled_from([1.0, 2.0]), st.sampled_from(["none", "delta", "wrong", "uncond"]))
+guidance = st.tuples(
+    st.sampled_from([1.0, 2.0, -0.5]),
+    st.sampled_from([1.0, 3.0]),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1.0, 2.0]),
+    st.sampled_from(["none", "delta", "wrong", "uncond"]),
+)
 continuation_op = st.one_of(
     # hold, continues (any rid: unknown, running, own), (cfg_scale, prefix_cfg_scale, a voice, a twin prompt,
     # emotion_cfg_scale, an emotion: a 'proj' delta of the right or a wrong size, or a raw/lda twin's voice)
@@ -888,15 +1398,22 @@ def test_fuzz_continuation_records(engine_client, ops):
                 else:
                     hold, cont, (cfg, pcfg, voice, uncond, ecfg, emotion) = op[1:]
                 cond = Conditioning(speaker=voice)
-                req = m.SubmitRequest(rid=0, prompt=pb.build("Hi.", cond, non_final=hold),
-                                      params=SamplingParams(seed=1, cfg_scale=cfg, prefix_cfg_scale=pcfg,
-                                                            emotion_cfg_scale=ecfg),
-                                      max_frames=12, ignore_eos=True, hold=hold, continues=cont,
-                                      speaker_embedding=np.ones(2048, np.float32) if voice else None,
-                                      uncond_prompt=pb.build("Hi!", cond) if uncond else None,
-                                      emotion_delta={"delta": np.full(128, 0.5, np.float32),  # the tiny model's dim
-                                                     "wrong": np.ones(7, np.float32)}.get(emotion),
-                                      uncond_speaker=np.full(2048, 0.5, np.float32) if emotion == "uncond" else None)
+                req = m.SubmitRequest(
+                    rid=0,
+                    prompt=pb.build("Hi.", cond, non_final=hold),
+                    params=SamplingParams(seed=1, cfg_scale=cfg, prefix_cfg_scale=pcfg, emotion_cfg_scale=ecfg),
+                    max_frames=12,
+                    ignore_eos=True,
+                    hold=hold,
+                    continues=cont,
+                    speaker_embedding=np.ones(2048, np.float32) if voice else None,
+                    uncond_prompt=pb.build("Hi!", cond) if uncond else None,
+                    emotion_delta={
+                        "delta": np.full(128, 0.5, np.float32),  # the tiny model's dim
+                        "wrong": np.ones(7, np.float32),
+                    }.get(emotion),
+                    uncond_speaker=np.full(2048, 0.5, np.float32) if emotion == "uncond" else None,
+                )
                 streams.append(client.submit(req))
             elif op[0] == "end":
                 client.end(op[1])
@@ -919,20 +1436,39 @@ def test_fuzz_continuation_records(engine_client, ops):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(body=st.fixed_dictionaries({}, optional={"name": st.text(max_size=120) | anything,
-                                              "rules": st.lists(st.fixed_dictionaries({}, optional={
-                                                  "type": st.sampled_from(["alias", "phoneme", "x"]) | anything,
-                                                  "string_to_replace": st.text(max_size=300) | anything,
-                                                  "alias": st.text(max_size=300) | anything,
-                                                  "phoneme": anything}), max_size=4) | anything,
-                                              "description": anything}),
-       pls=st.binary(max_size=200) | st.sampled_from([b"<lexicon/>", b"<lexicon><lexeme/></lexicon>"]))
+@given(
+    body=st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.text(max_size=120) | anything,
+            "rules": st.lists(
+                st.fixed_dictionaries(
+                    {},
+                    optional={
+                        "type": st.sampled_from(["alias", "phoneme", "x"]) | anything,
+                        "string_to_replace": st.text(max_size=300) | anything,
+                        "alias": st.text(max_size=300) | anything,
+                        "phoneme": anything,
+                    },
+                ),
+                max_size=4,
+            )
+            | anything,
+            "description": anything,
+        },
+    ),
+    pls=st.binary(max_size=200) | st.sampled_from([b"<lexicon/>", b"<lexicon><lexeme/></lexicon>"]),
+)
 def test_fuzz_pronunciation_dictionaries(fuzz_server, body, pls):
     """Any rules body or lexicon file: a dictionary or a 4xx, never a 5xx."""
     r = httpx.post(fuzz_server.url + "/v1/pronunciation-dictionaries/add-from-rules", json=body, timeout=30)
     assert r.status_code in (200, 400, 413), r.text
-    r = httpx.post(fuzz_server.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
-                   files={"file": ("x.pls", pls)}, data={"name": "fuzz"})
+    r = httpx.post(
+        fuzz_server.url + "/v1/pronunciation-dictionaries/add-from-file",
+        timeout=30,
+        files={"file": ("x.pls", pls)},
+        data={"name": "fuzz"},
+    )
     assert r.status_code in (200, 400, 413), r.text
     for d in httpx.get(fuzz_server.url + "/v1/pronunciation-dictionaries").json()["pronunciation_dictionaries"]:
         httpx.delete(fuzz_server.url + f"/v1/pronunciation-dictionaries/{d['id']}")

@@ -55,8 +55,14 @@ def test_service_endpoints(server):
     assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "zonos2"
     speech(server, input="Metrics please.", response_format="pcm")
     text = httpx.get(server.url + "/metrics").text
-    for name in ("zonos_active_sessions", "zonos_engine_queue_depth", "zonos_time_to_first_audio_seconds_bucket",
-                 "zonos_rtf_bucket", "zonos_engine_step_ms", "zonos_requests_total"):
+    for name in (
+        "zonos_active_sessions",
+        "zonos_engine_queue_depth",
+        "zonos_time_to_first_audio_seconds_bucket",
+        "zonos_rtf_bucket",
+        "zonos_engine_step_ms",
+        "zonos_requests_total",
+    ):
         assert name in text, name
 
 
@@ -80,8 +86,12 @@ def test_every_format_streams(server, fmt):
     """The mp3, opus and flac arrived whole (first byte = last byte); they stream as encoded now.
     Three sentences of ~0.5 s each: bytes of the first one arrive while the last one is still generated.
     `stream: true`: without it FLAC and WAV come as finished files, their lengths in the header."""
-    body = {"input": "One. Two. Three.", "response_format": fmt, "params": {"max_frames": 40, "ignore_eos": True},
-            "stream": True}
+    body = {
+        "input": "One. Two. Three.",
+        "response_format": fmt,
+        "params": {"max_frames": 40, "ignore_eos": True},
+        "stream": True,
+    }
     with httpx.stream("POST", server.url + "/v1/audio/speech", json=body, timeout=120) as r:
         assert r.status_code == 200
         chunks = [c for c in r.iter_raw() if c]
@@ -96,8 +106,12 @@ def test_openai_pcm_is_16bit_24k_and_streams(server):
     r = speech(server, input="Raw PCM.", response_format="pcm")
     assert r.headers["content-type"].startswith("audio/pcm")
     assert abs(len(r.content) // 2 - 40 * 512 * 24000 / 44100) <= 2
-    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=120,
-                      json={"input": "Sentence one. Sentence two.", "response_format": "pcm", "params": FAST}) as r:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/audio/speech",
+        timeout=120,
+        json={"input": "Sentence one. Sentence two.", "response_format": "pcm", "params": FAST},
+    ) as r:
         chunks = [c for c in r.iter_raw() if c]
     assert len(chunks) > 2  # arrives in pieces, not as one blob
 
@@ -136,20 +150,38 @@ def test_openai_bad_input(server, body, status, code):
 
 
 def test_openai_builtin_voice_names_work(server):
-    assert speech(server, input="Alloy maps to the model voice.", voice="alloy", response_format="pcm").status_code == 200
+    assert (
+        speech(server, input="Alloy maps to the model voice.", voice="alloy", response_format="pcm").status_code == 200
+    )
 
 
 def test_tts_generate_reference_compatible(server):
-    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
-        "text": "Reference client.", "max_tokens": 40, "seed": 5, "temperature": 1.0, "topk": 50, "ignore_eos": True,
-        "stream": False, "speaking_rate_enabled": True, "speaking_rate_bucket": 3,
-        "quality_buckets": [None, None, None, None, None, 3]})
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={
+            "text": "Reference client.",
+            "max_tokens": 40,
+            "seed": 5,
+            "temperature": 1.0,
+            "topk": 50,
+            "ignore_eos": True,
+            "stream": False,
+            "speaking_rate_enabled": True,
+            "speaking_rate_bucket": 3,
+            "quality_buckets": [None, None, None, None, None, 3],
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-audio-format"] == "float32" and r.headers["x-audio-sample-rate"] == "44100"
     x = np.frombuffer(r.content, dtype="<f4")
     assert len(x) == 40 * 512 and np.abs(x).max() <= 1.0
-    with httpx.stream("POST", server.url + "/tts/generate", timeout=120, json={
-            "text": "Streamed with a fade.", "max_tokens": 40, "ignore_eos": True, "fade_out_ms": 50}) as s:
+    with httpx.stream(
+        "POST",
+        server.url + "/tts/generate",
+        timeout=120,
+        json={"text": "Streamed with a fade.", "max_tokens": 40, "ignore_eos": True, "fade_out_ms": 50},
+    ) as s:
         body = b"".join(s.iter_bytes())
     y = np.frombuffer(body, dtype="<f4")
     assert len(y) == 40 * 512 and abs(y[-1]) < 1e-3
@@ -160,8 +192,15 @@ def test_tts_generate_reference_compatible(server):
     [
         ({"text": "x", "language": "klingon"}, "bad_params"),
         ({"text": "x", "max_tokens": 0}, "bad_params"),
-        ({"text": "x", "speaker_blend_t": 2, "speaker_blend_embedding_id_a": "a", "speaker_blend_embedding_id_b": "b"},
-         "bad_params"),
+        (
+            {
+                "text": "x",
+                "speaker_blend_t": 2,
+                "speaker_blend_embedding_id_a": "a",
+                "speaker_blend_embedding_id_b": "b",
+            },
+            "bad_params",
+        ),
         ({"text": "x", "speaker_audio_base64": "!!!"}, "bad_params"),
         ({"text": "x", "speaker_embedding_id": "nope"}, "unknown_voice"),
         ({"text": "x", "speaking_rate_enabled": True, "speaking_rate_bucket": 99}, "bad_params"),
@@ -188,8 +227,11 @@ def test_voice_lifecycle_and_persistence(start_server, tmp_path):
     assert [v["id"] for v in httpx.get(srv.url + "/v1/voices").json()["voices"]] == [voice["id"]]
 
     # use it by name over HTTP, and download its preview and embedding
-    r = httpx.post(srv.url + "/v1/audio/speech", timeout=120,
-                   json={"input": "Anna speaks.", "voice": "Anna", "response_format": "wav", "params": FAST})
+    r = httpx.post(
+        srv.url + "/v1/audio/speech",
+        timeout=120,
+        json={"input": "Anna speaks.", "voice": "Anna", "response_format": "wav", "params": FAST},
+    )
     assert r.status_code == 200
     prev = httpx.get(srv.url + f"/v1/voices/{voice['id']}/preview")
     assert sf.read(io.BytesIO(prev.content))[1] == 44100
@@ -211,8 +253,9 @@ def test_embedding_import_export_blend(server):
     for i, e in enumerate(embs):
         buf = io.BytesIO()
         np.save(buf, e)
-        r = httpx.post(server.url + "/v1/voices", files={"embedding": (f"e{i}.npy", buf.getvalue())},
-                       data={"name": f"emb {i}"})
+        r = httpx.post(
+            server.url + "/v1/voices", files={"embedding": (f"e{i}.npy", buf.getvalue())}, data={"name": f"emb {i}"}
+        )
         assert r.status_code == 201, r.text
         ids.append(r.json()["id"])
     back = np.load(io.BytesIO(httpx.get(server.url + f"/v1/voices/{ids[0]}/embedding").content))
@@ -241,9 +284,19 @@ def test_embedding_import_export_blend(server):
     r = httpx.patch(server.url + f"/v1/voices/{ids[0]}", json={"name": "renamed"})
     assert r.json()["name"] == "renamed"
     # a blended voice works in /tts/generate's blend fields too
-    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
-        "text": "Blend.", "max_tokens": 20, "ignore_eos": True, "stream": False,
-        "speaker_blend_embedding_id_a": ids[0], "speaker_blend_embedding_id_b": ids[1], "speaker_blend_t": 0.3})
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={
+            "text": "Blend.",
+            "max_tokens": 20,
+            "ignore_eos": True,
+            "stream": False,
+            "speaker_blend_embedding_id_a": ids[0],
+            "speaker_blend_embedding_id_b": ids[1],
+            "speaker_blend_t": 0.3,
+        },
+    )
     assert r.status_code == 200 and len(r.content) == 20 * 512 * 4
 
 
@@ -304,10 +357,15 @@ def pcm24k_samples(frames: int) -> float:
     return frames * 512 * 24000 / 44100
 
 
-@pytest.mark.parametrize("text, utterances", [
-    ("One. Two. Three.", 3), ("Hello world. ", 1), ("Hello world.\n", 1),
-    ("Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today.", 2),
-])
+@pytest.mark.parametrize(
+    "text, utterances",
+    [
+        ("One. Two. Three.", 3),
+        ("Hello world. ", 1),
+        ("Hello world.\n", 1),
+        ("Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today.", 2),
+    ],
+)
 def test_openai_speech_speaks_every_sentence(server, text, utterances):
     """Only the last sentence was spoken ("One. Two. Three." gave the bytes of one), and a
     trailing space or newline gave 400 empty_text."""
@@ -315,16 +373,23 @@ def test_openai_speech_speaks_every_sentence(server, text, utterances):
     assert r.status_code == 200, r.text
     frames = reply_frames([FRAMES] * utterances)  # the sentences continue one another (one stream)
     assert abs(len(r.content) // 2 - pcm24k_samples(frames)) <= 2
-    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=120,
-                      json={"input": text, "response_format": "wav", "params": ONE}) as s:
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/audio/speech",
+        timeout=120,
+        json={"input": text, "response_format": "wav", "params": ONE},
+    ) as s:
         audio, _ = sf.read(io.BytesIO(b"".join(s.iter_bytes())))
     assert abs(len(audio) - pcm24k_samples(frames)) <= 2
 
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_tts_generate_speaks_every_sentence(server, stream):
-    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
-        "text": "One. Two. Three. ", "max_tokens": FRAMES, "ignore_eos": True, "stream": stream})
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={"text": "One. Two. Three. ", "max_tokens": FRAMES, "ignore_eos": True, "stream": stream},
+    )
     assert r.status_code == 200, r.text
     assert len(r.content) == reply_frames([FRAMES] * 3) * 512 * 4
 
@@ -342,8 +407,7 @@ def test_lone_surrogate_is_400_bad_text(server, route, field):
     """A lone surrogate (valid JSON, no UTF-8 form) was a 500."""
     extra = ', "response_format": "pcm"' if field == "input" else ""
     body = '{"' + field + '": "\\ud800 hi"' + extra + "}"
-    r = httpx.post(server.url + route, content=body.encode(), headers={"content-type": "application/json"},
-                   timeout=60)
+    r = httpx.post(server.url + route, content=body.encode(), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_text", r.text
 
 
@@ -361,8 +425,11 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
     r = speech(server, input=text, response_format="pcm", params={"max_frames": frames, "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert abs(len(r.content) // 2 - pcm24k_samples(reply_frames([frames] * n))) <= 2
-    r = httpx.post(server.url + "/tts/generate", timeout=120, json={
-        "text": text, "max_tokens": frames, "ignore_eos": True, "stream": False})
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={"text": text, "max_tokens": frames, "ignore_eos": True, "stream": False},
+    )
     assert r.status_code == 200, r.text
     assert len(r.content) == reply_frames([frames] * n) * 512 * 4
 
@@ -401,13 +468,19 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
     holder.join(300)
 
 
-
 def test_openai_instructions_report_what_was_applied(server):
     """`instructions` are never silently ignored: this server has no emotion directions, so "cheerfully" is
     named as not applied, as is a manner with no control at all."""
-    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
-        "input": "Hi.", "instructions": "Whisper this cheerfully.", "response_format": "pcm",
-        "params": {"max_frames": 10, "ignore_eos": True}})
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        timeout=120,
+        json={
+            "input": "Hi.",
+            "instructions": "Whisper this cheerfully.",
+            "response_format": "pcm",
+            "params": {"max_frames": 10, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200 and r.content
     assert r.headers["x-instructions-applied"] == "none"
     missing = r.headers["x-instructions-not-applied"]

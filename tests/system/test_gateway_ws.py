@@ -38,8 +38,9 @@ def run(coro):
 
 def test_full_session_streamed_text(server):
     async def go():
-        c = await connect(server, encoding="pcm_s16le", sample_rate=24000,
-                          params={"seed": 1, "max_frames": 60, "ignore_eos": True})
+        c = await connect(
+            server, encoding="pcm_s16le", sample_rate=24000, params={"seed": 1, "max_frames": 60, "ignore_eos": True}
+        )
         await c.send(type="text", text="Hello there. How are", context_id="turn-1")
         await c.send(type="text", text=" you today?", context_id="turn-1")
         await c.send(type="flush", context_id="turn-1")
@@ -178,10 +179,20 @@ def test_voice_clip_in_session_config(server):
         ('{"type": "text", "text": "\\ud800 hello."}', "bad_text"),
         ('{"type": "text", "text": "Fine. \\udfff", "flush": true}', "bad_text"),
         # conditioning that would fail every later utterance is refused by the config
-        *((json.dumps({"type": "session.config", "params": p}), "bad_params") for p in (
-            {"speaking_rate_bucket": 8}, {"speaking_rate_bucket": -1}, {"speaking_rate": -5},
-            {"quality_buckets": {"lufs": 99}}, {"quality_buckets": {"nosuch": 1}},
-            {"quality_values": {"nosuch": 1.0}}, {"speed": 9.0}, {"speed": 0.01}, {"top_k": 5000})),
+        *(
+            (json.dumps({"type": "session.config", "params": p}), "bad_params")
+            for p in (
+                {"speaking_rate_bucket": 8},
+                {"speaking_rate_bucket": -1},
+                {"speaking_rate": -5},
+                {"quality_buckets": {"lufs": 99}},
+                {"quality_buckets": {"nosuch": 1}},
+                {"quality_values": {"nosuch": 1.0}},
+                {"speed": 9.0},
+                {"speed": 0.01},
+                {"top_k": 5000},
+            )
+        ),
     ],
 )
 def test_bad_input_gets_clear_errors_and_session_continues(server, payload, code):
@@ -209,6 +220,7 @@ def utterance_budget(server) -> int:
 
 def test_abbreviations_do_not_cut_sentences(server):
     """Two utterances, not five ('Dr.', 'Smith paid $5.50 on Jan.', ...)."""
+
     async def go():
         c = await connect(server, params={"max_frames": 3, "ignore_eos": True})
         text = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
@@ -265,6 +277,7 @@ def test_word_times_and_what_a_barge_in_heard(server):
     """session.config `timestamps`: `audio.words` after the audio that completes them, every word of each
     utterance once, in order, within its audio sent; a cancel's `cancelled` says what each utterance that
     had begun to play got (its audio, the words it covers)."""
+
     async def go():
         c = await connect(server, timestamps=True, params={"seed": 1, "max_frames": 60, "ignore_eos": True})
         await c.send(type="text", text="Hello there. How are you today?", flush=True)
@@ -296,7 +309,10 @@ def test_word_times_and_what_a_barge_in_heard(server):
     heard = cancelled["heard"]
     assert len(heard) == 1 and heard[0]["audio_ms"] >= 400 and heard[0]["source"] == "estimated"
     spoken = heard[0]["words"]
-    assert spoken == ["A", "long", "one", "that", "plays", "for", "a", "while", "before", "it", "is", "cut."][: len(spoken)]
+    assert (
+        spoken
+        == ["A", "long", "one", "that", "plays", "for", "a", "while", "before", "it", "is", "cut."][: len(spoken)]
+    )
 
 
 def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_server):
@@ -309,8 +325,9 @@ def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_
         """(active, waiting, cancelled) of the one engine."""
         e = httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
         metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-        cancelled = next(float(line.split()[1]) for line in metrics.splitlines()
-                         if line.startswith("zonos_engine_cancelled "))
+        cancelled = next(
+            float(line.split()[1]) for line in metrics.splitlines() if line.startswith("zonos_engine_cancelled ")
+        )
         return e["active"], e["waiting"], int(cancelled)
 
     async def wait_for(state: tuple[int, int, int]) -> list[tuple[int, int, int]]:
@@ -350,9 +367,11 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     """`<break time="700ms"/>` between two sentences: an utterance of exactly that much silence between them,
     and the sentence after it continues the one before (one continuation chain); a break without a valid
     time is refused, never spoken."""
+
     async def go():
-        c = await connect(server, encoding="pcm_s16le", sample_rate=24000,
-                          params={"seed": 1, "max_frames": 20, "ignore_eos": True})
+        c = await connect(
+            server, encoding="pcm_s16le", sample_rate=24000, params={"seed": 1, "max_frames": 20, "ignore_eos": True}
+        )
         await c.send(type="text", text='Hello there. <break time="700ms"/> How are you?', flush=True)
         while (await c.recv())["type"] != "flushed":
             pass
@@ -378,29 +397,49 @@ def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket
 
     data = tmp_path / "data"
     srv = start_server(data_dir=data)
-    up = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
-                    files={"file": ("lex.pls", PLS)}, data={"name": "mine"})
+    up = httpx.post(
+        srv.url + "/v1/pronunciation-dictionaries/add-from-file",
+        timeout=30,
+        files={"file": ("lex.pls", PLS)},
+        data={"name": "mine"},
+    )
     assert up.status_code == 200 and up.json()["version_rules_num"] == 3, up.text
-    bad = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-file", timeout=30,
-                     files={"file": ("lex.pls", PHONEME)}, data={"name": "phonemes"})
+    bad = httpx.post(
+        srv.url + "/v1/pronunciation-dictionaries/add-from-file",
+        timeout=30,
+        files={"file": ("lex.pls", PHONEME)},
+        data={"name": "phonemes"},
+    )
     assert bad.status_code == 400 and "phoneme" in bad.text
-    rules = httpx.post(srv.url + "/v1/pronunciation-dictionaries/add-from-rules", timeout=30, json={
-        "name": "rules", "rules": [{"type": "alias", "string_to_replace": "hi", "alias": "hello there my friend"}]})
+    rules = httpx.post(
+        srv.url + "/v1/pronunciation-dictionaries/add-from-rules",
+        timeout=30,
+        json={
+            "name": "rules",
+            "rules": [{"type": "alias", "string_to_replace": "hi", "alias": "hello there my friend"}],
+        },
+    )
     assert rules.status_code == 200
     listed = httpx.get(srv.url + "/v1/pronunciation-dictionaries").json()["pronunciation_dictionaries"]
     assert {d["name"] for d in listed} == {"mine", "rules"}
 
     async def prompt_frames(lexicon):
-        c = await connect(srv, params={"seed": 1, "max_frames": 5, "ignore_eos": True},
-                          **({"lexicon": lexicon} if lexicon is not None else {}))
+        c = await connect(
+            srv,
+            params={"seed": 1, "max_frames": 5, "ignore_eos": True},
+            **({"lexicon": lexicon} if lexicon is not None else {}),
+        )
         await c.send(type="text", text="Say hi to the tomato.", flush=True)
         done = await c.until("audio.done")
         await c.ws.close()
         return done["stats"]["engine"]["prompt_frames"]
 
     plain = run(prompt_frames(None))
-    aliased = run(prompt_frames([rules.json()["id"], {"pronunciation_dictionary_id": up.json()["id"]},
-                                 {"grapheme": "Say", "alias": "Say"}]))
+    aliased = run(
+        prompt_frames(
+            [rules.json()["id"], {"pronunciation_dictionary_id": up.json()["id"]}, {"grapheme": "Say", "alias": "Say"}]
+        )
+    )
     assert aliased == plain + len("hello there my friend") - len("hi") + len("tomahto") - len("tomato")
 
     async def refused():
@@ -414,7 +453,10 @@ def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket
     srv.stop()
     again = start_server(data_dir=data)  # a restart keeps them
     got = httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}")
-    assert got.status_code == 200 and got.json()["rules"][0] == {"type": "alias", "string_to_replace": "tomato",
-                                                                "alias": "tomahto"}
+    assert got.status_code == 200 and got.json()["rules"][0] == {
+        "type": "alias",
+        "string_to_replace": "tomato",
+        "alias": "tomahto",
+    }
     assert httpx.delete(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 200
     assert httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 404

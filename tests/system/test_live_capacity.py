@@ -103,19 +103,40 @@ def test_delivered_audio_counts_arrivals_inside_the_window():
 # ---- summary and capacity ------------------------------------------------------------------------------
 
 
-def rec(ok: bool = True, ttfa: float = 100.0, stall_ms: list[float] | None = None, counted: bool = True,
-        error: str = "", queue: float | None = 2.0) -> StreamRecord:
+def rec(
+    ok: bool = True,
+    ttfa: float = 100.0,
+    stall_ms: list[float] | None = None,
+    counted: bool = True,
+    error: str = "",
+    queue: float | None = 2.0,
+) -> StreamRecord:
     stall_ms = stall_ms or []
-    return StreamRecord(level=4, client=0, seq=0, t_start=0.0, t_sent=1.0, ok=ok, error=error, counted=counted,
-                        ttfa_ms=ttfa if ok else None, audio_s=3.39 if ok else 0.0, stalls=len(stall_ms),
-                        stall_ms_total=sum(stall_ms), stall_ms_max=max(stall_ms, default=0.0),
-                        queue_ms=queue if ok else None)
+    return StreamRecord(
+        level=4,
+        client=0,
+        seq=0,
+        t_start=0.0,
+        t_sent=1.0,
+        ok=ok,
+        error=error,
+        counted=counted,
+        ttfa_ms=ttfa if ok else None,
+        audio_s=3.39 if ok else 0.0,
+        stalls=len(stall_ms),
+        stall_ms_total=sum(stall_ms),
+        stall_ms_max=max(stall_ms, default=0.0),
+        queue_ms=queue if ok else None,
+    )
 
 
 def test_summary_of_a_level():
     records = [rec(ttfa=t) for t in (100, 110, 120, 130, 140, 150, 160)]
-    records += [rec(ttfa=200, stall_ms=[30, 10]), rec(ok=False, error="engine_busy"),
-                rec(ttfa=5000, stall_ms=[900], counted=False)]  # warm-up: ignored
+    records += [
+        rec(ttfa=200, stall_ms=[30, 10]),
+        rec(ok=False, error="engine_busy"),
+        rec(ttfa=5000, stall_ms=[900], counted=False),
+    ]  # warm-up: ignored
     s = summarize_level(4, records, delivered_s=27.0, window_s=10.0, loop_lag_ms=[0.1, 0.2, 5.0])
     assert s["n"] == 4 and s["attempted"] == 9 and s["streams"] == 8 and s["errors"] == 1
     assert s["error_codes"] == {"engine_busy": 1}
@@ -133,8 +154,13 @@ def test_summary_of_a_level():
 
 def test_summary_of_replies_beside_single_sentences():
     reply = rec()
-    reply.sentences, reply.later = 3, [{"prefill_ms": 30.0, "ttfa_ms": 90.0, "queue_ms": 1.0, "prompt_frames": 400.0},
-                                       {"prefill_ms": 50.0, "ttfa_ms": 110.0, "queue_ms": 1.0, "prompt_frames": 700.0}]
+    reply.sentences, reply.later = (
+        3,
+        [
+            {"prefill_ms": 30.0, "ttfa_ms": 90.0, "queue_ms": 1.0, "prompt_frames": 400.0},
+            {"prefill_ms": 50.0, "ttfa_ms": 110.0, "queue_ms": 1.0, "prompt_frames": 700.0},
+        ],
+    )
     s = summarize_level(4, [reply, rec(stall_ms=[20])], delivered_s=1.0, window_s=1.0)
     assert s["later_sentences"] == 2 and s["later_sentence_parts_ms"]["prefill_ms_50"] == pytest.approx(40)
     assert s["reply_stall_free_share"] == 1.0 and s["single_stall_free_share"] == 0.0
@@ -162,8 +188,9 @@ def test_thresholds():
     s = lv(1.0, 300.5)
     assert not s["passed"] and s["stall_ok"] and not s["ttfa_ok"]
     assert not lv(1.0, None)["passed"]
-    assert judge({"n": 1, "streams": 10, "stall_free_share": 0.9, "ttfa_p95_ms": 500},
-                 min_stall_free=0.9, max_ttfa_p95_ms=600)["passed"]
+    assert judge(
+        {"n": 1, "streams": 10, "stall_free_share": 0.9, "ttfa_p95_ms": 500}, min_stall_free=0.9, max_ttfa_p95_ms=600
+    )["passed"]
 
 
 def test_capacity_is_the_largest_passing_level():
@@ -184,10 +211,16 @@ def test_stop_after_consecutive_failures():
 
 @pytest.mark.skipif(not HAS_MPL, reason="matplotlib is not installed")
 def test_plot_only_redraws_from_saved_json(tmp_path: Path, capsys):
-    levels = [summarize_level(n, [rec(ttfa=t, stall_ms=[50] if n == 64 else None) for t in (80 + n, 120 + n)],
-                              10.0 * n, 10.0) for n in (1, 16, 64)]
-    saved = {"config": {"prebuffer_ms": 150, "frames": 292, "sample_rate": 24000}, "levels": levels,
-             "capacity": None, "streams": []}
+    levels = [
+        summarize_level(n, [rec(ttfa=t, stall_ms=[50] if n == 64 else None) for t in (80 + n, 120 + n)], 10.0 * n, 10.0)
+        for n in (1, 16, 64)
+    ]
+    saved = {
+        "config": {"prebuffer_ms": 150, "frames": 292, "sample_rate": 24000},
+        "levels": levels,
+        "capacity": None,
+        "streams": [],
+    }
     path = tmp_path / "r.json"
     path.write_text(json.dumps(saved))
     out = main(["--plot-only", str(path), "--plot", str(tmp_path / "p.png")])
@@ -201,8 +234,10 @@ def test_plot_only_redraws_from_saved_json(tmp_path: Path, capsys):
 
 def test_refusals_are_counted_apart():
     """Storm mode: a refused client had no stream; the admitted streams' stall rate and TTFA leave it out."""
-    refused = [StreamRecord(level=4, client=1, seq=i, t_start=1.0, counted=True, error="http_503",
-                            refused=True, refusal_ms=ms) for i, ms in enumerate((2.0, 4.0, 6.0, 40.0))]
+    refused = [
+        StreamRecord(level=4, client=1, seq=i, t_start=1.0, counted=True, error="http_503", refused=True, refusal_ms=ms)
+        for i, ms in enumerate((2.0, 4.0, 6.0, 40.0))
+    ]
     s = summarize_level(4, [rec(), rec(stall_ms=[20]), *refused], delivered_s=1.0, window_s=1.0)
     assert s["refused"] == 4 and s["attempted"] == 2 and s["errors"] == 0
     assert s["refusal_ms_p50"] == pytest.approx(5.0) and s["refusal_ms_p95"] > 6.0
@@ -216,8 +251,27 @@ def test_refusals_are_counted_apart():
 def test_one_level_against_the_server(server, tmp_path: Path):
     out = tmp_path / "results.json"
     # client 0 sends replies of two sentences (one continued stream), client 1 single sentences
-    argv = ["--url", server.ws_url, "--levels", "2", "--duration", "4", "--warmup", "1", "--ramp", "0.5",
-            "--frames", "40", "--request-timeout", "120", "--sentences", "2", "--mixed", "--out", str(out)]
+    argv = [
+        "--url",
+        server.ws_url,
+        "--levels",
+        "2",
+        "--duration",
+        "4",
+        "--warmup",
+        "1",
+        "--ramp",
+        "0.5",
+        "--frames",
+        "40",
+        "--request-timeout",
+        "120",
+        "--sentences",
+        "2",
+        "--mixed",
+        "--out",
+        str(out),
+    ]
     if HAS_MPL:
         argv += ["--plot", str(tmp_path / "plot.png")]
     main(argv)
@@ -225,8 +279,21 @@ def test_one_level_against_the_server(server, tmp_path: Path):
     assert set(res) >= {"config", "levels", "capacity", "streams", "started", "finished"}
     assert res["config"]["voice_mode"] == "clone" and res["config"]["frames"] == 40
     (lv,) = res["levels"]
-    for k in ("n", "streams", "errors", "ttfa_p50_ms", "ttfa_p95_ms", "stall_free_share", "stall_ms_mean",
-              "stall_ms_max", "audio_s_per_s", "queue_ms_p50", "stall_ok", "ttfa_ok", "passed"):
+    for k in (
+        "n",
+        "streams",
+        "errors",
+        "ttfa_p50_ms",
+        "ttfa_p95_ms",
+        "stall_free_share",
+        "stall_ms_mean",
+        "stall_ms_max",
+        "audio_s_per_s",
+        "queue_ms_p50",
+        "stall_ok",
+        "ttfa_ok",
+        "passed",
+    ):
         assert k in lv
     assert lv["n"] == 2 and lv["streams"] >= 1 and lv["errors"] == 0
     # the engine's admission counters over the level, read from /metrics (CPU: slots admission, held by none)
@@ -258,8 +325,13 @@ def test_stored_voice_is_uploaded_once_and_used(server):
         a = await upload_voice(server.ws_url, "live-capacity", clip)
         b = await upload_voice(server.ws_url, "live-capacity", clip)  # the same clip: the same voice
         r = StreamRecord(level=1, client=0, seq=0, t_start=0.0)
-        cfg = {"type": "session.config", "voice": a, "encoding": "pcm_s16le", "sample_rate": SR,
-               "params": {"max_frames": 20, "ignore_eos": True}}
+        cfg = {
+            "type": "session.config",
+            "voice": a,
+            "encoding": "pcm_s16le",
+            "sample_rate": SR,
+            "params": {"max_frames": 20, "ignore_eos": True},
+        }
         await one_stream(Options(url=server.ws_url), cfg, r, time.perf_counter())
         return a, b, r
 
@@ -294,11 +366,19 @@ def test_distinct_clips_run_the_speaker_encoder_for_every_request(server):
 
     def embeddings() -> float:
         text = httpx.get(server.url + "/metrics").text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("zonos_engine_requests_total") and 'kind="embedding"' in line)
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith("zonos_engine_requests_total") and 'kind="embedding"' in line
+        )
 
-    cfg = {"type": "session.config", "voice_clip": reference_clip(seconds=1.5), "encoding": "pcm_s16le",
-           "sample_rate": SR, "params": {"max_frames": 12, "ignore_eos": True}}
+    cfg = {
+        "type": "session.config",
+        "voice_clip": reference_clip(seconds=1.5),
+        "encoding": "pcm_s16le",
+        "sample_rate": SR,
+        "params": {"max_frames": 12, "ignore_eos": True},
+    }
 
     async def requests(opts: Options) -> list[StreamRecord]:
         out = []
@@ -323,8 +403,29 @@ def test_a_storm_level_against_a_one_slot_server(start_server, tmp_path: Path):
     """Storm mode against the door: three clients on one decode slot, refused ones retrying at once."""
     srv = start_server("--max-batch", "1", "--max-queue-ms", "250")
     out = tmp_path / "storm.json"
-    main(["--url", srv.ws_url, "--levels", "3", "--duration", "3", "--warmup", "1", "--ramp", "0.2",
-          "--frames", "60", "--request-timeout", "120", "--storm", "--voice", "storm", "--out", str(out)])
+    main(
+        [
+            "--url",
+            srv.ws_url,
+            "--levels",
+            "3",
+            "--duration",
+            "3",
+            "--warmup",
+            "1",
+            "--ramp",
+            "0.2",
+            "--frames",
+            "60",
+            "--request-timeout",
+            "120",
+            "--storm",
+            "--voice",
+            "storm",
+            "--out",
+            str(out),
+        ]
+    )
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["refused"] >= 1 and lv["refusal_ms_p95"] >= lv["refusal_ms_p50"] > 0
     assert lv["streams"] >= 1 and lv["errors"] == 0 and lv["admitted_stall_rate"] is not None

@@ -35,11 +35,34 @@ FRAME_BYTES = 512 * 2  # one frame of pcm_s16le at 44.1 kHz
 ALLOWED_ORIGIN = "http://allowed.example"
 # One server with every limit small, so each can be reached quickly.
 LIMITED = [
-    "--max-text-chars", "100", "--max-buffer-chars", "300", "--max-pending-utterances", "3",
-    "--max-sessions", "4", "--idle-timeout", "4", "--max-ws-message-bytes", "65536",
-    "--max-upload-bytes", "300000", "--max-clip-seconds", "3", "--max-http-chars", "200",
-    "--max-frames", "600", "--max-buffered-audio", "1", "--tcp-send-buffer-bytes", "32768", "--send-timeout", "12",
-    "--cors-origin", ALLOWED_ORIGIN,
+    "--max-text-chars",
+    "100",
+    "--max-buffer-chars",
+    "300",
+    "--max-pending-utterances",
+    "3",
+    "--max-sessions",
+    "4",
+    "--idle-timeout",
+    "4",
+    "--max-ws-message-bytes",
+    "65536",
+    "--max-upload-bytes",
+    "300000",
+    "--max-clip-seconds",
+    "3",
+    "--max-http-chars",
+    "200",
+    "--max-frames",
+    "600",
+    "--max-buffered-audio",
+    "1",
+    "--tcp-send-buffer-bytes",
+    "32768",
+    "--send-timeout",
+    "12",
+    "--cors-origin",
+    ALLOWED_ORIGIN,
 ]
 
 
@@ -78,8 +101,11 @@ async def await_for(pred: Callable[[], bool], timeout: float, interval: float = 
 
 def quiet(srv, timeout: float = 120) -> None:
     """No session and no engine request left (tests that count sessions or engine requests start here)."""
-    wait_for(lambda: gauge(srv, "zonos_active_sessions") == 0 and gauge(srv, "zonos_engine_active_requests") == 0,
-             timeout, 0.2)
+    wait_for(
+        lambda: gauge(srv, "zonos_active_sessions") == 0 and gauge(srv, "zonos_engine_active_requests") == 0,
+        timeout,
+        0.2,
+    )
 
 
 def wav(seconds: float, sr: int = 16000, subtype: str = "PCM_16") -> bytes:
@@ -114,17 +140,59 @@ def fast(frames: int = 10, **extra: Any) -> dict[str, Any]:
 
 # ---- settings and flags (no server) -------------------------------------------------------------------
 def test_every_limit_is_a_flag():
-    s = parse_args(["--max-text-chars", "7", "--max-buffer-chars", "8", "--max-sessions", "9",
-                    "--max-pending-utterances", "10", "--max-upload-bytes", "11", "--max-clip-seconds", "12.5",
-                    "--max-ws-message-bytes", "13", "--idle-timeout", "14", "--max-frames", "15",
-                    "--max-buffered-audio", "16", "--max-http-chars", "17", "--tcp-send-buffer-bytes", "18",
-                    "--max-inflight-per-session", "1", "--min-clip-seconds", "0", "--max-queue", "19",
-                    "--send-timeout", "9.5"])
-    assert s.limits == Limits(max_text_chars=7, max_buffer_chars=8, max_sessions=9, max_pending_utterances=10,
-                              max_upload_bytes=11, max_clip_seconds=12.5, max_ws_message_bytes=13,
-                              idle_timeout_s=14, max_frames=15, max_buffered_audio_s=16, max_http_chars=17,
-                              tcp_send_buffer_bytes=18, max_inflight_per_session=1, min_clip_seconds=0,
-                              send_timeout_s=9.5)
+    s = parse_args(
+        [
+            "--max-text-chars",
+            "7",
+            "--max-buffer-chars",
+            "8",
+            "--max-sessions",
+            "9",
+            "--max-pending-utterances",
+            "10",
+            "--max-upload-bytes",
+            "11",
+            "--max-clip-seconds",
+            "12.5",
+            "--max-ws-message-bytes",
+            "13",
+            "--idle-timeout",
+            "14",
+            "--max-frames",
+            "15",
+            "--max-buffered-audio",
+            "16",
+            "--max-http-chars",
+            "17",
+            "--tcp-send-buffer-bytes",
+            "18",
+            "--max-inflight-per-session",
+            "1",
+            "--min-clip-seconds",
+            "0",
+            "--max-queue",
+            "19",
+            "--send-timeout",
+            "9.5",
+        ]
+    )
+    assert s.limits == Limits(
+        max_text_chars=7,
+        max_buffer_chars=8,
+        max_sessions=9,
+        max_pending_utterances=10,
+        max_upload_bytes=11,
+        max_clip_seconds=12.5,
+        max_ws_message_bytes=13,
+        idle_timeout_s=14,
+        max_frames=15,
+        max_buffered_audio_s=16,
+        max_http_chars=17,
+        tcp_send_buffer_bytes=18,
+        max_inflight_per_session=1,
+        min_clip_seconds=0,
+        send_timeout_s=9.5,
+    )
     assert s.engine.max_queue == 19  # the engine's wait queue (queue_full past it)
     assert parse_args([]).limits == Limits()  # defaults unchanged
     with pytest.raises(SystemExit):
@@ -142,8 +210,14 @@ def test_public_bind_needs_api_key_unless_disabled(capsys):
     assert not parse_args(["--host", "127.0.0.1"]).auth_enabled  # loopback: off by default
     # the real entry point refuses before it loads anything
     env = {k: v for k, v in os.environ.items() if k != "ZONOS_API_KEYS"}
-    r = subprocess.run([sys.executable, "-m", "app", "--host", "0.0.0.0", "--port", "1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "app", "--host", "0.0.0.0", "--port", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "exposes the GPU" in r.stderr
 
 
@@ -273,11 +347,17 @@ def test_max_frames_limit(limited):
 
 @slow
 def test_clip_limits(limited):
-    r = httpx.post(limited.url + "/tts/generate", timeout=60, json={
-        "text": "x", "speaker_audio_base64": base64.b64encode(wav(4.0)).decode()})
+    r = httpx.post(
+        limited.url + "/tts/generate",
+        timeout=60,
+        json={"text": "x", "speaker_audio_base64": base64.b64encode(wav(4.0)).decode()},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "clip_too_long"
-    r = httpx.post(limited.url + "/tts/generate", timeout=60, json={
-        "text": "x", "speaker_audio_base64": base64.b64encode(wav(11.0)).decode()})  # 352 KB > 300000
+    r = httpx.post(
+        limited.url + "/tts/generate",
+        timeout=60,
+        json={"text": "x", "speaker_audio_base64": base64.b64encode(wav(11.0)).decode()},
+    )  # 352 KB > 300000
     assert r.status_code == 413 and r.json()["error"]["code"] == "upload_too_large"
     r = httpx.post(limited.url + "/v1/audio/speech", json={"input": "x" * 201}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "text_too_long"
@@ -299,13 +379,16 @@ def test_request_body_limit_before_reading(limited):
     r = httpx.post(limited.url + "/v1/audio/speech", content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     # chunked, no declared length: cut off once past the limit (/tts/generate allows 2 x 300000)
-    r = httpx.post(limited.url + "/tts/generate", content=iter([b" " * 100_000] * 7),
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        limited.url + "/tts/generate", content=iter([b" " * 100_000] * 7), headers={"content-type": "application/json"}
+    )
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
     # a declared terabyte is refused at once, without waiting for (or reading) the body
     with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
-        s.sendall(b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000000000000\r\n\r\n{")
+        s.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000000000000\r\n\r\n{"
+        )
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
 
 
@@ -314,9 +397,14 @@ def test_request_body_limit_before_reading(limited):
 def test_cors_only_for_configured_origins(limited, server):
     def acao(srv, origin: str, method: str = "GET") -> tuple[int, str | None]:
         if method == "OPTIONS":
-            r = httpx.options(srv.url + "/v1/audio/speech", headers={
-                "Origin": origin, "Access-Control-Request-Method": "POST",
-                "Access-Control-Request-Headers": "content-type"})
+            r = httpx.options(
+                srv.url + "/v1/audio/speech",
+                headers={
+                    "Origin": origin,
+                    "Access-Control-Request-Method": "POST",
+                    "Access-Control-Request-Headers": "content-type",
+                },
+            )
         else:
             r = httpx.get(srv.url + "/healthz", headers={"Origin": origin})
         return r.status_code, r.headers.get("access-control-allow-origin")
@@ -379,8 +467,10 @@ def test_slow_consumer_is_cut_off_without_slowing_others(limited):
     assert a_err["code"] == "slow_consumer" and a_err["utterance_id"] == "u_1"
     assert a_bytes < 600 * FRAME_BYTES * 0.6, a_bytes  # cut off early, not after the whole utterance
     assert len(a.audio[a_done["utterance_id"]]) == 20 * FRAME_BYTES  # and the session goes on
-    print(f"slow consumer: got {a_bytes / FRAME_BYTES:.0f} of 600 frames before slow_consumer; "
-          f"the other session's 150 frames took {b_wall:.2f} s (rtf {b_done['stats']['rtf']})")
+    print(
+        f"slow consumer: got {a_bytes / FRAME_BYTES:.0f} of 600 frames before slow_consumer; "
+        f"the other session's 150 frames took {b_wall:.2f} s (rtf {b_done['stats']['rtf']})"
+    )
 
 
 def errors_total(srv, code: str) -> float:
@@ -470,9 +560,16 @@ def test_client_vanishing_stops_engine_work(server):
     wait_for(lambda: cancelled() == before + 1, 60)  # (the stats gauges are refreshed once a second)
 
     def http_vanish() -> None:
-        with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60, json={
-                "input": "Streamed to a client that leaves.", "response_format": "pcm",
-                "params": {"max_frames": 2500, "ignore_eos": True}}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/audio/speech",
+            timeout=60,
+            json={
+                "input": "Streamed to a client that leaves.",
+                "response_format": "pcm",
+                "params": {"max_frames": 2500, "ignore_eos": True},
+            },
+        ) as r:
             body, got = r.iter_raw(), 0  # (closing this iterator would already drop the connection)
             while got <= 16 * FRAME_BYTES:
                 got += len(next(body))
@@ -523,7 +620,7 @@ def test_a_huge_mp3_is_refused_without_decoding_it(server):
     buf = io.BytesIO()
     sf.write(buf, x, sr, format="MP3", subtype="MPEG_LAYER_III")
     mp3 = buf.getvalue()
-    frames = mp3[mp3.find(mp3[:2], 4):]  # without the first (Xing) frame, which declares the length
+    frames = mp3[mp3.find(mp3[:2], 4) :]  # without the first (Xing) frame, which declares the length
     big = frames * ((9 << 20) // len(frames))
     r = httpx.post(server.url + "/v1/voices", files={"file": ("long.mp3", big, "audio/mpeg")}, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["code"] == "clip_too_long", r.text
@@ -586,10 +683,36 @@ def test_short_soak(server):
     finally:
         sys.path.pop(0)
     quiet(server)
-    args = soak.parse_args(["--url", server.url, "--duration", "15", "--sessions", "6", "--min-frames", "20",
-                            "--max-frames", "60", "--kill-engine", "1", "--cancel", "0.15", "--vanish", "0.1",
-                            "--slow", "0.1", "--bad", "0.15", "--seed", "1", "--timeout", "60",
-                            "--max-gateway-anon-growth-mb", "60"])
+    args = soak.parse_args(
+        [
+            "--url",
+            server.url,
+            "--duration",
+            "15",
+            "--sessions",
+            "6",
+            "--min-frames",
+            "20",
+            "--max-frames",
+            "60",
+            "--kill-engine",
+            "1",
+            "--cancel",
+            "0.15",
+            "--vanish",
+            "0.1",
+            "--slow",
+            "0.1",
+            "--bad",
+            "0.15",
+            "--seed",
+            "1",
+            "--timeout",
+            "60",
+            "--max-gateway-anon-growth-mb",
+            "60",
+        ]
+    )
     summary = asyncio.run(soak.soak(args))
     print(json.dumps(summary, indent=1))
     # What must hold whatever the machine's speed: nothing lost or unaccounted, exact lengths, no audio
@@ -624,14 +747,21 @@ def test_json_depth_and_shape_are_coded_errors():
     from app.io.errors import RequestError
     from app.io.json_input import MAX_DEPTH, parse_json_object
 
-    nested = "{\"a\":" + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
-    for raw, needle in ((DEEP, "nested"), (DEEP.encode(), "nested"), (nested, "nested"), ("[1]", "not an array"),
-                        ("{x", "not valid JSON"), ("", "empty"), (b"\xff\xfe\xfa", "not valid JSON"),
-                        ('"\\ud800"', "not a string")):
+    nested = '{"a":' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
+    for raw, needle in (
+        (DEEP, "nested"),
+        (DEEP.encode(), "nested"),
+        (nested, "nested"),
+        ("[1]", "not an array"),
+        ("{x", "not valid JSON"),
+        ("", "empty"),
+        (b"\xff\xfe\xfa", "not valid JSON"),
+        ('"\\ud800"', "not a string"),
+    ):
         with pytest.raises(RequestError) as e:
             parse_json_object(raw, "bad_json", "the body")
         assert e.value.code == "bad_json" and e.value.status == 400 and needle in str(e.value), (raw[:20], e.value)
-    ok = "{\"a\":" + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"
+    ok = '{"a":' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"
     assert parse_json_object(ok, "bad_json", "the body") == json.loads(ok)
     assert parse_json_object(b'{"t": "\\u00e9\\ud83d\\ude00"}', "bad_json", "the body") == {"t": "é😀"}
 
@@ -650,8 +780,11 @@ def test_deeply_nested_json_gets_a_coded_error(server):
     err, done = run(go())
     assert err["type"] == "error" and err["code"] == "bad_message" and "nested" in err["message"], err
     assert done["stats"]["frames"] == 10
-    for path, body in (("/v1/audio/speech", DEEP), ("/tts/generate", DEEP),
-                       ("/v1/voices/blend", "[" * 30_000 + "]" * 30_000)):  # (its bodies are limited to 64 KiB)
+    for path, body in (
+        ("/v1/audio/speech", DEEP),
+        ("/tts/generate", DEEP),
+        ("/v1/voices/blend", "[" * 30_000 + "]" * 30_000),
+    ):  # (its bodies are limited to 64 KiB)
         r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", (path, r.status_code, r.text[:200])
 
@@ -752,8 +885,9 @@ def test_sessions_holding_clips_keep_embeddings_not_audio(server):
         sessions = [await connect(server) for _ in range(10)]
         before = rss_anon_mb()
         for i, c in enumerate(sessions):
-            await c.send(type="session.config", voice_clip=base64.b64encode(silent_flac(35, 192_000, i)).decode(),
-                         **fast())
+            await c.send(
+                type="session.config", voice_clip=base64.b64encode(silent_flac(35, 192_000, i)).decode(), **fast()
+            )
             updated = await c.recv(timeout=120)
             assert updated["type"] == "session.updated" and updated["voice"] == "clip", updated
         growth = rss_anon_mb() - before
@@ -793,10 +927,15 @@ def test_which_routes_a_key_guards(keyed):
     assert page.status_code == 200 and 'data-auth="true"' in page.text
     assert httpx.get(u + "/static/app.js").status_code == 200
     # keyed: 401 JSON without a key (or with a wrong one), served with it
-    for method, path, body in (("GET", "/metrics", None), ("GET", "/v1/models", None), ("GET", "/v1/voices", None),
-                               ("POST", "/v1/audio/speech", {"input": "x"}), ("POST", "/tts/generate", {"text": "x"}),
-                               ("POST", "/v1/voices/blend", {"a": "x", "b": "y"}),
-                               ("GET", "/v1/voices/x/embedding", None)):
+    for method, path, body in (
+        ("GET", "/metrics", None),
+        ("GET", "/v1/models", None),
+        ("GET", "/v1/voices", None),
+        ("POST", "/v1/audio/speech", {"input": "x"}),
+        ("POST", "/tts/generate", {"text": "x"}),
+        ("POST", "/v1/voices/blend", {"a": "x", "b": "y"}),
+        ("GET", "/v1/voices/x/embedding", None),
+    ):
         for headers in ({}, {"X-API-Key": "wrong"}):
             r = httpx.request(method, u + path, json=body, headers=headers)
             assert_json_error(r, 401, "unauthorized")
@@ -836,11 +975,29 @@ def test_engine_exits_when_its_gateway_is_killed(tmp_path):
     url = f"http://127.0.0.1:{port}"
 
     def launch(name: str) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "app", "--port", str(port), "--data-dir", str(tmp_path / "data"),
-               "--max-batch", "2", "--max-context", "512", "--no-text-normalization"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "app",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(tmp_path / "data"),
+            "--max-batch",
+            "2",
+            "--max-context",
+            "512",
+            "--no-text-normalization",
+        ]
         log = (tmp_path / f"{name}.log").open("w")
-        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=os.environ | {"PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        )
 
     def ready(proc: subprocess.Popen) -> bool:
         assert proc.poll() is None, (tmp_path / "first.log").read_text()[-2000:]
@@ -863,8 +1020,11 @@ def test_engine_exits_when_its_gateway_is_killed(tmp_path):
         wait_for(lambda: not any(os.path.exists(f"/dev/shm/{n}") for n in rings), 60, 0.1)
         second = launch("second")
         wait_for(lambda: ready(second), 180, 0.3)
-        r = httpx.post(url + "/v1/audio/speech", timeout=120, json={
-            "input": "Back again.", "response_format": "pcm", "params": {"max_frames": 10, "ignore_eos": True}})
+        r = httpx.post(
+            url + "/v1/audio/speech",
+            timeout=120,
+            json={"input": "Back again.", "response_format": "pcm", "params": {"max_frames": 10, "ignore_eos": True}},
+        )
         assert r.status_code == 200 and len(r.content) > 0
     finally:
         for p in (first, second):
@@ -881,13 +1041,14 @@ def test_no_sampling_value_kills_the_engine(server):
     """A finite value past float32 (or past its bound) once passed the door and killed the engine: every API
     now refuses it with bad_params, the engine never restarts, and the session goes on."""
     restarts = gauge(server, "zonos_engine_restarts")
-    for path, body in (("/v1/audio/speech", {"input": "x", "response_format": "pcm", "temperature": 1e308}),
-                       ("/v1/audio/speech", {"input": "x", "response_format": "pcm", "params": {"top_p": 1e-320,
-                                                                                                 "min_p": 2.0}}),
-                       ("/tts/generate", {"text": "x", "repetition_penalty": 1e39, "stream": False}),
-                       ("/tts/generate", {"text": "x", "temperature": 101, "stream": False}),
-                       ("/tts/generate", {"text": "x", "fade_out_ms": True, "stream": False}),  # booleans are
-                       ("/tts/generate", {"text": "x", "max_tokens": True, "stream": False})):  # not numbers
+    for path, body in (
+        ("/v1/audio/speech", {"input": "x", "response_format": "pcm", "temperature": 1e308}),
+        ("/v1/audio/speech", {"input": "x", "response_format": "pcm", "params": {"top_p": 1e-320, "min_p": 2.0}}),
+        ("/tts/generate", {"text": "x", "repetition_penalty": 1e39, "stream": False}),
+        ("/tts/generate", {"text": "x", "temperature": 101, "stream": False}),
+        ("/tts/generate", {"text": "x", "fade_out_ms": True, "stream": False}),  # booleans are
+        ("/tts/generate", {"text": "x", "max_tokens": True, "stream": False}),
+    ):  # not numbers
         r = httpx.post(server.url + path, json=body, timeout=60)
         assert_json_error(r, 400, "bad_params")
 
@@ -934,19 +1095,29 @@ def test_unicode_digit_in_our_socket_url_is_a_coded_error(server):
 def test_voice_names_and_references_must_be_strings(server):
     buf = io.BytesIO()
     np.save(buf, np.random.default_rng(21).standard_normal(2048).astype(np.float32))
-    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("named.npy", buf.getvalue())},
-                   data={"name": "Named"}, timeout=60)
+    r = httpx.post(
+        server.url + "/v1/voices",
+        files={"embedding": ("named.npy", buf.getvalue())},
+        data={"name": "Named"},
+        timeout=60,
+    )
     assert r.status_code in (200, 201), r.text
     vid = r.json()["id"]
     for name in (None, True, 12, {"a": 1}, ["x"]):
         assert_json_error(httpx.patch(server.url + f"/v1/voices/{vid}", json={"name": name}), 400, "bad_name")
     assert httpx.get(server.url + f"/v1/voices/{vid}").json()["name"] == "Named"
-    assert_json_error(httpx.post(server.url + "/v1/voices/blend", json={"a": vid, "b": vid, "name": 12}), 400,
-                      "bad_name")
-    assert_json_error(httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_embedding_id": 12}), 400,
-                      "bad_params")
-    r = httpx.post(server.url + "/tts/speakers", headers={"X-TTS-Session-ID": "s21"}, timeout=60,
-                   json={"label": True, "speaker_embedding_base64": base64.b64encode(buf.getvalue()).decode()})
+    assert_json_error(
+        httpx.post(server.url + "/v1/voices/blend", json={"a": vid, "b": vid, "name": 12}), 400, "bad_name"
+    )
+    assert_json_error(
+        httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_embedding_id": 12}), 400, "bad_params"
+    )
+    r = httpx.post(
+        server.url + "/tts/speakers",
+        headers={"X-TTS-Session-ID": "s21"},
+        timeout=60,
+        json={"label": True, "speaker_embedding_base64": base64.b64encode(buf.getvalue()).decode()},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
 
 
@@ -1007,8 +1178,10 @@ def raw_json_error(answer: bytes) -> tuple[int, dict[str, Any]]:
     return int(status_line.split()[1]), json.loads(body)["error"]
 
 
-UPGRADE = (b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-           b"Sec-WebSocket-Version: 13\r\n")
+UPGRADE = (
+    b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\n"
+)
 
 
 def open_fds(pid: int) -> int:
@@ -1020,16 +1193,34 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
     """A WebSocket upgrade with an 8+ KB request line or header got no answer and kept its
     connection (and a file descriptor) for minutes; a 70 KB request line got a text/plain 400."""
     cases = {
-        "ws long target": (b"GET /v1/tts/ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"\r\n",
-                           414, "uri_too_long"),
-        "ws long header": (b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n" + UPGRADE
-                           + b"\r\n", 431, "headers_too_large"),
-        "ws many headers": (b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE
-                            + b"".join(b"X-H%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431, "headers_too_large"),
-        "70 KB target": (b"GET /healthz?x=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
-                         414, "uri_too_long"),
-        "70 KB header": (b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
-                         431, "headers_too_large"),
+        "ws long target": (
+            b"GET /v1/tts/ws?x=" + b"a" * 9000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"\r\n",
+            414,
+            "uri_too_long",
+        ),
+        "ws long header": (
+            b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 9000 + b"\r\n" + UPGRADE + b"\r\n",
+            431,
+            "headers_too_large",
+        ),
+        "ws many headers": (
+            b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + UPGRADE
+            + b"".join(b"X-H%d: 1\r\n" % i for i in range(200))
+            + b"\r\n",
+            431,
+            "headers_too_large",
+        ),
+        "70 KB target": (
+            b"GET /healthz?x=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n",
+            414,
+            "uri_too_long",
+        ),
+        "70 KB header": (
+            b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+            431,
+            "headers_too_large",
+        ),
         "garbage": (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
     }
     for name, (head, status, code) in cases.items():
@@ -1074,8 +1265,18 @@ def test_an_unfinished_request_head_is_answered_and_closed(hosts):
 
 
 def test_normalization_and_head_flags():
-    s = parse_args(["--head-timeout-s", "2.5", "--normalization-cpu-s", "0.5", "--normalization-max-tasks", "0",
-                    "--normalization-workers", "3"])
+    s = parse_args(
+        [
+            "--head-timeout-s",
+            "2.5",
+            "--normalization-cpu-s",
+            "0.5",
+            "--normalization-max-tasks",
+            "0",
+            "--normalization-workers",
+            "3",
+        ]
+    )
     assert (s.limits.head_timeout_s, s.limits.normalization_cpu_s, s.limits.normalization_max_tasks) == (2.5, 0.5, 0)
     assert s.normalization_workers == 3 and s.text_normalization
     assert not parse_args(["--no-text-normalization"]).text_normalization
@@ -1087,15 +1288,35 @@ def test_normalization_and_head_flags():
 
 def test_host_rule_flags():
     assert parse_args(["--allowed-host", "a.example", "--allowed-host", "b.example"]).allowed_hosts == (
-        "a.example", "b.example")
+        "a.example",
+        "b.example",
+    )
     from app.io.auth import host_allowed
 
     allowed = ("gateway.example",)
-    for host in ("localhost", "localhost:8000", "127.0.0.1:1", "127.9.9.9", "[::1]:8000", "[::1]", "LOCALHOST.",
-                 "gateway.example", "Gateway.Example:443", None):
+    for host in (
+        "localhost",
+        "localhost:8000",
+        "127.0.0.1:1",
+        "127.9.9.9",
+        "[::1]:8000",
+        "[::1]",
+        "LOCALHOST.",
+        "gateway.example",
+        "Gateway.Example:443",
+        None,
+    ):
         assert host_allowed(host, allowed), host
-    for host in ("evil.example:8000", "evil.example", "localhost.evil.example", "127.0.0.1.evil.example",
-                 "10.0.0.1", "", "gateway.example.evil", "::1"):  # an IPv6 Host is bracketed (RFC 3986)
+    for host in (
+        "evil.example:8000",
+        "evil.example",
+        "localhost.evil.example",
+        "127.0.0.1.evil.example",
+        "10.0.0.1",
+        "",
+        "gateway.example.evil",
+        "::1",
+    ):  # an IPv6 Host is bracketed (RFC 3986)
         assert not host_allowed(host, allowed), host
     assert host_allowed("anything.example", ("*",))
 
@@ -1108,14 +1329,18 @@ def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
     for path in ("/v1/voices", "/healthz", "/"):
         r = httpx.get(hosts.url + path, headers={"Host": f"evil.example:{p}", "Origin": f"http://evil.example:{p}"})
         assert_json_error(r, 403, "host_not_allowed")
-    ws_head = (f"GET /v1/tts/ws HTTP/1.1\r\nHost: evil.example:{p}\r\nOrigin: http://evil.example:{p}\r\n"
-               .encode() + UPGRADE + b"\r\n")
+    ws_head = (
+        f"GET /v1/tts/ws HTTP/1.1\r\nHost: evil.example:{p}\r\nOrigin: http://evil.example:{p}\r\n".encode()
+        + UPGRADE
+        + b"\r\n"
+    )
     answer, closed = raw_exchange(p, ws_head)
     assert closed and raw_json_error(answer)[0] == 403 and raw_json_error(answer)[1]["code"] == "host_not_allowed"
     for host in (f"localhost:{p}", f"127.0.0.1:{p}", f"[::1]:{p}", "gateway.example"):
         assert httpx.get(hosts.url + "/v1/voices", headers={"Host": host}).status_code == 200, host
-    answer, _ = raw_exchange(p, f"GET /v1/tts/ws HTTP/1.1\r\nHost: gateway.example:{p}\r\n".encode() + UPGRADE
-                             + b"\r\n", timeout=5)
+    answer, _ = raw_exchange(
+        p, f"GET /v1/tts/ws HTTP/1.1\r\nHost: gateway.example:{p}\r\n".encode() + UPGRADE + b"\r\n", timeout=5
+    )
     assert answer.startswith(b"HTTP/1.1 101")
     # with a key any Host is served (a rebinding page has no key); without one it is still refused
     r = httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"})
@@ -1123,9 +1348,20 @@ def test_dns_rebinding_host_is_refused_without_a_key(hosts, keyed):
     assert_json_error(httpx.get(keyed.url + "/v1/voices", headers={"Host": "evil.example"}), 401, "unauthorized")
 
 
-
-BAD_HOSTS = ["[::1]evil", " 127.0.0.1", "localhost:abc", "127.0.0.1:80:80", "[::1", "local host", "localhost:123456",
-             "localhost\t", "127.0.0.1 ", "::1", "localhost:", "[::1]:"]
+BAD_HOSTS = [
+    "[::1]evil",
+    " 127.0.0.1",
+    "localhost:abc",
+    "127.0.0.1:80:80",
+    "[::1",
+    "local host",
+    "localhost:123456",
+    "localhost\t",
+    "127.0.0.1 ",
+    "::1",
+    "localhost:",
+    "[::1]:",
+]
 
 
 def test_the_host_rule_takes_only_exact_host_names():
@@ -1143,8 +1379,11 @@ def test_the_host_rule_takes_only_exact_host_names():
 @pytest.mark.parametrize("host", [h for h in BAD_HOSTS if h.strip() == h])  # HTTP drops the spaces around a value
 def test_a_host_that_is_not_exactly_a_loopback_name_is_refused(hosts, host):
     """The same rule on the wire."""
-    answer, _ = raw_exchange(hosts.port, f"GET /v1/voices HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-                             .encode("latin-1"), timeout=10)
+    answer, _ = raw_exchange(
+        hosts.port,
+        f"GET /v1/voices HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n".encode("latin-1"),
+        timeout=10,
+    )
     status = int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
     assert status in (400, 403), answer[:300]  # 400: a head the HTTP parser itself refuses
 
@@ -1160,14 +1399,23 @@ def test_a_preflight_nobody_allows_is_a_bad_request_not_a_wrong_method(hosts, or
 def test_cors_origin_null_serves_a_page_opened_from_a_file(start_server):
     """`--cors-origin null`: the reference UI opened from file:// sends `Origin: null`."""
     srv = start_server("--cors-origin", "null")
-    r = httpx.options(srv.url + "/tts/generate", headers={"Origin": "null", "Access-Control-Request-Method": "POST",
-                                                          "Access-Control-Request-Headers": "content-type"})
+    r = httpx.options(
+        srv.url + "/tts/generate",
+        headers={
+            "Origin": "null",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type",
+        },
+    )
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "null"
     r = httpx.get(srv.url + "/tts/capabilities", headers={"Origin": "null"})
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "null"
-    r = httpx.options(srv.url + "/tts/generate", headers={"Origin": "http://elsewhere.example",
-                                                          "Access-Control-Request-Method": "POST"})
+    r = httpx.options(
+        srv.url + "/tts/generate",
+        headers={"Origin": "http://elsewhere.example", "Access-Control-Request-Method": "POST"},
+    )
     assert r.status_code == 400
+
 
 HAVE_NEMO = all(importlib.util.find_spec(m) is not None for m in ("nemo_text_processing", "pynini"))
 needs_nemo = pytest.mark.skipif(not HAVE_NEMO, reason="nemo-text-processing/pynini not installed")
@@ -1181,8 +1429,9 @@ def normalizing(start_server):
     """Text normalization on (conftest's servers run without it) in two workers with a CPU bound no test
     text reaches; context 2048 frames (the tiny model's), so the utterance budget is (2048 - 32) // 7 =
     288 bytes, as in the issue's reproduction."""
-    return start_server("--text-normalization", "--normalization-workers", "2", "--normalization-cpu-s", "300",
-                        "--max-context", "2048")
+    return start_server(
+        "--text-normalization", "--normalization-workers", "2", "--normalization-cpu-s", "300", "--max-context", "2048"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -1195,6 +1444,7 @@ def norm_bounded(start_server):
 def test_normalized_text_longer_than_the_budget_is_spoken_whole(normalizing):
     """Every byte of the spoken text reaches the model: it is cut to the budget again after normalization,
     never cut short by max_frames or refused with prompt_too_long (the old outcome)."""
+
     async def go():
         c = await connect(normalizing, {"params": {"seed": 1}})
         budget = c.log[0]["limits"]["max_utterance_bytes"]
@@ -1212,9 +1462,18 @@ def test_normalized_text_longer_than_the_budget_is_spoken_whole(normalizing):
     assert done[0]["stats"]["engine"]["prompt_frames"] <= budget + 32  # the last piece: within the budget
     # the same text through the HTTP door, its audio bounded by max_frames as one utterance, not per engine
     # request (each of its pieces once had the whole limit: 12,195 frames under a 3000-frame limit)
-    r = httpx.post(normalizing.url + "/v1/audio/speech", timeout=900, json={
-        "input": DOLLARS, "response_format": "wav", "sample_rate": 44100, "max_frames": 40, "ignore_eos": True,
-        "seed": 1})
+    r = httpx.post(
+        normalizing.url + "/v1/audio/speech",
+        timeout=900,
+        json={
+            "input": DOLLARS,
+            "response_format": "wav",
+            "sample_rate": 44100,
+            "max_frames": 40,
+            "ignore_eos": True,
+            "seed": 1,
+        },
+    )
     assert r.status_code == 200
     audio, _ = sf.read(io.BytesIO(r.content), dtype="int16")
     assert 0 < len(audio) <= 40 * 512, len(audio) / 512
@@ -1226,13 +1485,17 @@ def test_other_sessions_speak_while_a_long_text_is_normalized(normalizing):
     """Normalization ran one text at a time in the gateway, so one tenant's long texts of
     digits held every other session's first audio (0.2 s -> 8-13 s). Here a session speaks, start to end,
     while a text of phone numbers (two utterances of ~288 bytes, seconds of CPU each) is being normalized."""
+
     async def go():
         heavy_audio = asyncio.Event()
 
         async def heavy() -> int:
-            async with httpx.AsyncClient(timeout=600) as client, client.stream(
-                    "POST", normalizing.url + "/v1/audio/speech",
-                    json={"input": PHONES[:490], "response_format": "pcm"}) as r:
+            async with (
+                httpx.AsyncClient(timeout=600) as client,
+                client.stream(
+                    "POST", normalizing.url + "/v1/audio/speech", json={"input": PHONES[:490], "response_format": "pcm"}
+                ) as r,
+            ):
                 async for chunk in r.aiter_bytes():
                     if chunk:
                         heavy_audio.set()
@@ -1255,8 +1518,9 @@ def test_other_sessions_speak_while_a_long_text_is_normalized(normalizing):
 @slow
 @needs_nemo
 def test_normalization_past_its_cpu_bound_is_a_coded_error(norm_bounded):
-    r = httpx.post(norm_bounded.url + "/v1/audio/speech", json={"input": PHONES[:280], "response_format": "pcm"},
-                   timeout=600)
+    r = httpx.post(
+        norm_bounded.url + "/v1/audio/speech", json={"input": PHONES[:280], "response_format": "pcm"}, timeout=600
+    )
     assert_json_error(r, 400, "normalization_timeout")
 
     async def go():

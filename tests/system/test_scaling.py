@@ -46,8 +46,12 @@ def test_devices_flag(capsys):
 
     if not torch.cuda.is_available():
         assert parse_args(["--devices", "all"]).devices == ("cpu",)  # no GPU: one CPU engine
-    for bad in (["--devices", "gpu0"], ["--devices", ","], ["--devices", "cpu", "--device", "cpu"],
-                ["--devices", "cpu,cpu", "--dac-device", "cpu"]):
+    for bad in (
+        ["--devices", "gpu0"],
+        ["--devices", ","],
+        ["--devices", "cpu", "--device", "cpu"],
+        ["--devices", "cpu,cpu", "--dac-device", "cpu"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
     assert "--devices" in capsys.readouterr().err
@@ -96,8 +100,9 @@ def test_shared_voice_store_sees_other_gateways_changes(tmp_path, monkeypatch):
 
 
 # ---- placement (no engine process) ------------------------------------------------------------------------
-def fake_engine(name: str, slots: int = 8, open_requests: int = 0, device: str = "cpu",
-                **settings: Any) -> EngineClient:
+def fake_engine(
+    name: str, slots: int = 8, open_requests: int = 0, device: str = "cpu", **settings: Any
+) -> EngineClient:
     e = EngineClient(WeightSources(), EngineSettings(device=device, max_batch=slots, **settings), name=name)
     e.info = {"slots": slots, "device": device}
     e._streams = dict.fromkeys(range(open_requests))  # type: ignore[arg-type]
@@ -199,13 +204,17 @@ def test_two_engines_share_eight_sessions(two_engines):
     assert all(e["ready"] and e["device"] == "cpu" for e in ready["engines"])
     # voices are shared: one stored voice, its embedding computed once (on either engine), spoken by both
     before = metrics(srv)
-    r = httpx.post(srv.url + "/v1/voices", files={"file": ("v.wav", wav_clip(), "audio/wav")},
-                   data={"name": "shared"}, timeout=120)
+    r = httpx.post(
+        srv.url + "/v1/voices", files={"file": ("v.wav", wav_clip(), "audio/wav")}, data={"name": "shared"}, timeout=120
+    )
     assert r.status_code in (200, 201), r.text
     voice = r.json()["id"]
     mid = metrics(srv)
-    embeds = sum(sample(mid, "zonos_engine_requests_total", engine=e, kind="embedding")
-                 - sample(before, "zonos_engine_requests_total", engine=e, kind="embedding") for e in "01")
+    embeds = sum(
+        sample(mid, "zonos_engine_requests_total", engine=e, kind="embedding")
+        - sample(before, "zonos_engine_requests_total", engine=e, kind="embedding")
+        for e in "01"
+    )
     assert embeds == 1
 
     frames = 120
@@ -219,8 +228,11 @@ def test_two_engines_share_eight_sessions(two_engines):
     for d, n in results:
         assert d["type"] == "audio.done", d
         assert n == frames * SAMPLES_PER_FRAME * 2  # pcm_s16le at 44.1 kHz: exact length
-    placed = {e: sample(after, "zonos_engine_requests_total", engine=e, kind="utterance")
-              - sample(mid, "zonos_engine_requests_total", engine=e, kind="utterance") for e in "01"}
+    placed = {
+        e: sample(after, "zonos_engine_requests_total", engine=e, kind="utterance")
+        - sample(mid, "zonos_engine_requests_total", engine=e, kind="utterance")
+        for e in "01"
+    }
     assert placed["0"] >= 1 and placed["1"] >= 1 and sum(placed.values()) == 8, placed  # both engines busy
     ran_on = [d["stats"]["engine"]["engine_id"] for d, _ in results]
     assert sorted(set(ran_on)) == ["0", "1"] and ran_on.count("0") == placed["0"]
@@ -287,8 +299,11 @@ def _ray_imports() -> bool:
     return True
 
 
-needs_ray = pytest.mark.skipif(not _ray_imports(), reason="ray[serve] does not import here: run "
-                               "deploy/setup-ray.sh, then .venv-ray/bin/python -m pytest tests/system/test_scaling.py -m ray")
+needs_ray = pytest.mark.skipif(
+    not _ray_imports(),
+    reason="ray[serve] does not import here: run "
+    "deploy/setup-ray.sh, then .venv-ray/bin/python -m pytest tests/system/test_scaling.py -m ray",
+)
 
 
 class RayGateways:
@@ -302,12 +317,32 @@ class RayGateways:
         self.url = f"http://127.0.0.1:{self.port}"
         self.ws_url = f"ws://127.0.0.1:{self.port}/v1/tts/ws"
         self.log = tmp / "ray-serve.log"
-        cmd = [sys.executable, "-m", "deploy.ray_local", "--port", str(self.port), "--replicas", "2", "--",
-               "--devices", "cpu", "--data-dir", str(tmp / "shared"), "--shared-voices", "--max-batch", "6",
-               "--max-context", "1024", "--no-text-normalization", "--max-frames", "600"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "deploy.ray_local",
+            "--port",
+            str(self.port),
+            "--replicas",
+            "2",
+            "--",
+            "--devices",
+            "cpu",
+            "--data-dir",
+            str(tmp / "shared"),
+            "--shared-voices",
+            "--max-batch",
+            "6",
+            "--max-context",
+            "1024",
+            "--no-text-normalization",
+            "--max-frames",
+            "600",
+        ]
         env = os.environ | {"PYTHONUNBUFFERED": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, timeout=30)
@@ -383,8 +418,9 @@ async def open_ray_session(g: RayGateways, frames: int, seed: int, voice: str | 
 @needs_ray
 def test_ray_serve_websocket_openai_and_one_voice_library(ray_gateways):
     g = ray_gateways
-    r = httpx.post(g.url + "/v1/voices", files={"file": ("v.wav", wav_clip(), "audio/wav")}, data={"name": "ray"},
-                   timeout=120)
+    r = httpx.post(
+        g.url + "/v1/voices", files={"file": ("v.wav", wav_clip(), "audio/wav")}, data={"name": "ray"}, timeout=120
+    )
     assert r.status_code in (200, 201), r.text
     voice, made_on = r.json()["id"], r.headers["x-zonos-replica"]
     # every replica sees the voice one of them made (one shared folder): list until both have answered
@@ -406,9 +442,18 @@ def test_ray_serve_websocket_openai_and_one_voice_library(ray_gateways):
     for _, (kind, d, n) in asyncio.run(go()):  # a WebSocket session through Ray's proxy, with the shared voice
         assert kind == "audio.done" and n == frames * SAMPLES_PER_FRAME * 2, d
     # an OpenAI-style request through the proxy: 16-bit PCM at 24 kHz
-    r = httpx.post(g.url + "/v1/audio/speech", json={"model": "tts-1", "input": "Hello through Ray.", "voice": voice,
-                                                     "response_format": "pcm", "max_frames": frames,
-                                                     "ignore_eos": True}, timeout=120)
+    r = httpx.post(
+        g.url + "/v1/audio/speech",
+        json={
+            "model": "tts-1",
+            "input": "Hello through Ray.",
+            "voice": voice,
+            "response_format": "pcm",
+            "max_frames": frames,
+            "ignore_eos": True,
+        },
+        timeout=120,
+    )
     assert r.status_code == 200 and r.headers["x-zonos-replica"], r.text
     assert abs(len(r.content) // 2 - frames * SAMPLES_PER_FRAME * 24000 // 44100) <= 2
 
@@ -445,7 +490,9 @@ def test_ray_replica_killed_mid_run(ray_gateways):
             assert kind == "audio.done" and n == frames * SAMPLES_PER_FRAME * 2, (rep, kind, d)
     engine_pid = before[victim]["engines"][0]["pid"]
     wait_for(lambda: proc_gone(engine_pid), 60)  # the dead gateway's engine exited by itself (its lifeline)
-    after = g.replicas_answering(2, 600, exclude=frozenset({victim}))  # the survivor and the replica Ray started instead
+    after = g.replicas_answering(
+        2, 600, exclude=frozenset({victim})
+    )  # the survivor and the replica Ray started instead
     assert len(set(after) - set(before)) == 1
 
     async def again():

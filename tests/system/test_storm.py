@@ -51,8 +51,9 @@ def metric(srv: Any, name: str) -> float:
 @pytest.fixture(scope="module")
 def one_slot(start_server):
     """One decode slot, the door on; the engine's own wait long enough that a queued turn is never dropped."""
-    srv = start_server("--max-batch", "1", "--max-queue-ms", "250", "--admission-max-wait", "120",
-                       "--conversation-hold-s", "600")
+    srv = start_server(
+        "--max-batch", "1", "--max-queue-ms", "250", "--admission-max-wait", "120", "--conversation-hold-s", "600"
+    )
     # the door predicts from the engine's start rate: measured once two Stats records have come
     wait_for(srv, lambda st: st.get("started_per_s") is not None, "no start rate")
     return srv
@@ -155,7 +156,7 @@ def test_clip_base64_decodes_off_the_event_loop(monkeypatch):
     assert len(threads) == 1  # the small one did not go to a thread
     # chunked, it is exactly as strict: padding only at the very end, length a multiple of 4
     good = base64.b64encode(raw).decode()
-    for bad in ("QQ==" + good, good[:-1], good[:checks.B64_CHUNK] + "@" + good[checks.B64_CHUNK + 1:]):
+    for bad in ("QQ==" + good, good[:-1], good[: checks.B64_CHUNK] + "@" + good[checks.B64_CHUNK + 1 :]):
         with pytest.raises(RequestError):
             run(checks.base64_payload(bad, "clip"))
 
@@ -189,8 +190,11 @@ def test_gc_pauses_are_a_metric(server):
     for _ in range(50):
         if metric(server, "zonos_gc_pause_seconds_count") > 0:
             break
-        r = httpx.post(server.url + "/v1/audio/speech", timeout=60,
-                       json={"model": "zonos2", "input": "Some work.", "voice": "alloy", "response_format": "pcm"})
+        r = httpx.post(
+            server.url + "/v1/audio/speech",
+            timeout=60,
+            json={"model": "zonos2", "input": "Some work.", "voice": "alloy", "response_format": "pcm"},
+        )
         assert r.status_code == 200
     assert metric(server, "zonos_gc_pause_seconds_count") > 0
     assert 'zonos_gc_pause_seconds_bucket{generation="0",le="0.005"}' in httpx.get(server.url + "/metrics").text

@@ -59,21 +59,26 @@ def test_both_processes_serve_one_port_and_share_voices_and_metrics(server):
     # a voice uploaded through one process is in the library of the other at once
     emb = io.BytesIO()
     np.save(emb, np.random.default_rng(1).standard_normal(2048).astype(np.float32))
-    up = httpx.post(server.url + "/v1/voices", files={"embedding": ("v.npy", emb.getvalue())},
-                    data={"name": "Shared"}, timeout=30)
+    up = httpx.post(
+        server.url + "/v1/voices", files={"embedding": ("v.npy", emb.getvalue())}, data={"name": "Shared"}, timeout=30
+    )
     assert up.status_code == 201, up.text
     voice = up.json()["id"]
     uploader = int(up.headers["x-gateway-process"])
     seen = answer_from(server.url, f"/v1/voices/{voice}", 2)
     assert sorted(seen) == [0, 1]
-    assert all(r.status_code == 200 and r.json()["name"] == "Shared" for r in seen.values()), \
-        {k: r.text for k, r in seen.items()}
+    assert all(r.status_code == 200 and r.json()["name"] == "Shared" for r in seen.values()), {
+        k: r.text for k, r in seen.items()
+    }
     assert 1 - uploader in seen
     # speech through both processes; /metrics of either counts every process's utterances
     served = set()
     for _ in range(40):
-        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "Hi.", "response_format": "pcm",
-                                                             "voice": voice}, timeout=120)
+        r = httpx.post(
+            server.url + "/v1/audio/speech",
+            json={"input": "Hi.", "response_format": "pcm", "voice": voice},
+            timeout=120,
+        )
         assert r.status_code == 200 and r.content, r.text
         served.add(int(r.headers["x-gateway-process"]))
         if len(served) == 2:
@@ -81,8 +86,11 @@ def test_both_processes_serve_one_port_and_share_voices_and_metrics(server):
     assert served == {0, 1}
 
     def ok_requests(text: str) -> float:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith('zonos_requests_total{api="openai",outcome="ok"}'))
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith('zonos_requests_total{api="openai",outcome="ok"}')
+        )
 
     counts = [ok_requests(r.text) for r in answer_from(server.url, "/metrics", 2).values()]
     assert counts[0] == counts[1] >= 2, counts
@@ -151,13 +159,18 @@ def test_a_killed_process_ends_only_its_own_sessions(server):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             seen = answer_from(server.url, "/readyz", 2)
-            if len(seen) == 2 and seen[other].status_code == 200 and seen[other].json()["gateway"]["pid"] != pids[other]:
+            if (
+                len(seen) == 2
+                and seen[other].status_code == 200
+                and seen[other].json()["gateway"]["pid"] != pids[other]
+            ):
                 break
             await asyncio.sleep(0.5)
         else:
             raise AssertionError("the killed gateway process was not replaced")
-        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "Still here.", "response_format": "pcm"},
-                       timeout=120)
+        r = httpx.post(
+            server.url + "/v1/audio/speech", json={"input": "Still here.", "response_format": "pcm"}, timeout=120
+        )
         assert r.status_code == 200 and r.content
 
     asyncio.run(run())
@@ -206,7 +219,13 @@ print(spawned, code)
 
 
 def test_sigterm_while_gateway_processes_start_starts_no_more(tmp_path):
-    r = subprocess.run([sys.executable, "-c", _SIGTERM_WHILE_STARTING, str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_WHILE_STARTING, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[0] 0"  # one of three started, then all stopped

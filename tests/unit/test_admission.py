@@ -7,8 +7,14 @@ import pytest
 from engine.runtime.admission import FRAME_S, Gate, RealtimeAdmission
 
 
-def simulate(adm: RealtimeAdmission, arrivals: int | dict[int, int], fixed_s: float, per_stream_s: float,
-             iterations: int, slots: int = 256) -> tuple[list[float], list[int], int]:
+def simulate(
+    adm: RealtimeAdmission,
+    arrivals: int | dict[int, int],
+    fixed_s: float,
+    per_stream_s: float,
+    iterations: int,
+    slots: int = 256,
+) -> tuple[list[float], list[int], int]:
     """An engine loop on a virtual clock whose iteration costs fixed_s + per_stream_s x streams; requests
     arrive at once (or {iteration: count}). Returns the periods, the streams per iteration and how many
     still wait."""
@@ -143,8 +149,11 @@ def test_a_hidden_bottleneck_cannot_make_playing_streams_stall():
         admitted = 0
         starting = sum(1 for s in live if adm.is_starting(s["first"] if s["first"] >= 0 else None, now))
         backlog = sum(s["generated"] - s["delivered"] for s in live) / dac_frames  # iterations of decoder work
-        while waiting and len(live) + admitted < 256 and adm.may_admit(len(live), admitted + 1, min_lead, starting,
-                                                                       backlog):
+        while (
+            waiting
+            and len(live) + admitted < 256
+            and adm.may_admit(len(live), admitted + 1, min_lead, starting, backlog)
+        ):
             waiting.pop(0)
             admitted += 1
             streams.append({"generated": 0, "delivered": 0, "first": -1.0, "served": -1})
@@ -168,7 +177,6 @@ def test_a_hidden_bottleneck_cannot_make_playing_streams_stall():
         now += period
     assert stalls == 0  # no playing stream ever ran dry
     assert len(streams) > 100 and refused > 0  # the decoder was used, and the excess was refused, not stalled
-
 
 
 def shared_gpu(pacing: bool, iterations: int = 4000) -> tuple[int, int, int]:
@@ -198,8 +206,9 @@ def shared_gpu(pacing: bool, iterations: int = 4000) -> tuple[int, int, int]:
             adm.observe_launch(now, len(generating))
             starting = sum(1 for s in live if adm.is_starting(s["first"] if s["first"] >= 0 else None, now))
             admitted = 0
-            while waiting and adm.may_admit(len(generating), admitted + 1, min(leads) if leads else None, starting,
-                                            backlog):
+            while waiting and adm.may_admit(
+                len(generating), admitted + 1, min(leads) if leads else None, starting, backlog
+            ):
                 waiting.pop(0)
                 admitted += 1
                 streams.append({"generated": 0, "delivered": 0, "first": -1.0, "served": -1.0})
@@ -207,8 +216,10 @@ def shared_gpu(pacing: bool, iterations: int = 4000) -> tuple[int, int, int]:
                 s["generated"] += 1
             dac_time = period / 4
         dac_credit += dac_time * 1e3 / dac_ms
-        for s in sorted((s for s in live if s["generated"] >= s["delivered"] + 10 or s["generated"] == length),
-                        key=lambda s: s["served"]):
+        for s in sorted(
+            (s for s in live if s["generated"] >= s["delivered"] + 10 or s["generated"] == length),
+            key=lambda s: s["served"],
+        ):
             n = int(s["generated"] - s["delivered"])
             if n > dac_credit:
                 break
@@ -233,13 +244,20 @@ def test_the_llm_waits_for_an_audio_decoder_that_falls_behind():
     assert admitted > 1.4 * admitted_unpaced
 
 
-def closed_loop(adm: RealtimeAdmission, clients: int, iterations: int = 2500, frames: int = 292,
-                fixed_s: float = 1.9e-3, per_stream_s: float = 0.055e-3,
-                prefill_s: float = 2.5e-3) -> tuple[list[float], int, int]:
+def closed_loop(
+    adm: RealtimeAdmission,
+    clients: int,
+    iterations: int = 2500,
+    frames: int = 292,
+    fixed_s: float = 1.9e-3,
+    per_stream_s: float = 0.055e-3,
+    prefill_s: float = 2.5e-3,
+) -> tuple[list[float], int, int]:
     """The live-capacity benchmark on a virtual clock: `clients` each send a request of `frames` frames and the
     next one as soon as it ends (arrivals ramped over the first 400 iterations). An iteration of N streams
     takes fixed_s + per_stream_s x N and one that runs a prefill prefill_s more (the H200's profile at 125
-    streams: decode and DAC 8.8 ms, prefill 0.9 ms per iteration on average, wall 9.7 ms). Audio comes as the dac_decoder's
+    streams: decode and DAC 8.8 ms, prefill 0.9 ms per iteration on average, wall 9.7 ms). Audio comes as the
+    dac_decoder's
     schedule sends it: 13 frames' call after 21 frames (its lag, 9.3 frames, withheld), then 10 frames every
     10. Returns each request's wait in the queue, the stalls of playing streams, and the streams running
     at the end."""
@@ -287,7 +305,8 @@ def closed_loop(adm: RealtimeAdmission, clients: int, iterations: int = 2500, fr
 
 
 def test_the_streams_that_fit_start_without_waiting():
-    """128 clients on a GPU that carries ~150 in real time (period 9.9 ms at 128): with the default gates every request starts
+    """128 clients on a GPU that carries ~150 in real time (period 9.9 ms at 128): with the default gates every
+    request starts
     within a few iterations of its arrival (on the H200 the gates of the last build queued them ~0.6 s:
     a lead floor every young stream passed under before its second chunk, and slow start), and no
     playing stream stalls."""

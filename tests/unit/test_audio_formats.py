@@ -60,7 +60,7 @@ def test_g711_matches_the_standard_on_every_16bit_value(law, ref):
     # decoding gives each code's level: the round trip is within the step of the sample's segment
     back = g711_decode(got.tobytes(), law)
     x = s16 / 32768
-    assert np.all(np.abs(back - x) <= np.maximum(np.abs(x) / 16, 2 ** -9))
+    assert np.all(np.abs(back - x) <= np.maximum(np.abs(x) / 16, 2**-9))
     assert g711_encode(np.zeros(1, np.float32), law) == (b"\xff" if law == "mulaw" else b"\xd5")
 
 
@@ -68,7 +68,7 @@ def test_g711_matches_the_standard_on_every_16bit_value(law, ref):
 def test_g711_chunks_equal_the_whole(law):
     x = (0.5 * np.sin(np.arange(8000) / 7)).astype(np.float32)
     whole = g711_encode(x, law)
-    assert b"".join(g711_encode(x[i:i + 333], law) for i in range(0, len(x), 333)) == whole
+    assert b"".join(g711_encode(x[i : i + 333], law) for i in range(0, len(x), 333)) == whole
     pcm = np.round(x * 32767).astype(np.int16)
     enc = Encoder(law, 8000)
     assert enc.bytes_per_sample == 1
@@ -104,7 +104,7 @@ def test_stream_encoders_emit_while_encoding(fmt):
     rate = 8000 if fmt in ("mulaw", "alaw") else 24000
     x = (0.3 * np.sin(2 * np.pi * 220 * np.arange(2 * rate) / rate)).astype(np.float32)
     enc = StreamEncoder(fmt, rate)
-    pieces = [enc.write(x[i:i + rate // 10]) for i in range(0, len(x), rate // 10)]
+    pieces = [enc.write(x[i : i + rate // 10]) for i in range(0, len(x), rate // 10)]
     pieces.append(enc.close())
     first_half = b"".join(pieces[:10])
     assert len(first_half) > 0.2 * sum(map(len, pieces))  # the first second is out before the second one is in
@@ -152,15 +152,19 @@ def test_aac_is_adts_that_ffmpeg_decodes_to_the_signal(rate):
     y, sr = decode_aac(data)
     assert sr == rate and len(x) <= len(y) <= len(x) + AAC_EXTRA
     # the encoder's delay is its 1024 priming samples: the tone is there, in phase, after them
-    ref, got = x[rate // 10: rate // 2], y[1024 + rate // 10: 1024 + rate // 2]
+    ref, got = x[rate // 10 : rate // 2], y[1024 + rate // 10 : 1024 + rate // 2]
     assert np.corrcoef(ref, got)[0, 1] > 0.98
 
 
 @pytest.mark.skipif(shutil.which("ffmpeg") is None, reason="no ffmpeg program")
 def test_aac_stream_decodes_in_the_ffmpeg_program():
     data = stream_encode(tone(24000), 24000, "aac")
-    out = subprocess.run(["ffmpeg", "-v", "error", "-f", "aac", "-i", "-", "-f", "s16le", "-ac", "1", "-"],
-                         input=data, capture_output=True, timeout=60)
+    out = subprocess.run(
+        ["ffmpeg", "-v", "error", "-f", "aac", "-i", "-", "-f", "s16le", "-ac", "1", "-"],
+        input=data,
+        capture_output=True,
+        timeout=60,
+    )
     assert out.returncode == 0 and not out.stderr, out.stderr
     assert 24000 <= len(out.stdout) // 2 <= 24000 + AAC_EXTRA
 
@@ -171,7 +175,7 @@ def test_whole_files_carry_their_length(fmt):
     0xFFFFFFFF (wave reports 2**31 frames). The whole file says how long it is, to every reader."""
     x = tone(24000)
     enc = StreamEncoder(fmt, 24000, whole=True)
-    assert all(enc.write(x[i:i + 2400]) == b"" for i in range(0, len(x), 2400))  # nothing before the end
+    assert all(enc.write(x[i : i + 2400]) == b"" for i in range(0, len(x), 2400))  # nothing before the end
     data = enc.close()
     y, sr = sf.read(io.BytesIO(data), dtype="float32")
     assert sr == 24000 and len(y) == len(x) and np.abs(y - x).max() < 1e-3
@@ -190,9 +194,12 @@ def test_wav_header_of_every_sample_encoding(encoding):
     """The dialects' WAV containers (Deepgram's container=wav, Cartesia's wav): soundfile reads the header
     of each sample encoding, with and without a length."""
     x = tone(8000, 0.25)
-    enc = {"pcm_s16le": lambda v: np.round(v * 32767).astype("<i2").tobytes(),
-           "pcm_f32le": lambda v: v.astype("<f4").tobytes(),
-           "mulaw": lambda v: g711_encode(v, "mulaw"), "alaw": lambda v: g711_encode(v, "alaw")}[encoding]
+    enc = {
+        "pcm_s16le": lambda v: np.round(v * 32767).astype("<i2").tobytes(),
+        "pcm_f32le": lambda v: v.astype("<f4").tobytes(),
+        "mulaw": lambda v: g711_encode(v, "mulaw"),
+        "alaw": lambda v: g711_encode(v, "alaw"),
+    }[encoding]
     body = enc(x)
     for header in (wav_header(8000, encoding, len(body)), wav_header(8000, encoding)):
         y, sr = sf.read(io.BytesIO(header + body), dtype="float32")

@@ -16,8 +16,10 @@ def test_breaks_split_the_text():
     assert split_breaks("") == [""]
 
 
-@pytest.mark.parametrize("tag", ['<break time="soon"/>', '<break/>', '<break time="0ms"/>', '<break time="11s"/>',
-                                 '<break strength="strong"/>'])
+@pytest.mark.parametrize(
+    "tag",
+    ['<break time="soon"/>', "<break/>", '<break time="0ms"/>', '<break time="11s"/>', '<break strength="strong"/>'],
+)
 def test_a_break_without_a_valid_time_is_refused(tag):
     with pytest.raises(RequestError) as e:
         split_breaks(f"Before {tag} after.")

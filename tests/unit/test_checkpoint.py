@@ -81,11 +81,15 @@ def test_config_json_with_same_keys(tmp_path):
     "mutate, message",
     [
         (lambda s: s.pop("layers.2.feed_forward.experts.w13"), "missing tensors: layers.2.feed_forward.experts.w13"),
-        (lambda s: s.__setitem__("layers.0.attention.wkv.bogus", s.pop("layers.0.attention.wkv.weight")),
-         "layers.0.attention.wkv.bogus"),
+        (
+            lambda s: s.__setitem__("layers.0.attention.wkv.bogus", s.pop("layers.0.attention.wkv.weight")),
+            "layers.0.attention.wkv.bogus",
+        ),
         (lambda s: s.__setitem__("out_norm.weight", torch.ones(7)), "out_norm.weight has shape (7,)"),
-        (lambda s: s.__setitem__("layers.2.feed_forward.router.router_states_scale", torch.ones(32)),
-         "unexpected tensors: layers.2.feed_forward.router.router_states_scale"),
+        (
+            lambda s: s.__setitem__("layers.2.feed_forward.router.router_states_scale", torch.ones(32)),
+            "unexpected tensors: layers.2.feed_forward.router.router_states_scale",
+        ),
     ],
 )
 def test_mismatched_checkpoint_refused_naming_the_tensor(mutate, message):
@@ -134,8 +138,10 @@ def test_nested_params_and_derived_text_vocab():
     assert cfg.text_vocab == 519 and cfg.conditioning_base == 448
 
 
-@pytest.mark.parametrize("field,value", [("n_codebooks", 8), ("codebook_size", 2048), ("eoa_id", 1023),
-                                         ("audio_pad_id", 1024), ("sample_rate", 24000)])
+@pytest.mark.parametrize(
+    "field,value",
+    [("n_codebooks", 8), ("codebook_size", 2048), ("eoa_id", 1023), ("audio_pad_id", 1024), ("sample_rate", 24000)],
+)
 def test_a_checkpoint_off_the_contracts_constants_is_refused(field: str, value: int):
     """engine/contract/constants.py owns the audio facts; a params.json that disagrees is refused by name."""
     d = preset_params("tiny") | {field: value}

@@ -63,9 +63,15 @@ def test_model_constants_are_written_in_one_module():
 
     root = ROOT
     owner = root / "engine" / "contract" / "constants.py"
-    written = re.compile(r"""["']?\b(n_codebooks|codebook_size|eoa_id|audio_pad_id|pad_id)\b["']?\s*(:\s*int\s*)?[=:]\s*\d""",
-                         re.IGNORECASE)
-    found = [f"{p.relative_to(root)}:{n}: {line.strip()}"
-             for p in sorted((root / "engine").rglob("*.py")) + sorted((root / "app").rglob("*.py")) if p != owner
-             for n, line in enumerate(p.read_text().splitlines(), 1) if written.search(line.split("#")[0])]
+    written = re.compile(
+        r"""["']?\b(n_codebooks|codebook_size|eoa_id|audio_pad_id|pad_id)\b["']?\s*(:\s*int\s*)?[=:]\s*\d""",
+        re.IGNORECASE,
+    )
+    found = [
+        f"{p.relative_to(root)}:{n}: {line.strip()}"
+        for p in sorted((root / "engine").rglob("*.py")) + sorted((root / "app").rglob("*.py"))
+        if p != owner
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if written.search(line.split("#")[0])
+    ]
     assert not found, found

@@ -30,8 +30,9 @@ def test_only_the_triton_helper_writes_the_environment():
                     offenders.append(f"{path.relative_to(TESTS)}:{n}: {line.strip()}")
             elif ENV_WRITE.search(line) and "TRITON_INTERPRET" not in line:
                 offenders.append(f"{path.relative_to(TESTS)}:{n}: {line.strip()}")
-    assert not offenders, "scope environment changes with monkeypatch (or tests/conftest.py triton_on_cpu):\n" + \
-        "\n".join(offenders)
+    assert not offenders, (
+        "scope environment changes with monkeypatch (or tests/conftest.py triton_on_cpu):\n" + "\n".join(offenders)
+    )
 
 
 def test_triton_on_cpu_sets_nothing_where_cuda_is(monkeypatch):
@@ -48,7 +49,7 @@ def test_triton_on_cpu_sets_nothing_where_cuda_is(monkeypatch):
     assert os.environ["TRITON_INTERPRET"] == "1"
 
 
-LEAKS = '''
+LEAKS = """
 import torch
 
 
@@ -58,7 +59,7 @@ def test_leaves_the_default_dtype_changed():
 
 def test_restores_it(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", not torch.backends.cudnn.deterministic)
-'''
+"""
 
 
 def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
@@ -67,10 +68,26 @@ def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
     passes."""
     (tmp_path / "test_leaks.py").write_text(LEAKS)
     root = TESTS.parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
-                           "--rootdir", str(tmp_path), str(tmp_path / "test_leaks.py")],
-                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "tests.conftest",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_leaks.py"),
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert "2 passed, 1 error" in out, out  # the leaking test ran, and its teardown failed

@@ -28,7 +28,9 @@ def test_pls_aliases_are_read_and_phonemes_refused():
 
 
 def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():
-    assert rules_from_json([{"type": "alias", "string_to_replace": "SQL", "alias": "sequel"}]) == [Rule("SQL", "sequel")]
+    assert rules_from_json([{"type": "alias", "string_to_replace": "SQL", "alias": "sequel"}]) == [
+        Rule("SQL", "sequel")
+    ]
     with pytest.raises(RequestError):
         rules_from_json([{"type": "phoneme", "string_to_replace": "SQL", "phoneme": "si", "alphabet": "ipa"}])
     for bad in ([], "x", [{"alias": "y"}], [{"string_to_replace": "x" * 300, "alias": "y"}]):

@@ -75,9 +75,19 @@ def test_long_form_auto_and_forced():
     assert LongFormOptions(long_form=True).chunks(short) == [short]  # one chunk: an ordinary request
 
 
-@pytest.mark.parametrize("field,value", [("chunk_chars", 0), ("chunk_chars", 1.5), ("chunk_chars", True),
-                                         ("window_chunks", 0), ("window_chunks", 65), ("split_mode", "para"),
-                                         ("long_form", "yes"), ("pin_anchor", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("chunk_chars", 0),
+        ("chunk_chars", 1.5),
+        ("chunk_chars", True),
+        ("window_chunks", 0),
+        ("window_chunks", 65),
+        ("split_mode", "para"),
+        ("long_form", "yes"),
+        ("pin_anchor", None),
+    ],
+)
 def test_long_form_options_refuse(field, value):
     with pytest.raises(ValueError, match=field.split("_")[0]):
         LongFormOptions(**{field: value}).validate()
@@ -137,13 +147,17 @@ def test_continuation_prompt_hand_worked():
     head = [SLOT, NOISY, ACCURATE, RATE0 + 3, *text_ids("Hi. Yo")]
     assert ids[:, 9].tolist() == [*head, TPAD, TPAD]  # non-final: no trailing-silence token
     assert (ids[: len(head), :9] == PAD).all()
-    assert np.array_equal(ids[len(head):, :9], codes)  # the frames as they are (delayed), no silence
+    assert np.array_equal(ids[len(head) :, :9], codes)  # the frames as they are (delayed), no silence
     final = PB.build_continuation("Hi.", "Yo", codes, cond)
     assert final[:, 9].tolist() == [SLOT, NOISY, ACCURATE, RATE0 + 3, TRAIL3, *text_ids("Hi. Yo"), TPAD, TPAD]
     # no speaker: the reference's scheduler adds no frames; clean/expressive markers as in a fresh prompt
     assert PB.build_continuation("a b", "c", codes)[:, 9].tolist() == [TRAIL3, *text_ids("a b c"), TPAD, TPAD]
-    ids = PB.build_continuation("a", "b", codes, Conditioning(speaker=True, clean_speaker_background=True,
-                                                               accurate_mode=False, quality_buckets=None))
+    ids = PB.build_continuation(
+        "a",
+        "b",
+        codes,
+        Conditioning(speaker=True, clean_speaker_background=True, accurate_mode=False, quality_buckets=None),
+    )
     assert ids[:, 9].tolist()[:3] == [SLOT, CLEAN, *text_ids("a b")[:1]]
 
 
@@ -181,8 +195,9 @@ def test_non_final_without_the_feature_drops_all_quality():
     assert pb.build("x", cond, non_final=True)[:, 9].tolist()[0] == 2
 
 
-@pytest.mark.parametrize("frames", [np.zeros((3, 8), np.int64), np.full((2, 9), 1026), np.full((2, 9), -1),
-                                    np.zeros((2, 3, 9), np.int64)])
+@pytest.mark.parametrize(
+    "frames", [np.zeros((3, 8), np.int64), np.full((2, 9), 1026), np.full((2, 9), -1), np.zeros((2, 3, 9), np.int64)]
+)
 def test_continuation_refuses_bad_frames(frames):
     with pytest.raises(PromptError):
         PB.build_continuation("a", "b", frames)
@@ -192,9 +207,19 @@ def test_continuation_refuses_bad_frames(frames):
 def test_parse_options_carries_the_fields():
     from app.core.options import SynthesisOptions, parse_options
 
-    opts = parse_options({"long_form": True, "long_form_chunk_chars": 80, "long_form_window_chunks": 3,
-                          "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 2.0,
-                          "prefix_cfg_scale": -0.5, "emotion_cfg_scale": 1.5}, 100)
+    opts = parse_options(
+        {
+            "long_form": True,
+            "long_form_chunk_chars": 80,
+            "long_form_window_chunks": 3,
+            "long_form_pin_anchor": False,
+            "long_form_split_mode": "sentence",
+            "cfg_scale": 2.0,
+            "prefix_cfg_scale": -0.5,
+            "emotion_cfg_scale": 1.5,
+        },
+        100,
+    )
     assert opts.long_form == LongFormOptions(True, 80, 3, False, "sentence")
     s = opts.sampling
     assert (s.cfg_scale, s.prefix_cfg_scale, s.emotion_cfg_scale) == (2.0, -0.5, 1.5)
@@ -207,14 +232,25 @@ def test_parse_options_carries_the_fields():
     # and they reach the engine's request
     from app.core.prompts import PromptFactory
     from engine.frontend.config import Zonos2Config, preset_params
+
     req = PromptFactory(Zonos2Config.from_dict(preset_params("tiny"))).request(np.zeros((2, 10)), opts, 9)
     assert req.params.prefix_cfg_scale == -0.5
 
 
-@pytest.mark.parametrize("body", [{"long_form": "auto"}, {"long_form_chunk_chars": 0}, {"long_form_chunk_chars": 2.5},
-                                  {"long_form_window_chunks": 0}, {"long_form_pin_anchor": 1},
-                                  {"long_form_split_mode": "paragraph"}, {"cfg_scale": "2"},
-                                  {"prefix_cfg_scale": 1e300}, {"emotion_cfg_scale": True}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"long_form": "auto"},
+        {"long_form_chunk_chars": 0},
+        {"long_form_chunk_chars": 2.5},
+        {"long_form_window_chunks": 0},
+        {"long_form_pin_anchor": 1},
+        {"long_form_split_mode": "paragraph"},
+        {"cfg_scale": "2"},
+        {"prefix_cfg_scale": 1e300},
+        {"emotion_cfg_scale": True},
+    ],
+)
 def test_http_routes_refuse_bad_fields(server, body):
     import httpx
 
@@ -227,14 +263,26 @@ def test_http_routes_refuse_bad_fields(server, body):
 def test_http_routes_accept_the_fields(server):
     import httpx
 
-    fields = {"long_form": None, "long_form_chunk_chars": 40, "long_form_window_chunks": 3,
-              "long_form_pin_anchor": False, "long_form_split_mode": "sentence", "cfg_scale": 1.0,
-              "prefix_cfg_scale": 1.0}
-    r = httpx.post(server.url + "/tts/generate", timeout=120,
-                   json={"text": "Hello.", "max_tokens": 5, "ignore_eos": True, "stream": False} | fields)
+    fields = {
+        "long_form": None,
+        "long_form_chunk_chars": 40,
+        "long_form_window_chunks": 3,
+        "long_form_pin_anchor": False,
+        "long_form_split_mode": "sentence",
+        "cfg_scale": 1.0,
+        "prefix_cfg_scale": 1.0,
+    }
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={"text": "Hello.", "max_tokens": 5, "ignore_eos": True, "stream": False} | fields,
+    )
     assert r.status_code == 200 and len(r.content) == 5 * 512 * 4, r.text
-    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
-        "input": "Hello.", "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}} | fields)
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        timeout=120,
+        json={"input": "Hello.", "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}} | fields,
+    )
     assert r.status_code == 200, r.text
 
 

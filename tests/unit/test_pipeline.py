@@ -31,9 +31,21 @@ TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only 
 
 def engine_stats(frames: int) -> m.RequestStats:
     """A finished record's stats, as the engine measures them (only `frames` matters here)."""
-    return m.RequestStats(queue_ms=0.0, prefill_wait_ms=0.0, prefill_ms=1.0, first_chunk_ms=1.0, ttfa_ms=2.0,
-                          e2e_ms=3.0, prompt_frames=10, frames=frames, eos_frame=None, audio_s=frames * 512 / 44100,
-                          rtf=0.5, speaker_encoder_ms=0.0, continued=False)
+    return m.RequestStats(
+        queue_ms=0.0,
+        prefill_wait_ms=0.0,
+        prefill_ms=1.0,
+        first_chunk_ms=1.0,
+        ttfa_ms=2.0,
+        e2e_ms=3.0,
+        prompt_frames=10,
+        frames=frames,
+        eos_frame=None,
+        audio_s=frames * 512 / 44100,
+        rtf=0.5,
+        speaker_encoder_ms=0.0,
+        continued=False,
+    )
 
 
 class FakeEngine:
@@ -51,8 +63,16 @@ class FakeEngine:
     def cancel(self, rid: int) -> None:
         self.cancelled.append(rid)
 
-    async def start_utterance(self, text: str, opts: Any, voice: Any = None, clip: Any = None,
-                              owner: Any = None, chain: Any = None, link: Any = None) -> Stream:
+    async def start_utterance(
+        self,
+        text: str,
+        opts: Any,
+        voice: Any = None,
+        clip: Any = None,
+        owner: Any = None,
+        chain: Any = None,
+        link: Any = None,
+    ) -> Stream:
         if link is not None:  # no continuation here (tests/engine/test_continuation.py has it): the next starts fresh
             link.settle()
         stream = Stream(len(self.streams) + 1, self, 10**9)  # type: ignore[arg-type]
@@ -81,9 +101,15 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
     settings = replace(GatewaySettings(), limits=limits or Limits())
     engine = FakeEngine()
     cfg = Zonos2Config.from_dict(preset_params("tiny"))
-    gw = SimpleNamespace(settings=settings, metrics=Metrics(), cfg=cfg, start_utterance=engine.start_utterance,
-                         engine=SimpleNamespace(info={"max_context": 6144}), fake=engine,
-                         resolve_voice=lambda ref, owner: None)
+    gw = SimpleNamespace(
+        settings=settings,
+        metrics=Metrics(),
+        cfg=cfg,
+        start_utterance=engine.start_utterance,
+        engine=SimpleNamespace(info={"max_context": 6144}),
+        fake=engine,
+        resolve_voice=lambda ref, owner: None,
+    )
     # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
     gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
     return gw
@@ -145,6 +171,7 @@ async def shut(ws: FakeSocket, task: asyncio.Task) -> None:
 
 def test_close_with_a_full_queue_still_speaks_everything_and_closes():
     """3 queued utterances (the limit) plus unterminated text, then close."""
+
     async def go():
         _session, ws, engine, task = await open_session(Limits(max_pending_utterances=3))
         ws.send(type="text", text="One. Two. Three. Four")
@@ -186,6 +213,7 @@ def test_text_after_close_is_refused_but_cancel_still_works():
 
 def test_flush_then_cancel_answers_the_flush_after_cancelled():
     """A flush whose text is cancelled is answered by `flushed` right after `cancelled`."""
+
     async def go():
         _session, ws, engine, task = await open_session()
         ws.send(type="text", text="First turn.", context_id="a")
@@ -204,7 +232,10 @@ def test_flush_then_cancel_answers_the_flush_after_cancelled():
     after_cancel, rest, engine = asyncio.run(go())
     assert [(d["type"], d.get("context_id")) for d in after_cancel] == [("cancelled", "a"), ("flushed", "a")]
     assert [(d["type"], d.get("context_id")) for d in rest] == [
-        ("audio.start", "b"), ("audio.done", "b"), ("flushed", "b")]
+        ("audio.start", "b"),
+        ("audio.done", "b"),
+        ("flushed", "b"),
+    ]
     assert engine.cancelled == [1]
 
 
@@ -231,6 +262,7 @@ def test_cancel_all_answers_every_pending_flush_once():
 def test_pending_flush_marks_stay_bounded():
     """Alternating flushes, and flushes of text that is then cancelled, while one long
     utterance plays, cost at most two marks per queued utterance; every flush is still answered once."""
+
     async def go():
         session, ws, engine, task = await open_session()
         ws.send(type="text", text="Playing for a long time.", context_id="a", flush=True)
@@ -285,6 +317,7 @@ def test_utterances_play_in_order_and_the_next_one_is_prefetched():
 
 def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     """Text side: no `internal`, no lost session."""
+
     async def go():
         _session, ws, engine, task = await open_session()
         ws.inbox.put_nowait({"type": "websocket.receive", "text": '{"type":"text","text":"\\ud800 hello."}'})
@@ -324,6 +357,7 @@ def test_a_failing_start_costs_one_utterance_not_the_session():
 
 def test_http_speak_yields_every_sentence_in_order():
     """At the pipeline: all sentences, trailing whitespace included, in order."""
+
     async def go():
         gw = fake_gateway()
         chunks = []
@@ -348,8 +382,9 @@ def test_engine_errors_map_to_http_statuses():
     unknown = engine_error(m.decode({"type": m.ERROR, "rid": 1, "code": "weird", "message": ""}))
     assert unknown.status == 500 and unknown.code == "internal"
     # every code the engine sends for a client's request is a 4xx or 503; only a bug (internal) is a 500
-    assert all(400 <= c.http_status < 600 and (c.http_status != 500) == (c is not EngineError.INTERNAL)
-               for c in EngineError)
+    assert all(
+        400 <= c.http_status < 600 and (c.http_status != 500) == (c is not EngineError.INTERNAL) for c in EngineError
+    )
 
     async def go():
         gw = fake_gateway()

@@ -30,12 +30,14 @@ def test_stack_summary_counts_own_and_inclusive_time_per_function():
     """bench/stack_summary.py: py-spy's collapsed stacks -> each function's own and inclusive share."""
     from bench.stack_summary import parse, summarize
 
-    stacks = parse([
-        'process 1:"python";run (engine/runtime/scheduler.py:100);launch (engine/dac/streaming.py:380) 30\n',
-        'process 1:"python";run (engine/runtime/scheduler.py:120);launch (engine/dac/streaming.py:390) 10\n',
-        'process 1:"python";run (engine/runtime/scheduler.py:101) 5\n',
-        "not a stack line\n",
-    ])
+    stacks = parse(
+        [
+            'process 1:"python";run (engine/runtime/scheduler.py:100);launch (engine/dac/streaming.py:380) 30\n',
+            'process 1:"python";run (engine/runtime/scheduler.py:120);launch (engine/dac/streaming.py:390) 10\n',
+            'process 1:"python";run (engine/runtime/scheduler.py:101) 5\n',
+            "not a stack line\n",
+        ]
+    )
     assert [n for _, n in stacks] == [30, 10, 5]
     text = summarize(stacks, top=3, wall=100)
     own = text.split("inclusive")[0]
@@ -46,8 +48,17 @@ def test_stack_summary_counts_own_and_inclusive_time_per_function():
 
 
 def test_dac_report_gives_audio_per_gpu_second_and_the_padding_share():
-    counts = {"launches": 10, "calls": 4, "calls 10x10": 4, "rows": 30, "pad_rows": 10, "frames": 300,
-              "pad_frames": 100, "samples": 441000, "unused": 0}
+    counts = {
+        "launches": 10,
+        "calls": 4,
+        "calls 10x10": 4,
+        "rows": 30,
+        "pad_rows": 10,
+        "frames": 300,
+        "pad_frames": 100,
+        "samples": 441000,
+        "unused": 0,
+    }
     r = dac_report(counts, gpu_ms=20.0)  # 10 audio-s in 20 GPU-ms
     assert r["audio_s_per_gpu_s"] == 500.0 and r["pad_row_share"] == 0.25 and r["rows_per_call"] == 7.5
     assert "unused" not in r and r["calls 10x10"] == 4

@@ -17,26 +17,63 @@ from engine.contract.rings import ShmRing
 from engine.contract.settings import EngineSettings, WeightSources
 
 RNG = np.random.default_rng(0)
-STATS = m.RequestStats(queue_ms=1.5, prefill_wait_ms=0.25, prefill_ms=12.0, first_chunk_ms=30.0, ttfa_ms=43.75,
-                       e2e_ms=800.0, prompt_frames=42, frames=60, eos_frame=51, audio_s=0.5921, rtf=1.351,
-                       speaker_encoder_ms=0.0, continued=True)
+STATS = m.RequestStats(
+    queue_ms=1.5,
+    prefill_wait_ms=0.25,
+    prefill_ms=12.0,
+    first_chunk_ms=30.0,
+    ttfa_ms=43.75,
+    e2e_ms=800.0,
+    prompt_frames=42,
+    frames=60,
+    eos_frame=51,
+    audio_s=0.5921,
+    rtf=1.351,
+    speaker_encoder_ms=0.0,
+    continued=True,
+)
 
 RECORDS: list[m.Record] = [
     # gateway -> engine
-    m.SubmitRequest(rid=1, prompt=RNG.integers(0, 1025, (7, 10)), params=m.SamplingParams(seed=3, top_k=5),
-                    max_frames=100),
-    m.SubmitRequest(rid=2, prompt=RNG.integers(0, 1025, (5, 10)), params=m.SamplingParams(cfg_scale=2.0),
-                    max_frames=50, ignore_eos=True, speaker_embedding=RNG.standard_normal(16).astype(np.float32),
-                    hold=True, continues=1, uncond_prompt=RNG.integers(0, 1025, (3, 10))),
-    m.SubmitRequest(rid=3, prompt=RNG.integers(0, 1025, (2, 10)), params=m.SamplingParams(), max_frames=9,
-                    clip=RNG.standard_normal(300).astype(np.float32), clip_sr=16000),
+    m.SubmitRequest(
+        rid=1, prompt=RNG.integers(0, 1025, (7, 10)), params=m.SamplingParams(seed=3, top_k=5), max_frames=100
+    ),
+    m.SubmitRequest(
+        rid=2,
+        prompt=RNG.integers(0, 1025, (5, 10)),
+        params=m.SamplingParams(cfg_scale=2.0),
+        max_frames=50,
+        ignore_eos=True,
+        speaker_embedding=RNG.standard_normal(16).astype(np.float32),
+        hold=True,
+        continues=1,
+        uncond_prompt=RNG.integers(0, 1025, (3, 10)),
+    ),
+    m.SubmitRequest(
+        rid=3,
+        prompt=RNG.integers(0, 1025, (2, 10)),
+        params=m.SamplingParams(),
+        max_frames=9,
+        clip=RNG.standard_normal(300).astype(np.float32),
+        clip_sr=16000,
+    ),
     m.Cancel(4),
     m.End(5),
     m.Embed(6, 24000, RNG.standard_normal(1000).astype(np.float32)),
     m.Shutdown(),
     # engine -> gateway
-    m.Ready(device="cpu", dac_device="cpu", slots=4, max_context=1024, load_s=1.25, quantization="none",
-            weights={"model": "random tiny ZONOS2 (seed 0)"}, speaker_dim=2048, pid=1234, warmup_s=0.5),
+    m.Ready(
+        device="cpu",
+        dac_device="cpu",
+        slots=4,
+        max_context=1024,
+        load_s=1.25,
+        quantization="none",
+        weights={"model": "random tiny ZONOS2 (seed 0)"},
+        speaker_dim=2048,
+        pid=1234,
+        warmup_s=0.5,
+    ),
     m.Started(7, queue_ms=3.25),
     m.Audio(7, 0, (RNG.standard_normal(512) * 1000).astype(np.int16)),
     m.Audio(7, 1, np.zeros(0, np.int16)),  # a final call with no samples left
@@ -49,9 +86,22 @@ RECORDS: list[m.Record] = [
     m.Error(12, E.ENGINE_BUSY, "every stream is playing", retry_after_ms=250),
     m.Error(None, E.ENGINE_START_FAILED, "no weights"),
     m.Embedding(6, RNG.standard_normal(2048).astype(np.float32)),
-    m.Stats(active=2, waiting=1, free_slots=2, step_ms_p50=21.5, period_ms=22.0, min_slack_ms=None, admissible=1,
-            dac_in_flight=1, outbox_bytes=0, steps=100, prefill_frames=64, decode_frames=200, finished=3,
-            cancelled=1),
+    m.Stats(
+        active=2,
+        waiting=1,
+        free_slots=2,
+        step_ms_p50=21.5,
+        period_ms=22.0,
+        min_slack_ms=None,
+        admissible=1,
+        dac_in_flight=1,
+        outbox_bytes=0,
+        steps=100,
+        prefill_frames=64,
+        decode_frames=200,
+        finished=3,
+        cancelled=1,
+    ),
     m.Stats(),
     m.Reset(),  # (last: the tests above index this list)
 ]
@@ -82,8 +132,16 @@ def test_every_record_survives_the_ring(ring, rec):
 def test_every_record_type_is_covered():
     assert {type(r) for r in RECORDS} == set(m.REQUESTS + m.EVENTS)
     assert [c.type for c in m.REQUESTS] == [m.SUBMIT, m.CANCEL, m.END, m.EMBED, m.RESET, m.SHUTDOWN]
-    assert [c.type for c in m.EVENTS] == [m.READY, m.STARTED, m.AUDIO, m.KEPT, m.FINISHED, m.ERROR, m.EMBEDDING,
-                                          m.STATS]
+    assert [c.type for c in m.EVENTS] == [
+        m.READY,
+        m.STARTED,
+        m.AUDIO,
+        m.KEPT,
+        m.FINISHED,
+        m.ERROR,
+        m.EMBEDDING,
+        m.STATS,
+    ]
 
 
 def test_records_are_frozen_and_compare_arrays_by_value():
@@ -107,6 +165,7 @@ def test_request_stats_are_the_json_clients_read():
     d = STATS.as_dict()
     assert "engine_id" not in d and d["ttfa_ms"] == 43.75 and d["rtf"] == 1.351 and d["continued"] is True
     from dataclasses import replace
+
     assert replace(STATS, engine_id="1").as_dict()["engine_id"] == "1"
 
 
@@ -122,17 +181,44 @@ MALFORMED: list[tuple[object, bytes | None, int | None]] = [  # header, payload,
     ({"type": m.CANCEL}, None, None),
     ({"type": m.CANCEL, "rid": "1"}, None, None),
     ({"type": m.CANCEL, "rid": True}, None, None),
-    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": "many", "prompt_width": 10, "params": {}, "max_frames": 5},
-     b"", 4),
-    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": 3, "prompt_width": 10, "params": {}, "max_frames": 5},
-     b"\0" * 40, 4),  # a payload too short for its prompt
+    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": "many", "prompt_width": 10, "params": {}, "max_frames": 5}, b"", 4),
+    (
+        {"type": m.SUBMIT, "rid": 4, "prompt_frames": 3, "prompt_width": 10, "params": {}, "max_frames": 5},
+        b"\0" * 40,
+        4,
+    ),  # a payload too short for its prompt
     ({"type": m.SUBMIT, "rid": 4, "prompt_frames": -1, "prompt_width": 10, "params": {}, "max_frames": 5}, b"", 4),
-    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": 1, "prompt_width": 10, "params": {"warmth": 1}, "max_frames": 5},
-     b"\0" * 40, 4),
-    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": 1, "prompt_width": 10, "params": {}, "max_frames": 5,
-      "speaker": "someone"}, b"\0" * 40, 4),
-    ({"type": m.SUBMIT, "rid": 4, "prompt_frames": 1, "prompt_width": 10, "params": {}, "max_frames": 5,
-      "speaker": "embedding"}, b"\0" * 43, 4),  # a voice that is no float32 array
+    (
+        {"type": m.SUBMIT, "rid": 4, "prompt_frames": 1, "prompt_width": 10, "params": {"warmth": 1}, "max_frames": 5},
+        b"\0" * 40,
+        4,
+    ),
+    (
+        {
+            "type": m.SUBMIT,
+            "rid": 4,
+            "prompt_frames": 1,
+            "prompt_width": 10,
+            "params": {},
+            "max_frames": 5,
+            "speaker": "someone",
+        },
+        b"\0" * 40,
+        4,
+    ),
+    (
+        {
+            "type": m.SUBMIT,
+            "rid": 4,
+            "prompt_frames": 1,
+            "prompt_width": 10,
+            "params": {},
+            "max_frames": 5,
+            "speaker": "embedding",
+        },
+        b"\0" * 43,
+        4,
+    ),  # a voice that is no float32 array
     ({"type": m.EMBED, "rid": 5, "clip_sr": 16000}, b"\0" * 6, 5),
     ({"type": m.AUDIO, "rid": 6, "index": 0, "samples": 10}, b"\0" * 19, 6),
     ({"type": m.AUDIO, "rid": 6, "index": 0}, b"", 6),
@@ -179,10 +265,19 @@ def test_the_gateway_drops_a_malformed_event_and_reads_on():
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-_LEAVES = (st.none() | st.booleans() | st.integers(min_value=-(2**64), max_value=2**64)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=8) | st.binary(max_size=8))
-_VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-    st.text(max_size=4) | st.integers(), inner, max_size=3), max_leaves=6)
+_LEAVES = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**64), max_value=2**64)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=8)
+    | st.binary(max_size=8)
+)
+_VALUES = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4) | st.integers(), inner, max_size=3),
+    max_leaves=6,
+)
 _ENCODED = [r.encode() for r in RECORDS]
 
 

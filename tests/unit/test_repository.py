@@ -1,4 +1,5 @@
 """The repository stays lean: raw benchmark output and other large files live outside git."""
+
 from __future__ import annotations
 
 import os

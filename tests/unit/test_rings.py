@@ -539,8 +539,9 @@ def test_orphaned_engine_unlinks_its_rings_and_exits(tmp_path: Path, use_pipe: b
 
 
 def test_stale_rings_of_dead_creators_are_removed() -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     pid = int(dead.stdout)  # a pid that no longer runs (reuse within the test is vanishingly unlikely)
     mine = ShmRing.create(4096)
     stale = ShmRing.create(4096, name=f"zonos-{pid}-deadbeef")
@@ -562,20 +563,29 @@ def test_removing_a_dead_gateways_rings_prints_nothing() -> None:
     the resource tracker (which never knew those segments)."""
     from multiprocessing import resource_tracker, shared_memory
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+    )
     name = f"zonos-{int(dead.stdout)}-cafe0001"
     seg = shared_memory.SharedMemory(name, create=True, size=64)
     resource_tracker.unregister(seg._name, "shared_memory")  # left behind: no live tracker knows it
     seg.close()
     try:
         out = subprocess.run(
-            [sys.executable, "-c", "import logging; logging.basicConfig(level='INFO')\n"
-             "from app.core.engine_client import sweep_stale_rings\n"
-             "from engine.contract import segments\n"
-             "segments.remove_stale_segments.__defaults__ = (0.0,)\n"
-             "sweep_stale_rings()"],
-            capture_output=True, text=True, cwd=REPO, timeout=120)
+            [
+                sys.executable,
+                "-c",
+                "import logging; logging.basicConfig(level='INFO')\n"
+                "from app.core.engine_client import sweep_stale_rings\n"
+                "from engine.contract import segments\n"
+                "segments.remove_stale_segments.__defaults__ = (0.0,)\n"
+                "sweep_stale_rings()",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+        )
         assert out.returncode == 0, out.stderr
         assert not _shm_exists(name)
         assert "Traceback" not in out.stderr and "KeyError" not in out.stderr, out.stderr

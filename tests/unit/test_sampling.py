@@ -23,7 +23,7 @@ V, C = 1026, 9
 def reference_probs(logits: np.ndarray, history: list[np.ndarray], p: SamplingParams) -> np.ndarray:
     """Spec §6, one request, row by row: rep penalty -> temperature -> top-k -> softmax -> top-p -> min-p."""
     out = np.zeros_like(logits, dtype=np.float64)
-    window = history[-p.repetition_window:] if p.repetition_window else []
+    window = history[-p.repetition_window :] if p.repetition_window else []
     n_rep = C if p.repetition_codebooks < 0 else p.repetition_codebooks
     for c in range(C):
         x = logits[c].astype(np.float64).copy()
@@ -96,8 +96,14 @@ def test_seeded_request_is_batch_independent():
         busy.admit(other, SamplingParams(top_k=3, temperature=0.5, top_p=0.3), seed=other)
     b = []
     for x in seq:
-        batch = torch.stack([torch.from_numpy(rng.normal(0, 2, size=(C, V)).astype(np.float32)), x,
-                             torch.zeros(C, V), torch.randn(C, V)])
+        batch = torch.stack(
+            [
+                torch.from_numpy(rng.normal(0, 2, size=(C, V)).astype(np.float32)),
+                x,
+                torch.zeros(C, V),
+                torch.randn(C, V),
+            ]
+        )
         b.append(busy.sample(batch, torch.tensor([0, 6, 1, 7]))[1])
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
@@ -127,25 +133,56 @@ def test_different_seeds_differ_and_same_seed_repeats():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"temperature": -1}, {"top_p": 1.5}, {"min_p": -0.1}, {"repetition_penalty": 0.5},
-               {"repetition_window": 10_000}, {"repetition_codebooks": 12}, {"seed": -3}],
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 1.5},
+        {"min_p": -0.1},
+        {"repetition_penalty": 0.5},
+        {"repetition_window": 10_000},
+        {"repetition_codebooks": 12},
+        {"seed": -3},
+    ],
 )
 def test_invalid_params_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs).validate()
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                            reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")],
+        ),
+    ],
+)
 def test_values_at_their_bounds_sample_valid_codes(device):
     """Every value at the edge of its bound (records.py, checked at the door and on submit) fits the
     sampler's tensors and samples valid codes, with a repeated history, on the device the engine runs on."""
-    edges = [SamplingParams(temperature=TEMPERATURE_MAX, repetition_penalty=REPETITION_PENALTY_MAX,
-                            repetition_window=HISTORY, repetition_codebooks=-1, top_k=TOP_K_MAX, top_p=1.0, min_p=1.0),
-             SamplingParams(temperature=0.0, repetition_penalty=1.0, repetition_window=0, top_k=-1, top_p=0.0,
-                            min_p=0.0, seed=SEED_LIMIT - 1),
-             SamplingParams(temperature=5e-324, top_p=1e-320, min_p=1e-320, repetition_penalty=REPETITION_PENALTY_MAX)]
+    edges = [
+        SamplingParams(
+            temperature=TEMPERATURE_MAX,
+            repetition_penalty=REPETITION_PENALTY_MAX,
+            repetition_window=HISTORY,
+            repetition_codebooks=-1,
+            top_k=TOP_K_MAX,
+            top_p=1.0,
+            min_p=1.0,
+        ),
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=1.0,
+            repetition_window=0,
+            top_k=-1,
+            top_p=0.0,
+            min_p=0.0,
+            seed=SEED_LIMIT - 1,
+        ),
+        SamplingParams(temperature=5e-324, top_p=1e-320, min_p=1e-320, repetition_penalty=REPETITION_PENALTY_MAX),
+    ]
     st = SamplerState(len(edges), C, V, device)
     for slot, p in enumerate(edges):
         p.validate(C)
@@ -178,11 +215,14 @@ def test_first_frame_after_prefill_is_sampled_outside_the_compiled_sampler():
     def first_frames(poison: bool) -> list[np.ndarray]:
         node = LLMNode(model, n_slots=4, max_len=128)
         if poison:
+
             def traced(*_args, **_kwargs):
                 raise AssertionError("prefill sampling went through the compiled sampler")
+
             node.sampler._filter = node.sampler._noise = traced
-        seqs = [Sequence(rid=i, prompt=p, params=SamplingParams(seed=10 + i), max_frames=4)
-                for i, p in enumerate(prompts)]
+        seqs = [
+            Sequence(rid=i, prompt=p, params=SamplingParams(seed=10 + i), max_frames=4) for i, p in enumerate(prompts)
+        ]
         for s in seqs:
             node.admit(s)
         return [codes for _, codes in node.prefill([(s, s.prompt_len) for s in seqs])]
@@ -201,14 +241,17 @@ def test_a_rows_filtered_logits_are_the_same_bits_in_any_batch():
     rng = np.random.default_rng(3)
     st = SamplerState(8, C, V, "cpu")
     for s in range(8):
-        st.admit(s, SamplingParams(top_p=(0.3, 0.9, 0.0)[s % 3], min_p=(0.0, 0.05, 0.2)[s % 3],
-                                   temperature=0.5 + 0.1 * s), seed=100 + s)
+        st.admit(
+            s,
+            SamplingParams(top_p=(0.3, 0.9, 0.0)[s % 3], min_p=(0.0, 0.05, 0.2)[s % 3], temperature=0.5 + 0.1 * s),
+            seed=100 + s,
+        )
     logits = torch.from_numpy(rng.normal(0, 3, size=(8, C, V)).astype(np.float32))
     full = st.filtered_logits(logits, torch.arange(8))
     noise = gumbel_noise(st.seed, st.step, (C, V))
     for s in range(8):
         one = torch.tensor([s])
-        assert torch.equal(st.filtered_logits(logits[s:s + 1], one)[0], full[s])
+        assert torch.equal(st.filtered_logits(logits[s : s + 1], one)[0], full[s])
         assert torch.equal(gumbel_noise(st.seed[one], st.step[one], (C, V))[0], noise[s])
     plain = SamplerState(1, C, V, "cpu")
     plain.admit(0, SamplingParams(top_p=0.0, min_p=0.0, temperature=0.5), seed=100)
@@ -245,8 +288,16 @@ def test_top_k_has_one_limit_and_one_meaning_below_one():
     assert str(engine_side.value) in str(gateway_side.value)
 
 
-@pytest.mark.parametrize("bad", [{"top_k": TOP_K_MAX + 1}, {"repetition_penalty": 0.5}, {"repetition_window": HISTORY + 1},
-                                 {"repetition_codebooks": C + 1}, {"temperature": TEMPERATURE_MAX * 2}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"top_k": TOP_K_MAX + 1},
+        {"repetition_penalty": 0.5},
+        {"repetition_window": HISTORY + 1},
+        {"repetition_codebooks": C + 1},
+        {"temperature": TEMPERATURE_MAX * 2},
+    ],
+)
 def test_the_sampler_takes_only_values_within_the_contracts_bounds(bad):
     """The sampler checks a request's values against the one set of bounds (SamplingParams.validate) rather
     than bending them into its own."""

@@ -17,22 +17,42 @@ from engine.frontend.textnorm import TextNormalizer
 
 def test_parse_options_defaults_and_overrides():
     o = parse_options({}, 3000)
-    assert o.sampling.temperature == 1.15 and o.sampling.top_k == 106 and o.cond.quality_buckets == {
-        "trailing_silence_s": 3}
+    assert (
+        o.sampling.temperature == 1.15
+        and o.sampling.top_k == 106
+        and o.cond.quality_buckets == {"trailing_silence_s": 3}
+    )
     o = parse_options({"temperature": 0.7, "seed": 3, "max_frames": 100, "speed": 1.2, "accurate_mode": False}, 3000)
     assert (o.sampling.temperature, o.sampling.seed, o.max_frames, o.cond.speed, o.cond.accurate_mode) == (
-        0.7, 3, 100, 1.2, False)
+        0.7,
+        3,
+        100,
+        1.2,
+        False,
+    )
     # later configs build on earlier ones; null resets
     o2 = parse_options({"max_frames": None, "speed": None, "quality_buckets": None}, 3000, base=o)
     assert o2.max_frames is None and o2.cond.speed is None and o2.cond.quality_buckets is None
     assert o2.sampling.temperature == 0.7
 
 
-@pytest.mark.parametrize("params", [
-    {"temperature": "hot"}, {"top_k": 1.5}, {"top_p": 2}, {"seed": -1}, {"max_frames": 0}, {"max_frames": 10**6},
-    {"language": "xx"}, {"speed": 1, "speaking_rate": 10}, {"ignore_eos": "yes"}, {"quality_buckets": [1]},
-    {"nope": 1}, {"temperature": float("nan")},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"temperature": "hot"},
+        {"top_k": 1.5},
+        {"top_p": 2},
+        {"seed": -1},
+        {"max_frames": 0},
+        {"max_frames": 10**6},
+        {"language": "xx"},
+        {"speed": 1, "speaking_rate": 10},
+        {"ignore_eos": "yes"},
+        {"quality_buckets": [1]},
+        {"nope": 1},
+        {"temperature": float("nan")},
+    ],
+)
 def test_parse_options_refuses_bad_values(params):
     with pytest.raises(RequestError):
         parse_options(params, 3000)
@@ -41,12 +61,25 @@ def test_parse_options_refuses_bad_values(params):
 TINY = Zonos2Config.from_dict(preset_params("tiny"))
 
 
-@pytest.mark.parametrize("params", [
-    {"speaking_rate_bucket": 8}, {"speaking_rate_bucket": -1}, {"speaking_rate": -5}, {"speaking_rate": 0},
-    {"speed": 9.0}, {"speed": 0.01}, {"speed": -1}, {"quality_buckets": {"lufs": 99}},
-    {"quality_buckets": {"lufs": -1}}, {"quality_buckets": {"nosuch": 1}}, {"quality_values": {"nosuch": 1.0}},
-    {"quality_values": {"lufs": 1e300}}, {"top_k": 5000}, {"top_k": 1025},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"speaking_rate_bucket": 8},
+        {"speaking_rate_bucket": -1},
+        {"speaking_rate": -5},
+        {"speaking_rate": 0},
+        {"speed": 9.0},
+        {"speed": 0.01},
+        {"speed": -1},
+        {"quality_buckets": {"lufs": 99}},
+        {"quality_buckets": {"lufs": -1}},
+        {"quality_buckets": {"nosuch": 1}},
+        {"quality_values": {"nosuch": 1.0}},
+        {"quality_values": {"lufs": 1e300}},
+        {"top_k": 5000},
+        {"top_k": 1025},
+    ],
+)
 def test_parse_options_checks_conditioning_when_it_arrives(params):
     """Values that would fail every later utterance are refused by the config itself, with
     one set of bounds for every API."""
@@ -56,11 +89,21 @@ def test_parse_options_checks_conditioning_when_it_arrives(params):
         assert e.value.code == "bad_params" and e.value.status == 400
 
 
-@pytest.mark.parametrize("params", [
-    {"speaking_rate_bucket": 0}, {"speaking_rate_bucket": 7}, {"speaking_rate": 15.5}, {"speed": 0.25},
-    {"speed": 4}, {"quality_buckets": {"lufs": 11, "trailing_silence_s": 0}}, {"quality_values": {"lufs": -20.0}},
-    {"top_k": 1024}, {"top_k": 0}, {"top_k": -1},
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"speaking_rate_bucket": 0},
+        {"speaking_rate_bucket": 7},
+        {"speaking_rate": 15.5},
+        {"speed": 0.25},
+        {"speed": 4},
+        {"quality_buckets": {"lufs": 11, "trailing_silence_s": 0}},
+        {"quality_values": {"lufs": -20.0}},
+        {"top_k": 1024},
+        {"top_k": 0},
+        {"top_k": -1},
+    ],
+)
 def test_parse_options_accepts_values_at_the_bounds(params):
     opts = parse_options(params, 3000, cfg=TINY)
     PromptFactory(TINY).build("Bounds.", opts, speaker=False)  # and the prompt builds

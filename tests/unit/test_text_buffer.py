@@ -17,7 +17,7 @@ def stream(text: str, step: int, budget: int = 500, language: str = "en_us") -> 
     buf = TextBuffer(budget, language)
     out = []
     for i in range(0, len(text), step):
-        out += buf.append(text[i:i + step])
+        out += buf.append(text[i : i + step])
     return out + buf.flush()
 
 
@@ -36,21 +36,39 @@ def test_word_by_word_like_an_llm():
     assert buf.flush() == ISSUE_SENTENCES[1:]
 
 
-@pytest.mark.parametrize("text, language, sentences", [
-    ("J. R. R. Tolkien wrote it. Then Mr. Baggins left.", "en_us",
-     ["J. R. R. Tolkien wrote it.", "Then Mr. Baggins left."]),
-    ("The value is 3.14. Version 2.0.1 shipped. Done!", "en_us",
-     ["The value is 3.14.", "Version 2.0.1 shipped.", "Done!"]),
-    ("Visit https://example.com/a.b?x=1. Then email a.b@c.org. Thanks.", "en_us",
-     ["Visit https://example.com/a.b?x=1.", "Then email a.b@c.org.", "Thanks."]),
-    ("I live in the U.S. It is big. See e.g. the docs, i.e. the manual.", "en_us",
-     ["I live in the U.S.", "It is big.", "See e.g. the docs, i.e. the manual."]),
-    ("你好。今天天气很好！我们去公园吧？好的", "cmn", ["你好。", "今天天气很好！", "我们去公园吧？", "好的"]),
-    ("こんにちは。元気ですか？はい", "ja", ["こんにちは。", "元気ですか？", "はい"]),
-    ("Am 3. Januar kam Dr. Müller. Er ging z.B. nach Hause.", "de",
-     ["Am 3. Januar kam Dr. Müller.", "Er ging z.B. nach Hause."]),
-    ("Line one\nLine two\n\nThree. Four", "en_us", ["Line one", "Line two", "Three.", "Four"]),
-])
+@pytest.mark.parametrize(
+    "text, language, sentences",
+    [
+        (
+            "J. R. R. Tolkien wrote it. Then Mr. Baggins left.",
+            "en_us",
+            ["J. R. R. Tolkien wrote it.", "Then Mr. Baggins left."],
+        ),
+        (
+            "The value is 3.14. Version 2.0.1 shipped. Done!",
+            "en_us",
+            ["The value is 3.14.", "Version 2.0.1 shipped.", "Done!"],
+        ),
+        (
+            "Visit https://example.com/a.b?x=1. Then email a.b@c.org. Thanks.",
+            "en_us",
+            ["Visit https://example.com/a.b?x=1.", "Then email a.b@c.org.", "Thanks."],
+        ),
+        (
+            "I live in the U.S. It is big. See e.g. the docs, i.e. the manual.",
+            "en_us",
+            ["I live in the U.S.", "It is big.", "See e.g. the docs, i.e. the manual."],
+        ),
+        ("你好。今天天气很好！我们去公园吧？好的", "cmn", ["你好。", "今天天气很好！", "我们去公园吧？", "好的"]),
+        ("こんにちは。元気ですか？はい", "ja", ["こんにちは。", "元気ですか？", "はい"]),
+        (
+            "Am 3. Januar kam Dr. Müller. Er ging z.B. nach Hause.",
+            "de",
+            ["Am 3. Januar kam Dr. Müller.", "Er ging z.B. nach Hause."],
+        ),
+        ("Line one\nLine two\n\nThree. Four", "en_us", ["Line one", "Line two", "Three.", "Four"]),
+    ],
+)
 def test_segmenter_cases(text, language, sentences):
     assert stream(text, 1000, language=language) == sentences
     assert stream(text, 1, language=language) == sentences
@@ -77,7 +95,7 @@ def test_streaming_rule():
 
 
 def test_trailing_whitespace_is_not_lost():
-    """"Hello world. " gave empty_text over HTTP (the sentence came out of append)."""
+    """ "Hello world. " gave empty_text over HTTP (the sentence came out of append)."""
     buf = TextBuffer(500)
     assert buf.append("Hello world. \n") + buf.flush() == ["Hello world."]
     assert TextBuffer(500).flush() == []
@@ -100,14 +118,19 @@ def test_long_text_is_cut_by_utf8_length_and_nothing_is_lost(text):
 
 def test_long_sentences_are_cut_at_clauses_then_spaces():
     s = "This is a long clause, with a comma; and then more words here and there and everywhere"
-    assert split_to_budget(s, 50) == ["This is a long clause, with a comma;",
-                                      "and then more words here and there and everywhere"]
+    assert split_to_budget(s, 50) == [
+        "This is a long clause, with a comma;",
+        "and then more words here and there and everywhere",
+    ]
     assert split_to_budget("aaaa bbbb cccc", 9) == ["aaaa", "bbbb cccc"]
 
 
 @settings(max_examples=200, deadline=None)
-@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=400),
-       step=st.integers(1, 50), budget=st.integers(8, 120))
+@given(
+    text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=400),
+    step=st.integers(1, 50),
+    budget=st.integers(8, 120),
+)
 def test_every_character_is_spoken_once_in_order(text, step, budget):
     pieces = stream(text, step, budget=budget)
     assert "".join("".join(p.split()) for p in pieces) == "".join(text.split())

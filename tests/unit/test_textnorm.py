@@ -357,8 +357,7 @@ def test_get_normalizer_is_a_singleton():
 # ---------------------------------------------------------------- the real thing
 
 HAVE_NEMO = (
-    importlib.util.find_spec("nemo_text_processing") is not None
-    and importlib.util.find_spec("pynini") is not None
+    importlib.util.find_spec("nemo_text_processing") is not None and importlib.util.find_spec("pynini") is not None
 )
 
 
@@ -403,8 +402,9 @@ def wait_for_file(path: str) -> int:
 def _pool(**kw):
     from app.core.normalization import NormalizationPool
 
-    return NormalizationPool(kw.pop("workers", 1), kw.pop("cpu_limit_s", 30.0), kw.pop("max_tasks", 0),
-                             warm=(), available=True, **kw)
+    return NormalizationPool(
+        kw.pop("workers", 1), kw.pop("cpu_limit_s", 30.0), kw.pop("max_tasks", 0), warm=(), available=True, **kw
+    )
 
 
 def test_a_task_past_its_cpu_bound_ends_its_worker_and_the_next_task_runs():

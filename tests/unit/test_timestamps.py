@@ -17,8 +17,9 @@ TEXT = "Hello there, how are you today? Fine, thanks."
 def speech(seconds: float, lead_s: float = 0.0, tail_s: float = 0.0, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     voiced = (rng.standard_normal(int(seconds * SAMPLE_RATE)) * 3000).astype(np.int16)
-    return np.concatenate([np.zeros(int(lead_s * SAMPLE_RATE), np.int16), voiced,
-                           np.zeros(int(tail_s * SAMPLE_RATE), np.int16)])
+    return np.concatenate(
+        [np.zeros(int(lead_s * SAMPLE_RATE), np.int16), voiced, np.zeros(int(tail_s * SAMPLE_RATE), np.int16)]
+    )
 
 
 @pytest.mark.parametrize("chunk", [512, 4096, 30000])
@@ -28,14 +29,14 @@ def test_every_word_in_order_within_the_audio_fed(chunk, seconds):
     clock = WordClock(TEXT)
     words, fed = [], 0
     for i in range(0, len(audio), chunk):
-        piece = audio[i:i + chunk]
+        piece = audio[i : i + chunk]
         fed += len(piece)
         new = clock.feed(piece)
         assert all(w.end_s <= fed / SAMPLE_RATE + 1e-9 for w in new)
         words += new
     words += clock.finish()
     assert [w.word for w in words] == TEXT.split()
-    assert [TEXT[w.char_start:w.char_end] for w in words] == TEXT.split()
+    assert [TEXT[w.char_start : w.char_end] for w in words] == TEXT.split()
     starts = [w.start_s for w in words]
     assert starts == sorted(starts) and all(w.end_s >= w.start_s for w in words)
     assert all(b.start_s >= a.end_s - 1e-9 for a, b in itertools.pairwise(words))

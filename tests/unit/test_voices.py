@@ -170,8 +170,15 @@ def test_slerp_endpoints_midpoint_and_range():
 DIM = 16
 
 
-def add(store: VoiceStore, vid: str, name: str, seed: int = 0, owner: str = "", preview: bytes | None = None,
-        created_at: float | None = None) -> Voice:
+def add(
+    store: VoiceStore,
+    vid: str,
+    name: str,
+    seed: int = 0,
+    owner: str = "",
+    preview: bytes | None = None,
+    created_at: float | None = None,
+) -> Voice:
     v = Voice(id=vid, name=name, owner=owner, source="embedding", dim=DIM)
     if created_at is not None:
         v.created_at = created_at
@@ -338,8 +345,9 @@ def test_rename_keeps_embedding_and_preview(tmp_path):
 
 def test_default_and_foreign_voices_are_read_only(tmp_path):
     store = VoiceStore(tmp_path, DIM)
-    store.remember_default(Voice(id="default_1", name="Narrator", owner="", source="default", dim=DIM),
-                           rand(5, DIM), None)
+    store.remember_default(
+        Voice(id="default_1", name="Narrator", owner="", source="default", dim=DIM), rand(5, DIM), None
+    )
     add(store, "v_pub", "Public", seed=6)
     for op in (lambda: store.rename("Narrator", "", "x"), lambda: store.delete("default_1", "")):
         with pytest.raises(VoiceError) as err:
@@ -408,8 +416,11 @@ def upload_embedding(server, arr_bytes: bytes, name: str | None, filename: str =
 
 
 def pcm(server, voice: str) -> bytes:
-    r = httpx.post(server.url + "/v1/audio/speech", timeout=120, json={
-        "input": "Voice check.", "voice": voice, "response_format": "pcm", "params": FAST})
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        timeout=120,
+        json={"input": "Voice check.", "voice": voice, "response_format": "pcm", "params": FAST},
+    )
     assert r.status_code == 200, r.text
     return r.content
 
@@ -463,19 +474,29 @@ def test_blend_by_name(server):
     created(upload_embedding(server, npy(a), "tv blend A"))
     created(upload_embedding(server, npy(b), "tv blend B"))
     for t, want in ((0, a), (1, b), (0.25, slerp(a, b, 0.25))):
-        r = httpx.post(server.url + "/v1/voices/blend", json={"a": "tv blend A", "b": "tv blend B", "t": t,
-                                                                "name": f"tv blend {t}"})
+        r = httpx.post(
+            server.url + "/v1/voices/blend",
+            json={"a": "tv blend A", "b": "tv blend B", "t": t, "name": f"tv blend {t}"},
+        )
         v = created(r)
         assert v["source"] == "blend" and v["details"]["t"] == t
         np.testing.assert_allclose(embedding_of(server, f"tv blend {t}"), want, rtol=1e-5, atol=1e-5)
     v = created(httpx.post(server.url + "/v1/voices/blend", json={"a": "tv blend A", "b": "tv blend B"}))
     assert v["name"] == "tv blend A + tv blend B" and v["details"]["t"] == 0.5
     # voices and blends by name in /tts/generate
-    for extra in ({"speaker_embedding_id": "tv blend 0.25"},
-                  {"speaker_blend_embedding_id_a": "tv blend A", "speaker_blend_embedding_id_b": "tv blend B",
-                   "speaker_blend_t": 0.25}):
-        r = httpx.post(server.url + "/tts/generate", timeout=120, json={
-            "text": "Blend.", "max_tokens": 8, "ignore_eos": True, "stream": False, "seed": 3} | extra)
+    for extra in (
+        {"speaker_embedding_id": "tv blend 0.25"},
+        {
+            "speaker_blend_embedding_id_a": "tv blend A",
+            "speaker_blend_embedding_id_b": "tv blend B",
+            "speaker_blend_t": 0.25,
+        },
+    ):
+        r = httpx.post(
+            server.url + "/tts/generate",
+            timeout=120,
+            json={"text": "Blend.", "max_tokens": 8, "ignore_eos": True, "stream": False, "seed": 3} | extra,
+        )
         assert r.status_code == 200 and len(r.content) == 8 * 512 * 4, r.text
 
 
@@ -533,8 +554,11 @@ def test_voice_by_name_over_websocket(server):
     async def go() -> tuple[dict, dict, int]:
         async with websockets.connect(server.ws_url, max_size=None) as ws:
             assert json.loads(await ws.recv())["type"] == "session.created"
-            await ws.send(json.dumps({"type": "session.config", "voice": "tv ws voice",
-                                      "params": {"max_frames": 10, "ignore_eos": True}}))
+            await ws.send(
+                json.dumps(
+                    {"type": "session.config", "voice": "tv ws voice", "params": {"max_frames": 10, "ignore_eos": True}}
+                )
+            )
             upd = json.loads(await ws.recv())
             await ws.send(json.dumps({"type": "text", "text": "By name.", "flush": True}))
             n = 0
@@ -576,8 +600,7 @@ def _silent(seconds: float, sr: int, channels: int = 1, fmt: str = "FLAC") -> by
 BAD_UPLOADS = {
     "wrong_dimension": ({"embedding": ("e.npy", npy(np.ones(512, np.float32)))}, 400, "bad_embedding"),
     "nan": ({"embedding": ("e.npy", npy(np.full(D, np.nan, np.float32)))}, 400, "bad_embedding"),
-    "pickled_object_npz": ({"embedding": ("e.npz", npz(emb=np.array([1, "x"], dtype=object)))}, 400,
-                           "bad_embedding"),
+    "pickled_object_npz": ({"embedding": ("e.npz", npz(emb=np.array([1, "x"], dtype=object)))}, 400, "bad_embedding"),
     "structured": ({"embedding": ("e.npy", npy(np.zeros(3, dtype=[("x", "<f4")])))}, 400, "bad_embedding"),
     "npz_bomb": ({"embedding": ("e.npz", _header_only_npz((10**9, D)))}, 400, "bad_embedding"),
     "non_audio": ({"file": ("x.wav", b"this is plain text, not a WAV")}, 400, "bad_audio"),
@@ -610,8 +633,13 @@ def test_no_upload_and_unknown_voices(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
     r = httpx.post(server.url + "/v1/voices", json={"name": "json body"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
-    for method, path, body in (("GET", "", None), ("GET", "/embedding", None), ("GET", "/preview", None),
-                               ("PATCH", "", {"name": "x"}), ("DELETE", "", None)):
+    for method, path, body in (
+        ("GET", "", None),
+        ("GET", "/embedding", None),
+        ("GET", "/preview", None),
+        ("PATCH", "", {"name": "x"}),
+        ("DELETE", "", None),
+    ):
         r = httpx.request(method, server.url + f"/v1/voices/tv-nobody{path}", json=body)
         assert r.status_code == 404 and r.json()["error"]["code"] == "unknown_voice", (method, path, r.text)
     r = httpx.post(server.url + "/tts/generate", json={"text": "x", "speaker_embedding_id": "tv-nobody"})
@@ -621,8 +649,11 @@ def test_no_upload_and_unknown_voices(server):
 @pytest.mark.slow
 @pytest.mark.parametrize("arr", [np.ones(5, np.float32), np.full(D, np.inf, np.float32)])
 def test_inline_embedding_in_tts_generate_is_validated(server, arr):
-    r = httpx.post(server.url + "/tts/generate", timeout=60, json={
-        "text": "x", "speaker_embedding_base64": base64.b64encode(npy(arr)).decode()})
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=60,
+        json={"text": "x", "speaker_embedding_base64": base64.b64encode(npy(arr)).decode()},
+    )
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding", r.text
 
 
@@ -639,8 +670,9 @@ def test_names_are_refused_alike_and_a_reblend_keeps_its_name(server):
             "upload": upload_embedding(server, npy(rand(54)), bad),
             "patch": httpx.patch(server.url + f"/v1/voices/{a['id']}", json={"name": bad}),
             "blend": httpx.post(server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "name": bad}),
-            "speakers": httpx.post(server.url + "/tts/speakers", headers=session,
-                                   json={"label": bad, "speaker_embedding_base64": emb}),
+            "speakers": httpx.post(
+                server.url + "/tts/speakers", headers=session, json={"label": bad, "speaker_embedding_base64": emb}
+            ),
         }
         for route, r in answers.items():
             assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name", (route, bad, r.text)
@@ -651,8 +683,9 @@ def test_names_are_refused_alike_and_a_reblend_keeps_its_name(server):
     again = httpx.post(server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "t": 0.3})
     assert again.status_code == 200 and again.json()["id"] == first.json()["id"], again.text
     assert again.json()["name"] == ok and again.json()["deduplicated"]
-    renamed = httpx.post(server.url + "/v1/voices/blend",
-                         json={"a": a["id"], "b": b["id"], "t": 0.3, "name": "tv same rule renamed"})
+    renamed = httpx.post(
+        server.url + "/v1/voices/blend", json={"a": a["id"], "b": b["id"], "t": 0.3, "name": "tv same rule renamed"}
+    )
     assert renamed.status_code == 200 and renamed.json()["name"] == "tv same rule renamed", renamed.text
     # a name the server makes up from two long names is cut to the longest a name may be, not refused
     long_a = created(upload_embedding(server, npy(rand(55)), "L" * 60))

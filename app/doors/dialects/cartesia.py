@@ -48,7 +48,9 @@ from engine.contract.constants import SAMPLE_RATE
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
-_STATUS: dict[str, int] = {code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)}  # in its error messages
+_STATUS: dict[str, int] = {
+    code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)
+}  # in its error messages
 
 
 @dataclass(eq=False)
@@ -91,9 +93,16 @@ class CartesiaSession(StreamingSession):
 
     def render_error(self, code: str, message: str, extra: dict[str, Any]) -> dict[str, Any] | None:
         ctx = extra.get("context_id")
-        return {"type": "error", "context_id": ctx if isinstance(ctx, str) else None,
-                "status_code": _STATUS.get(code, 400), "done": True, "error": message, "title": code,
-                "message": message, "error_code": code}
+        return {
+            "type": "error",
+            "context_id": ctx if isinstance(ctx, str) else None,
+            "status_code": _STATUS.get(code, 400),
+            "done": True,
+            "error": message,
+            "title": code,
+            "message": message,
+            "error_code": code,
+        }
 
     def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
         return {"context_id": data.get("context_id")}
@@ -133,8 +142,7 @@ class CartesiaSession(StreamingSession):
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {MAX_CONTEXTS} contexts may hold text or audio "
-                               "at once")
+            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {MAX_CONTEXTS} contexts may hold text or audio at once")
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
             raise RequestError(G.BAD_MESSAGE, "output_format must be an object")
@@ -149,8 +157,9 @@ class CartesiaSession(StreamingSession):
             speed = data.get("speed") if isinstance(data.get("speed"), int | float) else None
         opts = dialect_options(self.gw, base=self.opts, language=data.get("language"), speed=speed)
         delay = data.get("max_buffer_delay_ms")
-        if delay is not None and (not isinstance(delay, int) or isinstance(delay, bool)
-                                  or not 0 <= delay <= MAX_BUFFER_DELAY_MS):
+        if delay is not None and (
+            not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
+        ):
             raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         lexicon = self.gw.lexicon(pronunciation_dict(data), self.owner)
         if lexicon:
@@ -174,8 +183,17 @@ class CartesiaSession(StreamingSession):
     def _flush_done(self, c: Context, flush_id: int) -> Any:
         async def answer() -> None:
             if not c.failed:
-                await self.send_json_locked({"type": "flush_done", "done": False, "flush_done": True,
-                                             "flush_id": flush_id, "status_code": 206, "context_id": c.id})
+                await self.send_json_locked(
+                    {
+                        "type": "flush_done",
+                        "done": False,
+                        "flush_done": True,
+                        "flush_id": flush_id,
+                        "status_code": 206,
+                        "context_id": c.id,
+                    }
+                )
+
         return answer
 
     # ---- playback ------------------------------------------------------------------------------------
@@ -196,11 +214,19 @@ class CartesiaSession(StreamingSession):
         if c is None or not chunk.words:
             return
         t0 = c.audio_s
-        await self.send_json_locked({
-            "type": "timestamps", "context_id": u.context_id, "status_code": 206, "done": False,
-            "word_timestamps": {"words": [w.word for w in chunk.words],
-                                "start": [round(t0 + w.start_s, 3) for w in chunk.words],
-                                "end": [round(t0 + w.end_s, 3) for w in chunk.words]}})
+        await self.send_json_locked(
+            {
+                "type": "timestamps",
+                "context_id": u.context_id,
+                "status_code": 206,
+                "done": False,
+                "word_timestamps": {
+                    "words": [w.word for w in chunk.words],
+                    "start": [round(t0 + w.start_s, 3) for w in chunk.words],
+                    "end": [round(t0 + w.end_s, 3) for w in chunk.words],
+                },
+            }
+        )
 
     async def on_audio(self, u: Utterance, data: bytes, chunk: Chunk) -> None:
         await self._chunk(u, data)
@@ -209,9 +235,14 @@ class CartesiaSession(StreamingSession):
     async def _chunk(self, u: Utterance, data: bytes) -> None:
         c = self._ctx_of(u)
         now = time.perf_counter()
-        msg: dict[str, Any] = {"type": "chunk", "data": base64.b64encode(data).decode(), "done": False,
-                               "status_code": 206, "step_time": round((now - c.last_sent) * 1e3, 3) if c else 0.0,
-                               "context_id": u.context_id}
+        msg: dict[str, Any] = {
+            "type": "chunk",
+            "data": base64.b64encode(data).decode(),
+            "done": False,
+            "status_code": 206,
+            "step_time": round((now - c.last_sent) * 1e3, 3) if c else 0.0,
+            "context_id": u.context_id,
+        }
         if c is not None:
             c.last_sent = now
             if c.flush_id:
@@ -259,7 +290,7 @@ def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
     """A request's `voice` (the WebSocket's and the HTTP routes'): `{"mode": "id", "id"}`, one of our voices,
     or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
     if not isinstance(spec, dict):
-        raise RequestError(G.BAD_MESSAGE, "voice must be an object: {\"mode\": \"id\", \"id\": ...}")
+        raise RequestError(G.BAD_MESSAGE, 'voice must be an object: {"mode": "id", "id": ...}')
     mode = spec.get("mode", "id")
     if mode == "id":
         ref = spec.get("id")

@@ -76,8 +76,9 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) ->
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 
 
-async def _prepare(request: Request, containers: tuple[str, ...]
-                   ) -> tuple[dict[str, Any], str, SynthesisOptions, Voice | None, OutputFormat]:
+async def _prepare(
+    request: Request, containers: tuple[str, ...]
+) -> tuple[dict[str, Any], str, SynthesisOptions, Voice | None, OutputFormat]:
     gw, owner, data = await open_request(request)
     text = text_field(data, "transcript", gw.settings.limits.max_http_chars)
     fmt = _format(data.get("output_format"), containers)
@@ -107,15 +108,43 @@ async def tts_sse(request: Request) -> Response:
         nonlocal last
         now = time.perf_counter()
         step, last = round((now - last) * 1e3, 3), now
-        return _event("chunk", {"type": "chunk", "data": base64.b64encode(audio).decode(), "done": False,
-                                "status_code": 206, "step_time": step, "context_id": ctx})
+        return _event(
+            "chunk",
+            {
+                "type": "chunk",
+                "data": base64.b64encode(audio).decode(),
+                "done": False,
+                "status_code": 206,
+                "step_time": step,
+                "context_id": ctx,
+            },
+        )
 
     def done() -> bytes:
         return _event("done", {"type": "done", "done": True, "status_code": 200, "context_id": ctx})
 
     def error(e: RequestError) -> bytes:
-        return _event("error", {"type": "error", "done": True, "status_code": e.status, "error": str(e),
-                                "title": e.code, "message": str(e), "error_code": e.code, "context_id": ctx})
+        return _event(
+            "error",
+            {
+                "type": "error",
+                "done": True,
+                "status_code": e.status,
+                "error": str(e),
+                "title": e.code,
+                "message": str(e),
+                "error_code": e.code,
+                "context_id": ctx,
+            },
+        )
 
-    return await speech_response(request, "cartesia", text, opts, voice, fmt, media_type="text/event-stream",
-                                 framing=Framing(chunk=chunk, end=done, error=error))
+    return await speech_response(
+        request,
+        "cartesia",
+        text,
+        opts,
+        voice,
+        fmt,
+        media_type="text/event-stream",
+        framing=Framing(chunk=chunk, end=done, error=error),
+    )

@@ -13,14 +13,34 @@ from app.io.errors import GatewayError as G
 from app.io.json_input import parse_json_object
 
 # Their language codes (ISO 639-1, BCP 47) -> our text-normalization languages.
-LANGUAGES = {"en": "en_us", "en_us": "en_us", "en_gb": "en_gb", "fr": "fr_fr", "de": "de", "es": "es", "it": "it",
-             "pt": "pt_br", "pt_br": "pt_br", "ja": "ja", "zh": "cmn", "cmn": "cmn", "ko": "ko"}
+LANGUAGES = {
+    "en": "en_us",
+    "en_us": "en_us",
+    "en_gb": "en_gb",
+    "fr": "fr_fr",
+    "de": "de",
+    "es": "es",
+    "it": "it",
+    "pt": "pt_br",
+    "pt_br": "pt_br",
+    "ja": "ja",
+    "zh": "cmn",
+    "cmn": "cmn",
+    "ko": "ko",
+}
 _RATE_KEYS = ("speaking_rate", "speaking_rate_bucket")
 
 
-def dialect_options(gw: Gateway, query: Mapping[str, str] | None = None, base: SynthesisOptions | None = None, *,
-                    language: Any = None, speed: Any = None, text_normalization: bool | None = None,
-                    seed: int | None = None) -> SynthesisOptions:
+def dialect_options(
+    gw: Gateway,
+    query: Mapping[str, str] | None = None,
+    base: SynthesisOptions | None = None,
+    *,
+    language: Any = None,
+    speed: Any = None,
+    text_normalization: bool | None = None,
+    seed: int | None = None,
+) -> SynthesisOptions:
     """A dialect request's options, parsed and bounded once (app/core/options.py), on `base` (a session's):
 
     * `query`'s `?zonos_params=<JSON object>`: our own knobs, the `params` of our session.config (seed,
@@ -67,5 +87,5 @@ MAX_IDLE_CONTEXTS = 64
 def forget_idle(ctxs: dict[str, Any], live: set[str]) -> None:
     """Drop the oldest entries of `ctxs` not in `live` (holding text or audio) past MAX_IDLE_CONTEXTS."""
     idle = [k for k in ctxs if k not in live]
-    for k in idle[:max(0, len(idle) - MAX_IDLE_CONTEXTS)]:
+    for k in idle[: max(0, len(idle) - MAX_IDLE_CONTEXTS)]:
         del ctxs[k]

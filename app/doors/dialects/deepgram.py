@@ -66,9 +66,15 @@ class DeepgramSession(StreamingSession):
         return {"type": "Warning", "warn_code": code, "warn_msg": message, "description": message, "code": code}
 
     async def on_open(self) -> None:
-        await self.send_json({"type": "Metadata", "request_id": self.request_id,
-                              "model_name": self.voice.name if self.voice else "zonos2",
-                              "model_version": "zonos2", "model_uuid": self.voice.id if self.voice else ""})
+        await self.send_json(
+            {
+                "type": "Metadata",
+                "request_id": self.request_id,
+                "model_name": self.voice.name if self.voice else "zonos2",
+                "model_version": "zonos2",
+                "model_uuid": self.voice.id if self.voice else "",
+            }
+        )
 
     async def on_message(self, data: dict[str, Any]) -> None:
         kind = data.get("type")
@@ -84,17 +90,21 @@ class DeepgramSession(StreamingSession):
         elif kind == "Clear":
             # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
             # ends whichever turn is playing at a Flushed, by then the next one)
-            await self.cancel(None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)},
-                              supersedes=True)
+            await self.cancel(
+                None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)}, supersedes=True
+            )
         elif kind == "Close":
             await self.close()
         else:
-            raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, f"unknown message type {kind!r}: send Speak, Flush, Clear or Close")
+            raise RequestError(
+                G.DEEPGRAM_INVALID_MESSAGE, f"unknown message type {kind!r}: send Speak, Flush, Clear or Close"
+            )
 
     async def on_utterance_error(self, u: Utterance) -> None:
         assert u.error is not None
-        await self.send_json_locked({"type": "Error", "err_code": u.error.code, "err_msg": str(u.error),
-                                     "description": str(u.error)})
+        await self.send_json_locked(
+            {"type": "Error", "err_code": u.error.code, "err_msg": str(u.error), "description": str(u.error)}
+        )
 
 
 def _refusal(code: str, message: str, status: int) -> dict[str, Any]:

@@ -42,7 +42,9 @@ def http_format(query: Any) -> OutputFormat:
     rate = query_int(query, "sample_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
     if name in FIXED_RATE:
         if rate is not None and rate != FIXED_RATE[name]:
-            raise RequestError(G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE, f"{name} is {FIXED_RATE[name]} Hz; sample_rate cannot be set")
+            raise RequestError(
+                G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE, f"{name} is {FIXED_RATE[name]} Hz; sample_rate cannot be set"
+            )
         rate = FIXED_RATE[name]
     elif rate is None:
         rate = DEFAULT_RATE[name]
@@ -50,8 +52,11 @@ def http_format(query: Any) -> OutputFormat:
     allowed = ("wav", "none") if name in _SAMPLES else ("ogg",) if name == "opus" else ("none",)
     if container not in allowed:
         raise RequestError(G.DEEPGRAM_UNSUPPORTED_CONTAINER, f"{name} takes the container {' or '.join(allowed)}")
-    fmt = OutputFormat(_SAMPLES[name], rate, wav=container == "wav") if name in _SAMPLES else OutputFormat(
-        _COMPRESSED[name], rate)
+    fmt = (
+        OutputFormat(_SAMPLES[name], rate, wav=container == "wav")
+        if name in _SAMPLES
+        else OutputFormat(_COMPRESSED[name], rate)
+    )
     return fmt.check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
 
 
@@ -74,6 +79,9 @@ async def speak(request: Request) -> Response:
             raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "speed must be a number") from None
     opts = dialect_options(gw, q, speed=speed)
     request_id = str(uuid.uuid4())
-    headers = {"dg-request-id": request_id, "dg-model-name": voice.name if voice else "zonos2",
-               "dg-char-count": str(len(text))}
+    headers = {
+        "dg-request-id": request_id,
+        "dg-model-name": voice.name if voice else "zonos2",
+        "dg-char-count": str(len(text)),
+    }
     return await speech_response(request, "deepgram", text, opts, voice, fmt, headers=headers)

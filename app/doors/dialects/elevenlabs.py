@@ -14,7 +14,8 @@
   contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
 
 `voice_id` is one of our voices (id or name). `output_format` (exactly ElevenLabs' formats: OUTPUT_FORMATS)
-maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks every text message
+maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks
+every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
 counterpart and are ignored. Every audio message carries `alignment` (and the same as `normalizedAlignment`):
@@ -46,21 +47,30 @@ from app.io.query_input import query_int
 
 # ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
 OUTPUT_FORMATS = frozenset(
-    [f"pcm_{r}" for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)] + ["ulaw_8000", "alaw_8000", "mp3_22050_32"]
-    + [f"mp3_44100_{b}" for b in (32, 64, 96, 128, 192)] + [f"opus_48000_{b}" for b in (32, 64, 96, 128, 192)])
+    [f"pcm_{r}" for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)]
+    + ["ulaw_8000", "alaw_8000", "mp3_22050_32"]
+    + [f"mp3_44100_{b}" for b in (32, 64, 96, 128, 192)]
+    + [f"opus_48000_{b}" for b in (32, 64, 96, 128, 192)]
+)
 _KINDS = {"pcm": "pcm_s16le", "ulaw": "mulaw", "alaw": "alaw", "mp3": "mp3", "opus": "opus"}
 # the URL options of ElevenLabs' speech routes that take a value from a fixed set (others are free text or
 # numbers: language_code, model_id; the numbers' bounds are _BOUNDS)
-_CHOICES = {"apply_text_normalization": ("auto", "on", "off"), "auto_mode": ("true", "false"),
-            "sync_alignment": ("true", "false"), "enable_logging": ("true", "false"),
-            "enable_ssml_parsing": ("true", "false")}
+_CHOICES = {
+    "apply_text_normalization": ("auto", "on", "off"),
+    "auto_mode": ("true", "false"),
+    "sync_alignment": ("true", "false"),
+    "enable_logging": ("true", "false"),
+    "enable_ssml_parsing": ("true", "false"),
+}
 _BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4), "seed": (0, 4294967295)}
 
 
 def output_format(name: str) -> OutputFormat:
     if name not in OUTPUT_FORMATS:
-        raise RequestError(G.ELEVENLABS_INVALID_OUTPUT_FORMAT,
-                           f"output_format {name[:40]!r} is not one of ElevenLabs' formats: {', '.join(sorted(OUTPUT_FORMATS))}")
+        raise RequestError(
+            G.ELEVENLABS_INVALID_OUTPUT_FORMAT,
+            f"output_format {name[:40]!r} is not one of ElevenLabs' formats: {', '.join(sorted(OUTPUT_FORMATS))}",
+        )
     kind, rate = name.split("_")[:2]
     return OutputFormat(_KINDS[kind], int(rate)).check()
 
@@ -116,8 +126,9 @@ class ElevenLabsSession(StreamingSession):
         self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
         off = q.get("apply_text_normalization", "").lower() == "off"
-        self.opts = dialect_options(gw, q, language=q.get("language_code"), text_normalization=False if off else None,
-                                    seed=query_int(q, "seed"))
+        self.opts = dialect_options(
+            gw, q, language=q.get("language_code"), text_normalization=False if off else None, seed=query_int(q, "seed")
+        )
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.auto_mode = _flag(q.get("auto_mode"))
         self.ctxs: dict[str, Context] = {}
@@ -204,8 +215,10 @@ class ElevenLabsSession(StreamingSession):
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError(G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS, f"at most {MAX_CONTEXTS} contexts may hold text or "
-                               "audio on one socket; close one first")
+            raise RequestError(
+                G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS,
+                f"at most {MAX_CONTEXTS} contexts may hold text or audio on one socket; close one first",
+            )
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
             return c
@@ -217,8 +230,9 @@ class ElevenLabsSession(StreamingSession):
         elif settings is not None:
             raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
         if data.get("pronunciation_dictionary_locators") is not None:  # a context's pronunciation dictionaries
-            opts = dataclasses.replace(opts, lexicon=self.gw.lexicon(data["pronunciation_dictionary_locators"],
-                                                                     self.owner))
+            opts = dataclasses.replace(
+                opts, lexicon=self.gw.lexicon(data["pronunciation_dictionary_locators"], self.owner)
+            )
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close
         # of this one drops only what comes after it.
         before = self.last_queued(ctx)
@@ -283,8 +297,7 @@ class ElevenLabsSession(StreamingSession):
 
 def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
     """ElevenLabs' HTTP error body."""
-    return {"detail": {"status": G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code,
-                       "message": message}}
+    return {"detail": {"status": G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code, "message": message}}
 
 
 async def multi_stream_endpoint(ws: WebSocket) -> None:

@@ -42,8 +42,12 @@ DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 MAX_SEED = 4294967295  # ElevenLabs' seed range
 # fields that are accepted and not used, with the JSON types they may have (null is always allowed)
 _UNUSED: dict[str, tuple[type, ...]] = {
-    "model_id": (str,), "previous_text": (str,), "next_text": (str,), "previous_request_ids": (list,),
-    "next_request_ids": (list,), "use_pvc_as_ivc": (bool,),
+    "model_id": (str,),
+    "previous_text": (str,),
+    "next_text": (str,),
+    "previous_request_ids": (list,),
+    "next_request_ids": (list,),
+    "use_pvc_as_ivc": (bool,),
     "apply_language_text_normalization": (bool,),
 }
 _NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
@@ -66,8 +70,14 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) ->
     if settings is not None and not isinstance(settings, dict):
         raise RequestError(G.BAD_PARAMS, "voice_settings must be an object")
     # as on the WebSocket
-    opts = dialect_options(gw, request.query_params, language=lang, text_normalization=False if norm == "off" else None,
-                           seed=seed, speed=(settings or {}).get("speed"))
+    opts = dialect_options(
+        gw,
+        request.query_params,
+        language=lang,
+        text_normalization=False if norm == "off" else None,
+        seed=seed,
+        speed=(settings or {}).get("speed"),
+    )
     lexicon = gw.lexicon(data.get("pronunciation_dictionary_locators"), owner)
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 

@@ -67,8 +67,13 @@ async def add_from_rules(request: Request) -> Response:
 @errors_as(elevenlabs_error)
 async def list_dictionaries(request: Request) -> Response:
     gw, owner = _owner(request)
-    return JSONResponse({"pronunciation_dictionaries": [x.public() for x in gw.lexicons.list(owner)],
-                         "has_more": False, "next_cursor": None})
+    return JSONResponse(
+        {
+            "pronunciation_dictionaries": [x.public() for x in gw.lexicons.list(owner)],
+            "has_more": False,
+            "next_cursor": None,
+        }
+    )
 
 
 @errors_as(elevenlabs_error)
@@ -78,5 +83,7 @@ async def dictionary(request: Request) -> Response:
     if request.method == "DELETE":
         return JSONResponse({"deleted": gw.lexicons.delete(lid, owner).id})
     lex = gw.lexicons.get(lid, owner)
-    return JSONResponse(lex.public() | {"rules": [{"type": "alias", "string_to_replace": r.grapheme,
-                                                    "alias": r.alias} for r in lex.rules]})
+    return JSONResponse(
+        lex.public()
+        | {"rules": [{"type": "alias", "string_to_replace": r.grapheme, "alias": r.alias} for r in lex.rules]}
+    )

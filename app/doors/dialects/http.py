@@ -28,9 +28,11 @@ ErrorBody = Callable[[str, str, int], dict[str, Any]]  # (code, message, status)
 
 
 # ---- requests ---------------------------------------------------------------------------------------------
-def errors_as(body: ErrorBody) -> Callable[[Callable[[Request], Awaitable[Response]]],
-                                           Callable[[Request], Awaitable[Response]]]:
+def errors_as(
+    body: ErrorBody,
+) -> Callable[[Callable[[Request], Awaitable[Response]]], Callable[[Request], Awaitable[Response]]]:
     """A route whose RequestErrors answer in the vendor's error shape (and status) instead of ours."""
+
     def wrap(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
         @functools.wraps(endpoint)
         async def route(request: Request) -> Response:
@@ -40,7 +42,9 @@ def errors_as(body: ErrorBody) -> Callable[[Callable[[Request], Awaitable[Respon
                 gw: Gateway = request.app.state.gateway
                 gw.metrics.errors.labels(e.code).inc()
                 return JSONResponse(body(e.code, str(e), e.status), status_code=e.status, headers=e.headers)
+
         return route
+
     return wrap
 
 

@@ -31,12 +31,29 @@ FIXED_SPLIT = 64
 
 @triton.jit
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, slot_ptr, len_ptr, m_ptr, l_ptr, acc_ptr,
-    stride_qb, stride_qh,
-    stride_ks, stride_kt, stride_kh,
-    stride_vs, stride_vt, stride_vh,
-    n_splits, scale,
-    G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, CHUNK_: tl.constexpr, BLOCK: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    len_ptr,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kt,
+    stride_kh,
+    stride_vs,
+    stride_vt,
+    stride_vh,
+    n_splits,
+    scale,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    D: tl.constexpr,
+    CHUNK_: tl.constexpr,
+    BLOCK: tl.constexpr,
     PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -54,8 +71,9 @@ def _split_kernel(
         tl.store(l_ptr + row * n_splits + split, 0.0, mask=out_ok)
         return
     slot = tl.load(slot_ptr + b)
-    q = tl.load(q_ptr + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :],
-                mask=out_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + (kvh * G + g)[:, None] * stride_qh + d[None, :], mask=out_ok[:, None], other=0.0
+    )
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
@@ -81,8 +99,19 @@ def _split_kernel(
 
 
 @triton.jit
-def _merge_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, S, H, stride_gate,
-                  D: tl.constexpr, S_PAD: tl.constexpr, HAS_GATE: tl.constexpr):
+def _merge_kernel(
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    gate_ptr,
+    out_ptr,
+    S,
+    H,
+    stride_gate,
+    D: tl.constexpr,
+    S_PAD: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+):
     # one (batch, head) row: weights exp(m_s - max m) over the non-empty splits (l > 0)
     row = tl.program_id(0)
     s = tl.arange(0, S_PAD)
@@ -102,8 +131,7 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, gate_ptr, out_ptr, S, H, stride_gate,
     tl.store(out_ptr + row * D + d, o)
 
 
-def merge_splits_triton(m: Tensor, l_: Tensor, acc: Tensor, dtype: torch.dtype, gate: Tensor | None = None
-                        ) -> Tensor:
+def merge_splits_triton(m: Tensor, l_: Tensor, acc: Tensor, dtype: torch.dtype, gate: Tensor | None = None) -> Tensor:
     """Combine the split partials into [B, H, D] in `dtype`, as one launch with a fixed plan (the compiled
     merge's generated kernel varied between 12 and 80 us per layer at batch 64 on an H200 from one compile to
     the next). gate: headwise gate logits [B, H] (any row stride): the output is o * sigmoid(gate)."""
@@ -112,23 +140,40 @@ def merge_splits_triton(m: Tensor, l_: Tensor, acc: Tensor, dtype: torch.dtype, 
     out = torch.empty(b, h, d, device=m.device, dtype=dtype)
     if gate is not None:
         assert gate.shape == (b, h) and gate.stride(1) == 1
-    _merge_kernel[(b * h,)](m, l_, acc, m if gate is None else gate, out, s, h,
-                            0 if gate is None else gate.stride(0),
-                            D=d, S_PAD=max(2, triton.next_power_of_2(s)), HAS_GATE=gate is not None)
+    _merge_kernel[(b * h,)](
+        m,
+        l_,
+        acc,
+        m if gate is None else gate,
+        out,
+        s,
+        h,
+        0 if gate is None else gate.stride(0),
+        D=d,
+        S_PAD=max(2, triton.next_power_of_2(s)),
+        HAS_GATE=gate is not None,
+    )
     return out
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
-                     chunk: int | None = None, gate: Tensor | None = None) -> Tensor:
+def decode_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    chunk: int | None = None,
+    gate: Tensor | None = None,
+) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
     to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D).
     chunk: tokens per split (default `split_tokens(B)`); gate: headwise gate logits [B, H], applied."""
-    return merge_splits_triton(*decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk), q.dtype,
-                               gate)
+    return merge_splits_triton(*decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk), q.dtype, gate)
 
 
-def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor,
-                            chunk: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def decode_attention_splits(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, chunk: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """The split pass alone: per-split running max m and sum l [B, H, S] and unnormalised output acc
     [B, H, S, D] in fp32; a split past a slot's length has m = -inf, l = 0 and acc unwritten."""
     b, h, d = q.shape
@@ -140,12 +185,29 @@ def decode_attention_splits(q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: 
     l_ = torch.empty_like(m)
     acc = torch.empty(b, h, n_splits, d, device=q.device, dtype=torch.float32)
     _split_kernel[(b, hkv, n_splits)](
-        q, k_cache, v_cache, slots, lengths, m, l_, acc,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        n_splits, d ** -0.5,
-        G=g, GP=max(16, triton.next_power_of_2(g)), D=d, CHUNK_=chunk, BLOCK=min(BLOCK_T, chunk),
+        q,
+        k_cache,
+        v_cache,
+        slots,
+        lengths,
+        m,
+        l_,
+        acc,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        n_splits,
+        d**-0.5,
+        G=g,
+        GP=max(16, triton.next_power_of_2(g)),
+        D=d,
+        CHUNK_=chunk,
+        BLOCK=min(BLOCK_T, chunk),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 in full fp32, as the prefill kernel
     )
     return m, l_, acc

@@ -22,8 +22,23 @@ TILE = (2, 2048, 4)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, N, stride_x, stride_w, stride_res, stride_out,
-                 K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    res_ptr,
+    out_ptr,
+    N,
+    stride_x,
+    stride_w,
+    stride_res,
+    stride_out,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     row = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -32,8 +47,7 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, N, stride_x, stride_w, s
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
         xv = tl.load(x_ptr + row * stride_x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + n[:, None] * stride_w + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        w = tl.load(w_ptr + n[:, None] * stride_w + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
     if HAS_BIAS:
         acc += tl.load(b_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -44,8 +58,13 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, N, stride_x, stride_w, s
     tl.store(out_ptr + row * stride_out + n, y, mask=n_ok)
 
 
-def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-           tile: tuple[int, int, int] | None = None) -> Tensor:
+def linear(
+    x: Tensor,
+    w: Tensor,
+    bias: Tensor | None = None,
+    residual: Tensor | None = None,
+    tile: tuple[int, int, int] | None = None,
+) -> Tensor:
     """[residual +] F.linear(x, w, bias) for x [M, K], w [N, K]: the GEMV kernel for M <= MAX_ROWS on a
     GPU (or Triton's interpreter), cuBLAS otherwise. No host sync, graph-capturable."""
     m, k = x.shape
@@ -62,9 +81,21 @@ def linear(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | 
     if residual is not None:
         assert residual.shape == (m, n) and residual.stride(-1) == 1
     _gemv_kernel[(m, triton.cdiv(n, bn))](
-        x, w, x if bias is None else bias, x if residual is None else residual, out, n,
-        x.stride(0), w.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
-        K=k, BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(k)), HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, num_warps=warps,
+        x,
+        w,
+        x if bias is None else bias,
+        x if residual is None else residual,
+        out,
+        n,
+        x.stride(0),
+        w.stride(0),
+        0 if residual is None else residual.stride(0),
+        out.stride(0),
+        K=k,
+        BLOCK_N=bn,
+        BLOCK_K=min(bk, triton.next_power_of_2(k)),
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        num_warps=warps,
     )
     return out

@@ -41,8 +41,20 @@ def decode_tile(n: int, k: int = 0) -> tuple[int, ...]:
 
 
 @triton.jit
-def _epilogue(acc, rm, rn, m_ok, n_ok, b_ptr, res_ptr, out_ptr, stride_res, stride_out,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _epilogue(
+    acc,
+    rm,
+    rn,
+    m_ok,
+    n_ok,
+    b_ptr,
+    res_ptr,
+    out_ptr,
+    stride_res,
+    stride_out,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y = acc.to(out_ptr.dtype.element_ty)
@@ -54,10 +66,29 @@ def _epilogue(acc, rm, rn, m_ok, n_ok, b_ptr, res_ptr, out_ptr, stride_res, stri
 
 
 @triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, M, N, stride_x, stride_w, stride_res,
-                   stride_out, K: tl.constexpr, K_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                   PREC: tl.constexpr):
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    b_ptr,
+    res_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    stride_x,
+    stride_w,
+    stride_res,
+    stride_out,
+    K: tl.constexpr,
+    K_SPLIT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    PREC: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_begin = tl.program_id(2) * K_SPLIT  # split-K: a fixed share of K per program, the same for every M
@@ -68,10 +99,8 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, M, N, stride
     for i in range(K_SPLIT // BLOCK_K):
         k0 = k_begin + i * BLOCK_K
         k_ok = (k0 + rk) < K
-        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_ptr + rn[None, :] * stride_w + (k0 + rk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                    other=0.0)
+        x = tl.load(x_ptr + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + rn[None, :] * stride_w + (k0 + rk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(x, w, acc, input_precision=PREC)
     if SPLIT == 1:
         _epilogue(acc, rm, rn, m_ok, n_ok, b_ptr, res_ptr, out_ptr, stride_res, stride_out, HAS_BIAS, HAS_RES)
@@ -81,8 +110,21 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, part_ptr, M, N, stride
 
 
 @triton.jit(do_not_specialize=["M"])
-def _split_sum_kernel(part_ptr, b_ptr, res_ptr, out_ptr, M, N, stride_res, stride_out, SPLIT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _split_sum_kernel(
+    part_ptr,
+    b_ptr,
+    res_ptr,
+    out_ptr,
+    M,
+    N,
+    stride_res,
+    stride_out,
+    SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_RES: tl.constexpr,
+):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = rm < M
@@ -97,8 +139,9 @@ def _split_sum_kernel(part_ptr, b_ptr, res_ptr, out_ptr, M, N, stride_res, strid
 Tile = tuple[int, ...]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k])
 
 
-def linear_fixed(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-                 tile: Tile | None = None) -> Tensor:
+def linear_fixed(
+    x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Tensor | None = None, tile: Tile | None = None
+) -> Tensor:
     """[residual +] F.linear(x, w, bias) for x [M, K] (any row stride), w [N, K]; tile as DECODE_TILE, with an
     optional sixth entry split_k (default 1) (default tile: `decode_tile(N, K)`). split_k > 1 cuts K into
     that many fixed shares whose fp32 partials are added in order by a second launch: more programs for a
@@ -120,14 +163,45 @@ def linear_fixed(x: Tensor, w: Tensor, bias: Tensor | None = None, residual: Ten
     b_arg, r_arg = x if bias is None else bias, x if residual is None else residual
     stride_res = 0 if residual is None else residual.stride(0)
     _matmul_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), split)](
-        x, w, b_arg, r_arg, out, part, m, n, x.stride(0), w.stride(0), stride_res, out.stride(0),
-        K=k, K_SPLIT=k_split, SPLIT=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None,
-        HAS_RES=residual is not None, PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+        x,
+        w,
+        b_arg,
+        r_arg,
+        out,
+        part,
+        m,
+        n,
+        x.stride(0),
+        w.stride(0),
+        stride_res,
+        out.stride(0),
+        K=k,
+        K_SPLIT=k_split,
+        SPLIT=split,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        HAS_BIAS=bias is not None,
+        HAS_RES=residual is not None,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=warps,
         num_stages=stages,
     )
     if split > 1:
         _split_sum_kernel[(triton.cdiv(m, 16), triton.cdiv(n, 128))](
-            part, b_arg, r_arg, out, m, n, stride_res, out.stride(0), SPLIT=split, BLOCK_M=16, BLOCK_N=128,
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, num_warps=4,
+            part,
+            b_arg,
+            r_arg,
+            out,
+            m,
+            n,
+            stride_res,
+            out.stride(0),
+            SPLIT=split,
+            BLOCK_M=16,
+            BLOCK_N=128,
+            HAS_BIAS=bias is not None,
+            HAS_RES=residual is not None,
+            num_warps=4,
         )
     return out

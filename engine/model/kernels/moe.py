@@ -20,10 +20,22 @@ from torch import Tensor
 # so every batch runs the same code, as batch-invariant decoding needs.
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr,
-    n_pairs, top_k, INTER,
-    stride_x, stride_we, stride_wn, stride_out,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    n_pairs,
+    top_k,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_out,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -42,28 +54,48 @@ def _gate_up_kernel(
     w_base = w_ptr + expert * stride_we
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
-        x = tl.load(x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        wg = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                     other=0.0)
-        wu = tl.load(w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
-                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        x = tl.load(
+            x_ptr + token[:, None] * stride_x + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        wg = tl.load(
+            w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        wu = tl.load(
+            w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         acc_g += tl.dot(x, wg)
         acc_u += tl.dot(x, wu)
     # The reference rounds the GEMM outputs to the activation dtype before silu-and-mul.
     g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
     u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_out + n[None, :],
+        h.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr,
-    n_pairs, N,
-    stride_h, stride_we, stride_wn, stride_out,
-    K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    weight_ptr,
+    n_pairs,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_out,
+    K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -80,22 +112,31 @@ def _down_kernel(
     w_base = w_ptr + expert * stride_we
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
-        h = tl.load(h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                    other=0.0)
-        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                    other=0.0)
+        h = tl.load(
+            h_ptr + rows[:, None] * stride_h + (k0 + kk)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         acc += tl.dot(h, w)
     rw = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)  # routing weight, any float dtype
     acc = acc * rw[:, None]
-    tl.store(out_ptr + pair[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + pair[:, None] * stride_out + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit
 def _align_kernel(
-    chosen_ptr, sorted_ptr, block_expert_ptr,
-    n_pairs, n_blocks,
-    N_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+    chosen_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    n_pairs,
+    n_blocks,
+    N_EXPERTS: tl.constexpr,
+    E_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """One program. Pass 1 counts pairs per expert; pass 2 writes each pair to its expert's padded segment
@@ -163,7 +204,8 @@ def align_blocks(chosen: Tensor, n_experts: int, block_m: int) -> tuple[Tensor, 
     order = torch.sort(flat, stable=True).indices
     expert_sorted = flat[order]
     counts = torch.zeros(n_experts, dtype=torch.int64, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat, dtype=torch.int64))
+        0, flat, torch.ones_like(flat, dtype=torch.int64)
+    )
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
     start = pad_end - padded
@@ -188,18 +230,36 @@ def align_blocks_triton(chosen: Tensor, n_experts: int, block_m: int) -> tuple[T
     block_p = max(16, min(256, triton.next_power_of_2(max(n_pairs, 1))))
     block_s = max(16, min(256, triton.next_power_of_2(n_blocks * block_m)))
     _align_kernel[(1,)](
-        flat, sorted_pairs, block_expert, n_pairs, n_blocks,
-        N_EXPERTS=n_experts, E_PAD=max(16, triton.next_power_of_2(n_experts)), BLOCK_M=block_m,
-        BLOCK_P=block_p, BLOCK_S=block_s, num_warps=4 if max(block_p, block_s) >= 128 else 2,
+        flat,
+        sorted_pairs,
+        block_expert,
+        n_pairs,
+        n_blocks,
+        N_EXPERTS=n_experts,
+        E_PAD=max(16, triton.next_power_of_2(n_experts)),
+        BLOCK_M=block_m,
+        BLOCK_P=block_p,
+        BLOCK_S=block_s,
+        num_warps=4 if max(block_p, block_s) >= 128 else 2,
     )
     return sorted_pairs, block_expert
 
 
 @triton.jit
 def _gemv_gate_up_kernel(
-    x_ptr, w_ptr, chosen_ptr, h_ptr, INTER,
-    stride_x, stride_we, stride_wn, stride_h,
-    K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    chosen_ptr,
+    h_ptr,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     # one (token, k) pair per program row of the grid: no alignment, the pair's expert read directly
     pair = tl.program_id(0)
@@ -228,9 +288,19 @@ def _gemv_gate_up_kernel(
 
 @triton.jit
 def _gemv_down_kernel(
-    h_ptr, w_ptr, chosen_ptr, weight_ptr, out_ptr, N,
-    stride_h, stride_we, stride_wn, stride_out,
-    K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    chosen_ptr,
+    weight_ptr,
+    out_ptr,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_out,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -243,8 +313,7 @@ def _gemv_down_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + kk) < K
         h = tl.load(h_ptr + pair * stride_h + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0)
+        w = tl.load(w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * h[None, :], axis=1)
     acc = acc * tl.load(weight_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -261,9 +330,15 @@ GEMV_GATE_UP_TILE = {1: (2, 2048, 4), 2: (4, 1024, 4)}
 GEMV_DOWN_TILE = {1: (2, 4096, 4), 2: (4, 1024, 4)}
 
 
-def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
-              gate_up_tile: tuple[int, int, int] | None = None,
-              down_tile: tuple[int, int, int] | None = None) -> Tensor:
+def _moe_gemv(
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    chosen: Tensor,
+    weights: Tensor,
+    gate_up_tile: tuple[int, int, int] | None = None,
+    down_tile: tuple[int, int, int] | None = None,
+) -> Tensor:
     """One (token, k) pair per program row: the pair's expert rows are read directly, no alignment."""
     n, dim = x.shape
     inter = gate_up.shape[1] // 2
@@ -274,22 +349,51 @@ def _moe_gemv(x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights:
     pairs = chosen.contiguous().view(-1)
     h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
     _gemv_gate_up_kernel[(n * k, triton.cdiv(inter, gu_n))](
-        x, gate_up, pairs, h, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        K=dim, TOP_K=k, BLOCK_N=gu_n, BLOCK_K=min(gu_k, triton.next_power_of_2(dim)), num_warps=gu_w,
+        x,
+        gate_up,
+        pairs,
+        h,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        K=dim,
+        TOP_K=k,
+        BLOCK_N=gu_n,
+        BLOCK_K=min(gu_k, triton.next_power_of_2(dim)),
+        num_warps=gu_w,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _gemv_down_kernel[(n * k, triton.cdiv(dim, dn_n))](
-        h, down, pairs, weights.contiguous().view(-1), out, dim,
-        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=inter, BLOCK_N=dn_n, BLOCK_K=min(dn_k, triton.next_power_of_2(inter)), num_warps=dn_w,
+        h,
+        down,
+        pairs,
+        weights.contiguous().view(-1),
+        out,
+        dim,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        K=inter,
+        BLOCK_N=dn_n,
+        BLOCK_K=min(dn_k, triton.next_power_of_2(inter)),
+        num_warps=dn_w,
     )
     return out
 
 
 def fused_moe(
-    x: Tensor, gate_up: Tensor, down: Tensor, chosen: Tensor, weights: Tensor,
-    block_m: int = 16, block_n: int = 64, block_k: int = 128, batch_invariant: bool = False,
+    x: Tensor,
+    gate_up: Tensor,
+    down: Tensor,
+    chosen: Tensor,
+    weights: Tensor,
+    block_m: int = 16,
+    block_n: int = 64,
+    block_k: int = 128,
+    batch_invariant: bool = False,
 ) -> Tensor:
     """x [N, dim]; gate_up [E, 2*inter, dim] (gate rows, then up rows); down [E, dim, inter];
     chosen / weights [N, k] -> [N, dim] = sum_k w * down_e(silu(gate_e x) * up_e x).
@@ -305,19 +409,43 @@ def fused_moe(
     n_blocks = block_expert.numel()
     h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
     _gate_up_kernel[(n_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, h, sorted_pairs, block_expert,
-        n * k, k, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        K=dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x,
+        gate_up,
+        h,
+        sorted_pairs,
+        block_expert,
+        n * k,
+        k,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        h.stride(0),
+        K=dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     # Top-1: one fp32 value per output, so rounding it in the kernel equals the fp32 sum + cast; top-k: one
     # fp32 row per pair, summed over k in fp32 and rounded once (one kernel for k == 2).
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _down_kernel[(n_blocks, triton.cdiv(dim, block_n))](
-        h, down, out, sorted_pairs, block_expert, weights.contiguous().view(-1),
-        n * k, dim,
-        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        K=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        h,
+        down,
+        out,
+        sorted_pairs,
+        block_expert,
+        weights.contiguous().view(-1),
+        n * k,
+        dim,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        out.stride(0),
+        K=inter,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return _combine_topk(out, n, k, x.dtype, batch_invariant)
 

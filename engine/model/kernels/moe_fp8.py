@@ -42,26 +42,64 @@ def _quant_rows(a, fp8_max: tl.constexpr, eps: tl.constexpr):
 
 
 @triton.jit
-def _act_group(a_ptr, q_ptr, s_ptr, row, row_ok, k0, kk, K, stride, stride_s,
-               QB: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr):
+def _act_group(
+    a_ptr,
+    q_ptr,
+    s_ptr,
+    row,
+    row_ok,
+    k0,
+    kk,
+    K,
+    stride,
+    stride_s,
+    QB: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+    PREQ: tl.constexpr,
+):
     """Rows `row` of an activation, columns k0 + kk (one QB group), as (e4m3 [M, QB], scale [M]): read
     quantized (q_ptr, s_ptr: PREQ) or read from a_ptr and quantized here."""
     mask = row_ok[:, None] & ((k0 + kk) < K)[None, :]
     offs = row[:, None] * stride + (k0 + kk)[None, :]
     if PREQ:
-        return (tl.load(q_ptr + offs, mask=mask, other=0.0),
-                tl.load(s_ptr + row * stride_s + k0 // QB, mask=row_ok, other=0.0))
+        return (
+            tl.load(q_ptr + offs, mask=mask, other=0.0),
+            tl.load(s_ptr + row * stride_s + k0 // QB, mask=row_ok, other=0.0),
+        )
     return _quant_rows(tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32), FP8_MAX_, EPS)
 
 
 # n_pairs is not specialised on: every batch runs the same code (see moe.py)
 @triton.jit(do_not_specialize=["n_pairs"])
 def _gate_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, xq_ptr, xs_ptr, hs_ptr,
-    n_pairs, top_k, INTER,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_xs, stride_hs,
-    K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    xq_ptr,
+    xs_ptr,
+    hs_ptr,
+    n_pairs,
+    top_k,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    stride_xs,
+    stride_hs,
+    K: tl.constexpr,
+    QB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+    PREQ: tl.constexpr,
 ):
     # PREQ: x comes quantized (xq e4m3 [N, K] with the scales xs [N, K/QB], quantize_act_fp8), and the
     # output is written quantized too (e4m3 with one scale per row and QB columns: BLOCK_N == QB), as the
@@ -85,12 +123,17 @@ def _gate_up_fp8_kernel(
     s_u = ws_ptr + expert * stride_se + ((n + INTER) // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
-        xq, xs = _act_group(x_ptr, xq_ptr, xs_ptr, token, row_ok, k0, kk, K, stride_x, stride_xs, QB, FP8_MAX_, EPS,
-                            PREQ)
-        wg = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                     other=0.0)
-        wu = tl.load(w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
-                     mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        xq, xs = _act_group(
+            x_ptr, xq_ptr, xs_ptr, token, row_ok, k0, kk, K, stride_x, stride_xs, QB, FP8_MAX_, EPS, PREQ
+        )
+        wg = tl.load(
+            w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+        )
+        wu = tl.load(
+            w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )
         sg = tl.load(s_g + k0 // QB, mask=n_ok, other=0.0)
         su = tl.load(s_u + k0 // QB, mask=n_ok, other=0.0)
         acc_g += tl.dot(xq, wg) * (xs[:, None] * sg[None, :])
@@ -104,17 +147,39 @@ def _gate_up_fp8_kernel(
         tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], hq, mask=row_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + rows * stride_hs + pid_n, hs, mask=row_ok)
     else:
-        tl.store(out_ptr + rows[:, None] * stride_out + n[None, :], h.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(
+            out_ptr + rows[:, None] * stride_out + n[None, :],
+            h.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & n_ok[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["n_pairs"])
 def _down_fp8_kernel(
-    h_ptr, w_ptr, ws_ptr, out_ptr, sorted_ptr, block_expert_ptr, weight_ptr, hs_ptr,
-    n_pairs, N,
-    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out, stride_hs,
-    K: tl.constexpr, QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr, PREQ: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    ws_ptr,
+    out_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    weight_ptr,
+    hs_ptr,
+    n_pairs,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    stride_hs,
+    K: tl.constexpr,
+    QB: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+    PREQ: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -133,21 +198,35 @@ def _down_fp8_kernel(
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
         # PREQ: h was quantized by the gate_up kernel's epilogue
-        hq, hs = _act_group(h_ptr, h_ptr, hs_ptr, rows, row_ok, k0, kk, K, stride_h, stride_hs, QB, FP8_MAX_, EPS,
-                            PREQ)
-        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None],
-                    other=0.0)
+        hq, hs = _act_group(h_ptr, h_ptr, hs_ptr, rows, row_ok, k0, kk, K, stride_h, stride_hs, QB, FP8_MAX_, EPS, PREQ)
+        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         ws = tl.load(s_n + k0 // QB, mask=n_ok, other=0.0)
         acc += tl.dot(hq, w) * (hs[:, None] * ws[None, :])
     rw = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
-    tl.store(out_ptr + pair[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        out_ptr + pair[:, None] * stride_out + n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
 @triton.jit
-def _gemv_fp8_step(a_ptr, w_ptr, ws_ptr, n, n_ok, k0, K, stride_wn, stride_sn,
-                   QB: tl.constexpr, G: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr):
+def _gemv_fp8_step(
+    a_ptr,
+    w_ptr,
+    ws_ptr,
+    n,
+    n_ok,
+    k0,
+    K,
+    stride_wn,
+    stride_sn,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+):
     """One reduction step of a GEMV over G groups of QB columns starting at k0: the activation groups
     quantized as in the blocked kernels, times the e4m3 rows n of W; -> [BLOCK_N] fp32 partial sums."""
     g = tl.arange(0, G)
@@ -157,20 +236,39 @@ def _gemv_fp8_step(a_ptr, w_ptr, ws_ptr, n, n_ok, k0, K, stride_wn, stride_sn,
     a = tl.load(a_ptr + col, mask=col_ok, other=0.0).to(tl.float32)
     s = tl.maximum(tl.max(tl.abs(a), axis=1), EPS) / FP8_MAX_  # [G]
     aq = _round_e4m3(a / s[:, None])  # on the e4m3 grid, kept in fp32: a GEMV has no tensor-core dot
-    w = tl.load(w_ptr + n[:, None, None] * stride_wn + col[None, :, :],
-                mask=n_ok[:, None, None] & col_ok[None, :, :], other=0.0).to(tl.float32)  # [N, G, QB]
+    w = tl.load(
+        w_ptr + n[:, None, None] * stride_wn + col[None, :, :], mask=n_ok[:, None, None] & col_ok[None, :, :], other=0.0
+    ).to(tl.float32)  # [N, G, QB]
     part = tl.sum(w * aq[None, :, :], axis=2)  # [N, G]
-    ws = tl.load(ws_ptr + (n // QB)[:, None] * stride_sn + (k0 // QB + g)[None, :],
-                 mask=n_ok[:, None] & ((k0 + g * QB) < K)[None, :], other=0.0)
+    ws = tl.load(
+        ws_ptr + (n // QB)[:, None] * stride_sn + (k0 // QB + g)[None, :],
+        mask=n_ok[:, None] & ((k0 + g * QB) < K)[None, :],
+        other=0.0,
+    )
     return tl.sum(part * (ws * s[None, :]), axis=1)
 
 
 @triton.jit
 def _gemv_gate_up_fp8_kernel(
-    x_ptr, w_ptr, ws_ptr, chosen_ptr, h_ptr, INTER,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_h,
-    K: tl.constexpr, TOP_K: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    ws_ptr,
+    chosen_ptr,
+    h_ptr,
+    INTER,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_h,
+    K: tl.constexpr,
+    TOP_K: tl.constexpr,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     # one (token, k) pair per program row of the grid, its expert read directly (no alignment)
     pair = tl.program_id(0)
@@ -185,8 +283,9 @@ def _gemv_gate_up_fp8_kernel(
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, G * QB):
         acc_g += _gemv_fp8_step(x_row, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn, QB, G, FP8_MAX_, EPS)
-        acc_u += _gemv_fp8_step(x_row, w_base, s_base, n + INTER, n_ok, k0, K, stride_wn, stride_sn, QB, G,
-                                FP8_MAX_, EPS)
+        acc_u += _gemv_fp8_step(
+            x_row, w_base, s_base, n + INTER, n_ok, k0, K, stride_wn, stride_sn, QB, G, FP8_MAX_, EPS
+        )
     g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
     u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
     h = g / (1.0 + tl.exp(-g)) * u
@@ -195,10 +294,25 @@ def _gemv_gate_up_fp8_kernel(
 
 @triton.jit
 def _gemv_down_fp8_kernel(
-    h_ptr, w_ptr, ws_ptr, chosen_ptr, weight_ptr, out_ptr, N,
-    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-    K: tl.constexpr, QB: tl.constexpr, G: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    ws_ptr,
+    chosen_ptr,
+    weight_ptr,
+    out_ptr,
+    N,
+    stride_h,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_out,
+    K: tl.constexpr,
+    QB: tl.constexpr,
+    G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -209,8 +323,9 @@ def _gemv_down_fp8_kernel(
     s_base = ws_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, K, G * QB):
-        acc += _gemv_fp8_step(h_ptr + pair * stride_h, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn,
-                              QB, G, FP8_MAX_, EPS)
+        acc += _gemv_fp8_step(
+            h_ptr + pair * stride_h, w_base, s_base, n, n_ok, k0, K, stride_wn, stride_sn, QB, G, FP8_MAX_, EPS
+        )
     acc = acc * tl.load(weight_ptr + pair).to(tl.float32)
     tl.store(out_ptr + pair * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -225,9 +340,17 @@ GEMV_GATE_UP_TILE = (4, 8, 4)
 GEMV_DOWN_TILE = (4, 8, 4)
 
 
-def _moe_gemv_fp8(x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
-                  chosen: Tensor, weights: Tensor, gate_up_tile: tuple[int, int, int] | None = None,
-                  down_tile: tuple[int, int, int] | None = None) -> Tensor:
+def _moe_gemv_fp8(
+    x: Tensor,
+    gate_up: Tensor,
+    gate_up_scale: Tensor,
+    down: Tensor,
+    down_scale: Tensor,
+    chosen: Tensor,
+    weights: Tensor,
+    gate_up_tile: tuple[int, int, int] | None = None,
+    down_tile: tuple[int, int, int] | None = None,
+) -> Tensor:
     n, dim = x.shape
     inter = gate_up.shape[1] // 2
     k = chosen.shape[1]
@@ -236,25 +359,57 @@ def _moe_gemv_fp8(x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tenso
     pairs = chosen.contiguous().view(-1)
     h = torch.empty(n * k, inter, device=x.device, dtype=x.dtype)
     _gemv_gate_up_fp8_kernel[(n * k, triton.cdiv(inter, gu_n))](
-        x, gate_up, gate_up_scale, pairs, h, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
+        x,
+        gate_up,
+        gate_up_scale,
+        pairs,
+        h,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up_scale.stride(0),
+        gate_up_scale.stride(1),
         h.stride(0),
-        K=dim, TOP_K=k, QB=QBLOCK, G=min(gu_g, triton.next_power_of_2(triton.cdiv(dim, QBLOCK))), BLOCK_N=gu_n,
-        FP8_MAX_=FP8_MAX, EPS=ACT_EPS, num_warps=gu_w,
+        K=dim,
+        TOP_K=k,
+        QB=QBLOCK,
+        G=min(gu_g, triton.next_power_of_2(triton.cdiv(dim, QBLOCK))),
+        BLOCK_N=gu_n,
+        FP8_MAX_=FP8_MAX,
+        EPS=ACT_EPS,
+        num_warps=gu_w,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _gemv_down_fp8_kernel[(n * k, triton.cdiv(dim, dn_n))](
-        h, down, down_scale, pairs, weights.contiguous().view(-1), out, dim,
-        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
-        K=inter, QB=QBLOCK, G=min(dn_g, triton.next_power_of_2(triton.cdiv(inter, QBLOCK))), BLOCK_N=dn_n,
-        FP8_MAX_=FP8_MAX, EPS=ACT_EPS, num_warps=dn_w,
+        h,
+        down,
+        down_scale,
+        pairs,
+        weights.contiguous().view(-1),
+        out,
+        dim,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        down_scale.stride(0),
+        down_scale.stride(1),
+        out.stride(0),
+        K=inter,
+        QB=QBLOCK,
+        G=min(dn_g, triton.next_power_of_2(triton.cdiv(inter, QBLOCK))),
+        BLOCK_N=dn_n,
+        FP8_MAX_=FP8_MAX,
+        EPS=ACT_EPS,
+        num_warps=dn_w,
     )
     return out
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, stride_s, QB: tl.constexpr, FP8_MAX_: tl.constexpr,
-                      EPS: tl.constexpr):
+def _quant_act_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_s, QB: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr
+):
     row = tl.program_id(0)
     g = tl.program_id(1)  # one row's group of QB columns
     k = g * QB + tl.arange(0, QB)
@@ -273,15 +428,26 @@ def quantize_act_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     q = torch.empty(n, k, device=x.device, dtype=FP8)
     scale = torch.empty(n, groups, device=x.device, dtype=torch.float32)
     if n:
-        _quant_act_kernel[(n, groups)](x, q, scale, k, x.stride(0), scale.stride(0), QB=QBLOCK, FP8_MAX_=FP8_MAX,
-                                       EPS=ACT_EPS)
+        _quant_act_kernel[(n, groups)](
+            x, q, scale, k, x.stride(0), scale.stride(0), QB=QBLOCK, FP8_MAX_=FP8_MAX, EPS=ACT_EPS
+        )
     return q, scale
 
 
 def fused_moe_fp8(
-    x: Tensor, gate_up: Tensor, gate_up_scale: Tensor, down: Tensor, down_scale: Tensor,
-    chosen: Tensor, weights: Tensor, block_m: int = 16, block_n: int = 128, batch_invariant: bool = False,
-    num_warps: int = 8, num_stages: int = 3, prequant: bool = False,
+    x: Tensor,
+    gate_up: Tensor,
+    gate_up_scale: Tensor,
+    down: Tensor,
+    down_scale: Tensor,
+    chosen: Tensor,
+    weights: Tensor,
+    block_m: int = 16,
+    block_n: int = 128,
+    batch_invariant: bool = False,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    prequant: bool = False,
 ) -> Tensor:
     """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
@@ -321,20 +487,63 @@ def fused_moe_fp8(
         h = torch.empty(n_blocks * block_m, inter, device=x.device, dtype=x.dtype)
         hs = h
     _gate_up_fp8_kernel[(n_blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, gate_up_scale, h, sorted_pairs, block_expert, xq, xs, hs,
-        n * k, k, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1),
-        h.stride(0), xs.stride(0), hs.stride(0),
-        K=dim, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS, PREQ=prequant,
-        num_warps=num_warps, num_stages=num_stages,
+        x,
+        gate_up,
+        gate_up_scale,
+        h,
+        sorted_pairs,
+        block_expert,
+        xq,
+        xs,
+        hs,
+        n * k,
+        k,
+        inter,
+        x.stride(0),
+        gate_up.stride(0),
+        gate_up.stride(1),
+        gate_up_scale.stride(0),
+        gate_up_scale.stride(1),
+        h.stride(0),
+        xs.stride(0),
+        hs.stride(0),
+        K=dim,
+        QB=QBLOCK,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP8_MAX_=FP8_MAX,
+        EPS=ACT_EPS,
+        PREQ=prequant,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     out = torch.empty(n * k, dim, device=x.device, dtype=x.dtype if k == 1 else torch.float32)
     _down_fp8_kernel[(n_blocks, triton.cdiv(dim, block_n))](
-        h, down, down_scale, out, sorted_pairs, block_expert, weights.contiguous().view(-1), hs,
-        n * k, dim,
-        h.stride(0), down.stride(0), down.stride(1), down_scale.stride(0), down_scale.stride(1), out.stride(0),
+        h,
+        down,
+        down_scale,
+        out,
+        sorted_pairs,
+        block_expert,
+        weights.contiguous().view(-1),
+        hs,
+        n * k,
+        dim,
+        h.stride(0),
+        down.stride(0),
+        down.stride(1),
+        down_scale.stride(0),
+        down_scale.stride(1),
+        out.stride(0),
         hs.stride(0),
-        K=inter, QB=QBLOCK, BLOCK_M=block_m, BLOCK_N=block_n, FP8_MAX_=FP8_MAX, EPS=ACT_EPS, PREQ=prequant,
-        num_warps=num_warps, num_stages=num_stages,
+        K=inter,
+        QB=QBLOCK,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        FP8_MAX_=FP8_MAX,
+        EPS=ACT_EPS,
+        PREQ=prequant,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return _combine_topk(out, n, k, x.dtype, batch_invariant)

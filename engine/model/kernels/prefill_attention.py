@@ -30,8 +30,24 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m_i, l_i, acc, qk_scale,
-                 BN: tl.constexpr, MASKED: tl.constexpr, PREC: tl.constexpr):
+def _attend_tile(
+    q,
+    k_base,
+    v_base,
+    n0,
+    stride_kt,
+    stride_vt,
+    d,
+    row_pos,
+    end,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    BN: tl.constexpr,
+    MASKED: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One BN-row K/V tile into the online softmax (m_i, l_i, acc) of the [ROWS, D] query tile."""
     t = n0 + tl.arange(0, BN)
     if MASKED:
@@ -54,14 +70,32 @@ def _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, slot_ptr, start_ptr, len_ptr, pos0_ptr,
-    stride_qt, stride_qh,
-    stride_ks, stride_kt, stride_kh,
-    stride_vs, stride_vt, stride_vh,
-    stride_ot, stride_oh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    slot_ptr,
+    start_ptr,
+    len_ptr,
+    pos0_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kt,
+    stride_kh,
+    stride_vs,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     qk_scale,
-    G: tl.constexpr, BM: tl.constexpr, ROWS: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-    WHILE_LOOPS: tl.constexpr, PREC: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    ROWS: tl.constexpr,
+    D: tl.constexpr,
+    BN: tl.constexpr,
+    WHILE_LOOPS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     blk = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,8 +113,11 @@ def _prefill_kernel(
     row_ok = (r < BM * G) & (m < n_tok)
     row_pos = pos0 + m  # absolute position; padding rows are masked like real ones and never stored
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + (tok0 + m)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        q_ptr + (tok0 + m)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
 
     m_i = tl.full([ROWS], float("-inf"), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
@@ -96,25 +133,32 @@ def _prefill_kernel(
         # kernels keep the for loops below, which Triton software-pipelines.
         n0 = 0
         while n0 < full_end:
-            m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end,
-                                         m_i, l_i, acc, qk_scale, BN, False, PREC)
+            m_i, l_i, acc = _attend_tile(
+                q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m_i, l_i, acc, qk_scale, BN, False, PREC
+            )
             n0 += BN
         n0 = full_end
         while n0 < end:
-            m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end,
-                                         m_i, l_i, acc, qk_scale, BN, True, PREC)
+            m_i, l_i, acc = _attend_tile(
+                q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m_i, l_i, acc, qk_scale, BN, True, PREC
+            )
             n0 += BN
     else:
         for n0 in range(0, full_end, BN):
-            m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end,
-                                         m_i, l_i, acc, qk_scale, BN, False, PREC)
+            m_i, l_i, acc = _attend_tile(
+                q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m_i, l_i, acc, qk_scale, BN, False, PREC
+            )
         for n0 in range(full_end, end, BN):
-            m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end,
-                                         m_i, l_i, acc, qk_scale, BN, True, PREC)
+            m_i, l_i, acc = _attend_tile(
+                q, k_base, v_base, n0, stride_kt, stride_vt, d, row_pos, end, m_i, l_i, acc, qk_scale, BN, True, PREC
+            )
 
     out = acc / l_i[:, None]
-    tl.store(o_ptr + (tok0 + m)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        o_ptr + (tok0 + m)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(o_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
 _INTERPRETED = not isinstance(_prefill_kernel, triton.runtime.JITFunction)
@@ -126,9 +170,19 @@ def _precision(x: Tensor) -> str:
     return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
-def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_slot: Tensor, block_start: Tensor,
-                      block_len: Tensor, block_pos0: Tensor, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-                      num_warps: int | None = None, num_stages: int = 2) -> Tensor:
+def prefill_attention(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_slot: Tensor,
+    block_start: Tensor,
+    block_len: Tensor,
+    block_pos0: Tensor,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> Tensor:
     """q [T, H, D] packed query tokens; k_cache/v_cache [slots, max_len, H_kv, D] (one layer, this call's
     rows already written); block_* [NB] int32 from build_block_table -> [T, H, D] in q's dtype. Token j
     of block i attends rows 0..block_pos0[i] + j of slot block_slot[i]; scale 1/sqrt(D). Rows of q in no
@@ -148,14 +202,34 @@ def prefill_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_slot: T
     if num_warps is None:  # a [128, D=128] fp32 accumulator spills on 4 warps (sm_90, ptxas -v)
         num_warps = 4 if rows <= 64 else 8
     _prefill_kernel[(nb, hkv)](
-        q, k_cache, v_cache, out, block_slot, block_start, block_len, block_pos0,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        out.stride(0), out.stride(1),
-        d ** -0.5 * _LOG2E,
-        G=g, BM=block_m, ROWS=rows, D=d, BN=block_n, WHILE_LOOPS=_INTERPRETED, PREC=_precision(q),
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_slot,
+        block_start,
+        block_len,
+        block_pos0,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        out.stride(0),
+        out.stride(1),
+        d**-0.5 * _LOG2E,
+        G=g,
+        BM=block_m,
+        ROWS=rows,
+        D=d,
+        BN=block_n,
+        WHILE_LOOPS=_INTERPRETED,
+        PREC=_precision(q),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -166,8 +240,9 @@ def max_blocks(total_tokens: int, max_seqs: int, block_m: int = BLOCK_M) -> int:
     return triton.cdiv(total_tokens, block_m) + max_seqs
 
 
-def build_block_table(seqs: list[tuple[int, int, int, int]], n_blocks: int, block_m: int = BLOCK_M,
-                      device: torch.device | str = "cpu") -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def build_block_table(
+    seqs: list[tuple[int, int, int, int]], n_blocks: int, block_m: int = BLOCK_M, device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """seqs: (slot, token_offset_in_q, start_position, length) per packed sequence -> int32 tensors
     (block_slot, block_start, block_len, block_pos0) of length n_blocks, each sequence cut into blocks
     of at most block_m tokens, then padded with empty blocks. ValueError if n_blocks is too small."""

@@ -17,11 +17,29 @@ from torch import Tensor
 
 @triton.jit
 def _qkv_rope_kernel(
-    qkv_ptr, temp_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr, pos_ptr,
-    stride_qkv, stride_q_t, stride_q_h, stride_cs,
-    stride_ks, stride_kt, stride_kh, stride_vs, stride_vt, stride_vh,
+    qkv_ptr,
+    temp_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    slot_ptr,
+    pos_ptr,
+    stride_qkv,
+    stride_q_t,
+    stride_q_h,
+    stride_cs,
+    stride_ks,
+    stride_kt,
+    stride_kh,
+    stride_vs,
+    stride_vt,
+    stride_vh,
     eps,
-    H: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr,
+    H: tl.constexpr,
+    H_KV: tl.constexpr,
+    D: tl.constexpr,
 ):
     t = tl.program_id(0)
     j = tl.program_id(1)
@@ -57,9 +75,19 @@ def _qkv_rope_kernel(
     tl.store(dst + 2 * half + 1, y1)
 
 
-def qkv_rope_cache(qkvg: Tensor, temp: Tensor, cos_table: Tensor, sin_table: Tensor, k_cache: Tensor,
-                   v_cache: Tensor, slots: Tensor, positions: Tensor, n_heads: int, n_kv: int, eps: float
-                   ) -> tuple[Tensor, Tensor]:
+def qkv_rope_cache(
+    qkvg: Tensor,
+    temp: Tensor,
+    cos_table: Tensor,
+    sin_table: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    positions: Tensor,
+    n_heads: int,
+    n_kv: int,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
     """qkvg [N, (H + 2 H_kv) D + H] (the fused GEMM's output); temp [H] (any shape of H values); cos/sin
     tables [max_len, D/2] fp32 (indexed by position here); k_cache/v_cache [slots, T, H_kv, D] (one layer).
     Writes K (normed, rotated) and raw V at (slot, position) of each row; returns (q [N, H, D], the gate
@@ -70,10 +98,29 @@ def qkv_rope_cache(qkvg: Tensor, temp: Tensor, cos_table: Tensor, sin_table: Ten
     q = torch.empty(n, n_heads, d, device=qkvg.device, dtype=qkvg.dtype)
     if n:
         _qkv_rope_kernel[(n, n_heads + 2 * n_kv)](
-            qkvg, temp.reshape(-1), cos_table, sin_table, q, k_cache, v_cache, slots, positions,
-            qkvg.stride(0), q.stride(0), q.stride(1), cos_table.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            float(eps), H=n_heads, H_KV=n_kv, D=d, num_warps=1,
+            qkvg,
+            temp.reshape(-1),
+            cos_table,
+            sin_table,
+            q,
+            k_cache,
+            v_cache,
+            slots,
+            positions,
+            qkvg.stride(0),
+            q.stride(0),
+            q.stride(1),
+            cos_table.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            float(eps),
+            H=n_heads,
+            H_KV=n_kv,
+            D=d,
+            num_warps=1,
         )
-    return q, qkvg[:, width - n_heads:]
+    return q, qkvg[:, width - n_heads :]

@@ -16,14 +16,28 @@ from torch import Tensor
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, stride_x, stride_y, stride_h, stride_out, eps,
-                     D: tl.constexpr, BLOCK: tl.constexpr, HAS_Y: tl.constexpr, HAS_W: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    h_ptr,
+    out_ptr,
+    stride_x,
+    stride_y,
+    stride_h,
+    stride_out,
+    eps,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_Y: tl.constexpr,
+    HAS_W: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < D
     x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
     if HAS_Y:  # the residual add, rounded to the activation dtype as `h + y` is
-        x = (x.to(tl.float32) + tl.load(y_ptr + row * stride_y + d, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(y_ptr + row * stride_y + d, mask=ok, other=0.0).to(tl.float32)
         x = x.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + row * stride_h + d, x, mask=ok)
     xf = x.to(tl.float32)
@@ -33,8 +47,7 @@ def _rms_norm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, stride_x, stride_y, st
     tl.store(out_ptr + row * stride_out + d, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float, add: Tensor | None = None
-                  ) -> tuple[Tensor, Tensor]:
+def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float, add: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """x [N, D] -> (h, rms_norm(h, weight, eps)) where h = x + add (rounded to x's dtype), or x itself
     without `add`. Each row: one program, 4 warps, the whole row in one fp32 sum."""
     n, dim = x.shape
@@ -46,9 +59,20 @@ def rms_norm_rows(x: Tensor, weight: Tensor | None, eps: float, add: Tensor | No
         add = add if add.stride(-1) == 1 else add.contiguous()
     if n:
         _rms_norm_kernel[(n,)](
-            x, x if add is None else add, x if weight is None else weight, h, out,
-            x.stride(0), 0 if add is None else add.stride(0), h.stride(0), out.stride(0), float(eps),
-            D=dim, BLOCK=triton.next_power_of_2(dim), HAS_Y=add is not None, HAS_W=weight is not None,
+            x,
+            x if add is None else add,
+            x if weight is None else weight,
+            h,
+            out,
+            x.stride(0),
+            0 if add is None else add.stride(0),
+            h.stride(0),
+            out.stride(0),
+            float(eps),
+            D=dim,
+            BLOCK=triton.next_power_of_2(dim),
+            HAS_Y=add is not None,
+            HAS_W=weight is not None,
             num_warps=4,
         )
     return h, out

@@ -33,11 +33,32 @@ def _gelu(x):
 
 @triton.jit
 def _router_kernel(
-    x_ptr, prev_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
-    bias_ptr, chosen_ptr, weight_ptr, r_ptr,
-    N, stride_x, stride_prev, stride_r, bias_sign, eps,
-    R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-    HAS_PREV: tl.constexpr, ROWS: tl.constexpr, PREC: tl.constexpr,
+    x_ptr,
+    prev_ptr,
+    scale_ptr,
+    w0_ptr,
+    b0_ptr,
+    w2_ptr,
+    b2_ptr,
+    w4_ptr,
+    eda_w_ptr,
+    bias_ptr,
+    chosen_ptr,
+    weight_ptr,
+    r_ptr,
+    N,
+    stride_x,
+    stride_prev,
+    stride_r,
+    bias_sign,
+    eps,
+    R: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_PREV: tl.constexpr,
+    ROWS: tl.constexpr,
+    PREC: tl.constexpr,
 ):
     dt = x_ptr.dtype.element_ty
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -88,10 +109,29 @@ def _router_kernel(
 
 @triton.jit
 def _router_row_kernel(
-    x_ptr, prev_ptr, scale_ptr, w0_ptr, b0_ptr, w2_ptr, b2_ptr, w4_ptr, eda_w_ptr,
-    bias_ptr, chosen_ptr, weight_ptr, r_ptr,
-    stride_x, stride_prev, stride_r, bias_sign, eps,
-    R: tl.constexpr, E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, HAS_PREV: tl.constexpr,
+    x_ptr,
+    prev_ptr,
+    scale_ptr,
+    w0_ptr,
+    b0_ptr,
+    w2_ptr,
+    b2_ptr,
+    w4_ptr,
+    eda_w_ptr,
+    bias_ptr,
+    chosen_ptr,
+    weight_ptr,
+    r_ptr,
+    stride_x,
+    stride_prev,
+    stride_r,
+    bias_sign,
+    eps,
+    R: tl.constexpr,
+    E: tl.constexpr,
+    E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr,
+    HAS_PREV: tl.constexpr,
 ):
     """The same computation for one token row per program, as GEMVs (broadcast and sum) instead of tl.dot:
     at decode batches the dot form pads every program to 16 rows and serialises on one SM's tensor-core
@@ -134,10 +174,27 @@ def _router_row_kernel(
         score = tl.where(hit, -float("inf"), score)
 
 
-def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, scale: Tensor | None, w0: Tensor,
-                b0: Tensor, w2: Tensor, b2: Tensor, w4: Tensor, eda_w: Tensor, bias: Tensor, bias_sign: float, k: int,
-                eps: float, block_rows: int | None = None, num_warps: int | None = None,
-                row_kernel: bool | None = None, linear_fn=None) -> tuple[Tensor, Tensor, Tensor]:
+def fused_route(
+    x: Tensor,
+    prev: Tensor | None,
+    down_w: Tensor,
+    down_b: Tensor,
+    scale: Tensor | None,
+    w0: Tensor,
+    b0: Tensor,
+    w2: Tensor,
+    b2: Tensor,
+    w4: Tensor,
+    eda_w: Tensor,
+    bias: Tensor,
+    bias_sign: float,
+    k: int,
+    eps: float,
+    block_rows: int | None = None,
+    num_warps: int | None = None,
+    row_kernel: bool | None = None,
+    linear_fn=None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """`engine.model.zonos2.route` -> (chosen [N, k] int64, their probabilities [N, k] fp32, r [N, R] in x's dtype).
     All weights are expected in x's dtype (as in the model); no host sync, graph-capturable.
 
@@ -163,9 +220,21 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
     x = (linear_fn or linear)(x, down_w, down_b)
     if has_prev:
         prev = prev if prev.stride(-1) == 1 else prev.contiguous()
-    args = (x, prev if has_prev else x, scale.contiguous() if has_prev else down_b, w0.contiguous(), b0.contiguous(),
-            w2.contiguous(), b2.contiguous(), w4.contiguous(), eda_w.contiguous(), bias.contiguous(), chosen, weights,
-            r)
+    args = (
+        x,
+        prev if has_prev else x,
+        scale.contiguous() if has_prev else down_b,
+        w0.contiguous(),
+        b0.contiguous(),
+        w2.contiguous(),
+        b2.contiguous(),
+        w4.contiguous(),
+        eda_w.contiguous(),
+        bias.contiguous(),
+        chosen,
+        weights,
+        r,
+    )
     shape = dict(R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev)
     strides = (x.stride(0), prev.stride(0) if has_prev else 0, r.stride(0), float(bias_sign), float(eps))
     if row_kernel if row_kernel is not None else n <= ROW_KERNEL_MAX_ROWS:
@@ -175,7 +244,12 @@ def fused_route(x: Tensor, prev: Tensor | None, down_w: Tensor, down_b: Tensor, 
     # for sm_90 without register spills (64 rows spill).
     block_rows = block_rows or (16 if n <= 1024 else 32)
     _router_kernel[(triton.cdiv(n, block_rows),)](
-        *args, n, *strides, **shape, ROWS=block_rows, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        *args,
+        n,
+        *strides,
+        **shape,
+        ROWS=block_rows,
+        PREC="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps or 8,
     )
     return chosen, weights, r
