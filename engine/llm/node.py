@@ -78,10 +78,13 @@ KERNEL_SETS = {"seeded": (False, True), "always": (True,), "off": (False,)}
 
 @dataclass
 class PendingDecode:
+    """A launched decode step, or a prefill's first frames (prefill=True): read back by `decode_finish`."""
+
     seqs: list[Sequence]
     slots: set[int]  # the slots the step writes (KV cache, sampler state, last frame)
     codes: Any  # np.ndarray (CPU) or a pinned torch tensor being filled (CUDA)
     done: Any  # torch.cuda.Event, or None
+    prefill: bool = False
 
 
 class LLMNode:
@@ -131,6 +134,13 @@ class LLMNode:
         ]
         self._host_inputs = [torch.zeros(2, n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
         self._flip = 0
+        # a prefill's first frames and the slots that sample them, the same way (a prefill may be in flight
+        # while the next is launched)
+        self._host_first = [
+            torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+        ]
+        self._host_first_slots = [torch.zeros(n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._first_flip = 0
         self._text_col = torch.full((n_slots + 1, 1), self.cfg.text_pad_id, dtype=torch.int64, device=self.device)
         self.in_flight: list[PendingDecode] = []  # launched steps not yet read back (decode_finish), oldest first
         self.deferred: set[int] = set()  # released slots a step in flight still writes: freed when it is read
@@ -214,9 +224,19 @@ class LLMNode:
         return self.prefill_graphs.max_tokens if self.prefill_graphs is not None else 1 << 30
 
     def prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
-        """Run prompt chunks [(seq, n_frames)] packed. Sequences whose prompt completes get their
-        first frame sampled; returns [(seq, codes)] for those."""
-        out: list[tuple[Sequence, np.ndarray]] = []
+        """Run prompt chunks [(seq, n_frames)] packed and wait: [(seq, codes)] for the sequences whose prompt
+        completes (their first frame)."""
+        pending = self.prefill_start(chunks)
+        return self.decode_finish(pending) if pending is not None else []
+
+    def prefill_start(self, chunks: list[tuple[Sequence, int]]) -> PendingDecode | None:
+        """Launch prompt chunks [(seq, n_frames)] packed and return at once. Sequences whose prompt completes
+        get their first frame sampled on the device (it is their slot's last frame, so a decode step may be
+        launched for them before it is read back); the returned pending comes back like a decode step's, by
+        `decode_finish`: an event and one pinned device-to-host copy, no wait. Its slots (every chunk's: the
+        call writes their KV rows) stay held on release until it is read back. None only for no chunks."""
+        if not chunks:
+            return None
         group: list[tuple[Sequence, int]] = []
         frames, max_frames = 0, self.max_prefill_frames
         max_seqs = self.prefill_graphs.max_seqs if self.prefill_graphs is not None else 1 << 30
@@ -231,17 +251,45 @@ class LLMNode:
             frames += n
         if group:
             done += self._prefill_packed(group)
-        if not done:
-            return out
+        n = len(done)
+        buf = self._first_flip
+        self._first_flip ^= 1
+        written = {seq.slot for seq, _ in chunks}
+        if not done:  # no first frame: the event alone says when the call has run
+            none = torch.zeros(0, self.cfg.n_codebooks, dtype=torch.int64, device=self.device)
+            pending = self._pending([], none, self._host_first[buf][:0], written)
+            self.in_flight.append(pending)
+            return pending
+        host_slots = self._host_first_slots[buf][:n]
+        host_slots.numpy()[:] = [seq.slot for seq, _ in done]
+        slots = host_slots.to(self.device, non_blocking=True)  # pinned: queued behind the prefill
         # one sampler call for every first frame: a guided request and its twin sample together
-        slots = torch.tensor([seq.slot for seq, _ in done], device=self.device)
-        codes = self.sampler.sample(torch.stack([row for _, row in done]), slots, eager=True).cpu().numpy()
-        for seq, _ in done:
+        codes = self.sampler.sample(torch.cat([rows for _, rows in done]), slots, eager=True)
+        seqs = [seq for seq, _ in done]
+        for seq in seqs:
             seq.launched += 1
-        return [(seq, self._accept(seq, codes[j])) for j, (seq, _) in enumerate(done)]
+        pending = self._pending(seqs, codes, self._host_first[buf][:n], written)
+        self.in_flight.append(pending)
+        return pending
+
+    def _pending(
+        self, seqs: list[Sequence], codes: Tensor, host: Tensor, prefill_slots: set[int] | None = None
+    ) -> PendingDecode:
+        """The launched work's codes on their way to the host: a copy on a CPU (the graphs reuse their
+        buffers); on a GPU a pinned copy behind the work and an event (no sync here). prefill_slots: a
+        prefill's, the slots it writes."""
+        used = {s.slot for s in seqs} if prefill_slots is None else prefill_slots
+        prefill = prefill_slots is not None
+        if self.device.type != "cuda":
+            return PendingDecode(seqs, used, codes.numpy().copy(), None, prefill)
+        host.copy_(codes, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingDecode(seqs, used, host, done, prefill)
 
     def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Tensor]]:
-        """One packed prefill call; the last-position logits [C, V] of each sequence whose prompt it completed."""
+        """One packed prefill call; for the sequences whose prompt it completed, one entry each: (seq, its
+        last-position logits [1, C, V])."""
         ids, seqs, speakers, emotions = [], [], [], []
         for seq, n in chunks:
             start = seq.prefilled
@@ -263,8 +311,11 @@ class LLMNode:
                 done.append(i)
         if not done:
             return []
-        rows = logits[done]  # a copy: a captured prefill's output buffer is overwritten by the next call
-        return [(chunks[i][0], rows[j]) for j, i in enumerate(done)]
+        # a copy (a captured prefill's output buffer is overwritten by the next call), gathered by an index
+        # sent from pinned memory: indexing by a Python list would copy it from pageable memory and wait
+        # for every kernel queued before
+        rows = logits.index_select(0, to_device(np.array(done, dtype=np.int64), self.device))
+        return [(chunks[i][0], rows[j : j + 1]) for j, i in enumerate(done)]
 
     def decode(self, seqs: list[Sequence]) -> list[tuple[Sequence, np.ndarray]]:
         """One frame for each sequence (all past prefill)."""
@@ -276,7 +327,7 @@ class LLMNode:
         input is its slot's last sampled frame, which the sampler keeps on the device (`SamplerState.last`),
         so a step may be launched before the one before it was read back. `decode_finish` waits for the codes.
         At most two steps may be in flight."""
-        if len(self.in_flight) >= 2:
+        if sum(not p.prefill for p in self.in_flight) >= 2:
             raise RuntimeError("two decode steps are in flight already: read one back first")
         n = len(seqs)
         buf = self._flip
@@ -296,21 +347,14 @@ class LLMNode:
             ids = torch.cat([self.sampler.last[slots], self._text_col[:n]], 1)
             logits = self.model.decode(ids, slots, positions, invariant=invariant)
             codes = self.sampler.sample(logits, slots)
-        used = {s.slot for s in seqs}
-        if self.device.type != "cuda":
-            pending = PendingDecode(seqs, used, codes.numpy().copy(), None)  # a copy: the graphs reuse their buffer
-        else:
-            host = self._host_codes[buf][:n]
-            host.copy_(codes, non_blocking=True)  # pinned: the copy runs behind the step, no sync here
-            done = torch.cuda.Event()
-            done.record()
-            pending = PendingDecode(seqs, used, host, done)
+        pending = self._pending(seqs, codes, self._host_codes[buf][:n])
         self.in_flight.append(pending)
         return pending
 
     def decode_finish(self, pending: PendingDecode) -> list[tuple[Sequence, np.ndarray]]:
-        """Wait for a launched step's codes and account them. Rows of sequences released since the launch (they
-        finished on the step before, or were cancelled) are discarded; the slots they kept are freed now."""
+        """Wait for a launched step's codes (or a prefill's first frames) and account them. Rows of sequences
+        released since the launch (they finished on the step before, or were cancelled) are discarded; the
+        slots they kept are freed now."""
         if pending.done is not None:
             pending.done.synchronize()
             codes = pending.codes.numpy().copy()

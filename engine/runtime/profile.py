@@ -6,12 +6,10 @@ writes PATH (JSON): per iteration on average, the GPU time of each node (decode 
 speaker encoder, other) and the time the GPU had nothing to do, from the kernels' own timestamps. Each
 kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
 decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
-from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for: profiling
-slows the loop,
-and stopping the profiler holds the engine loop for seconds (every stream stalls once;
-the figure: docs/architecture.md): benchmarks trigger it in a level they do not count (bench/device_capacity.sh). The
-trace's
-export and analysis then run on a thread of their own.
+from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for:
+profiling slows the loop, and stopping the profiler holds the engine loop for seconds (every stream stalls
+once; the figure: docs/architecture.md): benchmarks trigger it in a level they do not count
+(bench/device_capacity.sh). The trace's export and analysis then run on a thread of their own.
 """
 
 from __future__ import annotations
@@ -49,6 +47,8 @@ class IterationProfiler:
         self._count = 0
         self._t0 = 0.0
         self.done = False
+        self.counts: Any = None  # a Counter the profiled node keeps (the dac_decoder's): its change is reported
+        self._counts0: dict[str, int] = {}
 
     @classmethod
     def from_env(cls) -> IterationProfiler | None:
@@ -74,6 +74,7 @@ class IterationProfiler:
                 self._prof.__enter__()
                 _active = True
                 self._t0, self._count, self._streams = time.perf_counter(), 0, []
+                self._counts0 = dict(self.counts or {})
             return
         self._count += 1
         self._streams.append(streams)
@@ -87,11 +88,12 @@ class IterationProfiler:
         _active = False
         torch.cuda.synchronize()
         wall = time.perf_counter() - self._t0
+        counts = {k: v - self._counts0.get(k, 0) for k, v in (self.counts or {}).items()}
         self._prof.__exit__(None, None, None)
         self.done = True
-        threading.Thread(target=self._write, args=(wall,), name="profile-export", daemon=True).start()
+        threading.Thread(target=self._write, args=(wall, counts), name="profile-export", daemon=True).start()
 
-    def _write(self, wall: float) -> None:
+    def _write(self, wall: float, counts: dict[str, int]) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             self._prof.export_chrome_trace(f.name)
             with open(f.name) as fh:
@@ -102,9 +104,27 @@ class IterationProfiler:
             wall_ms_per_iteration=round(wall / self._count * 1e3, 3),
             streams_mean=round(sum(self._streams) / len(self._streams), 1),
         )
+        if counts:
+            budget["dac"] = dac_report(counts, budget["gpu_ms_per_iteration"]["dac"] * self._count)
         with open(self.path, "w") as fh:
             json.dump(budget, fh, indent=1)
         log.info("iteration profile written to %s: %s", self.path, budget)
+
+
+def dac_report(counts: dict[str, int], gpu_ms: float) -> dict[str, Any]:
+    """The dac_decoder's work in a profiled window: its counts, and its audio per GPU second (served) against
+    the frames it decoded (real rows, flush frames included) and the padding rows it ran."""
+    from engine.contract.constants import SAMPLE_RATE
+
+    out: dict[str, Any] = {k: v for k, v in sorted(counts.items()) if v}
+    audio_s = counts.get("samples", 0) / SAMPLE_RATE
+    if gpu_ms > 0:
+        out["audio_s_per_gpu_s"] = round(audio_s / (gpu_ms / 1e3), 1)
+    rows = counts.get("rows", 0) + counts.get("pad_rows", 0)
+    if rows:
+        out["pad_row_share"] = round(counts.get("pad_rows", 0) / rows, 3)
+        out["rows_per_call"] = round(counts.get("rows", 0) / max(1, counts.get("calls", 0)), 1)
+    return out
 
 
 def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str, Any]:

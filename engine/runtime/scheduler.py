@@ -23,9 +23,10 @@ The host then does step k's bookkeeping (EOS, DAC pushes, records) while step k+
 ended on step k (EOS, cancel; a frame budget or the context is seen before launching, `LLMNode.wants_step`)
 already has a row in step k+1: that row is discarded, and its slots (its twin's too) are freed only when
 step k+1 is read back (`LLMNode.release` defers them), so an admission never sees that step's stale write; a
-cancel is acknowledged then. Newly prefilled requests join the next step launched. The sampler's noise is
-keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so seeded output is the
-same with and without overlap.
+cancel is acknowledged then. Newly prefilled requests join the next step launched; a prefill's first frames
+are read back on the next iteration like a decode step (`LLMNode.prefill_start`), without a wait. The
+sampler's noise is keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so
+seeded output is the same with and without overlap.
 
 Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice), `prefix_cfg_scale` (and the
 prefix twin's prompt) or `emotion_cfg_scale` (and a voice with an emotion) != 1 gets a twin: a second slot
@@ -131,9 +132,12 @@ class Scheduler:
         self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
         self._last_stats = 0.0
         self.profiler = IterationProfiler.from_env() if engine.on_gpu else None
+        if self.profiler is not None:
+            self.profiler.counts = self.dac.counts
         # overlap scheduling (module docstring): the decode step launched last, read back next iteration
         self.overlap = settings.overlap_decode if settings.overlap_decode is not None else engine.on_gpu
         self._inflight: PendingDecode | None = None
+        self._inflight_prefill: PendingDecode | None = None  # the last prefill's first frames, read back next
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
         self._prefilled = False  # this iteration ran a prefill (admission measures what it added to the period)
         # iterations in which a waiting newcomer was held back, by the admission gate that held it (admission.Gate)
@@ -152,6 +156,7 @@ class Scheduler:
                 any(j.seq.finish_reason is None for j in self.running.values())
                 or self.waiting
                 or self._inflight is not None
+                or self._inflight_prefill is not None
             )
             if not generating and self.outbox.pending_bytes() == 0:
                 # idle: sleep until a request arrives (only audio left to decode: just a short nap)
@@ -529,7 +534,7 @@ class Scheduler:
         return min(left) * self.admission.period_s
 
     def _step(self) -> None:
-        if not self.running and self._inflight is None:
+        if not self.running and self._inflight is None and self._inflight_prefill is None:
             self._paced_since = 0.0
             return
         t0 = time.perf_counter()
@@ -559,6 +564,11 @@ class Scheduler:
             self._send_acks()
         elif paced:
             time.sleep(PACED_NAP_S)  # the DAC's calls take milliseconds: no need to spin on them
+        if self._inflight_prefill is not None:  # the first frames of the prefill launched last iteration
+            prefilled, self._inflight_prefill = self._inflight_prefill, None
+            results += self.llm.decode_finish(prefilled)
+            self._prefilled = True  # this iteration waited for it: the next launch's period tells its cost
+            self._send_acks()
         chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
         # playing the held tail, a newcomer only waits for first audio
@@ -578,8 +588,14 @@ class Scheduler:
                     job = self.running[seq.rid]
                     job.t_prefill_start = job.t_prefill_start or t_prefill
             with node_range("prefill"):
-                results += self.llm.prefill(chunks)  # returns once the first frames are sampled (a sync)
-            self._prefilled = True  # the next launch's period tells what it cost the playing streams
+                prefilled = self.llm.prefill_start(chunks)
+            assert prefilled is not None
+            # overlap: read back next iteration, after the decode step that already carries these streams
+            if self.overlap:
+                self._inflight_prefill = prefilled
+            else:
+                results += self.llm.decode_finish(prefilled)
+                self._prefilled = True  # the next launch's period tells what it cost the playing streams
             self.counters["prefill_frames"] += sum(n for _, n in chunks)
         now = time.perf_counter()
         plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
@@ -607,7 +623,7 @@ class Scheduler:
                 self._release(job)
         if plain_rids:
             self.dac.push_rows(plain_rids, np.stack(plain_rows))
-        if not live and self._inflight is None:
+        if not live and self._inflight is None and self._inflight_prefill is None:
             self._audio()  # only audio left to decode
         if not paced:
             self.step_times.append(time.perf_counter() - t0)
@@ -667,7 +683,7 @@ class Scheduler:
     def _drop_inflight(self) -> None:
         """The error path: forget the steps in flight (read back when the device still answers), so their
         slots come free and pending cancels are acknowledged."""
-        self._inflight = None
+        self._inflight = self._inflight_prefill = None
         for pending in list(self.llm.in_flight):
             try:
                 self.llm.decode_finish(pending)  # every row's sequence was released above: nothing is kept

@@ -398,6 +398,38 @@ def test_steady_calls_wait_for_a_larger_batch_but_first_and_final_calls_never_do
     assert dec.launch(min_batch=4, max_hold=3) >= 1
 
 
+def test_held_steady_calls_ride_along_with_a_launch_of_their_size(codec: Codec):
+    """A launch that runs a DAC call anyway (first, second or final calls, which never wait) takes the held
+    steady calls of the same size along (a call's cost is mostly fixed): 9 first calls take one held call,
+    the call fills its bucket of 10 with no padding row, and the held stream's audio is still exact."""
+    dec = StreamingDecoder(codec, ChunkSchedule(frames=2, first_frames=2))
+    d = {rid: random_frames(40, seed=rid) for rid in range(10)}
+    out: list[np.ndarray] = []
+
+    def collect() -> None:
+        out.extend(pcm for rid, pcm, _ in dec.collect(as_float=True, wait=True) if rid == 0)
+
+    for k in (10, 12):  # stream 0: calls 0 and 1, then a steady call ready
+        dec.push(0, d[0][k - (10 if k == 10 else 2) : k])
+        assert dec.launch(min_batch=20, max_hold=5) == 1
+        collect()
+    dec.push(0, d[0][12:14])
+    assert dec.launch(min_batch=20, max_hold=5) == 0  # held: fewer than min_batch ready
+    for rid in range(1, 10):
+        dec.push(rid, d[rid][:10])  # 9 first calls, which never wait
+    before = dict(dec.counts)
+    assert dec.launch(min_batch=20, max_hold=5) == 10  # the held call rode along in the padding row
+    assert dec.counts["pad_rows"] == before.get("pad_rows", 0) and dec.counts["calls 10x2"] == 1
+    collect()
+    dec.push(0, d[0][14:])
+    dec.finish(0, None)
+    while dec.pending():
+        dec.launch()
+        collect()
+    x = np.concatenate(out)
+    assert len(x) == 40 * HOP and snr_db(decode_offline(codec, d[0]), x) > EXACT_DB
+
+
 SCHEDULES = {
     "default": ChunkSchedule(),
     "low_latency": ChunkSchedule.low_latency(),

@@ -406,3 +406,89 @@ def test_a_slow_iteration_is_logged_with_where_it_went(engine: Engine, monkeypat
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
+
+
+def test_prefill_first_frame_comes_back_like_a_decode_step(engine: Engine):
+    """A prefill is launched without a wait: its first frame is sampled on the device and read back later
+    (`decode_finish`), while a decode step already carries the stream; the frames are those of the waiting
+    path. A cancel while the prefill is in flight keeps the slot until it is read back."""
+    from engine.llm.node import Sequence
+
+    llm = engine.llm
+    prompt = _pb().build("Read back later.", Conditioning())
+
+    def seq(rid: int) -> Sequence:
+        return Sequence(rid=rid, prompt=prompt, params=SamplingParams(seed=11), max_frames=8, ignore_eos=True)
+
+    ref = seq(1)
+    llm.admit(ref)
+    first = llm.prefill([(ref, ref.prompt_len)])[0][1]
+    second = llm.decode([ref])[0][1]
+    assert llm.release(ref)
+
+    a = seq(2)
+    llm.admit(a)
+    pending = llm.prefill_start([(a, a.prompt_len)])
+    assert pending is not None and pending.prefill and pending in llm.in_flight
+    assert (a.generated, a.launched, a.in_prefill) == (0, 1, False)  # launched, nothing read back yet
+    step = llm.decode_start([a])  # the stream's next step goes before its first frame is read
+    assert a.launch_position == a.prompt_len + 1
+    got = llm.decode_finish(pending)
+    np.testing.assert_array_equal(got[0][1], first)
+    np.testing.assert_array_equal(llm.decode_finish(step)[0][1], second)
+    assert a.generated == 2 and not llm.in_flight
+    assert llm.release(a)
+
+    b = seq(3)
+    llm.admit(b)
+    slot = b.slot
+    part = llm.prefill_start([(b, 2)])  # a first chunk only: no frame sampled, its KV rows still written
+    assert part is not None and part.seqs == [] and part.slots == {slot}
+    assert llm.decode_finish(part) == [] and b.prefilled == 2 and b.launched == 0
+    pending = llm.prefill_start([(b, b.prompt_len - 2)])
+    assert not llm.release(b) and slot in llm.deferred  # the prefill in flight still writes the slot
+    assert llm.decode_finish(pending) == [] and slot in llm.free_slots and not llm.deferred
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine: Engine, overlap: bool):
+    """The admission's prefill cost is the period of the iteration that waited for the prefill: the one that
+    ran it without overlap, the next one (which reads its first frames back) with overlap; the prefill's own
+    launch waits for nothing."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap = overlap
+        flags: list[bool] = []
+        launched: list[int] = []  # iterations that launched a prefill
+        observe, start = sched.admission.observe_launch, engine.llm.prefill_start
+
+        def rec_observe(now: float, streams: int, prefilled: bool = False) -> None:
+            flags.append(prefilled)
+            observe(now, streams, prefilled)
+
+        def rec_start(chunks):
+            launched.append(len(flags) - 1)
+            return start(chunks)
+
+        sched.admission.observe_launch, engine.llm.prefill_start = rec_observe, rec_start
+        assert inbox.try_put(*req(1, "The first one.", 40, seed=1).encode())
+        for i in range(30):
+            if i == 10:
+                assert inbox.try_put(*req(2, "The second one.", 20, seed=2).encode())
+            with engine.llm_stream():
+                sched.iterate()
+        assert len(launched) == 2
+        lag = 2 if overlap else 1
+        assert [i for i, f in enumerate(flags) if f] == [i + lag for i in launched]
+        while sched.running or sched._inflight is not None:
+            with engine.llm_stream():
+                sched.iterate()
+    finally:
+        engine.llm.prefill_start = start
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()

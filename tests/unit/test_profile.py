@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.runtime.profile import iteration_budget
+from engine.runtime.profile import dac_report, iteration_budget
 
 
 def test_iteration_budget_attributes_kernels_to_the_node_that_launched_them():
@@ -45,3 +45,20 @@ def test_stack_summary_counts_own_and_inclusive_time_per_function():
     assert "5.0%  run (engine/runtime/scheduler.py)" in own
     assert "45.0%  run (engine/runtime/scheduler.py)" in text.split("inclusive")[1]
     assert summarize([]) == "no samples"
+
+
+def test_dac_report_gives_audio_per_gpu_second_and_the_padding_share():
+    counts = {
+        "launches": 10,
+        "calls": 4,
+        "calls 10x10": 4,
+        "rows": 30,
+        "pad_rows": 10,
+        "frames": 300,
+        "pad_frames": 100,
+        "samples": 441000,
+        "unused": 0,
+    }
+    r = dac_report(counts, gpu_ms=20.0)  # 10 audio-s in 20 GPU-ms
+    assert r["audio_s_per_gpu_s"] == 500.0 and r["pad_row_share"] == 0.25 and r["rows_per_call"] == 7.5
+    assert "unused" not in r and r["calls 10x10"] == 4
