@@ -64,6 +64,10 @@ fi
 # sentences' prefill and first audio, and each kind's stall-free share)
 [ -n "${SENTENCE_LEVELS-64}" ] && timeout ${SENTENCE_S:-90} $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
   ${SENTENCE_ARGS:-} --out "$OUT/capacity_sentences.json"
+# storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
+# must not stall and refusals must be fast
+[ -n "${STORM:-}" ] && timeout $(( ${STORM_S:-20} * 3 + 60 )) python3 bench/live_capacity.py --storm \
+  --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --out "$OUT/storm.json"
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
