@@ -10,6 +10,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
+MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
 _TAG = re.compile(r"<\s*break\b([^>]*)/?\s*>", re.IGNORECASE)
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
@@ -19,7 +20,10 @@ def split_breaks(text: str) -> list[str | float]:
     without a valid time is refused (`bad_text`), never spoken as text."""
     out: list[str | float] = []
     pos = 0
-    for m in _TAG.finditer(text):
+    tags = list(_TAG.finditer(text))
+    if len(tags) > MAX_BREAKS:
+        raise RequestError(G.BAD_TEXT, f"at most {MAX_BREAKS} breaks in one text")
+    for m in tags:
         before = text[pos : m.start()]
         if before.strip():
             out.append(before.strip())

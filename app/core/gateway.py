@@ -38,7 +38,7 @@ from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.voices.lexicons import LexiconStore, Rule, apply_rules, rules_from_json
+from app.voices.lexicons import MAX_RULES, LexiconStore, Rule, apply_rules, rules_from_json
 from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
@@ -432,6 +432,8 @@ class Gateway:
                 rules += rules_from_json([item])
             else:
                 raise RequestError(G.BAD_LEXICON, "a lexicon item is a dictionary id, a locator or a rule")
+            if len(rules) > MAX_RULES:  # every rule is one alternative of the pattern a text is matched against
+                raise RequestError(G.BAD_LEXICON, f"a request's dictionaries hold at most {MAX_RULES} rules in all")
         return tuple(rules)
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:

@@ -450,6 +450,25 @@ def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket
         return err
 
     assert run(refused())["code"] == "unknown_lexicon"
+    big = [
+        httpx.post(
+            srv.url + "/v1/pronunciation-dictionaries/add-from-rules",
+            timeout=60,
+            json={"name": f"big {k}", "rules": [{"string_to_replace": f"w{k}x{i}", "alias": "a"} for i in range(5000)]},
+        ).json()["id"]
+        for k in range(2)
+    ]
+
+    async def too_many():  # one request's dictionaries are bounded in all (each rule is a pattern alternative)
+        c = await connect(srv)
+        await c.send(type="session.config", lexicon=big)
+        err = await c.until("error")
+        await c.ws.close()
+        return err
+
+    assert run(too_many())["code"] == "bad_lexicon"
+    for lid in big:
+        httpx.delete(srv.url + f"/v1/pronunciation-dictionaries/{lid}")
     srv.stop()
     again = start_server(data_dir=data)  # a restart keeps them
     got = httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}")

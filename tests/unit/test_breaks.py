@@ -24,3 +24,10 @@ def test_a_break_without_a_valid_time_is_refused(tag):
     with pytest.raises(RequestError) as e:
         split_breaks(f"Before {tag} after.")
     assert e.value.code == "bad_text"
+
+
+def test_a_text_holds_a_bounded_number_of_breaks():
+    with pytest.raises(RequestError) as e:
+        split_breaks('<break time="1ms"/>' * 17)
+    assert e.value.code == "bad_text"
+    assert len(split_breaks('a <break time="1ms"/>' * 16)) == 32
