@@ -576,7 +576,7 @@ def test_packed_requests_with_different_deltas_equal_each_alone(triton):
     head = 4  # the first sequence in two chunks: its delta lands with its first chunk only
     rows = node._prefill_packed([(seqs[0], head), (seqs[1], seqs[1].prompt_len), (seqs[2], seqs[2].prompt_len)])
     rows += node._prefill_packed([(seqs[0], seqs[0].prompt_len - head)])
-    got = {s.rid: r for s, r in rows}
+    got = {s.rid: r[0] for s, r in rows}  # each row [1, C, V]
     tol = 1e-4 if triton else 1e-5
     for s, (ids, spk, _), emo in zip(seqs, items, emotions, strict=True):
         alone = model.forward_full(ids, speaker=spk, emotion=emo)[-1]

@@ -807,10 +807,12 @@ def test_every_http_error_is_json(limited, server):
     assert_json_error(r, 405, "method_not_allowed")
     assert "POST" in r.headers["allow"]
     assert_json_error(httpx.put(server.url + "/v1/voices"), 405, "method_not_allowed")
-    # a preflight from an origin that is not allowed (CORS on), and any preflight with CORS off
+    # a preflight from an origin that is not allowed (CORS on), and any preflight with CORS off: a bad preflight
     preflight = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
     assert_json_error(httpx.options(limited.url + "/v1/audio/speech", headers=preflight), 400, "cors_refused")
-    assert_json_error(httpx.options(server.url + "/v1/audio/speech", headers=preflight), 405, "method_not_allowed")
+    assert_json_error(httpx.options(server.url + "/v1/audio/speech", headers=preflight), 400, "cors_refused")
+    # an OPTIONS that is no preflight is still a method this route does not take
+    assert_json_error(httpx.options(server.url + "/v1/audio/speech"), 405, "method_not_allowed")
     # the gateway's own errors carry exactly code and message
     assert_json_error(httpx.post(server.url + "/v1/audio/speech", json={"input": " "}), 400, "empty_text")
     assert_json_error(httpx.get(server.url + "/v1/voices/nobody-at-all"), 404, "unknown_voice")
