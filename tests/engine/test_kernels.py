@@ -100,6 +100,7 @@ def test_fused_moe_matches_reference(n, k):
     assert rel_err(out, ref) < TOL, rel_err(out, ref)
 
 
+@pytest.mark.slow  # the whole tiny model through the interpreter: the full suite runs it
 def test_model_decode_with_kernels_matches_eager():
     """The tiny model's decode through the Triton kernels equals the eager path."""
     from engine.frontend.prompt import PromptBuilder

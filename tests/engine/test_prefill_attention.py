@@ -141,6 +141,7 @@ def test_empty_table_gives_zeros():
     assert (out == 0).all()
 
 
+@pytest.mark.slow  # the whole tiny model through the interpreter: the full suite runs it
 def test_model_packed_prefill_matches_eager():
     """The tiny model's packed prefill (Triton attention over the cache, speaker rows, padding to a
     fixed size, a chunk continuing a cached prompt) gives the eager per-sequence prefill's logits."""
