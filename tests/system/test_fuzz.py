@@ -332,7 +332,7 @@ openai_values = {
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
     "speed": st.floats(0, 5) | anything,
     "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
-    "instructions": anything,
+    "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", ""]) | anything,
     "stream": anything,
     "params": params(),
     "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,
@@ -673,6 +673,11 @@ el_message = st.fixed_dictionaries(
         "close_socket": st.just(False) | anything,
         "voice_settings": st.fixed_dictionaries(
             {}, optional={"speed": st.floats(0, 5) | extreme | anything, "stability": anything}
+        )
+        | anything,
+        "pronunciation_dictionary_locators": st.lists(
+            st.fixed_dictionaries({"pronunciation_dictionary_id": st.sampled_from(["pd_0000000000000000", "x"])}),
+            max_size=2,
         )
         | anything,
     },
@@ -1236,6 +1241,7 @@ cartesia_values = {
     "speed": anything,
     "context_id": st.text(max_size=140) | anything,
     "add_timestamps": anything,
+    "pronunciation_dict_id": st.sampled_from(["pd_0000000000000000", "x"]) | anything,
     "duration": anything,
 }
 CARTESIA_VALID = {
