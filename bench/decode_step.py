@@ -12,6 +12,7 @@ seeded request pays it; the others do not). Each set's capture time and reserved
 --ab is kept as a name for this default (--batch-invariant seeded).
 
     python bench/decode_step.py --batches 64 128 --overlap-host-ms 2.7   # overlap scheduling
+    python bench/decode_step.py --batches 128 192 --quantization fp8 --profile   # FP8 experts, time by kernel class
 
 --overlap-host-ms H: the engine loop's two schedules of decode steps, per batch, with H ms of host
 bookkeeping per step (a busy wait standing in for EOS, DAC pushes and records; 2.66 ms was the idle gap
@@ -34,6 +35,7 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
 from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model, release_shapes
+from engine.model.quantize import QBLOCK, quantize_experts
 from engine.model.zonos2 import MoEFFN, PrefillSeq
 
 
@@ -47,8 +49,9 @@ def weight_bytes(model, experts_touched: list[int]) -> int:
             continue
         total += math.prod(shape) * 2
     total += cfg.n_codebooks * 10 * cfg.dim * 2  # embedding rows actually gathered (approx)
-    per_expert = 3 * cfg.intermediate * cfg.dim * 2
-    return total + sum(experts_touched) * per_expert
+    # FP8 experts: one byte a weight plus a float32 scale per QBLOCK x QBLOCK block (engine/model/quantize.py)
+    per_expert = 3 * cfg.intermediate * cfg.dim * (1 + 4 / QBLOCK**2 if getattr(model, "fp8_experts", False) else 2)
+    return total + int(sum(experts_touched) * per_expert)
 
 
 def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
@@ -81,6 +84,36 @@ def use_previous_kernel_settings() -> None:
     gemv.MAX_ROWS = 0
     router.ROW_KERNEL_MAX_ROWS = 8
     decode_attention.split_tokens = lambda batch: 64 if batch <= 16 else 256
+
+
+KERNEL_CLASSES = (  # (class, name fragments), first match wins: where a decode step's GPU time goes
+    ("moe", ("moe", "expert", "fp8", "grouped")),
+    ("attention", ("attn", "attention", "flash", "sdpa")),
+    ("router", ("router", "topk", "softmax")),
+    ("gemm", ("gemm", "gemv", "matmul", "cutlass", "sm90", "nvjet", "cublas")),
+    ("sampler", ("sample", "philox", "mix32", "argmax", "cumsum", "sort")),
+    ("norm", ("norm", "rms")),
+    ("copy", ("copy", "memcpy", "memset", "cat", "index", "gather", "scatter")),
+)
+
+
+def kernel_classes(events, replays: int) -> str:
+    """GPU ms per step by kernel class (KERNEL_CLASSES; the rest: elementwise and fused others)."""
+    ms: dict[str, float] = {}
+    count: dict[str, float] = {}
+    for e in events:
+        if e.device_type.name != "CUDA":
+            continue
+        name = e.key.lower()
+        cls = next((c for c, frags in KERNEL_CLASSES if any(f in name for f in frags)), "other")
+        ms[cls] = ms.get(cls, 0.0) + e.device_time_total / 1e3 / replays
+        count[cls] = count.get(cls, 0.0) + e.count / replays
+    total = sum(ms.values())
+    lines = [f"{'class':>10} {'ms/step':>8} {'share':>6} {'kernels':>8}"]
+    for cls, t in sorted(ms.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{cls:>10} {t:8.3f} {t / total:6.1%} {count[cls]:8.0f}")
+    lines.append(f"{'total':>10} {total:8.3f} (kernel time; the step's wall time adds the gaps between kernels)")
+    return "\n".join(lines)
 
 
 def kernels(invariant: bool) -> str:
@@ -156,6 +189,12 @@ def main() -> None:
         default=EngineSettings.batch_invariant,
         help="the node's mode: seeded (the engine's default) captures and times both kernel sets",
     )
+    p.add_argument(
+        "--quantization",
+        choices=("none", "fp8"),
+        default="none",
+        help="fp8: the experts in block-scaled e4m3, as --quantization fp8 serves them",
+    )
     p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
     p.add_argument(
         "--overlap-host-ms",
@@ -171,6 +210,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)
+    if a.quantization == "fp8":
+        print(f"experts quantized to FP8: {quantize_experts(model) / 1e9:.2f} GB")
+        model.fp8_experts = True  # weight_bytes counts them at a byte each
     torch.cuda.synchronize()
     print(
         f"random full model on GPU in {time.perf_counter() - t0:.1f} s; "
@@ -289,6 +331,7 @@ def main() -> None:
                 "per step) ---"
             )
             print(events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
+            print(kernel_classes(events, 5))
 
 
 if __name__ == "__main__":
