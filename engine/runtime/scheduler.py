@@ -3,10 +3,12 @@ speaker_encoder) in one loop.
 
 One iteration at a time:
   read the inbox ring -> cancels, admissions (speaker_encoder for clone requests) ->
-  one batched decode step for every running stream -> at most one bounded prefill chunk ->
-  EOS bookkeeping -> batched DAC decode of every ready chunk -> PCM into the outbox ring.
+  plan the step (engine/runtime/step.py: the decode rows, at most one bounded prefill chunk) ->
+  launch the decode step and the dac_decoder's ready calls -> read back the work launched before ->
+  launch the prefill -> apply what was read back (EOS, DAC pushes, records) -> PCM into the outbox ring.
 A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
-for at most one chunk. Cancels free the slot before the next step runs.
+for at most one chunk. Cancels free the slot before the next step runs. A request's record is a Job
+(engine/runtime/job.py).
 
 Continuation (engine/frontend/longform.py). A request submitted with `hold` is a non-final chunk: when its
 generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
@@ -41,7 +43,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,7 +56,9 @@ from engine.model.transfer import to_device
 from engine.runtime.admission import Gate, RealtimeAdmission
 from engine.runtime.channels import Inboxes, Outboxes, channel_of
 from engine.runtime.engine import Engine
+from engine.runtime.job import Chain, Guidance, Job, Times
 from engine.runtime.profile import IterationProfiler, node_range
+from engine.runtime.step import StepPlan, prefill_order, prompt_chunks
 
 log = logging.getLogger("engine")
 
@@ -63,38 +66,6 @@ SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this lo
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
 HOL_GRACE_S = 1.0  # a request that needs more slots than are free lets smaller ones pass this long, then waits first
 PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
-
-
-@dataclass
-class Job:
-    """Engine-side bookkeeping of one request."""
-
-    seq: Sequence
-    t_arrival: float
-    t_admitted: float = 0.0
-    t_prefill_start: float = 0.0  # its first prompt chunk went into a prefill call
-    t_prefilled: float = 0.0  # its first frame was sampled
-    t_first_audio: float = 0.0
-    audio_index: int = 0
-    samples: int = 0
-    clip_ms: float = 0.0  # speaker_encoder time of a clone request (its thread, queue included)
-    speaker_pending: bool = False  # its clip is with the speaker_encoder: not admissible yet
-    # continuation (module docstring)
-    hold: bool = False  # a non-final chunk: its end keeps the stream open
-    continues: int = 0  # the rid of the held request whose stream it takes over (0: none)
-    stream: int = 0  # its DAC stream (its own rid, or the first rid of the chain it continues)
-    t_held: float = 0.0  # its generation ended and its stream is held
-    stream_samples: int = 0  # audio of its DAC stream sent so far (earlier requests of the chain included)
-    t_stream_first: float = 0.0  # the stream's first audio left
-    first_frame: int = 0  # its chunk's first frame in its stream
-    stream_end: int | None = None  # held: the stream sample its audio ends at (its kept frames' end)
-    successor: Job | None = None  # the request continuing its stream (it owns the stream until stream_end)
-    predecessor: Job | None = None
-    continued: bool = False  # its stream went on with its successor (its audio: its kept frames')
-    # guidance (module docstring): its twin, the kind ("speaker" | "prefix" | "emotion") and the scale
-    twin: Sequence | None = None
-    twin_kind: str = ""
-    cfg_scale: float = 1.0
 
 
 class Scheduler:
@@ -283,13 +254,12 @@ class Scheduler:
             emotion=emotion,
             ignore_eos=req.ignore_eos,
         )
-        job = Job(seq, time.perf_counter(), hold=req.hold, continues=req.continues)
+        job = Job(seq, Times(time.perf_counter()), Chain(hold=req.hold, continues=req.continues))
         kind = twin_kind(
             req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
         )
         if kind is not None:
-            job.twin_kind, job.cfg_scale = kind
-            uncond = req.uncond_prompt if job.twin_kind == "prefix" else req.prompt
+            uncond = req.uncond_prompt if kind[0] == "prefix" else req.prompt
             assert uncond is not None
             if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= self.llm.max_len - 1:
                 return self._error(req.rid, E.BAD_REQUEST, "the prefix twin's prompt does not fit")
@@ -298,17 +268,18 @@ class Scheduler:
                 "prefix": speaker,
                 "speaker": None,
                 "emotion": uncond_speaker if uncond_speaker is not None else speaker,
-            }[job.twin_kind]
-            job.twin = Sequence(
+            }[kind[0]]
+            twin = Sequence(
                 rid=-req.rid,
                 prompt=uncond,
                 params=req.params,
                 max_frames=max_frames,
                 speaker=twin_speaker,
-                emotion=emotion if job.twin_kind == "prefix" else None,
+                emotion=emotion if kind[0] == "prefix" else None,
                 ignore_eos=req.ignore_eos,
             )
-        need = 1 + (job.twin is not None)
+            job.guidance = Guidance(twin, *kind)
+        need = job.slots_needed
         if need > self.llm.n_slots:  # it could wait forever, and hold up everything behind it
             return self._error(
                 req.rid,
@@ -319,7 +290,7 @@ class Scheduler:
             )
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             job.speaker_pending = True
-            self.speaker.submit(("job", req.rid, job.t_arrival), req.clip, req.clip_sr)
+            self.speaker.submit(("job", req.rid, job.times.arrival), req.clip, req.clip_sr)
         self.waiting.append(job)
 
     def _reset_channel(self, channel: int) -> None:
@@ -355,30 +326,31 @@ class Scheduler:
                 self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
                 continue
             job.seq.speaker = to_device(emb, self.engine.device)
-            if job.twin is not None and job.twin_kind in ("prefix", "emotion"):  # these twins keep the voice
-                job.twin.speaker = job.seq.speaker
-            job.clip_ms = (time.perf_counter() - t_sent) * 1e3
+            if job.guidance is not None and job.guidance.kind in ("prefix", "emotion"):  # these twins keep the voice
+                job.guidance.twin.speaker = job.seq.speaker
+            job.times.clip_ms = (time.perf_counter() - t_sent) * 1e3
             job.speaker_pending = False
 
     def _admit(self) -> None:
         now = time.perf_counter()
         admitted = 0
         if self.waiting and self.llm.can_admit():  # the signals cost a pass over every stream: only when needed
-            streams = sum(1 + (j.twin is not None) for j in self.running.values() if j.seq.finish_reason is None)
+            streams = sum(j.slots_needed for j in self.running.values() if j.seq.finish_reason is None)
             min_slack, starting, backlog = self._min_slack(now), self._starting(now), self._dac_backlog()
         # Continuations first, past the realtime gates: each carries on a reply whose listener is playing
         # its held tail (the stream is not new: it decoded until its last chunk ended), so making it wait
         # behind newcomers is exactly a stall at a sentence join. Only slots bound them.
-        order = sorted(self.waiting, key=lambda j: not j.continues) if self.waiting and self.llm.can_admit() else ()
+        admitting = self.waiting and self.llm.can_admit()
+        order = sorted(self.waiting, key=lambda j: not j.chain.continues) if admitting else ()
         for job in order:
-            need = 1 + (job.twin is not None)  # a twin takes a slot and a stream's share of the step
+            need = job.slots_needed  # a twin takes a slot and a stream's share of the step
             if len(self.llm.free_slots) < need:
                 # no head-of-line blocking: a one-slot request behind a guided pair that does not fit yet may
                 # take the slot, until the pair has waited HOL_GRACE_S; then slots are kept for it as they free
-                if now - job.t_arrival < HOL_GRACE_S:
+                if now - job.times.arrival < HOL_GRACE_S:
                     continue
                 break
-            if not job.continues:
+            if not job.chain.continues:
                 gate = self.admission.gate(streams, admitted + need, min_slack, starting, backlog)
                 if gate is not None:
                     self.held_by[gate.value] += 1  # what limited this iteration's admissions
@@ -389,14 +361,16 @@ class Scheduler:
             admitted += need
             seq = job.seq
             self.llm.admit(seq)
-            if job.twin is not None:
-                self.llm.admit_twin(seq, job.twin, job.cfg_scale)
-            job.t_admitted = time.perf_counter()
+            if job.guidance is not None:
+                self.llm.admit_twin(seq, job.guidance.twin, job.guidance.scale)
+            job.times.admitted = time.perf_counter()
             self.running[seq.rid] = job
             self._open_stream(job)
-            self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=round((job.t_admitted - job.t_arrival) * 1e3, 2)))
+            queue_ms = round((job.times.admitted - job.times.arrival) * 1e3, 2)
+            self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=queue_ms))
         # what live streams could not make room for within max_wait_s is refused, oldest first
-        while self.admission.enabled and self.waiting and now - self.waiting[0].t_arrival > self.admission.max_wait_s:
+        max_wait_s = self.admission.max_wait_s
+        while self.admission.enabled and self.waiting and now - self.waiting[0].times.arrival > max_wait_s:
             job = self.waiting.popleft()
             self._error(
                 job.seq.rid,
@@ -407,31 +381,32 @@ class Scheduler:
 
     def _open_stream(self, job: Job) -> None:
         """The admitted request's DAC stream: the held one it continues, or a new one."""
-        prev = self.held.get(self.running[job.continues].stream) if job.continues in self.running else None
+        held = self.running.get(job.chain.continues)
+        prev = self.held.get(held.chain.stream) if held is not None else None
         track_eos = not job.seq.ignore_eos
-        if prev is not None and prev.seq.rid == job.continues:
-            del self.held[prev.stream]
-            assert prev.stream_end is not None
-            job.stream, job.t_stream_first = prev.stream, prev.t_stream_first
-            job.first_frame = prev.stream_end // HOP
-            self.dac.resume(job.stream, hold=job.hold, track_eos=track_eos)
-            prev.successor, job.predecessor = job, prev
-            if prev.stream_samples >= prev.stream_end:  # all its audio is out already
+        if prev is not None and prev.seq.rid == job.chain.continues:
+            del self.held[prev.chain.stream]
+            assert prev.chain.end is not None
+            job.chain.stream, job.chain.first_audio = prev.chain.stream, prev.chain.first_audio
+            job.chain.first_frame = prev.chain.end // HOP
+            self.dac.resume(job.chain.stream, hold=job.chain.hold, track_eos=track_eos)
+            prev.chain.successor, job.chain.predecessor = job, prev
+            if prev.chain.samples >= prev.chain.end:  # all its audio is out already
                 self._hand_over(prev, time.perf_counter())
         else:
-            job.stream = job.seq.rid
-            self.dac.open(job.stream, hold=job.hold, track_eos=track_eos)
-            self.streams[job.stream] = job
+            job.chain.stream = job.seq.rid
+            self.dac.open(job.chain.stream, hold=job.chain.hold, track_eos=track_eos)
+            self.streams[job.chain.stream] = job
 
     def _hand_over(self, job: Job, now: float) -> None:
         """A held request's audio is all out: finish it; its successor owns the stream from here on."""
-        nxt = job.successor
+        nxt = job.chain.successor
         assert nxt is not None
-        job.successor = nxt.predecessor = None
-        job.continued = True
+        job.chain.successor = nxt.chain.predecessor = None
+        job.chain.continued = True
         self._finish(job, now)
-        nxt.stream_samples = job.stream_samples
-        self.streams[nxt.stream] = nxt
+        nxt.chain.samples = job.chain.samples
+        self.streams[nxt.chain.stream] = nxt
 
     def _end(self, rid: int) -> None:
         """The continuation of rid's stream ends: a waiting or generating request becomes final, a held
@@ -440,26 +415,26 @@ class Scheduler:
         if job is None:  # not admitted yet (or already finished): it opens its stream as a final chunk
             for j in self.waiting:
                 if j.seq.rid == rid:
-                    j.hold = False
+                    j.chain.hold = False
             return
-        if not job.hold or job.successor is not None:  # final already, or its stream went on
+        if not job.chain.hold or job.chain.successor is not None:  # final already, or its stream went on
             return
-        job.hold = False
-        if self.held.get(job.stream) is job:
-            del self.held[job.stream]
-            job.stream_end = None  # its audio now runs to its end of audio
-            self.dac.flush(job.stream)
-        elif self.streams.get(job.stream) is job:
-            self.dac.make_final(job.stream)
+        job.chain.hold = False
+        if self.held.get(job.chain.stream) is job:
+            del self.held[job.chain.stream]
+            job.chain.end = None  # its audio now runs to its end of audio
+            self.dac.flush(job.chain.stream)
+        elif self.streams.get(job.chain.stream) is job:
+            self.dac.make_final(job.chain.stream)
 
     def _hold(self, job: Job, now: float) -> None:
         """A non-final chunk's generation ended: send its kept frames, hold its stream for the next."""
         seq = job.seq
-        frames = self.dac.chunk_frames(job.stream)
-        kept = frames[: self.dac.hold(job.stream, seq.audio_frames)].astype(np.int32)
-        job.stream_end = (job.first_frame + len(kept)) * HOP
-        job.t_held = now
-        self.held[job.stream] = job
+        frames = self.dac.chunk_frames(job.chain.stream)
+        kept = frames[: self.dac.hold(job.chain.stream, seq.audio_frames)].astype(np.int32)
+        job.chain.end = (job.chain.first_frame + len(kept)) * HOP
+        job.chain.held_at = now
+        self.held[job.chain.stream] = job
         self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
 
     def _flush_held(self, now: float) -> None:
@@ -469,14 +444,14 @@ class Scheduler:
         lead_s = self.settings.continuation_flush_lead_ms / 1e3
         grace_s = self.settings.continuation_grace_ms / 1e3
         for key, job in list(self.held.items()):
-            if now - job.t_held < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
+            if now - job.chain.held_at < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
                 continue
             if (
-                not job.t_stream_first
-                or self.admission.held_s(job.stream_samples / SAMPLE_RATE, job.t_stream_first, now) < lead_s
+                not job.chain.first_audio
+                or self.admission.held_s(job.chain.samples / SAMPLE_RATE, job.chain.first_audio, now) < lead_s
             ):
                 del self.held[key]
-                job.hold, job.stream_end = False, None
+                job.chain.hold, job.chain.end = False, None
                 self.dac.flush(key)
 
     def _min_slack(self, now: float) -> float | None:
@@ -484,17 +459,17 @@ class Scheduler:
         playing now (admission.py)."""
         slacks = [
             self.admission.slack_s(
-                self.admission.lead_s(j.stream_samples / SAMPLE_RATE, j.t_stream_first, now),
-                self.dac.frames_to_next(j.stream),
+                self.admission.lead_s(j.chain.samples / SAMPLE_RATE, j.chain.first_audio, now),
+                self.dac.frames_to_next(j.chain.stream),
             )
             for j in self.running.values()
-            if j.t_stream_first and self.streams.get(j.stream) is j
+            if j.chain.first_audio and self.streams.get(j.chain.stream) is j
         ]
         return min(slacks) if slacks else None
 
     def _starting(self, now: float) -> int:
         """Admitted streams whose players have not started playing (a continued stream has started)."""
-        return sum(1 for j in self.running.values() if self.admission.is_starting(j.t_stream_first or None, now))
+        return sum(1 for j in self.running.values() if self.admission.is_starting(j.chain.first_audio or None, now))
 
     def _paced(self) -> bool:
         """Is this iteration paused for the dac_decoder? Counts the pauses and logs a long one when it ends."""
@@ -534,30 +509,66 @@ class Scheduler:
         return min(left) * self.admission.period_s
 
     def _step(self) -> None:
+        """Plan, launch, apply: the plan is made before anything is launched; the decode step and the
+        dac_decoder's calls are launched first, then the work launched before is read back (with overlap,
+        the step of the last iteration) and the prefill launched; its results are applied (EOS, DAC pushes,
+        records) while the GPU runs what was just launched."""
         if not self.running and self._inflight is None and self._inflight_prefill is None:
             self._paced_since = 0.0
             return
         t0 = time.perf_counter()
-        results: list[tuple[Sequence, np.ndarray]] = []
-        jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
-        live = [s for j in jobs for s in (j.seq, j.twin) if s is not None]
-        # a guided request's twin decodes in lockstep with it: the request's frame budget decides for both
-        decoding = [
-            s for j in jobs if self.llm.wants_step(j.seq) for s in (j.seq, j.twin) if s is not None and not s.in_prefill
-        ]
-        # no new frames (no decode step, no prefill) while the audio decoder is behind (admission.py); the step
-        # in flight is still read back, its cancels acknowledged
-        paced = bool(live) and self._paced()
-        if paced:
-            decoding = []
-        with node_range("decode"):
-            pending = self.llm.decode_start(decoding) if decoding else None
-        # none: the pause is not an iteration's period
-        self.admission.observe_launch(t0, len(decoding), prefilled=self._prefilled)
-        self._prefilled = False
-        if self.overlap:  # read back the step launched last iteration while this one runs
-            pending, self._inflight = self._inflight, pending
+        plan = self._plan(t0)
+        pending = self._launch_decode(plan, t0)
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
+        results = self._read_back(pending, plan.paced)
+        results += self._launch_prefill(plan.prefill)
+        self._apply(results)
+        if not plan.live and self._inflight is None and self._inflight_prefill is None:
+            self._audio()  # only audio left to decode
+        if not plan.paced:
+            self.step_times.append(time.perf_counter() - t0)
+            self.counters["steps"] += 1
+        if self.profiler is not None:
+            self.profiler.iteration(len(plan.decode))
+
+    def _plan(self, now: float) -> StepPlan:
+        """This iteration's decode rows and prompt chunks. A guided request's twin decodes in lockstep with it
+        (the request's frame budget decides for both); no new frames (no decode step, no prefill) while the
+        audio decoder is behind (admission.py)."""
+        jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
+        live = bool(jobs)
+        paced = live and self._paced()
+        if paced:
+            return StepPlan([], [], paced=True, live=True)
+        decode = [s for j in jobs if self.llm.wants_step(j.seq) for s in j.rows if not s.in_prefill]
+        chunks: list[tuple[Sequence, int]] = []
+        budget = min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
+        for job in prefill_order(jobs):
+            if budget <= 0:
+                break
+            part = prompt_chunks(job, budget)
+            chunks += part
+            budget -= sum(n for _, n in part)
+        if chunks and self._group_prefill(chunks, len(decode), now):
+            chunks = []
+        return StepPlan(decode, chunks, paced=False, live=live)
+
+    def _launch_decode(self, plan: StepPlan, t0: float) -> PendingDecode | None:
+        """Launch the plan's decode step; returns the step to read back this iteration (with overlap: the one
+        launched last iteration, this one flies until the next)."""
+        with node_range("decode"):
+            pending = self.llm.decode_start(plan.decode) if plan.decode else None
+        # none: the pause is not an iteration's period
+        self.admission.observe_launch(t0, len(plan.decode), prefilled=self._prefilled)
+        self._prefilled = False
+        if self.overlap:
+            pending, self._inflight = self._inflight, pending
+        return pending
+
+    def _read_back(self, pending: PendingDecode | None, paced: bool) -> list[tuple[Sequence, np.ndarray]]:
+        """The codes of the decode step and of the prefill launched before (cancels whose slots they freed
+        are acknowledged)."""
+        results: list[tuple[Sequence, np.ndarray]] = []
         if pending is not None:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(pending.seqs)
@@ -569,36 +580,33 @@ class Scheduler:
             results += self.llm.decode_finish(prefilled)
             self._prefilled = True  # this iteration waited for it: the next launch's period tells its cost
             self._send_acks()
-        chunks, budget = [], min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
-        # a reply's next chunk first (its long continuation prompt may take several calls): its listener is
-        # playing the held tail, a newcomer only waits for first audio
-        # (only the few prompts in prefill are ordered, not every stream of the step)
-        for job in sorted((j for j in jobs if j.seq.in_prefill and not paced), key=lambda j: not j.continues):
-            if budget <= 0:
-                break
-            part = self._prefill_chunks(job, budget)
-            chunks += part
-            budget -= sum(n for _, n in part)
-        if chunks and self._group_prefill(chunks, len(decoding), t0):
-            chunks = []
-        if chunks:
-            t_prefill = time.perf_counter()
-            for seq, _ in chunks:
-                if seq.rid in self.running:
-                    job = self.running[seq.rid]
-                    job.t_prefill_start = job.t_prefill_start or t_prefill
-            with node_range("prefill"):
-                prefilled = self.llm.prefill_start(chunks)
-            assert prefilled is not None
-            # overlap: read back next iteration, after the decode step that already carries these streams
-            if self.overlap:
-                self._inflight_prefill = prefilled
-            else:
-                results += self.llm.decode_finish(prefilled)
-                self._prefilled = True  # the next launch's period tells what it cost the playing streams
-            self.counters["prefill_frames"] += sum(n for _, n in chunks)
+        return results
+
+    def _launch_prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
+        """Launch the plan's packed prefill; with overlap its first frames are read back next iteration, after
+        the decode step that already carries these streams (else now: returned)."""
+        if not chunks:
+            return []
+        t_prefill = time.perf_counter()
+        for seq, _ in chunks:
+            if seq.rid in self.running:
+                times = self.running[seq.rid].times
+                times.prefill_start = times.prefill_start or t_prefill
+        with node_range("prefill"):
+            prefilled = self.llm.prefill_start(chunks)
+        assert prefilled is not None
+        self.counters["prefill_frames"] += sum(n for _, n in chunks)
+        if self.overlap:
+            self._inflight_prefill = prefilled
+            return []
+        self._prefilled = True  # the next launch's period tells what it cost the playing streams
+        return self.llm.decode_finish(prefilled)
+
+    def _apply(self, results: list[tuple[Sequence, np.ndarray]]) -> None:
+        """Frames read back: each to its request's DAC stream (one batch for the common case); a request that
+        ended holds its stream (a non-final chunk) or finishes it, and gives its slots back."""
         now = time.perf_counter()
-        plain_rids, plain_rows = [], []  # the common case, handed to the dac_decoder as one batch
+        plain_keys, plain_rows = [], []
         for seq, codes in results:
             if seq.rid < 0:  # a guidance twin: its frame is its request's, released with it
                 if -seq.rid not in self.running:
@@ -609,44 +617,20 @@ class Scheduler:
                 self.llm.release(seq)
                 continue
             if seq.generated == 1:
-                job.t_prefilled = now
+                job.times.prefilled = now
             if seq.audio_frames is None and seq.finish_reason is None:
-                plain_rids.append(job.stream)
+                plain_keys.append(job.chain.stream)
                 plain_rows.append(codes)
                 continue
-            self.dac.push(job.stream, codes[None], eos_frame=seq.audio_frames)
+            self.dac.push(job.chain.stream, codes[None], eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
-                if job.hold:
+                if job.chain.hold:
                     self._hold(job, now)
                 else:
-                    self.dac.finish(job.stream, seq.audio_frames)
+                    self.dac.finish(job.chain.stream, seq.audio_frames)
                 self._release(job)
-        if plain_rids:
-            self.dac.push_rows(plain_rids, np.stack(plain_rows))
-        if not live and self._inflight is None and self._inflight_prefill is None:
-            self._audio()  # only audio left to decode
-        if not paced:
-            self.step_times.append(time.perf_counter() - t0)
-            self.counters["steps"] += 1
-        if self.profiler is not None:
-            self.profiler.iteration(len(decoding))
-
-    @staticmethod
-    def _prefill_chunks(job: Job, budget: int) -> list[tuple[Sequence, int]]:
-        """The job's prompt chunks within `budget` frames; a guided request and its twin complete their
-        prompts in the same prefill (their first frame is sampled together), so until both remainders fit,
-        each keeps at least one frame back."""
-        seq, tw = job.seq, job.twin
-        left = seq.prompt_len - seq.prefilled
-        if tw is None:
-            return [(seq, min(budget, left))]
-        left_t = tw.prompt_len - tw.prefilled
-        if left + left_t <= budget:
-            n, n_t = left, left_t
-        else:
-            n = min(budget, left - 1)
-            n_t = min(budget - n, left_t - 1)
-        return [(s, k) for s, k in ((seq, n), (tw, n_t)) if k > 0]
+        if plain_keys:
+            self.dac.push_rows(plain_keys, np.stack(plain_rows))
 
     def _release(self, job: Job) -> bool:
         """Free the job's slots (its twin's too). False: a step in flight still writes one of them; it is
@@ -701,7 +685,7 @@ class Scheduler:
             return False
         if sum(n for _, n in chunks) >= self.settings.prefill_group_frames:
             return False
-        oldest = min(self.running[seq.rid].t_admitted for seq, _ in chunks if seq.rid in self.running)
+        oldest = min(self.running[seq.rid].times.admitted for seq, _ in chunks if seq.rid in self.running)
         return now - oldest < wait_s
 
     def _audio(self) -> None:
@@ -727,14 +711,14 @@ class Scheduler:
                 continue
             now = time.perf_counter()
             while (
-                job.successor is not None
-                and job.stream_end is not None
-                and job.stream_samples + len(pcm) >= job.stream_end
+                job.chain.successor is not None
+                and job.chain.end is not None
+                and job.chain.samples + len(pcm) >= job.chain.end
             ):
-                n = max(0, job.stream_end - job.stream_samples)
+                n = max(0, job.chain.end - job.chain.samples)
                 if n and not self._put_audio(job, pcm[:n], now):
                     break
-                pcm, nxt = pcm[n:], job.successor
+                pcm, nxt = pcm[n:], job.chain.successor
                 self._hand_over(job, now)
                 job = nxt
             else:
@@ -747,12 +731,12 @@ class Scheduler:
         """One audio record of job; False: the gateway is not reading it (it is cancelled)."""
         rid = job.seq.rid
         if job.audio_index == 0:
-            job.t_first_audio = now
-        job.t_stream_first = job.t_stream_first or now
+            job.times.first_audio = now
+        job.chain.first_audio = job.chain.first_audio or now
         record = m.Audio(rid, job.audio_index, pcm)
         job.audio_index += 1
         job.samples += len(pcm)
-        job.stream_samples += len(pcm)
+        job.chain.samples += len(pcm)
         if not self.outbox.send(rid, record, notify=False):
             self._cancel(rid, ack=False)
             self._error(rid, E.BACKPRESSURE, "the gateway is not reading this stream; cancelled")
@@ -762,32 +746,15 @@ class Scheduler:
     def _finish(self, job: Job, now: float) -> None:
         seq = job.seq
         del self.running[seq.rid]
-        if self.streams.get(job.stream) is job:
-            del self.streams[job.stream]
+        if self.streams.get(job.chain.stream) is job:
+            del self.streams[job.chain.stream]
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
             # no more frames will reach its stream (the steps in flight are discarded): the dac_decoder forgets
             # it (it kept the stream until told, and a decoder that is never told grows by one per request)
-            self.dac.finish(job.stream, seq.audio_frames)
+            self.dac.finish(job.chain.stream, seq.audio_frames)
         self._release(job)
-        audio_s = job.samples / SAMPLE_RATE
-        e2e = now - job.t_arrival
-        stats = m.RequestStats(  # the engine's part of first audio, in the order it was spent
-            queue_ms=round((job.t_admitted - job.t_arrival) * 1e3, 2),
-            prefill_wait_ms=round((job.t_prefill_start - job.t_admitted) * 1e3, 2),
-            prefill_ms=round((job.t_prefilled - job.t_prefill_start) * 1e3, 2),
-            # steps + the first DAC call (None: a continued chunk that handed its stream on before its audio)
-            first_chunk_ms=round((job.t_first_audio - job.t_prefilled) * 1e3, 2) if job.audio_index else None,
-            ttfa_ms=round((job.t_first_audio - job.t_arrival) * 1e3, 2) if job.audio_index else None,
-            e2e_ms=round(e2e * 1e3, 2),
-            prompt_frames=seq.prompt_len,
-            frames=seq.generated,
-            eos_frame=seq.eos.eos_frame,
-            audio_s=round(audio_s, 4),
-            rtf=round(e2e / audio_s, 4) if audio_s > 0 else None,
-            speaker_encoder_ms=round(job.clip_ms, 2),
-            continued=job.continued,
-        )
+        stats = job.stats(now)
         log.info("rid %d done: %s", seq.rid, stats)
         self.counters["finished"] += 1
         self.outbox.send(seq.rid, m.Finished(seq.rid, seq.finish_reason, stats=stats), force=True)
@@ -836,11 +803,11 @@ class Scheduler:
         """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
         left of the cancelled request's audio is dropped with it); else the stream is dropped, and a
         predecessor still sending its tail is finished with what it sent."""
-        key, nxt, prev = job.stream, job.successor, job.predecessor
-        job.successor = job.predecessor = None
+        key, nxt, prev = job.chain.stream, job.chain.successor, job.chain.predecessor
+        job.chain.successor = job.chain.predecessor = None
         if nxt is not None:
-            nxt.predecessor = None
-            nxt.stream_samples = job.stream_samples
+            nxt.chain.predecessor = None
+            nxt.chain.samples = job.chain.samples
             self.streams[key] = nxt
             return
         if self.streams.get(key) is job or prev is not None:
@@ -848,7 +815,7 @@ class Scheduler:
             self.held.pop(key, None)
             self.dac.drop(key)
         if prev is not None:
-            prev.successor = None
+            prev.chain.successor = None
             self._finish(prev, time.perf_counter())
 
     def _error(self, rid: int, code: E, message: str, retry_after_ms: int | None = None) -> None:
