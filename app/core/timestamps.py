@@ -59,11 +59,22 @@ def syllables(word: str) -> float:
     return count + PAUSE_SYLLABLES.get(word[-1], 0.0)
 
 
-def char_alignment(text: str, words: list[WordTime], start_s: float, end_s: float) -> dict[str, list]:
+def char_alignment(
+    text: str, words: list[WordTime], start_s: float, end_s: float, timeline_s: float | None = None
+) -> dict[str, list] | None:
     """ElevenLabs' `alignment` of one audio message: the characters of the words it completes (each word's
-    characters share its span evenly, a space after each), times in ms from the message's first sample
-    (a word begun in an earlier message starts before 0), and a last space that runs to the message's end,
-    so a client that advances its clock by each message's alignment stays on the audio."""
+    characters share its span evenly, a space after each).
+
+    Message clock (timeline_s None): times in ms from the message's first sample (a word begun in an earlier
+    message starts before 0), and a last space that runs to the message's end, so a client that advances its
+    clock by each message's alignment stays on the audio (pipecat).
+    Context clock (timeline_s: where the utterance starts in its context's audio, s): times in ms on the
+    context's audio, only the words' characters (None when the message completes no word), so a client that
+    reads every message's times as one timeline (LiveKit, `sync_alignment=true`) stays on the audio."""
+    if timeline_s is not None:
+        if not words:
+            return None
+        start_s = -timeline_s
     chars: list[str] = []
     starts: list[float] = []
     durations: list[float] = []
@@ -79,7 +90,7 @@ def char_alignment(text: str, words: list[WordTime], start_s: float, end_s: floa
         durations.append(0.0)
     last = starts[-1] + durations[-1] if starts else 0.0
     tail = round((end_s - start_s) * 1e3, 1)
-    if tail > last or not chars:
+    if timeline_s is None and (tail > last or not chars):
         chars.append(" ")
         starts.append(last)
         durations.append(round(max(0.0, tail - last), 1))

@@ -3,7 +3,9 @@ tests/system/test_dialects.py in the frameworks' virtualenv): configured as for 
 base URL, with a voice from our library, and each plugin's default output format (ElevenLabs': MP3 at
 22.05 kHz). Streams one text (`stream()`, the WebSocket dialects) or synthesizes it (`synthesize()`, the
 plugins' one-shot HTTP calls: ElevenLabs' /stream, Cartesia's /tts/bytes, Deepgram's POST /v1/speak) and
-prints one JSON line: audio bytes (decoded PCM), sample rate, errors.
+prints one JSON line: audio bytes (decoded PCM), sample rate, errors, and the word-timed transcript the plugin
+emitted from our alignment / timestamps (`timed_words`: [text, start s, end s] each; the plugins attach them
+to the audio frames for LiveKit's synchronized transcription).
 
     python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
     [synthesize]
@@ -36,11 +38,15 @@ def make_tts(kind: str, base: str, key: str, voice: str, session: aiohttp.Client
     raise SystemExit(f"unknown plugin {kind}")
 
 
-async def attempt(kind: str, base: str, key: str, voice: str, mode: str) -> tuple[int, set[int], list[str]]:
+async def attempt(
+    kind: str, base: str, key: str, voice: str, mode: str
+) -> tuple[int, set[int], list[str], list[list[object]]]:
     from livekit.agents import APIConnectOptions
+    from livekit.agents.types import USERDATA_TIMED_TRANSCRIPT
 
     errors: list[str] = []
     audio, rates = 0, set()
+    timed: list[list[object]] = []
     async with aiohttp.ClientSession() as session:
         tts = make_tts(kind, base, key, voice, session)
         if mode == "synthesize":  # a fixed phrase; no retries, so that a refusal is reported at once
@@ -55,18 +61,20 @@ async def attempt(kind: str, base: str, key: str, voice: str, mode: str) -> tupl
                 async for ev in stream:
                     audio += len(ev.frame.data.tobytes())
                     rates.add(ev.frame.sample_rate)
+                    for word in ev.frame.userdata.get(USERDATA_TIMED_TRANSCRIPT) or []:
+                        timed.append([str(word), word.start_time, word.end_time])
         except Exception as e:  # the plugin's own error, reported
             errors.append(f"{type(e).__name__}: {e}")
         await stream.aclose()
         await tts.aclose()
-    return audio, rates, errors
+    return audio, rates, errors, timed
 
 
 async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream") -> dict:
     # The embedded random model sometimes ends both sentences before their first audio frame (about 1 in
     # 1,000): a text that said nothing is sent again, up to 5 times; the last attempt is reported.
     for _ in range(5):
-        audio, rates, errors = await attempt(kind, base, key, voice, mode)
+        audio, rates, errors, timed = await attempt(kind, base, key, voice, mode)
         if audio:
             break
         print("[livekit_client] nothing was said: again", errors, file=sys.stderr, flush=True)
@@ -76,6 +84,7 @@ async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream")
         "audio_bytes": audio,
         "sample_rate": min(rates) if rates else None,
         "errors": errors,
+        "timed_words": timed,
     }
 
 

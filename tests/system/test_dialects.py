@@ -193,6 +193,30 @@ def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
     assert log[-1] == {"isFinal": True, "contextId": "c1"} and code == 1000
 
 
+def test_elevenlabs_sync_alignment_is_on_the_contexts_clock(srv):
+    """sync_alignment=true (LiveKit's ElevenLabs plugin sends it and reads every message's times as one
+    timeline): two sentences' alignment runs on the context's audio clock, never backwards or negative, and
+    ends within the audio sent; messages that complete no word carry none."""
+
+    async def go():
+        ws = await el_connect(el_url(srv) + "&sync_alignment=true")
+        await ws.send(json.dumps({"text": " ", "context_id": "c1"}))
+        await ws.send(json.dumps({"text": "Hello there. How are you today? ", "context_id": "c1", "flush": True}))
+        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c1", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
+    assert "".join(c for a in aligned for c in a["chars"]).split() == ["Hello", "there.", "How", "are", "you", "today?"]
+    starts = [t for a in aligned for t in a["charStartTimesMs"]]
+    assert starts == sorted(starts) and starts[0] >= 0
+    end = aligned[-1]["charStartTimesMs"][-1] + aligned[-1]["charDurationsMs"][-1]
+    assert end / 1e3 <= len(el_audio(log, "c1")) / 2 / 24000 + 0.02
+
+
 def test_elevenlabs_close_context_stops_the_gpu_work(srv):
     """A barge-in: close_context on a context whose text was never flushed drops it; its engine work stops,
     isFinal comes, no audio of it follows, and the next context speaks. (Without auto_mode; with it see
@@ -1244,6 +1268,11 @@ def test_livekit_plugins_speak_through_the_gateway(srv, service):
         pytest.skip("livekit-agents is not installed in the frameworks' virtualenv")
     result = drive("livekit_client", service, srv)
     assert result["errors"] == [] and result["audio_bytes"] > 0, result
+    if service != "deepgram":  # aligned transcripts (the plugins' default): from our alignment / timestamps
+        words = result["timed_words"]
+        assert "".join(w for w, _, _ in words).split() == ["Hello", "there.", "How", "are", "you", "today?"], result
+        times = [t for _, start, end in words for t in (start, end)]
+        assert times == sorted(times) and times[0] >= 0, words  # monotonic, on the audio sent
 
 
 EMOTION = {**FAST, "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}

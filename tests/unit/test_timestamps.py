@@ -66,8 +66,25 @@ def test_an_elevenlabs_alignment_runs_to_its_message_end():
     clock = WordClock(TEXT)
     words = clock.feed(speech(3.0)) + clock.finish()
     a = char_alignment(TEXT, words, 0.0, 3.0)
+    assert a is not None
     assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
     assert "".join(a["chars"]).split() == TEXT.split()
     assert abs(a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] - 3000.0) < 0.2
     empty = char_alignment(TEXT, [], 1.0, 1.5)  # a message that completes no word still advances the clock
-    assert empty["chars"] == [" "] and empty["charDurationsMs"] == [500.0]
+    assert empty is not None and empty["chars"] == [" "] and empty["charDurationsMs"] == [500.0]
+
+
+def test_an_elevenlabs_alignment_on_the_contexts_clock():
+    """sync_alignment=true (LiveKit): the words' own characters on the context's audio clock (the utterance
+    starts 2 s into it), no padding, nothing for a message that completes no word."""
+    clock = WordClock(TEXT)
+    words = clock.feed(speech(3.0)) + clock.finish()
+    message = char_alignment(TEXT, words, 2.5, 3.0)  # the message clock: relative to 2.5 s
+    context = char_alignment(TEXT, words, 2.5, 3.0, timeline_s=2.0)
+    assert message is not None and context is not None
+    assert "".join(context["chars"]).split() == TEXT.split() and context["chars"][-1] == " "
+    assert len(context["chars"]) == len(message["chars"]) - (message["chars"][-2:] == [" ", " "])
+    for m, c in zip(message["charStartTimesMs"], context["charStartTimesMs"], strict=False):
+        assert abs(c - (m + 4500.0)) < 0.2  # 2.5 s of message offset + 2 s of context offset
+    assert context["charStartTimesMs"] == sorted(context["charStartTimesMs"]) and context["charStartTimesMs"][0] >= 2000
+    assert char_alignment(TEXT, [], 1.0, 1.5, timeline_s=2.0) is None

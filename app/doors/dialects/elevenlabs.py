@@ -19,7 +19,9 @@ every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
 counterpart and are ignored. Every audio message carries `alignment` (and the same as `normalizedAlignment`):
-the characters of the words its audio completes, with estimated times (app/core/timestamps.py).
+the characters of the words its audio completes, with estimated times (app/core/timestamps.py), in ms from the
+message's first sample (ElevenLabs' WebSocket: timecodes restart with each message; pipecat adds them up), or
+with `sync_alignment=true` (LiveKit's default) on the context's audio clock, null when no word completes.
 """
 
 from __future__ import annotations
@@ -131,6 +133,10 @@ class ElevenLabsSession(StreamingSession):
         )
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.auto_mode = _flag(q.get("auto_mode"))
+        # alignment on the context's clock (char_alignment): per context, the utterance being sent, where it
+        # starts in the context's audio and how much of it was sent
+        self.sync_alignment = _flag(q.get("sync_alignment"))
+        self.timeline: dict[str, tuple[int, float, float]] = {}
         self.ctxs: dict[str, Context] = {}
 
     # ---- the core's questions ----------------------------------------------------------------------
@@ -238,6 +244,8 @@ class ElevenLabsSession(StreamingSession):
         before = self.last_queued(ctx)
         c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=before, opened_after=before)
         forget_idle(self.ctxs, live | {ctx})
+        for gone in set(self.timeline) - set(self.ctxs):  # contexts forgotten while idle
+            del self.timeline[gone]
         return c
 
     async def _close_context(self, ctx: str) -> None:
@@ -256,6 +264,7 @@ class ElevenLabsSession(StreamingSession):
         """Under the send lock: the context's last message."""
         if self.ctxs.get(c.id) is c:
             del self.ctxs[c.id]
+        self.timeline.pop(c.id, None)  # an id used again starts a new clock
         await self.send_json_locked({"isFinal": True, "contextId": c.id} if self.multi else {"isFinal": True})
 
     async def _close_socket(self) -> None:
@@ -286,7 +295,14 @@ class ElevenLabsSession(StreamingSession):
 
     async def _send_audio(self, u: Utterance, audio: str, chunk: Chunk) -> None:
         # the words' times are estimated (app/core/timestamps.py); normalized text has no times of its own
-        alignment = char_alignment(u.text, chunk.words, chunk.start_s, chunk.end_s)
+        timeline_s = None
+        if self.sync_alignment:
+            seq, base_s, sent_s = self.timeline.get(u.context_id, (u.seq, 0.0, 0.0))
+            if seq != u.seq:  # the context's next utterance starts where the last one's audio ended
+                base_s, sent_s = base_s + sent_s, 0.0
+            self.timeline[u.context_id] = (u.seq, base_s, max(sent_s, chunk.end_s))
+            timeline_s = base_s
+        alignment = char_alignment(u.text, chunk.words, chunk.start_s, chunk.end_s, timeline_s)
         msg: dict[str, Any] = {"audio": audio, "normalizedAlignment": alignment, "alignment": alignment}
         if self.multi:
             msg["contextId"] = u.context_id
