@@ -6,6 +6,8 @@ the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked
   in a WAV container of unknown length) or a compressed format (`StreamEncoder`).
 * `OutputFormat`: an encoding at a rate (and a container), checked against these tables; each API's door
   builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
+* `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
+  request tells the engine (SubmitRequest.first_samples) so that its first DAC call is no larger than needed.
 
 The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile) and, for AAC,
 FFmpeg's encoder (PyAV):
@@ -33,6 +35,7 @@ instead of the `audioop` module that Python 3.13 removed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import struct
@@ -90,6 +93,36 @@ AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
 WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
 _UNKNOWN = 0xFFFFFFFF
+
+
+RESAMPLER_QUALITY = "HQ"  # soxr's streaming resampler: every resampled output rate
+
+
+@functools.cache
+def resampler_first_samples(rate: int) -> int:
+    """The fewest 44.1 kHz samples after which soxr's streaming resampler to `rate` has output (1 at the native
+    rate: none needed). soxr holds back its filter's length and works in blocks (at 1.1 HQ: 922 samples for
+    48 kHz, 1,701 for 24 kHz, 1,768 for 16 kHz, 3,525 for 8 kHz), so this asks soxr itself, once per rate: the
+    smallest first chunk with output (more input never gives less, tests/unit/test_audio_output.py)."""
+    if rate == NATIVE_RATE:
+        return 1
+
+    def outputs(n: int) -> bool:
+        rs = soxr.ResampleStream(NATIVE_RATE, rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
+        return len(rs.resample_chunk(np.zeros(n, np.float32), last=False)) > 0
+
+    lo, hi = 1, NATIVE_RATE  # a second of audio always has output
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if outputs(mid) else (mid + 1, hi)
+    return lo
+
+
+def first_samples(encoding: str, sample_rate: int) -> int | None:
+    """44.1 kHz samples an `Encoder` takes in before it outputs any audio: the resampler's for the sample
+    encodings (one sample at the native rate); None (not said: the engine's default first call) for a
+    compressed format, whose codec holds back whole frames of its own (LAME, AAC, FLAC blocks, Ogg pages)."""
+    return None if encoding in COMPRESSED else resampler_first_samples(sample_rate)
 
 
 def check_encoding(encoding: object) -> str:
@@ -398,8 +431,9 @@ class Encoder:
         self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False, whole: bool = False
     ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
+        self.first_samples = first_samples(encoding, sample_rate)  # what the engine's first audio must bring
         self._rs = (
-            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
             if sample_rate != NATIVE_RATE
             else None
         )
