@@ -98,33 +98,6 @@ _UNKNOWN = 0xFFFFFFFF
 RESAMPLER_QUALITY = "HQ"  # soxr's streaming resampler: every resampled output rate
 
 
-@functools.cache
-def resampler_first_samples(rate: int) -> int:
-    """The fewest 44.1 kHz samples after which soxr's streaming resampler to `rate` has output (1 at the native
-    rate: none needed). soxr holds back its filter's length and works in blocks (at 1.1 HQ: 922 samples for
-    48 kHz, 1,701 for 24 kHz, 1,768 for 16 kHz, 3,525 for 8 kHz), so this asks soxr itself, once per rate: the
-    smallest first chunk with output (more input never gives less, tests/unit/test_audio_output.py)."""
-    if rate == NATIVE_RATE:
-        return 1
-
-    def outputs(n: int) -> bool:
-        rs = soxr.ResampleStream(NATIVE_RATE, rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
-        return len(rs.resample_chunk(np.zeros(n, np.float32), last=False)) > 0
-
-    lo, hi = 1, NATIVE_RATE  # a second of audio always has output
-    while lo < hi:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if outputs(mid) else (mid + 1, hi)
-    return lo
-
-
-def first_samples(encoding: str, sample_rate: int) -> int | None:
-    """44.1 kHz samples an `Encoder` takes in before it outputs any audio: the resampler's for the sample
-    encodings (one sample at the native rate); None (not said: the engine's default first call) for a
-    compressed format, whose codec holds back whole frames of its own (LAME, AAC, FLAC blocks, Ogg pages)."""
-    return None if encoding in COMPRESSED else resampler_first_samples(sample_rate)
-
-
 def check_encoding(encoding: object) -> str:
     """A client's encoding name (`ulaw` is accepted for `mulaw`), or bad_params."""
     encoding = "mulaw" if encoding == "ulaw" else encoding
@@ -431,7 +404,6 @@ class Encoder:
         self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False, whole: bool = False
     ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
-        self.first_samples = first_samples(encoding, sample_rate)  # what the engine's first audio must bring
         self._rs = (
             soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
             if sample_rate != NATIVE_RATE
@@ -451,6 +423,11 @@ class Encoder:
     def bytes_per_sample(self) -> int:
         return BYTES_PER_SAMPLE.get(self.encoding, 1)
 
+    @property
+    def first_samples(self) -> int:
+        """What the engine's first audio must bring for this encoder to output any (`first_samples`)."""
+        return first_samples(self.encoding, self.sample_rate)
+
     def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
         """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
         x = pcm16.astype(np.float32) / 32768.0
@@ -467,6 +444,30 @@ class Encoder:
             data = self._file.write(x)
             return head + (data + self._file.close() if last else data)
         return head + sample_bytes(x, self.encoding)
+
+
+@functools.cache
+def first_samples(encoding: str, sample_rate: int) -> int:
+    """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
+    what its resampler holds back (soxr keeps its filter's length and works in blocks: at 1.1 HQ 922 samples
+    for 48 kHz, 1,701 for 24 kHz, 1,768 for 16 kHz, 3,525 for 8 kHz) and, for a compressed format, its codec
+    (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg pages). Asked of the
+    encoders themselves, once per output: fresh encoders fed more and more (more input never gives less
+    output). Audio means bytes past those a codec writes on its first write whatever it holds (MP3's Info
+    frame, Ogg's and FLAC's headers); 1 at the native rate in a sample encoding (nothing held back)."""
+    if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
+        return 1
+    header = len(StreamEncoder(encoding, sample_rate).write(np.zeros(1, np.float32))) if encoding in COMPRESSED else 0
+    signal = (np.random.default_rng(0).standard_normal(NATIVE_RATE) * 3000).astype(np.int16)
+
+    def outputs(n: int) -> bool:
+        return len(Encoder(encoding, sample_rate).encode(signal[:n])) > header
+
+    lo, hi = 1, NATIVE_RATE  # a second of audio always has output
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if outputs(mid) else (mid + 1, hi)
+    return lo
 
 
 async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:

@@ -82,8 +82,8 @@ SEED_LIMIT = 2**63  # the sampler's int64 seed
 # |cfg_scale|, |prefix_cfg_scale|, |emotion_cfg_scale| (engine/guidance.py): the reference takes any float;
 # guided logits scale with it, and past this they are noise
 CFG_SCALE_MAX = 100.0
-# SubmitRequest.first_samples: what a client's encoder holds back before its first output (a resampler's ~0.1 s,
-# /tts/generate's fade_out_ms up to 5 s); any value past the largest first DAC call just asks for the smallest
+# SubmitRequest.first_samples: what a client's encoder holds back before its first output (a resampler or a codec:
+# up to ~0.5 s, /tts/generate's fade_out_ms up to 5 s)
 FIRST_SAMPLES_MAX = 10 * SAMPLE_RATE
 
 
@@ -300,7 +300,7 @@ class SubmitRequest(Record):
     emotion_delta: np.ndarray | None = None
     uncond_speaker: np.ndarray | None = None
     # 44.1 kHz samples the client's encoder takes in before it outputs anything (0..FIRST_SAMPLES_MAX; None: not
-    # said): the stream's first DAC call is the smallest that serves it (engine/dac/schedule.py `first_size`)
+    # said): the stream's first DAC call is the one that serves it soonest (engine/dac/schedule.py `first_size`)
     first_samples: int | None = None
 
     def encode(self) -> tuple[dict[str, Any], Payload]:

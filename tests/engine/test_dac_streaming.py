@@ -375,20 +375,13 @@ def test_first_audio_timing(codec: Codec):
             pytest.fail("no chunk")
 
 
-def test_the_first_call_is_the_smallest_that_serves_the_client():
-    """first_size: the smallest call 0 among the schedule's sizes (no new shape) whose audio covers what the
-    client needs before its first output; when none does, the smallest, whose next call comes soonest."""
+def test_the_first_call_is_the_one_that_serves_the_client_soonest():
+    """first_size: among the schedule's sizes (no new shape), the call 0 whose calls bring what the client
+    needs before its first output after the fewest frames: call 0 itself where one can (the smallest that
+    does), else the size whose call 1 can (1,900-5,483 samples: 10 frames; 5,484-7,019: 13)."""
     lag, default = 4757, ChunkSchedule()
-    assert [default.first_size(n, lag) for n in (None, 0, 1, 363, 364, 1899, 1900, 3525)] == [
-        13,
-        10,
-        10,
-        10,
-        13,
-        13,
-        10,
-        10,
-    ]
+    needs = (None, 0, 1, 363, 364, 1899, 1900, 3525, 5483, 5484, 7019, 7020)
+    assert [default.first_size(n, lag) for n in needs] == [13, 10, 10, 10, 13, 13, 10, 10, 10, 13, 13, 10]
     assert ChunkSchedule.low_latency().first_size(1, lag) == 13  # 4-frame calls emit nothing; 10 is no shape
     assert ChunkSchedule.reference().first_size(1, lag) == 16
     assert ChunkSchedule(frames=2, first_frames=2).first_size(1, lag) == 2  # no size reaches past the lag

@@ -14,14 +14,15 @@ import pytest
 import soundfile as sf
 
 from app.io.audio_output import (
+    COMPRESSED,
     ENCODINGS,
     FORMATS,
     NATIVE_RATE,
+    OPUS_RATES,
     OUTPUT_RATES,
     RATES,
     WAV_ENCODINGS,
     Encoder,
-    OutputFormat,
     StreamEncoder,
     StreamSink,
     check_encoding,
@@ -29,7 +30,6 @@ from app.io.audio_output import (
     first_samples,
     g711_decode,
     g711_encode,
-    resampler_first_samples,
     wav_header,
 )
 from app.io.errors import RequestError
@@ -215,60 +215,76 @@ def test_wav_header_of_every_sample_encoding(encoding):
 
 # ---- what an encoder takes in before its first output, which sizes the engine's first DAC call -----------------
 DAC_LAG = 4757  # samples between the frames a DAC call feeds and the audio it returns (engine/dac/incremental.py)
+OUTPUTS = [
+    (encoding, rate)
+    for encoding in (*ENCODINGS, *COMPRESSED)
+    for rate in RATES
+    if (encoding != "opus" or rate in OPUS_RATES) and (encoding in COMPRESSED or rate in OUTPUT_RATES)
+]
 
 
 def _speech(n: int, seed: int = 0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(n) * 3000).astype(np.int16)
 
 
-@pytest.mark.parametrize("rate", RATES)
-def test_the_resampler_outputs_once_it_has_first_samples(rate: int):
-    """resampler_first_samples is soxr's own threshold (pinned soxr, the Encoder's quality): the Encoder puts
-    out nothing from one sample fewer and something from that many, or from any more."""
-    need = resampler_first_samples(rate)
-    assert Encoder("pcm_s16le", rate).first_samples == need
-    assert not Encoder("pcm_s16le", rate).encode(_speech(need - 1))
-    for n in range(need, need + 6000, 331):
-        assert Encoder("pcm_s16le", rate).encode(_speech(n, seed=n)), n
+def _has_audio(encoding: str, data: bytes) -> bool:
+    """Does what an encoder put out so far hold audio? A decoder's answer for MP3, Ogg Opus and FLAC (their
+    first bytes are headers), the bytes themselves for raw samples and AAC (ADTS frames, each audio)."""
+    if encoding not in ("mp3", "opus", "flac"):
+        return bool(data)
+    try:
+        with av.open(io.BytesIO(data), format={"opus": "ogg"}.get(encoding, encoding)) as f:
+            return sum(fr.samples for fr in f.decode(audio=0)) > 0
+    except av.error.FFmpegError:  # headers alone, or a frame cut short
+        return False
 
 
-def test_each_rate_needs_its_own_first_samples():
-    """The rule is a table by rate, not 'resampled or not': 16 kHz needs more than 24 kHz, and 8 kHz more than
-    the default 13-frame first call emits (1,899 samples), so its first audio waits for call 1 whatever call 0
-    is. At the native rate nothing is held back."""
-    got = {rate: resampler_first_samples(rate) for rate in OUTPUT_RATES}
+@pytest.mark.parametrize(("encoding", "rate"), OUTPUTS)
+def test_an_encoder_outputs_audio_once_it_has_first_samples(encoding: str, rate: int):
+    """first_samples is the encoders' own threshold (pinned soxr at the Encoder's quality, the pinned codecs):
+    an Encoder fed one sample fewer has no audio out, fed that many (or more) it has."""
+    need = first_samples(encoding, rate)
+    assert Encoder(encoding, rate).first_samples == need
+    assert not _has_audio(encoding, Encoder(encoding, rate).encode(_speech(need - 1))) or need == 1
+    for n in range(need, need + 6000, 1201):
+        assert _has_audio(encoding, Encoder(encoding, rate).encode(_speech(n, seed=n))), n
+
+
+def test_each_output_needs_its_own_first_samples():
+    """The rule is a table by output, not 'resampled or not': 16 kHz needs more than 24 kHz, 8 kHz more than
+    the default 13-frame first call emits (1,899 samples), MP3 at 44.1 kHz its first frame (1,376) and FLAC a
+    block (4,097). At the native rate a sample encoding holds nothing back."""
+    got = {rate: first_samples("pcm_s16le", rate) for rate in OUTPUT_RATES}
     assert got == {NATIVE_RATE: 1, 24000: 1701, 16000: 1768, 8000: 3525}
-    assert first_samples("pcm_s16le", 24000) == first_samples("mulaw", 24000) == 1701
-    assert first_samples("mp3", NATIVE_RATE) is None  # a codec's own frames: the engine's default first call
+    assert first_samples("mulaw", 24000) == first_samples("pcm_f32le", 24000) == 1701
+    assert (first_samples("mp3", NATIVE_RATE), first_samples("flac", NATIVE_RATE)) == (1376, 4097)
 
 
-def _first_output_step(fmt: OutputFormat, first: int) -> int:
-    """The decode step at which a client of `fmt` has its first bytes of audio when the stream's call 0 feeds
-    `first` frames and every later call 10 (call k is ready after its frames + 8, the codebook delay)."""
-    enc, fed, emitted = fmt.encoder(), first, 0
+def _first_output_step(encoding: str, rate: int, first: int) -> int:
+    """The decode step at which a client of `encoding` at `rate` has its first audio when the stream's call 0
+    feeds `first` frames and every later call 10 (call k is ready after its frames + 8, the codebook delay)."""
+    enc, data, fed, emitted = Encoder(encoding, rate), b"", first, 0
     while True:
         out = fed * 512 - DAC_LAG
-        data = enc.encode(_speech(out - emitted, seed=fed))
+        data += enc.encode(_speech(out - emitted, seed=fed))
         emitted = out
-        if data:
+        if _has_audio(encoding, data):
             return fed + 8
         fed += 10
 
 
-@pytest.mark.parametrize("encoding", ENCODINGS)
-@pytest.mark.parametrize("rate", OUTPUT_RATES)
+@pytest.mark.parametrize(("encoding", "rate"), OUTPUTS)
 def test_the_first_call_sized_for_the_client_brings_its_first_audio_soonest(encoding: str, rate: int):
     """Feed an Encoder the PCM a stream emits call by call: the first call the engine picks for the client's
-    first_samples (engine/dac/schedule.py) gets it its first output as early as any first call size the
-    engine has (10 or 13 frames), and a resampled client's output comes with call 0 where one can bring it."""
+    first_samples (engine/dac/schedule.py) gets it its first audio as early as any first call size the engine
+    has (10 or 13 frames), and with call 0 itself where one can bring it."""
     from engine.dac.schedule import ChunkSchedule
 
-    fmt = OutputFormat(encoding, rate)
-    need = fmt.encoder().first_samples
+    need = first_samples(encoding, rate)
     first = ChunkSchedule().first_size(need, DAC_LAG)
-    steps = {f: _first_output_step(fmt, f) for f in ChunkSchedule().call_sizes()}
+    steps = {f: _first_output_step(encoding, rate, f) for f in ChunkSchedule().call_sizes()}
     assert steps[first] == min(steps.values()), (need, first, steps)
-    if need is not None and need <= 13 * 512 - DAC_LAG:
-        assert steps[first] == first + 8  # its first chunk already has output (44.1 kHz: after 18 steps)
-    if rate == NATIVE_RATE:
+    if need <= 13 * 512 - DAC_LAG:
+        assert steps[first] == first + 8  # its first chunk already has audio out (44.1 kHz PCM: after 18 steps)
+    if encoding in ENCODINGS and rate == NATIVE_RATE:
         assert first == 10 and steps[first] == 18

@@ -383,7 +383,7 @@ def test_http_speak_yields_every_sentence_in_order():
 def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
     """Our socket (its session.config output) and an HTTP answer (speech_response, every HTTP door) send each
     utterance with the samples its encoder takes in before it outputs anything: 1 at 44.1 kHz (the engine's
-    10-frame first call), the resampler's at 24 or 8 kHz, nothing said for a compressed format."""
+    10-frame first call), the resampler's at 24, 16 or 8 kHz, MP3's first frame."""
 
     async def socket() -> list[int | None]:
         _session, ws, engine, task = await open_session()
@@ -414,7 +414,7 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
 
     assert asyncio.run(socket()) == [1, 1701, 3525]
     formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
-    assert [asyncio.run(http(f)) for f in formats] == [1, 1768, None]
+    assert [asyncio.run(http(f)) for f in formats] == [1, 1768, 1376]
 
 
 def test_engine_errors_map_to_http_statuses():
