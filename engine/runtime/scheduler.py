@@ -254,11 +254,7 @@ class Scheduler:
             emotion=emotion,
             ignore_eos=req.ignore_eos,
         )
-        job = Job(
-            seq,
-            Times(time.perf_counter()),
-            Chain(hold=req.hold, continues=req.continues, first_samples=req.first_samples),
-        )
+        job = Job(seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples))
         kind = twin_kind(
             req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
         )
