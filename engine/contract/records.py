@@ -16,7 +16,7 @@ gateway -> engine
                  size); uncond speaker: raw/lda emotion, the speaker embedding without it (the emotion-CFG
                  twin's voice); both optional (E, S = 0: none; engine/frontend/emotion.py, engine/guidance.py)
                  first_samples: 44.1 kHz samples the client's encoder takes in before it outputs anything
-                 (its resampler's, app/io/audio_output.py): the stream's first DAC call is sized for it
+                 (its resampler's and codec's, app/io/audio_output.py): the stream's first DAC call is sized for it
   Cancel         cancel   {rid}
   End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
   Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
