@@ -86,6 +86,9 @@ class SynthesisOptions:
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
     # pronunciation rules, applied to the text before its normalization (app/voices/lexicons.py)
     lexicon: tuple[Rule, ...] = ()
+    # no client option: what the request's output encoder takes in before it outputs anything, set by its door
+    # (app/io/audio_output.py first_samples; None: not said), so the engine sizes the first DAC call for it
+    first_samples: int | None = None
 
 
 def finite(value: int | float) -> bool:

@@ -20,8 +20,8 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Iterable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -139,22 +139,25 @@ class UtterancePipeline:
         voice: Voice | None,
         clip: tuple[np.ndarray, int] | None,
         context_id: str = DEFAULT_CONTEXT,
-        encoder: tuple[str, int] | None = None,
+        encoder: Callable[[], Encoder] | None = None,
     ) -> list[Utterance]:
+        """Queue the utterances of `texts`; encoder: each one's own encoder (a session's), whose `first_samples`
+        its engine request carries."""
         added = []
         pieces = [p for text in texts for p in split_breaks(text)]  # refused before anything is queued
         for piece in pieces:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
+            enc = encoder() if encoder is not None else None
             u = Utterance(
                 id=f"u_{seq}",
                 seq=seq,
                 context_id=context_id,
                 text=text,
-                opts=opts,
+                opts=replace(opts, first_samples=enc.first_samples) if enc is not None else opts,
                 voice=voice,
                 clip=clip,
-                encoder=Encoder(*encoder) if encoder else None,
+                encoder=enc,
             )
             if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
                 u.silence_s = piece

@@ -65,4 +65,5 @@ class PromptFactory:
             clip_sr=clip[1] if clip else 0,
             emotion_delta=emo.delta,
             uncond_speaker=emo.uncond_speaker,
+            first_samples=opts.first_samples,
         )

@@ -29,7 +29,7 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
@@ -40,7 +40,7 @@ from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import WordClock, WordTime
-from app.io.audio_output import encode
+from app.io.audio_output import Encoder, encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -72,10 +72,6 @@ class Chunk:
 
 class ClientStalled(Exception):
     """A send to the client made no progress for send_timeout_s: it reads nothing at all."""
-
-
-class Encoder(Protocol):
-    def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes: ...
 
 
 class Lane:
@@ -373,8 +369,7 @@ class StreamingSession:
             )
         opts, voice, clip = self.settings_for(ctx)
         lane = self._lane(ctx)
-        for u in lane.pipe.add(sentences, opts, voice, clip, context_id=ctx):
-            u.encoder = self.encoder_for(ctx)  # type: ignore[assignment]
+        lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, encoder=lambda: self.encoder_for(ctx))
 
     async def flush(
         self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True, end_turn: bool = True

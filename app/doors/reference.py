@@ -5,7 +5,7 @@ and checked once, into a GenerateRequest, then spoken (app/core/pipeline.speak).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -218,10 +218,11 @@ async def tts_generate(request: Request) -> Response:
     gw.admit()  # before the body is read: a refused request costs no parsing
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     req = await parse_generate(gw, data, gw.owner_of(key))
-    speech = speak(gw, "tts_generate", req.text, req.opts, req.voice, None)
+    fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)
+    # 44.1 kHz float32, no resampler: its first bytes wait only for the samples the fade holds back
+    speech = speak(gw, "tts_generate", req.text, replace(req.opts, first_samples=fade_n + 1), req.voice, None)
     headers = {"X-Audio-Sample-Rate": str(SAMPLE_RATE), "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
     chunks = await first_chunk(speech, request)
-    fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)
 
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends

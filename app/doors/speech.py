@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -118,7 +118,7 @@ async def speech_response(
     gw: Gateway = request.app.state.gateway
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
-    speech = speak(gw, api, text, opts, voice, None)
+    speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None)
     chunks = await first_chunk(speech, request)
 
     async def body() -> AsyncIterator[bytes]:

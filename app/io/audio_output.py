@@ -6,6 +6,8 @@ the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked
   in a WAV container of unknown length) or a compressed format (`StreamEncoder`).
 * `OutputFormat`: an encoding at a rate (and a container), checked against these tables; each API's door
   builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
+* `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
+  request tells the engine (SubmitRequest.first_samples) so that its first DAC call is no larger than needed.
 
 The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile) and, for AAC,
 FFmpeg's encoder (PyAV):
@@ -33,6 +35,7 @@ instead of the `audioop` module that Python 3.13 removed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import struct
@@ -90,6 +93,9 @@ AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
 WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
 _UNKNOWN = 0xFFFFFFFF
+
+
+RESAMPLER_QUALITY = "HQ"  # soxr's streaming resampler: every resampled output rate
 
 
 def check_encoding(encoding: object) -> str:
@@ -399,7 +405,7 @@ class Encoder:
     ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
         self._rs = (
-            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality="HQ")
+            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
             if sample_rate != NATIVE_RATE
             else None
         )
@@ -417,6 +423,11 @@ class Encoder:
     def bytes_per_sample(self) -> int:
         return BYTES_PER_SAMPLE.get(self.encoding, 1)
 
+    @property
+    def first_samples(self) -> int:
+        """What the engine's first audio must bring for this encoder to output any (`first_samples`)."""
+        return first_samples(self.encoding, self.sample_rate)
+
     def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
         """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
         x = pcm16.astype(np.float32) / 32768.0
@@ -433,6 +444,30 @@ class Encoder:
             data = self._file.write(x)
             return head + (data + self._file.close() if last else data)
         return head + sample_bytes(x, self.encoding)
+
+
+@functools.cache
+def first_samples(encoding: str, sample_rate: int) -> int:
+    """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
+    what its resampler holds back (soxr keeps its filter's length and works in blocks: at 1.1 HQ 922 samples
+    for 48 kHz, 1,701 for 24 kHz, 1,768 for 16 kHz, 3,525 for 8 kHz) and, for a compressed format, its codec
+    (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg pages). Asked of the
+    encoders themselves, once per output: fresh encoders fed more and more (more input never gives less
+    output). Audio means bytes past those a codec writes on its first write whatever it holds (MP3's Info
+    frame, Ogg's and FLAC's headers); 1 at the native rate in a sample encoding (nothing held back)."""
+    if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
+        return 1
+    header = len(StreamEncoder(encoding, sample_rate).write(np.zeros(1, np.float32))) if encoding in COMPRESSED else 0
+    signal = (np.random.default_rng(0).standard_normal(NATIVE_RATE) * 3000).astype(np.int16)
+
+    def outputs(n: int) -> bool:
+        return len(Encoder(encoding, sample_rate).encode(signal[:n])) > header
+
+    lo, hi = 1, NATIVE_RATE  # a second of audio always has output
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if outputs(mid) else (mid + 1, hi)
+    return lo
 
 
 async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:

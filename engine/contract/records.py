@@ -11,10 +11,12 @@ gateway -> engine
                            max_frames, ignore_eos, speaker: none|        + uncond prompt int32 [U, 10]
                            embedding|clip, clip_sr?, hold, continues,    + emotion delta f32 [E]
                            uncond_frames, emotion_dim,                   + uncond speaker f32 [S]
-                           uncond_speaker_dim}                           + (speaker f32 [D] | clip f32 [N])
+                           uncond_speaker_dim, first_samples?}           + (speaker f32 [D] | clip f32 [N])
                  emotion delta: 'proj' emotion, added to the projected speaker row (E = the model's hidden
                  size); uncond speaker: raw/lda emotion, the speaker embedding without it (the emotion-CFG
                  twin's voice); both optional (E, S = 0: none; engine/frontend/emotion.py, engine/guidance.py)
+                 first_samples: 44.1 kHz samples the client's encoder takes in before it outputs anything
+                 (its resampler's and codec's, app/io/audio_output.py): the stream's first DAC call is sized for it
   Cancel         cancel   {rid}
   End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
   Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
@@ -48,7 +50,7 @@ from typing import Any, ClassVar, TypeVar, Union, cast, dataclass_transform
 
 import numpy as np
 
-from engine.contract.constants import CODEBOOK_SIZE, N_CODEBOOKS
+from engine.contract.constants import CODEBOOK_SIZE, N_CODEBOOKS, SAMPLE_RATE
 from engine.contract.errors import EngineError
 
 SUBMIT, CANCEL, END, EMBED, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "reset", "shutdown"
@@ -80,6 +82,9 @@ SEED_LIMIT = 2**63  # the sampler's int64 seed
 # |cfg_scale|, |prefix_cfg_scale|, |emotion_cfg_scale| (engine/guidance.py): the reference takes any float;
 # guided logits scale with it, and past this they are noise
 CFG_SCALE_MAX = 100.0
+# SubmitRequest.first_samples: what a client's encoder holds back before its first output (a resampler or a codec:
+# up to ~0.5 s, /tts/generate's fade_out_ms up to 5 s)
+FIRST_SAMPLES_MAX = 10 * SAMPLE_RATE
 
 
 def _number(value: object) -> bool:
@@ -294,6 +299,9 @@ class SubmitRequest(Record):
     # emotion-CFG twin (engine/guidance.py), sent only when emotion_cfg_scale asks for that twin
     emotion_delta: np.ndarray | None = None
     uncond_speaker: np.ndarray | None = None
+    # 44.1 kHz samples the client's encoder takes in before it outputs anything (0..FIRST_SAMPLES_MAX; None: not
+    # said): the stream's first DAC call is the one that serves it soonest (engine/dac/schedule.py `first_size`)
+    first_samples: int | None = None
 
     def encode(self) -> tuple[dict[str, Any], Payload]:
         prompt = np.ascontiguousarray(self.prompt, dtype=np.int32)
@@ -310,6 +318,8 @@ class SubmitRequest(Record):
             "continues": self.continues,
             "uncond_frames": 0,
         }
+        if self.first_samples is not None:
+            header["first_samples"] = self.first_samples
         parts = [prompt.tobytes()]
         if self.uncond_prompt is not None:
             uncond = np.ascontiguousarray(self.uncond_prompt, dtype=np.int32).reshape(-1, prompt.shape[1])
@@ -345,6 +355,11 @@ class SubmitRequest(Record):
             raise MalformedRecord(
                 f"a submit record's params has unknown keys: {sorted(map(str, set(params) - known))}", rid
             )
+        first = v["first_samples"]
+        if first is not None and not 0 <= first <= FIRST_SAMPLES_MAX:
+            raise MalformedRecord(
+                f"a submit record's first_samples must be in 0..{FIRST_SAMPLES_MAX}, not {first}", rid
+            )
         buf = payload or b""
         n_prompt = (p + u) * w * 4
         if len(buf) < n_prompt:
@@ -378,6 +393,7 @@ class SubmitRequest(Record):
             uncond_prompt=uncond,
             emotion_delta=vectors[0],
             uncond_speaker=vectors[1],
+            first_samples=first,
         )
 
 
@@ -398,6 +414,7 @@ class _SubmitHeader:
     uncond_frames: int = 0
     emotion_dim: int = 0
     uncond_speaker_dim: int = 0
+    first_samples: int | None = None
 
 
 @record

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.dac.codec import N_CODEBOOKS
+from engine.dac.codec import HOP, N_CODEBOOKS
 
 DELAY = N_CODEBOOKS - 1  # codebook 8 of aligned frame t arrives with delayed frame t + 8
 
 FIRST_AUDIO_FRAMES = 10  # the decoder's lag (4,757 samples, engine/dac/incremental.py) rounded up to frames
 # call 0 of the default schedule: 13 x 512 - 4,757 = 1,899 samples (43 ms), enough that a client's streaming
-# resampler (soxr HQ, app/io/audio_output.py) has output for it at 24 and 16 kHz (it needs ~1,700-1,770 input
-# samples before its first block); a 10-frame call 0 (363 samples) gave the client nothing to play until
-# call 1, ten iterations later (+80 ms of first audio at 64 streams on the H200)
+# resampler (soxr HQ, app/io/audio_output.py) has output for it at 24, 22.05 and 16 kHz (1,701-1,854 input
+# samples before its first block); a request that says what its client needs (SubmitRequest.first_samples)
+# gets the first call that serves it soonest (`first_size`)
 FIRST_CALL_FRAMES = 13
 
 
@@ -27,16 +27,19 @@ class ChunkSchedule:
 
     frames: new frames per call once a stream is running. All streams use the same size, so a stream's
         first call and its last ones batch with everyone's steady calls.
-    first_frames: frames of call 0 (None: `frames`). Call 0 is ready after first_frames + 8 generated
-        frames (codebook 8 lags by 8) and emits first_frames x 512 - 4,757 samples.
+    first_frames: frames of call 0 when the request does not say what its client needs (None: `frames`).
+        Call 0 is ready after first_frames + 8 generated frames (codebook 8 lags by 8) and emits
+        first_frames x 512 - 4,757 samples.
 
-    Default: 13 frames in call 0, then 10 per call. First audio after 21 steps (13 + 8; a 10-frame call 0
-    would emit only 363 samples, which a 24 kHz client's resampler cannot yet turn into output), 1,899
-    samples, then 10 frames (116 ms) every 10 steps: a player that starts 150 ms after its first byte
-    never stalls while a step takes up to 11.6 ms (real time). One steady size keeps one graph shape
-    per batch bucket and lets every ready stream share one call. The final calls of a stream feed the frames past its
-    end (masked) that flush the decoder:
-    10 after the last real frame, in calls of the same size.
+    Default: 13 frames in call 0, then 10 per call: first audio after 21 steps (13 + 8), 1,899 samples,
+    enough for a 24 or 16 kHz client's resampler, then 10 frames (116 ms) every 10 steps: a player that
+    starts 150 ms after its first byte never stalls while a step takes up to 11.6 ms (real time). A request
+    that says how many samples its client needs before it outputs anything gets the call 0, among the sizes
+    that exist, that brings them soonest (`first_size`): 10 frames (363 samples, first audio after 18 steps)
+    for a 44.1 kHz client without a resampler. One steady size keeps few graph shapes per batch bucket and
+    lets every ready stream share one call (a 10-frame call 0 batches with the steady calls). The final calls
+    of a stream feed the frames past its end (masked) that flush the decoder: 10 after the last real frame,
+    in calls of the same size.
     """
 
     frames: int = FIRST_AUDIO_FRAMES
@@ -49,6 +52,22 @@ class ChunkSchedule:
     def next_size(self, n_calls: int) -> int:
         """New frames of a stream's next call, given the calls it had."""
         return self.first_frames if n_calls == 0 and self.first_frames is not None else self.frames
+
+    def first_size(self, need: int | None, lag: int) -> int:
+        """Frames of call 0 for a client that outputs nothing before it has `need` samples (None: not said,
+        `first_frames`), for a decoder `lag` samples behind the frames fed. Among the sizes the schedule has
+        (their shapes are warmed and captured), up to call 0's default, the one whose calls bring `need`
+        samples after the fewest frames (call 0 itself where it can), the smaller on a tie (it batches with
+        the steady calls)."""
+        default = self.next_size(0)
+        if need is None:
+            return default
+        sizes = [f for f in self.call_sizes() if lag < f * HOP and f <= default] or [default]
+
+        def fed(f: int) -> int:  # frames fed by the call that brings the client `need` samples
+            return f + self.frames * max(0, -(-(need + lag - f * HOP) // (self.frames * HOP)))
+
+        return min(sizes, key=lambda f: (fed(f), f))
 
     def call_sizes(self) -> tuple[int, ...]:
         """Every call size (F) a stream uses (its last calls included)."""

@@ -6,6 +6,7 @@ Usage (one thread, the engine loop, calls everything)::
     dec.warmup(max_batch=64)               # at startup on GPU: every call shape once (cuDNN plans)
     dec.capture(max_batch=64)              # and in CUDA graphs
     dec.open(rid)                          # optional: push() opens implicitly
+    dec.open(rid, first_samples=1)         # its client outputs audio from its first sample: a smaller call 0
     dec.push(rid, frames)                  # delayed frames [n, 9] (or [9]) as sampled, EOA/pad included
     dec.push(rid, frames, eos_frame=k)     # where the audio ends, once the LLM node knows (spec §7)
     dec.finish(rid, eos_frame)             # generation over; eos_frame None = no EOS, keep all N
@@ -25,7 +26,8 @@ min(eos_frame, N), or N without EOS (the last 8 then miss codebooks, padded 1025
 in the reference), and `step` returns exactly target * 512 samples in total, in order, no gap.
 
 Decoding. Each stream holds a slot of `IncrementalDAC`'s state cache from its first call to its last:
-every call feeds it the next F complete aligned frames (F from `ChunkSchedule`) and returns the next
+every call feeds it the next F complete aligned frames (F from `ChunkSchedule`; call 0's from what the
+stream's client needs before it outputs anything, `ChunkSchedule.first_size`) and returns the next
 F x 512 samples of its audio, 4,757 samples (the decoder's lag) behind the frames fed, decoded exactly
 as the one-shot decode would (no context decoded twice, no seams). Once the stream's length T is known
 and its frames are complete, its last calls feed the frames past T (masked, they only flush the
@@ -120,6 +122,7 @@ class _Req:
     slot: int = -1  # its row of the DAC state cache, from its first call to its last
     fed: int = 0  # aligned frames handed to the DAC (decoded or in flight), flush frames included
     calls: int = 0
+    first: int = 0  # frames of its call 0 (0: the schedule's default)
     emitted: int = 0  # samples returned so far
     done: bool = False  # final call planned; later pushes are ignored
     final_sent: bool = False  # final audio returned; kept only until finish() (or drop())
@@ -223,12 +226,13 @@ class StreamingDecoder:
 
     # ---- request lifecycle (cheap, no DAC work) -------------------------------------------
 
-    def open(self, rid: int, hold: bool = False, track_eos: bool = True) -> None:
+    def open(self, rid: int, hold: bool = False, track_eos: bool = True, first_samples: int | None = None) -> None:
         """Start a request. hold: its first chunk is non-final (continuation); track_eos: an end of audio
-        may come (False with ignore_eos)."""
+        may come (False with ignore_eos); first_samples: samples its client takes in before it outputs
+        anything (SubmitRequest.first_samples; None: not said), which set the size of its first call."""
         if rid in self._reqs:
             raise KeyError(f"request {rid} already open")
-        self._reqs[rid] = _Req(hold=hold, track_eos=track_eos)
+        self._reqs[rid] = _Req(hold=hold, track_eos=track_eos, first=self.schedule.first_size(first_samples, self.lag))
 
     def hold(self, rid: int, eos_frame: int | None) -> int:
         """The current (non-final) chunk has ended with its end of audio at `eos_frame` (None: none):
@@ -329,7 +333,7 @@ class StreamingDecoder:
         req = self._reqs.get(rid)
         if req is None or req.done or req.held is not None or req.final_target() is not None:
             return -1
-        return max(0, self.schedule.next_size(req.calls) - (req.available() - req.fed))
+        return max(0, self._size(req) - (req.available() - req.fed))
 
     def pending(self) -> bool:
         """True if `launch` would decode something."""
@@ -464,13 +468,17 @@ class StreamingDecoder:
             self._free.append(req.slot)
             req.slot = -1
 
+    def _size(self, req: _Req) -> int:
+        """New frames of the request's next call before its end is known."""
+        return req.first if req.calls == 0 and req.first else self.schedule.next_size(req.calls)
+
     def _next(self, req: _Req, slot_free: bool) -> tuple[int, int, bool] | None:
         """(size, total, final) of the request's next call if it can be planned now, else None."""
         if req.done:
             return None
         target = req.final_target()
         if target is None:
-            size = self.schedule.next_size(req.calls)
+            size = self._size(req)
             if req.available() - req.fed < size or (req.slot < 0 and not slot_free):
                 return None
             return size, (req.eos if req.eos is not None else UNBOUNDED), False

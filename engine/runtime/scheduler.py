@@ -254,7 +254,7 @@ class Scheduler:
             emotion=emotion,
             ignore_eos=req.ignore_eos,
         )
-        job = Job(seq, Times(time.perf_counter()), Chain(hold=req.hold, continues=req.continues))
+        job = Job(seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples))
         kind = twin_kind(
             req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
         )
@@ -395,7 +395,9 @@ class Scheduler:
                 self._hand_over(prev, time.perf_counter())
         else:
             job.chain.stream = job.seq.rid
-            self.dac.open(job.chain.stream, hold=job.chain.hold, track_eos=track_eos)
+            self.dac.open(
+                job.chain.stream, hold=job.chain.hold, track_eos=track_eos, first_samples=job.chain.first_samples
+            )
             self.streams[job.chain.stream] = job
 
     def _hand_over(self, job: Job, now: float) -> None:

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():  # the fused Snake runs in Triton's interprete
 
 from engine.dac.codec import HOP, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
-from engine.dac.streaming import StreamingDecoder, decode_offline
+from engine.dac.streaming import StreamingDecoder, decode_offline, to_int16
 from engine.frontend.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
 
 EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/engine/test_dac_streaming.py)
@@ -45,7 +45,11 @@ def chunk(rng: np.random.Generator, eos: int, c: int) -> tuple[np.ndarray, int, 
 
 
 def run_chunks(
-    dec: StreamingDecoder, rid: int, chunks: list[tuple[np.ndarray, int, int]], final_last: bool
+    dec: StreamingDecoder,
+    rid: int,
+    chunks: list[tuple[np.ndarray, int, int]],
+    final_last: bool,
+    first_samples: int | None = None,
 ) -> tuple[list[np.ndarray], list[int]]:
     """Stream the chunks into one stream as the scheduler does: frame by frame, the EOS when the engine
     knows it; every chunk but the last (or all, final_last False) held. Returns (PCM pieces, kept lengths).
@@ -57,7 +61,7 @@ def run_chunks(
         last = i == len(chunks) - 1
         hold = not (last and final_last)
         if i == 0:
-            dec.open(rid, hold=hold)
+            dec.open(rid, hold=hold, first_samples=first_samples)
         else:
             dec.resume(rid, hold=hold)
         bound = offset + eos - BOUNDARY_TRIM - DELAY  # the chunk's kept end, in complete aligned frames
@@ -101,6 +105,29 @@ def test_five_chunks_are_one_stream_equal_to_one_shot(codec: Codec, schedule: Ch
     assert len(x) == len(ref) == (sum(kept) + chunks[-1][1]) * HOP
     assert snr_db(ref, x) >= EXACT_DB
     assert dec.active() == 0 and len(dec._free) == 4  # the one slot is back
+
+
+def test_a_continued_stream_with_a_smaller_first_call_is_the_same_stream(codec: Codec):
+    """A client without a resampler (first_samples=1): the stream's call 0 has 10 frames, and the joins after it
+    change nothing: its PCM is bit-identical to the 13-frame stream's and equals the one-shot decode."""
+    rng = np.random.default_rng(5)
+    chunks = [chunk(rng, eos, c) for eos, c in [(40, 8), (31, 0), (25, 4)]]
+    pcm = {}
+    for first in (None, 1):
+        dec = StreamingDecoder(codec, slots=2)
+        sizes: list[int] = []
+
+        def run(x: torch.Tensor, f: int, run=dec.net.run, sizes=sizes) -> torch.Tensor:
+            sizes.append(f)
+            return run(x, f)
+
+        dec.net.run = run  # type: ignore[method-assign]
+        out, _ = run_chunks(dec, 3, chunks, final_last=True, first_samples=first)
+        out += [p for _, p, _ in dec.step(as_float=True)]
+        pcm[first] = to_int16(np.concatenate(out))
+        assert sizes[0] == (13 if first is None else 10)
+    assert np.array_equal(pcm[None], pcm[1])
+    assert snr_db(expected(codec, chunks), pcm[1] / 32767.0) > 60  # int16 rounding
 
 
 def test_a_held_stream_flushed_ends_at_its_last_chunks_end_of_audio(codec: Codec):

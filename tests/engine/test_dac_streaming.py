@@ -54,24 +54,31 @@ def random_frames(n: int, seed: int = 0) -> np.ndarray:
 
 
 def stream(
-    codec: Codec, frames: np.ndarray, eos: int | None, schedule: ChunkSchedule | None = None, eos_at_push: bool = False
+    codec: Codec,
+    frames: np.ndarray,
+    eos: int | None,
+    schedule: ChunkSchedule | None = None,
+    eos_at_push: bool = False,
+    first_samples: int | None = None,
+    as_float: bool = True,
 ) -> tuple[np.ndarray, int]:
-    """Push one frame per step like the engine; return (float PCM, number of finals).
+    """Push one frame per step like the engine; return (PCM, number of finals).
 
     eos_at_push: report eos with frame eos (the earliest step the engine can know it is
-    eos + c, c <= 8); otherwise only at finish (the random codes carry no EOA).
+    eos + c, c <= 8); otherwise only at finish (the random codes carry no EOA). first_samples: what the
+    stream's client needs before its first output (StreamingDecoder.open).
     """
     dec = StreamingDecoder(codec, schedule)
-    dec.open(7)
+    dec.open(7, first_samples=first_samples)
     out, finals = [], 0
     for k, f in enumerate(frames):
         dec.push(7, f, eos_frame=eos if eos_at_push and eos is not None and k >= eos else None)
-        for rid, pcm, final in dec.step(as_float=True):
+        for rid, pcm, final in dec.step(as_float=as_float):
             assert rid == 7
             out.append(pcm)
             finals += final
     dec.finish(7, eos)
-    for _, pcm, final in dec.step(as_float=True):
+    for _, pcm, final in dec.step(as_float=as_float):
         out.append(pcm)
         finals += final
     assert dec.active() == 0 and not dec.pending()
@@ -368,6 +375,66 @@ def test_first_audio_timing(codec: Codec):
             pytest.fail("no chunk")
 
 
+def test_the_first_call_is_the_one_that_serves_the_client_soonest():
+    """first_size: among the schedule's sizes (no new shape), the call 0 whose calls bring what the client
+    needs before its first output after the fewest frames: call 0 itself where one can (the smallest that
+    does), else the size whose call 1 can (1,900-5,483 samples: 10 frames; 5,484-7,019: 13)."""
+    lag, default = 4757, ChunkSchedule()
+    needs = (None, 0, 1, 363, 364, 1899, 1900, 3525, 5483, 5484, 7019, 7020)
+    assert [default.first_size(n, lag) for n in needs] == [13, 10, 10, 10, 13, 13, 10, 10, 10, 13, 13, 10]
+    assert ChunkSchedule.low_latency().first_size(1, lag) == 13  # 4-frame calls emit nothing; 10 is no shape
+    assert ChunkSchedule.reference().first_size(1, lag) == 16
+    assert ChunkSchedule(frames=2, first_frames=2).first_size(1, lag) == 2  # no size reaches past the lag
+
+
+@pytest.mark.parametrize(("first_samples", "steps", "samples"), [(None, 21, 1899), (1, 18, 363), (1701, 21, 1899)])
+def test_first_audio_timing_follows_what_the_client_needs(codec: Codec, first_samples, steps: int, samples: int):
+    """A client that outputs from its first sample (44.1 kHz, no resampler) gets its first audio 3 steps
+    sooner: call 0 of 10 frames after 18 pushed frames, 363 samples; a 24 kHz one keeps the 13-frame call."""
+    dec = StreamingDecoder(codec)
+    dec.open(1, first_samples=first_samples)
+    assert dec.frames_to_next(1) == steps - 8  # what admission's slack reads: call 0's size
+    d = random_frames(40)
+    for k in range(40):
+        dec.push(1, d[k])
+        if dec.pending():
+            assert k + 1 == steps
+            ((_, pcm, final),) = dec.step()
+            assert len(pcm) == samples and not final
+            break
+    else:
+        pytest.fail("no chunk")
+
+
+@pytest.mark.parametrize("eos", [None, 57])
+def test_a_smaller_first_call_streams_the_same_samples(codec: Codec, eos):
+    """The first call's size changes when audio leaves, never what it is: int16 PCM of a stream with a 10-frame
+    call 0 is bit-identical to the same frames' with 13, and both equal the one-shot decode."""
+    frames = random_frames(120, seed=4)
+    x13, _ = stream(codec, frames, eos, eos_at_push=True, as_float=False)
+    x10, _ = stream(codec, frames, eos, eos_at_push=True, first_samples=1, as_float=False)
+    ref = decode_offline(codec, frames, eos)
+    assert x10.dtype == np.int16 and np.array_equal(x10, x13)
+    assert np.abs(x10.astype(np.int32) - to_int16(ref)).max() <= 1  # float rounding may cross a rounding edge
+    f10, _ = stream(codec, frames, eos, eos_at_push=True, first_samples=1)
+    assert len(f10) == len(ref) and snr_db(ref, f10) > EXACT_DB
+
+
+def test_a_10_frame_first_call_batches_with_steady_calls(codec: Codec):
+    """A stream whose call 0 has 10 frames shares the DAC call of a running stream's steady 10-frame call."""
+    dec = StreamingDecoder(codec)
+    calls = record_calls(dec)
+    a, b = random_frames(60, seed=1), random_frames(60, seed=2)
+    dec.open(1)  # 13, then 10 per call: calls at 21 and 31 pushed frames
+    dec.open(2, first_samples=1)  # 10 frames in call 0: ready after 18 of its frames
+    for k in range(31):
+        dec.push(1, a[k])
+        if k >= 13:  # stream 2 starts 13 steps later: its call 0 is ready with stream 1's call 1
+            dec.push(2, b[k - 13])
+        dec.step()
+    assert calls == [(1, 13), (2, 10)]
+
+
 @pytest.mark.parametrize("rate", [24000, 16000])
 def test_the_first_call_gives_a_streaming_resampler_audio_to_send(rate: int):
     """Call 0 of the default schedule emits enough samples that the gateway's streaming resampler
@@ -613,7 +680,8 @@ def test_max_frames_budget_defers_requests(codec: Codec):
 
 @pytest.mark.parametrize("schedule", [ChunkSchedule(), ChunkSchedule.low_latency()], ids=["default", "low_latency"])
 def test_warmup_covers_every_shape_step_uses(codec: Codec, schedule: ChunkSchedule):
-    """cuDNN plans (and graphs) are per (batch, frames): a served request must never meet a cold shape."""
+    """cuDNN plans (and graphs) are per (batch, frames): a served request must never meet a cold shape, whatever
+    its client's first call."""
     dec = StreamingDecoder(codec, schedule)
     calls = record_calls(dec)
     dec.warmup(max_batch=8)
@@ -627,6 +695,8 @@ def test_warmup_covers_every_shape_step_uses(codec: Codec, schedule: ChunkSchedu
     for t in range(200):
         for rid, n in lengths.items():
             k = t - starts[rid]
+            if k == 0:  # clients of every kind: no resampler, 24 kHz, 8 kHz (more than call 0 emits), not said
+                dec.open(rid, first_samples=(1, 1701, 3525, None)[rid % 4])
             if 0 <= k < n:
                 e = eos[rid]
                 dec.push(rid, random_frames(1, seed=1000 * rid + k), eos_frame=e if e is not None and k >= e else None)

@@ -115,6 +115,39 @@ def test_seeded_request_same_audio_alone_and_in_busy_batch(rt):
     assert np.abs(a.astype(np.int32) - b.astype(np.int32)).max() <= 1
 
 
+def test_a_client_without_a_resampler_gets_a_smaller_first_call(rt):
+    """first_samples says what the client takes in before its first output: 1 (44.1 kHz, no resampler) makes
+    the stream's call 0 10 frames, its first audio record 363 samples after 18 generated frames, where a 24 kHz
+    client (1,701) or one that says nothing keeps 13 frames (1,899 samples after 21); the same seed's PCM is
+    bit-identical. A value out of bounds is that request's bad_request, naming the field."""
+    lt, client = rt
+    target = dict(text="Reproducible words.", max_frames=60, seed=1234, temperature=1.0)
+
+    async def chunks(req: m.SubmitRequest) -> tuple[list[np.ndarray], m.Record]:
+        pcm, end = [], None
+        async for ev in client.submit(req):
+            if isinstance(ev, m.Audio):
+                pcm.append(ev.pcm)
+            elif isinstance(ev, m.Finished | m.Error):
+                end = ev
+        assert end is not None
+        return pcm, end
+
+    async def go():
+        runs = {first: await chunks(replace(request(**target), first_samples=first)) for first in (None, 1, 1701)}
+        bad = [await chunks(replace(request("x", 10), first_samples=v)) for v in (-1, m.FIRST_SAMPLES_MAX + 1)]
+        return runs, bad, await collect(client, request("after it", 10, seed=1))
+
+    runs, bad, (pcm, after, _) = lt.run(go())
+    assert all(end.type == m.FINISHED for _, end in runs.values())
+    assert [len(c[0]) for c, _ in runs.values()] == [13 * 512 - 4757, 10 * 512 - 4757, 13 * 512 - 4757]
+    whole = [np.concatenate(c) for c, _ in runs.values()]
+    assert len(whole[0]) == 60 * 512 and all(np.array_equal(whole[0], w) for w in whole[1:])
+    for chunks_, end in bad:
+        assert not chunks_ and isinstance(end, m.Error) and end.code == "bad_request" and "first_samples" in end.message
+    assert after.type == m.FINISHED and len(pcm) == 10 * 512
+
+
 def test_cancel_frees_the_slot_within_a_step(rt):
     lt, client = rt
 

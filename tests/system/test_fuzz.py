@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from app.core.options import PARAM_KEYS
 from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
 from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
+from engine.contract.records import FIRST_SAMPLES_MAX
 
 pytestmark = pytest.mark.slow
 
@@ -1369,10 +1370,15 @@ guidance = st.tuples(
     st.sampled_from([1.0, 2.0]),
     st.sampled_from(["none", "delta", "wrong", "uncond"]),
 )
+# SubmitRequest.first_samples: none, what a client needs (44.1 kHz, 24 kHz, 8 kHz), its bounds and past them
+first_samples_values = st.sampled_from(
+    [None, 0, 1, 1701, 3525, -1, FIRST_SAMPLES_MAX, FIRST_SAMPLES_MAX + 1]
+) | st.integers(-(2**63), 2**63 - 1)
 continuation_op = st.one_of(
     # hold, continues (any rid: unknown, running, own), (cfg_scale, prefix_cfg_scale, a voice, a twin prompt,
-    # emotion_cfg_scale, an emotion: a 'proj' delta of the right or a wrong size, or a raw/lda twin's voice)
-    st.tuples(st.just("submit"), st.booleans(), rid_values, guidance),
+    # emotion_cfg_scale, an emotion: a 'proj' delta of the right or a wrong size, or a raw/lda twin's voice),
+    # first_samples
+    st.tuples(st.just("submit"), st.booleans(), rid_values, guidance, first_samples_values),
     st.tuples(st.just("end"), rid_values),
     st.tuples(st.just("cancel"), rid_values),
     st.tuples(st.just("continue_last"), st.booleans()),  # a well-formed continuation of the last held request
@@ -1382,9 +1388,9 @@ continuation_op = st.one_of(
 @FUZZ_SMALL
 @given(ops=st.lists(continuation_op, min_size=1, max_size=8))
 def test_fuzz_continuation_records(engine_client, ops):
-    """submit records with any hold/continues and guidance twins, `end` and cancels of any rid, in any order:
-    every request is answered (finished or error), the engine lives and is idle afterwards (every slot
-    free: the twins' too)."""
+    """submit records with any hold/continues, guidance twins and first_samples, `end` and cancels of any rid,
+    in any order: every request is answered (finished or error), the engine lives and is idle afterwards
+    (every slot free: the twins' too)."""
     from engine.contract import records as m
     from engine.contract.records import SamplingParams
     from engine.frontend.config import Zonos2Config, preset_params
@@ -1401,8 +1407,9 @@ def test_fuzz_continuation_records(engine_client, ops):
                 if op[0] == "continue_last":
                     hold, cont = op[1], held[-1].rid if held else 0
                     cfg, pcfg, voice, uncond, ecfg, emotion = 1.0, 1.0, False, False, 1.0, "none"
+                    first = None
                 else:
-                    hold, cont, (cfg, pcfg, voice, uncond, ecfg, emotion) = op[1:]
+                    hold, cont, (cfg, pcfg, voice, uncond, ecfg, emotion), first = op[1:]
                 cond = Conditioning(speaker=voice)
                 req = m.SubmitRequest(
                     rid=0,
@@ -1419,6 +1426,7 @@ def test_fuzz_continuation_records(engine_client, ops):
                         "wrong": np.ones(7, np.float32),
                     }.get(emotion),
                     uncond_speaker=np.full(2048, 0.5, np.float32) if emotion == "uncond" else None,
+                    first_samples=first,
                 )
                 streams.append(client.submit(req))
             elif op[0] == "end":

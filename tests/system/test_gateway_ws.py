@@ -70,6 +70,23 @@ def test_full_session_streamed_text(server):
         assert st["audio_ms"] == pytest.approx(kept * 512 / 44.1, abs=0.2)
 
 
+def test_the_first_audio_message_is_sized_for_the_output(server):
+    """A 44.1 kHz client (no resampler) gets its first audio from a 10-frame first DAC call: 363 samples, 3
+    decode steps before the 13-frame call that a 24 kHz client's resampler needs (1,899 samples in, 820 out)."""
+
+    async def first(**config: Any) -> int:
+        c = await connect(server, params={"seed": 3, "max_frames": 60, "ignore_eos": True}, **config)
+        await c.send(type="text", text="Hello there.", flush=True)
+        while True:
+            msg = await asyncio.wait_for(c.ws.recv(), 60)
+            if isinstance(msg, bytes):
+                await c.ws.close()
+                return len(msg)
+
+    assert run(first()) == (10 * 512 - 4757) * 2
+    assert run(first(sample_rate=24000)) == 820 * 2
+
+
 def test_float32_native_rate_and_seed_reproducible(server):
     async def one() -> bytes:
         c = await connect(server, encoding="pcm_f32le", params={"seed": 77, "max_frames": 40, "ignore_eos": True})

@@ -14,13 +14,20 @@ import pytest
 import soundfile as sf
 
 from app.io.audio_output import (
+    COMPRESSED,
+    ENCODINGS,
     FORMATS,
+    NATIVE_RATE,
+    OPUS_RATES,
+    OUTPUT_RATES,
+    RATES,
     WAV_ENCODINGS,
     Encoder,
     StreamEncoder,
     StreamSink,
     check_encoding,
     default_rate,
+    first_samples,
     g711_decode,
     g711_encode,
     wav_header,
@@ -204,3 +211,80 @@ def test_wav_header_of_every_sample_encoding(encoding):
     for header in (wav_header(8000, encoding, len(body)), wav_header(8000, encoding)):
         y, sr = sf.read(io.BytesIO(header + body), dtype="float32")
         assert sr == 8000 and len(y) == len(x) and np.abs(y - x).max() < 0.02
+
+
+# ---- what an encoder takes in before its first output, which sizes the engine's first DAC call -----------------
+DAC_LAG = 4757  # samples between the frames a DAC call feeds and the audio it returns (engine/dac/incremental.py)
+OUTPUTS = [
+    (encoding, rate)
+    for encoding in (*ENCODINGS, *COMPRESSED)
+    for rate in RATES
+    if (encoding != "opus" or rate in OPUS_RATES) and (encoding in COMPRESSED or rate in OUTPUT_RATES)
+]
+
+
+def _speech(n: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_normal(n) * 3000).astype(np.int16)
+
+
+def _has_audio(encoding: str, data: bytes) -> bool:
+    """Does what an encoder put out so far hold audio? A decoder's answer for MP3, Ogg Opus and FLAC (their
+    first bytes are headers), the bytes themselves for raw samples and AAC (ADTS frames, each audio)."""
+    if encoding not in ("mp3", "opus", "flac"):
+        return bool(data)
+    try:
+        with av.open(io.BytesIO(data), format={"opus": "ogg"}.get(encoding, encoding)) as f:
+            return sum(fr.samples for fr in f.decode(audio=0)) > 0
+    except av.error.FFmpegError:  # headers alone, or a frame cut short
+        return False
+
+
+@pytest.mark.parametrize(("encoding", "rate"), OUTPUTS)
+def test_an_encoder_outputs_audio_once_it_has_first_samples(encoding: str, rate: int):
+    """first_samples is the encoders' own threshold (pinned soxr at the Encoder's quality, the pinned codecs):
+    an Encoder fed one sample fewer has no audio out, fed that many (or more) it has."""
+    need = first_samples(encoding, rate)
+    assert Encoder(encoding, rate).first_samples == need
+    assert not _has_audio(encoding, Encoder(encoding, rate).encode(_speech(need - 1))) or need == 1
+    for n in range(need, need + 6000, 1201):
+        assert _has_audio(encoding, Encoder(encoding, rate).encode(_speech(n, seed=n))), n
+
+
+def test_each_output_needs_its_own_first_samples():
+    """The rule is a table by output, not 'resampled or not': 16 kHz needs more than 24 kHz, 8 kHz more than
+    the default 13-frame first call emits (1,899 samples), MP3 at 44.1 kHz its first frame (1,376) and FLAC a
+    block (4,097). At the native rate a sample encoding holds nothing back."""
+    got = {rate: first_samples("pcm_s16le", rate) for rate in OUTPUT_RATES}
+    assert got == {NATIVE_RATE: 1, 24000: 1701, 16000: 1768, 8000: 3525}
+    assert first_samples("mulaw", 24000) == first_samples("pcm_f32le", 24000) == 1701
+    assert (first_samples("mp3", NATIVE_RATE), first_samples("flac", NATIVE_RATE)) == (1376, 4097)
+
+
+def _first_output_step(encoding: str, rate: int, first: int) -> int:
+    """The decode step at which a client of `encoding` at `rate` has its first audio when the stream's call 0
+    feeds `first` frames and every later call 10 (call k is ready after its frames + 8, the codebook delay)."""
+    enc, data, fed, emitted = Encoder(encoding, rate), b"", first, 0
+    while True:
+        out = fed * 512 - DAC_LAG
+        data += enc.encode(_speech(out - emitted, seed=fed))
+        emitted = out
+        if _has_audio(encoding, data):
+            return fed + 8
+        fed += 10
+
+
+@pytest.mark.parametrize(("encoding", "rate"), OUTPUTS)
+def test_the_first_call_sized_for_the_client_brings_its_first_audio_soonest(encoding: str, rate: int):
+    """Feed an Encoder the PCM a stream emits call by call: the first call the engine picks for the client's
+    first_samples (engine/dac/schedule.py) gets it its first audio as early as any first call size the engine
+    has (10 or 13 frames), and with call 0 itself where one can bring it."""
+    from engine.dac.schedule import ChunkSchedule
+
+    need = first_samples(encoding, rate)
+    first = ChunkSchedule().first_size(need, DAC_LAG)
+    steps = {f: _first_output_step(encoding, rate, f) for f in ChunkSchedule().call_sizes()}
+    assert steps[first] == min(steps.values()), (need, first, steps)
+    if need <= 13 * 512 - DAC_LAG:
+        assert steps[first] == first + 8  # its first chunk already has audio out (44.1 kHz PCM: after 18 steps)
+    if encoding in ENCODINGS and rate == NATIVE_RATE:
+        assert first == 10 and steps[first] == 18

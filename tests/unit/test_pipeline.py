@@ -19,7 +19,9 @@ from app.core.engine_client import Event, Stream
 from app.core.metrics import Metrics
 from app.core.options import SynthesisOptions
 from app.core.pipeline import engine_error, speak, utterance_bytes
+from app.doors.speech import speech_response
 from app.doors.ws import Session
+from app.io.audio_output import OutputFormat
 from app.io.errors import RequestError
 from app.settings import GatewaySettings, Limits
 from engine.contract import records as m
@@ -57,6 +59,7 @@ class FakeEngine:
         self.texts: list[str] = []
         self.cancelled: list[int] = []
         self.limits: list[int] = []  # the max_frames each piece was submitted with
+        self.first_samples: list[int | None] = []  # what each utterance's encoder takes in before it outputs
         self._streams: dict[int, Stream] = {}
         self._changed = asyncio.Event()
 
@@ -79,6 +82,7 @@ class FakeEngine:
         self._streams[stream.rid] = stream
         self.streams.append(stream)
         self.texts.append(text)
+        self.first_samples.append(opts.first_samples)
         self._changed.set()
         return stream
 
@@ -374,6 +378,43 @@ def test_http_speak_yields_every_sentence_in_order():
 
     chunks, texts = asyncio.run(go())
     assert texts == ["One.", "Two.", "Three."] and chunks == [100, 200, 300]
+
+
+def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
+    """Our socket (its session.config output) and an HTTP answer (speech_response, every HTTP door) send each
+    utterance with the samples its encoder takes in before it outputs anything: 1 at 44.1 kHz (the engine's
+    10-frame first call), the resampler's at 24, 16 or 8 kHz, MP3's first frame."""
+
+    async def socket() -> list[int | None]:
+        _session, ws, engine, task = await open_session()
+        for config in ({}, {"sample_rate": 24000}, {"encoding": "mulaw"}):
+            if config:
+                ws.send(type="session.config", **config)
+                assert (await ws.next_json())["type"] == "session.updated"
+            ws.send(type="text", text="One.", flush=True)
+            engine.play(await engine.started(len(engine.streams) + 1))
+            await ws.until("flushed")
+        await shut(ws, task)
+        return engine.first_samples
+
+    async def http(fmt: OutputFormat) -> int | None:
+        gw = fake_gateway()
+        never: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(gateway=gw)), receive=lambda: never)
+
+        async def feed() -> None:
+            FakeEngine.play(await gw.fake.started(1), samples=4000)
+
+        feeder = asyncio.create_task(feed())
+        response = await speech_response(request, "openai", "One.", SynthesisOptions(), None, fmt)  # type: ignore[arg-type]
+        body = b"".join([chunk async for chunk in response.body_iterator])  # type: ignore[misc]
+        await feeder
+        assert body
+        return gw.fake.first_samples[0]
+
+    assert asyncio.run(socket()) == [1, 1701, 3525]
+    formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
+    assert [asyncio.run(http(f)) for f in formats] == [1, 1768, 1376]
 
 
 def test_engine_errors_map_to_http_statuses():

@@ -36,7 +36,11 @@ STATS = m.RequestStats(
 RECORDS: list[m.Record] = [
     # gateway -> engine
     m.SubmitRequest(
-        rid=1, prompt=RNG.integers(0, 1025, (7, 10)), params=m.SamplingParams(seed=3, top_k=5), max_frames=100
+        rid=1,
+        prompt=RNG.integers(0, 1025, (7, 10)),
+        params=m.SamplingParams(seed=3, top_k=5),
+        max_frames=100,
+        first_samples=1701,
     ),
     m.SubmitRequest(
         rid=2,
@@ -56,6 +60,7 @@ RECORDS: list[m.Record] = [
         max_frames=9,
         clip=RNG.standard_normal(300).astype(np.float32),
         clip_sr=16000,
+        first_samples=m.FIRST_SAMPLES_MAX,
     ),
     m.Cancel(4),
     m.End(5),
@@ -219,6 +224,22 @@ MALFORMED: list[tuple[object, bytes | None, int | None]] = [  # header, payload,
         b"\0" * 43,
         4,
     ),  # a voice that is no float32 array
+    *(
+        (
+            {
+                "type": m.SUBMIT,
+                "rid": 4,
+                "prompt_frames": 1,
+                "prompt_width": 10,
+                "params": {},
+                "max_frames": 5,
+                "first_samples": bad,
+            },
+            b"\0" * 40,
+            4,
+        )
+        for bad in (-1, m.FIRST_SAMPLES_MAX + 1, 1.5, "363", True)
+    ),  # what the client needs before its first output: samples, 0..FIRST_SAMPLES_MAX
     ({"type": m.EMBED, "rid": 5, "clip_sr": 16000}, b"\0" * 6, 5),
     ({"type": m.AUDIO, "rid": 6, "index": 0, "samples": 10}, b"\0" * 19, 6),
     ({"type": m.AUDIO, "rid": 6, "index": 0}, b"", 6),
