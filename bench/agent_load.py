@@ -9,7 +9,7 @@ Each client is one voice-agent session: ONE WebSocket session (`session.config` 
 voice, and by default `{"max_frames": 292, "ignore_eos": true}` per sentence, continuation (`long_form`) on,
 so the sentences of a reply are one voice and one stream), over which it plays turn after turn:
 
-1. The LLM's reply: `--sentences` (4) sentences drawn from a set of assistant sentences of 4 to 25 words
+1. The LLM's reply: `--sentences` (4) sentences drawn from a set of assistant sentences of 2 to 25 words
    (seeded per client), streamed the way pipecat and LiveKit Agents stream an LLM's tokens: after
    `--first-token-ms` (the LLM's time to its first token), one `text` message per word (a leading space on
    every word but the first, as LLM tokens come) at `--words-per-s`, on a schedule that does not drift, then
@@ -112,7 +112,7 @@ except ImportError:  # run as a script: bench/ itself is sys.path[0]
 
 DEFAULT_LEVELS = [32, 64, 96, 128]
 
-# What an assistant says: 4 to 25 words, questions and exclamations among them; no digits and no abbreviations,
+# What an assistant says: 2 to 25 words, questions and exclamations among them; no digits and no abbreviations,
 # so the text spoken is the text sent whether or not the server normalizes it.
 SENTENCES = (
     "Sure, I can help with that.",
