@@ -310,6 +310,10 @@ def table_row(lv: dict[str, Any]) -> str:
     )
 
 
+def table(levels: Sequence[dict[str, Any]]) -> str:
+    return "\n".join([HEADER, *(table_row(lv) for lv in levels)])
+
+
 # ---- the network side ----------------------------------------------------------------------------------
 
 

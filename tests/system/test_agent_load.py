@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import shlex
 import time
 from pathlib import Path
 
@@ -236,3 +237,14 @@ def test_a_level_against_the_server(server, tmp_path: Path):
         mine = [t for t in saved["turns"] if t["client"] == c]
         assert [t["turn"] for t in mine] == list(range(len(mine))) and {t["session"] for t in mine} == {0}
         assert all(b["t_sent"] > a["play_end"] for a, b in itertools.pairwise(mine))
+    # the run's summary (bench/summarize.py) gives its table and a command that reproduces its configuration
+    from bench.summarize import summarize_file
+
+    md = summarize_file(out)
+    assert "voice-agent sessions" in md and "sessions ok" in md
+    command = shlex.split(md.split("Command: `")[1].split("`")[0])
+    assert command[:2] == ["python", "bench/agent_load.py"]
+    again = parse_args(command[2:]).config()
+    assert {k: v for k, v in again.items() if k not in ("url", "out")} == {
+        k: v for k, v in saved["config"].items() if k not in ("url", "out")
+    }
