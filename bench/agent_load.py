@@ -23,8 +23,8 @@ so the sentences of a reply are one voice and one stream), over which it plays t
    +-`--pause-jitter` of it, seeded, so sessions do not turn in lockstep), and the next turn starts on the
    same socket.
 
-With the default `--frames 292` and `ignore_eos` every sentence is 292 frames (3.39 s of audio; its
-continued sentences 289, the kept frames), as random weights never end a sentence on their own;
+With the default `--frames 292` and `ignore_eos` every sentence is 292 frames (3.39 s of audio; 289 kept
+when the next sentence continues it): random weights say nothing about a sentence's length;
 `--frames 0` lets a real checkpoint end each sentence itself (the server's frame limit caps it).
 Session starts are spread over `--ramp` seconds. A turn counts when its first word was sent inside the
 measured window (after `--warmup`, before `--warmup` + `--duration`); a turn running at the window's end is
