@@ -165,6 +165,7 @@ def test_turns_on_one_socket_an_error_and_an_injected_gap(server):
             TurnRecord(level=1, client=0, session=0, turn=k, sentences=2, words=0, text=" ".join(reply))
             for k in range(3)
         ]
+        turns[1].text = "Hello there."
         alive = [await play_turn(opts, ws, turns[0], reply_words(reply), clock0)]
         alive.append(await play_turn(opts, ws, turns[1], ["Hello", " \ud800", " there."], clock0))
         alive.append(await play_turn(opts, ws, turns[2], reply_words(reply), clock0, hold_after_first_chunk))
@@ -200,7 +201,7 @@ def test_a_level_against_the_server(server, tmp_path: Path):
             "--levels",
             "2",
             "--duration",
-            "3",
+            "5",
             "--warmup",
             "0",
             "--ramp",
