@@ -545,12 +545,13 @@ async def agent_client(
                 turns.append(turn)
                 alive = await play_turn(opts, ws, turn, words, clock0, on_audio)
                 srec.turns += 1
+                if not alive:  # the session ended under this turn
+                    srec.error = turn.error
                 # the listener hears the reply out, then speaks; the LLM then takes its time to the first token
                 heard = clock0 + turn.play_end if turn.play_end is not None else time.perf_counter()
                 pause = opts.pause_s * (1 + opts.pause_jitter * rng.uniform(-1, 1))
                 next_word = max(heard, time.perf_counter()) + pause + opts.first_token_ms / 1e3
             if not alive:
-                srec.error = turns[-1].error
                 await asyncio.sleep(opts.error_backoff_ms / 1e3)
         finally:
             await ws.close()

@@ -17,6 +17,7 @@ from bench.agent_load import (
     AgentOptions,
     SessionRecord,
     TurnRecord,
+    agent_client,
     judge_agent,
     main,
     open_session,
@@ -249,3 +250,29 @@ def test_a_level_against_the_server(server, tmp_path: Path):
     assert {k: v for k, v in again.items() if k not in ("url", "out")} == {
         k: v for k, v in saved["config"].items() if k not in ("url", "out")
     }
+
+
+@pytest.mark.slow
+def test_a_session_that_breaks_under_a_turn_is_replaced(server):
+    """A turn whose reading breaks ends its session, which records that turn's error (not that of another client's
+    turn recorded meanwhile); the client opens a new session and starts over at turn 0."""
+    opts = AgentOptions(url=server.ws_url, frames=20, sentences=2, warmup=0, duration=4, ramp=0, error_backoff_ms=50)
+    sessions: list[SessionRecord] = []
+    turns: list[TurnRecord] = []
+
+    async def broken_reader(t: TurnRecord) -> None:
+        turns.append(TurnRecord(level=1, client=1, session=0, turn=0, sentences=1, words=1, text="x", ok=True))
+        raise ConnectionResetError
+
+    async def go() -> None:
+        voice = {"voice_clip": reference_clip(seconds=1.5)}
+        await agent_client(opts, 1, 0, voice, time.perf_counter(), sessions, turns, broken_reader)
+
+    asyncio.run(go())
+    mine = [t for t in turns if t.client == 0]
+    assert len(sessions) >= 2 and [s.session for s in sessions] == list(range(len(sessions)))
+    assert all(s.connected and s.turns == 1 for s in sessions)
+    for s in sessions:  # its one turn broke, and that ended the session
+        (own,) = [t for t in mine if t.session == s.session]
+        assert own.turn == 0 and own.error == "ConnectionResetError" and len(own.events) == 1 and not own.ok
+        assert s.error == "ConnectionResetError"
