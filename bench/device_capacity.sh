@@ -8,11 +8,17 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
+# storm.json (STORM) and capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
+# AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts.
 # PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
 # server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (on by
 # default with a GPU): compare its iteration profile's idle time and capacity with a default run.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
+planned=2  # run.log, capacity_clone.json
+for x in "${TESTS-x}" "${PROFILE_LEVEL-128}" "${DISTINCT_LEVELS-128}" "${SENTENCE_LEVELS-64}" "${STORM:-}" \
+  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}"; do [ -n "$x" ] && planned=$((planned + 1)); done
+[ $planned -le 8 ] || { echo "device_capacity.sh: $planned files planned under \$OUT, 8 come back: set some empty"; exit 2; }
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # the profile only with its own level (PROFILE_LEVEL= skips both): stopping the profiler holds the engine loop
@@ -64,6 +70,12 @@ fi
 # sentences' prefill and first audio, and each kind's stall-free share)
 [ -n "${SENTENCE_LEVELS-64}" ] && timeout ${SENTENCE_S:-90} $CAP --levels ${SENTENCE_LEVELS:-64} --sentences ${SENTENCES:-3} \
   ${SENTENCE_ARGS:-} --out "$OUT/capacity_sentences.json"
+# voice-agent sessions (bench/agent_load.py): AGENT_LEVELS="96 128" sessions, each streaming replies of 4 sentences
+# word by word at 30 words/s over one socket, played live turn after turn, AGENT_S measured seconds per level
+# (AGENT_ARGS adds its flags, e.g. "--words-per-s 15 --sentences 3")
+[ -n "${AGENT_LEVELS:-}" ] && timeout $(( $(wc -w <<< "$AGENT_LEVELS") * (${AGENT_S:-60} + 45) + 60 )) \
+  python3 bench/agent_load.py --levels $AGENT_LEVELS --duration ${AGENT_S:-60} --warmup 10 --stop-after-fail 0 \
+  ${AGENT_ARGS:-} --out "$OUT/capacity_agent.json"
 # storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
 # must not stall and refusals must be fast
 [ -n "${STORM:-}" ] && timeout $(( ${STORM_S:-20} * 3 + 60 )) python3 bench/live_capacity.py --storm \

@@ -2,9 +2,10 @@
 
 Usage: python bench/summarize.py RUN_DIR_OR_FILE... --out docs/bench-summaries/NAME.md [--build HASH]
 
-Capacity and overload JSON (bench/live_capacity.py `--out`) become their levels table plus the command that
-reproduces them; other small JSON is kept compact, large JSON is reduced to its top-level keys, and logs keep
-their last lines. The raw files themselves stay outside the repository.
+Capacity and overload JSON (bench/live_capacity.py `--out`) and voice-agent JSON (bench/agent_load.py `--out`)
+become their levels table plus the command that reproduces them; other small JSON is kept compact, large JSON is
+reduced to its top-level keys, and logs keep their last lines. The raw files themselves stay outside the
+repository.
 """
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent_load import table as agent_table
 from live_capacity import table
 
 SMALL_JSON = 2500
 LOG_LINES = 8
 LOG_WIDTH = 160
-SKIP_CONFIG = {"url", "out", "plot", "api_key", "voice_mode"}  # voice_mode is derived, not a flag
+SKIP_CONFIG = {"url", "out", "plot", "api_key", "voice_mode", "voice_id"}  # voice_mode, voice_id: derived, no flags
 NEGATED = {"long_form", "deflate"}  # on by default: the command names them only when off
 
 
-def capacity_command(config: dict[str, Any]) -> str:
-    """The bench/live_capacity.py command line that reproduces a run, from the config its JSON records."""
-    args = ["python", "bench/live_capacity.py"]
+def capacity_command(config: dict[str, Any], script: str = "bench/live_capacity.py") -> str:
+    """The command line (of `script`) that reproduces a run, from the config its JSON records."""
+    args = ["python", script]
     for key, value in config.items():
         if key in SKIP_CONFIG or value is None:
             continue
@@ -58,10 +60,13 @@ def summarize_file(path: Path) -> str:
         except json.JSONDecodeError:
             data = None
         if isinstance(data, dict) and "levels" in data and "config" in data:
+            agent = "turns" in data  # bench/agent_load.py's: sessions of turns
+            rows = agent_table(data["levels"]) if agent else table(data["levels"])
+            command = capacity_command(data["config"], "bench/agent_load.py" if agent else "bench/live_capacity.py")
             return (
-                head + f"Capacity: **{data.get('capacity')}** streams; started {data.get('started')}, "
-                f"voice mode {data['config'].get('voice_mode', '-')}.\n\n"
-                f"```\n{table(data['levels'])}\n```\n\nCommand: `{capacity_command(data['config'])}`\n"
+                head + f"Capacity: **{data.get('capacity')}** {'voice-agent sessions' if agent else 'streams'}; "
+                f"started {data.get('started')}, voice mode {data['config'].get('voice_mode', '-')}.\n\n"
+                f"```\n{rows}\n```\n\nCommand: `{command}`\n"
             )
         compact = json.dumps(data, separators=(",", ":")) if data is not None else text
         if len(compact) <= SMALL_JSON:
