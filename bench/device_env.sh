@@ -10,6 +10,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 # rows), kernels, twins, the DAC, a seed under load
 GPU_TESTS="tests/gpu/test_gpu.py tests/engine/test_kernels.py tests/engine/test_dac_streaming.py \
 tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py tests/unit/test_sampling.py \
+tests/engine/test_mixed_step.py \
 tests/engine/test_guidance.py tests/engine/test_fp8.py tests/engine/test_batch_invariance.py \
 tests/engine/test_continuation.py::test_gpu_a_reply_of_five_requests_is_one_stream"
 SEED_TEST=tests/gpu/test_gpu.py::test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_the_stated_snr

@@ -165,6 +165,13 @@ class Metrics:
                 e,
                 registry=r,
             ),
+            "mixed_frames": EngineGauge(
+                "zonos_engine_mixed_prefill_frames_by_engine",
+                "Prompt frames this engine prefilled inside its decode steps, one pass over the weights for both "
+                "(since it started)",
+                e,
+                registry=r,
+            ),
             "paced": EngineGauge(
                 "zonos_engine_paced_by_engine",
                 "Iterations this engine launched no decode step because "
@@ -197,7 +204,17 @@ class Metrics:
             g["restarts"].labels(name).set(eng.restarts)
             g["open"].labels(name).set(eng.in_flight)
             g["headroom"].labels(name).set(eng.headroom() if eng.ready.is_set() else 0)
-            for key in ("active", "waiting", "free_slots", "finished", "cancelled", "period_ms", "paced", "starting"):
+            for key in (
+                "active",
+                "waiting",
+                "free_slots",
+                "finished",
+                "cancelled",
+                "period_ms",
+                "paced",
+                "starting",
+                "mixed_frames",
+            ):
                 g[key].labels(name).set(getattr(st, key) or 0)
             for gate in AdmissionGate:
                 self.held_by_gate.labels(name, gate.value).set(getattr(st, f"held_{gate.value}"))

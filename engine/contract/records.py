@@ -717,6 +717,7 @@ class Stats(Record):
     steps: int = 0
     paced: int = 0  # iterations that launched no decode step: the dac_decoder was behind (admission.py)
     prefill_frames: int = 0
+    mixed_frames: int = 0  # of those, prompt frames that rode along with a decode step (one pass over the weights)
     decode_frames: int = 0
     finished: int = 0
     cancelled: int = 0

@@ -107,6 +107,12 @@ class EngineSettings:
             hi=_FRAMES,
         ),
     )
+    # a prompt chunk (at most 256 frames) rides along with the decode step: the weights are read once for both,
+    # where a prefill call of its own reads every expert again (engine/llm/graphs.py MixedGraphs)
+    mixed_prefill: bool = field(
+        default=True,
+        metadata=flag("prefill prompt chunks inside the decode step (GPU, CUDA graphs; seeded steps never mix)"),
+    )
     # with at least prefill_group_min_streams decoding, a prefill of fewer than prefill_group_frames waits
     # up to prefill_group_wait_ms for more arrivals to share its call (0: never)
     prefill_group_wait_ms: float = field(

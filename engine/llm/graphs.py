@@ -245,3 +245,94 @@ class PrefillGraphs:
         else:  # not captured: the same fixed-shape work, launched eagerly
             self._prefill(b, invariant)
         return self.outputs[(invariant, b)][: len(seqs)]
+
+
+MIXED_PREFILL_BUCKETS = (64, 256)  # prompt tokens riding along with a decode step (a longer prompt: in chunks)
+MIXED_MIN_BATCH = 16  # decode rows below which a step is not mixed: few streams, a prefill costs them little
+
+
+class MixedGraphs:
+    """A decode step with a packed prefill riding along (`Zonos2.mixed_packed`): one pass over the weights
+    for both, captured per (decode bucket, prompt-token bucket). The decode part reads and pads the decode
+    graphs' static slots and positions, the prefill part the prefill graphs' static inputs of its token
+    bucket (only one graph runs at a time); the sampler draws every decode row's frame and the first frame
+    of each prompt the call completes (`sample_slots`: the scratch slot for a chunk that does not complete its
+    prompt, so its sampler state is untouched). Default kernels only: a seeded step is never mixed."""
+
+    def __init__(self, decode: DecodeGraphs, prefill: PrefillGraphs, buckets: tuple[int, ...] = MIXED_PREFILL_BUCKETS):
+        self.decode, self.prefill = decode, prefill
+        self.model, self.sampler = decode.model, decode.sampler
+        self.batches = tuple(b for b in decode.buckets if b >= MIXED_MIN_BATCH) or decode.buckets[-1:]
+        self.tokens = tuple(t for t in sorted(buckets) if t in prefill.buckets)
+        self.max_tokens = self.tokens[-1] if self.tokens else 0
+        self.pairs = [(b, t) for b in self.batches for t in self.tokens]
+        dev = decode.codes.device
+        self.sample_slots = torch.full((prefill.max_seqs,), decode.scratch_slot, dtype=torch.int64, device=dev)
+        rows = self.batches[-1] + prefill.max_seqs
+        self.codes = torch.zeros(rows, self.model.cfg.n_codebooks, dtype=torch.int64, device=dev)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+
+    def _step(self, b: int, t: int) -> None:
+        d = self.decode
+        d.ids[:b, : self.model.cfg.n_codebooks] = self.sampler.last[d.slots[:b]]
+        logits = self.model.mixed_packed(d.ids[:b], d.slots[:b], d.positions[:b], *self.prefill.inputs[t])
+        slots = torch.cat([d.slots[:b], self.sample_slots])
+        self.codes[: b + self.prefill.max_seqs] = self.sampler.sample(logits, slots, eager=True)
+
+    def capture(self) -> None:
+        self.prefill._ensure_inputs()
+        t0 = time.perf_counter()
+        pool = self.decode.graphs[False][self.decode.buckets[0]].pool() if self.decode.graphs else None
+        by_index = capture_buckets(tuple(range(len(self.pairs))), lambda i: self._step(*self.pairs[i]), pool)
+        self.graphs = {self.pairs[i]: g for i, g in by_index.items()}
+        self.capture_s = time.perf_counter() - t0
+        log.info(
+            "captured %d mixed graphs (decode %s x prompt tokens %s) in %.1f s",
+            len(self.pairs),
+            self.batches,
+            self.tokens,
+            self.capture_s,
+        )
+
+    def fits(self, rows: int, tokens: int, seqs: int) -> bool:
+        return 0 < rows <= self.batches[-1] and 0 < tokens <= self.max_tokens and seqs <= self.prefill.max_seqs
+
+    def run(
+        self,
+        slots: Tensor,
+        positions: Tensor,
+        ids: Tensor,
+        seqs: list,
+        speakers: list[Tensor | None],
+        emotions: list[Tensor | None],
+        sample_slots: Tensor,
+    ) -> tuple[Tensor, int]:
+        """Decode rows (slots, positions [n]) and prompt chunks (ids [tokens, 10] for `seqs`, PrefillSeq) ->
+        (codes [B + max_seqs, 9] on the GPU, B): rows 0..n-1 the decode rows' frames, row B + i the first frame
+        of chunk i where sample_slots[i] is its slot."""
+        from engine.model.zonos2 import PackedPrefill
+
+        n, tokens = slots.shape[0], ids.shape[0]
+        b = smallest_bucket(self.batches, n, "mixed batch")
+        t = smallest_bucket(self.tokens, tokens, "mixed prompt of")
+        d, p = self.decode, self.prefill
+        d.slots[:n].copy_(slots, non_blocking=True)
+        d.positions[:n].copy_(positions, non_blocking=True)
+        if b > n:
+            d.slots[n:b] = d.scratch_slot
+            d.positions[n:b] = 0
+        static = p.inputs[t]
+        meta = PackedPrefill.build(
+            self.model, seqs, speakers, t, p.max_seqs, static[0].device, p.scratch_slot, emotions
+        )
+        static[0][:tokens].copy_(ids, non_blocking=True)
+        static[0][tokens:] = p.pad_row
+        for dst, src in zip(static[1:], meta.tensors(), strict=True):
+            dst.copy_(src, non_blocking=True)
+        self.sample_slots.copy_(sample_slots, non_blocking=True)
+        if self.graphs:
+            self.graphs[(b, t)].replay()
+        else:  # not captured: the same fixed-shape work, launched eagerly
+            self._step(b, t)
+        return self.codes[: b + p.max_seqs], b

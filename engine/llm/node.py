@@ -85,6 +85,7 @@ class PendingDecode:
     codes: Any  # np.ndarray (CPU) or a pinned torch tensor being filled (CUDA)
     done: Any  # torch.cuda.Event, or None
     prefill: bool = False
+    prompt_frames: int = 0  # a mixed step: the prompt frames that rode along (`mixed_start`)
 
 
 class LLMNode:
@@ -97,13 +98,15 @@ class LLMNode:
         compile: bool = False,
         batch_invariant: str = "off",
         triton: bool | None = None,
+        mixed: bool = False,
     ) -> None:
         """batch_invariant: which calls run the batch-invariant kernels (`engine.model.batch_invariant`: a row's
         logits do not depend on what shares its step or prefill), one of BATCH_INVARIANT_MODES: "seeded" (a
         decode step or packed prefill with a request whose params carry a seed; the default kernels
         otherwise), "always", "off". Both sets are captured when calls may pick either. It takes effect on
         the Triton kernels (without them: "off"). triton: run them (default: on a GPU; on a CPU only under
-        Triton's interpreter, for tests)."""
+        Triton's interpreter, for tests). mixed: prompt chunks may ride along with a decode step
+        (`mixed_start`, on the Triton kernels)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}, not {batch_invariant!r}")
         self.model = model
@@ -146,8 +149,10 @@ class LLMNode:
         self.deferred: set[int] = set()  # released slots a step in flight still writes: freed when it is read
         self.graphs = None
         self.prefill_graphs = None
+        self.mixed_graphs = None
+        self.mixed = mixed and use_triton and False in self.kernel_sets
         if on_gpu:
-            from engine.llm.graphs import DecodeGraphs, PrefillGraphs
+            from engine.llm.graphs import DecodeGraphs, MixedGraphs, PrefillGraphs
 
             self.prefill_graphs = PrefillGraphs(model, scratch_slot=n_slots, kernel_sets=self.kernel_sets)
             if cuda_graphs:
@@ -156,6 +161,11 @@ class LLMNode:
                 )
                 self.graphs.capture()
                 self.prefill_graphs.capture()
+                if self.mixed:
+                    self.mixed_graphs = MixedGraphs(self.graphs, self.prefill_graphs)
+                    self.mixed_graphs.capture()
+            else:
+                self.mixed = False  # eager on a GPU: one launch per kernel, no gain
 
     # ---- slots ---------------------------------------------------------------------------------
     def can_admit(self) -> bool:
@@ -257,7 +267,7 @@ class LLMNode:
         written = {seq.slot for seq, _ in chunks}
         if not done:  # no first frame: the event alone says when the call has run
             none = torch.zeros(0, self.cfg.n_codebooks, dtype=torch.int64, device=self.device)
-            pending = self._pending([], none, self._host_first[buf][:0], written)
+            pending = self._pending([], none, self._host_first[buf][:0], written, prefill=True)
             self.in_flight.append(pending)
             return pending
         host_slots = self._host_first_slots[buf][:n]
@@ -268,36 +278,34 @@ class LLMNode:
         seqs = [seq for seq, _ in done]
         for seq in seqs:
             seq.launched += 1
-        pending = self._pending(seqs, codes, self._host_first[buf][:n], written)
+        pending = self._pending(seqs, codes, self._host_first[buf][:n], written, prefill=True)
         self.in_flight.append(pending)
         return pending
 
     def _pending(
-        self, seqs: list[Sequence], codes: Tensor, host: Tensor, prefill_slots: set[int] | None = None
+        self,
+        seqs: list[Sequence],
+        codes: Tensor,
+        host: Tensor,
+        slots: set[int] | None = None,
+        prefill: bool = False,
+        prompt_frames: int = 0,
     ) -> PendingDecode:
         """The launched work's codes on their way to the host: a copy on a CPU (the graphs reuse their
-        buffers); on a GPU a pinned copy behind the work and an event (no sync here). prefill_slots: a
-        prefill's, the slots it writes."""
-        used = {s.slot for s in seqs} if prefill_slots is None else prefill_slots
-        prefill = prefill_slots is not None
+        buffers); on a GPU a pinned copy behind the work and an event (no sync here). slots: those the work
+        writes (default: the rows' own)."""
+        used = {s.slot for s in seqs} if slots is None else slots
         if self.device.type != "cuda":
-            return PendingDecode(seqs, used, codes.numpy().copy(), None, prefill)
+            return PendingDecode(seqs, used, codes.numpy().copy(), None, prefill, prompt_frames)
         host.copy_(codes, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return PendingDecode(seqs, used, host, done, prefill)
+        return PendingDecode(seqs, used, host, done, prefill, prompt_frames)
 
     def _prefill_packed(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, Tensor]]:
         """One packed prefill call; for the sequences whose prompt it completed, one entry each: (seq, its
         last-position logits [1, C, V])."""
-        ids, seqs, speakers, emotions = [], [], [], []
-        for seq, n in chunks:
-            start = seq.prefilled
-            ids.append(torch.from_numpy(seq.prompt[start : start + n]))
-            seqs.append(PrefillSeq(seq.slot, start, n))
-            speakers.append(seq.speaker if start == 0 else None)
-            emotions.append(seq.emotion if start == 0 else None)
-        packed = to_device(torch.cat(ids), self.device)
+        packed, seqs, speakers, emotions = self._prompt_pieces(chunks)
         invariant = self.runs_invariant(seq for seq, _ in chunks)
         self.calls[("prefill", invariant)] += 1
         if self.prefill_graphs is not None:
@@ -348,6 +356,80 @@ class LLMNode:
             logits = self.model.decode(ids, slots, positions, invariant=invariant)
             codes = self.sampler.sample(logits, slots)
         pending = self._pending(seqs, codes, self._host_codes[buf][:n])
+        self.in_flight.append(pending)
+        return pending
+
+    def _prompt_pieces(
+        self, chunks: list[tuple[Sequence, int]]
+    ) -> tuple[Tensor, list[PrefillSeq], list[Tensor | None], list[Tensor | None]]:
+        """Prompt chunks as a packed call takes them: their frames on the device, each chunk's place, and the
+        speaker row and emotion delta of a chunk that starts its prompt."""
+        ids, seqs, speakers, emotions = [], [], [], []
+        for seq, n in chunks:
+            start = seq.prefilled
+            ids.append(torch.from_numpy(seq.prompt[start : start + n]))
+            seqs.append(PrefillSeq(seq.slot, start, n))
+            speakers.append(seq.speaker if start == 0 else None)
+            emotions.append(seq.emotion if start == 0 else None)
+        return to_device(torch.cat(ids), self.device), seqs, speakers, emotions
+
+    @property
+    def max_mixed_frames(self) -> int:
+        """Largest prompt chunk total a mixed step carries."""
+        return self.mixed_graphs.max_tokens if self.mixed_graphs is not None else self.max_prefill_frames
+
+    def can_mix(self, decode: list[Sequence], chunks: list[tuple[Sequence, int]]) -> bool:
+        """Whether these decode rows and prompt chunks may run as one mixed step (`mixed_start`): mixing is on,
+        no row runs the batch-invariant kernels (a seeded request's calls keep their own), and they fit a
+        captured shape."""
+        if not (self.mixed and decode and chunks) or self.runs_invariant([*decode, *(s for s, _ in chunks)]):
+            return False
+        if self.mixed_graphs is not None:
+            return self.mixed_graphs.fits(len(decode), sum(n for _, n in chunks), len(chunks))
+        return True
+
+    def mixed_start(self, decode: list[Sequence], chunks: list[tuple[Sequence, int]]) -> PendingDecode:
+        """Launch one decode step for `decode` with the prompt chunks riding along (`Zonos2.mixed_packed`: the
+        weights are read once for both) and return at once. It comes back like a decode step (`decode_finish`):
+        a frame for every decode row and the first frame of every prompt it completes. Its slots (every
+        chunk's too: it writes their KV rows) stay held on release until it is read back."""
+        if sum(not p.prefill for p in self.in_flight) >= 2:
+            raise RuntimeError("two decode steps are in flight already: read one back first")
+        n = len(decode)
+        buf = self._flip
+        self._flip ^= 1
+        inputs = self._host_inputs[buf][:, :n]
+        inputs.numpy()[:] = [[s.slot for s in decode], [s.launch_position for s in decode]]
+        for s in decode:
+            s.launched += 1
+        ids, seqs, speakers, emotions = self._prompt_pieces(chunks)
+        for seq, k in chunks:
+            seq.prefilled += k
+        done = [i for i, (seq, _) in enumerate(chunks) if not seq.in_prefill]
+        for i in done:
+            chunks[i][0].launched += 1
+        width = self.mixed_graphs.prefill.max_seqs if self.mixed_graphs is not None else len(chunks)
+        sample = np.full(width, self.n_slots, dtype=np.int64)  # the scratch slot: a chunk that completes nothing
+        sample[done] = [chunks[i][0].slot for i in done]
+        self.calls[("mixed", False)] += 1
+        if self.mixed_graphs is not None:
+            sample_slots = to_device(sample, self.device)  # pinned: a pageable copy would wait for the GPU
+            codes, b = self.mixed_graphs.run(inputs[0], inputs[1], ids, seqs, speakers, emotions, sample_slots)
+        else:  # eager (the Triton interpreter in CPU tests): the same work at the batch's own size
+            from engine.model.zonos2 import PackedPrefill
+
+            slots, positions = to_device(inputs[0], self.device), to_device(inputs[1], self.device)
+            meta = PackedPrefill.build(self.model, seqs, speakers, len(ids), len(seqs), self.device, emotions=emotions)
+            dec_ids = torch.cat([self.sampler.last[slots], self._text_col[:n]], 1)
+            logits = self.model.mixed_packed(dec_ids, slots, positions, ids, *meta.tensors())
+            codes = self.sampler.sample(logits, torch.cat([slots, to_device(sample, self.device)]), eager=True)
+            b = n
+        rows = np.array([*range(n), *(b + i for i in done)], dtype=np.int64)
+        picked = codes.index_select(0, to_device(rows, self.device))  # pinned index: no wait
+        written = {s.slot for s in decode} | {seq.slot for seq, _ in chunks}
+        frames = sum(k for _, k in chunks)
+        seqs_out = [*decode, *(chunks[i][0] for i in done)]
+        pending = self._pending(seqs_out, picked, self._host_codes[buf][: len(rows)], written, prompt_frames=frames)
         self.in_flight.append(pending)
         return pending
 

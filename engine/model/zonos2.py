@@ -663,6 +663,56 @@ class Zonos2(nn.Module):
         return self.head(h[last_idx], stages)
 
     @torch.inference_mode()
+    def mixed_packed(
+        self,
+        dec_ids: Tensor,
+        dec_slots: Tensor,
+        dec_pos: Tensor,
+        ids: Tensor,
+        tok_slot: Tensor,
+        tok_pos: Tensor,
+        spk: Tensor,
+        emo: Tensor,
+        spk_of_tok: Tensor,
+        block_slot: Tensor,
+        block_start: Tensor,
+        block_len: Tensor,
+        block_pos0: Tensor,
+        last_idx: Tensor,
+    ) -> Tensor:
+        """A decode step and a packed prefill in one pass over the weights: the decode rows (dec_ids [B, 10]
+        at dec_slots / dec_pos, as `decode`) and the prompt tokens (ids and the `PackedPrefill` tensors, as
+        `prefill_packed`) share every projection and expert read; only attention is per part (the decode
+        kernel over each row's cache, the prefill kernel over the chunks' blocks, each after this call's K/V
+        are written). Fixed shapes, no host sync (a graph per (B, tokens) can replay it); the default kernels
+        (a seeded step runs the batch-invariant sets alone). Returns logits [B + len(last_idx), 9, V]: the
+        decode rows', then each chunk's last token's."""
+        from engine.model.kernels.decode_attention import decode_attention
+        from engine.model.kernels.prefill_attention import prefill_attention
+
+        cache = self.cache
+        assert cache is not None and self.use_triton, "call setup_cache and enable_triton first"
+        stages = self.stages("decode", False)
+        b = dec_ids.shape[0]
+        e = self.embed(torch.cat([dec_ids, ids]))
+        if self.cfg.speaker_enabled:  # a cloned prompt's frame 0 takes its projected speaker row
+            rows = self.project_speaker(spk, stages, emotion=emo).to(e.dtype)[spk_of_tok.clamp(min=0)]
+            e[b:] = torch.where((spk_of_tok >= 0)[:, None], rows, e[b:])
+        h = rms_norm(e, None, self.cfg.norm_eps)
+        lengths = (dec_pos + 1).to(torch.int32)
+
+        def attend(layer: int, q: Tensor, g: Tensor) -> Tensor:
+            k, v = cache.k[layer], cache.v[layer]
+            dec = decode_attention(q[:b], k, v, dec_slots, lengths, chunk=stages.attention_split, gate=g[:b])
+            pre = prefill_attention(q[b:], k, v, block_slot, block_start, block_len, block_pos0)
+            return torch.cat([dec, apply_gate(pre, g[b:])])
+
+        slots, positions = torch.cat([dec_slots, tok_slot]), torch.cat([dec_pos, tok_pos])
+        h = self._layers(h, cache, slots, positions, attend, stages)
+        rows = torch.cat([torch.arange(b, device=h.device), last_idx + b])
+        return self.head(h[rows], stages)
+
+    @torch.inference_mode()
     def decode(
         self, ids: Tensor, slots: Tensor, positions: Tensor, attn_len: int | None = None, invariant: bool | None = None
     ) -> Tensor:

@@ -50,7 +50,13 @@ class Engine:
         slots = settings.max_batch or (GPU_SLOTS if self.on_gpu else CPU_SLOTS)
         max_context = settings.max_context or kv_frames_that_fit(model, slots + 1)
         self.llm = LLMNode(
-            model, slots, max_context, settings.cuda_graphs, settings.compile, batch_invariant=settings.batch_invariant
+            model,
+            slots,
+            max_context,
+            settings.cuda_graphs,
+            settings.compile,
+            batch_invariant=settings.batch_invariant,
+            mixed=settings.mixed_prefill,
         )
         self.dac_device = settings.dac_device or self.device
         dtype = (

@@ -98,7 +98,9 @@ class Scheduler:
         self.streams: dict[int, Job] = {}  # DAC stream -> the running request its audio belongs to
         self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
-        self.counters = {"steps": 0, "paced": 0, "prefill_frames": 0, "decode_frames": 0, "finished": 0, "cancelled": 0}
+        self.counters = dict.fromkeys(
+            ("steps", "paced", "prefill_frames", "mixed_frames", "decode_frames", "finished", "cancelled"), 0
+        )
         self.stopping = False
         self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
         self._last_stats = 0.0
@@ -523,7 +525,7 @@ class Scheduler:
         pending = self._launch_decode(plan, t0)
         self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
         results = self._read_back(pending, plan.paced)
-        results += self._launch_prefill(plan.prefill)
+        results += self._launch_prefill(plan)
         self._apply(results)
         if not plan.live and self._inflight is None and self._inflight_prefill is None:
             self._audio()  # only audio left to decode
@@ -543,23 +545,30 @@ class Scheduler:
         if paced:
             return StepPlan([], [], paced=True, live=True)
         decode = [s for j in jobs if self.llm.wants_step(j.seq) for s in j.rows if not s.in_prefill]
+        mixing = self.llm.mixed and bool(decode)  # a prompt rides along with the step: a smaller chunk each
+        budget = min(self.settings.prefill_chunk, self.llm.max_mixed_frames if mixing else self.llm.max_prefill_frames)
         chunks: list[tuple[Sequence, int]] = []
-        budget = min(self.settings.prefill_chunk, self.llm.max_prefill_frames)
         for job in prefill_order(jobs):
             if budget <= 0:
                 break
             part = prompt_chunks(job, budget)
             chunks += part
             budget -= sum(n for _, n in part)
-        if chunks and self._group_prefill(chunks, len(decode), now):
+        mixed = mixing and self.llm.can_mix(decode, chunks)
+        if chunks and not mixed and self._group_prefill(chunks, len(decode), now):
             chunks = []
-        return StepPlan(decode, chunks, paced=False, live=live)
+        return StepPlan(decode, chunks, paced=False, live=live, mixed=mixed)
 
     def _launch_decode(self, plan: StepPlan, t0: float) -> PendingDecode | None:
-        """Launch the plan's decode step; returns the step to read back this iteration (with overlap: the one
-        launched last iteration, this one flies until the next)."""
+        """Launch the plan's decode step (a mixed one carries its prompt chunks too); returns the step to read
+        back this iteration (with overlap: the one launched last iteration, this one flies until the next)."""
         with node_range("decode"):
-            pending = self.llm.decode_start(plan.decode) if plan.decode else None
+            if plan.mixed:
+                self._prefill_started(plan.prefill)
+                self.counters["mixed_frames"] += sum(n for _, n in plan.prefill)
+                pending = self.llm.mixed_start(plan.decode, plan.prefill)
+            else:
+                pending = self.llm.decode_start(plan.decode) if plan.decode else None
         # none: the pause is not an iteration's period
         self.admission.observe_launch(t0, len(plan.decode), prefilled=self._prefilled)
         self._prefilled = False
@@ -574,6 +583,8 @@ class Scheduler:
         if pending is not None:
             results += self.llm.decode_finish(pending)
             self.counters["decode_frames"] += len(pending.seqs)
+            if pending.prompt_frames:  # a mixed step: its period tells what its prompt cost the playing streams
+                self._prefilled = True
             self._send_acks()
         elif paced:
             time.sleep(PACED_NAP_S)  # the DAC's calls take milliseconds: no need to spin on them
@@ -584,25 +595,29 @@ class Scheduler:
             self._send_acks()
         return results
 
-    def _launch_prefill(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[Sequence, np.ndarray]]:
-        """Launch the plan's packed prefill; with overlap its first frames are read back next iteration, after
-        the decode step that already carries these streams (else now: returned)."""
-        if not chunks:
+    def _launch_prefill(self, plan: StepPlan) -> list[tuple[Sequence, np.ndarray]]:
+        """Launch the plan's packed prefill (unless its chunks rode along with the decode step); with overlap
+        its first frames are read back next iteration, after the decode step that already carries these
+        streams (else now: returned)."""
+        if not plan.prefill or plan.mixed:
             return []
-        t_prefill = time.perf_counter()
-        for seq, _ in chunks:
-            if seq.rid in self.running:
-                times = self.running[seq.rid].times
-                times.prefill_start = times.prefill_start or t_prefill
+        self._prefill_started(plan.prefill)
         with node_range("prefill"):
-            prefilled = self.llm.prefill_start(chunks)
+            prefilled = self.llm.prefill_start(plan.prefill)
         assert prefilled is not None
-        self.counters["prefill_frames"] += sum(n for _, n in chunks)
         if self.overlap:
             self._inflight_prefill = prefilled
             return []
         self._prefilled = True  # the next launch's period tells what it cost the playing streams
         return self.llm.decode_finish(prefilled)
+
+    def _prefill_started(self, chunks: list[tuple[Sequence, int]]) -> None:
+        now = time.perf_counter()
+        for seq, _ in chunks:
+            if seq.rid in self.running:
+                times = self.running[seq.rid].times
+                times.prefill_start = times.prefill_start or now
+        self.counters["prefill_frames"] += sum(n for _, n in chunks)
 
     def _apply(self, results: list[tuple[Sequence, np.ndarray]]) -> None:
         """Frames read back: each to its request's DAC stream (one batch for the common case); a request that

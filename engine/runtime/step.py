@@ -19,6 +19,7 @@ class StepPlan:
     prefill: list[tuple[Sequence, int]]  # prompt chunks (sequence, frames) of one packed prefill call
     paced: bool  # no new frames this iteration: the dac_decoder is behind (admission.py)
     live: bool  # some stream is still generating (else only audio is left to decode)
+    mixed: bool = False  # the prompt chunks ride along with the decode step (one pass over the weights)
 
 
 def prompt_chunks(job: Job, budget: int) -> list[tuple[Sequence, int]]:
