@@ -15,6 +15,7 @@ back-pointer per state and frame, and backtracks on the host. Its path equals to
 
 from __future__ import annotations
 
+import itertools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ def tokenize(text: str) -> Tokens:
 
 def min_frames(tokens: list[int]) -> int:
     """The frames a CTC path of these tokens needs: one each, and a blank between two equal neighbours."""
-    return len(tokens) + sum(a == b for a, b in zip(tokens, tokens[1:]))
+    return len(tokens) + sum(a == b for a, b in itertools.pairwise(tokens))
 
 
 def viterbi(emissions: Tensor, frames: Tensor, targets: list[list[int]]) -> list[np.ndarray]:

@@ -5,8 +5,9 @@ The checkpoint is the file that bundle downloads (`model.pt`: a `torchaudio.mode
 key names as torchaudio saves them; the positional convolution's weight norm under either torch's
 `parametrizations.weight.original0/1` or the older `weight_g/weight_v`). The config is MMS_FA's: a 7-layer
 convolutional feature extractor with layer norms (kernels 10, 3, 3, 3, 3, 2, 2, strides 5, 2, 2, 2, 2, 2, 2: one
-frame per 320 samples of 16 kHz audio, 20 ms), a pre-norm transformer (its final norm after the layers) (1024-d, 24 layers, 16 heads, 4096-wide
-feed-forward, a 128-tap grouped convolution as positional embedding) and a 28-label CTC head. Everything but the
+frame per 320 samples of 16 kHz audio, 20 ms), a pre-norm transformer (1024-d, 24 layers, 16 heads, 4096-wide
+feed-forward, a 128-tap grouped convolution as positional embedding, its final norm after the layers) and a
+28-label CTC head. Everything but the
 strides and the heads is read off the tensors' shapes, so a smaller synthetic checkpoint of the same layout
 (`random_checkpoint`) loads through the same code; the heads are embed_dim / 64 (MMS_FA's 1024 / 16).
 
@@ -83,9 +84,8 @@ class FeatureExtractor(nn.Module):
     def __init__(self, cfg: AlignerConfig) -> None:
         super().__init__()
         chans = [1] + [cfg.conv_dim] * len(CONV_KERNELS)
-        self.conv_layers = nn.ModuleList(
-            ConvLayer(chans[i], chans[i + 1], k, s) for i, (k, s) in enumerate(zip(CONV_KERNELS, CONV_STRIDES))
-        )
+        shapes = enumerate(zip(CONV_KERNELS, CONV_STRIDES, strict=True))
+        self.conv_layers = nn.ModuleList(ConvLayer(chans[i], chans[i + 1], k, s) for i, (k, s) in shapes)
 
     def forward(self, wav: Tensor) -> Tensor:  # [B, N] -> [B, T, C]
         x = wav.unsqueeze(1)

@@ -18,13 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.aligner.worker import Aligner, AlignerWorker
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.settings import CHUNK_SCHEDULES, CPU_SLOTS, GPU_SLOTS, EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder
 from engine.llm.node import LLMNode, Sequence
 from engine.offline import run_sequence
-from engine.aligner.worker import Aligner, AlignerWorker
 from engine.speaker.worker import SpeakerWorker
 from engine.weights import load_aligner, load_codec, load_model, load_speaker_encoder
 
