@@ -120,7 +120,7 @@ def word_times(tok: Tokens, states: np.ndarray, audio_s: float) -> list[tuple[st
     sec = FRAME_SAMPLES / SAMPLE_RATE
     spans: list[tuple[float, float] | None] = []
     for a, b in tok.spans:
-        spans.append((first[a] * sec, min(audio_s, (last[b - 1] + 1) * sec)) if b > a else None)
+        spans.append((float(first[a] * sec), float(min(audio_s, (last[b - 1] + 1) * sec))) if b > a else None)
     out = []
     for i, word in enumerate(tok.words):
         span = spans[i]
