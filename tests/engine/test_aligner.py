@@ -57,7 +57,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_full_config_and_labels_are_mms_fa():
     bundle = torchaudio.pipelines.MMS_FA
-    assert LABELS == bundle.get_labels() and LABELS[STAR] == "*"
+    assert bundle.get_labels() == LABELS and LABELS[STAR] == "*"
     p, full = bundle._params, AlignerConfig.mms_fa()
     assert [tuple(c) for c in p["extractor_conv_layer_config"]] == [
         (full.conv_dim, k, s) for k, s in zip(CONV_KERNELS, CONV_STRIDES, strict=True)
