@@ -427,9 +427,9 @@ class EngineClient:
             if stream is not None:
                 stream._deliver(rec)
         elif isinstance(rec, m.Embedding | m.Aligned):
-            call = self._calls.pop(rec.rid, None)
-            if call is not None and not call.done():
-                call.set_result(rec.embedding if isinstance(rec, m.Embedding) else rec.words)
+            answered: asyncio.Future[Any] | None = self._calls.pop(rec.rid, None)
+            if answered is not None and not answered.done():
+                answered.set_result(rec.embedding if isinstance(rec, m.Embedding) else rec.words)
         elif isinstance(rec, m.Ready):
             self.info = rec.info()
             self.start_error = None
