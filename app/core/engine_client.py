@@ -50,6 +50,14 @@ class EngineUnavailable(RuntimeError):
     """The engine is starting, restarting or overloaded."""
 
 
+class EngineRefused(ValueError):
+    """The engine answered an embed or align record with an error (`code`: its EngineError)."""
+
+    def __init__(self, code: E, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def sweep_stale_rings() -> None:
     stale = remove_stale_segments()
     if stale:
@@ -368,7 +376,7 @@ class EngineClient:
 
     async def _call(self, record: Any, timeout: float, what: str) -> Any:
         """Send the record `record(rid)` and wait for its one answer (an Embedding or an Aligned); an Error
-        answer is a ValueError."""
+        answer is an EngineRefused (a ValueError)."""
         if not self.ready.is_set() or self._inbox is None:
             raise EngineUnavailable("the engine is not ready")
         rid = next(self._rid)
@@ -421,7 +429,7 @@ class EngineClient:
             if isinstance(rec, m.Error) and rec.rid is not None and rec.rid in self._calls:
                 call = self._calls.pop(rec.rid)
                 if not call.done():
-                    call.set_exception(ValueError(rec.message or "the engine refused it"))
+                    call.set_exception(EngineRefused(rec.code, rec.message or "the engine refused it"))
                 return
             stream = self._streams.get(rec.rid) if rec.rid is not None else None
             if stream is not None:
