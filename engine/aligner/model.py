@@ -270,12 +270,13 @@ def load_aligner(path: str | Path, device: str | torch.device = "cpu", dtype: to
 
 def random_checkpoint(path: str | Path, cfg: AlignerConfig | None = None, seed: int = 0) -> Path:
     """Write a checkpoint of MMS_FA's format with random weights (default: the full MMS_FA config)."""
-    torch.manual_seed(seed)
-    model = Wav2Vec2Aligner(cfg or AlignerConfig.mms_fa())
-    with torch.no_grad():  # layer norms of unit scale and small linear weights keep the activations sane
-        for name, p in model.named_parameters():
-            if p.ndim >= 2 and "original" not in name:
-                p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()))
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left as it was
+        torch.manual_seed(seed)
+        model = Wav2Vec2Aligner(cfg or AlignerConfig.mms_fa())
+        with torch.no_grad():  # layer norms of unit scale and small linear weights keep the activations sane
+            for name, p in model.named_parameters():
+                if p.ndim >= 2 and "original" not in name:
+                    p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()))
     path = Path(path)
     torch.save(model.state_dict(), path)
     return path
