@@ -257,7 +257,10 @@ def config_of(state: dict[str, Tensor]) -> AlignerConfig:
 
 def load_aligner(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
     """The model of an MMS_FA checkpoint file (torchaudio's state dict; the old weight_g/weight_v names too)."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # not a torch file at all: say which file, not a pickle error
+        raise ValueError(f"{path}: not an MMS_FA checkpoint (torch.load: {e})") from e
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict):

@@ -116,10 +116,13 @@ def test_the_older_weight_norm_names_load_too(tiny, tmp_path):
         )
 
 
-@pytest.mark.parametrize("bad", ["not a dict", {"aux.weight": torch.zeros(28, 64)}])
+@pytest.mark.parametrize("bad", ["not a dict", {"aux.weight": torch.zeros(28, 64)}, b"garbage"])
 def test_a_checkpoint_of_another_format_is_refused_clearly(tmp_path, bad):
-    torch.save(bad, tmp_path / "x.pt")
-    with pytest.raises(ValueError, match="state dict"):
+    if isinstance(bad, bytes):
+        (tmp_path / "x.pt").write_bytes(bad)
+    else:
+        torch.save(bad, tmp_path / "x.pt")
+    with pytest.raises(ValueError, match=r"state dict|not an MMS_FA checkpoint"):
         load_aligner(tmp_path / "x.pt")
 
 
