@@ -68,8 +68,9 @@ def test_full_size_aligner_batch_on_the_gpu(checkpoint):
     worker = AlignerWorker(Aligner(load_aligner(checkpoint, "cuda", torch.bfloat16)))
     try:
         lengths = [2.0, 3.0, 4.0, 1.0, 9.0, 3.0, 1.0, 3.5]
-        for i, (text, seconds) in enumerate(zip(TEXTS, lengths, strict=True)):
-            worker.submit(i, audio(seconds, i), 44100, text)
+        clips = [audio(seconds, i) for i, seconds in enumerate(lengths)]  # made first: submitted back to back
+        for i, (text, clip) in enumerate(zip(TEXTS, clips, strict=True)):
+            worker.submit(i, clip, 44100, text)
         done: dict[int, list] = {}
         t0 = time.monotonic()
         while len(done) < len(TEXTS) and time.monotonic() - t0 < 300:
