@@ -79,7 +79,7 @@ def main() -> None:
             wav = torch.zeros(b, int(lengths.max()))
             for i, (w, _) in enumerate(prepared):
                 wav[i, : len(w)] = torch.from_numpy(w)
-            wav_d, len_d = wav.cuda().to(dtype), lengths.cuda()
+            wav_d, len_d = wav.cuda(), lengths.cuda()
             targets = [tok.tokens for _, tok in prepared]
             with torch.inference_mode():
                 fwd_ms, (logp, frames) = timed(functools.partial(model, wav_d, len_d), args.repeats)

@@ -210,12 +210,13 @@ class Wav2Vec2Aligner(nn.Module):
     def forward(self, wav: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor]:
         """Log-probabilities over LABELS [B, T, 29] (the star column last, 0) and the valid frames [B] of a
         padded batch of raw 16 kHz audio [B, N] with `lengths` valid samples each."""
+        wav = wav.float()  # the statistics of a few hundred thousand samples in float32, whatever the model's dtype
         valid = torch.arange(wav.shape[1], device=wav.device)[None, :] < lengths[:, None]
         n = lengths.clamp(min=1).to(wav.dtype)[:, None]
         mean = (wav * valid).sum(1, keepdim=True) / n
         var = (((wav - mean) * valid) ** 2).sum(1, keepdim=True) / n
         wav = torch.where(valid, (wav - mean) * torch.rsqrt(var + 1e-5), 0.0)
-        logits, frames = self.logits(wav, lengths)
+        logits, frames = self.logits(wav.to(self.aux.weight.dtype), lengths)
         assert frames is not None
         logp = logits.float().log_softmax(-1)
         return torch.cat([logp, logp.new_zeros(*logp.shape[:2], 1)], dim=-1), frames

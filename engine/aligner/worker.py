@@ -45,7 +45,6 @@ class Aligner:
     def __init__(self, model: Wav2Vec2Aligner) -> None:
         self.model = model
         self.device = next(model.parameters()).device
-        self.dtype = next(model.parameters()).dtype
 
     @staticmethod
     def prepare(pcm: np.ndarray, sample_rate: int, text: str) -> tuple[np.ndarray, Tokens]:
@@ -78,7 +77,7 @@ class Aligner:
         for i, (w, _) in enumerate(batch):
             wav[i, : len(w)] = torch.from_numpy(w)
         wav = wav.to(self.device, non_blocking=True)
-        logp, frames = self.model(wav.to(self.dtype), lengths.to(self.device))
+        logp, frames = self.model(wav, lengths.to(self.device))
         states = viterbi(logp, frames, [tok.tokens for _, tok in batch])
         return [word_times(tok, s, len(w) / SAMPLE_RATE) for (w, tok), s in zip(batch, states, strict=True)]
 
