@@ -8,9 +8,9 @@ a word with no letter left ("42", "—", a script MMS cannot read without uroman
 gap between its neighbours' aligned spans; an utterance with no letter at all is an error.
 
 The Viterbi (`viterbi`) is batched and vectorised over the CTC states (blank, token, blank, ... : 2L + 1 of them)
-in plain torch, so it runs where the emissions are (CPU or GPU); it steps over the frames, keeps one int8
-back-pointer per state and frame, and backtracks on the host. Its path equals torchaudio's
-`functional.forced_align` (tests/engine/test_aligner.py).
+and runs where the emissions are: it steps over the frames (in plain torch, or on a GPU in one Triton launch,
+engine/aligner/kernel.py), keeps one int8 back-pointer per state and frame, and backtracks on the host. Its path
+equals torchaudio's `functional.forced_align` (tests/engine/test_aligner.py).
 """
 
 from __future__ import annotations
@@ -58,10 +58,33 @@ def min_frames(tokens: list[int]) -> int:
     return len(tokens) + sum(a == b for a, b in itertools.pairwise(tokens))
 
 
-def viterbi(emissions: Tensor, frames: Tensor, targets: list[list[int]]) -> list[np.ndarray]:
+def _viterbi_loop(emit: Tensor, skip: Tensor, frames: Tensor) -> tuple[Tensor, Tensor]:
+    """The recursion over the frames in plain torch (engine/aligner/kernel.py: the same in one Triton launch):
+    back-pointers [T, B, S] int8 (0: stay, 1: from s - 1, 2: from s - 2) and the last frame's scores [B, S]."""
+    b, t_max, s_max = emit.shape
+    dev = emit.device
+    score = torch.full((b, s_max), _NEG, device=dev)
+    score[:, :2] = emit[:, 0, :2]
+    back = torch.zeros((t_max, b, s_max), dtype=torch.int8, device=dev)
+    neg = torch.full((b, 1), _NEG, device=dev)
+    for t in range(1, t_max):
+        stay = score
+        step = torch.cat([neg, score[:, :-1]], 1)
+        jump = torch.cat([neg, neg, score[:, :-2]], 1).masked_fill(~skip, _NEG)
+        best, arg = torch.stack([stay, step, jump]).max(0)
+        running = (t < frames)[:, None]
+        score = torch.where(running, best + emit[:, t], score)
+        back[t] = torch.where(running, arg.to(torch.int8), 0)
+    return back, score
+
+
+def viterbi(
+    emissions: Tensor, frames: Tensor, targets: list[list[int]], use_kernel: bool | None = None
+) -> list[np.ndarray]:
     """The most likely CTC path of each row: emissions [B, T, C] log-probabilities, frames [B] valid frames,
     targets per row (each must fit: `min_frames` <= its frames). Returns per row the CTC state of each valid frame
-    (2k + 1: the row's k-th token; even: a blank), which tells two equal neighbouring tokens apart."""
+    (2k + 1: the row's k-th token; even: a blank), which tells two equal neighbouring tokens apart. The loop over
+    the frames is one Triton launch on a GPU (`use_kernel`, default: on CUDA), plain torch otherwise."""
     b, t_max, _ = emissions.shape
     dev = emissions.device
     s_max = 2 * max(len(x) for x in targets) + 1
@@ -77,19 +100,13 @@ def viterbi(emissions: Tensor, frames: Tensor, targets: list[list[int]]) -> list
     live = states[None, :] < n_dev[:, None]
     emit = emissions.float().gather(2, ext[:, None, :].expand(b, t_max, s_max))  # [B, T, S]
     emit = emit.masked_fill(~live[:, None, :], _NEG)
-    score = torch.full((b, s_max), _NEG, device=dev)
-    score[:, :2] = emit[:, 0, :2]
-    back = torch.zeros((t_max, b, s_max), dtype=torch.int8, device=dev)
-    neg = torch.full((b, 1), _NEG, device=dev)
     frames_dev = frames.to(dev)
-    for t in range(1, t_max):
-        stay = score
-        step = torch.cat([neg, score[:, :-1]], 1)
-        jump = torch.cat([neg, neg, score[:, :-2]], 1).masked_fill(~skip, _NEG)
-        best, arg = torch.stack([stay, step, jump]).max(0)
-        running = (t < frames_dev)[:, None]
-        score = torch.where(running, best + emit[:, t], score)
-        back[t] = torch.where(running, arg.to(torch.int8), 0)
+    if emissions.is_cuda if use_kernel is None else use_kernel:
+        from engine.aligner.kernel import viterbi_loop
+
+        back, score = viterbi_loop(emit, skip, frames_dev)
+    else:
+        back, score = _viterbi_loop(emit, skip, frames_dev)
     last = torch.stack([score.gather(1, (n_dev - 1)[:, None]), score.gather(1, (n_dev - 2).clamp(min=0)[:, None])])
     end = n_dev - 1 - last[:, :, 0].argmax(0)  # the last token's state or the final blank, whichever scores more
     back_h, end_h, frames_h = back.cpu().numpy(), end.cpu().numpy(), frames.cpu().numpy()

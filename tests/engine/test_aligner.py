@@ -24,6 +24,9 @@ from engine.aligner.model import (
 )
 from engine.aligner.worker import Aligner, AlignerWorker
 from engine.contract.constants import SAMPLE_RATE
+from tests.conftest import triton_on_cpu
+
+triton_on_cpu()  # the Viterbi's Triton kernel in Triton's interpreter on a CPU
 
 torchaudio = pytest.importorskip("torchaudio")
 
@@ -126,12 +129,15 @@ def test_a_checkpoint_of_another_format_is_refused_clearly(tmp_path, bad):
         load_aligner(tmp_path / "x.pt")
 
 
-def test_viterbi_equals_torchauidos_forced_align_batched():
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["torch", "triton"])
+def test_viterbi_equals_torchaudios_forced_align_batched(use_kernel):
+    if use_kernel and torch.cuda.is_available():
+        pytest.skip("the kernel on a CPU tensor needs Triton's interpreter (tests/gpu/test_aligner.py runs it)")
     g = torch.Generator().manual_seed(3)
     emissions = torch.randn(3, 70, len(LABELS), generator=g).log_softmax(-1)
     targets = [[1, 2, 2, 3, 5, 1], [4, 4, 4], [7]]
     frames = torch.tensor([70, 31, 5])
-    paths = viterbi(emissions, frames, targets)
+    paths = viterbi(emissions, frames, targets, use_kernel=use_kernel)
     for i, target in enumerate(targets):
         ref, _ = torchaudio.functional.forced_align(
             emissions[i : i + 1, : frames[i]], torch.tensor([target], dtype=torch.int32), blank=0

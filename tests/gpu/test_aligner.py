@@ -57,9 +57,17 @@ def test_full_size_aligner_batch_on_the_gpu(checkpoint):
             ref, frames = cpu(x, n)
             got, _ = cpu.to("cuda")(x.cuda(), n.cuda())
         torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=2e-3)
-        (on_gpu,) = viterbi(got, frames, [tok.tokens])
-        (on_cpu,) = viterbi(got.cpu(), frames, [tok.tokens])
+        (on_gpu,) = viterbi(got, frames, [tok.tokens])  # the Triton kernel
+        (on_cpu,) = viterbi(got.cpu(), frames, [tok.tokens])  # the torch loop
         assert np.array_equal(on_gpu, on_cpu)
+        # a batch of rows of other lengths (and a long text's many states): the kernel's paths are the loop's
+        g = torch.Generator().manual_seed(0)
+        emissions = torch.randn(3, 400, 29, generator=g).log_softmax(-1).cuda()
+        targets = [list(torch.randint(1, 28, (n,), generator=g).tolist()) for n in (150, 7, 1)]
+        lengths = torch.tensor([400, 90, 3])
+        kernel = viterbi(emissions, lengths, targets)
+        loop = viterbi(emissions, lengths, targets, use_kernel=False)
+        assert all(np.array_equal(a, b) for a, b in zip(kernel, loop, strict=True))
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     del cpu
