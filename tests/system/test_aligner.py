@@ -143,3 +143,25 @@ def test_cartesia_timestamps_are_the_aligned_times_once_before_done(srv):
     last_chunk = max(i for i, m in enumerate(log) if m["type"] == "chunk")
     assert [m["type"] for m in log].index("timestamps") > 0 and log[-2]["type"] == "timestamps"
     assert last_chunk < len(log) - 2
+
+
+def test_the_capacity_client_waits_for_the_aligned_words_with_timestamps(srv):
+    """bench/live_capacity.py --timestamps: a request ends at the `flushed` after its reply, once the aligned
+    words have come (words_ms: how long after its last audio)."""
+    import time
+
+    from bench.live_capacity import Options, StreamRecord, one_stream
+    from bench.ws_bench import reference_clip
+
+    cfg = {
+        "type": "session.config",
+        "voice_clip": reference_clip(seconds=1.0),
+        "encoding": "pcm_s16le",
+        "sample_rate": 24000,
+        "params": {"max_frames": 60, "ignore_eos": True},
+        "timestamps": True,
+    }
+    r = StreamRecord(level=1, client=0, seq=0, t_start=0.0)
+    run(one_stream(Options(url=srv.ws_url, api_key=KEY, timestamps=True), cfg, r, time.perf_counter()))
+    assert r.ok and not r.error, r.error
+    assert r.words_ms is not None and r.words_ms >= 0
