@@ -3,9 +3,9 @@
 Text to tokens (MMS's normalisation, `tokenize`): a word is a whitespace-separated piece of the text as sent.
 It is lower-cased, "’" read as an apostrophe, accents dropped (NFKD, combining marks removed: "café" -> "cafe"; a
 light stand-in for the uroman romanisation MMS uses, enough for Latin scripts), and every character that is then
-none of the 27 letters of `LABELS` skipped, as MMS's `normalize_uroman` skips them. The star token stays unused:
-a word with no letter left ("42", "—", a script MMS cannot read without uroman) is not aligned and is given the
-gap between its neighbours' aligned spans; an utterance with no letter at all is an error.
+none of `LABELS`' 27 (a-z and the apostrophe) skipped, as MMS's `normalize_uroman` skips them. The star token
+stays unused: a word with no letter left ("42", "—", a script MMS cannot read without uroman) is not aligned and
+is given the gap between its neighbours' aligned spans; an utterance with no letter at all is an error.
 
 The Viterbi (`viterbi`) is batched and vectorised over the CTC states (blank, token, blank, ... : 2L + 1 of them)
 and runs where the emissions are: it steps over the frames (in plain torch, or on a GPU in one Triton launch,
@@ -28,7 +28,7 @@ from engine.aligner.model import BLANK, FRAME_SAMPLES, LABELS, SAMPLE_RATE
 
 _INDEX = {c: i for i, c in enumerate(LABELS) if i != BLANK and c != "*"}
 _WORD = re.compile(r"\S+")
-_NEG = -1e30  # an unreachable state's score (float32: adding emissions to it stays far below any real path)
+NEG = -1e30  # an unreachable state's score (float32: adding emissions to it stays far below any real path)
 
 
 @dataclass(frozen=True)
@@ -63,14 +63,14 @@ def _viterbi_loop(emit: Tensor, skip: Tensor, frames: Tensor) -> tuple[Tensor, T
     back-pointers [T, B, S] int8 (0: stay, 1: from s - 1, 2: from s - 2) and the last frame's scores [B, S]."""
     b, t_max, s_max = emit.shape
     dev = emit.device
-    score = torch.full((b, s_max), _NEG, device=dev)
+    score = torch.full((b, s_max), NEG, device=dev)
     score[:, :2] = emit[:, 0, :2]
     back = torch.zeros((t_max, b, s_max), dtype=torch.int8, device=dev)
-    neg = torch.full((b, 1), _NEG, device=dev)
+    neg = torch.full((b, 1), NEG, device=dev)
     for t in range(1, t_max):
         stay = score
         step = torch.cat([neg, score[:, :-1]], 1)
-        jump = torch.cat([neg, neg, score[:, :-2]], 1).masked_fill(~skip, _NEG)
+        jump = torch.cat([neg, neg, score[:, :-2]], 1).masked_fill(~skip, NEG)
         best, arg = torch.stack([stay, step, jump]).max(0)
         running = (t < frames)[:, None]
         score = torch.where(running, best + emit[:, t], score)
@@ -99,7 +99,7 @@ def viterbi(
     states = torch.arange(s_max, device=dev)
     live = states[None, :] < n_dev[:, None]
     emit = emissions.float().gather(2, ext[:, None, :].expand(b, t_max, s_max))  # [B, T, S]
-    emit = emit.masked_fill(~live[:, None, :], _NEG)
+    emit = emit.masked_fill(~live[:, None, :], NEG)
     frames_dev = frames.to(dev)
     if emissions.is_cuda if use_kernel is None else use_kernel:
         from engine.aligner.kernel import viterbi_loop

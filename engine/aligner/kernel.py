@@ -15,7 +15,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-NEG = -1e30  # an unreachable state's score (align.py's _NEG)
+from engine.aligner.align import NEG
+
+_NEG = tl.constexpr(NEG)  # the kernel reads only constexpr globals
 
 
 @triton.jit
@@ -37,15 +39,15 @@ def _viterbi_kernel(
     emit_row = emit_ptr + b * T * S
     skip = tl.load(skip_ptr + b * S + s, mask=ok, other=0) != 0
     slots = scratch_ptr + b * 2 * (S + 2)
-    score = tl.load(emit_row + s, mask=ok & (s < 2), other=NEG)
-    score = tl.where(s < 2, score, NEG)
+    score = tl.load(emit_row + s, mask=ok & (s < 2), other=_NEG)
+    score = tl.where(s < 2, score, _NEG)
     tl.store(slots + 2 + s, score, mask=ok)
     t = 1
     while t < T:  # every row steps over the batch's frames (a runtime bound); past its own, its scores stay
         tl.debug_barrier()  # the last frame's scores are all in its slot
         prev = slots + ((t - 1) % 2) * (S + 2)
-        step = tl.load(prev + 1 + s, mask=ok, other=NEG)
-        jump = tl.where(skip, tl.load(prev + s, mask=ok, other=NEG), NEG)
+        step = tl.load(prev + 1 + s, mask=ok, other=_NEG)
+        jump = tl.where(skip, tl.load(prev + s, mask=ok, other=_NEG), _NEG)
         best = score
         arg = tl.zeros([BLOCK], dtype=tl.int8)
         arg = tl.where(step > best, 1, arg).to(tl.int8)
@@ -53,7 +55,7 @@ def _viterbi_kernel(
         arg = tl.where(jump > best, 2, arg).to(tl.int8)
         best = tl.maximum(best, jump)
         running = (s * 0 + t) < n
-        score = tl.where(running, best + tl.load(emit_row + t * S + s, mask=ok, other=NEG), score)
+        score = tl.where(running, best + tl.load(emit_row + t * S + s, mask=ok, other=_NEG), score)
         tl.store(back_ptr + b * T * S + t * S + s, arg, mask=ok & running)
         tl.store(slots + (t % 2) * (S + 2) + 2 + s, score, mask=ok)
         t += 1

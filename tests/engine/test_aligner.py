@@ -282,3 +282,25 @@ def test_the_worker_batches_what_is_queued_and_fails_only_the_bad_utterance(tmp_
         assert worker.batches == 2  # the first alone, the other three together
     finally:
         worker.close()
+
+
+def test_the_viterbi_kernel_compiles_for_the_h200():
+    """Triton's compiler (not its interpreter) takes the kernel down to an sm_90 cubin, on any machine: what the
+    interpreter lets pass (a plain global, a scalar that is no constexpr) fails there."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from engine.aligner import kernel
+
+    # the compiler's view of the kernel, also where the interpreter wraps it (a CPU run: triton_on_cpu)
+    jitted = kernel._viterbi_kernel
+    jitted = jitted if isinstance(jitted, JITFunction) else JITFunction(jitted.fn)
+
+    ptr = {"emit_ptr": "*fp32", "skip_ptr": "*i8", "frames_ptr": "*i32", "scratch_ptr": "*fp32", "back_ptr": "*i8"}
+    sig = {**ptr, "score_ptr": "*fp32", "T": "i32", "S": "i32", "BLOCK": "constexpr"}
+    for block, warps in ((128, 4), (4096, 16)):
+        src = ASTSource(jitted, sig, constexprs={"BLOCK": block})
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+        assert "bar.sync" in compiled.asm["ptx"]  # the barrier between a frame's writes and the next's reads
