@@ -12,7 +12,9 @@
 # AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts.
 # PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
 # server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (on by
-# default with a GPU): compare its iteration profile's idle time and capacity with a default run.
+# default with a GPU): compare its iteration profile's idle time and capacity with a default run. CAP_ARGS adds
+# bench/live_capacity.py flags to the capacity levels, e.g. CAP_ARGS=--timestamps (word times on; with
+# SERVER_ARGS="--aligner FILE" aligned ones too: a checkpoint of MMS_FA's format, engine/aligner/model.py).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
@@ -50,7 +52,7 @@ if [ -n "${PYSPY_S:-}" ]; then
    done; wait) &
   pyspy=$!
 fi
-CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2"
+CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
 # (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
 [ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \

@@ -7,8 +7,8 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-} PATH=/tmp/site/bin:$PATH
 # every test with a CUDA path (the GPU test list): the captured graphs (default, invariant, overlap, emotion
-# rows), kernels, twins, the DAC, a seed under load
-GPU_TESTS="tests/gpu/test_gpu.py tests/engine/test_kernels.py tests/engine/test_dac_streaming.py \
+# rows), kernels, twins, the DAC, the aligner at full size, a seed under load
+GPU_TESTS="tests/gpu/test_gpu.py tests/gpu/test_aligner.py tests/engine/test_kernels.py tests/engine/test_dac_streaming.py \
 tests/engine/test_prefill_attention.py tests/engine/test_fused_router.py tests/unit/test_sampling.py \
 tests/engine/test_mixed_step.py \
 tests/engine/test_guidance.py tests/engine/test_fp8.py tests/engine/test_batch_invariance.py \

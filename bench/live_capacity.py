@@ -170,6 +170,7 @@ class StreamRecord:
     engine_ttfa_ms: float | None = None
     speaker_encoder_ms: float | None = None
     finish_reason: str | None = None
+    words_ms: float | None = None  # --timestamps: the reply's last audio.done -> its `flushed` (aligned words sent)
     sentences: int = 1  # sentences in this request's text (a reply of several: one continued stream)
     # the engine's figures for each sentence after the first (its own request, continuing the stream):
     # queue_ms, prefill_ms (the continuation prompt), ttfa_ms (its arrival -> its first PCM), prompt_frames
@@ -419,6 +420,9 @@ class Options:
     sentences: int = 1
     long_form: bool = True
     mixed: bool = False  # every other client sends single-sentence requests, beside the replies of `sentences`
+    # session.config `timestamps`: word times with the audio (estimated, and aligned when the server has --aligner);
+    # a request then ends at the `flushed` after its reply, which waits for the aligned words
+    timestamps: bool = False
     min_stall_free: float = 0.99
     max_ttfa_p95_ms: float = 300.0
     stop_after_fail: int = 2
@@ -548,7 +552,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             rec.connect_ms = (t_sent - t_conn) * 1e3
             rec.t_sent = t_sent - clock0
             await ws.send(json.dumps({"type": "text", "text": " ".join([opts.text] * rec.sentences), "flush": True}))
-            done = 0
+            done, t_done = 0, 0.0
             async for msg in ws:
                 now = time.perf_counter()
                 if isinstance(msg, bytes):
@@ -580,6 +584,11 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                         if engine.get(key) is not None:
                             setattr(rec, part, float(engine[key]))
                     rec.finish_reason = stats.get("finish_reason")
+                    if not opts.timestamps:
+                        break
+                    t_done = now
+                if d.get("type") == "flushed" and rec.ok:
+                    rec.words_ms = (now - t_done) * 1e3
                     break
                 if d.get("type") == "error":
                     rec.error = str(d.get("code", "error"))
@@ -669,6 +678,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         "sample_rate": opts.sample_rate,
         "params": {"max_frames": opts.frames, "ignore_eos": True, "long_form": opts.long_form},
     }
+    if opts.timestamps:
+        session_cfg["timestamps"] = True
     result: dict[str, Any] = {
         "config": opts.config(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -764,6 +775,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="every other client sends single-sentence requests beside the --sentences replies",
     )
+    p.add_argument(
+        "--timestamps",
+        action="store_true",
+        help="session.config timestamps (audio.words; aligned too with a server's --aligner): a request ends at "
+        "the flushed after its reply",
+    )
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
     p.add_argument(
@@ -811,6 +828,7 @@ def options(a: argparse.Namespace) -> Options:
         sentences=a.sentences,
         long_form=not a.no_long_form,
         mixed=a.mixed,
+        timestamps=a.timestamps,
         min_stall_free=a.min_stall_free,
         max_ttfa_p95_ms=a.max_ttfa_p95_ms,
         stop_after_fail=a.stop_after_fail,

@@ -50,3 +50,14 @@ def load_speaker_encoder(src: WeightSources, device: str | torch.device):
 
     config = EcapaConfig.release() if src.random_preset == "full" else EcapaConfig.tiny()
     return SpeakerEncoder.random(config, seed=src.seed).to(device)
+
+
+def load_aligner(src: WeightSources, device: str | torch.device):
+    """The aligner node's model (engine/aligner/), or None when no --aligner checkpoint is given (there is no
+    random default: without one, word times are estimated)."""
+    if not src.aligner_path:
+        return None
+    from engine.aligner.model import load_aligner as load
+
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return load(src.aligner_path, device, dtype)

@@ -50,6 +50,14 @@ class EngineUnavailable(RuntimeError):
     """The engine is starting, restarting or overloaded."""
 
 
+class EngineRefused(ValueError):
+    """The engine answered an embed or align record with an error (`code`: its EngineError)."""
+
+    def __init__(self, code: E, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def sweep_stale_rings() -> None:
     stale = remove_stale_segments()
     if stale:
@@ -194,7 +202,7 @@ class EngineClient:
         self._rid = itertools.count(channels * (1 + (incarnation << 32)) + channel, channels)
         self._sent_since_stats = 0  # requests sent since the engine's last STATS record
         self._streams: dict[int, Stream] = {}
-        self._embeds: dict[int, asyncio.Future[np.ndarray]] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}  # embed / align records waiting for their one answer
         self._cancel_acks: dict[int, asyncio.Future[m.Finished | None]] = {}
         self._proc: mp.process.BaseProcess | None = None
         self._inbox: ShmRing | None = None  # gateway -> engine
@@ -353,20 +361,36 @@ class EngineClient:
 
     async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
         """Run the speaker_encoder node on one clip (float32 mono)."""
+        return await self._call(lambda rid: m.Embed(rid, int(sample_rate), clip), timeout, "the speaker encoder")
+
+    @property
+    def aligns(self) -> bool:
+        """This engine has an aligner (its `ready` said so)."""
+        return bool(self.info.get("aligner"))
+
+    async def align(
+        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0
+    ) -> tuple[tuple[str, float, float], ...]:
+        """Run the aligner node on one utterance (int16 mono): each word of `text` with its start and end (s)."""
+        return await self._call(lambda rid: m.Align(rid, pcm, int(sample_rate), text), timeout, "the aligner")
+
+    async def _call(self, record: Any, timeout: float, what: str) -> Any:
+        """Send the record `record(rid)` and wait for its one answer (an Embedding or an Aligned); an Error
+        answer is an EngineRefused (a ValueError)."""
         if not self.ready.is_set() or self._inbox is None:
             raise EngineUnavailable("the engine is not ready")
         rid = next(self._rid)
-        fut: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._embeds[rid] = fut
-        try:  # RecordTooLarge (a ValueError) when the clip can never fit the inbox
-            if not self._inbox.try_put(*m.Embed(rid, int(sample_rate), clip).encode()):
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls[rid] = fut
+        try:  # RecordTooLarge (a ValueError) when the record can never fit the inbox
+            if not self._inbox.try_put(*record(rid).encode()):
                 raise EngineUnavailable("the engine inbox is full")
             self.submitted += 1
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            raise EngineUnavailable(f"the speaker encoder did not answer within {timeout:g} s") from None
+            raise EngineUnavailable(f"{what} did not answer within {timeout:g} s") from None
         finally:
-            self._embeds.pop(rid, None)
+            self._calls.pop(rid, None)
 
     # ---- events ----------------------------------------------------------------------------------
     async def _dispatch(self, reader: AsyncRingReader) -> None:
@@ -402,18 +426,18 @@ class EngineClient:
             if isinstance(rec, m.Finished) and self.name is not None and rec.stats is not None:
                 # which engine of the pool ran it (audio.done stats)
                 rec = replace(rec, stats=replace(rec.stats, engine_id=self.name))
-            if isinstance(rec, m.Error) and rec.rid is not None and rec.rid in self._embeds:
-                embed = self._embeds.pop(rec.rid)
-                if not embed.done():
-                    embed.set_exception(ValueError(rec.message or "speaker encoder failed"))
+            if isinstance(rec, m.Error) and rec.rid is not None and rec.rid in self._calls:
+                call = self._calls.pop(rec.rid)
+                if not call.done():
+                    call.set_exception(EngineRefused(rec.code, rec.message or "the engine refused it"))
                 return
             stream = self._streams.get(rec.rid) if rec.rid is not None else None
             if stream is not None:
                 stream._deliver(rec)
-        elif isinstance(rec, m.Embedding):
-            embedded = self._embeds.pop(rec.rid, None)
-            if embedded is not None and not embedded.done():
-                embedded.set_result(rec.embedding)
+        elif isinstance(rec, m.Embedding | m.Aligned):
+            answered: asyncio.Future[Any] | None = self._calls.pop(rec.rid, None)
+            if answered is not None and not answered.done():
+                answered.set_result(rec.embedding if isinstance(rec, m.Embedding) else rec.words)
         elif isinstance(rec, m.Ready):
             self.info = rec.info()
             self.start_error = None
@@ -434,10 +458,10 @@ class EngineClient:
         for stream in list(self._streams.values()):
             stream._end(m.Error(stream.rid, code, message))
         self._streams.clear()
-        for fut in self._embeds.values():
+        for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(message))
-        self._embeds.clear()
+        self._calls.clear()
         for ack in self._cancel_acks.values():
             if not ack.done():
                 ack.set_result(None)
@@ -711,3 +735,21 @@ class EnginePool:
             except EngineUnavailable as exc:
                 error = exc
         raise error or EngineUnavailable("no engine is ready" if len(self.engines) > 1 else "the engine is not ready")
+
+    @property
+    def aligns(self) -> bool:
+        """A ready engine has an aligner (every engine of a pool runs the same weights)."""
+        return any(e.aligns for e in self.engines if e.ready.is_set())
+
+    async def align(
+        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0
+    ) -> tuple[tuple[str, float, float], ...]:
+        """The aligner on one engine that has one, most headroom first."""
+        error: EngineUnavailable | None = None
+        for e in self.by_headroom():
+            if e.aligns:
+                try:
+                    return await e.align(pcm, sample_rate, text, timeout)
+                except EngineUnavailable as exc:
+                    error = exc
+        raise error or EngineUnavailable("no ready engine has an aligner")

@@ -35,11 +35,12 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
 from app.core.admission import Conversation
+from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
 from app.core.text_buffer import TextBuffer
-from app.core.timestamps import WordClock, WordTime
+from app.core.timestamps import WordClock, WordTime, aligned_words
 from app.io.audio_output import Encoder, encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
@@ -54,6 +55,7 @@ log = logging.getLogger("gateway.session")
 Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
+ALIGN_TIMEOUT_S = 10.0  # an utterance whose alignment takes longer keeps its estimate (the marks after it wait)
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
@@ -86,6 +88,9 @@ class Lane:
         self.marks: dict[tuple[str | None, int], list[list[Any]]] = {}
         self.entries = 0  # [answer, count] entries in marks
         self.task: asyncio.Task[None] | None = None
+        # (context, seq) of its played utterances whose aligned word times have not been sent yet: the marks
+        # after them wait for those too (a mark may then name one of these instead of a queued utterance)
+        self.aligning: set[tuple[str, int]] = set()
 
     def add(self, key: tuple[str | None, int], answer: Answer, count: int = 1) -> None:
         entries = self.marks.setdefault(key, [])
@@ -126,6 +131,7 @@ class StreamingSession:
         self.conversation = Conversation()  # what the door holds room for (app/core/admission.py)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
         self._hold_tasks: set[asyncio.Task[None]] = set()
+        self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -156,6 +162,15 @@ class StreamingSession:
         """Whether u's word times are estimated (app/core/timestamps.py): for a dialect that sends them, or
         for a barge-in's report of what was heard."""
         return False
+
+    def aligned_for(self, u: Utterance) -> bool:
+        """Whether u's measured word times are wanted (`on_aligned`), when the engine has an aligner."""
+        return False
+
+    async def on_aligned(self, u: Utterance, words: list[WordTime] | None) -> None:
+        """The aligner's word times of u (all its words, from its first sample; None: it could not align them,
+        the estimate stands), after its audio has been sent and possibly after later utterances' audio, but
+        before any mark that waits for u is answered. Called under the send lock."""
 
     async def on_utterance_done(self, u: Utterance) -> None:
         """All audio of u has been sent. Called under the send lock."""
@@ -254,7 +269,7 @@ class StreamingSession:
         for _, _, timer in self._holds.values():
             timer.cancel()
         self._holds.clear()
-        for t in list(self._hold_tasks):
+        for t in list(self._hold_tasks) + list(self._align_tasks):
             t.cancel()
         for lane in list(self.lanes.values()):
             lane.pipe.close()
@@ -462,6 +477,7 @@ class StreamingSession:
         if (
             self._closing
             and not self.buffers
+            and not self._align_tasks
             and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values())
         ):
             self._closed.set()
@@ -537,7 +553,13 @@ class StreamingSession:
                 await self._answer_marks(lane)
                 continue
             await self._answer_marks(lane)
-            if self.lane_per_context and not pipe.queue and not lane.marks and self.lanes.get(lane.key) is lane:
+            if (
+                self.lane_per_context
+                and not pipe.queue
+                and not lane.marks
+                and not lane.aligning
+                and self.lanes.get(lane.key) is lane
+            ):
                 del self.lanes[lane.key]
                 self._check_closed()
                 return
@@ -556,8 +578,12 @@ class StreamingSession:
         started = False
         clock = u.clock = WordClock(u.text) if self.words_for(u) else None
         fed, chunk = 0, Chunk(0.0, 0.0)  # the samples fed to the encoder; what the next message covers
+        u.aligned = self.aligned_for(u) and self.gw.engine.aligns and u.silence_s is None and bool(u.text.strip())
+        sent: list[np.ndarray] | None = [] if u.aligned else None
         async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
             async for pcm in chunks:
+                if sent is not None:
+                    sent.append(pcm)
                 async with self._send_lock:
                     if u.cancelled:
                         return
@@ -588,6 +614,37 @@ class StreamingSession:
             elif chunk.words or chunk.end_s > chunk.start_s:
                 await self.on_words(u, chunk)
             await self.on_utterance_done(u)
+            if sent is not None:
+                lane.aligning.add((u.context_id, u.seq))
+                pcm = np.concatenate(sent) if sent else np.zeros(0, np.int16)
+                task = asyncio.create_task(self._align(lane, u, pcm), name=f"align-{self.id}")
+                self._align_tasks.add(task)
+                task.add_done_callback(self._aligned)
+
+    async def _align(self, lane: Lane, u: Utterance, pcm: np.ndarray) -> None:
+        """u's audio as sent (44.1 kHz) and its text through the engine's aligner, then `on_aligned` and the
+        marks that waited for it. It runs beside the lane (the next utterance's audio never waits for it); an
+        utterance the aligner cannot take (no letter to align, audio too short for its text) or an engine
+        that cannot answer in time keeps its estimate."""
+        words = None
+        try:
+            got = await self.gw.engine.align(pcm, SAMPLE_RATE, u.text, timeout=ALIGN_TIMEOUT_S)
+            words = aligned_words(u.text, got)
+            if words is None:
+                log.warning("utterance %s: the aligner's words are not its text's; its estimate stands", u.id)
+        except (ValueError, EngineUnavailable) as e:
+            log.info("utterance %s keeps its estimated word times: %s", u.id, e)
+        async with self._send_lock:
+            lane.aligning.discard((u.context_id, u.seq))
+            await self.on_aligned(u, words)
+            await self._answer_marks_locked(lane)
+        lane.pipe.changed.set()  # a lane of its own context may end now
+
+    def _aligned(self, task: asyncio.Task[None]) -> None:
+        self._align_tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None and not self._failed.done():
+            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+        self._check_closed()
 
     async def _answer_marks(self, lane: Lane) -> None:
         async with self._send_lock:
@@ -600,6 +657,8 @@ class StreamingSession:
         due: list[list[Any]] = []
         for (ctx, last), entries in marks.items():
             still = self.last_queued(ctx, last)
+            if still is None and any((ctx is None or c == ctx) and seq <= last for c, seq in lane.aligning):
+                still = last  # its audio is out, its aligned words are not yet
             if still is None:
                 due.extend(entries)
             else:

@@ -6,6 +6,10 @@ utterance's span: in proportion to their syllables (and the pauses their punctua
 the part of the audio that is voiced (the silence before the first and after the last voiced frame is no
 word's). Every word is marked `"source": "estimated"`.
 
+With a forced aligner (`--aligner`, engine/aligner/), each utterance's audio, once all sent, and its text go to the
+engine's aligner, and its measured word times follow the estimate as `"source": "aligned"` (`aligned_words`;
+app/core/session.py sends them, each dialect in its shape: docs/protocol.md "Word timestamps").
+
 The estimate streams: a word is placed once the audio sent reaches its estimated end (the total length is
 still unknown: it is reckoned from a speaking rate, stretched to the audio sent when that runs longer), and
 the words left when the utterance ends share the audio left, so the times are monotonic, every word gets
@@ -22,6 +26,7 @@ import numpy as np
 from engine.contract.constants import SAMPLE_RATE
 
 SOURCE = "estimated"  # what the client is told these times are
+ALIGNED = "aligned"  # the source of times measured by the engine's aligner (`aligned_words`)
 SYLLABLES_PER_S = 4.2  # a typical speaking rate: the total is reckoned from it until the audio says more
 PAUSE_SYLLABLES = {",": 1.0, ";": 1.5, ":": 1.5, "-": 0.5, ".": 2.0, "!": 2.0, "?": 2.0, "…": 2.0}
 FRAME = SAMPLE_RATE // 100  # 10 ms of 44.1 kHz audio: the unit of the voiced-or-not decision
@@ -47,6 +52,15 @@ class WordTime:
             "char_start": self.char_start,
             "char_end": self.char_end,
         }
+
+
+def aligned_words(text: str, words: tuple[tuple[str, float, float], ...]) -> list[WordTime] | None:
+    """The aligner's times (engine/aligner/: each `\\S+` word of the text, in order) as WordTimes; None when they
+    are not the text's words (then the estimate stands)."""
+    spans = [(m.start(), m.end()) for m in _WORD.finditer(text)]
+    if len(spans) != len(words) or any(text[a:b] != w for (a, b), (w, _, _) in zip(spans, words, strict=True)):
+        return None
+    return [WordTime(w, s, e, a, b) for (a, b), (w, s, e) in zip(spans, words, strict=True)]
 
 
 def syllables(word: str) -> float:

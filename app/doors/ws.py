@@ -19,7 +19,7 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions, parse_options
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
 from app.core.session import Chunk, StreamingSession
-from app.core.timestamps import SOURCE
+from app.core.timestamps import ALIGNED, SOURCE, WordTime
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
 from app.io.checks import base64_payload, check_context_id, check_sample_rate
@@ -212,15 +212,27 @@ class Session(StreamingSession):
 
     async def on_words(self, u: Utterance, chunk: Chunk) -> None:
         if self.timestamps and chunk.words:
-            await self.send_json_locked(
-                {
-                    "type": "audio.words",
-                    "context_id": u.context_id,
-                    "utterance_id": u.id,
-                    "words": [w.as_json() for w in chunk.words],
-                    "source": SOURCE,
-                }
-            )
+            await self._words(u, chunk.words, SOURCE)
+
+    def aligned_for(self, u: Utterance) -> bool:
+        return self.timestamps
+
+    async def on_aligned(self, u: Utterance, words: list[WordTime] | None) -> None:
+        # every word of the utterance again, measured: it replaces the estimated ones of this utterance_id (None:
+        # not aligned, the estimate already sent stands)
+        if words is not None:
+            await self._words(u, words, ALIGNED)
+
+    async def _words(self, u: Utterance, words: list[WordTime], source: str) -> None:
+        await self.send_json_locked(
+            {
+                "type": "audio.words",
+                "context_id": u.context_id,
+                "utterance_id": u.id,
+                "words": [w.as_json() for w in words],
+                "source": source,
+            }
+        )
 
     async def on_utterance_start(self, u: Utterance) -> None:
         await self.send_json_locked(

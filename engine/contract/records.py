@@ -20,6 +20,7 @@ gateway -> engine
   Cancel         cancel   {rid}
   End            end      {rid}                   the continuation of rid's stream ends: its held tail is flushed
   Embed          embed    {rid, clip_sr}          payload: clip f32 [N] (mono)
+  Align          align    {rid, sample_rate, text} payload: int16 PCM [N] (mono): the aligner's word times of text
   Reset          reset    {}                      a new gateway process took this ring: the old one's requests are
                                                   cancelled, the engine says `ready` again on it
   Shutdown       shutdown {}
@@ -33,6 +34,7 @@ engine -> gateway
                            stats: RequestStats (a request that ran to its end), freed: CancelStats (a cancel's ack)
   Error          error     {rid, code, message, retry_after_ms}  code: an EngineError (engine/contract/errors.py)
   Embedding      embedding {rid, dim}             payload: f32 [dim]
+  Aligned        aligned   {rid, words}           payload: f64 [len(words), 2] (start_s, end_s of each word)
   Stats          stats     EngineStats's fields (about once a second)
 
 `RequestStats` are measured once, in the engine, and reach the client unchanged as `audio.done`'s
@@ -53,8 +55,8 @@ import numpy as np
 from engine.contract.constants import CODEBOOK_SIZE, N_CODEBOOKS, SAMPLE_RATE
 from engine.contract.errors import EngineError
 
-SUBMIT, CANCEL, END, EMBED, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "reset", "shutdown"
-READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
+SUBMIT, CANCEL, END, EMBED, ALIGN, RESET, SHUTDOWN = "submit", "cancel", "end", "embed", "align", "reset", "shutdown"
+READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, ALIGNED, STATS = (
     "ready",
     "started",
     "audio",
@@ -62,6 +64,7 @@ READY, STARTED, AUDIO, KEPT, FINISHED, ERROR, EMBEDDING, STATS = (
     "finished",
     "error",
     "embedding",
+    "aligned",
     "stats",
 )
 CANCELLED = "cancelled"  # the finish reason of a cancelled request (the others: eos, max_frames, context)
@@ -453,6 +456,29 @@ class Embed(Record):
 
 
 @record
+class Align(Record):
+    """Run the aligner on one utterance: its audio and its text; answered with an `Aligned` (or an `Error`)."""
+
+    type: ClassVar[str] = ALIGN
+    rid: int
+    pcm: np.ndarray  # [N] int16 mono
+    sample_rate: int
+    text: str
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        header = {"type": ALIGN, "rid": self.rid, "sample_rate": self.sample_rate, "text": self.text}
+        return header, np.ascontiguousarray(self.pcm, dtype=np.int16).reshape(-1)
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Align:
+        v = _values(cls, header, "an align record", skip=("pcm",))
+        buf = payload or b""
+        if len(buf) % 2:
+            raise MalformedRecord(f"an align record's payload of {len(buf)} bytes is not int16 PCM", v["rid"])
+        return cls(**v, pcm=np.frombuffer(buf, dtype=np.int16).copy())
+
+
+@record
 class Reset(Record):
     """The gateway process behind this ring was replaced (its supervisor writes this before the new one
     starts): the engine cancels the old process's requests and sends `ready` again on this channel."""
@@ -483,6 +509,7 @@ class Ready(Record):
     speaker_dim: int
     pid: int
     warmup_s: float
+    aligner: bool = False  # an aligner is loaded: `align` records are answered
 
     def info(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -698,6 +725,43 @@ class _EmbeddingHeader:
 
 
 @record
+class Aligned(Record):
+    """The aligner's word times for an `Align`: each word of its text as written, with its start and end (s from
+    the audio's first sample)."""
+
+    type: ClassVar[str] = ALIGNED
+    rid: int
+    words: tuple[tuple[str, float, float], ...]
+
+    def encode(self) -> tuple[dict[str, Any], Payload]:
+        times = np.array([(s, e) for _, s, e in self.words], dtype=np.float64).reshape(-1)
+        return {"type": ALIGNED, "rid": self.rid, "words": [w for w, _, _ in self.words]}, times
+
+    @classmethod
+    def decode(cls, header: dict[str, Any], payload: bytes | None) -> Aligned:
+        v = _values(_AlignedHeader, header, "an aligned record")
+        words = v["words"]
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise MalformedRecord("an aligned record's words must be a list of strings", v["rid"])
+        buf = payload or b""
+        if len(buf) != 16 * len(words):
+            raise MalformedRecord(
+                f"an aligned record of {len(words)} words has a payload of {len(buf)} bytes, not 2 float64 each",
+                v["rid"],
+            )
+        times = np.frombuffer(buf, dtype=np.float64).reshape(-1, 2)
+        if not (np.isfinite(times).all() and (times >= 0).all() and (times[:, 0] <= times[:, 1]).all()):
+            raise MalformedRecord("an aligned record's times must be finite, >= 0 and start <= end", v["rid"])
+        return cls(rid=v["rid"], words=tuple((w, float(s), float(e)) for w, (s, e) in zip(words, times, strict=True)))
+
+
+@dataclass(frozen=True)
+class _AlignedHeader:
+    rid: int
+    words: Any
+
+
+@record
 class Stats(Record):
     """The engine's state, about once a second (the gateway's placement and metrics read the last one). The
     defaults stand for an engine not heard from (yet, or since it restarted)."""
@@ -740,8 +804,18 @@ class AdmissionGate(StrEnum):
     COLD_START = "cold_start"  # nothing measured yet: cold_start streams per iteration
 
 
-REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Reset, Shutdown)  # gateway -> engine
-EVENTS: tuple[type[Record], ...] = (Ready, Started, Audio, Kept, Finished, Error, Embedding, Stats)  # engine -> gateway
+REQUESTS: tuple[type[Record], ...] = (SubmitRequest, Cancel, End, Embed, Align, Reset, Shutdown)  # gateway -> engine
+EVENTS: tuple[type[Record], ...] = (  # engine -> gateway
+    Ready,
+    Started,
+    Audio,
+    Kept,
+    Finished,
+    Error,
+    Embedding,
+    Aligned,
+    Stats,
+)
 _BY_TYPE: dict[str, type[Record]] = {cls.type: cls for cls in REQUESTS + EVENTS}
 
 

@@ -38,6 +38,15 @@ class WeightSources:
     speaker_weights: str | None = field(
         default=None, metadata=flag("ECAPA speaker encoder HF dir (config.json + model.safetensors)", metavar="DIR")
     )
+    aligner_path: str | None = field(
+        default=None,
+        metadata=flag(
+            "CTC forced aligner for word timestamps: torchaudio's MMS_FA checkpoint (model.pt, a wav2vec2 state "
+            "dict); default: none (word times are estimated)",
+            name="aligner",
+            metavar="FILE",
+        ),
+    )
     random_preset: str = field(
         default="tiny",
         metadata=flag(
@@ -58,17 +67,21 @@ class WeightSources:
             ("model path", self.model_path),
             ("DAC weights", self.dac_weights),
             ("speaker weights", self.speaker_weights),
+            ("aligner checkpoint", self.aligner_path),
         ):
             if p is not None and not Path(p).exists():
                 raise FileNotFoundError(f"{name} {p} does not exist")
 
     def describe(self) -> dict[str, str]:
         size = "full-size" if self.random_preset == "full" else "tiny"
-        return {
+        out = {
             "model": self.model_path or f"random {size} ZONOS2 (seed {self.seed})",
             "dac": self.dac_weights or f"random {size} DAC",
             "speaker_encoder": self.speaker_weights or f"random {size} ECAPA",
         }
+        if self.aligner_path:
+            out["aligner"] = self.aligner_path
+        return out
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The engine: owns the device and builds the three nodes (LLM, dac_decoder, speaker_encoder).
+"""The engine: owns the device and builds the nodes (LLM, dac_decoder, speaker_encoder, and the aligner when
+--aligner names a checkpoint).
 
 It loads each node's weights, chooses the DAC's dtype, makes the CUDA streams, captures the graphs and
 warms every path once, so that the scheduler (engine/runtime/scheduler.py) only batches, admits and moves
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine.aligner.worker import Aligner, AlignerWorker
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.settings import CHUNK_SCHEDULES, CPU_SLOTS, GPU_SLOTS, EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
@@ -24,7 +26,7 @@ from engine.dac.streaming import StreamingDecoder
 from engine.llm.node import LLMNode, Sequence
 from engine.offline import run_sequence
 from engine.speaker.worker import SpeakerWorker
-from engine.weights import load_codec, load_model, load_speaker_encoder
+from engine.weights import load_aligner, load_codec, load_model, load_speaker_encoder
 
 log = logging.getLogger("engine")
 
@@ -69,6 +71,8 @@ class Engine:
         self.dac = StreamingDecoder(self.codec, SCHEDULES[settings.chunk_schedule](), slots=2 * slots)
         self.speaker_encoder = load_speaker_encoder(src, self.device)
         self.speaker = SpeakerWorker(self.speaker_encoder)
+        aligner_model = load_aligner(src, self.device)  # the fourth node, only with --aligner
+        self.aligner = AlignerWorker(Aligner(aligner_model)) if aligner_model is not None else None
         # The dac_decoder runs in the scheduler's thread on its own CUDA stream: its calls are graph replays
         # that return at once, and their PCM is collected on a later iteration, so the LLM never waits for
         # audio. The LLM's stream has the higher priority: where both have work queued, the decode step's
@@ -111,6 +115,9 @@ class Engine:
             log.info("dac_decoder warmed %d chunk shapes%s", n, " and captured them" if self.dac.graphs else "")
         clip = np.random.default_rng(0).normal(0, 0.1, 24000).astype(np.float32)
         self.speaker_encoder.embed(clip, 24000)
+        if self.aligner is not None:
+            pcm = (clip[:16000] * 32767).astype(np.int16)
+            self.aligner.aligner.align([Aligner.prepare(pcm, 16000, "warm up")])
         self.sync()
         # everything built so far (modules, compiled graphs) lives as long as the process: keep it out of
         # the cyclic collector, whose full passes over it paused every stream for hundreds of ms
@@ -134,6 +141,7 @@ class Engine:
             "weights": self.src.describe(),
             "speaker_dim": self.llm.cfg.speaker_embedding_dim,
             "pid": os.getpid(),
+            "aligner": self.aligner is not None,
         }
 
 

@@ -141,6 +141,7 @@ class Scheduler:
         t0 = time.perf_counter()
         self._read_inbox()
         self._speaker_results()
+        self._aligner_results()
         self._admit()
         self._flush_held(time.perf_counter())
         t_step = time.perf_counter()
@@ -191,6 +192,8 @@ class Scheduler:
                     self._end(msg.rid)
                 elif isinstance(msg, m.Embed):
                     self._on_embed(msg)
+                elif isinstance(msg, m.Align):
+                    self._on_align(msg)
                 elif isinstance(msg, m.Reset):
                     self._reset_channel(channel)
                 elif isinstance(msg, m.Shutdown):
@@ -332,6 +335,20 @@ class Scheduler:
                 job.guidance.twin.speaker = job.seq.speaker
             job.times.clip_ms = (time.perf_counter() - t_sent) * 1e3
             job.speaker_pending = False
+
+    def _on_align(self, req: m.Align) -> None:
+        if self.engine.aligner is None:
+            return self._error(req.rid, E.BAD_REQUEST, "this engine has no aligner (start the gateway with --aligner)")
+        self.engine.aligner.submit(req.rid, req.pcm, req.sample_rate, req.text)
+
+    def _aligner_results(self) -> None:
+        if self.engine.aligner is None:
+            return
+        for rid, words, err in self.engine.aligner.results():
+            if err is not None:
+                self._error(rid, E.BAD_REQUEST if isinstance(err, ValueError) else E.INTERNAL, str(err))
+            else:
+                self.outbox.send(rid, m.Aligned(rid, tuple(words or ())), force=True)
 
     def _admit(self) -> None:
         now = time.perf_counter()

@@ -238,6 +238,17 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
     assert ok[1].type == m.FINISHED and cfg.speaker_embedding_dim == 2048
 
 
+def test_an_engine_without_an_aligner_refuses_align_clearly(rt):
+    from app.core.engine_client import EngineRefused
+
+    lt, client = rt
+    assert client.info["aligner"] is False and not client.aligns
+    with pytest.raises(EngineRefused, match="no aligner") as e:
+        lt.run(client.align(np.zeros(44100, np.int16), 44100, "hello"))
+    assert e.value.code == "bad_request"
+    assert lt.run(collect(client, request("still fine", 8, seed=1)))[1].type == m.FINISHED
+
+
 def test_voice_embedding_and_clone_walks(rt):
     lt, client = rt
     rng = np.random.default_rng(0)

@@ -28,7 +28,10 @@ from tests.conftest import free_port
 
 def _speak(url: str, text: str, leave_early: bool) -> None:
     with connect(url) as ws:
-        ws.send(json.dumps({"type": "session.config", "sample_rate": 24000, "encoding": "pcm_s16le"}))
+        # word times on: with the gateway's aligner, a played utterance's alignment is in flight as the socket closes
+        ws.send(
+            json.dumps({"type": "session.config", "sample_rate": 24000, "encoding": "pcm_s16le", "timestamps": True})
+        )
         ws.send(json.dumps({"type": "text", "text": text, "flush": True}))
         while True:
             msg = ws.recv(timeout=60)
@@ -74,6 +77,7 @@ def _dialects(port: int) -> None:
         "voice": {"mode": "id", "id": "Ada"},
         "language": "en",
         "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000},
+        "add_timestamps": True,  # aligned, with the gateway's aligner
     }
     with connect(f"{base}/tts/websocket?cartesia_version=2026-03-01") as ws:
         ws.send(json.dumps(ctx | {"context_id": "c1", "transcript": "A Cartesia context.", "continue": False}))
@@ -94,11 +98,14 @@ def _dialects(port: int) -> None:
 def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
     """The gateway in this process (uvicorn on a thread, as `python -m app` runs it), so that what its ended
     sessions leave to the collector can be looked at: our protocol's (played, abandoned), each dialect's
-    (played, barged in on) and an HTTP request's."""
+    (played, barged in on) and an HTTP request's, with word times from an aligner (engine/aligner/)."""
+    from engine.aligner.model import AlignerConfig, random_checkpoint
+
     port = free_port()
+    aligner = str(random_checkpoint(tmp_path / "aligner.pt", AlignerConfig.tiny()))
     server = uvicorn.Server(
         uvicorn.Config(
-            create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"])),
+            create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization", "--aligner", aligner])),
             host="127.0.0.1",
             port=port,
             log_level="warning",

@@ -56,13 +56,32 @@ SERVER_TYPES = {
     "cancelled",
     "session.closed",
     "error",
+    "audio.words",  # session.config `timestamps`: estimated, and with the fuzz server's aligner, aligned
 }
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(start_server):
-    # every utterance is short (30 frames), so a fuzzed request that is valid costs little
-    return start_server("--max-frames", "30", "--max-pending-utterances", "8", "--max-http-chars", "300")
+def aligner_checkpoint(tmp_path_factory) -> str:
+    """A small synthetic checkpoint of MMS_FA's format (engine/aligner/model.py)."""
+    from engine.aligner.model import AlignerConfig, random_checkpoint
+
+    return str(random_checkpoint(tmp_path_factory.mktemp("aligner") / "model.pt", AlignerConfig.tiny()))
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(start_server, aligner_checkpoint):
+    # every utterance is short (30 frames), so a fuzzed request that is valid costs little; with an aligner,
+    # a fuzzed `timestamps: true` sends every utterance (any text, any audio) through it
+    return start_server(
+        "--max-frames",
+        "30",
+        "--max-pending-utterances",
+        "8",
+        "--max-http-chars",
+        "300",
+        "--aligner",
+        aligner_checkpoint,
+    )
 
 
 def small_wav() -> bytes:
@@ -251,6 +270,7 @@ ws_json = st.one_of(
             "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
             "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
             "params": params(),
+            "timestamps": st.booleans() | anything,
         },
     ),
     message("close", {}),
@@ -279,6 +299,9 @@ ws_frame = (
 # ---- WebSocket -----------------------------------------------------------------------------------------
 def check_reply(d: Any) -> None:
     assert isinstance(d, dict) and d.get("type") in SERVER_TYPES, d
+    if d["type"] == "audio.words":
+        assert d["source"] in ("estimated", "aligned") and isinstance(d["utterance_id"], str), d
+        assert all(0 <= w["start_ms"] <= w["end_ms"] and isinstance(w["word"], str) for w in d["words"]), d
     if d["type"] == "error":
         assert CODE.match(str(d.get("code"))) and d["code"] != "internal", d
         assert isinstance(d.get("message"), str), d
@@ -1339,14 +1362,14 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
 
 # ---- continuation records between the gateway and the engine (issue 22) ------------------------------------
 @pytest.fixture(scope="module")
-def engine_client():
+def engine_client(aligner_checkpoint):
     from app.core.engine_client import EngineClient
     from engine.contract.settings import EngineSettings, WeightSources
     from tests.asyncloop import LoopThread
 
     lt = LoopThread()
     client = EngineClient(
-        WeightSources(),
+        WeightSources(aligner_path=aligner_checkpoint),
         EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512, stats_interval_s=0.1),
         ring_bytes=8 << 20,
     )
@@ -1447,6 +1470,58 @@ def test_fuzz_continuation_records(engine_client, ops):
 
     ends = lt.run(asyncio.wait_for(go(), 120), timeout=150)
     assert all(isinstance(e, m.Finished | m.Error) for e in ends)
+
+
+# ---- align records (the aligner node, engine/aligner/) ----------------------------------------------------------
+align_audio = st.tuples(
+    st.integers(0, 3 * 44100),  # samples
+    st.sampled_from(["noise", "silence", "full scale"]),
+    st.integers(0, 2**32 - 1),
+)
+
+
+@FUZZ_SMALL
+@given(
+    calls=st.lists(
+        st.tuples(
+            align_audio,
+            st.sampled_from([44100, 16000, 8000, 22050]) | st.integers(-10, 10**7),
+            st.text(max_size=200) | st.sampled_from(["Hello there.", "42.", "", "a " * 400, "Ça va ? Très bien’s!"]),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+@example(calls=[((44100, "noise", 1), 44100, "Hello there, how are you?"), ((0, "silence", 0), 44100, "Hi.")])
+def test_fuzz_align_records(engine_client, calls):
+    """align records with any audio, sample rate and text, several at once (one batch): each is answered with
+    every word of its text, in order, with times within its audio, or with bad_request, never internal; the
+    engine lives."""
+    from app.core.engine_client import EngineRefused
+    from engine.contract.errors import EngineError
+
+    lt, client = engine_client
+
+    def pcm(n: int, kind: str, seed: int) -> np.ndarray:
+        if kind == "silence":
+            return np.zeros(n, np.int16)
+        if kind == "full scale":
+            return np.where(np.arange(n) % 2, 32767, -32768).astype(np.int16)
+        return (np.random.default_rng(seed).standard_normal(n) * 3000).clip(-32768, 32767).astype(np.int16)
+
+    async def go() -> list[Any]:
+        return await asyncio.gather(
+            *(client.align(pcm(*audio), sr, text, timeout=120) for audio, sr, text in calls), return_exceptions=True
+        )
+
+    answers = lt.run(asyncio.wait_for(go(), 150), timeout=160)
+    for ((n, _, _), sr, text), got in zip(calls, answers, strict=True):
+        if isinstance(got, EngineRefused):
+            assert got.code == EngineError.BAD_REQUEST and str(got), got
+            continue
+        assert not isinstance(got, BaseException), got
+        assert [w for w, _, _ in got] == text.split()
+        assert all(0 <= s <= e <= n / sr + 1e-6 for _, s, e in got)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

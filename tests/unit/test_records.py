@@ -65,6 +65,8 @@ RECORDS: list[m.Record] = [
     m.Cancel(4),
     m.End(5),
     m.Embed(6, 24000, RNG.standard_normal(1000).astype(np.float32)),
+    m.Align(13, (RNG.standard_normal(4410) * 1000).astype(np.int16), 44100, "Hello, wörld — 42!"),
+    m.Align(14, np.zeros(0, np.int16), 16000, ""),
     m.Shutdown(),
     # engine -> gateway
     m.Ready(
@@ -78,6 +80,7 @@ RECORDS: list[m.Record] = [
         speaker_dim=2048,
         pid=1234,
         warmup_s=0.5,
+        aligner=True,
     ),
     m.Started(7, queue_ms=3.25),
     m.Audio(7, 0, (RNG.standard_normal(512) * 1000).astype(np.int16)),
@@ -91,6 +94,8 @@ RECORDS: list[m.Record] = [
     m.Error(12, E.ENGINE_BUSY, "every stream is playing", retry_after_ms=250),
     m.Error(None, E.ENGINE_START_FAILED, "no weights"),
     m.Embedding(6, RNG.standard_normal(2048).astype(np.float32)),
+    m.Aligned(13, (("Hello,", 0.02, 0.4), ("wörld", 0.4, 0.81), ("—", 0.81, 0.81), ("42!", 0.81, 1.3))),
+    m.Aligned(14, ()),
     m.Stats(
         active=2,
         waiting=1,
@@ -136,7 +141,7 @@ def test_every_record_survives_the_ring(ring, rec):
 
 def test_every_record_type_is_covered():
     assert {type(r) for r in RECORDS} == set(m.REQUESTS + m.EVENTS)
-    assert [c.type for c in m.REQUESTS] == [m.SUBMIT, m.CANCEL, m.END, m.EMBED, m.RESET, m.SHUTDOWN]
+    assert [c.type for c in m.REQUESTS] == [m.SUBMIT, m.CANCEL, m.END, m.EMBED, m.ALIGN, m.RESET, m.SHUTDOWN]
     assert [c.type for c in m.EVENTS] == [
         m.READY,
         m.STARTED,
@@ -145,6 +150,7 @@ def test_every_record_type_is_covered():
         m.FINISHED,
         m.ERROR,
         m.EMBEDDING,
+        m.ALIGNED,
         m.STATS,
     ]
 
@@ -162,8 +168,25 @@ def test_decoded_arrays_have_the_engines_dtypes(ring):
     assert isinstance(sub, m.SubmitRequest) and sub.prompt.dtype == np.int64 and sub.uncond_prompt is not None
     assert sub.uncond_prompt.dtype == np.int64 and sub.speaker_embedding is not None
     assert sub.speaker_embedding.dtype == np.float32 and sub.clip is None
-    kept = through(ring, RECORDS[11])
+    kept = through(ring, next(r for r in RECORDS if isinstance(r, m.Kept)))
     assert isinstance(kept, m.Kept) and kept.frames.dtype == np.int64 and kept.frames.shape == (37, 9)
+    align = through(ring, next(r for r in RECORDS if isinstance(r, m.Align)))
+    assert isinstance(align, m.Align) and align.pcm.dtype == np.int16 and align.pcm.flags.writeable
+
+
+@pytest.mark.parametrize(
+    "words, payload",
+    [
+        (["a"], np.array([0.5, 0.25])),  # ends before it starts
+        (["a"], np.array([float("nan"), 1.0])),
+        (["a"], np.array([-1.0, 1.0])),
+        (["a", "b"], np.array([0.0, 1.0])),  # a word without times
+        ([1], np.array([0.0, 1.0])),
+    ],
+)
+def test_aligned_times_are_checked(words, payload):
+    with pytest.raises(m.MalformedRecord):
+        m.decode({"type": m.ALIGNED, "rid": 1, "words": words}, payload.astype(np.float64).tobytes())
 
 
 def test_request_stats_are_the_json_clients_read():

@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from app.core.timestamps import WordClock, char_alignment, syllables
+from app.core.timestamps import WordClock, aligned_words, char_alignment, syllables
 from engine.contract.constants import SAMPLE_RATE
 
 TEXT = "Hello there, how are you today? Fine, thanks."
@@ -88,3 +88,17 @@ def test_an_elevenlabs_alignment_on_the_contexts_clock():
         assert abs(c - (m + 4500.0)) < 0.2  # 2.5 s of message offset + 2 s of context offset
     assert context["charStartTimesMs"] == sorted(context["charStartTimesMs"]) and context["charStartTimesMs"][0] >= 2000
     assert char_alignment(TEXT, [], 1.0, 1.5, timeline_s=2.0) is None
+
+
+def test_the_aligners_words_carry_their_place_in_the_text():
+    text = " Hello,  wörld\t42! "
+    got = aligned_words(text, (("Hello,", 0.1, 0.4), ("wörld", 0.4, 0.9), ("42!", 0.9, 0.9)))
+    assert got is not None
+    assert [(w.word, text[w.char_start : w.char_end], w.start_s, w.end_s) for w in got] == [
+        ("Hello,", "Hello,", 0.1, 0.4),
+        ("wörld", "wörld", 0.4, 0.9),
+        ("42!", "42!", 0.9, 0.9),
+    ]
+    # not the text's words (a different text, a word missing): the estimate stands
+    assert aligned_words(text, (("Hello,", 0.1, 0.4), ("world", 0.4, 0.9), ("42!", 0.9, 0.9))) is None
+    assert aligned_words(text, (("Hello,", 0.1, 0.4),)) is None

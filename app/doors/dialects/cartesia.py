@@ -17,7 +17,10 @@ send with sentence aggregation) speaks every transcript as it comes; otherwise s
 own socket, and what is buffered is spoken once `max_buffer_delay_ms` (3000 if not given) has passed.
 `add_timestamps: true` on a context's first request adds `timestamps` messages (`word_timestamps`: words,
 start and end in seconds from the context's first audio), after the audio that completes them, estimated
-(app/core/timestamps.py: ZONOS2 gives no word timings); phoneme timestamps are not produced.
+(app/core/timestamps.py: ZONOS2 gives no word timings); phoneme timestamps are not produced. With an aligner
+(`--aligner`), an utterance's timestamps are measured instead: one message with all its words, sent once its
+audio has been sent and aligned (before its context's `done` or `flush_done`); an utterance the aligner cannot
+take gets its estimate then. Cartesia's message has no field saying which, so each word is sent once.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance
 from app.core.session import Chunk, Hold, StreamingSession
+from app.core.timestamps import WordTime
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
@@ -66,6 +70,9 @@ class Context:
     last_sent: float = field(default_factory=time.perf_counter)
     timestamps: bool = False  # add_timestamps
     audio_s: float = 0.0  # the context's audio sent before its playing utterance (its word times' origin)
+    # utterances waiting for the aligner: the context's audio before each, and its estimated words meanwhile
+    origins: dict[str, float] = field(default_factory=dict)
+    estimates: dict[str, list[WordTime]] = field(default_factory=dict)
 
 
 class CartesiaSession(StreamingSession):
@@ -204,16 +211,37 @@ class CartesiaSession(StreamingSession):
     async def on_words(self, u: Utterance, chunk: Chunk) -> None:
         await self._timestamps(u, chunk)
 
+    def aligned_for(self, u: Utterance) -> bool:
+        return self.words_for(u)
+
     async def on_utterance_done(self, u: Utterance) -> None:
         c = self._ctx_of(u)
         if c is not None:
+            if u.aligned:
+                c.origins[u.id] = c.audio_s
             c.audio_s += u.samples / SAMPLE_RATE
+
+    async def on_aligned(self, u: Utterance, words: list[WordTime] | None) -> None:
+        c = self._ctx_of(u)
+        if c is None:
+            return
+        estimate = c.estimates.pop(u.id, [])
+        t0 = c.origins.pop(u.id, None)
+        if t0 is not None:
+            await self._send_timestamps(u, estimate if words is None else words, t0)
 
     async def _timestamps(self, u: Utterance, chunk: Chunk) -> None:
         c = self._ctx_of(u)
         if c is None or not chunk.words:
             return
-        t0 = c.audio_s
+        if u.aligned:  # its measured times follow its audio (on_aligned); the estimate waits in case they fail
+            c.estimates.setdefault(u.id, []).extend(chunk.words)
+            return
+        await self._send_timestamps(u, chunk.words, c.audio_s)
+
+    async def _send_timestamps(self, u: Utterance, words: list[WordTime], t0: float) -> None:
+        if not words:
+            return
         await self.send_json_locked(
             {
                 "type": "timestamps",
@@ -221,9 +249,9 @@ class CartesiaSession(StreamingSession):
                 "status_code": 206,
                 "done": False,
                 "word_timestamps": {
-                    "words": [w.word for w in chunk.words],
-                    "start": [round(t0 + w.start_s, 3) for w in chunk.words],
-                    "end": [round(t0 + w.end_s, 3) for w in chunk.words],
+                    "words": [w.word for w in words],
+                    "start": [round(t0 + w.start_s, 3) for w in words],
+                    "end": [round(t0 + w.end_s, 3) for w in words],
                 },
             }
         )

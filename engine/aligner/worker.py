@@ -1,0 +1,150 @@
+"""The aligner node: word times of finished utterances, batched, on its own thread and CUDA stream.
+
+Like the speaker_encoder (engine/speaker/worker.py), the engine loop only hands work over (`submit`) and polls
+for what is done (`results`); the thread takes every utterance queued by the time it is free (at most
+`max_batch`, `max_batch_s` of audio in all), resamples each to 16 kHz (soxr), runs one padded forward over the
+batch, then one batched Viterbi (engine/aligner/align.py), so the decode loop never waits for it. Its stream has
+the lowest priority: where the decode step and the aligner both have work queued, the step's blocks go first.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import soxr
+import torch
+
+from engine.aligner.align import Tokens, min_frames, tokenize, viterbi, word_times
+from engine.aligner.model import SAMPLE_RATE, Wav2Vec2Aligner, frames_for
+
+log = logging.getLogger(__name__)
+
+MAX_AUDIO_S = 120.0  # one utterance's audio at most (a sentence is seconds; attention is quadratic in it)
+MAX_BATCH = 16  # utterances per forward
+MAX_BATCH_S = 240.0  # audio per forward, padding included
+Words = list[tuple[str, float, float]]
+
+
+@dataclass
+class _Item:
+    key: Any
+    pcm: np.ndarray
+    sample_rate: int
+    text: str
+
+
+class Aligner:
+    """The model and the steps around it: audio + text -> word times, a batch at a time."""
+
+    def __init__(self, model: Wav2Vec2Aligner) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+
+    @staticmethod
+    def prepare(pcm: np.ndarray, sample_rate: int, text: str) -> tuple[np.ndarray, Tokens]:
+        """16 kHz float32 audio and the text's tokens; ValueError for what cannot be aligned."""
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 8000 <= sample_rate <= 192000:
+            raise ValueError(f"sample rate must be an integer in 8000..192000 Hz, not {sample_rate!r}")
+        x = np.asarray(pcm)
+        if x.ndim != 1:
+            raise ValueError("the audio must be mono ([samples])")
+        x = x.astype(np.float32) / 32768.0 if x.dtype == np.int16 else x.astype(np.float32)
+        if not np.isfinite(x).all():
+            raise ValueError("the audio holds a NaN or an infinity")
+        if len(x) > MAX_AUDIO_S * sample_rate:
+            raise ValueError(f"the audio is longer than {MAX_AUDIO_S:g} s")
+        tok = tokenize(text)
+        wav = soxr.resample(x, sample_rate, SAMPLE_RATE) if sample_rate != SAMPLE_RATE else x
+        frames = int(frames_for(torch.tensor(len(wav))))
+        if frames < min_frames(tok.tokens):
+            raise ValueError(
+                f"{len(x) / sample_rate:.2f} s of audio ({frames} frames) is too short for the text's "
+                f"{len(tok.tokens)} letters"
+            )
+        return np.ascontiguousarray(wav, dtype=np.float32), tok
+
+    @torch.inference_mode()
+    def align(self, batch: list[tuple[np.ndarray, Tokens]]) -> list[Words]:
+        """Word times of prepared utterances, in one forward and one Viterbi."""
+        lengths = torch.tensor([len(w) for w, _ in batch])
+        wav = torch.zeros(len(batch), int(lengths.max()))
+        for i, (w, _) in enumerate(batch):
+            wav[i, : len(w)] = torch.from_numpy(w)
+        wav = wav.to(self.device, non_blocking=True)
+        logp, frames = self.model(wav, lengths.to(self.device))
+        states = viterbi(logp, frames, [tok.tokens for _, tok in batch])
+        return [word_times(tok, s, len(w) / SAMPLE_RATE) for (w, tok), s in zip(batch, states, strict=True)]
+
+
+class AlignerWorker:
+    def __init__(self, aligner: Aligner, max_batch: int = MAX_BATCH, max_batch_s: float = MAX_BATCH_S) -> None:
+        self.aligner = aligner
+        self.max_batch, self.max_batch_s = max_batch, max_batch_s
+        self._todo: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._done: deque[tuple[Any, Words | None, Exception | None]] = deque()
+        self.batches = 0  # forwards run (the tests see batching in it)
+        self._thread = threading.Thread(target=self._run, name="aligner", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: Any, pcm: np.ndarray, sample_rate: int, text: str) -> None:
+        """Align `text` to `pcm`; its (key, words, error) comes out of `results` later."""
+        self._todo.put(_Item(key, pcm, sample_rate, text))
+
+    def results(self) -> list[tuple[Any, Words | None, Exception | None]]:
+        """Finished utterances since the last call: (key, [(word, start_s, end_s)] or None, error or None)."""
+        out = []
+        while self._done:
+            out.append(self._done.popleft())
+        return out
+
+    def close(self) -> None:
+        self._todo.put(None)
+
+    def _take(self, first: _Item) -> tuple[list[_Item], bool]:
+        """`first` and what else is queued now, within the batch bounds; whether close was asked."""
+        items, audio_s = [first], len(first.pcm) / max(1, first.sample_rate)
+        while len(items) < self.max_batch:
+            try:
+                item = self._todo.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                return items, True
+            items.append(item)
+            audio_s = max(audio_s, len(item.pcm) / max(1, item.sample_rate))
+            if audio_s * len(items) >= self.max_batch_s:
+                break
+        return items, False
+
+    def _run(self) -> None:
+        device = self.aligner.device
+        stream = torch.cuda.Stream(device, priority=0) if device.type == "cuda" else None
+        closing = False
+        while not closing and (first := self._todo.get()) is not None:
+            items, closing = self._take(first)
+            ready: list[tuple[_Item, np.ndarray, Tokens]] = []
+            for item in items:
+                try:
+                    wav, tok = Aligner.prepare(item.pcm, item.sample_rate, item.text)
+                    ready.append((item, wav, tok))
+                except ValueError as e:  # this utterance cannot be aligned: its own error, not the batch's
+                    self._done.append((item.key, None, e))
+            if not ready:
+                continue
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        words = self.aligner.align([(w, t) for _, w, t in ready])
+                else:
+                    words = self.aligner.align([(w, t) for _, w, t in ready])
+                self.batches += 1
+                self._done.extend((item.key, w, None) for (item, _, _), w in zip(ready, words, strict=True))
+            except Exception as e:  # a bug (or out of memory): these utterances fail, not the engine
+                log.exception("aligner failed on a batch of %d", len(ready))
+                self._done.extend((item.key, None, e) for item, _, _ in ready)
