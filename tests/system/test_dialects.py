@@ -837,6 +837,9 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
         ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
         ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
+        ({"transcript": '<emotion value="happy"/>Nope.'}, "unsupported_tag"),  # no emotion directions here
+        ({"transcript": "Quiet. [whispering] Nope."}, "unsupported_tag"),
+        ({"transcript": "<emotion/>Nope."}, "bad_text"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
