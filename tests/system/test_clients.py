@@ -986,9 +986,12 @@ def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
 @pytest.mark.parametrize("service", ["elevenlabs", "cartesia", "deepgram"])
 def test_pipecat_http_services_through_the_http_dialects(dsrv, service):
     """pipecat's ElevenLabsHttpTTSService (/stream/with-timestamps), CartesiaHttpTTSService (/tts/bytes) and
-    DeepgramHttpTTSService (POST /v1/speak) with only their base URL changed: a spoken turn at 24 kHz."""
+    DeepgramHttpTTSService (POST /v1/speak) with only their base URL changed: a spoken turn at 24 kHz; the
+    ElevenLabs service's word-timed transcript from the alignments."""
     if not framework_installed("pipecat"):
         pytest.skip("no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)")
     result = drive_framework("pipecat_http_client", service, dsrv)
     assert result["errors"] == [] and result["sample_rate"] == 24000, result
     assert 0 < result["audio_bytes"] <= 2 * round(samples_at(24000, 2 * 40)), result
+    if service == "elevenlabs":  # word-timed transcript frames from the with-timestamps alignments
+        assert [w.strip() for w in result["words"]] == ["Hello", "there.", "How", "are", "you", "today?"], result
