@@ -725,7 +725,7 @@ def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
     merged = {k: [v for a in aligned for v in a[k]] for k in aligned[0]}
     assert check_alignment(merged, audio_s) == TWO.split()
     sent = 0.0
-    for x in lines:  # no line's characters lie past the audio sent with it and before it (less the resampler's few held)
+    for x in lines:  # no line's characters lie past the audio sent with it and before (but the resampler's held few)
         sent += len(base64.b64decode(x["audio_base64"])) / 2 / 16000
         if x["alignment"] is not None:
             assert x["alignment"]["character_end_times_seconds"][-1] <= sent + 0.01, (x["alignment"], sent)

@@ -1249,6 +1249,23 @@ def test_livekit_plugins_speak_through_the_gateway(srv, service):
     assert result["errors"] == [] and result["audio_bytes"] > 0, result
 
 
+@pytest.mark.frameworks
+@frameworks
+@pytest.mark.parametrize("service", ["elevenlabs", "cartesia"])
+def test_pipecat_context_after_an_interruption_holds_only_the_words_sent(srv, service):
+    """A pipecat pipeline (TTS service, output transport, assistant context aggregator) interrupted while the
+    reply plays: the assistant message in the context is the reply's first words, those released at their
+    (estimated) times, no more than the service had timed from our alignment / timestamps when the interruption
+    passed it (words whose audio had been sent), and far from the whole reply."""
+    result = drive("pipecat_context_client", service, srv)
+    assert result["errors"] == [] and result["interrupted"] is True, result
+    reply = result["reply"].split()
+    said = result["message"].split()
+    assert result["context"] == [result["message"]], result
+    assert said == reply[: len(said)], result  # the reply's first words, in order
+    assert 3 <= len(said) <= len(result["timed_at_interruption"]) < len(reply), result
+
+
 EMOTION = {**FAST, "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}
 
 
