@@ -146,12 +146,16 @@ class UtterancePipeline:
         """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
         style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
         anything is queued, when a break or a tag cannot be taken."""
-        speaker = (voice is not None and voice.embedding is not None) or clip is not None
         styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
 
         def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
             if tag not in styled:
-                styled[tag] = styled_options(tag, opts, self.gw.prompts.emotion, speaker)
+                directions = self.gw.prompts.emotion
+                # what the emotion is applied to (app/core/emotion.py): a voice's embedding; a clip with 'proj'
+                speaker = (voice is not None and voice.embedding is not None) or (
+                    clip is not None and directions is not None and directions.space == "proj"
+                )
+                styled[tag] = styled_options(tag, opts, directions, speaker)
                 self.gw.check_emotion(styled[tag], voice, clip is not None)
             return styled[tag]
 
