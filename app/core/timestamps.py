@@ -85,7 +85,7 @@ def run_to(chars: list[CharTime], end_s: float, since: float | None = None) -> l
 def char_alignment(words: list[WordTime], start_s: float, end_s: float) -> dict[str, list]:
     """ElevenLabs' WebSocket `alignment` of one audio message: the characters of the words it completes, times in
     ms from the message's first sample (a word begun in an earlier message starts before 0), and a last space
-    that runs to the message's end (`char_times`)."""
+    that runs to the message's end (`run_to`)."""
     chars = run_to(char_times(words), end_s, start_s)
     return {
         "chars": [c for c, _, _ in chars],

@@ -151,9 +151,8 @@ class _Lines:
         return self._line(data, char_times(self.timeline.take().words))
 
     def end(self) -> bytes:
-        if not self.timeline.samples:
-            return b""
-        return self._line(b"", run_to(char_times(self.timeline.take().words), self.timeline.sent_s, self._last))
+        chars = run_to(char_times(self.timeline.take().words), self.timeline.sent_s, self._last)
+        return self._line(b"", chars) if chars else b""
 
     def _line(self, data: bytes, chars: list[CharTime]) -> bytes:
         if chars:
