@@ -433,7 +433,7 @@ def test_style_tags_map_onto_the_emotion_controls(emotion_server, server):
             c = Client(ws)
             await c.recv()
             params = {"seed": 5, "max_frames": 12, "ignore_eos": True, **(extra or {})}
-            await c.send(type="session.config", voice=voice, encoding="pcm_f32le", params=params)
+            await c.send(type="session.config", voice=voice, encoding="pcm_f32le", params=params, timestamps=True)
             assert (await c.recv())["type"] == "session.updated"
             await c.send(type="text", text=text, flush=True)
             while (await c.recv())["type"] not in ("flushed", "error"):
@@ -449,6 +449,11 @@ def test_style_tags_map_onto_the_emotion_controls(emotion_server, server):
     calm = asyncio.run(session(srv.ws_url, 'Feel it <emotion value="calm"/> now.'))
     starts = [m for m in calm.log if m["type"] == "audio.start"]
     assert [m["text"] for m in starts] == ["Feel it", "now."]
+    words = [w for m in calm.log if m["type"] == "audio.words" for w in m["words"]]  # every spoken word, no tag
+    assert [w["word"] for w in words] == ["Feel", "it", "now."]
+    texts = {m["utterance_id"]: m["text"] for m in starts}
+    for m in (m for m in calm.log if m["type"] == "audio.words"):
+        assert all(texts[m["utterance_id"]][w["char_start"] : w["char_end"]] == w["word"] for w in m["words"])
     done = {m["utterance_id"]: m for m in calm.log if m["type"] == "audio.done"}
     assert done[starts[0]["utterance_id"]]["stats"]["engine"]["continued"] is True  # one voice across the tag
     valence, arousal = TAG_EMOTIONS["calm"]
