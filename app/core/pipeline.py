@@ -119,6 +119,45 @@ class Utterance:
         return self.measured().as_json()
 
 
+def inline_pieces(
+    gw: Gateway,
+    texts: Iterable[str],
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    clip: tuple[np.ndarray, int] | None,
+    style: StyleTag | None = None,
+) -> tuple[list[tuple[str | float, SynthesisOptions]], StyleTag | None]:
+    """The utterances `texts` become, in order: spoken text with its options (a style tag's emotion applied:
+    app/core/style_tags.py) or a break's seconds (app/core/breaks.py), and the style tag in effect after them
+    (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken."""
+    styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
+
+    def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
+        if tag not in styled:
+            directions = gw.prompts.emotion
+            # what the emotion is applied to (app/core/emotion.py): a voice's embedding; a clip with 'proj'
+            speaker = (voice is not None and voice.embedding is not None) or (
+                clip is not None and directions is not None and directions.space == "proj"
+            )
+            styled[tag] = styled_options(tag, opts, directions, speaker)
+            gw.check_emotion(styled[tag], voice, clip is not None)
+        return styled[tag]
+
+    pieces: list[tuple[str | float, SynthesisOptions]] = []
+    for text in texts:
+        for piece in split_breaks(text):
+            if not isinstance(piece, str):
+                pieces.append((piece, opts))
+                continue
+            for part in split_tags(piece):
+                if isinstance(part, StyleTag):
+                    style = None if part.name == NEUTRAL else part
+                    options(style)
+                else:
+                    pieces.append((part, options(style)))
+    return pieces, style
+
+
 class UtterancePipeline:
     """The utterances of one session (or one HTTP request), played strictly in order."""
 
@@ -146,32 +185,7 @@ class UtterancePipeline:
         """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
         style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
         anything is queued, when a break or a tag cannot be taken."""
-        styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
-
-        def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
-            if tag not in styled:
-                directions = self.gw.prompts.emotion
-                # what the emotion is applied to (app/core/emotion.py): a voice's embedding; a clip with 'proj'
-                speaker = (voice is not None and voice.embedding is not None) or (
-                    clip is not None and directions is not None and directions.space == "proj"
-                )
-                styled[tag] = styled_options(tag, opts, directions, speaker)
-                self.gw.check_emotion(styled[tag], voice, clip is not None)
-            return styled[tag]
-
-        style = self.styles.get(context_id)  # the tag an earlier text of the turn left in effect
-        pieces: list[tuple[str | float, SynthesisOptions]] = []
-        for text in texts:
-            for piece in split_breaks(text):
-                if not isinstance(piece, str):
-                    pieces.append((piece, opts))
-                    continue
-                for part in split_tags(piece):
-                    if isinstance(part, StyleTag):
-                        style = None if part.name == NEUTRAL else part
-                        options(style)
-                    else:
-                        pieces.append((part, options(style)))
+        pieces, style = inline_pieces(self.gw, texts, opts, voice, clip, self.styles.get(context_id))
         if style is None:
             self.styles.pop(context_id, None)
         else:

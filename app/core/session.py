@@ -36,7 +36,7 @@ from starlette.websockets import WebSocket, WebSocketState
 from app.core.admission import Conversation
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, Chunk
 from app.io.audio_output import encode
@@ -329,7 +329,8 @@ class StreamingSession:
                 G.BUFFER_FULL if buffered else G.TEXT_TOO_LONG,
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
-        opts = self.settings_for(ctx)[0]
+        opts, voice, clip = self.settings_for(ctx)
+        inline_pieces(self.gw, [text], opts, voice, clip)  # its own breaks and tags: refused whole, now
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text

@@ -15,7 +15,7 @@ from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled
 from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.frontend.emotion import EmotionDirections
-from tests.unit.test_pipeline import fake_gateway
+from tests.unit.test_pipeline import FakeEngine, fake_gateway, open_session, shut
 
 
 def tags(parts: list) -> list:
@@ -142,3 +142,23 @@ def test_a_refused_tag_queues_nothing_and_keeps_the_style():
         pipe.close()
 
     asyncio.run(go())
+
+
+def test_a_message_with_a_refused_tag_is_refused_whole_on_the_socket():
+    """The sentences before a refused tag in the same message are not spoken: a message's tags are checked when
+    it arrives, before the buffer hands out any sentence of it; the socket goes on."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text="Quiet now. [whispering] Sleep.", flush=True)
+        err = await ws.next_json()
+        ws.send(type="text", text="Fine [1].", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert texts == ["Fine [1]."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine [1]."]
