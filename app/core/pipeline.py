@@ -32,8 +32,9 @@ from app.core.engine_client import Stream
 from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.stats import UtteranceStats
+from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
 from app.core.text_buffer import TextBuffer
-from app.core.timestamps import SOURCE, WordClock
+from app.core.timestamps import SOURCE, AudioTimeline, WordClock
 from app.io.audio_output import Encoder
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -119,6 +120,45 @@ class Utterance:
         return self.measured().as_json()
 
 
+def inline_pieces(
+    gw: Gateway,
+    texts: Iterable[str],
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    clip: tuple[np.ndarray, int] | None,
+    style: StyleTag | None = None,
+) -> tuple[list[tuple[str | float, SynthesisOptions]], StyleTag | None]:
+    """The utterances `texts` become, in order: spoken text with its options (a style tag's emotion applied:
+    app/core/style_tags.py) or a break's seconds (app/core/breaks.py), and the style tag in effect after them
+    (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken."""
+    styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
+
+    def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
+        if tag not in styled:
+            directions = gw.prompts.emotion
+            # what the emotion is applied to (app/core/emotion.py): a voice's embedding; a clip with 'proj'
+            speaker = (voice is not None and voice.embedding is not None) or (
+                clip is not None and directions is not None and directions.space == "proj"
+            )
+            styled[tag] = styled_options(tag, opts, directions, speaker)
+            gw.check_emotion(styled[tag], voice, clip is not None)
+        return styled[tag]
+
+    pieces: list[tuple[str | float, SynthesisOptions]] = []
+    for text in texts:
+        for piece in split_breaks(text):
+            if not isinstance(piece, str):
+                pieces.append((piece, opts))
+                continue
+            for part in split_tags(piece):
+                if isinstance(part, StyleTag):
+                    style = None if part.name == NEUTRAL else part
+                    options(style)
+                else:
+                    pieces.append((part, options(style)))
+    return pieces, style
+
+
 class UtterancePipeline:
     """The utterances of one session (or one HTTP request), played strictly in order."""
 
@@ -129,6 +169,7 @@ class UtterancePipeline:
         self.changed = asyncio.Event()  # set whenever utterances are added or dropped
         self._seq = itertools.count(1)
         self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/core/continuation.py)
+        self.styles: dict[str, StyleTag | None] = {}  # context -> the style tag its text is in (style_tags.py)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -142,11 +183,17 @@ class UtterancePipeline:
         context_id: str = DEFAULT_CONTEXT,
         encoder: Callable[[], Encoder] | None = None,
     ) -> list[Utterance]:
-        """Queue the utterances of `texts`; encoder: each one's own encoder (a session's), whose `first_samples`
-        its engine request carries."""
+        """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
+        style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
+        anything is queued, when a break or a tag cannot be taken. encoder: each one's own encoder (a
+        session's), whose `first_samples` its engine request carries."""
+        pieces, style = inline_pieces(self.gw, texts, opts, voice, clip, self.styles.get(context_id))
+        if style is None:
+            self.styles.pop(context_id, None)
+        else:
+            self.styles[context_id] = style
         added = []
-        pieces = [p for text in texts for p in split_breaks(text)]  # refused before anything is queued
-        for piece in pieces:
+        for piece, piece_opts in pieces:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
             enc = encoder() if encoder is not None else None
@@ -155,7 +202,7 @@ class UtterancePipeline:
                 seq=seq,
                 context_id=context_id,
                 text=text,
-                opts=replace(opts, first_samples=enc.first_samples) if enc is not None else opts,
+                opts=replace(piece_opts, first_samples=enc.first_samples) if enc is not None else piece_opts,
                 voice=voice,
                 clip=clip,
                 encoder=enc,
@@ -163,7 +210,7 @@ class UtterancePipeline:
             if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
                 u.silence_s = piece
             elif opts.long_form.long_form is False:
-                self.end(context_id)
+                self._end_chain(context_id)
             else:
                 u.chain = self.chains.get(context_id) or self.chains.setdefault(context_id, Chain(opts.long_form))
                 u.link = u.chain.link()
@@ -207,8 +254,9 @@ class UtterancePipeline:
             for u in self.queue
             if (context_id is None or u.context_id == context_id) and (after is None or u.seq > after)
         ]
-        for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain
+        for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain, unstyled
             self.chains.pop(ctx, None)
+            self.styles.pop(ctx, None)
         for u in dropped:
             u.cancelled = True
             if u.stream is not None:
@@ -222,8 +270,14 @@ class UtterancePipeline:
         return dropped
 
     def end(self, context_id: str | None = None) -> None:
-        """The last utterance of a context (None: of every context) has been queued: it is generated final,
-        or its held stream is flushed now; the context's next utterance starts a new chain."""
+        """The turn of a context (None: of every context) is complete: its last utterance has been queued. It
+        is generated final, or its held stream is flushed now; the context's next utterance starts a new chain,
+        and its style tag ends."""
+        for ctx in [context_id] if context_id is not None else list(self.styles):
+            self.styles.pop(ctx, None)
+        self._end_chain(context_id)
+
+    def _end_chain(self, context_id: str | None) -> None:
         for ctx in [context_id] if context_id is not None else list(self.chains):
             chain = self.chains.pop(ctx, None)
             if chain is not None:
@@ -283,25 +337,38 @@ class UtterancePipeline:
 
 
 async def speak(
-    gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None, clip: tuple[np.ndarray, int] | None
+    gw: Gateway,
+    api: str,
+    text: str,
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    clip: tuple[np.ndarray, int] | None,
+    timeline: AudioTimeline | None = None,
 ) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
-    HTTP status); closing the iterator (the client is gone) cancels the engine work."""
+    HTTP status); closing the iterator (the client is gone) cancels the engine work. `timeline`: fed with the
+    audio before it is yielded, an utterance begun and ended around its audio (the words each piece completes:
+    app/core/timestamps.py)."""
     sentences = split_text(gw, text, opts.language)
-    if not sentences:
-        raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe = UtterancePipeline(gw, api)
-    pipe.add(sentences, opts, voice, clip)
+    if not sentences or not pipe.add(sentences, opts, voice, clip):  # nothing but tags is nothing to speak
+        raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe.end()  # the whole text is here: its last sentence is final
     try:
         while pipe.queue:
             u = pipe.queue[0]
+            if timeline is not None:
+                u.clock = timeline.begin(u.text)
             async with contextlib.aclosing(pipe.play(u)) as pcm:
                 async for x in pcm:
+                    if timeline is not None:
+                        timeline.feed(x)
                     yield x
             if u.error is not None:
                 raise u.error
+            if timeline is not None:
+                timeline.end()
             pipe.done(u)
     finally:
         pipe.close()

@@ -28,7 +28,6 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,9 +37,9 @@ from app.core.admission import Conversation
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, text_buffer
+from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
 from app.core.text_buffer import TextBuffer
-from app.core.timestamps import WordClock, WordTime, aligned_words
+from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
 from app.io.audio_output import Encoder, encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
@@ -59,17 +58,6 @@ ALIGN_TIMEOUT_S = 10.0  # an utterance whose alignment takes longer keeps its es
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
-
-
-@dataclass
-class Chunk:
-    """What one audio message of an utterance covers: its span of the utterance's audio (seconds from the
-    utterance's first sample, 44.1 kHz time) and the words that span completes (app/core/timestamps.py;
-    none unless the session asks for word times, `words_for`)."""
-
-    start_s: float
-    end_s: float
-    words: list[WordTime] = field(default_factory=list)
 
 
 class ClientStalled(Exception):
@@ -353,7 +341,8 @@ class StreamingSession:
                 G.BUFFER_FULL if buffered else G.TEXT_TOO_LONG,
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
-        opts = self.settings_for(ctx)[0]
+        opts, voice, clip = self.settings_for(ctx)
+        inline_pieces(self.gw, [text], opts, voice, clip)  # its own breaks and tags: refused whole, now
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text
@@ -576,8 +565,8 @@ class StreamingSession:
     async def _play_utterance(self, lane: Lane, u: Utterance) -> None:
         assert u.encoder is not None
         started = False
-        clock = u.clock = WordClock(u.text) if self.words_for(u) else None
-        fed, chunk = 0, Chunk(0.0, 0.0)  # the samples fed to the encoder; what the next message covers
+        timeline = AudioTimeline(words=self.words_for(u))  # what each message covers (app/core/timestamps.py)
+        u.clock = timeline.begin(u.text)
         u.aligned = self.aligned_for(u) and self.gw.engine.aligns and u.silence_s is None and bool(u.text.strip())
         sent: list[np.ndarray] | None = [] if u.aligned else None
         async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
@@ -591,13 +580,9 @@ class StreamingSession:
                         await self.on_utterance_start(u)
                         started = True
                     data = await encode(u.encoder, pcm)
-                    fed += len(pcm)
-                    chunk.end_s = fed / SAMPLE_RATE
-                    if clock is not None:
-                        chunk.words += clock.feed(pcm)
+                    timeline.feed(pcm)
                     if data:
-                        await self.on_audio(u, data, chunk)
-                        chunk = Chunk(chunk.end_s, chunk.end_s)
+                        await self.on_audio(u, data, timeline.take())
         async with self._send_lock:
             if u.cancelled:
                 return
@@ -607,8 +592,8 @@ class StreamingSession:
             if not started:
                 await self.on_utterance_start(u)
             tail = await encode(u.encoder, np.zeros(0, np.int16), last=True)
-            if clock is not None:
-                chunk.words += clock.finish()
+            timeline.end()
+            chunk = timeline.take()
             if tail:
                 await self.on_audio(u, tail, chunk)
             elif chunk.words or chunk.end_s > chunk.start_s:

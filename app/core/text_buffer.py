@@ -6,7 +6,8 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte), at a clause mark or a space if there is one, never inside a character.
+takes one frame per byte), at a clause mark or a space if there is one, never inside a character or an
+inline tag.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import sentencex
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
 # Where a too-long sentence is best cut: after a clause mark (ASCII ones need a space after them).
 _CLAUSE = re.compile(r"[,;:)\]](?=\s)|\s[–—-](?=\s)|[、，；：]")
+# A break or style tag (app/core/breaks.py, app/core/style_tags.py): a cut moves before one it would split.
+_TAG_MAX = 200
+_TAG = re.compile(rf"<[^<>]{{0,{_TAG_MAX}}}>|\[[^\[\]]{{0,40}}\]")
 _JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
 # A period can end an abbreviation or an initial, and the segmenter decides by the word after it
 # ("J. R. R. To" splits, "J. R. R. Tolkien" does not): such an end is certain once that word is complete.
@@ -66,6 +70,9 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
             cut = fit
             while cut > 1 and (_attached(sentence[cut]) or sentence[cut - 1] in _JOINERS):
                 cut -= 1
+        for m in _TAG.finditer(sentence, 0, fit + _TAG_MAX):  # never inside a tag: its halves would be read as text
+            if m.start() < cut < m.end() and m.start() > 0:
+                cut = m.start()
         cut = max(cut, 1)
         piece = sentence[:cut].strip()
         if piece:

@@ -18,8 +18,9 @@ one, and none lies past the audio sent when it is reported.
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +33,7 @@ PAUSE_SYLLABLES = {",": 1.0, ";": 1.5, ":": 1.5, "-": 0.5, ".": 2.0, "!": 2.0, "
 FRAME = SAMPLE_RATE // 100  # 10 ms of 44.1 kHz audio: the unit of the voiced-or-not decision
 QUIET_DB = 30.0  # a frame this far below the utterance's loudest frames is silence
 
+CharTime = tuple[str, float, float]  # a character of an alignment: (character, start, end), seconds
 _WORD = re.compile(r"\S+")
 _VOWELS = re.compile(r"[aeiouyàâäéèêëîïôöùûüœæ]+", re.IGNORECASE)
 
@@ -73,42 +75,122 @@ def syllables(word: str) -> float:
     return count + PAUSE_SYLLABLES.get(word[-1], 0.0)
 
 
+def char_times(words: list[WordTime]) -> list[CharTime]:
+    """ElevenLabs' character alignment of some words, in seconds on the words' clock: each word's characters
+    share its span evenly, a space after each (at the word's end)."""
+    out: list[CharTime] = []
+    for w in words:
+        step = (w.end_s - w.start_s) / max(1, len(w.word))
+        out += [(ch, w.start_s + i * step, w.start_s + (i + 1) * step) for i, ch in enumerate(w.word)]
+        out.append((" ", w.end_s, w.end_s))
+    return out
+
+
+def run_to(chars: list[CharTime], end_s: float, since: float | None = None) -> list[CharTime]:
+    """`chars` and a last space from their last end (or `since`, when there are none) to `end_s`, the end of
+    the audio they cover: a client that advances its clock by an alignment's last end stays on the audio."""
+    last = chars[-1][2] if chars else since
+    if last is not None and end_s <= last:
+        return chars
+    start = last if last is not None else end_s
+    return [*chars, (" ", start, max(start, end_s))]
+
+
 def char_alignment(
-    text: str, words: list[WordTime], start_s: float, end_s: float, timeline_s: float | None = None
+    words: list[WordTime], start_s: float, end_s: float, timeline_s: float | None = None
 ) -> dict[str, list] | None:
-    """ElevenLabs' `alignment` of one audio message: the characters of the words it completes (each word's
-    characters share its span evenly, a space after each).
+    """ElevenLabs' WebSocket `alignment` of one audio message: the characters of the words it completes.
 
     Message clock (timeline_s None): times in ms from the message's first sample (a word begun in an earlier
-    message starts before 0), and a last space that runs to the message's end, so a client that advances its
-    clock by each message's alignment stays on the audio (pipecat).
-    Context clock (timeline_s: where the utterance starts in its context's audio, s): times in ms on the
+    message starts before 0), and a last space that runs to the message's end (`run_to`), so a client that
+    advances its clock by each message's alignment stays on the audio (pipecat).
+    Context clock (timeline_s: where the words' clock starts in the context's audio, s): times in ms on the
     context's audio, only the words' characters (None when the message completes no word), so a client that
     reads every message's times as one timeline (LiveKit, `sync_alignment=true`) stays on the audio."""
     if timeline_s is not None:
         if not words:
             return None
-        start_s = -timeline_s
-    chars: list[str] = []
-    starts: list[float] = []
-    durations: list[float] = []
-    for w in words:
-        piece = text[w.char_start : w.char_end]
-        step = (w.end_s - w.start_s) / max(1, len(piece))
-        for i, ch in enumerate(piece):
-            chars.append(ch)
-            starts.append(round((w.start_s + i * step - start_s) * 1e3, 1))
-            durations.append(round(step * 1e3, 1))
-        chars.append(" ")
-        starts.append(round((w.end_s - start_s) * 1e3, 1))
-        durations.append(0.0)
-    last = starts[-1] + durations[-1] if starts else 0.0
-    tail = round((end_s - start_s) * 1e3, 1)
-    if timeline_s is None and (tail > last or not chars):
-        chars.append(" ")
-        starts.append(last)
-        durations.append(round(max(0.0, tail - last), 1))
-    return {"chars": chars, "charStartTimesMs": starts, "charDurationsMs": durations}
+        chars, origin = char_times(words), -timeline_s
+    else:
+        chars, origin = run_to(char_times(words), end_s, start_s), start_s
+    return {
+        "chars": [c for c, _, _ in chars],
+        "charStartTimesMs": [round((a - origin) * 1e3, 1) for _, a, _ in chars],
+        "charDurationsMs": [round((b - a) * 1e3, 1) for _, a, b in chars],
+    }
+
+
+def char_alignment_seconds(chars: list[CharTime]) -> dict[str, list] | None:
+    """ElevenLabs' HTTP `alignment` (`/with-timestamps` routes) of `char_times` output: seconds on the
+    response's clock (None: no characters)."""
+    if not chars:
+        return None
+    return {
+        "characters": [c for c, _, _ in chars],
+        "character_start_times_seconds": [round(a, 4) for _, a, _ in chars],
+        "character_end_times_seconds": [round(b, 4) for _, _, b in chars],
+    }
+
+
+@dataclass
+class Chunk:
+    """What one audio message covers: its span of the audio (seconds on the timeline's clock) and the words that
+    span completes (none unless the timeline estimates words)."""
+
+    start_s: float
+    end_s: float
+    words: list[WordTime] = field(default_factory=list)
+
+
+class AudioTimeline:
+    """The audio of utterances played one after another on one stream (an utterance of a socket, the whole text of
+    an HTTP response), as it is handed to the encoder: what each message covers, and, with `words`, the words
+    each completes (a WordClock per utterance, its times moved onto the timeline's clock). Every message's
+    words are taken once, in order: the times the client gets are monotonic and cover every word."""
+
+    def __init__(self, words: bool = True) -> None:
+        self.words = words
+        self.samples = 0  # handed to the encoder
+        self._clock: WordClock | None = None
+        self._offset = 0.0  # where the utterance playing began on the timeline
+        self._taken = 0  # samples covered by the messages taken
+        self._pending: list[WordTime] = []
+
+    @property
+    def sent_s(self) -> float:
+        return self.samples / SAMPLE_RATE
+
+    def begin(self, text: str) -> WordClock | None:
+        """An utterance of `text` begins here: its word clock (None without `words`)."""
+        self.end()
+        self._offset = self.sent_s
+        self._clock = WordClock(text) if self.words else None
+        return self._clock
+
+    def feed(self, pcm: np.ndarray) -> None:
+        """Audio of the utterance (int16, 44.1 kHz), as handed to the encoder."""
+        self.samples += len(pcm)
+        if self._clock is not None:
+            self._moved(self._clock.feed(pcm))
+
+    def end(self) -> None:
+        """The utterance's audio is complete: its words left share it."""
+        if self._clock is not None:
+            self._moved(self._clock.finish())
+            self._clock = None
+
+    def take(self) -> Chunk:
+        """What the next message covers: the audio since the last one, the words completed since."""
+        chunk = Chunk(self._taken / SAMPLE_RATE, self.sent_s, self._pending)
+        self._taken, self._pending = self.samples, []
+        return chunk
+
+    def _moved(self, words: list[WordTime]) -> None:
+        if self._offset:
+            words = [
+                dataclasses.replace(w, start_s=w.start_s + self._offset, end_s=w.end_s + self._offset) for w in words
+            ]
+        self._pending += words
 
 
 class WordClock:

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import speak
+from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -93,11 +94,13 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
 class Framing:
     """How encoded audio goes on the wire: as it is (the default), or wrapped (base64 JSON lines, events).
     `chunk(data)` wraps a piece, `end()` closes the body, `error(e)` is an error after the audio began
-    (None: the response is cut off)."""
+    (None: the response is cut off). `timeline`: the framing sends word times, and reads there what each piece
+    covers (app/core/timestamps.py AudioTimeline, fed by the pipeline as the audio is encoded)."""
 
     chunk: Callable[[bytes], bytes] = field(default=lambda data: data)
     end: Callable[[], bytes] = field(default=lambda: b"")
     error: Callable[[RequestError], bytes] | None = None
+    timeline: AudioTimeline | None = None
 
 
 async def speech_response(
@@ -118,7 +121,7 @@ async def speech_response(
     gw: Gateway = request.app.state.gateway
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
-    speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None)
+    speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline)
     chunks = await first_chunk(speech, request)
 
     async def body() -> AsyncIterator[bytes]:

@@ -18,8 +18,8 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions, parse_options
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
-from app.core.session import Chunk, StreamingSession
-from app.core.timestamps import ALIGNED, SOURCE, WordTime
+from app.core.session import StreamingSession
+from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
 from app.io.checks import base64_payload, check_context_id, check_sample_rate

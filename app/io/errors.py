@@ -59,6 +59,7 @@ class GatewayError(StrEnum):
     VOICE_STORE_UNAVAILABLE = "voice_store_unavailable"
     BAD_LEXICON = "bad_lexicon"  # a pronunciation dictionary that cannot be taken (a phoneme rule, bad PLS)
     UNKNOWN_LEXICON = "unknown_lexicon"
+    UNSUPPORTED_TAG = "unsupported_tag"  # a style tag the server cannot apply (app/core/style_tags.py)
     # the dialects' own codes, as those services spell them
     ELEVENLABS_INVALID_OUTPUT_FORMAT = "invalid_output_format"
     ELEVENLABS_MAX_ACTIVE_CONVERSATIONS = "max_active_conversations"

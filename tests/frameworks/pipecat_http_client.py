@@ -2,7 +2,7 @@
 CartesiaHttpTTSService: /tts/bytes, DeepgramHttpTTSService: POST /v1/speak) against the gateway (run by
 tests/system/test_clients.py in the frameworks' virtualenv): configured as for the real provider except for its
 base URL, with a voice from our library. Speaks one turn and prints one JSON line: audio bytes, sample rate,
-errors.
+errors, the words of its word-timed transcript frames.
 
     python tests/frameworks/pipecat_http_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
 """
@@ -39,6 +39,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         worker, running = await make_worker(Pipeline([make_service(kind, base, key, voice, session), col]))
         run = asyncio.create_task(running)
         audio = await speak(worker, col, "Hello there. How are you today?", "the turn")
+        await asyncio.sleep(1.0)  # the service times its words against the audio: the last ones come after it
         await worker.queue_frame(EndFrame())
         await within(run, "the pipeline to end")
     return {
@@ -46,6 +47,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         "audio_bytes": audio,
         "sample_rate": min(col.rates) if col.rates else None,
         "errors": col.reported_errors(),
+        "words": col.words,
     }
 
 

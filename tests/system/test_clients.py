@@ -682,8 +682,22 @@ def el(
     )
 
 
+def check_alignment(a: dict, audio_s: float | None) -> list[str]:
+    """An ElevenLabs HTTP alignment: three arrays of one length, starts monotonic, each end at or after its
+    start, none past the audio (`audio_s`: the last one reaches its end); its words."""
+    chars, starts, ends = a["characters"], a["character_start_times_seconds"], a["character_end_times_seconds"]
+    assert len(chars) == len(starts) == len(ends) > 0, a
+    assert starts == sorted(starts) and all(e >= s >= 0 for s, e in zip(starts, ends, strict=True)), a
+    if audio_s is not None:
+        assert ends[-1] == pytest.approx(audio_s, abs=1e-3), (ends[-1], audio_s)
+    return "".join(chars).split()
+
+
 def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
-    """convert, stream, and both with-timestamps forms: one pipeline, the same seeded audio; alignment null."""
+    """convert, stream, and both with-timestamps forms: one pipeline, the same seeded audio. The with-timestamps
+    forms carry the estimated alignment of every word (normalized_alignment the same): the document's covers the
+    whole audio, each line's the words its own audio completes, on the answer's clock, monotonic across lines,
+    the last (a line without audio) running to the end of the audio."""
     with httpx.stream(
         "POST",
         f"{dsrv.url}/v1/text-to-speech/Ada/stream?{ZP}&output_format=pcm_16000",
@@ -694,16 +708,30 @@ def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
         assert r.status_code == 200 and r.headers["content-type"] == "audio/pcm"
         chunks = [c for c in r.iter_raw() if c]
     pcm = b"".join(chunks)
+    audio_s = len(pcm) / 2 / 16000
     assert len(chunks) >= 2 and len(pcm) == 2 * n_at(16000)  # pieces of each sentence, all of both
     assert same_pcm(el(dsrv, "").content, pcm)
     whole = el(dsrv, "/with-timestamps")
     assert whole.headers["content-type"] == "application/json"
     doc = whole.json()
-    assert same_pcm(base64.b64decode(doc["audio_base64"]), pcm) and doc["alignment"] is None
-    assert doc["normalized_alignment"] is None
+    assert same_pcm(base64.b64decode(doc["audio_base64"]), pcm)
+    assert doc["normalized_alignment"] == doc["alignment"]
+    assert check_alignment(doc["alignment"], audio_s) == TWO.split()
     lines = [json.loads(x) for x in el(dsrv, "/stream/with-timestamps").text.splitlines()]
-    assert len(lines) >= 2 and all(x["alignment"] is None and x["normalized_alignment"] is None for x in lines)
+    assert len(lines) >= 2 and all(x["alignment"] == x["normalized_alignment"] for x in lines)
     assert same_pcm(b"".join(base64.b64decode(x["audio_base64"]) for x in lines), pcm)
+    aligned = [x["alignment"] for x in lines if x["alignment"] is not None]
+    assert lines[-1]["audio_base64"] == "" and aligned[-1] is lines[-1]["alignment"]
+    merged = {k: [v for a in aligned for v in a[k]] for k in aligned[0]}
+    assert check_alignment(merged, audio_s) == TWO.split()
+    sent = 0.0
+    for x in lines:  # no line's characters lie past the audio sent with it and before (but the resampler's held few)
+        sent += len(base64.b64decode(x["audio_base64"])) / 2 / 16000
+        if x["alignment"] is not None:
+            assert x["alignment"]["character_end_times_seconds"][-1] <= sent + 0.01, (x["alignment"], sent)
+    # an MP3 answer: the words ride on the encoder's pieces; all of them, and the audio's end is its length
+    mp3 = el(dsrv, "/with-timestamps", query="output_format=mp3_44100_128").json()
+    assert check_alignment(mp3["alignment"], None) == TWO.split()
 
 
 @pytest.mark.parametrize(
@@ -958,9 +986,12 @@ def test_livekit_synthesize_through_the_http_dialects(dsrv, service, rate):
 @pytest.mark.parametrize("service", ["elevenlabs", "cartesia", "deepgram"])
 def test_pipecat_http_services_through_the_http_dialects(dsrv, service):
     """pipecat's ElevenLabsHttpTTSService (/stream/with-timestamps), CartesiaHttpTTSService (/tts/bytes) and
-    DeepgramHttpTTSService (POST /v1/speak) with only their base URL changed: a spoken turn at 24 kHz."""
+    DeepgramHttpTTSService (POST /v1/speak) with only their base URL changed: a spoken turn at 24 kHz; the
+    ElevenLabs service's word-timed transcript from the alignments."""
     if not framework_installed("pipecat"):
         pytest.skip("no .venv-frameworks with pipecat-ai (scripts/setup-frameworks makes it)")
     result = drive_framework("pipecat_http_client", service, dsrv)
     assert result["errors"] == [] and result["sample_rate"] == 24000, result
     assert 0 < result["audio_bytes"] <= 2 * round(samples_at(24000, 2 * 40)), result
+    if service == "elevenlabs":  # word-timed transcript frames from the with-timestamps alignments
+        assert [w.strip() for w in result["words"]] == ["Hello", "there.", "How", "are", "you", "today?"], result

@@ -861,6 +861,9 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
         ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
         ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
+        ({"transcript": '<emotion value="happy"/>Nope.'}, "unsupported_tag"),  # no emotion directions here
+        ({"transcript": "Quiet. [whispering] Nope."}, "unsupported_tag"),
+        ({"transcript": "<emotion/>Nope."}, "bad_text"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
@@ -1273,6 +1276,23 @@ def test_livekit_plugins_speak_through_the_gateway(srv, service):
         assert "".join(w for w, _, _ in words).split() == ["Hello", "there.", "How", "are", "you", "today?"], result
         times = [t for _, start, end in words for t in (start, end)]
         assert times == sorted(times) and times[0] >= 0, words  # monotonic, on the audio sent
+
+
+@pytest.mark.frameworks
+@frameworks
+@pytest.mark.parametrize("service", ["elevenlabs", "cartesia"])
+def test_pipecat_context_after_an_interruption_holds_only_the_words_sent(srv, service):
+    """A pipecat pipeline (TTS service, output transport, assistant context aggregator) interrupted while the
+    reply plays: the assistant message in the context is the reply's first words, those released at their
+    (estimated) times, no more than the service had timed from our alignment / timestamps when the interruption
+    passed it (words whose audio had been sent), and far from the whole reply."""
+    result = drive("pipecat_context_client", service, srv)
+    assert result["errors"] == [] and result["interrupted"] is True, result
+    reply = result["reply"].split()
+    said = result["message"].split()
+    assert result["context"] == [result["message"]], result
+    assert said == reply[: len(said)], result  # the reply's first words, in order
+    assert 3 <= len(said) <= len(result["timed_at_interruption"]) < len(reply), result
 
 
 EMOTION = {**FAST, "emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.core.style_tags import TAG_EMOTIONS
 from engine.frontend.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
 
 D = 48  # the release is 2048; the formulas do not care
@@ -409,6 +410,74 @@ def test_websocket_params_apply_emotion(emotion_server):
     # the WebSocket has no speaker_embedding_id: the calibration key is the voice's id, as given here
     assert asyncio.run(one(plain_id, emotion)) == asyncio.run(one(injected_id, {}))
     assert asyncio.run(one(plain_id, emotion)) != asyncio.run(one(plain_id, {}))
+
+
+def test_style_tags_map_onto_the_emotion_controls(emotion_server, server):
+    """`[happy]` in the text is the slider `happy` at weight 1 for the text after it (the same audio as the
+    slider given in params), not spoken and not in the reported text; `<emotion value="calm"/>` (no such
+    direction) is the calm word's valence and arousal; the text before a tag continues into the text after
+    it. A tag the server cannot apply is refused with unsupported_tag: a manner ZONOS2 has no control for,
+    or any emotion tag on a server without emotion directions (WebSocket error, HTTP 400)."""
+    import asyncio
+
+    import httpx
+    import websockets
+
+    from tests.wsclient import Client
+
+    srv, _ = emotion_server
+    tagged_voice = upload_voice(srv.url, base_embedding(2048, seed=12), "tagged")
+
+    async def session(url: str, text: str, extra: dict | None = None, voice: str | None = tagged_voice) -> Client:
+        async with websockets.connect(url, max_size=None) as ws:
+            c = Client(ws)
+            await c.recv()
+            params = {"seed": 5, "max_frames": 12, "ignore_eos": True, **(extra or {})}
+            await c.send(type="session.config", voice=voice, encoding="pcm_f32le", params=params, timestamps=True)
+            assert (await c.recv())["type"] == "session.updated"
+            await c.send(type="text", text=text, flush=True)
+            while (await c.recv())["type"] not in ("flushed", "error"):
+                pass
+            return c
+
+    tagged = asyncio.run(session(srv.ws_url, "[HAPPY] Feel it."))
+    slider = asyncio.run(session(srv.ws_url, "Feel it.", {"emotion_enabled": True, "emotion_sliders": {"happy": 1.0}}))
+    plain = asyncio.run(session(srv.ws_url, "Feel it."))
+    assert [m["text"] for m in tagged.log if m["type"] == "audio.start"] == ["Feel it."]
+    assert list(tagged.audio.values()) == list(slider.audio.values()) != list(plain.audio.values())
+
+    calm = asyncio.run(session(srv.ws_url, 'Feel it <emotion value="calm"/> now.'))
+    starts = [m for m in calm.log if m["type"] == "audio.start"]
+    assert [m["text"] for m in starts] == ["Feel it", "now."]
+    words = [w for m in calm.log if m["type"] == "audio.words" for w in m["words"]]  # every spoken word, no tag
+    assert [w["word"] for w in words] == ["Feel", "it", "now."]
+    texts = {m["utterance_id"]: m["text"] for m in starts}
+    for m in (m for m in calm.log if m["type"] == "audio.words"):
+        assert all(texts[m["utterance_id"]][w["char_start"] : w["char_end"]] == w["word"] for w in m["words"])
+    done = {m["utterance_id"]: m for m in calm.log if m["type"] == "audio.done"}
+    assert done[starts[0]["utterance_id"]]["stats"]["engine"]["continued"] is True  # one voice across the tag
+    valence, arousal = TAG_EMOTIONS["calm"]
+    alone = asyncio.run(session(srv.ws_url, 'Feel it <emotion value="calm"/> now.', {"long_form": False}))
+    axes = {"emotion_enabled": True, "emotion_valence": valence, "emotion_arousal": arousal, "long_form": False}
+    assert list(alone.audio.values())[1:] == list(asyncio.run(session(srv.ws_url, "now.", axes)).audio.values())
+
+    refused = asyncio.run(session(srv.ws_url, "Quiet now. [whispering] Sleep."))
+    err = refused.log[-1]
+    assert err["type"] == "error" and err["code"] == "unsupported_tag" and "whispering" in err["message"], err
+    assert not refused.audio  # refused whole: nothing of that text was spoken
+    refused = asyncio.run(session(server.ws_url, '<emotion value="sad"/> Bye.', voice=None))
+    err = refused.log[-1]
+    assert err["code"] == "unsupported_tag" and "emotion-directions-dir" in err["message"], err
+    r = httpx.post(server.url + "/v1/audio/speech", json={"input": "[sad] Bye.", "response_format": "pcm"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_tag", r.text
+    r = httpx.post(server.url + "/v1/audio/speech", json={"input": "[sad]", "response_format": "pcm"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_tag", r.text
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        json={"input": "[1] and [maybe]", "response_format": "pcm", "max_frames": 5, "ignore_eos": True},
+        timeout=60,
+    )
+    assert r.status_code == 200 and len(r.content) > 0  # brackets outside the table are text
 
 
 def test_reference_ui_bodies_are_accepted(emotion_server):

@@ -138,9 +138,22 @@ short_text = (
             "<break time=1s>x",
             "[happy] Hi.",
             '<emotion value="happy"/> Hi.',
+            # style tags (app/core/style_tags.py): mapped, refused (unsupported_tag, bad_text), or text
+            "Hi [sad] there [NEUTRAL] you.",
+            "[whispering] psst.",
+            "<emotion/> x.",
+            "<emotion value='calm'>Yes.</emotion> No.",
+            "[happy]",
+            "[1] [citation needed] [smug].",
+            "[happy] a " * 17,
+            '<emotion value="[happy]"/> x <break time="200ms"/> [sad] y.',
         ]
     )
 )
+# texts with style tags for a server with emotion directions (happy, sad: named; valence, arousal: axes)
+tagged_text = st.sampled_from(
+    ["[happy] Hi.", "Hi [sad] there.", '<emotion value="calm"/> Go.', "[neutral] x.", "[smug] y.", "[laughs] z."]
+) | st.builds(lambda w, t: f"[{w}] {t}", st.sampled_from(["happy", "content", "angry", "whisper", "x"]), short_text)
 
 
 def silent_flac(seconds: float, sr: int, channels: int = 1) -> bytes:
@@ -985,8 +998,8 @@ def test_fuzz_tts_generate_emotion(emotion_fuzz_server, data):
 @FUZZ
 @given(
     data=body(
-        set(emotion_fields),
-        {},
+        {*emotion_fields, "input"},
+        {"input": tagged_text | short_text},
         {
             "input": "Hello there.",
             "response_format": "pcm",
@@ -1233,6 +1246,23 @@ def test_fuzz_elevenlabs_http(dialect_fuzz_server, data, route, query, voice, ct
         timeout=60,
     )
     check_dialect(r, lambda b: b["detail"]["status"])
+    if r.status_code == 200 and route.endswith("with-timestamps"):
+        docs = [json.loads(x) for x in r.text.splitlines()] if route.startswith("/stream") else [r.json()]
+        for d in docs:
+            check_el_alignment(d)
+
+
+def check_el_alignment(d: dict[str, Any]) -> None:
+    """An ElevenLabs with-timestamps object: base64 audio, and alignments that are null or three arrays of one
+    length, monotonic times in seconds."""
+    assert set(d) == {"audio_base64", "alignment", "normalized_alignment"}, d
+    base64.b64decode(d["audio_base64"], validate=True)
+    assert d["alignment"] == d["normalized_alignment"]
+    if d["alignment"] is not None:
+        chars = d["alignment"]["characters"]
+        starts, ends = d["alignment"]["character_start_times_seconds"], d["alignment"]["character_end_times_seconds"]
+        assert len(chars) == len(starts) == len(ends) > 0 and all(isinstance(c, str) and len(c) == 1 for c in chars)
+        assert starts == sorted(starts) and all(e >= a >= 0 for a, e in zip(starts, ends, strict=True)), d
 
 
 cartesia_format = st.fixed_dictionaries(

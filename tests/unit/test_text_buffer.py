@@ -125,6 +125,14 @@ def test_long_sentences_are_cut_at_clauses_then_spaces():
     assert split_to_budget("aaaa bbbb cccc", 9) == ["aaaa", "bbbb cccc"]
 
 
+def test_a_long_sentence_is_never_cut_inside_a_tag():
+    """A cut that would fall inside a break or style tag moves before it: its halves would be spoken as text."""
+    s = 'Words words words <emotion value="happy"/> more words.'
+    assert split_to_budget(s, 30) == ["Words words words", '<emotion value="happy"/> more', "words."]
+    assert split_to_budget("Some words [ happy ] then more.", 16) == ["Some words", "[ happy ]", "then more."]
+    assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=400),

@@ -8,7 +8,16 @@ import itertools
 import numpy as np
 import pytest
 
-from app.core.timestamps import WordClock, aligned_words, char_alignment, syllables
+from app.core.timestamps import (
+    AudioTimeline,
+    WordClock,
+    aligned_words,
+    char_alignment,
+    char_alignment_seconds,
+    char_times,
+    run_to,
+    syllables,
+)
 from engine.contract.constants import SAMPLE_RATE
 
 TEXT = "Hello there, how are you today? Fine, thanks."
@@ -65,12 +74,12 @@ def test_what_was_heard_before_a_barge_in():
 def test_an_elevenlabs_alignment_runs_to_its_message_end():
     clock = WordClock(TEXT)
     words = clock.feed(speech(3.0)) + clock.finish()
-    a = char_alignment(TEXT, words, 0.0, 3.0)
+    a = char_alignment(words, 0.0, 3.0)
     assert a is not None
     assert len(a["chars"]) == len(a["charStartTimesMs"]) == len(a["charDurationsMs"])
     assert "".join(a["chars"]).split() == TEXT.split()
     assert abs(a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] - 3000.0) < 0.2
-    empty = char_alignment(TEXT, [], 1.0, 1.5)  # a message that completes no word still advances the clock
+    empty = char_alignment([], 1.0, 1.5)  # a message that completes no word still advances the clock
     assert empty is not None and empty["chars"] == [" "] and empty["charDurationsMs"] == [500.0]
 
 
@@ -79,15 +88,15 @@ def test_an_elevenlabs_alignment_on_the_contexts_clock():
     starts 2 s into it), no padding, nothing for a message that completes no word."""
     clock = WordClock(TEXT)
     words = clock.feed(speech(3.0)) + clock.finish()
-    message = char_alignment(TEXT, words, 2.5, 3.0)  # the message clock: relative to 2.5 s
-    context = char_alignment(TEXT, words, 2.5, 3.0, timeline_s=2.0)
+    message = char_alignment(words, 2.5, 3.0)  # the message clock: relative to 2.5 s
+    context = char_alignment(words, 2.5, 3.0, timeline_s=2.0)
     assert message is not None and context is not None
     assert "".join(context["chars"]).split() == TEXT.split() and context["chars"][-1] == " "
     assert len(context["chars"]) == len(message["chars"]) - (message["chars"][-2:] == [" ", " "])
     for m, c in zip(message["charStartTimesMs"], context["charStartTimesMs"], strict=False):
         assert abs(c - (m + 4500.0)) < 0.2  # 2.5 s of message offset + 2 s of context offset
     assert context["charStartTimesMs"] == sorted(context["charStartTimesMs"]) and context["charStartTimesMs"][0] >= 2000
-    assert char_alignment(TEXT, [], 1.0, 1.5, timeline_s=2.0) is None
+    assert char_alignment([], 1.0, 1.5, timeline_s=2.0) is None
 
 
 def test_the_aligners_words_carry_their_place_in_the_text():
@@ -102,3 +111,34 @@ def test_the_aligners_words_carry_their_place_in_the_text():
     # not the text's words (a different text, a word missing): the estimate stands
     assert aligned_words(text, (("Hello,", 0.1, 0.4), ("world", 0.4, 0.9), ("42!", 0.9, 0.9))) is None
     assert aligned_words(text, (("Hello,", 0.1, 0.4),)) is None
+
+
+def test_a_timeline_of_several_utterances_times_every_word_on_one_clock():
+    """Two utterances and a break on one stream (an HTTP answer): every word once, in order, on the stream's
+    clock (the second utterance's words after the first's audio), each piece's span where the last ended, and
+    the characters of ElevenLabs' HTTP alignment monotonic, running to the audio's end."""
+    texts = ["Hello there, how are you?", "", "Fine, thanks."]
+    audio = [speech(1.5, 0.1, 0.3, seed=1), np.zeros(SAMPLE_RATE // 2, np.int16), speech(1.0, 0.1, 0.2, seed=2)]
+    timeline = AudioTimeline()
+    chunks = []
+    for text, pcm in zip(texts, audio, strict=True):
+        timeline.begin(text)
+        for i in range(0, len(pcm), 3000):
+            timeline.feed(pcm[i : i + 3000])
+            chunks.append(timeline.take())
+        timeline.end()
+    chunks.append(timeline.take())
+    words = [w for c in chunks for w in c.words]
+    assert [w.word for w in words] == " ".join(texts).split()
+    assert all(b.start_s >= a.end_s - 1e-9 for a, b in itertools.pairwise(words))
+    first_len = len(audio[0]) / SAMPLE_RATE
+    assert words[5].start_s >= first_len + 0.5 + 0.1 - 0.011  # after the first utterance, the break, the lead-in
+    assert all(b.start_s == a.end_s for a, b in itertools.pairwise(chunks))
+    assert chunks[-1].end_s == sum(len(a) for a in audio) / SAMPLE_RATE
+    chars = run_to([c for chunk in chunks for c in char_times(chunk.words)], timeline.sent_s, 0.0)
+    a = char_alignment_seconds(chars)
+    assert a is not None and "".join(a["characters"]).split() == " ".join(texts).split()
+    starts, ends = a["character_start_times_seconds"], a["character_end_times_seconds"]
+    assert starts == sorted(starts) and all(e >= s for s, e in zip(starts, ends, strict=True))
+    assert ends[-1] == round(timeline.sent_s, 4)
+    assert char_alignment_seconds([]) is None

@@ -8,7 +8,7 @@
   texts and flushes with text count as flushed until the context's audio has begun, after that only a
   text-less flush does and a close is a barge-in); `{"text": ""}`
   keeps the socket alive; `{"close_socket": true}` closes every context that way, then the socket.
-  Out: `{"audio": <base64>, "normalizedAlignment": null, "alignment": null, "contextId"}` and, once a
+  Out: `{"audio": <base64>, "normalizedAlignment", "alignment", "contextId"}` and, once a
   closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
 * `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
   contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
@@ -37,8 +37,8 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
-from app.core.session import Chunk, Hold, StreamingSession
-from app.core.timestamps import char_alignment
+from app.core.session import Hold, StreamingSession
+from app.core.timestamps import Chunk, char_alignment
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
@@ -302,7 +302,7 @@ class ElevenLabsSession(StreamingSession):
                 base_s, sent_s = base_s + sent_s, 0.0
             self.timeline[u.context_id] = (u.seq, base_s, max(sent_s, chunk.end_s))
             timeline_s = base_s
-        alignment = char_alignment(u.text, chunk.words, chunk.start_s, chunk.end_s, timeline_s)
+        alignment = char_alignment(chunk.words, chunk.start_s, chunk.end_s, timeline_s)
         msg: dict[str, Any] = {"audio": audio, "normalizedAlignment": alignment, "alignment": alignment}
         if self.multi:
             msg["contextId"] = u.context_id

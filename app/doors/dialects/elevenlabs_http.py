@@ -3,10 +3,12 @@
 
 * `POST /v1/text-to-speech/{voice_id}` and `/stream`: the audio in `?output_format` (as on the WebSocket,
   default `mp3_44100_128`), streamed as it is generated (both: a client of the first reads it whole).
-* `/with-timestamps`: one JSON object `{"audio_base64", "alignment": null, "normalized_alignment": null}`,
-  streamed too (the base64 grows as the audio is generated). `/stream/with-timestamps`: one such object per
-  line as each piece is ready. ZONOS2 produces no timings: both alignments are always null, as on the
-  WebSocket.
+* `/with-timestamps`: one JSON object `{"audio_base64", "alignment", "normalized_alignment"}`, streamed too
+  (the base64 grows as the audio is generated; the alignment of the whole audio closes it).
+  `/stream/with-timestamps`: one such object per line as each piece is ready, its alignment the characters
+  of the words that piece completes. Alignments are `{characters, character_start_times_seconds,
+  character_end_times_seconds}` from the answer's first sample, estimated as on the WebSocket
+  (app/core/timestamps.py: ZONOS2 gives no timings); `normalized_alignment` is the same.
 
 Body: `text` (required), `voice_settings.speed` (our speed), `language_code`, `apply_text_normalization`
 (`off` turns normalization off), `seed`; `model_id`, `previous_text`, `next_text`, the request ids,
@@ -28,6 +30,7 @@ from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
+from app.core.timestamps import AudioTimeline, CharTime, char_alignment_seconds, char_times, run_to
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
 from app.doors.dialects.elevenlabs import check_url_options, output_format
@@ -50,7 +53,6 @@ _UNUSED: dict[str, tuple[type, ...]] = {
     "use_pvc_as_ivc": (bool,),
     "apply_language_text_normalization": (bool,),
 }
-_NULL_ALIGNMENT = {"alignment": None, "normalized_alignment": None}
 
 
 def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
@@ -96,13 +98,22 @@ async def _speak(request: Request, framing: Framing | None = None, media_type: s
     return await speech_response(request, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
 
 
+def _alignments(chars: list[CharTime]) -> dict[str, Any]:
+    """Both alignments of an answer (the written text's characters: normalized text has no times of its own)."""
+    alignment = char_alignment_seconds(chars)
+    return {"alignment": alignment, "normalized_alignment": alignment}
+
+
 class _Base64Document:
-    """`{"audio_base64": "<the audio so far>...", "alignment": null, "normalized_alignment": null}` written
-    as the audio comes: base64 of whole 3-byte groups, the rest kept for the next piece."""
+    """`/with-timestamps`: `{"audio_base64": "<the audio so far>...", "alignment", "normalized_alignment"}`
+    written as the audio comes (base64 of whole 3-byte groups, the rest kept for the next piece), the
+    alignment of the whole audio at the end."""
 
     def __init__(self) -> None:
         self._rest = b""
         self._opened = False
+        self.timeline = AudioTimeline()
+        self._chars: list[CharTime] = []
 
     def _open(self) -> bytes:
         if self._opened:
@@ -111,18 +122,45 @@ class _Base64Document:
         return b'{"audio_base64": "'
 
     def chunk(self, data: bytes) -> bytes:
+        self._chars += char_times(self.timeline.take().words)
         data = self._rest + data
         cut = len(data) - len(data) % 3
         self._rest = data[cut:]
         return self._open() + base64.b64encode(data[:cut])
 
     def end(self) -> bytes:
-        tail = json.dumps(_NULL_ALIGNMENT)[1:]  # '"alignment": null, ...}'
+        self._chars = run_to(self._chars + char_times(self.timeline.take().words), self.timeline.sent_s, 0.0)
+        tail = json.dumps(_alignments(self._chars))[1:]  # '"alignment": {...}, ...}'
         return self._open() + base64.b64encode(self._rest) + b'", ' + tail.encode()
 
+    def framing(self) -> Framing:
+        return Framing(chunk=self.chunk, end=self.end, timeline=self.timeline)
 
-def _line(data: bytes) -> bytes:
-    return json.dumps({"audio_base64": base64.b64encode(data).decode(), **_NULL_ALIGNMENT}).encode() + b"\n"
+
+class _Lines:
+    """`/stream/with-timestamps`: one `{"audio_base64", "alignment", "normalized_alignment"}` line per piece of
+    audio, its alignment the characters of the words that piece completes (null: none), times on the whole
+    answer's clock (what pipecat's ElevenLabsHttpTTSService reads). The words the last piece leaves, and a last
+    space that runs to the end of the audio, come in a last line without audio."""
+
+    def __init__(self) -> None:
+        self.timeline = AudioTimeline()
+        self._last = 0.0  # where the characters sent so far end
+
+    def chunk(self, data: bytes) -> bytes:
+        return self._line(data, char_times(self.timeline.take().words))
+
+    def end(self) -> bytes:
+        chars = run_to(char_times(self.timeline.take().words), self.timeline.sent_s, self._last)
+        return self._line(b"", chars) if chars else b""
+
+    def _line(self, data: bytes, chars: list[CharTime]) -> bytes:
+        if chars:
+            self._last = chars[-1][2]
+        return json.dumps({"audio_base64": base64.b64encode(data).decode(), **_alignments(chars)}).encode() + b"\n"
+
+    def framing(self) -> Framing:
+        return Framing(chunk=self.chunk, end=self.end, timeline=self.timeline)
 
 
 @errors_as(elevenlabs_error)
@@ -134,11 +172,10 @@ async def speech(request: Request) -> Response:
 @errors_as(elevenlabs_error)
 async def speech_with_timestamps(request: Request) -> Response:
     """POST /v1/text-to-speech/{voice_id}/with-timestamps."""
-    doc = _Base64Document()
-    return await _speak(request, Framing(chunk=doc.chunk, end=doc.end), media_type="application/json")
+    return await _speak(request, _Base64Document().framing(), media_type="application/json")
 
 
 @errors_as(elevenlabs_error)
 async def stream_with_timestamps(request: Request) -> Response:
     """POST /v1/text-to-speech/{voice_id}/stream/with-timestamps: one JSON object per line."""
-    return await _speak(request, Framing(chunk=_line), media_type="application/x-ndjson")
+    return await _speak(request, _Lines().framing(), media_type="application/x-ndjson")

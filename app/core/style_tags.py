@@ -1,0 +1,162 @@
+"""Inline style tags: Cartesia's `<emotion value="happy"/>` and bracket tags such as `[happy]` (ElevenLabs' v3
+audio tags) in a text, on every API. A tag sets the emotion of the text after it, until the next tag or the end
+of the turn; it is not spoken and is not part of any reported text or word time. The text after a tag
+continues the text before it (the same continuation chain, as after a break: the voice does not reset).
+
+Which bracket words are tags is the table below, and only it: a bracket holding one word of the table (any
+case, spaces allowed inside the brackets) is a tag; any other bracket (`[1]`, `[citation needed]`, `[smug]`)
+is text and is spoken as written. An `<emotion .../>` element is always a tag.
+
+A tag becomes the emotion controls (app/core/emotion.py, --emotion-directions-dir): an emotion the folder has
+as a named direction is that slider at weight 1; otherwise a word of EMOTION_WORDS (app/core/instructions.py's
+table) is its valence and arousal, when the folder has both axes. `neutral` (and `</emotion>`) returns to
+the request's own emotion fields. The tag replaces the request's sliders, valence and arousal for its text and
+keeps its strength and calibration key. A tag the server cannot apply (no emotion directions, no voice to
+apply them to, an emotion it cannot map, a manner such as [whispering] that ZONOS2 has no control for) is
+refused with `unsupported_tag`, never spoken as text and never dropped; a malformed `<emotion>` element is
+`bad_text`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from app.core.instructions import EMOTION_WORDS
+from app.core.options import SynthesisOptions
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+from engine.frontend.emotion import EmotionDirections
+
+MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
+NEUTRAL = "neutral"  # back to the request's own emotion
+# Emotions a tag may name beyond the instructions' table, with their (valence, arousal): Cartesia's emotion
+# names that are too common as plain words for the instructions ("content") to read them there.
+TAG_EMOTIONS: dict[str, tuple[float, float]] = {
+    **EMOTION_WORDS,
+    "content": (0.4, -0.2),
+    "surprised": (0.2, 0.6),
+    "curious": (0.2, 0.3),
+    "frustrated": (-0.5, 0.4),
+    "disappointed": (-0.5, -0.2),
+    "anxious": (-0.4, 0.5),
+    "confident": (0.3, 0.2),
+}
+# Bracket words that are tags ZONOS2 has no control for (ElevenLabs' v3 audio tags): refused, not spoken.
+UNSUPPORTED_TAGS = frozenset(
+    {
+        "whisper",
+        "whispers",
+        "whispering",
+        "shout",
+        "shouts",
+        "shouting",
+        "laugh",
+        "laughs",
+        "laughing",
+        "chuckles",
+        "giggles",
+        "sigh",
+        "sighs",
+        "exhales",
+        "inhales",
+        "crying",
+        "sobbing",
+        "sarcastic",
+        "mischievously",
+        "singing",
+    }
+)
+TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
+
+_BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
+_EMOTION = re.compile(r"<\s*(/?)\s*emotion\b([^>]*)>", re.IGNORECASE)
+_VALUE = re.compile(r"""\bvalue\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class StyleTag:
+    name: str  # the emotion it names, lower case (NEUTRAL: the request's own)
+    written: str  # the tag as the text has it (for errors)
+
+
+def _tags(text: str) -> list[tuple[int, int, StyleTag]]:
+    found = []
+    for m in _BRACKET.finditer(text):
+        word = m.group(1).lower()
+        if word in TAG_WORDS:
+            found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
+    for m in _EMOTION.finditer(text):
+        if m.group(1):  # </emotion>: the element's end
+            found.append((m.start(), m.end(), StyleTag(NEUTRAL, m.group(0))))
+            continue
+        v = _VALUE.search(m.group(2))
+        value = next((g for g in v.groups() if g is not None), "").strip().lower() if v else ""
+        if not value:
+            raise RequestError(G.BAD_TEXT, f'an emotion tag needs a value such as value="happy": {m.group(0)[:60]!r}')
+        found.append((m.start(), m.end(), StyleTag(value, m.group(0))))
+    found.sort(key=lambda t: t[0])
+    return found
+
+
+def split_tags(text: str) -> list[str | StyleTag]:
+    """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
+    tags is returned as it is (one piece). A malformed `<emotion>` element is refused (`bad_text`)."""
+    tags = _tags(text)
+    if not tags:
+        return [text]
+    if len(tags) > MAX_TAGS:
+        raise RequestError(G.BAD_TEXT, f"at most {MAX_TAGS} style tags in one text")
+    out: list[str | StyleTag] = []
+    pos = 0
+    for start, end, tag in tags:
+        if start < pos:  # inside the tag before it (`<emotion value="[happy]"/>`): part of that one
+            continue
+        before = text[pos:start].strip()
+        if before:
+            out.append(before)
+        out.append(tag)
+        pos = end
+    rest = text[pos:].strip()
+    if rest:
+        out.append(rest)
+    return out
+
+
+def styled_options(
+    tag: StyleTag | None, opts: SynthesisOptions, directions: EmotionDirections | None, speaker: bool
+) -> SynthesisOptions:
+    """`opts` with the emotion `tag` names (None or NEUTRAL: `opts` itself). `speaker`: the request has a voice
+    the emotion can be applied to. Refused (`unsupported_tag`) when it cannot be applied."""
+    if tag is None or tag.name == NEUTRAL:
+        return opts
+    if tag.name in UNSUPPORTED_TAGS:
+        raise RequestError(
+            G.UNSUPPORTED_TAG, f"{tag.written[:60]}: ZONOS2 has no control for {tag.name!r} (only emotions)"
+        )
+    if directions is None:
+        raise RequestError(
+            G.UNSUPPORTED_TAG,
+            f"{tag.written[:60]}: emotion tags need emotion directions: this server was started without "
+            "--emotion-directions-dir",
+        )
+    if not speaker:
+        raise RequestError(
+            G.UNSUPPORTED_TAG, f"{tag.written[:60]}: an emotion is applied to a voice; this request has none"
+        )
+    emo = opts.emotion
+    if tag.name in directions.named:
+        emo = dataclasses.replace(emo, enabled=True, sliders={tag.name: 1.0}, valence=0.0, arousal=0.0)
+    elif tag.name in TAG_EMOTIONS and all(a in directions.axes for a in ("valence", "arousal")):
+        valence, arousal = TAG_EMOTIONS[tag.name]
+        emo = dataclasses.replace(emo, enabled=True, sliders={}, valence=valence, arousal=arousal)
+    else:
+        known = sorted(directions.named) + (
+            sorted(TAG_EMOTIONS) if all(a in directions.axes for a in ("valence", "arousal")) else []
+        )
+        raise RequestError(
+            G.UNSUPPORTED_TAG,
+            f"{tag.written[:60]}: no emotion {tag.name!r} on this server; known: {', '.join(known) or 'none'}",
+        )
+    return dataclasses.replace(opts, emotion=emo)

@@ -1,0 +1,164 @@
+"""Inline style tags (app/core/style_tags.py) and how the pipeline queues the text around them."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from app.core.emotion import check_emotion
+from app.core.options import SynthesisOptions
+from app.core.pipeline import UtterancePipeline
+from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled_options
+from app.io.errors import RequestError
+from app.voices.library import Voice
+from engine.frontend.emotion import EmotionDirections
+from tests.unit.test_pipeline import FakeEngine, fake_gateway, open_session, shut
+
+
+def tags(parts: list) -> list:
+    return [p.name if isinstance(p, StyleTag) else p for p in parts]
+
+
+def test_tags_split_the_text():
+    assert split_tags("No tags.") == ["No tags."]
+    assert split_tags("  ") == ["  "]  # a text without tags is as it was
+    assert tags(split_tags("[happy] Hello there.")) == ["happy", "Hello there."]
+    assert tags(split_tags("Well, [ SAD ]I lost.")) == ["Well,", "sad", "I lost."]
+    assert tags(split_tags("<emotion value=\"angry\"/>Stop. <Emotion value='calm' /> Sit.")) == [
+        "angry",
+        "Stop.",
+        "calm",
+        "Sit.",
+    ]
+    assert tags(split_tags("<emotion value=excited>Yes!</emotion> No.")) == ["excited", "Yes!", NEUTRAL, "No."]
+    assert tags(split_tags("Ends [whispering]")) == ["Ends", "whispering"]
+    assert tags(split_tags('<emotion value="[happy]"/> x')) == ["[happy]", "x"]  # one tag, not two
+
+
+@pytest.mark.parametrize("text", ["See [1] and [citation needed].", "[smug] grin", "[] [ ] [happy-go-lucky]", "a[b]c"])
+def test_brackets_outside_the_table_are_text(text):
+    assert split_tags(text) == [text]
+    assert "smug" not in TAG_WORDS
+
+
+@pytest.mark.parametrize("tag", ["<emotion/>", '<emotion value=""/>', "<emotion intensity='high'/>"])
+def test_an_emotion_tag_without_a_value_is_refused(tag):
+    with pytest.raises(RequestError) as e:
+        split_tags(f"Before {tag} after.")
+    assert e.value.code == "bad_text"
+
+
+def test_a_text_holds_a_bounded_number_of_tags():
+    with pytest.raises(RequestError) as e:
+        split_tags("[happy] a " * 17)
+    assert e.value.code == "bad_text"
+    assert len(split_tags("[happy] a " * 16)) == 32
+
+
+def directions(named: tuple[str, ...] = ("happy",), axes: bool = True) -> EmotionDirections:
+    rng = np.random.default_rng(0)
+    vec = lambda: rng.standard_normal(8).astype(np.float32)  # noqa: E731
+    return EmotionDirections(
+        dim=8,
+        named={n: vec() for n in named},
+        axes={a: vec() for a in ("valence", "arousal")} if axes else {},
+    )
+
+
+def test_a_tag_maps_onto_a_named_direction_or_the_axes():
+    base = SynthesisOptions()
+    base.emotion.strength = 2.0
+    happy = styled_options(StyleTag("happy", "[happy]"), base, directions(), True)
+    assert happy.emotion.enabled and happy.emotion.sliders == {"happy": 1.0} and happy.emotion.strength == 2.0
+    sad = styled_options(StyleTag("sad", "[sad]"), base, directions(), True)
+    assert sad.emotion.sliders == {} and sad.emotion.valence < 0 and sad.emotion.arousal < 0
+    assert not base.emotion.enabled and base.emotion.sliders == {}  # the request's own options are untouched
+    assert styled_options(StyleTag(NEUTRAL, "[neutral]"), base, directions(), True) is base
+
+
+@pytest.mark.parametrize(
+    ("tag", "folder", "speaker", "says"),
+    [
+        ("happy", None, True, "--emotion-directions-dir"),
+        ("sad", directions(axes=False), True, "no emotion 'sad'"),
+        ("smug", directions(), True, "no emotion 'smug'"),
+        ("whispering", directions(), True, "no control"),
+        ("happy", directions(), False, "has none"),
+    ],
+)
+def test_a_tag_that_cannot_be_applied_is_refused(tag, folder, speaker, says):
+    with pytest.raises(RequestError) as e:
+        styled_options(StyleTag(tag, f"[{tag}]"), SynthesisOptions(), folder, speaker)
+    assert e.value.code == "unsupported_tag" and e.value.status == 400 and says in str(e.value), str(e.value)
+
+
+def voice() -> Voice:
+    return Voice(id="v", name="v", owner="", source="embedding", dim=8, embedding=np.ones(8, np.float32))
+
+
+def pipeline(folder: EmotionDirections | None) -> UtterancePipeline:
+    gw = fake_gateway()
+    gw.prompts = SimpleNamespace(emotion=folder)
+    gw.check_emotion = lambda opts, voice, clip=False: check_emotion(folder, opts, voice, None, clip)
+    return UtterancePipeline(gw, "test")  # type: ignore[arg-type]
+
+
+def test_a_tag_styles_the_text_after_it_across_sentences_and_texts_until_the_turn_ends():
+    """The text around a tag is spoken without it, in one continuation chain; the tag holds across sentences
+    and later texts of the turn, a cancel or the end of the turn ends it."""
+
+    async def go():
+        pipe = pipeline(directions())
+        opts = SynthesisOptions()
+        added = pipe.add(["Hello there [happy] how are you?", "Fine."], opts, voice(), None, "c")
+        added += pipe.add(["And you? [neutral] Good."], opts, voice(), None, "c")
+        added += pipe.add(["[sad] Bye."], opts, voice(), None, "c")
+        pipe.end("c")
+        added += pipe.add(["Next turn."], opts, voice(), None, "c")
+        pipe.close()
+        return added
+
+    added = asyncio.run(go())
+    texts = ["Hello there", "how are you?", "Fine.", "And you?", "Good.", "Bye.", "Next turn."]
+    assert [u.text for u in added] == texts
+    sliders = [u.opts.emotion.sliders if u.opts.emotion.enabled else None for u in added]
+    assert sliders[:5] == [None, {"happy": 1.0}, {"happy": 1.0}, {"happy": 1.0}, None]
+    assert added[5].opts.emotion.valence < 0 and sliders[6] is None
+    chain = added[0].chain
+    assert chain is not None and all(u.chain is chain for u in added[:5])  # one voice across the tag
+
+
+def test_a_refused_tag_queues_nothing_and_keeps_the_style():
+    async def go():
+        pipe = pipeline(None)
+        with pytest.raises(RequestError) as e:
+            pipe.add(["Fine so far.", "[happy] Then a tag."], SynthesisOptions(), voice(), None)
+        assert e.value.code == "unsupported_tag"
+        assert len(pipe) == 0 and pipe.styles == {}
+        assert [u.text for u in pipe.add(["[1] is text."], SynthesisOptions(), voice(), None)] == ["[1] is text."]
+        pipe.close()
+
+    asyncio.run(go())
+
+
+def test_a_message_with_a_refused_tag_is_refused_whole_on_the_socket():
+    """The sentences before a refused tag in the same message are not spoken: a message's tags are checked when
+    it arrives, before the buffer hands out any sentence of it; the socket goes on."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text="Quiet now. [whispering] Sleep.", flush=True)
+        err = await ws.next_json()
+        ws.send(type="text", text="Fine [1].", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert texts == ["Fine [1]."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine [1]."]
