@@ -426,7 +426,7 @@ def test_style_tags_map_onto_the_emotion_controls(emotion_server, server):
     from tests.wsclient import Client
 
     srv, _ = emotion_server
-    tagged_voice = upload_voice(srv.url, base_embedding(2048, seed=12), "tagged")
+    tagged_voice = upload_voice(srv.url, base_embedding(2048, seed=13), "tagged")
 
     async def session(url: str, text: str, extra: dict | None = None, voice: str | None = tagged_voice) -> Client:
         async with websockets.connect(url, max_size=None) as ws:
