@@ -161,15 +161,18 @@ async def storm(
     rate: float | None = None,
     api_key: str | None = None,
     offset: int = 0,
+    start_at: float | None = None,
 ) -> Tally:
-    """`count` attempts, at most `concurrency` at once, attempt i at i / rate s (None: at once), routes in
-    turn (starting at `offset`, so several processes mix them)."""
+    """`count` attempts, at most `concurrency` at once, attempt i at i / rate s (None: at once) after `start_at`
+    (a time.time(); None: now), routes in turn (starting at `offset`, so several processes mix them)."""
     u = urlsplit(url)
     host, port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme in ("https", "wss") else 80)
     hostport = f"{host}:{port}"
     payloads = {r: request_bytes(r, hostport, api_key) for r in routes}
     tally = Tally()
     sem = asyncio.Semaphore(concurrency)
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
     t0 = time.perf_counter()
     tally.t_first = t0
 
@@ -195,8 +198,7 @@ async def storm(
 
 
 def _storm_process(args: tuple[Any, ...], conn: Any) -> None:
-    url, count, concurrency, routes, rate, api_key, offset = args
-    tally = asyncio.run(storm(url, count, concurrency, routes, rate, api_key, offset))
+    tally = asyncio.run(storm(*args))
     conn.send(tally.as_dict())
     conn.close()
 
@@ -209,15 +211,18 @@ def run_storm(
     rate: float | None = None,
     procs: int = 1,
     api_key: str | None = None,
+    start_at: float | None = None,
 ) -> dict[str, Any]:
-    """The storm in `procs` client processes (blocking); their tallies merged into one summary."""
+    """The storm in `procs` client processes (blocking), from `start_at` (a time.time(); None: now); their
+    tallies merged into one summary."""
     procs = max(1, min(procs, count))
     ctx = mp.get_context("spawn")
     running = []
     for p in range(procs):
         share = count // procs + (p < count % procs)
         recv, send = ctx.Pipe(duplex=False)
-        args = (url, share, max(1, concurrency // procs), list(routes), rate / procs if rate else None, api_key, p)
+        rate_p = rate / procs if rate else None
+        args = (url, share, max(1, concurrency // procs), list(routes), rate_p, api_key, p, start_at)
         proc = ctx.Process(target=_storm_process, args=(args, send), daemon=True)
         proc.start()
         send.close()

@@ -154,6 +154,25 @@ def test_an_admitted_conversation_keeps_its_room(one_slot):
     run(go())
 
 
+def test_a_storm_of_refused_connections(one_slot):
+    """bench/refusal_storm.py against the door: while an admitted session holds the one room, every raw-socket
+    attempt on every route (our socket, the dialects' upgrades, a synthesis POST) is refused, none fails."""
+    from bench.refusal_storm import ROUTES, run_storm
+
+    srv = one_slot
+
+    async def go() -> dict[str, Any]:
+        await asyncio.to_thread(wait_for, srv, lambda st: st["in_flight"] == 0, "slot busy")
+        async with websockets.connect(srv.ws_url, max_size=None) as ws:
+            await Client(ws).until("session.created")  # admitted: the one room is held for it
+            return await asyncio.to_thread(run_storm, srv.url, 2 * len(ROUTES) * 10, 8, tuple(ROUTES), None, 2)
+
+    out = run(go())
+    assert out["attempts"] == out["refused"] == 100 and out["admitted"] == out["failed"] == 0, out
+    assert out["refusal_ms_max"] >= out["refusal_ms_p95"] >= out["refusal_ms_p50"] > 0
+    assert out["refusals_per_s"] > 0
+
+
 def test_clip_base64_decodes_off_the_event_loop(monkeypatch):
     """A large payload is decoded in a worker thread (the loop's thread keeps serving); a small one inline."""
     threads: list[int] = []
