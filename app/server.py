@@ -347,7 +347,7 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
         ws_max_size=settings.limits.max_ws_message_bytes,
         timeout_graceful_shutdown=5,
         ws_ping_interval=settings.limits.ws_ping_interval_s,
-        ws_ping_timeout=settings.limits.ws_ping_interval_s,
+        ws_ping_timeout=settings.limits.ws_ping_timeout_s or settings.limits.idle_timeout_s,
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
