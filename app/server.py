@@ -180,7 +180,8 @@ log = logging.getLogger("gateway")
 class RequestIdMiddleware:
     """Every HTTP response and WebSocket handshake carries `X-Request-ID`: the client's own when it sent a
     plausible one (1-128 URL-safe characters), else a new `req_<24 hex>`. One log line per request names
-    it (method, path without the query, status, duration), so a client's report finds the server's line.
+    it (method, path without the query, status, duration), so a client's report finds the server's line (a
+    stream the door refuses from its request head, app/doors/door.py, gets the id and no line).
     With several gateway processes each answer also names its process (`X-Gateway-Process`, app/workers.py)."""
 
     def __init__(self, app: ASGIApp, process: int | None = None) -> None:

@@ -177,7 +177,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             answer = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
             if answer is not None:
                 self.transport.write(answer)
-                if upgrade:  # nothing follows the head of an upgrade
+                if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
                     self._refused = True
                     self.transport.close()
                 else:  # closed once the body has been read (closing on unread data would reset the answer)
