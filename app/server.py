@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -36,10 +34,13 @@ from app.doors.dialects import (
     elevenlabs_http,
     elevenlabs_lexicons,
 )
+from app.doors.door import HeadDoor, door_routes
+from app.doors.handshake import in_band_error
 from app.doors.ws import websocket_endpoint
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.http_protocol import request_id
 from app.settings import GatewaySettings
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
 from engine.contract.constants import SAMPLE_RATE
@@ -172,7 +173,6 @@ CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Forma
 
 
 # ---- X-Request-ID ------------------------------------------------------------------------------------------
-_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
 access_log = logging.getLogger("gateway.requests")
 log = logging.getLogger("gateway")
 
@@ -180,7 +180,8 @@ log = logging.getLogger("gateway")
 class RequestIdMiddleware:
     """Every HTTP response and WebSocket handshake carries `X-Request-ID`: the client's own when it sent a
     plausible one (1-128 URL-safe characters), else a new `req_<24 hex>`. One log line per request names
-    it (method, path without the query, status, duration), so a client's report finds the server's line.
+    it (method, path without the query, status, duration), so a client's report finds the server's line (a
+    stream the door refuses from its request head, app/doors/door.py, gets the id and no line).
     With several gateway processes each answer also names its process (`X-Gateway-Process`, app/workers.py)."""
 
     def __init__(self, app: ASGIApp, process: int | None = None) -> None:
@@ -191,8 +192,7 @@ class RequestIdMiddleware:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        given = Headers(scope=scope).get("x-request-id", "")
-        rid = given if _REQUEST_ID_OK.match(given) else "req_" + secrets.token_hex(12)
+        rid = request_id(Headers(scope=scope).get("x-request-id", ""))
         scope.setdefault("state", {})["request_id"] = rid
         t0 = time.perf_counter()
         status: int | str = "-"
@@ -291,6 +291,26 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
+    # the routes that start a stream, with their API's error body: refused at the connection's request head
+    # when the door says no (app/doors/door.py), before any of the app runs
+    door = door_routes(
+        routes,
+        {
+            openai_speech.openai_speech: speech.error_body,
+            reference.tts_generate: speech.error_body,
+            elevenlabs_http.speech: elevenlabs._refusal,
+            elevenlabs_http.speech_with_timestamps: elevenlabs._refusal,
+            elevenlabs_http.stream_with_timestamps: elevenlabs._refusal,
+            cartesia_http.tts_bytes: cartesia._refusal,
+            cartesia_http.tts_sse: cartesia._refusal,
+            deepgram_http.speak: deepgram._refusal,
+            websocket_endpoint: in_band_error,
+            elevenlabs.multi_stream_endpoint: elevenlabs._refusal,
+            elevenlabs.stream_input_endpoint: elevenlabs._refusal,
+            cartesia.endpoint: cartesia._refusal,
+            deepgram.endpoint: deepgram._refusal,
+        },
+    )
     middleware = [
         Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)
     ]  # outermost: even a refused preflight gets an id
@@ -309,6 +329,7 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
     handlers = {RequestError: request_error, HTTPException: http_error, Exception: internal_error}
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan, exception_handlers=handlers)
     app.state.gateway = gateway
+    app.state.door = HeadDoor(gateway, door, link.channel if link is not None else None)
     return app
 
 
@@ -327,11 +348,11 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
         ws_max_size=settings.limits.max_ws_message_bytes,
         timeout_graceful_shutdown=5,
         ws_ping_interval=settings.limits.ws_ping_interval_s,
-        ws_ping_timeout=settings.limits.ws_ping_interval_s,
+        ws_ping_timeout=settings.limits.ws_ping_timeout_s or settings.limits.idle_timeout_s,
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
-        http=bounded_protocol(settings.limits.head_timeout_s),
+        http=bounded_protocol(settings.limits.head_timeout_s, getattr(app.state, "door", None)),
     )
     sock = sock or config.bind_socket()
     if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's

@@ -79,14 +79,29 @@ class Limits:
         ),
     )
     # WebSocket keepalive (uvicorn's): a ping this long after the handshake and after each pong; a client that
-    # has not answered one within as long again is disconnected (ends sessions whose client vanished silently)
+    # has not answered one within --ws-ping-timeout is disconnected (ends sessions whose client vanished silently)
     ws_ping_interval_s: float = field(
         default=20.0,
         metadata=_limit(
-            "seconds between WebSocket keepalive pings; a client silent as long again is disconnected",
+            "seconds between WebSocket keepalive pings (a client that does not answer one within --ws-ping-timeout "
+            "is disconnected)",
             0,
             _DAY,
             aliases=("--ws-ping-interval",),
+        ),
+    )
+    # a pooled client socket (LiveKit's cartesia and deepgram plugins: aiohttp, which answers a ping only when it
+    # reads, and a pooled socket is not read between turns) answers its pings at its next turn: the deadline for a
+    # pong is the idle timeout's, so that such a socket lives as long as an idle one may
+    ws_ping_timeout_s: float = field(
+        default=0.0,
+        metadata=_limit(
+            "seconds a WebSocket client may take to answer a keepalive ping before it is disconnected (0: as long "
+            "as --idle-timeout)",
+            0,
+            _DAY,
+            zero_ok=True,
+            aliases=("--ws-ping-timeout",),
         ),
     )
     head_timeout_s: float = field(

@@ -9,7 +9,13 @@
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
 # storm.json (STORM) and capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
-# AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts.
+# AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts. So do:
+# REFUSE_STORM=10000 throws that many refused connections over a level of REFUSE_LEVELS (default 192, at or above
+# capacity so that the door is closed) after the same level without them (refuse_storm.json: the admitted
+# streams' stall rate and first audio with and without, the refusals' latency); CPU_LEVELS="64 128 192" measures
+# the gateway processes' CPU per live stream for pcm and mp3 answers of POST /v1/audio/speech (cpu_pcm_s16le.json,
+# cpu_mp3.json); GATEWAY_CPU=1 adds it to the capacity levels of our socket (pcm). Every level reports the
+# gateway's collector pauses (gc: p50 / p99 / the longest's bucket).
 # PYTEST_ARGS adds pytest options (-rP: the passed tests' printed figures, e.g. the DAC SNRs). SERVER_ARGS adds
 # server flags, e.g. SERVER_ARGS=--no-overlap-decode for decode steps without overlap scheduling (on by
 # default with a GPU): compare its iteration profile's idle time and capacity with a default run. CAP_ARGS adds
@@ -19,7 +25,8 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
 for x in "${TESTS-x}" "${PROFILE_LEVEL-128}" "${DISTINCT_LEVELS-128}" "${SENTENCE_LEVELS-64}" "${STORM:-}" \
-  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}"; do [ -n "$x" ] && planned=$((planned + 1)); done
+  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}"; do
+  [ -n "$x" ] && planned=$((planned + 1)); done  # (CPU_LEVELS: two files, pcm and mp3)
 [ $planned -le 8 ] || { echo "device_capacity.sh: $planned files planned under \$OUT, 8 come back: set some empty"; exit 2; }
 exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
@@ -53,6 +60,7 @@ if [ -n "${PYSPY_S:-}" ]; then
   pyspy=$!
 fi
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
+[ -n "${GATEWAY_CPU:-}" ] && CAP="$CAP --gateway-cpu"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
 # (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
 [ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \
@@ -82,6 +90,20 @@ fi
 # must not stall and refusals must be fast
 [ -n "${STORM:-}" ] && timeout $(( ${STORM_S:-20} * 3 + 60 )) python3 bench/live_capacity.py --storm \
   --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --out "$OUT/storm.json"
+# refusal storm: REFUSE_STORM refused connections (raw sockets from REFUSE_PROCS client processes, every API's
+# upgrade and a synthesis POST) over a storm level of REFUSE_LEVELS, which runs first without them
+[ -n "${REFUSE_STORM:-}" ] && timeout $(( (${REFUSE_S:-20} + 10) * 2 * $(echo ${REFUSE_LEVELS:-192} | wc -w) + 60 )) \
+  python3 bench/live_capacity.py --storm --levels ${REFUSE_LEVELS:-192} --duration ${REFUSE_S:-20} --warmup 5 \
+  --stop-after-fail 0 --refuse-storm $REFUSE_STORM --refuse-procs ${REFUSE_PROCS:-4} --refuse-concurrency \
+  ${REFUSE_CONCURRENCY:-128} --gateway-cpu --out "$OUT/refuse_storm.json"
+# gateway CPU per live stream (every gateway process from /proc) at CPU_LEVELS, pcm and mp3 answers, stored voice
+if [ -n "${CPU_LEVELS:-}" ]; then
+  for enc in pcm_s16le mp3; do
+    timeout $(( (${CPU_S:-12} + 8) * $(echo $CPU_LEVELS | wc -w) + 60 )) python3 bench/live_capacity.py --api speech \
+      --encoding $enc --voice cpu-bench --levels $CPU_LEVELS --duration ${CPU_S:-12} --warmup 4 --stop-after-fail 0 \
+      --gateway-cpu --out "$OUT/cpu_$enc.json"
+  done
+fi
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"

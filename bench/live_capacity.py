@@ -52,6 +52,26 @@ reports the refusals (`refused`), how fast they were answered (`refusal_ms_p50` 
 count the admitted streams only. Run it at 2-4x the capacity (`--storm --levels 256 384 512`, with
 `--distinct-clips` for a new clip per request).
 
+Refusal storm (`--refuse-storm COUNT`): every level runs twice, as is and then with COUNT refused connections
+thrown at the gateway over its measured window (bench/refusal_storm.py: raw-socket upgrades of our socket and the
+dialects' and synthesis POSTs, from `--refuse-procs` client processes, at most `--refuse-concurrency` at once); the
+second level reports the storm (`refuse_storm`: refusals, their latency p50/p95/p99) and the first level's
+figures beside its own (`without_storm`), so a storm that costs the admitted streams something shows as a higher
+stall rate or first audio. The door must be closed for the storm to be refused: run it at or above capacity.
+
+Gateway CPU (`--gateway-cpu`, the server on this host): each gateway process (found through /readyz, which names
+the process that answered) is read from /proc/<pid>/stat at the measured window's start and end; each level
+reports every process's CPU seconds and share of a core over the window, the mean live streams (text sent ->
+audio.done, inside the window) and `gateway_cpu_ms_per_stream_s`: the gateway processes' CPU milliseconds per
+second of one live stream (x streams / 1000 = cores). `--api speech` sends each request as one streamed
+`POST /v1/audio/speech` instead of a session of our socket, with `--encoding pcm_s16le` or `mp3` (the player
+counts an answer's chunks in samples by their share of its bytes: mp3 is constant bit rate, and the answer's
+length is fixed, `--frames`).
+
+Collector pauses: each level reports the gateway's `zonos_gc_pause_seconds` over it (`gc`: collections by
+generation, pause p50 / p99 interpolated in the histogram's buckets as Prometheus' histogram_quantile does,
+and the bucket the longest pause fell in).
+
 Output: a table on stdout; `--out` JSON with the configuration, every level's summary, the capacity and
 every per-stream record (rewritten after each level, so an interrupted run keeps what it measured);
 `--plot` a PNG of the stall-free share and TTFA p50/p95 against N (needs matplotlib).
@@ -62,10 +82,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import gc
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -78,11 +100,15 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 try:
+    from bench.refusal_storm import ROUTES, run_storm
     from bench.ws_bench import TEXT, reference_clip
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
+    from refusal_storm import ROUTES, run_storm  # type: ignore[no-redef]
     from ws_bench import TEXT, reference_clip  # type: ignore[no-redef]
 
 BYTES_PER_SAMPLE = 2  # pcm_s16le
+SAMPLES_PER_FRAME, NATIVE_RATE = 512, 44100  # the model's frame and rate: a fixed-length answer's samples
+ENCODINGS = ("pcm_s16le", "mp3")  # --encoding: raw samples, or a constant-bit-rate stream (counted by its bytes)
 DEFAULT_LEVELS = [1, 8, 16, 32, 64, 96, 128, 160, 192]
 
 
@@ -137,6 +163,89 @@ def delivered_audio_s(streams: Iterable[Sequence[tuple[float, int]]], t0: float,
 def pct(xs: Sequence[float], q: float) -> float | None:
     """The q-th percentile (linear interpolation), None for no data."""
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
+
+
+def compressed_events(events: Sequence[tuple[float, int]], total_samples: int) -> list[tuple[float, int]]:
+    """A constant-bit-rate stream's `(arrival s, bytes)` as `(arrival s, samples)`: each chunk's share of the
+    stream's bytes, of its `total_samples` (rounded so that they add up to it exactly)."""
+    total_bytes = sum(b for _, b in events)
+    out, seen, given = [], 0, 0
+    for t, b in events:
+        seen += b
+        upto = round(total_samples * seen / total_bytes) if total_bytes else 0
+        out.append((t, upto - given))
+        given = upto
+    return out
+
+
+def proc_cpu_s(stat: str, clk_tck: int) -> float:
+    """CPU seconds (user + system) of a process from its /proc/<pid>/stat line (fields 14 and 15; the command
+    name before them is in parentheses and may hold spaces)."""
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / clk_tck
+
+
+def live_stream_s(records: Iterable[StreamRecord], w0: float, w1: float) -> float:
+    """Seconds of live streams (text sent -> audio.done) inside [w0, w1), summed over the streams."""
+    total = 0.0
+    for r in records:
+        if not r.refused and r.t_sent >= 0 and r.e2e_ms is not None:
+            total += max(0.0, min(r.t_sent + r.e2e_ms / 1e3, w1) - max(r.t_sent, w0))
+    return total
+
+
+def gateway_cpu(before: dict[int, float], after: dict[int, float], window_s: float, stream_s: float) -> dict[str, Any]:
+    """The gateway processes' CPU over a window, from their CPU seconds at its start and end (by pid), and the
+    live stream-seconds in it: per process, in all, and per second of one live stream."""
+    used = {pid: after[pid] - before[pid] for pid in sorted(before.keys() & after.keys())}
+    total = sum(used.values())
+    return {
+        "processes": len(used),
+        "cpu_s": {str(pid): round(v, 3) for pid, v in used.items()},
+        "cpu_share": {str(pid): round(v / window_s, 3) for pid, v in used.items()} if window_s > 0 else {},
+        "cpu_s_total": round(total, 3),
+        "live_streams_mean": round(stream_s / window_s, 2) if window_s > 0 else None,
+        "gateway_cpu_ms_per_stream_s": round(total / stream_s * 1e3, 3) if stream_s > 0 else None,
+    }
+
+
+def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The q-quantile of a cumulative histogram `[(le, count), ...]` (sorted, the last le inf), interpolated
+    linearly inside its bucket as Prometheus' histogram_quantile does; None when it is empty."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_le, prev_c = 0.0, 0.0
+    for le, c in buckets:
+        if c >= rank:
+            if math.isinf(le):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0.0)
+        prev_le, prev_c = le, c
+    return prev_le
+
+
+def gc_pauses(before: dict[tuple[str, float], float], after: dict[tuple[str, float], float]) -> dict[str, Any]:
+    """The collector's pauses between two readings of `zonos_gc_pause_seconds` ({(generation, le): cumulative
+    count}): collections by generation, p50 / p99 over all of them (ms) and the upper bound of the bucket the
+    longest fell in (ms; inf: above the last bucket)."""
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    les = sorted({le for _, le in delta})
+    merged = [(le, sum(v for (g, b), v in delta.items() if b == le)) for le in les]
+    by_gen = {g: delta[(g, math.inf)] for g, le in delta if math.isinf(le)}
+    top, prev = None, 0.0
+    for le, c in merged:
+        if c > prev:
+            top = le
+        prev = c
+    p50, p99 = histogram_quantile(0.5, merged), histogram_quantile(0.99, merged)
+    return {
+        "collections": dict(sorted(by_gen.items())),
+        "pause_p50_ms": None if p50 is None else round(p50 * 1e3, 3),
+        "pause_p99_ms": None if p99 is None else round(p99 * 1e3, 3),
+        "pause_max_le_ms": None if top is None else top * 1e3,
+    }
 
 
 @dataclass
@@ -429,6 +538,12 @@ class Options:
     request_timeout: float = 60.0
     error_backoff_ms: float = 200.0
     storm: bool = False  # a refused client retries at once (the module docstring, "Storm mode")
+    encoding: str = "pcm_s16le"  # the streams' output (ENCODINGS)
+    api: str = "ws"  # "ws": our socket; "speech": POST /v1/audio/speech, its answer streamed
+    refuse_storm: int = 0  # refused connections thrown over a second run of each level ("Refusal storm")
+    refuse_concurrency: int = 64
+    refuse_procs: int = 2
+    gateway_cpu: bool = False  # each gateway process's CPU over each level ("Gateway CPU")
     pause: float = 2.0
     api_key: str | None = None
     deflate: bool = True
@@ -452,9 +567,13 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def admission_held(ws_url: str, api_key: str | None = None) -> dict[str, float] | None:
-    """The engine's admission counters (`zonos_engine_admission_held_by_engine{gate}`, summed over engines):
-    how many iterations each gate held a waiting newcomer back. None: the server has no /metrics."""
+GC_HISTOGRAM = "zonos_gc_pause_seconds_bucket"
+
+
+async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, Any] | None:
+    """From the server's /metrics: the engine's admission counters (`held`: iterations each gate held a waiting
+    newcomer back, `zonos_engine_admission_held_by_engine{gate}` summed over engines) and the collector's pause
+    histogram (`gc`: {(generation, le): cumulative count}). None: the server has no /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -466,12 +585,43 @@ async def admission_held(ws_url: str, api_key: str | None = None) -> dict[str, f
     if r.status_code != 200:
         return None
     held: dict[str, float] = {}
+    gc_buckets: dict[tuple[str, float], float] = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             if sample.name == "zonos_engine_admission_held_by_engine":
                 gate = sample.labels.get("gate", "")
                 held[gate] = held.get(gate, 0.0) + sample.value
-    return held
+            elif sample.name == GC_HISTOGRAM:
+                key = (sample.labels.get("generation", ""), float(sample.labels["le"]))
+                gc_buckets[key] = gc_buckets.get(key, 0.0) + sample.value
+    return {"held": held, "gc": gc_buckets}
+
+
+async def gateway_pids(ws_url: str, api_key: str | None = None, tries: int = 200) -> list[int]:
+    """The pids of the server's gateway processes: /readyz names the process that answered, and each new
+    connection may reach another (the kernel spreads them over the processes' sockets)."""
+    import httpx
+
+    pids: set[int] = set()
+    for _ in range(tries):
+        async with httpx.AsyncClient(base_url=http_base(ws_url), headers=_headers(api_key), timeout=10) as c:
+            gw = (await c.get("/readyz")).json().get("gateway")
+        if gw is None:
+            break
+        pids.add(int(gw["pid"]))
+        if len(pids) >= int(gw["processes"]):
+            break
+    return sorted(pids)
+
+
+def read_cpu(pids: Iterable[int]) -> dict[int, float]:
+    """CPU seconds of each process now (those still alive)."""
+    tck = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):  # a process that has gone
+            out[pid] = proc_cpu_s(Path(f"/proc/{pid}/stat").read_text(), tck)
+    return out
 
 
 async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | None = None) -> str:
@@ -612,6 +762,56 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
         rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
 
 
+async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clock0: float) -> None:
+    """One request through `POST /v1/audio/speech` (fixed length: `--frames` frames), its answer read as it
+    streams; fills `rec` as `one_stream` does (the answer's chunks counted in samples by their bytes)."""
+    import httpx
+
+    t_conn = time.perf_counter()
+    rec.t_start = t_conn - clock0
+    if opts.distinct_clips and "speaker_audio_base64" in body:
+        body = {**body, "speaker_audio_base64": distinct_clip(body["speaker_audio_base64"])}
+    first: float | None = None
+    try:
+        async with (
+            asyncio.timeout(opts.request_timeout),
+            httpx.AsyncClient(base_url=http_base(opts.url), headers=_headers(opts.api_key), timeout=None) as c,
+            c.stream("POST", "/v1/audio/speech", json=body) as r,
+        ):
+            t_sent = time.perf_counter()  # the answer's head: admitted (or refused)
+            if r.status_code != 200:
+                await r.aread()
+                rec.error = f"http_{r.status_code}"
+                if r.status_code in REFUSED_STATUS:
+                    rec.refused, rec.refusal_ms = True, (t_sent - t_conn) * 1e3
+                return
+            rec.connect_ms, rec.t_sent = 0.0, t_conn - clock0
+            async for chunk in r.aiter_raw():
+                if chunk:
+                    now = time.perf_counter()
+                    first = first or now
+                    rec.events.append((now - clock0, len(chunk)))
+            rec.ok = True
+            rec.e2e_ms = (time.perf_counter() - t_conn) * 1e3
+    except TimeoutError:
+        rec.error = "timeout"
+    except Exception as e:  # count it, don't crash the benchmark
+        rec.error = type(e).__name__
+    finally:
+        if first is not None and rec.t_sent >= 0:
+            rec.ttfa_ms = (first - t_conn) * 1e3
+        total = (
+            sum(b for _, b in rec.events) // BYTES_PER_SAMPLE
+            if opts.encoding == "pcm_s16le"
+            else round(opts.frames * SAMPLES_PER_FRAME * opts.sample_rate / NATIVE_RATE)
+        )
+        rec.events = compressed_events(rec.events, total)
+        rec.chunks = len(rec.events)
+        if rec.ok and not rec.events:
+            rec.ok, rec.error = False, "no_audio"
+        rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
+
+
 REFUSED_STATUS = (503, 429)
 REFUSED_CODES = ("engine_busy", "queue_full", "too_many_sessions")
 
@@ -633,12 +833,42 @@ async def _loop_lag(
         samples.append((now - clock0, (now - t - every) * 1e3))
 
 
-async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple[dict[str, Any], list[StreamRecord]]:
+async def _cpu_window(pids: list[int], clock0: float, w0: float, w1: float) -> tuple[dict, dict, float]:
+    """The processes' CPU seconds at the window's start and end, and the seconds between the two readings."""
+    await asyncio.sleep(max(0.0, clock0 + w0 - time.perf_counter()))
+    t0, before = time.perf_counter(), read_cpu(pids)
+    await asyncio.sleep(max(0.0, clock0 + w1 - time.perf_counter()))
+    return before, read_cpu(pids), time.perf_counter() - t0
+
+
+async def run_level(
+    opts: Options, n: int, session_cfg: dict[str, Any], refuse: int = 0, pids: Sequence[int] = ()
+) -> tuple[dict[str, Any], list[StreamRecord]]:
+    """One level of n clients; with `refuse`, that many refused connections over its measured window; with
+    `pids`, those gateway processes' CPU over it."""
     records: list[StreamRecord] = []
     clock0 = time.perf_counter()
     w0, w1 = opts.warmup, opts.warmup + opts.duration
     lag: list[tuple[float, float]] = []
     stop = asyncio.Event()
+    storm = (
+        asyncio.create_task(
+            asyncio.to_thread(
+                run_storm,
+                http_base(opts.url),
+                refuse,
+                opts.refuse_concurrency,
+                tuple(ROUTES),
+                refuse / opts.duration,
+                opts.refuse_procs,
+                opts.api_key,
+                time.time() + w0,
+            )
+        )
+        if refuse
+        else None
+    )
+    cpu = asyncio.create_task(_cpu_window(list(pids), clock0, w0, w1)) if pids else None
 
     async def client(i: int) -> None:
         await asyncio.sleep(min(opts.ramp, opts.warmup) * i / n)
@@ -647,7 +877,10 @@ async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple
             sentences = 1 if opts.mixed and i % 2 else opts.sentences
             rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, sentences=sentences)
             records.append(rec)
-            await one_stream(opts, session_cfg, rec, clock0)
+            if opts.api == "speech":
+                await one_speech(opts, session_cfg, rec, clock0)
+            else:
+                await one_stream(opts, session_cfg, rec, clock0)
             seq += 1
             if not rec.ok and not (opts.storm and rec.refused):  # storm: a refused client retries at once
                 await asyncio.sleep(opts.error_backoff_ms / 1e3)
@@ -660,7 +893,21 @@ async def run_level(opts: Options, n: int, session_cfg: dict[str, Any]) -> tuple
         r.counted = w0 <= (r.t_sent if r.t_sent >= 0 else r.t_start) < w1
     delivered = delivered_audio_s([r.events for r in records], w0, w1, opts.sample_rate)
     summary = summarize_level(n, records, delivered, opts.duration, [ms for t, ms in lag if w0 <= t < w1])
+    summary["encoding"] = opts.encoding
+    if cpu is not None:
+        before, after, elapsed = await cpu
+        summary["gateway_cpu"] = gateway_cpu(before, after, elapsed, live_stream_s(records, w0, w1))
+    if storm is not None:
+        summary["refuse_storm"] = await storm
     return judge(summary, opts.min_stall_free, opts.max_ttfa_p95_ms), records
+
+
+STORM_COMPARED = ("streams", "admitted_stall_rate", "stall_ms_max", "ttfa_p50_ms", "ttfa_p95_ms", "audio_s_per_s")
+
+
+def storm_baseline(plain: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures of a level without the refusal storm, set beside the same level with it."""
+    return {k: (plain or {}).get(k) for k in STORM_COMPARED}
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
@@ -672,6 +919,8 @@ def _write_json(path: str, result: dict[str, Any]) -> None:
 async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Runs every level (until the stop rule) and returns the result that `--out` holds."""
     clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode() if opts.voice_clip else reference_clip()
+    if opts.encoding != "pcm_s16le" and opts.api != "speech":
+        raise ValueError("our socket sends raw samples: --encoding mp3 needs --api speech")
     session_cfg: dict[str, Any] = {
         "type": "session.config",
         "encoding": "pcm_s16le",
@@ -693,9 +942,17 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         result["config"]["voice_id"] = voice_id
     else:
         session_cfg["voice_clip"] = clip
+    if opts.api == "speech":  # the same request as one POST /v1/audio/speech body
+        session_cfg = {
+            "model": "zonos2",
+            "input": " ".join([opts.text] * opts.sentences),
+            "response_format": "pcm" if opts.encoding == "pcm_s16le" else opts.encoding,
+            "sample_rate": opts.sample_rate,
+            **session_cfg["params"],
+        } | ({"voice": session_cfg["voice"]} if opts.voice else {"speaker_audio_base64": clip})
     # one untimed request first: checks the configuration and takes one-off start-up costs out of level 1
     pre = StreamRecord(level=0, client=0, seq=0, t_start=0.0)
-    await one_stream(opts, session_cfg, pre, time.perf_counter())
+    await (one_speech if opts.api == "speech" else one_stream)(opts, session_cfg, pre, time.perf_counter())
     if not pre.ok:
         raise RuntimeError(f"the first request failed: {pre.error}")
     log(
@@ -703,15 +960,26 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         f"{opts.sample_rate} Hz s16, prebuffer {opts.prebuffer_ms:g} ms, {opts.warmup:g} s warm-up + "
         f"{opts.duration:g} s per level"
     )
+    pids = await gateway_pids(opts.url, opts.api_key) if opts.gateway_cpu else []
+    if opts.gateway_cpu:
+        result["config"]["gateway_pids"] = pids
+        log(f"gateway processes (CPU read from /proc): {pids}")
     log(HEADER)
-    for i, n in enumerate(opts.levels):
+    runs = [(n, refuse) for n in opts.levels for refuse in ((0, opts.refuse_storm) if opts.refuse_storm else (0,))]
+    plain: dict[int, dict[str, Any]] = {}
+    for i, (n, refuse) in enumerate(runs):
         if i:
             await asyncio.sleep(opts.pause)
-        before = await admission_held(opts.url, opts.api_key)
-        summary, records = await run_level(opts, n, session_cfg)
-        after = await admission_held(opts.url, opts.api_key)
+        before = await server_metrics(opts.url, opts.api_key)
+        summary, records = await run_level(opts, n, session_cfg, refuse, pids)
+        after = await server_metrics(opts.url, opts.api_key)
         if before is not None and after is not None:  # what held newcomers back in this level (iterations)
-            summary["admission_held"] = {g: after[g] - before.get(g, 0.0) for g in after}
+            summary["admission_held"] = {g: after["held"][g] - before["held"].get(g, 0.0) for g in after["held"]}
+            summary["gc"] = gc_pauses(before["gc"], after["gc"])
+        if refuse:
+            summary["without_storm"] = storm_baseline(plain.get(n))
+        else:
+            plain[n] = summary
         result["levels"].append(summary)
         result["streams"].extend(r.public(opts.events) for r in records)
         result["capacity"] = capacity(result["levels"])
@@ -732,6 +1000,19 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
             )
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
+        if summary.get("gc"):
+            log(f"      gateway gc: {summary['gc']}")
+        if summary.get("gateway_cpu"):
+            log(f"      gateway cpu ({opts.encoding}): {summary['gateway_cpu']}")
+        if summary.get("refuse_storm"):
+            st, base = summary["refuse_storm"], summary["without_storm"]
+            log(
+                f"      with {st['refused']} refused connections ({st['refusals_per_s']}/s, answered p50/p95/p99 "
+                f"{st['refusal_ms_p50']}/{st['refusal_ms_p95']}/{st['refusal_ms_p99']} ms, {st['admitted']} let "
+                f"through, {st['failed']} failed): admitted streams that stalled "
+                f"{_fmt(summary['admitted_stall_rate'], '.2%')} (without: {_fmt(base['admitted_stall_rate'], '.2%')}), "
+                f"TTFA p95 {_fmt(summary['ttfa_p95_ms'], '.0f')} ms (without: {_fmt(base['ttfa_p95_ms'], '.0f')})"
+            )
         if opts.out:
             _write_json(opts.out, result)
         if should_stop(result["levels"], opts.stop_after_fail):
@@ -801,6 +1082,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="refused clients retry at once; report the refusals' latency and the admitted streams' stalls",
     )
+    p.add_argument("--encoding", default=d.encoding, choices=ENCODINGS, help="the streams' output encoding")
+    p.add_argument(
+        "--api",
+        default=d.api,
+        choices=("ws", "speech"),
+        help="ws: our socket (raw samples only); speech: POST /v1/audio/speech, streamed (mp3 too)",
+    )
+    p.add_argument(
+        "--refuse-storm",
+        type=int,
+        default=d.refuse_storm,
+        metavar="COUNT",
+        help="run each level again with COUNT refused connections over its measured window (bench/refusal_storm.py)",
+    )
+    p.add_argument("--refuse-concurrency", type=int, default=d.refuse_concurrency)
+    p.add_argument("--refuse-procs", type=int, default=d.refuse_procs, help="client processes of the refusal storm")
+    p.add_argument(
+        "--gateway-cpu",
+        action="store_true",
+        help="report each gateway process's CPU per level (/proc: the server must run on this host)",
+    )
     p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
     p.add_argument("--api-key")
     p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
@@ -835,6 +1137,12 @@ def options(a: argparse.Namespace) -> Options:
         request_timeout=a.request_timeout,
         error_backoff_ms=a.error_backoff_ms,
         storm=a.storm,
+        encoding=a.encoding,
+        api=a.api,
+        refuse_storm=a.refuse_storm,
+        refuse_concurrency=a.refuse_concurrency,
+        refuse_procs=a.refuse_procs,
+        gateway_cpu=a.gateway_cpu,
         pause=a.pause,
         api_key=a.api_key,
         deflate=not a.no_deflate,

@@ -54,6 +54,7 @@ log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
 INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
+DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
 # about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
@@ -204,6 +205,8 @@ class Gateway:
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
         self.conversations: set[Conversation] = set()  # admitted streaming sessions (app/core/admission.py)
+        self._refused: Decision | None = None  # the door's last refusal, and until when it stands
+        self._refused_until = 0.0
 
     async def start(self) -> None:
         await self.engine.start()
@@ -243,13 +246,21 @@ class Gateway:
         loads = [e.load() for e in self.engines if e.ready.is_set()]
         return decide(loads, held_count(self.conversations, lim.conversation_hold_s), lim.max_queue_ms / 1e3)
 
-    def admit(self) -> None:
-        """Refuse a new stream that could not start within --max-queue-ms: engine_busy (503) with Retry-After,
-        before anything of the request is read."""
-        d = self.admission()
-        if d.admitted:
-            return
-        self.metrics.door_refusals.inc()
+    def refusal(self, at: str = "app") -> RequestError | None:
+        """The door's answer to a new stream now: None (admitted), or the refusal, engine_busy (503) with
+        Retry-After, counted `at` where it was made ("head": the connection's request head, before the app ran;
+        "app": in a route). A refusal is kept for DOOR_MEMO_S: a storm of refused clients costs one decision
+        per interval, not one per client."""
+        now = time.monotonic()
+        if now < self._refused_until and self._refused is not None:
+            d = self._refused
+        else:
+            d = self.admission()
+            if d.admitted:
+                self._refused = None
+                return None
+            self._refused, self._refused_until = d, now + DOOR_MEMO_S
+        self.metrics.door_refusals.labels(at).inc()
         limit = self.settings.limits.max_queue_ms
         wait = (
             "no engine is ready"
@@ -260,11 +271,18 @@ class Gateway:
                 else f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limit:g} ms)"
             )
         )
-        raise RequestError(
+        return RequestError(
             E.ENGINE_BUSY,
             f"the server is at capacity: {wait}; retry in {d.retry_after_s} s",
             headers={"Retry-After": str(d.retry_after_s)},
         )
+
+    def admit(self) -> None:
+        """Refuse a new stream that could not start within --max-queue-ms (`refusal`), before anything of the
+        request is read."""
+        refused = self.refusal()
+        if refused is not None:
+            raise refused
 
     # ---- audio in --------------------------------------------------------------------------------
     async def decode_clip(self, data: bytes) -> tuple[np.ndarray, int]:

@@ -27,12 +27,9 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     engines = [e.describe() for e in gw.engines]  # ready = at least one engine ready (docs/scaling.md)
-    # with several gateway processes (app/workers.py): the one that answered
-    process = (
-        {"gateway": {"process": gw.link.channel, "processes": gw.link.channels, "pid": os.getpid()}}
-        if gw.link is not None
-        else {}
-    )
+    # the gateway process that answered (one of --workers, app/workers.py; process 0 of 1 without)
+    link = (gw.link.channel, gw.link.channels) if gw.link is not None else (0, 1)
+    process = {"gateway": {"process": link[0], "processes": link[1], "pid": os.getpid()}}
     if gw.engine.ready.is_set():
         return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})
     reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")

@@ -28,10 +28,15 @@ from app.io.json_input import parse_json_object
 from app.voices.library import Voice
 
 
+def error_body(code: str, message: str, status: int = 0) -> dict[str, Any]:
+    """Our HTTP error body: {"error": {"code", "message"}}."""
+    return {"error": {"code": code, "message": message}}
+
+
 def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
     """Every HTTP error: {"error": {"code", "message"}}. The reference server's speaker routes
     (/tts/speakers...) add `detail` (the same message): the reference's web UI shows that field."""
-    body: dict[str, Any] = {"error": {"code": e.code, "message": str(e)}}
+    body: dict[str, Any] = error_body(e.code, str(e))
     if detail:
         body["detail"] = str(e)
     return JSONResponse(body, status_code=e.status, headers=e.headers)

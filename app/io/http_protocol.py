@@ -15,12 +15,19 @@ its connection forever. Here:
   408 `request_timeout`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a
 line, 128 headers), so an upgrade that passes here is never refused silently there.
+
+With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
+before the app runs: the refusal written, an upgrade's connection closed at once, a request's body read and
+dropped, then its connection closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
@@ -33,6 +40,16 @@ MAX_TARGET_BYTES = 8000  # the request line is the method, this, and " HTTP/1.1"
 MAX_FIELD_BYTES = 8000  # one header line, "name: value"
 MAX_HEADERS = 100  # websockets refuses more than 128
 MAX_HEAD_BYTES = 64 << 10  # all header lines together
+_REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
+
+# (method, request target, WebSocket upgrade?, header fields) -> the whole refusal to write, or None
+Door = Callable[[bytes, bytes, bool, list[tuple[bytes, bytes]]], bytes | None]
+
+
+def request_id(given: str) -> str:
+    """A request's id: the client's own `X-Request-ID` when it is plausible (1-128 URL-safe characters), else a
+    new `req_<24 hex>`."""
+    return given if _REQUEST_ID_OK.match(given) else "req_" + secrets.token_hex(12)
 
 
 class HeadRefused(Exception):
@@ -58,6 +75,7 @@ def error_response(status: int, code: str, message: str) -> bytes:
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured one
+    door: Door | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -68,6 +86,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._in_head = False  # a request head has begun and is not complete
         self._head_gen = 0  # a head began or ended: a chunk during which this changed is not all head
         self._refused = False
+        self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -94,6 +113,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        if self._dropping is not None:
+            self._dropping.cancel()
         super().connection_lost(exc)
 
     # ---- refusals ---------------------------------------------------------------------------------
@@ -151,7 +172,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
+        if self.door is not None and (self.cycle is None or self.cycle.response_complete):
+            upgrade = self.parser.should_upgrade()
+            answer = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
+            if answer is not None:
+                self.transport.write(answer)
+                if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
+                    self._refused = True
+                    self.transport.close()
+                else:  # closed once the body has been read (closing on unread data would reset the answer)
+                    self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
+                return
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if self._dropping is None:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._dropping is None:
+            super().on_message_complete()
+            return
+        self._dropping.cancel()
+        self._refused = True
+        self.transport.close()
+
+    def handle_websocket_upgrade(self) -> None:
+        if not self._refused:  # (an upgrade the door refused is answered and closed)
+            super().handle_websocket_upgrade()
 
     @staticmethod
     def _fields_message() -> str:
@@ -161,6 +209,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
 
 
-def bounded_protocol(head_timeout_s: float) -> type[BoundedHttpToolsProtocol]:
-    """The protocol class with this head timeout (uvicorn builds one instance per connection)."""
-    return type("BoundedHttpToolsProtocol", (BoundedHttpToolsProtocol,), {"head_timeout_s": head_timeout_s})
+def bounded_protocol(head_timeout_s: float, door: Door | None = None) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class with this head timeout and door (uvicorn builds one instance per connection)."""
+    return type(
+        "BoundedHttpToolsProtocol",
+        (BoundedHttpToolsProtocol,),
+        {"head_timeout_s": head_timeout_s, "door": staticmethod(door) if door else None},
+    )

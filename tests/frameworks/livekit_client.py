@@ -8,7 +8,9 @@ emitted from our alignment / timestamps (`timed_words`: [text, start s, end s] e
 to the audio frames for LiveKit's synchronized transcription).
 
     python tests/frameworks/livekit_client.py {elevenlabs|cartesia|deepgram} http://127.0.0.1:8000 KEY VOICE
-    [synthesize]
+    [synthesize | reuse=IDLE_S]
+
+`reuse=IDLE_S`: two streamed turns on one TTS, IDLE_S seconds apart (the plugin's pooled socket reused).
 """
 
 from __future__ import annotations
@@ -70,6 +72,35 @@ async def attempt(
     return audio, rates, errors, timed
 
 
+async def turn(tts, errors: list[str]) -> int:
+    """One streamed turn on the plugin's pooled socket: its audio bytes."""
+    audio = 0
+    stream = tts.stream()
+    stream.push_text("Hello there. How are you today?")
+    stream.flush()
+    stream.end_input()
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            async for ev in stream:
+                audio += len(ev.frame.data.tobytes())
+    except Exception as e:  # the plugin's own error, reported
+        errors.append(f"{type(e).__name__}: {e}")
+    await stream.aclose()
+    return audio
+
+
+async def reuse(kind: str, base: str, key: str, voice: str, idle_s: float) -> dict:
+    """Two turns on one TTS (its pooled socket), `idle_s` apart: a voice agent's next turn after a pause."""
+    errors: list[str] = []
+    async with aiohttp.ClientSession() as session:
+        tts = make_tts(kind, base, key, voice, session)
+        first = await turn(tts, errors)
+        await asyncio.sleep(idle_s)
+        second = await turn(tts, errors)
+        await tts.aclose()
+    return {"service": kind, "mode": "reuse", "turns_audio_bytes": [first, second], "errors": errors}
+
+
 async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream") -> dict:
     # The embedded random model sometimes ends both sentences before their first audio frame (about 1 in
     # 1,000): a text that said nothing is sent again, up to 5 times; the last attempt is reported.
@@ -89,4 +120,7 @@ async def main(kind: str, base: str, key: str, voice: str, mode: str = "stream")
 
 
 if __name__ == "__main__":
-    print(json.dumps(asyncio.run(main(*sys.argv[1:6]))))
+    if len(sys.argv) > 5 and sys.argv[5].startswith("reuse="):  # reuse=IDLE_S
+        print(json.dumps(asyncio.run(reuse(*sys.argv[1:5], float(sys.argv[5].partition("=")[2])))))
+    else:
+        print(json.dumps(asyncio.run(main(*sys.argv[1:6]))))

@@ -95,7 +95,11 @@ async def recv_json(ws, timeout: float = 90) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def srv(start_server):
     """One keyed server for every dialect test: each test sends its dialect's own auth header."""
-    s = start_server("--api-key", KEY)
+    return with_ada(start_server("--api-key", KEY))
+
+
+def with_ada(s):
+    """The server with the voice Ada in its library (`s.voice_id`)."""
     emb = np.random.default_rng(7).standard_normal(2048).astype(np.float32)
     buf = io.BytesIO()
     np.save(buf, emb)
@@ -1210,6 +1214,63 @@ def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, spee
     assert dialect_options(gw, speed=1.2) == SynthesisOptions()
 
 
+# ---- a pooled socket, idle between turns (LiveKit's plugins keep theirs for up to an hour) ----------------
+PING_S, IDLE_S = 0.2, 3.0  # the server pings every 0.2 s: an idle of 15 pings, each answered by the client
+
+
+@pytest.fixture(scope="module")
+def pinging(start_server):
+    return with_ada(start_server("--api-key", KEY, "--ws-ping-interval", str(PING_S)))
+
+
+async def idle_answering_pings(ws) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < IDLE_S:  # (the client library answers each ping by itself)
+        await asyncio.sleep(PING_S)
+        assert ws.state is websockets.State.OPEN, "the server closed an idle socket that answers pings"
+
+
+async def dialect_turn(ws, dialect: str, n: int) -> bytes:
+    """One turn on an open socket of the dialect, as LiveKit's plugin sends it: its audio (an error fails)."""
+    log: list[Any] = []
+    if dialect == "elevenlabs":  # a context per turn, flushed and closed
+        ctx = f"turn{n}"
+        await ws.send(json.dumps({"text": " ", "context_id": ctx}))
+        await ws.send(json.dumps({"text": "Hello there. ", "context_id": ctx, "flush": True}))
+        await ws.send(json.dumps({"context_id": ctx, "close_context": True}))
+        await el_until_final(ws, ctx, log)
+        return el_audio(log, ctx)
+    if dialect == "cartesia":
+        await ws.send(ca_request(f"turn{n}", "Hello there.", False))
+        await ca_until(ws, f"turn{n}", "done", log)
+        return ca_audio(log, f"turn{n}")
+    await ws.send(json.dumps({"type": "Speak", "text": "Hello there."}))
+    await ws.send(json.dumps({"type": "Flush"}))
+    await dg_until(ws, "Flushed", log)
+    return dg_audio(log)
+
+
+@pytest.mark.parametrize("dialect", ["elevenlabs", "cartesia", "deepgram"])
+def test_a_pooled_dialect_socket_idle_between_turns_plays_its_next_turn_first_time(pinging, dialect):
+    """A socket that answers pings stays open through an idle of many ping intervals, and its next turn plays
+    at the first attempt (our own socket: tests/system/test_storm.py)."""
+
+    async def go() -> tuple[bytes, bytes]:
+        if dialect == "elevenlabs":
+            ws = await el_connect(el_url(pinging))
+        elif dialect == "cartesia":
+            ws = await ca_connect(pinging)
+        else:
+            ws = await dg_connect(dg_url(pinging))
+        async with ws:
+            first = await dialect_turn(ws, dialect, 1)
+            await idle_answering_pings(ws)
+            return first, await dialect_turn(ws, dialect, 2)
+
+    first, second = run(go())
+    assert len(first) == len(second) > 0  # two fixed-length turns, the second as whole as the first
+
+
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
 def installed(module: str) -> bool:
     """Whether the frameworks' virtualenv has `module` (a half-made one counts as none)."""
@@ -1227,11 +1288,19 @@ frameworks = pytest.mark.skipif(
 )
 
 
-def drive(client: str, service: str, srv) -> dict[str, Any]:
+def drive(client: str, service: str, srv, *extra: str) -> dict[str, Any]:
     """Run tests/frameworks/<client>.py in the frameworks' virtualenv; it prints one JSON line."""
     try:
         out = subprocess.run(
-            [str(FRAMEWORKS_PYTHON), str(ROOT / "tests/frameworks" / f"{client}.py"), service, srv.url, KEY, "Ada"],
+            [
+                str(FRAMEWORKS_PYTHON),
+                str(ROOT / "tests/frameworks" / f"{client}.py"),
+                service,
+                srv.url,
+                KEY,
+                "Ada",
+                *extra,
+            ],
             capture_output=True,
             text=True,
             timeout=300,
@@ -1325,3 +1394,25 @@ def test_emotion_a_voice_at_connect_would_refuse_is_refused_at_connect(srv):
         return out
 
     assert run(go()) == [(400, "bad_params"), (400, "BAD_PARAMS"), "Metadata"]
+
+
+@pytest.mark.frameworks
+@frameworks
+@pytest.mark.parametrize(
+    "service, path",
+    [("elevenlabs", "/multi-stream-input"), ("cartesia", "/tts/websocket"), ("deepgram", "/v1/speak")],
+)
+def test_livekit_plugins_reuse_their_pooled_socket_after_an_idle(pinging, service, path):
+    """LiveKit's elevenlabs, cartesia and deepgram plugins: a second turn on the same TTS after an idle of many
+    ping intervals plays at its first attempt, on the socket the first turn opened (one upgrade in the log)."""
+    if not installed("livekit.agents"):
+        pytest.skip("livekit-agents is not installed in the frameworks' virtualenv")
+
+    def upgrades() -> int:
+        return sum(" WS " in line and path in line and " 101 " in line for line in pinging.log.read_text().splitlines())
+
+    before = upgrades()
+    result = drive("livekit_client", service, pinging, f"reuse={IDLE_S}")
+    assert result["errors"] == [] and all(n > 0 for n in result["turns_audio_bytes"]), result
+    wait_for(lambda: upgrades() > before)  # the socket's log line comes when it closes
+    assert upgrades() == before + 1, "the plugin opened a second socket"

@@ -6,25 +6,36 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import math
+import os
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from bench.live_capacity import (
     Options,
     StreamRecord,
     capacity,
+    compressed_events,
     delivered_audio_s,
+    gateway_cpu,
+    gc_pauses,
+    histogram_quantile,
     judge,
+    live_stream_s,
     main,
     one_stream,
     play,
+    proc_cpu_s,
     should_stop,
+    storm_baseline,
     summarize_level,
     table,
     upload_voice,
 )
+from bench.refusal_storm import ROUTES, Tally, request_bytes, status_of, summarize
 from bench.ws_bench import reference_clip
 
 SR = 24000
@@ -244,6 +255,89 @@ def test_refusals_are_counted_apart():
     assert s["stall_free_share"] == 0.5 and s["admitted_stall_rate"] == 0.5
 
 
+# ---- refusal storm, gateway CPU, collector pauses: the arithmetic --------------------------------------
+
+
+def test_a_compressed_stream_is_counted_by_its_bytes():
+    events = [(0.1, 100), (0.2, 300), (0.3, 0), (0.4, 600)]
+    out = compressed_events(events, 24000)
+    assert [t for t, _ in out] == [0.1, 0.2, 0.3, 0.4]
+    assert [n for _, n in out] == [2400, 7200, 0, 14400] and sum(n for _, n in out) == 24000
+    assert sum(n for _, n in compressed_events([(0, 1), (1, 1), (2, 1)], 100)) == 100  # rounding adds up
+    assert compressed_events([], 100) == []
+
+
+def test_process_cpu_from_proc_stat():
+    tck = os.sysconf("SC_CLK_TCK")
+    line = "123 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 250 50 0 0 20 0 1 0 100 0 0"
+    assert proc_cpu_s(line, 100) == pytest.approx(3.0)  # utime 250 + stime 50 ticks
+    sum(range(3_000_000))  # some CPU of our own to read back
+    with open("/proc/self/stat") as f:
+        own = proc_cpu_s(f.read(), tck)
+    t = os.times()
+    assert own == pytest.approx(t.user + t.system, abs=3 / tck + 0.02)
+
+
+def test_gateway_cpu_per_live_stream():
+    recs = [rec(), rec(), rec(ok=False, error="http_503")]
+    recs[0].e2e_ms = 4000.0  # text sent at 1.0: live 1.0-5.0
+    recs[1].t_sent, recs[1].e2e_ms = 2.5, 1000.0  # live 2.5-3.5
+    recs[2].refused = True
+    assert live_stream_s(recs, 2.0, 4.0) == pytest.approx(2.0 + 1.0)
+    cpu = gateway_cpu({11: 1.0, 12: 2.0, 13: 0.5}, {11: 1.6, 12: 2.3}, window_s=2.0, stream_s=3.0)
+    assert cpu["processes"] == 2 and cpu["cpu_s_total"] == pytest.approx(0.9)  # 13 ended: left out
+    assert cpu["cpu_share"] == {"11": 0.3, "12": 0.15} and cpu["live_streams_mean"] == 1.5
+    assert cpu["gateway_cpu_ms_per_stream_s"] == pytest.approx(300.0)  # 0.9 CPU-s over 3 stream-s
+    assert gateway_cpu({}, {}, 2.0, 0.0)["gateway_cpu_ms_per_stream_s"] is None
+
+
+def test_collector_pauses_from_the_histogram():
+    inf = math.inf
+    assert histogram_quantile(0.5, [(0.001, 50.0), (0.002, 100.0), (inf, 100.0)]) == pytest.approx(0.001)
+    assert histogram_quantile(0.75, [(0.001, 50.0), (0.002, 100.0), (inf, 100.0)]) == pytest.approx(0.0015)
+    assert histogram_quantile(0.99, [(0.001, 0.0), (inf, 10.0)]) == pytest.approx(0.001)  # past the last bound
+    assert histogram_quantile(0.5, [(0.001, 0.0), (inf, 0.0)]) is None
+    before = {("0", 0.001): 10.0, ("0", 0.005): 10.0, ("0", inf): 10.0, ("2", 0.001): 0.0, ("2", 0.005): 1.0}
+    before[("2", inf)] = 1.0
+    after = {("0", 0.001): 108.0, ("0", 0.005): 110.0, ("0", inf): 110.0, ("2", 0.001): 0.0, ("2", 0.005): 2.0}
+    after[("2", inf)] = 2.0
+    g = gc_pauses(before, after)  # over the interval: 98 young ones under 1 ms, 2 under 5, one full under 5
+    assert g["collections"] == {"0": 100.0, "2": 1.0}
+    assert g["pause_p50_ms"] == pytest.approx(1.0 * 50.5 / 98, rel=1e-2)  # rank 50.5 of 101, inside the 1 ms bucket
+    assert 1.0 < g["pause_p99_ms"] < 5.0 and g["pause_max_le_ms"] == 5.0
+    assert gc_pauses(after, after)["pause_max_le_ms"] is None
+
+
+def test_refusal_storm_requests_and_summary():
+    for route, (method, path, upgrade) in ROUTES.items():
+        raw = request_bytes(route, "127.0.0.1:8000", "k")
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(f"{method} {path} HTTP/1.1".encode()) and b"Authorization: Bearer k" in head
+        assert (b"Upgrade: websocket" in head) == upgrade and body == (b"" if upgrade else b"{}")
+    assert status_of(b"HTTP/1.1 503 Service Unavailable\r\nretry-after: 1") == 503
+    assert status_of(b"HTTP/1.1 101 Switching Protocols") == 101 and status_of(b"garbage") == 0
+    a, b = Tally(), Tally()
+    a.refusal_ms, a.t_first, a.t_last = [1.0, 2.0, 3.0], 10.0, 11.0
+    a.outcomes.update({"refused": 3, "admitted_101": 1})
+    b.refusal_ms, b.t_first, b.t_last = [4.0], 10.5, 12.0
+    b.outcomes.update({"refused": 1, "failed_timeout": 1})
+    t = Tally()
+    t.merge(a.as_dict())
+    t.merge(b.as_dict())
+    s = summarize(t)
+    assert (s["attempts"], s["refused"], s["admitted"], s["failed"]) == (6, 4, 1, 1)
+    assert s["span_s"] == 2.0 and s["refusals_per_s"] == 2.0 and s["refusal_ms_p50"] == 2.5
+    assert s["refusal_ms_max"] == 4.0 and s["refusal_ms_p99"] <= 4.0
+    assert storm_baseline({"streams": 5, "ttfa_p95_ms": 200.0, "other": 1}) == {
+        "streams": 5,
+        "admitted_stall_rate": None,
+        "stall_ms_max": None,
+        "ttfa_p50_ms": None,
+        "ttfa_p95_ms": 200.0,
+        "audio_s_per_s": None,
+    }
+
+
 # ---- against the tiny CPU server -----------------------------------------------------------------------
 
 
@@ -316,6 +410,30 @@ def test_one_level_against_the_server(server, tmp_path: Path):
         assert s["stalls"] >= 0 and s["stall_ms_total"] >= s["stall_ms_max"] >= 0
     if HAS_MPL:
         assert (tmp_path / "plot.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_refusal_storm_gateway_cpu_and_mp3_against_the_server(server, tmp_path: Path):
+    """A tiny level run as is and again with a refusal storm (the door is off on this server: every attempt is let
+    through and closed at once), the gateway's CPU read from /proc, mp3 streams counted by their bytes."""
+    out = tmp_path / "storm.json"
+    argv = ["--url", server.ws_url, "--levels", "1", "--duration", "3", "--warmup", "1", "--frames", "40"]
+    argv += ["--request-timeout", "120", "--api", "speech", "--encoding", "mp3", "--gateway-cpu", "--out", str(out)]
+    main([*argv, "--refuse-storm", "60", "--refuse-procs", "1", "--refuse-concurrency", "4"])
+    res = json.loads(out.read_text())
+    plain, stormy = res["levels"]
+    assert res["config"]["gateway_pids"] == [json.loads(httpx.get(server.url + "/readyz").text)["gateway"]["pid"]]
+    for lv in (plain, stormy):
+        assert lv["encoding"] == "mp3" and lv["streams"] >= 1 and lv["errors"] == 0
+        assert lv["gateway_cpu"]["processes"] == 1 and lv["gateway_cpu"]["cpu_s_total"] > 0
+        assert lv["gateway_cpu"]["gateway_cpu_ms_per_stream_s"] > 0
+        assert set(lv["gc"]) == {"collections", "pause_p50_ms", "pause_p99_ms", "pause_max_le_ms"}
+    assert "refuse_storm" not in plain and stormy["without_storm"]["streams"] == plain["streams"]
+    st = stormy["refuse_storm"]
+    assert st["attempts"] == 60 and st["admitted"] == 60 and st["refused"] == st["failed"] == 0  # the door is off
+    for s in res["streams"]:
+        if s["ok"]:  # 40 frames of 512 samples at 44.1 kHz, at 24 kHz, counted from the mp3 bytes
+            assert s["audio_s"] == pytest.approx(40 * 512 / 44100, abs=2e-3)
 
 
 @pytest.mark.slow

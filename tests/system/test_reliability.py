@@ -495,8 +495,8 @@ async def never_read(srv, frames: int, sndbuf_client: int | None = 4096) -> Any:
 
 @pytest.fixture(scope="module")
 def keepalive(start_server):
-    """Default limits, but a WebSocket ping every 3 s (--ws-ping-interval)."""
-    return start_server("--ws-ping-interval", "3")
+    """Default limits, but a WebSocket ping every 3 s, answered within 3 s (--ws-ping-interval, --ws-ping-timeout)."""
+    return start_server("--ws-ping-interval", "3", "--ws-ping-timeout", "3")
 
 
 @slow
@@ -507,7 +507,7 @@ def test_client_that_never_reads_is_dropped(limited, keepalive):
       timeout (--send-timeout, 12 s here) ends the session: `client_stalled`, slot and engine freed;
     - its audio fits in the buffers (default buffers, a short utterance): no send ever blocks, and it is
       uvicorn's keepalive that closes the connection (a ping every --ws-ping-interval, 3 s here, no pong
-      within as long again).
+      within --ws-ping-timeout, 3 s here).
     Both are waited for on state, with generous ceilings; only lower bounds are timed."""
     server = keepalive
     quiet(limited)

@@ -72,37 +72,56 @@ async def _occupy(srv: Any) -> tuple[Any, Client]:
 
 
 def test_a_newcomer_is_refused_before_its_clip_is_read(one_slot):
+    """Refused from its request head (app/doors/door.py): before the app runs, the body or clip is read or the
+    socket accepted, with no log line; a browser's request (Origin) is refused by its route instead."""
     srv = one_slot
 
     async def go() -> None:
         ws, _ = await _occupy(srv)
         try:
             await asyncio.to_thread(wait_for, srv, lambda st: st["in_flight"] == 1, "slot not taken")
-            refused = metric(srv, "zonos_door_refusals_total")
+            at_head = metric(srv, 'zonos_door_refusals_total{at="head"}')
+            in_app = metric(srv, 'zonos_door_refusals_total{at="app"}')
             # an HTTP request with a large clip that is not base64: read, it would be a 400 (bad_params)
             bad = "!" * (4 << 20)
             async with httpx.AsyncClient(timeout=30) as h:
-                r = await h.post(srv.url + "/tts/generate", json={"text": "Hello.", "speaker_audio_base64": bad})
+                r = await h.post(
+                    srv.url + "/tts/generate",
+                    json={"text": "Hello.", "speaker_audio_base64": bad},
+                    headers={"X-Request-ID": "refused-probe-1"},
+                )
                 assert r.status_code == 503, r.text
-                assert int(r.headers["retry-after"]) >= 1
+                assert int(r.headers["retry-after"]) >= 1 and r.headers["x-request-id"] == "refused-probe-1"
                 assert r.json()["error"]["code"] == "engine_busy"
                 r = await h.post(srv.url + "/v1/audio/speech", json={"model": "zonos2", "input": "Hi.", "voice": "x"})
                 assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+                assert r.headers["x-request-id"].startswith("req_")
                 r = await h.post(srv.url + "/v1/text-to-speech/Ada", json={"text": "Hi."})  # a dialect's shape
                 assert r.status_code == 503 and "retry-after" in r.headers
                 assert r.json()["detail"]["status"] == "engine_busy"
+                # a browser's request: refused by the route (which answers with the CORS and origin rules)
+                r = await h.post(
+                    srv.url + "/v1/audio/speech",
+                    json={"model": "zonos2", "input": "Hi.", "voice": "x"},
+                    headers={"Origin": srv.url},
+                )
+                assert r.status_code == 503 and r.json()["error"]["code"] == "engine_busy"
             # the WebSocket upgrade: ours and a dialect's, refused before the socket is accepted
             for path in ("/v1/tts/ws", "/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000"):
                 with pytest.raises(websockets.InvalidStatus) as e:
-                    await websockets.connect(f"ws://127.0.0.1:{srv.port}{path}")
+                    await websockets.connect(
+                        f"ws://127.0.0.1:{srv.port}{path}", additional_headers={"X-Request-ID": "refused-probe-2"}
+                    )
                 resp = e.value.response
                 assert resp.status_code == 503 and int(resp.headers["Retry-After"]) >= 1, path
-                assert b"engine_busy" in resp.body
-            assert metric(srv, "zonos_door_refusals_total") == refused + 5
+                assert b"engine_busy" in resp.body and resp.headers["X-Request-ID"] == "refused-probe-2"
+            assert metric(srv, 'zonos_door_refusals_total{at="head"}') == at_head + 5
+            assert metric(srv, 'zonos_door_refusals_total{at="app"}') == in_app + 1
         finally:
             await ws.close()
 
     run(go())
+    assert "refused-probe" not in srv.log.read_text()  # no log line per refusal
     # once the slot is free again, a newcomer's bad clip is read, and refused for what it is
     wait_for(srv, lambda st: st["in_flight"] == 0, "slot not freed")
     r = httpx.post(srv.url + "/tts/generate", json={"text": "Hello.", "speaker_audio_base64": "!" * 100}, timeout=30)
@@ -133,6 +152,25 @@ def test_an_admitted_conversation_keeps_its_room(one_slot):
             await ws.close()
 
     run(go())
+
+
+def test_a_storm_of_refused_connections(one_slot):
+    """bench/refusal_storm.py against the door: while an admitted session holds the one room, every raw-socket
+    attempt on every route (our socket, the dialects' upgrades, a synthesis POST) is refused, none fails."""
+    from bench.refusal_storm import ROUTES, run_storm
+
+    srv = one_slot
+
+    async def go() -> dict[str, Any]:
+        await asyncio.to_thread(wait_for, srv, lambda st: st["in_flight"] == 0, "slot busy")
+        async with websockets.connect(srv.ws_url, max_size=None) as ws:
+            await Client(ws).until("session.created")  # admitted: the one room is held for it
+            return await asyncio.to_thread(run_storm, srv.url, 2 * len(ROUTES) * 10, 8, tuple(ROUTES), None, 2)
+
+    out = run(go())
+    assert out["attempts"] == out["refused"] == 100 and out["admitted"] == out["failed"] == 0, out
+    assert out["refusal_ms_max"] >= out["refusal_ms_p95"] >= out["refusal_ms_p50"] > 0
+    assert out["refusals_per_s"] > 0
 
 
 def test_clip_base64_decodes_off_the_event_loop(monkeypatch):

@@ -55,3 +55,41 @@ def test_a_conversation_is_held_between_its_utterances_only():
     c.ended()
     assert held_count([c], hold_s=10) == 1
     assert held_count([c], hold_s=10, now=c.last_spoke + 11) == 0  # quiet longer than the hold
+
+
+def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):
+    """app/doors/door.py: the app's stream-starting routes (each WebSocket upgrade and synthesis POST of every
+    API) are refused from the request head; nothing else is (a voice upload, health, a wrong method)."""
+    from app.__main__ import parse_args
+    from app.server import create_app
+
+    door = create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"])).state.door
+    upgrades = [
+        "/v1/tts/ws",
+        "/v1/text-to-speech/Ada/multi-stream-input",
+        "/v1/text-to-speech/Ada/stream-input",
+        "/tts/websocket",
+        "/v1/speak",
+    ]
+    posts = [
+        "/v1/audio/speech",
+        "/tts/generate",
+        "/v1/text-to-speech/Ada",
+        "/v1/text-to-speech/Ada/stream",
+        "/v1/text-to-speech/Ada/with-timestamps",
+        "/v1/text-to-speech/Ada/stream/with-timestamps",
+        "/tts/bytes",
+        "/tts/sse",
+        "/v1/speak",
+    ]
+    assert all(door.route(b"GET", p, True) for p in upgrades)
+    assert all(door.route(b"POST", p, False) for p in posts)
+    for method, path, upgrade in [
+        (b"POST", "/v1/voices", False),
+        (b"GET", "/v1/audio/speech", False),
+        (b"GET", "/healthz", False),
+        (b"GET", "/v1/voices", True),
+        (b"GET", "/v1/tts/ws", False),
+        (b"POST", "/v1/text-to-speech/Ada/multi-stream-input", False),
+    ]:
+        assert door.route(method, path, upgrade) is None, (method, path)

@@ -1,0 +1,91 @@
+"""The door at the connection: a new stream that no engine could start within --max-queue-ms is refused from its
+request head, before the app runs (app/io/http_protocol.py calls `HeadDoor` once a head is complete).
+
+A storm of refused clients that retry at once is mostly refusals, so a refusal must cost next to nothing: no
+WebSocket handshake or protocol object, no ASGI scope, middleware or route, no body or message read, no key
+checked (a refusal says only "busy", whoever asks), no log line. The answer is the one the route itself gives
+(app/core/gateway.py `Gateway.refusal`, the API's error shape): HTTP 503 with `Retry-After` and the request id,
+and the connection closed. The routes that start a stream still ask the door themselves (`Gateway.admit`), for
+what this one leaves to them: a server without this protocol (Ray Serve's proxy), a browser's request (an
+`Origin` header: the app answers with its CORS and origin rules), a percent-encoded path, a request pipelined
+behind an answer in progress.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE
+
+from app.core.gateway import Gateway
+from app.io.http_protocol import request_id
+
+Shape = Callable[[str, str, int], dict[str, Any]]  # (code, message, status) -> the API's error body
+
+
+@dataclass(frozen=True)
+class DoorRoute:
+    pattern: re.Pattern[str]
+    upgrade: bool  # a WebSocket route (its upgrade is refused), else an HTTP route of `methods`
+    methods: frozenset[bytes]
+    shape: Shape
+
+
+def door_routes(routes: Sequence[BaseRoute], shapes: Mapping[Callable[..., Any], Shape]) -> list[DoorRoute]:
+    """The app's routes whose endpoint starts a stream (a key of `shapes`, with its API's error body)."""
+    out = []
+    for r in routes:
+        if isinstance(r, Route | WebSocketRoute) and r.endpoint in shapes:
+            methods = frozenset(m.encode() for m in (r.methods or ())) if isinstance(r, Route) else frozenset()
+            out.append(DoorRoute(r.path_regex, isinstance(r, WebSocketRoute), methods, shapes[r.endpoint]))
+    return out
+
+
+class HeadDoor:
+    """`door(method, url, upgrade, headers)` -> the complete refusal to write, or None to let the app serve it."""
+
+    def __init__(self, gw: Gateway, routes: list[DoorRoute], process: int | None = None) -> None:
+        self.gw = gw
+        self.routes = routes
+        self.process = b"" if process is None else b"x-gateway-process: %d\r\n" % process
+
+    def route(self, method: bytes, path: str, upgrade: bool) -> DoorRoute | None:
+        for r in self.routes:
+            if r.upgrade == upgrade and (upgrade or method in r.methods) and r.pattern.match(path):
+                return r
+        return None
+
+    def __call__(self, method: bytes, url: bytes, upgrade: bool, headers: list[tuple[bytes, bytes]]) -> bytes | None:
+        if self.gw.settings.limits.max_queue_ms <= 0:
+            return None
+        raw = url.partition(b"?")[0]
+        if b"%" in raw or not raw.isascii():
+            return None
+        route = self.route(method, raw.decode("ascii"), upgrade)
+        if route is None:
+            return None
+        given = ""
+        for name, value in headers:
+            if name == b"origin":
+                return None
+            if name == b"x-request-id":
+                given = value.decode("latin-1")
+        refused = self.gw.refusal("head")
+        if refused is None:
+            return None
+        self.gw.metrics.errors.labels(refused.code).inc()
+        body = json.dumps(route.shape(refused.code, str(refused), refused.status)).encode()
+        head = [STATUS_LINE[refused.status], b"content-type: application/json\r\n"]
+        head += [b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in refused.headers.items()]
+        head += [
+            b"x-request-id: %s\r\n" % request_id(given).encode(),
+            self.process,
+            b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body),
+            body,
+        ]
+        return b"".join(head)
