@@ -32,6 +32,7 @@ from app.core.engine_client import Stream
 from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.stats import UtteranceStats
+from app.core.stitching import Stitch
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import SOURCE, WordClock
 from app.io.audio_output import Encoder
@@ -283,15 +284,26 @@ class UtterancePipeline:
 
 
 async def speak(
-    gw: Gateway, api: str, text: str, opts: SynthesisOptions, voice: Voice | None, clip: tuple[np.ndarray, int] | None
+    gw: Gateway,
+    api: str,
+    text: str,
+    opts: SynthesisOptions,
+    voice: Voice | None,
+    clip: tuple[np.ndarray, int] | None,
+    stitch: Stitch | None = None,
 ) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
-    HTTP status); closing the iterator (the client is gone) cancels the engine work."""
+    HTTP status); closing the iterator (the client is gone) cancels the engine work. `stitch` (request
+    stitching, app/core/stitching.py): its chain starts from `stitch.seed`, and once every sentence was sent
+    its end state goes to `stitch.done` (before the iterator ends)."""
     sentences = split_text(gw, text, opts.language)
     if not sentences:
         raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe = UtterancePipeline(gw, api)
+    chain = None
+    if stitch is not None and opts.long_form.long_form is not False:
+        chain = pipe.chains[DEFAULT_CONTEXT] = Chain(opts.long_form, stitch.seed, keep=True)
     pipe.add(sentences, opts, voice, clip)
     pipe.end()  # the whole text is here: its last sentence is final
     try:
@@ -303,5 +315,8 @@ async def speak(
             if u.error is not None:
                 raise u.error
             pipe.done(u)
+        state = chain.state() if chain is not None else None
+        if stitch is not None and state is not None:
+            await stitch.done(state)
     finally:
         pipe.close()
