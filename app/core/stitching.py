@@ -232,6 +232,9 @@ class StitchStore:
         seed = (await asyncio.to_thread(self.previous, ids, owner, voice)).continuation(opts) if ids else None
 
         async def done(state: Continuation) -> None:
-            await asyncio.to_thread(self.put, owner, request_id, Kept.of(state, voice, self.model))
+            try:
+                await asyncio.to_thread(self.put, owner, request_id, Kept.of(state, voice, self.model))
+            except OSError as e:  # the audio was sent whole: only a later request naming this one loses
+                log.warning("request %s: its kept frames could not be stored: %s", request_id, e)
 
         return Stitch(seed, done)
