@@ -302,7 +302,7 @@ async def speak(
         raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe = UtterancePipeline(gw, api)
     chain = None
-    if stitch is not None and opts.long_form.long_form is not False:
+    if stitch is not None:
         chain = pipe.chains[DEFAULT_CONTEXT] = Chain(opts.long_form, stitch.seed, keep=True)
     pipe.add(sentences, opts, voice, clip)
     pipe.end()  # the whole text is here: its last sentence is final

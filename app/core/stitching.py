@@ -6,7 +6,9 @@ the pinned first chunk included) under the `request-id` its response carried, fo
 or everyone without keys). A later request of the same owner, voice and model that names it is generated as
 the continuation of that window, exactly as a context's next utterance continues the one before (the
 reference's continuation prompt); it still has a DAC stream and an audio file of its own. Of several ids
-the last is continued (ElevenLabs' order: oldest first); each must be such a request.
+the last is continued (ElevenLabs' order: oldest first); each must be such a request. A request whose last
+sentence took several engine requests (its spoken text over the utterance budget) keeps nothing, as such an
+utterance ends a context's chain.
 
 Kept on disk, so that every gateway process (app/workers.py) sees what another kept:
 `<data dir>/stitching/<owner>/<request id>.npz` (the texts and settings as JSON, the frames int16), written
