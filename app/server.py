@@ -169,7 +169,8 @@ CORS_ALLOW_HEADERS = [
     "X-Stainless-Helper-Method",
     "X-Stainless-Raw-Response",
 ]
-CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format", "X-Request-ID"]
+# (request-id: ElevenLabs' text-to-speech routes, the id previous_request_ids names)
+CORS_EXPOSE_HEADERS = ["X-Audio-Sample-Rate", "X-Audio-Channels", "X-Audio-Format", "X-Request-ID", "request-id"]
 
 
 # ---- X-Request-ID ------------------------------------------------------------------------------------------

@@ -139,6 +139,23 @@ class Limits:
         ),
     )
     max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input", 0, 1_000_000))
+    # ElevenLabs request stitching (app/core/stitching.py): what each owner's finished text-to-speech requests
+    # leave in the data dir for a later request's `previous_request_ids`
+    stitch_requests: int = field(
+        default=10,
+        metadata=_limit(
+            "ElevenLabs HTTP requests per API key whose frames are kept for previous_request_ids (0: stitching off)",
+            0,
+            10_000,
+            zero_ok=True,
+        ),
+    )
+    stitch_ttl_s: float = field(
+        default=600.0, metadata=_limit("seconds a request's kept frames can be continued (ElevenLabs: 2 h)", 0, _DAY)
+    )
+    stitch_bytes: int = field(
+        default=4 << 20, metadata=_limit("bytes of kept frames on disk per API key (the oldest go first)", 0, _GIB)
+    )
     # Text normalization (app/core/normalization.py): the CPU one utterance's text may take in its worker before
     # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
     # normalizes before it is replaced (its memory given back).

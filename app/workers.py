@@ -9,8 +9,9 @@ the N gateway processes, each a full gateway (uvicorn + the app) on its own sock
 its own residue class (rid % N), so the engine routes every event to the right channel without a table.
 
 What they share: the session limit (a count in shared memory), the voice library (the folder, in its shared
-mode), API keys and settings (the same flags), the metrics (prometheus_client's multiprocess files: any
-process answers /metrics for all), and the engines' admission (the engine decides for every channel).
+mode), the requests kept for request stitching (files in the data dir), API keys and settings (the same
+flags), the metrics (prometheus_client's multiprocess files: any process answers /metrics for all), and the
+engines' admission (the engine decides for every channel).
 
 Failures stay local. An engine that dies is restarted by the supervisor, which tells every gateway process
 (`down`, then `attach` with the new rings, app/core/engine_client.py ControlLink). A gateway process that

@@ -10,11 +10,17 @@ last BOUNDARY_TRIM frames dropped, its stream kept open) unless it is known to b
 (an HTTP text's end, a WebSocket flush, close) makes the last link final, or, when it is already
 submitted, asks the engine to flush its stream. A link whose request failed or was cancelled, or an
 utterance of several engine requests (PieceStream), starts the chain over: the next utterance is fresh.
+
+Across HTTP requests (ElevenLabs request stitching, app/core/stitching.py) a chain starts from the state an
+earlier request's chain ended in (`seed`: its first utterance continues that window, on a DAC stream of its
+own), and with `keep` its final link asks the engine for its frames, so that `state()` is what a later
+request continues.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -54,9 +60,10 @@ class Context:
 class Chain:
     """The continuation state of one context (see the module docstring)."""
 
-    def __init__(self, opts: LongFormOptions) -> None:
+    def __init__(self, opts: LongFormOptions, seed: Continuation | None = None, keep: bool = False) -> None:
         self.opts = opts
-        self.cont = self._fresh()
+        self.cont = seed or self._fresh()
+        self.keep = keep  # the final link keeps its frames (keep_frames): `state()` after it has played
         self.last: Link | None = None
 
     def _fresh(self) -> Continuation:
@@ -72,6 +79,8 @@ class Chain:
         continues (empty: it starts the chain over). Called once per link, in chain order."""
         prev, link.prev = link.prev, None  # a chain holds no more than its newest links
         if prev is None:
+            if self.cont.index:  # seeded: the earlier request's window, on a stream of its own
+                return self._window(None)
             return Context("", np.zeros((0, 9), np.int64), None)
         await prev.settled.wait()
         stream = prev.stream
@@ -81,10 +90,23 @@ class Chain:
             self.cont = self._fresh()
             return Context("", np.zeros((0, 9), np.int64), None)
         self.cont.add(prev.text, stream.kept)
+        return self._window(stream)
+
+    def _window(self, stream: Stream | None) -> Context:
         text, codes = self.cont.window()
         smaller = [w for w in (self.cont.window(anchor=False),) if len(w[1]) < len(codes)]
         # no frames (window 1 without an anchor): a fresh prompt, the same stream
         return Context(text, codes, stream, [*smaller, ("", np.zeros((0, 9), np.int64))])
+
+    def state(self) -> Continuation | None:
+        """Once the final link has played: the window a later request continues (the chain's, with the final
+        link's kept frames added); None when it kept none (not a chain member, or the chain was not `keep`)."""
+        last = self.last
+        if last is None or last.stream is None or last.stream.kept is None:
+            return None
+        cont = dataclasses.replace(self.cont)  # `add` replaces the tail list: the chain's own stays as it is
+        cont.add(last.text, last.stream.kept)
+        return cont
 
     def end(self) -> None:
         """No utterance follows the last one queued: it is final (or its held stream is flushed now)."""

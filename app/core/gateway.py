@@ -34,6 +34,7 @@ from app.core.metrics import Metrics
 from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions
 from app.core.prompts import PromptFactory
+from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -195,6 +196,7 @@ class Gateway:
             self.metrics.track(self.metrics.normalizing, lambda: turns.active)
             self.metrics.track(self.metrics.normalization_waiting, lambda: turns.waiting)
         self.lexicons = LexiconStore(settings.data_dir / "lexicons")
+        self.stitching = StitchStore(settings.data_dir / "stitching", settings.limits, model_identity(settings))
         self.voices = VoiceStore(
             settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices or link is not None
         )  # other processes' voices too
@@ -416,6 +418,7 @@ class Gateway:
                 self.prompts.request(prompt, opts, self.settings.limits.max_frames, embedding, clip),
                 hold=not link.final,
                 continues=ctx.prev.rid if ctx.prev is not None else 0,
+                keep_frames=link.final and chain.keep,
             )
             if opts.sampling.prefix_cfg_scale != 1.0 and len(ctx_codes):  # the prefix twin: the chunk fresh
                 req = dataclasses.replace(

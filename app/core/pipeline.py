@@ -32,6 +32,7 @@ from app.core.engine_client import Stream
 from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.stats import UtteranceStats
+from app.core.stitching import Stitch
 from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import SOURCE, AudioTimeline, WordClock
@@ -344,14 +345,20 @@ async def speak(
     voice: Voice | None,
     clip: tuple[np.ndarray, int] | None,
     timeline: AudioTimeline | None = None,
+    stitch: Stitch | None = None,
 ) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
     HTTP status); closing the iterator (the client is gone) cancels the engine work. `timeline`: fed with the
     audio before it is yielded, an utterance begun and ended around its audio (the words each piece completes:
-    app/core/timestamps.py)."""
+    app/core/timestamps.py). `stitch` (request stitching, app/core/stitching.py): its chain starts from
+    `stitch.seed`, and once every sentence was sent its end state goes to `stitch.done` (before the iterator
+    ends)."""
     sentences = split_text(gw, text, opts.language)
     pipe = UtterancePipeline(gw, api)
+    chain = None
+    if stitch is not None:
+        chain = pipe.chains[DEFAULT_CONTEXT] = Chain(opts.long_form, stitch.seed, keep=True)
     if not sentences or not pipe.add(sentences, opts, voice, clip):  # nothing but tags is nothing to speak
         raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
     pipe.end()  # the whole text is here: its last sentence is final
@@ -370,5 +377,8 @@ async def speak(
             if timeline is not None:
                 timeline.end()
             pipe.done(u)
+        state = chain.state() if chain is not None else None
+        if stitch is not None and state is not None:
+            await stitch.done(state)
     finally:
         pipe.close()

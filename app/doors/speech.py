@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import speak
+from app.core.stitching import Stitch
 from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
 from app.io.errors import GatewayError as G
@@ -120,13 +121,14 @@ async def speech_response(
     media_type: str | None = None,
     headers: dict[str, str] | None = None,
     framing: Framing | None = None,
+    stitch: Stitch | None = None,
 ) -> Response:
     """Speak `text` and stream it in `fmt` (raises the RequestError of a refused first sentence); `whole`:
-    the finished file in one response (app/io/audio_output.py, StreamEncoder)."""
+    the finished file in one response (app/io/audio_output.py, StreamEncoder); `stitch`: app/core/stitching.py."""
     gw: Gateway = request.app.state.gateway
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
-    speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline)
+    speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline, stitch)
     chunks = await first_chunk(speech, request)
 
     async def body() -> AsyncIterator[bytes]:

@@ -10,7 +10,7 @@ gateway -> engine
   SubmitRequest  submit   {rid, prompt_frames, prompt_width, params,  payload: prompt int32 [P, 10]
                            max_frames, ignore_eos, speaker: none|        + uncond prompt int32 [U, 10]
                            embedding|clip, clip_sr?, hold, continues,    + emotion delta f32 [E]
-                           uncond_frames, emotion_dim,                   + uncond speaker f32 [S]
+                           keep_frames, uncond_frames, emotion_dim,      + uncond speaker f32 [S]
                            uncond_speaker_dim, first_samples?}           + (speaker f32 [D] | clip f32 [N])
                  emotion delta: 'proj' emotion, added to the projected speaker row (E = the model's hidden
                  size); uncond speaker: raw/lda emotion, the speaker embedding without it (the emotion-CFG
@@ -29,7 +29,8 @@ engine -> gateway
   Ready          ready     {device, slots, max_context, weights, warmup_s, ...}
   Started        started   {rid, queue_ms}
   Audio          audio     {rid, index, samples}  payload: int16 PCM at 44.1 kHz
-  Kept           kept      {rid, frames, eos_frame} payload: int32 [frames, 9], a held request's kept (trimmed) frames
+  Kept           kept      {rid, frames, eos_frame} payload: int32 [frames, 9], a held request's kept (trimmed) frames,
+                                                  or a final keep_frames request's frames up to its end of audio
   Finished       finished  {rid, reason, stats, freed}  reason: eos | max_frames | context | cancelled;
                            stats: RequestStats (a request that ran to its end), freed: CancelStats (a cancel's ack)
   Error          error     {rid, code, message, retry_after_ms}  code: an EngineError (engine/contract/errors.py)
@@ -295,6 +296,9 @@ class SubmitRequest(Record):
     # continues (0: a stream of its own); its prompt continues that request's kept frames.
     hold: bool = False
     continues: int = 0
+    # keep_frames: a final request sends its frames up to its end of audio (`kept`) when it ends, before its
+    # `finished`: what a later request continues (ElevenLabs request stitching, app/core/stitching.py)
+    keep_frames: bool = False
     # prefix CFG (engine/guidance.py): the twin's prompt, the chunk generated fresh (the gateway builds it)
     uncond_prompt: np.ndarray | None = None
     # emotion (engine/frontend/emotion.py): 'proj' space, the delta [hidden] added to the projected speaker row;
@@ -319,6 +323,7 @@ class SubmitRequest(Record):
             "speaker": "none",
             "hold": self.hold,
             "continues": self.continues,
+            "keep_frames": self.keep_frames,
             "uncond_frames": 0,
         }
         if self.first_samples is not None:
@@ -393,6 +398,7 @@ class SubmitRequest(Record):
             clip_sr=v["clip_sr"],
             hold=v["hold"],
             continues=v["continues"],
+            keep_frames=v["keep_frames"],
             uncond_prompt=uncond,
             emotion_delta=vectors[0],
             uncond_speaker=vectors[1],
@@ -414,6 +420,7 @@ class _SubmitHeader:
     clip_sr: int = 0
     hold: bool = False
     continues: int = 0
+    keep_frames: bool = False
     uncond_frames: int = 0
     emotion_dim: int = 0
     uncond_speaker_dim: int = 0
@@ -557,7 +564,8 @@ class _AudioHeader:
 
 @record
 class Kept(Record):
-    """A held request's kept (trimmed) frames: what the next chunk of its stream continues."""
+    """A held request's kept (trimmed) frames: what the next chunk of its stream continues; or a final
+    `keep_frames` request's frames up to its end of audio: what a later request continues."""
 
     type: ClassVar[str] = KEPT
     rid: int

@@ -39,6 +39,7 @@ class Chain:
     hold: bool = False  # a non-final chunk: its end keeps the stream open
     continues: int = 0  # the rid of the held request whose stream it takes over (0: none)
     first_samples: int | None = None  # what its client takes in before its first output: sizes a new stream's call 0
+    keep: bool = False  # a final request that sends its frames (`kept`) when it ends (keep_frames)
     stream: int = 0  # its DAC stream (its own rid, or the first rid of the chain it continues)
     held_at: float = 0.0  # its generation ended and its stream is held
     samples: int = 0  # audio of the stream sent so far (earlier requests of the chain included)

@@ -50,6 +50,7 @@ from engine.contract import records as m
 from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
+from engine.frontend.longform import trim_chunk_codes
 from engine.guidance import twin as twin_kind
 from engine.llm.node import PendingDecode, Sequence
 from engine.model.transfer import to_device
@@ -259,7 +260,9 @@ class Scheduler:
             emotion=emotion,
             ignore_eos=req.ignore_eos,
         )
-        job = Job(seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples))
+        job = Job(
+            seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples, keep=req.keep_frames)
+        )
         kind = twin_kind(
             req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
         )
@@ -457,6 +460,15 @@ class Scheduler:
         job.chain.held_at = now
         self.held[job.chain.stream] = job
         self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
+
+    def _end_stream(self, job: Job) -> None:
+        """A final request's frames are all in its DAC stream: one that asked (`keep_frames`) gets them, up to
+        its end of audio, before the stream forgets them."""
+        seq = job.seq
+        if job.chain.keep:
+            kept = trim_chunk_codes(self.dac.chunk_frames(job.chain.stream), seq.audio_frames).astype(np.int32)
+            self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
+        self.dac.finish(job.chain.stream, seq.audio_frames)
 
     def _flush_held(self, now: float) -> None:
         """Flush the held streams whose players would run dry before a next chunk's audio could come."""
@@ -661,7 +673,7 @@ class Scheduler:
                 if job.chain.hold:
                     self._hold(job, now)
                 else:
-                    self.dac.finish(job.chain.stream, seq.audio_frames)
+                    self._end_stream(job)
                 self._release(job)
         if plain_keys:
             self.dac.push_rows(plain_keys, np.stack(plain_rows))
@@ -786,7 +798,7 @@ class Scheduler:
             seq.finish_reason = "eos"
             # no more frames will reach its stream (the steps in flight are discarded): the dac_decoder forgets
             # it (it kept the stream until told, and a decoder that is never told grows by one per request)
-            self.dac.finish(job.chain.stream, seq.audio_frames)
+            self._end_stream(job)
         self._release(job)
         stats = job.stats(now)
         log.info("rid %d done: %s", seq.rid, stats)

@@ -389,6 +389,83 @@ def five_requests(lt, client, codec: Codec, min_snr_db: float) -> None:
     assert snr_db(ref[:n].astype(np.float64), x[:n].astype(np.float64)) > min_snr_db
 
 
+def test_a_final_request_that_keeps_its_frames_gets_them_and_plays_the_same_audio(rt, codec: Codec):
+    """keep_frames (request stitching, app/core/stitching.py): a final request's frames up to its end come in
+    a `kept` record before its `finished`, for a fresh request and for the last chunk of a continued reply
+    (its own chunk's frames); its audio is the same as without, and it is the decode of those frames."""
+    import asyncio
+
+    from engine.contract import records as m
+    from engine.contract.records import SamplingParams
+    from engine.dac.streaming import to_int16
+
+    lt, client = rt
+    pb = _builder()
+    seen: list[tuple[str, int]] = []
+    on_event = client._on_event
+
+    def observe(header, payload):
+        seen.append((header.get("type"), header.get("rid")))
+        on_event(header, payload)
+
+    async def one(keep: bool):
+        req = m.SubmitRequest(
+            rid=0,
+            prompt=pb.build("Keep these frames."),
+            params=SamplingParams(seed=5),
+            max_frames=30,
+            ignore_eos=True,
+            keep_frames=keep,
+        )
+        stream, out = client.submit(req), []
+        end = await _read(stream, out)
+        return stream, end, np.concatenate(out)
+
+    async def chain():  # two chunks, the final one keeping its frames
+        first = client.submit(
+            m.SubmitRequest(
+                rid=0,
+                prompt=pb.build("One.", non_final=True),
+                params=SamplingParams(seed=6),
+                max_frames=20,
+                ignore_eos=True,
+                hold=True,
+            )
+        )
+        await asyncio.wait_for(first.kept_ready.wait(), 120)
+        second = client.submit(
+            m.SubmitRequest(
+                rid=0,
+                prompt=pb.build_continuation("One.", "Two.", first.kept),
+                params=SamplingParams(seed=7),
+                max_frames=12,
+                ignore_eos=True,
+                continues=first.rid,
+                keep_frames=True,
+            )
+        )
+        await _read(first, [])
+        await _read(second, [])
+        return second
+
+    client._on_event = observe
+    try:
+        kept, end, audio = lt.run(one(True), timeout=600)
+        plain, plain_end, plain_audio = lt.run(one(False), timeout=600)
+        second = lt.run(chain(), timeout=600)
+    finally:
+        client._on_event = on_event
+    assert end.reason == plain_end.reason == "max_frames"
+    assert kept.kept is not None and kept.kept.shape == (30, 9) and plain.kept is None  # ignore_eos: every frame
+    assert seen.index((m.KEPT, kept.rid)) < seen.index((m.FINISHED, kept.rid))
+    assert (m.KEPT, plain.rid) not in seen
+    assert np.array_equal(audio, plain_audio)  # keeping the frames changes nothing of the request's audio
+    ref = to_int16(decode_offline(codec, kept.kept))
+    n = (30 - DELAY - 10) * HOP
+    assert snr_db(ref[:n].astype(np.float64), audio[:n].astype(np.float64)) > 60
+    assert second.kept is not None and second.kept.shape == (12, 9)  # its own chunk's frames, not the first's
+
+
 def test_cancel_in_the_middle_of_a_continued_reply(rt):
     """The second request of a reply is cancelled while it generates: no audio of it after the engine's
     acknowledgement, and every LLM and DAC slot is free again."""

@@ -1186,6 +1186,8 @@ def check_dialect(r: httpx.Response, error_code: Any) -> None:
 
 
 FAST_Q = "zonos_params=" + json.dumps({"max_frames": 5, "ignore_eos": True})
+KEPT_ID = "@kept"
+request_ids = st.sampled_from([KEPT_ID, KEPT_ID, "0" * 32, "x", "", "x" * 129]) | st.text(max_size=40)
 el_values = {
     "text": short_text | anything,
     "model_id": st.sampled_from(["eleven_flash_v2_5"]) | anything,
@@ -1199,7 +1201,9 @@ el_values = {
     "apply_text_normalization": st.sampled_from(["auto", "on", "off"]) | anything,
     "previous_text": st.text(max_size=20) | anything,
     "next_text": anything,
-    "previous_request_ids": anything,
+    # KEPT_ID: a request id the server kept (the `kept_id` fixture's); the others: unknown, malformed, too long
+    "previous_request_ids": st.lists(request_ids, max_size=4) | anything,
+    "next_request_ids": st.lists(request_ids, max_size=4) | anything,
     "pronunciation_dictionary_locators": anything,
     "use_pvc_as_ivc": anything,
     "apply_language_text_normalization": anything,
@@ -1238,10 +1242,17 @@ el_queries = st.sampled_from(
     voice=st.sampled_from(["Ada", "Ada", "nobody", "%00", "x" * 300]),
     ctype=content_types,
 )
-def test_fuzz_elevenlabs_http(dialect_fuzz_server, data, route, query, voice, ctype):
+@example(
+    data=json.dumps({"text": "Hi.", "previous_request_ids": [KEPT_ID], "previous_text": "Hello."}).encode(),
+    route="/stream/with-timestamps",
+    query="",
+    voice="Ada",
+    ctype="application/json",
+)
+def test_fuzz_elevenlabs_http(dialect_fuzz_server, kept_id, data, route, query, voice, ctype):
     r = httpx.post(
         f"{dialect_fuzz_server.url}/v1/text-to-speech/{voice}{route}?{FAST_Q}&{query}",
-        content=data,
+        content=data.replace(json.dumps(KEPT_ID).encode(), json.dumps(kept_id).encode()),
         headers={"content-type": ctype, "xi-api-key": DIALECT_KEY},
         timeout=60,
     )
@@ -1250,6 +1261,7 @@ def test_fuzz_elevenlabs_http(dialect_fuzz_server, data, route, query, voice, ct
         docs = [json.loads(x) for x in r.text.splitlines()] if route.startswith("/stream") else [r.json()]
         for d in docs:
             check_el_alignment(d)
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["request-id"]), r.headers  # every answer, errors too
 
 
 def check_el_alignment(d: dict[str, Any]) -> None:
@@ -1263,6 +1275,19 @@ def check_el_alignment(d: dict[str, Any]) -> None:
         starts, ends = d["alignment"]["character_start_times_seconds"], d["alignment"]["character_end_times_seconds"]
         assert len(chars) == len(starts) == len(ends) > 0 and all(isinstance(c, str) and len(c) == 1 for c in chars)
         assert starts == sorted(starts) and all(e >= a >= 0 for a, e in zip(starts, ends, strict=True)), d
+
+
+@pytest.fixture(scope="module")
+def kept_id(dialect_fuzz_server) -> str:
+    """The request-id of a finished request of Ada: previous_request_ids that the server kept."""
+    r = httpx.post(
+        f"{dialect_fuzz_server.url}/v1/text-to-speech/Ada?{FAST_Q}",
+        json={"text": "Hello there."},
+        headers={"xi-api-key": DIALECT_KEY},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+    return r.headers["request-id"]
 
 
 cartesia_format = st.fixed_dictionaries(

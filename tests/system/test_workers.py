@@ -96,6 +96,32 @@ def test_both_processes_serve_one_port_and_share_voices_and_metrics(server):
     assert counts[0] == counts[1] >= 2, counts
 
 
+def test_a_request_continues_frames_the_other_process_kept(server):
+    """ElevenLabs request stitching (app/core/stitching.py): a request served by one process continues the
+    kept frames of a request the other process served (the data dir is what they share): the engine got
+    its prompt with the first request's text and frames in it."""
+    from engine.frontend.prompt import SILENCE_FRAMES
+    from tests.system.test_stitching import A_TEXT, B_TEXT, engine_requests, tts, upload_voice
+
+    voice = upload_voice(server.url, "", 4)
+    since = server.log.stat().st_size
+    a = tts(server.url, "", voice, A_TEXT, 13)
+    assert a.status_code == 200, a.text
+    kept_by = int(a.headers["x-gateway-process"])
+    assert tts(server.url, "", voice, B_TEXT, 10).status_code == 200  # the same text, fresh
+    for _ in range(200):
+        b = tts(server.url, "", voice, B_TEXT, 11, previous_request_ids=[a.headers["request-id"]])
+        assert b.status_code == 200, b.text
+        if int(b.headers["x-gateway-process"]) != kept_by:
+            break
+    else:
+        raise AssertionError("no request reached the other process")
+    got = engine_requests(server.log, since)
+    fresh = next(p for p, n in got if n == 10)
+    continued = [p for p, n in got if n == 11]
+    assert continued and set(continued) == {fresh - len(SILENCE_FRAMES) + len(A_TEXT) + 1 + 13}, got
+
+
 async def open_session(ws_url: str, process: int | None = None, tries: int = 200):
     """A WebSocket session, on the given process when one is named."""
     for _ in range(tries):

@@ -113,6 +113,9 @@ RECORDS: list[m.Record] = [
         cancelled=1,
     ),
     m.Stats(),
+    m.SubmitRequest(
+        rid=13, prompt=RNG.integers(0, 1025, (4, 10)), params=m.SamplingParams(), max_frames=8, keep_frames=True
+    ),
     m.Reset(),  # (last: the tests above index this list)
 ]
 
@@ -263,6 +266,19 @@ MALFORMED: list[tuple[object, bytes | None, int | None]] = [  # header, payload,
         )
         for bad in (-1, m.FIRST_SAMPLES_MAX + 1, 1.5, "363", True)
     ),  # what the client needs before its first output: samples, 0..FIRST_SAMPLES_MAX
+    (
+        {
+            "type": m.SUBMIT,
+            "rid": 4,
+            "prompt_frames": 1,
+            "prompt_width": 10,
+            "params": {},
+            "max_frames": 5,
+            "keep_frames": "yes",
+        },
+        b"\0" * 40,
+        4,
+    ),  # keep_frames is a bool
     ({"type": m.EMBED, "rid": 5, "clip_sr": 16000}, b"\0" * 6, 5),
     ({"type": m.AUDIO, "rid": 6, "index": 0, "samples": 10}, b"\0" * 19, 6),
     ({"type": m.AUDIO, "rid": 6, "index": 0}, b"", 6),

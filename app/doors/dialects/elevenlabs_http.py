@@ -11,18 +11,29 @@
   (app/core/timestamps.py: ZONOS2 gives no timings); `normalized_alignment` is the same.
 
 Body: `text` (required), `voice_settings.speed` (our speed), `language_code`, `apply_text_normalization`
-(`off` turns normalization off), `seed`; `model_id`, `previous_text`, `next_text`, the request ids,
-pronunciation dictionaries, `use_pvc_as_ivc`, `apply_language_text_normalization`, the other voice settings
-and fields this gateway does not know are accepted and not used (ElevenLabs ignores unknown fields too).
+(`off` turns normalization off), `seed`, `pronunciation_dictionary_locators`, `previous_request_ids`;
+`model_id`, `previous_text`, `next_text`, `next_request_ids`, `use_pvc_as_ivc`,
+`apply_language_text_normalization`, the other voice settings and fields this gateway does not know are
+accepted and not used (ElevenLabs ignores unknown fields too).
 Query: `output_format`, `zonos_params` (our knobs); `enable_logging` and `optimize_streaming_latency` are
 accepted and not used. Errors: `{"detail": {"status", "message"}}` (app/doors/dialects/elevenlabs.py).
+
+Request stitching (app/core/stitching.py): every answer carries ElevenLabs' `request-id` header (a fresh id;
+our `X-Request-ID` is unchanged). A request whose audio was all sent keeps its voice's state under that id;
+`previous_request_ids` (at most 3, oldest first) names such requests of the same key and voice, and the new
+one continues the last of them (an id that is not one is a 400 naming it). `previous_text` is not used: the
+model can only condition on text it also speaks (its prompt's text is read aloud before the teacher-forced
+frames), and with no frames of that text there is nothing to continue. `next_text` and `next_request_ids`
+are not used either: generation runs left to right.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
@@ -30,6 +41,7 @@ from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
+from app.core.stitching import MAX_REQUEST_IDS, new_request_id
 from app.core.timestamps import AudioTimeline, CharTime, char_alignment_seconds, char_times, run_to
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
@@ -42,23 +54,39 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
 DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
+REQUEST_ID_HEADER = "request-id"  # ElevenLabs' header: the id previous_request_ids names
+MAX_REQUEST_ID_CHARS = 128
 MAX_SEED = 4294967295  # ElevenLabs' seed range
 # fields that are accepted and not used, with the JSON types they may have (null is always allowed)
 _UNUSED: dict[str, tuple[type, ...]] = {
     "model_id": (str,),
     "previous_text": (str,),
     "next_text": (str,),
-    "previous_request_ids": (list,),
-    "next_request_ids": (list,),
     "use_pvc_as_ivc": (bool,),
     "apply_language_text_normalization": (bool,),
 }
+
+
+def _request_ids(data: dict[str, Any], key: str) -> list[str]:
+    ids = data.get(key)
+    if ids is None:
+        return []
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_REQUEST_IDS
+        or not all(isinstance(x, str) and len(x) <= MAX_REQUEST_ID_CHARS for x in ids)
+    ):
+        raise RequestError(
+            G.BAD_PARAMS, f"{key} must be a list of at most {MAX_REQUEST_IDS} request ids (from `request-id` headers)"
+        )
+    return ids
 
 
 def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
     for key, types in _UNUSED.items():
         if data.get(key) is not None and not isinstance(data[key], types):
             raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
+    _request_ids(data, "next_request_ids")  # checked, not used
     lang = data.get("language_code")
     if lang is not None and not isinstance(lang, str):
         raise RequestError(G.BAD_PARAMS, "language_code must be a string")
@@ -95,7 +123,29 @@ async def _speak(request: Request, framing: Framing | None = None, media_type: s
     voice = gw.resolve_voice(request.path_params["voice_id"], owner)
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
     opts = _options(gw, request, data, owner)
-    return await speech_response(request, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing)
+    stitch = await gw.stitching.stitch(
+        _request_ids(data, "previous_request_ids"),
+        owner,
+        voice.id if voice is not None else "",
+        opts.long_form,
+        request.state.elevenlabs_request_id,
+    )
+    return await speech_response(
+        request, "elevenlabs", text, opts, voice, fmt, media_type=media_type, framing=framing, stitch=stitch
+    )
+
+
+def _with_request_id(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+    """ElevenLabs' `request-id` on every answer of the route, errors included: a fresh id per request."""
+
+    @functools.wraps(endpoint)
+    async def route(request: Request) -> Response:
+        request.state.elevenlabs_request_id = rid = new_request_id()
+        response = await endpoint(request)
+        response.headers[REQUEST_ID_HEADER] = rid
+        return response
+
+    return route
 
 
 def _alignments(chars: list[CharTime]) -> dict[str, Any]:
@@ -163,18 +213,21 @@ class _Lines:
         return Framing(chunk=self.chunk, end=self.end, timeline=self.timeline)
 
 
+@_with_request_id
 @errors_as(elevenlabs_error)
 async def speech(request: Request) -> Response:
     """POST /v1/text-to-speech/{voice_id} and /v1/text-to-speech/{voice_id}/stream."""
     return await _speak(request)
 
 
+@_with_request_id
 @errors_as(elevenlabs_error)
 async def speech_with_timestamps(request: Request) -> Response:
     """POST /v1/text-to-speech/{voice_id}/with-timestamps."""
     return await _speak(request, _Base64Document().framing(), media_type="application/json")
 
 
+@_with_request_id
 @errors_as(elevenlabs_error)
 async def stream_with_timestamps(request: Request) -> Response:
     """POST /v1/text-to-speech/{voice_id}/stream/with-timestamps: one JSON object per line."""
