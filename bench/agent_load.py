@@ -79,12 +79,12 @@ try:
         _loop_lag,
         _r,
         _write_json,
-        admission_held,
         capacity,
         delivered_audio_s,
         distinct_clip,
         pct,
         play,
+        server_metrics,
         should_stop,
         upload_voice,
     )
@@ -99,12 +99,12 @@ except ImportError:  # run as a script: bench/ itself is sys.path[0]
         _loop_lag,
         _r,
         _write_json,
-        admission_held,
         capacity,
         delivered_audio_s,
         distinct_clip,
         pct,
         play,
+        server_metrics,
         should_stop,
         upload_voice,
     )
@@ -617,11 +617,11 @@ async def run_agent_benchmark(opts: AgentOptions, log: Callable[[str], None] = p
     for k, n in enumerate(opts.levels):
         if k:
             await asyncio.sleep(opts.pause)
-        before = await admission_held(opts.url, opts.api_key)
+        before = await server_metrics(opts.url, opts.api_key)
         summary, sessions, turns = await run_agent_level(opts, n, voice)
-        after = await admission_held(opts.url, opts.api_key)
+        after = await server_metrics(opts.url, opts.api_key)
         if before is not None and after is not None:  # what held newcomers back in this level (iterations)
-            summary["admission_held"] = {g: after[g] - before.get(g, 0.0) for g in after}
+            summary["admission_held"] = {g: after["held"][g] - before["held"].get(g, 0.0) for g in after["held"]}
         result["levels"].append(summary)
         result["sessions"].extend(s.public() for s in sessions)
         result["turns"].extend(t.public(opts.events) for t in turns)

