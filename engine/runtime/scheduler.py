@@ -7,8 +7,9 @@ One iteration at a time:
   launch the decode step and the dac_decoder's ready calls -> read back the work launched before ->
   launch the prefill -> apply what was read back (EOS, DAC pushes, records) -> PCM into the outbox ring.
 A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
-for at most one chunk. Cancels free the slot before the next step runs. A request's record is a Job
-(engine/runtime/job.py).
+for at most one chunk; with mixed steps (`mixed_prefill`, a GPU) a chunk of up to 256 frames rides along
+with the decode step instead, one pass over the weights for both (engine/llm/graphs.py MixedGraphs).
+Cancels free the slot before the next step runs. A request's record is a Job (engine/runtime/job.py).
 
 Continuation (engine/frontend/longform.py). A request submitted with `hold` is a non-final chunk: when its
 generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
