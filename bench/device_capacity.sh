@@ -8,7 +8,7 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
-# storm.json (STORM) and capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
+# storm.json (STORM), capacity_words.json (WORDS_LEVELS) and capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
 # AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts. So do:
 # REFUSE_STORM=10000 throws that many refused connections over a level of REFUSE_LEVELS (default 192, at or above
 # capacity so that the door is closed) after the same level without them (refuse_storm.json: the admitted
@@ -25,7 +25,8 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
 for x in "${TESTS-x}" "${PROFILE_LEVEL-128}" "${DISTINCT_LEVELS-128}" "${SENTENCE_LEVELS-64}" "${STORM:-}" \
-  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}"; do
+  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}" \
+  "${WORDS_LEVELS:-}"; do
   [ -n "$x" ] && planned=$((planned + 1)); done  # (CPU_LEVELS: two files, pcm and mp3)
 [ $planned -le 8 ] || { echo "device_capacity.sh: $planned files planned under \$OUT, 8 come back: set some empty"; exit 2; }
 exec > >(tee "$OUT/run.log") 2>&1
@@ -75,6 +76,10 @@ if [ -n "${pyspy:-}" ]; then
 fi
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
+# WORDS_LEVELS: the same levels with word timestamps on (session.config `timestamps`: estimated, and aligned when
+# SERVER_ARGS has --aligner), the cost of word times beside LEVELS' figures without them
+[ -n "${WORDS_LEVELS:-}" ] && timeout ${WORDS_S:-120} $CAP --levels $WORDS_LEVELS --timestamps \
+  --out "$OUT/capacity_words.json"
 # replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)
 # (SENTENCE_ARGS=--mixed: every other client sends single sentences beside them; the report gives the later
 # sentences' prefill and first audio, and each kind's stall-free share)
