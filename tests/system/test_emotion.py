@@ -426,7 +426,7 @@ def test_style_tags_map_onto_the_emotion_controls(emotion_server, server):
     from tests.wsclient import Client
 
     srv, _ = emotion_server
-    tagged_voice = upload_voice(srv.url, base_embedding(2048, seed=13), "tagged")
+    tagged_voice = upload_voice(srv.url, base_embedding(2048, seed=12), "tagged")
 
     async def session(url: str, text: str, extra: dict | None = None, voice: str | None = tagged_voice) -> Client:
         async with websockets.connect(url, max_size=None) as ws:
@@ -486,7 +486,7 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
     import httpx
 
     srv, _ = emotion_server
-    vid = upload_voice(srv.url, base_embedding(2048, seed=12), "ui-voice")
+    vid = upload_voice(srv.url, base_embedding(2048, seed=14), "ui-voice")
     body = {
         "text": "The reference page.",
         "language": "en_us",
