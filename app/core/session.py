@@ -342,7 +342,8 @@ class StreamingSession:
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
         opts, voice, clip = self.settings_for(ctx)
-        inline_pieces(self.gw, [text], opts, voice, clip)  # its own breaks and tags: refused whole, now
+        # its own breaks and tags: refused whole, now (its last tag may still be arriving)
+        inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text

@@ -147,6 +147,10 @@ short_text = (
             "[1] [citation needed] [smug].",
             "[happy] a " * 17,
             '<emotion value="[happy]"/> x <break time="200ms"/> [sad] y.',
+            # a tag a sentence cut leaves without its '>' (a newline inside it, too long for the budget): bad_text
+            'Hi <emotion\nvalue="happy"/> there.',
+            'Hi <break\ntime="1s"/> there.',
+            'Hi <emotion value="' + "a" * 2100 + '"/> there.',
         ]
     )
 )

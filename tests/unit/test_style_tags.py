@@ -12,6 +12,7 @@ from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline
 from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled_options
+from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.frontend.emotion import EmotionDirections
@@ -162,3 +163,17 @@ def test_a_message_with_a_refused_tag_is_refused_whole_on_the_socket():
     err, seen, texts = asyncio.run(go())
     assert err["type"] == "error" and err["code"] == "unsupported_tag", err
     assert texts == ["Fine [1]."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine [1]."]
+
+
+@pytest.mark.parametrize(
+    "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
+)
+def test_an_emotion_tag_cut_by_a_newline_or_the_budget_is_refused_not_spoken(text):
+    """A newline ends a sentence at once and a long tag is cut at the utterance budget: the piece holding the
+    tag's opening is refused, so no half of the tag is read aloud."""
+    buf = TextBuffer(300)
+    pieces = buf.append(text) + buf.flush()
+    with pytest.raises(RequestError) as e:
+        for piece in pieces:
+            split_tags(piece)
+    assert e.value.code == "bad_text"
