@@ -373,7 +373,8 @@ openai_values = {
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
     "speed": st.floats(0, 5) | anything,
     "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
-    "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", ""]) | anything,
+    "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", "", "happy slowly " * 400])
+    | anything,
     "stream": anything,
     "params": params(),
     "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,
