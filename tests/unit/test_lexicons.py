@@ -3,10 +3,14 @@ rules applied to whole words, stored per owner."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from app.io.errors import RequestError
-from app.voices.lexicons import LexiconStore, Rule, apply_rules, rules_from_json, rules_from_pls
+from app.voices import lexicons
+from app.voices.lexicons import LexiconStore, Rule, apply_rules, apply_rules_off_loop, rules_from_json, rules_from_pls
 
 PLS = b"""<?xml version="1.0" encoding="UTF-8"?>
 <lexicon version="1.0" xmlns="http://www.w3.org/2005/01/pronunciation-lexicon" alphabet="ipa" xml:lang="en-US">
@@ -54,3 +58,23 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert e.value.code == "unknown_lexicon"
     store.delete(lex.id, "alice")
     assert store.list("alice") == []
+
+
+def test_rules_are_applied_off_the_event_loop(monkeypatch):
+    """A dictionary's pattern is compiled and matched in a worker thread (a large one takes seconds), not on the
+    loop every session shares; no rules: nothing to do, inline."""
+    threads: list[int] = []
+    real = lexicons.apply_rules
+
+    def spy(text: str, rules: tuple[Rule, ...]) -> str:
+        threads.append(threading.get_ident())
+        return real(text, rules)
+
+    monkeypatch.setattr(lexicons, "apply_rules", spy)
+
+    async def go(rules: tuple[Rule, ...]) -> tuple[str, int]:
+        return await apply_rules_off_loop("A tomato.", rules), threading.get_ident()
+
+    out, loop_thread = asyncio.run(go((Rule("tomato", "tomahto"),)))
+    assert out == "A tomahto." and threads and loop_thread not in threads
+    assert asyncio.run(go(()))[0] == "A tomato." and len(threads) == 1
