@@ -12,15 +12,23 @@ from app.io.errors import RequestError
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
 MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
 _TAG = re.compile(r"<\s*break\b([^>]*)/?\s*>", re.IGNORECASE)
+_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
-def split_breaks(text: str) -> list[str | float]:
+def split_breaks(text: str, partial: bool = False) -> list[str | float]:
     """The text's pieces in order: spoken text (str, never empty or blank) and breaks (seconds). A break tag
-    without a valid time is refused (`bad_text`), never spoken as text."""
+    without a valid time is refused (`bad_text`), never spoken as text. `partial`: a streamed message, whose
+    last tag may still be arriving (its opening with no `>` after it)."""
     out: list[str | float] = []
     pos = 0
     tags = list(_TAG.finditer(text))
+    whole = {m.start() for m in tags}
+    for o in _OPEN.finditer(text):
+        if o.start() not in whole and not (partial and ">" not in text[o.start() :]):
+            raise RequestError(
+                G.BAD_TEXT, f"a break tag must end with '>' in the same sentence: {text[o.start() : o.start() + 60]!r}"
+            )
     if len(tags) > MAX_BREAKS:
         raise RequestError(G.BAD_TEXT, f"at most {MAX_BREAKS} breaks in one text")
     for m in tags:

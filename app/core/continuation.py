@@ -102,7 +102,9 @@ class Chain:
         """Once the final link has played: the window a later request continues (the chain's, with the final
         link's kept frames added); None when it kept none (not a chain member, or the chain was not `keep`)."""
         last = self.last
-        if last is None or last.stream is None or last.stream.kept is None:
+        if last is None:  # nothing spoken (breaks alone): a seeded window goes on through it unchanged
+            return dataclasses.replace(self.cont) if self.keep and self.cont.index else None
+        if last.stream is None or last.stream.kept is None:
             return None
         cont = dataclasses.replace(self.cont)  # `add` replaces the tail list: the chain's own stays as it is
         cont.add(last.text, last.stream.kept)

@@ -39,7 +39,7 @@ from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.voices.lexicons import MAX_RULES, LexiconStore, Rule, apply_rules, rules_from_json
+from app.voices.lexicons import MAX_RULES, LexiconStore, Rule, apply_rules_off_loop, rules_from_json
 from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
@@ -367,7 +367,7 @@ class Gateway:
             raise RequestError(
                 G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
             )
-        text = apply_rules(text, opts.lexicon)  # pronunciation dictionaries: before normalization
+        text = await apply_rules_off_loop(text, opts.lexicon)  # pronunciation dictionaries: before normalization
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         budget = utterance_bytes(self)

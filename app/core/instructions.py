@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 from app.core.options import SPEED_RANGE, SynthesisOptions
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
 # word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes
@@ -84,6 +86,8 @@ MANNER_WORDS = {
     "emphasize",
 }
 AXIS_LIMIT = 1.0
+# instructions are a sentence or two; read word by word on the event loop, and named back in a response header
+MAX_INSTRUCTIONS_CHARS = 4096
 
 _WORD = re.compile(r"[a-z]+")
 
@@ -110,6 +114,8 @@ def apply_instructions(
 ) -> tuple[SynthesisOptions, Instructions]:
     """`opts` with what `text` asks for, and the report. A field the request sets itself (emotion_*,
     speed) is not overridden."""
+    if len(text) > MAX_INSTRUCTIONS_CHARS:
+        raise RequestError(G.BAD_PARAMS, f"instructions are limited to {MAX_INSTRUCTIONS_CHARS} characters")
     report = Instructions()
     valence = arousal = 0.0
     speed = 1.0
@@ -131,6 +137,8 @@ def apply_instructions(
                 continue
             speed *= value
         report.applied.append(word)
+    # each word named once (the words still add up: "very very happy")
+    report.applied, report.unmapped = list(dict.fromkeys(report.applied)), list(dict.fromkeys(report.unmapped))
     emo = opts.emotion
     if (valence or arousal) and not emo.requested:
         clip = lambda x: max(-AXIS_LIMIT, min(AXIS_LIMIT, x))  # noqa: E731

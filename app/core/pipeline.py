@@ -128,10 +128,12 @@ def inline_pieces(
     voice: Voice | None,
     clip: tuple[np.ndarray, int] | None,
     style: StyleTag | None = None,
+    partial: bool = False,
 ) -> tuple[list[tuple[str | float, SynthesisOptions]], StyleTag | None]:
     """The utterances `texts` become, in order: spoken text with its options (a style tag's emotion applied:
     app/core/style_tags.py) or a break's seconds (app/core/breaks.py), and the style tag in effect after them
-    (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken."""
+    (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken.
+    `partial`: `texts` is a streamed message, whose last tag may still be arriving."""
     styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
 
     def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
@@ -147,11 +149,11 @@ def inline_pieces(
 
     pieces: list[tuple[str | float, SynthesisOptions]] = []
     for text in texts:
-        for piece in split_breaks(text):
+        for piece in split_breaks(text, partial):
             if not isinstance(piece, str):
                 pieces.append((piece, opts))
                 continue
-            for part in split_tags(piece):
+            for part in split_tags(piece, partial):
                 if isinstance(part, StyleTag):
                     style = None if part.name == NEUTRAL else part
                     options(style)

@@ -342,7 +342,8 @@ class StreamingSession:
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
             )
         opts, voice, clip = self.settings_for(ctx)
-        inline_pieces(self.gw, [text], opts, voice, clip)  # its own breaks and tags: refused whole, now
+        # its own breaks and tags: refused whole, now (its last tag may still be arriving)
+        inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text
@@ -386,8 +387,12 @@ class StreamingSession:
                 before = buf.text
                 try:
                     self._enqueue(c, buf.flush(), enforce_limit)
-                except RequestError:
-                    buf.text = before  # still buffered; a later flush can speak it
+                except RequestError as e:
+                    if e.code == G.TOO_MANY_UTTERANCES:
+                        buf.text = before  # still buffered; a later flush can speak it
+                    # else the text itself is refused (a tag split across messages): dropped, as it can never be
+                    # spoken, so that the next flush and the close are not refused for it again
+                    self._drop_empty_buffers()
                     raise
         self._drop_empty_buffers()
         if end_turn:
@@ -456,7 +461,12 @@ class StreamingSession:
         limit), answer every mark, then `on_closed`. A cancel still stops the rest."""
         if self._closing:
             return
-        await self.flush(None, enforce_limit=False)
+        for _ in range(len(self.buffers) + 1):  # each refused buffer is dropped (see flush): the others are spoken
+            try:
+                await self.flush(None, enforce_limit=False)
+                break
+            except RequestError as e:
+                await self.error(e.code, str(e))
         self._closing = True
         for lane in self.lanes.values():
             lane.pipe.changed.set()

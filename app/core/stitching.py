@@ -8,7 +8,8 @@ the continuation of that window, exactly as a context's next utterance continues
 reference's continuation prompt); it still has a DAC stream and an audio file of its own. Of several ids
 the last is continued (ElevenLabs' order: oldest first); each must be such a request. A request whose last
 sentence took several engine requests (its spoken text over the utterance budget) keeps nothing, as such an
-utterance ends a context's chain.
+utterance ends a context's chain. A request of breaks alone keeps the state it continued (a break does not
+reset the voice).
 
 Kept on disk, so that every gateway process (app/workers.py) sees what another kept:
 `<data dir>/stitching/<owner>/<request id>.npz` (the texts and settings as JSON, the frames int16), written

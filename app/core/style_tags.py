@@ -72,6 +72,9 @@ TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every brac
 
 _BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
 _EMOTION = re.compile(r"<\s*(/?)\s*emotion\b([^>]*)>", re.IGNORECASE)
+# an element's opening: one that does not start a whole element was cut (a newline ends a sentence at once, a long
+# tag is cut at the utterance budget) and is refused, so that no half of it is read aloud
+_EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
 _VALUE = re.compile(r"""\bvalue\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
 
 
@@ -81,13 +84,19 @@ class StyleTag:
     written: str  # the tag as the text has it (for errors)
 
 
-def _tags(text: str) -> list[tuple[int, int, StyleTag]]:
+def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     found = []
     for m in _BRACKET.finditer(text):
         word = m.group(1).lower()
         if word in TAG_WORDS:
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
-    for m in _EMOTION.finditer(text):
+    elements = list(_EMOTION.finditer(text))
+    whole = {m.start() for m in elements}
+    for o in _EMOTION_OPEN.finditer(text):
+        if o.start() not in whole and not (partial and ">" not in text[o.start() :]):
+            cut = text[o.start() : o.start() + 60]
+            raise RequestError(G.BAD_TEXT, f"an emotion tag must end with '>' in the same sentence: {cut!r}")
+    for m in elements:
         if m.group(1):  # </emotion>: the element's end
             found.append((m.start(), m.end(), StyleTag(NEUTRAL, m.group(0))))
             continue
@@ -100,10 +109,11 @@ def _tags(text: str) -> list[tuple[int, int, StyleTag]]:
     return found
 
 
-def split_tags(text: str) -> list[str | StyleTag]:
+def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
-    tags is returned as it is (one piece). A malformed `<emotion>` element is refused (`bad_text`)."""
-    tags = _tags(text)
+    tags is returned as it is (one piece). A malformed `<emotion>` element is refused (`bad_text`). `partial`:
+    a streamed message, whose last element may still be arriving (its opening with no `>` after it)."""
+    tags = _tags(text, partial)
     if not tags:
         return [text]
     if len(tags) > MAX_TAGS:

@@ -12,6 +12,7 @@ lookup, so every gateway process sees a dictionary the moment another one has wr
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import functools
 import json
@@ -142,6 +143,15 @@ def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
     for r in rules:
         table.setdefault(r.grapheme, r.alias)
     return _pattern(tuple(table)).sub(lambda m: table[m.group(0)], text)
+
+
+async def apply_rules_off_loop(text: str, rules: tuple[Rule, ...]) -> str:
+    """`apply_rules` in a worker thread: the pattern of a large dictionary (thousands of rules) takes a second or
+    more to compile, and a request may combine dictionaries into a new one, which would hold every session's
+    event loop that long."""
+    if not rules:
+        return text
+    return await asyncio.to_thread(apply_rules, text, rules)
 
 
 class LexiconStore:

@@ -147,6 +147,10 @@ short_text = (
             "[1] [citation needed] [smug].",
             "[happy] a " * 17,
             '<emotion value="[happy]"/> x <break time="200ms"/> [sad] y.',
+            # a tag a sentence cut leaves without its '>' (a newline inside it, too long for the budget): bad_text
+            'Hi <emotion\nvalue="happy"/> there.',
+            'Hi <break\ntime="1s"/> there.',
+            'Hi <emotion value="' + "a" * 2100 + '"/> there.',
         ]
     )
 )
@@ -369,7 +373,8 @@ openai_values = {
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
     "speed": st.floats(0, 5) | anything,
     "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
-    "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", ""]) | anything,
+    "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", "", "happy slowly " * 400])
+    | anything,
     "stream": anything,
     "params": params(),
     "sample_rate": st.sampled_from([24000, 44100, 16000, 8000, 22050]) | anything,

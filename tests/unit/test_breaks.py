@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.core.breaks import split_breaks
+from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 
 
@@ -31,3 +32,16 @@ def test_a_text_holds_a_bounded_number_of_breaks():
         split_breaks('<break time="1ms"/>' * 17)
     assert e.value.code == "bad_text"
     assert len(split_breaks('a <break time="1ms"/>' * 16)) == 32
+
+
+@pytest.mark.parametrize(
+    "text", ['Hi <break\ntime="1s"/> there.', 'Hi <break time="1s" ' + "x" * 400 + "/> there.", "Hi <break"]
+)
+def test_a_break_cut_by_a_newline_or_the_budget_is_refused_not_spoken(text):
+    buf = TextBuffer(300)
+    pieces = buf.append(text) + buf.flush()
+    with pytest.raises(RequestError) as e:
+        for piece in pieces:
+            split_breaks(piece)
+    assert e.value.code == "bad_text"
+    assert split_breaks("Hi <break time=", partial=True) == ["Hi <break time="]  # a streamed tag, still arriving

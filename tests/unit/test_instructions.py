@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from app.core.instructions import apply_instructions
+from app.core.instructions import MAX_INSTRUCTIONS_CHARS, apply_instructions
 from app.core.options import SynthesisOptions
+from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections, EmotionRequest
 
 
@@ -36,3 +38,13 @@ def test_the_request_own_fields_win():
     base.cond.speed = 1.5
     opts, _ = apply_instructions("cheerful and slow", base, directions(), True)
     assert opts.emotion.valence == -0.5 and opts.cond.speed == 1.5
+
+
+def test_long_instructions_are_refused_and_each_word_is_reported_once():
+    """The report becomes response headers: a word repeated is named once, and instructions past the bound are
+    a 400 rather than seconds of the event loop and a response head no client reads."""
+    _, report = apply_instructions("cheerfully whisper " * 200, SynthesisOptions(), directions(), True)
+    assert report.applied == ["cheerfully"] and [u.split()[0] for u in report.unmapped] == ["whisper"]
+    with pytest.raises(RequestError) as e:
+        apply_instructions("slowly " * MAX_INSTRUCTIONS_CHARS, SynthesisOptions(), directions(), True)
+    assert e.value.code == "bad_params" and e.value.status == 400

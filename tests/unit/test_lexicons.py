@@ -3,10 +3,14 @@ rules applied to whole words, stored per owner."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 import pytest
 
 from app.io.errors import RequestError
-from app.voices.lexicons import LexiconStore, Rule, apply_rules, rules_from_json, rules_from_pls
+from app.voices import lexicons
+from app.voices.lexicons import LexiconStore, Rule, apply_rules, apply_rules_off_loop, rules_from_json, rules_from_pls
 
 PLS = b"""<?xml version="1.0" encoding="UTF-8"?>
 <lexicon version="1.0" xmlns="http://www.w3.org/2005/01/pronunciation-lexicon" alphabet="ipa" xml:lang="en-US">
@@ -54,3 +58,76 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert e.value.code == "unknown_lexicon"
     store.delete(lex.id, "alice")
     assert store.list("alice") == []
+
+
+def test_rules_are_applied_off_the_event_loop(monkeypatch):
+    """A dictionary's pattern is compiled and matched in a worker thread (a large one takes seconds), not on the
+    loop every session shares; no rules: nothing to do, inline."""
+    threads: list[int] = []
+    real = lexicons.apply_rules
+
+    def spy(text: str, rules: tuple[Rule, ...]) -> str:
+        threads.append(threading.get_ident())
+        return real(text, rules)
+
+    monkeypatch.setattr(lexicons, "apply_rules", spy)
+
+    async def go(rules: tuple[Rule, ...]) -> tuple[str, int]:
+        return await apply_rules_off_loop("A tomato.", rules), threading.get_ident()
+
+    out, loop_thread = asyncio.run(go((Rule("tomato", "tomahto"),)))
+    assert out == "A tomahto." and threads and loop_thread not in threads
+    assert asyncio.run(go(()))[0] == "A tomato." and len(threads) == 1
+
+
+def test_the_dictionary_routes_use_the_store_off_the_event_loop(tmp_path, monkeypatch):
+    """An owner's dictionaries can be hundreds of MB of JSON (a listing reads them all): every route reads and
+    writes the store in a worker thread, never on the loop the sessions share."""
+    from types import SimpleNamespace
+
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+    from starlette.testclient import TestClient
+
+    from app.core.gateway import Gateway
+    from app.core.metrics import Metrics
+    from app.doors.dialects import elevenlabs_lexicons as routes
+
+    store = LexiconStore(tmp_path)
+    threads: dict[str, set[int]] = {}
+    for name in ("add", "list", "get", "delete"):
+        real = getattr(store, name)
+
+        def spy(*args, _real=real, _name=name):
+            threads.setdefault(_name, set()).add(threading.get_ident())
+            return _real(*args)
+
+        monkeypatch.setattr(store, name, spy)
+    loop_threads: set[int] = set()
+
+    def on_loop(endpoint):
+        async def route(request):
+            loop_threads.add(threading.get_ident())
+            return await endpoint(request)
+
+        return route
+
+    base = "/v1/pronunciation-dictionaries"
+    app = Starlette(
+        routes=[
+            Route(base + "/add-from-rules", on_loop(routes.add_from_rules), methods=["POST"]),
+            Route(base, on_loop(routes.list_dictionaries), methods=["GET"]),
+            Route(base + "/{dictionary_id}", on_loop(routes.dictionary), methods=["GET", "DELETE"]),
+        ]
+    )
+    app.state.gateway = SimpleNamespace(
+        settings=SimpleNamespace(api_keys=()), owner_of=Gateway.owner_of, lexicons=store, metrics=Metrics()
+    )
+    with TestClient(app) as client:
+        rules = [{"type": "alias", "string_to_replace": "tomato", "alias": "tomahto"}]
+        lid = client.post(base + "/add-from-rules", json={"name": "d", "rules": rules}).json()["id"]
+        assert [d["id"] for d in client.get(base).json()["pronunciation_dictionaries"]] == [lid]
+        assert client.get(f"{base}/{lid}").json()["rules"][0]["alias"] == "tomahto"
+        assert client.delete(f"{base}/{lid}").json() == {"deleted": lid}
+    assert set(threads) == {"add", "list", "get", "delete"} and loop_threads
+    assert not loop_threads & set().union(*threads.values())

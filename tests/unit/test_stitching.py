@@ -69,6 +69,15 @@ def test_a_seeded_chain_continues_the_kept_window_and_ends_in_its_own_state():
     assert Chain(LongFormOptions()).state() is None
 
 
+def test_a_seeded_request_that_speaks_only_breaks_keeps_the_window_it_continued():
+    """A request of breaks alone (`<break time="1s"/>`) continuing a kept one links no utterance: the voice's
+    window goes on through it unchanged (a break does not reset the voice), so its own id can be continued."""
+    seed = state(("One.", 5), ("Two.", 6))
+    after = Chain(LongFormOptions(), seed=seed, keep=True).state()
+    assert after is not None and after.index == 2 and after.window()[0] == "One. Two."
+    assert Chain(LongFormOptions(), keep=True).state() is None  # nothing spoken, nothing continued: nothing kept
+
+
 def test_the_store_keeps_an_owners_requests_for_that_owner_only(tmp_path):
     s = store(tmp_path)
     rid = new_request_id()

@@ -12,6 +12,7 @@ from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline
 from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled_options
+from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.frontend.emotion import EmotionDirections
@@ -162,3 +163,45 @@ def test_a_message_with_a_refused_tag_is_refused_whole_on_the_socket():
     err, seen, texts = asyncio.run(go())
     assert err["type"] == "error" and err["code"] == "unsupported_tag", err
     assert texts == ["Fine [1]."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine [1]."]
+
+
+def test_a_tag_split_across_messages_is_refused_once_and_the_socket_goes_on():
+    """Each half of a tag passes its own message's check; the sentence they make is refused when it is spoken
+    (the flush), and then that sentence is gone: the next text is spoken and a close closes."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text="Hi [hap")
+        ws.send(type="text", text="py] there.")
+        ws.send(type="flush")
+        err = await ws.next_json()
+        ws.send(type="text", text="Fine.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        ws.send(type="text", text="And <emotion value=")
+        ws.send(type="text", text="'happy'/> bye.")
+        ws.send(type="close")
+        closing = await ws.until("session.closed")
+        await shut(ws, task)
+        return err, seen, closing, engine.texts
+
+    err, seen, closing, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
+    assert [m["code"] for m in closing if m["type"] == "error"] == ["unsupported_tag"], closing
+
+
+@pytest.mark.parametrize(
+    "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
+)
+def test_an_emotion_tag_cut_by_a_newline_or_the_budget_is_refused_not_spoken(text):
+    """A newline ends a sentence at once and a long tag is cut at the utterance budget: the piece holding the
+    tag's opening is refused, so no half of the tag is read aloud."""
+    buf = TextBuffer(300)
+    pieces = buf.append(text) + buf.flush()
+    with pytest.raises(RequestError) as e:
+        for piece in pieces:
+            split_tags(piece)
+    assert e.value.code == "bad_text"
+    assert split_tags("Hi <emotion", partial=True) == ["Hi <emotion"]  # a streamed tag, still arriving

@@ -6,12 +6,15 @@
   string_to_replace, alias}], description}`;
 * `GET /v1/pronunciation-dictionaries`, `GET` and `DELETE /v1/pronunciation-dictionaries/{id}`.
 
-A phoneme rule is refused with 400 (ZONOS2 reads text). A dictionary is used through
-`pronunciation_dictionary_locators` on the speech routes and sockets, Cartesia's `pronunciation_dict_id`,
-or our session.config `lexicon`.
+A phoneme rule is refused with 400 (ZONOS2 reads text). The store is read and written in a worker thread: an
+owner's hundred dictionaries of thousands of rules are hundreds of MB of JSON, read whole by a listing.
+A dictionary is used through `pronunciation_dictionary_locators` on the speech routes and sockets, Cartesia's
+`pronunciation_dict_id`, or our session.config `lexicon`.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -52,7 +55,7 @@ async def add_from_file(request: Request) -> Response:
         raise RequestError(G.BAD_UPLOAD, f"a multipart form with name and file is expected: {str(e)[:120]}") from None
     if len(data) > MAX_PLS_BYTES:
         raise RequestError(G.UPLOAD_TOO_LARGE, f"a lexicon file is at most {MAX_PLS_BYTES} bytes")
-    lex = gw.lexicons.add(owner, name, rules_from_pls(data), description)
+    lex = await asyncio.to_thread(gw.lexicons.add, owner, name, rules_from_pls(data), description)
     return JSONResponse(lex.public())
 
 
@@ -60,7 +63,8 @@ async def add_from_file(request: Request) -> Response:
 async def add_from_rules(request: Request) -> Response:
     gw, owner = _owner(request)
     data = await read_json(request, MAX_PLS_BYTES)
-    lex = gw.lexicons.add(owner, data.get("name"), rules_from_json(data.get("rules")), data.get("description"))
+    rules = rules_from_json(data.get("rules"))
+    lex = await asyncio.to_thread(gw.lexicons.add, owner, data.get("name"), rules, data.get("description"))
     return JSONResponse(lex.public())
 
 
@@ -69,7 +73,7 @@ async def list_dictionaries(request: Request) -> Response:
     gw, owner = _owner(request)
     return JSONResponse(
         {
-            "pronunciation_dictionaries": [x.public() for x in gw.lexicons.list(owner)],
+            "pronunciation_dictionaries": [x.public() for x in await asyncio.to_thread(gw.lexicons.list, owner)],
             "has_more": False,
             "next_cursor": None,
         }
@@ -81,8 +85,8 @@ async def dictionary(request: Request) -> Response:
     gw, owner = _owner(request)
     lid = request.path_params["dictionary_id"]
     if request.method == "DELETE":
-        return JSONResponse({"deleted": gw.lexicons.delete(lid, owner).id})
-    lex = gw.lexicons.get(lid, owner)
+        return JSONResponse({"deleted": (await asyncio.to_thread(gw.lexicons.delete, lid, owner)).id})
+    lex = await asyncio.to_thread(gw.lexicons.get, lid, owner)
     return JSONResponse(
         lex.public()
         | {"rules": [{"type": "alias", "string_to_replace": r.grapheme, "alias": r.alias} for r in lex.rules]}
