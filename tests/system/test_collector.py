@@ -95,6 +95,20 @@ def _dialects(port: int) -> None:
         ws.send(json.dumps({"type": "Clear"}))
 
 
+def _wound_down(port: int, timeout_s: float = 60.0) -> None:
+    """Wait until the gateway holds no session and the engine no request (its /metrics), so that what the
+    ended sessions leave is all there is for the collector to find (a guard bound, not a pace)."""
+    deadline = time.monotonic() + timeout_s
+    want = ("zonos_active_sessions 0.0", "zonos_engine_active_requests 0.0")
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            lines = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines()
+            if all(w in lines for w in want):
+                return
+        time.sleep(0.1)
+    raise AssertionError("the gateway still holds sessions or engine requests")
+
+
 def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
     """The gateway in this process (uvicorn on a thread, as `python -m app` runs it), so that what its ended
     sessions leave to the collector can be looked at: our protocol's (played, abandoned), each dialect's
@@ -146,7 +160,7 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
                 json={"model": "zonos2", "input": "And one over HTTP.", "voice": "alloy", "response_format": "pcm"},
             )
             assert r.status_code == 200  # (its audio may be empty: the random model's silent sentences)
-            time.sleep(1.0)  # the server side of the sessions winds down
+            _wound_down(port)  # the server side of the sessions and their engine requests are gone
             gc.collect()
             kept = sorted({type(o).__qualname__ for o in gc.garbage if type(o).__module__.startswith("app.")})
         finally:
