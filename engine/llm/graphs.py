@@ -125,6 +125,15 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return smallest_bucket(self.buckets, n, "batch")
 
+    def stage(self, slots: Tensor, positions: Tensor, b: int) -> None:
+        """The static slots and positions of a b-row call: these rows, then scratch-slot padding."""
+        n = slots.shape[0]
+        self.slots[:n].copy_(slots, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        if b > n:
+            self.slots[n:b] = self.scratch_slot
+            self.positions[n:b] = 0
+
     def run(self, ids: Tensor | None, slots: Tensor, positions: Tensor, invariant: bool = False) -> Tensor:
         """slots [n], positions [n] (any device; pinned host memory keeps the launch free of syncs) -> sampled
         codes [n, 9] on the GPU, by the graph of kernel set `invariant` (one of kernel_sets). Each row's input
@@ -132,14 +141,10 @@ class DecodeGraphs:
         instead (benchmarks that force the inputs)."""
         n = slots.shape[0]
         b = self.bucket(n)
-        self.slots[:n].copy_(slots, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
+        self.stage(slots, positions, b)
         if ids is not None:
             frames = ids[:, : self.model.cfg.n_codebooks].to(self.codes.device, non_blocking=True)
             self.sampler.last.index_put_((self.slots[:n],), frames)
-        if b > n:
-            self.slots[n:b] = self.scratch_slot
-            self.positions[n:b] = 0
         if self.graphs:
             self.graphs[invariant][b].replay()
         else:  # not captured: the same fixed-shape work, launched eagerly (what the CPU tests run)
@@ -216,6 +221,28 @@ class PrefillGraphs:
     def bucket(self, n_tokens: int) -> int:
         return smallest_bucket(self.buckets, n_tokens, "prefill of")
 
+    def stage(
+        self,
+        ids: Tensor,
+        seqs: list,
+        speakers: list[Tensor | None] | None,
+        emotions: list[Tensor | None] | None,
+        b: int,
+    ) -> None:
+        """The static inputs of token bucket b: the chunks' frames (then padding) and their `PackedPrefill`."""
+        from engine.model.zonos2 import PackedPrefill
+
+        self._ensure_inputs()
+        static = self.inputs[b]
+        meta = PackedPrefill.build(
+            self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot, emotions
+        )
+        n = ids.shape[0]
+        static[0][:n].copy_(ids, non_blocking=True)
+        static[0][n:] = self.pad_row
+        for dst, src in zip(static[1:], meta.tensors(), strict=True):
+            dst.copy_(src, non_blocking=True)
+
     def run(
         self,
         ids: Tensor,
@@ -227,19 +254,8 @@ class PrefillGraphs:
         """ids [n, 10] for `seqs` (PrefillSeq, at most max_seqs) -> last-frame logits [len(seqs), 9, V], by
         kernel set `invariant` (captured: one of kernel_sets). emotions: each sequence's emotion delta or None
         (a static [max_seqs, dim] input: zeros where none)."""
-        from engine.model.zonos2 import PackedPrefill
-
-        n = ids.shape[0]
-        b = self.bucket(n)
-        self._ensure_inputs()
-        static = self.inputs[b]
-        meta = PackedPrefill.build(
-            self.model, seqs, speakers, b, self.max_seqs, static[0].device, self.scratch_slot, emotions
-        )
-        static[0][:n].copy_(ids, non_blocking=True)
-        static[0][n:] = self.pad_row
-        for dst, src in zip(static[1:], meta.tensors(), strict=True):
-            dst.copy_(src, non_blocking=True)
+        b = self.bucket(ids.shape[0])
+        self.stage(ids, seqs, speakers, emotions, b)
         if self.graphs:
             self.graphs[invariant][b].replay()
         else:  # not captured: the same fixed-shape work, launched eagerly
@@ -311,28 +327,13 @@ class MixedGraphs:
         """Decode rows (slots, positions [n]) and prompt chunks (ids [tokens, 10] for `seqs`, PrefillSeq) ->
         (codes [B + max_seqs, 9] on the GPU, B): rows 0..n-1 the decode rows' frames, row B + i the first frame
         of chunk i where sample_slots[i] is its slot."""
-        from engine.model.zonos2 import PackedPrefill
-
-        n, tokens = slots.shape[0], ids.shape[0]
-        b = smallest_bucket(self.batches, n, "mixed batch")
-        t = smallest_bucket(self.tokens, tokens, "mixed prompt of")
-        d, p = self.decode, self.prefill
-        d.slots[:n].copy_(slots, non_blocking=True)
-        d.positions[:n].copy_(positions, non_blocking=True)
-        if b > n:
-            d.slots[n:b] = d.scratch_slot
-            d.positions[n:b] = 0
-        static = p.inputs[t]
-        meta = PackedPrefill.build(
-            self.model, seqs, speakers, t, p.max_seqs, static[0].device, p.scratch_slot, emotions
-        )
-        static[0][:tokens].copy_(ids, non_blocking=True)
-        static[0][tokens:] = p.pad_row
-        for dst, src in zip(static[1:], meta.tensors(), strict=True):
-            dst.copy_(src, non_blocking=True)
+        b = smallest_bucket(self.batches, slots.shape[0], "mixed batch")
+        t = smallest_bucket(self.tokens, ids.shape[0], "mixed prompt of")
+        self.decode.stage(slots, positions, b)
+        self.prefill.stage(ids, seqs, speakers, emotions, t)
         self.sample_slots.copy_(sample_slots, non_blocking=True)
         if self.graphs:
             self.graphs[(b, t)].replay()
         else:  # not captured: the same fixed-shape work, launched eagerly
             self._step(b, t)
-        return self.codes[: b + p.max_seqs], b
+        return self.codes[: b + self.prefill.max_seqs], b
