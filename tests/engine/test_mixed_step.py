@@ -106,7 +106,8 @@ def _codes(node, prompts: list[np.ndarray], mix: bool) -> dict[int, list[np.ndar
 
 
 @pytest.mark.slow
-def test_a_prompt_prefilled_beside_decode_steps_gives_every_request_the_same_frames(model):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-work"])
+def test_a_prompt_prefilled_beside_decode_steps_gives_every_request_the_same_frames(model, graphs):
     """The LLM node's mixed steps: the same greedy frames for the decoding requests and the late prompt as
     separate decode steps and prefill calls, its first frame from the step that completes its prompt; the
     node counts mixed calls, and a seeded request's step is never mixed."""
@@ -116,6 +117,15 @@ def test_a_prompt_prefilled_beside_decode_steps_gives_every_request_the_same_fra
     prompts = _prompts(model, "The one we follow.", "Another, longer one.", "A late arrival speaks.")
     node = LLMNode(model, n_slots=4, max_len=96, cuda_graphs=CUDA, batch_invariant="seeded", triton=True, mixed=True)
     assert node.mixed
+    if graphs and not CUDA:  # the graphs' fixed-shape work (staging, padding, scratch rows), run eagerly
+        from engine.llm.graphs import DecodeGraphs, MixedGraphs, PrefillGraphs
+
+        kw = {"scratch_slot": node.n_slots, "kernel_sets": node.kernel_sets}
+        node.graphs = DecodeGraphs(model, node.sampler, max_batch=node.n_slots, **kw)
+        node.prefill_graphs = PrefillGraphs(model, **kw)
+        node.mixed_graphs = MixedGraphs(node.graphs, node.prefill_graphs)
+    elif graphs:
+        pytest.skip("on a GPU the node's graphs are captured: the eager case is the same run")
     separate = _codes(node, prompts, mix=False)
     assert ("mixed", False) not in node.calls
     mixed = _codes(node, prompts, mix=True)
