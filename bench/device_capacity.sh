@@ -8,7 +8,8 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
-# storm.json (STORM), capacity_words.json (WORDS_LEVELS) and capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
+# storm.json (STORM), capacity_words.json (WORDS_LEVELS), capacity_estimated.json (ESTIMATED_LEVELS) and
+# capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
 # AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts. So do:
 # REFUSE_STORM=10000 throws that many refused connections over a level of REFUSE_LEVELS (default 192, at or above
 # capacity so that the door is closed) after the same level without them (refuse_storm.json: the admitted
@@ -26,7 +27,7 @@ source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
 for x in "${TESTS-x}" "${PROFILE_LEVEL-128}" "${DISTINCT_LEVELS-128}" "${SENTENCE_LEVELS-64}" "${STORM:-}" \
   "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}" \
-  "${WORDS_LEVELS:-}"; do
+  "${WORDS_LEVELS:-}" "${ESTIMATED_LEVELS:-}"; do
   [ -n "$x" ] && planned=$((planned + 1)); done  # (CPU_LEVELS: two files, pcm and mp3)
 [ $planned -le 8 ] || { echo "device_capacity.sh: $planned files planned under \$OUT, 8 come back: set some empty"; exit 2; }
 exec > >(tee "$OUT/run.log") 2>&1
@@ -49,9 +50,10 @@ for _ in $(seq ${READY_S:-400}); do curl -sf localhost:8000/readyz > /dev/null &
 curl -s localhost:8000/readyz | head -c 800; echo
 grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
-# PYSPY_S=10: py-spy samples the engine's and the gateway's threads for that long in the first level's
-# measured window (the carried py-spy wheel); bench/stack_summary.py prints where their host time went
-if [ -n "${PYSPY_S:-}" ]; then
+# PYSPY_S=10: py-spy samples the engine's and the gateway's threads for that long in a level's measured window
+# (the carried py-spy wheel): the first capacity level's, or with PYSPY_ON=words the first WORDS_LEVELS level's;
+# bench/stack_summary.py prints where their host time went
+pyspy_start() {
   engine_pid=$(curl -s localhost:8000/readyz | python3 -c "import json, sys; print(json.load(sys.stdin)['engine']['pid'])")
   (sleep $(( ${WARMUP:-4} + 3 ))
    for who in engine:$engine_pid gateway:$server; do
@@ -59,27 +61,36 @@ if [ -n "${PYSPY_S:-}" ]; then
        > /tmp/pyspy_${who%%:*}.log 2>&1 &
    done; wait) &
   pyspy=$!
-fi
+}
+pyspy_report() {
+  [ -n "${pyspy:-}" ] || return 0
+  wait $pyspy
+  for who in engine gateway; do
+    echo "== py-spy, $who (${PYSPY_S} s at 200 Hz)"; tail -2 /tmp/pyspy_$who.log
+    python3 bench/stack_summary.py /tmp/pyspy_$who.txt --wall $(( PYSPY_S * 200 )) --top 30
+  done
+  pyspy=
+}
 CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
 [ -n "${GATEWAY_CPU:-}" ] && CAP="$CAP --gateway-cpu"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
 # (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
 [ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \
   --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json > /dev/null 2>&1
+[ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = clone ] && pyspy_start
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
-if [ -n "${pyspy:-}" ]; then
-  wait $pyspy
-  for who in engine gateway; do
-    echo "== py-spy, $who (${PYSPY_S} s at 200 Hz)"; tail -2 /tmp/pyspy_$who.log
-    python3 bench/stack_summary.py /tmp/pyspy_$who.txt --wall $(( PYSPY_S * 200 )) --top 30
-  done
-fi
+pyspy_report
 [ -n "${DISTINCT_LEVELS-128}" ] && timeout ${DISTINCT_S:-90} $CAP --levels ${DISTINCT_LEVELS:-128} --distinct-clips \
   --out "$OUT/capacity_distinct.json"
 # WORDS_LEVELS: the same levels with word timestamps on (session.config `timestamps`: estimated, and aligned when
 # SERVER_ARGS has --aligner), the cost of word times beside LEVELS' figures without them
+[ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = words ] && [ -n "${WORDS_LEVELS:-}" ] && pyspy_start
 [ -n "${WORDS_LEVELS:-}" ] && timeout ${WORDS_S:-120} $CAP --levels $WORDS_LEVELS --timestamps \
   --out "$OUT/capacity_words.json"
+pyspy_report
+# ESTIMATED_LEVELS: the same with `timestamps: "estimated"` (the streamed estimate only, never the aligner)
+[ -n "${ESTIMATED_LEVELS:-}" ] && timeout ${WORDS_S:-120} $CAP --levels $ESTIMATED_LEVELS --timestamps estimated \
+  --out "$OUT/capacity_estimated.json"
 # replies of SENTENCES sentences, each continuing the one before (one DAC stream per reply)
 # (SENTENCE_ARGS=--mixed: every other client sends single sentences beside them; the report gives the later
 # sentences' prefill and first audio, and each kind's stall-free share)

@@ -529,9 +529,10 @@ class Options:
     sentences: int = 1
     long_form: bool = True
     mixed: bool = False  # every other client sends single-sentence requests, beside the replies of `sentences`
-    # session.config `timestamps`: word times with the audio (estimated, and aligned when the server has --aligner);
-    # a request then ends at the `flushed` after its reply, which waits for the aligned words
-    timestamps: bool = False
+    # session.config `timestamps`: True, word times with the audio (estimated, and aligned when the server has
+    # --aligner), or "estimated" (the estimate only); a request then ends at the `flushed` after its reply, which
+    # waits for the aligned words
+    timestamps: bool | str = False
     min_stall_free: float = 0.99
     max_ttfa_p95_ms: float = 300.0
     stop_after_fail: int = 2
@@ -928,7 +929,7 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         "params": {"max_frames": opts.frames, "ignore_eos": True, "long_form": opts.long_form},
     }
     if opts.timestamps:
-        session_cfg["timestamps"] = True
+        session_cfg["timestamps"] = opts.timestamps
     result: dict[str, Any] = {
         "config": opts.config(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -1058,9 +1059,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--timestamps",
-        action="store_true",
-        help="session.config timestamps (audio.words; aligned too with a server's --aligner): a request ends at "
-        "the flushed after its reply",
+        nargs="?",
+        const=True,
+        default=False,
+        choices=["estimated"],
+        help="session.config timestamps (audio.words; aligned too with a server's --aligner; `--timestamps "
+        "estimated`: the estimate only): a request ends at the flushed after its reply",
     )
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")

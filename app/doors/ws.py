@@ -41,7 +41,9 @@ class Session(StreamingSession):
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
         self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
-        self.timestamps = False  # session.config `timestamps`: an `audio.words` message after each audio chunk
+        # session.config `timestamps`: an `audio.words` message after each audio chunk (True: and the aligned words
+        # after each utterance when the engine has an aligner; "estimated": never those)
+        self.timestamps: bool | str = False
 
     @classmethod
     def from_query(cls, ws: WebSocket, gw: Gateway, owner: str) -> Session:
@@ -148,8 +150,8 @@ class Session(StreamingSession):
     async def _on_config(self, data: dict[str, Any]) -> None:
         self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps", "lexicon"})
         stamps = data.get("timestamps", self.timestamps)
-        if not isinstance(stamps, bool):
-            raise RequestError(G.BAD_PARAMS, "timestamps must be true or false")
+        if not isinstance(stamps, bool) and stamps != SOURCE:
+            raise RequestError(G.BAD_PARAMS, f'timestamps must be true, false or "{SOURCE}"')
         encoding = check_encoding(data.get("encoding", self.encoding))
         # G.711 named without a rate: 8000 Hz (what telephony clients mean)
         rate = data.get(
@@ -215,7 +217,7 @@ class Session(StreamingSession):
             await self._words(u, chunk.words, SOURCE)
 
     def aligned_for(self, u: Utterance) -> bool:
-        return self.timestamps
+        return self.timestamps is True  # "estimated": the streamed estimate only, never the aligner
 
     async def on_aligned(self, u: Utterance, words: list[WordTime] | None) -> None:
         # every word of the utterance again, measured: it replaces the estimated ones of this utterance_id (None:

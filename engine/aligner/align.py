@@ -9,8 +9,9 @@ is given the gap between its neighbours' aligned spans; an utterance with no let
 
 The Viterbi (`viterbi`) is batched and vectorised over the CTC states (blank, token, blank, ... : 2L + 1 of them)
 and runs where the emissions are: it steps over the frames (in plain torch, or on a GPU in one Triton launch,
-engine/aligner/kernel.py), keeps one int8 back-pointer per state and frame, and backtracks on the host. Its path
-equals torchaudio's `functional.forced_align` (tests/engine/test_aligner.py).
+engine/aligner/kernel.py), keeps one int8 back-pointer per state and frame, and backtracks (on a GPU in a second
+launch, on the host otherwise). Its path equals torchaudio's `functional.forced_align`
+(tests/engine/test_aligner.py).
 """
 
 from __future__ import annotations
@@ -101,15 +102,20 @@ def viterbi(
     emit = emissions.float().gather(2, ext[:, None, :].expand(b, t_max, s_max))  # [B, T, S]
     emit = emit.masked_fill(~live[:, None, :], NEG)
     frames_dev = frames.to(dev)
-    if emissions.is_cuda if use_kernel is None else use_kernel:
-        from engine.aligner.kernel import viterbi_loop
+    kernel = emissions.is_cuda if use_kernel is None else use_kernel
+    if kernel:
+        from engine.aligner.kernel import backtrack, viterbi_loop
 
         back, score = viterbi_loop(emit, skip, frames_dev)
     else:
         back, score = _viterbi_loop(emit, skip, frames_dev)
     last = torch.stack([score.gather(1, (n_dev - 1)[:, None]), score.gather(1, (n_dev - 2).clamp(min=0)[:, None])])
     end = n_dev - 1 - last[:, :, 0].argmax(0)  # the last token's state or the final blank, whichever scores more
-    back_h, end_h, frames_h = back.cpu().numpy(), end.cpu().numpy(), frames.cpu().numpy()
+    frames_h = frames.cpu().numpy()
+    if kernel:  # the walk back on the device: only the path crosses (kernel.py)
+        walked = backtrack(back, end, frames_dev).cpu().numpy().astype(np.int64)
+        return [walked[i, : int(frames_h[i])] for i in range(b)]
+    back_h, end_h = back.cpu().numpy(), end.cpu().numpy()
     paths = []
     for i in range(b):
         s = int(end_h[i])
@@ -126,14 +132,16 @@ def word_times(tok: Tokens, states: np.ndarray, audio_s: float) -> list[tuple[st
     FRAME_SAMPLES of 16 kHz audio (20 ms); a word spans its first token's first frame to its last token's last
     frame; a word with nothing to align gets the gap between its neighbours (module docstring)."""
     n_tok = len(tok.tokens)
+    states = np.asarray(states)
+    at = np.flatnonzero(states % 2 == 1)  # the frames that emit a token
+    k = states[at] // 2  # which token: a CTC path never goes back, so k never decreases along `at`
     first = np.full(n_tok, -1, dtype=np.int64)
     last = np.full(n_tok, -1, dtype=np.int64)
-    for t, s in enumerate(states):
-        if s % 2:
-            k = s // 2
-            if first[k] < 0:
-                first[k] = t
-            last[k] = t
+    if len(at):
+        starts = np.flatnonzero(np.diff(k, prepend=-1))  # where each token's run begins
+        ends = np.flatnonzero(np.diff(k, append=n_tok))  # and where it ends
+        first[k[starts]] = at[starts]
+        last[k[ends]] = at[ends]
     sec = FRAME_SAMPLES / SAMPLE_RATE
     spans: list[tuple[float, float] | None] = []
     for a, b in tok.spans:

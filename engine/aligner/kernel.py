@@ -1,11 +1,13 @@
-"""The CTC Viterbi's frame loop in one Triton launch (engine/aligner/align.py `viterbi`).
+"""The CTC Viterbi's frame loop and its backtrack, one Triton launch each (engine/aligner/align.py `viterbi`).
 
 In plain torch the loop over frames is ~10 small launches a frame (5,000 for a batch of 10 s utterances): host
 time and GIL hand-offs that the decode loop, sharing the interpreter, would feel. Here one program runs one row's
 whole loop over its frames: its scores are a vector over the CTC states in registers; the shifted reads (state s
 comes from s, s - 1 or s - 2) go through a two-slot scratch row in global memory, with a barrier between a
 frame's writes and the next frame's reads. It writes the same int8 back-pointers and last scores as the torch
-loop (a tie keeps the lower move, as torch's max does on a CPU).
+loop (a tie keeps the lower move, as torch's max does on a CPU). The backtrack follows those pointers from the
+last frame to the first, one program a row, and only the path (a state a frame) crosses to the host: the
+pointers stay on the device, and no Python loop over frames holds the interpreter the decode loop shares.
 """
 
 from __future__ import annotations
@@ -62,6 +64,24 @@ def _viterbi_kernel(
     tl.store(score_ptr + b * S + s, score, mask=ok)
 
 
+@triton.jit
+def _backtrack_kernel(
+    back_ptr,  # [B, T, S] int8, as _viterbi_kernel wrote them
+    end_ptr,  # [B] int32: each row's state at its last frame
+    frames_ptr,  # [B] int32
+    path_ptr,  # [B, T] int32: each frame's state (frames past a row's own are left as they are)
+    T,
+    S,
+):
+    b = tl.program_id(0).to(tl.int64)
+    state = tl.load(end_ptr + b)
+    t = tl.load(frames_ptr + b) - 1
+    while t >= 0:
+        tl.store(path_ptr + b * T + t, state)
+        state -= tl.load(back_ptr + b * T * S + t * S + state).to(tl.int32)
+        t -= 1
+
+
 def viterbi_loop(emit: Tensor, skip: Tensor, frames: Tensor) -> tuple[Tensor, Tensor]:
     """(back-pointers [T, B, S] int8, last scores [B, S]) of the CTC recursion over `emit` [B, T, S] (each
     state's label's log-probability, -1e30 past a row's states), `skip` [B, S] and `frames` [B]."""
@@ -84,3 +104,22 @@ def viterbi_loop(emit: Tensor, skip: Tensor, frames: Tensor) -> tuple[Tensor, Te
         num_warps=min(16, max(4, block // 256)),  # a long text's states spread over more threads
     )
     return back.transpose(0, 1), score
+
+
+def backtrack(back: Tensor, end: Tensor, frames: Tensor) -> Tensor:
+    """Each row's path [B, T] int32 (-1 past its frames) through `viterbi_loop`'s back-pointers [T, B, S] from its
+    `end` state [B] at its last frame."""
+    t, b, s = back.shape
+    rows = back.transpose(0, 1)  # the kernel's own [B, T, S] layout (viterbi_loop's result is a view of it)
+    assert rows.is_contiguous()
+    path = torch.full((b, t), -1, dtype=torch.int32, device=back.device)
+    _backtrack_kernel[(b,)](
+        rows,
+        end.to(device=back.device, dtype=torch.int32),
+        frames.to(device=back.device, dtype=torch.int32),
+        path,
+        t,
+        s,
+        num_warps=1,  # a scalar walk
+    )
+    return path

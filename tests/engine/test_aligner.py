@@ -3,6 +3,9 @@ times from audio + text, on synthetic checkpoints of MMS_FA's format."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -284,23 +287,54 @@ def test_the_worker_batches_what_is_queued_and_fails_only_the_bad_utterance(tmp_
         worker.close()
 
 
-def test_the_viterbi_kernel_compiles_for_the_h200():
-    """Triton's compiler (not its interpreter) takes the kernel down to an sm_90 cubin, on any machine: what the
-    interpreter lets pass (a plain global, a scalar that is no constexpr) fails there."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
+COMPILE_FOR_H200 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-    from engine.aligner import kernel
+from engine.aligner import kernel
 
-    # the compiler's view of the kernel, also where the interpreter wraps it (a CPU run: triton_on_cpu)
-    jitted = kernel._viterbi_kernel
-    jitted = jitted if isinstance(jitted, JITFunction) else JITFunction(jitted.fn)
+ptr = {"emit_ptr": "*fp32", "skip_ptr": "*i8", "frames_ptr": "*i32", "scratch_ptr": "*fp32", "back_ptr": "*i8"}
+sig = {**ptr, "score_ptr": "*fp32", "T": "i32", "S": "i32", "BLOCK": "constexpr"}
+for block, warps in ((128, 4), (4096, 16)):
+    src = ASTSource(kernel._viterbi_kernel, sig, constexprs={"BLOCK": block})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    assert "bar.sync" in compiled.asm["ptx"]  # the barrier between a frame's writes and the next's reads
+sig = {"back_ptr": "*i8", "end_ptr": "*i32", "frames_ptr": "*i32", "path_ptr": "*i32", "T": "i32", "S": "i32"}
+triton.compile(ASTSource(kernel._backtrack_kernel, sig), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+print("compiled")
+"""
 
-    ptr = {"emit_ptr": "*fp32", "skip_ptr": "*i8", "frames_ptr": "*i32", "scratch_ptr": "*fp32", "back_ptr": "*i8"}
-    sig = {**ptr, "score_ptr": "*fp32", "T": "i32", "S": "i32", "BLOCK": "constexpr"}
-    for block, warps in ((128, 4), (4096, 16)):
-        src = ASTSource(jitted, sig, constexprs={"BLOCK": block})
-        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-        assert "bar.sync" in compiled.asm["ptx"]  # the barrier between a frame's writes and the next's reads
+
+def test_the_kernels_compile_for_the_h200(tmp_path):
+    """Triton's compiler (not its interpreter) takes both kernels down to sm_90 cubins, on any machine: what the
+    interpreter lets pass (a plain global, a scalar that is no constexpr) fails there. In a process of its own:
+    the interpreter, once chosen (triton_on_cpu), takes over the compiler's front end too, and a fresh cache
+    (a compile that succeeded once elsewhere must not stand in for this one)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE_FOR_H200], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_worker_gathers_utterances_that_arrive_within_its_window(tmp_path):
+    """A forward waits for what arrives within `gather_s` of its first utterance (one forward's launches for
+    many utterances), and a full batch runs at once without waiting out the window."""
+    worker = AlignerWorker(Aligner(load_aligner(crafted_checkpoint(tmp_path / "crafted.pt"))), max_batch=3, gather_s=60)
+    try:
+        worker.submit(0, square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        threading.Event().wait(0.2)  # the worker has taken the first one and waits for more
+        for k in (1, 2):
+            worker.submit(k, square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        done: dict[object, tuple] = {}
+        for _ in range(600):
+            done.update({k: (w, e) for k, w, e in worker.results()})
+            if len(done) == 3:
+                break
+            threading.Event().wait(0.1)
+        assert set(done) == {0, 1, 2} and all(e is None for _, e in done.values())
+        assert worker.batches == 1
+    finally:
+        worker.close()

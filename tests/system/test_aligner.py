@@ -96,6 +96,24 @@ def test_without_timestamps_nothing_is_aligned(srv):
     assert not [m for m in run(go()) if m["type"] == "audio.words"]
 
 
+def test_estimated_timestamps_never_wait_for_the_aligner(srv):
+    """`timestamps: "estimated"`: the estimate streams with the audio, and no utterance goes to the aligner."""
+
+    async def go():
+        c = await connect(srv, timestamps="estimated", params=PARAMS)
+        await c.send(type="text", text="Hello there. How are you today?", flush=True)
+        await c.until("flushed", timeout=180)
+        await c.send(type="close")
+        await c.until("session.closed", timeout=180)
+        return c.log
+
+    log = run(go())
+    words = [m for m in log if m["type"] == "audio.words"]
+    starts = {m["utterance_id"] for m in log if m["type"] == "audio.start"}
+    assert len(starts) == 2 and {m["utterance_id"] for m in words} == starts
+    assert {m["source"] for m in words} == {"estimated"}
+
+
 def test_cartesia_timestamps_are_the_aligned_times_once_before_done(srv):
     """add_timestamps with an aligner: each utterance's words come once, measured, after its audio and before
     the context's `done`; "42." (nothing to align) gets its estimate."""

@@ -287,7 +287,7 @@ ws_json = st.one_of(
             "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "mp3"]) | anything,
             "sample_rate": st.sampled_from([44100, 24000, 16000, 8000, 12345]) | anything,
             "params": params(),
-            "timestamps": st.booleans() | anything,
+            "timestamps": st.booleans() | st.sampled_from(["estimated", "aligned", ""]) | anything,
         },
     ),
     message("close", {}),
