@@ -78,12 +78,13 @@ def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
 def use_previous_kernel_settings() -> None:
     """The settings measured as build d22021a: 8 x 512 MoE GEMV tiles, cuBLAS for every projection, the
     per-row router up to 8 rows, 256-token attention splits from batch 17."""
-    from engine.model.kernels import decode_attention, gemv, moe, router
+    from engine.model.kernels import gemv, moe, router
+    from engine.model.zonos2 import Stages
 
     moe.GEMV_GATE_UP_TILE = moe.GEMV_DOWN_TILE = {1: (8, 512, 4), 2: (8, 512, 4)}
     gemv.MAX_ROWS = 0
     router.ROW_KERNEL_MAX_ROWS = 8
-    decode_attention.split_tokens = lambda batch: 64 if batch <= 16 else 256
+    Stages.attention_split = 256  # fixed 256-token chunks (then 64 up to batch 16: not kept)
 
 
 KERNEL_CLASSES = (  # (class, name fragments), first match wins: where a decode step's GPU time goes
@@ -195,6 +196,12 @@ def main() -> None:
         default="none",
         help="fp8: the experts in block-scaled e4m3, as --quantization fp8 serves them",
     )
+    p.add_argument(
+        "--attention-chunk",
+        type=int,
+        help="decode attention cut in fixed chunks of this many tokens over the cache's whole length (as "
+        "batch-invariant decoding cuts it) instead of splits by each slot's length",
+    )
     p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
     p.add_argument(
         "--overlap-host-ms",
@@ -207,6 +214,10 @@ def main() -> None:
         a.batch_invariant = "seeded"
     if a.previous_kernels:
         use_previous_kernel_settings()
+    if a.attention_chunk:
+        from engine.model.zonos2 import Stages
+
+        Stages.attention_split = a.attention_chunk
     torch.backends.cuda.matmul.allow_tf32 = True
     t0 = time.perf_counter()
     model = random_model("full", seed=0, device="cuda", dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
 """Tile and variant sweep for the decode step's own kernels, at full-size shapes in bf16 on one GPU: which
 router kernel, which MoE GEMV tiles and which decode-attention split length are fastest at each batch.
-The defaults in engine/model/kernels/ (ROW_KERNEL_*, GEMV_*_TILE, split_tokens) come from its output.
+The defaults in engine/model/kernels/ (ROW_KERNEL_*, GEMV_*_TILE, SPLITS) come from its output.
 `--only matmul` sweeps the batch-invariant GEMM's tiles (kernels/matmul.py): one tile must serve every row
 count, so each tile is timed at 1, 64 and 128 rows (decode) or 32, 128 and 512 (prefill), per projection
 shape, beside cuBLAS and the GEMV path.
@@ -188,24 +188,36 @@ def _moe_gemv_at(pairs: int, gate_up: torch.Tensor, down: torch.Tensor, results:
 
 
 def attention_sweep(results: list[dict]) -> None:
-    for b, length in itertools.product((1, 8, 32, 128), (300, 1000)):
+    for b, length in itertools.product((1, 8, 32, 64, 128, 192, 256), (300, 1000, None)):
         _attention_at(b, length, results)
 
 
-def _attention_at(b: int, length: int, results: list[dict]) -> None:
-    from engine.model.kernels.decode_attention import decode_attention
+def _attention_at(b: int, length: int | None, results: list[dict]) -> None:
+    """Fixed chunks of tokens against splits by length, in a cache of the server's length (6,144 frames: the
+    model's max_seqlen, what an H200's free memory holds for 256 slots). length None: each slot's drawn
+    from 50..1200 frames (a server's mix of new and long-running streams)."""
+    from engine.model.kernels.decode_attention import decode_attention, splits_for
 
-    dt, dev, max_len = torch.bfloat16, "cuda", 2048
+    dt, dev, max_len = torch.bfloat16, "cuda", 6144
     k = torch.randn(b, max_len, H_KV, D, device=dev, dtype=dt)
     v = torch.randn_like(k)
     q = torch.randn(b, H, D, device=dev, dtype=dt)
     slots = torch.arange(b, device=dev)
-    lengths = torch.full((b,), length, device=dev, dtype=torch.int32)
+    if length is None:
+        g = torch.Generator().manual_seed(b)
+        lengths = torch.randint(50, 1201, (b,), generator=g, dtype=torch.int32).to(dev)
+    else:
+        lengths = torch.full((b,), length, device=dev, dtype=torch.int32)
+    gb = float(lengths.sum()) * H_KV * D * 2 * 2 / 1e9  # K and V read once
+    print(f"attention b={b} len={length or 'mixed'}: {gb * 1e3:.1f} MB of KV per call")
 
-    def call(c: int):
-        return lambda: decode_attention(q, k, v, slots, lengths, chunk=c)
+    def call(chunk: int | None, splits: int | None = None):
+        return lambda: decode_attention(q, k, v, slots, lengths, chunk=chunk, splits=splits)
 
-    sweep(f"attention b={b} len={length}", {f"chunk={c}": call(c) for c in (32, 64, 128, 256)}, results)
+    variants = {f"chunk={c}": call(c) for c in (64, 128, 256)}
+    variants |= {f"splits={n}": call(None, n) for n in (1, 2, 4, 8, 16, 32)}
+    variants[f"default (splits={splits_for(b)})"] = call(None)
+    sweep(f"attention b={b} len={length or 'mixed'}", variants, results)
 
 
 # The projections' weight shapes (N, K): fused q/k/v/gate, wo, the router's down-projection, the head.

@@ -165,7 +165,7 @@ class Stages:
     batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the same members."""
 
     batch_invariant = False
-    attention_split: int | None = None  # decode attention's split length (None: by batch size)
+    attention_split: int | None = None  # decode attention in fixed chunks of this many tokens (None: by length)
     linear = None  # the Triton path's projections (None: kernels.gemv.linear)
 
     def __init__(self, compiled: bool = False) -> None:

@@ -25,8 +25,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("h, hkv, d", [(4, 2, 64), (16, 4, 128)])
-@pytest.mark.parametrize("chunk", [None, 32, 64, 256])
-def test_decode_attention_matches_reference(h, hkv, d, chunk):
+@pytest.mark.parametrize("chunk, splits", [(None, None), (None, 1), (None, 7), (32, None), (64, None), (256, None)])
+def test_decode_attention_matches_reference(h, hkv, d, chunk, splits):
+    """Cut by each row's length (`splits` of it: one, more than the shortest row has blocks, the default) or by
+    a fixed chunk of tokens."""
     torch.manual_seed(0)
     n_slots, t_max, b = 5, 600 if CUDA else 300, 3
     k = torch.randn(n_slots, t_max, hkv, d, device=DEV, dtype=DT)
@@ -34,7 +36,7 @@ def test_decode_attention_matches_reference(h, hkv, d, chunk):
     q = torch.randn(b, h, d, device=DEV, dtype=DT)
     slots = torch.tensor([4, 0, 2], device=DEV)
     lengths = torch.tensor([1, 257, t_max - 3], device=DEV, dtype=torch.int32)
-    out = decode_attention(q, k, v, slots, lengths, chunk=chunk)
+    out = decode_attention(q, k, v, slots, lengths, chunk=chunk, splits=splits)
     for i in range(b):
         kk = k[slots[i], : lengths[i]].float().repeat_interleave(h // hkv, dim=1)  # [T, H, D]
         vv = v[slots[i], : lengths[i]].float().repeat_interleave(h // hkv, dim=1)
@@ -398,10 +400,10 @@ def test_fused_route_rows_do_not_depend_on_the_batch():
 
 def test_decode_attention_fixed_split_rows_do_not_depend_on_the_batch():
     """With the batch-invariant split length, a query row's output is the same bits at batch 1 and 33
-    (where the default split length would change)."""
-    from engine.model.kernels.decode_attention import FIXED_SPLIT, split_tokens
+    (where the default number of splits would change)."""
+    from engine.model.kernels.decode_attention import FIXED_SPLIT, splits_for
 
-    assert split_tokens(33) != split_tokens(1)  # the default would cut a row's context differently
+    assert splits_for(33) != splits_for(1)  # the default would cut a row's context differently
     torch.manual_seed(9)
     n_slots, t_max, b, h, hkv, d = 34, 200, 33, 4, 1, 64
     k = torch.randn(n_slots, t_max, hkv, d, device=DEV, dtype=DT)

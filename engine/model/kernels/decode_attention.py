@@ -1,9 +1,18 @@
 """Decode attention over the static per-slot KV cache, reading only each slot's real length.
 
-Split-K ("flash decoding"): program (b, kv_head, split) attends one query frame's G = H / H_kv heads
-to tokens [split * chunk, min((split + 1) * chunk, length[b])) of slot[b], keeping an online softmax;
-a second pass merges the splits. Every launch has the same grid whatever the lengths, so the step can
-be captured in a CUDA graph; programs past a slot's length exit at once.
+Split-K ("flash decoding"): program (b, kv_head, split) attends one query frame's G = H / H_kv heads to one
+split of slot[b]'s first length[b] tokens, keeping an online softmax; a second pass merges the splits. Every
+launch has the same grid whatever the lengths, so the step can be captured in a CUDA graph.
+
+Two ways to cut a slot's context into splits:
+* by length (the default): a fixed number of splits per row (`splits_for(batch)`), each a whole number of
+  BLOCK-token blocks of length[b] / splits. The grid is batch x kv_heads x splits whatever the cache's length,
+  and each program loops over its own blocks (a trip count known at run time).
+* by a fixed `chunk` of tokens (batch-invariant decoding, engine.model.batch_invariant): split s covers
+  [s * chunk, (s + 1) * chunk). Its grid spans the cache's whole length, so at a few hundred frames of a
+  6,144-frame cache most programs only find their split empty and exit; what it buys is boundaries that
+  depend on nothing but the chunk.
+Either way a split's boundaries depend only on its row's length, never on the batch's other rows.
 """
 
 from __future__ import annotations
@@ -16,17 +25,36 @@ from torch import Tensor
 BLOCK_T = 64  # tokens per inner iteration (at most)
 
 
-def split_tokens(batch: int) -> int:
-    """Tokens per split. A split is one program's serial loop, so at small batch short splits spread a
-    slot's context over more SMs; at large batch the grid is full anyway and long splits keep the
-    partials (written, then read by the merge) small. From bench/kernel_sweep.py on an H200: 64 was
-    fastest at batch 1-32, and 128 within 5 % of the best at batch 128 for 300 and 1000 frames."""
-    return 64 if batch <= 32 else 128
+SPLITS = {1: 32, 8: 16, 32: 8, 64: 4, 128: 2}  # rows up to the key -> splits per row (`splits_for`)
+
+
+def splits_for(batch: int) -> int:
+    """Splits per row when cutting by length: enough programs to fill the GPU's SMs at small batch (a row's
+    context spread over many), few at large batch (the grid is full anyway; fewer partials to merge)."""
+    return next((n for rows, n in SPLITS.items() if batch <= rows), 1)
 
 
 # The split length of batch-invariant decoding (engine.model.batch_invariant), for every batch: the merge
 # sums a row's splits, so their boundaries must not move with the batch. 64 is the fastest up to batch 32.
 FIXED_SPLIT = 64
+
+
+@triton.jit
+def _attend_block(q, k_base, v_base, first, end, stride_kt, stride_vt, m_i, l_i, acc, scale, D, BLOCK, PREC):
+    """One block of BLOCK tokens from `first` (those from `end` on masked) into the online softmax (m, l, acc)."""
+    d = tl.arange(0, D)
+    t = first + tl.arange(0, BLOCK)
+    t_ok = t < end
+    k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, BLOCK]
+    s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(s - m_new[:, None])
+    v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -55,12 +83,18 @@ def _split_kernel(
     CHUNK_: tl.constexpr,
     BLOCK: tl.constexpr,
     PREC: tl.constexpr,
+    BY_LENGTH: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(len_ptr + b)
-    start = split * CHUNK_
+    if BY_LENGTH:  # n_splits splits of whole blocks (module docstring)
+        per = tl.cdiv(tl.cdiv(length, n_splits), BLOCK) * BLOCK
+        start = split * per
+    else:
+        per = CHUNK_
+        start = split * CHUNK_
     g = tl.arange(0, GP)
     d = tl.arange(0, D)
     row = b * tl.num_programs(1) * G + kvh * G + g  # index of (b, head) for the outputs
@@ -77,22 +111,21 @@ def _split_kernel(
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, D], tl.float32)
-    end = tl.minimum(start + CHUNK_, length)
+    end = tl.minimum(start + per, length)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
-    for i in range(CHUNK_ // BLOCK):  # static trip count; masked lanes past `end` fetch nothing
-        t = start + i * BLOCK + tl.arange(0, BLOCK)
-        t_ok = t < end
-        k = tl.load(k_base + t[:, None] * stride_kt + d[None, :], mask=t_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [GP, BLOCK]
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_base + t[:, None] * stride_vt + d[None, :], mask=t_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+    if BY_LENGTH:  # a run-time trip count over the split's own blocks
+        first = start
+        while first < end:
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, first, end, stride_kt, stride_vt, m_i, l_i, acc, scale, D, BLOCK, PREC
+            )
+            first += BLOCK
+    else:  # a static one (masked lanes past `end` fetch nothing)
+        for i in range(CHUNK_ // BLOCK):
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, start + i * BLOCK, end, stride_kt, stride_vt, m_i, l_i, acc, scale, D, BLOCK, PREC
+            )
     tl.store(m_ptr + row * n_splits + split, m_i, mask=out_ok)
     tl.store(l_ptr + row * n_splits + split, l_i, mask=out_ok)
     tl.store(acc_ptr + (row * n_splits + split)[:, None] * D + d[None, :], acc, mask=out_ok[:, None])
@@ -164,23 +197,32 @@ def decode_attention(
     lengths: Tensor,
     chunk: int | None = None,
     gate: Tensor | None = None,
+    splits: int | None = None,
 ) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
     to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D).
-    chunk: tokens per split (default `split_tokens(B)`); gate: headwise gate logits [B, H], applied."""
-    return merge_splits_triton(*decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk), q.dtype, gate)
+    chunk: tokens per split (None: `splits` splits of each row's length, default `splits_for(B)`; module
+    docstring); gate: headwise gate logits [B, H], applied."""
+    parts = decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk, splits)
+    return merge_splits_triton(*parts, q.dtype, gate)
 
 
 def decode_attention_splits(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, lengths: Tensor, chunk: int | None = None
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    slots: Tensor,
+    lengths: Tensor,
+    chunk: int | None = None,
+    splits: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The split pass alone: per-split running max m and sum l [B, H, S] and unnormalised output acc
-    [B, H, S, D] in fp32; a split past a slot's length has m = -inf, l = 0 and acc unwritten."""
+    [B, H, S, D] in fp32; an empty split (past a slot's length) has m = -inf, l = 0 and acc unwritten."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
-    chunk = chunk or split_tokens(b)
-    n_splits = triton.cdiv(k_cache.shape[1], chunk)
+    by_length = chunk is None
+    n_splits = (splits or splits_for(b)) if by_length else triton.cdiv(k_cache.shape[1], chunk)
     m = torch.empty(b, h, n_splits, device=q.device, dtype=torch.float32)
     l_ = torch.empty_like(m)
     acc = torch.empty(b, h, n_splits, d, device=q.device, dtype=torch.float32)
@@ -206,8 +248,9 @@ def decode_attention_splits(
         G=g,
         GP=max(16, triton.next_power_of_2(g)),
         D=d,
-        CHUNK_=chunk,
-        BLOCK=min(BLOCK_T, chunk),
+        CHUNK_=chunk or BLOCK_T,
+        BLOCK=BLOCK_T if chunk is None else min(BLOCK_T, chunk),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 in full fp32, as the prefill kernel
+        BY_LENGTH=by_length,
     )
     return m, l_, acc
