@@ -22,6 +22,9 @@
 # default with a GPU): compare its iteration profile's idle time and capacity with a default run. CAP_ARGS adds
 # bench/live_capacity.py flags to the capacity levels, e.g. CAP_ARGS=--timestamps (word times on; with
 # SERVER_ARGS="--aligner FILE" aligned ones too: a checkpoint of MMS_FA's format, engine/aligner/model.py).
+# CLIENT_PROCS sets every live_capacity.py call's --client-procs: its clients spread over that many processes, each
+# with its own event loop, so the client's own loop lag is not measured as stalls (default 0: one per 32 clients, at
+# most one per CPU; every level reports each process's loop lag).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
@@ -71,11 +74,12 @@ pyspy_report() {
   done
   pyspy=
 }
-CAP="python3 bench/live_capacity.py --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
+LIVE="python3 bench/live_capacity.py --client-procs ${CLIENT_PROCS:-0}"
+CAP="$LIVE --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
 [ -n "${GATEWAY_CPU:-}" ] && CAP="$CAP --gateway-cpu"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
 # (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
-[ -n "${PROFILE_LEVEL-128}" ] && timeout 60 python3 bench/live_capacity.py --levels ${PROFILE_LEVEL:-128} --duration 8 \
+[ -n "${PROFILE_LEVEL-128}" ] && timeout 60 $LIVE --levels ${PROFILE_LEVEL:-128} --duration 8 \
   --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json > /dev/null 2>&1
 [ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = clone ] && pyspy_start
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
@@ -104,24 +108,24 @@ pyspy_report
   ${AGENT_ARGS:-} --out "$OUT/capacity_agent.json"
 # storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
 # must not stall and refusals must be fast
-[ -n "${STORM:-}" ] && timeout $(( ${STORM_S:-20} * 3 + 60 )) python3 bench/live_capacity.py --storm \
+[ -n "${STORM:-}" ] && timeout $(( ${STORM_S:-20} * 3 + 60 )) $LIVE --storm \
   --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --out "$OUT/storm.json"
 # refusal storm: REFUSE_STORM refused connections (raw sockets from REFUSE_PROCS client processes, every API's
 # upgrade and a synthesis POST) over a storm level of REFUSE_LEVELS, which runs first without them
 [ -n "${REFUSE_STORM:-}" ] && timeout $(( (${REFUSE_S:-20} + 10) * 2 * $(echo ${REFUSE_LEVELS:-192} | wc -w) + 60 )) \
-  python3 bench/live_capacity.py --storm --levels ${REFUSE_LEVELS:-192} --duration ${REFUSE_S:-20} --warmup 5 \
+  $LIVE --storm --levels ${REFUSE_LEVELS:-192} --duration ${REFUSE_S:-20} --warmup 5 \
   --stop-after-fail 0 --refuse-storm $REFUSE_STORM --refuse-procs ${REFUSE_PROCS:-4} --refuse-concurrency \
   ${REFUSE_CONCURRENCY:-128} --gateway-cpu --out "$OUT/refuse_storm.json"
 # gateway CPU per live stream (every gateway process from /proc) at CPU_LEVELS, pcm and mp3 answers, stored voice
 if [ -n "${CPU_LEVELS:-}" ]; then
   for enc in pcm_s16le mp3; do
-    timeout $(( (${CPU_S:-12} + 8) * $(echo $CPU_LEVELS | wc -w) + 60 )) python3 bench/live_capacity.py --api speech \
+    timeout $(( (${CPU_S:-12} + 8) * $(echo $CPU_LEVELS | wc -w) + 60 )) $LIVE --api speech \
       --encoding $enc --voice cpu-bench --levels $CPU_LEVELS --duration ${CPU_S:-12} --warmup 4 --stop-after-fail 0 \
       --gateway-cpu --out "$OUT/cpu_$enc.json"
   done
 fi
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
-[ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) python3 bench/live_capacity.py \
+[ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) $LIVE \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
 curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced|^zonos_engine_admission_held"
 grep -E "slow iteration|decode steps paused|gc pause|Traceback|recompil" /tmp/server.log | head -30

@@ -10,9 +10,12 @@ Against a GPU server (full-size random weights), started first with
 
     python -m app --random-weights full --device cuda
 
-(the client is one Python process: run it on a machine or core the server does not need; its own event
-loop lag is reported per level, `loop lag`, and a lag of tens of ms means the client, not the server, is
-the limit).
+(run the client on cores the server does not need). A level's clients are spread over `--client-procs` client
+processes (default: one per 32 clients, at most one per CPU; with one, the clients run in this process), each
+with its own event loop timing its own streams and refusals, and their records are merged into one report: a
+client whose loop cannot read its sockets sees a stall whatever the server does. Each process's loop lag is
+reported per level (`loop lag`: the largest over the processes; `loop_lag_ms_p99_by_proc` / `_max_by_proc`,
+`clients_by_proc`, `requests_by_proc`), and a lag of tens of ms means the client, not the server, is the limit.
 
 Player model. At level N, N clients run at once for `--warmup` + `--duration` seconds (client starts are
 spread evenly over the first `--ramp` seconds, so they do not all cut audio in lockstep). Each client
@@ -37,7 +40,7 @@ stream is not a stall. Per stream: number of stalls, total and longest stall (ms
 Per level: streams completed and errors (by code), TTFA p50/p95 (text sent -> first audio byte), the
 share of streams with no stall (errored streams count as not stall-free), mean per-stream stall ms and
 the longest stall, audio seconds per second delivered inside the window (all streams' bytes that
-arrived in it), the engine's `queue_ms` (from `audio.done` stats) p50/p95, the client's loop lag, and
+arrived in it), the engine's `queue_ms` (from `audio.done` stats) p50/p95, the client processes' loop lag, and
 (`admission_held`, read from the server's /metrics before and after the level) in how many engine
 iterations each admission gate held a waiting newcomer back: what limited the level.
 A level passes when >= 99 % of its streams are stall-free (`--min-stall-free`) and TTFA p95 <= 300 ms
@@ -100,16 +103,17 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 try:
-    from bench.refusal_storm import ROUTES, run_storm
+    from bench.refusal_storm import ROUTES, run_storm, spread
     from bench.ws_bench import TEXT, reference_clip
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from refusal_storm import ROUTES, run_storm  # type: ignore[no-redef]
+    from refusal_storm import ROUTES, run_storm, spread  # type: ignore[no-redef]
     from ws_bench import TEXT, reference_clip  # type: ignore[no-redef]
 
 BYTES_PER_SAMPLE = 2  # pcm_s16le
 SAMPLES_PER_FRAME, NATIVE_RATE = 512, 44100  # the model's frame and rate: a fixed-length answer's samples
 ENCODINGS = ("pcm_s16le", "mp3")  # --encoding: raw samples, or a constant-bit-rate stream (counted by its bytes)
 DEFAULT_LEVELS = [1, 8, 16, 32, 64, 96, 128, 160, 192]
+CLIENTS_PER_PROC = 32  # --client-procs 0: clients per client process, so that no client's loop lags
 
 
 # ---- pure logic: no network ----------------------------------------------------------------------------
@@ -256,6 +260,7 @@ class StreamRecord:
     client: int
     seq: int  # the client's n-th request in this level
     t_start: float  # connect began
+    proc: int = 0  # the client process that ran it (--client-procs)
     t_sent: float = -1.0  # text sent (after connect + session.config); -1 if it never got that far
     ok: bool = False
     error: str = ""
@@ -372,6 +377,24 @@ def summarize_level(
         "loop_lag_ms_max": _r(max(loop_lag_ms)) if len(loop_lag_ms) else None,
         "window_s": round(window_s, 3),
     } | _replies(ok)
+
+
+def client_spread(records: Iterable[StreamRecord], lag_by_proc: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """How a level's clients were spread over client processes: clients and counted requests (streams, errors
+    and refusals) per process, and each process's own loop lag over the window (p99 and max, ms)."""
+    procs = len(lag_by_proc)
+    clients: list[set[int]] = [set() for _ in range(procs)]
+    requests = [0] * procs
+    for r in records:
+        clients[r.proc].add(r.client)
+        requests[r.proc] += r.counted
+    return {
+        "client_procs": procs,
+        "clients_by_proc": [len(c) for c in clients],
+        "requests_by_proc": requests,
+        "loop_lag_ms_p99_by_proc": [_r(pct(lag, 99)) for lag in lag_by_proc],
+        "loop_lag_ms_max_by_proc": [_r(max(lag)) if len(lag) else None for lag in lag_by_proc],
+    }
 
 
 def _replies(ok: Sequence[StreamRecord]) -> dict[str, Any]:
@@ -544,6 +567,7 @@ class Options:
     refuse_storm: int = 0  # refused connections thrown over a second run of each level ("Refusal storm")
     refuse_concurrency: int = 64
     refuse_procs: int = 2
+    client_procs: int = 0  # client processes per level (0: one per CLIENTS_PER_PROC clients, at most one per CPU)
     gateway_cpu: bool = False  # each gateway process's CPU over each level ("Gateway CPU")
     pause: float = 2.0
     api_key: str | None = None
@@ -642,6 +666,13 @@ async def upload_voice(ws_url: str, name: str, clip_b64: str, api_key: str | Non
 
 
 _clip_serial = itertools.count(1)
+_proc_serials = itertools.count(1)  # each client process draws its clip serials from its own block
+
+
+def client_procs(opts: Options, n: int) -> int:
+    """The client processes of a level of n clients (`--client-procs`; 0: the default)."""
+    procs = opts.client_procs or min(math.ceil(n / CLIENTS_PER_PROC), os.cpu_count() or 1)
+    return max(1, min(procs, n))
 
 
 def distinct_clip(clip_b64: str) -> str:
@@ -842,16 +873,92 @@ async def _cpu_window(pids: list[int], clock0: float, w0: float, w1: float) -> t
     return before, read_cpu(pids), time.perf_counter() - t0
 
 
+async def run_clients(
+    opts: Options, n: int, session_cfg: dict[str, Any], clients: Sequence[int], clock0: float, proc: int = 0
+) -> tuple[list[StreamRecord], list[tuple[float, float]]]:
+    """Clients `clients` of a level of n, in this process's event loop from `clock0` (a perf_counter reading) to
+    the level's end: their records and this loop's lag samples."""
+    records: list[StreamRecord] = []
+    lag: list[tuple[float, float]] = []
+    stop = asyncio.Event()
+    w1 = opts.warmup + opts.duration
+
+    async def client(i: int) -> None:
+        await asyncio.sleep(max(0.0, clock0 + min(opts.ramp, opts.warmup) * i / n - time.perf_counter()))
+        seq = 0
+        while time.perf_counter() - clock0 < w1:
+            sentences = 1 if opts.mixed and i % 2 else opts.sentences
+            rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, proc=proc, sentences=sentences)
+            records.append(rec)
+            if opts.api == "speech":
+                await one_speech(opts, session_cfg, rec, clock0)
+            else:
+                await one_stream(opts, session_cfg, rec, clock0)
+            seq += 1
+            if not rec.ok and not (opts.storm and rec.refused):  # storm: a refused client retries at once
+                await asyncio.sleep(opts.error_backoff_ms / 1e3)
+
+    lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
+    await asyncio.gather(*(client(i) for i in clients))
+    stop.set()
+    await lag_task
+    return records, lag
+
+
+def _freeze_heap() -> None:
+    """The client's own collector pauses would hold every stream's reading at once and count as the server's
+    stalls: its startup heap out of the full passes (its loop lag is still reported per level)."""
+    gc.collect()
+    gc.freeze()
+
+
+def _client_process(job: tuple[Any, ...], conn: Any) -> None:
+    """One client process of a level (`spread`): ready, then its clients from the common start it is sent."""
+    global _clip_serial
+    opts, n, session_cfg, clients, proc, serial_base = job
+    _clip_serial = itertools.count(serial_base)  # no clip of another process or level repeats one of these
+    _freeze_heap()
+    conn.send(None)
+    clock0 = conn.recv()
+    conn.send(asyncio.run(run_clients(opts, n, session_cfg, clients, clock0, proc)))
+    conn.close()
+
+
+async def _spread_clients(
+    opts: Options, n: int, session_cfg: dict[str, Any], procs: int, started: asyncio.Future[float]
+) -> list[tuple[list[StreamRecord], list[tuple[float, float]]]]:
+    """The level's clients in `procs` client processes (client i in process i % procs); `started` is set to
+    the common start once every process is ready. Each process times its own streams and refusals, relative to
+    the common start: perf_counter is CLOCK_MONOTONIC on Linux, one clock for every process of the host, so
+    its readings in different processes compare (the measured window, the audio delivered in it)."""
+    loop = asyncio.get_running_loop()
+    jobs = [(opts, n, session_cfg, list(range(p, n, procs)), p, next(_proc_serials) << 32) for p in range(procs)]
+
+    def start() -> float:
+        clock0 = time.perf_counter()
+        loop.call_soon_threadsafe(started.set_result, clock0)
+        return clock0
+
+    return await asyncio.to_thread(spread, _client_process, jobs, start)
+
+
 async def run_level(
     opts: Options, n: int, session_cfg: dict[str, Any], refuse: int = 0, pids: Sequence[int] = ()
 ) -> tuple[dict[str, Any], list[StreamRecord]]:
-    """One level of n clients; with `refuse`, that many refused connections over its measured window; with
-    `pids`, those gateway processes' CPU over it."""
-    records: list[StreamRecord] = []
-    clock0 = time.perf_counter()
+    """One level of n clients (over `client_procs` processes); with `refuse`, that many refused connections over
+    its measured window; with `pids`, those gateway processes' CPU over it."""
     w0, w1 = opts.warmup, opts.warmup + opts.duration
-    lag: list[tuple[float, float]] = []
-    stop = asyncio.Event()
+    procs = client_procs(opts, n)
+    if procs == 1:  # in this process's loop
+        clock0 = time.perf_counter()
+        spread_clients = asyncio.ensure_future(asyncio.gather(run_clients(opts, n, session_cfg, range(n), clock0)))
+    else:
+        started: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        spread_clients = asyncio.ensure_future(_spread_clients(opts, n, session_cfg, procs, started))
+        await asyncio.wait((started, spread_clients), return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():  # a client process failed before the start
+            await spread_clients
+        clock0 = started.result()
     storm = (
         asyncio.create_task(
             asyncio.to_thread(
@@ -863,37 +970,21 @@ async def run_level(
                 refuse / opts.duration,
                 opts.refuse_procs,
                 opts.api_key,
-                time.time() + w0,
+                time.time() + clock0 + w0 - time.perf_counter(),
             )
         )
         if refuse
         else None
     )
     cpu = asyncio.create_task(_cpu_window(list(pids), clock0, w0, w1)) if pids else None
-
-    async def client(i: int) -> None:
-        await asyncio.sleep(min(opts.ramp, opts.warmup) * i / n)
-        seq = 0
-        while time.perf_counter() - clock0 < w1:
-            sentences = 1 if opts.mixed and i % 2 else opts.sentences
-            rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, sentences=sentences)
-            records.append(rec)
-            if opts.api == "speech":
-                await one_speech(opts, session_cfg, rec, clock0)
-            else:
-                await one_stream(opts, session_cfg, rec, clock0)
-            seq += 1
-            if not rec.ok and not (opts.storm and rec.refused):  # storm: a refused client retries at once
-                await asyncio.sleep(opts.error_backoff_ms / 1e3)
-
-    lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
-    await asyncio.gather(*(client(i) for i in range(n)))
-    stop.set()
-    await lag_task
+    per_proc = await spread_clients
+    records = [r for recs, _ in per_proc for r in recs]
     for r in records:  # a request that failed before its text was sent counts by when it started
         r.counted = w0 <= (r.t_sent if r.t_sent >= 0 else r.t_start) < w1
+    lag_by_proc = [[ms for t, ms in lag if w0 <= t < w1] for _, lag in per_proc]
     delivered = delivered_audio_s([r.events for r in records], w0, w1, opts.sample_rate)
-    summary = summarize_level(n, records, delivered, opts.duration, [ms for t, ms in lag if w0 <= t < w1])
+    summary = summarize_level(n, records, delivered, opts.duration, [ms for lag in lag_by_proc for ms in lag])
+    summary |= client_spread(records, lag_by_proc)
     summary["encoding"] = opts.encoding
     if cpu is not None:
         before, after, elapsed = await cpu
@@ -985,6 +1076,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         result["streams"].extend(r.public(opts.events) for r in records)
         result["capacity"] = capacity(result["levels"])
         log(table_row(summary))
+        if summary["client_procs"] > 1:
+            log(
+                f"      client processes: {summary['client_procs']} (clients {summary['clients_by_proc']}), loop lag "
+                f"p99 {summary['loop_lag_ms_p99_by_proc']} ms, max {_fmt(summary['loop_lag_ms_max'], '.1f')} ms"
+            )
         if summary["error_codes"]:
             log(f"      errors: {summary['error_codes']}")
         if summary.get("admitted_stall_free_share") is not None:
@@ -1103,6 +1199,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refuse-concurrency", type=int, default=d.refuse_concurrency)
     p.add_argument("--refuse-procs", type=int, default=d.refuse_procs, help="client processes of the refusal storm")
     p.add_argument(
+        "--client-procs",
+        type=int,
+        default=d.client_procs,
+        help=f"client processes per level, each with its own event loop and a share of the clients "
+        f"(0: one per {CLIENTS_PER_PROC} clients, at most one per CPU)",
+    )
+    p.add_argument(
         "--gateway-cpu",
         action="store_true",
         help="report each gateway process's CPU per level (/proc: the server must run on this host)",
@@ -1114,7 +1217,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="write the raw JSON here")
     p.add_argument("--plot", help="write the PNG here (needs matplotlib)")
     p.add_argument("--plot-only", metavar="RESULTS_JSON", help="redraw the table and plot from a saved run")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.client_procs < 0:
+        p.error("--client-procs must be >= 0 (0: the default spread)")
+    return a
 
 
 def options(a: argparse.Namespace) -> Options:
@@ -1146,6 +1252,7 @@ def options(a: argparse.Namespace) -> Options:
         refuse_storm=a.refuse_storm,
         refuse_concurrency=a.refuse_concurrency,
         refuse_procs=a.refuse_procs,
+        client_procs=a.client_procs,
         gateway_cpu=a.gateway_cpu,
         pause=a.pause,
         api_key=a.api_key,
@@ -1183,10 +1290,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         _plot_or_warn(result, a.plot or str(Path(a.plot_only).with_suffix(".png")))
         return result
     opts = options(a)
-    # the client's own collector pauses would hold every stream's reading at once and count as the server's
-    # stalls: its startup heap out of the full passes (its loop lag is still reported per level)
-    gc.collect()
-    gc.freeze()
+    _freeze_heap()
     result = asyncio.run(run_benchmark(opts))
     if opts.out:
         _write_json(opts.out, result)

@@ -12,8 +12,8 @@ request) counts as `admitted` (the socket is closed at once, no text is ever sen
 costs no engine work).
 
 Attempts are paced: attempt i starts at `i / rate` seconds (default: as fast as `--concurrency` allows), at
-most `--concurrency` at a time; `--procs` client processes share the count (each runs its own event loop),
-so one client loop is not what limits the rate.
+most `--concurrency` at a time; `--procs` client processes share the count (each runs its own event loop,
+`spread`, which bench/live_capacity.py uses for its clients too), so one client loop is not what limits the rate.
 
 Reported: refusals, refusals per second of the storm's span, refusal latency p50 / p95 / p99 / max (connect
 began -> the answer's head read), admitted and failed attempts by kind. `bench/live_capacity.py
@@ -31,8 +31,10 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -197,10 +199,52 @@ async def storm(
     return tally
 
 
-def _storm_process(args: tuple[Any, ...], conn: Any) -> None:
+def _storm_process(args: tuple[Any, ...], conn: Connection) -> None:
     tally = asyncio.run(storm(*args))
     conn.send(tally.as_dict())
     conn.close()
+
+
+def _answer(proc: BaseProcess, conn: Connection) -> Any:
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join()
+        raise RuntimeError(f"client process {proc.pid} ended without an answer (exit code {proc.exitcode})") from None
+
+
+def spread(
+    target: Callable[[Any, Connection], None], jobs: Sequence[Any], start: Callable[[], Any] | None = None
+) -> list[Any]:
+    """Runs `target(job, conn)` for each job in its own spawned client process (its own interpreter and event
+    loop, so no one loop limits the clients) and returns what each sent on `conn`, in the jobs' order (blocking).
+    With `start`: each process first sends a ready message and waits; once all are ready, `start()` is called
+    once and its value sent to every process (a common start, after imports that take a while)."""
+    ctx = mp.get_context("spawn")
+    running: list[tuple[BaseProcess, Connection]] = []
+    done = False
+    try:
+        for job in jobs:
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=target, args=(job, theirs), daemon=True)
+            proc.start()
+            theirs.close()
+            running.append((proc, ours))
+        if start is not None:
+            for proc, conn in running:
+                _answer(proc, conn)
+            go = start()
+            for _, conn in running:
+                conn.send(go)
+        out = [_answer(proc, conn) for proc, conn in running]
+        done = True
+        return out
+    finally:
+        for proc, conn in running:
+            if not done and proc.is_alive():  # one failed: the others' work would be thrown away
+                proc.terminate()
+            proc.join()
+            conn.close()
 
 
 def run_storm(
@@ -216,21 +260,22 @@ def run_storm(
     """The storm in `procs` client processes (blocking), from `start_at` (a time.time(); None: now); their
     tallies merged into one summary."""
     procs = max(1, min(procs, count))
-    ctx = mp.get_context("spawn")
-    running = []
-    for p in range(procs):
-        share = count // procs + (p < count % procs)
-        recv, send = ctx.Pipe(duplex=False)
-        rate_p = rate / procs if rate else None
-        args = (url, share, max(1, concurrency // procs), list(routes), rate_p, api_key, p, start_at)
-        proc = ctx.Process(target=_storm_process, args=(args, send), daemon=True)
-        proc.start()
-        send.close()
-        running.append((proc, recv))
+    jobs = [
+        (
+            url,
+            count // procs + (p < count % procs),
+            max(1, concurrency // procs),
+            list(routes),
+            rate / procs if rate else None,
+            api_key,
+            p,
+            start_at,
+        )
+        for p in range(procs)
+    ]
     tally = Tally()
-    for proc, recv in running:
-        tally.merge(recv.recv())
-        proc.join()
+    for t in spread(_storm_process, jobs):
+        tally.merge(t)
     return summarize(tally)
 
 

@@ -18,6 +18,8 @@ from bench.live_capacity import (
     Options,
     StreamRecord,
     capacity,
+    client_procs,
+    client_spread,
     compressed_events,
     delivered_audio_s,
     gateway_cpu,
@@ -35,7 +37,7 @@ from bench.live_capacity import (
     table,
     upload_voice,
 )
-from bench.refusal_storm import ROUTES, Tally, request_bytes, status_of, summarize
+from bench.refusal_storm import ROUTES, Tally, request_bytes, spread, status_of, summarize
 from bench.ws_bench import reference_clip
 
 SR = 24000
@@ -253,6 +255,27 @@ def test_refusals_are_counted_apart():
     assert s["refused"] == 4 and s["attempted"] == 2 and s["errors"] == 0
     assert s["refusal_ms_p50"] == pytest.approx(5.0) and s["refusal_ms_p95"] > 6.0
     assert s["stall_free_share"] == 0.5 and s["admitted_stall_rate"] == 0.5
+
+
+def test_client_processes_are_reported_one_by_one():
+    recs = [rec(), rec(), rec(counted=False), rec()]
+    for r, (proc, client) in zip(recs, [(0, 0), (1, 1), (1, 1), (1, 3)], strict=True):
+        r.proc, r.client = proc, client
+    out = client_spread(recs, [[0.5, 1.0, 9.0], [2.0]])
+    assert out["client_procs"] == 2 and out["clients_by_proc"] == [1, 2] and out["requests_by_proc"] == [1, 2]
+    assert out["loop_lag_ms_max_by_proc"] == [9.0, 2.0] and out["loop_lag_ms_p99_by_proc"][1] == 2.0
+    assert client_spread([], [[]])["loop_lag_ms_p99_by_proc"] == [None]
+    # the default: one process per 32 clients, at most one per CPU and one per client
+    assert client_procs(Options(), 1) == 1 and client_procs(Options(client_procs=4), 2) == 2
+    assert client_procs(Options(), 64) == min(2, os.cpu_count() or 1)
+    assert client_procs(Options(), 10_000) == (os.cpu_count() or 1)
+    with pytest.raises(SystemExit):
+        main(["--client-procs", "-1"])
+
+
+def test_a_client_process_that_fails_is_an_error_not_a_hang():
+    with pytest.raises(RuntimeError, match="ended without an answer"):
+        spread(time.sleep, [0.0, 0.0], start=time.perf_counter)  # sleep(job, conn): a TypeError in the child
 
 
 # ---- refusal storm, gateway CPU, collector pauses: the arithmetic --------------------------------------
@@ -516,10 +539,16 @@ def test_distinct_clips_run_the_speaker_encoder_for_every_request(server):
     assert after_distinct - after_same == 3
 
 
+@pytest.fixture(scope="module")
+def one_slot(start_server):
+    """A server with one decode slot and its door on (a queue bound of 250 ms): newcomers are refused."""
+    return start_server("--max-batch", "1", "--max-queue-ms", "250")
+
+
 @pytest.mark.slow
-def test_a_storm_level_against_a_one_slot_server(start_server, tmp_path: Path):
+def test_a_storm_level_against_a_one_slot_server(one_slot, tmp_path: Path):
     """Storm mode against the door: three clients on one decode slot, refused ones retrying at once."""
-    srv = start_server("--max-batch", "1", "--max-queue-ms", "250")
+    srv = one_slot
     out = tmp_path / "storm.json"
     main(
         [
@@ -547,3 +576,36 @@ def test_a_storm_level_against_a_one_slot_server(start_server, tmp_path: Path):
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["refused"] >= 1 and lv["refusal_ms_p95"] >= lv["refusal_ms_p50"] > 0
     assert lv["streams"] >= 1 and lv["errors"] == 0 and lv["admitted_stall_rate"] is not None
+
+
+@pytest.mark.slow
+def test_a_storm_level_spread_over_client_processes(one_slot, tmp_path: Path):
+    """--client-procs 2: four storm clients in two client processes, each with its own loop; their records merged
+    into the one report, every count adding up over the processes."""
+    out = tmp_path / "storm2.json"
+    argv = ["--url", one_slot.ws_url, "--levels", "4", "--duration", "3", "--warmup", "1", "--ramp", "0.2"]
+    argv += ["--frames", "60", "--request-timeout", "120", "--storm", "--voice", "storm"]
+    main([*argv, "--client-procs", "2", "--out", str(out)])
+    res = json.loads(out.read_text())
+    (lv,) = res["levels"]
+    assert res["config"]["client_procs"] == 2
+    assert lv["client_procs"] == 2 and lv["clients_by_proc"] == [2, 2]
+    assert lv["refused"] >= 1 and lv["refusal_ms_p95"] >= lv["refusal_ms_p50"] > 0
+    assert lv["streams"] >= 1 and lv["errors"] == 0 and lv["admitted_stall_rate"] is not None
+    streams = [s for s in res["streams"] if s["level"] == 4]
+    assert {(s["proc"], s["client"]) for s in streams} == {(0, 0), (0, 2), (1, 1), (1, 3)}  # client i in i % 2
+    counted = [s for s in streams if s["counted"]]
+    assert sum(lv["requests_by_proc"]) == len(counted) == lv["attempted"] + lv["refused"]
+    for p in (0, 1):
+        assert lv["requests_by_proc"][p] == sum(s["proc"] == p for s in counted) >= 1
+    assert lv["streams"] == sum(s["ok"] and not s["refused"] for s in counted)
+    assert lv["refused"] == sum(s["refused"] for s in counted)
+    # each process's own loop lag, the level's the largest of them
+    p99, top = lv["loop_lag_ms_p99_by_proc"], lv["loop_lag_ms_max_by_proc"]
+    assert len(p99) == len(top) == 2 and all(x is not None for x in p99 + top)
+    assert lv["loop_lag_ms_max"] == max(top) and all(a <= b for a, b in zip(p99, top, strict=True))
+    for s in streams:  # a stream was timed in its own process: its stall verdict and refusal latency came back
+        if s["refused"]:
+            assert s["refusal_ms"] > 0 and s["t_sent"] < 0
+        elif s["ok"]:
+            assert s["audio_s"] == pytest.approx(60 * 512 / 44100, abs=2e-3) and s["ttfa_ms"] > 0
