@@ -552,13 +552,11 @@ class AttachedEngineClient(EngineClient):
         self.index = index
         self._pid: int | None = None
 
-    def _streams_changed(self) -> None:
-        if self.link.counts is not None:  # the other gateway processes' doors read it
-            self.link.counts.set(self.link.channel, OPEN + self.index, len(self._streams))
+    def _streams_changed(self) -> None:  # the other gateway processes' doors read it
+        self.link.counts.set(self.link.channel, OPEN + self.index, len(self._streams))
 
     def open_requests(self) -> int:
-        counts = self.link.counts
-        return counts.total(OPEN + self.index) if counts is not None else self.in_flight
+        return self.link.counts.total(OPEN + self.index)
 
     async def start(self, sweep: bool = True) -> None:
         self.link.engines[self.index] = self
@@ -614,7 +612,7 @@ class ControlLink:
     channel: int
     channels: int
     incarnation: int
-    counts: SharedCounts | None = None  # what every gateway process publishes (app/core/shared.py)
+    counts: SharedCounts  # what every gateway process publishes (app/core/shared.py)
     engines: dict[int, AttachedEngineClient] = field(default_factory=dict)
     _reading: bool = False
 

@@ -168,8 +168,7 @@ class Gateway:
         self.voices = VoiceStore(
             settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices or link is not None
         )  # other processes' voices too
-        shared = link.counts if link is not None else None
-        self.sessions = SessionCount(shared, link.channel if link is not None else 0)
+        self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
         self.link = link
@@ -177,8 +176,7 @@ class Gateway:
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
         # admitted streaming sessions (app/core/admission.py); the other gateway processes read how many are held
         self.conversations = Conversations(
-            lim.conversation_hold_s,
-            None if link is None or shared is None else lambda n: shared.set(link.channel, HELD, n),
+            lim.conversation_hold_s, None if link is None else lambda n: link.counts.set(link.channel, HELD, n)
         )
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
@@ -224,7 +222,7 @@ class Gateway:
         """Admitted conversations whose room is held: this process's now, and what the others published."""
         held = self.conversations.held()
         link = self.link
-        if link is not None and link.counts is not None:
+        if link is not None:
             held += link.counts.total(HELD) - link.counts.get(link.channel, HELD)
         return held
 
