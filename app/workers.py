@@ -8,15 +8,17 @@ the N gateway processes, each a full gateway (uvicorn + the app) on its own sock
 (SO_REUSEPORT: the kernel spreads new connections over them). Each gateway process numbers its requests in
 its own residue class (rid % N), so the engine routes every event to the right channel without a table.
 
-What they share: the session limit (a count in shared memory), the voice library (the folder, in its shared
-mode), the requests kept for request stitching (files in the data dir), API keys and settings (the same
+What they share: the session limit and the door's counts (app/core/shared.py: each process's open sessions,
+held conversations and open requests per engine, in shared memory), the voice library (the folder, in its
+shared mode), the requests kept for request stitching (files in the data dir), API keys and settings (the same
 flags), the metrics (prometheus_client's multiprocess files: any process answers /metrics for all), and the
 engines' admission (the engine decides for every channel).
 
 Failures stay local. An engine that dies is restarted by the supervisor, which tells every gateway process
 (`down`, then `attach` with the new rings, app/core/engine_client.py ControlLink). A gateway process that
-dies takes only its own sessions: the supervisor writes a `reset` on its channel (the engine cancels its
-requests and frees their slots) and starts a new one in its place, whose request ids are a fresh range.
+dies takes only its own sessions: the supervisor zeroes its row of the shared counts, writes a `reset` on its
+channel (the engine cancels its requests and frees their slots) and starts a new one in its place, whose
+request ids are a fresh range.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from app.core.gateway import engine_settings
+from app.core.shared import SharedCounts
 from app.settings import GatewaySettings
 from engine.contract import records as m
 from engine.contract.lifeline import Lifeline, close_quietly, open_lifeline, watch_parent
@@ -149,13 +152,13 @@ class GatewayProcess:
         self.restarts = 0
         self._lifeline_w: int | None = None
 
-    def spawn(self, settings: GatewaySettings, workers: int, sessions: Any, port: int) -> None:
+    def spawn(self, settings: GatewaySettings, workers: int, counts: SharedCounts, port: int) -> None:
         ctx = mp.get_context("spawn")
         child, self.conn = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         lifeline, lifeline_w = open_lifeline()
         self.proc = ctx.Process(
             target=gateway_process_main,
-            args=(settings, port, self.index, workers, self.incarnation, child, sessions, lifeline),
+            args=(settings, port, self.index, workers, self.incarnation, child, counts, lifeline),
             name=f"zonos-gateway-{self.index}",
             daemon=False,
         )
@@ -202,8 +205,8 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     # the processes' metrics in files that any of them reads for /metrics (prometheus_client multiprocess)
     metrics_dir = tempfile.mkdtemp(prefix="zonos-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    sessions = mp.get_context("spawn").Value("i", 0)
     engines = [EngineProcess(settings, i, workers) for i in range(len(engine_settings(settings)))]
+    counts = SharedCounts(workers, len(engines))
     gateways = [GatewayProcess(i) for i in range(workers)]
     print(
         f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes (demo page at /)",
@@ -215,7 +218,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
         for g in gateways:
             if stopping:  # a SIGTERM while they start: start no more
                 break
-            g.spawn(settings, workers, sessions, port)
+            g.spawn(settings, workers, counts, port)
             for engine in engines:
                 g.tell(engine.attach_message(g.index))
         while not stopping:
@@ -230,7 +233,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
                 if isinstance(who, EngineProcess):
                     _engine_died(who, gateways)
                 else:
-                    _gateway_died(who, engines, settings, workers, sessions, port, metrics_dir)
+                    _gateway_died(who, engines, settings, workers, counts, port, metrics_dir)
     finally:
         for g in gateways:
             if g.proc is not None and g.proc.is_alive():
@@ -269,7 +272,7 @@ def _gateway_died(
     engines: list[EngineProcess],
     settings: GatewaySettings,
     workers: int,
-    sessions: Any,
+    counts: SharedCounts,
     port: int,
     metrics_dir: str,
 ) -> None:
@@ -279,6 +282,7 @@ def _gateway_died(
     log.error(
         "gateway process %d (pid %s) exited with code %s; its sessions ended, starting another", g.index, pid, code
     )
+    counts.clear(g.index)  # its sessions, holds and requests ended with it: no other process counts them now
     for engine in engines:
         engine.reset(g.index)
     with contextlib.suppress(Exception):
@@ -288,7 +292,7 @@ def _gateway_died(
     g.reaped()
     g.restarts += 1
     time.sleep(min(RESTART_BACKOFF_S[0] * g.restarts, RESTART_BACKOFF_S[1]))
-    g.spawn(settings, workers, sessions, port)
+    g.spawn(settings, workers, counts, port)
     for engine in engines:
         if engine.alive:
             g.tell(engine.attach_message(g.index))
@@ -301,7 +305,7 @@ def gateway_process_main(
     channels: int,
     incarnation: int,
     conn: Connection,
-    sessions: Any,
+    counts: SharedCounts,
     lifeline: Lifeline,
 ) -> None:
     """One gateway process (multiprocessing's spawn target): the app on its own socket of the shared port,
@@ -313,7 +317,8 @@ def gateway_process_main(
     from app.core.engine_client import ControlLink
     from app.server import create_app, run_server
 
-    link = ControlLink(conn, channel, channels, incarnation, sessions)
+    counts.clear(channel)  # a process in a dead one's place starts from zero, whatever that one left
+    link = ControlLink(conn, channel, channels, incarnation, counts)
     app = create_app(settings, link)
     sock = listening_socket(settings.host, port)
     run_server(app, settings, sock)

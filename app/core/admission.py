@@ -12,15 +12,17 @@ next turn), and while it is active (admitted, or it spoke within `hold_s`, and i
 now) the room its next utterance needs is held: newcomers see the engines' free room less those holds.
 
 `decide` is a pure function of numbers, so that the holds and the engines' loads can come from state that
-several gateway processes share.
+several gateway processes share (app/core/shared.py): each publishes its count of held conversations and of
+its open requests on each engine, and every process's door reads the sums, live.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 RATE_WINDOW = 5  # the engine's Stats records (about one a second) the start rate is measured over
@@ -51,8 +53,8 @@ def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float) -> Deci
     if not engines:
         return Decision(False, math.inf, 1)
     free = sum(max(0.0, e.headroom) for e in engines)
-    # queued: the engine's queue at its last Stats, or what was sent past its room since (negative headroom
-    # counts both where the engine's load is this gateway's own count of its open requests)
+    # queued: the engine's queue at its last Stats, or what was sent past its room since (negative headroom:
+    # every gateway process's open requests on it, counted live, past its slots)
     ahead = sum(max(float(e.waiting), -e.headroom) for e in engines) + max(0.0, held - free)
     if free - held >= 1 and ahead == 0:
         return Decision(True, 0.0, 0)
@@ -97,6 +99,7 @@ class Conversation:
     def __init__(self) -> None:
         self.last_spoke = time.monotonic()  # admitted counts as having spoken: its first utterance is held
         self.generating = 0  # utterances of it with engine work now
+        self.on_change: Callable[[], None] | None = None  # its Conversations hears when it starts or ends one
 
     def held(self, now: float, hold_s: float) -> bool:
         return self.generating == 0 and now - self.last_spoke < hold_s
@@ -104,12 +107,56 @@ class Conversation:
     def started(self) -> None:
         self.generating += 1
         self.last_spoke = time.monotonic()
+        if self.on_change is not None:
+            self.on_change()
 
     def ended(self) -> None:
         self.generating = max(0, self.generating - 1)
         self.last_spoke = time.monotonic()
+        if self.on_change is not None:
+            self.on_change()
 
 
 def held_count(conversations: Iterable[Conversation], hold_s: float, now: float | None = None) -> int:
     now = time.monotonic() if now is None else now
     return sum(1 for c in conversations if c.held(now, hold_s))
+
+
+class Conversations:
+    """A gateway process's admitted conversations. With `publish` (several gateway processes), the count of
+    held ones is published whenever it changes: a conversation admitted, starting or ending an utterance, or
+    leaving, and a hold running out (a timer on the event loop at the earliest one), so that the other
+    processes' doors read it live."""
+
+    def __init__(self, hold_s: float, publish: Callable[[int], None] | None = None) -> None:
+        self.hold_s = hold_s
+        self._publish = publish
+        self._all: set[Conversation] = set()
+        self._expiry: asyncio.TimerHandle | None = None
+
+    def add(self, c: Conversation) -> None:
+        self._all.add(c)
+        c.on_change = self.changed
+        self.changed()
+
+    def discard(self, c: Conversation) -> None:
+        if c in self._all:
+            self._all.discard(c)
+            c.on_change = None
+            self.changed()
+
+    def held(self, now: float | None = None) -> int:
+        return held_count(self._all, self.hold_s, now)
+
+    def changed(self) -> None:
+        if self._publish is None:
+            return
+        now = time.monotonic()
+        held = [c for c in self._all if c.held(now, self.hold_s)]
+        self._publish(len(held))
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+        if held:  # publish again when the first hold runs out (the same clock: time.monotonic)
+            first = min(c.last_spoke for c in held) + self.hold_s
+            self._expiry = asyncio.get_running_loop().call_later(max(0.0, first - now), self.changed)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from app.core.admission import EngineLoad, StartRate
+from app.core.shared import OPEN, SharedCounts
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
@@ -107,7 +108,8 @@ class Stream:
     def _end(self, ev: Event) -> None:
         self.done = True
         self.kept_ready.set()
-        self.client._streams.pop(self.rid, None)
+        if self.client._streams.pop(self.rid, None) is not None:
+            self.client._streams_changed()
         self.queue.put_nowait(ev)
 
     async def next(self) -> Event:
@@ -198,9 +200,7 @@ class EngineClient:
         # request ids: with several gateway processes (app/workers.py) process `channel` of `channels` uses the ids
         # with rid % channels == channel (the engine routes events by it), each incarnation of it a fresh range
         # (events still in the ring for its predecessor's requests are dropped, never taken for its own)
-        self.channels = channels
         self._rid = itertools.count(channels * (1 + (incarnation << 32)) + channel, channels)
-        self._sent_since_stats = 0  # requests sent since the engine's last STATS record
         self._streams: dict[int, Stream] = {}
         self._calls: dict[int, asyncio.Future[Any]] = {}  # embed / align records waiting for their one answer
         self._cancel_acks: dict[int, asyncio.Future[m.Finished | None]] = {}
@@ -335,12 +335,11 @@ class EngineClient:
         req = replace(req, rid=next(self._rid))
         header, payload = req.encode()
         stream = Stream(req.rid, self, self.max_buffered_samples)
-        self._streams[req.rid] = stream
         if not self._inbox.try_put(header, payload):
-            del self._streams[req.rid]
             raise EngineUnavailable("the engine inbox is full")
+        self._streams[req.rid] = stream
+        self._streams_changed()
         self.submitted += 1
-        self._sent_since_stats += 1
         return stream
 
     def cancel(self, rid: int) -> asyncio.Future[m.Finished | None]:
@@ -446,7 +445,6 @@ class EngineClient:
         elif isinstance(rec, m.Stats):
             self.stats = rec
             self.start_rate.observe(rec.active + rec.finished + rec.cancelled)
-            self._sent_since_stats = 0
         elif isinstance(rec, m.Error):
             self.start_error = rec.message
             log.error("%s error: %s", self.label, rec.message)
@@ -458,6 +456,7 @@ class EngineClient:
         for stream in list(self._streams.values()):
             stream._end(m.Error(stream.rid, code, message))
         self._streams.clear()
+        self._streams_changed()
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(EngineUnavailable(message))
@@ -471,6 +470,13 @@ class EngineClient:
     def in_flight(self) -> int:
         return len(self._streams)
 
+    def _streams_changed(self) -> None:
+        """This gateway's open requests on the engine changed (one sent, ended, or all failed)."""
+
+    def open_requests(self) -> int:
+        """Every gateway's open requests on this engine (sent, and not yet finished, cancelled or failed)."""
+        return self.in_flight
+
     @property
     def slots(self) -> int:
         return int(self.info.get("slots") or self.settings.max_batch or 0)  # known once the engine is ready
@@ -482,14 +488,13 @@ class EngineClient:
 
     def headroom(self) -> float:
         """How many more requests this engine can start now without a wait: its free slots, counted from
-        the requests this gateway has open on it (exact and up to date: it counts a request from the
-        moment it is sent, before the engine's next STATS record), and, under realtime admission, the
-        streams the engine's own admission rule still admitted at its last STATS record
-        (engine/runtime/admission.py), less what this gateway sent since. Negative: requests would queue."""
+        the requests the gateway has open on it (every gateway process's, `open_requests`: exact and up to
+        date, a request counts from the moment it is sent, before the engine's next STATS record), and, under
+        realtime admission, the streams the engine's own admission rule still admitted at its last STATS
+        record (engine/runtime/admission.py), less what was sent past what that record saw. Negative:
+        requests would queue."""
         st = self.stats
-        load = self.in_flight
-        if self.channels > 1 and st is not None:  # other gateway processes share the engine: its own count
-            load = st.active + st.waiting + self._sent_since_stats
+        load = self.open_requests()
         free = float(self.slots - load)
         admissible = st.admissible if st is not None else None
         if self.realtime_admission and st is not None and admissible is not None:
@@ -512,6 +517,7 @@ class EngineClient:
             "pid": self.pid,
             "restarts": self.restarts,
             "in_flight": self.in_flight,
+            "open": self.open_requests(),  # every gateway process's (in_flight: this one's)
             "slots": self.slots,
             "active": st.active if st else None,
             "waiting": st.waiting if st else None,
@@ -545,6 +551,12 @@ class AttachedEngineClient(EngineClient):
         self.link = link
         self.index = index
         self._pid: int | None = None
+
+    def _streams_changed(self) -> None:  # the other gateway processes' doors read it
+        self.link.counts.set(self.link.channel, OPEN + self.index, len(self._streams))
+
+    def open_requests(self) -> int:
+        return self.link.counts.total(OPEN + self.index)
 
     async def start(self, sweep: bool = True) -> None:
         self.link.engines[self.index] = self
@@ -600,7 +612,7 @@ class ControlLink:
     channel: int
     channels: int
     incarnation: int
-    sessions: Any = None  # the open-session count every gateway process shares (a multiprocessing Value)
+    counts: SharedCounts  # what every gateway process publishes (app/core/shared.py)
     engines: dict[int, AttachedEngineClient] = field(default_factory=dict)
     _reading: bool = False
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import soundfile as sf
 
-from app.core.admission import Conversation, Decision, decide, held_count
+from app.core.admission import Conversations, Decision, decide
 from app.core.continuation import Chain, Link
 from app.core.emotion import check_emotion, emotion_directions
 from app.core.engine_client import (
@@ -34,6 +34,7 @@ from app.core.metrics import Metrics
 from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions
 from app.core.prompts import PromptFactory
+from app.core.shared import HELD, SessionCount
 from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.errors import GatewayError as G
@@ -135,39 +136,6 @@ def engine_pool(settings: GatewaySettings, link: ControlLink | None = None) -> E
     return EnginePool(engines)
 
 
-class SessionCount:
-    """Open WebSocket sessions: this process's, or with several gateway processes (app/workers.py) a count in
-    shared memory that all of them take from, so the session limit is the server's."""
-
-    def __init__(self, shared: Any = None) -> None:
-        self._shared = shared  # a multiprocessing Value("i") with its lock
-        self._local = 0
-
-    @property
-    def value(self) -> int:
-        return int(self._shared.value) if self._shared is not None else self._local
-
-    def try_open(self, limit: int) -> bool:
-        """Take a session if fewer than `limit` are open."""
-        if self._shared is None:
-            if self._local >= limit:
-                return False
-            self._local += 1
-            return True
-        with self._shared.get_lock():
-            if self._shared.value >= limit:
-                return False
-            self._shared.value += 1
-            return True
-
-    def close(self) -> None:
-        if self._shared is None:
-            self._local -= 1
-            return
-        with self._shared.get_lock():
-            self._shared.value -= 1
-
-
 class Gateway:
     def __init__(self, settings: GatewaySettings, link: ControlLink | None = None) -> None:
         self.settings = settings
@@ -200,13 +168,16 @@ class Gateway:
         self.voices = VoiceStore(
             settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices or link is not None
         )  # other processes' voices too
-        self.sessions = SessionCount(link.sessions if link is not None else None)
+        self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
         self.link = link
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
-        self.conversations: set[Conversation] = set()  # admitted streaming sessions (app/core/admission.py)
+        # admitted streaming sessions (app/core/admission.py); the other gateway processes read how many are held
+        self.conversations = Conversations(
+            lim.conversation_hold_s, None if link is None else lambda n: link.counts.set(link.channel, HELD, n)
+        )
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
 
@@ -243,10 +214,17 @@ class Gateway:
     # ---- the door --------------------------------------------------------------------------------
     def admission(self) -> Decision:
         """Whether a new stream may start now (app/core/admission.py), from the ready engines' loads and the
-        room held for this process's admitted conversations."""
-        lim = self.settings.limits
+        room held for admitted conversations (every gateway process's)."""
         loads = [e.load() for e in self.engines if e.ready.is_set()]
-        return decide(loads, held_count(self.conversations, lim.conversation_hold_s), lim.max_queue_ms / 1e3)
+        return decide(loads, self.held(), self.settings.limits.max_queue_ms / 1e3)
+
+    def held(self) -> int:
+        """Admitted conversations whose room is held: this process's now, and what the others published."""
+        held = self.conversations.held()
+        link = self.link
+        if link is not None:
+            held += link.counts.total(HELD) - link.counts.get(link.channel, HELD)
+        return held
 
     def refusal(self, at: str = "app") -> RequestError | None:
         """The door's answer to a new stream now: None (admitted), or the refusal, engine_busy (503) with

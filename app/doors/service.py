@@ -27,9 +27,10 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     engines = [e.describe() for e in gw.engines]  # ready = at least one engine ready (docs/scaling.md)
-    # the gateway process that answered (one of --workers, app/workers.py; process 0 of 1 without)
+    # the gateway process that answered (one of --workers, app/workers.py; process 0 of 1 without), and the
+    # conversations whose room the door holds (every process's)
     link = (gw.link.channel, gw.link.channels) if gw.link is not None else (0, 1)
-    process = {"gateway": {"process": link[0], "processes": link[1], "pid": os.getpid()}}
+    process = {"gateway": {"process": link[0], "processes": link[1], "pid": os.getpid(), "held": gw.held()}}
     if gw.engine.ready.is_set():
         return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})
     reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")

@@ -4,6 +4,7 @@ process's death ends only its own sessions."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -255,3 +256,133 @@ def test_sigterm_while_gateway_processes_start_starts_no_more(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == "[0] 0"  # one of three started, then all stopped
+
+
+def _readyz_of(url: str, process: int) -> dict:
+    """/readyz as `process` answers it."""
+    r = answer_from(url, "/readyz", 2).get(process)
+    assert r is not None, f"process {process} did not answer"
+    return r.json()
+
+
+def _until_process_sees(url: str, process: int, ok, what: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        seen = answer_from(url, "/readyz", 2)
+        if process in seen and ok(body := seen[process].json()):
+            return body
+        time.sleep(0.2)
+    raise AssertionError(f"process {process} never saw {what}: {_readyz_of(url, process)}")
+
+
+async def _session_on(url: str, process: int, held: int, tries: int = 100):
+    """A WebSocket session on `process`. One that lands on the other process is closed, and its hold waited
+    out (every process's door counts it: `held` is what the server holds without it)."""
+    for _ in range(tries):
+        try:
+            ws = await websockets.connect(url.replace("http", "ws") + "/v1/tts/ws", max_size=None)
+        except websockets.InvalidStatus as e:  # refused while such a hold is still counted
+            assert e.response.status_code == 503, e.response.status_code
+        else:
+            if int(ws.response.headers["x-gateway-process"]) == process:
+                return ws
+            await ws.close()
+        await asyncio.to_thread(
+            _until_process_sees, url, process, lambda r: r["gateway"]["held"] == held, f"{held} held"
+        )
+    raise AssertionError(f"no connection reached process {process}")
+
+
+async def _every_newcomer_refused(ws_url: str, by: int, tries: int = 200) -> None:
+    """New streams are refused at the door (503) whichever process takes them, until `by` has refused one."""
+    for _ in range(tries):
+        try:
+            ws = await websockets.connect(ws_url)
+        except websockets.InvalidStatus as e:
+            assert e.response.status_code == 503, e.response.status_code
+            if int(e.response.headers["x-gateway-process"]) == by:
+                return
+            continue
+        got = ws.response.headers["x-gateway-process"]
+        await ws.close()
+        raise AssertionError(f"process {got} admitted a newcomer the engine has no room for")
+    raise AssertionError(f"no connection reached process {by}")
+
+
+async def _speak(ws) -> None:
+    await ws.send(json.dumps({"type": "session.config", "encoding": "pcm_s16le", "params": {"seed": 1}}))
+    await ws.send(json.dumps({"type": "text", "text": "One sentence."}))
+    await ws.send(json.dumps({"type": "flush"}))
+
+
+def test_the_door_counts_every_process_load_at_once(tmp_path):
+    """The door's load is the server's, live: what one process admitted (an open request, a held
+    conversation) is counted by the other's door from the moment it happens. The engine is stopped
+    (SIGSTOP) while the processes fill its one slot, and sends no Stats record anyway (a 1e9 s interval):
+    nothing but the processes' shared counts can tell the other process, and no request ends by itself. A
+    process that dies leaves no load, held room or session behind."""
+    srv = ServerProcess(
+        tmp_path / "data",
+        "--workers", "2",
+        "--max-batch", "1",
+        "--max-queue-ms", "250",
+        "--admission-max-wait", "120",  # a queued utterance waits in the engine rather than being dropped
+        "--conversation-hold-s", "600",
+        "--stats-interval-s", "1e9",
+        "--max-sessions", "3",
+    )  # fmt: skip
+    engine_pid = None
+
+    async def run() -> None:
+        nonlocal engine_pid
+        url = srv.url
+        engine_pid = _readyz_of(url, 0)["engines"][0]["pid"]
+        os.kill(engine_pid, signal.SIGSTOP)
+        # the one slot: process A's session sends an utterance (admitted: the engine is free)
+        s1, a = await open_session(srv.ws_url)
+        b = 1 - a
+        await _speak(s1)
+        seen = _until_process_sees(
+            url, b, lambda r: r["engines"][0]["open"] == 1 and r["gateway"]["held"] == 0, "A's open request"
+        )
+        assert seen["engines"][0]["in_flight"] == 0  # none of B's own
+        # A admits a second conversation (nobody is queued: it waits for the next free room): its room is
+        # held, and B's door refuses the next newcomer for it
+        s2 = await _session_on(url, a, held=0)
+        _until_process_sees(url, b, lambda r: r["gateway"]["held"] == 1, "A's held conversation")
+        await _every_newcomer_refused(srv.ws_url, by=b)
+        # the second conversation's utterance queues behind the first: no room is held, two requests are open
+        await _speak(s2)
+        _until_process_sees(
+            url, b, lambda r: r["engines"][0]["open"] == 2 and r["gateway"]["held"] == 0, "A's two open requests"
+        )
+        await _every_newcomer_refused(srv.ws_url, by=b)
+        # A dies with two sessions and two requests open: B no longer counts them, and takes newcomers again
+        pid_a = _readyz_of(url, a)["gateway"]["pid"]
+        os.kill(pid_a, signal.SIGKILL)
+        _until_process_sees(url, b, lambda r: r["engines"][0]["open"] == 0, "A's requests gone")
+        os.kill(engine_pid, signal.SIGCONT)
+        _until_process_sees(
+            url, a, lambda r: r["status"] == "ready" and r["gateway"]["pid"] != pid_a, "A replaced", timeout=180
+        )
+        newcomers = []
+        for _ in range(2):  # the session limit (3) counts none of the dead process's sessions
+            ws = await websockets.connect(srv.ws_url)
+            msg = json.loads(await asyncio.wait_for(ws.recv(), 30))
+            assert msg["type"] == "session.created", msg
+            newcomers.append(ws)
+        for ws in newcomers:
+            await ws.close()
+
+    try:
+        srv.wait_ready()
+        deadline = time.monotonic() + 120
+        while not all(r.status_code == 200 for r in answer_from(srv.url, "/readyz", 2).values()):
+            assert time.monotonic() < deadline, "a gateway process never became ready"
+            time.sleep(0.5)
+        asyncio.run(run())
+    finally:
+        if engine_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(engine_pid, signal.SIGCONT)
+        srv.stop()

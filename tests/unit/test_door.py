@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
+import multiprocessing as mp
 
-from app.core.admission import Conversation, EngineLoad, StartRate, decide, held_count
+from app.core.admission import Conversation, Conversations, EngineLoad, StartRate, decide, held_count
+from app.core.shared import HELD, OPEN, SESSIONS, SessionCount, SharedCounts
 
 
 def test_room_now_admits_and_held_conversations_take_it_first():
@@ -55,6 +58,83 @@ def test_a_conversation_is_held_between_its_utterances_only():
     c.ended()
     assert held_count([c], hold_s=10) == 1
     assert held_count([c], hold_s=10, now=c.last_spoke + 11) == 0  # quiet longer than the hold
+
+
+def _publish_in_another_process(counts: SharedCounts, process: int, engine: int, n: int) -> None:
+    counts.set(process, OPEN + engine, n)
+
+
+def test_shared_counts_across_processes_and_a_dead_process_row():
+    """app/core/shared.py: each gateway process publishes its own row; every process reads the sums at once
+    (no Stats record, no message); a dead process's row is zeroed and its counts are gone."""
+    counts = SharedCounts(processes=3, engines=2)
+    counts.set(0, OPEN + 1, 2)
+    child = mp.get_context("spawn").Process(target=_publish_in_another_process, args=(counts, 1, 1, 5))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert counts.get(1, OPEN + 1) == 5  # the other process's write, read here
+    assert counts.total(OPEN + 1) == 7 and counts.total(OPEN) == 0
+    counts.set(2, HELD, 3)
+    assert counts.total(HELD) == 3
+    # the session limit is the server's: each process takes from the same total
+    a, b = SessionCount(counts, 0), SessionCount(counts, 1)
+    assert a.try_open(3) and b.try_open(3) and b.try_open(3) and not a.try_open(3)
+    b.close()
+    assert a.try_open(3) and counts.total(SESSIONS) == 3
+    # process 1 died with a session, 5 requests and no holds open: its row is zeroed, the others' stay
+    counts.clear(1)
+    assert counts.total(OPEN + 1) == 2 and counts.total(SESSIONS) == 2 and counts.total(HELD) == 3
+    assert SessionCount(counts, 1).try_open(3)
+
+
+def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_out():
+    published: list[int] = []
+
+    async def go() -> None:
+        hold_s = 0.05
+        convs = Conversations(hold_s, published.append)
+        a, b = Conversation(), Conversation()
+        convs.add(a)
+        convs.add(b)
+        assert published[-1] == 2
+        a.started()  # generating: the engine counts it, not the hold
+        assert published[-1] == 1 == convs.held()
+        convs.discard(b)
+        assert published[-1] == 0
+        a.ended()
+        assert published[-1] == 1
+        # nothing happens: the hold runs out on its own and the count is published again
+        for _ in range(2000):
+            if published[-1] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert published[-1] == 0 and convs.held() == 0
+        convs.discard(a)
+        a.started()  # gone: no longer heard
+        assert published[-1] == 0
+
+    asyncio.run(go())
+
+
+def test_headroom_counts_every_gateway_process_open_requests():
+    """With several gateway processes on one engine, one process's headroom counts the requests the others
+    have open on it now, not what the engine's last Stats record saw plus its own."""
+    from app.core.engine_client import AttachedEngineClient, ControlLink
+    from engine.contract import records as m
+    from engine.contract.settings import EngineSettings, WeightSources
+
+    counts = SharedCounts(processes=2, engines=1)
+    link = ControlLink(conn=None, channel=1, channels=2, incarnation=0, counts=counts)
+    client = AttachedEngineClient(WeightSources(), EngineSettings(device="cpu", max_batch=4), link, 0)
+    client.info = {"slots": 4}
+    client.stats = m.Stats(active=0, waiting=0, free_slots=4)  # the last Stats: an idle engine
+    assert client.headroom() == 4
+    counts.set(0, OPEN, 4)  # process 0 sent four requests since
+    assert client.open_requests() == 4 and client.headroom() == 0
+    assert client.load().headroom == 0
+    counts.set(0, OPEN, 5)  # one past the slots: it queues
+    assert not decide([client.load()], held=0, max_queue_s=0.25).admitted
 
 
 def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):

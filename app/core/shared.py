@@ -1,0 +1,90 @@
+"""Counts that several gateway processes (`--workers N`, app/workers.py) share, so that they behave as one server:
+the session limit, and the door's view of each engine's load (app/core/admission.py).
+
+The supervisor makes one table in shared memory (a multiprocessing Array of int64) and hands it to every gateway
+process as it starts. Each process has one row, which only it writes: publishing a count takes no lock, and a
+sum over the rows is as fresh as the last write of each process. Taking a session is the one check-and-add
+across rows, so it takes the table's lock. A dead process's row is zeroed by the supervisor as soon as it has
+reaped it, and again by the process that takes its place as it starts: its counts end with it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from typing import Any
+
+SESSIONS = 0  # open WebSocket sessions
+HELD = 1  # admitted conversations whose room is held for their next utterance
+OPEN = 2  # OPEN + i: requests open on engine i (sent, and not yet finished, cancelled or failed)
+
+
+class SharedCounts:
+    """One row of counts per gateway process, in shared memory (columns: SESSIONS, HELD, OPEN + engine)."""
+
+    def __init__(self, processes: int, engines: int) -> None:
+        self.processes = processes
+        self.width = OPEN + engines
+        self._table: Any = mp.get_context("spawn").Array("q", processes * self.width)  # zeroed, with a lock
+        self._cells: Any = self._table.get_obj()
+
+    def __getstate__(self) -> dict[str, Any]:  # the table travels (to a spawned process), its view is rebuilt
+        return {"processes": self.processes, "width": self.width, "_table": self._table}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._cells = self._table.get_obj()
+
+    def set(self, process: int, column: int, value: int) -> None:
+        """Publish one of `process`'s counts (only that process writes its row)."""
+        self._cells[process * self.width + column] = value
+
+    def get(self, process: int, column: int) -> int:
+        return int(self._cells[process * self.width + column])
+
+    def total(self, column: int) -> int:
+        """The count summed over every process."""
+        cells, width = self._cells, self.width
+        return sum(cells[p * width + column] for p in range(self.processes))
+
+    def try_add(self, process: int, column: int, limit: int) -> bool:
+        """Add one to `process`'s count if the total is below `limit` (under the table's lock: two processes
+        never both take the last one)."""
+        with self._table.get_lock():
+            if self.total(column) >= limit:
+                return False
+            self._cells[process * self.width + column] += 1
+            return True
+
+    def subtract(self, process: int, column: int) -> None:
+        self._cells[process * self.width + column] -= 1  # its own row: no other process writes it
+
+    def clear(self, process: int) -> None:
+        """Zero `process`'s row: it died (the supervisor), or a new process takes its place (itself)."""
+        base = process * self.width
+        for column in range(self.width):
+            self._cells[base + column] = 0
+
+
+class SessionCount:
+    """Open WebSocket sessions: this process's, or with several gateway processes every process's (a column of
+    SharedCounts), so that the session limit is the server's."""
+
+    def __init__(self, shared: SharedCounts | None = None, process: int = 0) -> None:
+        self._shared = shared
+        self._process = process
+        self._local = 0
+
+    def try_open(self, limit: int) -> bool:
+        """Take a session if fewer than `limit` are open."""
+        if self._shared is not None:
+            return self._shared.try_add(self._process, SESSIONS, limit)
+        if self._local >= limit:
+            return False
+        self._local += 1
+        return True
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared.subtract(self._process, SESSIONS)
+        else:
+            self._local -= 1
