@@ -66,6 +66,9 @@ class FakeEngine:
     def cancel(self, rid: int) -> None:
         self.cancelled.append(rid)
 
+    def _streams_changed(self) -> None:
+        """EngineClient's hook for the counts other gateway processes read: no other process reads a fake's."""
+
     async def start_utterance(
         self,
         text: str,
