@@ -805,7 +805,7 @@ class AdmissionGate(StrEnum):
     """What holds a newcomer back under realtime admission (engine/runtime/admission.py); `Stats.held_<value>`
     counts the iterations each held one."""
 
-    STARTING = "starting"  # slow start: max_starting streams whose cost is not seen yet
+    STARTING = "starting"  # slow start: streams whose cost is not seen yet (RealtimeAdmission.starting_limit)
     DAC_BEHIND = "dac_behind"  # the audio decoder is behind the LLM
     SLACK = "slack"  # a playing stream's slack, less the prefill, is under the floor
     PERIOD = "period"  # the predicted iteration period is over headroom x the frame

@@ -274,8 +274,8 @@ class EngineSettings:
     admission_max_starting: int = field(
         default=32,
         metadata=flag(
-            "realtime admission: streams admitted whose players have not started yet (slow start; >= 2: a guided "
-            "request starts with its twin)",
+            "realtime admission: streams admitted whose players have not started yet, or half the playing streams "
+            "when that is more (slow start; >= 2: a guided request starts with its twin)",
             lo=1,
             hi=MAX_SLOTS,
         ),

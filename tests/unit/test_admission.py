@@ -78,6 +78,15 @@ def test_slow_start_bounds_the_streams_whose_players_have_not_started():
     assert adm.admissible(0, None, limit=50, starting=1) == 2
 
 
+def test_slow_start_grows_with_the_playing_streams():
+    """Half the playing streams may be starting when that is more than max_starting: at 160 playing, 80."""
+    adm = RealtimeAdmission(max_starting=32)
+    assert adm.starting_limit(10) == 32 and adm.starting_limit(160) == 80
+    assert adm.gate(160 + 79, 1, starting=79) is None  # 160 playing, 79 starting: the 80th may start
+    assert adm.gate(160 + 80, 1, starting=80) is Gate.STARTING
+    assert adm.gate(40 + 32, 1, starting=32) is Gate.STARTING  # few playing: max_starting bounds it
+
+
 def test_a_playing_stream_low_on_slack_stops_admission():
     adm = RealtimeAdmission()
     for i in range(40):  # 5 ms for 10 streams: the period alone would admit many more
