@@ -398,6 +398,15 @@ def test_fused_route_rows_do_not_depend_on_the_batch():
             assert torch.equal(a, b[rows]), rows
 
 
+def test_a_mixed_steps_padded_rows_are_cut_as_the_plain_steps():
+    """A mixed step pads its decode rows to MIXED_MIN_BATCH: every smaller batch must get the same number of
+    splits, so that a row's attention is the same bits in a mixed and a plain step (test_mixed_step on a GPU)."""
+    from engine.llm.graphs import MIXED_MIN_BATCH
+    from engine.model.kernels.decode_attention import splits_for
+
+    assert {splits_for(n) for n in range(1, MIXED_MIN_BATCH + 1)} == {splits_for(MIXED_MIN_BATCH)}
+
+
 def test_decode_attention_fixed_split_rows_do_not_depend_on_the_batch():
     """With the batch-invariant split length, a query row's output is the same bits at batch 1 and 33
     (where the default number of splits would change)."""

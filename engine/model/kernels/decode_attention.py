@@ -25,15 +25,18 @@ from torch import Tensor
 BLOCK_T = 64  # tokens per inner iteration (at most)
 
 
-SPLITS = {8: 16, 32: 8, 64: 4}  # rows up to the key -> splits per row (`splits_for`); 2 above
+SPLITS = {32: 8, 64: 4}  # rows up to the key -> splits per row (`splits_for`); 2 above
 
 
 def splits_for(batch: int) -> int:
     """Splits per row when cutting by length: enough programs to fill the GPU's SMs at small batch (a row's
-    context spread over many), few at large batch (the grid is full anyway; fewer partials to merge; two
-    rather than one, so that a long row among short ones is not one program's tail). From bench/kernel_sweep.py
-    on an H200, slots of 50-1,200 frames: the fastest or within 6 % of it at every batch from 1 to 256; at
-    batch 192 85 us a layer (2.9 TB/s of KV), against 107 us for the 128-token chunks over a 6,144-frame cache."""
+    context spread over several), few at large batch (the grid is full anyway; fewer partials to merge; two
+    rather than one, so that a long row among short ones is not one program's tail). One count up to 32 rows:
+    a mixed step pads its decode rows to at least 16 (engine/llm/graphs.py MixedGraphs), and a row must be cut
+    as the plain step of its real size cuts it (the same bits either way). From bench/kernel_sweep.py on an
+    H200, slots of 50-1,200 frames: within 20 % of the fastest count at every batch (1 µs a layer at batch 1-8),
+    the fastest from 32 up; at batch 192 85 us a layer (2.9 TB/s of KV), against 107 us for the 128-token
+    chunks over a 6,144-frame cache."""
     return next((n for rows, n in SPLITS.items() if batch <= rows), 2)
 
 
