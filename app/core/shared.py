@@ -47,7 +47,8 @@ class SharedCounts:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        """The lock across processes (module docstring): a record lock is its process's, and ends with it."""
+        """The lock across processes (module docstring): a record lock is its process's, and ends with it (so it
+        does not exclude two threads of one process: only a gateway process's event loop takes sessions)."""
         fcntl.lockf(self._lock_fd, fcntl.LOCK_EX)
         try:
             yield
