@@ -402,11 +402,14 @@ class StreamingSession:
             await self.add_mark(ctx, answer)
 
     async def add_mark(self, ctx: str | None, answer: Answer) -> None:
-        """`answer` once the utterances of ctx (None: of every context) queued now have been played."""
+        """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned
+        words of those played before it sent."""
         if ctx is None and self.lane_per_context:
             raise ValueError("a session with a lane per context answers per context")
         lane = self.lanes.get(ctx if self.lane_per_context else DEFAULT_CONTEXT)  # type: ignore[arg-type]
         last = self.last_queued(ctx) if lane is not None else None
+        if last is None and lane is not None:  # all played: it still waits for aligned words not yet sent
+            last = max((seq for c, seq in lane.aligning if ctx is None or c == ctx), default=None)
         if last is None:
             async with self._send_lock:
                 await self._answer_locked(answer)

@@ -4,13 +4,22 @@ the session limit, and the door's view of each engine's load (app/core/admission
 The supervisor makes one table in shared memory (a multiprocessing Array of int64) and hands it to every gateway
 process as it starts. Each process has one row, which only it writes: publishing a count takes no lock, and a
 sum over the rows is as fresh as the last write of each process. Taking a session is the one check-and-add
-across rows, so it takes the table's lock. A dead process's row is zeroed by the supervisor as soon as it has
+across rows, so it takes a lock: a POSIX record lock (fcntl) on a file of the table's, which the kernel releases
+when its holder dies, so a process killed (kill -9) in the middle of taking one cannot lock the others out (a
+multiprocessing lock stays taken forever). A dead process's row is zeroed by the supervisor as soon as it has
 reaped it, and again by the process that takes its place as it starts: its counts end with it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import multiprocessing as mp
+import os
+import tempfile
+import weakref
+from collections.abc import Iterator
+from multiprocessing import reduction
 from typing import Any
 
 SESSIONS = 0  # open WebSocket sessions
@@ -24,15 +33,27 @@ class SharedCounts:
     def __init__(self, processes: int, engines: int) -> None:
         self.processes = processes
         self.width = OPEN + engines
-        self._table: Any = mp.get_context("spawn").Array("q", processes * self.width)  # zeroed, with a lock
-        self._cells: Any = self._table.get_obj()
+        self._cells: Any = mp.get_context("spawn").RawArray("q", processes * self.width)  # zeroed
+        # the lock's file: unlinked at once (nothing left on disk), it lives while a process holds it open
+        self._lock_fd, path = tempfile.mkstemp(prefix="zonos-counts-", suffix=".lock")
+        os.unlink(path)
+        weakref.finalize(self, os.close, self._lock_fd)
 
-    def __getstate__(self) -> dict[str, Any]:  # the table travels (to a spawned process), its view is rebuilt
-        return {"processes": self.processes, "width": self.width, "_table": self._table}
+    def __getstate__(self) -> dict[str, Any]:  # the table and the lock's file travel (to a spawned process)
+        return {**self.__dict__, "_lock_fd": reduction.DupFd(self._lock_fd)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._cells = self._table.get_obj()
+        self.__dict__.update(state, _lock_fd=state["_lock_fd"].detach())
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock across processes (module docstring): a record lock is its process's, and ends with it (so it
+        does not exclude two threads of one process: only a gateway process's event loop takes sessions)."""
+        fcntl.lockf(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN)
 
     def set(self, process: int, column: int, value: int) -> None:
         """Publish one of `process`'s counts (only that process writes its row)."""
@@ -47,9 +68,9 @@ class SharedCounts:
         return sum(cells[p * width + column] for p in range(self.processes))
 
     def try_add(self, process: int, column: int, limit: int) -> bool:
-        """Add one to `process`'s count if the total is below `limit` (under the table's lock: two processes
+        """Add one to `process`'s count if the total is below `limit` (under the lock: two processes
         never both take the last one)."""
-        with self._table.get_lock():
+        with self._locked():
             if self.total(column) >= limit:
                 return False
             self._cells[process * self.width + column] += 1

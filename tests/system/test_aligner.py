@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
+import signal
 from typing import Any
 from urllib.parse import quote
 
@@ -83,6 +85,35 @@ def test_our_socket_sends_aligned_word_times_after_the_estimate(srv):
         assert log.index(m) > done  # measured on the audio sent: it follows it
     estimated = [m for m in log if m["type"] == "audio.words" and m["source"] == "estimated"]
     assert {m["utterance_id"] for m in estimated} == set(starts)  # the estimate still streams with the audio
+
+
+def test_a_flush_while_an_utterance_is_being_aligned_waits_for_its_aligned_words(srv):
+    """A flush that comes once an utterance's audio has all been sent, while its words are still with the
+    aligner (the engine is stopped, so they cannot come before it), is answered after them: no `flushed` (and
+    no `session.closed`) overtakes the aligned words of an utterance before it."""
+
+    async def go():
+        c = await connect(srv, timestamps=True, params=PARAMS)
+        await c.send(type="text", text="Hello there.", flush=True)
+        await c.until("audio.done", timeout=180)
+        engine = httpx.get(srv.url + "/readyz", headers={"X-API-Key": KEY}, timeout=30).json()["engine"]["pid"]
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            await c.send(type="flush")
+            await c.send(type="session.config")  # answered once the flush before it has been handled
+            await c.until("session.updated", timeout=60)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        while sum(m["type"] == "flushed" for m in c.log) < 2:
+            await c.recv(timeout=180)
+        await c.send(type="close")
+        await c.until("session.closed", timeout=180)
+        return c.log
+
+    log = run(go())
+    aligned = [i for i, m in enumerate(log) if m["type"] == "audio.words" and m["source"] == "aligned"]
+    flushed = [i for i, m in enumerate(log) if m["type"] == "flushed"]
+    assert len(aligned) == 1 and len(flushed) == 2 and aligned[0] < flushed[0], [m["type"] for m in log]
 
 
 def test_without_timestamps_nothing_is_aligned(srv):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import os
+import signal
+import threading
 
 from app.core.admission import Conversation, Conversations, EngineLoad, StartRate, decide, held_count
 from app.core.shared import HELD, OPEN, SESSIONS, SessionCount, SharedCounts
@@ -86,6 +89,59 @@ def test_shared_counts_across_processes_and_a_dead_process_row():
     counts.clear(1)
     assert counts.total(OPEN + 1) == 2 and counts.total(SESSIONS) == 2 and counts.total(HELD) == 3
     assert SessionCount(counts, 1).try_open(3)
+
+
+def _hold_the_lock(counts: SharedCounts, holding, release) -> None:
+    with counts._locked():
+        holding.set()
+        release.wait(60)
+
+
+def test_taking_a_session_waits_for_another_process_that_is_taking_one():
+    counts = SharedCounts(processes=2, engines=1)
+    ctx = mp.get_context("spawn")
+    holding, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_the_lock, args=(counts, holding, release))
+    child.start()
+    try:
+        assert holding.wait(60)
+        taken: list[bool] = []
+        t = threading.Thread(target=lambda: taken.append(SessionCount(counts, 0).try_open(1)), daemon=True)
+        t.start()
+        t.join(0.5)
+        assert not taken, "two processes were in the check-and-add at once"
+    finally:
+        release.set()
+        child.join(60)
+    t.join(60)
+    assert taken == [True]
+
+
+def _die_taking_a_session(counts: SharedCounts) -> None:
+    # killed (kill -9) in the middle of the check-and-add, while it holds the table's lock
+    counts.total = lambda column: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign]
+    counts.try_add(1, SESSIONS, 10)
+
+
+def test_a_process_killed_while_taking_a_session_does_not_lock_the_others_out():
+    """A gateway process killed (kill -9) while it takes a session: the others still take and refuse sessions
+    (its lock dies with it), and its row is zeroed."""
+    counts = SharedCounts(processes=2, engines=1)
+    child = mp.get_context("spawn").Process(target=_die_taking_a_session, args=(counts,))
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    counts.clear(1)  # the supervisor reaped it
+    taken: list[bool] = []
+    survivor = SessionCount(counts, 0)
+    t = threading.Thread(
+        target=lambda: taken.extend([survivor.try_open(2), survivor.try_open(2), survivor.try_open(2)])
+    )
+    t.daemon = True  # a survivor stuck on the dead process's lock must not hold the test run up
+    t.start()
+    t.join(60)  # a failure guard only: three checks take microseconds
+    assert not t.is_alive(), "the survivor waits forever for the lock the killed process held"
+    assert taken == [True, True, False] and counts.total(SESSIONS) == 2
 
 
 def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_out():
