@@ -48,6 +48,12 @@ log = logging.getLogger("gateway.supervisor")
 
 RING_BYTES = 64 << 20  # each ring of each channel (the single-process gateway's size)
 RESTART_BACKOFF_S = (0.5, 5.0)  # a process that keeps dying is restarted after 0.5 s, 1 s, ... at most 5 s
+STABLE_S = 60.0  # a process that ran this long before it died is restarted as if it had never died before
+
+
+def restart_delay(restarts: int) -> float:
+    """How long after its `restarts`-th death in a row a process is started again."""
+    return min(RESTART_BACKOFF_S[0] * restarts, RESTART_BACKOFF_S[1])
 
 
 def default_workers() -> int:
@@ -77,9 +83,11 @@ class EngineProcess:
         self.rings: list[tuple[ShmRing, ShmRing]] = []
         self.proc: mp.process.BaseProcess | None = None
         self.restarts = 0
+        self.started = 0.0  # time.monotonic() of its last spawn
         self._lifeline_w: int | None = None
 
     def spawn(self) -> None:
+        self.started = time.monotonic()
         self.rings = [(ShmRing.create(RING_BYTES), ShmRing.create(RING_BYTES)) for _ in range(self.channels)]
         lifeline, self._lifeline_w = open_lifeline()
         specs = [(inbox.spec(), events.spec()) for inbox, events in self.rings]
@@ -150,9 +158,11 @@ class GatewayProcess:
         self.proc: mp.process.BaseProcess | None = None
         self.conn: Connection | None = None
         self.restarts = 0
+        self.started = 0.0  # time.monotonic() of its last spawn
         self._lifeline_w: int | None = None
 
     def spawn(self, settings: GatewaySettings, workers: int, counts: SharedCounts, port: int) -> None:
+        self.started = time.monotonic()
         ctx = mp.get_context("spawn")
         child, self.conn = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         lifeline, lifeline_w = open_lifeline()
@@ -221,19 +231,29 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
             g.spawn(settings, workers, counts, port)
             for engine in engines:
                 g.tell(engine.attach_message(g.index))
+        # a dead process is started again once its delay has passed (`restart_delay`); meanwhile the supervisor
+        # keeps watching the others, so a second death is handled at once, not after the first one's delay
+        due: dict[EngineProcess | GatewayProcess, float] = {}
         while not stopping:
-            sentinels: dict[int, EngineProcess | GatewayProcess] = {
-                e.proc.sentinel: e for e in engines if e.proc is not None
-            }
-            sentinels.update({g.proc.sentinel: g for g in gateways if g.proc is not None})
-            for s in wait(list(sentinels), timeout=0.5):
+            now = time.monotonic()
+            for who, at in list(due.items()):
+                if at <= now:
+                    del due[who]
+                    if isinstance(who, EngineProcess):
+                        _start_engine(who, gateways)
+                    else:
+                        _start_gateway(who, engines, settings, workers, counts, port)
+            watched: list[EngineProcess | GatewayProcess] = [*engines, *gateways]
+            sentinels = {w.proc.sentinel: w for w in watched if w.proc is not None and w not in due}
+            timeout = min([0.5, *(at - now for at in due.values())])
+            for s in wait(list(sentinels), timeout=max(0.0, timeout)):
                 if stopping:
                     break
                 who = sentinels[s]  # type: ignore[index]  # wait() returns the sentinels it was given
                 if isinstance(who, EngineProcess):
-                    _engine_died(who, gateways)
+                    due[who] = time.monotonic() + _engine_died(who, gateways)
                 else:
-                    _gateway_died(who, engines, settings, workers, counts, port, metrics_dir)
+                    due[who] = time.monotonic() + _gateway_died(who, engines, counts, metrics_dir)
     finally:
         for g in gateways:
             if g.proc is not None and g.proc.is_alive():
@@ -252,7 +272,14 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     return 0
 
 
-def _engine_died(engine: EngineProcess, gateways: list[GatewayProcess]) -> None:
+def _died(who: EngineProcess | GatewayProcess) -> float:
+    """Count a death in a row (none before it if the process had run STABLE_S): the delay before its restart."""
+    who.restarts = 1 if time.monotonic() - who.started >= STABLE_S else who.restarts + 1
+    return restart_delay(who.restarts)
+
+
+def _engine_died(engine: EngineProcess, gateways: list[GatewayProcess]) -> float:
+    """Tell every gateway process the engine is down and free its rings; the delay before its restart."""
     assert engine.proc is not None
     engine.proc.join(1)
     code = engine.proc.exitcode
@@ -260,22 +287,18 @@ def _engine_died(engine: EngineProcess, gateways: list[GatewayProcess]) -> None:
     for g in gateways:
         g.tell(("down", engine.index, f"engine {engine.index} process stopped (exit code {code}); it is restarting"))
     engine.teardown()
-    engine.restarts += 1
-    time.sleep(min(RESTART_BACKOFF_S[0] * engine.restarts, RESTART_BACKOFF_S[1]))
+    return _died(engine)
+
+
+def _start_engine(engine: EngineProcess, gateways: list[GatewayProcess]) -> None:
     engine.spawn()
     for g in gateways:
         g.tell(engine.attach_message(g.index))
 
 
-def _gateway_died(
-    g: GatewayProcess,
-    engines: list[EngineProcess],
-    settings: GatewaySettings,
-    workers: int,
-    counts: SharedCounts,
-    port: int,
-    metrics_dir: str,
-) -> None:
+def _gateway_died(g: GatewayProcess, engines: list[EngineProcess], counts: SharedCounts, metrics_dir: str) -> float:
+    """End what the dead gateway process held (its counts, its engine requests, its metrics); the delay before
+    its restart."""
     assert g.proc is not None
     g.proc.join(1)
     pid, code = g.proc.pid, g.proc.exitcode
@@ -290,8 +313,17 @@ def _gateway_died(
 
         multiprocess.mark_process_dead(pid, metrics_dir)
     g.reaped()
-    g.restarts += 1
-    time.sleep(min(RESTART_BACKOFF_S[0] * g.restarts, RESTART_BACKOFF_S[1]))
+    return _died(g)
+
+
+def _start_gateway(
+    g: GatewayProcess,
+    engines: list[EngineProcess],
+    settings: GatewaySettings,
+    workers: int,
+    counts: SharedCounts,
+    port: int,
+) -> None:
     g.spawn(settings, workers, counts, port)
     for engine in engines:
         if engine.alive:

@@ -388,3 +388,42 @@ def test_the_door_counts_every_process_load_at_once(tmp_path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(engine_pid, signal.SIGCONT)
         srv.stop()
+
+
+def test_a_death_is_handled_while_another_process_waits_out_its_restart_delay(tmp_path):
+    """The supervisor schedules restarts instead of sleeping them out: a process that has died three times in a
+    row waits 1.5 s to start again, and a process that dies right after it, for the first time (0.5 s), is
+    started again first (its counts cleared and its engine requests cancelled at once, not after the other's
+    delay)."""
+    srv = ServerProcess(tmp_path / "data", "--workers", "2")
+    try:
+        srv.wait_ready()
+
+        def pids() -> dict[int, int]:
+            return {k: r.json()["gateway"]["pid"] for k, r in answer_from(srv.url, "/readyz", 2).items()}
+
+        def replaced(index: int, old: int) -> None:
+            for _ in range(600):
+                with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
+                    now = pids()
+                    if len(now) == 2 and now[index] != old:
+                        return
+                time.sleep(0.1)
+            raise AssertionError(f"gateway process {index} was not replaced")
+
+        for _ in range(2):  # process 0 dies twice in a row: its third restart waits 1.5 s
+            old = pids()[0]
+            os.kill(old, signal.SIGKILL)
+            replaced(0, old)
+        first = pids()
+        os.kill(first[0], signal.SIGKILL)
+        os.kill(first[1], signal.SIGKILL)
+        replaced(0, first[0])
+        replaced(1, first[1])
+        starts = [
+            line for line in srv.log.read_text().splitlines() if "gateway process" in line and "incarnation" in line
+        ]
+        assert "gateway process 1:" in starts[-2] and "incarnation 1" in starts[-2], starts[-3:]
+        assert "gateway process 0:" in starts[-1] and "incarnation 3" in starts[-1], starts[-3:]
+    finally:
+        srv.stop()
