@@ -24,13 +24,13 @@ DT = torch.bfloat16 if CUDA else torch.float32
 
 @pytest.fixture
 def model(monkeypatch):
-    from engine.model.kernels import gemv, matmul
-    from tests.models import four_layer_tiny
+    from engine.model.kernels import matmul
+    from tests.models import four_layer_tiny, interpreter_tiles
 
     if not CUDA:
         for name in ("DECODE_TILE", "DECODE_TILE_NARROW", "PREFILL_TILE"):
             monkeypatch.setattr(matmul, name, (16, 512, 128, 4, 1))
-        monkeypatch.setattr(gemv, "TILE", (64, 512, 4))  # the default set's GEMV: few, wide column tiles
+        interpreter_tiles(monkeypatch)  # the default set's
     m = four_layer_tiny(DEV, DT)  # interpreter time is per layer
     m.enable_triton()
     m.set_batch_invariant(True)

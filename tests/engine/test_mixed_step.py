@@ -20,14 +20,10 @@ DT = torch.bfloat16 if CUDA else torch.float32
 
 @pytest.fixture
 def model(monkeypatch):
-    from engine.model.kernels import gemv, moe
-    from tests.models import four_layer_tiny
+    from tests.models import four_layer_tiny, interpreter_tiles
 
-    if not CUDA:  # few, wide column tiles: the interpreter's time (the same sums: BLOCK_K is what it was)
-        monkeypatch.setattr(gemv, "TILE", (64, 512, 4))
-        wide = {1: (64, 512, 4), 2: (64, 512, 4)}
-        monkeypatch.setattr(moe, "GEMV_GATE_UP_TILE", wide)
-        monkeypatch.setattr(moe, "GEMV_DOWN_TILE", wide)
+    if not CUDA:
+        interpreter_tiles(monkeypatch)
     m = four_layer_tiny(DEV, DT)
     m.enable_triton()
     return m
