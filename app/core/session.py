@@ -396,10 +396,15 @@ class StreamingSession:
                     raise
         self._drop_empty_buffers()
         if end_turn:
-            for lane in self.lanes.values():
-                lane.pipe.end(ctx)
+            self.end_turn(ctx)
         if answer is not None:
             await self.add_mark(ctx, answer)
+
+    def end_turn(self, ctx: str | None) -> None:
+        """A context's (None: every context's) text is complete: its last queued utterance ends its
+        continuation (app/core/continuation.py): generated final, or its held stream flushed now."""
+        for lane in self.lanes.values():
+            lane.pipe.end(ctx)
 
     async def add_mark(self, ctx: str | None, answer: Answer) -> None:
         """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned

@@ -630,6 +630,29 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     assert len(el_audio(run(go()), "auto")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
+def test_elevenlabs_close_context_ends_the_turn_it_still_speaks(start_server):
+    """With auto_mode a text (here flushed with it) is one more sentence of the turn: its stream is held for
+    the next. A close_context ends the turn: the held tail is decoded at once, on a server whose continuation
+    grace never runs out (nothing else would end the hold); the whole sentence plays, then isFinal."""
+    never = with_ada(start_server("--api-key", KEY, "--continuation-grace-ms", "1000000000"))
+
+    async def go():
+        ws = await el_connect(el_url(never, auto_mode=True))
+        await ws.send(json.dumps({"text": "Held. ", "context_id": "h", "flush": True}))
+        await ws.send(json.dumps({"context_id": "h", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "h", log)
+        await ws.close()
+        return log
+
+    try:
+        log = run(go())
+    finally:
+        never.stop()
+    assert abs(len(el_audio(log, "h")) // 2 - resampled(SAMPLES, 24000)) <= 2
+    assert log[-1] == {"isFinal": True, "contextId": "h"}
+
+
 @pytest.mark.parametrize("flush_each", [False, True], ids=["pipecat", "livekit"])
 def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(srv, flush_each):
     """pipecat and LiveKit (auto_mode=true; LiveKit flushes every sentence) close a context they interrupt

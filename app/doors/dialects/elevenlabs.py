@@ -256,8 +256,10 @@ class ElevenLabsSession(StreamingSession):
             await self.cancel(ctx)
             return
         c.closing = True
-        # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now.
+        # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now. No
+        # text follows in it: what plays on ends its turn (its held tail is decoded now, not after the grace).
         await self.cancel(ctx, after=c.kept_by_close())
+        self.end_turn(ctx)
         await self.add_mark(ctx, lambda: self._final(c))
 
     async def _final(self, c: Context) -> None:
