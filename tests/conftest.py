@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -128,8 +129,9 @@ class ServerProcess:
                 self.proc.wait(5)
 
 
-@pytest.fixture(scope="session")
-def start_server(tmp_path_factory) -> Iterator:
+@contextlib.contextmanager
+def servers(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """A starter of servers (ready when it returns), each stopped when the block ends."""
     started: list[ServerProcess] = []
 
     def start(*extra: str, data_dir: Path | None = None) -> ServerProcess:
@@ -139,12 +141,23 @@ def start_server(tmp_path_factory) -> Iterator:
         srv.wait_ready()
         return srv
 
-    yield start
-    for srv in started:
-        srv.stop()
+    try:
+        yield start
+    finally:
+        for srv in started:
+            srv.stop()
+
+
+@pytest.fixture(scope="module")
+def start_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """Servers of one test module, stopped when it ends (idle ones left running would take CPU from every
+    later module)."""
+    with servers(tmp_path_factory) as start:
+        yield start
 
 
 @pytest.fixture(scope="session")
-def server(start_server) -> ServerProcess:
+def server(tmp_path_factory) -> Iterator[ServerProcess]:
     """One server shared by the gateway tests (tiny CPU model)."""
-    return start_server()
+    with servers(tmp_path_factory) as start:
+        yield start()
