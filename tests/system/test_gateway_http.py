@@ -442,7 +442,15 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
 
     srv = start_server("--max-batch", "1")
     long = {"input": "Hold the slot.", "response_format": "pcm", "params": {"ignore_eos": True, "max_frames": 2500}}
-    holder = threading.Thread(target=lambda: httpx.post(srv.url + "/v1/audio/speech", json=long, timeout=300))
+    done = threading.Event()
+
+    def hold() -> None:  # reads the long reply until the test is done with it, then leaves
+        with httpx.stream("POST", srv.url + "/v1/audio/speech", json=long, timeout=300) as r:
+            for _ in r.iter_bytes():
+                if done.is_set():
+                    return
+
+    holder = threading.Thread(target=hold)
     holder.start()
 
     def engine() -> dict:
@@ -465,6 +473,7 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
     metrics = httpx.get(srv.url + "/metrics", timeout=10).text
     assert 'zonos_errors_total{code="client_gone"} 1.0' in metrics
     assert "\nzonos_engine_cancelled 1.0\n" in metrics  # cancelled there, not run to its end for nobody
+    done.set()
     holder.join(300)
 
 
