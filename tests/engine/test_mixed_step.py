@@ -42,7 +42,7 @@ def test_a_mixed_pass_gives_the_decode_rows_and_the_prompt_their_own_logits(mode
     is the one the separate calls write."""
     from engine.model.zonos2 import PackedPrefill, PrefillSeq
 
-    a, b, c = (torch.from_numpy(p).to(DEV) for p in _prompts(model, "The one we follow.", "Another.", "A third."))
+    a, b, c = (torch.from_numpy(p).to(DEV) for p in _prompts(model, "One.", "Another.", "A third."))
     spk = torch.randn(model.cfg.speaker_embedding_dim, device=DEV)
     model.setup_cache(4, 96)
     model.prefill(torch.cat([a, b]), [PrefillSeq(0, 0, len(a)), PrefillSeq(1, 0, len(b))], [spk, None])
