@@ -22,8 +22,8 @@ def interpreter_tiles(monkeypatch) -> None:
     """Triton's interpreter runs one Python call per program: few, wide column tiles for the default kernel
     set's GEMVs (dense and MoE) and two splits per decode-attention row. The numbers do not change: each
     output still sums the same BLOCK_K-wide blocks (BLOCK_K is clamped to the row width, at most 256 in these
-    models), and a row of up to 128 frames is cut at the same 64-frame block boundaries by 2 splits as by 16.
-    The default tiles themselves: tests/engine/test_kernels.py."""
+    models), and a row of up to 128 frames is cut at the same 64-frame block boundaries by 2 splits as by the
+    default's 4 or 8. The default tiles themselves: tests/engine/test_kernels.py."""
     from engine.model.kernels import decode_attention, gemv, moe
 
     wide = (64, 512, 4)
