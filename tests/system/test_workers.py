@@ -23,6 +23,10 @@ from tests.conftest import ROOT, ServerProcess
 
 pytestmark = pytest.mark.slow
 
+# a request that must bring audio asks for a fixed length: the random tiny model may end a sentence at its first
+# frame (200 with no audio)
+FIXED_LENGTH = {"seed": 3, "max_frames": 40, "ignore_eos": True}
+
 
 def answer_from(url: str, path: str, want: int, tries: int = 400, **kw) -> dict[int, httpx.Response]:
     """GET `path` on fresh connections until every one of `want` processes has answered (the kernel spreads
@@ -77,7 +81,7 @@ def test_both_processes_serve_one_port_and_share_voices_and_metrics(server):
     for _ in range(40):
         r = httpx.post(
             server.url + "/v1/audio/speech",
-            json={"input": "Hi.", "response_format": "pcm", "voice": voice},
+            json={"input": "Hi.", "response_format": "pcm", "voice": voice, **FIXED_LENGTH},
             timeout=120,
         )
         assert r.status_code == 200 and r.content, r.text
@@ -195,9 +199,9 @@ def test_a_killed_process_ends_only_its_own_sessions(server):
             await asyncio.sleep(0.5)
         else:
             raise AssertionError("the killed gateway process was not replaced")
-        r = httpx.post(  # a fixed length: the random tiny model may end an unseeded sentence at its first frame
+        r = httpx.post(
             server.url + "/v1/audio/speech",
-            json={"input": "Still here.", "response_format": "pcm", "seed": 3, "max_frames": 40, "ignore_eos": True},
+            json={"input": "Still here.", "response_format": "pcm", **FIXED_LENGTH},
             timeout=120,
         )
         assert r.status_code == 200 and r.content
