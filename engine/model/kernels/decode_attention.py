@@ -120,7 +120,8 @@ def _split_kernel(
     end = tl.minimum(start + per, length)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
-    if BY_LENGTH:  # a run-time trip count over the split's own blocks
+    if BY_LENGTH:  # a run-time trip count over the split's own blocks (a while loop: Triton's interpreter,
+        # which the CPU tests run, takes no tensor as a range bound)
         first = start
         while first < end:
             m_i, l_i, acc = _attend_block(
