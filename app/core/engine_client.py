@@ -375,7 +375,7 @@ class EngineClient:
 
     async def _call(self, record: Any, timeout: float, what: str) -> Any:
         """Send the record `record(rid)` and wait for its one answer (an Embedding or an Aligned); an Error
-        answer is an EngineRefused (a ValueError)."""
+        answer is raised as an EngineRefused (a ValueError)."""
         if not self.ready.is_set() or self._inbox is None:
             raise EngineUnavailable("the engine is not ready")
         rid = next(self._rid)
@@ -385,11 +385,15 @@ class EngineClient:
             if not self._inbox.try_put(*record(rid).encode()):
                 raise EngineUnavailable("the engine inbox is full")
             self.submitted += 1
-            return await asyncio.wait_for(fut, timeout)
+            answer = await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise EngineUnavailable(f"{what} did not answer within {timeout:g} s") from None
         finally:
             self._calls.pop(rid, None)
+        if isinstance(answer, m.Error):  # raised here, not set on the future: a future holding the exception
+            # whose traceback holds this frame (and so the future) is a cycle only the collector frees
+            raise EngineRefused(answer.code, answer.message or "the engine refused it")
+        return answer
 
     # ---- events ----------------------------------------------------------------------------------
     async def _dispatch(self, reader: AsyncRingReader) -> None:
@@ -428,7 +432,7 @@ class EngineClient:
             if isinstance(rec, m.Error) and rec.rid is not None and rec.rid in self._calls:
                 call = self._calls.pop(rec.rid)
                 if not call.done():
-                    call.set_exception(EngineRefused(rec.code, rec.message or "the engine refused it"))
+                    call.set_result(rec)  # raised by _call
                 return
             stream = self._streams.get(rec.rid) if rec.rid is not None else None
             if stream is not None:

@@ -26,18 +26,28 @@ from engine.contract import collector
 from tests.conftest import free_port
 
 
-def _speak(url: str, text: str, leave_early: bool) -> None:
+def _speak(
+    url: str, text: str, leave_early: bool, length: dict[str, Any] | None = None, until: str = "audio.done"
+) -> None:
+    """One utterance; the socket closes at `until` (`flushed`: once its aligned words, or the aligner's refusal,
+    are in)."""
     with connect(url) as ws:
         # word times on: with the gateway's aligner, a played utterance's alignment is in flight as the socket closes
-        ws.send(
-            json.dumps({"type": "session.config", "sample_rate": 24000, "encoding": "pcm_s16le", "timestamps": True})
-        )
+        config: dict[str, Any] = {
+            "type": "session.config",
+            "sample_rate": 24000,
+            "encoding": "pcm_s16le",
+            "timestamps": True,
+        }
+        if length is not None:  # a fixed length: the tiny random model's EOS never comes
+            config["params"] = length | {"ignore_eos": True, "seed": 3}
+        ws.send(json.dumps(config))
         ws.send(json.dumps({"type": "text", "text": text, "flush": True}))
         while True:
             msg = ws.recv(timeout=60)
             if isinstance(msg, bytes) and leave_early:  # the client goes away mid-speech: its pump is cancelled
                 return
-            if isinstance(msg, str) and json.loads(msg)["type"] in ("audio.done", "error"):
+            if isinstance(msg, str) and json.loads(msg)["type"] in (until, "error"):
                 return
 
 
@@ -153,6 +163,8 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
         try:
             _speak(url, "This one plays to its end.", leave_early=False)
             _speak(url, "This one is left while it speaks, and goes on for a while longer.", leave_early=True)
+            # 6 frames (~70 ms) are too short for its letters: the engine refuses to align it (EngineRefused)
+            _speak(url, "Far too many letters for six frames.", False, {"max_frames": 6}, until="flushed")
             _dialects(port)
             r = httpx.post(
                 f"http://127.0.0.1:{port}/v1/audio/speech",
