@@ -1,9 +1,10 @@
 """Audio output: every encoding, format and rate table the gateway answers in, the sample conversions, and
 the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked for.
 
-* `Encoder` (below): one streaming encoder for every API. soxr's streaming resampler (chunk boundaries
-  leave no seams), then a sample encoding (`pcm_s16le`, `pcm_f32le`, `mulaw`, `alaw`: raw samples, optionally
-  in a WAV container of unknown length) or a compressed format (`StreamEncoder`).
+* `Encoder` (below): one streaming encoder for every API. The streaming resampler (app/io/resample.py: no
+  seams, and output from the engine's first DAC call on), then a sample encoding (`pcm_s16le`, `pcm_f32le`,
+  `mulaw`, `alaw`: raw samples, optionally in a WAV container of unknown length) or a compressed format
+  (`StreamEncoder`).
 * `OutputFormat`: an encoding at a rate (and a container), checked against these tables; each API's door
   builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
 * `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
@@ -43,11 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import soundfile as sf
-import soxr
 
 from app.io.checks import check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.resample import StreamResampler
 from engine.contract.constants import SAMPLE_RATE
 
 log = logging.getLogger("gateway.audio")
@@ -93,9 +94,6 @@ AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
 WAV_ENCODINGS = {"pcm_s16le": (1, 16), "pcm_f32le": (3, 32), "alaw": (6, 8), "mulaw": (7, 8)}
 _UNKNOWN = 0xFFFFFFFF
-
-
-RESAMPLER_QUALITY = "HQ"  # soxr's streaming resampler: every resampled output rate
 
 
 def check_encoding(encoding: object) -> str:
@@ -404,11 +402,7 @@ class Encoder:
         self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False, whole: bool = False
     ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
-        self._rs = (
-            soxr.ResampleStream(NATIVE_RATE, sample_rate, 1, dtype="float32", quality=RESAMPLER_QUALITY)
-            if sample_rate != NATIVE_RATE
-            else None
-        )
+        self._rs = StreamResampler(sample_rate) if sample_rate != NATIVE_RATE else None
         self._file: StreamEncoder | None = None
         if encoding in COMPRESSED:
             self._file = StreamEncoder(encoding, sample_rate, whole)
@@ -432,7 +426,7 @@ class Encoder:
         """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
         x = pcm16.astype(np.float32) / 32768.0
         if self._rs is not None:
-            x = self._rs.resample_chunk(x, last=last)
+            x = self._rs(x, last=last)
         return x
 
     def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes:
@@ -449,8 +443,9 @@ class Encoder:
 @functools.cache
 def first_samples(encoding: str, sample_rate: int) -> int:
     """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
-    what its resampler holds back (soxr keeps its filter's length and works in blocks: at 1.1 HQ 922 samples
-    for 48 kHz, 1,701 for 24 kHz, 1,768 for 16 kHz, 3,525 for 8 kHz) and, for a compressed format, its codec
+    what its resampler holds back (48 for 48 kHz, 86 for 24 kHz, 128 for 16 kHz, 254 for 8 kHz: the bridge
+    at its start, app/io/resample.py; all within the engine's first 10-frame DAC call) and, for a compressed
+    format, its codec
     (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg pages). Asked of the
     encoders themselves, once per output: fresh encoders fed more and more (more input never gives less
     output). Audio means bytes past those a codec writes on its first write whatever it holds (MP3's Info

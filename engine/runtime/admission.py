@@ -86,6 +86,18 @@ class RealtimeAdmission:
         and delivery, at the measured period (the lead itself while nothing is measured)."""
         return lead_s - (frames_to_next + DELIVERY_ITERATIONS) * self.period_s if frames_to_next >= 0 else lead_s
 
+    def first_chunk_s(self, frames_to_next: int) -> float:
+        """The audio a new stream's first chunk must bring so that the stream, once it plays, does not hold the
+        door shut (its slack when its next chunk lands, `frames_to_next` frames later, at the measured period,
+        stays at the floor). A client that could take less (no resampler, or one that starts at once) gets a
+        smaller first call, and so its first audio sooner, only while the period leaves room for it: at
+        ~10 ms iterations a 10-frame call's 8 ms of audio leaves ~38 ms of slack, under the 40 ms floor, and
+        every young stream would hold newcomers back until its next chunk."""
+        if not self.enabled or self.period_s == 0:
+            return 0.0
+        need = self.lead_floor_s + (frames_to_next + DELIVERY_ITERATIONS) * self.period_s - self.prebuffer_s
+        return max(0.0, need)
+
     def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """The audio that player holds now (before it starts: all it got, no credit for the prebuffer's wait).
         A held sentence end is flushed by this (scheduler `_flush_held`), as the continuation settings say."""

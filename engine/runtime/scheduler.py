@@ -418,9 +418,10 @@ class Scheduler:
                 self._hand_over(prev, time.perf_counter())
         else:
             job.chain.stream = job.seq.rid
-            self.dac.open(
-                job.chain.stream, hold=job.chain.hold, track_eos=track_eos, first_samples=job.chain.first_samples
-            )
+            first = job.chain.first_samples
+            if first is not None:  # its first chunk brings at least what keeps admission open (first_chunk_s)
+                first = max(first, round(self.admission.first_chunk_s(self.dac.schedule.frames) * SAMPLE_RATE))
+            self.dac.open(job.chain.stream, hold=job.chain.hold, track_eos=track_eos, first_samples=first)
             self.streams[job.chain.stream] = job
 
     def _hand_over(self, job: Job, now: float) -> None:

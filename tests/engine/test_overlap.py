@@ -10,7 +10,7 @@ slots a request released one step before."""
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +24,7 @@ from engine.contract.settings import EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder
 from engine.frontend.prompt import Conditioning, PromptBuilder
+from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.scheduler import Scheduler
 
@@ -489,6 +490,42 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
         engine.llm.prefill_start = start
         for pending in list(engine.llm.in_flight):
             engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
+
+
+class _MeasuredPeriod(RealtimeAdmission):
+    """Realtime admission with its iteration period pinned (a CPU's own periods say nothing of a GPU's)."""
+
+    def observe_launch(self, now: float, streams: int, prefilled: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("period_ms", "first_frames"), [(9.0, 10), (10.0, 13)])
+def test_a_first_call_that_would_hold_the_door_is_made_larger(engine: Engine, period_ms: float, first_frames: int):
+    """A client that could take a 10-frame call 0 (first_samples=1) gets it while the period leaves its young
+    stream's slack at the admission floor; at ~10 ms iterations the 8 ms of audio it brings would not, and the
+    stream gets the 13-frame call (43 ms) instead (RealtimeAdmission.first_chunk_s). Its audio is the same."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        adm = sched.admission
+        sched.admission = _MeasuredPeriod(lead_floor_s=adm.lead_floor_s, prebuffer_s=adm.prebuffer_s)
+        sched.admission.period_s = period_ms / 1e3
+        assert inbox.try_put(*replace(req(1, "Hello there.", 30, seed=5), first_samples=1).encode())
+        first: m.Audio | None = None
+        for _ in range(300):
+            sched.iterate()
+            while (got := out.get()) is not None:
+                rec = m.decode(*got)
+                if isinstance(rec, m.Audio) and first is None:
+                    first = rec
+            if first is not None:
+                break
+        assert first is not None and len(first.pcm) == first_frames * 512 - 4757
+    finally:
         for ring in (inbox, out):
             ring.close()
             ring.unlink()

@@ -330,3 +330,19 @@ def test_twice_what_fits_offered_never_stalls_a_playing_stream():
     assert stalls == 0
     assert 110 <= running <= 150  # the GPU is used up to its bound, the rest wait (and are refused after 2 s)
     assert max(waits) <= 2.0
+
+
+def test_a_first_chunk_brings_what_keeps_the_door_open():
+    """first_chunk_s: the audio a new stream's first chunk needs for its slack to stay at the floor when its
+    next chunk (10 frames on) lands: none while the period leaves room (or nothing is measured, or realtime
+    admission is off), more than a 10-frame call's 363 samples at ~10 ms iterations, less than a 13-frame
+    call's 1,899 until ~12.8 ms (past the 0.9 x 11.6 ms the period gate allows)."""
+    adm = RealtimeAdmission(lead_floor_s=0.040, prebuffer_s=0.150)
+    assert adm.first_chunk_s(10) == 0.0  # nothing measured
+    adm.period_s = 0.009
+    assert adm.first_chunk_s(10) == 0.0  # 150 + 0 - 12 x 9 = 42 ms of slack
+    adm.period_s = 0.010
+    assert 363 / 44100 < adm.first_chunk_s(10) < 1899 / 44100
+    adm.period_s = 0.9 * FRAME_S
+    assert adm.first_chunk_s(10) < 1899 / 44100
+    assert RealtimeAdmission(enabled=False, period_s=0.020).first_chunk_s(10) == 0.0

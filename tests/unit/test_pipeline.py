@@ -415,9 +415,9 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
         assert body
         return gw.fake.first_samples[0]
 
-    assert asyncio.run(socket()) == [1, 1701, 3525]
+    assert asyncio.run(socket()) == [1, 86, 254]
     formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
-    assert [asyncio.run(http(f)) for f in formats] == [1, 1768, 1376]
+    assert [asyncio.run(http(f)) for f in formats] == [1, 128, 1376]
 
 
 def test_engine_errors_map_to_http_statuses():
