@@ -119,6 +119,18 @@ class Limits:
             zero_ok=True,
         ),
     )
+    # ... and one whose first audio (that wait plus the engines' recent start -> first audio) is predicted past
+    # this: under a storm the queue holds only what can still start in time
+    first_audio_budget_ms: float = field(
+        default=250.0,
+        metadata=_limit(
+            "a new stream that must wait for an engine is refused at once (503, Retry-After) when its first "
+            "audio is predicted later than this (ms: its wait plus the engines' recent first audio); 0: no budget",
+            0,
+            60_000.0,
+            zero_ok=True,
+        ),
+    )
     conversation_hold_s: float = field(
         default=10.0,
         metadata=_limit(

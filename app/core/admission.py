@@ -3,9 +3,12 @@ from the engines' live state before the request's body, config or clip is read.
 
 A newcomer is admitted when an engine can start it now, or when the queue ahead of it is predicted to drain
 within `max_queue_s` (Little's law: the requests ahead, plus the held conversations that would take the room
-first, over the rate at which the engines started streams lately). Otherwise it is refused at once (HTTP 503
-with `Retry-After`, or the dialect's refusal of the WebSocket upgrade) and can go to another replica rather than
-wait seconds for its first audio.
+first, over the rate at which the engines started streams lately) and its first audio, that wait plus what the
+engines took lately from starting a stream to its first audio (`FirstAudio`), within `first_audio_budget_s`.
+Otherwise it is refused at once (HTTP 503 with `Retry-After`, or the dialect's refusal of the WebSocket
+upgrade) and can go to another replica rather than wait seconds for its first audio. Under a storm the queue
+then holds only what can still start in time: at full load an engine's own first audio takes most of the
+budget (21 decode steps of ~10 ms), so the wait it leaves is short.
 
 Admitted conversations come first: a session already admitted is never refused again (its next sentence, its
 next turn), and while it is active (admitted, or it spoke within `hold_s`, and it has no utterance generating
@@ -26,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 RATE_WINDOW = 5  # the engine's Stats records (about one a second) the start rate is measured over
+FIRST_AUDIO_WINDOW_S = 5.0  # the starts whose first audio predicts a newcomer's (older ones say little of now)
+FIRST_AUDIO_MIN = 4  # fewer recent starts than this predict nothing
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,7 @@ class EngineLoad:
     headroom: float  # streams it can start now (EngineClient.headroom: free slots, realtime admission)
     waiting: int  # requests in its queue at its last Stats record
     start_rate: float | None  # streams it started per second lately (None: not measured yet)
+    first_audio_s: float | None = None  # its streams' start -> first audio lately, the median (None: not known)
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,11 @@ class Decision:
     retry_after_s: int  # refused: when to try again (HTTP Retry-After, whole seconds, >= 1)
 
 
-def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float) -> Decision:
-    """Admit a newcomer if it can start within `max_queue_s`. `held`: room held for admitted conversations
-    that will speak again. No engine ready: refused (the engine is starting). max_queue_s <= 0: every
-    newcomer is admitted (the engines' own queue and wait bound it)."""
+def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float, first_audio_budget_s: float = 0.0) -> Decision:
+    """Admit a newcomer if it can start within `max_queue_s` and, when it must wait, have its first audio
+    within `first_audio_budget_s` (<= 0: no budget) by the engines' recent first audio. `held`: room held for
+    admitted conversations that will speak again. No engine ready: refused (the engine is starting).
+    max_queue_s <= 0: every newcomer is admitted (the engines' own queue and wait bound it)."""
     if max_queue_s <= 0:
         return Decision(True, 0.0, 0)
     if not engines:
@@ -63,10 +70,32 @@ def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float) -> Deci
         return Decision(ahead == 0, 0.0 if ahead == 0 else math.inf, max(1, math.ceil(max_queue_s)))
     rate = sum(rates)
     wait = (ahead + 1) / rate if rate > 0 else math.inf
-    if wait <= max_queue_s:
+    known = [e.first_audio_s for e in engines if e.first_audio_s is not None]
+    late = max(0.0, wait + min(known) - first_audio_budget_s) if known and first_audio_budget_s > 0 else 0.0
+    if wait <= max_queue_s and late == 0:
         return Decision(True, wait, 0)
-    retry = max_queue_s * 4 if math.isinf(wait) else wait - max_queue_s
+    retry = max_queue_s * 4 if math.isinf(wait) else max(wait - max_queue_s, late)
     return Decision(False, wait, max(1, math.ceil(retry)))
+
+
+class FirstAudio:
+    """How long an engine took lately from starting a new stream (its `started` record) to the stream's first
+    audio: the median over the starts of the last FIRST_AUDIO_WINDOW_S, what the door adds to a newcomer's
+    predicted wait. A continued sentence (its audio follows its predecessor's) is not a start."""
+
+    def __init__(self) -> None:
+        self._seen: deque[tuple[float, float]] = deque(maxlen=64)
+
+    def observe(self, seconds: float, now: float | None = None) -> None:
+        self._seen.append((time.monotonic() if now is None else now, seconds))
+
+    def reset(self) -> None:
+        self._seen.clear()
+
+    def recent(self, now: float | None = None) -> float | None:
+        now = time.monotonic() if now is None else now
+        fresh = sorted(s for t, s in self._seen if now - t <= FIRST_AUDIO_WINDOW_S)
+        return fresh[len(fresh) // 2] if len(fresh) >= FIRST_AUDIO_MIN else None
 
 
 class StartRate:

@@ -22,13 +22,14 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from app.core.admission import EngineLoad, StartRate
+from app.core.admission import EngineLoad, FirstAudio, StartRate
 from app.core.shared import OPEN, SharedCounts
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
@@ -87,6 +88,8 @@ class Stream:
     # kept_ready is set then, or when the stream ends without them
     kept: np.ndarray | None = None
     kept_ready: asyncio.Event = field(default_factory=asyncio.Event)
+    fresh: bool = True  # a stream of its own, not a continued sentence: its first audio times the engine's
+    started_at: float | None = None  # when its `started` came, until its first audio (EngineClient.first_audio)
 
     def _deliver(self, ev: Event) -> None:
         if self.done:
@@ -194,6 +197,7 @@ class EngineClient:
         self.info: dict[str, Any] = {}  # its Ready record's info() (/readyz), once it is ready
         self.stats: m.Stats | None = None  # its last Stats record
         self.start_rate = StartRate()  # streams it started per second (the door, app/core/admission.py)
+        self.first_audio = FirstAudio()  # how long its starts took lately to their first audio (the door)
         self.ready = asyncio.Event()
         self.restarts = 0
         self.start_error: str | None = None
@@ -272,6 +276,7 @@ class EngineClient:
             self._fail_all(E.ENGINE_RESTARTED, f"{self.label} process stopped (exit code {code}); it is restarting")
             self.stats = None  # its last Stats record describes a process that is gone
             self.start_rate.reset()
+            self.first_audio.reset()
             self._teardown_rings()
             if not self.restart:
                 self.start_error = self.start_error or f"engine exited with code {code}"
@@ -334,7 +339,7 @@ class EngineClient:
             raise EngineUnavailable("the engine is not ready")
         req = replace(req, rid=next(self._rid))
         header, payload = req.encode()
-        stream = Stream(req.rid, self, self.max_buffered_samples)
+        stream = Stream(req.rid, self, self.max_buffered_samples, fresh=not req.continues)
         if not self._inbox.try_put(header, payload):
             raise EngineUnavailable("the engine inbox is full")
         self._streams[req.rid] = stream
@@ -413,6 +418,9 @@ class EngineClient:
         if isinstance(rec, m.Audio):
             stream = self._streams.get(rec.rid)
             if stream is not None:
+                if stream.started_at is not None:  # its first audio: what a start takes now (the door)
+                    self.first_audio.observe(time.monotonic() - stream.started_at)
+                    stream.started_at = None
                 stream._deliver(rec)
         elif isinstance(rec, m.Kept):
             stream = self._streams.get(rec.rid)
@@ -436,6 +444,8 @@ class EngineClient:
                 return
             stream = self._streams.get(rec.rid) if rec.rid is not None else None
             if stream is not None:
+                if isinstance(rec, m.Started) and stream.fresh:
+                    stream.started_at = time.monotonic()
                 stream._deliver(rec)
         elif isinstance(rec, m.Embedding | m.Aligned):
             answered: asyncio.Future[Any] | None = self._calls.pop(rec.rid, None)
@@ -509,7 +519,9 @@ class EngineClient:
     def load(self) -> EngineLoad:
         """What the door (app/core/admission.py) reads of this engine."""
         st = self.stats
-        return EngineLoad(self.headroom(), st.waiting if st is not None else 0, self.start_rate.per_s)
+        return EngineLoad(
+            self.headroom(), st.waiting if st is not None else 0, self.start_rate.per_s, self.first_audio.recent()
+        )
 
     def describe(self) -> dict[str, Any]:
         """This engine's entry in /readyz."""
@@ -527,6 +539,7 @@ class EngineClient:
             "waiting": st.waiting if st else None,
             "submitted": self.submitted,
             "started_per_s": self.start_rate.per_s,
+            "first_audio_ms": None if (fa := self.first_audio.recent()) is None else round(fa * 1e3, 1),
             **(
                 {"reason": self.start_error or ("restarting" if self.restarts else "starting")}
                 if not self.ready.is_set()
@@ -582,6 +595,7 @@ class AttachedEngineClient(EngineClient):
         self._fail_all(E.ENGINE_RESTARTED, message)
         self.stats = None
         self.start_rate.reset()
+        self.first_audio.reset()
         self.restarts += 1
         self._close_rings()
 

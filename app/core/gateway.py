@@ -216,7 +216,8 @@ class Gateway:
         """Whether a new stream may start now (app/core/admission.py), from the ready engines' loads and the
         room held for admitted conversations (every gateway process's)."""
         loads = [e.load() for e in self.engines if e.ready.is_set()]
-        return decide(loads, self.held(), self.settings.limits.max_queue_ms / 1e3)
+        limits = self.settings.limits
+        return decide(loads, self.held(), limits.max_queue_ms / 1e3, limits.first_audio_budget_ms / 1e3)
 
     def held(self) -> int:
         """Admitted conversations whose room is held: this process's now, and what the others published."""
@@ -241,14 +242,15 @@ class Gateway:
                 return None
             self._refused, self._refused_until = d, now + DOOR_MEMO_S
         self.metrics.door_refusals.labels(at).inc()
-        limit = self.settings.limits.max_queue_ms
+        limits = self.settings.limits
         wait = (
             "no engine is ready"
             if not self.engine.ready.is_set()
             else (
                 "its first audio could not start in time"
                 if d.wait_s == float("inf")
-                else f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limit:g} ms)"
+                else f"it would wait about {d.wait_s * 1e3:.0f} ms for the engine (limit {limits.max_queue_ms:g} "
+                f"ms, first audio within {limits.first_audio_budget_ms:g} ms)"
             )
         )
         return RequestError(

@@ -542,7 +542,7 @@ def test_distinct_clips_run_the_speaker_encoder_for_every_request(server):
 @pytest.fixture(scope="module")
 def one_slot(start_server):
     """A server with one decode slot and its door on (a queue bound of 250 ms): newcomers are refused."""
-    return start_server("--max-batch", "1", "--max-queue-ms", "250")
+    return start_server("--max-batch", "1", "--max-queue-ms", "250", "--first-audio-budget-ms", "0")
 
 
 @pytest.mark.slow

@@ -52,7 +52,16 @@ def metric(srv: Any, name: str) -> float:
 def one_slot(start_server):
     """One decode slot, the door on; the engine's own wait long enough that a queued turn is never dropped."""
     srv = start_server(
-        "--max-batch", "1", "--max-queue-ms", "250", "--admission-max-wait", "120", "--conversation-hold-s", "600"
+        "--max-batch",
+        "1",
+        "--max-queue-ms",
+        "250",
+        "--admission-max-wait",
+        "120",
+        "--conversation-hold-s",
+        "600",
+        "--first-audio-budget-ms",
+        "0",  # the wait alone decides here (the budget: tests/unit/test_door.py)
     )
     # the door predicts from the engine's start rate: measured once two Stats records have come
     wait_for(srv, lambda st: st.get("started_per_s") is not None, "no start rate")

@@ -9,7 +9,16 @@ import os
 import signal
 import threading
 
-from app.core.admission import Conversation, Conversations, EngineLoad, StartRate, decide, held_count
+from app.core.admission import (
+    FIRST_AUDIO_WINDOW_S,
+    Conversation,
+    Conversations,
+    EngineLoad,
+    FirstAudio,
+    StartRate,
+    decide,
+    held_count,
+)
 from app.core.shared import HELD, OPEN, SESSIONS, SessionCount, SharedCounts
 
 
@@ -34,6 +43,37 @@ def test_the_queue_is_bounded_by_time():
     assert decide([EngineLoad(-3, 3, 20.0)], held=0, max_queue_s=0.25).wait_s == 0.2
     # two engines: their rates add up
     assert decide([EngineLoad(0, 3, 10.0), EngineLoad(-1, 0, 10.0)], held=0, max_queue_s=0.3).admitted
+
+
+def test_a_newcomer_that_must_wait_is_admitted_only_if_its_first_audio_fits_the_budget():
+    """Its wait plus the engines' recent start -> first audio: 200 ms of queue and 220 ms of first audio
+    (21 steps at full load) are past a 250 ms budget; with 40 ms of first audio (one stream) it fits. An
+    engine that can start it now admits it whatever its first audio (refusing it would not make it sooner),
+    and without a budget, or with nothing measured, the wait alone decides."""
+    loaded = [EngineLoad(headroom=0, waiting=3, start_rate=20.0, first_audio_s=0.22)]
+    d = decide(loaded, held=0, max_queue_s=0.25, first_audio_budget_s=0.25)
+    assert not d.admitted and d.wait_s == 0.2 and d.retry_after_s == 1
+    light = [EngineLoad(headroom=0, waiting=3, start_rate=20.0, first_audio_s=0.04)]
+    assert decide(light, held=0, max_queue_s=0.25, first_audio_budget_s=0.25).admitted
+    assert decide([EngineLoad(2, 0, 20.0, 0.5)], held=0, max_queue_s=0.25, first_audio_budget_s=0.25).admitted
+    assert decide(loaded, held=0, max_queue_s=0.25, first_audio_budget_s=0).admitted
+    unknown = [EngineLoad(headroom=0, waiting=3, start_rate=20.0, first_audio_s=None)]
+    assert decide(unknown, held=0, max_queue_s=0.25, first_audio_budget_s=0.25).admitted
+    # the newcomer goes to the engine that starts streams soonest: the best first audio counts
+    two = [EngineLoad(0, 1, 10.0, 0.3), EngineLoad(0, 0, 10.0, 0.1)]
+    assert decide(two, held=0, max_queue_s=0.25, first_audio_budget_s=0.25).admitted
+
+
+def test_first_audio_is_the_median_of_recent_starts():
+    fa = FirstAudio()
+    for i, s in enumerate((0.05, 0.2, 0.21)):
+        fa.observe(s, now=100.0 + i)
+    assert fa.recent(now=103.0) is None  # too few to say
+    fa.observe(0.3, now=103.0)
+    assert fa.recent(now=103.0) == 0.21
+    assert fa.recent(now=100.0 + FIRST_AUDIO_WINDOW_S + 1.5) is None  # the old starts say nothing of now
+    fa.reset()
+    assert fa.recent(now=103.0) is None
 
 
 def test_without_engines_or_measurements():
