@@ -72,7 +72,8 @@ def test_full_session_streamed_text(server):
 
 def test_the_first_audio_message_is_sized_for_the_output(server):
     """A 44.1 kHz client (no resampler) gets its first audio from a 10-frame first DAC call: 363 samples, 3
-    decode steps before the 13-frame call that a 24 kHz client's resampler needs (1,899 samples in, 820 out)."""
+    decode steps before a 13-frame call; so does a 24 kHz client, whose resampler's start (app/io/resample.py)
+    has output from those 363 samples in: 152 (soxr alone would have needed the 13-frame call's 1,899)."""
 
     async def first(**config: Any) -> int:
         c = await connect(server, params={"seed": 3, "max_frames": 60, "ignore_eos": True}, **config)
@@ -84,7 +85,7 @@ def test_the_first_audio_message_is_sized_for_the_output(server):
                 return len(msg)
 
     assert run(first()) == (10 * 512 - 4757) * 2
-    assert run(first(sample_rate=24000)) == 820 * 2
+    assert run(first(sample_rate=24000)) == 152 * 2
 
 
 def test_float32_native_rate_and_seed_reproducible(server):
