@@ -383,6 +383,25 @@ def test_http_speak_yields_every_sentence_in_order():
     assert texts == ["One.", "Two.", "Three."] and chunks == [100, 200, 300]
 
 
+def test_http_speak_holds_the_break_and_tag_limits_over_the_whole_text():
+    """16 breaks (or tags) per sentence would pass the per-sentence checks: a 4 KB text of them was half an hour of
+    silence. The whole text is refused before anything starts."""
+
+    async def refused(text: str) -> RequestError:
+        gw = fake_gateway()
+        with pytest.raises(RequestError) as e:
+            async with asyncio.timeout(10):  # a failure guard: accepted, it would wait for the fake engine's audio
+                async for _ in speak(gw, "openai", text, SynthesisOptions(), None, None):  # type: ignore[arg-type]
+                    pass
+        assert gw.fake.texts == []
+        return e.value
+
+    breaks = asyncio.run(refused(("A. " + '<break time="10s"/>' * 9) * 2))
+    tags = asyncio.run(refused("A [neutral] b. " * 17))
+    assert (breaks.code, breaks.status) == (tags.code, tags.status) == ("bad_text", 400)
+    assert "breaks" in str(breaks) and "style tags" in str(tags)
+
+
 def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
     """Our socket (its session.config output) and an HTTP answer (speech_response, every HTTP door) send each
     utterance with the samples its encoder takes in before it outputs anything: 1 at 44.1 kHz (the engine's
