@@ -340,6 +340,22 @@ def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
 
 
+def test_a_text_whose_flush_is_no_boolean_is_refused_whole():
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Not this.", flush="false")
+        err = await ws.next_json()
+        ws.send(type="text", text="This one.", flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert (err["type"], err["code"]) == ("error", "bad_message")
+    assert texts == ["This one."] and [d["text"] for d in seen if d["type"] == "audio.start"] == ["This one."]
+
+
 def test_a_failing_start_costs_one_utterance_not_the_session():
     async def go():
         session, ws, engine, task = await open_session()
