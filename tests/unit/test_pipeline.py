@@ -614,3 +614,63 @@ def test_our_socket_calibrates_the_emotion_by_the_voice_id():
 
     keyed, dropped, strength = asyncio.run(go())
     assert keyed == "v_ada" and dropped is None and strength == 2.0
+
+
+class _CountingLock(asyncio.Lock):
+    """A send lock that says how many times it was asked for, so a test can wait until a task waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        self.changed = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        self.asked += 1
+        self.changed.set()
+        return await super().acquire()
+
+    async def asked_for(self, n: int) -> None:
+        async with asyncio.timeout(TIMEOUT):
+            while self.asked < n:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close():
+    """close_socket closes every context in turn; closing one answers the marks every lane has due, so a closed
+    context whose audio just ended gets its isFinal then and leaves `ctxs` under the loop: the loop must not look it
+    up again (a KeyError ended the session with `internal`, close 1011, its other contexts' audio lost)."""
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+
+    async def go() -> tuple[list[Any], int | None]:
+        gw = fake_gateway()
+        ws = FakeSocket()
+        ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        lock = session._send_lock = _CountingLock()
+        task = asyncio.create_task(session.run())
+        ws.send(text="Still open", context_id="a")  # a context before b in the session's order, not closing
+        ws.send(text="Bee.", context_id="b", flush=True)
+        ws.send(context_id="b", close_context=True)
+        stream = await gw.fake.started(1)
+        FakeEngine.play(stream, finish=False)
+        assert (await ws.next_json())["contextId"] == "b"  # b's audio is out
+        async with lock:  # b's end waits for the lock; then close_socket's first close (of a) waits behind it
+            asked = lock.asked
+            stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
+            await lock.asked_for(asked + 1)
+            ws.send(close_socket=True)
+            await lock.asked_for(asked + 2)
+        seen = []
+        async with asyncio.timeout(TIMEOUT):
+            await task
+        while not ws.out.empty():
+            msg = ws.out.get_nowait()
+            if isinstance(msg, dict):
+                seen.append(msg)
+        return seen, ws.close_code
+
+    seen, code = asyncio.run(go())
+    assert {"isFinal": True, "contextId": "b"} in seen and not any("error" in d for d in seen), seen
+    assert code == 1000
