@@ -674,3 +674,37 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
     seen, code = asyncio.run(go())
     assert {"isFinal": True, "contextId": "b"} in seen and not any("error" in d for d in seen), seen
     assert code == 1000
+
+
+def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_audio_apart():
+    """A Cartesia id used again once its input ended (`continue: false`) but before its `done` is a new context: the
+    old one's utterances still playing are the old one's (their timestamps on its clock, its done), and the new
+    one's timestamps count from its own first audio, not after the old one's."""
+    from app.doors.dialects.cartesia import CartesiaSession
+
+    async def go() -> list[dict[str, Any]]:
+        gw = fake_gateway()
+        gw.engine.aligns = False
+        gw.lexicon = lambda ids, owner: ()  # no pronunciation dictionaries
+        ws = FakeSocket()
+        ws.query_params = {}  # type: ignore[attr-defined]
+        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        first = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
+        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        streams = []
+        for text in ("One.", "Two."):  # the second before the first's audio: the same id, a new context
+            ws.send(transcript=text, context_id="a", add_timestamps=True, voice=voice, **first)
+            streams.append(await gw.fake.started(len(streams) + 1))
+        for stream in streams:
+            FakeEngine.play(stream, samples=44100)
+        seen = []
+        while sum(d.get("type") == "done" for d in seen) < 2:
+            seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    stamps = [d["word_timestamps"] for d in seen if d["type"] == "timestamps"]
+    assert [s["words"] for s in stamps] == [["One."], ["Two."]]
+    assert [s["start"][0] for s in stamps] == [0.0, 0.0], seen
