@@ -5,6 +5,7 @@ depending on how fast anything runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from starlette.websockets import WebSocketState
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
@@ -708,3 +709,73 @@ def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_au
     stamps = [d["word_timestamps"] for d in seen if d["type"] == "timestamps"]
     assert [s["words"] for s in stamps] == [["One."], ["Two."]]
     assert [s["start"][0] for s in stamps] == [0.0, 0.0], seen
+
+
+class _GoneSocket(FakeSocket):
+    """A socket whose client vanished: every send raises, as Starlette's does, after `lag` turns of the event loop
+    (a send already in progress when the connection dropped)."""
+
+    def __init__(self, lag: int) -> None:
+        super().__init__()
+        self.gone = False
+        self.lag = lag
+
+    async def _fail(self) -> None:
+        for _ in range(self.lag):
+            await asyncio.sleep(0)
+        raise WebSocketDisconnect(1006)
+
+    async def send_bytes(self, data: bytes) -> None:
+        if self.gone:
+            await self._fail()
+        await super().send_bytes(data)
+
+    async def send_text(self, text: str) -> None:
+        if self.gone:
+            await self._fail()
+        await super().send_text(text)
+
+
+@pytest.mark.parametrize("lag", range(6))
+@pytest.mark.parametrize("contexts", [1, 3])
+@pytest.mark.parametrize("disconnect_first", [True, False])
+def test_a_client_that_vanishes_mid_audio_leaves_no_unretrieved_error(contexts: int, disconnect_first: bool, lag: int):
+    """Pumps that fail sending to a client that is gone (one lane, or several contexts' lanes at once), whether the
+    socket's disconnect is read first or not: the session ends and no error is left for asyncio to log at collection
+    ("Future exception was never retrieved" / "Task exception was never retrieved", with a traceback each)."""
+    import gc
+
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+
+    reported: list[str] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx["message"]))
+        gw = fake_gateway()
+        ws = _GoneSocket(lag)
+        ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        for i in range(contexts):
+            ws.send(text="One.", context_id=f"c{i}", flush=True)
+        streams = [await gw.fake.started(i + 1) for i in range(contexts)]
+        ws.gone = True
+        if disconnect_first:
+            ws.inbox.put_nowait({"type": "websocket.disconnect"})
+        for stream in streams:
+            FakeEngine.play(stream, finish=False)
+        if not disconnect_first:
+            ws.inbox.put_nowait({"type": "websocket.disconnect"})
+        async with asyncio.timeout(TIMEOUT):
+            with contextlib.suppress(WebSocketDisconnect):
+                await task
+        del task, session, streams
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    gc.collect()
+    assert reported == []
