@@ -353,6 +353,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 # issue 17's cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
 @example(frames=[DEEP, '{"type":"text","text":' + DEEP + "}", '{"type":"text","text":"\\ud800 hello."}'])
 @example(frames=[json.dumps({"type": "text", "text": t, "flush": True}) for t in ("😀" * 600, "Привет" * 250)])
+@example(frames=[json.dumps({"type": "text", "text": " " * 5000}), json.dumps({"type": "text", "text": "Hi."})])
 @example(
     frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
     + [json.dumps({"type": "text", "text": "Hi.", "flush": True})]
