@@ -356,6 +356,9 @@ async def speak(
     app/core/timestamps.py). `stitch` (request stitching, app/core/stitching.py): its chain starts from
     `stitch.seed`, and once every sentence was sent its end state goes to `stitch.done` (before the iterator
     ends)."""
+    # the limits on breaks and tags hold for the whole text (its sentences are split one by one later)
+    split_breaks(text)
+    split_tags(text)
     sentences = split_text(gw, text, opts.language)
     pipe = UtterancePipeline(gw, api)
     chain = None

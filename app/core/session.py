@@ -115,6 +115,7 @@ class StreamingSession:
         self._closing = False
         self._closed = asyncio.Event()  # closing and everything has been played
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()
         self.conversation = Conversation()  # what the door holds room for (app/core/admission.py)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
@@ -254,6 +255,7 @@ class StreamingSession:
             waits, done, task = set(), set(), None
 
     def _shutdown(self) -> None:
+        self._ended = True
         for _, _, timer in self._holds.values():
             timer.cancel()
         self._holds.clear()
@@ -270,6 +272,8 @@ class StreamingSession:
         self.lanes.clear()
         self.buffers.clear()
         if self._failed.done():  # its error's traceback holds the failed pump's frame, which holds this session
+            if not self._failed.cancelled():
+                self._failed.exception()  # retrieved: run() may have ended on another wait (asyncio would log it)
             self._failed = asyncio.get_running_loop().create_future()
 
     async def _receive_loop(self) -> None:
@@ -537,14 +541,17 @@ class StreamingSession:
         if lane is None:
             lane = self.lanes[key] = Lane(key, UtterancePipeline(self.gw, self.api))
             lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")
-            lane.task.add_done_callback(self._pump_ended)
+            lane.task.add_done_callback(self._task_failed)
         return lane
 
-    def _pump_ended(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or self._failed.done():
+    def _task_failed(self, task: asyncio.Task[None]) -> None:
+        """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also
+        a second one's and one after the session ended, which asyncio would otherwise log with a traceback."""
+        if task.cancelled():
             return
-        if task.exception() is not None:
-            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+        error = task.exception()
+        if error is not None and not self._ended and not self._failed.done():
+            self._failed.set_exception(error)
 
     async def _pump(self, lane: Lane) -> None:
         """Plays a lane's queue in order and answers its marks. A lane of its own context ends once it has
@@ -645,8 +652,7 @@ class StreamingSession:
 
     def _aligned(self, task: asyncio.Task[None]) -> None:
         self._align_tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None and not self._failed.done():
-            self._failed.set_exception(task.exception())  # type: ignore[arg-type]
+        self._task_failed(task)
         self._check_closed()
 
     async def _answer_marks(self, lane: Lane) -> None:

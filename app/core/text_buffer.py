@@ -136,8 +136,9 @@ class TextBuffer:
             for sentence in segments[:-keep]:
                 out.extend(split_to_budget(sentence, self.max_bytes))
             self.text = "".join(segments[-keep:])
-        # A run-on text without a sentence end is still spoken once it passes the utterance budget.
-        if utf8_len(self.text) > self.max_bytes:
+        # A run-on text without a sentence end is still spoken once it passes the utterance budget (whitespace
+        # alone is nothing to speak: it has no pieces, and is dropped below).
+        if utf8_len(self.text) > self.max_bytes and self.text.strip():
             pieces = split_to_budget(self.text, self.max_bytes)
             out.extend(pieces[:-1])
             self.text = self.text[self.text.rfind(pieces[-1]) :]  # keeps the whitespace after it

@@ -50,6 +50,20 @@ class _DenialLogFilter(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
 
 
+class _BadUtf8LogFilter(logging.Filter):
+    """uvicorn closes a socket whose text frame is not UTF-8 with 1007, as it should, but logs that client's error
+    as an exception, traceback and all (every such frame one more): kept as one info line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage().startswith("Invalid UTF-8 sequence received from client"):
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+logging.getLogger("uvicorn.error").addFilter(_BadUtf8LogFilter())
+
+
 async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> None:
     """Refuse a WebSocket handshake with an HTTP response (the WebSocket Denial Response extension: the
     client's connect fails with this status and body); where the server lacks it, accept and close 1008."""

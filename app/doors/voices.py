@@ -113,17 +113,24 @@ async def store_clips(
     existing = gw.voices.find(vid)
     if existing is not None:
         return _dedup(gw, existing, owner, name, rename)
-    decoded = [await gw.decode_clip(d) for d in datas]
-    embs = [await gw.embed_samples(s, sr) for s, sr in decoded]
+    # one decoded clip at a time: 8 clips of 60 s at 192 kHz decode to 370 MB, from 20 MB of FLAC
+    embs: list[np.ndarray] = []
+    seconds, preview = 0.0, b""
+    for data in datas:
+        samples, sr = await gw.decode_clip(data)
+        seconds += len(samples) / sr
+        preview = preview or wav_bytes(samples, sr)  # the first clip's
+        embs.append(await gw.embed_samples(samples, sr))
+        del samples
     voice = Voice(
         id=vid,
         name=name,
         owner=owner,
         source="clip" if len(embs) == 1 else "clips",
         dim=gw.cfg.speaker_embedding_dim,
-        details={"clips": len(embs), "seconds": round(sum(len(s) / sr for s, sr in decoded), 2)} | (details or {}),
+        details={"clips": len(embs), "seconds": round(seconds, 2)} | (details or {}),
     )
-    gw.voices.add(voice, np.mean(embs, axis=0), wav_bytes(*decoded[0]))
+    gw.voices.add(voice, np.mean(embs, axis=0), preview)
     return Stored(voice, True)
 
 

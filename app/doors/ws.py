@@ -198,10 +198,13 @@ class Session(StreamingSession):
         text = data.get("text")
         if not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
+        flush = data.get("flush", False)
+        if not isinstance(flush, bool):  # a truthy "false" must not flush
+            raise RequestError(G.BAD_MESSAGE, "flush must be true or false")
         ctx = self._context(data)
         assert ctx is not None
         self.append_text(ctx, text)
-        if data.get("flush"):
+        if flush:
             await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})
 
     # ---- playback events -----------------------------------------------------------------------

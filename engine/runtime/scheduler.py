@@ -226,9 +226,10 @@ class Scheduler:
         req.params.validate(cfg.n_codebooks)
         speaker = emotion = uncond_speaker = None
         if req.speaker_embedding is not None:
-            if req.speaker_embedding.shape != (cfg.speaker_embedding_dim,):
+            spk = req.speaker_embedding
+            if spk.shape != (cfg.speaker_embedding_dim,) or not np.isfinite(spk).all():
                 return self._error(
-                    req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} values"
+                    req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} finite values"
                 )
             speaker = to_device(req.speaker_embedding, self.engine.device)
         has_speaker = req.speaker_embedding is not None or req.clip is not None

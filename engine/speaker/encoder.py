@@ -517,7 +517,11 @@ class SpeakerEncoder(nn.Module):
         """
         x = self._prepare(wav, sample_rate)
         mel = self.frontend(x.to(self.device).unsqueeze(0))
-        return self.forward(mel)[0].to("cpu", torch.float32)
+        emb = self.forward(mel)[0].to("cpu", torch.float32)
+        if not bool(torch.isfinite(emb).all()):  # samples far outside [-1, 1] overflow the mel's power spectrum
+            peak = float(x.abs().max())
+            raise ValueError(f"reference audio peaks at {peak:.3g}, far outside [-1, 1]: its voice cannot be computed")
+        return emb
 
 
 def _match_checkpoint(

@@ -223,8 +223,11 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
         too_long = m.SubmitRequest(rid=0, prompt=PB.build("x" * 1100), params=SamplingParams(), max_frames=10)
         bad_params = request("x", 10, temperature=-1.0)
         bad_spk = replace(request("x", 10), speaker_embedding=np.ones(7, np.float32))
+        nan_spk = replace(request("x", 10), speaker_embedding=np.full(cfg.speaker_embedding_dim, np.nan, np.float32))
         short_clip = replace(request("x", 10), clip=np.zeros(100, np.float32), clip_sr=24000)
-        results = [await collect(client, r) for r in (too_long, bad_params, bad_spk, short_clip)]
+        loud_clip = replace(request("x", 10), clip=np.full(24000, 3e38, np.float32), clip_sr=24000)
+        requests = (too_long, bad_params, bad_spk, nan_spk, short_clip, loud_clip)
+        results = [await collect(client, r) for r in requests]
         ok = await collect(client, request("still fine", 12, seed=1))
         return results, ok
 
@@ -233,6 +236,8 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
         "prompt_too_long",
         "bad_request",
         "bad_voice",
+        "bad_voice",
+        "bad_audio",
         "bad_audio",
     ]
     assert ok[1].type == m.FINISHED and cfg.speaker_embedding_dim == 2048

@@ -289,6 +289,8 @@ def test_too_short_and_bad_inputs_refused(tiny: SpeakerEncoder) -> None:
         tiny.embed(np.full(SR, np.nan, np.float32), SR)
     with pytest.raises(ValueError, match="sample_rate"):
         tiny.embed(_tone(SR, SR), 0)
+    with pytest.raises(ValueError, match="far outside"):  # finite samples whose power spectrum overflows
+        tiny.embed(_tone(SR, SR, amp=3e38), SR)
     min_n = tiny.config.min_samples()
     assert tiny.embed(_tone(min_n, SR), SR).shape == (2048,)
     with pytest.raises(ValueError, match="too short"):

@@ -353,6 +353,7 @@ DEEP = "[" * 100_000 + "]" * 100_000
 # issue 17's cases, always run: deep nesting, lone surrogates, multi-byte text, high-rate clips
 @example(frames=[DEEP, '{"type":"text","text":' + DEEP + "}", '{"type":"text","text":"\\ud800 hello."}'])
 @example(frames=[json.dumps({"type": "text", "text": t, "flush": True}) for t in ("😀" * 600, "Привет" * 250)])
+@example(frames=[json.dumps({"type": "text", "text": " " * 5000}), json.dumps({"type": "text", "text": "Hi."})])
 @example(
     frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
     + [json.dumps({"type": "text", "text": "Hi.", "flush": True})]
@@ -363,6 +364,24 @@ def test_fuzz_websocket_messages(fuzz_server, frames):
         check_reply(d)
     assert replies[0]["type"] == "session.created"
     assert replies[-1]["type"] == "session.closed"
+
+
+def test_a_text_frame_that_is_not_utf8_closes_1007_without_a_traceback(fuzz_server):
+    """A text frame whose bytes are not UTF-8 (the JSON fuzz above only sends valid text) closes the socket with 1007,
+    logged as one line: no traceback for each such client."""
+
+    async def go() -> int | None:
+        async with websockets.connect(fuzz_server.ws_url, max_size=None, open_timeout=30) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.created"
+            await ws.send(b'{"type":"text","text":"\xff\xfe hi."}', text=True)
+            with pytest.raises(websockets.ConnectionClosed):
+                while True:
+                    await asyncio.wait_for(ws.recv(), 30)
+            return ws.close_code
+
+    assert asyncio.run(go()) == 1007
+    log = fuzz_server.log.read_text()
+    assert "Invalid UTF-8" in log and "Traceback" not in log[log.index("Invalid UTF-8") :], log[-3000:]
 
 
 # ---- HTTP ----------------------------------------------------------------------------------------------

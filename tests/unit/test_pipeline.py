@@ -5,6 +5,7 @@ depending on how fast anything runs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from dataclasses import replace
 from types import SimpleNamespace
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from starlette.websockets import WebSocketState
+from starlette.websockets import WebSocketDisconnect, WebSocketState
 
 from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
@@ -340,6 +341,22 @@ def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
 
 
+def test_a_text_whose_flush_is_no_boolean_is_refused_whole():
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Not this.", flush="false")
+        err = await ws.next_json()
+        ws.send(type="text", text="This one.", flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert (err["type"], err["code"]) == ("error", "bad_message")
+    assert texts == ["This one."] and [d["text"] for d in seen if d["type"] == "audio.start"] == ["This one."]
+
+
 def test_a_failing_start_costs_one_utterance_not_the_session():
     async def go():
         session, ws, engine, task = await open_session()
@@ -381,6 +398,25 @@ def test_http_speak_yields_every_sentence_in_order():
 
     chunks, texts = asyncio.run(go())
     assert texts == ["One.", "Two.", "Three."] and chunks == [100, 200, 300]
+
+
+def test_http_speak_holds_the_break_and_tag_limits_over_the_whole_text():
+    """16 breaks (or tags) per sentence would pass the per-sentence checks: a 4 KB text of them was half an hour of
+    silence. The whole text is refused before anything starts."""
+
+    async def refused(text: str) -> RequestError:
+        gw = fake_gateway()
+        with pytest.raises(RequestError) as e:
+            async with asyncio.timeout(10):  # a failure guard: accepted, it would wait for the fake engine's audio
+                async for _ in speak(gw, "openai", text, SynthesisOptions(), None, None):  # type: ignore[arg-type]
+                    pass
+        assert gw.fake.texts == []
+        return e.value
+
+    breaks = asyncio.run(refused(("A. " + '<break time="10s"/>' * 9) * 2))
+    tags = asyncio.run(refused("A [neutral] b. " * 17))
+    assert (breaks.code, breaks.status) == (tags.code, tags.status) == ("bad_text", 400)
+    assert "breaks" in str(breaks) and "style tags" in str(tags)
 
 
 def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
@@ -579,3 +615,167 @@ def test_our_socket_calibrates_the_emotion_by_the_voice_id():
 
     keyed, dropped, strength = asyncio.run(go())
     assert keyed == "v_ada" and dropped is None and strength == 2.0
+
+
+class _CountingLock(asyncio.Lock):
+    """A send lock that says how many times it was asked for, so a test can wait until a task waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked = 0
+        self.changed = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        self.asked += 1
+        self.changed.set()
+        return await super().acquire()
+
+    async def asked_for(self, n: int) -> None:
+        async with asyncio.timeout(TIMEOUT):
+            while self.asked < n:
+                self.changed.clear()
+                await self.changed.wait()
+
+
+def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close():
+    """close_socket closes every context in turn; closing one answers the marks every lane has due, so a closed
+    context whose audio just ended gets its isFinal then and leaves `ctxs` under the loop: the loop must not look it
+    up again (a KeyError ended the session with `internal`, close 1011, its other contexts' audio lost)."""
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+
+    async def go() -> tuple[list[Any], int | None]:
+        gw = fake_gateway()
+        ws = FakeSocket()
+        ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        lock = session._send_lock = _CountingLock()
+        task = asyncio.create_task(session.run())
+        ws.send(text="Still open", context_id="a")  # a context before b in the session's order, not closing
+        ws.send(text="Bee.", context_id="b", flush=True)
+        ws.send(context_id="b", close_context=True)
+        stream = await gw.fake.started(1)
+        FakeEngine.play(stream, finish=False)
+        assert (await ws.next_json())["contextId"] == "b"  # b's audio is out
+        async with lock:  # b's end waits for the lock; then close_socket's first close (of a) waits behind it
+            asked = lock.asked
+            stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
+            await lock.asked_for(asked + 1)
+            ws.send(close_socket=True)
+            await lock.asked_for(asked + 2)
+        seen = []
+        async with asyncio.timeout(TIMEOUT):
+            await task
+        while not ws.out.empty():
+            msg = ws.out.get_nowait()
+            if isinstance(msg, dict):
+                seen.append(msg)
+        return seen, ws.close_code
+
+    seen, code = asyncio.run(go())
+    assert {"isFinal": True, "contextId": "b"} in seen and not any("error" in d for d in seen), seen
+    assert code == 1000
+
+
+def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_audio_apart():
+    """A Cartesia id used again once its input ended (`continue: false`) but before its `done` is a new context: the
+    old one's utterances still playing are the old one's (their timestamps on its clock, its done), and the new
+    one's timestamps count from its own first audio, not after the old one's."""
+    from app.doors.dialects.cartesia import CartesiaSession
+
+    async def go() -> list[dict[str, Any]]:
+        gw = fake_gateway()
+        gw.engine.aligns = False
+        gw.lexicon = lambda ids, owner: ()  # no pronunciation dictionaries
+        ws = FakeSocket()
+        ws.query_params = {}  # type: ignore[attr-defined]
+        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        first = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
+        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        streams = []
+        for text in ("One.", "Two."):  # the second before the first's audio: the same id, a new context
+            ws.send(transcript=text, context_id="a", add_timestamps=True, voice=voice, **first)
+            streams.append(await gw.fake.started(len(streams) + 1))
+        for stream in streams:
+            FakeEngine.play(stream, samples=44100)
+        seen = []
+        while sum(d.get("type") == "done" for d in seen) < 2:
+            seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    stamps = [d["word_timestamps"] for d in seen if d["type"] == "timestamps"]
+    assert [s["words"] for s in stamps] == [["One."], ["Two."]]
+    assert [s["start"][0] for s in stamps] == [0.0, 0.0], seen
+
+
+class _GoneSocket(FakeSocket):
+    """A socket whose client vanished: every send raises, as Starlette's does, after `lag` turns of the event loop
+    (a send already in progress when the connection dropped)."""
+
+    def __init__(self, lag: int) -> None:
+        super().__init__()
+        self.gone = False
+        self.lag = lag
+
+    async def _fail(self) -> None:
+        for _ in range(self.lag):
+            await asyncio.sleep(0)
+        raise WebSocketDisconnect(1006)
+
+    async def send_bytes(self, data: bytes) -> None:
+        if self.gone:
+            await self._fail()
+        await super().send_bytes(data)
+
+    async def send_text(self, text: str) -> None:
+        if self.gone:
+            await self._fail()
+        await super().send_text(text)
+
+
+@pytest.mark.parametrize("lag", range(6))
+@pytest.mark.parametrize("contexts", [1, 3])
+@pytest.mark.parametrize("disconnect_first", [True, False])
+def test_a_client_that_vanishes_mid_audio_leaves_no_unretrieved_error(contexts: int, disconnect_first: bool, lag: int):
+    """Pumps that fail sending to a client that is gone (one lane, or several contexts' lanes at once), whether the
+    socket's disconnect is read first or not: the session ends and no error is left for asyncio to log at collection
+    ("Future exception was never retrieved" / "Task exception was never retrieved", with a traceback each)."""
+    import gc
+
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+
+    reported: list[str] = []
+
+    async def go() -> None:
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx["message"]))
+        gw = fake_gateway()
+        ws = _GoneSocket(lag)
+        ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        for i in range(contexts):
+            ws.send(text="One.", context_id=f"c{i}", flush=True)
+        streams = [await gw.fake.started(i + 1) for i in range(contexts)]
+        ws.gone = True
+        if disconnect_first:
+            ws.inbox.put_nowait({"type": "websocket.disconnect"})
+        for stream in streams:
+            FakeEngine.play(stream, finish=False)
+        if not disconnect_first:
+            ws.inbox.put_nowait({"type": "websocket.disconnect"})
+        async with asyncio.timeout(TIMEOUT):
+            with contextlib.suppress(WebSocketDisconnect):
+                await task
+        del task, session, streams
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(go())
+    gc.collect()
+    assert reported == []

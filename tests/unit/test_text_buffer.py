@@ -101,6 +101,20 @@ def test_trailing_whitespace_is_not_lost():
     assert TextBuffer(500).flush() == []
 
 
+@pytest.mark.parametrize("blank", [" " * 600, "\t\u3000 " * 200, "Done. " + " " * 600])
+def test_whitespace_past_the_budget_is_nothing_to_speak(blank):
+    """Whitespace alone past the utterance budget (an LLM streaming indentation) was cut into no pieces and raised
+    IndexError: every socket API ended the session with `internal`."""
+    buf = TextBuffer(100)
+    spoken = buf.append(blank)
+    assert spoken + buf.append("Next one. And") + buf.flush() == [
+        *(["Done."] if "Done" in blank else []),
+        "Next one.",
+        "And",
+    ]
+    assert stream(blank, 7, budget=100) == (["Done."] if "Done" in blank else [])
+
+
 @pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500, "👨‍👩‍👧" * 50, "e\u0301" * 300, "中" * 900])
 def test_long_text_is_cut_by_utf8_length_and_nothing_is_lost(text):
     """The prompt is one frame per byte, so the budget counts bytes, and a cut never splits a

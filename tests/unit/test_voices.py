@@ -691,3 +691,39 @@ def test_names_are_refused_alike_and_a_reblend_keeps_its_name(server):
     long_a = created(upload_embedding(server, npy(rand(55)), "L" * 60))
     made = httpx.post(server.url + "/v1/voices/blend", json={"a": long_a["id"], "b": b["id"]})
     assert made.status_code == 201 and made.json()["name"] == ("L" * 60 + " + tv")[:64], made.text
+
+
+def test_clips_of_one_upload_are_decoded_one_at_a_time(tmp_path):
+    """A voice of 8 clips holds one decoded clip at a time (8 clips of 60 s at 192 kHz decode to 370 MB from 20 MB
+    of FLAC), with the same average, seconds and first clip's preview."""
+    import weakref
+    from types import SimpleNamespace
+
+    from app.core.gateway import wav_bytes
+    from app.doors.voices import store_clips
+
+    alive: list[weakref.ref] = []
+    most = 0
+
+    async def decode_clip(data: bytes) -> tuple[np.ndarray, int]:
+        samples = np.full(8000 * (1 + data[0]), data[0] / 10, np.float32)
+        alive.append(weakref.ref(samples))
+        return samples, 8000
+
+    async def embed_samples(samples: np.ndarray, sr: int) -> np.ndarray:
+        nonlocal most
+        most = max(most, sum(r() is not None for r in alive))
+        return np.full(D, float(samples[0]), np.float32)
+
+    gw = SimpleNamespace(
+        voices=VoiceStore(tmp_path, D),
+        cfg=SimpleNamespace(speaker_embedding_dim=D),
+        decode_clip=decode_clip,
+        embed_samples=embed_samples,
+    )
+    stored = asyncio.run(store_clips(gw, "", [bytes([i]) for i in range(1, 9)], "Eight"))  # type: ignore[arg-type]
+    assert most == 1
+    voice = stored.voice
+    assert voice.details == {"clips": 8, "seconds": float(sum(range(2, 10)))}
+    assert np.allclose(voice.embedding, 0.45)
+    assert gw.voices.preview_bytes(voice) == wav_bytes(np.full(16000, 0.1, np.float32), 8000)

@@ -73,6 +73,10 @@ class Context:
     # utterances waiting for the aligner: the context's audio before each, and its estimated words meanwhile
     origins: dict[str, float] = field(default_factory=dict)
     estimates: dict[str, list[WordTime]] = field(default_factory=dict)
+    # an id used again before its done: the id's last utterance before this context, and the context it had then
+    # (its utterances up to that one are that context's: their timestamps, clock and done)
+    opened_after: int | None = None
+    previous: Context | None = None
 
 
 class CartesiaSession(StreamingSession):
@@ -120,9 +124,9 @@ class CartesiaSession(StreamingSession):
         if data.get("cancel") is True:
             if ctx is None:
                 raise RequestError(G.BAD_MESSAGE, "cancel needs a context_id")
-            c = self.ctxs.pop(ctx, None)
-            if c is not None:
-                c.failed = True  # its done is not sent
+            for dropped in self._chain(ctx):
+                dropped.failed = True  # its done is not sent
+            self.ctxs.pop(ctx, None)
             await self.cancel(ctx)
             return
         transcript = data.get("transcript")
@@ -174,7 +178,10 @@ class CartesiaSession(StreamingSession):
         stamps = data.get("add_timestamps", False)
         if not isinstance(stamps, bool):
             raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
-        c = self.ctxs[ctx] = Context(ctx, opts, voice, output, delay, timestamps=stamps)
+        before = self.last_queued(ctx)
+        previous = self.ctxs.get(ctx) if before is not None else None
+        c = Context(ctx, opts, voice, output, delay, timestamps=stamps, opened_after=before, previous=previous)
+        self.ctxs[ctx] = c
         forget_idle(self.ctxs, live | {ctx})
         return c
 
@@ -184,6 +191,9 @@ class CartesiaSession(StreamingSession):
     async def _done(self, c: Context) -> None:
         if self.ctxs.get(c.id) is c:
             del self.ctxs[c.id]
+        for newer in self._chain(c.id):  # all of c has played: the contexts after it no longer need it
+            if newer.previous is c:
+                newer.previous = None
         if not c.failed:
             await self.send_json_locked({"type": "done", "done": True, "status_code": 206, "context_id": c.id})
 
@@ -283,15 +293,27 @@ class CartesiaSession(StreamingSession):
             c.last_sent = time.perf_counter()
 
     async def on_utterance_error(self, u: Utterance) -> None:
-        """An error ends its context (done: true), as on Cartesia: the rest of it is dropped."""
+        """An error ends its context (done: true), as on Cartesia: the rest of its id is dropped."""
         await super().on_utterance_error(u)
-        c = self.ctxs.pop(u.context_id, None)
-        if c is not None:
+        for c in self._chain(u.context_id):
             c.failed = True
+        self.ctxs.pop(u.context_id, None)
         self.drop(u.context_id)
 
+    def _chain(self, ctx: str) -> list[Context]:
+        """The contexts of an id still playing, newest first (an id used again before its done: Context.previous)."""
+        out: list[Context] = []
+        c = self.ctxs.get(ctx)
+        while c is not None:
+            out.append(c)
+            c = c.previous
+        return out
+
     def _ctx_of(self, u: Utterance) -> Context | None:
-        return self.ctxs.get(u.context_id)
+        c = self.ctxs.get(u.context_id)
+        while c is not None and c.opened_after is not None and u.seq <= c.opened_after:
+            c = c.previous
+        return c
 
 
 def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:

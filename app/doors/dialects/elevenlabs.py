@@ -271,7 +271,8 @@ class ElevenLabsSession(StreamingSession):
 
     async def _close_socket(self) -> None:
         for ctx in list(self.ctxs):
-            if not self.ctxs[ctx].closing:
+            c = self.ctxs.get(ctx)  # closing one answers every lane's due marks: a closed context may be gone now
+            if c is not None and not c.closing:
                 await self._close_context(ctx)
         await self.close()
 
