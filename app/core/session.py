@@ -46,7 +46,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
 from app.voices.library import Voice
-from engine.contract.constants import SAMPLE_RATE
+from engine.contract.constants import ALIGN_WAIT_S, SAMPLE_RATE
 
 log = logging.getLogger("gateway.session")
 
@@ -54,7 +54,6 @@ log = logging.getLogger("gateway.session")
 Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
-ALIGN_TIMEOUT_S = 10.0  # an utterance whose alignment takes longer keeps its estimate (the marks after it wait)
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
@@ -638,7 +637,7 @@ class StreamingSession:
         that cannot answer in time keeps its estimate."""
         words = None
         try:
-            got = await self.gw.engine.align(pcm, SAMPLE_RATE, u.text, timeout=ALIGN_TIMEOUT_S)
+            got = await self.gw.engine.align(pcm, SAMPLE_RATE, u.text, timeout=ALIGN_WAIT_S)
             words = aligned_words(u.text, got)
             if words is None:
                 log.warning("utterance %s: the aligner's words are not its text's; its estimate stands", u.id)

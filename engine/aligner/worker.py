@@ -29,6 +29,7 @@ import torch
 
 from engine.aligner.align import Tokens, min_frames, tokenize, viterbi, word_times
 from engine.aligner.model import SAMPLE_RATE, Wav2Vec2Aligner, frames_for
+from engine.contract.constants import ALIGN_WAIT_S
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,13 @@ MAX_AUDIO_S = 120.0  # one utterance's audio at most (a sentence is seconds; att
 MAX_BATCH = 16  # utterances per forward
 MAX_BATCH_S = 240.0  # audio per forward, padding included
 GATHER_S = 0.3  # how long a batch waits for more utterances after its first arrived (module docstring)
+MAX_QUEUED_S = 600.0  # audio waiting to be aligned at most: past it a new utterance is refused (AlignerBehind)
 Words = list[tuple[str, float, float]]
+
+
+class AlignerBehind(RuntimeError):
+    """The aligner is behind: its queue is full, or an utterance waited in it longer than ALIGN_WAIT_S (its
+    words would come after the gateway stopped waiting for them)."""
 
 
 @dataclass
@@ -103,12 +110,20 @@ class AlignerWorker:
         self.max_batch, self.max_batch_s, self.gather_s = max_batch, max_batch_s, gather_s
         self._todo: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._done: deque[tuple[Any, Words | None, Exception | None]] = deque()
+        self._lock = threading.Lock()
+        self._queued_s = 0.0  # audio submitted and not yet taken
         self.batches = 0  # forwards run (the tests see batching in it)
         self._thread = threading.Thread(target=self._run, name="aligner", daemon=True)
         self._thread.start()
 
     def submit(self, key: Any, pcm: np.ndarray, sample_rate: int, text: str) -> None:
-        """Align `text` to `pcm`; its (key, words, error) comes out of `results` later."""
+        """Align `text` to `pcm`; its (key, words, error) comes out of `results` later. AlignerBehind when
+        MAX_QUEUED_S of audio waits already."""
+        seconds = len(pcm) / max(1, sample_rate)
+        with self._lock:
+            if self._queued_s + seconds > MAX_QUEUED_S:
+                raise AlignerBehind(f"the aligner is behind ({self._queued_s:.0f} s of audio waiting)")
+            self._queued_s += seconds
         self._todo.put(_Item(key, pcm, sample_rate, text, time.monotonic()))
 
     def results(self) -> list[tuple[Any, Words | None, Exception | None]]:
@@ -145,8 +160,14 @@ class AlignerWorker:
         closing = False
         while not closing and (first := self._todo.get()) is not None:
             items, closing = self._take(first)
+            with self._lock:
+                self._queued_s = max(0.0, self._queued_s - sum(len(i.pcm) / max(1, i.sample_rate) for i in items))
             ready: list[tuple[_Item, np.ndarray, Tokens]] = []
+            now = time.monotonic()
             for item in items:
+                if now - item.at > ALIGN_WAIT_S:  # nobody waits for these words any more
+                    self._done.append((item.key, None, AlignerBehind(f"waited {now - item.at:.0f} s to be aligned")))
+                    continue
                 try:
                     wav, tok = Aligner.prepare(item.pcm, item.sample_rate, item.text)
                     ready.append((item, wav, tok))

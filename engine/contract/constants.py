@@ -9,3 +9,6 @@ N_CODEBOOKS = 9
 CODEBOOK_SIZE = 1024
 EOA_ID = 1024  # end of audio, in any codebook
 PAD_ID = 1025  # the delay pattern's padding
+# an utterance's word times not aligned within this are not worth aligning: the gateway keeps its estimate, and
+# the engine's aligner skips an utterance that waited this long in its queue
+ALIGN_WAIT_S = 10.0

@@ -47,6 +47,7 @@ from collections import deque
 
 import numpy as np
 
+from engine.aligner.worker import AlignerBehind
 from engine.contract import records as m
 from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
@@ -344,14 +345,18 @@ class Scheduler:
     def _on_align(self, req: m.Align) -> None:
         if self.engine.aligner is None:
             return self._error(req.rid, E.BAD_REQUEST, "this engine has no aligner (start the gateway with --aligner)")
-        self.engine.aligner.submit(req.rid, req.pcm, req.sample_rate, req.text)
+        try:
+            self.engine.aligner.submit(req.rid, req.pcm, req.sample_rate, req.text)
+        except AlignerBehind as e:
+            self._error(req.rid, E.ENGINE_BUSY, str(e))
 
     def _aligner_results(self) -> None:
         if self.engine.aligner is None:
             return
         for rid, words, err in self.engine.aligner.results():
             if err is not None:
-                self._error(rid, E.BAD_REQUEST if isinstance(err, ValueError) else E.INTERNAL, str(err))
+                code = E.ENGINE_BUSY if isinstance(err, AlignerBehind) else E.BAD_REQUEST
+                self._error(rid, code if isinstance(err, ValueError | AlignerBehind) else E.INTERNAL, str(err))
             else:
                 self.outbox.send(rid, m.Aligned(rid, tuple(words or ())), force=True)
 

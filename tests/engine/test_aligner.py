@@ -338,3 +338,46 @@ def test_the_worker_gathers_utterances_that_arrive_within_its_window(tmp_path):
         assert worker.batches == 1
     finally:
         worker.close()
+
+
+def test_a_behind_aligner_refuses_more_and_skips_what_waited_too_long(tmp_path, monkeypatch):
+    """Word times nobody waits for any more are not worth a forward: while a batch runs, the queue takes at
+    most MAX_QUEUED_S of audio (then AlignerBehind at submit: the engine answers engine_busy and the gateway
+    keeps its estimate), and an utterance that waited longer than ALIGN_WAIT_S is answered AlignerBehind
+    without being aligned (here both bounds are small; the batch in flight is held until they are passed)."""
+    from engine.aligner import worker as worker_mod
+
+    monkeypatch.setattr(worker_mod, "MAX_QUEUED_S", 6.0)
+    monkeypatch.setattr(worker_mod, "ALIGN_WAIT_S", 0.05)
+    aligner = Aligner(load_aligner(crafted_checkpoint(tmp_path / "crafted.pt")))
+    gate, entered = threading.Event(), threading.Event()
+    real = aligner.align
+
+    def held(batch):
+        entered.set()
+        gate.wait(30)
+        return real(batch)
+
+    aligner.align = held  # type: ignore[method-assign]
+    worker = AlignerWorker(aligner, gather_s=0)
+    try:
+        worker.submit("first", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        assert entered.wait(30)  # taken: the queue is empty again
+        worker.submit("queued", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        worker.submit("also", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        with pytest.raises(worker_mod.AlignerBehind):  # 7.8 s would wait: past the 6 s bound
+            worker.submit("refused", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
+        threading.Event().wait(0.2)  # the two queued ones are older than ALIGN_WAIT_S now, whatever the pace
+        gate.set()
+        done: dict[object, tuple] = {}
+        for _ in range(600):
+            done.update({k: (w, e) for k, w, e in worker.results()})
+            if len(done) == 3:
+                break
+            threading.Event().wait(0.1)
+        assert done["first"][1] is None
+        assert all(isinstance(done[k][1], worker_mod.AlignerBehind) and done[k][0] is None for k in ("queued", "also"))
+        assert worker.batches == 1
+        worker.submit("after", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")  # the queue's count went back down
+    finally:
+        worker.close()
