@@ -54,6 +54,15 @@ class Limits:
     )
     max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", 0, _GIB))
     max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 0, 3600.0))
+    max_voices_per_key: int = field(
+        default=1000,
+        metadata=_limit(
+            "voices one API key (or, without keys, the server's public library) may store (0: no limit)",
+            0,
+            10_000_000,
+            zero_ok=True,
+        ),
+    )
     min_clip_seconds: float = field(
         default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)", 0, 3600.0, zero_ok=True)
     )

@@ -166,8 +166,11 @@ class Gateway:
         self.lexicons = LexiconStore(settings.data_dir / "lexicons")
         self.stitching = StitchStore(settings.data_dir / "stitching", settings.limits, model_identity(settings))
         self.voices = VoiceStore(
-            settings.voices_dir, self.cfg.speaker_embedding_dim, shared=settings.shared_voices or link is not None
-        )  # other processes' voices too
+            settings.voices_dir,
+            self.cfg.speaker_embedding_dim,
+            shared=settings.shared_voices or link is not None,  # other processes' voices too
+            max_per_owner=lim.max_voices_per_key,
+        )
         self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None

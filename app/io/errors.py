@@ -53,6 +53,7 @@ class GatewayError(StrEnum):
     BAD_BLEND = "bad_blend"
     UNKNOWN_VOICE = "unknown_voice"
     NO_PREVIEW = "no_preview"
+    TOO_MANY_VOICES = "too_many_voices"  # the key stores --max-voices-per-key voices already
     MISSING_SESSION = "missing_session"  # the reference's cached-speaker routes without X-TTS-Session-ID
     READ_ONLY = "read_only"
     FORBIDDEN = "forbidden"
@@ -89,6 +90,7 @@ _HTTP_STATUS = {
     GatewayError.UPLOAD_TOO_LARGE: 413,
     GatewayError.UNKNOWN_VOICE: 404,
     GatewayError.NO_PREVIEW: 404,
+    GatewayError.TOO_MANY_VOICES: 409,
     GatewayError.READ_ONLY: 403,
     GatewayError.FORBIDDEN: 403,
     GatewayError.VOICE_STORE_UNAVAILABLE: 503,

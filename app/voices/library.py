@@ -193,14 +193,16 @@ SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse 
 
 
 class VoiceStore:
-    def __init__(self, root: Path, dim: int, shared: bool = False) -> None:
-        """`shared`: other gateways (Ray Serve replicas, other hosts) use the same folder. Reads then
-        pick up their changes (the folder is rescanned when its mtime moves, and an id not known here is
-        looked up on disk), and the crash recovery at start leaves alone what is younger than
+    def __init__(self, root: Path, dim: int, shared: bool = False, max_per_owner: int = 0) -> None:
+        """`max_per_owner`: voices one owner (an API key, or "" without keys) may store (0: no limit), so that
+        a key cannot fill the disk. `shared`: other gateways (Ray Serve replicas, other hosts) use the same
+        folder. Reads then pick up their changes (the folder is rescanned when its mtime moves, and an id not
+        known here is looked up on disk), and the crash recovery at start leaves alone what is younger than
         SHARED_RECOVER_AGE_S, which may be another gateway's write in progress (docs/scaling.md)."""
         self.root = root
         self.dim = dim
         self.shared = shared
+        self.max_per_owner = max_per_owner
         self._lock = threading.Lock()
         self._voices: dict[str, Voice] = {}
         self._seen: dict[str, tuple[int, int]] = {}  # shared: voice id -> (inode, mtime_ns) of the folder loaded
@@ -344,6 +346,15 @@ class VoiceStore:
         embedding = np.asarray(embedding, dtype=np.float32)
         if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
             raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
+        if self.max_per_owner and self.find(voice.id) is None:  # a new voice, not one stored again
+            self._sync()
+            with self._lock:
+                owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
+            if owned >= self.max_per_owner:
+                raise VoiceError(
+                    G.TOO_MANY_VOICES,
+                    f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",
+                )
         voice.embedding = embedding
         voice.dim = self.dim
         voice.has_preview = preview_wav is not None

@@ -222,6 +222,22 @@ def test_get_by_id_or_name_newest_wins_and_owners_are_separate(tmp_path):
     assert {v.id for v in store.list("k2")} == {"v_old", "v_new"}
 
 
+def test_one_key_stores_at_most_its_share_of_voices(tmp_path):
+    """--max-voices-per-key: a key at its limit gets too_many_voices (409) for a new voice, whatever the other
+    keys store; storing one of its voices again, or after deleting one, still works."""
+    store = VoiceStore(tmp_path, DIM, max_per_owner=2)
+    add(store, "v_1", "One", seed=1, owner="k1")
+    add(store, "v_2", "Two", seed=2, owner="k1")
+    with pytest.raises(VoiceError) as err:
+        add(store, "v_3", "Three", seed=3, owner="k1")
+    assert err.value.code == "too_many_voices" and err.value.status == 409 and "delete one" in str(err.value)
+    add(store, "v_2", "Two again", seed=4, owner="k1")  # the same id stored again: no new voice
+    add(store, "v_k2", "Theirs", seed=5, owner="k2")
+    store.delete("v_1", "k1")
+    add(store, "v_3", "Three", seed=3, owner="k1")
+    assert {v.id for v in store.list("k1")} == {"v_2", "v_3"}
+
+
 def test_disk_full_in_the_middle_of_a_write_leaves_no_half_voice(tmp_path, monkeypatch):
     store = VoiceStore(tmp_path, DIM)
     add(store, "v_keep", "Keep", seed=1)
