@@ -41,6 +41,11 @@ MAX_QUEUED_S = 600.0  # audio waiting to be aligned at most: past it a new utter
 Words = list[tuple[str, float, float]]
 
 
+def _queued_s(pcm: np.ndarray, sample_rate: int) -> float:
+    """An utterance's seconds in the queue's count (a bad sample rate is its own error later, in `prepare`)."""
+    return len(pcm) / sample_rate if isinstance(sample_rate, int) and sample_rate >= 8000 else 0.0
+
+
 class AlignerBehind(RuntimeError):
     """The aligner is behind: its queue is full, or an utterance waited in it longer than ALIGN_WAIT_S (its
     words would come after the gateway stopped waiting for them)."""
@@ -77,6 +82,7 @@ class Aligner:
             raise ValueError(f"the audio is longer than {MAX_AUDIO_S:g} s")
         tok = tokenize(text)
         wav = soxr.resample(x, sample_rate, SAMPLE_RATE) if sample_rate != SAMPLE_RATE else x
+        wav = wav[: len(x) * SAMPLE_RATE // sample_rate]  # soxr rounds its length up: no word may end past the audio
         frames = int(frames_for(torch.tensor(len(wav))))
         if frames < min_frames(tok.tokens):
             raise ValueError(
@@ -119,7 +125,7 @@ class AlignerWorker:
     def submit(self, key: Any, pcm: np.ndarray, sample_rate: int, text: str) -> None:
         """Align `text` to `pcm`; its (key, words, error) comes out of `results` later. AlignerBehind when
         MAX_QUEUED_S of audio waits already."""
-        seconds = len(pcm) / max(1, sample_rate)
+        seconds = _queued_s(pcm, sample_rate)
         with self._lock:
             if self._queued_s + seconds > MAX_QUEUED_S:
                 raise AlignerBehind(f"the aligner is behind ({self._queued_s:.0f} s of audio waiting)")
@@ -161,7 +167,7 @@ class AlignerWorker:
         while not closing and (first := self._todo.get()) is not None:
             items, closing = self._take(first)
             with self._lock:
-                self._queued_s = max(0.0, self._queued_s - sum(len(i.pcm) / max(1, i.sample_rate) for i in items))
+                self._queued_s = max(0.0, self._queued_s - sum(_queued_s(i.pcm, i.sample_rate) for i in items))
             ready: list[tuple[_Item, np.ndarray, Tokens]] = []
             now = time.monotonic()
             for item in items:

@@ -25,6 +25,7 @@ from engine.aligner.model import (
     load_aligner,
     random_checkpoint,
 )
+from engine.aligner.model import SAMPLE_RATE as ALIGNER_RATE
 from engine.aligner.worker import Aligner, AlignerWorker
 from engine.contract.constants import SAMPLE_RATE
 from tests.conftest import triton_on_cpu
@@ -232,6 +233,14 @@ def test_the_node_aligns_44k_audio_to_known_word_spans_in_one_batch(tmp_path):
     )
     for (_, start, end), (a, b) in zip(words[1], SEGMENTS[:2], strict=True):
         assert abs(start - a) <= 0.04 and abs(end - b) <= 0.04, words
+
+
+@pytest.mark.parametrize(("n", "sr"), [(119345, 22050), (4513, 44100), (8007, 8000), (96001, 48000), (160001, 16000)])
+def test_the_resampled_audio_never_outlasts_the_audio(n: int, sr: int):
+    """soxr rounds its output's length up: at 22,050 Hz 119,345 samples became 5.4125 s at 16 kHz, 28 us past the
+    audio, and the last word ended there. The aligner's audio is cut to the original's length."""
+    wav, _ = Aligner.prepare(np.ones(n, np.int16), sr, "a")
+    assert len(wav) / ALIGNER_RATE <= n / sr
 
 
 @pytest.mark.parametrize(

@@ -1572,6 +1572,8 @@ align_audio = st.tuples(
     )
 )
 @example(calls=[((44100, "noise", 1), 44100, "Hello there, how are you?"), ((0, "silence", 0), 44100, "Hi.")])
+@example(calls=[((601, "noise", 0), 0, "")])  # a bad rate is bad_request, not a full queue (engine_busy)
+@example(calls=[((119345, "noise", 84), 22050, "A word, and Ze")])  # soxr's rounded-up length: no end past n / sr
 def test_fuzz_align_records(engine_client, calls):
     """align records with any audio, sample rate and text, several at once (one batch): each is answered with
     every word of its text, in order, with times within its audio, or with bad_request, never internal; the
