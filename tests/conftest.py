@@ -157,6 +157,29 @@ def start_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
 
 
 @pytest.fixture(scope="session")
+def shared_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """Servers that several test modules share, one per set of arguments: started on first use, stopped when
+    the session ends (each start costs seconds of imports and warm-up). For tests that leave the server as
+    they found it; a test that needs a fresh server, or stops it, uses start_server."""
+    running: dict[tuple[str, ...], ServerProcess] = {}
+    with servers(tmp_path_factory) as start:
+
+        def get(*extra: str) -> ServerProcess:
+            if extra not in running:
+                running[extra] = start(*extra)
+            return running[extra]
+
+        yield get
+
+
+# The keyed server that modules share (shared_server(*KEYED)). A voice library is its key's own, so each module
+# speaks with keys of its own: tests/system/test_dialects.py the first, test_reliability.py the second,
+# test_gateway_http.py the last two.
+API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
+KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory) -> Iterator[ServerProcess]:
     """One server shared by the gateway tests (tiny CPU model)."""
     with servers(tmp_path_factory) as start:

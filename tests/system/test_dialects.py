@@ -34,11 +34,12 @@ from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.longform import reply_frames
+from tests.conftest import API_KEYS, KEYED
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-KEY = "dialect-key"
+KEY = API_KEYS[0]  # its own key on the keyed server modules share (tests/conftest.py)
 FAST = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz
 LONG = {"max_frames": 2500, "ignore_eos": True}  # far longer than any test waits for
 SAMPLES = 20 * 512
@@ -93,9 +94,9 @@ async def recv_json(ws, timeout: float = 90) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def srv(start_server):
+def srv(shared_server):
     """One keyed server for every dialect test: each test sends its dialect's own auth header."""
-    return with_ada(start_server("--api-key", KEY))
+    return with_ada(shared_server(*KEYED))
 
 
 def with_ada(s):

@@ -13,6 +13,7 @@ import pytest
 import soundfile as sf
 
 from engine.frontend.longform import reply_frames
+from tests.conftest import API_KEYS, KEYED
 
 pytestmark = pytest.mark.slow
 FAST = {"max_frames": 40, "ignore_eos": True, "seed": 1}
@@ -324,17 +325,18 @@ def test_bad_embeddings(server, arr):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding"
 
 
-def test_api_keys_scope_voices(start_server):
-    srv = start_server("--api-key", "alpha", "--api-key", "beta")
+def test_api_keys_scope_voices(shared_server):
+    srv = shared_server(*KEYED)
+    alpha, beta = API_KEYS[2:]  # this module's keys on the keyed server modules share (tests/conftest.py)
     assert httpx.post(srv.url + "/v1/audio/speech", json={"input": "x"}).status_code == 401
-    a = {"Authorization": "Bearer alpha"}
-    b = {"X-API-Key": "beta"}
+    a = {"Authorization": f"Bearer {alpha}"}
+    b = {"X-API-Key": beta}
     r = httpx.post(srv.url + "/v1/voices", headers=a, files={"file": ("a.wav", wav_clip(freq=300))}, timeout=60)
     assert r.status_code == 201
     vid = r.json()["id"]
     assert httpx.get(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404  # invisible to another key
     assert httpx.delete(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404
-    assert httpx.get(srv.url + f"/v1/voices/{vid}?api_key=alpha").status_code == 200
+    assert httpx.get(srv.url + f"/v1/voices/{vid}?api_key={alpha}").status_code == 200
     import asyncio
 
     import websockets
@@ -345,7 +347,7 @@ def test_api_keys_scope_voices(start_server):
 
     denied = asyncio.run(ws_try(srv.ws_url))
     assert denied["type"] == "error" and denied["code"] == "unauthorized"
-    assert asyncio.run(ws_try(srv.ws_url + "?api_key=beta"))["type"] == "session.created"
+    assert asyncio.run(ws_try(srv.ws_url + f"?api_key={beta}"))["type"] == "session.created"
 
 
 # ---- nothing lost, nothing 500 -------------------------------------------------------------
