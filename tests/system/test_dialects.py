@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -1296,6 +1297,7 @@ def test_a_pooled_dialect_socket_idle_between_turns_plays_its_next_turn_first_ti
 
 
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
+@functools.cache  # checked once per module name (importing livekit.agents takes seconds)
 def installed(module: str) -> bool:
     """Whether the frameworks' virtualenv has `module` (a half-made one counts as none)."""
     return (
