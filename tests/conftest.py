@@ -177,6 +177,8 @@ def shared_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
 # test_gateway_http.py the last two.
 API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
 KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
+# One decode slot (the door off) that a held request fills: test_gateway_http and test_gateway_ws share it.
+ONE_SLOT = ("--max-batch", "1")
 
 
 @pytest.fixture(scope="session")
