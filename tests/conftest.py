@@ -179,6 +179,10 @@ API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
 KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
 # One decode slot (the door off) that a held request fills: test_gateway_http and test_gateway_ws share it.
 ONE_SLOT = ("--max-batch", "1")
+# A ping every PING_S (an idle of a few seconds is many ping intervals), no key: test_dialects and test_storm
+# share it.
+PING_S = 0.2
+PINGING = ("--ws-ping-interval", str(PING_S), "--idle-timeout", "30")
 
 
 @pytest.fixture(scope="session")

@@ -35,7 +35,7 @@ from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.longform import reply_frames
-from tests.conftest import API_KEYS, KEYED
+from tests.conftest import API_KEYS, KEYED, PING_S, PINGING
 
 pytestmark = pytest.mark.slow
 
@@ -1240,12 +1240,13 @@ def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, spee
 
 
 # ---- a pooled socket, idle between turns (LiveKit's plugins keep theirs for up to an hour) ----------------
-PING_S, IDLE_S = 0.2, 3.0  # the server pings every 0.2 s: an idle of 15 pings, each answered by the client
+IDLE_S = 15 * PING_S  # an idle of 15 pings, each answered by the client
 
 
 @pytest.fixture(scope="module")
-def pinging(start_server):
-    return with_ada(start_server("--api-key", KEY, "--ws-ping-interval", str(PING_S)))
+def pinging(shared_server):
+    """The shared pinging server (no key: the keys the tests send go unchecked), with Ada."""
+    return with_ada(shared_server(*PINGING))
 
 
 async def idle_answering_pings(ws) -> None:
