@@ -30,10 +30,12 @@ def triton_on_cpu() -> None:
 
 
 def process_settings() -> dict[str, object]:
-    """The process-wide settings a test could leave behind for every test after it: Triton's interpreter
-    (where CUDA is: a CPU run chooses it once, triton_on_cpu) and torch's global numerics (when torch is
-    imported)."""
-    got: dict[str, object] = {}
+    """The process-wide settings a test could leave behind for every test after it: the interpreter's switch
+    interval, Triton's interpreter (where CUDA is: a CPU run chooses it once, triton_on_cpu) and torch's global
+    numerics (when torch is imported)."""
+    # the interpreter's switch interval: an in-process Engine shortens it for its scheduler loop, and every
+    # later test's threads would hand the GIL back and forth at that pace
+    got: dict[str, object] = {"switch interval": sys.getswitchinterval()}
     torch = sys.modules.get("torch")
     if torch is None:
         return got
@@ -63,6 +65,27 @@ def _process_settings_restored() -> Iterator[None]:
     after = process_settings()
     changed = {k: (before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]}
     assert not changed, f"the test left process-wide settings changed (before, after): {changed}"
+
+
+@contextlib.contextmanager
+def in_process_engines() -> Iterator[list]:
+    """Engines built in this process (engine.runtime.engine.Engine): append each; when the block ends their
+    speaker_encoder threads stop and the switch interval the first one shortened is restored."""
+    interval = sys.getswitchinterval()
+    engines: list = []
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.speaker.close()
+        sys.setswitchinterval(interval)
+
+
+@pytest.fixture
+def built_engines() -> Iterator[list]:
+    """in_process_engines() for one test."""
+    with in_process_engines() as engines:
+        yield engines
 
 
 def free_port() -> int:
