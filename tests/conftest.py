@@ -30,10 +30,12 @@ def triton_on_cpu() -> None:
 
 
 def process_settings() -> dict[str, object]:
-    """The process-wide settings a test could leave behind for every test after it: Triton's interpreter
-    (where CUDA is: a CPU run chooses it once, triton_on_cpu) and torch's global numerics (when torch is
-    imported)."""
-    got: dict[str, object] = {}
+    """The process-wide settings a test could leave behind for every test after it: the interpreter's switch
+    interval, Triton's interpreter (where CUDA is: a CPU run chooses it once, triton_on_cpu) and torch's global
+    numerics (when torch is imported)."""
+    # the interpreter's switch interval: an in-process Engine shortens it for its scheduler loop, and every
+    # later test's threads would hand the GIL back and forth at that pace
+    got: dict[str, object] = {"switch interval": sys.getswitchinterval()}
     torch = sys.modules.get("torch")
     if torch is None:
         return got
@@ -63,6 +65,27 @@ def _process_settings_restored() -> Iterator[None]:
     after = process_settings()
     changed = {k: (before[k], after[k]) for k in before.keys() & after.keys() if before[k] != after[k]}
     assert not changed, f"the test left process-wide settings changed (before, after): {changed}"
+
+
+@contextlib.contextmanager
+def in_process_engines() -> Iterator[list]:
+    """Engines built in this process (engine.runtime.engine.Engine): append each; when the block ends their
+    speaker_encoder threads stop and the switch interval the first one shortened is restored."""
+    interval = sys.getswitchinterval()
+    engines: list = []
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.speaker.close()
+        sys.setswitchinterval(interval)
+
+
+@pytest.fixture
+def built_engines() -> Iterator[list]:
+    """in_process_engines() for one test."""
+    with in_process_engines() as engines:
+        yield engines
 
 
 def free_port() -> int:
@@ -116,7 +139,7 @@ class ServerProcess:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.3)
+            time.sleep(0.1)  # often: the suite waits for some 40 starts
         raise TimeoutError(f"server not ready: {self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
@@ -154,6 +177,35 @@ def start_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     later module)."""
     with servers(tmp_path_factory) as start:
         yield start
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
+    """Servers that several test modules share, one per set of arguments: started on first use, stopped when
+    the session ends (each start costs seconds of imports and warm-up). For tests that leave the server as
+    they found it; a test that needs a fresh server, or stops it, uses start_server."""
+    running: dict[tuple[str, ...], ServerProcess] = {}
+    with servers(tmp_path_factory) as start:
+
+        def get(*extra: str) -> ServerProcess:
+            if extra not in running:
+                running[extra] = start(*extra)
+            return running[extra]
+
+        yield get
+
+
+# The keyed server that modules share (shared_server(*KEYED)). A voice library is its key's own, so each module
+# speaks with keys of its own: tests/system/test_dialects.py the first, test_reliability.py the second,
+# test_gateway_http.py the last two.
+API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
+KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
+# One decode slot (the door off) that a held request fills: test_gateway_http and test_gateway_ws share it.
+ONE_SLOT = ("--max-batch", "1")
+# A ping every PING_S (an idle of a few seconds is many ping intervals), no key: test_dialects and test_storm
+# share it.
+PING_S = 0.2
+PINGING = ("--ws-ping-interval", str(PING_S), "--idle-timeout", "30")
 
 
 @pytest.fixture(scope="session")

@@ -27,6 +27,7 @@ from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.engine import Engine
 from engine.runtime.scheduler import Scheduler
+from tests.conftest import in_process_engines
 
 SLOTS = 4
 
@@ -45,7 +46,9 @@ def engine() -> Engine:
         continuation_flush_lead_ms=-1e9,
         continuation_grace_ms=1e9,
     )
-    yield Engine(WeightSources(), settings)
+    with in_process_engines() as engines:
+        engines.append(Engine(WeightSources(), settings))
+        yield engines[0]
     torch.set_num_threads(n)
 
 

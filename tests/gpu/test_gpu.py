@@ -319,7 +319,7 @@ def test_compiled_and_eager_sampler_agree_at_every_batch():
         assert torch.equal(codes[False], codes[True])
 
 
-def test_overlap_with_captured_graphs_equals_eager_without():
+def test_overlap_with_captured_graphs_equals_eager_without(built_engines):
     """Overlap scheduling as the engine runs it on a GPU: captured decode graphs that gather their
     inputs from the sampler's device buffer, step k+1 launched before step k is read back, the slots of a
     request that ended (EOS, cancel) kept until the step in flight that still writes them is read. Every
@@ -331,7 +331,7 @@ def test_overlap_with_captured_graphs_equals_eager_without():
     from tests.engine.test_overlap import SLOTS, compare_mixed
 
     def engine(graphs: bool) -> Engine:
-        return Engine(
+        built = Engine(
             WeightSources(),
             EngineSettings(
                 device="cuda",
@@ -348,6 +348,8 @@ def test_overlap_with_captured_graphs_equals_eager_without():
                 continuation_grace_ms=1e9,
             ),
         )
+        built_engines.append(built)  # stopped and the switch interval restored after the test
+        return built
 
     eager = engine(False)
     graphed = engine(True)
@@ -362,7 +364,7 @@ def test_overlap_with_captured_graphs_equals_eager_without():
 SEEDED_PCM_SNR_DB = 35.0
 
 
-def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_the_stated_snr():
+def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_the_stated_snr(built_engines):
     """What docs/protocol.md promises for a seed, as the engine's scheduler serves it (overlap, CUDA graphs,
     --batch-invariant seeded, the dac_decoder's batching; a tiny random LLM and the full-size DAC in bf16):
     alone twice, the same codes and PCM bit for bit; beside 1, 8 and 127 unseeded streams decoding with it,
@@ -389,6 +391,7 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
             continuation_grace_ms=1e9,
         ),
     )
+    built_engines.append(engine)
     engine.codec = Codec.random("full", seed=0, device="cuda", dtype=torch.bfloat16)  # drive decodes with it
     frames = 60
     target = req(1, "The seeded sentence we regenerate for an edit.", frames, seed=1234)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import io
 import json
 import os
@@ -938,6 +939,7 @@ def test_dialect_http_client_gone_stops_the_engine(dsrv):
 FRAMEWORKS_PYTHON = Path(os.environ.get("ZONOS_FRAMEWORKS_PYTHON", ROOT / ".venv-frameworks/bin/python"))
 
 
+@functools.cache  # checked once per module name (importing livekit.agents takes seconds)
 def framework_installed(module: str) -> bool:
     return (
         FRAMEWORKS_PYTHON.exists()

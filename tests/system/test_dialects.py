@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import io
 import json
 import os
@@ -34,11 +35,12 @@ from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.longform import reply_frames
+from tests.conftest import API_KEYS, KEYED, PING_S, PINGING
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-KEY = "dialect-key"
+KEY = API_KEYS[0]  # its own key on the keyed server modules share (tests/conftest.py)
 FAST = {"max_frames": 20, "ignore_eos": True, "seed": 1}  # 20 frames: 10240 samples at 44.1 kHz
 LONG = {"max_frames": 2500, "ignore_eos": True}  # far longer than any test waits for
 SAMPLES = 20 * 512
@@ -93,9 +95,9 @@ async def recv_json(ws, timeout: float = 90) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def srv(start_server):
+def srv(shared_server):
     """One keyed server for every dialect test: each test sends its dialect's own auth header."""
-    return with_ada(start_server("--api-key", KEY))
+    return with_ada(shared_server(*KEYED))
 
 
 def with_ada(s):
@@ -1238,12 +1240,13 @@ def test_dialect_speed_is_checked_on_a_model_without_rate_buckets(tmp_path, spee
 
 
 # ---- a pooled socket, idle between turns (LiveKit's plugins keep theirs for up to an hour) ----------------
-PING_S, IDLE_S = 0.2, 3.0  # the server pings every 0.2 s: an idle of 15 pings, each answered by the client
+IDLE_S = 15 * PING_S  # an idle of 15 pings, each answered by the client
 
 
 @pytest.fixture(scope="module")
-def pinging(start_server):
-    return with_ada(start_server("--api-key", KEY, "--ws-ping-interval", str(PING_S)))
+def pinging(shared_server):
+    """The shared pinging server (no key: the keys the tests send go unchecked), with Ada."""
+    return with_ada(shared_server(*PINGING))
 
 
 async def idle_answering_pings(ws) -> None:
@@ -1295,6 +1298,7 @@ def test_a_pooled_dialect_socket_idle_between_turns_plays_its_next_turn_first_ti
 
 
 # ---- the real framework services (opt-in: scripts/setup-frameworks) -------------------------------------
+@functools.cache  # checked once per module name (importing livekit.agents takes seconds)
 def installed(module: str) -> bool:
     """Whether the frameworks' virtualenv has `module` (a half-made one counts as none)."""
     return (

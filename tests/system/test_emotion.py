@@ -5,18 +5,20 @@ apply_emotion / emotion_hidden_delta and its server's calibration folding)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
 
 from app.core.style_tags import TAG_EMOTIONS
 from engine.frontend.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
+from tests.conftest import triton_on_cpu
+
+triton_on_cpu()  # before the CLI tests import the kernels: the Triton path on a CPU (test_proj_delta_lands_...)
 
 D = 48  # the release is 2048; the formulas do not care
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_folder(
@@ -208,13 +210,22 @@ def test_parse_request():
             parse_request(bad)
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "engine", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+@pytest.fixture
+def cli(capsys) -> Callable[..., Ran]:
+    """`python -m engine ...` as engine.cli.main in this process (tests/system/test_cli.py runs each command
+    in a subprocess once; here the emotion flags' variants): -> (exit code, stdout, stderr)."""
+    from tests.system.test_cli import in_process
+
+    return lambda *args: Ran(*in_process(capsys, *args))
 
 
-def test_speaker_embed_cli_applies_emotion(tmp_path):
+class Ran(NamedTuple):
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def test_speaker_embed_cli_applies_emotion(tmp_path, cli):
     vecs = write_folder(tmp_path / "dirs", dim=2048, calibration=CAL)
     base = base_embedding(2048)
     np.save(tmp_path / "e.npy", base)
@@ -261,7 +272,7 @@ def test_speaker_embed_cli_applies_emotion(tmp_path):
 
 
 @pytest.mark.slow
-def test_synthesize_cli_with_emotion_is_synthesis_with_the_injected_vector(tmp_path):
+def test_synthesize_cli_with_emotion_is_synthesis_with_the_injected_vector(tmp_path, cli):
     """End to end offline: --emotion gives the audio of the same seed with the injected embedding."""
     write_folder(tmp_path / "dirs", dim=2048)
     np.save(tmp_path / "e.npy", base_embedding(2048))
@@ -536,16 +547,11 @@ def test_reference_ui_bodies_are_accepted(emotion_server):
 
 # ---- 'proj' space: the delta on the projected speaker row inside the model -------------------------
 def _tiny_model():
+    """The tiny preset cut to 4 layers of every kind: the delta is added before the first layer, and the
+    interpreter's time (the Triton path) grows with the layers."""
+    from tests.models import four_layer_tiny
 
-    import torch
-
-    from tests.conftest import triton_on_cpu
-
-    triton_on_cpu()  # the Triton path on a CPU (tests/engine/test_prefill_attention.py)
-    from engine.model.checkpoint import random_model
-
-    torch.manual_seed(0)
-    return random_model("tiny", device="cpu", dtype=torch.float32)
+    return four_layer_tiny()
 
 
 def _voiced(model, text: str, seed: int):
@@ -826,7 +832,7 @@ def test_gateway_serves_proj_directions(start_server, tmp_path):
     assert generate(**emotion, emotion_cfg_scale=2.5) not in (plain, moved)
 
 
-def test_synthesize_cli_with_proj_directions(tmp_path):
+def test_synthesize_cli_with_proj_directions(tmp_path, cli):
     """`synthesize --emotion` with a 'proj' folder: the delta moves the projected speaker row (other audio of
     the same seed); a folder of another hidden size is a clear error."""
     write_folder(tmp_path / "dirs", space="proj", dim=128)  # the tiny model's hidden size

@@ -13,6 +13,7 @@ import pytest
 import soundfile as sf
 
 from engine.frontend.longform import reply_frames
+from tests.conftest import API_KEYS, KEYED, ONE_SLOT
 
 pytestmark = pytest.mark.slow
 FAST = {"max_frames": 40, "ignore_eos": True, "seed": 1}
@@ -324,17 +325,18 @@ def test_bad_embeddings(server, arr):
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_embedding"
 
 
-def test_api_keys_scope_voices(start_server):
-    srv = start_server("--api-key", "alpha", "--api-key", "beta")
+def test_api_keys_scope_voices(shared_server):
+    srv = shared_server(*KEYED)
+    alpha, beta = API_KEYS[2:]  # this module's keys on the keyed server modules share (tests/conftest.py)
     assert httpx.post(srv.url + "/v1/audio/speech", json={"input": "x"}).status_code == 401
-    a = {"Authorization": "Bearer alpha"}
-    b = {"X-API-Key": "beta"}
+    a = {"Authorization": f"Bearer {alpha}"}
+    b = {"X-API-Key": beta}
     r = httpx.post(srv.url + "/v1/voices", headers=a, files={"file": ("a.wav", wav_clip(freq=300))}, timeout=60)
     assert r.status_code == 201
     vid = r.json()["id"]
     assert httpx.get(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404  # invisible to another key
     assert httpx.delete(srv.url + f"/v1/voices/{vid}", headers=b).status_code == 404
-    assert httpx.get(srv.url + f"/v1/voices/{vid}?api_key=alpha").status_code == 200
+    assert httpx.get(srv.url + f"/v1/voices/{vid}?api_key={alpha}").status_code == 200
     import asyncio
 
     import websockets
@@ -345,7 +347,7 @@ def test_api_keys_scope_voices(start_server):
 
     denied = asyncio.run(ws_try(srv.ws_url))
     assert denied["type"] == "error" and denied["code"] == "unauthorized"
-    assert asyncio.run(ws_try(srv.ws_url + "?api_key=beta"))["type"] == "session.created"
+    assert asyncio.run(ws_try(srv.ws_url + f"?api_key={beta}"))["type"] == "session.created"
 
 
 # ---- nothing lost, nothing 500 -------------------------------------------------------------
@@ -434,13 +436,13 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
     assert len(r.content) == reply_frames([frames] * n) * 512 * 4
 
 
-def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_server):
+def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(shared_server):
     """One slot, held by a long request: a second HTTP request waits in the engine's queue. When its client
     gives up before any audio, the gateway cancels it there at once (it used to wait for the slot, then run
     for nobody)."""
     import threading
 
-    srv = start_server("--max-batch", "1")
+    srv = shared_server(*ONE_SLOT)
     long = {"input": "Hold the slot.", "response_format": "pcm", "params": {"ignore_eos": True, "max_frames": 2500}}
     done = threading.Event()
 
@@ -450,12 +452,23 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
                 if done.is_set():
                     return
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-
     def engine() -> dict:
         return httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
 
+    def count(name: str) -> float:
+        """A counter of /metrics (0 before its first count)."""
+        lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+        return next((float(line.split()[-1]) for line in lines if line.startswith(name + " ")), 0.0)
+
+    gone, cancelled = 'zonos_errors_total{code="client_gone"}', "zonos_engine_cancelled"
+    # the server is shared: count from where its engine is idle (what earlier tests left has ended)
+    deadline = time.monotonic() + 60
+    while (e := engine())["active"] or e["waiting"]:
+        assert time.monotonic() < deadline, e
+        time.sleep(0.2)
+    before = count(gone), count(cancelled)
+    holder = threading.Thread(target=hold)
+    holder.start()
     deadline = time.monotonic() + 60
     while engine()["active"] != 1 and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -470,9 +483,8 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(start_s
             break
         time.sleep(0.2)
     assert seen[-1] == (1, 0), seen  # dropped from the queue while the slot's holder still runs
-    metrics = httpx.get(srv.url + "/metrics", timeout=10).text
-    assert 'zonos_errors_total{code="client_gone"} 1.0' in metrics
-    assert "\nzonos_engine_cancelled 1.0\n" in metrics  # cancelled there, not run to its end for nobody
+    assert count(gone) == before[0] + 1
+    assert count(cancelled) == before[1] + 1  # cancelled there, not run to its end for nobody
     done.set()
     holder.join(300)
 

@@ -16,6 +16,7 @@ import soundfile as sf
 import websockets
 
 from engine.frontend.longform import BOUNDARY_TRIM
+from tests.conftest import ONE_SLOT
 from tests.wsclient import Client
 
 pytestmark = pytest.mark.slow
@@ -333,11 +334,11 @@ def test_word_times_and_what_a_barge_in_heard(server):
     )
 
 
-def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_server):
+def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(shared_server):
     """One slot, held by one session's long utterance: a second session's utterance waits in the engine's
     queue. When that socket drops without a word, the gateway cancels its engine request: it leaves the
     queue cancelled (not run for nobody) while the holder still runs."""
-    srv = start_server("--max-batch", "1")
+    srv = shared_server(*ONE_SLOT)
 
     def engine() -> tuple[int, int, int]:
         """(active, waiting, cancelled) of the one engine."""
@@ -348,14 +349,20 @@ def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_
         )
         return e["active"], e["waiting"], int(cancelled)
 
-    async def wait_for(state: tuple[int, int, int]) -> list[tuple[int, int, int]]:
+    async def wait_for(state: tuple[int, int, int] | None) -> list[tuple[int, int, int]]:
+        """Poll until the engine is in `state` (None: idle, any count)."""
         seen: list[tuple[int, int, int]] = []
         deadline = time.monotonic() + 120  # a failure guard only
         while time.monotonic() < deadline:
             seen.append(await asyncio.to_thread(engine))
-            if seen[-1] == state:
+            if seen[-1] == state or (state is None and seen[-1][:2] == (0, 0)):
                 break
             await asyncio.sleep(0.2)
+        return seen
+
+    async def wait_for_idle() -> list[tuple[int, int, int]]:
+        seen = await wait_for(None)
+        assert seen[-1][:2] == (0, 0), seen
         return seen
 
     async def drain(ws) -> None:  # the holder reads its audio: it is never cancelled as a slow consumer
@@ -363,22 +370,24 @@ def test_a_session_that_closes_while_queued_takes_its_engine_work_with_it(start_
             pass
 
     async def go():
+        # the server is shared: count from the engine idle (what earlier tests left has ended)
+        n = (await wait_for_idle())[-1][2]
         holder = await connect(srv, params={"max_frames": 2500, "ignore_eos": True})
         await holder.send(type="text", text="Hold the slot.", flush=True)
         await holder.until("audio.start", timeout=120)
         reading = asyncio.create_task(drain(holder.ws))
         queued = await connect(srv)
         await queued.send(type="text", text="Queued.", flush=True)
-        before = await wait_for((1, 1, 0))  # it waits behind the holder
+        before = await wait_for((1, 1, n))  # it waits behind the holder
         queued.ws.transport.abort()  # the client vanishes: no close frame
-        after = await wait_for((1, 0, 1))
+        after = await wait_for((1, 0, n + 1))
         await holder.ws.close()
         await reading
-        return before, after
+        return n, before, after
 
-    before, after = run(go())
-    assert before[-1] == (1, 1, 0), before
-    assert after[-1] == (1, 0, 1), after  # cancelled in the queue while the slot's holder still runs
+    n, before, after = run(go())
+    assert before[-1] == (1, 1, n), before
+    assert after[-1] == (1, 0, n + 1), after  # cancelled in the queue while the slot's holder still runs
 
 
 def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):

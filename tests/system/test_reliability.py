@@ -28,7 +28,7 @@ import websockets
 
 from app.__main__ import parse_args
 from app.settings import GatewaySettings, Limits
-from tests.conftest import ROOT
+from tests.conftest import API_KEYS, KEYED, ROOT
 from tests.wsclient import Client
 
 FRAME_BYTES = 512 * 2  # one frame of pcm_s16le at 44.1 kHz
@@ -907,12 +907,12 @@ def test_sessions_holding_clips_keep_embeddings_not_audio(server):
 
 
 # ---- which HTTP routes a key guards; keys kept out of the logs ------------------------
-KEY = "k-test-7c1e"
+KEY = API_KEYS[1]  # its own key on the keyed server modules share (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
-def keyed(start_server):
-    return start_server("--api-key", KEY)
+def keyed(shared_server):
+    return shared_server(*KEYED)
 
 
 @slow

@@ -20,6 +20,7 @@ import websockets
 from app.io import audio_output, checks
 from app.io.errors import RequestError
 from app.settings import Limits
+from tests.conftest import PING_S, PINGING
 from tests.wsclient import Client
 
 LONG = {"max_frames": 2000, "ignore_eos": True, "seed": 1}  # one utterance that holds the engine's one slot
@@ -247,12 +248,12 @@ def test_gc_pauses_are_a_metric(server):
     assert 'zonos_gc_pause_seconds_bucket{generation="0",le="0.005"}' in httpx.get(server.url + "/metrics").text
 
 
-def test_an_idle_socket_answering_pings_is_reused_without_a_failed_attempt(start_server):
+def test_an_idle_socket_answering_pings_is_reused_without_a_failed_attempt(shared_server):
     """LiveKit's plugins pool a socket and reuse it after a long idle (up to 3600 s, the default idle timeout):
     here the idle is many ping intervals long (the client answers each ping), and the next turn's first attempt
     plays."""
     assert Limits().idle_timeout_s >= 3600
-    srv = start_server("--ws-ping-interval", "0.2", "--idle-timeout", "30")
+    srv = shared_server(*PINGING)
 
     async def go() -> None:
         async with websockets.connect(srv.ws_url, max_size=None, ping_interval=None) as ws:
@@ -261,8 +262,8 @@ def test_an_idle_socket_answering_pings_is_reused_without_a_failed_attempt(start
             await c.send(type="text", text="A first turn.", flush=True)
             await c.until("flushed", timeout=120)
             t0 = time.monotonic()
-            while time.monotonic() - t0 < 15 * 0.2:  # idle for 15 ping intervals; the client answers each ping
-                await asyncio.sleep(0.2)
+            while time.monotonic() - t0 < 15 * PING_S:  # idle for 15 ping intervals; the client answers each ping
+                await asyncio.sleep(PING_S)
                 assert ws.state is websockets.State.OPEN, "the server closed an idle socket that answers pings"
             await c.send(type="text", text="The next turn, on the pooled socket.", flush=True)
             while (msg := await c.recv(timeout=120))["type"] != "flushed":  # the first attempt plays

@@ -50,11 +50,17 @@ def test_triton_on_cpu_sets_nothing_where_cuda_is(monkeypatch):
 
 
 LEAKS = """
+import sys
+
 import torch
 
 
 def test_leaves_the_default_dtype_changed():
     torch.set_default_dtype(torch.float64)
+
+
+def test_leaves_the_switch_interval_changed():  # as an Engine built in the test's own process does
+    sys.setswitchinterval(2e-4)
 
 
 def test_restores_it(monkeypatch):
@@ -63,9 +69,9 @@ def test_restores_it(monkeypatch):
 
 
 def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
-    """conftest's autouse check, loaded as a plugin into a pytest run of two tests: the one that leaves torch's
-    default dtype changed errors in its teardown, naming the setting; the one whose change monkeypatch undoes
-    passes."""
+    """conftest's autouse check, loaded as a plugin into a pytest run of three tests: those that leave torch's
+    default dtype or the interpreter's switch interval changed error in their teardown, naming the setting;
+    the one whose change monkeypatch undoes passes."""
     (tmp_path / "test_leaks.py").write_text(LEAKS)
     root = TESTS.parent
     proc = subprocess.run(
@@ -90,5 +96,6 @@ def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
-    assert "2 passed, 1 error" in out, out  # the leaking test ran, and its teardown failed
+    assert "3 passed, 2 errors" in out, out  # the leaking tests ran, and their teardowns failed
     assert "ERROR at teardown of test_leaves_the_default_dtype_changed" in out and "default dtype" in out, out
+    assert "ERROR at teardown of test_leaves_the_switch_interval_changed" in out and "switch interval" in out, out
