@@ -445,11 +445,11 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
     what its resampler holds back (48 for 48 kHz, 86 for 24 kHz, 128 for 16 kHz, 254 for 8 kHz: the bridge
     at its start, app/io/resample.py; all within the engine's first 10-frame DAC call) and, for a compressed
-    format, its codec
-    (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg pages). Asked of the
-    encoders themselves, once per output: fresh encoders fed more and more (more input never gives less
-    output). Audio means bytes past those a codec writes on its first write whatever it holds (MP3's Info
-    frame, Ogg's and FLAC's headers); 1 at the native rate in a sample encoding (nothing held back)."""
+    format, its codec (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg
+    pages). Asked of the encoders themselves, once per output: fresh encoders fed more and more (more input
+    never gives less output). Audio means bytes past those a codec writes on its first write whatever it
+    holds (MP3's Info frame, Ogg's and FLAC's headers); 1 at the native rate in a sample encoding (nothing
+    held back)."""
     if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
         return 1
     header = len(StreamEncoder(encoding, sample_rate).write(np.zeros(1, np.float32))) if encoding in COMPRESSED else 0

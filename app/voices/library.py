@@ -346,11 +346,12 @@ class VoiceStore:
         embedding = np.asarray(embedding, dtype=np.float32)
         if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
             raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
-        if self.max_per_owner and self.find(voice.id) is None:  # a new voice, not one stored again
+        if self.max_per_owner:
             self._sync()
             with self._lock:
+                new = voice.id not in self._voices  # not one stored again
                 owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
-            if owned >= self.max_per_owner:
+            if new and owned >= self.max_per_owner:
                 raise VoiceError(
                     G.TOO_MANY_VOICES,
                     f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",

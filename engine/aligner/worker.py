@@ -41,9 +41,13 @@ MAX_QUEUED_S = 600.0  # audio waiting to be aligned at most: past it a new utter
 Words = list[tuple[str, float, float]]
 
 
+def _rate_ok(sample_rate: object) -> bool:
+    return not isinstance(sample_rate, bool) and isinstance(sample_rate, int) and 8000 <= sample_rate <= 192000
+
+
 def _queued_s(pcm: np.ndarray, sample_rate: int) -> float:
     """An utterance's seconds in the queue's count (a bad sample rate is its own error later, in `prepare`)."""
-    return len(pcm) / sample_rate if isinstance(sample_rate, int) and sample_rate >= 8000 else 0.0
+    return len(pcm) / sample_rate if _rate_ok(sample_rate) else 0.0
 
 
 class AlignerBehind(RuntimeError):
@@ -70,7 +74,7 @@ class Aligner:
     @staticmethod
     def prepare(pcm: np.ndarray, sample_rate: int, text: str) -> tuple[np.ndarray, Tokens]:
         """16 kHz float32 audio and the text's tokens; ValueError for what cannot be aligned."""
-        if isinstance(sample_rate, bool) or not isinstance(sample_rate, int) or not 8000 <= sample_rate <= 192000:
+        if not _rate_ok(sample_rate):
             raise ValueError(f"sample rate must be an integer in 8000..192000 Hz, not {sample_rate!r}")
         x = np.asarray(pcm)
         if x.ndim != 1:

@@ -355,8 +355,8 @@ class Scheduler:
             return
         for rid, words, err in self.engine.aligner.results():
             if err is not None:
-                code = E.ENGINE_BUSY if isinstance(err, AlignerBehind) else E.BAD_REQUEST
-                self._error(rid, code if isinstance(err, ValueError | AlignerBehind) else E.INTERNAL, str(err))
+                behind, bad = isinstance(err, AlignerBehind), isinstance(err, ValueError)
+                self._error(rid, E.ENGINE_BUSY if behind else E.BAD_REQUEST if bad else E.INTERNAL, str(err))
             else:
                 self.outbox.send(rid, m.Aligned(rid, tuple(words or ())), force=True)
 
