@@ -259,17 +259,35 @@ def test_what_cannot_be_aligned_is_a_clear_error(pcm, sr, text, match):
         Aligner.prepare(pcm, sr, text)
 
 
-def test_the_worker_batches_what_is_queued_and_fails_only_the_bad_utterance(tmp_path):
+def _held(tmp_path) -> tuple[Aligner, threading.Event, threading.Event]:
+    """An aligner whose batches wait for `gate` (`entered` says one has started): while the first is held, what
+    is submitted queues behind it."""
     aligner = Aligner(load_aligner(crafted_checkpoint(tmp_path / "crafted.pt")))
     gate, entered = threading.Event(), threading.Event()
     real = aligner.align
 
-    def held(batch):  # the first batch waits until the rest is queued, so they make one batch
+    def held(batch):
         entered.set()
         gate.wait(30)
         return real(batch)
 
     aligner.align = held  # type: ignore[method-assign]
+    return aligner, gate, entered
+
+
+def _results(worker: AlignerWorker, n: int) -> dict[object, tuple]:
+    """The worker's first `n` answers, key -> (words, error) (a guard bound, not a pace)."""
+    done: dict[object, tuple] = {}
+    for _ in range(600):
+        done.update({k: (w, e) for k, w, e in worker.results()})
+        if len(done) >= n:
+            break
+        threading.Event().wait(0.1)
+    return done
+
+
+def test_the_worker_batches_what_is_queued_and_fails_only_the_bad_utterance(tmp_path):
+    aligner, gate, entered = _held(tmp_path)  # the first batch waits until the rest is queued: they make one
     worker = AlignerWorker(aligner)
     try:
         worker.submit("first", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
@@ -278,13 +296,7 @@ def test_the_worker_batches_what_is_queued_and_fails_only_the_bad_utterance(tmp_
             worker.submit(k, square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
         worker.submit("bad", np.zeros(100, np.int16), SAMPLE_RATE, "a")
         gate.set()
-        done: dict[object, tuple] = {}
-        deadline = threading.Event()
-        for _ in range(600):
-            done.update({k: (w, e) for k, w, e in worker.results()})
-            if len(done) == 5:
-                break
-            deadline.wait(0.1)
+        done = _results(worker, 5)
         assert set(done) == {"first", 0, 1, 2, "bad"}
         assert isinstance(done["bad"][1], ValueError) and done["bad"][0] is None
         for k in ("first", 0, 1, 2):
@@ -337,12 +349,7 @@ def test_the_worker_gathers_utterances_that_arrive_within_its_window(tmp_path):
         threading.Event().wait(0.2)  # the worker has taken the first one and waits for more
         for k in (1, 2):
             worker.submit(k, square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
-        done: dict[object, tuple] = {}
-        for _ in range(600):
-            done.update({k: (w, e) for k, w, e in worker.results()})
-            if len(done) == 3:
-                break
-            threading.Event().wait(0.1)
+        done = _results(worker, 3)
         assert set(done) == {0, 1, 2} and all(e is None for _, e in done.values())
         assert worker.batches == 1
     finally:
@@ -358,16 +365,7 @@ def test_a_behind_aligner_refuses_more_and_skips_what_waited_too_long(tmp_path, 
 
     monkeypatch.setattr(worker_mod, "MAX_QUEUED_S", 6.0)
     monkeypatch.setattr(worker_mod, "ALIGN_WAIT_S", 0.05)
-    aligner = Aligner(load_aligner(crafted_checkpoint(tmp_path / "crafted.pt")))
-    gate, entered = threading.Event(), threading.Event()
-    real = aligner.align
-
-    def held(batch):
-        entered.set()
-        gate.wait(30)
-        return real(batch)
-
-    aligner.align = held  # type: ignore[method-assign]
+    aligner, gate, entered = _held(tmp_path)
     worker = AlignerWorker(aligner, gather_s=0)
     try:
         worker.submit("first", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
@@ -378,12 +376,7 @@ def test_a_behind_aligner_refuses_more_and_skips_what_waited_too_long(tmp_path, 
             worker.submit("refused", square(SEGMENTS, 2.6), SAMPLE_RATE, "a a a")
         threading.Event().wait(0.2)  # the two queued ones are older than ALIGN_WAIT_S now, whatever the pace
         gate.set()
-        done: dict[object, tuple] = {}
-        for _ in range(600):
-            done.update({k: (w, e) for k, w, e in worker.results()})
-            if len(done) == 3:
-                break
-            threading.Event().wait(0.1)
+        done = _results(worker, 3)
         assert done["first"][1] is None
         assert all(isinstance(done[k][1], worker_mod.AlignerBehind) and done[k][0] is None for k in ("queued", "also"))
         assert worker.batches == 1
