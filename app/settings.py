@@ -160,6 +160,11 @@ class Limits:
         ),
     )
     max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input", 0, 1_000_000))
+    # an HTTP request speaks its whole text, however long each sentence runs (ignore_eos: to max_frames); this
+    # bounds the decode slot and the client's download one request can take (4096 characters of speech: ~5 min)
+    max_request_audio_s: float = field(
+        default=900.0, metadata=_limit("seconds of audio one HTTP speech request may produce", 0, _DAY)
+    )
     # ElevenLabs request stitching (app/core/stitching.py): what each owner's finished text-to-speech requests
     # leave in the data dir for a later request's `previous_request_ids`
     stitch_requests: int = field(

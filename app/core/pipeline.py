@@ -41,7 +41,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.contract import records as m
-from engine.contract.constants import SAMPLE_RATE
+from engine.contract.constants import FRAME_S, SAMPLE_RATE
 from engine.contract.errors import EngineError
 
 SILENCE_PIECE = 4096  # samples of a break sent at once (a cancel stops it within one)
@@ -366,6 +366,15 @@ async def speak(
         chain = pipe.chains[DEFAULT_CONTEXT] = Chain(opts.long_form, stitch.seed, keep=True)
     if not sentences or not pipe.add(sentences, opts, voice, clip):  # nothing but tags is nothing to speak
         raise RequestError(G.EMPTY_TEXT, "there is no text to speak")
+    cap = gw.settings.limits.max_request_audio_s
+    too_long = RequestError(G.AUDIO_TOO_LONG, f"one request's audio is limited to {cap:g} s (--max-request-audio-s)")
+    if opts.ignore_eos:  # every sentence runs to its frame limit: the length is known before any engine work
+        frames = opts.max_frames or gw.settings.limits.max_frames
+        seconds = sum(u.silence_s if u.silence_s is not None else frames * FRAME_S for u in pipe.queue)
+        if seconds > cap:
+            pipe.close()  # its engine requests were only scheduled: none has started
+            raise RequestError(too_long.code, f"{too_long} and this one asks for {seconds:.0f} s (ignore_eos)")
+    left = round(cap * SAMPLE_RATE)  # samples it may still send
     pipe.end()  # the whole text is here: its last sentence is final
     try:
         while pipe.queue:
@@ -374,9 +383,15 @@ async def speak(
                 u.clock = timeline.begin(u.text)
             async with contextlib.aclosing(pipe.play(u)) as pcm:
                 async for x in pcm:
+                    if len(x) > left:  # its audio ends at the cap, with the error
+                        x = x[:left]
+                        u.error = too_long
+                    left -= len(x)
                     if timeline is not None:
                         timeline.feed(x)
                     yield x
+                    if u.error is too_long:
+                        break
             if u.error is not None:
                 raise u.error
             if timeline is not None:

@@ -22,6 +22,7 @@ class GatewayError(StrEnum):
     BODY_TOO_LARGE = "body_too_large"
     EMPTY_TEXT = "empty_text"
     TEXT_TOO_LONG = "text_too_long"
+    AUDIO_TOO_LONG = "audio_too_long"  # an HTTP request's audio past --max-request-audio-s
     UNSUPPORTED_FORMAT = "unsupported_format"  # an output format or rate no encoder offers
     NORMALIZATION_TIMEOUT = "normalization_timeout"
     # a streaming session's limits

@@ -53,6 +53,8 @@ LIMITED = [
     "3",
     "--max-http-chars",
     "200",
+    "--max-request-audio-s",
+    "1.5",
     "--max-frames",
     "600",
     "--max-buffered-audio",
@@ -371,6 +373,31 @@ def test_clip_limits(limited):
         return err
 
     assert run(go())["code"] == "clip_too_long"
+
+
+def test_an_http_request_audio_is_capped(limited):
+    # ignore_eos: every sentence runs to its frame limit, so the length is known and refused before any work
+    asked = {"input": "One. Two.", "response_format": "pcm", "ignore_eos": True, "max_frames": 100, "seed": 1}
+    r = httpx.post(limited.url + "/v1/audio/speech", json=asked, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"
+    assert "1.5 s" in r.json()["error"]["message"] and "2 s" in r.json()["error"]["message"]
+    # a break is known too; otherwise the sentences' lengths are the model's: the audio stops at the cap
+    silent = {"input": 'One. <break time="1s"/> Two. <break time="1s"/> Three.', "response_format": "wav"}
+    r = httpx.post(limited.url + "/v1/audio/speech", json=silent | {"max_frames": 20, "seed": 1}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"  # the finished file: a 4xx
+    with httpx.stream(
+        "POST",
+        limited.url + "/v1/audio/speech",
+        json=silent | {"response_format": "pcm", "sample_rate": 44100, "max_frames": 20},
+    ) as r:
+        assert r.status_code == 200
+        got = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError):  # cut off, not ended as if complete
+            for b in r.iter_bytes():
+                got += b
+    assert len(got) == 1.5 * 44100 * 2  # exactly the cap
+    r = httpx.post(limited.url + "/v1/audio/speech", json=asked | {"input": "One."}, timeout=60)
+    assert r.status_code == 200 and len(r.content) == round(100 * 512 * 24000 / 44100) * 2  # under the cap
 
 
 @slow
