@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
 from pathlib import Path
 
+import uvicorn
 from starlette.applications import Starlette
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.exceptions import HTTPException
@@ -24,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.core.engine_client import ControlLink
 from app.core.gateway import Gateway
+from app.core.session import DRAIN_POLL_S
 from app.doors import openai_speech, reference, service, speech, voices
 from app.doors.dialects import (
     cartesia,
@@ -337,8 +341,6 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
 def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | None = None) -> bool:
     """Serve `app` with uvicorn on `sock` (bound to host:port when not given) until a signal stops it; False
     when it could not start."""
-    import uvicorn
-
     from app.io.http_protocol import bounded_protocol
 
     config = uvicorn.Config(
@@ -358,6 +360,31 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
     sock = sock or config.bind_socket()
     if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.limits.tcp_send_buffer_bytes)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)
     server.run(sockets=[sock])
     return server.started
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose SIGTERM drains before it shuts down: uvicorn alone closes every WebSocket at once
+    (1012) and cuts what is still streaming after a few seconds, so a rolling deploy would cut every voice
+    mid-sentence. Draining, the door refuses new streams (503 shutting_down, /readyz 503) while the listening
+    socket stays open, each session ends once it is quiet (app/core/session.py `_until_drained`), and HTTP
+    answers run to their end, for up to `drain_s`; then uvicorn's shutdown ends the rest. SIGINT (Ctrl+C) does
+    not drain, and a second one stops a drain."""
+
+    def __init__(self, config: uvicorn.Config, gateway: Gateway, drain_s: float) -> None:
+        super().__init__(config)
+        self.gateway = gateway
+        self.drain_s = drain_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if signal.SIGTERM in self._captured_signals and self.drain_s > 0 and not self.force_exit:
+            self.gateway.draining.set()
+            busy = len(self.server_state.tasks)
+            log.info("draining: %d sessions and requests in progress, for up to %g s", busy, self.drain_s)
+            deadline = time.monotonic() + self.drain_s
+            while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+                await asyncio.sleep(DRAIN_POLL_S)
+            log.info("drained: %d sessions and requests left to cut", len(self.server_state.tasks))
+        await super().shutdown(sockets)

@@ -113,6 +113,18 @@ class Limits:
             aliases=("--ws-ping-timeout",),
         ),
     )
+    # A SIGTERM (a rolling deploy, docs/reliability.md "Shutting down") first drains: new streams are refused (503,
+    # /readyz 503), and each session is closed (1012) once it is quiet; the rest is cut after this long
+    drain_timeout_s: float = field(
+        default=20.0,
+        metadata=_limit(
+            "seconds a SIGTERM waits for sessions and requests in progress to finish before they are cut (0: cut "
+            "at once)",
+            0,
+            3600.0,
+            zero_ok=True,
+        ),
+    )
     head_timeout_s: float = field(
         default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", 0, _DAY)
     )

@@ -257,8 +257,8 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     finally:
         for g in gateways:
             if g.proc is not None and g.proc.is_alive():
-                g.proc.terminate()  # uvicorn's graceful shutdown: its sessions end, its engine work is cancelled
-        deadline = time.monotonic() + 15
+                g.proc.terminate()  # it drains, then its sessions end and its engine work is cancelled
+        deadline = time.monotonic() + settings.limits.drain_timeout_s + 15  # each drains (app/server.py), then stops
         for g in gateways:
             if g.proc is not None:
                 g.proc.join(max(0.1, deadline - time.monotonic()))

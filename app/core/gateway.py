@@ -183,6 +183,8 @@ class Gateway:
         )
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
+        # set by a SIGTERM (app/server.py DrainingServer): new streams are refused and each session ends once quiet
+        self.draining = asyncio.Event()
 
     async def start(self) -> None:
         await self.engine.start()
@@ -235,6 +237,13 @@ class Gateway:
         Retry-After, counted `at` where it was made ("head": the connection's request head, before the app ran;
         "app": in a route). A refusal is kept for DOOR_MEMO_S: a storm of refused clients costs one decision
         per interval, not one per client."""
+        if self.draining.is_set():
+            self.metrics.door_refusals.labels(at).inc()
+            return RequestError(
+                G.SHUTTING_DOWN,
+                "the server is shutting down: retry (another replica)",
+                headers={"Retry-After": "1"},
+            )
         now = time.monotonic()
         if now < self._refused_until and self._refused is not None:
             d = self._refused

@@ -53,6 +53,11 @@ log = logging.getLogger("gateway.session")
 # A pending answer: a JSON message, or a coroutine function run under the send lock.
 Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 
+# While the server drains (a SIGTERM), a session is closed once it is quiet: nothing buffered, generating, playing or
+# being aligned, and no message for this long (a turn's next sentence, streamed at an LLM's pace, may still come)
+DRAIN_QUIET_S = 1.0
+DRAIN_POLL_S = 0.05
+DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
@@ -178,6 +183,10 @@ class StreamingSession:
         """After `close`, once everything has been played and answered."""
         await self.ws.close(1000)
 
+    async def on_drained(self) -> None:
+        """The server is shutting down and this session is quiet (`_until_drained`)."""
+        await self.ws.close(DRAIN_CLOSE_CODE, "the server is restarting: reconnect")
+
     def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Voice | None, tuple[np.ndarray, int] | None]:
         """The options, voice and clip of the utterances of a context."""
         return self.opts, self.voice, self.clip
@@ -229,7 +238,8 @@ class StreamingSession:
         await self.on_open()
         recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
         closed = asyncio.create_task(self._closed.wait(), name=f"closed-{self.id}")
-        waits: set[asyncio.Future[Any]] = {recv, closed, self._failed}
+        drained = asyncio.create_task(self._until_drained(), name=f"drained-{self.id}")
+        waits: set[asyncio.Future[Any]] = {recv, closed, drained, self._failed}
         done: set[asyncio.Future[Any]] = set()
         task: asyncio.Future[Any] | None = None
         try:
@@ -240,17 +250,20 @@ class StreamingSession:
                 task.result()
             if closed in done:
                 await self.on_closed()
+            elif drained in done:
+                await self.on_drained()
         finally:
             recv.cancel()
             closed.cancel()
+            drained.cancel()
             # waited for, not awaited: awaiting a cancelled task raises its CancelledError here, whose traceback
             # holds this frame, which holds the task, which holds the error: a cycle that kept every ended
             # session for the collector's full passes (docs/architecture.md, "The collector")
-            await asyncio.wait((recv, closed))
+            await asyncio.wait((recv, closed, drained))
             self._shutdown()
             # an error raised above carries this frame in its traceback: the frame must not hold the tasks
             # (`done` and the loop's `task` included) that hold that error
-            del recv, closed
+            del recv, closed, drained
             waits, done, task = set(), set(), None
 
     def _shutdown(self) -> None:
@@ -484,13 +497,22 @@ class StreamingSession:
         self._check_closed()
 
     def _check_closed(self) -> None:
-        if (
-            self._closing
-            and not self.buffers
+        if self._closing and self._quiet():
+            self._closed.set()
+
+    def _quiet(self) -> bool:
+        """Nothing buffered, generating, playing, being aligned or waiting for its answer."""
+        return (
+            not self.buffers
             and not self._align_tasks
             and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values())
-        ):
-            self._closed.set()
+        )
+
+    async def _until_drained(self) -> None:
+        """Returns once the server drains and this session is quiet (DRAIN_QUIET_S)."""
+        await self.gw.draining.wait()
+        while not (self._quiet() and time.monotonic() - self._last_activity >= DRAIN_QUIET_S):
+            await asyncio.sleep(DRAIN_POLL_S)
 
     # ---- holding buffered text ---------------------------------------------------------------------
     def _hold(self, ctx: str) -> None:

@@ -33,6 +33,7 @@ class GatewayError(StrEnum):
     IDLE_TIMEOUT = "idle_timeout"
     CLIENT_STALLED = "client_stalled"  # counted only: the client reads nothing, so it is told nothing
     CLIENT_GONE = "client_gone"  # counted only: an HTTP client left before its audio began (its work is dropped)
+    SHUTTING_DOWN = "shutting_down"  # a new stream while the server drains (a SIGTERM): retry elsewhere
     # who may call
     UNAUTHORIZED = "unauthorized"
     ORIGIN_NOT_ALLOWED = "origin_not_allowed"
@@ -96,6 +97,7 @@ _HTTP_STATUS = {
     GatewayError.FORBIDDEN: 403,
     GatewayError.VOICE_STORE_UNAVAILABLE: 503,
     GatewayError.CLIENT_GONE: 499,
+    GatewayError.SHUTTING_DOWN: 503,
     GatewayError.UNKNOWN_LEXICON: 404,
 }
 

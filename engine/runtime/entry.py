@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from engine.contract import records as m
 from engine.contract.errors import EngineError as E
@@ -50,6 +51,9 @@ def engine_main(
     scheduler.ready = ready
     scheduler.outbox.send("ready", ready, force=True)
     scheduler.outbox.flush()
+    # Ready, it is stopped by its gateway (a Shutdown record) or with it (the lifeline): a SIGTERM sent to the whole
+    # process group (systemd, a terminal) must leave it serving while the gateway drains (app/server.py)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     scheduler.run()
     scheduler.outbox.flush()
     log.info("engine stopped")

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from app.core import session as session_module
 from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
 from app.core.metrics import Metrics
@@ -117,6 +118,7 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
         engine=SimpleNamespace(info={"max_context": 6144}),
         fake=engine,
         resolve_voice=lambda ref, owner: None,
+        draining=asyncio.Event(),
     )
     # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
     gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
@@ -139,7 +141,7 @@ class FakeSocket:
     async def send_bytes(self, data: bytes) -> None:
         await self.out.put(data)
 
-    async def close(self, code: int = 1000) -> None:
+    async def close(self, code: int = 1000, reason: str | None = None) -> None:
         self.close_code = code
         self.application_state = WebSocketState.DISCONNECTED
 
@@ -196,6 +198,34 @@ def test_close_with_a_full_queue_still_speaks_everything_and_closes():
     assert not [d for d in seen if d["type"] == "error"]
     assert sum(d["type"] == "audio.done" for d in seen) == 4 and code == 1000
     assert texts == ["One.", "Two.", "Three.", "Four"]
+
+
+def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
+    """The server drains (a SIGTERM): a session closes with 1012 once nothing is buffered, queued or playing and no
+    message came for DRAIN_QUIET_S, not while its turn's text is still arriving or speaking."""
+    monkeypatch.setattr(session_module, "DRAIN_QUIET_S", 0.05)
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="The turn so far")
+        await asyncio.sleep(0.2)
+        session.gw.draining.set()
+        await asyncio.sleep(0.3)
+        open_with_text = ws.close_code is None and not task.done()
+        ws.send(type="text", text=" ends here.", flush=True)
+        stream = await engine.started(1)
+        await asyncio.sleep(0.3)
+        open_while_speaking = ws.close_code is None and not task.done()
+        engine.play(stream)
+        seen = await ws.until("audio.done")
+        async with asyncio.timeout(TIMEOUT):
+            await task  # it ends by itself
+        return open_with_text, open_while_speaking, seen, ws.close_code
+
+    open_with_text, open_while_speaking, seen, code = asyncio.run(go())
+    assert open_with_text and open_while_speaking
+    assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["The turn so far ends here."]
+    assert code == session_module.DRAIN_CLOSE_CODE == 1012
 
 
 def test_text_after_close_is_refused_but_cancel_still_works():

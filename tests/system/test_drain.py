@@ -1,0 +1,98 @@
+"""A SIGTERM drains before the server stops (docs/reliability.md, "Shutting down"): what is speaking finishes,
+each session is closed with 1012 once it is quiet, new streams and /readyz are answered 503, and the engine keeps
+serving meanwhile even when the signal reaches the whole process group (systemd, a terminal)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from typing import Any
+
+import httpx
+import pytest
+import websockets
+
+from tests.conftest import ServerProcess
+from tests.wsclient import Client
+
+FRAMES = 120
+FRAME_BYTES = 512 * 2  # 44.1 kHz int16: one frame of audio
+TURN = {"params": {"max_frames": FRAMES, "ignore_eos": True, "seed": 3}}
+
+
+async def session(srv: ServerProcess, config: dict[str, Any]) -> Client:
+    c = Client(await websockets.connect(srv.ws_url, max_size=None))
+    assert (await c.recv())["type"] == "session.created"
+    await c.send(type="session.config", **config)
+    await c.until("session.updated")
+    return c
+
+
+async def close_code(c: Client, timeout: float = 60) -> int | None:
+    try:
+        while True:
+            await c.recv(timeout)
+    except websockets.ConnectionClosed as e:
+        return e.rcvd.code if e.rcvd else None
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_sigterm_drains_what_is_speaking(start_server, workers):
+    srv = start_server("--drain-timeout-s", "120", "--workers", workers)
+
+    async def go() -> dict[str, Any]:
+        speaking = await session(srv, TURN)
+        midturn = await session(srv, TURN)  # its turn's text so far is buffered, no sentence end yet
+        idle = await session(srv, TURN)
+        await midturn.send(type="text", text="And then it")
+        await speaking.send(type="text", text="Speak this whole sentence.", flush=True)
+        start = await speaking.until("audio.start")
+        async with httpx.AsyncClient(timeout=120) as http:
+            body = {"input": "And this one.", "response_format": "pcm", "sample_rate": 44100, **TURN["params"]}
+            async with http.stream("POST", srv.url + "/v1/audio/speech", json=body) as answer:
+                chunks = answer.aiter_bytes()
+                got = bytearray(await anext(chunks))  # it has begun
+                os.killpg(srv.proc.pid, signal.SIGTERM)  # as systemd would: every process of the server
+                # while it drains: no new stream, and not ready
+                refused = None
+                for _ in range(600):
+                    try:
+                        async with websockets.connect(srv.ws_url):
+                            pass
+                    except websockets.InvalidStatus as e:
+                        refused = e.response
+                        break
+                    await asyncio.sleep(0.05)
+                ready = await http.get(srv.url + "/readyz")
+                async for b in chunks:
+                    got += b
+            done = await speaking.until("audio.done", timeout=120)
+            spoken = len(speaking.audio[start["utterance_id"]])
+            codes = {"speaking": await close_code(speaking), "idle": await close_code(idle)}
+            # the turn goes on after the signal: its end is spoken, then it is closed too
+            await midturn.send(type="text", text=" ends here.", flush=True)
+            end = await midturn.until("audio.done", timeout=120)
+            codes["midturn"] = await close_code(midturn)
+        return {
+            "refused": refused,
+            "ready": ready,
+            "http": len(got),
+            "done": done,
+            "spoken": spoken,
+            "midturn": end,
+            "codes": codes,
+        }
+
+    out = asyncio.run(asyncio.wait_for(go(), 300))
+    assert out["refused"] is not None and out["refused"].status_code == 503
+    assert b"shutting_down" in out["refused"].body
+    assert out["ready"].status_code == 503 and out["ready"].json()["status"] == "draining"
+    assert out["done"]["stats"]["frames"] == FRAMES and out["spoken"] == FRAMES * FRAME_BYTES
+    assert out["http"] == FRAMES * FRAME_BYTES  # the HTTP answer whole
+    assert out["midturn"]["stats"]["frames"] == FRAMES
+    assert out["codes"] == {"speaking": 1012, "idle": 1012, "midturn": 1012}
+    # then it stops by itself, well before the drain's limit (uvicorn ends on the signal it was stopped by)
+    assert srv.proc.wait(60) in (0, -signal.SIGTERM)
+    log = srv.log.read_text()
+    assert "draining" in log and "engine stopped" in log
