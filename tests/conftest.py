@@ -122,6 +122,9 @@ class ServerProcess:
             # off here (0), tests/system/test_storm.py turns it on
             "--max-queue-ms",
             "0",
+            # stopped at once at the module's end, whatever a test left speaking (tests/system/test_drain.py drains)
+            "--drain-timeout-s",
+            "0",
             *extra,
         ]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
