@@ -380,7 +380,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         if signal.SIGTERM in self._captured_signals and self.drain_s > 0 and not self.force_exit:
-            self.gateway.draining.set()
+            self.gateway.start_drain()
             busy = len(self.server_state.tasks)
             log.info("draining: %d sessions and requests in progress, for up to %g s", busy, self.drain_s)
             deadline = time.monotonic() + self.drain_s

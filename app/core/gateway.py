@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import soundfile as sf
@@ -56,7 +56,16 @@ log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
 INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
+
+
 DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again
+
+
+class Drainable(Protocol):
+    """A streaming session, as the gateway sees it (app/core/session.py)."""
+
+    def drain(self) -> None: ...
+
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
 # about 6 frames per byte at a neutral rate (14-17 bytes/s at 86.13 frames/s), and prompt plus audio
@@ -183,8 +192,9 @@ class Gateway:
         )
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
-        # set by a SIGTERM (app/server.py DrainingServer): new streams are refused and each session ends once quiet
-        self.draining = asyncio.Event()
+        # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
+        self.draining = False
+        self.live: set[Drainable] = set()  # this process's streaming sessions (app/doors/handshake.py)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -224,6 +234,12 @@ class Gateway:
         limits = self.settings.limits
         return decide(loads, self.held(), limits.max_queue_ms / 1e3, limits.first_audio_budget_ms / 1e3)
 
+    def start_drain(self) -> None:
+        """The server is shutting down: refuse new streams, and end each session once it is quiet."""
+        self.draining = True
+        for s in list(self.live):
+            s.drain()
+
     def held(self) -> int:
         """Admitted conversations whose room is held: this process's now, and what the others published."""
         held = self.conversations.held()
@@ -237,7 +253,7 @@ class Gateway:
         Retry-After, counted `at` where it was made ("head": the connection's request head, before the app ran;
         "app": in a route). A refusal is kept for DOOR_MEMO_S: a storm of refused clients costs one decision
         per interval, not one per client."""
-        if self.draining.is_set():
+        if self.draining:
             self.metrics.door_refusals.labels(at).inc()
             return RequestError(
                 G.SHUTTING_DOWN,

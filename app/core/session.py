@@ -58,6 +58,7 @@ Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 DRAIN_QUIET_S = 1.0
 DRAIN_POLL_S = 0.05
 DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
+CLOSED, DRAINED = "closed", "drained"  # why a session ends by itself (`StreamingSession._outcome`)
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
@@ -117,8 +118,10 @@ class StreamingSession:
         self.lanes: dict[str, Lane] = {}
         self._send_lock = asyncio.Lock()
         self._closing = False
-        self._closed = asyncio.Event()  # closing and everything has been played
+        # why the session ends by itself: CLOSED (a close, and everything played) or DRAINED (`drain`)
+        self._outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()
         self.conversation = Conversation()  # what the door holds room for (app/core/admission.py)
@@ -184,7 +187,7 @@ class StreamingSession:
         await self.ws.close(1000)
 
     async def on_drained(self) -> None:
-        """The server is shutting down and this session is quiet (`_until_drained`)."""
+        """The server is shutting down and this session is quiet (`drain`)."""
         await self.ws.close(DRAIN_CLOSE_CODE, "the server is restarting: reconnect")
 
     def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Voice | None, tuple[np.ndarray, int] | None]:
@@ -237,9 +240,7 @@ class StreamingSession:
     async def run(self) -> None:
         await self.on_open()
         recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
-        closed = asyncio.create_task(self._closed.wait(), name=f"closed-{self.id}")
-        drained = asyncio.create_task(self._until_drained(), name=f"drained-{self.id}")
-        waits: set[asyncio.Future[Any]] = {recv, closed, drained, self._failed}
+        waits: set[asyncio.Future[Any]] = {recv, self._outcome, self._failed}
         done: set[asyncio.Future[Any]] = set()
         task: asyncio.Future[Any] | None = None
         try:
@@ -248,26 +249,25 @@ class StreamingSession:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 task.result()
-            if closed in done:
-                await self.on_closed()
-            elif drained in done:
-                await self.on_drained()
+            if self._outcome in done:
+                await (self.on_closed() if self._outcome.result() == CLOSED else self.on_drained())
         finally:
             recv.cancel()
-            closed.cancel()
-            drained.cancel()
             # waited for, not awaited: awaiting a cancelled task raises its CancelledError here, whose traceback
             # holds this frame, which holds the task, which holds the error: a cycle that kept every ended
             # session for the collector's full passes (docs/architecture.md, "The collector")
-            await asyncio.wait((recv, closed, drained))
+            await asyncio.wait((recv,))
             self._shutdown()
             # an error raised above carries this frame in its traceback: the frame must not hold the tasks
             # (`done` and the loop's `task` included) that hold that error
-            del recv, closed, drained
+            del recv
             waits, done, task = set(), set(), None
 
     def _shutdown(self) -> None:
         self._ended = True
+        if self._drain_task is not None:
+            self._drain_task.cancel()
+            self._drain_task = None
         for _, _, timer in self._holds.values():
             timer.cancel()
         self._holds.clear()
@@ -292,7 +292,8 @@ class StreamingSession:
         # It reads on after `close` too (a cancel still stops the rest); the pumps end the session.
         while True:
             try:
-                msg = await asyncio.wait_for(self.ws.receive(), timeout=self._idle_left())
+                async with asyncio.timeout(self._idle_left()):  # not wait_for: no task of its own per message
+                    msg = await self.ws.receive()
             except TimeoutError:
                 if self.playing():  # still speaking: not idle
                     self._last_activity = time.monotonic()
@@ -497,8 +498,8 @@ class StreamingSession:
         self._check_closed()
 
     def _check_closed(self) -> None:
-        if self._closing and self._quiet():
-            self._closed.set()
+        if self._closing and self._quiet() and not self._outcome.done():
+            self._outcome.set_result(CLOSED)
 
     def _quiet(self) -> bool:
         """Nothing buffered, generating, playing, being aligned or waiting for its answer."""
@@ -508,11 +509,16 @@ class StreamingSession:
             and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values())
         )
 
-    async def _until_drained(self) -> None:
-        """Returns once the server drains and this session is quiet (DRAIN_QUIET_S)."""
-        await self.gw.draining.wait()
+    def drain(self) -> None:
+        """The server is shutting down (app/server.py): end the session once it is quiet (DRAIN_QUIET_S)."""
+        if self._drain_task is None and not self._ended:
+            self._drain_task = asyncio.create_task(self._close_when_quiet(), name=f"drain-{self.id}")
+
+    async def _close_when_quiet(self) -> None:
         while not (self._quiet() and time.monotonic() - self._last_activity >= DRAIN_QUIET_S):
             await asyncio.sleep(DRAIN_POLL_S)
+        if not self._outcome.done():
+            self._outcome.set_result(DRAINED)
 
     # ---- holding buffered text ---------------------------------------------------------------------
     def _hold(self, ctx: str) -> None:

@@ -61,7 +61,7 @@ class HeadDoor:
         return None
 
     def __call__(self, method: bytes, url: bytes, upgrade: bool, headers: list[tuple[bytes, bytes]]) -> bytes | None:
-        if self.gw.settings.limits.max_queue_ms <= 0 and not self.gw.draining.is_set():
+        if self.gw.settings.limits.max_queue_ms <= 0 and not self.gw.draining:
             return None
         raw = url.partition(b"?")[0]
         if b"%" in raw or not raw.isascii():

@@ -84,6 +84,9 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     `internal` error and close 1011)."""
     gw.metrics.sessions.inc()
     gw.conversations.add(session.conversation)  # room is held for its utterances while it is active
+    gw.live.add(session)
+    if gw.draining:  # admitted just before the drain began
+        session.drain()
     try:
         await session.run()
     except WebSocketDisconnect:
@@ -99,6 +102,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
                 await ws.send_text(json.dumps(msg))
             await ws.close(1011)
     finally:
+        gw.live.discard(session)
         gw.conversations.discard(session.conversation)
         gw.sessions.close()
         gw.metrics.sessions.dec()

@@ -31,7 +31,7 @@ async def readyz(request: Request) -> Response:
     # conversations whose room the door holds (every process's)
     link = (gw.link.channel, gw.link.channels) if gw.link is not None else (0, 1)
     process = {"gateway": {"process": link[0], "processes": link[1], "pid": os.getpid(), "held": gw.held()}}
-    if gw.draining.is_set():  # a load balancer stops sending new streams here
+    if gw.draining:  # a load balancer stops sending new streams here
         return JSONResponse({"status": "draining", "engines": engines, **process}, status_code=503)
     if gw.engine.ready.is_set():
         return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})

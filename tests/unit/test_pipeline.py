@@ -118,7 +118,6 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
         engine=SimpleNamespace(info={"max_context": 6144}),
         fake=engine,
         resolve_voice=lambda ref, owner: None,
-        draining=asyncio.Event(),
     )
     # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
     gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
@@ -209,7 +208,7 @@ def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
         session, ws, engine, task = await open_session()
         ws.send(type="text", text="The turn so far")
         await asyncio.sleep(0.2)
-        session.gw.draining.set()
+        session.drain()
         await asyncio.sleep(0.3)
         open_with_text = ws.close_code is None and not task.done()
         ws.send(type="text", text=" ends here.", flush=True)
