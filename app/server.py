@@ -341,6 +341,16 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
 def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | None = None) -> bool:
     """Serve `app` with uvicorn on `sock` (bound to host:port when not given) until a signal stops it; False
     when it could not start."""
+    server = gateway_server(app, settings)
+    sock = sock or server.config.bind_socket()
+    if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.limits.tcp_send_buffer_bytes)
+    server.run(sockets=[sock])
+    return server.started
+
+
+def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
+    """The uvicorn server that serves `app`: our request heads, WebSocket settings and drain."""
     from app.io.http_protocol import bounded_protocol
 
     config = uvicorn.Config(
@@ -357,12 +367,7 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
         http=bounded_protocol(settings.limits.head_timeout_s, getattr(app.state, "door", None)),
     )
-    sock = sock or config.bind_socket()
-    if settings.limits.tcp_send_buffer_bytes:  # every accepted connection inherits the listening socket's
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.limits.tcp_send_buffer_bytes)
-    server = DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)
-    server.run(sockets=[sock])
-    return server.started
+    return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)
 
 
 class DrainingServer(uvicorn.Server):

@@ -200,6 +200,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)
             super().handle_websocket_upgrade()
+            # the connection is the WebSocket protocol's now, and this one never sees its connection_lost, which
+            # is where uvicorn drops the parser: the parser's callbacks hold this protocol, a cycle that left
+            # each session's HTTP protocol, parser and transport to the collector's full passes
+            self.parser = None  # type: ignore[assignment]
 
     @staticmethod
     def _fields_message() -> str:

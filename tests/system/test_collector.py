@@ -17,11 +17,10 @@ from typing import Any
 
 import httpx
 import numpy as np
-import uvicorn
 from websockets.sync.client import connect
 
 from app.__main__ import parse_args
-from app.server import create_app
+from app.server import create_app, gateway_server
 from engine.contract import collector
 from tests.conftest import free_port
 
@@ -120,22 +119,16 @@ def _wound_down(port: int, timeout_s: float = 60.0) -> None:
 
 
 def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
-    """The gateway in this process (uvicorn on a thread, as `python -m app` runs it), so that what its ended
+    """The gateway in this process (its uvicorn server on a thread, as `python -m app` runs it), so that what its ended
     sessions leave to the collector can be looked at: our protocol's (played, abandoned), each dialect's
     (played, barged in on) and an HTTP request's, with word times from an aligner (engine/aligner/)."""
     from engine.aligner.model import AlignerConfig, random_checkpoint
 
     port = free_port()
     aligner = str(random_checkpoint(tmp_path / "aligner.pt", AlignerConfig.tiny()))
-    server = uvicorn.Server(
-        uvicorn.Config(
-            create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization", "--aligner", aligner])),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            ws_per_message_deflate=False,
-        )
-    )
+    args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--aligner", aligner]
+    settings = parse_args([*args, "--port", str(port), "--log-level", "WARNING"])
+    server = gateway_server(create_app(settings), settings)  # as `python -m app` serves (its protocols too)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
