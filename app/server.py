@@ -41,6 +41,7 @@ from app.doors.dialects import (
 from app.doors.door import HeadDoor, door_routes
 from app.doors.handshake import in_band_error
 from app.doors.ws import websocket_endpoint
+from app.io.audio_output import warm_outputs
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -241,8 +242,10 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         app.state.gateway = gateway
         install_log_redaction()  # again: uvicorn configured logging after create_app
         await gateway.start()
-        # the gateway's heap from start (modules, routes, templates) out of the collector's full passes, which
-        # held every socket's audio at once (engine/contract/collector.py)
+        # while the engine loads: what serving would build at first use (the encoders' codecs and resamplers)
+        await asyncio.to_thread(warm_outputs)
+        # the gateway's heap from start (modules, routes, templates, codecs) out of the collector's full passes,
+        # which held every socket's audio at once (engine/contract/collector.py)
         freeze_startup_heap()
         log_long_pauses(log, gateway.metrics.observe_gc_pause)
         try:

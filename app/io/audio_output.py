@@ -465,6 +465,20 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     return lo
 
 
+def warm_outputs() -> None:
+    """Ask `first_samples` of every output an encoder offers, once, at start (in a worker thread). Asked by a
+    request, a new output's search (a few ms; AAC's 0.1-0.2 s) held the event loop, every socket's audio, and
+    the codec libraries it loads first (PyAV, soxr, libsamplerate) stayed outside the startup heap that is
+    frozen out of the collector's passes: ~8,000 objects that every full collection walked."""
+    for encoding in ENCODINGS + COMPRESSED:
+        for rate in RATES:
+            try:
+                OutputFormat(encoding, rate).check()
+            except RequestError:
+                continue
+            first_samples(encoding, rate)
+
+
 async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:
     """`enc.encode` off the event loop where it is heavy: a compressed format's codec (LAME, libopus, libFLAC,
     FFmpeg's AAC) runs in a worker thread, with the GIL released; raw samples are encoded inline."""

@@ -13,17 +13,27 @@ passes are what a realtime process must keep short (the frozen startup heap, and
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
 LOG_PAUSE_S = 0.02  # a collection longer than this is logged (a player's prebuffer is 150 ms)
+# Modules that serving imports at their first use, which would stay outside the frozen heap: numpy's quantiles
+# (np.median, np.percentile: the engine's stats, the gateway's word times) import numpy.ma; Starlette's worker
+# threads and streamed answers load anyio's asyncio backend
+LAZY_IMPORTS = ("numpy.ma", "anyio._backends._asyncio")
 
 
 def freeze_startup_heap() -> None:
-    """Collect once, then move everything alive into the permanent generation (never walked again)."""
+    """Import what serving would import later (LAZY_IMPORTS), collect once, then move everything alive into
+    the permanent generation (never walked again)."""
+    for name in LAZY_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
     gc.collect()
     gc.freeze()
 

@@ -3,6 +3,7 @@ decoded by FFmpeg (PyAV and the ffmpeg program), whole FLAC and WAV files that s
 
 from __future__ import annotations
 
+import contextlib
 import io
 import shutil
 import subprocess
@@ -23,6 +24,7 @@ from app.io.audio_output import (
     RATES,
     WAV_ENCODINGS,
     Encoder,
+    OutputFormat,
     StreamEncoder,
     StreamSink,
     check_encoding,
@@ -30,6 +32,7 @@ from app.io.audio_output import (
     first_samples,
     g711_decode,
     g711_encode,
+    warm_outputs,
     wav_header,
 )
 from app.io.errors import RequestError
@@ -259,6 +262,21 @@ def test_each_output_needs_its_own_first_samples():
     assert got == {NATIVE_RATE: 1, 24000: 86, 16000: 128, 8000: 254}
     assert first_samples("mulaw", 24000) == first_samples("pcm_f32le", 24000) == 86
     assert (first_samples("mp3", NATIVE_RATE), first_samples("flac", NATIVE_RATE)) == (1376, 4097)
+
+
+def test_start_asks_every_output_its_first_samples():
+    """warm_outputs (the gateway's start) leaves no output's first_samples for a request to search for on the
+    event loop: every encoding at every rate an encoder offers is asked."""
+    first_samples.cache_clear()
+    warm_outputs()
+    asked = first_samples.cache_info().misses
+    offered = 0
+    for encoding in ENCODINGS + COMPRESSED:
+        for rate in RATES:
+            with contextlib.suppress(RequestError):
+                first_samples(encoding, OutputFormat(encoding, rate).check().sample_rate)
+                offered += 1
+    assert first_samples.cache_info().misses == asked and offered >= len(OUTPUTS)
 
 
 def _first_output_step(encoding: str, rate: int, first: int) -> int:
