@@ -26,6 +26,7 @@ from app.core.engine_client import (
     ControlLink,
     EngineClient,
     EnginePool,
+    EngineRefused,
     EngineUnavailable,
     Event,
     Stream,
@@ -297,6 +298,10 @@ class Gateway:
         try:
             return await self.engine.embed(samples, sr)
         except EngineUnavailable as e:
+            raise RequestError(E.ENGINE_BUSY, str(e)) from None
+        except EngineRefused as e:  # its speaker encoder is behind: retry later (a bad clip is bad_audio, below)
+            if e.code != E.ENGINE_BUSY:
+                raise RequestError(E.BAD_AUDIO, str(e)) from None
             raise RequestError(E.ENGINE_BUSY, str(e)) from None
         except RecordTooLarge:
             raise RequestError(
