@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import soundfile as sf
+import soxr
 
 from app.core.admission import Conversations, Decision, decide
 from app.core.continuation import Chain, Link
@@ -57,6 +58,8 @@ log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
 INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
+PREVIEW_S = 10.0  # of a voice's first clip kept as its preview
+PREVIEW_MAX_RATE = 48000  # Hz: a preview of a clip at a higher rate is resampled to it
 DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
@@ -465,7 +468,7 @@ class Gateway:
                 else:
                     samples, sr = await self.decode_clip(data)
                     emb = await self.embed_samples(samples, sr)
-                    preview = wav_bytes(samples, sr)
+                    preview = await asyncio.to_thread(preview_wav, samples, sr)
                 voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb), details={"file": path.name})
                 self.voices.remember_default(voice, emb, preview)
                 log.info("default voice %r ready (%s)", name, vid)
@@ -547,7 +550,13 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def wav_bytes(samples: np.ndarray, sr: int) -> bytes:
+def preview_wav(samples: np.ndarray, sr: int) -> bytes:
+    """A voice's preview: its clip's first PREVIEW_S at most PREVIEW_MAX_RATE, 16-bit WAV. Bounded so that a
+    stored voice costs the disk at most ~1 MB whatever its clip decodes to (60 s of silence at 192 kHz is a
+    34 KB FLAC and a 23 MB WAV)."""
+    x = samples[: int(PREVIEW_S * sr)]
+    if sr > PREVIEW_MAX_RATE:
+        x, sr = soxr.resample(x, sr, PREVIEW_MAX_RATE), PREVIEW_MAX_RATE
     buf = io.BytesIO()
-    sf.write(buf, samples, sr, format="WAV", subtype="PCM_16")
+    sf.write(buf, x, sr, format="WAV", subtype="PCM_16")
     return buf.getvalue()
