@@ -6,14 +6,18 @@ ZONOS2 reads text, so a rule can only say what to read instead: an alias. A phon
 Arpabet, in a PLS `<phoneme>` or an ElevenLabs `phoneme` rule) has nothing to map onto and is refused when
 the dictionary is uploaded, naming the grapheme, never dropped in silence.
 
-The store is files (one JSON document per dictionary, written whole and renamed into place), read on each
-lookup, so every gateway process sees a dictionary the moment another one has written it.
+The store is files, one folder per owner: a dictionary's metadata (`<id>.json`, small) and its rules
+(`<id>.rules.json`, UTF-8), each written whole and renamed into place, rules first. They are read on each lookup,
+so every gateway process sees a dictionary the moment another one has written it; a listing reads only its owner's
+metadata (an owner's hundred dictionaries of thousands of rules are hundreds of MB: reading them all held the GIL,
+and every session's event loop, ~1.5 s per listing).
 """
 
 from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import json
 import os
 import re
@@ -34,6 +38,7 @@ MAX_TEXT = 256  # characters of a grapheme or an alias
 MAX_PER_OWNER = 100  # dictionaries one owner keeps
 _ID = re.compile(r"^pd_[0-9a-f]{16}$")
 _PLS_NS = "{http://www.w3.org/2005/01/pronunciation-lexicon}"
+_ANONYMOUS = "_anonymous"  # the owner without API keys (owners are hex digests: no clash)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Lexicon:
     version_id: str = field(default_factory=lambda: "v_" + secrets.token_hex(8))
     description: str = ""
     created_at: float = field(default_factory=time.time)
+    rule_count: int = 0  # len(rules), also where the rules were not read (a listing)
 
     def public(self) -> dict[str, Any]:
         """ElevenLabs' metadata shape."""
@@ -58,7 +64,7 @@ class Lexicon:
             "id": self.id,
             "name": self.name,
             "version_id": self.version_id,
-            "version_rules_num": len(self.rules),
+            "version_rules_num": self.rule_count,
             "description": self.description or None,
             "creation_time_unix": int(self.created_at),
             "permission_on_resource": "admin",
@@ -176,55 +182,100 @@ async def apply_rules_off_loop(text: str, rules: tuple[Rule, ...]) -> str:
 
 
 class LexiconStore:
-    """Dictionaries on disk, per owner (the API key that made them; "" without keys)."""
+    """Dictionaries on disk, per owner (the API key that made them; "" without keys): see the module docstring."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
+        for legacy in root.glob("pd_*.json"):  # one document per dictionary in `root` itself: moved to its owner's
+            lex = self._read_whole(legacy)
+            if lex is not None:
+                self._write(lex)
+            legacy.unlink(missing_ok=True)
 
-    def _path(self, lid: str) -> Path:
-        return self.root / f"{lid}.json"
+    def _dir(self, owner: str) -> Path:
+        return self.root / (owner or _ANONYMOUS)
+
+    def _meta_path(self, lid: str, owner: str) -> Path:
+        return self._dir(owner) / f"{lid}.json"
+
+    def _rules_path(self, lid: str, owner: str) -> Path:
+        return self._dir(owner) / f"{lid}.rules.json"
+
+    @staticmethod
+    def _put(path: Path, doc: object) -> None:
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, ensure_ascii=False)  # \uXXXX escapes were 3x the bytes and 9x the parse
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _write(self, lex: Lexicon) -> None:
+        self._dir(lex.owner).mkdir(parents=True, exist_ok=True)
+        self._put(self._rules_path(lex.id, lex.owner), [[r.grapheme, r.alias] for r in lex.rules])
+        meta = {k: v for k, v in asdict(lex).items() if k != "rules"}
+        self._put(self._meta_path(lex.id, lex.owner), meta)  # last: a dictionary exists once its metadata does
 
     def add(self, owner: str, name: object, rules: list[Rule], description: object = None) -> Lexicon:
         if not isinstance(name, str) or not name.strip() or len(name) > 100:
             raise RequestError(G.BAD_LEXICON, "a dictionary needs a name of 1-100 characters")
         if description is not None and (not isinstance(description, str) or len(description) > 1000):
             raise RequestError(G.BAD_LEXICON, "description must be text of at most 1000 characters")
-        if len(self.list(owner)) >= MAX_PER_OWNER:
+        if len(self._ids(owner)) >= MAX_PER_OWNER:
             raise RequestError(G.BAD_LEXICON, f"at most {MAX_PER_OWNER} dictionaries per key; delete one first")
-        lex = Lexicon("pd_" + secrets.token_hex(8), name.strip(), owner, rules, description=description or "")
-        doc = asdict(lex)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self.root)
-        with os.fdopen(fd, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self._path(lex.id))
+        lid = "pd_" + secrets.token_hex(8)
+        lex = Lexicon(lid, name.strip(), owner, rules, description=description or "", rule_count=len(rules))
+        self._write(lex)
         return lex
 
-    def _read(self, path: Path) -> Lexicon | None:
+    def _ids(self, owner: str) -> builtins.list[str]:
+        folder = self._dir(owner)
+        if not folder.is_dir():
+            return []
+        return [p.stem for p in folder.glob("pd_*.json") if _ID.match(p.stem)]
+
+    @staticmethod
+    def _read_whole(path: Path) -> Lexicon | None:
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(path.read_text(encoding="utf-8"))
             doc["rules"] = [Rule(**r) for r in doc["rules"]]
-            return Lexicon(**doc)
+            return Lexicon(**doc, rule_count=len(doc["rules"]))
         except (OSError, ValueError, TypeError, KeyError):
             return None
+
+    def _read_meta(self, lid: str, owner: str) -> Lexicon | None:
+        try:
+            doc = json.loads(self._meta_path(lid, owner).read_text(encoding="utf-8"))
+            lex = Lexicon(**doc, rules=[])
+        except (OSError, ValueError, TypeError):
+            return None
+        return lex if lex.owner == owner and lex.id == lid else None
 
     def get(self, lid: object, owner: str) -> Lexicon:
         if not isinstance(lid, str) or not _ID.match(lid):
             raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {str(lid)[:40]!r}")
-        lex = self._read(self._path(lid))
-        if lex is None or lex.owner != owner:
+        lex = self._read_meta(lid, owner)
+        try:
+            pairs = json.loads(self._rules_path(lid, owner).read_text(encoding="utf-8")) if lex is not None else None
+            rules = [Rule(g, a) for g, a in pairs] if pairs is not None else None
+        except (OSError, ValueError, TypeError):
+            rules = None
+        if lex is None or rules is None:
             raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {lid!r}")
+        lex.rules = rules
         return lex
 
-    def list(self, owner: str) -> list[Lexicon]:
-        found = (self._read(p) for p in sorted(self.root.glob("pd_*.json")))
-        return sorted((x for x in found if x is not None and x.owner == owner), key=lambda x: x.created_at)
+    def list(self, owner: str) -> builtins.list[Lexicon]:
+        """The owner's dictionaries, oldest first: their metadata (`rules` is not read)."""
+        found = (self._read_meta(lid, owner) for lid in self._ids(owner))
+        return sorted((x for x in found if x is not None), key=lambda x: x.created_at)
 
     def delete(self, lid: object, owner: str) -> Lexicon:
         lex = self.get(lid, owner)
-        self._path(lex.id).unlink(missing_ok=True)
+        self._meta_path(lex.id, owner).unlink(missing_ok=True)  # first: gone for every process at once
+        self._rules_path(lex.id, owner).unlink(missing_ok=True)
         return lex
-
-    def rules_of(self, ids: builtins.list[Any], owner: str) -> tuple[Rule, ...]:
-        """The rules of the dictionaries named, in order (an earlier dictionary's rule wins)."""
-        return tuple(r for lid in ids for r in self.get(lid, owner).rules)

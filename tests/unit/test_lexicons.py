@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import re
 import threading
 import time
@@ -110,6 +111,42 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert store.list("alice") == []
 
 
+def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(tmp_path, monkeypatch):
+    """An owner's hundred dictionaries of thousands of rules are hundreds of MB: a listing, and the count a new
+    dictionary is held to (MAX_PER_OWNER), read only that owner's metadata, never rules (every listing parsed every
+    owner's rules: ~1.5 s holding the GIL, so a few clients listing in a loop stalled every session's audio); the
+    rules are UTF-8 on disk (\\u escapes were 3x the bytes and 9x the parse). A dictionary is still read whole."""
+    store = LexiconStore(tmp_path)
+    rules = [Rule("é" * 100 + str(i), "à" * 50) for i in range(100)]
+    mine = [store.add("alice", f"d{k}", rules) for k in range(3)]
+    store.add("bob", "other", rules)
+    text = sum(len(r.grapheme.encode()) + len(r.alias.encode()) for r in rules)
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.json")) < 4 * text * 1.2
+    parsed: list[int] = []
+    real = json.loads
+
+    def counted(s, *args, **kwargs):
+        parsed.append(len(s))
+        return real(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)
+    listed = store.list("alice")
+    store.add("alice", "d3", rules[:1])
+    assert [x.id for x in listed] == [x.id for x in mine]
+    assert [x.public()["version_rules_num"] for x in listed] == [100] * 3
+    assert sum(parsed) < text / 10, f"{sum(parsed)} characters parsed"
+    assert store.get(mine[0].id, "alice").rules == rules
+
+
+def test_a_store_of_one_document_per_dictionary_is_moved_to_its_owners_folder(tmp_path):
+    legacy = {"id": "pd_0123456789abcdef", "name": "old", "owner": "alice", "rules": [{"grapheme": "a", "alias": "b"}]}
+    (tmp_path / "pd_0123456789abcdef.json").write_text(json.dumps(legacy | {"version_id": "v_1", "created_at": 1.0}))
+    store = LexiconStore(tmp_path)
+    assert [x.id for x in store.list("alice")] == ["pd_0123456789abcdef"] and store.list("bob") == []
+    assert store.get("pd_0123456789abcdef", "alice").rules == [Rule("a", "b")]
+    assert not (tmp_path / "pd_0123456789abcdef.json").exists()
+
+
 def test_rules_are_applied_off_the_event_loop(monkeypatch):
     """A dictionary's rules are matched in a worker thread (a large one takes tens of milliseconds), not on the
     loop every session shares; no rules: nothing to do, inline."""
@@ -131,8 +168,8 @@ def test_rules_are_applied_off_the_event_loop(monkeypatch):
 
 
 def test_the_dictionary_routes_use_the_store_off_the_event_loop(tmp_path, monkeypatch):
-    """An owner's dictionaries can be hundreds of MB of JSON (a listing reads them all): every route reads and
-    writes the store in a worker thread, never on the loop the sessions share."""
+    """A dictionary can be MB of JSON: every route reads and writes the store in a worker thread, never on the
+    loop the sessions share."""
     from types import SimpleNamespace
 
     from starlette.applications import Starlette
