@@ -358,7 +358,14 @@ class Gateway:
             raise RequestError(
                 G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
             )
-        text = await apply_rules_off_loop(text, opts.lexicon)  # pronunciation dictionaries: before normalization
+        if opts.lexicon:  # pronunciation dictionaries, before normalization: the aliases are written text too
+            text = await apply_rules_off_loop(text, opts.lexicon)
+            if len(text) > self.settings.limits.max_text_chars:
+                raise RequestError(
+                    G.TEXT_TOO_LONG,
+                    f"the pronunciation rules make this utterance {len(text)} characters, more than the "
+                    f"{self.settings.limits.max_text_chars} an utterance may have",
+                )
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         budget = utterance_bytes(self)
