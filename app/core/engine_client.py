@@ -32,7 +32,7 @@ import numpy as np
 from app.core.admission import EngineLoad, FirstAudio, StartRate
 from app.core.shared import OPEN, SharedCounts
 from engine.contract import records as m
-from engine.contract.constants import SAMPLE_RATE
+from engine.contract.constants import EMBED_WAIT_S, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.process import run_engine
@@ -363,7 +363,7 @@ class EngineClient:
         if self._inbox is not None:
             self._inbox.try_put(*m.End(rid).encode())
 
-    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
+    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = EMBED_WAIT_S) -> np.ndarray:
         """Run the speaker_encoder node on one clip (float32 mono)."""
         return await self._call(lambda rid: m.Embed(rid, int(sample_rate), clip), timeout, "the speaker encoder")
 
@@ -755,7 +755,7 @@ class EnginePool:
             return stream
         raise error or EngineUnavailable("no engine is ready" if len(self.engines) > 1 else "the engine is not ready")
 
-    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = 60.0) -> np.ndarray:
+    async def embed(self, clip: np.ndarray, sample_rate: int, timeout: float = EMBED_WAIT_S) -> np.ndarray:
         """The speaker_encoder on one engine (any: every engine runs the same weights), most headroom first."""
         error: EngineUnavailable | None = None
         for e in self.by_headroom():  # an engine that is full, or dies under the clip: the next one runs it

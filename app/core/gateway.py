@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import soundfile as sf
+import soxr
 
 from app.core.admission import Conversations, Decision, decide
 from app.core.continuation import Chain, Link
@@ -26,6 +27,7 @@ from app.core.engine_client import (
     ControlLink,
     EngineClient,
     EnginePool,
+    EngineRefused,
     EngineUnavailable,
     Event,
     Stream,
@@ -56,8 +58,8 @@ log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
 INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
-
-
+PREVIEW_S = 10.0  # of a voice's first clip kept as its preview
+PREVIEW_MAX_RATE = 48000  # Hz: a preview of a clip at a higher rate is resampled to it
 DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again
 
 
@@ -323,6 +325,10 @@ class Gateway:
             return await self.engine.embed(samples, sr)
         except EngineUnavailable as e:
             raise RequestError(E.ENGINE_BUSY, str(e)) from None
+        except EngineRefused as e:  # its speaker encoder is behind: retry later (a bad clip is bad_audio, below)
+            if e.code != E.ENGINE_BUSY:
+                raise RequestError(E.BAD_AUDIO, str(e)) from None
+            raise RequestError(E.ENGINE_BUSY, str(e)) from None
         except RecordTooLarge:
             raise RequestError(
                 G.CLIP_TOO_LONG,
@@ -375,7 +381,14 @@ class Gateway:
             raise RequestError(
                 G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
             )
-        text = await apply_rules_off_loop(text, opts.lexicon)  # pronunciation dictionaries: before normalization
+        if opts.lexicon:  # pronunciation dictionaries, before normalization: the aliases are written text too
+            text = await apply_rules_off_loop(text, opts.lexicon)
+            if len(text) > self.settings.limits.max_text_chars:
+                raise RequestError(
+                    G.TEXT_TOO_LONG,
+                    f"the pronunciation rules make this utterance {len(text)} characters, more than the "
+                    f"{self.settings.limits.max_text_chars} an utterance may have",
+                )
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         budget = utterance_bytes(self)
@@ -485,7 +498,7 @@ class Gateway:
                 else:
                     samples, sr = await self.decode_clip(data)
                     emb = await self.embed_samples(samples, sr)
-                    preview = wav_bytes(samples, sr)
+                    preview = await asyncio.to_thread(preview_wav, samples, sr)
                 voice = Voice(id=vid, name=name, owner="", source="default", dim=len(emb), details={"file": path.name})
                 self.voices.remember_default(voice, emb, preview)
                 log.info("default voice %r ready (%s)", name, vid)
@@ -567,7 +580,13 @@ def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def wav_bytes(samples: np.ndarray, sr: int) -> bytes:
+def preview_wav(samples: np.ndarray, sr: int) -> bytes:
+    """A voice's preview: its clip's first PREVIEW_S at most PREVIEW_MAX_RATE, 16-bit WAV. Bounded so that a
+    stored voice costs the disk at most ~1 MB whatever its clip decodes to (60 s of silence at 192 kHz is a
+    34 KB FLAC and a 23 MB WAV)."""
+    x = samples[: int(PREVIEW_S * sr)]
+    if sr > PREVIEW_MAX_RATE:
+        x, sr = soxr.resample(x, sr, PREVIEW_MAX_RATE), PREVIEW_MAX_RATE
     buf = io.BytesIO()
-    sf.write(buf, samples, sr, format="WAV", subtype="PCM_16")
+    sf.write(buf, x, sr, format="WAV", subtype="PCM_16")
     return buf.getvalue()

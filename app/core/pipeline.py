@@ -36,7 +36,7 @@ from app.core.stitching import Stitch
 from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import SOURCE, AudioTimeline, WordClock
-from app.io.audio_output import Encoder
+from app.io.audio_output import Encoder, OutputFormat, first_samples
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
@@ -75,7 +75,10 @@ class Utterance:
     opts: SynthesisOptions
     voice: Voice | None
     clip: tuple[np.ndarray, int] | None
-    encoder: Encoder | None = None  # the client's encoding (WebSocket); HTTP routes encode themselves
+    # the client's output (a session's; HTTP routes encode themselves), and its encoder, made when it begins to play:
+    # a resampler's state is ~100 KB, which each of a session's queued utterances held from the moment it was queued
+    output: OutputFormat | None = None
+    encoder: Encoder | None = None
     t_created: float = field(default_factory=time.perf_counter)  # its text was complete
     t_head: float | None = None  # it began to play: the utterance before it had been sent
     t_first: float | None = None  # its first audio was handed to the client
@@ -184,12 +187,12 @@ class UtterancePipeline:
         voice: Voice | None,
         clip: tuple[np.ndarray, int] | None,
         context_id: str = DEFAULT_CONTEXT,
-        encoder: Callable[[], Encoder] | None = None,
+        output: Callable[[], OutputFormat] | None = None,
     ) -> list[Utterance]:
         """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
         style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
-        anything is queued, when a break or a tag cannot be taken. encoder: each one's own encoder (a
-        session's), whose `first_samples` its engine request carries."""
+        anything is queued, when a break or a tag cannot be taken. output: each one's output (a session's),
+        whose encoder's `first_samples` its engine request carries."""
         pieces, style = inline_pieces(self.gw, texts, opts, voice, clip, self.styles.get(context_id))
         if style is None:
             self.styles.pop(context_id, None)
@@ -199,16 +202,20 @@ class UtterancePipeline:
         for piece, piece_opts in pieces:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
-            enc = encoder() if encoder is not None else None
+            fmt = output() if output is not None else None
             u = Utterance(
                 id=f"u_{seq}",
                 seq=seq,
                 context_id=context_id,
                 text=text,
-                opts=replace(piece_opts, first_samples=enc.first_samples) if enc is not None else piece_opts,
+                opts=(
+                    replace(piece_opts, first_samples=first_samples(fmt.encoding, fmt.sample_rate))
+                    if fmt is not None
+                    else piece_opts
+                ),
                 voice=voice,
                 clip=clip,
-                encoder=enc,
+                output=fmt,
             )
             if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
                 u.silence_s = piece

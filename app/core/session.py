@@ -40,7 +40,7 @@ from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
-from app.io.audio_output import Encoder, encode
+from app.io.audio_output import OutputFormat, encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -194,7 +194,8 @@ class StreamingSession:
         """The options, voice and clip of the utterances of a context."""
         return self.opts, self.voice, self.clip
 
-    def encoder_for(self, ctx: str) -> Encoder:
+    def output_for(self, ctx: str) -> OutputFormat:
+        """The output of a context's utterances (fixed when each is queued)."""
         raise NotImplementedError
 
     def hold_for(self, ctx: str) -> Hold | None:
@@ -391,7 +392,7 @@ class StreamingSession:
             )
         opts, voice, clip = self.settings_for(ctx)
         lane = self._lane(ctx)
-        lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, encoder=lambda: self.encoder_for(ctx))
+        lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
 
     async def flush(
         self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True, end_turn: bool = True
@@ -615,7 +616,8 @@ class StreamingSession:
             self.conversation.ended()
 
     async def _play_utterance(self, lane: Lane, u: Utterance) -> None:
-        assert u.encoder is not None
+        assert u.output is not None
+        u.encoder = u.encoder or u.output.encoder()
         started = False
         timeline = AudioTimeline(words=self.words_for(u))  # what each message covers (app/core/timestamps.py)
         u.clock = timeline.begin(u.text)

@@ -23,6 +23,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
+from app.core.breaks import TAG_MAX
 from app.core.instructions import EMOTION_WORDS
 from app.core.options import SynthesisOptions
 from app.io.errors import GatewayError as G
@@ -71,7 +72,7 @@ UNSUPPORTED_TAGS = frozenset(
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
 _BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-_EMOTION = re.compile(r"<\s*(/?)\s*emotion\b([^>]*)>", re.IGNORECASE)
+_EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # an element's opening: one that does not start a whole element was cut (a newline ends a sentence at once, a long
 # tag is cut at the utterance budget) and is refused, so that no half of it is read aloud
 _EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
@@ -92,8 +93,9 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
+    last_end = text.rfind(">")
     for o in _EMOTION_OPEN.finditer(text):
-        if o.start() not in whole and not (partial and ">" not in text[o.start() :]):
+        if o.start() not in whole and not (partial and last_end < o.start()):
             cut = text[o.start() : o.start() + 60]
             raise RequestError(G.BAD_TEXT, f"an emotion tag must end with '>' in the same sentence: {cut!r}")
     for m in elements:

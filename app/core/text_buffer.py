@@ -17,13 +17,14 @@ import unicodedata
 
 import sentencex
 
+from app.core.breaks import TAG_MAX
+
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
 # Where a too-long sentence is best cut: after a clause mark (ASCII ones need a space after them).
 _CLAUSE = re.compile(r"[,;:)\]](?=\s)|\s[–—-](?=\s)|[、，；：]")
 # A break or style tag (app/core/breaks.py, app/core/style_tags.py): a cut moves before one it would split.
-_TAG_MAX = 200
-_TAG = re.compile(rf"<[^<>]{{0,{_TAG_MAX}}}>|\[[^\[\]]{{0,40}}\]")
+_TAG = re.compile(rf"<[^<>]{{0,{TAG_MAX}}}>|\[[^\[\]]{{0,40}}\]")
 _JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
 # A period can end an abbreviation or an initial, and the segmenter decides by the word after it
 # ("J. R. R. To" splits, "J. R. R. Tolkien" does not): such an end is certain once that word is complete.
@@ -70,7 +71,7 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
             cut = fit
             while cut > 1 and (_attached(sentence[cut]) or sentence[cut - 1] in _JOINERS):
                 cut -= 1
-        for m in _TAG.finditer(sentence, 0, fit + _TAG_MAX):  # never inside a tag: its halves would be read as text
+        for m in _TAG.finditer(sentence, 0, fit + TAG_MAX):  # never inside a tag: its halves would be read as text
             if m.start() < cut < m.end() and m.start() > 0:
                 cut = m.start()
         cut = max(cut, 1)

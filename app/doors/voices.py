@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import re
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from app.core.gateway import Gateway, wav_bytes
+from app.core.gateway import PREVIEW_S, Gateway, preview_wav
 from app.doors.speech import error_response, read_json
 from app.io.auth import require_key
 from app.io.checks import base64_payload
@@ -119,7 +120,8 @@ async def store_clips(
     for data in datas:
         samples, sr = await gw.decode_clip(data)
         seconds += len(samples) / sr
-        preview = preview or wav_bytes(samples, sr)  # the first clip's
+        if not preview:  # the first clip's; its worker thread holds a copy of what it needs, not the whole clip
+            preview = await asyncio.to_thread(preview_wav, samples[: int(PREVIEW_S * sr)].copy(), sr)
         embs.append(await gw.embed_samples(samples, sr))
         del samples
     voice = Voice(

@@ -21,7 +21,7 @@ from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
 from app.core.session import StreamingSession
 from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
 from app.doors.handshake import in_band_error, serve
-from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding, default_rate
+from app.io.audio_output import OUTPUT_RATES, OutputFormat, check_encoding, default_rate
 from app.io.checks import base64_payload, check_context_id, check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -126,8 +126,8 @@ class Session(StreamingSession):
         await self.send_json({"type": "session.closed"})
         await self.ws.close(1000)
 
-    def encoder_for(self, ctx: str) -> Encoder:
-        return Encoder(self.encoding, self.sample_rate)
+    def output_for(self, ctx: str) -> OutputFormat:
+        return OutputFormat(self.encoding, self.sample_rate)
 
     @property
     def flush_marks(self) -> dict[tuple[str | None, int], int]:

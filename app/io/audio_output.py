@@ -39,7 +39,9 @@ import asyncio
 import functools
 import io
 import logging
+import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -479,7 +481,14 @@ def warm_outputs() -> None:
             first_samples(encoding, rate)
 
 
+# The codecs' own threads: audio on its way to a listener never waits behind the bulk work of the loop's default
+# executor (a flood of uploads decoding clips there held every thread, and every mp3 stream's next chunk waited)
+_CODEC_THREADS = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="codec")
+
+
 async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:
     """`enc.encode` off the event loop where it is heavy: a compressed format's codec (LAME, libopus, libFLAC,
-    FFmpeg's AAC) runs in a worker thread, with the GIL released; raw samples are encoded inline."""
-    return await asyncio.to_thread(enc.encode, pcm16, last) if enc.threaded else enc.encode(pcm16, last)
+    FFmpeg's AAC) runs in one of the codec threads, with the GIL released; raw samples are encoded inline."""
+    if not enc.threaded:
+        return enc.encode(pcm16, last)
+    return await asyncio.get_running_loop().run_in_executor(_CODEC_THREADS, enc.encode, pcm16, last)

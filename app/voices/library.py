@@ -190,6 +190,9 @@ def _store_error(what: str, e: OSError) -> VoiceError:
 
 SHARED_RECOVER_AGE_S = 600.0  # shared store: a write or delete in progress elsewhere is far younger than this
 SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse mtime can hide a change)
+# shared store: rescanned at most this often when the folder changes (a rescan looks at every voice's folder, and
+# a client renaming a voice in a loop made every other process's every lookup a rescan: 65 ms with 3000 voices)
+SHARED_MIN_RESCAN_S = 1.0
 
 
 class VoiceStore:
@@ -247,14 +250,16 @@ class VoiceStore:
 
     def _sync(self, force: bool = False, voice_id: str | None = None) -> None:
         """Shared store: take in what other gateways added, replaced or deleted since the last look (one
-        stat of the folder when nothing changed); `voice_id`, unknown here, is looked up on disk as well
-        (a network filesystem may show a new entry before the folder's mtime moves)."""
+        stat of the folder when nothing changed; when it did, a look at every voice's folder, at most every
+        SHARED_MIN_RESCAN_S); `voice_id`, unknown here, is looked up on disk as well (a network filesystem may
+        show a new entry before the folder's mtime moves, and a rescan may not be due)."""
         if not self.shared:
             return
         try:
             st = os.stat(self.root)
             mark = (st.st_ino, st.st_mtime_ns)
-            if not force and mark == self._root_seen and time.monotonic() - self._scanned_at < SHARED_RESCAN_S:
+            since = time.monotonic() - self._scanned_at
+            if not force and since < (SHARED_RESCAN_S if mark == self._root_seen else SHARED_MIN_RESCAN_S):
                 if voice_id is None or self._voices.get(voice_id) is not None or not _safe_id(voice_id):
                     return
                 d = self.root / voice_id

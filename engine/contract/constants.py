@@ -12,3 +12,5 @@ PAD_ID = 1025  # the delay pattern's padding
 # an utterance's word times not aligned within this are not worth aligning: the gateway keeps its estimate, and
 # the engine's aligner skips an utterance that waited this long in its queue
 ALIGN_WAIT_S = 10.0
+# how long the gateway waits for a clip's embedding: the engine's speaker_encoder skips a clip that waited this long
+EMBED_WAIT_S = 60.0

@@ -49,7 +49,7 @@ import numpy as np
 
 from engine.aligner.worker import AlignerBehind
 from engine.contract import records as m
-from engine.contract.constants import HOP, SAMPLE_RATE
+from engine.contract.constants import EMBED_WAIT_S, HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.frontend.longform import trim_chunk_codes
@@ -62,6 +62,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.job import Chain, Guidance, Job, Times
 from engine.runtime.profile import IterationProfiler, node_range
 from engine.runtime.step import StepPlan, prefill_order, prompt_chunks
+from engine.speaker.worker import SpeakerBehind
 
 log = logging.getLogger("engine")
 
@@ -300,8 +301,11 @@ class Scheduler:
                 f"{self.llm.n_slots} (--max-batch)",
             )
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
+            try:
+                self.speaker.submit(("job", req.rid, job.times.arrival), req.clip, req.clip_sr)
+            except SpeakerBehind as e:
+                return self._error(req.rid, E.ENGINE_BUSY, str(e))
             job.speaker_pending = True
-            self.speaker.submit(("job", req.rid, job.times.arrival), req.clip, req.clip_sr)
         self.waiting.append(job)
 
     def _reset_channel(self, channel: int) -> None:
@@ -318,13 +322,22 @@ class Scheduler:
             self.outbox.boxes[channel].send("ready", self.ready, force=True)
 
     def _on_embed(self, req: m.Embed) -> None:
-        self.speaker.submit(("embed", req.rid, time.perf_counter()), req.clip, req.clip_sr)
+        try:  # past the gateway's wait, its embedding would be for nobody
+            self.speaker.submit(("embed", req.rid, time.perf_counter()), req.clip, req.clip_sr, EMBED_WAIT_S)
+        except SpeakerBehind as e:
+            self._error(req.rid, E.ENGINE_BUSY, str(e))
+
+    @staticmethod
+    def _speaker_error(err: Exception) -> E:
+        if isinstance(err, SpeakerBehind):
+            return E.ENGINE_BUSY
+        return E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL
 
     def _speaker_results(self) -> None:
         for (kind, rid, t_sent), emb, err in self.speaker.results():
             if kind == "embed":
                 if err is not None:
-                    self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
+                    self._error(rid, self._speaker_error(err), str(err))
                 else:
                     assert emb is not None
                     self.outbox.send(rid, m.Embedding(rid, emb), force=True)
@@ -334,7 +347,7 @@ class Scheduler:
                 continue
             if err is not None:
                 self.waiting.remove(job)
-                self._error(rid, E.BAD_AUDIO if isinstance(err, ValueError) else E.INTERNAL, str(err))
+                self._error(rid, self._speaker_error(err), str(err))
                 continue
             job.seq.speaker = to_device(emb, self.engine.device)
             if job.guidance is not None and job.guidance.kind in ("prefix", "emotion"):  # these twins keep the voice

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from engine.frontend.audio import AudioDecodeError, decode_audio
 from engine.speaker.encoder import EcapaConfig, SpeakerCheckpointError, SpeakerEncoder
 from engine.speaker.resample import resample
+from engine.speaker.worker import SpeakerWorker
 
 SR = 24_000
 
@@ -434,3 +436,53 @@ def test_decode_refuses_long_clips_from_the_header_before_decoding(monkeypatch):
     monkeypatch.undo()
     samples, sr = audio.decode_audio(data, max_seconds=10)
     assert sr == 44100 and len(samples) == 44100 * 5
+
+
+def _speaker_results(worker: SpeakerWorker, n: int) -> dict[object, tuple]:
+    """The worker's first `n` answers, key -> (embedding, error) (a guard bound, not a pace)."""
+    done: dict[object, tuple] = {}
+    for _ in range(600):
+        done.update({k: (emb, err) for k, emb, err in worker.results()})
+        if len(done) >= n:
+            break
+        threading.Event().wait(0.1)
+    return done
+
+
+def test_a_behind_speaker_encoder_refuses_more_and_skips_what_waited_too_long(tiny, monkeypatch):
+    """Clips waiting for the speaker encoder hold their samples: while one is embedded, the queue takes at most
+    MAX_QUEUED_BYTES (then SpeakerBehind at submit: the engine answers engine_busy), and a clip that waited past
+    its wait (the gateway's EMBED_WAIT_S; never for a request's own clip) is answered SpeakerBehind without being
+    embedded. Both bounds are small here; the clip in the encoder is held until they are passed."""
+    from engine.speaker import worker as worker_mod
+
+    clip = _tone(SR, SR, seed=1)
+    monkeypatch.setattr(worker_mod, "MAX_QUEUED_BYTES", 2 * clip.nbytes)
+    gate, entered = threading.Event(), threading.Event()
+
+    class Held:  # the real encoder, its first embedding held at `gate`
+        device = "cpu"
+
+        def embed(self, x: np.ndarray, sr: int) -> torch.Tensor:
+            entered.set()
+            gate.wait(30)
+            return tiny.embed(x, sr)
+
+    worker = SpeakerWorker(Held())
+    try:
+        worker.submit("first", clip, SR)
+        assert entered.wait(30)  # taken: the queue is empty again
+        worker.submit("queued", clip, SR, wait_s=0.05)
+        worker.submit("job", clip, SR)  # a request's own clip: no wait bound
+        with pytest.raises(worker_mod.SpeakerBehind):  # a third clip would pass the bound
+            worker.submit("refused", clip, SR, wait_s=0.05)
+        threading.Event().wait(0.2)  # "queued" waited past its 50 ms now, whatever the pace
+        gate.set()
+        done = _speaker_results(worker, 3)
+        assert done["first"][1] is None and done["first"][0].shape == (2048,)
+        assert done["queued"][0] is None and isinstance(done["queued"][1], worker_mod.SpeakerBehind)
+        assert done["job"][1] is None and done["job"][0].shape == (2048,)
+        worker.submit("after", clip, SR, wait_s=30)  # the queue's count went back down
+        assert _speaker_results(worker, 1)["after"][1] is None
+    finally:
+        worker.close()

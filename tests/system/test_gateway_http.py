@@ -317,6 +317,27 @@ def test_bad_uploads(server, files, status, code):
         assert r.json()["error"]["code"] == code
 
 
+def test_a_stored_voice_keeps_a_bounded_preview(server):
+    """59 s of silence at 192 kHz is a 34 KB FLAC that decodes to 11 M samples: its voice's preview (what the data
+    dir keeps besides 8 KB of embedding) is the clip's first 10 s at 48 kHz, under 1 MB, not a 23 MB WAV (a key's
+    1000 such voices were 23 GB of disk from 34 MB of uploads). The voice is still the whole clip's."""
+    sr = 192000
+    buf = io.BytesIO()
+    sf.write(buf, np.zeros(59 * sr, np.float32), sr, format="FLAC", subtype="PCM_16")
+    r = httpx.post(
+        server.url + "/v1/voices", files={"file": ("quiet.flac", buf.getvalue())}, data={"name": "Quiet"}, timeout=60
+    )
+    assert r.status_code == 201, r.text
+    voice = r.json()
+    try:
+        assert voice["details"]["seconds"] == 59
+        prev = httpx.get(server.url + f"/v1/voices/{voice['id']}/preview")
+        x, rate = sf.read(io.BytesIO(prev.content))
+        assert (rate, len(x)) == (48000, 10 * 48000) and len(prev.content) < 1 << 20
+    finally:
+        httpx.delete(server.url + f"/v1/voices/{voice['id']}")
+
+
 @pytest.mark.parametrize("arr", [np.ones(7, np.float32), np.full(2048, np.nan, np.float32)])
 def test_bad_embeddings(server, arr):
     buf = io.BytesIO()

@@ -417,6 +417,30 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     assert err["code"] == "bad_text" and "break" in err["message"]
 
 
+def test_aliases_that_grow_an_utterance_past_its_limit_are_refused(server):
+    """An alias is up to 256 characters: a rule for "a" made a sentence of 40 "a" 10 KB of text, 36 engine
+    requests of prompt, for a 79-character message. The text after the rules is held to the utterance's limit:
+    text_too_long for that utterance, and the session goes on (a sentence the rules keep short is spoken)."""
+
+    async def go():
+        c = await connect(
+            server,
+            params={"seed": 1, "max_frames": 5, "ignore_eos": True},
+            lexicon=[{"grapheme": "a", "alias": "b" * 256}],
+        )
+        await c.send(type="text", text="a " * 39 + "a.", flush=True)
+        error = await c.until("error")
+        await c.until("flushed")
+        await c.send(type="text", text="Say a word.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return error, done
+
+    error, done = run(go())
+    assert error["code"] == "text_too_long" and "pronunciation rules" in error["message"], error
+    assert done["stats"]["audio_ms"] > 0
+
+
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
     """Uploaded as PLS and as rules, listed, used by our session.config `lexicon` (the alias reaches the
     model: the prompt grows by it), refused for phonemes, kept across a restart, deleted."""

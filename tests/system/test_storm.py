@@ -10,6 +10,7 @@ import base64
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -231,6 +232,28 @@ def test_compressed_audio_encodes_off_the_event_loop(monkeypatch):
     threads.clear()
     loop_thread = run(go("pcm_s16le"))
     assert threads == [loop_thread, loop_thread]  # raw samples: inline
+
+
+def test_compressed_audio_never_waits_behind_the_default_executor():
+    """A codec's work has threads of its own: with every thread of the loop's default executor held (what a flood
+    of uploads decoding clips does), a stream's mp3 chunks are still encoded."""
+    pcm = (np.sin(np.arange(44100) / 20) * 8000).astype(np.int16)
+
+    async def go() -> int:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=2))
+        gate = threading.Event()
+        held = [loop.run_in_executor(None, gate.wait, 60) for _ in range(2)]
+        try:
+            enc = audio_output.Encoder("mp3", 24000)
+            data = await asyncio.wait_for(audio_output.encode(enc, pcm), 30)  # a failure guard, not a pace
+            data += await asyncio.wait_for(audio_output.encode(enc, pcm[:0], last=True), 30)
+        finally:
+            gate.set()
+            await asyncio.gather(*held)
+        return len(data)
+
+    assert run(go()) > 1000
 
 
 def test_gc_pauses_are_a_metric(server):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from app.core.breaks import split_breaks
+from app.core.breaks import TAG_MAX, split_breaks
+from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 
@@ -45,3 +48,26 @@ def test_a_break_cut_by_a_newline_or_the_budget_is_refused_not_spoken(text):
             split_breaks(piece)
     assert e.value.code == "bad_text"
     assert split_breaks("Hi <break time=", partial=True) == ["Hi <break time="]  # a streamed tag, still arriving
+
+
+@pytest.mark.parametrize("opening", ["<break", "< break ", "<emotion", "</emotion value="])
+def test_unclosed_tag_openings_cost_little(opening):
+    """A message of thousands of tag openings with no end: each one's pattern looked through the rest of the text
+    for a `>` (36 KB of "<break" took ~4 s of the event loop every session shares; 10 KB, the buffer's limit, 0.25 s,
+    and such a message is refused, so a client could send it again and again). A tag ends within TAG_MAX
+    characters; the bound is ~100x what it takes."""
+    text = opening * (36000 // len(opening))
+    split = split_breaks if "break" in opening else split_tags
+    cpu = time.thread_time()
+    assert split(text, partial=True) == [text]  # still arriving: its openings may end in the next message
+    with pytest.raises(RequestError) as e:
+        split(text)
+    cpu = time.thread_time() - cpu
+    assert e.value.code == "bad_text"
+    assert cpu < 0.5, f"{cpu:.2f} s of CPU"
+
+
+def test_a_tag_ends_within_tag_max_characters():
+    assert split_breaks(f'a <break time="1s"{" " * (TAG_MAX - 20)}/> b') == ["a", 1.0, "b"]
+    with pytest.raises(RequestError):
+        split_breaks(f'a <break time="1s"{" " * TAG_MAX}/> b')

@@ -4,9 +4,16 @@ rules applied to whole words, stored per owner."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import json
+import re
 import threading
+import time
+import tracemalloc
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.io.errors import RequestError
 from app.voices import lexicons
@@ -48,6 +55,50 @@ def test_aliases_replace_whole_words_case_sensitively():
     assert apply_rules("New York is New.", rules) == "New York City is Old."  # the longest match first
 
 
+def _regex_rules(text: str, rules: tuple[Rule, ...]) -> str:
+    """The rule as a regex says it: whole words, the first rule of a grapheme, the longest grapheme first."""
+    table: dict[str, str] = {}
+    for r in rules:
+        table.setdefault(r.grapheme, r.alias)
+    alts = "|".join(re.escape(g) for g in sorted(table, key=len, reverse=True))
+    return re.sub(rf"(?<!\w)(?:{alts})(?!\w)", lambda m: table[m.group(0)], text)
+
+
+_PIECES = st.text(alphabet="ab _.-é1²", max_size=5).map(str.strip).filter(bool)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rules=st.lists(st.tuples(_PIECES, st.sampled_from(["X", "", "a b"])), min_size=1, max_size=6),
+    text=st.text(alphabet="ab _.-é1²\n", max_size=40),
+)
+def test_aliases_match_the_regex_rule(rules, text):
+    rs = tuple(Rule(g, a) for g, a in rules)
+    assert apply_rules(text, rs) == _regex_rules(text, rs)
+
+
+def test_a_hostile_dictionary_costs_little_cpu_and_keeps_no_memory():
+    """5000 graphemes that share a 250-character prefix with the text, which one more grapheme keeps a regex
+    from factoring out: matched as one regex alternation, each word's start tried every grapheme to its end, in
+    one C call holding the GIL (every session's event loop waited ~1 s per 2000-character utterance), and each
+    such dictionary's compiled pattern stayed cached (~17 MB, 256 of them). The bound is ~50x what it takes."""
+    dictionaries = [(*(Rule("a " * 125 + f"{k}{i:05d}", "x") for i in range(4999)), Rule("z", "y")) for k in range(3)]
+    text = "a " * 4000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        cpu = time.thread_time()
+        for rules in dictionaries:
+            assert apply_rules(text, rules) == text
+        cpu = time.thread_time() - cpu
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cpu < 0.5, f"{cpu:.2f} s of CPU"
+    assert kept < 1 << 20, f"{kept} bytes kept"
+
+
 def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     store = LexiconStore(tmp_path)
     lex = store.add("alice", "mine", [Rule("a", "b")])
@@ -60,8 +111,44 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert store.list("alice") == []
 
 
+def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(tmp_path, monkeypatch):
+    """An owner's hundred dictionaries of thousands of rules are hundreds of MB: a listing, and the count a new
+    dictionary is held to (MAX_PER_OWNER), read only that owner's metadata, never rules (every listing parsed every
+    owner's rules: ~1.5 s holding the GIL, so a few clients listing in a loop stalled every session's audio); the
+    rules are UTF-8 on disk (\\u escapes were 3x the bytes and 9x the parse). A dictionary is still read whole."""
+    store = LexiconStore(tmp_path)
+    rules = [Rule("é" * 100 + str(i), "à" * 50) for i in range(100)]
+    mine = [store.add("alice", f"d{k}", rules) for k in range(3)]
+    store.add("bob", "other", rules)
+    text = sum(len(r.grapheme.encode()) + len(r.alias.encode()) for r in rules)
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.json")) < 4 * text * 1.2
+    parsed: list[int] = []
+    real = json.loads
+
+    def counted(s, *args, **kwargs):
+        parsed.append(len(s))
+        return real(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)
+    listed = store.list("alice")
+    store.add("alice", "d3", rules[:1])
+    assert [x.id for x in listed] == [x.id for x in mine]
+    assert [x.public()["version_rules_num"] for x in listed] == [100] * 3
+    assert sum(parsed) < text / 10, f"{sum(parsed)} characters parsed"
+    assert store.get(mine[0].id, "alice").rules == rules
+
+
+def test_a_store_of_one_document_per_dictionary_is_moved_to_its_owners_folder(tmp_path):
+    legacy = {"id": "pd_0123456789abcdef", "name": "old", "owner": "alice", "rules": [{"grapheme": "a", "alias": "b"}]}
+    (tmp_path / "pd_0123456789abcdef.json").write_text(json.dumps(legacy | {"version_id": "v_1", "created_at": 1.0}))
+    store = LexiconStore(tmp_path)
+    assert [x.id for x in store.list("alice")] == ["pd_0123456789abcdef"] and store.list("bob") == []
+    assert store.get("pd_0123456789abcdef", "alice").rules == [Rule("a", "b")]
+    assert not (tmp_path / "pd_0123456789abcdef.json").exists()
+
+
 def test_rules_are_applied_off_the_event_loop(monkeypatch):
-    """A dictionary's pattern is compiled and matched in a worker thread (a large one takes seconds), not on the
+    """A dictionary's rules are matched in a worker thread (a large one takes tens of milliseconds), not on the
     loop every session shares; no rules: nothing to do, inline."""
     threads: list[int] = []
     real = lexicons.apply_rules
@@ -81,8 +168,8 @@ def test_rules_are_applied_off_the_event_loop(monkeypatch):
 
 
 def test_the_dictionary_routes_use_the_store_off_the_event_loop(tmp_path, monkeypatch):
-    """An owner's dictionaries can be hundreds of MB of JSON (a listing reads them all): every route reads and
-    writes the store in a worker thread, never on the loop the sessions share."""
+    """A dictionary can be MB of JSON: every route reads and writes the store in a worker thread, never on the
+    loop the sessions share."""
     from types import SimpleNamespace
 
     from starlette.applications import Starlette

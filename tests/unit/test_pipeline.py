@@ -20,7 +20,7 @@ from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
 from app.core.metrics import Metrics
 from app.core.options import SynthesisOptions
-from app.core.pipeline import engine_error, speak, utterance_bytes
+from app.core.pipeline import DEFAULT_CONTEXT, engine_error, speak, utterance_bytes
 from app.doors.speech import speech_response
 from app.doors.ws import Session
 from app.io.audio_output import OutputFormat
@@ -483,6 +483,40 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
     assert asyncio.run(socket()) == [1, 86, 254]
     formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
     assert [asyncio.run(http(f)) for f in formats] == [1, 128, 1376]
+
+
+def test_a_queued_utterance_holds_no_encoder_until_it_plays():
+    """An 8 kHz encoder (its resampler's state) is ~100 KB: each of a session's 32 queued utterances held one from
+    the moment it was queued (at 256 sessions, ~800 MB). It is made when the utterance begins to play, for the
+    output fixed when it was queued (a later session.config is for later text)."""
+
+    async def go() -> tuple[list[bool], list[int]]:
+        session, ws, engine, task = await open_session()
+        ws.send(type="session.config", encoding="mulaw", params={"long_form": False})
+        assert (await ws.next_json())["type"] == "session.updated"
+        ws.send(type="text", text="One. Two. Three. Four.", flush=True)
+        await engine.started(2)
+        queued = [u.encoder is not None for u in list(session.lanes[DEFAULT_CONTEXT].pipe.queue)[1:]]
+        ws.send(type="session.config", encoding="pcm_s16le", sample_rate=44100)
+        assert (await ws.next_json())["type"] == "session.updated"
+        sizes = []
+        for n in range(1, 5):
+            engine.play(await engine.started(n))
+            size = 0
+            while True:
+                msg = await ws.out.get()
+                if isinstance(msg, bytes):
+                    size += len(msg)
+                elif msg["type"] == "audio.done":
+                    break
+            sizes.append(size)
+        await ws.until("flushed")
+        await shut(ws, task)
+        return queued, sizes
+
+    queued, sizes = asyncio.run(go())
+    assert queued == [False, False, False]
+    assert sizes == [sizes[0]] * 4 and sizes[0] < 512  # mulaw at 8 kHz, every one: 1 byte a sample
 
 
 def test_engine_errors_map_to_http_statuses():

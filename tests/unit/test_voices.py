@@ -715,7 +715,7 @@ def test_clips_of_one_upload_are_decoded_one_at_a_time(tmp_path):
     import weakref
     from types import SimpleNamespace
 
-    from app.core.gateway import wav_bytes
+    from app.core.gateway import preview_wav
     from app.doors.voices import store_clips
 
     alive: list[weakref.ref] = []
@@ -742,4 +742,4 @@ def test_clips_of_one_upload_are_decoded_one_at_a_time(tmp_path):
     voice = stored.voice
     assert voice.details == {"clips": 8, "seconds": float(sum(range(2, 10)))}
     assert np.allclose(voice.embedding, 0.45)
-    assert gw.voices.preview_bytes(voice) == wav_bytes(np.full(16000, 0.1, np.float32), 8000)
+    assert gw.voices.preview_bytes(voice) == preview_wav(np.full(16000, 0.1, np.float32), 8000)

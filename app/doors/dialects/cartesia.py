@@ -94,8 +94,8 @@ class CartesiaSession(StreamingSession):
         c = self.ctxs.get(ctx)
         return (c.opts, c.voice, None) if c else (self.opts, None, None)
 
-    def encoder_for(self, ctx: str) -> Any:
-        return self.ctxs[ctx].format.encoder()
+    def output_for(self, ctx: str) -> OutputFormat:
+        return self.ctxs[ctx].format
 
     def hold_for(self, ctx: str) -> Hold | None:
         c = self.ctxs.get(ctx)

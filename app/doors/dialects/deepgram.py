@@ -56,8 +56,8 @@ class DeepgramSession(StreamingSession):
         self.request_id = str(uuid.uuid4())
         self.sequence = 0  # Flushes so far
 
-    def encoder_for(self, ctx: str) -> Any:
-        return self.format.encoder()
+    def output_for(self, ctx: str) -> OutputFormat:
+        return self.format
 
     def hold_for(self, ctx: str) -> Hold | None:
         return Hold(quiet_s=QUIET_S)

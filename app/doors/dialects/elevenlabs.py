@@ -144,8 +144,8 @@ class ElevenLabsSession(StreamingSession):
         c = self.ctxs.get(ctx)
         return (c.opts if c else self.opts), self.voice, None
 
-    def encoder_for(self, ctx: str) -> Any:
-        return self.format.encoder()
+    def output_for(self, ctx: str) -> OutputFormat:
+        return self.format
 
     def hold_for(self, ctx: str) -> Hold | None:
         return None if self.auto_mode else Hold(quiet_s=QUIET_S)

@@ -6,8 +6,8 @@
   string_to_replace, alias}], description}`;
 * `GET /v1/pronunciation-dictionaries`, `GET` and `DELETE /v1/pronunciation-dictionaries/{id}`.
 
-A phoneme rule is refused with 400 (ZONOS2 reads text). The store is read and written in a worker thread: an
-owner's hundred dictionaries of thousands of rules are hundreds of MB of JSON, read whole by a listing.
+A phoneme rule is refused with 400 (ZONOS2 reads text). The store is read and written in a worker thread: a
+dictionary of thousands of rules is MB of JSON (a listing reads only metadata).
 A dictionary is used through `pronunciation_dictionary_locators` on the speech routes and sockets, Cartesia's
 `pronunciation_dict_id`, or our session.config `lexicon`.
 """
