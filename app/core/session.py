@@ -609,6 +609,9 @@ class StreamingSession:
             await pipe.changed.wait()
 
     async def _play(self, lane: Lane, u: Utterance) -> None:
+        if u.silence_s is not None:  # a break is no speech: it costs the engine nothing, and holds the door no room
+            await self._play_utterance(lane, u)
+            return
         self.conversation.started()
         try:
             await self._play_utterance(lane, u)

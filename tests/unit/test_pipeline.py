@@ -519,6 +519,28 @@ def test_a_queued_utterance_holds_no_encoder_until_it_plays():
     assert sizes == [sizes[0]] * 4 and sizes[0] < 512  # mulaw at 8 kHz, every one: 1 byte a sample
 
 
+def test_a_break_holds_the_door_no_room():
+    """The door holds room for a conversation that spoke within --conversation-hold-s; a break (silence the
+    gateway makes, no engine work) is no speech: a client sending a 0.1 s break every few seconds on each of a few
+    sockets held every slot of the door for free, and newcomers were refused."""
+
+    async def go() -> tuple[float, float]:
+        session, ws, engine, task = await open_session()
+        session.conversation.last_spoke = 0.0  # spoke long ago
+        ws.send(type="text", text='<break time="100ms"/>', flush=True)
+        await ws.until("flushed")
+        after_break = session.conversation.last_spoke
+        ws.send(type="text", text="One.", flush=True)
+        engine.play(await engine.started(1))
+        await ws.until("flushed")
+        after_speech = session.conversation.last_spoke
+        await shut(ws, task)
+        return after_break, after_speech
+
+    after_break, after_speech = asyncio.run(go())
+    assert after_break == 0.0 and after_speech > 0.0
+
+
 def test_engine_errors_map_to_http_statuses():
     assert engine_error(m.Error(1, EngineError.PROMPT_TOO_LONG, "x")).status == 400
     assert engine_error(m.Error(1, EngineError.QUEUE_FULL, "")).status == 503
