@@ -12,8 +12,8 @@ from app.io.errors import RequestError
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
 MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
 # characters inside a tag's < > at most (a break's, an emotion element's): the text buffer never cuts inside one,
-# and the patterns look no further for its end (an opening with no end looked through the rest of the text: a
-# message of 1666 "<break" held the event loop 0.25 s)
+# and the patterns look no further for its end (unbounded, each opening with no end looks through the rest of the
+# text: 1666 "<break" in one message take the event loop 0.25 s)
 TAG_MAX = 200
 _TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 _OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused

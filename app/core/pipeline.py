@@ -75,8 +75,8 @@ class Utterance:
     opts: SynthesisOptions
     voice: Voice | None
     clip: tuple[np.ndarray, int] | None
-    # the client's output (a session's; HTTP routes encode themselves), and its encoder, made when it begins to play:
-    # a resampler's state is ~100 KB, which each of a session's queued utterances held from the moment it was queued
+    # the client's output (a session's; HTTP routes encode themselves), and its encoder, made when it begins to play
+    # (a resampler's state is ~100 KB: not one for each of a session's queued utterances)
     output: OutputFormat | None = None
     encoder: Encoder | None = None
     t_created: float = field(default_factory=time.perf_counter)  # its text was complete

@@ -482,7 +482,7 @@ def warm_outputs() -> None:
 
 
 # The codecs' own threads: audio on its way to a listener never waits behind the bulk work of the loop's default
-# executor (a flood of uploads decoding clips there held every thread, and every mp3 stream's next chunk waited)
+# executor (a flood of uploads decoding clips can hold every thread there)
 _CODEC_THREADS = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="codec")
 
 

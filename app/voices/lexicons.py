@@ -9,8 +9,8 @@ the dictionary is uploaded, naming the grapheme, never dropped in silence.
 The store is files, one folder per owner: a dictionary's metadata (`<id>.json`, small) and its rules
 (`<id>.rules.json`, UTF-8), each written whole and renamed into place, rules first. They are read on each lookup,
 so every gateway process sees a dictionary the moment another one has written it; a listing reads only its owner's
-metadata (an owner's hundred dictionaries of thousands of rules are hundreds of MB: reading them all held the GIL,
-and every session's event loop, ~1.5 s per listing).
+metadata (an owner's hundred dictionaries of thousands of rules are hundreds of MB: reading them all would hold the
+GIL, and every session's event loop, ~1.5 s per listing).
 """
 
 from __future__ import annotations
@@ -140,10 +140,10 @@ def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
     """`text` with each whole-word occurrence of a rule's grapheme read as its alias (the first rule of a
     grapheme wins; at one place the longest grapheme wins, "New York City" over "New York"), left to right.
 
-    A lookup by length rather than one regex alternation of every grapheme: matching such a pattern is one C
-    call that holds the GIL (a hostile dictionary of 5000 graphemes sharing a 250-character prefix held every
-    session's event loop ~1 s per utterance), and each compiled pattern held ~17 MB. Here the work at a
-    word's start is one slice per distinct grapheme length beginning with its character."""
+    A lookup by length rather than one regex alternation of every grapheme: matching an alternation is one C
+    call that holds the GIL throughout (5000 graphemes sharing a 250-character prefix take ~1 s per utterance,
+    every session's event loop waiting), and each compiled pattern takes ~17 MB. Here the work at a word's
+    start is one slice per distinct grapheme length beginning with its character."""
     if not rules:
         return text
     table: dict[str, str] = {}
@@ -207,7 +207,7 @@ class LexiconStore:
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, ensure_ascii=False)  # \uXXXX escapes were 3x the bytes and 9x the parse
+                json.dump(doc, f, ensure_ascii=False)  # \uXXXX escapes would be 3x the bytes and 9x the parse
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -190,8 +190,8 @@ def _store_error(what: str, e: OSError) -> VoiceError:
 
 SHARED_RECOVER_AGE_S = 600.0  # shared store: a write or delete in progress elsewhere is far younger than this
 SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse mtime can hide a change)
-# shared store: rescanned at most this often when the folder changes (a rescan looks at every voice's folder, and
-# a client renaming a voice in a loop made every other process's every lookup a rescan: 65 ms with 3000 voices)
+# shared store: rescanned at most this often when the folder changes (a rescan looks at every voice's folder: a
+# client renaming a voice in a loop would make every lookup of every other process one, 65 ms with 3000 voices)
 SHARED_MIN_RESCAN_S = 1.0
 
 
