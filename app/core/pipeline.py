@@ -168,9 +168,20 @@ def inline_pieces(
 class UtterancePipeline:
     """The utterances of one session (or one HTTP request), played strictly in order."""
 
-    def __init__(self, gw: Gateway, api: str, depth: int | None = None) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        api: str,
+        depth: int | None = None,
+        may_start: Callable[[UtterancePipeline], bool] | None = None,
+        released: Callable[[], None] | None = None,
+    ) -> None:
+        """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
+        of several contexts shares its engine work among their pipelines: app/core/session.py)."""
         self.gw, self.api = gw, api
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
+        self.may_start, self.released = may_start, released
+        self._turn = asyncio.Event()  # set when an utterance starts, or is dropped (the head may wait for `may_start`)
         self.queue: deque[Utterance] = deque()  # not yet fully played, in order; the head is playing
         self.changed = asyncio.Event()  # set whenever utterances are added or dropped
         self._seq = itertools.count(1)
@@ -235,9 +246,20 @@ class UtterancePipeline:
         """Keep the first `depth` utterances generating: the one playing and the next ones. The utterances of
         a continuation chain all start: each generates only once the one before it has (app/core/continuation.py),
         and the one before cannot end its audio until the next continues its stream (or it is flushed)."""
+        if self.may_start is not None and not self.may_start(self):
+            return
         for i, u in enumerate(self.queue):
             if u.start_task is None and u.silence_s is None and (i < self.depth or u.chain is not None):
                 u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
+                self._turn.set()
+
+    def started(self) -> bool:
+        """Some utterance of it has engine work (generating, or generated and not yet played to its end)."""
+        return any(u.start_task is not None for u in self.queue)
+
+    def _maybe_released(self) -> None:
+        if self.released is not None and not self.started():
+            self.released()
 
     async def _start(self, u: Utterance) -> None:
         try:
@@ -275,8 +297,10 @@ class UtterancePipeline:
                 u.start_task.cancel()
             self.queue.remove(u)
         if dropped:
+            self._turn.set()
             self.prefetch()
             self.changed.set()
+            self._maybe_released()
         return dropped
 
     def end(self, context_id: str | None = None) -> None:
@@ -299,6 +323,7 @@ class UtterancePipeline:
             self.queue.popleft()
             self.prefetch()
             self.changed.set()
+            self._maybe_released()
 
     async def play(self, u: Utterance) -> AsyncGenerator[np.ndarray, None]:
         """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
@@ -315,7 +340,11 @@ class UtterancePipeline:
                 u.t_done = time.perf_counter()
                 u.t_first = u.t_first or u.t_done
             return
-        assert u.start_task is not None
+        while u.start_task is None and not u.cancelled:  # the session's other contexts have its engine work
+            self._turn.clear()
+            await self._turn.wait()
+        if u.start_task is None:
+            return
         await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
         if u.cancelled or u.error is not None:
             if u.error is not None:

@@ -567,10 +567,29 @@ class StreamingSession:
         key = ctx if self.lane_per_context else DEFAULT_CONTEXT
         lane = self.lanes.get(key)
         if lane is None:
-            lane = self.lanes[key] = Lane(key, UtterancePipeline(self.gw, self.api))
+            pipe = (
+                UtterancePipeline(self.gw, self.api, may_start=self._may_start, released=self._released)
+                if self.lane_per_context
+                else UtterancePipeline(self.gw, self.api)
+            )
+            lane = self.lanes[key] = Lane(key, pipe)
             lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")
             lane.task.add_done_callback(self._task_failed)
         return lane
+
+    def _may_start(self, pipe: UtterancePipeline) -> bool:
+        """A session of several contexts: at most --max-inflight-per-session of its contexts have engine work
+        at once (each up to that many utterances), so that one socket's many contexts cannot fill the engine's
+        queue; another context starts once one of them has played what it started."""
+        if pipe.started():
+            return True
+        return sum(lane.pipe.started() for lane in self.lanes.values()) < self.limits.max_inflight_per_session
+
+    def _released(self) -> None:
+        if self._ended:  # the lanes are being closed: nothing starts
+            return
+        for lane in list(self.lanes.values()):
+            lane.pipe.prefetch()
 
     def _task_failed(self, task: asyncio.Task[None]) -> None:
         """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also

@@ -796,6 +796,51 @@ def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_au
     assert [s["start"][0] for s in stamps] == [0.0, 0.0], seen
 
 
+def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them():
+    """A Cartesia socket that opens more contexts than --max-inflight-per-session: only that many of them have
+    engine work at once; the next starts once one has played what it started, so one socket's contexts cannot
+    fill the engine's queue."""
+    from app.doors.dialects.cartesia import CartesiaSession
+
+    async def settle() -> None:  # whatever would start now has started (the fake engine starts at once)
+        for _ in range(50):
+            await asyncio.sleep(0)
+
+    async def go() -> tuple[list[str], list[str], int]:
+        gw = fake_gateway(Limits(max_inflight_per_session=2))
+        gw.engine.aligns = False
+        gw.lexicon = lambda ids, owner: ()
+        ws = FakeSocket()
+        ws.query_params = {}  # type: ignore[attr-defined]
+        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
+        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        for ctx in "abcd":
+            ws.send(transcript=f"Context {ctx}.", context_id=ctx, voice=voice, **fmt)
+        await gw.fake.started(2)
+        await settle()
+        first = list(gw.fake.texts)
+        FakeEngine.play(gw.fake.streams[0])  # the first context plays to its end: a third may start
+        await gw.fake.started(3)
+        await settle()
+        second = list(gw.fake.texts)
+        for n in range(2, 5):  # the rest, each as it starts
+            FakeEngine.play(gw.fake.streams[n - 1])
+            if n < 4:
+                await gw.fake.started(n + 1)
+        dones = 0
+        while dones < 4:
+            dones += (await ws.next_json()).get("type") == "done"
+        await shut(ws, task)
+        return first, second, len(gw.fake.texts)
+
+    first, second, every = asyncio.run(go())
+    assert first == ["Context a.", "Context b."], first
+    assert second == ["Context a.", "Context b.", "Context c."], second
+    assert every == 4
+
+
 class _GoneSocket(FakeSocket):
     """A socket whose client vanished: every send raises, as Starlette's does, after `lag` turns of the event loop
     (a send already in progress when the connection dropped)."""
@@ -836,7 +881,7 @@ def test_a_client_that_vanishes_mid_audio_leaves_no_unretrieved_error(contexts: 
 
     async def go() -> None:
         asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: reported.append(ctx["message"]))
-        gw = fake_gateway()
+        gw = fake_gateway(Limits(max_inflight_per_session=max(2, contexts)))  # every context's pump at once
         ws = _GoneSocket(lag)
         ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
         ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
