@@ -99,3 +99,19 @@ def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
     assert "3 passed, 2 errors" in out, out  # the leaking tests ran, and their teardowns failed
     assert "ERROR at teardown of test_leaves_the_default_dtype_changed" in out and "default dtype" in out, out
     assert "ERROR at teardown of test_leaves_the_switch_interval_changed" in out and "switch interval" in out, out
+
+
+def test_the_suite_s_openmp_threads_sleep_when_idle():
+    """torch loaded after tests/conftest.py has an OpenMP runtime whose idle threads sleep at once (a spin count
+    of 0), not one that spins: libgomp reads the policy when torch loads it, so conftest must set it first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tests.conftest, torch; torch.ones(64).sum()"],
+        cwd=TESTS.parent,
+        env=env | {"PYTHONPATH": str(TESTS.parent), "OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GOMP_SPINCOUNT = '0'" in proc.stderr, proc.stderr[-3000:]
