@@ -22,6 +22,9 @@ import pytest
 # waits out a scheduler slice: CPU synthesis in this process ran tens of times slower than on idle cores.
 # PASSIVE threads sleep at once (the same speed on idle cores).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numpy's OpenBLAS (the float64 references, Triton's interpreter) likewise, read when numpy loads it: its threads
+# spin too, and on a shared core a 128 x 128 product took ~1-4 ms on two threads where one thread takes ~40 us.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 
