@@ -15,6 +15,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+# Before anything imports torch: its OpenMP runtime (libgomp) reads the wait policy once, when torch loads it.
+# By default an OpenMP thread with no work spins (GOMP_SPINCOUNT 300000) before it sleeps; on cores that something
+# else also runs on (the suite's servers, another job on CI's 2 busy cores) the spinning thread holds a core
+# while the thread that has the work waits for one, and each of a tiny model's thousands of small parallel ops
+# waits out a scheduler slice: CPU synthesis in this process ran tens of times slower than on idle cores.
+# PASSIVE threads sleep at once (the same speed on idle cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# numpy's OpenBLAS (the float64 references, Triton's interpreter) likewise, read when numpy loads it: its threads
+# spin too, and on a shared core a 128 x 128 product took ~1-4 ms on two threads where one thread takes ~40 us.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

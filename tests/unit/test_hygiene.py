@@ -99,3 +99,34 @@ def test_a_test_that_leaves_a_process_wide_setting_changed_fails(tmp_path):
     assert "3 passed, 2 errors" in out, out  # the leaking tests ran, and their teardowns failed
     assert "ERROR at teardown of test_leaves_the_default_dtype_changed" in out and "default dtype" in out, out
     assert "ERROR at teardown of test_leaves_the_switch_interval_changed" in out and "switch interval" in out, out
+
+
+BLAS_THREADS = """
+import ctypes
+
+import numpy
+import torch
+
+torch.ones(64).sum()
+numpy.ones((64, 64)) @ numpy.ones((64, 64))
+libs = [ctypes.CDLL(p) for p in {line.split()[-1] for line in open("/proc/self/maps") if "openblas" in line}]
+print("openblas threads", [f() for lib in libs if (f := getattr(lib, "scipy_openblas_get_num_threads64_", None))])
+"""
+
+
+def test_the_suite_s_math_library_threads_never_spin():
+    """torch and numpy loaded after tests/conftest.py: torch's OpenMP runtime has idle threads that sleep at
+    once (a spin count of 0) and numpy's OpenBLAS one thread (its idle threads spin too). Both libraries read
+    their settings when they are loaded, so conftest must set them first."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "OPENBLAS_"))}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import tests.conftest\n" + BLAS_THREADS],
+        cwd=TESTS.parent,
+        env=env | {"PYTHONPATH": str(TESTS.parent), "OMP_DISPLAY_ENV": "VERBOSE"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "GOMP_SPINCOUNT = '0'" in proc.stderr, proc.stderr[-3000:]
+    assert "openblas threads [1]" in proc.stdout, proc.stdout  # numpy's OpenBLAS (scipy-openblas)
