@@ -29,6 +29,10 @@ def engine_main(
     and exits."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
     watch_parent(lifeline, lambda: [unlink_segment(s.name) for pair in channels for s in pair])
+    # Before torch loads its OpenMP runtime, which reads this once: an idle OpenMP thread spins (GOMP_SPINCOUNT
+    # 300000) before it sleeps, holding a core that the host's gateway processes (or, on a CPU, the thread with
+    # the work) need; passive threads sleep at once (tests/conftest.py measured the same speed on idle cores)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch  # here, in the spawned process: the gateway imports this module without torch
 
     from engine.runtime.engine import Engine
