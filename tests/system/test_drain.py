@@ -64,7 +64,11 @@ def test_sigterm_drains_what_is_speaking(start_server, workers):
                         refused = e.response
                         break
                     await asyncio.sleep(0.05)
-                ready = await http.get(srv.url + "/readyz")
+                for _ in range(600):  # each gateway process drains from its next tick after the signal
+                    ready = await http.get(srv.url + "/readyz")
+                    if ready.status_code == 503:
+                        break
+                    await asyncio.sleep(0.05)
                 async for b in chunks:
                     got += b
             done = await speaking.until("audio.done", timeout=120)
