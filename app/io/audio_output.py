@@ -442,6 +442,22 @@ class Encoder:
         return head + sample_bytes(x, self.encoding)
 
 
+# What `first_samples` found with the pinned resampler and codecs (requirements.txt): each is checked when asked
+# (it holds where an encoder fed that many samples has audio out and one fed one fewer has none) and searched for
+# again where it does not (another codec build)
+_RESAMPLER_FIRST = {8000: 254, 16000: 128, 22050: 93, 24000: 86, 32000: 65, 48000: 48}
+_FIRST_SAMPLES_SEEN = {
+    **{(e, rate): n for e in ENCODINGS for rate, n in _RESAMPLER_FIRST.items()},
+    **{("mp3", r): n for r, n in zip(RATES, (6445, 3256, 1691, 1554, 2372, 1376, 1742), strict=True)},
+    **{("flac", r): n for r, n in zip(RATES, (23965, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
+    **{("aac", r): n for r, n in zip(RATES, (12285, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
+    ("opus", 8000): 2900,
+    ("opus", 16000): 3256,
+    ("opus", 24000): 3208,
+    ("opus", 48000): 3382,
+}
+
+
 @functools.cache
 def first_samples(encoding: str, sample_rate: int) -> int:
     """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
@@ -460,6 +476,9 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     def outputs(n: int) -> bool:
         return len(Encoder(encoding, sample_rate).encode(signal[:n])) > header
 
+    seen = _FIRST_SAMPLES_SEEN.get((encoding, sample_rate))
+    if seen is not None and outputs(seen) and not outputs(seen - 1):  # two encoders, not a search of ~16
+        return seen
     lo, hi = 1, NATIVE_RATE  # a second of audio always has output
     while lo < hi:
         mid = (lo + hi) // 2
@@ -468,7 +487,7 @@ def first_samples(encoding: str, sample_rate: int) -> int:
 
 
 def warm_outputs() -> None:
-    """Ask `first_samples` of every output an encoder offers, once, at start (in a worker thread). Asked by a
+    """Ask `first_samples` of every output an encoder offers, once, at start (in a worker thread; ~0.2 s). Asked by a
     request, a new output's search (a few ms; AAC's 0.1-0.2 s) held the event loop, every socket's audio, and
     the codec libraries it loads first (PyAV, soxr, libsamplerate) stayed outside the startup heap that is
     frozen out of the collector's passes: ~8,000 objects that every full collection walked."""

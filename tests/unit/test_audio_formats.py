@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from app.io import audio_output
 from app.io.audio_output import (
     COMPRESSED,
     ENCODINGS,
@@ -277,6 +278,22 @@ def test_start_asks_every_output_its_first_samples():
                 first_samples(encoding, OutputFormat(encoding, rate).check().sample_rate)
                 offered += 1
     assert first_samples.cache_info().misses == asked and offered >= len(OUTPUTS)
+
+
+@pytest.mark.parametrize("seen", [1000, 1377, None])
+def test_first_samples_searches_again_where_the_codec_differs_from_what_was_seen(monkeypatch, seen):
+    """A value seen with the pinned codecs that does not hold for this build (too few, too many, or none) is
+    searched for again: first_samples is always the encoder's own threshold."""
+    table = dict(audio_output._FIRST_SAMPLES_SEEN)
+    table.pop(("mp3", NATIVE_RATE))
+    if seen is not None:
+        table[("mp3", NATIVE_RATE)] = seen
+    monkeypatch.setattr(audio_output, "_FIRST_SAMPLES_SEEN", table)
+    first_samples.cache_clear()
+    try:
+        assert first_samples("mp3", NATIVE_RATE) == 1376
+    finally:
+        first_samples.cache_clear()
 
 
 def _first_output_step(encoding: str, rate: int, first: int) -> int:
