@@ -18,6 +18,7 @@ import gc
 import importlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -50,22 +51,32 @@ def log_long_pauses(log: logging.Logger, observe: Callable[[float, int], None] |
     if any(getattr(cb, "_logs_pauses", False) for cb in gc.callbacks):
         return
     started = [0.0]
+    # A collection runs wherever an allocation triggers it, also at the bottom of a deep recursion (a deeply nested
+    # JSON's parse), where calling into the metric or the logger raises RecursionError ("Exception ignored in",
+    # with a traceback, in the log): a pause waits here (a C-level append needs no frame) for the next callback
+    unsaid: deque[tuple[float, int]] = deque(maxlen=1024)
 
     def watch(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
             return
-        pause = time.perf_counter() - started[0]
-        for fn in _observe:
-            fn(pause, info.get("generation", -1))
-        if pause > LOG_PAUSE_S:
-            log.warning(
-                "gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)",
-                pause * 1e3,
-                info.get("generation", -1),
-                info.get("collected", 0),
-                gc.get_freeze_count(),
-            )
+        unsaid.append((time.perf_counter() - started[0], info.get("generation", -1)))
+        try:
+            while unsaid:
+                pause, generation = unsaid[0]
+                for fn in _observe:
+                    fn(pause, generation)
+                unsaid.popleft()
+                if pause > LOG_PAUSE_S:
+                    log.warning(
+                        "gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)",
+                        pause * 1e3,
+                        generation,
+                        info.get("collected", 0),
+                        gc.get_freeze_count(),
+                    )
+        except RecursionError:
+            return
 
     watch._logs_pauses = True  # type: ignore[attr-defined]
     gc.callbacks.append(watch)

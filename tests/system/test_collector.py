@@ -9,6 +9,7 @@ import gc
 import io
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -188,3 +189,45 @@ def test_a_long_collection_is_logged(caplog):
     finally:
         collector.LOG_PAUSE_S = limit
     assert any("gc pause" in r.getMessage() for r in caplog.records)
+
+
+def test_a_collection_deep_in_a_recursion_is_observed_at_the_next_one(monkeypatch):
+    """A collection can run at the bottom of a deep recursion (a deeply nested JSON's parse): the metric's calls
+    there raise RecursionError, which must not escape the callback (Python would print it, with a traceback, as
+    an exception ignored in the collector); the pause is handed to the metric at the next collection."""
+    seen: list[int] = []
+    unraisable: list[Any] = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+
+    def observe(pause: float, generation: int) -> None:
+        def down(n: int) -> int:  # as prometheus_client's own calls go some frames down
+            return n if n == 0 else down(n - 1)
+
+        down(40)
+        seen.append(generation)
+
+    def depth() -> int:
+        f, n = sys._getframe(), 0
+        while f is not None:
+            f, n = f.f_back, n + 1
+        return n
+
+    def collect_at(n: int) -> None:  # n frames further down, a collection
+        if n > 0:
+            return collect_at(n - 1)
+        gc.collect()
+
+    saved = list(collector._observe)
+    collector.log_long_pauses(logging.getLogger("test.collector"), observe)
+    limit = sys.getrecursionlimit()
+    try:
+        sys.setrecursionlimit(depth() + 30)
+        collect_at(20)  # ~10 frames left: the callback runs, the metric's calls do not fit
+        sys.setrecursionlimit(limit)
+        deep = len(seen)
+        gc.collect()
+    finally:
+        sys.setrecursionlimit(limit)
+        collector._observe[:] = saved
+    assert not unraisable, unraisable
+    assert deep == 0 and seen[:1] == [2] and len(seen) >= 2  # the deep one, then this one
