@@ -47,7 +47,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.http_protocol import request_id
 from app.settings import GatewaySettings
-from engine.contract.collector import freeze_startup_heap, log_long_pauses
+from engine.contract.collector import freeze_startup_heap, log_long_pauses, report_pauses
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 
@@ -233,6 +233,13 @@ class RequestIdMiddleware:
             )
 
 
+async def _report_pauses() -> None:
+    """The collector's pauses into the metric, once a second, from the event loop (report_pauses)."""
+    while True:
+        await asyncio.sleep(1.0)
+        report_pauses()
+
+
 def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> Starlette:
     install_log_redaction()
     gateway = Gateway(settings, link)
@@ -248,9 +255,11 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         # which held every socket's audio at once (engine/contract/collector.py)
         freeze_startup_heap()
         log_long_pauses(log, gateway.metrics.observe_gc_pause)
+        reporting = asyncio.create_task(_report_pauses(), name="gc-pauses")
         try:
             yield
         finally:
+            reporting.cancel()
             await gateway.close()
 
     routes = [

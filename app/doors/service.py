@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from app.core.gateway import Gateway
 from app.io.audio_output import ENCODINGS, FORMATS, OUTPUT_RATES
+from engine.contract.collector import report_pauses
 from engine.contract.constants import SAMPLE_RATE
 from engine.frontend.config import preset_params
 from engine.frontend.emotion import NO_EMOTION
@@ -43,6 +44,7 @@ async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     gw.metrics.engine_restarts.set(gw.engine.restarts)
     gw.metrics.engine_ready.set(1 if gw.engine.ready.is_set() else 0)
+    report_pauses()  # the collector's pauses since the last scrape (engine/contract/collector.py)
     return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 
 

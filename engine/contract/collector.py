@@ -41,42 +41,47 @@ def freeze_startup_heap() -> None:
 
 # (seconds, generation) of every collection: the metric of the process's last `log_long_pauses(observe=...)`
 _observe: list[Callable[[float, int], None]] = []
+# Pauses not yet handed to `_observe`: a collection runs wherever an allocation triggers it, also inside a metric's
+# update that holds the metrics' lock (prometheus_client's multiprocess values share one non-reentrant lock: an
+# observation from the callback waited for it forever, and the event loop with it) or at the bottom of a deep
+# recursion; so the callback only appends here (a C-level append), and `report_pauses` observes them later
+_unreported: deque[tuple[float, int]] = deque(maxlen=4096)
+
+
+def report_pauses() -> None:
+    """Hand the pauses collected since the last call to the metric (from the event loop, never from a collection)."""
+    while _unreported:
+        pause, generation = _unreported.popleft()
+        for fn in _observe:
+            fn(pause, generation)
 
 
 def log_long_pauses(log: logging.Logger, observe: Callable[[float, int], None] | None = None) -> None:
     """Log every collection that holds the process longer than LOG_PAUSE_S (the watcher is installed once per
-    process) and hand each pause to `observe` (seconds, generation)."""
+    process) and keep each pause for `observe` (seconds, generation), which `report_pauses` calls."""
     if observe is not None:
         _observe[:] = [observe]
     if any(getattr(cb, "_logs_pauses", False) for cb in gc.callbacks):
         return
     started = [0.0]
-    # A collection runs wherever an allocation triggers it, also at the bottom of a deep recursion (a deeply nested
-    # JSON's parse), where calling into the metric or the logger raises RecursionError ("Exception ignored in",
-    # with a traceback, in the log): a pause waits here (a C-level append needs no frame) for the next callback
-    unsaid: deque[tuple[float, int]] = deque(maxlen=1024)
 
     def watch(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
             return
-        unsaid.append((time.perf_counter() - started[0], info.get("generation", -1)))
-        try:
-            while unsaid:
-                pause, generation = unsaid[0]
-                for fn in _observe:
-                    fn(pause, generation)
-                unsaid.popleft()
-                if pause > LOG_PAUSE_S:
-                    log.warning(
-                        "gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)",
-                        pause * 1e3,
-                        generation,
-                        info.get("collected", 0),
-                        gc.get_freeze_count(),
-                    )
-        except RecursionError:
-            return
+        pause = time.perf_counter() - started[0]
+        _unreported.append((pause, info.get("generation", -1)))
+        if pause > LOG_PAUSE_S:
+            try:  # (logging's lock is reentrant)
+                log.warning(
+                    "gc pause: %.0f ms (generation %d, %d collected, %d objects frozen)",
+                    pause * 1e3,
+                    info.get("generation", -1),
+                    info.get("collected", 0),
+                    gc.get_freeze_count(),
+                )
+            except RecursionError:  # a collection at the bottom of a deep recursion: its line is lost, not raised
+                return
 
     watch._logs_pauses = True  # type: ignore[attr-defined]
     gc.callbacks.append(watch)

@@ -192,9 +192,10 @@ def test_a_long_collection_is_logged(caplog):
 
 
 def test_a_collection_deep_in_a_recursion_is_observed_at_the_next_one(monkeypatch):
-    """A collection can run at the bottom of a deep recursion (a deeply nested JSON's parse): the metric's calls
-    there raise RecursionError, which must not escape the callback (Python would print it, with a traceback, as
-    an exception ignored in the collector); the pause is handed to the metric at the next collection."""
+    """A collection can run at the bottom of a deep recursion (a deeply nested JSON's parse) or inside a metric's
+    update that holds the metrics' lock: the callback calls nothing there (a metric's call raised RecursionError,
+    printed with a traceback, or waited for the lock forever); the pause is handed to the metric by
+    report_pauses, from the event loop."""
     seen: list[int] = []
     unraisable: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
@@ -225,9 +226,9 @@ def test_a_collection_deep_in_a_recursion_is_observed_at_the_next_one(monkeypatc
         collect_at(20)  # ~10 frames left: the callback runs, the metric's calls do not fit
         sys.setrecursionlimit(limit)
         deep = len(seen)
-        gc.collect()
+        collector.report_pauses()
     finally:
         sys.setrecursionlimit(limit)
         collector._observe[:] = saved
     assert not unraisable, unraisable
-    assert deep == 0 and seen[:1] == [2] and len(seen) >= 2  # the deep one, then this one
+    assert deep == 0 and 2 in seen  # observed from here, not from the collection
