@@ -762,22 +762,30 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
     assert code == 1000
 
 
+def cartesia_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asyncio.Task, dict, dict]:
+    """A Cartesia session on the fake engine (no aligner, no pronunciation dictionaries), running: (gateway, socket,
+    its task, a raw 44.1 kHz output_format, an embedding voice)."""
+    from app.doors.dialects.cartesia import CartesiaSession
+
+    gw = fake_gateway(limits)
+    gw.engine.aligns = False
+    gw.lexicon = lambda ids, owner: ()
+    ws = FakeSocket()
+    ws.query_params = {}  # type: ignore[attr-defined]
+    session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+    task = asyncio.create_task(session.run())
+    fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
+    voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+    return gw, ws, task, fmt, voice
+
+
 def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_audio_apart():
     """A Cartesia id used again once its input ended (`continue: false`) but before its `done` is a new context: the
     old one's utterances still playing are the old one's (their timestamps on its clock, its done), and the new
     one's timestamps count from its own first audio, not after the old one's."""
-    from app.doors.dialects.cartesia import CartesiaSession
 
     async def go() -> list[dict[str, Any]]:
-        gw = fake_gateway()
-        gw.engine.aligns = False
-        gw.lexicon = lambda ids, owner: ()  # no pronunciation dictionaries
-        ws = FakeSocket()
-        ws.query_params = {}  # type: ignore[attr-defined]
-        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
-        task = asyncio.create_task(session.run())
-        first = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
-        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        gw, ws, task, first, voice = cartesia_session()
         streams = []
         for text in ("One.", "Two."):  # the second before the first's audio: the same id, a new context
             ws.send(transcript=text, context_id="a", add_timestamps=True, voice=voice, **first)
@@ -800,22 +808,13 @@ def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them(
     """A Cartesia socket that opens more contexts than --max-inflight-per-session: only that many of them have
     engine work at once; the next starts once one has played what it started, so one socket's contexts cannot
     fill the engine's queue."""
-    from app.doors.dialects.cartesia import CartesiaSession
 
     async def settle() -> None:  # whatever would start now has started (the fake engine starts at once)
         for _ in range(50):
             await asyncio.sleep(0)
 
     async def go() -> tuple[list[str], list[str], int]:
-        gw = fake_gateway(Limits(max_inflight_per_session=2))
-        gw.engine.aligns = False
-        gw.lexicon = lambda ids, owner: ()
-        ws = FakeSocket()
-        ws.query_params = {}  # type: ignore[attr-defined]
-        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
-        task = asyncio.create_task(session.run())
-        fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
-        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        gw, ws, task, fmt, voice = cartesia_session(Limits(max_inflight_per_session=2))
         for ctx in "abcd":
             ws.send(transcript=f"Context {ctx}.", context_id=ctx, voice=voice, **fmt)
         await gw.fake.started(2)
