@@ -794,11 +794,22 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
         rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
 
 
-async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clock0: float) -> None:
-    """One request through `POST /v1/audio/speech` (fixed length: `--frames` frames), its answer read as it
-    streams; fills `rec` as `one_stream` does (the answer's chunks counted in samples by their bytes)."""
+def speech_client(opts: Options) -> Any:
+    """The pooled HTTP client of one client process's speech requests, as an application keeps one (the OpenAI
+    SDK does): making an httpx client loads the CA bundle, ~20 ms of CPU that a client per request spent in the
+    benchmark's own event loop, whose lag then read as stalls (loop lag p99 up to 1 s at 128-192 streams)."""
     import httpx
 
+    unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    return httpx.AsyncClient(
+        base_url=http_base(opts.url), headers=_headers(opts.api_key), timeout=None, limits=unbounded
+    )
+
+
+async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clock0: float, c: Any) -> None:
+    """One request through `POST /v1/audio/speech` (fixed length: `--frames` frames) on the process's client `c`
+    (`speech_client`), its answer read as it streams; fills `rec` as `one_stream` does (the answer's chunks
+    counted in samples by their bytes)."""
     t_conn = time.perf_counter()
     rec.t_start = t_conn - clock0
     if opts.distinct_clips and "speaker_audio_base64" in body:
@@ -807,7 +818,6 @@ async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clo
     try:
         async with (
             asyncio.timeout(opts.request_timeout),
-            httpx.AsyncClient(base_url=http_base(opts.url), headers=_headers(opts.api_key), timeout=None) as c,
             c.stream("POST", "/v1/audio/speech", json=body) as r,
         ):
             t_sent = time.perf_counter()  # the answer's head: admitted (or refused)
@@ -883,7 +893,7 @@ async def run_clients(
     stop = asyncio.Event()
     w1 = opts.warmup + opts.duration
 
-    async def client(i: int) -> None:
+    async def client(i: int, http: Any) -> None:
         await asyncio.sleep(max(0.0, clock0 + min(opts.ramp, opts.warmup) * i / n - time.perf_counter()))
         seq = 0
         while time.perf_counter() - clock0 < w1:
@@ -891,7 +901,7 @@ async def run_clients(
             rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, proc=proc, sentences=sentences)
             records.append(rec)
             if opts.api == "speech":
-                await one_speech(opts, session_cfg, rec, clock0)
+                await one_speech(opts, session_cfg, rec, clock0, http)
             else:
                 await one_stream(opts, session_cfg, rec, clock0)
             seq += 1
@@ -899,7 +909,9 @@ async def run_clients(
                 await asyncio.sleep(opts.error_backoff_ms / 1e3)
 
     lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
-    await asyncio.gather(*(client(i) for i in clients))
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(speech_client(opts)) if opts.api == "speech" else None
+        await asyncio.gather(*(client(i, http) for i in clients))
     stop.set()
     await lag_task
     return records, lag
@@ -1044,7 +1056,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         } | ({"voice": session_cfg["voice"]} if opts.voice else {"speaker_audio_base64": clip})
     # one untimed request first: checks the configuration and takes one-off start-up costs out of level 1
     pre = StreamRecord(level=0, client=0, seq=0, t_start=0.0)
-    await (one_speech if opts.api == "speech" else one_stream)(opts, session_cfg, pre, time.perf_counter())
+    if opts.api == "speech":
+        async with speech_client(opts) as http:
+            await one_speech(opts, session_cfg, pre, time.perf_counter(), http)
+    else:
+        await one_stream(opts, session_cfg, pre, time.perf_counter())
     if not pre.ok:
         raise RuntimeError(f"the first request failed: {pre.error}")
     log(
