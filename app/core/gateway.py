@@ -39,6 +39,7 @@ from app.core.prompts import PromptFactory
 from app.core.shared import HELD, SessionCount
 from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
+from app.io.bodies import BodyBudget
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
@@ -182,6 +183,7 @@ class Gateway:
             shared=settings.shared_voices or link is not None,  # other processes' voices too
             max_per_owner=lim.max_voices_per_key,
         )
+        self.bodies = BodyBudget(lim.max_body_bytes_in_flight, self.metrics.body_bytes.set)  # app/io/bodies.py
         self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None

@@ -23,6 +23,7 @@ from app.core.pipeline import speak
 from app.core.stitching import Stitch
 from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
+from app.io.bodies import admit_body
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
@@ -50,6 +51,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise too_large
+    admit_body(request)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
