@@ -191,9 +191,7 @@ class Gateway:
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
         # admitted streaming sessions (app/core/admission.py); the other gateway processes read how many are held
-        self.conversations = Conversations(
-            lim.conversation_hold_s, None if link is None else lambda n: link.counts.set(link.channel, HELD, n)
-        )
+        self.conversations = Conversations(None if link is None else lambda n: link.counts.set(link.channel, HELD, n))
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
