@@ -333,7 +333,7 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)
     ]  # outermost: even a refused preflight gets an id
     # every request body metered against the process's bound, each request's share given back as it answers
-    middleware.append(Middleware(BodyBound, budget=gateway.bodies))
+    middleware.append(Middleware(BodyBound, budget=gateway.bodies, grace_s=settings.limits.head_timeout_s))
     if not settings.auth_enabled:  # the host rule (DNS rebinding): app/io/auth.py HostCheck
         middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:

@@ -13,10 +13,15 @@ them all together, so that many uploads at once cannot exhaust the process's mem
   then: a speech route answers once its first audio is ready) or when it ends, whichever comes first.
 * A body of at most SMALL_BODY bytes is never refused (a speech request's JSON, a rename): the bound is for what
   costs memory, and speech must not wait behind uploads. A body larger than the whole bound is read alone.
+* A body that holds part of the bound must keep arriving: within the head timeout (--head-timeout-s) plus its
+  size at BODY_MIN_RATE, else it is cut (408 `request_timeout`) and its share given back. A client that declares a
+  large body and trickles it would otherwise hold its share for as long as it likes, and with a few connections
+  lock every other upload out for almost no bandwidth.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from starlette.requests import Request
@@ -26,6 +31,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
 SMALL_BODY = 64 << 10  # bytes: a body this small is never refused (nor counted)
+BODY_MIN_RATE = 256 << 10  # bytes a second a body holding part of the bound must arrive at, on average (2 Mbit/s)
 RETRY_AFTER_S = 1  # a body is read and decoded within about a second: the bound has room again by then
 _LEDGER = "body_ledger"  # the scope's state key of a request's share
 
@@ -92,9 +98,11 @@ class BodyBound:
     """ASGI middleware: each HTTP request gets its share of the bound (`BodyLedger`), its body is metered as it
     arrives, and the share is given back when the answer begins or the request ends."""
 
-    def __init__(self, app: ASGIApp, budget: BodyBudget) -> None:
+    def __init__(self, app: ASGIApp, budget: BodyBudget, grace_s: float) -> None:
+        """`grace_s`: what a body holding part of the bound may take besides its size at BODY_MIN_RATE."""
         self.app = app
         self.budget = budget
+        self.grace_s = grace_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,13 +110,26 @@ class BodyBound:
             return
         ledger = BodyLedger(self.budget)
         scope.setdefault("state", {})[_LEDGER] = ledger
-        received = 0
+        received, complete = 0, False
+        began = asyncio.get_running_loop().time()
 
         async def metered_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, complete
+            if complete or not ledger.held:
+                message = await receive()
+            else:
+                allowed = self.grace_s + ledger.held / BODY_MIN_RATE
+                try:
+                    async with asyncio.timeout_at(began + allowed):
+                        message = await receive()
+                except TimeoutError:
+                    ledger.release()
+                    raise RequestError(
+                        G.REQUEST_TIMEOUT, f"the request body did not arrive within {allowed:.1f} s"
+                    ) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 ledger.cover(received)
             return message
 
