@@ -1719,3 +1719,22 @@ def test_fuzz_bodies_past_the_bound(fuzz_server, bound_held, route, size, as_jso
     else:
         assert r.status_code < 500 and code != "too_many_uploads", (r.status_code, r.text[:300])
         assert len(data) <= bound_held or r.status_code == 413, (len(data), r.status_code, r.text[:300])
+
+
+def test_a_socket_clip_past_the_bound_is_a_coded_error_and_the_session_goes_on(fuzz_server, bound_held):
+    """A `voice_clip` is decoded within the same bound: past it, `too_many_uploads` over the socket, the session's
+    config unchanged, and the session goes on (a small clip is still decoded: these bytes are no audio)."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with websockets.connect(fuzz_server.ws_url, max_size=None) as ws:
+            got = [json.loads(await ws.recv())]
+            for clip in ("A" * 100_000, "A" * 1000):
+                await ws.send(json.dumps({"type": "session.config", "voice_clip": clip}))
+                got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            await ws.send(json.dumps({"type": "close"}))
+            got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            return got
+
+    got = asyncio.run(go())
+    assert [m["type"] for m in got] == ["session.created", "error", "error", "session.closed"], got
+    assert got[1]["code"] == "too_many_uploads" and got[2]["code"] == "bad_audio", got
