@@ -51,7 +51,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise too_large
-    admit_body(request)  # within the process's bound on bodies read at once, or 503 too_many_uploads
+    admit_body(request, max_bytes)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

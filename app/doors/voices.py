@@ -31,6 +31,7 @@ from app.voices.library import (
 )
 
 MAX_CLIPS = 8
+FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
 def _name_from_filename(filename: str) -> str:
@@ -56,12 +57,13 @@ async def create_voice(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     lim = gw.settings.limits
     owner = _owner(request)
+    most = lim.max_upload_bytes * MAX_CLIPS + FORM_OVERHEAD
     length = int(request.headers.get("content-length") or 0)
-    if length > lim.max_upload_bytes * MAX_CLIPS + 65536:
+    if length > most:
         raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
-    admit_body(request)  # within the process's bound on bodies read at once, or 503 too_many_uploads
+    admit_body(request, most)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     try:
         form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
     except RequestError:  # the body past the bound as it arrived (app/io/bodies.py)

@@ -86,11 +86,15 @@ class BodyLedger:
             self.held = 0
 
 
-def admit_body(request: Request) -> None:
+def admit_body(request: Request, max_bytes: int) -> None:
     """Before a route reads its body: its declared length is held from the bound, or RequestError
-    too_many_uploads (503, Retry-After). A body without a declared length is metered as it arrives."""
+    too_many_uploads (503, Retry-After); past the route's own `max_bytes`, body_too_large (413), so that no
+    declared length holds more than a body the route takes. A body without a declared length is metered as it
+    arrives (the route's reading bounds it)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
+        if int(declared) > max_bytes:
+            raise RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes here")
         request.scope["state"][_LEDGER].cover(int(declared))
 
 
