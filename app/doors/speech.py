@@ -45,13 +45,10 @@ def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    # Refused before it is read (declared size) or as soon as it passes the limit (chunked): a huge
-    # body never sits in memory.
+    # Refused before it is read (a declared size past max_bytes: 413; past the process's bound on bodies read at
+    # once: 503) or as soon as it passes the limit (chunked): a huge body never sits in memory.
+    admit_body(request, max_bytes)
     too_large = RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
-    admit_body(request, max_bytes)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -94,7 +94,7 @@ def admit_body(request: Request, max_bytes: int) -> None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit():
         if int(declared) > max_bytes:
-            raise RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes here")
+            raise RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
         request.scope["state"][_LEDGER].cover(int(declared))
 
 
