@@ -59,7 +59,7 @@ async def _serve(bound: BodyBound, scope: dict, receive) -> tuple[list[RequestEr
     async def app(scope, receive, send):
         request = Request(scope, receive)
         try:
-            admit_body(request)
+            admit_body(request, 1 << 20)
             await request.body()
             assert (await receive())["type"] == "http.disconnect"
         except RequestError as e:
