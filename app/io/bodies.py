@@ -17,6 +17,8 @@ them all together, so that many uploads at once cannot exhaust the process's mem
   size at BODY_MIN_RATE, else it is cut (408 `request_timeout`) and its share given back. A client that declares a
   large body and trickles it would otherwise hold its share for as long as it likes, and with a few connections
   lock every other upload out for almost no bandwidth.
+* A WebSocket `voice_clip` (app/doors/ws.py) holds a share while it is decoded: that message was read whole within
+  --max-ws-message-bytes, but its decoding is the same cost as an upload's.
 """
 
 from __future__ import annotations
