@@ -43,6 +43,7 @@ from app.doors.handshake import in_band_error
 from app.doors.ws import websocket_endpoint
 from app.io.audio_output import warm_outputs
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
+from app.io.bodies import BodyBound
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.http_protocol import request_id
@@ -331,6 +332,8 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
     middleware = [
         Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)
     ]  # outermost: even a refused preflight gets an id
+    # every request body metered against the process's bound, each request's share given back as it answers
+    middleware.append(Middleware(BodyBound, budget=gateway.bodies, grace_s=settings.limits.head_timeout_s))
     if not settings.auth_enabled:  # the host rule (DNS rebinding): app/io/auth.py HostCheck
         middleware.append(Middleware(HostCheck, allowed=settings.allowed_hosts))
     if settings.cors_origins:

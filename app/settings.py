@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.core.admission import HOLD_PER_AUDIO_S
+from app.io.bodies import SMALL_BODY
 from engine.contract.flags import check, flag
 from engine.contract.settings import EngineSettings, WeightSources
 
@@ -53,6 +55,19 @@ class Limits:
         default=2, metadata=_limit("utterances generating at once per session (current + next)", 0, 1024)
     )
     max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", 0, _GIB))
+    # every HTTP request body being read and decoded at once, per gateway process (app/io/bodies.py): a body is in
+    # memory several times while it is handled (the bytes, the parsed text, the decoded clip)
+    max_body_bytes_in_flight: int = field(
+        default=64 << 20,
+        metadata=_limit(
+            "bytes of HTTP request bodies (voice uploads, JSON with base64 clips) one gateway process reads and "
+            "decodes at once; a request past it is refused before its body is read, 503 too_many_uploads with "
+            f"Retry-After (a body of at most {SMALL_BODY >> 10} KiB always passes; one larger than this bound is read "
+            "alone)",
+            0,
+            64 * _GIB,
+        ),
+    )
     max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 0, 3600.0))
     max_voices_per_key: int = field(
         default=1000,
@@ -155,7 +170,8 @@ class Limits:
     conversation_hold_s: float = field(
         default=10.0,
         metadata=_limit(
-            "seconds room is held for an admitted session's next utterance after it spoke (0: no hold)",
+            "seconds room is held for an admitted session's next utterance after its audio has played (0: no "
+            f"hold); a session earns it back at {HOLD_PER_AUDIO_S:g} s per second of audio it plays, never past this",
             0,
             3600.0,
             zero_ok=True,

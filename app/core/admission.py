@@ -11,8 +11,9 @@ then holds only what can still start in time: at full load an engine's own first
 budget (21 decode steps of ~10 ms), so the wait it leaves is short.
 
 Admitted conversations come first: a session already admitted is never refused again (its next sentence, its
-next turn), and while it is active (admitted, or it spoke within `hold_s`, and it has no utterance generating
-now) the room its next utterance needs is held: newcomers see the engines' free room less those holds.
+next turn), and while it is active (it has no utterance generating now, and its audio is still playing or it has
+hold credit left, earned by the audio it played: `Conversation`) the room its next utterance needs is held:
+newcomers see the engines' free room less those holds.
 
 `decide` is a pure function of numbers, so that the holds and the engines' loads can come from state that
 several gateway processes share (app/core/shared.py): each publishes its count of held conversations and of
@@ -122,33 +123,57 @@ class StartRate:
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
 
 
-class Conversation:
-    """An admitted session, as the door sees it: when it last spoke, and whether it is speaking now."""
+# Seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
+# that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing.
+HOLD_PER_AUDIO_S = 2.0
 
-    def __init__(self) -> None:
-        self.last_spoke = time.monotonic()  # admitted counts as having spoken: its first utterance is held
+
+class Conversation:
+    """An admitted session, as the door sees it. Its room is held while it has no utterance generating, until the
+    audio it was sent has played at a real pace (its listener's clock: each utterance's audio follows the one before
+    it) and then for as long as its credit lasts. The credit starts at `hold_s` (admitted: its first utterance is
+    held), each utterance's audio adds HOLD_PER_AUDIO_S times its length (never past `hold_s`), and the quiet after
+    its audio has played spends it. So a session that really speaks keeps its room over a conversation's pauses,
+    while one that sends one-frame utterances to renew it holds room only for about twice what it plays."""
+
+    def __init__(self, hold_s: float) -> None:
+        self.hold_s = hold_s
+        self.credit_s = hold_s  # the quiet it may still hold room for
+        self.audio_end = time.monotonic()  # when the audio it has been sent ends at a real pace
         self.generating = 0  # utterances of it with engine work now
         self.on_change: Callable[[], None] | None = None  # its Conversations hears when it starts or ends one
 
-    def held(self, now: float, hold_s: float) -> bool:
-        return self.generating == 0 and now - self.last_spoke < hold_s
+    @property
+    def hold_until(self) -> float:
+        return self.audio_end + self.credit_s
 
-    def started(self) -> None:
+    def held(self, now: float) -> bool:
+        return self.hold_s > 0 and self.generating == 0 and now < self.hold_until
+
+    def started(self) -> float:
+        """An utterance of it starts (engine work): the quiet since its audio ended is spent. Returns the time,
+        for `ended`."""
+        now = time.monotonic()
+        if self.generating == 0:
+            self.credit_s = max(0.0, self.credit_s - max(0.0, now - self.audio_end))
         self.generating += 1
-        self.last_spoke = time.monotonic()
         if self.on_change is not None:
             self.on_change()
+        return now
 
-    def ended(self) -> None:
+    def ended(self, began: float, audio_s: float) -> None:
+        """The utterance that started at `began` has been sent, `audio_s` of audio: it plays after what was sent
+        before it, and earns its credit."""
         self.generating = max(0, self.generating - 1)
-        self.last_spoke = time.monotonic()
+        self.audio_end = max(self.audio_end, began) + audio_s
+        self.credit_s = min(self.hold_s, self.credit_s + HOLD_PER_AUDIO_S * audio_s)
         if self.on_change is not None:
             self.on_change()
 
 
-def held_count(conversations: Iterable[Conversation], hold_s: float, now: float | None = None) -> int:
+def held_count(conversations: Iterable[Conversation], now: float | None = None) -> int:
     now = time.monotonic() if now is None else now
-    return sum(1 for c in conversations if c.held(now, hold_s))
+    return sum(1 for c in conversations if c.held(now))
 
 
 class Conversations:
@@ -157,8 +182,7 @@ class Conversations:
     leaving, and a hold running out (a timer on the event loop at the earliest one), so that the other
     processes' doors read it live."""
 
-    def __init__(self, hold_s: float, publish: Callable[[int], None] | None = None) -> None:
-        self.hold_s = hold_s
+    def __init__(self, publish: Callable[[int], None] | None = None) -> None:
         self._publish = publish
         self._all: set[Conversation] = set()
         self._expiry: asyncio.TimerHandle | None = None
@@ -175,17 +199,17 @@ class Conversations:
             self.changed()
 
     def held(self, now: float | None = None) -> int:
-        return held_count(self._all, self.hold_s, now)
+        return held_count(self._all, now)
 
     def changed(self) -> None:
         if self._publish is None:
             return
         now = time.monotonic()
-        held = [c for c in self._all if c.held(now, self.hold_s)]
+        held = [c for c in self._all if c.held(now)]
         self._publish(len(held))
         if self._expiry is not None:
             self._expiry.cancel()
             self._expiry = None
         if held:  # publish again when the first hold runs out (the same clock: time.monotonic)
-            first = min(c.last_spoke for c in held) + self.hold_s
+            first = min(c.hold_until for c in held)
             self._expiry = asyncio.get_running_loop().call_later(max(0.0, first - now), self.changed)

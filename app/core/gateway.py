@@ -39,6 +39,7 @@ from app.core.prompts import PromptFactory
 from app.core.shared import HELD, SessionCount
 from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
+from app.io.bodies import BodyBudget
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
@@ -182,6 +183,7 @@ class Gateway:
             shared=settings.shared_voices or link is not None,  # other processes' voices too
             max_per_owner=lim.max_voices_per_key,
         )
+        self.bodies = BodyBudget(lim.max_body_bytes_in_flight, self.metrics.body_bytes.set)  # app/io/bodies.py
         self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
@@ -189,9 +191,7 @@ class Gateway:
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
         # admitted streaming sessions (app/core/admission.py); the other gateway processes read how many are held
-        self.conversations = Conversations(
-            lim.conversation_hold_s, None if link is None else lambda n: link.counts.set(link.channel, HELD, n)
-        )
+        self.conversations = Conversations(None if link is None else lambda n: link.counts.set(link.channel, HELD, n))
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet

@@ -54,6 +54,11 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.sessions = OwnGauge("zonos_active_sessions", "Open WebSocket sessions", registry=r)
+        self.body_bytes = OwnGauge(
+            "zonos_request_body_bytes",
+            "Bytes of HTTP request bodies being read and decoded now (bounded by --max-body-bytes-in-flight)",
+            registry=r,
+        )
         self.requests = Counter(
             "zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"], registry=r
         )

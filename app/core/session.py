@@ -124,7 +124,8 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()
-        self.conversation = Conversation()  # what the door holds room for (app/core/admission.py)
+        # what the door holds room for (app/core/admission.py)
+        self.conversation = Conversation(self.limits.conversation_hold_s)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
         self._hold_tasks: set[asyncio.Task[None]] = set()
         self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
@@ -631,11 +632,11 @@ class StreamingSession:
         if u.silence_s is not None:  # a break is no speech: it costs the engine nothing, and holds the door no room
             await self._play_utterance(lane, u)
             return
-        self.conversation.started()
+        began = self.conversation.started()
         try:
             await self._play_utterance(lane, u)
-        finally:
-            self.conversation.ended()
+        finally:  # its audio earns the conversation its hold (a one-frame utterance next to nothing)
+            self.conversation.ended(began, u.samples / SAMPLE_RATE)
 
     async def _play_utterance(self, lane: Lane, u: Utterance) -> None:
         assert u.output is not None

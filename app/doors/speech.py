@@ -23,6 +23,7 @@ from app.core.pipeline import speak
 from app.core.stitching import Stitch
 from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
+from app.io.bodies import admit_body
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
@@ -44,12 +45,10 @@ def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    # Refused before it is read (declared size) or as soon as it passes the limit (chunked): a huge
-    # body never sits in memory.
+    # Refused before it is read (a declared size past max_bytes: 413; past the process's bound on bodies read at
+    # once: 503) or as soon as it passes the limit (chunked): a huge body never sits in memory.
+    admit_body(request, max_bytes)
     too_large = RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise too_large
     parts, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, Response
 from app.core.gateway import PREVIEW_S, Gateway, preview_wav
 from app.doors.speech import error_response, read_json
 from app.io.auth import require_key
+from app.io.bodies import admit_body
 from app.io.checks import base64_payload
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -30,6 +31,7 @@ from app.voices.library import (
 )
 
 MAX_CLIPS = 8
+FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
 def _name_from_filename(filename: str) -> str:
@@ -55,13 +57,17 @@ async def create_voice(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     lim = gw.settings.limits
     owner = _owner(request)
+    most = lim.max_upload_bytes * MAX_CLIPS + FORM_OVERHEAD
     length = int(request.headers.get("content-length") or 0)
-    if length > lim.max_upload_bytes * MAX_CLIPS + 65536:
+    if length > most:
         raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
+    admit_body(request, most)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     try:
         form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
+    except RequestError:  # the body past the bound as it arrived (app/io/bodies.py)
+        raise
     except Exception as e:  # starlette raises MultiPartException / HTTPException on limits
         raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {getattr(e, 'detail', e)}", 413) from None
     clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]

@@ -22,6 +22,7 @@ from app.core.session import StreamingSession
 from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import OUTPUT_RATES, OutputFormat, check_encoding, default_rate
+from app.io.bodies import BodyLedger
 from app.io.checks import base64_payload, check_context_id, check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -172,8 +173,15 @@ class Session(StreamingSession):
                 raise RequestError(G.BAD_PARAMS, "voice must be a voice id, a name or null")
             voice, clip = self.gw.resolve_voice(ref, self.owner), None
         if data.get("voice_clip") is not None:
-            raw = await base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
-            voice, clip = await self.gw.embed_clip(raw, self.owner), None
+            # its decoding shares the process's bound on bodies read and decoded at once (app/io/bodies.py): past
+            # it, too_many_uploads, and the session goes on
+            share = BodyLedger(self.gw.bodies)
+            try:
+                share.cover(len(data["voice_clip"]) if isinstance(data["voice_clip"], str) else 0)
+                raw = await base64_payload(data["voice_clip"], "voice_clip", EngineError.BAD_AUDIO)
+                voice, clip = await self.gw.embed_clip(raw, self.owner), None
+            finally:
+                share.release()
         # the emotion's calibration key is the voice's id (docs/protocol.md; our socket has no field for another)
         key = voice.id if voice is not None else None
         if opts.emotion.speaker_key != key:

@@ -193,6 +193,8 @@ SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse 
 # shared store: rescanned at most this often when the folder changes (a rescan looks at every voice's folder: a
 # client renaming a voice in a loop would make every lookup of every other process one, 65 ms with 3000 voices)
 SHARED_MIN_RESCAN_S = 1.0
+# shared store: a name not found here looks for voices new on disk (one listing of the folder) at most this often
+SHARED_MISS_LOOK_S = 0.05
 
 
 class VoiceStore:
@@ -211,6 +213,7 @@ class VoiceStore:
         self._seen: dict[str, tuple[int, int]] = {}  # shared: voice id -> (inode, mtime_ns) of the folder loaded
         self._root_seen: tuple[int, int] | None = None
         self._scanned_at = 0.0
+        self._missed_at = -SHARED_MISS_LOOK_S  # shared: when a name not found here last looked for new voices
         self._default_previews: dict[str, bytes | None] = {}
         self.error: str | None = None
         try:
@@ -287,6 +290,36 @@ class VoiceStore:
                 self._voices[vid] = v
                 self._seen[vid] = mark
 
+    def _take_new(self) -> None:
+        """Shared store, a name not found here: take in the voices other gateways added since the last rescan at once
+        (a voice uploaded through one process and used by name through another a moment later), not when the next
+        rescan is due. One listing of the folder, and only the folders of ids never looked at (or changed since) are
+        read, at most every SHARED_MISS_LOOK_S: a client looking up unknown names in a loop costs that, never a
+        rescan. A rename or delete elsewhere still waits for the rescan."""
+        now = time.monotonic()
+        if not self.shared or now - self._missed_at < SHARED_MISS_LOOK_S:
+            return
+        self._missed_at = now
+        try:
+            st = os.stat(self.root)
+            if (st.st_ino, st.st_mtime_ns) == self._root_seen:  # nothing added since the last rescan
+                return
+            with self._lock:
+                known = set(self._voices)
+            names = [n for n in os.listdir(self.root) if n not in known and not n.startswith(".") and _safe_id(n)]
+            marks = {n: _folder_mark(self.root / n) for n in names if (self.root / n).is_dir()}
+        except OSError as e:
+            log.warning("voice store at %s: could not look for other gateways' new voices: %s", self.root, e)
+            return
+        for vid, mark in marks.items():
+            if self._seen.get(vid) == mark:  # looked at already, unreadable
+                continue
+            v = self._read_folder(self.root / vid)
+            with self._lock:
+                self._seen[vid] = mark
+                if v is not None:
+                    self._voices[vid] = v
+
     def _recover(self) -> None:
         """Finish what a crash interrupted: `.tmp-*` (unfinished writes) and `.del-*` (deletes) go away; a
         `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed.
@@ -320,13 +353,20 @@ class VoiceStore:
     def get(self, ref: str, owner: str) -> Voice:
         """By id, else by name (newest wins)."""
         self._sync(voice_id=ref)
+        v = self._lookup(ref, owner)
+        if v is None and self.shared:  # perhaps a voice another gateway has just added
+            self._take_new()
+            v = self._lookup(ref, owner)
+        if v is None:
+            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref!r}")
+        return v
+
+    def _lookup(self, ref: str, owner: str) -> Voice | None:
         with self._lock:
             v = self._voices.get(ref)
             if v is None or not self.visible(v, owner):
                 named = [x for x in self._voices.values() if x.name == ref and self.visible(x, owner)]
                 v = max(named, key=lambda x: x.created_at) if named else None
-        if v is None:
-            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref!r}")
         return v
 
     def preview_path(self, voice: Voice) -> Path:

@@ -17,6 +17,8 @@ import io
 import json
 import os
 import re
+import socket
+import time
 from typing import Any
 from urllib.parse import quote, urlencode
 
@@ -1648,3 +1650,91 @@ def test_fuzz_pronunciation_dictionaries(fuzz_server, body, pls):
     assert r.status_code in (200, 400, 413), r.text
     for d in httpx.get(fuzz_server.url + "/v1/pronunciation-dictionaries").json()["pronunciation_dictionaries"]:
         httpx.delete(fuzz_server.url + f"/v1/pronunciation-dictionaries/{d['id']}")
+
+
+# ---- the bound on request bodies read at once (app/io/bodies.py) -----------------------------------------------
+# Each route that reads a JSON body, and how its API's error body names the code
+BODY_ROUTES = {
+    "/v1/audio/speech": lambda b: b["error"]["code"],
+    "/tts/generate": lambda b: b["error"]["code"],
+    "/tts/speakers": lambda b: b["error"]["code"] if b["detail"] == b["error"]["message"] else None,
+    "/v1/voices/blend": lambda b: b["error"]["code"],
+    "/v1/pronunciation-dictionaries/add-from-rules": lambda b: b["detail"]["status"],
+    "/v1/text-to-speech/Fuzzed": lambda b: b["detail"]["status"],
+    "/tts/bytes": lambda b: b["title"],
+    "/v1/speak": lambda b: b["err_code"].lower(),
+}
+
+
+@pytest.fixture
+def bound_held(fuzz_server):
+    """An upload that holds nearly all of the process's bound (--max-body-bytes-in-flight, 64 MiB by default) while
+    its body has not come: any other body over 64 KiB must be refused."""
+    from app.io.bodies import SMALL_BODY
+    from app.settings import Limits
+
+    def held() -> float:
+        text = httpx.get(fuzz_server.url + "/metrics", timeout=30).text
+        return float(re.search(r"^zonos_request_body_bytes (\S+)$", text, re.M).group(1))
+
+    size = Limits().max_body_bytes_in_flight - SMALL_BODY
+    with socket.create_connection(("127.0.0.1", fuzz_server.port), timeout=30) as s:
+        s.sendall(
+            b"POST /v1/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+            b"Content-Length: %d\r\n\r\n--b\r\n" % size
+        )
+        for _ in range(600):
+            if held() == size:
+                break
+            time.sleep(0.1)
+        assert held() == size
+        yield SMALL_BODY
+    for _ in range(600):  # its client went: the share is given back
+        if held() == 0:
+            break
+        time.sleep(0.1)
+    assert held() == 0
+
+
+@FUZZ_SMALL
+@given(
+    route=st.sampled_from(sorted(BODY_ROUTES)),
+    size=st.integers(0, 150_000),
+    as_json=st.booleans(),
+    chunked=st.booleans(),
+)
+@example(route="/tts/speakers", size=70_000, as_json=True, chunked=False)
+@example(route="/v1/speak", size=100_000, as_json=False, chunked=True)
+def test_fuzz_bodies_past_the_bound(fuzz_server, bound_held, route, size, as_json, chunked):
+    """While the bound is held: a body over 64 KiB (declared, or as it arrives) is refused with 503
+    too_many_uploads, Retry-After and its API's error shape, or by the route's own smaller limit (413); a smaller
+    body is answered as ever; never another 5xx, never a hang."""
+    data = json.dumps({"text": "Hi.", "pad": "x" * size}).encode() if as_json else os.urandom(size)
+    content: Any = iter([data[i : i + 40_000] for i in range(0, len(data), 40_000)]) if chunked else data
+    headers = {"content-type": "application/json", "X-TTS-Session-ID": "fuzz"}
+    r = httpx.post(fuzz_server.url + route, content=content, headers=headers, timeout=60)
+    code = BODY_ROUTES[route](r.json()) if r.status_code >= 400 else None
+    if r.status_code == 503:
+        assert code == "too_many_uploads" and r.headers["retry-after"] == "1" and len(data) > bound_held, r.text
+    else:
+        assert r.status_code < 500 and code != "too_many_uploads", (r.status_code, r.text[:300])
+        assert len(data) <= bound_held or r.status_code == 413, (len(data), r.status_code, r.text[:300])
+
+
+def test_a_socket_clip_past_the_bound_is_a_coded_error_and_the_session_goes_on(fuzz_server, bound_held):
+    """A `voice_clip` is decoded within the same bound: past it, `too_many_uploads` over the socket, the session's
+    config unchanged, and the session goes on (a small clip is still decoded: these bytes are no audio)."""
+
+    async def go() -> list[dict[str, Any]]:
+        async with websockets.connect(fuzz_server.ws_url, max_size=None) as ws:
+            got = [json.loads(await ws.recv())]
+            for clip in ("A" * 100_000, "A" * 1000):
+                await ws.send(json.dumps({"type": "session.config", "voice_clip": clip}))
+                got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            await ws.send(json.dumps({"type": "close"}))
+            got.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+            return got
+
+    got = asyncio.run(go())
+    assert [m["type"] for m in got] == ["session.created", "error", "error", "session.closed"], got
+    assert got[1]["code"] == "too_many_uploads" and got[2]["code"] == "bad_audio", got

@@ -65,6 +65,8 @@ LIMITED = [
     "12",
     "--cors-origin",
     ALLOWED_ORIGIN,
+    "--max-body-bytes-in-flight",
+    "400000",
 ]
 
 
@@ -176,6 +178,8 @@ def test_every_limit_is_a_flag():
             "19",
             "--send-timeout",
             "9.5",
+            "--max-body-bytes-in-flight",
+            "20",
         ]
     )
     assert s.limits == Limits(
@@ -194,6 +198,7 @@ def test_every_limit_is_a_flag():
         max_inflight_per_session=1,
         min_clip_seconds=0,
         send_timeout_s=9.5,
+        max_body_bytes_in_flight=20,
     )
     assert s.engine.max_queue == 19  # the engine's wait queue (queue_full past it)
     assert parse_args([]).limits == Limits()  # defaults unchanged
@@ -410,13 +415,67 @@ def test_request_body_limit_before_reading(limited):
         limited.url + "/tts/generate", content=iter([b" " * 100_000] * 7), headers={"content-type": "application/json"}
     )
     assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
-    # a declared terabyte is refused at once, without waiting for (or reading) the body
-    with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
-        s.sendall(
-            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            b"Content-Length: 1000000000000\r\n\r\n{"
+    # a declared terabyte is refused at once, without waiting for (or reading) the body, on every route that reads
+    # one (no declared length may hold more of the bound on bodies read at once than a body the route takes)
+    for path, ctype in [
+        (b"/v1/audio/speech", b"application/json"),
+        (b"/v1/voices", b"multipart/form-data; boundary=b"),
+        (b"/v1/pronunciation-dictionaries/add-from-file", b"multipart/form-data; boundary=b"),
+    ]:
+        with socket.create_connection(("127.0.0.1", limited.port), timeout=10) as s:
+            s.sendall(
+                b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: %s\r\n"
+                b"Content-Length: 1000000000000\r\n\r\n{" % (path, ctype)
+            )
+            assert s.recv(4096).startswith(b"HTTP/1.1 413"), path
+    assert gauge(limited, "zonos_request_body_bytes") == 0
+
+
+@slow
+def test_request_bodies_read_at_once_are_bounded(limited):
+    """--max-body-bytes-in-flight (400000 here): while an upload holds most of the bound, every other large body is
+    refused before it is read, 503 too_many_uploads with Retry-After in its API's shape (ours, /tts/speakers' with
+    `detail`, ElevenLabs'), declared or chunked; a small body still passes; the upload's share is given back when
+    its client goes, and the same requests are read again."""
+    bound = "zonos_request_body_bytes"
+    big = json.dumps({"text": "x", "speaker_audio_base64": "A" * 100_000}).encode()  # over the 64 KiB never refused
+    clip = json.dumps({"speaker_audio_base64": "A" * 100_000}).encode()  # /tts/speakers' body
+    json_ct = {"content-type": "application/json"}
+
+    def refused(r: httpx.Response) -> dict[str, Any]:
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", (r.status_code, r.text[:300])
+        return r.json()
+
+    with socket.create_connection(("127.0.0.1", limited.port), timeout=30) as held:
+        held.sendall(  # a multipart upload of 350000 declared bytes that has sent 10 of them
+            b"POST /v1/voices HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: multipart/form-data; boundary=xyz\r\nContent-Length: 350000\r\n\r\n--xyz\r\nCon"
         )
-        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+        wait_for(lambda: gauge(limited, bound) == 350000, 60)
+        body = refused(httpx.post(limited.url + "/v1/audio/speech", content=big, headers=json_ct, timeout=60))
+        assert body == {"error": {"code": "too_many_uploads", "message": body["error"]["message"]}}
+        assert "--max-body-bytes-in-flight" in body["error"]["message"]
+        body = refused(
+            httpx.post(limited.url + "/tts/speakers", content=clip, headers=json_ct | {"X-TTS-Session-ID": "s"})
+        )
+        assert body["error"]["code"] == "too_many_uploads" and body["detail"] == body["error"]["message"]
+        body = refused(httpx.post(limited.url + "/v1/text-to-speech/Ada", content=big, headers=json_ct, timeout=60))
+        assert body["detail"]["status"] == "too_many_uploads"
+        files = {"file": ("a.wav", b"\0" * 100_000)}
+        assert refused(httpx.post(limited.url + "/v1/voices", files=files))["error"]["code"] == "too_many_uploads"
+        # no declared length: refused once what has arrived passes what fits
+        chunked = httpx.post(limited.url + "/tts/generate", content=iter([big[:50_000], big[50_000:]]), headers=json_ct)
+        assert refused(chunked)["error"]["code"] == "too_many_uploads"
+        # a small body is never refused for the bound
+        r = httpx.post(limited.url + "/v1/audio/speech", json={"input": "Hi.", **fast(5)}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert gauge(limited, bound) == 350000  # the refused ones hold nothing
+    wait_for(lambda: gauge(limited, bound) == 0, 60)  # the upload's client went: its share is back
+    r = httpx.post(limited.url + "/tts/speakers", content=clip, headers=json_ct | {"X-TTS-Session-ID": "s"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_audio", r.text  # read: zeros are no audio
+    r = httpx.post(limited.url + "/v1/voices", files=files)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_audio", r.text
+    assert gauge(limited, bound) == 0
 
 
 # ---- auth and CORS -------------------------------------------------------------------------------------

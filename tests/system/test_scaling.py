@@ -137,6 +137,45 @@ def test_a_shared_store_rescans_at_most_once_a_second_whatever_the_changes(tmp_p
     assert b.get("r19", "").id == "v_7"
 
 
+def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monkeypatch):
+    """A voice uploaded through one gateway process and used by name through another a moment later was 404 until
+    the next rescan (up to SHARED_MIN_RESCAN_S). A name not found looks for voices new on disk at once: one
+    listing, only the new folders read, at most every SHARED_MISS_LOOK_S (a clock the test moves); an unreadable
+    folder is read once, not at every miss."""
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceError, VoiceStore
+
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    read: list[str] = []
+    real = voices_mod.VoiceStore._read_folder
+
+    def counted(self, d):
+        read.append(d.name)
+        return real(self, d)
+
+    monkeypatch.setattr(voices_mod.VoiceStore, "_read_folder", counted)
+    dim = 16
+    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    for i in range(5):
+        a.add(Voice(id=f"v_{i}", name=f"n{i}", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    assert b.get("n4", "").id == "v_4"  # by name, no rescan due (the clock has not moved)
+    assert sorted(read) == [f"v_{i}" for i in range(5)]
+    (tmp_path / "v_broken").mkdir()
+    a.add(Voice(id="v_5", name="Fresh", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    with pytest.raises(VoiceError):  # a miss within SHARED_MISS_LOOK_S of the last one looks no further
+        b.get("Fresh", "")
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    read.clear()
+    assert b.get("Fresh", "").id == "v_5" and sorted(read) == ["v_5", "v_broken"]
+    read.clear()
+    for _ in range(5):  # unknown names in a loop: a listing each, no folder read again
+        now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+        with pytest.raises(VoiceError):
+            b.get("nobody", "")
+    assert read == []
+
+
 # ---- placement (no engine process) ------------------------------------------------------------------------
 def fake_engine(
     name: str, slots: int = 8, open_requests: int = 0, device: str = "cpu", **settings: Any

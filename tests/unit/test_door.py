@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 
+from app.core import admission
 from app.core.admission import (
     FIRST_AUDIO_WINDOW_S,
     Conversation,
@@ -94,13 +95,62 @@ def test_start_rate_from_stats_and_a_restart():
 
 
 def test_a_conversation_is_held_between_its_utterances_only():
-    c = Conversation()
-    assert held_count([c], hold_s=10) == 1  # just admitted: its first utterance's room
-    c.started()
-    assert held_count([c], hold_s=10) == 0  # generating: the engine counts it
-    c.ended()
-    assert held_count([c], hold_s=10) == 1
-    assert held_count([c], hold_s=10, now=c.last_spoke + 11) == 0  # quiet longer than the hold
+    c = Conversation(hold_s=10)
+    assert held_count([c]) == 1  # just admitted: its first utterance's room
+    began = c.started()
+    assert held_count([c]) == 0  # generating: the engine counts it
+    c.ended(began, audio_s=5.0)
+    assert held_count([c]) == 1
+    assert held_count([c], now=c.audio_end + 9) == 1  # its audio played, then a pause within its credit
+    assert held_count([c], now=c.audio_end + 11) == 0  # quiet longer than the hold
+    assert held_count([Conversation(hold_s=0)]) == 0  # --conversation-hold-s 0: no hold
+
+
+class Clock:
+    """admission's clock, moved by hand."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+FRAME_S = 512 / 44100
+
+
+def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatch):
+    """The hold lasts until a session's audio has played at a real pace, then for the credit its audio earned
+    (HOLD_PER_AUDIO_S a second, at most the hold). A client that sends a one-frame utterance just before each hold
+    would run out keeps it no longer than its first pause; a conversation that speaks a third of the time keeps it
+    over every pause."""
+    clock = Clock()
+    monkeypatch.setattr(admission, "time", clock)
+    hold = 10.0
+
+    def run(utterance_s: float, pause_s: float, turns: int) -> list[bool]:
+        c = Conversation(hold)
+        held_before_each = []
+        for _ in range(turns):
+            clock.t += pause_s  # quiet (after its audio has played)
+            held_before_each.append(c.held(clock.t - 1e-6))
+            began = c.started()
+            clock.t += 0.05  # generating
+            c.ended(began, utterance_s)
+            clock.t += utterance_s  # its audio plays
+        return held_before_each
+
+    assert run(FRAME_S, 0.9 * hold, 20) == [True] + [False] * 19
+    assert run(3.0, 6.0, 20) == [True] * 20
+    # how long a hold lasts after its audio: what the audio earned, never past the hold
+    c = Conversation(hold)
+    clock.t += 100  # a pooled socket quiet for long: its credit is spent
+    began = c.started()
+    c.ended(began, 1.0)
+    assert c.hold_until == began + 1.0 + admission.HOLD_PER_AUDIO_S * 1.0
+    began = c.started()
+    c.ended(began, 30.0)
+    assert c.hold_until == c.audio_end + hold
 
 
 def _publish_in_another_process(counts: SharedCounts, process: int, engine: int, n: int) -> None:
@@ -189,16 +239,16 @@ def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_ou
 
     async def go() -> None:
         hold_s = 0.05
-        convs = Conversations(hold_s, published.append)
-        a, b = Conversation(), Conversation()
+        convs = Conversations(published.append)
+        a, b = Conversation(hold_s), Conversation(hold_s)
         convs.add(a)
         convs.add(b)
         assert published[-1] == 2
-        a.started()  # generating: the engine counts it, not the hold
+        began = a.started()  # generating: the engine counts it, not the hold
         assert published[-1] == 1 == convs.held()
         convs.discard(b)
         assert published[-1] == 0
-        a.ended()
+        a.ended(began, 0.01)
         assert published[-1] == 1
         # nothing happens: the hold runs out on its own and the count is published again
         for _ in range(2000):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from app.core import admission
 from app.core import session as session_module
 from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
@@ -520,25 +522,62 @@ def test_a_queued_utterance_holds_no_encoder_until_it_plays():
 
 
 def test_a_break_holds_the_door_no_room():
-    """The door holds room for a conversation that spoke within --conversation-hold-s; a break (silence the
-    gateway makes, no engine work) is no speech: a client sending a 0.1 s break every few seconds on each of a few
-    sockets held every slot of the door for free, and newcomers were refused."""
+    """The door holds room for a conversation by the audio it plays (app/core/admission.py Conversation); a break
+    (silence the gateway makes, no engine work) is no speech: a client sending a 0.1 s break every few seconds on
+    each of a few sockets held every slot of the door for free, and newcomers were refused."""
 
-    async def go() -> tuple[float, float]:
+    async def go() -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
         session, ws, engine, task = await open_session()
-        session.conversation.last_spoke = 0.0  # spoke long ago
+        c = session.conversation
+        c.audio_end, c.credit_s = 0.0, 0.0  # spoke long ago
         ws.send(type="text", text='<break time="100ms"/>', flush=True)
         await ws.until("flushed")
-        after_break = session.conversation.last_spoke
+        after_break = (c.audio_end, c.credit_s)
         ws.send(type="text", text="One.", flush=True)
         engine.play(await engine.started(1))
         await ws.until("flushed")
-        after_speech = session.conversation.last_spoke
+        after_speech = (c.audio_end, c.credit_s)
         await shut(ws, task)
-        return after_break, after_speech
+        return (0.0, 0.0), after_break, after_speech
 
-    after_break, after_speech = asyncio.run(go())
-    assert after_break == 0.0 and after_speech > 0.0
+    before, after_break, after_speech = asyncio.run(go())
+    assert after_break == before and after_speech[0] > 0.0 and after_speech[1] > 0.0
+
+
+class _Clock:
+    """The door's clock (app/core/admission.py), moved by hand."""
+
+    def __init__(self) -> None:
+        self.t = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.t
+
+
+@pytest.mark.parametrize(
+    ("samples", "pause_s", "held"), [(512, 9.0, [True, False, False, False]), (44100, 2.0, [True] * 4)]
+)
+def test_a_hold_is_kept_by_the_audio_a_session_plays(monkeypatch, samples, pause_s, held):
+    """A hostile client sending a one-frame utterance every 9 s (the hold is 10 s) kept the door's room held for it
+    forever at no cost, and newcomers were refused: a hold now lasts while the session's audio plays at a real pace
+    and then for what its audio earned. A session speaking 1 s sentences with 2 s pauses keeps it."""
+    clock = _Clock()
+    monkeypatch.setattr(admission, "time", clock)
+
+    async def go() -> list[bool]:
+        session, ws, engine, task = await open_session(Limits(conversation_hold_s=10.0))
+        seen = []
+        for i in range(1, 5):
+            clock.t += pause_s
+            seen.append(session.conversation.held(clock.t))
+            ws.send(type="text", text="a.", flush=True)
+            engine.play(await engine.started(i), samples=samples)
+            await ws.until("flushed")
+            clock.t += samples / 44100  # its audio plays
+        await shut(ws, task)
+        return seen
+
+    assert asyncio.run(go()) == held
 
 
 def test_engine_errors_map_to_http_statuses():

@@ -23,7 +23,9 @@ from app.core.gateway import Gateway
 from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
 from app.doors.dialects.http import errors_as
 from app.doors.speech import read_json
+from app.doors.voices import FORM_OVERHEAD
 from app.io.auth import api_key_from, key_ok
+from app.io.bodies import admit_body
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import rules_from_json, rules_from_pls
@@ -42,6 +44,7 @@ def _owner(request: Request) -> tuple[Gateway, str]:
 @errors_as(elevenlabs_error)
 async def add_from_file(request: Request) -> Response:
     gw, owner = _owner(request)
+    admit_body(request, MAX_PLS_BYTES + FORM_OVERHEAD)
     try:
         async with request.form(max_files=1, max_fields=8, max_part_size=MAX_PLS_BYTES) as form:
             upload = form.get("file")

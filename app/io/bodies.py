@@ -1,0 +1,150 @@
+"""The bound on the HTTP request bodies one gateway process reads and decodes at once (--max-body-bytes-in-flight).
+
+A voice upload or a JSON body with a base64 clip is in memory several times while it is handled: the bytes read,
+the parsed text, the decoded clip. Each request's own limit (--max-upload-bytes) bounds one body; this bounds
+them all together, so that many uploads at once cannot exhaust the process's memory.
+
+* A route that reads a body asks first (`admit_body`, before any of the body is read): its declared length is
+  taken from the bound, or it is refused at once, 503 `too_many_uploads` with `Retry-After`, in its API's error
+  shape (the route's own RequestError handling).
+* Every body is metered as it arrives (`BodyBound`, the app's middleware, wraps `receive`): a body without a
+  declared length, or longer than declared, takes its bytes as they come, and is refused when they do not fit.
+* A request gives its share back when its answer begins (the body is parsed and its clip decoded and embedded by
+  then: a speech route answers once its first audio is ready) or when it ends, whichever comes first.
+* A body of at most SMALL_BODY bytes is never refused (a speech request's JSON, a rename): the bound is for what
+  costs memory, and speech must not wait behind uploads. A body larger than the whole bound is read alone.
+* A body that holds part of the bound must keep arriving: within the head timeout (--head-timeout-s) plus its
+  size at BODY_MIN_RATE, else it is cut (408 `request_timeout`) and its share given back. A client that declares a
+  large body and trickles it would otherwise hold its share for as long as it likes, and with a few connections
+  lock every other upload out for almost no bandwidth.
+* A WebSocket `voice_clip` (app/doors/ws.py) holds a share while it is decoded: that message was read whole within
+  --max-ws-message-bytes, but its decoding is the same cost as an upload's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+SMALL_BODY = 64 << 10  # bytes: a body this small is never refused (nor counted)
+BODY_MIN_RATE = 256 << 10  # bytes a second a body holding part of the bound must arrive at, on average (2 Mbit/s)
+RETRY_AFTER_S = 1  # a body is read and decoded within about a second: the bound has room again by then
+_LEDGER = "body_ledger"  # the scope's state key of a request's share
+
+
+class BodyBudget:
+    """The bytes of request bodies this process holds now, within `limit`; `observe(n)` hears the total."""
+
+    def __init__(self, limit: int, observe: Callable[[int], None] | None = None) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._observe = observe
+
+    def take(self, n: int, own: int = 0) -> bool:
+        """Take n more bytes for a request that holds `own` already: they fit, or the request would be alone."""
+        if self.taken - own > 0 and self.taken + n > self.limit:
+            return False
+        self._add(n)
+        return True
+
+    def give(self, n: int) -> None:
+        self._add(-n)
+
+    def _add(self, n: int) -> None:
+        self.taken += n
+        if self._observe is not None:
+            self._observe(self.taken)
+
+
+class BodyLedger:
+    """One request's share of the bound."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.held = 0
+
+    def cover(self, size: int) -> None:
+        """The body is (or is declared to be) `size` bytes: hold that much, or RequestError too_many_uploads."""
+        if size <= SMALL_BODY or size <= self.held:
+            return
+        if not self.budget.take(size - self.held, own=self.held):
+            raise RequestError(
+                G.TOO_MANY_UPLOADS,
+                f"the gateway is reading as many request bodies as it may at once ({self.budget.limit} bytes, "
+                f"--max-body-bytes-in-flight); retry in {RETRY_AFTER_S} s",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        self.held = size
+
+    def release(self) -> None:
+        if self.held:
+            self.budget.give(self.held)
+            self.held = 0
+
+
+def admit_body(request: Request, max_bytes: int) -> None:
+    """Before a route reads its body: its declared length is held from the bound, or RequestError
+    too_many_uploads (503, Retry-After); past the route's own `max_bytes`, body_too_large (413), so that no
+    declared length holds more than a body the route takes. A body without a declared length is metered as it
+    arrives (the route's reading bounds it)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        if int(declared) > max_bytes:
+            raise RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
+        request.scope["state"][_LEDGER].cover(int(declared))
+
+
+class BodyBound:
+    """ASGI middleware: each HTTP request gets its share of the bound (`BodyLedger`), its body is metered as it
+    arrives, and the share is given back when the answer begins or the request ends."""
+
+    def __init__(self, app: ASGIApp, budget: BodyBudget, grace_s: float) -> None:
+        """`grace_s`: what a body holding part of the bound may take besides its size at BODY_MIN_RATE."""
+        self.app = app
+        self.budget = budget
+        self.grace_s = grace_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        ledger = BodyLedger(self.budget)
+        scope.setdefault("state", {})[_LEDGER] = ledger
+        received, complete = 0, False
+        began = asyncio.get_running_loop().time()
+
+        async def metered_receive() -> Message:
+            nonlocal received, complete
+            if complete or not ledger.held:
+                message = await receive()
+            else:
+                allowed = self.grace_s + ledger.held / BODY_MIN_RATE
+                try:
+                    async with asyncio.timeout_at(began + allowed):
+                        message = await receive()
+                except TimeoutError:
+                    ledger.release()
+                    raise RequestError(
+                        G.REQUEST_TIMEOUT, f"the request body did not arrive within {allowed:.1f} s"
+                    ) from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
+                ledger.cover(received)
+            return message
+
+        async def releasing_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ledger.release()
+            await send(message)
+
+        try:
+            await self.app(scope, metered_receive, releasing_send)
+        finally:
+            ledger.release()

@@ -1,0 +1,122 @@
+"""The bound on request bodies read at once (app/io/bodies.py): who fits, who is refused, what is given back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from starlette.requests import Request
+
+from app.io.bodies import BODY_MIN_RATE, SMALL_BODY, BodyBound, BodyBudget, BodyLedger, admit_body
+from app.io.errors import RequestError
+
+
+def test_bodies_share_the_bound_and_give_it_back():
+    seen: list[int] = []
+    budget = BodyBudget(1_000_000, seen.append)
+    a, b, c = BodyLedger(budget), BodyLedger(budget), BodyLedger(budget)
+    a.cover(600_000)
+    with pytest.raises(RequestError) as e:
+        b.cover(500_000)
+    assert e.value.code == "too_many_uploads" and e.value.status == 503 and e.value.headers == {"Retry-After": "1"}
+    assert b.held == 0 and budget.taken == 600_000  # the refused one holds nothing
+    b.cover(SMALL_BODY)  # a small body always passes, and counts nothing
+    assert budget.taken == 600_000
+    c.cover(400_000)
+    a.release()
+    a.release()  # given back once
+    assert budget.taken == 400_000 and seen[-1] == 400_000
+
+
+def test_a_body_growing_as_it_arrives_takes_its_bytes_and_one_past_the_bound_is_read_alone():
+    budget = BodyBudget(1_000_000)
+    alone = BodyLedger(budget)
+    alone.cover(800_000)
+    alone.cover(3_000_000)  # larger than the whole bound: read alone
+    assert budget.taken == 3_000_000
+    with pytest.raises(RequestError):
+        BodyLedger(budget).cover(100_000)
+    alone.release()
+    growing, other = BodyLedger(budget), BodyLedger(budget)
+    growing.cover(300_000)
+    other.cover(600_000)
+    growing.cover(400_000)  # chunked: what has arrived so far
+    with pytest.raises(RequestError):
+        growing.cover(500_000)
+    assert growing.held == 400_000 and budget.taken == 1_000_000
+
+
+def _scope(length: int) -> dict:
+    return {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", str(length).encode())]}
+
+
+async def _serve(bound: BodyBound, scope: dict, receive) -> tuple[list[RequestError], list[dict]]:
+    """A route that takes its body's share, reads it, then waits for the client to go; what it raised, what it sent."""
+    raised: list[RequestError] = []
+    sent: list[dict] = []
+
+    async def app(scope, receive, send):
+        request = Request(scope, receive)
+        try:
+            admit_body(request, 1 << 20)
+            await request.body()
+            assert (await receive())["type"] == "http.disconnect"
+        except RequestError as e:
+            raised.append(e)
+            await send({"type": "http.response.start", "status": e.status, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    async def send(message):
+        sent.append(message)
+
+    await BodyBound(app, bound.budget, bound.grace_s)(scope, receive, send)
+    return raised, sent
+
+
+def test_a_body_holding_the_bound_that_stops_arriving_is_cut_and_gives_its_share_back():
+    """A client that declares a large body and trickles it would hold its share of the bound for as long as it
+    likes: past the head timeout plus its size at BODY_MIN_RATE it gets 408 request_timeout, its share back."""
+    budget = BodyBudget(1_000_000)
+    bound = BodyBound(None, budget, grace_s=0.05)  # type: ignore[arg-type]
+    size = 100_000
+
+    async def go() -> tuple[list[RequestError], float]:
+        first = True
+
+        async def trickle():
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": b"{", "more_body": True}
+            await asyncio.Event().wait()  # the rest never comes
+
+        t0 = time.monotonic()
+        raised, _ = await asyncio.wait_for(_serve(bound, _scope(size), trickle), 60)
+        return raised, time.monotonic() - t0
+
+    raised, took = asyncio.run(go())
+    assert [(e.code, e.status) for e in raised] == [("request_timeout", 408)]
+    assert took >= 0.05 + size / BODY_MIN_RATE and budget.taken == 0
+
+
+def test_a_body_that_has_arrived_has_no_deadline():
+    """Once the whole body is in, the route may wait for its client (a speech route, for its first audio) as long
+    as it needs: no deadline then."""
+    budget = BodyBudget(1_000_000)
+    bound = BodyBound(None, budget, grace_s=0.05)  # type: ignore[arg-type]
+    size = 70_000
+
+    async def go() -> list[RequestError]:
+        messages = [{"type": "http.request", "body": b"x" * size, "more_body": False}]
+
+        async def receive():
+            if messages:
+                return messages.pop()
+            await asyncio.sleep(0.1 + size / BODY_MIN_RATE)  # past the deadline the body had
+            return {"type": "http.disconnect"}
+
+        raised, _ = await asyncio.wait_for(_serve(bound, _scope(size), receive), 60)
+        return raised
+
+    assert asyncio.run(go()) == [] and budget.taken == 0
