@@ -29,7 +29,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-RATE_WINDOW = 5  # the engine's Stats records (about one a second) the start rate is measured over
+RATE_WINDOW_S = 5.0  # the span of the engine's Stats records (ten a second by default) the start rate is measured over
 FIRST_AUDIO_WINDOW_S = 5.0  # the starts whose first audio predicts a newcomer's (older ones say little of now)
 FIRST_AUDIO_MIN = 4  # fewer recent starts than this predict nothing
 
@@ -100,17 +100,19 @@ class FirstAudio:
 
 
 class StartRate:
-    """Streams an engine started per second, from its Stats records: each counts the streams it has started
-    (active + finished + cancelled, since the process started), about once a second."""
+    """Streams an engine started per second over the last RATE_WINDOW_S, from its Stats records: each counts the
+    streams it has started (active + finished + cancelled, since the process started)."""
 
     def __init__(self) -> None:
-        self._seen: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW + 1)
+        self._seen: deque[tuple[float, int]] = deque(maxlen=1024)
 
     def observe(self, started: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         if self._seen and started < self._seen[-1][1]:  # a new engine process counts from zero
             self._seen.clear()
         self._seen.append((now, started))
+        while len(self._seen) > 2 and now - self._seen[1][0] >= RATE_WINDOW_S:  # the oldest still spans the window
+            self._seen.popleft()
 
     def reset(self) -> None:
         self._seen.clear()

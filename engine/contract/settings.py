@@ -284,8 +284,10 @@ class EngineSettings:
         default=32 << 20,
         metadata=flag("bytes of records one request may have waiting for the gateway", lo=1 << 16, hi=1 << 32),
     )
+    # the gateway's door reads the engine's room (`admissible`) from the last record: at one a second it let in, under
+    # a storm, streams that the engine's slack gate then held in its queue for up to ~400 ms (H200, 256-384 offered)
     stats_interval_s: float = field(
-        default=1.0, metadata=flag("seconds between the engine's stats records", lo=0.0, hi=_NEVER, lo_open=True)
+        default=0.1, metadata=flag("seconds between the engine's stats records", lo=0.0, hi=_NEVER, lo_open=True)
     )
     # continuation (engine/frontend/longform.py): a held stream (its chunk ended non-final, the next not here yet) is
     # flushed once it has been held continuation_grace_ms (the gateway's time to send the next chunk after the

@@ -9,6 +9,8 @@ import os
 import signal
 import threading
 
+import pytest
+
 from app.core import admission
 from app.core.admission import (
     FIRST_AUDIO_WINDOW_S,
@@ -92,6 +94,17 @@ def test_start_rate_from_stats_and_a_restart():
     assert r.per_s == 10.0
     r.observe(1, now=3.0)  # a new engine process counts from zero
     assert r.per_s is None
+
+
+def test_start_rate_spans_its_window_whatever_the_stats_cadence():
+    r = StartRate()
+    for i in range(201):  # ten records a second for 20 s: 4 starts a second, then a burst of 20 in its last 0.5 s
+        r.observe(4 * i // 10 + (4 * (i - 195) if i > 195 else 0), now=i / 10)
+    assert r.per_s == pytest.approx((20 + 4 * 5) / 5, rel=0.05)  # over RATE_WINDOW_S, not the last few records
+    slow = StartRate()
+    for i in range(8):  # one record a second: the window still spans 5 s
+        slow.observe(10 * i, now=float(i))
+    assert slow.per_s == 10.0
 
 
 def test_a_conversation_is_held_between_its_utterances_only():
