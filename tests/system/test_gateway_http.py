@@ -532,7 +532,7 @@ HELD_TEXT = '<break time="1s"/> Hold the slot.'
 )
 def test_a_client_that_leaves_a_whole_file_answer_takes_its_engine_work_with_it(shared_server, route, body):
     """An answer sent finished (not streamed) is generated whole before its first byte: a client that leaves
-    meanwhile takes the rest of its work with it, as from a streamed answer (it ran to its end for nobody)."""
+    meanwhile takes the rest of its work with it, as from a streamed answer: nothing is generated for nobody."""
     import socket
 
     srv = shared_server(*ONE_SLOT)
