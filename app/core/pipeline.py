@@ -257,6 +257,10 @@ class UtterancePipeline:
         """Some utterance of it has engine work (generating, or generated and not yet played to its end)."""
         return any(u.start_task is not None for u in self.queue)
 
+    def needs_turn(self) -> bool:
+        """It has no engine work and an utterance queued that would start some."""
+        return not self.started() and any(u.silence_s is None for u in self.queue)
+
     def _maybe_released(self) -> None:
         if self.released is not None and not self.started():
             self.released()

@@ -134,6 +134,7 @@ class StreamingSession:
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
         self._turns: dict[str, None] = {}
+        self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -605,16 +606,30 @@ class StreamingSession:
     def _may_start(self, pipe: UtterancePipeline) -> bool:
         """A session of several contexts: at most --max-inflight-per-session of its contexts have engine work
         at once (each up to that many utterances), so that one socket's many contexts cannot fill the engine's
-        queue; another context starts once one of them has played what it started."""
+        queue. Contexts waiting for their turn take it first come, first served, and while one waits, a context
+        with engine work starts nothing more: the next starts once one of them has played what it started (else
+        a context whose text keeps coming would hold its turn, and a newer context's reply would wait for all of
+        it)."""
+        live = [lane.pipe for lane in self.lanes.values()]
+        self._waiting = [p for p in self._waiting if p.needs_turn() and p in live]  # (a lane gone: its context too)
         if pipe.started():
-            return True
-        return sum(lane.pipe.started() for lane in self.lanes.values()) < self.limits.max_inflight_per_session
+            return not self._waiting
+        if not pipe.needs_turn():
+            return True  # nothing it would start
+        if pipe not in self._waiting:
+            self._waiting.append(pipe)
+        free = self.limits.max_inflight_per_session - sum(p.started() for p in live)
+        if self._waiting.index(pipe) >= free:
+            return False
+        self._waiting.remove(pipe)
+        return True
 
     def _released(self) -> None:
         if self._ended:  # the lanes are being closed: nothing starts
             return
-        for lane in list(self.lanes.values()):
-            lane.pipe.prefetch()
+        waiting = list(self._waiting)  # first come, first served
+        for pipe in waiting + [lane.pipe for lane in self.lanes.values() if lane.pipe not in waiting]:
+            pipe.prefetch()
 
     def _task_failed(self, task: asyncio.Task[None]) -> None:
         """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also

@@ -120,6 +120,7 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
         engine=SimpleNamespace(info={"max_context": 6144}),
         fake=engine,
         resolve_voice=lambda ref, owner: None,
+        draining=False,
     )
     # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
     gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
@@ -877,6 +878,34 @@ def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them(
     assert first == ["Context a.", "Context b."], first
     assert second == ["Context a.", "Context b.", "Context c."], second
     assert every == 4
+
+
+def test_a_context_waiting_for_its_turn_is_not_held_back_by_a_context_whose_text_keeps_coming():
+    """While a context waits for its turn of engine work, the contexts that have some start nothing more: it goes
+    next once one of them has played what it started (a context sent more text kept its turn, and a newer context's
+    reply waited for all of it), and the one that gave way goes after it."""
+
+    async def go() -> list[list[str]]:
+        gw, ws, task, fmt, voice = cartesia_session(Limits(max_inflight_per_session=1))
+        ws.send(transcript="One.", context_id="a", voice=voice, **fmt)
+        await gw.fake.started(1)
+        ws.send(transcript="Bee.", context_id="b", voice=voice, **fmt)  # waits for its turn
+        ws.send(transcript="Two.", context_id="a", voice=voice, **fmt)  # more of a meanwhile
+        seen = []
+        for n in (1, 2, 3):
+            await gw.fake.started(n)
+            for _ in range(50):  # whatever would start now has started (the fake engine starts at once)
+                await asyncio.sleep(0)
+            seen.append(list(gw.fake.texts))
+            FakeEngine.play(gw.fake.streams[n - 1])
+        dones = 0
+        while dones < 3:
+            dones += (await ws.next_json()).get("type") == "done"
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen == [["One."], ["One.", "Bee."], ["One.", "Bee.", "Two."]], seen
 
 
 class _GoneSocket(FakeSocket):
