@@ -105,8 +105,8 @@ def test_sigterm_drains_what_is_speaking(start_server, workers):
 
 def test_a_new_turn_on_a_draining_socket_is_refused(start_server):
     """A turn in progress when the signal came is spoken to its end; a new one, on any context, gets
-    `shutting_down` (a client sending a turn every half second kept a draining server to its limit, and its
-    last one was cut mid-sentence), and a socket with no turn open is closed once it is quiet, text or not."""
+    `shutting_down` (else a client sending a turn every half second would keep a draining server to its limit, and
+    have its last one cut mid-sentence), and a socket with no turn open is closed once it is quiet, text or not."""
     srv = start_server("--drain-timeout-s", "120")
 
     async def go() -> dict[str, Any]:

@@ -882,8 +882,8 @@ def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them(
 
 def test_a_context_waiting_for_its_turn_is_not_held_back_by_a_context_whose_text_keeps_coming():
     """While a context waits for its turn of engine work, the contexts that have some start nothing more: it goes
-    next once one of them has played what it started (a context sent more text kept its turn, and a newer context's
-    reply waited for all of it), and the one that gave way goes after it."""
+    next once one of them has played what it started (else a context sent more text would keep its turn, and a newer
+    context's reply would wait for all of it), and the one that gave way goes after it."""
 
     async def go() -> list[list[str]]:
         gw, ws, task, fmt, voice = cartesia_session(Limits(max_inflight_per_session=1))
