@@ -908,6 +908,25 @@ def test_a_context_waiting_for_its_turn_is_not_held_back_by_a_context_whose_text
     assert seen == [["One."], ["One.", "Bee."], ["One.", "Bee.", "Two."]], seen
 
 
+def test_cartesia_a_new_context_while_the_server_drains_is_refused_as_a_retry_elsewhere():
+    """While the server drains, a context whose turn is open is spoken on; a new one gets Cartesia's error with
+    `shutting_down` and status 503 (the server's side: retry on another replica), not a client error's 400."""
+
+    async def go() -> dict[str, Any]:
+        gw, ws, task, fmt, voice = cartesia_session()
+        ws.send(transcript="A turn begins. And then it", context_id="a", voice=voice, **{"continue": True}, **fmt)
+        await gw.fake.started(1)  # a's turn is open
+        gw.draining = True
+        ws.send(transcript="A new one.", context_id="b", voice=voice, **fmt)
+        refused = await ws.next_json()
+        await shut(ws, task)
+        return refused
+
+    refused = asyncio.run(go())
+    assert refused["error_code"] == "shutting_down" and refused["status_code"] == 503, refused
+    assert refused["context_id"] == "b"
+
+
 class _GoneSocket(FakeSocket):
     """A socket whose client vanished: every send raises, as Starlette's does, after `lag` turns of the event loop
     (a send already in progress when the connection dropped)."""
