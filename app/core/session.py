@@ -607,9 +607,10 @@ class StreamingSession:
         """A session of several contexts: at most --max-inflight-per-session of its contexts have engine work
         at once (each up to that many utterances), so that one socket's many contexts cannot fill the engine's
         queue. Contexts waiting for their turn take it first come, first served, and while one waits, a context
-        with engine work starts nothing more: the next starts once one of them has played what it started (else
-        a context whose text keeps coming would hold its turn, and a newer context's reply would wait for all of
-        it)."""
+        with engine work starts nothing more but its turn in progress (UtterancePipeline.prefetch: the sentences
+        that continue its chain): the next starts once one of them has played what it started (else a context
+        sent a new turn while it speaks would keep its turn, and a newer context's reply would wait for all of it).
+        """
         live = [lane.pipe for lane in self.lanes.values()]
         self._waiting = [p for p in self._waiting if p.needs_turn() and p in live]  # (a lane gone: its context too)
         if pipe.started():
