@@ -245,17 +245,24 @@ class UtterancePipeline:
     def prefetch(self) -> None:
         """Keep the first `depth` utterances generating: the one playing and the next ones. The utterances of
         a continuation chain all start: each generates only once the one before it has (app/core/continuation.py),
-        and the one before cannot end its audio until the next continues its stream (or it is flushed)."""
-        if self.may_start is not None and not self.may_start(self):
-            return
+        and the one before cannot end its audio until the next continues its stream (or it is flushed). Without
+        `may_start`'s leave, only the links of a chain already started start (the turn in progress goes on)."""
+        free = self.may_start is None or self.may_start(self)
+        running = {id(u.chain) for u in self.queue if u.start_task is not None and u.chain is not None}
         for i, u in enumerate(self.queue):
             if u.start_task is None and u.silence_s is None and (i < self.depth or u.chain is not None):
+                if not free and id(u.chain) not in running:
+                    continue
                 u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
                 self._turn.set()
 
     def started(self) -> bool:
         """Some utterance of it has engine work (generating, or generated and not yet played to its end)."""
         return any(u.start_task is not None for u in self.queue)
+
+    def needs_turn(self) -> bool:
+        """It has no engine work and an utterance queued that would start some."""
+        return not self.started() and any(u.silence_s is None for u in self.queue)
 
     def _maybe_released(self) -> None:
         if self.released is not None and not self.started():

@@ -54,12 +54,14 @@ log = logging.getLogger("gateway.session")
 Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 
 # While the server drains (a SIGTERM), a session is closed once it is quiet: nothing buffered, generating, playing or
-# being aligned, and no message for this long (a turn's next sentence, streamed at an LLM's pace, may still come)
+# being aligned, and, while a turn is open, no message for this long (its next sentence, streamed at an LLM's pace,
+# may still come)
 DRAIN_QUIET_S = 1.0
 DRAIN_POLL_S = 0.05
 DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
 CLOSED, DRAINED = "closed", "drained"  # why a session ends by itself (`StreamingSession._outcome`)
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
+MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the oldest is forgotten past it)
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
@@ -129,6 +131,10 @@ class StreamingSession:
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
         self._hold_tasks: set[asyncio.Task[None]] = set()
         self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
+        # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
+        # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
+        self._turns: dict[str, None] = {}
+        self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -350,6 +356,12 @@ class StreamingSession:
         check_text(text)
         if self._closing:
             raise RequestError(G.BAD_MESSAGE, "the session is closing: no text is taken after close")
+        if self.gw.draining and ctx not in self._turns:  # else a client could keep the drain going to its limit
+            raise RequestError(
+                G.SHUTTING_DOWN,
+                "the server is shutting down: a turn in progress is spoken to its end, a new one is not taken; "
+                "reconnect (another replica)",
+            )
         if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
             raise RequestError(
                 G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; close one first"
@@ -373,6 +385,10 @@ class StreamingSession:
             raise
         finally:
             self._drop_empty_buffers()
+        self._turns.pop(ctx, None)
+        self._turns[ctx] = None
+        if len(self._turns) > MAX_OPEN_TURNS:
+            del self._turns[next(iter(self._turns))]
         self._hold(ctx)
 
     def _drop_empty_buffers(self) -> None:
@@ -422,6 +438,7 @@ class StreamingSession:
     def end_turn(self, ctx: str | None) -> None:
         """A context's (None: every context's) text is complete: its last queued utterance ends its
         continuation (app/core/continuation.py): generated final, or its held stream flushed now."""
+        self._end_turns(ctx)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
 
@@ -461,6 +478,7 @@ class StreamingSession:
         """Drop a context's (None: every context's) buffered text and queued utterances (only those after
         utterance `after`, when given) and stop their GPU work now. Call under the send lock to answer
         something after it; `cancel` does."""
+        self._end_turns(ctx)
         for c, buf in self.buffers.items():
             if ctx is None or c == ctx:
                 buf.clear()
@@ -469,6 +487,12 @@ class StreamingSession:
         for lane in lanes:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
+
+    def _end_turns(self, ctx: str | None) -> None:
+        if ctx is None:
+            self._turns.clear()
+        else:
+            self._turns.pop(ctx, None)
 
     async def cancel(
         self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
@@ -512,12 +536,13 @@ class StreamingSession:
         )
 
     def drain(self) -> None:
-        """The server is shutting down (app/server.py): end the session once it is quiet (DRAIN_QUIET_S)."""
+        """The server is shutting down (app/server.py): end the session once it is quiet, at once when no turn is
+        open, else once no message came for DRAIN_QUIET_S."""
         if self._drain_task is None and not self._ended:
             self._drain_task = asyncio.create_task(self._close_when_quiet(), name=f"drain-{self.id}")
 
     async def _close_when_quiet(self) -> None:
-        while not (self._quiet() and time.monotonic() - self._last_activity >= DRAIN_QUIET_S):
+        while not (self._quiet() and (not self._turns or time.monotonic() - self._last_activity >= DRAIN_QUIET_S)):
             await asyncio.sleep(DRAIN_POLL_S)
         if not self._outcome.done():
             self._outcome.set_result(DRAINED)
@@ -581,16 +606,31 @@ class StreamingSession:
     def _may_start(self, pipe: UtterancePipeline) -> bool:
         """A session of several contexts: at most --max-inflight-per-session of its contexts have engine work
         at once (each up to that many utterances), so that one socket's many contexts cannot fill the engine's
-        queue; another context starts once one of them has played what it started."""
+        queue. Contexts waiting for their turn take it first come, first served, and while one waits, a context
+        with engine work starts nothing more but its turn in progress (UtterancePipeline.prefetch: the sentences
+        that continue its chain): the next starts once one of them has played what it started (else a context
+        sent a new turn while it speaks would keep its turn, and a newer context's reply would wait for all of it).
+        """
+        live = [lane.pipe for lane in self.lanes.values()]
+        self._waiting = [p for p in self._waiting if p.needs_turn() and p in live]  # (a lane gone: its context too)
         if pipe.started():
-            return True
-        return sum(lane.pipe.started() for lane in self.lanes.values()) < self.limits.max_inflight_per_session
+            return not self._waiting
+        if not pipe.needs_turn():
+            return True  # nothing it would start
+        if pipe not in self._waiting:
+            self._waiting.append(pipe)
+        free = self.limits.max_inflight_per_session - sum(p.started() for p in live)
+        if self._waiting.index(pipe) >= free:
+            return False
+        self._waiting.remove(pipe)
+        return True
 
     def _released(self) -> None:
         if self._ended:  # the lanes are being closed: nothing starts
             return
-        for lane in list(self.lanes.values()):
-            lane.pipe.prefetch()
+        waiting = list(self._waiting)  # first come, first served
+        for pipe in waiting + [lane.pipe for lane in self.lanes.values() if lane.pipe not in waiting]:
+            pipe.prefetch()
 
     def _task_failed(self, task: asyncio.Task[None]) -> None:
         """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also

@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from app.core.gateway import Gateway
 from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, parse_options
 from app.core.pipeline import speak
-from app.doors.speech import first_chunk, read_json
+from app.doors.speech import first_chunk, read_json, whole_answer
 from app.io.auth import require_key
 from app.io.checks import base64_payload, text_field
 from app.io.errors import GatewayError as G
@@ -242,7 +242,7 @@ async def tts_generate(request: Request) -> Response:
             floats(), media_type="audio/pcm", headers=headers, background=BackgroundTask(speech.aclose)
         )
     try:
-        body = b"".join([b async for b in floats()])
+        body = await whole_answer(request, floats())
     finally:
         await speech.aclose()
     return Response(body, media_type="audio/pcm", headers=headers)

@@ -94,6 +94,29 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
     return chunks()
 
 
+async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
+    """Every part of an answer sent finished (a whole file), joined. A client that leaves before it is complete
+    takes the rest of the work with it (client_gone; its engine requests are cancelled), as it does from a
+    streamed answer: nothing else would notice, and every sentence would be generated for nobody."""
+
+    async def collect() -> bytes:
+        return b"".join([b async for b in parts])
+
+    work = asyncio.ensure_future(collect())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait((work,))
+    if work.cancelled():
+        request.app.state.gateway.metrics.errors.labels(G.CLIENT_GONE).inc()
+        raise RequestError(G.CLIENT_GONE, "the client left before its audio was complete")
+    return work.result()
+
+
 # ---- the answer of every HTTP speech route --------------------------------------------------------------------------
 @dataclass
 class Framing:
@@ -148,7 +171,7 @@ async def speech_response(
 
     if whole:
         try:
-            audio = b"".join([b async for b in body()])
+            audio = await whole_answer(request, body())
         finally:
             await speech.aclose()
         return Response(audio, media_type=media_type or fmt.media_type, headers=headers)

@@ -5,6 +5,7 @@ serving meanwhile even when the signal reaches the whole process group (systemd,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from typing import Any
@@ -100,3 +101,44 @@ def test_sigterm_drains_what_is_speaking(start_server, workers):
     assert srv.proc.wait(60) in (0, -signal.SIGTERM)
     log = srv.log.read_text()
     assert "draining" in log and "engine stopped" in log
+
+
+def test_a_new_turn_on_a_draining_socket_is_refused(start_server):
+    """A turn in progress when the signal came is spoken to its end; a new one, on any context, gets
+    `shutting_down` (else a client sending a turn every half second would keep a draining server to its limit, and
+    have its last one cut mid-sentence), and a socket with no turn open is closed once it is quiet, text or not."""
+    srv = start_server("--drain-timeout-s", "120")
+
+    async def go() -> dict[str, Any]:
+        ended = await session(srv, TURN)  # its turn was flushed before the signal
+        await ended.send(type="text", text="A whole turn.", flush=True)
+        await ended.until("flushed", timeout=120)
+        open_turn = await session(srv, TURN)  # its buffered text keeps it open until its turn ends
+        await open_turn.send(type="text", text="And then it", context_id="t")
+        async with httpx.AsyncClient(timeout=120) as http:
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            for _ in range(600):
+                if (await http.get(srv.url + "/readyz")).status_code == 503:
+                    break
+                await asyncio.sleep(0.05)
+        with contextlib.suppress(websockets.ConnectionClosed):  # it may be closed already
+            await ended.send(type="text", text="Another turn.", flush=True)
+        seen = len(ended.log)
+        ended_code = await close_code(ended)
+        await open_turn.send(type="text", text="A new context.", context_id="u")
+        refused = await open_turn.until("error", timeout=30)
+        await open_turn.send(type="text", text=" ends here.", context_id="t", flush=True)
+        end = await open_turn.until("audio.done", timeout=120)
+        return {
+            "after": [m["type"] for m in ended.log[seen:]],
+            "refused": refused,
+            "end": end,
+            "codes": {"ended": ended_code, "open_turn": await close_code(open_turn)},
+        }
+
+    out = asyncio.run(asyncio.wait_for(go(), 300))
+    assert out["after"] in ([], ["error"])  # closed before its text came, or the text refused: never spoken
+    assert out["refused"]["code"] == "shutting_down"
+    assert out["end"]["context_id"] == "t" and out["end"]["stats"]["frames"] == FRAMES
+    assert out["codes"] == {"ended": 1012, "open_turn": 1012}
+    assert srv.proc.wait(60) in (0, -signal.SIGTERM)

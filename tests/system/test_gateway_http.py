@@ -457,6 +457,16 @@ def test_multibyte_input_is_all_spoken_not_500(server, text):
     assert len(r.content) == reply_frames([frames] * n) * 512 * 4
 
 
+def engine_state(srv) -> dict:
+    return httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
+
+
+def counter(srv, name: str) -> float:
+    """A counter of /metrics (0 before its first count)."""
+    lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
+    return next((float(line.split()[-1]) for line in lines if line.startswith(name + " ")), 0.0)
+
+
 def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(shared_server):
     """One slot, held by a long request: a second HTTP request waits in the engine's queue. When its client
     gives up before any audio, the gateway cancels it there at once (it used to wait for the slot, then run
@@ -474,12 +484,10 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(shared_
                     return
 
     def engine() -> dict:
-        return httpx.get(srv.url + "/readyz", timeout=10).json()["engines"][0]
+        return engine_state(srv)
 
     def count(name: str) -> float:
-        """A counter of /metrics (0 before its first count)."""
-        lines = httpx.get(srv.url + "/metrics", timeout=10).text.splitlines()
-        return next((float(line.split()[-1]) for line in lines if line.startswith(name + " ")), 0.0)
+        return counter(srv, name)
 
     gone, cancelled = 'zonos_errors_total{code="client_gone"}', "zonos_engine_cancelled"
     # the server is shared: count from where its engine is idle (what earlier tests left has ended)
@@ -508,6 +516,65 @@ def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(shared_
     assert count(cancelled) == before[1] + 1  # cancelled there, not run to its end for nobody
     done.set()
     holder.join(300)
+
+
+# a break first: its silence is the first audio at once, so the answer is past its first audio (first_chunk) when
+# the engine starts the sentence
+HELD_TEXT = '<break time="1s"/> Hold the slot.'
+
+
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/audio/speech", {"input": HELD_TEXT, "response_format": "wav"}),  # a finished WAV
+        ("/tts/generate", {"text": HELD_TEXT, "stream": False}),
+    ],
+)
+def test_a_client_that_leaves_a_whole_file_answer_takes_its_engine_work_with_it(shared_server, route, body):
+    """An answer sent finished (not streamed) is generated whole before its first byte: a client that leaves
+    meanwhile takes the rest of its work with it, as from a streamed answer: nothing is generated for nobody."""
+    import socket
+
+    srv = shared_server(*ONE_SLOT)
+    body = dict(body)
+    if route == "/v1/audio/speech":
+        body["params"] = {"ignore_eos": True, "max_frames": 2500}
+    else:  # the reference's names
+        body.update(ignore_eos=True, max_tokens=2500)
+
+    def engine() -> dict:
+        return engine_state(srv)
+
+    def count(name: str) -> float:
+        return counter(srv, name)
+
+    gone, cancelled = 'zonos_errors_total{code="client_gone"}', "zonos_engine_cancelled"
+    finished = "zonos_engine_finished"
+    deadline = time.monotonic() + 60
+    while (e := engine())["active"] or e["waiting"]:  # the server is shared: from where its engine is idle
+        assert time.monotonic() < deadline, e
+        time.sleep(0.2)
+    before = count(gone), count(cancelled), count(finished)
+    raw = json.dumps(body).encode()
+    host, port = srv.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(
+            f"POST {route} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(raw)}\r\n\r\n".encode()
+            + raw
+        )
+        deadline = time.monotonic() + 60
+        while engine()["active"] != 1:  # its sentence is generating
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    # its client has left
+    deadline = time.monotonic() + 120
+    while engine()["active"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert count(cancelled) == before[1] + 1  # cancelled, not run to its end
+    assert count(finished) == before[2]
+    assert count(gone) == before[0] + 1
 
 
 def test_openai_instructions_report_what_was_applied(server):

@@ -120,6 +120,7 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
         engine=SimpleNamespace(info={"max_context": 6144}),
         fake=engine,
         resolve_voice=lambda ref, owner: None,
+        draining=False,
     )
     # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
     gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
@@ -877,6 +878,84 @@ def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them(
     assert first == ["Context a.", "Context b."], first
     assert second == ["Context a.", "Context b.", "Context c."], second
     assert every == 4
+
+
+def test_a_context_waiting_for_its_turn_is_not_held_back_by_a_context_whose_text_keeps_coming():
+    """While a context waits for its turn of engine work, the contexts that have some start nothing more: it goes
+    next once one of them has played what it started (else a context sent more text would keep its turn, and a newer
+    context's reply would wait for all of it), and the one that gave way goes after it."""
+
+    async def go() -> list[list[str]]:
+        gw, ws, task, fmt, voice = cartesia_session(Limits(max_inflight_per_session=1))
+        ws.send(transcript="One.", context_id="a", voice=voice, **fmt)
+        await gw.fake.started(1)
+        ws.send(transcript="Bee.", context_id="b", voice=voice, **fmt)  # waits for its turn
+        ws.send(transcript="Two.", context_id="a", voice=voice, **fmt)  # more of a meanwhile
+        seen = []
+        for n in (1, 2, 3):
+            await gw.fake.started(n)
+            for _ in range(50):  # whatever would start now has started (the fake engine starts at once)
+                await asyncio.sleep(0)
+            seen.append(list(gw.fake.texts))
+            FakeEngine.play(gw.fake.streams[n - 1])
+        dones = 0
+        while dones < 3:
+            dones += (await ws.next_json()).get("type") == "done"
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen == [["One."], ["One.", "Bee."], ["One.", "Bee.", "Two."]], seen
+
+
+def test_a_turn_in_progress_goes_on_while_another_context_waits_for_its_turn():
+    """The sentences of a turn in progress (a context's continuation chain) start while another context waits: its
+    held stream waits for the next one (with --continuation-flush-lead-ms below 0, for ever), and its voice goes on.
+    The waiting context goes next once the turn has played what it started."""
+
+    async def go() -> list[list[str]]:
+        gw, ws, task, fmt, voice = cartesia_session(Limits(max_inflight_per_session=1))
+        turn = {"context_id": "a", "voice": voice, "continue": True, "max_buffer_delay_ms": 0, **fmt}
+        ws.send(transcript="One.", **turn)
+        await gw.fake.started(1)
+        ws.send(transcript="Bee.", context_id="b", voice=voice, **fmt)  # waits for its turn
+        ws.send(transcript=" Two.", **turn)  # the turn in progress goes on
+        seen = []
+        for n, plays in ((2, (0, 1)), (3, (2,))):  # the turn plays what it started, then b's turn
+            await gw.fake.started(n)
+            for _ in range(50):  # whatever would start now has started (the fake engine starts at once)
+                await asyncio.sleep(0)
+            seen.append(list(gw.fake.texts))
+            for i in plays:
+                FakeEngine.play(gw.fake.streams[i])
+        ws.send(transcript="", **{**turn, "continue": False})
+        dones = 0
+        while dones < 2:
+            dones += (await ws.next_json()).get("type") == "done"
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen == [["One.", "Two."], ["One.", "Two.", "Bee."]], seen
+
+
+def test_cartesia_a_new_context_while_the_server_drains_is_refused_as_a_retry_elsewhere():
+    """While the server drains, a context whose turn is open is spoken on; a new one gets Cartesia's error with
+    `shutting_down` and status 503 (the server's side: retry on another replica), not a client error's 400."""
+
+    async def go() -> dict[str, Any]:
+        gw, ws, task, fmt, voice = cartesia_session()
+        ws.send(transcript="A turn begins. And then it", context_id="a", voice=voice, **{"continue": True}, **fmt)
+        await gw.fake.started(1)  # a's turn is open
+        gw.draining = True
+        ws.send(transcript="A new one.", context_id="b", voice=voice, **fmt)
+        refused = await ws.next_json()
+        await shut(ws, task)
+        return refused
+
+    refused = asyncio.run(go())
+    assert refused["error_code"] == "shutting_down" and refused["status_code"] == 503, refused
+    assert refused["context_id"] == "b"
 
 
 class _GoneSocket(FakeSocket):

@@ -53,7 +53,7 @@ DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
 _STATUS: dict[str, int] = {
-    code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED)
+    code: code.http_status for code in (G.UNKNOWN_VOICE, G.UNAUTHORIZED, G.SHUTTING_DOWN)
 }  # in its error messages
 
 
