@@ -41,20 +41,43 @@ def triton_on_cpu() -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _interpreter_without_discarded_overflow_checks() -> None:
-    """Triton's interpreter (sanitize_overflow on, debug off) widens every integer add, sub and mul to int64,
-    redoes it and compares it with the type's bounds, then drops the result: its device_assert checks nothing
-    without debug (a compiled kernel's compiler deletes the same dead code). In the kernel tests that was
-    about a third of the interpreter's time. Off, the kernels compute exactly what they did."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
+def _lean_triton_interpreter() -> Iterator[None]:
+    """Two kinds of work Triton's interpreter repeats for nothing, skipped (the kernels compute exactly what they
+    did; in the kernel tests the two were about half of the interpreter's time):
+    - with sanitize_overflow on and debug off it widens every integer add, sub and mul to int64, redoes it and
+      compares it with the type's bounds, then drops the result: its device_assert checks nothing without debug
+      (a compiled kernel's compiler deletes the same dead code);
+    - it patches triton.language into its interpreted form again at every launch and every call of a jit
+      function (tl.sum's combine function, per program): the same closures each time, so once per module set."""
     import dataclasses
+    import importlib.util
+    import inspect
 
+    if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
+        yield
+        return
+
+    import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
     assert not builder.options.debug  # with debug the checks would assert: keep them then
-    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    options = builder.options
+    builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+    patch = interpreter._patch_lang
+    patched: set[frozenset[int]] = set()
+
+    def patch_once(fn: Callable) -> None:
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if langs not in patched:
+            patch(fn)
+            patched.add(langs)
+
+    interpreter._patch_lang = patch_once
+    yield
+    interpreter._patch_lang = patch
+    builder.options = options
 
 
 def process_settings() -> dict[str, object]:
