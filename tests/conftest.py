@@ -48,16 +48,14 @@ def _lean_triton_interpreter() -> Iterator[None]:
       compares it with the type's bounds, then drops the result: its device_assert checks nothing without debug
       (a compiled kernel's compiler deletes the same dead code);
     - it patches triton.language into its interpreted form again at every launch and every call of a jit
-      function (tl.sum's combine function, per program): the same closures each time, so once per module set."""
+      function (tl.sum's combine function, per program): the same closures each time, so once per module."""
     import dataclasses
     import importlib.util
-    import inspect
 
     if os.environ.get("TRITON_INTERPRET") != "1" or importlib.util.find_spec("triton") is None:
         yield
         return
 
-    import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
@@ -66,13 +64,12 @@ def _lean_triton_interpreter() -> Iterator[None]:
     builder.options = dataclasses.replace(options, sanitize_overflow=False)
 
     patch = interpreter._patch_lang
-    patched: set[frozenset[int]] = set()
+    patched: set[int] = set()  # the modules (their globals) whose functions' patch is done
 
     def patch_once(fn: Callable) -> None:
-        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-        if langs not in patched:
+        if id(fn.__globals__) not in patched:
             patch(fn)
-            patched.add(langs)
+            patched.add(id(fn.__globals__))
 
     interpreter._patch_lang = patch_once
     yield
