@@ -11,6 +11,7 @@ repository.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import re
 import shlex
@@ -53,8 +54,9 @@ def capacity_command(config: dict[str, Any], script: str = "bench/live_capacity.
 
 def summarize_file(path: Path) -> str:
     head = f"### {path.name} ({path.stat().st_size:,} bytes raw)\n\n"
-    if path.suffix in (".json", ".jsonl"):
-        text = path.read_text()
+    gz = path.suffix == ".gz"  # bench/device_capacity.sh compresses a JSON too large to come back from the device
+    if (path.with_suffix("") if gz else path).suffix in (".json", ".jsonl"):
+        text = gzip.decompress(path.read_bytes()).decode() if gz else path.read_text()
         try:
             data = json.loads(text)
         except json.JSONDecodeError:
