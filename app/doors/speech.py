@@ -24,7 +24,7 @@ from app.core.pipeline import speak
 from app.core.stitching import Stitch
 from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
-from app.io.bodies import BodyBudget, admit_body
+from app.io.bodies import BodyBudget, admit_body, body_done
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
@@ -91,6 +91,7 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
         first = nxt.result()
     except StopAsyncIteration:
         first = np.zeros(0, np.int16)
+    body_done(request)  # its clip is embedded by now: a whole-file answer must not hold its body's share to its end
 
     async def chunks() -> AsyncGenerator[np.ndarray, None]:
         yield first
