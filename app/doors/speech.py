@@ -162,7 +162,7 @@ async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
     streamed answer: nothing else would notice, and every sentence would be generated for nobody."""
 
     async def collect() -> bytes:
-        return b"".join([b async for b in parts])
+        return b"".join([b async for b in parts if b])  # a file sent finished is one part: joined without a copy
 
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))

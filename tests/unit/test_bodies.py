@@ -144,3 +144,25 @@ def test_whole_answers_share_their_bound_as_their_audio_grows():
     assert budget.taken == a.held == (ANSWER_FIRST_BYTES // ANSWER_COPIES + ANSWER_FIRST_BYTES * 10) * ANSWER_COPIES
     a.release()
     assert budget.taken == 0
+
+
+def test_a_whole_answer_of_one_part_is_not_copied():
+    """A WAV or FLAC sent finished comes from its encoder as one part (and the framing's empty end): the answer is
+    that part itself, not a copy (a copy would be a second file's worth of memory, uncounted)."""
+    from app.doors.speech import whole_answer
+
+    big = b"x" * 1_000_000
+
+    async def parts():
+        yield big
+        yield b""
+
+    async def go() -> bytes:
+        never = asyncio.Event()
+
+        async def receive():  # the client stays
+            await never.wait()
+
+        return await whole_answer(Request({"type": "http", "method": "POST", "headers": []}, receive), parts())
+
+    assert asyncio.run(go()) is big
