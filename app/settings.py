@@ -193,6 +193,18 @@ class Limits:
     max_request_audio_s: float = field(
         default=900.0, metadata=_limit("seconds of audio one HTTP speech request may produce", 0, _DAY)
     )
+    # a whole-file HTTP answer (WAV, FLAC, /tts/generate stream:false) holds its audio until it is complete, up to
+    # --max-request-audio-s of it: this bounds them all together (app/doors/speech.py AnswerHold)
+    max_whole_answer_bytes: int = field(
+        default=512 << 20,
+        metadata=_limit(
+            "bytes of audio the whole-file HTTP answers of one gateway process hold at once, each counted twice (the "
+            "parts and the joined file); an answer past it gets 503 too_many_answers with Retry-After (one alone "
+            "always passes)",
+            0,
+            64 * _GIB,
+        ),
+    )
     # ElevenLabs request stitching (app/core/stitching.py): what each owner's finished text-to-speech requests
     # leave in the data dir for a later request's `previous_request_ids`
     stitch_requests: int = field(

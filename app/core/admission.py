@@ -101,7 +101,8 @@ class FirstAudio:
 
 class StartRate:
     """Streams an engine started per second over the last RATE_WINDOW_S, from its Stats records: each counts the
-    streams it has started (active + finished + cancelled, since the process started)."""
+    streams it has started (admitted into a slot, since the process started; a request cancelled while it waited
+    is no start)."""
 
     def __init__(self) -> None:
         self._seen: deque[tuple[float, int]] = deque(maxlen=1024)

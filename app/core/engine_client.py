@@ -458,7 +458,7 @@ class EngineClient:
             log.info("%s ready on %s (slots %s, warm-up %.2fs)", self.label, rec.device, rec.slots, rec.warmup_s)
         elif isinstance(rec, m.Stats):
             self.stats = rec
-            self.start_rate.observe(rec.active + rec.finished + rec.cancelled)
+            self.start_rate.observe(rec.started)
         elif isinstance(rec, m.Error):
             self.start_error = rec.message
             log.error("%s error: %s", self.label, rec.message)

@@ -184,6 +184,7 @@ class Gateway:
             max_per_owner=lim.max_voices_per_key,
         )
         self.bodies = BodyBudget(lim.max_body_bytes_in_flight, self.metrics.body_bytes.set)  # app/io/bodies.py
+        self.answers = BodyBudget(lim.max_whole_answer_bytes, self.metrics.answer_bytes.set)  # app/doors/speech.py
         self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None

@@ -59,6 +59,11 @@ class Metrics:
             "Bytes of HTTP request bodies being read and decoded now (bounded by --max-body-bytes-in-flight)",
             registry=r,
         )
+        self.answer_bytes = OwnGauge(
+            "zonos_whole_answer_bytes",
+            "Bytes of audio whole-file HTTP answers hold now, counted twice (bounded by --max-whole-answer-bytes)",
+            registry=r,
+        )
         self.requests = Counter(
             "zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"], registry=r
         )

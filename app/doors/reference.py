@@ -16,7 +16,7 @@ from starlette.responses import Response, StreamingResponse
 from app.core.gateway import Gateway
 from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, parse_options
 from app.core.pipeline import speak
-from app.doors.speech import first_chunk, read_json, whole_answer
+from app.doors.speech import AnswerHold, HeldResponse, first_chunk, read_json, whole_answer
 from app.io.auth import require_key
 from app.io.checks import base64_payload, text_field
 from app.io.errors import GatewayError as G
@@ -220,9 +220,15 @@ async def tts_generate(request: Request) -> Response:
     req = await parse_generate(gw, data, gw.owner_of(key))
     fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)
     # 44.1 kHz float32, no resampler: its first bytes wait only for the samples the fade holds back
+    hold = None if req.stream else AnswerHold(gw.answers)  # refused here, before any engine work, when it is full
     speech = speak(gw, "tts_generate", req.text, replace(req.opts, first_samples=fade_n + 1), req.voice, None)
     headers = {"X-Audio-Sample-Rate": str(SAMPLE_RATE), "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
-    chunks = await first_chunk(speech, request)
+    try:
+        chunks = await first_chunk(speech, request)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
 
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends
@@ -237,12 +243,15 @@ async def tts_generate(request: Request) -> Response:
             w = 0.5 * (1 + np.cos(np.linspace(0, np.pi, len(held), dtype=np.float32)))
             yield (held * w).astype("<f4").tobytes()
 
-    if req.stream:
+    if hold is None:
         return StreamingResponse(
             floats(), media_type="audio/pcm", headers=headers, background=BackgroundTask(speech.aclose)
         )
     try:
-        body = await whole_answer(request, floats())
+        body = await whole_answer(request, hold.count(floats()))
+    except BaseException:
+        hold.release()
+        raise
     finally:
         await speech.aclose()
-    return Response(body, media_type="audio/pcm", headers=headers)
+    return HeldResponse(body, hold, media_type="audio/pcm", headers=headers)

@@ -16,6 +16,7 @@ import numpy as np
 from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
@@ -23,11 +24,16 @@ from app.core.pipeline import speak
 from app.core.stitching import Stitch
 from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
-from app.io.bodies import admit_body
+from app.io.bodies import BodyBudget, admit_body, body_done
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
 from app.voices.library import Voice
+from engine.contract.constants import SAMPLE_RATE
+
+ANSWER_COPIES = 2  # a whole answer's audio is in memory twice as it is finished: its parts and the joined file
+ANSWER_FIRST_BYTES = 1 << 20  # taken before any engine work, so that a full budget refuses an answer at once
+ANSWER_RETRY_AFTER_S = 5  # whole answers end as their audio is generated: seconds, not a request's reading
 
 
 def error_body(code: str, message: str, status: int = 0) -> dict[str, Any]:
@@ -85,6 +91,7 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
         first = nxt.result()
     except StopAsyncIteration:
         first = np.zeros(0, np.int16)
+    body_done(request)  # its clip is embedded by now: a whole-file answer must not hold its body's share to its end
 
     async def chunks() -> AsyncGenerator[np.ndarray, None]:
         yield first
@@ -94,13 +101,68 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
     return chunks()
 
 
+class AnswerHold:
+    """One whole-file answer's share of the process's bound on the audio such answers hold
+    (--max-whole-answer-bytes): ANSWER_FIRST_BYTES before any engine work (refused at once when the bound is
+    full), then ANSWER_COPIES times its audio as it is generated; given back once the answer is sent or fails.
+    Past the bound: 503 too_many_answers with Retry-After. An answer alone always passes."""
+
+    def __init__(self, budget: BodyBudget) -> None:
+        self.budget = budget
+        self.held = 0
+        self.audio = 0
+        self._take(ANSWER_FIRST_BYTES)
+
+    def grow(self, audio_bytes: int) -> None:
+        """`audio_bytes` more of this answer's audio is held."""
+        need = (self.audio + audio_bytes) * ANSWER_COPIES
+        if need > self.held:
+            self._take(need - self.held)
+        self.audio += audio_bytes
+
+    async def count(self, parts: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """`parts`, each held by this answer as it comes."""
+        async for b in parts:
+            self.grow(len(b))
+            yield b
+
+    def _take(self, n: int) -> None:
+        if not self.budget.take(n, own=self.held):
+            raise RequestError(
+                G.TOO_MANY_ANSWERS,
+                f"the gateway holds as much whole-file audio as it may at once ({self.budget.limit} bytes, "
+                f"--max-whole-answer-bytes); retry in {ANSWER_RETRY_AFTER_S} s, or ask for a stream",
+                headers={"Retry-After": str(ANSWER_RETRY_AFTER_S)},
+            )
+        self.held += n
+
+    def release(self) -> None:
+        if self.held:
+            self.budget.give(self.held)
+            self.held = 0
+
+
+class HeldResponse(Response):
+    """A finished answer that gives its AnswerHold back once it is sent (or its sending fails)."""
+
+    def __init__(self, content: bytes, hold: AnswerHold, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.hold = hold
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.hold.release()
+
+
 async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
     """Every part of an answer sent finished (a whole file), joined. A client that leaves before it is complete
     takes the rest of the work with it (client_gone; its engine requests are cancelled), as it does from a
     streamed answer: nothing else would notice, and every sentence would be generated for nobody."""
 
     async def collect() -> bytes:
-        return b"".join([b async for b in parts])
+        return b"".join([b async for b in parts if b])  # a file sent finished is one part: joined without a copy
 
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -150,12 +212,20 @@ async def speech_response(
     gw: Gateway = request.app.state.gateway
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
+    hold = AnswerHold(gw.answers) if whole else None  # refused here, before any engine work, when the bound is full
     speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline, stitch)
-    chunks = await first_chunk(speech, request)
+    try:
+        chunks = await first_chunk(speech, request)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
 
     async def body() -> AsyncIterator[bytes]:
         try:
             async for x in chunks:
+                if hold is not None:  # the encoder holds it until the end: 16-bit samples at the answer's rate
+                    hold.grow(-(-len(x) * 2 * fmt.sample_rate // SAMPLE_RATE))
                 data = await encode(enc, x)
                 if data:
                     yield framing.chunk(data)
@@ -169,12 +239,15 @@ async def speech_response(
             yield framing.chunk(tail)
         yield framing.end()
 
-    if whole:
+    if hold is not None:
         try:
             audio = await whole_answer(request, body())
+        except BaseException:
+            hold.release()
+            raise
         finally:
             await speech.aclose()
-        return Response(audio, media_type=media_type or fmt.media_type, headers=headers)
+        return HeldResponse(audio, hold, media_type=media_type or fmt.media_type, headers=headers)
     return StreamingResponse(
         body(), media_type=media_type or fmt.media_type, headers=headers, background=BackgroundTask(speech.aclose)
     )

@@ -345,8 +345,12 @@ class StreamEncoder:
             tail, self._header = self._header, b""
         if not self.whole:
             return tail
-        data = bytes(self._held + tail)
-        return wav_header(self.sample_rate, data_bytes=len(data)) + data if self.fmt == "wav" else data
+        # joined in place: the finished file is in memory at most twice (the samples and the bytes returned)
+        data, self._held = self._held, bytearray()
+        data += tail
+        if self.fmt == "wav":
+            data[:0] = wav_header(self.sample_rate, data_bytes=len(data))
+        return bytes(data)
 
 
 def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:

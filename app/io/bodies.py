@@ -10,7 +10,8 @@ them all together, so that many uploads at once cannot exhaust the process's mem
 * Every body is metered as it arrives (`BodyBound`, the app's middleware, wraps `receive`): a body without a
   declared length, or longer than declared, takes its bytes as they come, and is refused when they do not fit.
 * A request gives its share back when its answer begins (the body is parsed and its clip decoded and embedded by
-  then: a speech route answers once its first audio is ready) or when it ends, whichever comes first.
+  then: a speech route answers once its first audio is ready) or when it ends, whichever comes first; a speech
+  route gives it back once its first audio is ready (`body_done`), as a whole-file answer begins only at its end.
 * A body of at most SMALL_BODY bytes is never refused (a speech request's JSON, a rename): the bound is for what
   costs memory, and speech must not wait behind uploads. A body larger than the whole bound is read alone.
 * A body that holds part of the bound must keep arriving: within the head timeout (--head-timeout-s) plus its
@@ -100,6 +101,14 @@ def admit_body(request: Request, max_bytes: int) -> None:
         ledger = request.scope.get("state", {}).get(_LEDGER)
         if ledger is not None:  # None: an app without BodyBound (a route mounted alone) has the route's limit only
             ledger.cover(int(declared))
+
+
+def body_done(request: Request) -> None:
+    """The route has read its body and decoded its clip: its share goes back now, not when its answer begins (a
+    whole-file answer begins only once all of its audio is generated, minutes later)."""
+    ledger = request.scope.get("state", {}).get(_LEDGER)
+    if ledger is not None:
+        ledger.release()
 
 
 class BodyBound:

@@ -48,6 +48,7 @@ class GatewayError(StrEnum):
     # clips and voices
     UPLOAD_TOO_LARGE = "upload_too_large"
     TOO_MANY_UPLOADS = "too_many_uploads"  # bodies read at once past --max-body-bytes-in-flight (app/io/bodies.py)
+    TOO_MANY_ANSWERS = "too_many_answers"  # whole-file audio held past --max-whole-answer-bytes (app/doors/speech.py)
     BAD_UPLOAD = "bad_upload"
     CLIP_TOO_LONG = "clip_too_long"
     CLIP_TOO_SHORT = "clip_too_short"
@@ -92,6 +93,7 @@ _HTTP_STATUS = {
     GatewayError.HEADERS_TOO_LARGE: 431,
     GatewayError.UPLOAD_TOO_LARGE: 413,
     GatewayError.TOO_MANY_UPLOADS: 503,
+    GatewayError.TOO_MANY_ANSWERS: 503,
     GatewayError.UNKNOWN_VOICE: 404,
     GatewayError.NO_PREVIEW: 404,
     GatewayError.TOO_MANY_VOICES: 409,

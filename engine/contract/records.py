@@ -791,6 +791,9 @@ class Stats(Record):
     prefill_frames: int = 0
     mixed_frames: int = 0  # of those, prompt frames that rode along with a decode step (one pass over the weights)
     decode_frames: int = 0
+    # requests since the engine started: admitted into a slot (the door's start rate), finished, and cancelled
+    # (waiting or running: a cancel in the queue is no start)
+    started: int = 0
     finished: int = 0
     cancelled: int = 0
     # iterations in which a waiting newcomer was held back, by the admission gate that held it (since start)

@@ -103,7 +103,8 @@ class Scheduler:
         self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
         self.counters = dict.fromkeys(
-            ("steps", "paced", "prefill_frames", "mixed_frames", "decode_frames", "finished", "cancelled"), 0
+            ("steps", "paced", "prefill_frames", "mixed_frames", "decode_frames", "started", "finished", "cancelled"),
+            0,
         )
         self.stopping = False
         self.ready: m.Ready | None = None  # what the engine said when it became ready (said again on a reset)
@@ -407,6 +408,7 @@ class Scheduler:
                 self.llm.admit_twin(seq, job.guidance.twin, job.guidance.scale)
             job.times.admitted = time.perf_counter()
             self.running[seq.rid] = job
+            self.counters["started"] += 1
             self._open_stream(job)
             queue_ms = round((job.times.admitted - job.times.arrival) * 1e3, 2)
             self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=queue_ms))

@@ -532,3 +532,34 @@ def test_a_first_call_that_would_hold_the_door_is_made_larger(engine: Engine, pe
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
+
+
+def test_a_request_cancelled_while_it_waits_is_no_start(engine: Engine):
+    """The engine counts the requests it started (admitted into a slot), which the gateway's door divides by time
+    for its start rate: a request cancelled in the queue is counted cancelled, never started, so that clients
+    that queue requests and leave cannot make the engine look faster than it is (the door would let in more)."""
+    inbox, out = ShmRing.create(16 << 20), ShmRing.create(64 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        waiting = [SLOTS + 1, SLOTS + 2]
+        for rid in range(1, SLOTS + 3):
+            assert inbox.try_put(*req(rid, "Hello there.", max_frames=30).encode())
+        while len(sched.running) < SLOTS:
+            sched.iterate()
+        assert {j.seq.rid for j in sched.waiting} == set(waiting)
+        for rid in waiting:
+            assert inbox.try_put(*m.Cancel(rid).encode())
+        while sched.waiting:
+            sched.iterate()
+        assert sched.counters["cancelled"] == len(waiting) and sched.counters["started"] == SLOTS
+        for rid in range(1, SLOTS + 1):
+            assert inbox.try_put(*m.Cancel(rid).encode())
+        for _ in range(500):
+            sched.iterate()
+            if not sched.running and sched._inflight is None:
+                break
+        assert sched.counters["started"] == SLOTS and sched.counters["cancelled"] == SLOTS + len(waiting)
+    finally:
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()

@@ -1738,3 +1738,86 @@ def test_a_socket_clip_past_the_bound_is_a_coded_error_and_the_session_goes_on(f
     got = asyncio.run(go())
     assert [m["type"] for m in got] == ["session.created", "error", "error", "session.closed"], got
     assert got[1]["code"] == "too_many_uploads" and got[2]["code"] == "bad_audio", got
+
+
+# ---- the bound on audio held by whole-file answers (app/doors/speech.py AnswerHold) ----------------------------
+WHOLE_ANSWERS = {  # a whole-file answer's body on each route that sends one, and how its error body names the code
+    "/v1/audio/speech": ({"input": "Hi.", "response_format": "wav"}, lambda b: b["error"]["code"]),
+    "/v1/audio/speech ": ({"input": "Hi.", "response_format": "flac"}, lambda b: b["error"]["code"]),
+    "/tts/generate": ({"text": "Hi.", "stream": False}, lambda b: b["error"]["code"]),
+}
+
+
+def test_whole_answers_past_their_bound_are_refused_at_once_and_given_back(start_server):
+    """While one whole-file answer (WAV, FLAC, /tts/generate stream:false) holds the process's bound
+    (--max-whole-answer-bytes), another is refused before any engine work, 503 too_many_answers with Retry-After,
+    in its API's error shape; a streamed answer is not counted; once the holder's client goes, its share is back
+    and a whole answer is served again."""
+    from app.doors.speech import ANSWER_FIRST_BYTES, ANSWER_RETRY_AFTER_S
+
+    srv = start_server("--max-batch", "1", "--max-whole-answer-bytes", str(ANSWER_FIRST_BYTES * 3 // 2))
+
+    def held() -> float:
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        return float(re.search(r"^zonos_whole_answer_bytes (\S+)$", text, re.M).group(1))
+
+    params = {"ignore_eos": True, "max_frames": 2500}
+    long = json.dumps({"input": "Hold it.", "response_format": "wav", "params": params})
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:  # waits on its whole answer
+        s.sendall(
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(long), long.encode())
+        )
+        deadline = time.monotonic() + 120
+        while held() < ANSWER_FIRST_BYTES:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        for route, (body, code_of) in WHOLE_ANSWERS.items():
+            r = httpx.post(srv.url + route.strip(), json=body, timeout=60)
+            assert r.status_code == 503 and code_of(r.json()) == "too_many_answers", (route, r.status_code, r.text)
+            assert r.headers["retry-after"] == str(ANSWER_RETRY_AFTER_S)
+    deadline = time.monotonic() + 120
+    while held():  # its client went: its answer is cancelled (client_gone) and its share given back
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    for route, (body, _) in WHOLE_ANSWERS.items():
+        r = httpx.post(srv.url + route.strip(), json=body, timeout=120)
+        assert r.status_code == 200 and len(r.content) > 1000, (route, r.status_code, r.text[:300])
+    assert held() == 0
+
+
+def test_a_whole_answer_gives_its_body_share_back_once_its_audio_begins(start_server):
+    """A /tts/generate stream:false body with a clip holds part of --max-body-bytes-in-flight while it is read and
+    its clip embedded, not until its whole answer is sent (its audio's whole generation): once its audio is being
+    generated, the bound is free for other uploads."""
+    from app.doors.speech import ANSWER_FIRST_BYTES
+
+    srv = start_server("--max-batch", "1")
+
+    def held() -> tuple[float, float]:
+        text = httpx.get(srv.url + "/metrics", timeout=30).text
+        body, whole = (
+            float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
+            for name in ("zonos_request_body_bytes", "zonos_whole_answer_bytes")
+        )
+        return body, whole
+
+    buf = io.BytesIO()
+    sf.write(buf, (0.1 * np.sin(np.arange(88200) / 5)).astype(np.float32), 44100, format="WAV", subtype="PCM_16")
+    clip = base64.b64encode(buf.getvalue()).decode()
+    long = {"text": "Hold it.", "stream": False, "ignore_eos": True, "max_tokens": 2500, "speaker_audio_base64": clip}
+    data = json.dumps(long).encode()
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=30) as s:  # waits on its whole answer
+        s.sendall(
+            b"POST /tts/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+        )
+        deadline = time.monotonic() + 120
+        while (h := held())[1] <= ANSWER_FIRST_BYTES:  # past its first audio: generating the rest
+            assert time.monotonic() < deadline, h
+            time.sleep(0.1)
+        assert h[0] == 0, h
+    deadline = time.monotonic() + 120
+    while held() != (0, 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -324,3 +324,25 @@ def test_the_first_call_sized_for_the_client_brings_its_first_audio_soonest(enco
         assert steps[first] == first + 8  # its first chunk already has audio out (44.1 kHz PCM: after 18 steps)
     if encoding in ENCODINGS:  # a sample encoding at any rate: the resampler's start holds back < 363 samples
         assert first == 10 and steps[first] == 18
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "mulaw"])
+def test_a_whole_file_is_finished_without_copies_of_its_audio(fmt):
+    """A whole-file answer's audio is held until it is complete (minutes of it): finishing the file allocates
+    the file once, so it is in memory at most twice (what app/doors/speech.py AnswerHold counts)."""
+    import tracemalloc
+
+    from app.io.audio_output import StreamEncoder
+
+    x = np.sin(np.arange(44100 * 20, dtype=np.float32) / 7) * 0.1
+    enc = StreamEncoder(fmt, 44100, whole=True)
+    for i in range(0, len(x), 4410):
+        enc.write(x[i : i + 4410])
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        out = enc.close()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.2 * len(out), (peak, len(out))

@@ -120,3 +120,49 @@ def test_a_body_that_has_arrived_has_no_deadline():
         return raised
 
     assert asyncio.run(go()) == [] and budget.taken == 0
+
+
+def test_whole_answers_share_their_bound_as_their_audio_grows():
+    """A whole answer takes ANSWER_FIRST_BYTES at once, then ANSWER_COPIES times its audio as it comes; past the
+    bound, 503 too_many_answers with Retry-After; one alone always passes; each gives its share back once."""
+    from app.doors.speech import ANSWER_COPIES, ANSWER_FIRST_BYTES, AnswerHold
+
+    budget = BodyBudget(ANSWER_FIRST_BYTES * 3)
+    a, b = AnswerHold(budget), AnswerHold(budget)
+    a.grow(ANSWER_FIRST_BYTES // ANSWER_COPIES)  # within what it took at once
+    assert budget.taken == 2 * ANSWER_FIRST_BYTES
+    with pytest.raises(RequestError) as e:
+        a.grow(ANSWER_FIRST_BYTES)  # past the bound: refused mid-way
+    assert e.value.code == "too_many_answers" and e.value.status == 503 and e.value.headers == {"Retry-After": "5"}
+    c = AnswerHold(budget)  # the refused growth took nothing: room for a third
+    with pytest.raises(RequestError):
+        AnswerHold(budget)  # no room for a fourth
+    b.release()
+    b.release()
+    c.release()
+    a.grow(ANSWER_FIRST_BYTES * 10)  # alone: passes, however large
+    assert budget.taken == a.held == (ANSWER_FIRST_BYTES // ANSWER_COPIES + ANSWER_FIRST_BYTES * 10) * ANSWER_COPIES
+    a.release()
+    assert budget.taken == 0
+
+
+def test_a_whole_answer_of_one_part_is_not_copied():
+    """A WAV or FLAC sent finished comes from its encoder as one part (and the framing's empty end): the answer is
+    that part itself, not a copy (a copy would be a second file's worth of memory, uncounted)."""
+    from app.doors.speech import whole_answer
+
+    big = b"x" * 1_000_000
+
+    async def parts():
+        yield big
+        yield b""
+
+    async def go() -> bytes:
+        never = asyncio.Event()
+
+        async def receive():  # the client stays
+            await never.wait()
+
+        return await whole_answer(Request({"type": "http", "method": "POST", "headers": []}, receive), parts())
+
+    assert asyncio.run(go()) is big
