@@ -105,7 +105,7 @@ class StartRate:
     is no start)."""
 
     def __init__(self) -> None:
-        self._seen: deque[tuple[float, int]] = deque(maxlen=1024)
+        self._seen: deque[tuple[float, int]] = deque()  # bounded by the window (`observe` drops older records)
 
     def observe(self, started: int, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now

@@ -85,8 +85,7 @@ async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> Async
             nxt.cancel()  # the speech's generator ends here: its engine request is cancelled
             await asyncio.wait((nxt,))
     if nxt.cancelled():
-        request.app.state.gateway.metrics.errors.labels(G.CLIENT_GONE).inc()
-        raise RequestError(G.CLIENT_GONE, "the client left before its audio began")
+        raise RequestError(G.CLIENT_GONE, "the client left before its audio began")  # counted where it is answered
     try:
         first = nxt.result()
     except StopAsyncIteration:
@@ -174,8 +173,7 @@ async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
             work.cancel()
             await asyncio.wait((work,))
     if work.cancelled():
-        request.app.state.gateway.metrics.errors.labels(G.CLIENT_GONE).inc()
-        raise RequestError(G.CLIENT_GONE, "the client left before its audio was complete")
+        raise RequestError(G.CLIENT_GONE, "the client left before its audio was complete")  # counted where answered
     return work.result()
 
 

@@ -467,6 +467,19 @@ def counter(srv, name: str) -> float:
     return next((float(line.split()[-1]) for line in lines if line.startswith(name + " ")), 0.0)
 
 
+def test_an_http_error_is_counted_once_by_its_code(server):
+    """`zonos_errors_total` counts every error answer, ours and a dialect's, once: our routes' errors were not
+    counted at all, and a dialect's client_gone twice."""
+    srv = server
+    ours, theirs = 'zonos_errors_total{code="bad_json"}', 'zonos_errors_total{code="unknown_voice"}'
+    before = counter(srv, ours), counter(srv, theirs)
+    r = httpx.post(srv.url + "/v1/audio/speech", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_json", r.text
+    r = httpx.post(srv.url + "/v1/text-to-speech/no-such-voice", json={"text": "Hello."}, timeout=30)
+    assert r.status_code == 404, r.text
+    assert (counter(srv, ours), counter(srv, theirs)) == (before[0] + 1, before[1] + 1)
+
+
 def test_a_client_that_leaves_while_queued_takes_its_engine_work_with_it(shared_server):
     """One slot, held by a long request: a second HTTP request waits in the engine's queue. When its client
     gives up before any audio, the gateway cancels it there at once (it used to wait for the slot, then run
