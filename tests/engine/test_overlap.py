@@ -528,6 +528,12 @@ def test_a_first_call_that_would_hold_the_door_is_made_larger(engine: Engine, pe
             if first is not None:
                 break
         assert first is not None and len(first.pcm) == first_frames * 512 - 4757
+        assert inbox.try_put(*m.Cancel(1).encode())  # the node and the decoder are left free for the next test
+        for _ in range(300):
+            sched.iterate()
+            if not sched.running and sched._inflight is None:
+                break
+        assert not sched.running
     finally:
         for ring in (inbox, out):
             ring.close()
@@ -538,6 +544,7 @@ def test_a_request_cancelled_while_it_waits_is_no_start(engine: Engine):
     """The engine counts the requests it started (admitted into a slot), which the gateway's door divides by time
     for its start rate: a request cancelled in the queue is counted cancelled, never started, so that clients
     that queue requests and leave cannot make the engine look faster than it is (the door would let in more)."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
     inbox, out = ShmRing.create(16 << 20), ShmRing.create(64 << 20)
     try:
         sched = Scheduler(engine, inbox, out)

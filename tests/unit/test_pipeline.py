@@ -471,7 +471,9 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
     async def http(fmt: OutputFormat) -> int | None:
         gw = fake_gateway()
         never: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-        request = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(gateway=gw)), receive=lambda: never)
+        request = SimpleNamespace(
+            app=SimpleNamespace(state=SimpleNamespace(gateway=gw)), receive=lambda: never, scope={"state": {}}
+        )
 
         async def feed() -> None:
             FakeEngine.play(await gw.fake.started(1), samples=4000)
