@@ -1028,3 +1028,43 @@ def test_a_client_that_vanishes_mid_audio_leaves_no_unretrieved_error(contexts: 
     asyncio.run(go())
     gc.collect()
     assert reported == []
+
+
+def test_a_session_that_ends_while_a_context_waits_for_its_turn_is_freed_without_the_collector():
+    """A Cartesia socket whose second context still waits for its turn of engine work (--max-inflight-per-session 1)
+    when the client leaves: the ended session is freed by its references alone, its waiting contexts' pipelines
+    too (test_collector reaches this state only by chance; a cycle there would be freed only by the collector's
+    full passes, which hold every socket's audio)."""
+    import gc
+    import weakref
+
+    from app.doors.dialects.cartesia import CartesiaSession
+
+    async def go() -> weakref.ref:
+        gw = fake_gateway(Limits(max_inflight_per_session=1))
+        gw.engine.aligns = False
+        gw.lexicon = lambda ids, owner: ()
+        ws = FakeSocket()
+        ws.query_params = {}  # type: ignore[attr-defined]
+        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
+        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
+        ws.send(transcript="One.", context_id="a", voice=voice, **fmt)
+        await gw.fake.started(1)
+        ws.send(transcript="Bee.", context_id="b", voice=voice, **fmt)  # waits for its turn
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert gw.fake.texts == ["One."]
+        await shut(ws, task)
+        ref = weakref.ref(session)
+        del session, task
+        return ref
+
+    gc.collect()
+    gc.disable()
+    try:
+        ref = asyncio.run(go())
+        assert ref() is None, [type(r).__qualname__ for r in gc.get_referrers(ref())]
+    finally:
+        gc.enable()
