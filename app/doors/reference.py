@@ -223,12 +223,7 @@ async def tts_generate(request: Request) -> Response:
     hold = None if req.stream else AnswerHold(gw.answers)  # refused here, before any engine work, when it is full
     speech = speak(gw, "tts_generate", req.text, replace(req.opts, first_samples=fade_n + 1), req.voice, None)
     headers = {"X-Audio-Sample-Rate": str(SAMPLE_RATE), "X-Audio-Channels": "1", "X-Audio-Format": "float32"}
-    try:
-        chunks = await first_chunk(speech, request)
-    except BaseException:
-        if hold is not None:
-            hold.release()
-        raise
+    chunks = await first_chunk(speech, request, hold)
 
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends

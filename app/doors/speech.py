@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from starlette.background import BackgroundTask
@@ -70,26 +70,41 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def first_chunk(pcm: AsyncIterator[np.ndarray], request: Request) -> AsyncGenerator[np.ndarray, None]:
+T = TypeVar("T")
+
+
+async def unless_gone(work: asyncio.Future[T], request: Request, what: str) -> T:
+    """The result of `work`, unless the client leaves first: then the work is cancelled (its engine requests with
+    it, instead of running for nobody) and RequestError client_gone ("the client left before `what`")."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.wait((work,))
+    if work.cancelled():
+        raise RequestError(G.CLIENT_GONE, f"the client left before {what}")  # counted where it is answered
+    return work.result()
+
+
+async def first_chunk(
+    pcm: AsyncIterator[np.ndarray], request: Request, hold: AnswerHold | None = None
+) -> AsyncGenerator[np.ndarray, None]:
     """Start the first utterance before answering, so that bad input still gets a 4xx: the stream with
     its first chunk already taken (raises the RequestError of a refused first utterance). A client that
     leaves while its first sentence waits for the engine takes that work with it: the engine's queue drops
-    it at once (`client_gone`) instead of running it for nobody, or holding it for the client's timeout."""
-    nxt = asyncio.ensure_future(anext(pcm))
-    gone = asyncio.ensure_future(_disconnected(request))
+    it at once (`client_gone`) instead of running it for nobody, or holding it for the client's timeout.
+    `hold`: a whole-file answer's share, given back when no answer comes."""
     try:
-        await asyncio.wait((nxt, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not nxt.done():
-            nxt.cancel()  # the speech's generator ends here: its engine request is cancelled
-            await asyncio.wait((nxt,))
-    if nxt.cancelled():
-        raise RequestError(G.CLIENT_GONE, "the client left before its audio began")  # counted where it is answered
-    try:
-        first = nxt.result()
+        first = await unless_gone(asyncio.ensure_future(anext(pcm)), request, "its audio began")
     except StopAsyncIteration:
         first = np.zeros(0, np.int16)
+    except BaseException:
+        if hold is not None:
+            hold.release()
+        raise
     body_done(request)  # its clip is embedded by now: a whole-file answer must not hold its body's share to its end
 
     async def chunks() -> AsyncGenerator[np.ndarray, None]:
@@ -163,18 +178,7 @@ async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
     async def collect() -> bytes:
         return b"".join([b async for b in parts if b])  # a file sent finished is one part: joined without a copy
 
-    work = asyncio.ensure_future(collect())
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        if not work.done():
-            work.cancel()
-            await asyncio.wait((work,))
-    if work.cancelled():
-        raise RequestError(G.CLIENT_GONE, "the client left before its audio was complete")  # counted where answered
-    return work.result()
+    return await unless_gone(asyncio.ensure_future(collect()), request, "its audio was complete")
 
 
 # ---- the answer of every HTTP speech route --------------------------------------------------------------------------
@@ -212,12 +216,7 @@ async def speech_response(
     enc = fmt.encoder(whole=whole)
     hold = AnswerHold(gw.answers) if whole else None  # refused here, before any engine work, when the bound is full
     speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline, stitch)
-    try:
-        chunks = await first_chunk(speech, request)
-    except BaseException:
-        if hold is not None:
-            hold.release()
-        raise
+    chunks = await first_chunk(speech, request, hold)
 
     async def body() -> AsyncIterator[bytes]:
         try:

@@ -804,9 +804,9 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
     assert code == 1000
 
 
-def cartesia_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asyncio.Task, dict, dict]:
-    """A Cartesia session on the fake engine (no aligner, no pronunciation dictionaries), running: (gateway, socket,
-    its task, a raw 44.1 kHz output_format, an embedding voice)."""
+def cartesia_socket(limits: Limits | None = None) -> tuple[Any, FakeSocket, Any, dict, dict]:
+    """A Cartesia session on the fake engine (no aligner, no pronunciation dictionaries), not running yet: (gateway,
+    socket, the session, a raw 44.1 kHz output_format, an embedding voice)."""
     from app.doors.dialects.cartesia import CartesiaSession
 
     gw = fake_gateway(limits)
@@ -815,10 +815,15 @@ def cartesia_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asy
     ws = FakeSocket()
     ws.query_params = {}  # type: ignore[attr-defined]
     session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
-    task = asyncio.create_task(session.run())
     fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
     voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
-    return gw, ws, task, fmt, voice
+    return gw, ws, session, fmt, voice
+
+
+def cartesia_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asyncio.Task, dict, dict]:
+    """`cartesia_socket`'s session, running: (gateway, socket, its task, the output_format, the voice)."""
+    gw, ws, session, fmt, voice = cartesia_socket(limits)
+    return gw, ws, asyncio.create_task(session.run()), fmt, voice
 
 
 def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_audio_apart():
@@ -1038,18 +1043,9 @@ def test_a_session_that_ends_while_a_context_waits_for_its_turn_is_freed_without
     import gc
     import weakref
 
-    from app.doors.dialects.cartesia import CartesiaSession
-
     async def go() -> weakref.ref:
-        gw = fake_gateway(Limits(max_inflight_per_session=1))
-        gw.engine.aligns = False
-        gw.lexicon = lambda ids, owner: ()
-        ws = FakeSocket()
-        ws.query_params = {}  # type: ignore[attr-defined]
-        session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
+        gw, ws, session, fmt, voice = cartesia_socket(Limits(max_inflight_per_session=1))
         task = asyncio.create_task(session.run())
-        fmt = {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 44100}}
-        voice = {"mode": "embedding", "embedding": [0.1] * gw.cfg.speaker_embedding_dim}
         ws.send(transcript="One.", context_id="a", voice=voice, **fmt)
         await gw.fake.started(1)
         ws.send(transcript="Bee.", context_id="b", voice=voice, **fmt)  # waits for its turn
