@@ -11,6 +11,7 @@ import pytest
 from app.core.timestamps import (
     AudioTimeline,
     WordClock,
+    WordTime,
     aligned_words,
     char_alignment,
     char_alignment_seconds,
@@ -142,3 +143,26 @@ def test_a_timeline_of_several_utterances_times_every_word_on_one_clock():
     assert starts == sorted(starts) and all(e >= s for s, e in zip(starts, ends, strict=True))
     assert ends[-1] == round(timeline.sent_s, 4)
     assert char_alignment_seconds([]) is None
+
+
+def test_cartesia_words_go_out_in_the_order_spoken_whatever_order_the_aligner_answers():
+    """A context's timestamps: an utterance waiting for the aligner holds back its own and every later
+    utterance's words; the aligner answering a later one first (a text with nothing to align answers at once)
+    lets nothing out of order."""
+    from app.doors.dialects.cartesia import WordsInOrder
+
+    def w(word: str) -> WordTime:
+        return WordTime(word, 0.0, 0.1, 0, len(word))
+
+    due = WordsInOrder()
+    due.aligning("hello", 0.0)
+    due.aligning("42", 1.0)
+    assert due.aligned("42", [w("42.")]) == []  # "Hello there." still aligning
+    assert due.add("how", 2.0, [w("How")]) == []  # estimated words wait behind it too
+    out = due.aligned("hello", [w("Hello"), w("there.")])
+    assert [(t0, [x.word for x in ws]) for t0, ws in out] == [
+        (0.0, ["Hello", "there."]),
+        (1.0, ["42."]),
+        (2.0, ["How"]),
+    ]
+    assert due.add("how", 2.0, [w("are")]) != []  # nothing waits now: sent at once

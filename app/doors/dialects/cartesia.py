@@ -57,6 +57,35 @@ _STATUS: dict[str, int] = {
 }  # in its error messages
 
 
+class WordsInOrder:
+    """A context's timestamps messages, let out in its audio's order: an utterance waiting for the aligner holds
+    back its own and every later utterance's words (the aligner answers utterances in any order)."""
+
+    def __init__(self) -> None:
+        self._due: list[tuple[str, float, list[WordTime] | None]] = []  # (utterance, origin, words; None: aligning)
+
+    def aligning(self, uid: str, t0: float) -> None:
+        """Utterance `uid`, whose audio starts `t0` into the context, waits for the aligner."""
+        self._due.append((uid, t0, None))
+
+    def add(self, uid: str, t0: float, words: list[WordTime]) -> list[tuple[float, list[WordTime]]]:
+        """Words known now: what may be sent now (nothing while an earlier utterance waits for the aligner)."""
+        self._due.append((uid, t0, list(words)))
+        return self._let_out()
+
+    def aligned(self, uid: str, words: list[WordTime]) -> list[tuple[float, list[WordTime]]]:
+        """The aligner answered for `uid`: what may be sent now, in order."""
+        self._due = [(u, t0, words if u == uid and w is None else w) for u, t0, w in self._due]
+        return self._let_out()
+
+    def _let_out(self) -> list[tuple[float, list[WordTime]]]:
+        out: list[tuple[float, list[WordTime]]] = []
+        while self._due and self._due[0][2] is not None:
+            _, t0, words = self._due.pop(0)
+            out.append((t0, words or []))
+        return out
+
+
 @dataclass(eq=False)
 class Context:
     id: str
@@ -70,9 +99,8 @@ class Context:
     last_sent: float = field(default_factory=time.perf_counter)
     timestamps: bool = False  # add_timestamps
     audio_s: float = 0.0  # the context's audio sent before its playing utterance (its word times' origin)
-    # utterances waiting for the aligner: the context's audio before each, and its estimated words meanwhile
-    origins: dict[str, float] = field(default_factory=dict)
-    estimates: dict[str, list[WordTime]] = field(default_factory=dict)
+    words_due: WordsInOrder = field(default_factory=WordsInOrder)  # its timestamps not sent yet
+    estimates: dict[str, list[WordTime]] = field(default_factory=dict)  # aligned utterances' estimates meanwhile
     # an id used again before its done: the id's last utterance before this context, and the context it had then
     # (its utterances up to that one are that context's: their timestamps, clock and done)
     opened_after: int | None = None
@@ -228,7 +256,7 @@ class CartesiaSession(StreamingSession):
         c = self._ctx_of(u)
         if c is not None:
             if u.aligned:
-                c.origins[u.id] = c.audio_s
+                c.words_due.aligning(u.id, c.audio_s)
             c.audio_s += u.samples / SAMPLE_RATE
 
     async def on_aligned(self, u: Utterance, words: list[WordTime] | None) -> None:
@@ -236,9 +264,8 @@ class CartesiaSession(StreamingSession):
         if c is None:
             return
         estimate = c.estimates.pop(u.id, [])
-        t0 = c.origins.pop(u.id, None)
-        if t0 is not None:
-            await self._send_timestamps(u, estimate if words is None else words, t0)
+        for t0, due in c.words_due.aligned(u.id, estimate if words is None else words):
+            await self._send_timestamps(c, due, t0)
 
     async def _timestamps(self, u: Utterance, chunk: Chunk) -> None:
         c = self._ctx_of(u)
@@ -246,16 +273,17 @@ class CartesiaSession(StreamingSession):
             return
         if u.aligned:  # its measured times follow its audio (on_aligned); the estimate waits in case they fail
             c.estimates.setdefault(u.id, []).extend(chunk.words)
-            return
-        await self._send_timestamps(u, chunk.words, c.audio_s)
+        else:
+            for t0, due in c.words_due.add(u.id, c.audio_s, chunk.words):
+                await self._send_timestamps(c, due, t0)
 
-    async def _send_timestamps(self, u: Utterance, words: list[WordTime], t0: float) -> None:
+    async def _send_timestamps(self, c: Context, words: list[WordTime], t0: float) -> None:
         if not words:
             return
         await self.send_json_locked(
             {
                 "type": "timestamps",
-                "context_id": u.context_id,
+                "context_id": c.id,
                 "status_code": 206,
                 "done": False,
                 "word_timestamps": {
