@@ -62,3 +62,37 @@ def test_dac_report_gives_audio_per_gpu_second_and_the_padding_share():
     r = dac_report(counts, gpu_ms=20.0)  # 10 audio-s in 20 GPU-ms
     assert r["audio_s_per_gpu_s"] == 500.0 and r["pad_row_share"] == 0.25 and r["rows_per_call"] == 7.5
     assert "unused" not in r and r["calls 10x10"] == 4
+
+
+def test_a_trace_is_analysed_in_a_child_process(tmp_path):
+    """The engine hands the exported trace to `python -m engine.runtime.profile` (parsing hundreds of MB of JSON
+    on its own thread would take the GIL from the engine loop): the child writes the budget with the
+    iteration counts and the dac_decoder's report."""
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "trace.json"
+    trace.write_text(
+        json.dumps(
+            {
+                "traceEvents": [
+                    {"cat": "user_annotation", "name": "dac", "tid": 1, "ts": 0, "dur": 10},
+                    {"cat": "cuda_runtime", "name": "x", "tid": 1, "ts": 1, "args": {"correlation": 1}},
+                    {"cat": "kernel", "name": "k", "ts": 5, "dur": 2000, "args": {"correlation": 1}},
+                ]
+            }
+        )
+    )
+    out = tmp_path / "budget.json"
+    extra = json.dumps({"iterations": 2, "wall_ms_per_iteration": 9.5, "streams_mean": 128.0})
+    done = subprocess.run(
+        [sys.executable, "-m", "engine.runtime.profile", str(trace), str(out), extra, json.dumps({"samples": 44100})],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    budget = json.loads(out.read_text())
+    assert budget == json.loads(done.stdout)
+    assert budget["gpu_ms_per_iteration"]["dac"] == 1.0 and budget["iterations"] == 2
+    assert budget["dac"] == {"samples": 44100, "audio_s_per_gpu_s": 500.0}
