@@ -63,9 +63,11 @@ def decide(engines: Sequence[EngineLoad], held: int, max_queue_s: float, first_a
     free = sum(max(0.0, e.headroom) for e in engines)
     # queued: the engine's queue at its last Stats, or what was sent past its room since (negative headroom:
     # every gateway process's open requests on it, counted live, past its slots)
-    ahead = sum(max(float(e.waiting), -e.headroom) for e in engines) + max(0.0, held - free)
-    if free - held >= 1 and ahead == 0:
+    queued = sum(max(float(e.waiting), -e.headroom) for e in engines)
+    room = free - held - queued  # what is left now once the held conversations and the queue have taken theirs
+    if room >= 1:  # e.g. a burst at a lightly loaded engine: a Stats record caught some of it in the queue
         return Decision(True, 0.0, 0)
+    ahead = max(0.0, -room)  # the starts that must come before this newcomer's beyond the room there is now
     rates = [e.start_rate for e in engines if e.start_rate is not None]
     if not rates:  # nothing measured yet: a newcomer with nobody ahead of it waits for the next free room
         return Decision(ahead == 0, 0.0 if ahead == 0 else math.inf, max(1, math.ceil(max_queue_s)))

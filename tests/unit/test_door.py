@@ -48,6 +48,18 @@ def test_the_queue_is_bounded_by_time():
     assert decide([EngineLoad(0, 3, 10.0), EngineLoad(-1, 0, 10.0)], held=0, max_queue_s=0.3).admitted
 
 
+def test_a_burst_at_a_light_engine_is_admitted_while_its_room_covers_the_queue():
+    """A Stats record that caught part of a burst in the engine's queue (8 clients at once on an idle engine,
+    which starts 8 a step): the room left after that queue admits the rest at once, however few streams the
+    engine started lately (its start rate then measures the demand, not what it can start). Room that only
+    part of the queue fits in leaves the rest of it ahead of the newcomer."""
+    burst = [EngineLoad(headroom=5, waiting=3, start_rate=0.8, first_audio_s=0.04)]
+    assert decide(burst, held=0, max_queue_s=0.25, first_audio_budget_s=0.25) == admission.Decision(True, 0.0, 0)
+    assert not decide(burst, held=2, max_queue_s=0.25).admitted  # held conversations take the last of the room
+    partial = [EngineLoad(headroom=3, waiting=5, start_rate=20.0)]  # 2 of the queue and the newcomer wait
+    assert decide(partial, held=0, max_queue_s=0.25).wait_s == 0.15
+
+
 def test_a_newcomer_that_must_wait_is_admitted_only_if_its_first_audio_fits_the_budget():
     """Its wait plus the engines' recent start -> first audio: 200 ms of queue and 220 ms of first audio
     (21 steps at full load) are past a 250 ms budget; with 40 ms of first audio (one stream) it fits. An
