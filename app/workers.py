@@ -4,8 +4,8 @@ needs more than one.
 
 The process started by `python -m app` becomes the supervisor. It owns the engine processes (one per
 device) and their rings, one channel (a requests ring and an events ring) per gateway process, and it runs
-the N gateway processes, each a full gateway (uvicorn + the app) on its own socket of one port
-(SO_REUSEPORT: the kernel spreads new connections over them). Each gateway process numbers its requests in
+the N gateway processes, each a full gateway (uvicorn + the app) accepting on one listening socket that the
+supervisor opens and hands to each (`listening_socket`). Each gateway process numbers its requests in
 its own residue class (rid % N), so the engine routes every event to the right channel without a table.
 
 What they share: the session limit and the door's counts (app/core/shared.py: each process's open sessions,
@@ -62,13 +62,20 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
+LISTEN_BACKLOG = 2048  # uvicorn's own default: connections the kernel queues until a process accepts them
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A socket on host:port that other processes may bind too (SO_REUSEPORT)."""
+    """The one listening socket of every gateway process. A connection waits in its queue until a process
+    accepts it, so the first process free to do so takes it: one that is busy (a collector pass, a burst of
+    audio to send), stopped or dead holds no connection back, as it would with a socket of its own per process
+    (SO_REUSEPORT spreads connections by their addresses, whatever each process is doing, and a dead process's
+    socket resets the connections in its queue); a process started in a dead one's place accepts at once."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
+    sock.listen(LISTEN_BACKLOG)
     return sock
 
 
@@ -161,14 +168,14 @@ class GatewayProcess:
         self.started = 0.0  # time.monotonic() of its last spawn
         self._lifeline_w: int | None = None
 
-    def spawn(self, settings: GatewaySettings, workers: int, counts: SharedCounts, port: int) -> None:
+    def spawn(self, settings: GatewaySettings, workers: int, counts: SharedCounts, listener: socket.socket) -> None:
         self.started = time.monotonic()
         ctx = mp.get_context("spawn")
         child, self.conn = ctx.Pipe(duplex=False)  # (receiving end, sending end)
         lifeline, lifeline_w = open_lifeline()
         self.proc = ctx.Process(
             target=gateway_process_main,
-            args=(settings, port, self.index, workers, self.incarnation, child, counts, lifeline),
+            args=(settings, listener, self.index, workers, self.incarnation, child, counts, lifeline),
             name=f"zonos-gateway-{self.index}",
             daemon=False,
         )
@@ -205,13 +212,13 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     stale = remove_stale_segments()
     if stale:
         log.warning("removed %d shared-memory rings left by dead gateways", len(stale))
-    # one port for all: reserve it here (a port in use fails now, with one message), each process binds it too
+    # one listening socket for all, opened here (a port in use fails now, with one message)
     try:
-        reserved = listening_socket(settings.host, settings.port)
+        listener = listening_socket(settings.host, settings.port)
     except OSError as e:
         log.error("cannot bind %s:%s: %s", settings.host, settings.port, e)
         return 3
-    port = reserved.getsockname()[1]
+    port = listener.getsockname()[1]
     # the processes' metrics in files that any of them reads for /metrics (prometheus_client multiprocess)
     metrics_dir = tempfile.mkdtemp(prefix="zonos-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
@@ -228,7 +235,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
         for g in gateways:
             if stopping:  # a SIGTERM while they start: start no more
                 break
-            g.spawn(settings, workers, counts, port)
+            g.spawn(settings, workers, counts, listener)
             for engine in engines:
                 g.tell(engine.attach_message(g.index))
         # a dead process is started again once its delay has passed (`restart_delay`); meanwhile the supervisor
@@ -242,7 +249,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
                     if isinstance(who, EngineProcess):
                         _start_engine(who, gateways)
                     else:
-                        _start_gateway(who, engines, settings, workers, counts, port)
+                        _start_gateway(who, engines, settings, workers, counts, listener)
             watched: list[EngineProcess | GatewayProcess] = [*engines, *gateways]
             sentinels = {w.proc.sentinel: w for w in watched if w.proc is not None and w not in due}
             timeout = min([0.5, *(at - now for at in due.values())])
@@ -267,7 +274,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
                     g.proc.join(5)
         for engine in engines:
             engine.stop(timeout=10)
-        reserved.close()
+        listener.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
 
@@ -322,9 +329,9 @@ def _start_gateway(
     settings: GatewaySettings,
     workers: int,
     counts: SharedCounts,
-    port: int,
+    listener: socket.socket,
 ) -> None:
-    g.spawn(settings, workers, counts, port)
+    g.spawn(settings, workers, counts, listener)
     for engine in engines:
         if engine.alive:
             g.tell(engine.attach_message(g.index))
@@ -332,7 +339,7 @@ def _start_gateway(
 
 def gateway_process_main(
     settings: GatewaySettings,
-    port: int,
+    listener: socket.socket,
     channel: int,
     channels: int,
     incarnation: int,
@@ -340,8 +347,9 @@ def gateway_process_main(
     counts: SharedCounts,
     lifeline: Lifeline,
 ) -> None:
-    """One gateway process (multiprocessing's spawn target): the app on its own socket of the shared port,
-    its engines attached through `conn`. It exits when the supervisor is gone."""
+    """One gateway process (multiprocessing's spawn target): the app on the supervisor's listening socket (a
+    copy of its descriptor, `listening_socket`), its engines attached through `conn`. It exits when the
+    supervisor is gone."""
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s gateway-{channel} %(name)s %(levelname)s %(message)s"
     )
@@ -352,5 +360,4 @@ def gateway_process_main(
     counts.clear(channel)  # a process in a dead one's place starts from zero, whatever that one left
     link = ControlLink(conn, channel, channels, incarnation, counts)
     app = create_app(settings, link)
-    sock = listening_socket(settings.host, port)
-    run_server(app, settings, sock)
+    run_server(app, settings, listener)

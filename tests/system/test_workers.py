@@ -209,6 +209,23 @@ def test_a_killed_process_ends_only_its_own_sessions(server):
     asyncio.run(run())
 
 
+def test_a_stopped_process_holds_no_connection_back(server):
+    """The processes accept on one listening socket: while one is stopped (as a process is, for a moment, in a
+    collector pass or a burst of work), every new connection is served by the other, none waits for it."""
+    pids = {k: r.json()["gateway"]["pid"] for k, r in answer_from(server.url, "/readyz", 2).items()}
+    os.kill(pids[0], signal.SIGSTOP)
+    try:
+        served = []
+        for _ in range(20):  # with a socket per process the kernel would send about half of them to the stopped one
+            r = httpx.get(server.url + "/healthz", timeout=30)
+            assert r.status_code == 200
+            served.append(int(r.headers["x-gateway-process"]))
+        assert set(served) == {1}
+    finally:
+        os.kill(pids[0], signal.SIGCONT)
+    assert set(answer_from(server.url, "/readyz", 2)) == {0, 1}  # back, it accepts again
+
+
 def test_sigterm_stops_every_process_and_leaves_no_rings(tmp_path):
     srv = ServerProcess(tmp_path / "data", "--workers", "2")
     srv.wait_ready()
