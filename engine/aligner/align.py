@@ -25,11 +25,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from engine.aligner.model import BLANK, FRAME_SAMPLES, LABELS, SAMPLE_RATE
+from engine.aligner.model import BLANK, FRAME_SAMPLES, LABELS, NEG, SAMPLE_RATE
 
 _INDEX = {c: i for i, c in enumerate(LABELS) if i != BLANK and c != "*"}
 _WORD = re.compile(r"\S+")
-NEG = -1e30  # an unreachable state's score (float32: adding emissions to it stays far below any real path)
 
 
 @dataclass(frozen=True)

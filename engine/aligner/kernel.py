@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from engine.aligner.align import NEG
+from engine.aligner.model import NEG
 
 _NEG = tl.constexpr(NEG)  # the kernel reads only constexpr globals
 

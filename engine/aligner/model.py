@@ -35,6 +35,7 @@ HEAD_LABELS = len(LABELS) - 1  # the checkpoint's CTC head: the star column is a
 CONV_KERNELS = (10, 3, 3, 3, 3, 2, 2)
 CONV_STRIDES = (5, 2, 2, 2, 2, 2, 2)
 FRAME_SAMPLES = math.prod(CONV_STRIDES)  # 320 samples of 16 kHz: one emission frame every 20 ms
+NEG = -1e30  # an unreachable alignment state's score (float32: adding emissions to it stays far below any real path)
 HEAD_DIM = 64
 
 
