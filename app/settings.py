@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.core.admission import HOLD_PER_AUDIO_S
-from app.io.bodies import SMALL_BODY
 from engine.contract.flags import check, flag
 from engine.contract.settings import EngineSettings, WeightSources
 
@@ -18,6 +16,11 @@ _GIB = 1 << 30
 # ~500 typical sentences a second, more than a host's streams ask for)
 MAX_DEFAULT_NORMALIZATION_WORKERS = 16
 MAX_WORKERS = 64  # --workers: gateway processes
+# Fixed companions of two limits below (their rules: app/io/bodies.py, app/core/admission.py `Conversation`):
+SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --max-body-bytes-in-flight (nor counted)
+# seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
+# that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing
+HOLD_PER_AUDIO_S = 2.0
 
 
 def usable_cpus() -> int:

@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from app.settings import HOLD_PER_AUDIO_S
+
 RATE_WINDOW_S = 5.0  # the span of the engine's Stats records (ten a second by default) the start rate is measured over
 FIRST_AUDIO_WINDOW_S = 5.0  # the starts whose first audio predicts a newcomer's (older ones say little of now)
 FIRST_AUDIO_MIN = 4  # fewer recent starts than this predict nothing
@@ -126,11 +128,6 @@ class StartRate:
             return None
         (t0, n0), (t1, n1) = self._seen[0], self._seen[-1]
         return (n1 - n0) / (t1 - t0) if t1 > t0 else None
-
-
-# Seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
-# that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing.
-HOLD_PER_AUDIO_S = 2.0
 
 
 class Conversation:

@@ -32,8 +32,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.settings import SMALL_BODY
 
-SMALL_BODY = 64 << 10  # bytes: a body this small is never refused (nor counted)
 BODY_MIN_RATE = 256 << 10  # bytes a second a body holding part of the bound must arrive at, on average (2 Mbit/s)
 RETRY_AFTER_S = 1  # a body is read and decoded within about a second: the bound has room again by then
 _LEDGER = "body_ledger"  # the scope's state key of a request's share

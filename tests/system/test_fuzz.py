@@ -1670,8 +1670,7 @@ BODY_ROUTES = {
 def bound_held(fuzz_server):
     """An upload that holds nearly all of the process's bound (--max-body-bytes-in-flight, 64 MiB by default) while
     its body has not come: any other body over 64 KiB must be refused."""
-    from app.io.bodies import SMALL_BODY
-    from app.settings import Limits
+    from app.settings import SMALL_BODY, Limits
 
     def held() -> float:
         text = httpx.get(fuzz_server.url + "/metrics", timeout=30).text

@@ -8,8 +8,9 @@ import time
 import pytest
 from starlette.requests import Request
 
-from app.io.bodies import BODY_MIN_RATE, SMALL_BODY, BodyBound, BodyBudget, BodyLedger, admit_body
+from app.io.bodies import BODY_MIN_RATE, BodyBound, BodyBudget, BodyLedger, admit_body
 from app.io.errors import RequestError
+from app.settings import SMALL_BODY
 
 
 def test_bodies_share_the_bound_and_give_it_back():

@@ -23,6 +23,7 @@ from app.core.admission import (
     held_count,
 )
 from app.core.shared import HELD, OPEN, SESSIONS, SessionCount, SharedCounts
+from app.settings import HOLD_PER_AUDIO_S
 
 
 def test_room_now_admits_and_held_conversations_take_it_first():
@@ -172,7 +173,7 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
     clock.t += 100  # a pooled socket quiet for long: its credit is spent
     began = c.started()
     c.ended(began, 1.0)
-    assert c.hold_until == began + 1.0 + admission.HOLD_PER_AUDIO_S * 1.0
+    assert c.hold_until == began + 1.0 + HOLD_PER_AUDIO_S * 1.0
     began = c.started()
     c.ended(began, 30.0)
     assert c.hold_until == c.audio_end + hold
