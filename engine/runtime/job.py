@@ -1,14 +1,22 @@
 """The engine's record of one request: its sequence, its guidance twin, the DAC stream it speaks on (with
-the chain of a continued reply) and the times its stats report. The scheduler owns every Job; nothing else
-holds one."""
+the chain of a continued reply) and the times its stats report; and `job_for`, what a submitted request
+becomes (or why it cannot run). The scheduler owns every Job; nothing else holds one."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from engine.contract import records as m
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.errors import EngineError as E
+from engine.frontend.config import Zonos2Config
+from engine.guidance import twin as twin_kind
 from engine.llm.node import Sequence
+from engine.model.transfer import to_device
 
 
 @dataclass
@@ -95,3 +103,93 @@ class Job:
             speaker_encoder_ms=round(t.clip_ms, 2),
             continued=self.chain.continued,
         )
+
+
+class Refused(Exception):
+    """A request the engine cannot take as sent: its error record's code, and the message (str)."""
+
+    def __init__(self, code: E, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def job_for(req: m.SubmitRequest, cfg: Zonos2Config, max_len: int, n_slots: int, device: Any) -> Job:
+    """What a submitted request becomes: its sequence (its vectors on `device`), its guidance twin and its part
+    of a DAC stream, checked against the model (`cfg`), its context (`max_len` frames) and the engine's
+    `n_slots`. Raises Refused for a request that cannot run as sent."""
+    if req.prompt.ndim != 2 or req.prompt.shape[1] != cfg.n_codebooks + 1:
+        raise Refused(E.BAD_REQUEST, f"prompt must be [P, {cfg.n_codebooks + 1}]")
+    if len(req.prompt) >= max_len - 1:
+        raise Refused(E.PROMPT_TOO_LONG, f"prompt of {len(req.prompt)} frames does not fit the {max_len}-frame context")
+    try:
+        req.params.validate(cfg.n_codebooks)
+    except ValueError as e:
+        raise Refused(E.BAD_REQUEST, str(e)) from None
+    speaker = emotion = uncond_speaker = None
+    if req.speaker_embedding is not None:
+        spk = req.speaker_embedding
+        if spk.shape != (cfg.speaker_embedding_dim,) or not np.isfinite(spk).all():
+            raise Refused(E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} finite values")
+        speaker = to_device(spk, device)
+    has_speaker = req.speaker_embedding is not None or req.clip is not None
+    # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill
+    for name, vec, size, voiced in (
+        ("emotion delta", req.emotion_delta, cfg.dim, has_speaker),
+        ("uncond speaker embedding", req.uncond_speaker, cfg.speaker_embedding_dim, speaker is not None),
+    ):
+        if vec is None:
+            continue
+        if vec.shape != (size,) or not np.isfinite(vec).all():
+            raise Refused(
+                E.BAD_VOICE,
+                f"the {name} must have {size} finite values (the emotion directions must be built for this model)",
+            )
+        if not voiced:
+            raise Refused(E.BAD_REQUEST, f"an {name} needs a speaker embedding")
+    if req.emotion_delta is not None:
+        emotion = to_device(req.emotion_delta, device)
+    if req.uncond_speaker is not None:
+        uncond_speaker = to_device(req.uncond_speaker, device)
+    max_frames = max(1, min(req.max_frames, max_len - 1 - len(req.prompt)))
+    seq = Sequence(
+        rid=req.rid,
+        prompt=req.prompt,
+        params=req.params,
+        max_frames=max_frames,
+        speaker=speaker,
+        emotion=emotion,
+        ignore_eos=req.ignore_eos,
+    )
+    job = Job(seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples, keep=req.keep_frames))
+    kind = twin_kind(
+        req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
+    )
+    if kind is not None:
+        uncond = req.uncond_prompt if kind[0] == "prefix" else req.prompt
+        assert uncond is not None
+        if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= max_len - 1:
+            raise Refused(E.BAD_REQUEST, "the prefix twin's prompt does not fit")
+        # prefix: the voice and its emotion; speaker: neither; emotion: the voice without the emotion
+        twin_speaker = {
+            "prefix": speaker,
+            "speaker": None,
+            "emotion": uncond_speaker if uncond_speaker is not None else speaker,
+        }[kind[0]]
+        twin = Sequence(
+            rid=-req.rid,
+            prompt=uncond,
+            params=req.params,
+            max_frames=max_frames,
+            speaker=twin_speaker,
+            emotion=emotion if kind[0] == "prefix" else None,
+            ignore_eos=req.ignore_eos,
+        )
+        job.guidance = Guidance(twin, *kind)
+    if job.slots_needed > n_slots:  # it could wait forever, and hold up everything behind it
+        raise Refused(
+            E.CANNOT_FIT,
+            f"guidance (cfg_scale, prefix_cfg_scale or emotion_cfg_scale != 1) decodes a second "
+            f"row beside the request and needs {job.slots_needed} decode slots; this engine has "
+            f"{n_slots} (--max-batch)",
+        )
+    return job

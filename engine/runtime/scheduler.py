@@ -53,13 +53,12 @@ from engine.contract.constants import EMBED_WAIT_S, HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
 from engine.frontend.longform import trim_chunk_codes
-from engine.guidance import twin as twin_kind
 from engine.llm.node import PendingDecode, Sequence
 from engine.model.transfer import to_device
 from engine.runtime.admission import Gate, RealtimeAdmission
 from engine.runtime.channels import Inboxes, Outboxes, channel_of
 from engine.runtime.engine import Engine
-from engine.runtime.job import Chain, Guidance, Job, Times
+from engine.runtime.job import Job, Refused, job_for
 from engine.runtime.profile import IterationProfiler, node_range
 from engine.runtime.step import StepPlan, prefill_order, prompt_chunks
 from engine.speaker.worker import SpeakerBehind
@@ -215,92 +214,12 @@ class Scheduler:
                     self._error(rid, E.BAD_REQUEST, str(e))
 
     def _on_submit(self, req: m.SubmitRequest) -> None:
-        cfg = self.llm.cfg
-        if req.prompt.ndim != 2 or req.prompt.shape[1] != cfg.n_codebooks + 1:
-            return self._error(req.rid, E.BAD_REQUEST, f"prompt must be [P, {cfg.n_codebooks + 1}]")
-        if len(req.prompt) >= self.llm.max_len - 1:
-            return self._error(
-                req.rid,
-                E.PROMPT_TOO_LONG,
-                f"prompt of {len(req.prompt)} frames does not fit the {self.llm.max_len}-frame context",
-            )
+        try:
+            job = job_for(req, self.llm.cfg, self.llm.max_len, self.llm.n_slots, self.engine.device)
+        except Refused as e:
+            return self._error(req.rid, e.code, str(e))
         if len(self.waiting) >= self.settings.max_queue + len(self.llm.free_slots):  # free slots admit at once
             return self._error(req.rid, E.QUEUE_FULL, "the engine queue is full; retry later")
-        req.params.validate(cfg.n_codebooks)
-        speaker = emotion = uncond_speaker = None
-        if req.speaker_embedding is not None:
-            spk = req.speaker_embedding
-            if spk.shape != (cfg.speaker_embedding_dim,) or not np.isfinite(spk).all():
-                return self._error(
-                    req.rid, E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} finite values"
-                )
-            speaker = to_device(req.speaker_embedding, self.engine.device)
-        has_speaker = req.speaker_embedding is not None or req.clip is not None
-        # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill
-        for name, vec, size, voiced in (
-            ("emotion delta", req.emotion_delta, cfg.dim, has_speaker),
-            ("uncond speaker embedding", req.uncond_speaker, cfg.speaker_embedding_dim, speaker is not None),
-        ):
-            if vec is None:
-                continue
-            if vec.shape != (size,) or not np.isfinite(vec).all():
-                return self._error(
-                    req.rid,
-                    E.BAD_VOICE,
-                    f"the {name} must have {size} finite values (the emotion directions must be built for this model)",
-                )
-            if not voiced:
-                return self._error(req.rid, E.BAD_REQUEST, f"an {name} needs a speaker embedding")
-        if req.emotion_delta is not None:
-            emotion = to_device(req.emotion_delta, self.engine.device)
-        if req.uncond_speaker is not None:
-            uncond_speaker = to_device(req.uncond_speaker, self.engine.device)
-        max_frames = max(1, min(req.max_frames, self.llm.max_len - 1 - len(req.prompt)))
-        seq = Sequence(
-            rid=req.rid,
-            prompt=req.prompt,
-            params=req.params,
-            max_frames=max_frames,
-            speaker=speaker,
-            emotion=emotion,
-            ignore_eos=req.ignore_eos,
-        )
-        job = Job(
-            seq, Times(time.perf_counter()), Chain(req.hold, req.continues, req.first_samples, keep=req.keep_frames)
-        )
-        kind = twin_kind(
-            req.params, has_speaker, req.uncond_prompt is not None, emotion is not None or uncond_speaker is not None
-        )
-        if kind is not None:
-            uncond = req.uncond_prompt if kind[0] == "prefix" else req.prompt
-            assert uncond is not None
-            if uncond.ndim != 2 or uncond.shape[1] != cfg.n_codebooks + 1 or len(uncond) >= self.llm.max_len - 1:
-                return self._error(req.rid, E.BAD_REQUEST, "the prefix twin's prompt does not fit")
-            # prefix: the voice and its emotion; speaker: neither; emotion: the voice without the emotion
-            twin_speaker = {
-                "prefix": speaker,
-                "speaker": None,
-                "emotion": uncond_speaker if uncond_speaker is not None else speaker,
-            }[kind[0]]
-            twin = Sequence(
-                rid=-req.rid,
-                prompt=uncond,
-                params=req.params,
-                max_frames=max_frames,
-                speaker=twin_speaker,
-                emotion=emotion if kind[0] == "prefix" else None,
-                ignore_eos=req.ignore_eos,
-            )
-            job.guidance = Guidance(twin, *kind)
-        need = job.slots_needed
-        if need > self.llm.n_slots:  # it could wait forever, and hold up everything behind it
-            return self._error(
-                req.rid,
-                E.CANNOT_FIT,
-                f"guidance (cfg_scale, prefix_cfg_scale or emotion_cfg_scale != 1) decodes a second "
-                f"row beside the request and needs {need} decode slots; this engine has "
-                f"{self.llm.n_slots} (--max-batch)",
-            )
         if req.clip is not None:  # prefill_clone walk: the speaker_encoder node runs first, on its thread
             try:
                 self.speaker.submit(("job", req.rid, job.times.arrival), req.clip, req.clip_sr)

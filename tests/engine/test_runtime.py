@@ -444,3 +444,28 @@ def test_the_client_times_each_start_to_its_first_audio(rt):
     assert len(seen) == 4 and all(s > 0 for s in seen)
     last = client.first_audio._seen[-1][0]
     assert client.first_audio.recent(now=last) == sorted(seen)[2]
+
+
+def test_what_a_submitted_request_becomes_or_why_it_cannot_run():
+    """engine/runtime/job.py `job_for`, the scheduler's first look at a request (no engine needed): a frame
+    budget cut to the context, a guided request's twin, and each refusal's error code."""
+    from engine.contract.errors import EngineError as E
+    from engine.runtime.job import Refused, job_for
+
+    cfg = PB.cfg
+    ok = job_for(request("Hello.", 5000), cfg, max_len=256, n_slots=2, device="cpu")
+    assert ok.seq.max_frames == 256 - 1 - ok.seq.prompt_len and ok.guidance is None and ok.slots_needed == 1
+    voiced = replace(request("Hello.", 50, cfg_scale=2.0), speaker_embedding=np.zeros(cfg.speaker_embedding_dim, "f4"))
+    guided = job_for(voiced, cfg, max_len=256, n_slots=2, device="cpu")
+    assert guided.guidance is not None and guided.guidance.kind == "speaker" and guided.twin.rid == -guided.seq.rid
+    bad_voice = replace(voiced, speaker_embedding=np.full(cfg.speaker_embedding_dim, np.nan, "f4"))
+    for req, n_slots, code in (
+        (replace(request("Hello.", 50), prompt=np.zeros((3, 2), np.int64)), 2, E.BAD_REQUEST),
+        (request("x" * 600, 50), 2, E.PROMPT_TOO_LONG),
+        (request("Hello.", 50, top_k=-3), 2, E.BAD_REQUEST),
+        (bad_voice, 2, E.BAD_VOICE),
+        (voiced, 1, E.CANNOT_FIT),  # a twin needs a second slot
+    ):
+        with pytest.raises(Refused) as got:
+            job_for(req, cfg, max_len=256, n_slots=n_slots, device="cpu")
+        assert got.value.code == code, (code, str(got.value))
