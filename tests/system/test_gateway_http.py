@@ -38,9 +38,9 @@ def decode(data: bytes) -> tuple[np.ndarray, int]:
     return (np.concatenate(out) if out else np.zeros(0, np.float32)), f.samplerate
 
 
-# Samples a decoder gives beyond the input: mp3 streams start with LAME's Info frame (sent before the
-# encoder could fill it in, so it plays as one silent frame) and keep the encoder's delay and padding.
-EXTRA_SAMPLES = {"mp3": 3 * 1152}  # measured: 1920 samples at 24 kHz, 3132 at 44.1 kHz
+# Samples a decoder gives beyond the input: an mp3 stream keeps LAME's delay and padding (no Info frame tells a
+# decoder to trim them)
+EXTRA_SAMPLES = {"mp3": 3 * 1152}
 
 
 def speech(server, timeout: float = 120, **body):

@@ -19,6 +19,7 @@ from app.io.audio_output import (
     COMPRESSED,
     ENCODINGS,
     FORMATS,
+    MP3_BIT_RATE,
     NATIVE_RATE,
     OPUS_RATES,
     OUTPUT_RATES,
@@ -232,9 +233,14 @@ def _speech(n: int, seed: int = 0) -> np.ndarray:
 
 
 def _has_audio(encoding: str, data: bytes) -> bool:
-    """Does what an encoder put out so far hold audio? A decoder's answer for MP3, Ogg Opus and FLAC (their
-    first bytes are headers), the bytes themselves for raw samples and AAC (ADTS frames, each audio)."""
-    if encoding not in ("mp3", "opus", "flac"):
+    """Does what an encoder put out so far hold audio? A decoder's answer for MP3 (frames parsed and decoded as
+    a streaming player does: FFmpeg's file demuxer wants a few frames before it believes a stream is MP3), Ogg
+    Opus and FLAC (their first bytes are headers); the bytes themselves for raw samples and AAC (ADTS frames,
+    each audio)."""
+    if encoding == "mp3":
+        ctx = av.CodecContext.create("mp3", "r")
+        return sum(fr.samples for p in ctx.parse(data) + ctx.parse(None) for fr in ctx.decode(p)) > 0
+    if encoding not in ("opus", "flac"):
         return bool(data)
     try:
         with av.open(io.BytesIO(data), format={"opus": "ogg"}.get(encoding, encoding)) as f:
@@ -346,3 +352,19 @@ def test_a_whole_file_is_finished_without_copies_of_its_audio(fmt):
     finally:
         tracemalloc.stop()
     assert peak < 1.2 * len(out), (peak, len(out))
+
+
+@pytest.mark.parametrize("rate", RATES)
+def test_mp3_is_constant_bit_rate_at_the_rate_asked(rate: int):
+    """MP3 frames at the table's constant bit rate and at the client's rate itself (LAME resamples nothing),
+    whole or streamed; a streamed answer is the same bytes as the whole one (frames out as LAME makes them)."""
+    x = (np.random.default_rng(rate).standard_normal(rate * 2) * 0.1).astype(np.float32)
+    streamed = StreamEncoder("mp3", rate)
+    parts = [streamed.write(x[i : i + 4000]) for i in range(0, len(x), 4000)]
+    data = b"".join(parts) + streamed.close()
+    whole = StreamEncoder("mp3", rate, whole=True)
+    assert whole.write(x) == b"" and whole.close() == data
+    with av.open(io.BytesIO(data), format="mp3") as f:
+        stream = f.streams.audio[0]
+        assert stream.sample_rate == rate and stream.bit_rate == MP3_BIT_RATE[rate] * 1000
+        assert sum(fr.samples for fr in f.decode(audio=0)) >= len(x)
