@@ -47,7 +47,8 @@ class Limits:
     """Every field is a flag named after it (max_text_chars -> --max-text-chars; docs/reliability.md)."""
 
     max_text_chars: int = field(
-        default=2000, metadata=_limit("characters of one utterance (one engine request)", 0, 1_000_000)
+        default=2000,
+        metadata=_limit("characters of one utterance (sentences are cut to this many UTF-8 bytes)", 0, 1_000_000),
     )
     max_buffer_chars: int = field(
         default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
