@@ -1,4 +1,6 @@
-"""The Starlette application: routes, lifespan (engine process start/stop), CORS, the demo page."""
+"""The Starlette application: routes, middleware, the door at the request head, lifespan (the engine processes
+started and stopped, or with --workers attached through the supervisor), CORS, the demo page; and the uvicorn
+server that drains on SIGTERM."""
 
 from __future__ import annotations
 

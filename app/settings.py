@@ -47,7 +47,8 @@ class Limits:
     """Every field is a flag named after it (max_text_chars -> --max-text-chars; docs/reliability.md)."""
 
     max_text_chars: int = field(
-        default=2000, metadata=_limit("characters of one utterance (one engine request)", 0, 1_000_000)
+        default=2000,
+        metadata=_limit("characters of one utterance (sentences are cut to this many UTF-8 bytes)", 0, 1_000_000),
     )
     max_buffer_chars: int = field(
         default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
@@ -190,7 +191,9 @@ class Limits:
             aliases=("--max-buffered-audio",),
         ),
     )
-    max_http_chars: int = field(default=4096, metadata=_limit("characters of /v1/audio/speech input", 0, 1_000_000))
+    max_http_chars: int = field(
+        default=4096, metadata=_limit("characters of one HTTP speech request's text (every speech route)", 0, 1_000_000)
+    )
     # an HTTP request speaks its whole text, however long each sentence runs (ignore_eos: to max_frames); this
     # bounds the decode slot and the client's download one request can take (4096 characters of speech: ~5 min)
     max_request_audio_s: float = field(

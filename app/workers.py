@@ -2,7 +2,7 @@
 processes"): one event loop is a core, and a storm of clients (their clips to decode, their audio to encode)
 needs more than one.
 
-The process started by `python -m app` becomes the supervisor. It owns the engine processes (one per
+With N > 1 the process started by `python -m app` becomes the supervisor. It owns the engine processes (one per
 device) and their rings, one channel (a requests ring and an events ring) per gateway process, and it runs
 the N gateway processes, each a full gateway (uvicorn + the app) accepting on one listening socket that the
 supervisor opens and hands to each (`listening_socket`). Each gateway process numbers its requests in

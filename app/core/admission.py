@@ -1,9 +1,10 @@
 """The gateway's door: whether a new stream (a WebSocket session, an HTTP synthesis request) may start, decided
 from the engines' live state before the request's body, config or clip is read.
 
-A newcomer is admitted when an engine can start it now, or when the queue ahead of it is predicted to drain
-within `max_queue_s` (Little's law: the requests ahead, plus the held conversations that would take the room
-first, over the rate at which the engines started streams lately) and its first audio, that wait plus what the
+A newcomer is admitted at once while the engines' room covers the held conversations and the queue their last
+Stats records saw, with one stream to spare. Otherwise it is admitted when what is ahead of it beyond that room
+(the queue and the holds, less the room) is predicted to drain within `max_queue_s` (Little's law: over the rate
+at which the engines started streams lately) and its first audio, that wait plus the shortest of what the
 engines took lately from starting a stream to its first audio (`FirstAudio`), within `first_audio_budget_s`.
 Otherwise it is refused at once (HTTP 503 with `Retry-After`, or the dialect's refusal of the WebSocket
 upgrade) and can go to another replica rather than wait seconds for its first audio. Under a storm the queue

@@ -9,7 +9,10 @@ current one plays) is bounded by its max_frames instead; its head start does not
 
 `EnginePool` runs one `EngineClient` per device (`--devices`): each engine has its own process, rings
 and supervisor, so one engine's death ends only the requests placed on it, and it restarts alone. A new
-request goes to the ready engine with the most headroom (docs/scaling.md).
+request goes to the ready engine with the most headroom (docs/scaling.md); one that continues a held stream goes
+to that stream's engine (app/core/gateway.py). With several gateway processes
+(`--workers`, app/workers.py) the supervisor owns and restarts the engine processes, and each gateway process
+uses its own channel of them (`AttachedEngineClient`).
 """
 
 from __future__ import annotations

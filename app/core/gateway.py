@@ -475,7 +475,7 @@ class Gateway:
                 rules += rules_from_json([item])
             else:
                 raise RequestError(G.BAD_LEXICON, "a lexicon item is a dictionary id, a locator or a rule")
-            if len(rules) > MAX_RULES:  # every rule is one alternative of the pattern a text is matched against
+            if len(rules) > MAX_RULES:  # every text the request speaks builds its lookup table from all of them
                 raise RequestError(G.BAD_LEXICON, f"a request's dictionaries hold at most {MAX_RULES} rules in all")
         return tuple(rules)
 

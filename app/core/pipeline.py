@@ -1,4 +1,4 @@
-"""The utterance pipeline every API speaks through (the WebSocket session and both HTTP speech routes).
+"""The utterance pipeline every API speaks through (every WebSocket session and every HTTP speech route).
 
 Text is cut into sentences (app/core/text_buffer.py), each sentence is one utterance (one engine request, or
 a few when its normalized text outgrows the budget: app/core/gateway.py), and utterances play strictly in order while
@@ -7,7 +7,7 @@ the next ones already generate (up to
 The utterances of a context continue one another (app/core/continuation.py: one voice, one DAC stream) unless
 their options say long_form false; `end` says a context's last utterance has been queued.
 What the gateway alone measures of an utterance (`UtteranceStats`: the listener's time to first audio and
-real-time factor) is defined here; the engine's own timings come measured in its `finished` record
+real-time factor; app/core/stats.py) is measured here; the engine's own timings come measured in its `finished` record
 (engine/contract/records.py RequestStats) and pass through unchanged. An engine error becomes the gateway's
 error here (its code and HTTP status: engine/contract/errors.py).
 """

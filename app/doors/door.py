@@ -1,5 +1,7 @@
-"""The door at the connection: a new stream that no engine could start within --max-queue-ms is refused from its
-request head, before the app runs (app/io/http_protocol.py calls `HeadDoor` once a head is complete).
+"""The door at the connection: a new stream that no engine could start within --max-queue-ms, or whose first audio
+would come past --first-audio-budget-ms (app/core/admission.py), and every new stream while the server drains
+(`shutting_down`), is refused from its request head, before the app runs (app/io/http_protocol.py calls
+`HeadDoor` once a head is complete).
 
 A storm of refused clients that retry at once is mostly refusals, so a refusal must cost next to nothing: no
 WebSocket handshake or protocol object, no ASGI scope, middleware or route, no body or message read, no key

@@ -5,9 +5,9 @@ in the API's own shape, then the session run to its end, counted among the gatew
 A dialect refuses a handshake as those services do, with an HTTP response to the upgrade (the WebSocket
 Denial Response extension). Our own socket refuses in band, as it always has: accepted, the error as its
 first message, closed 1008 (1013, "try again later", at the session limit). A stream the door refuses
-(app/core/admission.py: no engine could start it within --max-queue-ms) gets HTTP 503 with `Retry-After` on
-every socket, ours too, before the socket is accepted or a message is read: the cheapest answer a retrying
-client can get, and the one a load balancer understands.
+(app/core/admission.py: it could not start or have its first audio in time; or the server drains) gets HTTP 503
+with `Retry-After` on every socket, ours too, before the socket is accepted or a message is read: the cheapest
+answer a retrying client can get, and the one a load balancer understands.
 """
 
 from __future__ import annotations

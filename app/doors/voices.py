@@ -1,4 +1,5 @@
-"""Voice library endpoints (`/v1/voices`): upload clips or embeddings, blend, rename, export, delete."""
+"""Voice library endpoints (`/v1/voices`): upload clips or embeddings, blend, rename, export, delete; and the
+reference server's speaker routes (`/tts/speakers`: list, upload, preview) over the same library."""
 
 from __future__ import annotations
 

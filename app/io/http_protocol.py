@@ -1,4 +1,4 @@
-"""The HTTP/1.1 connection protocol uvicorn runs (`http=` in app/__main__.py): uvicorn's httptools
+"""The HTTP/1.1 connection protocol uvicorn runs (`http=` in app/server.py `run_server`): uvicorn's httptools
 protocol with bounds on the request head, so every connection is answered or closed in bounded time,
 whatever its size, and every refusal is our JSON error.
 

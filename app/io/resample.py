@@ -6,7 +6,7 @@ holds back its first output until it has 1,701 input samples at 24 kHz (1,768 at
 more than the engine's first DAC call brings (363 samples: the decoder's lag eats the rest of its 10 frames),
 so a client at those rates would wait 3 more decode steps (10 at 8 kHz) for its first audio.
 
-libsamplerate's `sinc_medium` bridges that start: also aligned, it has output after 96-256 input samples.
+libsamplerate's `sinc_medium` bridges that start: also aligned, it has output after 48-254 input samples.
 Its samples go out until soxr's output catches up with them, then soxr's continue from the next sample
 index: the bridge runs only for an utterance's first call or two. Both approximate the same band-limited
 signal, so the splice is a change of resampler, not of signal: on speech-band audio that starts from

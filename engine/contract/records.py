@@ -36,7 +36,7 @@ engine -> gateway
   Error          error     {rid, code, message, retry_after_ms}  code: an EngineError (engine/contract/errors.py)
   Embedding      embedding {rid, dim}             payload: f32 [dim]
   Aligned        aligned   {rid, words}           payload: f64 [len(words), 2] (start_s, end_s of each word)
-  Stats          stats     EngineStats's fields (every --stats-interval-s, 0.1 s by default)
+  Stats          stats     the engine's state: `Stats`'s fields (every --stats-interval-s, 0.1 s by default)
 
 `RequestStats` are measured once, in the engine, and reach the client unchanged as `audio.done`'s
 `stats.engine`; the gateway adds only what it alone measures (app/core/stats.py, `UtteranceStats`).

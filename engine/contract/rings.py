@@ -2,10 +2,12 @@
 
 One :class:`ShmRing` is a single-producer / single-consumer ring of variable-length
 records in a ``multiprocessing.shared_memory`` segment, plus a doorbell fd for wakeups.
-The gateway creates two rings and hands their :class:`RingSpec` to the engine child:
+The gateway (with several gateway processes, their supervisor) creates two rings per gateway process and hands
+their :class:`RingSpec` to the engine child (engine/contract/records.py lists every record):
 
-* gateway -> engine: requests and control (submit, cancel, voice-embed), small;
-* engine -> gateway: events (started, chunk, finished + stats, error) with PCM payloads.
+* gateway -> engine: requests and control (submit, cancel, end, embed, align, reset, shutdown), small;
+* engine -> gateway: events (ready, started, audio, kept, finished + stats, error, embedding, aligned, stats)
+  with PCM payloads.
 
 A record is a msgpack header (a dict) plus an optional raw payload (PCM) that is copied
 straight into shared memory: nothing is pickled and nothing goes through a pipe per

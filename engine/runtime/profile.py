@@ -6,10 +6,12 @@ writes PATH (JSON): per iteration on average, the GPU time of each node (decode 
 speaker encoder, other) and the time the GPU had nothing to do, from the kernels' own timestamps. Each
 kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
 decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
-from another thread are the speaker encoder's, the only node on a thread of its own). Off unless asked for:
+from another thread count as the speaker encoder's; with --aligner, the aligner's thread is counted there too).
+Off unless asked for:
 profiling slows the loop, and stopping the profiler holds the engine loop for seconds (every stream stalls
 once; the figure: docs/architecture.md): benchmarks trigger it in a level they do not count
-(bench/device_capacity.sh). The trace's export and analysis then run on a thread of their own.
+(bench/device_capacity.sh). The trace is then exported on a thread of its own and analysed in a child process
+(`python -m engine.runtime.profile`), off the engine loop's GIL.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The scheduler of the engine process: owns the device and runs the three nodes (LLM, dac_decoder,
-speaker_encoder) in one loop.
+speaker_encoder; and the aligner with --aligner) in one loop.
 
 One iteration at a time:
   read the inbox ring -> cancels, admissions (speaker_encoder for clone requests) ->

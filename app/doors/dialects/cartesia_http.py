@@ -12,8 +12,9 @@
 
 Body as on the WebSocket (app/doors/dialects/cartesia.py): `transcript`, `voice` (`{"mode": "id", "id"}`, one of
 our voices, or `{"mode": "embedding", "embedding"}` of 2048 numbers), `output_format`, `language`,
-`generation_config.speed` (or a numeric `speed`); `model_id`, `duration`, `generation_config.volume` /
-`emotion`, pronunciation dictionaries and the timestamp switches are accepted and not used. Auth:
+`generation_config.speed` (or a numeric `speed`), `pronunciation_dict_id` (one of our stored dictionaries);
+`model_id`, `duration`, `generation_config.volume` / `emotion` and the timestamp switches are accepted and not
+used. Auth:
 `X-API-Key` or `Authorization: Bearer`; `Cartesia-Version` is accepted and not checked. Errors:
 `{"error", "title", "message", "status_code"}`.
 """

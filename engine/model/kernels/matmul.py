@@ -20,7 +20,7 @@ from torch import Tensor
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages[, split_k]). Decode batches are 1-128 rows and memory-bound:
 # 64-row tiles (one wgmma warpgroup on sm_90) keep the wasted work of a 1-row batch small, and narrow
 # column tiles give a narrow weight enough programs to read it on every SM. Prefill buckets are 32-512
-# rows: bigger tiles re-read the weight fewer times. bench/kernel_sweep.py --matmul measures others.
+# rows: bigger tiles re-read the weight fewer times. bench/kernel_sweep.py --only matmul measures others.
 DECODE_TILE = (64, 64, 64, 4, 4)
 DECODE_TILE_NARROW = (64, 32, 64, 4, 4)  # weights of at most NARROW_N rows (wo, dense w_out)
 NARROW_N = 2048
