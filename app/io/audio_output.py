@@ -10,22 +10,24 @@ the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked
 * `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
   request tells the engine (SubmitRequest.first_samples) so that its first DAC call is no larger than needed.
 
-The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile) and, for AAC,
-FFmpeg's encoder (PyAV):
+The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile), LAME (lameenc)
+and FFmpeg's libraries (PyAV):
 
 * `pcm` (16-bit little-endian), `mulaw` / `alaw` (G.711, one byte a sample): raw samples, no header.
 * `wav`: 16-bit PCM (or any of the dialects' sample encodings, `wav_header`) with the 'unknown length'
   sizes (0xFFFFFFFF) that players accept for streams; soundfile, ffmpeg and Chromium read it.
-* `flac`, `opus` (in Ogg, pages of ~50 ms): libsndfile's encoders write into a `StreamSink`, and every
-  byte they append goes out as soon as it exists. At the end an encoder seeks back to fill in header fields
-  that only the finished file knows (FLAC's STREAMINFO sample count and MD5); those bytes were sent already,
-  so a streamed file leaves them "unknown", as every streamed FLAC does (`ffmpeg`, browsers and libFLAC
-  decode them; python-soundfile's `sf.read` wants a sample count and refuses such a FLAC).
+* `flac`: libsndfile's encoder writes into a `StreamSink`, and every byte it appends goes out as soon as it
+  exists. At the end it seeks back to fill in header fields that only the finished file knows (STREAMINFO's
+  sample count and MD5); those bytes were sent already, so a streamed file leaves them "unknown", as every
+  streamed FLAC does (`ffmpeg`, browsers and libFLAC decode them; python-soundfile's `sf.read` wants a
+  sample count and refuses such a FLAC).
 * `mp3`: MPEG audio frames at a constant bit rate (`MP3_BIT_RATE`) from LAME through lameenc, each frame out
   as soon as LAME has it, no header (none is needed). LAME at its usual quality (`MP3_QUALITY`) costs a
   fifth of the CPU that libsndfile's LAME setup did and gives its first frame sooner.
 * `aac`: AAC-LC in ADTS frames (a header on every frame, so a stream needs no file header), FFmpeg's
   native encoder through PyAV; the muxer flushes after every packet.
+* `opus`: libopus in Ogg through PyAV, a page per 20 ms packet (`OPUS_BIT_RATE`, VBR): a third of the CPU
+  of libsndfile's Opus encoder, whose setup had no way to ask for less, and its first page as soon.
 
 `StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
 finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
@@ -89,12 +91,13 @@ MEDIA_TYPES = {
     **{k: FORMATS[k][0] for k in COMPRESSED},
 }
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
-OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 # MP3 at a constant bit rate (kbit/s) a rate's MPEG version allows: enough for speech at each
 MP3_BIT_RATE = {8000: 32, 16000: 64, 22050: 64, 24000: 64, 32000: 160, SAMPLE_RATE: 160, 48000: 160}
 MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its command line's and FFmpeg's default
-OPUS_PAGE_MS = 50.0  # libsndfile's default Ogg page latency is 1 s: the first Opus bytes would wait for it
-_SFC_SET_OGG_PAGE_LATENCY_MS = 0x1302  # sndfile.h
+# Opus (libopus, VBR) bit rates: what libopus chose for speech at each rate on its own, set explicitly
+OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
+OPUS_RATES = tuple(OPUS_BIT_RATE)
+OPUS_PAGE_MS = 20  # an Ogg page per Opus packet: FFmpeg's default page of 1 s would hold the first audio back
 # AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
 AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, SAMPLE_RATE: 128000, 48000: 128000}
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
@@ -234,8 +237,8 @@ class StreamSink(io.RawIOBase):
         return data
 
 
-class _AdtsSink(io.RawIOBase):
-    """Where PyAV's ADTS muxer writes: collects the bytes until they are taken."""
+class _MuxSink(io.RawIOBase):
+    """Where a PyAV muxer writes: collects the bytes until they are taken."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -254,22 +257,21 @@ class _AdtsSink(io.RawIOBase):
         return data
 
 
-class AacEncoder:
-    """float32 mono samples -> AAC-LC in ADTS frames, each frame out as soon as it is encoded (the encoder
-    holds about 2048 samples back: its look-ahead)."""
+class FfmpegEncoder:
+    """float32 mono samples -> one codec's packets in a container, through PyAV (FFmpeg's libraries, loaded by
+    the first such answer, not by every gateway), each packet out as soon as the muxer writes it."""
 
-    def __init__(self, sample_rate: int) -> None:
-        if sample_rate not in AAC_BIT_RATE:
-            raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
-        import av  # FFmpeg in ~36 MB of shared libraries: loaded by the first AAC answer, not by every gateway
+    def __init__(self, container: str, codec: str, sample_rate: int, bit_rate: int, **muxer: str) -> None:
+        import av
 
         self._av = av
         self.sample_rate = sample_rate
-        self._sink = _AdtsSink()
-        # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold ~4 s of audio back
-        self._out = av.open(self._sink, "w", format="adts", options={"flush_packets": "1"})
-        self._stream = self._out.add_stream("aac", rate=sample_rate, layout="mono")
-        self._stream.bit_rate = AAC_BIT_RATE[sample_rate]
+        self._sink = _MuxSink()
+        # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold seconds of audio back
+        self._out = av.open(self._sink, "w", format=container, options={"flush_packets": "1", **muxer})
+        self._stream = self._out.add_stream(codec, rate=sample_rate, layout="mono")
+        self._stream.bit_rate = bit_rate
+        self._out.start_encoding()  # the container's header (Ogg's first pages) now: the first write hands it out
 
     def write(self, samples: np.ndarray) -> bytes:
         if len(samples):
@@ -284,6 +286,23 @@ class AacEncoder:
         self._out.mux(self._stream.encode(None))
         self._out.close()
         return self._sink.take()
+
+
+def aac_encoder(sample_rate: int) -> FfmpegEncoder:
+    """AAC-LC in ADTS frames (FFmpeg's native encoder: it holds about 2048 samples back, its look-ahead)."""
+    if sample_rate not in AAC_BIT_RATE:
+        raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
+    return FfmpegEncoder("adts", "aac", sample_rate, AAC_BIT_RATE[sample_rate])
+
+
+def opus_encoder(sample_rate: int) -> FfmpegEncoder:
+    """Opus (libopus) in Ogg, one page per 20 ms packet: the first audio page after two packets' worth of
+    samples (the encoder's look-ahead)."""
+    if sample_rate not in OPUS_BIT_RATE:
+        raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
+    return FfmpegEncoder(
+        "ogg", "libopus", sample_rate, OPUS_BIT_RATE[sample_rate], page_duration=str(OPUS_PAGE_MS * 1000)
+    )
 
 
 class Mp3Encoder:
@@ -316,25 +335,23 @@ class StreamEncoder:
     def __init__(self, fmt: str, sample_rate: int, whole: bool = False) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
-        if fmt == "opus" and sample_rate not in OPUS_RATES:
-            raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
         self.fmt, self.sample_rate, self.whole = fmt, sample_rate, whole
         self._header = wav_header(sample_rate) if fmt == "wav" and not whole else b""
         self._held = bytearray()  # whole: everything so far (wav's samples; the others' output)
         self._sink: StreamSink | io.BytesIO | None = None
         self._file: sf.SoundFile | None = None
-        self._frames: AacEncoder | Mp3Encoder | None = None  # the encoders that hand out frames, not a file
+        self._frames: FfmpegEncoder | Mp3Encoder | None = None  # the encoders that hand out frames, not a file
         if fmt == "aac":
-            self._frames = AacEncoder(sample_rate)
+            self._frames = aac_encoder(sample_rate)
+        elif fmt == "opus":
+            self._frames = opus_encoder(sample_rate)
         elif fmt == "mp3":
             self._frames = Mp3Encoder(sample_rate)
-        if fmt in ("flac", "opus"):
+        if fmt == "flac":
             _, container, subtype = FORMATS[fmt]
             # a whole file is written into a seekable buffer, so the encoder's last header patch lands
             self._sink = io.BytesIO() if whole else StreamSink()
             self._file = sf.SoundFile(self._sink, "w", sample_rate, 1, format=container, subtype=subtype)
-            if fmt == "opus":
-                _set_ogg_page_latency(self._file, OPUS_PAGE_MS)
 
     def write(self, samples: np.ndarray) -> bytes:
         data = self._encode(np.asarray(samples, dtype=np.float32))
@@ -380,17 +397,6 @@ class StreamEncoder:
         if self.fmt == "wav":
             data[:0] = wav_header(self.sample_rate, data_bytes=len(data))
         return bytes(data)
-
-
-def _set_ogg_page_latency(f: sf.SoundFile, ms: float) -> None:
-    """libsndfile >= 1.2 closes an Ogg page every `ms` of audio (soundfile has no wrapper for the command)."""
-    try:
-        from soundfile import _ffi, _snd
-
-        value = _ffi.new("double*", float(ms))
-        _snd.sf_command(f._file, _SFC_SET_OGG_PAGE_LATENCY_MS, value, _ffi.sizeof("double"))
-    except Exception as e:  # an older libsndfile: pages of ~1 s, still a valid stream
-        log.warning("could not set the Ogg page latency: %s", e)
 
 
 @dataclass(frozen=True)
@@ -484,10 +490,10 @@ _FIRST_SAMPLES_SEEN = {
     **{("mp3", r): n for r, n in zip(RATES, (6445, 3256, 1691, 1554, 2372, 1376, 1742), strict=True)},
     **{("flac", r): n for r, n in zip(RATES, (23965, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
     **{("aac", r): n for r, n in zip(RATES, (12285, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
-    ("opus", 8000): 2900,
+    ("opus", 8000): 2012,
     ("opus", 16000): 3256,
     ("opus", 24000): 3208,
-    ("opus", 48000): 3382,
+    ("opus", 48000): 2562,
 }
 
 
