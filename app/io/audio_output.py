@@ -269,7 +269,9 @@ class FfmpegEncoder:
         self._sink = _MuxSink()
         # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold seconds of audio back
         self._out = av.open(self._sink, "w", format=container, options={"flush_packets": "1", **muxer})
-        self._stream = self._out.add_stream(codec, rate=sample_rate, layout="mono")
+        stream = self._out.add_stream(codec, rate=sample_rate, layout="mono")
+        assert isinstance(stream, av.AudioStream)
+        self._stream = stream
         self._stream.bit_rate = bit_rate
         self._out.start_encoding()  # the container's header (Ogg's first pages) now: the first write hands it out
 
