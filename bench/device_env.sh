@@ -17,5 +17,5 @@ SEED_TEST=tests/gpu/test_gpu.py::test_seeded_request_alone_and_beside_1_8_127_st
 # a package the device lacks fails here in a second, not minutes later when the server starts (a missing wheel
 # cost a capacity run its whole call once): carry it in .whl, e.g. `pip download --no-deps --only-binary=:all:
 # --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION` (versions: .venv here)
-python3 -c "import app.server, engine.runtime.entry" 2> /tmp/import.err \
+python3 -c "import app.server, engine.runtime.entry, lameenc, av, samplerate" 2> /tmp/import.err \
   || { echo "the gateway does not import on this machine (carry the missing wheel in .whl):"; tail -1 /tmp/import.err; exit 2; }
