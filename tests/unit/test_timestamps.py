@@ -166,3 +166,15 @@ def test_cartesia_words_go_out_in_the_order_spoken_whatever_order_the_aligner_an
         (2.0, ["How"]),
     ]
     assert due.add("how", 2.0, [w("are")]) != []  # nothing waits now: sent at once
+
+
+def test_the_silence_threshold_is_the_loud_frames_percentile():
+    """WordClock's threshold: QUIET_DB under the 90th percentile of the frames' energy (numpy's linear
+    percentile, found by a partition), whatever the count of frames, and found again as frames come."""
+    from app.core.timestamps import QUIET_DB
+
+    clock = WordClock("Hello there.")
+    for n in (1, 2, 3, 10, 101, 999):
+        clock._energy = np.random.default_rng(n).random(n).astype(np.float32)
+        want = float(np.percentile(clock._energy, 90)) * 10 ** (-QUIET_DB / 20)
+        assert clock._threshold() == pytest.approx(want, rel=1e-6)
