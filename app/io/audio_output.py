@@ -23,7 +23,7 @@ and FFmpeg's libraries (PyAV):
   sample count and refuses such a FLAC).
 * `mp3`: MPEG audio frames at a constant bit rate (`MP3_BIT_RATE`) from LAME through lameenc, each frame out
   as soon as LAME has it, no header (none is needed). LAME at its usual quality (`MP3_QUALITY`) costs a
-  fifth of the CPU that libsndfile's LAME setup did and gives its first frame sooner.
+  quarter of the CPU that libsndfile's LAME setup did, for the same first frame.
 * `aac`: AAC-LC in ADTS frames (a header on every frame, so a stream needs no file header), FFmpeg's
   native encoder through PyAV; the muxer flushes after every packet.
 * `opus`: libopus in Ogg through PyAV, a page per 20 ms packet (`OPUS_BIT_RATE`, VBR): a third of the CPU
@@ -298,8 +298,8 @@ def aac_encoder(sample_rate: int) -> FfmpegEncoder:
 
 
 def opus_encoder(sample_rate: int) -> FfmpegEncoder:
-    """Opus (libopus) in Ogg, one page per 20 ms packet: the first audio page after two packets' worth of
-    samples (the encoder's look-ahead)."""
+    """Opus (libopus) in Ogg, one page per 20 ms packet: a packet's page goes out as soon as the next packet
+    is made (`first_samples` has what that, the encoder's look-ahead and FFmpeg's frame queue hold back)."""
     if sample_rate not in OPUS_BIT_RATE:
         raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
     return FfmpegEncoder(
