@@ -298,8 +298,8 @@ def aac_encoder(sample_rate: int) -> FfmpegEncoder:
 
 
 def opus_encoder(sample_rate: int) -> FfmpegEncoder:
-    """Opus (libopus) in Ogg, one page per 20 ms packet: a packet's page goes out as soon as the next packet
-    is made (`first_samples` has what that, the encoder's look-ahead and FFmpeg's frame queue hold back)."""
+    """Opus (libopus) in Ogg, pages of at most 20 ms (`first_samples` has what libopus's look-ahead and FFmpeg's
+    encoder and muxer hold back before the first audio page)."""
     if sample_rate not in OPUS_BIT_RATE:
         raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
     return FfmpegEncoder(
