@@ -368,3 +368,15 @@ def test_mp3_is_constant_bit_rate_at_the_rate_asked(rate: int):
         stream = f.streams.audio[0]
         assert stream.sample_rate == rate and stream.bit_rate == MP3_BIT_RATE[rate] * 1000
         assert sum(fr.samples for fr in f.decode(audio=0)) >= len(x)
+
+
+def test_the_encoder_cpu_bench_measures_every_output_and_the_word_clock(tmp_path):
+    """bench/encoder_cpu.py: a figure (CPU ms per audio-second) for each output it lists and the word clock."""
+    import json
+
+    from bench.encoder_cpu import OUTPUTS, main
+
+    main(["--seconds", "0.5", "--json", str(tmp_path / "cpu.json")])
+    got = json.loads((tmp_path / "cpu.json").read_text())
+    assert set(got) == {f"{e}@{r}" for e, r in OUTPUTS} | {"word clock"}
+    assert all(v >= 0 for v in got.values())
