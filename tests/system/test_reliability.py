@@ -1354,6 +1354,18 @@ def test_an_unfinished_request_head_is_answered_and_closed(hosts):
         assert closed and raw_json_error(answer)[0] == 408 and raw_json_error(answer)[1]["code"] == "request_timeout"
 
 
+@slow
+def test_a_small_body_that_stops_mid_way_is_answered_and_closed(hosts):
+    """A speech request whose small JSON body stops mid-way (declared or chunked) held its connection and the
+    route's task for as long as its client stayed."""
+    head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for rest in (b'Content-Length: 1000\r\n\r\n{"input":', b'Transfer-Encoding: chunked\r\n\r\n100\r\n{"input":'):
+        answer, closed = raw_exchange(hosts.port, head + rest, timeout=30)
+        assert closed and answer, answer
+        status, error = raw_json_error(answer)
+        assert status == 408 and error["code"] == "request_timeout"
+
+
 def test_normalization_and_head_flags():
     s = parse_args(
         [
