@@ -383,7 +383,9 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
-        http=bounded_protocol(settings.limits.head_timeout_s, getattr(app.state, "door", None)),
+        http=bounded_protocol(
+            settings.limits.head_timeout_s, settings.limits.send_timeout_s, getattr(app.state, "door", None)
+        ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)
 

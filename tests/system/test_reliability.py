@@ -622,6 +622,40 @@ def test_client_that_never_reads_is_dropped(limited, keepalive):
     assert gauge(server, "zonos_active_sessions") == 0
 
 
+@slow
+def test_a_whole_answer_its_client_never_reads_is_cut(limited):
+    """uvicorn writes a whole file into the connection's transport at once and counts it sent (its share of
+    --max-whole-answer-bytes given back): a client that read nothing held the rest of its file in the gateway's
+    memory, and its connection, forever. Past --send-timeout (12 s here) without progress it is cut."""
+    quiet(limited)
+    # ignore_eos: 120 frames of float32 at 44.1 kHz (240 KB), under the 1.5 s cap; the buffers hold far less
+    body = json.dumps({"text": "One.", "stream": False, "ignore_eos": True, "max_tokens": 120, "seed": 1}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers stays small
+    s.connect(("127.0.0.1", limited.port))
+    try:
+        s.sendall(
+            b"POST /tts/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        ours = s.getsockname()[1]
+        wait_for(lambda: gauge(limited, "zonos_whole_answer_bytes") > 0, 60)  # its answer is being made
+        # then the gateway closes its end while its client stays: it holds the socket no more
+        took = wait_for(lambda: tcp_state(limited.port, ours) not in ("ESTABLISHED", "CLOSE_WAIT"), 120, 0.5)
+        s.settimeout(60)
+        got = b""
+        while chunk := s.recv(1 << 20):  # what the kernel still had: the head and the file's start
+            got += chunk
+    except ConnectionResetError:
+        got = b""
+    finally:
+        s.close()
+    assert took >= 12
+    _, _, audio = got.partition(b"\r\n\r\n")
+    assert len(audio) < 120 * 512 * 4
+    assert gauge(limited, "zonos_whole_answer_bytes") == 0
+
+
 # ---- faults ---------------------------------------------------------------------------------------------
 @slow
 def test_client_vanishing_stops_engine_work(server):
@@ -1276,6 +1310,18 @@ UPGRADE = (
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+TCP_STATES = {1: "ESTABLISHED", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT"}
+
+
+def tcp_state(local_port: int, remote_port: int) -> str:
+    """The state of the loopback TCP socket local_port -> remote_port (/proc/net/tcp), "" when there is none."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
+            return TCP_STATES.get(int(state, 16), state)
+    return ""
 
 
 @slow
