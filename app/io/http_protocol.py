@@ -13,6 +13,7 @@ its connection forever. Here:
 * a request head that does not parse gets 400 `bad_request`;
 * a head not complete within `head_timeout_s` of the connection (or of the request's first byte) gets
   408 `request_timeout`;
+* a WebSocket handshake that is not a GET gets 405 `method_not_allowed`, one with a body 400 `bad_request`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a
 line, 128 headers), so an upgrade that passes here is never refused silently there.
 
@@ -216,6 +217,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
+        if self.parser.should_upgrade() and self._should_upgrade():
+            self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
             upgrade = self.parser.should_upgrade()
             answer = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
@@ -228,6 +231,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
                 return
         super().on_headers_complete()
+
+    def _check_handshake(self) -> None:
+        """A WebSocket handshake is a GET without a body. With a body the parser reads it as a request's and never
+        hands the connection over, so nothing answered it and it stayed open for as long as its client; another
+        method got the websockets library's text/plain 405."""
+        if self.parser.get_method() != b"GET":
+            self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "a WebSocket handshake is a GET")
+            raise HeadRefused
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+                self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, "a WebSocket handshake has no body")
+                raise HeadRefused
 
     def on_body(self, body: bytes) -> None:
         if self._dropping is None:

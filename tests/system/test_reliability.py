@@ -1387,6 +1387,31 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
     assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
+def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(server):
+    """A handshake with a body (declared, chunked, or declared and never sent) got no answer and kept its connection
+    for as long as its client: the parser read the body as a request's and never handed the connection over. Another
+    method got the websockets library's text/plain 405."""
+    ws = b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE
+    cases = {
+        "a body": (ws + b"Content-Length: 5\r\n\r\nhello", 400, "bad_request"),
+        "a body never sent": (ws + b"Content-Length: 5\r\n\r\n", 400, "bad_request"),
+        "chunked": (ws + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 400, "bad_request"),
+        "a POST": (ws.replace(b"GET", b"POST", 1) + b"\r\n", 405, "method_not_allowed"),
+        "a POST to a speech route": (
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"Content-Length: 2\r\n\r\n{}",
+            405,
+            "method_not_allowed",
+        ),
+    }
+    for name, (head, status, code) in cases.items():
+        answer, closed = raw_exchange(server.port, head, timeout=20)
+        assert closed and answer, name
+        assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+    # one without a body (an empty one declared) is a WebSocket
+    answer, _ = raw_exchange(server.port, ws + b"Content-Length: 0\r\n\r\n", timeout=20, until=b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 101 "), answer[:100]
+
+
 @pytest.fixture(scope="module")
 def hosts(start_server):
     """No key, a short head timeout, one extra host name."""
