@@ -1390,7 +1390,7 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
 def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(server):
     """A handshake with a body (declared, chunked, or declared and never sent) got no answer and kept its connection
     for as long as its client: the parser read the body as a request's and never handed the connection over. Another
-    method got the websockets library's text/plain 405."""
+    method got the websockets library's text/plain 405. One on an unknown path is 404 not_found."""
     ws = b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE
     cases = {
         "a body": (ws + b"Content-Length: 5\r\n\r\nhello", 400, "bad_request"),
@@ -1407,6 +1407,14 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
         answer, closed = raw_exchange(server.port, head, timeout=20)
         assert closed and answer, name
         assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+    # a handshake on a path no socket serves (an HTTP route's, the static files', none): 404 not_found, JSON (it was an
+    # empty text/plain 403)
+    for path in (b"/nope", b"/healthz", b"/static/app.js"):
+        answer, _ = raw_exchange(server.port, ws.replace(b"/v1/tts/ws", path, 1) + b"\r\n", timeout=20)
+        assert raw_json_error(answer) == (
+            404,
+            {"code": "not_found", "message": f"no such WebSocket endpoint: {path.decode()}"},
+        )
     # one without a body (an empty one declared) is a WebSocket
     answer, _ = raw_exchange(server.port, ws + b"Content-Length: 0\r\n\r\n", timeout=20, until=b"\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 101 "), answer[:100]
