@@ -26,6 +26,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.websockets import WebSocket
 
 from app.core.engine_client import ControlLink
 from app.core.gateway import Gateway
@@ -41,7 +42,7 @@ from app.doors.dialects import (
     elevenlabs_lexicons,
 )
 from app.doors.door import HeadDoor, door_routes
-from app.doors.handshake import in_band_error
+from app.doors.handshake import deny, in_band_error
 from app.doors.ws import websocket_endpoint
 from app.io.audio_output import warm_outputs
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
@@ -89,6 +90,12 @@ def keyed(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
 
     guarded.__name__ = endpoint.__name__
     return guarded
+
+
+async def websocket_not_found(ws: WebSocket) -> None:
+    """A WebSocket handshake on a path no socket serves: 404 in our JSON shape (Starlette's router closes it
+    unaccepted, which the server answers with an empty 403)."""
+    await deny(ws, 404, {"error": {"code": G.NOT_FOUND, "message": f"no such WebSocket endpoint: {ws.url.path}"}})
 
 
 async def readyz(request: Request) -> Response:
@@ -312,6 +319,7 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/tts/bytes", cartesia_http.tts_bytes, methods=["POST"]),
         Route("/tts/sse", cartesia_http.tts_sse, methods=["POST"]),
         Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
+        WebSocketRoute("/{path:path}", websocket_not_found),  # (before the Mount, which takes every scope type)
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
     # the routes that start a stream, with their API's error body: refused at the connection's request head
@@ -385,7 +393,9 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
-        http=bounded_protocol(settings.limits.head_timeout_s, getattr(app.state, "door", None)),
+        http=bounded_protocol(
+            settings.limits.head_timeout_s, settings.limits.send_timeout_s, getattr(app.state, "door", None)
+        ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)
 

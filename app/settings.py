@@ -100,7 +100,7 @@ class Limits:
     send_timeout_s: float = field(
         default=30.0,
         metadata=_limit(
-            "seconds one WebSocket send may make no progress before the client counts as gone",
+            "seconds one send (WebSocket message, HTTP answer) may make no progress before the client counts as gone",
             0,
             _DAY,
             aliases=("--send-timeout",),

@@ -14,10 +14,11 @@ them all together, so that many uploads at once cannot exhaust the process's mem
   route gives it back once its first audio is ready (`body_done`), as a whole-file answer begins only at its end.
 * A body of at most SMALL_BODY bytes is never refused (a speech request's JSON, a rename): the bound is for what
   costs memory, and speech must not wait behind uploads. A body larger than the whole bound is read alone.
-* A body that holds part of the bound must keep arriving: within the head timeout (--head-timeout-s) plus its
-  size at BODY_MIN_RATE, else it is cut (408 `request_timeout`) and its share given back. A client that declares a
+* A body must keep arriving until its answer begins: within the head timeout (--head-timeout-s) plus the share it
+  holds at BODY_MIN_RATE, else it is cut (408 `request_timeout`) and its share given back. A client that declares a
   large body and trickles it would otherwise hold its share for as long as it likes, and with a few connections
-  lock every other upload out for almost no bandwidth.
+  lock every other upload out for almost no bandwidth; one that stops a small body (no share) mid-way would hold
+  its connection and the route's task forever.
 * A WebSocket `voice_clip` (app/doors/ws.py) holds a share while it is decoded: that message was read whole within
   --max-ws-message-bytes, but its decoding is the same cost as an upload's.
 """
@@ -131,12 +132,12 @@ class BodyBound:
         # none of the gateway's objects, and the collector's test of them (test_collector) sees none
         ledgers = [BodyLedger(self.budget)]
         state[_LEDGER] = ledgers[0]
-        received, complete = 0, False
+        received, complete, answered = 0, False, False
         began = asyncio.get_running_loop().time()
 
         async def metered_receive() -> Message:
             nonlocal received, complete
-            if not ledgers or complete or not ledgers[0].held:
+            if not ledgers or complete or answered:
                 message = await receive()
             else:
                 allowed = self.grace_s + ledgers[0].held / BODY_MIN_RATE
@@ -155,7 +156,9 @@ class BodyBound:
             return message
 
         async def releasing_send(message: Message) -> None:
+            nonlocal answered
             if message["type"] == "http.response.start":
+                answered = True  # (a route that answers before reading its body waits on it no more)
                 release()
             await send(message)
 

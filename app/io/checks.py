@@ -20,14 +20,14 @@ INLINE_BASE64 = 1 << 16
 B64_CHUNK = 1 << 18  # a multiple of 4: every chunk but the last is whole base64 quads
 
 
-def check_text(text: str, name: str = "text") -> str:
+def check_text(text: str, name: str = "text", code: str = G.BAD_TEXT) -> str:
     """The one check of client text every API makes: it must be valid Unicode (JSON can carry a lone
-    surrogate such as "\\ud800", which has no UTF-8 form and so no prompt)."""
+    surrogate such as "\\ud800", which has no UTF-8 form and so no prompt, nor a place in a UTF-8 file)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise RequestError(
-            G.BAD_TEXT,
+            code,
             f"{name} contains a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}); "
             "send valid Unicode text",
         ) from None

@@ -13,8 +13,14 @@ its connection forever. Here:
 * a request head that does not parse gets 400 `bad_request`;
 * a head not complete within `head_timeout_s` of the connection (or of the request's first byte) gets
   408 `request_timeout`;
+* a WebSocket handshake that is not a GET gets 405 `method_not_allowed`, one with a body 400 `bad_request`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a
 line, 128 headers), so an upgrade that passes here is never refused silently there.
+
+An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
+its high-water mark, and none of it taken by the client) is cut: its connection is aborted. uvicorn writes a
+whole answer into the transport at once and counts it sent, so a client that read nothing held its file in
+memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its connection.
 
 With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
 before the app runs: the refusal written, an upgrade's connection closed at once, a request's body read and
@@ -74,7 +80,8 @@ def error_response(status: int, code: str, message: str) -> bytes:
 
 
 class BoundedHttpToolsProtocol(HttpToolsProtocol):
-    head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured one
+    head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured ones
+    send_timeout_s: float = Limits.send_timeout_s
     door: Door | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -87,6 +94,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_gen = 0  # a head began or ended: a chunk during which this changed is not all head
         self._refused = False
         self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
+        self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
+        self._send_left = 0  # the transport's buffered bytes when the send timer was armed
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -113,9 +122,45 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_send_timer()
         if self._dropping is not None:
             self._dropping.cancel()
         super().connection_lost(exc)
+
+    # ---- the send timer: armed while an answer's bytes wait in the transport and none are written ----------
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._arm_send_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.get_write_buffer_size():  # its last bytes wait for the client
+            self._arm_send_timer()
+
+    def _arm_send_timer(self) -> None:
+        self._disarm_send_timer()
+        self._send_left = self.transport.get_write_buffer_size()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_checked)
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_checked(self) -> None:
+        self._send_timer = None
+        left = self.transport.get_write_buffer_size()
+        if not left:
+            return  # all taken
+        if not self.flow.write_paused and self.cycle is not None and not self.cycle.response_complete:
+            return  # an answer writing again (the client took bytes): its next pause arms the timer
+        # nothing was written since the timer was armed (paused, or the answer complete): only the client's reading
+        # lowers what is left
+        if left < self._send_left:
+            self._arm_send_timer()
+            return
+        self.logger.info("cut an answer: no send progress in %g s (the client reads nothing)", self.send_timeout_s)
+        self.transport.abort()
 
     # ---- refusals ---------------------------------------------------------------------------------
     def _refuse(self, status: int, code: str, message: str) -> None:
@@ -172,6 +217,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
+        if self.parser.should_upgrade() and self._should_upgrade():
+            self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
             upgrade = self.parser.should_upgrade()
             answer = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
@@ -184,6 +231,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
                 return
         super().on_headers_complete()
+
+    def _check_handshake(self) -> None:
+        """A WebSocket handshake is a GET without a body. With a body the parser reads it as a request's and never
+        hands the connection over, so nothing answered it and it stayed open for as long as its client; another
+        method got the websockets library's text/plain 405."""
+        if self.parser.get_method() != b"GET":
+            self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "a WebSocket handshake is a GET")
+            raise HeadRefused
+        for name, value in self.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+                self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, "a WebSocket handshake has no body")
+                raise HeadRefused
 
     def on_body(self, body: bytes) -> None:
         if self._dropping is None:
@@ -213,10 +272,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         )
 
 
-def bounded_protocol(head_timeout_s: float, door: Door | None = None) -> type[BoundedHttpToolsProtocol]:
-    """The protocol class with this head timeout and door (uvicorn builds one instance per connection)."""
+def bounded_protocol(
+    head_timeout_s: float, send_timeout_s: float, door: Door | None = None
+) -> type[BoundedHttpToolsProtocol]:
+    """The protocol class with these timeouts and door (uvicorn builds one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
-        {"head_timeout_s": head_timeout_s, "door": staticmethod(door) if door else None},
+        {
+            "head_timeout_s": head_timeout_s,
+            "send_timeout_s": send_timeout_s,
+            "door": staticmethod(door) if door else None,
+        },
     )

@@ -30,6 +30,7 @@ from typing import Any
 
 from defusedxml import ElementTree
 
+from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
@@ -78,6 +79,8 @@ def _rule(grapheme: object, alias: object, where: str) -> Rule:
         raise RequestError(
             G.BAD_LEXICON, f"{where}: the alias for {grapheme[:40]!r} must be text of at most {MAX_TEXT} characters"
         )
+    check_text(grapheme, f"{where}: the text to replace", G.BAD_LEXICON)
+    check_text(alias, f"{where}: the alias", G.BAD_LEXICON)
     return Rule(grapheme.strip(), alias)
 
 
@@ -225,6 +228,8 @@ class LexiconStore:
             raise RequestError(G.BAD_LEXICON, "a dictionary needs a name of 1-100 characters")
         if description is not None and (not isinstance(description, str) or len(description) > 1000):
             raise RequestError(G.BAD_LEXICON, "description must be text of at most 1000 characters")
+        check_text(name, "the dictionary's name", G.BAD_LEXICON)  # (both are written to a UTF-8 file)
+        check_text(description or "", "description", G.BAD_LEXICON)
         if len(self._ids(owner)) >= MAX_PER_OWNER:
             raise RequestError(G.BAD_LEXICON, f"at most {MAX_PER_OWNER} dictionaries per key; delete one first")
         lid = "pd_" + secrets.token_hex(8)

@@ -1612,14 +1612,14 @@ def test_fuzz_align_records(engine_client, calls):
     body=st.fixed_dictionaries(
         {},
         optional={
-            "name": st.text(max_size=120) | anything,
+            "name": st.text(max_size=120) | surrogates | anything,
             "rules": st.lists(
                 st.fixed_dictionaries(
                     {},
                     optional={
                         "type": st.sampled_from(["alias", "phoneme", "x"]) | anything,
-                        "string_to_replace": st.text(max_size=300) | anything,
-                        "alias": st.text(max_size=300) | anything,
+                        "string_to_replace": st.text(max_size=300) | surrogates | anything,
+                        "alias": st.text(max_size=300) | surrogates | anything,
                         "phoneme": anything,
                     },
                 ),
@@ -1632,6 +1632,10 @@ def test_fuzz_align_records(engine_client, calls):
     pls=st.binary(max_size=200) | st.sampled_from([b"<lexicon/>", b"<lexicon><lexeme/></lexicon>"]),
 )
 @example(body={"description": float("inf"), "name": float("nan")}, pls=b"")
+@example(body={"name": "d", "rules": [{"string_to_replace": "a\ud800", "alias": "b"}]}, pls=b"")
+@example(
+    body={"name": "d\udfff", "rules": [{"string_to_replace": "a", "alias": "b"}], "description": "\ud800"}, pls=b""
+)
 def test_fuzz_pronunciation_dictionaries(fuzz_server, body, pls):
     """Any rules body or lexicon file: a dictionary or a 4xx, never a 5xx."""
     r = httpx.post(  # json.dumps writes inf and nan as the non-JSON a client may send

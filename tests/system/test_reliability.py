@@ -622,6 +622,40 @@ def test_client_that_never_reads_is_dropped(limited, keepalive):
     assert gauge(server, "zonos_active_sessions") == 0
 
 
+@slow
+def test_a_whole_answer_its_client_never_reads_is_cut(limited):
+    """uvicorn writes a whole file into the connection's transport at once and counts it sent (its share of
+    --max-whole-answer-bytes given back): a client that read nothing held the rest of its file in the gateway's
+    memory, and its connection, forever. Past --send-timeout (12 s here) without progress it is cut."""
+    quiet(limited)
+    # ignore_eos: 120 frames of float32 at 44.1 kHz (240 KB), under the 1.5 s cap; the buffers hold far less
+    body = json.dumps({"text": "One.", "stream": False, "ignore_eos": True, "max_tokens": 120, "seed": 1}).encode()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers stays small
+    s.connect(("127.0.0.1", limited.port))
+    try:
+        s.sendall(
+            b"POST /tts/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body
+        )
+        ours = s.getsockname()[1]
+        wait_for(lambda: gauge(limited, "zonos_whole_answer_bytes") > 0, 60)  # its answer is being made
+        # then the gateway closes its end while its client stays: it holds the socket no more
+        took = wait_for(lambda: tcp_state(limited.port, ours) not in ("ESTABLISHED", "CLOSE_WAIT"), 120, 0.5)
+        s.settimeout(60)
+        got = b""
+        while chunk := s.recv(1 << 20):  # what the kernel still had: the head and the file's start
+            got += chunk
+    except ConnectionResetError:
+        got = b""
+    finally:
+        s.close()
+    assert took >= 12
+    _, _, audio = got.partition(b"\r\n\r\n")
+    assert len(audio) < 120 * 512 * 4
+    assert gauge(limited, "zonos_whole_answer_bytes") == 0
+
+
 # ---- faults ---------------------------------------------------------------------------------------------
 @slow
 def test_client_vanishing_stops_engine_work(server):
@@ -1278,6 +1312,18 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+TCP_STATES = {1: "ESTABLISHED", 4: "FIN_WAIT1", 5: "FIN_WAIT2", 6: "TIME_WAIT", 7: "CLOSE", 8: "CLOSE_WAIT"}
+
+
+def tcp_state(local_port: int, remote_port: int) -> str:
+    """The state of the loopback TCP socket local_port -> remote_port (/proc/net/tcp), "" when there is none."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
+            return TCP_STATES.get(int(state, 16), state)
+    return ""
+
+
 @slow
 def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
     """A WebSocket upgrade with an 8+ KB request line or header got no answer and kept its
@@ -1341,6 +1387,39 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
     assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
+def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(server):
+    """A handshake with a body (declared, chunked, or declared and never sent) got no answer and kept its connection
+    for as long as its client: the parser read the body as a request's and never handed the connection over. Another
+    method got the websockets library's text/plain 405. One on an unknown path is 404 not_found."""
+    ws = b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE
+    cases = {
+        "a body": (ws + b"Content-Length: 5\r\n\r\nhello", 400, "bad_request"),
+        "a body never sent": (ws + b"Content-Length: 5\r\n\r\n", 400, "bad_request"),
+        "chunked": (ws + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 400, "bad_request"),
+        "a POST": (ws.replace(b"GET", b"POST", 1) + b"\r\n", 405, "method_not_allowed"),
+        "a POST to a speech route": (
+            b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"Content-Length: 2\r\n\r\n{}",
+            405,
+            "method_not_allowed",
+        ),
+    }
+    for name, (head, status, code) in cases.items():
+        answer, closed = raw_exchange(server.port, head, timeout=20)
+        assert closed and answer, name
+        assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+    # a handshake on a path no socket serves (an HTTP route's, the static files', none): 404 not_found, JSON (it was an
+    # empty text/plain 403)
+    for path in (b"/nope", b"/healthz", b"/static/app.js"):
+        answer, _ = raw_exchange(server.port, ws.replace(b"/v1/tts/ws", path, 1) + b"\r\n", timeout=20)
+        assert raw_json_error(answer) == (
+            404,
+            {"code": "not_found", "message": f"no such WebSocket endpoint: {path.decode()}"},
+        )
+    # one without a body (an empty one declared) is a WebSocket
+    answer, _ = raw_exchange(server.port, ws + b"Content-Length: 0\r\n\r\n", timeout=20, until=b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 101 "), answer[:100]
+
+
 @pytest.fixture(scope="module")
 def hosts(start_server):
     """No key, a short head timeout, one extra host name."""
@@ -1352,6 +1431,18 @@ def test_an_unfinished_request_head_is_answered_and_closed(hosts):
     for head in (b"", b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "):
         answer, closed = raw_exchange(hosts.port, head)
         assert closed and raw_json_error(answer)[0] == 408 and raw_json_error(answer)[1]["code"] == "request_timeout"
+
+
+@slow
+def test_a_small_body_that_stops_mid_way_is_answered_and_closed(hosts):
+    """A speech request whose small JSON body stops mid-way (declared or chunked) held its connection and the
+    route's task for as long as its client stayed."""
+    head = b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for rest in (b'Content-Length: 1000\r\n\r\n{"input":', b'Transfer-Encoding: chunked\r\n\r\n100\r\n{"input":'):
+        answer, closed = raw_exchange(hosts.port, head + rest, timeout=30)
+        assert closed and answer, answer
+        status, error = raw_json_error(answer)
+        assert status == 408 and error["code"] == "request_timeout"
 
 
 def test_normalization_and_head_flags():

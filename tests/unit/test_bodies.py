@@ -101,6 +101,29 @@ def test_a_body_holding_the_bound_that_stops_arriving_is_cut_and_gives_its_share
     assert took >= 0.05 + size / BODY_MIN_RATE and budget.taken == 0
 
 
+def test_a_small_body_that_stops_arriving_is_cut_too():
+    """A body too small to hold a share of the bound that stops mid-way held its connection and the route's task
+    for as long as its client stayed: it is cut at the head timeout too (408 request_timeout)."""
+    budget = BodyBudget(1_000_000)
+    bound = BodyBound(None, budget, grace_s=0.05)  # type: ignore[arg-type]
+
+    async def go() -> list[RequestError]:
+        first = True
+
+        async def stalled():
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": b'{"input":', "more_body": True}
+            await asyncio.Event().wait()  # the rest never comes
+
+        raised, _ = await asyncio.wait_for(_serve(bound, _scope(1000), stalled), 60)
+        return raised
+
+    assert [(e.code, e.status) for e in asyncio.run(go())] == [("request_timeout", 408)]
+    assert budget.taken == 0
+
+
 def test_a_body_that_has_arrived_has_no_deadline():
     """Once the whole body is in, the route may wait for its client (a speech route, for its first audio) as long
     as it needs: no deadline then."""

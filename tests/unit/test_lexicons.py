@@ -111,6 +111,21 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert store.list("alice") == []
 
 
+def test_text_with_no_utf8_form_is_a_bad_lexicon_and_nothing_is_written(tmp_path):
+    """A lone surrogate (JSON's "\\ud800") in a rule, a name or a description has no place in the store's UTF-8
+    files: writing it raised UnicodeEncodeError (a 500) after the rules file was written."""
+    for bad in ({"string_to_replace": "x\ud800", "alias": "y"}, {"string_to_replace": "x", "alias": "\udfffy"}):
+        with pytest.raises(RequestError) as e:
+            rules_from_json([bad])
+        assert e.value.code == "bad_lexicon" and "surrogate" in str(e.value)
+    store = LexiconStore(tmp_path)
+    for name, description in (("d\ud800", None), ("d", "\ud800")):
+        with pytest.raises(RequestError) as e:
+            store.add("alice", name, [Rule("a", "b")], description)
+        assert e.value.code == "bad_lexicon"
+    assert store.list("alice") == [] and not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+
 def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(tmp_path, monkeypatch):
     """An owner's hundred dictionaries of thousands of rules are hundreds of MB: a listing, and the count a new
     dictionary is held to (MAX_PER_OWNER), read only that owner's metadata, never rules (every listing parsed every
