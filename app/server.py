@@ -394,7 +394,10 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
         ws_per_message_deflate=False,
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
         http=bounded_protocol(
-            settings.limits.head_timeout_s, settings.limits.send_timeout_s, getattr(app.state, "door", None)
+            settings.limits.head_timeout_s,
+            settings.limits.send_timeout_s,
+            getattr(app.state, "door", None),
+            lambda: app.state.gateway.metrics.errors.labels(G.CLIENT_STALLED).inc(),
         ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)

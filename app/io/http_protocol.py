@@ -83,6 +83,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured ones
     send_timeout_s: float = Limits.send_timeout_s
     door: Door | None = None
+    on_stalled: Callable[[], None] | None = None  # an answer was cut: its client read nothing (a metric counts it)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -160,6 +161,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._arm_send_timer()
             return
         self.logger.info("cut an answer: no send progress in %g s (the client reads nothing)", self.send_timeout_s)
+        if self.on_stalled is not None:
+            self.on_stalled()
         self.transport.abort()
 
     # ---- refusals ---------------------------------------------------------------------------------
@@ -273,9 +276,13 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
 
 def bounded_protocol(
-    head_timeout_s: float, send_timeout_s: float, door: Door | None = None
+    head_timeout_s: float,
+    send_timeout_s: float,
+    door: Door | None = None,
+    on_stalled: Callable[[], None] | None = None,
 ) -> type[BoundedHttpToolsProtocol]:
-    """The protocol class with these timeouts and door (uvicorn builds one instance per connection)."""
+    """The protocol class with these timeouts, door and count of answers cut for a client that read nothing
+    (uvicorn builds one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
@@ -283,5 +290,6 @@ def bounded_protocol(
             "head_timeout_s": head_timeout_s,
             "send_timeout_s": send_timeout_s,
             "door": staticmethod(door) if door else None,
+            "on_stalled": staticmethod(on_stalled) if on_stalled else None,
         },
     )

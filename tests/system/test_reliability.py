@@ -628,6 +628,8 @@ def test_a_whole_answer_its_client_never_reads_is_cut(limited):
     --max-whole-answer-bytes given back): a client that read nothing held the rest of its file in the gateway's
     memory, and its connection, forever. Past --send-timeout (12 s here) without progress it is cut."""
     quiet(limited)
+    stalled = 'zonos_errors_total{code="client_stalled"}'
+    before = gauge(limited, stalled) if stalled in metrics(limited) else 0.0
     # ignore_eos: 120 frames of float32 at 44.1 kHz (240 KB), under the 1.5 s cap; the buffers hold far less
     body = json.dumps({"text": "One.", "stream": False, "ignore_eos": True, "max_tokens": 120, "seed": 1}).encode()
     s = socket.socket()
@@ -654,6 +656,7 @@ def test_a_whole_answer_its_client_never_reads_is_cut(limited):
     _, _, audio = got.partition(b"\r\n\r\n")
     assert len(audio) < 120 * 512 * 4
     assert gauge(limited, "zonos_whole_answer_bytes") == 0
+    assert gauge(limited, stalled) == before + 1  # counted as the WebSocket's cut clients are
 
 
 # ---- faults ---------------------------------------------------------------------------------------------
