@@ -30,6 +30,8 @@ dropped, then its connection closed.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 import re
 import secrets
@@ -61,6 +63,13 @@ def request_id(given: str) -> str:
 class HeadRefused(Exception):
     """Raised inside a parser callback once the refusal has been written: stops the parse (httptools raises
     it again as a parser error, which uvicorn hands to send_400_response)."""
+
+
+def _is_websocket_key(key: bytes) -> bool:
+    try:
+        return len(base64.b64decode(key, validate=True)) == 16
+    except (binascii.Error, ValueError):
+        return False
 
 
 def error_response(status: int, code: str, message: str) -> bytes:
@@ -236,16 +245,28 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def _check_handshake(self) -> None:
-        """A WebSocket handshake is a GET without a body. With a body the parser reads it as a request's and never
-        hands the connection over, so nothing answered it and it stayed open for as long as its client; another
-        method got the websockets library's text/plain 405."""
+        """A WebSocket handshake is a GET without a body, with one Sec-WebSocket-Key (16 bytes in base64). With a
+        body the parser reads it as a request's and never hands the connection over, so nothing answered it and
+        it stayed open for as long as its client; another method, or a missing or malformed key, got the
+        websockets library's text/plain answer. (A version other than 13 is still the library's: its 426 names
+        the version it speaks, as RFC 6455 asks.)"""
         if self.parser.get_method() != b"GET":
             self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "a WebSocket handshake is a GET")
             raise HeadRefused
+        keys = []
         for name, value in self.headers:
             if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
                 self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, "a WebSocket handshake has no body")
                 raise HeadRefused
+            if name == b"sec-websocket-key":
+                keys.append(value.strip())
+        if len(keys) != 1 or not _is_websocket_key(keys[0]):
+            self._refuse(
+                E.BAD_REQUEST.http_status,
+                E.BAD_REQUEST,
+                "a WebSocket handshake has one Sec-WebSocket-Key header: 16 random bytes in base64",
+            )
+            raise HeadRefused
 
     def on_body(self, body: bytes) -> None:
         if self._dropping is None:

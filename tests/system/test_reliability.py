@@ -1390,6 +1390,12 @@ def test_oversized_request_heads_get_a_json_answer_and_are_closed(server):
     assert httpx.get(server.url + "/healthz", timeout=30).status_code == 200
 
 
+def _with_key(head: bytes, key: bytes) -> bytes:
+    """A handshake head with its Sec-WebSocket-Key value replaced."""
+    before, _, rest = head.partition(b"Sec-WebSocket-Key: ")
+    return before + b"Sec-WebSocket-Key: " + key + b"\r\n" + rest.partition(b"\r\n")[2]
+
+
 def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(server):
     """A handshake with a body (declared, chunked, or declared and never sent) got no answer and kept its connection
     for as long as its client: the parser read the body as a request's and never handed the connection over. Another
@@ -1400,6 +1406,11 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
         "a body never sent": (ws + b"Content-Length: 5\r\n\r\n", 400, "bad_request"),
         "chunked": (ws + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", 400, "bad_request"),
         "a POST": (ws.replace(b"GET", b"POST", 1) + b"\r\n", 405, "method_not_allowed"),
+        # the key: missing, not base64, not 16 bytes, twice (each was the websockets library's text/plain 400)
+        "no key": (ws.replace(b"Sec-WebSocket-Key: ", b"X-Key: ", 1) + b"\r\n", 400, "bad_request"),
+        "a key that is no base64": (_with_key(ws, b"not base64!") + b"\r\n", 400, "bad_request"),
+        "a key of 8 bytes": (_with_key(ws, b"AAAAAAAAAAA=") + b"\r\n", 400, "bad_request"),
+        "two keys": (ws + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 400, "bad_request"),
         "a POST to a speech route": (
             b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"Content-Length: 2\r\n\r\n{}",
             405,
