@@ -91,8 +91,15 @@ MEDIA_TYPES = {
     **{k: FORMATS[k][0] for k in COMPRESSED},
 }
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
-# MP3 at a constant bit rate (kbit/s) a rate's MPEG version allows: enough for speech at each
+# MP3 at a constant bit rate (kbit/s) a rate's MPEG version allows: enough for speech at each (the default)
 MP3_BIT_RATE = {8000: 32, 16000: 64, 22050: 64, 24000: 64, 32000: 160, SAMPLE_RATE: 160, 48000: 160}
+# the bit rates (kbit/s) each MPEG version defines: MPEG-1 at 32-48 kHz, MPEG-2 at 16-24 kHz, MPEG-2.5 below
+MP3_BIT_RATES = {
+    1: (32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320),
+    2: (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
+    3: (8, 16, 24, 32, 40, 48, 56, 64),
+}
+OPUS_BIT_RATE_RANGE = (6000, 510000)  # what libopus takes (bit/s)
 MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its command line's and FFmpeg's default
 # Opus (libopus, VBR) bit rates: what libopus chose for speech at each rate on its own, set explicitly
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
@@ -297,28 +304,38 @@ def aac_encoder(sample_rate: int) -> FfmpegEncoder:
     return FfmpegEncoder("adts", "aac", sample_rate, AAC_BIT_RATE[sample_rate])
 
 
-def opus_encoder(sample_rate: int) -> FfmpegEncoder:
+def opus_encoder(sample_rate: int, bit_rate: int | None = None) -> FfmpegEncoder:
     """Opus (libopus) in Ogg, pages of at most 20 ms (`first_samples` has what libopus's look-ahead and FFmpeg's
     encoder and muxer hold back before the first audio page)."""
     if sample_rate not in OPUS_BIT_RATE:
         raise ValueError(f"opus takes the sample rates {OPUS_RATES}")
-    return FfmpegEncoder(
-        "ogg", "libopus", sample_rate, OPUS_BIT_RATE[sample_rate], page_duration=str(OPUS_PAGE_MS * 1000)
-    )
+    lo, hi = OPUS_BIT_RATE_RANGE
+    bits = OPUS_BIT_RATE[sample_rate] if bit_rate is None else min(max(bit_rate, lo), hi)
+    return FfmpegEncoder("ogg", "libopus", sample_rate, bits, page_duration=str(OPUS_PAGE_MS * 1000))
+
+
+def mp3_bit_rate(sample_rate: int, bit_rate: int | None = None) -> int:
+    """The MP3 bit rate (kbit/s) for a client that asked for `bit_rate` bit/s (None: the default for the rate):
+    the nearest one the rate's MPEG version defines."""
+    if bit_rate is None:
+        return MP3_BIT_RATE[sample_rate]
+    allowed = MP3_BIT_RATES[1 if sample_rate >= 32000 else 2 if sample_rate >= 16000 else 3]
+    return min(allowed, key=lambda kbps: (abs(kbps * 1000 - bit_rate), kbps))
 
 
 class Mp3Encoder:
     """float32 mono samples -> MPEG audio frames at a constant bit rate (LAME, through lameenc, which releases
     the GIL while it encodes), each frame out as soon as LAME has it."""
 
-    def __init__(self, sample_rate: int) -> None:
+    def __init__(self, sample_rate: int, bit_rate: int | None = None) -> None:
         if sample_rate not in MP3_BIT_RATE:
             raise ValueError(f"mp3 takes the sample rates {sorted(MP3_BIT_RATE)}")
         import lameenc
 
         self._lame = lameenc.Encoder()
-        self._lame.set_bit_rate(MP3_BIT_RATE[sample_rate])
+        self._lame.set_bit_rate(mp3_bit_rate(sample_rate, bit_rate))
         self._lame.set_in_sample_rate(sample_rate)
+        self._lame.set_out_sample_rate(sample_rate)  # else LAME may pick another rate for the bit rate
         self._lame.set_channels(1)
         self._lame.set_quality(MP3_QUALITY)
 
@@ -334,7 +351,7 @@ class StreamEncoder:
     `write(samples)` returns what is ready (possibly nothing), `close()` the rest. With `whole=True` every
     byte comes from `close()`: the finished file, its header complete (see the module docstring)."""
 
-    def __init__(self, fmt: str, sample_rate: int, whole: bool = False) -> None:
+    def __init__(self, fmt: str, sample_rate: int, whole: bool = False, bit_rate: int | None = None) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"unknown format {fmt!r}")
         self.fmt, self.sample_rate, self.whole = fmt, sample_rate, whole
@@ -346,9 +363,9 @@ class StreamEncoder:
         if fmt == "aac":
             self._frames = aac_encoder(sample_rate)
         elif fmt == "opus":
-            self._frames = opus_encoder(sample_rate)
+            self._frames = opus_encoder(sample_rate, bit_rate)
         elif fmt == "mp3":
-            self._frames = Mp3Encoder(sample_rate)
+            self._frames = Mp3Encoder(sample_rate, bit_rate)
         if fmt == "flac":
             _, container, subtype = FORMATS[fmt]
             # a whole file is written into a seekable buffer, so the encoder's last header patch lands
@@ -409,6 +426,7 @@ class OutputFormat:
     encoding: str
     sample_rate: int
     wav: bool = False
+    bit_rate: int | None = None  # bit/s a client asked of MP3 or Opus (the nearest the codec offers); None: ours
 
     def check(self, rates: tuple[int, ...] = RATES, code: str = G.UNSUPPORTED_FORMAT) -> OutputFormat:
         """Refused with `code` unless an encoder offers it at one of `rates`."""
@@ -433,7 +451,7 @@ class OutputFormat:
         return "audio/wav" if self.wav else MEDIA_TYPES[self.encoding]
 
     def encoder(self, whole: bool = False) -> Encoder:
-        return Encoder(self.encoding, self.sample_rate, wav=self.wav, whole=whole)
+        return Encoder(self.encoding, self.sample_rate, wav=self.wav, whole=whole, bit_rate=self.bit_rate)
 
 
 class Encoder:
@@ -442,13 +460,18 @@ class Encoder:
     the end, the file's header complete (StreamEncoder). `threaded`: its encoder is worth a worker thread."""
 
     def __init__(
-        self, encoding: str = "pcm_s16le", sample_rate: int = NATIVE_RATE, wav: bool = False, whole: bool = False
+        self,
+        encoding: str = "pcm_s16le",
+        sample_rate: int = NATIVE_RATE,
+        wav: bool = False,
+        whole: bool = False,
+        bit_rate: int | None = None,
     ) -> None:
         self.encoding, self.sample_rate = encoding, sample_rate
         self._rs = StreamResampler(sample_rate) if sample_rate != NATIVE_RATE else None
         self._file: StreamEncoder | None = None
         if encoding in COMPRESSED:
-            self._file = StreamEncoder(encoding, sample_rate, whole)
+            self._file = StreamEncoder(encoding, sample_rate, whole, bit_rate)
         elif wav and whole:  # the finished file: its sizes are known at the end
             if encoding != "pcm_s16le":
                 raise ValueError("a whole WAV file holds pcm_s16le")

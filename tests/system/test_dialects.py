@@ -1443,3 +1443,14 @@ def test_livekit_plugins_reuse_their_pooled_socket_after_an_idle(pinging, servic
     assert result["errors"] == [] and all(n > 0 for n in result["turns_audio_bytes"]), result
     wait_for(lambda: upgrades() > before)  # the socket's log line comes when it closes
     assert upgrades() == before + 1, "the plugin opened a second socket"
+
+
+def test_the_dialects_output_formats_carry_their_bit_rates():
+    """ElevenLabs' format names and Cartesia's mp3 `bit_rate` reach the encoder (no server: the parsers)."""
+    from app.doors.dialects.cartesia_http import _format
+    from app.doors.dialects.elevenlabs import output_format
+
+    assert output_format("mp3_44100_64").bit_rate == 64000 and output_format("opus_48000_192").bit_rate == 192000
+    assert output_format("mp3_22050_32").bit_rate == 32000 and output_format("pcm_24000").bit_rate is None
+    mp3 = _format({"container": "mp3", "sample_rate": 44100, "bit_rate": 96000}, ("raw", "wav", "mp3"))
+    assert (mp3.encoding, mp3.sample_rate, mp3.bit_rate) == ("mp3", 44100, 96000)

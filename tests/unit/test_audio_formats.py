@@ -380,3 +380,36 @@ def test_the_encoder_cpu_bench_measures_every_output_and_the_word_clock(tmp_path
     got = json.loads((tmp_path / "cpu.json").read_text())
     assert set(got) == {f"{e}@{r}" for e, r in OUTPUTS} | {"word clock"}
     assert all(v >= 0 for v in got.values())
+
+
+@pytest.mark.parametrize(
+    ("rate", "asked", "kbps"),
+    [
+        (44100, 128000, 128),
+        (44100, 32000, 32),
+        (22050, 32000, 32),
+        (24000, 128000, 128),
+        (24000, 192000, 160),
+        (8000, 128000, 64),
+        (16000, 70000, 64),
+        (48000, 1, 32),
+    ],
+)
+def test_mp3_takes_the_bit_rate_asked_or_the_nearest_its_version_defines(rate: int, asked: int, kbps: int):
+    """An MP3 at the bit rate a client asks (ElevenLabs' mp3_44100_128, Cartesia's bit_rate): the nearest one the
+    rate's MPEG version defines, and still at the rate asked (LAME would pick another rate for some bit rates)."""
+    x = (np.random.default_rng(rate).standard_normal(rate) * 0.1).astype(np.float32)
+    enc = StreamEncoder("mp3", rate, bit_rate=asked)
+    data = enc.write(x) + enc.close()
+    with av.open(io.BytesIO(data), format="mp3") as f:
+        assert f.streams.audio[0].sample_rate == rate and f.streams.audio[0].bit_rate == kbps * 1000
+
+
+def test_opus_takes_the_bit_rate_asked():
+    """Opus at the bit rate a client asks (ElevenLabs' opus_48000_32 ... _192): VBR, so about it on average."""
+    x = (np.random.default_rng(0).standard_normal(48000 * 4) * 0.1).astype(np.float32)
+    sizes = {}
+    for kbps in (32, 128):
+        enc = StreamEncoder("opus", 48000, bit_rate=kbps * 1000)
+        sizes[kbps] = len(enc.write(x) + enc.close()) * 8 / 4 / 1000
+        assert 0.7 * kbps <= sizes[kbps] <= 1.3 * kbps, sizes

@@ -3,8 +3,8 @@
 
 * `POST /tts/bytes`: the audio, streamed as it is generated. `output_format`: `{"container": "raw" | "wav",
   "encoding": "pcm_s16le" | "pcm_f32le" | "pcm_mulaw" | "pcm_alaw", "sample_rate"}` (the WAV's sizes say
-  'unknown length', as every streamed WAV) or `{"container": "mp3", "sample_rate", "bit_rate"}` (the bit
-  rate is not honoured: our constant-rate MP3 encoder).
+  'unknown length', as every streamed WAV) or `{"container": "mp3", "sample_rate", "bit_rate"}` (constant
+  bit rate: the nearest to `bit_rate` that MP3 defines at that rate).
 * `POST /tts/sse`: server-sent events as the WebSocket's messages: `chunk` (`data`: base64 audio,
   `step_time`: ms since the previous chunk), then `done`; an error after the audio began is an `error`
   event. Container `raw` only. `context_id` is echoed; `add_timestamps` is accepted and no timestamps are
@@ -59,7 +59,7 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
     bit_rate = spec.get("bit_rate")
     if bit_rate is not None and (not isinstance(bit_rate, int) or isinstance(bit_rate, bool)):
         raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.bit_rate must be an integer")
-    return OutputFormat("mp3", rate).check()
+    return OutputFormat("mp3", rate, bit_rate=bit_rate).check()
 
 
 def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:

@@ -73,8 +73,8 @@ def output_format(name: str) -> OutputFormat:
             G.ELEVENLABS_INVALID_OUTPUT_FORMAT,
             f"output_format {name[:40]!r} is not one of ElevenLabs' formats: {', '.join(sorted(OUTPUT_FORMATS))}",
         )
-    kind, rate = name.split("_")[:2]
-    return OutputFormat(_KINDS[kind], int(rate)).check()
+    kind, rate, *kbps = name.split("_")
+    return OutputFormat(_KINDS[kind], int(rate), bit_rate=int(kbps[0]) * 1000 if kbps else None).check()
 
 
 def check_url_options(query: Mapping[str, str]) -> None:
