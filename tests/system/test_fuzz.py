@@ -1744,10 +1744,16 @@ def test_a_socket_clip_past_the_bound_is_a_coded_error_and_the_session_goes_on(f
 
 
 # ---- the bound on audio held by whole-file answers (app/doors/speech.py AnswerHold) ----------------------------
-WHOLE_ANSWERS = {  # a whole-file answer's body on each route that sends one, and how its error body names the code
-    "/v1/audio/speech": ({"input": "Hi.", "response_format": "wav"}, lambda b: b["error"]["code"]),
-    "/v1/audio/speech ": ({"input": "Hi.", "response_format": "flac"}, lambda b: b["error"]["code"]),
-    "/tts/generate": ({"text": "Hi.", "stream": False}, lambda b: b["error"]["code"]),
+# a whole-file answer's body on each route that sends one, and how its error body names the code; each asks for a
+# fixed length (the random tiny model may end a sentence at its first frame: a 200 with no audio)
+_FIXED = {"seed": 3, "max_frames": 40, "ignore_eos": True}
+WHOLE_ANSWERS = {
+    "/v1/audio/speech": ({"input": "Hi.", "response_format": "wav", "params": _FIXED}, lambda b: b["error"]["code"]),
+    "/v1/audio/speech ": ({"input": "Hi.", "response_format": "flac", "params": _FIXED}, lambda b: b["error"]["code"]),
+    "/tts/generate": (
+        {"text": "Hi.", "stream": False, "seed": 3, "max_tokens": 40, "ignore_eos": True},
+        lambda b: b["error"]["code"],
+    ),
 }
 
 
