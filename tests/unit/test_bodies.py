@@ -48,6 +48,21 @@ def test_a_body_growing_as_it_arrives_takes_its_bytes_and_one_past_the_bound_is_
     assert growing.held == 400_000 and budget.taken == 1_000_000
 
 
+def _stops_after(chunk: bytes):
+    """An ASGI receive() whose body sends `chunk`, then never the rest."""
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": chunk, "more_body": True}
+        await asyncio.Event().wait()  # the rest never comes
+        raise AssertionError("unreachable")
+
+    return receive
+
+
 def _scope(length: int) -> dict:
     return {"type": "http", "method": "POST", "path": "/", "headers": [(b"content-length", str(length).encode())]}
 
@@ -83,17 +98,8 @@ def test_a_body_holding_the_bound_that_stops_arriving_is_cut_and_gives_its_share
     size = 100_000
 
     async def go() -> tuple[list[RequestError], float]:
-        first = True
-
-        async def trickle():
-            nonlocal first
-            if first:
-                first = False
-                return {"type": "http.request", "body": b"{", "more_body": True}
-            await asyncio.Event().wait()  # the rest never comes
-
         t0 = time.monotonic()
-        raised, _ = await asyncio.wait_for(_serve(bound, _scope(size), trickle), 60)
+        raised, _ = await asyncio.wait_for(_serve(bound, _scope(size), _stops_after(b"{")), 60)
         return raised, time.monotonic() - t0
 
     raised, took = asyncio.run(go())
@@ -108,16 +114,7 @@ def test_a_small_body_that_stops_arriving_is_cut_too():
     bound = BodyBound(None, budget, grace_s=0.05)  # type: ignore[arg-type]
 
     async def go() -> list[RequestError]:
-        first = True
-
-        async def stalled():
-            nonlocal first
-            if first:
-                first = False
-                return {"type": "http.request", "body": b'{"input":', "more_body": True}
-            await asyncio.Event().wait()  # the rest never comes
-
-        raised, _ = await asyncio.wait_for(_serve(bound, _scope(1000), stalled), 60)
+        raised, _ = await asyncio.wait_for(_serve(bound, _scope(1000), _stops_after(b'{"input":')), 60)
         return raised
 
     assert [(e.code, e.status) for e in asyncio.run(go())] == [("request_timeout", 408)]
