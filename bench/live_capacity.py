@@ -73,7 +73,9 @@ length is fixed, `--frames`).
 
 Collector pauses: each level reports the gateway's `zonos_gc_pause_seconds` over it (`gc`: collections by
 generation, pause p50 / p99 interpolated in the histogram's buckets as Prometheus' histogram_quantile does,
-and the bucket the longest pause fell in).
+and the bucket the longest pause fell in), and the same of `zonos_gc_pause_cpu_seconds` (`gc_cpu`: the CPU time
+the collections themselves used; where it is far below the wall-clock pause, the host ran other processes on
+the gateway's core meanwhile).
 
 Output: a table on stdout; `--out` JSON with the configuration, every level's summary, the capacity and
 every per-stream record (rewritten after each level, so an interrupted run keeps what it measured);
@@ -592,13 +594,14 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-GC_HISTOGRAM = "zonos_gc_pause_seconds_bucket"
+GC_HISTOGRAMS = {"zonos_gc_pause_seconds_bucket": "gc", "zonos_gc_pause_cpu_seconds_bucket": "gc_cpu"}
 
 
 async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, Any] | None:
     """From the server's /metrics: the engine's admission counters (`held`: iterations each gate held a waiting
     newcomer back, `zonos_engine_admission_held_by_engine{gate}` summed over engines) and the collector's pause
-    histogram (`gc`: {(generation, le): cumulative count}). None: the server has no /metrics."""
+    histograms (`gc`, wall clock, and `gc_cpu`, the collections' CPU time: {(generation, le): cumulative count}).
+    None: the server has no /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -610,16 +613,16 @@ async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, A
     if r.status_code != 200:
         return None
     held: dict[str, float] = {}
-    gc_buckets: dict[tuple[str, float], float] = {}
+    gc_buckets: dict[str, dict[tuple[str, float], float]] = {name: {} for name in GC_HISTOGRAMS.values()}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             if sample.name == "zonos_engine_admission_held_by_engine":
                 gate = sample.labels.get("gate", "")
                 held[gate] = held.get(gate, 0.0) + sample.value
-            elif sample.name == GC_HISTOGRAM:
+            elif (name := GC_HISTOGRAMS.get(sample.name)) is not None:
                 key = (sample.labels.get("generation", ""), float(sample.labels["le"]))
-                gc_buckets[key] = gc_buckets.get(key, 0.0) + sample.value
-    return {"held": held, "gc": gc_buckets}
+                gc_buckets[name][key] = gc_buckets[name].get(key, 0.0) + sample.value
+    return {"held": held, **gc_buckets}
 
 
 async def gateway_pids(ws_url: str, api_key: str | None = None, tries: int = 200) -> list[int]:
@@ -1083,7 +1086,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         after = await server_metrics(opts.url, opts.api_key)
         if before is not None and after is not None:  # what held newcomers back in this level (iterations)
             summary["admission_held"] = {g: after["held"][g] - before["held"].get(g, 0.0) for g in after["held"]}
-            summary["gc"] = gc_pauses(before["gc"], after["gc"])
+            for name in GC_HISTOGRAMS.values():
+                summary[name] = gc_pauses(before[name], after[name])
         if refuse:
             summary["without_storm"] = storm_baseline(plain.get(n))
         else:
@@ -1114,7 +1118,7 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
         if summary.get("gc"):
-            log(f"      gateway gc: {summary['gc']}")
+            log(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")
         if summary.get("gateway_cpu"):
             log(f"      gateway cpu ({opts.encoding}): {summary['gateway_cpu']}")
         if summary.get("refuse_storm"):

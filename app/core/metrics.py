@@ -32,7 +32,7 @@ OwnGauge = functools.partial(Gauge, multiprocess_mode="livesum")
 EngineGauge = functools.partial(Gauge, multiprocess_mode="livemostrecent")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
-_GC_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25)
+_GC_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25)
 _RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
 
@@ -90,6 +90,14 @@ class Metrics:
         self.gc_pause = Histogram(
             "zonos_gc_pause_seconds",
             "Pauses of Python's cyclic collector, which hold the event loop (every socket's audio), by generation",
+            ["generation"],
+            buckets=_GC_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause_cpu = Histogram(
+            "zonos_gc_pause_cpu_seconds",
+            "CPU time the cyclic collector itself used in each pause, by generation: the pause less the time the OS "
+            "ran other threads meanwhile (engine/contract/collector.py)",
             ["generation"],
             buckets=_GC_BUCKETS,
             registry=r,
@@ -245,9 +253,11 @@ class Metrics:
             self.engine_ready.set(1 if any(e.ready.is_set() for e in engines) else 0)
             self.engine_restarts.set(sum(e.restarts for e in engines))
 
-    def observe_gc_pause(self, seconds: float, generation: int) -> None:
-        """One collection of Python's cyclic collector: the event loop was held this long."""
+    def observe_gc_pause(self, seconds: float, cpu_seconds: float, generation: int) -> None:
+        """One collection of Python's cyclic collector: the event loop was held this long, and the collection
+        itself used cpu_seconds of it."""
         self.gc_pause.labels(str(generation)).observe(seconds)
+        self.gc_pause_cpu.labels(str(generation)).observe(cpu_seconds)
 
     def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
         """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""

@@ -200,7 +200,7 @@ def test_a_collection_deep_in_a_recursion_is_observed_at_the_next_one(monkeypatc
     unraisable: list[Any] = []
     monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
 
-    def observe(pause: float, generation: int) -> None:
+    def observe(pause: float, cpu: float, generation: int) -> None:
         def down(n: int) -> int:  # as prometheus_client's own calls go some frames down
             return n if n == 0 else down(n - 1)
 

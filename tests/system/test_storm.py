@@ -268,7 +268,12 @@ def test_gc_pauses_are_a_metric(server):
         )
         assert r.status_code == 200
     assert metric(server, "zonos_gc_pause_seconds_count") > 0
-    assert 'zonos_gc_pause_seconds_bucket{generation="0",le="0.005"}' in httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.url + "/metrics").text
+    assert 'zonos_gc_pause_seconds_bucket{generation="0",le="0.005"}' in text
+    # the collections' own CPU time, observed with each pause
+    assert 'zonos_gc_pause_cpu_seconds_bucket{generation="0",le="0.005"}' in text
+    counts = dict(re.findall(r'^zonos_gc_pause(_cpu)?_seconds_count{generation="0"} (\S+)$', text, re.M))
+    assert float(counts[""]) == float(counts["_cpu"]) > 0  # one scrape: every pause observed in both
 
 
 def test_an_idle_socket_answering_pings_is_reused_without_a_failed_attempt(shared_server):
