@@ -188,7 +188,9 @@ def test_turns_on_one_socket_an_error_and_an_injected_gap(server):
         t.counted = True
     s = summarize_agent_level(1, [srec], [clean, refused, held], 1.0, 1.0)
     assert s["turns"] == 3 and s["sessions"] == 1 and s["stall_free_sessions"] == 0
-    assert s["error_codes"] == {"bad_text": 1} and s["stall_free_turns"] == 1
+    # the refused turn and the held one are never stall-free; the clean one is when the tiny CPU model kept up
+    # with real time (on a crowded machine it may not: a stall then, which the count must show too)
+    assert s["error_codes"] == {"bad_text": 1} and s["stall_free_turns"] == int(clean.stalls == 0)
 
 
 @pytest.mark.slow
