@@ -42,7 +42,6 @@ class Sequence:
     prefilled: int = 0  # prompt frames already in the KV cache
     generated: int = 0
     launched: int = 0  # frames whose sampling has been launched (prefill's first + decode steps); >= generated
-    last_codes: np.ndarray | None = None
     eos: EosTracker = field(default_factory=EosTracker)
     finish_reason: str | None = None
 
@@ -460,7 +459,6 @@ class LLMNode:
 
     def _accept(self, seq: Sequence, codes: np.ndarray, has_eoa: bool | None = None) -> np.ndarray:
         seq.generated += 1
-        seq.last_codes = codes
         if seq.eos.push(codes, has_eoa) and not seq.ignore_eos:
             seq.finish_reason = "eos"
         elif seq.generated >= seq.max_frames:
