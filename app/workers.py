@@ -37,7 +37,7 @@ from typing import Any
 
 from app.core.gateway import engine_settings
 from app.core.shared import SharedCounts
-from app.settings import GatewaySettings
+from app.settings import GatewaySettings, usable_cpus
 from engine.contract import records as m
 from engine.contract.lifeline import Lifeline, close_quietly, open_lifeline, watch_parent
 from engine.contract.process import run_engine
@@ -57,9 +57,10 @@ def restart_delay(restarts: int) -> float:
 
 
 def default_workers() -> int:
-    """Gateway processes by default: one per four CPUs (the engine's loop, the normalization workers and
-    the kernel's network work need the rest), at least one, at most eight."""
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    """Gateway processes by default: one per four CPUs this process may run on (its affinity: a container's
+    or taskset's CPUs, not the host's; the engine's loop, the normalization workers and the kernel's network
+    work need the rest), at least one, at most eight."""
+    return max(1, min(8, usable_cpus() // 4))
 
 
 LISTEN_BACKLOG = 2048  # uvicorn's own default: connections the kernel queues until a process accepts them

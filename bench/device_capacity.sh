@@ -25,6 +25,11 @@
 # CLIENT_PROCS sets every live_capacity.py call's --client-procs: its clients spread over that many processes, each
 # with its own event loop, so the client's own loop lag is not measured as stalls (default 0: one per 32 clients, at
 # most one per CPU; every level reports each process's loop lag).
+# SERVER_CPUS / CLIENT_CPUS (taskset lists, e.g. SERVER_CPUS=0-9 CLIENT_CPUS=10-15) pin the server (engine and
+# gateway processes) and the clients to their own cores, as clients on other machines would be: a storm's client
+# processes then no longer take the gateways' cores (their wall-clock collector pauses and refusal latency then
+# measure the server, and the clients' loop lag their own cores); the gateway's --workers default follows the
+# server's CPUs (one per four).
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
@@ -39,7 +44,9 @@ nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # for seconds (3.5-4.2 s on an H200, docs/architecture.md), in whichever level it fires
 profile=(); [ -n "${PROFILE_LEVEL-128}" ] && profile=(ZONOS_PROFILE="$OUT/iteration_profile.json" \
   ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-110})
-env "${profile[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
+SERVER_PIN=(); [ -n "${SERVER_CPUS:-}" ] && SERVER_PIN=(taskset -c "$SERVER_CPUS")
+CLIENT_PIN=""; [ -n "${CLIENT_CPUS:-}" ] && CLIENT_PIN="taskset -c $CLIENT_CPUS"
+env "${profile[@]}" "${SERVER_PIN[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
   > /tmp/server.log 2>&1 &
 server=$!
 # TESTS= (empty) runs no tests
@@ -74,7 +81,7 @@ pyspy_report() {
   done
   pyspy=
 }
-LIVE="python3 bench/live_capacity.py --client-procs ${CLIENT_PROCS:-0}"
+LIVE="$CLIENT_PIN python3 bench/live_capacity.py --client-procs ${CLIENT_PROCS:-0}"
 CAP="$LIVE --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
 [ -n "${GATEWAY_CPU:-}" ] && CAP="$CAP --gateway-cpu"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
@@ -104,7 +111,7 @@ pyspy_report
 # word by word at 30 words/s over one socket, played live turn after turn, AGENT_S measured seconds per level
 # (AGENT_ARGS adds its flags, e.g. "--words-per-s 15 --sentences 3")
 [ -n "${AGENT_LEVELS:-}" ] && timeout $(( $(wc -w <<< "$AGENT_LEVELS") * (${AGENT_S:-60} + 45) + 60 )) \
-  python3 bench/agent_load.py --levels $AGENT_LEVELS --duration ${AGENT_S:-60} --warmup 10 --stop-after-fail 0 \
+  $CLIENT_PIN python3 bench/agent_load.py --levels $AGENT_LEVELS --duration ${AGENT_S:-60} --warmup 10 --stop-after-fail 0 \
   ${AGENT_ARGS:-} --out "$OUT/capacity_agent.json"
 # storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
 # must not stall and refusals must be fast
@@ -129,7 +136,7 @@ fi
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
 curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced|^zonos_engine_admission_held"
 grep -E "slow iteration|decode steps paused|gc pause|Traceback|recompil" /tmp/server.log | head -30
-[ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
+[ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} $CLIENT_PIN python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"
 kill $server; sleep 3
 # a file over 16 MB does not come back (a storm's records): compressed, it does (bench/summarize.py reads .json.gz)

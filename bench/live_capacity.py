@@ -673,8 +673,9 @@ _proc_serials = itertools.count(1)  # each client process draws its clip serials
 
 
 def client_procs(opts: Options, n: int) -> int:
-    """The client processes of a level of n clients (`--client-procs`; 0: the default)."""
-    procs = opts.client_procs or min(math.ceil(n / CLIENTS_PER_PROC), os.cpu_count() or 1)
+    """The client processes of a level of n clients (`--client-procs`; 0: the default, at most one per CPU the
+    client may run on: its affinity, which `taskset` narrows)."""
+    procs = opts.client_procs or min(math.ceil(n / CLIENTS_PER_PROC), len(os.sched_getaffinity(0)))
     return max(1, min(procs, n))
 
 

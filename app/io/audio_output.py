@@ -43,7 +43,6 @@ import asyncio
 import functools
 import io
 import logging
-import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +54,7 @@ from app.io.checks import check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.resample import StreamResampler
+from app.settings import usable_cpus
 from engine.contract.constants import SAMPLE_RATE
 
 log = logging.getLogger("gateway.audio")
@@ -566,7 +566,7 @@ def warm_outputs() -> None:
 
 # The codecs' own threads: audio on its way to a listener never waits behind the bulk work of the loop's default
 # executor (a flood of uploads decoding clips can hold every thread there)
-_CODEC_THREADS = ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4), thread_name_prefix="codec")
+_CODEC_THREADS = ThreadPoolExecutor(max_workers=min(32, usable_cpus() + 4), thread_name_prefix="codec")
 
 
 async def encode(enc: Encoder, pcm16: np.ndarray, last: bool = False) -> bytes:
