@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.contract.flags import check, flag
-from engine.contract.settings import EngineSettings, WeightSources
+from engine.contract.settings import EngineSettings, WeightSources, usable_cpus
 
 _DAY = 86_400.0
 _GIB = 1 << 30
@@ -21,14 +21,6 @@ SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --
 # seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
 # that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing
 HOLD_PER_AUDIO_S = 2.0
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def max_normalization_workers() -> int:

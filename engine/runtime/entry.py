@@ -12,7 +12,7 @@ from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import Lifeline, watch_parent
 from engine.contract.rings import RingSpec, ShmRing
 from engine.contract.segments import unlink_segment
-from engine.contract.settings import EngineSettings, WeightSources
+from engine.contract.settings import EngineSettings, WeightSources, usable_cpus
 
 log = logging.getLogger("engine")
 
@@ -38,7 +38,7 @@ def engine_main(
     from engine.runtime.engine import Engine
     from engine.runtime.scheduler import Scheduler
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(max(1, usable_cpus() // 2))
     inboxes = [ShmRing.attach(spec) for spec, _ in channels]
     out_rings = [ShmRing.attach(spec) for _, spec in channels]
     try:
