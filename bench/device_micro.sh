@@ -4,6 +4,7 @@
 # (bench/fp8_fidelity.py), the DAC's variants if DAC_S is set (bench/dac_step.py) and the decode step (bench/decode_step.py,
 # DECODE_ARGS: --ab for the batch-invariance cost, --overlap-host-ms MS for overlapped steps).
 # Files under $OUT: run.log, gpu_tests.log, seed_invariance[_continuation,_cfg].json/.log, fp8_fidelity.json/.log,
+# fp8_sweep.json/.log (FP8_SWEEP),
 # dac_step.json/.log, decode_ab.json/.log (all but run.log packed into results.tgz)
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
@@ -25,6 +26,9 @@ wait $tests; tail -8 "$OUT/gpu_tests.log"
 [ -n "${FP8_S-150}" ] && { timeout ${FP8_S:-150} python3 bench/fp8_fidelity.py --prompts ${FP8_PROMPTS:-4} \
   --frames ${FP8_FRAMES:-100} --batches ${FP8_BATCHES:-64 128} --json "$OUT/fp8_fidelity.json" \
   > "$OUT/fp8_fidelity.log" 2>&1; grep -v "^\s*$" "$OUT/fp8_fidelity.log" | tail -24; }
+# FP8_SWEEP="64 128 192": one full-size MoE layer's tile variants per batch (blocked, prequant, swap_ab)
+[ -n "${FP8_SWEEP:-}" ] && { timeout ${FP8_SWEEP_S:-300} python3 bench/fp8_fidelity.py --sweep --batches $FP8_SWEEP \
+  --json "$OUT/fp8_sweep.json" > "$OUT/fp8_sweep.log" 2>&1; grep -E "^batch|Error" "$OUT/fp8_sweep.log" | head -40; }
 [ -n "${DAC_S-}" ] && { timeout ${DAC_S} python3 bench/dac_step.py --json "$OUT/dac_step.json" --profile \
   > "$OUT/dac_step.log" 2>&1; grep -v "^\s*$" "$OUT/dac_step.log" | head -30; }
 # the decode step: sequential vs overlapped (--overlap-decode) with the host work the engine measured per step

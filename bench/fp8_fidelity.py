@@ -16,7 +16,8 @@ the metrics the reference's fp8 branch reports (cos 0.998, top-1 87.1 %, KL 0.01
 weights). Then the captured decode step (graph replay, median) at each batch, bf16 then fp8.
 --sweep times one full-size MoE layer alone (16 experts, top-1), bf16 against fp8 with each tile variant of
 the fp8 kernels and its prequant variant (activations quantized once; triton.testing.do_bench, L2 flushed),
-to choose moe_fp8's tiles and whether prequant becomes the default.
+to choose moe_fp8's tiles and whether prequant or swap_ab (each product transposed, for the warpgroup MMA)
+becomes the default.
 
 Random weights are not trained weights: their logits are flatter and their activations have none of a
 trained model's outliers, so these figures show that the fp8 path is wired and sound, not what a trained
@@ -194,6 +195,25 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
                 num_stages=st,
                 prequant=True,
             )
+    # swap_ab: the weights' columns as the tensor-core instruction's M (>= 64: Hopper's warpgroup MMA), an
+    # expert block's rows as its N (16 or 32)
+    for bm in (16, 32):
+        for bn in (64, 128):
+            for nw in (4, 8):
+                for st in (3, 4, 5):
+                    variants[f"swap m{bm} n{bn} w{nw} s{st}"] = partial(
+                        moe_fp8.fused_moe_fp8,
+                        x,
+                        *fp8,
+                        chosen,
+                        w,
+                        block_m=bm,
+                        block_n=bn,
+                        batch_invariant=True,
+                        num_warps=nw,
+                        num_stages=st,
+                        swap_ab=True,
+                    )
     if b <= moe_fp8.GEMV_MAX_PAIRS:
         for tn in (2, 4, 8):
             for g in (2, 4, 8, 16):

@@ -176,6 +176,30 @@ def test_prequantized_activations_give_the_same_output(n, dim, inter, e, k):
         fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, batch_invariant=True, prequant=True, block_n=64)
 
 
+@pytest.mark.parametrize("prequant", [False, True])
+@pytest.mark.parametrize("n, dim, inter, e, k", [(9, 256, 384, 4, 1), (7, 128, 192, 4, 2)])
+def test_swapped_products_give_the_default_output_and_stay_batch_invariant(n, dim, inter, e, k, prequant):
+    """swap_ab (each tile's product computed as W_tile @ x_tile^T, for Hopper's warpgroup MMA at few rows per
+    expert) computes what the default blocked kernels compute (on a GPU another order of the tensor cores'
+    sums), partial QBLOCK groups (192 columns), top-2 and the prequant variant too; a row's output does not
+    depend on the other rows of the call."""
+    from engine.model.kernels.moe_fp8 import fused_moe_fp8
+
+    gq, gs, dq, ds = _experts(e, dim, inter, seed=n)
+    x, chosen, weights = _moe_inputs(n, dim, e, k, seed=30 + n)
+    kw = {"batch_invariant": True, "prequant": prequant, "block_n": QBLOCK}
+    default = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, **kw)
+    swapped = fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, swap_ab=True, **kw)
+    assert swapped.dtype == default.dtype and swapped.shape == default.shape
+    # fp32 in the interpreter: the same products, summed in another order by the matrix multiply
+    assert rel_err(swapped, default) < (2e-2 if CUDA else 1e-6), rel_err(swapped, default)
+    ref = moe_fp8_reference(x, gq, gs, dq, ds, chosen, weights)
+    assert rel_err(swapped, ref) < (2e-2 if CUDA else 1e-4)
+    for i in (0, n - 1):
+        one = fused_moe_fp8(x[i : i + 1], gq, gs, dq, ds, chosen[i : i + 1], weights[i : i + 1], swap_ab=True, **kw)
+        assert torch.equal(one[0], swapped[i])
+
+
 def _exact_moe(x, gate_up, down, chosen, weights):
     inter = gate_up.shape[1] // 2
     out = torch.zeros_like(x)
@@ -332,6 +356,32 @@ def test_gpu_fp8_moe_in_a_cuda_graph_full_size_layer(n):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [16, 192])
+@pytest.mark.parametrize("block_m, block_n, warps", [(16, 128, 4), (16, 64, 4), (32, 128, 8)])
+def test_gpu_fp8_swapped_products_full_size_layer(n, block_m, block_n, warps):
+    """swap_ab compiles for the tiles bench/fp8_fidelity.py --sweep times (the warpgroup MMA's shapes) and gives
+    the default kernels' output within bf16 rounding, rows independent of the batch."""
+    from engine.model.kernels.moe_fp8 import fused_moe_fp8
+
+    torch.manual_seed(1)
+    e, dim, inter = 16, 2048, 3072
+    gate_up = (torch.randn(e, 2 * inter, dim, device="cuda") * dim**-0.5).bfloat16()
+    down = (torch.randn(e, dim, inter, device="cuda") * inter**-0.5).bfloat16()
+    fp8 = (*quantize_blocks(gate_up), *quantize_blocks(down))
+    x = torch.randn(n, dim, device="cuda").bfloat16()
+    chosen = torch.randint(0, e, (n, 1), device="cuda")
+    weights = torch.rand(n, 1, device="cuda")
+    kw = {"batch_invariant": True, "block_m": block_m, "block_n": block_n, "num_warps": warps}
+    default = fused_moe_fp8(x, *fp8, chosen, weights, **kw)
+    swapped = fused_moe_fp8(x, *fp8, chosen, weights, swap_ab=True, **kw)
+    print(f"n={n} tile {block_m}x{block_n} w{warps}: swapped vs default {rel_err(swapped, default):.2e}")
+    assert rel_err(swapped, default) < 1e-2
+    one = fused_moe_fp8(x[:1], *fp8, chosen[:1], weights[:1], swap_ab=True, **kw)
+    assert torch.equal(one[0], swapped[0])
 
 
 def _generate(node, prompts, seeds, steps) -> list:

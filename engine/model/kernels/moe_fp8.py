@@ -100,7 +100,10 @@ def _gate_up_fp8_kernel(
     FP8_MAX_: tl.constexpr,
     EPS: tl.constexpr,
     PREQ: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
+    # SWAP (swap_ab): each product is computed transposed, W_tile [BLOCK_N, QB] @ x_tile^T [QB, BLOCK_M]; see
+    # `fused_moe_fp8`. The accumulators are [BLOCK_N, BLOCK_M] in the loop and transposed once after it.
     # PREQ: x comes quantized (xq e4m3 [N, K] with the scales xs [N, K/QB], quantize_act_fp8), and the
     # output is written quantized too (e4m3 with one scale per row and QB columns: BLOCK_N == QB), as the
     # down kernel's PREQ reads it; the same values as quantizing in the loops, computed once per element
@@ -116,8 +119,12 @@ def _gate_up_fp8_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < INTER
     kk = tl.arange(0, QB)
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + expert * stride_we
     s_g = ws_ptr + expert * stride_se + (n // QB) * stride_sn  # scale row of each gate / up column
     s_u = ws_ptr + expert * stride_se + ((n + INTER) // QB) * stride_sn
@@ -126,18 +133,34 @@ def _gate_up_fp8_kernel(
         xq, xs = _act_group(
             x_ptr, xq_ptr, xs_ptr, token, row_ok, k0, kk, K, stride_x, stride_xs, QB, FP8_MAX_, EPS, PREQ
         )
-        wg = tl.load(
-            w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
-        )
-        wu = tl.load(
-            w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
         sg = tl.load(s_g + k0 // QB, mask=n_ok, other=0.0)
         su = tl.load(s_u + k0 // QB, mask=n_ok, other=0.0)
-        acc_g += tl.dot(xq, wg) * (xs[:, None] * sg[None, :])
-        acc_u += tl.dot(xq, wu) * (xs[:, None] * su[None, :])
+        if SWAP:  # the weight rows as the product's rows, K contiguous in memory and in the tile
+            wg = tl.load(
+                w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            wu = tl.load(
+                w_base + (n + INTER)[:, None] * stride_wn + (k0 + kk)[None, :],
+                mask=n_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            xt = tl.trans(xq)
+            acc_g += tl.dot(wg, xt) * (sg[:, None] * xs[None, :])
+            acc_u += tl.dot(wu, xt) * (su[:, None] * xs[None, :])
+        else:
+            wg = tl.load(
+                w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+            )
+            wu = tl.load(
+                w_base + (n + INTER)[None, :] * stride_wn + (k0 + kk)[:, None],
+                mask=n_ok[None, :] & k_ok[:, None],
+                other=0.0,
+            )
+            acc_g += tl.dot(xq, wg) * (xs[:, None] * sg[None, :])
+            acc_u += tl.dot(xq, wu) * (xs[:, None] * su[None, :])
+    if SWAP:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     # GEMM outputs rounded to the activation dtype before silu-and-mul, as in the bf16 kernels
     g = acc_g.to(x_ptr.dtype.element_ty).to(tl.float32)
     u = acc_u.to(x_ptr.dtype.element_ty).to(tl.float32)
@@ -180,6 +203,7 @@ def _down_fp8_kernel(
     FP8_MAX_: tl.constexpr,
     EPS: tl.constexpr,
     PREQ: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -192,16 +216,29 @@ def _down_fp8_kernel(
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     kk = tl.arange(0, QB)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SWAP:  # noqa: SIM108 (a constexpr branch: Triton compiles the one taken, each with its own shape)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_base = w_ptr + expert * stride_we
     s_n = ws_ptr + expert * stride_se + (n // QB) * stride_sn
     for k0 in range(0, K, QB):
         k_ok = (k0 + kk) < K
         # PREQ: h was quantized by the gate_up kernel's epilogue
         hq, hs = _act_group(h_ptr, h_ptr, hs_ptr, rows, row_ok, k0, kk, K, stride_h, stride_hs, QB, FP8_MAX_, EPS, PREQ)
-        w = tl.load(w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
         ws = tl.load(s_n + k0 // QB, mask=n_ok, other=0.0)
-        acc += tl.dot(hq, w) * (hs[:, None] * ws[None, :])
+        if SWAP:
+            w = tl.load(
+                w_base + n[:, None] * stride_wn + (k0 + kk)[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            acc += tl.dot(w, tl.trans(hq)) * (ws[:, None] * hs[None, :])
+        else:
+            w = tl.load(
+                w_base + n[None, :] * stride_wn + (k0 + kk)[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0
+            )
+            acc += tl.dot(hq, w) * (hs[:, None] * ws[None, :])
+    if SWAP:
+        acc = tl.trans(acc)
     rw = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * rw[:, None]
     tl.store(
@@ -448,6 +485,7 @@ def fused_moe_fp8(
     num_warps: int = 8,
     num_stages: int = 3,
     prequant: bool = False,
+    swap_ab: bool = False,
 ) -> Tensor:
     """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
@@ -461,7 +499,15 @@ def fused_moe_fp8(
     `quantize_act_fp8` and h in the gate_up kernel's epilogue, instead of inside the reduction loops of
     every column tile's program (that ALU work, not the weights' bytes, bounds the FP8 kernels at batch
     128-256 on an H200); the same values, so the same output. Off until bench/fp8_fidelity.py --sweep shows
-    it is faster on a GPU."""
+    it is faster on a GPU.
+
+    swap_ab (blocked kernels): each tile's product is computed transposed, the expert's weight tile
+    [block_n, QBLOCK] times the activation rows' tile transposed [QBLOCK, block_m], so the weights' columns are
+    the tensor-core instruction's M dimension and the few rows of an expert block its N: with block_n >= 64 and
+    4 or 8 warps, Hopper's FP8 warpgroup MMA (M >= 64, N down to 8), which 16-row blocks never reach the other
+    way round (the note above: at decode batches an expert gets ~8-16 rows). The same products and scales, in
+    another order of the tensor cores' own sums. Off until bench/fp8_fidelity.py --sweep (its `swap` rows)
+    shows it faster on a GPU."""
     if gate_up.dtype != FP8 or down.dtype != FP8:
         raise TypeError(f"fused_moe_fp8 takes float8_e4m3fn experts, not {gate_up.dtype} / {down.dtype}")
     if gate_up_scale.stride(-1) != 1 or down_scale.stride(-1) != 1:
@@ -514,6 +560,7 @@ def fused_moe_fp8(
         FP8_MAX_=FP8_MAX,
         EPS=ACT_EPS,
         PREQ=prequant,
+        SWAP=swap_ab,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -543,6 +590,7 @@ def fused_moe_fp8(
         FP8_MAX_=FP8_MAX,
         EPS=ACT_EPS,
         PREQ=prequant,
+        SWAP=swap_ab,
         num_warps=num_warps,
         num_stages=num_stages,
     )
