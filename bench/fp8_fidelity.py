@@ -32,6 +32,7 @@ import gc
 import json
 import time
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -167,52 +168,25 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
         "default_us": do_bench(lambda: moe_fp8.fused_moe_fp8(x, *fp8, chosen, w)) * 1e3,
     }
     variants = {}
+
+    def blocked(**kw: Any) -> partial:  # the expert-blocked kernels (batch-invariant) with one tile variant
+        return partial(moe_fp8.fused_moe_fp8, x, *fp8, chosen, w, batch_invariant=True, **kw)
+
     for bn in (32, 64, 128, 256):
         for nw in (4, 8):
             for st in (2, 3, 4, 5):
-                variants[f"blocked n{bn} w{nw} s{st}"] = partial(
-                    moe_fp8.fused_moe_fp8,
-                    x,
-                    *fp8,
-                    chosen,
-                    w,
-                    block_n=bn,
-                    batch_invariant=True,
-                    num_warps=nw,
-                    num_stages=st,
-                )
+                variants[f"blocked n{bn} w{nw} s{st}"] = blocked(block_n=bn, num_warps=nw, num_stages=st)
     for nw in (4, 8):  # the activations quantized once (x before the kernels, h in gate_up's epilogue)
         for st in (2, 3, 4, 5):
-            variants[f"prequant n128 w{nw} s{st}"] = partial(
-                moe_fp8.fused_moe_fp8,
-                x,
-                *fp8,
-                chosen,
-                w,
-                block_n=128,
-                batch_invariant=True,
-                num_warps=nw,
-                num_stages=st,
-                prequant=True,
-            )
+            variants[f"prequant n128 w{nw} s{st}"] = blocked(block_n=128, num_warps=nw, num_stages=st, prequant=True)
     # swap_ab: the weights' columns as the tensor-core instruction's M (>= 64: Hopper's warpgroup MMA), an
     # expert block's rows as its N (16 or 32)
     for bm in (16, 32):
         for bn in (64, 128):
             for nw in (4, 8):
                 for st in (3, 4, 5):
-                    variants[f"swap m{bm} n{bn} w{nw} s{st}"] = partial(
-                        moe_fp8.fused_moe_fp8,
-                        x,
-                        *fp8,
-                        chosen,
-                        w,
-                        block_m=bm,
-                        block_n=bn,
-                        batch_invariant=True,
-                        num_warps=nw,
-                        num_stages=st,
-                        swap_ab=True,
+                    variants[f"swap m{bm} n{bn} w{nw} s{st}"] = blocked(
+                        block_m=bm, block_n=bn, num_warps=nw, num_stages=st, swap_ab=True
                     )
     if b <= moe_fp8.GEMV_MAX_PAIRS:
         for tn in (2, 4, 8):
