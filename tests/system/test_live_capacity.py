@@ -162,6 +162,13 @@ def test_summary_of_a_level():
     assert s["audio_s_per_s"] == pytest.approx(2.7)
     assert s["queue_ms_p50"] == 2.0
     assert s["loop_lag_ms_max"] == 5.0
+    # first audio's parts at p50 and p95: the gateway's is client TTFA less the engine's, per stream
+    for r, engine in zip(records[:8], (90, 95, 100, 105, 110, 115, 120, 150), strict=True):
+        r.engine_ttfa_ms = engine
+    s = summarize_level(4, records, delivered_s=27.0, window_s=10.0)
+    assert s["ttfa_parts_p50_ms"]["gateway_ms"] == 27.5 and s["ttfa_parts_p95_ms"]["gateway_ms"] == 46.5
+    assert s["ttfa_parts_p95_ms"]["engine_ttfa_ms"] == pytest.approx(139.5)
+    assert s["ttfa_parts_p95_ms"]["queue_ms"] == 2.0 and s["ttfa_parts_p95_ms"]["prefill_ms"] is None
     json.dumps(s, allow_nan=False)
 
 
