@@ -26,12 +26,12 @@ from app.core.engine_client import (
     AttachedEngineClient,
     ControlLink,
     EngineClient,
-    EnginePool,
     EngineRefused,
     EngineUnavailable,
     Event,
     Stream,
 )
+from app.core.engine_pool import EnginePool
 from app.core.metrics import Metrics
 from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions

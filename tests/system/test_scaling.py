@@ -25,7 +25,8 @@ import soundfile as sf
 import websockets
 
 from app.__main__ import parse_args
-from app.core.engine_client import EngineClient, EnginePool, EngineUnavailable
+from app.core.engine_client import EngineClient, EngineUnavailable
+from app.core.engine_pool import EnginePool
 from app.core.gateway import engine_device
 from engine.contract import records as m
 from engine.contract.settings import EngineSettings, WeightSources
