@@ -99,7 +99,7 @@ MP3_BIT_RATES = {
     2: (8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160),
     3: (8, 16, 24, 32, 40, 48, 56, 64),
 }
-OPUS_BIT_RATE_RANGE = (6000, 510000)  # what libopus takes (bit/s)
+OPUS_BIT_RATE_RANGE = (6000, 256000)  # what libopus takes for one channel (bit/s; its 510 kbit/s is for two)
 MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its command line's and FFmpeg's default
 # Opus (libopus, VBR) bit rates: what libopus chose for speech at each rate on its own, set explicitly
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}

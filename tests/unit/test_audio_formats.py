@@ -21,6 +21,7 @@ from app.io.audio_output import (
     FORMATS,
     MP3_BIT_RATE,
     NATIVE_RATE,
+    OPUS_BIT_RATE_RANGE,
     OPUS_RATES,
     OUTPUT_RATES,
     RATES,
@@ -403,6 +404,16 @@ def test_mp3_takes_the_bit_rate_asked_or_the_nearest_its_version_defines(rate: i
     data = enc.write(x) + enc.close()
     with av.open(io.BytesIO(data), format="mp3") as f:
         assert f.streams.audio[0].sample_rate == rate and f.streams.audio[0].bit_rate == kbps * 1000
+
+
+def test_opus_opens_at_every_bit_rate_asked_at_every_rate():
+    """A bit rate outside what libopus takes for one channel is brought into its range, not handed to it (an
+    encoder that fails to open is a failed answer): the range's ends and beyond, at every Opus rate."""
+    lo, hi = OPUS_BIT_RATE_RANGE
+    for rate in OPUS_RATES:
+        for bits in (1, lo, hi, hi + 1, 510_000, 10**9):
+            enc = StreamEncoder("opus", rate, bit_rate=bits)
+            assert enc.write(np.zeros(rate // 10, np.float32)) + enc.close()
 
 
 def test_opus_takes_the_bit_rate_asked():
