@@ -25,6 +25,8 @@
 # CLIENT_PROCS sets every live_capacity.py call's --client-procs: its clients spread over that many processes, each
 # with its own event loop, so the client's own loop lag is not measured as stalls (default 0: one per 32 clients, at
 # most one per CPU; every level reports each process's loop lag).
+# ZONOS_FP8_TILE (with SERVER_ARGS=--quantization fp8) serves the FP8 experts with a tile variant as
+# bench/fp8_fidelity.py --sweep names it (its `best`), e.g. ZONOS_FP8_TILE="swap m16 n128 w4 s4".
 # SERVER_CPUS / CLIENT_CPUS (taskset lists, e.g. SERVER_CPUS=0-9 CLIENT_CPUS=10-15) pin the server (engine and
 # gateway processes) and the clients to their own cores, as clients on other machines would be: a storm's client
 # processes then no longer take the gateways' cores (their wall-clock collector pauses and refusal latency then

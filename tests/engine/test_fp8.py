@@ -200,6 +200,36 @@ def test_swapped_products_give_the_default_output_and_stay_batch_invariant(n, di
         assert torch.equal(one[0], swapped[i])
 
 
+def test_a_sweep_variant_names_the_tile_the_experts_run(monkeypatch):
+    """ZONOS_FP8_TILE takes a variant's name as bench/fp8_fidelity.py --sweep prints it (so the best one can serve
+    before it becomes the default); the default is the tile documented in `fused_moe_fp8`; a bad word is refused
+    with its name; and the kernels run the tile whose values a call leaves out."""
+    import os
+    import subprocess
+    import sys
+
+    from engine.model.kernels import moe_fp8
+    from engine.model.kernels.moe_fp8 import Fp8Tile
+
+    assert Fp8Tile.parse("") == Fp8Tile(16, 128, 8, 3, False, False)
+    assert Fp8Tile.parse("swap m32 n64 w4 s5") == Fp8Tile(32, 64, 4, 5, False, True)
+    assert Fp8Tile.parse("prequant n128 w4 s2") == Fp8Tile(16, 128, 4, 2, True, False)
+    assert Fp8Tile.parse("blocked n256 w8 s4") == Fp8Tile(16, 256, 8, 4, False, False)
+    for bad in ("gemv n2 g2", "swap m0", "n64 prequant", "w4.5"):
+        with pytest.raises(ValueError, match="ZONOS_FP8_TILE"):
+            Fp8Tile.parse(bad)
+    code = "from engine.model.kernels.moe_fp8 import TILE; print(TILE.swap_ab, TILE.block_n, TILE.num_warps)"
+    env = {"ZONOS_FP8_TILE": "swap m16 n64 w4 s4", "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True)
+    assert out.stdout.split() == [b"True", b"64", b"4"], out.stderr[-500:]
+    gq, gs, dq, ds = _experts(4, 128, 192, seed=3)
+    x, chosen, weights = _moe_inputs(5, 128, 4, 1, seed=4)
+    kw = {"batch_invariant": True}
+    explicit = moe_fp8.fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, block_n=64, num_warps=4, swap_ab=True, **kw)
+    monkeypatch.setattr(moe_fp8, "TILE", Fp8Tile.parse("swap n64 w4"))
+    assert torch.equal(moe_fp8.fused_moe_fp8(x, gq, gs, dq, ds, chosen, weights, **kw), explicit)
+
+
 def _exact_moe(x, gate_up, down, chosen, weights):
     inter = gate_up.shape[1] // 2
     out = torch.zeros_like(x)

@@ -12,6 +12,10 @@ engine/model/quantize.py.
 
 from __future__ import annotations
 
+import os
+import re
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -471,6 +475,45 @@ def quantize_act_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
+@dataclass(frozen=True)
+class Fp8Tile:
+    """The expert-blocked kernels' tile and variant (`fused_moe_fp8`): rows per expert block, weight columns per
+    program, warps, pipeline stages, activations quantized once (prequant), products transposed (swap_ab)."""
+
+    block_m: int = 16
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+    prequant: bool = False
+    swap_ab: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> Fp8Tile:
+        """A variant as bench/fp8_fidelity.py --sweep names it ("swap m16 n128 w4 s4", "prequant n128 w8 s3",
+        "blocked n64 w4 s5"; words left out keep the default's values); "" is the default."""
+        tile, words = cls(), text.split()
+        fields = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
+        for word in words:
+            if word == "swap":
+                tile = replace(tile, swap_ab=True)
+            elif word == "prequant":
+                tile = replace(tile, prequant=True)
+            elif word == "blocked":  # the plain variant: neither
+                continue
+            elif (m := re.fullmatch(r"([mnws])([1-9][0-9]{0,3})", word)) is not None:
+                tile = replace(tile, **{fields[m[1]]: int(m[2])})
+            else:
+                raise ValueError(f"ZONOS_FP8_TILE: {word!r} is not a tile word (swap, prequant, m16, n128, w4, s3)")
+        if tile.prequant and tile.block_n != QBLOCK:
+            raise ValueError(f"ZONOS_FP8_TILE: prequant writes h's scales per column tile: n must be {QBLOCK}")
+        return tile
+
+
+# The tile the model's FP8 experts run: the default's, or ZONOS_FP8_TILE (a sweep's variant name, to serve with
+# the best tile bench/fp8_fidelity.py --sweep found before it becomes the default; read once, at import)
+TILE = Fp8Tile.parse(os.environ.get("ZONOS_FP8_TILE", ""))
+
+
 def fused_moe_fp8(
     x: Tensor,
     gate_up: Tensor,
@@ -479,13 +522,13 @@ def fused_moe_fp8(
     down_scale: Tensor,
     chosen: Tensor,
     weights: Tensor,
-    block_m: int = 16,
-    block_n: int = 128,
+    block_m: int | None = None,
+    block_n: int | None = None,
     batch_invariant: bool = False,
-    num_warps: int = 8,
-    num_stages: int = 3,
-    prequant: bool = False,
-    swap_ab: bool = False,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    prequant: bool | None = None,
+    swap_ab: bool | None = None,
 ) -> Tensor:
     """`fused_moe` with e4m3 experts: x [N, dim] (bf16 / fp32); gate_up [E, 2*inter, dim] and down
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
@@ -507,7 +550,15 @@ def fused_moe_fp8(
     4 or 8 warps, Hopper's FP8 warpgroup MMA (M >= 64, N down to 8), which 16-row blocks never reach the other
     way round (the note above: at decode batches an expert gets ~8-16 rows). The same products and scales, in
     another order of the tensor cores' own sums. Off until bench/fp8_fidelity.py --sweep (its `swap` rows)
-    shows it faster on a GPU."""
+    shows it faster on a GPU.
+
+    The tile's values left None are `TILE`'s (the default's, or ZONOS_FP8_TILE's)."""
+    block_m = TILE.block_m if block_m is None else block_m
+    block_n = TILE.block_n if block_n is None else block_n
+    num_warps = TILE.num_warps if num_warps is None else num_warps
+    num_stages = TILE.num_stages if num_stages is None else num_stages
+    prequant = TILE.prequant if prequant is None else prequant
+    swap_ab = TILE.swap_ab if swap_ab is None else swap_ab
     if gate_up.dtype != FP8 or down.dtype != FP8:
         raise TypeError(f"fused_moe_fp8 takes float8_e4m3fn experts, not {gate_up.dtype} / {down.dtype}")
     if gate_up_scale.stride(-1) != 1 or down_scale.stride(-1) != 1:
