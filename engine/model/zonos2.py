@@ -167,7 +167,8 @@ def route(
 
 class Stages:
     """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA). The
-    batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the same members."""
+    batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the members the Triton path
+    reads (not attention_in / attention_out / route: it runs only with the Triton kernels on)."""
 
     batch_invariant = False
     attention_split: int | None = None  # decode attention in fixed chunks of this many tokens (None: by length)
