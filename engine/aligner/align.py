@@ -40,7 +40,9 @@ class Tokens:
 
 def tokenize(text: str) -> Tokens:
     """The tokens of a text (module docstring); ValueError when it has no letter to align."""
-    words, tokens, spans = [], [], []
+    words: list[str] = []
+    tokens: list[int] = []
+    spans: list[tuple[int, int]] = []
     for match in _WORD.finditer(text):
         word = match.group()
         plain = unicodedata.normalize("NFKD", word.lower().replace("’", "'"))

@@ -68,7 +68,7 @@ def parent_gone(lifeline: Lifeline | None, parent_pid: int, timeout: float) -> b
     return os.getppid() != parent_pid
 
 
-def watch_parent(lifeline: Lifeline | None, on_gone: Callable[[], None], poll_s: float = 1.0) -> threading.Thread:
+def watch_parent(lifeline: Lifeline | None, on_gone: Callable[[], object], poll_s: float = 1.0) -> threading.Thread:
     """Engine side: a daemon thread that calls `on_gone()` once the parent has gone, then exits the
     process at once (os._exit: no atexit hooks or joins that could hang on a dead peer). Without a
     lifeline it watches the parent pid alone."""

@@ -24,13 +24,38 @@ import types
 import warnings
 import zipfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.contract.constants import CODEBOOK_SIZE, HOP, N_CODEBOOKS, SAMPLE_RATE
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:  # what the engine uses of dac's modules (the dac package has no type information)
+
+    class Snake(torch.nn.Module):
+        """dac.nn.layers.Snake1d; inv_alpha: set by `Codec.to`."""
+
+        alpha: torch.Tensor
+        inv_alpha: torch.Tensor
+
+    class Quantizer(torch.nn.Module):
+        """dac.nn.quantize.ResidualVectorQuantize."""
+
+        def from_codes(self, codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    class Decoder(torch.nn.Module):
+        """dac.model.dac.Decoder: conv, DecoderBlocks, Snake1d, conv, tanh."""
+
+        model: torch.nn.Sequential
+
+    class DacModel(torch.nn.Module):
+        """dac.DAC."""
+
+        quantizer: Quantizer
+        decoder: Decoder
+
 
 CODEBOOK_DIM = 8
 
@@ -125,7 +150,7 @@ def _freeze_weight_norm(module: torch.nn.Module) -> list[tuple[torch.nn.Module, 
     return folded
 
 
-def _snake(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _snake(self: Snake, x: torch.Tensor) -> torch.Tensor:
     # x + sin(alpha x)^2 / (alpha + 1e-9), with the reciprocal precomputed by Codec.to(); on a GPU one
     # fused pass (engine/dac/kernels.py) instead of four elementwise kernels
     if x.is_cuda:
@@ -135,7 +160,7 @@ def _snake(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(x, self.inv_alpha, torch.sin(self.alpha * x).square())
 
 
-def _eager_snake(module: torch.nn.Module) -> list[torch.nn.Module]:
+def _eager_snake(module: torch.nn.Module) -> list[Snake]:
     """Swap dac's TorchScript'ed Snake for an eager version; return the Snake modules.
 
     On CPU the scripted function re-profiles for every new input length (50-180 ms each, and a
@@ -166,7 +191,7 @@ class Codec:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: DacModel,
         kwargs: Mapping[str, Any],
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
@@ -206,7 +231,7 @@ class Codec:
     # ---- constructors ---------------------------------------------------------------------
 
     @staticmethod
-    def _build(kwargs: Mapping[str, Any]) -> torch.nn.Module:
+    def _build(kwargs: Mapping[str, Any]) -> DacModel:
         dac = _import_dac()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # legacy weight_norm deprecation

@@ -28,6 +28,7 @@ graph replay (engine/dac/graphs.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +36,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.dac.codec import HOP, MAX_CODE, N_CODEBOOKS, Codec
+
+if TYPE_CHECKING:
+    from torch.nn.modules.conv import _ConvNd
+
+    from engine.dac.codec import DacModel, Snake
 
 UNBOUNDED = 1 << 40  # "T not known yet": no right mask (any frame count a stream can reach is far below)
 
@@ -50,16 +56,20 @@ class Layer:
     keep: int  # left-context input samples kept per stream (the state)
     channels: int
     offset: int  # where its state starts in a slot's state row
-    modules: tuple[torch.nn.Module, ...]
+    # by kind: in (conv,), up (Snake, transposed conv), res (Snake, conv7, Snake, conv1), out (Snake, conv): dac's
+    # Snake1d (`engine.dac.codec.Snake`) and torch convolutions with their weight norm folded, a bias each
+    modules: tuple[Any, ...]
     stride: int = 1
 
 
-def _conv_shape(conv: torch.nn.Module) -> tuple[int, int, int]:
+def _conv_shape(conv: _ConvNd) -> tuple[int, int, int]:
+    if isinstance(conv.padding, str):  # "same" / "valid": not dac's
+        raise ValueError(f"convolution padded {conv.padding!r}: {conv}")
     (k,), (d,), (p,) = conv.kernel_size, conv.dilation, conv.padding
     return k, d, p
 
 
-def build_layers(model: torch.nn.Module) -> tuple[list[Layer], int]:
+def build_layers(model: DacModel) -> tuple[list[Layer], int]:
     """The decoder's stages with their rates, lags and state sizes; returns (layers, final lag in samples)."""
     dac = __import__("dac")
     seq = list(model.decoder.model)
@@ -71,13 +81,15 @@ def build_layers(model: torch.nn.Module) -> tuple[list[Layer], int]:
         layers.append(Layer(kind, rate, lag, keep, channels, offset, modules, stride))
         offset += keep * channels
 
-    def same_conv(conv: torch.nn.Module) -> int:
+    def same_conv(conv: _ConvNd) -> int:
         k, d, p = _conv_shape(conv)
         if (k - 1) * d != 2 * p or conv.stride[0] != 1:
             raise ValueError(f"not a same-length convolution: {conv}")
         return p
 
     first, blocks, (snake, last, tanh) = seq[0], seq[1:-3], seq[-3:]
+    if not isinstance(first, torch.nn.Conv1d) or not isinstance(last, torch.nn.Conv1d):
+        raise ValueError("the decoder does not start and end with a convolution")
     add("in", 2 * same_conv(first), first.in_channels, (first,))
     lag += same_conv(first)
     for block in blocks:
@@ -274,7 +286,7 @@ class IncrementalDAC:
     def _layer(ly: Layer, win: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
         """One layer on its window, as PyTorch ops (a CPU, torch.compile)."""
 
-        def snake(m: torch.nn.Module, x: Tensor, masked: bool = True) -> Tensor:
+        def snake(m: Snake, x: Tensor, masked: bool = True) -> Tensor:
             y = torch.addcmul(x, m.inv_alpha, torch.sin(m.alpha * x).square())  # = snake_reference, traceable
             return mask_outside(y, lo, hi) if masked else y
 

@@ -91,10 +91,10 @@ def snake(
     b, c, t = x.shape
     y = torch.empty_like(x)  # x's strides when x is dense (a convolution's output, a window)
     masked = lo is not None and hi is not None
-    if masked and lo.stride(0) != hi.stride(0):
+    if lo is not None and hi is not None and lo.stride(0) != hi.stride(0):  # masked
         raise ValueError("lo and hi must share one stride")
     if x.numel():
-        bounds = (lo, hi, lo.stride(0)) if masked else (x, x, 0)
+        bounds = (lo, hi, lo.stride(0)) if lo is not None and hi is not None else (x, x, 0)  # masked
         bc, bt = _tiles(x)
         _snake_kernel[(triton.cdiv(t, bt), triton.cdiv(c, bc), b)](
             x,

@@ -69,6 +69,7 @@ from __future__ import annotations
 import logging
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -79,6 +80,9 @@ from engine.dac.incremental import UNBOUNDED, IncrementalDAC
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.frontend.delay import PAD_ID
 from engine.frontend.longform import BOUNDARY_TRIM
+
+if TYPE_CHECKING:
+    from engine.dac.graphs import DacGraphs
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +222,7 @@ class StreamingDecoder:
         self._free = list(range(slots - 1, -1, -1))  # a stack: the lowest free slot on top
         self._flights: deque[_Flight] = deque()
         self._n_steps = 0
-        self.graphs = None  # engine.dac.graphs.DacGraphs once captured
+        self.graphs: DacGraphs | None = None  # once captured
         self._on_gpu = codec.device.type == "cuda"
         # where the decoder's work goes (the iteration profile reports it): launches, DAC calls by
         # (batch bucket, F), stream rows and padding rows, frames fed (padding rows' too), samples emitted

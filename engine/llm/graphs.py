@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from engine.llm.sampling import SamplerState
-from engine.model.zonos2 import Zonos2
+from engine.model.zonos2 import PackedTensors, Zonos2
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PrefillGraphs:
         self.max_tokens = self.buckets[-1]
         self.kernel_sets = kernel_sets
         self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {}  # kernel set -> bucket -> graph
-        self.inputs: dict[int, tuple[Tensor, ...]] = {}
+        self.inputs: dict[int, tuple[Tensor, *PackedTensors]] = {}  # bucket -> ids, then the packed tensors
         self.outputs: dict[tuple[bool, int], Tensor] = {}  # (kernel set, bucket) -> logits
         self.capture_s: dict[bool, float] = {}
         self.capture_bytes: dict[bool, int] = {}
@@ -188,7 +188,7 @@ class PrefillGraphs:
             [cfg.audio_pad_id] * cfg.n_codebooks + [cfg.text_pad_id], device=model.multi_output.weight.device
         )
 
-    def _static_inputs(self, n_tokens: int) -> tuple[Tensor, ...]:
+    def _static_inputs(self, n_tokens: int) -> tuple[Tensor, *PackedTensors]:
         from engine.model.zonos2 import PackedPrefill, PrefillSeq
 
         ids = self.pad_row.repeat(n_tokens, 1)

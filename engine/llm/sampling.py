@@ -24,6 +24,8 @@ with itself (every unguided one, the scratch slot) samples from its own logits (
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -86,8 +88,8 @@ class SamplerState:
         self._filter = torch.compile(self.filtered_logits, fullgraph=True) if compiled else self.filtered_logits
         self._noise = torch.compile(gumbel_noise, fullgraph=True) if compiled else gumbel_noise
         self.noise_table = gumbel_table(device)
-        f32 = {"device": device, "dtype": torch.float32}
-        i64 = {"device": device, "dtype": torch.int64}
+        f32: dict[str, Any] = {"device": device, "dtype": torch.float32}
+        i64: dict[str, Any] = {"device": device, "dtype": torch.int64}
         # a slot's parameters are one column of two blocks (float, integer), so `admit` writes a request's
         # in two copies, queued behind the step in flight (not one small launch per field)
         # a free slot's values, in the blocks' row order (`admit` writes a column in the same order)

@@ -14,6 +14,9 @@ engine/model/kernels/moe_fp8.py must equal it up to summation order.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -23,6 +26,9 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 QBLOCK = 128  # tile side of the weight scales and width of the activation groups
 ACT_EPS = 1e-10  # floor of an activation group's amax (an all-zero group quantizes to zeros)
 MODES = ("none", "fp8")
+
+if TYPE_CHECKING:
+    from engine.model.zonos2 import DecoderLayer, Zonos2
 
 
 def quantize_blocks(w: Tensor, block: int = QBLOCK) -> tuple[Tensor, Tensor]:
@@ -82,13 +88,15 @@ def moe_fp8_reference(
     return out.to(x.dtype)
 
 
-def quantize_experts(model: nn.Module) -> int:
+def quantize_experts(model: Zonos2) -> int:
     """Replace every MoE layer's bf16 expert weights by e4m3 + block scales, in place, one layer at a time
     (the peak is the bf16 model plus one layer's FP8 copy). Returns the bytes the experts take now."""
+    from engine.model.zonos2 import MoEFFN
+
     total = 0
-    for layer in model.layers:
+    for layer in cast("Iterable[DecoderLayer]", model.layers):
         ffn = layer.feed_forward
-        if not hasattr(ffn, "experts"):  # a dense layer
+        if not isinstance(ffn, MoEFFN):  # a dense layer
             continue
         ex = ffn.experts
         for name in ("gate_up", "down"):

@@ -10,8 +10,10 @@ Parameters are kept in compute-friendly layouts; `engine.model.checkpoint` maps 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,9 @@ from torch import Tensor, nn
 from engine.frontend.config import Zonos2Config
 from engine.model.embedding import embed_sum
 from engine.model.transfer import to_device
+
+if TYPE_CHECKING:
+    from engine.model.batch_invariant import InvariantStages
 
 QK_NORM_EPS = 1e-6
 
@@ -33,10 +38,10 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, affine: bool = True) -> None:
+    def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim)) if affine else None
+        self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -162,7 +167,8 @@ def route(
 
 class Stages:
     """The stage functions a forward pass uses: plain, or torch.compile'd (decode on CUDA). The
-    batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the same members."""
+    batch-invariant set (`engine.model.batch_invariant.InvariantStages`) has the members the Triton path
+    reads (not attention_in / attention_out / route: it runs only with the Triton kernels on)."""
 
     batch_invariant = False
     attention_split: int | None = None  # decode attention in fixed chunks of this many tokens (None: by length)
@@ -186,6 +192,9 @@ class Stages:
 
 PLAIN = Stages()
 
+if TYPE_CHECKING:  # the stage functions a pass runs: the default set or a batch-invariant one (`Zonos2.stages`)
+    StageSet: TypeAlias = Stages | InvariantStages
+
 
 @dataclass
 class PrefillSeq:
@@ -194,6 +203,10 @@ class PrefillSeq:
     slot: int
     start: int  # frames of this slot already in the KV cache
     length: int  # new frames in this call
+
+
+# the tensors of a packed prefill (`PackedPrefill.tensors`): the arguments of `Zonos2.prefill_packed` after ids
+PackedTensors: TypeAlias = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
 @dataclass
@@ -229,7 +242,7 @@ class PackedPrefill:
         total = sum(s.length for s in seqs)
         if total > n_tokens or len(seqs) > n_seqs:
             raise ValueError(f"{len(seqs)} chunks / {total} frames exceed the packed size {n_seqs} / {n_tokens}")
-        scratch = model.cache.n_slots - 1 if scratch_slot is None else scratch_slot
+        scratch = cast(KVCache, model.cache).n_slots - 1 if scratch_slot is None else scratch_slot  # set up by now
         tok_slot = torch.full((n_tokens,), scratch, dtype=torch.int64)
         tok_pos = torch.zeros(n_tokens, dtype=torch.int64)
         spk_of_tok = torch.full((n_tokens,), -1, dtype=torch.int64)
@@ -244,8 +257,9 @@ class PackedPrefill:
             if sp is not None and s.start == 0:
                 spk[i] = sp.to(device=device, dtype=torch.float32).reshape(-1)
                 spk_of_tok[off] = i
-                if emotions and emotions[i] is not None:
-                    emo[i] = emotions[i].to(device=device, dtype=torch.float32).reshape(-1)
+                em = emotions[i] if emotions else None
+                if em is not None:
+                    emo[i] = em.to(device=device, dtype=torch.float32).reshape(-1)
             table.append((s.slot, off, s.start, s.length))
             last_idx[i] = off + s.length - 1
             off += s.length
@@ -260,12 +274,15 @@ class PackedPrefill:
             to_device(last_idx, device),
         )
 
-    def tensors(self) -> tuple[Tensor, ...]:
+    def tensors(self) -> PackedTensors:
         return (self.tok_slot, self.tok_pos, self.spk, self.emo, self.spk_of_tok, *self.blocks, self.last_idx)
 
 
 class KVCache(nn.Module):
     """Static cache: [layers, slots, max_len, kv_heads, head_dim] for K (post norm+RoPE) and raw V."""
+
+    k: Tensor  # buffers
+    v: Tensor
 
     def __init__(self, cfg: Zonos2Config, n_slots: int, max_len: int, device: torch.device, dtype: torch.dtype):
         super().__init__()
@@ -310,7 +327,7 @@ class DenseFFN(nn.Module):
         self.w_in = nn.Linear(cfg.dim, 2 * cfg.intermediate, bias=False)
         self.w_out = nn.Linear(cfg.intermediate, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, router_state: Tensor | None, stages: StageSet = PLAIN) -> tuple[Tensor, Tensor | None]:
         return stages.dense_ffn(x, self.w_in.weight, self.w_out.weight), None
 
 
@@ -352,21 +369,33 @@ class Router(nn.Module):
         )
 
 
+class Experts(nn.Module):
+    """A MoE layer's expert weights. gate_up: [E, 2*inter, dim], gate rows first (de-interleaved from the
+    release w13); down: [E, dim, inter]. FP8 (engine.model.quantize) adds their block scales."""
+
+    gate_up: Tensor
+    down: Tensor
+    gate_up_scale: Tensor  # FP8 only
+    down_scale: Tensor  # FP8 only
+
+    def __init__(self, cfg: Zonos2Config) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.intermediate, cfg.dim))
+        self.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.intermediate))
+
+
 class MoEFFN(nn.Module):
     def __init__(self, cfg: Zonos2Config, layer: int) -> None:
         super().__init__()
         self.k = cfg.moe_topk[layer]
         self.inter = cfg.intermediate
         self.router = Router(cfg, first=layer == cfg.moe_layers[0])
-        # gate_up: [E, 2*inter, dim], gate rows first (de-interleaved from the release w13); down: [E, dim, inter].
-        self.experts = nn.Module()
-        self.experts.gate_up = nn.Parameter(torch.empty(cfg.n_experts, 2 * cfg.intermediate, cfg.dim))
-        self.experts.down = nn.Parameter(torch.empty(cfg.n_experts, cfg.dim, cfg.intermediate))
+        self.experts = Experts(cfg)
 
     use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
     fp8 = False  # set by engine.model.quantize.quantize_experts(): e4m3 experts + experts.*_scale
 
-    def forward(self, x: Tensor, router_state: Tensor | None, stages: Stages = PLAIN) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, router_state: Tensor | None, stages: StageSet = PLAIN) -> tuple[Tensor, Tensor | None]:
         if self.use_triton:
             from engine.model.kernels.moe import fused_moe
             from engine.model.kernels.router import fused_route
@@ -382,7 +411,8 @@ class MoEFFN(nn.Module):
                     x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights, batch_invariant=bi
                 ), state
             return fused_moe(x, self.experts.gate_up, self.experts.down, chosen, weights, batch_invariant=bi), state
-        chosen, weights, state = self.router(x, router_state, self.k, stages.route)
+        plain = cast(Stages, stages)  # the plain path: the batch-invariant sets need the Triton kernels
+        chosen, weights, state = self.router(x, router_state, self.k, plain.route)
         if self.fp8:
             from engine.model.quantize import moe_fp8_reference
 
@@ -416,6 +446,10 @@ class DecoderLayer(nn.Module):
 
 
 class Zonos2(nn.Module):
+    rope_cos: Tensor  # buffers
+    rope_sin: Tensor
+    layer_ids: Tensor
+
     def __init__(self, cfg: Zonos2Config) -> None:
         super().__init__()
         self.cfg = cfg
@@ -466,7 +500,7 @@ class Zonos2(nn.Module):
             raise ValueError("batch-invariant decoding runs on the Triton kernels: call enable_triton() first")
         self.batch_invariant = on
 
-    def stages(self, phase: str, invariant: bool | None = None) -> Stages:
+    def stages(self, phase: str, invariant: bool | None = None) -> StageSet:
         """The stage functions of `phase` ("decode" or "prefill"): the batch-invariant set if `invariant`
         (None: the model's default, `set_batch_invariant`), else the default set. A plain attribute read per
         call: switching sets recompiles nothing and syncs nothing."""
@@ -496,9 +530,9 @@ class Zonos2(nn.Module):
         return embed_sum(ids, self.embed_tables())
 
     def embed_tables(self) -> list[Tensor]:
-        return [t.weight for t in self.multi_embedder.embedders]
+        return [t.weight for t in cast("Iterable[nn.Embedding]", self.multi_embedder.embedders)]
 
-    def project_speaker(self, spk: Tensor, stages: Stages = PLAIN, emotion: Tensor | None = None) -> Tensor:
+    def project_speaker(self, spk: Tensor, stages: StageSet = PLAIN, emotion: Tensor | None = None) -> Tensor:
         """Raw speaker x-vector [..., 2048] -> the row that replaces the embedding sum of the slot frame.
         stages: their `linear` (when set) runs the projections of rows [N, 2048]. emotion: the hidden-space
         emotion delta [..., dim] added to the projected row in its dtype, as the reference's
@@ -511,13 +545,13 @@ class Zonos2(nn.Module):
             x = x + emotion.to(device=x.device, dtype=x.dtype)
         return x
 
-    def head(self, h: Tensor, stages: Stages = PLAIN) -> Tensor:
+    def head(self, h: Tensor, stages: StageSet = PLAIN) -> Tensor:
         return stages.head(
             h, self.out_norm.weight, self.multi_output.weight, self.cfg.n_codebooks, self.cfg.softcap, self.cfg.norm_eps
         )
 
     def _layers(
-        self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend, stages: Stages = PLAIN
+        self, h: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, attend, stages: StageSet = PLAIN
     ) -> Tensor:
         """Every layer for rows h [N, dim] at (slot, position) of `cache`. attend(layer, q, g) reads the
         cache (this call's K/V already written) and returns the attention output [N, H, D] gated by the
@@ -526,16 +560,17 @@ class Zonos2(nn.Module):
         take GEMV kernels for the projections (kernels.gemv)."""
         eps, heads, kv_heads = self.cfg.norm_eps, self.cfg.n_heads, self.cfg.n_kv_heads
         if self.use_triton:  # the kernels index the RoPE tables by position themselves
-            from engine.model.kernels.gemv import linear
+            from engine.model.kernels.gemv import linear as gemv_linear
             from engine.model.kernels.qkv_rope import qkv_rope_cache
 
-            linear = stages.linear or linear
+            linear = stages.linear or gemv_linear
         else:
             cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+            plain = cast(Stages, stages)  # the plain path: the batch-invariant sets need the Triton kernels
         router_state: Tensor | None = None
         y: Tensor | None = None
         trace = self.trace or _no_trace
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(cast("Iterable[DecoderLayer]", self.layers)):
             att = layer.attention
             if self.use_triton:
                 h, a = stages.residual_norm(h, y, layer.attention_norm.weight, eps)
@@ -562,7 +597,7 @@ class Zonos2(nn.Module):
             else:
                 if y is not None:
                     h = h + y
-                q, g = stages.attention_in(
+                q, g = plain.attention_in(
                     h,
                     layer.attention_norm.weight,
                     att.fused_weight(),
@@ -578,12 +613,12 @@ class Zonos2(nn.Module):
                     kv_heads,
                     eps,
                 )
-                h, x = stages.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
+                h, x = plain.attention_out(h, attend(i, q, g), att.wo.weight, layer.ffn_norm.weight, eps)
             y, state = layer.feed_forward(x, router_state, stages)
             trace(i, "ffn", y)
             if state is not None:
                 router_state = trace(i, "router_state", state)
-        return h + y
+        return h + cast(Tensor, y)  # every layer set it
 
     # ---- entry points ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -187,7 +187,7 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
         elif e > end:
             union += e - end
             end = e
-    total = (end - first) if spans else 0.0
+    total = (end - first) if end is not None else 0.0  # end is None only without spans
     n = max(1, iterations)
     return {
         "gpu_ms_per_iteration": {k: round(v / n / 1e3, 3) for k, v in busy.items()},

@@ -269,6 +269,7 @@ class Scheduler:
                 self.waiting.remove(job)
                 self._error(rid, self._speaker_error(err), str(err))
                 continue
+            assert emb is not None  # a result holds an embedding or an error
             job.seq.speaker = to_device(emb, self.engine.device)
             if job.guidance is not None and job.guidance.kind in ("prefix", "emotion"):  # these twins keep the voice
                 job.guidance.twin.speaker = job.seq.speaker
@@ -533,6 +534,7 @@ class Scheduler:
     def _launch_decode(self, plan: StepPlan, t0: float) -> PendingDecode | None:
         """Launch the plan's decode step (a mixed one carries its prompt chunks too); returns the step to read
         back this iteration (with overlap: the one launched last iteration, this one flies until the next)."""
+        pending: PendingDecode | None
         with node_range("decode"):
             if plan.mixed:
                 self._prefill_started(plan.prefill)
@@ -751,6 +753,7 @@ class Scheduler:
         """Stop a request and free its slots; ack: the gateway asked (a cancel record), it gets a `finished`
         (cancelled) when the slot is free; else the engine stopped it and reports an error itself."""
         t0 = time.perf_counter()
+        job: Job | None
         for job in list(self.waiting):
             if job.seq.rid == rid:
                 self.waiting.remove(job)

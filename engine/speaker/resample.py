@@ -18,7 +18,7 @@ import torchaudio.transforms as T
 _MAX_KERNEL_ELEMENTS = 1 << 23
 
 
-def _check_rate(name: str, value: int) -> int:
+def _check_rate(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         if isinstance(value, float) and value.is_integer():
             value = int(value)

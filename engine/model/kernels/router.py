@@ -218,12 +218,14 @@ def fused_route(
     if n == 0:
         return chosen, weights, r
     x = (linear_fn or linear)(x, down_w, down_b)
-    if has_prev:
-        prev = prev if prev.stride(-1) == 1 else prev.contiguous()
+    prev_arg, scale_arg = x, down_b  # without HAS_PREV the kernel reads neither
+    if scale is not None and prev is not None:  # has_prev
+        prev_arg = prev if prev.stride(-1) == 1 else prev.contiguous()
+        scale_arg = scale.contiguous()
     args = (
         x,
-        prev if has_prev else x,
-        scale.contiguous() if has_prev else down_b,
+        prev_arg,
+        scale_arg,
         w0.contiguous(),
         b0.contiguous(),
         w2.contiguous(),
@@ -236,7 +238,7 @@ def fused_route(
         r,
     )
     shape = dict(R=r_dim, E=e, E_PAD=max(16, triton.next_power_of_2(e)), TOP_K=k, HAS_PREV=has_prev)
-    strides = (x.stride(0), prev.stride(0) if has_prev else 0, r.stride(0), float(bias_sign), float(eps))
+    strides = (x.stride(0), prev_arg.stride(0) if has_prev else 0, r.stride(0), float(bias_sign), float(eps))
     if row_kernel if row_kernel is not None else n <= ROW_KERNEL_MAX_ROWS:
         _router_row_kernel[(n,)](*args, *strides, **shape, num_warps=num_warps or ROW_KERNEL_WARPS)
         return chosen, weights, r
