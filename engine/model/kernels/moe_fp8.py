@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -491,19 +491,17 @@ class Fp8Tile:
     def parse(cls, text: str) -> Fp8Tile:
         """A variant as bench/fp8_fidelity.py --sweep names it ("swap m16 n128 w4 s4", "prequant n128 w8 s3",
         "blocked n64 w4 s5"; words left out keep the default's values); "" is the default."""
-        tile, words = cls(), text.split()
-        fields = {"m": "block_m", "n": "block_n", "w": "num_warps", "s": "num_stages"}
-        for word in words:
-            if word == "swap":
-                tile = replace(tile, swap_ab=True)
-            elif word == "prequant":
-                tile = replace(tile, prequant=True)
-            elif word == "blocked":  # the plain variant: neither
-                continue
+        d = cls()
+        sizes = {"m": d.block_m, "n": d.block_n, "w": d.num_warps, "s": d.num_stages}
+        variant = set()
+        for word in text.split():
+            if word in ("swap", "prequant", "blocked"):  # "blocked": the plain variant
+                variant.add(word)
             elif (m := re.fullmatch(r"([mnws])([1-9][0-9]{0,3})", word)) is not None:
-                tile = replace(tile, **{fields[m[1]]: int(m[2])})
+                sizes[m[1]] = int(m[2])
             else:
                 raise ValueError(f"ZONOS_FP8_TILE: {word!r} is not a tile word (swap, prequant, m16, n128, w4, s3)")
+        tile = cls(sizes["m"], sizes["n"], sizes["w"], sizes["s"], "prequant" in variant, "swap" in variant)
         if tile.prequant and tile.block_n != QBLOCK:
             raise ValueError(f"ZONOS_FP8_TILE: prequant writes h's scales per column tile: n must be {QBLOCK}")
         return tile
