@@ -480,17 +480,21 @@ class Fp8Tile:
     """The expert-blocked kernels' tile and variant (`fused_moe_fp8`): rows per expert block, weight columns per
     program, warps, pipeline stages, activations quantized once (prequant), products transposed (swap_ab)."""
 
+    # the default: swap_ab, the best of bench/fp8_fidelity.py --sweep that held at every batch (H100, build
+    # ee0e3e8: 141.8 / 142.6 / 141.9 us a layer at 64 / 128 / 192 rows, bf16 226 / 229 / 234, the blocked
+    # kernels' old default 139 / 189 / 263: their 16-row products never reached the warpgroup MMA)
     block_m: int = 16
     block_n: int = 128
-    num_warps: int = 8
+    num_warps: int = 4
     num_stages: int = 3
     prequant: bool = False
-    swap_ab: bool = False
+    swap_ab: bool = True
 
     @classmethod
     def parse(cls, text: str) -> Fp8Tile:
         """A variant as bench/fp8_fidelity.py --sweep names it ("swap m16 n128 w4 s4", "prequant n128 w8 s3",
-        "blocked n64 w4 s5"; words left out keep the default's values); "" is the default."""
+        "blocked n64 w4 s5": the variant word says which of swap_ab and prequant are on, as in the sweep; sizes
+        and a variant left out keep the default's); "" is the default."""
         d = cls()
         sizes = {"m": d.block_m, "n": d.block_n, "w": d.num_warps, "s": d.num_stages}
         variant = set()
@@ -501,7 +505,8 @@ class Fp8Tile:
                 sizes[m[1]] = int(m[2])
             else:
                 raise ValueError(f"ZONOS_FP8_TILE: {word!r} is not a tile word (swap, prequant, m16, n128, w4, s3)")
-        tile = cls(sizes["m"], sizes["n"], sizes["w"], sizes["s"], "prequant" in variant, "swap" in variant)
+        prequant, swap = ("prequant" in variant, "swap" in variant) if variant else (d.prequant, d.swap_ab)
+        tile = cls(sizes["m"], sizes["n"], sizes["w"], sizes["s"], prequant, swap)
         if tile.prequant and tile.block_n != QBLOCK:
             raise ValueError(f"ZONOS_FP8_TILE: prequant writes h's scales per column tile: n must be {QBLOCK}")
         return tile
@@ -532,9 +537,8 @@ def fused_moe_fp8(
     [E, dim, inter] float8_e4m3fn with QBLOCK-tile scales [E, ceil(rows/QB), ceil(cols/QB)] (see
     engine/model/quantize.py); chosen / weights [N, k] -> [N, dim] in x's dtype. Up to GEMV_MAX_PAIRS
     pairs per-pair GEMVs (same quantization, another summation order); batch_invariant: the blocked
-    kernels at every row count and the top-k rows added in rank order. The tile (128 columns, 8 warps, 3
-    stages) is the best of bench/fp8_fidelity.py --sweep over batches 64 / 128 / 256 on an H200 (the first
-    guess, 64 columns and 4 warps, took 2.1x its time at batch 64).
+    kernels at every row count and the top-k rows added in rank order. The tile is `TILE` (`Fp8Tile`'s
+    default: swap_ab, 128 columns, 4 warps, 3 stages, the best of bench/fp8_fidelity.py --sweep).
 
     prequant (blocked kernels, block_n = QBLOCK): the activations are quantized once, x by
     `quantize_act_fp8` and h in the gate_up kernel's epilogue, instead of inside the reduction loops of
@@ -547,8 +551,7 @@ def fused_moe_fp8(
     the tensor-core instruction's M dimension and the few rows of an expert block its N: with block_n >= 64 and
     4 or 8 warps, Hopper's FP8 warpgroup MMA (M >= 64, N down to 8), which 16-row blocks never reach the other
     way round (the note above: at decode batches an expert gets ~8-16 rows). The same products and scales, in
-    another order of the tensor cores' own sums. Off until bench/fp8_fidelity.py --sweep (its `swap` rows)
-    shows it faster on a GPU.
+    another order of the tensor cores' own sums. The default since the sweep measured it (`Fp8Tile`).
 
     The tile's values left None are `TILE`'s (the default's, or ZONOS_FP8_TILE's)."""
     block_m = TILE.block_m if block_m is None else block_m
