@@ -69,9 +69,14 @@ MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the ol
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
 
 
+_OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
+
+
 def _ends_in_a_tag(text: str) -> bool:
-    """Whether buffered text ends inside a break or emotion tag still arriving (an opening with no `>` after it,
-    which a streamed message may leave: app/core/breaks.py `partial`)."""
+    """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
+    which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
+    if _OPEN_BRACKET.search(text):
+        return True
     try:
         split_breaks(text)
         split_tags(text)
