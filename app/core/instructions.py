@@ -110,10 +110,11 @@ def _lookup(word: str) -> tuple[float, float] | float | None:
 
 
 def apply_instructions(
-    text: str, opts: SynthesisOptions, directions: EmotionDirections | None, speaking_rate: bool
+    text: str, opts: SynthesisOptions, directions: EmotionDirections | None, speaking_rate: bool, voice: bool = True
 ) -> tuple[SynthesisOptions, Instructions]:
     """`opts` with what `text` asks for, and the report. A field the request sets itself (emotion_*,
-    speed) is not overridden."""
+    speed) is not overridden. `voice`: the request has one (an emotion moves a voice: without one it is not
+    applied)."""
     if len(text) > MAX_INSTRUCTIONS_CHARS:
         raise RequestError(G.BAD_PARAMS, f"instructions are limited to {MAX_INSTRUCTIONS_CHARS} characters")
     report = Instructions()
@@ -129,6 +130,9 @@ def apply_instructions(
         if isinstance(value, tuple):
             if not axes:
                 report.unmapped.append(f"{word} (no emotion directions with valence and arousal axes)")
+                continue
+            if not voice:
+                report.unmapped.append(f"{word} (an emotion is applied to a voice; this request has none)")
                 continue
             valence, arousal = valence + value[0], arousal + value[1]
         else:

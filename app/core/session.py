@@ -34,10 +34,12 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
 from app.core.admission import Conversation
+from app.core.breaks import split_breaks
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
+from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
 from app.io.audio_output import OutputFormat, encode
@@ -65,6 +67,22 @@ MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the ol
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
 _SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
+
+
+_OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
+
+
+def _ends_in_a_tag(text: str) -> bool:
+    """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
+    which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
+    if _OPEN_BRACKET.search(text):
+        return True
+    try:
+        split_breaks(text)
+        split_tags(text)
+    except RequestError:
+        return True
+    return False
 
 
 class ClientStalled(Exception):
@@ -380,8 +398,11 @@ class StreamingSession:
         before = buf.text
         try:
             self._enqueue(ctx, buf.append(text))
-        except RequestError:
-            buf.text = before  # refused whole: nothing of this message is queued
+        except RequestError as e:
+            # refused whole: nothing of this message is queued. The half of a break or emotion tag that an earlier
+            # message left open goes with it (its sentence was refused): kept, its `<` would refuse every later
+            # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags)
+            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and _ends_in_a_tag(before) else before
             raise
         finally:
             self._drop_empty_buffers()

@@ -121,8 +121,9 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
         voice = openai_voice(gw, ref, owner)
     report = None
     if instructions:  # onto the emotion axes and the speaking rate (app/core/instructions.py)
-        directions = gw.prompts.emotion if gw.cfg.speaker_enabled and voice is not None else None
-        opts, report = apply_instructions(instructions, opts, directions, bool(gw.cfg.speaking_rate_buckets))
+        directions = gw.prompts.emotion if gw.cfg.speaker_enabled else None
+        rate_buckets = bool(gw.cfg.speaking_rate_buckets)
+        opts, report = apply_instructions(instructions, opts, directions, rate_buckets, voice=voice is not None)
     voice = with_emotion(gw, data, opts, voice)
     output = OutputFormat(_ENCODINGS.get(fmt, fmt), rate, wav=fmt == "wav")
     return SpeechRequest(text, fmt, output, sse, whole, opts, voice, report)

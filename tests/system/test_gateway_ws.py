@@ -417,6 +417,35 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     assert err["code"] == "bad_text" and "break" in err["message"]
 
 
+def test_a_refused_break_split_across_messages_does_not_refuse_the_rest_of_the_turn(server):
+    """Each half of `<break time="x"/>` passes its own message's check; the message that completes its sentence is
+    refused (`bad_text`), and the half buffered before it goes with it: kept, its open `<break` refused every later
+    sentence of the turn until a flush dropped it (an error for each, nothing spoken)."""
+
+    async def go():
+        c = await connect(server, params={"seed": 1, "max_frames": 20, "ignore_eos": True})
+        await c.send(type="text", text="Hello there <break ti")
+        await c.send(type="text", text='me="x"/> friend. Next one.')
+        err = await c.until("error")
+        await c.send(type="text", text=" Another sentence. And more.", flush=True)
+        while (await c.recv())["type"] not in ("flushed", "error"):
+            pass
+        # a bracket tag's halves, `[hap` + `py]`: unsupported here (no emotion directions), its half goes too
+        await c.send(type="text", text="Well [hap")
+        await c.send(type="text", text="py] then. Next one.")
+        await c.until("error")
+        await c.send(type="text", text=" Fine now.", flush=True)
+        while (await c.recv())["type"] not in ("flushed", "error"):
+            pass
+        await c.ws.close()
+        return c, err
+
+    c, err = run(go())
+    assert err["code"] == "bad_text" and "break" in err["message"], err
+    assert [m["code"] for m in c.log if m["type"] == "error"] == ["bad_text", "unsupported_tag"], c.log
+    assert [m["text"] for m in c.log if m["type"] == "audio.start"] == ["Another sentence.", "And more.", "Fine now."]
+
+
 def test_aliases_that_grow_an_utterance_past_its_limit_are_refused(server):
     """An alias is up to 256 characters: a rule for "a" made a sentence of 40 "a" 10 KB of text, 36 engine
     requests of prompt, for a 79-character message. The text after the rules is held to the utterance's limit:

@@ -32,6 +32,18 @@ def test_what_cannot_be_applied_is_reported_not_dropped():
     assert not opts.emotion.enabled and opts.cond.speed is None
 
 
+def test_an_emotion_without_a_voice_is_reported_as_such():
+    """With the axes loaded but no voice to move (OpenAI's names without a library voice: the model's own), the
+    header named missing directions, which the server had."""
+    opts, report = apply_instructions(
+        "Speak cheerfully and slowly.", SynthesisOptions(), directions(), True, voice=False
+    )
+    assert report.applied == ["slowly"] and report.unmapped == [
+        "cheerfully (an emotion is applied to a voice; this request has none)"
+    ]
+    assert not opts.emotion.enabled and opts.cond.speed == 0.85
+
+
 def test_the_request_own_fields_win():
     base = SynthesisOptions()
     base.emotion = EmotionRequest(enabled=True, valence=-0.5)
