@@ -115,9 +115,16 @@ def main(argv: list[str] | None = None) -> None:
     if workers > 1:  # the supervisor of several gateway processes (app/workers.py)
         sys.exit(serve_workers(settings, workers))
     from app.server import create_app, run_server
+    from app.workers import listening_socket
 
-    print(f"zonos-gateway: serving on http://{settings.host}:{settings.port}  (demo page at /)", flush=True)
-    if not run_server(create_app(settings), settings):
+    try:  # bound before it says where it serves: a port in use is one clear line, not a promise then an exit
+        sock = listening_socket(settings.host, settings.port)
+    except OSError as e:
+        print(f"error: cannot bind {settings.host}:{settings.port}: {e}", file=sys.stderr)
+        sys.exit(3)
+    port = sock.getsockname()[1]
+    print(f"zonos-gateway: serving on http://{settings.host}:{port}  (demo page at /)", flush=True)
+    if not run_server(create_app(settings), settings, sock):
         sys.exit(3)
 
 

@@ -449,3 +449,25 @@ def test_a_death_is_handled_while_another_process_waits_out_its_restart_delay(tm
         assert "gateway process 0:" in starts[-1] and "incarnation 3" in starts[-1], starts[-3:]
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_port_in_use_is_one_clear_error_before_any_serving_line(tmp_path, workers):
+    """The gateway binds its port before it says where it serves: a port another program holds ends it at once
+    with exit code 3 and the reason, one process or several, and no "serving on" line that was never true."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "app", "--port", str(port), "--workers", workers, "--data-dir", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert out.returncode == 3, (out.stdout, out.stderr[-2000:])
+    assert "serving on" not in out.stdout
+    assert "cannot bind" in out.stderr and str(port) in out.stderr
