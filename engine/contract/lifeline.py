@@ -71,7 +71,8 @@ def parent_gone(lifeline: Lifeline | None, parent_pid: int, timeout: float) -> b
 def watch_parent(lifeline: Lifeline | None, on_gone: Callable[[], object], poll_s: float = 1.0) -> threading.Thread:
     """Engine side: a daemon thread that calls `on_gone()` once the parent has gone, then exits the
     process at once (os._exit: no atexit hooks or joins that could hang on a dead peer). Without a
-    lifeline it watches the parent pid alone."""
+    lifeline it watches the parent pid alone, read when this is called: a parent that died before then (while
+    the child was still starting) is not seen, which is why every engine process gets a lifeline."""
     parent_pid = lifeline.parent_pid if lifeline is not None else os.getppid()
 
     def run() -> None:

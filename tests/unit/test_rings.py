@@ -488,15 +488,16 @@ from engine.contract.rings import ShmRing
 from engine.contract.segments import unlink_segment
 from engine.contract.lifeline import close_quietly, open_lifeline, watch_parent
 
-def engine(lifeline, name):  # what engine_main does first
+def engine(lifeline, name, ready):  # what engine_main does first
     watch_parent(lifeline, lambda: unlink_segment(name))
+    open(ready, "w").close()  # watching: without a lifeline the parent's pid was read just now
     time.sleep(600)
 
 if __name__ == "__main__":
     ring = ShmRing.create(4096)
     lifeline, keep = open_lifeline()
-    proc = mp.get_context("spawn").Process(target=engine, args=({use_pipe} and lifeline or None, ring.name),
-                                           daemon=True)
+    proc = mp.get_context("spawn").Process(target=engine, args=({use_pipe} and lifeline or None, ring.name,
+                                           {ready!r}), daemon=True)
     proc.start()
     close_quietly(lifeline.fd)
     print(proc.pid, ring.name, flush=True)
@@ -516,13 +517,20 @@ def test_orphaned_engine_unlinks_its_rings_and_exits(tmp_path: Path, use_pipe: b
     """SIGKILL the 'gateway': its child notices (EOF on the lifeline pipe, or, without one, a new parent
     pid), unlinks the ring and exits; the ring's creator never got to clean up."""
     script = tmp_path / "orphan.py"
-    script.write_text(textwrap.dedent(_ORPHAN_SCRIPT.format(repo=str(REPO), use_pipe=use_pipe)))
+    ready = tmp_path / "watching"
+    script.write_text(textwrap.dedent(_ORPHAN_SCRIPT.format(repo=str(REPO), use_pipe=use_pipe, ready=str(ready))))
     gw = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert gw.stdout is not None
         pid_s, name = gw.stdout.readline().split()
         child = int(pid_s)
         assert _shm_exists(name) and not _gone(child)
+        # the child watches its parent once it has started (a spawned interpreter: seconds on a busy machine); a
+        # parent killed before that is one the pid fallback cannot see (the lifeline pipe can: engines get one)
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline and not _gone(child), "the child never started watching"
+            time.sleep(0.05)
         time.sleep(0.5)
         assert not _gone(child)  # a live gateway keeps its engine
         gw.kill()
