@@ -342,13 +342,16 @@ def test_elevenlabs_mp3_output(srv):
 
 
 def test_elevenlabs_single_context_stream_input(srv):
-    """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes."""
+    """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes. The end
+    sent again while the rest still plays changes nothing: one isFinal."""
 
     async def go():
         ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=False))
         await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}}))
         await ws.send(json.dumps({"text": "Hello from the old socket"}))
         await ws.send(json.dumps({"text": ""}))
+        await ws.send(json.dumps({"text": ""}))
+        await ws.send(json.dumps({"text": "", "flush": True}))
         log = []
         with pytest.raises(websockets.ConnectionClosed):
             while True:
@@ -359,6 +362,7 @@ def test_elevenlabs_single_context_stream_input(srv):
     audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
     assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
     assert log[-1] == {"isFinal": True} and code == 1000
+    assert sum(m.get("isFinal") is True for m in log) == 1, log
 
 
 @pytest.mark.parametrize(
