@@ -387,8 +387,8 @@ class StreamingSession:
             self._drop_empty_buffers()
         self._turns.pop(ctx, None)
         self._turns[ctx] = None
-        if len(self._turns) > MAX_OPEN_TURNS:
-            del self._turns[next(iter(self._turns))]
+        if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
+            self.end_turn(next(iter(self._turns)))
         self._hold(ctx)
 
     def _drop_empty_buffers(self) -> None:
@@ -437,8 +437,14 @@ class StreamingSession:
 
     def end_turn(self, ctx: str | None) -> None:
         """A context's (None: every context's) text is complete: its last queued utterance ends its
-        continuation (app/core/continuation.py): generated final, or its held stream flushed now."""
-        self._end_turns(ctx)
+        continuation (app/core/continuation.py): generated final, or its held stream flushed now. A continuation
+        lives only while its turn is open: a pipeline keeps one per context it has spoken for (context ids are the
+        client's to invent), and a turn that never ends here would keep its chain, and its last request's kept
+        frames, as long as the session."""
+        if ctx is None:
+            self._turns.clear()
+        else:
+            self._turns.pop(ctx, None)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
 
@@ -477,8 +483,8 @@ class StreamingSession:
     def drop(self, ctx: str | None, after: int | None = None) -> None:
         """Drop a context's (None: every context's) buffered text and queued utterances (only those after
         utterance `after`, when given) and stop their GPU work now. Call under the send lock to answer
-        something after it; `cancel` does."""
-        self._end_turns(ctx)
+        something after it; `cancel` does. It ends the turn: a continuation the drop left (a context with nothing
+        queued, or what `after` keeps) ends too."""
         for c, buf in self.buffers.items():
             if ctx is None or c == ctx:
                 buf.clear()
@@ -487,12 +493,7 @@ class StreamingSession:
         for lane in lanes:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
-
-    def _end_turns(self, ctx: str | None) -> None:
-        if ctx is None:
-            self._turns.clear()
-        else:
-            self._turns.pop(ctx, None)
+        self.end_turn(ctx)
 
     async def cancel(
         self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
