@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import re
@@ -135,6 +136,9 @@ class StreamingSession:
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
         self._turns: dict[str, None] = {}
         self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
+        # utterance numbers, one sequence for all of its lanes: a dialect remembers a context's by number (what a
+        # flush covered, where a context id used again begins), and a lane's numbers must never start over
+        self._numbers = itertools.count(1)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -595,9 +599,11 @@ class StreamingSession:
         lane = self.lanes.get(key)
         if lane is None:
             pipe = (
-                UtterancePipeline(self.gw, self.api, may_start=self._may_start, released=self._released)
+                UtterancePipeline(
+                    self.gw, self.api, may_start=self._may_start, released=self._released, numbers=self._numbers
+                )
                 if self.lane_per_context
-                else UtterancePipeline(self.gw, self.api)
+                else UtterancePipeline(self.gw, self.api, numbers=self._numbers)
             )
             lane = self.lanes[key] = Lane(key, pipe)
             lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")

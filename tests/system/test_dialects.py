@@ -842,6 +842,34 @@ def test_cartesia_buffered_sentences_and_flush_done(srv):
     assert abs(len(ca_audio(log, "k2")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
 
 
+def test_cartesia_an_id_used_again_before_its_done_keeps_its_flush_id_and_timestamps(srv):
+    """A context id used again before its done is a new context; its text comes once the first context has played
+    all (their lane ended): its chunks carry its flush_id and its words are timed. A new lane numbered its
+    utterances from 1 again, below the number the context began after, so they were taken for the first
+    context's: chunks without flush_id, no timestamps."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("k9", "One two three.", False))
+        await ws.send(ca_request("k9", "", True))  # the id again before its done: a new context
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "k9", "done", log)
+        later = len(log)
+        await ws.send(ca_request("k9", "Four five six.", True, flush=True))
+        await ca_until(ws, "k9", "flush_done", log)
+        await ws.close()
+        return log[later:]
+
+    log = run(go())
+    chunks = [m for m in log if m["type"] == "chunk"]
+    assert chunks and [m.get("flush_id") for m in chunks] == [1] * len(chunks)
+    assert [w for m in log if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]] == [
+        "Four",
+        "five",
+        "six.",
+    ]
+
+
 def test_cartesia_cancel_stops_the_gpu_work(srv):
     """cancel drops the context at once: the engine stops, its done never comes, and no chunk of it follows
     the first chunk of the context opened after the cancel."""
