@@ -207,6 +207,33 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
+def in_process_gateway(data_dir: Path, *extra: str) -> Iterator[tuple[int, object]]:
+    """The gateway served in this process (its uvicorn server on a thread, as `python -m app` runs it, with its
+    engine process), ready: (its port, its Starlette app), so a test can look at what the gateway holds."""
+    import threading
+
+    from app.__main__ import parse_args
+    from app.server import create_app, gateway_server
+
+    port = free_port()
+    settings = parse_args(["--data-dir", str(data_dir), *extra, "--port", str(port), "--log-level", "WARNING"])
+    app = create_app(settings)
+    server = gateway_server(app, settings)  # as `python -m app` serves (its protocols too)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
+                    break
+            time.sleep(0.2)
+        yield port, app
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@contextlib.contextmanager
 def servers(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     """A starter of servers (ready when it returns), each stopped when the block ends."""
     started: list[ServerProcess] = []

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -175,16 +175,19 @@ class UtterancePipeline:
         depth: int | None = None,
         may_start: Callable[[UtterancePipeline], bool] | None = None,
         released: Callable[[], None] | None = None,
+        numbers: Iterator[int] | None = None,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
-        of several contexts shares its engine work among their pipelines: app/core/session.py)."""
+        of several contexts shares its engine work among their pipelines: app/core/session.py). `numbers`: its
+        utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
+        it is idle and the next text starts another, whose utterances must still number after those before)."""
         self.gw, self.api = gw, api
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
         self.may_start, self.released = may_start, released
         self._turn = asyncio.Event()  # set when an utterance starts, or is dropped (the head may wait for `may_start`)
         self.queue: deque[Utterance] = deque()  # not yet fully played, in order; the head is playing
         self.changed = asyncio.Event()  # set whenever utterances are added or dropped
-        self._seq = itertools.count(1)
+        self._seq = numbers if numbers is not None else itertools.count(1)
         self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/core/continuation.py)
         self.styles: dict[str, StyleTag | None] = {}  # context -> the style tag its text is in (style_tags.py)
 

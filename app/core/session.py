@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import re
@@ -153,6 +154,9 @@ class StreamingSession:
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
         self._turns: dict[str, None] = {}
         self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
+        # utterance numbers, one sequence for all of its lanes: a dialect remembers a context's by number (what a
+        # flush covered, where a context id used again begins), and a lane's numbers must never start over
+        self._numbers = itertools.count(1)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -408,8 +412,8 @@ class StreamingSession:
             self._drop_empty_buffers()
         self._turns.pop(ctx, None)
         self._turns[ctx] = None
-        if len(self._turns) > MAX_OPEN_TURNS:
-            del self._turns[next(iter(self._turns))]
+        if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
+            self.end_turn(next(iter(self._turns)))
         self._hold(ctx)
 
     def _drop_empty_buffers(self) -> None:
@@ -458,8 +462,14 @@ class StreamingSession:
 
     def end_turn(self, ctx: str | None) -> None:
         """A context's (None: every context's) text is complete: its last queued utterance ends its
-        continuation (app/core/continuation.py): generated final, or its held stream flushed now."""
-        self._end_turns(ctx)
+        continuation (app/core/continuation.py): generated final, or its held stream flushed now. A continuation
+        lives only while its turn is open: a pipeline keeps one per context it has spoken for (context ids are the
+        client's to invent), and a turn that never ends here would keep its chain, and its last request's kept
+        frames, as long as the session."""
+        if ctx is None:
+            self._turns.clear()
+        else:
+            self._turns.pop(ctx, None)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
 
@@ -498,8 +508,8 @@ class StreamingSession:
     def drop(self, ctx: str | None, after: int | None = None) -> None:
         """Drop a context's (None: every context's) buffered text and queued utterances (only those after
         utterance `after`, when given) and stop their GPU work now. Call under the send lock to answer
-        something after it; `cancel` does."""
-        self._end_turns(ctx)
+        something after it; `cancel` does. It ends the turn: a continuation the drop left (a context with nothing
+        queued, or what `after` keeps) ends too."""
         for c, buf in self.buffers.items():
             if ctx is None or c == ctx:
                 buf.clear()
@@ -508,12 +518,7 @@ class StreamingSession:
         for lane in lanes:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
-
-    def _end_turns(self, ctx: str | None) -> None:
-        if ctx is None:
-            self._turns.clear()
-        else:
-            self._turns.pop(ctx, None)
+        self.end_turn(ctx)
 
     async def cancel(
         self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
@@ -615,9 +620,11 @@ class StreamingSession:
         lane = self.lanes.get(key)
         if lane is None:
             pipe = (
-                UtterancePipeline(self.gw, self.api, may_start=self._may_start, released=self._released)
+                UtterancePipeline(
+                    self.gw, self.api, may_start=self._may_start, released=self._released, numbers=self._numbers
+                )
                 if self.lane_per_context
-                else UtterancePipeline(self.gw, self.api)
+                else UtterancePipeline(self.gw, self.api, numbers=self._numbers)
             )
             lane = self.lanes[key] = Lane(key, pipe)
             lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")

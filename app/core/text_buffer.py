@@ -54,12 +54,13 @@ def _attached(ch: str) -> bool:
 
 
 def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
-    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes, nothing lost."""
+    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes, nothing lost. Each cut looks at the next
+    max_bytes characters only (they hold at least max_bytes bytes), so a long text costs in proportion to its pieces."""
     parts: list[str] = []
     sentence = sentence.strip()
-    while utf8_len(sentence) > max_bytes:
+    while utf8_len(sentence[: max_bytes + 1]) > max_bytes:
         # the longest prefix that fits, in characters
-        fit = len(sentence.encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore"))
+        fit = len(sentence[:max_bytes].encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore"))
         head = sentence[:fit]
         cut = 0
         clauses = [m.end() for m in _CLAUSE.finditer(head)]
@@ -71,6 +72,10 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
             cut = fit
             while cut > 1 and (_attached(sentence[cut]) or sentence[cut - 1] in _JOINERS):
                 cut -= 1
+            if cut == 1 and (_attached(sentence[1]) or sentence[0] in _JOINERS):
+                # a cluster longer than the budget (9,999 combining accents on one letter) has no cut but inside it:
+                # at the budget, not a piece per character (10,000 pieces, each cut costing the whole text)
+                cut = fit
         for m in _TAG.finditer(sentence, 0, fit + TAG_MAX):  # never inside a tag: its halves would be read as text
             if m.start() < cut < m.end() and m.start() > 0:
                 cut = m.start()

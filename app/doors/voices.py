@@ -18,7 +18,7 @@ from app.core.gateway import PREVIEW_S, Gateway, preview_wav
 from app.doors.speech import error_response, read_json
 from app.io.auth import require_key
 from app.io.bodies import admit_body
-from app.io.checks import base64_payload
+from app.io.checks import base64_payload, check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import (
@@ -306,6 +306,8 @@ async def tts_cache_speaker(request: Request) -> Response:
             )
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
         file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        if file_name is not None:  # kept in the voice's details, written and answered as UTF-8 ever after
+            check_text(file_name, name_key, G.BAD_PARAMS)
         label = text_field(data.get("label"), "label", G.BAD_PARAMS)
         label = validate_name(label) if label and label.strip() else None  # checked as every name is
         name = (

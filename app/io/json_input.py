@@ -1,4 +1,4 @@
-"""One parser for every JSON object a client sends (WebSocket messages, HTTP bodies): a bad, deep or
+"""One parser for every JSON object a client sends (WebSocket messages, HTTP bodies): a bad, deep, crowded or
 non-object document is a coded RequestError, never a RecursionError or a 500."""
 
 from __future__ import annotations
@@ -11,6 +11,12 @@ from app.io.errors import RequestError
 # Our messages and bodies nest a few levels at most ({"params": {"quality_buckets": {...}}}). A deeper
 # document is refused whole, so no later code (validation, json.dumps, msgpack) ever walks one.
 MAX_DEPTH = 32
+# Values one document may hold, counted before it is parsed by its commas (every value but a container's first follows
+# one; commas inside strings count too, so this bounds the values from above). json.loads runs on the event loop and
+# holds the GIL for the whole call: an 18 MB body of zeros held every session's audio ~0.6 s, an 8 MB message ~0.25 s.
+# Ours hold far fewer: a voice embedding is 2,048 numbers, a dictionary's rules (1 MB at most) some 30,000 values;
+# text, base64 clips and embeddings carry next to no commas.
+MAX_VALUES = 1 << 17
 
 
 def _depth(value: Any) -> int:
@@ -35,6 +41,8 @@ def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
     ("a message", "the body")."""
     if not raw:
         raise RequestError(code, f"{what} is empty: send a JSON object")
+    if (raw.count(",") if isinstance(raw, str) else raw.count(b",")) >= MAX_VALUES:
+        raise RequestError(code, f"{what} must hold at most {MAX_VALUES} JSON values (commas)")
     try:
         data = json.loads(raw)
     except RecursionError:  # json's C scanner nests on the C stack and stops at the recursion limit

@@ -85,6 +85,24 @@ def derived_name(text: str, fallback: str = "voice") -> str:
 MAX_EMBEDDING_ROWS = 1024
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = (b"PK\x03\x04", b"PK\x05\x06")
+# An .npz holds an array or a few. zipfile reads its whole central directory (an entry per member) in Python before
+# any member is opened: an upload of 120,000 empty members (10 MB) held the event loop, every session's audio, ~1 s.
+# The directory's size is read from the archive's end record first, and one past this is refused.
+MAX_NPZ_DIRECTORY_BYTES = 16 << 10  # a hundred members or so; np.savez writes ~100 bytes per array
+_ZIP_END = b"PK\x05\x06"  # the end of central directory record (22 bytes and a comment of up to 64 KiB)
+_ZIP64_LOCATOR = b"PK\x06\x07"  # 20 bytes just before it: its sizes are then the zip64 record's
+
+
+def _zip_directory_bytes(data: bytes) -> int | None:
+    """The size of a zip archive's central directory as its end record declares it, as zipfile finds that record
+    (the last one in the archive's last 64 KiB); None when it has none. A zip64 archive (whose directory sizes
+    zipfile takes from another record; np.savez writes one only past 4 GiB or 65,535 members) counts as too large."""
+    at = data.rfind(_ZIP_END, max(0, len(data) - 22 - 0xFFFF))
+    if at < 0 or len(data) < at + 22:
+        return None
+    if at >= 20 and data[at - 20 : at - 16] == _ZIP64_LOCATOR:
+        return 1 << 64
+    return int.from_bytes(data[at + 12 : at + 16], "little")
 
 
 def _read_npy(fp: BinaryIO, max_bytes: int) -> np.ndarray:
@@ -113,11 +131,20 @@ def _load_array(data: bytes, max_bytes: int) -> np.ndarray:
         return _read_npy(io.BytesIO(data), max_bytes)
     if not data.startswith(_ZIP_MAGIC):
         raise VoiceError(G.BAD_EMBEDDING, "not a .npy/.npz array file")
+    directory = _zip_directory_bytes(data)
+    if directory is not None and directory > MAX_NPZ_DIRECTORY_BYTES:
+        raise VoiceError(
+            G.BAD_EMBEDDING,
+            f".npz holds too many members for a speaker embedding (its directory is past {MAX_NPZ_DIRECTORY_BYTES} "
+            "bytes): save one array, or an 'emb' array",
+        )
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         members = {n.removesuffix(".npy"): n for n in zf.namelist()}
         key = "emb" if "emb" in members else (next(iter(members)) if len(members) == 1 else None)
         if key is None:
-            raise VoiceError(G.BAD_EMBEDDING, f".npz must hold one array or an 'emb' array, found {sorted(members)}")
+            shown = sorted(members)[:8]
+            more = f" and {len(members) - len(shown)} more" if len(members) > len(shown) else ""
+            raise VoiceError(G.BAD_EMBEDDING, f".npz must hold one array or an 'emb' array, found {shown}{more}")
         with zf.open(members[key]) as fp:
             return _read_npy(cast(BinaryIO, fp), max_bytes)
 

@@ -10,7 +10,6 @@ import io
 import json
 import logging
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,10 +19,8 @@ import httpx
 import numpy as np
 from websockets.sync.client import connect
 
-from app.__main__ import parse_args
-from app.server import create_app, gateway_server
 from engine.contract import collector
-from tests.conftest import free_port
+from tests.conftest import in_process_gateway
 
 
 def _speak(
@@ -125,19 +122,8 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
     (played, barged in on) and an HTTP request's, with word times from an aligner (engine/aligner/)."""
     from engine.aligner.model import AlignerConfig, random_checkpoint
 
-    port = free_port()
     aligner = str(random_checkpoint(tmp_path / "aligner.pt", AlignerConfig.tiny()))
-    args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--aligner", aligner]
-    settings = parse_args([*args, "--port", str(port), "--log-level", "WARNING"])
-    server = gateway_server(create_app(settings), settings)  # as `python -m app` serves (its protocols too)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        for _ in range(600):
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/readyz").status_code == 200:
-                    break
-            time.sleep(0.2)
+    with in_process_gateway(tmp_path, "--no-text-normalization", "--aligner", aligner) as (port, _):
         # serving: the heap built at start (modules, routes, the app) is frozen out of the collector's passes
         assert gc.get_freeze_count() > 10_000
         url = f"ws://127.0.0.1:{port}/v1/tts/ws"
@@ -172,9 +158,6 @@ def test_an_ended_session_leaves_no_cyclic_garbage(tmp_path: Path):
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
-    finally:
-        server.should_exit = True
-        thread.join(30)
     assert not kept, f"freed only by the cyclic collector: {kept}"
 
 

@@ -342,13 +342,16 @@ def test_elevenlabs_mp3_output(srv):
 
 
 def test_elevenlabs_single_context_stream_input(srv):
-    """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes."""
+    """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes. The end
+    sent again while the rest still plays changes nothing: one isFinal."""
 
     async def go():
         ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=False))
         await ws.send(json.dumps({"text": " ", "voice_settings": {"stability": 0.5}}))
         await ws.send(json.dumps({"text": "Hello from the old socket"}))
         await ws.send(json.dumps({"text": ""}))
+        await ws.send(json.dumps({"text": ""}))
+        await ws.send(json.dumps({"text": "", "flush": True}))
         log = []
         with pytest.raises(websockets.ConnectionClosed):
             while True:
@@ -359,6 +362,7 @@ def test_elevenlabs_single_context_stream_input(srv):
     audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
     assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
     assert log[-1] == {"isFinal": True} and code == 1000
+    assert sum(m.get("isFinal") is True for m in log) == 1, log
 
 
 @pytest.mark.parametrize(
@@ -836,6 +840,34 @@ def test_cartesia_buffered_sentences_and_flush_done(srv):
     assert flush["flush_id"] == 1 and flush["flush_done"] is True
     assert abs(first // 2 - resampled(SAMPLES, 24000)) <= 2
     assert abs(len(ca_audio(log, "k2")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
+
+
+def test_cartesia_an_id_used_again_before_its_done_keeps_its_flush_id_and_timestamps(srv):
+    """A context id used again before its done is a new context; its text comes once the first context has played
+    all (their lane ended): its chunks carry its flush_id and its words are timed. A new lane numbered its
+    utterances from 1 again, below the number the context began after, so they were taken for the first
+    context's: chunks without flush_id, no timestamps."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("k9", "One two three.", False))
+        await ws.send(ca_request("k9", "", True))  # the id again before its done: a new context
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "k9", "done", log)
+        later = len(log)
+        await ws.send(ca_request("k9", "Four five six.", True, flush=True))
+        await ca_until(ws, "k9", "flush_done", log)
+        await ws.close()
+        return log[later:]
+
+    log = run(go())
+    chunks = [m for m in log if m["type"] == "chunk"]
+    assert chunks and [m.get("flush_id") for m in chunks] == [1] * len(chunks)
+    assert [w for m in log if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]] == [
+        "Four",
+        "five",
+        "six.",
+    ]
 
 
 def test_cartesia_cancel_stops_the_gpu_work(srv):

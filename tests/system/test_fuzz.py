@@ -533,12 +533,16 @@ def voices(fuzz_server) -> dict[str, str]:
 
 
 @FUZZ_SMALL
-@given(name=st.text(max_size=70) | anything, label=st.text(max_size=70) | anything, t=st.floats() | anything)
+@given(
+    name=st.text(max_size=70) | surrogates | anything, label=st.text(max_size=70) | anything, t=st.floats() | anything
+)
 @example(name=12, label=True, t=0.5)
 @example(name="n" * 65, label="n" * 65, t=0.5)
+@example(name="clip\ud800.npy", label=None, t=0.5)  # a file name the voice keeps: it must be valid text
 def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
     """A name or label is a string or nothing: never turned into "12" or "True"; no 5xx; one name rule on every
-    route (a name too long is refused, never cut)."""
+    route (a name too long is refused, never cut). A speaker's file name is kept in its voice (original_name): one
+    with a lone surrogate was stored, and from then on every listing of the library was a 500."""
     url, vid = fuzz_server.url, voices["Renamed"]
     before = httpx.get(url + f"/v1/voices/{vid}", timeout=60).json()["name"]
     emb = base64.b64encode(npy(np.full(2048, 0.25, np.float32))).decode()
@@ -580,6 +584,8 @@ def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
         assert len(verdicts) == 1, (name, patch.text, blend.text, label_as_name.text)
         if blend.status_code < 300:
             assert blend.json()["name"] == name.strip(), (name, blend.text)  # kept as given, never cut
+    check_json_http(httpx.get(url + "/v1/voices", timeout=60))
+    check_json_http(httpx.get(url + "/tts/speakers", headers={"X-TTS-Session-ID": "fuzz"}, timeout=60))
     after = httpx.get(url + f"/v1/voices/{vid}", timeout=60).json()["name"]
     if patch.status_code == 200:
         assert isinstance(name, str) and after == name.strip(), (name, after)

@@ -868,13 +868,16 @@ def no_internals(message: str) -> None:
 
 def test_json_depth_and_shape_are_coded_errors():
     from app.io.errors import RequestError
-    from app.io.json_input import MAX_DEPTH, parse_json_object
+    from app.io.json_input import MAX_DEPTH, MAX_VALUES, parse_json_object
 
     nested = '{"a":' + "[" * MAX_DEPTH + "]" * MAX_DEPTH + "}"  # MAX_DEPTH + 1 levels
+    crowded = '{"a": [' + "0," * MAX_VALUES + "0]}"  # parsed, it held the event loop (every session's audio)
     for raw, needle in (
         (DEEP, "nested"),
         (DEEP.encode(), "nested"),
         (nested, "nested"),
+        (crowded, "at most"),
+        (crowded.encode(), "at most"),
         ("[1]", "not an array"),
         ("{x", "not valid JSON"),
         ("", "empty"),
@@ -886,6 +889,8 @@ def test_json_depth_and_shape_are_coded_errors():
         assert e.value.code == "bad_json" and e.value.status == 400 and needle in str(e.value), (raw[:20], e.value)
     ok = '{"a":' + "[" * (MAX_DEPTH - 1) + "]" * (MAX_DEPTH - 1) + "}"
     assert parse_json_object(ok, "bad_json", "the body") == json.loads(ok)
+    full = '{"a": [' + "0," * (MAX_VALUES - 2) + "0]}"  # MAX_VALUES values: the array's and the object's one
+    assert len(parse_json_object(full, "bad_json", "the body")["a"]) == MAX_VALUES - 1
     assert parse_json_object(b'{"t": "\\u00e9\\ud83d\\ude00"}', "bad_json", "the body") == {"t": "é😀"}
 
 

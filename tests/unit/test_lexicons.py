@@ -17,7 +17,17 @@ from hypothesis import strategies as st
 
 from app.io.errors import RequestError
 from app.voices import lexicons
-from app.voices.lexicons import LexiconStore, Rule, apply_rules, apply_rules_off_loop, rules_from_json, rules_from_pls
+from app.voices.lexicons import (
+    MAX_PLS_TAGS,
+    MAX_RULES,
+    PLS_FEED_BYTES,
+    LexiconStore,
+    Rule,
+    apply_rules,
+    apply_rules_off_loop,
+    rules_from_json,
+    rules_from_pls,
+)
 
 PLS = b"""<?xml version="1.0" encoding="UTF-8"?>
 <lexicon version="1.0" xmlns="http://www.w3.org/2005/01/pronunciation-lexicon" alphabet="ipa" xml:lang="en-US">
@@ -36,6 +46,22 @@ def test_pls_aliases_are_read_and_phonemes_refused():
     for bad in (b"not xml", b"<root/>", b'<!DOCTYPE x [<!ENTITY a "aaaa">]><lexicon>&a;</lexicon>'):
         with pytest.raises(RequestError):
             rules_from_pls(bad)
+
+
+def test_a_pls_of_too_many_tags_is_refused_before_it_is_parsed():
+    """1 MB of empty elements (parsed: 0.3 s of the parser holding the GIL) is refused from its count of tags; a file
+    of MAX_RULES lexemes, each with two graphemes and a phoneme beside its alias, is read (parsed in pieces)."""
+    crowded = PLS.replace(b"</lexicon>", b"<x/>" * (MAX_PLS_TAGS + 1) + b"</lexicon>")
+    with pytest.raises(RequestError) as e:
+        rules_from_pls(crowded)
+    assert e.value.code == "bad_lexicon" and f"at most {MAX_PLS_TAGS} tags" in str(e.value), e.value
+    n = MAX_RULES // 2 - 2  # with PLS's three: MAX_RULES - 1 rules
+    lexeme = "<lexeme><grapheme>w{0}</grapheme><grapheme>W{0}</grapheme><phoneme>p</phoneme><alias>a{0}</alias>"
+    lexeme += "</lexeme>"
+    full = PLS.replace(b"</lexicon>", "".join(lexeme.format(i) for i in range(n)).encode() + b"</lexicon>")
+    assert len(full) > 2 * PLS_FEED_BYTES and full.count(b"<") > 9 * n
+    rules = rules_from_pls(full)
+    assert len(rules) == 3 + 2 * n and rules[-1] == Rule(f"W{n - 1}", f"a{n - 1}")
 
 
 def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():

@@ -130,6 +130,17 @@ def test_long_text_is_cut_by_utf8_length_and_nothing_is_lost(text):
         assert all(p.startswith("e") and p.endswith("\u0301") for p in pieces)
 
 
+@pytest.mark.parametrize("text", ["a" + "\u0301" * 9999, "\u200d" * 5000, "👍" + "\U0001f3fb\ufe0f" * 3000])
+def test_a_cluster_past_the_budget_is_cut_at_the_budget(text):
+    """A cluster longer than the budget can only be cut inside: in pieces as large as fit, nothing lost. It was cut
+    a character at a time (10,000 one-character utterances for one letter with 9,999 accents), and each cut looked at
+    the whole rest of the text: one socket message held the event loop, every session's audio, ~0.6 s."""
+    pieces = split_to_budget(text, 100)
+    assert "".join(pieces) == text
+    assert all(utf8_len(p) <= 100 for p in pieces)
+    assert len(pieces) <= utf8_len(text) // 96 + 1  # each but the last full to a character (4 bytes at most)
+
+
 def test_long_sentences_are_cut_at_clauses_then_spaces():
     s = "This is a long clause, with a comma; and then more words here and there and everywhere"
     assert split_to_budget(s, 50) == [

@@ -87,6 +87,23 @@ def _truncated_npy() -> bytes:
     return npy(rand(3))[:-100]
 
 
+def _empty_members(n: int) -> bytes:
+    """A zip of n empty members: its central directory, which zipfile reads whole in Python, is n entries."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for i in range(n):
+            zf.writestr(f"m{i}", b"")
+    return buf.getvalue()
+
+
+def _zip64_locator() -> bytes:
+    """A one-array .npz with a zip64 end locator before its end record (zipfile would take the directory's size
+    from the zip64 record it points to)."""
+    data = npz(emb=rand(11))
+    at = data.rindex(b"PK\x05\x06")
+    return data[:at] + b"PK\x06\x07" + bytes(16) + data[at:]
+
+
 BAD_EMBEDDINGS = {
     "wrong_dimension": (npy(np.ones(7, np.float32)), "shape (2048,) or (N, 2048), got (7,)"),
     "transposed_rows": (npy(rand(4, D, 3)), "got (2048, 3)"),
@@ -105,6 +122,9 @@ BAD_EMBEDDINGS = {
     "structured_without_emb": (npy(np.zeros(3, dtype=[("x", "<f4"), ("y", "<f4")])), "'emb' field"),
     "npz_two_arrays_no_emb": (npz(a=rand(9), b=rand(10)), "one array or an 'emb' array"),
     "npz_empty": (npz(), "one array or an 'emb' array"),
+    "npz_twenty_arrays_no_emb": (npz(**{f"a{i:02d}": rand(i) for i in range(20)}), "'a07'] and 12 more"),
+    "npz_many_members": (_empty_members(2000), "too many members"),
+    "npz_zip64": (_zip64_locator(), "too many members"),
     "truncated": (_truncated_npy(), "truncated"),
     "text": (b"definitely not numpy", "not a .npy/.npz"),
     "empty": (b"", "not a .npy/.npz"),

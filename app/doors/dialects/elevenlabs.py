@@ -277,6 +277,8 @@ class ElevenLabsSession(StreamingSession):
         await self.close()
 
     async def _end_of_input(self) -> None:
+        if self.closing:  # the input has ended already: its one isFinal is on its way (a close is idempotent)
+            return
         c = self._open(DEFAULT_CONTEXT, {})
         await self.flush(DEFAULT_CONTEXT)
         c.closing = True

@@ -58,7 +58,7 @@ async def add_from_file(request: Request) -> Response:
         raise RequestError(G.BAD_UPLOAD, f"a multipart form with name and file is expected: {str(e)[:120]}") from None
     if len(data) > MAX_PLS_BYTES:
         raise RequestError(G.UPLOAD_TOO_LARGE, f"a lexicon file is at most {MAX_PLS_BYTES} bytes")
-    lex = await asyncio.to_thread(gw.lexicons.add, owner, name, rules_from_pls(data), description)
+    lex = await asyncio.to_thread(lambda: gw.lexicons.add(owner, name, rules_from_pls(data), description))
     return JSONResponse(lex.public())
 
 
