@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices import lexicons
 from app.voices.lexicons import (
@@ -177,6 +178,36 @@ def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(t
     assert [x.public()["version_rules_num"] for x in listed] == [100] * 3
     assert sum(parsed) < text / 10, f"{sum(parsed)} characters parsed"
     assert store.get(mine[0].id, "alice").rules == rules
+
+
+def test_a_dictionary_named_again_is_not_parsed_again_until_its_file_changes(tmp_path, monkeypatch):
+    """Sessions and contexts that name a dictionary read it on the event loop: its rules are parsed once and kept
+    while their file is the same (a flood of configs naming a 1 MB dictionary parsed it for each, holding every
+    socket's audio); a file another process rewrote is read again, and a deleted dictionary is unknown at once."""
+    store = LexiconStore(tmp_path)
+    rules = [Rule(f"word{i}", f"alias{i}") for i in range(2000)]
+    lex = store.add("alice", "big", rules)
+    parsed: list[int] = []
+    real = json.loads
+
+    def counted(s, *args, **kwargs):
+        parsed.append(len(s))
+        return real(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)
+    for _ in range(20):
+        assert store.get(lex.id, "alice").rules == rules
+    big = [n for n in parsed if n > 10_000]
+    assert len(big) == 1, parsed  # the rules once; each get still reads the small metadata (another process's delete)
+    got = store.get(lex.id, "alice")
+    got.rules.append(Rule("mine", "not the store's"))  # a caller's list is its own
+    assert store.get(lex.id, "alice").rules == rules
+    LexiconStore(tmp_path)._put(store._rules_path(lex.id, "alice"), [["new", "rules"]])  # another process writes it
+    assert store.get(lex.id, "alice").rules == [Rule("new", "rules")]
+    LexiconStore(tmp_path).delete(lex.id, "alice")  # and another deletes it
+    with pytest.raises(RequestError) as e:
+        store.get(lex.id, "alice")
+    assert e.value.code == G.UNKNOWN_LEXICON
 
 
 def test_a_store_of_one_document_per_dictionary_is_moved_to_its_owners_folder(tmp_path):
