@@ -368,7 +368,7 @@ def _mangled(draw: st.DrawFn) -> tuple[object, bytes | None]:
     return (header if top == "dict" else draw(_VALUES)), raw
 
 
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_mangled())
 def test_every_malformed_record_is_a_malformed_record(case):
     header, payload = case
