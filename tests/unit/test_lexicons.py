@@ -153,6 +153,19 @@ def test_text_with_no_utf8_form_is_a_bad_lexicon_and_nothing_is_written(tmp_path
     assert store.list("alice") == [] and not [p for p in tmp_path.rglob("*") if p.is_file()]
 
 
+def _count_parses(monkeypatch) -> list[int]:
+    """The length of every document json.loads parses from now on (the store's reads)."""
+    parsed: list[int] = []
+    real = json.loads
+
+    def counted(s, *args, **kwargs):
+        parsed.append(len(s))
+        return real(s, *args, **kwargs)
+
+    monkeypatch.setattr(json, "loads", counted)
+    return parsed
+
+
 def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(tmp_path, monkeypatch):
     """An owner's hundred dictionaries of thousands of rules are hundreds of MB: a listing, and the count a new
     dictionary is held to (MAX_PER_OWNER), read only that owner's metadata, never rules (every listing parsed every
@@ -164,14 +177,7 @@ def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(t
     store.add("bob", "other", rules)
     text = sum(len(r.grapheme.encode()) + len(r.alias.encode()) for r in rules)
     assert sum(p.stat().st_size for p in tmp_path.rglob("*.json")) < 4 * text * 1.2
-    parsed: list[int] = []
-    real = json.loads
-
-    def counted(s, *args, **kwargs):
-        parsed.append(len(s))
-        return real(s, *args, **kwargs)
-
-    monkeypatch.setattr(json, "loads", counted)
+    parsed = _count_parses(monkeypatch)
     listed = store.list("alice")
     store.add("alice", "d3", rules[:1])
     assert [x.id for x in listed] == [x.id for x in mine]
@@ -187,14 +193,7 @@ def test_a_dictionary_named_again_is_not_parsed_again_until_its_file_changes(tmp
     store = LexiconStore(tmp_path)
     rules = [Rule(f"word{i}", f"alias{i}") for i in range(2000)]
     lex = store.add("alice", "big", rules)
-    parsed: list[int] = []
-    real = json.loads
-
-    def counted(s, *args, **kwargs):
-        parsed.append(len(s))
-        return real(s, *args, **kwargs)
-
-    monkeypatch.setattr(json, "loads", counted)
+    parsed = _count_parses(monkeypatch)
     for _ in range(20):
         assert store.get(lex.id, "alice").rules == rules
     big = [n for n in parsed if n > 10_000]
