@@ -35,8 +35,8 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings
 from engine.llm.node import LLMNode, Sequence
 from engine.model.checkpoint import random_model, release_shapes
-from engine.model.quantize import QBLOCK, quantize_experts
-from engine.model.zonos2 import MoEFFN, PrefillSeq
+from engine.model.quantize import QBLOCK
+from engine.model.zonos2 import MoEFFN, PrefillSeq, quantize_experts
 
 
 def weight_bytes(model, experts_touched: list[int]) -> int:

@@ -42,8 +42,7 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import BATCH_INVARIANT_MODES, EngineSettings, WeightSources
 from engine.frontend.prompt import Conditioning, PromptBuilder
 from engine.llm.node import LLMNode, Sequence
-from engine.model.quantize import quantize_experts
-from engine.model.zonos2 import PrefillSeq
+from engine.model.zonos2 import PrefillSeq, quantize_experts
 from engine.offline import run_sequence
 from engine.weights import load_model
 

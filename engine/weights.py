@@ -23,7 +23,7 @@ def load_model(
         log.warning("no --model-path: using random %s weights (the model speaks noise)", src.random_preset)
         model = random_model(src.random_preset, seed=src.seed, device=device, dtype=dtype)
     if quantization == "fp8":
-        from engine.model.quantize import quantize_experts
+        from engine.model.zonos2 import quantize_experts
 
         size = quantize_experts(model)
         log.info("MoE experts quantized to block-scaled FP8 (e4m3): %.2f GB", size / 1e9)

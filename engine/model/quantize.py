@@ -14,21 +14,15 @@ engine/model/kernels/moe_fp8.py must equal it up to summation order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, cast
-
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 QBLOCK = 128  # tile side of the weight scales and width of the activation groups
 ACT_EPS = 1e-10  # floor of an activation group's amax (an all-zero group quantizes to zeros)
 MODES = ("none", "fp8")
-
-if TYPE_CHECKING:
-    from engine.model.zonos2 import DecoderLayer, Zonos2
 
 
 def quantize_blocks(w: Tensor, block: int = QBLOCK) -> tuple[Tensor, Tensor]:
@@ -86,30 +80,6 @@ def moe_fp8_reference(
         y = quantize_act(a) @ dequantize_blocks(down[e], down_scale[e]).t()
         out.index_add_(0, rows, y * w[sel, None].float())
     return out.to(x.dtype)
-
-
-def quantize_experts(model: Zonos2) -> int:
-    """Replace every MoE layer's bf16 expert weights by e4m3 + block scales, in place, one layer at a time
-    (the peak is the bf16 model plus one layer's FP8 copy). Returns the bytes the experts take now."""
-    from engine.model.zonos2 import MoEFFN
-
-    total = 0
-    for layer in cast("Iterable[DecoderLayer]", model.layers):
-        ffn = layer.feed_forward
-        if not isinstance(ffn, MoEFFN):  # a dense layer
-            continue
-        ex = ffn.experts
-        for name in ("gate_up", "down"):
-            q, s = quantize_blocks(getattr(ex, name).data)
-            setattr(ex, name, nn.Parameter(q, requires_grad=False))
-            setattr(ex, f"{name}_scale", nn.Parameter(s, requires_grad=False))
-            total += q.numel() + s.numel() * 4
-        ffn.fp8 = True
-    if total == 0:
-        raise ValueError("the model has no MoE layers to quantize")
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return total
 
 
 def check_mode(quantization: str, device: str) -> None:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from engine.frontend.config import Zonos2Config
 from engine.model.embedding import embed_sum
+from engine.model.quantize import moe_fp8_reference, quantize_blocks
 from engine.model.transfer import to_device
 
 if TYPE_CHECKING:
@@ -393,7 +394,7 @@ class MoEFFN(nn.Module):
         self.experts = Experts(cfg)
 
     use_triton = False  # set by Zonos2.enable_triton(): fused kernels on CUDA, no host sync
-    fp8 = False  # set by engine.model.quantize.quantize_experts(): e4m3 experts + experts.*_scale
+    fp8 = False  # set by quantize_experts() (below): e4m3 experts + experts.*_scale
 
     def forward(self, x: Tensor, router_state: Tensor | None, stages: StageSet = PLAIN) -> tuple[Tensor, Tensor | None]:
         if self.use_triton:
@@ -414,8 +415,6 @@ class MoEFFN(nn.Module):
         plain = cast(Stages, stages)  # the plain path: the batch-invariant sets need the Triton kernels
         chosen, weights, state = self.router(x, router_state, self.k, plain.route)
         if self.fp8:
-            from engine.model.quantize import moe_fp8_reference
-
             ex = self.experts
             return moe_fp8_reference(x, ex.gate_up, ex.gate_up_scale, ex.down, ex.down_scale, chosen, weights), state
         return self.run_experts(x, chosen, weights), state
@@ -832,3 +831,25 @@ def _sdpa_batched(q: Tensor, k: Tensor, v: Tensor, valid: Tensor) -> Tensor:
     vv = v.repeat_interleave(rep, dim=2).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=valid[:, None, None, :])
     return o[:, :, 0, :]
+
+
+def quantize_experts(model: Zonos2) -> int:
+    """Replace every MoE layer's bf16 expert weights by e4m3 + block scales, in place, one layer at a time
+    (the peak is the bf16 model plus one layer's FP8 copy). Returns the bytes the experts take now."""
+    total = 0
+    for layer in cast("Iterable[DecoderLayer]", model.layers):
+        ffn = layer.feed_forward
+        if not isinstance(ffn, MoEFFN):  # a dense layer
+            continue
+        ex = ffn.experts
+        for name in ("gate_up", "down"):
+            q, s = quantize_blocks(getattr(ex, name).data)
+            setattr(ex, name, nn.Parameter(q, requires_grad=False))
+            setattr(ex, f"{name}_scale", nn.Parameter(s, requires_grad=False))
+            total += q.numel() + s.numel() * 4
+        ffn.fp8 = True
+    if total == 0:
+        raise ValueError("the model has no MoE layers to quantize")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return total

@@ -27,8 +27,8 @@ from engine.model.quantize import (  # noqa: E402
     moe_fp8_reference,
     quantize_act,
     quantize_blocks,
-    quantize_experts,
 )
+from engine.model.zonos2 import quantize_experts  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"
 
