@@ -431,7 +431,7 @@ def test_closing_a_loading_engine_stops_it_at_once():
 def test_the_client_times_each_start_to_its_first_audio(rt):
     """What the door adds to a newcomer's wait (app/core/admission.py FirstAudio): each fresh stream's time
     from its `started` to its first audio record, as the gateway saw them, and once enough starts came, their
-    median in the load the door reads."""
+    p90 in the load the door reads."""
     lt, client = rt
     client.first_audio.reset()
 
@@ -443,7 +443,7 @@ def test_the_client_times_each_start_to_its_first_audio(rt):
     seen = [s for _, s in client.first_audio._seen]
     assert len(seen) == 4 and all(s > 0 for s in seen)
     last = client.first_audio._seen[-1][0]
-    assert client.first_audio.recent(now=last) == sorted(seen)[2]
+    assert client.first_audio.recent(now=last) == sorted(seen)[3]  # of four, the p90 is the slowest
 
 
 def test_what_a_submitted_request_becomes_or_why_it_cannot_run():
