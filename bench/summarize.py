@@ -3,9 +3,10 @@
 Usage: python bench/summarize.py RUN_DIR_OR_FILE... --out docs/bench-summaries/NAME.md [--build HASH]
 
 Capacity and overload JSON (bench/live_capacity.py `--out`) and voice-agent JSON (bench/agent_load.py `--out`)
-become their levels table plus the command that reproduces them; other small JSON is kept compact, large JSON is
-reduced to its top-level keys, and logs keep their last lines. The raw files themselves stay outside the
-repository.
+become their levels table, each level's details (first audio's parts at p95, refusals, collector pauses, the
+clients' loop lag) and the command that reproduces them; other small JSON is kept compact, large JSON is
+reduced to its top-level keys, and logs keep their last lines. The GPU is the one a log's `nvidia-smi` line names
+(bench/device_*.sh print it first). The raw files themselves stay outside the repository.
 """
 
 from __future__ import annotations
@@ -52,6 +53,28 @@ def capacity_command(config: dict[str, Any], script: str = "bench/live_capacity.
     return shlex.join([*args, "--out", "OUT.json"])
 
 
+GPU_NAME = re.compile(r"^(NVIDIA [^,]+), \d+ MiB")  # bench/device_*.sh's first line: nvidia-smi's CSV
+
+
+def level_details(level: dict[str, Any]) -> str:
+    """One line of what a capacity level's table row leaves out (the keys a level of `live_capacity` records)."""
+    parts = level.get("ttfa_parts_p95_ms") or {}
+    bits = []
+    if parts:
+        bits.append("p95 parts " + ", ".join(f"{k.removesuffix('_ms')} {v:g}" for k, v in parts.items() if v))
+    if level.get("refused"):
+        bits.append(
+            f"refused {level['refused']} (p50 / p95 {level.get('refusal_ms_p50')} / {level.get('refusal_ms_p95')} ms)"
+        )
+    for key, label in (("gc", "gc"), ("gc_cpu", "gc CPU")):
+        gc = level.get(key) or {}
+        if gc.get("pause_p99_ms") is not None:
+            bits.append(f"{label} p99 {gc['pause_p99_ms']} ms (<= {gc.get('pause_max_le_ms')})")
+    if level.get("loop_lag_ms_max") is not None:
+        bits.append(f"client loop lag p99 max {max(level.get('loop_lag_ms_p99_by_proc') or [0])} ms")
+    return f"{level.get('n')} offered: " + "; ".join(bits)
+
+
 def summarize_file(path: Path) -> str:
     head = f"### {path.name} ({path.stat().st_size:,} bytes raw)\n\n"
     gz = path.suffix == ".gz"  # bench/device_capacity.sh compresses a JSON too large to come back from the device
@@ -64,6 +87,8 @@ def summarize_file(path: Path) -> str:
         if isinstance(data, dict) and "levels" in data and "config" in data:
             agent = "turns" in data  # bench/agent_load.py's: sessions of turns
             rows = agent_table(data["levels"]) if agent else table(data["levels"])
+            if not agent:
+                rows += "\n\n" + "\n".join(level_details(lv) for lv in data["levels"])
             command = capacity_command(data["config"], "bench/agent_load.py" if agent else "bench/live_capacity.py")
             return (
                 head + f"Capacity: **{data.get('capacity')}** {'voice-agent sessions' if agent else 'streams'}; "
@@ -81,12 +106,21 @@ def summarize_file(path: Path) -> str:
     return head + "Last lines:\n\n```\n" + "\n".join(lines[-LOG_LINES:]) + "\n```\n"
 
 
-def summarize(paths: list[Path], name: str, build: str) -> str:
+def summarize(paths: list[Path], name: str, build: str, gpu: str = "GPU not recorded") -> str:
     files = sorted(f for p in paths for f in ([p] if p.is_file() else p.rglob("*")) if f.is_file())
     builds = sorted({m for f in files for m in re.findall(r"_([0-9a-f]{7})(?:_|\.)", f.name)})
+    gpus = sorted(
+        {
+            m.group(1)
+            for f in files
+            if f.suffix == ".log"
+            for ln in f.read_text(errors="replace").splitlines()[:5]
+            if (m := GPU_NAME.match(ln))
+        }
+    )
     out = [
         f"# Benchmark run {name}\n",
-        f"Build measured: {', '.join(builds) or build} (H200). Raw output is not kept in git; "
+        f"Build measured: {', '.join(builds) or build} ({', '.join(gpus) or gpu}). Raw output is not kept in git; "
         "rerun the command shown to reproduce a table.\n",
     ]
     out += [summarize_file(f) for f in files]
@@ -99,9 +133,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--name", default=None)
     ap.add_argument("--build", default="unknown", help="build commit, when file names do not carry it")
+    ap.add_argument("--gpu", default="GPU not recorded", help="the GPU, when no log names it")
     a = ap.parse_args()
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(summarize(a.paths, a.name or a.out.stem, a.build))
+    a.out.write_text(summarize(a.paths, a.name or a.out.stem, a.build, a.gpu))
 
 
 if __name__ == "__main__":

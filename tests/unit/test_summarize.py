@@ -19,3 +19,43 @@ def test_a_gzipped_json_summarizes_as_the_json(tmp_path: Path):
     body = summarize_file(plain).split("\n", 1)[1]  # past the heading (name, size)
     assert '"ttfa_ms":34.2' in body
     assert summarize_file(packed).split("\n", 1)[1] == body
+
+
+def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
+    """The GPU comes from the device scripts' nvidia-smi line (a run on an H100 must not read as an H200's), and
+    each level's first-audio parts, refusals and collector pauses come with its row."""
+    from bench.summarize import summarize
+
+    (tmp_path / "run.log").write_text(
+        "name, memory.used [MiB], clocks.current.sm [MHz]\nNVIDIA H100 80GB HBM3, 0 MiB, 345 MHz\n"
+    )
+    level = {
+        "n": 256,
+        "streams": 10,
+        "errors": 0,
+        "ttfa_p50_ms": 200.0,
+        "ttfa_p95_ms": 280.0,
+        "stall_free_share": 1.0,
+        "stall_ms_mean": 0.0,
+        "stall_ms_max": 0.0,
+        "audio_s_per_s": 200.0,
+        "queue_ms_p50": 1.0,
+        "queue_ms_p95": 9.0,
+        "loop_lag_ms_max": 3.0,
+        "loop_lag_ms_p99_by_proc": [2.5, 3.0],
+        "stall_ok": True,
+        "ttfa_ok": True,
+        "passed": True,
+        "refused": 42,
+        "refusal_ms_p50": 1.5,
+        "refusal_ms_p95": 6.0,
+        "ttfa_parts_p95_ms": {"queue_ms": 9.0, "first_chunk_ms": 190.0},
+        "gc": {"pause_p99_ms": 4.4, "pause_max_le_ms": 5.0},
+        "gc_cpu": {"pause_p99_ms": 2.1, "pause_max_le_ms": 2.5},
+    }
+    (tmp_path / "capacity_clone.json").write_text(json.dumps({"config": {"levels": [256]}, "levels": [level]}))
+    text = summarize([tmp_path], "run", "abc1234")
+    assert "(NVIDIA H100 80GB HBM3)" in text and "H200" not in text
+    assert "256 offered: p95 parts queue 9, first_chunk 190; refused 42 (p50 / p95 1.5 / 6.0 ms)" in text
+    assert "gc p99 4.4 ms (<= 5.0); gc CPU p99 2.1 ms (<= 2.5); client loop lag p99 max 3.0 ms" in text
+    assert "(GPU not recorded)" in summarize([tmp_path / "capacity_clone.json"], "run", "abc1234")
