@@ -115,6 +115,11 @@ class Lane:
             self.entries += 1
 
 
+def _idle(lane: Lane) -> bool:
+    """Nothing queued, waiting for its answer or being aligned."""
+    return not lane.pipe.queue and not lane.marks and not lane.aligning
+
+
 class Hold:
     """When buffered text that the streaming rule holds back is spoken without a flush: once no text has
     come for `quiet_s` and it ends like a sentence, and in any case `max_s` after it began to wait."""
@@ -126,7 +131,10 @@ class Hold:
 class StreamingSession:
     api = "ws"  # the metrics label of its utterances
     lane_per_context = False
-    max_contexts = 64  # live contexts (with buffered text or queued audio), when each has its own lane
+    # When each context has its own lane: the contexts a session holds at most, those with buffered text or queued
+    # audio and those idle in an open turn (`kept_contexts`), and the dialect's code for a context refused past it
+    max_contexts = 64
+    too_many_contexts = G.TOO_MANY_CONTEXTS
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         self.ws, self.gw, self.owner = ws, gw, owner
@@ -366,11 +374,42 @@ class StreamingSession:
         return buf.text if buf is not None else ""
 
     def contexts(self) -> set[str]:
-        """Contexts that hold text or audio now."""
+        """Contexts that hold text or audio now, and (a lane per context) those idle in an open turn
+        (`kept_contexts`)."""
         keys = set(self.buffers)
-        if self.lane_per_context:
-            keys |= set(self.lanes)
+        if self.lane_per_context:  # (an idle lane whose turn has ended holds nothing: it is ending, `_pump`)
+            keys |= {c for c, lane in self.lanes.items() if not _idle(lane) or c in self._turns}
         return keys
+
+    def kept_contexts(self) -> list[str]:
+        """The contexts of a session with a lane per context that hold no text or audio but whose turn is open (an
+        LLM paused longer than the audio already sent): their lane is kept, and with it their continuation chain
+        and style tag, so that the turn's next sentence goes on in the same voice, as on a session of one lane.
+        The one whose text came longest ago first."""
+        if not self.lane_per_context:
+            return []
+        return [c for c in self._turns if c not in self.buffers and c in self.lanes and _idle(self.lanes[c])]
+
+    def check_room(self, ctx: str) -> None:
+        """When each context has its own lane: refused, with the dialect's `too_many_contexts`, when ctx is not held
+        and `max_contexts` contexts hold text or audio. Contexts kept idle in their open turn (`kept_contexts`) give
+        their place up to a new one's text (`_give_up_kept`)."""
+        if not self.lane_per_context:
+            return
+        held = self.contexts()
+        if ctx not in held and len(held) - len(self.kept_contexts()) >= self.max_contexts:
+            raise RequestError(
+                self.too_many_contexts,
+                f"at most {self.max_contexts} contexts may hold text or audio on one socket; close one first",
+            )
+
+    def _give_up_kept(self) -> None:
+        """Past `max_contexts` held (a new context's text was taken), the turns of the contexts kept idle whose text
+        came longest ago end (their next text starts a new chain, unstyled): a socket holds at most `max_contexts`
+        contexts' lanes, chains and kept frames."""
+        if self.lane_per_context:
+            for c in self.kept_contexts()[: max(0, len(self.contexts()) - self.max_contexts)]:
+                self.end_turn(c)
 
     def append_text(self, ctx: str, text: str) -> None:
         """Append text to a context's buffer and queue the sentences it completes. Refused whole (nothing
@@ -384,10 +423,7 @@ class StreamingSession:
                 "the server is shutting down: a turn in progress is spoken to its end, a new one is not taken; "
                 "reconnect (another replica)",
             )
-        if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
-            raise RequestError(
-                G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; close one first"
-            )
+        self.check_room(ctx)
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(text) > self.limits.max_buffer_chars:
             raise RequestError(
@@ -414,6 +450,7 @@ class StreamingSession:
         self._turns[ctx] = None
         if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
             self.end_turn(next(iter(self._turns)))
+        self._give_up_kept()
         self._hold(ctx)
 
     def _drop_empty_buffers(self) -> None:
@@ -472,6 +509,8 @@ class StreamingSession:
             self._turns.pop(ctx, None)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
+            if self.lane_per_context and (ctx is None or lane.key == ctx):
+                lane.pipe.changed.set()  # an idle lane kept for the turn ends now (`_pump`)
 
     async def add_mark(self, ctx: str | None, answer: Answer) -> None:
         """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned
@@ -671,8 +710,8 @@ class StreamingSession:
 
     async def _pump(self, lane: Lane) -> None:
         """Plays a lane's queue in order and answers its marks. A lane of its own context ends once it has
-        nothing left (a later text starts a new one). It only ends otherwise by raising (the client
-        vanished mid-send, or a bug), and then the session ends."""
+        nothing left and its turn is not open (a later text starts a new one; `kept_contexts`). It only ends
+        otherwise by raising (the client vanished mid-send, or a bug), and then the session ends."""
         pipe = lane.pipe
         while True:
             pipe.changed.clear()  # before looking: a change made while this awaits is not missed
@@ -685,9 +724,8 @@ class StreamingSession:
             await self._answer_marks(lane)
             if (
                 self.lane_per_context
-                and not pipe.queue
-                and not lane.marks
-                and not lane.aligning
+                and _idle(lane)
+                and lane.key not in self._turns  # else kept: the turn's chain and style tag (`kept_contexts`)
                 and self.lanes.get(lane.key) is lane
             ):
                 del self.lanes[lane.key]

@@ -119,6 +119,7 @@ class ElevenLabsSession(StreamingSession):
     api = "elevenlabs"
     lane_per_context = True
     max_contexts = MAX_CONTEXTS
+    too_many_contexts = G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str, multi: bool = True) -> None:
         super().__init__(ws, gw, owner)
@@ -219,12 +220,7 @@ class ElevenLabsSession(StreamingSession):
         return DEFAULT_CONTEXT if ctx is None else ctx
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
-        live = self.contexts()
-        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError(
-                G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS,
-                f"at most {MAX_CONTEXTS} contexts may hold text or audio on one socket; close one first",
-            )
+        self.check_room(ctx)
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
             return c
@@ -243,7 +239,7 @@ class ElevenLabsSession(StreamingSession):
         # of this one drops only what comes after it.
         before = self.last_queued(ctx)
         c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=before, opened_after=before)
-        forget_idle(self.ctxs, live | {ctx})
+        forget_idle(self.ctxs, self.contexts() | {ctx})
         for gone in set(self.timeline) - set(self.ctxs):  # contexts forgotten while idle
             del self.timeline[gone]
         return c
