@@ -941,6 +941,9 @@ el_closing = st.fixed_dictionaries(
 )
 @example(kind="multi-stream-input", before=[], last={"text": "All in one. ", "flush": True, "close_socket": True})
 @example(kind="multi-stream-input", before=[], last={"text": "Hi. ", "context_id": "x" * 129, "close_socket": True})
+@example(
+    kind="stream-input", before=[{"text": "Hi. "}, {"text": "more", "close_context": True}], last={"close_socket": True}
+)
 def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, before, last):
     """close_socket with anything else in its message: well-formed replies only, and the socket closes
     cleanly (1000) after the audio and isFinal of what was flushed, whatever the rest of the message was."""

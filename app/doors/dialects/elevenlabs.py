@@ -12,6 +12,7 @@
   closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
 * `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
   contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
+  `close_context` is not one of its messages: ignored, as ElevenLabs ignores it there.
 
 `voice_id` is one of our voices (id or name). `output_format` (exactly ElevenLabs' formats: OUTPUT_FORMATS)
 maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks
@@ -179,7 +180,8 @@ class ElevenLabsSession(StreamingSession):
 
     async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
-        close = data.get("close_context") is True
+        # stream-input has no contexts to close, as on ElevenLabs (its isFinal is the end of the stream): ignored
+        close = data.get("close_context") is True and self.multi
         text = data.get("text")
         if text is not None and not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
