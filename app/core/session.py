@@ -153,6 +153,7 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()
+        self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
@@ -344,11 +345,13 @@ class StreamingSession:
             if msg.get("bytes") is not None:
                 await self.on_binary(msg["bytes"])
                 continue
+            text = msg.get("text") or ""
             try:
-                data = parse_json_object(msg.get("text") or "", G.BAD_MESSAGE, "a message")
+                data = parse_json_object(text, G.BAD_MESSAGE, "a message")
             except RequestError as e:
                 await self.error(e.code, str(e))
                 continue
+            self.message_chars = len(text)  # what it took on the wire (a dialect that holds messages back bounds them)
             try:
                 await self.on_message(data)
             except RequestError as e:

@@ -67,6 +67,7 @@ class FakeEngine:
         self.first_samples: list[int | None] = []  # what each utterance's encoder takes in before it outputs
         self.opts: list[SynthesisOptions] = []  # each utterance's options (a style tag's emotion applied)
         self.chains: list[Any] = []  # each utterance's continuation chain (None: none)
+        self.voices: list[Any] = []  # each utterance's voice
         self._streams: dict[int, Stream] = {}
         self._changed = asyncio.Event()
 
@@ -95,6 +96,7 @@ class FakeEngine:
         self.first_samples.append(opts.first_samples)
         self.opts.append(opts)
         self.chains.append(chain)
+        self.voices.append(voice)
         self._changed.set()
         return stream
 
@@ -1183,3 +1185,92 @@ def test_contexts_idle_in_an_open_turn_count_towards_the_cap_and_the_oldest_give
     kept, still, chains = asyncio.run(go())
     assert kept == still == sorted(f"k{i}" for i in range(4, MAX_CONTEXTS + 4))
     assert chains[-1] is not chains[0]  # k0's turn was ended to make room: its text starts a new chain
+
+
+class SlowEmbedding:
+    """Stands in for Gateway.embed_clip (decode and speaker encoder): a clip's embedding comes when the test lets it,
+    as a large clip's comes after seconds."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.asked = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    async def __call__(self, raw: bytes, owner: str) -> Any:
+        from app.voices.library import Voice
+
+        self.asked.set()
+        await self.ready.wait()
+        return Voice("clip", "clip", owner, "clip", self.dim, embedding=np.zeros(self.dim, np.float32))
+
+
+def test_a_cancel_while_a_configs_clip_is_embedded_takes_effect_at_once():
+    """A cancel right after a session.config with a large voice_clip is not held back by the clip's embedding (up to
+    EMBED_WAIT_S): the audio playing stops and `cancelled` comes at once, the text sent between the config and the
+    cancel for the cancelled context is dropped (its flush answered after `cancelled`), and the rest waits for the
+    config, in order: another context's text is spoken in the clip's voice, and the session goes on."""
+    from app.io.bodies import BodyBudget
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], FakeEngine, bool]:
+        session, ws, engine, task = await open_session()
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="text", text="Playing.", flush=True)
+        stream = await engine.started(1)
+        engine.play(stream, finish=False)
+        await ws.until("audio.start")
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        ws.send(type="text", text="Cancelled with it.", flush=True)
+        ws.send(type="text", text="Other.", context_id="b", flush=True)
+        ws.send(type="cancel", context_id=DEFAULT_CONTEXT)
+        async with asyncio.timeout(TIMEOUT):
+            await embed.asked.wait()
+        cancelled = await ws.until("cancelled")
+        cancelled += [await ws.next_json(), await ws.next_json()]
+        embedding = not embed.ready.is_set()  # the cancel came while the clip was still being embedded
+        embed.ready.set()
+        rest = await ws.until("session.updated")
+        engine.play(await engine.started(2))
+        rest += await ws.until("flushed")
+        await shut(ws, task)
+        return cancelled, rest, engine, embedding
+
+    cancelled, rest, engine, embedding = asyncio.run(go())
+    assert embedding and [d["type"] for d in cancelled] == ["cancelled", "flushed", "flushed"], cancelled
+    assert [d["context_id"] for d in cancelled] == [DEFAULT_CONTEXT] * 3
+    assert engine.cancelled == [engine.streams[0].rid]
+    assert rest[0]["voice"] == "clip" and rest[-1] == {"type": "flushed", "context_id": "b"}
+    assert [d["type"] for d in rest if d["type"] != "audio.start"] == ["session.updated", "audio.done", "flushed"]
+    assert engine.texts == ["Playing.", "Other."] and engine.voices[1].id == "clip"
+
+
+def test_messages_held_back_behind_a_configs_clip_are_bounded(monkeypatch):
+    """While a config's clip is embedded, the messages after it wait for it up to a bound (MAX_HELD_BACK messages);
+    one past it is refused (buffer_full) and not taken; those held back are handled in order once the config is."""
+    from app.doors import ws as ws_module
+    from app.io.bodies import BodyBudget
+
+    monkeypatch.setattr(ws_module, "MAX_HELD_BACK", 2)
+
+    async def go() -> tuple[list[dict[str, Any]], FakeEngine]:
+        session, ws, engine, task = await open_session()
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        for text in ("One. ", "Two. ", "Three. "):
+            ws.send(type="text", text=text)
+        refused = await ws.until("error")
+        embed.ready.set()
+        seen = refused + await ws.until("session.updated")
+        ws.send(type="flush")
+        for n in (1, 2):
+            engine.play(await engine.started(n))
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return seen, engine
+
+    seen, engine = asyncio.run(go())
+    assert seen[0]["type"] == "error" and seen[0]["code"] == "buffer_full", seen
+    assert engine.texts == ["One.", "Two."]
