@@ -521,9 +521,7 @@ class StreamingSession:
         if ctx is None and self.lane_per_context:
             raise ValueError("a session with a lane per context answers per context")
         lane = self.lanes.get(ctx if self.lane_per_context else DEFAULT_CONTEXT)  # type: ignore[arg-type]
-        last = self.last_queued(ctx) if lane is not None else None
-        if last is None and lane is not None:  # all played: it still waits for aligned words not yet sent
-            last = max((seq for c, seq in lane.aligning if ctx is None or c == ctx), default=None)
+        last = self.last_held(ctx) if lane is not None else None
         if last is None:
             async with self._send_lock:
                 await self._answer_locked(answer)
@@ -532,6 +530,18 @@ class StreamingSession:
         if sum(x.entries for x in self.lanes.values()) >= MAX_PENDING_ANSWERS:
             raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
         lane.add((ctx, last), answer)
+
+    def last_held(self, ctx: str | None) -> int | None:
+        """The number of the last utterance of ctx (None: of any context) the session is not done with: the last
+        queued, or, all played, the last whose aligned words have not been sent yet."""
+        last = self.last_queued(ctx)
+        if last is not None:
+            return last
+        lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
+        return max(
+            (seq for lane in lanes if lane is not None for c, seq in lane.aligning if ctx is None or c == ctx),
+            default=None,
+        )
 
     def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
         """The number of the last queued utterance of ctx (None: of any context), optionally <= at_most."""

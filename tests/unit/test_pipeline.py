@@ -1274,3 +1274,53 @@ def test_messages_held_back_behind_a_configs_clip_are_bounded(monkeypatch):
     seen, engine = asyncio.run(go())
     assert seen[0]["type"] == "error" and seen[0]["code"] == "buffer_full", seen
     assert engine.texts == ["One.", "Two."]
+
+
+class SlowAligner:
+    """Stands in for the engine's aligner node: it answers (each word of the text, 0.1 s apart) when the test lets it,
+    as an aligner busy with other sessions' utterances answers later than their audio ends."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    async def align(self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0) -> tuple:
+        self.asked.set()
+        await self.ready.wait()
+        return tuple((w, 0.1 * i, 0.1 * i + 0.05) for i, w in enumerate(text.split()))
+
+
+def test_cartesia_an_id_used_again_while_its_aligned_words_are_pending_keeps_them():
+    """A Cartesia context ended (`continue: false`) whose audio has all been sent while its aligner answer is pending,
+    and its id used again (a new context) meanwhile: the old context's aligned words are still sent, on its clock,
+    before its done; the new context's follow. The reused id took the old utterance for the new context's, whose
+    timestamps did not wait for it: its words were never sent."""
+
+    async def go() -> list[dict[str, Any]]:
+        gw, ws, session, fmt, voice = cartesia_socket()
+        aligner = SlowAligner()
+        gw.engine.aligns, gw.engine.align = True, aligner.align
+        task = asyncio.create_task(session.run())
+        ctx = {"context_id": "a", "voice": voice, "add_timestamps": True, **fmt}
+        ws.send(transcript="One two.", **ctx)
+        FakeEngine.play(await gw.fake.started(1))
+        async with asyncio.timeout(TIMEOUT):
+            await aligner.asked.wait()  # its audio is out, its aligned words are pending
+        ws.send(transcript="Three.", **ctx)  # the id again, before its done
+        FakeEngine.play(await gw.fake.started(2))
+        await settle()
+        aligner.ready.set()
+        seen: list[dict[str, Any]] = []
+        while sum(d.get("type") == "done" for d in seen) < 2:
+            seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    kinds = [(d["type"], d["word_timestamps"]["words"] if d["type"] == "timestamps" else None) for d in seen]
+    assert [k for k in kinds if k[0] != "chunk"] == [
+        ("timestamps", ["One", "two."]),
+        ("done", None),
+        ("timestamps", ["Three."]),
+        ("done", None),
+    ], kinds

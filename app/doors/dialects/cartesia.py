@@ -204,7 +204,7 @@ class CartesiaSession(StreamingSession):
         stamps = data.get("add_timestamps", False)
         if not isinstance(stamps, bool):
             raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
-        before = self.last_queued(ctx)
+        before = self.last_held(ctx)  # (an utterance whose aligned words are pending is still the old context's)
         previous = self.ctxs.get(ctx) if before is not None else None
         c = Context(ctx, opts, voice, output, delay, timestamps=stamps, opened_after=before, previous=previous)
         self.ctxs[ctx] = c
