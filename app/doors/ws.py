@@ -205,6 +205,9 @@ class Session(StreamingSession):
     def _quiet(self) -> bool:
         return super()._quiet() and self._config is None
 
+    def playing(self) -> bool:
+        return super().playing() or self._config is not None  # a clip being embedded: not idle either
+
     def _shutdown(self) -> None:
         super()._shutdown()
         if self._config is not None:

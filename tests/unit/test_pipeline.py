@@ -1276,6 +1276,30 @@ def test_messages_held_back_behind_a_configs_clip_are_bounded(monkeypatch):
     assert engine.texts == ["One.", "Two."]
 
 
+def test_a_session_whose_configs_clip_is_being_embedded_is_not_idle():
+    """The idle timeout does not close a session while its config's clip is being embedded (the client waits for its
+    session.updated): the config is handled beside the receive loop, whose wait for a message times out meanwhile."""
+    from app.io.bodies import BodyBudget
+
+    async def go() -> tuple[int | None, dict[str, Any]]:
+        session, ws, _engine, task = await open_session(Limits(idle_timeout_s=0.05))
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        async with asyncio.timeout(TIMEOUT):
+            await embed.asked.wait()
+        await asyncio.sleep(0.5)  # ten idle timeouts
+        code = ws.close_code
+        embed.ready.set()
+        updated = (await ws.until("session.updated"))[-1]
+        await shut(ws, task)
+        return code, updated
+
+    code, updated = asyncio.run(go())
+    assert code is None and updated["voice"] == "clip"
+
+
 class SlowAligner:
     """Stands in for the engine's aligner node: it answers (each word of the text, 0.1 s apart) when the test lets it,
     as an aligner busy with other sessions' utterances answers later than their audio ends."""
