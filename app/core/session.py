@@ -115,6 +115,11 @@ class Lane:
             self.entries += 1
 
 
+def _idle(lane: Lane) -> bool:
+    """Nothing queued, waiting for its answer or being aligned."""
+    return not lane.pipe.queue and not lane.marks and not lane.aligning
+
+
 class Hold:
     """When buffered text that the streaming rule holds back is spoken without a flush: once no text has
     come for `quiet_s` and it ends like a sentence, and in any case `max_s` after it began to wait."""
@@ -126,7 +131,10 @@ class Hold:
 class StreamingSession:
     api = "ws"  # the metrics label of its utterances
     lane_per_context = False
-    max_contexts = 64  # live contexts (with buffered text or queued audio), when each has its own lane
+    # When each context has its own lane: the contexts a session holds at most, those with buffered text or queued
+    # audio and those idle in an open turn (`kept_contexts`), and the dialect's code for a context refused past it
+    max_contexts = 64
+    too_many_contexts = G.TOO_MANY_CONTEXTS
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         self.ws, self.gw, self.owner = ws, gw, owner
@@ -145,6 +153,7 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()
+        self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
         self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
@@ -336,11 +345,13 @@ class StreamingSession:
             if msg.get("bytes") is not None:
                 await self.on_binary(msg["bytes"])
                 continue
+            text = msg.get("text") or ""
             try:
-                data = parse_json_object(msg.get("text") or "", G.BAD_MESSAGE, "a message")
+                data = parse_json_object(text, G.BAD_MESSAGE, "a message")
             except RequestError as e:
                 await self.error(e.code, str(e))
                 continue
+            self.message_chars = len(text)  # what it took on the wire (a dialect that holds messages back bounds them)
             try:
                 await self.on_message(data)
             except RequestError as e:
@@ -366,11 +377,42 @@ class StreamingSession:
         return buf.text if buf is not None else ""
 
     def contexts(self) -> set[str]:
-        """Contexts that hold text or audio now."""
+        """Contexts that hold text or audio now, and (a lane per context) those idle in an open turn
+        (`kept_contexts`)."""
         keys = set(self.buffers)
-        if self.lane_per_context:
-            keys |= set(self.lanes)
+        if self.lane_per_context:  # (an idle lane whose turn has ended holds nothing: it is ending, `_pump`)
+            keys |= {c for c, lane in self.lanes.items() if not _idle(lane) or c in self._turns}
         return keys
+
+    def kept_contexts(self) -> list[str]:
+        """The contexts of a session with a lane per context that hold no text or audio but whose turn is open (an
+        LLM paused longer than the audio already sent): their lane is kept, and with it their continuation chain
+        and style tag, so that the turn's next sentence goes on in the same voice, as on a session of one lane.
+        The one whose text came longest ago first."""
+        if not self.lane_per_context:
+            return []
+        return [c for c in self._turns if c not in self.buffers and c in self.lanes and _idle(self.lanes[c])]
+
+    def check_room(self, ctx: str) -> None:
+        """When each context has its own lane: refused, with the dialect's `too_many_contexts`, when ctx is not held
+        and `max_contexts` contexts hold text or audio. Contexts kept idle in their open turn (`kept_contexts`) give
+        their place up to a new one's text (`_give_up_kept`)."""
+        if not self.lane_per_context:
+            return
+        held = self.contexts()
+        if ctx not in held and len(held) - len(self.kept_contexts()) >= self.max_contexts:
+            raise RequestError(
+                self.too_many_contexts,
+                f"at most {self.max_contexts} contexts may hold text or audio on one socket; close one first",
+            )
+
+    def _give_up_kept(self) -> None:
+        """Past `max_contexts` held (a new context's text was taken), the turns of the contexts kept idle whose text
+        came longest ago end (their next text starts a new chain, unstyled): a socket holds at most `max_contexts`
+        contexts' lanes, chains and kept frames."""
+        if self.lane_per_context:
+            for c in self.kept_contexts()[: max(0, len(self.contexts()) - self.max_contexts)]:
+                self.end_turn(c)
 
     def append_text(self, ctx: str, text: str) -> None:
         """Append text to a context's buffer and queue the sentences it completes. Refused whole (nothing
@@ -384,10 +426,7 @@ class StreamingSession:
                 "the server is shutting down: a turn in progress is spoken to its end, a new one is not taken; "
                 "reconnect (another replica)",
             )
-        if self.lane_per_context and ctx not in self.contexts() and len(self.contexts()) >= self.max_contexts:
-            raise RequestError(
-                G.TOO_MANY_CONTEXTS, f"at most {self.max_contexts} contexts may be open at once; close one first"
-            )
+        self.check_room(ctx)
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(text) > self.limits.max_buffer_chars:
             raise RequestError(
@@ -414,6 +453,7 @@ class StreamingSession:
         self._turns[ctx] = None
         if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
             self.end_turn(next(iter(self._turns)))
+        self._give_up_kept()
         self._hold(ctx)
 
     def _drop_empty_buffers(self) -> None:
@@ -472,6 +512,8 @@ class StreamingSession:
             self._turns.pop(ctx, None)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
+            if self.lane_per_context and (ctx is None or lane.key == ctx):
+                lane.pipe.changed.set()  # an idle lane kept for the turn ends now (`_pump`)
 
     async def add_mark(self, ctx: str | None, answer: Answer) -> None:
         """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned
@@ -479,9 +521,7 @@ class StreamingSession:
         if ctx is None and self.lane_per_context:
             raise ValueError("a session with a lane per context answers per context")
         lane = self.lanes.get(ctx if self.lane_per_context else DEFAULT_CONTEXT)  # type: ignore[arg-type]
-        last = self.last_queued(ctx) if lane is not None else None
-        if last is None and lane is not None:  # all played: it still waits for aligned words not yet sent
-            last = max((seq for c, seq in lane.aligning if ctx is None or c == ctx), default=None)
+        last = self.last_held(ctx) if lane is not None else None
         if last is None:
             async with self._send_lock:
                 await self._answer_locked(answer)
@@ -490,6 +530,18 @@ class StreamingSession:
         if sum(x.entries for x in self.lanes.values()) >= MAX_PENDING_ANSWERS:
             raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
         lane.add((ctx, last), answer)
+
+    def last_held(self, ctx: str | None) -> int | None:
+        """The number of the last utterance of ctx (None: of any context) the session is not done with: the last
+        queued, or, all played, the last whose aligned words have not been sent yet."""
+        last = self.last_queued(ctx)
+        if last is not None:
+            return last
+        lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
+        return max(
+            (seq for lane in lanes if lane is not None for c, seq in lane.aligning if ctx is None or c == ctx),
+            default=None,
+        )
 
     def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
         """The number of the last queued utterance of ctx (None: of any context), optionally <= at_most."""
@@ -671,8 +723,8 @@ class StreamingSession:
 
     async def _pump(self, lane: Lane) -> None:
         """Plays a lane's queue in order and answers its marks. A lane of its own context ends once it has
-        nothing left (a later text starts a new one). It only ends otherwise by raising (the client
-        vanished mid-send, or a bug), and then the session ends."""
+        nothing left and its turn is not open (a later text starts a new one; `kept_contexts`). It only ends
+        otherwise by raising (the client vanished mid-send, or a bug), and then the session ends."""
         pipe = lane.pipe
         while True:
             pipe.changed.clear()  # before looking: a change made while this awaits is not missed
@@ -685,9 +737,8 @@ class StreamingSession:
             await self._answer_marks(lane)
             if (
                 self.lane_per_context
-                and not pipe.queue
-                and not lane.marks
-                and not lane.aligning
+                and _idle(lane)
+                and lane.key not in self._turns  # else kept: the turn's chain and style tag (`kept_contexts`)
                 and self.lanes.get(lane.key) is lane
             ):
                 del self.lanes[lane.key]

@@ -8,8 +8,10 @@ utterances before `cancelled` is sent under that lock, so no audio of cancelled 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +34,10 @@ from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.ws")
 
+# Messages held back while a session.config's voice_clip is decoded and embedded (`Session.on_message`): at most this
+# many, of at most --max-ws-message-bytes together (one message's worth)
+MAX_HELD_BACK = 1024
+
 
 class Session(StreamingSession):
     """Our protocol on the session core: JSON control messages, binary PCM, one lane (every context's
@@ -45,6 +51,11 @@ class Session(StreamingSession):
         # session.config `timestamps`: an `audio.words` message after each audio chunk (True: and the aligned words
         # after each utterance when the engine has an aligner; "estimated": never those)
         self.timestamps: bool | str = False
+        # A session.config with a voice_clip is decoded and embedded (up to EMBED_WAIT_S) beside the receive loop:
+        # the messages after it wait for it, in order, with their size (`_configure`), and a cancel takes effect
+        # at once (`_cancel`)
+        self._config: asyncio.Task[None] | None = None
+        self._held_back: deque[tuple[dict[str, Any], int]] = deque()
 
     @classmethod
     def from_query(cls, ws: WebSocket, gw: Gateway, owner: str) -> Session:
@@ -88,31 +99,24 @@ class Session(StreamingSession):
 
     async def on_message(self, data: dict[str, Any]) -> None:
         kind = data.get("type")
+        if kind == "cancel":  # at once, also while a config's clip is embedded
+            await self._cancel(data)
+        elif self._config is not None:  # after the config whose clip is being embedded, in order
+            self._hold_back(data)
+        elif kind == "session.config" and data.get("voice_clip") is not None:
+            self._config = asyncio.create_task(self._configure(data), name=f"config-{self.id}")
+            self._config.add_done_callback(self._task_failed)
+        else:
+            await self._handle(data)
+
+    async def _handle(self, data: dict[str, Any]) -> None:
+        kind = data.get("type")
         if kind == "text":
             await self._on_text(data)
         elif kind == "flush":
             self._check_fields(data, {"context_id"})
             ctx = self._context(data, allow_none=True)
             await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})
-        elif kind == "cancel":
-            self._check_fields(data, {"context_id"})
-            ctx = self._context(data, allow_none=True)
-            # The flushes the cancel left with nothing to wait for are answered right after `cancelled`, which
-            # says what the listener got of each utterance that had begun to play (taken under the send lock,
-            # after the cancel: no more of their audio goes out)
-            begun = [
-                u
-                for lane in self.lanes.values()
-                for u in lane.pipe.queue
-                if (ctx is None or u.context_id == ctx) and u.samples
-            ]
-
-            async def cancelled() -> None:
-                await self.send_json_locked(
-                    {"type": "cancelled", "context_id": ctx, "heard": [u.heard() for u in begun]}
-                )
-
-            await self.cancel(ctx, answer=cancelled)
         elif kind == "session.config":
             await self._on_config(data)
         elif kind == "close":
@@ -122,6 +126,94 @@ class Session(StreamingSession):
             await self.close()
         else:
             raise RequestError(G.BAD_MESSAGE, f"unknown message type {kind!r}")
+
+    async def _cancel(self, data: dict[str, Any]) -> None:
+        self._check_fields(data, {"context_id"})
+        ctx = self._context(data, allow_none=True)
+        # The flushes the cancel left with nothing to wait for are answered right after `cancelled`, which
+        # says what the listener got of each utterance that had begun to play (taken under the send lock,
+        # after the cancel: no more of their audio goes out); then those held back behind a config, whose
+        # text it drops too
+        begun = [
+            u
+            for lane in self.lanes.values()
+            for u in lane.pipe.queue
+            if (ctx is None or u.context_id == ctx) and u.samples
+        ]
+        held_flushes = self._drop_held_back(ctx)
+
+        async def cancelled() -> None:
+            await self.send_json_locked({"type": "cancelled", "context_id": ctx, "heard": [u.heard() for u in begun]})
+
+        await self.cancel(ctx, answer=cancelled)
+        for flushed in held_flushes:
+            await self.send_json({"type": "flushed", "context_id": flushed})
+
+    # ---- a config's clip, embedded beside the receive loop ------------------------------------------
+    async def _configure(self, data: dict[str, Any]) -> None:
+        """A session.config with a voice_clip, then the messages held back meanwhile, in order (another config
+        with a clip among them is applied here too, holding back what follows it)."""
+        while True:
+            try:
+                await self._handle(data)
+            except RequestError as e:
+                await self.error(e.code, str(e))
+            if not self._held_back:
+                break
+            data = self._held_back.popleft()[0]
+        self._config = None
+        self._check_closed()
+
+    def _hold_back(self, data: dict[str, Any]) -> None:
+        held = sum(size for _, size in self._held_back)
+        if len(self._held_back) >= MAX_HELD_BACK or held + self.message_chars > self.limits.max_ws_message_bytes:
+            raise RequestError(
+                G.BUFFER_FULL,
+                f"at most {MAX_HELD_BACK} messages of {self.limits.max_ws_message_bytes} bytes together may wait for "
+                "a session.config's voice_clip to be embedded; this message was not taken",
+            )
+        self._held_back.append((data, self.message_chars))
+
+    def _drop_held_back(self, ctx: str | None) -> list[str | None]:
+        """A cancel of ctx (None: of every context) drops the text held back for it behind a config: the contexts
+        of the flushes it drops with it, answered after `cancelled`. A message that would be refused stays (its
+        error comes in its turn)."""
+        flushes: list[str | None] = []
+        kept: deque[tuple[dict[str, Any], int]] = deque()
+        for data, size in self._held_back:
+            spoken = self._speech_of(data)
+            if spoken is None or (ctx is not None and spoken[0] != ctx):
+                kept.append((data, size))
+            elif spoken[1]:
+                flushes.append(spoken[0])
+        self._held_back = kept
+        return flushes
+
+    def _speech_of(self, data: dict[str, Any]) -> tuple[str | None, bool] | None:
+        """A well-formed text or flush message's context and whether it flushes; None for any other."""
+        try:
+            if data.get("type") == "text":
+                ctx, _, flush = self._text_message(data)
+                return ctx, flush
+            if data.get("type") == "flush":
+                self._check_fields(data, {"context_id"})
+                return self._context(data, allow_none=True), True
+        except RequestError:
+            pass
+        return None
+
+    def _quiet(self) -> bool:
+        return super()._quiet() and self._config is None
+
+    def playing(self) -> bool:
+        return super().playing() or self._config is not None  # a clip being embedded: not idle either
+
+    def _shutdown(self) -> None:
+        super()._shutdown()
+        if self._config is not None:
+            self._config.cancel()
+            self._config = None
+        self._held_back.clear()
 
     async def on_closed(self) -> None:
         await self.send_json({"type": "session.closed"})
@@ -201,7 +293,8 @@ class Session(StreamingSession):
             }
         )
 
-    async def _on_text(self, data: dict[str, Any]) -> None:
+    def _text_message(self, data: dict[str, Any]) -> tuple[str, str, bool]:
+        """A text message's context, text and flush, checked."""
         self._check_fields(data, {"text", "context_id", "flush"})
         text = data.get("text")
         if not isinstance(text, str):
@@ -211,6 +304,10 @@ class Session(StreamingSession):
             raise RequestError(G.BAD_MESSAGE, "flush must be true or false")
         ctx = self._context(data)
         assert ctx is not None
+        return ctx, text, flush
+
+    async def _on_text(self, data: dict[str, Any]) -> None:
+        ctx, text, flush = self._text_message(data)
         self.append_text(ctx, text)
         if flush:
             await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})

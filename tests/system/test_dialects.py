@@ -365,6 +365,29 @@ def test_elevenlabs_single_context_stream_input(srv):
     assert sum(m.get("isFinal") is True for m in log) == 1, log
 
 
+def test_elevenlabs_stream_input_ignores_close_context(srv):
+    """stream-input has no contexts: a close_context is ignored, as ElevenLabs ignores it there, and the rest of its
+    message is taken: all the text is spoken once the input ends, then the one isFinal. It closed the one stream's
+    context (its unflushed text dropped, an isFinal sent: the end of the stream to a client), and the end of input
+    sent another isFinal."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=False))
+        await ws.send(json.dumps({"text": "Hello from the old socket"}))
+        await ws.send(json.dumps({"text": " and more.", "close_context": True}))
+        await ws.send(json.dumps({"text": ""}))
+        log = []
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws))
+        return log, ws.close_code
+
+    log, code = run(go())
+    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
+    assert [m for m in log if "audio" not in m] == [{"isFinal": True}] and code == 1000, log
+
+
 @pytest.mark.parametrize(
     "path, key, status, code",
     [

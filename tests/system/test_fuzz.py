@@ -360,6 +360,17 @@ DEEP = "[" * 100_000 + "]" * 100_000
     frames=[json.dumps({"type": "session.config", "voice_clip": c}) for c in HIGH_RATE_CLIPS]
     + [json.dumps({"type": "text", "text": "Hi.", "flush": True})]
 )
+# a cancel while a config's clip is embedded: at once, the text held back behind the config dropped or kept
+@example(
+    frames=[
+        json.dumps({"type": "session.config", "voice_clip": HIGH_RATE_CLIPS[0]}),
+        json.dumps({"type": "text", "text": "Dropped.", "flush": True}),
+        json.dumps({"type": "text", "text": "Kept.", "context_id": "b", "flush": True}),
+        json.dumps({"type": "flush", "extra": 1}),
+        json.dumps({"type": "cancel", "context_id": "default"}),
+        json.dumps({"type": "text", "text": "Hi.", "flush": True}),
+    ]
+)
 def test_fuzz_websocket_messages(fuzz_server, frames):
     replies = asyncio.run(asyncio.wait_for(ws_exchange(fuzz_server.ws_url, frames), 90))
     for d in replies:
@@ -941,6 +952,9 @@ el_closing = st.fixed_dictionaries(
 )
 @example(kind="multi-stream-input", before=[], last={"text": "All in one. ", "flush": True, "close_socket": True})
 @example(kind="multi-stream-input", before=[], last={"text": "Hi. ", "context_id": "x" * 129, "close_socket": True})
+@example(
+    kind="stream-input", before=[{"text": "Hi. "}, {"text": "more", "close_context": True}], last={"close_socket": True}
+)
 def test_fuzz_elevenlabs_close_socket_with_anything(fuzz_server, voices, kind, before, last):
     """close_socket with anything else in its message: well-formed replies only, and the socket closes
     cleanly (1000) after the audio and isFinal of what was flushed, whatever the rest of the message was."""

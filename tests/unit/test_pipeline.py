@@ -31,6 +31,7 @@ from app.settings import GatewaySettings, Limits
 from engine.contract import records as m
 from engine.contract.errors import EngineError
 from engine.frontend.config import Zonos2Config, preset_params
+from engine.frontend.emotion import EmotionDirections
 
 TIMEOUT = 30  # generous ceilings: nothing here waits on wall-clock speed, only on events
 
@@ -64,6 +65,9 @@ class FakeEngine:
         self.cancelled: list[int] = []
         self.limits: list[int] = []  # the max_frames each piece was submitted with
         self.first_samples: list[int | None] = []  # what each utterance's encoder takes in before it outputs
+        self.opts: list[SynthesisOptions] = []  # each utterance's options (a style tag's emotion applied)
+        self.chains: list[Any] = []  # each utterance's continuation chain (None: none)
+        self.voices: list[Any] = []  # each utterance's voice
         self._streams: dict[int, Stream] = {}
         self._changed = asyncio.Event()
 
@@ -90,6 +94,9 @@ class FakeEngine:
         self.streams.append(stream)
         self.texts.append(text)
         self.first_samples.append(opts.first_samples)
+        self.opts.append(opts)
+        self.chains.append(chain)
+        self.voices.append(voice)
         self._changed.set()
         return stream
 
@@ -108,7 +115,8 @@ class FakeEngine:
             stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
 
 
-def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
+def fake_gateway(limits: Limits | None = None, directions: EmotionDirections | None = None) -> SimpleNamespace:
+    """`directions`: the server's emotion directions (--emotion-directions-dir; style tags need them)."""
     settings = replace(GatewaySettings(), limits=limits or Limits())
     engine = FakeEngine()
     cfg = Zonos2Config.from_dict(preset_params("tiny"))
@@ -121,9 +129,10 @@ def fake_gateway(limits: Limits | None = None) -> SimpleNamespace:
         fake=engine,
         resolve_voice=lambda ref, owner: None,
         draining=False,
+        prompts=SimpleNamespace(emotion=directions),
     )
-    # the gateway's door check, on this server's directions (none: settings has no --emotion-directions-dir)
-    gw.check_emotion = lambda opts, voice, clip=False: check_emotion(None, opts, voice, cfg.dim, clip)
+    # the gateway's door check, on this server's directions
+    gw.check_emotion = lambda opts, voice, clip=False: check_emotion(directions, opts, voice, cfg.dim, clip)
     return gw
 
 
@@ -804,12 +813,14 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
     assert code == 1000
 
 
-def cartesia_socket(limits: Limits | None = None) -> tuple[Any, FakeSocket, Any, dict, dict]:
+def cartesia_socket(
+    limits: Limits | None = None, directions: EmotionDirections | None = None
+) -> tuple[Any, FakeSocket, Any, dict, dict]:
     """A Cartesia session on the fake engine (no aligner, no pronunciation dictionaries), not running yet: (gateway,
     socket, the session, a raw 44.1 kHz output_format, an embedding voice)."""
     from app.doors.dialects.cartesia import CartesiaSession
 
-    gw = fake_gateway(limits)
+    gw = fake_gateway(limits, directions)
     gw.engine.aligns = False
     gw.lexicon = lambda ids, owner: ()
     ws = FakeSocket()
@@ -820,9 +831,11 @@ def cartesia_socket(limits: Limits | None = None) -> tuple[Any, FakeSocket, Any,
     return gw, ws, session, fmt, voice
 
 
-def cartesia_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asyncio.Task, dict, dict]:
+def cartesia_session(
+    limits: Limits | None = None, directions: EmotionDirections | None = None
+) -> tuple[Any, FakeSocket, asyncio.Task, dict, dict]:
     """`cartesia_socket`'s session, running: (gateway, socket, its task, the output_format, the voice)."""
-    gw, ws, session, fmt, voice = cartesia_socket(limits)
+    gw, ws, session, fmt, voice = cartesia_socket(limits, directions)
     return gw, ws, asyncio.create_task(session.run()), fmt, voice
 
 
@@ -1064,3 +1077,274 @@ def test_a_session_that_ends_while_a_context_waits_for_its_turn_is_freed_without
         assert ref() is None, [type(r).__qualname__ for r in gc.get_referrers(ref())]
     finally:
         gc.enable()
+
+
+def happy_directions() -> EmotionDirections:
+    """Emotion directions of one named emotion, so that a `[happy]` tag can be taken."""
+    dim = Zonos2Config.from_dict(preset_params("tiny")).speaker_embedding_dim
+    return EmotionDirections(dim=dim, named={"happy": np.full(dim, 0.01, np.float32)})
+
+
+async def settle() -> None:
+    """Whatever would happen now without the engine or the client has happened (a lane played to its end)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_cartesia_a_context_idle_in_its_open_turn_keeps_its_chain_and_style_tag():
+    """An LLM that pauses longer than the audio already sent: the context's first sentence has played to its end
+    (nothing buffered or queued) while its turn is open (`continue: true`). Its next sentence goes on in the turn's
+    continuation chain and style tag, as on our own socket; its idle lane was dropped, and the next sentence started
+    a fresh chain, unstyled."""
+
+    async def go() -> FakeEngine:
+        gw, ws, task, fmt, voice = cartesia_session(directions=happy_directions())
+        turn = {"context_id": "a", "voice": voice, "continue": True, "flush": True, **fmt}
+        ws.send(transcript="[happy] One.", **turn)
+        FakeEngine.play(await gw.fake.started(1))
+        await ws.until("flush_done")
+        await settle()  # the context holds no text or audio now
+        ws.send(transcript=" Two.", **turn)
+        FakeEngine.play(await gw.fake.started(2))
+        await ws.until("flush_done")
+        await shut(ws, task)
+        return gw.fake
+
+    fake = asyncio.run(go())
+    assert fake.texts == ["One.", "Two."]
+    assert fake.chains[0] is not None and fake.chains[1] is fake.chains[0]
+    assert [o.emotion.sliders for o in fake.opts] == [{"happy": 1.0}] * 2
+
+
+def test_elevenlabs_a_context_idle_in_its_open_turn_keeps_its_chain_and_style_tag_until_it_is_closed():
+    """ElevenLabs with auto_mode (each text spoken as it comes): a context whose first sentence has played to its end
+    while its turn is open goes on in the turn's chain and style tag; once closed, its lane ends."""
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+    from app.voices.library import Voice
+
+    async def go() -> tuple[FakeEngine, bool, bool]:
+        directions = happy_directions()
+        gw = fake_gateway(directions=directions)
+        voice = Voice("v", "v", "", "embedding", directions.dim, embedding=np.full(directions.dim, 0.1, np.float32))
+        gw.resolve_voice = lambda ref, owner: voice
+        ws = FakeSocket()
+        ws.query_params = {"output_format": "pcm_44100", "auto_mode": "true"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "v"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        task = asyncio.create_task(session.run())
+        ws.send(text="[happy] One.", context_id="a")
+        FakeEngine.play(await gw.fake.started(1))
+        assert (await ws.next_json())["contextId"] == "a"  # its audio
+        await settle()  # the context holds no text or audio now
+        kept = "a" in session.lanes
+        ws.send(text=" Two.", context_id="a")
+        FakeEngine.play(await gw.fake.started(2))
+        ws.send(context_id="a", close_context=True)
+        while not (await ws.next_json()).get("isFinal"):
+            pass
+        await settle()
+        ended = "a" not in session.lanes
+        await shut(ws, task)
+        return gw.fake, kept, ended
+
+    fake, kept, ended = asyncio.run(go())
+    assert fake.texts == ["One.", "Two."]
+    assert fake.chains[0] is not None and fake.chains[1] is fake.chains[0]
+    assert [o.emotion.sliders for o in fake.opts] == [{"happy": 1.0}] * 2
+    assert kept and ended
+
+
+def test_contexts_idle_in_an_open_turn_count_towards_the_cap_and_the_oldest_gives_its_place_up():
+    """A Cartesia socket of 20 contexts, each played to its end and left open (`continue: true`): the socket keeps at
+    most MAX_CONTEXTS of them (what a client's memory costs is bounded), each new context ending the turn of the one
+    whose text came longest ago (its next text starts a new chain); new contexts without text take no place. A new
+    context is not refused for them."""
+    from app.doors.dialects.common import MAX_CONTEXTS
+
+    async def go() -> tuple[list[str], list[str], list[Any]]:
+        gw, ws, session, fmt, voice = cartesia_socket()
+        task = asyncio.create_task(session.run())
+        turn = {"voice": voice, "continue": True, "flush": True, **fmt}
+        for i in range(MAX_CONTEXTS + 4):
+            ws.send(transcript=f"Context {i}.", context_id=f"k{i}", **turn)
+            FakeEngine.play(await gw.fake.started(i + 1))
+            await ws.until("flush_done")
+        await settle()
+        kept = sorted(session.lanes)  # the contexts whose lane is kept (each holds its chain)
+        for i in range(4):  # new contexts without text take no place
+            ws.send(transcript="", context_id=f"u{i}", **turn)
+            await ws.until("flush_done")
+        await settle()
+        still = sorted(session.lanes)
+        ws.send(transcript=" Again.", context_id="k0", **turn)
+        FakeEngine.play(await gw.fake.started(MAX_CONTEXTS + 5))
+        await ws.until("flush_done")
+        await shut(ws, task)
+        return kept, still, gw.fake.chains
+
+    kept, still, chains = asyncio.run(go())
+    assert kept == still == sorted(f"k{i}" for i in range(4, MAX_CONTEXTS + 4))
+    assert chains[-1] is not chains[0]  # k0's turn was ended to make room: its text starts a new chain
+
+
+class SlowEmbedding:
+    """Stands in for Gateway.embed_clip (decode and speaker encoder): a clip's embedding comes when the test lets it,
+    as a large clip's comes after seconds."""
+
+    def __init__(self, dim: int) -> None:
+        self.dim = dim
+        self.asked = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    async def __call__(self, raw: bytes, owner: str) -> Any:
+        from app.voices.library import Voice
+
+        self.asked.set()
+        await self.ready.wait()
+        return Voice("clip", "clip", owner, "clip", self.dim, embedding=np.zeros(self.dim, np.float32))
+
+
+def test_a_cancel_while_a_configs_clip_is_embedded_takes_effect_at_once():
+    """A cancel right after a session.config with a large voice_clip is not held back by the clip's embedding (up to
+    EMBED_WAIT_S): the audio playing stops and `cancelled` comes at once, the text sent between the config and the
+    cancel for the cancelled context is dropped (its flush answered after `cancelled`), and the rest waits for the
+    config, in order: another context's text is spoken in the clip's voice, and the session goes on."""
+    from app.io.bodies import BodyBudget
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], FakeEngine, bool]:
+        session, ws, engine, task = await open_session()
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="text", text="Playing.", flush=True)
+        stream = await engine.started(1)
+        engine.play(stream, finish=False)
+        await ws.until("audio.start")
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        ws.send(type="text", text="Cancelled with it.", flush=True)
+        ws.send(type="text", text="Other.", context_id="b", flush=True)
+        ws.send(type="cancel", context_id=DEFAULT_CONTEXT)
+        async with asyncio.timeout(TIMEOUT):
+            await embed.asked.wait()
+        cancelled = await ws.until("cancelled")
+        cancelled += [await ws.next_json(), await ws.next_json()]
+        embedding = not embed.ready.is_set()  # the cancel came while the clip was still being embedded
+        embed.ready.set()
+        rest = await ws.until("session.updated")
+        engine.play(await engine.started(2))
+        rest += await ws.until("flushed")
+        await shut(ws, task)
+        return cancelled, rest, engine, embedding
+
+    cancelled, rest, engine, embedding = asyncio.run(go())
+    assert embedding and [d["type"] for d in cancelled] == ["cancelled", "flushed", "flushed"], cancelled
+    assert [d["context_id"] for d in cancelled] == [DEFAULT_CONTEXT] * 3
+    assert engine.cancelled == [engine.streams[0].rid]
+    assert rest[0]["voice"] == "clip" and rest[-1] == {"type": "flushed", "context_id": "b"}
+    assert [d["type"] for d in rest if d["type"] != "audio.start"] == ["session.updated", "audio.done", "flushed"]
+    assert engine.texts == ["Playing.", "Other."] and engine.voices[1].id == "clip"
+
+
+def test_messages_held_back_behind_a_configs_clip_are_bounded(monkeypatch):
+    """While a config's clip is embedded, the messages after it wait for it up to a bound (MAX_HELD_BACK messages);
+    one past it is refused (buffer_full) and not taken; those held back are handled in order once the config is."""
+    from app.doors import ws as ws_module
+    from app.io.bodies import BodyBudget
+
+    monkeypatch.setattr(ws_module, "MAX_HELD_BACK", 2)
+
+    async def go() -> tuple[list[dict[str, Any]], FakeEngine]:
+        session, ws, engine, task = await open_session()
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        for text in ("One. ", "Two. ", "Three. "):
+            ws.send(type="text", text=text)
+        refused = await ws.until("error")
+        embed.ready.set()
+        seen = refused + await ws.until("session.updated")
+        ws.send(type="flush")
+        for n in (1, 2):
+            engine.play(await engine.started(n))
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return seen, engine
+
+    seen, engine = asyncio.run(go())
+    assert seen[0]["type"] == "error" and seen[0]["code"] == "buffer_full", seen
+    assert engine.texts == ["One.", "Two."]
+
+
+def test_a_session_whose_configs_clip_is_being_embedded_is_not_idle():
+    """The idle timeout does not close a session while its config's clip is being embedded (the client waits for its
+    session.updated): the config is handled beside the receive loop, whose wait for a message times out meanwhile."""
+    from app.io.bodies import BodyBudget
+
+    async def go() -> tuple[int | None, dict[str, Any]]:
+        session, ws, _engine, task = await open_session(Limits(idle_timeout_s=0.05))
+        embed = SlowEmbedding(session.gw.cfg.speaker_embedding_dim)
+        session.gw.embed_clip = embed
+        session.gw.bodies = BodyBudget(1 << 30)
+        ws.send(type="session.config", voice_clip="Y2xpcA==")
+        async with asyncio.timeout(TIMEOUT):
+            await embed.asked.wait()
+        await asyncio.sleep(0.5)  # ten idle timeouts
+        code = ws.close_code
+        embed.ready.set()
+        updated = (await ws.until("session.updated"))[-1]
+        await shut(ws, task)
+        return code, updated
+
+    code, updated = asyncio.run(go())
+    assert code is None and updated["voice"] == "clip"
+
+
+class SlowAligner:
+    """Stands in for the engine's aligner node: it answers (each word of the text, 0.1 s apart) when the test lets it,
+    as an aligner busy with other sessions' utterances answers later than their audio ends."""
+
+    def __init__(self) -> None:
+        self.asked = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    async def align(self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0) -> tuple:
+        self.asked.set()
+        await self.ready.wait()
+        return tuple((w, 0.1 * i, 0.1 * i + 0.05) for i, w in enumerate(text.split()))
+
+
+def test_cartesia_an_id_used_again_while_its_aligned_words_are_pending_keeps_them():
+    """A Cartesia context ended (`continue: false`) whose audio has all been sent while its aligner answer is pending,
+    and its id used again (a new context) meanwhile: the old context's aligned words are still sent, on its clock,
+    before its done; the new context's follow. The reused id took the old utterance for the new context's, whose
+    timestamps did not wait for it: its words were never sent."""
+
+    async def go() -> list[dict[str, Any]]:
+        gw, ws, session, fmt, voice = cartesia_socket()
+        aligner = SlowAligner()
+        gw.engine.aligns, gw.engine.align = True, aligner.align
+        task = asyncio.create_task(session.run())
+        ctx = {"context_id": "a", "voice": voice, "add_timestamps": True, **fmt}
+        ws.send(transcript="One two.", **ctx)
+        FakeEngine.play(await gw.fake.started(1))
+        async with asyncio.timeout(TIMEOUT):
+            await aligner.asked.wait()  # its audio is out, its aligned words are pending
+        ws.send(transcript="Three.", **ctx)  # the id again, before its done
+        FakeEngine.play(await gw.fake.started(2))
+        await settle()
+        aligner.ready.set()
+        seen: list[dict[str, Any]] = []
+        while sum(d.get("type") == "done" for d in seen) < 2:
+            seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    kinds = [(d["type"], d["word_timestamps"]["words"] if d["type"] == "timestamps" else None) for d in seen]
+    assert [k for k in kinds if k[0] != "chunk"] == [
+        ("timestamps", ["One", "two."]),
+        ("done", None),
+        ("timestamps", ["Three."]),
+        ("done", None),
+    ], kinds

@@ -179,9 +179,7 @@ class CartesiaSession(StreamingSession):
             await self.flush(ctx, end_turn=False)
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
-        live = self.contexts()
-        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError(G.TOO_MANY_CONTEXTS, f"at most {MAX_CONTEXTS} contexts may hold text or audio at once")
+        self.check_room(ctx)
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
             raise RequestError(G.BAD_MESSAGE, "output_format must be an object")
@@ -206,11 +204,11 @@ class CartesiaSession(StreamingSession):
         stamps = data.get("add_timestamps", False)
         if not isinstance(stamps, bool):
             raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
-        before = self.last_queued(ctx)
+        before = self.last_held(ctx)  # (an utterance whose aligned words are pending is still the old context's)
         previous = self.ctxs.get(ctx) if before is not None else None
         c = Context(ctx, opts, voice, output, delay, timestamps=stamps, opened_after=before, previous=previous)
         self.ctxs[ctx] = c
-        forget_idle(self.ctxs, live | {ctx})
+        forget_idle(self.ctxs, self.contexts() | {ctx})
         return c
 
     def _voice(self, spec: Any) -> Voice | None:

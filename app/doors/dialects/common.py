@@ -75,17 +75,19 @@ def dialect_options(
 
 
 # Contexts holding text or audio on one connection of a multi-context dialect (ElevenLabs itself allows 5);
-# a closed one counts until its last audio is sent.
+# a closed one counts until its last audio is sent, and one idle in an open turn until a new one needs its place
+# (app/core/session.py `check_room`).
 MAX_CONTEXTS = 16
 # Without the client's own rule, a buffered sentence end is spoken once no text has come for this long.
 QUIET_S = 0.3
-# Contexts that hold no text or audio cost only their settings; past this many such, the oldest are forgotten
-# (their ids are the client's to invent). A forgotten id used again opens a new context.
+# Contexts that hold no text or audio (and no open turn) cost only their settings; past this many such, the oldest
+# are forgotten (their ids are the client's to invent). A forgotten id used again opens a new context.
 MAX_IDLE_CONTEXTS = 64
 
 
 def forget_idle(ctxs: dict[str, Any], live: set[str]) -> None:
-    """Drop the oldest entries of `ctxs` not in `live` (holding text or audio) past MAX_IDLE_CONTEXTS."""
+    """Drop the oldest entries of `ctxs` not in `live` (holding text or audio, or idle in an open turn) past
+    MAX_IDLE_CONTEXTS."""
     idle = [k for k in ctxs if k not in live]
     for k in idle[: max(0, len(idle) - MAX_IDLE_CONTEXTS)]:
         del ctxs[k]

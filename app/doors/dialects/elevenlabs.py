@@ -12,6 +12,7 @@
   closed context's audio has all been sent, `{"isFinal": true, "contextId"}`.
 * `/v1/text-to-speech/{voice_id}/stream-input` (the older single-context socket): the same without
   contexts; `{"text": ""}` ends the input: the rest is spoken, `{"isFinal": true}` sent, the socket closed.
+  `close_context` is not one of its messages: ignored, as ElevenLabs ignores it there.
 
 `voice_id` is one of our voices (id or name). `output_format` (exactly ElevenLabs' formats: OUTPUT_FORMATS)
 maps onto our encoders, and the other URL options with a fixed set of values are checked; `auto_mode=true` speaks
@@ -119,6 +120,7 @@ class ElevenLabsSession(StreamingSession):
     api = "elevenlabs"
     lane_per_context = True
     max_contexts = MAX_CONTEXTS
+    too_many_contexts = G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str, multi: bool = True) -> None:
         super().__init__(ws, gw, owner)
@@ -178,7 +180,8 @@ class ElevenLabsSession(StreamingSession):
 
     async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
-        close = data.get("close_context") is True
+        # stream-input has no contexts to close, as on ElevenLabs (its isFinal is the end of the stream): ignored
+        close = data.get("close_context") is True and self.multi
         text = data.get("text")
         if text is not None and not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
@@ -219,12 +222,7 @@ class ElevenLabsSession(StreamingSession):
         return DEFAULT_CONTEXT if ctx is None else ctx
 
     def _open(self, ctx: str, data: dict[str, Any]) -> Context:
-        live = self.contexts()
-        if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
-            raise RequestError(
-                G.ELEVENLABS_MAX_ACTIVE_CONVERSATIONS,
-                f"at most {MAX_CONTEXTS} contexts may hold text or audio on one socket; close one first",
-            )
+        self.check_room(ctx)
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
             return c
@@ -243,7 +241,7 @@ class ElevenLabsSession(StreamingSession):
         # of this one drops only what comes after it.
         before = self.last_queued(ctx)
         c = self.ctxs[ctx] = Context(ctx, opts, flushed_upto=before, opened_after=before)
-        forget_idle(self.ctxs, live | {ctx})
+        forget_idle(self.ctxs, self.contexts() | {ctx})
         for gone in set(self.timeline) - set(self.ctxs):  # contexts forgotten while idle
             del self.timeline[gone]
         return c
