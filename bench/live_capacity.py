@@ -587,13 +587,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
 
 
 GC_HISTOGRAMS = {"zonos_gc_pause_seconds_bucket": "gc", "zonos_gc_pause_cpu_seconds_bucket": "gc_cpu"}
+# the engines' slips and what caused them (engine/contract/records.py Stats), summed over engines
+ENGINE_COUNTERS = {
+    "zonos_engine_late_iterations_by_engine": "late_iterations",
+    "zonos_engine_loop_preempted_by_engine": "loop_preempted",
+}
 
 
 async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, Any] | None:
     """From the server's /metrics: the engine's admission counters (`held`: iterations each gate held a waiting
     newcomer back, `zonos_engine_admission_held_by_engine{gate}` summed over engines) and the collector's pause
-    histograms (`gc`, wall clock, and `gc_cpu`, the collections' CPU time: {(generation, le): cumulative count}).
-    None: the server has no /metrics."""
+    histograms (`gc`, wall clock, and `gc_cpu`, the collections' CPU time: {(generation, le): cumulative count}),
+    and the engines' ENGINE_COUNTERS (`engine`). None: the server has no /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -605,16 +610,19 @@ async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, A
     if r.status_code != 200:
         return None
     held: dict[str, float] = {}
+    engine = dict.fromkeys(ENGINE_COUNTERS.values(), 0.0)
     gc_buckets: dict[str, dict[tuple[str, float], float]] = {name: {} for name in GC_HISTOGRAMS.values()}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             if sample.name == "zonos_engine_admission_held_by_engine":
                 gate = sample.labels.get("gate", "")
                 held[gate] = held.get(gate, 0.0) + sample.value
+            elif (counter := ENGINE_COUNTERS.get(sample.name)) is not None:
+                engine[counter] += sample.value
             elif (name := GC_HISTOGRAMS.get(sample.name)) is not None:
                 key = (sample.labels.get("generation", ""), float(sample.labels["le"]))
                 gc_buckets[name][key] = gc_buckets[name].get(key, 0.0) + sample.value
-    return {"held": held, **gc_buckets}
+    return {"held": held, "engine": engine, **gc_buckets}
 
 
 async def gateway_pids(ws_url: str, api_key: str | None = None, tries: int = 200) -> list[int]:
@@ -1091,6 +1099,7 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         after = await server_metrics(opts.url, opts.api_key)
         if before is not None and after is not None:  # what held newcomers back in this level (iterations)
             summary["admission_held"] = {g: after["held"][g] - before["held"].get(g, 0.0) for g in after["held"]}
+            summary["engine_slips"] = {k: after["engine"][k] - before["engine"][k] for k in after["engine"]}
             for name in GC_HISTOGRAMS.values():
                 summary[name] = gc_pauses(before[name], after[name])
         if refuse:
@@ -1123,6 +1132,12 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
             )
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
+        if summary.get("engine_slips"):
+            slips = summary["engine_slips"]
+            log(
+                f"      engine: {slips['late_iterations']:.0f} iterations longer than three frames, its loop thread "
+                f"preempted {slips['loop_preempted']:.0f} times"
+            )
         if summary.get("gc"):
             log(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")
         if summary.get("gateway_cpu"):

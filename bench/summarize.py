@@ -70,6 +70,10 @@ def level_details(level: dict[str, Any]) -> str:
         gc = level.get(key) or {}
         if gc.get("pause_p99_ms") is not None:
             bits.append(f"{label} p99 {gc['pause_p99_ms']} ms (<= {gc.get('pause_max_le_ms')})")
+    if slips := level.get("engine_slips"):
+        bits.append(
+            f"engine: {slips['late_iterations']:.0f} late iterations, loop preempted {slips['loop_preempted']:.0f}x"
+        )
     if level.get("loop_lag_ms_max") is not None:
         bits.append(f"client loop lag p99 max {max(level.get('loop_lag_ms_p99_by_proc') or [0])} ms")
     return f"{level.get('n')} offered: " + "; ".join(bits)

@@ -192,6 +192,20 @@ class Metrics:
                 e,
                 registry=r,
             ),
+            "late_iterations": EngineGauge(
+                "zonos_engine_late_iterations_by_engine",
+                "Iterations of this engine longer than three frames of audio while streams played, each a slip "
+                "every playing stream felt (since it started)",
+                e,
+                registry=r,
+            ),
+            "loop_preempted": EngineGauge(
+                "zonos_engine_loop_preempted_by_engine",
+                "Times the OS took the engine loop thread's core from it while it could run (involuntary context "
+                "switches, since it started): late iterations with many of these are the host's CPUs, not the GPU",
+                e,
+                registry=r,
+            ),
             "paced": EngineGauge(
                 "zonos_engine_paced_by_engine",
                 "Iterations this engine launched no decode step because "
@@ -234,6 +248,8 @@ class Metrics:
                 "paced",
                 "starting",
                 "mixed_frames",
+                "late_iterations",
+                "loop_preempted",
             ):
                 g[key].labels(name).set(getattr(st, key) or 0)
             for gate in AdmissionGate:

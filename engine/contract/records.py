@@ -788,6 +788,10 @@ class Stats(Record):
     outbox_bytes: int = 0
     steps: int = 0
     paced: int = 0  # iterations that launched no decode step: the dac_decoder was behind (admission.py)
+    # iterations longer than three frames while streams ran (admission.py LATE_PERIOD_S), and how often the OS took
+    # the engine loop's core from it: slips, and whether the host's CPUs caused them (both since start)
+    late_iterations: int = 0
+    loop_preempted: int = 0
     prefill_frames: int = 0
     mixed_frames: int = 0  # of those, prompt frames that rode along with a decode step (one pass over the weights)
     decode_frames: int = 0

@@ -21,6 +21,9 @@ _DEFAULTS = EngineSettings()  # the defaults live there (the engine's settings);
 
 PERIOD_WINDOW = 32  # iterations whose mean period the period gate predicts from
 DELIVERY_ITERATIONS = 2  # a chunk's dac_decoder call is launched, lands and is sent within ~2 iterations
+# an iteration longer than this while streams play is a slip: at the lead floor (40 ms) it leaves a playing stream
+# no margin, so the streams' stalls come in bursts that every listener hears at once (Stats.late_iterations)
+LATE_PERIOD_S = 3 * FRAME_S
 
 
 @dataclass
@@ -38,6 +41,7 @@ class RealtimeAdmission:
     period_s: float = 0.0  # mean iteration period over the last PERIOD_WINDOW while streams run (0: nothing yet)
     cost_s: float = 0.0  # mean iteration period per stream
     prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
+    late: int = 0  # iterations whose period passed LATE_PERIOD_S while streams ran (since start)
     _last_launch: float | None = None
     _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # every iteration's
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # its period per stream
@@ -71,6 +75,7 @@ class RealtimeAdmission:
                 self._plain.append(period)
             self._periods.append(period)
             self._costs.append(period / streams)
+            self.late += period > LATE_PERIOD_S
             self.period_s = statistics.fmean(self._periods)
             self.cost_s = statistics.fmean(self._costs)
         self._last_launch = now if streams else None

@@ -42,6 +42,7 @@ decoded, released and cancelled together; admission counts the twin as a stream.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections import deque
 
@@ -69,6 +70,12 @@ SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this lo
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
 HOL_GRACE_S = 1.0  # a request that needs more slots than are free lets smaller ones pass this long, then waits first
 PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
+
+
+def loop_preempted() -> int:
+    """How often the OS has taken the calling thread's core from it while it could run (its involuntary context
+    switches since it started): the engine loop's own, for Stats."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
 
 
 class Scheduler:
@@ -812,7 +819,7 @@ class Scheduler:
     def _error(self, rid: int, code: E, message: str, retry_after_ms: int | None = None) -> None:
         self.outbox.send(rid, m.Error(rid, code, message, retry_after_ms=retry_after_ms), force=True)
 
-    def _maybe_stats(self) -> None:
+    def _maybe_stats(self) -> None:  # (on the engine loop's thread: loop_preempted counts that thread's)
         now = time.perf_counter()
         if now - self._last_stats < self.settings.stats_interval_s:
             return
@@ -837,6 +844,8 @@ class Scheduler:
                 starting=starting,
                 dac_in_flight=self.dac.in_flight(),
                 outbox_bytes=self.outbox.pending_bytes(),
+                late_iterations=self.admission.late,
+                loop_preempted=loop_preempted(),
                 **self.counters,
                 **{f"held_{gate}": n for gate, n in self.held_by.items()},
             ),

@@ -63,6 +63,8 @@ def test_service_endpoints(server):
         "zonos_rtf_bucket",
         "zonos_engine_step_ms",
         "zonos_requests_total",
+        "zonos_engine_late_iterations_by_engine",
+        "zonos_engine_loop_preempted_by_engine",
     ):
         assert name in text, name
 

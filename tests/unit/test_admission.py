@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.runtime.admission import FRAME_S, Gate, RealtimeAdmission
+from engine.runtime.admission import FRAME_S, LATE_PERIOD_S, Gate, RealtimeAdmission
 
 
 def simulate(
@@ -346,3 +346,18 @@ def test_a_first_chunk_brings_what_keeps_the_door_open():
     adm.period_s = 0.9 * FRAME_S
     assert adm.first_chunk_s(10) < 1899 / 44100
     assert RealtimeAdmission(enabled=False, period_s=0.020).first_chunk_s(10) == 0.0
+
+
+def test_an_iteration_longer_than_three_frames_while_streams_play_is_counted_late():
+    """Stats.late_iterations: a slip every playing stream felt; a pause with nothing playing is no iteration."""
+    adm = RealtimeAdmission()
+    now = 0.0
+    for period in (10e-3, 10e-3, LATE_PERIOD_S + 1e-3, 10e-3, 3 * LATE_PERIOD_S, 10e-3):
+        adm.observe_launch(now, 8)
+        now += period
+    adm.observe_launch(now, 8)
+    assert adm.late == 2
+    adm.observe_launch(now + 1e-3, 0)  # the streams ended: the next launch starts a new period
+    adm.observe_launch(now + 10.0, 8)
+    adm.observe_launch(now + 10.0 + 10e-3, 8)
+    assert adm.late == 2

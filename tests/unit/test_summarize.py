@@ -50,6 +50,7 @@ def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
         "refusal_ms_p50": 1.5,
         "refusal_ms_p95": 6.0,
         "ttfa_parts_p95_ms": {"queue_ms": 9.0, "first_chunk_ms": 190.0},
+        "engine_slips": {"late_iterations": 3.0, "loop_preempted": 41.0},
         "gc": {"pause_p99_ms": 4.4, "pause_max_le_ms": 5.0},
         "gc_cpu": {"pause_p99_ms": 2.1, "pause_max_le_ms": 2.5},
     }
@@ -57,5 +58,7 @@ def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
     text = summarize([tmp_path], "run", "abc1234")
     assert "(NVIDIA H100 80GB HBM3)" in text and "H200" not in text
     assert "256 offered: p95 parts queue 9, first_chunk 190; refused 42 (p50 / p95 1.5 / 6.0 ms)" in text
-    assert "gc p99 4.4 ms (<= 5.0); gc CPU p99 2.1 ms (<= 2.5); client loop lag p99 max 3.0 ms" in text
+    assert "engine: 3 late iterations, loop preempted 41x" in text
+    assert "gc p99 4.4 ms (<= 5.0); gc CPU p99 2.1 ms (<= 2.5); engine: 3 late" in text
+    assert "loop preempted 41x; client loop lag p99 max 3.0 ms" in text
     assert "(GPU not recorded)" in summarize([tmp_path / "capacity_clone.json"], "run", "abc1234")
