@@ -4,7 +4,10 @@
 # order), then the seed-under-load test alone with its printed SNRs (SEED_TEST). The pytest-randomly wheel
 # travels in .whl (pip download --no-deps -d .whl pytest-randomly==5.1.0), as the other carried wheels.
 # Usage (device tool): bash bench/device_gpu_tests.sh [shuffled] [seeds]   (default: both)
-# Files under $OUT: gpu_tests_shuffled.log, seed_test.log
+# PARALLEL=2 deals the list's files to two pytest processes that share the GPU (the full-size model's tests,
+# test_gpu.py and test_fp8.py, land in different ones): on an H100 the list takes ~590 s in one process, more
+# than a call's 600 s with the seed step.
+# Files under $OUT: gpu_tests_shuffled.log (gpu_tests_shuffled_<group>.log with PARALLEL), seed_test.log
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 steps=${*:-shuffled seeds}
@@ -16,9 +19,20 @@ for step in $steps; do
       python3 -c "import pytest_randomly" || { echo "pytest-randomly is not installed: carry its wheel in .whl"; exit 2; }
       seed=${RANDOMLY_SEED:-$RANDOM}
       echo "GPU list shuffled: --randomly-seed=$seed"
-      timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider -p randomly \
-        --randomly-seed="$seed" $GPU_TESTS > "$OUT/gpu_tests_shuffled.log" 2>&1 || rc=1
-      tail -15 "$OUT/gpu_tests_shuffled.log" ;;
+      if [ "${PARALLEL:-1}" -gt 1 ]; then  # the files dealt round-robin to PARALLEL pytest processes at once
+        files=($GPU_TESTS); pids=()
+        for g in $(seq 0 $(( PARALLEL - 1 ))); do
+          group=(); for i in "${!files[@]}"; do [ $(( i % PARALLEL )) = "$g" ] && group+=("${files[$i]}"); done
+          timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider -p randomly \
+            --randomly-seed="$seed" "${group[@]}" > "$OUT/gpu_tests_shuffled_$g.log" 2>&1 & pids+=($!)
+        done
+        for p in "${pids[@]}"; do wait "$p" || rc=1; done
+        for g in $(seq 0 $(( PARALLEL - 1 ))); do echo "== group $g"; tail -6 "$OUT/gpu_tests_shuffled_$g.log"; done
+      else
+        timeout -s INT -k 20 ${TESTS_S:-420} python3 -m pytest -q -p no:cacheprovider -p randomly \
+          --randomly-seed="$seed" $GPU_TESTS > "$OUT/gpu_tests_shuffled.log" 2>&1 || rc=1
+        tail -15 "$OUT/gpu_tests_shuffled.log"
+      fi ;;
     seeds)
       timeout -s INT -k 20 ${SEED_S:-240} python3 -m pytest -q -rP -p no:cacheprovider $SEED_TEST \
         > "$OUT/seed_test.log" 2>&1 || rc=1
