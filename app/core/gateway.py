@@ -455,10 +455,13 @@ class Gateway:
         finally:
             link.settle()
 
-    def lexicon(self, spec: object, owner: str) -> tuple[Rule, ...]:
+    async def lexicon(self, spec: object, owner: str) -> tuple[Rule, ...]:
         """Pronunciation rules from a request: a list of stored dictionaries (an id, or ElevenLabs' locator
         `{pronunciation_dictionary_id, version_id}`) and inline rules (`{grapheme, alias}` or
-        `{string_to_replace, alias}`), in order (an earlier rule for the same text wins)."""
+        `{string_to_replace, alias}`), in order (an earlier rule for the same text wins). A stored dictionary is
+        read in a worker thread: one the store has not kept parsed is up to 1 MB of JSON (~15 ms), and a client
+        naming a different one in each of a run of pipelined messages held every session's audio (the event loop
+        ran them back to back: up to 1 s; the store keeps RULES_CACHE of them, an owner may have MAX_PER_OWNER)."""
         if spec is None:
             return ()
         if not isinstance(spec, list) or len(spec) > MAX_LEXICON_ITEMS:
@@ -470,7 +473,7 @@ class Gateway:
             if isinstance(item, dict) and "pronunciation_dictionary_id" in item:
                 item = item["pronunciation_dictionary_id"]
             if isinstance(item, str):
-                rules += self.lexicons.get(item, owner).rules
+                rules += (await asyncio.to_thread(self.lexicons.get, item, owner)).rules
             elif isinstance(item, dict):
                 rules += rules_from_json([item])
             else:

@@ -23,6 +23,7 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -203,10 +204,12 @@ class LexiconStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         # the rules of dictionaries read lately, by (owner, id), each with the identity of the file it came from
-        # (inode, mtime, size): a session or context that names a dictionary reads its rules on the event loop,
-        # and a 1 MB file parsed for each of a flood of configs held every socket's audio (4 -> 36 ms p50 on
-        # /healthz); a file written since (any gateway process: os.replace, a new inode) is read again
+        # (inode, mtime, size): each session or context that names a dictionary reads it (in a worker thread,
+        # Gateway.lexicon), and a 1 MB file parsed for each of a flood of configs cost every socket's audio (4 -> 36 ms
+        # p50 on /healthz, when it was read on the event loop); a file written since (any gateway process:
+        # os.replace, a new inode) is read again
         self._rules: OrderedDict[tuple[str, str], tuple[tuple[int, int, int], list[Rule]]] = OrderedDict()
+        self._rules_lock = threading.Lock()  # lookups run in worker threads (Gateway.lexicon, the routes)
         root.mkdir(parents=True, exist_ok=True)
         for legacy in root.glob("pd_*.json"):  # one document per dictionary in `root` itself: moved to its owner's
             lex = self._read_whole(legacy)
@@ -294,17 +297,20 @@ class LexiconStore:
         try:
             st = path.stat()
             ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._rules.get(key)
-            if cached is not None and cached[0] == ident:
-                self._rules.move_to_end(key)
-                return cached[1]
+            with self._rules_lock:
+                cached = self._rules.get(key)
+                if cached is not None and cached[0] == ident:
+                    self._rules.move_to_end(key)
+                    return cached[1]
             rules = [Rule(g, a) for g, a in json.loads(path.read_text(encoding="utf-8"))]
         except (OSError, ValueError, TypeError):
-            self._rules.pop(key, None)
+            with self._rules_lock:
+                self._rules.pop(key, None)
             return None
-        self._rules[key] = (ident, rules)
-        while len(self._rules) > RULES_CACHE:
-            self._rules.popitem(last=False)
+        with self._rules_lock:
+            self._rules[key] = (ident, rules)
+            while len(self._rules) > RULES_CACHE:
+                self._rules.popitem(last=False)
         return rules
 
     def list(self, owner: str) -> builtins.list[Lexicon]:
@@ -314,7 +320,8 @@ class LexiconStore:
 
     def delete(self, lid: object, owner: str) -> Lexicon:
         lex = self.get(lid, owner)
-        self._rules.pop((owner, lex.id), None)
+        with self._rules_lock:
+            self._rules.pop((owner, lex.id), None)
         self._meta_path(lex.id, owner).unlink(missing_ok=True)  # first: gone for every process at once
         self._rules_path(lex.id, owner).unlink(missing_ok=True)
         return lex

@@ -289,3 +289,35 @@ def test_the_dictionary_routes_use_the_store_off_the_event_loop(tmp_path, monkey
         assert client.delete(f"{base}/{lid}").json() == {"deleted": lid}
     assert set(threads) == {"add", "list", "get", "delete"} and loop_threads
     assert not loop_threads & set().union(*threads.values())
+
+
+def test_a_requests_stored_dictionaries_are_read_off_the_event_loop(tmp_path, monkeypatch):
+    """Gateway.lexicon (our session.config `lexicon`, ElevenLabs' locators, Cartesia's `pronunciation_dict_id`, and
+    their HTTP bodies) reads a stored dictionary in a worker thread. The store keeps RULES_CACHE dictionaries parsed,
+    an owner may have MAX_PER_OWNER: a client naming a different one in each of a run of pipelined configs had each
+    1 MB of rules parsed on the event loop, back to back (hostile pass: /healthz p50 2 -> 275 ms, max 1 s)."""
+    from types import SimpleNamespace
+
+    from app.core.gateway import Gateway
+
+    assert lexicons.RULES_CACHE < lexicons.MAX_PER_OWNER  # why the cache alone is no bound
+    store = LexiconStore(tmp_path)
+    lex = store.add("alice", "d", [Rule("tomato", "tomahto")])
+    threads: list[int] = []
+    real = store._read_rules
+
+    def spy(*args):
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(store, "_read_rules", spy)
+
+    async def go(spec):
+        return await Gateway.lexicon(SimpleNamespace(lexicons=store), spec, "alice"), threading.get_ident()
+
+    rules, loop_thread = asyncio.run(go([lex.id, {"grapheme": "a", "alias": "b"}]))
+    assert rules == (Rule("tomato", "tomahto"), Rule("a", "b"))
+    assert threads and loop_thread not in threads
+    with pytest.raises(RequestError) as e:
+        asyncio.run(go([{"pronunciation_dictionary_id": "pd_0000000000000000"}]))
+    assert e.value.code == G.UNKNOWN_LEXICON

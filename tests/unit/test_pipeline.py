@@ -811,7 +811,11 @@ def cartesia_socket(limits: Limits | None = None) -> tuple[Any, FakeSocket, Any,
 
     gw = fake_gateway(limits)
     gw.engine.aligns = False
-    gw.lexicon = lambda ids, owner: ()
+
+    async def no_lexicon(ids: Any, owner: str) -> tuple[()]:
+        return ()
+
+    gw.lexicon = no_lexicon
     ws = FakeSocket()
     ws.query_params = {}  # type: ignore[attr-defined]
     session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]
