@@ -793,3 +793,42 @@ def test_a_voices_public_form_copies_nothing_of_its_embedding():
     }
     public["details"]["t"] = 1.0  # the answer is the caller's: the voice keeps its own
     assert v.details["t"] == 0.5
+
+
+def test_embedding_files_are_parsed_off_the_event_loop(tmp_path, monkeypatch):
+    """An embedding file (`POST /v1/voices`, `/tts/speakers`, and `speaker_embedding_base64` of /tts/generate and
+    /v1/audio/speech) is parsed in a worker thread: a 16 KB deflated .npz of 1024 x 2048 float64 rows inflates to
+    16 MB and took ~55 ms of the event loop per request (hostile pass), every session's audio waiting."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.doors import reference
+    from app.doors import voices as voice_doors
+
+    threads: list[int] = []
+
+    def spy(data, dim):
+        threads.append(threading.get_ident())
+        return parse_embedding_file(data, dim)
+
+    monkeypatch.setattr(voice_doors, "parse_embedding_file", spy)
+    monkeypatch.setattr(reference, "parse_embedding_file", spy)
+    dim = 2048
+    gw = SimpleNamespace(cfg=SimpleNamespace(speaker_embedding_dim=dim), voices=VoiceStore(tmp_path, dim))
+    buf = io.BytesIO()
+    np.savez_compressed(buf, emb=np.ones((4, dim)))
+    data = buf.getvalue()
+
+    async def go():
+        stored = await voice_doors.store_embedding(gw, "", data, "Ada")  # type: ignore[arg-type]
+        inline = await reference.speaker_source(
+            gw,  # type: ignore[arg-type]
+            {"speaker_embedding_base64": base64.b64encode(data).decode()},
+            "",
+        )
+        return stored, inline, threading.get_ident()
+
+    stored, inline, loop_thread = asyncio.run(go())
+    assert stored.created and gw.voices.get("Ada", "").id == stored.voice.id
+    assert inline is not None and np.allclose(inline.embedding, 1.0)
+    assert len(threads) == 2 and loop_thread not in threads
