@@ -29,6 +29,7 @@ from app.doors.ws import Session
 from app.io.audio_output import OutputFormat
 from app.io.errors import RequestError
 from app.settings import GatewaySettings, Limits
+from app.voices.lexicons import Aliases
 from engine.contract import records as m
 from engine.contract.errors import EngineError
 from engine.frontend.config import Zonos2Config, preset_params
@@ -852,8 +853,8 @@ def cartesia_socket(limits: Limits | None = None) -> tuple[Any, FakeSocket, Any,
     gw = fake_gateway(limits)
     gw.engine.aligns = False
 
-    async def no_lexicon(ids: Any, owner: str) -> tuple[()]:
-        return ()
+    async def no_lexicon(ids: Any, owner: str) -> Aliases:
+        return Aliases()
 
     gw.lexicon = no_lexicon
     ws = FakeSocket()

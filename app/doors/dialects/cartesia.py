@@ -46,7 +46,7 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.voices.lexicons import Rule
+from app.voices.lexicons import Aliases
 from app.voices.library import Voice
 from engine.contract.constants import SAMPLE_RATE
 
@@ -179,7 +179,7 @@ class CartesiaSession(StreamingSession):
         elif c.buffer_delay_ms == 0:
             await self.flush(ctx, end_turn=False)
 
-    def _open(self, ctx: str, data: dict[str, Any], lexicon: tuple[Rule, ...]) -> Context:
+    def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases) -> Context:
         """A new context; `lexicon`: the rules its `pronunciation_dict_id` names (read off the event loop)."""
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio

@@ -46,7 +46,7 @@ from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
-from app.voices.lexicons import Rule
+from app.voices.lexicons import Aliases
 
 # ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
 OUTPUT_FORMATS = frozenset(
@@ -219,7 +219,7 @@ class ElevenLabsSession(StreamingSession):
         ctx = check_context_id(data.get("context_id")) if self.multi else None
         return DEFAULT_CONTEXT if ctx is None else ctx
 
-    async def _lexicon(self, ctx: str, data: dict[str, Any]) -> tuple[Rule, ...] | None:
+    async def _lexicon(self, ctx: str, data: dict[str, Any]) -> Aliases | None:
         """The pronunciation rules of the context this message opens (None: it opens none, or names none), read
         before `_open`: a stored dictionary is read off the event loop (Gateway.lexicon)."""
         c = self.ctxs.get(ctx)
@@ -227,7 +227,7 @@ class ElevenLabsSession(StreamingSession):
             return None
         return await self.gw.lexicon(data["pronunciation_dictionary_locators"], self.owner)
 
-    def _open(self, ctx: str, data: dict[str, Any], lexicon: tuple[Rule, ...] | None = None) -> Context:
+    def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases | None = None) -> Context:
         live = self.contexts()
         if ctx not in live and len(live) >= MAX_CONTEXTS:  # the cap counts contexts holding text or audio
             raise RequestError(
