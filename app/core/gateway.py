@@ -469,7 +469,7 @@ class Gateway:
                 G.BAD_LEXICON, f"a lexicon is a list of at most {MAX_LEXICON_ITEMS} dictionary ids, locators or rules"
             )
         parts: list[Aliases] = []
-        table: dict[str, str] = {}
+        named = 0
         for item in spec:
             if isinstance(item, dict) and "pronunciation_dictionary_id" in item:
                 item = item["pronunciation_dictionary_id"]
@@ -479,13 +479,13 @@ class Gateway:
                 part = Aliases(rules_from_json([item]))
             else:
                 raise RequestError(G.BAD_LEXICON, "a lexicon item is a dictionary id, a locator or a rule")
-            parts.append(part)
-            for grapheme, alias in part.items():
-                table.setdefault(grapheme, alias)
-            if len(table) > MAX_RULES:  # every text the request speaks looks its words up in all of them
+            named += len(part)  # (a dictionary named twice counts twice: the merge below walks each part)
+            if named > MAX_RULES:  # every text the request speaks looks its words up in all of them
                 raise RequestError(G.BAD_LEXICON, f"a request's dictionaries hold at most {MAX_RULES} rules in all")
-        # one stored dictionary (the usual case): the store's own, shared by every session that names it
-        return parts[0] if len(parts) == 1 else Aliases(table.items())
+            parts.append(part)
+        if len(parts) == 1:  # one stored dictionary (the usual case): the store's own, shared by every session
+            return parts[0]
+        return Aliases(rule for part in parts for rule in part.items())
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":

@@ -338,3 +338,27 @@ def test_a_requests_stored_dictionaries_are_read_off_the_event_loop(tmp_path, mo
     with pytest.raises(RequestError) as e:
         asyncio.run(go([{"pronunciation_dictionary_id": "pd_0000000000000000"}]))
     assert e.value.code == G.UNKNOWN_LEXICON
+
+
+def test_a_request_names_at_most_max_rules_rules_counting_every_dictionary_it_names(tmp_path):
+    """The rules a request names are bounded in all, a dictionary named twice counted twice: its rules are merged
+    on the event loop (64 locators of one 5000-rule dictionary would be 320,000 lookups, ~20 ms, per config). One
+    dictionary named alone is the store's own object, shared."""
+    from types import SimpleNamespace
+
+    from app.core.gateway import Gateway
+
+    store = LexiconStore(tmp_path)
+    big = store.add("alice", "big", [Rule(f"w{i}", "x") for i in range(MAX_RULES)])
+    small = store.add("alice", "small", [Rule("tomato", "tomahto"), Rule("w1", "first")])
+    gw = SimpleNamespace(lexicons=store)
+
+    async def go(spec):
+        return await Gateway.lexicon(gw, spec, "alice")  # type: ignore[arg-type]
+
+    with pytest.raises(RequestError) as e:
+        asyncio.run(go([big.id, big.id]))
+    assert e.value.code == G.BAD_LEXICON
+    assert asyncio.run(go([big.id])) is store.aliases(big.id, "alice")
+    merged = asyncio.run(go([small.id, {"grapheme": "w1", "alias": "second"}, {"grapheme": "x", "alias": "y"}]))
+    assert apply_rules("w1 tomato x", merged) == "first tomahto y"  # the first rule of a grapheme wins
