@@ -380,6 +380,7 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
 def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
     """The uvicorn server that serves `app`: our request heads, WebSocket settings and drain."""
     from app.io.http_protocol import bounded_protocol
+    from app.io.ws_protocol import SlicedWebSocketProtocol
 
     config = uvicorn.Config(
         app,
@@ -392,6 +393,7 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
         ws_ping_timeout=settings.limits.ws_ping_timeout_s or settings.limits.idle_timeout_s,
         # PCM does not compress: permessage-deflate cost half the gateway's CPU for nothing
         ws_per_message_deflate=False,
+        ws=SlicedWebSocketProtocol,  # a client's read parsed a slice per step of the loop (app/io/ws_protocol.py)
         # bounded request heads, answered in JSON (app/io/http_protocol.py)
         http=bounded_protocol(
             settings.limits.head_timeout_s,

@@ -43,7 +43,7 @@ from app.io.bodies import BodyBudget
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.voices.lexicons import MAX_RULES, LexiconStore, Rule, apply_rules_off_loop, rules_from_json
+from app.voices.lexicons import MAX_RULES, Aliases, LexiconStore, apply_rules_off_loop, rules_from_json
 from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
@@ -455,29 +455,37 @@ class Gateway:
         finally:
             link.settle()
 
-    def lexicon(self, spec: object, owner: str) -> tuple[Rule, ...]:
+    async def lexicon(self, spec: object, owner: str) -> Aliases:
         """Pronunciation rules from a request: a list of stored dictionaries (an id, or ElevenLabs' locator
         `{pronunciation_dictionary_id, version_id}`) and inline rules (`{grapheme, alias}` or
-        `{string_to_replace, alias}`), in order (an earlier rule for the same text wins)."""
+        `{string_to_replace, alias}`), in order (an earlier rule for the same text wins). A stored dictionary is
+        read in a worker thread: one the store has not kept parsed is up to 1 MB of JSON (~15 ms), and a client
+        naming a different one in each of a run of pipelined messages held every session's audio (the event loop
+        ran them back to back: up to 1 s; the store keeps RULES_CACHE of them, an owner may have MAX_PER_OWNER)."""
         if spec is None:
-            return ()
+            return Aliases()
         if not isinstance(spec, list) or len(spec) > MAX_LEXICON_ITEMS:
             raise RequestError(
                 G.BAD_LEXICON, f"a lexicon is a list of at most {MAX_LEXICON_ITEMS} dictionary ids, locators or rules"
             )
-        rules: list[Rule] = []
+        parts: list[Aliases] = []
+        named = 0
         for item in spec:
             if isinstance(item, dict) and "pronunciation_dictionary_id" in item:
                 item = item["pronunciation_dictionary_id"]
             if isinstance(item, str):
-                rules += self.lexicons.get(item, owner).rules
+                part = await asyncio.to_thread(self.lexicons.aliases, item, owner)
             elif isinstance(item, dict):
-                rules += rules_from_json([item])
+                part = Aliases(rules_from_json([item]))
             else:
                 raise RequestError(G.BAD_LEXICON, "a lexicon item is a dictionary id, a locator or a rule")
-            if len(rules) > MAX_RULES:  # every text the request speaks builds its lookup table from all of them
+            named += len(part)  # (a dictionary named twice counts twice: the merge below walks each part)
+            if named > MAX_RULES:  # every text the request speaks looks its words up in all of them
                 raise RequestError(G.BAD_LEXICON, f"a request's dictionaries hold at most {MAX_RULES} rules in all")
-        return tuple(rules)
+            parts.append(part)
+        if len(parts) == 1:  # one stored dictionary (the usual case): the store's own, shared by every session
+            return parts[0]
+        return Aliases(rule for part in parts for rule in part.items())
 
     def resolve_voice(self, ref: str | None, owner: str) -> Voice | None:
         if ref is None or ref == "":

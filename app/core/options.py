@@ -11,7 +11,7 @@ from typing import Any
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.voices.lexicons import Rule
+from app.voices.lexicons import Aliases
 from engine.contract.records import SamplingParams
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.emotion import EMOTION_FIELDS, EmotionRequest
@@ -85,7 +85,7 @@ class SynthesisOptions:
     long_form: LongFormOptions = field(default_factory=LongFormOptions)
     emotion: EmotionRequest = field(default_factory=EmotionRequest)  # applied by PromptFactory.request
     # pronunciation rules, applied to the text before its normalization (app/voices/lexicons.py)
-    lexicon: tuple[Rule, ...] = ()
+    lexicon: Aliases = field(default_factory=Aliases)
     # no client option: what the request's output encoder takes in before it outputs anything, set by its door
     # (app/io/audio_output.py first_samples; None: not said), so the engine sizes the first DAC call for it
     first_samples: int | None = None

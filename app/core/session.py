@@ -330,6 +330,10 @@ class StreamingSession:
     async def _receive_loop(self) -> None:
         # It reads on after `close` too (a cancel still stops the rest); the pumps end the session.
         while True:
+            # One message per step of the event loop: uvicorn queues every message of one read at once, and a
+            # queue's get returns without yielding while it holds one, so a client pipelining thousands of small
+            # messages had them all handled while every other session and request waited (/healthz over 5 s)
+            await asyncio.sleep(0)
             try:
                 async with asyncio.timeout(self._idle_left()):  # not wait_for: no task of its own per message
                     msg = await self.ws.receive()

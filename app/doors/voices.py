@@ -89,7 +89,7 @@ async def create_voice(request: Request) -> Response:
         data = await emb_file.read()  # type: ignore[union-attr]
         if len(data) > lim.max_upload_bytes:
             raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
-        stored = store_embedding(gw, owner, data, name, rename=bool(name_field))
+        stored = await store_embedding(gw, owner, data, name, rename=bool(name_field))
     return JSONResponse(stored.public(), status_code=201 if stored.created else 200)
 
 
@@ -143,11 +143,12 @@ async def store_clips(
     return Stored(voice, True)
 
 
-def store_embedding(
+async def store_embedding(
     gw: Gateway, owner: str, data: bytes, name: str, rename: bool = True, details: dict | None = None
 ) -> Stored:
-    """A .npy/.npz embedding file -> a library voice (the same array twice: the same voice)."""
-    emb = parse_embedding_file(data, gw.cfg.speaker_embedding_dim)
+    """A .npy/.npz embedding file -> a library voice (the same array twice: the same voice). The file is parsed in a
+    worker thread: a 16 KB deflated .npz inflates to 16 MB (~55 ms)."""
+    emb = await asyncio.to_thread(parse_embedding_file, data, gw.cfg.speaker_embedding_dim)
     vid = VoiceStore.clip_id(owner, [emb.tobytes()])
     existing = gw.voices.find(vid)
     if existing is not None:
@@ -323,7 +324,7 @@ async def tts_cache_speaker(request: Request) -> Response:
             raw = await base64_payload(emb, "speaker_embedding_base64")
             if len(raw) > gw.settings.limits.max_upload_bytes:
                 raise RequestError(G.UPLOAD_TOO_LARGE, "embedding file too large", 413)
-            stored = store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
+            stored = await store_embedding(gw, owner, raw, name, rename=bool(label), details=details)
     except RequestError as e:
         return error_response(e, detail=True)
     extra: dict[str, Any] = {} if stored.created else {"deduplicated": True}

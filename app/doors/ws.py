@@ -257,7 +257,7 @@ class Session(StreamingSession):
             else self.opts
         )
         if "lexicon" in data:  # pronunciation rules: stored dictionaries' ids and inline {grapheme, alias}
-            opts = dataclasses.replace(opts, lexicon=self.gw.lexicon(data["lexicon"], self.owner))
+            opts = dataclasses.replace(opts, lexicon=await self.gw.lexicon(data["lexicon"], self.owner))
         voice, clip = self.voice, self.clip
         if "voice" in data:
             ref = data["voice"]

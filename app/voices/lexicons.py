@@ -23,8 +23,10 @@ import os
 import re
 import secrets
 import tempfile
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,7 +154,43 @@ def _word_char(c: str) -> bool:
     return c.isalnum() or c == "_"  # what a regex's \w matches in text
 
 
-def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
+class Aliases:
+    """Rules ready to apply: each grapheme's alias (the first rule of a grapheme wins) and, per first character, the
+    lengths of the graphemes it begins, longest first. Strings and tuples of ints only, which the collector does not
+    track: a dictionary kept parsed (LexiconStore) or named by a session is a few objects to it, not one per rule (32
+    dictionaries of 5000 Rule objects added 12-20 ms to every full collection of the gateway process, hostile pass),
+    and an utterance's lookups need no table built for them."""
+
+    __slots__ = ("_lengths", "_table")
+
+    def __init__(self, rules: Iterable[Rule | tuple[str, str]] = ()) -> None:
+        table: dict[str, str] = {}
+        for r in rules:
+            grapheme, alias = (r.grapheme, r.alias) if isinstance(r, Rule) else r
+            table.setdefault(grapheme, alias)
+        lengths: dict[str, set[int]] = {}
+        for g in table:
+            lengths.setdefault(g[0], set()).add(len(g))
+        self._table = table
+        self._lengths = {c: tuple(sorted(ls, reverse=True)) for c, ls in lengths.items()}
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Aliases) and other._table == self._table
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Aliases({len(self._table)} graphemes)"
+
+    def items(self) -> Iterable[tuple[str, str]]:
+        """(grapheme, alias), in the order the rules came."""
+        return self._table.items()
+
+
+def apply_rules(text: str, rules: Aliases | Iterable[Rule]) -> str:
     """`text` with each whole-word occurrence of a rule's grapheme read as its alias (the first rule of a
     grapheme wins; at one place the longest grapheme wins, "New York City" over "New York"), left to right.
 
@@ -160,16 +198,10 @@ def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
     call that holds the GIL throughout (5000 graphemes sharing a 250-character prefix take ~1 s per utterance,
     every session's event loop waiting), and each compiled pattern takes ~17 MB. Here the work at a word's
     start is one slice per distinct grapheme length beginning with its character."""
-    if not rules:
+    aliases = rules if isinstance(rules, Aliases) else Aliases(rules)
+    if not aliases:
         return text
-    table: dict[str, str] = {}
-    for r in rules:
-        table.setdefault(r.grapheme, r.alias)
-    lengths: dict[str, list[int]] = {}  # a grapheme's first character -> the lengths of those, longest first
-    for g in table:
-        lengths.setdefault(g[0], []).append(len(g))
-    for ls in lengths.values():
-        ls[:] = sorted(set(ls), reverse=True)
+    table, lengths = aliases._table, aliases._lengths
     out: list[str] = []
     done = i = 0
     n = len(text)
@@ -189,7 +221,7 @@ def apply_rules(text: str, rules: tuple[Rule, ...]) -> str:
     return "".join(out) + text[done:]
 
 
-async def apply_rules_off_loop(text: str, rules: tuple[Rule, ...]) -> str:
+async def apply_rules_off_loop(text: str, rules: Aliases) -> str:
     """`apply_rules` in a worker thread: with thousands of rules of many lengths, a text's lookups take tens of
     milliseconds, which every session's event loop would wait for."""
     if not rules:
@@ -203,10 +235,12 @@ class LexiconStore:
     def __init__(self, root: Path) -> None:
         self.root = root
         # the rules of dictionaries read lately, by (owner, id), each with the identity of the file it came from
-        # (inode, mtime, size): a session or context that names a dictionary reads its rules on the event loop,
-        # and a 1 MB file parsed for each of a flood of configs held every socket's audio (4 -> 36 ms p50 on
-        # /healthz); a file written since (any gateway process: os.replace, a new inode) is read again
-        self._rules: OrderedDict[tuple[str, str], tuple[tuple[int, int, int], list[Rule]]] = OrderedDict()
+        # (inode, mtime, size): each session or context that names a dictionary reads it (in a worker thread,
+        # Gateway.lexicon), and a 1 MB file parsed for each of a flood of configs cost every socket's audio (4 -> 36 ms
+        # p50 on /healthz, when it was read on the event loop); a file written since (any gateway process:
+        # os.replace, a new inode) is read again
+        self._rules: OrderedDict[tuple[str, str], tuple[tuple[int, int, int], Aliases]] = OrderedDict()
+        self._rules_lock = threading.Lock()  # lookups run in worker threads (Gateway.lexicon, the routes)
         root.mkdir(parents=True, exist_ok=True)
         for legacy in root.glob("pd_*.json"):  # one document per dictionary in `root` itself: moved to its owner's
             lex = self._read_whole(legacy)
@@ -278,34 +312,44 @@ class LexiconStore:
             return None
         return lex if lex.owner == owner and lex.id == lid else None
 
-    def get(self, lid: object, owner: str) -> Lexicon:
-        if not isinstance(lid, str) or not _ID.match(lid):
+    def _meta(self, lid: object, owner: str) -> Lexicon:
+        lex = self._read_meta(lid, owner) if isinstance(lid, str) and _ID.match(lid) else None
+        if lex is None:
             raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {str(lid)[:40]!r}")
-        lex = self._read_meta(lid, owner)
-        rules = self._read_rules(lid, owner) if lex is not None else None
-        if lex is None or rules is None:
-            raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {lid!r}")
-        lex.rules = list(rules)
         return lex
 
-    def _read_rules(self, lid: str, owner: str) -> list[Rule] | None:
-        """A dictionary's rules: from the cache while its file is the one they were read from."""
-        path, key = self._rules_path(lid, owner), (owner, lid)
+    def get(self, lid: object, owner: str) -> Lexicon:
+        """A dictionary with every rule of its file (the dictionary routes)."""
+        lex = self._meta(lid, owner)
+        try:
+            lex.rules = [Rule(g, a) for g, a in json.loads(self._rules_path(lex.id, owner).read_text(encoding="utf-8"))]
+        except (OSError, ValueError, TypeError):
+            raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {lex.id!r}") from None
+        return lex
+
+    def aliases(self, lid: object, owner: str) -> Aliases:
+        """A dictionary's rules ready to apply (a request that names it): from the cache while its file is the one
+        they were read from."""
+        lex = self._meta(lid, owner)  # (read each time: another process may have deleted it)
+        path, key = self._rules_path(lex.id, owner), (owner, lex.id)
         try:
             st = path.stat()
             ident = (st.st_ino, st.st_mtime_ns, st.st_size)
-            cached = self._rules.get(key)
-            if cached is not None and cached[0] == ident:
-                self._rules.move_to_end(key)
-                return cached[1]
-            rules = [Rule(g, a) for g, a in json.loads(path.read_text(encoding="utf-8"))]
+            with self._rules_lock:
+                cached = self._rules.get(key)
+                if cached is not None and cached[0] == ident:
+                    self._rules.move_to_end(key)
+                    return cached[1]
+            aliases = Aliases((g, a) for g, a in json.loads(path.read_text(encoding="utf-8")))
         except (OSError, ValueError, TypeError):
-            self._rules.pop(key, None)
-            return None
-        self._rules[key] = (ident, rules)
-        while len(self._rules) > RULES_CACHE:
-            self._rules.popitem(last=False)
-        return rules
+            with self._rules_lock:
+                self._rules.pop(key, None)
+            raise RequestError(G.UNKNOWN_LEXICON, f"no pronunciation dictionary {lex.id!r}") from None
+        with self._rules_lock:
+            self._rules[key] = (ident, aliases)
+            while len(self._rules) > RULES_CACHE:
+                self._rules.popitem(last=False)
+        return aliases
 
     def list(self, owner: str) -> builtins.list[Lexicon]:
         """The owner's dictionaries, oldest first: their metadata (`rules` is not read)."""
@@ -313,8 +357,9 @@ class LexiconStore:
         return sorted((x for x in found if x is not None), key=lambda x: x.created_at)
 
     def delete(self, lid: object, owner: str) -> Lexicon:
-        lex = self.get(lid, owner)
-        self._rules.pop((owner, lex.id), None)
+        lex = self._meta(lid, owner)
+        with self._rules_lock:
+            self._rules.pop((owner, lex.id), None)
         self._meta_path(lex.id, owner).unlink(missing_ok=True)  # first: gone for every process at once
         self._rules_path(lex.id, owner).unlink(missing_ok=True)
         return lex

@@ -1509,3 +1509,52 @@ def test_the_dialects_output_formats_carry_their_bit_rates():
     assert output_format("mp3_22050_32").bit_rate == 32000 and output_format("pcm_24000").bit_rate is None
     mp3 = _format({"container": "mp3", "sample_rate": 44100, "bit_rate": 96000}, ("raw", "wav", "mp3"))
     assert (mp3.encoding, mp3.sample_rate, mp3.bit_rate) == ("mp3", 44100, 96000)
+
+
+def test_stored_pronunciation_dictionaries_reach_every_dialect(srv):
+    """A stored dictionary named by ElevenLabs' `pronunciation_dictionary_locators` (a context's first message,
+    the HTTP body) and Cartesia's `pronunciation_dict_id` (socket and HTTP) is applied: its alias makes the sentence
+    longer than an utterance may be, which each answers with `text_too_long` in its own shape. (Each is read off the
+    event loop: Gateway.lexicon.)"""
+    headers = {"X-API-Key": KEY}
+    made = httpx.post(
+        srv.url + "/v1/pronunciation-dictionaries/add-from-rules",
+        headers=headers,
+        timeout=60,
+        json={"name": "long", "rules": [{"type": "alias", "string_to_replace": "hi", "alias": "h" * 256}]},
+    )
+    assert made.status_code == 200, made.text
+    lid, version = made.json()["id"], made.json()["version_id"]
+    locators = [{"pronunciation_dictionary_id": lid, "version_id": version}]
+    text = "Say " + "hi " * 30 + "now."  # 30 aliases of 256 characters: more than --max-text-chars (2000)
+
+    async def sockets() -> tuple[dict[str, Any], dict[str, Any]]:
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps({"text": " ", "context_id": "c1", "pronunciation_dictionary_locators": locators}))
+        await ws.send(json.dumps({"text": text, "context_id": "c1", "flush": True}))
+        el = await recv_json(ws)
+        await ws.close()
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("c1", text, False, pronunciation_dict_id=lid))
+        ca = await recv_json(ws)
+        await ws.close()
+        return el, ca
+
+    el, ca = run(sockets())
+    assert el.get("error") == "text_too_long" and "pronunciation rules" in el["message"], el
+    assert ca.get("error_code") == "text_too_long" and "pronunciation rules" in ca["message"], ca
+    r = httpx.post(
+        srv.url + f"/v1/text-to-speech/{srv.voice_id}?output_format=pcm_24000&zonos_params={params(FAST)}",
+        headers={"xi-api-key": KEY},
+        json={"text": text, "pronunciation_dictionary_locators": locators},
+        timeout=120,
+    )
+    assert r.status_code == 400 and r.json()["detail"]["status"] == "text_too_long", r.text
+    r = httpx.post(
+        srv.url + f"/tts/bytes?zonos_params={params(FAST)}",
+        headers={**headers, "Cartesia-Version": "2026-03-01"},
+        json=json.loads(ca_request("c1", text, False, pronunciation_dict_id=lid)),
+        timeout=120,
+    )
+    assert r.status_code == 400 and r.json()["title"] == "text_too_long", r.text
+    assert httpx.delete(srv.url + f"/v1/pronunciation-dictionaries/{lid}", headers=headers).status_code == 200

@@ -22,6 +22,7 @@ from app.voices.lexicons import (
     MAX_PLS_TAGS,
     MAX_RULES,
     PLS_FEED_BYTES,
+    Aliases,
     LexiconStore,
     Rule,
     apply_rules,
@@ -187,26 +188,42 @@ def test_a_listing_reads_only_its_owners_metadata_and_rules_are_stored_as_utf8(t
 
 
 def test_a_dictionary_named_again_is_not_parsed_again_until_its_file_changes(tmp_path, monkeypatch):
-    """Sessions and contexts that name a dictionary read it on the event loop: its rules are parsed once and kept
-    while their file is the same (a flood of configs naming a 1 MB dictionary parsed it for each, holding every
-    socket's audio); a file another process rewrote is read again, and a deleted dictionary is unknown at once."""
+    """Each session or context that names a dictionary reads it (in a worker thread: Gateway.lexicon): its rules are
+    parsed once and kept while their file is the same (a flood of configs naming a 1 MB dictionary parsed it for each,
+    holding every socket's audio); a file another process rewrote is read again, and a deleted dictionary is unknown
+    at once. The routes' `get` reads the file whole."""
     store = LexiconStore(tmp_path)
     rules = [Rule(f"word{i}", f"alias{i}") for i in range(2000)]
     lex = store.add("alice", "big", rules)
     parsed = _count_parses(monkeypatch)
     for _ in range(20):
-        assert store.get(lex.id, "alice").rules == rules
+        assert store.aliases(lex.id, "alice") == Aliases(rules)
     big = [n for n in parsed if n > 10_000]
-    assert len(big) == 1, parsed  # the rules once; each get still reads the small metadata (another process's delete)
-    got = store.get(lex.id, "alice")
-    got.rules.append(Rule("mine", "not the store's"))  # a caller's list is its own
+    assert len(big) == 1, parsed  # the rules once; each lookup still reads the small metadata (another's delete)
+    assert store.aliases(lex.id, "alice") is store.aliases(lex.id, "alice")  # one object, shared
     assert store.get(lex.id, "alice").rules == rules
     LexiconStore(tmp_path)._put(store._rules_path(lex.id, "alice"), [["new", "rules"]])  # another process writes it
-    assert store.get(lex.id, "alice").rules == [Rule("new", "rules")]
+    assert store.aliases(lex.id, "alice") == Aliases([Rule("new", "rules")])
     LexiconStore(tmp_path).delete(lex.id, "alice")  # and another deletes it
     with pytest.raises(RequestError) as e:
-        store.get(lex.id, "alice")
+        store.aliases(lex.id, "alice")
     assert e.value.code == G.UNKNOWN_LEXICON
+
+
+def test_dictionaries_kept_parsed_are_no_work_for_the_collector(tmp_path):
+    """The store keeps RULES_CACHE dictionaries parsed, and every session that names one holds it: as Rule objects,
+    one for the collector to track per rule, 32 dictionaries of 5000 rules added 12-20 ms to every full collection
+    of the gateway process (hostile pass; the collector's pause is every session's audio waiting). Kept as Aliases
+    (strings and tuples of ints), a dictionary is a few objects whatever its size."""
+    store = LexiconStore(tmp_path)
+    rules = [Rule(f"w{i}{'x' * 40}", f"alias {i}") for i in range(MAX_RULES)]
+    lex = store.add("alice", "big", rules)
+    aliases = store.aliases(lex.id, "alice")
+    gc.collect()  # (the collector untracks what holds only strings and numbers as it meets it)
+    assert gc.is_tracked(rules[0])  # one object per rule, were they kept as Rules
+    held = [aliases._table, aliases._lengths, *aliases._lengths.values()]
+    assert not [type(o) for o in held if gc.is_tracked(o)]
+    assert apply_rules("say w7" + "x" * 40 + " now", aliases) == "say alias 7 now"
 
 
 def test_a_store_of_one_document_per_dictionary_is_moved_to_its_owners_folder(tmp_path):
@@ -289,3 +306,59 @@ def test_the_dictionary_routes_use_the_store_off_the_event_loop(tmp_path, monkey
         assert client.delete(f"{base}/{lid}").json() == {"deleted": lid}
     assert set(threads) == {"add", "list", "get", "delete"} and loop_threads
     assert not loop_threads & set().union(*threads.values())
+
+
+def test_a_requests_stored_dictionaries_are_read_off_the_event_loop(tmp_path, monkeypatch):
+    """Gateway.lexicon (our session.config `lexicon`, ElevenLabs' locators, Cartesia's `pronunciation_dict_id`, and
+    their HTTP bodies) reads a stored dictionary in a worker thread. The store keeps RULES_CACHE dictionaries parsed,
+    an owner may have MAX_PER_OWNER: a client naming a different one in each of a run of pipelined configs had each
+    1 MB of rules parsed on the event loop, back to back (hostile pass: /healthz p50 2 -> 275 ms, max 1 s)."""
+    from types import SimpleNamespace
+
+    from app.core.gateway import Gateway
+
+    assert lexicons.RULES_CACHE < lexicons.MAX_PER_OWNER  # why the cache alone is no bound
+    store = LexiconStore(tmp_path)
+    lex = store.add("alice", "d", [Rule("tomato", "tomahto")])
+    threads: list[int] = []
+    real = store.aliases
+
+    def spy(*args):
+        threads.append(threading.get_ident())
+        return real(*args)
+
+    monkeypatch.setattr(store, "aliases", spy)
+
+    async def go(spec):
+        return await Gateway.lexicon(SimpleNamespace(lexicons=store), spec, "alice"), threading.get_ident()
+
+    rules, loop_thread = asyncio.run(go([lex.id, {"grapheme": "a", "alias": "b"}]))
+    assert rules == Aliases([Rule("tomato", "tomahto"), Rule("a", "b")])
+    assert threads and loop_thread not in threads
+    with pytest.raises(RequestError) as e:
+        asyncio.run(go([{"pronunciation_dictionary_id": "pd_0000000000000000"}]))
+    assert e.value.code == G.UNKNOWN_LEXICON
+
+
+def test_a_request_names_at_most_max_rules_rules_counting_every_dictionary_it_names(tmp_path):
+    """The rules a request names are bounded in all, a dictionary named twice counted twice: its rules are merged
+    on the event loop (64 locators of one 5000-rule dictionary would be 320,000 lookups, ~20 ms, per config). One
+    dictionary named alone is the store's own object, shared."""
+    from types import SimpleNamespace
+
+    from app.core.gateway import Gateway
+
+    store = LexiconStore(tmp_path)
+    big = store.add("alice", "big", [Rule(f"w{i}", "x") for i in range(MAX_RULES)])
+    small = store.add("alice", "small", [Rule("tomato", "tomahto"), Rule("w1", "first")])
+    gw = SimpleNamespace(lexicons=store)
+
+    async def go(spec):
+        return await Gateway.lexicon(gw, spec, "alice")  # type: ignore[arg-type]
+
+    with pytest.raises(RequestError) as e:
+        asyncio.run(go([big.id, big.id]))
+    assert e.value.code == G.BAD_LEXICON
+    assert asyncio.run(go([big.id])) is store.aliases(big.id, "alice")
+    merged = asyncio.run(go([small.id, {"grapheme": "w1", "alias": "second"}, {"grapheme": "x", "alias": "y"}]))
+    assert apply_rules("w1 tomato x", merged) == "first tomahto y"  # the first rule of a grapheme wins

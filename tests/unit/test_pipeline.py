@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import time
 from dataclasses import replace
@@ -28,6 +29,7 @@ from app.doors.ws import Session
 from app.io.audio_output import OutputFormat
 from app.io.errors import RequestError
 from app.settings import GatewaySettings, Limits
+from app.voices.lexicons import Aliases
 from engine.contract import records as m
 from engine.contract.errors import EngineError
 from engine.frontend.config import Zonos2Config, preset_params
@@ -380,6 +382,45 @@ def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     err, seen = asyncio.run(go())
     assert err["type"] == "error" and err["code"] == "bad_text"
     assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
+
+
+def test_queued_messages_are_handled_one_step_of_the_event_loop_each():
+    """uvicorn's WebSocket protocol queues every message of one read at once, and a queue's get returns without
+    yielding while it holds one: a client pipelining thousands of small messages (64 KB of `{"type":"nope"}` is
+    4,000) had them all handled in one step of the event loop while every other session and request waited
+    (hostile pass: /healthz 2 ms -> over 5 s on one socket; a Cartesia context-opening message each, 440 ms). The
+    session lets the loop run between two messages: here a task that counts the loop's steps advances between
+    every two answers."""
+
+    async def go():
+        _session, ws, _engine, task = await open_session()
+        steps = 0
+
+        async def count() -> None:
+            nonlocal steps
+            while True:
+                steps += 1
+                await asyncio.sleep(0)
+
+        at: list[int] = []
+        send_text = ws.send_text
+
+        async def answer(text: str) -> None:
+            at.append(steps)
+            await send_text(text)
+
+        ws.send_text = answer  # type: ignore[method-assign]
+        counter = asyncio.create_task(count())
+        for _ in range(200):
+            ws.send(type="nope")
+        for _ in range(200):
+            assert (await ws.next_json())["code"] == "bad_message"
+        counter.cancel()
+        await shut(ws, task)
+        return at
+
+    at = asyncio.run(go())
+    assert len(at) == 200 and all(b > a for a, b in itertools.pairwise(at)), at
 
 
 def test_a_text_whose_flush_is_no_boolean_is_refused_whole():
@@ -822,7 +863,11 @@ def cartesia_socket(
 
     gw = fake_gateway(limits, directions)
     gw.engine.aligns = False
-    gw.lexicon = lambda ids, owner: ()
+
+    async def no_lexicon(ids: Any, owner: str) -> Aliases:
+        return Aliases()
+
+    gw.lexicon = no_lexicon
     ws = FakeSocket()
     ws.query_params = {}  # type: ignore[attr-defined]
     session = CartesiaSession(ws, gw, "")  # type: ignore[arg-type]

@@ -763,3 +763,72 @@ def test_clips_of_one_upload_are_decoded_one_at_a_time(tmp_path):
     assert voice.details == {"clips": 8, "seconds": float(sum(range(2, 10)))}
     assert np.allclose(voice.embedding, 0.45)
     assert gw.voices.preview_bytes(voice) == preview_wav(np.full(16000, 0.1, np.float32), 8000)
+
+
+def test_a_voices_public_form_copies_nothing_of_its_embedding():
+    """`GET /v1/voices` answers each voice's public form on the event loop: it was `asdict`, which deep-copies every
+    field, the embedding included (8 KB each), then dropped it: 1000 voices took ~18 ms a listing, and four clients
+    listing in a loop held other requests up to 250 ms (hostile pass). Same fields, same order."""
+    import tracemalloc
+
+    emb = np.ones(4096 * 64, np.float32)  # 1 MiB: a copy of it cannot hide in the noise
+    v = Voice("v_1", "Ada", "owner", "blend", len(emb), 1.5, True, {"a": "v_2", "b": "v_3", "t": 0.5}, emb)
+    tracemalloc.start()
+    try:
+        public = v.public()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert list(public) == ["id", "name", "source", "dim", "created_at", "has_preview", "details", "default"]
+    assert public == {
+        "id": "v_1",
+        "name": "Ada",
+        "source": "blend",
+        "dim": len(emb),
+        "created_at": 1.5,
+        "has_preview": True,
+        "details": {"a": "v_2", "b": "v_3", "t": 0.5},
+        "default": False,
+    }
+    public["details"]["t"] = 1.0  # the answer is the caller's: the voice keeps its own
+    assert v.details["t"] == 0.5
+
+
+def test_embedding_files_are_parsed_off_the_event_loop(tmp_path, monkeypatch):
+    """An embedding file (`POST /v1/voices`, `/tts/speakers`, and `speaker_embedding_base64` of /tts/generate and
+    /v1/audio/speech) is parsed in a worker thread: a 16 KB deflated .npz of 1024 x 2048 float64 rows inflates to
+    16 MB and took ~55 ms of the event loop per request (hostile pass), every session's audio waiting."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.doors import reference
+    from app.doors import voices as voice_doors
+
+    threads: list[int] = []
+
+    def spy(data, dim):
+        threads.append(threading.get_ident())
+        return parse_embedding_file(data, dim)
+
+    monkeypatch.setattr(voice_doors, "parse_embedding_file", spy)
+    monkeypatch.setattr(reference, "parse_embedding_file", spy)
+    dim = 2048
+    gw = SimpleNamespace(cfg=SimpleNamespace(speaker_embedding_dim=dim), voices=VoiceStore(tmp_path, dim))
+    buf = io.BytesIO()
+    np.savez_compressed(buf, emb=np.ones((4, dim)))
+    data = buf.getvalue()
+
+    async def go():
+        stored = await voice_doors.store_embedding(gw, "", data, "Ada")  # type: ignore[arg-type]
+        inline = await reference.speaker_source(
+            gw,  # type: ignore[arg-type]
+            {"speaker_embedding_base64": base64.b64encode(data).decode()},
+            "",
+        )
+        return stored, inline, threading.get_ident()
+
+    stored, inline, loop_thread = asyncio.run(go())
+    assert stored.created and gw.voices.get("Ada", "").id == stored.voice.id
+    assert inline is not None and np.allclose(inline.embedding, 1.0)
+    assert len(threads) == 2 and loop_thread not in threads

@@ -46,6 +46,7 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.voices.lexicons import Aliases
 from app.voices.library import Voice
 from engine.contract.constants import SAMPLE_RATE
 
@@ -166,7 +167,7 @@ class CartesiaSession(StreamingSession):
         ctx = ctx or "ctx_" + secrets.token_hex(8)
         c = self.ctxs.get(ctx)
         if c is None or c.ended:  # a new context (an id used again after its done starts afresh)
-            c = self._open(ctx, data)
+            c = self._open(ctx, data, await self.gw.lexicon(pronunciation_dict(data), self.owner))
         if transcript:
             self.append_text(ctx, transcript)
         if not cont:  # the context's last input: speak the rest, then done
@@ -178,7 +179,8 @@ class CartesiaSession(StreamingSession):
         elif c.buffer_delay_ms == 0:
             await self.flush(ctx, end_turn=False)
 
-    def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+    def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases) -> Context:
+        """A new context; `lexicon`: the rules its `pronunciation_dict_id` names (read off the event loop)."""
         self.check_room(ctx)
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
@@ -198,7 +200,6 @@ class CartesiaSession(StreamingSession):
             not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
         ):
             raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
-        lexicon = self.gw.lexicon(pronunciation_dict(data), self.owner)
         if lexicon:
             opts = dataclasses.replace(opts, lexicon=lexicon)
         stamps = data.get("add_timestamps", False)

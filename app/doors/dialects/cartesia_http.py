@@ -62,7 +62,7 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
     return OutputFormat("mp3", rate, bit_rate=bit_rate).check()
 
 
-def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
+async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
     lang = data.get("language")
     if lang is not None and not isinstance(lang, str):
         raise RequestError(G.BAD_PARAMS, "language must be a string")
@@ -73,7 +73,7 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) ->
     if speed is None and isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
         speed = data["speed"]  # the older top-level speed; its named speeds ("slow", ...) are not used
     opts = dialect_options(gw, request.query_params, language=lang, speed=speed)
-    lexicon = gw.lexicon(pronunciation_dict(data), owner)
+    lexicon = await gw.lexicon(pronunciation_dict(data), owner)
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 
 
@@ -84,7 +84,7 @@ async def _prepare(
     text = text_field(data, "transcript", gw.settings.limits.max_http_chars)
     fmt = _format(data.get("output_format"), containers)
     voice = voice_of(gw, owner, data.get("voice"))
-    return data, text, _options(gw, request, data, owner), voice, fmt
+    return data, text, await _options(gw, request, data, owner), voice, fmt
 
 
 @errors_as(cartesia_error)

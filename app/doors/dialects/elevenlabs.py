@@ -47,6 +47,7 @@ from app.io.checks import check_context_id
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
+from app.voices.lexicons import Aliases
 
 # ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
 OUTPUT_FORMATS = frozenset(
@@ -198,7 +199,7 @@ class ElevenLabsSession(StreamingSession):
             return
         if not text and not flush and "voice_settings" not in data:
             return  # {"text": ""}: a keepalive
-        c = self._open(ctx, data)
+        c = self._open(ctx, data, await self._lexicon(ctx, data))
         if text:
             self.append_text(ctx, text)
         # For a close, with auto_mode a flush that carries text is one more text spoken as it comes (LiveKit's
@@ -221,7 +222,15 @@ class ElevenLabsSession(StreamingSession):
         ctx = check_context_id(data.get("context_id")) if self.multi else None
         return DEFAULT_CONTEXT if ctx is None else ctx
 
-    def _open(self, ctx: str, data: dict[str, Any]) -> Context:
+    async def _lexicon(self, ctx: str, data: dict[str, Any]) -> Aliases | None:
+        """The pronunciation rules of the context this message opens (None: it opens none, or names none), read
+        before `_open`: a stored dictionary is read off the event loop (Gateway.lexicon)."""
+        c = self.ctxs.get(ctx)
+        if (c is not None and not c.closing) or data.get("pronunciation_dictionary_locators") is None:
+            return None
+        return await self.gw.lexicon(data["pronunciation_dictionary_locators"], self.owner)
+
+    def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases | None = None) -> Context:
         self.check_room(ctx)
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
@@ -233,10 +242,8 @@ class ElevenLabsSession(StreamingSession):
             opts = dialect_options(self.gw, base=opts, speed=settings.get("speed"))
         elif settings is not None:
             raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
-        if data.get("pronunciation_dictionary_locators") is not None:  # a context's pronunciation dictionaries
-            opts = dataclasses.replace(
-                opts, lexicon=self.gw.lexicon(data["pronunciation_dictionary_locators"], self.owner)
-            )
+        if lexicon is not None:  # a context's pronunciation dictionaries
+            opts = dataclasses.replace(opts, lexicon=lexicon)
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close
         # of this one drops only what comes after it.
         before = self.last_queued(ctx)

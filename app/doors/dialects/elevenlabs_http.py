@@ -82,7 +82,7 @@ def _request_ids(data: dict[str, Any], key: str) -> list[str]:
     return ids
 
 
-def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
+async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
     for key, types in _UNUSED.items():
         if data.get(key) is not None and not isinstance(data[key], types):
             raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
@@ -108,7 +108,7 @@ def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) ->
         seed=seed,
         speed=(settings or {}).get("speed"),
     )
-    lexicon = gw.lexicon(data.get("pronunciation_dictionary_locators"), owner)
+    lexicon = await gw.lexicon(data.get("pronunciation_dictionary_locators"), owner)
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
 
 
@@ -122,7 +122,7 @@ async def _speak(request: Request, framing: Framing | None = None, media_type: s
     fmt = _format(request)
     voice = gw.resolve_voice(request.path_params["voice_id"], owner)
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
-    opts = _options(gw, request, data, owner)
+    opts = await _options(gw, request, data, owner)
     stitch = await gw.stitching.stitch(
         _request_ids(data, "previous_request_ids"),
         owner,
