@@ -136,6 +136,15 @@ async def http_error(request: Request, exc: Exception) -> Response:
             else "this gateway allows no cross-origin requests (see --cors-origin)"
         )
         return json_error(G.CORS_REFUSED, reason, 400)
+    path = request.url.path
+    sockets = (r for r in request.app.routes if isinstance(r, WebSocketRoute) and r.endpoint is not websocket_not_found)
+    if status == 404 and any(r.path_regex.match(path) for r in sockets):  # a socket's path without the upgrade
+        return json_error(
+            G.UPGRADE_REQUIRED,
+            f"{path} is a WebSocket endpoint: connect with a WebSocket upgrade (ws:// or wss://)",
+            G.UPGRADE_REQUIRED.http_status,
+            {"Upgrade": "websocket", "Connection": "Upgrade"},
+        )
     code = _HTTP_CODES.get(status) or HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
     message = {
         404: f"no such endpoint: {request.url.path}",

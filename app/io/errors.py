@@ -42,6 +42,7 @@ class GatewayError(StrEnum):
     # routes and request heads (app/server.py, app/io/http_protocol.py)
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    UPGRADE_REQUIRED = "upgrade_required"  # a plain HTTP request to a WebSocket endpoint
     REQUEST_TIMEOUT = "request_timeout"
     URI_TOO_LONG = "uri_too_long"
     HEADERS_TOO_LARGE = "headers_too_large"
@@ -88,6 +89,7 @@ _HTTP_STATUS = {
     GatewayError.HOST_NOT_ALLOWED: 403,
     GatewayError.NOT_FOUND: 404,
     GatewayError.METHOD_NOT_ALLOWED: 405,
+    GatewayError.UPGRADE_REQUIRED: 426,
     GatewayError.REQUEST_TIMEOUT: 408,
     GatewayError.URI_TOO_LONG: 414,
     GatewayError.HEADERS_TOO_LARGE: 431,

@@ -609,3 +609,12 @@ def test_openai_instructions_report_what_was_applied(server):
     assert r.headers["x-instructions-applied"] == "none"
     missing = r.headers["x-instructions-not-applied"]
     assert "whisper" in missing and "cheerfully" in missing
+
+
+@pytest.mark.parametrize("path", ["/v1/tts/ws", "/tts/websocket", "/v1/text-to-speech/v1/stream-input"])
+def test_a_plain_request_to_a_socket_is_told_to_upgrade(server, path: str):
+    """A socket's path fetched without the WebSocket upgrade: 426 with the reason, not "no such endpoint"."""
+    r = httpx.get(server.url + path)
+    assert r.status_code == 426 and r.headers["upgrade"] == "websocket"
+    assert r.json()["error"]["code"] == "upgrade_required" and "WebSocket" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/v1/no-such-thing").status_code == 404  # the catch-all socket route is no socket
