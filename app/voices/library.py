@@ -195,12 +195,15 @@ def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
     """Spherical interpolation of directions, linear interpolation of norms (the reference's blend)."""
     if not 0.0 <= t <= 1.0:
         raise VoiceError(G.BAD_BLEND, "t must be in [0, 1]")
+    a, b = a.astype(np.float64), b.astype(np.float64)  # (float32's dot left opposite voices 3e-4 rad apart)
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     if na == 0 or nb == 0:
         return ((1 - t) * a + t * b).astype(np.float32)
     ua, ub = a / na, b / nb
     dot = float(np.clip(np.dot(ua, ub), -1.0, 1.0))
     omega = np.arccos(dot)
+    if omega > np.pi - 1e-4 and 0.0 < t < 1.0:  # every great circle joins them: sin(omega) ~ 0 gave noise or inf
+        raise VoiceError(G.BAD_BLEND, "the two voices point in opposite directions: no blend between them is defined")
     if omega < 1e-4:  # nearly parallel: lerp is exact enough and avoids 0/0
         direction = (1 - t) * ua + t * ub
     else:

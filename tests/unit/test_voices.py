@@ -183,6 +183,17 @@ def test_slerp_endpoints_midpoint_and_range():
             slerp(a, b, t)
 
 
+def test_a_blend_of_opposite_voices_is_refused_not_noise():
+    """Antipodal voices have no one great circle between them: the midpoint was a zero or huge embedding (hostile
+    pass); their ends are still themselves."""
+    a = rand(13)
+    for t in (0.5, 0.01, 0.99):
+        with pytest.raises(VoiceError, match="opposite directions"):
+            slerp(a, -2 * a, t)
+    np.testing.assert_allclose(slerp(a, -a, 0.0), a, rtol=1e-6)
+    np.testing.assert_allclose(slerp(a, -a, 1.0), -a, rtol=1e-6)
+
+
 # ======================================================================================================
 # VoiceStore on disk
 # ======================================================================================================
@@ -534,6 +545,22 @@ def test_blend_by_name(server):
             json={"text": "Blend.", "max_tokens": 8, "ignore_eos": True, "stream": False, "seed": 3} | extra,
         )
         assert r.status_code == 200 and len(r.content) == 8 * 512 * 4, r.text
+
+
+@pytest.mark.slow
+def test_a_blend_of_opposite_voices_is_a_clear_error_on_every_api(server):
+    a = rand(33)
+    created(upload_embedding(server, npy(a), "tv up"))
+    created(upload_embedding(server, npy(-3 * a), "tv down"))
+    r = httpx.post(server.url + "/v1/voices/blend", json={"a": "tv up", "b": "tv down"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_blend", r.text
+    r = httpx.post(
+        server.url + "/tts/generate",
+        timeout=120,
+        json={"text": "No.", "max_tokens": 8, "speaker_blend_embedding_id_a": "tv up"}
+        | {"speaker_blend_embedding_id_b": "tv down", "speaker_blend_t": 0.5},
+    )
+    assert r.status_code == 400 and "opposite directions" in r.text, r.text
 
 
 @pytest.mark.slow
