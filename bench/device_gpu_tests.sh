@@ -6,7 +6,8 @@
 # Usage (device tool): bash bench/device_gpu_tests.sh [shuffled] [seeds]   (default: both)
 # PARALLEL=2 deals the list's files to two pytest processes that share the GPU (the full-size model's tests,
 # test_gpu.py and test_fp8.py, land in different ones): on an H100 the list takes ~590 s in one process, more
-# than a call's 600 s with the seed step.
+# than a call's 600 s with the seed step. (Written on 2026-12-05 when no device could be had: it has not run on
+# one yet, so read every group's log the first time.)
 # Files under $OUT: gpu_tests_shuffled.log (gpu_tests_shuffled_<group>.log with PARALLEL), seed_test.log
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
