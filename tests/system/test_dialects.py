@@ -94,6 +94,15 @@ async def recv_json(ws, timeout: float = 90) -> dict[str, Any]:
             return json.loads(msg)
 
 
+async def json_until_closed(ws) -> list[dict[str, Any]]:
+    """Every JSON message until the server closes the socket (which it must)."""
+    log: list[dict[str, Any]] = []
+    with pytest.raises(websockets.ConnectionClosed):
+        while True:
+            log.append(await recv_json(ws))
+    return log
+
+
 @pytest.fixture(scope="module")
 def srv(shared_server):
     """One keyed server for every dialect test: each test sends its dialect's own auth header."""
@@ -161,8 +170,11 @@ async def el_close_once_it_plays(srv, ws, ctx: str, log: list[dict[str, Any]]) -
     return before
 
 
-def el_audio(log: list[dict[str, Any]], ctx: str) -> bytes:
-    return b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio") and m.get("contextId") == ctx)
+def el_audio(log: list[dict[str, Any]], ctx: str | None = None) -> bytes:
+    """The audio of context `ctx` (None: of every context)."""
+    return b"".join(
+        base64.b64decode(m["audio"]) for m in log if m.get("audio") and (ctx is None or m.get("contextId") == ctx)
+    )
 
 
 def test_elevenlabs_multi_context_turn_as_pipecat_sends_it(srv):
@@ -291,11 +303,7 @@ def test_elevenlabs_contexts_do_not_wait_for_each_other(srv):
             assert not m.get("isFinal"), m
         before = await asyncio.to_thread(gauge, srv, "zonos_engine_cancelled")
         await ws.send(json.dumps({"close_socket": True}))
-        log: list[dict[str, Any]] = []
-        with pytest.raises(websockets.ConnectionClosed):
-            while True:
-                log.append(await recv_json(ws))
-        return before, log, ws.close_code
+        return before, await json_until_closed(ws), ws.close_code
 
     before, log, code = run(go())
     assert sorted(m["contextId"] for m in log if m.get("isFinal")) == ["long", "short"] and code == 1000
@@ -352,14 +360,10 @@ def test_elevenlabs_single_context_stream_input(srv):
         await ws.send(json.dumps({"text": ""}))
         await ws.send(json.dumps({"text": ""}))
         await ws.send(json.dumps({"text": "", "flush": True}))
-        log = []
-        with pytest.raises(websockets.ConnectionClosed):
-            while True:
-                log.append(await recv_json(ws))
-        return log, ws.close_code
+        return await json_until_closed(ws), ws.close_code
 
     log, code = run(go())
-    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    audio = el_audio(log)
     assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
     assert log[-1] == {"isFinal": True} and code == 1000
     assert sum(m.get("isFinal") is True for m in log) == 1, log
@@ -376,14 +380,10 @@ def test_elevenlabs_stream_input_ignores_close_context(srv):
         await ws.send(json.dumps({"text": "Hello from the old socket"}))
         await ws.send(json.dumps({"text": " and more.", "close_context": True}))
         await ws.send(json.dumps({"text": ""}))
-        log = []
-        with pytest.raises(websockets.ConnectionClosed):
-            while True:
-                log.append(await recv_json(ws))
-        return log, ws.close_code
+        return await json_until_closed(ws), ws.close_code
 
     log, code = run(go())
-    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    audio = el_audio(log)
     assert abs(len(audio) // 2 - resampled(SAMPLES, 24000)) <= 2
     assert [m for m in log if "audio" not in m] == [{"isFinal": True}] and code == 1000, log
 
@@ -477,7 +477,7 @@ def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_ref
     log, code = run(go())
     errors = [m for m in log if "error" in m]
     assert len(errors) == 1 and errors[0]["error"] == "bad_message", log
-    assert len(b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))) == 2 * resampled(SAMPLES, 24000)
+    assert len(el_audio(log)) == 2 * resampled(SAMPLES, 24000)
     assert log[-1] == ({"isFinal": True, "contextId": "a"} if multi else {"isFinal": True}) and code == 1000, log
 
 
@@ -500,7 +500,7 @@ def test_elevenlabs_every_url_option_it_has_is_accepted(srv, kind):
 
     log, code = run(go())
     assert not [m for m in log if "error" in m] and code == 1000, log
-    assert len(b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))) == 2 * resampled(SAMPLES, 24000)
+    assert len(el_audio(log)) == 2 * resampled(SAMPLES, 24000)
 
 
 def test_elevenlabs_voice_by_id(srv):
@@ -634,7 +634,7 @@ def test_elevenlabs_text_with_every_combination_of_flush_and_closes_in_one_messa
     log, code = run(go())
     spoken = shape.get("flush") is True or auto_mode
     assert not [m for m in log if "error" in m], log
-    audio = b"".join(base64.b64decode(m["audio"]) for m in log if m.get("audio"))
+    audio = el_audio(log)
     assert len(audio) == (2 * resampled(SAMPLES, 24000) if spoken else 0), (len(audio), log[-1:])
     assert all(m.get("contextId") == "one" for m in log) if multi else True
     if spoken:
