@@ -42,13 +42,18 @@ def triton_on_cpu() -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _lean_triton_interpreter() -> Iterator[None]:
-    """Two kinds of work Triton's interpreter repeats for nothing, skipped (the kernels compute exactly what they
-    did; in the kernel tests the two were about half of the interpreter's time):
+    """Work Triton's interpreter repeats for nothing, skipped (the kernels compute exactly what they did; in the
+    kernel tests the first two were about half of the interpreter's time):
     - with sanitize_overflow on and debug off it widens every integer add, sub and mul to int64, redoes it and
       compares it with the type's bounds, then drops the result: its device_assert checks nothing without debug
       (a compiled kernel's compiler deletes the same dead code);
     - it patches triton.language into its interpreted form again at every launch and every call of a jit
-      function (tl.sum's combine function, per program): the same closures each time, so once per module."""
+      function (tl.sum's combine function, per program): the same closures each time, so once per module;
+    - every tensor it makes keeps its shape as a triton.language tuple, whose tuple_type spells out its name
+      (the repr of every member) at once, though only printing it reads the name: spelled out when read;
+    - it maps each Triton type to its numpy type through a table of 18 types it builds anew at every call: one
+      table, filled as types come.
+    (The last two: tests/engine/test_kernels.py 40 -> 28 s on 2 cores.)"""
     import dataclasses
     import importlib.util
 
@@ -56,6 +61,7 @@ def _lean_triton_interpreter() -> Iterator[None]:
         yield
         return
 
+    from triton.language import core as tl_core
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
@@ -75,7 +81,37 @@ def _lean_triton_interpreter() -> Iterator[None]:
             patched.add(id(fn.__globals__))
 
     interpreter._patch_lang = patch_once
+    tuple_type = tl_core.tuple_type
+    eager_init = tuple_type.__init__
+
+    def lean_init(self, types, fields=None) -> None:  # eager_init less the name
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def name(self) -> str:  # as eager_init spells it
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)]) + "]"
+
+    lean = "name" not in vars(tuple_type)
+    if lean:
+        tuple_type.__init__, tuple_type.name = lean_init, property(name)
+    np_dtype = interpreter._get_np_dtype
+    np_dtypes: dict = {}  # a scalar type -> np_dtype's answer
+    tl = interpreter.tl
+
+    def np_dtype_once(tt_dtype):  # np_dtype's answer; np_dtype builds its table of 18 types anew at every call
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return np_dtype(scalar)
+        if scalar not in np_dtypes:
+            np_dtypes[scalar] = np_dtype(scalar)
+        return np_dtypes[scalar]
+
+    interpreter._get_np_dtype = np_dtype_once
     yield
+    interpreter._get_np_dtype = np_dtype
+    if lean:
+        tuple_type.__init__ = eager_init
+        del tuple_type.name
     interpreter._patch_lang = patch
     builder.options = options
 
