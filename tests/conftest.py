@@ -317,7 +317,7 @@ def shared_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
 # test_gateway_http.py the last two.
 API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
 KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
-# One decode slot (the door off) that a held request fills: test_gateway_http and test_gateway_ws share it.
+# One decode slot (the door off) that a held request fills: test_gateway_http, test_gateway_ws and test_fuzz share it.
 ONE_SLOT = ("--max-batch", "1")
 # A ping every PING_S (an idle of a few seconds is many ping intervals), no key: test_dialects and test_storm
 # share it.
