@@ -1452,8 +1452,8 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
 
 @pytest.fixture(scope="module")
 def hosts(start_server):
-    """No key, a short head timeout, one extra host name."""
-    return start_server("--head-timeout-s", "1", "--allowed-host", "Gateway.Example")
+    """No key, a short head timeout, one extra host name, and the one CORS origin a page opened from a file sends."""
+    return start_server("--head-timeout-s", "1", "--allowed-host", "Gateway.Example", "--cors-origin", "null")
 
 
 @slow
@@ -1607,9 +1607,9 @@ def test_a_preflight_nobody_allows_is_a_bad_request_not_a_wrong_method(hosts, or
     assert ("Origin" in r.json()["error"]["message"]) == (origin is None)
 
 
-def test_cors_origin_null_serves_a_page_opened_from_a_file(start_server):
+def test_cors_origin_null_serves_a_page_opened_from_a_file(hosts):
     """`--cors-origin null`: the reference UI opened from file:// sends `Origin: null`."""
-    srv = start_server("--cors-origin", "null")
+    srv = hosts
     r = httpx.options(
         srv.url + "/tts/generate",
         headers={
