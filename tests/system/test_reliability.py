@@ -590,14 +590,8 @@ async def never_read(srv, frames: int, sndbuf_client: int | None = 4096) -> Any:
     return ws
 
 
-@pytest.fixture(scope="module")
-def keepalive(start_server):
-    """Default limits, but a WebSocket ping every 3 s, answered within 3 s (--ws-ping-interval, --ws-ping-timeout)."""
-    return start_server("--ws-ping-interval", "3", "--ws-ping-timeout", "3")
-
-
 @slow
-def test_client_that_never_reads_is_dropped(stalling, keepalive):
+def test_client_that_never_reads_is_dropped(stalling, hosts):
     """A client that never reads again, in the two cases docs/reliability.md describes:
 
     - its audio overflows the socket buffers (here a 32 KiB send buffer): a send blocks, and the send
@@ -606,7 +600,7 @@ def test_client_that_never_reads_is_dropped(stalling, keepalive):
       uvicorn's keepalive that closes the connection (a ping every --ws-ping-interval, 3 s here, no pong
       within --ws-ping-timeout, 3 s here).
     Both are waited for on state, with generous ceilings; only lower bounds are timed."""
-    server = keepalive
+    server = hosts  # default limits, a WebSocket ping every 3 s answered within 3 s
     quiet(stalling)
     quiet(server)
     stalled_before = errors_total(stalling, "client_stalled"), errors_total(server, "client_stalled")
@@ -1452,8 +1446,12 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
 
 @pytest.fixture(scope="module")
 def hosts(start_server):
-    """No key, a short head timeout, one extra host name, and the one CORS origin a page opened from a file sends."""
-    return start_server("--head-timeout-s", "1", "--allowed-host", "Gateway.Example", "--cors-origin", "null")
+    """No key, default limits, a short head timeout, one extra host name, the one CORS origin a page opened from a
+    file sends, and a WebSocket ping every 3 s, answered within 3 s (--ws-ping-interval, --ws-ping-timeout)."""
+    return start_server(
+        *("--head-timeout-s", "1", "--allowed-host", "Gateway.Example", "--cors-origin", "null"),
+        *("--ws-ping-interval", "3", "--ws-ping-timeout", "3"),
+    )
 
 
 @slow
