@@ -49,11 +49,12 @@ def _lean_triton_interpreter() -> Iterator[None]:
       (a compiled kernel's compiler deletes the same dead code);
     - it patches triton.language into its interpreted form again at every launch and every call of a jit
       function (tl.sum's combine function, per program): the same closures each time, so once per module;
-    - every tensor it makes keeps its shape as a triton.language tuple, whose tuple_type spells out its name
-      (the repr of every member) at once, though only printing it reads the name: spelled out when read;
+    - every tensor it makes keeps its shape as a triton.language tuple, which makes the type of its values at
+      once, and that tuple_type spells out its name (the repr of every member) at once, though the interpreter
+      reads neither for a shape and only printing reads the name: each made when first read;
     - it maps each Triton type to its numpy type through a table of 18 types it builds anew at every call: one
       table, filled as types come.
-    (The last two: tests/engine/test_kernels.py 40 -> 28 s on 2 cores.)"""
+    (The last two: tests/engine/test_kernels.py 40 -> 28 s on 2 cores; the tuple's lazy type then 34-42 -> 29-34 s.)"""
     import dataclasses
     import importlib.util
 
@@ -91,9 +92,28 @@ def _lean_triton_interpreter() -> Iterator[None]:
     def name(self) -> str:  # as eager_init spells it
         return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)]) + "]"
 
-    lean = "name" not in vars(tuple_type)
+    tl_tuple = tl_core.tuple
+    eager_tuple_init = tl_tuple.__init__
+
+    def lean_tuple_init(self, args, type=None) -> None:  # eager_tuple_init less the type of its values
+        self.values = [i for i in args]
+        if isinstance(type, tuple_type):
+            self.type = type
+        elif type is not None:
+            self.type = tuple_type(type)
+
+    def tuple_type_of(self):  # as eager_tuple_init makes it (only _setitem changes values, and sets the type)
+        if "_type" not in self.__dict__:
+            self.__dict__["_type"] = tl_core._type_for_tuple_values(self.values)
+        return self.__dict__["_type"]
+
+    def set_tuple_type(self, t) -> None:
+        self.__dict__["_type"] = t
+
+    lean = "name" not in vars(tuple_type) and "type" not in vars(tl_tuple)
     if lean:
         tuple_type.__init__, tuple_type.name = lean_init, property(name)
+        tl_tuple.__init__, tl_tuple.type = lean_tuple_init, property(tuple_type_of, set_tuple_type)
     np_dtype = interpreter._get_np_dtype
     np_dtypes: dict = {}  # a scalar type -> np_dtype's answer
     tl = interpreter.tl
@@ -112,6 +132,8 @@ def _lean_triton_interpreter() -> Iterator[None]:
     if lean:
         tuple_type.__init__ = eager_init
         del tuple_type.name
+        tl_tuple.__init__ = eager_tuple_init
+        del tl_tuple.type
     interpreter._patch_lang = patch
     builder.options = options
 
