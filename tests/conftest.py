@@ -42,13 +42,19 @@ def triton_on_cpu() -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _lean_triton_interpreter() -> Iterator[None]:
-    """Two kinds of work Triton's interpreter repeats for nothing, skipped (the kernels compute exactly what they
-    did; in the kernel tests the two were about half of the interpreter's time):
+    """Work Triton's interpreter repeats for nothing, skipped (the kernels compute exactly what they did; in the
+    kernel tests the first two were about half of the interpreter's time):
     - with sanitize_overflow on and debug off it widens every integer add, sub and mul to int64, redoes it and
       compares it with the type's bounds, then drops the result: its device_assert checks nothing without debug
       (a compiled kernel's compiler deletes the same dead code);
     - it patches triton.language into its interpreted form again at every launch and every call of a jit
-      function (tl.sum's combine function, per program): the same closures each time, so once per module."""
+      function (tl.sum's combine function, per program): the same closures each time, so once per module;
+    - every tensor it makes keeps its shape as a triton.language tuple, which makes the type of its values at
+      once, and that tuple_type spells out its name (the repr of every member) at once, though the interpreter
+      reads neither for a shape and only printing reads the name: each made when first read;
+    - it maps each Triton type to its numpy type through a table of 18 types it builds anew at every call: one
+      table, filled as types come.
+    (The last two: tests/engine/test_kernels.py 40 -> 28 s on 2 cores; the tuple's lazy type then 34-42 -> 29-34 s.)"""
     import dataclasses
     import importlib.util
 
@@ -56,6 +62,7 @@ def _lean_triton_interpreter() -> Iterator[None]:
         yield
         return
 
+    from triton.language import core as tl_core
     from triton.runtime import interpreter
 
     builder = interpreter.interpreter_builder
@@ -75,7 +82,58 @@ def _lean_triton_interpreter() -> Iterator[None]:
             patched.add(id(fn.__globals__))
 
     interpreter._patch_lang = patch_once
+    tuple_type = tl_core.tuple_type
+    eager_init = tuple_type.__init__
+
+    def lean_init(self, types, fields=None) -> None:  # eager_init less the name
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def name(self) -> str:  # as eager_init spells it
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types, strict=False)]) + "]"
+
+    tl_tuple = tl_core.tuple
+    eager_tuple_init = tl_tuple.__init__
+
+    def lean_tuple_init(self, args, type=None) -> None:  # eager_tuple_init less the type of its values
+        self.values = [i for i in args]
+        if isinstance(type, tuple_type):
+            self.type = type
+        elif type is not None:
+            self.type = tuple_type(type)
+
+    def tuple_type_of(self):  # as eager_tuple_init makes it (only _setitem changes values, and sets the type)
+        if "_type" not in self.__dict__:
+            self.__dict__["_type"] = tl_core._type_for_tuple_values(self.values)
+        return self.__dict__["_type"]
+
+    def set_tuple_type(self, t) -> None:
+        self.__dict__["_type"] = t
+
+    lean = "name" not in vars(tuple_type) and "type" not in vars(tl_tuple)
+    if lean:
+        tuple_type.__init__, tuple_type.name = lean_init, property(name)
+        tl_tuple.__init__, tl_tuple.type = lean_tuple_init, property(tuple_type_of, set_tuple_type)
+    np_dtype = interpreter._get_np_dtype
+    np_dtypes: dict = {}  # a scalar type -> np_dtype's answer
+    tl = interpreter.tl
+
+    def np_dtype_once(tt_dtype):  # np_dtype's answer; np_dtype builds its table of 18 types anew at every call
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return np_dtype(scalar)
+        if scalar not in np_dtypes:
+            np_dtypes[scalar] = np_dtype(scalar)
+        return np_dtypes[scalar]
+
+    interpreter._get_np_dtype = np_dtype_once
     yield
+    interpreter._get_np_dtype = np_dtype
+    if lean:
+        tuple_type.__init__ = eager_init
+        del tuple_type.name
+        tl_tuple.__init__ = eager_tuple_init
+        del tl_tuple.type
     interpreter._patch_lang = patch
     builder.options = options
 
@@ -281,7 +339,7 @@ def shared_server(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
 # test_gateway_http.py the last two.
 API_KEYS = ("dialect-key", "k-test-7c1e", "alpha", "beta")
 KEYED = tuple(a for key in API_KEYS for a in ("--api-key", key))
-# One decode slot (the door off) that a held request fills: test_gateway_http and test_gateway_ws share it.
+# One decode slot (the door off) that a held request fills: test_gateway_http, test_gateway_ws and test_fuzz share it.
 ONE_SLOT = ("--max-batch", "1")
 # A ping every PING_S (an idle of a few seconds is many ping intervals), no key: test_dialects and test_storm
 # share it.

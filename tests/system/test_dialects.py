@@ -249,6 +249,7 @@ def test_elevenlabs_close_context_stops_the_gpu_work(srv):
         log: list[dict[str, Any]] = []
         before = await el_close_once_it_plays(srv, ws, "turn1", log)
         final_at = len(log)
+        await asyncio.to_thread(engine_stopped, srv, before)  # turn1's work (before turn2's cut, counted as well)
         await ws.send(json.dumps({"text": " ", "context_id": "turn2"}))
         await ws.send(json.dumps({"text": "Short answer. ", "context_id": "turn2", "flush": True}))
         await ws.send(json.dumps({"context_id": "turn2", "close_context": True}))
@@ -259,12 +260,11 @@ def test_elevenlabs_close_context_stops_the_gpu_work(srv):
         await ws.send(json.dumps({"context_id": "turn2", "close_context": True}))  # closed twice: dropped
         await el_until_final(ws, "turn2", log)
         await ws.close()
-        return before, log, final_at
+        return log, final_at
 
-    before, log, final_at = run(go())
+    log, final_at = run(go())
     assert not [m for m in log[final_at:] if m.get("contextId") == "turn1"]  # nothing of turn1 after its isFinal
     assert el_audio(log, "turn2")
-    engine_stopped(srv, before)
 
 
 def test_elevenlabs_close_context_after_flush_finishes_the_flushed_text(srv):
@@ -697,17 +697,24 @@ def test_elevenlabs_auto_mode_close_context_once_its_audio_plays_is_a_barge_in(s
         log: list[dict[str, Any]] = []
         before = await el_close_once_it_plays(srv, ws, "reply", log)
         final_at = len(log)
+        await asyncio.to_thread(engine_stopped, srv, before)  # the reply's work (before the next turn's cut)
         await ws.send(
             json.dumps({"text": "Sure, go ahead. ", "context_id": "next", "flush": True, "close_context": True})
         )
+        # the next turn speaks; this socket's params are LONG (2500 frames, ~8 s on 2 cores), so it is cut once
+        # it speaks, as test_elevenlabs_close_context_stops_the_gpu_work cuts its turn2
+        while not (m := await recv_json(ws)).get("audio"):
+            assert "error" not in m, m
+            log.append(m)
+        log.append(m)
+        await ws.send(json.dumps({"context_id": "next", "close_context": True}))  # closed twice: dropped
         await el_until_final(ws, "next", log)
         await ws.close()
-        return before, log, final_at
+        return log, final_at
 
-    before, log, final_at = run(go())
+    log, final_at = run(go())
     assert not [m for m in log[final_at:] if m.get("contextId") == "reply"]
     assert el_audio(log, "next")
-    engine_stopped(srv, before)
 
 
 def test_elevenlabs_auto_mode_turn_ended_by_a_textless_flush_is_spoken_whole_while_it_plays(srv):

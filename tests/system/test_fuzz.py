@@ -34,6 +34,7 @@ from app.core.options import PARAM_KEYS
 from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
 from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
 from engine.contract.records import FIRST_SAMPLES_MAX
+from tests.conftest import ONE_SLOT
 
 pytestmark = pytest.mark.slow
 
@@ -1815,13 +1816,13 @@ def test_whole_answers_past_their_bound_are_refused_at_once_and_given_back(start
     assert held() == 0
 
 
-def test_a_whole_answer_gives_its_body_share_back_once_its_audio_begins(start_server):
+def test_a_whole_answer_gives_its_body_share_back_once_its_audio_begins(shared_server):
     """A /tts/generate stream:false body with a clip holds part of --max-body-bytes-in-flight while it is read and
     its clip embedded, not until its whole answer is sent (its audio's whole generation): once its audio is being
     generated, the bound is free for other uploads."""
     from app.doors.speech import ANSWER_FIRST_BYTES
 
-    srv = start_server("--max-batch", "1")
+    srv = shared_server(*ONE_SLOT)  # left as found: its request ends with its client
 
     def held() -> tuple[float, float]:
         text = httpx.get(srv.url + "/metrics", timeout=30).text

@@ -237,6 +237,17 @@ def limited(start_server):
     return start_server(*LIMITED)
 
 
+STALL_S = 4  # the stalling server's --send-timeout
+
+
+@pytest.fixture(scope="module")
+def stalling(start_server):
+    """LIMITED with a short send timeout, for the clients that never read: it is all they wait for (the limited
+    server's 12 s leave a slow consumer time to be cut as one, test_slow_consumer_is_cut_off_without_slowing_others)."""
+    at = LIMITED.index("--send-timeout") + 1
+    return start_server(*LIMITED[:at], str(STALL_S), *LIMITED[at + 1 :])
+
+
 @slow
 def test_idle_session_is_closed(limited):
     async def go():
@@ -579,32 +590,26 @@ async def never_read(srv, frames: int, sndbuf_client: int | None = 4096) -> Any:
     return ws
 
 
-@pytest.fixture(scope="module")
-def keepalive(start_server):
-    """Default limits, but a WebSocket ping every 3 s, answered within 3 s (--ws-ping-interval, --ws-ping-timeout)."""
-    return start_server("--ws-ping-interval", "3", "--ws-ping-timeout", "3")
-
-
 @slow
-def test_client_that_never_reads_is_dropped(limited, keepalive):
+def test_client_that_never_reads_is_dropped(stalling, hosts):
     """A client that never reads again, in the two cases docs/reliability.md describes:
 
     - its audio overflows the socket buffers (here a 32 KiB send buffer): a send blocks, and the send
-      timeout (--send-timeout, 12 s here) ends the session: `client_stalled`, slot and engine freed;
+      timeout (--send-timeout, STALL_S here) ends the session: `client_stalled`, slot and engine freed;
     - its audio fits in the buffers (default buffers, a short utterance): no send ever blocks, and it is
       uvicorn's keepalive that closes the connection (a ping every --ws-ping-interval, 3 s here, no pong
       within --ws-ping-timeout, 3 s here).
     Both are waited for on state, with generous ceilings; only lower bounds are timed."""
-    server = keepalive
-    quiet(limited)
+    server = hosts  # default limits, a WebSocket ping every 3 s answered within 3 s
+    quiet(stalling)
     quiet(server)
-    stalled_before = errors_total(limited, "client_stalled"), errors_total(server, "client_stalled")
+    stalled_before = errors_total(stalling, "client_stalled"), errors_total(server, "client_stalled")
 
     async def go():
         t0 = time.monotonic()
-        big = await never_read(limited, 600)  # 600 frames: 600 KB of audio > the buffers
+        big = await never_read(stalling, 600)  # 600 frames: 600 KB of audio > the buffers
         small = await never_read(server, 10, None)  # 10 frames: 10 KB, fits
-        await await_for(lambda: gauge(limited, "zonos_active_sessions") == 0, 120, 0.5)
+        await await_for(lambda: gauge(stalling, "zonos_active_sessions") == 0, 120, 0.5)
         big_gone = time.monotonic() - t0
         await await_for(lambda: gauge(server, "zonos_active_sessions") == 0, 180, 0.5)
         small_gone = time.monotonic() - t0
@@ -613,9 +618,9 @@ def test_client_that_never_reads_is_dropped(limited, keepalive):
         return big_gone, small_gone
 
     big_gone, small_gone = run(go(), timeout=300)
-    assert big_gone >= 12  # the send timeout acted, and not sooner
-    assert errors_total(limited, "client_stalled") == stalled_before[0] + 1
-    assert gauge(limited, "zonos_engine_active_requests") == 0
+    assert big_gone >= STALL_S  # the send timeout acted, and not sooner
+    assert errors_total(stalling, "client_stalled") == stalled_before[0] + 1
+    assert gauge(stalling, "zonos_engine_active_requests") == 0
     assert small_gone >= 5  # the keepalive: its first ping goes out 3 s after the handshake, then 3 s for a pong
     # the small one: closed although no send ever waited, so not counted as stalled
     assert errors_total(server, "client_stalled") == stalled_before[1]
@@ -623,27 +628,27 @@ def test_client_that_never_reads_is_dropped(limited, keepalive):
 
 
 @slow
-def test_a_whole_answer_its_client_never_reads_is_cut(limited):
+def test_a_whole_answer_its_client_never_reads_is_cut(stalling):
     """uvicorn writes a whole file into the connection's transport at once and counts it sent (its share of
     --max-whole-answer-bytes given back): a client that read nothing held the rest of its file in the gateway's
-    memory, and its connection, forever. Past --send-timeout (12 s here) without progress it is cut."""
-    quiet(limited)
+    memory, and its connection, forever. Past --send-timeout (STALL_S here) without progress it is cut."""
+    quiet(stalling)
     stalled = 'zonos_errors_total{code="client_stalled"}'
-    before = gauge(limited, stalled) if stalled in metrics(limited) else 0.0
+    before = gauge(stalling, stalled) if stalled in metrics(stalling) else 0.0
     # ignore_eos: 120 frames of float32 at 44.1 kHz (240 KB), under the 1.5 s cap; the buffers hold far less
     body = json.dumps({"text": "One.", "stream": False, "ignore_eos": True, "max_tokens": 120, "seed": 1}).encode()
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: the window it offers stays small
-    s.connect(("127.0.0.1", limited.port))
+    s.connect(("127.0.0.1", stalling.port))
     try:
         s.sendall(
             b"POST /tts/generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body) + body
         )
         ours = s.getsockname()[1]
-        wait_for(lambda: gauge(limited, "zonos_whole_answer_bytes") > 0, 60)  # its answer is being made
+        wait_for(lambda: gauge(stalling, "zonos_whole_answer_bytes") > 0, 60)  # its answer is being made
         # then the gateway closes its end while its client stays: it holds the socket no more
-        took = wait_for(lambda: tcp_state(limited.port, ours) not in ("ESTABLISHED", "CLOSE_WAIT"), 120, 0.5)
+        took = wait_for(lambda: tcp_state(stalling.port, ours) not in ("ESTABLISHED", "CLOSE_WAIT"), 120, 0.5)
         s.settimeout(60)
         got = b""
         while chunk := s.recv(1 << 20):  # what the kernel still had: the head and the file's start
@@ -652,11 +657,11 @@ def test_a_whole_answer_its_client_never_reads_is_cut(limited):
         got = b""
     finally:
         s.close()
-    assert took >= 12
+    assert took >= STALL_S
     _, _, audio = got.partition(b"\r\n\r\n")
     assert len(audio) < 120 * 512 * 4
-    assert gauge(limited, "zonos_whole_answer_bytes") == 0
-    assert gauge(limited, stalled) == before + 1  # counted as the WebSocket's cut clients are
+    assert gauge(stalling, "zonos_whole_answer_bytes") == 0
+    assert gauge(stalling, stalled) == before + 1  # counted as the WebSocket's cut clients are
 
 
 # ---- faults ---------------------------------------------------------------------------------------------
@@ -1441,8 +1446,12 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
 
 @pytest.fixture(scope="module")
 def hosts(start_server):
-    """No key, a short head timeout, one extra host name."""
-    return start_server("--head-timeout-s", "1", "--allowed-host", "Gateway.Example")
+    """No key, default limits, a short head timeout, one extra host name, the one CORS origin a page opened from a
+    file sends, and a WebSocket ping every 3 s, answered within 3 s (--ws-ping-interval, --ws-ping-timeout)."""
+    return start_server(
+        *("--head-timeout-s", "1", "--allowed-host", "Gateway.Example", "--cors-origin", "null"),
+        *("--ws-ping-interval", "3", "--ws-ping-timeout", "3"),
+    )
 
 
 @slow
@@ -1596,9 +1605,9 @@ def test_a_preflight_nobody_allows_is_a_bad_request_not_a_wrong_method(hosts, or
     assert ("Origin" in r.json()["error"]["message"]) == (origin is None)
 
 
-def test_cors_origin_null_serves_a_page_opened_from_a_file(start_server):
+def test_cors_origin_null_serves_a_page_opened_from_a_file(hosts):
     """`--cors-origin null`: the reference UI opened from file:// sends `Origin: null`."""
-    srv = start_server("--cors-origin", "null")
+    srv = hosts
     r = httpx.options(
         srv.url + "/tts/generate",
         headers={
