@@ -146,8 +146,12 @@ class BodyBound:
                         message = await receive()
                 except TimeoutError:
                     release()
+                    # the rest of the body may still come: it must not be read as the next request, so the
+                    # connection ends with this answer (it waited out uvicorn's keep-alive, 5 s)
                     raise RequestError(
-                        G.REQUEST_TIMEOUT, f"the request body did not arrive within {allowed:.1f} s"
+                        G.REQUEST_TIMEOUT,
+                        f"the request body did not arrive within {allowed:.1f} s",
+                        headers={"Connection": "close"},
                     ) from None
             if message["type"] == "http.request" and ledgers:
                 received += len(message.get("body", b""))

@@ -1471,6 +1471,7 @@ def test_a_small_body_that_stops_mid_way_is_answered_and_closed(hosts):
         assert closed and answer, answer
         status, error = raw_json_error(answer)
         assert status == 408 and error["code"] == "request_timeout"
+        assert b"\r\nconnection: close\r\n" in answer.lower()  # closed with its answer, not 5 s of keep-alive later
 
 
 def test_normalization_and_head_flags():
