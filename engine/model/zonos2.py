@@ -454,9 +454,12 @@ class Zonos2(nn.Module):
         self.cfg = cfg
         # Tables 0..8: audio codebooks (1026 rows each); table 9: text (text_vocab + 1 rows, last = pad).
         self.multi_embedder = nn.Module()
+        # No default init here, nor buffers computed: the model is built on the meta device, where both go through
+        # torch._refs, which imports torch._dynamo (~0.7 s of every engine start); the weights come from a
+        # checkpoint and `init_buffers` computes the buffers on the real device (engine/model/checkpoint.py)
+        rows = [cfg.audio_vocab] * cfg.n_codebooks + [cfg.text_vocab + 1]
         self.multi_embedder.embedders = nn.ModuleList(
-            [nn.Embedding(cfg.audio_vocab, cfg.dim) for _ in range(cfg.n_codebooks)]
-            + [nn.Embedding(cfg.text_vocab + 1, cfg.dim)]
+            nn.Embedding(n, cfg.dim, _weight=torch.empty(n, cfg.dim)) for n in rows
         )
         if cfg.speaker_enabled:
             in_dim = cfg.speaker_lda_dim or cfg.speaker_embedding_dim
@@ -467,10 +470,9 @@ class Zonos2(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.out_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.multi_output = nn.Linear(cfg.dim, cfg.n_codebooks * cfg.audio_vocab, bias=False)
-        cos, sin = rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.register_buffer("layer_ids", torch.arange(cfg.n_layers), persistent=False)
+        self.register_buffer("rope_cos", torch.empty(cfg.max_seqlen, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(cfg.max_seqlen, cfg.head_dim // 2), persistent=False)
+        self.register_buffer("layer_ids", torch.empty(cfg.n_layers, dtype=torch.long), persistent=False)
         self.cache: KVCache | None = None
         self.use_triton = False
         self.batch_invariant = False
