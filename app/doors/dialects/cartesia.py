@@ -167,6 +167,7 @@ class CartesiaSession(StreamingSession):
         ctx = ctx or "ctx_" + secrets.token_hex(8)
         c = self.ctxs.get(ctx)
         if c is None or c.ended:  # a new context (an id used again after its done starts afresh)
+            self.check_room(ctx)  # (before its dictionaries are read: a refused context costs no reading)
             c = self._open(ctx, data, await self.gw.lexicon(pronunciation_dict(data), self.owner))
         if transcript:
             self.append_text(ctx, transcript)
@@ -180,8 +181,8 @@ class CartesiaSession(StreamingSession):
             await self.flush(ctx, end_turn=False)
 
     def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases) -> Context:
-        """A new context; `lexicon`: the rules its `pronunciation_dict_id` names (read off the event loop)."""
-        self.check_room(ctx)
+        """A new context (its caller has checked its room: `check_room`); `lexicon`: the rules its
+        `pronunciation_dict_id` names (read off the event loop)."""
         fmt = data.get("output_format")
         if not isinstance(fmt, dict):
             raise RequestError(G.BAD_MESSAGE, "output_format must be an object")

@@ -199,6 +199,7 @@ class ElevenLabsSession(StreamingSession):
             return
         if not text and not flush and "voice_settings" not in data:
             return  # {"text": ""}: a keepalive
+        self.check_room(ctx)  # (before its dictionaries are read: a refused context costs no reading)
         c = self._open(ctx, data, await self._lexicon(ctx, data))
         if text:
             self.append_text(ctx, text)
@@ -231,7 +232,7 @@ class ElevenLabsSession(StreamingSession):
         return await self.gw.lexicon(data["pronunciation_dictionary_locators"], self.owner)
 
     def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases | None = None) -> Context:
-        self.check_room(ctx)
+        """The context ctx, opened anew unless it is open (its caller has checked its room: `check_room`)."""
         c = self.ctxs.get(ctx)
         if c is not None and not c.closing:
             return c
