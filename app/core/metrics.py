@@ -192,6 +192,13 @@ class Metrics:
                 e,
                 registry=r,
             ),
+            "sprint_frames": EngineGauge(
+                "zonos_engine_sprint_frames_by_engine",
+                "Frames this engine decoded in first-audio sprint steps: extra steps for streams before their first "
+                "audio while the iteration had room (since it started)",
+                e,
+                registry=r,
+            ),
             "late_iterations": EngineGauge(
                 "zonos_engine_late_iterations_by_engine",
                 "Iterations of this engine longer than three frames of audio while streams played, each a slip "
@@ -248,6 +255,7 @@ class Metrics:
                 "paced",
                 "starting",
                 "mixed_frames",
+                "sprint_frames",
                 "late_iterations",
                 "loop_preempted",
             ):

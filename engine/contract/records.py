@@ -795,6 +795,7 @@ class Stats(Record):
     prefill_frames: int = 0
     mixed_frames: int = 0  # of those, prompt frames that rode along with a decode step (one pass over the weights)
     decode_frames: int = 0
+    sprint_frames: int = 0  # of those, frames of first-audio sprint steps (EngineSettings.first_audio_sprints)
     # requests since the engine started: admitted into a slot (the door's start rate), finished, and cancelled
     # (waiting or running: a cancel in the queue is no start)
     started: int = 0

@@ -95,6 +95,9 @@ class WeightSources:
         return out
 
 
+MAX_SPRINTS = 2  # first-audio sprint steps per iteration at most (the LLM node keeps host buffers for each in flight)
+
+
 @dataclass
 class EngineSettings:
     """Every field with `flag` metadata is a `python -m app` flag (engine/contract/flags.py), checked against
@@ -164,6 +167,19 @@ class EngineSettings:
         metadata=flag(
             "launch each decode step before the one before it is read back, so the host's bookkeeping overlaps "
             "the GPU (same seeded output; default: on with a GPU, off on a CPU)"
+        ),
+    )
+    # a stream that has not sent its first audio gets this many extra decode steps of its own per iteration (a
+    # small batch: the weights read again for a few rows) while the iteration, with them, stays under the admission's
+    # bound (engine/runtime/admission.py `may_sprint`): its first audio comes in about half the iterations, and the
+    # playing streams stay ahead of real time. Seeded output is the same. None: 1 with a GPU, 0 on a CPU
+    first_audio_sprints: int | None = field(
+        default=None,
+        metadata=flag(
+            "extra decode steps per iteration for streams that have not sent their first audio, while the iteration "
+            "stays within the realtime bound (same seeded output; default: 1 with a GPU, 0 on a CPU)",
+            lo=0,
+            hi=MAX_SPRINTS,
         ),
     )
     compile: bool = field(

@@ -339,6 +339,15 @@ class StreamingDecoder:
             return -1
         return max(0, self._size(req) - (req.available() - req.fed))
 
+    def first_call_need(self, rid: int) -> int | None:
+        """Delayed frames the stream must have received for its first call to be ready (its call 0's size plus
+        the codebook delay), while that call is still to come; None once it has run or for no such stream (a
+        resumed stream's first call is not its first audio)."""
+        req = self._reqs.get(rid)
+        if req is None or req.calls or req.done:
+            return None
+        return self._size(req) + DELAY
+
     def pending(self) -> bool:
         """True if `launch` would decode something."""
         free = bool(self._free)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from engine.contract.records import SamplingParams
-from engine.contract.settings import BATCH_INVARIANT_MODES
+from engine.contract.settings import BATCH_INVARIANT_MODES, MAX_SPRINTS
 from engine.llm.eos import EosTracker
 from engine.llm.sampling import SamplerState
 from engine.model.transfer import to_device
@@ -70,6 +70,10 @@ class Sequence:
         next_position when every launched step was read back; one ahead while a step is in flight (overlap)."""
         return self.prompt_len + self.launched - 1
 
+
+# decode steps (a mixed one included) that may be in flight at once: with overlap, an iteration's step and its
+# first-audio sprints (EngineSettings.first_audio_sprints) run while the last iteration's are read back
+MAX_DECODES_IN_FLIGHT = 2 * (1 + MAX_SPRINTS)
 
 # the kernel sets each batch-invariance mode captures and may run (False: default kernels, True: batch-invariant)
 KERNEL_SETS = {"seeded": (False, True), "always": (True,), "off": (False,)}
@@ -129,12 +133,15 @@ class LLMNode:
         )
         self.free_slots = list(range(n_slots - 1, -1, -1))
         self.n_slots = n_slots
-        # Two of each host buffer, alternating per launch: with overlap two steps are in flight at once (one
-        # being read back, the next running), each copying its inputs in and its codes out through its own.
+        # One of each host buffer per decode step that may be in flight, taken in turn per launch (steps are read
+        # back in launch order): each step copies its inputs in and its codes out through its own.
         self._host_codes = [
-            torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)
+            torch.zeros(n_slots, self.cfg.n_codebooks, dtype=torch.int64, pin_memory=on_gpu)
+            for _ in range(MAX_DECODES_IN_FLIGHT)
         ]
-        self._host_inputs = [torch.zeros(2, n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(2)]
+        self._host_inputs = [
+            torch.zeros(2, n_slots, dtype=torch.int64, pin_memory=on_gpu) for _ in range(MAX_DECODES_IN_FLIGHT)
+        ]
         self._flip = 0
         # a prefill's first frames and the slots that sample them, the same way (a prefill may be in flight
         # while the next is launched)
@@ -333,12 +340,9 @@ class LLMNode:
         (the engine decodes audio meanwhile; with overlap it also reads back the step before). Each row's
         input is its slot's last sampled frame, which the sampler keeps on the device (`SamplerState.last`),
         so a step may be launched before the one before it was read back. `decode_finish` waits for the codes.
-        At most two steps may be in flight."""
-        if sum(not p.prefill for p in self.in_flight) >= 2:
-            raise RuntimeError("two decode steps are in flight already: read one back first")
+        At most MAX_DECODES_IN_FLIGHT steps may be in flight."""
         n = len(seqs)
-        buf = self._flip
-        self._flip ^= 1
+        buf = self._next_buffer()
         inputs = self._host_inputs[buf][:, :n]
         inputs.numpy()[:] = [[s.slot for s in seqs], [s.launch_position for s in seqs]]
         for s in seqs:
@@ -357,6 +361,15 @@ class LLMNode:
         pending = self._pending(seqs, codes, self._host_codes[buf][:n])
         self.in_flight.append(pending)
         return pending
+
+    def _next_buffer(self) -> int:
+        """The host buffers of the decode step launched now: the next in turn, free once the step that used them
+        last was read back (steps are read back in launch order)."""
+        if sum(not p.prefill for p in self.in_flight) >= MAX_DECODES_IN_FLIGHT:
+            raise RuntimeError(f"{MAX_DECODES_IN_FLIGHT} decode steps are in flight already: read one back first")
+        buf = self._flip
+        self._flip = (buf + 1) % MAX_DECODES_IN_FLIGHT
+        return buf
 
     def _prompt_pieces(
         self, chunks: list[tuple[Sequence, int]]
@@ -392,11 +405,8 @@ class LLMNode:
         weights are read once for both) and return at once. It comes back like a decode step (`decode_finish`):
         a frame for every decode row and the first frame of every prompt it completes. Its slots (every
         chunk's too: it writes their KV rows) stay held on release until it is read back."""
-        if sum(not p.prefill for p in self.in_flight) >= 2:
-            raise RuntimeError("two decode steps are in flight already: read one back first")
         n = len(decode)
-        buf = self._flip
-        self._flip ^= 1
+        buf = self._next_buffer()
         inputs = self._host_inputs[buf][:, :n]
         inputs.numpy()[:] = [[s.slot for s in decode], [s.launch_position for s in decode]]
         for s in decode:
@@ -434,8 +444,9 @@ class LLMNode:
 
     def decode_finish(self, pending: PendingDecode) -> list[tuple[Sequence, np.ndarray]]:
         """Wait for a launched step's codes (or a prefill's first frames) and account them. Rows of sequences
-        released since the launch (they finished on the step before, or were cancelled) are discarded; the
-        slots they kept are freed now."""
+        released since the launch (they finished on the step before, or were cancelled) or finished by a step read
+        back before this one (a sprint launched behind the step that found their end) are discarded; the slots
+        they kept are freed now."""
         if pending.done is not None:
             pending.done.synchronize()
             codes = pending.codes.numpy().copy()
@@ -443,7 +454,7 @@ class LLMNode:
             codes = pending.codes
         self.in_flight.remove(pending)
         self._free_deferred()
-        keep = [i for i, s in enumerate(pending.seqs) if s.slot >= 0]
+        keep = [i for i, s in enumerate(pending.seqs) if s.slot >= 0 and s.finish_reason is None]
         if not keep:
             return []
         if len(keep) < len(codes):

@@ -41,6 +41,7 @@ class RealtimeAdmission:
     period_s: float = 0.0  # mean iteration period over the last PERIOD_WINDOW while streams run (0: nothing yet)
     cost_s: float = 0.0  # mean iteration period per stream
     prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
+    sprint_s: float = 0.0  # average time a first-audio sprint step added to its iteration (`may_sprint`)
     late: int = 0  # iterations whose period passed LATE_PERIOD_S while streams ran (since start)
     _last_launch: float | None = None
     _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # every iteration's
@@ -61,11 +62,18 @@ class RealtimeAdmission:
     def bound_s(self) -> float:
         return self.headroom * FRAME_S
 
-    def observe_launch(self, now: float, streams: int, prefilled: bool = False) -> None:
+    def observe_launch(self, now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
         """Called at every decode-step launch with the number of streams it carries; `prefilled`: the
-        iteration since the last launch ran a prefill."""
+        iteration since the last launch ran a prefill; `sprinted`: it ran that many first-audio sprint steps.
+        The gates see the period without the sprints (they run only while there is room: `may_sprint`)."""
         if streams and self._last_launch is not None:
-            period = now - self._last_launch
+            period = raw = now - self._last_launch
+            if sprinted:
+                if self._plain and not prefilled:  # what each sprint step added to a plain iteration
+                    extra = max(0.0, period - statistics.median(self._plain)) / sprinted
+                    a = self.smoothing
+                    self.sprint_s = extra if self.sprint_s == 0 else (1 - a) * self.sprint_s + a * extra
+                period = max(0.0, period - sprinted * self.sprint_s)
             if prefilled:
                 if self._plain:  # what the prefill added to a plain iteration
                     extra = max(0.0, period - statistics.median(self._plain))
@@ -75,10 +83,21 @@ class RealtimeAdmission:
                 self._plain.append(period)
             self._periods.append(period)
             self._costs.append(period / streams)
-            self.late += period > LATE_PERIOD_S
+            self.late += raw > LATE_PERIOD_S
             self.period_s = statistics.fmean(self._periods)
             self.cost_s = statistics.fmean(self._costs)
         self._last_launch = now if streams else None
+
+    def may_sprint(self, k: int) -> bool:
+        """May this iteration run its k-th first-audio sprint step (EngineSettings.first_audio_sprints)? While a
+        plain iteration with k of them stays under the bound the playing streams keep ahead of real time, so the
+        sprints take only the room that admission leaves (none once the engine is full). Nothing measured yet:
+        no. Without realtime admission: yes."""
+        if not self.enabled:
+            return True
+        if not self._plain:
+            return False
+        return statistics.median(self._plain) + k * self.sprint_s <= self.bound_s
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)

@@ -31,7 +31,7 @@ from typing import Any
 
 log = logging.getLogger("engine")
 
-NODES = ("decode", "prefill", "dac", "speaker")
+NODES = ("decode", "sprint", "prefill", "dac", "speaker")  # sprint: first-audio sprint steps (scheduler.py)
 _active = False  # a profiler is recording: node_range marks the host ranges
 
 

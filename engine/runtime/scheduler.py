@@ -31,6 +31,12 @@ are read back on the next iteration like a decode step (`LLMNode.prefill_start`)
 sampler's noise is keyed by (seed, frame, codebook, token) and a slot's state is reset on admission, so
 seeded output is the same with and without overlap.
 
+First-audio sprints (`first_audio_sprints`; 1 with a GPU). After the step, up to that many more decode steps
+carry only the streams whose first DAC call still waits for frames (`_sprint_rows`), while the iteration with
+them stays under admission's bound (`RealtimeAdmission.may_sprint`): each follows the step on the device like
+an overlapped one, so those streams get two frames an iteration. The steps of one iteration are read back in
+launch order; a row of a request that ended on an earlier one is discarded (`LLMNode.decode_finish`).
+
 Guidance (engine/guidance.py). A request with `cfg_scale` (and a voice), `prefix_cfg_scale` (and the
 prefix twin's prompt) or `emotion_cfg_scale` (and a voice with an emotion) != 1 gets a twin: a second slot
 (rid -rid: no audio, no records) that decodes in lockstep with it, its prompt without the speaker, the
@@ -70,6 +76,9 @@ SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this lo
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
 HOL_GRACE_S = 1.0  # a request that needs more slots than are free lets smaller ones pass this long, then waits first
 PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
+# rows of one first-audio sprint step at most: a decode step costs about the same from 1 to 16 rows (the weights'
+# read sets it; docs/benchmarks.md "Decode step"), more would make the sprint a second full step
+SPRINT_MAX_ROWS = 16
 
 
 def loop_preempted() -> int:
@@ -109,7 +118,17 @@ class Scheduler:
         self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
         self.step_times: deque[float] = deque(maxlen=200)
         self.counters = dict.fromkeys(
-            ("steps", "paced", "prefill_frames", "mixed_frames", "decode_frames", "started", "finished", "cancelled"),
+            (
+                "steps",
+                "paced",
+                "prefill_frames",
+                "mixed_frames",
+                "decode_frames",
+                "sprint_frames",
+                "started",
+                "finished",
+                "cancelled",
+            ),
             0,
         )
         self.stopping = False
@@ -120,7 +139,11 @@ class Scheduler:
             self.profiler.counts = self.dac.counts
         # overlap scheduling (module docstring): the decode step launched last, read back next iteration
         self.overlap = settings.overlap_decode if settings.overlap_decode is not None else engine.on_gpu
-        self._inflight: PendingDecode | None = None
+        self._inflight: list[PendingDecode] = []  # the steps launched last iteration: its decode step, its sprints
+        # first-audio sprints (module docstring): extra decode steps per iteration for streams before their first audio
+        sprints = settings.first_audio_sprints
+        self.sprints = sprints if sprints is not None else (1 if engine.on_gpu else 0)
+        self._sprinted = 0  # sprint steps launched since the last decode step (admission takes them out of the period)
         self._inflight_prefill: PendingDecode | None = None  # the last prefill's first frames, read back next
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
         self._prefilled = False  # this iteration ran a prefill (admission measures what it added to the period)
@@ -139,7 +162,7 @@ class Scheduler:
             generating = (
                 any(j.seq.finish_reason is None for j in self.running.values())
                 or self.waiting
-                or self._inflight is not None
+                or self._inflight
                 or self._inflight_prefill is not None
             )
             if not generating and self.outbox.pending_bytes() == 0:
@@ -496,7 +519,7 @@ class Scheduler:
         dac_decoder's calls are launched first, then the work launched before is read back (with overlap,
         the step of the last iteration) and the prefill launched; its results are applied (EOS, DAC pushes,
         records) while the GPU runs what was just launched."""
-        if not self.running and self._inflight is None and self._inflight_prefill is None:
+        if not self.running and not self._inflight and self._inflight_prefill is None:
             self._paced_since = 0.0
             return
         t0 = time.perf_counter()
@@ -506,7 +529,7 @@ class Scheduler:
         results = self._read_back(pending, plan.paced)
         results += self._launch_prefill(plan)
         self._apply(results)
-        if not plan.live and self._inflight is None and self._inflight_prefill is None:
+        if not plan.live and not self._inflight and self._inflight_prefill is None:
             self._audio()  # only audio left to decode
         if not plan.paced:
             self.step_times.append(time.perf_counter() - t0)
@@ -538,33 +561,68 @@ class Scheduler:
             chunks = []
         return StepPlan(decode, chunks, paced=False, live=live, mixed=mixed)
 
-    def _launch_decode(self, plan: StepPlan, t0: float) -> PendingDecode | None:
-        """Launch the plan's decode step (a mixed one carries its prompt chunks too); returns the step to read
-        back this iteration (with overlap: the one launched last iteration, this one flies until the next)."""
-        pending: PendingDecode | None
+    def _launch_decode(self, plan: StepPlan, t0: float) -> list[PendingDecode]:
+        """Launch the plan's decode step (a mixed one carries its prompt chunks too) and this iteration's
+        first-audio sprints behind it; returns the steps to read back this iteration, in launch order (with
+        overlap: those launched last iteration, these fly until the next)."""
+        launched: list[PendingDecode] = []
         with node_range("decode"):
             if plan.mixed:
                 self._prefill_started(plan.prefill)
                 self.counters["mixed_frames"] += sum(n for _, n in plan.prefill)
-                pending = self.llm.mixed_start(plan.decode, plan.prefill)
-            else:
-                pending = self.llm.decode_start(plan.decode) if plan.decode else None
+                launched.append(self.llm.mixed_start(plan.decode, plan.prefill))
+            elif plan.decode:
+                launched.append(self.llm.decode_start(plan.decode))
         # none: the pause is not an iteration's period
-        self.admission.observe_launch(t0, len(plan.decode), prefilled=self._prefilled)
-        self._prefilled = False
+        self.admission.observe_launch(t0, len(plan.decode), prefilled=self._prefilled, sprinted=self._sprinted)
+        self._prefilled, self._sprinted = False, 0
+        for k in range(1, self.sprints + 1 if launched else 1):
+            rows = self._sprint_rows(len(plan.decode)) if self.admission.may_sprint(k) else []
+            if not rows:
+                break
+            with node_range("sprint"):
+                launched.append(self.llm.decode_start(rows))
+            self._sprinted += 1
+            self.counters["sprint_frames"] += len(rows)
         if self.overlap:
-            pending, self._inflight = self._inflight, pending
-        return pending
+            launched, self._inflight = self._inflight, launched
+        return launched
 
-    def _read_back(self, pending: PendingDecode | None, paced: bool) -> list[tuple[Sequence, np.ndarray]]:
-        """The codes of the decode step and of the prefill launched before (cancels whose slots they freed
-        are acknowledged)."""
+    def _sprint_rows(self, decoding: int) -> list[Sequence]:
+        """The rows of a first-audio sprint step: the streams whose first DAC call still waits for frames (with a
+        frame already launched, so the step follows it on the device), nearest to that call first, a guided
+        request with its twin; at most SPRINT_MAX_ROWS and half the `decoding` rows of the iteration's step
+        (a sprint of every row would be just another step: no stream would gain on the others)."""
+        budget = min(SPRINT_MAX_ROWS, decoding // 2)
+        if budget <= 0:
+            return []
+        found: list[tuple[int, Job]] = []  # (frames its first call still needs, job)
+        for job in self.running.values():
+            seq = job.seq
+            if seq.finish_reason is not None or seq.in_prefill or not seq.launched or not self.llm.wants_step(seq):
+                continue
+            if self.streams.get(job.chain.stream) is not job:  # a continued reply's stream: its audio is playing
+                continue
+            need = self.dac.first_call_need(job.chain.stream)
+            if need is not None and seq.launched < need:
+                found.append((need - seq.launched, job))
+        rows: list[Sequence] = []
+        for _, job in sorted(found, key=lambda f: f[0]):
+            if len(rows) + len(job.rows) > budget:
+                break
+            rows += job.rows
+        return rows
+
+    def _read_back(self, pending: list[PendingDecode], paced: bool) -> list[tuple[Sequence, np.ndarray]]:
+        """The codes of the decode steps and of the prefill launched before, in launch order (cancels whose slots
+        they freed are acknowledged)."""
         results: list[tuple[Sequence, np.ndarray]] = []
-        if pending is not None:
-            results += self.llm.decode_finish(pending)
-            self.counters["decode_frames"] += len(pending.seqs)
-            if pending.prompt_frames:  # a mixed step: its period tells what its prompt cost the playing streams
+        for step in pending:
+            results += self.llm.decode_finish(step)
+            self.counters["decode_frames"] += len(step.seqs)
+            if step.prompt_frames:  # a mixed step: its period tells what its prompt cost the playing streams
                 self._prefilled = True
+        if pending:
             self._send_acks()
         elif paced:
             time.sleep(PACED_NAP_S)  # the DAC's calls take milliseconds: no need to spin on them
@@ -664,7 +722,7 @@ class Scheduler:
     def _drop_inflight(self) -> None:
         """The error path: forget the steps in flight (read back when the device still answers), so their
         slots come free and pending cancels are acknowledged."""
-        self._inflight = self._inflight_prefill = None
+        self._inflight, self._inflight_prefill = [], None
         for pending in list(self.llm.in_flight):
             try:
                 self.llm.decode_finish(pending)  # every row's sequence was released above: nothing is kept

@@ -62,6 +62,8 @@ class Run:
     kept: dict[int, np.ndarray] = field(default_factory=dict)
     audio_after_end: list[int] = field(default_factory=list)
     iterations: int = 0
+    first_audio_at: dict[int, int] = field(default_factory=dict)  # rid -> the iteration its first audio came in
+    counters: dict[str, int] = field(default_factory=dict)  # the scheduler's at the end
     # (rid, slot, the slot was freed one step before: released while a step in flight still wrote it)
     admissions: list[tuple[int, int, bool]] = field(default_factory=list)
 
@@ -80,6 +82,7 @@ def drive(
     submit_at: dict[int, tuple[int, list[m.SubmitRequest]]] | None = None,
     on_kept=None,
     max_iterations: int = 3000,
+    sprints: int = 0,
 ) -> Run:
     """Run the scheduler over `submit` (all sent before the first iteration) until every request ended.
     cancel_at {rid: n}: cancel rid once n of its frames went to the DAC; submit_at {rid: (n, requests)}:
@@ -91,6 +94,7 @@ def drive(
     inbox, out = ShmRing.create(16 << 20), ShmRing.create(64 << 20)
     sched = Scheduler(engine, inbox, out)
     sched.overlap = overlap
+    sched.sprints = sprints
     llm, dac = engine.llm, engine.dac
     run = Run()
     streams: dict[int, int] = {}  # DAC stream -> the rid whose frames it carries now
@@ -142,6 +146,7 @@ def drive(
                     if rid in run.ends:
                         run.audio_after_end.append(rid)
                     run.pcm[rid].append(rec.pcm)
+                    run.first_audio_at.setdefault(rid, run.iterations)
                 elif isinstance(rec, m.Kept):
                     run.kept[rid] = rec.frames
                     for nxt in on_kept(rid, rec.frames) if on_kept else ():
@@ -160,10 +165,11 @@ def drive(
                     del submit_at[rid]
                     for r in later:
                         put(r)
-            if expected <= run.ends.keys() and not sched.running and sched._inflight is None:
+            if expected <= run.ends.keys() and not sched.running and not sched._inflight:
                 break
         else:
             raise AssertionError(f"not done after {max_iterations} iterations: {sorted(expected - run.ends.keys())}")
+        run.counters = dict(sched.counters)
         assert not llm.in_flight and not llm.deferred
         assert sorted(llm.free_slots) == list(range(slots))  # every slot (twins' too) is free again
         # and the dac_decoder holds no stream (one whose audio ended on its EOS before its generation did,
@@ -294,6 +300,43 @@ def test_overlap_with_a_real_end_of_audio(engine: Engine):
     assert "eos" in reasons
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_first_audio_sprints_give_the_same_frames_and_audio(engine: Engine, overlap: bool):
+    """First-audio sprints (`EngineSettings.first_audio_sprints`: extra decode steps for the streams whose
+    first DAC call still waits for frames) change when frames come, never which: every seeded request of the
+    mix (a guided pair sprinting with its twin, requests whose frame budget ends inside the sprint window,
+    admissions into slots a sprint still wrote) has the frames and audio it has without them; the cancelled
+    one's frames are a prefix of its own (the steps in flight when the cancel came are discarded)."""
+    reqs, cancel_at, submit_at = mixed_requests()
+    plain = drive(engine, overlap, reqs, cancel_at, submit_at)
+    for sprints in (1, 2):
+        fast = drive(engine, overlap, reqs, cancel_at, submit_at, sprints=sprints)
+        assert fast.counters["sprint_frames"] > 0 and plain.counters["sprint_frames"] == 0
+        assert_same(plain, fast, [r.rid for r in reqs + submit_at[3][1] if r.rid != 1])
+        a, b = plain.codes(1), fast.codes(1)
+        n = min(len(a), len(b))
+        assert n >= 6 and abs(len(a) - len(b)) <= 2 * (1 + sprints)
+        np.testing.assert_array_equal(a[:n], b[:n])
+        assert fast.ends[1].reason == m.CANCELLED and not fast.audio_after_end
+        # sprints decode the rows of a normal step: the frames all requests got are the same in number
+        assert fast.counters["decode_frames"] - plain.counters["decode_frames"] <= 2 * (1 + sprints)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_first_audio_sprint_brings_first_audio_in_fewer_iterations(engine: Engine, overlap: bool):
+    """Beside two long streams, a newcomer sprints: its first audio comes in fewer iterations (about half with
+    one sprint a step), and its frames are the same. Only the newcomer sprints (its first call still waits);
+    the long streams had their first audio before it came."""
+    long = [req(40, "A long running stream.", 120, seed=40), req(41, "Another long one.", 120, seed=41)]
+    new = [req(42, "The newcomer.", 40, seed=42)]
+    runs = [drive(engine, overlap, long, submit_at={40: (30, new)}, sprints=n) for n in (0, 1)]
+    waited = [r.first_audio_at[42] - r.first_audio_at[40] for r in runs]
+    assert_same(runs[0], runs[1], [40, 41, 42])
+    assert runs[1].counters["sprint_frames"] >= 8  # at most one row a step: two streams decode beside it
+    print("iterations from the first long stream's first audio to the newcomer's", waited)
+    assert waited[1] < waited[0] - 5, waited
+
+
 def test_overlap_continued_reply(engine: Engine):
     """A reply of two requests (the first held and ended by its EOS; the second continues its kept frames,
     submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio
@@ -373,7 +416,7 @@ def test_no_decode_step_while_the_dac_decoder_is_behind(engine: Engine, overlap:
         for _ in range(500):
             sched.iterate()
             drain()
-            if 1 in ends and not sched.running and sched._inflight is None:
+            if 1 in ends and not sched.running and not sched._inflight:
                 break
         end = ends[1]
         assert isinstance(end, m.Finished) and end.stats is not None and end.stats.frames == 30
@@ -468,9 +511,9 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
         launched: list[int] = []  # iterations that launched a prefill
         observe, start = sched.admission.observe_launch, engine.llm.prefill_start
 
-        def rec_observe(now: float, streams: int, prefilled: bool = False) -> None:
+        def rec_observe(now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
             flags.append(prefilled)
-            observe(now, streams, prefilled)
+            observe(now, streams, prefilled, sprinted)
 
         def rec_start(chunks):
             launched.append(len(flags) - 1)
@@ -531,7 +574,7 @@ def test_a_first_call_that_would_hold_the_door_is_made_larger(engine: Engine, pe
         assert inbox.try_put(*m.Cancel(1).encode())  # the node and the decoder are left free for the next test
         for _ in range(300):
             sched.iterate()
-            if not sched.running and sched._inflight is None:
+            if not sched.running and not sched._inflight:
                 break
         assert not sched.running
     finally:
@@ -563,7 +606,7 @@ def test_a_request_cancelled_while_it_waits_is_no_start(engine: Engine):
             assert inbox.try_put(*m.Cancel(rid).encode())
         for _ in range(500):
             sched.iterate()
-            if not sched.running and sched._inflight is None:
+            if not sched.running and not sched._inflight:
                 break
         assert sched.counters["started"] == SLOTS and sched.counters["cancelled"] == SLOTS + len(waiting)
     finally:

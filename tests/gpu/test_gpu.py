@@ -328,7 +328,7 @@ def test_overlap_with_captured_graphs_equals_eager_without(built_engines):
     admission lands in a slot a step in flight writes (drive asserts it)."""
     from engine.contract.settings import EngineSettings, WeightSources
     from engine.runtime.engine import Engine
-    from tests.engine.test_overlap import SLOTS, compare_mixed
+    from tests.engine.test_overlap import SLOTS, assert_same, compare_mixed, drive, mixed_requests
 
     def engine(graphs: bool) -> Engine:
         built = Engine(
@@ -354,9 +354,15 @@ def test_overlap_with_captured_graphs_equals_eager_without(built_engines):
     eager = engine(False)
     graphed = engine(True)
     assert graphed.llm.graphs is not None and eager.llm.graphs is None
-    _, overlapped = compare_mixed(eager, False, graphed, True, pcm_tolerance=64)
+    plain, overlapped = compare_mixed(eager, False, graphed, True, pcm_tolerance=64)
     print("reasons with overlap:", {rid: end.reason for rid, end in sorted(overlapped.ends.items())})
     assert any(again for _, _, again in overlapped.admissions)  # a slot freed one step before went to a newcomer
+    # first-audio sprints on the captured graphs (small batch buckets launched behind the step, up to six decode
+    # steps in flight): the same frames as the eager engine without them
+    reqs, cancel_at, submit_at = mixed_requests()
+    sprinted = drive(graphed, True, reqs, cancel_at, submit_at, sprints=2)
+    assert sprinted.counters["sprint_frames"] > 0
+    assert_same(plain, sprinted, [r.rid for r in reqs + submit_at[3][1] if r.rid != 1], pcm_tolerance=64)
 
 
 # docs/protocol.md (`seed`): a seeded request's PCM beside other streams is within this SNR of its PCM alone
@@ -396,13 +402,19 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
     frames = 60
     target = req(1, "The seeded sentence we regenerate for an edit.", frames, seed=1234)
 
-    def serve(n_others: int):
+    def serve(n_others: int, sprints: int = 0):
         # the others start in the same iteration and outlast the target: every DAC call of the target's
         # can batch it with them
         others = [
             req(100 + i, f"Another stream, number {i}, with its own words.", frames + 20) for i in range(n_others)
         ]
-        run = drive(engine, True, [*others[: n_others // 2], target, *others[n_others // 2 :]], max_iterations=5000)
+        run = drive(
+            engine,
+            True,
+            [*others[: n_others // 2], target, *others[n_others // 2 :]],
+            max_iterations=5000,
+            sprints=sprints,
+        )
         return run.codes(1), run.audio(1), run.ends[1].reason
 
     codes, pcm, reason = serve(0)
@@ -411,13 +423,15 @@ def test_seeded_request_alone_and_beside_1_8_127_streams_same_codes_pcm_within_t
     np.testing.assert_array_equal(again[0], codes)
     np.testing.assert_array_equal(again[1], pcm)  # alone, the same DAC batches: identical PCM
     assert again[2] == reason
-    for n in (1, 8, 127):
-        c, p, r = serve(n)
-        np.testing.assert_array_equal(c, codes, err_msg=f"beside {n}")
+    # with first-audio sprints too (the engine's default on a GPU): the target sprints in small batches beside
+    # 8 (one of the 16 nearest its first call) and 127 (in or out of the sprint rows: frames differ in timing only)
+    for n, sprints in ((1, 0), (8, 0), (127, 0), (8, 1), (127, 1)):
+        c, p, r = serve(n, sprints)
+        np.testing.assert_array_equal(c, codes, err_msg=f"beside {n}, sprints {sprints}")
         assert len(p) == len(pcm) and r == reason, n
         snr = _snr(pcm, p)
         print(
-            f"seeded request beside {n} streams: codes identical, PCM SNR {snr:.1f} dB vs alone"
+            f"seeded request beside {n} streams (sprints {sprints}): codes identical, PCM SNR {snr:.1f} dB vs alone"
             + (" (identical)" if np.array_equal(p, pcm) else "")
         )
         assert snr >= SEEDED_PCM_SNR_DB, (n, snr)

@@ -65,6 +65,7 @@ def test_service_endpoints(server):
         "zonos_requests_total",
         "zonos_engine_late_iterations_by_engine",
         "zonos_engine_loop_preempted_by_engine",
+        "zonos_engine_sprint_frames_by_engine",
     ):
         assert name in text, name
 

@@ -361,3 +361,26 @@ def test_an_iteration_longer_than_three_frames_while_streams_play_is_counted_lat
     adm.observe_launch(now + 10.0, 8)
     adm.observe_launch(now + 10.0 + 10e-3, 8)
     assert adm.late == 2
+
+
+def test_may_sprint_only_while_the_iteration_stays_under_the_bound():
+    """The sprint gate (RealtimeAdmission.may_sprint): no sprint before a plain period is measured; one while
+    the plain period plus what sprints cost stays under headroom x the frame; what a sprint costs is measured
+    from the iterations that ran one, and the admission's period leaves it out (sprints run only in room
+    admission does not use)."""
+    a = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
+    assert not a.may_sprint(1)
+    t = 0.0
+    for _ in range(8):  # plain 6 ms iterations
+        a.observe_launch(t, 100)
+        t += 0.006
+    assert a.may_sprint(1) and a.may_sprint(2)  # not measured yet: 0 s a sprint
+    for _ in range(8):  # each iteration ran one sprint step, 3 ms more
+        t += 0.003
+        a.observe_launch(t, 100, sprinted=1)
+        t += 0.006
+    assert a.sprint_s == pytest.approx(0.003, rel=0.05)
+    assert a.period_s == pytest.approx(0.006, rel=0.05)  # the gates see the period without the sprints
+    assert a.may_sprint(1)  # 9 ms <= 10.4
+    assert not a.may_sprint(2)  # 12 ms > 10.4
+    assert RealtimeAdmission(enabled=False).may_sprint(2)
