@@ -21,6 +21,11 @@ SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --
 # seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
 # that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing
 HOLD_PER_AUDIO_S = 2.0
+# At --max-sessions, a newcomer takes the place of this process's session idle longest, if one has been idle (no
+# message, nothing speaking, no turn open) this long: longer than a live conversation's pauses between turns (a user's
+# reply, an LLM's answer), so only a pooled or forgotten socket is taken; a pooled client reconnects at its next turn.
+# Without it, a client holding --max-sessions idle sockets locked every other client out for --idle-timeout (1 h).
+EVICT_IDLE_AFTER_S = 30.0
 
 
 def max_normalization_workers() -> int:
@@ -87,6 +92,16 @@ class Limits:
         default=3600.0,
         metadata=_limit(
             "seconds a WebSocket may go without a message before it is closed", 0, _DAY, aliases=("--idle-timeout",)
+        ),
+    )
+    evict_idle_after_s: float = field(
+        default=EVICT_IDLE_AFTER_S,
+        metadata=_limit(
+            "seconds a WebSocket session must have been idle (no message, nothing speaking, no turn open) before a "
+            "new session at --max-sessions may take its place (the one idle longest is closed, evicted_idle)",
+            0,
+            _DAY,
+            aliases=("--evict-idle-after",),
         ),
     )
     send_timeout_s: float = field(

@@ -64,10 +64,12 @@ PREVIEW_MAX_RATE = 48000  # Hz: a preview of a clip at a higher rate is resample
 DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again
 
 
-class Drainable(Protocol):
+class LiveSession(Protocol):
     """A streaming session, as the gateway sees it (app/core/session.py)."""
 
     def drain(self) -> None: ...
+    def idle_s(self, now: float) -> float | None: ...
+    def evict(self) -> None: ...
 
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
@@ -197,7 +199,7 @@ class Gateway:
         self._refused_until = 0.0
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
         self.draining = False
-        self.live: set[Drainable] = set()  # this process's streaming sessions (app/doors/handshake.py)
+        self.live: set[LiveSession] = set()  # this process's streaming sessions (app/doors/handshake.py)
 
     async def start(self) -> None:
         await self.engine.start()
@@ -242,6 +244,21 @@ class Gateway:
         self.draining = True
         for s in list(self.live):
             s.drain()
+
+    def idle_longest(self) -> LiveSession | None:
+        """At the session limit (app/doors/handshake.py), the session whose place a newcomer may take (`evict`): this
+        process's session idle longest, if it has been idle for --evict-idle-after (app/settings.py
+        EVICT_IDLE_AFTER_S). None when none has: a session speaking or with a turn open is never taken."""
+        now, least = time.monotonic(), self.settings.limits.evict_idle_after_s
+        idle = [(t, s) for s in self.live if (t := s.idle_s(now)) is not None and t >= least]
+        return max(idle, key=lambda ts: ts[0])[1] if idle else None
+
+    def evict(self, session: LiveSession) -> None:
+        """End an idle session (`idle_longest`, in the same step of the event loop) whose place in the session count
+        a newcomer takes: it is not given back when the session ends."""
+        self.live.discard(session)
+        session.evict()
+        self.metrics.evictions.inc()
 
     def held(self) -> int:
         """Admitted conversations whose room is held: this process's now, and what the others published."""

@@ -79,6 +79,11 @@ class Metrics:
         )
         self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
         self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
+        self.evictions = Counter(
+            "zonos_sessions_evicted",
+            "Idle WebSocket sessions closed (evicted_idle) to make room for a new one at --max-sessions",
+            registry=r,
+        )
         self.door_refusals = Counter(
             "zonos_door_refusals",
             "New streams refused at the door before any of them was read: no engine "

@@ -62,7 +62,8 @@ Answer = dict[str, Any] | Callable[[], Awaitable[None]]
 DRAIN_QUIET_S = 1.0
 DRAIN_POLL_S = 0.05
 DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
-CLOSED, DRAINED = "closed", "drained"  # why a session ends by itself (`StreamingSession._outcome`)
+# why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
+CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
 MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the oldest is forgotten past it)
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
@@ -152,7 +153,10 @@ class StreamingSession:
         self._failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
-        self._last_activity = time.monotonic()
+        self._last_activity = time.monotonic()  # its last message
+        self._busy_at = self._last_activity  # when it last finished playing or aligning an utterance (`idle_s`)
+        # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
+        self.evicted = False
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
@@ -224,6 +228,14 @@ class StreamingSession:
         """After `close`, once everything has been played and answered."""
         await self.ws.close(1000)
 
+    async def on_evicted(self) -> None:
+        """A newcomer at the session limit took this idle session's place (`evict`)."""
+        await self.error(
+            G.EVICTED_IDLE,
+            "closed while idle to make room for a new session: the server is at its session limit; reconnect",
+        )
+        await self.ws.close(1000)
+
     async def on_drained(self) -> None:
         """The server is shutting down and this session is quiet (`drain`)."""
         await self.ws.close(DRAIN_CLOSE_CODE, "the server is restarting: reconnect")
@@ -289,7 +301,14 @@ class StreamingSession:
             for task in done:
                 task.result()
             if self._outcome in done:
-                await (self.on_closed() if self._outcome.result() == CLOSED else self.on_drained())
+                outcome = self._outcome.result()
+                await (
+                    self.on_closed()
+                    if outcome == CLOSED
+                    else self.on_evicted()
+                    if outcome == EVICTED
+                    else self.on_drained()
+                )
         finally:
             recv.cancel()
             # waited for, not awaited: awaiting a cancelled task raises its CancelledError here, whose traceback
@@ -343,7 +362,7 @@ class StreamingSession:
                     continue
                 await self.on_idle()
                 return
-            if msg["type"] == "websocket.disconnect":
+            if msg["type"] == "websocket.disconnect" or self.evicted:  # (evicted: what came after is not taken)
                 return
             self._last_activity = time.monotonic()
             if msg.get("bytes") is not None:
@@ -370,6 +389,22 @@ class StreamingSession:
 
     def playing(self) -> bool:
         return any(lane.pipe.queue for lane in self.lanes.values())
+
+    def idle_s(self, now: float) -> float | None:
+        """How long the session has been idle: no message, and nothing buffered, generating, playing, being aligned
+        or waiting for its answer, since then; None while it is not idle: any of those, a turn open (more text of it
+        may come), or it is ending. At the session limit a newcomer may take the place of the one idle longest
+        (app/core/gateway.py `idle_longest`)."""
+        if self._ended or self._closing or self._outcome.done() or self._turns or self.playing() or not self._quiet():
+            return None
+        return now - max(self._last_activity, self._busy_at)
+
+    def evict(self) -> None:
+        """End this idle session (`on_evicted`): a newcomer at the session limit has taken its place in the session
+        count (app/doors/handshake.py `serve_session` does not give it back)."""
+        self.evicted = True
+        if not self._outcome.done():
+            self._outcome.set_result(EVICTED)
 
     @property
     def closing(self) -> bool:
@@ -736,6 +771,7 @@ class StreamingSession:
                 u = pipe.queue[0]
                 await self._play(lane, u)
                 pipe.done(u)
+                self._busy_at = time.monotonic()
                 await self._answer_marks(lane)
                 continue
             await self._answer_marks(lane)
@@ -827,6 +863,7 @@ class StreamingSession:
 
     def _aligned(self, task: asyncio.Task[None]) -> None:
         self._align_tasks.discard(task)
+        self._busy_at = time.monotonic()
         self._task_failed(task)
         self._check_closed()
 

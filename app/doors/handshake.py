@@ -104,7 +104,8 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     finally:
         gw.live.discard(session)
         gw.conversations.discard(session.conversation)
-        gw.sessions.close()
+        if not session.evicted:  # else a newcomer has taken its place in the count (`Gateway.evict`)
+            gw.sessions.close()
         gw.metrics.sessions.dec()
 
 
@@ -156,25 +157,35 @@ async def serve(
         gw.metrics.errors.labels(e.code).inc()
         await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)
         return
-    if not gw.sessions.try_open(gw.settings.limits.max_sessions):  # every gateway process's sessions count
-        await refuse(
-            G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later", G.TOO_MANY_SESSIONS.http_status
-        )
-        return
+    # Every gateway process's sessions count. At the limit, the newcomer takes the place of this process's session idle
+    # longest, if one has been idle long enough (`Gateway.idle_longest`): evicted once the newcomer's URL is taken.
+    victim = None
+    if not gw.sessions.try_open(gw.settings.limits.max_sessions):
+        victim = gw.idle_longest()
+        if victim is None:
+            await refuse(
+                G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later", G.TOO_MANY_SESSIONS.http_status
+            )
+            return
     session: StreamingSession | None = None
     try:
         session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+        if victim is not None:  # (no await since `idle_longest`: still idle) its place in the count is the newcomer's
+            gw.evict(victim)
+            victim = None
         # admitted: its room is held from now on (no newcomer takes it while the socket is accepted)
         gw.conversations.add(session.conversation)
         await ws.accept(subprotocol=subprotocol)
     except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
-        gw.sessions.close()
+        if victim is None:  # else it held no place in the count
+            gw.sessions.close()
         if session is not None:
             gw.conversations.discard(session.conversation)
         await refuse(e.code, str(e), e.status if e.status != 500 else 400)
         return
     except BaseException:
-        gw.sessions.close()
+        if victim is None:
+            gw.sessions.close()
         if session is not None:
             gw.conversations.discard(session.conversation)
         raise

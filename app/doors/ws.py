@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
@@ -162,6 +163,7 @@ class Session(StreamingSession):
                 break
             data = self._held_back.popleft()[0]
         self._config = None
+        self._busy_at = time.monotonic()  # (idle from now: `idle_s`)
         self._check_closed()
 
     def _hold_back(self, data: dict[str, Any]) -> None:

@@ -31,6 +31,8 @@ class GatewayError(StrEnum):
     TOO_MANY_CONTEXTS = "too_many_contexts"
     TOO_MANY_SESSIONS = "too_many_sessions"
     IDLE_TIMEOUT = "idle_timeout"
+    # an idle session closed at the session limit to make room for a new one (app/core/gateway.py `idle_longest`)
+    EVICTED_IDLE = "evicted_idle"
     CLIENT_STALLED = "client_stalled"  # counted only: the client reads nothing, so it is told nothing
     CLIENT_GONE = "client_gone"  # counted only: an HTTP client left before its audio began (its work is dropped)
     SHUTTING_DOWN = "shutting_down"  # a new stream while the server drains (a SIGTERM): retry elsewhere

@@ -180,6 +180,8 @@ def test_every_limit_is_a_flag():
             "9.5",
             "--max-body-bytes-in-flight",
             "20",
+            "--evict-idle-after",
+            "21",
         ]
     )
     assert s.limits == Limits(
@@ -199,6 +201,7 @@ def test_every_limit_is_a_flag():
         min_clip_seconds=0,
         send_timeout_s=9.5,
         max_body_bytes_in_flight=20,
+        evict_idle_after_s=21,
     )
     assert s.engine.max_queue == 19  # the engine's wait queue (queue_full past it)
     assert parse_args([]).limits == Limits()  # defaults unchanged
@@ -280,6 +283,75 @@ def test_session_limit(limited):
     refused, code = run(go())
     assert refused["type"] == "error" and refused["code"] == "too_many_sessions"
     assert code == 1013  # "try again later"
+
+
+EVICT_AFTER_S = 0.3  # the evicting server's --evict-idle-after
+
+
+@pytest.fixture(scope="module")
+def evicting(start_server):
+    """Two sessions at most; at the limit a newcomer takes the place of one idle for EVICT_AFTER_S (the limited
+    server's idle timeout, 4 s, is below the default 30 s: it never evicts)."""
+    return start_server("--max-sessions", "2", "--evict-idle-after", str(EVICT_AFTER_S))
+
+
+@slow
+def test_a_newcomer_at_the_session_limit_takes_the_place_of_the_session_idle_longest(evicting):
+    quiet(evicting)
+    evicted_before = gauge(evicting, "zonos_sessions_evicted_total")
+
+    async def go():
+        b = await connect(evicting)
+        a = await connect(evicting)
+        await b.send(type="flush")  # a message (nothing to speak): a is the one idle longest now
+        assert (await b.recv())["type"] == "flushed"
+        await asyncio.sleep(EVICT_AFTER_S)  # both idle past the minimum (only a lower bound: a slow machine waits more)
+        c = await connect(evicting, fast())  # at the limit: a's place
+        evicted = await a.recv()
+        code = await closed_code(a.ws)
+        await c.send(type="text", text="The newcomer speaks.")
+        await c.send(type="flush")
+        start = await c.until("audio.start")
+        await c.until("audio.done")
+        await b.send(type="flush")  # the other idle session is still open
+        still = await b.recv()
+        for x in (b, c):
+            await x.ws.close()
+        return evicted, code, start, still
+
+    evicted, code, start, still = run(go())
+    assert evicted["type"] == "error" and evicted["code"] == "evicted_idle", evicted
+    assert code == 1000  # a clean close, as after idle_timeout: a pooled client reconnects
+    assert start["type"] == "audio.start"
+    assert still["type"] == "flushed"
+    assert gauge(evicting, "zonos_sessions_evicted_total") == evicted_before + 1
+    wait_for(lambda: gauge(evicting, "zonos_active_sessions") == 0, 60)  # every place given back, once
+
+
+@slow
+def test_a_session_with_a_turn_open_is_never_evicted(evicting):
+    quiet(evicting)
+    evicted_before = gauge(evicting, "zonos_sessions_evicted_total")
+
+    async def go():
+        open_ = [await connect(evicting, fast()) for _ in range(2)]
+        for c in open_:
+            await c.send(type="text", text="no sentence end yet")  # buffered: a turn open, text waiting to be spoken
+        await asyncio.sleep(EVICT_AFTER_S)  # no message since for longer than the minimum
+        ws = await websockets.connect(evicting.ws_url)
+        refused = json.loads(await ws.recv())
+        code = await closed_code(ws)
+        for c in open_:  # both turns go on: their text is spoken
+            await c.send(type="flush")
+            await c.until("audio.done")
+            assert (await c.until("flushed"))["type"] == "flushed"
+            await c.ws.close()
+        return refused, code
+
+    refused, code = run(go())
+    assert refused["type"] == "error" and refused["code"] == "too_many_sessions"
+    assert code == 1013
+    assert gauge(evicting, "zonos_sessions_evicted_total") == evicted_before
 
 
 @slow
