@@ -659,10 +659,18 @@ class Scheduler:
 
     def _apply(self, results: list[tuple[Sequence, np.ndarray]]) -> None:
         """Frames read back: each to its request's DAC stream (one batch for the common case); a request that
-        ended holds its stream (a non-final chunk) or finishes it, and gives its slots back."""
+        ended holds its stream (a non-final chunk) or finishes it, and gives its slots back. A sequence that
+        sprinted has rows from several steps, in launch order: they go to its stream together, and its end is
+        handled once, after its last row."""
         now = time.perf_counter()
         plain_keys, plain_rows = [], []
+        grouped: dict[int, tuple[Sequence, list[np.ndarray]]] = {}  # id(seq) -> its rows, in launch order
         for seq, codes in results:
+            if (got := grouped.get(id(seq))) is None:
+                grouped[id(seq)] = (seq, [codes])
+            else:
+                got[1].append(codes)
+        for seq, rows in grouped.values():
             if seq.rid < 0:  # a guidance twin: its frame is its request's, released with it
                 if -seq.rid not in self.running:
                     self.llm.release(seq)
@@ -671,13 +679,13 @@ class Scheduler:
             if job is None:  # its audio completed (or it was cancelled) while this step was in flight
                 self.llm.release(seq)
                 continue
-            if seq.generated == 1:
+            if not job.times.prefilled:  # its first frame (it may have come with a sprint's second)
                 job.times.prefilled = now
             if seq.audio_frames is None and seq.finish_reason is None:
-                plain_keys.append(job.chain.stream)
-                plain_rows.append(codes)
+                plain_keys += [job.chain.stream] * len(rows)
+                plain_rows += rows
                 continue
-            self.dac.push(job.chain.stream, codes[None], eos_frame=seq.audio_frames)
+            self.dac.push(job.chain.stream, np.stack(rows), eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
                 if job.chain.hold:
                     self._hold(job, now)
