@@ -564,7 +564,7 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
         assert len(launched) == 2
         lag = 2 if overlap else 1
         assert [i for i, f in enumerate(flags) if f] == [i + lag for i in launched]
-        while sched.running or sched._inflight is not None:
+        while sched.running or sched._inflight:
             with engine.llm_stream():
                 sched.iterate()
     finally:
@@ -579,7 +579,7 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
 class _MeasuredPeriod(RealtimeAdmission):
     """Realtime admission with its iteration period pinned (a CPU's own periods say nothing of a GPU's)."""
 
-    def observe_launch(self, now: float, streams: int, prefilled: bool = False) -> None:
+    def observe_launch(self, now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
         pass
 
 
