@@ -65,6 +65,9 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
+# a turn left open (text buffered or a context unflushed) this many times --evict-idle-after with no message counts as
+# idle at the session limit (`idle_s`): far past an LLM's pauses mid-reply, so only a turn nobody finishes is taken
+STALE_TURN_FACTOR = 10
 MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the oldest is forgotten past it)
 # Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
 # has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
@@ -391,13 +394,20 @@ class StreamingSession:
         return any(lane.pipe.queue for lane in self.lanes.values())
 
     def idle_s(self, now: float) -> float | None:
-        """How long the session has been idle: no message, and nothing buffered, generating, playing, being aligned
-        or waiting for its answer, since then; None while it is not idle: any of those, a turn open (more text of it
-        may come), or it is ending. At the session limit a newcomer may take the place of the one idle longest
-        (app/core/gateway.py `idle_longest`)."""
-        if self._ended or self._closing or self._outcome.done() or self._turns or self.playing() or not self._quiet():
+        """How long the session has been idle: no message, and nothing generating, playing, being aligned or waiting
+        for its answer, since then; None while it is not idle: any of those, or it is ending. A turn open (text
+        buffered, or a context not yet flushed or closed: more of it may come) keeps it from being idle until no
+        message came for STALE_TURN_FACTOR x --evict-idle-after; past that it is a turn nobody finishes (a client
+        holding places with unflushed text). At the session limit a newcomer may take the place of the one idle
+        longest (app/core/gateway.py `idle_longest`)."""
+        if self._ended or self._closing or self._outcome.done() or self.playing() or self._align_tasks:
             return None
-        return now - max(self._last_activity, self._busy_at)
+        if any(lane.pipe.queue or lane.marks for lane in self.lanes.values()):
+            return None
+        idle = now - max(self._last_activity, self._busy_at)
+        if (self._turns or self.buffers) and idle < STALE_TURN_FACTOR * self.limits.evict_idle_after_s:
+            return None
+        return idle
 
     def evict(self) -> None:
         """End this idle session (`on_evicted`): a newcomer at the session limit has taken its place in the session

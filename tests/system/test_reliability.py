@@ -329,7 +329,7 @@ def test_a_newcomer_at_the_session_limit_takes_the_place_of_the_session_idle_lon
 
 
 @slow
-def test_a_session_with_a_turn_open_is_never_evicted(evicting):
+def test_a_session_with_a_turn_open_is_not_evicted_while_more_of_it_may_come(evicting):
     quiet(evicting)
     evicted_before = gauge(evicting, "zonos_sessions_evicted_total")
 
@@ -352,6 +352,39 @@ def test_a_session_with_a_turn_open_is_never_evicted(evicting):
     assert refused["type"] == "error" and refused["code"] == "too_many_sessions"
     assert code == 1013
     assert gauge(evicting, "zonos_sessions_evicted_total") == evicted_before
+
+
+@slow
+def test_a_turn_nobody_finishes_does_not_hold_a_place_for_ever(evicting):
+    """Unflushed text with no message for STALE_TURN_FACTOR x --evict-idle-after (a client holding places with turns
+    it never finishes): at the limit, a newcomer takes the place of the one left longest."""
+    from app.core.session import STALE_TURN_FACTOR
+
+    quiet(evicting)
+    evicted_before = gauge(evicting, "zonos_sessions_evicted_total")
+
+    async def go():
+        a = await connect(evicting)
+        await a.send(type="text", text="left open")
+        b = await connect(evicting)
+        await b.send(type="text", text="left open too")
+        # (a lower bound: a slow machine waits more)
+        await asyncio.sleep(STALE_TURN_FACTOR * EVICT_AFTER_S + 0.2)
+        c = await connect(evicting, fast())
+        evicted = await a.recv()
+        code = await closed_code(a.ws)
+        await c.send(type="text", text="The newcomer speaks.")
+        await c.send(type="flush")
+        start = await c.until("audio.start")
+        await c.until("audio.done")
+        for x in (b, c):
+            await x.ws.close()
+        return evicted, code, start
+
+    evicted, code, start = run(go())
+    assert evicted["type"] == "error" and evicted["code"] == "evicted_idle", evicted
+    assert code == 1000 and start["type"] == "audio.start"
+    assert gauge(evicting, "zonos_sessions_evicted_total") == evicted_before + 1
 
 
 @slow
