@@ -339,24 +339,30 @@ def test_a_first_audio_sprint_brings_first_audio_in_fewer_iterations(engine: Eng
     assert waited[1] < waited[0] - 5, waited
 
 
-def test_overlap_continued_reply(engine: Engine):
-    """A reply of two requests (the first held and ended by its EOS; the second continues its kept frames,
-    submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio
-    are the same
-    with overlap."""
+def continue_reply(held: int, texts: list[str], nxt: m.SubmitRequest):
+    """`drive`'s on_kept for a reply of two sentences: when request `held` (texts[0]) sends its kept frames, `nxt`
+    continues it with texts[1] (its prompt built from the kept frames)."""
     from engine.frontend.longform import Continuation
 
-    texts = ["First part.", "And the second part."]
-
-    def on_kept(rid: int, kept: np.ndarray):
-        if rid != 20:
+    def on_kept(rid: int, kept: np.ndarray) -> list[m.SubmitRequest]:
+        if rid != held:
             return []
         cont = Continuation()
         cont.add(texts[0], kept)
         ctx_text, ctx_codes = cont.window()
         prompt = _pb().build_continuation(ctx_text, texts[1], ctx_codes, non_final=False)
-        return [req(21, "", 30, prompt=prompt, continues=20, seed=12)]
+        return [replace(nxt, prompt=prompt, continues=held)]
 
+    return on_kept
+
+
+def test_overlap_continued_reply(engine: Engine):
+    """A reply of two requests (the first held and ended by its EOS; the second continues its kept frames,
+    submitted when they come) beside a plain request: the kept frames, each request's frames and the stream's audio
+    are the same
+    with overlap."""
+    texts = ["First part.", "And the second part."]
+    on_kept = continue_reply(20, texts, req(21, "", 30, seed=12))
     reqs = [
         req(20, texts[0], 200, ignore_eos=False, hold=True, seed=26, temperature=1.5),  # its EOS: frame 68
         req(22, "Someone else.", 50, seed=13),
@@ -374,19 +380,8 @@ def test_a_held_chunk_that_ends_in_a_sprint_is_kept_once(engine: Engine, overlap
     """A reply's first chunk whose frame budget ends while it sprints: its last two frames (the step's and the
     sprint's) are read back together, and its end is handled once: one Kept record, the same kept frames, its
     continuation and the stream beside it the same as without sprints, every request's first frame timed."""
-    from engine.frontend.longform import Continuation
-
     texts = ["Hi.", "And the rest of it."]
-
-    def on_kept(rid: int, kept: np.ndarray):
-        if rid != 30:
-            return []
-        cont = Continuation()
-        cont.add(texts[0], kept)
-        ctx_text, ctx_codes = cont.window()
-        prompt = _pb().build_continuation(ctx_text, texts[1], ctx_codes, non_final=False)
-        return [req(31, "", 20, prompt=prompt, continues=30, seed=31)]
-
+    on_kept = continue_reply(30, texts, req(31, "", 20, seed=31))
     # 13 frames: the first from the prefill, then two an iteration (the step's even, the sprint's odd)
     # the stream beside it has had its first audio when the chunk comes: the chunk is the one that sprints
     other, chunk = req(32, "Someone else speaking here.", 80, seed=32), req(30, texts[0], 13, hold=True, seed=30)

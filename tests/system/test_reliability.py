@@ -295,6 +295,19 @@ def evicting(start_server):
     return start_server("--max-sessions", "2", "--evict-idle-after", str(EVICT_AFTER_S))
 
 
+async def newcomer_evicts(server, victim):
+    """A newcomer connects to `server` at its session limit and speaks: (what the victim got, its close code, the
+    newcomer, the newcomer's audio.start)."""
+    c = await connect(server, fast())
+    evicted = await victim.recv()
+    code = await closed_code(victim.ws)
+    await c.send(type="text", text="The newcomer speaks.")
+    await c.send(type="flush")
+    start = await c.until("audio.start")
+    await c.until("audio.done")
+    return evicted, code, c, start
+
+
 @slow
 def test_a_newcomer_at_the_session_limit_takes_the_place_of_the_session_idle_longest(evicting):
     quiet(evicting)
@@ -306,13 +319,7 @@ def test_a_newcomer_at_the_session_limit_takes_the_place_of_the_session_idle_lon
         await b.send(type="flush")  # a message (nothing to speak): a is the one idle longest now
         assert (await b.recv())["type"] == "flushed"
         await asyncio.sleep(EVICT_AFTER_S)  # both idle past the minimum (only a lower bound: a slow machine waits more)
-        c = await connect(evicting, fast())  # at the limit: a's place
-        evicted = await a.recv()
-        code = await closed_code(a.ws)
-        await c.send(type="text", text="The newcomer speaks.")
-        await c.send(type="flush")
-        start = await c.until("audio.start")
-        await c.until("audio.done")
+        evicted, code, c, start = await newcomer_evicts(evicting, a)  # at the limit: a's place
         await b.send(type="flush")  # the other idle session is still open
         still = await b.recv()
         for x in (b, c):
@@ -370,13 +377,7 @@ def test_a_turn_nobody_finishes_does_not_hold_a_place_for_ever(evicting):
         await b.send(type="text", text="left open too")
         # (a lower bound: a slow machine waits more)
         await asyncio.sleep(STALE_TURN_FACTOR * EVICT_AFTER_S + 0.2)
-        c = await connect(evicting, fast())
-        evicted = await a.recv()
-        code = await closed_code(a.ws)
-        await c.send(type="text", text="The newcomer speaks.")
-        await c.send(type="flush")
-        start = await c.until("audio.start")
-        await c.until("audio.done")
+        evicted, code, c, start = await newcomer_evicts(evicting, a)
         for x in (b, c):
             await x.ws.close()
         return evicted, code, start
