@@ -24,6 +24,12 @@ DELIVERY_ITERATIONS = 2  # a chunk's dac_decoder call is launched, lands and is 
 # an iteration longer than this while streams play is a slip: at the lead floor (40 ms) it leaves a playing stream
 # no margin, so the streams' stalls come in bursts that every listener hears at once (Stats.late_iterations)
 LATE_PERIOD_S = 3 * FRAME_S
+# A sprint gives its streams two frames in (plain + sprint) instead of one in plain, and every other stream one frame
+# in (plain + sprint): worth it only while the sprint is short beside the plain iteration. At half, the sprinters go
+# at least 1.33x as fast and the others at least 0.67x; with 2-8 streams a step of a few rows costs ~0.9 of the
+# whole batch's (the weights' read), and sprints there slowed the newcomers left out of them (seed table c = 4:
+# first audio 66 ms on an H100 with them, docs/benchmarks.md)
+SPRINT_MAX_SHARE = 0.5
 
 
 @dataclass
@@ -91,13 +97,17 @@ class RealtimeAdmission:
     def may_sprint(self, k: int) -> bool:
         """May this iteration run its k-th first-audio sprint step (EngineSettings.first_audio_sprints)? While a
         plain iteration with k of them stays under the bound the playing streams keep ahead of real time, so the
-        sprints take only the room that admission leaves (none once the engine is full). Nothing measured yet:
-        no. Without realtime admission: yes."""
+        sprints take only the room that admission leaves (none once the engine is full); and only while a sprint
+        is short beside the plain iteration (SPRINT_MAX_SHARE). Nothing measured yet: no. Without realtime
+        admission: yes."""
         if not self.enabled:
             return True
         if not self._plain:
             return False
-        return statistics.median(self._plain) + k * self.sprint_s <= self.bound_s
+        plain = statistics.median(self._plain)
+        if self.sprint_s > SPRINT_MAX_SHARE * plain:
+            return False
+        return plain + k * self.sprint_s <= self.bound_s
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)

@@ -375,12 +375,36 @@ def test_may_sprint_only_while_the_iteration_stays_under_the_bound():
         a.observe_launch(t, 100)
         t += 0.006
     assert a.may_sprint(1) and a.may_sprint(2)  # not measured yet: 0 s a sprint
-    for _ in range(8):  # each iteration ran one sprint step, 3 ms more
-        t += 0.003
+    for _ in range(8):  # each iteration ran one sprint step, 2.5 ms more
+        t += 0.0025
         a.observe_launch(t, 100, sprinted=1)
         t += 0.006
-    assert a.sprint_s == pytest.approx(0.003, rel=0.05)
+    assert a.sprint_s == pytest.approx(0.0025, rel=0.05)
     assert a.period_s == pytest.approx(0.006, rel=0.05)  # the gates see the period without the sprints
-    assert a.may_sprint(1)  # 9 ms <= 10.4
-    assert not a.may_sprint(2)  # 12 ms > 10.4
+    assert a.may_sprint(1)  # 8.5 ms <= 10.4
+    assert not a.may_sprint(2)  # 11 ms > 10.4
     assert RealtimeAdmission(enabled=False).may_sprint(2)
+
+
+def test_no_sprint_that_costs_about_what_the_iteration_does():
+    """With a few streams a sprint step costs nearly what the whole step does: the sprinting streams would gain
+    little and the others lose half their pace, so once a sprint is measured at more than SPRINT_MAX_SHARE of the
+    plain iteration, none runs (until the plain iteration grows past twice its cost)."""
+    from engine.runtime.admission import SPRINT_MAX_SHARE
+
+    a = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
+    t = 0.0
+    for _ in range(8):  # plain 3 ms iterations (a handful of streams)
+        a.observe_launch(t, 4)
+        t += 0.003
+    assert a.may_sprint(1)  # not measured yet
+    for _ in range(4):  # each sprint made its iteration 2.5 ms longer
+        t += 0.0025
+        a.observe_launch(t, 4, sprinted=1)
+        t += 0.003
+    assert a.sprint_s == pytest.approx(0.0025, rel=0.05) and a.sprint_s > SPRINT_MAX_SHARE * 0.003
+    assert not a.may_sprint(1)  # 5.5 ms would still be under the bound, but the others would lose 45 % of their pace
+    for _ in range(40):  # load grew: plain 7 ms iterations
+        a.observe_launch(t, 128)
+        t += 0.007
+    assert a.may_sprint(1)
