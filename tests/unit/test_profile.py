@@ -10,6 +10,8 @@ def test_iteration_budget_attributes_kernels_to_the_node_that_launched_them():
     ev = [
         {"cat": "user_annotation", "name": "decode", "tid": loop, "ts": 0, "dur": 10},
         {"cat": "user_annotation", "name": "dac", "tid": loop, "ts": 20, "dur": 5},
+        {"cat": "user_annotation", "name": "sprint", "tid": loop, "ts": 12, "dur": 4},  # a first-audio sprint step
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": loop, "ts": 13, "args": {"correlation": 5}},
         {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": loop, "ts": 2, "args": {"correlation": 1}},
         {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": loop, "ts": 21, "args": {"correlation": 2}},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "tid": spk, "ts": 22, "args": {"correlation": 3}},
@@ -19,11 +21,19 @@ def test_iteration_budget_attributes_kernels_to_the_node_that_launched_them():
         {"cat": "kernel", "name": "c", "ts": 4500, "dur": 2000, "args": {"correlation": 2}},  # DAC, overlapping
         {"cat": "kernel", "name": "d", "ts": 8000, "dur": 500, "args": {"correlation": 3}},  # speaker thread
         {"cat": "kernel", "name": "e", "ts": 9000, "dur": 1000, "args": {"correlation": 4}},  # outside any range
+        {"cat": "kernel", "name": "f", "ts": 10000, "dur": 1500, "args": {"correlation": 5}},  # the sprint's graph
     ]
     b = iteration_budget(ev, iterations=1)
-    assert b["gpu_ms_per_iteration"] == {"decode": 5.0, "prefill": 0.0, "dac": 2.0, "speaker": 0.5, "other": 1.0}
-    assert b["gpu_busy_ms_per_iteration"] == 7.9  # 100..6500, 8000..8500, 9000..10000
-    assert b["gpu_idle_ms_per_iteration"] == 2.0  # of the 9.9 ms from the first kernel to the last
+    assert b["gpu_ms_per_iteration"] == {
+        "decode": 5.0,
+        "sprint": 1.5,
+        "prefill": 0.0,
+        "dac": 2.0,
+        "speaker": 0.5,
+        "other": 1.0,
+    }
+    assert b["gpu_busy_ms_per_iteration"] == 9.4  # 100..6500, 8000..8500, 9000..11500
+    assert b["gpu_idle_ms_per_iteration"] == 2.0  # of the 11.4 ms from the first kernel to the last
 
 
 def test_stack_summary_counts_own_and_inclusive_time_per_function():
