@@ -4,10 +4,9 @@
 # order), then the seed-under-load test alone with its printed SNRs (SEED_TEST). The pytest-randomly wheel
 # travels in .whl (pip download --no-deps -d .whl pytest-randomly==5.1.0), as the other carried wheels.
 # Usage (device tool): bash bench/device_gpu_tests.sh [shuffled] [seeds]   (default: both)
-# PARALLEL=2 deals the list's files to two pytest processes that share the GPU (the full-size model's tests,
-# test_gpu.py and test_fp8.py, land in different ones): on an H100 the list takes ~590 s in one process, more
-# than a call's 600 s with the seed step. (Written on 2026-12-05 when no device could be had: it has not run on
-# one yet, so read every group's log the first time.)
+# PARALLEL=N deals the list's files round-robin to N pytest processes that share the GPU: on an H100 the list takes
+# ~590 s in one process, more than a call's 600 s with the seed step; with PARALLEL=3 TESTS_S=400 it took 355 s
+# (2026-12-05, fb05711: groups of 339 / 64 / 213 s, 300 passed, 1 skipped).
 # Files under $OUT: gpu_tests_shuffled.log (gpu_tests_shuffled_<group>.log with PARALLEL), seed_test.log
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
