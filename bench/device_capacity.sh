@@ -140,7 +140,10 @@ curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_m
 grep -E "slow iteration|decode steps paused|gc pause|Traceback|recompil" /tmp/server.log | head -30
 [ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} $CLIENT_PIN python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"
-kill $server; sleep 3
+kill $server; wait $server 2> /dev/null
+# the port is free before the script ends, so a call may run it twice (an A/B of SERVER_ARGS, each with its own OUT);
+# never `pkill -f "python3 -m app"` between them: it matches the call's own shell
+for _ in $(seq 30); do curl -s localhost:8000/healthz > /dev/null || break; sleep 1; done
 # a file over 16 MB does not come back (a storm's records): compressed, it does (bench/summarize.py reads .json.gz)
 find "$OUT" -name "*.json" -size +12M -exec gzip -f {} \;
 grep -v -E "GET /readyz|WebSocket /v1|connection (open|closed)| rid [0-9]+ done|gateway.requests" /tmp/server.log | tail -15
