@@ -172,12 +172,14 @@ class EngineSettings:
     # a stream that has not sent its first audio gets this many extra decode steps of its own per iteration (a
     # small batch: the weights read again for a few rows) while the iteration, with them, stays under the admission's
     # bound (engine/runtime/admission.py `may_sprint`): its first audio comes in about half the iterations, and the
-    # playing streams stay ahead of real time. Seeded output is the same. None: 1 with a GPU, 0 on a CPU
+    # playing streams stay ahead of real time. Seeded output is the same. None: 1 with a GPU under realtime admission,
+    # else 0
     first_audio_sprints: int | None = field(
         default=None,
         metadata=flag(
             "extra decode steps per iteration for streams that have not sent their first audio, while the iteration "
-            "stays within the realtime bound (same seeded output; default: 1 with a GPU, 0 on a CPU)",
+            "stays within the realtime bound (same seeded output; default: 1 with a GPU and realtime admission, "
+            "else 0)",
             lo=0,
             hi=MAX_SPRINTS,
         ),

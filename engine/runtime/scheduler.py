@@ -142,7 +142,8 @@ class Scheduler:
         self._inflight: list[PendingDecode] = []  # the steps launched last iteration: its decode step, its sprints
         # first-audio sprints (module docstring): extra decode steps per iteration for streams before their first audio
         sprints = settings.first_audio_sprints
-        self.sprints = sprints if sprints is not None else (1 if engine.on_gpu else 0)
+        # (by default only under realtime admission: its measured bound is what keeps them from costing real time)
+        self.sprints = sprints if sprints is not None else (1 if engine.on_gpu and self.admission.enabled else 0)
         self._sprinted = 0  # sprint steps launched since the last decode step (admission takes them out of the period)
         self._inflight_prefill: PendingDecode | None = None  # the last prefill's first frames, read back next
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
