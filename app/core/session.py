@@ -400,9 +400,8 @@ class StreamingSession:
         message came for STALE_TURN_FACTOR x --evict-idle-after; past that it is a turn nobody finishes (a client
         holding places with unflushed text). At the session limit a newcomer may take the place of the one idle
         longest (app/core/gateway.py `idle_longest`)."""
-        if self._ended or self._closing or self._outcome.done() or self.playing() or self._align_tasks:
-            return None
-        if any(lane.pipe.queue or lane.marks for lane in self.lanes.values()):
+        busy = self.playing() or self._align_tasks or any(lane.marks for lane in self.lanes.values())
+        if busy or self._ended or self._closing or self._outcome.done():
             return None
         idle = now - max(self._last_activity, self._busy_at)
         if (self._turns or self.buffers) and idle < STALE_TURN_FACTOR * self.limits.evict_idle_after_s:
