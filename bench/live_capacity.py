@@ -591,6 +591,7 @@ GC_HISTOGRAMS = {"zonos_gc_pause_seconds_bucket": "gc", "zonos_gc_pause_cpu_seco
 ENGINE_COUNTERS = {
     "zonos_engine_late_iterations_by_engine": "late_iterations",
     "zonos_engine_loop_preempted_by_engine": "loop_preempted",
+    "zonos_engine_sprint_frames_by_engine": "sprint_frames",  # first-audio sprints: did the gate let them run?
 }
 
 
@@ -1136,7 +1137,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
             slips = summary["engine_slips"]
             log(
                 f"      engine: {slips['late_iterations']:.0f} iterations longer than three frames, its loop thread "
-                f"preempted {slips['loop_preempted']:.0f} times"
+                f"preempted {slips['loop_preempted']:.0f} times, {slips.get('sprint_frames', 0):.0f} frames in "
+                "first-audio sprints"
             )
         if summary.get("gc"):
             log(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")

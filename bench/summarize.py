@@ -73,6 +73,7 @@ def level_details(level: dict[str, Any]) -> str:
     if slips := level.get("engine_slips"):
         bits.append(
             f"engine: {slips['late_iterations']:.0f} late iterations, loop preempted {slips['loop_preempted']:.0f}x"
+            + (f", {slips['sprint_frames']:.0f} sprint frames" if "sprint_frames" in slips else "")
         )
     if level.get("loop_lag_ms_max") is not None:
         bits.append(f"client loop lag p99 max {max(level.get('loop_lag_ms_p99_by_proc') or [0])} ms")

@@ -30,6 +30,11 @@ LATE_PERIOD_S = 3 * FRAME_S
 # whole batch's (the weights' read), and sprints there slowed the newcomers left out of them (seed table c = 4:
 # first audio 66 ms on an H100 with them, docs/benchmarks.md)
 SPRINT_MAX_SHARE = 0.5
+# What a sprint costs is measured only from iterations that ran one, so a cost measured too high (while the load
+# ramped, the plain period's median lagged it) would keep every later sprint out and never be measured again: while
+# the sprints' own measured cost keeps them out, one runs as a probe every this many launches (an H200 run at 128
+# streams sprinted in 4 % of its iterations with room for all of them)
+SPRINT_PROBE_LAUNCHES = 64
 
 
 @dataclass
@@ -49,6 +54,7 @@ class RealtimeAdmission:
     prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
     sprint_s: float = 0.0  # average time a first-audio sprint step added to its iteration (`may_sprint`)
     late: int = 0  # iterations whose period passed LATE_PERIOD_S while streams ran (since start)
+    _unsprinted: int = 0  # launches since the last one whose period held a sprint (or since a probe was granted)
     _last_launch: float | None = None
     _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # every iteration's
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # its period per stream
@@ -70,8 +76,10 @@ class RealtimeAdmission:
 
     def observe_launch(self, now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
         """Called at every decode-step launch with the number of streams it carries; `prefilled`: the
-        iteration since the last launch ran a prefill; `sprinted`: it ran that many first-audio sprint steps.
+        iteration since the last launch ran a prefill; `sprinted`: the period holds that many first-audio sprint
+        steps (those read back since the last launch).
         The gates see the period without the sprints (they run only while there is room: `may_sprint`)."""
+        self._unsprinted = 0 if sprinted else self._unsprinted + 1
         if streams and self._last_launch is not None:
             period = raw = now - self._last_launch
             if sprinted:
@@ -99,15 +107,19 @@ class RealtimeAdmission:
         plain iteration with k of them stays under the bound the playing streams keep ahead of real time, so the
         sprints take only the room that admission leaves (none once the engine is full); and only while a sprint
         is short beside the plain iteration (SPRINT_MAX_SHARE). Nothing measured yet: no. Without realtime
-        admission: yes."""
+        admission: yes. While only the sprints' own measured cost keeps them out, the first one runs every
+        SPRINT_PROBE_LAUNCHES launches to measure it again (granting it restarts the count)."""
         if not self.enabled:
             return True
         if not self._plain:
             return False
         plain = statistics.median(self._plain)
-        if self.sprint_s > SPRINT_MAX_SHARE * plain:
-            return False
-        return plain + k * self.sprint_s <= self.bound_s
+        if self.sprint_s <= SPRINT_MAX_SHARE * plain and plain + k * self.sprint_s <= self.bound_s:
+            return True
+        if k == 1 and plain < self.bound_s and self._unsprinted >= SPRINT_PROBE_LAUNCHES:
+            self._unsprinted = 0
+            return True
+        return False
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)

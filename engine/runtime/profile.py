@@ -125,21 +125,27 @@ def write_budget(trace_path: str, out_path: str, extra: dict[str, Any], counts: 
     budget = iteration_budget(trace.get("traceEvents", []), int(extra["iterations"]))
     budget.update(extra)
     if counts:
-        budget["dac"] = dac_report(counts, budget["gpu_ms_per_iteration"]["dac"] * int(extra["iterations"]))
+        n = int(extra["iterations"])
+        budget["dac"] = dac_report(
+            counts, budget["gpu_ms_per_iteration"]["dac"] * n, budget["gpu_alone_ms_per_iteration"]["dac"] * n
+        )
     with open(out_path, "w") as fh:
         json.dump(budget, fh, indent=1)
     return budget
 
 
-def dac_report(counts: dict[str, int], gpu_ms: float) -> dict[str, Any]:
+def dac_report(counts: dict[str, int], gpu_ms: float, alone_ms: float = 0.0) -> dict[str, Any]:
     """The dac_decoder's work in a profiled window: its counts, and its audio per GPU second (served) against
-    the frames it decoded (real rows, flush frames included) and the padding rows it ran."""
+    the frames it decoded (real rows, flush frames included) and the padding rows it ran; per GPU second of its
+    kernels (stretched where they share the GPU with the decode step) and per second it alone kept the GPU busy."""
     from engine.contract.constants import SAMPLE_RATE
 
     out: dict[str, Any] = {k: v for k, v in sorted(counts.items()) if v}
     audio_s = counts.get("samples", 0) / SAMPLE_RATE
     if gpu_ms > 0:
         out["audio_s_per_gpu_s"] = round(audio_s / (gpu_ms / 1e3), 1)
+    if alone_ms > 0:
+        out["audio_s_per_alone_gpu_s"] = round(audio_s / (alone_ms / 1e3), 1)
     rows = counts.get("rows", 0) + counts.get("pad_rows", 0)
     if rows:
         out["pad_row_share"] = round(counts.get("pad_rows", 0) / rows, 3)
@@ -166,6 +172,7 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
     loop_tid = max(ranges, key=lambda t: len(ranges[t])) if ranges else None  # the scheduler's thread
     busy: dict[str, float] = dict.fromkeys((*NODES, "other"), 0.0)
     spans = []
+    tagged: list[tuple[float, float, str]] = []
     for k in kernels:
         node = "other"
         launch = launches.get(k.get("args", {}).get("correlation"))
@@ -178,6 +185,7 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
                 node = ranges[tid][i][2]
         busy[node] += k.get("dur", 0)
         spans.append((k["ts"], k["ts"] + k.get("dur", 0)))
+        tagged.append((k["ts"], k["ts"] + k.get("dur", 0), node))
     spans.sort()
     union, end, first = 0.0, None, spans[0][0] if spans else 0.0
     for s, e in spans:
@@ -189,11 +197,31 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
             end = e
     total = (end - first) if end is not None else 0.0  # end is None only without spans
     n = max(1, iterations)
+    alone = alone_time(tagged)
     return {
         "gpu_ms_per_iteration": {k: round(v / n / 1e3, 3) for k, v in busy.items()},
+        # each node's time with no other node's kernel beside it: what it adds to the GPU's busy time (the
+        # dac_decoder runs on a stream of its own beside the decode step, whose kernels stretch its own)
+        "gpu_alone_ms_per_iteration": {k: round(alone.get(k, 0.0) / n / 1e3, 3) for k in busy},
         "gpu_busy_ms_per_iteration": round(union / n / 1e3, 3),  # any kernel running (nodes overlap)
         "gpu_idle_ms_per_iteration": round((total - union) / n / 1e3, 3),
     }
+
+
+def alone_time(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per node, the time its kernels ran while no other node's did, from (start, end, node) spans."""
+    edges = sorted([(s, 1, node) for s, _, node in spans] + [(e, -1, node) for _, e, node in spans])
+    active: dict[str, int] = {}
+    alone: dict[str, float] = {}
+    last = None
+    for t, step, node in edges:
+        if last is not None and t > last:
+            running = [k for k, c in active.items() if c > 0]
+            if len(running) == 1:
+                alone[running[0]] = alone.get(running[0], 0.0) + (t - last)
+        active[node] = active.get(node, 0) + step
+        last = t
+    return alone
 
 
 if __name__ == "__main__":  # the engine's child process that analyses a trace (IterationProfiler._write)

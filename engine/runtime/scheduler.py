@@ -144,7 +144,9 @@ class Scheduler:
         sprints = settings.first_audio_sprints
         # (by default only under realtime admission: its measured bound is what keeps them from costing real time)
         self.sprints = sprints if sprints is not None else (1 if engine.on_gpu and self.admission.enabled else 0)
-        self._sprinted = 0  # sprint steps launched since the last decode step (admission takes them out of the period)
+        # sprint steps read back since the last decode step's launch: the next period holds what they cost (with
+        # overlap they are read back, and so counted, an iteration after their launch, like a prefill's first frames)
+        self._sprinted = 0
         self._inflight_prefill: PendingDecode | None = None  # the last prefill's first frames, read back next
         self._acks: list[tuple[int, float, Job, list[int]]] = []  # cancels acknowledged once their slots are free
         self._prefilled = False  # this iteration ran a prefill (admission measures what it added to the period)
@@ -583,7 +585,6 @@ class Scheduler:
                 break
             with node_range("sprint"):
                 launched.append(self.llm.decode_start(rows))
-            self._sprinted += 1
             self.counters["sprint_frames"] += len(rows)
         if self.overlap:
             launched, self._inflight = self._inflight, launched
@@ -618,8 +619,9 @@ class Scheduler:
         """The codes of the decode steps and of the prefill launched before, in launch order (cancels whose slots
         they freed are acknowledged)."""
         results: list[tuple[Sequence, np.ndarray]] = []
-        for step in pending:
+        for i, step in enumerate(pending):  # one iteration's steps: its decode step, then its sprints
             results += self.llm.decode_finish(step)
+            self._sprinted += i > 0
             self.counters["decode_frames"] += len(step.seqs)
             if step.prompt_frames:  # a mixed step: its period tells what its prompt cost the playing streams
                 self._prefilled = True

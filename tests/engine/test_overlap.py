@@ -571,6 +571,52 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
             ring.unlink()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine, overlap: bool):
+    """A sprint's cost is told to admission with the period that holds it: the next launch's without overlap, the
+    one after with overlap (its steps are read back an iteration after their launch, and the period up to a launch
+    ends when the steps before it were read back). Counted once per sprint step."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap, sched.sprints = overlap, 1
+        told: list[int] = []
+        launched: list[int] = []  # the iteration of each sprint step's launch
+        observe, sprint_rows = sched.admission.observe_launch, sched._sprint_rows
+
+        def rec_observe(now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
+            told.append(sprinted)
+            observe(now, streams, prefilled, sprinted)
+
+        def rec_rows(decoding: int):
+            rows = sprint_rows(decoding)
+            if rows:
+                launched.append(len(told) - 1)
+            return rows
+
+        sched.admission.observe_launch, sched._sprint_rows = rec_observe, rec_rows
+        assert inbox.try_put(*req(1, "A long running stream.", 60, seed=1).encode())
+        assert inbox.try_put(*req(2, "Another long one.", 60, seed=2).encode())
+        for i in range(40):
+            if i == 22:
+                assert inbox.try_put(*req(3, "The newcomer.", 30, seed=3).encode())
+            with engine.llm_stream():
+                sched.iterate()
+        assert launched, "the newcomer sprinted"
+        lag = 2 if overlap else 1
+        assert [i for i, n in enumerate(told) for _ in range(n)] == [i + lag for i in launched if i + lag < len(told)]
+        while sched.running or sched._inflight:
+            with engine.llm_stream():
+                sched.iterate()
+    finally:
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
+
+
 class _MeasuredPeriod(RealtimeAdmission):
     """Realtime admission with its iteration period pinned (a CPU's own periods say nothing of a GPU's)."""
 

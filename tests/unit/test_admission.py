@@ -408,3 +408,40 @@ def test_no_sprint_that_costs_about_what_the_iteration_does():
         a.observe_launch(t, 128)
         t += 0.007
     assert a.may_sprint(1)
+
+
+def test_a_sprint_cost_measured_too_high_is_measured_again():
+    """A sprint's cost is measured only from periods that hold one: once a cost measured too high keeps the sprints
+    out, one still runs every SPRINT_PROBE_LAUNCHES launches (a probe), and its period brings the cost down until
+    they run again; a probe never runs where the plain period alone fills the bound."""
+    from engine.runtime.admission import SPRINT_PROBE_LAUNCHES
+
+    a = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
+    t = 0.0
+    for _ in range(8):
+        a.observe_launch(t, 128)
+        t += 0.007
+    a.sprint_s = 0.006  # measured while the load ramped: more than half of the 7 ms plain iteration
+    assert not a.may_sprint(1)
+    probes = 0
+    for _ in range(20 * SPRINT_PROBE_LAUNCHES):
+        ran = a.may_sprint(1)
+        probes += ran
+        t += 0.007 + (0.002 if ran else 0.0)  # a sprint really costs 2 ms
+        a.observe_launch(t, 128, sprinted=int(ran))
+        if a.sprint_s <= 0.0035:
+            break
+    assert a.sprint_s == pytest.approx(0.0035, abs=5e-4) and 2 <= probes <= 4
+    assert a.may_sprint(1)  # back under half the plain iteration: every iteration may sprint
+    granted = [a.may_sprint(1) for _ in range(3)]  # (a query that grants, not a probe: no count to restart)
+    assert all(granted)
+
+    full = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
+    for _ in range(8):
+        full.observe_launch(t, 256)
+        t += 0.0106  # the plain period alone is past the 10.4 ms bound
+    full.sprint_s = 0.002
+    for _ in range(2 * SPRINT_PROBE_LAUNCHES):
+        assert not full.may_sprint(1)
+        full.observe_launch(t, 256)
+        t += 0.0106

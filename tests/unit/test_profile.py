@@ -34,6 +34,15 @@ def test_iteration_budget_attributes_kernels_to_the_node_that_launched_them():
     }
     assert b["gpu_busy_ms_per_iteration"] == 9.4  # 100..6500, 8000..8500, 9000..11500
     assert b["gpu_idle_ms_per_iteration"] == 2.0  # of the 11.4 ms from the first kernel to the last
+    # alone: no other node's kernel beside it (the DAC's 2 ms overlap the decode step's for 0.6 ms)
+    assert b["gpu_alone_ms_per_iteration"] == {
+        "decode": 4.4,
+        "sprint": 1.5,
+        "prefill": 0.0,
+        "dac": 1.4,
+        "speaker": 0.5,
+        "other": 1.0,
+    }
 
 
 def test_stack_summary_counts_own_and_inclusive_time_per_function():
@@ -71,6 +80,8 @@ def test_dac_report_gives_audio_per_gpu_second_and_the_padding_share():
     }
     r = dac_report(counts, gpu_ms=20.0)  # 10 audio-s in 20 GPU-ms
     assert r["audio_s_per_gpu_s"] == 500.0 and r["pad_row_share"] == 0.25 and r["rows_per_call"] == 7.5
+    assert "audio_s_per_alone_gpu_s" not in r
+    assert dac_report(counts, gpu_ms=20.0, alone_ms=8.0)["audio_s_per_alone_gpu_s"] == 1250.0  # 8 ms no kernel beside
     assert "unused" not in r and r["calls 10x10"] == 4
 
 
@@ -105,4 +116,4 @@ def test_a_trace_is_analysed_in_a_child_process(tmp_path):
     budget = json.loads(out.read_text())
     assert budget == json.loads(done.stdout)
     assert budget["gpu_ms_per_iteration"]["dac"] == 1.0 and budget["iterations"] == 2
-    assert budget["dac"] == {"samples": 44100, "audio_s_per_gpu_s": 500.0}
+    assert budget["dac"] == {"samples": 44100, "audio_s_per_gpu_s": 500.0, "audio_s_per_alone_gpu_s": 500.0}
