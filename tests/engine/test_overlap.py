@@ -617,6 +617,34 @@ def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine,
             ring.unlink()
 
 
+def test_no_sprint_while_a_newcomer_waits_for_room(engine: Engine):
+    """Sprints take only the room nobody waits for: while a request waits at the door (here for a slot), the
+    streams before their first audio do not sprint; once it is admitted they do again."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap, sched.sprints = True, 1
+        for rid in range(1, SLOTS + 2):  # one more than the slots: the last waits for the first to end
+            assert inbox.try_put(*req(rid, "A stream.", 30 if rid == 1 else 80, seed=rid).encode())
+        waited, after = [], []
+        for _ in range(200):
+            before, waiting = sched.counters["sprint_frames"], bool(sched.waiting)
+            with engine.llm_stream():
+                sched.iterate()
+            (waited if waiting and sched.waiting else after).append(sched.counters["sprint_frames"] - before)
+            if not sched.running and not sched.waiting and not sched._inflight:
+                break
+        assert len(waited) > 5 and sum(waited) == 0
+        assert sum(after) > 0  # the newcomer, once in, sprinted to its first audio
+    finally:
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
+
+
 class _MeasuredPeriod(RealtimeAdmission):
     """Realtime admission with its iteration period pinned (a CPU's own periods say nothing of a GPU's)."""
 
