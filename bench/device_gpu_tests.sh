@@ -6,7 +6,8 @@
 # Usage (device tool): bash bench/device_gpu_tests.sh [shuffled] [seeds]   (default: both)
 # PARALLEL=N deals the list's files round-robin to N pytest processes that share the GPU: on an H100 the list takes
 # ~590 s in one process, more than a call's 600 s with the seed step; with PARALLEL=3 TESTS_S=400 it took 355 s
-# (2026-12-05, fb05711: groups of 339 / 64 / 213 s, 300 passed, 1 skipped).
+# (2026-12-05, fb05711: groups of 339 / 64 / 213 s, 300 passed, 1 skipped); PARALLEL=4 TESTS_S=330: 175 / 57 /
+# 46 / 72 s (20ba327, H100, 300 passed, 1 skipped).
 # Files under $OUT: gpu_tests_shuffled.log (gpu_tests_shuffled_<group>.log with PARALLEL), seed_test.log
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
