@@ -592,6 +592,10 @@ ENGINE_COUNTERS = {
     "zonos_engine_late_iterations_by_engine": "late_iterations",
     "zonos_engine_loop_preempted_by_engine": "loop_preempted",
     "zonos_engine_sprint_frames_by_engine": "sprint_frames",  # first-audio sprints: did the gate let them run?
+    # the server's own stalls (app/core/playout.py): utterances a prebuffered player would have heard stall as the
+    # gateway handed their audio on, and its wait; the clients' stalls beyond these are the clients' (loop lag)
+    "zonos_listener_stalled_utterances_total": "server_stalled",
+    "zonos_listener_stall_seconds_total": "server_stall_s",
 }
 
 
@@ -1138,7 +1142,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
             log(
                 f"      engine: {slips['late_iterations']:.0f} iterations longer than three frames, its loop thread "
                 f"preempted {slips['loop_preempted']:.0f} times, {slips.get('sprint_frames', 0):.0f} frames in "
-                "first-audio sprints"
+                f"first-audio sprints; the server's own stalls: {slips.get('server_stalled', 0):.0f} utterances, "
+                f"{slips.get('server_stall_s', 0) * 1e3:.0f} ms"
             )
         if summary.get("gc"):
             log(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")

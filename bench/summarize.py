@@ -74,6 +74,11 @@ def level_details(level: dict[str, Any]) -> str:
         bits.append(
             f"engine: {slips['late_iterations']:.0f} late iterations, loop preempted {slips['loop_preempted']:.0f}x"
             + (f", {slips['sprint_frames']:.0f} sprint frames" if "sprint_frames" in slips else "")
+            + (
+                f", server's own stalls {slips['server_stalled']:.0f} ({slips['server_stall_s'] * 1e3:.0f} ms)"
+                if "server_stalled" in slips
+                else ""
+            )
         )
     if level.get("loop_lag_ms_max") is not None:
         bits.append(f"client loop lag p99 max {max(level.get('loop_lag_ms_p99_by_proc') or [0])} ms")

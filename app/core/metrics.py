@@ -78,6 +78,19 @@ class Metrics:
             "zonos_rtf", "Wall time / audio time per utterance", ["api"], buckets=_RTF_BUCKETS, registry=r
         )
         self.audio_seconds = Counter("zonos_audio_seconds", "Audio seconds streamed", registry=r)
+        self.stalled = Counter(
+            "zonos_listener_stalled_utterances",
+            "Utterances that a player starting --admission-prebuffer-ms after their first byte would have heard "
+            "stall, as the gateway handed their audio on (the server's stalls, not the client's: app/core/playout.py)",
+            ["api"],
+            registry=r,
+        )
+        self.stall_seconds = Counter(
+            "zonos_listener_stall_seconds",
+            "The time such players waited for audio (the stalls of zonos_listener_stalled_utterances)",
+            ["api"],
+            registry=r,
+        )
         self.errors = Counter("zonos_errors", "Errors sent to clients, by code", ["code"], registry=r)
         self.evictions = Counter(
             "zonos_sessions_evicted",
@@ -296,6 +309,9 @@ class Metrics:
         if stats.listener_rtf is not None:
             self.rtf.labels(api).observe(stats.listener_rtf)
         self.audio_seconds.inc(stats.audio_ms / 1e3)
+        if stats.stalls:
+            self.stalled.labels(api).inc()
+            self.stall_seconds.labels(api).inc(stats.stall_ms / 1e3)
 
     def track(self, gauge: Gauge, read: Callable[[], float]) -> None:
         """Set `gauge` from `read()` at every refresh (a function gauge that the multiprocess files can hold)."""

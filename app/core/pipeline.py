@@ -31,6 +31,7 @@ from app.core.continuation import Chain, Link
 from app.core.engine_client import Stream
 from app.core.gateway import Gateway, PieceStream, utterance_bytes
 from app.core.options import SynthesisOptions
+from app.core.playout import PlayoutClock
 from app.core.stats import UtteranceStats
 from app.core.stitching import Stitch
 from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
@@ -84,6 +85,7 @@ class Utterance:
     t_first: float | None = None  # its first audio was handed to the client
     t_done: float | None = None  # its last audio was handed to the client
     samples: int = 0  # 44.1 kHz samples handed to the client
+    playout: PlayoutClock | None = None  # what a prebuffered player would hear of it (its stalls; app/core/playout.py)
     stream: Stream | PieceStream | None = None
     start_task: asyncio.Task[None] | None = None
     error: RequestError | None = None
@@ -114,6 +116,8 @@ class Utterance:
                 round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4) if audio_ms else None
             ),
             audio_ms=round(audio_ms, 2),
+            stalls=self.playout.stalls if self.playout is not None else 0,
+            stall_ms=round(self.playout.waited_s * 1e3, 2) if self.playout is not None else 0.0,
             frames=engine.frames if engine is not None else None,
             finish_reason=self.finish.reason if self.finish is not None else None,
             engine=engine,
@@ -361,11 +365,13 @@ class UtterancePipeline:
                 self.gw.metrics.errors.labels(u.error.code).inc()
             return
         assert u.stream is not None
+        u.playout = PlayoutClock(self.gw.settings.engine.admission_prebuffer_ms / 1e3)
         async for ev in u.stream:
             if u.cancelled:
                 return
             if isinstance(ev, m.Audio):
                 if len(ev.pcm):
+                    u.playout.handed(len(ev.pcm), time.perf_counter())
                     yield ev.pcm
                     u.samples += len(ev.pcm)
                     u.t_done = time.perf_counter()

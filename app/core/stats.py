@@ -21,6 +21,10 @@ class UtteranceStats:
     listener_ttfa_ms: float | None  # could play -> its first audio sent: the wait a listener hears
     listener_rtf: float | None  # could play -> its last audio sent, over its audio time
     audio_ms: float  # the audio handed to the client
+    # pieces that came after a player started --admission-prebuffer-ms after the first byte ran dry, and its wait:
+    # the server's stalls (app/core/playout.py); metrics only, not in the JSON
+    stalls: int
+    stall_ms: float
     frames: int | None  # the engine's (RequestStats.frames)
     finish_reason: str | None
     engine: m.RequestStats | None

@@ -426,6 +426,9 @@ def test_one_level_against_the_server(server, tmp_path: Path):
 
     assert set(lv["admission_held"]) == {g.value for g in AdmissionGate}
     assert all(v >= 0 for v in lv["admission_held"].values())
+    # and the server's slips: late iterations, sprint frames, its own stalls as it handed the audio on (>= 0: a CPU)
+    assert set(lv["engine_slips"]) >= {"late_iterations", "sprint_frames", "server_stalled", "server_stall_s"}
+    assert all(v >= 0 for v in lv["engine_slips"].values())
     counted = [s for s in res["streams"] if s["counted"]]
     assert len(counted) == lv["attempted"] >= 1
     for s in counted:

@@ -1393,3 +1393,32 @@ def test_cartesia_an_id_used_again_while_its_aligned_words_are_pending_keeps_the
         ("timestamps", ["Three."]),
         ("done", None),
     ], kinds
+
+
+def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_stall():
+    """The gateway counts what a player started --admission-prebuffer-ms after the first byte would hear stall, as
+    it hands each piece on (app/core/playout.py): here no prebuffer, 512 samples (11.6 ms), then the next piece
+    at least 50 ms later: one stall of at least 38 ms, in zonos_listener_stall* for the API."""
+
+    async def go():
+        gw = fake_gateway()
+        gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
+
+        first = asyncio.Event()
+
+        async def feed():
+            stream = await gw.fake.started(1)
+            FakeEngine.play(stream, samples=512, finish=False)
+            await first.wait()  # handed on: the player's clock runs from here
+            await asyncio.sleep(0.05)
+            FakeEngine.play(stream, samples=512)
+
+        feeder = asyncio.create_task(feed())
+        async for _ in speak(gw, "openai", "Hi.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+            first.set()
+        await feeder
+        return gw.metrics.registry
+
+    reg = asyncio.run(go())
+    assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
+    assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.038

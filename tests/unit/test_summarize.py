@@ -62,3 +62,8 @@ def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
     assert "gc p99 4.4 ms (<= 5.0); gc CPU p99 2.1 ms (<= 2.5); engine: 3 late" in text
     assert "loop preempted 41x; client loop lag p99 max 3.0 ms" in text
     assert "(GPU not recorded)" in summarize([tmp_path / "capacity_clone.json"], "run", "abc1234")
+    # newer runs: the sprints' frames and the server's own stalls (app/core/playout.py) beside the clients'
+    level["engine_slips"] |= {"sprint_frames": 1224.0, "server_stalled": 2.0, "server_stall_s": 0.031}
+    (tmp_path / "capacity_clone.json").write_text(json.dumps({"config": {"levels": [256]}, "levels": [level]}))
+    text = summarize([tmp_path], "run", "abc1234")
+    assert "loop preempted 41x, 1224 sprint frames, server's own stalls 2 (31 ms); client loop lag" in text
