@@ -93,8 +93,12 @@ CAP="$LIVE --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 
 # and its end: the profile fires once PROFILE_STREAMS decode, possibly late in that level, and its stop (on the engine
 # loop) and its trace's export (on an engine thread that holds the GIL) hold the loop for seconds; the H200 runs of
 # e813e5d and 7e5c175 had that 3-4 s hold in the first counted level (its late iteration and all its stalls), so the
-# counted levels wait for the profile's file (written once the export is done)
-[ -n "${PROFILE_LEVEL-128}" ] && for _ in $(seq 90); do [ -s "$OUT/iteration_profile.json" ] && break; sleep 1; done
+# counted levels wait for the profile's file (written once the export is done), if the profile started
+if [ -n "${PROFILE_LEVEL-128}" ] && grep -q "iteration profile: recording" /tmp/server.log; then
+  for _ in $(seq 90); do
+    [ -s "$OUT/iteration_profile.json" ] || grep -q "iteration profile failed" /tmp/server.log && break; sleep 1
+  done
+fi
 [ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = clone ] && pyspy_start
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"
 pyspy_report

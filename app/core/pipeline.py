@@ -194,6 +194,7 @@ class UtterancePipeline:
         self._seq = numbers if numbers is not None else itertools.count(1)
         self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/core/continuation.py)
         self.styles: dict[str, StyleTag | None] = {}  # context -> the style tag its text is in (style_tags.py)
+        self._dry_at: float | None = None  # when this lane's player runs out of the audio handed on (playout.py)
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -343,11 +344,17 @@ class UtterancePipeline:
         """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
         u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
         u.t_head = time.perf_counter()
+        # its listener's player (app/core/playout.py): the lane's, if u could play while that still played the
+        # audio before it (a reply's next sentence), else a new one
+        could_play, dry = max(u.t_created, u.t_head), self._dry_at
+        follows = dry if dry is not None and could_play < dry else None
+        u.playout = PlayoutClock(self.gw.settings.engine.admission_prebuffer_ms / 1e3, follows=follows)
         self.prefetch()
         if u.silence_s is not None:  # a break: exact silence, in pieces a cancel can cut
             left = round(u.silence_s * SAMPLE_RATE)
             while left > 0 and not u.cancelled:
                 n = min(left, SILENCE_PIECE)
+                self._handed(u, n)
                 yield np.zeros(n, np.int16)
                 u.samples += n
                 left -= n
@@ -365,13 +372,12 @@ class UtterancePipeline:
                 self.gw.metrics.errors.labels(u.error.code).inc()
             return
         assert u.stream is not None
-        u.playout = PlayoutClock(self.gw.settings.engine.admission_prebuffer_ms / 1e3)
         async for ev in u.stream:
             if u.cancelled:
                 return
             if isinstance(ev, m.Audio):
                 if len(ev.pcm):
-                    u.playout.handed(len(ev.pcm), time.perf_counter())
+                    self._handed(u, len(ev.pcm))
                     yield ev.pcm
                     u.samples += len(ev.pcm)
                     u.t_done = time.perf_counter()
@@ -386,6 +392,11 @@ class UtterancePipeline:
                 u.error = engine_error(ev)
                 self.gw.metrics.errors.labels(u.error.code).inc()
                 return
+
+    def _handed(self, u: Utterance, samples: int) -> None:
+        assert u.playout is not None
+        u.playout.handed(samples, time.perf_counter())
+        self._dry_at = u.playout.dry_at
 
     def close(self) -> None:
         self.cancel(None)

@@ -2,10 +2,12 @@
 
 The model is the one admission keeps real time for (`--admission-prebuffer-ms`, 150 ms): the player starts that
 long after the first audio byte and then plays in real time; a piece that comes after the player ran dry stalls
-it until the piece is there, and playing resumes from then (its later deadlines move by the wait). Measured where
-the gateway hands each piece to the socket's writer, so a stall counted here was the server's (the engine's
-pace, the gateway's event loop), never the client's: a benchmark client whose own loop lags sees stalls this
-does not count (bench/live_capacity.py reports both).
+it until the piece is there, and playing resumes from then. An utterance whose text was complete while the one
+before it in its lane still played (the next sentence of a reply) continues that player: its first piece is due
+when the audio before it runs out, and a later one is a stall at the join. Measured where the pipeline hands each
+piece on to the socket's writer (app/core/pipeline.py), so what is counted is the server's (the engine's pace,
+the gateway's event loop), not what a client's own lagging loop adds; only a client that stops reading for long
+enough to fill its socket's buffers (seconds of audio) would be counted too.
 """
 
 from __future__ import annotations
@@ -18,22 +20,26 @@ from engine.contract.constants import SAMPLE_RATE
 @dataclass
 class PlayoutClock:
     prebuffer_s: float
-    start: float | None = None  # when the first audio was handed on
-    audio_s: float = 0.0  # audio handed on so far
-    waited_s: float = 0.0  # the player's total wait after it started (its deadlines moved by it)
+    # when the player runs out of the audio handed on before this utterance (it is still playing that: this
+    # utterance continues it), or None: the player starts anew `prebuffer_s` after this utterance's first piece
+    follows: float | None = None
+    dry_at: float | None = None  # when the player runs out of what it was handed (None: nothing yet)
     stalls: int = 0  # pieces that came after the player ran dry
+    waited_s: float = 0.0  # the player's total wait for them
     longest_s: float = 0.0
 
     def handed(self, samples: int, now: float) -> None:
         """A piece of `samples` (44.1 kHz) handed on at `now` (perf_counter seconds)."""
         if samples <= 0:
             return
-        if self.start is None:
-            self.start = now
+        due = self.dry_at if self.dry_at is not None else self.follows
+        if due is None:  # a new player: it starts after its prebuffer
+            plays_from = now + self.prebuffer_s
+        elif now > due:  # it ran dry: it plays on once this piece is there
+            self.stalls += 1
+            self.waited_s += now - due
+            self.longest_s = max(self.longest_s, now - due)
+            plays_from = now
         else:
-            due = self.start + self.prebuffer_s + self.audio_s + self.waited_s  # when the player runs dry
-            if now > due:
-                self.stalls += 1
-                self.waited_s += now - due
-                self.longest_s = max(self.longest_s, now - due)
-        self.audio_s += samples / SAMPLE_RATE
+            plays_from = due
+        self.dry_at = plays_from + samples / SAMPLE_RATE

@@ -54,7 +54,7 @@ class RealtimeAdmission:
     prefill_s: float = 0.0  # average time a prefill added to its iteration (what an admission costs every stream)
     sprint_s: float = 0.0  # average time a first-audio sprint step added to its iteration (`may_sprint`)
     late: int = 0  # iterations whose period passed LATE_PERIOD_S while streams ran (since start)
-    _unsprinted: int = 0  # launches since the last one whose period held a sprint (or since a probe was granted)
+    _unsprinted: int = 0  # decode steps launched since the last sprint (its launch, or a period that held one)
     _last_launch: float | None = None
     _periods: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # every iteration's
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # its period per stream
@@ -79,7 +79,8 @@ class RealtimeAdmission:
         iteration since the last launch ran a prefill; `sprinted`: the period holds that many first-audio sprint
         steps (those read back since the last launch).
         The gates see the period without the sprints (they run only while there is room: `may_sprint`)."""
-        self._unsprinted = 0 if sprinted else self._unsprinted + 1
+        if streams:  # (a paced or prefill-only iteration launches no step: it would bring the next probe closer)
+            self._unsprinted = 0 if sprinted else self._unsprinted + 1
         if streams and self._last_launch is not None:
             period = raw = now - self._last_launch
             if sprinted:
@@ -108,7 +109,7 @@ class RealtimeAdmission:
         sprints take only the room that admission leaves (none once the engine is full); and only while a sprint
         is short beside the plain iteration (SPRINT_MAX_SHARE). Nothing measured yet: no. Without realtime
         admission: yes. While only the sprints' own measured cost keeps them out, the first one runs every
-        SPRINT_PROBE_LAUNCHES launches to measure it again (granting it restarts the count)."""
+        SPRINT_PROBE_LAUNCHES decode steps to measure it again (`sprint_launched` restarts the count)."""
         if not self.enabled:
             return True
         if not self._plain:
@@ -116,10 +117,12 @@ class RealtimeAdmission:
         plain = statistics.median(self._plain)
         if self.sprint_s <= SPRINT_MAX_SHARE * plain and plain + k * self.sprint_s <= self.bound_s:
             return True
-        if k == 1 and plain < self.bound_s and self._unsprinted >= SPRINT_PROBE_LAUNCHES:
-            self._unsprinted = 0
-            return True
-        return False
+        return k == 1 and plain < self.bound_s and self._unsprinted >= SPRINT_PROBE_LAUNCHES
+
+    def sprint_launched(self) -> None:
+        """A sprint step was launched: the next probe is SPRINT_PROBE_LAUNCHES steps away (its period is told later:
+        with overlap two launches later, and a probe granted meanwhile would be a second one)."""
+        self._unsprinted = 0
 
     def lead_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """How long until a player that starts `prebuffer_s` after the stream's first byte (at `first_audio`)

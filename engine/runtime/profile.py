@@ -80,6 +80,7 @@ class IterationProfiler:
                 _active = True
                 self._t0, self._count, self._streams = time.perf_counter(), 0, []
                 self._counts0 = dict(self.counts or {})
+                log.info("iteration profile: recording %d iterations from %d streams", self.iterations, streams)
             return
         self._count += 1
         self._streams.append(streams)

@@ -80,6 +80,8 @@ PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else
 # rows of one first-audio sprint step at most: a decode step costs about the same from 1 to 16 rows (the weights'
 # read sets it; docs/benchmarks.md "Decode step"), more would make the sprint a second full step
 SPRINT_MAX_ROWS = 16
+# the admission gates that, holding a newcomer, keep the sprints out (`_door_held`): they wait for the iteration's room
+SPRINT_YIELDS_TO = frozenset({Gate.SLACK, Gate.PERIOD, Gate.DAC_BEHIND})
 
 
 def loop_preempted() -> int:
@@ -349,7 +351,7 @@ class Scheduler:
             if len(self.llm.free_slots) < need:
                 # no head-of-line blocking: a one-slot request behind a guided pair that does not fit yet may
                 # take the slot, until the pair has waited HOL_GRACE_S; then slots are kept for it as they free
-                self._door_held = True
+                self._door_held |= not job.speaker_pending  # (one still embedding its voice waits for that)
                 if now - job.times.arrival < HOL_GRACE_S:
                     continue
                 break
@@ -357,7 +359,9 @@ class Scheduler:
                 gate = self.admission.gate(streams, admitted + need, min_slack, starting, backlog)
                 if gate is not None:
                     self.held_by[gate.value] += 1  # what limited this iteration's admissions
-                    self._door_held = True
+                    # the room a sprint would take: not slow start's (sprints bring its streams to their first
+                    # audio sooner, which is what opens it) nor the cold start's
+                    self._door_held |= gate in SPRINT_YIELDS_TO and not job.speaker_pending
                     break
             if job.speaker_pending:  # later arrivals with a voice ready go first
                 continue
@@ -595,6 +599,7 @@ class Scheduler:
                 break
             with node_range("sprint"):
                 launched.append(self.llm.decode_start(rows))
+            self.admission.sprint_launched()
             self.counters["sprint_frames"] += len(rows)
         if self.overlap:
             launched, self._inflight = self._inflight, launched

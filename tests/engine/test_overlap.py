@@ -645,6 +645,46 @@ def test_no_sprint_while_a_newcomer_waits_for_room(engine: Engine):
             ring.unlink()
 
 
+@pytest.mark.parametrize(("gate", "sprints"), [("slack", False), ("period", False), ("starting", True)])
+def test_a_newcomer_held_by_slow_start_does_not_stop_the_sprints(engine: Engine, gate: str, sprints: bool):
+    """A newcomer held by the slack or period gate waits for the iteration's room, which a sprint would take: no
+    sprint then. One held by slow start waits for the young streams to reach their first audio, which the sprints
+    bring sooner: they go on (scheduler.SPRINT_YIELDS_TO). The gate's answer is pinned here (on a CPU admission
+    measures nothing)."""
+    from engine.runtime.admission import Gate
+
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap, sched.sprints = True, 1
+        held = {"on": False}
+        real_gate = sched.admission.gate
+        sched.admission.gate = lambda *a: Gate(gate) if held["on"] else real_gate(*a)  # type: ignore[method-assign]
+        for rid in (1, 2):
+            assert inbox.try_put(*req(rid, "A stream.", 60, seed=rid).encode())
+        with engine.llm_stream():
+            sched.iterate()  # both admitted
+        held["on"] = True
+        assert inbox.try_put(*req(3, "The newcomer.", 20, seed=3).encode())
+        before = sched.counters["sprint_frames"]
+        for _ in range(12):  # the two young streams are before their first audio
+            with engine.llm_stream():
+                sched.iterate()
+        assert sched.waiting and sched.held_by[gate] >= 10
+        assert (sched.counters["sprint_frames"] > before) is sprints
+        held["on"] = False
+        while sched.running or sched.waiting or sched._inflight:
+            with engine.llm_stream():
+                sched.iterate()
+    finally:
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
+
+
 class _MeasuredPeriod(RealtimeAdmission):
     """Realtime admission with its iteration period pinned (a CPU's own periods say nothing of a GPU's)."""
 

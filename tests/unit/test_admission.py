@@ -426,6 +426,8 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
     probes = 0
     for _ in range(20 * SPRINT_PROBE_LAUNCHES):
         ran = a.may_sprint(1)
+        if ran:
+            a.sprint_launched()
         probes += ran
         t += 0.007 + (0.002 if ran else 0.0)  # a sprint really costs 2 ms
         a.observe_launch(t, 128, sprinted=int(ran))
@@ -433,8 +435,22 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
             break
     assert a.sprint_s == pytest.approx(0.0035, abs=5e-4) and 2 <= probes <= 4
     assert a.may_sprint(1)  # back under half the plain iteration: every iteration may sprint
-    granted = [a.may_sprint(1) for _ in range(3)]  # (a query that grants, not a probe: no count to restart)
-    assert all(granted)
+
+    # a probe is due after SPRINT_PROBE_LAUNCHES decode steps: iterations that launch none (paced, prefill only) do
+    # not count, and a probe that found no stream to sprint stays due until one is launched
+    a.sprint_s = 0.006
+    for _ in range(SPRINT_PROBE_LAUNCHES - 1):
+        a.observe_launch(t, 128)
+        t += 0.007
+    for _ in range(10):
+        a.observe_launch(t, 0)
+        t += 0.0005
+    assert not a.may_sprint(1)
+    a.observe_launch(t, 128)
+    t += 0.007
+    assert a.may_sprint(1) and a.may_sprint(1)  # due; nothing launched yet (no stream to sprint): still due
+    a.sprint_launched()
+    assert not a.may_sprint(1)
 
     full = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
     for _ in range(8):

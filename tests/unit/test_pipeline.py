@@ -1422,3 +1422,31 @@ def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_sta
     reg = asyncio.run(go())
     assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
     assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.038
+
+
+def test_a_late_next_sentence_is_a_stall_at_the_join():
+    """A sentence whose text was complete while the sentence before still played continues that player: its first
+    audio is due when the audio before runs out (app/core/playout.py), and one that comes later is counted as the
+    server's stall. Here 0.3 s of audio, no prebuffer, and the next sentence's first audio at least 0.4 s after."""
+
+    async def go():
+        gw = fake_gateway()
+        gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
+        first = asyncio.Event()
+
+        async def feed():
+            FakeEngine.play(await gw.fake.started(1), samples=13230)  # 0.3 s, and its end
+            second = await gw.fake.started(2)
+            await first.wait()
+            await asyncio.sleep(0.4)
+            FakeEngine.play(second, samples=512)
+
+        feeder = asyncio.create_task(feed())
+        async for _ in speak(gw, "openai", "One. Two.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+            first.set()
+        await feeder
+        return gw.metrics.registry
+
+    reg = asyncio.run(go())
+    assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
+    assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.09

@@ -14,7 +14,8 @@ def test_audio_that_keeps_ahead_of_the_player_never_stalls():
     clock = PlayoutClock(prebuffer_s=0.15)
     for i in range(50):  # 100 ms pieces every 90 ms: faster than real time
         clock.handed(CHUNK, 10.0 + 0.09 * i)
-    assert clock.stalls == 0 and clock.waited_s == 0.0 and clock.audio_s == pytest.approx(5.0)
+    assert clock.stalls == 0 and clock.waited_s == 0.0
+    assert clock.dry_at == pytest.approx(10.15 + 5.0)  # started after its prebuffer, then 5 s of audio
 
 
 def test_a_late_piece_stalls_the_player_and_moves_its_later_deadlines():
@@ -29,13 +30,25 @@ def test_a_late_piece_stalls_the_player_and_moves_its_later_deadlines():
     assert clock.stalls == 2 and clock.waited_s == pytest.approx(0.25) and clock.longest_s == pytest.approx(0.2)
 
 
-def test_the_first_piece_only_starts_the_clock_and_empty_pieces_count_nothing():
+def test_the_first_piece_of_a_new_player_is_never_late_and_empty_pieces_count_nothing():
     clock = PlayoutClock(prebuffer_s=0.0)
     clock.handed(0, 5.0)
-    assert clock.start is None
+    assert clock.dry_at is None
     clock.handed(CHUNK, 100.0)  # however late the first audio is, that is first-audio latency, not a stall
     clock.handed(0, 200.0)
-    assert clock.stalls == 0 and clock.start == 100.0
+    assert clock.stalls == 0 and clock.dry_at == pytest.approx(100.1)
+
+
+def test_a_sentence_that_continues_a_playing_player_is_due_when_the_audio_before_runs_out():
+    """The next sentence of a reply (its text came while the one before still played) continues that player: its
+    first piece is due when the audio before runs out, with no new prebuffer."""
+    late = PlayoutClock(prebuffer_s=0.15, follows=3.0)
+    late.handed(CHUNK, 3.08)  # 80 ms after the player ran dry: a stall at the join
+    assert late.stalls == 1 and late.waited_s == pytest.approx(0.08) and late.dry_at == pytest.approx(3.18)
+    on_time = PlayoutClock(prebuffer_s=0.15, follows=3.0)
+    on_time.handed(CHUNK, 2.9)
+    on_time.handed(CHUNK, 3.05)  # the player plays the first piece from 3.0 to 3.1
+    assert on_time.stalls == 0 and on_time.dry_at == pytest.approx(3.2)
 
 
 def test_stalled_utterances_are_counted_in_the_metrics():
