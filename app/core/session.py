@@ -157,7 +157,7 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()  # its last message
-        self._busy_at = self._last_activity  # when it last finished playing or aligning an utterance (`idle_s`)
+        self._busy_at = self._last_activity  # when its listener last finished hearing, or it aligning, an utterance
         # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
         self.evicted = False
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
@@ -395,13 +395,14 @@ class StreamingSession:
 
     def idle_s(self, now: float) -> float | None:
         """How long the session has been idle: no message, and nothing generating, playing, being aligned or waiting
-        for its answer, since then; None while it is not idle: any of those, or it is ending. A turn open (text
+        for its answer, since then (playing: until its listener's player has played the audio sent, as
+        app/core/playout.py models it); None while it is not idle: any of those, or it is ending. A turn open (text
         buffered, or a context not yet flushed or closed: more of it may come) keeps it from being idle until no
         message came for STALE_TURN_FACTOR x --evict-idle-after; past that it is a turn nobody finishes (a client
         holding places with unflushed text). At the session limit a newcomer may take the place of the one idle
         longest (app/core/gateway.py `idle_longest`)."""
         busy = self.playing() or self._align_tasks or any(lane.marks for lane in self.lanes.values())
-        if busy or self._ended or self._closing or self._outcome.done():
+        if busy or self._busy_at > now or self._ended or self._closing or self._outcome.done():
             return None
         idle = now - max(self._last_activity, self._busy_at)
         if (self._turns or self.buffers) and idle < STALE_TURN_FACTOR * self.limits.evict_idle_after_s:
@@ -780,7 +781,10 @@ class StreamingSession:
                 u = pipe.queue[0]
                 await self._play(lane, u)
                 pipe.done(u)
-                self._busy_at = time.monotonic()
+                # its listener hears it out after it was sent (the player model of app/core/playout.py): the session
+                # is busy until then, so a long reply sent fast is not taken for idle while it still plays
+                heard = u.playout.dry_at if u.playout is not None and u.playout.dry_at is not None else 0.0
+                self._busy_at = time.monotonic() + max(0.0, heard - time.perf_counter())
                 await self._answer_marks(lane)
                 continue
             await self._answer_marks(lane)

@@ -1450,3 +1450,28 @@ def test_a_late_next_sentence_is_a_stall_at_the_join():
     reg = asyncio.run(go())
     assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
     assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.09
+
+
+def test_a_session_whose_listener_still_hears_its_audio_is_not_idle():
+    """Idle counts from when the listener's player has played what was sent (app/core/playout.py), not from the send:
+    a 60 s reply sent in one piece keeps the session busy (idle_s None: no eviction at --max-sessions) long after the
+    send, while a 12 ms one leaves it idle once heard."""
+
+    async def go() -> tuple[float | None, float | None]:
+        got = []
+        for samples in (60 * 44100, 512):
+            session, ws, engine, task = await open_session()
+            ws.send(type="text", text="Hello there.", flush=True)
+            engine.play(await engine.started(1), samples=samples)
+            await ws.until("flushed")
+            async with asyncio.timeout(TIMEOUT):
+                while session.playing():
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)  # the short one: prebuffer (150 ms) and 12 ms of audio played out
+            got.append(session.idle_s(time.monotonic()))
+            await shut(ws, task)
+        return got[0], got[1]
+
+    long_reply, short_reply = asyncio.run(go())
+    assert long_reply is None
+    assert short_reply is not None and short_reply >= 0.0
