@@ -304,6 +304,8 @@ class UtterancePipeline:
         for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain, unstyled
             self.chains.pop(ctx, None)
             self.styles.pop(ctx, None)
+        if self.queue and self.queue[0] in dropped:  # the one playing is cut: its listener's player stops there
+            self._dry_at = None
         for u in dropped:
             u.cancelled = True
             if u.stream is not None:

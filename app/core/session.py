@@ -783,7 +783,7 @@ class StreamingSession:
                 pipe.done(u)
                 # its listener hears it out after it was sent (the player model of app/core/playout.py): the session
                 # is busy until then, so a long reply sent fast is not taken for idle while it still plays
-                heard = u.playout.dry_at if u.playout is not None and u.playout.dry_at is not None else 0.0
+                heard = u.playout.dry_at if u.playout is not None and u.playout.dry_at and not u.cancelled else 0.0
                 self._busy_at = time.monotonic() + max(0.0, heard - time.perf_counter())
                 await self._answer_marks(lane)
                 continue

@@ -1475,3 +1475,27 @@ def test_a_session_whose_listener_still_hears_its_audio_is_not_idle():
     long_reply, short_reply = asyncio.run(go())
     assert long_reply is None
     assert short_reply is not None and short_reply >= 0.0
+
+
+def test_a_reply_cut_by_a_barge_in_is_not_heard_out():
+    """A cancel cuts the reply playing: its listener's player stops there, so the session is not held busy for the
+    audio it had been sent (60 s here)."""
+
+    async def go() -> float | None:
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Hello there.", flush=True)
+        stream = await engine.started(1)
+        engine.play(stream, samples=60 * 44100, finish=False)
+        async with asyncio.timeout(TIMEOUT):  # handed on: its listener's player holds 60 s
+            while not any(lane.pipe._dry_at for lane in session.lanes.values()):
+                await asyncio.sleep(0.01)
+        ws.send(type="cancel")
+        await ws.until("cancelled")
+        async with asyncio.timeout(TIMEOUT):
+            while session.playing():
+                await asyncio.sleep(0.01)
+        idle = session.idle_s(time.monotonic() + 0.01)
+        await shut(ws, task)
+        return idle
+
+    assert asyncio.run(go()) is not None
