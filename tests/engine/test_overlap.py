@@ -9,7 +9,9 @@ slots a request released one step before."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -571,16 +573,30 @@ def test_admission_measures_a_prefill_in_the_iteration_that_waited_for_it(engine
             ring.unlink()
 
 
+@contextlib.contextmanager
+def scheduler_on(engine: Engine, overlap: bool, sprints: int = 0) -> Iterator[tuple[Scheduler, ShmRing]]:
+    """A scheduler over the engine (a fresh decoder, its own rings) and its inbox; what it left in flight is
+    abandoned and its rings are freed at the end."""
+    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
+    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
+    try:
+        sched = Scheduler(engine, inbox, out)
+        sched.overlap, sched.sprints = overlap, sprints
+        yield sched, inbox
+    finally:
+        for pending in list(engine.llm.in_flight):
+            engine.llm.abandon(pending)
+        for ring in (inbox, out):
+            ring.close()
+            ring.unlink()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine, overlap: bool):
     """A sprint's cost is told to admission with the period that holds it: the next launch's without overlap, the
     one after with overlap (its steps are read back an iteration after their launch, and the period up to a launch
     ends when the steps before it were read back). Counted once per sprint step."""
-    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
-    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
-    try:
-        sched = Scheduler(engine, inbox, out)
-        sched.overlap, sched.sprints = overlap, 1
+    with scheduler_on(engine, overlap, sprints=1) as (sched, inbox):
         told: list[int] = []
         launched: list[int] = []  # the iteration of each sprint step's launch
         observe, sprint_rows = sched.admission.observe_launch, sched._sprint_rows
@@ -609,22 +625,12 @@ def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine,
         while sched.running or sched._inflight:
             with engine.llm_stream():
                 sched.iterate()
-    finally:
-        for pending in list(engine.llm.in_flight):
-            engine.llm.abandon(pending)
-        for ring in (inbox, out):
-            ring.close()
-            ring.unlink()
 
 
 def test_no_sprint_while_a_newcomer_waits_for_room(engine: Engine):
     """Sprints take only the room nobody waits for: while a request waits at the door (here for a slot), the
     streams before their first audio do not sprint; once it is admitted they do again."""
-    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
-    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
-    try:
-        sched = Scheduler(engine, inbox, out)
-        sched.overlap, sched.sprints = True, 1
+    with scheduler_on(engine, True, sprints=1) as (sched, inbox):
         for rid in range(1, SLOTS + 2):  # one more than the slots: the last waits for the first to end
             assert inbox.try_put(*req(rid, "A stream.", 30 if rid == 1 else 80, seed=rid).encode())
         waited, after = [], []
@@ -637,12 +643,6 @@ def test_no_sprint_while_a_newcomer_waits_for_room(engine: Engine):
                 break
         assert len(waited) > 5 and sum(waited) == 0
         assert sum(after) > 0  # the newcomer, once in, sprinted to its first audio
-    finally:
-        for pending in list(engine.llm.in_flight):
-            engine.llm.abandon(pending)
-        for ring in (inbox, out):
-            ring.close()
-            ring.unlink()
 
 
 @pytest.mark.parametrize(("gate", "sprints"), [("slack", False), ("period", False), ("starting", True)])
@@ -653,11 +653,7 @@ def test_a_newcomer_held_by_slow_start_does_not_stop_the_sprints(engine: Engine,
     measures nothing)."""
     from engine.runtime.admission import Gate
 
-    engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
-    inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)
-    try:
-        sched = Scheduler(engine, inbox, out)
-        sched.overlap, sched.sprints = True, 1
+    with scheduler_on(engine, True, sprints=1) as (sched, inbox):
         held = {"on": False}
         real_gate = sched.admission.gate
         sched.admission.gate = lambda *a: Gate(gate) if held["on"] else real_gate(*a)  # type: ignore[method-assign]
@@ -677,12 +673,6 @@ def test_a_newcomer_held_by_slow_start_does_not_stop_the_sprints(engine: Engine,
         while sched.running or sched.waiting or sched._inflight:
             with engine.llm_stream():
                 sched.iterate()
-    finally:
-        for pending in list(engine.llm.in_flight):
-            engine.llm.abandon(pending)
-        for ring in (inbox, out):
-            ring.close()
-            ring.unlink()
 
 
 class _MeasuredPeriod(RealtimeAdmission):

@@ -1395,61 +1395,51 @@ def test_cartesia_an_id_used_again_while_its_aligned_words_are_pending_keeps_the
     ], kinds
 
 
-def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_stall():
-    """The gateway counts what a player started --admission-prebuffer-ms after the first byte would hear stall, as
-    it hands each piece on (app/core/playout.py): here no prebuffer, 512 samples (11.6 ms), then the next piece
-    at least 50 ms later: one stall of at least 38 ms, in zonos_listener_stall* for the API."""
+def served_stalls(text: str, plan: list[tuple[int, int, bool, float]]) -> tuple[float | None, float | None]:
+    """Speak `text` (no player prebuffer) with the fake engine following `plan`: (utterance number, samples, its
+    end?, seconds to wait first: counted from when the first audio was handed on); the server's stall counters."""
 
     async def go():
         gw = fake_gateway()
         gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
-
         first = asyncio.Event()
 
         async def feed():
-            stream = await gw.fake.started(1)
-            FakeEngine.play(stream, samples=512, finish=False)
-            await first.wait()  # handed on: the player's clock runs from here
-            await asyncio.sleep(0.05)
-            FakeEngine.play(stream, samples=512)
+            for n, samples, finish, wait_s in plan:
+                stream = await gw.fake.started(n)
+                if wait_s:
+                    await first.wait()  # handed on: the player's clock runs from there
+                    await asyncio.sleep(wait_s)
+                FakeEngine.play(stream, samples=samples, finish=finish)
 
         feeder = asyncio.create_task(feed())
-        async for _ in speak(gw, "openai", "Hi.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+        async for _ in speak(gw, "openai", text, SynthesisOptions(), None, None):  # type: ignore[arg-type]
             first.set()
         await feeder
         return gw.metrics.registry
 
     reg = asyncio.run(go())
-    assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
-    assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.038
+    labels = {"api": "openai"}
+    return (
+        reg.get_sample_value("zonos_listener_stalled_utterances_total", labels),
+        reg.get_sample_value("zonos_listener_stall_seconds_total", labels),
+    )
+
+
+def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_stall():
+    """The gateway counts what a player started --admission-prebuffer-ms after the first byte would hear stall, as
+    it hands each piece on (app/core/playout.py): here no prebuffer, 512 samples (11.6 ms), then the next piece
+    at least 50 ms later: one stall of at least 38 ms, in zonos_listener_stall* for the API."""
+    stalled, seconds = served_stalls("Hi.", [(1, 512, False, 0.0), (1, 512, True, 0.05)])
+    assert stalled == 1.0 and seconds is not None and seconds >= 0.038
 
 
 def test_a_late_next_sentence_is_a_stall_at_the_join():
     """A sentence whose text was complete while the sentence before still played continues that player: its first
     audio is due when the audio before runs out (app/core/playout.py), and one that comes later is counted as the
     server's stall. Here 0.3 s of audio, no prebuffer, and the next sentence's first audio at least 0.4 s after."""
-
-    async def go():
-        gw = fake_gateway()
-        gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
-        first = asyncio.Event()
-
-        async def feed():
-            FakeEngine.play(await gw.fake.started(1), samples=13230)  # 0.3 s, and its end
-            second = await gw.fake.started(2)
-            await first.wait()
-            await asyncio.sleep(0.4)
-            FakeEngine.play(second, samples=512)
-
-        feeder = asyncio.create_task(feed())
-        async for _ in speak(gw, "openai", "One. Two.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
-            first.set()
-        await feeder
-        return gw.metrics.registry
-
-    reg = asyncio.run(go())
-    assert reg.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "openai"}) == 1.0
-    assert reg.get_sample_value("zonos_listener_stall_seconds_total", {"api": "openai"}) >= 0.09
+    stalled, seconds = served_stalls("One. Two.", [(1, 13230, True, 0.0), (2, 512, True, 0.4)])
+    assert stalled == 1.0 and seconds is not None and seconds >= 0.09
 
 
 def test_a_session_whose_listener_still_hears_its_audio_is_not_idle():
