@@ -338,12 +338,18 @@ class Mp3Encoder:
         self._lame.set_out_sample_rate(sample_rate)  # else LAME may pick another rate for the bit rate
         self._lame.set_channels(1)
         self._lame.set_quality(MP3_QUALITY)
+        self._fed = False  # LAME refuses a flush before any encode ("Not currently encoding")
 
     def write(self, samples: np.ndarray) -> bytes:
-        return bytes(self._lame.encode(int16_bytes(samples))) if len(samples) else b""
+        if not len(samples):
+            return b""
+        self._fed = True
+        return bytes(self._lame.encode(int16_bytes(samples)))
 
     def close(self) -> bytes:
-        return bytes(self._lame.flush())
+        """The frames LAME still holds; none for a stream that never had audio (a text of breaks that round to no
+        sample: an empty answer, not an encoder error that ended the answer or the socket)."""
+        return bytes(self._lame.flush()) if self._fed else b""
 
 
 class StreamEncoder:

@@ -112,6 +112,16 @@ def test_sink_hands_out_appends_and_drops_late_header_patches():
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_stream_with_no_audio_closes_without_an_error(fmt):
+    """A text of breaks that round to no sample hands an encoder nothing: every format closes (LAME refused a flush
+    before any encode, which ended the HTTP answer with a traceback and an ElevenLabs socket with 1011)."""
+    rate = 8000 if fmt in ("mulaw", "alaw") else 24000
+    enc = StreamEncoder(fmt, rate)
+    assert isinstance(enc.write(np.zeros(0, np.float32)) + enc.close(), bytes)
+    assert isinstance(Encoder(fmt, rate).encode(np.zeros(0, np.int16), last=True), bytes)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_stream_encoders_emit_while_encoding(fmt):
     """Every format gives bytes before its end (what lets HTTP stream it), and the pieces decode whole."""
     rate = 8000 if fmt in ("mulaw", "alaw") else 24000
