@@ -194,7 +194,13 @@ class UtterancePipeline:
         self._seq = numbers if numbers is not None else itertools.count(1)
         self.chains: dict[str, Chain] = {}  # context -> its continuation chain (app/core/continuation.py)
         self.styles: dict[str, StyleTag | None] = {}  # context -> the style tag its text is in (style_tags.py)
-        self._dry_at: float | None = None  # when this lane's player runs out of the audio handed on (playout.py)
+        # this lane's listener's player (app/core/playout.py): when it runs out of the audio handed on (perf_counter;
+        # None: stopped, or nothing handed yet), and the utterance last handed on; a turn's end (`end`) or a barge-in
+        # (`cancel`) starts a new player for what comes after
+        self._dry_at: float | None = None
+        self._dry_seq, self._dry_ctx = 0, ""
+        self._queued_seq = 0  # the last utterance queued
+        self._turn_end = 0  # the last utterance queued when a turn was last ended
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -245,6 +251,7 @@ class UtterancePipeline:
                 u.link = u.chain.link()
             self.queue.append(u)
             added.append(u)
+            self._queued_seq = seq
         if added:
             self.prefetch()
             self.changed.set()
@@ -304,7 +311,9 @@ class UtterancePipeline:
         for ctx in {u.context_id for u in dropped}:  # what is queued next starts a new chain, unstyled
             self.chains.pop(ctx, None)
             self.styles.pop(ctx, None)
-        if self.queue and self.queue[0] in dropped:  # the one playing is cut: its listener's player stops there
+        # a barge-in stops the listener's player (the audio it held is thrown away), also once all of it was sent;
+        # so does cutting the utterance playing
+        if (after is None and context_id in (None, self._dry_ctx)) or (self.queue and self.queue[0] in dropped):
             self._dry_at = None
         for u in dropped:
             u.cancelled = True
@@ -327,6 +336,7 @@ class UtterancePipeline:
         for ctx in [context_id] if context_id is not None else list(self.styles):
             self.styles.pop(ctx, None)
         self._end_chain(context_id)
+        self._turn_end = self._queued_seq
 
     def _end_chain(self, context_id: str | None) -> None:
         for ctx in [context_id] if context_id is not None else list(self.chains):
@@ -347,9 +357,10 @@ class UtterancePipeline:
         u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
         u.t_head = time.perf_counter()
         # its listener's player (app/core/playout.py): the lane's, if u could play while that still played the
-        # audio before it (a reply's next sentence), else a new one
+        # audio before it in the same turn (a reply's next sentence), else a new one
         could_play, dry = max(u.t_created, u.t_head), self._dry_at
-        follows = dry if dry is not None and could_play < dry else None
+        same_turn = not self._dry_seq <= self._turn_end < u.seq
+        follows = dry if dry is not None and could_play < dry and same_turn else None
         u.playout = PlayoutClock(self.gw.settings.engine.admission_prebuffer_ms / 1e3, follows=follows)
         self.prefetch()
         if u.silence_s is not None:  # a break: exact silence, in pieces a cancel can cut
@@ -398,7 +409,13 @@ class UtterancePipeline:
     def _handed(self, u: Utterance, samples: int) -> None:
         assert u.playout is not None
         u.playout.handed(samples, time.perf_counter())
-        self._dry_at = u.playout.dry_at
+        self._dry_at, self._dry_seq, self._dry_ctx = u.playout.dry_at, u.seq, u.context_id
+
+    @property
+    def heard_at(self) -> float | None:
+        """When this lane's listener will have heard all the audio handed on (perf_counter; None: nothing playing
+        that a listener still hears: its player stopped, or nothing was handed on)."""
+        return self._dry_at
 
     def close(self) -> None:
         self.cancel(None)

@@ -157,7 +157,8 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()  # its last message
-        self._busy_at = self._last_activity  # when its listener last finished hearing, or it aligning, an utterance
+        self._busy_at = self._last_activity  # when it last finished sending or aligning an utterance (`idle_s`)
+        self._heard: dict[str, float] = {}  # lane key -> when its listener will have heard its audio (`_note_heard`)
         # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
         self.evicted = False
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
@@ -402,9 +403,10 @@ class StreamingSession:
         holding places with unflushed text). At the session limit a newcomer may take the place of the one idle
         longest (app/core/gateway.py `idle_longest`)."""
         busy = self.playing() or self._align_tasks or any(lane.marks for lane in self.lanes.values())
-        if busy or self._busy_at > now or self._ended or self._closing or self._outcome.done():
+        heard = max(self._heard.values(), default=0.0)
+        if busy or heard > now or self._ended or self._closing or self._outcome.done():
             return None
-        idle = now - max(self._last_activity, self._busy_at)
+        idle = now - max(self._last_activity, self._busy_at, heard)
         if (self._turns or self.buffers) and idle < STALE_TURN_FACTOR * self.limits.evict_idle_after_s:
             return None
         return idle
@@ -619,7 +621,18 @@ class StreamingSession:
         for lane in lanes:
             if lane is not None:
                 lane.pipe.cancel(ctx, after)
+                self._note_heard(lane)  # a barge-in stops its listener's player
         self.end_turn(ctx)
+
+    def _note_heard(self, lane: Lane) -> None:
+        """When the lane's listener will have heard the audio sent (app/core/playout.py's player, on this clock): the
+        session is busy until then (`idle_s`), so a long reply sent fast is not taken for idle while it plays. Kept
+        per lane key, past the lane's end (a context's lane ends once it has sent everything)."""
+        heard = lane.pipe.heard_at
+        if heard is None:
+            self._heard.pop(lane.key, None)
+        else:
+            self._heard[lane.key] = time.monotonic() + max(0.0, heard - time.perf_counter())
 
     async def cancel(
         self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
@@ -781,10 +794,8 @@ class StreamingSession:
                 u = pipe.queue[0]
                 await self._play(lane, u)
                 pipe.done(u)
-                # its listener hears it out after it was sent (the player model of app/core/playout.py): the session
-                # is busy until then, so a long reply sent fast is not taken for idle while it still plays
-                heard = u.playout.dry_at if u.playout is not None and u.playout.dry_at and not u.cancelled else 0.0
-                self._busy_at = time.monotonic() + max(0.0, heard - time.perf_counter())
+                self._busy_at = time.monotonic()
+                self._note_heard(lane)
                 await self._answer_marks(lane)
                 continue
             await self._answer_marks(lane)

@@ -23,7 +23,7 @@ from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
 from app.core.metrics import Metrics
 from app.core.options import SynthesisOptions
-from app.core.pipeline import DEFAULT_CONTEXT, engine_error, speak, utterance_bytes
+from app.core.pipeline import DEFAULT_CONTEXT, UtterancePipeline, engine_error, speak, utterance_bytes
 from app.doors.speech import speech_response
 from app.doors.ws import Session
 from app.io.audio_output import OutputFormat
@@ -1489,3 +1489,105 @@ def test_a_reply_cut_by_a_barge_in_is_not_heard_out():
         return idle
 
     assert asyncio.run(go()) is not None
+
+
+async def _played_out(session: Any) -> None:
+    async with asyncio.timeout(TIMEOUT):
+        while session.playing():
+            await asyncio.sleep(0.01)
+
+
+def test_a_barge_in_after_the_whole_reply_was_sent_stops_the_listeners_player():
+    """A GPU sends a reply faster than it plays: the barge-in comes once all of it was sent (nothing queued), and its
+    listener's player stops there all the same, so the session is idle again (hostile pass: a newcomer was refused
+    with too_many_sessions for the rest of the 60 s)."""
+
+    async def go() -> tuple[float | None, float | None]:
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Hello there.", flush=True)
+        engine.play(await engine.started(1), samples=60 * 44100)
+        await ws.until("flushed")
+        await _played_out(session)
+        before = session.idle_s(time.monotonic())
+        ws.send(type="cancel")
+        await ws.until("cancelled")
+        after = session.idle_s(time.monotonic() + 0.01)
+        await shut(ws, task)
+        return before, after
+
+    before, after = asyncio.run(go())
+    assert before is None and after is not None
+
+
+def test_an_utterance_with_no_audio_does_not_end_what_the_listener_still_hears():
+    """A sentence that brings no audio (a break that rounds to no sample, or an engine request that ends at once) after
+    a 60 s one: the listener still hears the 60 s, the session stays busy."""
+
+    async def go() -> float | None:
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="Hello there. Bye.", flush=True)
+        engine.play(await engine.started(1), samples=60 * 44100)
+        engine.play(await engine.started(2), samples=0)
+        await ws.until("flushed")
+        await _played_out(session)
+        idle = session.idle_s(time.monotonic())
+        await shut(ws, task)
+        return idle
+
+    assert asyncio.run(go()) is None
+
+
+def test_each_context_lane_keeps_its_listener_busy_on_its_own():
+    """With a lane per context (Cartesia), a short context finishing after a long one does not end the long one's
+    listening: the session is busy until the longest has been heard (hostile pass: it was evicted 4.5 s later)."""
+
+    async def go() -> float | None:
+        gw, ws, session, fmt, voice = cartesia_socket()
+        task = asyncio.create_task(session.run())
+        ws.send(transcript="A long one.", context_id="c1", voice=voice, **fmt)
+        FakeEngine.play(await gw.fake.started(1), samples=60 * 44100)
+        await ws.until("done")
+        ws.send(transcript="Hello.", context_id="c2", voice=voice, **fmt)
+        FakeEngine.play(await gw.fake.started(2), samples=512)
+        await ws.until("done")
+        await _played_out(session)
+        await asyncio.sleep(0.3)  # c2's 12 ms (and its prebuffer) heard
+        idle = session.idle_s(time.monotonic())
+        await shut(ws, task)
+        return idle
+
+    assert asyncio.run(go()) is None
+
+
+def test_a_new_turn_starts_a_new_player():
+    """The player carries on across the sentences of one turn (a late next sentence is a stall at the join), but a
+    sentence after the turn was ended (a flush, a barge-in) starts a new player: however close its text came to the
+    end of the audio before, its first audio is first-audio latency, not a stall (hostile pass)."""
+
+    async def go(end_turn: bool) -> float | None:
+        gw = fake_gateway()
+        gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
+        pipe = UtterancePipeline(gw, "test")  # type: ignore[arg-type]
+        (one,) = pipe.add(["One."], SynthesisOptions(), None, None)
+        FakeEngine.play(await gw.fake.started(1), samples=13230)  # 0.3 s
+        async for _ in pipe.play(one):
+            pass
+        pipe.done(one)
+        if end_turn:
+            pipe.end()
+        (two,) = pipe.add(["Two."], SynthesisOptions(), None, None)  # while One still plays
+        stream = await gw.fake.started(2)
+
+        async def consume() -> None:  # Two's turn to play comes at once: its audio comes 0.4 s later
+            async for _ in pipe.play(two):
+                pass
+
+        playing = asyncio.create_task(consume())
+        await asyncio.sleep(0.4)
+        FakeEngine.play(stream, samples=512)
+        await playing
+        pipe.close()
+        return gw.metrics.registry.get_sample_value("zonos_listener_stalled_utterances_total", {"api": "test"})
+
+    assert asyncio.run(go(end_turn=False)) == 1.0  # the same turn: a stall at the join
+    assert asyncio.run(go(end_turn=True)) is None  # a new turn: nothing counted
