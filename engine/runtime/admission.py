@@ -32,7 +32,7 @@ LATE_PERIOD_S = 3 * FRAME_S
 SPRINT_MAX_SHARE = 0.5
 # What a sprint costs is measured only from iterations that ran one, so a cost measured too high (while the load
 # ramped, the plain period's median lagged it) would keep every later sprint out and never be measured again: while
-# the sprints' own measured cost keeps them out, one runs as a probe every this many launches (an H200 run at 128
+# the sprints' own measured cost keeps them out, one runs as a probe every this many decode steps (an H200 run at 128
 # streams sprinted in 4 % of its iterations with room for all of them)
 SPRINT_PROBE_LAUNCHES = 64
 
