@@ -1437,8 +1437,9 @@ def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_sta
 def test_a_late_next_sentence_is_a_stall_at_the_join():
     """A sentence whose text was complete while the sentence before still played continues that player: its first
     audio is due when the audio before runs out (app/core/playout.py), and one that comes later is counted as the
-    server's stall. Here 0.3 s of audio, no prebuffer, and the next sentence's first audio at least 0.4 s after."""
-    stalled, seconds = served_stalls("One. Two.", [(1, 13230, True, 0.0), (2, 512, True, 0.4)])
+    server's stall. Here 1 s of audio, no prebuffer, and the next sentence's first audio at least 1.1 s after (the
+    second sentence's turn to play must come while the first still plays: a busy CI machine has a second for it)."""
+    stalled, seconds = served_stalls("One. Two.", [(1, 44100, True, 0.0), (2, 512, True, 1.1)])
     assert stalled == 1.0 and seconds is not None and seconds >= 0.09
 
 
@@ -1569,7 +1570,7 @@ def test_a_new_turn_starts_a_new_player():
         gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
         pipe = UtterancePipeline(gw, "test")  # type: ignore[arg-type]
         (one,) = pipe.add(["One."], SynthesisOptions(), None, None)
-        FakeEngine.play(await gw.fake.started(1), samples=13230)  # 0.3 s
+        FakeEngine.play(await gw.fake.started(1), samples=44100)  # 1 s
         async for _ in pipe.play(one):
             pass
         pipe.done(one)
@@ -1578,12 +1579,12 @@ def test_a_new_turn_starts_a_new_player():
         (two,) = pipe.add(["Two."], SynthesisOptions(), None, None)  # while One still plays
         stream = await gw.fake.started(2)
 
-        async def consume() -> None:  # Two's turn to play comes at once: its audio comes 0.4 s later
+        async def consume() -> None:  # Two's turn to play comes at once: its audio comes 1.1 s later
             async for _ in pipe.play(two):
                 pass
 
         playing = asyncio.create_task(consume())
-        await asyncio.sleep(0.4)
+        await asyncio.sleep(1.1)
         FakeEngine.play(stream, samples=512)
         await playing
         pipe.close()
