@@ -178,6 +178,17 @@ class Limits:
             zero_ok=True,
         ),
     )
+    # ... and under a retry storm (app/doors/door.py `RefusalPace`) the door answers its refusals after a hold
+    refusal_hold_ms: float = field(
+        default=20.0,
+        metadata=_limit(
+            "under a storm of refused clients that retry at once, the door answers each refusal after up to this "
+            "long (ms), so that such a client retries tens of times a second instead of hundreds; 0: at once",
+            0,
+            1000.0,
+            zero_ok=True,
+        ),
+    )
     conversation_hold_s: float = field(
         default=10.0,
         metadata=_limit(

@@ -63,12 +63,15 @@ curl -s localhost:8000/readyz | head -c 800; echo
 grep -E "captured|KV cache|warmed|quantiz" /tmp/server.log
 [ -n "${tests:-}" ] && { wait $tests; tail -4 "$OUT/gpu_tests.log"; }
 # PYSPY_S=10: py-spy samples the engine's and the gateway's threads for that long in a level's measured window
-# (the carried py-spy wheel): the first capacity level's, or with PYSPY_ON=words the first WORDS_LEVELS level's;
+# (the carried py-spy wheel): the first capacity level's, or with PYSPY_ON=words / storm the first WORDS_LEVELS /
+# STORM level's;
 # bench/stack_summary.py prints where their host time went
 pyspy_start() {
-  engine_pid=$(curl -s localhost:8000/readyz | python3 -c "import json, sys; print(json.load(sys.stdin)['engine']['pid'])")
+  # the gateway: the process that answered readyz (one of --workers; the supervisor only supervises)
+  read -r engine_pid gateway_pid < <(curl -s localhost:8000/readyz | python3 -c \
+    "import json, sys; r = json.load(sys.stdin); print(r['engine']['pid'], r['gateway']['pid'])")
   (sleep $(( ${WARMUP:-4} + 3 ))
-   for who in engine:$engine_pid gateway:$server; do
+   for who in engine:$engine_pid gateway:$gateway_pid; do
      py-spy record --pid ${who#*:} -d $PYSPY_S -r 200 -f raw -o /tmp/pyspy_${who%%:*}.txt --nonblocking \
        > /tmp/pyspy_${who%%:*}.log 2>&1 &
    done; wait) &
@@ -124,10 +127,12 @@ pyspy_report
 [ -n "${AGENT_LEVELS:-}" ] && timeout $(( $(wc -w <<< "$AGENT_LEVELS") * (${AGENT_S:-60} + 45) + 60 )) \
   $CLIENT_PIN python3 bench/agent_load.py --levels $AGENT_LEVELS --duration ${AGENT_S:-60} --warmup 10 --stop-after-fail 0 \
   ${AGENT_ARGS:-} --out "$OUT/capacity_agent.json"
+[ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = storm ] && [ -n "${STORM:-}" ] && pyspy_start
 # storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
 # must not stall and refusals must be fast
 [ -n "${STORM:-}" ] && timeout $(( $(wc -w <<< "$STORM") * (${STORM_S:-20} + 35) + 30 )) $LIVE --storm \
   --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --out "$OUT/storm.json"
+pyspy_report
 # refusal storm: REFUSE_STORM refused connections (raw sockets from REFUSE_PROCS client processes, every API's
 # upgrade and a synthesis POST) over a storm level of REFUSE_LEVELS, which runs first without them
 [ -n "${REFUSE_STORM:-}" ] && timeout $(( (${REFUSE_S:-20} + 10) * 2 * $(echo ${REFUSE_LEVELS:-192} | wc -w) + 60 )) \

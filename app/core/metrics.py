@@ -105,6 +105,12 @@ class Metrics:
             ["at"],
             registry=r,
         )
+        self.door_refusals_held = Counter(
+            "zonos_door_refusals_held",
+            "Refusals at the request head answered after a hold: the process was under a storm of refused "
+            "clients retrying at once (--refusal-hold-ms, app/doors/door.py RefusalPace)",
+            registry=r,
+        )
         self.gc_pause = Histogram(
             "zonos_gc_pause_seconds",
             "Pauses of Python's cyclic collector, which hold the event loop (every socket's audio), by generation",

@@ -23,8 +23,8 @@ whole answer into the transport at once and counts it sent, so a client that rea
 memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its connection.
 
 With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
-before the app runs: the refusal written, an upgrade's connection closed at once, a request's body read and
-dropped, then its connection closed.
+before the app runs: the refusal written (after the hold the door asks for, under a retry storm), an upgrade's
+connection closed once it is written, a request's body read and dropped, then its connection closed.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
@@ -50,8 +50,16 @@ MAX_HEADERS = 100  # websockets refuses more than 128
 MAX_HEAD_BYTES = 64 << 10  # all header lines together
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
 
-# (method, request target, WebSocket upgrade?, header fields) -> the whole refusal to write, or None
-Door = Callable[[bytes, bytes, bool, list[tuple[bytes, bytes]]], bytes | None]
+
+class DoorAnswer(NamedTuple):
+    """A refusal at the request head: the whole answer, written after `hold_s` (0: at once)."""
+
+    answer: bytes
+    hold_s: float = 0.0
+
+
+# (method, request target, WebSocket upgrade?, header fields) -> the refusal, or None to let the app serve it
+Door = Callable[[bytes, bytes, bool, list[tuple[bytes, bytes]]], DoorAnswer | None]
 
 
 def request_id(given: str) -> str:
@@ -104,6 +112,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_gen = 0  # a head began or ended: a chunk during which this changed is not all head
         self._refused = False
         self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
+        self._held: asyncio.TimerHandle | None = None  # the door's refusal, held before it is written
         self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
 
@@ -135,6 +144,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._disarm_send_timer()
         if self._dropping is not None:
             self._dropping.cancel()
+        if self._held is not None:
+            self._held.cancel()
+            self._held = None
         super().connection_lost(exc)
 
     # ---- the send timer: armed while an answer's bytes wait in the transport and none are written ----------
@@ -233,16 +245,27 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
             upgrade = self.parser.should_upgrade()
-            answer = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
-            if answer is not None:
-                self.transport.write(answer)
+            refusal = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
+            if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
                     self._refused = True
-                    self.transport.close()
                 else:  # closed once the body has been read (closing on unread data would reset the answer)
                     self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
+                if refusal.hold_s > 0:
+                    self._held = self.loop.call_later(refusal.hold_s, self._answer_door, refusal.answer)
+                else:
+                    self._answer_door(refusal.answer)
                 return
         super().on_headers_complete()
+
+    def _answer_door(self, answer: bytes) -> None:
+        """Write the door's refusal; the connection closes now if nothing of the request is left to read."""
+        self._held = None
+        if self.transport.is_closing():  # the client gave up meanwhile
+            return
+        self.transport.write(answer)
+        if self._refused:
+            self.transport.close()
 
     def _check_handshake(self) -> None:
         """A WebSocket handshake is a GET without a body, with one Sec-WebSocket-Key (16 bytes in base64). With a
@@ -278,7 +301,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._dropping.cancel()
         self._refused = True
-        self.transport.close()
+        if self._held is None:  # (else the held answer closes the connection once written)
+            self.transport.close()
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)

@@ -167,7 +167,8 @@ def test_an_admitted_conversation_keeps_its_room(one_slot):
 
 def test_a_storm_of_refused_connections(one_slot):
     """bench/refusal_storm.py against the door: while an admitted session holds the one room, every raw-socket
-    attempt on every route (our socket, the dialects' upgrades, a synthesis POST) is refused, none fails."""
+    attempt on every route (our socket, the dialects' upgrades, a synthesis POST) is refused, none fails, the
+    storm's refusals after a hold."""
     from bench.refusal_storm import ROUTES, run_storm
 
     srv = one_slot
@@ -178,8 +179,12 @@ def test_a_storm_of_refused_connections(one_slot):
             await Client(ws).until("session.created")  # admitted: the one room is held for it
             return await asyncio.to_thread(run_storm, srv.url, 2 * len(ROUTES) * 10, 8, tuple(ROUTES), None, 2)
 
+    held = metric(srv, "zonos_door_refusals_held_total")
     out = run(go())
     assert out["attempts"] == out["refused"] == 100 and out["admitted"] == out["failed"] == 0, out
+    # eight connections at a time retrying at once are a storm: refusals answered after a hold (RefusalPace), as
+    # completely as those answered at once (POSTs included)
+    assert metric(srv, "zonos_door_refusals_held_total") > held
     assert out["refusal_ms_max"] >= out["refusal_ms_p95"] >= out["refusal_ms_p50"] > 0
     assert out["refusals_per_s"] > 0
 

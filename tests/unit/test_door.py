@@ -350,3 +350,40 @@ def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):
         (b"POST", "/v1/text-to-speech/Ada/multi-stream-input", False),
     ]:
         assert door.route(method, path, upgrade) is None, (method, path)
+
+
+def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
+    """app/doors/door.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
+    refuses STORM_REFUSALS_PER_S or faster, each is held between half and all of the hold (the clients refused
+    together come back apart), until a quiet window."""
+    from app.doors.door import PACE_WINDOW_S, STORM_REFUSALS_PER_S, RefusalPace
+
+    pace = RefusalPace(0.02)
+    storm = int(STORM_REFUSALS_PER_S * PACE_WINDOW_S)  # refusals in one window
+    assert [pace.hold(now=100.0 + i) for i in range(10)] == [0.0] * 10  # one a second
+    t = 200.0
+    holds = [pace.hold(now=t + i * PACE_WINDOW_S / (2 * storm)) for i in range(2 * storm)]  # twice the storm's rate
+    assert holds[: storm - 1] == [0.0] * (storm - 1)
+    assert all(0.01 <= h <= 0.02 for h in holds[storm - 1 :]) and len(set(holds[storm - 1 :])) > 1
+    # the next window: still a storm (the last full window counted one)
+    assert 0.01 <= pace.hold(now=t + PACE_WINDOW_S * 1.5) <= 0.02
+    # quiet for two windows: at once again
+    assert pace.hold(now=t + PACE_WINDOW_S * 4) == 0.0
+    off = RefusalPace(0.0)
+    assert all(off.hold(now=300.0 + i * 1e-4) == 0.0 for i in range(4 * storm))
+
+
+def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
+    """The head door's refusals (here: the server drains) carry the pace's hold, --refusal-hold-ms, counted."""
+    from app.__main__ import parse_args
+    from app.doors.door import PACE_WINDOW_S, STORM_REFUSALS_PER_S
+    from app.server import create_app
+
+    args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--refusal-hold-ms", "40"]
+    door = create_app(parse_args(args)).state.door
+    door.gw.draining = True
+    answers = [door(b"GET", b"/v1/tts/ws", True, []) for _ in range(int(STORM_REFUSALS_PER_S * PACE_WINDOW_S) + 5)]
+    assert all(a is not None and a.answer.startswith(b"HTTP/1.1 503") for a in answers)
+    assert answers[0].hold_s == 0.0 and 0.02 <= answers[-1].hold_s <= 0.04
+    held = sum(a.hold_s > 0 for a in answers)
+    assert door.gw.metrics.door_refusals_held._value.get() == held > 0
