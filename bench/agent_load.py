@@ -382,6 +382,7 @@ async def open_session(opts: AgentOptions, cfg: dict[str, Any], rec: SessionReco
                 max_size=None,
                 additional_headers=_headers(opts.api_key),
                 compression="deflate" if opts.deflate else None,
+                proxy=None,  # (the default reads every proxy variable of the environment on each connect)
             )
             created = json.loads(await ws.recv())
             if created.get("type") != "session.created":

@@ -721,6 +721,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
                 max_size=None,
                 additional_headers=_headers(opts.api_key),
                 compression="deflate" if opts.deflate else None,
+                proxy=None,  # (the default reads every proxy variable of the environment on each connect)
             ) as ws,
         ):
             created = json.loads(await ws.recv())
@@ -898,6 +899,9 @@ async def run_clients(
     """Clients `clients` of a level of n, in this process's event loop from `clock0` (a perf_counter reading) to
     the level's end: their records and this loop's lag samples."""
     records: list[StreamRecord] = []
+    # a storm's refused attempts, until the level ends, as (client, seq, t_start, refusal_ms, error): tens of
+    # thousands a level, kept as records they lengthened this process's collector passes (its loop lag)
+    refusals: list[tuple[int, int, float, float | None, str]] = []
     lag: list[tuple[float, float]] = []
     stop = asyncio.Event()
     w1 = opts.warmup + opts.duration
@@ -908,11 +912,14 @@ async def run_clients(
         while time.perf_counter() - clock0 < w1:
             sentences = 1 if opts.mixed and i % 2 else opts.sentences
             rec = StreamRecord(level=n, client=i, seq=seq, t_start=0.0, proc=proc, sentences=sentences)
-            records.append(rec)
             if opts.api == "speech":
                 await one_speech(opts, session_cfg, rec, clock0, http)
             else:
                 await one_stream(opts, session_cfg, rec, clock0)
+            if opts.storm and rec.refused:
+                refusals.append((i, seq, rec.t_start, rec.refusal_ms, rec.error))
+            else:
+                records.append(rec)
             seq += 1
             if not rec.ok and not (opts.storm and rec.refused):  # storm: a refused client retries at once
                 await asyncio.sleep(opts.error_backoff_ms / 1e3)
@@ -923,6 +930,10 @@ async def run_clients(
         await asyncio.gather(*(client(i, http) for i in clients))
     stop.set()
     await lag_task
+    records += [
+        StreamRecord(level=n, client=i, seq=seq, t_start=t, proc=proc, refused=True, refusal_ms=ms, error=error)
+        for i, seq, t, ms, error in refusals
+    ]
     return records, lag
 
 

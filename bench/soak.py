@@ -266,7 +266,9 @@ class Soak:
     async def session(self, wid: int) -> None:
         rng, st = self.rng, self.st
         try:
-            ws = await websockets.connect(self.ws_url, max_size=None, open_timeout=30, additional_headers=self.headers)
+            ws = await websockets.connect(
+                self.ws_url, max_size=None, open_timeout=30, additional_headers=self.headers, proxy=None
+            )
         except OSError:
             st.sessions_connect_failed += 1
             await asyncio.sleep(1.0)

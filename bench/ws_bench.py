@@ -58,7 +58,7 @@ def reference_clip(seconds: float = 5.0, sr: int = 44100) -> str:
 
 async def one_request(url: str, clip: str | None, frames: int, rate: int) -> Result:
     try:
-        async with websockets.connect(url, max_size=None) as ws:
+        async with websockets.connect(url, max_size=None, proxy=None) as ws:
             json.loads(await ws.recv())  # session.created
             cfg = {
                 "type": "session.config",
