@@ -129,9 +129,9 @@ pyspy_report
   ${AGENT_ARGS:-} --out "$OUT/capacity_agent.json"
 [ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = storm ] && [ -n "${STORM:-}" ] && pyspy_start
 # storm: STORM="384 512" offered, a refused client retrying at once (live_capacity.py --storm): admitted streams
-# must not stall and refusals must be fast
+# must not stall and refusals must be fast (STORM_ARGS adds flags, e.g. --distinct-clips: a new clip per request)
 [ -n "${STORM:-}" ] && timeout $(( $(wc -w <<< "$STORM") * (${STORM_S:-20} + 35) + 30 )) $LIVE --storm \
-  --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --out "$OUT/storm.json"
+  --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 ${STORM_ARGS:-} --out "$OUT/storm.json"
 pyspy_report
 # refusal storm: REFUSE_STORM refused connections (raw sockets from REFUSE_PROCS client processes, every API's
 # upgrade and a synthesis POST) over a storm level of REFUSE_LEVELS, which runs first without them
