@@ -2,7 +2,8 @@
 # One call on the GPU machine for the capacity report: the GPU tests (run while the server starts and
 # captures its graphs; they assert results, not speed), a full-size server (random weights) whose engine
 # profiles one iteration's GPU time by node once PROFILE_STREAMS streams decode (engine/runtime/profile.py; in a
-# level of PROFILE_LEVEL offered streams that is not counted: set PROFILE_LEVEL= to skip it),
+# level of PROFILE_LEVEL offered streams that is not counted: set PROFILE_LEVEL= to skip it; several levels, e.g.
+# PROFILE_LEVEL="1 64 128 192", profile each: the before/after table of docs/benchmarks.md),
 # live capacity with a clone per request (one clip re-sent) and with a distinct clip each time, the overload
 # case (OVERLOAD streams offered for OVERLOAD_S seconds), then the seed's table (bench/ws_bench.py, c = 1..8).
 # At most 8 files come back, so everything goes into these under $OUT:
@@ -44,8 +45,12 @@ exec > >(tee "$OUT/run.log") 2>&1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv
 # the profile only with its own level (PROFILE_LEVEL= skips both): stopping the profiler holds the engine loop
 # for seconds (3.5-4.2 s on an H200, docs/architecture.md), in whichever level it fires
-profile=(); [ -n "${PROFILE_LEVEL-128}" ] && profile=(ZONOS_PROFILE="$OUT/iteration_profile.json" \
-  ZONOS_PROFILE_STREAMS=${PROFILE_STREAMS:-110})
+# PROFILE_LEVEL="1 64 128 192" profiles each level in turn (one file, iteration_profile.json, keyed by threshold);
+# the thresholds: PROFILE_STREAMS, else 86 % of each level (110 of 128: what a ramped level keeps decoding)
+plevels=(${PROFILE_LEVEL-128})
+pthresholds=(${PROFILE_STREAMS:-$(for l in "${plevels[@]}"; do t=$(( l * 86 / 100 )); echo $(( t > 0 ? t : 1 )); done)})
+profile=(); [ ${#plevels[@]} -gt 0 ] && profile=(ZONOS_PROFILE="$OUT/iteration_profile.json" \
+  ZONOS_PROFILE_STREAMS="${pthresholds[*]}")
 SERVER_PIN=(); [ -n "${SERVER_CPUS:-}" ] && SERVER_PIN=(taskset -c "$SERVER_CPUS")
 CLIENT_PIN=""; [ -n "${CLIENT_CPUS:-}" ] && CLIENT_PIN="taskset -c $CLIENT_CPUS"
 env "${profile[@]}" "${SERVER_PIN[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
@@ -90,17 +95,25 @@ LIVE="$CLIENT_PIN python3 bench/live_capacity.py --client-procs ${CLIENT_PROCS:-
 CAP="$LIVE --duration ${DURATION:-12} --warmup ${WARMUP:-4} --stop-after-fail 2 ${CAP_ARGS:-}"
 [ -n "${GATEWAY_CPU:-}" ] && CAP="$CAP --gateway-cpu"
 # the iteration profile, in a level nobody counts: stopping the profiler holds the engine loop for seconds
-# (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see
-[ -n "${PROFILE_LEVEL-128}" ] && timeout 60 $LIVE --levels ${PROFILE_LEVEL:-128} --duration 8 \
-  --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json > /dev/null 2>&1
-# and its end: the profile fires once PROFILE_STREAMS decode, possibly late in that level, and its stop (on the engine
+# (4.2 s at 125 streams on the H200), a stall of every stream that the measured levels must not see; and its end:
+# the profile fires once its threshold of streams decode, possibly late in that level, and its stop (on the engine
 # loop) and its trace's export (on an engine thread that holds the GIL) hold the loop for seconds; the H200 runs of
 # e813e5d and 7e5c175 had that 3-4 s hold in the first counted level (its late iteration and all its stalls), so the
-# counted levels wait for the profile's file (written once the export is done), if the profile started
-if [ -n "${PROFILE_LEVEL-128}" ] && grep -q "iteration profile: recording" /tmp/server.log; then
-  for _ in $(seq 90); do
-    [ -s "$OUT/iteration_profile.json" ] || grep -q "iteration profile failed" /tmp/server.log && break; sleep 1
-  done
+# next level waits for the profile's file (written once the export is done), if the profile started
+for i in "${!plevels[@]}"; do
+  pfile="$OUT/iteration_profile.json"; [ ${#plevels[@]} -gt 1 ] && pfile="$OUT/iteration_profile-${pthresholds[$i]}.json"
+  timeout 60 $LIVE --levels ${plevels[$i]} --duration 8 --warmup 2 --stop-after-fail 0 --out /tmp/profile_level.json \
+    > /dev/null 2>&1
+  if [ "$(grep -c "iteration profile: recording" /tmp/server.log)" -gt "$i" ]; then
+    for _ in $(seq 90); do
+      [ -s "$pfile" ] || grep -q "iteration profile failed" /tmp/server.log && break; sleep 1
+    done
+  fi
+done
+if [ ${#plevels[@]} -gt 1 ]; then  # one file keyed by threshold (at most 8 files come back)
+  python3 -c "import json, pathlib, sys; o = pathlib.Path(sys.argv[1]); fs = sorted(o.parent.glob('iteration_profile-*.json'))
+json.dump({f.stem.split('-')[-1]: json.loads(f.read_text()) for f in fs}, o.open('w'), indent=1); [f.unlink() for f in fs]" \
+    "$OUT/iteration_profile.json"
 fi
 [ -n "${PYSPY_S:-}" ] && [ "${PYSPY_ON:-clone}" = clone ] && pyspy_start
 timeout ${CLONE_S:-200} $CAP --levels ${LEVELS:-64 128 160 192} --out "$OUT/capacity_clone.json"

@@ -85,6 +85,35 @@ def level_details(level: dict[str, Any]) -> str:
     return f"{level.get('n')} offered: " + "; ".join(bits)
 
 
+def is_profile(data: Any) -> bool:
+    return isinstance(data, dict) and "gpu_ms_per_iteration" in data
+
+
+def profile_table(profiles: dict[str, dict[str, Any]]) -> str:
+    """engine/runtime/profile.py's budgets (one, or several keyed by their threshold of streams) as one table: an
+    iteration's wall time (unprofiled, then under the profiler), GPU ms by node, busy, idle, the loop's host time."""
+    head = (
+        "streams  wall ms  profiled  decode sprint prefill    dac  other   busy   idle idle %  host sync  host work"
+        "  DAC audio-s/GPU-s (alone)"
+    )
+    rows = [head]
+    for _, b in sorted(profiles.items(), key=lambda kv: kv[1].get("streams_mean", 0)):
+        g = b["gpu_ms_per_iteration"]
+        wall = b.get("wall_ms_per_iteration") or 0.0
+        idle = b.get("gpu_idle_ms_per_iteration", 0.0)
+        dac = b.get("dac") or {}
+        nan = float("nan")
+        rows.append(
+            f"{b.get('streams_mean', 0):7.1f} {b.get('wall_ms_per_iteration_unprofiled', nan):8.2f} "
+            f"{wall:9.2f} {g['decode']:7.2f} {g.get('sprint', 0.0):6.2f} {g['prefill']:7.2f} {g['dac']:6.2f} "
+            f"{g['other'] + g.get('speaker', 0.0):6.2f} {b.get('gpu_busy_ms_per_iteration', 0.0):6.2f} {idle:6.2f} "
+            f"{100 * idle / wall if wall else nan:6.1f} {b.get('host_sync_ms_per_iteration', nan):10.2f} "
+            f"{b.get('host_work_ms_per_iteration', nan):10.2f}  "
+            f"{dac.get('audio_s_per_gpu_s', '-')} ({dac.get('audio_s_per_alone_gpu_s', '-')})"
+        )
+    return "\n".join(rows)
+
+
 def summarize_file(path: Path) -> str:
     head = f"### {path.name} ({path.stat().st_size:,} bytes raw)\n\n"
     gz = path.suffix == ".gz"  # bench/device_capacity.sh compresses a JSON too large to come back from the device
@@ -105,6 +134,9 @@ def summarize_file(path: Path) -> str:
                 f"started {data.get('started')}, voice mode {data['config'].get('voice_mode', '-')}.\n\n"
                 f"```\n{rows}\n```\n\nCommand: `{command}`\n"
             )
+        profiles = {"": data} if is_profile(data) else data if isinstance(data, dict) else {}
+        if profiles and all(is_profile(b) for b in profiles.values()):  # iteration profiles (one or several)
+            return head + f"```\n{profile_table(profiles)}\n```\n"
         compact = json.dumps(data, separators=(",", ":")) if data is not None else text
         if len(compact) <= SMALL_JSON:
             return head + f"```json\n{compact}\n```\n"

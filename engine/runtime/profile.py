@@ -1,9 +1,12 @@
 """Where one engine iteration's GPU time goes, measured while serving (torch.profiler).
 
 Set `ZONOS_PROFILE=PATH` (and optionally `ZONOS_PROFILE_STREAMS=128`, `ZONOS_PROFILE_ITERATIONS=200`) in the
-engine's environment: once that many streams are decoding, the scheduler profiles the next iterations and
-writes PATH (JSON): per iteration on average, the GPU time of each node (decode step, prefill, DAC,
-speaker encoder, other) and the time the GPU had nothing to do, from the kernels' own timestamps. Each
+engine's environment: once that many streams are decoding, the scheduler times the next iterations unprofiled
+(their wall time), then profiles as many and writes PATH (JSON): per iteration on average, the GPU time of each
+node (decode step, prefill, DAC, speaker encoder, other), the time the GPU had nothing to do, from the kernels'
+own timestamps, and the engine loop's host time (what it spent waiting for the GPU, and the rest). Several
+thresholds (`ZONOS_PROFILE_STREAMS="1 58 110 168"`) profile each in turn, lowest first, each written to PATH with
+the threshold before its suffix (iteration_profile-58.json): a table from one stream to full load. Each
 kernel is attributed by the host range its launch ran in (`record_function` around the scheduler's
 decode, prefill and DAC launches; a CUDA graph's kernels belong to its replay's launch; kernels launched
 from another thread count as the speaker encoder's; with --aligner, the aligner's thread is counted there too).
@@ -26,12 +29,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("engine")
 
 NODES = ("decode", "sprint", "prefill", "dac", "speaker")  # sprint: first-audio sprint steps (scheduler.py)
+# the host's waits for the GPU (the engine loop blocked until kernels have run)
+SYNC_CALLS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
 _active = False  # a profiler is recording: node_range marks the host ranges
 
 
@@ -46,11 +52,15 @@ def node_range(node: str) -> contextlib.AbstractContextManager[Any]:
 
 
 class IterationProfiler:
-    def __init__(self, path: str, streams: int, iterations: int) -> None:
-        self.path, self.streams, self.iterations = path, streams, iterations
+    def __init__(self, path: str, streams: int | Sequence[int], iterations: int) -> None:
+        self.path, self.iterations = path, iterations
+        self.levels = sorted({streams} if isinstance(streams, int) else set(streams))
+        self.streams = self.levels[0]  # the threshold of the profile to come
         self._prof: Any = None
         self._count = 0
         self._t0 = 0.0
+        self._timing = False  # the unprofiled window before a profile
+        self._unprofiled: dict[str, float] = {}
         self.done = False
         self.counts: Any = None  # a Counter the profiled node keeps (the dac_decoder's): its change is reported
         self._counts0: dict[str, int] = {}
@@ -60,62 +70,94 @@ class IterationProfiler:
         path = os.environ.get("ZONOS_PROFILE")
         if not path:
             return None
-        return cls(
-            path,
-            int(os.environ.get("ZONOS_PROFILE_STREAMS", "128")),
-            int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")),
-        )
+        streams = [int(x) for x in os.environ.get("ZONOS_PROFILE_STREAMS", "128").replace(",", " ").split()]
+        return cls(path, streams or [128], int(os.environ.get("ZONOS_PROFILE_ITERATIONS", "200")))
+
+    def out_path(self, streams: int) -> str:
+        """Where the profile from `streams` is written: PATH itself for one threshold."""
+        if len(self.levels) == 1:
+            return self.path
+        p = Path(self.path)
+        return str(p.with_name(f"{p.stem}-{streams}{p.suffix}"))
 
     def iteration(self, streams: int) -> None:
         """Called once per engine iteration with the streams it decoded."""
         if self.done:
             return
-        if self._prof is None:
-            if streams >= self.streams:
-                from torch.profiler import ProfilerActivity, profile
-
-                global _active
-                self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                self._prof.__enter__()
-                _active = True
-                self._t0, self._count, self._streams = time.perf_counter(), 0, []
-                self._counts0 = dict(self.counts or {})
-                log.info("iteration profile: recording %d iterations from %d streams", self.iterations, streams)
+        if self._prof is None and not self._timing:
+            if streams >= self.streams:  # first the same number of iterations unprofiled
+                self._timing, self._count, self._streams = True, 0, []
+                self._t0 = time.perf_counter()
+            return
+        if self._timing:
+            self._count += 1
+            self._streams.append(streams)
+            if self._count >= self.iterations:
+                self._timing = False
+                self._unprofiled = {
+                    "wall_ms_per_iteration_unprofiled": round((time.perf_counter() - self._t0) / self._count * 1e3, 3),
+                    "streams_mean_unprofiled": round(sum(self._streams) / len(self._streams), 1),
+                }
+                self._start(streams)
             return
         self._count += 1
         self._streams.append(streams)
         if self._count >= self.iterations:
             self._finish()
 
+    def _start(self, streams: int) -> None:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        global _active
+        gpu = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []  # (the engine profiles only on a GPU)
+        self._prof = profile(activities=[ProfilerActivity.CPU, *gpu])
+        self._prof.__enter__()
+        _active = True
+        self._t0, self._count, self._streams = time.perf_counter(), 0, []
+        self._counts0 = dict(self.counts or {})
+        log.info("iteration profile: recording %d iterations from %d streams", self.iterations, streams)
+
     def _finish(self) -> None:
         import torch
 
         global _active
         _active = False
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         wall = time.perf_counter() - self._t0
         counts = {k: v - self._counts0.get(k, 0) for k, v in (self.counts or {}).items()}
         self._prof.__exit__(None, None, None)
-        self.done = True
-        threading.Thread(target=self._write, args=(wall, counts), name="profile-export", daemon=True).start()
+        prof, self._prof = self._prof, None
+        extra = {"iterations": self._count, "wall_ms_per_iteration": round(wall / self._count * 1e3, 3)}
+        extra["streams_mean"] = round(sum(self._streams) / len(self._streams), 1)
+        extra |= self._unprofiled
+        out = self.out_path(self.streams)
+        later = [n for n in self.levels if n > self.streams]
+        if later:  # the next threshold
+            self.streams = later[0]
+        else:
+            self.done = True
+        export = threading.Thread(
+            target=self._write, args=(prof, out, extra, counts), name="profile-export", daemon=True
+        )
+        export.start()
 
-    def _write(self, wall: float, counts: dict[str, int]) -> None:
+    def _write(self, prof: Any, out: str, extra: dict[str, Any], counts: dict[str, int]) -> None:
         """Export the trace (torch's own writer), then read and analyse it in a child process: a trace of 200
         iterations at ~128 streams is hundreds of MB of JSON, and parsing it on a thread of the engine's would
         take the GIL from the engine loop for minutes (every step then waits its turn: ~50 ms steps at one
         stream, seen on an H100)."""
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
-            self._prof.export_chrome_trace(f.name)
-            self._prof = None
-            extra = {"iterations": self._count, "wall_ms_per_iteration": round(wall / self._count * 1e3, 3)}
-            extra["streams_mean"] = round(sum(self._streams) / len(self._streams), 1)
-            args = [sys.executable, "-m", "engine.runtime.profile", f.name, self.path, json.dumps(extra)]
+            prof.export_chrome_trace(f.name)
+            del prof
+            args = [sys.executable, "-m", "engine.runtime.profile", f.name, out, json.dumps(extra)]
             root = str(Path(__file__).resolve().parents[2])  # where `engine` imports from, whatever the cwd
             done = subprocess.run([*args, json.dumps(counts)], capture_output=True, text=True, check=False, cwd=root)
         if done.returncode != 0:
             log.error("iteration profile failed: %s", done.stderr[-2000:])
         else:
-            log.info("iteration profile written to %s: %s", self.path, done.stdout.strip())
+            log.info("iteration profile written to %s: %s", out, done.stdout.strip())
 
 
 def write_budget(trace_path: str, out_path: str, extra: dict[str, Any], counts: dict[str, int]) -> dict[str, Any]:
@@ -125,6 +167,10 @@ def write_budget(trace_path: str, out_path: str, extra: dict[str, Any], counts: 
         trace = json.load(fh)
     budget = iteration_budget(trace.get("traceEvents", []), int(extra["iterations"]))
     budget.update(extra)
+    if "wall_ms_per_iteration" in extra:  # the loop's own work (profiled: the profiler's cost included)
+        budget["host_work_ms_per_iteration"] = round(
+            extra["wall_ms_per_iteration"] - budget["host_sync_ms_per_iteration"], 3
+        )
     if counts:
         n = int(extra["iterations"])
         budget["dac"] = dac_report(
@@ -159,12 +205,16 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
     ranges: dict[int, list[tuple[float, float, str]]] = {}  # host thread -> (start, end, node), sorted
     launches: dict[int, tuple[int, float]] = {}  # correlation id -> (thread, launch ts)
     kernels = []
+    syncs: list[tuple[int, float]] = []  # (host thread, µs) of each wait for the GPU
     for e in events:
         cat, name = e.get("cat"), e.get("name", "")
         if cat == "user_annotation" and name in NODES:
             ranges.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e.get("dur", 0), name))
-        elif cat == "cuda_runtime" and "correlation" in e.get("args", {}):
-            launches[e["args"]["correlation"]] = (e["tid"], e["ts"])
+        elif cat == "cuda_runtime":
+            if "correlation" in e.get("args", {}):
+                launches[e["args"]["correlation"]] = (e["tid"], e["ts"])
+            if name in SYNC_CALLS:
+                syncs.append((e["tid"], e.get("dur", 0)))
         elif cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             kernels.append(e)
     for r in ranges.values():
@@ -206,6 +256,8 @@ def iteration_budget(events: list[dict[str, Any]], iterations: int) -> dict[str,
         "gpu_alone_ms_per_iteration": {k: round(alone.get(k, 0.0) / n / 1e3, 3) for k in busy},
         "gpu_busy_ms_per_iteration": round(union / n / 1e3, 3),  # any kernel running (nodes overlap)
         "gpu_idle_ms_per_iteration": round((total - union) / n / 1e3, 3),
+        # the engine loop blocked until the GPU had run what it waited for (synchronize, a blocking copy)
+        "host_sync_ms_per_iteration": round(sum(d for tid, d in syncs if tid == loop_tid) / n / 1e3, 3),
     }
 
 

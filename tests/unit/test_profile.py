@@ -117,3 +117,53 @@ def test_a_trace_is_analysed_in_a_child_process(tmp_path):
     assert budget == json.loads(done.stdout)
     assert budget["gpu_ms_per_iteration"]["dac"] == 1.0 and budget["iterations"] == 2
     assert budget["dac"] == {"samples": 44100, "audio_s_per_gpu_s": 500.0, "audio_s_per_alone_gpu_s": 500.0}
+
+
+def test_the_loop_threads_waits_for_the_gpu_are_its_host_sync_time():
+    loop, other = 1, 2
+    ev = [
+        {"cat": "user_annotation", "name": "decode", "tid": loop, "ts": 0, "dur": 10},
+        {"cat": "user_annotation", "name": "decode", "tid": loop, "ts": 100, "dur": 10},
+        {"cat": "cuda_runtime", "name": "cudaEventSynchronize", "tid": loop, "ts": 20, "dur": 3000},
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaMemcpyAsync",
+            "tid": loop,
+            "ts": 3100,
+            "dur": 500,
+            "args": {"correlation": 9},
+        },
+        {"cat": "cuda_runtime", "name": "cudaStreamSynchronize", "tid": other, "ts": 50, "dur": 7000},  # not the loop
+        {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "tid": loop, "ts": 5, "dur": 40, "args": {"correlation": 1}},
+    ]
+    assert iteration_budget(ev, iterations=2)["host_sync_ms_per_iteration"] == 1.75
+
+
+def test_several_thresholds_profile_in_turn_each_after_an_unprofiled_window(tmp_path, monkeypatch):
+    """ZONOS_PROFILE_STREAMS="1 3": the engine loop's iterations from 1 stream are timed unprofiled, then profiled
+    (torch.profiler, here on the CPU), and written to iteration_profile-1.json; then the same from 3 streams."""
+    import json
+    import time as clock
+
+    from engine.runtime.profile import IterationProfiler
+
+    monkeypatch.setenv("ZONOS_PROFILE", str(tmp_path / "iteration_profile.json"))
+    monkeypatch.setenv("ZONOS_PROFILE_STREAMS", "3 1")
+    monkeypatch.setenv("ZONOS_PROFILE_ITERATIONS", "2")
+    prof = IterationProfiler.from_env()
+    assert prof is not None and prof.levels == [1, 3]
+    for streams in (0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3, 3, 3):  # below, window + profile of 1, below 3, 3's
+        prof.iteration(streams)
+    assert prof.done
+    out = [tmp_path / "iteration_profile-1.json", tmp_path / "iteration_profile-3.json"]
+    deadline = clock.monotonic() + 120
+    while not all(p.exists() and p.stat().st_size for p in out) and clock.monotonic() < deadline:
+        clock.sleep(0.2)  # each is written by an export thread and its child process
+    one, three = (json.loads(p.read_text()) for p in out)
+    assert one["iterations"] == three["iterations"] == 2
+    assert one["streams_mean"] == 1.0 and three["streams_mean"] == 3.0
+    assert one["streams_mean_unprofiled"] == 1.0 and three["streams_mean_unprofiled"] == 3.0
+    for b in (one, three):
+        assert b["wall_ms_per_iteration_unprofiled"] >= 0 and b["host_sync_ms_per_iteration"] == 0.0
+        assert b["host_work_ms_per_iteration"] == b["wall_ms_per_iteration"]
+    assert IterationProfiler(str(tmp_path / "p.json"), 110, 200).out_path(110) == str(tmp_path / "p.json")

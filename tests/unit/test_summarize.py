@@ -67,3 +67,33 @@ def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
     (tmp_path / "capacity_clone.json").write_text(json.dumps({"config": {"levels": [256]}, "levels": [level]}))
     text = summarize([tmp_path], "run", "abc1234")
     assert "loop preempted 41x, 1224 sprint frames, server's own stalls 2 (31 ms); client loop lag" in text
+
+
+def test_iteration_profiles_summarize_as_one_table(tmp_path: Path):
+    """engine/runtime/profile.py's budget, one or several keyed by threshold (device_capacity.sh PROFILE_LEVEL="1
+    110"): one row per profile, by streams, with the idle share of the wall time."""
+
+    def budget(streams: float, wall: float, idle: float) -> dict:
+        nodes = {"decode": 5.0, "sprint": 0.0, "prefill": 0.5, "dac": 1.0, "speaker": 0.0, "other": 0.1}
+        return {
+            "gpu_ms_per_iteration": nodes,
+            "gpu_busy_ms_per_iteration": wall - idle,
+            "gpu_idle_ms_per_iteration": idle,
+            "streams_mean": streams,
+            "wall_ms_per_iteration": wall,
+            "wall_ms_per_iteration_unprofiled": wall - 0.5,
+            "host_sync_ms_per_iteration": 2.0,
+            "host_work_ms_per_iteration": wall - 2.0,
+            "dac": {"audio_s_per_gpu_s": 600.0, "audio_s_per_alone_gpu_s": 2000.0},
+        }
+
+    several = tmp_path / "iteration_profile.json"
+    several.write_text(json.dumps({"110": budget(122.8, 8.0, 0.8), "1": budget(1.0, 4.0, 2.0)}))
+    rows = summarize_file(several).split("```")[1].strip().splitlines()
+    assert rows[0].split()[:3] == ["streams", "wall", "ms"] and len(rows) == 3
+    assert rows[1].split()[:3] == ["1.0", "3.50", "4.00"] and "50.0" in rows[1].split()  # idle 2 of 4 ms
+    assert rows[2].split()[0] == "122.8" and "10.0" in rows[2].split() and rows[2].endswith("600.0 (2000.0)")
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(budget(64.0, 6.0, 0.3)))
+    (row,) = summarize_file(one).split("```")[1].strip().splitlines()[1:]
+    assert row.split()[0] == "64.0" and "5.0" in row.split()
