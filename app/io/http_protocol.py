@@ -213,7 +213,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
 
     # ---- parser callbacks -------------------------------------------------------------------------
+    # Once a request is refused (`_refused`) nothing after it is parsed or answered: data_received drops the
+    # chunks that come later, and the callbacks below ignore the rest of the chunk the refusal came in, where a
+    # client may have pipelined more requests (the app would run them, their answers written before a refusal the
+    # door holds, or after it, on a connection it closes) or sent a body the refused request may not have
+    # (Expect: 100-continue).
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
         self._head_bytes = self._head_fields = self._head_raw = 0
         self._in_head = True
@@ -221,6 +228,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
             self._refuse(
@@ -229,6 +238,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
         size = len(name) + 2 + len(value)
         self._head_bytes += size
         self._head_fields += 1
@@ -238,6 +249,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
@@ -292,10 +305,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadRefused
 
     def on_body(self, body: bytes) -> None:
-        if self._dropping is None:
+        if self._dropping is None and not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         if self._dropping is None:
             super().on_message_complete()
             return
@@ -303,6 +318,10 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         if self._held is None:  # (else the held answer closes the connection once written)
             self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        if not self._refused:  # (an upgrade pipelined behind a refused request is ignored with it)
+            super()._unsupported_upgrade_warning()
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)
