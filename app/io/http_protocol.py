@@ -113,6 +113,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
         self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
         self._held: asyncio.TimerHandle | None = None  # the door's refusal, held before it is written
+        self._held_answer = b""  # ... its bytes
         self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
 
@@ -148,6 +149,29 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._held.cancel()
             self._held = None
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio: True keeps the transport open)
+        """The client will send nothing more (it shut its side down, or closed). uvicorn closes the connection then;
+        a refusal the door holds is still written first (the client may be reading: it was answered at once before
+        there was a hold), then the connection closed: what the refused request had left to send never comes."""
+        if self._held is None:
+            super().eof_received()
+            return None
+        self._refused = True  # (the held answer closes the connection once written)
+        if self._dropping is not None:
+            self._dropping.cancel()
+            self._dropping = None
+        return True  # keep the transport open for that write
+
+    def shutdown(self) -> None:
+        """The server shuts down (uvicorn closes each idle connection): a refusal the door holds is written now,
+        then its connection closed, instead of the connection closed unanswered."""
+        if self._held is None:
+            super().shutdown()
+            return
+        self._held.cancel()
+        self._refused = True
+        self._answer_door(self._held_answer)
 
     # ---- the send timer: armed while an answer's bytes wait in the transport and none are written ----------
     def pause_writing(self) -> None:
@@ -266,6 +290,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                     self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
                 if refusal.hold_s > 0:
                     self._held = self.loop.call_later(refusal.hold_s, self._answer_door, refusal.answer)
+                    self._held_answer = refusal.answer
                 else:
                     self._answer_door(refusal.answer)
                 return
@@ -273,7 +298,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_door(self, answer: bytes) -> None:
         """Write the door's refusal; the connection closes now if nothing of the request is left to read."""
-        self._held = None
+        self._held, self._held_answer = None, b""
         if self.transport.is_closing():  # the client gave up meanwhile
             return
         self.transport.write(answer)

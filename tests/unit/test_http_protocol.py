@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import struct
 import time
 from typing import Any
 
@@ -83,24 +84,29 @@ def test_a_refused_request_body_is_read_while_its_answer_is_held():
 
 
 def test_a_client_gone_during_the_hold_is_not_answered():
-    """Its held answer is dropped with the connection (the hold is far longer than the test)."""
+    """A client that resets its connection during the hold: its held answer is dropped with the connection at once
+    (the hold is far longer than the test). (One that closes it, a FIN, cannot be told from one that only shut its
+    sending side down: see test_a_client_that_shuts_its_side_during_the_hold_is_still_answered.)"""
 
     async def go() -> Any:
         protocol_class = bounded_protocol(5.0, 5.0, lambda method, url, upgrade, headers: DoorAnswer(ANSWER, 600.0))
         config = uvicorn.Config(app, http=protocol_class, log_level="warning")
         config.load()
-        server_end, client_end = socket.socketpair()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            client_end = socket.create_connection(listener.getsockname())
+            server_end, _ = listener.accept()
         protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
         loop = asyncio.get_running_loop()
         await loop.connect_accepted_socket(lambda: protocol, server_end)
         client_end.sendall(UPGRADE)
-        for _ in range(100):  # the head parsed: the answer held
+        for _ in range(1000):  # the head parsed: the answer held
             if protocol._held is not None:
                 break
             await asyncio.sleep(0.01)
         assert protocol._held is not None
-        client_end.close()
-        for _ in range(100):
+        client_end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client_end.close()  # a reset
+        for _ in range(1000):
             if protocol.transport.is_closing():
                 break
             await asyncio.sleep(0.01)
@@ -138,3 +144,67 @@ def test_nothing_pipelined_behind_a_refused_request_is_served(caplog):
     # the same request alone is served, on a connection that stays open for the next (closed here by the client)
     got, _, _ = asyncio.run(asyncio.wait_for(refused(GET, HOLD_S, shut_wr=True), 30))
     assert APP_CALLS == ["/v1/voices"]
+
+
+def test_a_client_that_shuts_its_side_during_the_hold_is_still_answered():
+    """A client may send its request and shut its sending side down (SHUT_WR) while it reads: refused at once it
+    got its 503 before the hold existed; held, it still does, then the connection closes (a POST's body that
+    never came is not waited for)."""
+    for sent in (UPGRADE, POST_HEAD + BODY, POST_HEAD, POST_HEAD + BODY[:3]):
+        got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, HOLD_S, shut_wr=True), 30))
+        assert got == ANSWER and answered >= HOLD_S * 0.9, sent
+
+
+def test_the_server_shutting_down_writes_a_held_refusal_at_once():
+    """uvicorn's shutdown closes each idle connection: one whose refusal the door holds gets it first."""
+
+    async def go() -> tuple[bytes, Any]:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=600.0))
+        config = uvicorn.Config(app, http=protocol_class, log_level="warning")
+        config.load()
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        await loop.sock_sendall(client_end, UPGRADE)
+        for _ in range(1000):  # the head parsed: the answer held
+            if protocol._held is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert protocol._held is not None
+        protocol.shutdown()
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got, protocol
+
+    got, protocol = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got == ANSWER and protocol._held is None
+
+
+def test_a_client_that_closes_during_the_hold_leaves_nothing_behind(caplog):
+    """A client that closes its connection (a FIN: it may still be reading) during the hold: its connection is
+    closed once the hold ends, the answer written to a closed socket without a word in the log."""
+
+    async def go() -> Any:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=HOLD_S))
+        config = uvicorn.Config(app, http=protocol_class, log_level="warning")
+        config.load()
+        server_end, client_end = socket.socketpair()
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, server_end)
+        t0 = time.monotonic()
+        client_end.sendall(POST_HEAD + BODY[:3])
+        client_end.close()
+        while not protocol.transport.is_closing():
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.05)  # the connection lost
+        return took, protocol
+
+    with caplog.at_level(logging.DEBUG):
+        took, protocol = asyncio.run(asyncio.wait_for(go(), 30))
+    assert took >= HOLD_S * 0.9 and protocol._held is None and protocol.transport.is_closing()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == []
