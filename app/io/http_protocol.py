@@ -221,7 +221,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # also how uvicorn answers our HeadRefused: httptools raises it again as a parser error
-        if not self._refused:
+        if self._dropping is not None:  # the body of a request the door refused: its answer is the door's alone
+            self._dropped()
+        elif not self._refused:
             self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, msg)
 
     def data_received(self, data: bytes) -> None:
@@ -339,7 +341,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._dropping is None:
             super().on_message_complete()
             return
-        self._dropping.cancel()
+        self._dropped()
+
+    def _dropped(self) -> None:
+        """The body of a request the door refused has been read (or does not parse: it is not answered apart, a
+        second answer to the request): the connection closes once the door's answer is written."""
+        if self._dropping is not None:
+            self._dropping.cancel()
+            self._dropping = None
         self._refused = True
         if self._held is None:  # (else the held answer closes the connection once written)
             self.transport.close()

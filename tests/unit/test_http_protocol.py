@@ -219,3 +219,12 @@ def test_a_client_that_closes_during_the_hold_leaves_nothing_behind(caplog):
         took, protocol = asyncio.run(asyncio.wait_for(go(), 30))
     assert took >= HOLD_S * 0.9 and protocol._held is None and protocol.transport.is_closing()
     assert [r.getMessage() for r in caplog.records + LOGGED if r.levelno >= logging.INFO] == []
+
+
+def test_a_refused_request_whose_body_does_not_parse_gets_the_door_s_answer_alone():
+    """Its answer is the door's 503 (at once or held), not that and a 400 after it, nor a 400 instead of it."""
+    bad_chunk = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    for hold_s in (HOLD_S, 0.0):
+        for sent, rest in ((bad_chunk, b""), (bad_chunk[:-13], bad_chunk[-13:])):
+            got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, hold_s, rest, rest_after_s=0.05), 30))
+            assert got == ANSWER and answered >= hold_s * 0.9, (hold_s, sent, got)
