@@ -24,7 +24,9 @@ memory (outside --max-whole-answer-bytes) and its connection forever, and a stre
 
 With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
 before the app runs: the refusal written (after the hold the door asks for, under a retry storm), an upgrade's
-connection closed once it is written, a request's body read and dropped, then its connection closed.
+connection closed once it is written, a request's body read and dropped, then its connection closed. Nothing the
+client pipelines behind a refused request is served; a held refusal is still written to a client that shuts its
+sending side down meanwhile, and at once when the server shuts down.
 """
 
 from __future__ import annotations
