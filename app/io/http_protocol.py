@@ -290,8 +290,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
                     self._refused = True
-                else:  # closed once the body has been read (closing on unread data would reset the answer)
-                    self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
+                else:  # closed once the body has been read (closing on unread data would reset the answer), or
+                    # --head-timeout-s after its answer
+                    self._dropping = self.loop.call_later(self.head_timeout_s + refusal.hold_s, self.transport.close)
                 if refusal.hold_s > 0:
                     self._held = self.loop.call_later(refusal.hold_s, self._answer_door, refusal.answer)
                     self._held_answer = refusal.answer
