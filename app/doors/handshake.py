@@ -13,7 +13,6 @@ answer a retrying client can get, and the one a load balancer understands.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import json
 import logging
 from collections.abc import Callable
@@ -26,28 +25,13 @@ from app.core.session import ClientStalled, StreamingSession
 from app.io.auth import api_key_from, key_ok, origin_allowed
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.ws_protocol import handshake_denied
 from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.session")
 
 # (code, message, HTTP status) -> the API's error body for a refused handshake
 Refusal = Callable[[str, str, int], dict[str, Any]]
-
-
-# Set by `deny` in the task that runs the ASGI app, where uvicorn logs once the app returns.
-_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
-
-
-class _DenialLogFilter(logging.Filter):
-    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing handshake" after a
-    refusal sent as an HTTP response (the denial extension), though the response went out: dropped for
-    refusals `deny` made, kept for any other app that returns without answering."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (_denied.get() and "returned without completing handshake" in record.getMessage())
-
-
-logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
 
 
 class _BadUtf8LogFilter(logging.Filter):
@@ -71,7 +55,7 @@ async def deny(ws: WebSocket, status: int, body: dict[str, Any], headers: dict[s
 
     try:
         await ws.send_denial_response(JSONResponse(body, status_code=status, headers=headers))
-        _denied.set(True)
+        handshake_denied.set(True)
     except RuntimeError:
         await ws.accept()
         await ws.send_text(json.dumps(body))

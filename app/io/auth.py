@@ -19,6 +19,7 @@ from starlette.websockets import WebSocket
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.ws_protocol import handshake_denied
 from app.settings import loopback
 
 
@@ -158,6 +159,7 @@ class HostCheck:
                 {"type": "websocket.http.response.start", "status": G.HOST_NOT_ALLOWED.http_status, "headers": headers}
             )
             await send({"type": "websocket.http.response.body", "body": body})
+            handshake_denied.set(True)  # (uvicorn's error line after a denial is dropped)
         else:
             await receive()
             await send({"type": "websocket.close", "code": 1008})

@@ -24,7 +24,9 @@ memory (outside --max-whole-answer-bytes) and its connection forever, and a stre
 
 With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
 before the app runs: the refusal written (after the hold the door asks for, under a retry storm), an upgrade's
-connection closed once it is written, a request's body read and dropped, then its connection closed.
+connection closed once it is written, a request's body read and dropped, then its connection closed. Nothing the
+client pipelines behind a refused request is served; a held refusal is still written to a client that shuts its
+sending side down meanwhile, and at once when the server shuts down.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = False
         self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
         self._held: asyncio.TimerHandle | None = None  # the door's refusal, held before it is written
+        self._held_answer = b""  # ... its bytes
         self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
 
@@ -148,6 +151,29 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             self._held.cancel()
             self._held = None
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio: True keeps the transport open)
+        """The client will send nothing more (it shut its side down, or closed). uvicorn closes the connection then;
+        a refusal the door holds is still written first (the client may be reading: it was answered at once before
+        there was a hold), then the connection closed: what the refused request had left to send never comes."""
+        if self._held is None:
+            super().eof_received()
+            return None
+        self._refused = True  # (the held answer closes the connection once written)
+        if self._dropping is not None:
+            self._dropping.cancel()
+            self._dropping = None
+        return True  # keep the transport open for that write
+
+    def shutdown(self) -> None:
+        """The server shuts down (uvicorn closes each idle connection): a refusal the door holds is written now,
+        then its connection closed, instead of the connection closed unanswered."""
+        if self._held is None:
+            super().shutdown()
+            return
+        self._held.cancel()
+        self._refused = True
+        self._answer_door(self._held_answer)
 
     # ---- the send timer: armed while an answer's bytes wait in the transport and none are written ----------
     def pause_writing(self) -> None:
@@ -197,7 +223,9 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         # also how uvicorn answers our HeadRefused: httptools raises it again as a parser error
-        if not self._refused:
+        if self._dropping is not None:  # the body of a request the door refused: its answer is the door's alone
+            self._dropped()
+        elif not self._refused:
             self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, msg)
 
     def data_received(self, data: bytes) -> None:
@@ -213,7 +241,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
 
     # ---- parser callbacks -------------------------------------------------------------------------
+    # Once a request is refused (`_refused`) nothing after it is parsed or answered: data_received drops the
+    # chunks that come later, and the callbacks below ignore the rest of the chunk the refusal came in, where a
+    # client may have pipelined more requests (the app would run them, their answers written before a refusal the
+    # door holds, or after it, on a connection it closes) or sent a body the refused request may not have
+    # (Expect: 100-continue).
     def on_message_begin(self) -> None:
+        if self._refused:
+            return
         super().on_message_begin()
         self._head_bytes = self._head_fields = self._head_raw = 0
         self._in_head = True
@@ -221,6 +256,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
+        if self._refused:
+            return
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
             self._refuse(
@@ -229,6 +266,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._refused:
+            return
         size = len(name) + 2 + len(value)
         self._head_bytes += size
         self._head_fields += 1
@@ -238,6 +277,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
@@ -249,10 +290,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
                     self._refused = True
-                else:  # closed once the body has been read (closing on unread data would reset the answer)
-                    self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
+                else:  # closed once the body has been read (closing on unread data would reset the answer), or
+                    # --head-timeout-s after its answer
+                    self._dropping = self.loop.call_later(self.head_timeout_s + refusal.hold_s, self.transport.close)
                 if refusal.hold_s > 0:
                     self._held = self.loop.call_later(refusal.hold_s, self._answer_door, refusal.answer)
+                    self._held_answer = refusal.answer
                 else:
                     self._answer_door(refusal.answer)
                 return
@@ -260,7 +303,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     def _answer_door(self, answer: bytes) -> None:
         """Write the door's refusal; the connection closes now if nothing of the request is left to read."""
-        self._held = None
+        self._held, self._held_answer = None, b""
         if self.transport.is_closing():  # the client gave up meanwhile
             return
         self.transport.write(answer)
@@ -292,17 +335,30 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadRefused
 
     def on_body(self, body: bytes) -> None:
-        if self._dropping is None:
+        if self._dropping is None and not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._refused:
+            return
         if self._dropping is None:
             super().on_message_complete()
             return
-        self._dropping.cancel()
+        self._dropped()
+
+    def _dropped(self) -> None:
+        """The body of a request the door refused has been read (or does not parse: it is not answered apart, a
+        second answer to the request): the connection closes once the door's answer is written."""
+        if self._dropping is not None:
+            self._dropping.cancel()
+            self._dropping = None
         self._refused = True
         if self._held is None:  # (else the held answer closes the connection once written)
             self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        if not self._refused:  # (an upgrade pipelined behind a refused request is ignored with it)
+            super()._unsupported_upgrade_warning()
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)

@@ -9,11 +9,30 @@ is parsed READ_SLICE bytes per step of the loop, in order, with the socket's rea
 
 from __future__ import annotations
 
+import contextvars
+import logging
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 READ_SLICE = 16 << 10  # bytes of a client's data parsed in one step of the event loop (~1,000 tiny frames, ~5 ms)
+
+# Set, in the task that runs the ASGI app, by an app that refused a WebSocket handshake with an HTTP response (the
+# WebSocket Denial Response extension: app/doors/handshake.py `deny`, app/io/auth.py `HostCheck`): uvicorn logs
+# once the app returns.
+handshake_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
+
+
+class _DenialLogFilter(logging.Filter):
+    """uvicorn (0.54, websockets-sansio) logs "ASGI callable returned without completing handshake" (an error)
+    after a refusal sent as an HTTP response (the denial extension), though the response went out: dropped for
+    the refusals marked `handshake_denied`, kept for any other app that returns without answering."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (handshake_denied.get() and "returned without completing handshake" in record.getMessage())
+
+
+logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
 
 
 class SlicedWebSocketProtocol(WebSocketsSansIOProtocol):

@@ -4,7 +4,9 @@ at once or after the hold the door asks for. Real protocol objects on a real soc
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
+import struct
 import time
 from typing import Any
 
@@ -21,20 +23,49 @@ BODY = b'{"input": "Hi."}'
 POST_HEAD = b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n" % len(BODY)
 ANSWER = b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}"
 HOLD_S = 0.3
+GET = b"GET /v1/voices HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"  # a request the door lets through
+APP_CALLS: list[str] = []  # the paths the app was asked to serve
 
 
 async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    raise AssertionError("a refused request never reaches the app")
+    APP_CALLS.append(scope["path"])
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+LOGGED: list[logging.LogRecord] = []  # what uvicorn's error log said (through its own handlers: caplog misses it)
+
+
+class _Collect(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        LOGGED.append(record)
+
+
+def _config(protocol_class: Any) -> uvicorn.Config:
+    config = uvicorn.Config(app, http=protocol_class, log_level="info")  # (which sets uvicorn's loggers up anew)
+    config.load()
+    logging.getLogger("uvicorn.error").addHandler(_Collect())
+    return config
+
+
+def door(method: bytes, url: bytes, upgrade: bool, headers: list[tuple[bytes, bytes]], hold_s: float) -> Any:
+    """Refuses every stream (an upgrade, a POST) with ANSWER after `hold_s`, lets the rest through."""
+    return DoorAnswer(ANSWER, hold_s) if upgrade or method == b"POST" else None
 
 
 async def refused(
-    first: bytes, hold_s: float, rest: bytes = b"", rest_after_s: float = 0.0
+    first: bytes,
+    hold_s: float,
+    rest: bytes = b"",
+    rest_after_s: float = 0.0,
+    shut_wr: bool = False,
+    head_timeout_s: float = 600.0,
 ) -> tuple[bytes, float, Any]:
-    """Send `first` (then `rest` after `rest_after_s`) to a protocol whose door refuses every head with ANSWER after
-    `hold_s`: (all the client read until the server closed, seconds from the head to the answer, the protocol)."""
-    protocol_class = bounded_protocol(5.0, 5.0, lambda method, url, upgrade, headers: DoorAnswer(ANSWER, hold_s))
-    config = uvicorn.Config(app, http=protocol_class, log_level="warning")
-    config.load()
+    """Send `first` (then `rest` after `rest_after_s`; then shut the client's side down with `shut_wr`) to a protocol
+    whose door refuses every stream with ANSWER after `hold_s`: (all the client read until the server closed,
+    seconds from the head to the answer, the protocol)."""
+    protocol_class = bounded_protocol(head_timeout_s, 5.0, lambda *head: door(*head, hold_s=hold_s))
+    config = _config(protocol_class)
     server_end, client_end = socket.socketpair()
     client_end.setblocking(False)
     protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
@@ -45,6 +76,8 @@ async def refused(
     if rest:
         await asyncio.sleep(rest_after_s)
         await loop.sock_sendall(client_end, rest)
+    if shut_wr:
+        client_end.shutdown(socket.SHUT_WR)
     got, answered = b"", 0.0
     while chunk := await loop.sock_recv(client_end, 65536):
         answered = answered or time.monotonic() - t0
@@ -67,27 +100,35 @@ def test_a_refused_request_body_is_read_while_its_answer_is_held():
     assert got == ANSWER and answered >= HOLD_S * 0.9
     got, _, _ = asyncio.run(asyncio.wait_for(refused(POST_HEAD, HOLD_S, BODY, rest_after_s=HOLD_S * 2), 30))
     assert got == ANSWER
+    # a body that never comes: the connection closes --head-timeout-s after the answer, which is written even with
+    # a head timeout shorter than the hold
+    got, answered, _ = asyncio.run(asyncio.wait_for(refused(POST_HEAD, HOLD_S, head_timeout_s=HOLD_S / 3), 30))
+    assert got == ANSWER and answered >= HOLD_S * 0.9
 
 
 def test_a_client_gone_during_the_hold_is_not_answered():
-    """Its held answer is dropped with the connection (the hold is far longer than the test)."""
+    """A client that resets its connection during the hold: its held answer is dropped with the connection at once
+    (the hold is far longer than the test). (One that closes it, a FIN, cannot be told from one that only shut its
+    sending side down: see test_a_client_that_shuts_its_side_during_the_hold_is_still_answered.)"""
 
     async def go() -> Any:
         protocol_class = bounded_protocol(5.0, 5.0, lambda method, url, upgrade, headers: DoorAnswer(ANSWER, 600.0))
-        config = uvicorn.Config(app, http=protocol_class, log_level="warning")
-        config.load()
-        server_end, client_end = socket.socketpair()
+        config = _config(protocol_class)
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            client_end = socket.create_connection(listener.getsockname())
+            server_end, _ = listener.accept()
         protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
         loop = asyncio.get_running_loop()
         await loop.connect_accepted_socket(lambda: protocol, server_end)
         client_end.sendall(UPGRADE)
-        for _ in range(100):  # the head parsed: the answer held
+        for _ in range(1000):  # the head parsed: the answer held
             if protocol._held is not None:
                 break
             await asyncio.sleep(0.01)
         assert protocol._held is not None
-        client_end.close()
-        for _ in range(100):
+        client_end.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client_end.close()  # a reset
+        for _ in range(1000):
             if protocol.transport.is_closing():
                 break
             await asyncio.sleep(0.01)
@@ -96,3 +137,103 @@ def test_a_client_gone_during_the_hold_is_not_answered():
 
     protocol = asyncio.run(asyncio.wait_for(go(), 30))
     assert protocol._held is None and protocol.transport.is_closing()
+
+
+def test_nothing_pipelined_behind_a_refused_request_is_served():
+    """A request sent in the same chunk behind a refused one is neither served (the app would run it, its answer
+    written before the held refusal) nor logged: the connection closes after the refusal. So is a body sent with
+    `Expect: 100-continue` before the 100 that never comes, and an upgrade pipelined behind a refused POST."""
+    chunked = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"
+    expect = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % len(
+        BODY
+    )
+    APP_CALLS.clear()
+    for hold_s in (HOLD_S, 0.0):
+        for sent in (
+            POST_HEAD + BODY + GET,
+            POST_HEAD + BODY + GET + GET,
+            chunked + GET,
+            expect + BODY + GET,
+            POST_HEAD + BODY + UPGRADE,
+            UPGRADE + GET,
+        ):
+            LOGGED.clear()
+            got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, hold_s), 30))
+            assert got == ANSWER, (hold_s, sent, got)
+            assert answered >= hold_s * 0.9
+            assert APP_CALLS == [] and [r.getMessage() for r in LOGGED] == [], (hold_s, sent)
+    # the same request alone is served, on a connection that stays open for the next (closed here by the client)
+    got, _, _ = asyncio.run(asyncio.wait_for(refused(GET, HOLD_S, shut_wr=True), 30))
+    assert APP_CALLS == ["/v1/voices"]
+
+
+def test_a_client_that_shuts_its_side_during_the_hold_is_still_answered():
+    """A client may send its request and shut its sending side down (SHUT_WR) while it reads: refused at once it
+    got its 503 before the hold existed; held, it still does, then the connection closes (a POST's body that
+    never came is not waited for)."""
+    for sent in (UPGRADE, POST_HEAD + BODY, POST_HEAD, POST_HEAD + BODY[:3]):
+        got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, HOLD_S, shut_wr=True), 30))
+        assert got == ANSWER and answered >= HOLD_S * 0.9, sent
+
+
+def test_the_server_shutting_down_writes_a_held_refusal_at_once():
+    """uvicorn's shutdown closes each idle connection: one whose refusal the door holds gets it first."""
+
+    async def go() -> tuple[bytes, Any]:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=600.0))
+        config = _config(protocol_class)
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        await loop.sock_sendall(client_end, UPGRADE)
+        for _ in range(1000):  # the head parsed: the answer held
+            if protocol._held is not None:
+                break
+            await asyncio.sleep(0.01)
+        assert protocol._held is not None
+        protocol.shutdown()
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got, protocol
+
+    got, protocol = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got == ANSWER and protocol._held is None
+
+
+def test_a_client_that_closes_during_the_hold_leaves_nothing_behind(caplog):
+    """A client that closes its connection (a FIN: it may still be reading) during the hold: its connection is
+    closed once the hold ends, the answer written to a closed socket without a word in the log."""
+
+    async def go() -> Any:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=HOLD_S))
+        config = _config(protocol_class)
+        server_end, client_end = socket.socketpair()
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, server_end)
+        t0 = time.monotonic()
+        client_end.sendall(POST_HEAD + BODY[:3])
+        client_end.close()
+        while not protocol.transport.is_closing():
+            await asyncio.sleep(0.01)
+        took = time.monotonic() - t0
+        await asyncio.sleep(0.05)  # the connection lost
+        return took, protocol
+
+    LOGGED.clear()
+    with caplog.at_level(logging.DEBUG):
+        took, protocol = asyncio.run(asyncio.wait_for(go(), 30))
+    assert took >= HOLD_S * 0.9 and protocol._held is None and protocol.transport.is_closing()
+    assert [r.getMessage() for r in caplog.records + LOGGED if r.levelno >= logging.INFO] == []
+
+
+def test_a_refused_request_whose_body_does_not_parse_gets_the_door_s_answer_alone():
+    """Its answer is the door's 503 (at once or held), not that and a 400 after it, nor a 400 instead of it."""
+    bad_chunk = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"
+    for hold_s in (HOLD_S, 0.0):
+        for sent, rest in ((bad_chunk, b""), (bad_chunk[:-13], bad_chunk[-13:])):
+            got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, hold_s, rest, rest_after_s=0.05), 30))
+            assert got == ANSWER and answered >= hold_s * 0.9, (hold_s, sent, got)
