@@ -267,10 +267,10 @@ asyncio.run(main())
 """
 
 # gc-tracked objects one live session of our socket (/v1/tts/ws: one utterance playing) keeps in the gateway process:
-# uvicorn's connection and handshake, Starlette's middleware and route coroutines, the session, its lane, pump and
-# utterance. Measured 205-215 (it was 258-262 before the session's wait, the pass-through middlewares, the dropped
-# handshake headers and the stream's own queue: docs/architecture.md, "The collector").
-LIVE_SESSION_OBJECTS = 235
+# uvicorn's connection, Starlette's middleware and route coroutines, the session, its lane, pump, utterance and engine
+# stream. Measured 195; it was 261 before the session's one-future wait, SessionRoute, the pass-through middlewares, the
+# dropped handshake headers and the stream's own queue (docs/architecture.md, "The collector").
+LIVE_SESSION_OBJECTS = 215
 LIVE_SESSIONS = 6
 
 
