@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -255,6 +256,23 @@ class RequestIdMiddleware:
             )
 
 
+def _on_socket(
+    endpoint: Callable[[WebSocket], Awaitable[None]], scope: Scope, receive: Receive, send: Send
+) -> Awaitable[None]:
+    return endpoint(WebSocket(scope, receive=receive, send=send))
+
+
+class SessionRoute(WebSocketRoute):
+    """A WebSocket route whose endpoint runs on the socket as it is. Starlette wraps a function endpoint in two
+    coroutines and an exception handler's closures of its own per socket (~15 objects that live as long as the
+    session, for the collector's full passes to walk: engine/contract/collector.py); the app's ExceptionMiddleware
+    already wraps every route in the same handlers."""
+
+    def __init__(self, path: str, endpoint: Callable[[WebSocket], Awaitable[None]]) -> None:
+        super().__init__(path, endpoint)
+        self.app = functools.partial(_on_socket, endpoint)
+
+
 async def _report_pauses() -> None:
     """The collector's pauses into the metric, once a second, from the event loop (report_pauses)."""
     while True:
@@ -302,12 +320,12 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/v1/voices/{voice}", voices.voice_detail, methods=["GET", "PATCH", "DELETE"]),
         Route("/v1/voices/{voice}/embedding", voices.voice_embedding),
         Route("/v1/voices/{voice}/preview", voices.voice_preview),
-        WebSocketRoute("/v1/tts/ws", websocket_endpoint),
+        SessionRoute("/v1/tts/ws", websocket_endpoint),
         # the voice-agent frameworks' dialects (app/doors/dialects/, docs/dialects.md)
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_endpoint),
-        WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
-        WebSocketRoute("/tts/websocket", cartesia.endpoint),
-        WebSocketRoute("/v1/speak", deepgram.endpoint),
+        SessionRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_endpoint),
+        SessionRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
+        SessionRoute("/tts/websocket", cartesia.endpoint),
+        SessionRoute("/v1/speak", deepgram.endpoint),
         # ... and their HTTP routes (synthesize() of LiveKit's plugins, the vendors' SDKs)
         Route("/v1/text-to-speech/{voice_id}", elevenlabs_http.speech, methods=["POST"]),
         Route("/v1/pronunciation-dictionaries", elevenlabs_lexicons.list_dictionaries, methods=["GET"]),

@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -81,7 +82,10 @@ class Stream:
     rid: int
     client: EngineClient
     max_buffered_samples: int
-    queue: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    # its events not read yet, and the reader's wait for the next one (one reader: an asyncio.Queue's getter and
+    # putter queues and its Event are objects the collector's full passes walk, for every open stream)
+    queue: deque[Event] = field(default_factory=deque)
+    _waiter: asyncio.Future[None] | None = field(default=None, repr=False)
     buffered_samples: int = 0
     done: bool = False
     reading: bool = False  # the consumer has started to read this stream
@@ -100,27 +104,37 @@ class Stream:
             self.buffered_samples += len(ev.pcm)
             if self.reading and self.buffered_samples > self.max_buffered_samples + self.head_start:
                 self.client.cancel(self.rid)
-                while not self.queue.empty():  # free the unread audio now; the error is what comes next
-                    self.queue.get_nowait()
+                self.queue.clear()  # free the unread audio now; the error is what comes next
                 self.buffered_samples = self.head_start = 0
                 self._end(m.Error(self.rid, E.SLOW_CONSUMER, "audio was not read fast enough; generation stopped"))
                 return
         if isinstance(ev, m.Finished | m.Error):
             self._end(ev)
         else:
-            self.queue.put_nowait(ev)
+            self._put(ev)
 
     def _end(self, ev: Event) -> None:
         self.done = True
         self.kept_ready.set()
         if self.client._streams.pop(self.rid, None) is not None:
             self.client._streams_changed()
-        self.queue.put_nowait(ev)
+        self._put(ev)
+
+    def _put(self, ev: Event) -> None:
+        self.queue.append(ev)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     async def next(self) -> Event:
         if not self.reading:
             self.reading, self.head_start = True, self.buffered_samples
-        ev = await self.queue.get()
+        while not self.queue:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        ev = self.queue.popleft()
         if isinstance(ev, m.Audio):
             self.buffered_samples -= len(ev.pcm)
             self.head_start = max(0, self.head_start - len(ev.pcm))
@@ -130,7 +144,7 @@ class Stream:
         return self
 
     async def __anext__(self) -> Event:
-        if self.done and self.queue.empty():
+        if self.done and not self.queue:
             raise StopAsyncIteration
         return await self.next()
 

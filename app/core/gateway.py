@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import io
 import logging
@@ -412,24 +413,33 @@ class Gateway:
         budget = utterance_bytes(self)
         pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]
         embedding = voice.embedding if voice is not None else None
-        speaker = embedding is not None or clip is not None
-
-        def submit(piece: str, max_frames: int) -> Stream:
-            prompt = self.prompts.build(piece, opts, speaker)
-            req = dataclasses.replace(
-                self.prompts.request(prompt, opts, max_frames, embedding, clip), max_frames=max_frames
-            )
-            try:
-                return self.engine.submit(req)
-            except EngineUnavailable as e:
-                raise RequestError(E.ENGINE_BUSY, str(e)) from None
-
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
         if link is not None:
             link.settle()  # an utterance of several requests is no chain member: the next starts fresh
         limit = opts.max_frames or self.settings.limits.max_frames  # the utterance's, however many requests
+        # (a method, not a closure: a closure's cells would live as long as this coroutine, which waits for the
+        # chain's turn above while the utterances before it play, objects the collector's full passes walk)
+        submit = functools.partial(self._submit, opts, embedding, clip)
         return submit(pieces[0], limit) if len(pieces) == 1 else PieceStream(submit, pieces, limit)
+
+    def _submit(
+        self,
+        opts: SynthesisOptions,
+        embedding: np.ndarray | None,
+        clip: tuple[np.ndarray, int] | None,
+        piece: str,
+        max_frames: int,
+    ) -> Stream:
+        """One engine request of an utterance that is no chain member (`start_utterance`)."""
+        prompt = self.prompts.build(piece, opts, embedding is not None or clip is not None)
+        req = dataclasses.replace(
+            self.prompts.request(prompt, opts, max_frames, embedding, clip), max_frames=max_frames
+        )
+        try:
+            return self.engine.submit(req)
+        except EngineUnavailable as e:
+            raise RequestError(E.ENGINE_BUSY, str(e)) from None
 
     async def _continue(
         self,

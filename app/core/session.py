@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -88,6 +89,11 @@ def _ends_in_a_tag(text: str) -> bool:
     except RequestError:
         return True
     return False
+
+
+def _wake(waiter: asyncio.Future[None], _: asyncio.Future[Any]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class ClientStalled(Exception):
@@ -295,13 +301,25 @@ class StreamingSession:
     async def run(self) -> None:
         await self.on_open()
         recv = asyncio.create_task(self._receive_loop(), name=f"recv-{self.id}")
-        waits: set[asyncio.Future[Any]] = {recv, self._outcome, self._failed}
-        done: set[asyncio.Future[Any]] = set()
+        waits: tuple[asyncio.Future[Any], ...] = (recv, self._outcome, self._failed)
+        done: list[asyncio.Future[Any]] = []
         task: asyncio.Future[Any] | None = None
+        # the first of them to end wakes `first`: asyncio.wait(FIRST_COMPLETED) would keep two coroutines, a closure
+        # with its cells and a set alive for as long as the session, objects the collector's full passes walk
+        # (engine/contract/collector.py)
+        first: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        wake = functools.partial(_wake, first)
         try:
-            # A pump ends the session by failing (the client vanished mid-send, or a bug): then the session
-            # ends rather than waiting forever on a queue that nothing plays.
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in waits:
+                task.add_done_callback(wake)
+            try:
+                # A pump ends the session by failing (the client vanished mid-send, or a bug): then the session
+                # ends rather than waiting forever on a queue that nothing plays.
+                await first
+            finally:
+                for task in waits:
+                    task.remove_done_callback(wake)
+            done = [task for task in waits if task.done()]
             for task in done:
                 task.result()
             if self._outcome in done:
@@ -322,8 +340,8 @@ class StreamingSession:
             self._shutdown()
             # an error raised above carries this frame in its traceback: the frame must not hold the tasks
             # (`done` and the loop's `task` included) that hold that error
-            del recv
-            waits, done, task = set(), set(), None
+            del recv, first, wake
+            waits, done, task = (), [], None
 
     def _shutdown(self) -> None:
         self._ended = True

@@ -105,35 +105,42 @@ async def refuse_in_band(ws: WebSocket, status: int, body: dict[str, Any]) -> No
     await ws.close(1013 if status == G.TOO_MANY_SESSIONS.http_status else 1008)
 
 
+async def _refuse(
+    ws: WebSocket, gw: Gateway, refusal: Refusal, in_band: bool, code: str, message: str, status: int
+) -> None:
+    gw.metrics.errors.labels(code).inc()
+    body = refusal(code, message, status)
+    await (refuse_in_band(ws, status, body) if in_band else deny(ws, status, body))
+
+
 async def serve(
     ws: WebSocket,
-    make: Callable[[Gateway, str], StreamingSession],
+    make: Callable[[WebSocket, Gateway, str], StreamingSession],
     refusal: Refusal,
     key: str | None = None,
     subprotocol: str | None = None,
     in_band: bool = False,
 ) -> None:
-    """Run one streaming session. `make(gw, owner)` builds it from the URL (raising RequestError for a bad
+    """Run one streaming session. `make(ws, gw, owner)` builds it from the URL (raising RequestError for a bad
     voice or format); `refusal(code, message, status)` is the API's error body for a refused handshake,
     sent as an HTTP response, or with `in_band` as the first message of an accepted socket. `key`: the API
     key the dialect found (default: our headers and ?api_key=)."""
     gw: Gateway = ws.app.state.gateway
     key = key if key is not None else api_key_from(ws.headers, ws.query_params)
-
-    async def refuse(code: str, message: str, status: int) -> None:
-        gw.metrics.errors.labels(code).inc()
-        body = refusal(code, message, status)
-        await (refuse_in_band(ws, status, body) if in_band else deny(ws, status, body))
-
+    # (`_refuse` is no closure here: this frame lives as long as the session, and a closure's cells with it)
     if not origin_allowed(ws, gw.settings.cors_origins):
-        await refuse(
+        await _refuse(
+            ws,
+            gw,
+            refusal,
+            in_band,
             G.ORIGIN_NOT_ALLOWED,
             "this page's origin may not use the API (see --cors-origin)",
             G.ORIGIN_NOT_ALLOWED.http_status,
         )
         return
     if not key_ok(key, gw.settings.api_keys):
-        await refuse(G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
+        await _refuse(ws, gw, refusal, in_band, G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
         return
     try:
         gw.admit()
@@ -147,13 +154,19 @@ async def serve(
     if not gw.sessions.try_open(gw.settings.limits.max_sessions):
         victim = gw.idle_longest()
         if victim is None:
-            await refuse(
-                G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later", G.TOO_MANY_SESSIONS.http_status
+            await _refuse(
+                ws,
+                gw,
+                refusal,
+                in_band,
+                G.TOO_MANY_SESSIONS,
+                "the server is at its session limit; retry later",
+                G.TOO_MANY_SESSIONS.http_status,
             )
             return
     session: StreamingSession | None = None
     try:
-        session = make(gw, gw.owner_of(key if gw.settings.api_keys else None))
+        session = make(ws, gw, gw.owner_of(key if gw.settings.api_keys else None))
         if victim is not None:  # (no await since `idle_longest`: still idle) its place in the count is the newcomer's
             gw.evict(victim)
             victim = None
@@ -165,7 +178,7 @@ async def serve(
             gw.sessions.close()
         if session is not None:
             gw.conversations.discard(session.conversation)
-        await refuse(e.code, str(e), e.status if e.status != 500 else 400)
+        await _refuse(ws, gw, refusal, in_band, e.code, str(e), e.status if e.status != 500 else 400)
         return
     except BaseException:
         if victim is None:

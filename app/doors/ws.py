@@ -383,4 +383,4 @@ def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:
-    await serve(ws, lambda gw, owner: Session.from_query(ws, gw, owner), in_band_error, in_band=True)
+    await serve(ws, Session.from_query, in_band_error, in_band=True)

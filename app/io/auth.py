@@ -9,7 +9,7 @@ import hmac
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
@@ -132,10 +132,13 @@ class HostCheck:
     def __init__(self, app: ASGIApp, allowed: tuple[str, ...]) -> None:
         self.app, self.allowed = app, tuple((host_name(h) or h.lower()).removesuffix(".") for h in allowed)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # an allowed Host is passed on without a coroutine of its own (it would live as long as a WebSocket session)
         if scope["type"] not in ("http", "websocket") or host_allowed(Headers(scope=scope).get("host"), self.allowed):
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         given = Headers(scope=scope).get("host", "")
         name = (host_name(given) or given)[:100]
         body = json.dumps(

@@ -26,7 +26,7 @@ them all together, so that many uploads at once cannot exhaust the process's mem
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -122,10 +122,14 @@ class BodyBound:
         self.budget = budget
         self.grace_s = grace_s
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # not a coroutine of its own around what it passes on: a WebSocket's would live as long as the session, with
+        # the cells of `_metered`'s closures (objects the collector's full passes walk, engine/contract/collector.py)
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+            return self.app(scope, receive, send)
+        return self._metered(scope, receive, send)
+
+    async def _metered(self, scope: Scope, receive: Receive, send: Send) -> None:
         state = scope.setdefault("state", {})
         # the request's ledger, while the request lasts: emptied at its end, so that a frame of its receive or send
         # left in a cycle of the server's (a cancelled disconnect listener's, kept in its task's traceback) holds

@@ -65,6 +65,15 @@ class SlicedWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.read_paused and not self.transport.is_closing():
             self.transport.resume_reading()
 
+    def start_keepalive(self) -> None:
+        # uvicorn calls this once, when its handshake response has been sent. The handshake's headers are read no
+        # more (the app reads the scope's copy), and kept for the socket's life they are ~20 objects for the
+        # collector's full passes to walk (engine/contract/collector.py): the response goes, and the request's
+        # headers (websockets' parser keeps the request itself) are emptied
+        self.request.headers.clear()
+        del self.response
+        super().start_keepalive()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._backlog.clear()
         super().connection_lost(exc)

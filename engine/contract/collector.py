@@ -11,7 +11,10 @@ young passes of 1.3 ms CPU took up to 32 ms of wall time), which a collector set
 
 The thresholds: a young collection walks what was allocated since the last one, so its pause grows with the
 first threshold; the default 700 allocations keeps each well under a millisecond, and the old generations'
-passes are what a realtime process must keep short (the frozen startup heap, and no cycles left by sessions).
+passes are what a realtime process must keep short (the frozen startup heap, no cycles left by sessions, and few
+objects kept by each live one: tests/system/test_collector.py). A larger third threshold would make full passes rarer
+but none shorter, and freezing again while serving would never collect what the live objects frozen then later leave
+in cycles (docs/architecture.md, "The collector").
 """
 
 from __future__ import annotations

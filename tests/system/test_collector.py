@@ -215,3 +215,117 @@ def test_a_collection_deep_in_a_recursion_is_observed_at_the_next_one(monkeypatc
         collector._observe[:] = saved
     assert not unraisable, unraisable
     assert deep == 0 and 2 in seen  # observed from here, not from the collection
+
+
+# The client of test_a_live_session_keeps_few_objects_for_the_collector, in a process of its own (its objects are not
+# the gateway's): one session spoken to its end (warm-up), then N sessions that stay mid-stream (a sentence of a fixed
+# length far past what the test reads), each reading its audio as it comes. It says `warm`, `live` (each session has
+# had FIRST chunks) and `later` (each has had LATER more), and waits for a line on its stdin after each.
+_LIVE_CLIENT = r"""
+import asyncio, json, sys
+import websockets
+
+url, n, first, later = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+async def step(word):
+    print(word, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+async def speak(frames, counted=None):
+    async with websockets.connect(url, max_size=None) as ws:
+        assert json.loads(await ws.recv())["type"] == "session.created"
+        params = {"max_frames": frames, "ignore_eos": True, "seed": 3}
+        await ws.send(json.dumps({"type": "session.config", "params": params}))
+        while json.loads(await ws.recv())["type"] != "session.updated":
+            pass
+        await ws.send(json.dumps({"type": "text", "text": "A sentence that goes on for a while.", "flush": True}))
+        got = 0
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, bytes):
+                got += 1
+                if counted is not None:
+                    counted.append(got)
+            elif json.loads(msg)["type"] in ("audio.done", "error"):
+                assert counted is None, msg  # a live session must not end before the test is done with it
+                return
+
+async def main():
+    await speak(8)
+    await step("warm")
+    counts = [[] for _ in range(n)]
+    tasks = [asyncio.create_task(speak(3000, c)) for c in counts]
+    for word, k in (("live", first), ("later", first + later)):
+        while not all(len(c) >= k for c in counts):
+            await asyncio.sleep(0.01)
+        await step(word)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+asyncio.run(main())
+"""
+
+# gc-tracked objects one live session of our socket (/v1/tts/ws: one utterance playing) keeps in the gateway process:
+# uvicorn's connection, Starlette's middleware and route coroutines, the session, its lane, pump, utterance and engine
+# stream. Measured 195; it was 261 before the session's one-future wait, SessionRoute, the pass-through middlewares, the
+# dropped handshake headers and the stream's own queue (docs/architecture.md, "The collector").
+LIVE_SESSION_OBJECTS = 215
+LIVE_SESSIONS = 6
+
+
+def _tracked() -> int:
+    """The objects a full collection walks (the frozen startup heap is not among them; a collection first, which stops
+    tracking the tuples and dicts of atomic values it finds), the least of a few looks: an event being handled at the
+    moment of one (a message, an audio chunk on its way) is not what a session keeps."""
+    least = None
+    for _ in range(5):
+        gc.collect()
+        n = len(gc.get_objects())
+        least = n if least is None else min(least, n)
+        time.sleep(0.02)
+    assert least is not None
+    return least
+
+
+def test_a_live_session_keeps_few_objects_for_the_collector(tmp_path: Path):
+    """A full collection walks every tracked object the startup heap did not freeze, so its pause grows with the live
+    sessions of the process (on the GPU host ~80 per gateway process, docs/architecture.md, "The collector"). Each
+    mid-stream session keeps at most LIVE_SESSION_OBJECTS of them, and the audio it is sent adds none."""
+    import subprocess
+
+    with in_process_gateway(tmp_path, "--no-text-normalization", "--max-batch", str(LIVE_SESSIONS)) as (port, app):
+        gateway = app.state.gateway  # type: ignore[attr-defined]
+        client = subprocess.Popen(
+            [sys.executable, "-c", _LIVE_CLIENT, f"ws://127.0.0.1:{port}/v1/tts/ws", str(LIVE_SESSIONS), "3", "20"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert client.stdin is not None and client.stdout is not None
+        try:
+            assert client.stdout.readline().strip() == "warm"
+            _wound_down(port)  # the warm-up session is gone, and what it made at its first use is made
+            while gateway.live:
+                time.sleep(0.01)
+            idle = _tracked()
+            client.stdin.write("go\n")
+            client.stdin.flush()
+            assert client.stdout.readline().strip() == "live"
+            assert len(gateway.live) == LIVE_SESSIONS
+            live = _tracked()
+            client.stdin.write("go\n")
+            client.stdin.flush()
+            assert client.stdout.readline().strip() == "later"
+            later = _tracked()
+            client.stdin.write("go\n")
+            client.stdin.flush()
+            assert client.wait(60) == 0
+        finally:
+            if client.poll() is None:
+                client.kill()
+                client.wait()
+    per_session = (live - idle) / LIVE_SESSIONS
+    print(f"tracked objects: {idle} idle, {live} with {LIVE_SESSIONS} sessions ({per_session:.0f} each), {later} later")
+    assert per_session <= LIVE_SESSION_OBJECTS, f"{per_session:.0f} objects per live session"
+    assert later - live <= 2 * LIVE_SESSIONS, f"{later - live} objects more after 20 more chunks per session"

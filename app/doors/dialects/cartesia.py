@@ -404,4 +404,4 @@ def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
 
 
 async def endpoint(ws: WebSocket) -> None:
-    await serve(ws, lambda gw, owner: CartesiaSession(ws, gw, owner), _refusal)
+    await serve(ws, CartesiaSession, _refusal)

@@ -119,4 +119,4 @@ async def endpoint(ws: WebSocket) -> None:
     if len(protocols) == 2 and protocols[0].lower() in ("token", "bearer"):
         subprotocol = protocols[0]
         key = key or protocols[1]
-    await serve(ws, lambda gw, owner: DeepgramSession(ws, gw, owner), _refusal, key=key, subprotocol=subprotocol)
+    await serve(ws, DeepgramSession, _refusal, key=key, subprotocol=subprotocol)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -327,9 +328,14 @@ def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
     return {"detail": {"status": G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code, "message": message}}
 
 
+# the sessions of the two sockets (made once: a closure per socket would live as long as its session)
+_multi_stream = functools.partial(ElevenLabsSession, multi=True)
+_stream_input = functools.partial(ElevenLabsSession, multi=False)
+
+
 async def multi_stream_endpoint(ws: WebSocket) -> None:
-    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=True), _refusal)
+    await serve(ws, _multi_stream, _refusal)
 
 
 async def stream_input_endpoint(ws: WebSocket) -> None:
-    await serve(ws, lambda gw, owner: ElevenLabsSession(ws, gw, owner, multi=False), _refusal)
+    await serve(ws, _stream_input, _refusal)
