@@ -42,7 +42,11 @@ def answer_from(url: str, path: str, want: int, tries: int = 400, **kw) -> dict[
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(tmp_path_factory.mktemp("data"), "--workers", "2", "--max-sessions", "3")
+    # (--stitch-requests: a request kept by one process stays kept while the test's requests land on that process
+    # again, however many times: with the default 10, nine in a row pruned it, and the other process found none)
+    srv = ServerProcess(
+        tmp_path_factory.mktemp("data"), "--workers", "2", "--max-sessions", "3", "--stitch-requests", "1000"
+    )
     try:
         srv.wait_ready()
         # the supervisor is ready when one process is: wait until both answer ready
