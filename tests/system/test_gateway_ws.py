@@ -6,6 +6,7 @@ import asyncio
 import base64
 import io
 import json
+import logging
 import time
 from typing import Any
 
@@ -559,3 +560,108 @@ def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket
     }
     assert httpx.delete(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 200
     assert httpx.get(again.url + f"/v1/pronunciation-dictionaries/{up.json()['id']}").status_code == 404
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_a_bug_in_a_session_ends_that_session_only(tmp_path, monkeypatch):
+    """A bug in a session's code (here: its message handler raises, or its pump does as it sends audio) ends that
+    session alone, in its API's shape: the `internal` error, close 1011, and one log record with the traceback
+    (none from the server besides); its place among the sessions is given back, and a session open beside it
+    speaks on. (The streaming routes run their endpoint without Starlette's per-socket wrapper, app/server.py
+    SessionRoute: the session's own handler in app/doors/handshake.py `serve_session` is what answers a bug.)"""
+    from websockets.sync.client import connect as sync_connect
+
+    from app.core.session import StreamingSession
+    from app.doors import ws as ours
+    from app.doors.dialects import elevenlabs
+    from tests.conftest import in_process_gateway
+
+    def buggy(on_message):
+        async def patched(self, data):
+            if data.get("text") == "bug":
+                raise RuntimeError("a bug in on_message")
+            if data.get("text") == "pump bug.":
+                self.pump_bug = True
+            return await on_message(self, data)
+
+        return patched
+
+    monkeypatch.setattr(ours.Session, "on_message", buggy(ours.Session.on_message))
+    monkeypatch.setattr(elevenlabs.ElevenLabsSession, "on_message", buggy(elevenlabs.ElevenLabsSession.on_message))
+    send_bytes = StreamingSession.send_bytes_locked
+
+    async def send_bytes_locked(self, data):
+        if getattr(self, "pump_bug", False):
+            raise RuntimeError("a bug in the pump")
+        await send_bytes(self, data)
+
+    monkeypatch.setattr(StreamingSession, "send_bytes_locked", send_bytes_locked)
+    fast = {"max_frames": 5, "ignore_eos": True}
+
+    def last_json_and_close(ws) -> tuple[dict[str, Any], int | None]:
+        last: dict[str, Any] = {}
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                msg = ws.recv(timeout=60)
+                if isinstance(msg, str):
+                    last = json.loads(msg)
+        return last, ws.close_code
+
+    failed, server_errors = _Records(), _Records()
+    with in_process_gateway(tmp_path, "--no-text-normalization") as (port, app):
+        logging.getLogger("gateway.session").addHandler(failed)
+        logging.getLogger("uvicorn.error").addHandler(server_errors)
+        buf = io.BytesIO()
+        np.save(buf, np.random.default_rng(7).standard_normal(2048).astype(np.float32))
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/voices", files={"embedding": ("ada.npy", buf.getvalue())}, data={"name": "Ada"}
+        )
+        assert r.status_code in (200, 201), r.text
+        try:
+            with sync_connect(f"ws://127.0.0.1:{port}/v1/tts/ws") as beside:
+                assert json.loads(beside.recv(timeout=60))["type"] == "session.created"
+                ends = []
+                for text in ("bug", "pump bug."):
+                    with sync_connect(f"ws://127.0.0.1:{port}/v1/tts/ws") as ws:
+                        ws.send(json.dumps({"type": "session.config", "params": fast}))
+                        ws.send(json.dumps({"type": "text", "text": text, "flush": True}))
+                        ends.append(last_json_and_close(ws))
+                el = f"ws://127.0.0.1:{port}/v1/text-to-speech/Ada/multi-stream-input?output_format=pcm_24000"
+                with sync_connect(el) as ws:
+                    ws.send(json.dumps({"text": "bug", "context_id": "c"}))
+                    ends.append(last_json_and_close(ws))
+                gw = app.state.gateway
+                for _ in range(600):  # each failed session's place is given back as its handler ends
+                    if len(gw.live) == 1:
+                        break
+                    time.sleep(0.1)
+                assert len(gw.live) == 1
+                metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+                assert "\nzonos_active_sessions 1.0\n" in metrics
+                beside.send(json.dumps({"type": "session.config", "params": fast}))
+                beside.send(json.dumps({"type": "text", "text": "Still here.", "flush": True}))
+                seen: list[str] = []
+                while "audio.done" not in seen:
+                    msg = beside.recv(timeout=60)
+                    if isinstance(msg, str):
+                        seen.append(json.loads(msg)["type"])
+                assert "error" not in seen, seen
+        finally:
+            logging.getLogger("gateway.session").removeHandler(failed)
+            logging.getLogger("uvicorn.error").removeHandler(server_errors)
+    assert ends == [
+        ({"type": "error", "code": "internal", "message": "internal error"}, 1011),
+        ({"type": "error", "code": "internal", "message": "internal error"}, 1011),
+        ({"message": "internal error", "error": "internal"}, 1011),
+    ]
+    bugs = [r for r in failed.records if "session failed" in r.getMessage()]
+    assert len(bugs) == 3 and all(r.exc_info is not None for r in bugs), bugs
+    assert not [r for r in server_errors.records if r.levelno >= logging.ERROR], server_errors.records
