@@ -48,6 +48,18 @@ def _config(protocol_class: Any) -> uvicorn.Config:
     return config
 
 
+async def serving(hold_s: float, head_timeout_s: float = 600.0) -> tuple[Any, socket.socket]:
+    """A protocol whose door refuses every stream after `hold_s`, serving one end of a socket pair: (the protocol,
+    the client's end, non-blocking)."""
+    protocol_class = bounded_protocol(head_timeout_s, 5.0, lambda *head: door(*head, hold_s=hold_s))
+    config = _config(protocol_class)
+    server_end, client_end = socket.socketpair()
+    client_end.setblocking(False)
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, server_end)
+    return protocol, client_end
+
+
 def door(method: bytes, url: bytes, upgrade: bool, headers: list[tuple[bytes, bytes]], hold_s: float) -> Any:
     """Refuses every stream (an upgrade, a POST) with ANSWER after `hold_s`, lets the rest through."""
     return DoorAnswer(ANSWER, hold_s) if upgrade or method == b"POST" else None
@@ -64,13 +76,8 @@ async def refused(
     """Send `first` (then `rest` after `rest_after_s`; then shut the client's side down with `shut_wr`) to a protocol
     whose door refuses every stream with ANSWER after `hold_s`: (all the client read until the server closed,
     seconds from the head to the answer, the protocol)."""
-    protocol_class = bounded_protocol(head_timeout_s, 5.0, lambda *head: door(*head, hold_s=hold_s))
-    config = _config(protocol_class)
-    server_end, client_end = socket.socketpair()
-    client_end.setblocking(False)
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    protocol, client_end = await serving(hold_s, head_timeout_s)
     loop = asyncio.get_running_loop()
-    await loop.connect_accepted_socket(lambda: protocol, server_end)
     t0 = time.monotonic()
     await loop.sock_sendall(client_end, first)
     if rest:
@@ -180,13 +187,8 @@ def test_the_server_shutting_down_writes_a_held_refusal_at_once():
     """uvicorn's shutdown closes each idle connection: one whose refusal the door holds gets it first."""
 
     async def go() -> tuple[bytes, Any]:
-        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=600.0))
-        config = _config(protocol_class)
-        server_end, client_end = socket.socketpair()
-        client_end.setblocking(False)
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        protocol, client_end = await serving(600.0)
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: protocol, server_end)
         await loop.sock_sendall(client_end, UPGRADE)
         for _ in range(1000):  # the head parsed: the answer held
             if protocol._held is not None:
@@ -209,11 +211,8 @@ def test_a_client_that_closes_during_the_hold_leaves_nothing_behind(caplog):
     closed once the hold ends, the answer written to a closed socket without a word in the log."""
 
     async def go() -> Any:
-        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=HOLD_S))
-        config = _config(protocol_class)
-        server_end, client_end = socket.socketpair()
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-        await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, server_end)
+        protocol, client_end = await serving(HOLD_S)
+        client_end.setblocking(True)
         t0 = time.monotonic()
         client_end.sendall(POST_HEAD + BODY[:3])
         client_end.close()
