@@ -178,7 +178,7 @@ class Limits:
             zero_ok=True,
         ),
     )
-    # ... and under a retry storm (app/doors/door.py `RefusalPace`) the door answers its refusals after a hold
+    # ... and under a retry storm (app/core/admission.py `RefusalPace`) the door answers its refusals after a hold
     refusal_hold_ms: float = field(
         default=20.0,
         metadata=_limit(

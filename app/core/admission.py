@@ -8,7 +8,8 @@ at which the engines started streams lately) and its first audio, that wait plus
 engines took lately from starting a stream to its first audio (`FirstAudio`: their p90), within
 `first_audio_budget_s`.
 Otherwise it is refused at once (HTTP 503 with `Retry-After`, or the dialect's refusal of the WebSocket
-upgrade) and can go to another replica rather than wait seconds for its first audio. Under a storm the queue
+upgrade) and can go to another replica rather than wait seconds for its first audio; under a storm of refused
+clients that retry at once, after a short hold (`RefusalPace`). Under a storm the queue
 then holds only what can still start in time: at full load an engine's own first audio takes most of the
 budget (21 decode steps of ~10 ms), so the wait it leaves is short.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -222,3 +224,37 @@ class Conversations:
         if held:  # publish again when the first hold runs out (the same clock: time.monotonic)
             first = min(c.hold_until for c in held)
             self._expiry = asyncio.get_running_loop().call_later(max(0.0, first - now), self.changed)
+
+
+STORM_REFUSALS_PER_S = 100.0  # a process refusing at this rate or faster is under a retry storm
+PACE_WINDOW_S = 0.25  # the rate is counted over windows of this length (the last full one and the current one)
+
+
+class RefusalPace:
+    """How long the door holds a refusal before it answers it. A client refused by a full server that retries at
+    once comes back within a millisecond or two: a few hundred such clients make tens of thousands of refusals a
+    second, whose CPU (theirs, and the gateway's: a connection, a head, a refusal each) is taken from the admitted
+    streams' audio on the same machines. Once this process refuses at STORM_REFUSALS_PER_S or faster, each refusal
+    is answered after `hold_s` (between half and all of it, so that clients refused together do not come back
+    together): such a client then retries tens of times a second. Slower refusals (a client that waits its
+    Retry-After) are answered at once; so is every refusal while `hold_s` is 0 (--refusal-hold-ms 0)."""
+
+    def __init__(self, hold_s: float, storm_per_s: float = STORM_REFUSALS_PER_S) -> None:
+        self.hold_s = hold_s
+        self._storm = storm_per_s * PACE_WINDOW_S  # refusals in one window that make a storm
+        self._start = -PACE_WINDOW_S * 2  # the current window's start (time.monotonic)
+        self._now = 0  # refusals in the current window
+        self._last = 0  # ... and in the window before it
+
+    def hold(self, now: float | None = None) -> float:
+        """One more refusal, now: the seconds to hold it."""
+        if self.hold_s <= 0:
+            return 0.0
+        now = time.monotonic() if now is None else now
+        if now - self._start >= PACE_WINDOW_S:
+            self._last = self._now if now - self._start < 2 * PACE_WINDOW_S else 0
+            self._start, self._now = now, 0
+        self._now += 1
+        if max(self._now, self._last) < self._storm:
+            return 0.0
+        return self.hold_s * (0.5 + 0.5 * random.random())

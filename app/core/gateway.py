@@ -20,7 +20,7 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from app.core.admission import Conversations, Decision, decide
+from app.core.admission import Conversations, Decision, RefusalPace, decide
 from app.core.continuation import Chain, Link
 from app.core.emotion import check_emotion, emotion_directions
 from app.core.engine_client import (
@@ -198,6 +198,7 @@ class Gateway:
         self.conversations = Conversations(None if link is None else lambda n: link.counts.set(link.channel, HELD, n))
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
+        self.refusal_pace = RefusalPace(settings.limits.refusal_hold_ms / 1e3)  # every refusal of this process counts
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
         self.draining = False
         self.live: set[LiveSession] = set()  # this process's streaming sessions (app/doors/handshake.py)
@@ -308,11 +309,16 @@ class Gateway:
             headers={"Retry-After": str(d.retry_after_s)},
         )
 
-    def admit(self) -> None:
+    async def admit(self) -> None:
         """Refuse a new stream that could not start within --max-queue-ms (`refusal`), before anything of the
-        request is read."""
+        request is read; under a retry storm after the hold the door's refusals at the request head get too
+        (`RefusalPace`: a browser's requests, which carry `Origin`, are refused here, not there)."""
         refused = self.refusal()
         if refused is not None:
+            hold = self.refusal_pace.hold()
+            if hold > 0:
+                self.metrics.door_refusals_held.inc()
+                await asyncio.sleep(hold)
             raise refused
 
     # ---- audio in --------------------------------------------------------------------------------

@@ -107,8 +107,8 @@ class Metrics:
         )
         self.door_refusals_held = Counter(
             "zonos_door_refusals_held",
-            "Refusals at the request head answered after a hold: the process was under a storm of refused "
-            "clients retrying at once (--refusal-hold-ms, app/doors/door.py RefusalPace)",
+            "Refusals at the door (the request head's or a route's) answered after a hold: the process was under a "
+            "storm of refused clients retrying at once (--refusal-hold-ms, app/core/admission.py RefusalPace)",
             registry=r,
         )
         self.gc_pause = Histogram(

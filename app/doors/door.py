@@ -7,18 +7,17 @@ A storm of refused clients that retry at once is mostly refusals, so a refusal m
 WebSocket handshake or protocol object, no ASGI scope, middleware or route, no body or message read, no key
 checked (a refusal says only "busy", whoever asks), no log line. The answer is the one the route itself gives
 (app/core/gateway.py `Gateway.refusal`, the API's error shape): HTTP 503 with `Retry-After` and the request id,
-and the connection closed; under a retry storm, after a short hold (`RefusalPace`). The routes that start a stream
-still ask the door themselves (`Gateway.admit`), for what this one leaves to them: a server without this protocol
-(Ray Serve's proxy), a browser's request (an `Origin` header: the app answers with its CORS and origin rules), a
-percent-encoded path, a request pipelined behind an answer in progress.
+and the connection closed; under a retry storm, after a short hold (app/core/admission.py `RefusalPace`, one per
+process: the routes' refusals count and are held too). The routes that start a stream still ask the door themselves
+(`Gateway.admit`), for what this one leaves to them: a server without this protocol (Ray Serve's proxy), a
+browser's request (an `Origin` header: the app answers with its CORS and origin rules), a percent-encoded path, a
+request pipelined behind an answer in progress.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import re
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,40 +49,6 @@ def door_routes(routes: Sequence[BaseRoute], shapes: Mapping[Callable[..., Any],
     return out
 
 
-STORM_REFUSALS_PER_S = 100.0  # a process refusing at this rate or faster is under a retry storm
-PACE_WINDOW_S = 0.25  # the rate is counted over windows of this length (the last full one and the current one)
-
-
-class RefusalPace:
-    """How long the door holds a refusal before it answers it. A client refused by a full server that retries at
-    once comes back within a millisecond or two: a few hundred such clients make tens of thousands of refusals a
-    second, whose CPU (theirs, and the gateway's: a connection, a head, a refusal each) is taken from the admitted
-    streams' audio on the same machines. Once this process refuses at STORM_REFUSALS_PER_S or faster, each refusal
-    is answered after `hold_s` (between half and all of it, so that clients refused together do not come back
-    together): such a client then retries tens of times a second. Slower refusals (a client that waits its
-    Retry-After) are answered at once; so is every refusal while `hold_s` is 0 (--refusal-hold-ms 0)."""
-
-    def __init__(self, hold_s: float, storm_per_s: float = STORM_REFUSALS_PER_S) -> None:
-        self.hold_s = hold_s
-        self._storm = storm_per_s * PACE_WINDOW_S  # refusals in one window that make a storm
-        self._start = -PACE_WINDOW_S * 2  # the current window's start (time.monotonic)
-        self._now = 0  # refusals in the current window
-        self._last = 0  # ... and in the window before it
-
-    def hold(self, now: float | None = None) -> float:
-        """One more refusal, now: the seconds to hold it."""
-        if self.hold_s <= 0:
-            return 0.0
-        now = time.monotonic() if now is None else now
-        if now - self._start >= PACE_WINDOW_S:
-            self._last = self._now if now - self._start < 2 * PACE_WINDOW_S else 0
-            self._start, self._now = now, 0
-        self._now += 1
-        if max(self._now, self._last) < self._storm:
-            return 0.0
-        return self.hold_s * (0.5 + 0.5 * random.random())
-
-
 class HeadDoor:
     """`door(method, url, upgrade, headers)` -> the refusal to write (and how long to hold it), or None to let the
     app serve it."""
@@ -92,7 +57,6 @@ class HeadDoor:
         self.gw = gw
         self.routes = routes
         self.process = b"" if process is None else b"x-gateway-process: %d\r\n" % process
-        self.pace = RefusalPace(gw.settings.limits.refusal_hold_ms / 1e3)
 
     def route(self, method: bytes, path: str, upgrade: bool) -> DoorRoute | None:
         for r in self.routes:
@@ -130,7 +94,7 @@ class HeadDoor:
             b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body),
             body,
         ]
-        hold = self.pace.hold()
+        hold = self.gw.refusal_pace.hold()
         if hold > 0:
             self.gw.metrics.door_refusals_held.inc()
         return DoorAnswer(b"".join(head), hold)

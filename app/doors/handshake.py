@@ -143,7 +143,7 @@ async def serve(
         await _refuse(ws, gw, refusal, in_band, G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
         return
     try:
-        gw.admit()
+        await gw.admit()
     except RequestError as e:  # at capacity: refused before anything of the session is read
         gw.metrics.errors.labels(e.code).inc()
         await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)

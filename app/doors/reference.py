@@ -216,7 +216,7 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
 async def tts_generate(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     key = require_key(request)
-    gw.admit()  # before the body is read: a refused request costs no parsing
+    await gw.admit()  # before the body is read: a refused request costs no parsing
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     req = await parse_generate(gw, data, gw.owner_of(key))
     fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)

@@ -353,10 +353,10 @@ def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):
 
 
 def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
-    """app/doors/door.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
+    """app/core/admission.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
     refuses STORM_REFUSALS_PER_S or faster, each is held between half and all of the hold (the clients refused
     together come back apart), until a quiet window."""
-    from app.doors.door import PACE_WINDOW_S, STORM_REFUSALS_PER_S, RefusalPace
+    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S, RefusalPace
 
     pace = RefusalPace(0.02)
     storm = int(STORM_REFUSALS_PER_S * PACE_WINDOW_S)  # refusals in one window
@@ -376,7 +376,7 @@ def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
 def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
     """The head door's refusals (here: the server drains) carry the pace's hold, --refusal-hold-ms, counted."""
     from app.__main__ import parse_args
-    from app.doors.door import PACE_WINDOW_S, STORM_REFUSALS_PER_S
+    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S
     from app.server import create_app
 
     args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--refusal-hold-ms", "40"]
@@ -387,3 +387,32 @@ def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
     assert answers[0].hold_s == 0.0 and 0.02 <= answers[-1].hold_s <= 0.04
     held = sum(a.hold_s > 0 for a in answers)
     assert door.gw.metrics.door_refusals_held._value.get() == held > 0
+
+
+def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
+    """A browser's request (it carries `Origin`) skips the head door and is refused by its route (`Gateway.admit`):
+    one pace per process counts both, and under a storm the route's refusal comes after the hold as well."""
+    import time
+
+    from app.__main__ import parse_args
+    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S
+    from app.io.errors import RequestError
+    from app.server import create_app
+
+    args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--refusal-hold-ms", "300"]
+    app = create_app(parse_args(args))
+    door, gw = app.state.door, app.state.gateway
+    gw.draining = True
+    storm = int(STORM_REFUSALS_PER_S * PACE_WINDOW_S)
+    answers = [door(b"GET", b"/v1/tts/ws", True, []) for _ in range(storm)]  # the head door's: a storm now
+    assert answers[-1] is not None and answers[-1].hold_s >= 0.15
+
+    async def refused_in_a_route() -> float:
+        t0 = time.monotonic()
+        with pytest.raises(RequestError) as e:
+            await gw.admit()
+        assert e.value.code == "shutting_down"
+        return time.monotonic() - t0
+
+    assert asyncio.run(refused_in_a_route()) >= 0.14  # (half the hold at least, less a clock tick)
+    assert gw.metrics.door_refusals_held._value.get() == sum(a.hold_s > 0 for a in answers) + 1

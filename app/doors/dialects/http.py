@@ -55,7 +55,7 @@ async def open_request(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
     key = api_key_from(request.headers, request.query_params)
     if not key_ok(key, gw.settings.api_keys):
         raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
-    gw.admit()  # before the body is read: a refused request costs no parsing
+    await gw.admit()  # before the body is read: a refused request costs no parsing
     owner = gw.owner_of(key if gw.settings.api_keys else None)
     data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
     return gw, owner, data
