@@ -21,6 +21,9 @@ SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --
 # seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
 # that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing
 HOLD_PER_AUDIO_S = 2.0
+# --refusal-storm-per-s's default: a client waiting its Retry-After (>= 1 s) never makes a process refuse this fast,
+# while a few clients retrying at once make it refuse thousands of times a second (app/core/admission.py RefusalPace)
+STORM_REFUSALS_PER_S = 100.0
 # At --max-sessions, a newcomer takes the place of this process's session idle longest, if one has been idle (no
 # message, nothing speaking, no turn open) this long: longer than a live conversation's pauses between turns (a user's
 # reply, an LLM's answer), so only a pooled or forgotten socket is taken; a pooled client reconnects at its next turn.
@@ -186,6 +189,16 @@ class Limits:
             "long (ms), so that such a client retries tens of times a second instead of hundreds; 0: at once",
             0,
             1000.0,
+            zero_ok=True,
+        ),
+    )
+    refusal_storm_per_s: float = field(
+        default=STORM_REFUSALS_PER_S,
+        metadata=_limit(
+            "refusals a second (one gateway process's, over the last quarter of a second) from which the door holds "
+            "each refusal (--refusal-hold-ms); 0: every refusal is held",
+            0,
+            1_000_000.0,
             zero_ok=True,
         ),
     )

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from app.settings import HOLD_PER_AUDIO_S
+from app.settings import HOLD_PER_AUDIO_S, STORM_REFUSALS_PER_S
 
 RATE_WINDOW_S = 5.0  # the span of the engine's Stats records (ten a second by default) the start rate is measured over
 FIRST_AUDIO_WINDOW_S = 5.0  # the starts whose first audio predicts a newcomer's (older ones say little of now)
@@ -226,7 +226,6 @@ class Conversations:
             self._expiry = asyncio.get_running_loop().call_later(max(0.0, first - now), self.changed)
 
 
-STORM_REFUSALS_PER_S = 100.0  # a process refusing at this rate or faster is under a retry storm
 PACE_WINDOW_S = 0.25  # the rate is counted over windows of this length (the last full one and the current one)
 
 
@@ -234,15 +233,19 @@ class RefusalPace:
     """How long the door holds a refusal before it answers it. A client refused by a full server that retries at
     once comes back within a millisecond or two: a few hundred such clients make tens of thousands of refusals a
     second, whose CPU (theirs, and the gateway's: a connection, a head, a refusal each) is taken from the admitted
-    streams' audio on the same machines. Once this process refuses at STORM_REFUSALS_PER_S or faster, each refusal
+    streams' audio on the same machines. Once this process refuses at `storm_per_s` or faster, each refusal
     is answered after `hold_s` (between half and all of it, so that clients refused together do not come back
     together): such a client then retries tens of times a second. Slower refusals (a client that waits its
-    Retry-After) are answered at once; so is every refusal while `hold_s` is 0 (--refusal-hold-ms 0)."""
+    Retry-After) are answered at once; so is every refusal while `hold_s` is 0 (--refusal-hold-ms 0). `storm_per_s`
+    0: every refusal is held."""
 
-    def __init__(self, hold_s: float, storm_per_s: float = STORM_REFUSALS_PER_S) -> None:
+    def __init__(
+        self, hold_s: float, storm_per_s: float = STORM_REFUSALS_PER_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.hold_s = hold_s
+        self.clock = clock
         self._storm = storm_per_s * PACE_WINDOW_S  # refusals in one window that make a storm
-        self._start = -PACE_WINDOW_S * 2  # the current window's start (time.monotonic)
+        self._start = -math.inf  # the current window's start (`clock`)
         self._now = 0  # refusals in the current window
         self._last = 0  # ... and in the window before it
 
@@ -250,7 +253,7 @@ class RefusalPace:
         """One more refusal, now: the seconds to hold it."""
         if self.hold_s <= 0:
             return 0.0
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if now - self._start >= PACE_WINDOW_S:
             self._last = self._now if now - self._start < 2 * PACE_WINDOW_S else 0
             self._start, self._now = now, 0

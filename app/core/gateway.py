@@ -198,7 +198,8 @@ class Gateway:
         self.conversations = Conversations(None if link is None else lambda n: link.counts.set(link.channel, HELD, n))
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
-        self.refusal_pace = RefusalPace(settings.limits.refusal_hold_ms / 1e3)  # every refusal of this process counts
+        # every refusal of this process counts (at the request head and in the routes)
+        self.refusal_pace = RefusalPace(settings.limits.refusal_hold_ms / 1e3, settings.limits.refusal_storm_per_s)
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
         self.draining = False
         self.live: set[LiveSession] = set()  # this process's streaming sessions (app/doors/handshake.py)

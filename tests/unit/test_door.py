@@ -356,7 +356,8 @@ def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
     """app/core/admission.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
     refuses STORM_REFUSALS_PER_S or faster, each is held between half and all of the hold (the clients refused
     together come back apart), until a quiet window."""
-    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S, RefusalPace
+    from app.core.admission import PACE_WINDOW_S, RefusalPace
+    from app.settings import STORM_REFUSALS_PER_S
 
     pace = RefusalPace(0.02)
     storm = int(STORM_REFUSALS_PER_S * PACE_WINDOW_S)  # refusals in one window
@@ -376,12 +377,14 @@ def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
 def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
     """The head door's refusals (here: the server drains) carry the pace's hold, --refusal-hold-ms, counted."""
     from app.__main__ import parse_args
-    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S
+    from app.core.admission import PACE_WINDOW_S
     from app.server import create_app
+    from app.settings import STORM_REFUSALS_PER_S
 
     args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--refusal-hold-ms", "40"]
     door = create_app(parse_args(args)).state.door
     door.gw.draining = True
+    door.gw.refusal_pace.clock = lambda: 1000.0  # every refusal in one window, however slow the machine
     answers = [door(b"GET", b"/v1/tts/ws", True, []) for _ in range(int(STORM_REFUSALS_PER_S * PACE_WINDOW_S) + 5)]
     assert all(a is not None and a.answer.startswith(b"HTTP/1.1 503") for a in answers)
     assert answers[0].hold_s == 0.0 and 0.02 <= answers[-1].hold_s <= 0.04
@@ -395,14 +398,16 @@ def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
     import time
 
     from app.__main__ import parse_args
-    from app.core.admission import PACE_WINDOW_S, STORM_REFUSALS_PER_S
+    from app.core.admission import PACE_WINDOW_S
     from app.io.errors import RequestError
     from app.server import create_app
+    from app.settings import STORM_REFUSALS_PER_S
 
     args = ["--data-dir", str(tmp_path), "--no-text-normalization", "--refusal-hold-ms", "300"]
     app = create_app(parse_args(args))
     door, gw = app.state.door, app.state.gateway
     gw.draining = True
+    gw.refusal_pace.clock = lambda: 1000.0  # every refusal in one window, however slow the machine
     storm = int(STORM_REFUSALS_PER_S * PACE_WINDOW_S)
     answers = [door(b"GET", b"/v1/tts/ws", True, []) for _ in range(storm)]  # the head door's: a storm now
     assert answers[-1] is not None and answers[-1].hold_s >= 0.15
@@ -416,3 +421,12 @@ def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
 
     assert asyncio.run(refused_in_a_route()) >= 0.14  # (half the hold at least, less a clock tick)
     assert gw.metrics.door_refusals_held._value.get() == sum(a.hold_s > 0 for a in answers) + 1
+
+
+def test_every_refusal_is_held_with_no_storm_rate():
+    """--refusal-storm-per-s 0: the first refusal is held already; with no hold (--refusal-hold-ms 0) none is."""
+    from app.core.admission import RefusalPace
+
+    always = RefusalPace(0.02, storm_per_s=0.0)
+    assert all(0.01 <= always.hold(now=float(t)) <= 0.02 for t in range(5))  # one a second
+    assert RefusalPace(0.0, storm_per_s=0.0).hold(now=1.0) == 0.0
