@@ -24,6 +24,12 @@ HOLD_PER_AUDIO_S = 2.0
 # --refusal-storm-per-s's default: a client waiting its Retry-After (>= 1 s) never makes a process refuse this fast,
 # while a few clients retrying at once make it refuse thousands of times a second (app/core/admission.py RefusalPace)
 STORM_REFUSALS_PER_S = 100.0
+# --refusal-budget-per-s's default: one process's refusals a second (~0.1 ms of CPU each: a quarter of a core) past
+# which the door holds them longer (RefusalPace)
+REFUSAL_BUDGET_PER_S = 2500.0
+# The longest a refusal is held however hard the storm (or --refusal-hold-ms, if longer): a refused client is answered
+# within the 50 ms it may expect to wait before it tries another replica (a storm's connect and loop lag add ~15 ms)
+REFUSAL_HOLD_MAX_S = 0.03
 # At --max-sessions, a newcomer takes the place of this process's session idle longest, if one has been idle (no
 # message, nothing speaking, no turn open) this long: longer than a live conversation's pauses between turns (a user's
 # reply, an LLM's answer), so only a pooled or forgotten socket is taken; a pooled client reconnects at its next turn.
@@ -197,6 +203,18 @@ class Limits:
         metadata=_limit(
             "refusals a second (one gateway process's, over the last quarter of a second) from which the door holds "
             "each refusal (--refusal-hold-ms); 0: every refusal is held",
+            0,
+            1_000_000.0,
+            zero_ok=True,
+        ),
+    )
+    refusal_budget_per_s: float = field(
+        default=REFUSAL_BUDGET_PER_S,
+        metadata=_limit(
+            "refusals a second one gateway process answers at --refusal-hold-ms under a storm; while more clients "
+            "retry than that, each refusal is held longer "
+            f"(up to {REFUSAL_HOLD_MAX_S * 1e3:g} ms), so that refusals take no more of the CPU "
+            "that the admitted streams' audio needs; 0: never longer than --refusal-hold-ms",
             0,
             1_000_000.0,
             zero_ok=True,

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from app.settings import HOLD_PER_AUDIO_S, STORM_REFUSALS_PER_S
+from app.settings import HOLD_PER_AUDIO_S, REFUSAL_BUDGET_PER_S, REFUSAL_HOLD_MAX_S, STORM_REFUSALS_PER_S
 
 RATE_WINDOW_S = 5.0  # the span of the engine's Stats records (ten a second by default) the start rate is measured over
 FIRST_AUDIO_WINDOW_S = 5.0  # the starts whose first audio predicts a newcomer's (older ones say little of now)
@@ -234,20 +234,32 @@ class RefusalPace:
     once comes back within a millisecond or two: a few hundred such clients make tens of thousands of refusals a
     second, whose CPU (theirs, and the gateway's: a connection, a head, a refusal each) is taken from the admitted
     streams' audio on the same machines. Once this process refuses at `storm_per_s` or faster, each refusal
-    is answered after `hold_s` (between half and all of it, so that clients refused together do not come back
-    together): such a client then retries tens of times a second. Slower refusals (a client that waits its
-    Retry-After) are answered at once; so is every refusal while `hold_s` is 0 (--refusal-hold-ms 0). `storm_per_s`
-    0: every refusal is held."""
+    is answered after a hold (between half and all of it, so that clients refused together do not come back
+    together): `hold_s`, so that such a client retries tens of times a second, and longer while more clients retry
+    than `budget_per_s` refusals a second would answer at that hold, up to REFUSAL_HOLD_MAX_S. The clients retrying
+    are counted by Little's law: the holds given over a window, over its length, is how many were held at once on
+    average, and a client retrying at once is held nearly all the time. Answering them `budget_per_s` a second
+    takes a hold of that many over the budget; past the longest hold the rate grows with the clients again. Slower
+    refusals (a client that waits its Retry-After) are answered at once; so is every refusal while `hold_s` is 0
+    (--refusal-hold-ms 0). `storm_per_s` 0: every refusal is held; `budget_per_s` 0: never longer than `hold_s`."""
 
     def __init__(
-        self, hold_s: float, storm_per_s: float = STORM_REFUSALS_PER_S, clock: Callable[[], float] = time.monotonic
+        self,
+        hold_s: float,
+        storm_per_s: float = STORM_REFUSALS_PER_S,
+        budget_per_s: float = REFUSAL_BUDGET_PER_S,
+        clock: Callable[[], float] = time.monotonic,
+        spread: Callable[[], float] = random.random,
     ) -> None:
-        self.hold_s = hold_s
-        self.clock = clock
+        self.hold_s, self.budget_per_s = hold_s, budget_per_s
+        self.longest_s = max(hold_s, REFUSAL_HOLD_MAX_S)
+        self.clock, self.spread = clock, spread
         self._storm = storm_per_s * PACE_WINDOW_S  # refusals in one window that make a storm
         self._start = -math.inf  # the current window's start (`clock`)
         self._now = 0  # refusals in the current window
         self._last = 0  # ... and in the window before it
+        self._held_now = 0.0  # seconds of hold given in the current window
+        self._held_last = 0.0  # ... and in the window before it
 
     def hold(self, now: float | None = None) -> float:
         """One more refusal, now: the seconds to hold it."""
@@ -255,9 +267,16 @@ class RefusalPace:
             return 0.0
         now = self.clock() if now is None else now
         if now - self._start >= PACE_WINDOW_S:
-            self._last = self._now if now - self._start < 2 * PACE_WINDOW_S else 0
-            self._start, self._now = now, 0
+            recent = now - self._start < 2 * PACE_WINDOW_S
+            self._last, self._held_last = (self._now, self._held_now) if recent else (0, 0.0)
+            self._start, self._now, self._held_now = now, 0, 0.0
         self._now += 1
         if max(self._now, self._last) < self._storm:
             return 0.0
-        return self.hold_s * (0.5 + 0.5 * random.random())
+        longest = self.hold_s
+        if self.budget_per_s > 0:  # the clients held at once, answered `budget_per_s` a second (a hold's mean: 3/4)
+            retrying = max(self._held_now, self._held_last) / PACE_WINDOW_S
+            longest = min(max(longest, retrying / (0.75 * self.budget_per_s)), self.longest_s)
+        held = longest * (0.5 + 0.5 * self.spread())
+        self._held_now += held
+        return held

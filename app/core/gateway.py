@@ -199,7 +199,11 @@ class Gateway:
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
         # every refusal of this process counts (at the request head and in the routes)
-        self.refusal_pace = RefusalPace(settings.limits.refusal_hold_ms / 1e3, settings.limits.refusal_storm_per_s)
+        self.refusal_pace = RefusalPace(
+            settings.limits.refusal_hold_ms / 1e3,
+            settings.limits.refusal_storm_per_s,
+            settings.limits.refusal_budget_per_s,
+        )
         # a SIGTERM (app/server.py DrainingServer, `start_drain`): new streams are refused, each session ends once quiet
         self.draining = False
         self.live: set[LiveSession] = set()  # this process's streaming sessions (app/doors/handshake.py)

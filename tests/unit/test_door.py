@@ -430,3 +430,45 @@ def test_every_refusal_is_held_with_no_storm_rate():
     always = RefusalPace(0.02, storm_per_s=0.0)
     assert all(0.01 <= always.hold(now=float(t)) <= 0.02 for t in range(5))  # one a second
     assert RefusalPace(0.0, storm_per_s=0.0).hold(now=1.0) == 0.0
+
+
+def _retry_storm(pace, clients: int, seconds: float, rtt_s: float = 0.001) -> tuple[list[float], float]:
+    """`clients` refused clients that each retry `rtt_s` after their answer, against `pace` on a simulated clock:
+    every hold given in the last second, and the refusals a second over that second."""
+    import heapq
+
+    due = [(i * rtt_s / clients, i) for i in range(clients)]  # when each client's next refusal reaches the door
+    holds: list[tuple[float, float]] = []
+    while due[0][0] < seconds:
+        t, i = heapq.heappop(due)
+        h = pace.hold(now=t)
+        holds.append((t, h))
+        heapq.heappush(due, (t + h + rtt_s, i))
+    last = [h for t, h in holds if t >= seconds - 1.0]
+    return last, float(len(last))
+
+
+def test_a_storm_past_the_budget_is_held_longer_up_to_the_longest_hold():
+    """RefusalPace's budget: while the clients retrying at once would be answered faster than --refusal-budget-per-s
+    at --refusal-hold-ms, the holds lengthen until the process refuses about the budget a second; more clients than
+    the longest hold (REFUSAL_HOLD_MAX_S) keeps within the budget are answered at that hold, never later."""
+    import random
+
+    from app.core.admission import RefusalPace
+    from app.settings import REFUSAL_HOLD_MAX_S
+
+    rng = random.Random(7)
+    # 20 clients at a 20 ms hold (15 ms on average): ~1,250 a second, under the budget: the base hold
+    holds, rate = _retry_storm(RefusalPace(0.02, budget_per_s=2500, spread=rng.random), clients=20, seconds=3)
+    assert all(0.01 <= h <= 0.02 for h in holds) and 1000 < rate < 1400
+    # 60 clients would be 4,000 a second at the base hold: held longer, refused at about the budget
+    holds, rate = _retry_storm(RefusalPace(0.02, budget_per_s=2500, spread=rng.random), clients=60, seconds=3)
+    assert max(holds) > 0.02 and max(holds) <= REFUSAL_HOLD_MAX_S
+    assert 2000 < rate < 3000
+    # 300 clients: the longest hold, and no longer (the rate then grows with the clients)
+    holds, rate = _retry_storm(RefusalPace(0.02, budget_per_s=2500, spread=rng.random), clients=300, seconds=3)
+    assert max(holds) <= REFUSAL_HOLD_MAX_S and sum(holds) / len(holds) > 0.7 * REFUSAL_HOLD_MAX_S
+    assert rate > 9000
+    # no budget: the base hold, whatever the storm
+    holds, _ = _retry_storm(RefusalPace(0.02, budget_per_s=0, spread=rng.random), clients=300, seconds=2)
+    assert max(holds) <= 0.02
