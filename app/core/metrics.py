@@ -81,7 +81,8 @@ class Metrics:
         self.stalled = Counter(
             "zonos_listener_stalled_utterances",
             "Utterances that a player starting --admission-prebuffer-ms after their first byte would have heard "
-            "stall, as the gateway handed their audio on (the server's stalls, not the client's: app/core/playout.py)",
+            "stall, as the gateway sent their audio (encoded and handed to the socket: the server's stalls, not the "
+            "client's; app/core/playout.py)",
             ["api"],
             registry=r,
         )

@@ -367,8 +367,8 @@ class UtterancePipeline:
             left = round(u.silence_s * SAMPLE_RATE)
             while left > 0 and not u.cancelled:
                 n = min(left, SILENCE_PIECE)
-                self._handed(u, n)
                 yield np.zeros(n, np.int16)
+                self._sent(u, n)
                 u.samples += n
                 left -= n
                 u.t_done = time.perf_counter()
@@ -390,8 +390,8 @@ class UtterancePipeline:
                 return
             if isinstance(ev, m.Audio):
                 if len(ev.pcm):
-                    self._handed(u, len(ev.pcm))
                     yield ev.pcm
+                    self._sent(u, len(ev.pcm))
                     u.samples += len(ev.pcm)
                     u.t_done = time.perf_counter()
                     u.t_first = u.t_first or u.t_done
@@ -406,8 +406,13 @@ class UtterancePipeline:
                 self.gw.metrics.errors.labels(u.error.code).inc()
                 return
 
-    def _handed(self, u: Utterance, samples: int) -> None:
+    def _sent(self, u: Utterance, samples: int) -> None:
+        """A piece of u is out: its consumer asked for the next one, so it has encoded this one and handed the bytes
+        to the socket (the server's whole path to the listener: the engine, this loop, a codec's thread, the write).
+        A piece sent after a barge-in stopped the player is not played."""
         assert u.playout is not None
+        if u.cancelled:
+            return
         u.playout.handed(samples, time.perf_counter())
         self._dry_at, self._dry_seq, self._dry_ctx = u.playout.dry_at, u.seq, u.context_id
 

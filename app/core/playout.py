@@ -4,10 +4,13 @@ The model is the one admission keeps real time for (`--admission-prebuffer-ms`, 
 long after the first audio byte and then plays in real time; a piece that comes after the player ran dry stalls
 it until the piece is there, and playing resumes from then. An utterance whose text was complete while the one
 before it in its lane still played (the next sentence of a reply) continues that player: its first piece is due
-when the audio before it runs out, and a later one is a stall at the join. Measured where the pipeline hands each
-piece on to the socket's writer (app/core/pipeline.py), so what is counted is the server's (the engine's pace,
-the gateway's event loop), not what a client's own lagging loop adds; only a client that stops reading for long
-enough to fill its socket's buffers (seconds of audio) would be counted too.
+when the audio before it runs out, and a later one is a stall at the join. Measured where a piece is out of the
+server (app/core/pipeline.py `_sent`: its consumer has encoded it, in a codec's thread for a compressed format, and
+handed the bytes to the socket), so what is counted is the server's whole path (the engine's pace, the gateway's
+event loop, the codec threads), not what a client's own lagging loop adds; only a client that stops reading for long
+enough to fill its socket's buffers (seconds of audio) would be counted too. What a codec holds back inside itself
+(LAME's look-ahead and frame, a resampler's block) is not: it delays no piece's bytes, and a player fed by such an
+encoder has its first output's priming and the first call's extra samples to cover it (docs/benchmarks.md).
 """
 
 from __future__ import annotations

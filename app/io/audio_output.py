@@ -518,7 +518,7 @@ class Encoder:
 _RESAMPLER_FIRST = {8000: 254, 16000: 128, 22050: 93, 24000: 86, 32000: 65, 48000: 48}
 _FIRST_SAMPLES_SEEN = {
     **{(e, rate): n for e in ENCODINGS for rate, n in _RESAMPLER_FIRST.items()},
-    **{("mp3", r): n for r, n in zip(RATES, (6445, 3256, 1691, 1554, 2372, 1376, 1742), strict=True)},
+    **{("mp3", r): n for r, n in zip(RATES, (9365, 4744, 3514, 3208, 3860, 2528, 2562), strict=True)},
     **{("flac", r): n for r, n in zip(RATES, (23965, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
     **{("aac", r): n for r, n in zip(RATES, (12285, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
     ("opus", 8000): 2012,
@@ -526,6 +526,14 @@ _FIRST_SAMPLES_SEEN = {
     ("opus", 24000): 3208,
     ("opus", 48000): 2562,
 }
+
+
+def _mp3_frames(data: bytes) -> int:
+    """The whole MPEG audio frames at the start of `data` (FFmpeg's parser, which knows a frame's length from its
+    header; the frame cut short at the end is not counted)."""
+    import av
+
+    return len(av.CodecContext.create("mp3", "r").parse(data))
 
 
 @functools.cache
@@ -536,15 +544,19 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     format, its codec (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg
     pages). Asked of the encoders themselves, once per output: fresh encoders fed more and more (more input
     never gives less output). Audio means bytes past those a codec writes on its first write whatever it
-    holds (Ogg's and FLAC's headers); 1 at the native rate in a sample encoding (nothing
-    held back)."""
+    holds (Ogg's and FLAC's headers), and for MP3 a whole frame: LAME hands out the first bytes of a frame
+    long before the rest (at 24 kHz 157 of the first frame's 192 bytes after 1,554 samples, the rest after
+    3,208), which no streaming player can play, so a first call sized for those bytes left an MP3 listener's
+    first audio to the next call, 10 steps later; 1 at the native rate in a sample encoding (nothing held
+    back)."""
     if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
         return 1
     header = len(StreamEncoder(encoding, sample_rate).write(np.zeros(1, np.float32))) if encoding in COMPRESSED else 0
     signal = (np.random.default_rng(0).standard_normal(NATIVE_RATE) * 3000).astype(np.int16)
 
     def outputs(n: int) -> bool:
-        return len(Encoder(encoding, sample_rate).encode(signal[:n])) > header
+        data = Encoder(encoding, sample_rate).encode(signal[:n])
+        return bool(_mp3_frames(data)) if encoding == "mp3" else len(data) > header
 
     seen = _FIRST_SAMPLES_SEEN.get((encoding, sample_rate))
     if seen is not None and outputs(seen) and not outputs(seen - 1):  # two encoders, not a search of ~16

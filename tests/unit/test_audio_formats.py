@@ -245,12 +245,13 @@ def _speech(n: int, seed: int = 0) -> np.ndarray:
 
 def _has_audio(encoding: str, data: bytes) -> bool:
     """Does what an encoder put out so far hold audio? A decoder's answer for MP3 (frames parsed and decoded as
-    a streaming player does: FFmpeg's file demuxer wants a few frames before it believes a stream is MP3), Ogg
+    a streaming player does: FFmpeg's file demuxer wants a few frames before it believes a stream is MP3, and a
+    frame cut short at the end waits for its rest, which LAME hands out long after its first bytes), Ogg
     Opus and FLAC (their first bytes are headers); the bytes themselves for raw samples and AAC (ADTS frames,
     each audio)."""
     if encoding == "mp3":
         ctx = av.CodecContext.create("mp3", "r")
-        return sum(fr.samples for p in ctx.parse(data) + ctx.parse(None) for fr in ctx.decode(p)) > 0
+        return sum(fr.samples for p in ctx.parse(data) for fr in ctx.decode(p)) > 0
     if encoding not in ("opus", "flac"):
         return bool(data)
     try:
@@ -274,12 +275,12 @@ def test_an_encoder_outputs_audio_once_it_has_first_samples(encoding: str, rate:
 def test_each_output_needs_its_own_first_samples():
     """The rule is a table by output, not 'resampled or not': the resampler's start (app/io/resample.py) needs
     more input the lower the rate, all within the 363 samples of the engine's first 10-frame call; MP3 at
-    44.1 kHz its first frame (1,376) and FLAC a block (4,097). At the native rate a sample encoding holds
+    44.1 kHz its first whole frame (2,528) and FLAC a block (4,097). At the native rate a sample encoding holds
     nothing back."""
     got = {rate: first_samples("pcm_s16le", rate) for rate in OUTPUT_RATES}
     assert got == {NATIVE_RATE: 1, 24000: 86, 16000: 128, 8000: 254}
     assert first_samples("mulaw", 24000) == first_samples("pcm_f32le", 24000) == 86
-    assert (first_samples("mp3", NATIVE_RATE), first_samples("flac", NATIVE_RATE)) == (1376, 4097)
+    assert (first_samples("mp3", NATIVE_RATE), first_samples("flac", NATIVE_RATE)) == (2528, 4097)
 
 
 def test_start_asks_every_output_its_first_samples():
@@ -297,7 +298,7 @@ def test_start_asks_every_output_its_first_samples():
     assert first_samples.cache_info().misses == asked and offered >= len(OUTPUTS)
 
 
-@pytest.mark.parametrize("seen", [1000, 1377, None])
+@pytest.mark.parametrize("seen", [1000, 2529, None])
 def test_first_samples_searches_again_where_the_codec_differs_from_what_was_seen(monkeypatch, seen):
     """A value seen with the pinned codecs that does not hold for this build (too few, too many, or none) is
     searched for again: first_samples is always the encoder's own threshold."""
@@ -308,7 +309,7 @@ def test_first_samples_searches_again_where_the_codec_differs_from_what_was_seen
     monkeypatch.setattr(audio_output, "_FIRST_SAMPLES_SEEN", table)
     first_samples.cache_clear()
     try:
-        assert first_samples("mp3", NATIVE_RATE) == 1376
+        assert first_samples("mp3", NATIVE_RATE) == 2528
     finally:
         first_samples.cache_clear()
 

@@ -537,7 +537,7 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
 
     assert asyncio.run(socket()) == [1, 86, 254]
     formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
-    assert [asyncio.run(http(f)) for f in formats] == [1, 128, 1376]
+    assert [asyncio.run(http(f)) for f in formats] == [1, 128, 2528]
 
 
 def test_a_queued_utterance_holds_no_encoder_until_it_plays():
@@ -1432,6 +1432,37 @@ def test_audio_that_comes_after_the_player_ran_dry_is_counted_as_the_servers_sta
     at least 50 ms later: one stall of at least 38 ms, in zonos_listener_stall* for the API."""
     stalled, seconds = served_stalls("Hi.", [(1, 512, False, 0.0), (1, 512, True, 0.05)])
     assert stalled == 1.0 and seconds is not None and seconds >= 0.038
+
+
+def test_a_piece_the_server_is_slow_to_send_on_is_counted_as_its_stall():
+    """The server's stall counters time a piece when it is out of the server (app/core/pipeline.py `_sent`): its
+    consumer encoded it and handed its bytes on. Here the engine's two pieces (512 samples each, no prebuffer) are
+    both there at once, and sending the second takes 50 ms (a codec's thread, a busy loop): one stall of at least
+    38 ms, which the time the engine's audio reached the gateway would not show."""
+
+    async def go():
+        gw = fake_gateway()
+        gw.settings = replace(gw.settings, engine=replace(gw.settings.engine, admission_prebuffer_ms=0.0))
+
+        async def feed():
+            stream = await gw.fake.started(1)
+            FakeEngine.play(stream, samples=512, finish=False)
+            FakeEngine.play(stream, samples=512, finish=True)
+
+        feeder = asyncio.create_task(feed())
+        pieces = 0
+        async for _ in speak(gw, "openai", "Hi.", SynthesisOptions(), None, None):  # type: ignore[arg-type]
+            pieces += 1
+            if pieces == 2:
+                await asyncio.sleep(0.05)  # this piece's encoding and write
+        await feeder
+        return gw.metrics.registry
+
+    reg = asyncio.run(go())
+    labels = {"api": "openai"}
+    assert reg.get_sample_value("zonos_listener_stalled_utterances_total", labels) == 1.0
+    stalled_s = reg.get_sample_value("zonos_listener_stall_seconds_total", labels)
+    assert stalled_s is not None and stalled_s >= 0.038
 
 
 def test_a_late_next_sentence_is_a_stall_at_the_join():
