@@ -53,7 +53,7 @@ import soundfile as sf
 from app.io.checks import check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.resample import StreamResampler
+from app.io.resample import TELEPHONE_RATE, StreamResampler
 from app.settings import usable_cpus
 from engine.contract.constants import SAMPLE_RATE
 
@@ -66,7 +66,7 @@ RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
 # the sample encodings (our names); G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is
 # usually wanted at 8000 Hz: a client that names one of them without a sample rate gets 8000 (`default_rate`)
 ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
-G711_RATE = 8000
+G711_RATE = TELEPHONE_RATE
 COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
 BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
 
@@ -515,13 +515,13 @@ class Encoder:
 # What `first_samples` found with the pinned resampler and codecs (requirements.txt): each is checked when asked
 # (it holds where an encoder fed that many samples has audio out and one fed one fewer has none) and searched for
 # again where it does not (another codec build)
-_RESAMPLER_FIRST = {8000: 254, 16000: 128, 22050: 93, 24000: 86, 32000: 65, 48000: 48}
+_RESAMPLER_FIRST = {8000: 108, 16000: 128, 22050: 93, 24000: 86, 32000: 65, 48000: 48}
 _FIRST_SAMPLES_SEEN = {
     **{(e, rate): n for e in ENCODINGS for rate, n in _RESAMPLER_FIRST.items()},
-    **{("mp3", r): n for r, n in zip(RATES, (9365, 4744, 3514, 3208, 3860, 2528, 2562), strict=True)},
-    **{("flac", r): n for r, n in zip(RATES, (23965, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
-    **{("aac", r): n for r, n in zip(RATES, (12285, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
-    ("opus", 8000): 2012,
+    **{("mp3", r): n for r, n in zip(RATES, (9103, 4744, 3514, 3208, 3860, 2528, 2562), strict=True)},
+    **{("flac", r): n for r, n in zip(RATES, (23439, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
+    **{("aac", r): n for r, n in zip(RATES, (12687, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
+    ("opus", 8000): 1866,
     ("opus", 16000): 3256,
     ("opus", 24000): 3208,
     ("opus", 48000): 2562,
@@ -539,7 +539,7 @@ def _mp3_frames(data: bytes) -> int:
 @functools.cache
 def first_samples(encoding: str, sample_rate: int) -> int:
     """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
-    what its resampler holds back (48 for 48 kHz, 86 for 24 kHz, 128 for 16 kHz, 254 for 8 kHz: the bridge
+    what its resampler holds back (48 for 48 kHz, 86 for 24 kHz, 128 for 16 kHz, 108 for 8 kHz: the bridge
     at its start, app/io/resample.py; all within the engine's first 10-frame DAC call) and, for a compressed
     format, its codec (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg
     pages). Asked of the encoders themselves, once per output: fresh encoders fed more and more (more input

@@ -535,7 +535,7 @@ def test_every_utterance_tells_the_engine_what_its_encoder_needs_first():
         assert body
         return gw.fake.first_samples[0]
 
-    assert asyncio.run(socket()) == [1, 86, 254]
+    assert asyncio.run(socket()) == [1, 86, 108]
     formats = [OutputFormat("pcm_s16le", 44100), OutputFormat("pcm_s16le", 16000, wav=True), OutputFormat("mp3", 44100)]
     assert [asyncio.run(http(f)) for f in formats] == [1, 128, 2528]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import soxr
 
-from app.io.resample import QUALITY, StreamResampler
+from app.io.resample import StreamResampler, quality
 from engine.contract.constants import SAMPLE_RATE
 
 FIRST_CALL = 363  # the engine's first 10-frame DAC call: 10 x 512 samples less the decoder's lag of 4,757
@@ -25,7 +25,7 @@ def _speech_band(seconds: float = 1.0) -> np.ndarray:
 
 
 def _soxr_alone(x: np.ndarray, rate: int) -> np.ndarray:
-    s = soxr.ResampleStream(SAMPLE_RATE, rate, 1, dtype="float32", quality=QUALITY)
+    s = soxr.ResampleStream(SAMPLE_RATE, rate, 1, dtype="float32", quality=quality(rate))
     return np.concatenate([s.resample_chunk(x[i : i + 5120], last=i + 5120 >= len(x)) for i in range(0, len(x), 5120)])
 
 
@@ -43,7 +43,7 @@ def _run(x: np.ndarray, rate: int, chunks: list[int]) -> list[np.ndarray]:
 def test_the_first_dac_call_has_audio_at_every_rate(rate: int):
     x = _speech_band()
     assert len(_run(x, rate, [FIRST_CALL])[0]) > 0
-    s = soxr.ResampleStream(SAMPLE_RATE, rate, 1, dtype="float32", quality=QUALITY)
+    s = soxr.ResampleStream(SAMPLE_RATE, rate, 1, dtype="float32", quality=quality(rate))
     assert len(s.resample_chunk(x[:FIRST_CALL])) == 0  # what the bridge is for: soxr alone holds it back
 
 
@@ -51,7 +51,7 @@ def test_the_first_dac_call_has_audio_at_every_rate(rate: int):
 @pytest.mark.parametrize("chunks", [[FIRST_CALL] + [5120] * 9, [100, 100, 163] + [5120] * 9, [7, 1] * 40 + [5120] * 9])
 def test_soxrs_length_and_samples_after_the_bridged_start(rate: int, chunks: list[int]):
     """The same number of samples as soxr alone, soxr's own from the splice on (bit for bit), and before it
-    the bridge's, within ~50 dB of soxr's at 8 kHz and 85 dB above (module docstring)."""
+    the bridge's, within ~40 dB of soxr's at 8 kHz (about G.711's own noise) and 85 dB above (module docstring)."""
     x = _speech_band()
     ref = _soxr_alone(x, rate)
     y = np.concatenate(_run(x, rate, chunks))
@@ -61,7 +61,7 @@ def test_soxrs_length_and_samples_after_the_bridged_start(rate: int, chunks: lis
     assert 0 < bridged < 0.01 * rate  # the bridge covered the start only (< 10 ms), soxr the rest exactly
     err = y[:bridged] - ref[:bridged]
     snr = 10 * np.log10(np.sum(ref[:bridged] ** 2) / np.sum(err**2))
-    assert snr > (45 if rate == 8000 else 80), snr
+    assert snr > (36 if rate == 8000 else 80), snr
 
 
 def test_a_stream_soxr_starts_at_once_never_bridges():
