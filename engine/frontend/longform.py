@@ -122,40 +122,6 @@ def trim_chunk_codes(frames: np.ndarray, eos_frame: int | None, drop_trailing_fr
     return frames[:end].copy()
 
 
-# Frames of a chunk held back from the vocoder while it streams, so nothing past its eventual trimmed end is
-# ever decoded: the end of audio is known at most 2 x 9 frames after the last kept frame (the EOA's codebook
-# shift < 9, then the countdown of 9 more frames), plus the boundary trim, plus one (the reference's margin).
-def stream_margin(n_codebooks: int = N_CODEBOOKS) -> int:
-    return 2 * n_codebooks + BOUNDARY_TRIM + 1
-
-
-@dataclass
-class ChunkStream:
-    """One chunk's frames on their way to the request's single vocoder stream (the reference's streaming
-    of a long-form chunk): `push` each generated frame and vocode what it returns; at the chunk's end
-    `finish` returns the rest to vocode and the kept frames (the next chunk's context)."""
-
-    n_codebooks: int = N_CODEBOOKS
-    raw: list[np.ndarray] = field(default_factory=list)
-    committed: int = 0  # frames already handed to the vocoder
-
-    def push(self, frame: np.ndarray) -> np.ndarray:
-        self.raw.append(np.asarray(frame))
-        upto = len(self.raw) - stream_margin(self.n_codebooks)
-        if upto <= self.committed:
-            return np.zeros((0, self.n_codebooks), dtype=np.int64)
-        out = concat_codes(self.raw[self.committed : upto], self.n_codebooks)
-        self.committed = upto
-        return out
-
-    def finish(self, eos_frame: int | None, last: bool) -> tuple[np.ndarray, np.ndarray]:
-        """(frames still to vocode, kept frames): a non-final chunk loses BOUNDARY_TRIM more frames."""
-        kept = trim_chunk_codes(concat_codes(self.raw, self.n_codebooks), eos_frame, 0 if last else BOUNDARY_TRIM)
-        if self.committed > len(kept):  # cannot happen with an end of audio: the margin covers it
-            raise ValueError(f"{self.committed} frames were vocoded but only {len(kept)} are kept")
-        return kept[self.committed :], kept
-
-
 def reply_frames(chunk_frames: Sequence[int]) -> int:
     """Frames a reply of chunks that generated these many frames each, without an end of audio, plays: each
     chunk but the last keeps all but BOUNDARY_TRIM of them (at least none)."""
