@@ -45,15 +45,6 @@ def guide(cond: Tensor, uncond: Tensor, scale: Tensor | float) -> Tensor:
     return u + scale * (c - u)
 
 
-def guide_rows(logits: Tensor, pairs: list[tuple[int, int, float]]) -> Tensor:
-    """The reference's batch form: for each (cond_row, uncond_row, scale) the cond row of `logits` [B, 9, V]
-    becomes its guided logits; every other row (the twins included) is returned unchanged. fp32."""
-    out = logits.float().clone()
-    for i, j, s in pairs:
-        out[i] = guide(out[i], out[j], s)
-    return out
-
-
 def twin(
     params: SamplingParams, has_speaker: bool, continuation: bool, has_emotion: bool = False
 ) -> tuple[str, float] | None:

@@ -1,4 +1,4 @@
-"""engine/guidance.py: the reference's guidance formula, its batch form and which twin a request gets."""
+"""engine/guidance.py: the reference's guidance formula and which twin a request gets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.contract.records import SamplingParams
-from engine.guidance import guide, guide_rows, twin
+from engine.guidance import guide, twin
 
 
 def test_guide_formula_per_row_scales():
@@ -25,16 +25,6 @@ def test_guide_formula_per_row_scales():
         guide(cond.bfloat16(), uncond.bfloat16(), 0.5),
         uncond.bfloat16().float() + 0.5 * (cond.bfloat16().float() - uncond.bfloat16().float()),
     )
-
-
-def test_guide_rows_touches_only_the_conditional_rows():
-    """The reference's _apply_cfg: pairs (cond_row, uncond_row, scale); twins and other rows unchanged."""
-    logits = torch.randn(4, 9, 8, generator=torch.Generator().manual_seed(1))
-    out = guide_rows(logits, [(0, 1, 2.0), (3, 2, 0.5)])
-    torch.testing.assert_close(out[0], logits[1] + 2.0 * (logits[0] - logits[1]))
-    torch.testing.assert_close(out[3], logits[2] + 0.5 * (logits[3] - logits[2]))
-    torch.testing.assert_close(out[1:3], logits[1:3])
-    torch.testing.assert_close(guide_rows(logits, []), logits)
 
 
 def test_which_twin():
@@ -146,7 +136,7 @@ def test_guided_logits_of_the_packed_prefill_on_gpu(dtype):
         cos = torch.nn.functional.cosine_similarity(packed[i].flatten().double(), plain[i].flatten().double(), 0)
         assert 1 - float(cos) < tol, (i, float(cos))
     for (i, j), s in (((0, 1), -0.5), ((0, 2), 2.5)):
-        got = guide_rows(packed, [(i, j, s)])[i]
+        got = guide(packed[i], packed[j], s)
         want = plain[j] + s * (plain[i] - plain[j])
         cos = torch.nn.functional.cosine_similarity(got.flatten().double(), want.flatten().double(), 0)
         assert 1 - float(cos) < tol, (i, j, float(cos))
