@@ -27,14 +27,15 @@ from app.core.pipeline import DEFAULT_CONTEXT, Utterance
 from app.core.session import Hold, StreamingSession
 from app.doors.dialects.common import QUIET_S, dialect_options
 from app.doors.handshake import serve
-from app.io.audio_output import OutputFormat
+from app.io.audio_output import G711_RATE, OutputFormat
 from app.io.auth import api_key_from
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
 
-_ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
-_DEFAULT_RATE = {"linear16": 24000, "mulaw": 8000, "alaw": 8000}
+# Deepgram's raw encodings (its socket's and its HTTP route's), and their default rates
+ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+DEFAULT_RATE = {"linear16": 24000, "mulaw": G711_RATE, "alaw": G711_RATE}
 
 
 class DeepgramSession(StreamingSession):
@@ -45,11 +46,11 @@ class DeepgramSession(StreamingSession):
         q = ws.query_params
         self.opts = dialect_options(gw, q)
         name = (q.get("encoding") or "linear16").lower()
-        if name not in _ENCODINGS:
-            raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {list(_ENCODINGS)}")
+        if name not in ENCODINGS:
+            raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {list(ENCODINGS)}")
         rate = query_int(q, "sample_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
-        rate = _DEFAULT_RATE[name] if rate is None else rate
-        self.format = OutputFormat(_ENCODINGS[name], rate).check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
+        rate = DEFAULT_RATE[name] if rate is None else rate
+        self.format = OutputFormat(ENCODINGS[name], rate).check(code=G.DEEPGRAM_UNSUPPORTED_SAMPLE_RATE)
         self.model = q.get("model") or ""
         self.voice = gw.resolve_voice(self.model, owner) if self.model else None
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance

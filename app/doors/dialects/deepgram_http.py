@@ -19,6 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from app.doors.dialects import deepgram
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.deepgram import _refusal as deepgram_error
 from app.doors.dialects.http import errors_as, open_request
@@ -29,9 +30,9 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
 
-_SAMPLES = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
+_SAMPLES = deepgram.ENCODINGS
 _COMPRESSED = {"mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
-DEFAULT_RATE = {"linear16": 24000, "mulaw": 8000, "alaw": 8000, "flac": 48000}
+DEFAULT_RATE = {**deepgram.DEFAULT_RATE, "flac": 48000}
 FIXED_RATE = {"mp3": 22050, "opus": 48000, "aac": 22050}  # not configurable on Deepgram either
 
 

@@ -50,6 +50,8 @@ from app.io.errors import RequestError
 from app.io.query_input import query_int
 from app.voices.lexicons import Aliases
 
+DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default output format
+MAX_SEED = 4294967295  # ElevenLabs' seed range
 # ElevenLabs' own output formats, exactly: a name outside them is refused as ElevenLabs refuses it
 OUTPUT_FORMATS = frozenset(
     [f"pcm_{r}" for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)]
@@ -67,7 +69,7 @@ _CHOICES = {
     "enable_logging": ("true", "false"),
     "enable_ssml_parsing": ("true", "false"),
 }
-_BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4), "seed": (0, 4294967295)}
+_BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4), "seed": (0, MAX_SEED)}
 
 
 def output_format(name: str) -> OutputFormat:
@@ -129,7 +131,7 @@ class ElevenLabsSession(StreamingSession):
         self.multi = multi
         q = ws.query_params
         check_url_options(q)
-        self.format = output_format(q.get("output_format") or "mp3_44100_128")  # ElevenLabs' default
+        self.format = output_format(q.get("output_format") or DEFAULT_FORMAT)
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
         off = q.get("apply_text_normalization", "").lower() == "off"
         self.opts = dialect_options(

@@ -44,8 +44,8 @@ from app.core.options import SynthesisOptions
 from app.core.stitching import MAX_REQUEST_IDS, new_request_id
 from app.core.timestamps import AudioTimeline, CharTime, char_alignment_seconds, char_times, run_to
 from app.doors.dialects.common import dialect_options
+from app.doors.dialects.elevenlabs import DEFAULT_FORMAT, MAX_SEED, check_url_options, output_format
 from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
-from app.doors.dialects.elevenlabs import check_url_options, output_format
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat
@@ -53,10 +53,8 @@ from app.io.checks import text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
-DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 REQUEST_ID_HEADER = "request-id"  # ElevenLabs' header: the id previous_request_ids names
 MAX_REQUEST_ID_CHARS = 128
-MAX_SEED = 4294967295  # ElevenLabs' seed range
 # fields that are accepted and not used, with the JSON types they may have (null is always allowed)
 _UNUSED: dict[str, tuple[type, ...]] = {
     "model_id": (str,),
