@@ -18,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.contract.settings import QUANTIZATION_MODES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 QBLOCK = 128  # tile side of the weight scales and width of the activation groups
 ACT_EPS = 1e-10  # floor of an activation group's amax (an all-zero group quantizes to zeros)
-MODES = ("none", "fp8")
 
 
 def quantize_blocks(w: Tensor, block: int = QBLOCK) -> tuple[Tensor, Tensor]:
@@ -85,8 +86,8 @@ def moe_fp8_reference(
 def check_mode(quantization: str, device: str) -> None:
     """`--quantization` must name a mode; fp8 needs a GPU with FP8 tensor cores (compute capability 8.9+):
     on a CPU the engine refuses it (the plain reference would be far too slow to serve)."""
-    if quantization not in MODES:
-        raise ValueError(f"quantization must be one of {', '.join(MODES)}, not {quantization!r}")
+    if quantization not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_MODES)}, not {quantization!r}")
     if quantization == "none":
         return
     if not device.startswith("cuda"):
