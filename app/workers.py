@@ -35,6 +35,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from app.core.engine_client import RING_BYTES
 from app.core.gateway import engine_settings
 from app.core.shared import SharedCounts
 from app.settings import GatewaySettings, usable_cpus
@@ -46,7 +47,6 @@ from engine.contract.segments import remove_stale_segments
 
 log = logging.getLogger("gateway.supervisor")
 
-RING_BYTES = 64 << 20  # each ring of each channel (the single-process gateway's size)
 RESTART_BACKOFF_S = (0.5, 5.0)  # a process that keeps dying is restarted after 0.5 s, 1 s, ... at most 5 s
 STABLE_S = 60.0  # a process that ran this long before it died is restarted as if it had never died before
 

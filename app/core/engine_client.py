@@ -34,8 +34,9 @@ import numpy as np
 
 from app.core.admission import EngineLoad, FirstAudio, StartRate
 from app.core.shared import OPEN, SharedCounts
+from app.settings import Limits
 from engine.contract import records as m
-from engine.contract.constants import EMBED_WAIT_S, SAMPLE_RATE
+from engine.contract.constants import ALIGN_WAIT_S, EMBED_WAIT_S, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import close_quietly, open_lifeline
 from engine.contract.process import run_engine
@@ -44,6 +45,8 @@ from engine.contract.segments import remove_stale_segments
 from engine.contract.settings import EngineSettings, WeightSources
 
 log = logging.getLogger("gateway.engine")
+
+RING_BYTES = 64 << 20  # each ring (requests, events) between one gateway process and one engine
 
 
 def _resolve(fut: asyncio.Future[None]) -> None:
@@ -186,8 +189,8 @@ class EngineClient:
         self,
         weights: WeightSources,
         settings: EngineSettings,
-        ring_bytes: int = 64 << 20,
-        max_buffered_s: float = 60.0,
+        ring_bytes: int = RING_BYTES,
+        max_buffered_s: float = Limits.max_buffered_audio_s,
         restart: bool = True,
         log_level: str = "INFO",
         name: str | None = None,
@@ -389,7 +392,7 @@ class EngineClient:
         return bool(self.info.get("aligner"))
 
     async def align(
-        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0
+        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = ALIGN_WAIT_S
     ) -> tuple[tuple[str, float, float], ...]:
         """Run the aligner node on one utterance (int16 mono): each word of `text` with its start and end (s)."""
         return await self._call(lambda rid: m.Align(rid, pcm, int(sample_rate), text), timeout, "the aligner")

@@ -11,7 +11,7 @@ import numpy as np
 
 from app.core.engine_client import AttachedEngineClient, EngineClient, EngineUnavailable, Stream, sweep_stale_rings
 from engine.contract import records as m
-from engine.contract.constants import EMBED_WAIT_S
+from engine.contract.constants import ALIGN_WAIT_S, EMBED_WAIT_S
 
 
 class _AnyReady:
@@ -132,7 +132,7 @@ class EnginePool:
         return any(e.aligns for e in self.engines if e.ready.is_set())
 
     async def align(
-        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = 60.0
+        self, pcm: np.ndarray, sample_rate: int, text: str, timeout: float = ALIGN_WAIT_S
     ) -> tuple[tuple[str, float, float], ...]:
         """The aligner on one engine that has one, most headroom first."""
         error: EngineUnavailable | None = None
