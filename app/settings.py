@@ -299,6 +299,12 @@ class Limits:
     def __post_init__(self) -> None:
         check(self)
 
+    @property
+    def max_json_body_bytes(self) -> int:
+        """A JSON request body that may carry a base64 clip (the speech routes' speaker fields, POST /tts/speakers):
+        twice --max-upload-bytes (base64 is 4/3 of the clip)."""
+        return 2 * self.max_upload_bytes
+
 
 @dataclass
 class GatewaySettings:

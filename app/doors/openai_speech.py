@@ -186,7 +186,7 @@ async def openai_speech(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     key = require_key(request)
     await gw.admit()  # before the body is read: a refused request costs no parsing
-    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    data = await read_json(request, gw.settings.limits.max_json_body_bytes)
     req = await parse_speech(gw, data, gw.owner_of(key), request.headers.get("x-stainless-raw-response") == "stream")
     headers = {"X-Audio-Sample-Rate": str(req.output.sample_rate), "X-Audio-Channels": "1"}
     if req.format in RAW_SAMPLE_FORMATS:

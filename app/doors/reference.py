@@ -217,7 +217,7 @@ async def tts_generate(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     key = require_key(request)
     await gw.admit()  # before the body is read: a refused request costs no parsing
-    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    data = await read_json(request, gw.settings.limits.max_json_body_bytes)
     req = await parse_generate(gw, data, gw.owner_of(key))
     fade_n = int(SAMPLE_RATE * req.fade_out_ms / 1000)
     # 44.1 kHz float32, no resampler: its first bytes wait only for the samples the fade holds back

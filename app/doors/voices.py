@@ -293,7 +293,7 @@ async def tts_cache_speaker(request: Request) -> Response:
     try:
         owner = _owner(request)
         sid = _tts_session(request, required=True)
-        data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+        data = await read_json(request, gw.settings.limits.max_json_body_bytes)
         unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
         if unknown:
             raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")

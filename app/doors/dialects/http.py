@@ -57,5 +57,5 @@ async def open_request(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
         raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
     await gw.admit()  # before the body is read: a refused request costs no parsing
     owner = gw.owner_of(key if gw.settings.api_keys else None)
-    data = await read_json(request, gw.settings.limits.max_upload_bytes * 2)
+    data = await read_json(request, gw.settings.limits.max_json_body_bytes)
     return gw, owner, data
