@@ -24,7 +24,7 @@ from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
 from app.doors.dialects.http import errors_as
 from app.doors.speech import read_json
 from app.doors.voices import FORM_OVERHEAD
-from app.io.auth import api_key_from, key_ok
+from app.io.auth import require_key
 from app.io.bodies import admit_body
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -35,10 +35,7 @@ MAX_PLS_BYTES = 1 << 20
 
 def _owner(request: Request) -> tuple[Gateway, str]:
     gw: Gateway = request.app.state.gateway
-    key = api_key_from(request.headers, request.query_params)
-    if not key_ok(key, gw.settings.api_keys):
-        raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
-    return gw, gw.owner_of(key if gw.settings.api_keys else None)
+    return gw, gw.owner_of(require_key(request))
 
 
 @errors_as(elevenlabs_error)

@@ -20,8 +20,7 @@ from starlette.responses import JSONResponse, Response
 
 from app.core.gateway import Gateway
 from app.doors.speech import read_json
-from app.io.auth import api_key_from, key_ok
-from app.io.errors import GatewayError as G
+from app.io.auth import require_key
 from app.io.errors import RequestError
 
 ErrorBody = Callable[[str, str, int], dict[str, Any]]  # (code, message, status) -> the vendor's error body
@@ -52,10 +51,8 @@ async def open_request(request: Request) -> tuple[Gateway, str, dict[str, Any]]:
     """The caller's key (every dialect's header: `xi-api-key`, `X-API-Key`, `Authorization: Token|Bearer`,
     `?api_key=`), its owner id, and the JSON body."""
     gw: Gateway = request.app.state.gateway
-    key = api_key_from(request.headers, request.query_params)
-    if not key_ok(key, gw.settings.api_keys):
-        raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
+    key = require_key(request)
     await gw.admit()  # before the body is read: a refused request costs no parsing
-    owner = gw.owner_of(key if gw.settings.api_keys else None)
+    owner = gw.owner_of(key)
     data = await read_json(request, gw.settings.limits.max_json_body_bytes)
     return gw, owner, data
