@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.frontend.config import BOS_ID, BYTE_TOKEN_OFFSET, EOS_ID, Zonos2Config
-from engine.frontend.delay import shear, shear_up  # noqa: F401  (re-exported: the prompt tail is sheared)
+from engine.frontend.delay import shear
 
 # DAC-44k codes of 0.2 s of silence (17 frames x 9 codebooks), as the reference ships them.
 SILENCE_FRAMES = np.array(

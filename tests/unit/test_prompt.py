@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from engine.frontend.config import Zonos2Config, preset_params
-from engine.frontend.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear, shear_up
+from engine.frontend.delay import shear_up
+from engine.frontend.prompt import SILENCE_FRAMES, Conditioning, PromptBuilder, PromptError, shear
 
 CFG = Zonos2Config.from_dict(preset_params("full"))
 PB = PromptBuilder(CFG)
