@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,6 @@ class Zonos2Config:
     router_dim: int
     balancing_bias_added: bool  # legacy strategy selects on prob + bias; quantile on prob - bias
     dtype: str = "bfloat16"
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -256,7 +255,6 @@ class Zonos2Config:
             router_dim=int(d.get("moe_router_dim", 128)),
             balancing_bias_added=bias_added,
             dtype=str(d.get("dtype", "bfloat16")),
-            raw=dict(d),
         )
 
     @classmethod
