@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 import socket
@@ -42,7 +41,7 @@ from app.doors.dialects import (
     elevenlabs_http,
     elevenlabs_lexicons,
 )
-from app.doors.door import HeadDoor, door_routes
+from app.doors.door import HeadDoor, SessionRoute, SpeechRoute, door_routes
 from app.doors.handshake import deny, in_band_error
 from app.doors.ws import websocket_endpoint
 from app.io.audio_output import warm_outputs
@@ -256,23 +255,6 @@ class RequestIdMiddleware:
             )
 
 
-def _on_socket(
-    endpoint: Callable[[WebSocket], Awaitable[None]], scope: Scope, receive: Receive, send: Send
-) -> Awaitable[None]:
-    return endpoint(WebSocket(scope, receive=receive, send=send))
-
-
-class SessionRoute(WebSocketRoute):
-    """A WebSocket route whose endpoint runs on the socket as it is. Starlette wraps a function endpoint in two
-    coroutines and an exception handler's closures of its own per socket (~15 objects that live as long as the
-    session, for the collector's full passes to walk: engine/contract/collector.py); the app's ExceptionMiddleware
-    already wraps every route in the same handlers."""
-
-    def __init__(self, path: str, endpoint: Callable[[WebSocket], Awaitable[None]]) -> None:
-        super().__init__(path, endpoint)
-        self.app = functools.partial(_on_socket, endpoint)
-
-
 async def _report_pauses() -> None:
     """The collector's pauses into the metric, once a second, from the event loop (report_pauses)."""
     while True:
@@ -309,8 +291,8 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/metrics", keyed(service.metrics)),
         Route("/v1/models", keyed(service.models)),
         Route("/tts/capabilities", service.capabilities),
-        Route("/v1/audio/speech", openai_speech.openai_speech, methods=["POST"]),
-        Route("/tts/generate", reference.tts_generate, methods=["POST"]),
+        SpeechRoute("/v1/audio/speech", openai_speech.openai_speech, speech.error_body),
+        SpeechRoute("/tts/generate", reference.tts_generate, speech.error_body),
         Route("/tts/speakers", voices.tts_list_speakers, methods=["GET"]),
         Route("/tts/speakers", voices.tts_cache_speaker, methods=["POST"]),
         Route("/tts/speakers/{speaker}/preview", voices.tts_speaker_preview, methods=["GET"]),
@@ -320,55 +302,46 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/v1/voices/{voice}", voices.voice_detail, methods=["GET", "PATCH", "DELETE"]),
         Route("/v1/voices/{voice}/embedding", voices.voice_embedding),
         Route("/v1/voices/{voice}/preview", voices.voice_preview),
-        SessionRoute("/v1/tts/ws", websocket_endpoint),
+        SessionRoute("/v1/tts/ws", websocket_endpoint, in_band_error),
         # the voice-agent frameworks' dialects (app/doors/dialects/, docs/dialects.md)
-        SessionRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", elevenlabs.multi_stream_endpoint),
-        SessionRoute("/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint),
-        SessionRoute("/tts/websocket", cartesia.endpoint),
-        SessionRoute("/v1/speak", deepgram.endpoint),
+        SessionRoute(
+            "/v1/text-to-speech/{voice_id}/multi-stream-input",
+            elevenlabs.multi_stream_endpoint,
+            elevenlabs.refusal_body,
+        ),
+        SessionRoute(
+            "/v1/text-to-speech/{voice_id}/stream-input", elevenlabs.stream_input_endpoint, elevenlabs.refusal_body
+        ),
+        SessionRoute("/tts/websocket", cartesia.endpoint, cartesia.refusal_body),
+        SessionRoute("/v1/speak", deepgram.endpoint, deepgram.refusal_body),
         # ... and their HTTP routes (synthesize() of LiveKit's plugins, the vendors' SDKs)
-        Route("/v1/text-to-speech/{voice_id}", elevenlabs_http.speech, methods=["POST"]),
+        SpeechRoute("/v1/text-to-speech/{voice_id}", elevenlabs_http.speech, elevenlabs.refusal_body),
         Route("/v1/pronunciation-dictionaries", elevenlabs_lexicons.list_dictionaries, methods=["GET"]),
         Route("/v1/pronunciation-dictionaries/add-from-file", elevenlabs_lexicons.add_from_file, methods=["POST"]),
         Route("/v1/pronunciation-dictionaries/add-from-rules", elevenlabs_lexicons.add_from_rules, methods=["POST"]),
         Route(
             "/v1/pronunciation-dictionaries/{dictionary_id}", elevenlabs_lexicons.dictionary, methods=["GET", "DELETE"]
         ),
-        Route("/v1/text-to-speech/{voice_id}/stream", elevenlabs_http.speech, methods=["POST"]),
-        Route(
-            "/v1/text-to-speech/{voice_id}/with-timestamps", elevenlabs_http.speech_with_timestamps, methods=["POST"]
+        SpeechRoute("/v1/text-to-speech/{voice_id}/stream", elevenlabs_http.speech, elevenlabs.refusal_body),
+        SpeechRoute(
+            "/v1/text-to-speech/{voice_id}/with-timestamps",
+            elevenlabs_http.speech_with_timestamps,
+            elevenlabs.refusal_body,
         ),
-        Route(
+        SpeechRoute(
             "/v1/text-to-speech/{voice_id}/stream/with-timestamps",
             elevenlabs_http.stream_with_timestamps,
-            methods=["POST"],
+            elevenlabs.refusal_body,
         ),
-        Route("/tts/bytes", cartesia_http.tts_bytes, methods=["POST"]),
-        Route("/tts/sse", cartesia_http.tts_sse, methods=["POST"]),
-        Route("/v1/speak", deepgram_http.speak, methods=["POST"]),
+        SpeechRoute("/tts/bytes", cartesia_http.tts_bytes, cartesia.refusal_body),
+        SpeechRoute("/tts/sse", cartesia_http.tts_sse, cartesia.refusal_body),
+        SpeechRoute("/v1/speak", deepgram_http.speak, deepgram.refusal_body),
         WebSocketRoute("/{path:path}", websocket_not_found),  # (before the Mount, which takes every scope type)
         Mount("/static", StaticFiles(directory=str(WEB / "static")), name="static"),
     ]
-    # the routes that start a stream, with their API's error body: refused at the connection's request head
-    # when the door says no (app/doors/door.py), before any of the app runs
-    door = door_routes(
-        routes,
-        {
-            openai_speech.openai_speech: speech.error_body,
-            reference.tts_generate: speech.error_body,
-            elevenlabs_http.speech: elevenlabs._refusal,
-            elevenlabs_http.speech_with_timestamps: elevenlabs._refusal,
-            elevenlabs_http.stream_with_timestamps: elevenlabs._refusal,
-            cartesia_http.tts_bytes: cartesia._refusal,
-            cartesia_http.tts_sse: cartesia._refusal,
-            deepgram_http.speak: deepgram._refusal,
-            websocket_endpoint: in_band_error,
-            elevenlabs.multi_stream_endpoint: elevenlabs._refusal,
-            elevenlabs.stream_input_endpoint: elevenlabs._refusal,
-            cartesia.endpoint: cartesia._refusal,
-            deepgram.endpoint: deepgram._refusal,
-        },
-    )
+    # the routes that start a stream (SpeechRoute, SessionRoute: each with its API's error body) are refused at the
+    # connection's request head when the door says no (app/doors/door.py), before any of the app runs
+    door = door_routes(routes)
     middleware = [
         Middleware(RequestIdMiddleware, process=link.channel if link is not None else None)
     ]  # outermost: even a refused preflight gets an id

@@ -16,19 +16,56 @@ request pipelined behind an answer in progress.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.routing import BaseRoute, Route, WebSocketRoute
+from starlette.types import Receive, Scope, Send
+from starlette.websockets import WebSocket
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from app.core.gateway import Gateway
 from app.io.http_protocol import DoorAnswer, request_id
 
 Shape = Callable[[str, str, int], dict[str, Any]]  # (code, message, status) -> the API's error body
+
+
+class StartsStream:
+    """A route whose endpoint starts a stream: the door refuses it from the request head when no engine could start
+    it in time, with `refusal`, its API's error body. Declared with the route (`SpeechRoute`, `SessionRoute`), so a
+    route that starts a stream cannot be added without its refusal."""
+
+    refusal: Shape
+
+
+class SpeechRoute(Route, StartsStream):
+    """An HTTP synthesis route (POST) that starts a stream."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], refusal: Shape) -> None:
+        super().__init__(path, endpoint, methods=["POST"])
+        self.refusal = refusal
+
+
+def _on_socket(
+    endpoint: Callable[[WebSocket], Awaitable[None]], scope: Scope, receive: Receive, send: Send
+) -> Awaitable[None]:
+    return endpoint(WebSocket(scope, receive=receive, send=send))
+
+
+class SessionRoute(WebSocketRoute, StartsStream):
+    """A WebSocket route that starts a session, whose endpoint runs on the socket as it is. Starlette wraps a
+    function endpoint in two coroutines and an exception handler's closures of its own per socket (~15 objects that
+    live as long as the session, for the collector's full passes to walk: engine/contract/collector.py); the app's
+    ExceptionMiddleware already wraps every route in the same handlers."""
+
+    def __init__(self, path: str, endpoint: Callable[[WebSocket], Awaitable[None]], refusal: Shape) -> None:
+        super().__init__(path, endpoint)
+        self.app = functools.partial(_on_socket, endpoint)
+        self.refusal = refusal
 
 
 @dataclass(frozen=True)
@@ -39,13 +76,13 @@ class DoorRoute:
     shape: Shape
 
 
-def door_routes(routes: Sequence[BaseRoute], shapes: Mapping[Callable[..., Any], Shape]) -> list[DoorRoute]:
-    """The app's routes whose endpoint starts a stream (a key of `shapes`, with its API's error body)."""
+def door_routes(routes: Sequence[BaseRoute]) -> list[DoorRoute]:
+    """The app's routes that start a stream (`StartsStream`), with their API's error body."""
     out = []
     for r in routes:
-        if isinstance(r, Route | WebSocketRoute) and r.endpoint in shapes:
+        if isinstance(r, SpeechRoute | SessionRoute):
             methods = frozenset(m.encode() for m in (r.methods or ())) if isinstance(r, Route) else frozenset()
-            out.append(DoorRoute(r.path_regex, isinstance(r, WebSocketRoute), methods, shapes[r.endpoint]))
+            out.append(DoorRoute(r.path_regex, isinstance(r, WebSocketRoute), methods, r.refusal))
     return out
 
 

@@ -341,6 +341,13 @@ def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):
     ]
     assert all(door.route(b"GET", p, True) for p in upgrades)
     assert all(door.route(b"POST", p, False) for p in posts)
+    # ... and those are the routes declared as starting a stream (SpeechRoute, SessionRoute), each with its refusal
+    from app.doors.door import SessionRoute, SpeechRoute
+
+    app = create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"]))
+    declared = [r for r in app.routes if isinstance(r, SpeechRoute | SessionRoute)]
+    assert len(declared) == len(upgrades) + len(posts) == len(door.routes)
+    assert all(callable(r.refusal) for r in declared)
     for method, path, upgrade in [
         (b"POST", "/v1/voices", False),
         (b"GET", "/v1/audio/speech", False),

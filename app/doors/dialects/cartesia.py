@@ -399,9 +399,9 @@ def embedding_vector(value: Any, dim: int) -> np.ndarray:
     return emb
 
 
-def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+def refusal_body(code: str, message: str, status: int) -> dict[str, Any]:
     return {"error": message, "title": code, "message": message, "status_code": status}
 
 
 async def endpoint(ws: WebSocket) -> None:
-    await serve(ws, CartesiaSession, _refusal)
+    await serve(ws, CartesiaSession, refusal_body)

@@ -32,8 +32,8 @@ from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
-from app.doors.dialects.cartesia import _refusal as cartesia_error
 from app.doors.dialects.cartesia import output_format, pronunciation_dict, voice_of
+from app.doors.dialects.cartesia import refusal_body as cartesia_error
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response

@@ -108,7 +108,7 @@ class DeepgramSession(StreamingSession):
         )
 
 
-def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+def refusal_body(code: str, message: str, status: int) -> dict[str, Any]:
     """Deepgram's HTTP error body."""
     return {"err_code": code.upper(), "err_msg": message, "request_id": str(uuid.uuid4())}
 
@@ -120,4 +120,4 @@ async def endpoint(ws: WebSocket) -> None:
     if len(protocols) == 2 and protocols[0].lower() in ("token", "bearer"):
         subprotocol = protocols[0]
         key = key or protocols[1]
-    await serve(ws, DeepgramSession, _refusal, key=key, subprotocol=subprotocol)
+    await serve(ws, DeepgramSession, refusal_body, key=key, subprotocol=subprotocol)

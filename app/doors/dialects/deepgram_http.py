@@ -21,7 +21,7 @@ from starlette.responses import Response
 
 from app.doors.dialects import deepgram
 from app.doors.dialects.common import dialect_options
-from app.doors.dialects.deepgram import _refusal as deepgram_error
+from app.doors.dialects.deepgram import refusal_body as deepgram_error
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import speech_response
 from app.io.audio_output import OutputFormat

@@ -325,7 +325,7 @@ class ElevenLabsSession(StreamingSession):
         await self.send_json_locked(msg)
 
 
-def _refusal(code: str, message: str, status: int) -> dict[str, Any]:
+def refusal_body(code: str, message: str, status: int) -> dict[str, Any]:
     """ElevenLabs' HTTP error body."""
     return {"detail": {"status": G.ELEVENLABS_VOICE_NOT_FOUND if code == G.UNKNOWN_VOICE else code, "message": message}}
 
@@ -336,8 +336,8 @@ _stream_input = functools.partial(ElevenLabsSession, multi=False)
 
 
 async def multi_stream_endpoint(ws: WebSocket) -> None:
-    await serve(ws, _multi_stream, _refusal)
+    await serve(ws, _multi_stream, refusal_body)
 
 
 async def stream_input_endpoint(ws: WebSocket) -> None:
-    await serve(ws, _stream_input, _refusal)
+    await serve(ws, _stream_input, refusal_body)

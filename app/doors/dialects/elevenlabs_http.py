@@ -45,7 +45,7 @@ from app.core.stitching import MAX_REQUEST_IDS, new_request_id
 from app.core.timestamps import AudioTimeline, CharTime, char_alignment_seconds, char_times, run_to
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.elevenlabs import DEFAULT_FORMAT, MAX_SEED, check_url_options, output_format
-from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
+from app.doors.dialects.elevenlabs import refusal_body as elevenlabs_error
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from app.core.gateway import Gateway
-from app.doors.dialects.elevenlabs import _refusal as elevenlabs_error
+from app.doors.dialects.elevenlabs import refusal_body as elevenlabs_error
 from app.doors.dialects.http import errors_as
 from app.doors.speech import read_json
 from app.doors.voices import FORM_OVERHEAD
