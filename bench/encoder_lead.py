@@ -96,13 +96,13 @@ def lead(encoding: str, rate: int, period_s: float, seconds: float, prebuffer_s:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--periods", type=float, nargs="+", default=[7.0, 9.7, 11.0], help="iteration periods, ms")
     ap.add_argument("--seconds", type=float, default=5.0, help="audio per stream")
     ap.add_argument("--prebuffer-ms", type=float, default=150.0)
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     print(f"{'output':>16} {'period':>7} {'call 0':>7} {'first':>6} {'client':>8} {'engine':>8} {'held':>7}")
     for encoding, rate in OUTPUTS:

@@ -394,6 +394,24 @@ def test_the_encoder_cpu_bench_measures_every_output_and_the_word_clock(tmp_path
     assert all(v >= 0 for v in got.values())
 
 
+def test_the_encoder_lead_bench_gives_what_each_encoder_holds_back_from_a_player(tmp_path):
+    """bench/encoder_lead.py: at 44.1 kHz raw samples nothing is held back (the player has what the engine counts);
+    a resampler or a codec holds some back, never all of the lead at a steady 9.7 ms iteration; an MP3 listener's
+    first audio is a whole frame, after call 1 (28 steps)."""
+    import json
+
+    from bench.encoder_lead import OUTPUTS, lead, main
+
+    raw = lead("pcm_s16le", 44100, 0.0097, 2.0, 0.15)
+    assert raw["most_held_ms"] == 0 and raw["client_min_lead_ms"] == raw["engine_min_lead_ms"]
+    assert raw["first_audio_steps"] == 18
+    mp3 = lead("mp3", 24000, 0.0097, 2.0, 0.15)
+    assert mp3["first_audio_steps"] == 28 and mp3["most_held_ms"] > 0
+    main(["--periods", "9.7", "--seconds", "2", "--json", str(tmp_path / "lead.json")])
+    rows = json.loads((tmp_path / "lead.json").read_text())
+    assert len(rows) == len(OUTPUTS) and all(r["client_min_lead_ms"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize(
     ("rate", "asked", "kbps"),
     [
