@@ -213,7 +213,7 @@ async def openai_speech(request: Request) -> Response:
         req.voice,
         req.output,
         whole=req.whole,
-        media_type="text/event-stream" if req.sse else FORMATS[req.format][0],
+        media_type="text/event-stream" if req.sse else FORMATS[req.format],
         headers=headers,
         framing=framing,
     )

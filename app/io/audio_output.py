@@ -10,17 +10,16 @@ the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked
 * `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
   request tells the engine (SubmitRequest.first_samples) so that its first DAC call is no larger than needed.
 
-The HTTP file formats, streamed as the audio is generated, through libsndfile (soundfile), LAME (lameenc)
-and FFmpeg's libraries (PyAV):
+The HTTP file formats, streamed as the audio is generated, through LAME (lameenc) and FFmpeg's libraries (PyAV):
 
 * `pcm` (16-bit little-endian), `mulaw` / `alaw` (G.711, one byte a sample): raw samples, no header.
 * `wav`: 16-bit PCM (or any of the dialects' sample encodings, `wav_header`) with the 'unknown length'
   sizes (0xFFFFFFFF) that players accept for streams; soundfile, ffmpeg and Chromium read it.
-* `flac`: libsndfile's encoder writes into a `StreamSink`, and every byte it appends goes out as soon as it
-  exists. At the end it seeks back to fill in header fields that only the finished file knows (STREAMINFO's
-  sample count and MD5); those bytes were sent already, so a streamed file leaves them "unknown", as every
-  streamed FLAC does (`ffmpeg`, browsers and libFLAC decode them; python-soundfile's `sf.read` wants a
-  sample count and refuses such a FLAC).
+* `flac`: 16-bit FLAC in frames of `FLAC_BLOCK` samples, FFmpeg's encoder through PyAV, each frame out as soon
+  as it is encoded (libsndfile's 4,096-sample blocks held back up to 173 ms of a 24 kHz stream, and its first
+  audio needed 7,728 input samples: 10 decode steps more). The header fields only the finished file knows
+  (STREAMINFO's sample count and MD5) stay "unknown" in a stream, as in every streamed FLAC (`ffmpeg`,
+  browsers and libFLAC decode it; python-soundfile's `sf.read` wants a sample count and refuses such a FLAC).
 * `mp3`: MPEG audio frames at a constant bit rate (`MP3_BIT_RATE`) from LAME through lameenc, each frame out
   as soon as LAME has it, no header (none is needed). LAME at its usual quality (`MP3_QUALITY`) costs a
   quarter of the CPU that libsndfile's LAME setup did, for the same first frame.
@@ -29,8 +28,8 @@ and FFmpeg's libraries (PyAV):
 * `opus`: libopus in Ogg through PyAV, a page per 20 ms packet (`OPUS_BIT_RATE`, VBR): a third of the CPU
   of libsndfile's Opus encoder, whose setup had no way to ask for less, and its first page as soon.
 
-`StreamEncoder(fmt, rate, whole=True)` encodes the same way into a seekable buffer and hands out the
-finished file at the end, its header complete (FLAC's sample count, WAV's sizes): what a client gets
+`StreamEncoder(fmt, rate, whole=True)` encodes the same way and hands out the finished file at the end, its
+header complete (FLAC's sample count and MD5, written into a seekable buffer; WAV's sizes): what a client gets
 when it did not ask for a stream (app/doors/openai_speech.py).
 
 G.711 is libsndfile's codec too (its RAW format with the ULAW / ALAW subtype): a well-kept C library
@@ -70,25 +69,25 @@ G711_RATE = TELEPHONE_RATE
 COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
 BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
 
-# name -> (media type, soundfile format, subtype); every format streams.
-FORMATS: dict[str, tuple[str, str | None, str | None]] = {
-    "pcm": ("audio/pcm", None, None),
-    "wav": ("audio/wav", "WAV", "PCM_16"),
-    "flac": ("audio/flac", "FLAC", "PCM_16"),
-    "mp3": ("audio/mpeg", "MP3", "MPEG_LAYER_III"),
-    "opus": ("audio/ogg", "OGG", "OPUS"),
-    "mulaw": ("audio/PCMU", "RAW", "ULAW"),
-    "alaw": ("audio/PCMA", "RAW", "ALAW"),
-    "aac": ("audio/aac", None, None),  # ADTS
+# name -> media type; every format streams.
+FORMATS: dict[str, str] = {
+    "pcm": "audio/pcm",
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "mp3": "audio/mpeg",
+    "opus": "audio/ogg",
+    "mulaw": "audio/PCMU",
+    "alaw": "audio/PCMA",
+    "aac": "audio/aac",  # ADTS
 }
 FORMAT_ALIASES = {"ulaw": "mulaw", "pcmu": "mulaw", "pcma": "alaw"}
 # media type of each encoding sent raw (a WAV container is audio/wav)
 MEDIA_TYPES = {
     "pcm_s16le": "audio/pcm",
     "pcm_f32le": "audio/pcm",
-    "mulaw": FORMATS["mulaw"][0],
-    "alaw": FORMATS["alaw"][0],
-    **{k: FORMATS[k][0] for k in COMPRESSED},
+    "mulaw": FORMATS["mulaw"],
+    "alaw": FORMATS["alaw"],
+    **{k: FORMATS[k] for k in COMPRESSED},
 }
 G711 = {"mulaw": "ULAW", "alaw": "ALAW"}
 # MP3 at a constant bit rate (kbit/s) a rate's MPEG version allows: enough for speech at each (the default)
@@ -105,6 +104,9 @@ MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its comman
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
 OPUS_RATES = tuple(OPUS_BIT_RATE)
 OPUS_PAGE_MS = 20  # an Ogg page per Opus packet: FFmpeg's default page of 1 s would hold the first audio back
+# samples in a FLAC frame: a frame goes out whole, so a stream holds back up to one (26 ms at 44.1 kHz, 48 at 24 kHz);
+# FLAC's smaller standard sizes compress speech worse for little less latency
+FLAC_BLOCK = 1152
 # AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
 AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, SAMPLE_RATE: 128000, 48000: 128000}
 # WAVE format tags and bits per sample of the sample encodings a WAV may carry
@@ -178,72 +180,6 @@ def g711_decode(data: bytes, law: str) -> np.ndarray:
     return x
 
 
-class StreamSink(io.RawIOBase):
-    """A seekable file for libsndfile that hands out what the encoder appends, as it appends it.
-
-    Bytes are handed out once (`take`) and then forgotten. A write that lands on bytes already handed out
-    (an encoder patching its header when it closes) can no longer reach the client and is dropped."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._sent = 0  # bytes handed out; the file offset of _pending[0]
-        self._pending = bytearray()
-        self._pos = 0
-        self.dropped = 0  # bytes of late header patches that were not sent
-
-    def readable(self) -> bool:
-        return True
-
-    def writable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def _end(self) -> int:
-        return self._sent + len(self._pending)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._end()}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def write(self, b) -> int:
-        data = memoryview(b).cast("B")
-        n = len(data)
-        start = self._pos
-        if start < self._sent:  # the part already handed out cannot change any more
-            skip = min(n, self._sent - start)
-            self.dropped += skip
-            data, start = data[skip:], start + skip
-        if len(data):
-            offset = start - self._sent
-            if offset > len(self._pending):
-                self._pending.extend(bytes(offset - len(self._pending)))
-            self._pending[offset : offset + len(data)] = data
-        self._pos += n
-        return n
-
-    def read(self, size: int = -1) -> bytes:
-        # Encoders do not read back what they wrote; what was handed out reads as nothing.
-        offset = self._pos - self._sent
-        if offset < 0:
-            return b""
-        end = len(self._pending) if size is None or size < 0 else offset + size
-        data = bytes(self._pending[offset:end])
-        self._pos += len(data)
-        return data
-
-    def take(self) -> bytes:
-        data = bytes(self._pending)
-        self._sent += len(data)
-        self._pending.clear()
-        return data
-
-
 class _MuxSink(io.RawIOBase):
     """Where a PyAV muxer writes: collects the bytes until they are taken."""
 
@@ -266,20 +202,35 @@ class _MuxSink(io.RawIOBase):
 
 class FfmpegEncoder:
     """float32 mono samples -> one codec's packets in a container, through PyAV (FFmpeg's libraries, loaded by
-    the first such answer, not by every gateway), each packet out as soon as the muxer writes it."""
+    the first such answer, not by every gateway), each packet out as soon as the muxer writes it; `whole`: into a
+    seekable buffer, the finished file (its header completed by the muxer) out at `close`. `codec` options and the
+    samples' `sample_format` in the file (None: the codec's own)."""
 
-    def __init__(self, container: str, codec: str, sample_rate: int, bit_rate: int, **muxer: str) -> None:
+    def __init__(
+        self,
+        container: str,
+        codec: str,
+        sample_rate: int,
+        bit_rate: int | None = None,
+        whole: bool = False,
+        codec_options: dict[str, str] | None = None,
+        sample_format: str | None = None,
+        **muxer: str,
+    ) -> None:
         import av
 
         self._av = av
         self.sample_rate = sample_rate
-        self._sink = _MuxSink()
+        self._sink: _MuxSink | io.BytesIO = io.BytesIO() if whole else _MuxSink()
         # flush_packets: the muxer's I/O buffer (32 KiB) would otherwise hold seconds of audio back
         self._out = av.open(self._sink, "w", format=container, options={"flush_packets": "1", **muxer})
-        stream = self._out.add_stream(codec, rate=sample_rate, layout="mono")
+        stream = self._out.add_stream(codec, rate=sample_rate, layout="mono", options=codec_options or {})
         assert isinstance(stream, av.AudioStream)
         self._stream = stream
-        self._stream.bit_rate = bit_rate
+        if bit_rate is not None:
+            self._stream.bit_rate = bit_rate
+        if sample_format is not None:
+            self._stream.codec_context.format = sample_format
         self._out.start_encoding()  # the container's header (Ogg's first pages) now: the first write hands it out
 
     def write(self, samples: np.ndarray) -> bytes:
@@ -289,12 +240,12 @@ class FfmpegEncoder:
             )
             frame.sample_rate = self.sample_rate
             self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
-        return self._sink.take()
+        return self._sink.take() if isinstance(self._sink, _MuxSink) else b""
 
     def close(self) -> bytes:
         self._out.mux(self._stream.encode(None))
         self._out.close()
-        return self._sink.take()
+        return self._sink.take() if isinstance(self._sink, _MuxSink) else self._sink.getvalue()
 
 
 def aac_encoder(sample_rate: int) -> FfmpegEncoder:
@@ -302,6 +253,13 @@ def aac_encoder(sample_rate: int) -> FfmpegEncoder:
     if sample_rate not in AAC_BIT_RATE:
         raise ValueError(f"aac takes the sample rates {sorted(AAC_BIT_RATE)}")
     return FfmpegEncoder("adts", "aac", sample_rate, AAC_BIT_RATE[sample_rate])
+
+
+def flac_encoder(sample_rate: int, whole: bool = False) -> FfmpegEncoder:
+    """16-bit FLAC in frames of FLAC_BLOCK samples (FFmpeg's encoder; its first audio after ~FLAC_BLOCK samples)."""
+    return FfmpegEncoder(
+        "flac", "flac", sample_rate, whole=whole, codec_options={"frame_size": str(FLAC_BLOCK)}, sample_format="s16"
+    )
 
 
 def opus_encoder(sample_rate: int, bit_rate: int | None = None) -> FfmpegEncoder:
@@ -363,20 +321,15 @@ class StreamEncoder:
         self.fmt, self.sample_rate, self.whole = fmt, sample_rate, whole
         self._header = wav_header(sample_rate) if fmt == "wav" and not whole else b""
         self._held = bytearray()  # whole: everything so far (wav's samples; the others' output)
-        self._sink: StreamSink | io.BytesIO | None = None
-        self._file: sf.SoundFile | None = None
-        self._frames: FfmpegEncoder | Mp3Encoder | None = None  # the encoders that hand out frames, not a file
+        self._frames: FfmpegEncoder | Mp3Encoder | None = None  # the codecs
         if fmt == "aac":
             self._frames = aac_encoder(sample_rate)
         elif fmt == "opus":
             self._frames = opus_encoder(sample_rate, bit_rate)
         elif fmt == "mp3":
             self._frames = Mp3Encoder(sample_rate, bit_rate)
-        if fmt == "flac":
-            _, container, subtype = FORMATS[fmt]
-            # a whole file is written into a seekable buffer, so the encoder's last header patch lands
-            self._sink = io.BytesIO() if whole else StreamSink()
-            self._file = sf.SoundFile(self._sink, "w", sample_rate, 1, format=container, subtype=subtype)
+        elif fmt == "flac":  # a whole file is written into a seekable buffer: the muxer completes its header
+            self._frames = flac_encoder(sample_rate, whole)
 
     def write(self, samples: np.ndarray) -> bytes:
         data = self._encode(np.asarray(samples, dtype=np.float32))
@@ -391,27 +344,12 @@ class StreamEncoder:
             return head + int16_bytes(x)
         if self.fmt in G711:
             return g711_encode(x, self.fmt)
-        if self._frames is not None:
-            return self._frames.write(x)
-        assert self._file is not None and self._sink is not None
-        if len(x):
-            self._file.write(x)
-        return self._sink.take() if isinstance(self._sink, StreamSink) else b""
+        assert self._frames is not None
+        return self._frames.write(x)
 
     def close(self) -> bytes:
         if self._frames is not None:
             tail = self._frames.close()
-        elif self._file is not None:
-            assert self._sink is not None
-            self._file.close()
-            self._file = None
-            if isinstance(self._sink, io.BytesIO):  # whole: the finished file
-                return self._sink.getvalue()
-            if self._sink.dropped:
-                log.debug(
-                    "%s stream: %d header bytes patched at the end were already sent", self.fmt, self._sink.dropped
-                )
-            tail = self._sink.take()
         else:
             tail, self._header = self._header, b""
         if not self.whole:
@@ -519,7 +457,7 @@ _RESAMPLER_FIRST = {8000: 108, 16000: 128, 22050: 93, 24000: 86, 32000: 65, 4800
 _FIRST_SAMPLES_SEEN = {
     **{(e, rate): n for e in ENCODINGS for rate, n in _RESAMPLER_FIRST.items()},
     **{("mp3", r): n for r, n in zip(RATES, (9103, 4744, 3514, 3208, 3860, 2528, 2562), strict=True)},
-    **{("flac", r): n for r, n in zip(RATES, (23439, 12184, 8494, 7728, 6092, 4097, 4202), strict=True)},
+    **{("flac", r): n for r, n in zip(RATES, (7311, 4744, 3514, 3208, 2372, 1152, 1742), strict=True)},
     **{("aac", r): n for r, n in zip(RATES, (12687, 6232, 5174, 4714, 3116, 2048, 2562), strict=True)},
     ("opus", 8000): 1866,
     ("opus", 16000): 3256,
@@ -541,7 +479,7 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     """The fewest 44.1 kHz samples after which an `Encoder` of `encoding` at `sample_rate` has output audio:
     what its resampler holds back (48 for 48 kHz, 86 for 24 kHz, 128 for 16 kHz, 108 for 8 kHz: the bridge
     at its start, app/io/resample.py; all within the engine's first 10-frame DAC call) and, for a compressed
-    format, its codec (LAME's and AAC's frames and look-ahead, FLAC's 4,096-sample blocks, Opus's Ogg
+    format, its codec (LAME's and AAC's frames and look-ahead, FLAC's blocks (FLAC_BLOCK), Opus's Ogg
     pages). Asked of the encoders themselves, once per output: fresh encoders fed more and more (more input
     never gives less output). Audio means bytes past those a codec writes on its first write whatever it
     holds (Ogg's and FLAC's headers), and for MP3 a whole frame: LAME hands out the first bytes of a frame
