@@ -104,8 +104,8 @@ MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its comman
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
 OPUS_RATES = tuple(OPUS_BIT_RATE)
 OPUS_PAGE_MS = 20  # an Ogg page per Opus packet: FFmpeg's default page of 1 s would hold the first audio back
-# samples in a FLAC frame: a frame goes out whole, so a stream holds back up to one (26 ms at 44.1 kHz, 48 at 24 kHz);
-# FLAC's smaller standard sizes compress speech worse for little less latency
+# samples in a FLAC frame: a frame goes out whole, so a stream holds back up to one (26 ms at 44.1 kHz, 48 at 24 kHz;
+# libsndfile's 4,096 held 93 / 171 ms); 576, FLAC's smallest standard size, would halve that for more frame overhead
 FLAC_BLOCK = 1152
 # AAC-LC bit rates (FFmpeg's native encoder): enough for speech at each rate, as OpenAI's AAC is ~64 kbit/s
 AAC_BIT_RATE = {8000: 24000, 16000: 48000, 22050: 64000, 24000: 64000, 32000: 96000, SAMPLE_RATE: 128000, 48000: 128000}
