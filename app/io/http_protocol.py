@@ -155,8 +155,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def eof_received(self) -> bool | None:  # type: ignore[override]  # (asyncio: True keeps the transport open)
         """The client will send nothing more (it shut its side down, or closed). uvicorn closes the connection then;
         a refusal the door holds is still written first (the client may be reading: it was answered at once before
-        there was a hold), then the connection closed: what the refused request had left to send never comes."""
+        there was a hold), then the connection closed: what the refused request had left to send never comes. A
+        request whose body was not complete gets 400 `bad_request` first (its route hears a disconnect)."""
         if self._held is None:
+            cycle = self.cycle
+            if cycle is not None and cycle.more_body and not cycle.response_started and not self._refused:
+                # the client shut its side down mid-body: the request can never be complete (it may still read)
+                self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, "the request ended before its body was complete")
+                return None
             super().eof_received()
             return None
         self._refused = True  # (the held answer closes the connection once written)
@@ -217,7 +223,14 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         self._disarm_head_timer()
         self.logger.info("refused a request head: %s %s", status, message)
-        if self.cycle is None or self.cycle.response_complete:  # (mid-response, a pipelined head is just closed)
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
+            self.transport.write(error_response(status, code, message))
+        elif not cycle.response_started and cycle.more_body:
+            # this request's own body does not parse (a chunk size that is not hex, or past any bound) or ended early:
+            # answered, not just closed. Its route, still reading the body, hears a disconnect and answers nothing
+            cycle.disconnected = True
+            cycle.message_event.set()
             self.transport.write(error_response(status, code, message))
         self.transport.close()
 

@@ -236,3 +236,87 @@ def test_a_refused_request_whose_body_does_not_parse_gets_the_door_s_answer_alon
         for sent, rest in ((bad_chunk, b""), (bad_chunk[:-13], bad_chunk[-13:])):
             got, answered, _ = asyncio.run(asyncio.wait_for(refused(sent, hold_s, rest, rest_after_s=0.05), 30))
             assert got == ANSWER and answered >= hold_s * 0.9, (hold_s, sent, got)
+
+
+BODY_HEARD: list[Any] = []  # what the body-reading app heard: its body's chunks, then "disconnect" or "complete"
+
+
+async def body_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Reads its whole body (as a route does), then answers 200."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            BODY_HEARD.append("disconnect")
+            break
+        BODY_HEARD.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            BODY_HEARD.append("complete")
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def served_by_body_app(pieces: list[bytes], shut_wr: bool = False) -> bytes:
+    """Send `pieces` (one send each, the app's turn between them; then shut the client's side down with `shut_wr`)
+    to the protocol without a door serving `body_app`: all the client read until the server closed."""
+    protocol_class = bounded_protocol(600.0, 5.0)
+    config = uvicorn.Config(body_app, http=protocol_class, log_level="info")
+    config.load()
+    server_end, client_end = socket.socketpair()
+    client_end.setblocking(False)
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    loop = asyncio.get_running_loop()
+    await loop.connect_accepted_socket(lambda: protocol, server_end)
+    for piece in pieces:
+        await loop.sock_sendall(client_end, piece)
+        for _ in range(20):  # the app's turn: it reads what came
+            await asyncio.sleep(0)
+    if shut_wr:
+        client_end.shutdown(socket.SHUT_WR)
+    got = b""
+    while chunk := await loop.sock_recv(client_end, 65536):
+        got += chunk
+    client_end.close()
+    for _ in range(20):  # the app hears the disconnect and ends
+        await asyncio.sleep(0)
+    return got
+
+
+CHUNKED_HEAD = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+def test_a_body_that_does_not_parse_is_answered_400_and_its_route_hears_a_disconnect():
+    """A chunk size that is not hex, or past any bound, in a request the app is already reading: a 400 `bad_request`
+    (it was closed without a word), and the route, still reading its body, hears a disconnect: its own answer is not
+    written after the 400. Once in the first chunk with the head, once after a good chunk the route has taken."""
+    for pieces in (
+        [CHUNKED_HEAD + b"zz\r\n{}\r\n0\r\n\r\n"],
+        [CHUNKED_HEAD + b"2\r\n{}\r\n", b"zz\r\n{}\r\n0\r\n\r\n"],
+        [CHUNKED_HEAD, b"ffffffffffffffffff\r\n{}\r\n"],
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces), 30))
+        assert got.startswith(b"HTTP/1.1 400 ") and got.count(b"HTTP/1.1") == 1, (pieces, got)
+        assert b'"code": "bad_request"' in got and b"connection: close" in got
+        assert BODY_HEARD[-1] == "disconnect", (pieces, BODY_HEARD)
+    # the same body, well formed, is the app's to answer
+    BODY_HEARD.clear()
+    closing = CHUNKED_HEAD.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
+    got = asyncio.run(asyncio.wait_for(served_by_body_app([closing + b"2\r\n{}\r\n0\r\n\r\n"]), 30))
+    assert got.startswith(b"HTTP/1.1 200 ") and got.endswith(b"ok") and BODY_HEARD[-1] == "complete", got
+
+
+def test_a_client_that_shuts_its_side_mid_body_is_answered_400():
+    """A client that shuts its sending side down before its body is complete (Content-Length not reached, or no last
+    chunk) can never complete its request: it is answered 400 `bad_request` (it was closed without a word; it may
+    still be reading), and the route reading the body hears a disconnect."""
+    for pieces in (
+        [POST_HEAD + BODY[:3]],
+        [POST_HEAD],
+        [CHUNKED_HEAD + b"2\r\n{}\r\n"],
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces, shut_wr=True), 30))
+        assert got.startswith(b"HTTP/1.1 400 ") and got.count(b"HTTP/1.1") == 1, (pieces, got)
+        assert b"the request ended before its body was complete" in got
+        assert BODY_HEARD[-1] == "disconnect", (pieces, BODY_HEARD)
