@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 from starlette.background import BackgroundTask
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -56,11 +56,14 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     admit_body(request, max_bytes)
     too_large = RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
     parts, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise too_large
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            parts.append(chunk)
+    except ClientDisconnect:  # gone mid-body (or its body did not parse: answered 400 by app/io/http_protocol.py)
+        raise RequestError(G.CLIENT_GONE, "the client left before its body was read") from None
     return parse_json_object(b"".join(parts), G.BAD_JSON, "the body")
 
 

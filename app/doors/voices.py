@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from app.core.gateway import PREVIEW_S, Gateway, preview_wav
@@ -69,8 +69,13 @@ async def create_voice(request: Request) -> Response:
         form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
     except RequestError:  # the body past the bound as it arrived (app/io/bodies.py)
         raise
-    except Exception as e:  # starlette raises MultiPartException / HTTPException on limits
-        raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {getattr(e, 'detail', e)}", 413) from None
+    except ClientDisconnect:  # gone mid-body: no bad upload (nobody reads the answer)
+        raise RequestError(G.CLIENT_GONE, "the client left before its upload was read") from None
+    except Exception as e:  # starlette raises MultiPartException / HTTPException on limits and malformed bodies
+        detail = str(getattr(e, "detail", e))
+        # a part past its size is too large (413); a body that is not multipart (no boundary, broken) is bad (400)
+        status = 413 if "maximum size" in detail else 400
+        raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {detail}", status) from None
     clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
     emb_file = form.get("embedding")
     name_field = form.get("name")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import secrets
+import socket
 import time
 
 import httpx
@@ -318,6 +320,51 @@ def test_bad_uploads(server, files, status, code):
     assert r.status_code == status, r.text
     if code:
         assert r.json()["error"]["code"] == code
+
+
+def test_a_multipart_body_that_is_not_multipart_is_a_bad_upload_not_too_large(server):
+    """A form without a boundary, or whose parts do not parse, is a 400 bad_upload: 413 is for a part past its size."""
+    for ctype, body in (
+        ("multipart/form-data", b"--abc\r\nxxx"),
+        ('multipart/form-data; boundary=""', b"--abc\r\nxxx"),
+        ("multipart/form-data; boundary=abc", b"--abc\r\nContent-Disposition: form-data\r\n\r\nx\r\n--abc--\r\n"),
+    ):
+        r = httpx.post(server.url + "/v1/voices", content=body, headers={"content-type": ctype}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload", (ctype, r.text)
+
+
+def _logged_status(server, rid: str) -> str:
+    """The status of the request `rid` in the server's access log (its line once the route has ended)."""
+    for _ in range(600):
+        for line in server.log.read_text().splitlines():
+            if f" {rid} " in line:
+                return line.split(f" {rid} ", 1)[1].split()[2]
+        time.sleep(0.1)
+    raise AssertionError(f"no log line for {rid}")
+
+
+@pytest.mark.parametrize(
+    "path, ctype",
+    [
+        ("/v1/audio/speech", "application/json"),
+        ("/tts/generate", "application/json"),
+        ("/v1/text-to-speech/someone", "application/json"),
+        ("/v1/voices", "multipart/form-data; boundary=abc"),
+    ],
+)
+def test_a_client_gone_mid_body_is_client_gone_without_a_traceback(server, path, ctype):
+    """A client that closes its connection before its body is complete: its route, reading the body, ends with
+    client_gone (499, counted), not a ClientDisconnect traceback and a 500 (JSON routes), nor a bad_upload (uploads)."""
+    rid = "gone-mid-body-" + secrets.token_hex(4)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: {ctype}\r\nContent-Length: 1000\r\n"
+        f"X-Request-ID: {rid}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        part = b'--abc\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n\r\nRIFF'
+        s.sendall(head.encode() + (part if "multipart" in ctype else b'{"input": "Hel'))
+    assert _logged_status(server, rid) == "499"
+    assert "ClientDisconnect" not in server.log.read_text()
 
 
 def test_a_stored_voice_keeps_a_bounded_preview(server):

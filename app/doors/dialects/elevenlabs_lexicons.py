@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from app.core.gateway import Gateway
@@ -51,6 +51,8 @@ async def add_from_file(request: Request) -> Response:
             name, description = form.get("name"), form.get("description")
     except RequestError:
         raise
+    except ClientDisconnect:  # gone mid-body: no bad upload (nobody reads the answer)
+        raise RequestError(G.CLIENT_GONE, "the client left before its upload was read") from None
     except Exception as e:  # a malformed multipart body
         raise RequestError(G.BAD_UPLOAD, f"a multipart form with name and file is expected: {str(e)[:120]}") from None
     if len(data) > MAX_PLS_BYTES:
