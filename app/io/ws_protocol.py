@@ -14,8 +14,14 @@ import logging
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.protocol import State
 
 READ_SLICE = 16 << 10  # bytes of a client's data parsed in one step of the event loop (~1,000 tiny frames, ~5 ms)
+# bytes waiting in the transport past which a client's ping gets no pong. uvicorn writes a pong for every ping, whether
+# or not the client reads: a client that sent pings and read nothing had the gateway hold its pongs, as many bytes as
+# it sent (400 MB in 20 s, measured). A session's sends wait while the transport is above its high-water mark (64 KiB),
+# so past this bound what waits is pongs nobody reads; RFC 6455 5.5.3 lets an endpoint answer only the latest ping.
+PONG_BACKLOG = 1 << 20
 
 # Set, in the task that runs the ASGI app, by an app that refused a WebSocket handshake with an HTTP response (the
 # WebSocket Denial Response extension: app/doors/handshake.py `deny`, app/io/auth.py `HostCheck`): uvicorn logs
@@ -64,6 +70,12 @@ class SlicedWebSocketProtocol(WebSocketsSansIOProtocol):
         # reading goes on unless the app has messages waiting (then `receive` resumes it once they are taken)
         if not self.read_paused and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def handle_ping(self) -> None:
+        if self.transport.get_write_buffer_size() > PONG_BACKLOG and self.conn.state is State.OPEN:
+            self.conn.data_to_send()  # the pong (open: nothing else waits to be sent), dropped
+            return
+        super().handle_ping()
 
     def start_keepalive(self) -> None:
         # uvicorn calls this once, when its handshake response has been sent. The handshake's headers are read no

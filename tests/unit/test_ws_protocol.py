@@ -14,7 +14,7 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 from websockets.frames import Frame, Opcode
 
-from app.io.ws_protocol import READ_SLICE, SlicedWebSocketProtocol
+from app.io.ws_protocol import PONG_BACKLOG, READ_SLICE, SlicedWebSocketProtocol
 from app.server import gateway_server
 from app.settings import GatewaySettings
 
@@ -74,3 +74,81 @@ def test_a_read_of_many_small_messages_is_parsed_a_slice_per_step_of_the_event_l
     app = Starlette()
     app.state.gateway = None  # (the server is only built)
     assert gateway_server(app, GatewaySettings()).config.ws is SlicedWebSocketProtocol  # what the gateway serves
+
+
+def pongs_held(protocol_class: type[WebSocketsSansIOProtocol], pings: int) -> int:
+    """A client that sends `pings` pings (125 bytes each), then a text message, and reads nothing: the bytes the
+    server's transport holds for it once the app has the message (every ping before it handled)."""
+    heard = asyncio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        await receive()
+        heard.set()
+        await receive()  # (the disconnect)
+
+    async def go() -> int:
+        config = uvicorn.Config(
+            app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
+        )
+        config.load()
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        ping = Frame(Opcode.PING, b"x" * 125).serialize(mask=True, extensions=[])
+        text = Frame(Opcode.TEXT, b"{}").serialize(mask=True, extensions=[])
+        await loop.sock_sendall(client_end, HANDSHAKE + ping * pings + text)
+        await asyncio.wait_for(heard.wait(), 60)
+        held = protocol.transport.get_write_buffer_size()
+        protocol.transport.close()
+        client_end.close()
+        return held
+
+    return asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_a_client_that_pings_and_reads_nothing_gets_no_more_than_the_bound_of_pongs_held():
+    """uvicorn writes a pong for every ping whether or not the client reads: one that sent pings and read nothing had
+    the gateway hold as many bytes as it sent (400 MB in 20 s, measured on a gateway process). Past PONG_BACKLOG bytes
+    waiting, a ping gets no pong (RFC 6455 lets an endpoint answer only the latest)."""
+    pings = 6 * PONG_BACKLOG // 127  # 6x the bound in pongs (127 bytes each)
+    assert pongs_held(WebSocketsSansIOProtocol, pings) > 3 * PONG_BACKLOG  # uvicorn's: all of them
+    # (the pongs of one slice's pings are written together: at most one slice past the bound)
+    assert pongs_held(SlicedWebSocketProtocol, pings) <= PONG_BACKLOG + READ_SLICE
+
+
+def test_a_client_that_reads_gets_a_pong_for_every_ping():
+    """The bound leaves a client that reads alone: every ping of a few is answered."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        await receive()  # (the disconnect)
+
+    async def go() -> int:
+        config = uvicorn.Config(
+            app, ws=SlicedWebSocketProtocol, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
+        )
+        config.load()
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = SlicedWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        await loop.sock_sendall(client_end, HANDSHAKE)
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += await loop.sock_recv(client_end, 65536)
+        got = got.split(b"\r\n\r\n", 1)[1]
+        for i in range(50):
+            await loop.sock_sendall(client_end, Frame(Opcode.PING, b"%03d" % i).serialize(mask=True, extensions=[]))
+        while got.count(b"\x8a\x03") < 50:  # a pong frame: FIN + opcode 0xA, 3 bytes unmasked
+            got += await loop.sock_recv(client_end, 65536)
+        protocol.transport.close()
+        client_end.close()
+        return got.count(b"\x8a\x03")
+
+    assert asyncio.run(asyncio.wait_for(go(), 60)) == 50
