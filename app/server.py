@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import signal
 import socket
@@ -205,6 +206,19 @@ access_log = logging.getLogger("gateway.requests")
 log = logging.getLogger("gateway")
 
 
+# Set, in the task that runs the ASGI app, once an answer was cut off on purpose (speech.StreamCut): uvicorn's error
+# line "ASGI callable returned without completing response" is that cut, said once already
+response_cut: contextvars.ContextVar[bool] = contextvars.ContextVar("response_cut", default=False)
+
+
+class _CutLogFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (response_cut.get() and "returned without completing response" in record.getMessage())
+
+
+logging.getLogger("uvicorn.error").addFilter(_CutLogFilter())
+
+
 class RequestIdMiddleware:
     """Every HTTP response and WebSocket handshake carries `X-Request-ID`: the client's own when it sent a
     plausible one (1-128 URL-safe characters), else a new `req_<24 hex>`. One log line per request names
@@ -244,6 +258,9 @@ class RequestIdMiddleware:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except speech.StreamCut as e:  # cut off on purpose: uvicorn closes the connection on the incomplete answer
+            response_cut.set(True)
+            log.info("%s %s cut off mid-stream: %s %s", rid, scope.get("path", ""), getattr(e.args[0], "code", ""), e)
         except Exception:
             if scope["type"] == "http" and status == "-":  # answered here, so that a 500 carries the id too
                 await json_error(E.INTERNAL, "internal error", E.INTERNAL.http_status)(scope, receive, send_with_id)

@@ -50,6 +50,13 @@ def error_response(e: RequestError, detail: bool = False) -> JSONResponse:
     return JSONResponse(body, status_code=e.status, headers=e.headers)
 
 
+class StreamCut(Exception):
+    """A raw audio answer cut off mid-stream: a sentence after the first failed (its RequestError is the argument),
+    and a raw stream has no way to say so but to end without its proper end (docs/protocol.md). The server's
+    request middleware (app/server.py RequestIdMiddleware) logs it in one line and lets uvicorn close the connection,
+    instead of a traceback per cut."""
+
+
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     # Refused before it is read (a declared size past max_bytes: 413; past the process's bound on bodies read at
     # once: 503) or as soon as it passes the limit (chunked): a huge body never sits in memory.
@@ -229,9 +236,12 @@ async def speech_response(
                 data = await encode(enc, x)
                 if data:
                     yield framing.chunk(data)
-        except RequestError as e:
+        except RequestError as e:  # a sentence after the first failed
+            if whole and framing.error is None:
+                raise  # nothing of a whole-file answer was sent: answered (and counted) as any error is
+            gw.metrics.errors.labels(e.code).inc()  # (the status was sent: the answer cannot say it but here)
             if framing.error is None:
-                raise  # cut off, not ended as if complete
+                raise StreamCut(e) from None  # cut off, not ended as if complete
             yield framing.error(e)
             return
         tail = await encode(enc, np.zeros(0, np.int16), last=True)

@@ -497,6 +497,23 @@ def test_clip_limits(limited):
     assert run(go())["code"] == "clip_too_long"
 
 
+def _logged(server, text: str) -> None:
+    """Wait until the server's log says `text`."""
+    for _ in range(600):
+        if text in server.log.read_text():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the log never said {text!r}")
+
+
+def _errors(server, code: str) -> float:
+    """zonos_errors_total for `code`."""
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(f'zonos_errors_total{{code="{code}"}}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_an_http_request_audio_is_capped(limited):
     # ignore_eos: every sentence runs to its frame limit, so the length is known and refused before any work
     asked = {"input": "One. Two.", "response_format": "pcm", "ignore_eos": True, "max_frames": 100, "seed": 1}
@@ -507,10 +524,12 @@ def test_an_http_request_audio_is_capped(limited):
     silent = {"input": 'One. <break time="1s"/> Two. <break time="1s"/> Three.', "response_format": "wav"}
     r = httpx.post(limited.url + "/v1/audio/speech", json=silent | {"max_frames": 20, "seed": 1}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "audio_too_long"  # the finished file: a 4xx
+    cut = _errors(limited, "audio_too_long")
     with httpx.stream(
         "POST",
         limited.url + "/v1/audio/speech",
         json=silent | {"response_format": "pcm", "sample_rate": 44100, "max_frames": 20},
+        headers={"X-Request-ID": "cut-at-the-cap"},
     ) as r:
         assert r.status_code == 200
         got = bytearray()
@@ -518,6 +537,16 @@ def test_an_http_request_audio_is_capped(limited):
             for b in r.iter_bytes():
                 got += b
     assert len(got) == 1.5 * 44100 * 2  # exactly the cap
+    # said in one line and counted; it was a traceback per cut ("Exception in ASGI application", Starlette's "response
+    # already started") and no count
+    _logged(limited, "cut-at-the-cap POST")
+    httpx.get(limited.url + "/healthz", headers={"X-Request-ID": "after-the-cut"})
+    _logged(limited, "after-the-cut GET")  # (a later step of the server's loop than anything the cut logged)
+    log = limited.log.read_text()
+    assert "cut-at-the-cap /v1/audio/speech cut off mid-stream: audio_too_long" in log
+    assert "Exception in ASGI application" not in log and "response already started" not in log
+    assert "returned without completing response" not in log
+    assert _errors(limited, "audio_too_long") == cut + 1
     r = httpx.post(limited.url + "/v1/audio/speech", json=asked | {"input": "One."}, timeout=60)
     assert r.status_code == 200 and len(r.content) == round(100 * 512 * 24000 / 44100) * 2  # under the cap
 
