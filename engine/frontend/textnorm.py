@@ -372,8 +372,8 @@ class TextNormalizer:
                     exc,
                     exc_info=True,
                 )
-            else:
-                log.warning("text normalization failed for %s; using raw text", code, exc_info=True)
+            else:  # a text the grammar cannot take (the client's to send again and again): one line, no traceback
+                log.warning("text normalization failed for %s (%s: %s); using raw text", code, type(exc).__name__, exc)
             return text
         if not isinstance(result, str) or not result.strip():
             return text

@@ -216,6 +216,9 @@ def test_exception_inside_normalizer_returns_raw_text(fake, tmp_path, caplog):
         assert norm.normalize("boom 5.") == "boom 5."
         assert norm.normalize("blank") == "blank"  # an empty result also falls back
     assert len(_warnings(caplog)) == 1
+    # one line that names the error, no traceback: the text is the client's, sent as often as it likes
+    (warn,) = _warnings(caplog)
+    assert "RuntimeError: grammar exploded" in warn.getMessage() and warn.exc_info is None
     assert norm.normalize("ok") == "<en>ok"  # the normalizer keeps working afterwards
     assert len(fake.builds) == 1
 
