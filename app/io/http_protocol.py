@@ -13,7 +13,8 @@ its connection forever. Here:
 * a request head that does not parse gets 400 `bad_request`;
 * a head not complete within `head_timeout_s` of the connection (or of the request's first byte) gets
   408 `request_timeout`;
-* a WebSocket handshake that is not a GET gets 405 `method_not_allowed`, one with a body 400 `bad_request`;
+* a WebSocket handshake that is not a GET gets 405 `method_not_allowed`, one with a body or an unparsable
+  Sec-WebSocket-Protocol 400 `bad_request`, one of a version other than 13 426 `upgrade_required`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a
 line, 128 headers), so an upgrade that passes here is never refused silently there.
 
@@ -41,6 +42,8 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from websockets.exceptions import InvalidHeaderFormat
+from websockets.headers import parse_subprotocol
 
 from app.io.errors import GatewayError as G
 from app.settings import Limits
@@ -82,12 +85,14 @@ def _is_websocket_key(key: bytes) -> bool:
         return False
 
 
-def error_response(status: int, code: str, message: str) -> bytes:
-    """A complete HTTP/1.1 response, our JSON error shape, that closes the connection."""
+def error_response(status: int, code: str, message: str, headers: bytes = b"") -> bytes:
+    """A complete HTTP/1.1 response, our JSON error shape, that closes the connection; `headers`: more header lines,
+    each ending in CRLF."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return b"".join(
         [
             STATUS_LINE[status],
+            headers,
             b"content-type: application/json\r\n",
             b"content-length: ",
             str(len(body)).encode(),
@@ -219,19 +224,19 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self.transport.abort()
 
     # ---- refusals ---------------------------------------------------------------------------------
-    def _refuse(self, status: int, code: str, message: str) -> None:
+    def _refuse(self, status: int, code: str, message: str, headers: bytes = b"") -> None:
         self._refused = True
         self._disarm_head_timer()
         self.logger.info("refused a request head: %s %s", status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
-            self.transport.write(error_response(status, code, message))
+            self.transport.write(error_response(status, code, message, headers))
         elif not cycle.response_started and cycle.more_body:
             # this request's own body does not parse (a chunk size that is not hex, or past any bound) or ended early:
             # answered, not just closed. Its route, still reading the body, hears a disconnect and answers nothing
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.write(error_response(status, code, message))
+            self.transport.write(error_response(status, code, message, headers))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -326,19 +331,39 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
     def _check_handshake(self) -> None:
         """A WebSocket handshake is a GET without a body, with one Sec-WebSocket-Key (16 bytes in base64). With a
         body the parser reads it as a request's and never hands the connection over, so nothing answered it and
-        it stayed open for as long as its client; another method, or a missing or malformed key, got the
-        websockets library's text/plain answer. (A version other than 13 is still the library's: its 426 names
-        the version it speaks, as RFC 6455 asks.)"""
+        it stayed open for as long as its client; another method, a missing or malformed key, a version other than
+        13 or a Sec-WebSocket-Protocol header that does not parse got the websockets library's text/plain answer (a
+        400 for the version, where RFC 6455 4.4 asks for 426 naming the version spoken: so it is here)."""
         if self.parser.get_method() != b"GET":
             self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "a WebSocket handshake is a GET")
             raise HeadRefused
-        keys = []
+        keys, versions = [], []
         for name, value in self.headers:
             if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
                 self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, "a WebSocket handshake has no body")
                 raise HeadRefused
             if name == b"sec-websocket-key":
                 keys.append(value.strip())
+            elif name == b"sec-websocket-version":
+                versions.append(value.strip())
+            elif name == b"sec-websocket-protocol":
+                try:
+                    parse_subprotocol(value.decode("latin-1"))  # (the library's own parser: what it would refuse)
+                except InvalidHeaderFormat:
+                    self._refuse(
+                        E.BAD_REQUEST.http_status,
+                        E.BAD_REQUEST,
+                        "Sec-WebSocket-Protocol is a comma-separated list of subprotocol names (tokens)",
+                    )
+                    raise HeadRefused from None
+        if versions != [b"13"]:
+            self._refuse(
+                G.UPGRADE_REQUIRED.http_status,
+                G.UPGRADE_REQUIRED,
+                "this server speaks WebSocket version 13: send one Sec-WebSocket-Version: 13 header",
+                b"sec-websocket-version: 13\r\n",
+            )
+            raise HeadRefused
         if len(keys) != 1 or not _is_websocket_key(keys[0]):
             self._refuse(
                 E.BAD_REQUEST.http_status,

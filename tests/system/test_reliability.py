@@ -1556,6 +1556,14 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
         "a key that is no base64": (_with_key(ws, b"not base64!") + b"\r\n", 400, "bad_request"),
         "a key of 8 bytes": (_with_key(ws, b"AAAAAAAAAAA=") + b"\r\n", 400, "bad_request"),
         "two keys": (ws + b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n", 400, "bad_request"),
+        # the version: another, none, twice (the library's text/plain 400, where RFC 6455 asks for 426 naming 13);
+        # subprotocols that do not parse (its text/plain 400)
+        "version 8": (ws.replace(b"Version: 13", b"Version: 8", 1) + b"\r\n", 426, "upgrade_required"),
+        "no version": (ws.replace(b"Sec-WebSocket-Version: 13\r\n", b"", 1) + b"\r\n", 426, "upgrade_required"),
+        "two versions": (ws + b"Sec-WebSocket-Version: 13\r\n\r\n", 426, "upgrade_required"),
+        "subprotocols a b": (ws + b"Sec-WebSocket-Protocol: a b\r\n\r\n", 400, "bad_request"),
+        "subprotocols ,,,": (ws + b"Sec-WebSocket-Protocol: ,,,\r\n\r\n", 400, "bad_request"),
+        "subprotocol not ascii": (ws + b"Sec-WebSocket-Protocol: token, \xff\r\n\r\n", 400, "bad_request"),
         "a POST to a speech route": (
             b"POST /v1/audio/speech HTTP/1.1\r\nHost: 127.0.0.1\r\n" + UPGRADE + b"Content-Length: 2\r\n\r\n{}",
             405,
@@ -1566,6 +1574,8 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
         answer, closed = raw_exchange(server.port, head, timeout=20)
         assert closed and answer, name
         assert raw_json_error(answer)[0] == status and raw_json_error(answer)[1]["code"] == code, name
+        if status == 426:  # the version this server speaks (RFC 6455 4.4)
+            assert b"\r\nsec-websocket-version: 13\r\n" in answer.partition(b"\r\n\r\n")[0], name
     # a handshake on a path no socket serves (an HTTP route's, the static files', none): 404 not_found, JSON (it was an
     # empty text/plain 403)
     for path in (b"/nope", b"/healthz", b"/static/app.js"):
@@ -1574,8 +1584,11 @@ def test_a_websocket_handshake_with_a_body_or_not_a_get_gets_a_json_answer(serve
             404,
             {"code": "not_found", "message": f"no such WebSocket endpoint: {path.decode()}"},
         )
-    # one without a body (an empty one declared) is a WebSocket
+    # one without a body (an empty one declared) is a WebSocket; so is one that offers subprotocols (none chosen)
     answer, _ = raw_exchange(server.port, ws + b"Content-Length: 0\r\n\r\n", timeout=20, until=b"\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 101 "), answer[:100]
+    offered = ws + b"Sec-WebSocket-Protocol: chat, superchat\r\n\r\n"
+    answer, _ = raw_exchange(server.port, offered, timeout=20, until=b"\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 101 "), answer[:100]
 
 
