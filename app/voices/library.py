@@ -479,13 +479,34 @@ class VoiceStore:
         if v.owner != owner:
             raise VoiceError(G.FORBIDDEN, "this voice belongs to another key")
         name = validate_name(name)
-        try:
-            preview = self.preview_path(v).read_bytes() if v.has_preview else None
-        except OSError as e:
-            raise _store_error("could not read the voice", e) from e
-        self._write(replace(v, name=name), preview)  # the voice in memory changes only once it is on disk
+        self._write_meta(replace(v, name=name))  # the voice in memory changes only once it is on disk
         v.name = name
         return v
+
+    def _write_meta(self, voice: Voice) -> None:
+        """A stored voice's meta.json replaced in place (atomically): its folder never leaves, so another gateway
+        process (a shared store) never finds the voice missing, nor its preview, while it is renamed (a whole new
+        folder swapped in left a moment without one: its lookups answered unknown_voice, and a rename there at the
+        same moment voice_store_unavailable). A voice deleted meanwhile stays deleted: unknown_voice."""
+        folder = self.root / voice.id
+        meta = voice.public() | {"owner": voice.owner}
+        meta.pop("default")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=folder)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(meta, indent=1))
+                os.replace(tmp, folder / "meta.json")
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            with contextlib.suppress(OSError):
+                os.utime(self.root)  # the library changed: other processes' next look rescans it
+        except FileNotFoundError:  # deleted meanwhile (its folder set aside, by this process or another)
+            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {voice.id!r}") from None
+        except OSError as e:
+            raise _store_error("could not save the voice", e) from e
 
     def delete(self, ref: str, owner: str) -> Voice:
         v = self.get(ref, owner)
@@ -517,5 +538,7 @@ class VoiceStore:
     def preview_bytes(self, voice: Voice) -> bytes | None:
         if voice.source == "default":
             return self._default_previews.get(voice.id)
-        p = self.preview_path(voice)
-        return p.read_bytes() if p.exists() else None
+        try:
+            return self.preview_path(voice).read_bytes()
+        except FileNotFoundError:  # none, or the voice deleted meanwhile (by another process)
+            return None
