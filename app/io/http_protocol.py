@@ -201,9 +201,16 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_send_timer()
 
     def on_response_complete(self) -> None:
+        cycle = self.cycle
         super().on_response_complete()
         if self.transport.get_write_buffer_size():  # its last bytes wait for the client
             self._arm_send_timer()
+        if cycle is not None and cycle.more_body and self._dropping is None and not self.transport.is_closing():
+            # answered before its body was read (a 413 from the declared length, a refused upload): the rest of the
+            # body is read and dropped, then the connection closes, at most --head-timeout-s from now. A client that
+            # trickled such a body (a byte within each keep-alive timeout) held its connection as long as it liked,
+            # past the body's own rate bound (app/io/bodies.py), which ends with the answer
+            self._dropping = self.loop.call_later(self.head_timeout_s, self.transport.close)
 
     def _arm_send_timer(self) -> None:
         self._disarm_send_timer()

@@ -362,3 +362,45 @@ def test_a_read_of_many_pipelined_requests_is_parsed_a_slice_per_step_of_the_eve
     assert most > n // 2 and answered == n  # uvicorn's: the whole read in one step
     most, answered = most_heads_in_one_step(bounded_protocol(600.0, 5.0), n)
     assert most <= READ_SLICE // len(GET) + 2 and answered == n, most
+
+
+async def early_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers 413 at once, reading none of its body (as a route refusing a declared length does)."""
+    await send({"type": "http.response.start", "status": 413, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"no"})
+
+
+async def answered_early(rest: bytes, head_timeout_s: float) -> tuple[bytes, bytes]:
+    """A POST declaring a 1,000-byte body, answered before any of it is read; then `rest` (more of the body, perhaps a
+    request after it): (what the client read before sending `rest`, what it read after, until the server closed)."""
+    protocol_class = bounded_protocol(head_timeout_s, 5.0)
+    config = uvicorn.Config(early_app, http=protocol_class, log_level="warning", timeout_keep_alive=600)
+    config.load()
+    server_end, client_end = socket.socketpair()
+    client_end.setblocking(False)
+    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    loop = asyncio.get_running_loop()
+    await loop.connect_accepted_socket(lambda: protocol, server_end)
+    head = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+    await loop.sock_sendall(client_end, head + b"x" * 10)
+    first = b""
+    while not first.endswith(b"no"):
+        first += await loop.sock_recv(client_end, 65536)
+    if rest:
+        await loop.sock_sendall(client_end, rest)
+    after = b""
+    while chunk := await loop.sock_recv(client_end, 65536):
+        after += chunk
+    client_end.close()
+    return first, after
+
+
+def test_a_body_answered_before_it_was_read_is_dropped_then_the_connection_closes():
+    """A route that answers before reading its body (413 from the declared length): the body's rate bound ended with
+    the answer, and a client that sent a byte within each keep-alive timeout held its connection as long as it liked.
+    Now the rest of the body is read and dropped, then the connection closes (a request after it is not served), or
+    --head-timeout-s after the answer if the body never comes."""
+    first, after = asyncio.run(asyncio.wait_for(answered_early(b"x" * 990 + GET, 600.0), 30))
+    assert first.startswith(b"HTTP/1.1 413 ") and after == b""  # closed once the body was read; the GET not served
+    first, after = asyncio.run(asyncio.wait_for(answered_early(b"x" * 5, 0.3), 30))  # (keep-alive: 600 s)
+    assert first.startswith(b"HTTP/1.1 413 ") and after == b""
