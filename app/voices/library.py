@@ -359,8 +359,9 @@ class VoiceStore:
                     self._voices[vid] = v
 
     def _recover(self) -> None:
-        """Finish what a crash interrupted: `.tmp-*` (unfinished writes) and `.del-*` (deletes) go away; a
-        `.old-<id>-*` folder (the previous version during a replace) comes back if the new one never landed.
+        """Finish what a crash interrupted: `.tmp-*` (unfinished writes), `.del-*` (deletes) and a voice's `.meta-*`
+        (renames) go away; a `.old-<id>-*` folder (the previous version during a replace) comes back if the new one
+        never landed.
         Shared: only what is older than SHARED_RECOVER_AGE_S (younger may be another gateway's work)."""
         now = time.time()
         for d in sorted(self.root.iterdir()):
@@ -377,6 +378,10 @@ class VoiceStore:
                         continue
                 if d.name.startswith((".tmp-", ".old-", ".del-")):
                     shutil.rmtree(d)
+                    continue
+                for f in d.glob(".meta-*"):  # a rename's meta.json that never landed (`_write_meta`)
+                    if not self.shared or now - f.stat().st_mtime >= SHARED_RECOVER_AGE_S:
+                        f.unlink()
 
     # ---- queries ---------------------------------------------------------------------------------
     def visible(self, voice: Voice, owner: str) -> bool:

@@ -413,6 +413,26 @@ def test_a_rename_never_takes_the_voice_away_from_another_process(tmp_path):
     assert one.get("v_a", "").name == "Again" and VoiceStore(tmp_path, DIM).get("v_a", "").name == "Again"
 
 
+def test_a_rename_cut_short_leaves_the_voice_as_it_was(tmp_path, monkeypatch):
+    """A rename that fails before its new meta.json is in place leaves the voice as it was and no file behind; one
+    whose process died there (its `.meta-*` file left in the voice's folder) is cleaned up at the next start."""
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_x", "Before", seed=1)
+
+    def dies(src, dst):
+        raise Crash
+
+    monkeypatch.setattr(voices_mod.os, "replace", dies)
+    with pytest.raises(Crash):
+        store.rename("v_x", "", "After")
+    monkeypatch.undo()
+    assert entries(tmp_path / "v_x") == ["embedding.npy", "meta.json"] and store.get("v_x", "").name == "Before"
+    (tmp_path / "v_x" / ".meta-left-by-a-kill").write_text('{"id": "v_x", "name": "After"}')
+    reloaded = VoiceStore(tmp_path, DIM)
+    assert reloaded.get("v_x", "").name == "Before"
+    assert entries(tmp_path / "v_x") == ["embedding.npy", "meta.json"]
+
+
 def test_a_voice_deleted_by_another_process_is_not_brought_back_by_a_rename(tmp_path):
     """One process renames a voice it still has in memory that another has just deleted: the rename wrote a whole new
     folder, so the deleted voice came back (both answered 200). Now: unknown_voice, and it stays deleted."""
