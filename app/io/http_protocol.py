@@ -41,6 +41,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
@@ -307,13 +308,34 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         if self._refused:  # the rest of a refused request: nothing more is parsed or answered
             return
         gen = self._head_gen
-        super().data_received(data)
+        self._feed(data)
         # The parser keeps a header's pieces until the header ends: bound what it may keep, counting the
         # chunks that were all head (the one a head began in is let through: one read at most).
         if self._in_head and gen == self._head_gen and not self._refused:
             self._head_raw += len(data)
             if self._head_raw > MAX_TARGET_BYTES + MAX_HEAD_BYTES:
                 self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
+
+    def _feed(self, data: bytes) -> None:
+        """uvicorn's data_received, but what follows a WebSocket upgrade's head in the same read (a client's first
+        frames, sent with its handshake) goes to the WebSocket: uvicorn dropped it, and those messages were lost
+        without a word."""
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade as upgrade:
+            if not self._should_upgrade():
+                self._unsupported_upgrade_warning()
+                return
+            self.handle_websocket_upgrade()
+            socket = self.transport.get_protocol()
+            rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
+            if rest and socket is not self and not self.transport.is_closing():
+                socket.data_received(rest)  # type: ignore[attr-defined]
 
     # ---- parser callbacks -------------------------------------------------------------------------
     # Once a request is refused (`_refused`) nothing after it is parsed or answered: data_received drops the

@@ -404,3 +404,54 @@ def test_a_body_answered_before_it_was_read_is_dropped_then_the_connection_close
     assert first.startswith(b"HTTP/1.1 413 ") and after == b""  # closed once the body was read; the GET not served
     first, after = asyncio.run(asyncio.wait_for(answered_early(b"x" * 5, 0.3), 30))  # (keep-alive: 600 s)
     assert first.startswith(b"HTTP/1.1 413 ") and after == b""
+
+
+def frames_heard(n: int) -> list[int]:
+    """A client that sends its handshake and `n` small text frames in one send (before the 101): the messages the
+    WebSocket app got, in order."""
+    from websockets.frames import Frame, Opcode
+
+    from app.io.ws_protocol import SlicedWebSocketProtocol
+
+    heard: list[int] = []
+
+    async def ws_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        while len(heard) < n:
+            message = await receive()
+            if message["type"] != "websocket.receive":
+                return
+            heard.append(int(message["text"]))
+
+    async def go() -> None:
+        protocol_class = bounded_protocol(600.0, 5.0)
+        config = uvicorn.Config(
+            ws_app, http=protocol_class, ws=SlicedWebSocketProtocol, ws_per_message_deflate=False, log_level="warning"
+        )
+        config.load()
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        frames = b"".join(Frame(Opcode.TEXT, b"%d" % i).serialize(mask=True, extensions=[]) for i in range(n))
+        await loop.sock_sendall(client_end, UPGRADE + frames)
+        for _ in range(2000):  # (each pass a step of the loop; far more than the slices and messages take)
+            if len(heard) == n:
+                break
+            await asyncio.sleep(0)
+        protocol.transport.close()
+        client_end.close()
+
+    asyncio.run(asyncio.wait_for(go(), 60))
+    return heard
+
+
+def test_frames_sent_with_the_handshake_are_not_lost():
+    """A client's first frames sent in the same read as its handshake: uvicorn dropped what followed the upgrade's
+    head in that read, and those messages were lost without a word. They reach the WebSocket, in order: a few, and
+    more than one slice of the read (the rest of the first slice, then the later slices)."""
+    assert frames_heard(1) == [0]
+    many = 3 * READ_SLICE // 7  # (7-8 bytes a frame)
+    assert frames_heard(many) == list(range(many))
