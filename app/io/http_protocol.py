@@ -47,6 +47,7 @@ from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
 
 from app.io.errors import GatewayError as G
+from app.io.ws_protocol import READ_SLICE  # a read is parsed in the same steps as a WebSocket's (~400 request heads)
 from app.settings import Limits
 from engine.contract.errors import EngineError as E
 
@@ -54,7 +55,6 @@ MAX_TARGET_BYTES = 8000  # the request line is the method, this, and " HTTP/1.1"
 MAX_FIELD_BYTES = 8000  # one header line, "name: value"
 MAX_HEADERS = 100  # websockets refuses more than 128
 MAX_HEAD_BYTES = 64 << 10  # all header lines together
-READ_SLICE = 16 << 10  # bytes of a client's data parsed in one step of the event loop (~400 small request heads)
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
 
 
