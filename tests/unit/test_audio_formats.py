@@ -436,3 +436,30 @@ def test_opus_takes_the_bit_rate_asked():
         enc = StreamEncoder("opus", 48000, bit_rate=kbps * 1000)
         sizes[kbps] = len(enc.write(x) + enc.close()) * 8 / 4 / 1000
         assert 0.7 * kbps <= sizes[kbps] <= 1.3 * kbps, sizes
+
+
+def _flac_metadata_blocks(data: bytes) -> list[tuple[int, int]]:
+    """(type, length) of each metadata block of a FLAC file (after 'fLaC'), up to the last one."""
+    assert data[:4] == b"fLaC"
+    blocks, pos, last = [], 4, False
+    while not last:
+        head = data[pos]
+        last, kind, size = bool(head & 0x80), head & 0x7F, int.from_bytes(data[pos + 1 : pos + 4], "big")
+        blocks.append((kind, size))
+        pos += 4 + size
+    return blocks
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_flac_has_no_padding_before_its_audio(whole):
+    """FFmpeg's FLAC muxer reserves an 8 KiB PADDING block (type 1) for tag editors unless told not to: every
+    answer began with 8,288 bytes of header, more than a second of 24 kHz speech. STREAMINFO and the encoder's
+    VORBIS_COMMENT only, as libsndfile wrote; the whole file still says its length."""
+    x = tone(24000, 0.2)
+    enc = StreamEncoder("flac", 24000, whole=whole)
+    data = enc.write(x) + enc.close()
+    blocks = _flac_metadata_blocks(data)
+    assert 1 not in [kind for kind, _ in blocks], blocks
+    assert 4 + sum(4 + size for _, size in blocks) < 200
+    if whole:
+        assert sf.info(io.BytesIO(data)).frames == len(x)
