@@ -360,8 +360,8 @@ class StreamEncoder:
             tail = self._frames.close()
         else:
             tail, self._header = self._header, b""
-        if not self.whole:
-            return tail
+        if not self.whole or (self.fmt != "wav" and not self._held):
+            return tail  # a stream's rest, or the finished file a seekable encoder wrote (FLAC's): as it is, no copy
         # joined in place: the finished file is in memory at most twice (the samples and the bytes returned)
         data, self._held = self._held, bytearray()
         data += tail
