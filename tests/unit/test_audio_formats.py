@@ -483,3 +483,18 @@ def test_a_whole_flac_is_not_copied_at_the_end():
         tracemalloc.stop()
     assert sf.info(io.BytesIO(data)).frames == rate * seconds
     assert peak < 1.5 * len(data), (peak, len(data))  # getvalue()'s one copy
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("rate", RATES)
+def test_flac_is_the_16_bit_samples_at_every_rate(rate: int, whole: bool):
+    """FFmpeg's FLAC (through PyAV's float -> s16 conversion) is lossless against our own 16-bit rounding
+    (int16_bytes, clipped), streamed or whole, whatever the writes' sizes, a partial last frame included."""
+    n = 3 * 1152 + 17
+    x = (np.random.default_rng(rate).standard_normal(n) * 0.4).clip(-1.1, 1.1).astype(np.float32)
+    enc = StreamEncoder("flac", rate, whole=whole)
+    data = b"".join(enc.write(x[i : i + 777]) for i in range(0, n, 777)) + enc.close()
+    with av.open(io.BytesIO(data), format="flac") as f:
+        y = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)])
+        assert f.streams.audio[0].rate == rate
+    assert y.dtype == np.int16 and np.array_equal(y, np.frombuffer(audio_output.int16_bytes(x), "<i2"))
