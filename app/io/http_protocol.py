@@ -47,7 +47,7 @@ from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
 
 from app.io.errors import GatewayError as G
-from app.io.ws_protocol import READ_SLICE  # a read is parsed in the same steps as a WebSocket's (~400 request heads)
+from app.io.read_slices import SlicedReads
 from app.settings import Limits
 from engine.contract.errors import EngineError as E
 
@@ -105,7 +105,7 @@ def error_response(status: int, code: str, message: str, headers: bytes = b"") -
     )
 
 
-class BoundedHttpToolsProtocol(HttpToolsProtocol):
+class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured ones
     send_timeout_s: float = Limits.send_timeout_s
     door: Door | None = None
@@ -125,8 +125,6 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._held_answer = b""  # ... its bytes
         self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
-        self._backlog = bytearray()  # bytes read and not parsed yet, in the order they came (`data_received`)
-        self._slicing = False  # a slice is due in a later step; reading is paused meanwhile
         self._eof = False  # the client's end came while slicing: heard after the last slice
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
@@ -263,31 +261,12 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         elif not self._refused:
             self._refuse(E.BAD_REQUEST.http_status, E.BAD_REQUEST, msg)
 
-    # ---- a read parsed a slice per step of the event loop ------------------------------------------------
-    def data_received(self, data: bytes) -> None:
-        """A read of the socket is up to 256 KB: from a client that pipelines small requests, ~6,700 request heads
-        parsed in one callback, a request cycle and its scope each, while the event loop, and so every other
-        session's audio, waited (measured: /healthz beside it 266 ms late at most; 796 ms with 100,000 pipelined).
-        A read longer than READ_SLICE is parsed READ_SLICE bytes per step of the loop, in order, with the socket's
-        reading paused until the read is done (as app/io/ws_protocol.py does for WebSocket messages)."""
-        if not self._slicing and len(data) <= READ_SLICE:
-            self._parse(data)
-            return
-        self._backlog += data  # (after the bytes still waiting: the order is kept)
-        if not self._slicing:
-            self._slicing = True
-            self.transport.pause_reading()
-            self._next_slice()
+    # ---- a read parsed a slice per step of the event loop (app/io/read_slices.py) ---------------------------
+    def _reads_here(self) -> bool:
+        """Not once a WebSocket upgrade has handed the socket over: the rest of the read is the WebSocket's."""
+        return not self.transport.is_closing() and self.transport.get_protocol() is self
 
-    def _next_slice(self) -> None:
-        if self._backlog and not self.transport.is_closing() and self.transport.get_protocol() is self:
-            piece = bytes(self._backlog[:READ_SLICE])
-            del self._backlog[:READ_SLICE]
-            self._parse(piece)
-        if self._backlog and not self.transport.is_closing() and self.transport.get_protocol() is self:
-            self.loop.call_soon(self._next_slice)
-            return
-        rest, self._backlog, self._slicing = bytes(self._backlog), bytearray(), False
+    def _slices_done(self, rest: bytes) -> None:
         if self.transport.is_closing():
             return
         upgraded = self.transport.get_protocol()
@@ -304,7 +283,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         elif not self.flow.read_paused:  # (else uvicorn resumes it once the pipelined requests are answered)
             self.transport.resume_reading()
 
-    def _parse(self, data: bytes) -> None:
+    def _parse_slice(self, data: bytes) -> None:
         if self._refused:  # the rest of a refused request: nothing more is parsed or answered
             return
         gen = self._head_gen

@@ -1,10 +1,9 @@
-"""uvicorn's sans-I/O WebSocket protocol, reading a client's bytes a slice at a time.
+"""uvicorn's sans-I/O WebSocket protocol, reading a client's bytes a slice at a time (app/io/read_slices.py).
 
 uvicorn parses every frame of one read in one callback (`data_received`), and a read is up to 256 KB: from a client
 that pipelines small messages that is ~12,000 frames, ~100 ms of parsing and queueing during which the event loop,
 and so every other session's audio, waits (the hostile pass measured /healthz at 100-290 ms under such a flood, once
-the sessions took one message per step: app/core/session.py `_receive_loop`). Here a read longer than READ_SLICE
-is parsed READ_SLICE bytes per step of the loop, in order, with the socket's reading paused until the read is done.
+the sessions took one message per step: app/core/session.py `_receive_loop`).
 """
 
 from __future__ import annotations
@@ -16,7 +15,8 @@ from typing import Any
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.protocol import State
 
-READ_SLICE = 16 << 10  # bytes of a client's data parsed in one step of the event loop (~1,000 tiny frames, ~5 ms)
+from app.io.read_slices import SlicedReads
+
 # bytes waiting in the transport past which a client's ping gets no pong. uvicorn writes a pong for every ping, whether
 # or not the client reads: a client that sent pings and read nothing had the gateway hold its pongs, as many bytes as
 # it sent (400 MB in 20 s, measured). A session's sends wait while the transport is above its high-water mark (64 KiB),
@@ -41,35 +41,14 @@ class _DenialLogFilter(logging.Filter):
 logging.getLogger("uvicorn.error").addFilter(_DenialLogFilter())
 
 
-class SlicedWebSocketProtocol(WebSocketsSansIOProtocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._backlog = bytearray()  # bytes read and not parsed yet, in the order they came
-        self._slicing = False  # a slice is due in a later step; reading is paused meanwhile
+class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
+    def _parse_slice(self, data: bytes) -> None:
+        WebSocketsSansIOProtocol.data_received(self, data)
 
-    def data_received(self, data: bytes) -> None:
-        if not self._slicing and len(data) <= READ_SLICE:
-            super().data_received(data)
-            return
-        self._backlog += data  # (after the bytes still waiting: the order is kept)
-        if not self._slicing:
-            self._slicing = True
-            self.transport.pause_reading()
-            self._next_slice()
-
-    def _next_slice(self) -> None:
-        if self._backlog and not self.transport.is_closing():
-            piece = bytes(self._backlog[:READ_SLICE])
-            del self._backlog[:READ_SLICE]
-            super().data_received(piece)
-        if self._backlog and not self.transport.is_closing():
-            self.loop.call_soon(self._next_slice)
-            return
-        self._backlog.clear()
-        self._slicing = False
+    def _slices_done(self, rest: bytes) -> None:
         # reading goes on unless the app has messages waiting (then `receive` resumes it once they are taken)
-        if not self.read_paused and not self.transport.is_closing():
-            self.transport.resume_reading()
+        if not self.read_paused:
+            super()._slices_done(rest)
 
     def handle_ping(self) -> None:
         if self.transport.get_write_buffer_size() > PONG_BACKLOG and self.conn.state is State.OPEN:

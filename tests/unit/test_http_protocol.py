@@ -15,7 +15,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.io.http_protocol import READ_SLICE, DoorAnswer, bounded_protocol
+from app.io.http_protocol import DoorAnswer, bounded_protocol
+from app.io.read_slices import READ_SLICE
 
 UPGRADE = (
     b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"

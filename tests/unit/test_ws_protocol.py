@@ -14,7 +14,8 @@ from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIO
 from uvicorn.server import ServerState
 from websockets.frames import Frame, Opcode
 
-from app.io.ws_protocol import PONG_BACKLOG, READ_SLICE, SlicedWebSocketProtocol
+from app.io.read_slices import READ_SLICE
+from app.io.ws_protocol import PONG_BACKLOG, SlicedWebSocketProtocol
 from app.server import gateway_server
 from app.settings import GatewaySettings
 
