@@ -17,6 +17,7 @@ from uvicorn.server import ServerState
 
 from app.io.http_protocol import DoorAnswer, bounded_protocol
 from app.io.read_slices import READ_SLICE
+from tests.protocols import served
 
 UPGRADE = (
     b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -56,10 +57,7 @@ async def serving(hold_s: float, head_timeout_s: float = 600.0) -> tuple[Any, so
     the client's end, non-blocking)."""
     protocol_class = bounded_protocol(head_timeout_s, 5.0, lambda *head: door(*head, hold_s=hold_s))
     config = _config(protocol_class)
-    server_end, client_end = socket.socketpair()
-    client_end.setblocking(False)
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
-    await asyncio.get_running_loop().connect_accepted_socket(lambda: protocol, server_end)
+    protocol, client_end = await served(protocol_class, config)
     return protocol, client_end
 
 
@@ -264,12 +262,8 @@ async def served_by_body_app(pieces: list[bytes], shut_wr: bool = False) -> byte
     to the protocol without a door serving `body_app`: all the client read until the server closed."""
     protocol_class = bounded_protocol(600.0, 5.0)
     config = uvicorn.Config(body_app, http=protocol_class, log_level="info")
-    config.load()
-    server_end, client_end = socket.socketpair()
-    client_end.setblocking(False)
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    _, client_end = await served(protocol_class, config)
     loop = asyncio.get_running_loop()
-    await loop.connect_accepted_socket(lambda: protocol, server_end)
     for piece in pieces:
         await loop.sock_sendall(client_end, piece)
         for _ in range(20):  # the app's turn: it reads what came
@@ -331,12 +325,8 @@ def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
 
     async def go() -> tuple[int, int]:
         config = uvicorn.Config(app, http=protocol_class, log_level="warning")
-        config.load()
-        server_end, client_end = socket.socketpair()
-        client_end.setblocking(False)
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        protocol, client_end = await served(protocol_class, config)
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: protocol, server_end)
         heads = []  # parsed so far, per step: answered (by the client's count) + waiting in uvicorn's pipeline
         got = b""
         sending = loop.create_task(loop.sock_sendall(client_end, GET * n))
@@ -376,12 +366,8 @@ async def answered_early(rest: bytes, head_timeout_s: float) -> tuple[bytes, byt
     request after it): (what the client read before sending `rest`, what it read after, until the server closed)."""
     protocol_class = bounded_protocol(head_timeout_s, 5.0)
     config = uvicorn.Config(early_app, http=protocol_class, log_level="warning", timeout_keep_alive=600)
-    config.load()
-    server_end, client_end = socket.socketpair()
-    client_end.setblocking(False)
-    protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+    _, client_end = await served(protocol_class, config)
     loop = asyncio.get_running_loop()
-    await loop.connect_accepted_socket(lambda: protocol, server_end)
     head = b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
     await loop.sock_sendall(client_end, head + b"x" * 10)
     first = b""
@@ -430,12 +416,8 @@ def frames_heard(n: int) -> list[int]:
         config = uvicorn.Config(
             ws_app, http=protocol_class, ws=SlicedWebSocketProtocol, ws_per_message_deflate=False, log_level="warning"
         )
-        config.load()
-        server_end, client_end = socket.socketpair()
-        client_end.setblocking(False)
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        protocol, client_end = await served(protocol_class, config)
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: protocol, server_end)
         frames = b"".join(Frame(Opcode.TEXT, b"%d" % i).serialize(mask=True, extensions=[]) for i in range(n))
         await loop.sock_sendall(client_end, UPGRADE + frames)
         for _ in range(2000):  # (each pass a step of the loop; far more than the slices and messages take)

@@ -18,6 +18,7 @@ from app.io.read_slices import READ_SLICE
 from app.io.ws_protocol import PONG_BACKLOG, SlicedWebSocketProtocol
 from app.server import gateway_server
 from app.settings import GatewaySettings
+from tests.protocols import served
 
 HANDSHAKE = (
     b"GET /v1/tts/ws HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
@@ -93,12 +94,8 @@ def pongs_held(protocol_class: type[WebSocketsSansIOProtocol], pings: int) -> in
         config = uvicorn.Config(
             app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
         )
-        config.load()
-        server_end, client_end = socket.socketpair()
-        client_end.setblocking(False)
-        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        protocol, client_end = await served(protocol_class, config)
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: protocol, server_end)
         ping = Frame(Opcode.PING, b"x" * 125).serialize(mask=True, extensions=[])
         text = Frame(Opcode.TEXT, b"{}").serialize(mask=True, extensions=[])
         await loop.sock_sendall(client_end, HANDSHAKE + ping * pings + text)
@@ -133,12 +130,8 @@ def test_a_client_that_reads_gets_a_pong_for_every_ping():
         config = uvicorn.Config(
             app, ws=SlicedWebSocketProtocol, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
         )
-        config.load()
-        server_end, client_end = socket.socketpair()
-        client_end.setblocking(False)
-        protocol = SlicedWebSocketProtocol(config=config, server_state=ServerState(), app_state={})
+        protocol, client_end = await served(SlicedWebSocketProtocol, config)
         loop = asyncio.get_running_loop()
-        await loop.connect_accepted_socket(lambda: protocol, server_end)
         await loop.sock_sendall(client_end, HANDSHAKE)
         got = b""
         while b"\r\n\r\n" not in got:
