@@ -9,7 +9,7 @@
 # At most 8 files come back, so everything goes into these under $OUT:
 #   run.log, gpu_tests.log, capacity_clone.json, capacity_distinct.json, capacity_sentences.json, overload.json,
 #   iteration_profile.json, ws_bench.json (the server's log stays there: 8 files at most come back)
-# storm.json (STORM), capacity_words.json (WORDS_LEVELS), capacity_estimated.json (ESTIMATED_LEVELS) and
+# storm.json (STORM), storm_distinct.json (STORM_DISTINCT), capacity_words.json (WORDS_LEVELS), capacity_estimated.json (ESTIMATED_LEVELS) and
 # capacity_agent.json (AGENT_LEVELS) come on top: set others empty to make room (e.g.
 # AGENT_LEVELS="96 128" SENTENCE_LEVELS=); a plan of more than 8 files stops before the server starts. So do:
 # REFUSE_STORM=10000 throws that many refused connections over a level of REFUSE_LEVELS (default 192, at or above
@@ -37,7 +37,7 @@ set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
 for x in "${TESTS-x}" "${PROFILE_LEVEL-128}" "${DISTINCT_LEVELS-128}" "${SENTENCE_LEVELS-64}" "${STORM:-}" \
-  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}" \
+  "${OVERLOAD-256}" "${REQS-30}" "${AGENT_LEVELS:-}" "${STORM_DISTINCT:-}" "${REFUSE_STORM:-}" "${CPU_LEVELS:-}" "${CPU_LEVELS:-}" \
   "${WORDS_LEVELS:-}" "${ESTIMATED_LEVELS:-}"; do
   [ -n "$x" ] && planned=$((planned + 1)); done  # (CPU_LEVELS: two files, pcm and mp3)
 [ $planned -le 8 ] || { echo "device_capacity.sh: $planned files planned under \$OUT, 8 come back: set some empty"; exit 2; }
@@ -146,6 +146,10 @@ pyspy_report
 [ -n "${STORM:-}" ] && timeout $(( $(wc -w <<< "$STORM") * (${STORM_S:-20} + 35) + 30 )) $LIVE --storm \
   --levels $STORM --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 ${STORM_ARGS:-} --out "$OUT/storm.json"
 pyspy_report
+# STORM_DISTINCT="256 384 512": the same storm with a new clip per request (storm_distinct.json), after STORM's
+[ -n "${STORM_DISTINCT:-}" ] && timeout $(( $(wc -w <<< "$STORM_DISTINCT") * (${STORM_S:-20} + 35) + 30 )) $LIVE --storm \
+  --levels $STORM_DISTINCT --duration ${STORM_S:-20} --warmup 5 --stop-after-fail 0 --distinct-clips ${STORM_ARGS:-} \
+  --out "$OUT/storm_distinct.json"
 # refusal storm: REFUSE_STORM refused connections (raw sockets from REFUSE_PROCS client processes, every API's
 # upgrade and a synthesis POST) over a storm level of REFUSE_LEVELS, which runs first without them
 [ -n "${REFUSE_STORM:-}" ] && timeout $(( (${REFUSE_S:-20} + 10) * 2 * $(echo ${REFUSE_LEVELS:-192} | wc -w) + 60 )) \
