@@ -39,6 +39,7 @@ from app.core.admission import Conversation
 from app.core.breaks import split_breaks
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
+from app.core.hold import Hold, Holds
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
 from app.core.style_tags import split_tags
@@ -70,11 +71,6 @@ MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per 
 # idle at the session limit (`idle_s`): far past an LLM's pauses mid-reply, so only a turn nobody finishes is taken
 STALE_TURN_FACTOR = 10
 MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the oldest is forgotten past it)
-# Text that ends like a sentence: a client that sends whole sentences gets them spoken once no more text
-# has come for `quiet_s` (the streaming rule would otherwise hold the last one until the next text).
-_SENTENCE_END = re.compile(r"[.!?…。！？‼⁇⁈⁉][\"'”’»)\]]*\s*$")
-
-
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
 
 
@@ -130,14 +126,6 @@ def _idle(lane: Lane) -> bool:
     return not lane.pipe.queue and not lane.marks and not lane.aligning
 
 
-class Hold:
-    """When buffered text that the streaming rule holds back is spoken without a flush: once no text has
-    come for `quiet_s` and it ends like a sentence, and in any case `max_s` after it began to wait."""
-
-    def __init__(self, quiet_s: float | None = None, max_s: float | None = None) -> None:
-        self.quiet_s, self.max_s = quiet_s, max_s
-
-
 class StreamingSession:
     api = "ws"  # the metrics label of its utterances
     lane_per_context = False
@@ -170,8 +158,7 @@ class StreamingSession:
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
-        self._holds: dict[str, tuple[float, float, asyncio.TimerHandle]] = {}  # ctx -> (first, last, timer)
-        self._hold_tasks: set[asyncio.Task[None]] = set()
+        self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)
         self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
@@ -348,10 +335,8 @@ class StreamingSession:
         if self._drain_task is not None:
             self._drain_task.cancel()
             self._drain_task = None
-        for _, _, timer in self._holds.values():
-            timer.cancel()
-        self._holds.clear()
-        for t in list(self._hold_tasks) + list(self._align_tasks):
+        self._holds.close()
+        for t in list(self._align_tasks):
             t.cancel()
         for lane in list(self.lanes.values()):
             lane.pipe.close()
@@ -523,13 +508,13 @@ class StreamingSession:
         if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
             self.end_turn(next(iter(self._turns)))
         self._give_up_kept()
-        self._hold(ctx)
+        self._holds.arm(ctx, self.hold_for(ctx), self.buffered(ctx), self._speak_held)  # (re)armed: `hold_for`
 
     def _drop_empty_buffers(self) -> None:
         # a context costs memory only while it holds text (context ids are the client's to invent)
         for c in [c for c, b in self.buffers.items() if not b.text]:
             del self.buffers[c]
-            self._unhold(c)
+            self._holds.disarm(c)
 
     def _enqueue(self, ctx: str, sentences: list[str], enforce_limit: bool = True) -> None:
         if not sentences:
@@ -706,36 +691,6 @@ class StreamingSession:
             self._outcome.set_result(DRAINED)
 
     # ---- holding buffered text ---------------------------------------------------------------------
-    def _hold(self, ctx: str) -> None:
-        """(Re)arm the timer that speaks ctx's held-back text (see `hold_for`)."""
-        hold = self.hold_for(ctx)
-        text = self.buffered(ctx)
-        if hold is None or not text.strip():
-            self._unhold(ctx)
-            return
-        now = time.monotonic()
-        first = self._holds[ctx][0] if ctx in self._holds else now
-        delays = []
-        if hold.quiet_s is not None and _SENTENCE_END.search(text):
-            delays.append(hold.quiet_s)
-        if hold.max_s is not None:
-            delays.append(max(0.0, first + hold.max_s - now))
-        self._unhold(ctx)
-        if delays:
-            timer = asyncio.get_running_loop().call_later(min(delays), self._hold_due, ctx)
-            self._holds[ctx] = (first, now, timer)
-
-    def _unhold(self, ctx: str) -> None:
-        entry = self._holds.pop(ctx, None)
-        if entry is not None:
-            entry[2].cancel()
-
-    def _hold_due(self, ctx: str) -> None:
-        self._holds.pop(ctx, None)
-        task = asyncio.create_task(self._speak_held(ctx), name=f"hold-{self.id}")
-        self._hold_tasks.add(task)
-        task.add_done_callback(self._hold_tasks.discard)
-
     async def _speak_held(self, ctx: str) -> None:
         if self._closing or not self.buffered(ctx).strip():
             return

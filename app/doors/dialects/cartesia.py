@@ -36,9 +36,10 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
+from app.core.hold import Hold
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance
-from app.core.session import Hold, StreamingSession
+from app.core.session import StreamingSession
 from app.core.timestamps import Chunk, WordTime
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve

@@ -37,9 +37,10 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
+from app.core.hold import Hold
 from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
-from app.core.session import Hold, StreamingSession
+from app.core.session import StreamingSession
 from app.core.timestamps import Chunk, char_alignment
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
