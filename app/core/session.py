@@ -45,6 +45,7 @@ from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inl
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
+from app.core.turns import Turns, stale
 from app.io.audio_output import OutputFormat, encode
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
@@ -67,10 +68,6 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
-# a turn left open (text buffered or a context unflushed) this many times --evict-idle-after with no message counts as
-# idle at the session limit (`idle_s`): far past an LLM's pauses mid-reply, so only a turn nobody finishes is taken
-STALE_TURN_FACTOR = 10
-MAX_OPEN_TURNS = 1024  # contexts whose turn a session remembers as open (the oldest is forgotten past it)
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
 
 
@@ -162,7 +159,7 @@ class StreamingSession:
         self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
-        self._turns: dict[str, None] = {}
+        self.turns = Turns()
         self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
         # utterance numbers, one sequence for all of its lanes: a dialect remembers a context's by number (what a
         # flush covered, where a context id used again begins), and a lane's numbers must never start over
@@ -402,15 +399,15 @@ class StreamingSession:
         for its answer, since then (playing: until its listener's player has played the audio sent, as
         app/core/playout.py models it); None while it is not idle: any of those, or it is ending. A turn open (text
         buffered, or a context not yet flushed or closed: more of it may come) keeps it from being idle until no
-        message came for STALE_TURN_FACTOR x --evict-idle-after; past that it is a turn nobody finishes (a client
-        holding places with unflushed text). At the session limit a newcomer may take the place of the one idle
-        longest (app/core/gateway.py `idle_longest`)."""
+        message came for STALE_TURN_FACTOR x --evict-idle-after (app/core/turns.py `stale`); past that it is a turn
+        nobody finishes (a client holding places with unflushed text). At the session limit a newcomer may take the
+        place of the one idle longest (app/core/gateway.py `idle_longest`)."""
         busy = self.playing() or self._align_tasks or any(lane.marks for lane in self.lanes.values())
         heard = max(self._heard.values(), default=0.0)
         if busy or heard > now or self._ended or self._closing or self._outcome.done():
             return None
         idle = now - max(self._last_activity, self._busy_at, heard)
-        if (self._turns or self.buffers) and idle < STALE_TURN_FACTOR * self.limits.evict_idle_after_s:
+        if (self.turns or self.buffers) and not stale(idle, self.limits.evict_idle_after_s):
             return None
         return idle
 
@@ -435,7 +432,7 @@ class StreamingSession:
         (`kept_contexts`)."""
         keys = set(self.buffers)
         if self.lane_per_context:  # (an idle lane whose turn has ended holds nothing: it is ending, `_pump`)
-            keys |= {c for c, lane in self.lanes.items() if not _idle(lane) or c in self._turns}
+            keys |= {c for c, lane in self.lanes.items() if not _idle(lane) or c in self.turns}
         return keys
 
     def kept_contexts(self) -> list[str]:
@@ -445,7 +442,7 @@ class StreamingSession:
         The one whose text came longest ago first."""
         if not self.lane_per_context:
             return []
-        return [c for c in self._turns if c not in self.buffers and c in self.lanes and _idle(self.lanes[c])]
+        return [c for c in self.turns if c not in self.buffers and c in self.lanes and _idle(self.lanes[c])]
 
     def check_room(self, ctx: str) -> None:
         """When each context has its own lane: refused, with the dialect's `too_many_contexts`, when ctx is not held
@@ -474,7 +471,7 @@ class StreamingSession:
         check_text(text)
         if self._closing:
             raise RequestError(G.BAD_MESSAGE, "the session is closing: no text is taken after close")
-        if self.gw.draining and ctx not in self._turns:  # else a client could keep the drain going to its limit
+        if self.gw.draining and ctx not in self.turns:  # else a client could keep the drain going to its limit
             raise RequestError(
                 G.SHUTTING_DOWN,
                 "the server is shutting down: a turn in progress is spoken to its end, a new one is not taken; "
@@ -503,10 +500,9 @@ class StreamingSession:
             raise
         finally:
             self._drop_empty_buffers()
-        self._turns.pop(ctx, None)
-        self._turns[ctx] = None
-        if len(self._turns) > MAX_OPEN_TURNS:  # the oldest open turn is forgotten: ended (its chain with it)
-            self.end_turn(next(iter(self._turns)))
+        oldest = self.turns.text_came(ctx)
+        if oldest is not None:  # past MAX_OPEN_TURNS the oldest open turn is forgotten: ended (its chain with it)
+            self.end_turn(oldest)
         self._give_up_kept()
         self._holds.arm(ctx, self.hold_for(ctx), self.buffered(ctx), self._speak_held)  # (re)armed: `hold_for`
 
@@ -560,10 +556,7 @@ class StreamingSession:
         lives only while its turn is open: a pipeline keeps one per context it has spoken for (context ids are the
         client's to invent), and a turn that never ends here would keep its chain, and its last request's kept
         frames, as long as the session."""
-        if ctx is None:
-            self._turns.clear()
-        else:
-            self._turns.pop(ctx, None)
+        self.turns.end(ctx)
         for lane in self.lanes.values():
             lane.pipe.end(ctx)
             if self.lane_per_context and (ctx is None or lane.key == ctx):
@@ -685,7 +678,7 @@ class StreamingSession:
             self._drain_task = asyncio.create_task(self._close_when_quiet(), name=f"drain-{self.id}")
 
     async def _close_when_quiet(self) -> None:
-        while not (self._quiet() and (not self._turns or time.monotonic() - self._last_activity >= DRAIN_QUIET_S)):
+        while not (self._quiet() and (not self.turns or time.monotonic() - self._last_activity >= DRAIN_QUIET_S)):
             await asyncio.sleep(DRAIN_POLL_S)
         if not self._outcome.done():
             self._outcome.set_result(DRAINED)
@@ -775,7 +768,7 @@ class StreamingSession:
             if (
                 self.lane_per_context
                 and _idle(lane)
-                and lane.key not in self._turns  # else kept: the turn's chain and style tag (`kept_contexts`)
+                and lane.key not in self.turns  # else kept: the turn's chain and style tag (`kept_contexts`)
                 and self.lanes.get(lane.key) is lane
             ):
                 del self.lanes[lane.key]

@@ -365,7 +365,7 @@ def test_a_session_with_a_turn_open_is_not_evicted_while_more_of_it_may_come(evi
 def test_a_turn_nobody_finishes_does_not_hold_a_place_for_ever(evicting):
     """Unflushed text with no message for STALE_TURN_FACTOR x --evict-idle-after (a client holding places with turns
     it never finishes): at the limit, a newcomer takes the place of the one left longest."""
-    from app.core.session import STALE_TURN_FACTOR
+    from app.core.turns import STALE_TURN_FACTOR
 
     quiet(evicting)
     evicted_before = gauge(evicting, "zonos_sessions_evicted_total")

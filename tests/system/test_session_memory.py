@@ -10,7 +10,7 @@ from typing import Any
 
 from websockets.sync.client import connect
 
-from app.core import session
+from app.core import turns
 from app.core.pipeline import DEFAULT_CONTEXT
 from tests.conftest import in_process_gateway
 
@@ -28,7 +28,7 @@ def test_a_session_keeps_the_continuation_of_open_turns_only(tmp_path: Path, mon
     turn is open. A client that speaks in ever new contexts and never ends their turns leaves at most
     MAX_OPEN_TURNS of them (the oldest is forgotten: ended), and a cancel ends a turn whose audio has all played:
     each used to keep its chain for as long as the session."""
-    monkeypatch.setattr(session, "MAX_OPEN_TURNS", 3)
+    monkeypatch.setattr(turns, "MAX_OPEN_TURNS", 3)
     with (
         in_process_gateway(tmp_path, "--no-text-normalization") as (port, app),
         connect(f"ws://127.0.0.1:{port}/v1/tts/ws") as ws,
