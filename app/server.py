@@ -426,7 +426,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, whose SIGTERM drains before it shuts down: uvicorn alone closes every WebSocket at once
     (1012) and cuts what is still streaming after a few seconds, so a rolling deploy would cut every voice
     mid-sentence. Draining, the door refuses new streams (503 shutting_down, /readyz 503) while the listening
-    socket stays open, each session ends once it is quiet (app/core/session.py `_until_drained`), and HTTP
+    socket stays open, each session ends once it is quiet (app/core/session.py `drain`), and HTTP
     answers run to their end, for up to `drain_s`; then uvicorn's shutdown ends the rest. SIGINT (Ctrl+C) does
     not drain, and a second one stops a drain."""
 

@@ -182,7 +182,7 @@ class UtterancePipeline:
         numbers: Iterator[int] | None = None,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
-        of several contexts shares its engine work among their pipelines: app/core/session.py). `numbers`: its
+        of several contexts shares its engine work among their pipelines: app/core/lanes.py). `numbers`: its
         utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
         it is idle and the next text starts another, whose utterances must still number after those before)."""
         self.gw, self.api = gw, api

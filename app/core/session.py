@@ -7,12 +7,12 @@ cancel (which stops the GPU work at once), flush marks answered once all audio o
 has been sent, the send lock and send timeout, the idle timeout and the close. A dialect adapter is a
 subclass that only translates: it parses its messages into `append_text` / `flush` / `cancel` / `close`
 calls and renders the playback events (`on_utterance_start`, `on_audio`, `on_utterance_done`,
-`on_utterance_error`) and errors in its own shape.
+`on_utterance_error`) and errors in its own shape (docs/dialects.md, "Adding a dialect").
 
-Lanes. An ordered queue of utterances with its own pump is a lane. Ours and Deepgram's have one lane:
-every context plays in the order its sentences completed. ElevenLabs' and Cartesia's multi-context
-sockets have one lane per context, as those services do: a context that is still generating never holds
-back the audio of a newer one (a barge-in's new reply), and within a context utterances play in order.
+The session keeps its life (open, messages, the send lock, the idle timeout, close, drain) and plays its lanes;
+the bookkeeping of each concept lives in its own module: the lanes and the marks waiting for their audio
+(app/core/lanes.py: one lane, or one per context), the open turns (app/core/turns.py) and the timers that speak
+held-back text (app/core/hold.py).
 
 Every send goes through one lock, and a cancel marks its utterances cancelled under that lock before its
 acknowledgement is sent, so no audio of cancelled text can follow the acknowledgement.
@@ -23,13 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import itertools
 import json
 import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import numpy as np
@@ -40,8 +39,9 @@ from app.core.breaks import split_breaks
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
+from app.core.lanes import Answer, Lane, Lanes
 from app.core.options import SynthesisOptions
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance, UtterancePipeline, inline_pieces, text_buffer
+from app.core.pipeline import Utterance, inline_pieces, text_buffer
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
@@ -56,9 +56,6 @@ from engine.contract.constants import ALIGN_WAIT_S, SAMPLE_RATE
 
 log = logging.getLogger("gateway.session")
 
-# A pending answer: a JSON message, or a coroutine function run under the send lock.
-Answer = dict[str, Any] | Callable[[], Awaitable[None]]
-
 # While the server drains (a SIGTERM), a session is closed once it is quiet: nothing buffered, generating, playing or
 # being aligned, and, while a turn is open, no message for this long (its next sentence, streamed at an LLM's pace,
 # may still come)
@@ -67,7 +64,6 @@ DRAIN_POLL_S = 0.05
 DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
-MAX_PENDING_ANSWERS = 4096  # flushes (and closes) waiting for their audio, per session
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
 
 
@@ -93,36 +89,6 @@ class ClientStalled(Exception):
     """A send to the client made no progress for send_timeout_s: it reads nothing at all."""
 
 
-class Lane:
-    """One ordered queue of utterances and its pump."""
-
-    def __init__(self, key: str, pipe: UtterancePipeline) -> None:
-        self.key = key
-        self.pipe = pipe
-        # (context or None for all, the last queued utterance they wait for) -> their answers, in order,
-        # as [answer, count] (repeated equal answers share an entry). Every key names a queued utterance
-        # of its scope and is re-keyed as they play, so there are at most 2 keys per queued utterance.
-        self.marks: dict[tuple[str | None, int], list[list[Any]]] = {}
-        self.entries = 0  # [answer, count] entries in marks
-        self.task: asyncio.Task[None] | None = None
-        # (context, seq) of its played utterances whose aligned word times have not been sent yet: the marks
-        # after them wait for those too (a mark may then name one of these instead of a queued utterance)
-        self.aligning: set[tuple[str, int]] = set()
-
-    def add(self, key: tuple[str | None, int], answer: Answer, count: int = 1) -> None:
-        entries = self.marks.setdefault(key, [])
-        if entries and entries[-1][0] == answer:
-            entries[-1][1] += count
-        else:
-            entries.append([answer, count])
-            self.entries += 1
-
-
-def _idle(lane: Lane) -> bool:
-    """Nothing queued, waiting for its answer or being aligned."""
-    return not lane.pipe.queue and not lane.marks and not lane.aligning
-
-
 class StreamingSession:
     api = "ws"  # the metrics label of its utterances
     lane_per_context = False
@@ -139,7 +105,7 @@ class StreamingSession:
         self.voice: Voice | None = None
         self.clip: tuple[np.ndarray, int] | None = None
         self.buffers: dict[str, TextBuffer] = {}
-        self.lanes: dict[str, Lane] = {}
+        self.lanes = Lanes(gw, self.api, self.lane_per_context)
         self._send_lock = asyncio.Lock()
         self._closing = False
         # why the session ends by itself: CLOSED (a close, and everything played) or DRAINED (`drain`)
@@ -149,7 +115,6 @@ class StreamingSession:
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()  # its last message
         self._busy_at = self._last_activity  # when it last finished sending or aligning an utterance (`idle_s`)
-        self._heard: dict[str, float] = {}  # lane key -> when its listener will have heard its audio (`_note_heard`)
         # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
         self.evicted = False
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
@@ -160,10 +125,6 @@ class StreamingSession:
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
         self.turns = Turns()
-        self._waiting: list[UtterancePipeline] = []  # contexts waiting for their turn of engine work (`_may_start`)
-        # utterance numbers, one sequence for all of its lanes: a dialect remembers a context's by number (what a
-        # flush covered, where a context id used again begins), and a lane's numbers must never start over
-        self._numbers = itertools.count(1)
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -335,15 +296,7 @@ class StreamingSession:
         self._holds.close()
         for t in list(self._align_tasks):
             t.cancel()
-        for lane in list(self.lanes.values()):
-            lane.pipe.close()
-            if lane.task is not None:
-                lane.task.cancel()
-                # the pump's frame (in the traceback its task keeps of the CancelledError) holds the lane: a lane
-                # still holding its task would make a cycle that only the collector's full passes free
-                lane.task = None
-            lane.marks.clear()  # answers never due (a barge-in, a closed socket): closures over this session
-        self.lanes.clear()
+        self.lanes.close()
         self.buffers.clear()
         if self._failed.done():  # its error's traceback holds the failed pump's frame, which holds this session
             if not self._failed.cancelled():
@@ -392,7 +345,7 @@ class StreamingSession:
         return max(0.05, self.limits.idle_timeout_s - (time.monotonic() - self._last_activity))
 
     def playing(self) -> bool:
-        return any(lane.pipe.queue for lane in self.lanes.values())
+        return self.lanes.playing()
 
     def idle_s(self, now: float) -> float | None:
         """How long the session has been idle: no message, and nothing generating, playing, being aligned or waiting
@@ -402,8 +355,8 @@ class StreamingSession:
         message came for STALE_TURN_FACTOR x --evict-idle-after (app/core/turns.py `stale`); past that it is a turn
         nobody finishes (a client holding places with unflushed text). At the session limit a newcomer may take the
         place of the one idle longest (app/core/gateway.py `idle_longest`)."""
-        busy = self.playing() or self._align_tasks or any(lane.marks for lane in self.lanes.values())
-        heard = max(self._heard.values(), default=0.0)
+        busy = self.playing() or self._align_tasks or self.lanes.answering()
+        heard = self.lanes.heard_at()
         if busy or heard > now or self._ended or self._closing or self._outcome.done():
             return None
         idle = now - max(self._last_activity, self._busy_at, heard)
@@ -430,25 +383,20 @@ class StreamingSession:
     def contexts(self) -> set[str]:
         """Contexts that hold text or audio now, and (a lane per context) those idle in an open turn
         (`kept_contexts`)."""
-        keys = set(self.buffers)
-        if self.lane_per_context:  # (an idle lane whose turn has ended holds nothing: it is ending, `_pump`)
-            keys |= {c for c, lane in self.lanes.items() if not _idle(lane) or c in self.turns}
-        return keys
+        return self.lanes.held(self.buffers, self.turns)
 
     def kept_contexts(self) -> list[str]:
         """The contexts of a session with a lane per context that hold no text or audio but whose turn is open (an
         LLM paused longer than the audio already sent): their lane is kept, and with it their continuation chain
         and style tag, so that the turn's next sentence goes on in the same voice, as on a session of one lane.
         The one whose text came longest ago first."""
-        if not self.lane_per_context:
-            return []
-        return [c for c in self.turns if c not in self.buffers and c in self.lanes and _idle(self.lanes[c])]
+        return self.lanes.kept(self.buffers, self.turns)
 
     def check_room(self, ctx: str) -> None:
         """When each context has its own lane: refused, with the dialect's `too_many_contexts`, when ctx is not held
         and `max_contexts` contexts hold text or audio. Contexts kept idle in their open turn (`kept_contexts`) give
         their place up to a new one's text (`_give_up_kept`)."""
-        if not self.lane_per_context:
+        if not self.lanes.per_context:
             return
         held = self.contexts()
         if ctx not in held and len(held) - len(self.kept_contexts()) >= self.max_contexts:
@@ -461,7 +409,7 @@ class StreamingSession:
         """Past `max_contexts` held (a new context's text was taken), the turns of the contexts kept idle whose text
         came longest ago end (their next text starts a new chain, unstyled): a socket holds at most `max_contexts`
         contexts' lanes, chains and kept frames."""
-        if self.lane_per_context:
+        if self.lanes.per_context:
             for c in self.kept_contexts()[: max(0, len(self.contexts()) - self.max_contexts)]:
                 self.end_turn(c)
 
@@ -557,52 +505,23 @@ class StreamingSession:
         client's to invent), and a turn that never ends here would keep its chain, and its last request's kept
         frames, as long as the session."""
         self.turns.end(ctx)
-        for lane in self.lanes.values():
-            lane.pipe.end(ctx)
-            if self.lane_per_context and (ctx is None or lane.key == ctx):
-                lane.pipe.changed.set()  # an idle lane kept for the turn ends now (`_pump`)
+        self.lanes.end_turn(ctx)  # (an idle lane kept for the turn ends now: `_pump`)
 
     async def add_mark(self, ctx: str | None, answer: Answer) -> None:
         """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned
         words of those played before it sent."""
-        if ctx is None and self.lane_per_context:
-            raise ValueError("a session with a lane per context answers per context")
-        lane = self.lanes.get(ctx if self.lane_per_context else DEFAULT_CONTEXT)  # type: ignore[arg-type]
-        last = self.last_held(ctx) if lane is not None else None
-        if last is None:
+        if not self.lanes.mark(ctx, answer):  # (nothing of it left: answered now)
             async with self._send_lock:
                 await self._answer_locked(answer)
-            return
-        assert lane is not None
-        if sum(x.entries for x in self.lanes.values()) >= MAX_PENDING_ANSWERS:
-            raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
-        lane.add((ctx, last), answer)
 
     def last_held(self, ctx: str | None) -> int | None:
         """The number of the last utterance of ctx (None: of any context) the session is not done with: the last
         queued, or, all played, the last whose aligned words have not been sent yet."""
-        last = self.last_queued(ctx)
-        if last is not None:
-            return last
-        lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
-        return max(
-            (seq for lane in lanes if lane is not None for c, seq in lane.aligning if ctx is None or c == ctx),
-            default=None,
-        )
+        return self.lanes.last_held(ctx)
 
-    def last_queued(self, ctx: str | None, at_most: int | None = None) -> int | None:
-        """The number of the last queued utterance of ctx (None: of any context), optionally <= at_most."""
-        lanes = [self.lanes.get(ctx)] if self.lane_per_context and ctx is not None else list(self.lanes.values())
-        return max(
-            (
-                u.seq
-                for lane in lanes
-                if lane is not None
-                for u in lane.pipe.queue
-                if (ctx is None or u.context_id == ctx) and (at_most is None or u.seq <= at_most)
-            ),
-            default=None,
-        )
+    def last_queued(self, ctx: str | None) -> int | None:
+        """The number of the last queued utterance of ctx (None: of any context)."""
+        return self.lanes.last_queued(ctx)
 
     def drop(self, ctx: str | None, after: int | None = None) -> None:
         """Drop a context's (None: every context's) buffered text and queued utterances (only those after
@@ -613,22 +532,8 @@ class StreamingSession:
             if ctx is None or c == ctx:
                 buf.clear()
         self._drop_empty_buffers()
-        lanes = list(self.lanes.values()) if ctx is None or not self.lane_per_context else [self.lanes.get(ctx)]
-        for lane in lanes:
-            if lane is not None:
-                lane.pipe.cancel(ctx, after)
-                self._note_heard(lane)  # a barge-in stops its listener's player
+        self.lanes.drop(ctx, after)
         self.end_turn(ctx)
-
-    def _note_heard(self, lane: Lane) -> None:
-        """When the lane's listener will have heard the audio sent (app/core/playout.py's player, on this clock): the
-        session is busy until then (`idle_s`), so a long reply sent fast is not taken for idle while it plays. Kept
-        per lane key, past the lane's end (a context's lane ends once it has sent everything)."""
-        heard = lane.pipe.heard_at
-        if heard is None:
-            self._heard.pop(lane.key, None)
-        else:
-            self._heard[lane.key] = time.monotonic() + max(0.0, heard - time.perf_counter())
 
     async def cancel(
         self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
@@ -655,8 +560,7 @@ class StreamingSession:
             except RequestError as e:
                 await self.error(e.code, str(e))
         self._closing = True
-        for lane in self.lanes.values():
-            lane.pipe.changed.set()
+        self.lanes.wake()
         self._check_closed()
 
     def _check_closed(self) -> None:
@@ -665,11 +569,7 @@ class StreamingSession:
 
     def _quiet(self) -> bool:
         """Nothing buffered, generating, playing, being aligned or waiting for its answer."""
-        return (
-            not self.buffers
-            and not self._align_tasks
-            and not any(lane.pipe.queue or lane.marks for lane in self.lanes.values())
-        )
+        return not self.buffers and not self._align_tasks and not self.lanes.playing() and not self.lanes.answering()
 
     def drain(self) -> None:
         """The server is shutting down (app/server.py): end the session once it is quiet, at once when no turn is
@@ -696,49 +596,13 @@ class StreamingSession:
 
     # ---- playback ------------------------------------------------------------------------------
     def _lane(self, ctx: str) -> Lane:
-        key = ctx if self.lane_per_context else DEFAULT_CONTEXT
+        key = self.lanes.key(ctx)
         lane = self.lanes.get(key)
         if lane is None:
-            pipe = (
-                UtterancePipeline(
-                    self.gw, self.api, may_start=self._may_start, released=self._released, numbers=self._numbers
-                )
-                if self.lane_per_context
-                else UtterancePipeline(self.gw, self.api, numbers=self._numbers)
-            )
-            lane = self.lanes[key] = Lane(key, pipe)
+            lane = self.lanes.open(key)
             lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")
             lane.task.add_done_callback(self._task_failed)
         return lane
-
-    def _may_start(self, pipe: UtterancePipeline) -> bool:
-        """A session of several contexts: at most --max-inflight-per-session of its contexts have engine work
-        at once (each up to that many utterances), so that one socket's many contexts cannot fill the engine's
-        queue. Contexts waiting for their turn take it first come, first served, and while one waits, a context
-        with engine work starts nothing more but its turn in progress (UtterancePipeline.prefetch: the sentences
-        that continue its chain): the next starts once one of them has played what it started (else a context
-        sent a new turn while it speaks would keep its turn, and a newer context's reply would wait for all of it).
-        """
-        live = [lane.pipe for lane in self.lanes.values()]
-        self._waiting = [p for p in self._waiting if p.needs_turn() and p in live]  # (a lane gone: its context too)
-        if pipe.started():
-            return not self._waiting
-        if not pipe.needs_turn():
-            return True  # nothing it would start
-        if pipe not in self._waiting:
-            self._waiting.append(pipe)
-        free = self.limits.max_inflight_per_session - sum(p.started() for p in live)
-        if self._waiting.index(pipe) >= free:
-            return False
-        self._waiting.remove(pipe)
-        return True
-
-    def _released(self) -> None:
-        if self._ended:  # the lanes are being closed: nothing starts
-            return
-        waiting = list(self._waiting)  # first come, first served
-        for pipe in waiting + [lane.pipe for lane in self.lanes.values() if lane.pipe not in waiting]:
-            pipe.prefetch()
 
     def _task_failed(self, task: asyncio.Task[None]) -> None:
         """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also
@@ -761,17 +625,11 @@ class StreamingSession:
                 await self._play(lane, u)
                 pipe.done(u)
                 self._busy_at = time.monotonic()
-                self._note_heard(lane)
+                self.lanes.note_heard(lane)
                 await self._answer_marks(lane)
                 continue
             await self._answer_marks(lane)
-            if (
-                self.lane_per_context
-                and _idle(lane)
-                and lane.key not in self.turns  # else kept: the turn's chain and style tag (`kept_contexts`)
-                and self.lanes.get(lane.key) is lane
-            ):
-                del self.lanes[lane.key]
+            if self.lanes.retire(lane, self.turns):  # (else kept: the turn's chain and style tag, `kept_contexts`)
                 self._check_closed()
                 return
             self._check_closed()
@@ -864,17 +722,7 @@ class StreamingSession:
     async def _answer_marks_locked(self, lane: Lane, forget_due: bool = False) -> None:
         """Answer (or, `forget_due`, forget) every mark whose text has all been played (or dropped); re-key
         the others to the last utterance they still wait for."""
-        marks, lane.marks, lane.entries = lane.marks, {}, 0
-        due: list[list[Any]] = []
-        for (ctx, last), entries in marks.items():
-            still = self.last_queued(ctx, last)
-            if still is None and any((ctx is None or c == ctx) and seq <= last for c, seq in lane.aligning):
-                still = last  # its audio is out, its aligned words are not yet
-            if still is None:
-                due.extend(entries)
-            else:
-                for answer, count in entries:
-                    lane.add((ctx, still), answer, count)
+        due = self.lanes.take_due(lane)
         if forget_due:
             due = []
         for answer, count in due:
