@@ -1,6 +1,6 @@
 """Lanes: a session's ordered queues of utterances, and the answers (flush marks) waiting for their audio.
 
-A lane is one UtterancePipeline (app/core/pipeline.py) that a pump of the session (app/core/session.py `_pump`)
+A lane is one UtterancePipeline (app/core/pipeline.py) that a pump of the session's playback (app/core/playback.py)
 plays in order. Ours and Deepgram's sessions have one lane: every context plays in the order its sentences
 completed. ElevenLabs' and Cartesia's multi-context sockets have one lane per context, as those services do: a
 context that is still generating never holds back the audio of a newer one, and within a context utterances play in

@@ -94,7 +94,7 @@ class Utterance:
     chain: Chain | None = None  # its context's continuation chain (None: long_form false)
     link: Link | None = None
     clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
-    aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/session.py)
+    aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/playback.py)
     silence_s: float | None = None  # a break (app/core/breaks.py): this much silence, no engine work
 
     def heard(self) -> dict[str, Any]:

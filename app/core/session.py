@@ -9,10 +9,11 @@ subclass that only translates: it parses its messages into `append_text` / `flus
 calls and renders the playback events (`on_utterance_start`, `on_audio`, `on_utterance_done`,
 `on_utterance_error`) and errors in its own shape (docs/dialects.md, "Adding a dialect").
 
-The session keeps its life (open, messages, the send lock, the idle timeout, close, drain) and plays its lanes;
-the bookkeeping of each concept lives in its own module: the lanes and the marks waiting for their audio
-(app/core/lanes.py: one lane, or one per context), the open turns (app/core/turns.py) and the timers that speak
-held-back text (app/core/hold.py).
+The session keeps its life (open, messages, the send lock, the idle timeout, close, drain) and the text, flush,
+cancel and close calls; each other concept lives in its own module: the lanes and the marks waiting for their audio
+(app/core/lanes.py: one lane, or one per context), their playback, the pumps that play them and the aligner's word
+times (app/core/playback.py, which renders through the session's hooks), the open turns (app/core/turns.py) and the
+timers that speak held-back text (app/core/hold.py).
 
 Every send goes through one lock, and a cancel marks its utterances cancelled under that lock before its
 acknowledgement is sent, so no audio of cancelled text can follow the acknowledgement.
@@ -21,7 +22,6 @@ acknowledgement is sent, so no audio of cancelled text can follow the acknowledg
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import json
 import logging
@@ -36,23 +36,22 @@ from starlette.websockets import WebSocket, WebSocketState
 
 from app.core.admission import Conversation
 from app.core.breaks import split_breaks
-from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
-from app.core.lanes import Answer, Lane, Lanes
+from app.core.lanes import Answer, Lanes
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance, inline_pieces, text_buffer
+from app.core.playback import Playback
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
-from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
+from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
-from app.io.audio_output import OutputFormat, encode
+from app.io.audio_output import OutputFormat
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import parse_json_object
 from app.voices.library import Voice
-from engine.contract.constants import ALIGN_WAIT_S, SAMPLE_RATE
 
 log = logging.getLogger("gateway.session")
 
@@ -106,7 +105,7 @@ class StreamingSession:
         self.clip: tuple[np.ndarray, int] | None = None
         self.buffers: dict[str, TextBuffer] = {}
         self.lanes = Lanes(gw, self.api, self.lane_per_context)
-        self._send_lock = asyncio.Lock()
+        self.send_lock = asyncio.Lock()  # every send goes through it (`Stage`)
         self._closing = False
         # why the session ends by itself: CLOSED (a close, and everything played) or DRAINED (`drain`)
         self._outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -114,17 +113,18 @@ class StreamingSession:
         self._drain_task: asyncio.Task[None] | None = None
         self._ended = False  # `_shutdown` ran: a pump or an alignment that fails now has nobody to end
         self._last_activity = time.monotonic()  # its last message
-        self._busy_at = self._last_activity  # when it last finished sending or aligning an utterance (`idle_s`)
+        # when it last finished work beside its playback (`idle_s`; a config's clip embedded: app/doors/ws.py)
+        self._busy_at = self._last_activity
         # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
         self.evicted = False
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
         self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)
-        self._align_tasks: set[asyncio.Task[None]] = set()  # utterances with the aligner (`_align`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
         self.turns = Turns()
+        self.playback = Playback(gw, self.lanes, self.turns, self.conversation, self.id)  # its pumps and alignments
 
     # ---- what a dialect provides ------------------------------------------------------------------
     async def on_open(self) -> None:
@@ -209,7 +209,7 @@ class StreamingSession:
 
     # ---- sending -------------------------------------------------------------------------------
     async def send_json(self, msg: dict[str, Any]) -> None:
-        async with self._send_lock:
+        async with self.send_lock:
             await self.send_json_locked(msg)
 
     async def send_json_locked(self, msg: dict[str, Any]) -> None:
@@ -236,7 +236,8 @@ class StreamingSession:
         if msg is not None:
             await self.send_json(msg)
 
-    async def _answer_locked(self, answer: Answer) -> None:
+    async def answer_locked(self, answer: Answer) -> None:
+        """A mark's answer (app/core/lanes.py `Answer`), under the send lock."""
         if isinstance(answer, dict):
             await self.send_json_locked(answer)
         else:
@@ -294,14 +295,23 @@ class StreamingSession:
             self._drain_task.cancel()
             self._drain_task = None
         self._holds.close()
-        for t in list(self._align_tasks):
-            t.cancel()
+        self.playback.close()
         self.lanes.close()
         self.buffers.clear()
         if self._failed.done():  # its error's traceback holds the failed pump's frame, which holds this session
             if not self._failed.cancelled():
                 self._failed.exception()  # retrieved: run() may have ended on another wait (asyncio would log it)
             self._failed = asyncio.get_running_loop().create_future()
+
+    def task_failed(self, task: asyncio.Task[None]) -> None:
+        """A pump's, an alignment's or a dialect's task's end (app/core/playback.py, app/doors/ws.py): its error ends
+        the session (`run`). Every error is retrieved here, also a second one's and one after the session ended, which
+        asyncio would otherwise log with a traceback."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not self._ended and not self._failed.done():
+            self._failed.set_exception(error)
 
     async def _receive_loop(self) -> None:
         # It reads on after `close` too (a cancel still stops the rest); the pumps end the session.
@@ -355,11 +365,11 @@ class StreamingSession:
         message came for STALE_TURN_FACTOR x --evict-idle-after (app/core/turns.py `stale`); past that it is a turn
         nobody finishes (a client holding places with unflushed text). At the session limit a newcomer may take the
         place of the one idle longest (app/core/gateway.py `idle_longest`)."""
-        busy = self.playing() or self._align_tasks or self.lanes.answering()
+        busy = self.playing() or self.playback.aligning() or self.lanes.answering()
         heard = self.lanes.heard_at()
         if busy or heard > now or self._ended or self._closing or self._outcome.done():
             return None
-        idle = now - max(self._last_activity, self._busy_at, heard)
+        idle = now - max(self._last_activity, self._busy_at, self.playback.busy_at, heard)
         if (self.turns or self.buffers) and not stale(idle, self.limits.evict_idle_after_s):
             return None
         return idle
@@ -471,7 +481,7 @@ class StreamingSession:
                 f"({queued} are); this text was not accepted",
             )
         opts, voice, clip = self.settings_for(ctx)
-        lane = self._lane(ctx)
+        lane = self.playback.lane(ctx, self)
         lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
 
     async def flush(
@@ -511,8 +521,8 @@ class StreamingSession:
         """`answer` once the utterances of ctx (None: of every context) queued now have been played, and the aligned
         words of those played before it sent."""
         if not self.lanes.mark(ctx, answer):  # (nothing of it left: answered now)
-            async with self._send_lock:
-                await self._answer_locked(answer)
+            async with self.send_lock:
+                await self.answer_locked(answer)
 
     def last_held(self, ctx: str | None) -> int | None:
         """The number of the last utterance of ctx (None: of any context) the session is not done with: the last
@@ -541,12 +551,12 @@ class StreamingSession:
         """Barge-in: drop (see `drop`), send `answer`, then answer every mark the drop left with nothing to
         wait for, or (`supersedes`) forget those marks: `answer` stands for them. No audio of the dropped text
         follows the answer."""
-        async with self._send_lock:
+        async with self.send_lock:
             self.drop(ctx, after)
             if answer is not None:
-                await self._answer_locked(answer)
+                await self.answer_locked(answer)
             for lane in list(self.lanes.values()):
-                await self._answer_marks_locked(lane, forget_due=supersedes)
+                await self.playback.answer_marks_locked(lane, self, forget_due=supersedes)
 
     async def close(self) -> None:
         """No more text: speak what is buffered (past --max-pending-utterances: it is bounded by the buffer
@@ -561,15 +571,21 @@ class StreamingSession:
                 await self.error(e.code, str(e))
         self._closing = True
         self.lanes.wake()
-        self._check_closed()
+        self.check_closed()
 
-    def _check_closed(self) -> None:
+    def check_closed(self) -> None:
+        """A closing session that is quiet ends (`on_closed`)."""
         if self._closing and self._quiet() and not self._outcome.done():
             self._outcome.set_result(CLOSED)
 
     def _quiet(self) -> bool:
         """Nothing buffered, generating, playing, being aligned or waiting for its answer."""
-        return not self.buffers and not self._align_tasks and not self.lanes.playing() and not self.lanes.answering()
+        return (
+            not self.buffers
+            and not self.playback.aligning()
+            and not self.lanes.playing()
+            and not self.lanes.answering()
+        )
 
     def drain(self) -> None:
         """The server is shutting down (app/server.py): end the session once it is quiet, at once when no turn is
@@ -593,138 +609,3 @@ class StreamingSession:
             await self.error(e.code, str(e), **self.error_context({"context_id": ctx}))
         except Exception as e:  # the client is gone (a failed send); the session is ending
             log.debug("speaking held text failed: %s", e)
-
-    # ---- playback ------------------------------------------------------------------------------
-    def _lane(self, ctx: str) -> Lane:
-        key = self.lanes.key(ctx)
-        lane = self.lanes.get(key)
-        if lane is None:
-            lane = self.lanes.open(key)
-            lane.task = asyncio.create_task(self._pump(lane), name=f"pump-{self.id}-{len(self.lanes)}")
-            lane.task.add_done_callback(self._task_failed)
-        return lane
-
-    def _task_failed(self, task: asyncio.Task[None]) -> None:
-        """A pump's or an alignment's end: its error ends the session (`run`). Every error is retrieved here, also
-        a second one's and one after the session ended, which asyncio would otherwise log with a traceback."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None and not self._ended and not self._failed.done():
-            self._failed.set_exception(error)
-
-    async def _pump(self, lane: Lane) -> None:
-        """Plays a lane's queue in order and answers its marks. A lane of its own context ends once it has
-        nothing left and its turn is not open (a later text starts a new one; `kept_contexts`). It only ends
-        otherwise by raising (the client vanished mid-send, or a bug), and then the session ends."""
-        pipe = lane.pipe
-        while True:
-            pipe.changed.clear()  # before looking: a change made while this awaits is not missed
-            if pipe.queue:
-                u = pipe.queue[0]
-                await self._play(lane, u)
-                pipe.done(u)
-                self._busy_at = time.monotonic()
-                self.lanes.note_heard(lane)
-                await self._answer_marks(lane)
-                continue
-            await self._answer_marks(lane)
-            if self.lanes.retire(lane, self.turns):  # (else kept: the turn's chain and style tag, `kept_contexts`)
-                self._check_closed()
-                return
-            self._check_closed()
-            await pipe.changed.wait()
-
-    async def _play(self, lane: Lane, u: Utterance) -> None:
-        if u.silence_s is not None:  # a break is no speech: it costs the engine nothing, and holds the door no room
-            await self._play_utterance(lane, u)
-            return
-        began = self.conversation.started()
-        try:
-            await self._play_utterance(lane, u)
-        finally:  # its audio earns the conversation its hold (a one-frame utterance next to nothing)
-            self.conversation.ended(began, u.samples / SAMPLE_RATE)
-
-    async def _play_utterance(self, lane: Lane, u: Utterance) -> None:
-        assert u.output is not None
-        u.encoder = u.encoder or u.output.encoder()
-        started = False
-        timeline = AudioTimeline(words=self.words_for(u))  # what each message covers (app/core/timestamps.py)
-        u.clock = timeline.begin(u.text)
-        u.aligned = self.aligned_for(u) and self.gw.engine.aligns and u.silence_s is None and bool(u.text.strip())
-        sent: list[np.ndarray] | None = [] if u.aligned else None
-        async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
-            async for pcm in chunks:
-                if sent is not None:
-                    sent.append(pcm)
-                async with self._send_lock:
-                    if u.cancelled:
-                        return
-                    if not started:
-                        await self.on_utterance_start(u)
-                        started = True
-                    data = await encode(u.encoder, pcm)
-                    timeline.feed(pcm)
-                    if data:
-                        await self.on_audio(u, data, timeline.take())
-        async with self._send_lock:
-            if u.cancelled:
-                return
-            if u.error is not None:  # counted by the pipeline
-                await self.on_utterance_error(u)
-                return
-            if not started:
-                await self.on_utterance_start(u)
-            tail = await encode(u.encoder, np.zeros(0, np.int16), last=True)
-            timeline.end()
-            chunk = timeline.take()
-            if tail:
-                await self.on_audio(u, tail, chunk)
-            elif chunk.words or chunk.end_s > chunk.start_s:
-                await self.on_words(u, chunk)
-            await self.on_utterance_done(u)
-            if sent is not None:
-                lane.aligning.add((u.context_id, u.seq))
-                pcm = np.concatenate(sent) if sent else np.zeros(0, np.int16)
-                task = asyncio.create_task(self._align(lane, u, pcm), name=f"align-{self.id}")
-                self._align_tasks.add(task)
-                task.add_done_callback(self._aligned)
-
-    async def _align(self, lane: Lane, u: Utterance, pcm: np.ndarray) -> None:
-        """u's audio as sent (44.1 kHz) and its text through the engine's aligner, then `on_aligned` and the
-        marks that waited for it. It runs beside the lane (the next utterance's audio never waits for it); an
-        utterance the aligner cannot take (no letter to align, audio too short for its text) or an engine
-        that cannot answer in time keeps its estimate."""
-        words = None
-        try:
-            got = await self.gw.engine.align(pcm, SAMPLE_RATE, u.text, timeout=ALIGN_WAIT_S)
-            words = aligned_words(u.text, got)
-            if words is None:
-                log.warning("utterance %s: the aligner's words are not its text's; its estimate stands", u.id)
-        except (ValueError, EngineUnavailable) as e:
-            log.info("utterance %s keeps its estimated word times: %s", u.id, e)
-        async with self._send_lock:
-            lane.aligning.discard((u.context_id, u.seq))
-            await self.on_aligned(u, words)
-            await self._answer_marks_locked(lane)
-        lane.pipe.changed.set()  # a lane of its own context may end now
-
-    def _aligned(self, task: asyncio.Task[None]) -> None:
-        self._align_tasks.discard(task)
-        self._busy_at = time.monotonic()
-        self._task_failed(task)
-        self._check_closed()
-
-    async def _answer_marks(self, lane: Lane) -> None:
-        async with self._send_lock:
-            await self._answer_marks_locked(lane)
-
-    async def _answer_marks_locked(self, lane: Lane, forget_due: bool = False) -> None:
-        """Answer (or, `forget_due`, forget) every mark whose text has all been played (or dropped); re-key
-        the others to the last utterance they still wait for."""
-        due = self.lanes.take_due(lane)
-        if forget_due:
-            due = []
-        for answer, count in due:
-            for _ in range(count):
-                await self._answer_locked(answer)

@@ -8,7 +8,8 @@ word's). Every word is marked `"source": "estimated"`.
 
 With a forced aligner (`--aligner`, engine/aligner/), each utterance's audio, once all sent, and its text go to the
 engine's aligner, and its measured word times follow the estimate as `"source": "aligned"` (`aligned_words`;
-app/core/session.py sends them, each dialect in its shape: docs/protocol.md "Word timestamps").
+app/core/playback.py hands them to the session, whose dialect sends them in its shape: docs/protocol.md "Word
+timestamps").
 
 The estimate streams: a word is placed once the audio sent reaches its estimated end (the total length is
 still unknown: it is reckoned from a speaking rate, stretched to the audio sent when that runs longer), and

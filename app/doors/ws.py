@@ -106,7 +106,7 @@ class Session(StreamingSession):
             self._hold_back(data)
         elif kind == "session.config" and data.get("voice_clip") is not None:
             self._config = asyncio.create_task(self._configure(data), name=f"config-{self.id}")
-            self._config.add_done_callback(self._task_failed)
+            self._config.add_done_callback(self.task_failed)
         else:
             await self._handle(data)
 
@@ -164,7 +164,7 @@ class Session(StreamingSession):
             data = self._held_back.popleft()[0]
         self._config = None
         self._busy_at = time.monotonic()  # (idle from now: `idle_s`)
-        self._check_closed()
+        self.check_closed()
 
     def _hold_back(self, data: dict[str, Any]) -> None:
         held = sum(size for _, size in self._held_back)

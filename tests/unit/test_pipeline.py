@@ -826,7 +826,7 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
         ws.query_params = {"output_format": "pcm_44100"}  # type: ignore[attr-defined]
         ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
         session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
-        lock = session._send_lock = _CountingLock()
+        lock = session.send_lock = _CountingLock()
         task = asyncio.create_task(session.run())
         ws.send(text="Still open", context_id="a")  # a context before b in the session's order, not closing
         ws.send(text="Bee.", context_id="b", flush=True)
