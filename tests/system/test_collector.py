@@ -268,9 +268,10 @@ asyncio.run(main())
 
 # gc-tracked objects one live session of our socket (/v1/tts/ws: one utterance playing) keeps in the gateway process:
 # uvicorn's connection, Starlette's middleware and route coroutines, the session, its lane, pump, utterance and engine
-# stream. Measured 197 (195 before its lanes, turns and holds were objects of their own, app/core/lanes.py, turns.py,
-# hold.py); it was 261 before the session's one-future wait, SessionRoute, the pass-through middlewares, the dropped
-# handshake headers and the stream's own queue (docs/architecture.md, "The collector").
+# stream. Measured 198 (197 before its playback was an object of its own, app/core/playback.py; 195 before its lanes,
+# turns and holds were, app/core/lanes.py, turns.py, hold.py); it was 261 before the session's one-future wait,
+# SessionRoute, the pass-through middlewares, the dropped handshake headers and the stream's own queue
+# (docs/architecture.md, "The collector").
 LIVE_SESSION_OBJECTS = 215
 LIVE_SESSIONS = 6
 
