@@ -34,7 +34,7 @@ from app.core.turns import Turns
 from app.io.audio_output import encode
 from engine.contract.constants import ALIGN_WAIT_S, SAMPLE_RATE
 
-log = logging.getLogger("gateway.session")
+log = logging.getLogger("gateway.session")  # (the session's: what a session logs, playing included)
 
 
 class Stage(Protocol):
