@@ -146,3 +146,54 @@ def test_a_client_that_reads_gets_a_pong_for_every_ping():
         return got.count(b"\x8a\x03")
 
     assert asyncio.run(asyncio.wait_for(go(), 60)) == 50
+
+
+def fragments_held(protocol_class: type[WebSocketsSansIOProtocol], empty: int) -> tuple[int, str]:
+    """A client that sends a text message as a first fragment, `empty` empty continuation frames, one-byte ones, then
+    its last fragment: (the pieces the protocol holds once every fragment but the last is parsed, the text the app
+    got)."""
+    got: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        got.append((await receive())["text"])
+        await receive()  # (the disconnect)
+
+    async def go() -> int:
+        config = uvicorn.Config(
+            app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
+        )
+        protocol, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+
+        def frame(opcode: Opcode, data: bytes, fin: bool = False) -> bytes:
+            return Frame(opcode, data, fin=fin).serialize(mask=True, extensions=[])
+
+        pieces = frame(Opcode.TEXT, b'{"text": "') + frame(Opcode.CONT, b"") * empty
+        pieces += b"".join(frame(Opcode.CONT, bytes([c])) for c in b"abc\xc3") + frame(Opcode.CONT, b"")
+        await loop.sock_sendall(client_end, HANDSHAKE + pieces + frame(Opcode.PING, b"!", fin=True))
+        got_bytes = b""
+        while b"\x8a\x01!" not in got_bytes:  # the pong: every fragment before the ping is parsed
+            got_bytes += await loop.sock_recv(client_end, 65536)
+        held = len(protocol.frames) + (getattr(protocol, "_joined", None) is not None)
+        await loop.sock_sendall(client_end, frame(Opcode.CONT, '\xa9"}'.encode("latin-1"), fin=True))
+        while not got:
+            await asyncio.sleep(0.01)
+        protocol.transport.close()
+        client_end.close()
+        return held
+
+    held = asyncio.run(asyncio.wait_for(go(), 120))
+    return held, got[0]
+
+
+def test_a_message_in_many_empty_fragments_is_held_in_one_buffer():
+    """uvicorn kept a fragmented message's pieces in a list: empty continuation frames (which the message size bound
+    does not count) grew it without bound, one-byte ones cost ~50 bytes of memory per byte sent, and the collector's
+    full passes walked the list (100 ms pauses). The gateway's protocol joins the pieces into one buffer as they
+    come; the message is the same."""
+    held, text = fragments_held(WebSocketsSansIOProtocol, 20_000)
+    assert held > 20_000 and text == '{"text": "abcé"}'  # uvicorn's: every piece
+    held, text = fragments_held(SlicedWebSocketProtocol, 20_000)
+    assert held == 1 and text == '{"text": "abcé"}'
