@@ -429,6 +429,8 @@ class VoiceStore:
             return self._voices.get(voice_id)
 
     def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
+        """Store `voice`; returns the voice stored under its id, which is another's when a request for the same id (the
+        same clips, array or blend) landed it first, here or in another gateway process."""
         if self.error:
             raise VoiceError(G.VOICE_STORE_UNAVAILABLE, self.error)
         embedding = np.asarray(embedding, dtype=np.float32)
@@ -447,12 +449,18 @@ class VoiceStore:
         voice.embedding = embedding
         voice.dim = self.dim
         voice.has_preview = preview_wav is not None
-        self._write(voice, preview_wav)
+        voice = self._write(voice, preview_wav)
         with self._lock:
             self._voices[voice.id] = voice
         return voice
 
-    def _write(self, voice: Voice, preview_wav: bytes | None) -> None:
+    def _write(self, voice: Voice, preview_wav: bytes | None) -> Voice:
+        """The voice's folder written aside, then renamed into place; returns the voice now stored under its id. A
+        folder of that id already there is the same voice landed by another request first (two uploads of one clip
+        at once, in one gateway process or two): that voice, left in place. Renaming it aside to put this one in
+        made the second writer's rename fail (503 voice_store_unavailable, "Directory not empty", measured with 2
+        processes) and left the other processes a moment with no voice of that id. Only a folder that does not
+        read as a voice (damaged) is replaced."""
         final = self.root / voice.id
         try:
             tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.root))
@@ -464,13 +472,21 @@ class VoiceStore:
                 np.save(tmp / "embedding.npy", voice.embedding)
                 if preview_wav is not None:
                     (tmp / "preview.wav").write_bytes(preview_wav)
-                old = None
-                if final.exists():
+                try:
+                    os.rename(tmp, final)  # (a folder onto one that holds files fails: nothing is replaced here)
+                except OSError as e:
+                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    landed = self._read_folder(final)
+                    if landed is not None:
+                        return landed
+                    # a damaged folder of this id: set aside first (restored at the next start if this one never
+                    # lands), then replaced
                     old = self.root / f".old-{voice.id}-{os.getpid()}-{time.monotonic_ns()}"
                     os.replace(final, old)
-                os.replace(tmp, final)
-                if old is not None:
+                    os.replace(tmp, final)
                     shutil.rmtree(old, ignore_errors=True)
+                return voice
             finally:
                 if tmp.exists():
                     shutil.rmtree(tmp, ignore_errors=True)
