@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import struct
 import time
@@ -15,7 +16,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.io.http_protocol import DoorAnswer, bounded_protocol
+from app.io.http_protocol import PIPELINE_AHEAD, DoorAnswer, bounded_protocol
 from app.io.read_slices import READ_SLICE
 from tests.protocols import served
 
@@ -353,6 +354,50 @@ def test_a_read_of_many_pipelined_requests_is_parsed_a_slice_per_step_of_the_eve
     assert most > n // 2 and answered == n  # uvicorn's: the whole read in one step
     most, answered = most_heads_in_one_step(bounded_protocol(600.0, 5.0), n)
     assert most <= READ_SLICE // len(GET) + 2 and answered == n, most
+
+
+def most_waiting(protocol_class: Any, n: int) -> tuple[int, int, bool]:
+    """A client that pipelines `n` small GETs as fast as its socket takes them and reads the answers as they come:
+    (the most requests parsed and waiting to be answered at once, the answers it got, whether they came in order)."""
+
+    async def numbered(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = scope["query_string"]
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def go() -> tuple[int, int, bool]:
+        config = uvicorn.Config(numbered, http=protocol_class, log_level="warning")
+        protocol, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        gets = b"".join(b"GET /?%06d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(n))
+        sending = loop.create_task(loop.sock_sendall(client_end, gets))
+        most, got = 0, b""
+        while got.count(b"HTTP/1.1 200") < n:
+            with contextlib.suppress(BlockingIOError):  # (nothing to read yet)
+                got += client_end.recv(1 << 20)
+            most = max(most, len(protocol.pipeline))
+            await asyncio.sleep(0)
+        await sending
+        protocol.transport.close()
+        client_end.close()
+        numbers = [int(x) for x in re.findall(rb"\r\n\r\n(\d{6})", got)]
+        return most, got.count(b"HTTP/1.1 200"), numbers == list(range(n))
+
+    return asyncio.run(asyncio.wait_for(go(), 300))
+
+
+def test_a_client_pipelining_without_end_has_a_bounded_number_of_requests_waiting():
+    """uvicorn parsed every read as it came and resumed reading after each answer: a client pipelining /healthz at
+    ~1.4 MB/s while reading the answers grew a gateway process to 8.6 GB in 100 s (each waiting request a cycle with
+    its scope and headers). The gateway's protocol parses no more while PIPELINE_AHEAD requests wait (what the client
+    sends meanwhile stays in its socket), one slice of requests past it at most; every request is answered, in
+    order."""
+    n, size = 12_000, 34  # ~400 KB: several reads of requests of 34 bytes
+    bound = PIPELINE_AHEAD + READ_SLICE // size + 1
+    most, answered, in_order = most_waiting(HttpToolsProtocol, n)
+    assert most > 4 * bound and answered == n and in_order, most  # uvicorn's: each read parsed as it came
+    most, answered, in_order = most_waiting(bounded_protocol(600.0, 5.0), n)
+    assert most <= bound and answered == n and in_order, most
 
 
 async def early_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
