@@ -40,11 +40,11 @@ import json
 import re
 import secrets
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
 
@@ -126,6 +126,26 @@ class _HeldFlow(FlowControl):
             self.read_paused = False
             if not self.holding:  # (else the protocol resumes it once what it holds is parsed)
                 self._transport.resume_reading()
+
+
+class _Cycle(RequestResponseCycle):
+    """uvicorn's request cycle, except that an answer that starts before its request's body has been read (a 413 from
+    the declared length, a refused upload) says `connection: close`: the connection closes once the rest of the body is
+    dropped (BoundedHttpToolsProtocol.on_response_complete), and a keep-alive client that was not told so sent its next
+    request on it, lost without an answer (httpx: "Server disconnected without sending a response")."""
+
+    async def send(self, message: Any) -> None:
+        if message["type"] != "http.response.start" or self.response_started or not self.more_body:
+            await super().send(message)
+            return
+        headers = list(message.get("headers", []))
+        if any(name.lower() == b"connection" for name, _ in headers):
+            await super().send(message)
+            return
+        await super().send(cast(Any, {**message, "headers": [*headers, (b"connection", b"close")]}))
+        # uvicorn would now close the connection as soon as the answer is written, its body unread, which can reset
+        # the answer: it closes once the body is dropped instead
+        self.keep_alive = True
 
 
 class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
@@ -435,7 +455,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
                 else:
                     self._answer_door(refusal.answer)
                 return
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not None and self.cycle is not before:  # (an upgrade makes none)
+            self.cycle.__class__ = _Cycle  # (not a wrapper holding the cycle: a reference cycle per request)
 
     def _answer_door(self, answer: bytes) -> None:
         """Write the door's refusal; the connection closes now if nothing of the request is left to read."""

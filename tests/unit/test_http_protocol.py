@@ -438,6 +438,29 @@ def test_a_body_answered_before_it_was_read_is_dropped_then_the_connection_close
     assert first.startswith(b"HTTP/1.1 413 ") and after == b""
 
 
+def test_an_answer_before_its_body_was_read_says_that_the_connection_closes():
+    """The connection of an answer given before its body was read closes once the body is dropped; the answer did not
+    say so, and a keep-alive client (httpx) sent its next request on it: lost, "Server disconnected without sending a
+    response". It says `connection: close` now; an answer after its whole body keeps the connection."""
+    first, after = asyncio.run(asyncio.wait_for(answered_early(b"x" * 990, 600.0), 30))
+    assert first.startswith(b"HTTP/1.1 413 ") and b"\r\nconnection: close\r\n" in first.lower() and after == b""
+
+    async def kept() -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0)
+        config = uvicorn.Config(early_app, http=protocol_class, log_level="warning", timeout_keep_alive=600)
+        _, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client_end, b"POST /v1/voices HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+        got = b""
+        while not got.endswith(b"no"):
+            got += await loop.sock_recv(client_end, 65536)
+        client_end.close()
+        return got
+
+    answer = asyncio.run(asyncio.wait_for(kept(), 30))
+    assert answer.startswith(b"HTTP/1.1 413 ") and b"connection:" not in answer.lower()
+
+
 def frames_heard(n: int) -> list[int]:
     """A client that sends its handshake and `n` small text frames in one send (before the 101): the messages the
     WebSocket app got, in order."""
