@@ -268,12 +268,13 @@ class NormalizationPool:
             try:
                 return await asyncio.shield(waiter)  # (a cancelled wrap_future would cancel, so kill, the task)
             except asyncio.CancelledError:
-                # The caller is gone (a session closed, an utterance cancelled). A task not yet running is
-                # dropped; a running one finishes, within its CPU bound, holding its turn until then: ending
-                # its worker would cost a grammar reload, and a client could make that happen at will.
-                if not future.running():
-                    future.cancel()
-                else:
-                    with contextlib.suppress(BaseException):
-                        await waiter
+                # The caller is gone (a session closed, an utterance cancelled). The task finishes, within its CPU
+                # bound, holding its turn until then: ending its worker would cost a grammar reload, and a client
+                # could make that happen at will. It is never cancelled: pebble ends the worker of a cancelled task
+                # that has started, and a task reports running only once its worker has acknowledged it, so a task
+                # cancelled just after it was handed out (a text dropped by a cancel at once: a Speak and Clear
+                # storm) ended its worker all the same, and every other session's texts waited for the grammar to
+                # load again (66 s to a new session's first audio, measured on 2 cores).
+                with contextlib.suppress(BaseException):
+                    await waiter
                 raise

@@ -446,6 +446,33 @@ def test_workers_are_replaced_after_max_tasks():
     assert len(set(pids)) >= 3  # 2 tasks each (the start-up task included): every worker's memory is given back
 
 
+def test_a_text_cancelled_as_soon_as_it_is_handed_out_does_not_end_its_worker():
+    """A text cancelled right after it was handed to a worker (a session's text dropped by a cancel at once: a Speak
+    and Clear storm) was cancelled in pebble, which ends the worker of a cancelled task once the worker has taken it:
+    a grammar reload for every such cancel, which every other session's texts waited for (66 s to a new session's
+    first audio, measured). The task now finishes in its worker, and the worker stays, whenever the cancel comes."""
+    import asyncio
+
+    async def go():
+        pool = _pool()
+        try:
+            before = await pool.run("a", False, os.getpid)
+            # cancelled 1..24 steps of the event loop after it was handed out (the worker takes it meanwhile)
+            for steps in range(1, 25):
+                dropped = asyncio.create_task(pool.run("b", False, time.sleep, 0.1))
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                dropped.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await dropped
+            return before, await pool.run("c", False, os.getpid)
+        finally:
+            pool.close()
+
+    before, after = asyncio.run(asyncio.wait_for(go(), 120))
+    assert after == before
+
+
 def test_a_short_text_gets_a_worker_while_long_ones_hold_the_others(tmp_path):
     """Other sessions make progress while one tenant's long texts are being normalized: its texts hold one
     worker of two (long texts leave one to short ones), whatever it has queued."""
