@@ -7,10 +7,11 @@ Arpabet, in a PLS `<phoneme>` or an ElevenLabs `phoneme` rule) has nothing to ma
 the dictionary is uploaded, naming the grapheme, never dropped in silence.
 
 The store is files, one folder per owner: a dictionary's metadata (`<id>.json`, small) and its rules
-(`<id>.rules.json`, UTF-8), each written whole and renamed into place, rules first. They are read on each lookup,
-so every gateway process sees a dictionary the moment another one has written it; a listing reads only its owner's
-metadata (an owner's hundred dictionaries of thousands of rules are hundreds of MB: reading them all would hold the
-GIL, and every session's event loop, ~1.5 s per listing).
+(`<id>.rules.json`, UTF-8), each written whole and renamed into place, rules first; an owner's new dictionary is
+counted and written under the owner's file lock, so MAX_PER_OWNER holds across gateway processes. They are read
+on each lookup, so every gateway process sees a dictionary the moment another one has written it; a listing reads
+only its owner's metadata (an owner's hundred dictionaries of thousands of rules are hundreds of MB: reading them
+all would hold the GIL, and every session's event loop, ~1.5 s per listing).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -26,7 +28,7 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from defusedxml import ElementTree
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.voices.library import SHARED_RECOVER_AGE_S
 
 MAX_RULES = 5000  # rules in one dictionary
 MAX_TEXT = 256  # characters of a grapheme or an alias
@@ -242,11 +245,32 @@ class LexiconStore:
         self._rules: OrderedDict[tuple[str, str], tuple[tuple[int, int, int], Aliases]] = OrderedDict()
         self._rules_lock = threading.Lock()  # lookups run in worker threads (Gateway.lexicon, the routes)
         root.mkdir(parents=True, exist_ok=True)
+        self._remove_unfinished()
         for legacy in root.glob("pd_*.json"):  # one document per dictionary in `root` itself: moved to its owner's
             lex = self._read_whole(legacy)
             if lex is not None:
                 self._write(lex)
             legacy.unlink(missing_ok=True)
+
+    def _remove_unfinished(self) -> None:
+        """Writes a killed process left unfinished (`.tmp-*`, `_put`) go away; only those older than
+        SHARED_RECOVER_AGE_S: younger ones may be another gateway process's write in progress."""
+        now = time.time()
+        for tmp in self.root.glob("*/.tmp-*"):
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime >= SHARED_RECOVER_AGE_S:
+                    tmp.unlink()
+
+    @contextlib.contextmanager
+    def _owner_lock(self, owner: str) -> Iterator[None]:
+        """The owner's folder, held by one writer at a time in every gateway process (an advisory file lock):
+        the count of its dictionaries and the write of a new one are one step (`add`), so requests at once cannot
+        take an owner past MAX_PER_OWNER."""
+        folder = self._dir(owner)
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # (released when the file closes)
+            yield
 
     def _dir(self, owner: str) -> Path:
         return self.root / (owner or _ANONYMOUS)
@@ -282,11 +306,12 @@ class LexiconStore:
             raise RequestError(G.BAD_LEXICON, "description must be text of at most 1000 characters")
         check_text(name, "the dictionary's name", G.BAD_LEXICON)  # (both are written to a UTF-8 file)
         check_text(description or "", "description", G.BAD_LEXICON)
-        if len(self._ids(owner)) >= MAX_PER_OWNER:
-            raise RequestError(G.BAD_LEXICON, f"at most {MAX_PER_OWNER} dictionaries per key; delete one first")
         lid = "pd_" + secrets.token_hex(8)
         lex = Lexicon(lid, name.strip(), owner, rules, description=description or "", rule_count=len(rules))
-        self._write(lex)
+        with self._owner_lock(owner):
+            if len(self._ids(owner)) >= MAX_PER_OWNER:
+                raise RequestError(G.BAD_LEXICON, f"at most {MAX_PER_OWNER} dictionaries per key; delete one first")
+            self._write(lex)
         return lex
 
     def _ids(self, owner: str) -> builtins.list[str]:

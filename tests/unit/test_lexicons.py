@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import re
 import threading
 import time
@@ -137,6 +138,52 @@ def test_dictionaries_are_per_owner_and_on_disk(tmp_path):
     assert e.value.code == "unknown_lexicon"
     store.delete(lex.id, "alice")
     assert store.list("alice") == []
+
+
+def test_dictionaries_added_at_once_never_take_an_owner_past_the_limit(tmp_path, monkeypatch):
+    """The count and the write are one step under the owner's lock (every gateway process's): requests at once
+    (here 8 threads, each counting slowly) add exactly what the limit leaves room for."""
+    monkeypatch.setattr(lexicons, "MAX_PER_OWNER", 3)
+    store = LexiconStore(tmp_path)
+    count = store._ids
+
+    def slow_count(owner: str) -> list[str]:
+        ids = count(owner)
+        time.sleep(0.05)  # the window in which another request could count the same number
+        return ids
+
+    monkeypatch.setattr(store, "_ids", slow_count)
+    added, refused = [], []
+
+    def add(i: int) -> None:
+        try:
+            added.append(store.add("alice", f"d{i}", [Rule("a", "b")]))
+        except RequestError as e:
+            refused.append(e.code)
+
+    threads = [threading.Thread(target=add, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(added) == 3 and refused == ["bad_lexicon"] * 5
+    assert len(LexiconStore(tmp_path).list("alice")) == 3
+
+
+def test_a_write_left_unfinished_by_a_killed_process_is_removed_at_start_once_old(tmp_path):
+    """A `.tmp-*` file older than SHARED_RECOVER_AGE_S is a killed process's; a younger one may be another
+    gateway process's write in progress and stays."""
+    store = LexiconStore(tmp_path)
+    store.add("alice", "mine", [Rule("a", "b")])
+    folder = tmp_path / "alice"
+    old, young = folder / ".tmp-old", folder / ".tmp-young"
+    old.write_text("[")
+    young.write_text("[")
+    past = time.time() - lexicons.SHARED_RECOVER_AGE_S - 1
+    os.utime(old, (past, past))
+    LexiconStore(tmp_path)
+    assert not old.exists() and young.exists()
+    assert len(LexiconStore(tmp_path).list("alice")) == 1
 
 
 def test_text_with_no_utf8_form_is_a_bad_lexicon_and_nothing_is_written(tmp_path):
