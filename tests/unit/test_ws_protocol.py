@@ -78,6 +78,14 @@ def test_a_read_of_many_small_messages_is_parsed_a_slice_per_step_of_the_event_l
     assert gateway_server(app, GatewaySettings()).config.ws is SlicedWebSocketProtocol  # what the gateway serves
 
 
+async def ws_served(protocol_class: type[WebSocketsSansIOProtocol], app: Any) -> tuple[Any, socket.socket]:
+    """`served` with a WebSocket protocol serving `app`: no compression and no pings of the server's own."""
+    config = uvicorn.Config(
+        app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
+    )
+    return await served(protocol_class, config)
+
+
 def pongs_held(protocol_class: type[WebSocketsSansIOProtocol], pings: int) -> int:
     """A client that sends `pings` pings (125 bytes each), then a text message, and reads nothing: the bytes the
     server's transport holds for it once the app has the message (every ping before it handled)."""
@@ -91,10 +99,7 @@ def pongs_held(protocol_class: type[WebSocketsSansIOProtocol], pings: int) -> in
         await receive()  # (the disconnect)
 
     async def go() -> int:
-        config = uvicorn.Config(
-            app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
-        )
-        protocol, client_end = await served(protocol_class, config)
+        protocol, client_end = await ws_served(protocol_class, app)
         loop = asyncio.get_running_loop()
         ping = Frame(Opcode.PING, b"x" * 125).serialize(mask=True, extensions=[])
         text = Frame(Opcode.TEXT, b"{}").serialize(mask=True, extensions=[])
@@ -127,10 +132,7 @@ def test_a_client_that_reads_gets_a_pong_for_every_ping():
         await receive()  # (the disconnect)
 
     async def go() -> int:
-        config = uvicorn.Config(
-            app, ws=SlicedWebSocketProtocol, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
-        )
-        protocol, client_end = await served(SlicedWebSocketProtocol, config)
+        protocol, client_end = await ws_served(SlicedWebSocketProtocol, app)
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(client_end, HANDSHAKE)
         got = b""
@@ -161,10 +163,7 @@ def fragments_held(protocol_class: type[WebSocketsSansIOProtocol], empty: int) -
         await receive()  # (the disconnect)
 
     async def go() -> int:
-        config = uvicorn.Config(
-            app, ws=protocol_class, ws_per_message_deflate=False, ws_ping_interval=None, log_level="warning"
-        )
-        protocol, client_end = await served(protocol_class, config)
+        protocol, client_end = await ws_served(protocol_class, app)
         loop = asyncio.get_running_loop()
 
         def frame(opcode: Opcode, data: bytes, fin: bool = False) -> bytes:
