@@ -11,13 +11,9 @@ for at most one chunk; with mixed steps (`mixed_prefill`, a GPU) a chunk of up t
 with the decode step instead, one pass over the weights for both (engine/llm/graphs.py MixedGraphs).
 Cancels free the slot before the next step runs. A request's record is a Job (engine/runtime/job.py).
 
-Continuation (engine/frontend/longform.py). A request submitted with `hold` is a non-final chunk: when its
-generation ends, its kept frames go to the gateway (`kept`) and its DAC stream stays open (held) while
-its audio up to the kept end still goes out under its rid. A request that `continues` it takes the stream
-over when admitted: the stream's audio up to the held request's kept end is still the held request's (it is
-finished when that is out), the audio after it the new one's. A
-held stream that nobody continues is flushed (its tail decoded, the request finished) once its player
-would otherwise run dry (`continuation_flush_lead_ms`), or on an `end` record; a cancel drops it.
+Continuation (engine/runtime/continuation.py). A request submitted with `hold` is a non-final chunk: its DAC
+stream stays open for the request that `continues` it; `Streams` keeps which request each stream's audio
+belongs to, holds and flushes those streams and hands a stream over from one request to the next.
 
 Overlap scheduling (`overlap_decode`; on by default with a GPU). The step for iteration
 k+1 is launched before step k's codes are read back: each row's input is its slot's last sampled frame, which
@@ -57,14 +53,14 @@ import numpy as np
 
 from engine.aligner.worker import AlignerBehind
 from engine.contract import records as m
-from engine.contract.constants import EMBED_WAIT_S, HOP, SAMPLE_RATE
+from engine.contract.constants import EMBED_WAIT_S, SAMPLE_RATE
 from engine.contract.errors import EngineError as E
 from engine.contract.rings import ShmRing
-from engine.frontend.longform import trim_chunk_codes
 from engine.llm.node import PendingDecode, Sequence
 from engine.model.transfer import to_device
 from engine.runtime.admission import Gate, RealtimeAdmission
 from engine.runtime.channels import Inboxes, Outboxes, channel_of
+from engine.runtime.continuation import Streams
 from engine.runtime.engine import Engine
 from engine.runtime.job import Job, Refused, job_for
 from engine.runtime.profile import IterationProfiler, node_range
@@ -117,8 +113,8 @@ class Scheduler:
         )
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
-        self.streams: dict[int, Job] = {}  # DAC stream -> the running request its audio belongs to
-        self.held: dict[int, Job] = {}  # DAC stream -> its held request (continuation)
+        # each DAC stream's request, the held ones (continuation, engine/runtime/continuation.py)
+        self.streams = Streams(self.dac, self.outbox, self.admission, settings, self._finish, self._put_audio)
         self.step_times: deque[float] = deque(maxlen=200)
         self.counters = dict.fromkeys(
             (
@@ -185,7 +181,7 @@ class Scheduler:
         self._speaker_results()
         self._aligner_results()
         self._admit()
-        self._flush_held(time.perf_counter())
+        self.streams.flush_held(time.perf_counter())
         t_step = time.perf_counter()
         try:
             self._step()
@@ -374,7 +370,7 @@ class Scheduler:
             job.times.admitted = time.perf_counter()
             self.running[seq.rid] = job
             self.counters["started"] += 1
-            self._open_stream(job)
+            self.streams.open(job, self.running.get(job.chain.continues))
             queue_ms = round((job.times.admitted - job.times.arrival) * 1e3, 2)
             self.outbox.send(seq.rid, m.Started(seq.rid, queue_ms=queue_ms))
         # what live streams could not make room for within max_wait_s is refused, oldest first
@@ -388,38 +384,6 @@ class Scheduler:
                 retry_after_ms=self.admission.retry_after_ms(self._soonest_end_s()),
             )
 
-    def _open_stream(self, job: Job) -> None:
-        """The admitted request's DAC stream: the held one it continues, or a new one."""
-        held = self.running.get(job.chain.continues)
-        prev = self.held.get(held.chain.stream) if held is not None else None
-        track_eos = not job.seq.ignore_eos
-        if prev is not None and prev.seq.rid == job.chain.continues:
-            del self.held[prev.chain.stream]
-            assert prev.chain.end is not None
-            job.chain.stream, job.chain.first_audio = prev.chain.stream, prev.chain.first_audio
-            job.chain.first_frame = prev.chain.end // HOP
-            self.dac.resume(job.chain.stream, hold=job.chain.hold, track_eos=track_eos)
-            prev.chain.successor, job.chain.predecessor = job, prev
-            if prev.chain.samples >= prev.chain.end:  # all its audio is out already
-                self._hand_over(prev, time.perf_counter())
-        else:
-            job.chain.stream = job.seq.rid
-            first = job.chain.first_samples
-            if first is not None:  # its first chunk brings at least what keeps admission open (first_chunk_s)
-                first = max(first, round(self.admission.first_chunk_s(self.dac.schedule.frames) * SAMPLE_RATE))
-            self.dac.open(job.chain.stream, hold=job.chain.hold, track_eos=track_eos, first_samples=first)
-            self.streams[job.chain.stream] = job
-
-    def _hand_over(self, job: Job, now: float) -> None:
-        """A held request's audio is all out: finish it; its successor owns the stream from here on."""
-        nxt = job.chain.successor
-        assert nxt is not None
-        job.chain.successor = nxt.chain.predecessor = None
-        job.chain.continued = True
-        self._finish(job, now)
-        nxt.chain.samples = job.chain.samples
-        self.streams[nxt.chain.stream] = nxt
-
     def _end(self, rid: int) -> None:
         """The continuation of rid's stream ends: a waiting or generating request becomes final, a held
         stream is flushed now."""
@@ -429,62 +393,19 @@ class Scheduler:
                 if j.seq.rid == rid:
                     j.chain.hold = False
             return
-        if not job.chain.hold or job.chain.successor is not None:  # final already, or its stream went on
-            return
-        job.chain.hold = False
-        if self.held.get(job.chain.stream) is job:
-            del self.held[job.chain.stream]
-            job.chain.end = None  # its audio now runs to its end of audio
-            self.dac.flush(job.chain.stream)
-        elif self.streams.get(job.chain.stream) is job:
-            self.dac.make_final(job.chain.stream)
-
-    def _hold(self, job: Job, now: float) -> None:
-        """A non-final chunk's generation ended: send its kept frames, hold its stream for the next."""
-        seq = job.seq
-        frames = self.dac.chunk_frames(job.chain.stream)
-        kept = frames[: self.dac.hold(job.chain.stream, seq.audio_frames)].astype(np.int32)
-        job.chain.end = (job.chain.first_frame + len(kept)) * HOP
-        job.chain.held_at = now
-        self.held[job.chain.stream] = job
-        self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
-
-    def _end_stream(self, job: Job) -> None:
-        """A final request's frames are all in its DAC stream: one that asked (`keep_frames`) gets them, up to
-        its end of audio, before the stream forgets them."""
-        seq = job.seq
-        if job.chain.keep:
-            kept = trim_chunk_codes(self.dac.chunk_frames(job.chain.stream), seq.audio_frames).astype(np.int32)
-            self.outbox.send(seq.rid, m.Kept(seq.rid, kept, eos_frame=seq.audio_frames), force=True)
-        self.dac.finish(job.chain.stream, seq.audio_frames)
-
-    def _flush_held(self, now: float) -> None:
-        """Flush the held streams whose players would run dry before a next chunk's audio could come."""
-        if not self.held:
-            return
-        lead_s = self.settings.continuation_flush_lead_ms / 1e3
-        grace_s = self.settings.continuation_grace_ms / 1e3
-        for key, job in list(self.held.items()):
-            if now - job.chain.held_at < grace_s:  # the gateway sends the next chunk as soon as the kept frames come
-                continue
-            if (
-                not job.chain.first_audio
-                or self.admission.held_s(job.chain.samples / SAMPLE_RATE, job.chain.first_audio, now) < lead_s
-            ):
-                del self.held[key]
-                job.chain.hold, job.chain.end = False, None
-                self.dac.flush(key)
+        self.streams.end(job)
 
     def _min_slack(self, now: float) -> float | None:
         """The smallest slack (the lead its player will have left when its next chunk lands) over the streams
         playing now (admission.py)."""
+        owner = self.streams.owner
         slacks = [
             self.admission.slack_s(
                 self.admission.lead_s(j.chain.samples / SAMPLE_RATE, j.chain.first_audio, now),
                 self.dac.frames_to_next(j.chain.stream),
             )
             for j in self.running.values()
-            if j.chain.first_audio and self.streams.get(j.chain.stream) is j
+            if j.chain.first_audio and owner.get(j.chain.stream) is j
         ]
         return min(slacks) if slacks else None
 
@@ -614,11 +535,12 @@ class Scheduler:
         if budget <= 0:
             return []
         found: list[tuple[int, Job]] = []  # (frames its first call still needs, job)
+        owner = self.streams.owner
         for job in self.running.values():
             seq = job.seq
             if seq.finish_reason is not None or seq.in_prefill or not seq.launched or not self.llm.wants_step(seq):
                 continue
-            if self.streams.get(job.chain.stream) is not job:  # a continued reply's stream: its audio is playing
+            if owner.get(job.chain.stream) is not job:  # a continued reply's stream: its audio is playing
                 continue
             need = self.dac.first_call_need(job.chain.stream)
             if need is not None and seq.launched < need:
@@ -706,9 +628,9 @@ class Scheduler:
             self.dac.push(job.chain.stream, np.stack(rows), eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
                 if job.chain.hold:
-                    self._hold(job, now)
+                    self.streams.hold(job, now)
                 else:
-                    self._end_stream(job)
+                    self.streams.end_stream(job)
                 self._release(job)
         if plain_keys:
             self.dac.push_rows(plain_keys, np.stack(plain_rows))
@@ -771,7 +693,7 @@ class Scheduler:
 
     def _audio(self) -> None:
         """Send the chunks whose DAC calls have landed; launch the ready ones (never waits on the GPU)."""
-        self._send_audio(self.dac.collect())
+        self.streams.send_audio(self.dac.collect())
         if not self.dac.pending() or self.dac.in_flight() >= self.settings.dac_max_in_flight:
             return
         with self.engine.dac_stream(), node_range("dac"):
@@ -781,32 +703,7 @@ class Scheduler:
                 self.settings.dac_min_batch,
                 self.settings.dac_max_hold,
             )
-        self._send_audio(self.dac.collect())  # on a CPU the calls have already run
-
-    def _send_audio(self, items: list[tuple[int, np.ndarray, bool]]) -> None:
-        """Put decoded PCM in the events ring (one doorbell for all of it): each stream's audio to the request
-        it belongs to (a held request's up to its kept end, its successor's after it)."""
-        for key, pcm, final in items:
-            job = self.streams.get(key)
-            if job is None:
-                continue
-            now = time.perf_counter()
-            while (
-                job.chain.successor is not None
-                and job.chain.end is not None
-                and job.chain.samples + len(pcm) >= job.chain.end
-            ):
-                n = max(0, job.chain.end - job.chain.samples)
-                if n and not self._put_audio(job, pcm[:n], now):
-                    break
-                pcm, nxt = pcm[n:], job.chain.successor
-                self._hand_over(job, now)
-                job = nxt
-            else:
-                if (len(pcm) or final) and self._put_audio(job, pcm, now) and final:
-                    self._finish(job, now)
-        if items:
-            self.outbox.notify()
+        self.streams.send_audio(self.dac.collect())  # on a CPU the calls have already run
 
     def _put_audio(self, job: Job, pcm: np.ndarray, now: float) -> bool:
         """One audio record of job; False: the gateway is not reading it (it is cancelled)."""
@@ -827,13 +724,12 @@ class Scheduler:
     def _finish(self, job: Job, now: float) -> None:
         seq = job.seq
         del self.running[seq.rid]
-        if self.streams.get(job.chain.stream) is job:
-            del self.streams[job.chain.stream]
+        self.streams.forget(job)
         if seq.finish_reason is None:  # the audio up to the EOS frame is complete: stop generating now
             seq.finish_reason = "eos"
             # no more frames will reach its stream (the steps in flight are discarded): the dac_decoder forgets
             # it (it kept the stream until told, and a decoder that is never told grows by one per request)
-            self._end_stream(job)
+            self.streams.end_stream(job)
         self._release(job)
         stats = job.stats(now)
         log.info("rid %d done: %s", seq.rid, stats)
@@ -866,7 +762,7 @@ class Scheduler:
                 # overlap: the step in flight still writes its slots; acknowledged once that step is read back
                 self._acks.append((rid, t0, job, slots))
                 ack = False
-            self._cancel_stream(job)
+            self.streams.cancel(job)
         self.outbox.discard(rid)
         self.counters["cancelled"] += 1
         if ack:  # the acknowledgement the gateway waits for (slot already free)
@@ -880,25 +776,6 @@ class Scheduler:
                 ),
                 force=True,
             )
-
-    def _cancel_stream(self, job: Job) -> None:
-        """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
-        left of the cancelled request's audio is dropped with it); else the stream is dropped, and a
-        predecessor still sending its tail is finished with what it sent."""
-        key, nxt, prev = job.chain.stream, job.chain.successor, job.chain.predecessor
-        job.chain.successor = job.chain.predecessor = None
-        if nxt is not None:
-            nxt.chain.predecessor = None
-            nxt.chain.samples = job.chain.samples
-            self.streams[key] = nxt
-            return
-        if self.streams.get(key) is job or prev is not None:
-            self.streams.pop(key, None)
-            self.held.pop(key, None)
-            self.dac.drop(key)
-        if prev is not None:
-            prev.chain.successor = None
-            self._finish(prev, time.perf_counter())
 
     def _error(self, rid: int, code: E, message: str, retry_after_ms: int | None = None) -> None:
         self.outbox.send(rid, m.Error(rid, code, message, retry_after_ms=retry_after_ms), force=True)
