@@ -52,7 +52,7 @@ def engine_main(
         raise SystemExit(1) from e
     ready = m.Ready(**engine.describe(), warmup_s=round(warmup_s, 3))
     log.info("engine ready: %s", ready.info())
-    scheduler.ready = ready
+    scheduler.intake.ready = ready  # said again to a gateway process that resets its channel
     scheduler.outbox.send("ready", ready, force=True)
     scheduler.outbox.flush()
     # Ready, it is stopped by its gateway (a Shutdown record) or with it (the lifeline): a SIGTERM sent to the whole
