@@ -149,7 +149,8 @@ class RealtimeAdmission:
 
     def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """The audio that player holds now (before it starts: all it got, no credit for the prebuffer's wait).
-        A held sentence end is flushed by this (scheduler `_flush_held`), as the continuation settings say."""
+        A held sentence end is flushed by this (continuation.py `Streams.flush_held`), as the continuation
+        settings say."""
         return delivered_s - max(0.0, now - first_audio - self.prebuffer_s)
 
     def is_starting(self, first_audio: float | None, now: float) -> bool:

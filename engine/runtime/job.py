@@ -1,6 +1,7 @@
 """The engine's record of one request: its sequence, its guidance twin, the DAC stream it speaks on (with
 the chain of a continued reply) and the times its stats report; and `job_for`, what a submitted request
-becomes (or why it cannot run). The scheduler owns every Job; nothing else holds one."""
+becomes (or why it cannot run). The scheduler owns every Job: the queues hold them (intake.py adds to its
+`waiting`), and its `Streams` (continuation.py) points each DAC stream at a running one."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ class Guidance:
 
 @dataclass
 class Chain:
-    """The request's part of its DAC stream (continuation, scheduler module docstring)."""
+    """The request's part of its DAC stream (continuation, engine/runtime/continuation.py)."""
 
     hold: bool = False  # a non-final chunk: its end keeps the stream open
     continues: int = 0  # the rid of the held request whose stream it takes over (0: none)
