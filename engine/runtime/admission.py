@@ -60,6 +60,22 @@ class RealtimeAdmission:
     _costs: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # its period per stream
     _plain: deque[float] = field(default_factory=lambda: deque(maxlen=PERIOD_WINDOW))  # iterations with no prefill
 
+    @classmethod
+    def for_engine(cls, settings: EngineSettings, on_gpu: bool) -> RealtimeAdmission:
+        """The engine's admission, from its settings: `admission` realtime (these gates), slots (whenever a
+        decode slot is free: the gates are off) or auto (realtime on a GPU, else slots)."""
+        mode = settings.admission if settings.admission != "auto" else ("realtime" if on_gpu else "slots")
+        if mode not in ("realtime", "slots"):
+            raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
+        return cls(
+            settings.admission_headroom,
+            settings.admission_max_wait_s,
+            lead_floor_s=settings.admission_lead_floor_ms / 1e3,
+            prebuffer_s=settings.admission_prebuffer_ms / 1e3,
+            max_starting=settings.admission_max_starting,
+            enabled=mode == "realtime",
+        )
+
     def __post_init__(self) -> None:
         if not 0 < self.headroom <= 1.0:
             raise ValueError("admission headroom must be in (0, 1]")

@@ -92,23 +92,12 @@ class Scheduler:
         self.settings = settings = engine.settings
         self.llm = engine.llm
         self.dac = engine.dac
-        self.speaker = engine.speaker
         # one channel (a request ring and an events ring) per gateway process (engine/runtime/channels.py)
         self.inbox = Inboxes(inbox if isinstance(inbox, list) else [inbox])
         self.outbox = Outboxes(
             outbox_ring if isinstance(outbox_ring, list) else [outbox_ring], settings.outbox_bytes_per_request
         )
-        mode = settings.admission if settings.admission != "auto" else ("realtime" if engine.on_gpu else "slots")
-        if mode not in ("realtime", "slots"):
-            raise ValueError(f"admission must be realtime, slots or auto, not {settings.admission!r}")
-        self.admission = RealtimeAdmission(
-            settings.admission_headroom,
-            settings.admission_max_wait_s,
-            lead_floor_s=settings.admission_lead_floor_ms / 1e3,
-            prebuffer_s=settings.admission_prebuffer_ms / 1e3,
-            max_starting=settings.admission_max_starting,
-            enabled=mode == "realtime",
-        )
+        self.admission = RealtimeAdmission.for_engine(settings, engine.on_gpu)
         self.waiting: deque[Job] = deque()
         self.running: dict[int, Job] = {}
         # each DAC stream's request, the held ones (continuation, engine/runtime/continuation.py)
