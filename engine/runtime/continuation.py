@@ -31,8 +31,11 @@ from engine.runtime.admission import RealtimeAdmission
 from engine.runtime.channels import Outboxes
 from engine.runtime.job import Job
 
-Finish = Callable[[Job, float], None]  # the request's audio is all out (now): it is finished
-PutAudio = Callable[[Job, np.ndarray, float], bool]  # one audio record of the request; False: nobody reads it
+# the request's audio is all out (now): finish it (the scheduler's `_finish`, which calls `forget`)
+Finish = Callable[[Job, float], None]
+# one audio record of the request (the scheduler's `_put_audio`), counted in `job.chain.samples`, which the
+# routing reads; False: the gateway is not reading it, and the request was cancelled
+PutAudio = Callable[[Job, np.ndarray, float], bool]
 
 
 class Streams:

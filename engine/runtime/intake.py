@@ -2,8 +2,8 @@
 and alignments asked for, a channel's reset, the shutdown) and the answers of the side nodes (the
 speaker_encoder's embeddings, the aligner's word times).
 
-Its own module so that a new record type, or a new check on a request, is added in one place without reading
-the engine loop (engine/runtime/scheduler.py). A submitted request becomes a waiting Job (engine/runtime/job.py)
+Its own module so that a new record type, or a change to what one becomes, is made in one place without
+reading the engine loop (engine/runtime/scheduler.py). A submitted request becomes a waiting Job (engine/runtime/job.py)
 or an error record; the scheduler owns the queues (`waiting`, `running`) and is asked, through the callables
 it hands over, to cancel a request, end a continuation, or send an error. A bad record is its request's
 error, never the engine's end.
