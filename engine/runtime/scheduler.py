@@ -28,7 +28,7 @@ sampler's noise is keyed by (seed, frame, codebook, token) and a slot's state is
 seeded output is the same with and without overlap.
 
 First-audio sprints (`first_audio_sprints`; 1 with a GPU). After the step, up to that many more decode steps
-carry only the streams whose first DAC call still waits for frames (`_sprint_rows`), while the iteration with
+carry only the streams whose first DAC call still waits for frames (step.py `sprint_rows`), while the iteration with
 them stays under admission's bound (`RealtimeAdmission.may_sprint`) and no newcomer waits for room: each follows
 the step on the device like an overlapped one, so those streams get two frames an iteration. The steps of one
 iteration are read back in launch order; a row of a request that ended on an earlier one is discarded
@@ -63,7 +63,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.intake import Intake
 from engine.runtime.job import Job
 from engine.runtime.profile import IterationProfiler, node_range
-from engine.runtime.step import StepPlan, prefill_order, prompt_chunks
+from engine.runtime.step import Planner, StepPlan, sprint_rows
 
 log = logging.getLogger("engine")
 
@@ -71,9 +71,6 @@ SLOW_ITERATION_S = 0.25  # an iteration (or a pause of the decode steps) this lo
 SLOW_LOG_INTERVAL_S = 10.0  # at most one slow-iteration line this often
 HOL_GRACE_S = 1.0  # a request that needs more slots than are free lets smaller ones pass this long, then waits first
 PACED_NAP_S = 5e-4  # an iteration paused for the dac_decoder, with nothing else to read back, sleeps this long
-# rows of one first-audio sprint step at most: a decode step costs about the same from 1 to 16 rows (the weights'
-# read sets it; docs/benchmarks.md "Decode step"), more would make the sprint a second full step
-SPRINT_MAX_ROWS = 16
 # the admission gates that, holding a newcomer, keep the sprints out (`_door_held`): they wait for the iteration's room
 SPRINT_YIELDS_TO = frozenset({Gate.SLACK, Gate.PERIOD, Gate.DAC_BEHIND})
 
@@ -99,6 +96,7 @@ class Scheduler:
         )
         self.admission = RealtimeAdmission.for_engine(settings, engine.on_gpu)
         self.waiting: deque[Job] = deque()
+        self.planner = Planner.for_node(settings, self.llm)  # the step's plan (engine/runtime/step.py)
         self.running: dict[int, Job] = {}
         # each DAC stream's request, the held ones (continuation, engine/runtime/continuation.py)
         self.streams = Streams(self.dac, self.outbox, self.admission, settings, self._finish, self._put_audio)
@@ -343,28 +341,11 @@ class Scheduler:
             self.profiler.iteration(len(plan.decode))
 
     def _plan(self, now: float) -> StepPlan:
-        """This iteration's decode rows and prompt chunks. A guided request's twin decodes in lockstep with it
-        (the request's frame budget decides for both); no new frames (no decode step, no prefill) while the
-        audio decoder is behind (admission.py)."""
+        """This iteration's decode rows and prompt chunks (`Planner.plan`); whether it is paced is decided here
+        (`_paced` counts the pauses and logs a long one)."""
         jobs = [j for j in self.running.values() if j.seq.finish_reason is None]
-        live = bool(jobs)
-        paced = live and self._paced()
-        if paced:
-            return StepPlan([], [], paced=True, live=True)
-        decode = [s for j in jobs if self.llm.wants_step(j.seq) for s in j.rows if not s.in_prefill]
-        mixing = self.llm.mixed and bool(decode)  # a prompt rides along with the step: a smaller chunk each
-        budget = min(self.settings.prefill_chunk, self.llm.max_mixed_frames if mixing else self.llm.max_prefill_frames)
-        chunks: list[tuple[Sequence, int]] = []
-        for job in prefill_order(jobs):
-            if budget <= 0:
-                break
-            part = prompt_chunks(job, budget)
-            chunks += part
-            budget -= sum(n for _, n in part)
-        mixed = mixing and self.llm.can_mix(decode, chunks)
-        if chunks and not mixed and self._group_prefill(chunks, len(decode), now):
-            chunks = []
-        return StepPlan(decode, chunks, paced=False, live=live, mixed=mixed)
+        paced = bool(jobs) and self._paced()
+        return self.planner.plan(jobs, paced, self.llm.wants_step, self.llm.can_mix, now)
 
     def _launch_decode(self, plan: StepPlan, t0: float) -> list[PendingDecode]:
         """Launch the plan's decode step (a mixed one carries its prompt chunks too) and this iteration's
@@ -396,30 +377,10 @@ class Scheduler:
         return launched
 
     def _sprint_rows(self, decoding: int) -> list[Sequence]:
-        """The rows of a first-audio sprint step: the streams whose first DAC call still waits for frames (with a
-        frame already launched, so the step follows it on the device), nearest to that call first, a guided
-        request with its twin; at most SPRINT_MAX_ROWS and half the `decoding` rows of the iteration's step
-        (a sprint of every row would be just another step: no stream would gain on the others)."""
-        budget = min(SPRINT_MAX_ROWS, decoding // 2)
-        if budget <= 0:
-            return []
-        found: list[tuple[int, Job]] = []  # (frames its first call still needs, job)
-        owner = self.streams.owner
-        for job in self.running.values():
-            seq = job.seq
-            if seq.finish_reason is not None or seq.in_prefill or not seq.launched or not self.llm.wants_step(seq):
-                continue
-            if owner.get(job.chain.stream) is not job:  # a continued reply's stream: its audio is playing
-                continue
-            need = self.dac.first_call_need(job.chain.stream)
-            if need is not None and seq.launched < need:
-                found.append((need - seq.launched, job))
-        rows: list[Sequence] = []
-        for _, job in sorted(found, key=lambda f: f[0]):
-            if len(rows) + len(job.rows) > budget:
-                break
-            rows += job.rows
-        return rows
+        """The rows of a first-audio sprint step (step.py `sprint_rows`) beside `decoding` rows of the step."""
+        return sprint_rows(
+            self.running.values(), decoding, self.llm.wants_step, self.streams.owner, self.dac.first_call_need
+        )
 
     def _read_back(self, pending: list[PendingDecode], paced: bool) -> list[tuple[Sequence, np.ndarray]]:
         """The codes of the decode steps and of the prefill launched before, in launch order (cancels whose slots
@@ -547,18 +508,6 @@ class Scheduler:
                 log.exception("the decode step in flight failed too")
                 self.llm.abandon(pending)
         self._send_acks()
-
-    def _group_prefill(self, chunks: list[tuple[Sequence, int]], streams: int, now: float) -> bool:
-        """Hold a small prefill back for a few iterations under load, so arrivals share one call: a packed
-        prefill reads nearly every expert's weights whatever its length (one clone prompt ~5.6 ms on an
-        H200, four ~8.1 ms), and at 100+ streams a prompt arrives every few iterations."""
-        wait_s = self.settings.prefill_group_wait_ms / 1e3
-        if not wait_s or streams < self.settings.prefill_group_min_streams:
-            return False
-        if sum(n for _, n in chunks) >= self.settings.prefill_group_frames:
-            return False
-        oldest = min(self.running[seq.rid].times.admitted for seq, _ in chunks if seq.rid in self.running)
-        return now - oldest < wait_s
 
     def _audio(self) -> None:
         """Send the chunks whose DAC calls have landed; launch the ready ones (never waits on the GPU)."""
