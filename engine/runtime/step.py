@@ -103,14 +103,14 @@ class Planner:
         mixing = self.mixes and bool(decode)  # a prompt rides along with the step: a smaller chunk each
         budget = self.mixed_budget if mixing else self.prefill_budget
         chunks: list[tuple[Sequence, int]] = []
-        oldest: float | None = None  # the earliest admission of a request whose prompt has a chunk here
+        oldest: float | None = None  # the earliest admission among the jobs with a chunk here
         for job in prefill_order(jobs):
             if budget <= 0:
                 break
             part = prompt_chunks(job, budget)
             chunks += part
             budget -= sum(n for _, n in part)
-            if part and part[0][0] is job.seq:
+            if part:  # (a twin's chunk alone counts its request's admission: the pair was admitted together)
                 oldest = job.times.admitted if oldest is None else min(oldest, job.times.admitted)
         mixed = mixing and can_mix(decode, chunks)
         if chunks and not mixed and self.hold_prefill(chunks, len(decode), oldest, now):
@@ -121,13 +121,12 @@ class Planner:
         """Hold a small prefill back for a few iterations under load, so arrivals share one call: a packed
         prefill reads nearly every expert's weights whatever its length (one clone prompt ~5.6 ms on an
         H200, four ~8.1 ms), and at 100+ streams a prompt arrives every few iterations. `oldest`: when the
-        longest-waiting request among the chunks was admitted."""
+        longest-waiting request among the chunks was admitted (None: no chunks)."""
         if not self.group_wait_s or streams < self.group_min_streams:
             return False
         if sum(n for _, n in chunks) >= self.group_frames:
             return False
-        assert oldest is not None, "min() arg is an empty sequence"
-        return now - oldest < self.group_wait_s
+        return oldest is not None and now - oldest < self.group_wait_s
 
 
 def sprint_rows(

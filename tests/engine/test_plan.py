@@ -194,6 +194,17 @@ def test_a_prefill_goes_at_once_when_big_enough_light_load_mixed_or_grouping_off
     assert _planner(wait_ms=20).plan(pairs, False, _wants_step, _mix(True), now).prefill == []
 
 
+def test_a_twins_chunk_alone_is_held_and_let_go_by_its_requests_admission() -> None:
+    """A guided request one frame from its prompt's end with its twin's longer rest: the plan's only chunk is the
+    twin's (the request keeps its frame back until both fit). With a prefill chunk under the grouping's size that
+    chunk is small and under load it waits too, dated by its request's admission (before: the step failed, every
+    running request with it, finding no request among the chunks)."""
+    planner = _planner(prefill=128, wait_ms=20, min_streams=4)
+    jobs = [*_loaded(4), _job(1, 700, prefilled=699, twin=650, twin_prefilled=69, admitted=1.0)]
+    assert planner.plan(jobs, False, _wants_step, _mix(True), now=1.005).prefill == []
+    assert _chunks(planner.plan(jobs, False, _wants_step, _mix(True), now=1.021).prefill) == [(-1, 128)]
+
+
 # ---- first-audio sprints ------------------------------------------------------------------------------
 
 
