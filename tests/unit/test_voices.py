@@ -688,6 +688,17 @@ def test_rename_delete_and_reuse_the_name(server):
 
 
 @pytest.mark.slow
+def test_a_head_request_reads_a_voice_and_never_deletes_it(server):
+    v = created(upload_embedding(server, npy(rand(43)), "tv head"))
+    for ref in (v["id"], "tv head"):
+        r = httpx.head(server.url + f"/v1/voices/{ref}")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json", r
+    assert httpx.get(server.url + f"/v1/voices/{v['id']}").json()["name"] == "tv head"  # (HEAD deleted it)
+    assert httpx.head(server.url + "/v1/voices/tv no such voice").status_code == 404
+    assert httpx.delete(server.url + f"/v1/voices/{v['id']}").json() == {"deleted": v["id"]}
+
+
+@pytest.mark.slow
 def test_voice_by_name_over_websocket(server):
     v = created(upload_embedding(server, npy(rand(51)), "tv ws voice"))
 
