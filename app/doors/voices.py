@@ -210,13 +210,15 @@ async def voice_detail(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     ref = request.path_params["voice"]
     owner = _owner(request)
-    if request.method == "GET":
-        return JSONResponse(gw.voices.get(ref, owner).public())
     if request.method == "PATCH":
         data = await read_json(request, 4096)
         return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
-    v = gw.voices.delete(ref, owner)
-    return JSONResponse({"deleted": v.id})
+    if request.method == "DELETE":
+        v = gw.voices.delete(ref, owner)
+        return JSONResponse({"deleted": v.id})
+    # GET, and HEAD, which Starlette routes wherever GET is allowed (it used to fall through to the delete:
+    # `curl -I`, a link checker or a proxy's HEAD deleted the voice)
+    return JSONResponse(gw.voices.get(ref, owner).public())
 
 
 async def voice_embedding(request: Request) -> Response:

@@ -27,7 +27,7 @@ import time
 import zipfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import Any, BinaryIO, cast
 
 import numpy as np
 
@@ -111,6 +111,22 @@ def _zip_directory_bytes(data: bytes) -> int | None:
     if at >= 20 and data[at - 20 : at - 16] == _ZIP64_LOCATOR:
         return 1 << 64
     return int.from_bytes(data[at + 12 : at + 16], "little")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_text(obj: dict[str, Any]) -> dict[str, Any]:
+    """A JSON object of meta.json with every lone surrogate in its keys and strings replaced by U+FFFD."""
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, str):
+            return _SURROGATE.sub("\ufffd", x)
+        if isinstance(x, list):
+            return [fix(i) for i in x]
+        return x
+
+    return {fix(k): fix(v) for k, v in obj.items()}
 
 
 def _read_npy(fp: BinaryIO, max_bytes: int) -> np.ndarray:
@@ -275,7 +291,9 @@ class VoiceStore:
 
     def _read_folder(self, d: Path) -> Voice | None:
         try:
-            meta = json.loads((d / "meta.json").read_text())
+            # "\\ud800" escapes are valid JSON but no text: a folder written before the names in `details` were
+            # checked (or by hand) would make every listing of the library fail to encode; they read as U+FFFD
+            meta = json.loads((d / "meta.json").read_text(), object_hook=_valid_text)
             if not isinstance(meta, dict) or meta.get("id") != d.name:
                 raise ValueError(f"meta.json names voice {meta.get('id') if isinstance(meta, dict) else meta!r}")
             emb = np.load(d / "embedding.npy", allow_pickle=False).astype(np.float32)

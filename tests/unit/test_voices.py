@@ -688,6 +688,17 @@ def test_rename_delete_and_reuse_the_name(server):
 
 
 @pytest.mark.slow
+def test_a_head_request_reads_a_voice_and_never_deletes_it(server):
+    v = created(upload_embedding(server, npy(rand(43)), "tv head"))
+    for ref in (v["id"], "tv head"):
+        r = httpx.head(server.url + f"/v1/voices/{ref}")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json", r
+    assert httpx.get(server.url + f"/v1/voices/{v['id']}").json()["name"] == "tv head"  # (HEAD deleted it)
+    assert httpx.head(server.url + "/v1/voices/tv no such voice").status_code == 404
+    assert httpx.delete(server.url + f"/v1/voices/{v['id']}").json() == {"deleted": v["id"]}
+
+
+@pytest.mark.slow
 def test_voice_by_name_over_websocket(server):
     v = created(upload_embedding(server, npy(rand(51)), "tv ws voice"))
 
@@ -936,3 +947,23 @@ def test_embedding_files_are_parsed_off_the_event_loop(tmp_path, monkeypatch):
     assert stored.created and gw.voices.get("Ada", "").id == stored.voice.id
     assert inline is not None and np.allclose(inline.embedding, 1.0)
     assert len(threads) == 2 and loop_thread not in threads
+
+
+def test_a_lone_surrogate_in_a_stored_meta_json_does_not_break_the_listing(tmp_path):
+    """A folder written before the reference's speaker file names were checked (`"original_name":
+    "e\\udfff.npy"`, valid JSON, no text) made every GET /v1/voices and /tts/speakers a 500 for everyone: the
+    voice now loads with U+FFFD in its place, and its public form encodes as UTF-8."""
+    from starlette.responses import JSONResponse
+
+    store = VoiceStore(tmp_path, DIM)
+    add(store, "v_old", "Old", seed=1)
+    meta_file = tmp_path / "v_old" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["details"] = {"original_name": "e\udfff.npy", "clips": ["a\ud800", {"\udc00k": "v"}]}
+    meta_file.write_text(json.dumps(meta))  # ensure_ascii: written as "\udfff" escapes, as the old build did
+
+    reloaded = VoiceStore(tmp_path, DIM)
+    (v,) = reloaded.list("")
+    assert v.id == "v_old" and v.details == {"original_name": "e\ufffd.npy", "clips": ["a\ufffd", {"\ufffdk": "v"}]}
+    body = JSONResponse({"voices": [x.public() for x in reloaded.list("")]}).body  # raised UnicodeEncodeError
+    assert "e\ufffd.npy" in body.decode("utf-8")
