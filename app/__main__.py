@@ -10,6 +10,7 @@ import sys
 
 from app.settings import GatewaySettings, Limits, loopback
 from app.workers import default_workers, serve_workers
+from engine.contract.cpus import gateway_cpus, pin, split_cpus
 from engine.contract.flags import add_flags, values
 from engine.contract.settings import EngineSettings, WeightSources, visible_gpus
 
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         gateway["api_keys"] += tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
         gateway["log_level"] = gateway["log_level"].upper()
         settings = GatewaySettings(weights=weights, engine=engine, devices=tuple(devices), limits=limits, **gateway)
+        if engine.cpus is not None:  # CPUs this process may run on, one at least left to the gateways
+            split_cpus(engine.cpus)
     except ValueError as e:  # a value outside its flag's bounds: the message names the flag and its range
         p.error(str(e))
 
@@ -111,7 +114,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    workers = settings.workers or default_workers()
+    workers = settings.workers or default_workers()  # from the CPUs it was started on, --engine-cpus or not
+    if settings.engine.cpu_set is not None:
+        # this process (the gateway, or the supervisor of several) and all it starts on the CPUs the engines leave;
+        # each engine process takes its own at its start (engine/runtime/entry.py)
+        pin(gateway_cpus(settings.engine.cpu_set))
     if workers > 1:  # the supervisor of several gateway processes (app/workers.py)
         sys.exit(serve_workers(settings, workers))
     from app.server import create_app, run_server

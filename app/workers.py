@@ -40,6 +40,7 @@ from app.core.gateway import engine_settings
 from app.core.shared import SharedCounts
 from app.settings import GatewaySettings, usable_cpus
 from engine.contract import records as m
+from engine.contract.cpus import gateway_cpus, pin
 from engine.contract.lifeline import Lifeline, close_quietly, open_lifeline, watch_parent
 from engine.contract.process import run_engine
 from engine.contract.rings import ShmRing
@@ -351,6 +352,8 @@ def gateway_process_main(
     """One gateway process (multiprocessing's spawn target): the app on the supervisor's listening socket (a
     copy of its descriptor, `listening_socket`), its engines attached through `conn`. It exits when the
     supervisor is gone."""
+    if settings.engine.cpu_set is not None:  # --engine-cpus: off the engines' CPUs, before any thread or pool starts
+        pin(gateway_cpus(settings.engine.cpu_set))
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s gateway-{channel} %(name)s %(levelname)s %(message)s"
     )

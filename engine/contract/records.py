@@ -517,6 +517,7 @@ class Ready(Record):
     pid: int
     warmup_s: float
     aligner: bool = False  # an aligner is loaded: `align` records are answered
+    cpus: str = ""  # the CPUs the engine process runs on (its affinity, as --engine-cpus set it); "": not Linux
 
     def info(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}

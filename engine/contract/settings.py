@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.contract.cpus import parse_cpu_list
 from engine.contract.flags import check, flag
 from engine.contract.records import SEED_LIMIT
 
@@ -109,6 +110,18 @@ class EngineSettings:
     dac_device: str | None = field(
         default=None,
         metadata=flag("run the dac_decoder node on another device (default: with the LLM)", metavar="DEVICE"),
+    )
+    # the engine processes on CPUs of their own, every other process on the rest (engine/contract/cpus.py); with
+    # several engines (--devices) they share the list. Unset: no pinning (its effect on storms is not measured yet)
+    cpus: str | None = field(
+        default=None,
+        metadata=flag(
+            "run the engine processes (all their threads) on these CPUs and every gateway process (and its workers) "
+            "on the others this process may use: a CPU list as taskset takes it, e.g. 7 or 6-7 (several engines, "
+            "--devices: they share it); default: no pinning",
+            name="engine-cpus",
+            metavar="LIST",
+        ),
     )
     max_batch: int | None = field(
         default=None,
@@ -340,6 +353,13 @@ class EngineSettings:
 
     def __post_init__(self) -> None:
         check(self)
+        if self.cpus is not None:
+            parse_cpu_list(self.cpus)  # its syntax; whether the CPUs are this process's: split_cpus, at start
+
+    @property
+    def cpu_set(self) -> frozenset[int] | None:
+        """--engine-cpus' CPUs, None when unset (no pinning)."""
+        return None if self.cpus is None else parse_cpu_list(self.cpus)
 
 
 def visible_gpus() -> int:

@@ -8,6 +8,7 @@ import os
 import signal
 
 from engine.contract import records as m
+from engine.contract.cpus import pin
 from engine.contract.errors import EngineError as E
 from engine.contract.lifeline import Lifeline, watch_parent
 from engine.contract.rings import RingSpec, ShmRing
@@ -28,6 +29,12 @@ def engine_main(
     process that started it dies (`lifeline`, engine/contract/lifeline.py), the engine unlinks every ring
     and exits."""
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(message)s")
+    if settings.cpu_set is not None:  # --engine-cpus: before any thread starts, so that every one runs there
+        try:
+            pin(settings.cpu_set)
+        except OSError as e:
+            log.error("engine cannot run on --engine-cpus %s: %s", settings.cpus, e)
+            raise SystemExit(1) from e
     watch_parent(lifeline, lambda: [unlink_segment(s.name) for pair in channels for s in pair])
     # Before torch loads its OpenMP runtime, which reads this once: an idle OpenMP thread spins (GOMP_SPINCOUNT
     # 300000) before it sleeps, holding a core that the host's gateway processes (or, on a CPU, the thread with
