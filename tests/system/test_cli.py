@@ -540,6 +540,8 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
         (["--idle-timeout", "-1"], "--idle-timeout-s must be a number in (0, 86400]"),
         (["--max-sessions", "0"], "--max-sessions must be an integer in 1..1000000"),
         (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
+        (["--engine-cpus", "3-1"], "--engine-cpus: '3-1' is not a range of CPUs"),
+        (["--engine-cpus", "0-"], "--engine-cpus must be a CPU list such as 3, 0-1 or 2,5-6, got '0-'"),
     ],
 )
 def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv, needle):
@@ -572,6 +574,7 @@ def test_settings_built_in_code_are_checked_as_the_flags_are():
         lambda: Limits(max_frames=0),
         lambda: WeightSources(random_preset="huge"),
         lambda: GatewaySettings(workers=-1),
+        lambda: EngineSettings(cpus="0,x"),
     ):
         with pytest.raises(ValueError, match=r"^--"):
             build()
@@ -656,6 +659,7 @@ def test_app_help_lists_every_flag():
         "--api-key",
         "--dac-max-in-flight",
         "--outbox-bytes-per-request",
+        "--engine-cpus",
     ):
         assert name in r.stdout, name
     assert "decode slots (default: 256 on a GPU" in " ".join(r.stdout.split())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import websockets
 
+from engine.contract.cpus import format_cpu_list
 from engine.contract.segments import _SHM_DIR
 from tests.conftest import ROOT, ServerProcess
 
@@ -475,3 +476,95 @@ def test_a_port_in_use_is_one_clear_error_before_any_serving_line(tmp_path, work
     assert out.returncode == 3, (out.stdout, out.stderr[-2000:])
     assert "serving on" not in out.stdout
     assert "cannot bind" in out.stderr and str(port) in out.stderr
+
+
+# ---- --engine-cpus (engine/contract/cpus.py): the engine on its CPUs, every other process on the rest ---------
+_CPUS = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+needs_two_cpus = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or len(_CPUS) < 2,
+    reason="--engine-cpus needs Linux and two CPUs in this process's affinity (one for the engine, one left)",
+)
+
+
+def _descendants(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent_is(int(p), parent)]
+        found.update(children)
+        todo.extend(children)
+    return found
+
+
+def _threads_cpus(pid: int) -> dict[int, set[int]]:
+    """The CPUs each thread of `pid` may run on (Linux keeps one affinity per thread)."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            out[int(tid)] = set(os.sched_getaffinity(int(tid)))
+    return out
+
+
+@needs_two_cpus
+@pytest.mark.parametrize("workers", [1, 2])
+def test_engine_cpus_pin_the_engine_and_leave_every_other_process_the_rest(tmp_path, workers):
+    """With --engine-cpus, every thread of the engine process runs on those CPUs, and every thread of every other
+    process of the server (the supervisor, the gateway processes, what they start; with one process, the gateway)
+    on the others; /readyz says both. An engine started again after its death takes its CPUs again."""
+    engine_cpu = _CPUS[-1]
+    rest = set(_CPUS) - {engine_cpu}
+    srv = ServerProcess(tmp_path / "data", "--workers", str(workers), "--engine-cpus", str(engine_cpu))
+    try:
+        srv.wait_ready()
+        if workers == 1:  # one process: no x-gateway-process header
+            seen = {0: httpx.get(srv.url + "/readyz", timeout=10)}
+        else:
+            seen = answer_from(srv.url, "/readyz", workers)
+        assert set(seen) == set(range(workers))
+        ready = seen[0].json()
+        engine_pid = ready["engine"]["pid"]
+        assert ready["engine"]["cpus"] == str(engine_cpu)
+        assert {r.json()["gateway"]["cpus"] for r in seen.values()} == {format_cpu_list(rest)}
+        gateway_pids = {r.json()["gateway"]["pid"] for r in seen.values()}
+        processes = _descendants(srv.proc.pid) | {srv.proc.pid}  # with one process, srv.proc is the gateway
+        assert engine_pid in processes and gateway_pids <= processes, (engine_pid, gateway_pids, processes)
+        for pid in processes:
+            want = {engine_cpu} if pid == engine_pid else rest
+            threads = _threads_cpus(pid)
+            assert threads and all(cpus == want for cpus in threads.values()), (pid, engine_pid, threads)
+        # the engine dies: the supervisor's new one takes its CPUs again
+        os.kill(engine_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 180
+        while True:
+            assert time.monotonic() < deadline, "the engine never came back"
+            with contextlib.suppress(httpx.HTTPError):
+                r = httpx.get(srv.url + "/readyz", timeout=5)
+                if r.status_code == 200 and r.json()["engine"]["pid"] != engine_pid:
+                    break
+            time.sleep(0.5)
+        new_engine = r.json()["engine"]
+        assert new_engine["cpus"] == str(engine_cpu)
+        assert all(cpus == {engine_cpu} for cpus in _threads_cpus(new_engine["pid"]).values())
+    finally:
+        srv.stop()
+
+
+@needs_two_cpus
+def test_engine_cpus_a_process_may_not_give_are_refused_at_start(tmp_path):
+    """--engine-cpus naming a CPU outside the server's affinity, or all of them, ends it at once with a usage error
+    naming the flag, before anything is served."""
+    for value, needle in (
+        (str(_CPUS[-1] + 1), f"CPU {_CPUS[-1] + 1} is not one this process may run on"),
+        (format_cpu_list(_CPUS), "leaves no CPU for the gateway processes"),
+        ("2-1", "is not a range of CPUs"),
+    ):  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "app", "--port", "0", "--data-dir", str(tmp_path), "--engine-cpus", value],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, (value, out.stdout, out.stderr[-2000:])
+        assert "serving on" not in out.stdout
+        assert "--engine-cpus" in out.stderr and needle in out.stderr, (value, out.stderr[-2000:])
