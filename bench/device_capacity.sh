@@ -33,6 +33,12 @@
 # processes then no longer take the gateways' cores (their wall-clock collector pauses and refusal latency then
 # measure the server, and the clients' loop lag their own cores); the gateway's --workers default follows the
 # server's CPUs (one per four).
+# ENGINE_CPUS (a CPU list within SERVER_CPUS, e.g. SERVER_CPUS=0-7 ENGINE_CPUS=7) adds --engine-cpus: the engine process
+# (its loop and side threads) runs on those CPUs alone, the gateway processes and their workers on the rest of the
+# server's (docs/architecture.md "CPUs"); /readyz's engine.cpus and gateway.cpus say where each runs. Its effect is
+# not measured yet: A/B a storm with and without it on the same machine (e.g. STORM_DISTINCT=512 with the same
+# SERVER_CPUS, SERVER_ARGS and --workers, ENGINE_CPUS=7 and unset) and compare stall-free share, the server's stall
+# count and the engine's loop_preempted.
 set -uo pipefail
 source "$(dirname "$0")/device_env.sh"
 planned=2  # run.log, capacity_clone.json
@@ -53,7 +59,8 @@ profile=(); [ ${#plevels[@]} -gt 0 ] && profile=(ZONOS_PROFILE="$OUT/iteration_p
   ZONOS_PROFILE_STREAMS="${pthresholds[*]}")
 SERVER_PIN=(); [ -n "${SERVER_CPUS:-}" ] && SERVER_PIN=(taskset -c "$SERVER_CPUS")
 CLIENT_PIN=""; [ -n "${CLIENT_CPUS:-}" ] && CLIENT_PIN="taskset -c $CLIENT_CPUS"
-env "${profile[@]}" "${SERVER_PIN[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization ${SERVER_ARGS:-} \
+ENGINE_PIN=(); [ -n "${ENGINE_CPUS:-}" ] && ENGINE_PIN=(--engine-cpus "$ENGINE_CPUS")
+env "${profile[@]}" "${SERVER_PIN[@]}" python3 -m app --random-weights full --port 8000 --data-dir /tmp/data --no-text-normalization "${ENGINE_PIN[@]}" ${SERVER_ARGS:-} \
   > /tmp/server.log 2>&1 &
 server=$!
 # TESTS= (empty) runs no tests
