@@ -147,9 +147,10 @@ class Streams:
                 self.dac.flush(key)
 
     def cancel(self, job: Job) -> None:
-        """A cancelled request's part of its DAC stream: a successor takes a stream over at once (what was
-        left of the cancelled request's audio is dropped with it); else the stream is dropped, and a
-        predecessor still sending its tail is finished with what it sent."""
+        """A cancelled request's part of its DAC stream: a successor takes the stream over at once (the stream's
+        audio not yet sent, the rest of the cancelled request's tail included, goes out as the successor's: the
+        gateway cancels a reply's requests together, so only a client of the engine's records alone sees it);
+        else the stream is dropped, and a predecessor still sending its tail is finished with what it sent."""
         key, nxt, prev = job.chain.stream, job.chain.successor, job.chain.predecessor
         job.chain.successor = job.chain.predecessor = None
         if nxt is not None:
