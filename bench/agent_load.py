@@ -60,6 +60,7 @@ import base64
 import gc
 import json
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
@@ -69,46 +70,27 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from bench.live_capacity import (
-        BYTES_PER_SAMPLE,
-        REFUSED_CODES,
-        REFUSED_STATUS,
-        _fmt,
-        _headers,
-        _loop_lag,
-        _r,
-        _write_json,
-        capacity,
-        delivered_audio_s,
-        distinct_clip,
-        pct,
-        play,
-        server_metrics,
-        should_stop,
-        upload_voice,
-    )
-    from bench.ws_bench import reference_clip
-except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from live_capacity import (  # type: ignore[no-redef]
-        BYTES_PER_SAMPLE,
-        REFUSED_CODES,
-        REFUSED_STATUS,
-        _fmt,
-        _headers,
-        _loop_lag,
-        _r,
-        _write_json,
-        capacity,
-        delivered_audio_s,
-        distinct_clip,
-        pct,
-        play,
-        server_metrics,
-        should_stop,
-        upload_voice,
-    )
-    from ws_bench import reference_clip  # type: ignore[no-redef]
+if not __package__:  # run as a script: bench/ itself is sys.path[0]; the repository root makes `bench.` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.live_capacity import (
+    BYTES_PER_SAMPLE,
+    REFUSED_CODES,
+    REFUSED_STATUS,
+    _fmt,
+    _headers,
+    _loop_lag,
+    _r,
+    _write_json,
+    capacity,
+    delivered_audio_s,
+    distinct_clip,
+    pct,
+    play,
+    server_metrics,
+    should_stop,
+    upload_voice,
+)
+from bench.ws_bench import reference_clip
 
 DEFAULT_LEVELS = [32, 64, 96, 128]
 
