@@ -77,18 +77,24 @@ from bench.live_capacity import (
     REFUSED_CODES,
     REFUSED_STATUS,
     _fmt,
-    _headers,
     _loop_lag,
     _r,
     _write_json,
+    add_run_args,
+    add_stop_after_fail,
     capacity,
     delivered_audio_s,
     distinct_clip,
+    from_args,
+    level_done,
+    options_config,
     pct,
     play,
+    public_record,
     server_metrics,
-    should_stop,
+    session_updated,
     upload_voice,
+    ws_connect,
 )
 from bench.ws_bench import reference_clip
 
@@ -181,13 +187,7 @@ class TurnRecord:
         self.ok = not self.error
 
     def public(self, with_events: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        if not with_events:
-            d.pop("events")
-        for k, v in d.items():
-            if isinstance(v, float):
-                d[k] = round(v, 4 if k.startswith(("t_", "play_")) else 3)
-        return d
+        return public_record(self, with_events)
 
 
 @dataclass
@@ -330,10 +330,7 @@ class AgentOptions:
     out: str | None = None
 
     def config(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["voice_mode"] = "stored" if self.voice else ("clone, distinct clips" if self.distinct_clips else "clone")
-        d["api_key"] = "(set)" if self.api_key else None  # never written out
-        return d
+        return options_config(self)
 
     def session_config(self, voice: dict[str, str]) -> dict[str, Any]:
         params: dict[str, Any] = {"long_form": self.long_form}
@@ -359,25 +356,13 @@ async def open_session(opts: AgentOptions, cfg: dict[str, Any], rec: SessionReco
     ws = None
     try:
         async with asyncio.timeout(opts.turn_timeout):
-            ws = await websockets.connect(
-                opts.url,
-                max_size=None,
-                additional_headers=_headers(opts.api_key),
-                compression="deflate" if opts.deflate else None,
-                proxy=None,  # (the default reads every proxy variable of the environment on each connect)
-            )
+            ws = await ws_connect(opts.url, opts.api_key, opts.deflate)
             created = json.loads(await ws.recv())
             if created.get("type") != "session.created":
                 rec.error = str(created.get("code") or created.get("type"))
             else:
                 await ws.send(json.dumps(cfg))
-                while True:
-                    d = json.loads(await ws.recv())
-                    if d.get("type") == "session.updated":
-                        break
-                    if d.get("type") == "error":
-                        rec.error = str(d.get("code", "error"))
-                        break
+                rec.error = await session_updated(ws)
     except TimeoutError:
         rec.error = "timeout"
     except websockets.InvalidStatus as e:  # the upgrade refused: the door's 503 (429: the session limit)
@@ -614,10 +599,7 @@ async def run_agent_benchmark(opts: AgentOptions, log: Callable[[str], None] = p
             log(f"      errors: {summary['error_codes']}")
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
-        if opts.out:
-            _write_json(opts.out, result)
-        if should_stop(result["levels"], opts.stop_after_fail):
-            log(f"      stopping: {opts.stop_after_fail} consecutive levels failed")
+        if level_done(result, opts.out, opts.stop_after_fail, log):
             break
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return result
@@ -652,12 +634,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
     p.add_argument("--no-long-form", action="store_true", help="long_form false: each sentence its own stream")
     p.add_argument("--seed", type=int, default=d.seed, help="seeds the sentences drawn and the pauses")
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free sessions >= this")
-    p.add_argument(
-        "--stop-after-fail",
-        type=int,
-        default=d.stop_after_fail,
-        help="stop after this many consecutive failed levels (0: never)",
-    )
+    add_stop_after_fail(p, d.stop_after_fail)
     p.add_argument("--turn-timeout", type=float, default=d.turn_timeout, help="seconds a turn (or a connect) may take")
     p.add_argument(
         "--error-backoff-ms",
@@ -665,11 +642,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
         default=d.error_backoff_ms,
         help="a client waits this long after a refused or failed session",
     )
-    p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
-    p.add_argument("--api-key")
-    p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
-    p.add_argument("--events", action="store_true", help="keep every chunk's (arrival s, samples) in the JSON")
-    p.add_argument("--out", help="write the raw JSON here")
+    add_run_args(p, d.pause)
     a = p.parse_args(argv)
     if not 1 <= a.sentences <= len(SENTENCES):
         p.error(f"--sentences must be 1..{len(SENTENCES)}")
@@ -677,35 +650,7 @@ def parse_args(argv: Sequence[str] | None = None) -> AgentOptions:
         p.error("--words-per-s must be > 0")
     if not 0 <= a.pause_jitter <= 1:
         p.error("--pause-jitter must be 0..1")
-    return AgentOptions(
-        url=a.url,
-        levels=a.levels,
-        duration=a.duration,
-        warmup=a.warmup,
-        ramp=a.ramp,
-        prebuffer_ms=a.prebuffer_ms,
-        sample_rate=a.sample_rate,
-        voice=a.voice,
-        voice_clip=a.voice_clip,
-        distinct_clips=a.distinct_clips,
-        sentences=a.sentences,
-        words_per_s=a.words_per_s,
-        first_token_ms=a.first_token_ms,
-        pause_s=a.pause_s,
-        pause_jitter=a.pause_jitter,
-        frames=a.frames,
-        long_form=not a.no_long_form,
-        seed=a.seed,
-        min_stall_free=a.min_stall_free,
-        stop_after_fail=a.stop_after_fail,
-        turn_timeout=a.turn_timeout,
-        error_backoff_ms=a.error_backoff_ms,
-        pause=a.pause,
-        api_key=a.api_key,
-        deflate=not a.no_deflate,
-        events=a.events,
-        out=a.out,
-    )
+    return from_args(AgentOptions, a)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

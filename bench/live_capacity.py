@@ -98,9 +98,9 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
@@ -116,6 +116,7 @@ BYTES_PER_SAMPLE = 2  # pcm_s16le
 SAMPLES_PER_FRAME, NATIVE_RATE = 512, 44100  # the model's frame and rate: a fixed-length answer's samples
 ENCODINGS = ("pcm_s16le", "mp3")  # --encoding: raw samples, or a constant-bit-rate stream (counted by its bytes)
 DEFAULT_LEVELS = [1, 8, 16, 32, 64, 96, 128, 160, 192]
+_Opts = TypeVar("_Opts")  # Options, or bench/agent_load.py's AgentOptions
 CLIENTS_PER_PROC = 32  # --client-procs 0: clients per client process, so that no client's loop lags
 
 
@@ -299,13 +300,19 @@ class StreamRecord:
         self.audio_s = p.audio_s
 
     def public(self, with_events: bool = False) -> dict[str, Any]:
-        d = asdict(self)
-        if not with_events:
-            d.pop("events")
-        for k, v in d.items():
-            if isinstance(v, float):
-                d[k] = round(v, 4 if k in ("t_start", "t_sent") else 3)
-        return d
+        return public_record(self, with_events)
+
+
+def public_record(rec: Any, with_events: bool = False) -> dict[str, Any]:
+    """A per-stream (or per-turn) record as the JSON holds it: `events` only with `with_events`; clock times (`t_*`,
+    `play_*`) rounded to 4 places, every other float to 3."""
+    d = asdict(rec)
+    if not with_events:
+        d.pop("events")
+    for k, v in d.items():
+        if isinstance(v, float):
+            d[k] = round(v, 4 if k.startswith(("t_", "play_")) else 3)
+    return d
 
 
 def _r(x: float | None, nd: int = 1) -> float | None:
@@ -431,6 +438,17 @@ def should_stop(levels: Sequence[dict[str, Any]], stop_after_fail: int) -> bool:
     if stop_after_fail <= 0 or len(levels) < stop_after_fail:
         return False
     return not any(lv.get("passed") for lv in levels[-stop_after_fail:])
+
+
+def level_done(result: dict[str, Any], out: str | None, stop_after_fail: int, log: Callable[[str], None]) -> bool:
+    """After each level: the JSON rewritten (`out`, so an interrupted run keeps what it measured); True, and says
+    so, once the stop rule ends the run."""
+    if out:
+        _write_json(out, result)
+    if should_stop(result["levels"], stop_after_fail):
+        log(f"      stopping: {stop_after_fail} consecutive levels failed")
+        return True
+    return False
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -571,10 +589,15 @@ class Options:
     plot: str | None = None
 
     def config(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["voice_mode"] = "stored" if self.voice else ("clone, distinct clips" if self.distinct_clips else "clone")
-        d["api_key"] = "(set)" if self.api_key else None  # never written out
-        return d
+        return options_config(self)
+
+
+def options_config(opts: Any) -> dict[str, Any]:
+    """A run's options as the JSON's `config` holds them: with the voice mode, and never the API key."""
+    d = asdict(opts)
+    d["voice_mode"] = "stored" if opts.voice else ("clone, distinct clips" if opts.distinct_clips else "clone")
+    d["api_key"] = "(set)" if opts.api_key else None  # never written out
+    return d
 
 
 def http_base(ws_url: str) -> str:
@@ -584,6 +607,29 @@ def http_base(ws_url: str) -> str:
 
 def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def ws_connect(url: str, api_key: str | None, deflate: bool) -> Any:
+    """A session's connect as every client here opens it (to await, or to enter with `async with`)."""
+    import websockets
+
+    return websockets.connect(
+        url,
+        max_size=None,
+        additional_headers=_headers(api_key),
+        compression="deflate" if deflate else None,
+        proxy=None,  # (the default reads every proxy variable of the environment on each connect)
+    )
+
+
+async def session_updated(ws: Any) -> str:
+    """Reads until the session's `session.updated` (returns "") or an `error` (returns its code)."""
+    while True:
+        d = json.loads(await ws.recv())
+        if d.get("type") == "session.updated":
+            return ""
+        if d.get("type") == "error":
+            return str(d.get("code", "error"))
 
 
 GC_HISTOGRAMS = {"zonos_gc_pause_seconds_bucket": "gc", "zonos_gc_pause_cpu_seconds_bucket": "gc_cpu"}
@@ -716,13 +762,7 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
     try:
         async with (
             asyncio.timeout(opts.request_timeout),
-            websockets.connect(
-                opts.url,
-                max_size=None,
-                additional_headers=_headers(opts.api_key),
-                compression="deflate" if opts.deflate else None,
-                proxy=None,  # (the default reads every proxy variable of the environment on each connect)
-            ) as ws,
+            ws_connect(opts.url, opts.api_key, opts.deflate) as ws,
         ):
             created = json.loads(await ws.recv())
             if created.get("type") != "session.created":
@@ -732,14 +772,10 @@ async def one_stream(opts: Options, session_cfg: dict[str, Any], rec: StreamReco
             if opts.distinct_clips and "voice_clip" in session_cfg:
                 session_cfg = {**session_cfg, "voice_clip": distinct_clip(session_cfg["voice_clip"])}
             await ws.send(json.dumps(session_cfg))
-            while True:
-                d = json.loads(await ws.recv())
-                if d.get("type") == "session.updated":
-                    break
-                if d.get("type") == "error":
-                    rec.error = str(d.get("code", "error"))
-                    _refused_in_band(rec, t_conn)
-                    return
+            rec.error = await session_updated(ws)
+            if rec.error:
+                _refused_in_band(rec, t_conn)
+                return
             t_sent = time.perf_counter()
             rec.connect_ms = (t_sent - t_conn) * 1e3
             rec.t_sent = t_sent - clock0
@@ -1169,10 +1205,7 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
                 f"{_fmt(summary['admitted_stall_rate'], '.2%')} (without: {_fmt(base['admitted_stall_rate'], '.2%')}), "
                 f"TTFA p95 {_fmt(summary['ttfa_p95_ms'], '.0f')} ms (without: {_fmt(base['ttfa_p95_ms'], '.0f')})"
             )
-        if opts.out:
-            _write_json(opts.out, result)
-        if should_stop(result["levels"], opts.stop_after_fail):
-            log(f"      stopping: {opts.stop_after_fail} consecutive levels failed")
+        if level_done(result, opts.out, opts.stop_after_fail, log):
             break
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return result
@@ -1223,12 +1256,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--min-stall-free", type=float, default=d.min_stall_free, help="pass: stall-free share >= this")
     p.add_argument("--max-ttfa-p95-ms", type=float, default=d.max_ttfa_p95_ms, help="pass: TTFA p95 <= this")
-    p.add_argument(
-        "--stop-after-fail",
-        type=int,
-        default=d.stop_after_fail,
-        help="stop after this many consecutive failed levels (0: never)",
-    )
+    add_stop_after_fail(p, d.stop_after_fail)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout)
     p.add_argument(
         "--error-backoff-ms",
@@ -1269,11 +1297,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="report each gateway process's CPU per level (/proc: the server must run on this host)",
     )
-    p.add_argument("--pause", type=float, default=d.pause, help="seconds between levels")
-    p.add_argument("--api-key")
-    p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
-    p.add_argument("--events", action="store_true", help="keep every chunk's (arrival s, samples) in the JSON")
-    p.add_argument("--out", help="write the raw JSON here")
+    add_run_args(p, d.pause)
     p.add_argument("--plot", help="write the PNG here (needs matplotlib)")
     p.add_argument("--plot-only", metavar="RESULTS_JSON", help="redraw the table and plot from a saved run")
     a = p.parse_args(argv)
@@ -1282,44 +1306,33 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def options(a: argparse.Namespace) -> Options:
-    return Options(
-        url=a.url,
-        levels=a.levels,
-        duration=a.duration,
-        warmup=a.warmup,
-        ramp=a.ramp,
-        prebuffer_ms=a.prebuffer_ms,
-        frames=a.frames,
-        sample_rate=a.sample_rate,
-        voice=a.voice,
-        voice_clip=a.voice_clip,
-        distinct_clips=a.distinct_clips,
-        text=a.text,
-        sentences=a.sentences,
-        long_form=not a.no_long_form,
-        mixed=a.mixed,
-        timestamps=a.timestamps,
-        min_stall_free=a.min_stall_free,
-        max_ttfa_p95_ms=a.max_ttfa_p95_ms,
-        stop_after_fail=a.stop_after_fail,
-        request_timeout=a.request_timeout,
-        error_backoff_ms=a.error_backoff_ms,
-        storm=a.storm,
-        encoding=a.encoding,
-        api=a.api,
-        refuse_storm=a.refuse_storm,
-        refuse_concurrency=a.refuse_concurrency,
-        refuse_procs=a.refuse_procs,
-        client_procs=a.client_procs,
-        gateway_cpu=a.gateway_cpu,
-        pause=a.pause,
-        api_key=a.api_key,
-        deflate=not a.no_deflate,
-        events=a.events,
-        out=a.out,
-        plot=a.plot,
+def add_stop_after_fail(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument(
+        "--stop-after-fail",
+        type=int,
+        default=default,
+        help="stop after this many consecutive failed levels (0: never)",
     )
+
+
+def add_run_args(p: argparse.ArgumentParser, pause: float) -> None:
+    """The arguments both benchmarks end with: --pause, --api-key, --no-deflate, --events, --out."""
+    p.add_argument("--pause", type=float, default=pause, help="seconds between levels")
+    p.add_argument("--api-key")
+    p.add_argument("--no-deflate", action="store_true", help="don't offer permessage-deflate (browsers do)")
+    p.add_argument("--events", action="store_true", help="keep every chunk's (arrival s, samples) in the JSON")
+    p.add_argument("--out", help="write the raw JSON here")
+
+
+def from_args(cls: type[_Opts], a: argparse.Namespace) -> _Opts:
+    """The options of a parsed command line: every field from the argument of its name, but `long_form` and
+    `deflate`, from --no-long-form and --no-deflate (a field without its argument is a KeyError)."""
+    given = vars(a) | {"long_form": not a.no_long_form, "deflate": not a.no_deflate}
+    return cls(**{f.name: given[f.name] for f in fields(cls)})
+
+
+def options(a: argparse.Namespace) -> Options:
+    return from_args(Options, a)
 
 
 def _plot_or_warn(result: dict[str, Any], path: str) -> None:
