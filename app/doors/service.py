@@ -16,7 +16,7 @@ from app.core.gateway import Gateway
 from app.io.audio_output import ENCODINGS, FORMATS, OUTPUT_RATES
 from engine.contract.collector import report_pauses
 from engine.contract.constants import SAMPLE_RATE
-from engine.contract.cpus import current_cpus, format_cpu_list
+from engine.contract.cpus import affinity_text
 from engine.frontend.config import preset_params
 from engine.frontend.emotion import NO_EMOTION
 from engine.frontend.textnorm import SUPPORTED_LANGUAGES
@@ -32,13 +32,12 @@ async def readyz(request: Request) -> Response:
     # the gateway process that answered (one of --workers, app/workers.py; process 0 of 1 without), and the
     # conversations whose room the door holds (every process's)
     link = (gw.link.channel, gw.link.channels) if gw.link is not None else (0, 1)
-    cpus = current_cpus()  # this process's CPUs (--engine-cpus leaves the gateways the others)
     process = {
         "gateway": {
             "process": link[0],
             "processes": link[1],
             "pid": os.getpid(),
-            "cpus": "" if cpus is None else format_cpu_list(cpus),
+            "cpus": affinity_text(),  # --engine-cpus leaves the gateways the others
             "held": gw.held(),
         }
     }

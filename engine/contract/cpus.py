@@ -6,6 +6,7 @@ so that the engine loop, which launches a GPU step every ~8 ms, never waits for 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 from collections.abc import Collection
@@ -36,24 +37,20 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def format_cpu_list(cpus: Collection[int]) -> str:
     """`cpus` as a CPU list, ranges joined: {0, 1, 2, 5} -> `0-2,5`."""
-    out: list[str] = []
-    run: list[int] = []
-    for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+    runs = [[c for _, c in run] for _, run in itertools.groupby(enumerate(sorted(cpus)), lambda ic: ic[1] - ic[0])]
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def current_cpus() -> frozenset[int] | None:
     """The CPUs this process may run on now (its affinity); None where the OS has no affinity (not Linux)."""
     getaffinity = getattr(os, "sched_getaffinity", None)
     return None if getaffinity is None else frozenset(getaffinity(0))
+
+
+def affinity_text() -> str:
+    """This process's CPUs as a CPU list (what /readyz shows of the engine and the gateway); "": not Linux."""
+    cpus = current_cpus()
+    return "" if cpus is None else format_cpu_list(cpus)
 
 
 def split_cpus(text: str) -> tuple[frozenset[int], frozenset[int]]:

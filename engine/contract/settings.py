@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine.contract.cpus import parse_cpu_list
+from engine.contract.cpus import current_cpus, parse_cpu_list
 from engine.contract.flags import check, flag
 from engine.contract.records import SEED_LIMIT
 
@@ -14,10 +14,8 @@ from engine.contract.records import SEED_LIMIT
 def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity mask, which containers and taskset narrow): what both
     processes size their threads and workers by, never the host's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    cpus = current_cpus()
+    return len(cpus) if cpus is not None else os.cpu_count() or 1  # (None: not Linux)
 
 
 # Decode slots when --max-batch is not given: 256 x the full context fit an H200's KV cache (84 GB); where they

@@ -20,7 +20,7 @@ import torch
 
 from engine.aligner.worker import Aligner, AlignerWorker
 from engine.contract.collector import freeze_startup_heap, log_long_pauses
-from engine.contract.cpus import current_cpus, format_cpu_list
+from engine.contract.cpus import affinity_text
 from engine.contract.settings import CHUNK_SCHEDULES, CPU_SLOTS, GPU_SLOTS, EngineSettings, WeightSources
 from engine.dac.schedule import ChunkSchedule
 from engine.dac.streaming import StreamingDecoder
@@ -143,7 +143,7 @@ class Engine:
             "speaker_dim": self.llm.cfg.speaker_embedding_dim,
             "pid": os.getpid(),
             "aligner": self.aligner is not None,
-            "cpus": "" if (cpus := current_cpus()) is None else format_cpu_list(cpus),
+            "cpus": affinity_text(),
         }
 
 
