@@ -65,17 +65,9 @@ GENERATE_FIELDS = (
         "clean_speaker_background",
         "accurate_mode",
         "stream",
-        "speaker_audio_base64",
-        "speaker_audio_name",
-        "speaker_embedding_base64",
-        "speaker_embedding_name",
-        "speaker_embedding_id",
-        "speaker_blend_embedding_id_a",
-        "speaker_blend_embedding_id_b",
-        "speaker_blend_t",
-        "speaker_wav_base64",
         "ignore_eos",
     }
+    | SPEAKER_FIELDS
     | set(LONG_FORM_KEYS)
     | set(GUIDANCE_KEYS)
     | set(EMOTION_FIELDS)
