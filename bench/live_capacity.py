@@ -16,7 +16,10 @@ with its own event loop (uvloop's where installed) timing its own streams and re
 merged into one report: a client whose loop cannot read its sockets sees a stall whatever the server does. Each
 process's loop lag is reported per level (`loop lag`: the largest over the processes; `loop_lag_ms_p99_by_proc` /
 `_max_by_proc`, `clients_by_proc`, `requests_by_proc`), and a lag of tens of ms means the client, not the server,
-is the limit.
+is the limit. `client_bound_stalled` counts the stalled streams whose every stall came while their own process's
+loop woke late by at least the gap, near the late chunk's arrival (`client_bound`), and
+`admitted_stall_free_share_less_client_bound` is the stall-free share were they not stalled: an attribution beside
+the server's own count (`engine_slips.server_stalled`), never a pass.
 
 Player model. At level N, N clients run at once for `--warmup` + `--duration` seconds (client starts are
 spread evenly over the first `--ramp` seconds, so they do not all cut audio in lockstep). Each client
@@ -88,6 +91,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import bisect
 import contextlib
 import gc
 import itertools
@@ -133,6 +137,7 @@ class Playback:
     audio_s: float = 0.0
     play_start: float | None = None  # arrival clock: when playback began
     play_end: float | None = None  # when the last sample was played
+    stall_times: list[tuple[float, float]] = field(default_factory=list)  # (arrival s of the late chunk, gap ms)
 
 
 def play(events: Iterable[tuple[float, int]], sample_rate: int, prebuffer_s: float = 0.15) -> Playback:
@@ -155,6 +160,7 @@ def play(events: Iterable[tuple[float, int]], sample_rate: int, prebuffer_s: flo
             out.stalls += 1
             out.stall_ms_total += gap_ms
             out.stall_ms_max = max(out.stall_ms_max, gap_ms)
+            out.stall_times.append((t, gap_ms))
             dry = t
         dry += n / sample_rate
         total += n
@@ -367,6 +373,46 @@ def summarize_level(
         "loop_lag_ms_max": _r(max(loop_lag_ms)) if len(loop_lag_ms) else None,
         "window_s": round(window_s, 3),
     } | _replies(ok)
+
+
+# a stall is its client's own when its loop woke this near the late chunk's arrival, late by at least the gap: the
+# loop was blocked (the ticker samples every 10 ms) while the chunk may have waited unread in the socket
+CLIENT_BLOCK_NEAR_S = 0.02
+
+
+def client_bound(stall_times: Sequence[tuple[float, float]], lag: Sequence[tuple[float, float]]) -> bool:
+    """Could every stall of a stream (`Playback.stall_times`) be its client's: a sample of its process's loop lag
+    ((clock s, lag ms), sorted by clock: `_loop_lag`) within CLIENT_BLOCK_NEAR_S of the late chunk's arrival, at
+    least as long as the gap? Then the server may have sent that chunk in time: a listener on its own machine would
+    not have heard the stall. Only an attribution: the stall-free share counts every stall."""
+    if not stall_times:
+        return False
+    clocks = [t for t, _ in lag]
+    for t, gap_ms in stall_times:
+        lo, hi = (
+            bisect.bisect_left(clocks, t - CLIENT_BLOCK_NEAR_S),
+            bisect.bisect_right(clocks, t + CLIENT_BLOCK_NEAR_S),
+        )
+        if not any(lag[i][1] >= gap_ms for i in range(lo, hi)):
+            return False
+    return True
+
+
+def client_bound_stalls(
+    records: Iterable[StreamRecord], lag_by_proc: Sequence[Sequence[tuple[float, float]]], opts: Options
+) -> dict[str, Any]:
+    """Of a level's counted, played streams that stalled, those whose every stall could be their client's
+    (`client_bound`), and the admitted stall-free share were they not counted as stalled."""
+    ok = [r for r in records if r.counted and not r.refused and r.ok]
+    stalled = [r for r in ok if r.stalls]
+    bound = sum(
+        client_bound(play(r.events, opts.sample_rate, opts.prebuffer_ms / 1e3).stall_times, lag_by_proc[r.proc])
+        for r in stalled
+    )
+    return {
+        "client_bound_stalled": bound,
+        "admitted_stall_free_share_less_client_bound": (len(ok) - len(stalled) + bound) / len(ok) if ok else None,
+    }
 
 
 TTFA_PARTS = ("queue_ms", "prefill_wait_ms", "prefill_ms", "first_chunk_ms", "engine_ttfa_ms", "speaker_encoder_ms")
@@ -1065,6 +1111,7 @@ async def run_level(
     delivered = delivered_audio_s([r.events for r in records], w0, w1, opts.sample_rate)
     summary = summarize_level(n, records, delivered, opts.duration, [ms for lag in lag_by_proc for ms in lag])
     summary |= client_spread(records, lag_by_proc)
+    summary |= client_bound_stalls(records, [lag for _, lag in per_proc], opts)
     summary["encoding"] = opts.encoding
     if cpu is not None:
         before, after, elapsed = await cpu
@@ -1181,6 +1228,12 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
                 f"      refused: {summary['refused']}, answered p50 {p50} ms / "
                 f"p95 {_fmt(summary['refusal_ms_p95'], '.1f')} ms; admitted streams that stalled: "
                 f"{_fmt(summary['admitted_stall_rate'], '.2%')}"
+            )
+        if summary.get("client_bound_stalled"):
+            log(
+                f"      of the stalled streams, {summary['client_bound_stalled']} stalled only while their own "
+                "client's loop was blocked at least as long (stall-free less those: "
+                f"{_fmt(summary['admitted_stall_free_share_less_client_bound'], '.1%')})"
             )
         if summary.get("admission_held"):
             log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")

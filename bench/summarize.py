@@ -82,6 +82,12 @@ def level_details(level: dict[str, Any]) -> str:
         )
     if level.get("loop_lag_ms_max") is not None:
         bits.append(f"client loop lag p99 max {max(level.get('loop_lag_ms_p99_by_proc') or [0])} ms")
+    if level.get("client_bound_stalled"):
+        share = level.get("admitted_stall_free_share_less_client_bound")
+        bits.append(
+            f"{level['client_bound_stalled']} stalled streams only inside their own client's loop blocks"
+            + (f" (stall-free less those {share:.1%})" if share is not None else "")
+        )
     return f"{level.get('n')} offered: " + "; ".join(bits)
 
 

@@ -18,6 +18,8 @@ from bench.live_capacity import (
     Options,
     StreamRecord,
     capacity,
+    client_bound,
+    client_bound_stalls,
     client_procs,
     client_spread,
     compressed_events,
@@ -98,6 +100,38 @@ def test_end_of_stream_and_empty_chunks_are_not_stalls():
     assert empty.stalls == 0 and empty.audio_s == 0 and empty.play_start is None
     # the player starts from the first non-empty chunk
     assert play([(0.0, 0), (1.0, 2400)], SR, 0.15).play_start == pytest.approx(1.15)
+
+
+def test_stall_times_say_when_and_how_long():
+    p = play(chunks([0.0, 0.5, 0.65]), SR, 0.15)
+    assert [t for t, _ in p.stall_times] == [0.5, 0.65]
+    assert [g for _, g in p.stall_times] == pytest.approx([250, 50])
+
+
+def test_a_stall_is_the_clients_only_when_its_own_loop_was_blocked_as_long_near_it():
+    stalls = play(chunks([0.0, 0.5, 0.65]), SR, 0.15).stall_times  # 250 ms at 0.5 s, 50 ms at 0.65 s
+    blocked = [(0.49, 1.0), (0.505, 260.0), (0.6, 2.0), (0.66, 55.0)]  # the loop woke 260 ms late at 0.505 s
+    assert client_bound(stalls, blocked)
+    assert not client_bound(stalls, [(0.505, 240.0), (0.66, 55.0)])  # blocked shorter than the first gap
+    assert not client_bound(stalls, [(0.505, 260.0), (0.7, 55.0)])  # the second block too far from its stall
+    assert not client_bound(stalls, [(0.505, 260.0)])  # the second stall has no block at all
+    assert not client_bound([], blocked)  # a stream that never stalled is not attributed
+
+
+def test_client_bound_stalls_are_counted_beside_the_stall_free_share():
+    opts = Options(sample_rate=SR, prebuffer_ms=150.0)
+
+    def rec(client: int, proc: int, times: list[float], stalls: int = 1) -> StreamRecord:
+        return StreamRecord(3, client, 0, 0.0, proc=proc, ok=True, counted=True, events=chunks(times), stalls=stalls)
+
+    smooth = rec(2, 0, [0.0, 0.1], stalls=0)
+    late_own = rec(0, 0, [0.0, 0.5])  # stalled at 0.5 s while process 0's loop was blocked 300 ms
+    late_server = rec(1, 1, [0.0, 0.5])  # the same stall with process 1's loop awake
+    lags = [[(0.5, 300.0)], [(0.5, 1.0)]]
+    got = client_bound_stalls([smooth, late_own, late_server], lags, opts)
+    assert got["client_bound_stalled"] == 1
+    assert got["admitted_stall_free_share_less_client_bound"] == pytest.approx(2 / 3)
+    assert client_bound_stalls([], lags, opts)["admitted_stall_free_share_less_client_bound"] is None
 
 
 def test_sample_rate_sets_the_playback_speed():

@@ -67,6 +67,11 @@ def test_a_capacity_run_names_its_gpu_and_each_levels_details(tmp_path: Path):
     (tmp_path / "capacity_clone.json").write_text(json.dumps({"config": {"levels": [256]}, "levels": [level]}))
     text = summarize([tmp_path], "run", "abc1234")
     assert "loop preempted 41x, 1224 sprint frames, server's own stalls 2 (31 ms); client loop lag" in text
+    # and the stalled streams that stalled only while their own client's loop was blocked (live_capacity.py)
+    level |= {"client_bound_stalled": 3, "admitted_stall_free_share_less_client_bound": 0.995}
+    (tmp_path / "capacity_clone.json").write_text(json.dumps({"config": {"levels": [256]}, "levels": [level]}))
+    text = summarize([tmp_path], "run", "abc1234")
+    assert "3.0 ms; 3 stalled streams only inside their own client's loop blocks (stall-free less those 99.5%)" in text
 
 
 def test_iteration_profiles_summarize_as_one_table(tmp_path: Path):
