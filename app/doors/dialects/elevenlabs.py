@@ -45,7 +45,7 @@ from app.core.timestamps import Chunk, char_alignment
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id
+from app.io.checks import check_context_id, check_flag
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
@@ -169,7 +169,7 @@ class ElevenLabsSession(StreamingSession):
 
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
-        close_socket = data.get("close_socket") is True
+        close_socket = check_flag(data, "close_socket")
         if not close_socket:
             await self._on_context_message(data)
             return
@@ -186,11 +186,11 @@ class ElevenLabsSession(StreamingSession):
     async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
         # stream-input has no contexts to close, as on ElevenLabs (its isFinal is the end of the stream): ignored
-        close = data.get("close_context") is True and self.multi
+        close = self.multi and check_flag(data, "close_context")
         text = data.get("text")
         if text is not None and not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
-        flush = data.get("flush") is True
+        flush = check_flag(data, "flush")
         # auto_mode speaks every text as it comes: a flush each
         speak = flush or (self.auto_mode and bool(text))
         if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
