@@ -482,6 +482,31 @@ def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_ref
 
 
 @pytest.mark.parametrize(
+    "settings",
+    [{"stability": 7}, {"similarity_boost": "high"}, {"style": 1.5}, {"use_speaker_boost": 1}],
+)
+def test_elevenlabs_voice_settings_out_of_elevenlabs_ranges_are_refused(srv, settings):
+    """stability, similarity_boost, style (0..1) and use_speaker_boost (a boolean) have no ZONOS2 counterpart and
+    are ignored, but a value ElevenLabs would refuse is refused here too (bad_params naming it), on the context
+    it would open; the socket goes on. (It was ignored whatever it held.)"""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        msg = {"text": "Nope. ", "context_id": "bad", "voice_settings": settings, "flush": True}
+        await ws.send(json.dumps(msg))
+        err = await recv_json(ws)
+        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "good", log)
+        await ws.close()
+        return err, log
+
+    err, log = run(go())
+    assert err.get("error") == "bad_params" and next(iter(settings)) in err["message"], err
+    assert err.get("contextId") == "bad" and el_audio(log, "good") and not el_audio(log, "bad"), log
+
+
+@pytest.mark.parametrize(
     "bad",
     [{"flush": "true"}, {"flush": 1}, {"close_context": "true"}, {"close_context": 1}, {"close_socket": "yes"}],
 )
