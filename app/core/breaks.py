@@ -16,7 +16,7 @@ MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's que
 # text: 1666 "<break" in one message take the event loop 0.25 s)
 TAG_MAX = 200
 _TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
-_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
+BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
@@ -29,7 +29,7 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
     tags = list(_TAG.finditer(text))
     whole = {m.start() for m in tags}
     last_end = text.rfind(">")
-    for o in _OPEN.finditer(text):
+    for o in BREAK_OPEN.finditer(text):
         if o.start() not in whole and not (partial and last_end < o.start()):
             raise RequestError(
                 G.BAD_TEXT, f"a break tag must end with '>' in the same sentence: {text[o.start() : o.start() + 60]!r}"
