@@ -19,7 +19,8 @@ refused with `unsupported_tag`, never spoken as text and never dropped; a malfor
 Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED_TAG and VOLUME_TAG write):
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the
 utterance it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no
-in-text control for, refused with `unsupported_tag` like [whispering]. None of them is ever read aloud as markup.
+in-text control for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>`
+(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule). None of them is ever read aloud as markup.
 """
 
 from __future__ import annotations
@@ -77,13 +78,14 @@ UNSUPPORTED_TAGS = frozenset(
 )
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
-# Cartesia's inline elements ZONOS2 has no in-text control for: tags, refused (the request's own speed still applies)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume"})
+# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme): tags,
+# refused (the request's own speed still applies)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme"})
 _BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-_ELEMENT = re.compile(rf"<\s*/?\s*(speed|volume)\b[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_ELEMENT = re.compile(rf"<\s*/?\s*(speed|volume|phoneme)\b[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
 # an element's opening that starts no whole element (see _EMOTION_OPEN below)
-_ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|spell)\b", re.IGNORECASE)
+_ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|phoneme|spell)\b", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # an element's opening: one that does not start a whole element was cut (a newline ends a sentence at once, a long
 # tag is cut at the utterance budget) and is refused, so that no half of it is read aloud
@@ -205,6 +207,11 @@ def styled_options(
     if tag.name in UNSUPPORTED_TAGS:
         raise RequestError(
             G.UNSUPPORTED_TAG, f"{tag.written[:60]}: ZONOS2 has no control for {tag.name!r} (only emotions)"
+        )
+    if tag.name == "phoneme":
+        raise RequestError(
+            G.UNSUPPORTED_TAG,
+            f"{tag.written[:60]}: ZONOS2 reads text and has no phoneme input (write how the word is read instead)",
         )
     if tag.name in UNSUPPORTED_ELEMENTS:
         raise RequestError(

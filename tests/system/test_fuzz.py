@@ -159,6 +159,7 @@ short_text = (
             "R2</spell> <SPELL/> x.",
             '<speed ratio="1.5"/>Fast. <volume ratio=0.5 /> quiet </speed>.',
             "Hi <spell\n>x</spell>.",
+            'Say <phoneme alphabet="ipa" ph="x">tomato</phoneme>.',
         ]
     )
 )

@@ -253,6 +253,22 @@ def test_cartesia_speed_and_volume_tags_are_refused_not_spoken(tag):
     assert err.code == "unsupported_tag" and "no in-text control" in str(err) and queued == 0, str(err)
 
 
+def test_an_ssml_phoneme_element_is_refused_not_spoken():
+    """ElevenLabs' SSML `<phoneme alphabet ph>word</phoneme>`: ZONOS2 has no phoneme input (a dictionary's phoneme rule
+    is refused too); it was read aloud as markup."""
+
+    async def go():
+        pipe = pipeline(directions())
+        with pytest.raises(RequestError) as e:
+            pipe.add(['Say <phoneme alphabet="ipa" ph="t@meItoU">tomato</phoneme>.'], SynthesisOptions(), voice(), None)
+        queued = len(pipe)
+        pipe.close()
+        return e.value, queued
+
+    err, queued = asyncio.run(go())
+    assert err.code == "unsupported_tag" and "phoneme input" in str(err) and queued == 0, str(err)
+
+
 @pytest.mark.parametrize("text", ["Code <spell\nAB</spell>.", 'Go <speed ratio="' + "1" * 300 + '"/> on.'])
 def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
     with pytest.raises(RequestError) as e:
