@@ -214,11 +214,9 @@ def styled_options(
             f"{tag.written[:60]}: ZONOS2 reads text and has no phoneme input (write how the word is read instead)",
         )
     if tag.name in UNSUPPORTED_ELEMENTS:
-        raise RequestError(
-            G.UNSUPPORTED_TAG,
-            f"{tag.written[:60]}: ZONOS2 has no in-text control for {tag.name!r} (only emotions; "
-            "the request's own speed applies to its whole text)",
-        )
+        hint = "; the request's own speed applies to its whole text" if tag.name == "speed" else ""
+        what = f"ZONOS2 has no in-text control for {tag.name!r} (only emotions{hint})"
+        raise RequestError(G.UNSUPPORTED_TAG, f"{tag.written[:60]}: {what}")
     if directions is None:
         raise RequestError(
             G.UNSUPPORTED_TAG,
