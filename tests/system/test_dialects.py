@@ -1010,6 +1010,9 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         ({"continue": True, "flush": "true"}, "bad_message"),
         ({"continue": True, "cancel": "true"}, "bad_message"),
         ({"add_timestamps": 1}, "bad_message"),
+        # as the HTTP routes refuse them (the socket ignored them: a number as language, a config that is no object)
+        ({"language": 5}, "bad_message"),
+        ({"generation_config": "fast"}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):

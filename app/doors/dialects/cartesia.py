@@ -190,12 +190,8 @@ class CartesiaSession(StreamingSession):
             raise RequestError(G.UNSUPPORTED_FORMAT, "the WebSocket streams container 'raw'")
         output = output_format(fmt.get("encoding"), fmt.get("sample_rate"))
         voice = self._voice(data.get("voice"))
-        config = data.get("generation_config")
-        if isinstance(config, dict):
-            speed = config.get("speed")
-        else:
-            speed = data.get("speed") if isinstance(data.get("speed"), int | float) else None
-        opts = dialect_options(self.gw, base=self.opts, language=data.get("language"), speed=speed)
+        language, speed = language_and_speed(data, G.BAD_MESSAGE)
+        opts = dialect_options(self.gw, base=self.opts, language=language, speed=speed)
         delay = data.get("max_buffer_delay_ms")
         if delay is not None and (
             not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
@@ -350,6 +346,23 @@ def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
     if not isinstance(pid, str):
         raise RequestError(G.BAD_LEXICON, "pronunciation_dict_id must be a dictionary id")
     return [pid]
+
+
+def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:
+    """A request's `language` and speed (the socket's context and the HTTP routes' body): `language` a string and
+    `generation_config` an object, else `code`; the speed is `generation_config.speed`, else a numeric top-level
+    `speed` (Cartesia's older field; its named speeds, "slow" ..., are not used). The speed's bounds are checked
+    where the options are made (dialect_options)."""
+    language = data.get("language")
+    if language is not None and not isinstance(language, str):
+        raise RequestError(code, "language must be a string")
+    config = data.get("generation_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError(code, "generation_config must be an object")
+    speed, top = (config or {}).get("speed"), data.get("speed")
+    if speed is None and isinstance(top, int | float) and not isinstance(top, bool):
+        speed = top
+    return language, speed
 
 
 def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:
