@@ -30,7 +30,7 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from app.core.breaks import BREAK_OPEN, TAG_MAX
+from app.core.breaks import BREAK_END, BREAK_OPEN, TAG_MAX
 from app.core.instructions import EMOTION_WORDS
 from app.core.options import SynthesisOptions
 from app.io.errors import GatewayError as G
@@ -160,7 +160,7 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
 def markup_in(text: str) -> str | None:
     """The first inline tag `text` holds, whole or cut (a break, a style tag, a Cartesia element), or None: for
     text that is read as it is, with no tags taken out of it (a pronunciation rule's alias)."""
-    opens = [m for p in (BREAK_OPEN, _EMOTION_OPEN, _ELEMENT_OPEN) if (m := p.search(text))]
+    opens = [m for p in (BREAK_OPEN, BREAK_END, _EMOTION_OPEN, _ELEMENT_OPEN) if (m := p.search(text))]
     opens += [m for m in _BRACKET.finditer(text) if m.group(1).lower() in TAG_WORDS][:1]
     first = min(opens, key=lambda m: m.start(), default=None)
     return None if first is None else text[first.start() : first.start() + 40]

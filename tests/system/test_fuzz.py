@@ -160,6 +160,7 @@ short_text = (
             '<speed ratio="1.5"/>Fast. <volume ratio=0.5 /> quiet </speed>.',
             "Hi <spell\n>x</spell>.",
             'Say <phoneme alphabet="ipa" ph="x">tomato</phoneme>.',
+            'Wait <break time="1s"></break> now. </break>',
         ]
     )
 )

@@ -80,7 +80,14 @@ def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():
 
 @pytest.mark.parametrize(
     "alias",
-    ['wait <break time="1s"/>', "<spell>OTP</spell>", "[happy] yes", '<emotion value="calm"/>', "<speed ratio=2/>"],
+    [
+        'wait <break time="1s"/>',
+        "<spell>OTP</spell>",
+        "[happy] yes",
+        '<emotion value="calm"/>',
+        "<speed ratio=2/>",
+        "x</break>",
+    ],
 )
 def test_an_alias_holding_a_tag_is_refused_it_would_be_read_aloud(alias):
     """Aliases replace words after a text's breaks and tags were taken out of it: a tag in an alias reached the model
