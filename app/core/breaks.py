@@ -16,20 +16,28 @@ MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's que
 # text: 1666 "<break" in one message take the event loop 0.25 s)
 TAG_MAX = 200
 _TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
-_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
+BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
+# an element's end (`<break time="1s"></break>`, as XML writers and SSML-writing LLMs send it): nothing to do, not text
+BREAK_END = re.compile(r"<\s*/\s*break\s*>", re.IGNORECASE)
+_BREAK_END_SPACED = re.compile(r"\s*<\s*/\s*break\s*>\s*", re.IGNORECASE)
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
 def split_breaks(text: str, partial: bool = False) -> list[str | float]:
     """The text's pieces in order: spoken text (str, never empty or blank) and breaks (seconds). A break tag
-    without a valid time is refused (`bad_text`), never spoken as text. `partial`: a streamed message, whose
-    last tag may still be arriving (its opening with no `>` after it)."""
+    without a valid time is refused (`bad_text`), never spoken as text; an element's end (`</break>`) is dropped (a
+    text of nothing else has no pieces). `partial`: a streamed message, whose last tag may still be arriving (its
+    opening with no `>` after it)."""
     out: list[str | float] = []
+    if BREAK_END.search(text):
+        text = _BREAK_END_SPACED.sub(" ", text).strip()
+        if not text:
+            return out
     pos = 0
     tags = list(_TAG.finditer(text))
     whole = {m.start() for m in tags}
     last_end = text.rfind(">")
-    for o in _OPEN.finditer(text):
+    for o in BREAK_OPEN.finditer(text):
         if o.start() not in whole and not (partial and last_end < o.start()):
             raise RequestError(
                 G.BAD_TEXT, f"a break tag must end with '>' in the same sentence: {text[o.start() : o.start() + 60]!r}"

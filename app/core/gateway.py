@@ -401,12 +401,14 @@ class Gateway:
         owner: object = None,
         chain: Chain | None = None,
         link: Link | None = None,
-    ) -> Stream | PieceStream:
+    ) -> Stream | PieceStream | None:
         """One utterance's engine work. Its text is normalized (in a worker process, in `owner`'s turn: a
         session or an HTTP request), and the spoken text, which can be several times longer ("$1,234,567.89"
         is 13 bytes written, 95 spoken), is cut to the utterance budget again: the model gets every byte of
         it, in one engine request or in a few, one after another (PieceStream). chain, link: its place in
-        its context's continuation chain (app/core/continuation.py)."""
+        its context's continuation chain (app/core/continuation.py). None: its pronunciation rules (or its
+        normalization) left no text to speak (an empty prompt would have the model babble to its frame limit):
+        an utterance of no audio."""
         if len(text) > self.settings.limits.max_text_chars:
             raise RequestError(
                 G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
@@ -421,6 +423,8 @@ class Gateway:
                 )
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
+        if not text.strip():  # the rules left nothing to say ("Um" read as ""): no engine work, no audio
+            return None
         budget = utterance_bytes(self)
         pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]
         embedding = voice.embedding if voice is not None else None

@@ -294,7 +294,7 @@ class UtterancePipeline:
             log.exception("starting %s failed", u.id)
             u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
         else:
-            if u.cancelled:
+            if u.cancelled and u.stream is not None:
                 u.stream.cancel()
         finally:
             if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
@@ -384,7 +384,8 @@ class UtterancePipeline:
             if u.error is not None:
                 self.gw.metrics.errors.labels(u.error.code).inc()
             return
-        assert u.stream is not None
+        if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
+            return
         async for ev in u.stream:
             if u.cancelled:
                 return

@@ -15,15 +15,22 @@ keeps its strength and calibration key. A tag the server cannot apply (no emotio
 apply them to, an emotion it cannot map, a manner such as [whispering] that ZONOS2 has no control for) is
 refused with `unsupported_tag`, never spoken as text and never dropped; a malformed `<emotion>` element is
 `bad_text`.
+
+Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED_TAG and VOLUME_TAG write):
+`<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the
+utterance it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no
+in-text control for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>`
+(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule). None of them is ever read aloud as markup.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import unicodedata
 from dataclasses import dataclass
 
-from app.core.breaks import TAG_MAX
+from app.core.breaks import BREAK_END, BREAK_OPEN, TAG_MAX
 from app.core.instructions import EMOTION_WORDS
 from app.core.options import SynthesisOptions
 from app.io.errors import GatewayError as G
@@ -71,7 +78,14 @@ UNSUPPORTED_TAGS = frozenset(
 )
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
+# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme): tags,
+# refused (the request's own speed still applies)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme"})
 _BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
+_ELEMENT = re.compile(rf"<\s*/?\s*(speed|volume|phoneme)\b[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
+# an element's opening that starts no whole element (see _EMOTION_OPEN below)
+_ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|phoneme|spell)\b", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # an element's opening: one that does not start a whole element was cut (a newline ends a sentence at once, a long
 # tag is cut at the utterance budget) and is refused, so that no half of it is read aloud
@@ -91,9 +105,16 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         word = m.group(1).lower()
         if word in TAG_WORDS:
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
+    last_end = text.rfind(">")
+    whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
+    for o in _ELEMENT_OPEN.finditer(text):
+        if o.start() not in whole and not (partial and last_end < o.start()):
+            cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
+            raise RequestError(G.BAD_TEXT, f"a {name} tag must end with '>' in the same sentence: {cut!r}")
+    for m in _ELEMENT.finditer(text):
+        found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
-    last_end = text.rfind(">")
     for o in _EMOTION_OPEN.finditer(text):
         if o.start() not in whole and not (partial and last_end < o.start()):
             cut = text[o.start() : o.start() + 60]
@@ -117,7 +138,7 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     a streamed message, whose last element may still be arriving (its opening with no `>` after it)."""
     tags = _tags(text, partial)
     if not tags:
-        return [text]
+        return [spell_out(text)]
     if len(tags) > MAX_TAGS:
         raise RequestError(G.BAD_TEXT, f"at most {MAX_TAGS} style tags in one text")
     out: list[str | StyleTag] = []
@@ -125,15 +146,55 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     for start, end, tag in tags:
         if start < pos:  # inside the tag before it (`<emotion value="[happy]"/>`): part of that one
             continue
-        before = text[pos:start].strip()
+        before = spell_out(text[pos:start]).strip()
         if before:
             out.append(before)
         out.append(tag)
         pos = end
-    rest = text[pos:].strip()
+    rest = spell_out(text[pos:]).strip()
     if rest:
         out.append(rest)
     return out
+
+
+def markup_in(text: str) -> str | None:
+    """The first inline tag `text` holds, whole or cut (a break, a style tag, a Cartesia element), or None: for
+    text that is read as it is, with no tags taken out of it (a pronunciation rule's alias)."""
+    opens = [m for p in (BREAK_OPEN, BREAK_END, _EMOTION_OPEN, _ELEMENT_OPEN) if (m := p.search(text))]
+    opens += [m for m in _BRACKET.finditer(text) if m.group(1).lower() in TAG_WORDS][:1]
+    first = min(opens, key=lambda m: m.start(), default=None)
+    return None if first is None else text[first.start() : first.start() + 40]
+
+
+def _spelled(text: str) -> str:
+    """`text`'s characters one by one, separated by spaces (a combining mark stays on its letter; spaces go)."""
+    chars: list[str] = []
+    for c in text:
+        if c.isspace():
+            continue
+        if chars and unicodedata.combining(c):
+            chars[-1] += c
+        else:
+            chars.append(c)
+    return " ".join(chars)
+
+
+def spell_out(text: str) -> str:
+    """`text` with each `<spell>...</spell>` element (Cartesia's) replaced by its characters spelled out. A
+    sentence cut may leave an element's opening or closing alone in a text: what follows a lone opening, or
+    precedes a lone closing, is spelled; a tag is never left in the text."""
+    marks = list(_SPELL.finditer(text))
+    if not marks:
+        return text
+    out: list[str] = []
+    pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
+    for m in marks:
+        piece = text[pos : m.start()]
+        out.append(_spelled(piece) if inside else piece)
+        inside, pos = not m.group(1), m.end()
+    rest = text[pos:]
+    out.append(_spelled(rest) if inside else rest)
+    return "".join(out)
 
 
 def styled_options(
@@ -147,6 +208,15 @@ def styled_options(
         raise RequestError(
             G.UNSUPPORTED_TAG, f"{tag.written[:60]}: ZONOS2 has no control for {tag.name!r} (only emotions)"
         )
+    if tag.name == "phoneme":
+        raise RequestError(
+            G.UNSUPPORTED_TAG,
+            f"{tag.written[:60]}: ZONOS2 reads text and has no phoneme input (write how the word is read instead)",
+        )
+    if tag.name in UNSUPPORTED_ELEMENTS:
+        hint = "; the request's own speed applies to its whole text" if tag.name == "speed" else ""
+        what = f"ZONOS2 has no in-text control for {tag.name!r} (only emotions{hint})"
+        raise RequestError(G.UNSUPPORTED_TAG, f"{tag.written[:60]}: {what}")
     if directions is None:
         raise RequestError(
             G.UNSUPPORTED_TAG,

@@ -1,5 +1,6 @@
 """The checks every API's door shares, one function each: client text, a sample rate, a context id, a base64
-payload. Each door calls them on its own fields and names its own error code where its dialect has one."""
+payload, a message's boolean field. Each door calls them on its own fields and names its own error code where its
+dialect has one."""
 
 from __future__ import annotations
 
@@ -65,6 +66,17 @@ def check_context_id(value: object, code: str = G.BAD_MESSAGE) -> str | None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= MAX_CONTEXT_ID:
         raise RequestError(code, f"context_id must be a string of 1-{MAX_CONTEXT_ID} characters")
+    return value
+
+
+def check_flag(data: dict[str, Any], key: str, code: str = G.BAD_MESSAGE) -> bool:
+    """A message's boolean field: absent or null is false, a JSON boolean is itself, anything else is refused
+    (a "true", 1 or "yes" that meant a flush, a close or a cancel must not be dropped in silence)."""
+    value = data.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise RequestError(code, f"{key} must be true or false, not {type(value).__name__} {str(value)[:40]!r}")
     return value
 
 

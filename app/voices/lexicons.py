@@ -93,6 +93,16 @@ def _rule(grapheme: object, alias: object, where: str) -> Rule:
         )
     check_text(grapheme, f"{where}: the text to replace", G.BAD_LEXICON)
     check_text(alias, f"{where}: the alias", G.BAD_LEXICON)
+    # (imported here: style_tags imports the options, which import this module)
+    from app.core.style_tags import markup_in
+
+    tag = markup_in(alias)
+    if tag is not None:  # aliases replace words after the text's tags were taken out: a tag here would be read aloud
+        raise RequestError(
+            G.BAD_LEXICON,
+            f"{where}: the alias for {grapheme[:40]!r} holds the tag {tag!r}: an alias is read as plain text, "
+            "so put breaks and tags in the text itself",
+        )
     return Rule(grapheme.strip(), alias)
 
 

@@ -770,6 +770,11 @@ def test_elevenlabs_http_output_formats(dsrv, fmt, rate):
         ("/stream", None, "output_format=opus_44100_64", DIALECT_KEY, "Ada", 400, "invalid_output_format"),
         ("", {"text": ""}, "", DIALECT_KEY, "Ada", 400, "empty_text"),
         ("", {"text": "Hi.", "voice_settings": "fast"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        # ignored settings are still held to ElevenLabs' ranges (they were ignored whatever they held)
+        ("", {"text": "Hi.", "voice_settings": {"stability": 50}}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", {"text": "Hi.", "voice_settings": {"similarity_boost": "x"}}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", {"text": "Hi.", "voice_settings": {"style": -0.1}}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", {"text": "Hi.", "voice_settings": {"use_speaker_boost": 1}}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
         ("", {"text": "Hi.", "seed": -1}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
         ("", {"text": "Hi.", "apply_text_normalization": "maybe"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
         ("/with-timestamps", {"text": "Hi.", "previous_text": 3}, "", DIALECT_KEY, "Ada", 400, "bad_params"),

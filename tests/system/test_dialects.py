@@ -481,6 +481,56 @@ def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_ref
     assert log[-1] == ({"isFinal": True, "contextId": "a"} if multi else {"isFinal": True}) and code == 1000, log
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"stability": 7}, {"similarity_boost": "high"}, {"style": 1.5}, {"use_speaker_boost": 1}],
+)
+def test_elevenlabs_voice_settings_out_of_elevenlabs_ranges_are_refused(srv, settings):
+    """stability, similarity_boost, style (0..1) and use_speaker_boost (a boolean) have no ZONOS2 counterpart and
+    are ignored, but a value ElevenLabs would refuse is refused here too (bad_params naming it), on the context
+    it would open; the socket goes on. (It was ignored whatever it held.)"""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        msg = {"text": "Nope. ", "context_id": "bad", "voice_settings": settings, "flush": True}
+        await ws.send(json.dumps(msg))
+        err = await recv_json(ws)
+        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "good", log)
+        await ws.close()
+        return err, log
+
+    err, log = run(go())
+    assert err.get("error") == "bad_params" and next(iter(settings)) in err["message"], err
+    assert err.get("contextId") == "bad" and el_audio(log, "good") and not el_audio(log, "bad"), log
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"flush": "true"}, {"flush": 1}, {"close_context": "true"}, {"close_context": 1}, {"close_socket": "yes"}],
+)
+def test_elevenlabs_a_flag_that_is_not_a_boolean_is_refused_not_dropped(srv, bad):
+    """flush, close_context and close_socket are JSON booleans: a "true" or a 1 is bad_message naming the field,
+    and the message is refused whole (its text is not spoken, its context not opened); the socket goes on. (They
+    were read as false: the text was spoken by the quiet timer, the close never came, no isFinal followed.)"""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps({"text": "Nope. ", "context_id": "bad", **bad}))
+        err = await recv_json(ws)
+        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "good", log)
+        await ws.close()
+        return err, log
+
+    err, log = run(go())
+    field = next(iter(bad))
+    assert err.get("error") == "bad_message" and field in err["message"], err
+    assert el_audio(log, "good") and not el_audio(log, "bad"), log
+
+
 @pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
 def test_elevenlabs_every_url_option_it_has_is_accepted(srv, kind):
     """ElevenLabs' URL options at the ends of their ranges open the socket and speak."""
@@ -955,6 +1005,14 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         ({"transcript": '<emotion value="happy"/>Nope.'}, "unsupported_tag"),  # no emotion directions here
         ({"transcript": "Quiet. [whispering] Nope."}, "unsupported_tag"),
         ({"transcript": "<emotion/>Nope."}, "bad_text"),
+        # a flag that is not a JSON boolean (they were read as false: a cancel or a flush dropped in silence)
+        ({"continue": "false"}, "bad_message"),
+        ({"continue": True, "flush": "true"}, "bad_message"),
+        ({"continue": True, "cancel": "true"}, "bad_message"),
+        ({"add_timestamps": 1}, "bad_message"),
+        # as the HTTP routes refuse them (the socket ignored them: a number as language, a config that is no object)
+        ({"language": 5}, "bad_message"),
+        ({"generation_config": "fast"}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):

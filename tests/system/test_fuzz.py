@@ -154,6 +154,13 @@ short_text = (
             'Hi <emotion\nvalue="happy"/> there.',
             'Hi <break\ntime="1s"/> there.',
             'Hi <emotion value="' + "a" * 2100 + '"/> there.',
+            # Cartesia's other elements: spelled text, or refused (unsupported_tag), cut (bad_text)
+            "Code <spell>AB-12</spell>. Bye <spell>Q",
+            "R2</spell> <SPELL/> x.",
+            '<speed ratio="1.5"/>Fast. <volume ratio=0.5 /> quiet </speed>.',
+            "Hi <spell\n>x</spell>.",
+            'Say <phoneme alphabet="ipa" ph="x">tomato</phoneme>.',
+            'Wait <break time="1s"></break> now. </break>',
         ]
     )
 )

@@ -471,6 +471,29 @@ def test_aliases_that_grow_an_utterance_past_its_limit_are_refused(server):
     assert done["stats"]["audio_ms"] > 0
 
 
+def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
+    """A rule that reads a filler word as nothing ("Um" -> ""): a sentence of only that word went to the engine as an
+    empty prompt, which a real model babbles to its frame limit. It is an utterance of no audio now (audio.start,
+    audio.done with no frames, as a break of none); the sentences around it are spoken."""
+
+    async def go():
+        c = await connect(
+            server, params={"seed": 1, "max_frames": 5, "ignore_eos": True}, lexicon=[{"grapheme": "Um", "alias": ""}]
+        )
+        await c.send(type="text", text="Right.\nUm\nSo it goes.", flush=True)
+        await c.until("flushed")
+        await c.ws.close()
+        return c
+
+    c = run(go())
+    starts = [m["text"] for m in c.log if m["type"] == "audio.start"]
+    done = {m["utterance_id"]: m["stats"] for m in c.log if m["type"] == "audio.done"}
+    assert starts == ["Right.", "Um", "So it goes."] and not [m for m in c.log if m["type"] == "error"], c.log
+    empty = done[next(m["utterance_id"] for m in c.log if m["type"] == "audio.start" and m["text"] == "Um")]
+    assert empty["frames"] is None and empty["audio_ms"] == 0, empty
+    assert sum(s["frames"] or 0 for s in done.values()) == 10  # the two sentences around it: 5 frames each
+
+
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
     """Uploaded as PLS and as rules, listed, used by our session.config `lexicon` (the alias reaches the
     model: the prompt grows by it), refused for phonemes, kept across a restart, deleted."""

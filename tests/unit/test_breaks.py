@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from app.core.breaks import TAG_MAX, split_breaks
+from app.core.options import SynthesisOptions
+from app.core.pipeline import UtterancePipeline
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
+from tests.unit.test_pipeline import fake_gateway
 
 
 def test_breaks_split_the_text():
@@ -18,6 +22,22 @@ def test_breaks_split_the_text():
     assert split_breaks("<break time='1.5s' />Go") == [1.5, "Go"]
     assert split_breaks('A<BREAK TIME="2S"/>') == ["A", 2.0]
     assert split_breaks("") == [""]
+
+
+def test_a_break_elements_end_is_dropped_not_spoken():
+    """`<break time="1s"></break>` (XML writers and SSML-writing LLMs close the element): the end was read aloud."""
+    assert split_breaks('Hi <break time="1s"></break> there.') == ["Hi", 1.0, "there."]
+    assert split_breaks("Hi </BREAK > there, a</break>b.") == ["Hi there, a b."]
+    assert split_breaks(" </break> ") == []  # nothing else: no piece, so no utterance
+
+    async def go():
+        pipe = UtterancePipeline(fake_gateway(), "test")  # type: ignore[arg-type]
+        added = pipe.add(['Wait <break time="200ms"></break> now.', "</break>"], SynthesisOptions(), None, None)
+        pipe.close()
+        return added
+
+    added = asyncio.run(go())
+    assert [(u.text, u.silence_s) for u in added] == [("Wait", None), ("", 0.2), ("now.", None)]
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,31 @@ def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():
             rules_from_json(bad)
 
 
+@pytest.mark.parametrize(
+    "alias",
+    [
+        'wait <break time="1s"/>',
+        "<spell>OTP</spell>",
+        "[happy] yes",
+        '<emotion value="calm"/>',
+        "<speed ratio=2/>",
+        "x</break>",
+    ],
+)
+def test_an_alias_holding_a_tag_is_refused_it_would_be_read_aloud(alias):
+    """Aliases replace words after a text's breaks and tags were taken out of it: a tag in an alias reached the model
+    as markup ("less than break time equals ..."). Refused when the rule is made, JSON or PLS; a bracket that is no
+    tag ([1]) and a lone '<' are text, as in any text."""
+    with pytest.raises(RequestError) as e:
+        rules_from_json([{"type": "alias", "string_to_replace": "OTP", "alias": alias}])
+    assert e.value.code == "bad_lexicon" and "OTP" in str(e.value) and "tag" in str(e.value), str(e.value)
+    escaped = alias.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").encode()
+    with pytest.raises(RequestError) as e:
+        rules_from_pls(PLS.replace(b"<alias>tomahto</alias>", b"<alias>" + escaped + b"</alias>"))
+    assert e.value.code == "bad_lexicon" and "tomato" in str(e.value), str(e.value)
+    assert rules_from_json([{"grapheme": "lt", "alias": "less than <3 [1]"}]) == [Rule("lt", "less than <3 [1]")]
+
+
 def test_aliases_replace_whole_words_case_sensitively():
     rules = (Rule("tomato", "tomahto"), Rule("New York", "New York City"), Rule("New", "Old"))
     assert apply_rules("A tomato, tomatoes, Tomato.", rules) == "A tomahto, tomatoes, Tomato."

@@ -205,3 +205,87 @@ def test_an_emotion_tag_cut_by_a_newline_or_the_budget_is_refused_not_spoken(tex
             split_tags(piece)
     assert e.value.code == "bad_text"
     assert split_tags("Hi <emotion", partial=True) == ["Hi <emotion"]  # a streamed tag, still arriving
+
+
+# Cartesia's other inline elements (pipecat's CartesiaTTSService.SPELL, SPEED_TAG, VOLUME_TAG write them): they were
+# read aloud as markup ("less than spell greater than ...").
+@pytest.mark.parametrize(
+    "text, spoken",
+    [
+        ("Your code is <spell>AB12</spell>.", ["Your code is A B 1 2."]),
+        ("Call <SPELL> 555 01 </spell> now", ["Call 5 5 5 0 1 now"]),
+        ("[happy] It is <spell>x-é</spell>", ["happy", "It is x - é"]),  # a combining accent stays on its letter
+        ("A sentence cut leaves <spell>Q.", ["A sentence cut leaves Q ."]),  # the rest of the text is spelled
+        ("R2</spell> was the code.", ["R 2 was the code."]),  # its opening was in the sentence before
+    ],
+)
+def test_a_spell_element_is_spoken_character_by_character(text, spoken):
+    assert tags(split_tags(text)) == spoken
+
+
+def test_a_spell_element_stays_in_its_utterance():
+    """Spelled text is text, not a tag: it does not cut the sentence into utterances, and the utterance's reported
+    text is what is spoken."""
+
+    async def go():
+        pipe = pipeline(None)
+        added = pipe.add(["Your code is <spell>AB12</spell>, thanks."], SynthesisOptions(), voice(), None, "c")
+        pipe.close()
+        return added
+
+    assert [u.text for u in asyncio.run(go())] == ["Your code is A B 1 2, thanks."]
+
+
+@pytest.mark.parametrize("tag", ['<speed ratio="1.5"/>', "<volume ratio=0.5 />", "</speed>"])
+def test_cartesia_speed_and_volume_tags_are_refused_not_spoken(tag):
+    """ZONOS2 has no in-text control for them: unsupported_tag, and nothing of the text is queued."""
+    assert tags(split_tags(f"Before {tag} after.")) == ["Before", tag.split()[0].strip("</>"), "after."]
+
+    async def go():
+        pipe = pipeline(directions())
+        with pytest.raises(RequestError) as e:
+            pipe.add([f"Fine so far. {tag} Then faster."], SynthesisOptions(), voice(), None)
+        queued = len(pipe)
+        pipe.close()
+        return e.value, queued
+
+    err, queued = asyncio.run(go())
+    assert err.code == "unsupported_tag" and "no in-text control" in str(err) and queued == 0, str(err)
+
+
+def test_an_ssml_phoneme_element_is_refused_not_spoken():
+    """ElevenLabs' SSML `<phoneme alphabet ph>word</phoneme>`: ZONOS2 has no phoneme input (a dictionary's phoneme rule
+    is refused too); it was read aloud as markup."""
+
+    async def go():
+        pipe = pipeline(directions())
+        with pytest.raises(RequestError) as e:
+            pipe.add(['Say <phoneme alphabet="ipa" ph="t@meItoU">tomato</phoneme>.'], SynthesisOptions(), voice(), None)
+        queued = len(pipe)
+        pipe.close()
+        return e.value, queued
+
+    err, queued = asyncio.run(go())
+    assert err.code == "unsupported_tag" and "phoneme input" in str(err) and queued == 0, str(err)
+
+
+@pytest.mark.parametrize("text", ["Code <spell\nAB</spell>.", 'Go <speed ratio="' + "1" * 300 + '"/> on.'])
+def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
+    with pytest.raises(RequestError) as e:
+        split_tags(text)
+    assert e.value.code == "bad_text"
+    assert split_tags("Code <spell", partial=True) == ["Code <spell"]  # a streamed tag, still arriving
+
+
+def test_a_spell_element_on_the_socket_reaches_the_engine_spelled():
+    async def go():
+        _, ws, engine, task = await open_session()
+        ws.send(type="text", text="Your PIN is <spell>4711</spell>.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return seen, engine.texts
+
+    seen, texts = asyncio.run(go())
+    assert texts == ["Your PIN is 4 7 1 1."], texts
+    assert [m["text"] for m in seen if m["type"] == "audio.start"] == ["Your PIN is 4 7 1 1."]

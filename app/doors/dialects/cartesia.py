@@ -44,7 +44,7 @@ from app.core.timestamps import Chunk, WordTime
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id
+from app.io.checks import check_context_id, check_flag
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
@@ -151,7 +151,7 @@ class CartesiaSession(StreamingSession):
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
         ctx = check_context_id(data.get("context_id"))
-        if data.get("cancel") is True:
+        if check_flag(data, "cancel"):
             if ctx is None:
                 raise RequestError(G.BAD_MESSAGE, "cancel needs a context_id")
             for dropped in self._chain(ctx):
@@ -162,9 +162,8 @@ class CartesiaSession(StreamingSession):
         transcript = data.get("transcript")
         if not isinstance(transcript, str):
             raise RequestError(G.BAD_MESSAGE, "transcript must be a string")
-        cont = data.get("continue", False)
-        if not isinstance(cont, bool):
-            raise RequestError(G.BAD_MESSAGE, "continue must be true or false")
+        cont = check_flag(data, "continue")
+        flush = check_flag(data, "flush")
         ctx = ctx or "ctx_" + secrets.token_hex(8)
         c = self.ctxs.get(ctx)
         if c is None or c.ended:  # a new context (an id used again after its done starts afresh)
@@ -175,7 +174,7 @@ class CartesiaSession(StreamingSession):
         if not cont:  # the context's last input: speak the rest, then done
             c.ended = True
             await self.flush(ctx, answer=lambda: self._done(c))
-        elif data.get("flush") is True:  # with continue: more of the turn follows (its continuation goes on)
+        elif flush:  # with continue: more of the turn follows (its continuation goes on)
             c.flush_id += 1
             await self.flush(ctx, answer=self._flush_done(c, c.flush_id), end_turn=False)
         elif c.buffer_delay_ms == 0:
@@ -191,12 +190,8 @@ class CartesiaSession(StreamingSession):
             raise RequestError(G.UNSUPPORTED_FORMAT, "the WebSocket streams container 'raw'")
         output = output_format(fmt.get("encoding"), fmt.get("sample_rate"))
         voice = self._voice(data.get("voice"))
-        config = data.get("generation_config")
-        if isinstance(config, dict):
-            speed = config.get("speed")
-        else:
-            speed = data.get("speed") if isinstance(data.get("speed"), int | float) else None
-        opts = dialect_options(self.gw, base=self.opts, language=data.get("language"), speed=speed)
+        language, speed = language_and_speed(data, G.BAD_MESSAGE)
+        opts = dialect_options(self.gw, base=self.opts, language=language, speed=speed)
         delay = data.get("max_buffer_delay_ms")
         if delay is not None and (
             not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
@@ -204,9 +199,7 @@ class CartesiaSession(StreamingSession):
             raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         if lexicon:
             opts = dataclasses.replace(opts, lexicon=lexicon)
-        stamps = data.get("add_timestamps", False)
-        if not isinstance(stamps, bool):
-            raise RequestError(G.BAD_MESSAGE, "add_timestamps must be true or false")
+        stamps = check_flag(data, "add_timestamps")
         before = self.last_held(ctx)  # (an utterance whose aligned words are pending is still the old context's)
         previous = self.ctxs.get(ctx) if before is not None else None
         c = Context(ctx, opts, voice, output, delay, timestamps=stamps, opened_after=before, previous=previous)
@@ -353,6 +346,23 @@ def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
     if not isinstance(pid, str):
         raise RequestError(G.BAD_LEXICON, "pronunciation_dict_id must be a dictionary id")
     return [pid]
+
+
+def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:
+    """A request's `language` and speed (the socket's context and the HTTP routes' body): `language` a string and
+    `generation_config` an object, else `code`; the speed is `generation_config.speed`, else a numeric top-level
+    `speed` (Cartesia's older field; its named speeds, "slow" ..., are not used). The speed's bounds are checked
+    where the options are made (dialect_options)."""
+    language = data.get("language")
+    if language is not None and not isinstance(language, str):
+        raise RequestError(code, "language must be a string")
+    config = data.get("generation_config")
+    if config is not None and not isinstance(config, dict):
+        raise RequestError(code, "generation_config must be an object")
+    speed, top = (config or {}).get("speed"), data.get("speed")
+    if speed is None and isinstance(top, int | float) and not isinstance(top, bool):
+        speed = top
+    return language, speed
 
 
 def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:

@@ -32,7 +32,7 @@ from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
-from app.doors.dialects.cartesia import output_format, pronunciation_dict, voice_of
+from app.doors.dialects.cartesia import language_and_speed, output_format, pronunciation_dict, voice_of
 from app.doors.dialects.cartesia import refusal_body as cartesia_error
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.http import errors_as, open_request
@@ -63,15 +63,7 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
 
 
 async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
-    lang = data.get("language")
-    if lang is not None and not isinstance(lang, str):
-        raise RequestError(G.BAD_PARAMS, "language must be a string")
-    config = data.get("generation_config")
-    if config is not None and not isinstance(config, dict):
-        raise RequestError(G.BAD_PARAMS, "generation_config must be an object")
-    speed = (config or {}).get("speed")
-    if speed is None and isinstance(data.get("speed"), int | float) and not isinstance(data.get("speed"), bool):
-        speed = data["speed"]  # the older top-level speed; its named speeds ("slow", ...) are not used
+    lang, speed = language_and_speed(data, G.BAD_PARAMS)
     opts = dialect_options(gw, request.query_params, language=lang, speed=speed)
     lexicon = await gw.lexicon(pronunciation_dict(data), owner)
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts

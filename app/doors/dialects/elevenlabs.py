@@ -19,7 +19,8 @@ maps onto our encoders, and the other URL options with a fixed set of values are
 every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
-counterpart and are ignored. Every audio message carries `alignment` (and the same as `normalizedAlignment`):
+counterpart and are ignored (held to ElevenLabs' ranges: voice_settings_speed). Every audio message carries
+`alignment` (and the same as `normalizedAlignment`):
 the characters of the words its audio completes, with estimated times (app/core/timestamps.py), in ms from the
 message's first sample (ElevenLabs' WebSocket: timecodes restart with each message; pipecat adds them up), or
 with `sync_alignment=true` (LiveKit's default) on the context's audio clock, null when no word completes.
@@ -38,14 +39,14 @@ from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
 from app.core.hold import Hold
-from app.core.options import SynthesisOptions
+from app.core.options import SynthesisOptions, finite
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance
 from app.core.session import StreamingSession
 from app.core.timestamps import Chunk, char_alignment
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id
+from app.io.checks import check_context_id, check_flag
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
@@ -94,6 +95,29 @@ def check_url_options(query: Mapping[str, str]) -> None:
         number = query_int(query, key)
         if number is not None and not lo <= number <= hi:
             raise RequestError(G.BAD_PARAMS, f"{key} must be in {lo}..{hi}, not {number}")
+
+
+# voice_settings fields with no ZONOS2 counterpart: ignored, but checked against ElevenLabs' own bounds, so that a
+# setting ElevenLabs would refuse (a stability of 50 meant as percent) is refused here too, not silently ignored
+_UNIT_SETTINGS = ("stability", "similarity_boost", "style")
+
+
+def voice_settings_speed(settings: Any, code: str) -> Any:
+    """ElevenLabs' `voice_settings` (the sockets' context init, the HTTP routes' body): an object (else `code`)
+    whose ignored fields hold ElevenLabs' types and ranges (else bad_params); its `speed`, unchecked (the dialects'
+    options check it: dialect_options). None: no settings."""
+    if settings is None:
+        return None
+    if not isinstance(settings, dict):
+        raise RequestError(code, "voice_settings must be an object")
+    for key in _UNIT_SETTINGS:
+        value = settings.get(key)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or not finite(value) or not 0 <= value <= 1
+        ):
+            raise RequestError(G.BAD_PARAMS, f"voice_settings.{key} must be a number in 0..1, not {str(value)[:40]!r}")
+    check_flag(settings, "use_speaker_boost", G.BAD_PARAMS)
+    return settings.get("speed")
 
 
 def _flag(value: str | None) -> bool:
@@ -169,7 +193,7 @@ class ElevenLabsSession(StreamingSession):
 
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
-        close_socket = data.get("close_socket") is True
+        close_socket = check_flag(data, "close_socket")
         if not close_socket:
             await self._on_context_message(data)
             return
@@ -186,11 +210,11 @@ class ElevenLabsSession(StreamingSession):
     async def _on_context_message(self, data: dict[str, Any]) -> None:
         ctx = self._context_id(data)
         # stream-input has no contexts to close, as on ElevenLabs (its isFinal is the end of the stream): ignored
-        close = data.get("close_context") is True and self.multi
+        close = self.multi and check_flag(data, "close_context")
         text = data.get("text")
         if text is not None and not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
-        flush = data.get("flush") is True
+        flush = check_flag(data, "flush")
         # auto_mode speaks every text as it comes: a flush each
         speak = flush or (self.auto_mode and bool(text))
         if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
@@ -243,10 +267,8 @@ class ElevenLabsSession(StreamingSession):
         # a new context, or a closed id used again ("not linked to the previous context")
         settings = data.get("voice_settings")
         opts = self.opts
-        if isinstance(settings, dict):
-            opts = dialect_options(self.gw, base=opts, speed=settings.get("speed"))
-        elif settings is not None:
-            raise RequestError(G.BAD_MESSAGE, "voice_settings must be an object")
+        if settings is not None:
+            opts = dialect_options(self.gw, base=opts, speed=voice_settings_speed(settings, G.BAD_MESSAGE))
         if lexicon is not None:  # a context's pronunciation dictionaries
             opts = dataclasses.replace(opts, lexicon=lexicon)
         # A closed id used again: what the closed context flushed is still its own, still spoken; a close

@@ -44,7 +44,13 @@ from app.core.options import SynthesisOptions
 from app.core.stitching import MAX_REQUEST_IDS, new_request_id
 from app.core.timestamps import AudioTimeline, CharTime, char_alignment_seconds, char_times, run_to
 from app.doors.dialects.common import dialect_options
-from app.doors.dialects.elevenlabs import DEFAULT_FORMAT, MAX_SEED, check_url_options, output_format
+from app.doors.dialects.elevenlabs import (
+    DEFAULT_FORMAT,
+    MAX_SEED,
+    check_url_options,
+    output_format,
+    voice_settings_speed,
+)
 from app.doors.dialects.elevenlabs import refusal_body as elevenlabs_error
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
@@ -94,9 +100,7 @@ async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: s
     seed = data.get("seed")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
         raise RequestError(G.BAD_PARAMS, f"seed must be an integer in 0..{MAX_SEED}")
-    settings = data.get("voice_settings")
-    if settings is not None and not isinstance(settings, dict):
-        raise RequestError(G.BAD_PARAMS, "voice_settings must be an object")
+    speed = voice_settings_speed(data.get("voice_settings"), G.BAD_PARAMS)
     # as on the WebSocket
     opts = dialect_options(
         gw,
@@ -104,7 +108,7 @@ async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: s
         language=lang,
         text_normalization=False if norm == "off" else None,
         seed=seed,
-        speed=(settings or {}).get("speed"),
+        speed=speed,
     )
     lexicon = await gw.lexicon(data.get("pronunciation_dictionary_locators"), owner)
     return dataclasses.replace(opts, lexicon=lexicon) if lexicon else opts
