@@ -163,6 +163,20 @@ class Limits:
     head_timeout_s: float = field(
         default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", 0, _DAY)
     )
+    # Every client connection holds a file descriptor until it closes, one that sends nothing for --head-timeout-s:
+    # a client that kept ~20,000 of them open (reopening those closed) took every descriptor of a gateway process,
+    # which then closed each new connection unanswered, /healthz included (app/io/http_protocol.py `connection_cap`)
+    max_connections: int = field(
+        default=0,
+        metadata=_limit(
+            "client connections one gateway process holds open at once (0: its open-file limit less a reserve for "
+            "its own files); past it the connection that has waited longest for a request head is closed to make "
+            "room, and with none waiting the newcomer gets 503 too_many_connections",
+            0,
+            10_000_000,
+            zero_ok=True,
+        ),
+    )
     # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
     # refused at once (503, Retry-After) instead of queued
     max_queue_ms: float = field(

@@ -1898,3 +1898,42 @@ def test_normalization_past_its_cpu_bound_is_a_coded_error(norm_bounded):
 
     err, done = run(go(), timeout=900)
     assert err["code"] == "normalization_timeout" and done["stats"]["frames"]
+
+
+# The open-file limit of the server that test_idle_connections_cannot_take_every_file_descriptor starts: its connection
+# cap (--max-connections 0) is half of it
+LOW_NOFILE = 300
+
+
+@slow
+def test_idle_connections_cannot_take_every_file_descriptor(start_server):
+    """A client that opened connections and sent nothing (each lives --head-timeout-s; it reopens those closed) took
+    every file descriptor of the gateway process, which then closed each new connection unanswered: /healthz failed
+    for everyone (measured: 22,000 such connections against a limit of 20,000). The process holds at most its
+    connection cap (its open-file limit less a reserve): the connection that has waited longest for a head makes room
+    for the newcomer, with 503 too_many_connections, and the process keeps descriptors for its own use."""
+    srv = start_server(nofile=LOW_NOFILE)
+    before = errors_total(srv, "too_many_connections")
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=60) for _ in range(2 * LOW_NOFILE)]
+    try:
+        r = httpx.get(srv.url + "/healthz", timeout=60)
+        assert r.status_code == 200, r.text
+        assert open_fds(srv.proc.pid) < LOW_NOFILE
+        got = b""
+        while chunk := idle[0].recv(65536):  # the oldest was answered, then closed
+            got += chunk
+        status, error = raw_json_error(got)
+        assert status == 503 and error["code"] == "too_many_connections"
+        assert errors_total(srv, "too_many_connections") - before >= 2 * LOW_NOFILE - LOW_NOFILE // 2
+    finally:
+        for s in idle:
+            s.close()
+
+    async def speak() -> int:  # and a session still speaks
+        c = await connect(srv, fast(10))
+        await c.send(type="text", text="Still here.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return done["stats"]["frames"]
+
+    assert run(speak()) == 10

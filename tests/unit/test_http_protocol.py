@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import socket
 import struct
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -16,8 +19,9 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.io.http_protocol import PIPELINE_AHEAD, DoorAnswer, bounded_protocol
+from app.io.http_protocol import PIPELINE_AHEAD, DoorAnswer, bounded_protocol, connection_cap
 from app.io.read_slices import READ_SLICE
+from tests.conftest import ROOT
 from tests.protocols import served
 
 UPGRADE = (
@@ -506,3 +510,129 @@ def test_frames_sent_with_the_handshake_are_not_lost():
     assert frames_heard(1) == [0]
     many = 3 * READ_SLICE // 7  # (7-8 bytes a frame)
     assert frames_heard(many) == list(range(many))
+
+
+# ---- the connection cap (--max-connections) -------------------------------------------------------------------------
+GATE: list[asyncio.Event] = []  # what /wait requests wait for before they are answered
+WAITING: list[str] = []  # the /wait requests the app has begun to serve
+
+
+async def gated_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers "ok"; a request for /wait once GATE[0] is set (a request in progress until then)."""
+    if scope["path"] == "/wait":
+        WAITING.append(scope["path"])
+        await GATE[0].wait()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+class Capped:
+    """Connections to one server (one ServerState, one protocol class) that holds at most `cap` of them."""
+
+    def __init__(self, cap: int) -> None:
+        self.shed = 0
+        self.state = ServerState()
+        self.protocol_class = bounded_protocol(600.0, 5.0, max_connections=cap, on_shed=self._count)
+        self.config = uvicorn.Config(gated_app, http=self.protocol_class, log_level="warning", timeout_keep_alive=600)
+        self.config.load()
+
+    def _count(self) -> None:
+        self.shed += 1
+
+    async def connect(self, sent: bytes = b"") -> socket.socket:
+        """A new connection (its client's end, non-blocking), which has sent `sent`."""
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = self.protocol_class(config=self.config, server_state=self.state, app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        if sent:
+            await loop.sock_sendall(client_end, sent)
+        return client_end
+
+
+async def read_until(client_end: socket.socket, ending: bytes | None = None) -> bytes:
+    """What the server sent until it closed the connection (or, given `ending`, until it sent that)."""
+    loop = asyncio.get_running_loop()
+    got = b""
+    while ending is None or not got.endswith(ending):
+        chunk = await loop.sock_recv(client_end, 65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def json_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower(), answer
+    return int(head.split()[1]), json.loads(body)["error"]["code"]
+
+
+def test_at_the_connection_cap_the_connection_waiting_longest_for_a_head_makes_room():
+    """A client that held idle connections (each lives --head-timeout-s, and it reopens those closed) took every file
+    descriptor of a gateway process, which then closed every new connection unanswered. At --max-connections the
+    connection that has waited longest for a request head is closed for the newcomer: one that sent nothing or part of
+    a head with 503 too_many_connections, an idle keep-alive one without a word (as at its keep-alive timeout)."""
+
+    async def go() -> None:
+        server = Capped(3)
+        silent = await server.connect()  # sent nothing
+        partial = await server.connect(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # part of a head
+        kept = await server.connect(GET)  # answered, then idle (keep-alive)
+        assert (await read_until(kept, b"ok")).startswith(b"HTTP/1.1 200 ")
+        newcomers = []
+        for victim in (silent, partial):
+            newcomers.append(await server.connect())
+            assert json_error(await read_until(victim)) == (503, "too_many_connections")
+        newcomers.append(await server.connect())
+        assert await read_until(kept) == b""  # closed without an answer
+        for c in newcomers:  # the newcomers are served
+            await asyncio.get_running_loop().sock_sendall(c, GET)
+            assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
+        assert server.shed == 3 and len(server.state.connections) <= 3
+        for c in (silent, partial, kept, *newcomers):
+            c.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_at_the_connection_cap_requests_in_progress_are_kept_and_the_newcomer_is_refused():
+    """Connections serving a request are never closed for a newcomer: with none waiting for a head, the newcomer gets
+    503 too_many_connections (Retry-After), and the requests in progress are answered."""
+
+    async def go() -> None:
+        GATE[:], WAITING[:] = [asyncio.Event()], []
+        server = Capped(2)
+        busy = [await server.connect(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(2)]
+        while len(WAITING) < 2:  # (their heads parsed: requests in progress)
+            await asyncio.sleep(0.01)
+        newcomer = await server.connect()
+        answer = await read_until(newcomer)
+        assert json_error(answer) == (503, "too_many_connections") and b"\r\nretry-after: 1\r\n" in answer
+        GATE[0].set()
+        for c in busy:
+            assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
+            c.close()
+        newcomer.close()
+        assert server.shed == 1
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_the_connection_cap_follows_the_open_file_limit():
+    """--max-connections 0: the process's open-file limit less a reserve for its own files; at start the soft limit is
+    raised to the hard one (systemd starts a service at 1,024)."""
+    assert connection_cap(5) == 5
+    code = (
+        "import resource\n"
+        "from app.io.http_protocol import FD_RESERVE, connection_cap, raise_open_file_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))\n"
+        "assert connection_cap(0) == 150, connection_cap(0)\n"  # (half of a small limit is kept)
+        "want = hard if hard != resource.RLIM_INFINITY else 1 << 20\n"
+        "assert raise_open_file_limit() == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "assert want // 2 <= connection_cap(0) <= want - min(want // 2, FD_RESERVE)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
