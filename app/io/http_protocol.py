@@ -26,9 +26,10 @@ memory (outside --max-whole-answer-bytes) and its connection forever, and a stre
 
 A gateway process holds at most `max_connections` client connections (--max-connections; by default its open-file limit
 less a reserve for its own files: `connection_cap`). Past it, the connection that has waited longest for a request head
-(one that has sent nothing, or part of a head, or an idle keep-alive connection) is closed to make room for the
-newcomer: 503 `too_many_connections` if it had begun a request or never had one answered, closed without a word if it
-is an idle keep-alive connection (as at its keep-alive timeout). With none waiting (every connection a WebSocket or a
+(one that has sent nothing, or part of a head, or an idle keep-alive connection), or a WebSocket whose close its client
+has not answered (app/io/ws_protocol.py), is closed to make room for the newcomer: 503 `too_many_connections` if it had
+begun a request or never had one answered, closed without a word if it is an idle keep-alive connection (as at its
+keep-alive timeout) or a closed WebSocket. With none waiting (every connection a WebSocket or a
 request in progress, each bounded by its own limits) the newcomer gets that 503. Without the cap a client holding idle
 connections (each lives --head-timeout-s) took every file descriptor of the process, which then closed each new
 connection unanswered, /healthz's included, and could open no file, pipe or engine of its own.
@@ -53,7 +54,7 @@ import re
 import resource
 import secrets
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -106,6 +107,16 @@ def connection_cap(configured: int) -> int:
     if soft == resource.RLIM_INFINITY:
         soft = 1 << 20
     return max(1, soft - min(soft // 2, max(FD_RESERVE, soft // 8)))
+
+
+class Sheddable(Protocol):
+    """A connection of the lobby (`BoundedHttpToolsProtocol.lobby`): whether it may be closed for a newcomer at
+    --max-connections, and closing it so. A WebSocket protocol (app/io/ws_protocol.py) joins the lobby in its HTTP
+    connection's place (its `join_lobby`)."""
+
+    def may_shed(self) -> bool: ...
+
+    def shed(self) -> None: ...
 
 
 class DoorAnswer(NamedTuple):
@@ -198,9 +209,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     on_stalled: Callable[[], None] | None = None  # an answer was cut: its client read nothing (a metric counts it)
     max_connections = 0  # the connections (HTTP and WebSocket) of its server at once; 0: no cap
     on_shed: Callable[[], None] | None = None  # a connection was closed at max_connections (a metric counts it)
-    # the server's HTTP connections, oldest first (busy ones a search passed go to the back): where the connection that
-    # has waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
-    lobby: ClassVar[dict[BoundedHttpToolsProtocol, None]] = {}
+    # the server's connections, oldest first (busy ones a search passed go to the back): where the connection that has
+    # waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
+    lobby: ClassVar[dict[Sheddable, None]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -242,29 +253,33 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         super().connection_made(transport)
         self.flow = _HeldFlow(transport)
         self._arm_head_timer()  # a client that connects and sends nothing is closed too
-        if self.max_connections and len(self.connections) > self.max_connections and not self._make_room():
-            self._shed()
-            return
+        if self.max_connections and len(self.connections) > self.max_connections:
+            if self.on_shed is not None:
+                self.on_shed()
+            if not self._make_room():
+                self.shed()
+                return
         self.lobby[self] = None
 
     # ---- the connection cap: at max_connections, the connection waiting longest for a head makes room ----------
     def _make_room(self) -> bool:
-        """Close the connection that has waited longest for a request head (`_waiting_for_head`) among the SHED_SCAN
-        oldest; False when none of them waits."""
+        """Close the connection that has waited longest for a request head (`may_shed`; or a WebSocket whose closing
+        handshake waits for its client: app/io/ws_protocol.py) among the SHED_SCAN oldest; False when none of them
+        may be closed."""
         lobby = self.lobby
         for other in list(itertools.islice(lobby, SHED_SCAN)):
-            if other._waiting_for_head():
+            if other.may_shed():
                 del lobby[other]
-                other._shed()
+                other.shed()
                 return True
             del lobby[other]  # busy (or closing): to the back, where the next search reaches it last
             lobby[other] = None
         return False
 
-    def _waiting_for_head(self) -> bool:
-        """Nothing of this connection is being served: no request in progress, answered or waiting to be, nothing of
-        an answer left to write, nothing read and not parsed; it waits for a request head (none of it came, or part
-        of it)."""
+    def may_shed(self) -> bool:
+        """It waits for a request head (none of it came, or part of it): nothing of this connection is being served,
+        no request in progress, answered or waiting to be, nothing of an answer left to write, nothing read and not
+        parsed."""
         cycle = self.cycle
         return (
             not self.transport.is_closing()
@@ -279,11 +294,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             and not self.transport.get_write_buffer_size()
         )
 
-    def _shed(self) -> None:
+    def shed(self) -> None:
         """Closed at max_connections: an idle keep-alive connection (a request answered, nothing of the next one
         sent) as at its keep-alive timeout, any other with 503 too_many_connections."""
-        if self.on_shed is not None:
-            self.on_shed()
         if self.cycle is not None and not self._in_head:
             self._refused = True
             self._disarm_head_timer()
@@ -645,8 +658,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)
-            self.lobby.pop(self, None)  # (the WebSocket protocol's now: it counts among the connections, never shed)
+            self.lobby.pop(self, None)  # the WebSocket protocol's now: in the lobby in its place
             super().handle_websocket_upgrade()
+            join = getattr(self.transport.get_protocol(), "join_lobby", None)
+            if join is not None:
+                join(self.lobby)
             # the connection is the WebSocket protocol's now, and this one never sees its connection_lost, which
             # is where uvicorn drops the parser: the parser's callbacks hold this protocol, a cycle that left
             # each session's HTTP protocol, parser and transport to the collector's full passes

@@ -518,7 +518,13 @@ WAITING: list[str] = []  # the /wait requests the app has begun to serve
 
 
 async def gated_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """Answers "ok"; a request for /wait once GATE[0] is set (a request in progress until then)."""
+    """Answers "ok"; a request for /wait once GATE[0] is set (a request in progress until then). A WebSocket is
+    accepted and closed at once (as our socket refuses a session in band)."""
+    if scope["type"] == "websocket":
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1013})
+        return
     if scope["path"] == "/wait":
         WAITING.append(scope["path"])
         await GATE[0].wait()
@@ -532,8 +538,17 @@ class Capped:
     def __init__(self, cap: int) -> None:
         self.shed = 0
         self.state = ServerState()
+        from app.io.ws_protocol import SlicedWebSocketProtocol
+
         self.protocol_class = bounded_protocol(600.0, 5.0, max_connections=cap, on_shed=self._count)
-        self.config = uvicorn.Config(gated_app, http=self.protocol_class, log_level="warning", timeout_keep_alive=600)
+        self.config = uvicorn.Config(
+            gated_app,
+            http=self.protocol_class,
+            ws=SlicedWebSocketProtocol,
+            ws_per_message_deflate=False,
+            log_level="warning",
+            timeout_keep_alive=600,
+        )
         self.config.load()
 
     def _count(self) -> None:
@@ -636,3 +651,28 @@ def test_the_connection_cap_follows_the_open_file_limit():
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_at_the_connection_cap_a_websocket_whose_close_is_unanswered_makes_room():
+    """A socket the server has closed (a session refused in band, too_many_sessions, or ended) waits up to 10 s for its
+    client's close frame, a connection each: a client ignoring those closes held the cap full. Such a socket is closed
+    for a newcomer; a request in progress is not."""
+
+    async def go() -> None:
+        GATE[:], WAITING[:] = [asyncio.Event()], []
+        server = Capped(2)
+        refused = await server.connect(UPGRADE)
+        assert (await read_until(refused, b"\x88\x02\x03\xf5")).startswith(b"HTTP/1.1 101 ")  # its close frame, 1013
+        busy = await server.connect(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not WAITING:
+            await asyncio.sleep(0.01)
+        newcomer = await server.connect(GET)
+        assert await read_until(refused) == b""  # closed now, not after the close timeout (10 s; the test's is 30 s)
+        assert (await read_until(newcomer, b"ok")).startswith(b"HTTP/1.1 200 ")
+        GATE[0].set()
+        assert (await read_until(busy, b"ok")).startswith(b"HTTP/1.1 200 ")
+        assert server.shed == 1
+        for c in (refused, busy, newcomer):
+            c.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
