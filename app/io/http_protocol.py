@@ -20,9 +20,10 @@ headers), so an upgrade that passes here is never refused silently there. At mos
 (and those of one read slice) wait to be answered: past them nothing more is read from the client until they are.
 
 An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
-its high-water mark, and none of it taken by the client) is cut: its connection is aborted. uvicorn writes a
-whole answer into the transport at once and counts it sent, so a client that read nothing held its file in
-memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its connection.
+its high-water mark, and less than SEND_PROGRESS_BYTES of it taken by the client) is cut: its connection is
+aborted. uvicorn writes a whole answer into the transport at once and counts it sent, so a client that read nothing
+held its file in memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its
+connection.
 
 A gateway process holds at most `max_connections` client connections (--max-connections; by default its open-file limit
 less a reserve for its own files: `connection_cap`). Past it, the connection that has waited longest for a request head
@@ -76,6 +77,13 @@ MAX_HEAD_BYTES = 64 << 10  # all header lines together
 # answer: a client pipelining /healthz at ~1.4 MB/s while reading its answers grew a gateway process to 8.6 GB in
 # 100 s (each waiting request a cycle, its scope and headers), without bound
 PIPELINE_AHEAD = 16
+# Of an answer's bytes waiting in its connection's buffer (its writing paused, or the answer complete), its client must
+# take at least this many (or all of them) within each --send-timeout-s: ~1 KiB/s with the default 30 s, far below any
+# audio's rate (G.711 at 8 kHz is 8 KB/s). Any byte counted before: a client reading ~1.5 KB (a TCP segment) per timeout
+# held its connection, and the rest of its answer in memory (a voice preview is up to 1 MB), for as long as it liked,
+# a connection --max-connections cannot close for a newcomer (it is busy). A WebSocket's send waits for the buffer to
+# drain to its low-water mark (48 KiB taken) within the same timeout (app/core/session.py `_send`).
+SEND_PROGRESS_BYTES = 32 << 10
 # File descriptors of a gateway process kept for its own use (engine rings and pipes, normalization workers, voice
 # files, logs) when --max-connections is derived from its open-file limit: this many or an eighth of it, whichever is
 # more, but at most half of it (`connection_cap`)
@@ -394,11 +402,17 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if not self.flow.write_paused and self.cycle is not None and not self.cycle.response_complete:
             return  # an answer writing again (the client took bytes): its next pause arms the timer
         # nothing was written since the timer was armed (paused, or the answer complete): only the client's reading
-        # lowers what is left
-        if left < self._send_left:
+        # lowers what is left, by SEND_PROGRESS_BYTES at least (or all of it) for the answer to go on
+        if self._send_left - left >= SEND_PROGRESS_BYTES:
             self._arm_send_timer()
             return
-        self.logger.info("cut an answer: no send progress in %g s (the client reads nothing)", self.send_timeout_s)
+        self.logger.info(
+            "cut an answer: its client took %d of %d bytes in %g s (at least %d, or all, must be taken)",
+            self._send_left - left,
+            self._send_left,
+            self.send_timeout_s,
+            SEND_PROGRESS_BYTES,
+        )
         if self.on_stalled is not None:
             self.on_stalled()
         self.transport.abort()

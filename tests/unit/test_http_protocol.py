@@ -676,3 +676,58 @@ def test_at_the_connection_cap_a_websocket_whose_close_is_unanswered_makes_room(
             c.close()
 
     asyncio.run(asyncio.wait_for(go(), 30))
+
+
+# ---- an answer's client that reads, but too little to matter --------------------------------------------------------
+BIG = b"x" * (1 << 20)  # a voice preview's size
+
+
+async def big_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(BIG))]})
+    await send({"type": "http.response.body", "body": BIG})
+
+
+def trickled(read_bytes: int, every_s: float, send_timeout_s: float, rounds: int) -> tuple[int, bool]:
+    """A client of a 1 MiB answer (small socket buffers) that reads at most `read_bytes` every `every_s`, for `rounds`
+    rounds: (the bytes it read, whether the server cut its connection)."""
+
+    async def go() -> tuple[int, bool]:
+        protocol_class = bounded_protocol(600.0, send_timeout_s)
+        config = uvicorn.Config(big_app, http=protocol_class, log_level="warning")
+        config.load()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            client_end = socket.socket()
+            client_end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: its window)
+            client_end.connect(listener.getsockname())
+            server_end, _ = listener.accept()
+        server_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        await loop.sock_sendall(client_end, GET)
+        got = 0
+        try:
+            for _ in range(rounds):
+                await asyncio.sleep(every_s)
+                chunk = await loop.sock_recv(client_end, read_bytes)
+                if not chunk:
+                    return got, True
+                got += len(chunk)
+            return got, False
+        except ConnectionResetError:
+            return got, True
+        finally:
+            client_end.close()
+            protocol.transport.close()
+
+    return asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_an_answer_taken_a_trickle_at_a_time_is_cut():
+    """A client that took a few KiB of its answer within each --send-timeout-s (any byte counted as progress) held its
+    connection, and the rest of its answer in memory, for as long as it liked: ~1.5 KB per 30 s a connection, which
+    --max-connections cannot close for a newcomer. Less than SEND_PROGRESS_BYTES taken within a timeout cuts it: here
+    at most 4 KiB every quarter of the 1 s timeout (the loop's delays only make it take less)."""
+    got, cut = trickled(4096, 0.25, 1.0, 60)
+    assert cut and got < len(BIG) // 8, (got, cut)
