@@ -170,8 +170,8 @@ class Limits:
         default=0,
         metadata=_limit(
             "client connections one gateway process holds open at once (0: its open-file limit less a reserve for "
-            "its own files); past it the connection that has waited longest for a request head is closed to make "
-            "room, and with none waiting the newcomer gets 503 too_many_connections",
+            "its own files, at most 32768); past it the connection that has waited longest for a request head is "
+            "closed to make room, and with none waiting the newcomer gets 503 too_many_connections",
             0,
             10_000_000,
             zero_ok=True,
