@@ -20,7 +20,7 @@ headers), so an upgrade that passes here is never refused silently there. At mos
 (and those of one read slice) wait to be answered: past them nothing more is read from the client until they are.
 
 An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
-its high-water mark, and less than SEND_PROGRESS_BYTES of it taken by the client) is cut: its connection is
+its high-water mark, and less than SEND_MIN_RATE a second of it taken by the client) is cut: its connection is
 aborted. uvicorn writes a whole answer into the transport at once and counts it sent, so a client that read nothing
 held its file in memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its
 connection.
@@ -78,12 +78,13 @@ MAX_HEAD_BYTES = 64 << 10  # all header lines together
 # 100 s (each waiting request a cycle, its scope and headers), without bound
 PIPELINE_AHEAD = 16
 # Of an answer's bytes waiting in its connection's buffer (its writing paused, or the answer complete), its client must
-# take at least this many (or all of them) within each --send-timeout-s: ~1 KiB/s with the default 30 s, far below any
-# audio's rate (G.711 at 8 kHz is 8 KB/s). Any byte counted before: a client reading ~1.5 KB (a TCP segment) per timeout
-# held its connection, and the rest of its answer in memory (a voice preview is up to 1 MB), for as long as it liked,
-# a connection --max-connections cannot close for a newcomer (it is busy). A WebSocket's send waits for the buffer to
-# drain to its low-water mark (48 KiB taken) within the same timeout (app/core/session.py `_send`).
-SEND_PROGRESS_BYTES = 32 << 10
+# take at least this many a second on average (or all of them) within each --send-timeout-s: 30 KiB with the default
+# 30 s, far below any audio's rate (the lowest, 32 kb/s Opus or MP3, is 4 KB/s). Any byte counted before: a client
+# reading ~1.5 KB (a TCP segment) per timeout held its connection, and the rest of its answer in memory (a voice preview
+# is up to 1 MB), for as long as it liked, a connection --max-connections cannot close for a newcomer (it is busy). A
+# WebSocket's send waits for the buffer to drain to its low-water mark (48 KiB taken) within the same timeout
+# (app/core/session.py `_send`).
+SEND_MIN_RATE = 1 << 10
 # File descriptors of a gateway process kept for its own use (engine rings and pipes, normalization workers, voice
 # files, logs) when --max-connections is derived from its open-file limit: this many or an eighth of it, whichever is
 # more, but at most half of it (`connection_cap`)
@@ -217,6 +218,7 @@ class _Cycle(RequestResponseCycle):
 class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured ones
     send_timeout_s: float = Limits.send_timeout_s
+    send_min_rate: float = SEND_MIN_RATE  # bytes a second an answer's client must take while they wait for it
     door: Door | None = None
     on_stalled: Callable[[], None] | None = None  # an answer was cut: its client read nothing (a metric counts it)
     max_connections = 0  # the connections (HTTP and WebSocket) of its server at once; 0: no cap
@@ -406,8 +408,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if not self.flow.write_paused and self.cycle is not None and not self.cycle.response_complete:
             return  # an answer writing again (the client took bytes): its next pause arms the timer
         # nothing was written since the timer was armed (paused, or the answer complete): only the client's reading
-        # lowers what is left, by SEND_PROGRESS_BYTES at least (or all of it) for the answer to go on
-        if self._send_left - left >= SEND_PROGRESS_BYTES:
+        # lowers what is left, by send_min_rate a second at least (or all of it) for the answer to go on
+        needed = max(1, int(self.send_min_rate * self.send_timeout_s))
+        if self._send_left - left >= needed:
             self._arm_send_timer()
             return
         self.logger.info(
@@ -415,7 +418,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             self._send_left - left,
             self._send_left,
             self.send_timeout_s,
-            SEND_PROGRESS_BYTES,
+            needed,
         )
         if self.on_stalled is not None:
             self.on_stalled()
@@ -701,9 +704,11 @@ def bounded_protocol(
     on_stalled: Callable[[], None] | None = None,
     max_connections: int = 0,
     on_shed: Callable[[], None] | None = None,
+    send_min_rate: float = SEND_MIN_RATE,
 ) -> type[BoundedHttpToolsProtocol]:
     """The protocol class with these timeouts, door, count of answers cut for a client that read nothing, cap on
-    connections (0: none) and count of connections closed at it (uvicorn builds one instance per connection)."""
+    connections (0: none), count of connections closed at it and the rate an answer's client must take its bytes at
+    (uvicorn builds one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
@@ -712,6 +717,7 @@ def bounded_protocol(
             "send_timeout_s": send_timeout_s,
             "door": staticmethod(door) if door else None,
             "on_stalled": staticmethod(on_stalled) if on_stalled else None,
+            "send_min_rate": send_min_rate,
             "max_connections": max_connections,
             "on_shed": staticmethod(on_shed) if on_shed else None,
             "lobby": {},

@@ -19,8 +19,9 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.io.http_protocol import PIPELINE_AHEAD, DoorAnswer, bounded_protocol, connection_cap
+from app.io.http_protocol import PIPELINE_AHEAD, SEND_MIN_RATE, DoorAnswer, bounded_protocol, connection_cap
 from app.io.read_slices import READ_SLICE
+from app.settings import Limits
 from tests.conftest import ROOT
 from tests.protocols import served
 
@@ -690,12 +691,13 @@ async def big_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": BIG})
 
 
-def trickled(read_bytes: int, every_s: float, send_timeout_s: float, rounds: int) -> tuple[int, bool]:
+def trickled(read_bytes: int, every_s: float, send_timeout_s: float, min_rate: float, rounds: int) -> tuple[int, bool]:
     """A client of a 1 MiB answer (small socket buffers) that reads at most `read_bytes` every `every_s`, for `rounds`
-    rounds: (the bytes it read, whether the server cut its connection)."""
+    rounds, from a server whose answers must be taken at `min_rate` bytes a second: (the bytes it read, whether the
+    server cut its connection)."""
 
     async def go() -> tuple[int, bool]:
-        protocol_class = bounded_protocol(600.0, send_timeout_s)
+        protocol_class = bounded_protocol(600.0, send_timeout_s, send_min_rate=min_rate)
         config = uvicorn.Config(big_app, http=protocol_class, log_level="warning")
         config.load()
         with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -730,7 +732,9 @@ def trickled(read_bytes: int, every_s: float, send_timeout_s: float, rounds: int
 def test_an_answer_taken_a_trickle_at_a_time_is_cut():
     """A client that took a few KiB of its answer within each --send-timeout-s (any byte counted as progress) held its
     connection, and the rest of its answer in memory, for as long as it liked: ~1.5 KB per 30 s a connection, which
-    --max-connections cannot close for a newcomer. Less than SEND_PROGRESS_BYTES taken within a timeout cuts it: here
-    at most 4 KiB every quarter of the 1 s timeout (the loop's delays only make it take less)."""
-    got, cut = trickled(4096, 0.25, 1.0, 60)
+    --max-connections cannot close for a newcomer. Less than the minimum rate (SEND_MIN_RATE; 32 KiB/s here) taken
+    within a timeout cuts it: here at most 4 KiB every quarter of the 1 s timeout (the loop's delays only make it take
+    less)."""
+    got, cut = trickled(4096, 0.25, 1.0, 32 << 10, 60)
     assert cut and got < len(BIG) // 8, (got, cut)
+    assert SEND_MIN_RATE * Limits.send_timeout_s >= 16 << 10  # (by default: 30 KiB in 30 s, above a TCP segment)
