@@ -60,6 +60,18 @@ class Limits:
         default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
     )
     max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 0, 1_000_000))
+    # One API key's share of them, every gateway process's together: without it one key (a tenant's runaway client,
+    # or one that keeps its sockets busy with a message a minute) could hold every session of the server
+    max_sessions_per_key: int = field(
+        default=0,
+        metadata=_limit(
+            "concurrent WebSocket sessions of one API key (0: no limit but --max-sessions; without API keys every "
+            "client is one, and --max-sessions applies)",
+            0,
+            1_000_000,
+            zero_ok=True,
+        ),
+    )
     max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 0, 100_000))
     max_inflight_per_session: int = field(
         default=2, metadata=_limit("utterances generating at once per session (current + next)", 0, 1024)
