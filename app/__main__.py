@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from app.io.http_protocol import raise_open_file_limit
+
+    raise_open_file_limit()  # (before anything is started: every process of the server inherits it)
     workers = settings.workers or default_workers()  # from the CPUs it was started on, --engine-cpus or not
     if settings.engine.cpu_set is not None:
         # this process (the gateway, or the supervisor of several) and all it starts on the CPUs the engines leave;

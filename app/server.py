@@ -396,7 +396,7 @@ def run_server(app: Starlette, settings: GatewaySettings, sock: socket.socket | 
 
 def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
     """The uvicorn server that serves `app`: our request heads, WebSocket settings and drain."""
-    from app.io.http_protocol import bounded_protocol
+    from app.io.http_protocol import bounded_protocol, connection_cap
     from app.io.ws_protocol import SlicedWebSocketProtocol
 
     config = uvicorn.Config(
@@ -417,6 +417,8 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
             settings.limits.send_timeout_s,
             getattr(app.state, "door", None),
             lambda: app.state.gateway.metrics.errors.labels(G.CLIENT_STALLED).inc(),
+            connection_cap(settings.limits.max_connections),
+            lambda: app.state.gateway.metrics.errors.labels(G.TOO_MANY_CONNECTIONS).inc(),
         ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)

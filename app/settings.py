@@ -60,6 +60,18 @@ class Limits:
         default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
     )
     max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 0, 1_000_000))
+    # One API key's share of them, every gateway process's together: without it one key (a tenant's runaway client,
+    # or one that keeps its sockets busy with a message a minute) could hold every session of the server
+    max_sessions_per_key: int = field(
+        default=0,
+        metadata=_limit(
+            "concurrent WebSocket sessions of one API key (0: no limit but --max-sessions; without API keys every "
+            "client is one, and --max-sessions applies)",
+            0,
+            1_000_000,
+            zero_ok=True,
+        ),
+    )
     max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 0, 100_000))
     max_inflight_per_session: int = field(
         default=2, metadata=_limit("utterances generating at once per session (current + next)", 0, 1024)
@@ -162,6 +174,20 @@ class Limits:
     )
     head_timeout_s: float = field(
         default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", 0, _DAY)
+    )
+    # Every client connection holds a file descriptor until it closes, one that sends nothing for --head-timeout-s:
+    # a client that kept ~20,000 of them open (reopening those closed) took every descriptor of a gateway process,
+    # which then closed each new connection unanswered, /healthz included (app/io/http_protocol.py `connection_cap`)
+    max_connections: int = field(
+        default=0,
+        metadata=_limit(
+            "client connections one gateway process holds open at once (0: its open-file limit less a reserve for "
+            "its own files, at most 32768); past it the connection that has waited longest for a request head is "
+            "closed to make room, and with none waiting the newcomer gets 503 too_many_connections",
+            0,
+            10_000_000,
+            zero_ok=True,
+        ),
     )
     # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
     # refused at once (503, Retry-After) instead of queued

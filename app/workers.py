@@ -225,7 +225,7 @@ def serve_workers(settings: GatewaySettings, workers: int) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="zonos-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     engines = [EngineProcess(settings, i, workers) for i in range(len(engine_settings(settings)))]
-    counts = SharedCounts(workers, len(engines))
+    counts = SharedCounts(workers, len(engines), len(settings.api_keys))  # (a column per key: --max-sessions-per-key)
     gateways = [GatewayProcess(i) for i in range(workers)]
     print(
         f"zonos-gateway: serving on http://{settings.host}:{port} with {workers} gateway processes (demo page at /)",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -204,7 +206,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, data_dir: Path, *extra: str) -> None:
+    def __init__(self, data_dir: Path, *extra: str, nofile: int | None = None) -> None:
+        """`nofile`: the server's open-file limit (soft and hard), as a host may set it low."""
         self.port = free_port()
         self.data_dir = data_dir
         self.url = f"http://127.0.0.1:{self.port}"
@@ -237,8 +240,15 @@ class ServerProcess:
             *extra,
         ]
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
+        limit = None if nofile is None else functools.partial(resource.setrlimit, resource.RLIMIT_NOFILE, (nofile,) * 2)
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            cwd=ROOT,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=limit,
         )
 
     def wait_ready(self, timeout: float = 180) -> None:
@@ -296,9 +306,9 @@ def servers(tmp_path_factory) -> Iterator[Callable[..., ServerProcess]]:
     """A starter of servers (ready when it returns), each stopped when the block ends."""
     started: list[ServerProcess] = []
 
-    def start(*extra: str, data_dir: Path | None = None) -> ServerProcess:
+    def start(*extra: str, data_dir: Path | None = None, nofile: int | None = None) -> ServerProcess:
         d = data_dir or tmp_path_factory.mktemp("data")
-        srv = ServerProcess(d, *extra)
+        srv = ServerProcess(d, *extra, nofile=nofile)
         started.append(srv)
         srv.wait_ready()
         return srv

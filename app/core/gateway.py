@@ -14,7 +14,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import soundfile as sf
@@ -37,7 +37,7 @@ from app.core.metrics import Metrics
 from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions
 from app.core.prompts import PromptFactory
-from app.core.shared import HELD, SessionCount
+from app.core.shared import HELD, Places, SessionCount
 from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.bodies import BodyBudget
@@ -68,9 +68,21 @@ DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door de
 class LiveSession(Protocol):
     """A streaming session, as the gateway sees it (app/core/session.py)."""
 
+    owner: str
+    places: Places  # what it holds in the session counts (app/doors/handshake.py)
+
     def drain(self) -> None: ...
     def idle_s(self, now: float) -> float | None: ...
     def evict(self) -> None: ...
+
+
+class Newcomer(NamedTuple):
+    """A new session's places (`Gateway.take_places`): what it will hold, the idle session it takes some of them over
+    from (None: none), and which."""
+
+    places: Places
+    victim: LiveSession | None
+    takes: Places
 
 
 # One utterance's text budget in UTF-8 bytes (the prompt takes one frame per byte). Its speech takes
@@ -189,6 +201,7 @@ class Gateway:
         self.bodies = BodyBudget(lim.max_body_bytes_in_flight, self.metrics.body_bytes.set)  # app/io/bodies.py
         self.answers = BodyBudget(lim.max_whole_answer_bytes, self.metrics.answer_bytes.set)  # app/doors/speech.py
         self.sessions = SessionCount(link.counts, link.channel) if link is not None else SessionCount()
+        self._key_slots = {k: i for i, k in enumerate(settings.api_keys)}  # an API key -> its number (its counts)
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
         self.link = link
@@ -252,17 +265,67 @@ class Gateway:
         for s in list(self.live):
             s.drain()
 
-    def idle_longest(self) -> LiveSession | None:
+    def idle_longest(self, owner: str | None = None) -> LiveSession | None:
         """At the session limit (app/doors/handshake.py), the session whose place a newcomer may take (`evict`): this
-        process's session idle longest, if it has been idle for --evict-idle-after (app/settings.py
-        EVICT_IDLE_AFTER_S). None when none has: a session speaking or with a turn open is never taken."""
+        process's session idle longest (of `owner`'s, when given), if it has been idle for --evict-idle-after
+        (app/settings.py EVICT_IDLE_AFTER_S). None when none has: a session speaking or with a turn open is never
+        taken."""
         now, least = time.monotonic(), self.settings.limits.evict_idle_after_s
-        idle = [(t, s) for s in self.live if (t := s.idle_s(now)) is not None and t >= least]
+        idle = [
+            (t, s)
+            for s in self.live
+            if (owner is None or s.owner == owner) and (t := s.idle_s(now)) is not None and t >= least
+        ]
         return max(idle, key=lambda ts: ts[0])[1] if idle else None
 
-    def evict(self, session: LiveSession) -> None:
-        """End an idle session (`idle_longest`, in the same step of the event loop) whose place in the session count
-        a newcomer takes: it is not given back when the session ends."""
+    def take_places(self, key: str | None) -> Newcomer:
+        """The places in the session counts a new session takes (app/doors/handshake.py): with --max-sessions-per-key
+        and API keys, one of its key's (every gateway process's sessions of that key count), then one of the server's
+        (--max-sessions). Where none is left, it takes over those of this process's session idle longest (one of its
+        own key's, at its key's limit: both of that one's places), if one has been idle for --evict-idle-after: to be
+        evicted (`evict`) once the new session is made; `give_back` if it is not. Raises too_many_sessions when there
+        is none to take."""
+        lim = self.settings.limits
+        slot = self._key_slots.get(key) if lim.max_sessions_per_key and key is not None else None
+        places = Places(server=False)
+        if slot is not None:
+            if not self.sessions.try_open_key(slot, lim.max_sessions_per_key):
+                victim = self.idle_longest(self.owner_of(key))
+                if victim is None:
+                    raise RequestError(
+                        G.TOO_MANY_SESSIONS,
+                        f"this API key holds {lim.max_sessions_per_key} sessions, its limit (--max-sessions-per-key); "
+                        "close one, or retry later",
+                    )
+                both = Places(server=True, key=slot)  # (it is of this key: it holds both)
+                return Newcomer(both, victim, Places(server=True, key=slot))
+            places.key = slot
+        if self.sessions.try_open(lim.max_sessions):
+            places.server = True
+            return Newcomer(places, None, Places(server=False))
+        victim = self.idle_longest()
+        if victim is None:
+            self.sessions.release(places)
+            raise RequestError(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later")
+        places.server = True  # taken over (a place of its key, if it holds one, it gives back as it ends)
+        return Newcomer(places, victim, Places(server=True))
+
+    def give_back(self, newcomer: Newcomer) -> None:
+        """A new session that was not made gives back the places it took (not those it was to take over)."""
+        places, takes = newcomer.places, newcomer.takes
+        self.sessions.release(
+            Places(server=places.server and not takes.server, key=None if takes.key is not None else places.key)
+        )
+
+    def evict(self, session: LiveSession, takes: Places | None = None) -> None:
+        """End an idle session (`idle_longest`, in the same step of the event loop) whose places in the session
+        counts a newcomer takes over (`takes`, from `take_places`; default: its server place): they are not given back
+        when it ends, what else it holds is."""
+        takes = takes if takes is not None else Places()
+        if takes.server:
+            session.places.server = False
+        if takes.key is not None and session.places.key == takes.key:
+            session.places.key = None
         self.live.discard(session)
         session.evict()
         self.metrics.evictions.inc()

@@ -42,6 +42,7 @@ from app.core.lanes import Answer, Lanes
 from app.core.options import SynthesisOptions
 from app.core.pipeline import Utterance, inline_pieces, text_buffer
 from app.core.playback import Playback
+from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import Chunk, WordTime
@@ -117,6 +118,9 @@ class StreamingSession:
         self._busy_at = self._last_activity
         # closed at the session limit for a newcomer, which took its place in the session count (`evict`)
         self.evicted = False
+        # its places in the session counts, the server's and its API key's (app/doors/handshake.py `serve`); what a
+        # newcomer took over from it (`Gateway.evict`) is not given back when it ends
+        self.places = Places(server=False)
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
@@ -375,8 +379,8 @@ class StreamingSession:
         return idle
 
     def evict(self) -> None:
-        """End this idle session (`on_evicted`): a newcomer at the session limit has taken its place in the session
-        count (app/doors/handshake.py `serve_session` does not give it back)."""
+        """End this idle session (`on_evicted`): a newcomer at the session limit has taken over its places in the
+        session counts (`Gateway.evict`: app/doors/handshake.py `serve_session` gives back only what it still holds)."""
         self.evicted = True
         if not self._outcome.done():
             self._outcome.set_result(EVICTED)

@@ -19,20 +19,24 @@ import os
 import tempfile
 import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing import reduction
 from typing import Any
 
 SESSIONS = 0  # open WebSocket sessions
 HELD = 1  # admitted conversations whose room is held for their next utterance
 OPEN = 2  # OPEN + i: requests open on engine i (sent, and not yet finished, cancelled or failed)
+# ... then, after the engines' columns, one per API key: its open WebSocket sessions (--max-sessions-per-key)
 
 
 class SharedCounts:
-    """One row of counts per gateway process, in shared memory (columns: SESSIONS, HELD, OPEN + engine)."""
+    """One row of counts per gateway process, in shared memory (columns: SESSIONS, HELD, OPEN + engine, then one
+    per API key: `key_column`)."""
 
-    def __init__(self, processes: int, engines: int) -> None:
+    def __init__(self, processes: int, engines: int, keys: int = 0) -> None:
         self.processes = processes
-        self.width = OPEN + engines
+        self.engines = engines
+        self.width = OPEN + engines + keys
         self._cells: Any = mp.get_context("spawn").RawArray("q", processes * self.width)  # zeroed
         # the lock's file: unlinked at once (nothing left on disk), it lives while a process holds it open
         self._lock_fd, path = tempfile.mkstemp(prefix="zonos-counts-", suffix=".lock")
@@ -54,6 +58,10 @@ class SharedCounts:
             yield
         finally:
             fcntl.lockf(self._lock_fd, fcntl.LOCK_UN)
+
+    def key_column(self, key: int) -> int:
+        """The column of API key number `key` (its index among the server's keys)."""
+        return OPEN + self.engines + key
 
     def set(self, process: int, column: int, value: int) -> None:
         """Publish one of `process`'s counts (only that process writes its row)."""
@@ -86,14 +94,49 @@ class SharedCounts:
             self._cells[base + column] = 0
 
 
+@dataclass
+class Places:
+    """The places a WebSocket session holds in the session counts: one among the server's (--max-sessions) and, with
+    --max-sessions-per-key, one among its API key's (`key`: the key's number; None: none). A newcomer that takes an
+    idle session's place takes it over (app/core/gateway.py `take_places`): the idle one gives back only what it
+    still holds when it ends."""
+
+    server: bool = True
+    key: int | None = None
+
+
 class SessionCount:
     """Open WebSocket sessions: this process's, or with several gateway processes every process's (a column of
-    SharedCounts), so that the session limit is the server's."""
+    SharedCounts), so that the session limit is the server's; and so each API key's (`try_open_key`)."""
 
     def __init__(self, shared: SharedCounts | None = None, process: int = 0) -> None:
         self._shared = shared
         self._process = process
         self._local = 0
+        self._local_keys: dict[int, int] = {}
+
+    def try_open_key(self, key: int, limit: int) -> bool:
+        """Take a session of API key number `key` if fewer than `limit` of its sessions are open."""
+        if self._shared is not None:
+            return self._shared.try_add(self._process, self._shared.key_column(key), limit)
+        if self._local_keys.get(key, 0) >= limit:
+            return False
+        self._local_keys[key] = self._local_keys.get(key, 0) + 1
+        return True
+
+    def close_key(self, key: int) -> None:
+        if self._shared is not None:
+            self._shared.subtract(self._process, self._shared.key_column(key))
+        else:
+            self._local_keys[key] -= 1
+
+    def release(self, places: Places) -> None:
+        """Give back the places a session holds (none twice: it holds none after)."""
+        if places.server:
+            self.close()
+        if places.key is not None:
+            self.close_key(places.key)
+        places.server, places.key = False, None
 
     def try_open(self, limit: int) -> bool:
         """Take a session if fewer than `limit` are open."""

@@ -20,8 +20,9 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from app.core.gateway import Gateway
+from app.core.gateway import Gateway, Newcomer
 from app.core.session import ClientStalled, StreamingSession
+from app.core.shared import Places
 from app.io.auth import api_key_from, key_ok, origin_allowed
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -88,8 +89,7 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     finally:
         gw.live.discard(session)
         gw.conversations.discard(session.conversation)
-        if not session.evicted:  # else a newcomer has taken its place in the count (`Gateway.evict`)
-            gw.sessions.close()
+        gw.sessions.release(session.places)  # (less what a newcomer took over: `Gateway.evict`)
         gw.metrics.sessions.dec()
 
 
@@ -148,41 +148,32 @@ async def serve(
         gw.metrics.errors.labels(e.code).inc()
         await deny(ws, e.status, refusal(e.code, str(e), e.status), e.headers)
         return
-    # Every gateway process's sessions count. At the limit, the newcomer takes the place of this process's session idle
-    # longest, if one has been idle long enough (`Gateway.idle_longest`): evicted once the newcomer's URL is taken.
-    victim = None
-    if not gw.sessions.try_open(gw.settings.limits.max_sessions):
-        victim = gw.idle_longest()
-        if victim is None:
-            await _refuse(
-                ws,
-                gw,
-                refusal,
-                in_band,
-                G.TOO_MANY_SESSIONS,
-                "the server is at its session limit; retry later",
-                G.TOO_MANY_SESSIONS.http_status,
-            )
-            return
+    # Every gateway process's sessions count, the server's and (--max-sessions-per-key) each API key's. At a limit, the
+    # newcomer takes the places of this process's session idle longest (of its key, at its key's limit), if one has
+    # been idle long enough (`Gateway.take_places`): evicted once the newcomer's URL is taken.
+    try:
+        newcomer = gw.take_places(key if gw.settings.api_keys else None)
+    except RequestError as e:
+        await _refuse(ws, gw, refusal, in_band, e.code, str(e), e.status)
+        return
     session: StreamingSession | None = None
     try:
         session = make(ws, gw, gw.owner_of(key if gw.settings.api_keys else None))
-        if victim is not None:  # (no await since `idle_longest`: still idle) its place in the count is the newcomer's
-            gw.evict(victim)
-            victim = None
+        session.places = newcomer.places
+        if newcomer.victim is not None:  # (no await since `take_places`: still idle) what it held is the newcomer's
+            gw.evict(newcomer.victim, newcomer.takes)
+            newcomer = Newcomer(newcomer.places, None, Places(server=False))  # (all its own now: given back below)
         # admitted: its room is held from now on (no newcomer takes it while the socket is accepted)
         gw.conversations.add(session.conversation)
         await ws.accept(subprotocol=subprotocol)
     except RequestError as e:  # the client asked for a format (or voice) in the URL: not a different one
-        if victim is None:  # else it held no place in the count
-            gw.sessions.close()
+        gw.give_back(newcomer)
         if session is not None:
             gw.conversations.discard(session.conversation)
         await _refuse(ws, gw, refusal, in_band, e.code, str(e), e.status if e.status != 500 else 400)
         return
     except BaseException:
-        if victim is None:
-            gw.sessions.close()
+        gw.give_back(newcomer)
         if session is not None:
             gw.conversations.discard(session.conversation)
         raise

@@ -30,6 +30,9 @@ class GatewayError(StrEnum):
     TOO_MANY_UTTERANCES = "too_many_utterances"
     TOO_MANY_CONTEXTS = "too_many_contexts"
     TOO_MANY_SESSIONS = "too_many_sessions"
+    # a gateway process holds --max-connections client connections: one waiting for its request head made room, or,
+    # with none waiting, the newcomer is refused (app/io/http_protocol.py)
+    TOO_MANY_CONNECTIONS = "too_many_connections"
     IDLE_TIMEOUT = "idle_timeout"
     # an idle session closed at the session limit to make room for a new one (app/core/gateway.py `idle_longest`)
     EVICTED_IDLE = "evicted_idle"
@@ -86,6 +89,7 @@ class GatewayError(StrEnum):
 _HTTP_STATUS = {
     GatewayError.BODY_TOO_LARGE: 413,
     GatewayError.TOO_MANY_SESSIONS: 429,
+    GatewayError.TOO_MANY_CONNECTIONS: 503,
     GatewayError.UNAUTHORIZED: 401,
     GatewayError.ORIGIN_NOT_ALLOWED: 403,
     GatewayError.HOST_NOT_ALLOWED: 403,

@@ -20,9 +20,20 @@ headers), so an upgrade that passes here is never refused silently there. At mos
 (and those of one read slice) wait to be answered: past them nothing more is read from the client until they are.
 
 An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
-its high-water mark, and none of it taken by the client) is cut: its connection is aborted. uvicorn writes a
-whole answer into the transport at once and counts it sent, so a client that read nothing held its file in
-memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its connection.
+its high-water mark, and less than SEND_MIN_RATE a second of it taken by the client) is cut: its connection is
+aborted. uvicorn writes a whole answer into the transport at once and counts it sent, so a client that read nothing
+held its file in memory (outside --max-whole-answer-bytes) and its connection forever, and a stream's client its
+connection.
+
+A gateway process holds at most `max_connections` client connections (--max-connections; by default its open-file limit
+less a reserve for its own files: `connection_cap`). Past it, the connection that has waited longest for a request head
+(one that has sent nothing, or part of a head, or an idle keep-alive connection), or a WebSocket whose close its client
+has not answered (app/io/ws_protocol.py), is closed to make room for the newcomer: 503 `too_many_connections` if it had
+begun a request or never had one answered, closed without a word if it is an idle keep-alive connection (as at its
+keep-alive timeout) or a closed WebSocket. With none waiting (every connection a WebSocket or a
+request in progress, each bounded by its own limits) the newcomer gets that 503. Without the cap a client holding idle
+connections (each lives --head-timeout-s) took every file descriptor of the process, which then closed each new
+connection unanswered, /healthz's included, and could open no file, pipe or engine of its own.
 
 With a `door` (app/doors/door.py), a complete head that starts a stream the door refuses is answered here,
 before the app runs: the refusal written (after the hold the door asks for, under a retry storm), an upgrade's
@@ -36,11 +47,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
+import itertools
 import json
+import logging
 import re
+import resource
 import secrets
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, ClassVar, NamedTuple, Protocol, cast
 
 import httptools
 from uvicorn.protocols.http.flow_control import FlowControl
@@ -62,7 +77,59 @@ MAX_HEAD_BYTES = 64 << 10  # all header lines together
 # answer: a client pipelining /healthz at ~1.4 MB/s while reading its answers grew a gateway process to 8.6 GB in
 # 100 s (each waiting request a cycle, its scope and headers), without bound
 PIPELINE_AHEAD = 16
+# Of an answer's bytes waiting in its connection's buffer (its writing paused, or the answer complete), its client must
+# take at least this many a second on average (or all of them) within each --send-timeout-s: 30 KiB with the default
+# 30 s, far below any audio's rate (the lowest, 32 kb/s Opus or MP3, is 4 KB/s). Any byte counted before: a client
+# reading ~1.5 KB (a TCP segment) per timeout held its connection, and the rest of its answer in memory (a voice preview
+# is up to 1 MB), for as long as it liked, a connection --max-connections cannot close for a newcomer (it is busy). A
+# WebSocket's send waits for the buffer to drain to its low-water mark (48 KiB taken) within the same timeout
+# (app/core/session.py `_send`).
+SEND_MIN_RATE = 1 << 10
+# File descriptors of a gateway process kept for its own use (engine rings and pipes, normalization workers, voice
+# files, logs) when --max-connections is derived from its open-file limit: this many or an eighth of it, whichever is
+# more, but at most half of it (`connection_cap`)
+FD_RESERVE = 256
+# ... and at most this many by default: an idle connection costs the process ~10 KB (measured: 17,500 of them grew it
+# by ~180 MB), and a container's limit of 1,048,576 descriptors would have let idle connections take ~9 GB of it
+MAX_DEFAULT_CONNECTIONS = 1 << 15
+# Connections a search for one to close at --max-connections looks at, oldest first; each busy one it passes goes to the
+# back of the order, so a search costs a bounded time under a flood of connections
+SHED_SCAN = 64
 _REQUEST_ID_OK = re.compile(r"^[A-Za-z0-9._:@/+=\-]{1,128}$")
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft open-file limit to its hard limit (what its children inherit: the gateway processes,
+    the engines, the normalization workers); the soft limit now. systemd starts a service at 1,024 (of 524,288), which
+    ~1,000 idle connections would take."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):  # (a hard limit above the kernel's nr_open)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def connection_cap(configured: int) -> int:
+    """The client connections one gateway process holds at once: --max-connections, or (0) its open-file limit less
+    a reserve for its own files (FD_RESERVE or an eighth of the limit, whichever is more, but at most half of it), and
+    at most MAX_DEFAULT_CONNECTIONS."""
+    if configured:
+        return configured
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, min(MAX_DEFAULT_CONNECTIONS, soft - min(soft // 2, max(FD_RESERVE, soft // 8))))
+
+
+class Sheddable(Protocol):
+    """A connection of the lobby (`BoundedHttpToolsProtocol.lobby`): whether it may be closed for a newcomer at
+    --max-connections, and closing it so. A WebSocket protocol (app/io/ws_protocol.py) joins the lobby in its HTTP
+    connection's place (its `join_lobby`)."""
+
+    def may_shed(self) -> bool: ...
+
+    def shed(self) -> None: ...
 
 
 class DoorAnswer(NamedTuple):
@@ -151,8 +218,14 @@ class _Cycle(RequestResponseCycle):
 class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     head_timeout_s: float = Limits.head_timeout_s  # bounded_protocol sets the configured ones
     send_timeout_s: float = Limits.send_timeout_s
+    send_min_rate: float = SEND_MIN_RATE  # bytes a second an answer's client must take while they wait for it
     door: Door | None = None
     on_stalled: Callable[[], None] | None = None  # an answer was cut: its client read nothing (a metric counts it)
+    max_connections = 0  # the connections (HTTP and WebSocket) of its server at once; 0: no cap
+    on_shed: Callable[[], None] | None = None  # a connection was closed at max_connections (a metric counts it)
+    # the server's connections, oldest first (busy ones a search passed go to the back): where the connection that has
+    # waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
+    lobby: ClassVar[dict[Sheddable, None]] = {}
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -194,8 +267,65 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         super().connection_made(transport)
         self.flow = _HeldFlow(transport)
         self._arm_head_timer()  # a client that connects and sends nothing is closed too
+        if self.max_connections and len(self.connections) > self.max_connections:
+            if self.on_shed is not None:
+                self.on_shed()
+            if not self._make_room():
+                self.shed()
+                return
+        self.lobby[self] = None
+
+    # ---- the connection cap: at max_connections, the connection waiting longest for a head makes room ----------
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for a request head (`may_shed`; or a WebSocket whose closing
+        handshake waits for its client: app/io/ws_protocol.py) among the SHED_SCAN oldest; False when none of them
+        may be closed."""
+        lobby = self.lobby
+        for other in list(itertools.islice(lobby, SHED_SCAN)):
+            if other.may_shed():
+                del lobby[other]
+                other.shed()
+                return True
+            del lobby[other]  # busy (or closing): to the back, where the next search reaches it last
+            lobby[other] = None
+        return False
+
+    def may_shed(self) -> bool:
+        """It waits for a request head (none of it came, or part of it): nothing of this connection is being served,
+        no request in progress, answered or waiting to be, nothing of an answer left to write, nothing read and not
+        parsed."""
+        cycle = self.cycle
+        return (
+            not self.transport.is_closing()
+            and self.transport.get_protocol() is self
+            and not self._refused
+            and self._held is None
+            and self._dropping is None
+            and not self.pipeline
+            and not self._slicing
+            and not self._waiting
+            and (cycle is None or cycle.response_complete)
+            and not self.transport.get_write_buffer_size()
+        )
+
+    def shed(self) -> None:
+        """Closed at max_connections: an idle keep-alive connection (a request answered, nothing of the next one
+        sent) as at its keep-alive timeout, any other with 503 too_many_connections."""
+        if self.cycle is not None and not self._in_head:
+            self._refused = True
+            self._disarm_head_timer()
+            self.transport.close()
+            return
+        self._refuse(
+            G.TOO_MANY_CONNECTIONS.http_status,
+            G.TOO_MANY_CONNECTIONS,
+            f"the server holds {self.max_connections} connections (--max-connections); retry",
+            b"retry-after: 1\r\n",
+            quiet=True,  # (counted: zonos_errors_total{code="too_many_connections"}; a flood sheds thousands a second)
+        )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.lobby.pop(self, None)
         self._backlog.clear()
         self._waiting.clear()
         self.pipeline.clear()  # (never started now: uvicorn starts none on a closed connection)
@@ -278,20 +408,28 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if not self.flow.write_paused and self.cycle is not None and not self.cycle.response_complete:
             return  # an answer writing again (the client took bytes): its next pause arms the timer
         # nothing was written since the timer was armed (paused, or the answer complete): only the client's reading
-        # lowers what is left
-        if left < self._send_left:
+        # lowers what is left, by send_min_rate a second at least (or all of it) for the answer to go on
+        needed = max(1, int(self.send_min_rate * self.send_timeout_s))
+        if self._send_left - left >= needed:
             self._arm_send_timer()
             return
-        self.logger.info("cut an answer: no send progress in %g s (the client reads nothing)", self.send_timeout_s)
+        self.logger.info(
+            "cut an answer: its client took %d of %d bytes in %g s (at least %d, or all, must be taken)",
+            self._send_left - left,
+            self._send_left,
+            self.send_timeout_s,
+            needed,
+        )
         if self.on_stalled is not None:
             self.on_stalled()
         self.transport.abort()
 
     # ---- refusals ---------------------------------------------------------------------------------
-    def _refuse(self, status: int, code: str, message: str, headers: bytes = b"") -> None:
+    def _refuse(self, status: int, code: str, message: str, headers: bytes = b"", quiet: bool = False) -> None:
+        """Answer `code` and close; `quiet`: logged at debug only (a refusal a flood repeats, counted by a metric)."""
         self._refused = True
         self._disarm_head_timer()
-        self.logger.info("refused a request head: %s %s", status, message)
+        self.logger.log(logging.DEBUG if quiet else logging.INFO, "refused a request head: %s %s", status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
             self.transport.write(error_response(status, code, message, headers))
@@ -541,7 +679,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     def handle_websocket_upgrade(self) -> None:
         if not self._refused:  # (an upgrade the door refused is answered and closed)
+            self.lobby.pop(self, None)  # the WebSocket protocol's now: in the lobby in its place
             super().handle_websocket_upgrade()
+            join = getattr(self.transport.get_protocol(), "join_lobby", None)
+            if join is not None:
+                join(self.lobby)
             # the connection is the WebSocket protocol's now, and this one never sees its connection_lost, which
             # is where uvicorn drops the parser: the parser's callbacks hold this protocol, a cycle that left
             # each session's HTTP protocol, parser and transport to the collector's full passes
@@ -560,8 +702,12 @@ def bounded_protocol(
     send_timeout_s: float,
     door: Door | None = None,
     on_stalled: Callable[[], None] | None = None,
+    max_connections: int = 0,
+    on_shed: Callable[[], None] | None = None,
+    send_min_rate: float = SEND_MIN_RATE,
 ) -> type[BoundedHttpToolsProtocol]:
-    """The protocol class with these timeouts, door and count of answers cut for a client that read nothing
+    """The protocol class with these timeouts, door, count of answers cut for a client that read nothing, cap on
+    connections (0: none), count of connections closed at it and the rate an answer's client must take its bytes at
     (uvicorn builds one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
@@ -571,5 +717,9 @@ def bounded_protocol(
             "send_timeout_s": send_timeout_s,
             "door": staticmethod(door) if door else None,
             "on_stalled": staticmethod(on_stalled) if on_stalled else None,
+            "send_min_rate": send_min_rate,
+            "max_connections": max_connections,
+            "on_shed": staticmethod(on_shed) if on_shed else None,
+            "lobby": {},
         },
     )

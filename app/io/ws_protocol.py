@@ -54,6 +54,26 @@ class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._joined: bytearray | None = None  # a fragmented message's pieces so far, joined (`handle_cont`)
+        self._lobby: dict[Any, None] | None = None  # its server's connections at --max-connections (`join_lobby`)
+
+    # ---- the connection cap (app/io/http_protocol.py): a socket whose closing handshake waits makes room ---------
+    def join_lobby(self, lobby: dict[Any, None]) -> None:
+        """Among its server's connections that --max-connections may close for a newcomer (in its HTTP connection's
+        place): only while its close frame is sent and the client's answer awaited (`may_shed`)."""
+        self._lobby = lobby
+        lobby[self] = None
+
+    def may_shed(self) -> bool:
+        """Its session is over (its close frame sent) and its client has not answered the close: uvicorn waits up to
+        10 s for that, a connection and a descriptor each, which a client ignoring the close of a refused socket (our
+        own refuses in band: too_many_sessions) could hold by the thousand."""
+        return self.close_sent and not self.transport.is_closing()
+
+    def shed(self) -> None:
+        if self.close_timer is not None:
+            self.close_timer.cancel()
+            self.close_timer = None
+        self.transport.close()
 
     def handle_cont(self, event: Frame) -> None:
         # A fragmented message's pieces are joined into one buffer as they come. uvicorn kept a list of them: a client
@@ -86,6 +106,9 @@ class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._backlog.clear()
+        if self._lobby is not None:
+            self._lobby.pop(self, None)
+            self._lobby = None
         super().connection_lost(exc)
 
     async def receive(self) -> Any:

@@ -182,6 +182,10 @@ def test_every_limit_is_a_flag():
             "20",
             "--evict-idle-after",
             "21",
+            "--max-sessions-per-key",
+            "22",
+            "--max-connections",
+            "23",
         ]
     )
     assert s.limits == Limits(
@@ -202,6 +206,8 @@ def test_every_limit_is_a_flag():
         send_timeout_s=9.5,
         max_body_bytes_in_flight=20,
         evict_idle_after_s=21,
+        max_sessions_per_key=22,
+        max_connections=23,
     )
     assert s.engine.max_queue == 19  # the engine's wait queue (queue_full past it)
     assert parse_args([]).limits == Limits()  # defaults unchanged
@@ -386,6 +392,114 @@ def test_a_turn_nobody_finishes_does_not_hold_a_place_for_ever(evicting):
     assert evicted["type"] == "error" and evicted["code"] == "evicted_idle", evicted
     assert code == 1000 and start["type"] == "audio.start"
     assert gauge(evicting, "zonos_sessions_evicted_total") == evicted_before + 1
+
+
+# Two API keys of two sessions each (--max-sessions-per-key) on a server of three, in two gateway processes: the
+# limits are the server's. An idle session may be evicted after PER_KEY_EVICT_S (a turn left open: ten times that).
+PER_KEY_EVICT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def per_key(start_server):
+    return start_server(
+        *("--api-key", "key-a", "--api-key", "key-b", "--max-sessions-per-key", "2", "--max-sessions", "3"),
+        *("--evict-idle-after", str(PER_KEY_EVICT_S), "--workers", "2"),
+    )
+
+
+def key_gauge(srv, name: str) -> float:
+    """A metric of the per_key server (its /metrics needs a key)."""
+    text = httpx.get(srv.url + "/metrics", headers={"Authorization": "Bearer key-a"}, timeout=60).text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def no_sessions(srv) -> None:
+    wait_for(lambda: key_gauge(srv, "zonos_active_sessions") == 0, 60, 0.2)  # (every place given back, once)
+
+
+async def keyed_session(srv, key: str) -> Client | dict[str, Any]:
+    """A session of our socket with `key`: the Client, or (refused in band) the error it got, with its close code."""
+    ws = await websockets.connect(f"{srv.ws_url}?api_key={key}", max_size=None)
+    first = json.loads(await ws.recv())
+    if first["type"] == "error":
+        return {**first, "close": await closed_code(ws)}
+    assert first["type"] == "session.created", first
+    return Client(ws)
+
+
+@slow
+def test_one_api_key_holds_at_most_its_share_of_the_sessions(per_key):
+    """One API key (a tenant's runaway client, or one keeping its sockets busy with a message now and then) could hold
+    every session of the server, and every other key was refused. With --max-sessions-per-key a key's newcomer past
+    its share is refused (too_many_sessions, close 1013; a dialect's socket 429) while another key's is served, and the
+    server's own limit still holds: counted across both gateway processes."""
+    srv = per_key
+    no_sessions(srv)
+
+    async def go():
+        a = [await keyed_session(srv, "key-a") for _ in range(2)]
+        for c in a:  # a turn open: not idle (evictable) for ten times --evict-idle-after
+            await c.send(type="text", text="Not finished")
+        a_refused = await keyed_session(srv, "key-a")
+        with pytest.raises(websockets.InvalidStatus) as dialect:  # Cartesia's socket, the same key
+            await websockets.connect(f"ws://127.0.0.1:{srv.port}/tts/websocket?api_key=key-a")
+        b = await keyed_session(srv, "key-b")  # key b's own share
+        assert isinstance(b, Client)
+        await b.send(type="text", text="Not finished either")
+        b_refused = await keyed_session(srv, "key-b")  # the server's limit (3)
+        await a[0].ws.close()
+        for _ in range(600):  # its places given back (by whichever process held it): key b's next is served
+            b2 = await keyed_session(srv, "key-b")
+            if isinstance(b2, Client):
+                break
+            await asyncio.sleep(0.1)
+        for c in (a[1], b, b2):
+            await c.ws.close()
+        return a_refused, dialect.value.response.status_code, b_refused, b2
+
+    a_refused, dialect_status, b_refused, b2 = run(go())
+    assert a_refused["code"] == "too_many_sessions" and a_refused["close"] == 1013, a_refused
+    assert "--max-sessions-per-key" in a_refused["message"]
+    assert dialect_status == 429
+    assert b_refused["code"] == "too_many_sessions" and "session limit" in b_refused["message"], b_refused
+    assert isinstance(b2, Client)
+    no_sessions(srv)
+
+
+@slow
+def test_at_its_key_s_limit_a_newcomer_takes_the_place_of_that_key_s_idle_session(per_key):
+    """At its key's limit a newcomer takes over the places of its own key's session idle longest (evicted_idle), never
+    another key's."""
+    srv = per_key
+    no_sessions(srv)
+    evicted_before = key_gauge(srv, "zonos_sessions_evicted_total")
+
+    async def go():
+        b = await keyed_session(srv, "key-b")
+        a = [await keyed_session(srv, "key-a") for _ in range(2)]
+        await asyncio.sleep(PER_KEY_EVICT_S + 0.5)  # all idle past the minimum (a lower bound)
+        await a[1].send(type="flush")  # a[0] is key a's idle longest now ...
+        assert (await a[1].recv())["type"] == "flushed"
+        for _ in range(600):  # ... in whichever process the newcomer lands: it may be refused until it meets a[0]'s
+            newcomer = await keyed_session(srv, "key-a")
+            if isinstance(newcomer, Client):
+                break
+            await asyncio.sleep(0.1)
+        evicted = await a[0].recv()
+        await b.send(type="flush")  # key b's idle session is still open
+        still = await b.recv()
+        for c in (a[1], b, newcomer):
+            await c.ws.close()
+        return evicted, still, newcomer
+
+    evicted, still, newcomer = run(go())
+    assert evicted["type"] == "error" and evicted["code"] == "evicted_idle", evicted
+    assert still["type"] == "flushed" and isinstance(newcomer, Client)
+    assert key_gauge(srv, "zonos_sessions_evicted_total") == evicted_before + 1
+    no_sessions(srv)
 
 
 @slow
@@ -1898,3 +2012,42 @@ def test_normalization_past_its_cpu_bound_is_a_coded_error(norm_bounded):
 
     err, done = run(go(), timeout=900)
     assert err["code"] == "normalization_timeout" and done["stats"]["frames"]
+
+
+# The open-file limit of the server that test_idle_connections_cannot_take_every_file_descriptor starts: its connection
+# cap (--max-connections 0) is half of it
+LOW_NOFILE = 300
+
+
+@slow
+def test_idle_connections_cannot_take_every_file_descriptor(start_server):
+    """A client that opened connections and sent nothing (each lives --head-timeout-s; it reopens those closed) took
+    every file descriptor of the gateway process, which then closed each new connection unanswered: /healthz failed
+    for everyone (measured: 22,000 such connections against a limit of 20,000). The process holds at most its
+    connection cap (its open-file limit less a reserve): the connection that has waited longest for a head makes room
+    for the newcomer, with 503 too_many_connections, and the process keeps descriptors for its own use."""
+    srv = start_server(nofile=LOW_NOFILE)
+    before = errors_total(srv, "too_many_connections")
+    idle = [socket.create_connection(("127.0.0.1", srv.port), timeout=60) for _ in range(2 * LOW_NOFILE)]
+    try:
+        r = httpx.get(srv.url + "/healthz", timeout=60)
+        assert r.status_code == 200, r.text
+        assert open_fds(srv.proc.pid) < LOW_NOFILE
+        got = b""
+        while chunk := idle[0].recv(65536):  # the oldest was answered, then closed
+            got += chunk
+        status, error = raw_json_error(got)
+        assert status == 503 and error["code"] == "too_many_connections"
+        assert errors_total(srv, "too_many_connections") - before >= 2 * LOW_NOFILE - LOW_NOFILE // 2
+    finally:
+        for s in idle:
+            s.close()
+
+    async def speak() -> int:  # and a session still speaks
+        c = await connect(srv, fast(10))
+        await c.send(type="text", text="Still here.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return done["stats"]["frames"]
+
+    assert run(speak()) == 10

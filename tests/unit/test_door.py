@@ -22,7 +22,7 @@ from app.core.admission import (
     decide,
     held_count,
 )
-from app.core.shared import HELD, OPEN, SESSIONS, SessionCount, SharedCounts
+from app.core.shared import HELD, OPEN, SESSIONS, Places, SessionCount, SharedCounts
 from app.settings import HOLD_PER_AUDIO_S
 
 
@@ -210,6 +210,26 @@ def test_shared_counts_across_processes_and_a_dead_process_row():
     counts.clear(1)
     assert counts.total(OPEN + 1) == 2 and counts.total(SESSIONS) == 2 and counts.total(HELD) == 3
     assert SessionCount(counts, 1).try_open(3)
+
+
+def test_each_api_key_s_sessions_are_counted_across_processes():
+    """--max-sessions-per-key: each API key's sessions are a column of the shared counts (after the engines'), so a
+    key's limit is the server's across gateway processes; a release gives back exactly the places a session holds."""
+    counts = SharedCounts(processes=2, engines=2, keys=2)
+    a, b = SessionCount(counts, 0), SessionCount(counts, 1)
+    assert a.try_open_key(0, 2) and b.try_open_key(0, 2) and not a.try_open_key(0, 2)  # key 0: 2 in all
+    assert b.try_open_key(1, 2)  # key 1 has its own
+    assert counts.total(counts.key_column(0)) == 2 and counts.total(OPEN + 1) == 0  # (not an engine's column)
+    assert a.try_open(5)
+    places = Places(server=True, key=0)
+    a.release(places)
+    assert places == Places(server=False, key=None) and counts.total(SESSIONS) == 0
+    a.release(places)  # (nothing twice)
+    assert counts.total(counts.key_column(0)) == 1 and b.try_open_key(0, 2)
+    local = SessionCount()  # one gateway process
+    assert local.try_open_key(3, 1) and not local.try_open_key(3, 1) and local.try_open_key(4, 1)
+    local.close_key(3)
+    assert local.try_open_key(3, 1)
 
 
 def _hold_the_lock(counts: SharedCounts, holding, release) -> None:

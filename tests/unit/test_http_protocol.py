@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import socket
 import struct
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -16,8 +19,10 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from app.io.http_protocol import PIPELINE_AHEAD, DoorAnswer, bounded_protocol
+from app.io.http_protocol import PIPELINE_AHEAD, SEND_MIN_RATE, DoorAnswer, bounded_protocol, connection_cap
 from app.io.read_slices import READ_SLICE
+from app.settings import Limits
+from tests.conftest import ROOT
 from tests.protocols import served
 
 UPGRADE = (
@@ -506,3 +511,230 @@ def test_frames_sent_with_the_handshake_are_not_lost():
     assert frames_heard(1) == [0]
     many = 3 * READ_SLICE // 7  # (7-8 bytes a frame)
     assert frames_heard(many) == list(range(many))
+
+
+# ---- the connection cap (--max-connections) -------------------------------------------------------------------------
+GATE: list[asyncio.Event] = []  # what /wait requests wait for before they are answered
+WAITING: list[str] = []  # the /wait requests the app has begun to serve
+
+
+async def gated_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """Answers "ok"; a request for /wait once GATE[0] is set (a request in progress until then). A WebSocket is
+    accepted and closed at once (as our socket refuses a session in band)."""
+    if scope["type"] == "websocket":
+        assert (await receive())["type"] == "websocket.connect"
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1013})
+        return
+    if scope["path"] == "/wait":
+        WAITING.append(scope["path"])
+        await GATE[0].wait()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+class Capped:
+    """Connections to one server (one ServerState, one protocol class) that holds at most `cap` of them."""
+
+    def __init__(self, cap: int) -> None:
+        self.shed = 0
+        self.state = ServerState()
+        from app.io.ws_protocol import SlicedWebSocketProtocol
+
+        self.protocol_class = bounded_protocol(600.0, 5.0, max_connections=cap, on_shed=self._count)
+        self.config = uvicorn.Config(
+            gated_app,
+            http=self.protocol_class,
+            ws=SlicedWebSocketProtocol,
+            ws_per_message_deflate=False,
+            log_level="warning",
+            timeout_keep_alive=600,
+        )
+        self.config.load()
+
+    def _count(self) -> None:
+        self.shed += 1
+
+    async def connect(self, sent: bytes = b"") -> socket.socket:
+        """A new connection (its client's end, non-blocking), which has sent `sent`."""
+        server_end, client_end = socket.socketpair()
+        client_end.setblocking(False)
+        protocol = self.protocol_class(config=self.config, server_state=self.state, app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        if sent:
+            await loop.sock_sendall(client_end, sent)
+        return client_end
+
+
+async def read_until(client_end: socket.socket, ending: bytes | None = None) -> bytes:
+    """What the server sent until it closed the connection (or, given `ending`, until it sent that)."""
+    loop = asyncio.get_running_loop()
+    got = b""
+    while ending is None or not got.endswith(ending):
+        chunk = await loop.sock_recv(client_end, 65536)
+        if not chunk:
+            break
+        got += chunk
+    return got
+
+
+def json_error(answer: bytes) -> tuple[int, str]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower() and b"connection: close" in head.lower(), answer
+    return int(head.split()[1]), json.loads(body)["error"]["code"]
+
+
+def test_at_the_connection_cap_the_connection_waiting_longest_for_a_head_makes_room():
+    """A client that held idle connections (each lives --head-timeout-s, and it reopens those closed) took every file
+    descriptor of a gateway process, which then closed every new connection unanswered. At --max-connections the
+    connection that has waited longest for a request head is closed for the newcomer: one that sent nothing or part of
+    a head with 503 too_many_connections, an idle keep-alive one without a word (as at its keep-alive timeout)."""
+
+    async def go() -> None:
+        server = Capped(3)
+        silent = await server.connect()  # sent nothing
+        partial = await server.connect(b"GET /x HTTP/1.1\r\nHost: x\r\n")  # part of a head
+        kept = await server.connect(GET)  # answered, then idle (keep-alive)
+        assert (await read_until(kept, b"ok")).startswith(b"HTTP/1.1 200 ")
+        newcomers = []
+        for victim in (silent, partial):
+            newcomers.append(await server.connect())
+            assert json_error(await read_until(victim)) == (503, "too_many_connections")
+        newcomers.append(await server.connect())
+        assert await read_until(kept) == b""  # closed without an answer
+        for c in newcomers:  # the newcomers are served
+            await asyncio.get_running_loop().sock_sendall(c, GET)
+            assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
+        assert server.shed == 3 and len(server.state.connections) <= 3
+        for c in (silent, partial, kept, *newcomers):
+            c.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_at_the_connection_cap_requests_in_progress_are_kept_and_the_newcomer_is_refused():
+    """Connections serving a request are never closed for a newcomer: with none waiting for a head, the newcomer gets
+    503 too_many_connections (Retry-After), and the requests in progress are answered."""
+
+    async def go() -> None:
+        GATE[:], WAITING[:] = [asyncio.Event()], []
+        server = Capped(2)
+        busy = [await server.connect(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n") for _ in range(2)]
+        while len(WAITING) < 2:  # (their heads parsed: requests in progress)
+            await asyncio.sleep(0.01)
+        newcomer = await server.connect()
+        answer = await read_until(newcomer)
+        assert json_error(answer) == (503, "too_many_connections") and b"\r\nretry-after: 1\r\n" in answer
+        GATE[0].set()
+        for c in busy:
+            assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
+            c.close()
+        newcomer.close()
+        assert server.shed == 1
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_the_connection_cap_follows_the_open_file_limit():
+    """--max-connections 0: the process's open-file limit less a reserve for its own files, at most
+    MAX_DEFAULT_CONNECTIONS; at start the soft limit is raised to the hard one (systemd starts a service at 1,024)."""
+    assert connection_cap(5) == 5
+    code = (
+        "import resource\n"
+        "from app.io.http_protocol import FD_RESERVE, MAX_DEFAULT_CONNECTIONS as M, connection_cap, "
+        "raise_open_file_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))\n"
+        "assert connection_cap(0) == 150, connection_cap(0)\n"  # (half of a small limit is kept)
+        "want = hard if hard != resource.RLIM_INFINITY else 1 << 20\n"
+        "assert raise_open_file_limit() == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]\n"
+        "assert min(M, want // 2) <= connection_cap(0) <= min(M, want - min(want // 2, FD_RESERVE))\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 1 << 20), hard))\n"
+        "assert connection_cap(0) <= M\n"  # (a container's 1,048,576 descriptors: memory binds first)
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_at_the_connection_cap_a_websocket_whose_close_is_unanswered_makes_room():
+    """A socket the server has closed (a session refused in band, too_many_sessions, or ended) waits up to 10 s for its
+    client's close frame, a connection each: a client ignoring those closes held the cap full. Such a socket is closed
+    for a newcomer; a request in progress is not."""
+
+    async def go() -> None:
+        GATE[:], WAITING[:] = [asyncio.Event()], []
+        server = Capped(2)
+        refused = await server.connect(UPGRADE)
+        assert (await read_until(refused, b"\x88\x02\x03\xf5")).startswith(b"HTTP/1.1 101 ")  # its close frame, 1013
+        busy = await server.connect(b"GET /wait HTTP/1.1\r\nHost: x\r\n\r\n")
+        while not WAITING:
+            await asyncio.sleep(0.01)
+        newcomer = await server.connect(GET)
+        assert await read_until(refused) == b""  # closed now, not after the close timeout (10 s; the test's is 30 s)
+        assert (await read_until(newcomer, b"ok")).startswith(b"HTTP/1.1 200 ")
+        GATE[0].set()
+        assert (await read_until(busy, b"ok")).startswith(b"HTTP/1.1 200 ")
+        assert server.shed == 1
+        for c in (refused, busy, newcomer):
+            c.close()
+
+    asyncio.run(asyncio.wait_for(go(), 30))
+
+
+# ---- an answer's client that reads, but too little to matter --------------------------------------------------------
+BIG = b"x" * (1 << 20)  # a voice preview's size
+
+
+async def big_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(BIG))]})
+    await send({"type": "http.response.body", "body": BIG})
+
+
+def trickled(read_bytes: int, every_s: float, send_timeout_s: float, min_rate: float, rounds: int) -> tuple[int, bool]:
+    """A client of a 1 MiB answer (small socket buffers) that reads at most `read_bytes` every `every_s`, for `rounds`
+    rounds, from a server whose answers must be taken at `min_rate` bytes a second: (the bytes it read, whether the
+    server cut its connection)."""
+
+    async def go() -> tuple[int, bool]:
+        protocol_class = bounded_protocol(600.0, send_timeout_s, send_min_rate=min_rate)
+        config = uvicorn.Config(big_app, http=protocol_class, log_level="warning")
+        config.load()
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            client_end = socket.socket()
+            client_end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: its window)
+            client_end.connect(listener.getsockname())
+            server_end, _ = listener.accept()
+        server_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        client_end.setblocking(False)
+        protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: protocol, server_end)
+        await loop.sock_sendall(client_end, GET)
+        got = 0
+        try:
+            for _ in range(rounds):
+                await asyncio.sleep(every_s)
+                chunk = await loop.sock_recv(client_end, read_bytes)
+                if not chunk:
+                    return got, True
+                got += len(chunk)
+            return got, False
+        except ConnectionResetError:
+            return got, True
+        finally:
+            client_end.close()
+            protocol.transport.close()
+
+    return asyncio.run(asyncio.wait_for(go(), 120))
+
+
+def test_an_answer_taken_a_trickle_at_a_time_is_cut():
+    """A client that took a few KiB of its answer within each --send-timeout-s (any byte counted as progress) held its
+    connection, and the rest of its answer in memory, for as long as it liked: ~1.5 KB per 30 s a connection, which
+    --max-connections cannot close for a newcomer. Less than the minimum rate (SEND_MIN_RATE; 32 KiB/s here) taken
+    within a timeout cuts it: here at most 4 KiB every quarter of the 1 s timeout (the loop's delays only make it take
+    less)."""
+    got, cut = trickled(4096, 0.25, 1.0, 32 << 10, 60)
+    assert cut and got < len(BIG) // 8, (got, cut)
+    assert SEND_MIN_RATE * Limits.send_timeout_s >= 16 << 10  # (by default: 30 KiB in 30 s, above a TCP segment)
