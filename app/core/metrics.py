@@ -65,7 +65,7 @@ class Metrics:
             registry=r,
         )
         self.requests = Counter(
-            "zonos_requests", "Utterances finished, by API and outcome", ["api", "outcome"], registry=r
+            "zonos_requests", "Utterances finished, by API and outcome (ok, error)", ["api", "outcome"], registry=r
         )
         self.ttfa = Histogram(
             "zonos_time_to_first_audio_seconds",
@@ -307,6 +307,13 @@ class Metrics:
         itself used cpu_seconds of it."""
         self.gc_pause.labels(str(generation)).observe(seconds)
         self.gc_pause_cpu.labels(str(generation)).observe(cpu_seconds)
+
+    def utterance_failed(self, api: str, code: str) -> None:
+        """An utterance that ended in an error after it started (the engine died under it, its start failed): its
+        API's `zonos_requests_total{outcome="error"}` beside the code's `zonos_errors_total` (a success rate reads
+        the first; a request refused before it was an utterance counts in the second alone)."""
+        self.requests.labels(api, "error").inc()
+        self.errors.labels(code).inc()
 
     def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
         """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""

@@ -382,7 +382,7 @@ class UtterancePipeline:
         await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
         if u.cancelled or u.error is not None:
             if u.error is not None:
-                self.gw.metrics.errors.labels(u.error.code).inc()
+                self.gw.metrics.utterance_failed(self.api, u.error.code)
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
             return
@@ -404,7 +404,7 @@ class UtterancePipeline:
                 return
             elif isinstance(ev, m.Error):
                 u.error = engine_error(ev)
-                self.gw.metrics.errors.labels(u.error.code).inc()
+                self.gw.metrics.utterance_failed(self.api, u.error.code)
                 return
 
     def _sent(self, u: Utterance, samples: int) -> None:

@@ -1047,6 +1047,8 @@ def test_engine_killed_mid_stream(limited):
     assert len(c.audio[after["utterance_id"]]) == 20 * FRAME_BYTES
     assert len(fresh.audio[fresh_done["utterance_id"]]) == 20 * FRAME_BYTES
     assert gauge(limited, "zonos_engine_restarts") >= 1
+    # the utterance the engine died under is a failed request of its API (a success rate reads this), not only a code
+    assert gauge(limited, 'zonos_requests_total{api="ws",outcome="error"}') >= 1
 
 
 # ---- load ------------------------------------------------------------------------------------------------
