@@ -204,6 +204,9 @@ class Gateway:
         self._key_slots = {k: i for i, k in enumerate(settings.api_keys)}  # an API key -> its number (its counts)
         self.started_at = time.time()
         self._defaults_task: asyncio.Task[None] | None = None
+        # --default-voices-dir's voices are in the library (set at once without it): /readyz waits for them, or a
+        # client told "ready" would get unknown_voice for a voice the server ships (app/doors/service.py)
+        self.defaults_loaded = asyncio.Event()
         self.link = link
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
@@ -229,6 +232,8 @@ class Gateway:
             self.normalizer.start()
         if self.settings.default_voices_dir:
             self._defaults_task = asyncio.create_task(self._load_default_voices(self.settings.default_voices_dir))
+        else:
+            self.defaults_loaded.set()
         if self.link is not None:  # the other gateway processes render this one's gauges from its files
             self._metrics_task = asyncio.create_task(self._refresh_metrics())
 
@@ -600,6 +605,12 @@ class Gateway:
     # ---- default voices --------------------------------------------------------------------------
     async def _load_default_voices(self, folder: Path) -> None:
         await self.engine.ready.wait()
+        try:
+            await self._load_defaults(folder)
+        finally:  # loaded or skipped, each: readiness waits for no more
+            self.defaults_loaded.set()
+
+    async def _load_defaults(self, folder: Path) -> None:
         files = sorted(p for p in folder.rglob("*") if p.suffix.lower() in AUDIO_SUFFIXES | {".npy", ".npz"})
         for path in files:
             try:

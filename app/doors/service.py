@@ -43,9 +43,12 @@ async def readyz(request: Request) -> Response:
     }
     if gw.draining:  # a load balancer stops sending new streams here
         return JSONResponse({"status": "draining", "engines": engines, **process}, status_code=503)
-    if gw.engine.ready.is_set():
+    if gw.engine.ready.is_set() and gw.defaults_loaded.is_set():
         return JSONResponse({"status": "ready", "engine": gw.engine.info, "engines": engines, **process})
-    reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")
+    if gw.engine.ready.is_set():
+        reason = "loading the default voices (--default-voices-dir)"
+    else:
+        reason = gw.engine.start_error or ("engine restarting" if gw.engine.restarts else "engine starting")
     return JSONResponse({"status": "not_ready", "reason": reason, "engines": engines, **process}, status_code=503)
 
 
