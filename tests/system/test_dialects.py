@@ -481,6 +481,22 @@ def test_elevenlabs_close_socket_closes_even_when_the_rest_of_its_message_is_ref
     assert log[-1] == ({"isFinal": True, "contextId": "a"} if multi else {"isFinal": True}) and code == 1000, log
 
 
+def _el_refused_then_good(srv, bad: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """On one ElevenLabs socket: `bad` (refused), then a good context spoken to its isFinal: (the refusal, the log)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps(bad))
+        err = await recv_json(ws)
+        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "good", log)
+        await ws.close()
+        return err, log
+
+    return run(go())
+
+
 @pytest.mark.parametrize(
     "settings",
     [{"stability": 7}, {"similarity_boost": "high"}, {"style": 1.5}, {"use_speaker_boost": 1}],
@@ -490,18 +506,9 @@ def test_elevenlabs_voice_settings_out_of_elevenlabs_ranges_are_refused(srv, set
     are ignored, but a value ElevenLabs would refuse is refused here too (bad_params naming it), on the context
     it would open; the socket goes on. (It was ignored whatever it held.)"""
 
-    async def go():
-        ws = await el_connect(el_url(srv, auto_mode=False))
-        msg = {"text": "Nope. ", "context_id": "bad", "voice_settings": settings, "flush": True}
-        await ws.send(json.dumps(msg))
-        err = await recv_json(ws)
-        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
-        log: list[dict[str, Any]] = []
-        await el_until_final(ws, "good", log)
-        await ws.close()
-        return err, log
-
-    err, log = run(go())
+    err, log = _el_refused_then_good(
+        srv, {"text": "Nope. ", "context_id": "bad", "voice_settings": settings, "flush": True}
+    )
     assert err.get("error") == "bad_params" and next(iter(settings)) in err["message"], err
     assert err.get("contextId") == "bad" and el_audio(log, "good") and not el_audio(log, "bad"), log
 
@@ -515,17 +522,7 @@ def test_elevenlabs_a_flag_that_is_not_a_boolean_is_refused_not_dropped(srv, bad
     and the message is refused whole (its text is not spoken, its context not opened); the socket goes on. (They
     were read as false: the text was spoken by the quiet timer, the close never came, no isFinal followed.)"""
 
-    async def go():
-        ws = await el_connect(el_url(srv, auto_mode=False))
-        await ws.send(json.dumps({"text": "Nope. ", "context_id": "bad", **bad}))
-        err = await recv_json(ws)
-        await ws.send(json.dumps({"text": "Still here. ", "context_id": "good", "flush": True, "close_context": True}))
-        log: list[dict[str, Any]] = []
-        await el_until_final(ws, "good", log)
-        await ws.close()
-        return err, log
-
-    err, log = run(go())
+    err, log = _el_refused_then_good(srv, {"text": "Nope. ", "context_id": "bad", **bad})
     field = next(iter(bad))
     assert err.get("error") == "bad_message" and field in err["message"], err
     assert el_audio(log, "good") and not el_audio(log, "bad"), log
