@@ -415,6 +415,8 @@ class VoiceStore:
         """By id, else by name (newest wins)."""
         self._sync(voice_id=ref)
         v = self._lookup(ref, owner)
+        while v is not None and self._gone(v):  # deleted by another process: perhaps another voice has this name
+            v = self._lookup(ref, owner)
         if v is None and self.shared:  # perhaps a voice another gateway has just added
             self._take_new()
             v = self._lookup(ref, owner)
@@ -444,7 +446,22 @@ class VoiceStore:
     def find(self, voice_id: str) -> Voice | None:
         self._sync(voice_id=voice_id)
         with self._lock:
-            return self._voices.get(voice_id)
+            v = self._voices.get(voice_id)
+        return None if v is None or self._gone(v) else v
+
+    def _gone(self, voice: Voice) -> bool:
+        """Shared store: whether `voice`, in this process's memory, was deleted on disk by another process since this
+        one's last rescan (its folder is gone: one stat); if so it is dropped here at once. Without the look, for up
+        to SHARED_RESCAN_S after a delete through one process, the other used the deleted voice, and an upload of the
+        same clip or array through it answered 200 `deduplicated` with the voice's id from memory and wrote nothing:
+        the voice the client was told it has was gone (404) in every process at their next rescans."""
+        if not self.shared or voice.source == "default" or (self.root / voice.id / "meta.json").exists():
+            return False
+        with self._lock:
+            if self._voices.get(voice.id) is voice:
+                del self._voices[voice.id]
+                self._seen.pop(voice.id, None)
+        return True
 
     def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
         """Store `voice`; returns the voice stored under its id, which is another's when a request for the same id (the
@@ -490,20 +507,29 @@ class VoiceStore:
                 np.save(tmp / "embedding.npy", voice.embedding)
                 if preview_wav is not None:
                     (tmp / "preview.wav").write_bytes(preview_wav)
-                try:
-                    os.rename(tmp, final)  # (a folder onto one that holds files fails: nothing is replaced here)
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        raise
+                # (a few tries: the folder found in the way may be deleted by another process while it is read, and
+                # then this one lands; it was 503 voice_store_unavailable, the set-aside finding no folder to move)
+                for _ in range(3):
+                    try:
+                        os.rename(tmp, final)  # (a folder onto one that holds files fails: nothing is replaced here)
+                        return voice
+                    except OSError as e:
+                        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                            raise
                     landed = self._read_folder(final)
                     if landed is not None:
                         return landed
                     # a damaged folder of this id: set aside first (restored at the next start if this one never
                     # lands), then replaced
                     old = self.root / f".old-{voice.id}-{os.getpid()}-{time.monotonic_ns()}"
-                    os.replace(final, old)
+                    try:
+                        os.replace(final, old)
+                    except FileNotFoundError:  # deleted meanwhile: try again to land this one
+                        continue
                     os.replace(tmp, final)
                     shutil.rmtree(old, ignore_errors=True)
+                    return voice
+                os.rename(tmp, final)  # (a folder there still: its error is the answer)
                 return voice
             finally:
                 if tmp.exists():
