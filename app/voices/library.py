@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import copy
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -471,23 +473,64 @@ class VoiceStore:
         embedding = np.asarray(embedding, dtype=np.float32)
         if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
             raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
-        if self.max_per_owner:
-            self._sync()
-            with self._lock:
-                new = voice.id not in self._voices  # not one stored again
-                owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
-            if new and owned >= self.max_per_owner:
-                raise VoiceError(
-                    G.TOO_MANY_VOICES,
-                    f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",
-                )
-        voice.embedding = embedding
-        voice.dim = self.dim
-        voice.has_preview = preview_wav is not None
-        voice = self._write(voice, preview_wav)
+        with self._writer():
+            if self.max_per_owner:
+                self._sync()
+                self._take_listing()
+                with self._lock:
+                    new = voice.id not in self._voices  # not one stored again
+                    owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
+                if new and owned >= self.max_per_owner:
+                    raise VoiceError(
+                        G.TOO_MANY_VOICES,
+                        f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",
+                    )
+            voice.embedding = embedding
+            voice.dim = self.dim
+            voice.has_preview = preview_wav is not None
+            voice = self._write(voice, preview_wav)
         with self._lock:
             self._voices[voice.id] = voice
         return voice
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[None]:
+        """Shared store with --max-voices-per-key: one writer of a voice at a time in every gateway process (an
+        advisory lock on `<root>/.lock`, released when its file closes, by a killed process too), so that counting an
+        owner's voices and writing a new one are one step. Each process counted only the voices its memory held (a
+        rescan is due at most every SHARED_MIN_RESCAN_S): with --workers 2 and a limit of 3, a key stored 6."""
+        if not (self.shared and self.max_per_owner):
+            yield
+            return
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _take_listing(self) -> None:
+        """Shared store: the voices whose folders are on disk now (one listing, not a rescan): those not known here
+        are read (each folder once, as `_take_new`), those gone are dropped. A voice changed in place (a rename) is
+        not read again: its owner stays."""
+        if not self.shared:
+            return
+        try:
+            names = {n for n in os.listdir(self.root) if not n.startswith(".") and _safe_id(n)}
+        except OSError as e:
+            raise _store_error("could not count the stored voices", e) from e
+        with self._lock:
+            for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in names]:
+                del self._voices[vid]
+                self._seen.pop(vid, None)
+            unknown = names - set(self._voices)
+        for vid in unknown:
+            with contextlib.suppress(OSError):
+                mark = _folder_mark(self.root / vid)
+                if self._seen.get(vid) == mark:  # looked at already, unreadable
+                    continue
+                v = self._read_folder(self.root / vid)
+                with self._lock:
+                    self._seen[vid] = mark
+                    if v is not None:
+                        self._voices[vid] = v
 
     def _write(self, voice: Voice, preview_wav: bytes | None) -> Voice:
         """The voice's folder written aside, then renamed into place; returns the voice now stored under its id. A

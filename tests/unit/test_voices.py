@@ -269,6 +269,28 @@ def test_one_key_stores_at_most_its_share_of_voices(tmp_path):
     assert {v.id for v in store.list("k1")} == {"v_2", "v_3"}
 
 
+def test_a_keys_share_of_voices_is_the_servers_across_gateway_processes(tmp_path, monkeypatch):
+    """--max-voices-per-key with --workers: each process counted the voices its memory held, and its rescan is due
+    at most every SHARED_MIN_RESCAN_S (a clock the test holds still), so with 2 processes and a limit of 3 a key
+    stored 6 (measured). The count is the store's now: a key's voices stored through the other process count at
+    once, one it deleted there frees a place at once, and the same voice stored again is no new one."""
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    one, two = (VoiceStore(tmp_path, DIM, shared=True, max_per_owner=3) for _ in range(2))
+    for i in range(3):
+        add(one, f"v_{i}", f"n{i}", seed=i, owner="k1")
+    with pytest.raises(VoiceError) as err:
+        add(two, "v_3", "n3", seed=3, owner="k1")
+    assert err.value.code == "too_many_voices" and err.value.status == 409
+    add(two, "v_1", "n1 again", seed=1, owner="k1")  # one of its voices stored again: no new voice
+    add(two, "v_k2", "Theirs", seed=5, owner="k2")
+    one.delete("v_0", "k1")
+    add(two, "v_3", "n3", seed=3, owner="k1")
+    with pytest.raises(VoiceError):
+        add(one, "v_4", "n4", seed=4, owner="k1")
+    assert sorted(v.id for v in VoiceStore(tmp_path, DIM).list("k1")) == ["v_1", "v_2", "v_3"]
+
+
 def test_disk_full_in_the_middle_of_a_write_leaves_no_half_voice(tmp_path, monkeypatch):
     store = VoiceStore(tmp_path, DIM)
     add(store, "v_keep", "Keep", seed=1)
