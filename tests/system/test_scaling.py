@@ -208,6 +208,29 @@ def test_a_voice_renamed_through_another_gateway_is_found_by_its_new_name_at_onc
         b.get("n2", "")  # the old name is no voice any more here either
 
 
+def test_a_listing_shows_what_another_gateway_just_changed(tmp_path, monkeypatch):
+    """A voice uploaded, renamed or deleted through one gateway process, then the library listed through another (a
+    page listing its voices after changing one): the listing showed the library as it was until that process's next
+    rescan (up to SHARED_MIN_RESCAN_S, a clock the test holds still but for SHARED_MISS_LOOK_S, the most often a
+    listing rescans). A listing now rescans first when the folder changed."""
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceStore
+
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    dim = 16
+    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    a.add(Voice(id="v_0", name="Kept", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    a.add(Voice(id="v_1", name="Doomed", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    assert sorted(v.name for v in b.list("")) == ["Doomed", "Kept"]
+    a.add(Voice(id="v_2", name="New", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    a.rename("v_0", "", "Renamed")
+    a.delete("v_1", "")
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    assert sorted(v.name for v in b.list("")) == ["New", "Renamed"]
+
+
 # ---- placement (no engine process) ------------------------------------------------------------------------
 def fake_engine(
     name: str, slots: int = 8, open_requests: int = 0, device: str = "cpu", **settings: Any
