@@ -13,6 +13,7 @@ import builtins
 import contextlib
 import copy
 import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -25,6 +26,7 @@ import tempfile
 import threading
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -227,8 +229,8 @@ def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
     return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
 
 
-def _folder_mark(d: Path) -> tuple[int, int]:
-    st = d.stat()
+def _folder_mark(d: Path | os.DirEntry[str]) -> tuple[int, int]:
+    st = d.stat()  # (a DirEntry of a listing: one stat, its kind known from the listing)
     return st.st_ino, st.st_mtime_ns
 
 
@@ -247,7 +249,8 @@ SHARED_RESCAN_S = 10.0  # shared store: rescanned at least this often (a coarse 
 # shared store: rescanned at most this often when the folder changes (a rescan looks at every voice's folder: a
 # client renaming a voice in a loop would make every lookup of every other process one, 65 ms with 3000 voices)
 SHARED_MIN_RESCAN_S = 1.0
-# shared store: a name not found here looks for voices new on disk (one listing of the folder) at most this often
+# shared store: a name not found here looks at the folder again (a rescan, if the folder changed since the last one)
+# at most this often
 SHARED_MISS_LOOK_S = 0.05
 
 
@@ -307,18 +310,26 @@ class VoiceStore:
             log.warning("skipping unreadable voice folder %s: %s", d, e)
             return None
 
-    def _sync(self, force: bool = False, voice_id: str | None = None) -> None:
+    def _sync(self, force: bool = False, voice_id: str | None = None, changed: bool = False) -> None:
         """Shared store: take in what other gateways added, replaced or deleted since the last look (one
         stat of the folder when nothing changed; when it did, a look at every voice's folder, at most every
-        SHARED_MIN_RESCAN_S); `voice_id`, unknown here, is looked up on disk as well (a network filesystem may
-        show a new entry before the folder's mtime moves, and a rescan may not be due)."""
+        SHARED_MIN_RESCAN_S, or SHARED_MISS_LOOK_S with `changed`); `voice_id`, unknown here, is looked up on disk as
+        well (a network filesystem may show a new entry before the folder's mtime moves, and a rescan may not be
+        due)."""
         if not self.shared:
             return
         try:
             st = os.stat(self.root)
             mark = (st.st_ino, st.st_mtime_ns)
             since = time.monotonic() - self._scanned_at
-            if not force and since < (SHARED_RESCAN_S if mark == self._root_seen else SHARED_MIN_RESCAN_S):
+            due = (
+                SHARED_RESCAN_S
+                if mark == self._root_seen
+                else min(SHARED_MISS_LOOK_S, SHARED_MIN_RESCAN_S)
+                if changed
+                else SHARED_MIN_RESCAN_S
+            )
+            if not force and since < due:
                 if voice_id is None or self._voices.get(voice_id) is not None or not _safe_id(voice_id):
                     return
                 d = self.root / voice_id
@@ -328,53 +339,47 @@ class VoiceStore:
                         self._seen[v.id] = _folder_mark(d)
                 return
             self._root_seen, self._scanned_at = mark, time.monotonic()
-            on_disk = {
-                d.name: _folder_mark(d) for d in self.root.iterdir() if not d.name.startswith(".") and d.is_dir()
-            }
+            # (one stat per folder: a listing's entries know their kind; Path.iterdir, is_dir and stat took two,
+            # ~35 ms for 3000 voices against ~6)
+            with os.scandir(self.root) as listing:
+                on_disk = {d.name: _folder_mark(d) for d in listing if not d.name.startswith(".") and d.is_dir()}
         except OSError as e:
             log.warning("voice store at %s: could not look for other gateways' changes: %s", self.root, e)
             return
-        fresh = {}
+        fresh: dict[str, tuple[Voice | None, tuple[int, int]]] = {}
         for vid, mark in on_disk.items():
-            if self._seen.get(vid) != mark and (v := self._read_folder(self.root / vid)) is not None:
-                fresh[vid] = (v, mark)
+            if self._seen.get(vid) != mark:  # (an unreadable folder is read once, until it changes)
+                fresh[vid] = (self._read_folder(self.root / vid), mark)
         with self._lock:
             for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in on_disk]:
                 del self._voices[vid]
-                self._seen.pop(vid, None)
+            for vid in [k for k in self._seen if k not in on_disk]:
+                del self._seen[vid]
             for vid, (v, mark) in fresh.items():
-                self._voices[vid] = v
-                self._seen[vid] = mark
+                if v is not None:
+                    self._voices[vid] = v
+                    self._seen[vid] = mark
+                elif vid not in self._voices:  # a folder never readable here: not read again until it changes
+                    self._seen[vid] = mark
 
     def _take_new(self) -> None:
-        """Shared store, a name not found here: take in the voices other gateways added since the last rescan at once
-        (a voice uploaded through one process and used by name through another a moment later), not when the next
-        rescan is due. One listing of the folder, and only the folders of ids never looked at (or changed since) are
-        read, at most every SHARED_MISS_LOOK_S: a client looking up unknown names in a loop costs that, never a
-        rescan. A rename or delete elsewhere still waits for the rescan."""
+        """Shared store, a name not found here: if the folder changed since the last rescan, rescan it now, at most
+        every SHARED_MISS_LOOK_S, not when the next one is due: a voice uploaded, or renamed, through one process and
+        used by its name through another a moment later was unknown_voice there until then (up to
+        SHARED_MIN_RESCAN_S; a rename, measured with --workers 2: 10 of 10). A client looking up unknown names in a
+        loop costs one stat of the folder per lookup, and a rescan only after a change (one stat per voice's folder,
+        only changed folders read) at most every SHARED_MISS_LOOK_S."""
         now = time.monotonic()
         if not self.shared or now - self._missed_at < SHARED_MISS_LOOK_S:
             return
         self._missed_at = now
         try:
             st = os.stat(self.root)
-            if (st.st_ino, st.st_mtime_ns) == self._root_seen:  # nothing added since the last rescan
-                return
-            with self._lock:
-                known = set(self._voices)
-            names = [n for n in os.listdir(self.root) if n not in known and not n.startswith(".") and _safe_id(n)]
-            marks = {n: _folder_mark(self.root / n) for n in names if (self.root / n).is_dir()}
         except OSError as e:
             log.warning("voice store at %s: could not look for other gateways' new voices: %s", self.root, e)
             return
-        for vid, mark in marks.items():
-            if self._seen.get(vid) == mark:  # looked at already, unreadable
-                continue
-            v = self._read_folder(self.root / vid)
-            with self._lock:
-                self._seen[vid] = mark
-                if v is not None:
-                    self._voices[vid] = v
+        if (st.st_ino, st.st_mtime_ns) != self._root_seen:  # something added, renamed or deleted since
+            self._sync(force=True)
 
     def _recover(self) -> None:
         """Finish what a crash interrupted: `.tmp-*` (unfinished writes), `.del-*` (deletes) and a voice's `.meta-*`
@@ -406,7 +411,12 @@ class VoiceStore:
         return voice.owner in ("", owner)
 
     def list(self, owner: str) -> list[Voice]:
-        self._sync()
+        """`owner`'s voices and the public ones. Shared store: rescanned first if the folder changed since the last
+        rescan (at most every SHARED_MISS_LOOK_S): a listing through one gateway process just after an upload, rename
+        or delete through another (a page that lists its voices after changing one) showed the library as it was
+        until the next rescan due (up to SHARED_MIN_RESCAN_S; measured with --workers 2). A rescan costs a stat per
+        voice's folder, less than a listing of the voices (a dict each)."""
+        self._sync(changed=True)
         with self._lock:
             vs = [v for v in self._voices.values() if self.visible(v, owner)]
         return sorted(vs, key=lambda v: (v.source != "default", -v.created_at))
@@ -415,6 +425,8 @@ class VoiceStore:
         """By id, else by name (newest wins)."""
         self._sync(voice_id=ref)
         v = self._lookup(ref, owner)
+        while v is not None and self._gone(v):  # deleted by another process: perhaps another voice has this name
+            v = self._lookup(ref, owner)
         if v is None and self.shared:  # perhaps a voice another gateway has just added
             self._take_new()
             v = self._lookup(ref, owner)
@@ -444,7 +456,22 @@ class VoiceStore:
     def find(self, voice_id: str) -> Voice | None:
         self._sync(voice_id=voice_id)
         with self._lock:
-            return self._voices.get(voice_id)
+            v = self._voices.get(voice_id)
+        return None if v is None or self._gone(v) else v
+
+    def _gone(self, voice: Voice) -> bool:
+        """Shared store: whether `voice`, in this process's memory, was deleted on disk by another process since this
+        one's last rescan (its folder is gone: one stat); if so it is dropped here at once. Without the look, for up
+        to SHARED_RESCAN_S after a delete through one process, the other used the deleted voice, and an upload of the
+        same clip or array through it answered 200 `deduplicated` with the voice's id from memory and wrote nothing:
+        the voice the client was told it has was gone (404) in every process at their next rescans."""
+        if not self.shared or voice.source == "default" or (self.root / voice.id / "meta.json").exists():
+            return False
+        with self._lock:
+            if self._voices.get(voice.id) is voice:
+                del self._voices[voice.id]
+                self._seen.pop(voice.id, None)
+        return True
 
     def add(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:
         """Store `voice`; returns the voice stored under its id, which is another's when a request for the same id (the
@@ -454,23 +481,64 @@ class VoiceStore:
         embedding = np.asarray(embedding, dtype=np.float32)
         if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
             raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
-        if self.max_per_owner:
-            self._sync()
-            with self._lock:
-                new = voice.id not in self._voices  # not one stored again
-                owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
-            if new and owned >= self.max_per_owner:
-                raise VoiceError(
-                    G.TOO_MANY_VOICES,
-                    f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",
-                )
-        voice.embedding = embedding
-        voice.dim = self.dim
-        voice.has_preview = preview_wav is not None
-        voice = self._write(voice, preview_wav)
+        with self._writer():
+            if self.max_per_owner:
+                self._sync()
+                self._take_listing()
+                with self._lock:
+                    new = voice.id not in self._voices  # not one stored again
+                    owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
+                if new and owned >= self.max_per_owner:
+                    raise VoiceError(
+                        G.TOO_MANY_VOICES,
+                        f"this key stores {owned} voices, the most allowed (--max-voices-per-key): delete one first",
+                    )
+            voice.embedding = embedding
+            voice.dim = self.dim
+            voice.has_preview = preview_wav is not None
+            voice = self._write(voice, preview_wav)
         with self._lock:
             self._voices[voice.id] = voice
         return voice
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[None]:
+        """Shared store with --max-voices-per-key: one writer of a voice at a time in every gateway process (an
+        advisory lock on `<root>/.lock`, released when its file closes, by a killed process too), so that counting an
+        owner's voices and writing a new one are one step. Each process counted only the voices its memory held (a
+        rescan is due at most every SHARED_MIN_RESCAN_S): with --workers 2 and a limit of 3, a key stored 6."""
+        if not (self.shared and self.max_per_owner):
+            yield
+            return
+        with open(self.root / ".lock", "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    def _take_listing(self) -> None:
+        """Shared store: the voices whose folders are on disk now (one listing, not a rescan): those not known here
+        are read (each folder once, as `_take_new`), those gone are dropped. A voice changed in place (a rename) is
+        not read again: its owner stays."""
+        if not self.shared:
+            return
+        try:
+            names = {n for n in os.listdir(self.root) if not n.startswith(".") and _safe_id(n)}
+        except OSError as e:
+            raise _store_error("could not count the stored voices", e) from e
+        with self._lock:
+            for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in names]:
+                del self._voices[vid]
+                self._seen.pop(vid, None)
+            unknown = names - set(self._voices)
+        for vid in unknown:
+            with contextlib.suppress(OSError):
+                mark = _folder_mark(self.root / vid)
+                if self._seen.get(vid) == mark:  # looked at already, unreadable
+                    continue
+                v = self._read_folder(self.root / vid)
+                with self._lock:
+                    self._seen[vid] = mark
+                    if v is not None:
+                        self._voices[vid] = v
 
     def _write(self, voice: Voice, preview_wav: bytes | None) -> Voice:
         """The voice's folder written aside, then renamed into place; returns the voice now stored under its id. A
@@ -490,20 +558,29 @@ class VoiceStore:
                 np.save(tmp / "embedding.npy", voice.embedding)
                 if preview_wav is not None:
                     (tmp / "preview.wav").write_bytes(preview_wav)
-                try:
-                    os.rename(tmp, final)  # (a folder onto one that holds files fails: nothing is replaced here)
-                except OSError as e:
-                    if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                        raise
+                # (a few tries: the folder found in the way may be deleted by another process while it is read, and
+                # then this one lands; it was 503 voice_store_unavailable, the set-aside finding no folder to move)
+                for _ in range(3):
+                    try:
+                        os.rename(tmp, final)  # (a folder onto one that holds files fails: nothing is replaced here)
+                        return voice
+                    except OSError as e:
+                        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                            raise
                     landed = self._read_folder(final)
                     if landed is not None:
                         return landed
                     # a damaged folder of this id: set aside first (restored at the next start if this one never
                     # lands), then replaced
                     old = self.root / f".old-{voice.id}-{os.getpid()}-{time.monotonic_ns()}"
-                    os.replace(final, old)
+                    try:
+                        os.replace(final, old)
+                    except FileNotFoundError:  # deleted meanwhile: try again to land this one
+                        continue
                     os.replace(tmp, final)
                     shutil.rmtree(old, ignore_errors=True)
+                    return voice
+                os.rename(tmp, final)  # (a folder there still: its error is the answer)
                 return voice
             finally:
                 if tmp.exists():

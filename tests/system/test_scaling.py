@@ -140,9 +140,9 @@ def test_a_shared_store_rescans_at_most_once_a_second_whatever_the_changes(tmp_p
 
 def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monkeypatch):
     """A voice uploaded through one gateway process and used by name through another a moment later was 404 until
-    the next rescan (up to SHARED_MIN_RESCAN_S). A name not found looks for voices new on disk at once: one
-    listing, only the new folders read, at most every SHARED_MISS_LOOK_S (a clock the test moves); an unreadable
-    folder is read once, not at every miss."""
+    the next rescan (up to SHARED_MIN_RESCAN_S). A name not found rescans at once if the folder changed: only the
+    new folders read, at most every SHARED_MISS_LOOK_S (a clock the test moves); an unreadable folder is read once,
+    not at every miss."""
     from app.voices import library as voices_mod
     from app.voices.library import Voice, VoiceError, VoiceStore
 
@@ -175,6 +175,60 @@ def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monk
         with pytest.raises(VoiceError):
             b.get("nobody", "")
     assert read == []
+
+
+def test_a_voice_renamed_through_another_gateway_is_found_by_its_new_name_at_once(tmp_path, monkeypatch):
+    """A voice renamed through one gateway process and used by its new name through another a moment later was
+    unknown_voice there until its next rescan (up to SHARED_MIN_RESCAN_S, a clock the test holds still; measured with
+    --workers 2: 10 renames of 10), and its old name still worked there. A name not found rescans the folder if it
+    changed since the last rescan (at most every SHARED_MISS_LOOK_S): only the renamed voice's folder is read."""
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceError, VoiceStore
+
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    read: list[str] = []
+    real = voices_mod.VoiceStore._read_folder
+
+    def counted(self, d):
+        read.append(d.name)
+        return real(self, d)
+
+    monkeypatch.setattr(voices_mod.VoiceStore, "_read_folder", counted)
+    dim = 16
+    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    for i in range(5):
+        a.add(Voice(id=f"v_{i}", name=f"n{i}", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    assert b.get("n2", "").id == "v_2"  # (a look at the folder: b knows all five now)
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    a.rename("v_2", "", "Renamed")
+    read.clear()
+    assert b.get("Renamed", "").id == "v_2" and read == ["v_2"]
+    with pytest.raises(VoiceError):
+        b.get("n2", "")  # the old name is no voice any more here either
+
+
+def test_a_listing_shows_what_another_gateway_just_changed(tmp_path, monkeypatch):
+    """A voice uploaded, renamed or deleted through one gateway process, then the library listed through another (a
+    page listing its voices after changing one): the listing showed the library as it was until that process's next
+    rescan (up to SHARED_MIN_RESCAN_S, a clock the test holds still but for SHARED_MISS_LOOK_S, the most often a
+    listing rescans). A listing now rescans first when the folder changed."""
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceStore
+
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    dim = 16
+    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    a.add(Voice(id="v_0", name="Kept", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    a.add(Voice(id="v_1", name="Doomed", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    assert sorted(v.name for v in b.list("")) == ["Doomed", "Kept"]
+    a.add(Voice(id="v_2", name="New", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
+    a.rename("v_0", "", "Renamed")
+    a.delete("v_1", "")
+    now[0] += 2 * voices_mod.SHARED_MISS_LOOK_S
+    assert sorted(v.name for v in b.list("")) == ["New", "Renamed"]
 
 
 # ---- placement (no engine process) ------------------------------------------------------------------------

@@ -269,6 +269,28 @@ def test_one_key_stores_at_most_its_share_of_voices(tmp_path):
     assert {v.id for v in store.list("k1")} == {"v_2", "v_3"}
 
 
+def test_a_keys_share_of_voices_is_the_servers_across_gateway_processes(tmp_path, monkeypatch):
+    """--max-voices-per-key with --workers: each process counted the voices its memory held, and its rescan is due
+    at most every SHARED_MIN_RESCAN_S (a clock the test holds still), so with 2 processes and a limit of 3 a key
+    stored 6 (measured). The count is the store's now: a key's voices stored through the other process count at
+    once, one it deleted there frees a place at once, and the same voice stored again is no new one."""
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    one, two = (VoiceStore(tmp_path, DIM, shared=True, max_per_owner=3) for _ in range(2))
+    for i in range(3):
+        add(one, f"v_{i}", f"n{i}", seed=i, owner="k1")
+    with pytest.raises(VoiceError) as err:
+        add(two, "v_3", "n3", seed=3, owner="k1")
+    assert err.value.code == "too_many_voices" and err.value.status == 409
+    add(two, "v_1", "n1 again", seed=1, owner="k1")  # one of its voices stored again: no new voice
+    add(two, "v_k2", "Theirs", seed=5, owner="k2")
+    one.delete("v_0", "k1")
+    add(two, "v_3", "n3", seed=3, owner="k1")
+    with pytest.raises(VoiceError):
+        add(one, "v_4", "n4", seed=4, owner="k1")
+    assert sorted(v.id for v in VoiceStore(tmp_path, DIM).list("k1")) == ["v_1", "v_2", "v_3"]
+
+
 def test_disk_full_in_the_middle_of_a_write_leaves_no_half_voice(tmp_path, monkeypatch):
     store = VoiceStore(tmp_path, DIM)
     add(store, "v_keep", "Keep", seed=1)
@@ -465,6 +487,47 @@ def test_a_voice_deleted_by_another_process_is_not_brought_back_by_a_rename(tmp_
     assert err.value.code == "unknown_voice" and err.value.status == 404
     assert entries(tmp_path) == [] and VoiceStore(tmp_path, DIM).list("") == []
     assert one.preview_bytes(Voice(id="v_a", name="Doomed", owner="", source="clip", dim=DIM)) is None
+
+
+def test_a_voice_deleted_by_another_process_is_gone_at_once_here_too(tmp_path):
+    """One process deletes a voice the other still holds in memory (its rescan not due). The other went on using it
+    (speech with a deleted voice), and storing the same array again through it answered `deduplicated` from memory
+    and wrote nothing: 200 with the voice's id, then 404 in every process at their rescans (measured with --workers
+    2). Now the other finds it gone at once, a name falls to another voice of that name, and a new upload lands."""
+    one, two = VoiceStore(tmp_path, DIM, shared=True), VoiceStore(tmp_path, DIM, shared=True)
+    add(one, "v_old", "Same name", seed=2, created_at=1.0)
+    add(one, "v_a", "Same name", seed=1, created_at=2.0)
+    two._sync(force=True)
+    assert two.get("Same name", "").id == "v_a"
+    one.delete("v_a", "")
+    assert two.find("v_a") is None  # (its rescan is not due: it was in memory)
+    assert two.get("Same name", "").id == "v_old"  # the name is the other voice's now
+    with pytest.raises(VoiceError) as err:
+        two.get("v_a", "")
+    assert err.value.code == "unknown_voice"
+    again = Voice(id="v_a", name="Back", owner="", source="embedding", dim=DIM)
+    assert two.add(again, rand(1, DIM)) is again  # written, not an answer from memory
+    assert VoiceStore(tmp_path, DIM).get("v_a", "").name == "Back" and one.get("v_a", "").name == "Back"
+
+
+def test_a_voice_deleted_while_another_process_stores_it_again_lands(tmp_path, monkeypatch):
+    """One process stores a voice whose folder is already there (the same clip, stored before) just as another
+    process deletes it: the folder in the way was gone by the time it was read, and setting it aside found nothing to
+    move: 503 voice_store_unavailable. Now the new voice lands in its place. (The other process's delete is made to
+    fall in that moment: the store's own read of the folder in the way runs it first.)"""
+    one, two = VoiceStore(tmp_path, DIM, shared=True), VoiceStore(tmp_path, DIM, shared=True)
+    add(one, "v_a", "First", seed=1)
+    real = two._read_folder
+
+    def deleted_meanwhile(d):
+        monkeypatch.setattr(two, "_read_folder", real)
+        one.delete("v_a", "")
+        return real(d)
+
+    monkeypatch.setattr(two, "_read_folder", deleted_meanwhile)
+    mine = Voice(id="v_a", name="Second", owner="", source="embedding", dim=DIM)
+    assert two.add(mine, rand(2, DIM)) is mine
+    assert entries(tmp_path) == ["v_a"] and VoiceStore(tmp_path, DIM).get("v_a", "").name == "Second"
 
 
 def test_default_and_foreign_voices_are_read_only(tmp_path):
