@@ -138,13 +138,14 @@ def test_a_shared_store_rescans_at_most_once_a_second_whatever_the_changes(tmp_p
     assert b.get("r19", "").id == "v_7"
 
 
-def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monkeypatch):
-    """A voice uploaded through one gateway process and used by name through another a moment later was 404 until
-    the next rescan (up to SHARED_MIN_RESCAN_S). A name not found rescans at once if the folder changed: only the
-    new folders read, at most every SHARED_MISS_LOOK_S (a clock the test moves); an unreadable folder is read once,
-    not at every miss."""
+DIM = 16
+
+
+def _two_gateways_stores(tmp_path, monkeypatch):
+    """Two gateway processes' views of one shared voice store (a, b), the clock their rescans read (a list to move),
+    and the voice folders read so far."""
     from app.voices import library as voices_mod
-    from app.voices.library import Voice, VoiceError, VoiceStore
+    from app.voices.library import VoiceStore
 
     now = [1000.0]
     monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
@@ -156,8 +157,19 @@ def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monk
         return real(self, d)
 
     monkeypatch.setattr(voices_mod.VoiceStore, "_read_folder", counted)
-    dim = 16
-    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    return VoiceStore(tmp_path, DIM, shared=True), VoiceStore(tmp_path, DIM, shared=True), now, read
+
+
+def test_a_name_uploaded_through_another_gateway_is_found_at_once(tmp_path, monkeypatch):
+    """A voice uploaded through one gateway process and used by name through another a moment later was 404 until
+    the next rescan (up to SHARED_MIN_RESCAN_S). A name not found rescans at once if the folder changed: only the
+    new folders read, at most every SHARED_MISS_LOOK_S (a clock the test moves); an unreadable folder is read once,
+    not at every miss."""
+    from app.voices import library as voices_mod
+    from app.voices.library import Voice, VoiceError
+
+    a, b, now, read = _two_gateways_stores(tmp_path, monkeypatch)
+    dim = DIM
     for i in range(5):
         a.add(Voice(id=f"v_{i}", name=f"n{i}", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
     assert b.get("n4", "").id == "v_4"  # by name, no rescan due (the clock has not moved)
@@ -183,20 +195,10 @@ def test_a_voice_renamed_through_another_gateway_is_found_by_its_new_name_at_onc
     --workers 2: 10 renames of 10), and its old name still worked there. A name not found rescans the folder if it
     changed since the last rescan (at most every SHARED_MISS_LOOK_S): only the renamed voice's folder is read."""
     from app.voices import library as voices_mod
-    from app.voices.library import Voice, VoiceError, VoiceStore
+    from app.voices.library import Voice, VoiceError
 
-    now = [1000.0]
-    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
-    read: list[str] = []
-    real = voices_mod.VoiceStore._read_folder
-
-    def counted(self, d):
-        read.append(d.name)
-        return real(self, d)
-
-    monkeypatch.setattr(voices_mod.VoiceStore, "_read_folder", counted)
-    dim = 16
-    a, b = VoiceStore(tmp_path, dim, shared=True), VoiceStore(tmp_path, dim, shared=True)
+    a, b, now, read = _two_gateways_stores(tmp_path, monkeypatch)
+    dim = DIM
     for i in range(5):
         a.add(Voice(id=f"v_{i}", name=f"n{i}", owner="", source="embedding", dim=dim), np.ones(dim, np.float32))
     assert b.get("n2", "").id == "v_2"  # (a look at the folder: b knows all five now)
