@@ -483,8 +483,7 @@ class VoiceStore:
             raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
         with self._writer():
             if self.max_per_owner:
-                self._sync()
-                self._take_listing()
+                self._sync(force=True)  # (shared: what every process stored, read under the lock)
                 with self._lock:
                     new = voice.id not in self._voices  # not one stored again
                     owned = sum(1 for v in self._voices.values() if v.owner == voice.owner and v.source != "default")
@@ -513,32 +512,6 @@ class VoiceStore:
         with open(self.root / ".lock", "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             yield
-
-    def _take_listing(self) -> None:
-        """Shared store: the voices whose folders are on disk now (one listing, not a rescan): those not known here
-        are read (each folder once, as `_take_new`), those gone are dropped. A voice changed in place (a rename) is
-        not read again: its owner stays."""
-        if not self.shared:
-            return
-        try:
-            names = {n for n in os.listdir(self.root) if not n.startswith(".") and _safe_id(n)}
-        except OSError as e:
-            raise _store_error("could not count the stored voices", e) from e
-        with self._lock:
-            for vid in [k for k, v in self._voices.items() if v.source != "default" and k not in names]:
-                del self._voices[vid]
-                self._seen.pop(vid, None)
-            unknown = names - set(self._voices)
-        for vid in unknown:
-            with contextlib.suppress(OSError):
-                mark = _folder_mark(self.root / vid)
-                if self._seen.get(vid) == mark:  # looked at already, unreadable
-                    continue
-                v = self._read_folder(self.root / vid)
-                with self._lock:
-                    self._seen[vid] = mark
-                    if v is not None:
-                        self._voices[vid] = v
 
     def _write(self, voice: Voice, preview_wav: bytes | None) -> Voice:
         """The voice's folder written aside, then renamed into place; returns the voice now stored under its id. A
