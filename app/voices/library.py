@@ -322,8 +322,13 @@ class VoiceStore:
             st = os.stat(self.root)
             mark = (st.st_ino, st.st_mtime_ns)
             since = time.monotonic() - self._scanned_at
-            changed_due = SHARED_MISS_LOOK_S if changed else SHARED_MIN_RESCAN_S
-            due = SHARED_RESCAN_S if mark == self._root_seen else changed_due
+            due = (
+                SHARED_RESCAN_S
+                if mark == self._root_seen
+                else min(SHARED_MISS_LOOK_S, SHARED_MIN_RESCAN_S)
+                if changed
+                else SHARED_MIN_RESCAN_S
+            )
             if not force and since < due:
                 if voice_id is None or self._voices.get(voice_id) is not None or not _safe_id(voice_id):
                     return
