@@ -760,7 +760,14 @@ el_message = st.fixed_dictionaries(
         "close_context": st.booleans() | anything,
         "close_socket": st.just(False) | anything,
         "voice_settings": st.fixed_dictionaries(
-            {}, optional={"speed": st.floats(0, 5) | extreme | anything, "stability": anything}
+            {},
+            optional={
+                "speed": st.floats(0, 5) | extreme | anything,
+                "stability": st.floats(0, 1) | anything,
+                "similarity_boost": st.floats(0, 1) | anything,
+                "style": st.floats(0, 1) | anything,
+                "use_speaker_boost": st.booleans() | anything,
+            },
         )
         | anything,
         "pronunciation_dictionary_locators": st.lists(
