@@ -11,7 +11,7 @@ what the engine's model of that player counted. No GPU and no server: the schedu
     python bench/encoder_lead.py [--periods 7 9.7 11] [--seconds 5] [--json encoder_lead.json]
 
 The schedule: call 0 of the size the engine picks for the output's `first_samples` (engine/dac/schedule.py
-`first_size`, after admission's `first_chunk_s` at that period), ready after its frames plus the codebook delay,
+`first_size`, for admission's `first_call_samples` at that period), ready after its frames plus the codebook delay,
 then 10 frames every 10 steps; each call's audio reaches the client `DELIVERY_ITERATIONS` periods after its last
 frame (engine/runtime/admission.py).
 """
@@ -69,7 +69,7 @@ def lead(encoding: str, rate: int, period_s: float, seconds: float, prebuffer_s:
     admission = RealtimeAdmission(prebuffer_s=prebuffer_s)
     admission.period_s = period_s
     schedule = ChunkSchedule()
-    need = max(first_samples(encoding, rate), round(admission.first_chunk_s(schedule.frames) * SAMPLE_RATE))
+    need = admission.first_call_samples(first_samples(encoding, rate), schedule.frames)
     first = schedule.first_size(need, LAG)
     sizes, steps = [first * HOP - LAG], [first + DELAY]
     while sum(sizes) < seconds * SAMPLE_RATE:

@@ -13,7 +13,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.contract.constants import FRAME_S
+from engine.contract.constants import FRAME_S, SAMPLE_RATE
 from engine.contract.records import AdmissionGate as Gate
 from engine.contract.settings import EngineSettings
 
@@ -162,6 +162,15 @@ class RealtimeAdmission:
             return 0.0
         need = self.lead_floor_s + (frames_to_next + DELIVERY_ITERATIONS) * self.period_s - self.prebuffer_s
         return max(0.0, need)
+
+    def first_call_samples(self, client_holds: int, frames_to_next: int) -> int:
+        """What a new stream's first DAC call must bring: what its client's encoder takes in before it outputs
+        anything (SubmitRequest.first_samples), which it keeps holding back from the player after, plus what
+        keeps the stream's slack at the floor (`first_chunk_s`). So an MP3 client at 24 kHz (3,208) gets the
+        16-frame call (3,435 samples, first audio after 24 steps) while iterations stay under ~9.6 ms; past that
+        its player would hold ~32 ms when the next chunk lands (bench/encoder_lead.py at 11 ms), and it waits for
+        call 1 of a 10-frame call 0 (28 steps), whose player then holds ~84 ms."""
+        return client_holds + round(self.first_chunk_s(frames_to_next) * SAMPLE_RATE)
 
     def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:
         """The audio that player holds now (before it starts: all it got, no credit for the prebuffer's wait).

@@ -77,8 +77,8 @@ class Streams:
         else:
             job.chain.stream = job.seq.rid
             first = job.chain.first_samples
-            if first is not None:  # its first chunk brings at least what keeps admission open (first_chunk_s)
-                first = max(first, round(self.admission.first_chunk_s(self.dac.schedule.frames) * SAMPLE_RATE))
+            if first is not None:  # and what keeps admission open behind its encoder (first_call_samples)
+                first = self.admission.first_call_samples(first, self.dac.schedule.frames)
             self.dac.open(job.chain.stream, hold=job.chain.hold, track_eos=track_eos, first_samples=first)
             self.owner[job.chain.stream] = job
 

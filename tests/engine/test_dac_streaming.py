@@ -361,7 +361,7 @@ def test_masked_fused_snake_matches_reference(t: int):
 
 
 def test_schedule_sizes():
-    assert ChunkSchedule().sizes(4) == [13, 10, 10, 10] and ChunkSchedule().call_sizes() == (10, 13)
+    assert ChunkSchedule().sizes(4) == [13, 10, 10, 10] and ChunkSchedule().call_sizes() == (10, 13, 16)
     assert ChunkSchedule.low_latency().sizes(3) == [13, 4, 4] and ChunkSchedule.low_latency().call_sizes() == (4, 13)
     assert ChunkSchedule.reference().sizes(2) == [16, 16]
     with pytest.raises(ValueError):
@@ -387,19 +387,24 @@ def test_first_audio_timing(codec: Codec):
 def test_the_first_call_is_the_one_that_serves_the_client_soonest():
     """first_size: among the schedule's sizes (no new shape), the call 0 whose calls bring what the client
     needs before its first output after the fewest frames: call 0 itself where one can (the smallest that
-    does), else the size whose call 1 can (1,900-5,483 samples: 10 frames; 5,484-7,019: 13)."""
+    does: up to 363 samples 10 frames, to 1,899 13, to 3,435 16), else the size whose call 1 can (3,436-5,483
+    samples: 10 frames; 5,484-7,019: 13; from 7,020: 16)."""
     lag, default = 4757, ChunkSchedule()
-    needs = (None, 0, 1, 363, 364, 1899, 1900, 3525, 5483, 5484, 7019, 7020)
-    assert [default.first_size(n, lag) for n in needs] == [13, 10, 10, 10, 13, 13, 10, 10, 10, 13, 13, 10]
+    needs = (None, 0, 1, 363, 364, 1899, 1900, 3435, 3436, 5483, 5484, 7019, 7020)
+    assert [default.first_size(n, lag) for n in needs] == [13, 10, 10, 10, 13, 13, 16, 16, 10, 10, 13, 13, 16]
+    assert ChunkSchedule(first_choices=()).first_size(1900, lag) == 10  # without the codec size: call 1 of 10
     assert ChunkSchedule.low_latency().first_size(1, lag) == 13  # 4-frame calls emit nothing; 10 is no shape
     assert ChunkSchedule.reference().first_size(1, lag) == 16
-    assert ChunkSchedule(frames=2, first_frames=2).first_size(1, lag) == 2  # no size reaches past the lag
+    assert ChunkSchedule(frames=2, first_frames=2, first_choices=()).first_size(1, lag) == 2  # none past the lag
 
 
-@pytest.mark.parametrize(("first_samples", "steps", "samples"), [(None, 21, 1899), (1, 18, 363), (1701, 21, 1899)])
+@pytest.mark.parametrize(
+    ("first_samples", "steps", "samples"), [(None, 21, 1899), (1, 18, 363), (1701, 21, 1899), (3208, 24, 3435)]
+)
 def test_first_audio_timing_follows_what_the_client_needs(codec: Codec, first_samples, steps: int, samples: int):
     """A client that outputs from its first sample (44.1 kHz, no resampler) gets its first audio 3 steps
-    sooner: call 0 of 10 frames after 18 pushed frames, 363 samples; a 24 kHz one keeps the 13-frame call."""
+    sooner: call 0 of 10 frames after 18 pushed frames, 363 samples; one that needs 1,701 keeps the 13-frame
+    call; an MP3 client at 24 kHz (3,208: LAME's first whole frame) gets the 16-frame call after 24."""
     dec = StreamingDecoder(codec)
     dec.open(1, first_samples=first_samples)
     assert dec.frames_to_next(1) == steps - 8  # what admission's slack reads: call 0's size
@@ -418,12 +423,13 @@ def test_first_audio_timing_follows_what_the_client_needs(codec: Codec, first_sa
 @pytest.mark.parametrize("eos", [None, 57])
 def test_a_smaller_first_call_streams_the_same_samples(codec: Codec, eos):
     """The first call's size changes when audio leaves, never what it is: int16 PCM of a stream with a 10-frame
-    call 0 is bit-identical to the same frames' with 13, and both equal the one-shot decode."""
+    call 0 equals the same frames' with 13 and the one-shot decode, to float rounding (a call's shape may pick
+    another convolution kernel on some CPUs: ~1e-7 apart, one int16 step where a sample sits on a rounding edge)."""
     frames = random_frames(120, seed=4)
     x13, _ = stream(codec, frames, eos, eos_at_push=True, as_float=False)
     x10, _ = stream(codec, frames, eos, eos_at_push=True, first_samples=1, as_float=False)
     ref = decode_offline(codec, frames, eos)
-    assert x10.dtype == np.int16 and np.array_equal(x10, x13)
+    assert x10.dtype == np.int16 and len(x10) == len(x13) and np.abs(x10.astype(np.int32) - x13).max() <= 1
     assert np.abs(x10.astype(np.int32) - to_int16(ref)).max() <= 1  # float rounding may cross a rounding edge
     f10, _ = stream(codec, frames, eos, eos_at_push=True, first_samples=1)
     assert len(f10) == len(ref) and snr_db(ref, f10) > EXACT_DB

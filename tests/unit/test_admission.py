@@ -461,3 +461,19 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
         assert not full.may_sprint(1)
         full.observe_launch(t, 256)
         t += 0.0106
+
+
+def test_a_first_call_brings_what_the_encoder_holds_back_and_keeps_the_door_open():
+    """first_call_samples: an encoder that holds 3,208 samples before its first whole frame (MP3 at 24 kHz) gets a
+    first call of 3,208 samples while iterations leave room (the 16-frame call's 3,435 bring it), and that plus
+    what keeps the slack at the floor past ~9.6 ms (then call 1 of a 10-frame stream serves it); a PCM client's
+    86 stays within the 10-frame call's 363 until ~9.7 ms."""
+    from engine.dac.schedule import ChunkSchedule
+
+    adm, lag = RealtimeAdmission(lead_floor_s=0.040, prebuffer_s=0.150), 4757
+    adm.period_s = 0.0064
+    assert adm.first_call_samples(3208, 10) == 3208 and ChunkSchedule().first_size(3208, lag) == 16
+    assert ChunkSchedule().first_size(adm.first_call_samples(86, 10), lag) == 10
+    adm.period_s = 0.011
+    mp3 = adm.first_call_samples(3208, 10)
+    assert mp3 == 3208 + round(adm.first_chunk_s(10) * 44100) > 3435 and ChunkSchedule().first_size(mp3, lag) == 10
