@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import platform
 import resource
 import signal
 import socket
@@ -27,6 +28,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # numpy's OpenBLAS (the float64 references, Triton's interpreter) likewise, read when numpy loads it: its threads
 # spin too, and on a shared core a 128 x 128 product took ~1-4 ms on two threads where one thread takes ~40 us.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The batch-invariance tests run the Triton kernels in the interpreter, whose tl.dot is numpy's matmul: a row's
+# result must not depend on the other rows of its tile. OpenBLAS's Haswell sgemm kernel (chosen at run time on some
+# AMD EPYC hosts) rounds a row differently by its place in the tile, so every "rows do not depend on the batch" test
+# failed there; the Sandybridge kernel (AVX, on every x86-64 host these tests run on) keeps rows apart.
+if platform.machine() in ("x86_64", "AMD64"):
+    os.environ.setdefault("OPENBLAS_CORETYPE", "Sandybridge")
 
 ROOT = Path(__file__).resolve().parent.parent
 
