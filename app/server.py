@@ -419,6 +419,7 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
             lambda: app.state.gateway.metrics.errors.labels(G.CLIENT_STALLED).inc(),
             connection_cap(settings.limits.max_connections),
             lambda: app.state.gateway.metrics.errors.labels(G.TOO_MANY_CONNECTIONS).inc(),
+            on_refused=lambda s: app.state.gateway.metrics.door_refusal_seconds.observe(s),
         ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)

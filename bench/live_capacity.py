@@ -81,6 +81,11 @@ and the bucket the longest pause fell in), and the same of `zonos_gc_pause_cpu_s
 the collections themselves used; where it is far below the wall-clock pause, the host ran other processes on
 the gateway's core meanwhile).
 
+Refusals, as the server timed them: each level reports `zonos_door_refusal_seconds` over it (`door_refusal`: the
+refusals the door wrote at a request head, their p50 / p95 interpolated the same way), from the connection's accept to
+the answer written, the storm's hold included: beside the clients' own timing of their refusals (`refusal_ms_p95`),
+which carries their connect and their loop's lag.
+
 Output: a table on stdout; `--out` JSON with the configuration, every level's summary, the capacity and
 every per-stream record (rewritten after each level, so an interrupted run keeps what it measured);
 `--plot` a PNG of the stall-free share and TTFA p50/p95 against N (needs matplotlib).
@@ -238,6 +243,18 @@ def histogram_quantile(q: float, buckets: Sequence[tuple[float, float]]) -> floa
             return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 0.0)
         prev_le, prev_c = le, c
     return prev_le
+
+
+def door_refusals(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The refusals the door wrote between two readings of `zonos_door_refusal_seconds` ({le: cumulative count},
+    summed over the gateway processes): how many, and their p50 / p95 (ms) as the server timed them."""
+    merged = [(le, after[le] - before.get(le, 0.0)) for le in sorted(after)]
+    p50, p95 = histogram_quantile(0.5, merged), histogram_quantile(0.95, merged)
+    return {
+        "count": round(merged[-1][1]) if merged else 0,
+        "p50_ms": None if p50 is None else round(p50 * 1e3, 2),
+        "p95_ms": None if p95 is None else round(p95 * 1e3, 2),
+    }
 
 
 def gc_pauses(before: dict[tuple[str, float], float], after: dict[tuple[str, float], float]) -> dict[str, Any]:
@@ -679,6 +696,7 @@ async def session_updated(ws: Any) -> str:
 
 
 GC_HISTOGRAMS = {"zonos_gc_pause_seconds_bucket": "gc", "zonos_gc_pause_cpu_seconds_bucket": "gc_cpu"}
+DOOR_REFUSAL_HISTOGRAM = "zonos_door_refusal_seconds_bucket"  # the server's own time per refusal (`door_refusals`)
 # the engines' slips and what caused them (engine/contract/records.py Stats), summed over engines
 ENGINE_COUNTERS = {
     "zonos_engine_late_iterations_by_engine": "late_iterations",
@@ -695,7 +713,8 @@ async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, A
     """From the server's /metrics: the engine's admission counters (`held`: iterations each gate held a waiting
     newcomer back, `zonos_engine_admission_held_by_engine{gate}` summed over engines) and the collector's pause
     histograms (`gc`, wall clock, and `gc_cpu`, the collections' CPU time: {(generation, le): cumulative count}),
-    and the engines' ENGINE_COUNTERS (`engine`). None: the server has no /metrics."""
+    the door's refusal times (`door_refusal`: {le: cumulative count}) and the engines' ENGINE_COUNTERS (`engine`).
+    None: the server has no /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -709,6 +728,7 @@ async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, A
     held: dict[str, float] = {}
     engine = dict.fromkeys(ENGINE_COUNTERS.values(), 0.0)
     gc_buckets: dict[str, dict[tuple[str, float], float]] = {name: {} for name in GC_HISTOGRAMS.values()}
+    door: dict[float, float] = {}
     for family in text_string_to_metric_families(r.text):
         for sample in family.samples:
             if sample.name == "zonos_engine_admission_held_by_engine":
@@ -719,7 +739,10 @@ async def server_metrics(ws_url: str, api_key: str | None = None) -> dict[str, A
             elif (name := GC_HISTOGRAMS.get(sample.name)) is not None:
                 key = (sample.labels.get("generation", ""), float(sample.labels["le"]))
                 gc_buckets[name][key] = gc_buckets[name].get(key, 0.0) + sample.value
-    return {"held": held, "engine": engine, **gc_buckets}
+            elif sample.name == DOOR_REFUSAL_HISTOGRAM:
+                le = float(sample.labels["le"])
+                door[le] = door.get(le, 0.0) + sample.value
+    return {"held": held, "engine": engine, "door_refusal": door, **gc_buckets}
 
 
 async def gateway_pids(ws_url: str, api_key: str | None = None, tries: int = 200) -> list[int]:
@@ -1201,6 +1224,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
             summary["engine_slips"] = {k: after["engine"][k] - before["engine"][k] for k in after["engine"]}
             for name in GC_HISTOGRAMS.values():
                 summary[name] = gc_pauses(before[name], after[name])
+            if after["door_refusal"]:
+                summary["door_refusal"] = door_refusals(before["door_refusal"], after["door_refusal"])
         if refuse:
             summary["without_storm"] = storm_baseline(plain.get(n))
         else:
@@ -1228,6 +1253,11 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
                 f"      refused: {summary['refused']}, answered p50 {p50} ms / "
                 f"p95 {_fmt(summary['refusal_ms_p95'], '.1f')} ms; admitted streams that stalled: "
                 f"{_fmt(summary['admitted_stall_rate'], '.2%')}"
+            )
+        if door := summary.get("door_refusal"):
+            log(
+                f"      the door's refusals as the server timed them (accept to answer, hold included): "
+                f"{door['count']}, p50 {_fmt(door['p50_ms'], '.1f')} ms / p95 {_fmt(door['p95_ms'], '.1f')} ms"
             )
         if summary.get("client_bound_stalled"):
             log(

@@ -66,6 +66,8 @@ def level_details(level: dict[str, Any]) -> str:
         bits.append(
             f"refused {level['refused']} (p50 / p95 {level.get('refusal_ms_p50')} / {level.get('refusal_ms_p95')} ms)"
         )
+    if (door := level.get("door_refusal")) and door.get("count"):
+        bits.append(f"server-timed refusals {door['count']} (p50 / p95 {door['p50_ms']} / {door['p95_ms']} ms)")
     for key, label in (("gc", "gc"), ("gc_cpu", "gc CPU")):
         gc = level.get(key) or {}
         if gc.get("pause_p99_ms") is not None:

@@ -32,6 +32,9 @@ OwnGauge = functools.partial(Gauge, multiprocess_mode="livesum")
 EngineGauge = functools.partial(Gauge, multiprocess_mode="livemostrecent")
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 5.0, 10.0)
+# a refusal at the door: answered at once (~1 ms) or after the storm's hold (up to 30 ms, app/settings.py
+# REFUSAL_HOLD_MAX_S), within the 50 ms a client may wait before it tries another replica
+_REFUSAL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.25, 1.0)
 _GC_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.02, 0.05, 0.1, 0.25)
 _RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0)
 
@@ -110,6 +113,14 @@ class Metrics:
             "zonos_door_refusals_held",
             "Refusals at the door (the request head's or a route's) answered after a hold: the process was under a "
             "storm of refused clients retrying at once (--refusal-hold-ms, app/core/admission.py RefusalPace)",
+            registry=r,
+        )
+        self.door_refusal_seconds = Histogram(
+            "zonos_door_refusal_seconds",
+            "From a connection's accept (a later request on it: its head's first byte) to the door's refusal of its "
+            "request head written, the storm's hold included: the server's own part of a refusal's latency, without "
+            "the client's (its connect, its loop's lag)",
+            buckets=_REFUSAL_BUCKETS,
             registry=r,
         )
         self.gc_pause = Histogram(

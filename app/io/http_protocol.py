@@ -223,6 +223,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     on_stalled: Callable[[], None] | None = None  # an answer was cut: its client read nothing (a metric counts it)
     max_connections = 0  # the connections (HTTP and WebSocket) of its server at once; 0: no cap
     on_shed: Callable[[], None] | None = None  # a connection was closed at max_connections (a metric counts it)
+    # the door's refusal was written, this many seconds after the request began (a metric's histogram)
+    on_refused: Callable[[float], None] | None = None
     # the server's connections, oldest first (busy ones a search passed go to the back): where the connection that has
     # waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
     lobby: ClassVar[dict[Sheddable, None]] = {}
@@ -239,6 +241,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._dropping: asyncio.TimerHandle | None = None  # a refused request's body being dropped (closes after)
         self._held: asyncio.TimerHandle | None = None  # the door's refusal, held before it is written
         self._held_answer = b""  # ... its bytes
+        self._began = 0.0  # when the request in progress began: the accept for the first, its head's first byte after
+        self._requests = 0  # request heads begun on this connection
         self._send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
         self._eof = False  # the client's end came while slicing: heard after the last slice
@@ -265,6 +269,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._began = self.loop.time()
         self.flow = _HeldFlow(transport)
         self._arm_head_timer()  # a client that connects and sends nothing is closed too
         if self.max_connections and len(self.connections) > self.max_connections:
@@ -544,6 +549,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_begin()
+        if self._requests:  # (the first request's latency counts from the accept)
+            self._began = self.loop.time()
+        self._requests += 1
         self._head_bytes = self._head_fields = self._head_raw = 0
         self._in_head = True
         self._head_gen += 1
@@ -604,6 +612,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self.transport.is_closing():  # the client gave up meanwhile
             return
         self.transport.write(answer)
+        if self.on_refused is not None:
+            self.on_refused(self.loop.time() - self._began)
         if self._refused:
             self.transport.close()
 
@@ -705,10 +715,11 @@ def bounded_protocol(
     max_connections: int = 0,
     on_shed: Callable[[], None] | None = None,
     send_min_rate: float = SEND_MIN_RATE,
+    on_refused: Callable[[float], None] | None = None,
 ) -> type[BoundedHttpToolsProtocol]:
     """The protocol class with these timeouts, door, count of answers cut for a client that read nothing, cap on
-    connections (0: none), count of connections closed at it and the rate an answer's client must take its bytes at
-    (uvicorn builds one instance per connection)."""
+    connections (0: none), count of connections closed at it, the rate an answer's client must take its bytes at and
+    what times each refusal the door wrote (uvicorn builds one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
@@ -720,6 +731,7 @@ def bounded_protocol(
             "send_min_rate": send_min_rate,
             "max_connections": max_connections,
             "on_shed": staticmethod(on_shed) if on_shed else None,
+            "on_refused": staticmethod(on_refused) if on_refused else None,
             "lobby": {},
         },
     )

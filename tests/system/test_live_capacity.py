@@ -24,6 +24,7 @@ from bench.live_capacity import (
     client_spread,
     compressed_events,
     delivered_audio_s,
+    door_refusals,
     gateway_cpu,
     gc_pauses,
     histogram_quantile,
@@ -371,6 +372,10 @@ def test_collector_pauses_from_the_histogram():
     assert g["pause_p50_ms"] == pytest.approx(1.0 * 50.5 / 98, rel=1e-2)  # rank 50.5 of 101, inside the 1 ms bucket
     assert 1.0 < g["pause_p99_ms"] < 5.0 and g["pause_max_le_ms"] == 5.0
     assert gc_pauses(after, after)["pause_max_le_ms"] is None
+    # the door's refusals over the interval: 8 under 1 ms, 2 under 20 ms (two gateway processes' buckets summed)
+    d = door_refusals({0.001: 5.0, 0.02: 6.0, inf: 6.0}, {0.001: 13.0, 0.02: 16.0, inf: 16.0})
+    assert d["count"] == 10 and d["p50_ms"] == pytest.approx(1.0 * 5 / 8, rel=1e-2) and 1.0 < d["p95_ms"] < 20.0
+    assert door_refusals({0.001: 1.0, inf: 1.0}, {0.001: 1.0, inf: 1.0}) == {"count": 0, "p50_ms": None, "p95_ms": None}
 
 
 def test_refusal_storm_requests_and_summary():
@@ -623,6 +628,8 @@ def test_a_storm_level_against_a_one_slot_server(one_slot, tmp_path: Path):
     (lv,) = json.loads(out.read_text())["levels"]
     assert lv["refused"] >= 1 and lv["refusal_ms_p95"] >= lv["refusal_ms_p50"] > 0
     assert lv["streams"] >= 1 and lv["errors"] == 0 and lv["admitted_stall_rate"] is not None
+    door = lv["door_refusal"]  # the server's own timing of its refusals over the level (its warm-up's too)
+    assert door["count"] >= 1 and door["p95_ms"] >= door["p50_ms"] > 0
 
 
 @pytest.mark.slow

@@ -95,6 +95,7 @@ def test_a_newcomer_is_refused_before_its_clip_is_read(one_slot):
             await asyncio.to_thread(wait_for, srv, lambda st: st["in_flight"] == 1, "slot not taken")
             at_head = metric(srv, 'zonos_door_refusals_total{at="head"}')
             in_app = metric(srv, 'zonos_door_refusals_total{at="app"}')
+            timed = metric(srv, "zonos_door_refusal_seconds_count")
             # an HTTP request with a large clip that is not base64: read, it would be a 400 (bad_params)
             bad = "!" * (4 << 20)
             async with httpx.AsyncClient(timeout=30) as h:
@@ -130,6 +131,7 @@ def test_a_newcomer_is_refused_before_its_clip_is_read(one_slot):
                 assert b"engine_busy" in resp.body and resp.headers["X-Request-ID"] == "refused-probe-2"
             assert metric(srv, 'zonos_door_refusals_total{at="head"}') == at_head + 5
             assert metric(srv, 'zonos_door_refusals_total{at="app"}') == in_app + 1
+            assert metric(srv, "zonos_door_refusal_seconds_count") == timed + 5  # each head refusal, timed
         finally:
             await ws.close()
 

@@ -120,6 +120,36 @@ def test_a_refused_request_body_is_read_while_its_answer_is_held():
     assert got == ANSWER and answered >= HOLD_S * 0.9
 
 
+def test_each_refusal_written_is_timed_from_its_request_s_start():
+    """`on_refused` gets the server's own part of a refusal's latency: from the accept for a connection's first
+    request (the hold included), from its head's first byte for a later one on a kept-alive connection, never more
+    than its client waited (a later request timed from the accept would add the idle time before it)."""
+
+    async def go(hold_s: float, first: bytes, idle_s: float) -> tuple[list[float], float]:
+        timed: list[float] = []
+        protocol_class = bounded_protocol(600.0, 5.0, lambda *head: door(*head, hold_s=hold_s), on_refused=timed.append)
+        _, client_end = await served(protocol_class, _config(protocol_class))
+        loop = asyncio.get_running_loop()
+        if first:  # served by the app, the connection kept alive
+            await loop.sock_sendall(client_end, first)
+            assert (await loop.sock_recv(client_end, 65536)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(idle_s)
+        t0 = time.monotonic()
+        await loop.sock_sendall(client_end, POST_HEAD + BODY)
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        waited = time.monotonic() - t0
+        client_end.close()
+        assert got == ANSWER
+        return timed, waited
+
+    timed, _ = asyncio.run(asyncio.wait_for(go(HOLD_S, b"", 0.0), 30))
+    assert len(timed) == 1 and timed[0] >= HOLD_S * 0.9
+    timed, waited = asyncio.run(asyncio.wait_for(go(0.0, GET, 0.5), 30))
+    assert len(timed) == 1 and timed[0] <= waited + 1e-3
+
+
 def test_a_client_gone_during_the_hold_is_not_answered():
     """A client that resets its connection during the hold: its held answer is dropped with the connection at once
     (the hold is far longer than the test). (One that closes it, a FIN, cannot be told from one that only shut its
