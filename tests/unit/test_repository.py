@@ -11,9 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_DOCS_FILE_BYTES = 1_000_000
-# the code and its tests grow with the features (~2.9 MB of text now); what must never come back is raw
-# output: a bench dump or a capture is a large file or a binary one, which the two limits below catch
-MAX_TRACKED_BYTES = 4_000_000
+# the code and its tests grow with the features (~2.9 MB of text when this was set, 4.0 MB on 2026-12-06); what must
+# never come back is raw output: a bench dump or a capture is a large file or a binary one, which the two limits
+# below catch
+MAX_TRACKED_BYTES = 5_000_000
 MAX_FILE_BYTES = 250_000
 MAX_BINARY_BYTES = 400_000  # images (the docs' two PNGs, ~97 kB), nothing else
 
@@ -32,7 +33,7 @@ def test_no_tracked_file_under_docs_is_over_1_mb() -> None:
     assert not big, f"tracked files under docs/ over {MAX_DOCS_FILE_BYTES:,} bytes (keep raw output out of git): {big}"
 
 
-def test_tracked_bytes_stay_under_4_mb() -> None:
+def test_tracked_bytes_stay_under_5_mb() -> None:
     sizes = tracked_sizes()
     total = sum(sizes.values())
     largest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
