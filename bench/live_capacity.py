@@ -115,10 +115,10 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 try:
-    from bench.refusal_storm import ROUTES, run_storm, spread
+    from bench.refusal_storm import REFUSED_STATUS, ROUTES, run_storm, spread
     from bench.ws_bench import TEXT, reference_clip
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from refusal_storm import ROUTES, run_storm, spread  # type: ignore[no-redef]
+    from refusal_storm import REFUSED_STATUS, ROUTES, run_storm, spread  # type: ignore[no-redef]
     from ws_bench import TEXT, reference_clip  # type: ignore[no-redef]
 
 BYTES_PER_SAMPLE = 2  # pcm_s16le
@@ -969,7 +969,6 @@ async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clo
         rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
 
 
-REFUSED_STATUS = (503, 429)
 REFUSED_CODES = ("engine_busy", "queue_full", "too_many_sessions")
 
 
