@@ -43,9 +43,9 @@ def max_normalization_workers() -> int:
     return max(usable_cpus(), MAX_DEFAULT_NORMALIZATION_WORKERS)
 
 
-def _limit(help: str, lo: float, hi: float, *, zero_ok: bool = False, aliases: tuple[str, ...] = ()) -> dict:
-    """A Limits flag: above 0 unless `zero_ok`."""
-    return flag(help, lo=lo, hi=hi, lo_open=not zero_ok and lo == 0, aliases=aliases)
+def _limit(help: str, hi: float, *, zero_ok: bool = False, aliases: tuple[str, ...] = ()) -> dict:
+    """A Limits flag: above 0 unless `zero_ok`, at most `hi`."""
+    return flag(help, lo=0, hi=hi, lo_open=not zero_ok, aliases=aliases)
 
 
 @dataclass
@@ -54,12 +54,12 @@ class Limits:
 
     max_text_chars: int = field(
         default=2000,
-        metadata=_limit("characters of one utterance (sentences are cut to this many UTF-8 bytes)", 0, 1_000_000),
+        metadata=_limit("characters of one utterance (sentences are cut to this many UTF-8 bytes)", 1_000_000),
     )
     max_buffer_chars: int = field(
-        default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 0, 10_000_000)
+        default=10_000, metadata=_limit("text buffered in one WebSocket session, not yet spoken", 10_000_000)
     )
-    max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 0, 1_000_000))
+    max_sessions: int = field(default=256, metadata=_limit("concurrent WebSocket sessions", 1_000_000))
     # One API key's share of them, every gateway process's together: without it one key (a tenant's runaway client,
     # or one that keeps its sockets busy with a message a minute) could hold every session of the server
     max_sessions_per_key: int = field(
@@ -67,16 +67,15 @@ class Limits:
         metadata=_limit(
             "concurrent WebSocket sessions of one API key (0: no limit but --max-sessions; without API keys every "
             "client is one, and --max-sessions applies)",
-            0,
             1_000_000,
             zero_ok=True,
         ),
     )
-    max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 0, 100_000))
+    max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 100_000))
     max_inflight_per_session: int = field(
-        default=2, metadata=_limit("utterances generating at once per session (current + next)", 0, 1024)
+        default=2, metadata=_limit("utterances generating at once per session (current + next)", 1024)
     )
-    max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", 0, _GIB))
+    max_upload_bytes: int = field(default=10 << 20, metadata=_limit("bytes of an uploaded voice clip", _GIB))
     # every HTTP request body being read and decoded at once, per gateway process (app/io/bodies.py): a body is in
     # memory several times while it is handled (the bytes, the parsed text, the decoded clip)
     max_body_bytes_in_flight: int = field(
@@ -86,33 +85,31 @@ class Limits:
             "decodes at once; a request past it is refused before its body is read, 503 too_many_uploads with "
             f"Retry-After (a body of at most {SMALL_BODY >> 10} KiB always passes; one larger than this bound is read "
             "alone)",
-            0,
             64 * _GIB,
         ),
     )
-    max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 0, 3600.0))
+    max_clip_seconds: float = field(default=60.0, metadata=_limit("seconds of a voice clip", 3600.0))
     max_voices_per_key: int = field(
         default=1000,
         metadata=_limit(
             "voices one API key (or, without keys, the server's public library) may store (0: no limit)",
-            0,
             10_000_000,
             zero_ok=True,
         ),
     )
     min_clip_seconds: float = field(
-        default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)", 0, 3600.0, zero_ok=True)
+        default=0.5, metadata=_limit("seconds a voice clip needs at least (0: any)", 3600.0, zero_ok=True)
     )
     max_ws_message_bytes: int = field(
         default=8 << 20,
-        metadata=_limit("bytes of one WebSocket message (a session.config may carry a base64 clip)", 0, _GIB),
+        metadata=_limit("bytes of one WebSocket message (a session.config may carry a base64 clip)", _GIB),
     )
     # a socket with no message this long is closed; LiveKit's plugins keep pooled sockets up to 3600 s, and a
     # socket they reuse must still be open (pings keep the connection itself alive meanwhile)
     idle_timeout_s: float = field(
         default=3600.0,
         metadata=_limit(
-            "seconds a WebSocket may go without a message before it is closed", 0, _DAY, aliases=("--idle-timeout",)
+            "seconds a WebSocket may go without a message before it is closed", _DAY, aliases=("--idle-timeout",)
         ),
     )
     evict_idle_after_s: float = field(
@@ -120,7 +117,6 @@ class Limits:
         metadata=_limit(
             "seconds a WebSocket session must have been idle (no message, nothing speaking, no turn open) before a "
             "new session at --max-sessions may take its place (the one idle longest is closed, evicted_idle)",
-            0,
             _DAY,
             aliases=("--evict-idle-after",),
         ),
@@ -129,7 +125,6 @@ class Limits:
         default=30.0,
         metadata=_limit(
             "seconds one send (WebSocket message, HTTP answer) may make no progress before the client counts as gone",
-            0,
             _DAY,
             aliases=("--send-timeout",),
         ),
@@ -141,7 +136,6 @@ class Limits:
         metadata=_limit(
             "seconds between WebSocket keepalive pings (a client that does not answer one within --ws-ping-timeout "
             "is disconnected)",
-            0,
             _DAY,
             aliases=("--ws-ping-interval",),
         ),
@@ -154,7 +148,6 @@ class Limits:
         metadata=_limit(
             "seconds a WebSocket client may take to answer a keepalive ping before it is disconnected (0: as long "
             "as --idle-timeout)",
-            0,
             _DAY,
             zero_ok=True,
             aliases=("--ws-ping-timeout",),
@@ -167,13 +160,12 @@ class Limits:
         metadata=_limit(
             "seconds a SIGTERM waits for sessions and requests in progress to finish before they are cut (0: cut "
             "at once)",
-            0,
             3600.0,
             zero_ok=True,
         ),
     )
     head_timeout_s: float = field(
-        default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", 0, _DAY)
+        default=30.0, metadata=_limit("seconds a request head (line and headers) may take before 408", _DAY)
     )
     # Every client connection holds a file descriptor until it closes, one that sends nothing for --head-timeout-s:
     # a client that kept ~20,000 of them open (reopening those closed) took every descriptor of a gateway process,
@@ -184,7 +176,6 @@ class Limits:
             "client connections one gateway process holds open at once (0: its open-file limit less a reserve for "
             "its own files, at most 32768); past it the connection that has waited longest for a request head is "
             "closed to make room, and with none waiting the newcomer gets 503 too_many_connections",
-            0,
             10_000_000,
             zero_ok=True,
         ),
@@ -196,7 +187,6 @@ class Limits:
         metadata=_limit(
             "a new stream predicted to wait longer than this (ms) for an engine is refused at once (503, "
             "Retry-After); 0: no limit at the door",
-            0,
             60_000.0,
             zero_ok=True,
         ),
@@ -208,7 +198,6 @@ class Limits:
         metadata=_limit(
             "a new stream that must wait for an engine is refused at once (503, Retry-After) when its first "
             "audio is predicted later than this (ms: its wait plus the engines' recent first audio); 0: no budget",
-            0,
             60_000.0,
             zero_ok=True,
         ),
@@ -219,7 +208,6 @@ class Limits:
         metadata=_limit(
             "under a storm of refused clients that retry at once, the door answers each refusal after up to this "
             "long (ms), so that such a client retries tens of times a second instead of hundreds; 0: at once",
-            0,
             1000.0,
             zero_ok=True,
         ),
@@ -229,7 +217,6 @@ class Limits:
         metadata=_limit(
             "refusals a second (one gateway process's, over the last quarter of a second) from which the door holds "
             "each refusal (--refusal-hold-ms); 0: every refusal is held",
-            0,
             1_000_000.0,
             zero_ok=True,
         ),
@@ -241,7 +228,6 @@ class Limits:
             "retry than that, each refusal is held longer "
             f"(up to {REFUSAL_HOLD_MAX_S * 1e3:g} ms), so that refusals take no more of the CPU "
             "that the admitted streams' audio needs; 0: never longer than --refusal-hold-ms",
-            0,
             1_000_000.0,
             zero_ok=True,
         ),
@@ -251,28 +237,26 @@ class Limits:
         metadata=_limit(
             "seconds room is held for an admitted session's next utterance after its audio has played (0: no "
             f"hold); a session earns it back at {HOLD_PER_AUDIO_S:g} s per second of audio it plays, never past this",
-            0,
             3600.0,
             zero_ok=True,
         ),
     )
-    max_frames: int = field(default=3000, metadata=_limit("frames per utterance (about 35 s of audio)", 0, 1 << 20))
+    max_frames: int = field(default=3000, metadata=_limit("frames per utterance (about 35 s of audio)", 1 << 20))
     max_buffered_audio_s: float = field(
         default=60.0,
         metadata=_limit(
             "seconds of generated but unread audio per request before slow_consumer",
-            0,
             3600.0,
             aliases=("--max-buffered-audio",),
         ),
     )
     max_http_chars: int = field(
-        default=4096, metadata=_limit("characters of one HTTP speech request's text (every speech route)", 0, 1_000_000)
+        default=4096, metadata=_limit("characters of one HTTP speech request's text (every speech route)", 1_000_000)
     )
     # an HTTP request speaks its whole text, however long each sentence runs (ignore_eos: to max_frames); this
     # bounds the decode slot and the client's download one request can take (4096 characters of speech: ~5 min)
     max_request_audio_s: float = field(
-        default=900.0, metadata=_limit("seconds of audio one HTTP speech request may produce", 0, _DAY)
+        default=900.0, metadata=_limit("seconds of audio one HTTP speech request may produce", _DAY)
     )
     # a whole-file HTTP answer (WAV, FLAC, /tts/generate stream:false) holds its audio until it is complete, up to
     # --max-request-audio-s of it: this bounds them all together (app/doors/speech.py AnswerHold)
@@ -282,7 +266,6 @@ class Limits:
             "bytes of audio the whole-file HTTP answers of one gateway process hold at once, each counted twice (the "
             "parts and the joined file); an answer past it gets 503 too_many_answers with Retry-After (one alone "
             "always passes)",
-            0,
             64 * _GIB,
         ),
     )
@@ -292,34 +275,31 @@ class Limits:
         default=10,
         metadata=_limit(
             "ElevenLabs HTTP requests per API key whose frames are kept for previous_request_ids (0: stitching off)",
-            0,
             10_000,
             zero_ok=True,
         ),
     )
     stitch_ttl_s: float = field(
-        default=600.0, metadata=_limit("seconds a request's kept frames can be continued (ElevenLabs: 2 h)", 0, _DAY)
+        default=600.0, metadata=_limit("seconds a request's kept frames can be continued (ElevenLabs: 2 h)", _DAY)
     )
     stitch_bytes: int = field(
-        default=4 << 20, metadata=_limit("bytes of kept frames on disk per API key (the oldest go first)", 0, _GIB)
+        default=4 << 20, metadata=_limit("bytes of kept frames on disk per API key (the oldest go first)", _GIB)
     )
     # Text normalization (app/core/normalization.py): the CPU one utterance's text may take in its worker before
     # it fails with normalization_timeout (a typical sentence takes 20-60 ms), and the texts a worker
     # normalizes before it is replaced (its memory given back).
     normalization_cpu_s: float = field(
-        default=5.0, metadata=_limit("CPU seconds one text may take in its normalization worker", 0, 3600.0)
+        default=5.0, metadata=_limit("CPU seconds one text may take in its normalization worker", 3600.0)
     )
     normalization_max_tasks: int = field(
         default=500,
-        metadata=_limit(
-            "texts a normalization worker handles before it is replaced (0: never)", 0, 1 << 30, zero_ok=True
-        ),
+        metadata=_limit("texts a normalization worker handles before it is replaced (0: never)", 1 << 30, zero_ok=True),
     )
     # Kernel send buffer of each client socket (SO_SNDBUF), 0 = the OS's autotuning (up to tcp_wmem's
     # max, 4 MiB by default: ~45 s of 44.1 kHz s16 audio that a non-reading client parks in the kernel
     # before the gateway sees backpressure and max_buffered_audio_s starts counting).
     tcp_send_buffer_bytes: int = field(
-        default=0, metadata=_limit("SO_SNDBUF of each client socket (0: the OS's autotuning)", 0, _GIB, zero_ok=True)
+        default=0, metadata=_limit("SO_SNDBUF of each client socket (0: the OS's autotuning)", _GIB, zero_ok=True)
     )
 
     def __post_init__(self) -> None:

@@ -35,7 +35,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from app.core.engine_client import RING_BYTES
+from app.core.engine_client import RING_BYTES, spawn_environment
 from app.core.gateway import engine_settings
 from app.core.shared import SharedCounts
 from app.settings import GatewaySettings, usable_cpus
@@ -106,17 +106,11 @@ class EngineProcess:
             name=f"zonos-engine-{self.index}",
             daemon=True,
         )
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
         try:
-            self.proc.start()
+            with spawn_environment(self.env):
+                self.proc.start()
         finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            close_quietly(lifeline.fd)
+            close_quietly(lifeline.fd)  # the child has its own copy now
         log.info(
             "engine %d (%s): process %s started with %d channels", self.index, self.device, self.proc.pid, self.channels
         )

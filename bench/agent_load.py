@@ -526,7 +526,7 @@ async def agent_client(
 
 
 async def run_agent_level(
-    opts: AgentOptions, n: int, voice: dict[str, str], on_audio: AudioHook | None = None
+    opts: AgentOptions, n: int, voice: dict[str, str]
 ) -> tuple[dict[str, Any], list[SessionRecord], list[TurnRecord]]:
     sessions: list[SessionRecord] = []
     turns: list[TurnRecord] = []
@@ -535,7 +535,7 @@ async def run_agent_level(
     lag: list[tuple[float, float]] = []
     stop = asyncio.Event()
     lag_task = asyncio.create_task(_loop_lag(lag, clock0, stop))
-    await asyncio.gather(*(agent_client(opts, n, i, voice, clock0, sessions, turns, on_audio) for i in range(n)))
+    await asyncio.gather(*(agent_client(opts, n, i, voice, clock0, sessions, turns) for i in range(n)))
     stop.set()
     await lag_task
     for t in turns:
@@ -545,7 +545,7 @@ async def run_agent_level(
     return judge_agent(summary, opts.min_stall_free), sessions, turns
 
 
-async def run_agent_benchmark(opts: AgentOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+async def run_agent_benchmark(opts: AgentOptions) -> dict[str, Any]:
     """Runs every level (until the stop rule) and returns the result that `--out` holds."""
     clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode() if opts.voice_clip else reference_clip()
     result: dict[str, Any] = {
@@ -574,14 +574,14 @@ async def run_agent_benchmark(opts: AgentOptions, log: Callable[[str], None] = p
         await ws.close()
     if not pre.ok:
         raise RuntimeError(f"the first turn failed: {pre.error}")
-    log(
+    print(
         f"voice-agent load: {opts.url}, {result['config']['voice_mode']} voice, replies of {opts.sentences} "
         f"sentences at {opts.words_per_s:g} words/s (first token after {opts.first_token_ms:g} ms), "
         f"{opts.frames or 'natural'} frames per sentence, continuation {'on' if opts.long_form else 'off'}, "
         f"user pause {opts.pause_s:g} s, prebuffer {opts.prebuffer_ms:g} ms, {opts.warmup:g} s warm-up + "
         f"{opts.duration:g} s per level"
     )
-    log(HEADER)
+    print(HEADER)
     for k, n in enumerate(opts.levels):
         if k:
             await asyncio.sleep(opts.pause)
@@ -594,12 +594,12 @@ async def run_agent_benchmark(opts: AgentOptions, log: Callable[[str], None] = p
         result["sessions"].extend(s.public() for s in sessions)
         result["turns"].extend(t.public(opts.events) for t in turns)
         result["capacity"] = capacity(result["levels"])
-        log(table_row(summary))
+        print(table_row(summary))
         if summary["error_codes"]:
-            log(f"      errors: {summary['error_codes']}")
+            print(f"      errors: {summary['error_codes']}")
         if summary.get("admission_held"):
-            log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
-        if level_done(result, opts.out, opts.stop_after_fail, log):
+            print(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
+        if level_done(result, opts.out, opts.stop_after_fail):
             break
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return result

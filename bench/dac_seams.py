@@ -32,14 +32,14 @@ SCHEDULES: dict[str, ChunkSchedule] = {
 }
 
 
-def stream(codec: Codec, schedule: ChunkSchedule, frames: np.ndarray, eos: int | None) -> np.ndarray:
+def stream(codec: Codec, schedule: ChunkSchedule, frames: np.ndarray) -> np.ndarray:
     dec = StreamingDecoder(codec, schedule)
     dec.open(0)
     out = []
     for k in range(len(frames)):
         dec.push(0, frames[k])
         out += [pcm for _, pcm, _ in dec.step(as_float=True)]
-    dec.finish(0, eos)
+    dec.finish(0)
     out += [pcm for _, pcm, _ in dec.step(as_float=True)]
     return np.concatenate(out)
 
@@ -59,7 +59,6 @@ def measure(
     schedules: dict[str, ChunkSchedule],
     n_frames: int = 200,
     seeds: int = 2,
-    eos: int | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> dict[str, tuple[float, float]]:
@@ -70,9 +69,9 @@ def measure(
     res: dict[str, list[tuple[float, float]]] = {k: [] for k in schedules}
     for seed in range(seeds):
         frames = np.random.default_rng(seed).integers(0, 1024, (n_frames, 9))
-        ref = decode_offline(codec, frames, eos)
+        ref = decode_offline(codec, frames)
         for name, sched in schedules.items():
-            x = stream(codec, sched, frames, eos)
+            x = stream(codec, sched, frames)
             assert x.shape == ref.shape, (name, x.shape, ref.shape)
             res[name].append(seam_stats(ref, x))
     return {k: (float(np.mean([a for a, _ in v])), float(np.min([b for _, b in v]))) for k, v in res.items()}

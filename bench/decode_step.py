@@ -54,7 +54,7 @@ def weight_bytes(model, experts_touched: list[int]) -> int:
     return total + int(sum(experts_touched) * per_expert)
 
 
-def experts_in_use(model, node: LLMNode, b: int) -> list[int]:
+def experts_in_use(model, b: int) -> list[int]:
     """Distinct experts per MoE layer for one eager decode step of batch b (random routing input)."""
     counts: list[int] = []
     hooks = []
@@ -280,7 +280,7 @@ def main() -> None:
         for _ in range(a.iters):
             g.run(step_ids, slots, pos, inv).cpu()
         host_ms = (time.perf_counter() - t1) / a.iters * 1e3
-        touched = experts_in_use(model, node, b)
+        touched = experts_in_use(model, b)
         wb = weight_bytes(model, touched)
         kv = b * (a.context + 1) * model.cfg.n_layers * 2 * model.cfg.n_kv_heads * model.cfg.head_dim * 2
         rows.append(

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from app.io.audio_output import COMPRESSED, Encoder, first_samples
+from app.io.audio_output import COMPRESSED, WAV_ENCODINGS, Encoder, first_samples
 from engine.contract.constants import SAMPLE_RATE
 from engine.dac.codec import HOP
 from engine.dac.schedule import DELAY, ChunkSchedule
@@ -48,12 +48,12 @@ OUTPUTS = (
 DEMUXER = {"mp3": "mp3", "aac": "aac", "flac": "flac", "opus": "ogg"}
 
 
-def playable(writes: list[bytes], encoding: str, rate: int) -> list[int]:
-    """Samples (at `rate`) a client can decode after each write: sample encodings by their size, a codec's output
-    by the packets whole within the bytes written so far."""
+def playable(writes: list[bytes], encoding: str) -> list[int]:
+    """Samples (at the output's rate) a client can decode after each write: sample encodings by their size, a
+    codec's output by the packets whole within the bytes written so far."""
     ends = np.cumsum([len(w) for w in writes])
     if encoding not in COMPRESSED:
-        width = {"pcm_s16le": 2, "pcm_f32le": 4}.get(encoding, 1)
+        width = WAV_ENCODINGS[encoding][1] // 8  # bytes per sample
         return [int(e) // width for e in ends]
     import av
 
@@ -81,7 +81,7 @@ def lead(encoding: str, rate: int, period_s: float, seconds: float, prebuffer_s:
     for n in sizes:
         writes.append(enc.encode(signal[at : at + n]))
         at += n
-    have = playable(writes, encoding, rate)
+    have = playable(writes, encoding)
     first_byte = next(i for i, n in enumerate(have) if n > 0)
     starts = arrivals[first_byte] + prebuffer_s
     emitted = np.cumsum(sizes)

@@ -106,7 +106,7 @@ import os
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -115,10 +115,10 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 try:
-    from bench.refusal_storm import ROUTES, run_storm, spread
+    from bench.refusal_storm import REFUSED_STATUS, ROUTES, run_storm, spread
     from bench.ws_bench import TEXT, reference_clip
 except ImportError:  # run as a script: bench/ itself is sys.path[0]
-    from refusal_storm import ROUTES, run_storm, spread  # type: ignore[no-redef]
+    from refusal_storm import REFUSED_STATUS, ROUTES, run_storm, spread  # type: ignore[no-redef]
     from ws_bench import TEXT, reference_clip  # type: ignore[no-redef]
 
 BYTES_PER_SAMPLE = 2  # pcm_s16le
@@ -503,13 +503,13 @@ def should_stop(levels: Sequence[dict[str, Any]], stop_after_fail: int) -> bool:
     return not any(lv.get("passed") for lv in levels[-stop_after_fail:])
 
 
-def level_done(result: dict[str, Any], out: str | None, stop_after_fail: int, log: Callable[[str], None]) -> bool:
+def level_done(result: dict[str, Any], out: str | None, stop_after_fail: int) -> bool:
     """After each level: the JSON rewritten (`out`, so an interrupted run keeps what it measured); True, and says
     so, once the stop rule ends the run."""
     if out:
         _write_json(out, result)
     if should_stop(result["levels"], stop_after_fail):
-        log(f"      stopping: {stop_after_fail} consecutive levels failed")
+        print(f"      stopping: {stop_after_fail} consecutive levels failed")
         return True
     return False
 
@@ -969,7 +969,6 @@ async def one_speech(opts: Options, body: dict[str, Any], rec: StreamRecord, clo
         rec.apply(play(rec.events, opts.sample_rate, opts.prebuffer_ms / 1e3))
 
 
-REFUSED_STATUS = (503, 429)
 REFUSED_CODES = ("engine_busy", "queue_full", "too_many_sessions")
 
 
@@ -1158,7 +1157,7 @@ def _write_json(path: str, result: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
+async def run_benchmark(opts: Options) -> dict[str, Any]:
     """Runs every level (until the stop rule) and returns the result that `--out` holds."""
     clip = base64.b64encode(Path(opts.voice_clip).read_bytes()).decode() if opts.voice_clip else reference_clip()
     if opts.encoding != "pcm_s16le" and opts.api != "speech":
@@ -1201,7 +1200,7 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         await one_stream(opts, session_cfg, pre, time.perf_counter())
     if not pre.ok:
         raise RuntimeError(f"the first request failed: {pre.error}")
-    log(
+    print(
         f"live capacity: {opts.url}, {result['config']['voice_mode']} voice, {opts.frames} frames, "
         f"{opts.sample_rate} Hz s16, prebuffer {opts.prebuffer_ms:g} ms, {opts.warmup:g} s warm-up + "
         f"{opts.duration:g} s per level"
@@ -1209,8 +1208,8 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
     pids = await gateway_pids(opts.url, opts.api_key) if opts.gateway_cpu else []
     if opts.gateway_cpu:
         result["config"]["gateway_pids"] = pids
-        log(f"gateway processes (CPU read from /proc): {pids}")
-    log(HEADER)
+        print(f"gateway processes (CPU read from /proc): {pids}")
+    print(HEADER)
     runs = [(n, refuse) for n in opts.levels for refuse in ((0, opts.refuse_storm) if opts.refuse_storm else (0,))]
     plain: dict[int, dict[str, Any]] = {}
     for i, (n, refuse) in enumerate(runs):
@@ -1233,62 +1232,62 @@ async def run_benchmark(opts: Options, log: Callable[[str], None] = print) -> di
         result["levels"].append(summary)
         result["streams"].extend(r.public(opts.events) for r in records)
         result["capacity"] = capacity(result["levels"])
-        log(table_row(summary))
+        print(table_row(summary))
         if summary["client_procs"] > 1:
-            log(
+            print(
                 f"      client processes: {summary['client_procs']} (clients {summary['clients_by_proc']}), loop lag "
                 f"p99 {summary['loop_lag_ms_p99_by_proc']} ms, max {_fmt(summary['loop_lag_ms_max'], '.1f')} ms"
             )
         if summary["error_codes"]:
-            log(f"      errors: {summary['error_codes']}")
+            print(f"      errors: {summary['error_codes']}")
         if summary.get("admitted_stall_free_share") is not None:
-            log(
+            print(
                 f"      admitted streams stall-free: {summary['admitted_stall_free_share']:.1%}; "
                 f"first audio p50 parts (ms): {summary['ttfa_parts_p50_ms']}"
             )
-            log(f"      first audio p95 parts (ms): {summary['ttfa_parts_p95_ms']}")
+            print(f"      first audio p95 parts (ms): {summary['ttfa_parts_p95_ms']}")
         if summary["refused"]:
             p50 = _fmt(summary["refusal_ms_p50"], ".1f")
-            log(
+            print(
                 f"      refused: {summary['refused']}, answered p50 {p50} ms / "
                 f"p95 {_fmt(summary['refusal_ms_p95'], '.1f')} ms; admitted streams that stalled: "
                 f"{_fmt(summary['admitted_stall_rate'], '.2%')}"
             )
         if door := summary.get("door_refusal"):
-            log(
+            print(
                 f"      the door's refusals as the server timed them (accept to answer, hold included): "
                 f"{door['count']}, p50 {_fmt(door['p50_ms'], '.1f')} ms / p95 {_fmt(door['p95_ms'], '.1f')} ms"
             )
         if summary.get("client_bound_stalled"):
-            log(
+            print(
                 f"      of the stalled streams, {summary['client_bound_stalled']} stalled only while their own "
                 "client's loop was blocked at least as long (stall-free less those: "
                 f"{_fmt(summary['admitted_stall_free_share_less_client_bound'], '.1%')})"
             )
         if summary.get("admission_held"):
-            log(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
+            print(f"      iterations a newcomer was held, by gate: {summary['admission_held']}")
         if summary.get("engine_slips"):
             slips = summary["engine_slips"]
-            log(
+            print(
                 f"      engine: {slips['late_iterations']:.0f} iterations longer than three frames, its loop thread "
                 f"preempted {slips['loop_preempted']:.0f} times, {slips.get('sprint_frames', 0):.0f} frames in "
                 f"first-audio sprints; the server's own stalls: {slips.get('server_stalled', 0):.0f} utterances, "
                 f"{slips.get('server_stall_s', 0) * 1e3:.0f} ms"
             )
         if summary.get("gc"):
-            log(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")
+            print(f"      gateway gc: {summary['gc']}; the collections' own CPU time: {summary.get('gc_cpu')}")
         if summary.get("gateway_cpu"):
-            log(f"      gateway cpu ({opts.encoding}): {summary['gateway_cpu']}")
+            print(f"      gateway cpu ({opts.encoding}): {summary['gateway_cpu']}")
         if summary.get("refuse_storm"):
             st, base = summary["refuse_storm"], summary["without_storm"]
-            log(
+            print(
                 f"      with {st['refused']} refused connections ({st['refusals_per_s']}/s, answered p50/p95/p99 "
                 f"{st['refusal_ms_p50']}/{st['refusal_ms_p95']}/{st['refusal_ms_p99']} ms, {st['admitted']} let "
                 f"through, {st['failed']} failed): admitted streams that stalled "
                 f"{_fmt(summary['admitted_stall_rate'], '.2%')} (without: {_fmt(base['admitted_stall_rate'], '.2%')}), "
                 f"TTFA p95 {_fmt(summary['ttfa_p95_ms'], '.0f')} ms (without: {_fmt(base['ttfa_p95_ms'], '.0f')})"
             )
-        if level_done(result, opts.out, opts.stop_after_fail, log):
+        if level_done(result, opts.out, opts.stop_after_fail):
             break
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return result

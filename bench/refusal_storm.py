@@ -49,7 +49,6 @@ ROUTES: dict[str, tuple[str, str, bool]] = {
     "deepgram": ("GET", "/v1/speak?encoding=linear16&sample_rate=24000", True),
     "speech": ("POST", "/v1/audio/speech", False),
 }
-HEAD_LIMIT = 64 << 10  # bytes of an answer's head read at most
 
 
 # ---- pure logic: no network ----------------------------------------------------------------------------

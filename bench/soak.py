@@ -143,7 +143,6 @@ class Turn:
         self.ws, self.st, self.frames, self.timeout = ws, st, frames, timeout
         self.current: str | None = None
         self.nbytes = 0
-        self.got_audio = False
         self.cancelled = False
         self.fault = False  # the engine was down: back off a little, as a client would
 
@@ -155,7 +154,6 @@ class Turn:
                 self.st.audio_after_cancel += 1
             self.nbytes += len(msg)
             self.st.audio_bytes += len(msg)
-            self.got_audio = True
             return None
         d = json.loads(msg)
         kind = d.get("type")

@@ -166,7 +166,7 @@ _SPAWN_ENV_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _environment(env: dict[str, str]) -> Iterator[None]:
+def spawn_environment(env: dict[str, str]) -> Iterator[None]:
     """os.environ with `env` applied while a child is spawned (it inherits the environment at exec)."""
     if not env:
         yield
@@ -266,7 +266,7 @@ class EngineClient:
             daemon=True,
         )
         try:
-            with _environment(self.env):
+            with spawn_environment(self.env):
                 self._proc.start()
         finally:
             close_quietly(lifeline.fd)  # the child has its own copy now

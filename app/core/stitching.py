@@ -21,14 +21,11 @@ within --stitch-bytes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import json
 import logging
-import os
 import re
 import secrets
-import tempfile
 import time
 import zipfile
 from collections.abc import Awaitable, Callable
@@ -40,6 +37,7 @@ import numpy as np
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings, Limits
+from app.voices.library import replace_file
 from engine.frontend.longform import Continuation, LongFormOptions, context_chunks
 
 log = logging.getLogger("gateway.stitching")
@@ -145,15 +143,7 @@ class StitchStore:
             return
         folder = self._dir(owner)
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, folder / f"{request_id}.npz")
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_file(folder / f"{request_id}.npz", data)
         self._prune(folder)
 
     def _prune(self, folder: Path) -> None:

@@ -10,14 +10,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, parse_options
 from app.core.pipeline import speak
-from app.doors.speech import AnswerHold, HeldResponse, first_chunk, read_json, whole_answer
+from app.doors.speech import AnswerHold, first_chunk, held_or_streamed, read_json
 from app.io.auth import require_key
 from app.io.checks import base64_payload, text_field
 from app.io.errors import GatewayError as G
@@ -231,15 +230,5 @@ async def tts_generate(request: Request) -> Response:
             w = 0.5 * (1 + np.cos(np.linspace(0, np.pi, len(held), dtype=np.float32)))
             yield (held * w).astype("<f4").tobytes()
 
-    if hold is None:
-        return StreamingResponse(
-            floats(), media_type="audio/pcm", headers=headers, background=BackgroundTask(speech.aclose)
-        )
-    try:
-        body = await whole_answer(request, hold.count(floats()))
-    except BaseException:
-        hold.release()
-        raise
-    finally:
-        await speech.aclose()
-    return HeldResponse(body, hold, media_type="audio/pcm", headers=headers)
+    parts = floats() if hold is None else hold.count(floats())
+    return await held_or_streamed(request, parts, speech, hold, media_type="audio/pcm", headers=headers)

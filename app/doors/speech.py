@@ -191,6 +191,27 @@ async def whole_answer(request: Request, parts: AsyncIterator[bytes]) -> bytes:
     return await unless_gone(asyncio.ensure_future(collect()), request, "its audio was complete")
 
 
+async def held_or_streamed(
+    request: Request,
+    parts: AsyncIterator[bytes],
+    speech: AsyncGenerator[Any, None],
+    hold: AnswerHold | None,
+    **kwargs: Any,
+) -> Response:
+    """The answer of `parts`: streamed as they come (no `hold`), or the finished file, `hold` given back if it
+    fails and once it is sent; `speech` (what `parts` come from) is closed either way. `kwargs`: the response's."""
+    if hold is None:
+        return StreamingResponse(parts, background=BackgroundTask(speech.aclose), **kwargs)
+    try:
+        audio = await whole_answer(request, parts)
+    except BaseException:
+        hold.release()
+        raise
+    finally:
+        await speech.aclose()
+    return HeldResponse(audio, hold, **kwargs)
+
+
 # ---- the answer of every HTTP speech route --------------------------------------------------------------------------
 @dataclass
 class Framing:
@@ -249,15 +270,6 @@ async def speech_response(
             yield framing.chunk(tail)
         yield framing.end()
 
-    if hold is not None:
-        try:
-            audio = await whole_answer(request, body())
-        except BaseException:
-            hold.release()
-            raise
-        finally:
-            await speech.aclose()
-        return HeldResponse(audio, hold, media_type=media_type or fmt.media_type, headers=headers)
-    return StreamingResponse(
-        body(), media_type=media_type or fmt.media_type, headers=headers, background=BackgroundTask(speech.aclose)
+    return await held_or_streamed(
+        request, body(), speech, hold, media_type=media_type or fmt.media_type, headers=headers
     )

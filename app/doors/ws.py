@@ -224,12 +224,6 @@ class Session(StreamingSession):
     def output_for(self, ctx: str) -> OutputFormat:
         return OutputFormat(self.encoding, self.sample_rate)
 
-    @property
-    def flush_marks(self) -> dict[tuple[str | None, int], int]:
-        """(context or None for all, the last queued utterance it waits for) -> flushes waiting on it."""
-        lane = self.lanes.get(DEFAULT_CONTEXT)
-        return {k: sum(c for _, c in v) for k, v in lane.marks.items()} if lane else {}
-
     @staticmethod
     def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
         unknown = sorted(set(data) - allowed - {"type"})

@@ -67,7 +67,6 @@ RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
 ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
 G711_RATE = TELEPHONE_RATE
 COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
-BYTES_PER_SAMPLE = {"pcm_s16le": 2, "pcm_f32le": 4, "mulaw": 1, "alaw": 1}
 
 # name -> media type; every format streams.
 FORMATS: dict[str, str] = {
@@ -430,10 +429,6 @@ class Encoder:
             self._file = StreamEncoder("wav", sample_rate, whole=True)
         self._header = wav_header(sample_rate, encoding) if wav and self._file is None else b""
         self.threaded = encoding in COMPRESSED
-
-    @property
-    def bytes_per_sample(self) -> int:
-        return BYTES_PER_SAMPLE.get(self.encoding, 1)
 
     @property
     def first_samples(self) -> int:

@@ -21,10 +21,8 @@ import builtins
 import contextlib
 import fcntl
 import json
-import os
 import re
 import secrets
-import tempfile
 import threading
 import time
 from collections import OrderedDict
@@ -38,7 +36,7 @@ from defusedxml import ElementTree
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.voices.library import SHARED_RECOVER_AGE_S
+from app.voices.library import SHARED_RECOVER_AGE_S, replace_file
 
 MAX_RULES = 5000  # rules in one dictionary
 MAX_TEXT = 256  # characters of a grapheme or an alias
@@ -293,15 +291,8 @@ class LexiconStore:
 
     @staticmethod
     def _put(path: Path, doc: object) -> None:
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, ensure_ascii=False)  # \uXXXX escapes would be 3x the bytes and 9x the parse
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # UTF-8 as it is: \uXXXX escapes would be 3x the bytes and 9x the parse
+        replace_file(path, json.dumps(doc, ensure_ascii=False).encode())
 
     def _write(self, lex: Lexicon) -> None:
         self._dir(lex.owner).mkdir(parents=True, exist_ok=True)

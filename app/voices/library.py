@@ -238,6 +238,21 @@ def _safe_id(voice_id: str) -> bool:
     return bool(re.fullmatch(r"[A-Za-z0-9_\-]{1,80}", voice_id))
 
 
+def replace_file(path: Path, data: bytes, prefix: str = ".tmp-") -> None:
+    """`path` replaced by a file of `data` in one step: written beside it under a temporary name (`prefix`...),
+    then renamed over it, so that a reader (this process or another) finds the old file or the new one, never
+    part of one; the temporary file goes when the write fails."""
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _store_error(what: str, e: OSError) -> VoiceError:
     """507 Insufficient Storage when the disk or quota is full, 503 for any other I/O failure."""
     full = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
@@ -581,15 +596,7 @@ class VoiceStore:
         meta = voice.public() | {"owner": voice.owner}
         meta.pop("default")
         try:
-            fd, tmp = tempfile.mkstemp(prefix=".meta-", dir=folder)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    f.write(json.dumps(meta, indent=1))
-                os.replace(tmp, folder / "meta.json")
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            replace_file(folder / "meta.json", json.dumps(meta, indent=1).encode(), prefix=".meta-")
             with contextlib.suppress(OSError):
                 os.utime(self.root)  # the library changed: other processes' next look rescans it
         except FileNotFoundError:  # deleted meanwhile (its folder set aside, by this process or another)
