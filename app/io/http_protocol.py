@@ -17,7 +17,8 @@ its connection forever. Here:
   Sec-WebSocket-Protocol 400 `bad_request`, one of a version other than 13 426 `upgrade_required`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a line, 128
 headers), so an upgrade that passes here is never refused silently there. At most PIPELINE_AHEAD pipelined requests
-(and those of one read slice) wait to be answered: past them nothing more is read from the client until they are.
+(and those of one read slice) wait to be answered: past them nothing more is read from the client until they are. A
+WebSocket handshake pipelined behind requests is switched to once they are answered (their answers first, then the 101).
 
 An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
 its high-water mark, and less than SEND_MIN_RATE a second of it taken by the client) is cut: its connection is
@@ -243,6 +244,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
         self._eof = False  # the client's end came while slicing: heard after the last slice
         self._waiting = bytearray()  # read, not parsed: waits for the pipeline to drain (PIPELINE_AHEAD)
+        # a WebSocket handshake pipelined behind requests not answered yet: (its scope, its target, what the client
+        # sent after it), switched to once they are answered (`_upgrade_when_answered`)
+        self._upgrade_later: tuple[Any, bytes, bytearray] | None = None
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -328,6 +332,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self.lobby.pop(self, None)
         self._backlog.clear()
         self._waiting.clear()
+        self._upgrade_later = None
         self.pipeline.clear()  # (never started now: uvicorn starts none on a closed connection)
         self._disarm_head_timer()
         self._disarm_send_timer()
@@ -379,6 +384,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     def on_response_complete(self) -> None:
         cycle = self.cycle
         super().on_response_complete()
+        if self._upgrade_later is not None:
+            self._upgrade_when_answered()
+            if self._upgrade_later is None:  # the WebSocket's connection now
+                return
         if self._waiting:  # a pipelined request is answered: what waits for room in the pipeline, parsed
             self.loop.call_soon(self._parse_waiting)
         if self.transport.get_write_buffer_size():  # its last bytes wait for the client
@@ -455,10 +464,15 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         return (
             not self.transport.is_closing()
             and self.transport.get_protocol() is self
+            and self._upgrade_later is None
             and len(self.pipeline) < PIPELINE_AHEAD
         )
 
     def data_received(self, data: bytes) -> None:
+        if self._upgrade_later is not None:  # the WebSocket's, once the requests before its handshake are answered
+            self._upgrade_later[2].extend(data)
+            self.transport.pause_reading()
+            return
         if self._waiting or (not self._slicing and len(self.pipeline) >= PIPELINE_AHEAD):
             self._waiting += data  # after what waits already: the order is kept
             self.transport.pause_reading()
@@ -468,7 +482,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     def _held_flow(self) -> None:
         if isinstance(self.flow, _HeldFlow):
-            self.flow.holding = self._slicing or bool(self._waiting)
+            self.flow.holding = self._slicing or bool(self._waiting) or self._upgrade_later is not None
 
     def _parse_waiting(self) -> None:
         """What waited for the pipeline to drain, parsed a slice per step as a read is (reading stays paused)."""
@@ -480,6 +494,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._next_slice()
 
     def _slices_done(self, rest: bytes) -> None:
+        if self._upgrade_later is not None:  # (reading stays paused until the upgrade)
+            self._upgrade_later[2].extend(rest)
+            self._held_flow()
+            return
         if rest and not self.transport.is_closing() and self.transport.get_protocol() is self:
             self._waiting += rest  # the pipeline is full: the rest waits for an answer (`on_response_complete`)
         self._held_flow()
@@ -528,11 +546,41 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             if not self._should_upgrade():
                 self._unsupported_upgrade_warning()
                 return
-            self.handle_websocket_upgrade()
-            socket = self.transport.get_protocol()
             rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
-            if rest and socket is not self and not self.transport.is_closing():
-                socket.data_received(rest)  # type: ignore[attr-defined]
+            if self._refused:
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # pipelined behind requests not answered yet: their answers come first, in order (HTTP/1.1), then the
+                # 101. Switched at once, the WebSocket's 101 and frames came before them, and their answers were
+                # written into its stream
+                self._upgrade_later = (self.scope, self.url, bytearray(rest))
+                self.transport.pause_reading()
+                return
+            self._upgrade(rest)
+
+    def _upgrade(self, rest: bytes | bytearray) -> None:
+        """The connection handed to the WebSocket, with what its client sent after the handshake (its sends are the
+        WebSocket's to time now)."""
+        self._disarm_send_timer()
+        self.handle_websocket_upgrade()
+        socket = self.transport.get_protocol()
+        if rest and socket is not self and not self.transport.is_closing():
+            socket.data_received(bytes(rest))  # type: ignore[attr-defined]
+
+    def _upgrade_when_answered(self) -> None:
+        """A handshake pipelined behind requests: the upgrade once the last of them is answered (its answer written
+        to the transport before the 101)."""
+        later = self._upgrade_later
+        if later is None or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return
+        self._upgrade_later = None
+        self._unset_keepalive_if_required()  # (armed by the last answer: it would close the WebSocket's connection)
+        self.scope, self.url = later[0], later[1]
+        self._held_flow()
+        self.transport.resume_reading()
+        self._upgrade(later[2])
 
     # ---- parser callbacks -------------------------------------------------------------------------
     # Once a request is refused (`_refused`) nothing after it is parsed or answered: data_received drops the

@@ -513,6 +513,60 @@ def test_frames_sent_with_the_handshake_are_not_lost():
     assert frames_heard(many) == list(range(many))
 
 
+def pipelined_before_upgrade(sent: bytes) -> bytes:
+    """What a client that sends `sent` (requests, then a WebSocket handshake, in one send) reads: the app answers
+    /slow after 0.3 s, anything else at once, and a WebSocket with the text message "hi"."""
+    from app.io.ws_protocol import SlicedWebSocketProtocol
+
+    async def ordered_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            assert (await receive())["type"] == "websocket.connect"
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.send", "text": "hi"})
+            return
+        if scope["path"] == "/slow":
+            await asyncio.sleep(0.3)
+        body = scope["path"].encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0)
+        config = uvicorn.Config(
+            ordered_app,
+            http=protocol_class,
+            ws=SlicedWebSocketProtocol,
+            ws_per_message_deflate=False,
+            log_level="warning",
+        )
+        protocol, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client_end, sent)
+        got = b""
+        while b"\x81\x02hi" not in got:  # the WebSocket's message: everything before it has come
+            chunk = await loop.sock_recv(client_end, 65536)
+            assert chunk, got
+            got += chunk
+        protocol.transport.close()
+        client_end.close()
+        return got
+
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def test_a_handshake_pipelined_behind_requests_is_answered_after_them():
+    """HTTP/1.1 answers pipelined requests in order: a WebSocket handshake sent behind requests not answered yet is
+    switched to once they are. It was switched to as soon as it was parsed: its 101 and first frames came before the
+    answers of the requests before it, which were then written into the WebSocket's stream."""
+    slow, fast = (b"GET /%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % p for p in (b"slow", b"fast"))
+    for sent, paths in ((slow + UPGRADE, [b"/slow"]), (slow + fast + UPGRADE, [b"/slow", b"/fast"])):
+        got = pipelined_before_upgrade(sent)
+        parts = got.split(b"HTTP/1.1 ")
+        assert [p.split(b"\r\n", 1)[0] for p in parts[1:]] == [b"200 OK"] * len(paths) + [b"101 Switching Protocols"]
+        assert [p.rsplit(b"\r\n\r\n", 1)[1] for p in parts[1:-1]] == paths, got  # each answer whole, in order
+        assert parts[-1].endswith(b"\x81\x02hi")
+
+
 # ---- the connection cap (--max-connections) -------------------------------------------------------------------------
 GATE: list[asyncio.Event] = []  # what /wait requests wait for before they are answered
 WAITING: list[str] = []  # the /wait requests the app has begun to serve
