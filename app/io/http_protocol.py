@@ -162,14 +162,17 @@ def _is_websocket_key(key: bytes) -> bool:
         return False
 
 
-def error_response(status: int, code: str, message: str, headers: bytes = b"") -> bytes:
+def error_response(status: int, code: str, message: str, headers: bytes = b"", rid: str = "") -> bytes:
     """A complete HTTP/1.1 response, our JSON error shape, that closes the connection; `headers`: more header lines,
-    each ending in CRLF."""
+    each ending in CRLF; `rid`: its X-Request-ID (`request_id`: a new one when empty), as every response carries."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return b"".join(
         [
             STATUS_LINE[status],
             headers,
+            b"x-request-id: ",
+            request_id(rid).encode(),
+            b"\r\n",
             b"content-type: application/json\r\n",
             b"content-length: ",
             str(len(body)).encode(),
@@ -247,6 +250,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         # a WebSocket handshake pipelined behind requests not answered yet: (its scope, its target, what the client
         # sent after it), switched to once they are answered (`_upgrade_when_answered`)
         self._upgrade_later: tuple[Any, bytes, bytearray] | None = None
+        # the X-Request-ID the request whose head or body is being read sent ("" once it is read): its refusal's
+        self._given_id = ""
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -438,16 +443,18 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         """Answer `code` and close; `quiet`: logged at debug only (a refusal a flood repeats, counted by a metric)."""
         self._refused = True
         self._disarm_head_timer()
-        self.logger.log(logging.DEBUG if quiet else logging.INFO, "refused a request head: %s %s", status, message)
+        rid = request_id(self._given_id)
+        level = logging.DEBUG if quiet else logging.INFO
+        self.logger.log(level, "refused a request head (%s): %s %s", rid, status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
-            self.transport.write(error_response(status, code, message, headers))
+            self.transport.write(error_response(status, code, message, headers, rid))
         elif not cycle.response_started and cycle.more_body:
             # this request's own body does not parse (a chunk size that is not hex, or past any bound) or ended early:
             # answered, not just closed. Its route, still reading the body, hears a disconnect and answers nothing
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.write(error_response(status, code, message, headers))
+            self.transport.write(error_response(status, code, message, headers, rid))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -592,6 +599,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self._refused:
             return
         super().on_message_begin()
+        self._given_id = ""
         self._head_bytes = self._head_fields = self._head_raw = 0
         self._in_head = True
         self._head_gen += 1
@@ -616,6 +624,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if size > MAX_FIELD_BYTES or self._head_fields > MAX_HEADERS or self._head_bytes > MAX_HEAD_BYTES:
             self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
             raise HeadRefused
+        if name.lower() == b"x-request-id":
+            self._given_id = value.decode("latin-1")
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -704,6 +714,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._given_id = ""  # (a later refusal, a head timeout of the connection, is no answer to this request)
         if self._refused:
             return
         if self._dropping is None:

@@ -100,6 +100,47 @@ async def refused(
     return got, answered, protocol
 
 
+def answers_of(sent: bytes, head_timeout_s: float = 600.0) -> list[bytes]:
+    """The answers' heads a protocol without a door gives a client that sends `sent` and reads until it is closed."""
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(head_timeout_s, 5.0)
+        _, client_end = await served(protocol_class, _config(protocol_class))
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client_end, sent)
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    return [b"HTTP/1.1 " + a.split(b"\r\n\r\n", 1)[0] for a in got.split(b"HTTP/1.1 ")[1:]]
+
+
+def request_id_of(head: bytes) -> str:
+    found = re.findall(rb"\r\nx-request-id: ([^\r]*)", head)
+    assert len(found) == 1, head
+    return found[0].decode()
+
+
+def test_a_refused_head_carries_a_request_id():
+    """Every response carries X-Request-ID (README), the client's own if it sent one: the refusals written here did
+    not (a WebSocket version's 426, a head or body that does not parse, a head timeout)."""
+    mine = b"X-Request-ID: mine-1\r\n"
+    version = UPGRADE.replace(b"Version: 13", b"Version: 12").replace(b"Host: 127.0.0.1\r\n", b"Host: x\r\n" + mine)
+    chunked = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n%sTransfer-Encoding: chunked\r\n\r\nzz\r\n" % mine
+    for sent in (version, chunked):
+        (head,) = answers_of(sent)
+        assert head.startswith((b"HTTP/1.1 426 ", b"HTTP/1.1 400 ")) and request_id_of(head) == "mine-1", head
+    (head,) = answers_of(b"GARBAGE\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and re.fullmatch(r"req_[0-9a-f]{24}", request_id_of(head)), head
+    # a head that never completes, after a request answered on the connection: a new id, not that request's
+    answered, timed_out = answers_of(GET.replace(b"\r\n\r\n", b"\r\n%s\r\n" % mine) + b"GET /", head_timeout_s=0.3)
+    assert answered.startswith(b"HTTP/1.1 200 ") and timed_out.startswith(b"HTTP/1.1 408 "), (answered, timed_out)
+    assert re.fullmatch(r"req_[0-9a-f]{24}", request_id_of(timed_out)), timed_out
+
+
 def test_a_refused_upgrade_is_answered_after_the_hold_then_closed():
     got, answered, _ = asyncio.run(asyncio.wait_for(refused(UPGRADE, HOLD_S), 30))
     assert got == ANSWER and answered >= HOLD_S * 0.9  # (the loop's timers may fire a clock tick early)
