@@ -585,8 +585,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._upgrade_later = None
         self._unset_keepalive_if_required()  # (armed by the last answer: it would close the WebSocket's connection)
         self.scope, self.url = later[0], later[1]
+        later[2].extend(self._backlog)  # what a read's slices have left is the WebSocket's too, in order
+        self._backlog.clear()
         self._held_flow()
-        self.transport.resume_reading()
+        if not self._slicing:  # (else the slices resume reading once done: `_slices_done`)
+            self.transport.resume_reading()
         self._upgrade(later[2])
 
     # ---- parser callbacks -------------------------------------------------------------------------

@@ -554,15 +554,22 @@ def test_frames_sent_with_the_handshake_are_not_lost():
     assert frames_heard(many) == list(range(many))
 
 
-def pipelined_before_upgrade(sent: bytes) -> bytes:
-    """What a client that sends `sent` (requests, then a WebSocket handshake, in one send) reads: the app answers
-    /slow after 0.3 s, anything else at once, and a WebSocket with the text message "hi"."""
+def pipelined_before_upgrade(sent: bytes, messages: int = 0) -> tuple[bytes, list[str]]:
+    """What a client that sends `sent` (requests, then a WebSocket handshake), then `messages` text frames and "end", in
+    one send, reads; and the messages the WebSocket heard before "end". The app answers /slow after 0.3 s, anything
+    else at once, and its WebSocket with the text "hi" once it hears "end"."""
+    from websockets.frames import Frame, Opcode
+
     from app.io.ws_protocol import SlicedWebSocketProtocol
+
+    heard: list[str] = []
 
     async def ordered_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "websocket":
             assert (await receive())["type"] == "websocket.connect"
             await send({"type": "websocket.accept"})
+            while (message := await receive())["type"] == "websocket.receive" and message["text"] != "end":
+                heard.append(message["text"])
             await send({"type": "websocket.send", "text": "hi"})
             return
         if scope["path"] == "/slow":
@@ -582,7 +589,10 @@ def pipelined_before_upgrade(sent: bytes) -> bytes:
         )
         protocol, client_end = await served(protocol_class, config)
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(client_end, sent)
+        texts = [b"%d" % i for i in range(messages)] + [b"end"]
+        await loop.sock_sendall(
+            client_end, sent + b"".join(Frame(Opcode.TEXT, t).serialize(mask=True, extensions=[]) for t in texts)
+        )
         got = b""
         while b"\x81\x02hi" not in got:  # the WebSocket's message: everything before it has come
             chunk = await loop.sock_recv(client_end, 65536)
@@ -592,7 +602,7 @@ def pipelined_before_upgrade(sent: bytes) -> bytes:
         client_end.close()
         return got
 
-    return asyncio.run(asyncio.wait_for(go(), 30))
+    return asyncio.run(asyncio.wait_for(go(), 30)), heard
 
 
 def test_a_handshake_pipelined_behind_requests_is_answered_after_them():
@@ -600,12 +610,18 @@ def test_a_handshake_pipelined_behind_requests_is_answered_after_them():
     switched to once they are. It was switched to as soon as it was parsed: its 101 and first frames came before the
     answers of the requests before it, which were then written into the WebSocket's stream."""
     slow, fast = (b"GET /%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % p for p in (b"slow", b"fast"))
-    for sent, paths in ((slow + UPGRADE, [b"/slow"]), (slow + fast + UPGRADE, [b"/slow", b"/fast"])):
-        got = pipelined_before_upgrade(sent)
+    many = 3 * READ_SLICE // 7  # frames sent with the handshake, past a read's slice (7-8 bytes a frame)
+    for sent, paths, messages in (
+        (slow + UPGRADE, [b"/slow"], 0),
+        (slow + fast + UPGRADE, [b"/slow", b"/fast"], 0),
+        (slow + UPGRADE, [b"/slow"], many),
+    ):
+        got, heard = pipelined_before_upgrade(sent, messages)
         parts = got.split(b"HTTP/1.1 ")
         assert [p.split(b"\r\n", 1)[0] for p in parts[1:]] == [b"200 OK"] * len(paths) + [b"101 Switching Protocols"]
         assert [p.rsplit(b"\r\n\r\n", 1)[1] for p in parts[1:-1]] == paths, got  # each answer whole, in order
         assert parts[-1].endswith(b"\x81\x02hi")
+        assert heard == [str(i) for i in range(messages)]  # what the client sent after the handshake, all, in order
 
 
 # ---- the connection cap (--max-connections) -------------------------------------------------------------------------
