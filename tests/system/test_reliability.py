@@ -1327,6 +1327,9 @@ def test_which_routes_a_key_guards(keyed):
             assert_json_error(r, 401, "unauthorized")
     assert "zonos_active_sessions" in httpx.get(u + "/metrics", headers=auth).text
     assert httpx.get(u + f"/metrics?api_key={KEY}").status_code == 200
+    # the query parser reads a percent-encoded name as its own: the key is taken, and must be redacted as well
+    assert httpx.get(u + f"/metrics?x=1;y&api%5Fkey={KEY};z").status_code == 401  # (its value runs to the "&")
+    assert httpx.get(u + f"/metrics?x=1;y&api%5Fkey={KEY}").status_code == 200
     assert httpx.get(u + "/v1/models", headers={"X-API-Key": KEY}).json()["data"][0]["id"] == "zonos2"
     assert httpx.get(u + "/v1/voices", headers=auth).status_code == 200
 
@@ -1336,6 +1339,7 @@ def test_which_routes_a_key_guards(keyed):
 
     assert run(ws_first(keyed.ws_url))["code"] == "unauthorized"
     assert run(ws_first(keyed.ws_url + f"?api_key={KEY}"))["type"] == "session.created"
+    assert run(ws_first(keyed.ws_url + f"?api%5fkey={KEY}"))["type"] == "session.created"
     # uvicorn logs every request line with its query string: the key is redacted, HTTP and WebSocket
     log = keyed.log.read_text()
     assert KEY not in log, [line for line in log.splitlines() if KEY in line][:3]
