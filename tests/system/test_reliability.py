@@ -661,6 +661,26 @@ def test_an_http_request_audio_is_capped(limited):
     assert "Exception in ASGI application" not in log and "response already started" not in log
     assert "returned without completing response" not in log
     assert _errors(limited, "audio_too_long") == cut + 1
+    # the reference's /tts/generate streams its raw float32 the same way (it was still a traceback and no count)
+    with httpx.stream(
+        "POST",
+        limited.url + "/tts/generate",
+        json={"text": silent["input"], "max_tokens": 20},
+        headers={"X-Request-ID": "generate-cut-at-the-cap"},
+    ) as r:
+        assert r.status_code == 200
+        got = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError):
+            for b in r.iter_bytes():
+                got += b
+    assert len(got) == 1.5 * 44100 * 4
+    _logged(limited, "generate-cut-at-the-cap POST")
+    httpx.get(limited.url + "/healthz", headers={"X-Request-ID": "after-the-generate-cut"})
+    _logged(limited, "after-the-generate-cut GET")
+    log = limited.log.read_text()
+    assert "generate-cut-at-the-cap /tts/generate cut off mid-stream: audio_too_long" in log
+    assert "Exception in ASGI application" not in log and "response already started" not in log
+    assert _errors(limited, "audio_too_long") == cut + 2
     r = httpx.post(limited.url + "/v1/audio/speech", json=asked | {"input": "One."}, timeout=60)
     assert r.status_code == 200 and len(r.content) == round(100 * 512 * 24000 / 44100) * 2  # under the cap
 
