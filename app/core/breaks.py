@@ -53,7 +53,8 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
             raise RequestError(G.BAD_TEXT, f'a break needs a time such as time="500ms" or "1.5s": {m.group(0)[:60]!r}')
         seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
         if not 0 < seconds <= MAX_BREAK_S:
-            raise RequestError(G.BAD_TEXT, f"a break is more than 0 and at most {MAX_BREAK_S:g} s, not {seconds:g} s")
+            written = f"{t.group(1)} {t.group(2).lower()}"  # (as written: 10.0001 s was "not 10 s" in :g)
+            raise RequestError(G.BAD_TEXT, f"a break is more than 0 and at most {MAX_BREAK_S:g} s, not {written}")
         out.append(seconds)
         pos = m.end()
     rest = text[pos:]

@@ -237,6 +237,8 @@ def _quality(value: Any, kind: type, name: str, cfg: Zonos2Config) -> dict:
         if k not in cfg.quality_buckets:
             known = ", ".join(cfg.quality_features) or "none"
             raise RequestError(G.BAD_PARAMS, f"{name}: unknown quality feature {k!r} (known: {known})")
+        if v is None:  # that feature unconditioned, as a null in the reference's list form (and its object form)
+            continue
         x = _typed(f"{name}.{k}", v, kind)
         n = len(cfg.quality_buckets[k])
         if kind is int and not 0 <= x < n:

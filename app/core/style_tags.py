@@ -134,11 +134,15 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
 
 def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
-    tags is returned as it is (one piece). A malformed `<emotion>` element is refused (`bad_text`). `partial`:
-    a streamed message, whose last element may still be arriving (its opening with no `>` after it)."""
+    tags is returned as it is (one piece), its spell elements spelled (none, if they spell nothing). A malformed
+    `<emotion>` element is refused (`bad_text`). `partial`: a streamed message, whose last element may still be
+    arriving (its opening with no `>` after it)."""
     tags = _tags(text, partial)
     if not tags:
-        return [spell_out(text)]
+        spoken = spell_out(text)
+        # an element that spells nothing leaves nothing to say: no piece, as a text of only tags (`<spell></spell>`
+        # was an utterance of no audio on a socket, and a 200 of no audio over HTTP where `[neutral]` is empty_text)
+        return [spoken] if spoken is text or spoken.strip() else []
     if len(tags) > MAX_TAGS:
         raise RequestError(G.BAD_TEXT, f"at most {MAX_TAGS} style tags in one text")
     out: list[str | StyleTag] = []

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from app.core.gateway import Gateway
 from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, parse_options
 from app.core.pipeline import speak
-from app.doors.speech import AnswerHold, first_chunk, held_or_streamed, read_json
+from app.doors.speech import AnswerHold, cut_off, first_chunk, held_or_streamed, read_json
 from app.io.auth import require_key
 from app.io.checks import base64_payload, text_field
 from app.io.errors import GatewayError as G
@@ -220,12 +220,18 @@ async def tts_generate(request: Request) -> Response:
     async def floats() -> AsyncIterator[bytes]:
         # fade_out_ms holds back that much audio so the tail can be faded when the stream ends
         held = np.zeros(0, np.float32)
-        async for x in chunks:
-            f = np.concatenate([held, x.astype(np.float32) / 32768.0])
-            cut = max(0, len(f) - fade_n)
-            held = f[cut:]
-            if cut:
-                yield f[:cut].astype("<f4").tobytes()
+        try:
+            async for x in chunks:
+                f = np.concatenate([held, x.astype(np.float32) / 32768.0])
+                cut = max(0, len(f) - fade_n)
+                held = f[cut:]
+                if cut:
+                    yield f[:cut].astype("<f4").tobytes()
+        except RequestError as e:  # a sentence after the first failed
+            if hold is not None:
+                raise  # nothing of a finished answer was sent: answered (and counted) as any error is
+            # a raw stream is cut off (it was a traceback: Starlette's "response already started", and no count)
+            raise cut_off(gw, e) from None
         if len(held):
             w = 0.5 * (1 + np.cos(np.linspace(0, np.pi, len(held), dtype=np.float32)))
             yield (held * w).astype("<f4").tobytes()

@@ -57,6 +57,13 @@ class StreamCut(Exception):
     instead of a traceback per cut."""
 
 
+def cut_off(gw: Gateway, e: RequestError) -> StreamCut:
+    """A raw audio answer's sentence after the first failed (`e`): counted here (its status was sent: the answer cannot
+    say it), and the answer to cut off (raise it)."""
+    gw.metrics.errors.labels(e.code).inc()
+    return StreamCut(e)
+
+
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     # Refused before it is read (a declared size past max_bytes: 413; past the process's bound on bodies read at
     # once: 503) or as soon as it passes the limit (chunked): a huge body never sits in memory.
@@ -260,9 +267,9 @@ async def speech_response(
         except RequestError as e:  # a sentence after the first failed
             if whole and framing.error is None:
                 raise  # nothing of a whole-file answer was sent: answered (and counted) as any error is
-            gw.metrics.errors.labels(e.code).inc()  # (the status was sent: the answer cannot say it but here)
             if framing.error is None:
-                raise StreamCut(e) from None  # cut off, not ended as if complete
+                raise cut_off(gw, e) from None  # cut off, not ended as if complete
+            gw.metrics.errors.labels(e.code).inc()  # (the status was sent: the answer cannot say it but here)
             yield framing.error(e)
             return
         tail = await encode(enc, np.zeros(0, np.int16), last=True)

@@ -10,7 +10,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -55,12 +55,25 @@ def authorized(request: Request) -> bool:
 
 
 # ---- keys out of the logs --------------------------------------------------------------------------------
-_QUERY_KEY = re.compile(r"([?&;]api_key=)[^&;\s\"']*", re.IGNORECASE)
+_QUERY_NAME = re.compile(r"[?&;]([^=&;?#\s\"']*)=")
+_QUERY_VALUE_END = re.compile(r"[&\s\"]|$")  # (";" ends no value: the query parser splits at "&" alone)
 
 
 def redact(text: str) -> str:
-    """`/v1/tts/ws?api_key=SECRET&x=1` -> `/v1/tts/ws?api_key=[redacted]&x=1`."""
-    return _QUERY_KEY.sub(r"\1[redacted]", text) if "api_key=" in text.lower() else text
+    """`/v1/tts/ws?api_key=SECRET&x=1` -> `/v1/tts/ws?api_key=[redacted]&x=1`: a parameter whose name the query
+    parser reads as `api_key` (`api%5Fkey` too: `api_key_from` took that key, and the log kept it), in any case."""
+    if "=" not in text:
+        return text
+    out: list[str] = []
+    done = 0
+    for m in _QUERY_NAME.finditer(text):
+        if m.start() < done or unquote_plus(m[1]).lower() != "api_key":
+            continue
+        end = _QUERY_VALUE_END.search(text, m.end())
+        assert end is not None  # ($ matches)
+        out += (text[done : m.end()], "[redacted]")
+        done = end.start()
+    return "".join(out) + text[done:] if out else text
 
 
 class RedactKeys(logging.Filter):

@@ -92,8 +92,9 @@ def b64decode_chunks(text: str) -> bytes:
 
 async def base64_payload(value: object, name: str, code: str = G.BAD_PARAMS) -> bytes:
     """Base64 bytes, or a data: URL's (what follows its first comma), else RequestError(code); a large one is
-    decoded off the event loop."""
-    text = str(value).split(",", 1)[-1]
+    decoded off the event loop. Whitespace around it is dropped, as the reference server drops it (a payload read
+    from a file ends in a newline); inside it, it is refused."""
+    text = str(value).strip().split(",", 1)[-1]
     try:
         if len(text) <= INLINE_BASE64:
             return base64.b64decode(text, validate=True)

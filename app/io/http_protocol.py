@@ -17,7 +17,8 @@ its connection forever. Here:
   Sec-WebSocket-Protocol 400 `bad_request`, one of a version other than 13 426 `upgrade_required`;
 and the connection is closed after each. The bounds sit below the websockets library's own (8192 bytes a line, 128
 headers), so an upgrade that passes here is never refused silently there. At most PIPELINE_AHEAD pipelined requests
-(and those of one read slice) wait to be answered: past them nothing more is read from the client until they are.
+(and those of one read slice) wait to be answered: past them nothing more is read from the client until they are. A
+WebSocket handshake pipelined behind requests is switched to once they are answered (their answers first, then the 101).
 
 An answer whose sending makes no progress for `send_timeout_s` (--send-timeout-s: the transport's buffer above
 its high-water mark, and less than SEND_MIN_RATE a second of it taken by the client) is cut: its connection is
@@ -161,14 +162,17 @@ def _is_websocket_key(key: bytes) -> bool:
         return False
 
 
-def error_response(status: int, code: str, message: str, headers: bytes = b"") -> bytes:
+def error_response(status: int, code: str, message: str, headers: bytes = b"", rid: str = "") -> bytes:
     """A complete HTTP/1.1 response, our JSON error shape, that closes the connection; `headers`: more header lines,
-    each ending in CRLF."""
+    each ending in CRLF; `rid`: its X-Request-ID (`request_id`: a new one when empty), as every response carries."""
     body = json.dumps({"error": {"code": code, "message": message}}).encode()
     return b"".join(
         [
             STATUS_LINE[status],
             headers,
+            b"x-request-id: ",
+            request_id(rid).encode(),
+            b"\r\n",
             b"content-type: application/json\r\n",
             b"content-length: ",
             str(len(body)).encode(),
@@ -247,6 +251,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._send_left = 0  # the transport's buffered bytes when the send timer was armed
         self._eof = False  # the client's end came while slicing: heard after the last slice
         self._waiting = bytearray()  # read, not parsed: waits for the pipeline to drain (PIPELINE_AHEAD)
+        # a WebSocket handshake pipelined behind requests not answered yet: (its scope, its target, what the client
+        # sent after it), switched to once they are answered (`_upgrade_when_answered`)
+        self._upgrade_later: tuple[Any, bytes, bytearray] | None = None
+        # the X-Request-ID the request whose head or body is being read sent ("" once it is read): its refusal's
+        self._given_id = ""
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -333,6 +342,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self.lobby.pop(self, None)
         self._backlog.clear()
         self._waiting.clear()
+        self._upgrade_later = None
         self.pipeline.clear()  # (never started now: uvicorn starts none on a closed connection)
         self._disarm_head_timer()
         self._disarm_send_timer()
@@ -384,6 +394,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     def on_response_complete(self) -> None:
         cycle = self.cycle
         super().on_response_complete()
+        if self._upgrade_later is not None:
+            self._upgrade_when_answered()
+            if self._upgrade_later is None:  # the WebSocket's connection now
+                return
         if self._waiting:  # a pipelined request is answered: what waits for room in the pipeline, parsed
             self.loop.call_soon(self._parse_waiting)
         if self.transport.get_write_buffer_size():  # its last bytes wait for the client
@@ -434,16 +448,18 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         """Answer `code` and close; `quiet`: logged at debug only (a refusal a flood repeats, counted by a metric)."""
         self._refused = True
         self._disarm_head_timer()
-        self.logger.log(logging.DEBUG if quiet else logging.INFO, "refused a request head: %s %s", status, message)
+        rid = request_id(self._given_id)
+        level = logging.DEBUG if quiet else logging.INFO
+        self.logger.log(level, "refused a request head (%s): %s %s", rid, status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
-            self.transport.write(error_response(status, code, message, headers))
+            self.transport.write(error_response(status, code, message, headers, rid))
         elif not cycle.response_started and cycle.more_body:
             # this request's own body does not parse (a chunk size that is not hex, or past any bound) or ended early:
             # answered, not just closed. Its route, still reading the body, hears a disconnect and answers nothing
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.write(error_response(status, code, message, headers))
+            self.transport.write(error_response(status, code, message, headers, rid))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:
@@ -460,10 +476,15 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         return (
             not self.transport.is_closing()
             and self.transport.get_protocol() is self
+            and self._upgrade_later is None
             and len(self.pipeline) < PIPELINE_AHEAD
         )
 
     def data_received(self, data: bytes) -> None:
+        if self._upgrade_later is not None:  # the WebSocket's, once the requests before its handshake are answered
+            self._upgrade_later[2].extend(data)
+            self.transport.pause_reading()
+            return
         if self._waiting or (not self._slicing and len(self.pipeline) >= PIPELINE_AHEAD):
             self._waiting += data  # after what waits already: the order is kept
             self.transport.pause_reading()
@@ -473,7 +494,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     def _held_flow(self) -> None:
         if isinstance(self.flow, _HeldFlow):
-            self.flow.holding = self._slicing or bool(self._waiting)
+            self.flow.holding = self._slicing or bool(self._waiting) or self._upgrade_later is not None
 
     def _parse_waiting(self) -> None:
         """What waited for the pipeline to drain, parsed a slice per step as a read is (reading stays paused)."""
@@ -485,6 +506,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._next_slice()
 
     def _slices_done(self, rest: bytes) -> None:
+        if self._upgrade_later is not None:  # (reading stays paused until the upgrade)
+            self._upgrade_later[2].extend(rest)
+            self._held_flow()
+            return
         if rest and not self.transport.is_closing() and self.transport.get_protocol() is self:
             self._waiting += rest  # the pipeline is full: the rest waits for an answer (`on_response_complete`)
         self._held_flow()
@@ -533,11 +558,44 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             if not self._should_upgrade():
                 self._unsupported_upgrade_warning()
                 return
-            self.handle_websocket_upgrade()
-            socket = self.transport.get_protocol()
             rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
-            if rest and socket is not self and not self.transport.is_closing():
-                socket.data_received(rest)  # type: ignore[attr-defined]
+            if self._refused:
+                return
+            if self.cycle is not None and not self.cycle.response_complete:
+                # pipelined behind requests not answered yet: their answers come first, in order (HTTP/1.1), then the
+                # 101. Switched at once, the WebSocket's 101 and frames came before them, and their answers were
+                # written into its stream
+                self._upgrade_later = (self.scope, self.url, bytearray(rest))
+                self.transport.pause_reading()
+                return
+            self._upgrade(rest)
+
+    def _upgrade(self, rest: bytes | bytearray) -> None:
+        """The connection handed to the WebSocket, with what its client sent after the handshake (its sends are the
+        WebSocket's to time now)."""
+        self._disarm_send_timer()
+        self.handle_websocket_upgrade()
+        socket = self.transport.get_protocol()
+        if rest and socket is not self and not self.transport.is_closing():
+            socket.data_received(bytes(rest))  # type: ignore[attr-defined]
+
+    def _upgrade_when_answered(self) -> None:
+        """A handshake pipelined behind requests: the upgrade once the last of them is answered (its answer written
+        to the transport before the 101)."""
+        later = self._upgrade_later
+        if later is None or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            return
+        self._upgrade_later = None
+        self._unset_keepalive_if_required()  # (armed by the last answer: it would close the WebSocket's connection)
+        self.scope, self.url = later[0], later[1]
+        later[2].extend(self._backlog)  # what a read's slices have left is the WebSocket's too, in order
+        self._backlog.clear()
+        self._held_flow()
+        if not self._slicing:  # (else the slices resume reading once done: `_slices_done`)
+            self.transport.resume_reading()
+        self._upgrade(later[2])
 
     # ---- parser callbacks -------------------------------------------------------------------------
     # Once a request is refused (`_refused`) nothing after it is parsed or answered: data_received drops the
@@ -552,6 +610,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self._requests:  # (the first request's latency counts from the accept)
             self._began = self.loop.time()
         self._requests += 1
+        self._given_id = ""
         self._head_bytes = self._head_fields = self._head_raw = 0
         self._in_head = True
         self._head_gen += 1
@@ -576,6 +635,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if size > MAX_FIELD_BYTES or self._head_fields > MAX_HEADERS or self._head_bytes > MAX_HEAD_BYTES:
             self._refuse(G.HEADERS_TOO_LARGE.http_status, G.HEADERS_TOO_LARGE, self._fields_message())
             raise HeadRefused
+        if name.lower() == b"x-request-id":
+            self._given_id = value.decode("latin-1")
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -666,6 +727,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        self._given_id = ""  # (a later refusal, a head timeout of the connection, is no answer to this request)
         if self._refused:
             return
         if self._dropping is None:

@@ -661,6 +661,26 @@ def test_an_http_request_audio_is_capped(limited):
     assert "Exception in ASGI application" not in log and "response already started" not in log
     assert "returned without completing response" not in log
     assert _errors(limited, "audio_too_long") == cut + 1
+    # the reference's /tts/generate streams its raw float32 the same way (it was still a traceback and no count)
+    with httpx.stream(
+        "POST",
+        limited.url + "/tts/generate",
+        json={"text": silent["input"], "max_tokens": 20},
+        headers={"X-Request-ID": "generate-cut-at-the-cap"},
+    ) as r:
+        assert r.status_code == 200
+        got = bytearray()
+        with pytest.raises(httpx.RemoteProtocolError):
+            for b in r.iter_bytes():
+                got += b
+    assert len(got) == 1.5 * 44100 * 4
+    _logged(limited, "generate-cut-at-the-cap POST")
+    httpx.get(limited.url + "/healthz", headers={"X-Request-ID": "after-the-generate-cut"})
+    _logged(limited, "after-the-generate-cut GET")
+    log = limited.log.read_text()
+    assert "generate-cut-at-the-cap /tts/generate cut off mid-stream: audio_too_long" in log
+    assert "Exception in ASGI application" not in log and "response already started" not in log
+    assert _errors(limited, "audio_too_long") == cut + 2
     r = httpx.post(limited.url + "/v1/audio/speech", json=asked | {"input": "One."}, timeout=60)
     assert r.status_code == 200 and len(r.content) == round(100 * 512 * 24000 / 44100) * 2  # under the cap
 
@@ -1327,6 +1347,9 @@ def test_which_routes_a_key_guards(keyed):
             assert_json_error(r, 401, "unauthorized")
     assert "zonos_active_sessions" in httpx.get(u + "/metrics", headers=auth).text
     assert httpx.get(u + f"/metrics?api_key={KEY}").status_code == 200
+    # the query parser reads a percent-encoded name as its own: the key is taken, and must be redacted as well
+    assert httpx.get(u + f"/metrics?x=1;y&api%5Fkey={KEY};z").status_code == 401  # (its value runs to the "&")
+    assert httpx.get(u + f"/metrics?x=1;y&api%5Fkey={KEY}").status_code == 200
     assert httpx.get(u + "/v1/models", headers={"X-API-Key": KEY}).json()["data"][0]["id"] == "zonos2"
     assert httpx.get(u + "/v1/voices", headers=auth).status_code == 200
 
@@ -1336,6 +1359,7 @@ def test_which_routes_a_key_guards(keyed):
 
     assert run(ws_first(keyed.ws_url))["code"] == "unauthorized"
     assert run(ws_first(keyed.ws_url + f"?api_key={KEY}"))["type"] == "session.created"
+    assert run(ws_first(keyed.ws_url + f"?api%5fkey={KEY}"))["type"] == "session.created"
     # uvicorn logs every request line with its query string: the key is redacted, HTTP and WebSocket
     log = keyed.log.read_text()
     assert KEY not in log, [line for line in log.splitlines() if KEY in line][:3]

@@ -219,6 +219,18 @@ def test_clip_base64_decodes_off_the_event_loop(monkeypatch):
             run(checks.base64_payload(bad, "clip"))
 
 
+def test_clip_base64_takes_the_whitespace_around_it():
+    """As the reference server (which strips a payload before decoding it): a base64 clip read from a file ends in a
+    newline, and it was refused ("must be base64"). Whitespace inside it is still refused, small or chunked."""
+    raw = np.random.default_rng(2).integers(0, 256, 3 * checks.B64_CHUNK, np.uint8).tobytes()
+    for payload in (b"abc", raw):
+        text = base64.b64encode(payload).decode()
+        for given in (text + "\n", " " + text + "\r\n", "\ndata:audio/wav;base64," + text + "\n"):
+            assert run(checks.base64_payload(given, "clip")) == payload
+        with pytest.raises(RequestError):
+            run(checks.base64_payload(text[:2] + "\n" + text[2:], "clip"))
+
+
 def test_compressed_audio_encodes_off_the_event_loop(monkeypatch):
     threads: list[int] = []
     real = audio_output.Encoder.encode

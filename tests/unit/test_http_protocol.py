@@ -100,6 +100,47 @@ async def refused(
     return got, answered, protocol
 
 
+def answers_of(sent: bytes, head_timeout_s: float = 600.0) -> list[bytes]:
+    """The answers' heads a protocol without a door gives a client that sends `sent` and reads until it is closed."""
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(head_timeout_s, 5.0)
+        _, client_end = await served(protocol_class, _config(protocol_class))
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client_end, sent)
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got
+
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    return [b"HTTP/1.1 " + a.split(b"\r\n\r\n", 1)[0] for a in got.split(b"HTTP/1.1 ")[1:]]
+
+
+def request_id_of(head: bytes) -> str:
+    found = re.findall(rb"\r\nx-request-id: ([^\r]*)", head)
+    assert len(found) == 1, head
+    return found[0].decode()
+
+
+def test_a_refused_head_carries_a_request_id():
+    """Every response carries X-Request-ID (README), the client's own if it sent one: the refusals written here did
+    not (a WebSocket version's 426, a head or body that does not parse, a head timeout)."""
+    mine = b"X-Request-ID: mine-1\r\n"
+    version = UPGRADE.replace(b"Version: 13", b"Version: 12").replace(b"Host: 127.0.0.1\r\n", b"Host: x\r\n" + mine)
+    chunked = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n%sTransfer-Encoding: chunked\r\n\r\nzz\r\n" % mine
+    for sent in (version, chunked):
+        (head,) = answers_of(sent)
+        assert head.startswith((b"HTTP/1.1 426 ", b"HTTP/1.1 400 ")) and request_id_of(head) == "mine-1", head
+    (head,) = answers_of(b"GARBAGE\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 ") and re.fullmatch(r"req_[0-9a-f]{24}", request_id_of(head)), head
+    # a head that never completes, after a request answered on the connection: a new id, not that request's
+    answered, timed_out = answers_of(GET.replace(b"\r\n\r\n", b"\r\n%s\r\n" % mine) + b"GET /", head_timeout_s=0.3)
+    assert answered.startswith(b"HTTP/1.1 200 ") and timed_out.startswith(b"HTTP/1.1 408 "), (answered, timed_out)
+    assert re.fullmatch(r"req_[0-9a-f]{24}", request_id_of(timed_out)), timed_out
+
+
 def test_a_refused_upgrade_is_answered_after_the_hold_then_closed():
     got, answered, _ = asyncio.run(asyncio.wait_for(refused(UPGRADE, HOLD_S), 30))
     assert got == ANSWER and answered >= HOLD_S * 0.9  # (the loop's timers may fire a clock tick early)
@@ -541,6 +582,76 @@ def test_frames_sent_with_the_handshake_are_not_lost():
     assert frames_heard(1) == [0]
     many = 3 * READ_SLICE // 7  # (7-8 bytes a frame)
     assert frames_heard(many) == list(range(many))
+
+
+def pipelined_before_upgrade(sent: bytes, messages: int = 0) -> tuple[bytes, list[str]]:
+    """What a client that sends `sent` (requests, then a WebSocket handshake), then `messages` text frames and "end", in
+    one send, reads; and the messages the WebSocket heard before "end". The app answers /slow after 0.3 s, anything
+    else at once, and its WebSocket with the text "hi" once it hears "end"."""
+    from websockets.frames import Frame, Opcode
+
+    from app.io.ws_protocol import SlicedWebSocketProtocol
+
+    heard: list[str] = []
+
+    async def ordered_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            assert (await receive())["type"] == "websocket.connect"
+            await send({"type": "websocket.accept"})
+            while (message := await receive())["type"] == "websocket.receive" and message["text"] != "end":
+                heard.append(message["text"])
+            await send({"type": "websocket.send", "text": "hi"})
+            return
+        if scope["path"] == "/slow":
+            await asyncio.sleep(0.3)
+        body = scope["path"].encode()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0)
+        config = uvicorn.Config(
+            ordered_app,
+            http=protocol_class,
+            ws=SlicedWebSocketProtocol,
+            ws_per_message_deflate=False,
+            log_level="warning",
+        )
+        protocol, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        texts = [b"%d" % i for i in range(messages)] + [b"end"]
+        await loop.sock_sendall(
+            client_end, sent + b"".join(Frame(Opcode.TEXT, t).serialize(mask=True, extensions=[]) for t in texts)
+        )
+        got = b""
+        while b"\x81\x02hi" not in got:  # the WebSocket's message: everything before it has come
+            chunk = await loop.sock_recv(client_end, 65536)
+            assert chunk, got
+            got += chunk
+        protocol.transport.close()
+        client_end.close()
+        return got
+
+    return asyncio.run(asyncio.wait_for(go(), 30)), heard
+
+
+def test_a_handshake_pipelined_behind_requests_is_answered_after_them():
+    """HTTP/1.1 answers pipelined requests in order: a WebSocket handshake sent behind requests not answered yet is
+    switched to once they are. It was switched to as soon as it was parsed: its 101 and first frames came before the
+    answers of the requests before it, which were then written into the WebSocket's stream."""
+    slow, fast = (b"GET /%s HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" % p for p in (b"slow", b"fast"))
+    many = 3 * READ_SLICE // 7  # frames sent with the handshake, past a read's slice (7-8 bytes a frame)
+    for sent, paths, messages in (
+        (slow + UPGRADE, [b"/slow"], 0),
+        (slow + fast + UPGRADE, [b"/slow", b"/fast"], 0),
+        (slow + UPGRADE, [b"/slow"], many),
+    ):
+        got, heard = pipelined_before_upgrade(sent, messages)
+        parts = got.split(b"HTTP/1.1 ")
+        assert [p.split(b"\r\n", 1)[0] for p in parts[1:]] == [b"200 OK"] * len(paths) + [b"101 Switching Protocols"]
+        assert [p.rsplit(b"\r\n\r\n", 1)[1] for p in parts[1:-1]] == paths, got  # each answer whole, in order
+        assert parts[-1].endswith(b"\x81\x02hi")
+        assert heard == [str(i) for i in range(messages)]  # what the client sent after the handshake, all, in order
 
 
 # ---- the connection cap (--max-connections) -------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
-from app.core.pipeline import UtterancePipeline
+from app.core.pipeline import UtterancePipeline, speak
 from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled_options
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
@@ -234,6 +234,26 @@ def test_a_spell_element_stays_in_its_utterance():
         return added
 
     assert [u.text for u in asyncio.run(go())] == ["Your code is A B 1 2, thanks."]
+
+
+@pytest.mark.parametrize("text", ["<spell></spell>", "<spell> </spell>", " <SPELL>\n</spell> "])
+def test_a_spell_element_of_nothing_is_nothing_to_say(text):
+    """As a text of only tags: no utterance on a socket, `empty_text` over HTTP. It was an utterance of no audio
+    (`audio.start` with an empty text, `audio.done`), and over HTTP a 200 of no audio."""
+    assert split_tags(text) == []
+    assert tags(split_tags("[neutral]" + text)) == [NEUTRAL]
+    assert [p.strip() for p in split_tags(text + " Hi.")] == ["Hi."]
+
+    async def go():
+        pipe = pipeline(None)
+        added = pipe.add([text], SynthesisOptions(), voice(), None, "c")
+        pipe.close()
+        with pytest.raises(RequestError) as e:
+            async for _ in speak(fake_gateway(), "openai", text, SynthesisOptions(), None, None):
+                pass
+        return added, e.value.code
+
+    assert asyncio.run(go()) == ([], "empty_text")
 
 
 @pytest.mark.parametrize("tag", ['<speed ratio="1.5"/>', "<volume ratio=0.5 />", "</speed>"])

@@ -34,6 +34,12 @@ def test_parse_options_defaults_and_overrides():
     o2 = parse_options({"max_frames": None, "speed": None, "quality_buckets": None}, 3000, base=o)
     assert o2.max_frames is None and o2.cond.speed is None and o2.cond.quality_buckets is None
     assert o2.sampling.temperature == 0.7
+    # a feature's null leaves that feature unconditioned, in the object form as in the reference's list form (the
+    # reference's schema: {feature: int | null}); it was refused ("must be an integer")
+    o3 = parse_options({"quality_buckets": {"trailing_silence_s": 3, "lufs": None}}, 3000)
+    assert o3.cond.quality_buckets == {"trailing_silence_s": 3}
+    o4 = parse_options({"quality_values": {"lufs": -20.0, "estimated_snr": None}}, 3000)
+    assert o4.cond.quality_values == {"lufs": -20.0} and o4.cond.quality_buckets is None
 
 
 @pytest.mark.parametrize(
