@@ -8,6 +8,7 @@ import re
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from engine.contract.constants import SAMPLE_RATE
 
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
 MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
@@ -52,9 +53,13 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
         if t is None:
             raise RequestError(G.BAD_TEXT, f'a break needs a time such as time="500ms" or "1.5s": {m.group(0)[:60]!r}')
         seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
-        if not 0 < seconds <= MAX_BREAK_S:
+        # at least one sample of silence (a shorter one was none: a text of only such a break made an empty answer)
+        if round(seconds * SAMPLE_RATE) < 1 or seconds > MAX_BREAK_S:
             written = f"{t.group(1)} {t.group(2).lower()}"  # (as written: 10.0001 s was "not 10 s" in :g)
-            raise RequestError(G.BAD_TEXT, f"a break is more than 0 and at most {MAX_BREAK_S:g} s, not {written}")
+            raise RequestError(
+                G.BAD_TEXT,
+                f"a break is at least one sample (1/{SAMPLE_RATE} s) and at most {MAX_BREAK_S:g} s, not {written}",
+            )
         out.append(seconds)
         pos = m.end()
     rest = text[pos:]

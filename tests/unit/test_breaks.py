@@ -50,13 +50,18 @@ def test_a_break_without_a_valid_time_is_refused(tag):
     assert e.value.code == "bad_text"
 
 
-@pytest.mark.parametrize("time, shown", [("10.00001s", "10.00001 s"), ("10000.0001ms", "10000.0001 ms"), ("0s", "0 s")])
+@pytest.mark.parametrize(
+    "time, shown",
+    [("10.00001s", "10.00001 s"), ("10000.0001ms", "10000.0001 ms"), ("0s", "0 s"), ("0.00000001s", "0.00000001 s")],
+)
 def test_a_break_out_of_range_is_refused_naming_its_time(time, shown):
-    """The refusal names the time as written: just past the limit it said "at most 10 s, not 10 s"."""
+    """The refusal names the time as written: just past the limit it said "at most 10 s, not 10 s". A break of less
+    than one sample is no silence at all (a text of only that made an empty answer, an unreadable whole FLAC)."""
     with pytest.raises(RequestError) as e:
         split_breaks(f'Before <break time="{time}"/> after.')
     assert e.value.code == "bad_text" and str(e.value).endswith(f"not {shown}"), str(e.value)
     assert split_breaks('<break time="10s"/>') == [10.0]
+    assert split_breaks('<break time="0.023ms"/>') == [0.023e-3]  # one sample at 44.1 kHz (22.7 us) is kept
 
 
 def test_a_text_holds_a_bounded_number_of_breaks():
