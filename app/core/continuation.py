@@ -22,11 +22,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from app.core.engine_client import Stream
 from engine.frontend.longform import Continuation, LongFormOptions
+
+if TYPE_CHECKING:
+    from app.voices.library import Voice
 
 
 @dataclass(eq=False)
@@ -65,6 +69,26 @@ class Chain:
         self.cont = seed or self._fresh()
         self.keep = keep  # the final link keeps its frames (keep_frames): `state()` after it has played
         self.last: Link | None = None
+        # the voice (or clip) its first utterance was spoken by: one chain is one voice (`speaks_as`)
+        self._speaker: tuple[Voice | None, object] | None = None
+
+    def speaks_as(self, voice: Voice | None, clip: object) -> bool:
+        """Whether an utterance of this voice (or reference clip) may continue the chain: the voice of its first
+        utterance (taken here), or the same embedding again. Another voice starts a chain of its own: a continued
+        sentence's prompt holds the frames of the sentences before it and its audio goes on in their DAC stream,
+        so a session.config's new voice, continued, spoke on in the old one (docs/protocol.md "One voice, one
+        stream"; request stitching refuses another voice for the same reason)."""
+        if self._speaker is None:
+            self._speaker = (voice, clip)
+            return True
+        was, was_clip = self._speaker
+        if was_clip is not clip:
+            return False
+        if was is None or voice is None:
+            return was is voice
+        return was is voice or (
+            was.embedding is not None and voice.embedding is not None and np.array_equal(was.embedding, voice.embedding)
+        )
 
     def _fresh(self) -> Continuation:
         return Continuation(window_chunks=self.opts.window_chunks, pin_anchor=self.opts.pin_anchor)

@@ -247,8 +247,15 @@ class UtterancePipeline:
             elif opts.long_form.long_form is False:
                 self._end_chain(context_id)
             else:
-                u.chain = self.chains.get(context_id) or self.chains.setdefault(context_id, Chain(opts.long_form))
-                u.link = u.chain.link()
+                chain = self.chains.get(context_id)
+                if chain is not None and not chain.speaks_as(voice, clip):  # another voice: a chain of its own
+                    self._end_chain(context_id)
+                    chain = None
+                if chain is None:
+                    chain = self.chains[context_id] = Chain(opts.long_form)
+                    chain.speaks_as(voice, clip)
+                u.chain = chain
+                u.link = chain.link()
             self.queue.append(u)
             added.append(u)
             self._queued_seq = seq

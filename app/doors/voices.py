@@ -62,7 +62,9 @@ async def create_voice(request: Request) -> Response:
     length = int(request.headers.get("content-length") or 0)
     if length > most:
         raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+    # a media type's name is case-insensitive (RFC 9110 8.3.1), as Starlette's form parser reads it:
+    # "Multipart/Form-Data" was refused here, then parsed fine
+    if not request.headers.get("content-type", "").lstrip().lower().startswith("multipart/form-data"):
         raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
     admit_body(request, most)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     try:

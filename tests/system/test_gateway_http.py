@@ -333,6 +333,21 @@ def test_a_multipart_body_that_is_not_multipart_is_a_bad_upload_not_too_large(se
         assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload", (ctype, r.text)
 
 
+def test_a_voice_upload_whose_media_type_is_in_another_case_is_a_voice(server):
+    """A media type's name is case-insensitive (RFC 9110): "Multipart/Form-Data" is a multipart upload like any. It
+    was 400 bad_upload ("send multipart/form-data"), though the form parser reads it."""
+    req = httpx.Request("POST", server.url + "/v1/voices", files={"file": ("case.wav", wav_clip(1.2, freq=330.0))})
+    body, ctype = req.read(), req.headers["content-type"]
+    r = httpx.post(
+        server.url + "/v1/voices",
+        content=body,
+        headers={"content-type": ctype.replace("multipart/form-data", "Multipart/Form-Data")},
+        timeout=60,
+    )
+    assert r.status_code in (200, 201), r.text
+    assert r.json()["name"] == "case"
+
+
 def _logged_status(server, rid: str) -> str:
     """The status of the request `rid` in the server's access log (its line once the route has ended)."""
     for _ in range(600):

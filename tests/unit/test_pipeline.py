@@ -801,6 +801,45 @@ def test_our_socket_calibrates_the_emotion_by_the_voice_id():
     assert keyed == "v_ada" and dropped is None and strength == 2.0
 
 
+@pytest.mark.parametrize("change", [{"voice": "b"}, {"voice": None}, {"voice": "a2"}, {"params": {"seed": 3}}])
+def test_a_voice_changed_mid_turn_starts_a_chain_of_its_own(change):
+    """One chain is one voice (docs/protocol.md "One voice, one stream"): the sentence after a session.config that
+    picks another voice (or none) starts a chain of its own, and the one before it ends its chain (generated final,
+    not held for a continuation that would not come). It continued the old voice's chain: its prompt held the old
+    voice's frames and its audio went on in their DAC stream, so the new voice spoke on in the old one. The same
+    voice again (another object of the same embedding) or a config of other settings keeps the turn's chain."""
+    voices = {
+        "a": SimpleNamespace(id="v_a", embedding=np.ones(2048, np.float32)),
+        "a2": SimpleNamespace(id="v_a", embedding=np.ones(2048, np.float32)),  # the same voice, read again
+        "b": SimpleNamespace(id="v_b", embedding=np.full(2048, 2.0, np.float32)),
+    }
+
+    async def go() -> FakeEngine:
+        session, ws, engine, task = await open_session()
+        session.gw.resolve_voice = lambda ref, owner: voices[ref] if ref else None
+        ws.send(type="session.config", voice="a")
+        await ws.until("session.updated")
+        ws.send(type="text", text="One. Two ")  # "One." is certain once the word after it is complete
+        await engine.started(1)
+        ws.send(type="session.config", **change)
+        await ws.until("session.updated")
+        ws.send(type="text", text="and three.", flush=True)
+        FakeEngine.play(engine.streams[0])
+        FakeEngine.play(await engine.started(2))
+        await ws.until("flushed")
+        await shut(ws, task)
+        return engine
+
+    engine = asyncio.run(go())
+    assert engine.texts == ["One.", "Two and three."]
+    first, second = engine.chains
+    assert first is not None and second is not None
+    if "voice" in change and change["voice"] != "a2":
+        assert second is not first and first.last.final  # the old voice's sentence ended its chain
+    else:
+        assert second is first
+
+
 class _CountingLock(asyncio.Lock):
     """A send lock that says how many times it was asked for, so a test can wait until a task waits on it."""
 
