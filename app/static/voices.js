@@ -11,8 +11,13 @@ const voiceSelect = $("#voice");
 let library = []; // the voices as last listed by the server
 
 // Voice names allow letters, digits, spaces and . , ' ( ) - _ (server rule).
+// at most 64 characters as the server counts them (code points: a slice of UTF-16 units could split an emoji's pair,
+// which the server then refused as bad_name)
 export const cleanName = (s) =>
-  s.replace(/[^\p{L}\p{N}_ .,'()-]+/gu, " ").replace(/\s+/g, " ").trim().slice(0, 64);
+  Array.from(s.replace(/[^\p{L}\p{N}_ .,'()-]+/gu, " ").replace(/\s+/g, " ").trim())
+    .slice(0, 64)
+    .join("")
+    .trim();
 
 export const selectedVoiceId = () => voiceSelect.value;
 export const savedVoiceId = () => localStorage.getItem(VOICE_STORE) || "";
