@@ -58,6 +58,7 @@ _OPENAI_FIELDS = {
 # the speaker fields) and every key of `params` at the top level (`extra_body={"seed": 3}`).
 SPEECH_FIELDS = _OPENAI_FIELDS | SPEAKER_FIELDS | PARAM_KEYS | {"speaking_rate_enabled"}
 _RATE_KEYS = ("speed", "speaking_rate", "speaking_rate_bucket")
+NULL_IS_DEFAULT = frozenset({"response_format", "stream_format", "sample_rate"})  # a null is the default
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
 RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}
 WHOLE_FILE_FORMATS = ("flac", "wav")  # sent finished unless a stream was asked for
@@ -83,6 +84,8 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     if unknown:
         raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
     text = text_field(data, "input", gw.settings.limits.max_http_chars)
+    # null is the field left out, as it is for speed, instructions and stream (clients that serialize every field)
+    data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}
     fmt = data.get("response_format", "mp3")
     fmt = FORMAT_ALIASES.get(fmt, fmt) if isinstance(fmt, str) else fmt
     if not isinstance(fmt, str) or fmt not in FORMATS:

@@ -155,6 +155,18 @@ def test_openai_bad_input(server, body, status, code):
     assert r.status_code == status and r.json()["error"]["code"] == code
 
 
+def test_openai_nulls_are_the_defaults(server):
+    """A client that serializes every field sends null for those it leaves at their defaults: response_format,
+    stream_format and sample_rate take it as left out (mp3, audio, 24 kHz), as speed, instructions and stream do."""
+    r = httpx.post(
+        server.url + "/v1/audio/speech",
+        json={"input": "Nulls.", "response_format": None, "stream_format": None, "sample_rate": None, "speed": None},
+        timeout=120,
+    )
+    assert r.status_code == 200 and r.headers["content-type"].startswith("audio/mpeg"), r.text
+    assert r.headers["x-audio-sample-rate"] == "24000" and len(r.content) > 0
+
+
 def test_openai_builtin_voice_names_work(server):
     assert (
         speech(server, input="Alloy maps to the model voice.", voice="alloy", response_format="pcm").status_code == 200
