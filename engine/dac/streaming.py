@@ -105,6 +105,17 @@ def aligned_codes(delayed: np.ndarray, start: int, end: int, pad: int = PAD_ID) 
     return np.where(rows < n, vals, pad)
 
 
+def sheared(delayed: np.ndarray, start: int, size: int) -> np.ndarray:
+    """aligned_codes(delayed, start, start + size) when every row it reads exists (start + size + 8 <= rows):
+    a read-only view (row r steps one row and one codebook per codebook), without aligned_codes's gather."""
+    if start < 0 or start + size + N_CODEBOOKS - 1 > delayed.shape[0]:
+        raise IndexError(f"rows [{start}, {start + size + N_CODEBOOKS - 1}) of {delayed.shape[0]} delayed frames")
+    row, col = delayed.strides
+    return np.lib.stride_tricks.as_strided(
+        delayed[start:], shape=(size, N_CODEBOOKS), strides=(row, row + col), writeable=False
+    )
+
+
 def target_frames(n_received: int, eos_frame: int | None) -> int:
     """Aligned frames a finished request keeps (spec §7/§8)."""
     return n_received if eos_frame is None else max(0, min(int(eos_frame), n_received))
@@ -335,7 +346,11 @@ class StreamingDecoder:
         next chunk is coming on its own (no such stream, its final call planned, or a held chunk end, which
         waits for the next sentence or its flush). What admission's slack is measured by."""
         req = self._reqs.get(rid)
-        if req is None or req.done or req.held is not None or req.final_target() is not None:
+        if req is None or req.done:
+            return -1
+        if req.eos is None and not req.hold and not req.finished:  # steady (as in `_next`): no end in sight
+            return max(0, self._size(req) - (max(0, req.n - DELAY) - req.fed))
+        if req.held is not None or req.final_target() is not None:
             return -1
         return max(0, self._size(req) - (req.available() - req.fed))
 
@@ -394,12 +409,22 @@ class StreamingDecoder:
         self._n_steps += 1
         self.counts["launches"] += 1
         budget = max_frames if max_frames is not None else float("inf")
-        order = sorted(self._reqs.items(), key=lambda kv: kv[1].served)
-        held = self._held(min_batch, max_hold)
+        # one pass over the streams finds the ready ones (the engine loop's time grows with every stream it
+        # touches per iteration): no other stream becomes ready while this launch plans, since planning only
+        # takes slots and moves the planned streams on
+        free = bool(self._free)
+        ready: list[tuple[int, _Req]] = []
+        for rid, req in sorted(self._reqs.items(), key=lambda kv: kv[1].served):
+            if self._next(req, free) is None:
+                req.ready_at = -1
+            else:
+                ready.append((rid, req))
+        held = self._held(ready, min_batch, max_hold)
         rounds: list[list[_Call]] = []
-        while budget > 0:  # round r + 1 gives the streams still ready their next call
+        candidates = ready
+        while budget > 0 and candidates:  # round r + 1: the streams planned in round r, if still ready
             rnd = []
-            for rid, req in order:
+            for rid, req in candidates:
                 if budget <= 0:
                     break
                 if rid in held:
@@ -412,10 +437,11 @@ class StreamingDecoder:
             if not rnd:
                 break
             rounds.append(rnd)
+            candidates = [(c.rid, c.req) for c in rnd if not c.final]
         if not rounds:
             return 0
         if held and budget > 0:
-            budget -= self._take_along(rounds[0], [(rid, req) for rid, req in order if rid in held], max_batch, budget)
+            budget -= self._take_along(rounds[0], [(rid, req) for rid, req in ready if rid in held], max_batch, budget)
         flight, error = self._run(rounds, max_batch)
         self._flights.append(flight)
         for call in flight.calls:
@@ -489,6 +515,11 @@ class StreamingDecoder:
         """(size, total, final) of the request's next call if it can be planned now, else None."""
         if req.done:
             return None
+        if req.eos is None and not req.hold and not req.finished:  # most calls: a steady one, no end in sight
+            size = req.first if req.calls == 0 and req.first else self.schedule.next_size(req.calls)
+            if req.n - DELAY - req.fed < size or (req.slot < 0 and not slot_free):
+                return None
+            return size, UNBOUNDED, False
         target = req.final_target()
         if target is None:
             size = self._size(req)
@@ -504,15 +535,13 @@ class StreamingDecoder:
         size = next((s for s in sizes if s >= left), sizes[-1])
         return size, target, size >= left
 
-    def _held(self, min_batch: int, max_hold: int) -> set[int]:
-        """The streams whose ready steady call waits in this launch for others to join it."""
+    def _held(self, ready: list[tuple[int, _Req]], min_batch: int, max_hold: int) -> set[int]:
+        """Of the ready streams, those whose steady call waits in this launch for others to join it."""
         if min_batch <= 1 or max_hold <= 0:
             return set()
-        free = bool(self._free)
         steady = []
-        for rid, req in self._reqs.items():
-            nxt = self._next(req, free)
-            if nxt is None or req.calls < 2 or req.joined or req.final_target() is not None:
+        for rid, req in ready:
+            if req.calls < 2 or req.joined or req.final_target() is not None:
                 # first audio, the audio at a sentence join (its player is playing the held tail) or its end
                 req.ready_at = -1
                 continue
@@ -602,18 +631,18 @@ class StreamingDecoder:
         return _Flight(ran, outputs, done), error
 
     def _pack(self, part: list[_Call], size: int, batch: int) -> np.ndarray:
-        codes = np.stack([aligned_codes(c.req.buf[: c.req.n], c.start, c.start + size) for c in part])
-        slots = np.array([c.req.slot for c in part], dtype=np.int64)
-        start = np.array([c.start for c in part], dtype=np.int64)
-        total = np.array([c.total for c in part], dtype=np.int64)
-        pad = batch - len(part)
-        if pad:  # rows that decode nothing into the scratch slot
-            codes = np.concatenate([codes, np.zeros((pad, size, N_CODEBOOKS), dtype=np.int64)])
-            slots = np.concatenate([slots, np.full(pad, self.net.scratch, dtype=np.int64)])
-            start, total = (
-                np.concatenate([start, np.zeros(pad, np.int64)]),
-                np.concatenate([total, np.zeros(pad, np.int64)]),
-            )
+        # rows past the part's decode nothing into the scratch slot (codes 0, start 0, total 0)
+        codes = np.zeros((batch, size, N_CODEBOOKS), dtype=np.int64)
+        slots = np.full(batch, self.net.scratch, dtype=np.int64)
+        start = np.zeros(batch, dtype=np.int64)
+        total = np.zeros(batch, dtype=np.int64)
+        for i, c in enumerate(part):
+            req = c.req
+            if c.start + size + DELAY <= req.n:  # every code received: a sheared view of the buffer, no gather
+                codes[i] = sheared(req.buf, c.start, size)
+            else:  # its last frames: codebooks past what was received are padding
+                codes[i] = aligned_codes(req.buf[: req.n], c.start, c.start + size)
+            slots[i], start[i], total[i] = req.slot, c.start, c.total
         return self.net.pack(codes, slots, start, total)
 
     def _decode(self, part: list[_Call], size: int, batch: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from engine.dac.streaming import (
     StreamingDecoder,
     aligned_codes,
     decode_offline,
+    sheared,
     to_int16,
 )
 from engine.frontend.delay import shear, shear_up
@@ -114,6 +115,21 @@ def test_aligned_codes_is_a_window_of_shear_up():
     full = shear_up(torch.from_numpy(d)).numpy()
     for a, b in [(0, 30), (0, 22), (5, 17), (20, 30), (29, 30), (4, 4)]:
         assert np.array_equal(aligned_codes(d, a, b), full[a:b])
+
+
+def test_the_sheared_view_is_aligned_codes_where_every_code_was_received():
+    """The launch's fast path (`sheared`, a strided view) gives aligned_codes's rows wherever it applies, and
+    refuses a window that reads past the frames (there aligned_codes pads)."""
+    d = random_frames(40).astype(np.int32)
+    for start in range(0, 32):
+        for size in (1, 4, 10, 13, 16):
+            if start + size + 8 <= len(d):
+                view = sheared(d, start, size)
+                assert np.array_equal(view, aligned_codes(d, start, start + size))
+                assert not view.flags.writeable  # a view of the stream's buffer: never written through
+            else:
+                with pytest.raises(IndexError):
+                    sheared(d, start, size)
 
 
 # ---- codec ------------------------------------------------------------------------------------
