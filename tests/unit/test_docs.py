@@ -211,6 +211,17 @@ def test_every_field_of_our_client_messages_is_in_its_protocol_row() -> None:
         assert not missing, f"docs/protocol.md's {message} row does not name {missing}"
 
 
+def test_every_field_of_our_session_messages_is_in_its_protocol_row() -> None:
+    """session.created (its limits and model facts) and session.updated, as app/doors/ws.py writes them."""
+    rows = protocol_table("Server → client")
+    weights = WeightSources(aligner_path="model.pt").describe()  # (the model facts name them, the aligner with one)
+    created = [*re.findall(r'"(\w+)":', inspect.getsource(ws.Session.on_open)), *weights]
+    updated = re.findall(r'"(\w+)":', inspect.getsource(ws.Session._on_config).split('"session.updated"')[1])
+    for message, fields in (("session.created", created), ("session.updated", updated)):
+        missing = [f for f in fields if f != "type" and f"`{f}`" not in rows[message]]
+        assert not missing, f"docs/protocol.md's {message} row does not name {missing}"
+
+
 def test_the_params_tables_list_every_params_key_and_no_other() -> None:
     doc = text("docs/protocol.md").split("## Server → client")[0]
     keys = set()
