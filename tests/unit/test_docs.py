@@ -157,6 +157,46 @@ def test_every_gateway_flag_is_in_the_docs() -> None:
     assert not missing, f"gateway flags no doc explains: {missing}"
 
 
+@cache
+def defaults() -> dict[str, object]:
+    return {s: a.default for a in build_parser()._actions for s in a.option_strings}
+
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def number(text: str, unit: str | None) -> float:
+    return float(re.sub(r"[ ,]", "", text)) * UNITS.get(unit or "", 1)
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_a_default_a_doc_gives_a_flag_is_its_default(name: str) -> None:
+    """ "`--continuation-grace-ms` (40 ms)", "`--stitch-ttl-s`, 600 s", "`--stitch-bytes` (4 MiB)": the parser's."""
+    wrong = []
+    for m in re.finditer(r"`(--[a-z0-9-]+)`,? \(?(\d[\d,]*(?:\.\d+)?)(?: ?(ms|s|KiB|MiB|GiB))?(?=[),;] )", prose(name)):
+        flag, value, unit = m.groups()
+        if flag in defaults() and number(value, unit) != defaults()[flag]:
+            wrong.append(f"{m.group()} (default {defaults()[flag]})")
+    assert not wrong, f"{name} gives flags defaults they do not have: {wrong}"
+
+
+def test_the_limits_table_gives_each_flag_its_default() -> None:
+    """docs/reliability.md's table of limits: a default column that is a number is the flag's default."""
+    table = text("docs/reliability.md").split("## Limits\n", 1)[1].split("\n## ", 1)[0]
+    checked, wrong = 0, []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4:
+            continue
+        value = re.fullmatch(r"(\d[\d ,]*(?:\.\d+)?) ?(KiB|MiB|GiB)?(?: .*)?", cells[1])
+        flag = re.search(r"`(--[a-z0-9-]+)`", cells[2])
+        if value and flag:
+            checked += 1
+            if number(*value.groups()) != defaults()[flag.group(1)]:
+                wrong.append(f"{flag.group(1)}: {cells[1]} (default {defaults()[flag.group(1)]})")
+    assert checked >= 20 and not wrong, f"{checked} rows checked; wrong defaults: {wrong}"
+
+
 # ---- routes, messages, params, error codes ---------------------------------------------------------------------
 def _path(p: str) -> str:
     return re.sub(r"\{[^}]*\}", "{}", p)
