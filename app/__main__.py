@@ -70,7 +70,6 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             engine_values["device"] = devices[0]
         engine = EngineSettings(**engine_values)
         gateway["api_keys"] += tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
-        gateway["log_level"] = gateway["log_level"].upper()
         settings = GatewaySettings(weights=weights, engine=engine, devices=tuple(devices), limits=limits, **gateway)
         if engine.cpus is not None:  # CPUs this process may run on, one at least left to the gateways
             split_cpus(engine.cpus)
