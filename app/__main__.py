@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)",
             file=sys.stderr,
         )
+    # a name torch does not take started an engine that failed at once, restarted for ever behind a live gateway
+    for name, device in (("--device", engine.device), ("--dac-device", engine.dac_device)):
+        if device is not None and not re.fullmatch(
+            r"cpu|cuda(:\d+)?" + ("|auto" if name == "--device" else ""), device
+        ):
+            p.error(f"{name}: {device!r} is not cpu, cuda or cuda:N")
     if devices and a.engine_device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")
     if devices and engine.dac_device:

@@ -542,6 +542,9 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
         (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
         (["--engine-cpus", "3-1"], "--engine-cpus: '3-1' is not a range of CPUs"),
         (["--engine-cpus", "0-"], "--engine-cpus must be a CPU list such as 3, 0-1 or 2,5-6, got '0-'"),
+        (["--device", "gpu"], "--device: 'gpu' is not cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "--device: 'cuda:x' is not cpu, cuda or cuda:N"),
+        (["--dac-device", "auto"], "--dac-device: 'auto' is not cpu, cuda or cuda:N"),
         (["--log-level", "verbose"], "--log-level (or LOG_LEVEL) must be one of debug, info, warning, error, critical"),
     ],
 )
@@ -551,6 +554,14 @@ def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv,
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_devices_a_flag_names_are_taken():
+    from app.__main__ import parse_args
+
+    assert parse_args(["--device", "cpu"]).engine.device == "cpu"
+    assert parse_args(["--device", "auto", "--dac-device", "cpu"]).engine.dac_device == "cpu"
+    assert parse_args(["--device", "cuda:1", "--dac-device", "cuda"]).engine.device == "cuda:1"
 
 
 def test_a_log_level_is_a_logging_level_from_the_flag_or_the_environment(monkeypatch, capsys):
