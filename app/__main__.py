@@ -85,6 +85,12 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)",
             file=sys.stderr,
         )
+    # a file where the data dir should be was a traceback at start; a voices folder that is not one (a typo) served no
+    # default voice without a word
+    if settings.data_dir.exists() and not settings.data_dir.is_dir():
+        p.error(f"--data-dir {settings.data_dir}: not a directory")
+    if settings.default_voices_dir is not None and not settings.default_voices_dir.is_dir():
+        p.error(f"--default-voices-dir {settings.default_voices_dir}: no such directory")
     # a name torch does not take started an engine that failed at once, restarted for ever behind a live gateway
     for name, device in (("--device", engine.device), ("--dac-device", engine.dac_device)):
         if device is not None and not re.fullmatch(

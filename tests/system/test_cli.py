@@ -564,6 +564,22 @@ def test_the_devices_a_flag_names_are_taken():
     assert parse_args(["--device", "cuda:1", "--dac-device", "cuda"]).engine.device == "cuda:1"
 
 
+def test_folders_that_are_not_folders_are_refused_at_start(tmp_path, capsys):
+    from app.__main__ import parse_args
+
+    (tmp_path / "a-file").touch()
+    for argv, needle in (
+        (["--data-dir", str(tmp_path / "a-file")], "a-file: not a directory"),
+        (["--data-dir", str(tmp_path), "--default-voices-dir", str(tmp_path / "nope")], "nope: no such directory"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    # a data dir that is not there yet is made at start; a voices folder that is there is taken
+    settings = parse_args(["--data-dir", str(tmp_path / "new"), "--default-voices-dir", str(tmp_path)])
+    assert settings.default_voices_dir == tmp_path
+
+
 def test_a_log_level_is_a_logging_level_from_the_flag_or_the_environment(monkeypatch, capsys):
     """`--log-level bogus` (or LOG_LEVEL=bogus) is a usage error naming the flag, not logging's traceback at start;
     a level in any case is taken."""
