@@ -400,6 +400,10 @@ class GatewaySettings:
                 f"--log-level (or LOG_LEVEL) must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
             )
         self.log_level = self.log_level.upper()
+        # an empty key (`--api-key "$KEY"` with KEY unset) turned auth on with a key no client can send: every request
+        # 401, and a non-loopback bind allowed as if keyed
+        if any(not key for key in self.api_keys):
+            raise ValueError("--api-key must not be empty (no client can send an empty key)")
 
     @property
     def voices_dir(self) -> Path:

@@ -545,6 +545,8 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
         (["--device", "gpu"], "--device: 'gpu' is not cpu, cuda or cuda:N"),
         (["--device", "cuda:x"], "--device: 'cuda:x' is not cpu, cuda or cuda:N"),
         (["--dac-device", "auto"], "--dac-device: 'auto' is not cpu, cuda or cuda:N"),
+        (["--api-key", ""], "--api-key must not be empty"),
+        (["--api-key", "k1", "--api-key", ""], "--api-key must not be empty"),
         (["--log-level", "verbose"], "--log-level (or LOG_LEVEL) must be one of debug, info, warning, error, critical"),
     ],
 )
