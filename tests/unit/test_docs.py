@@ -145,6 +145,15 @@ def test_every_flag_a_doc_names_exists_in_its_tool(name: str) -> None:
     assert not wrong, f"{name} names flags its tool does not have:\n" + "\n".join(wrong)
 
 
+@pytest.mark.parametrize("name", ["deploy/ray_serve.yaml", "deploy/ray_serve_local.yaml"])
+def test_the_ray_configs_give_the_gateway_flags_it_has(name: str) -> None:
+    """Their `gateway_args` are `python -m app`'s flags (a replica that cannot parse them never starts)."""
+    args = re.findall(r"gateway_args: \[(.*?)\]", text(name), flags=re.S)
+    assert args
+    wrong = [f for f in re.findall(r'"(--[a-z0-9-]+)"', " ".join(args)) if f not in gateway_flags()]
+    assert not wrong, f"{name}: {wrong}"
+
+
 def test_every_gateway_flag_is_in_the_docs() -> None:
     """`python -m app --help` lists them all, and each is explained somewhere a user reads (a --no-X is its --X's)."""
     docs = " ".join(text(n) for n in USER_DOCS)
