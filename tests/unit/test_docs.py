@@ -226,6 +226,22 @@ def test_every_route_is_written_out_in_the_readme_or_the_dialects_doc(tmp_path: 
     )
 
 
+def test_every_route_a_doc_names_is_served(tmp_path: Path) -> None:
+    from app.server import create_app
+    from app.settings import GatewaySettings
+
+    paths = {getattr(r, "path", "") for r in create_app(GatewaySettings(data_dir=tmp_path)).routes}
+    served = [re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(p)) + "$") for p in paths if "{path:" not in p]
+    named = {
+        m.rstrip(".").rstrip("/")
+        for n in USER_DOCS
+        for m in re.findall(r"(?<![\w.:/-])(/(?:v1|tts|healthz|readyz|metrics)[\w/{}.-]*)", text(n))
+    }
+    assert len(named) > 20
+    unknown = sorted(p for p in named if not any(r.match(p) for r in served))
+    assert not unknown, f"the docs name routes the gateway does not serve: {unknown}"
+
+
 def protocol_table(heading: str) -> dict[str, str]:
     """A table of docs/protocol.md under `## heading`: its first column's `name` -> the row."""
     doc = text("docs/protocol.md")
