@@ -311,6 +311,27 @@ def test_every_error_code_is_documented(code: GatewayError | EngineError) -> Non
     assert any(re.search(rf"`{re.escape(code.value)}`", text(n)) for n in where), f"no doc of {where} names `{code}`"
 
 
+def outside_parentheses(s: str) -> str:
+    while (t := re.sub(r"\([^()]*\)", "", s)) != s:
+        s = t
+    return s
+
+
+@pytest.mark.parametrize(
+    "name,start,end",
+    [
+        ("docs/protocol.md", "Error codes: ", "Close codes:"),
+        ("docs/reliability.md", "Other codes a client can see: ", "Over the WebSocket an error never"),
+    ],
+)
+def test_the_lists_of_error_codes_name_only_codes(name: str, start: str, end: str) -> None:
+    """Every code of the docs' lists (their glosses in parentheses aside) is a GatewayError or EngineError code."""
+    listed = re.findall(r"`(\w+)`", outside_parentheses(prose(name).split(start, 1)[1].split(end, 1)[0]))
+    assert len(listed) > 20
+    unknown = sorted(set(listed) - {c.value for c in CODES})
+    assert not unknown, f"{name} lists codes no API answers with: {unknown}"
+
+
 def test_the_protocol_doc_gives_each_engine_code_its_http_status() -> None:
     doc = prose("docs/protocol.md")
     m = re.search(r"400 for (.*?); 503 for (.*?); an unknown engine code is a bug and answers 500 `internal`", doc)
