@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import os
 import re
 from functools import cache
 from pathlib import Path
@@ -347,6 +348,15 @@ def test_every_repository_path_a_doc_names_exists(name: str) -> None:
     paths = re.findall(r"(?<![\w/.-])((?:app|engine|bench|tests|scripts|deploy|docs|\.ci)/[\w./-]*[\w/])", text(name))
     missing = sorted({p for p in paths if not (ROOT / p).exists()})
     assert not missing, f"{name} names paths that do not exist: {missing}"
+
+
+def test_the_scripts_the_docs_run_are_executable() -> None:
+    """`scripts/serve`, `deploy/setup-ray.sh`, `.ci/run`: run as the docs write them, not through bash."""
+    named = {
+        p for n in USER_DOCS for p in re.findall(r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b", text(n))
+    }
+    assert {"scripts/serve", "scripts/test", "deploy/setup-ray.sh"} <= named
+    assert not [p for p in named if not os.access(ROOT / p, os.X_OK)]
 
 
 def anchors(name: str) -> set[str]:
