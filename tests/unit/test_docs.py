@@ -77,10 +77,7 @@ TOOLS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"http\.server"), "http.server"),
 ]
 OUTSIDE = {
-    "scripts/test": {
-        "--fast",
-        "--dist",
-    },  # its own switch, and pytest-xdist's (the docs quote its -n 2 --dist loadfile)
+    "scripts/test": {"--fast", "--dist"},  # its own switch; pytest-xdist's (the docs quote -n 2 --dist loadfile)
     "ray": {"--head", "--address"},
     "http.server": {"--directory"},
 }
