@@ -70,7 +70,6 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             engine_values["device"] = devices[0]
         engine = EngineSettings(**engine_values)
         gateway["api_keys"] += tuple(k for k in os.environ.get("ZONOS_API_KEYS", "").split(",") if k)
-        gateway["log_level"] = gateway["log_level"].upper()
         settings = GatewaySettings(weights=weights, engine=engine, devices=tuple(devices), limits=limits, **gateway)
         if engine.cpus is not None:  # CPUs this process may run on, one at least left to the gateways
             split_cpus(engine.cpus)
@@ -86,6 +85,18 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
             "by another name or address need --allowed-host NAME (docs/reliability.md, Host rule)",
             file=sys.stderr,
         )
+    # a file where the data dir should be was a traceback at start; a voices folder that is not one (a typo) served no
+    # default voice without a word
+    if settings.data_dir.exists() and not settings.data_dir.is_dir():
+        p.error(f"--data-dir {settings.data_dir}: not a directory")
+    if settings.default_voices_dir is not None and not settings.default_voices_dir.is_dir():
+        p.error(f"--default-voices-dir {settings.default_voices_dir}: no such directory")
+    # a name torch does not take started an engine that failed at once, restarted for ever behind a live gateway
+    for name, device in (("--device", engine.device), ("--dac-device", engine.dac_device)):
+        if device is not None and not re.fullmatch(
+            r"cpu|cuda(:\d+)?" + ("|auto" if name == "--device" else ""), device
+        ):
+            p.error(f"{name}: {device!r} is not cpu, cuda or cuda:N")
     if devices and a.engine_device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")
     if devices and engine.dac_device:

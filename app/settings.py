@@ -16,6 +16,7 @@ _GIB = 1 << 30
 # ~500 typical sentences a second, more than a host's streams ask for)
 MAX_DEFAULT_NORMALIZATION_WORKERS = 16
 MAX_WORKERS = 64  # --workers: gateway processes
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: logging's and uvicorn's names alike
 # Fixed companions of two limits below (their rules: app/io/bodies.py, app/core/admission.py `Conversation`):
 SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --max-body-bytes-in-flight (nor counted)
 # seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
@@ -378,7 +379,7 @@ class GatewaySettings:
     )
     log_level: str = field(
         default_factory=lambda: os.environ.get("LOG_LEVEL", "INFO").upper(),
-        metadata=flag("debug, info, warning, error (env LOG_LEVEL)"),
+        metadata=flag(f"{', '.join(LOG_LEVELS)} (env LOG_LEVEL)"),
     )
     workers: int = field(
         default=0,
@@ -393,6 +394,16 @@ class GatewaySettings:
 
     def __post_init__(self) -> None:
         check(self)
+        # logging and uvicorn refuse another name, with a traceback at start (logging.basicConfig's ValueError)
+        if not isinstance(self.log_level, str) or self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(
+                f"--log-level (or LOG_LEVEL) must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
+        self.log_level = self.log_level.upper()
+        # an empty key (`--api-key "$KEY"` with KEY unset) turned auth on with a key no client can send: every request
+        # 401, and a non-loopback bind allowed as if keyed
+        if any(not key for key in self.api_keys):
+            raise ValueError("--api-key must not be empty (no client can send an empty key)")
 
     @property
     def voices_dir(self) -> Path:

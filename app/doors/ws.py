@@ -26,7 +26,7 @@ from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import OUTPUT_RATES, OutputFormat, check_encoding, default_rate
 from app.io.bodies import BodyLedger
-from app.io.checks import base64_payload, check_context_id, check_sample_rate
+from app.io.checks import base64_payload, check_context_id, check_flag, check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import query_int
@@ -295,9 +295,9 @@ class Session(StreamingSession):
         text = data.get("text")
         if not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
-        flush = data.get("flush", False)
-        if not isinstance(flush, bool):  # a truthy "false" must not flush
-            raise RequestError(G.BAD_MESSAGE, "flush must be true or false")
+        # null is absent, as on the dialects' sockets (clients that serialize every field); a truthy "false" must not
+        # flush, nor a "true" be dropped
+        flush = check_flag(data, "flush")
         ctx = self._context(data)
         assert ctx is not None
         return ctx, text, flush

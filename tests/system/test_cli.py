@@ -542,6 +542,12 @@ def test_speaker_embed_refusals(assets, capsys, tmp_path, case, needle):
         (["--prefill-group-wait-ms", "nan"], "--prefill-group-wait-ms must be a number in [0, 60000]"),
         (["--engine-cpus", "3-1"], "--engine-cpus: '3-1' is not a range of CPUs"),
         (["--engine-cpus", "0-"], "--engine-cpus must be a CPU list such as 3, 0-1 or 2,5-6, got '0-'"),
+        (["--device", "gpu"], "--device: 'gpu' is not cpu, cuda or cuda:N"),
+        (["--device", "cuda:x"], "--device: 'cuda:x' is not cpu, cuda or cuda:N"),
+        (["--dac-device", "auto"], "--dac-device: 'auto' is not cpu, cuda or cuda:N"),
+        (["--api-key", ""], "--api-key must not be empty"),
+        (["--api-key", "k1", "--api-key", ""], "--api-key must not be empty"),
+        (["--log-level", "verbose"], "--log-level (or LOG_LEVEL) must be one of debug, info, warning, error, critical"),
     ],
 )
 def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv, needle):
@@ -550,6 +556,44 @@ def test_app_flags_out_of_bounds_are_refused_naming_flag_and_range(capsys, argv,
     with pytest.raises(SystemExit) as e:
         parse_args(argv)
     assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_the_devices_a_flag_names_are_taken():
+    from app.__main__ import parse_args
+
+    assert parse_args(["--device", "cpu"]).engine.device == "cpu"
+    assert parse_args(["--device", "auto", "--dac-device", "cpu"]).engine.dac_device == "cpu"
+    assert parse_args(["--device", "cuda:1", "--dac-device", "cuda"]).engine.device == "cuda:1"
+
+
+def test_folders_that_are_not_folders_are_refused_at_start(tmp_path, capsys):
+    from app.__main__ import parse_args
+
+    (tmp_path / "a-file").touch()
+    for argv, needle in (
+        (["--data-dir", str(tmp_path / "a-file")], "a-file: not a directory"),
+        (["--data-dir", str(tmp_path), "--default-voices-dir", str(tmp_path / "nope")], "nope: no such directory"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+    # a data dir that is not there yet is made at start; a voices folder that is there is taken
+    settings = parse_args(["--data-dir", str(tmp_path / "new"), "--default-voices-dir", str(tmp_path)])
+    assert settings.default_voices_dir == tmp_path
+
+
+def test_a_log_level_is_a_logging_level_from_the_flag_or_the_environment(monkeypatch, capsys):
+    """`--log-level bogus` (or LOG_LEVEL=bogus) is a usage error naming the flag, not logging's traceback at start;
+    a level in any case is taken."""
+    from app.__main__ import parse_args
+
+    assert parse_args(["--log-level", "debug"]).log_level == "DEBUG"
+    monkeypatch.setenv("LOG_LEVEL", "Warning")
+    assert parse_args([]).log_level == "WARNING"
+    monkeypatch.setenv("LOG_LEVEL", "bogus")
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2 and "got 'BOGUS'" in capsys.readouterr().err
 
 
 def test_normalization_workers_ceiling_follows_the_cpus(monkeypatch, capsys):

@@ -1,0 +1,398 @@
+"""The docs say what the code does: every flag, route, message, params key and error code they name exists, the
+ones that exist are written down where a user looks, the commands they show name real scripts and flags, and
+their links resolve. docs/benchmarks.md, docs/changelog.md and docs/bench-summaries/ record measurements of past
+builds and are left out."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import re
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from app.__main__ import build_parser
+from app.core.options import PARAM_KEYS
+from app.doors import ws
+from app.io.errors import GatewayError
+from engine.contract.errors import EngineError
+from engine.contract.flags import add_flags
+from engine.contract.settings import WeightSources
+
+ROOT = Path(__file__).resolve().parents[2]
+USER_DOCS = [
+    "README.md",
+    *(f"docs/{n}.md" for n in ("architecture", "clients", "dialects", "protocol", "reliability", "scaling")),
+]
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
+
+
+def text(name: str) -> str:
+    return (ROOT / name).read_text(encoding="utf-8")
+
+
+def prose(name: str) -> str:
+    """A doc with its whitespace runs made one space (phrases wrap across lines)."""
+    return re.sub(r"\s+", " ", text(name))
+
+
+def test_the_user_docs_are_every_doc_but_the_measurements() -> None:
+    docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")} | {"README.md"}
+    assert docs - set(USER_DOCS) == {"docs/benchmarks.md", "docs/changelog.md"}
+
+
+# ---- flags -----------------------------------------------------------------------------------------------------
+@cache
+def gateway_flags() -> frozenset[str]:
+    return frozenset(s for a in build_parser()._actions for s in a.option_strings if s.startswith("--"))
+
+
+@cache
+def source_flags(path: str) -> frozenset[str]:
+    """The --flags a script's argparse declares (read from its source: importing a bench script pulls in torch)."""
+    return frozenset(re.findall(r"""["'](--[a-z][a-z0-9-]*)["']""", text(path)))
+
+
+# A flag belongs to the last tool named before it in its command (the gateway when none is): a bench script, the
+# engine's command line, the test script (pytest's flags), or an outside program the docs show. A command is a line
+# of a code block (with the indented lines that continue it) or a run of inline code spans joined only by commas and
+# slashes (`logits --cfg-scale` / `--uncond-input-ids`); a flag in neither is the gateway's.
+TOOLS: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"bench/(\w+)\.py"), "bench"),
+    (
+        re.compile(
+            r"python -m engine\b|zonos-engine|\b(?:make-checkpoint|speaker-embed|synthesize|logits|prompt) [-\"]"
+        ),
+        "engine",
+    ),
+    (re.compile(r"deploy\.ray_local"), "deploy/ray_local.py"),
+    (re.compile(r"(?<![\w-])-- --"), "gateway"),  # deploy.ray_local's `-- SERVER FLAGS`
+    (re.compile(r"scripts/serve|python -m app\b|zonos-gateway"), "gateway"),
+    (re.compile(r"scripts/test"), "scripts/test"),
+    (re.compile(r"ray start"), "ray"),
+    (re.compile(r"http\.server"), "http.server"),
+]
+OUTSIDE = {
+    "scripts/test": {"--fast", "--dist"},  # its own switch; pytest-xdist's (the docs quote -n 2 --dist loadfile)
+    "ray": {"--head", "--address"},
+    "http.server": {"--directory"},
+}
+
+
+def known_flags(tool: str, script: str | None) -> frozenset[str]:
+    if tool == "bench":
+        return source_flags(f"bench/{script}.py")
+    if tool == "engine":  # its weight flags are the gateway's (add_flags(WeightSources))
+        weights = argparse.ArgumentParser()
+        add_flags(weights, WeightSources)
+        return source_flags("engine/cli.py") | {s for a in weights._actions for s in a.option_strings}
+    if tool == "deploy/ray_local.py":
+        return source_flags(tool)
+    if tool == "gateway":
+        return gateway_flags()
+    return frozenset(OUTSIDE[tool])
+
+
+def marks(command: str) -> list[tuple[int, str, str | None]]:
+    """Where a command names a tool: (offset, tool, bench script)."""
+    return sorted((m.start(), t, m.group(1) if m.groups() else None) for p, t in TOOLS for m in p.finditer(command))
+
+
+def flag_uses(name: str) -> list[tuple[str, frozenset[str], str]]:
+    """(flag, the flags it may be, context) for every --flag of a doc. In a code block a flag is its line's tool's
+    (an indented line continues the one before); in prose, its run of inline code spans' (`logits --cfg-scale` /
+    `--uncond-input-ids`), or, in a run that names no tool, the gateway's or one of a tool the paragraph (or list
+    item) named before it ("`bench/soak.py` ... `--duration` seconds")."""
+    uses = []
+    prose_parts = []
+    for i, part in enumerate(re.split(r"^```.*$", text(name), flags=re.M)):
+        if not i % 2:
+            prose_parts.append(part)
+            continue
+        tool: tuple[str, str | None] = ("gateway", None)
+        for line in part.splitlines():
+            if not line[:1].isspace():
+                tool = ("gateway", None)
+            for m in FLAG.finditer(line):
+                at = [(t, s) for o, t, s in marks(line) if o < m.start()]
+                uses.append((m.group(), known_flags(*(at[-1] if at else tool)), line.strip()))
+            for _, t, s in marks(line):
+                tool = (t, s)
+    for paragraph in re.split(r"\n\s*\n|\n(?=\s*[*-] )", "\n".join(prose_parts)):
+        paragraph = re.sub(r"\s+", " ", paragraph)
+        before: frozenset[str] = gateway_flags()
+        for run in re.split(r"(`[^`]+`(?:[\s,/]*`[^`]+`)*)", paragraph):
+            named = marks(run)
+            for m in FLAG.finditer(run):
+                at = [(t, s) for o, t, s in named if o < m.start()]
+                uses.append(
+                    (m.group(), known_flags(*at[-1]) if at else before, run[max(0, m.start() - 60) : m.end() + 20])
+                )
+            for _, t, s in named:
+                before = before | known_flags(t, s)
+    return uses
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_flag_a_doc_names_exists_in_its_tool(name: str) -> None:
+    wrong = [f"{flag}: ...{context}..." for flag, known, context in flag_uses(name) if flag not in known]
+    assert not wrong, f"{name} names flags its tool does not have:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("name", ["deploy/ray_serve.yaml", "deploy/ray_serve_local.yaml"])
+def test_the_ray_configs_give_the_gateway_flags_it_has(name: str) -> None:
+    """Their `gateway_args` are `python -m app`'s flags (a replica that cannot parse them never starts)."""
+    args = re.findall(r"gateway_args: \[(.*?)\]", text(name), flags=re.S)
+    assert args
+    wrong = [f for f in re.findall(r'"(--[a-z0-9-]+)"', " ".join(args)) if f not in gateway_flags()]
+    assert not wrong, f"{name}: {wrong}"
+
+
+def test_every_gateway_flag_is_in_the_docs() -> None:
+    """`python -m app --help` lists them all, and each is explained somewhere a user reads (a --no-X is its --X's)."""
+    docs = " ".join(text(n) for n in USER_DOCS)
+    named = set(FLAG.findall(docs))
+    missing = sorted(
+        f
+        for f in gateway_flags()
+        if f not in named and f.replace("--no-", "--", 1) not in named and "--no-" + f[2:] not in named
+    )
+    assert not missing, f"gateway flags no doc explains: {missing}"
+
+
+@cache
+def defaults() -> dict[str, object]:
+    return {s: a.default for a in build_parser()._actions for s in a.option_strings}
+
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def number(text: str, unit: str | None) -> float:
+    return float(re.sub(r"[ ,]", "", text)) * UNITS.get(unit or "", 1)
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_a_default_a_doc_gives_a_flag_is_its_default(name: str) -> None:
+    """ "`--continuation-grace-ms` (40 ms)", "`--stitch-ttl-s`, 600 s", "`--stitch-bytes` (4 MiB)": the parser's."""
+    wrong = []
+    for m in re.finditer(r"`(--[a-z0-9-]+)`,? \(?(\d[\d,]*(?:\.\d+)?)(?: ?(ms|s|KiB|MiB|GiB))?(?=[),;] )", prose(name)):
+        flag, value, unit = m.groups()
+        if flag in defaults() and number(value, unit) != defaults()[flag]:
+            wrong.append(f"{m.group()} (default {defaults()[flag]})")
+    assert not wrong, f"{name} gives flags defaults they do not have: {wrong}"
+
+
+def test_the_limits_table_gives_each_flag_its_default() -> None:
+    """docs/reliability.md's table of limits: a default column that is a number is the flag's default."""
+    table = text("docs/reliability.md").split("## Limits\n", 1)[1].split("\n## ", 1)[0]
+    checked, wrong = 0, []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 4:
+            continue
+        value = re.fullmatch(r"(\d[\d ,]*(?:\.\d+)?) ?(KiB|MiB|GiB)?(?: .*)?", cells[1])
+        flag = re.search(r"`(--[a-z0-9-]+)`", cells[2])
+        if value and flag:
+            checked += 1
+            if number(*value.groups()) != defaults()[flag.group(1)]:
+                wrong.append(f"{flag.group(1)}: {cells[1]} (default {defaults()[flag.group(1)]})")
+    assert checked >= 20 and not wrong, f"{checked} rows checked; wrong defaults: {wrong}"
+
+
+# ---- routes, messages, params, error codes ---------------------------------------------------------------------
+def _path(p: str) -> str:
+    return re.sub(r"\{[^}]*\}", "{}", p)
+
+
+def test_every_route_is_written_out_in_the_readme_or_the_dialects_doc(tmp_path: Path) -> None:
+    from app.server import create_app
+    from app.settings import GatewaySettings
+
+    routes = {getattr(r, "path", "") for r in create_app(GatewaySettings(data_dir=tmp_path)).routes} - {
+        "/{path:path}",
+        "/static",
+    }
+    docs = _path(text("README.md") + text("docs/dialects.md") + text("docs/protocol.md"))
+    missing = sorted(p for p in routes if not re.search(re.escape(_path(p)) + r"(?![\w/-])", docs))
+    assert not missing, (
+        f"routes the README (HTTP endpoints), docs/dialects.md or docs/protocol.md do not name: {missing}"
+    )
+
+
+def test_every_route_a_doc_names_is_served(tmp_path: Path) -> None:
+    from app.server import create_app
+    from app.settings import GatewaySettings
+
+    paths = {getattr(r, "path", "") for r in create_app(GatewaySettings(data_dir=tmp_path)).routes}
+    served = [re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(p)) + "$") for p in paths if "{path:" not in p]
+    named = {
+        m.rstrip(".").rstrip("/")
+        for n in USER_DOCS
+        for m in re.findall(r"(?<![\w.:/-])(/(?:v1|tts|healthz|readyz|metrics)[\w/{}.-]*)", text(n))
+    }
+    assert len(named) > 20
+    unknown = sorted(p for p in named if not any(r.match(p) for r in served))
+    assert not unknown, f"the docs name routes the gateway does not serve: {unknown}"
+
+
+def protocol_table(heading: str) -> dict[str, str]:
+    """A table of docs/protocol.md under `## heading`: its first column's `name` -> the row."""
+    doc = text("docs/protocol.md")
+    section = doc.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    table = section[section.index("\n|") :].split("\n\n", 1)[0]  # its first table
+    rows = {}
+    for line in table.splitlines():
+        m = re.match(r"\| `([\w.]+)` \|", line)
+        if m:
+            rows[m.group(1)] = line
+    return rows
+
+
+def test_every_message_type_of_our_socket_is_in_the_protocol_doc_and_no_other() -> None:
+    source = inspect.getsource(ws) + inspect.getsource(__import__("app.core.session", fromlist=["x"]))
+    sent = set(re.findall(r'"type": "([\w.]+)"', source))
+    taken = set(re.findall(r'kind == "([\w.]+)"', inspect.getsource(ws)))
+    assert {"session.created", "audio.start", "error"} <= sent and {"text", "cancel"} <= taken  # (the patterns hold)
+    assert set(protocol_table("Server → client")) == sent
+    assert set(protocol_table("Client → server")) == taken
+
+
+def test_every_field_of_our_client_messages_is_in_its_protocol_row() -> None:
+    rows = protocol_table("Client → server")
+    source = inspect.getsource(ws.Session)
+    fields = {
+        "session.config": re.search(r"def _on_config.*?_check_fields\(data, (\{.*?\})\)", source, re.S),
+        "text": re.search(r"def _text_message.*?_check_fields\(data, (\{.*?\})\)", source, re.S),
+    }
+    for message, found in fields.items():
+        assert found is not None
+        missing = [
+            f for f in ast.literal_eval(found.group(1)) if f"`{f}`" not in rows[message]
+        ]  # a set literal of names
+        assert not missing, f"docs/protocol.md's {message} row does not name {missing}"
+
+
+def test_every_field_of_our_session_messages_is_in_its_protocol_row() -> None:
+    """session.created (its limits and model facts) and session.updated, as app/doors/ws.py writes them."""
+    rows = protocol_table("Server → client")
+    weights = WeightSources(aligner_path="model.pt").describe()  # (the model facts name them, the aligner with one)
+    created = [*re.findall(r'"(\w+)":', inspect.getsource(ws.Session.on_open)), *weights]
+    updated = re.findall(r'"(\w+)":', inspect.getsource(ws.Session._on_config).split('"session.updated"')[1])
+    for message, fields in (("session.created", created), ("session.updated", updated)):
+        missing = [f for f in fields if f != "type" and f"`{f}`" not in rows[message]]
+        assert not missing, f"docs/protocol.md's {message} row does not name {missing}"
+
+
+def test_the_params_tables_list_every_params_key_and_no_other() -> None:
+    doc = text("docs/protocol.md").split("## Server → client")[0]
+    keys = set()
+    for line in doc.splitlines():
+        m = re.match(r"\| (`\w+`(?: / `\w+`)*) \|", line)
+        if m:
+            keys |= set(re.findall(r"`(\w+)`", m.group(1)))
+    assert keys - {"session.config", "text", "flush", "cancel", "close"} == PARAM_KEYS
+
+
+CODES = [*GatewayError, *EngineError]
+
+
+@pytest.mark.parametrize("code", CODES, ids=[c.value for c in CODES])
+def test_every_error_code_is_documented(code: GatewayError | EngineError) -> None:
+    """The engine's codes (what any stream can end with) in docs/protocol.md; the gateway's in a doc a user of its
+    API reads (the dialects' own in docs/dialects.md)."""
+    where = ["docs/protocol.md"] if isinstance(code, EngineError) else USER_DOCS
+    assert any(re.search(rf"`{re.escape(code.value)}`", text(n)) for n in where), f"no doc of {where} names `{code}`"
+
+
+def outside_parentheses(s: str) -> str:
+    while (t := re.sub(r"\([^()]*\)", "", s)) != s:
+        s = t
+    return s
+
+
+@pytest.mark.parametrize(
+    "name,start,end",
+    [
+        ("docs/protocol.md", "Error codes: ", "Close codes:"),
+        ("docs/reliability.md", "Other codes a client can see: ", "Over the WebSocket an error never"),
+    ],
+)
+def test_the_lists_of_error_codes_name_only_codes(name: str, start: str, end: str) -> None:
+    """Every code of the docs' lists (their glosses in parentheses aside) is a GatewayError or EngineError code."""
+    listed = re.findall(r"`(\w+)`", outside_parentheses(prose(name).split(start, 1)[1].split(end, 1)[0]))
+    assert len(listed) > 20
+    unknown = sorted(set(listed) - {c.value for c in CODES})
+    assert not unknown, f"{name} lists codes no API answers with: {unknown}"
+
+
+def test_the_protocol_doc_gives_each_engine_code_its_http_status() -> None:
+    doc = prose("docs/protocol.md")
+    m = re.search(r"400 for (.*?); 503 for (.*?); an unknown engine code is a bug and answers 500 `internal`", doc)
+    assert m, "docs/protocol.md no longer says the engine codes' statuses in one sentence"
+    said = {c: 400 for c in re.findall(r"`(\w+)`", m.group(1))} | {c: 503 for c in re.findall(r"`(\w+)`", m.group(2))}
+    said["internal"] = 500
+    assert said == {c.value: c.http_status for c in EngineError}
+
+
+# ---- commands, paths, links ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_repository_path_a_doc_names_exists(name: str) -> None:
+    paths = re.findall(r"(?<![\w/.-])((?:app|engine|bench|tests|scripts|deploy|docs|\.ci)/[\w./-]*[\w/])", text(name))
+    missing = sorted({p for p in paths if not (ROOT / p).exists()})
+    assert not missing, f"{name} names paths that do not exist: {missing}"
+
+
+def test_the_scripts_the_docs_run_are_executable() -> None:
+    """`scripts/serve`, `deploy/setup-ray.sh`, `.ci/run`: run as the docs write them, not through bash."""
+    named = {
+        p for n in USER_DOCS for p in re.findall(r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b", text(n))
+    }
+    assert {"scripts/serve", "scripts/test", "deploy/setup-ray.sh"} <= named
+    assert not [p for p in named if not os.access(ROOT / p, os.X_OK)]
+
+
+def anchors(name: str) -> set[str]:
+    """GitHub's anchors of a doc's headings."""
+    doc = re.sub(r"```.*?```", "", text(name), flags=re.S)
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#+\s+(.*?)\s*$", doc, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_link_resolves(name: str) -> None:
+    bad = []
+    for link in re.findall(r"\]\(([^)\s]+)\)", text(name)):
+        if re.match(r"\w+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (ROOT / name).parent / path if path else ROOT / name
+        unresolved = not target.exists() or (
+            bool(anchor) and target.suffix == ".md" and anchor not in anchors(str(target.resolve().relative_to(ROOT)))
+        )
+        if unresolved:
+            bad.append(link)
+    assert not bad, f"{name}: links that do not resolve: {bad}"
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_section_a_doc_cites_by_name_exists(name: str) -> None:
+    """`docs/reliability.md, "Shutting down"`: a heading, or a paragraph's bold lead, of that doc."""
+    bad = []
+    for doc, title in re.findall(r'(docs/\w+\.md|README(?:\.md)?)[,:]? \(?"([^"]{2,80})"', prose(name)):
+        target = "README.md" if doc.startswith("README") else doc
+        t = text(target)
+        leads = re.findall(r"^#+\s+(.*)$", t, flags=re.M) + re.findall(r"\*\*([^*]+)\*\*", prose(target))
+        if not any(re.sub(r"\s+", " ", h).lower().startswith(title.lower().rstrip(".")) for h in leads):
+            bad.append(f"{doc} {title!r}")
+    assert not bad, f"{name} cites sections that do not exist: {bad}"
