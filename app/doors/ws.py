@@ -24,7 +24,7 @@ from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
 from app.core.session import StreamingSession
 from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
 from app.doors.handshake import in_band_error, serve
-from app.io.audio_output import OUTPUT_RATES, OutputFormat, check_encoding, default_rate
+from app.io.audio_output import DEFAULT_ENCODING, OUTPUT_RATES, OutputFormat, check_encoding, default_rate
 from app.io.bodies import BodyLedger
 from app.io.checks import base64_payload, check_context_id, check_flag, check_sample_rate
 from app.io.errors import GatewayError as G
@@ -48,7 +48,7 @@ class Session(StreamingSession):
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
-        self.encoding, self.sample_rate = "pcm_s16le", SAMPLE_RATE
+        self.encoding, self.sample_rate = DEFAULT_ENCODING, SAMPLE_RATE
         # session.config `timestamps`: an `audio.words` message after each audio chunk (True: and the aligned words
         # after each utterance when the engine has an aligner; "estimated": never those)
         self.timestamps: bool | str = False
@@ -238,15 +238,20 @@ class Session(StreamingSession):
     # ---- messages ------------------------------------------------------------------------------
     async def _on_config(self, data: dict[str, Any]) -> None:
         self._check_fields(data, {"voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps", "lexicon"})
+        # a null is the field's default, as in `params` and for `voice` (a client that serializes every field sends
+        # null for what it did not set): timestamps off, 16-bit PCM, the encoding's own rate
         stamps = data.get("timestamps", self.timestamps)
+        if stamps is None:
+            stamps = False
         if not isinstance(stamps, bool) and stamps != SOURCE:
             raise RequestError(G.BAD_PARAMS, f'timestamps must be true, false or "{SOURCE}"')
-        encoding = check_encoding(data.get("encoding", self.encoding))
+        encoding = data.get("encoding", self.encoding)
+        encoding = check_encoding(DEFAULT_ENCODING if encoding is None else encoding)
         # G.711 named without a rate: 8000 Hz (what telephony clients mean)
         rate = data.get(
             "sample_rate", default_rate(encoding, self.sample_rate) if "encoding" in data else self.sample_rate
         )
-        rate = check_sample_rate(rate, OUTPUT_RATES)
+        rate = check_sample_rate(default_rate(encoding) if rate is None else rate, OUTPUT_RATES)
         opts = (
             parse_options(data.get("params"), self.limits.max_frames, base=self.opts, cfg=self.gw.cfg)
             if "params" in data

@@ -65,6 +65,7 @@ RATES = (8000, 16000, 22050, 24000, 32000, SAMPLE_RATE, 48000)
 # the sample encodings (our names); G.711 (`mulaw`, `alaw`: one byte a sample, what telephony speaks) is
 # usually wanted at 8000 Hz: a client that names one of them without a sample rate gets 8000 (`default_rate`)
 ENCODINGS = ("pcm_s16le", "pcm_f32le", "mulaw", "alaw")
+DEFAULT_ENCODING = ENCODINGS[0]  # our socket's, until a session.config names another
 G711_RATE = TELEPHONE_RATE
 COMPRESSED = ("mp3", "opus", "flac", "aac")  # through StreamEncoder
 

@@ -182,6 +182,34 @@ def test_voice_clip_in_session_config(server):
     assert upd["voice"] == "clip" and d["stats"]["frames"] == 30
 
 
+def test_a_null_in_session_config_is_the_fields_default(server):
+    """A client that serializes every field sends null for what it did not set: each is its default, as `voice`
+    and `params` take it (it was bad_params for encoding, sample_rate and timestamps)."""
+
+    async def go():
+        c = await connect(server)
+        await c.send(type="session.config", encoding="mulaw", timestamps=True)
+        first = await c.recv()
+        nulls = dict.fromkeys(("voice", "voice_clip", "encoding", "sample_rate", "params", "timestamps", "lexicon"))
+        await c.send(type="session.config", **nulls)
+        reset = await c.recv()
+        await c.send(type="session.config", encoding="mulaw", sample_rate=None)
+        telephone = await c.recv()
+        await c.ws.close()
+        return first, reset, telephone
+
+    first, reset, telephone = run(go())
+    assert (first["encoding"], first["sample_rate"], first["timestamps"]) == ("mulaw", 8000, True)
+    assert reset["type"] == "session.updated", reset
+    assert (reset["encoding"], reset["sample_rate"], reset["timestamps"], reset["voice"]) == (
+        "pcm_s16le",
+        44100,
+        False,
+        None,
+    )
+    assert (telephone["encoding"], telephone["sample_rate"]) == ("mulaw", 8000)  # G.711's own rate
+
+
 @pytest.mark.parametrize(
     "payload, code",
     [
