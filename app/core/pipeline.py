@@ -96,6 +96,14 @@ class Utterance:
     clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
     aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/playback.py)
     silence_s: float | None = None  # a break (app/core/breaks.py): this much silence, no engine work
+    on_generated: Callable[[], None] | None = None  # told once its engine work has ended (`generated`)
+
+    def generated(self) -> None:
+        """Its engine work has ended (its request closed on the engine, or it will have none), whatever of its audio
+        is still to be sent: `on_generated` is told, once."""
+        told, self.on_generated = self.on_generated, None
+        if told is not None:
+            told()
 
     def heard(self) -> dict[str, Any]:
         """What its listener got before a barge-in: the audio sent and the words it covers."""
@@ -393,6 +401,8 @@ class UtterancePipeline:
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
             return
+        if isinstance(u.stream, Stream):  # (a PieceStream's engine work ends with its last piece, read)
+            u.stream.when_ended(u.generated)
         async for ev in u.stream:
             if u.cancelled:
                 return

@@ -129,9 +129,11 @@ class Playback:
             await self._play_utterance(lane, u, stage)
             return
         began = self._conversation.started()
+        u.on_generated = self._conversation.generated  # (its engine work can end well before its audio is sent)
         try:
             await self._play_utterance(lane, u, stage)
         finally:  # its audio earns the conversation its hold (a one-frame utterance next to nothing)
+            u.generated()
             self._conversation.ended(began, u.samples / SAMPLE_RATE)
 
     async def _play_utterance(self, lane: Lane, u: Utterance, stage: Stage) -> None:

@@ -130,6 +130,8 @@ def test_a_conversation_is_held_between_its_utterances_only():
     assert held_count([c]) == 1  # just admitted: its first utterance's room
     began = c.started()
     assert held_count([c]) == 0  # generating: the engine counts it
+    c.generated()  # its engine work has ended, its audio not all sent yet (a slow reader): the room is held again
+    assert held_count([c]) == 1
     c.ended(began, audio_s=5.0)
     assert held_count([c]) == 1
     assert held_count([c], now=c.audio_end + 9) == 1  # its audio played, then a pause within its credit
@@ -167,6 +169,7 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
             held_before_each.append(c.held(clock.t - 1e-6))
             began = c.started()
             clock.t += 0.05  # generating
+            c.generated()
             c.ended(began, utterance_s)
             clock.t += utterance_s  # its audio plays
         return held_before_each
@@ -177,9 +180,11 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
     c = Conversation(hold)
     clock.t += 100  # a pooled socket quiet for long: its credit is spent
     began = c.started()
+    c.generated()
     c.ended(began, 1.0)
     assert c.hold_until == began + 1.0 + HOLD_PER_AUDIO_S * 1.0
     began = c.started()
+    c.generated()
     c.ended(began, 30.0)
     assert c.hold_until == c.audio_end + hold
 
@@ -299,6 +304,8 @@ def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_ou
         assert published[-1] == 1 == convs.held()
         convs.discard(b)
         assert published[-1] == 0
+        a.generated()  # its engine work has ended: held again, published at once
+        assert published[-1] == 1
         a.ended(began, 0.01)
         assert published[-1] == 1
         # nothing happens: the hold runs out on its own and the count is published again
