@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.admission import Conversation
 from app.core.breaks import split_breaks
 from app.core.continuation import Chain, Link
 from app.core.engine_client import Stream
@@ -96,14 +97,6 @@ class Utterance:
     clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
     aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/playback.py)
     silence_s: float | None = None  # a break (app/core/breaks.py): this much silence, no engine work
-    on_generated: Callable[[], None] | None = None  # told once its engine work has ended (`generated`)
-
-    def generated(self) -> None:
-        """Its engine work has ended (its request closed on the engine, or it will have none), whatever of its audio
-        is still to be sent: `on_generated` is told, once."""
-        told, self.on_generated = self.on_generated, None
-        if told is not None:
-            told()
 
     def heard(self) -> dict[str, Any]:
         """What its listener got before a barge-in: the audio sent and the words it covers."""
@@ -188,12 +181,15 @@ class UtterancePipeline:
         may_start: Callable[[UtterancePipeline], bool] | None = None,
         released: Callable[[], None] | None = None,
         numbers: Iterator[int] | None = None,
+        conversation: Conversation | None = None,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
         of several contexts shares its engine work among their pipelines: app/core/lanes.py). `numbers`: its
         utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
-        it is idle and the next text starts another, whose utterances must still number after those before)."""
+        it is idle and the next text starts another, whose utterances must still number after those before).
+        `conversation`: its session as the door sees it, told of each engine request sent and ended."""
         self.gw, self.api = gw, api
+        self.conversation = conversation
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
         self.may_start, self.released = may_start, released
         self._turn = asyncio.Event()  # set when an utterance starts, or is dropped (the head may wait for `may_start`)
@@ -309,6 +305,9 @@ class UtterancePipeline:
             log.exception("starting %s failed", u.id)
             u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
         else:
+            if self.conversation is not None and u.stream is not None:  # (the same step as its submission)
+                self.conversation.submitted()
+                u.stream.when_ended(self.conversation.generated)
             if u.cancelled and u.stream is not None:
                 u.stream.cancel()
         finally:
@@ -401,8 +400,6 @@ class UtterancePipeline:
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
             return
-        if isinstance(u.stream, Stream):  # (a PieceStream's engine work ends with its last piece, read)
-            u.stream.when_ended(u.generated)
         async for ev in u.stream:
             if u.cancelled:
                 return

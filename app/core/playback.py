@@ -128,12 +128,10 @@ class Playback:
         if u.silence_s is not None:  # a break is no speech: it costs the engine nothing, and holds the door no room
             await self._play_utterance(lane, u, stage)
             return
-        began = self._conversation.started()
-        u.on_generated = self._conversation.generated  # (its engine work can end well before its audio is sent)
+        began = time.monotonic()  # (its engine work is the conversation's from its request's sending to its end)
         try:
             await self._play_utterance(lane, u, stage)
         finally:  # its audio earns the conversation its hold (a one-frame utterance next to nothing)
-            u.generated()
             self._conversation.ended(began, u.samples / SAMPLE_RATE)
 
     async def _play_utterance(self, lane: Lane, u: Utterance, stage: Stage) -> None:
