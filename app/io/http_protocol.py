@@ -333,7 +333,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._refuse(
             G.TOO_MANY_CONNECTIONS.http_status,
             G.TOO_MANY_CONNECTIONS,
-            f"the server holds {self.max_connections} connections (--max-connections); retry",
+            # (with --workers each process has its own: "the server holds 20" was said by a server holding 40)
+            f"this gateway process holds {self.max_connections} connections, its limit (--max-connections, per "
+            "process); retry",
             b"retry-after: 1\r\n",
             quiet=True,  # (counted: zonos_errors_total{code="too_many_connections"}; a flood sheds thousands a second)
         )

@@ -767,6 +767,8 @@ def test_at_the_connection_cap_requests_in_progress_are_kept_and_the_newcomer_is
         newcomer = await server.connect()
         answer = await read_until(newcomer)
         assert json_error(answer) == (503, "too_many_connections") and b"\r\nretry-after: 1\r\n" in answer
+        # the limit is each gateway process's (--workers): the message says whose
+        assert b"this gateway process holds 2 connections" in answer
         GATE[0].set()
         for c in busy:
             assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
