@@ -256,6 +256,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._upgrade_later: tuple[Any, bytes, bytearray] | None = None
         # the X-Request-ID the request whose head or body is being read sent ("" once it is read): its refusal's
         self._given_id = ""
+        self._replaying = False  # a head fed again to a fresh parser (`_ignore_upgrade`): its callbacks are not heard
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -557,10 +558,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             self.logger.warning(msg)
             self.send_400_response(msg)
         except httptools.HttpParserUpgrade as upgrade:
-            if not self._should_upgrade():
-                self._unsupported_upgrade_warning()
-                return
             rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
+            if not self._should_upgrade():
+                self._ignore_upgrade(rest)
+                return
             if self._refused:
                 return
             if self.cycle is not None and not self.cycle.response_complete:
@@ -571,6 +572,21 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
                 self.transport.pause_reading()
                 return
             self._upgrade(rest)
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """An Upgrade to anything but a WebSocket (h2c: Java's HttpClient and Spring's RestClient offer it with every
+        request) is ignored, as RFC 9110 7.8 lets a server: the request is served as the HTTP/1.1 request it also is.
+        httptools skips the body of every upgrade request (MagicStack/httptools#124, Kludex/uvicorn#2722): the body
+        of such a POST never reached its route (400 "the body is empty", a 503 refusal reset by the unread body's
+        close) and what followed it was dropped. So a fresh parser takes over: fed the request's head again without
+        its upgrade (its callbacks unheard: the request has its cycle, `on_message_complete` held it open), then the
+        rest."""
+        version = self.parser.get_http_version().encode()
+        head = [b"%s %s HTTP/%s\r\n" % (self.parser.get_method(), self.url, version)]
+        head += [b"%s: %s\r\n" % kv for kv in self.headers if kv[0] not in (b"upgrade", b"connection")]
+        self.parser = httptools.HttpRequestParser(self)
+        self._replaying = True
+        self._feed(b"".join(head) + b"\r\n" + rest)
 
     def _upgrade(self, rest: bytes | bytearray) -> None:
         """The connection handed to the WebSocket, with what its client sent after the handshake (its sends are the
@@ -606,7 +622,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     # door holds, or after it, on a connection it closes) or sent a body the refused request may not have
     # (Expect: 100-continue).
     def on_message_begin(self) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         super().on_message_begin()
         if self._requests:  # (the first request's latency counts from the accept)
@@ -619,7 +635,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
@@ -629,7 +645,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         size = len(name) + 2 + len(value)
         self._head_bytes += size
@@ -642,6 +658,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._replaying:  # (the head of a request whose upgrade is ignored, fed again: its body comes next)
+            self._replaying = False
+            return
         if self._refused:
             return
         self._disarm_head_timer()
@@ -650,7 +669,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self.parser.should_upgrade() and self._should_upgrade():
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
-            upgrade = self.parser.should_upgrade()
+            upgrade = self.parser.should_upgrade() and self._should_upgrade()  # (a WebSocket's; h2c is ignored)
             refusal = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
             if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
@@ -729,6 +748,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and not self._should_upgrade():  # its body is to come (`_ignore_upgrade`)
+            return
         self._given_id = ""  # (a later refusal, a head timeout of the connection, is no answer to this request)
         if self._refused:
             return

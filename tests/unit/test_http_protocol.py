@@ -396,6 +396,57 @@ def test_a_client_that_shuts_its_side_mid_body_is_answered_400():
         assert BODY_HEARD[-1] == "disconnect", (pieces, BODY_HEARD)
 
 
+# what Java's HttpClient and Spring's RestClient send with every request
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+GET_CLOSING = b"GET /v1/voices HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def test_an_h2c_upgrade_is_ignored_and_its_request_served_with_its_body():
+    """`Upgrade: h2c` is ignored (RFC 9110 7.8): the request is served as HTTP/1.1, its body heard by its route, and
+    what the client pipelined after it is served too. httptools skips the body of any upgrade request: the route heard
+    an empty body (a speech POST got 400 "the body is empty") and the rest of the connection was lost."""
+    h2c_post = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n" + H2C
+    for pieces in (
+        [h2c_post + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY + GET_CLOSING],
+        [
+            h2c_post + b"Transfer-Encoding: chunked\r\n\r\n",
+            b"%x\r\n%s\r\n" % (len(BODY), BODY),
+            b"0\r\n\r\n" + GET_CLOSING,
+        ],
+        [b"GET /v1/voices HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n" + GET_CLOSING],  # (no body: as before)
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces), 30))
+        assert got.count(b"HTTP/1.1 200 ") == 2 and b"HTTP/1.1 101" not in got, (pieces, got)
+        expected = BODY if pieces[0].startswith(b"POST") else b""
+        assert b"".join(x for x in BODY_HEARD if isinstance(x, bytes)) == expected, BODY_HEARD
+        assert BODY_HEARD.count("complete") == 2, BODY_HEARD
+
+
+def test_the_door_takes_an_h2c_request_for_the_request_it_is():
+    """The door is asked about a POST offering h2c as about a POST, not a WebSocket upgrade: a door that refuses only
+    upgrades lets it through (it was refused as an upgrade: /v1/speak's POST as Deepgram's socket, its body unread)."""
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda m, u, upgrade, h: DoorAnswer(ANSWER) if upgrade else None)
+        config = uvicorn.Config(body_app, http=protocol_class, log_level="info")
+        _, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        head = b"POST /v1/speak HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(BODY)
+        await loop.sock_sendall(
+            client_end, head + H2C.replace(b"Connection: Upgrade, ", b"Connection: close, Upgrade, ") + b"\r\n" + BODY
+        )
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got
+
+    BODY_HEARD.clear()
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got.startswith(b"HTTP/1.1 200 ") and BODY_HEARD[0] == BODY, (got, BODY_HEARD)
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
