@@ -51,7 +51,6 @@ import binascii
 import contextlib
 import itertools
 import json
-import logging
 import re
 import resource
 import secrets
@@ -229,6 +228,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     on_shed: Callable[[], None] | None = None  # a connection was closed at max_connections (a metric counts it)
     # the door's refusal was written, this many seconds after the request began (a metric's histogram)
     on_refused: Callable[[float], None] | None = None
+    # a request head was refused (400, 405, 408, 414, 426, 431), its code (a metric counts it, by code)
+    on_head_refused: Callable[[str], None] | None = None
     # the server's connections, oldest first (busy ones a search passed go to the back): where the connection that has
     # waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
     lobby: ClassVar[dict[Sheddable, None]] = {}
@@ -448,12 +449,15 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     # ---- refusals ---------------------------------------------------------------------------------
     def _refuse(self, status: int, code: str, message: str, headers: bytes = b"", quiet: bool = False) -> None:
-        """Answer `code` and close; `quiet`: logged at debug only (a refusal a flood repeats, counted by a metric)."""
+        """Answer `code` and close, counted (`on_head_refused`; `quiet`: counted by its caller) and logged at debug
+        only: a client that retries a malformed head at once made two log lines of each refusal (thousands a second
+        from a few clients), where the door's refusals make none."""
         self._refused = True
         self._disarm_head_timer()
         rid = request_id(self._given_id)
-        level = logging.DEBUG if quiet else logging.INFO
-        self.logger.log(level, "refused a request head (%s): %s %s", rid, status, message)
+        if not quiet and self.on_head_refused is not None:
+            self.on_head_refused(code)
+        self.logger.debug("refused a request head (%s): %s %s", rid, status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
             self.transport.write(error_response(status, code, message, headers, rid))
@@ -554,9 +558,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self.send_400_response("Invalid HTTP request received.")  # (counted and logged there: `_refuse`)
         except httptools.HttpParserUpgrade as upgrade:
             rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
             if not self._should_upgrade():
@@ -801,10 +803,12 @@ def bounded_protocol(
     on_shed: Callable[[], None] | None = None,
     send_min_rate: float = SEND_MIN_RATE,
     on_refused: Callable[[float], None] | None = None,
+    on_head_refused: Callable[[str], None] | None = None,
 ) -> type[BoundedHttpToolsProtocol]:
     """The protocol class with these timeouts, door, count of answers cut for a client that read nothing, cap on
-    connections (0: none), count of connections closed at it, the rate an answer's client must take its bytes at and
-    what times each refusal the door wrote (uvicorn builds one instance per connection)."""
+    connections (0: none), count of connections closed at it, the rate an answer's client must take its bytes at,
+    what times each refusal the door wrote and what counts each request head refused, by its code (uvicorn builds
+    one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
@@ -817,6 +821,7 @@ def bounded_protocol(
             "max_connections": max_connections,
             "on_shed": staticmethod(on_shed) if on_shed else None,
             "on_refused": staticmethod(on_refused) if on_refused else None,
+            "on_head_refused": staticmethod(on_head_refused) if on_head_refused else None,
             "lobby": {},
         },
     )
