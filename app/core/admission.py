@@ -171,6 +171,11 @@ class Conversation:
         if self.on_change is not None:
             self.on_change()
 
+    @staticmethod
+    def started() -> float:
+        """An utterance of it begins to play: the time on the door's clock, for `ended`."""
+        return time.monotonic()
+
     def generated(self) -> None:
         """An engine request of it has ended, whatever of its audio is still on its way to the client (one that
         reads slowly, or whose socket is full): with none left open, its room is held for its next utterance. Until
