@@ -420,6 +420,7 @@ def gateway_server(app: Starlette, settings: GatewaySettings) -> DrainingServer:
             connection_cap(settings.limits.max_connections),
             lambda: app.state.gateway.metrics.errors.labels(G.TOO_MANY_CONNECTIONS).inc(),
             on_refused=lambda s: app.state.gateway.metrics.door_refusal_seconds.observe(s),
+            on_head_refused=lambda code: app.state.gateway.metrics.errors.labels(code).inc(),
         ),
     )
     return DrainingServer(config, app.state.gateway, settings.limits.drain_timeout_s)

@@ -140,7 +140,8 @@ class StartRate:
 
 
 class Conversation:
-    """An admitted session, as the door sees it. Its room is held while it has no utterance generating, until the
+    """An admitted session, as the door sees it. Its room is held while it has no engine request open (one whose
+    engine work has ended while its audio is still on its way to its client holds it again), until the
     audio it was sent has played at a real pace (its listener's clock: each utterance's audio follows the one before
     it) and then for as long as its credit lasts. The credit starts at `hold_s` (admitted: its first utterance is
     held), each utterance's audio adds HOLD_PER_AUDIO_S times its length (never past `hold_s`), and the quiet after
@@ -151,7 +152,7 @@ class Conversation:
         self.hold_s = hold_s
         self.credit_s = hold_s  # the quiet it may still hold room for
         self.audio_end = time.monotonic()  # when the audio it has been sent ends at a real pace
-        self.generating = 0  # utterances of it with engine work now
+        self.generating = 0  # engine requests of it open now (`submitted`, not yet `generated`)
         self.on_change: Callable[[], None] | None = None  # its Conversations hears when it starts or ends one
 
     @property
@@ -161,21 +162,31 @@ class Conversation:
     def held(self, now: float) -> bool:
         return self.hold_s > 0 and self.generating == 0 and now < self.hold_until
 
-    def started(self) -> float:
-        """An utterance of it starts (engine work): the quiet since its audio ended is spent. Returns the time,
-        for `ended`."""
-        now = time.monotonic()
+    def submitted(self) -> None:
+        """An engine request of it is sent (an utterance generating, the one playing or the next): the engine counts
+        its room now, and the quiet since its audio ended is spent."""
         if self.generating == 0:
-            self.credit_s = max(0.0, self.credit_s - max(0.0, now - self.audio_end))
+            self.credit_s = max(0.0, self.credit_s - max(0.0, time.monotonic() - self.audio_end))
         self.generating += 1
         if self.on_change is not None:
             self.on_change()
-        return now
+
+    @staticmethod
+    def started() -> float:
+        """An utterance of it begins to play: the time on the door's clock, for `ended`."""
+        return time.monotonic()
+
+    def generated(self) -> None:
+        """An engine request of it has ended, whatever of its audio is still on its way to the client (one that
+        reads slowly, or whose socket is full): with none left open, its room is held for its next utterance. Until
+        the audio was sent it was left to newcomers."""
+        self.generating = max(0, self.generating - 1)
+        if self.on_change is not None:
+            self.on_change()
 
     def ended(self, began: float, audio_s: float) -> None:
-        """The utterance that started at `began` has been sent, `audio_s` of audio: it plays after what was sent
-        before it, and earns its credit."""
-        self.generating = max(0, self.generating - 1)
+        """An utterance that began to play at `began` has been sent, `audio_s` of audio: it plays after what was
+        sent before it, and earns its credit."""
         self.audio_end = max(self.audio_end, began) + audio_s
         self.credit_s = min(self.hold_s, self.credit_s + HOLD_PER_AUDIO_S * audio_s)
         if self.on_change is not None:

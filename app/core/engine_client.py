@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -99,6 +99,9 @@ class Stream:
     kept_ready: asyncio.Event = field(default_factory=asyncio.Event)
     fresh: bool = True  # a stream of its own, not a continued sentence: its first audio times the engine's
     started_at: float | None = None  # when its `started` came, until its first audio (EngineClient.first_audio)
+    # told once when it ends on the engine (the request closed: `when_ended`), which can be well before its reader
+    # has taken its last event
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
 
     def _deliver(self, ev: Event) -> None:
         if self.done:
@@ -122,6 +125,16 @@ class Stream:
         if self.client._streams.pop(self.rid, None) is not None:
             self.client._streams_changed()
         self._put(ev)
+        told, self.on_end = self.on_end, None
+        if told is not None:
+            told()
+
+    def when_ended(self, told: Callable[[], None]) -> None:
+        """`told()` once its request has ended on the engine (at once if it has)."""
+        if self.done:
+            told()
+        else:
+            self.on_end = told
 
     def _put(self, ev: Event) -> None:
         self.queue.append(ev)

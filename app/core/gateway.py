@@ -649,6 +649,20 @@ class PieceStream:
         self._frames = 0
         self._reason: str | None = None  # the first piece that did not end on its own (max_frames)
         self._finished_sent = False
+        self._on_end: Callable[[], None] | None = None  # (`when_ended`)
+
+    def when_ended(self, told: Callable[[], None]) -> None:
+        """`told()` once its engine work has ended (its last piece read, or it was cancelled; at once if it has)."""
+        if self.done:
+            told()
+        else:
+            self._on_end = told
+
+    def _ended(self) -> None:
+        self.done = True
+        told, self._on_end = self._on_end, None
+        if told is not None:
+            told()
 
     def __aiter__(self) -> PieceStream:
         return self
@@ -672,7 +686,7 @@ class PieceStream:
                 if self.ahead is not None and ev.reason != m.CANCELLED:
                     self.current, self.ahead = self.ahead, None
                     continue
-                self.done = True
+                self._ended()
                 stats = dataclasses.replace(ev.stats, frames=self._frames) if ev.stats is not None else None
                 return dataclasses.replace(ev, reason=self._reason or ev.reason, stats=stats)
             if isinstance(ev, m.Error):
@@ -694,7 +708,7 @@ class PieceStream:
         self._reason = "max_frames"
 
     def cancel(self) -> None:
-        self.done = True
+        self._ended()
         self._pending.clear()
         self.current.cancel()
         if self.ahead is not None:

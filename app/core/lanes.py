@@ -19,6 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from typing import Any
 
+from app.core.admission import Conversation
 from app.core.gateway import Gateway
 from app.core.pipeline import DEFAULT_CONTEXT, UtterancePipeline
 from app.io.errors import GatewayError as G
@@ -63,8 +64,10 @@ class Lanes(Mapping[str, Lane]):
     """A session's lanes by key (a context's id, or DEFAULT_CONTEXT for the one lane of every context), what their
     marks wait for, and when their listeners will have heard their audio."""
 
-    def __init__(self, gw: Gateway, api: str, per_context: bool) -> None:
+    def __init__(self, gw: Gateway, api: str, per_context: bool, conversation: Conversation | None = None) -> None:
+        """`conversation`: the session as the door sees it, told of each engine request its lanes send and end."""
         self._gw, self._api = gw, api
+        self._conversation = conversation
         self.per_context = per_context
         self._lanes: dict[str, Lane] = {}
         self._closed = False  # `close` ran: nothing starts
@@ -91,10 +94,15 @@ class Lanes(Mapping[str, Lane]):
         """A new lane (its caller starts its pump)."""
         pipe = (
             UtterancePipeline(
-                self._gw, self._api, may_start=self.may_start, released=self.released, numbers=self._numbers
+                self._gw,
+                self._api,
+                may_start=self.may_start,
+                released=self.released,
+                numbers=self._numbers,
+                conversation=self._conversation,
             )
             if self.per_context
-            else UtterancePipeline(self._gw, self._api, numbers=self._numbers)
+            else UtterancePipeline(self._gw, self._api, numbers=self._numbers, conversation=self._conversation)
         )
         lane = self._lanes[key] = Lane(key, pipe)
         return lane

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from app.core.admission import Conversation
 from app.core.breaks import split_breaks
 from app.core.continuation import Chain, Link
 from app.core.engine_client import Stream
@@ -180,12 +181,15 @@ class UtterancePipeline:
         may_start: Callable[[UtterancePipeline], bool] | None = None,
         released: Callable[[], None] | None = None,
         numbers: Iterator[int] | None = None,
+        conversation: Conversation | None = None,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
         of several contexts shares its engine work among their pipelines: app/core/lanes.py). `numbers`: its
         utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
-        it is idle and the next text starts another, whose utterances must still number after those before)."""
+        it is idle and the next text starts another, whose utterances must still number after those before).
+        `conversation`: its session as the door sees it, told of each engine request sent and ended."""
         self.gw, self.api = gw, api
+        self.conversation = conversation
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
         self.may_start, self.released = may_start, released
         self._turn = asyncio.Event()  # set when an utterance starts, or is dropped (the head may wait for `may_start`)
@@ -301,6 +305,9 @@ class UtterancePipeline:
             log.exception("starting %s failed", u.id)
             u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
         else:
+            if self.conversation is not None and u.stream is not None:  # (the same step as its submission)
+                self.conversation.submitted()
+                u.stream.when_ended(self.conversation.generated)
             if u.cancelled and u.stream is not None:
                 u.stream.cancel()
         finally:

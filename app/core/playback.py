@@ -128,7 +128,7 @@ class Playback:
         if u.silence_s is not None:  # a break is no speech: it costs the engine nothing, and holds the door no room
             await self._play_utterance(lane, u, stage)
             return
-        began = self._conversation.started()
+        began = self._conversation.started()  # (its engine work is counted from its request's sending to its end)
         try:
             await self._play_utterance(lane, u, stage)
         finally:  # its audio earns the conversation its hold (a one-frame utterance next to nothing)

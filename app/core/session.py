@@ -105,7 +105,6 @@ class StreamingSession:
         self.voice: Voice | None = None
         self.clip: tuple[np.ndarray, int] | None = None
         self.buffers: dict[str, TextBuffer] = {}
-        self.lanes = Lanes(gw, self.api, self.lane_per_context)
         self.send_lock = asyncio.Lock()  # every send goes through it (`Stage`)
         self._closing = False
         # why the session ends by itself: CLOSED (a close, and everything played) or DRAINED (`drain`)
@@ -124,6 +123,7 @@ class StreamingSession:
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/admission.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
+        self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation)
         self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)

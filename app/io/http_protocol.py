@@ -51,7 +51,6 @@ import binascii
 import contextlib
 import itertools
 import json
-import logging
 import re
 import resource
 import secrets
@@ -229,6 +228,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     on_shed: Callable[[], None] | None = None  # a connection was closed at max_connections (a metric counts it)
     # the door's refusal was written, this many seconds after the request began (a metric's histogram)
     on_refused: Callable[[float], None] | None = None
+    # a request head was refused (400, 405, 408, 414, 426, 431), its code (a metric counts it, by code)
+    on_head_refused: Callable[[str], None] | None = None
     # the server's connections, oldest first (busy ones a search passed go to the back): where the connection that has
     # waited longest for a request head is found (`_make_room`); bounded_protocol gives each server its own
     lobby: ClassVar[dict[Sheddable, None]] = {}
@@ -256,6 +257,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._upgrade_later: tuple[Any, bytes, bytearray] | None = None
         # the X-Request-ID the request whose head or body is being read sent ("" once it is read): its refusal's
         self._given_id = ""
+        self._replaying = False  # a head fed again to a fresh parser (`_ignore_upgrade`): its callbacks are not heard
 
     # ---- the head timer: armed while a request head is incomplete -------------------------------
     def _arm_head_timer(self) -> None:
@@ -333,7 +335,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._refuse(
             G.TOO_MANY_CONNECTIONS.http_status,
             G.TOO_MANY_CONNECTIONS,
-            f"the server holds {self.max_connections} connections (--max-connections); retry",
+            # (with --workers each process has its own: "the server holds 20" was said by a server holding 40)
+            f"this gateway process holds {self.max_connections} connections, its limit (--max-connections, per "
+            "process); retry",
             b"retry-after: 1\r\n",
             quiet=True,  # (counted: zonos_errors_total{code="too_many_connections"}; a flood sheds thousands a second)
         )
@@ -445,12 +449,15 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
 
     # ---- refusals ---------------------------------------------------------------------------------
     def _refuse(self, status: int, code: str, message: str, headers: bytes = b"", quiet: bool = False) -> None:
-        """Answer `code` and close; `quiet`: logged at debug only (a refusal a flood repeats, counted by a metric)."""
+        """Answer `code` and close, counted (`on_head_refused`; `quiet`: counted by its caller) and logged at debug
+        only: a client that retries a malformed head at once made two log lines of each refusal (thousands a second
+        from a few clients), where the door's refusals make none."""
         self._refused = True
         self._disarm_head_timer()
         rid = request_id(self._given_id)
-        level = logging.DEBUG if quiet else logging.INFO
-        self.logger.log(level, "refused a request head (%s): %s %s", rid, status, message)
+        if not quiet and self.on_head_refused is not None:
+            self.on_head_refused(code)
+        self.logger.debug("refused a request head (%s): %s %s", rid, status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
             self.transport.write(error_response(status, code, message, headers, rid))
@@ -551,14 +558,12 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
-            msg = "Invalid HTTP request received."
-            self.logger.warning(msg)
-            self.send_400_response(msg)
+            self.send_400_response("Invalid HTTP request received.")  # (counted and logged there: `_refuse`)
         except httptools.HttpParserUpgrade as upgrade:
-            if not self._should_upgrade():
-                self._unsupported_upgrade_warning()
-                return
             rest = data[upgrade.args[0] :] if upgrade.args and isinstance(upgrade.args[0], int) else b""
+            if not self._should_upgrade():
+                self._ignore_upgrade(rest)
+                return
             if self._refused:
                 return
             if self.cycle is not None and not self.cycle.response_complete:
@@ -569,6 +574,21 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
                 self.transport.pause_reading()
                 return
             self._upgrade(rest)
+
+    def _ignore_upgrade(self, rest: bytes) -> None:
+        """An Upgrade to anything but a WebSocket (h2c: Java's HttpClient and Spring's RestClient offer it with every
+        request) is ignored, as RFC 9110 7.8 lets a server: the request is served as the HTTP/1.1 request it also is.
+        httptools skips the body of every upgrade request (MagicStack/httptools#124, Kludex/uvicorn#2722): the body
+        of such a POST never reached its route (400 "the body is empty", a 503 refusal reset by the unread body's
+        close) and what followed it was dropped. So a fresh parser takes over: fed the request's head again without
+        its upgrade (its callbacks unheard: the request has its cycle, `on_message_complete` held it open), then the
+        rest."""
+        version = self.parser.get_http_version().encode()
+        head = [b"%s %s HTTP/%s\r\n" % (self.parser.get_method(), self.url, version)]
+        head += [b"%s: %s\r\n" % kv for kv in self.headers if kv[0] not in (b"upgrade", b"connection")]
+        self.parser = httptools.HttpRequestParser(self)
+        self._replaying = True
+        self._feed(b"".join(head) + b"\r\n" + rest)
 
     def _upgrade(self, rest: bytes | bytearray) -> None:
         """The connection handed to the WebSocket, with what its client sent after the handshake (its sends are the
@@ -604,7 +624,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
     # door holds, or after it, on a connection it closes) or sent a body the refused request may not have
     # (Expect: 100-continue).
     def on_message_begin(self) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         super().on_message_begin()
         if self._requests:  # (the first request's latency counts from the accept)
@@ -617,7 +637,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._arm_head_timer()
 
     def on_url(self, url: bytes) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         super().on_url(url)
         if len(self.url) > MAX_TARGET_BYTES:
@@ -627,7 +647,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             raise HeadRefused
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self._refused:
+        if self._refused or self._replaying:
             return
         size = len(name) + 2 + len(value)
         self._head_bytes += size
@@ -640,6 +660,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._replaying:  # (the head of a request whose upgrade is ignored, fed again: its body comes next)
+            self._replaying = False
+            return
         if self._refused:
             return
         self._disarm_head_timer()
@@ -648,7 +671,7 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         if self.parser.should_upgrade() and self._should_upgrade():
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
-            upgrade = self.parser.should_upgrade()
+            upgrade = self.parser.should_upgrade() and self._should_upgrade()  # (a WebSocket's; h2c is ignored)
             refusal = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
             if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
@@ -727,6 +750,8 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self.parser.should_upgrade() and not self._should_upgrade():  # its body is to come (`_ignore_upgrade`)
+            return
         self._given_id = ""  # (a later refusal, a head timeout of the connection, is no answer to this request)
         if self._refused:
             return
@@ -778,10 +803,12 @@ def bounded_protocol(
     on_shed: Callable[[], None] | None = None,
     send_min_rate: float = SEND_MIN_RATE,
     on_refused: Callable[[float], None] | None = None,
+    on_head_refused: Callable[[str], None] | None = None,
 ) -> type[BoundedHttpToolsProtocol]:
     """The protocol class with these timeouts, door, count of answers cut for a client that read nothing, cap on
-    connections (0: none), count of connections closed at it, the rate an answer's client must take its bytes at and
-    what times each refusal the door wrote (uvicorn builds one instance per connection)."""
+    connections (0: none), count of connections closed at it, the rate an answer's client must take its bytes at,
+    what times each refusal the door wrote and what counts each request head refused, by its code (uvicorn builds
+    one instance per connection)."""
     return type(
         "BoundedHttpToolsProtocol",
         (BoundedHttpToolsProtocol,),
@@ -794,6 +821,7 @@ def bounded_protocol(
             "max_connections": max_connections,
             "on_shed": staticmethod(on_shed) if on_shed else None,
             "on_refused": staticmethod(on_refused) if on_refused else None,
+            "on_head_refused": staticmethod(on_head_refused) if on_head_refused else None,
             "lobby": {},
         },
     )

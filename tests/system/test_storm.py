@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +68,8 @@ def one_slot(start_server):
         "0",  # the wait alone decides here (the budget: tests/unit/test_door.py)
         "--refusal-storm-per-s",
         "0",  # every refusal held (20 ms at most), whatever the rate this machine's clients reach
+        "--tcp-send-buffer-bytes",
+        "4096",  # a client that stops reading holds its audio in the gateway soon
     )
     # the door predicts from the engine's start rate: measured once two Stats records have come
     wait_for(srv, lambda st: st.get("started_per_s") is not None, "no start rate")
@@ -167,6 +171,36 @@ def test_an_admitted_conversation_keeps_its_room(one_slot):
             await ws.close()
 
     run(go())
+
+
+def test_a_conversation_keeps_its_room_while_its_engine_work_is_done_and_its_audio_still_sent(one_slot):
+    """The engine has finished the admitted session's utterance, whose audio its client has not all taken yet (it
+    reads slowly, or its socket is full): the slot is free, and held for the session's next utterance, as it is
+    once the audio is sent. It was left to newcomers until the gateway had sent the last of that audio."""
+    srv = one_slot
+
+    async def go() -> None:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", srv.port))
+        ws = await websockets.connect(srv.ws_url, sock=sock, max_size=None, max_queue=2, ping_interval=None)
+        try:
+            await ws.recv()  # session.created; then it reads nothing while its utterance generates
+            params = {"max_frames": 200, "ignore_eos": True, "seed": 1}  # ~200 KB, far past the buffers
+            await ws.send(json.dumps({"type": "session.config", "params": params}))
+            await ws.send(json.dumps({"type": "text", "text": "Read slowly.", "flush": True}))
+            await asyncio.to_thread(
+                wait_for, srv, lambda st: st["submitted"] > submitted and st["open"] == 0, "not generated"
+            )
+            with pytest.raises(websockets.InvalidStatus) as e:
+                await websockets.connect(srv.ws_url)
+            assert e.value.response.status_code == 503
+        finally:
+            ws.transport.abort()
+
+    submitted = wait_for(srv, lambda st: st["in_flight"] == 0, "slot busy")["submitted"]
+    run(go())
+    assert engine_state(srv)["submitted"] == submitted + 1  # (the newcomer started nothing)
 
 
 def test_a_storm_of_refused_connections(one_slot):

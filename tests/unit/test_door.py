@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -128,8 +129,14 @@ def test_start_rate_spans_its_window_whatever_the_stats_cadence():
 def test_a_conversation_is_held_between_its_utterances_only():
     c = Conversation(hold_s=10)
     assert held_count([c]) == 1  # just admitted: its first utterance's room
-    began = c.started()
+    c.submitted()
     assert held_count([c]) == 0  # generating: the engine counts it
+    c.submitted()  # the next utterance generates ahead
+    c.generated()
+    assert held_count([c]) == 0  # one request still open: the engine counts it, not the hold as well
+    began = time.monotonic()
+    c.generated()  # its engine work has ended, its audio not all sent yet (a slow reader): the room is held again
+    assert held_count([c]) == 1
     c.ended(began, audio_s=5.0)
     assert held_count([c]) == 1
     assert held_count([c], now=c.audio_end + 9) == 1  # its audio played, then a pause within its credit
@@ -165,8 +172,10 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
         for _ in range(turns):
             clock.t += pause_s  # quiet (after its audio has played)
             held_before_each.append(c.held(clock.t - 1e-6))
-            began = c.started()
+            c.submitted()
+            began = clock.t
             clock.t += 0.05  # generating
+            c.generated()
             c.ended(began, utterance_s)
             clock.t += utterance_s  # its audio plays
         return held_before_each
@@ -176,10 +185,14 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
     # how long a hold lasts after its audio: what the audio earned, never past the hold
     c = Conversation(hold)
     clock.t += 100  # a pooled socket quiet for long: its credit is spent
-    began = c.started()
+    c.submitted()
+    began = clock.t
+    c.generated()
     c.ended(began, 1.0)
     assert c.hold_until == began + 1.0 + HOLD_PER_AUDIO_S * 1.0
-    began = c.started()
+    c.submitted()
+    began = clock.t
+    c.generated()
     c.ended(began, 30.0)
     assert c.hold_until == c.audio_end + hold
 
@@ -295,10 +308,13 @@ def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_ou
         convs.add(a)
         convs.add(b)
         assert published[-1] == 2
-        began = a.started()  # generating: the engine counts it, not the hold
+        a.submitted()  # generating: the engine counts it, not the hold
+        began = time.monotonic()
         assert published[-1] == 1 == convs.held()
         convs.discard(b)
         assert published[-1] == 0
+        a.generated()  # its engine work has ended: held again, published at once
+        assert published[-1] == 1
         a.ended(began, 0.01)
         assert published[-1] == 1
         # nothing happens: the hold runs out on its own and the count is published again
@@ -308,7 +324,7 @@ def test_held_conversations_are_published_as_they_change_and_when_a_hold_runs_ou
             await asyncio.sleep(0.01)
         assert published[-1] == 0 and convs.held() == 0
         convs.discard(a)
-        a.started()  # gone: no longer heard
+        a.submitted()  # gone: no longer heard
         assert published[-1] == 0
 
     asyncio.run(go())

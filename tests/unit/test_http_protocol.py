@@ -396,6 +396,86 @@ def test_a_client_that_shuts_its_side_mid_body_is_answered_400():
         assert BODY_HEARD[-1] == "disconnect", (pieces, BODY_HEARD)
 
 
+def test_a_refused_head_is_counted_by_its_code_and_logs_nothing_a_storm_would_repeat():
+    """A client retrying a malformed head at once (a broken client, a scanner) made two log lines of each 400 (a
+    warning and an info line: ~6,000 a second from six clients on the 2-core machine), where a door's refusal makes
+    none. Each refused head is counted by its code (`on_head_refused`: zonos_errors_total) and logged at debug only."""
+    codes: list[str] = []
+
+    async def go(sent: bytes) -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0, on_head_refused=codes.append)
+        _, client_end = await served(protocol_class, _config(protocol_class))
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client_end, sent)
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got
+
+    LOGGED.clear()
+    for sent, code in (
+        (b"GARBAGE\x00 / HTTP/1.1\r\n\r\n", "bad_request"),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", "uri_too_long"),
+        (UPGRADE.replace(b"Version: 13", b"Version: 8"), "upgrade_required"),
+    ):
+        got = asyncio.run(asyncio.wait_for(go(sent), 30))
+        assert json_error(got) == (int(got.split()[1]), code) and codes[-1] == code, got
+    assert codes == ["bad_request", "uri_too_long", "upgrade_required"]
+    assert [r.getMessage() for r in LOGGED if r.levelno >= logging.INFO] == []
+
+
+# what Java's HttpClient and Spring's RestClient send with every request
+H2C = b"Connection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n"
+GET_CLOSING = b"GET /v1/voices HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+
+
+def test_an_h2c_upgrade_is_ignored_and_its_request_served_with_its_body():
+    """`Upgrade: h2c` is ignored (RFC 9110 7.8): the request is served as HTTP/1.1, its body heard by its route, and
+    what the client pipelined after it is served too. httptools skips the body of any upgrade request: the route heard
+    an empty body (a speech POST got 400 "the body is empty") and the rest of the connection was lost."""
+    h2c_post = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n" + H2C
+    for pieces in (
+        [h2c_post + b"Content-Length: %d\r\n\r\n" % len(BODY) + BODY + GET_CLOSING],
+        [
+            h2c_post + b"Transfer-Encoding: chunked\r\n\r\n",
+            b"%x\r\n%s\r\n" % (len(BODY), BODY),
+            b"0\r\n\r\n" + GET_CLOSING,
+        ],
+        [b"GET /v1/voices HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n" + GET_CLOSING],  # (no body: as before)
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces), 30))
+        assert got.count(b"HTTP/1.1 200 ") == 2 and b"HTTP/1.1 101" not in got, (pieces, got)
+        expected = BODY if pieces[0].startswith(b"POST") else b""
+        assert b"".join(x for x in BODY_HEARD if isinstance(x, bytes)) == expected, BODY_HEARD
+        assert BODY_HEARD.count("complete") == 2, BODY_HEARD
+
+
+def test_the_door_takes_an_h2c_request_for_the_request_it_is():
+    """The door is asked about a POST offering h2c as about a POST, not a WebSocket upgrade: a door that refuses only
+    upgrades lets it through (it was refused as an upgrade: /v1/speak's POST as Deepgram's socket, its body unread)."""
+
+    async def go() -> bytes:
+        protocol_class = bounded_protocol(600.0, 5.0, lambda m, u, upgrade, h: DoorAnswer(ANSWER) if upgrade else None)
+        config = uvicorn.Config(body_app, http=protocol_class, log_level="info")
+        _, client_end = await served(protocol_class, config)
+        loop = asyncio.get_running_loop()
+        head = b"POST /v1/speak HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n" % len(BODY)
+        await loop.sock_sendall(
+            client_end, head + H2C.replace(b"Connection: Upgrade, ", b"Connection: close, Upgrade, ") + b"\r\n" + BODY
+        )
+        got = b""
+        while chunk := await loop.sock_recv(client_end, 65536):
+            got += chunk
+        client_end.close()
+        return got
+
+    BODY_HEARD.clear()
+    got = asyncio.run(asyncio.wait_for(go(), 30))
+    assert got.startswith(b"HTTP/1.1 200 ") and BODY_HEARD[0] == BODY, (got, BODY_HEARD)
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
@@ -767,6 +847,8 @@ def test_at_the_connection_cap_requests_in_progress_are_kept_and_the_newcomer_is
         newcomer = await server.connect()
         answer = await read_until(newcomer)
         assert json_error(answer) == (503, "too_many_connections") and b"\r\nretry-after: 1\r\n" in answer
+        # the limit is each gateway process's (--workers): the message says whose
+        assert b"this gateway process holds 2 connections" in answer
         GATE[0].set()
         for c in busy:
             assert (await read_until(c, b"ok")).startswith(b"HTTP/1.1 200 ")
