@@ -75,11 +75,13 @@ TOOLS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"scripts/test"), "scripts/test"),
     (re.compile(r"ray start"), "ray"),
     (re.compile(r"http\.server"), "http.server"),
+    (re.compile(r"\bcurl\b"), "curl"),
 ]
 OUTSIDE = {
     "scripts/test": {"--fast", "--dist"},  # its own switch; pytest-xdist's (the docs quote -n 2 --dist loadfile)
     "ray": {"--head", "--address"},
     "http.server": {"--directory"},
+    "curl": {"--http2"},  # docs/reliability.md: what such a client sends
 }
 
 
