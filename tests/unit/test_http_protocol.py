@@ -100,11 +100,11 @@ async def refused(
     return got, answered, protocol
 
 
-def answers_of(sent: bytes, head_timeout_s: float = 600.0) -> list[bytes]:
-    """The answers' heads a protocol without a door gives a client that sends `sent` and reads until it is closed."""
+def exchange(sent: bytes, head_timeout_s: float = 600.0, **protocol_kw: Any) -> bytes:
+    """What a protocol without a door answers a client that sends `sent` and reads until it is closed."""
 
     async def go() -> bytes:
-        protocol_class = bounded_protocol(head_timeout_s, 5.0)
+        protocol_class = bounded_protocol(head_timeout_s, 5.0, **protocol_kw)
         _, client_end = await served(protocol_class, _config(protocol_class))
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(client_end, sent)
@@ -114,7 +114,12 @@ def answers_of(sent: bytes, head_timeout_s: float = 600.0) -> list[bytes]:
         client_end.close()
         return got
 
-    got = asyncio.run(asyncio.wait_for(go(), 30))
+    return asyncio.run(asyncio.wait_for(go(), 30))
+
+
+def answers_of(sent: bytes, head_timeout_s: float = 600.0) -> list[bytes]:
+    """The answers' heads (`exchange`)."""
+    got = exchange(sent, head_timeout_s)
     return [b"HTTP/1.1 " + a.split(b"\r\n\r\n", 1)[0] for a in got.split(b"HTTP/1.1 ")[1:]]
 
 
@@ -401,25 +406,13 @@ def test_a_refused_head_is_counted_by_its_code_and_logs_nothing_a_storm_would_re
     warning and an info line: ~6,000 a second from six clients on the 2-core machine), where a door's refusal makes
     none. Each refused head is counted by its code (`on_head_refused`: zonos_errors_total) and logged at debug only."""
     codes: list[str] = []
-
-    async def go(sent: bytes) -> bytes:
-        protocol_class = bounded_protocol(600.0, 5.0, on_head_refused=codes.append)
-        _, client_end = await served(protocol_class, _config(protocol_class))
-        loop = asyncio.get_running_loop()
-        await loop.sock_sendall(client_end, sent)
-        got = b""
-        while chunk := await loop.sock_recv(client_end, 65536):
-            got += chunk
-        client_end.close()
-        return got
-
     LOGGED.clear()
     for sent, code in (
         (b"GARBAGE\x00 / HTTP/1.1\r\n\r\n", "bad_request"),
         (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", "uri_too_long"),
         (UPGRADE.replace(b"Version: 13", b"Version: 8"), "upgrade_required"),
     ):
-        got = asyncio.run(asyncio.wait_for(go(sent), 30))
+        got = exchange(sent, on_head_refused=codes.append)
         assert json_error(got) == (int(got.split()[1]), code) and codes[-1] == code, got
     assert codes == ["bad_request", "uri_too_long", "upgrade_required"]
     assert [r.getMessage() for r in LOGGED if r.levelno >= logging.INFO] == []
