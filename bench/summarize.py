@@ -56,8 +56,35 @@ def capacity_command(config: dict[str, Any], script: str = "bench/live_capacity.
 GPU_NAME = re.compile(r"^(NVIDIA [^,]+), \d+ MiB")  # bench/device_*.sh's first line: nvidia-smi's CSV
 
 
-def level_details(level: dict[str, Any]) -> str:
-    """One line of what a capacity level's table row leaves out (the keys a level of `live_capacity` records)."""
+def second_by_second(streams: list[dict[str, Any]], n: int) -> str | None:
+    """The admitted streams of level `n`'s counted window, second by second (by when each was sent): how many were
+    admitted a second (median, most) and the worst second's queue wait at p95. A level's p95 can hide a burst: a
+    second of many admissions whose starts then wait in the engine's queue (an H100 storm of 1d74f6e: 100 admitted
+    in one second, 50-75 typical, and the next second's waiting 636-771 ms). None: too few records to say."""
+    rows = [
+        s
+        for s in streams
+        if s.get("level") == n and s.get("counted") and s.get("ok") and not s.get("refused")
+        if s.get("t_sent") is not None and s.get("queue_ms") is not None
+    ]
+    if len(rows) < 20:
+        return None
+    t0 = min(s["t_sent"] for s in rows)
+    waits: dict[int, list[float]] = {}
+    for s in rows:
+        waits.setdefault(int(s["t_sent"] - t0), []).append(s["queue_ms"])
+    counts = sorted(len(w) for w in waits.values())
+    p95 = {k: sorted(w)[min(len(w) - 1, int(0.95 * len(w)))] for k, w in waits.items()}
+    worst = max(p95, key=lambda k: p95[k])
+    return (
+        f"admitted a second: median {counts[len(counts) // 2]}, most {counts[-1]}; worst second's queue p95 "
+        f"{p95[worst]:.0f} ms ({len(waits[worst])} admitted in it)"
+    )
+
+
+def level_details(level: dict[str, Any], streams: list[dict[str, Any]] | None = None) -> str:
+    """One line of what a capacity level's table row leaves out (the keys a level of `live_capacity` records; with
+    the run's per-stream records, `second_by_second` too)."""
     parts = level.get("ttfa_parts_p95_ms") or {}
     bits = []
     if parts:
@@ -90,6 +117,8 @@ def level_details(level: dict[str, Any]) -> str:
             f"{level['client_bound_stalled']} stalled streams only inside their own client's loop blocks"
             + (f" (stall-free less those {share:.1%})" if share is not None else "")
         )
+    if streams and (seconds := second_by_second(streams, level.get("n", -1))):
+        bits.append(seconds)
     return f"{level.get('n')} offered: " + "; ".join(bits)
 
 
@@ -135,7 +164,8 @@ def summarize_file(path: Path) -> str:
             agent = "turns" in data  # bench/agent_load.py's: sessions of turns
             rows = agent_table(data["levels"]) if agent else table(data["levels"])
             if not agent:
-                rows += "\n\n" + "\n".join(level_details(lv) for lv in data["levels"])
+                streams = data.get("streams") if isinstance(data.get("streams"), list) else None
+                rows += "\n\n" + "\n".join(level_details(lv, streams) for lv in data["levels"])
             command = capacity_command(data["config"], "bench/agent_load.py" if agent else "bench/live_capacity.py")
             return (
                 head + f"Capacity: **{data.get('capacity')}** {'voice-agent sessions' if agent else 'streams'}; "

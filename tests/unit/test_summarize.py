@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
+from typing import Any
 
 from bench.summarize import summarize_file
 
@@ -102,3 +103,22 @@ def test_iteration_profiles_summarize_as_one_table(tmp_path: Path):
     one.write_text(json.dumps(budget(64.0, 6.0, 0.3)))
     (row,) = summarize_file(one).split("```")[1].strip().splitlines()[1:]
     assert row.split()[0] == "64.0" and "5.0" in row.split()
+
+
+def test_a_storm_level_says_its_busiest_second_and_its_worst_queue_wait():
+    """A level's p95 can hide a burst: the per-stream records, binned by the second each was sent, give how many
+    were admitted a second and the worst second's queue wait (its p95). Refused and uncounted records are no
+    admissions; another level's records are not this one's."""
+    from bench.summarize import level_details, second_by_second
+
+    def rec(t: float, queue_ms: float, **kw: Any) -> dict[str, Any]:
+        return {"level": 384, "counted": True, "ok": True, "refused": False, "t_sent": t, "queue_ms": queue_ms} | kw
+
+    streams = [rec(s + i / 10, 10.0) for s in range(3) for i in range(10)]  # 10 a second, 10 ms each
+    streams += [rec(3 + i / 40, 20.0 * i) for i in range(40)]  # a burst of 40 in the fourth second, waiting 0-780 ms
+    streams += [rec(3.5, 5000.0, refused=True), rec(3.6, 5000.0, counted=False), rec(3.7, 5000.0, level=512)]
+    assert second_by_second(streams, 384) == (
+        "admitted a second: median 10, most 40; worst second's queue p95 760 ms (40 admitted in it)"
+    )
+    assert second_by_second(streams, 512) is None  # one record: too few to say
+    assert level_details({"n": 384}, streams).endswith("worst second's queue p95 760 ms (40 admitted in it)")
