@@ -14,7 +14,7 @@ then holds only what can still start in time: at full load an engine's own first
 budget (21 decode steps of ~10 ms), so the wait it leaves is short.
 
 Admitted conversations come first: a session already admitted is never refused again (its next sentence, its
-next turn), and while it is active (it has no utterance generating now, and its audio is still playing or it has
+next turn), and while it is active (it has no engine request open now, and its audio is still playing or it has
 hold credit left, earned by the audio it played: `Conversation`) the room its next utterance needs is held:
 newcomers see the engines' free room less those holds.
 
