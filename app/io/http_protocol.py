@@ -668,6 +668,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
+        if self.parser.get_method() == b"CONNECT":
+            # httptools takes every CONNECT for an upgrade, its head fed again to a parser that takes it for one again
+            # (`_ignore_upgrade`): it recursed until Python's limit, and the connection closed without an answer
+            self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "CONNECT: this server is no proxy")
+            raise HeadRefused
         if self.parser.should_upgrade() and self._should_upgrade():
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):

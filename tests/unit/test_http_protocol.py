@@ -469,6 +469,16 @@ def test_the_door_takes_an_h2c_request_for_the_request_it_is():
     assert got.startswith(b"HTTP/1.1 200 ") and BODY_HEARD[0] == BODY, (got, BODY_HEARD)
 
 
+def test_a_connect_is_refused_as_no_proxy_s_request():
+    """httptools takes every CONNECT for an upgrade: its head, fed again to a fresh parser as an ignored upgrade's is,
+    was taken for one again, and again, until Python's recursion limit (a traceback; the connection closed without an
+    answer). A CONNECT is refused at its head: 405, counted."""
+    for sent in (b"CONNECT /v1/voices HTTP/1.1\r\nHost: x\r\n\r\n", b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n"):
+        codes: list[str] = []
+        got = exchange(sent, on_head_refused=codes.append)
+        assert json_error(got) == (405, "method_not_allowed") and codes == ["method_not_allowed"], got
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
