@@ -587,6 +587,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         head = [b"%s %s HTTP/%s\r\n" % (self.parser.get_method(), self.url, version)]
         head += [b"%s: %s\r\n" % kv for kv in self.headers if kv[0] not in (b"upgrade", b"connection")]
         self.parser = httptools.HttpRequestParser(self)
+        # (as uvicorn's own: what a client sends after a request that closes the connection is ignored, not a 400 that
+        # closed the connection before the answers of the requests read before it were written)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self._replaying = True
         self._feed(b"".join(head) + b"\r\n" + rest)
 

@@ -479,6 +479,20 @@ def test_a_connect_is_refused_as_no_proxy_s_request():
         assert json_error(got) == (405, "method_not_allowed") and codes == ["method_not_allowed"], got
 
 
+def test_what_follows_an_h2c_request_is_parsed_as_what_follows_any_request():
+    """The fresh parser that reads what follows an h2c request ignores what a client sends after a request that closes
+    the connection (an HTTP/1.0 one, a `Connection: close`), as uvicorn's own parser does: it answered 400 to it, which
+    closed the connection before the answers to the requests read before it were written (the client got nothing)."""
+    h2c_get = b"GET /v1/voices HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n"
+    for pieces, answers in (
+        ([h2c_get.replace(b"HTTP/1.1", b"HTTP/1.0") + GET], 1),
+        ([h2c_get + GET_CLOSING + GET], 2),
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces), 30))
+        assert got.count(b"HTTP/1.1 200 ") == answers and got.count(b"HTTP/1.1 ") == answers, (pieces, got)
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
