@@ -406,7 +406,13 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             self.loop.call_soon(self._parse_waiting)
         if self.transport.get_write_buffer_size():  # its last bytes wait for the client
             self._arm_send_timer()
-        if cycle is not None and cycle.more_body and self._dropping is None and not self.transport.is_closing():
+        if (
+            cycle is not None
+            and cycle.response_complete  # (else `cycle` is a request pipelined behind the one answered: its body comes)
+            and cycle.more_body
+            and self._dropping is None
+            and not self.transport.is_closing()
+        ):
             # answered before its body was read (a 413 from the declared length, a refused upload): the rest of the
             # body is read and dropped, then the connection closes, at most --head-timeout-s from now. A client that
             # trickled such a body (a byte within each keep-alive timeout) held its connection as long as it liked,

@@ -493,6 +493,19 @@ def test_what_follows_an_h2c_request_is_parsed_as_what_follows_any_request():
         assert got.count(b"HTTP/1.1 200 ") == answers and got.count(b"HTTP/1.1 ") == answers, (pieces, got)
 
 
+def test_a_pipelined_request_s_body_split_across_reads_is_heard_whole():
+    """A request pipelined behind one being answered, its body not all read when that answer completes, was taken for
+    the answered request (uvicorn's `cycle` is the last request parsed): its body dropped as an answered request's,
+    then the connection closed (its route heard a disconnect, and the client got no answer to it)."""
+    for h2c in (b"", H2C):
+        post = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n" + h2c + b"Content-Length: %d\r\n\r\n" % len(BODY)
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app([GET + post + BODY[:3], BODY[3:] + GET_CLOSING]), 30))
+        assert got.count(b"HTTP/1.1 200 ") == 3, (h2c, got)
+        assert b"".join(x for x in BODY_HEARD if isinstance(x, bytes)) == BODY, BODY_HEARD
+        assert BODY_HEARD.count("complete") == 3, BODY_HEARD
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
