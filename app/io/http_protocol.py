@@ -406,7 +406,13 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             self.loop.call_soon(self._parse_waiting)
         if self.transport.get_write_buffer_size():  # its last bytes wait for the client
             self._arm_send_timer()
-        if cycle is not None and cycle.more_body and self._dropping is None and not self.transport.is_closing():
+        if (
+            cycle is not None
+            and cycle.response_complete  # (else `cycle` is a request pipelined behind the one answered: its body comes)
+            and cycle.more_body
+            and self._dropping is None
+            and not self.transport.is_closing()
+        ):
             # answered before its body was read (a 413 from the declared length, a refused upload): the rest of the
             # body is read and dropped, then the connection closes, at most --head-timeout-s from now. A client that
             # trickled such a body (a byte within each keep-alive timeout) held its connection as long as it liked,
@@ -587,6 +593,9 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         head = [b"%s %s HTTP/%s\r\n" % (self.parser.get_method(), self.url, version)]
         head += [b"%s: %s\r\n" % kv for kv in self.headers if kv[0] not in (b"upgrade", b"connection")]
         self.parser = httptools.HttpRequestParser(self)
+        # (as uvicorn's own: what a client sends after a request that closes the connection is ignored, not a 400 that
+        # closed the connection before the answers of the requests read before it were written)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
         self._replaying = True
         self._feed(b"".join(head) + b"\r\n" + rest)
 
@@ -668,6 +677,11 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self._disarm_head_timer()
         self._in_head = False
         self._head_gen += 1
+        if self.parser.get_method() == b"CONNECT":
+            # httptools takes every CONNECT for an upgrade, its head fed again to a parser that takes it for one again
+            # (`_ignore_upgrade`): it recursed until Python's limit, and the connection closed without an answer
+            self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "CONNECT: this server is no proxy")
+            raise HeadRefused
         if self.parser.should_upgrade() and self._should_upgrade():
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):

@@ -469,6 +469,43 @@ def test_the_door_takes_an_h2c_request_for_the_request_it_is():
     assert got.startswith(b"HTTP/1.1 200 ") and BODY_HEARD[0] == BODY, (got, BODY_HEARD)
 
 
+def test_a_connect_is_refused_as_no_proxy_s_request():
+    """httptools takes every CONNECT for an upgrade: its head, fed again to a fresh parser as an ignored upgrade's is,
+    was taken for one again, and again, until Python's recursion limit (a traceback; the connection closed without an
+    answer). A CONNECT is refused at its head: 405, counted."""
+    for sent in (b"CONNECT /v1/voices HTTP/1.1\r\nHost: x\r\n\r\n", b"CONNECT x:443 HTTP/1.1\r\nHost: x:443\r\n\r\n"):
+        codes: list[str] = []
+        got = exchange(sent, on_head_refused=codes.append)
+        assert json_error(got) == (405, "method_not_allowed") and codes == ["method_not_allowed"], got
+
+
+def test_what_follows_an_h2c_request_is_parsed_as_what_follows_any_request():
+    """The fresh parser that reads what follows an h2c request ignores what a client sends after a request that closes
+    the connection (an HTTP/1.0 one, a `Connection: close`), as uvicorn's own parser does: it answered 400 to it, which
+    closed the connection before the answers to the requests read before it were written (the client got nothing)."""
+    h2c_get = b"GET /v1/voices HTTP/1.1\r\nHost: x\r\n" + H2C + b"\r\n"
+    for pieces, answers in (
+        ([h2c_get.replace(b"HTTP/1.1", b"HTTP/1.0") + GET], 1),
+        ([h2c_get + GET_CLOSING + GET], 2),
+    ):
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app(pieces), 30))
+        assert got.count(b"HTTP/1.1 200 ") == answers and got.count(b"HTTP/1.1 ") == answers, (pieces, got)
+
+
+def test_a_pipelined_request_s_body_split_across_reads_is_heard_whole():
+    """A request pipelined behind one being answered, its body not all read when that answer completes, was taken for
+    the answered request (uvicorn's `cycle` is the last request parsed): its body dropped as an answered request's,
+    then the connection closed (its route heard a disconnect, and the client got no answer to it)."""
+    for h2c in (b"", H2C):
+        post = b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\n" + h2c + b"Content-Length: %d\r\n\r\n" % len(BODY)
+        BODY_HEARD.clear()
+        got = asyncio.run(asyncio.wait_for(served_by_body_app([GET + post + BODY[:3], BODY[3:] + GET_CLOSING]), 30))
+        assert got.count(b"HTTP/1.1 200 ") == 3, (h2c, got)
+        assert b"".join(x for x in BODY_HEARD if isinstance(x, bytes)) == BODY, BODY_HEARD
+        assert BODY_HEARD.count("complete") == 3, BODY_HEARD
+
+
 def most_heads_in_one_step(protocol_class: Any, n: int) -> tuple[int, int]:
     """A client that pipelines `n` small GETs in one send: (the most request heads parsed in one step of the event
     loop, the answers it got)."""
