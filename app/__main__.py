@@ -14,6 +14,8 @@ from engine.contract.cpus import gateway_cpus, pin, split_cpus
 from engine.contract.flags import add_flags, values
 from engine.contract.settings import EngineSettings, WeightSources, visible_gpus
 
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")  # what --devices, --device (or auto) and --dac-device take
+
 
 def parse_devices(p: argparse.ArgumentParser, value: str | None, gpus: int) -> list[str]:
     """--devices: a comma list of cpu / cuda / cuda:N (repeats allowed: two engines on one device), or
@@ -24,7 +26,7 @@ def parse_devices(p: argparse.ArgumentParser, value: str | None, gpus: int) -> l
         return [f"cuda:{i}" for i in range(gpus)] or ["cpu"]
     devices = [d.strip() for d in value.split(",") if d.strip()]
     for d in devices:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+        if not DEVICE_NAME.fullmatch(d):
             p.error(f"--devices: {d!r} is not cpu, cuda or cuda:N")
     if not devices:
         p.error("--devices needs at least one device")
@@ -93,9 +95,7 @@ def parse_args(argv: list[str] | None = None) -> GatewaySettings:
         p.error(f"--default-voices-dir {settings.default_voices_dir}: no such directory")
     # a name torch does not take started an engine that failed at once, restarted for ever behind a live gateway
     for name, device in (("--device", engine.device), ("--dac-device", engine.dac_device)):
-        if device is not None and not re.fullmatch(
-            r"cpu|cuda(:\d+)?" + ("|auto" if name == "--device" else ""), device
-        ):
+        if device is not None and not (DEVICE_NAME.fullmatch(device) or (name == "--device" and device == "auto")):
             p.error(f"{name}: {device!r} is not cpu, cuda or cuda:N")
     if devices and a.engine_device != "auto":
         p.error("give --device (one engine) or --devices (one engine per device), not both")

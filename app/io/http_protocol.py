@@ -682,10 +682,10 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
             # (`_ignore_upgrade`): it recursed until Python's limit, and the connection closed without an answer
             self._refuse(G.METHOD_NOT_ALLOWED.http_status, G.METHOD_NOT_ALLOWED, "CONNECT: this server is no proxy")
             raise HeadRefused
-        if self.parser.should_upgrade() and self._should_upgrade():
+        upgrade = self.parser.should_upgrade() and self._should_upgrade()  # a WebSocket's (h2c is ignored)
+        if upgrade:
             self._check_handshake()
         if self.door is not None and (self.cycle is None or self.cycle.response_complete):
-            upgrade = self.parser.should_upgrade() and self._should_upgrade()  # (a WebSocket's; h2c is ignored)
             refusal = self.door(self.parser.get_method(), self.url, upgrade, self.headers)
             if refusal is not None:
                 if upgrade or self.expect_100_continue:  # nothing follows the head (the body waits for a 100)
