@@ -603,8 +603,11 @@ def test_chromium_decodes_our_http_formats(page, fmt, stream):
     }""",
         [fmt, stream],
     )
-    expected = round(reply_frames([40, 40]) * 512 * 24000 / 44100)  # the second sentence continues the first
-    assert got[:2] == [200, 24000] and expected <= got[2] <= expected + (2048 if fmt == "aac" else 0), got
+    # the second sentence continues the first; or, when this server (the engine's default 40 ms grace) heard of it
+    # only after the first's held stream was flushed (CI's 2 busy cores), both are spoken whole, one after the other
+    lengths = [round(frames * 512 * 24000 / 44100) for frames in (reply_frames([40, 40]), 40 + 40)]
+    pad = 2048 if fmt == "aac" else 0  # ADTS decodes whole AAC frames
+    assert got[:2] == [200, 24000] and any(n <= got[2] <= n + pad for n in lengths), got
 
 
 # ---- the emotion sliders, shown when the server has emotion directions -----------------------------
