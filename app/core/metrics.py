@@ -68,7 +68,11 @@ class Metrics:
             registry=r,
         )
         self.requests = Counter(
-            "zonos_requests", "Utterances finished, by API and outcome (ok, error)", ["api", "outcome"], registry=r
+            "zonos_requests",
+            "Utterances that began to play, by API and how they ended: ok, error (failed after it started), cancelled "
+            "(cut before its end by a cancel, a barge-in, or its client gone)",
+            ["api", "outcome"],
+            registry=r,
         )
         self.ttfa = Histogram(
             "zonos_time_to_first_audio_seconds",
@@ -325,6 +329,12 @@ class Metrics:
         the first; a request refused before it was an utterance counts in the second alone)."""
         self.requests.labels(api, "error").inc()
         self.errors.labels(code).inc()
+
+    def utterance_cancelled(self, api: str) -> None:
+        """An utterance that had begun to play was cut before its end (app/core/pipeline.py
+        UtterancePipeline.cancel): a barge-in, or its client gone. Its `zonos_requests_total{outcome="cancelled"}`;
+        no error code (nothing went wrong on the server's side)."""
+        self.requests.labels(api, "cancelled").inc()
 
     def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
         """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""
