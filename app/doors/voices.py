@@ -21,6 +21,7 @@ from app.io.bodies import admit_body
 from app.io.checks import base64_payload, check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.voices.library import (
     Voice,
     VoiceError,
@@ -32,6 +33,8 @@ from app.voices.library import (
 )
 
 MAX_CLIPS = 8
+BLEND_FIELDS = frozenset({"a", "b", "t", "name"})  # POST /v1/voices/blend's JSON body
+RENAME_FIELDS = frozenset({"name"})  # PATCH /v1/voices/{id}'s
 FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
@@ -174,6 +177,7 @@ async def blend_voices(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     owner = _owner(request)
     data = await read_json(request, 65536)
+    check_fields(data, BLEND_FIELDS, G.BAD_PARAMS)
     t = data.get("t", 0.5)
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
         raise RequestError(G.BAD_BLEND, "t must be a number in [0, 1]")
@@ -214,6 +218,7 @@ async def voice_detail(request: Request) -> Response:
     owner = _owner(request)
     if request.method == "PATCH":
         data = await read_json(request, 4096)
+        check_fields(data, RENAME_FIELDS, G.BAD_PARAMS)
         return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
     if request.method == "DELETE":
         v = gw.voices.delete(ref, owner)
@@ -309,9 +314,7 @@ async def tts_cache_speaker(request: Request) -> Response:
         owner = _owner(request)
         sid = _tts_session(request, required=True)
         data = await read_json(request, gw.settings.limits.max_json_body_bytes)
-        unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
-        if unknown:
-            raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
+        check_fields(data, _SPEAKER_UPLOAD_FIELDS, G.BAD_PARAMS)
         audio = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
         emb = data.get("speaker_embedding_base64")
         if not audio and not emb:

@@ -4,6 +4,7 @@ non-object document is a coded RequestError, never a RecursionError or a 500."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from app.io.errors import RequestError
@@ -59,6 +60,15 @@ def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError(code, f"{what} must be a JSON object, not {_kind(data)}")
     return data
+
+
+def check_fields(data: dict[str, Any], allowed: Collection[str], code: str) -> None:
+    """The one rule on the keys of a client's JSON object: each must be one that `allowed` names, else
+    RequestError(code) naming the others. A misspelt field is refused, never left out silently (a blend's "weight"
+    for "t" was a blend at 0.5)."""
+    unknown = sorted(set(data).difference(allowed))
+    if unknown:
+        raise RequestError(code, f"unknown fields {unknown}")
 
 
 def _kind(value: Any) -> str:
