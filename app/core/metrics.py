@@ -108,8 +108,8 @@ class Metrics:
         self.door_refusals = Counter(
             "zonos_door_refusals",
             "New streams refused at the door before any of them was read: no engine "
-            "could start them within --max-queue-ms (app/core/admission.py), by where: at the connection's "
-            "request head (head) or in a route (app)",
+            "could start them within --max-queue-ms (engine_busy; app/core/admission.py) or the server drains "
+            "(shutting_down), by where: at the connection's request head (head) or in a route (app)",
             ["at"],
             registry=r,
         )

@@ -43,7 +43,7 @@ def _name_from_filename(filename: str) -> str:
     return derived_name(re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0])
 
 
-def text_field(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
+def string_or_none(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
     """A JSON field that names something (a voice name, a label, a file name): a string, or None when null
     or absent. Anything else (null's cousins true, 12, {}) is refused, never turned into "True" or "12"."""
     if value is None or isinstance(value, str):
@@ -185,7 +185,7 @@ async def blend_voices(request: Request) -> Response:
         raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
     assert a.embedding is not None and b.embedding is not None
-    given = text_field(data.get("name"), "name")
+    given = string_or_none(data.get("name"), "name")
     # a name the client gives is checked as everywhere else (too long is refused, never cut); the default
     # name is ours to fit
     name = validate_name(given) if given is not None else derived_name(f"{a.name} + {b.name}", "blend")
@@ -219,7 +219,7 @@ async def voice_detail(request: Request) -> Response:
     if request.method == "PATCH":
         data = await read_json(request, 4096)
         check_fields(data, RENAME_FIELDS, G.BAD_PARAMS)
-        return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
+        return JSONResponse(gw.voices.rename(ref, owner, string_or_none(data.get("name"), "name") or "").public())
     if request.method == "DELETE":
         v = gw.voices.delete(ref, owner)
         return JSONResponse({"deleted": v.id})
@@ -324,10 +324,10 @@ async def tts_cache_speaker(request: Request) -> Response:
                 G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both."
             )
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
-        file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        file_name = string_or_none(data.get(name_key), name_key, G.BAD_PARAMS) or None
         if file_name is not None:  # kept in the voice's details, written and answered as UTF-8 ever after
             check_text(file_name, name_key, G.BAD_PARAMS)
-        label = text_field(data.get("label"), "label", G.BAD_PARAMS)
+        label = string_or_none(data.get("label"), "label", G.BAD_PARAMS)
         label = validate_name(label) if label and label.strip() else None  # checked as every name is
         name = (
             label
