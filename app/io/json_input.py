@@ -62,13 +62,16 @@ def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
     return data
 
 
-def check_fields(data: dict[str, Any], allowed: Collection[str], code: str) -> None:
+def check_fields(
+    data: dict[str, Any], allowed: Collection[str], code: str, what: str = "fields", name_known: bool = False
+) -> None:
     """The one rule on the keys of a client's JSON object: each must be one that `allowed` names, else
-    RequestError(code) naming the others. A misspelt field is refused, never left out silently (a blend's "weight"
-    for "t" was a blend at 0.5)."""
+    RequestError(code, "unknown <what> [...]") naming the others (and, with `name_known`, those it takes). A misspelt
+    field is refused, never left out silently (a blend's "weight" for "t" was a blend at 0.5)."""
     unknown = sorted(set(data).difference(allowed))
     if unknown:
-        raise RequestError(code, f"unknown fields {unknown}")
+        known = f"; known: {sorted(allowed)}" if name_known else ""
+        raise RequestError(code, f"unknown {what} {unknown}{known}")
 
 
 def _kind(value: Any) -> str:
