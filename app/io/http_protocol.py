@@ -64,6 +64,7 @@ from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
 
 from app.io.errors import GatewayError as G
+from app.io.errors import error_body
 from app.io.read_slices import SlicedReads
 from app.settings import Limits
 from engine.contract.errors import EngineError as E
@@ -164,7 +165,7 @@ def _is_websocket_key(key: bytes) -> bool:
 def error_response(status: int, code: str, message: str, headers: bytes = b"", rid: str = "") -> bytes:
     """A complete HTTP/1.1 response, our JSON error shape, that closes the connection; `headers`: more header lines,
     each ending in CRLF; `rid`: its X-Request-ID (`request_id`: a new one when empty), as every response carries."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    body = json.dumps(error_body(code, message)).encode()
     return b"".join(
         [
             STATUS_LINE[status],
