@@ -34,7 +34,9 @@ from app.voices.library import (
 
 MAX_CLIPS = 8
 BLEND_FIELDS = frozenset({"a", "b", "t", "name"})  # POST /v1/voices/blend's JSON body
+BLEND_BODY_BYTES = 65536
 RENAME_FIELDS = frozenset({"name"})  # PATCH /v1/voices/{id}'s
+RENAME_BODY_BYTES = 4096
 FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
@@ -176,7 +178,7 @@ async def blend_voices(request: Request) -> Response:
     """JSON {a, b, t, name}: SLERP between two voices' embeddings."""
     gw: Gateway = request.app.state.gateway
     owner = _owner(request)
-    data = await read_json(request, 65536)
+    data = await read_json(request, BLEND_BODY_BYTES)
     check_fields(data, BLEND_FIELDS, G.BAD_PARAMS)
     t = data.get("t", 0.5)
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
@@ -217,7 +219,7 @@ async def voice_detail(request: Request) -> Response:
     ref = request.path_params["voice"]
     owner = _owner(request)
     if request.method == "PATCH":
-        data = await read_json(request, 4096)
+        data = await read_json(request, RENAME_BODY_BYTES)
         check_fields(data, RENAME_FIELDS, G.BAD_PARAMS)
         return JSONResponse(gw.voices.rename(ref, owner, string_or_none(data.get("name"), "name") or "").public())
     if request.method == "DELETE":
