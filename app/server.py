@@ -49,7 +49,7 @@ from app.io.audio_output import warm_outputs
 from app.io.auth import HostCheck, authorized, install_log_redaction, require_key
 from app.io.bodies import BodyBound
 from app.io.errors import GatewayError as G
-from app.io.errors import RequestError
+from app.io.errors import RequestError, error_body
 from app.io.http_protocol import request_id
 from app.settings import GatewaySettings
 from engine.contract.collector import freeze_startup_heap, log_long_pauses, report_pauses
@@ -96,7 +96,7 @@ def keyed(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Reque
 async def websocket_not_found(ws: WebSocket) -> None:
     """A WebSocket handshake on a path no socket serves: 404 in our JSON shape (Starlette's router closes it
     unaccepted, which the server answers with an empty 403)."""
-    await deny(ws, 404, {"error": {"code": G.NOT_FOUND, "message": f"no such WebSocket endpoint: {ws.url.path}"}})
+    await deny(ws, 404, error_body(G.NOT_FOUND, f"no such WebSocket endpoint: {ws.url.path}"))
 
 
 async def readyz(request: Request) -> Response:
@@ -114,7 +114,7 @@ _HTTP_CODES = {404: G.NOT_FOUND, 405: G.METHOD_NOT_ALLOWED}
 
 
 def json_error(code: str, message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+    return JSONResponse(error_body(code, message), status_code=status, headers=headers)
 
 
 async def request_error(request: Request, exc: Exception) -> Response:
@@ -308,8 +308,8 @@ def create_app(settings: GatewaySettings, link: ControlLink | None = None) -> St
         Route("/metrics", keyed(service.metrics)),
         Route("/v1/models", keyed(service.models)),
         Route("/tts/capabilities", service.capabilities),
-        SpeechRoute("/v1/audio/speech", openai_speech.openai_speech, speech.error_body),
-        SpeechRoute("/tts/generate", reference.tts_generate, speech.error_body),
+        SpeechRoute("/v1/audio/speech", openai_speech.openai_speech, error_body),
+        SpeechRoute("/tts/generate", reference.tts_generate, error_body),
         Route("/tts/speakers", voices.tts_list_speakers, methods=["GET"]),
         Route("/tts/speakers", voices.tts_cache_speaker, methods=["POST"]),
         Route("/tts/speakers/{speaker}/preview", voices.tts_speaker_preview, methods=["GET"]),

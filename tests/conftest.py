@@ -6,6 +6,7 @@ import contextlib
 import functools
 import os
 import platform
+import random
 import resource
 import signal
 import socket
@@ -206,9 +207,32 @@ def built_engines() -> Iterator[list]:
         yield engines
 
 
-def free_port() -> int:
-    with socket.socket() as s:
+def loopback_socket() -> socket.socket:
+    """A TCP socket bound on 127.0.0.1: to a port the OS picks, or, with ZONOS_TEST_PORTS=LO-HI set, to a free port
+    of that range (the tests of a machine shared with other work keep to the ports they were given). Every port a
+    test serves on comes from here."""
+    span = os.environ.get("ZONOS_TEST_PORTS", "").strip()
+    if not span:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
+        return s
+    lo, _, hi = span.partition("-")
+    ports = list(range(int(lo), int(hi or lo) + 1))
+    start = random.randrange(len(ports))  # two test workers rarely try the same port first
+    for port in ports[start:] + ports[:start]:
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            s.close()
+            continue
+        return s
+    raise RuntimeError(f"no free loopback port in ZONOS_TEST_PORTS={span}")
+
+
+def free_port() -> int:
+    """A loopback port free now (loopback_socket) for a server the test starts."""
+    with loopback_socket() as s:
         return s.getsockname()[1]
 
 

@@ -68,7 +68,11 @@ class Metrics:
             registry=r,
         )
         self.requests = Counter(
-            "zonos_requests", "Utterances finished, by API and outcome (ok, error)", ["api", "outcome"], registry=r
+            "zonos_requests",
+            "Utterances that began to play, by API and how they ended: ok, error (failed after it started), cancelled "
+            "(cut before its end by a cancel, a barge-in, or its client gone)",
+            ["api", "outcome"],
+            registry=r,
         )
         self.ttfa = Histogram(
             "zonos_time_to_first_audio_seconds",
@@ -104,8 +108,8 @@ class Metrics:
         self.door_refusals = Counter(
             "zonos_door_refusals",
             "New streams refused at the door before any of them was read: no engine "
-            "could start them within --max-queue-ms (app/core/admission.py), by where: at the connection's "
-            "request head (head) or in a route (app)",
+            "could start them within --max-queue-ms (engine_busy; app/core/admission.py) or the server drains "
+            "(shutting_down), by where: at the connection's request head (head) or in a route (app)",
             ["at"],
             registry=r,
         )
@@ -325,6 +329,12 @@ class Metrics:
         the first; a request refused before it was an utterance counts in the second alone)."""
         self.requests.labels(api, "error").inc()
         self.errors.labels(code).inc()
+
+    def utterance_cancelled(self, api: str) -> None:
+        """An utterance that had begun to play was cut before its end (app/core/pipeline.py
+        UtterancePipeline.cancel): a barge-in, or its client gone. Its `zonos_requests_total{outcome="cancelled"}`;
+        no error code (nothing went wrong on the server's side)."""
+        self.requests.labels(api, "cancelled").inc()
 
     def observe_utterance(self, api: str, stats: UtteranceStats) -> None:
         """One utterance played: its listener's time to first audio and real-time factor (app/core/pipeline.py)."""

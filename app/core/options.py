@@ -11,6 +11,7 @@ from typing import Any
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.voices.lexicons import Aliases
 from engine.contract.records import SamplingParams
 from engine.frontend.config import Zonos2Config, preset_params
@@ -133,9 +134,7 @@ def parse_options(
     params = params or {}
     if not isinstance(params, dict):
         raise RequestError(G.BAD_PARAMS, "params must be an object")
-    unknown = sorted(set(params) - PARAM_KEYS)
-    if unknown:
-        raise RequestError(G.BAD_PARAMS, f"unknown params {unknown}; known: {sorted(PARAM_KEYS)}")
+    check_fields(params, PARAM_KEYS, G.BAD_PARAMS, what="params", name_known=True)
     base = base or SynthesisOptions()
     sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
     cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})

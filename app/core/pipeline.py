@@ -330,6 +330,8 @@ class UtterancePipeline:
         if (after is None and context_id in (None, self._dry_ctx)) or (self.queue and self.queue[0] in dropped):
             self._dry_at = None
         for u in dropped:
+            if u.t_head is not None and u.silence_s is None and u.error is None and u.finish is None:
+                self.gw.metrics.utterance_cancelled(self.api)  # it began to play and will not end otherwise
             u.cancelled = True
             if u.stream is not None:
                 u.stream.cancel()

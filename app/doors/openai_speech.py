@@ -34,6 +34,7 @@ from app.io.auth import require_key
 from app.io.checks import check_sample_rate, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.voices.library import Voice
 
 # Every built-in voice name OpenAI's API lists (its SDK's `voice` literal). Each one is a library voice of
@@ -80,9 +81,7 @@ class SpeechRequest:
 async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: bool) -> SpeechRequest:
     """The body, checked whole. `streamed`: the client asked for a stream otherwise than in the body (the
     openai SDK's with_streaming_response)."""
-    unknown = sorted(set(data) - SPEECH_FIELDS)
-    if unknown:
-        raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
+    check_fields(data, SPEECH_FIELDS, G.BAD_PARAMS)
     text = text_field(data, "input", gw.settings.limits.max_http_chars)
     # null is the field left out, as it is for speed, instructions and stream (clients that serialize every field)
     data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}

@@ -21,6 +21,7 @@ from app.io.auth import require_key
 from app.io.checks import base64_payload, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.voices.library import Voice, parse_embedding_file, slerp
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import HISTORY
@@ -88,9 +89,7 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
     fade_ms = data.get("fade_out_ms") or 0.0
     if isinstance(fade_ms, bool) or not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= MAX_FADE_OUT_MS:
         raise RequestError(G.BAD_PARAMS, f"fade_out_ms must be in 0..{MAX_FADE_OUT_MS}")
-    unknown = sorted(set(data) - GENERATE_FIELDS)
-    if unknown:
-        raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
+    check_fields(data, GENERATE_FIELDS, G.BAD_PARAMS)
     p: dict[str, Any] = {}
     for ours, theirs in (
         ("temperature", "temperature"),

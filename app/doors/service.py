@@ -54,8 +54,6 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
-    gw.metrics.engine_restarts.set(gw.engine.restarts)
-    gw.metrics.engine_ready.set(1 if gw.engine.ready.is_set() else 0)
     report_pauses()  # the collector's pauses since the last scrape (engine/contract/collector.py)
     return PlainTextResponse(gw.metrics.render(), media_type="text/plain; version=0.0.4")
 

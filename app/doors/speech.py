@@ -26,7 +26,7 @@ from app.core.timestamps import AudioTimeline
 from app.io.audio_output import OutputFormat, encode
 from app.io.bodies import BodyBudget, admit_body, body_done
 from app.io.errors import GatewayError as G
-from app.io.errors import RequestError
+from app.io.errors import RequestError, error_body
 from app.io.json_input import parse_json_object
 from app.voices.library import Voice
 from engine.contract.constants import SAMPLE_RATE
@@ -34,11 +34,6 @@ from engine.contract.constants import SAMPLE_RATE
 ANSWER_COPIES = 2  # a whole answer's audio is in memory twice as it is finished: its parts and the joined file
 ANSWER_FIRST_BYTES = 1 << 20  # taken before any engine work, so that a full budget refuses an answer at once
 ANSWER_RETRY_AFTER_S = 5  # whole answers end as their audio is generated: seconds, not a request's reading
-
-
-def error_body(code: str, message: str, status: int = 0) -> dict[str, Any]:
-    """Our HTTP error body: {"error": {"code", "message"}}."""
-    return {"error": {"code": code, "message": message}}
 
 
 def error_response(e: RequestError, detail: bool = False) -> JSONResponse:

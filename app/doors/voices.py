@@ -21,6 +21,7 @@ from app.io.bodies import admit_body
 from app.io.checks import base64_payload, check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.voices.library import (
     Voice,
     VoiceError,
@@ -32,6 +33,10 @@ from app.voices.library import (
 )
 
 MAX_CLIPS = 8
+BLEND_FIELDS = frozenset({"a", "b", "t", "name"})  # POST /v1/voices/blend's JSON body
+BLEND_BODY_BYTES = 65536
+RENAME_FIELDS = frozenset({"name"})  # PATCH /v1/voices/{id}'s
+RENAME_BODY_BYTES = 4096
 FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
@@ -40,7 +45,7 @@ def _name_from_filename(filename: str) -> str:
     return derived_name(re.split(r"[\\/]", filename)[-1].rsplit(".", 1)[0])
 
 
-def text_field(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
+def string_or_none(value: object, key: str, code: str = G.BAD_NAME) -> str | None:
     """A JSON field that names something (a voice name, a label, a file name): a string, or None when null
     or absent. Anything else (null's cousins true, 12, {}) is refused, never turned into "True" or "12"."""
     if value is None or isinstance(value, str):
@@ -173,7 +178,8 @@ async def blend_voices(request: Request) -> Response:
     """JSON {a, b, t, name}: SLERP between two voices' embeddings."""
     gw: Gateway = request.app.state.gateway
     owner = _owner(request)
-    data = await read_json(request, 65536)
+    data = await read_json(request, BLEND_BODY_BYTES)
+    check_fields(data, BLEND_FIELDS, G.BAD_PARAMS)
     t = data.get("t", 0.5)
     if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
         raise RequestError(G.BAD_BLEND, "t must be a number in [0, 1]")
@@ -181,7 +187,7 @@ async def blend_voices(request: Request) -> Response:
         raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
     assert a.embedding is not None and b.embedding is not None
-    given = text_field(data.get("name"), "name")
+    given = string_or_none(data.get("name"), "name")
     # a name the client gives is checked as everywhere else (too long is refused, never cut); the default
     # name is ours to fit
     name = validate_name(given) if given is not None else derived_name(f"{a.name} + {b.name}", "blend")
@@ -213,8 +219,9 @@ async def voice_detail(request: Request) -> Response:
     ref = request.path_params["voice"]
     owner = _owner(request)
     if request.method == "PATCH":
-        data = await read_json(request, 4096)
-        return JSONResponse(gw.voices.rename(ref, owner, text_field(data.get("name"), "name") or "").public())
+        data = await read_json(request, RENAME_BODY_BYTES)
+        check_fields(data, RENAME_FIELDS, G.BAD_PARAMS)
+        return JSONResponse(gw.voices.rename(ref, owner, string_or_none(data.get("name"), "name") or "").public())
     if request.method == "DELETE":
         v = gw.voices.delete(ref, owner)
         return JSONResponse({"deleted": v.id})
@@ -309,9 +316,7 @@ async def tts_cache_speaker(request: Request) -> Response:
         owner = _owner(request)
         sid = _tts_session(request, required=True)
         data = await read_json(request, gw.settings.limits.max_json_body_bytes)
-        unknown = sorted(set(data) - _SPEAKER_UPLOAD_FIELDS)
-        if unknown:
-            raise RequestError(G.BAD_PARAMS, f"unknown fields {unknown}")
+        check_fields(data, _SPEAKER_UPLOAD_FIELDS, G.BAD_PARAMS)
         audio = data.get("speaker_audio_base64") or data.get("speaker_wav_base64")
         emb = data.get("speaker_embedding_base64")
         if not audio and not emb:
@@ -321,10 +326,10 @@ async def tts_cache_speaker(request: Request) -> Response:
                 G.BAD_PARAMS, "Provide either a reference audio file or a saved embedding file, not both."
             )
         name_key = "speaker_audio_name" if audio else "speaker_embedding_name"
-        file_name = text_field(data.get(name_key), name_key, G.BAD_PARAMS) or None
+        file_name = string_or_none(data.get(name_key), name_key, G.BAD_PARAMS) or None
         if file_name is not None:  # kept in the voice's details, written and answered as UTF-8 ever after
             check_text(file_name, name_key, G.BAD_PARAMS)
-        label = text_field(data.get("label"), "label", G.BAD_PARAMS)
+        label = string_or_none(data.get("label"), "label", G.BAD_PARAMS)
         label = validate_name(label) if label and label.strip() else None  # checked as every name is
         name = (
             label

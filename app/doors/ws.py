@@ -29,6 +29,7 @@ from app.io.bodies import BodyLedger
 from app.io.checks import base64_payload, check_context_id, check_flag, check_sample_rate
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.json_input import check_fields
 from app.io.query_input import query_int
 from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError
@@ -226,9 +227,7 @@ class Session(StreamingSession):
 
     @staticmethod
     def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:
-        unknown = sorted(set(data) - allowed - {"type"})
-        if unknown:
-            raise RequestError(G.BAD_MESSAGE, f"unknown fields {unknown}")
+        check_fields(data, allowed | {"type"}, G.BAD_MESSAGE)
 
     @staticmethod
     def _context(data: dict[str, Any], allow_none: bool = False) -> str | None:

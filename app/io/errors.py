@@ -9,6 +9,7 @@ the WebSocket layers send `RequestError.code` in their dialect's shape (app/core
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
 from engine.contract.errors import EngineError
 
@@ -122,6 +123,14 @@ def http_status(code: str) -> int:
         except ValueError:
             continue
     return 400
+
+
+def error_body(code: str, message: str, status: int = 0) -> dict[str, Any]:
+    """Our JSON error shape, {"error": {"code", "message"}}, built here alone: every HTTP answer of ours (the routes',
+    Starlette's 404 and 405, the request head's refusals in app/io/http_protocol.py, a WebSocket's HTTP denial).
+    `status` is unused: the signature of a SessionRoute's / SpeechRoute's refusal body (app/server.py), which a
+    dialect's shape may need."""
+    return {"error": {"code": code, "message": message}}
 
 
 class RequestError(ValueError):

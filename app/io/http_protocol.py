@@ -64,6 +64,7 @@ from websockets.exceptions import InvalidHeaderFormat
 from websockets.headers import parse_subprotocol
 
 from app.io.errors import GatewayError as G
+from app.io.errors import error_body
 from app.io.read_slices import SlicedReads
 from app.settings import Limits
 from engine.contract.errors import EngineError as E
@@ -161,10 +162,10 @@ def _is_websocket_key(key: bytes) -> bool:
         return False
 
 
-def error_response(status: int, code: str, message: str, headers: bytes = b"", rid: str = "") -> bytes:
+def raw_error_response(status: int, code: str, message: str, headers: bytes = b"", rid: str = "") -> bytes:
     """A complete HTTP/1.1 response, our JSON error shape, that closes the connection; `headers`: more header lines,
     each ending in CRLF; `rid`: its X-Request-ID (`request_id`: a new one when empty), as every response carries."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    body = json.dumps(error_body(code, message)).encode()
     return b"".join(
         [
             STATUS_LINE[status],
@@ -466,13 +467,13 @@ class BoundedHttpToolsProtocol(SlicedReads, HttpToolsProtocol):
         self.logger.debug("refused a request head (%s): %s %s", rid, status, message)
         cycle = self.cycle
         if cycle is None or cycle.response_complete:  # (mid-response, a pipelined head is just closed)
-            self.transport.write(error_response(status, code, message, headers, rid))
+            self.transport.write(raw_error_response(status, code, message, headers, rid))
         elif not cycle.response_started and cycle.more_body:
             # this request's own body does not parse (a chunk size that is not hex, or past any bound) or ended early:
             # answered, not just closed. Its route, still reading the body, hears a disconnect and answers nothing
             cycle.disconnected = True
             cycle.message_event.set()
-            self.transport.write(error_response(status, code, message, headers, rid))
+            self.transport.write(raw_error_response(status, code, message, headers, rid))
         self.transport.close()
 
     def send_400_response(self, msg: str) -> None:

@@ -4,6 +4,7 @@ non-object document is a coded RequestError, never a RecursionError or a 500."""
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from typing import Any
 
 from app.io.errors import RequestError
@@ -59,6 +60,18 @@ def parse_json_object(raw: str | bytes, code: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise RequestError(code, f"{what} must be a JSON object, not {_kind(data)}")
     return data
+
+
+def check_fields(
+    data: dict[str, Any], allowed: Collection[str], code: str, what: str = "fields", name_known: bool = False
+) -> None:
+    """The one rule on the keys of a client's JSON object: each must be one that `allowed` names, else
+    RequestError(code, "unknown <what> [...]") naming the others (and, with `name_known`, those it takes). A misspelt
+    field is refused, never left out silently (a blend's "weight" for "t" was a blend at 0.5)."""
+    unknown = sorted(set(data).difference(allowed))
+    if unknown:
+        known = f"; known: {sorted(allowed)}" if name_known else ""
+        raise RequestError(code, f"unknown {what} {unknown}{known}")
 
 
 def _kind(value: Any) -> str:

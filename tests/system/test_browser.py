@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from engine.frontend.longform import reply_frames
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -55,17 +55,11 @@ CHROMIUM_ARGS = [
 TIMEOUT_MS = 30_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def gateway(tmp_path_factory, *extra: str) -> Iterator[str]:
     """A real `python -m app` on a free loopback port with its own data dir (tiny random CPU model)."""
     data = tmp_path_factory.mktemp("browser-data")
-    port = _free_port()
+    port = free_port()
     log = data.parent / f"browser-server-{port}.log"
     device = os.environ.get("ZONOS_BROWSER_TEST_DEVICE", "cpu")
     cmd = [sys.executable, "-m", "app", "--port", str(port), "--data-dir", str(data), "--device", device, *extra]
@@ -385,7 +379,7 @@ def reference_setup(reference_page, tmp_path_factory) -> Iterator[tuple[str, str
     import threading
 
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(reference_page))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     page_origin = f"http://127.0.0.1:{httpd.server_address[1]}"
     voices = tmp_path_factory.mktemp("reference-voices")

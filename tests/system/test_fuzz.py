@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from app.core.options import PARAM_KEYS
 from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
 from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
+from app.doors.voices import BLEND_FIELDS, RENAME_FIELDS
 from engine.contract.records import FIRST_SAMPLES_MAX
 from tests.conftest import ONE_SLOT
 
@@ -611,6 +612,34 @@ def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
         assert isinstance(name, str) and after == name.strip(), (name, after)
     else:
         assert after == before, (name, before, after)
+
+
+@FUZZ_SMALL
+@given(
+    extra=st.dictionaries(
+        st.sampled_from(["weight", "T", "name", "t", "a", "voice", ""]) | st.text(max_size=8), anything, max_size=3
+    )
+)
+@example(extra={"weight": 0.2})
+@example(extra={"t": 0.25, "name": "Fuzz blend"})  # no unknown field: served
+def test_fuzz_voice_json_bodies_name_their_unknown_fields(fuzz_server, voices, extra):
+    """The voice library's JSON bodies (a blend's {a, b, t, name}, a rename's {name}) refuse a field they do not take
+    with bad_params naming it (app/io/json_input.py check_fields): a blend's misspelt "weight" was a blend at 0.5."""
+    url, vid = fuzz_server.url, voices["Renamed"]
+    js = {"content-type": "application/json"}
+    blend_body = {"a": vid, "b": vid, "t": 0.5} | extra
+    patch_body = {"name": "Renamed"} | extra
+    for path, send, body, fields in (
+        ("/v1/voices/blend", httpx.post, blend_body, BLEND_FIELDS),
+        (f"/v1/voices/{vid}", httpx.patch, patch_body, RENAME_FIELDS),
+    ):
+        r = send(url + path, content=json.dumps(body), headers=js, timeout=60)
+        check_json_http(r)
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            assert r.status_code == 400, (body, r.text)
+            assert r.json()["error"] == {"code": "bad_params", "message": f"unknown fields {unknown}"}, r.text
+    httpx.patch(url + f"/v1/voices/{vid}", json={"name": "Renamed"}, timeout=60)  # as the other tests found it
 
 
 def check_json_http(r: httpx.Response) -> None:

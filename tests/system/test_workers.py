@@ -20,7 +20,7 @@ import websockets
 
 from engine.contract.cpus import format_cpu_list
 from engine.contract.segments import _SHM_DIR
-from tests.conftest import ROOT, ServerProcess
+from tests.conftest import ROOT, ServerProcess, loopback_socket
 
 pytestmark = pytest.mark.slow
 
@@ -460,10 +460,7 @@ def test_a_death_is_handled_while_another_process_waits_out_its_restart_delay(tm
 def test_a_port_in_use_is_one_clear_error_before_any_serving_line(tmp_path, workers):
     """The gateway binds its port before it says where it serves: a port another program holds ends it at once
     with exit code 3 and the reason, one process or several, and no "serving on" line that was never true."""
-    import socket
-
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+    with loopback_socket() as taken:
         taken.listen(1)
         port = taken.getsockname()[1]
         out = subprocess.run(

@@ -75,3 +75,39 @@ def test_model_constants_are_written_in_one_module():
         if written.search(line.split("#")[0])
     ]
     assert not found, found
+
+
+# docs/architecture.md: "Imports run one way: doors → core → voices, io → settings and engine/contract, engine/frontend.
+# One exception: voices/lexicons.py imports core/style_tags.py inside `_rule`." Each folder of app/ and what it may
+# import of app/ (the top-level modules, server.py, workers.py, __main__.py, import anything).
+LAYERS = {
+    "doors": {"doors", "core", "voices", "io", "settings"},
+    "core": {"core", "voices", "io", "settings"},
+    "voices": {"voices", "io", "settings"},
+    "io": {"io", "settings"},
+}
+IMPORT_EXCEPTIONS = {("voices/lexicons.py", "core")}
+
+
+def test_the_gateway_s_folders_import_one_way():
+    import ast
+
+    wrong = []
+    for folder, allowed in LAYERS.items():
+        for path in sorted((ROOT / "app" / folder).rglob("*.py")):
+            rel = str(path.relative_to(ROOT / "app"))
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0
+                    else []
+                )
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] != "app" or len(parts) == 1 or parts[1] in allowed:
+                        continue
+                    if (rel, parts[1]) not in IMPORT_EXCEPTIONS:
+                        wrong.append(f"app/{rel}:{node.lineno} imports {name}")
+    assert not wrong, "docs/architecture.md's one way:\n" + "\n".join(wrong)

@@ -311,6 +311,21 @@ def test_every_error_code_is_documented(code: GatewayError | EngineError) -> Non
     assert any(re.search(rf"`{re.escape(code.value)}`", text(n)) for n in where), f"no doc of {where} names `{code}`"
 
 
+def metric_names() -> list[str]:
+    """Every metric the gateway exports, as Prometheus names it (a counter's family without `_total`)."""
+    from app.core.metrics import Metrics
+
+    return sorted({m.name for m in Metrics().registry.collect()})
+
+
+@pytest.mark.parametrize("name", metric_names())
+def test_every_metric_is_documented(name: str) -> None:
+    """An operator finds each metric /metrics exports in a user doc: by its name, or, for an engine's gauges
+    (docs/scaling.md), as `..._<rest>` after the unlabelled gauge it repeats."""
+    short = "..." + name.removeprefix("zonos_engine") if name.endswith("_by_engine") else None
+    assert any(name in text(n) or (short and short in text(n)) for n in USER_DOCS), f"no user doc names {name}"
+
+
 def outside_parentheses(s: str) -> str:
     while (t := re.sub(r"\([^()]*\)", "", s)) != s:
         s = t

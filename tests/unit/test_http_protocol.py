@@ -22,7 +22,7 @@ from uvicorn.server import ServerState
 from app.io.http_protocol import PIPELINE_AHEAD, SEND_MIN_RATE, DoorAnswer, bounded_protocol, connection_cap
 from app.io.read_slices import READ_SLICE
 from app.settings import Limits
-from tests.conftest import ROOT
+from tests.conftest import ROOT, loopback_socket
 from tests.protocols import served
 
 UPGRADE = (
@@ -204,7 +204,8 @@ def test_a_client_gone_during_the_hold_is_not_answered():
     async def go() -> Any:
         protocol_class = bounded_protocol(5.0, 5.0, lambda method, url, upgrade, headers: DoorAnswer(ANSWER, 600.0))
         config = _config(protocol_class)
-        with socket.create_server(("127.0.0.1", 0)) as listener:
+        with loopback_socket() as listener:
+            listener.listen()
             client_end = socket.create_connection(listener.getsockname())
             server_end, _ = listener.accept()
         protocol = protocol_class(config=config, server_state=ServerState(), app_state={})
@@ -953,7 +954,8 @@ def trickled(read_bytes: int, every_s: float, send_timeout_s: float, min_rate: f
         protocol_class = bounded_protocol(600.0, send_timeout_s, send_min_rate=min_rate)
         config = uvicorn.Config(big_app, http=protocol_class, log_level="warning")
         config.load()
-        with socket.create_server(("127.0.0.1", 0)) as listener:
+        with loopback_socket() as listener:
+            listener.listen()
             client_end = socket.socket()
             client_end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (before connecting: its window)
             client_end.connect(listener.getsockname())

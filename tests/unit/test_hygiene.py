@@ -130,3 +130,30 @@ def test_the_suite_s_math_library_threads_never_spin():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "GOMP_SPINCOUNT = '0'" in proc.stderr, proc.stderr[-3000:]
     assert "openblas threads [1]" in proc.stdout, proc.stdout  # numpy's OpenBLAS (scipy-openblas)
+
+
+def test_every_port_a_test_binds_is_of_its_range(monkeypatch):
+    """ZONOS_TEST_PORTS=LO-HI keeps the suite's servers and listeners on the ports it was given (a machine shared
+    with other work); a binding of port 0 elsewhere in the suite would escape it."""
+    from tests.conftest import free_port, loopback_socket
+
+    with loopback_socket() as probe:  # a port free now (of the suite's own range, if it has one)
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("ZONOS_TEST_PORTS", f"{port}-{port}")
+    with loopback_socket() as a:
+        assert a.getsockname()[1] == port
+        try:
+            loopback_socket()
+        except RuntimeError as e:
+            assert "ZONOS_TEST_PORTS" in str(e)
+        else:
+            raise AssertionError("a second socket was bound in a range of one port")
+    assert free_port() == port
+    offenders = [
+        f"{path.relative_to(TESTS)}:{n}"
+        for path in sorted(TESTS.rglob("*.py"))
+        if path.name not in ("conftest.py", "test_hygiene.py")
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"""["']127\.0\.0\.1["'],\s*0\)""", line)
+    ]
+    assert not offenders, "bind through tests/conftest.py loopback_socket / free_port:\n" + "\n".join(offenders)

@@ -1669,3 +1669,54 @@ def test_a_new_turn_starts_a_new_player():
 
     assert asyncio.run(go(end_turn=False)) == 1.0  # the same turn: a stall at the join
     assert asyncio.run(go(end_turn=True)) is None  # a new turn: nothing counted
+
+
+def _requests(gw: Any, api: str, outcome: str) -> float | None:
+    return gw.metrics.registry.get_sample_value("zonos_requests_total", {"api": api, "outcome": outcome})
+
+
+def test_a_barge_in_counts_the_utterance_playing_as_cancelled_and_not_those_still_queued():
+    """`zonos_requests_total{outcome="cancelled"}`: the utterance that had begun to play when the cancel came; the
+    sentences queued behind it never played, so they are not requests of any outcome."""
+
+    async def go() -> Any:
+        session, ws, engine, task = await open_session()
+        ws.send(type="text", text="One. Two. Three.", flush=True)
+        stream = await engine.started(1)
+        engine.play(stream, samples=44100, finish=False)
+        async with asyncio.timeout(TIMEOUT):  # the first utterance is playing
+            while not any(lane.pipe._dry_at for lane in session.lanes.values()):
+                await asyncio.sleep(0.01)
+        ws.send(type="cancel")
+        await ws.until("cancelled")
+        await shut(ws, task)
+        return session.gw
+
+    gw = asyncio.run(go())
+    assert _requests(gw, "ws", "cancelled") == 1.0
+    assert _requests(gw, "ws", "ok") is None and _requests(gw, "ws", "error") is None
+
+
+def test_an_http_client_gone_mid_audio_counts_its_utterance_cancelled_and_one_played_out_ok():
+    async def gone() -> Any:
+        gw = fake_gateway()
+        pcm = speak(gw, "openai", "One. Two.", SynthesisOptions(), None, None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(pcm))
+        FakeEngine.play(await gw.fake.started(1), finish=False)
+        await first
+        await pcm.aclose()  # the client hung up
+        return gw
+
+    async def played() -> Any:
+        gw = fake_gateway()
+        pcm = speak(gw, "openai", "One.", SynthesisOptions(), None, None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(pcm))
+        FakeEngine.play(await gw.fake.started(1))
+        await first
+        async for _ in pcm:
+            pass
+        return gw
+
+    cut, whole = asyncio.run(gone()), asyncio.run(played())
+    assert _requests(cut, "openai", "cancelled") == 1.0 and _requests(cut, "openai", "ok") is None
+    assert _requests(whole, "openai", "ok") == 1.0 and _requests(whole, "openai", "cancelled") is None

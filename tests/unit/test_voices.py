@@ -715,6 +715,8 @@ def test_a_blend_of_opposite_voices_is_a_clear_error_on_every_api(server):
         ({"a": "tv blend A"}, 400, "bad_blend"),
         ({"a": "tv blend A", "b": "no such voice"}, 404, "unknown_voice"),
         ({"a": "tv blend A", "b": "tv blend B", "name": "bad/name"}, 400, "bad_name"),
+        # a misspelt field is refused, not left out: "weight" for "t" made a blend at 0.5
+        ({"a": "tv blend A", "b": "tv blend B", "weight": 0.2}, 400, "bad_params"),
     ],
 )
 def test_bad_blends(server, body, status, code):
@@ -738,6 +740,9 @@ def test_rename_delete_and_reuse_the_name(server):
     assert httpx.get(server.url + "/v1/voices/tv rename me").status_code == 404
     r = httpx.patch(server.url + "/v1/voices/tv renamed", json={"name": "a|b"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_name"
+    # a misspelt field names itself (it was a bad_name about the name it had not given)
+    r = httpx.patch(server.url + "/v1/voices/tv renamed", json={"nmae": "tv other"})
+    assert r.status_code == 400 and r.json()["error"] == {"code": "bad_params", "message": "unknown fields ['nmae']"}
     assert pcm(server, "tv renamed")  # usable by its new name
 
     assert httpx.delete(server.url + "/v1/voices/tv renamed").json() == {"deleted": v["id"]}
