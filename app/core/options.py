@@ -138,15 +138,14 @@ def parse_options(
     base = base or SynthesisOptions()
     sampling = SamplingParams(**{k: getattr(base.sampling, k) for k in SamplingParams.__dataclass_fields__})
     cond = Conditioning(**{k: getattr(base.cond, k) for k in Conditioning.__dataclass_fields__})
-    opts = SynthesisOptions(
-        sampling,
-        cond,
-        base.max_frames,
-        base.ignore_eos,
-        base.language,
-        base.text_normalization,
-        dataclasses.replace(base.long_form),
-        dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)),
+    # every option the params do not set is base's (a session's pronunciation rules too: a field listed here one by one
+    # was left at its default, and a session.config with `params` alone dropped the `lexicon` an earlier one set)
+    opts = dataclasses.replace(
+        base,
+        sampling=sampling,
+        cond=cond,
+        long_form=dataclasses.replace(base.long_form),
+        emotion=dataclasses.replace(base.emotion, sliders=dict(base.emotion.sliders)),
     )
 
     for key, kind in _SAMPLING_KEYS.items():

@@ -1,7 +1,7 @@
 """The docs say what the code does: every flag, route, message, params key and error code they name exists, the
 ones that exist are written down where a user looks, the commands they show name real scripts and flags, and
-their links resolve. docs/benchmarks.md, docs/changelog.md and docs/bench-summaries/ record measurements of past
-builds and are left out."""
+their links resolve; every file and symbol the contributing guide names exists. docs/benchmarks.md,
+docs/changelog.md and docs/bench-summaries/ record measurements of past builds and are left out."""
 
 from __future__ import annotations
 
@@ -28,6 +28,10 @@ USER_DOCS = [
     "README.md",
     *(f"docs/{n}.md" for n in ("architecture", "clients", "dialects", "protocol", "reliability", "scaling")),
 ]
+# the contributor's guide: checked as the user docs are (flags, paths, links, sections), and every file and symbol
+# it names exists; it documents no flag, code or metric for a user (those checks read USER_DOCS alone)
+CONTRIBUTING = "docs/contributing.md"
+CHECKED_DOCS = [*USER_DOCS, CONTRIBUTING]
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
 
@@ -40,9 +44,9 @@ def prose(name: str) -> str:
     return re.sub(r"\s+", " ", text(name))
 
 
-def test_the_user_docs_are_every_doc_but_the_measurements() -> None:
+def test_the_checked_docs_are_every_doc_but_the_measurements() -> None:
     docs = {str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")} | {"README.md"}
-    assert docs - set(USER_DOCS) == {"docs/benchmarks.md", "docs/changelog.md"}
+    assert docs - set(CHECKED_DOCS) == {"docs/benchmarks.md", "docs/changelog.md"}
 
 
 # ---- flags -----------------------------------------------------------------------------------------------------
@@ -76,12 +80,14 @@ TOOLS: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"ray start"), "ray"),
     (re.compile(r"http\.server"), "http.server"),
     (re.compile(r"\bcurl\b"), "curl"),
+    (re.compile(r"\bruff\b"), "ruff"),
 ]
 OUTSIDE = {
     "scripts/test": {"--fast", "--dist"},  # its own switch; pytest-xdist's (the docs quote -n 2 --dist loadfile)
     "ray": {"--head", "--address"},
     "http.server": {"--directory"},
     "curl": {"--http2"},  # docs/reliability.md: what such a client sends
+    "ruff": {"--check"},  # `ruff format --check .`: docs/contributing.md's check before a commit
 }
 
 
@@ -139,7 +145,7 @@ def flag_uses(name: str) -> list[tuple[str, frozenset[str], str]]:
     return uses
 
 
-@pytest.mark.parametrize("name", USER_DOCS)
+@pytest.mark.parametrize("name", CHECKED_DOCS)
 def test_every_flag_a_doc_names_exists_in_its_tool(name: str) -> None:
     wrong = [f"{flag}: ...{context}..." for flag, known, context in flag_uses(name) if flag not in known]
     assert not wrong, f"{name} names flags its tool does not have:\n" + "\n".join(wrong)
@@ -178,7 +184,7 @@ def number(text: str, unit: str | None) -> float:
     return float(re.sub(r"[ ,]", "", text)) * UNITS.get(unit or "", 1)
 
 
-@pytest.mark.parametrize("name", USER_DOCS)
+@pytest.mark.parametrize("name", CHECKED_DOCS)
 def test_a_default_a_doc_gives_a_flag_is_its_default(name: str) -> None:
     """ "`--continuation-grace-ms` (40 ms)", "`--stitch-ttl-s`, 600 s", "`--stitch-bytes` (4 MiB)": the parser's."""
     wrong = []
@@ -234,7 +240,7 @@ def test_every_route_a_doc_names_is_served(tmp_path: Path) -> None:
     served = [re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(p)) + "$") for p in paths if "{path:" not in p]
     named = {
         m.rstrip(".").rstrip("/")
-        for n in USER_DOCS
+        for n in CHECKED_DOCS
         for m in re.findall(r"(?<![\w.:/-])(/(?:v1|tts|healthz|readyz|metrics)[\w/{}.-]*)", text(n))
     }
     assert len(named) > 20
@@ -357,7 +363,7 @@ def test_the_protocol_doc_gives_each_engine_code_its_http_status() -> None:
 
 
 # ---- commands, paths, links ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", USER_DOCS)
+@pytest.mark.parametrize("name", CHECKED_DOCS)
 def test_every_repository_path_a_doc_names_exists(name: str) -> None:
     paths = re.findall(r"(?<![\w/.-])((?:app|engine|bench|tests|scripts|deploy|docs|\.ci)/[\w./-]*[\w/])", text(name))
     missing = sorted({p for p in paths if not (ROOT / p).exists()})
@@ -366,9 +372,8 @@ def test_every_repository_path_a_doc_names_exists(name: str) -> None:
 
 def test_the_scripts_the_docs_run_are_executable() -> None:
     """`scripts/serve`, `deploy/setup-ray.sh`, `.ci/run`: run as the docs write them, not through bash."""
-    named = {
-        p for n in USER_DOCS for p in re.findall(r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b", text(n))
-    }
+    script = r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b"
+    named = {p for n in CHECKED_DOCS for p in re.findall(script, text(n))}
     assert {"scripts/serve", "scripts/test", "deploy/setup-ray.sh"} <= named
     assert not [p for p in named if not os.access(ROOT / p, os.X_OK)]
 
@@ -386,7 +391,7 @@ def anchors(name: str) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("name", USER_DOCS)
+@pytest.mark.parametrize("name", CHECKED_DOCS)
 def test_every_link_resolves(name: str) -> None:
     bad = []
     for link in re.findall(r"\]\(([^)\s]+)\)", text(name)):
@@ -402,7 +407,7 @@ def test_every_link_resolves(name: str) -> None:
     assert not bad, f"{name}: links that do not resolve: {bad}"
 
 
-@pytest.mark.parametrize("name", USER_DOCS)
+@pytest.mark.parametrize("name", CHECKED_DOCS)
 def test_every_section_a_doc_cites_by_name_exists(name: str) -> None:
     """`docs/reliability.md, "Shutting down"`: a heading, or a paragraph's bold lead, of that doc."""
     bad = []
@@ -413,3 +418,122 @@ def test_every_section_a_doc_cites_by_name_exists(name: str) -> None:
         if not any(re.sub(r"\s+", " ", h).lower().startswith(title.lower().rstrip(".")) for h in leads):
             bad.append(f"{doc} {title!r}")
     assert not bad, f"{name} cites sections that do not exist: {bad}"
+
+
+# ---- the contributing guide: every file and symbol it names ----------------------------------------------------
+# A code span that is a repository file (`app/core/options.py`, `pyproject.toml`), optionally with a symbol
+# (`app/core/options.py:parse_options`, `app/core/session.py:StreamingSession.render_error`, a test as
+# `tests/unit/test_docs.py::test_x`, a shell variable as `bench/device_env.sh:GPU_TESTS`); or a bare class or
+# one of its members (`SubmitRequest`, `SamplingParams.validate`): some module of app/ or engine/ defines it.
+FILE_SPAN = re.compile(
+    r"(?P<path>(?:app|engine|bench|tests|scripts|deploy|docs|\.ci)/[\w./-]*[\w/]|[\w-]+\.(?:md|toml|py))"
+    r"(?:::?(?P<symbol>[A-Za-z_]\w*(?:\.\w+)*))?"
+)
+CLASS_SPAN = re.compile(r"[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*(?:\.\w+)*")
+SOURCE_FOLDERS = ("app", "engine")  # where a bare class is looked for
+
+
+@cache
+def module(path: str) -> ast.Module:
+    return ast.parse(text(path))
+
+
+def members(node: ast.AST) -> dict[str, ast.AST]:
+    """The names a module or class body defines (functions, classes, assignments, annotated fields; a class's
+    instance attributes too, `self.x = ...` in its methods)."""
+    out: dict[str, ast.AST] = {}
+    for n in getattr(node, "body", []):
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            out[n.name] = n
+        elif isinstance(n, ast.Assign | ast.AnnAssign | ast.AugAssign):
+            targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+            for t in targets:
+                for name in ast.walk(t):
+                    if isinstance(name, ast.Name):
+                        out.setdefault(name.id, n)
+    if isinstance(node, ast.ClassDef):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Assign | ast.AnnAssign):
+                for t in n.targets if isinstance(n, ast.Assign) else [n.target]:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                        out.setdefault(t.attr, n)
+    return out
+
+
+def defines(path: str, symbol: str) -> bool:
+    """Whether `path` defines `symbol`: a dotted name through a Python module's classes, or a word of any other file
+    (a shell variable, a pyproject key)."""
+    if not path.endswith(".py"):
+        return re.search(rf"(?<![\w-]){re.escape(symbol)}(?![\w-])", text(path)) is not None
+    node: ast.AST = module(path)
+    for part in symbol.split("."):
+        if not isinstance(node, ast.Module | ast.ClassDef) or part not in members(node):
+            return False
+        node = members(node)[part]
+    return True
+
+
+@cache
+def top_level_names() -> dict[str, tuple[str, ...]]:
+    """Every name a module of app/ or engine/ defines at its top level -> the modules that define it."""
+    found: dict[str, list[str]] = {}
+    for folder in SOURCE_FOLDERS:
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            path = str(p.relative_to(ROOT))
+            for name in members(module(path)):
+                found.setdefault(name, []).append(path)
+    return {k: tuple(v) for k, v in found.items()}
+
+
+def reference_exists(span: str) -> bool:
+    """A code span of the guide that names a file, a file's symbol or a class (member) names one that exists; any
+    other span is no reference (True)."""
+    if m := FILE_SPAN.fullmatch(span):
+        if not (ROOT / m["path"]).is_file() and not (ROOT / m["path"]).is_dir():
+            return False
+        return m["symbol"] is None or ((ROOT / m["path"]).is_file() and defines(m["path"], m["symbol"]))
+    if CLASS_SPAN.fullmatch(span):
+        name = span.split(".", 1)[0]
+        return any(defines(path, span) for path in top_level_names().get(name, ()))
+    return True
+
+
+def references(name: str) -> list[str]:
+    """The code spans of a doc that name a file, a file's symbol or a class (member)."""
+    spans = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text(name), flags=re.M | re.S))
+    return [s for s in spans if FILE_SPAN.fullmatch(s) or CLASS_SPAN.fullmatch(s)]
+
+
+def test_every_reference_of_the_contributing_guide_exists() -> None:
+    """Each recipe names the files and functions to change: one renamed or removed fails here, naming the span."""
+    named = references(CONTRIBUTING)
+    symbols = [s for s in named if ":" in s or not FILE_SPAN.fullmatch(s)]
+    assert len(named) > 100 and len(symbols) > 60, (len(named), len(symbols))  # (the patterns still find them)
+    missing = sorted({s for s in named if not reference_exists(s)})
+    assert not missing, f"{CONTRIBUTING} names files or symbols that do not exist: {missing}"
+
+
+@pytest.mark.parametrize(
+    "span,exists",
+    [
+        ("app/core/options.py", True),
+        ("app/core/no_such_module.py", False),
+        ("app/core/options.py:parse_options", True),
+        ("app/core/options.py:no_such_function", False),
+        ("app/core/session.py:StreamingSession.render_error", True),
+        ("app/core/session.py:StreamingSession.no_such_method", False),
+        ("app/core/metrics.py:Metrics.errors", True),  # an instance attribute (`self.errors = ...`)
+        ("engine/contract/records.py:SubmitRequest.first_samples", True),  # a dataclass field
+        ("app/io/errors.py:GatewayError.BAD_PARAMS", True),  # an enum member
+        ("app/core/options.py:parse_options.params", False),  # no name inside a function
+        ("tests/unit/test_docs.py::test_every_reference_of_the_contributing_guide_exists", True),
+        ("bench/device_env.sh:GPU_TESTS", True),
+        ("bench/device_env.sh:NO_SUCH_LIST", False),
+        ("SamplingParams.validate", True),
+        ("SamplingParams.no_such_method", False),
+        ("NoSuchClass", False),
+        ("session.config", True),  # no reference: a message type
+    ],
+)
+def test_a_reference_exists_only_where_its_file_defines_it(span: str, exists: bool) -> None:
+    assert reference_exists(span) is exists

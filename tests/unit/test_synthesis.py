@@ -3,6 +3,8 @@ splitting: tests/unit/test_text_buffer.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,8 +13,29 @@ from app.core.prompts import PromptFactory
 from app.io.audio_output import OUTPUT_RATES, Encoder, check_encoding
 from app.io.checks import check_sample_rate, check_text
 from app.io.errors import RequestError
+from app.voices.lexicons import Aliases
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.textnorm import TextNormalizer
+
+
+def test_parse_options_keeps_every_option_the_params_do_not_set():
+    """A session.config with `params` alone changes those: the session's pronunciation rules (`lexicon`, from an
+    earlier config) and its other options stay (the rules were dropped by any later `params`)."""
+    base = dataclasses.replace(
+        SynthesisOptions(),
+        max_frames=77,
+        ignore_eos=True,
+        language="de",
+        text_normalization=False,
+        lexicon=Aliases([("ABC", "a b c")]),
+        first_samples=300,
+    )
+    opts = parse_options({"seed": 3}, 3000, base=base)
+    assert opts.sampling.seed == 3
+    for f in dataclasses.fields(SynthesisOptions):
+        if f.name != "sampling":
+            assert getattr(opts, f.name) == getattr(base, f.name), f.name
+    assert dict(opts.lexicon.items()) == {"ABC": "a b c"}
 
 
 def test_parse_options_defaults_and_overrides():
