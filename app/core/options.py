@@ -207,6 +207,30 @@ def parse_options(
     return opts
 
 
+def describe_options(o: SynthesisOptions) -> dict[str, Any]:
+    """Every `params` key (PARAM_KEYS) with its effective value, as `parse_options` reads it: parsing what this
+    returns gives the same options back (our socket's `session.updated`)."""
+    s, c = o.sampling, o.cond
+    out: dict[str, Any] = {key: getattr(s, key) for key in _SAMPLING_KEYS}
+    out |= {
+        "max_frames": o.max_frames,
+        "ignore_eos": o.ignore_eos,
+        "language": o.language,
+        "text_normalization": o.text_normalization,
+        "speaking_rate": c.speaking_rate,
+        "speed": c.speed,
+        "speaking_rate_bucket": c.speaking_rate_bucket,
+        "quality_buckets": c.quality_buckets,
+        "quality_values": c.quality_values,
+        "accurate_mode": c.accurate_mode,
+        "clean_speaker_background": c.clean_speaker_background,
+    }
+    out |= {key: getattr(o.long_form, attr) for key, attr in LONG_FORM_KEYS.items()}
+    out |= {key: getattr(o.emotion, key.removeprefix("emotion_")) for key in EMOTION_FIELDS}
+    out["emotion_sliders"] = dict(o.emotion.sliders)
+    return out
+
+
 def _long_form_and_emotion(params: dict[str, Any], opts: SynthesisOptions) -> None:
     """The reference's long_form_* and emotion_* fields (null: the default, except long_form, whose null
     is the reference's "auto")."""

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
-from app.core.options import SynthesisOptions, parse_options
+from app.core.options import describe_options, parse_options
 from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
 from app.core.session import StreamingSession
 from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
@@ -288,7 +288,7 @@ class Session(StreamingSession):
                 "voice": voice.id if voice else ("clip" if clip else None),
                 "encoding": encoding,
                 "sample_rate": rate,
-                "params": _describe_opts(opts),
+                "params": describe_options(opts),
                 "timestamps": stamps,
             }
         )
@@ -353,31 +353,6 @@ class Session(StreamingSession):
         await self.send_json_locked(
             {"type": "audio.done", "context_id": u.context_id, "utterance_id": u.id, "stats": u.stats()}
         )
-
-
-def _describe_opts(o: SynthesisOptions) -> dict[str, Any]:
-    s, c = o.sampling, o.cond
-    return {
-        "temperature": s.temperature,
-        "top_k": s.top_k,
-        "top_p": s.top_p,
-        "min_p": s.min_p,
-        "repetition_window": s.repetition_window,
-        "repetition_penalty": s.repetition_penalty,
-        "repetition_codebooks": s.repetition_codebooks,
-        "seed": s.seed,
-        "max_frames": o.max_frames,
-        "ignore_eos": o.ignore_eos,
-        "language": o.language,
-        "text_normalization": o.text_normalization,
-        "speaking_rate": c.speaking_rate,
-        "speed": c.speed,
-        "speaking_rate_bucket": c.speaking_rate_bucket,
-        "quality_buckets": c.quality_buckets,
-        "quality_values": c.quality_values,
-        "accurate_mode": c.accurate_mode,
-        "clean_speaker_background": c.clean_speaker_background,
-    }
 
 
 async def websocket_endpoint(ws: WebSocket) -> None:

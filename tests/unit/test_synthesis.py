@@ -188,3 +188,32 @@ def test_prompts_use_text_normalization_when_available():
     ids = factory.build(norm.normalize("I have $5.", SynthesisOptions().language), SynthesisOptions(), speaker=False)
     text = bytes(int(t) - 192 for t in ids[:, 9] if 192 <= t < 448).decode()
     assert "five dollars" in text
+
+
+def test_described_options_name_every_param_and_parse_back_to_the_same_options():
+    """session.updated's `params` (describe_options) is every key a `params` object takes, with its effective value:
+    it named only some (not the guidance scales, long_form_*, emotion_*), where docs/protocol.md says "effective"."""
+    from app.core.options import PARAM_KEYS, describe_options
+
+    given = {
+        "temperature": 0.7,
+        "seed": 5,
+        "cfg_scale": 2.0,
+        "prefix_cfg_scale": 1.5,
+        "max_frames": 120,
+        "ignore_eos": True,
+        "language": "de",
+        "speed": 1.25,
+        "quality_buckets": {},
+        "accurate_mode": True,
+        "long_form": False,
+        "long_form_chunk_chars": 300,
+        "emotion_enabled": True,
+        "emotion_sliders": {"happy": 0.5},
+        "emotion_strength": 2.0,
+    }
+    opts = parse_options(given, 3000)
+    described = describe_options(opts)
+    assert set(described) == PARAM_KEYS
+    assert {k: described[k] for k in given} == given
+    assert parse_options(described, 3000) == opts
