@@ -8,10 +8,27 @@ import { counters } from "./counters.js";
 import { $ } from "./dom.js";
 import { log } from "./eventlog.js";
 import { updateMetrics } from "./metrics.js";
-import { applyCapabilities, initRangeOutputs, limits, readParams, readSampleRate, restoreParams } from "./params.js";
+import {
+  applyCapabilities,
+  badNumberField,
+  initRangeOutputs,
+  limits,
+  readParams,
+  readSampleRate,
+  restoreParams,
+} from "./params.js";
 import { setPlaybackEventHandler } from "./player.js";
 import { connect, reconnectNow, setSessionHandlers } from "./session.js";
-import { onConnectionLost, onPlaybackEvent, onTurnAudio, onTurnMessage, speak, stop, trackSentences } from "./speech.js";
+import {
+  onConnectionLost,
+  onPlaybackEvent,
+  onTurnAudio,
+  onTurnMessage,
+  setPlayState,
+  speak,
+  stop,
+  trackSentences,
+} from "./speech.js";
 import { loadVoices, savedVoiceId, selectedVoiceId } from "./voices.js";
 import { drawWave } from "./waveform.js";
 import { blobToWav, encodeWav16 } from "./wav.js";
@@ -48,6 +65,12 @@ function onSpeak() {
   const text = textBox.value.trim();
   if (!text) {
     textBox.focus();
+    return;
+  }
+  const bad = badNumberField();
+  if (bad) {
+    setPlayState(`not sent: ${bad.name} needs a number`, "err");
+    bad.focus();
     return;
   }
   speak(text, desiredConfig(), t0);
