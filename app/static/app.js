@@ -45,7 +45,11 @@ setSessionHandlers({
     Object.assign(limits, msg.limits);
     textBox.maxLength = limits.max_buffer_chars ?? -1;
   },
-  message: onTurnMessage,
+  message(msg) {
+    // a voice deleted elsewhere (another page, the API): the picker stops offering it
+    if (msg.type === "error" && msg.code === "unknown_voice") loadVoices();
+    onTurnMessage(msg);
+  },
   audio: onTurnAudio,
   closed: onConnectionLost,
 });
@@ -88,7 +92,13 @@ textBox.addEventListener("keydown", (e) => {
   }
 });
 const countChars = () => ($("#char-count").textContent = textBox.value.length);
-textBox.addEventListener("input", countChars);
+// The text is kept like the parameters: a reload (or a page the server restart made you reload) lost what was typed.
+const TEXT_STORE = "zonos.text";
+if (localStorage.getItem(TEXT_STORE) !== null) textBox.value = localStorage.getItem(TEXT_STORE);
+textBox.addEventListener("input", () => {
+  countChars();
+  localStorage.setItem(TEXT_STORE, textBox.value);
+});
 countChars();
 
 function frame() {

@@ -824,3 +824,26 @@ def test_a_sentence_without_audio_is_not_called_stopped(page):
     assert len(lines) == 2, lines
     last = next(x for x in lines if "0 ms audio" in x)
     assert "stopped" not in last and "no audio to play" in last, last
+
+
+def test_typed_text_survives_a_reload(page):
+    """The parameters were kept across a reload, the text was not: what was typed was lost (a reload during
+    playback, or after restarting the server)."""
+    page.fill("#text", "Keep this text, please.")
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    assert page.input_value("#text") == "Keep this text, please."
+    assert page.inner_text("#char-count") == str(len("Keep this text, please."))
+
+
+def test_voice_deleted_elsewhere_leaves_the_picker(page, server_url, tmp_path):
+    """A voice deleted in another page (or over the API) stayed in the picker: every Speak was refused with
+    unknown_voice until the page was reloaded. The refusal now refreshes the list."""
+    vid = clone_from_file(page, write_clip(tmp_path / "gone.wav"), "Gone test")
+    assert page.input_value("#voice") == vid
+    urllib.request.urlopen(urllib.request.Request(f"{server_url}/v1/voices/{vid}", method="DELETE")).close()
+    page.fill("#text", "Who speaks?")
+    page.click("#speak")
+    wait(page, "document.querySelector('#play-state').textContent.includes('unknown_voice')")
+    wait(page, "id => !document.querySelector(`#voice option[value='${id}']`)", arg=vid)
+    assert page.input_value("#voice") == "" and page.inner_text("#voice-now") == "model's own voice"
