@@ -216,7 +216,8 @@ function logSentence(u) {
   const s = u.stats;
   turn.sentences.delete(u.id);
   const head = `✓ ${u.id}: ${fmtMs(s.audio_ms)} audio`;
-  const end = `${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`;
+  // a break tag's pause is silence the gateway makes: no frames (it said "null frames")
+  const end = s.frames == null ? "a pause, no frames" : `${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`;
   const rtf = `RTF ${s.rtf?.toFixed(2) ?? "–"}`;
   if (u.startedAt == null) {
     // a sentence whose audio is empty (the model ended it at once) never starts playing: it was not stopped

@@ -847,3 +847,12 @@ def test_voice_deleted_elsewhere_leaves_the_picker(page, server_url, tmp_path):
     wait(page, "document.querySelector('#play-state').textContent.includes('unknown_voice')")
     wait(page, "id => !document.querySelector(`#voice option[value='${id}']`)", arg=vid)
     assert page.input_value("#voice") == "" and page.inner_text("#voice-now") == "model's own voice"
+
+
+def test_a_pause_is_logged_as_one(page):
+    """A break tag's pause is an utterance of its own without frames: the event log said "null frames"."""
+    page.fill("#text", '<break time="300ms"/>')
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    lines = sentence_lines(page)
+    assert len(lines) == 1 and "null" not in lines[0] and "a pause, no frames" in lines[0], lines
