@@ -175,6 +175,8 @@ $("#blend-submit").addEventListener("click", async () => {
   // Name it ourselves: the default "A + B" would need a '+', which voice names do not allow.
   const name = cleanName($("#blend-name").value) || cleanName(`${a.name} - ${b.name} (${t.toFixed(2)})`);
   setStatus(status, "Blending…");
+  const button = $("#blend-submit");
+  button.disabled = true; // a double click made two blends (the second one a duplicate the server folded in)
   try {
     const v = await (await api("/v1/voices/blend", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ a: a.id, b: b.id, t, name }),
@@ -185,5 +187,7 @@ $("#blend-submit").addEventListener("click", async () => {
     await loadVoices(v.id);
   } catch (e) {
     setStatus(status, e.message, "err");
+  } finally {
+    button.disabled = library.length < 2;
   }
 });

@@ -856,3 +856,17 @@ def test_a_pause_is_logged_as_one(page):
     wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
     lines = sentence_lines(page)
     assert len(lines) == 1 and "null" not in lines[0] and "a pause, no frames" in lines[0], lines
+
+
+def test_double_click_blends_once(page, tmp_path):
+    """Create blend stayed enabled while its request ran: a double click posted two blends."""
+    clone_from_file(page, write_clip(tmp_path / "p.wav"), "Pa test")
+    clone_from_file(page, write_clip(tmp_path / "q.wav", seconds=1.5), "Qu test")
+    posts: list[str] = []
+    page.on("request", lambda r: posts.append(r.url) if r.method == "POST" and r.url.endswith("/blend") else None)
+    page.click("#blend-box summary")
+    page.evaluate("() => { const b = document.querySelector('#blend-submit'); b.click(); b.click(); }")
+    wait(page, "window.__zonos.voices.some(v => v.source === 'blend')")
+    wait(page, "!document.querySelector('#blend-submit').disabled")
+    assert len(posts) == 1, posts
+    assert page.locator("#log li", has_text="blended").count() == 1
