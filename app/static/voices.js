@@ -102,6 +102,8 @@ let previewUrl = null;
 async function previewVoice(v, button) {
   // Fetched as a blob so the API key travels in a header, not in a URL.
   const audio = $("#preview-audio");
+  // the preview playing until now stops here: its button kept showing it as playing for good
+  for (const b of document.querySelectorAll(".library .icon.playing")) b.classList.remove("playing");
   try {
     const blob = await (await api(`/v1/voices/${encodeURIComponent(v.id)}/preview`)).blob();
     if (previewUrl) URL.revokeObjectURL(previewUrl);

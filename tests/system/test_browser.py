@@ -870,3 +870,15 @@ def test_double_click_blends_once(page, tmp_path):
     wait(page, "!document.querySelector('#blend-submit').disabled")
     assert len(posts) == 1, posts
     assert page.locator("#log li", has_text="blended").count() == 1
+
+
+def test_one_preview_plays_at_a_time(page, tmp_path):
+    """A second voice's preview, started while the first played, left the first one's button marked playing."""
+    a = clone_from_file(page, write_clip(tmp_path / "ra.wav", seconds=3), "Ra test")
+    b = clone_from_file(page, write_clip(tmp_path / "rb.wav", seconds=3), "Rb test")
+    page.locator(f".library li[data-id='{a}']").get_by_role("button", name="Preview Ra test").click()
+    wait(page, "document.querySelector('#preview-audio').currentTime > 0")
+    page.locator(f".library li[data-id='{b}']").get_by_role("button", name="Preview Rb test").click()
+    wait(page, "document.querySelector('.library .icon.playing')")
+    playing = page.eval_on_selector_all(".library .icon.playing", "xs => xs.map(x => x.getAttribute('aria-label'))")
+    assert playing == ["Preview Rb test"], playing
