@@ -20,7 +20,8 @@ const stopBtn = $("#stop");
 const chunkUtterances = () => Math.max(1, Math.floor((limits.max_pending_utterances || 32) / 4));
 // What the server leaves out of an utterance's text (audio.start): inline tags, and the spaces between sentences.
 const TAGS = /<[^<>]{0,200}>|\[[^[\]]{0,40}\]/g;
-const spoken = (s) => s.replace(TAGS, "").replace(/\s+/g, "").length;
+const bare = (s) => s.replace(TAGS, "").replace(/\s+/g, "");
+const spoken = (s) => bare(s).length;
 
 // The text cut after sentence ends and newlines, into chunks of at most `most` utterances as the server
 // would count them (an overestimate: a sentence past the utterance budget is cut; a break tag is one of its own).
@@ -78,7 +79,8 @@ export async function speak(text, cfg, t0) {
   turn = { ctx, t0, firstFrameAt: null, firstPlayAt: null, samples: 0, playedBase: counters.samplesPlayed, utterances: 0,
     audioMs: 0, serverTtfa: null, rtf: null, flushed: false, stopping: false, rate: cfg.sample_rate,
     sentences: new Map(), // utterance id -> {startSample, doneAt, startedAt, stats}: see trackSentences
-    chunks: chunkText(text), sentChunks: 0, startedChars: 0, starts: 0, ends: 0, forced: false };
+    chunks: chunkText(text), bare: bare(text), sentChunks: 0, startedChars: 0, started: new Set(), ends: 0,
+    forced: false };
   playerSend({ type: "reset", stats: true });
   counters.clientTtfaMs = null;
   sendChunks();
@@ -140,6 +142,18 @@ export function setPlayState(text, kind = "") {
   n.className = `play-state ${kind}`;
 }
 
+// An utterance of the turn began to play: how far into the text that is, and the chunks that are due now.
+function utteranceStarted(msg) {
+  turn.started.add(msg.utterance_id);
+  // where it ends in the text, looked for from where the last one ended (an utterance that failed before it
+  // started, or text the server does not speak as written, would otherwise be counted short for good)
+  const said = bare(msg.text);
+  const at = said ? turn.bare.indexOf(said, turn.startedChars) : -1;
+  turn.startedChars = at >= 0 ? at + said.length : turn.startedChars + said.length;
+  turn.forced = false;
+  sendChunks();
+}
+
 export function onTurnMessage(msg) {
   switch (msg.type) {
     case "audio.start":
@@ -150,10 +164,7 @@ export function onTurnMessage(msg) {
       turn.sentences.set(msg.utterance_id, { id: msg.utterance_id, startSample: turn.samples, doneAt: null,
         startedAt: null, stats: null });
       log(`▶ ${msg.utterance_id}: “${msg.text}”`);
-      turn.starts++;
-      turn.startedChars += spoken(msg.text);
-      turn.forced = false;
-      sendChunks();
+      utteranceStarted(msg);
       break;
     case "audio.done": {
       if (!turn || msg.context_id !== turn.ctx) break;
@@ -187,9 +198,12 @@ export function onTurnMessage(msg) {
     case "error":
       if (turn && (msg.context_id == null || msg.context_id === turn.ctx)) {
         turn.error = msg.code;
-        if (msg.utterance_id) turn.ends++;
-        // a text refused (or an utterance failed): speak what was taken, and end with the error there
-        if (turn.sentChunks < turn.chunks.length) {
+        if (msg.utterance_id) {
+          // one utterance failed and the rest goes on: its text may never start, so the next chunk goes now
+          if (turn.started.has(msg.utterance_id)) turn.ends++;
+          sendChunks(true);
+        } else if (turn.sentChunks < turn.chunks.length) {
+          // a text refused whole: what was taken is spoken, and the turn ends with the error there
           turn.sentChunks = turn.chunks.length;
           sendChunks();
         }
@@ -262,7 +276,7 @@ export function onPlaybackEvent(ev) {
   if (ev === "start" && turn && !turn.stopping && turn.firstPlayAt == null) turn.firstPlayAt = performance.now();
   // Ran dry with chunks unsent and every utterance begun also done: the server has nothing of ours queued (what
   // it spoke was counted short), so the next chunk goes now rather than never.
-  if (ev === "underrun" && turn && turn.starts > 0 && turn.starts === turn.ends) sendChunks(true);
+  if (ev === "underrun" && turn && turn.started.size > 0 && turn.started.size === turn.ends) sendChunks(true);
   if (ev === "drained" && turn && turn.flushed) finishTurn("done");
 }
 

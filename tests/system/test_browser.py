@@ -881,3 +881,54 @@ def test_one_preview_plays_at_a_time(page, tmp_path):
     wait(page, "document.querySelector('.library .icon.playing')")
     playing = page.eval_on_selector_all(".library .icon.playing", "xs => xs.map(x => x.getAttribute('aria-label'))")
     assert playing == ["Preview Rb test"], playing
+
+
+def test_a_failed_sentence_does_not_end_a_long_text(browser, small_server):
+    """One utterance's error ends that utterance and the session goes on (docs/protocol.md): the rest of a text
+    sent in chunks is still sent and spoken. Here the server's "Line 3." is replaced, in the browser, by the
+    error the server sends for a failed utterance."""
+    context = browser.new_context()
+    pg = context.new_page()
+
+    def route(ws) -> None:
+        server = ws.connect_to_server()
+        state = {"drop": False}
+
+        def relay(msg) -> None:
+            if isinstance(msg, str):
+                m = json.loads(msg)
+                if m["type"] == "audio.start" and m["text"] == "Line 3.":
+                    state["drop"] = True
+                    ws.send(
+                        json.dumps(
+                            {
+                                "type": "error",
+                                "code": "internal",
+                                "message": "injected",
+                                "context_id": m["context_id"],
+                                "utterance_id": m["utterance_id"],
+                            }
+                        )
+                    )
+                    return
+                if state["drop"]:
+                    state["drop"] = m["type"] != "audio.done"
+                    return
+            elif state["drop"]:
+                return
+            ws.send(msg)
+
+        server.on_message(relay)
+
+    pg.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", " ".join(f"Line {i}." for i in range(8)))
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    started = [t for t in pg.locator("#log li span").all_inner_texts() if t.startswith("▶ u_")]
+    assert [t.split("“")[1].rstrip("”") for t in reversed(started)] == [f"Line {i}." for i in range(8) if i != 3]
+    assert pg.inner_text("#play-state") == "finished with error: internal"
+    context.close()
