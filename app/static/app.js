@@ -8,10 +8,27 @@ import { counters } from "./counters.js";
 import { $ } from "./dom.js";
 import { log } from "./eventlog.js";
 import { updateMetrics } from "./metrics.js";
-import { applyCapabilities, initRangeOutputs, limits, readParams, readSampleRate, restoreParams } from "./params.js";
+import {
+  applyCapabilities,
+  badNumberField,
+  initRangeOutputs,
+  limits,
+  readParams,
+  readSampleRate,
+  restoreParams,
+} from "./params.js";
 import { setPlaybackEventHandler } from "./player.js";
 import { connect, reconnectNow, setSessionHandlers } from "./session.js";
-import { onConnectionLost, onPlaybackEvent, onTurnAudio, onTurnMessage, speak, stop, trackSentences } from "./speech.js";
+import {
+  onConnectionLost,
+  onPlaybackEvent,
+  onTurnAudio,
+  onTurnMessage,
+  setPlayState,
+  speak,
+  stop,
+  trackSentences,
+} from "./speech.js";
 import { loadVoices, savedVoiceId, selectedVoiceId } from "./voices.js";
 import { drawWave } from "./waveform.js";
 import { blobToWav, encodeWav16 } from "./wav.js";
@@ -28,7 +45,11 @@ setSessionHandlers({
     Object.assign(limits, msg.limits);
     textBox.maxLength = limits.max_buffer_chars ?? -1;
   },
-  message: onTurnMessage,
+  message(msg) {
+    // a voice deleted elsewhere (another page, the API): the picker stops offering it
+    if (msg.type === "error" && msg.code === "unknown_voice") loadVoices();
+    onTurnMessage(msg);
+  },
   audio: onTurnAudio,
   closed: onConnectionLost,
 });
@@ -50,6 +71,12 @@ function onSpeak() {
     textBox.focus();
     return;
   }
+  const bad = badNumberField();
+  if (bad) {
+    setPlayState(`not sent: ${bad.name} needs a number`, "err");
+    bad.focus();
+    return;
+  }
   speak(text, desiredConfig(), t0);
   // On a small screen the output may be below the fold: bring it up (no scroll when it is in view).
   const out = $("#card-output").getBoundingClientRect();
@@ -65,7 +92,13 @@ textBox.addEventListener("keydown", (e) => {
   }
 });
 const countChars = () => ($("#char-count").textContent = textBox.value.length);
-textBox.addEventListener("input", countChars);
+// The text is kept like the parameters: a reload (or a page the server restart made you reload) lost what was typed.
+const TEXT_STORE = "zonos.text";
+if (localStorage.getItem(TEXT_STORE) !== null) textBox.value = localStorage.getItem(TEXT_STORE);
+textBox.addEventListener("input", () => {
+  countChars();
+  localStorage.setItem(TEXT_STORE, textBox.value);
+});
 countChars();
 
 function frame() {

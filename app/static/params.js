@@ -80,6 +80,17 @@ export function enableVoiceOptions(hasVoice) {
   for (const n of form.querySelectorAll('input[name="mode"], #p-clean_speaker_background')) n.disabled = !hasVoice;
 }
 
+// A number field left empty (or holding what the browser cannot read as a number, "abc") where a number is
+// needed: it was sent as 0, silently (top_k 0 = all 1024 codes, a repetition window of 0 = off). Seed and max
+// frames may be empty (random, the server's limit). The field, or null.
+export function badNumberField() {
+  for (const input of form.querySelectorAll('input[type="number"]')) {
+    if (input.disabled) continue;
+    if (input.validity.badInput || (input.dataset.default !== "" && input.value.trim() === "")) return input;
+  }
+  return null;
+}
+
 export function readParams() {
   const v = (name) => form.elements[name].value;
   const num = (name) => Number(v(name));

@@ -59,6 +59,8 @@ export function connect() {
   session.ready = new Promise((res, rej) => ((resolveReady = res), (rejectReady = rej)));
   session.ready.catch(() => {});
   let unauthorized = false;
+  let closedBy = null; // the error code the server closed this session with, if it said one
+  let closedWhy = "the connection closed";
 
   ws.onmessage = (e) => {
     if (session.ws !== ws) return;
@@ -73,15 +75,17 @@ export function connect() {
       setConn("connected", "ok");
       log(`session ${msg.session_id} opened`);
       resolveReady();
-    } else if (msg.type === "error" && msg.code === "unauthorized") {
-      unauthorized = true;
+    } else if (msg.type === "error" && !msg.utterance_id) {
+      if (msg.code === "unauthorized") unauthorized = true;
+      closedBy = msg.code;
+      closedWhy = `${msg.message} (${msg.code})`;
     }
     onMessage(msg);
   };
   ws.onclose = (e) => {
     if (session.ws !== ws) return; // replaced on purpose
     counters.connected = false;
-    rejectReady(new Error("the connection closed"));
+    rejectReady(new Error(closedWhy)); // a Speak waiting for this session says why it was refused
     for (const w of session.waiters.splice(0)) w.reject(new Error("the connection closed"));
     handlers.closed();
     if (unauthorized) {
@@ -89,10 +93,19 @@ export function connect() {
       log("the server refused the API key; fix it in the header field", "err");
       return; // reconnect when the key changes
     }
+    // Closed because it was idle (its idle timeout, or a newcomer took its place at the server's session limit):
+    // reconnecting now would hold a session nobody uses, and at the limit evict the newcomer in turn once it is
+    // idle (two open pages took turns evicting each other for ever). The next Speak reconnects (configure).
+    if (closedBy === "idle_timeout" || closedBy === "evicted_idle") {
+      setConn("idle · reconnects on Speak", "wait");
+      log("the server closed this idle session; Speak reconnects", "warn");
+      return;
+    }
     // Back off 0.5 s, 1 s, 2 s … 10 s so a restarting server is not hammered.
     if (session.retry === 0) log(`connection closed (${e.code}${e.reason ? ` ${e.reason}` : ""}); reconnecting`, "warn");
     const delay = Math.min(10_000, 500 * 2 ** session.retry++);
-    setConn(`disconnected · retry in ${Math.round(delay / 1000) || 1} s`, "bad");
+    const why = closedBy === "too_many_sessions" ? "server full" : "disconnected";
+    setConn(`${why} · retry in ${Math.round(delay / 1000) || 1} s`, "bad");
     setTimeout(() => session.ws === ws && connect(), delay);
   };
 }

@@ -5,39 +5,106 @@ import { counters } from "./counters.js";
 import { $, fmtMs } from "./dom.js";
 import { log } from "./eventlog.js";
 import { ensureAudio, player, playerSend, pushPcm } from "./player.js";
+import { limits } from "./params.js";
 import { cancel, configure, send } from "./session.js";
 
 export let turn = null; // the text being spoken: {ctx, t0, firstFrameAt, samples, flushed, ...}
 export let lastTurn = null; // the one that ended last, still shown by the metrics
 let turnSeq = 0;
+let speakSeq = 0; // each Speak (and Stop) takes the next number: only the latest Speak may start its turn
 const stopBtn = $("#stop");
+
+// A text is sent in chunks of at most a quarter of the utterances the server queues (max_pending_utterances, 32),
+// the next once all of the one before the last sent has started playing: a text whose sentences would queue past
+// that limit is refused whole (a pasted article was not spoken at all).
+const chunkUtterances = () => Math.max(1, Math.floor((limits.max_pending_utterances || 32) / 4));
+// What the server leaves out of an utterance's text (audio.start): inline tags, and the spaces between sentences.
+const TAGS = /<[^<>]{0,200}>|\[[^[\]]{0,40}\]/g;
+const bare = (s) => s.replace(TAGS, "").replace(/\s+/g, "");
+const spoken = (s) => bare(s).length;
+
+// The text cut after sentence ends and newlines, into chunks of at most `most` utterances as the server
+// would count them (an overestimate: a sentence past the utterance budget is cut; a break tag is one of its own).
+// Each chunk's `end`: the characters of spoken text up to its end.
+export function chunkText(text, maxBytes = limits.max_utterance_bytes || 288, most = chunkUtterances()) {
+  const utf8 = new TextEncoder();
+  const breaks = (s) => s.match(/<\s*break\b/gi)?.length ?? 0;
+  // a sentence: one utterance, or its cuts (at a clause mark or a space: at least half the budget each)
+  const cost = (s) => (s.trim() ? Math.max(1, Math.ceil((2 * utf8.encode(s).length) / maxBytes)) + breaks(s) : 0);
+  const pieces = []; // [text, utterances]
+  for (const sentence of text.split(/(?<=[.!?…]["'”’)\]]*\s+|[。！？]|\n)/u)) {
+    const c = cost(sentence);
+    if (c <= most) pieces.push([sentence, c]);
+    else for (const w of sentence.split(/(?<=\s)/u)) pieces.push([w, (2 * utf8.encode(w).length) / maxBytes + breaks(w)]);
+  }
+  const chunks = [];
+  let cur = "";
+  let n = 0;
+  for (const [piece, c] of pieces) {
+    if (cur.trim() && n + c > most) {
+      chunks.push(cur);
+      cur = "";
+      n = 0;
+    }
+    cur += piece;
+    n += c;
+  }
+  if (cur || !chunks.length) chunks.push(cur);
+  let end = 0;
+  return chunks.map((t) => ({ text: t, end: (end += spoken(t)) }));
+}
 
 // t0: the Speak click, where the client-side first-audio time starts.
 export async function speak(text, cfg, t0) {
+  const mine = ++speakSeq;
+  // barge-in: a new Speak interrupts the current one, before anything is awaited (a second click while the first
+  // waited for its session.config found no turn to cancel, and both texts were spoken as one)
+  if (turn) cancelTurn();
   try {
     await ensureAudio(cfg.sample_rate); // inside the click: satisfies the autoplay policy
   } catch (e) {
     log(`audio output failed: ${e.message}`, "err");
     return;
   }
-  if (turn) cancelTurn(); // barge-in: a new Speak interrupts the current one
+  if (mine !== speakSeq) return; // a later Speak, or Stop, came meanwhile
   try {
     await configure(cfg);
   } catch (e) {
-    setPlayState(`not sent: ${e.message}`, "err");
+    if (mine === speakSeq) setPlayState(`not sent: ${e.message}`, "err");
     return;
   }
+  if (mine !== speakSeq) return;
+  if (turn && !turn.stopping) cancelTurn(); // (none can have begun meanwhile; a text must never join another's)
   const ctx = `turn-${++turnSeq}`;
   turn = { ctx, t0, firstFrameAt: null, firstPlayAt: null, samples: 0, playedBase: counters.samplesPlayed, utterances: 0,
     audioMs: 0, serverTtfa: null, rtf: null, flushed: false, stopping: false, rate: cfg.sample_rate,
-    sentences: new Map() }; // utterance id -> {startSample, doneAt, startedAt, stats}: see trackSentences
+    sentences: new Map(), // utterance id -> {startSample, doneAt, startedAt, stats}: see trackSentences
+    chunks: chunkText(text), bare: bare(text), sentChunks: 0, startedChars: 0, started: new Set(), ends: 0,
+    forced: false };
   playerSend({ type: "reset", stats: true });
   counters.clientTtfaMs = null;
-  send({ type: "text", text, context_id: ctx });
-  send({ type: "flush", context_id: ctx });
+  sendChunks();
   stopBtn.disabled = false;
   counters.state = "speaking";
   setPlayState("generating…", "busy");
+}
+
+// Send the turn's next chunks: two ahead of the one playing (chunk i once all of chunk i - 2 has started), then
+// the flush. force: one more now (the server ran out of our text with chunks still unsent: text it does not
+// speak, or speaks otherwise, was counted short); at most one until the next utterance starts.
+function sendChunks(force = false) {
+  const t = turn;
+  if (!t || t.stopping || t.sentChunks > t.chunks.length || (force && t.forced)) return;
+  t.forced ||= force;
+  const due = () => force || t.sentChunks < 2 || t.startedChars >= t.chunks[t.sentChunks - 2].end;
+  while (t.sentChunks < t.chunks.length && due()) {
+    send({ type: "text", text: t.chunks[t.sentChunks++].text, context_id: t.ctx });
+    force = false;
+  }
+  if (t.sentChunks === t.chunks.length) {
+    send({ type: "flush", context_id: t.ctx });
+    t.sentChunks++; // flushed: nothing more to send
+  }
 }
 
 function cancelTurn() {
@@ -47,6 +114,7 @@ function cancelTurn() {
 }
 
 export function stop() {
+  speakSeq++; // a Speak still waiting for its session does not start after this
   if (!turn || turn.stopping) return;
   cancelTurn();
   counters.state = "stopping";
@@ -56,8 +124,8 @@ export function stop() {
 function finishTurn(how) {
   if (!turn) return;
   trackSentences();
-  for (const u of turn.sentences.values()) if (u.stats) logSentence(u); // generated, never heard (Stop)
   turn.ended = how;
+  for (const u of turn.sentences.values()) if (u.stats) logSentence(u); // generated, never heard (Stop)
   lastTurn = turn;
   turn = null;
   counters.state = "idle";
@@ -74,6 +142,18 @@ export function setPlayState(text, kind = "") {
   n.className = `play-state ${kind}`;
 }
 
+// An utterance of the turn began to play: how far into the text that is, and the chunks that are due now.
+function utteranceStarted(msg) {
+  turn.started.add(msg.utterance_id);
+  // where it ends in the text, looked for from where the last one ended (an utterance that failed before it
+  // started, or text the server does not speak as written, would otherwise be counted short for good)
+  const said = bare(msg.text);
+  const at = said ? turn.bare.indexOf(said, turn.startedChars) : -1;
+  turn.startedChars = at >= 0 ? at + said.length : turn.startedChars + said.length;
+  turn.forced = false;
+  sendChunks();
+}
+
 export function onTurnMessage(msg) {
   switch (msg.type) {
     case "audio.start":
@@ -84,11 +164,13 @@ export function onTurnMessage(msg) {
       turn.sentences.set(msg.utterance_id, { id: msg.utterance_id, startSample: turn.samples, doneAt: null,
         startedAt: null, stats: null });
       log(`▶ ${msg.utterance_id}: “${msg.text}”`);
+      utteranceStarted(msg);
       break;
     case "audio.done": {
       if (!turn || msg.context_id !== turn.ctx) break;
       counters.lastDone = msg;
       counters.dones++;
+      turn.ends++;
       const s = msg.stats;
       if (turn.serverTtfa == null) turn.serverTtfa = s.ttfa_ms;
       // Turn-level real-time factor: a later sentence's own server RTF includes the time it waited
@@ -114,7 +196,18 @@ export function onTurnMessage(msg) {
       if (turn?.stopping) finishTurn("stopped");
       break;
     case "error":
-      if (turn && (msg.context_id == null || msg.context_id === turn.ctx)) turn.error = msg.code;
+      if (turn && (msg.context_id == null || msg.context_id === turn.ctx)) {
+        turn.error = msg.code;
+        if (msg.utterance_id) {
+          // one utterance failed and the rest goes on: its text may never start, so the next chunk goes now
+          if (turn.started.has(msg.utterance_id)) turn.ends++;
+          sendChunks(true);
+        } else if (turn.sentChunks < turn.chunks.length) {
+          // a text refused whole: what was taken is spoken, and the turn ends with the error there
+          turn.sentChunks = turn.chunks.length;
+          sendChunks();
+        }
+      }
       break;
   }
 }
@@ -137,10 +230,13 @@ function logSentence(u) {
   const s = u.stats;
   turn.sentences.delete(u.id);
   const head = `✓ ${u.id}: ${fmtMs(s.audio_ms)} audio`;
-  const end = `${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`;
+  // a break tag's pause is silence the gateway makes: no frames (it said "null frames")
+  const end = s.frames == null ? "a pause, no frames" : `${s.frames} frames${s.finish_reason ? `, ${s.finish_reason}` : ""}`;
   const rtf = `RTF ${s.rtf?.toFixed(2) ?? "–"}`;
   if (u.startedAt == null) {
-    log(`${head}, generated, not played (stopped) · ${end}`);
+    // a sentence whose audio is empty (the model ended it at once) never starts playing: it was not stopped
+    const why = !s.audio_ms && turn.ended === "done" ? "no audio to play" : `generated, not played (${turn.ended})`;
+    log(`${head}, ${why} · ${end}`);
     return;
   }
   const at = `${head}, played from +${fmtMs(u.startedAt - turn.t0)}`;
@@ -178,6 +274,9 @@ export function onTurnAudio(buf) {
 
 export function onPlaybackEvent(ev) {
   if (ev === "start" && turn && !turn.stopping && turn.firstPlayAt == null) turn.firstPlayAt = performance.now();
+  // Ran dry with chunks unsent and every utterance begun also done: the server has nothing of ours queued (what
+  // it spoke was counted short), so the next chunk goes now rather than never.
+  if (ev === "underrun" && turn && turn.started.size > 0 && turn.started.size === turn.ends) sendChunks(true);
   if (ev === "drained" && turn && turn.flushed) finishTurn("done");
 }
 

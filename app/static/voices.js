@@ -102,6 +102,8 @@ let previewUrl = null;
 async function previewVoice(v, button) {
   // Fetched as a blob so the API key travels in a header, not in a URL.
   const audio = $("#preview-audio");
+  // the preview playing until now stops here: its button kept showing it as playing for good
+  for (const b of document.querySelectorAll(".library .icon.playing")) b.classList.remove("playing");
   try {
     const blob = await (await api(`/v1/voices/${encodeURIComponent(v.id)}/preview`)).blob();
     if (previewUrl) URL.revokeObjectURL(previewUrl);
@@ -175,6 +177,8 @@ $("#blend-submit").addEventListener("click", async () => {
   // Name it ourselves: the default "A + B" would need a '+', which voice names do not allow.
   const name = cleanName($("#blend-name").value) || cleanName(`${a.name} - ${b.name} (${t.toFixed(2)})`);
   setStatus(status, "Blending…");
+  const button = $("#blend-submit");
+  button.disabled = true; // a double click made two blends (the second one a duplicate the server folded in)
   try {
     const v = await (await api("/v1/voices/blend", {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ a: a.id, b: b.id, t, name }),
@@ -185,5 +189,7 @@ $("#blend-submit").addEventListener("click", async () => {
     await loadVoices(v.id);
   } catch (e) {
     setStatus(status, e.message, "err");
+  } finally {
+    button.disabled = library.length < 2;
   }
 });

@@ -660,3 +660,269 @@ def test_emotion_sliders_follow_the_capabilities(browser, page, tmp_path_factory
         assert [m.get("voice") for m in sent][-1] == vid
         context.close()
         assert not errors, errors
+
+
+# ---- a hostile pass on the page (what a developer trying it hits) ---------------------------------------------
+def ws_log(pg) -> list[tuple[str, dict]]:
+    """The page's WebSocket JSON messages from now on: ("sent" | "received", message)."""
+    seen: list[tuple[str, dict]] = []
+
+    def on_ws(ws) -> None:
+        ws.on("framesent", lambda f: seen.append(("sent", json.loads(f))) if isinstance(f, str) else None)
+        ws.on("framereceived", lambda f: seen.append(("received", json.loads(f))) if isinstance(f, str) else None)
+
+    pg.on("websocket", on_ws)
+    return seen
+
+
+def test_double_click_speaks_the_text_once(browser, server_url):
+    """Two Speak clicks in a row (a double click, Ctrl+Enter twice) while the first waited for its session.config:
+    neither found a turn to cancel, both texts were sent, and the listener heard the text twice as one turn (its
+    audio counted as one sentence's). Only the last Speak starts a turn."""
+    context = browser.new_context()
+    pg = context.new_page()
+    seen = ws_log(pg)
+    pg.goto(server_url + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "30")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", "Said once.")
+    pg.evaluate("() => { const b = document.querySelector('#speak'); b.click(); b.click(); }")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    assert z(pg, "lastTurnEnd") == "done"
+    pg.wait_for_timeout(300)  # a second text's audio, were one sent, would follow within this
+    texts = [m for way, m in seen if way == "sent" and m["type"] == "text"]
+    starts = [m for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    assert len(texts) == 1 and len(starts) == 1, (texts, starts)
+    assert z(pg, "strayFrames") == 0
+    context.close()
+
+
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory) -> Iterator[str]:
+    """A server that queues 4 utterances a session, holds one session, and evicts a session idle for 1 s."""
+    with gateway(
+        tmp_path_factory, "--max-pending-utterances", "4", "--max-sessions", "1", "--evict-idle-after-s", "1"
+    ) as url:
+        yield url
+
+
+def test_text_of_more_sentences_than_the_server_queues(browser, small_server):
+    """A text of more sentences than the server queues at once (--max-pending-utterances, 32 by default: a
+    pasted article) was refused whole, too_many_utterances, and nothing was spoken. The page sends it in chunks
+    as the sentences before them start playing."""
+    context = browser.new_context()
+    pg = context.new_page()
+    seen = ws_log(pg)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", " ".join(f"Line {i}." for i in range(10)))
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    assert z(pg, "errors") == [] and z(pg, "lastTurnEnd") == "done"
+    assert page_text_sent(seen) == " ".join(f"Line {i}." for i in range(10))
+    spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    assert spoken == [f"Line {i}." for i in range(10)] and z(pg, "dones") == 10
+    assert pg.inner_text("#play-state") == "idle"
+    context.close()
+
+
+def page_text_sent(seen: list[tuple[str, dict]]) -> str:
+    texts = [m["text"] for way, m in seen if way == "sent" and m["type"] == "text"]
+    assert len(texts) > 1, texts  # in chunks
+    return "".join(texts)
+
+
+def test_idle_pages_do_not_evict_each_other(browser, small_server):
+    """At the server's session limit a newcomer takes an idle session's place (evicted_idle). The evicted page
+    reconnected at once and, once the newcomer was idle, evicted it in turn: two open pages took turns for ever.
+    An idle page closed by the server now stays closed until its next Speak."""
+    context = browser.new_context()
+    a = context.new_page()
+    a.goto(small_server + "/")
+    a.wait_for_function("window.__zonos && window.__zonos.connected")
+    b = context.new_page()
+    opened = ws_log(b)
+    b.goto(small_server + "/")
+    wait(b, "window.__zonos.connected", timeout=60_000)  # a's session was idle for 1 s: b took its place
+    wait(a, "document.querySelector('#conn').textContent.includes('reconnects on Speak')")
+    b.wait_for_timeout(4000)  # a reconnecting would be refused, then evict b once b had been idle 1 s
+    assert b.evaluate("window.__zonos.connected") and not a.evaluate("window.__zonos.connected")
+    assert sum(way == "received" and m["type"] == "session.created" for way, m in opened) == 1
+    assert "Speak reconnects" in a.inner_text("#log")
+    # a's next Speak reconnects (taking the place of b, idle by now) and is spoken
+    set_param(a, "max_frames", "10")
+    a.fill("#text", "Back again.")
+    a.click("#speak")
+    wait(a, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    assert a.evaluate("window.__zonos.lastTurnEnd") == "done"
+    wait(b, "document.querySelector('#conn').textContent.includes('reconnects on Speak')")
+    context.close()
+
+
+def test_empty_number_field_is_not_sent_as_zero(page):
+    """An emptied top_k (or "abc" typed into it) was sent as 0, which the server reads as all 1024 codes: the
+    text was spoken with other settings than the page showed, silently. Speak now says which field needs a
+    number and sends nothing."""
+    set_param(page, "top_k", "")
+    page.fill("#text", "Not with these settings.")
+    page.click("#speak")
+    assert page.inner_text("#play-state") == "not sent: top_k needs a number"
+    assert page.evaluate("document.activeElement.id") == "p-top_k"
+    page.wait_for_timeout(300)
+    assert "config:" not in page.inner_text("#log") and z(page, "lastStart") is None and z(page, "state") == "idle"
+    # seed and max frames may be empty (random, the server's limit)
+    set_param(page, "top_k", "50")
+    set_param(page, "seed", "")
+    set_param(page, "max_frames", "")
+    assert page.evaluate("import('/static/params.js').then(m => m.badNumberField())") is None
+
+
+def test_a_sentence_without_audio_is_not_called_stopped(page):
+    """The last sentence of a text can have no audio (the model ends it at once: 0 ms, a few frames, eos). It
+    never starts playing, and the event log called it "generated, not played (stopped)" in a turn nobody stopped.
+    Here the server's audio of the last sentence is held back in the browser and its audio.done says 0 ms, as the
+    server says of such a sentence."""
+
+    def route(ws) -> None:
+        server = ws.connect_to_server()
+        state = {"last": False}
+
+        def relay(msg) -> None:
+            if isinstance(msg, str):
+                m = json.loads(msg)
+                if m["type"] == "audio.start":
+                    state["last"] = m["text"] == "Two."
+                if m["type"] == "audio.done" and state["last"]:
+                    m["stats"]["audio_ms"] = 0
+                    msg = json.dumps(m)
+            elif state["last"]:
+                return
+            ws.send(msg)
+
+        server.on_message(relay)
+
+    page.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(page, "max_frames", "20")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "One. Two.")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    assert z(page, "lastTurnEnd") == "done"
+    lines = sentence_lines(page)
+    assert len(lines) == 2, lines
+    last = next(x for x in lines if "0 ms audio" in x)
+    assert "stopped" not in last and "no audio to play" in last, last
+
+
+def test_typed_text_survives_a_reload(page):
+    """The parameters were kept across a reload, the text was not: what was typed was lost (a reload during
+    playback, or after restarting the server)."""
+    page.fill("#text", "Keep this text, please.")
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    assert page.input_value("#text") == "Keep this text, please."
+    assert page.inner_text("#char-count") == str(len("Keep this text, please."))
+
+
+def test_voice_deleted_elsewhere_leaves_the_picker(page, server_url, tmp_path):
+    """A voice deleted in another page (or over the API) stayed in the picker: every Speak was refused with
+    unknown_voice until the page was reloaded. The refusal now refreshes the list."""
+    vid = clone_from_file(page, write_clip(tmp_path / "gone.wav"), "Gone test")
+    assert page.input_value("#voice") == vid
+    urllib.request.urlopen(urllib.request.Request(f"{server_url}/v1/voices/{vid}", method="DELETE")).close()
+    page.fill("#text", "Who speaks?")
+    page.click("#speak")
+    wait(page, "document.querySelector('#play-state').textContent.includes('unknown_voice')")
+    wait(page, "id => !document.querySelector(`#voice option[value='${id}']`)", arg=vid)
+    assert page.input_value("#voice") == "" and page.inner_text("#voice-now") == "model's own voice"
+
+
+def test_a_pause_is_logged_as_one(page):
+    """A break tag's pause is an utterance of its own without frames: the event log said "null frames"."""
+    page.fill("#text", '<break time="300ms"/>')
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    lines = sentence_lines(page)
+    assert len(lines) == 1 and "null" not in lines[0] and "a pause, no frames" in lines[0], lines
+
+
+def test_double_click_blends_once(page, tmp_path):
+    """Create blend stayed enabled while its request ran: a double click posted two blends."""
+    clone_from_file(page, write_clip(tmp_path / "p.wav"), "Pa test")
+    clone_from_file(page, write_clip(tmp_path / "q.wav", seconds=1.5), "Qu test")
+    posts: list[str] = []
+    page.on("request", lambda r: posts.append(r.url) if r.method == "POST" and r.url.endswith("/blend") else None)
+    page.click("#blend-box summary")
+    page.evaluate("() => { const b = document.querySelector('#blend-submit'); b.click(); b.click(); }")
+    wait(page, "window.__zonos.voices.some(v => v.source === 'blend')")
+    wait(page, "!document.querySelector('#blend-submit').disabled")
+    assert len(posts) == 1, posts
+    assert page.locator("#log li", has_text="blended").count() == 1
+
+
+def test_one_preview_plays_at_a_time(page, tmp_path):
+    """A second voice's preview, started while the first played, left the first one's button marked playing."""
+    a = clone_from_file(page, write_clip(tmp_path / "ra.wav", seconds=3), "Ra test")
+    b = clone_from_file(page, write_clip(tmp_path / "rb.wav", seconds=3), "Rb test")
+    page.locator(f".library li[data-id='{a}']").get_by_role("button", name="Preview Ra test").click()
+    wait(page, "document.querySelector('#preview-audio').currentTime > 0")
+    page.locator(f".library li[data-id='{b}']").get_by_role("button", name="Preview Rb test").click()
+    wait(page, "document.querySelector('.library .icon.playing')")
+    playing = page.eval_on_selector_all(".library .icon.playing", "xs => xs.map(x => x.getAttribute('aria-label'))")
+    assert playing == ["Preview Rb test"], playing
+
+
+def test_a_failed_sentence_does_not_end_a_long_text(browser, small_server):
+    """One utterance's error ends that utterance and the session goes on (docs/protocol.md): the rest of a text
+    sent in chunks is still sent and spoken. Here the server's "Line 3." is replaced, in the browser, by the
+    error the server sends for a failed utterance."""
+    context = browser.new_context()
+    pg = context.new_page()
+
+    def route(ws) -> None:
+        server = ws.connect_to_server()
+        state = {"drop": False}
+
+        def relay(msg) -> None:
+            if isinstance(msg, str):
+                m = json.loads(msg)
+                if m["type"] == "audio.start" and m["text"] == "Line 3.":
+                    state["drop"] = True
+                    ws.send(
+                        json.dumps(
+                            {
+                                "type": "error",
+                                "code": "internal",
+                                "message": "injected",
+                                "context_id": m["context_id"],
+                                "utterance_id": m["utterance_id"],
+                            }
+                        )
+                    )
+                    return
+                if state["drop"]:
+                    state["drop"] = m["type"] != "audio.done"
+                    return
+            elif state["drop"]:
+                return
+            ws.send(msg)
+
+        server.on_message(relay)
+
+    pg.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", " ".join(f"Line {i}." for i in range(8)))
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    started = [t for t in pg.locator("#log li span").all_inner_texts() if t.startswith("▶ u_")]
+    assert [t.split("“")[1].rstrip("”") for t in reversed(started)] == [f"Line {i}." for i in range(8) if i != 3]
+    assert pg.inner_text("#play-state") == "finished with error: internal"
+    context.close()
