@@ -109,7 +109,7 @@ def labelled(text: str, name: str) -> dict[str, float]:
 @dataclass
 class Stats:
     sessions_opened: int = 0
-    sessions_refused: int = 0  # too_many_sessions at connect
+    sessions_refused: int = 0  # too_many_sessions at connect, or the door's 503 at the upgrade (no room to start)
     sessions_closed_clean: int = 0  # close -> session.closed
     sessions_vanished: int = 0  # the client dropped the connection mid-utterance
     sessions_connect_failed: int = 0
@@ -255,7 +255,7 @@ class Soak:
         while time.monotonic() < self.deadline:
             try:
                 await self.session(wid)
-            except (OSError, websockets.ConnectionClosed, TimeoutError) as e:
+            except (OSError, websockets.ConnectionClosed, websockets.InvalidStatus, TimeoutError) as e:
                 self.st.unexpected.append(f"worker {wid}: {type(e).__name__}: {e}")
                 if isinstance(e, TimeoutError):
                     self.st.hangs += 1
@@ -267,6 +267,13 @@ class Soak:
             ws = await websockets.connect(
                 self.ws_url, max_size=None, open_timeout=30, additional_headers=self.headers, proxy=None
             )
+        except websockets.InvalidStatus as e:  # the door refused the upgrade (503, Retry-After): no room to start
+            if e.response.status_code != 503:
+                raise
+            st.sessions_refused += 1
+            retry = e.response.headers.get("Retry-After", "1")
+            await asyncio.sleep(min(2.0, max(0.1, float(retry) if retry.replace(".", "", 1).isdigit() else 1.0)))
+            return
         except OSError:
             st.sessions_connect_failed += 1
             await asyncio.sleep(1.0)
