@@ -342,6 +342,7 @@ class UtterancePipeline:
         if u.state is not UtteranceState.GENERATING:
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
+            u.mark_finished(None)
             return
         async for ev in u.stream:
             if u.state is UtteranceState.CANCELLED:

@@ -36,7 +36,7 @@ class UtteranceState(Enum):
     STARTING = "starting"  # its engine request is being made (Gateway.start_utterance; `start_task`)
     GENERATING = "generating"  # the engine streams its audio (`stream`; None: its text left nothing to say)
     SILENT = "silent"  # a break plays its silence (no engine work)
-    FINISHED = "finished"  # all its audio was played: the engine's `finished` record, or a break's silence
+    FINISHED = "finished"  # all its audio was played: the engine's `finished` record, a break's silence, or none
     FAILED = "failed"  # `error` says why: its start, the engine, or its HTTP request's audio cap
     CANCELLED = "cancelled"  # dropped by a cancel (a barge-in, its client gone), whatever it was before
 
@@ -117,7 +117,7 @@ class Utterance:
         self._move(S.SILENT)
 
     def mark_finished(self, record: m.Finished | None) -> None:
-        """All its audio was played: the engine's `finished` record (None: a break)."""
+        """All its audio was played: the engine's `finished` record (None: a break, or nothing to say)."""
         self._move(S.FINISHED)
         self.finish = record
 

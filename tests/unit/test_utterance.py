@@ -204,3 +204,32 @@ def test_speak_moves_an_utterance_cut_at_the_audio_cap(lives: dict[str, list[str
     _gw, error = asyncio.run(go())
     assert error.code == "audio_too_long"
     assert lives == {"u_1": ["starting", "generating", "failed", "cancelled"]}
+
+
+def test_an_utterance_with_nothing_to_say_finishes_and_a_cancel_after_it_counts_nothing(
+    lives: dict[str, list[str]],
+) -> None:
+    """Its pronunciation rules or normalization left no text (Gateway.start_utterance: no stream): it ends with no
+    audio, as a break of none. A cancel that comes after that, before its consumer is done with it (a session's
+    pump waits for the send lock the cancel holds), cut nothing: it was counted `cancelled`, a request that never
+    was one cut before an end it had reached."""
+
+    async def go() -> Any:
+        gw = fake_gateway()
+
+        async def nothing(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        gw.start_utterance = nothing
+        pipe = UtterancePipeline(gw, "test")  # type: ignore[arg-type]
+        (u,) = pipe.add(["Um."], SynthesisOptions(), None, None)
+        async with asyncio.timeout(TIMEOUT):
+            chunks = [x async for x in pipe.play(u)]
+        ended = u.state
+        pipe.cancel()
+        return gw, chunks, ended
+
+    gw, chunks, ended = asyncio.run(go())
+    assert requests(gw, "cancelled") == requests(gw, "ok") == requests(gw, "error") == 0
+    assert chunks == [] and ended is S.FINISHED
+    assert lives == {"u_1": ["starting", "generating", "finished", "cancelled"]}
