@@ -21,24 +21,22 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
 from app.core.admission import Conversation
 from app.core.breaks import split_breaks
-from app.core.continuation import Chain, Link
-from app.core.engine_client import Stream
-from app.core.gateway import Gateway, PieceStream, utterance_bytes
+from app.core.continuation import Chain
+from app.core.gateway import Gateway, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.playout import PlayoutClock
-from app.core.stats import UtteranceStats
 from app.core.stitching import Stitch
 from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
 from app.core.text_buffer import TextBuffer
-from app.core.timestamps import SOURCE, AudioTimeline, WordClock
-from app.io.audio_output import Encoder, OutputFormat, first_samples
+from app.core.timestamps import AudioTimeline
+from app.core.utterance import Utterance, UtteranceState
+from app.io.audio_output import OutputFormat, first_samples
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
@@ -50,6 +48,8 @@ SILENCE_PIECE = 4096  # samples of a break sent at once (a cancel stops it withi
 log = logging.getLogger("gateway.pipeline")
 
 DEFAULT_CONTEXT = "default"
+# a sentence's states before its end (a break that began to play is SILENT: no request, not counted when cut)
+UNENDED_SPEECH = frozenset({UtteranceState.QUEUED, UtteranceState.STARTING, UtteranceState.GENERATING})
 
 
 def engine_error(err: m.Error) -> RequestError:
@@ -66,67 +66,6 @@ def split_text(gw: Gateway, text: str, language: str) -> list[str]:
     """A whole text (an HTTP input) as its utterances, in order."""
     buf = text_buffer(gw, language)
     return buf.append(text) + buf.flush()
-
-
-@dataclass(eq=False)
-class Utterance:
-    id: str
-    seq: int
-    context_id: str
-    text: str
-    opts: SynthesisOptions
-    voice: Voice | None
-    clip: tuple[np.ndarray, int] | None
-    # the client's output (a session's; HTTP routes encode themselves), and its encoder, made when it begins to play
-    # (a resampler's state is ~100 KB: not one for each of a session's queued utterances)
-    output: OutputFormat | None = None
-    encoder: Encoder | None = None
-    t_created: float = field(default_factory=time.perf_counter)  # its text was complete
-    t_head: float | None = None  # it began to play: the utterance before it had been sent
-    t_first: float | None = None  # its first audio was handed to the client
-    t_done: float | None = None  # its last audio was handed to the client
-    samples: int = 0  # 44.1 kHz samples handed to the client
-    playout: PlayoutClock | None = None  # what a prebuffered player would hear of it (its stalls; app/core/playout.py)
-    stream: Stream | PieceStream | None = None
-    start_task: asyncio.Task[None] | None = None
-    error: RequestError | None = None
-    finish: m.Finished | None = None  # the engine's `finished` record
-    cancelled: bool = False
-    chain: Chain | None = None  # its context's continuation chain (None: long_form false)
-    link: Link | None = None
-    clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
-    aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/playback.py)
-    silence_s: float | None = None  # a break (app/core/breaks.py): this much silence, no engine work
-
-    def heard(self) -> dict[str, Any]:
-        """What its listener got before a barge-in: the audio sent and the words it covers."""
-        audio_s = self.samples / SAMPLE_RATE
-        out: dict[str, Any] = {"utterance_id": self.id, "text": self.text, "audio_ms": round(audio_s * 1e3, 1)}
-        if self.clock is not None:
-            out["words"] = self.clock.spoken(audio_s)
-            out["source"] = SOURCE
-        return out
-
-    def measured(self) -> UtteranceStats:
-        start = max(self.t_created, self.t_head or self.t_created)  # the moment it could play
-        audio_ms = self.samples / SAMPLE_RATE * 1e3
-        engine = self.finish.stats if self.finish is not None else None
-        return UtteranceStats(
-            listener_ttfa_ms=round((self.t_first - start) * 1e3, 2) if self.t_first else None,
-            listener_rtf=(
-                round(((self.t_done or time.perf_counter()) - start) * 1e3 / audio_ms, 4) if audio_ms else None
-            ),
-            audio_ms=round(audio_ms, 2),
-            stalls=self.playout.stalls if self.playout is not None else 0,
-            stall_ms=round(self.playout.waited_s * 1e3, 2) if self.playout is not None else 0.0,
-            frames=engine.frames if engine is not None else None,
-            finish_reason=self.finish.reason if self.finish is not None else None,
-            engine=engine,
-        )
-
-    def stats(self) -> dict[str, Any]:
-        """`audio.done`'s stats (UtteranceStats.as_json)."""
-        return self.measured().as_json()
 
 
 def inline_pieces(
@@ -279,7 +218,7 @@ class UtterancePipeline:
             if u.start_task is None and u.silence_s is None and (i < self.depth or u.chain is not None):
                 if not free and id(u.chain) not in running:
                     continue
-                u.start_task = asyncio.create_task(self._start(u), name=f"start-{u.id}")
+                u.mark_starting(asyncio.create_task(self._start(u), name=f"start-{u.id}"))
                 self._turn.set()
 
     def started(self) -> bool:
@@ -296,20 +235,19 @@ class UtterancePipeline:
 
     async def _start(self, u: Utterance) -> None:
         try:
-            u.stream = await self.gw.start_utterance(
+            stream = await self.gw.start_utterance(
                 u.text, u.opts, u.voice, u.clip, owner=self, chain=u.chain, link=u.link
             )
         except RequestError as e:
-            u.error = e
+            u.mark_failed(e)
         except Exception:  # a bug must cost this utterance, not the session
             log.exception("starting %s failed", u.id)
-            u.error = RequestError(EngineError.INTERNAL, "internal error while starting this utterance")
+            u.mark_failed(RequestError(EngineError.INTERNAL, "internal error while starting this utterance"))
         else:
-            if self.conversation is not None and u.stream is not None:  # (the same step as its submission)
+            if self.conversation is not None and stream is not None:  # (the same step as its submission)
                 self.conversation.submitted()
-                u.stream.when_ended(self.conversation.generated)
-            if u.cancelled and u.stream is not None:
-                u.stream.cancel()
+                stream.when_ended(self.conversation.generated)
+            u.mark_generating(stream)
         finally:
             if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
                 u.link.settle()
@@ -330,9 +268,9 @@ class UtterancePipeline:
         if (after is None and context_id in (None, self._dry_ctx)) or (self.queue and self.queue[0] in dropped):
             self._dry_at = None
         for u in dropped:
-            if u.t_head is not None and u.silence_s is None and u.error is None and u.finish is None:
+            if u.t_head is not None and u.state in UNENDED_SPEECH:
                 self.gw.metrics.utterance_cancelled(self.api)  # it began to play and will not end otherwise
-            u.cancelled = True
+            u.mark_cancelled()
             if u.stream is not None:
                 u.stream.cancel()
             elif u.start_task is not None:
@@ -370,7 +308,7 @@ class UtterancePipeline:
 
     async def play(self, u: Utterance) -> AsyncGenerator[np.ndarray, None]:
         """The int16 44.1 kHz PCM of u, the head of the queue, as the engine streams it. Ends quietly when
-        u is cancelled; otherwise u.finish (and u.stats()) or u.error says how it ended."""
+        u is cancelled; otherwise its state says how it ended: FINISHED (u.finish, u.stats()) or FAILED (u.error)."""
         u.t_head = time.perf_counter()
         # its listener's player (app/core/playout.py): the lane's, if u could play while that still played the
         # audio before it in the same turn (a reply's next sentence), else a new one
@@ -380,8 +318,9 @@ class UtterancePipeline:
         u.playout = PlayoutClock(self.gw.settings.engine.admission_prebuffer_ms / 1e3, follows=follows)
         self.prefetch()
         if u.silence_s is not None:  # a break: exact silence, in pieces a cancel can cut
+            u.mark_silent()
             left = round(u.silence_s * SAMPLE_RATE)
-            while left > 0 and not u.cancelled:
+            while left > 0 and u.state is UtteranceState.SILENT:
                 n = min(left, SILENCE_PIECE)
                 yield np.zeros(n, np.int16)
                 self._sent(u, n)
@@ -389,21 +328,24 @@ class UtterancePipeline:
                 left -= n
                 u.t_done = time.perf_counter()
                 u.t_first = u.t_first or u.t_done
+            if u.state is UtteranceState.SILENT:
+                u.mark_finished(None)
             return
-        while u.start_task is None and not u.cancelled:  # the session's other contexts have its engine work
+        while u.state is UtteranceState.QUEUED:  # the session's other contexts have its engine work
             self._turn.clear()
             await self._turn.wait()
         if u.start_task is None:
             return
         await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
-        if u.cancelled or u.error is not None:
-            if u.error is not None:
-                self.gw.metrics.utterance_failed(self.api, u.error.code)
+        if u.error is not None:  # its start failed (a cancel since does not undo that)
+            self.gw.metrics.utterance_failed(self.api, u.error.code)
+        if u.state is not UtteranceState.GENERATING:
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
+            u.mark_finished(None)
             return
         async for ev in u.stream:
-            if u.cancelled:
+            if u.state is UtteranceState.CANCELLED:
                 return
             if isinstance(ev, m.Audio):
                 if len(ev.pcm):
@@ -413,14 +355,14 @@ class UtterancePipeline:
                     u.t_done = time.perf_counter()
                     u.t_first = u.t_first or u.t_done
             elif isinstance(ev, m.Finished):
-                if not u.cancelled:
-                    u.finish = ev
-                    u.t_done = u.t_done or time.perf_counter()
-                    self.gw.metrics.observe_utterance(self.api, u.measured())
+                u.mark_finished(ev)
+                u.t_done = u.t_done or time.perf_counter()
+                self.gw.metrics.observe_utterance(self.api, u.measured())
                 return
             elif isinstance(ev, m.Error):
-                u.error = engine_error(ev)
-                self.gw.metrics.utterance_failed(self.api, u.error.code)
+                error = engine_error(ev)
+                u.mark_failed(error)
+                self.gw.metrics.utterance_failed(self.api, error.code)
                 return
 
     def _sent(self, u: Utterance, samples: int) -> None:
@@ -428,7 +370,7 @@ class UtterancePipeline:
         to the socket (the server's whole path to the listener: the engine, this loop, a codec's thread, the write).
         A piece sent after a barge-in stopped the player is not played."""
         assert u.playout is not None
-        if u.cancelled:
+        if u.state is UtteranceState.CANCELLED:
             return
         u.playout.handed(samples, time.perf_counter())
         self._dry_at, self._dry_seq, self._dry_ctx = u.playout.dry_at, u.seq, u.context_id
@@ -489,7 +431,7 @@ async def speak(
                 async for x in pcm:
                     if len(x) > left:  # its audio ends at the cap, with the error
                         x = x[:left]
-                        u.error = too_long
+                        u.mark_failed(too_long)
                     left -= len(x)
                     if timeline is not None:
                         timeline.feed(x)

@@ -28,9 +28,9 @@ from app.core.admission import Conversation
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.lanes import Answer, Lane, Lanes
-from app.core.pipeline import Utterance
 from app.core.timestamps import AudioTimeline, Chunk, WordTime, aligned_words
 from app.core.turns import Turns
+from app.core.utterance import Utterance, UtteranceState
 from app.io.audio_output import encode
 from engine.contract.constants import ALIGN_WAIT_S, SAMPLE_RATE
 
@@ -147,7 +147,7 @@ class Playback:
                 if sent is not None:
                     sent.append(pcm)
                 async with stage.send_lock:
-                    if u.cancelled:
+                    if u.state is UtteranceState.CANCELLED:
                         return
                     if not started:
                         await stage.on_utterance_start(u)
@@ -157,9 +157,9 @@ class Playback:
                     if data:
                         await stage.on_audio(u, data, timeline.take())
         async with stage.send_lock:
-            if u.cancelled:
+            if u.state is UtteranceState.CANCELLED:
                 return
-            if u.error is not None:  # counted by the pipeline
+            if u.state is UtteranceState.FAILED:  # counted by the pipeline
                 await stage.on_utterance_error(u)
                 return
             if not started:

@@ -40,13 +40,14 @@ from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
 from app.core.lanes import Answer, Lanes
 from app.core.options import SynthesisOptions
-from app.core.pipeline import Utterance, inline_pieces, text_buffer
+from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
+from app.core.utterance import Utterance
 from app.io.audio_output import OutputFormat
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G

@@ -20,9 +20,10 @@ from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
 from app.core.options import describe_options, parse_options
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance, utterance_bytes
+from app.core.pipeline import DEFAULT_CONTEXT, utterance_bytes
 from app.core.session import StreamingSession
 from app.core.timestamps import ALIGNED, SOURCE, Chunk, WordTime
+from app.core.utterance import Utterance
 from app.doors.handshake import in_band_error, serve
 from app.io.audio_output import DEFAULT_ENCODING, OUTPUT_RATES, OutputFormat, check_encoding, default_rate
 from app.io.bodies import BodyLedger

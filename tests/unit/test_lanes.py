@@ -14,7 +14,8 @@ import pytest
 from app.core import lanes as lanes_module
 from app.core.lanes import Lane, Lanes
 from app.core.options import SynthesisOptions
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance
+from app.core.pipeline import DEFAULT_CONTEXT
+from app.core.utterance import Utterance
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import Limits

@@ -18,10 +18,10 @@ from app.core.admission import Conversation
 from app.core.engine_client import EngineUnavailable
 from app.core.lanes import Answer, Lane, Lanes
 from app.core.options import SynthesisOptions
-from app.core.pipeline import Utterance
 from app.core.playback import Playback
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns
+from app.core.utterance import Utterance
 from app.io.audio_output import OutputFormat
 from engine.contract.errors import EngineError
 from tests.unit.test_pipeline import TIMEOUT, FakeEngine, SlowAligner, fake_gateway, settle

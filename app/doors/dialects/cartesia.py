@@ -38,9 +38,9 @@ from starlette.websockets import WebSocket
 from app.core.gateway import Gateway
 from app.core.hold import Hold
 from app.core.options import SynthesisOptions
-from app.core.pipeline import Utterance
 from app.core.session import StreamingSession
 from app.core.timestamps import Chunk, WordTime
+from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat

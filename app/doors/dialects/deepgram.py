@@ -24,8 +24,9 @@ from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
 from app.core.hold import Hold
-from app.core.pipeline import DEFAULT_CONTEXT, Utterance
+from app.core.pipeline import DEFAULT_CONTEXT
 from app.core.session import StreamingSession
+from app.core.utterance import Utterance
 from app.doors.dialects.common import QUIET_S, dialect_options
 from app.doors.handshake import serve
 from app.io.audio_output import G711_RATE, OutputFormat
