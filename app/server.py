@@ -121,7 +121,7 @@ async def request_error(request: Request, exc: Exception) -> Response:
     """A RequestError out of one of our routes (a dialect's route answers its own, `errors_as`): counted by its
     code (`zonos_errors_total`), answered in our shape."""
     assert isinstance(exc, RequestError)
-    request.app.state.gateway.metrics.errors.labels(exc.code).inc()
+    request.app.state.gateway.metrics.count_error(exc)
     return speech.error_response(exc)
 
 

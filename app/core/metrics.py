@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.core.stats import UtteranceStats
+from app.io.errors import RequestError
 from engine.contract.records import AdmissionGate, Stats
 
 # Several gateway processes (module docstring): a gauge of this process's own state is summed over the live
@@ -323,12 +324,20 @@ class Metrics:
         self.gc_pause.labels(str(generation)).observe(seconds)
         self.gc_pause_cpu.labels(str(generation)).observe(cpu_seconds)
 
-    def utterance_failed(self, api: str, code: str) -> None:
-        """An utterance that ended in an error after it started (the engine died under it, its start failed): its
-        API's `zonos_requests_total{outcome="error"}` beside the code's `zonos_errors_total` (a success rate reads
-        the first; a request refused before it was an utterance counts in the second alone)."""
+    def utterance_failed(self, api: str, error: RequestError) -> None:
+        """An utterance that ended in an error after it started (the engine died under it, its start failed, its HTTP
+        request's audio cap): its API's `zonos_requests_total{outcome="error"}` beside the code's
+        `zonos_errors_total` (a success rate reads the first; a request refused before it was an utterance counts in
+        the second alone)."""
         self.requests.labels(api, "error").inc()
-        self.errors.labels(code).inc()
+        self.count_error(error)
+
+    def count_error(self, error: RequestError) -> None:
+        """An error answered to a client, in `zonos_errors_total` once: an HTTP request's answer carries its
+        utterance's error, which the pipeline counted (`utterance_failed`); counted again there, it was twice."""
+        if not error.counted:
+            error.counted = True
+            self.errors.labels(error.code).inc()
 
     def utterance_cancelled(self, api: str) -> None:
         """An utterance that had begun to play was cut before its end (app/core/pipeline.py

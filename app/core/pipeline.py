@@ -338,7 +338,7 @@ class UtterancePipeline:
             return
         await asyncio.wait([u.start_task])  # a cancelled start ends here; our own cancellation propagates
         if u.error is not None:  # its start failed (a cancel since does not undo that)
-            self.gw.metrics.utterance_failed(self.api, u.error.code)
+            self.gw.metrics.utterance_failed(self.api, u.error)
         if u.state is not UtteranceState.GENERATING:
             return
         if u.stream is None:  # nothing to say (Gateway.start_utterance): it ends with no audio, as a break of none
@@ -362,7 +362,7 @@ class UtterancePipeline:
             elif isinstance(ev, m.Error):
                 error = engine_error(ev)
                 u.mark_failed(error)
-                self.gw.metrics.utterance_failed(self.api, error.code)
+                self.gw.metrics.utterance_failed(self.api, error)
                 return
 
     def _sent(self, u: Utterance, samples: int) -> None:
@@ -432,6 +432,7 @@ async def speak(
                     if len(x) > left:  # its audio ends at the cap, with the error
                         x = x[:left]
                         u.mark_failed(too_long)
+                        gw.metrics.utterance_failed(api, too_long)  # (the door that answers counts its code no more)
                     left -= len(x)
                     if timeline is not None:
                         timeline.feed(x)

@@ -55,7 +55,7 @@ class StreamCut(Exception):
 def cut_off(gw: Gateway, e: RequestError) -> StreamCut:
     """A raw audio answer's sentence after the first failed (`e`): counted here (its status was sent: the answer cannot
     say it), and the answer to cut off (raise it)."""
-    gw.metrics.errors.labels(e.code).inc()
+    gw.metrics.count_error(e)
     return StreamCut(e)
 
 
@@ -264,7 +264,7 @@ async def speech_response(
                 raise  # nothing of a whole-file answer was sent: answered (and counted) as any error is
             if framing.error is None:
                 raise cut_off(gw, e) from None  # cut off, not ended as if complete
-            gw.metrics.errors.labels(e.code).inc()  # (the status was sent: the answer cannot say it but here)
+            gw.metrics.count_error(e)  # (the status was sent: the answer cannot say it but here)
             yield framing.error(e)
             return
         tail = await encode(enc, np.zeros(0, np.int16), last=True)

@@ -145,3 +145,6 @@ class RequestError(ValueError):
         self.code: str = code
         self.status: int = http_status(code) if status is None else status
         self.headers: dict[str, str] = headers or {}
+        # in zonos_errors_total already: an utterance's error, counted by its pipeline, that its HTTP request's answer
+        # then carries (Metrics.count_error counts each error once)
+        self.counted = False

@@ -1720,3 +1720,42 @@ def test_an_http_client_gone_mid_audio_counts_its_utterance_cancelled_and_one_pl
     cut, whole = asyncio.run(gone()), asyncio.run(played())
     assert _requests(cut, "openai", "cancelled") == 1.0 and _requests(cut, "openai", "ok") is None
     assert _requests(whole, "openai", "ok") == 1.0 and _requests(whole, "openai", "cancelled") is None
+
+
+def _errors(gw: Any, code: str) -> float | None:
+    return gw.metrics.registry.get_sample_value("zonos_errors_total", {"code": code})
+
+
+def test_an_http_utterances_error_is_counted_once_and_the_cap_counts_as_an_error_outcome():
+    """An HTTP request's answer carries its utterance's error, which the pipeline counted: the door that answers it
+    (`Metrics.count_error`, as app/server.py request_error, speech.cut_off and a dialect's errors_as do) counted it
+    again (zonos_errors_total{internal} 2 for one failure). And an utterance cut at --max-request-audio-s counted
+    under no zonos_requests_total outcome."""
+
+    async def failed() -> Any:
+        gw = fake_gateway()
+        pcm = speak(gw, "openai", "One.", SynthesisOptions(), None, None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(pcm))
+        stream = await gw.fake.started(1)
+        stream._deliver(m.Error(stream.rid, EngineError.INTERNAL, "the engine failed"))
+        with pytest.raises(RequestError) as got:
+            await first
+        gw.metrics.count_error(got.value)  # the door answering the request
+        return gw
+
+    async def capped() -> Any:
+        gw = fake_gateway(Limits(max_request_audio_s=0.01))  # 441 samples
+        pcm = speak(gw, "openai", "One.", SynthesisOptions(), None, None)  # type: ignore[arg-type]
+        first = asyncio.ensure_future(anext(pcm))
+        FakeEngine.play(await gw.fake.started(1), samples=1000, finish=False)
+        assert len(await first) == 441
+        with pytest.raises(RequestError) as got:
+            await anext(pcm)
+        assert got.value.code == "audio_too_long"
+        gw.metrics.count_error(got.value)  # the door cutting the answer off (speech.cut_off)
+        return gw
+
+    gw = asyncio.run(failed())
+    assert _errors(gw, "internal") == 1.0 and _requests(gw, "openai", "error") == 1.0
+    gw = asyncio.run(capped())
+    assert _errors(gw, "audio_too_long") == 1.0 and _requests(gw, "openai", "error") == 1.0

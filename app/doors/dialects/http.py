@@ -39,7 +39,7 @@ def errors_as(
                 return await endpoint(request)
             except RequestError as e:
                 gw: Gateway = request.app.state.gateway
-                gw.metrics.errors.labels(e.code).inc()
+                gw.metrics.count_error(e)
                 return JSONResponse(body(e.code, str(e), e.status), status_code=e.status, headers=e.headers)
 
         return route
