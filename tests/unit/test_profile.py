@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from engine.runtime.profile import dac_report, iteration_budget
 
 
@@ -167,3 +169,40 @@ def test_several_thresholds_profile_in_turn_each_after_an_unprofiled_window(tmp_
         assert b["wall_ms_per_iteration_unprofiled"] >= 0 and b["host_sync_ms_per_iteration"] == 0.0
         assert b["host_work_ms_per_iteration"] == b["wall_ms_per_iteration"]
     assert IterationProfiler(str(tmp_path / "p.json"), 110, 200).out_path(110) == str(tmp_path / "p.json")
+
+
+def test_what_the_profile_leaves_is_collected_before_its_file_is_written(tmp_path, monkeypatch):
+    """The export collects the profile's cyclic leftovers itself, before the budget file (what the capacity script
+    waits for) is written: the collector's own next pass would walk them in a level that is measured."""
+    import gc
+    import subprocess
+    import weakref
+
+    from engine.runtime.profile import IterationProfiler
+
+    class Node:  # a cycle, as a profiler's event tree leaves them
+        def __init__(self) -> None:
+            self.me = self
+
+    class Prof:
+        def __init__(self) -> None:
+            self.events = [Node() for _ in range(1000)]
+
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path).write_text('{"traceEvents": []}')
+
+    alive = []
+
+    def analyse(*args, **kwargs):  # the child process: by now the leftovers must be gone
+        alive.append(probe() is not None)
+        return subprocess.CompletedProcess(args, 0, stdout="{}", stderr="")
+
+    monkeypatch.setattr("engine.runtime.profile.subprocess.run", analyse)
+    handed = [Prof()]  # the export holds the only reference, as the engine's does
+    probe = weakref.ref(handed[0].events[0])
+    gc.disable()  # no automatic pass may collect them meanwhile
+    try:
+        IterationProfiler(str(tmp_path / "p.json"), 1, 1)._write(handed.pop(), str(tmp_path / "p.json"), {}, {})
+    finally:
+        gc.enable()
+    assert alive == [False]
