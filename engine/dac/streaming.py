@@ -309,19 +309,19 @@ class StreamingDecoder:
         if eos_frame is not None:
             self._set_eos(rid, req, req.offset + eos_frame)
 
-    def push_rows(self, rids: list[int], frames: np.ndarray) -> None:
-        """One generated frame for each of `rids` (frames [len(rids), 9], row i for rids[i]): the decode
-        step's whole batch in one call."""
-        for i, rid in enumerate(rids):
+    def push_rows(self, rids: list[int], frames: np.ndarray | list[np.ndarray]) -> None:
+        """One generated frame for each of `rids` (frames [len(rids), 9], or a list of [9] rows: row i for
+        rids[i]): the decode step's whole batch in one call (a list: the rows as read back, never stacked)."""
+        for rid, row in zip(rids, frames, strict=True):
             req = self._reqs.get(rid)
             if req is None:
                 req = self._reqs[rid] = _Req()
             if req.done:
                 continue
             if req.n == req.buf.shape[0]:
-                req.append(frames[i : i + 1])
+                req.append(row[None])
             else:  # the common case: room in the buffer
-                req.buf[req.n] = frames[i]
+                req.buf[req.n] = row
                 req.n += 1
 
     def finish(self, rid: int, eos_frame: int | None = None) -> None:

@@ -44,16 +44,17 @@ class Sequence:
     launched: int = 0  # frames whose sampling has been launched (prefill's first + decode steps); >= generated
     eos: EosTracker = field(default_factory=EosTracker)
     finish_reason: str | None = None
+    # frames of its prompt (which never changes): read several times per stream and iteration by the engine loop
+    prompt_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.prompt)
 
     @property
     def audio_frames(self) -> int | None:
         """Aligned frames the audio keeps, once the delayed EOS fixed it (None: not known, or ignore_eos:
         every frame). The one place that decides where a request's audio ends."""
         return None if self.ignore_eos else self.eos.eos_frame
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.prompt)
 
     @property
     def in_prefill(self) -> bool:
@@ -344,7 +345,7 @@ class LLMNode:
         n = len(seqs)
         buf = self._next_buffer()
         inputs = self._host_inputs[buf][:, :n]
-        inputs.numpy()[:] = [[s.slot for s in seqs], [s.launch_position for s in seqs]]
+        inputs.numpy()[:] = [[s.slot for s in seqs], [s.prompt_len + s.launched - 1 for s in seqs]]  # launch_position
         for s in seqs:
             s.launched += 1
         slots, positions = inputs[0], inputs[1]
@@ -460,7 +461,8 @@ class LLMNode:
         if len(keep) < len(codes):
             codes = codes[keep]
         eoa = (codes[:, : self.cfg.n_codebooks] == self.cfg.eoa_id).any(axis=1).tolist()  # one scan per batch
-        return [(pending.seqs[i], self._accept(pending.seqs[i], codes[j], eoa[j])) for j, i in enumerate(keep)]
+        seqs = pending.seqs
+        return [(seqs[i], self._accept(seqs[i], row, hit)) for i, row, hit in zip(keep, codes, eoa, strict=True)]
 
     def abandon(self, pending: PendingDecode) -> None:
         """Forget a launched step without its codes (the engine's error path): its deferred slots are freed."""
@@ -474,6 +476,6 @@ class LLMNode:
             seq.finish_reason = "eos"
         elif seq.generated >= seq.max_frames:
             seq.finish_reason = "max_frames"
-        elif seq.next_position + 1 >= self.max_len - 1:
+        elif seq.prompt_len + seq.generated >= self.max_len - 1:  # its next_position + 1: the context is full
             seq.finish_reason = "context"
         return codes

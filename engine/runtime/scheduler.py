@@ -433,28 +433,31 @@ class Scheduler:
         sprinted has rows from several steps, in launch order: they go to its stream together, and its end is
         handled once, after its last row."""
         now = time.perf_counter()
+        running = self.running
         plain_keys, plain_rows = [], []
-        grouped: dict[int, tuple[Sequence, list[np.ndarray]]] = {}  # id(seq) -> its rows, in launch order
+        # the rows of the requests whose end is known (they go to their streams together, their end handled once):
+        # id(seq) -> (seq, its job, its rows in launch order)
+        grouped: dict[int, tuple[Sequence, Job, list[np.ndarray]]] = {}
         for seq, codes in results:
-            if (got := grouped.get(id(seq))) is None:
-                grouped[id(seq)] = (seq, [codes])
-            else:
-                got[1].append(codes)
-        for seq, rows in grouped.values():
             if seq.rid < 0:  # a guidance twin: its frame is its request's, released with it
-                if -seq.rid not in self.running:
+                if -seq.rid not in running:
                     self.llm.release(seq)
                 continue
-            job = self.running.get(seq.rid)
+            job = running.get(seq.rid)
             if job is None:  # its audio completed (or it was cancelled) while this step was in flight
                 self.llm.release(seq)
                 continue
             if not job.times.prefilled:  # its first frame (it may have come with a sprint's second)
                 job.times.prefilled = now
-            if seq.audio_frames is None and seq.finish_reason is None:
-                plain_keys += [job.chain.stream] * len(rows)
-                plain_rows += rows
-                continue
+            # (every row was read back before this: a sequence's end is what its last row made it, for all its rows)
+            if seq.finish_reason is None and seq.audio_frames is None:  # the common row: one more frame, no end
+                plain_keys.append(job.chain.stream)
+                plain_rows.append(codes)
+            elif (got := grouped.get(id(seq))) is None:
+                grouped[id(seq)] = (seq, job, [codes])
+            else:
+                got[2].append(codes)
+        for seq, job, rows in grouped.values():
             self.dac.push(job.chain.stream, np.stack(rows), eos_frame=seq.audio_frames)
             if seq.finish_reason is not None:
                 if job.chain.hold:
@@ -463,7 +466,7 @@ class Scheduler:
                     self.streams.end_stream(job)
                 self._release(job)
         if plain_keys:
-            self.dac.push_rows(plain_keys, np.stack(plain_rows))
+            self.dac.push_rows(plain_keys, plain_rows)
 
     def _release(self, job: Job) -> bool:
         """Free the job's slots (its twin's too). False: a step in flight still writes one of them; it is

@@ -99,12 +99,24 @@ class Planner:
         live = bool(jobs)
         if paced:
             return StepPlan([], [], paced=True, live=live)
-        decode = [s for j in jobs if wants_step(j.seq) for s in j.rows if not s.in_prefill]
+        # one pass over the jobs (the engine loop's per-stream cost): the decode rows, and the prompts in prefill
+        decode: list[Sequence] = []
+        prefilling: list[Job] = []
+        for j in jobs:
+            seq = j.seq
+            if j.guidance is None and seq.prefilled >= seq.prompt_len:  # the common row: a plain request decoding
+                if wants_step(seq):
+                    decode.append(seq)
+                continue
+            if seq.in_prefill:
+                prefilling.append(j)
+            if wants_step(seq):
+                decode += [s for s in j.rows if not s.in_prefill]
         mixing = self.mixes and bool(decode)  # a prompt rides along with the step: a smaller chunk each
         budget = self.mixed_budget if mixing else self.prefill_budget
         chunks: list[tuple[Sequence, int]] = []
         oldest: float | None = None  # the earliest admission among the jobs with a chunk here
-        for job in prefill_order(jobs):
+        for job in prefill_order(prefilling):
             if budget <= 0:
                 break
             part = prompt_chunks(job, budget)
