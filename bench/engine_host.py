@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
 
 import numpy as np
@@ -62,6 +63,7 @@ def measure(streams: int, iterations: int, profile: int, top: int = 0) -> tuple[
     settings = EngineSettings(
         device="cpu", max_batch=streams, max_queue=4 * streams, max_context=1024, prefill_chunk=256
     )
+    interval = sys.getswitchinterval()  # (the engine shortens it for its loop: given back at the end)
     engine = Engine(WeightSources(), settings)
     stub_compute(engine)
     inbox, out = ShmRing.create(64 << 20), ShmRing.create(256 << 20)
@@ -100,6 +102,7 @@ def measure(streams: int, iterations: int, profile: int, top: int = 0) -> tuple[
                     submit()
     finally:
         engine.speaker.close()
+        sys.setswitchinterval(interval)
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
