@@ -13,6 +13,7 @@ seeded request pays it; the others do not). Each set's capture time and reserved
 
     python bench/decode_step.py --batches 64 128 --overlap-host-ms 2.7   # overlap scheduling
     python bench/decode_step.py --batches 128 192 --quantization fp8 --profile   # FP8 experts, time by kernel class
+    python bench/decode_step.py --batches 64 128 192 --batch-invariant off --profile --profile-batches 128 192
 
 --overlap-host-ms H: the engine loop's two schedules of decode steps, per batch, with H ms of host
 bookkeeping per step (a busy wait standing in for EOS, DAC pushes and records; 2.66 ms was the idle gap
@@ -177,6 +178,12 @@ def main() -> None:
     p.add_argument("--max-context", type=int, default=2048)
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--profile", action="store_true")
+    p.add_argument(
+        "--profile-batches",
+        type=int,
+        nargs="+",
+        help="the batches --profile breaks down by kernel (default: 1, 8 and the largest of --batches)",
+    )
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--json")
     p.add_argument(
@@ -328,7 +335,10 @@ def main() -> None:
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        for b, inv in ((b, inv) for b in sorted({1, 8, max_b}) for inv in node.kernel_sets):
+        profiled = sorted(set(a.profile_batches or (1, 8, max_b)))
+        if max(profiled) > max_b:
+            raise SystemExit(f"--profile-batches: at most the largest of --batches ({max_b})")
+        for b, inv in ((b, inv) for b in profiled for inv in node.kernel_sets):
             g = node.graphs
             graph = g.graphs[inv][g.bucket(b)]
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
