@@ -160,7 +160,7 @@ class Session(StreamingSession):
             try:
                 await self._handle(data)
             except RequestError as e:
-                await self.error(e.code, str(e))
+                await self.error(e.code, str(e), **self.error_context(data))
             if not self._held_back:
                 break
             data = self._held_back.popleft()[0]
@@ -225,6 +225,19 @@ class Session(StreamingSession):
 
     def output_for(self, ctx: str) -> OutputFormat:
         return OutputFormat(self.encoding, self.sample_rate)
+
+    def error_context(self, data: dict[str, Any]) -> dict[str, Any]:
+        """A refused text, flush or cancel names the context it was for (a text without one: "default"), as an
+        utterance's error does: a client with a turn of its own per context tells an answer to its earlier text
+        from one to its new text (the demo page's next Speak sends its text before that answer can arrive)."""
+        kind = data.get("type")
+        if kind not in ("text", "flush", "cancel"):
+            return {}
+        try:
+            ctx = self._context(data, allow_none=kind != "text")
+        except RequestError:  # no context the client could know it by
+            return {}
+        return {} if ctx is None else {"context_id": ctx}
 
     @staticmethod
     def _check_fields(data: dict[str, Any], allowed: set[str]) -> None:

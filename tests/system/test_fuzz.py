@@ -334,6 +334,8 @@ def check_reply(d: Any) -> None:
     if d["type"] == "error":
         assert CODE.match(str(d.get("code"))) and d["code"] != "internal", d
         assert isinstance(d.get("message"), str), d
+        # the context of the utterance, or of the text, flush or cancel it refuses: a context id the client could send
+        assert "context_id" not in d or (isinstance(d["context_id"], str) and 0 < len(d["context_id"]) <= 128), d
 
 
 async def ws_exchange(url: str, frames: list[str | bytes]) -> list[dict[str, Any]]:

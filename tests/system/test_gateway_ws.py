@@ -446,6 +446,42 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     assert err["code"] == "bad_text" and "break" in err["message"]
 
 
+def test_a_refused_message_names_its_context(server):
+    """An error that refuses a text, flush or cancel names the context the message was for, as an utterance's error
+    does: without it, a client that had begun a new turn (the demo page's next Speak, on a context of its own) took
+    the refusal of its earlier text for its new text's and ended that turn."""
+
+    async def go():
+        c = await connect(server, params={"max_frames": 10, "ignore_eos": True})
+        for payload in (
+            {"type": "text", "text": 'Bad <break time="soon"/> tag.', "context_id": "turn-7"},
+            {"type": "text", "text": "[whispering] Quiet.", "flush": True},
+            {"type": "flush", "context_id": "turn-8", "bogus": 1},
+            {"type": "cancel", "context_id": "turn-9", "bogus": 1},
+            {"type": "flush", "bogus": 1},
+            {"type": "text", "text": "Hi.", "context_id": 5},
+            {"type": "session.config", "params": {"seed": 1.5}},
+        ):
+            await c.send(**payload)
+            yield await c.until("error")
+        await c.ws.close()
+
+    async def collect():
+        return [e async for e in go()]
+
+    errors = run(collect())
+    assert [(e["code"], e.get("context_id")) for e in errors] == [
+        ("bad_text", "turn-7"),
+        ("unsupported_tag", "default"),
+        ("bad_message", "turn-8"),
+        ("bad_message", "turn-9"),
+        ("bad_message", None),
+        ("bad_message", None),
+        ("bad_params", None),
+    ], errors
+    assert "utterance_id" not in errors[0] and errors[-1]["message"] == "seed must be an integer"
+
+
 def test_a_refused_break_split_across_messages_does_not_refuse_the_rest_of_the_turn(server):
     """Each half of `<break time="x"/>` passes its own message's check; the message that completes its sentence is
     refused (`bad_text`), and the half buffered before it goes with it: kept, its open `<break` refused every later
