@@ -20,7 +20,9 @@ import {
 import { setPlaybackEventHandler } from "./player.js";
 import { connect, reconnectNow, setSessionHandlers } from "./session.js";
 import {
+  awaitingServer,
   onConnectionLost,
+  onStall,
   onPlaybackEvent,
   onTurnAudio,
   onTurnMessage,
@@ -40,10 +42,13 @@ const speakBtn = $("#speak");
 const stopBtn = $("#stop");
 const textBox = $("#text");
 
+let sessions = 0;
 setSessionHandlers({
   created(msg) {
+    // (no maxLength from max_buffer_chars: a longer paste was cut without a word; a text is sent in parts anyway)
     Object.assign(limits, msg.limits);
-    textBox.maxLength = limits.max_buffer_chars ?? -1;
+    // a reconnect: voices created or deleted elsewhere meanwhile (the first list is the page's own, in init)
+    if (sessions++) loadVoices();
   },
   message(msg) {
     // a voice deleted elsewhere (another page, the API): the picker stops offering it
@@ -52,6 +57,8 @@ setSessionHandlers({
   },
   audio: onTurnAudio,
   closed: onConnectionLost,
+  waiting: awaitingServer,
+  stalled: onStall,
 });
 setPlaybackEventHandler(onPlaybackEvent);
 
@@ -97,7 +104,11 @@ const TEXT_STORE = "zonos.text";
 if (localStorage.getItem(TEXT_STORE) !== null) textBox.value = localStorage.getItem(TEXT_STORE);
 textBox.addEventListener("input", () => {
   countChars();
-  localStorage.setItem(TEXT_STORE, textBox.value);
+  try {
+    localStorage.setItem(TEXT_STORE, textBox.value);
+  } catch {
+    localStorage.removeItem(TEXT_STORE); // past the browser's quota (megabytes): not kept
+  }
 });
 countChars();
 

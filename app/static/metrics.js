@@ -19,7 +19,9 @@ export function updateMetrics() {
   const u = $("#m-underruns");
   u.textContent = player.ctx ? String(s.underruns) : "–";
   u.className = `m-value ${s.underruns ? "warn" : ""}`;
-  if (turn && !turn.stopping) {
+  if (turn && turn.stallMs != null) {
+    setPlayState(`no answer from the server for ${Math.round(turn.stallMs / 1000)} s…`, "err"); // (session.js `stall`)
+  } else if (turn && !turn.stopping) {
     const state = s.playing ? "playing" : turn.samples ? "buffering…" : "generating…";
     setPlayState(state, "busy");
   }

@@ -91,20 +91,29 @@ export function badNumberField() {
   return null;
 }
 
+// A parameter the server refused (its message begins with the key: "seed must be an integer"): its field, focused.
+export function focusParam(message) {
+  const input = form.elements[/^\w+/.exec(message)?.[0]];
+  if (input?.focus) input.focus();
+}
+
 export function readParams() {
   const v = (name) => form.elements[name].value;
   const num = (name) => Number(v(name));
+  // A whole number as typed, not rounded (a seed of 1.5 was sent as 2, silently): the server's parse_options refuses
+  // what it does not take and Speak says so. Digits past 2^53 go as a BigInt, sent exactly (session.js toJson).
+  const int = (name) => (/^\d{16,}$/.test(v(name).trim()) ? BigInt(v(name).trim()) : num(name));
   const p = {
     temperature: num("temperature"),
-    top_k: Math.round(num("top_k")),
+    top_k: int("top_k"),
     top_p: num("top_p"),
     min_p: num("min_p"),
-    repetition_window: Math.round(num("repetition_window")),
+    repetition_window: int("repetition_window"),
     repetition_penalty: num("repetition_penalty"),
-    repetition_codebooks: Math.round(num("repetition_codebooks")),
-    seed: v("seed") === "" ? null : Math.round(num("seed")),
+    repetition_codebooks: int("repetition_codebooks"),
+    seed: v("seed") === "" ? null : int("seed"),
     // An empty field means "the server's limit": sending null would keep an earlier value (merge semantics).
-    max_frames: v("max_frames") === "" ? limits.max_frames : Math.round(num("max_frames")),
+    max_frames: v("max_frames") === "" ? limits.max_frames : int("max_frames"),
     ignore_eos: form.elements.ignore_eos.checked,
     language: v("language"),
     text_normalization: form.elements.text_normalization.checked,

@@ -13,10 +13,24 @@ const session = {
   retry: 0,
   waiters: [], // resolvers waiting for session.updated / error after a session.config
   awaitingCancel: 0, // cancels sent but not yet answered: audio before `cancelled` belongs to old text
+  heardAt: 0, // when the server last said something (or the page last had nothing to wait for)
 };
 
+// Keep-alive. A paused or unreachable server closes nothing: the socket stays open and silent, and the page said
+// "generating…" for ever. While the page waits for the server (a text it speaks, a config's or a cancel's answer),
+// a socket silent for warnMs is reported (handlers.stalled) and the server asked over HTTP whether it still answers;
+// one that does not within probeMs, or silence past dropMs, gives the session up: the text ends "connection lost"
+// and the page reconnects with its back-off. A session not opened within connectMs is given up the same way.
+export const stall = { warnMs: 8_000, probeMs: 5_000, dropMs: 60_000, connectMs: 10_000 };
+
+// JSON, with BigInt values written as their digits: a seed past 2^53 is sent exactly (a Number would round it).
+const BIG = `bigint-${Math.random().toString(36).slice(2)}:`;
+export const toJson = (msg) =>
+  JSON.stringify(msg, (_, v) => (typeof v === "bigint" ? BIG + v : v)).replace(new RegExp(`"${BIG}(\\d+)"`, "g"), "$1");
+
 // What the page does with the session: created(msg) before it counts as connected, message(msg) for
-// every JSON message, audio(ArrayBuffer) for each frame still wanted, closed() when the connection is lost.
+// every JSON message, audio(ArrayBuffer) for each frame still wanted, closed(why) when the connection is lost,
+// waiting() whether a turn expects more from the server, stalled(ms | null) how long it has been silent (null: it spoke).
 let handlers = null;
 export function setSessionHandlers(h) {
   handlers = h;
@@ -61,12 +75,69 @@ export function connect() {
   let unauthorized = false;
   let closedBy = null; // the error code the server closed this session with, if it said one
   let closedWhy = "the connection closed";
+  let created = false;
+  const openedAt = performance.now();
+  let probedAt = 0;
+  let stalled = false;
+  const watch = setInterval(() => {
+    if (session.ws !== ws) return clearInterval(watch); // replaced (reconnectNow)
+    const now = performance.now();
+    if (!created) {
+      if (now - openedAt > stall.connectMs) giveUp(`no answer from the server within ${Math.round(stall.connectMs / 1000)} s`);
+      return;
+    }
+    if (!(session.waiters.length || session.awaitingCancel || handlers.waiting())) session.heardAt = now;
+    const silent = now - session.heardAt;
+    if (silent < stall.warnMs) {
+      if (stalled) {
+        stalled = false; // nothing to wait for any more
+        handlers.stalled(null);
+      }
+      return;
+    }
+    if (!stalled) log(`no answer from the server for ${Math.round(silent / 1000)} s; asking whether it is up`, "warn");
+    stalled = true;
+    handlers.stalled(silent);
+    if (silent > stall.dropMs) giveUp(`no answer from the server for ${Math.round(silent / 1000)} s`);
+    else if (now - probedAt > stall.warnMs) probe((probedAt = now));
+  }, 250);
+
+  // Is the server up? /healthz over HTTP, within probeMs; a server that does not answer is given up.
+  async function probe(at) {
+    const abort = new AbortController();
+    const timer = setTimeout(() => abort.abort(), stall.probeMs);
+    try {
+      await fetch("/healthz", { cache: "no-store", signal: abort.signal });
+      const still = session.ws === ws && stalled && probedAt === at;
+      if (still) log("the server is up: still waiting for this session's audio", "warn");
+    } catch {
+      if (session.ws === ws && stalled) giveUp("the server does not answer (paused or unreachable)");
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  // A socket that says nothing: closed here (the browser notices nothing while the connection stays open).
+  function giveUp(why) {
+    if (session.ws !== ws) return;
+    ws.onmessage = ws.onclose = null;
+    ws.close();
+    closedWhy = why;
+    lost(null, why);
+  }
 
   ws.onmessage = (e) => {
     if (session.ws !== ws) return;
+    session.heardAt = performance.now();
+    if (stalled) {
+      stalled = false;
+      log("the server answers again");
+      handlers.stalled(null);
+    }
     if (typeof e.data !== "string") return onAudio(e.data);
     const msg = JSON.parse(e.data);
     if (msg.type === "session.created") {
+      created = true;
       session.retry = 0;
       handlers.created(msg);
       counters.connected = true;
@@ -75,7 +146,7 @@ export function connect() {
       setConn("connected", "ok");
       log(`session ${msg.session_id} opened`);
       resolveReady();
-    } else if (msg.type === "error" && !msg.utterance_id) {
+    } else if (msg.type === "error" && !msg.utterance_id && !msg.context_id) {
       if (msg.code === "unauthorized") unauthorized = true;
       closedBy = msg.code;
       closedWhy = `${msg.message} (${msg.code})`;
@@ -83,11 +154,16 @@ export function connect() {
     onMessage(msg);
   };
   ws.onclose = (e) => {
-    if (session.ws !== ws) return; // replaced on purpose
+    if (session.ws === ws) lost(e, closedWhy);
+  };
+
+  // The connection is gone (e: the close event; null: given up here).
+  function lost(e, why) {
+    clearInterval(watch);
     counters.connected = false;
     rejectReady(new Error(closedWhy)); // a Speak waiting for this session says why it was refused
     for (const w of session.waiters.splice(0)) w.reject(new Error("the connection closed"));
-    handlers.closed();
+    handlers.closed(why);
     if (unauthorized) {
       setConn("wrong API key", "bad");
       log("the server refused the API key; fix it in the header field", "err");
@@ -102,16 +178,19 @@ export function connect() {
       return;
     }
     // Back off 0.5 s, 1 s, 2 s … 10 s so a restarting server is not hammered.
-    if (session.retry === 0) log(`connection closed (${e.code}${e.reason ? ` ${e.reason}` : ""}); reconnecting`, "warn");
+    if (session.retry === 0) {
+      const how = e ? `connection closed (${e.code}${e.reason ? ` ${e.reason}` : ""})` : why;
+      log(`${how}; reconnecting`, "warn");
+    }
     const delay = Math.min(10_000, 500 * 2 ** session.retry++);
-    const why = closedBy === "too_many_sessions" ? "server full" : "disconnected";
-    setConn(`${why} · retry in ${Math.round(delay / 1000) || 1} s`, "bad");
+    const state = closedBy === "too_many_sessions" ? "server full" : e ? "disconnected" : "no answer";
+    setConn(`${state} · retry in ${Math.round(delay / 1000) || 1} s`, "bad");
     setTimeout(() => session.ws === ws && connect(), delay);
-  };
+  }
 }
 
 export function send(msg) {
-  session.ws.send(JSON.stringify(msg));
+  session.ws.send(toJson(msg));
 }
 
 // Cancel what the server is still speaking; its audio still in flight is dropped until `cancelled`.
@@ -133,7 +212,7 @@ export async function configure(cfg) {
 // Send a session.config when the desired one differs from the last one sent, and wait for the answer
 // so a bad parameter is reported before any text is spoken with the old settings.
 async function applyConfig(cfg) {
-  const json = JSON.stringify(cfg);
+  const json = toJson(cfg);
   if (json === session.sent) return;
   // The server merges params into the session's: a speaking rate cannot be switched back off on the
   // same session, so start a fresh one for that.
@@ -166,9 +245,10 @@ function onMessage(msg) {
       break;
     case "error": {
       counters.errors = [...counters.errors.slice(-49), msg];
-      const w = !msg.utterance_id && session.waiters.shift();
+      // an error naming a context (or an utterance) answers a text, flush or cancel, never a config
+      const w = !msg.utterance_id && !msg.context_id && session.waiters.shift();
       if (w) w.reject(new Error(`${msg.message} (${msg.code})`));
-      log(`error ${msg.code}: ${msg.message}`, "err");
+      log(`error ${msg.code}${msg.context_id ? ` (${msg.context_id})` : ""}: ${msg.message}`, "err");
       break;
     }
   }

@@ -5,7 +5,7 @@ import { counters } from "./counters.js";
 import { $, fmtMs } from "./dom.js";
 import { log } from "./eventlog.js";
 import { ensureAudio, player, playerSend, pushPcm } from "./player.js";
-import { limits } from "./params.js";
+import { focusParam, limits } from "./params.js";
 import { cancel, configure, send } from "./session.js";
 
 export let turn = null; // the text being spoken: {ctx, t0, firstFrameAt, samples, flushed, ...}
@@ -20,6 +20,10 @@ const stopBtn = $("#stop");
 const chunkUtterances = () => Math.max(1, Math.floor((limits.max_pending_utterances || 32) / 4));
 // What the server leaves out of an utterance's text (audio.start): inline tags, and the spaces between sentences.
 const TAGS = /<[^<>]{0,200}>|\[[^[\]]{0,40}\]/g;
+// after a space, neither inside a tag nor right after one: a chunk that ended in `<break ` or in a whole tag left the
+// text before it unspoken (the server speaks it once text after the tag comes), and the next chunk, due once that text
+// started, was never sent: "generating…" for ever
+const WORDS = /(?<=\s)(?<![>\]]\s+)(?![^<>]*>|[^[\]]*\])/u;
 const bare = (s) => s.replace(TAGS, "").replace(/\s+/g, "");
 const spoken = (s) => bare(s).length;
 
@@ -30,12 +34,15 @@ export function chunkText(text, maxBytes = limits.max_utterance_bytes || 288, mo
   const utf8 = new TextEncoder();
   const breaks = (s) => s.match(/<\s*break\b/gi)?.length ?? 0;
   // a sentence: one utterance, or its cuts (at a clause mark or a space: at least half the budget each)
+  // a run without a space (a pasted blob) in pieces of at most the budget in bytes (a quarter of it in code points, never
+  // half a character): one message of it could pass what the server buffers (max_buffer_chars); it joins the pieces
+  const cut = (w) => (w.length <= maxBytes >> 2 ? [w] : w.match(new RegExp(`[^]{1,${maxBytes >> 2}}`, "gu")));
   const cost = (s) => (s.trim() ? Math.max(1, Math.ceil((2 * utf8.encode(s).length) / maxBytes)) + breaks(s) : 0);
   const pieces = []; // [text, utterances]
   for (const sentence of text.split(/(?<=[.!?…]["'”’)\]]*\s+|[。！？]|\n)/u)) {
     const c = cost(sentence);
     if (c <= most) pieces.push([sentence, c]);
-    else for (const w of sentence.split(/(?<=\s)/u)) pieces.push([w, (2 * utf8.encode(w).length) / maxBytes + breaks(w)]);
+    else for (const p of sentence.split(WORDS).flatMap(cut)) pieces.push([p, (2 * utf8.encode(p).length) / maxBytes + breaks(p)]);
   }
   const chunks = [];
   let cur = "";
@@ -70,7 +77,10 @@ export async function speak(text, cfg, t0) {
   try {
     await configure(cfg);
   } catch (e) {
-    if (mine === speakSeq) setPlayState(`not sent: ${e.message}`, "err");
+    if (mine === speakSeq) {
+      setPlayState(`not sent: ${e.message}`, "err");
+      focusParam(e.message); // a parameter the server refused ("seed must be an integer (bad_params)")
+    }
     return;
   }
   if (mine !== speakSeq) return;
@@ -121,7 +131,7 @@ export function stop() {
   setPlayState("stopping…", "busy");
 }
 
-function finishTurn(how) {
+function finishTurn(how, why = "") {
   if (!turn) return;
   trackSentences();
   turn.ended = how;
@@ -133,6 +143,7 @@ function finishTurn(how) {
   counters.turnsEnded++;
   stopBtn.disabled = true;
   if (how === "done" && lastTurn.error) setPlayState(`finished with error: ${lastTurn.error}`, "err");
+  else if (why) setPlayState(`${how}: ${why}`, "err");
   else setPlayState(how === "done" ? "idle" : how, how === "done" || how === "stopped" ? "" : "err");
 }
 
@@ -196,7 +207,9 @@ export function onTurnMessage(msg) {
       if (turn?.stopping) finishTurn("stopped");
       break;
     case "error":
-      if (turn && (msg.context_id == null || msg.context_id === turn.ctx)) {
+      // only the errors of this turn's context: one naming none, or an earlier turn's, is not this text's (the refusal
+      // of an earlier text, arriving after the next Speak, ended the new text as if it were its own)
+      if (turn && msg.context_id === turn.ctx) {
         turn.error = msg.code;
         if (msg.utterance_id) {
           // one utterance failed and the rest goes on: its text may never start, so the next chunk goes now
@@ -280,8 +293,16 @@ export function onPlaybackEvent(ev) {
   if (ev === "drained" && turn && turn.flushed) finishTurn("done");
 }
 
-export function onConnectionLost() {
+export function onConnectionLost(why) {
   if (!turn) return;
   playerSend({ type: "reset" });
-  finishTurn("connection lost");
+  finishTurn("connection lost", why);
+}
+
+// Whether the turn expects more from the server: its audio, its flush's answer, or its cancel's.
+export const awaitingServer = () => !!turn && (!turn.flushed || turn.stopping);
+
+// The server has said nothing for ms while the turn waited for it (null: it spoke again); the play state says so.
+export function onStall(ms) {
+  if (turn) turn.stallMs = ms;
 }

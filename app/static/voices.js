@@ -35,8 +35,10 @@ export async function loadVoices(selectId) {
     $("#library").replaceChildren(el("li", { class: "empty error" }, `Could not load voices: ${e.message}`));
     return;
   }
-  library = counters.voices = voices;
   const want = selectId ?? voiceSelect.value ?? localStorage.getItem(VOICE_STORE) ?? "";
+  const gone = want && !voices.some((v) => v.id === want) && (library.find((v) => v.id === want)?.name ?? want);
+  if (gone) log(`the voice ${gone} is no longer on the server: the model's own voice is selected`, "warn");
+  library = counters.voices = voices;
   const mine = voices.filter((v) => !v.default);
   const defaults = voices.filter((v) => v.default);
   const groups = [el("option", { value: "" }, "Model's own voice (no speaker)")];

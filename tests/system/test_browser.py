@@ -53,6 +53,7 @@ CHROMIUM_ARGS = [
     "--use-fake-device-for-media-stream",
 ]
 TIMEOUT_MS = 30_000
+PROCESSES: dict[str, subprocess.Popen] = {}  # each running server's process, by its URL (to pause one)
 
 
 @contextlib.contextmanager
@@ -73,6 +74,7 @@ def gateway(tmp_path_factory, *extra: str) -> Iterator[str]:
             env=os.environ | {"PYTHONUNBUFFERED": "1"},
         )
     url = f"http://127.0.0.1:{port}"
+    PROCESSES[url] = proc
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -89,7 +91,9 @@ def gateway(tmp_path_factory, *extra: str) -> Iterator[str]:
             time.sleep(0.3)
         yield url
     finally:
+        PROCESSES.pop(url, None)
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)  # (a test that paused it)
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(15)
@@ -925,4 +929,201 @@ def test_a_failed_sentence_does_not_end_a_long_text(browser, small_server):
     started = [t for t in pg.locator("#log li span").all_inner_texts() if t.startswith("▶ u_")]
     assert [t.split("“")[1].rstrip("”") for t in reversed(started)] == [f"Line {i}." for i in range(8) if i != 3]
     assert pg.inner_text("#play-state") == "finished with error: internal"
+    context.close()
+
+
+# ---- a second hostile pass ------------------------------------------------------------------------------------
+def test_an_earlier_texts_error_is_not_the_new_texts(browser, small_server):
+    """The refusal of a text that arrives after the next Speak (within one round trip) was taken for the new text's
+    (an error naming no context counted as the turn's own): the new text's chunks not yet sent were dropped and it
+    ended "finished with error". The server names the context of a refused text, and the page reads it. Here the
+    refusal of the first text is held back in the browser until the second text has been sent."""
+    context = browser.new_context()
+    pg = context.new_page()
+    state: dict = {"held": None, "second_sent": False}
+
+    def route(ws) -> None:
+        server = ws.connect_to_server()
+
+        def to_server(msg) -> None:
+            server.send(msg)
+            if isinstance(msg, str) and json.loads(msg).get("context_id") == "turn-2":
+                state["second_sent"] = True
+                if state["held"] is not None:
+                    ws.send(state["held"])
+                    state["held"] = None
+
+        def to_page(msg) -> None:
+            if isinstance(msg, str) and not state["second_sent"] and json.loads(msg)["type"] == "error":
+                state["held"] = msg
+                return
+            ws.send(msg)
+
+        ws.on_message(to_server)
+        server.on_message(to_page)
+
+    pg.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    seen = ws_log(pg)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", 'Refused <break time="soon"/> here.')
+    pg.click("#speak")
+    wait(pg, "document.querySelector('#play-state').textContent === 'generating…'")
+    text = " ".join(f"Line {i}." for i in range(6))
+    pg.fill("#text", text)
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    errors = [m for way, m in seen if way == "received" and m["type"] == "error"]
+    assert [(e["code"], e.get("context_id")) for e in errors] == [("bad_text", "turn-1")], errors
+    starts = [m for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    spoken = [m["text"] for m in starts if m["context_id"] == "turn-2"]
+    assert spoken == [f"Line {i}." for i in range(6)], spoken
+    assert z(pg, "lastTurnEnd") == "done" and pg.inner_text("#play-state") == "idle"
+    assert "error bad_text (turn-1)" in pg.inner_text("#log")
+    context.close()
+
+
+def test_a_paused_server_is_noticed_and_the_page_recovers(page, server_url):
+    """A paused (SIGSTOP) or unreachable server closes nothing: the page said "generating…" for ever. Silence while
+    the page waits is reported, the server asked over HTTP, the text ends "connection lost", and the page reconnects
+    once the server is back (each attempt within its own time). Short bounds here (session.js `stall`)."""
+    page.evaluate(
+        "import('/static/session.js').then(m => Object.assign(m.stall,"
+        " {warnMs: 1000, probeMs: 1000, dropMs: 30000, connectMs: 2000}))"
+    )
+    set_param(page, "max_frames", "600")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "A long sentence the server stops speaking in the middle of.")
+    page.click("#speak")
+    wait(page, "window.__zonos.framesReceived > 0")
+    proc = PROCESSES[server_url]
+    os.killpg(proc.pid, signal.SIGSTOP)
+    try:
+        wait(page, "document.querySelector('#play-state').textContent.includes('no answer from the server')")
+        wait(page, "window.__zonos.lastTurnEnd === 'connection lost'")
+        assert "does not answer (paused or unreachable)" in page.inner_text("#play-state")
+        assert not page.is_enabled("#stop") and z(page, "state") == "idle"
+        # the reconnect's attempts are not answered either: each given up after 2 s and tried again (the back-off
+        # grows: 0.5 s, 1 s, 2 s), never "connecting…" for good
+        wait(page, "document.querySelector('#conn').textContent === 'no answer · retry in 2 s'")
+        assert not z(page, "connected")
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    wait(page, "window.__zonos.connected", timeout=60_000)
+    set_param(page, "max_frames", "20")
+    page.fill("#text", "Back again.")
+    page.click("#speak")
+    wait(page, "window.__zonos.turnsEnded >= 2", timeout=60_000)
+    assert z(page, "lastTurnEnd") == "done"
+
+
+def test_a_non_integer_seed_is_refused_not_rounded(page):
+    """A seed of 1.5 was sent as 2 (and top_k 10.5 as 11), silently; a seed past 2^53 was rounded to another one.
+    Each is sent as typed: the server's rule (parse_options) refuses what it does not take, Speak says which field."""
+    seen = ws_log(page)
+    page.reload()  # (a socket opened from now on is logged)
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    page.fill("#text", "Not spoken.")
+    for name, value in (("seed", "1.5"), ("top_k", "10.5"), ("seed", "-3")):
+        set_param(page, name, value)
+        page.click("#speak")
+        wait(page, "document.querySelector('#play-state').textContent.startsWith('not sent')")
+        state = page.inner_text("#play-state")
+        assert state.startswith(f"not sent: {name} must be") and state.endswith("(bad_params)"), state
+        assert page.evaluate("document.activeElement.id") == f"p-{name}"
+        page.evaluate("document.querySelector('#play-state').textContent = ''")
+        set_param(page, name, "7")
+    assert not [m for way, m in seen if way == "sent" and m["type"] == "text"]
+    # 2^53 + 1: a Number would send 2^53
+    set_param(page, "seed", "9007199254740993")
+    set_param(page, "max_frames", "10")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    updated = [m for way, m in seen if way == "received" and m["type"] == "session.updated"][-1]
+    assert updated["params"]["seed"] == 9007199254740993, updated
+
+
+def test_a_paste_past_the_buffer_limit_is_spoken_whole(page):
+    """The text box was limited to the server's max_buffer_chars (10,000): a longer paste was cut without a word. The
+    page sends a text in parts as it is spoken, so all of it is taken and spoken."""
+    seen = ws_log(page)
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    limit, budget = page.evaluate(
+        "import('/static/params.js').then(m => [m.limits.max_buffer_chars, m.limits.max_utterance_bytes])"
+    )
+    sentence = " ".join(["word"] * (budget // 5 - 1)) + " end."  # one utterance
+    n = limit // len(sentence) + 2
+    text = " ".join([sentence] * n)
+    assert len(text) > limit
+    page.fill("#text", "")
+    page.focus("#text")
+    page.keyboard.insert_text(text)  # as a paste
+    assert len(page.input_value("#text")) == len(text)
+    assert page.inner_text("#char-count") == str(len(text))
+    set_param(page, "max_frames", "4")
+    page.check("#p-ignore_eos")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=120_000)
+    assert z(page, "lastTurnEnd") == "done" and z(page, "errors") == []
+    assert page_text_sent(seen) == text
+    spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    assert spoken == [sentence] * n
+
+
+def test_the_voice_list_is_reloaded_after_a_reconnect(browser, page, server_url, tmp_path):
+    """A voice created or deleted elsewhere (another page, the API) while the page was away stayed as it was in the
+    picker until a reload. Here a voice is created in another page and the selected one deleted over the API, then
+    the server closes the session (the route stands in for a restart): after the reconnect the picker has the new
+    voice and not the deleted one."""
+    routes: list = []
+
+    def route(ws) -> None:
+        routes.append(ws)
+        ws.connect_to_server()
+
+    page.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    old = clone_from_file(page, write_clip(tmp_path / "old.wav"), "Old test")
+    assert page.input_value("#voice") == old
+    other = browser.new_context().new_page()
+    other.goto(server_url + "/")
+    new = clone_from_file(other, write_clip(tmp_path / "new.wav"), "New test")
+    other.context.close()
+    urllib.request.urlopen(urllib.request.Request(f"{server_url}/v1/voices/{old}", method="DELETE")).close()
+    assert not page.locator("#voice option", has_text="New test").count()  # nothing told the page yet
+    routes[-1].close(code=1012, reason="the server is restarting: reconnect")
+    wait(page, "!window.__zonos.connected")
+    wait(page, "window.__zonos.connected")
+    wait(page, "id => window.__zonos.voices.some(v => v.id === id)", arg=new)
+    assert page.locator("#voice option", has_text="New test").count() == 1
+    assert not page.evaluate("id => window.__zonos.voices.some(v => v.id === id)", old)
+    assert page.input_value("#voice") == "" and page.inner_text("#voice-now") == "model's own voice"
+    assert "the voice Old test is no longer on the server" in page.inner_text("#log")
+
+
+def test_a_break_tag_is_never_cut_between_chunks(browser, small_server):
+    """A sentence the page sends word by word (more utterances than a chunk holds: here one, --max-pending-utterances
+    4) was cut at every space, also the one inside `<break time="300ms"/>` and the one after it: the server buffered
+    `Wait <break ` (or `Wait <break time="300ms"/> `: nothing is spoken before text after the tag comes), and the next
+    chunk, due once something started, never went: "generating…" for ever."""
+    context = browser.new_context()
+    pg = context.new_page()
+    seen = ws_log(pg)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    pg.fill("#text", 'Wait <break time="300ms"/> here.')
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    assert z(pg, "lastTurnEnd") == "done"
+    assert not [e for e in z(pg, "errors") if e.get("context_id")]  # (one session at a time: a refused connect retries)
+    texts = [m["text"] for way, m in seen if way == "sent" and m["type"] == "text"]
+    assert texts == ["Wait ", '<break time="300ms"/> here.'], texts
+    spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    assert spoken == ["Wait", "", "here."], spoken
     context.close()
