@@ -32,6 +32,10 @@ export function updateMetrics() {
   if (t?.firstPlayAt != null && heard) detail.push(`sound after ${fmtMs(t.firstPlayAt - t.t0)}`);
   else if (t?.ended === "stopped" && !heard) detail.push("stopped before any sound played");
   if (t?.utterances) detail.push(`${t.utterances} sentence${t.utterances > 1 ? "s" : ""}`);
-  if (s.underruns) detail.push("underruns: generation is slower than playback here; the buffer grows to compensate");
+  // the engine's own real-time factor leaves the network out: below 1, the audio was made in time and came late
+  if (s.underruns && t?.engineRtf < 1) {
+    detail.push("underruns: the server makes the audio faster than it plays, but it arrives slower (the network?); "
+      + "a lower output sample rate needs less of it");
+  } else if (s.underruns) detail.push("underruns: generation is slower than playback here; the buffer grows to compensate");
   $("#m-detail").textContent = detail.join(" · ");
 }

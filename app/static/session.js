@@ -154,6 +154,8 @@ export function connect() {
     onMessage(msg);
   };
   ws.onclose = (e) => {
+    const code = `${e.code}${e.reason ? ` ${e.reason}` : ""}`;
+    if (closedBy === null && created) closedWhy = e.code === 1006 ? "the connection broke (1006)" : `the server closed it (${code})`;
     if (session.ws === ws) lost(e, closedWhy);
   };
 

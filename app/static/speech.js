@@ -141,16 +141,19 @@ function finishTurn(how, why = "") {
   counters.state = "idle";
   counters.lastTurnEnd = how;
   counters.turnsEnded++;
+  if (document.activeElement === stopBtn) $("#speak").focus(); // a keyboard user's focus is not dropped on the page
   stopBtn.disabled = true;
   if (how === "done" && lastTurn.error) setPlayState(`finished with error: ${lastTurn.error}`, "err");
   else if (why) setPlayState(`${how}: ${why}`, "err");
   else setPlayState(how === "done" ? "idle" : how, how === "done" || how === "stopped" ? "" : "err");
 }
 
+// Written on a change only: metrics.js calls it every frame, and a screen reader reads the live region out again at
+// each write (~1,000 times for a short text).
 export function setPlayState(text, kind = "") {
   const n = $("#play-state");
-  n.textContent = text;
-  n.className = `play-state ${kind}`;
+  if (n.textContent !== text) n.textContent = text;
+  if (n.className !== `play-state ${kind}`) n.className = `play-state ${kind}`;
 }
 
 // An utterance of the turn began to play: how far into the text that is, and the chunks that are due now.
@@ -187,6 +190,7 @@ export function onTurnMessage(msg) {
       // Turn-level real-time factor: a later sentence's own server RTF includes the time it waited
       // behind the earlier ones, which makes short sentences look absurdly slow.
       turn.audioMs += s.audio_ms;
+      if (s.engine?.rtf != null) turn.engineRtf = Math.max(turn.engineRtf ?? 0, s.engine.rtf); // (metrics.js)
       if (turn.audioMs > 0) turn.rtf = (performance.now() - turn.t0) / turn.audioMs;
       const u = turn.sentences.get(msg.utterance_id);
       if (u) {

@@ -1127,3 +1127,104 @@ def test_a_break_tag_is_never_cut_between_chunks(browser, small_server):
     spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
     assert spoken == ["Wait", "", "here."], spoken
     context.close()
+
+
+def test_the_play_state_is_written_on_a_change_only(page):
+    """The play-state line is an aria-live region, and it was written on every animation frame: a screen reader was
+    handed ~1,000 updates for one short text. It is written when its text or kind changes."""
+    page.evaluate(
+        """() => { window.__writes = 0; new MutationObserver(ms => window.__writes += ms.length).observe(
+             document.querySelector('#play-state'), {childList: true, characterData: true, attributes: true}); }"""
+    )
+    set_param(page, "max_frames", "100")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "One sentence here. And another one.")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    page.wait_for_timeout(300)
+    assert z(page, "lastTurnEnd") == "done"
+    assert page.evaluate("window.__writes") < 20, page.evaluate("window.__writes")
+
+
+def test_stop_from_the_keyboard_keeps_the_focus(page):
+    """Stop, pressed from the keyboard, is disabled when the text has stopped: the focus fell to the page's body, and a
+    keyboard user started again from the top. It moves to Speak."""
+    set_param(page, "max_frames", "600")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "Stopped from the keyboard.")
+    page.focus("#text")
+    page.keyboard.press("Control+Enter")
+    wait(page, "!document.querySelector('#stop').disabled")
+    page.focus("#stop")
+    page.keyboard.press("Enter")
+    wait(page, "window.__zonos.lastTurnEnd === 'stopped'")
+    assert page.evaluate("document.activeElement.id") == "speak"
+    page.keyboard.press("Enter")  # and speaks again from there
+    wait(page, "window.__zonos.state === 'speaking'")
+
+
+def test_a_socket_the_server_closes_mid_text_says_so_and_reconnects(page):
+    """The server closing the socket in the middle of a text (an internal error, 1011) ended it with "connection lost:
+    the connection closed", the same words as any other loss. It says the server closed it, and how; the page
+    reconnects and the next Speak is spoken."""
+    routes: list = []
+
+    def route(ws) -> None:
+        routes.append(ws)
+        ws.connect_to_server()
+
+    page.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    set_param(page, "max_frames", "300")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "The server closes this one.")
+    page.click("#speak")
+    wait(page, "window.__zonos.framesReceived > 0")
+    routes[-1].close(code=1011, reason="internal error")
+    wait(page, "window.__zonos.lastTurnEnd !== null")
+    assert z(page, "lastTurnEnd") == "connection lost"
+    assert page.inner_text("#play-state") == "connection lost: the server closed it (1011 internal error)"
+    wait(page, "window.__zonos.connected")
+    set_param(page, "max_frames", "20")
+    page.fill("#text", "Spoken after the reconnect.")
+    page.click("#speak")
+    wait(page, "window.__zonos.turnsEnded >= 2", timeout=60_000)
+    assert z(page, "lastTurnEnd") == "done"
+
+
+def test_underruns_on_a_slow_network_are_not_blamed_on_generation(page):
+    """On a slow network (Chrome's throttling, 40 kB/s: float PCM at 44.1 kHz needs 176 kB/s) the buffer ran dry and the
+    page said "generation is slower than playback here". The engine's own real-time factor (audio.done
+    stats.engine.rtf, without the network) tells them apart; it is set to 0.25 here, as a GPU makes it, in the
+    browser (this CPU test model may be slower than real time)."""
+
+    def route(ws) -> None:
+        server = ws.connect_to_server()
+
+        def relay(msg) -> None:
+            if isinstance(msg, str) and '"audio.done"' in msg:
+                m = json.loads(msg)
+                m["stats"]["engine"]["rtf"] = 0.25
+                msg = json.dumps(m)
+            ws.send(msg)
+
+        server.on_message(relay)
+
+    page.route_web_socket(re.compile(r".*/v1/tts/ws.*"), route)
+    page.reload()
+    page.wait_for_function("window.__zonos && window.__zonos.connected")
+    cdp = page.context.new_cdp_session(page)
+    cdp.send("Network.enable")
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 100, "downloadThroughput": 40_000, "uploadThroughput": 40_000},
+    )
+    set_param(page, "max_frames", "60")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "A slow network. Another sentence.")
+    page.click("#speak")
+    wait(page, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    assert z(page, "lastTurnEnd") == "done" and z(page, "underruns") > 0
+    detail = page.inner_text("#m-detail")
+    assert "arrives slower (the network?)" in detail and "generation is slower" not in detail, detail
