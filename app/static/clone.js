@@ -69,6 +69,9 @@ $("#rec").addEventListener("click", async () => {
   if (recorder) return recorder.stop();
   const status = $("#clone-status");
   let stream;
+  // disabled while the microphone opens: a double click opened it twice, and the first recording (its microphone,
+  // its timer) was never stopped
+  $("#rec").disabled = true;
   try {
     // Raw-ish audio: the speaker encoder wants the voice, not the browser's noise suppression.
     stream = await navigator.mediaDevices.getUserMedia({
@@ -76,6 +79,8 @@ $("#rec").addEventListener("click", async () => {
     });
   } catch (e) {
     return setStatus(status, `Microphone unavailable: ${e.message}`, "err");
+  } finally {
+    $("#rec").disabled = false;
   }
   const chunks = [];
   const rec = new MediaRecorder(stream);

@@ -36,6 +36,10 @@ export function setSessionHandlers(h) {
   handlers = h;
 }
 
+// The errors the server closes a session after (docs/protocol.md, close codes). Another error naming no context (a
+// refused config) is no reason for a later close: "connection lost: seed must be an integer" after a restart.
+const CLOSING = new Set(["unauthorized", "origin_not_allowed", "too_many_sessions", "idle_timeout", "evicted_idle"]);
+
 function wsUrl() {
   const proto = location.protocol === "https:" ? "wss:" : "ws:";
   const key = apiKey();
@@ -146,7 +150,7 @@ export function connect() {
       setConn("connected", "ok");
       log(`session ${msg.session_id} opened`);
       resolveReady();
-    } else if (msg.type === "error" && !msg.utterance_id && !msg.context_id) {
+    } else if (msg.type === "error" && CLOSING.has(msg.code)) {
       if (msg.code === "unauthorized") unauthorized = true;
       closedBy = msg.code;
       closedWhy = `${msg.message} (${msg.code})`;

@@ -93,7 +93,7 @@ function renderLibrary(voices) {
           el("button", { class: "icon", type: "button", title: "Download the speaker embedding (.npy)", "aria-label": `Download ${v.name} embedding`,
             onclick: () => downloadEmbedding(v) }, "⤓"),
           v.default ? null : el("button", { class: "icon danger", type: "button", title: "Delete this voice", "aria-label": `Delete ${v.name}`,
-            onclick: () => deleteVoice(v) }, "✕"),
+            onclick: (e) => deleteVoice(v, e.currentTarget) }, "✕"),
         ),
       );
     }),
@@ -131,13 +131,15 @@ async function downloadEmbedding(v) {
   }
 }
 
-async function deleteVoice(v) {
+async function deleteVoice(v, button) {
   if (!confirm(`Delete the voice "${v.name}"?`)) return;
+  button.disabled = true; // a double click asked twice, and the second delete failed (not_found)
   try {
     await api(`/v1/voices/${encodeURIComponent(v.id)}`, { method: "DELETE" });
     log(`deleted voice ${v.name}`);
     await loadVoices(voiceSelect.value === v.id ? "" : undefined);
   } catch (e) {
+    button.disabled = false;
     log(`delete failed: ${e.message}`, "err");
   }
 }
