@@ -83,6 +83,7 @@ export function connect() {
   const openedAt = performance.now();
   let probedAt = 0;
   let stalled = false;
+  let upSaid = false; // "the server is up", said once a silence
   const watch = setInterval(() => {
     if (session.ws !== ws) return clearInterval(watch); // replaced (reconnectNow)
     const now = performance.now();
@@ -100,6 +101,7 @@ export function connect() {
       return;
     }
     if (!stalled) log(`no answer from the server for ${Math.round(silent / 1000)} s; asking whether it is up`, "warn");
+    if (!stalled) upSaid = false;
     stalled = true;
     handlers.stalled(silent);
     if (silent > stall.dropMs) giveUp(`no answer from the server for ${Math.round(silent / 1000)} s`);
@@ -112,8 +114,9 @@ export function connect() {
     const timer = setTimeout(() => abort.abort(), stall.probeMs);
     try {
       await fetch("/healthz", { cache: "no-store", signal: abort.signal });
-      const still = session.ws === ws && stalled && probedAt === at;
-      if (still) log("the server is up: still waiting for this session's audio", "warn");
+      const first = session.ws === ws && stalled && probedAt === at && !upSaid;
+      if (first) log("the server is up: still waiting for this session's audio", "warn");
+      upSaid ||= first;
     } catch {
       if (session.ws === ws && stalled) giveUp("the server does not answer (paused or unreachable)");
     } finally {

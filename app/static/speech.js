@@ -307,6 +307,13 @@ export function onConnectionLost(why) {
 export const awaitingServer = () => !!turn && (!turn.flushed || turn.stopping);
 
 // The server has said nothing for ms while the turn waited for it (null: it spoke again); the play state says so.
+// A silence with chunks unsent: the text sent holds nothing the server can speak yet (a long sentence sent in
+// pieces of words, none past the utterance budget), and what was sent would start the next chunk: it goes now.
 export function onStall(ms) {
-  if (turn) turn.stallMs = ms;
+  if (!turn) return;
+  if (ms != null && turn.stallMs == null) {
+    turn.forced = false;
+    sendChunks(true);
+  }
+  turn.stallMs = ms;
 }

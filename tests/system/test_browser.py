@@ -1263,3 +1263,28 @@ def test_double_click_records_once(page):
     wait(page, "!document.querySelector('#rec-audio').hidden")
     assert page.evaluate("__streams.length") == 1
     assert page.evaluate("__streams.every(s => s.getTracks().every(t => t.readyState === 'ended'))")
+
+
+def test_a_long_sentence_sent_word_by_word_is_not_stuck(browser, small_server):
+    """A sentence longer than a chunk (here one utterance a chunk, --max-pending-utterances 4) is sent in pieces of
+    words, two ahead of what has started; two pieces within the utterance budget start nothing (the server waits for
+    the sentence's end or its budget), so the next piece was never due: "generating…" for ever. A silent socket while
+    the server is up (the keep-alive) sends the next piece."""
+    context = browser.new_context()
+    pg = context.new_page()
+    seen = ws_log(pg)
+    pg.goto(small_server + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    pg.evaluate("import('/static/session.js').then(m => Object.assign(m.stall, {warnMs: 1000, probeMs: 2000}))")
+    set_param(pg, "max_frames", "6")
+    pg.check("#p-ignore_eos")
+    budget = pg.evaluate("import('/static/params.js').then(m => m.limits.max_utterance_bytes)")
+    text = " ".join(["word"] * (budget // 2)) + " end."  # about 2.5 budgets, no sentence end before its last word
+    pg.fill("#text", text)
+    pg.click("#speak")
+    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=60_000)
+    assert z(pg, "lastTurnEnd") == "done", pg.inner_text("#play-state")
+    assert "".join(m["text"] for way, m in seen if way == "sent" and m["type"] == "text") == text
+    spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
+    assert " ".join(spoken) == text, spoken
+    context.close()
