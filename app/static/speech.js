@@ -85,6 +85,9 @@ export async function speak(text, cfg, t0) {
   }
   if (mine !== speakSeq) return;
   if (turn && !turn.stopping) cancelTurn(); // (none can have begun meanwhile; a text must never join another's)
+  // the text it interrupts ends here, stopped (its `cancelled` may still come): it was replaced unended, and its
+  // sentences generated but not heard were never logged, nor was it counted
+  if (turn) finishTurn("stopped");
   const ctx = `turn-${++turnSeq}`;
   turn = { ctx, t0, firstFrameAt: null, firstPlayAt: null, samples: 0, playedBase: counters.samplesPlayed, utterances: 0,
     audioMs: 0, serverTtfa: null, rtf: null, flushed: false, stopping: false, rate: cfg.sample_rate,

@@ -974,7 +974,7 @@ def test_an_earlier_texts_error_is_not_the_new_texts(browser, small_server):
     text = " ".join(f"Line {i}." for i in range(6))
     pg.fill("#text", text)
     pg.click("#speak")
-    wait(pg, "window.__zonos.lastTurnEnd !== null", timeout=90_000)
+    wait(pg, "window.__zonos.turnsEnded === 2", timeout=90_000)
     errors = [m for way, m in seen if way == "received" and m["type"] == "error"]
     assert [(e["code"], e.get("context_id")) for e in errors] == [("bad_text", "turn-1")], errors
     starts = [m for way, m in seen if way == "received" and m["type"] == "audio.start"]
@@ -1288,3 +1288,17 @@ def test_a_long_sentence_sent_word_by_word_is_not_stuck(browser, small_server):
     spoken = [m["text"] for way, m in seen if way == "received" and m["type"] == "audio.start"]
     assert " ".join(spoken) == text, spoken
     context.close()
+
+
+def test_a_text_interrupted_by_speak_ends_stopped(page):
+    """Speak in the middle of a text interrupts it (barge-in): the text it replaced was never ended, so it was not
+    counted and its sentences generated but not heard were never logged. It ends "stopped" as the new one starts."""
+    set_param(page, "max_frames", "100")
+    page.check("#p-ignore_eos")
+    page.fill("#text", "The first text, interrupted. It has a second sentence.")
+    page.click("#speak")
+    wait(page, "window.__zonos.framesReceived > 0")
+    page.fill("#text", "The second text.")  # the same settings: no config to wait for, the text goes before `cancelled`
+    page.click("#speak")
+    wait(page, "window.__zonos.turnsEnded === 2", timeout=60_000)
+    assert z(page, "lastTurnEnd") == "done"
