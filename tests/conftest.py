@@ -39,6 +39,35 @@ if platform.machine() in ("x86_64", "AMD64"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _one_default_ssl_context() -> None:
+    """Every httpx client (each httpx.get/post/... call makes one, and so does every httpx.Client, OpenAI client
+    and AsyncClient) builds an SSL context and loads the whole CA bundle into it, though the suite speaks only
+    plain HTTP to 127.0.0.1: ~20 ms on an idle core, 100-150 ms on 2 busy ones, and the suite makes thousands
+    (test_fuzz.py's pronunciation dictionaries alone ~240). The default context (verify=True, no client cert) is
+    made once per CA location and shared, as one client shares it between its connections; any other is made
+    as httpx makes it. The requests and answers are the same."""
+    transports = getattr(httpx, "_transports", None)
+    default = getattr(transports, "default", None)
+    create = getattr(default, "create_ssl_context", None)  # private (httpx 0.28): another httpx runs as it is
+    if create is None or getattr(create, "_shared", False):
+        return
+    made: dict[tuple[object, ...], object] = {}
+
+    def shared(verify: object = True, cert: object = None, trust_env: bool = True) -> object:
+        if verify is not True or cert is not None:
+            return create(verify=verify, cert=cert, trust_env=trust_env)
+        key = (trust_env, os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+        if key not in made:
+            made[key] = create(verify=True, cert=None, trust_env=trust_env)
+        return made[key]
+
+    shared._shared = True  # type: ignore[attr-defined]
+    default.create_ssl_context = shared
+
+
+_one_default_ssl_context()
+
+
 def triton_on_cpu() -> None:
     """Triton's kernels on a machine without CUDA: in Triton's interpreter, which must be chosen before the
     kernels are first imported and then holds for the whole process. On a machine with CUDA nothing is set:
