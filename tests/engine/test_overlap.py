@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -259,6 +259,13 @@ def compare_mixed(a: Engine, overlap_a: bool, b: Engine, overlap_b: bool, pcm_to
     reqs, cancel_at, submit_at = mixed_requests()
     ra = drive(a, overlap_a, reqs, cancel_at, submit_at)
     rb = drive(b, overlap_b, reqs, cancel_at, submit_at)
+    check_mixed(ra, rb, pcm_tolerance)
+    return ra, rb
+
+
+def check_mixed(ra: Run, rb: Run, pcm_tolerance: int = 1) -> None:
+    """compare_mixed's checks of two runs of `mixed_requests` (b's overlap on where a's is off, or both alike)."""
+    reqs, _, submit_at = mixed_requests()
     rids = [r.rid for r in reqs + submit_at[3][1]]
     assert_same(ra, rb, [r for r in rids if r != 1], pcm_tolerance)
     for r in (ra, rb):
@@ -267,15 +274,31 @@ def compare_mixed(a: Engine, overlap_a: bool, b: Engine, overlap_b: bool, pcm_to
     n_a, n_b = len(ra.codes(1)), len(rb.codes(1))
     assert 6 <= n_a <= n_b <= n_a + 1
     np.testing.assert_array_equal(ra.codes(1), rb.codes(1)[:n_a])
-    return ra, rb
 
 
-def test_overlap_gives_the_same_frames_and_audio(engine: Engine):
+@pytest.fixture(scope="module")
+def mixed_run(engine: Engine) -> Callable[[bool], Run]:
+    """drive(engine, overlap, *mixed_requests()), once per overlap for the module: the runs without sprints that
+    test_overlap_gives_the_same_frames_and_audio compares with each other and the sprint tests with their sprints
+    are the same runs (the engine and the requests' seeds decide every frame); each drive of the mix is seconds."""
+    runs: dict[bool, Run] = {}
+
+    def get(overlap: bool) -> Run:
+        if overlap not in runs:
+            reqs, cancel_at, submit_at = mixed_requests()
+            runs[overlap] = drive(engine, overlap, reqs, cancel_at, submit_at)
+        return runs[overlap]
+
+    return get
+
+
+def test_overlap_gives_the_same_frames_and_audio(mixed_run: Callable[[bool], Run]):
     """More requests than slots, of different lengths and sampling settings, one ended by its EOS, one guided
     (its twin takes a slot), one cancelled mid-way: with overlap each request's frames and audio are those
     without. The slots of the cancelled request and of the EOS one (a step in flight still wrote them) go
     to waiting requests the step after they were freed; every slot is free at the end."""
-    off, on = compare_mixed(engine, False, engine, True)
+    off, on = mixed_run(False), mixed_run(True)
+    check_mixed(off, on)
     rids = list(range(1, 11))
     for r in (off, on):
         assert {rid: r.ends[rid].reason for rid in rids} == {
@@ -316,14 +339,16 @@ def test_overlap_with_a_real_end_of_audio(engine: Engine):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_first_audio_sprints_give_the_same_frames_and_audio(engine: Engine, overlap: bool):
+def test_first_audio_sprints_give_the_same_frames_and_audio(
+    engine: Engine, mixed_run: Callable[[bool], Run], overlap: bool
+):
     """First-audio sprints (`EngineSettings.first_audio_sprints`: extra decode steps for the streams whose
     first DAC call still waits for frames) change when frames come, never which: every seeded request of the
     mix (a guided pair sprinting with its twin, requests whose frame budget ends inside the sprint window,
     admissions into slots a sprint still wrote) has the frames and audio it has without them; the cancelled
     one's frames are a prefix of its own (the steps in flight when the cancel came are discarded)."""
     reqs, cancel_at, submit_at = mixed_requests()
-    plain = drive(engine, overlap, reqs, cancel_at, submit_at)
+    plain = mixed_run(overlap)
     for sprints in (2,) if overlap else (1,):  # (each a drive of the whole mix: the suite's time)
         fast = drive(engine, overlap, reqs, cancel_at, submit_at, sprints=sprints)
         assert fast.counters["sprint_frames"] > 0 and plain.counters["sprint_frames"] == 0
