@@ -157,3 +157,21 @@ def test_every_port_a_test_binds_is_of_its_range(monkeypatch):
         if re.search(r"""["']127\.0\.0\.1["'],\s*0\)""", line)
     ]
     assert not offenders, "bind through tests/conftest.py loopback_socket / free_port:\n" + "\n".join(offenders)
+
+
+def test_httpx_clients_share_one_default_ssl_context():
+    """tests/conftest.py: every httpx client of the suite (each httpx.get/post makes one) shares one default SSL
+    context, where each loaded the whole CA bundle anew (~25 ms of CPU, thousands of times a run); a client that
+    asks for another verification still gets its own."""
+    import ssl
+
+    import httpx
+
+    def context(client: httpx.Client | httpx.AsyncClient) -> ssl.SSLContext:
+        return client._transport._pool._ssl_context  # type: ignore[attr-defined]
+
+    with httpx.Client() as a, httpx.Client(timeout=3) as b:
+        assert context(a) is context(b)
+        assert context(httpx.AsyncClient()) is context(a)
+        with httpx.Client(verify=False) as unverified:
+            assert context(unverified) is not context(a) and context(unverified).verify_mode == ssl.CERT_NONE
