@@ -15,9 +15,9 @@ every session behind one lock and grew its memory for good. Here:
 * A worker is replaced after `max_tasks` texts, so whatever its grammars accumulate is given back.
 * Waiting texts go to the workers fairly (FairTurns): the owner (a session, an HTTP request) that has
   used the workers least goes first, so a new session's first sentence is next whatever others have
-  queued; and with two workers or more, texts longer than SHORT_TEXT_BYTES never hold the last free
-  worker, so a short one (a typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s
-  for 300 bytes of digits).
+  queued; and with two workers or more, texts longer than SHORT_TEXT_BYTES, and texts of a language no
+  worker has loaded yet (its grammar's compile: minutes), never hold the last free worker, so a short one (a
+  typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s for 300 bytes of digits).
 
 pebble (not concurrent.futures) because a worker that dies or is stopped fails only its own task and is
 replaced, where ProcessPoolExecutor breaks the whole pool.
@@ -103,6 +103,16 @@ def normalize_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
 
 # ---- in the gateway -----------------------------------------------------------------------------------
 SHORT_TEXT_BYTES = 100  # texts up to this size may take the last free worker
+
+
+def _language(code: str) -> str | None:
+    """A language's canonical code (None: no language of ours, whose text a worker gives back at once, as written)."""
+    from engine.frontend.textnorm import normalize_language
+
+    try:
+        return normalize_language(code)
+    except ValueError:
+        return None
 
 
 @dataclass(eq=False)
@@ -207,6 +217,9 @@ class NormalizationPool:
         self.available = nemo_installed() if available is None else available
         self.turns = FairTurns(self.workers)
         self._pool: pebble.ProcessPool | None = None
+        # the languages whose grammar a worker has loaded (a text of it normalized): a text of any other may first
+        # compile it first (`normalize`)
+        self._loaded: set[str | None] = {None, *map(_language, warm)}
 
     def start(self) -> None:
         """Start the workers now (each loads the warm grammars), not on the first request."""
@@ -233,15 +246,22 @@ class NormalizationPool:
         logged); RequestError `normalization_timeout` past the CPU bound."""
         if not self.available or not text.strip():
             return text
+        lang = _language(language)
+        # a language no worker has loaded yet may compile its grammar first (fr 67 s, es 241 s on 2 cores, not
+        # counted in the CPU bound): such a text is long too, so that it never takes the last free worker (one
+        # client's params naming two such languages held both workers, and every session's first audio, for minutes)
+        cold = lang not in self._loaded
         try:
-            return await self.run(
+            spoken = await self.run(
                 owner,
-                len(text.encode("utf-8", "surrogatepass")) > SHORT_TEXT_BYTES,
+                cold or len(text.encode("utf-8", "surrogatepass")) > SHORT_TEXT_BYTES,
                 normalize_in_worker,
                 text,
                 language,
                 self.cpu_limit_s,
             )
+            self._loaded.add(lang)
+            return spoken
         except pebble.ProcessExpired as e:
             if e.exitcode == -_CPU_SIGNAL:
                 raise RequestError(

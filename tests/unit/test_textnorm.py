@@ -614,3 +614,57 @@ def test_a_cancelled_text_finishes_in_its_worker_which_stays(tmp_path):
 
     first, held, after, again = asyncio.run(asyncio.wait_for(go(), 120))
     assert held == 1 and after == 0 and again == first
+
+
+GATE_ENV = "ZONOS_TEST_COLD_GRAMMAR_GATE"
+
+
+def compile_cold_grammar(text: str, language: str, cpu_limit_s: float) -> str:
+    """normalize_in_worker with a grammar to compile for every language but English: such a text holds its worker
+    until the gate file (its path in GATE_ENV, inherited by the spawned workers) exists."""
+    if not language.startswith("en"):
+        wait_for_file(os.environ[GATE_ENV])
+    return text.upper()
+
+
+def test_texts_of_languages_no_worker_has_loaded_leave_a_worker_to_the_others(tmp_path, monkeypatch):
+    """A language's first text may compile its grammar in its worker, for minutes (fr 67 s, es 241 s on 2 cores),
+    outside the CPU bound. One client's params naming two such languages (or two sentences of one) held both
+    workers, and every other session's first sentence waited for the compiles (the hostile pass: no audio on any
+    socket for two minutes). Such texts now leave the last free worker to the others, as long texts do; once a
+    language's text has been normalized it is an ordinary one."""
+    import asyncio
+
+    from app.core import normalization
+
+    gate = str(tmp_path / "compiled")
+    monkeypatch.setenv(GATE_ENV, gate)
+    monkeypatch.setattr(normalization, "normalize_in_worker", compile_cold_grammar)
+
+    async def go():
+        pool = _pool(workers=2)
+        cold: list[asyncio.Task[str]] = []
+        try:
+            assert await pool.normalize("Warm.", "en_us", "warm-up") == "WARM."
+            cold += [
+                asyncio.create_task(pool.normalize("Bonjour.", "fr_fr", "tenant")),
+                asyncio.create_task(pool.normalize("Hola.", "es", "tenant")),
+            ]
+            while not os.path.exists(gate + ".started"):  # one compiles in its worker
+                await asyncio.sleep(0.01)
+            others = [await asyncio.wait_for(pool.normalize("Hello.", "en_us", f"s{i}"), 20) for i in range(3)]
+            waiting = [t.done() for t in cold]
+            open(gate, "w").close()
+            done = await asyncio.gather(*cold)
+            # French is loaded now: its texts are short ones again (two at once, one in each worker)
+            again = await asyncio.gather(*(pool.normalize("Salut.", "fr_fr", f"f{i}") for i in range(2)))
+            return others, waiting, done, again
+        finally:
+            open(gate, "w").close()  # (a failed wait: the held texts end before the pool does)
+            await asyncio.gather(*cold, return_exceptions=True)
+            pool.close()
+
+    others, waiting, done, again = asyncio.run(asyncio.wait_for(go(), 120))
+    assert others == ["HELLO."] * 3
+    assert waiting == [False, False]
+    assert done == ["BONJOUR.", "HOLA."] and again == ["SALUT."] * 2
