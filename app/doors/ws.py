@@ -136,17 +136,14 @@ class Session(StreamingSession):
         # The flushes the cancel left with nothing to wait for are answered right after `cancelled`, which
         # says what the listener got of each utterance that had begun to play (taken under the send lock,
         # after the cancel: no more of their audio goes out); then those held back behind a config, whose
-        # text it drops too
-        begun = [
-            u
-            for lane in self.lanes.values()
-            for u in lane.pipe.queue
-            if (ctx is None or u.context_id == ctx) and u.samples
-        ]
+        # text it drops too. Which ones began is known only under the lock too: the cancel may wait for it while
+        # a pump sends an utterance's first audio (a slow socket), and that utterance was heard
+        queued = [u for lane in self.lanes.values() for u in lane.pipe.queue if ctx is None or u.context_id == ctx]
         held_flushes = self._drop_held_back(ctx)
 
         async def cancelled() -> None:
-            await self.send_json_locked({"type": "cancelled", "context_id": ctx, "heard": [u.heard() for u in begun]})
+            heard = [u.heard() for u in queued if u.samples]
+            await self.send_json_locked({"type": "cancelled", "context_id": ctx, "heard": heard})
 
         await self.cancel(ctx, answer=cancelled)
         for flushed in held_flushes:

@@ -26,3 +26,42 @@ def test_a_flush_that_is_not_a_boolean_is_refused_whole(flush: object) -> None:
     with pytest.raises(RequestError) as e:
         text_message({"text": "Hi.", "flush": flush})
     assert e.value.code == "bad_message" and "flush must be true or false" in str(e.value)
+
+
+def test_a_cancel_reports_the_utterance_whose_first_audio_went_out_while_it_waited_for_the_send_lock() -> None:
+    """A barge-in during an utterance's first audio: the cancel waits for the send lock while a pump sends that
+    audio (a slow socket), so the utterance had sent nothing when the cancel came and had been heard when `cancelled`
+    went out. It was left out of `heard` (which utterances began was taken before the lock), though its
+    `audio.start` and audio had reached the client."""
+    import asyncio
+    from collections import deque
+    from types import SimpleNamespace
+
+    from app.core.options import SynthesisOptions
+    from app.core.utterance import Utterance
+
+    u = Utterance(
+        id="u_1", seq=1, context_id="default", text="Hello there.", opts=SynthesisOptions(), voice=None, clip=None
+    )
+    session = object.__new__(Session)
+    session.lanes = {"default": SimpleNamespace(pipe=SimpleNamespace(queue=deque([u])))}  # type: ignore[assignment]
+    session._held_back = deque()
+    sent: list[dict[str, Any]] = []
+
+    async def send_json_locked(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    async def cancel(ctx: str | None, answer: Any = None, **_: Any) -> None:
+        u.samples = 4410  # the pump held the send lock: u's first 100 ms went out before the cancel took it
+        await answer()
+
+    session.send_json_locked = send_json_locked  # type: ignore[method-assign]
+    session.cancel = cancel  # type: ignore[method-assign]
+    asyncio.run(session._cancel({"type": "cancel"}))
+    assert sent == [
+        {
+            "type": "cancelled",
+            "context_id": None,
+            "heard": [{"utterance_id": "u_1", "text": "Hello there.", "audio_ms": 100.0}],
+        }
+    ]
