@@ -28,7 +28,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import numpy as np
@@ -551,13 +551,18 @@ class StreamingSession:
         self.end_turn(ctx)
 
     async def cancel(
-        self, ctx: str | None, answer: Answer | None = None, after: int | None = None, supersedes: bool = False
+        self,
+        ctx: str | None,
+        answer: Answer | None = None,
+        after: int | Callable[[], int | None] | None = None,
+        supersedes: bool = False,
     ) -> None:
         """Barge-in: drop (see `drop`), send `answer`, then answer every mark the drop left with nothing to
         wait for, or (`supersedes`) forget those marks: `answer` stands for them. No audio of the dropped text
-        follows the answer."""
+        follows the answer. `after` may be asked under the send lock, where what has been sent is known: the cancel
+        may wait for the lock while a pump sends (or encodes) an utterance's first audio."""
         async with self.send_lock:
-            self.drop(ctx, after)
+            self.drop(ctx, after() if callable(after) else after)
             if answer is not None:
                 await self.answer_locked(answer)
             for lane in list(self.lanes.values()):

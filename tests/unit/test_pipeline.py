@@ -900,6 +900,43 @@ def test_elevenlabs_close_socket_survives_a_context_that_ends_while_others_close
     assert code == 1000
 
 
+def test_elevenlabs_a_close_context_while_its_first_audio_goes_out_is_a_barge_in():
+    """With auto_mode a close_context ends a context's input while none of its audio has been sent, and is a
+    barge-in once it has (Context.kept_by_close). Which was taken when the close arrived, before it had the send
+    lock: a close that came while a pump encoded (mp3, the default, in a codec thread) or sent the context's first
+    audio, and so waited for the lock, let the whole reply play on though the client had heard it begin."""
+    from app.doors.dialects.elevenlabs import ElevenLabsSession
+
+    async def go() -> tuple[list[Any], list[int]]:
+        gw = fake_gateway()
+        ws = FakeSocket()
+        ws.query_params = {"output_format": "pcm_44100", "auto_mode": "true"}  # type: ignore[attr-defined]
+        ws.path_params = {"voice_id": "any"}  # type: ignore[attr-defined]
+        session = ElevenLabsSession(ws, gw, "")  # type: ignore[arg-type]
+        lock = session.send_lock = _CountingLock()
+        task = asyncio.create_task(session.run())
+        ws.send(text="Hello there. ", context_id="a")  # auto_mode: each text spoken as it comes
+        ws.send(text="And a second sentence. ", context_id="a")
+        first = await gw.fake.started(1)
+        async with lock:  # the pump's first audio waits for the lock (a slow socket, a codec thread)
+            asked = lock.asked
+            FakeEngine.play(first, finish=False)
+            await lock.asked_for(asked + 1)
+            ws.send(context_id="a", close_context=True)  # the listener spoke: pipecat closes the context
+            await lock.asked_for(asked + 2)  # the close waits behind the first audio
+        seen = []
+        async with asyncio.timeout(TIMEOUT):
+            while not seen or seen[-1].get("isFinal") is not True:
+                seen.append(await ws.next_json())
+        cancelled = list(gw.fake.cancelled)
+        await shut(ws, task)
+        return seen, cancelled
+
+    seen, cancelled = asyncio.run(go())
+    assert [d.get("isFinal") for d in seen] == [None, True] and seen[0]["audio"]  # the first audio, then the end
+    assert 1 in cancelled  # the reply heard beginning was cut, not played on
+
+
 def cartesia_socket(
     limits: Limits | None = None, directions: EmotionDirections | None = None
 ) -> tuple[Any, FakeSocket, Any, dict, dict]:

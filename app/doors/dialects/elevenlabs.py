@@ -291,7 +291,10 @@ class ElevenLabsSession(StreamingSession):
         c.closing = True
         # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now. No
         # text follows in it: what plays on ends its turn (its held tail is decoded now, not after the grace).
-        await self.cancel(ctx, after=c.kept_by_close())
+        # Which that is is asked under the send lock: whether its audio has begun (`said`) is known only there (the
+        # close may wait for the lock while a pump encodes and sends the context's first audio, and a close then is a
+        # barge-in, not the end of its input)
+        await self.cancel(ctx, after=c.kept_by_close)
         self.end_turn(ctx)
         await self.add_mark(ctx, lambda: self._final(c))
 
