@@ -377,6 +377,17 @@ class GatewaySettings:
             metavar="N",
         ),
     )
+    normalization_languages: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a language whose grammars every text-normalization worker loads at start, besides English "
+            "(repeatable, e.g. fr_fr). A worker loads any other on its first text (up to ~12 s; the first compile "
+            "on a machine takes minutes); with one worker such texts are spoken as written instead "
+            "(docs/reliability.md)",
+            name="normalization-language",
+            metavar="CODE",
+        ),
+    )
     log_level: str = field(
         default_factory=lambda: os.environ.get("LOG_LEVEL", "INFO").upper(),
         metadata=flag(f"{', '.join(LOG_LEVELS)} (env LOG_LEVEL)"),
@@ -404,6 +415,12 @@ class GatewaySettings:
         # 401, and a non-loopback bind allowed as if keyed
         if any(not key for key in self.api_keys):
             raise ValueError("--api-key must not be empty (no client can send an empty key)")
+        from engine.frontend.textnorm import normalize_language  # (its NeMo is imported only when it normalizes)
+
+        try:
+            self.normalization_languages = tuple(normalize_language(c) for c in self.normalization_languages)
+        except ValueError as e:
+            raise ValueError(f"--normalization-language: {e}") from None
 
     @property
     def voices_dir(self) -> Path:

@@ -181,6 +181,7 @@ class Gateway:
                 settings.normalization_workers or max(1, default_workers() // (link.channels if link else 1)),
                 lim.normalization_cpu_s,
                 lim.normalization_max_tasks,
+                warm=("en_us", *settings.normalization_languages),
             )
             if settings.text_normalization
             else None

@@ -18,6 +18,9 @@ every session behind one lock and grew its memory for good. Here:
   queued; and with two workers or more, texts longer than SHORT_TEXT_BYTES, and texts of a language no
   worker has loaded yet (its grammar's compile: minutes), never hold the last free worker, so a short one (a
   typical first sentence, ~30 ms) never waits behind a long one (up to ~1 s for 300 bytes of digits).
+* With one worker there is no other to leave free: a text of a language it did not load at start (`warm`:
+  English and `--normalization-language`) is spoken as written, since loading that grammar (up to ~12 s from
+  the cache, minutes to compile) would hold every session's text behind it.
 
 pebble (not concurrent.futures) because a worker that dies or is stopped fails only its own task and is
 replaced, where ProcessPoolExecutor breaks the whole pool.
@@ -105,12 +108,13 @@ def normalize_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
 SHORT_TEXT_BYTES = 100  # texts up to this size may take the last free worker
 
 
-def _language(code: str) -> str | None:
-    """A language's canonical code (None: no language of ours, whose text a worker gives back at once, as written)."""
-    from engine.frontend.textnorm import normalize_language
+def _grammar(code: str) -> str | None:
+    """The grammar a language's texts load (en_us and en_gb share one); None: no language of ours, whose text a
+    worker gives back at once, as written."""
+    from engine.frontend.textnorm import NEMO_LANGUAGE, normalize_language
 
     try:
-        return normalize_language(code)
+        return NEMO_LANGUAGE[normalize_language(code)]
     except ValueError:
         return None
 
@@ -217,9 +221,10 @@ class NormalizationPool:
         self.available = nemo_installed() if available is None else available
         self.turns = FairTurns(self.workers)
         self._pool: pebble.ProcessPool | None = None
-        # the languages whose grammar a worker has loaded (a text of it normalized): a text of any other may first
-        # compile it first (`normalize`)
-        self._loaded: set[str | None] = {None, *map(_language, warm)}
+        # the grammars a worker has loaded (a text of it normalized): a text of any other may compile it first
+        # (`normalize`)
+        self._loaded: set[str | None] = {None, *map(_grammar, warm)}
+        self._as_written: set[str] = set()  # the languages one worker speaks as written, each logged once
 
     def start(self) -> None:
         """Start the workers now (each loads the warm grammars), not on the first request."""
@@ -246,11 +251,22 @@ class NormalizationPool:
         logged); RequestError `normalization_timeout` past the CPU bound."""
         if not self.available or not text.strip():
             return text
-        lang = _language(language)
+        grammar = _grammar(language)
         # a language no worker has loaded yet may compile its grammar first (fr 67 s, es 241 s on 2 cores, not
         # counted in the CPU bound): such a text is long too, so that it never takes the last free worker (one
         # client's params naming two such languages held both workers, and every session's first audio, for minutes)
-        cold = lang not in self._loaded
+        cold = grammar not in self._loaded
+        if cold and self.workers == 1:  # no other worker to leave free (module docstring)
+            if language not in self._as_written:
+                self._as_written.add(language)
+                log.warning(
+                    "text normalization has one worker and %s is not among the languages it loads at start: its "
+                    "texts are spoken as written (--normalization-language %s loads it, or more workers: "
+                    "--normalization-workers)",
+                    language,
+                    language,
+                )
+            return text
         try:
             spoken = await self.run(
                 owner,
@@ -260,7 +276,7 @@ class NormalizationPool:
                 language,
                 self.cpu_limit_s,
             )
-            self._loaded.add(lang)
+            self._loaded.add(grammar)
             return spoken
         except pebble.ProcessExpired as e:
             if e.exitcode == -_CPU_SIGNAL:

@@ -1779,7 +1779,14 @@ def test_normalization_and_head_flags():
     assert s.normalization_workers == 3 and s.text_normalization
     assert not parse_args(["--no-text-normalization"]).text_normalization
     assert parse_args(["--no-text-normalization", "--text-normalization"]).text_normalization  # the last one
-    for bad in (["--normalization-workers", "-1"], ["--normalization-cpu-s", "0"], ["--head-timeout-s", "0"]):
+    langs = parse_args(["--normalization-language", "FR-fr", "--normalization-language", "de"])
+    assert langs.normalization_languages == ("fr_fr", "de") and parse_args([]).normalization_languages == ()
+    for bad in (
+        ["--normalization-workers", "-1"],
+        ["--normalization-cpu-s", "0"],
+        ["--head-timeout-s", "0"],
+        ["--normalization-language", "klingon"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

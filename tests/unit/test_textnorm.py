@@ -668,3 +668,46 @@ def test_texts_of_languages_no_worker_has_loaded_leave_a_worker_to_the_others(tm
     assert others == ["HELLO."] * 3
     assert waiting == [False, False]
     assert done == ["BONJOUR.", "HOLA."] and again == ["SALUT."] * 2
+
+
+def upper_in_worker(text: str, language: str, cpu_limit_s: float) -> str:
+    """normalize_in_worker's stand-in: what a worker normalized is upper case, what it never saw is as written."""
+    return text.upper()
+
+
+def test_one_worker_speaks_texts_of_languages_it_did_not_load_at_start_as_written(monkeypatch, caplog):
+    """With one worker there is no other to leave free: a text of a language it did not load at start would hold it,
+    and every session's text behind it, for the grammar's load (up to ~12 s) or first compile (minutes: es 241 s on
+    2 cores; the hostile pass, one worker per gateway process with --workers 2 on 2 CPUs). Such a text is spoken as
+    written (logged once per language); the languages it loads at start (English and --normalization-language) are
+    normalized."""
+    import asyncio
+    import logging
+
+    from app.core import normalization
+    from app.core.normalization import NormalizationPool
+
+    monkeypatch.setenv("ZONOS2_TTS_NORM", "0")  # (the spawned worker's start-up warm-up loads nothing)
+    monkeypatch.setattr(normalization, "normalize_in_worker", upper_in_worker)
+
+    async def go():
+        pool = NormalizationPool(1, 30.0, 0, warm=("en_us", "fr_fr"), available=True)
+        try:
+            return [
+                await pool.normalize(text, language, "s")
+                for text, language in (
+                    ("Hello.", "en_us"),
+                    ("Cheers.", "en_gb"),  # (the grammar of en_us)
+                    ("Bonjour.", "fr_fr"),
+                    ("Hola.", "es"),
+                    ("Otra.", "es"),
+                )
+            ]
+        finally:
+            pool.close()
+
+    with caplog.at_level(logging.WARNING, "gateway.textnorm"):
+        spoken = asyncio.run(asyncio.wait_for(go(), 120))
+    assert spoken == ["HELLO.", "CHEERS.", "BONJOUR.", "Hola.", "Otra."]
+    said = [r.getMessage() for r in caplog.records if "spoken as written" in r.getMessage()]
+    assert len(said) == 1 and "--normalization-language es" in said[0]
