@@ -83,6 +83,7 @@ from bench.live_capacity import (
     add_run_args,
     add_stop_after_fail,
     capacity,
+    client_bound,
     delivered_audio_s,
     distinct_clip,
     from_args,
@@ -171,6 +172,7 @@ class TurnRecord:
     stalls: int = 0
     stall_ms_total: float = 0.0
     stall_ms_max: float = 0.0
+    stall_times: list[tuple[float, float]] = field(default_factory=list)  # (late chunk's arrival s, gap ms)
     play_end: float | None = None  # when the player played the turn's last sample (same clock)
     events: list[tuple[float, int]] = field(default_factory=list)  # (arrival s, samples)
 
@@ -179,6 +181,7 @@ class TurnRecord:
         ok (no error, audio, and every word sent spoken)."""
         p = play(self.events, sample_rate, prebuffer_s)
         self.stalls, self.stall_ms_total, self.stall_ms_max = p.stalls, p.stall_ms_total, p.stall_ms_max
+        self.stall_times = p.stall_times
         self.audio_s, self.play_end, self.chunks = p.audio_s, p.play_end, len(self.events)
         if not self.error and not self.events:
             self.error = "no_audio"
@@ -216,8 +219,12 @@ def summarize_agent_level(
     delivered_s: float,
     window_s: float,
     loop_lag_ms: Sequence[float] = (),
+    lag: Sequence[tuple[float, float]] = (),
 ) -> dict[str, Any]:
-    """A level's summary from its records (the module docstring says what each field means)."""
+    """A level's summary from its records (the module docstring says what each field means). `lag`: the client's
+    loop lag samples, (clock s, ms) sorted by clock, for `client_bound_turns`: the stalled turns whose every stall
+    came while the client's own loop was blocked at least as long (an attribution, as live_capacity.py makes it:
+    the stall-free shares count every stall)."""
     counted = [t for t in turns if t.counted]
     ok = [t for t in counted if t.ok]
     errors = [t for t in counted if not t.ok]
@@ -229,6 +236,8 @@ def summarize_agent_level(
     # stall-free; a session counts when it played a counted turn
     failed_starts = [s for s in sessions if not s.connected and not s.refused]
     free_sessions = sum(all(t.ok and t.stalls == 0 for t in ts) for ts in by_session.values())
+    bound = {id(t) for t in ok if t.stalls and client_bound(t.stall_times, lag)}
+    free_less_bound = sum(all(t.ok and (t.stalls == 0 or id(t) in bound) for t in ts) for ts in by_session.values())
     n_sessions = len(by_session) + len(failed_starts)
     refused = [s for s in sessions if s.refused]
     ttfa = [t.ttfa_ms for t in ok if t.ttfa_ms is not None]
@@ -250,6 +259,10 @@ def summarize_agent_level(
         "turn_stall_free_share": len(stall_free) / len(counted) if counted else 0.0,
         "stall_free_sessions": free_sessions,
         "session_stall_free_share": free_sessions / n_sessions if n_sessions else 0.0,
+        "client_bound_turns": len(bound),
+        "session_stall_free_share_less_client_bound": free_less_bound / n_sessions if n_sessions else 0.0,
+        # the stalled turns' longest stall each, shortest first: a few ms is under what a listener hears
+        "stalled_turns_ms": sorted(_r(t.stall_ms_max, 3) for t in ok if t.stalls),
         "stalls_mean": round(float(np.mean([t.stalls for t in ok])), 3) if ok else None,
         "stall_ms_mean": _r(float(np.mean([t.stall_ms_total for t in ok])), 2) if ok else None,
         "stall_ms_max": _r(max(t.stall_ms_max for t in ok)) if ok else None,
@@ -541,7 +554,8 @@ async def run_agent_level(
     for t in turns:
         t.counted = w0 <= t.t_sent < w1
     delivered = delivered_audio_s([t.events for t in turns], w0, w1, opts.sample_rate)
-    summary = summarize_agent_level(n, sessions, turns, delivered, opts.duration, [ms for t, ms in lag if w0 <= t < w1])
+    window = [(t, ms) for t, ms in lag if w0 <= t < w1]
+    summary = summarize_agent_level(n, sessions, turns, delivered, opts.duration, [ms for _, ms in window], window)
     return judge_agent(summary, opts.min_stall_free), sessions, turns
 
 
@@ -595,6 +609,12 @@ async def run_agent_benchmark(opts: AgentOptions) -> dict[str, Any]:
         result["turns"].extend(t.public(opts.events) for t in turns)
         result["capacity"] = capacity(result["levels"])
         print(table_row(summary))
+        if summary["stalled_turns_ms"]:
+            print(
+                f"      stalled turns, each one's longest stall (ms): {summary['stalled_turns_ms'][:20]}; "
+                f"{summary['client_bound_turns']} stalled only while the client's own loop was blocked at least as "
+                f"long (sessions stall-free less those: {summary['session_stall_free_share_less_client_bound']:.1%})"
+            )
         if summary["error_codes"]:
             print(f"      errors: {summary['error_codes']}")
         if summary.get("admission_held"):

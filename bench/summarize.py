@@ -151,6 +151,24 @@ def profile_table(profiles: dict[str, dict[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def agent_details(level: dict[str, Any], turns: list[dict[str, Any]]) -> str:
+    """A voice-agent level's stalled turns: each one's longest stall (ms), shortest first, from its turn records
+    (a stall of a fraction of a millisecond fails a session as a second's does), and those bench/agent_load.py
+    attributes to its client's own loop."""
+    stalled = sorted(
+        t["stall_ms_max"] for t in turns if t["level"] == level["n"] and t["counted"] and t["ok"] and t["stalls"]
+    )
+    if not stalled:
+        return ""
+    line = f"{level['n']} sessions: stalled turns' longest stalls (ms) {[round(x, 3) for x in stalled[:20]]}"
+    if "client_bound_turns" in level:
+        line += (
+            f"; {level['client_bound_turns']} only while the client's own loop was blocked at least as long "
+            f"(sessions stall-free less those: {level['session_stall_free_share_less_client_bound']:.1%})"
+        )
+    return line
+
+
 def summarize_file(path: Path) -> str:
     head = f"### {path.name} ({path.stat().st_size:,} bytes raw)\n\n"
     gz = path.suffix == ".gz"  # bench/device_capacity.sh compresses a JSON too large to come back from the device
@@ -163,7 +181,10 @@ def summarize_file(path: Path) -> str:
         if isinstance(data, dict) and "levels" in data and "config" in data:
             agent = "turns" in data  # bench/agent_load.py's: sessions of turns
             rows = agent_table(data["levels"]) if agent else table(data["levels"])
-            if not agent:
+            if agent:
+                details = [agent_details(lv, data["turns"]) for lv in data["levels"]]
+                rows += "".join(f"\n\n{d}" for d in details if d)
+            else:
                 streams = data.get("streams") if isinstance(data.get("streams"), list) else None
                 rows += "\n\n" + "\n".join(level_details(lv, streams) for lv in data["levels"])
             command = capacity_command(data["config"], "bench/agent_load.py" if agent else "bench/live_capacity.py")

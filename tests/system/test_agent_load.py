@@ -122,6 +122,23 @@ def test_sessions_are_stall_free_only_when_every_counted_turn_is():
     json.dumps(empty, allow_nan=False)
 
 
+def test_turns_that_stalled_only_while_the_client_loop_was_blocked_are_told_apart():
+    """A stalled turn whose every stall came while the client's own loop was blocked at least as long is counted in
+    `client_bound_turns` and in the stall-free share less those (an attribution: `session_stall_free_share` still
+    counts every stall); each stalled turn's longest stall is listed, shortest first."""
+    sessions = [SessionRecord(level=2, client=c, session=0, t_start=0.0, connected=True) for c in (0, 1)]
+    blocked = _turn(0, 0, 0, stalls=[23.0])
+    blocked.stall_times = [(40.0, 23.0)]  # its client's loop lagged 25 ms at 40.01 s
+    heard = _turn(1, 0, 0, stalls=[0.3])
+    heard.stall_times = [(12.0, 0.3)]  # no lag near it: the server's (or the network's)
+    lag = [(11.0, 0.2), (40.01, 25.0)]
+    s = summarize_agent_level(2, sessions, [blocked, heard], 26.0, 10.0, [ms for _, ms in lag], lag)
+    assert s["session_stall_free_share"] == 0.0 and s["client_bound_turns"] == 1
+    assert s["session_stall_free_share_less_client_bound"] == 0.5 and s["stalled_turns_ms"] == [0.3, 23.0]
+    assert summarize_agent_level(2, sessions, [blocked, heard], 26.0, 10.0)["client_bound_turns"] == 0  # no lag
+    json.dumps(s, allow_nan=False)
+
+
 def test_bad_knobs_are_refused(capsys):
     for argv in (["--sentences", "0"], ["--sentences", str(len(SENTENCES) + 1)], ["--words-per-s", "0"]):
         with pytest.raises(SystemExit):

@@ -122,3 +122,40 @@ def test_a_storm_level_says_its_busiest_second_and_its_worst_queue_wait():
     )
     assert second_by_second(streams, 512) is None  # one record: too few to say
     assert level_details({"n": 384}, streams).endswith("worst second's queue p95 760 ms (40 admitted in it)")
+
+
+def test_a_voice_agent_level_lists_its_stalled_turns_longest_stalls(tmp_path: Path):
+    """A session fails on a stall of a fraction of a millisecond as on one of a second: the summary lists each
+    stalled (counted, played) turn's longest stall, shortest first, and the attribution to the client's loop."""
+
+    def turn(stall_ms: float, counted: bool = True) -> dict:
+        return {"level": 8, "counted": counted, "ok": True, "stalls": int(stall_ms > 0), "stall_ms_max": stall_ms}
+
+    level = {
+        "n": 8,
+        "sessions": 8,
+        "turns": 4,
+        "errors": 0,
+        "refused_sessions": 0,
+        "refused_turns": 0,
+        "ttfa_p50_ms": 500.0,
+        "ttfa_p95_ms": 700.0,
+        "server_ttfa_p50_ms": 150.0,
+        "server_ttfa_p95_ms": 300.0,
+        "turn_stall_free_share": 0.5,
+        "session_stall_free_share": 0.75,
+        "stall_ms_mean": 5.0,
+        "stall_ms_max": 23.0,
+        "audio_s_per_s": 6.0,
+        "loop_lag_ms_max": 21.0,
+        "passed": False,
+        "client_bound_turns": 1,
+        "session_stall_free_share_less_client_bound": 0.875,
+    }
+    run = {"config": {}, "levels": [level], "capacity": None, "sessions": [], "turns": []}
+    run["turns"] = [turn(23.0), turn(0.0), turn(0.0061), turn(900.0, counted=False)]
+    path = tmp_path / "capacity_agent.json"
+    path.write_text(json.dumps(run))
+    md = summarize_file(path)
+    assert "8 sessions: stalled turns' longest stalls (ms) [0.006, 23.0]; 1 only while the client's own loop" in md
+    assert "(sessions stall-free less those: 87.5%)" in md
