@@ -122,7 +122,10 @@ class HeadDoor:
         if refused is None:
             return None
         self.gw.metrics.errors.labels(refused.code).inc()
-        body = json.dumps(route.shape(refused.code, str(refused), refused.status)).encode()
+        # rendered as the route's own refusal is (Starlette's JSONResponse): the same bytes from either door
+        body = json.dumps(
+            route.shape(refused.code, str(refused), refused.status), ensure_ascii=False, separators=(",", ":")
+        ).encode()
         head = [STATUS_LINE[refused.status], b"content-type: application/json\r\n"]
         head += [b"%s: %s\r\n" % (k.lower().encode(), v.encode()) for k, v in refused.headers.items()]
         head += [

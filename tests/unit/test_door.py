@@ -435,6 +435,25 @@ def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
     assert door.gw.metrics.door_refusals_held._value.get() == held > 0
 
 
+def test_the_head_door_renders_its_refusal_as_the_route_does(tmp_path):
+    """The same refusal from the request head and from the route (a browser's request) is the same JSON bytes: the
+    head's was spaced JSON (json.dumps' default), the route's Starlette's compact rendering."""
+    import json
+
+    from starlette.responses import JSONResponse
+
+    from app.__main__ import parse_args
+    from app.server import create_app
+
+    door = create_app(parse_args(["--data-dir", str(tmp_path), "--no-text-normalization"])).state.door
+    door.gw.draining = True
+    for method, url, upgrade in ((b"GET", b"/v1/tts/ws", True), (b"POST", b"/v1/audio/speech", False)):
+        answer = door(method, url, upgrade, [])
+        assert answer is not None
+        body = answer.answer.partition(b"\r\n\r\n")[2]
+        assert body == JSONResponse(json.loads(body)).body and b'"code":"shutting_down"' in body, body
+
+
 def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
     """A browser's request (it carries `Origin`) skips the head door and is refused by its route (`Gateway.admit`):
     one pace per process counts both, and under a storm the route's refusal comes after the hold as well."""
