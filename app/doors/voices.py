@@ -37,6 +37,7 @@ BLEND_FIELDS = frozenset({"a", "b", "t", "name"})  # POST /v1/voices/blend's JSO
 BLEND_BODY_BYTES = 65536
 RENAME_FIELDS = frozenset({"name"})  # PATCH /v1/voices/{id}'s
 RENAME_BODY_BYTES = 4096
+UPLOAD_PARTS = frozenset({"file", "embedding", "name"})  # POST /v1/voices's form
 FORM_OVERHEAD = 65536  # bytes of a multipart body besides its files (boundaries, part headers, the name)
 
 
@@ -83,6 +84,16 @@ async def create_voice(request: Request) -> Response:
         # a part past its size is too large (413); a body that is not multipart (no boundary, broken) is bad (400)
         status = 413 if "maximum size" in detail else 400
         raise RequestError(G.BAD_UPLOAD, f"could not read the upload: {detail}", status) from None
+    # every part is one the form takes, once where it is one thing: a misspelt or repeated part was dropped in
+    # silence (a "voice_name" gave a voice named after the file, a second embedding was never read, of two names
+    # the last was kept, a 'file' text field beside an embedding was ignored)
+    check_fields(dict.fromkeys(form.keys()), UPLOAD_PARTS, G.BAD_UPLOAD, "form fields", name_known=True)
+    for part in ("embedding", "name"):
+        if len(form.getlist(part)) > 1:
+            raise RequestError(G.BAD_UPLOAD, f"give one '{part}' part, not {len(form.getlist(part))}")
+    for part in ("file", "embedding"):
+        if not all(isinstance(f, UploadFile) for f in form.getlist(part)):
+            raise RequestError(G.BAD_UPLOAD, f"'{part}' must be a file (a part with a filename), not a text field")
     clips = [f for f in form.getlist("file") if isinstance(f, UploadFile)]
     emb_file = form.get("embedding")
     name_field = form.get("name")

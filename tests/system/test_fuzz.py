@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from app.core.options import PARAM_KEYS
 from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
 from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
-from app.doors.voices import BLEND_FIELDS, RENAME_FIELDS
+from app.doors.voices import BLEND_FIELDS, RENAME_FIELDS, UPLOAD_PARTS
 from engine.contract.records import FIRST_SAMPLES_MAX
 from tests.conftest import ONE_SLOT
 
@@ -642,6 +642,49 @@ def test_fuzz_voice_json_bodies_name_their_unknown_fields(fuzz_server, voices, e
             assert r.status_code == 400, (body, r.text)
             assert r.json()["error"] == {"code": "bad_params", "message": f"unknown fields {unknown}"}, r.text
     httpx.patch(url + f"/v1/voices/{vid}", json={"name": "Renamed"}, timeout=60)  # as the other tests found it
+
+
+@FUZZ_SMALL
+@given(
+    parts=st.lists(
+        st.tuples(
+            # (a name as httpx sends it: it percent-encodes a control character or a quote)
+            st.sampled_from(["file", "embedding", "name", "voice_name", "files", ""])
+            | st.text("abcdefghijklmnopqrstuvwxyz_-é", max_size=8),
+            st.booleans(),  # a file part (with a filename), else a text field
+            st.integers(0, 3),
+        ),
+        max_size=4,
+    )
+)
+@example(parts=[("embedding", True, 1), ("voice_name", False, 0)])
+@example(parts=[("embedding", True, 1), ("embedding", True, 2)])
+@example(parts=[("embedding", True, 1), ("name", False, 0), ("name", False, 1)])
+@example(parts=[("embedding", True, 1), ("file", False, 0)])
+@example(parts=[("embedding", True, 3), ("name", False, 2)])  # a well-formed upload: served
+def test_fuzz_voice_upload_parts(fuzz_server, parts):
+    """POST /v1/voices's form takes `file` parts (files), one `embedding` (a file) and one `name` (text): any
+    other part, a second embedding or name, or a text field for a file is bad_upload, never dropped in silence
+    (a voice made of the rest); no 5xx."""
+    files = []
+    for key, is_file, n in parts:
+        if key == "embedding" or (is_file and key != "file"):
+            body: Any = npy(np.full(2048, 0.1 + n / 10, np.float32))
+        else:
+            body = f"fuzz voice {n}"
+        files.append((key, (f"p{n}.npy", body) if is_file else (None, body)))
+    r = httpx.post(fuzz_server.url + "/v1/voices", files=files or {"": (None, "")}, timeout=60)
+    check_json_http(r)
+    keys = [k for k, _, _ in parts]
+    unknown = sorted(set(keys) - UPLOAD_PARTS)
+    if unknown:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload", r.text
+        assert f"unknown form fields {unknown}" in r.json()["error"]["message"], r.text
+    if r.status_code < 300:  # served: every part was one the form takes, each as the one thing it is
+        assert not unknown and keys.count("embedding") <= 1 and keys.count("name") <= 1, (parts, r.text)
+        assert all(f for k, f, _ in parts if k in ("file", "embedding")), (parts, r.text)
+        assert all(not f for k, f, _ in parts if k == "name"), (parts, r.text)
+        httpx.delete(fuzz_server.url + f"/v1/voices/{r.json()['id']}", timeout=60)
 
 
 def check_json_http(r: httpx.Response) -> None:

@@ -847,6 +847,35 @@ def test_bad_voice_uploads(server, case):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        # a misspelt part: the voice was named after its file ("e1"), the "voice_name" dropped
+        (
+            [("embedding", ("e1.npy", npy(rand(81)))), ("voice_name", (None, "Bob"))],
+            "unknown form fields ['voice_name']",
+        ),
+        # two embeddings: the first was never read (a voice of the second alone)
+        ([("embedding", ("e1.npy", npy(rand(82)))), ("embedding", ("e2.npy", npy(rand(83))))], "one 'embedding' part"),
+        # two names: the last was kept
+        ([("embedding", ("e1.npy", npy(rand(84)))), ("name", (None, "A")), ("name", (None, "B"))], "one 'name' part"),
+        # a 'file' that is text, beside an embedding: ignored
+        ([("embedding", ("e1.npy", npy(rand(85)))), ("file", (None, "clip.wav"))], "'file' must be a file"),
+        ([("embedding", (None, "e.npy"))], "'embedding' must be a file"),
+    ],
+)
+def test_a_voice_upload_refuses_parts_it_would_drop(server, parts, message):
+    """Every part of POST /v1/voices is one the form takes (file, embedding, name), each one thing where it is one:
+    an unknown, repeated or text-for-file part was dropped in silence and a voice made of the rest (201)."""
+    before = {v["id"] for v in httpx.get(server.url + "/v1/voices", timeout=30).json()["voices"]}
+    r = httpx.post(server.url + "/v1/voices", files=parts, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload", r.text
+    assert message in r.json()["error"]["message"], r.text
+    after = {v["id"] for v in httpx.get(server.url + "/v1/voices", timeout=30).json()["voices"]}
+    assert after == before  # nothing stored
+
+
+@pytest.mark.slow
 def test_no_upload_and_unknown_voices(server):
     r = httpx.post(server.url + "/v1/voices", data={"name": "only a name"}, files={"x": ("x", b"")})
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_upload"
