@@ -37,6 +37,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
 log = logging.getLogger("gateway.voices")
+MAX_REF_QUOTED = 80  # characters of an unknown voice's name or id that its error quotes
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
 MAX_NAME = 64
@@ -446,7 +447,9 @@ class VoiceStore:
             self._take_new()
             v = self._lookup(ref, owner)
         if v is None:
-            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref!r}")
+            # (a name of any length may be asked for: the answer quotes its start, not 100 KB of it)
+            more = "…" if len(ref) > MAX_REF_QUOTED else ""
+            raise VoiceError(G.UNKNOWN_VOICE, f"no voice {ref[:MAX_REF_QUOTED]!r}{more}")
         return v
 
     def _lookup(self, ref: str, owner: str) -> Voice | None:

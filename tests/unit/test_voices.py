@@ -249,6 +249,9 @@ def test_get_by_id_or_name_newest_wins_and_owners_are_separate(tmp_path):
         with pytest.raises(VoiceError) as err:
             store.get(ref, owner)
         assert err.value.code == "unknown_voice" and err.value.status == 404
+    with pytest.raises(VoiceError) as err:  # a 100,000-character name: its error quotes the start of it
+        store.get("x" * 100_000, "")
+    assert str(err.value) == f"no voice {'x' * 80!r}…"
     assert {v.id for v in store.list("k1")} == {"v_old", "v_new", "v_key"}  # public voices + its own
     assert {v.id for v in store.list("k2")} == {"v_old", "v_new"}
 
