@@ -679,15 +679,22 @@ def ws_log(pg) -> list[tuple[str, dict]]:
     return seen
 
 
+def logged_page(browser, url: str):
+    """A page in a context of its own, its WebSocket messages logged (`ws_log`) from the start, connected to `url`'s
+    server: (context, page, log)."""
+    context = browser.new_context()
+    pg = context.new_page()
+    seen = ws_log(pg)
+    pg.goto(url + "/")
+    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    return context, pg, seen
+
+
 def test_double_click_speaks_the_text_once(browser, server_url):
     """Two Speak clicks in a row (a double click, Ctrl+Enter twice) while the first waited for its session.config:
     neither found a turn to cancel, both texts were sent, and the listener heard the text twice as one turn (its
     audio counted as one sentence's). Only the last Speak starts a turn."""
-    context = browser.new_context()
-    pg = context.new_page()
-    seen = ws_log(pg)
-    pg.goto(server_url + "/")
-    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    context, pg, seen = logged_page(browser, server_url)
     set_param(pg, "max_frames", "30")
     pg.check("#p-ignore_eos")
     pg.fill("#text", "Said once.")
@@ -715,11 +722,7 @@ def test_text_of_more_sentences_than_the_server_queues(browser, small_server):
     """A text of more sentences than the server queues at once (--max-pending-utterances, 32 by default: a
     pasted article) was refused whole, too_many_utterances, and nothing was spoken. The page sends it in chunks
     as the sentences before them start playing."""
-    context = browser.new_context()
-    pg = context.new_page()
-    seen = ws_log(pg)
-    pg.goto(small_server + "/")
-    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    context, pg, seen = logged_page(browser, small_server)
     set_param(pg, "max_frames", "6")
     pg.check("#p-ignore_eos")
     pg.fill("#text", " ".join(f"Line {i}." for i in range(10)))
@@ -1110,11 +1113,7 @@ def test_a_break_tag_is_never_cut_between_chunks(browser, small_server):
     4) was cut at every space, also the one inside `<break time="300ms"/>` and the one after it: the server buffered
     `Wait <break ` (or `Wait <break time="300ms"/> `: nothing is spoken before text after the tag comes), and the next
     chunk, due once something started, never went: "generating…" for ever."""
-    context = browser.new_context()
-    pg = context.new_page()
-    seen = ws_log(pg)
-    pg.goto(small_server + "/")
-    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    context, pg, seen = logged_page(browser, small_server)
     set_param(pg, "max_frames", "6")
     pg.check("#p-ignore_eos")
     pg.fill("#text", 'Wait <break time="300ms"/> here.')
@@ -1270,11 +1269,7 @@ def test_a_long_sentence_sent_word_by_word_is_not_stuck(browser, small_server):
     words, two ahead of what has started; two pieces within the utterance budget start nothing (the server waits for
     the sentence's end or its budget), so the next piece was never due: "generating…" for ever. A silent socket while
     the server is up (the keep-alive) sends the next piece."""
-    context = browser.new_context()
-    pg = context.new_page()
-    seen = ws_log(pg)
-    pg.goto(small_server + "/")
-    pg.wait_for_function("window.__zonos && window.__zonos.connected")
+    context, pg, seen = logged_page(browser, small_server)
     pg.evaluate("import('/static/session.js').then(m => Object.assign(m.stall, {warnMs: 1000, probeMs: 2000}))")
     set_param(pg, "max_frames", "6")
     pg.check("#p-ignore_eos")
