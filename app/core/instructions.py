@@ -1,8 +1,9 @@
 """OpenAI's `instructions` ("speak cheerfully", "calm and slow") onto what ZONOS2 can do: the emotion axes
 (valence, arousal: needs --emotion-directions-dir with those axes) and the speaking rate (needs a model with
-speaking-rate buckets). The words below are the whole table (docs/clients.md); a word of the instructions
-that names a manner of speaking and is not in it, or that the server cannot apply, is reported back, never
-silently dropped. The words of an instruction add up, each capped to the axes' bounds.
+speaking-rate buckets). The emotion words (EMOTION_WORDS, app/core/tag_vocabulary.py: bracket tags name them
+too) and the words below are the whole table (docs/clients.md); a word of the instructions that names a manner
+of speaking and is not in it, or that the server cannot apply, is reported back, never silently dropped. The
+words of an instruction add up, each capped to the axes' bounds.
 """
 
 from __future__ import annotations
@@ -12,37 +13,11 @@ import re
 from dataclasses import dataclass, field
 
 from app.core.options import SPEED_RANGE, SynthesisOptions
+from app.core.tag_vocabulary import EMOTION_WORDS
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
-# word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes
-EMOTION_WORDS: dict[str, tuple[float, float]] = {
-    "cheerful": (0.6, 0.4),
-    "happy": (0.6, 0.3),
-    "joyful": (0.7, 0.5),
-    "excited": (0.5, 0.7),
-    "enthusiastic": (0.5, 0.6),
-    "upbeat": (0.5, 0.4),
-    "warm": (0.4, -0.1),
-    "friendly": (0.4, 0.1),
-    "calm": (0.1, -0.5),
-    "soothing": (0.2, -0.6),
-    "relaxed": (0.2, -0.5),
-    "gentle": (0.2, -0.4),
-    "serious": (-0.1, -0.1),
-    "sad": (-0.6, -0.3),
-    "somber": (-0.5, -0.4),
-    "melancholic": (-0.6, -0.4),
-    "angry": (-0.6, 0.6),
-    "furious": (-0.8, 0.8),
-    "annoyed": (-0.4, 0.3),
-    "scared": (-0.5, 0.6),
-    "nervous": (-0.3, 0.5),
-    "energetic": (0.3, 0.7),
-    "tired": (-0.2, -0.6),
-    "bored": (-0.3, -0.5),
-}
 # word -> a speed multiplier (the speaking rate)
 SPEED_WORDS: dict[str, float] = {
     "slow": 0.85,

@@ -32,7 +32,8 @@ from app.core.gateway import Gateway, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.playout import PlayoutClock
 from app.core.stitching import Stitch
-from app.core.style_tags import NEUTRAL, StyleTag, split_tags, styled_options
+from app.core.style_tags import StyleTag, split_tags, styled_options
+from app.core.tag_vocabulary import NEUTRAL
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline
 from app.core.utterance import Utterance, UtteranceState

@@ -3,16 +3,16 @@ audio tags) in a text, on every API. A tag sets the emotion of the text after it
 of the turn; it is not spoken and is not part of any reported text or word time. The text after a tag
 continues the text before it (the same continuation chain, as after a break: the voice does not reset).
 
-Which bracket words are tags is the table below, and only it: a bracket holding one word of the table (any
-case, spaces allowed inside the brackets) is a tag; any other bracket (`[1]`, `[citation needed]`, `[smug]`)
-is text and is spoken as written. An `<emotion .../>` element is always a tag.
+Which bracket words are tags is app/core/tag_vocabulary.py's table (TAG_WORDS), and only it: a bracket holding
+one word of the table (any case, spaces allowed inside the brackets) is a tag; any other bracket (`[1]`,
+`[citation needed]`, `[smug]`) is text and is spoken as written. An `<emotion .../>` element is always a tag.
 
 A tag becomes the emotion controls (app/core/emotion.py, --emotion-directions-dir): an emotion the folder has
-as a named direction is that slider at weight 1; otherwise a word of EMOTION_WORDS (app/core/instructions.py's
-table) is its valence and arousal, when the folder has both axes. `neutral` (and `</emotion>`) returns to
-the request's own emotion fields. The tag replaces the request's sliders, valence and arousal for its text and
-keeps its strength and calibration key. A tag the server cannot apply (no emotion directions, no voice to
-apply them to, an emotion it cannot map, a manner such as [whispering] that ZONOS2 has no control for) is
+as a named direction is that slider at weight 1; otherwise a word of TAG_EMOTIONS (the instructions' emotion
+words and a few more) is its valence and arousal, when the folder has both axes. `neutral` (and `</emotion>`)
+returns to the request's own emotion fields. The tag replaces the request's sliders, valence and arousal for its
+text and keeps its strength and calibration key. A tag the server cannot apply (no emotion directions, no voice
+to apply them to, an emotion it cannot map, a manner such as [whispering] that ZONOS2 has no control for) is
 refused with `unsupported_tag`, never spoken as text and never dropped; a malformed `<emotion>` element is
 `bad_text`.
 
@@ -30,66 +30,26 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from app.core.breaks import BREAK_END, BREAK_OPEN, TAG_MAX
-from app.core.instructions import EMOTION_WORDS
+from app.core.breaks import TAG_MAX
 from app.core.options import SynthesisOptions
+from app.core.tag_vocabulary import (
+    BRACKET,
+    ELEMENT_OPEN,
+    EMOTION_OPEN,
+    NEUTRAL,
+    TAG_EMOTIONS,
+    TAG_WORDS,
+    UNSUPPORTED_ELEMENTS,
+    UNSUPPORTED_TAGS,
+)
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
 MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
-NEUTRAL = "neutral"  # back to the request's own emotion
-# Emotions a tag may name beyond the instructions' table, with their (valence, arousal): Cartesia's emotion
-# names that are too common as plain words for the instructions ("content") to read them there.
-TAG_EMOTIONS: dict[str, tuple[float, float]] = {
-    **EMOTION_WORDS,
-    "content": (0.4, -0.2),
-    "surprised": (0.2, 0.6),
-    "curious": (0.2, 0.3),
-    "frustrated": (-0.5, 0.4),
-    "disappointed": (-0.5, -0.2),
-    "anxious": (-0.4, 0.5),
-    "confident": (0.3, 0.2),
-}
-# Bracket words that are tags ZONOS2 has no control for (ElevenLabs' v3 audio tags): refused, not spoken.
-UNSUPPORTED_TAGS = frozenset(
-    {
-        "whisper",
-        "whispers",
-        "whispering",
-        "shout",
-        "shouts",
-        "shouting",
-        "laugh",
-        "laughs",
-        "laughing",
-        "chuckles",
-        "giggles",
-        "sigh",
-        "sighs",
-        "exhales",
-        "inhales",
-        "crying",
-        "sobbing",
-        "sarcastic",
-        "mischievously",
-        "singing",
-    }
-)
-TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
-
-# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme): tags,
-# refused (the request's own speed still applies)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme"})
-_BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
 _ELEMENT = re.compile(rf"<\s*/?\s*(speed|volume|phoneme)\b[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
-# an element's opening that starts no whole element (see _EMOTION_OPEN below)
-_ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|phoneme|spell)\b", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
-# an element's opening: one that does not start a whole element was cut (a newline ends a sentence at once, a long
-# tag is cut at the utterance budget) and is refused, so that no half of it is read aloud
-_EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
 _VALUE = re.compile(r"""\bvalue\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
 
 
@@ -101,13 +61,13 @@ class StyleTag:
 
 def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     found = []
-    for m in _BRACKET.finditer(text):
+    for m in BRACKET.finditer(text):
         word = m.group(1).lower()
         if word in TAG_WORDS:
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
     last_end = text.rfind(">")
     whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
-    for o in _ELEMENT_OPEN.finditer(text):
+    for o in ELEMENT_OPEN.finditer(text):
         if o.start() not in whole and not (partial and last_end < o.start()):
             cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
             raise RequestError(G.BAD_TEXT, f"a {name} tag must end with '>' in the same sentence: {cut!r}")
@@ -115,7 +75,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
-    for o in _EMOTION_OPEN.finditer(text):
+    for o in EMOTION_OPEN.finditer(text):
         if o.start() not in whole and not (partial and last_end < o.start()):
             cut = text[o.start() : o.start() + 60]
             raise RequestError(G.BAD_TEXT, f"an emotion tag must end with '>' in the same sentence: {cut!r}")
@@ -159,15 +119,6 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     if rest:
         out.append(rest)
     return out
-
-
-def markup_in(text: str) -> str | None:
-    """The first inline tag `text` holds, whole or cut (a break, a style tag, a Cartesia element), or None: for
-    text that is read as it is, with no tags taken out of it (a pronunciation rule's alias)."""
-    opens = [m for p in (BREAK_OPEN, BREAK_END, _EMOTION_OPEN, _ELEMENT_OPEN) if (m := p.search(text))]
-    opens += [m for m in _BRACKET.finditer(text) if m.group(1).lower() in TAG_WORDS][:1]
-    first = min(opens, key=lambda m: m.start(), default=None)
-    return None if first is None else text[first.start() : first.start() + 40]
 
 
 def _spelled(text: str) -> str:

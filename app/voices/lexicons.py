@@ -33,6 +33,7 @@ from typing import Any
 
 from defusedxml import ElementTree
 
+from app.core.tag_vocabulary import markup_in
 from app.io.checks import check_text
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -91,9 +92,6 @@ def _rule(grapheme: object, alias: object, where: str) -> Rule:
         )
     check_text(grapheme, f"{where}: the text to replace", G.BAD_LEXICON)
     check_text(alias, f"{where}: the alias", G.BAD_LEXICON)
-    # (imported here: style_tags imports the options, which import this module)
-    from app.core.style_tags import markup_in
-
     tag = markup_in(alias)
     if tag is not None:  # aliases replace words after the text's tags were taken out: a tag here would be read aloud
         raise RequestError(

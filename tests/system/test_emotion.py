@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import pytest
 
-from app.core.style_tags import TAG_EMOTIONS
+from app.core.tag_vocabulary import TAG_EMOTIONS
 from engine.frontend.emotion import EmotionDirections, EmotionError, EmotionRequest, parse_request
 from tests.conftest import triton_on_cpu
 

@@ -11,7 +11,8 @@ import pytest
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline, speak
-from app.core.style_tags import NEUTRAL, TAG_WORDS, StyleTag, split_tags, styled_options
+from app.core.style_tags import StyleTag, split_tags, styled_options
+from app.core.tag_vocabulary import NEUTRAL, TAG_WORDS
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 from app.voices.library import Voice

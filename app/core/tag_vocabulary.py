@@ -1,0 +1,104 @@
+"""The inline tags' vocabulary: which words and elements of a text are tags rather than words to read, the
+emotion words that both the tags and OpenAI's `instructions` name, and `markup_in`, the first tag a text holds.
+
+Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/instructions.py maps an
+instruction's words onto the emotion axes, app/voices/lexicons.py refuses a pronunciation rule whose alias holds a
+tag. Of app/ it imports only breaks.py's openings (and breaks.py only io/errors.py), so each of them can import it:
+the options import the dictionaries, and the tags and the instructions import the options (tests/unit/test_contract.py:
+no import circle).
+"""
+
+from __future__ import annotations
+
+import re
+
+from app.core.breaks import BREAK_END, BREAK_OPEN
+
+# The emotion words of OpenAI's `instructions` (app/core/instructions.py, docs/clients.md), each a bracket tag too:
+# word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes
+EMOTION_WORDS: dict[str, tuple[float, float]] = {
+    "cheerful": (0.6, 0.4),
+    "happy": (0.6, 0.3),
+    "joyful": (0.7, 0.5),
+    "excited": (0.5, 0.7),
+    "enthusiastic": (0.5, 0.6),
+    "upbeat": (0.5, 0.4),
+    "warm": (0.4, -0.1),
+    "friendly": (0.4, 0.1),
+    "calm": (0.1, -0.5),
+    "soothing": (0.2, -0.6),
+    "relaxed": (0.2, -0.5),
+    "gentle": (0.2, -0.4),
+    "serious": (-0.1, -0.1),
+    "sad": (-0.6, -0.3),
+    "somber": (-0.5, -0.4),
+    "melancholic": (-0.6, -0.4),
+    "angry": (-0.6, 0.6),
+    "furious": (-0.8, 0.8),
+    "annoyed": (-0.4, 0.3),
+    "scared": (-0.5, 0.6),
+    "nervous": (-0.3, 0.5),
+    "energetic": (0.3, 0.7),
+    "tired": (-0.2, -0.6),
+    "bored": (-0.3, -0.5),
+}
+NEUTRAL = "neutral"  # back to the request's own emotion
+# Emotions a tag may name beyond EMOTION_WORDS, with their (valence, arousal): Cartesia's emotion
+# names that are too common as plain words for the instructions ("content") to read them there.
+TAG_EMOTIONS: dict[str, tuple[float, float]] = {
+    **EMOTION_WORDS,
+    "content": (0.4, -0.2),
+    "surprised": (0.2, 0.6),
+    "curious": (0.2, 0.3),
+    "frustrated": (-0.5, 0.4),
+    "disappointed": (-0.5, -0.2),
+    "anxious": (-0.4, 0.5),
+    "confident": (0.3, 0.2),
+}
+# Bracket words that are tags ZONOS2 has no control for (ElevenLabs' v3 audio tags): refused, not spoken.
+UNSUPPORTED_TAGS = frozenset(
+    {
+        "whisper",
+        "whispers",
+        "whispering",
+        "shout",
+        "shouts",
+        "shouting",
+        "laugh",
+        "laughs",
+        "laughing",
+        "chuckles",
+        "giggles",
+        "sigh",
+        "sighs",
+        "exhales",
+        "inhales",
+        "crying",
+        "sobbing",
+        "sarcastic",
+        "mischievously",
+        "singing",
+    }
+)
+TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
+
+# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme): tags,
+# refused (the request's own speed still applies)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme"})
+
+# a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
+BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
+# an element's opening (Cartesia's speed, volume and spell, ElevenLabs' SSML phoneme; an emotion element's below): one
+# that does not start a whole element was cut (a newline ends a sentence at once, a long tag is cut at the utterance
+# budget) and is refused, so that no half of it is read aloud
+ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|phoneme|spell)\b", re.IGNORECASE)
+EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
+
+
+def markup_in(text: str) -> str | None:
+    """The first inline tag `text` holds, whole or cut (a break, a style tag, a Cartesia element), or None: for
+    text that is read as it is, with no tags taken out of it (a pronunciation rule's alias)."""
+    opens = [m for p in (BREAK_OPEN, BREAK_END, EMOTION_OPEN, ELEMENT_OPEN) if (m := p.search(text))]
+    opens += [m for m in BRACKET.finditer(text) if m.group(1).lower() in TAG_WORDS][:1]
+    first = min(opens, key=lambda m: m.start(), default=None)
+    return None if first is None else text[first.start() : first.start() + 40]
