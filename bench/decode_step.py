@@ -89,8 +89,8 @@ def use_previous_kernel_settings() -> None:
 
 
 KERNEL_CLASSES = (  # (class, name fragments), first match wins: where a decode step's GPU time goes
-    ("moe", ("moe", "expert", "fp8", "grouped")),
-    ("attention", ("attn", "attention", "flash", "sdpa")),
+    ("moe", ("moe", "expert", "fp8", "grouped", "gate_up", "_down_kernel", "_align_kernel")),
+    ("attention", ("attn", "attention", "flash", "sdpa", "_split_kernel", "_merge_kernel", "qkv_rope")),
     ("router", ("router", "topk", "softmax")),
     ("gemm", ("gemm", "gemv", "matmul", "cutlass", "sm90", "nvjet", "cublas")),
     ("sampler", ("sample", "philox", "mix32", "argmax", "cumsum", "sort")),
@@ -209,6 +209,16 @@ def main() -> None:
         help="decode attention cut in fixed chunks of this many tokens over the cache's whole length (as "
         "batch-invariant decoding cuts it) instead of splits by each slot's length",
     )
+    p.add_argument(
+        "--attention-tile",
+        type=int,
+        nargs=3,
+        metavar=("BLOCK", "STAGES", "WARPS"),
+        help="the decode attention split kernel's launch shape (kernels/decode_attention.py AttentionTile)",
+    )
+    p.add_argument(
+        "--router-row-max", type=int, help="rows up to which the per-row router kernel runs (ROW_KERNEL_MAX_ROWS)"
+    )
     p.add_argument("--ab", action="store_true", help="both kernel sets and the invariant one's cost (= seeded)")
     p.add_argument(
         "--overlap-host-ms",
@@ -221,6 +231,14 @@ def main() -> None:
         a.batch_invariant = "seeded"
     if a.previous_kernels:
         use_previous_kernel_settings()
+    if a.attention_tile:
+        from engine.model.kernels import decode_attention
+
+        decode_attention.TILE = decode_attention.AttentionTile(*a.attention_tile)
+    if a.router_row_max is not None:
+        from engine.model.kernels import router
+
+        router.ROW_KERNEL_MAX_ROWS = a.router_row_max
     if a.attention_chunk:
         from engine.model.zonos2 import Stages
 

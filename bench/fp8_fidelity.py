@@ -133,7 +133,7 @@ def step_times(model, node: LLMNode, batches: list[int], context: int, iters: in
     return rows
 
 
-def sweep(batches: list[int], seed: int) -> list[dict]:
+def sweep(batches: list[int], seed: int, only: tuple[str, ...] = ()) -> list[dict]:
     """One full-size expert layer: bf16 fused_moe (its defaults) vs fused_moe_fp8 per tile variant."""
     from engine.frontend.config import Zonos2Config, preset_params
     from engine.model.quantize import quantize_blocks
@@ -149,11 +149,13 @@ def sweep(batches: list[int], seed: int) -> list[dict]:
         x = torch.randn(b, dim, device="cuda", generator=gen).bfloat16()
         chosen = torch.randint(0, e, (b, 1), device="cuda", generator=gen)
         w = torch.rand(b, 1, device="cuda", generator=gen)
-        rows.append(_sweep_batch(x, (gate_up, down), fp8, chosen, w))
+        rows.append(_sweep_batch(x, (gate_up, down), fp8, chosen, w, only))
     return rows
 
 
-def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor, w: torch.Tensor) -> dict:
+def _sweep_batch(
+    x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor, w: torch.Tensor, only: tuple[str, ...] = ()
+) -> dict:
     from triton.testing import do_bench
 
     from engine.model.kernels import moe_fp8
@@ -180,13 +182,21 @@ def _sweep_batch(x: torch.Tensor, bf16: tuple, fp8: tuple, chosen: torch.Tensor,
             variants[f"prequant n128 w{nw} s{st}"] = blocked(block_n=128, num_warps=nw, num_stages=st, prequant=True)
     # swap_ab: the weights' columns as the tensor-core instruction's M (>= 64: Hopper's warpgroup MMA), an
     # expert block's rows as its N (16 or 32)
-    for bm in (16, 32):
+    for bm in (16, 32, 64):
         for bn in (64, 128):
             for nw in (4, 8):
                 for st in (3, 4, 5):
                     variants[f"swap m{bm} n{bn} w{nw} s{st}"] = blocked(
                         block_m=bm, block_n=bn, num_warps=nw, num_stages=st, swap_ab=True
                     )
+    for bm in (16, 32):  # both: the loops then only load, multiply and scale (no quantization inside them)
+        for nw in (4, 8):
+            for st in (3, 4, 5):
+                variants[f"swap prequant m{bm} n128 w{nw} s{st}"] = blocked(
+                    block_m=bm, block_n=128, num_warps=nw, num_stages=st, swap_ab=True, prequant=True
+                )
+    if only:
+        variants = {name: fn for name, fn in variants.items() if name.startswith(only)}
     if b <= moe_fp8.GEMV_MAX_PAIRS:
         for tn in (2, 4, 8):
             for g in (2, 4, 8, 16):
@@ -228,10 +238,11 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--batch-invariant", choices=BATCH_INVARIANT_MODES, default=EngineSettings.batch_invariant)
     p.add_argument("--sweep", action="store_true", help="only time one expert layer's kernels (tile variants)")
+    p.add_argument("--variants", nargs="+", default=[], help="--sweep: only the variants named with these prefixes")
     p.add_argument("--json")
     a = p.parse_args()
     if a.sweep:
-        rows = sweep(a.batches, a.seed)
+        rows = sweep(a.batches, a.seed, tuple(a.variants))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"sweep": rows}, f, indent=1)

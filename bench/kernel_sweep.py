@@ -63,7 +63,7 @@ def sweep(name: str, configs: dict[str, object], results: list[dict]) -> None:
         results.append({"kernel": name, "best": best[1], "us": round(best[0], 2)})
 
 
-def router_sweep(results: list[dict]) -> None:
+def router_sweep(results: list[dict], rows: tuple[int, ...] = (1, 2, 4, 8, 16)) -> None:
     from engine.model.kernels.router import fused_route
 
     dt, dev = torch.bfloat16, "cuda"
@@ -84,7 +84,7 @@ def router_sweep(results: list[dict]) -> None:
         eda_w=1 + rnd(R),
         bias=rnd(E),
     )
-    for n in (1, 2, 4, 8, 16):
+    for n in rows:
         x, prev = rnd(n, DIM, s=1.0), rnd(n, R, s=1.0)
 
         def call(row: bool, warps: int, x=x, prev=prev):
@@ -187,16 +187,18 @@ def _moe_gemv_at(pairs: int, gate_up: torch.Tensor, down: torch.Tensor, results:
     )
 
 
-def attention_sweep(results: list[dict]) -> None:
-    for b, length in itertools.product((1, 8, 32, 64, 128, 192, 256), (300, 1000, None)):
-        _attention_at(b, length, results)
+def attention_sweep(
+    results: list[dict], batches: tuple[int, ...] = (1, 8, 32, 64, 128, 192, 256), tiles: bool = False
+) -> None:
+    for b, length in itertools.product(batches, (400, None) if tiles else (300, 1000, None)):
+        _attention_at(b, length, results, tiles)
 
 
-def _attention_at(b: int, length: int | None, results: list[dict]) -> None:
+def _attention_at(b: int, length: int | None, results: list[dict], tiles: bool = False) -> None:
     """Fixed chunks of tokens against splits by length, in a cache of the server's length (6,144 frames: the
     model's max_seqlen, what an H200's free memory holds for 256 slots). length None: each slot's drawn
     from 50..1200 frames (a server's mix of new and long-running streams)."""
-    from engine.model.kernels.decode_attention import decode_attention, splits_for
+    from engine.model.kernels.decode_attention import AttentionTile, decode_attention, splits_for
 
     dt, dev, max_len = torch.bfloat16, "cuda", 6144
     k = torch.randn(b, max_len, H_KV, D, device=dev, dtype=dt)
@@ -214,9 +216,18 @@ def _attention_at(b: int, length: int | None, results: list[dict]) -> None:
     def call(chunk: int | None, splits: int | None = None):
         return lambda: decode_attention(q, k, v, slots, lengths, chunk=chunk, splits=splits)
 
-    variants = {f"chunk={c}": call(c) for c in (64, 128, 256)}
-    variants |= {f"splits={n}": call(None, n) for n in (1, 2, 4, 8, 16, 32)}
-    variants[f"default (splits={splits_for(b)})"] = call(None)
+    variants = {f"default (splits={splits_for(b)})": call(None)}
+    if tiles:  # the split kernel's launch shape (AttentionTile) at the default split count and at twice it
+        for n, blk, st, wp in itertools.product(
+            (splits_for(b), 2 * splits_for(b)), (32, 64, 128), (0, 2, 3, 4), (2, 4, 8)
+        ):
+            tile = AttentionTile(block=blk, stages=st, num_warps=wp)
+            variants[f"splits={n} block={blk} stages={st} warps={wp}"] = lambda n=n, tile=tile: decode_attention(
+                q, k, v, slots, lengths, splits=n, tile=tile
+            )
+    else:
+        variants |= {f"chunk={c}": call(c) for c in (64, 128, 256)}
+        variants |= {f"splits={n}": call(None, n) for n in (1, 2, 4, 8, 16, 32)}
     sweep(f"attention b={b} len={length or 'mixed'}", variants, results)
 
 
@@ -293,9 +304,25 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=["router", "moe", "attention", "matmul"], nargs="+")
     p.add_argument("--json")
+    p.add_argument(
+        "--router-rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="row counts of the router sweep"
+    )
+    p.add_argument("--attention-batches", type=int, nargs="+", help="batches of the attention sweep (default 1-256)")
+    p.add_argument(
+        "--attention-tiles",
+        action="store_true",
+        help="sweep the split kernel's launch shape (block, pipeline stages, warps) at 400 frames and a mix",
+    )
     a = p.parse_args()
     results: list[dict] = []
-    parts = {"router": router_sweep, "moe": moe_gemv_sweep, "attention": attention_sweep, "matmul": matmul_sweep}
+    parts = {
+        "router": lambda r: router_sweep(r, tuple(a.router_rows)),
+        "moe": moe_gemv_sweep,
+        "attention": lambda r: attention_sweep(
+            r, tuple(a.attention_batches or (1, 8, 32, 64, 128, 192, 256)), a.attention_tiles
+        ),
+        "matmul": matmul_sweep,
+    }
     for name in a.only or parts:
         parts[name](results)
     print(f"device: {torch.cuda.get_device_name()}")

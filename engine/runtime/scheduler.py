@@ -4,8 +4,9 @@ speaker_encoder; and the aligner with --aligner) in one loop.
 One iteration at a time:
   read the inbox ring -> cancels, admissions (speaker_encoder for clone requests) ->
   plan the step (engine/runtime/step.py: the decode rows, at most one bounded prefill chunk) ->
-  launch the decode step and the dac_decoder's ready calls -> read back the work launched before ->
-  launch the prefill -> apply what was read back (EOS, DAC pushes, records) -> PCM into the outbox ring.
+  launch the decode step -> PCM of the landed DAC calls into the outbox ring -> read back the work launched
+  before -> launch the prefill -> apply what was read back (EOS, DAC pushes, records) -> launch the
+  dac_decoder's calls for those frames (while the decode step still runs).
 A long prompt is prefilled in chunks between decode steps, so a new arrival pauses running streams
 for at most one chunk; with mixed steps (`mixed_prefill`, a GPU) a chunk of up to 256 frames rides along
 with the decode step instead, one pass over the weights for both (engine/llm/graphs.py MixedGraphs).
@@ -318,22 +319,23 @@ class Scheduler:
         return min(left) * self.admission.period_s
 
     def _step(self) -> None:
-        """Plan, launch, apply: the plan is made before anything is launched; the decode step and the
-        dac_decoder's calls are launched first, then the work launched before is read back (with overlap,
-        the step of the last iteration) and the prefill launched; its results are applied (EOS, DAC pushes,
-        records) while the GPU runs what was just launched."""
+        """Plan, launch, apply: the plan is made before anything is launched; the decode step is launched
+        first, then the work launched before is read back (with overlap, the step of the last iteration) and
+        the prefill launched; its results are applied (EOS, DAC pushes, records) and their DAC calls launched
+        while the GPU runs the step just launched."""
         if not self.running and not self._inflight and self._inflight_prefill is None:
             self._paced_since = 0.0
             return
         t0 = time.perf_counter()
         plan = self._plan(t0)
         pending = self._launch_decode(plan, t0)
-        self._audio()  # while the decode step runs: land finished DAC calls, launch new ones
+        self.streams.send_audio(self.dac.collect())  # while the decode step runs: the DAC calls that landed
         results = self._read_back(pending, plan.paced)
         results += self._launch_prefill(plan)
         self._apply(results)
-        if not plan.live and not self._inflight and self._inflight_prefill is None:
-            self._audio()  # only audio left to decode
+        # the frames just applied go to the dac_decoder now, while the decode step launched above still runs:
+        # launched at the next iteration's start instead, every chunk (a first one too) came an iteration later
+        self._audio()
         if not plan.paced:
             self.step_times.append(time.perf_counter() - t0)
             self.counters["steps"] += 1

@@ -17,12 +17,26 @@ Either way a split's boundaries depend only on its row's length, never on the ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
 
-BLOCK_T = 64  # tokens per inner iteration (at most)
+
+@dataclass(frozen=True)
+class AttentionTile:
+    """The split kernel's launch shape: tokens per inner iteration (at most), pipeline stages of the loop over
+    a split's blocks when cutting by length (0: a plain while loop), warps per program."""
+
+    block: int = 64
+    stages: int = 0
+    num_warps: int = 4
+
+
+TILE = AttentionTile()
 
 
 SPLITS = {32: 8, 64: 4}  # rows up to the key -> splits per row (`splits_for`); 2 above
@@ -90,6 +104,7 @@ def _split_kernel(
     BLOCK: tl.constexpr,
     PREC: tl.constexpr,
     BY_LENGTH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -120,8 +135,13 @@ def _split_kernel(
     end = tl.minimum(start + per, length)
     k_base = k_ptr + slot * stride_ks + kvh * stride_kh
     v_base = v_ptr + slot * stride_vs + kvh * stride_vh
-    if BY_LENGTH:  # a run-time trip count over the split's own blocks (a while loop: Triton's interpreter,
-        # which the CPU tests run, takes no tensor as a range bound)
+    if BY_LENGTH and STAGES > 0:  # a run-time trip count over the split's own blocks, software-pipelined
+        for first in tl.range(start, end, BLOCK, num_stages=STAGES):
+            m_i, l_i, acc = _attend_block(
+                q, k_base, v_base, first, end, stride_kt, stride_vt, m_i, l_i, acc, scale, D, BLOCK, PREC
+            )
+    elif BY_LENGTH:  # the same as a while loop, which Triton never pipelines: its interpreter (the CPU tests)
+        # takes no loaded value as a range bound
         first = start
         while first < end:
             m_i, l_i, acc = _attend_block(
@@ -205,12 +225,13 @@ def decode_attention(
     chunk: int | None = None,
     gate: Tensor | None = None,
     splits: int | None = None,
+    tile: AttentionTile | None = None,
 ) -> Tensor:
     """q [B, H, D]; k_cache/v_cache [slots, T, H_kv, D] (one layer); slots [B]; lengths [B] (frames
     to attend, the new one included) -> [B, H, D] in q's dtype. Softmax scale 1/sqrt(D).
     chunk: tokens per split (None: `splits` splits of each row's length, default `splits_for(B)`; module
     docstring); gate: headwise gate logits [B, H], applied."""
-    parts = decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk, splits)
+    parts = decode_attention_splits(q, k_cache, v_cache, slots, lengths, chunk, splits, tile)
     return merge_splits_triton(*parts, q.dtype, gate)
 
 
@@ -222,12 +243,14 @@ def decode_attention_splits(
     lengths: Tensor,
     chunk: int | None = None,
     splits: int | None = None,
+    tile: AttentionTile | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The split pass alone: per-split running max m and sum l [B, H, S] and unnormalised output acc
     [B, H, S, D] in fp32; an empty split (past a slot's length) has m = -inf, l = 0 and acc unwritten."""
     b, h, d = q.shape
     hkv = k_cache.shape[2]
     g = h // hkv
+    tile = tile or TILE
     by_length = chunk is None
     n_splits = (splits or splits_for(b)) if by_length else triton.cdiv(k_cache.shape[1], chunk)
     m = torch.empty(b, h, n_splits, device=q.device, dtype=torch.float32)
@@ -255,9 +278,12 @@ def decode_attention_splits(
         G=g,
         GP=max(16, triton.next_power_of_2(g)),
         D=d,
-        CHUNK_=chunk or BLOCK_T,
-        BLOCK=BLOCK_T if chunk is None else min(BLOCK_T, chunk),
+        CHUNK_=chunk or tile.block,
+        BLOCK=tile.block if chunk is None else min(tile.block, chunk),
         PREC="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 in full fp32, as the prefill kernel
         BY_LENGTH=by_length,
+        # Triton's interpreter (the CPU tests) cannot run the pipelined loop: the same sums as a while loop
+        STAGES=0 if isinstance(_split_kernel, InterpretedFunction) else tile.stages,
+        num_warps=tile.num_warps,
     )
     return m, l_, acc
