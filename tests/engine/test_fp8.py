@@ -211,7 +211,7 @@ def test_a_sweep_variant_names_the_tile_the_experts_run(monkeypatch):
     from engine.model.kernels import moe_fp8
     from engine.model.kernels.moe_fp8 import Fp8Tile
 
-    assert Fp8Tile.parse("") == Fp8Tile() == Fp8Tile(16, 128, 4, 3, False, True)  # swap_ab, the sweep's best
+    assert Fp8Tile.parse("") == Fp8Tile() == Fp8Tile(16, 128, 8, 3, False, True)  # swap_ab, the sweep's best
     assert Fp8Tile.parse("swap m32 n64 w4 s5") == Fp8Tile(32, 64, 4, 5, False, True)
     assert Fp8Tile.parse("prequant n128 w4 s2") == Fp8Tile(16, 128, 4, 2, True, False)
     assert Fp8Tile.parse("n64 w8") == Fp8Tile(16, 64, 8, 3, False, True)  # no variant word: the default's

@@ -482,10 +482,11 @@ class Fp8Tile:
 
     # the default: swap_ab, the best of bench/fp8_fidelity.py --sweep that held at every batch (H100, build
     # ee0e3e8: 141.8 / 142.6 / 141.9 us a layer at 64 / 128 / 192 rows, bf16 226 / 229 / 234, the blocked
-    # kernels' old default 139 / 189 / 263: their 16-row products never reached the warpgroup MMA)
+    # kernels' old default 139 / 189 / 263: their 16-row products never reached the warpgroup MMA); 8 warps since
+    # the sweep of fa409cc (H100): w8 s3 the best at 128 and 192 rows, 140.2 / 142.7 us against w4's 163.8 / 150.8
     block_m: int = 16
     block_n: int = 128
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 3
     prequant: bool = False
     swap_ab: bool = True
@@ -538,7 +539,7 @@ def fused_moe_fp8(
     engine/model/quantize.py); chosen / weights [N, k] -> [N, dim] in x's dtype. Up to GEMV_MAX_PAIRS
     pairs per-pair GEMVs (same quantization, another summation order); batch_invariant: the blocked
     kernels at every row count and the top-k rows added in rank order. The tile is `TILE` (`Fp8Tile`'s
-    default: swap_ab, 128 columns, 4 warps, 3 stages, the best of bench/fp8_fidelity.py --sweep).
+    default: swap_ab, 128 columns, 8 warps, 3 stages, the best of bench/fp8_fidelity.py --sweep).
 
     prequant (blocked kernels, block_n = QBLOCK): the activations are quantized once, x by
     `quantize_act_fp8` and h in the gate_up kernel's epilogue, instead of inside the reduction loops of

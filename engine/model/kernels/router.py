@@ -19,9 +19,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# Decode batches up to this many rows take the per-row kernel (one wave of programs on an H200's 132 SMs;
-# it beat the tile kernel 9.5 vs 15.6 us at 16 rows), and its warps. From bench/kernel_sweep.py.
-ROW_KERNEL_MAX_ROWS = 128
+# Batches up to this many rows take the per-row kernel (every decode batch; a mixed step's decode rows with their
+# prompt chunk), and its warps. From bench/kernel_sweep.py: 9.5 vs 15.6 us at 16 rows on an H200; on an H100
+# (fa409cc) 10.3-11.5 us from 160 to 512 rows against the tile kernel's 16.1-17.2 (its 16-row tiles leave most
+# SMs idle at decode batches: at 192 rows 12 programs)
+ROW_KERNEL_MAX_ROWS = 512
 ROW_KERNEL_WARPS = 4
 
 
@@ -201,7 +203,7 @@ def fused_route(
     The 2048 -> 128 down-projection is one GEMM over all SMs (kernels.gemv at small batch, cuBLAS above):
     inside the router kernel each program would stream all of W_down (512 KB) alone, which took 16-31 us
     per call on an H200 against ~5 us as a separate GEMM (bench/kernel_sweep.py). Up to ROW_KERNEL_MAX_ROWS
-    rows (decode) each row is one program of GEMVs (`_router_row_kernel`); above (prefill), ROWS-row tiles
+    rows (decode, mixed steps) each row is one program of GEMVs (`_router_row_kernel`); above (prefill), ROWS-row tiles
     on the tensor cores. `row_kernel` forces either (batch-invariant routing takes the row kernel at
     every row count); `linear_fn` replaces the down-projection's `kernels.gemv.linear`."""
     from engine.model.kernels.gemv import linear
