@@ -418,6 +418,7 @@ openai_values = {
     "speed": st.floats(0, 5) | anything,
     "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
     "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", "", "happy slowly " * 400])
+    | surrogates
     | anything,
     "stream": anything,
     "params": params(),
@@ -501,6 +502,7 @@ content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "appli
 )
 @example(data=DEEP.encode(), ctype="application/json")
 @example(data=b'{"input": "\\ud800 hi", "response_format": "pcm"}', ctype="application/json")
+@example(data=b'{"input": "Hi.", "instructions": "calm \\udfff", "response_format": "pcm"}', ctype="application/json")
 @example(
     data=json.dumps(
         {"input": "Привет" * 50, "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}}
