@@ -814,6 +814,11 @@ def test_cartesia_bytes_and_sse(dsrv):
     assert sr == 44100 and n_at(44100) - 2 <= len(audio) <= n_at(44100) + EXTRA_SAMPLES["mp3"]
     mulaw = cartesia(dsrv, "/tts/bytes", {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000})
     assert len(mulaw.content) == n_at(8000)
+    # a whole number sent as a float is that integer (it was unsupported_format: "must be an integer")
+    whole = cartesia(dsrv, "/tts/bytes", RAW16 | {"sample_rate": 24000.0})
+    assert whole.status_code == 200 and same_pcm(whole.content, raw.content), whole.text
+    mp3f = cartesia(dsrv, "/tts/bytes", {"container": "mp3", "sample_rate": 44100.0, "bit_rate": 128000.0})
+    assert mp3f.status_code == 200 and decode(mp3f.content)[1] == 44100, mp3f.text
     # the event stream: chunks of the same audio, then done; context_id echoed on each
     sse = cartesia(dsrv, "/tts/sse", RAW16, context_id="ctx-1", add_timestamps=True)
     assert sse.headers["content-type"].startswith("text/event-stream")
@@ -832,6 +837,17 @@ def test_cartesia_bytes_and_sse(dsrv):
         ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "id", "id": "nobody"}}, 404, "unknown_voice"),
         ("/tts/bytes", {"container": "ogg", "sample_rate": 24000}, DIALECT_KEY, {}, 400, "unsupported_format"),
         ("/tts/bytes", RAW16 | {"sample_rate": 11025}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"sample_rate": 24000.5}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"sample_rate": True}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", {"container": "mp3", "sample_rate": 44100.5}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        (
+            "/tts/bytes",
+            {"container": "mp3", "sample_rate": 44100, "bit_rate": 1.5},
+            DIALECT_KEY,
+            {},
+            400,
+            "unsupported_format",
+        ),
         ("/tts/bytes", RAW16 | {"encoding": "pcm_s24le"}, DIALECT_KEY, {}, 400, "unsupported_format"),
         (
             "/tts/sse",

@@ -992,10 +992,39 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         assert np.abs(np.frombuffer(audio, "<f4")).max() <= 1.0
 
 
+def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
+    """A sample_rate of 16000.0 (a float that is an integer, as a Python client may send it) was refused as not an
+    integer; it is 16000, and a max_buffer_delay_ms of 0.0 is 0 (each transcript spoken as it comes)."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("w", "Whole.", True, rate=16000.0, max_buffer_delay_ms=0.0))  # type: ignore[arg-type]
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "w", "chunk", log)  # spoken without a flush: the delay is 0
+        await ws.send(ca_request("w", "", False))
+        await ca_until(ws, "w", "done", log)
+        await ws.close()
+        return ca_audio(log, "w")
+
+    assert abs(len(run(go())) // 2 - resampled(SAMPLES, 16000)) <= 2
+
+
 @pytest.mark.parametrize(
     "change, code",
     [
         ({"voice": {"mode": "id", "id": "Nobody"}}, "unknown_voice"),
+        # a sample rate or a delay that is no whole number (a float that is one is that integer)
+        (
+            {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000.5}},
+            "unsupported_format",
+        ),
+        (
+            {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": float("nan")}},
+            "unsupported_format",
+        ),
+        ({"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": True}}, "unsupported_format"),
+        ({"max_buffer_delay_ms": 0.5}, "bad_message"),
+        ({"max_buffer_delay_ms": False}, "bad_message"),
         ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
         ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
         ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),

@@ -860,7 +860,8 @@ ca_output = (
         optional={
             "container": st.sampled_from(["raw", "wav"]) | anything,
             "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "x"]) | anything,
-            "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400]) | extreme | anything,
+            # a float that is a whole number is that integer (24000.0); any other float is refused
+            "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400, 24000.0, 8000.5]) | extreme | anything,
         },
     )
     | anything
@@ -880,7 +881,7 @@ ca_message = st.fixed_dictionaries(
         | anything,
         "output_format": ca_output,
         "language": st.sampled_from(["en", "de", "xx"]) | anything,
-        "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400]) | extreme | anything,
+        "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
         "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
         | anything,
         "speed": extreme | anything,
@@ -1433,8 +1434,9 @@ cartesia_format = st.fixed_dictionaries(
     optional={
         "container": st.sampled_from(["raw", "wav", "mp3", "ogg"]) | anything,
         "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
-        "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1]) | anything,
-        "bit_rate": st.integers(-1, 10**6) | anything,
+        "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1, 24000.0, 24000.5])
+        | anything,
+        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | anything,
     },
 )
 cartesia_values = {

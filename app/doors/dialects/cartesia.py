@@ -44,7 +44,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag
+from app.io.checks import check_context_id, check_flag, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
@@ -193,10 +193,10 @@ class CartesiaSession(StreamingSession):
         language, speed = language_and_speed(data, G.BAD_MESSAGE)
         opts = dialect_options(self.gw, base=self.opts, language=language, speed=speed)
         delay = data.get("max_buffer_delay_ms")
-        if delay is not None and (
-            not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
-        ):
-            raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
+        if delay is not None:
+            delay = whole_number(delay)  # (3000.0 is 3000, as a sample rate's 24000.0 is 24000)
+            if delay is None or not 0 <= delay <= MAX_BUFFER_DELAY_MS:
+                raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         if lexicon:
             opts = dataclasses.replace(opts, lexicon=lexicon)
         stamps = check_flag(data, "add_timestamps")
@@ -370,9 +370,10 @@ def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:
     ours = _ENCODINGS.get(encoding) if isinstance(encoding, str) else None
     if ours is None:
         raise RequestError(G.UNSUPPORTED_FORMAT, f"encoding must be one of {list(_ENCODINGS)}")
-    if not isinstance(rate, int) or isinstance(rate, bool):
+    whole = whole_number(rate)  # 24000.0 is 24000 (a client's number that is a float); 24000.5 is refused
+    if whole is None:
         raise RequestError(G.UNSUPPORTED_FORMAT, "sample_rate must be an integer")
-    return OutputFormat(ours, rate, wav).check()
+    return OutputFormat(ours, whole, wav).check()
 
 
 def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
