@@ -897,6 +897,9 @@ def test_deepgram_rest_formats(dsrv):
     assert sr == 24000 and len(audio) == n_at(24000)
     raw = deepgram(dsrv, "model=Ada&encoding=linear16&container=none&sample_rate=24000")
     assert raw.headers["content-type"] == "audio/pcm" and same_pcm(raw.content, audio.astype("<i2").tobytes())
+    # a setting repeated with the same value is that value (with another value: test_deepgram_rest_errors)
+    again = deepgram(dsrv, "model=Ada&encoding=linear16&container=none&sample_rate=24000&sample_rate=24000")
+    assert again.status_code == 200 and same_pcm(again.content, raw.content), again.text
     mulaw = deepgram(dsrv, "model=Ada&encoding=mulaw&container=none")
     assert len(mulaw.content) == n_at(8000)  # 8000 Hz by default
     for enc, rate in (("mp3", 22050), ("flac", 48000)):
@@ -920,6 +923,11 @@ def test_deepgram_rest_formats(dsrv):
         ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
         ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        # a setting given twice with different values (the last was taken in silence)
+        ("encoding=linear16&sample_rate=8000&sample_rate=16000", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("encoding=mp3&encoding=linear16", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("model=Ada&container=wav&container=none", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("callback=https://example.invalid/hook&callback=", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("model=Ada", DIALECT_KEY, {"txt": "Hi."}, 400, "EMPTY_TEXT"),
     ],
 )

@@ -1357,6 +1357,33 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
     assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
 
 
+@pytest.mark.parametrize(
+    "query",
+    [
+        "sample_rate=8000&sample_rate=24000",
+        "encoding=linear16&encoding=mulaw",
+        "model=Nobody",  # beside the model=Ada every URL here has
+        "zonos_params=%7B%7D&zonos_params=%7B%22seed%22%3A1%7D",
+    ],
+)
+def test_deepgram_a_setting_repeated_with_another_value_is_refused(srv, query):
+    """A query setting given twice with different values took the last in silence (a client that appends its
+    sample_rate to a URL that has one got the second); it is a 400 naming it. The same value twice is that value."""
+
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await dg_connect(ws_url(srv, f"/v1/speak?model=Ada&{query}"))
+        # (dg_connect checks its Metadata)
+        ws = await dg_connect(ws_url(srv, "/v1/speak?model=Ada&sample_rate=16000&sample_rate=16000&model=Ada"))
+        await ws.close()
+        return e.value.response
+
+    resp = run(go())
+    body = json.loads(resp.body)
+    assert resp.status_code == 400 and body["err_code"] == "INVALID_QUERY_PARAMETER", body
+    assert query.split("=")[0] in body["err_msg"] and "given 2 times" in body["err_msg"], body
+
+
 @pytest.mark.parametrize("speed, status", [("nan", 400), ("inf", 400), ("9", 400), ("0.01", 400), ("1.1", 200)])
 def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status):
     """?speed is a finite number within every API's speed bounds, refused naming it in Deepgram's shape even

@@ -781,6 +781,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/tts/ws", {"sample_rate": "²"}))
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
+@example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 def test_fuzz_socket_urls(fuzz_server, voices, where):
     """Every socket's URL settings: accepted, or refused with a 4xx in its dialect's shape (our socket: an
     error with a code, then close 1008), never a 500 or a dropped connection."""
@@ -1491,34 +1492,39 @@ def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype):
     check_dialect(r, lambda b: b["title"])
 
 
-deepgram_query = st.dictionaries(
-    st.sampled_from(["model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "mip_opt_out"]),
-    st.sampled_from(
-        [
-            "Ada",
-            "nobody",
-            "linear16",
-            "mulaw",
-            "alaw",
-            "mp3",
-            "opus",
-            "flac",
-            "aac",
-            "wav",
-            "none",
-            "ogg",
-            "8000",
-            "22050",
-            "48000",
-            "1.1",
-            "nan",
-            "inf",
-            "9",
-            "0.01",
-            "-1",
-            "²",
-            "",
-        ]
+# (key, value) pairs: a key may come twice (with another value: refused, INVALID_QUERY_PARAMETER)
+deepgram_query = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "mip_opt_out"]
+        ),
+        st.sampled_from(
+            [
+                "Ada",
+                "nobody",
+                "linear16",
+                "mulaw",
+                "alaw",
+                "mp3",
+                "opus",
+                "flac",
+                "aac",
+                "wav",
+                "none",
+                "ogg",
+                "8000",
+                "22050",
+                "48000",
+                "1.1",
+                "nan",
+                "inf",
+                "9",
+                "0.01",
+                "-1",
+                "²",
+                "",
+            ]
+        ),
     ),
     max_size=4,
 )
