@@ -898,7 +898,8 @@ def test_cartesia_continuations_then_done(srv):
 
 def test_cartesia_buffered_sentences_and_flush_done(srv):
     """Without max_buffer_delay_ms 0, sentences are cut as on our socket; flush with continue answers
-    flush_done (flush_id 1) after the audio of the text before it, and later chunks carry that id."""
+    flush_done (flush_id 1) after the audio of the text before it. Each chunk carries the flush id of its text, as
+    Cartesia numbers them: 1 before the flush, 2 after it (the text after the flush said 1, the flushes so far)."""
 
     async def go():
         ws = await ca_connect(srv)
@@ -915,6 +916,9 @@ def test_cartesia_buffered_sentences_and_flush_done(srv):
 
     flush, first, log = run(go())
     assert flush["flush_id"] == 1 and flush["flush_done"] is True
+    at = log.index(flush)
+    chunks = [[m["flush_id"] for m in part if m["type"] == "chunk"] for part in (log[:at], log[at:])]
+    assert chunks[0] and chunks[1] and set(chunks[0]) == {1} and set(chunks[1]) == {2}, chunks
     assert abs(first // 2 - resampled(SAMPLES, 24000)) <= 2
     assert abs(len(ca_audio(log, "k2")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
 
