@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.io.checks import whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -103,13 +104,10 @@ def finite(value: int | float) -> bool:
 
 def _typed(key: str, value: Any, kind: type) -> Any:
     if kind is int:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or (isinstance(value, float) and not value.is_integer())
-        ):
+        whole = whole_number(value)
+        if whole is None:
             raise RequestError(G.BAD_PARAMS, f"{key} must be an integer")
-        return int(value)
+        return whole
     if kind is float:
         if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value):
             raise RequestError(G.BAD_PARAMS, f"{key} must be a finite number")

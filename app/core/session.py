@@ -200,6 +200,9 @@ class StreamingSession:
         """The server is shutting down and this session is quiet (`drain`)."""
         await self.ws.close(DRAIN_CLOSE_CODE, "the server is restarting: reconnect")
 
+    def on_queued(self, ctx: str, utterances: list[Utterance]) -> None:
+        """Utterances of a context were queued (in order; their numbers rise): what they hold is fixed now."""
+
     def settings_for(self, ctx: str) -> tuple[SynthesisOptions, Voice | None, tuple[np.ndarray, int] | None]:
         """The options, voice and clip of the utterances of a context."""
         return self.opts, self.voice, self.clip
@@ -487,7 +490,8 @@ class StreamingSession:
             )
         opts, voice, clip = self.settings_for(ctx)
         lane = self.playback.lane(ctx, self)
-        lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
+        added = lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
+        self.on_queued(ctx, added)
 
     async def flush(
         self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True, end_turn: bool = True

@@ -31,7 +31,7 @@ from app.io.audio_output import (
     OutputFormat,
 )
 from app.io.auth import require_key
-from app.io.checks import check_sample_rate, text_field
+from app.io.checks import check_sample_rate, check_text, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -107,6 +107,8 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     instructions = data.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise RequestError(G.BAD_PARAMS, "instructions must be a string")
+    if instructions is not None:
+        check_text(instructions, "instructions")  # as `input`: a lone surrogate is bad_text, not ignored
     # OpenAI clients expect the repetition penalty of the reference's OpenAI route: off.
     base = SynthesisOptions()
     base.sampling.repetition_window, base.sampling.repetition_penalty = 0, 1.0

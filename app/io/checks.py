@@ -45,6 +45,16 @@ def text_field(data: dict[str, Any], key: str, limit: int) -> str:
     return check_text(text, key)
 
 
+def whole_number(value: object) -> int | None:
+    """A JSON number that is whole, as an int: 24000 or 24000.0 (a client's float that is an integer: Python's
+    24000.0 is serialized so); None for anything else (a boolean, 24000.5, NaN, an infinity, a string)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not value.is_integer():  # (NaN and the infinities are not)
+        return None
+    return int(value)
+
+
 def check_sample_rate(
     rate: object,
     allowed: Iterable[int],

@@ -6,7 +6,7 @@ refuses the first."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -27,3 +27,19 @@ def query_int(query: Mapping[str, str], key: str, code: str = G.BAD_PARAMS) -> i
     """The integer setting `key` of a query string (None when absent or empty)."""
     raw = query.get(key)
     return None if raw is None or raw == "" else decimal(raw, key, code)
+
+
+def check_single(query: Mapping[str, str], keys: Iterable[str], code: str = G.BAD_PARAMS) -> None:
+    """Refuse a setting of `keys` given twice with different values (`?sample_rate=8000&sample_rate=24000`):
+    a query's get() keeps the last in silence, and which one the client meant is not known. The same value
+    repeated is that value. A plain mapping (no getlist) holds one value a key."""
+    getlist = getattr(query, "getlist", None)
+    if getlist is None:
+        return
+    for key in keys:
+        values = getlist(key)
+        if len(set(values)) > 1:
+            shown = ", ".join(repr(v if len(v) <= 24 else v[:24] + "...") for v in values[:4])
+            raise RequestError(
+                code, f"{key} is given {len(values)} times with different values ({shown}); give it once"
+            )

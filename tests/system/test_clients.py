@@ -814,6 +814,11 @@ def test_cartesia_bytes_and_sse(dsrv):
     assert sr == 44100 and n_at(44100) - 2 <= len(audio) <= n_at(44100) + EXTRA_SAMPLES["mp3"]
     mulaw = cartesia(dsrv, "/tts/bytes", {"container": "raw", "encoding": "pcm_mulaw", "sample_rate": 8000})
     assert len(mulaw.content) == n_at(8000)
+    # a whole number sent as a float is that integer (it was unsupported_format: "must be an integer")
+    whole = cartesia(dsrv, "/tts/bytes", RAW16 | {"sample_rate": 24000.0})
+    assert whole.status_code == 200 and same_pcm(whole.content, raw.content), whole.text
+    mp3f = cartesia(dsrv, "/tts/bytes", {"container": "mp3", "sample_rate": 44100.0, "bit_rate": 128000.0})
+    assert mp3f.status_code == 200 and decode(mp3f.content)[1] == 44100, mp3f.text
     # the event stream: chunks of the same audio, then done; context_id echoed on each
     sse = cartesia(dsrv, "/tts/sse", RAW16, context_id="ctx-1", add_timestamps=True)
     assert sse.headers["content-type"].startswith("text/event-stream")
@@ -832,6 +837,17 @@ def test_cartesia_bytes_and_sse(dsrv):
         ("/tts/bytes", RAW16, DIALECT_KEY, {"voice": {"mode": "id", "id": "nobody"}}, 404, "unknown_voice"),
         ("/tts/bytes", {"container": "ogg", "sample_rate": 24000}, DIALECT_KEY, {}, 400, "unsupported_format"),
         ("/tts/bytes", RAW16 | {"sample_rate": 11025}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"sample_rate": 24000.5}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", RAW16 | {"sample_rate": True}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        ("/tts/bytes", {"container": "mp3", "sample_rate": 44100.5}, DIALECT_KEY, {}, 400, "unsupported_format"),
+        (
+            "/tts/bytes",
+            {"container": "mp3", "sample_rate": 44100, "bit_rate": 1.5},
+            DIALECT_KEY,
+            {},
+            400,
+            "unsupported_format",
+        ),
         ("/tts/bytes", RAW16 | {"encoding": "pcm_s24le"}, DIALECT_KEY, {}, 400, "unsupported_format"),
         (
             "/tts/sse",
@@ -881,6 +897,9 @@ def test_deepgram_rest_formats(dsrv):
     assert sr == 24000 and len(audio) == n_at(24000)
     raw = deepgram(dsrv, "model=Ada&encoding=linear16&container=none&sample_rate=24000")
     assert raw.headers["content-type"] == "audio/pcm" and same_pcm(raw.content, audio.astype("<i2").tobytes())
+    # a setting repeated with the same value is that value (with another value: test_deepgram_rest_errors)
+    again = deepgram(dsrv, "model=Ada&encoding=linear16&container=none&sample_rate=24000&sample_rate=24000")
+    assert again.status_code == 200 and same_pcm(again.content, raw.content), again.text
     mulaw = deepgram(dsrv, "model=Ada&encoding=mulaw&container=none")
     assert len(mulaw.content) == n_at(8000)  # 8000 Hz by default
     for enc, rate in (("mp3", 22050), ("flac", 48000)):
@@ -904,6 +923,11 @@ def test_deepgram_rest_formats(dsrv):
         ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
         ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        # a setting given twice with different values (the last was taken in silence)
+        ("encoding=linear16&sample_rate=8000&sample_rate=16000", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("encoding=mp3&encoding=linear16", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("model=Ada&container=wav&container=none", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        ("callback=https://example.invalid/hook&callback=", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("model=Ada", DIALECT_KEY, {"txt": "Hi."}, 400, "EMPTY_TEXT"),
     ],
 )

@@ -898,7 +898,8 @@ def test_cartesia_continuations_then_done(srv):
 
 def test_cartesia_buffered_sentences_and_flush_done(srv):
     """Without max_buffer_delay_ms 0, sentences are cut as on our socket; flush with continue answers
-    flush_done (flush_id 1) after the audio of the text before it, and later chunks carry that id."""
+    flush_done (flush_id 1) after the audio of the text before it. Each chunk carries the flush id of its text, as
+    Cartesia numbers them: 1 before the flush, 2 after it (the text after the flush said 1, the flushes so far)."""
 
     async def go():
         ws = await ca_connect(srv)
@@ -915,6 +916,9 @@ def test_cartesia_buffered_sentences_and_flush_done(srv):
 
     flush, first, log = run(go())
     assert flush["flush_id"] == 1 and flush["flush_done"] is True
+    at = log.index(flush)
+    chunks = [[m["flush_id"] for m in part if m["type"] == "chunk"] for part in (log[:at], log[at:])]
+    assert chunks[0] and chunks[1] and set(chunks[0]) == {1} and set(chunks[1]) == {2}, chunks
     assert abs(first // 2 - resampled(SAMPLES, 24000)) <= 2
     assert abs(len(ca_audio(log, "k2")) // 2 - 2 * resampled(SAMPLES, 24000)) <= 4
 
@@ -992,10 +996,39 @@ def test_cartesia_output_formats(srv, encoding, rate, width):
         assert np.abs(np.frombuffer(audio, "<f4")).max() <= 1.0
 
 
+def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
+    """A sample_rate of 16000.0 (a float that is an integer, as a Python client may send it) was refused as not an
+    integer; it is 16000, and a max_buffer_delay_ms of 0.0 is 0 (each transcript spoken as it comes)."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("w", "Whole.", True, rate=16000.0, max_buffer_delay_ms=0.0))  # type: ignore[arg-type]
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "w", "chunk", log)  # spoken without a flush: the delay is 0
+        await ws.send(ca_request("w", "", False))
+        await ca_until(ws, "w", "done", log)
+        await ws.close()
+        return ca_audio(log, "w")
+
+    assert abs(len(run(go())) // 2 - resampled(SAMPLES, 16000)) <= 2
+
+
 @pytest.mark.parametrize(
     "change, code",
     [
         ({"voice": {"mode": "id", "id": "Nobody"}}, "unknown_voice"),
+        # a sample rate or a delay that is no whole number (a float that is one is that integer)
+        (
+            {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000.5}},
+            "unsupported_format",
+        ),
+        (
+            {"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": float("nan")}},
+            "unsupported_format",
+        ),
+        ({"output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": True}}, "unsupported_format"),
+        ({"max_buffer_delay_ms": 0.5}, "bad_message"),
+        ({"max_buffer_delay_ms": False}, "bad_message"),
         ({"output_format": {"container": "mp3", "encoding": "pcm_s16le", "sample_rate": 24000}}, "unsupported_format"),
         ({"output_format": {"container": "raw", "encoding": "pcm_s8", "sample_rate": 24000}}, "unsupported_format"),
         ({"voice": {"mode": "embedding", "embedding": [0.1] * 192}}, "bad_message"),
@@ -1326,6 +1359,33 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
 
     resp = run(go())
     assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "sample_rate=8000&sample_rate=24000",
+        "encoding=linear16&encoding=mulaw",
+        "model=Nobody",  # beside the model=Ada every URL here has
+        "zonos_params=%7B%7D&zonos_params=%7B%22seed%22%3A1%7D",
+    ],
+)
+def test_deepgram_a_setting_repeated_with_another_value_is_refused(srv, query):
+    """A query setting given twice with different values took the last in silence (a client that appends its
+    sample_rate to a URL that has one got the second); it is a 400 naming it. The same value twice is that value."""
+
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await dg_connect(ws_url(srv, f"/v1/speak?model=Ada&{query}"))
+        # (dg_connect checks its Metadata)
+        ws = await dg_connect(ws_url(srv, "/v1/speak?model=Ada&sample_rate=16000&sample_rate=16000&model=Ada"))
+        await ws.close()
+        return e.value.response
+
+    resp = run(go())
+    body = json.loads(resp.body)
+    assert resp.status_code == 400 and body["err_code"] == "INVALID_QUERY_PARAMETER", body
+    assert query.split("=")[0] in body["err_msg"] and "given 2 times" in body["err_msg"], body
 
 
 @pytest.mark.parametrize("speed, status", [("nan", 400), ("inf", 400), ("9", 400), ("0.01", 400), ("1.1", 200)])

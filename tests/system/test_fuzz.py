@@ -418,6 +418,7 @@ openai_values = {
     "speed": st.floats(0, 5) | anything,
     "stream_format": st.sampled_from(["audio", "sse", "x"]) | anything,
     "instructions": st.sampled_from(["speak cheerfully", "calm and slow", "whisper", "", "happy slowly " * 400])
+    | surrogates
     | anything,
     "stream": anything,
     "params": params(),
@@ -501,6 +502,7 @@ content_types = st.sampled_from(["application/json"] * 4 + ["text/plain", "appli
 )
 @example(data=DEEP.encode(), ctype="application/json")
 @example(data=b'{"input": "\\ud800 hi", "response_format": "pcm"}', ctype="application/json")
+@example(data=b'{"input": "Hi.", "instructions": "calm \\udfff", "response_format": "pcm"}', ctype="application/json")
 @example(
     data=json.dumps(
         {"input": "Привет" * 50, "response_format": "pcm", "params": {"max_frames": 5, "ignore_eos": True}}
@@ -779,6 +781,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/tts/ws", {"sample_rate": "²"}))
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
+@example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 def test_fuzz_socket_urls(fuzz_server, voices, where):
     """Every socket's URL settings: accepted, or refused with a 4xx in its dialect's shape (our socket: an
     error with a code, then close 1008), never a 500 or a dropped connection."""
@@ -858,7 +861,8 @@ ca_output = (
         optional={
             "container": st.sampled_from(["raw", "wav"]) | anything,
             "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "x"]) | anything,
-            "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400]) | extreme | anything,
+            # a float that is a whole number is that integer (24000.0); any other float is refused
+            "sample_rate": st.sampled_from([24000, 8000, 12345, 10**400, 24000.0, 8000.5]) | extreme | anything,
         },
     )
     | anything
@@ -878,7 +882,7 @@ ca_message = st.fixed_dictionaries(
         | anything,
         "output_format": ca_output,
         "language": st.sampled_from(["en", "de", "xx"]) | anything,
-        "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400]) | extreme | anything,
+        "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
         "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
         | anything,
         "speed": extreme | anything,
@@ -1431,8 +1435,9 @@ cartesia_format = st.fixed_dictionaries(
     optional={
         "container": st.sampled_from(["raw", "wav", "mp3", "ogg"]) | anything,
         "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
-        "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1]) | anything,
-        "bit_rate": st.integers(-1, 10**6) | anything,
+        "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1, 24000.0, 24000.5])
+        | anything,
+        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | anything,
     },
 )
 cartesia_values = {
@@ -1487,34 +1492,39 @@ def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype):
     check_dialect(r, lambda b: b["title"])
 
 
-deepgram_query = st.dictionaries(
-    st.sampled_from(["model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "mip_opt_out"]),
-    st.sampled_from(
-        [
-            "Ada",
-            "nobody",
-            "linear16",
-            "mulaw",
-            "alaw",
-            "mp3",
-            "opus",
-            "flac",
-            "aac",
-            "wav",
-            "none",
-            "ogg",
-            "8000",
-            "22050",
-            "48000",
-            "1.1",
-            "nan",
-            "inf",
-            "9",
-            "0.01",
-            "-1",
-            "²",
-            "",
-        ]
+# (key, value) pairs: a key may come twice (with another value: refused, INVALID_QUERY_PARAMETER)
+deepgram_query = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "mip_opt_out"]
+        ),
+        st.sampled_from(
+            [
+                "Ada",
+                "nobody",
+                "linear16",
+                "mulaw",
+                "alaw",
+                "mp3",
+                "opus",
+                "flac",
+                "aac",
+                "wav",
+                "none",
+                "ogg",
+                "8000",
+                "22050",
+                "48000",
+                "1.1",
+                "nan",
+                "inf",
+                "9",
+                "0.01",
+                "-1",
+                "²",
+                "",
+            ]
+        ),
     ),
     max_size=4,
 )

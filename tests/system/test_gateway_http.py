@@ -502,13 +502,19 @@ def test_openai_sse_speaks_every_sentence(server):
     assert abs(len(pcm) // 2 - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
 
 
-@pytest.mark.parametrize("route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text")])
+@pytest.mark.parametrize(
+    "route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text"), ("/v1/audio/speech", "instructions")]
+)
 def test_lone_surrogate_is_400_bad_text(server, route, field):
-    """A lone surrogate (valid JSON, no UTF-8 form) was a 500."""
-    extra = ', "response_format": "pcm"' if field == "input" else ""
+    """A lone surrogate (valid JSON, no UTF-8 form) was a 500; in `instructions` it was a 200, the field read
+    as far as its words went (the hostile pass): it is refused as `input`'s is, by the same check."""
+    extra = ', "response_format": "pcm"' if route == "/v1/audio/speech" else ""
+    if field == "instructions":
+        extra += ', "input": "Hi."'
     body = '{"' + field + '": "\\ud800 hi"' + extra + "}"
     r = httpx.post(server.url + route, content=body.encode(), headers={"content-type": "application/json"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["code"] == "bad_text", r.text
+    assert field in r.json()["error"]["message"] and "surrogate" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("text", ["😀" * 600, "д" * 1500])

@@ -992,6 +992,44 @@ def test_cartesia_a_context_id_used_again_before_its_done_keeps_each_contexts_au
     assert [s["start"][0] for s in stamps] == [0.0, 0.0], seen
 
 
+def test_cartesia_each_chunk_carries_the_flush_id_of_its_text():
+    """Cartesia's flush_id names the flush segment a chunk's text was sent in: the text before the first flush is
+    1, after it 2, ... (an empty flush counts too), and each flush_done names the segment it ends. Chunks carried the
+    context's flush count when they were sent: audio of the first segment sent after two flushes said 2."""
+
+    async def go() -> list[dict[str, Any]]:
+        gw, ws, task, fmt, voice = cartesia_session()
+        common = {"context_id": "a", "voice": voice, "max_buffer_delay_ms": 0, **fmt}
+        ws.send(transcript="One.", **{"continue": True}, **common)
+        ws.send(transcript="", flush=True, **{"continue": True}, **common)
+        ws.send(transcript="Two.", **{"continue": True}, **common)
+        ws.send(transcript="Three.", flush=True, **{"continue": True}, **common)
+        ws.send(transcript="", flush=True, **{"continue": True}, **common)  # empty: segment 3 has no text
+        ws.send(transcript="Four.", **{"continue": False}, **common)
+        seen: list[dict[str, Any]] = []
+        first = await gw.fake.started(1)
+        for _ in range(50):  # every message is taken before any audio is sent
+            await asyncio.sleep(0)
+        FakeEngine.play(first)
+        for n in range(2, 5):
+            FakeEngine.play(await gw.fake.started(n))
+        while not seen or seen[-1].get("type") != "done":
+            seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert [(m["type"], m.get("flush_id")) for m in seen if m["type"] != "done"] == [
+        ("chunk", 1),
+        ("flush_done", 1),
+        ("chunk", 2),
+        ("chunk", 2),
+        ("flush_done", 2),
+        ("flush_done", 3),
+        ("chunk", 4),
+    ], seen
+
+
 def test_a_socket_of_many_contexts_has_engine_work_in_at_most_its_limit_of_them():
     """A Cartesia socket that opens more contexts than --max-inflight-per-session: only that many of them have
     engine work at once; the next starts once one has played what it started, so one socket's contexts cannot

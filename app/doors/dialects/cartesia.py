@@ -7,9 +7,11 @@ In: generation requests `{"transcript", "continue", "context_id", "model_id", "v
 concatenated verbatim; `continue: false` (or leaving `continue` out) ends the context: the rest is spoken
 and `done` follows its audio; `flush: true` with `continue: true` is answered by `flush_done`;
 `{"context_id", "cancel": true}` drops the context and stops its GPU work (no reply, as Cartesia).
-Out: `{"type": "chunk", "data": <base64>, "done": false, "status_code": 206, "step_time", "context_id"}`,
+Out: `{"type": "chunk", "data": <base64>, "done": false, "status_code": 206, "step_time", "context_id", "flush_id"}`,
 `{"type": "done", ...}`, `{"type": "flush_done", "flush_id", ...}`, `{"type": "error", ...}`; every message
-carries `context_id`. Each context is its own lane, as Cartesia multiplexes contexts.
+carries `context_id`. A chunk's `flush_id` is that of the flush segment its text was sent in, as Cartesia numbers
+them: 1 before the context's first flush (whose flush_done says 1), 2 after it, ... Each context is its own
+lane, as Cartesia multiplexes contexts.
 
 The first request of a context fixes its voice (one of ours, by id or name; mode `embedding` takes a
 vector of our embedding size), output format and language. `max_buffer_delay_ms: 0` (what the frameworks
@@ -44,7 +46,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag
+from app.io.checks import check_context_id, check_flag, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
@@ -95,7 +97,10 @@ class Context:
     voice: Voice | None
     format: OutputFormat
     buffer_delay_ms: int | None
-    flush_id: int = 0
+    flush_id: int = 0  # its flushes so far: the text that comes now is flush segment flush_id + 1
+    # (first utterance number, flush id) of each flush segment of its utterances not all played yet, in order: a
+    # chunk carries its text's flush id (Cartesia's), not the count of flushes when the chunk is sent
+    segments: list[tuple[int, int]] = field(default_factory=list)
     ended: bool = False  # its last input came (continue: false); it may still be speaking
     failed: bool = False
     last_sent: float = field(default_factory=time.perf_counter)
@@ -175,8 +180,10 @@ class CartesiaSession(StreamingSession):
             c.ended = True
             await self.flush(ctx, answer=lambda: self._done(c))
         elif flush:  # with continue: more of the turn follows (its continuation goes on)
+            # its text is queued as flush segment flush_id + 1 (`on_queued`), which its flush_done names; the
+            # next text is the next segment. A flush refused (too_many_utterances) keeps its text and its id
+            await self.flush(ctx, answer=self._flush_done(c, c.flush_id + 1), end_turn=False)
             c.flush_id += 1
-            await self.flush(ctx, answer=self._flush_done(c, c.flush_id), end_turn=False)
         elif c.buffer_delay_ms == 0:
             await self.flush(ctx, end_turn=False)
 
@@ -193,10 +200,10 @@ class CartesiaSession(StreamingSession):
         language, speed = language_and_speed(data, G.BAD_MESSAGE)
         opts = dialect_options(self.gw, base=self.opts, language=language, speed=speed)
         delay = data.get("max_buffer_delay_ms")
-        if delay is not None and (
-            not isinstance(delay, int) or isinstance(delay, bool) or not 0 <= delay <= MAX_BUFFER_DELAY_MS
-        ):
-            raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
+        if delay is not None:
+            delay = whole_number(delay)  # (3000.0 is 3000, as a sample rate's 24000.0 is 24000)
+            if delay is None or not 0 <= delay <= MAX_BUFFER_DELAY_MS:
+                raise RequestError(G.BAD_MESSAGE, f"max_buffer_delay_ms must be an integer in 0..{MAX_BUFFER_DELAY_MS}")
         if lexicon:
             opts = dataclasses.replace(opts, lexicon=lexicon)
         stamps = check_flag(data, "add_timestamps")
@@ -235,6 +242,24 @@ class CartesiaSession(StreamingSession):
 
         return answer
 
+    def on_queued(self, ctx: str, utterances: list[Utterance]) -> None:
+        c = self.ctxs.get(ctx)
+        if c is None or not utterances:
+            return
+        segment = c.flush_id + 1
+        if not c.segments or c.segments[-1][1] != segment:
+            c.segments.append((utterances[0].seq, segment))
+
+    @staticmethod
+    def _flush_id_of(c: Context, u: Utterance) -> int:
+        """The flush id of u's text: the flush segment it was queued in (Cartesia numbers them from 1)."""
+        flush_id = 1
+        for first, segment in c.segments:
+            if first > u.seq:
+                break
+            flush_id = segment
+        return flush_id
+
     # ---- playback ------------------------------------------------------------------------------------
     def words_for(self, u: Utterance) -> bool:
         c = self._ctx_of(u)
@@ -249,6 +274,8 @@ class CartesiaSession(StreamingSession):
     async def on_utterance_done(self, u: Utterance) -> None:
         c = self._ctx_of(u)
         if c is not None:
+            while len(c.segments) > 1 and c.segments[1][0] <= u.seq:  # (a context's utterances play in order)
+                del c.segments[0]
             if u.aligned:
                 c.words_due.aligning(u.id, c.audio_s)
             c.audio_s += u.samples / SAMPLE_RATE
@@ -305,8 +332,7 @@ class CartesiaSession(StreamingSession):
         }
         if c is not None:
             c.last_sent = now
-            if c.flush_id:
-                msg["flush_id"] = c.flush_id
+            msg["flush_id"] = self._flush_id_of(c, u)
         await self.send_json_locked(msg)
 
     async def on_utterance_start(self, u: Utterance) -> None:
@@ -370,9 +396,10 @@ def output_format(encoding: Any, rate: Any, wav: bool = False) -> OutputFormat:
     ours = _ENCODINGS.get(encoding) if isinstance(encoding, str) else None
     if ours is None:
         raise RequestError(G.UNSUPPORTED_FORMAT, f"encoding must be one of {list(_ENCODINGS)}")
-    if not isinstance(rate, int) or isinstance(rate, bool):
+    whole = whole_number(rate)  # 24000.0 is 24000 (a client's number that is a float); 24000.5 is refused
+    if whole is None:
         raise RequestError(G.UNSUPPORTED_FORMAT, "sample_rate must be an integer")
-    return OutputFormat(ours, rate, wav).check()
+    return OutputFormat(ours, whole, wav).check()
 
 
 def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:

@@ -38,7 +38,7 @@ from app.doors.dialects.common import dialect_options
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, text_field
+from app.io.checks import check_context_id, text_field, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
@@ -54,11 +54,14 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
         raise RequestError(G.UNSUPPORTED_FORMAT, f"output_format.container must be one of {list(containers)}")
     if container != "mp3":
         return output_format(spec.get("encoding"), rate, wav=container == "wav")
-    if not isinstance(rate, int) or isinstance(rate, bool):
+    rate = whole_number(rate)  # (24000.0 is 24000, as in output_format)
+    if rate is None:
         raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.sample_rate must be an integer")
     bit_rate = spec.get("bit_rate")
-    if bit_rate is not None and (not isinstance(bit_rate, int) or isinstance(bit_rate, bool)):
-        raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.bit_rate must be an integer")
+    if bit_rate is not None:
+        bit_rate = whole_number(bit_rate)
+        if bit_rate is None:
+            raise RequestError(G.UNSUPPORTED_FORMAT, "output_format.bit_rate must be an integer")
     return OutputFormat("mp3", rate, bit_rate=bit_rate).check()
 
 

@@ -33,8 +33,12 @@ from app.io.audio_output import G711_RATE, OutputFormat
 from app.io.auth import api_key_from
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import query_int
+from app.io.query_input import check_single, query_int
 
+# The query settings a connection or a request reads (its socket's and its HTTP route's): each one given twice
+# with different values is refused (the last was taken in silence). `tag`, `bit_rate` and `mip_opt_out` are not
+# read, and Deepgram takes `tag` more than once.
+QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "callback", "zonos_params")
 # Deepgram's raw encodings (its socket's and its HTTP route's), and their default rates
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_RATE = {"linear16": 24000, "mulaw": G711_RATE, "alaw": G711_RATE}
@@ -46,6 +50,7 @@ class DeepgramSession(StreamingSession):
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
         q = ws.query_params
+        check_single(q, QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
         self.opts = dialect_options(gw, q)
         name = (q.get("encoding") or "linear16").lower()
         if name not in ENCODINGS:

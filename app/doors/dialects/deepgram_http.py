@@ -28,7 +28,7 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import query_int
+from app.io.query_input import check_single, query_int
 
 _SAMPLES = deepgram.ENCODINGS
 _COMPRESSED = {"mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
@@ -66,6 +66,7 @@ async def speak(request: Request) -> Response:
     """POST /v1/speak."""
     gw, owner, data = await open_request(request)
     q = request.query_params
+    check_single(q, deepgram.QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
     if q.get("callback"):
         raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "callback is not supported: the audio is the response")
     fmt = http_format(q)
