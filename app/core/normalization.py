@@ -12,7 +12,11 @@ every session behind one lock and grew its memory for good. Here:
   no Python, so it ends a worker stuck inside pynini's C code too), pebble starts another, and the
   request gets `normalization_timeout`. CPU time rather than wall time: a busy machine does not fail
   texts that merely wait for a core.
-* A worker is replaced after `max_tasks` texts, so whatever its grammars accumulate is given back.
+* The workers are replaced after `max_tasks` texts each (on average), so whatever their grammars accumulate is
+  given back: a successor pool starts and loads the warm grammars (seconds) while the old one serves, takes over
+  once it is ready, and the old workers finish what they hold and exit. Replaced by pebble one by one instead,
+  every worker reached its count within a few texts of the others and reloaded at the same moment: no text was
+  normalized, and no session spoke, for the grammars' load (de ~12 s), every `max_tasks` texts per worker.
 * Waiting texts go to the workers fairly (FairTurns): the owner (a session, an HTTP request) that has
   used the workers least goes first, so a new session's first sentence is next whatever others have
   queued; and with two workers or more, texts longer than SHORT_TEXT_BYTES, and texts of a language no
@@ -36,8 +40,10 @@ import logging
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -213,6 +219,7 @@ class NormalizationPool:
         max_tasks: int,
         warm: tuple[str, ...] = ("en_us",),
         available: bool | None = None,
+        start_worker: Callable[[tuple[str, ...]], None] = _worker_start,
     ) -> None:
         self.workers = max(1, workers)
         self.cpu_limit_s = cpu_limit_s
@@ -220,7 +227,13 @@ class NormalizationPool:
         self.warm = warm
         self.available = nemo_installed() if available is None else available
         self.turns = FairTurns(self.workers)
+        self._start_worker = start_worker  # each worker's start: its niceness, the warm grammars
         self._pool: pebble.ProcessPool | None = None
+        self._handed = 0  # texts handed to the serving pool (its replacement is due at max_tasks per worker)
+        # the pool that takes over once its workers have loaded the warm grammars, and its warm-up tasks
+        self._successor: tuple[pebble.ProcessPool, list[Future]] | None = None
+        # replaced pools, each joined by a thread of its own once its workers have finished their last texts
+        self._retired: list[tuple[pebble.ProcessPool, threading.Thread]] = []
         # the grammars a worker has loaded (a text of it normalized): a text of any other may compile it first
         # (`normalize`)
         self._loaded: set[str | None] = {None, *map(_grammar, warm)}
@@ -229,22 +242,46 @@ class NormalizationPool:
     def start(self) -> None:
         """Start the workers now (each loads the warm grammars), not on the first request."""
         if self._pool is None:
-            # spawn: the gateway's threads and event loop are not forked into the workers
-            self._pool = pebble.ProcessPool(
-                self.workers,
-                self.max_tasks,
-                initializer=_worker_start,
-                initargs=(self.warm,),
-                context=multiprocessing.get_context("spawn"),
-            )
-            for _ in range(self.workers):
-                self._pool.submit(os.getpid, None)
+            self._pool, _ = self._new_pool()
+
+    def _new_pool(self) -> tuple[pebble.ProcessPool, list[Future]]:
+        """A pool of `workers` processes (spawned: the gateway's threads and event loop are not forked into them;
+        never replaced by pebble after a number of tasks: `_replace` does it), and the tasks that start them."""
+        pool = pebble.ProcessPool(
+            self.workers,
+            0,
+            initializer=self._start_worker,
+            initargs=(self.warm,),
+            context=multiprocessing.get_context("spawn"),
+        )
+        return pool, [pool.submit(os.getpid, None) for _ in range(self.workers)]
+
+    def _replace(self) -> None:
+        """Past `max_tasks` texts per worker, start a successor pool; once its start-up tasks are done (its
+        workers run a task only after loading the warm grammars), it serves, and the old pool's workers exit
+        after the texts they hold (module docstring)."""
+        self._retired = [(p, t) for p, t in self._retired if t.is_alive()]
+        if self._successor is not None:
+            successor, starting = self._successor
+            if all(f.done() for f in starting):
+                assert self._pool is not None
+                self._pool.close()  # no new task; join() waits for the ones its workers hold, then ends them
+                joined = threading.Thread(target=self._pool.join, name="textnorm-retired", daemon=True)
+                joined.start()
+                self._retired.append((self._pool, joined))
+                self._pool, self._successor, self._handed = successor, None, 0
+                self._loaded = {None, *map(_grammar, self.warm)}  # what the new workers have loaded
+        elif self.max_tasks and self._handed >= self.max_tasks * self.workers:
+            self._successor = self._new_pool()
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.stop()
-            self._pool.join(timeout=10)
-            self._pool = None
+        for pool, joined in self._retired:
+            pool.stop()
+            joined.join(timeout=10)
+        for pool in filter(None, (self._successor[0] if self._successor else None, self._pool)):
+            pool.stop()
+            pool.join(timeout=10)
+        self._pool, self._successor, self._retired = None, None, []
 
     async def normalize(self, text: str, language: str, owner: object = None) -> str:
         """`text` in its spoken form; the text itself when NeMo is not installed or the worker fails (it is
@@ -297,8 +334,10 @@ class NormalizationPool:
     async def run(self, owner: object, long: bool, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) in a worker, in this owner's turn (`long`: a text over SHORT_TEXT_BYTES)."""
         self.start()
-        assert self._pool is not None
         async with self.turns.turn(owner, long):
+            self._replace()
+            assert self._pool is not None
+            self._handed += 1
             future = self._pool.submit(fn, TASK_WALL_LIMIT_S, *args)
             waiter = asyncio.wrap_future(future)
             try:

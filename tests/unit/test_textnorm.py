@@ -3,6 +3,7 @@ only with nemo-text-processing installed) real English normalization."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -432,18 +433,47 @@ def test_a_task_past_its_cpu_bound_ends_its_worker_and_the_next_task_runs():
     assert first != second
 
 
-def test_workers_are_replaced_after_max_tasks():
+def gated_start(warm: tuple[str, ...]) -> None:
+    """A worker start (NormalizationPool's start_worker) that, after the first worker's, waits until the file
+    warm[0] exists: a grammar load as long as the test wants."""
+    gate = warm[0]
+    with contextlib.suppress(FileExistsError):
+        open(gate + ".first", "x").close()
+        return
+    while not os.path.exists(gate):
+        time.sleep(0.01)
+
+
+def test_the_workers_are_replaced_while_the_old_ones_serve(tmp_path):
+    """Replacing the workers (after max_tasks texts each) never holds the texts: the successor loads its grammars
+    while the old workers serve, and takes over once ready. pebble replaced each worker in place, and a worker's
+    grammar load (de ~12 s) held every text, and every session's speech, behind it; with several workers they all
+    reached their count within a few texts of each other and reloaded together."""
     import asyncio
 
+    from app.core.normalization import NormalizationPool
+
+    gate = str(tmp_path / "loaded")
+
     async def go():
-        pool = _pool(max_tasks=2)
+        pool = NormalizationPool(1, 30.0, 2, warm=(gate,), available=True, start_worker=gated_start)
         try:
-            return [await pool.run(None, False, os.getpid) for _ in range(6)]
+            old = {await pool.run(None, False, os.getpid) for _ in range(2)}
+            # due for replacement: its successor's start waits at the gate, and the texts go on meanwhile
+            during = {await pool.run(None, False, os.getpid) for _ in range(6)}
+            open(gate, "w").close()
+            for _ in range(10_000):  # until the successor has started and taken over
+                new = await pool.run(None, False, os.getpid)
+                if new not in old:
+                    return old, during, new
+                await asyncio.sleep(0.01)
+            return old, during, None
         finally:
             pool.close()
 
-    pids = asyncio.run(asyncio.wait_for(go(), 120))
-    assert len(set(pids)) >= 3  # 2 tasks each (the start-up task included): every worker's memory is given back
+    old, during, new = asyncio.run(asyncio.wait_for(go(), 120))
+    assert during == old and len(old) == 1
+    assert new is not None and new not in old
 
 
 def test_a_text_cancelled_as_soon_as_it_is_handed_out_does_not_end_its_worker():
