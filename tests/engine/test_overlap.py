@@ -786,3 +786,29 @@ def test_a_request_cancelled_while_it_waits_is_no_start(engine: Engine):
         for ring in (inbox, out):
             ring.close()
             ring.unlink()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_chunk_is_decoded_in_the_iteration_that_reads_its_last_frame_back(engine: Engine, overlap: bool):
+    """The frames read back in an iteration go to the dac_decoder, and its ready calls are launched, in that same
+    iteration (after the apply, while the decode step just launched runs): launched at the next iteration's start,
+    every chunk, a first one too, reached its listener an iteration later. On a CPU a call runs as it is launched,
+    so the first chunk's audio is sent in the iteration whose apply gave its first call the frames it needs."""
+    with scheduler_on(engine, overlap) as (sched, inbox):
+        assert inbox.try_put(*req(1, "Hello there, a first chunk.", 60, seed=4).encode())
+        need = ready_at = audio_at = None
+        for i in range(80):
+            with engine.llm_stream():
+                sched.iterate()
+            job = sched.running.get(1)
+            if job is not None and need is None:
+                need = sched.dac.first_call_need(job.chain.stream)
+            stream = sched.dac._reqs.get(job.chain.stream) if job is not None else None
+            if ready_at is None and need is not None and stream is not None and stream.n >= need:
+                ready_at = i
+            if audio_at is None and job is not None and job.audio_index > 0:  # its first Audio record was sent
+                audio_at = i
+            if audio_at is not None and ready_at is not None:
+                break
+        assert need is not None and ready_at is not None
+        assert audio_at == ready_at
