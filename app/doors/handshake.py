@@ -123,10 +123,9 @@ async def serve(
 ) -> None:
     """Run one streaming session. `make(ws, gw, owner)` builds it from the URL (raising RequestError for a bad
     voice or format); `refusal(code, message, status)` is the API's error body for a refused handshake,
-    sent as an HTTP response, or with `in_band` as the first message of an accepted socket. `key`: the API
-    key the dialect found (default: our headers and ?api_key=)."""
+    sent as an HTTP response, or with `in_band` as the first message of an accepted socket. The API key: our
+    headers' or `?api_key=`'s, else `key`, one the dialect found elsewhere (Deepgram's subprotocol)."""
     gw: Gateway = ws.app.state.gateway
-    key = key if key is not None else api_key_from(ws.headers, ws.query_params)
     # (`_refuse` is no closure here: this frame lives as long as the session, and a closure's cells with it)
     if not origin_allowed(ws, gw.settings.cors_origins):
         await _refuse(
@@ -139,6 +138,12 @@ async def serve(
             G.ORIGIN_NOT_ALLOWED.http_status,
         )
         return
+    if gw.settings.api_keys:  # (without keys none is read)
+        try:
+            key = api_key_from(ws.headers, ws.query_params) or key
+        except RequestError as e:  # ?api_key= twice with different values
+            await _refuse(ws, gw, refusal, in_band, e.code, str(e), e.status)
+            return
     if not key_ok(key, gw.settings.api_keys):
         await _refuse(ws, gw, refusal, in_band, G.UNAUTHORIZED, "missing or wrong API key", G.UNAUTHORIZED.http_status)
         return

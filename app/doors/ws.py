@@ -31,12 +31,14 @@ from app.io.checks import base64_payload, check_context_id, check_flag, check_sa
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
-from app.io.query_input import query_int
+from app.io.query_input import check_single, query_int
 from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.ws")
 
+# the URL settings a session reads (`Session.from_query`)
+QUERY_KEYS = ("encoding", "sample_rate", "voice")
 # Messages held back while a session.config's voice_clip is decoded and embedded (`Session.on_message`): at most this
 # many, of at most --max-ws-message-bytes together (one message's worth)
 MAX_HELD_BACK = 1024
@@ -66,6 +68,7 @@ class Session(StreamingSession):
         that cannot send a session.config first: checked like one, in effect from session.created on."""
         session = cls(ws, gw, owner)
         query: Mapping[str, str] = ws.query_params
+        check_single(query, QUERY_KEYS)  # a setting given twice with different values: which one is not known
         if "encoding" in query:
             session.encoding = check_encoding(query["encoding"])
             session.sample_rate = default_rate(session.encoding, session.sample_rate)

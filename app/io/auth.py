@@ -19,18 +19,26 @@ from starlette.websockets import WebSocket
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from app.io.query_input import check_single
 from app.io.ws_protocol import handshake_denied
 from app.settings import loopback
 
 
 def api_key_from(headers: Mapping[str, str], query: Mapping[str, str]) -> str | None:
     """Our key headers and those of the services whose clients we serve unchanged: `Authorization: Bearer`
-    (OpenAI) or `Token` (Deepgram), `X-API-Key` (ours, Cartesia), `xi-api-key` (ElevenLabs), `?api_key=`."""
+    (OpenAI) or `Token` (Deepgram), `X-API-Key` (ours, Cartesia), `xi-api-key` (ElevenLabs), `?api_key=`. An
+    `?api_key=` read (no key header) given twice with different values raises RequestError(unauthorized),
+    the keys not shown: which one the client meant is not known (the last was taken). Its callers read a key
+    only where the gateway has keys (`require_key`, `authorized`, app/doors/handshake.py `serve`)."""
     auth = headers.get("authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() in ("bearer", "token"):
         return token.strip() or None
-    return headers.get("x-api-key") or headers.get("xi-api-key") or query.get("api_key") or None
+    key = headers.get("x-api-key") or headers.get("xi-api-key")
+    if key:
+        return key
+    check_single(query, ("api_key",), G.UNAUTHORIZED, secret=True)
+    return query.get("api_key") or None
 
 
 def key_ok(key: str | None, keys: tuple[str, ...]) -> bool:
@@ -40,18 +48,26 @@ def key_ok(key: str | None, keys: tuple[str, ...]) -> bool:
 
 
 def require_key(request: Request) -> str | None:
-    """The caller's key (None without auth); raises 401 when auth is on and the key is wrong."""
+    """The caller's key (None without auth); raises 401 when auth is on and the key is wrong (or `?api_key=`
+    is given twice with different values)."""
     keys = request.app.state.gateway.settings.api_keys
+    if not keys:
+        return None
     key = api_key_from(request.headers, request.query_params)
     if not key_ok(key, keys):
         raise RequestError(G.UNAUTHORIZED, "missing or wrong API key")
-    return key if keys else None
+    return key
 
 
 def authorized(request: Request) -> bool:
     """Whether the caller may see what a key guards (always, when auth is off)."""
     keys = request.app.state.gateway.settings.api_keys
-    return key_ok(api_key_from(request.headers, request.query_params), keys)
+    if not keys:
+        return True
+    try:
+        return key_ok(api_key_from(request.headers, request.query_params), keys)
+    except RequestError:  # ?api_key= twice with different values: no key
+        return False
 
 
 # ---- keys out of the logs --------------------------------------------------------------------------------

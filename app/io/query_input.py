@@ -1,7 +1,7 @@
 """One parser for the numbers a client puts in a URL (`?sample_rate=24000`, `?seed=7`, the 24000 of
 ElevenLabs' `output_format=pcm_24000`): ASCII digits only, else a coded RequestError (a 4xx, or a WebSocket
 error), never a ValueError from int(). `str.isdigit` is no check: "²" and "٣" are digits to it, and int()
-refuses the first."""
+refuses the first. And the one rule for a setting given twice in a URL (`check_single`)."""
 
 from __future__ import annotations
 
@@ -29,17 +29,21 @@ def query_int(query: Mapping[str, str], key: str, code: str = G.BAD_PARAMS) -> i
     return None if raw is None or raw == "" else decimal(raw, key, code)
 
 
-def check_single(query: Mapping[str, str], keys: Iterable[str], code: str = G.BAD_PARAMS) -> None:
-    """Refuse a setting of `keys` given twice with different values (`?sample_rate=8000&sample_rate=24000`):
-    a query's get() keeps the last in silence, and which one the client meant is not known. The same value
-    repeated is that value. A plain mapping (no getlist) holds one value a key."""
+def check_single(query: Mapping[str, str], keys: Iterable[str], code: str = G.BAD_PARAMS, secret: bool = False) -> None:
+    """Refuse a setting of `keys` given twice with different values (`?sample_rate=8000&sample_rate=24000`),
+    RequestError(code) naming it: a query's get() keeps the last in silence, and which one the client meant is
+    not known. The same value repeated is that value. `secret`: the values are not shown (an API key). Every
+    door's query settings are checked here (docs/protocol.md, docs/dialects.md). A plain mapping (no getlist)
+    holds one value a key."""
     getlist = getattr(query, "getlist", None)
     if getlist is None:
         return
     for key in keys:
         values = getlist(key)
         if len(set(values)) > 1:
-            shown = ", ".join(repr(v if len(v) <= 24 else v[:24] + "...") for v in values[:4])
-            raise RequestError(
-                code, f"{key} is given {len(values)} times with different values ({shown}); give it once"
+            shown = (
+                ""
+                if secret
+                else " (" + ", ".join(repr(v if len(v) <= 24 else v[:24] + "...") for v in values[:4]) + ")"
             )
+            raise RequestError(code, f"{key} is given {len(values)} times with different values{shown}; give it once")

@@ -621,13 +621,25 @@ def test_ws_url_settings_pcm_voice_and_refusals(server):
     )
     assert (events[0]["encoding"], events[0]["sample_rate"], events[0]["voice"]) == ("pcm_s16le", 24000, vid)
     assert abs(len(audio) // 2 - samples_at(24000)) <= 2
+    # a setting repeated with the same value is that value
+    again, audio_again = ws_session(
+        server.ws_url + "?encoding=pcm_s16le&sample_rate=24000&sample_rate=24000&voice=Query%20voice&voice=Query+voice",
+        [{"type": "session.config", "params": FAST}, {"type": "text", "text": "Hi."}, {"type": "flush"}],
+    )
+    assert (again[0]["type"], again[0]["sample_rate"], again[0]["voice"]) == ("session.created", 24000, vid), again
+    assert len(audio_again) == len(audio)
     for query, code in (
         ("?encoding=opus", "bad_params"),
         ("?sample_rate=22050", "bad_params"),
         ("?voice=nobody", "unknown_voice"),
+        # given twice with different values (the last was taken in silence)
+        ("?sample_rate=16000&sample_rate=24000", "bad_params"),
+        ("?encoding=mulaw&encoding=pcm_s16le", "bad_params"),
+        ("?voice=Query%20voice&voice=nobody", "bad_params"),
     ):
         events, _ = ws_session(server.ws_url + query, [])
         assert events[0]["type"] == "error" and events[0]["code"] == code, (query, events)
+        assert "&" not in query or "is given 2 times" in events[0]["message"], events
 
 
 # ---- the dialects' HTTP routes: ElevenLabs, Cartesia, Deepgram -----------------------------------
@@ -776,16 +788,37 @@ def test_elevenlabs_http_output_formats(dsrv, fmt, rate):
         ("", {"text": "Hi.", "seed": -1}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
         ("", {"text": "Hi.", "apply_text_normalization": "maybe"}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
         ("/with-timestamps", {"text": "Hi.", "previous_text": 3}, "", DIALECT_KEY, "Ada", 400, "bad_params"),
+        # a URL setting given twice with different values (the last was taken in silence); the key in the URL (no
+        # key header) even where the last one is right
+        ("", None, "output_format=pcm_16000&output_format=mp3_44100_128", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("/stream", None, "output_format=pcm_16000&seed=1&seed=2", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("/stream", None, "output_format=pcm_16000&zonos_params=%7B%7D", DIALECT_KEY, "Ada", 400, "bad_params"),
+        ("", None, f"output_format=pcm_16000&api_key=wrong&api_key={DIALECT_KEY}", "", "Ada", 401, "unauthorized"),
     ],
 )
 def test_elevenlabs_http_errors(dsrv, path, body, query, key, voice, status, code):
     """ElevenLabs' error body {"detail": {"status", "message"}} with the status, before any audio."""
     r = el(dsrv, path, body, query, key, voice)
     assert r.status_code == status and r.json()["detail"]["status"] == code, r.text
-    assert isinstance(r.json()["detail"]["message"], str)
+    message = r.json()["detail"]["message"]
+    names = [part.split("=")[0] for part in f"{ZP}&{query}".split("&")]
+    repeated = {k for k in names if names.count(k) > 1}  # named, a key not shown
+    assert all(f"{k} is given 2 times" in message for k in repeated) and DIALECT_KEY not in message, message
 
 
-def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, **extra) -> httpx.Response:
+def test_elevenlabs_http_a_url_setting_repeated_with_its_value_is_that_value(dsrv):
+    once = el(dsrv, "/stream", query="output_format=pcm_16000&seed=7")
+    twice = el(
+        dsrv,
+        "/stream",
+        query=f"output_format=pcm_16000&output_format=pcm_16000&seed=7&seed=7&{ZP}&api_key={DIALECT_KEY}"
+        f"&api_key={DIALECT_KEY}",
+        key="",
+    )
+    assert once.status_code == twice.status_code == 200 and same_pcm(once.content, twice.content), twice.text
+
+
+def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, query: str = "", **extra) -> httpx.Response:
     body = {
         "model_id": "sonic-2",
         "transcript": TWO,
@@ -794,7 +827,10 @@ def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, **ext
         "language": "en",
     } | extra
     return httpx.post(
-        f"{dsrv.url}{path}?{ZP}", json=body, timeout=120, headers={"X-API-Key": key, "Cartesia-Version": "2025-04-16"}
+        f"{dsrv.url}{path}?{ZP}&{query}",
+        json=body,
+        timeout=120,
+        headers={"X-API-Key": key, "Cartesia-Version": "2025-04-16"},
     )
 
 
@@ -876,6 +912,26 @@ def test_cartesia_http_errors(dsrv, path, fmt, key, extra, status, code):
     body = r.json()
     assert r.status_code == status == body["status_code"] and body["title"] == code, r.text
     assert body["message"] == body["error"]
+
+
+@pytest.mark.parametrize(
+    "query, key, status, code",
+    [
+        ("zonos_params=%7B%7D", DIALECT_KEY, 400, "bad_params"),  # beside the zonos_params every request here has
+        (f"api_key=wrong&api_key={DIALECT_KEY}", "", 401, "unauthorized"),  # (no key header) the last one is right
+    ],
+)
+def test_cartesia_http_a_url_setting_repeated_with_another_value_is_refused(dsrv, query, key, status, code):
+    """A URL setting given twice with different values took the last in silence; it is refused naming it, in
+    Cartesia's shape (a key not shown). The same value twice is that value."""
+    r = cartesia(dsrv, "/tts/bytes", RAW16, key, query=query)
+    body = r.json()
+    name = query.rsplit("&", 1)[-1].split("=")[0]
+    assert r.status_code == status == body["status_code"] and body["title"] == code, r.text
+    assert f"{name} is given 2 times" in body["message"] and DIALECT_KEY not in body["message"], body
+    once = cartesia(dsrv, "/tts/sse", RAW16)
+    twice = cartesia(dsrv, "/tts/sse", RAW16, "", query=f"{ZP}&api_key={DIALECT_KEY}&api_key={DIALECT_KEY}")
+    assert once.status_code == twice.status_code == 200 and sse_events(twice.text)[-1]["type"] == "done", twice.text
 
 
 def deepgram(dsrv, query: str, key: str = DIALECT_KEY, body: dict | None = None) -> httpx.Response:

@@ -808,6 +808,58 @@ def test_elevenlabs_unicode_digits_in_the_url_are_refused(srv, query, code):
     assert resp.status_code == 400 and json.loads(resp.body)["detail"]["status"] == code
 
 
+@pytest.mark.parametrize(
+    "kind, query, status, code",
+    [
+        ("multi-stream-input", "output_format=pcm_16000&output_format=mp3_44100_128", 400, "bad_params"),
+        ("stream-input", "output_format=pcm_24000&seed=1&seed=2", 400, "bad_params"),
+        ("multi-stream-input", "output_format=pcm_24000&language_code=de&language_code=fr", 400, "bad_params"),
+        ("stream-input", "output_format=pcm_24000&auto_mode=true&auto_mode=false", 400, "bad_params"),
+        ("multi-stream-input", "output_format=pcm_24000&enable_logging=true&enable_logging=false", 400, "bad_params"),
+        ("multi-stream-input", f"zonos_params=%7B%7D&zonos_params={params(FAST)}", 400, "bad_params"),
+        # the key in the URL (no key header) twice with different values, even where the last one is right
+        ("multi-stream-input", f"output_format=pcm_24000&api_key=wrong&api_key={KEY}", 401, "unauthorized"),
+    ],
+)
+def test_elevenlabs_a_url_setting_repeated_with_another_value_is_refused(srv, kind, query, status, code):
+    """A URL setting given twice with different values took the last in silence (`output_format=pcm_16000&
+    output_format=mp3_44100_128` sent MP3 to a client that read the first); it is refused naming it, in ElevenLabs'
+    shape (a key not shown). The same value twice is that value (the next test)."""
+
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            await el_connect(
+                ws_url(srv, f"/v1/text-to-speech/Ada/{kind}?{query}"), key="" if "api_key" in query else KEY
+            )
+        return e.value.response
+
+    resp = run(go())
+    detail = json.loads(resp.body)["detail"]
+    name = query.rsplit("&", 1)[1].split("=")[0]
+    assert resp.status_code == status and detail["status"] == code, detail
+    assert f"{name} is given 2 times" in detail["message"] and KEY not in detail["message"], detail
+
+
+@pytest.mark.parametrize("kind", ["multi-stream-input", "stream-input"])
+def test_elevenlabs_a_url_setting_repeated_with_its_value_is_that_value(srv, kind):
+    async def go():
+        url = (
+            el_url(srv, kind=kind, fmt="pcm_16000")
+            + f"&output_format=pcm_16000&seed=7&seed=7&api_key={KEY}&api_key={KEY}"
+        )
+        ws = await el_connect(url, key="")
+        await ws.send(json.dumps({"text": "Twice. ", "context_id": "t", "flush": True, "close_socket": True}))
+        log: list[dict[str, Any]] = []
+        with contextlib.suppress(websockets.ConnectionClosed):
+            while True:
+                log.append(await recv_json(ws))
+        return log
+
+    log = run(go())
+    assert not [m for m in log if "error" in m], log
+    assert len(el_audio(log)) == 2 * resampled(SAMPLES, 16000)
+
+
 def test_a_refused_handshake_logs_no_error(srv):
     """A correct refusal (unknown voice: 404) is no server error: uvicorn's "returned without completing
     handshake" is not logged for it."""
@@ -1088,6 +1140,37 @@ def test_cartesia_refuses_a_wrong_key(srv):
 
     resp = run(go())
     assert resp.status_code == 401 and json.loads(resp.body)["title"] == "unauthorized"
+
+
+@pytest.mark.parametrize(
+    "query, status, code",
+    [
+        ("zonos_params=%7B%7D", 400, "bad_params"),  # beside the zonos_params of ca_url
+        (f"api_key=wrong&api_key={KEY}", 401, "unauthorized"),  # (no key header) even where the last one is right
+    ],
+)
+def test_cartesia_a_url_setting_repeated_with_another_value_is_refused(srv, query, status, code):
+    """A URL setting given twice with different values took the last in silence; it is refused naming it, in
+    Cartesia's shape (a key not shown). The same value twice is that value."""
+
+    async def go():
+        with pytest.raises(websockets.InvalidStatus) as e:
+            key = "" if "api_key" in query else KEY
+            await websockets.connect(ca_url(srv) + "&" + query, additional_headers={"X-API-Key": key})
+        same = f"&zonos_params={params(FAST)}&api_key={KEY}&api_key={KEY}"
+        ws = await websockets.connect(ca_url(srv) + same, additional_headers={"Cartesia-Version": "2026-03-01"})
+        await ws.send(ca_request("s", "Twice.", False))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "s", "done", log)
+        await ws.close()
+        return e.value.response, ca_audio(log, "s")
+
+    resp, audio = run(go())
+    body = json.loads(resp.body)
+    name = query.rsplit("&", 1)[-1].split("=")[0]
+    assert resp.status_code == status == body["status_code"] and body["title"] == code, body
+    assert f"{name} is given 2 times" in body["message"] and KEY not in body["message"], body
+    assert audio
 
 
 @pytest.mark.parametrize(
@@ -1386,6 +1469,27 @@ def test_deepgram_a_setting_repeated_with_another_value_is_refused(srv, query):
     body = json.loads(resp.body)
     assert resp.status_code == 400 and body["err_code"] == "INVALID_QUERY_PARAMETER", body
     assert query.split("=")[0] in body["err_msg"] and "given 2 times" in body["err_msg"], body
+
+
+def test_deepgram_a_url_key_repeated_with_another_value_is_refused(srv):
+    """`?api_key=` (no key header) twice with different values: 401 in Deepgram's shape, the keys not shown, even
+    where the last one is right (it was taken); the same key twice is that key, and a subprotocol key does not
+    stand in for keys the URL makes unclear."""
+
+    async def go():
+        refused = []
+        for q, protocols in ((f"api_key=wrong&api_key={KEY}", None), (f"api_key={KEY}&api_key=x", ["token", KEY])):
+            with pytest.raises(websockets.InvalidStatus) as e:
+                await dg_connect(dg_url(srv) + "&" + q, key="", subprotocols=protocols)
+            refused.append(e.value.response)
+        ws = await dg_connect(dg_url(srv) + f"&api_key={KEY}&api_key={KEY}", key="")
+        await ws.close()
+        return refused
+
+    for resp in run(go()):
+        body = json.loads(resp.body)
+        assert resp.status_code == 401 and body["err_code"] == "UNAUTHORIZED", body
+        assert "api_key is given 2 times" in body["err_msg"] and KEY not in body["err_msg"], body
 
 
 @pytest.mark.parametrize("speed, status", [("nan", 400), ("inf", 400), ("9", 400), ("0.01", 400), ("1.1", 200)])

@@ -754,11 +754,25 @@ SOCKETS = {  # path -> the query keys it reads
 }
 
 
+UNREAD = {"model_id", "cartesia_version"}  # keys of SOCKETS the gateway does not read (taken as they come)
+
+
 @st.composite
-def socket_url(draw) -> tuple[str, dict[str, str]]:
+def socket_url(draw) -> tuple[str, list[tuple[str, str]]]:
+    """A socket and its URL settings: a key may come twice, with another value (a key the socket reads: refused)
+    or with the same (that value)."""
     path = draw(st.sampled_from(sorted(SOCKETS)))
-    keys = draw(st.lists(st.sampled_from(SOCKETS[path]), max_size=3, unique=True))
-    return path, {k: draw(zonos_params if k == "zonos_params" else query_value) for k in keys}
+    keys = draw(st.lists(st.sampled_from(SOCKETS[path]), max_size=3))
+    pairs = [(k, draw(zonos_params if k == "zonos_params" else query_value)) for k in keys]
+    if pairs and draw(st.booleans()):
+        pairs.append(draw(st.sampled_from(pairs)))  # a setting repeated with its value
+    return path, pairs
+
+
+def conflicting(query: Any) -> bool:
+    """Whether a key the socket reads comes twice with different values."""
+    pairs = list(query.items()) if isinstance(query, dict) else query
+    return any(len({v for key, v in pairs if key == k}) > 1 for k, _ in pairs if k not in UNREAD)
 
 
 async def handshake(url: str) -> tuple[Any, Any]:
@@ -782,6 +796,10 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
 @example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
+@example(where=("/v1/tts/ws", [("sample_rate", "8000"), ("sample_rate", "24000")]))
+@example(where=("/v1/text-to-speech/Fuzzed/stream-input", [("output_format", "pcm_16000"), ("output_format", "")]))
+@example(where=("/tts/websocket", [("zonos_params", "{}"), ("zonos_params", "{ }")]))
+@example(where=("/tts/websocket", [("cartesia_version", "1"), ("cartesia_version", "2")]))  # not read: taken
 def test_fuzz_socket_urls(fuzz_server, voices, where):
     """Every socket's URL settings: accepted, or refused with a 4xx in its dialect's shape (our socket: an
     error with a code, then close 1008), never a 500 or a dropped connection."""
@@ -792,9 +810,11 @@ def test_fuzz_socket_urls(fuzz_server, voices, where):
         if refused is not None:
             check_refusal(refused)
             return
+        assert path == "/v1/tts/ws" or not conflicting(query), query  # (our socket refuses in band)
         async with ws:
             if path == "/v1/tts/ws":
                 first = json.loads(await asyncio.wait_for(ws.recv(), 30))
+                assert first["type"] == "error" or not conflicting(query), (query, first)
                 if first["type"] == "error":
                     check_reply(first)
                     with pytest.raises(websockets.ConnectionClosed):
@@ -1326,6 +1346,15 @@ def check_dialect(r: httpx.Response, error_code: Any) -> None:
 
 
 FAST_Q = "zonos_params=" + json.dumps({"max_frames": 5, "ignore_eos": True})
+# the key in the URL, repeated: with another value (refused, 401, even though the last one is right), with its own
+URL_KEYS = (f"api_key=x&api_key={DIALECT_KEY}", f"api_key={DIALECT_KEY}&api_key={DIALECT_KEY}")
+
+
+def url_key_header(query: str) -> str:
+    """The key header of a request with `query`: none where the query names the right key (it is read then)."""
+    return "" if DIALECT_KEY in query else DIALECT_KEY
+
+
 KEPT_ID = "@kept"
 request_ids = st.sampled_from([KEPT_ID, KEPT_ID, "0" * 32, "x", "", "x" * 129]) | st.text(max_size=40)
 el_values = {
@@ -1370,6 +1399,15 @@ el_queries = st.sampled_from(
         "seed=4294967296",
         "seed=4294967295",
         "seed=-1",
+        # repeated settings: with another value refused, with the same one that value; a URL key beside the key
+        # header is not read
+        "output_format=pcm_16000&output_format=mp3_44100_128",
+        "output_format=pcm_16000&output_format=pcm_16000",
+        "seed=1&seed=2",
+        "auto_mode=true&auto_mode=false",
+        "zonos_params=%7B%7D",  # beside FAST_Q's
+        "api_key=a&api_key=b",
+        *URL_KEYS,
     ]
 )
 
@@ -1393,7 +1431,7 @@ def test_fuzz_elevenlabs_http(dialect_fuzz_server, kept_id, data, route, query, 
     r = httpx.post(
         f"{dialect_fuzz_server.url}/v1/text-to-speech/{voice}{route}?{FAST_Q}&{query}",
         content=data.replace(json.dumps(KEPT_ID).encode(), json.dumps(kept_id).encode()),
-        headers={"content-type": ctype, "xi-api-key": DIALECT_KEY},
+        headers={"content-type": ctype, "xi-api-key": url_key_header(query)},
         timeout=60,
     )
     check_dialect(r, lambda b: b["detail"]["status"])
@@ -1471,23 +1509,32 @@ CARTESIA_VALID = {
 }
 
 
+# repeated settings: zonos_params beside FAST_Q's (another value: refused; the same: that value); a URL key beside
+# the key header is not read, a query naming the right key is sent without the header (url_key_header): twice
+# with different values it is refused (401), with the same one that key
+cartesia_queries = st.sampled_from(["", "", "zonos_params=%7B%7D", FAST_Q, "api_key=a&api_key=b", *URL_KEYS])
+
+
 @FUZZ
 @given(
     data=dialect_body(cartesia_values, CARTESIA_VALID),
     route=st.sampled_from(["/tts/bytes", "/tts/sse"]),
     ctype=content_types,
+    query=cartesia_queries,
 )
 @example(
     data=json.dumps(CARTESIA_VALID | {"voice": {"mode": "embedding", "embedding": [1e39] * 2048}}).encode(),
     route="/tts/bytes",
     ctype="application/json",
+    query="",
 )
-def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype):
+@example(data=json.dumps(CARTESIA_VALID).encode(), route="/tts/sse", ctype="application/json", query=URL_KEYS[0])
+def test_fuzz_cartesia_http(dialect_fuzz_server, data, route, ctype, query):
     r = httpx.post(
-        f"{dialect_fuzz_server.url}{route}?{FAST_Q}",
+        f"{dialect_fuzz_server.url}{route}?{FAST_Q}&{query}",
         content=data,
         timeout=60,
-        headers={"content-type": ctype, "X-API-Key": DIALECT_KEY, "Cartesia-Version": "2025-04-16"},
+        headers={"content-type": ctype, "X-API-Key": url_key_header(query), "Cartesia-Version": "2025-04-16"},
     )
     check_dialect(r, lambda b: b["title"])
 

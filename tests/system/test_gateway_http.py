@@ -448,6 +448,51 @@ def test_api_keys_scope_voices(shared_server):
     assert asyncio.run(ws_try(srv.ws_url + f"?api_key={beta}"))["type"] == "session.created"
 
 
+def test_a_url_key_repeated_with_another_value_is_refused(shared_server, server):
+    """`?api_key=` (no key header) given twice with different values took the last in silence; it is a 401 naming
+    it (the keys not shown) on every door that reads it: the OpenAI route, the reference routes, the voices, our
+    socket (in band); /readyz shows no details. The same key twice is that key. Without keys none is read."""
+    import asyncio
+
+    import websockets
+
+    srv = shared_server(*KEYED)
+    alpha, beta = API_KEYS[2:]
+    body = {"input": "x", "params": {"max_frames": 5, "ignore_eos": True}}
+    for q in (f"api_key={alpha}&api_key={beta}", f"api_key=wrong&api_key={alpha}"):
+        for method, path, payload in (
+            ("POST", "/v1/audio/speech", body),
+            ("POST", "/tts/generate", {"text": "x"}),
+            ("GET", "/v1/voices", None),
+            ("GET", "/metrics", None),
+        ):
+            r = httpx.request(method, f"{srv.url}{path}?{q}", json=payload, timeout=60)
+            err = r.json()["error"]
+            assert r.status_code == 401 and err["code"] == "unauthorized", (path, r.text)
+            assert "api_key is given 2 times" in err["message"] and alpha not in err["message"], err
+        assert httpx.get(f"{srv.url}/readyz?{q}").json() == {"status": "ready"}  # no details
+
+    async def ws_first(url: str) -> tuple[dict, int | None]:
+        async with websockets.connect(url) as ws:
+            first = json.loads(await ws.recv())
+            if first["type"] == "error":
+                await ws.wait_closed()
+            return first, ws.close_code
+
+    first, code = asyncio.run(ws_first(srv.ws_url + f"?api_key=wrong&api_key={beta}"))
+    assert first["type"] == "error" and first["code"] == "unauthorized" and code == 1008, first
+    assert "api_key is given 2 times" in first["message"] and beta not in first["message"], first
+    # the same key twice is that key
+    assert httpx.get(f"{srv.url}/v1/voices?api_key={alpha}&api_key={alpha}").status_code == 200
+    assert "engine" in httpx.get(f"{srv.url}/readyz?api_key={alpha}&api_key={alpha}").json()
+    first, _ = asyncio.run(ws_first(srv.ws_url + f"?api_key={beta}&api_key={beta}"))
+    assert first["type"] == "session.created", first
+    # a gateway without keys reads none
+    assert httpx.get(f"{server.url}/v1/voices?api_key={alpha}&api_key={beta}").status_code == 200
+    first, _ = asyncio.run(ws_first(server.ws_url + f"?api_key={alpha}&api_key={beta}"))
+    assert first["type"] == "session.created", first
+
+
 # ---- nothing lost, nothing 500 -------------------------------------------------------------
 FRAMES = 20
 ONE = {"max_frames": FRAMES, "ignore_eos": True, "seed": 1}

@@ -11,6 +11,7 @@ from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions, check_speed, parse_options
 from app.io.errors import GatewayError as G
 from app.io.json_input import parse_json_object
+from app.io.query_input import check_single
 
 # Their language codes (ISO 639-1, BCP 47) -> our text-normalization languages.
 LANGUAGES = {
@@ -44,7 +45,8 @@ def dialect_options(
     """A dialect request's options, parsed and bounded once (app/core/options.py), on `base` (a session's):
 
     * `query`'s `?zonos_params=<JSON object>`: our own knobs, the `params` of our session.config (seed,
-      max_frames, temperature, ...); the dialect's own fields below win over them;
+      max_frames, temperature, ...); the dialect's own fields below win over them; given twice with different
+      values it is refused (bad_params: check_single);
     * `language`: one we normalize text for, or (any other: the model reads bytes of every language) no
       text normalization, as that would read numbers and dates in English;
     * `speed`: a multiplier (ElevenLabs' voice_settings.speed, Cartesia's generation_config.speed, Deepgram's
@@ -52,6 +54,8 @@ def dialect_options(
       ignores it, as the OpenAI route does;
     * `text_normalization` false turns it off; `seed` is taken modulo 2**31."""
     params: dict[str, Any] = {}
+    if query is not None:
+        check_single(query, ("zonos_params",))
     raw = query.get("zonos_params") if query is not None else None
     if raw:
         params = parse_json_object(raw, G.BAD_PARAMS, "zonos_params")

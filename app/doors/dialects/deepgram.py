@@ -30,7 +30,6 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import QUIET_S, dialect_options
 from app.doors.handshake import serve
 from app.io.audio_output import G711_RATE, OutputFormat
-from app.io.auth import api_key_from
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import check_single, query_int
@@ -121,10 +120,10 @@ def refusal_body(code: str, message: str, status: int) -> dict[str, Any]:
 
 
 async def endpoint(ws: WebSocket) -> None:
-    key, subprotocol = api_key_from(ws.headers, ws.query_params), None
-    # Browsers cannot set headers on a WebSocket: Deepgram's SDKs send the key as subprotocols `token, KEY`.
+    key, subprotocol = None, None
+    # Browsers cannot set headers on a WebSocket: Deepgram's SDKs send the key as subprotocols `token, KEY` (taken
+    # when our headers and ?api_key= give none: `serve`).
     protocols = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
     if len(protocols) == 2 and protocols[0].lower() in ("token", "bearer"):
-        subprotocol = protocols[0]
-        key = key or protocols[1]
+        subprotocol, key = protocols[0], protocols[1]
     await serve(ws, DeepgramSession, refusal_body, key=key, subprotocol=subprotocol)

@@ -50,7 +50,7 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import check_context_id, check_flag
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import query_int
+from app.io.query_input import check_single, query_int
 from app.voices.lexicons import Aliases
 
 DEFAULT_FORMAT = "mp3_44100_128"  # ElevenLabs' default output format
@@ -73,6 +73,10 @@ _CHOICES = {
     "enable_ssml_parsing": ("true", "false"),
 }
 _BOUNDS = {"inactivity_timeout": (1, 180), "optimize_streaming_latency": (0, 4), "seed": (0, MAX_SEED)}
+# the URL settings both doors read (the socket's and the HTTP routes'; the socket reads `language_code` too): each
+# given twice with different values is refused (check_single; the last was taken in silence). `model_id` is not read
+URL_KEYS = ("output_format", "zonos_params", *_CHOICES, *_BOUNDS)
+SOCKET_URL_KEYS = (*URL_KEYS, "language_code")
 
 
 def output_format(name: str) -> OutputFormat:
@@ -85,9 +89,10 @@ def output_format(name: str) -> OutputFormat:
     return OutputFormat(_KINDS[kind], int(rate), bit_rate=int(kbps[0]) * 1000 if kbps else None).check()
 
 
-def check_url_options(query: Mapping[str, str]) -> None:
+def check_url_options(query: Mapping[str, str], read: tuple[str, ...] = URL_KEYS) -> None:
     """Refuse a URL option whose value ElevenLabs would refuse, naming it (the output format is checked where
-    it is parsed)."""
+    it is parsed), and a setting of `read` (those the door reads) given twice with different values."""
+    check_single(query, read)
     for key, allowed in _CHOICES.items():
         value = query.get(key)
         if value is not None and value.lower() not in allowed:
@@ -156,7 +161,7 @@ class ElevenLabsSession(StreamingSession):
         super().__init__(ws, gw, owner)
         self.multi = multi
         q = ws.query_params
-        check_url_options(q)
+        check_url_options(q, SOCKET_URL_KEYS)
         self.format = output_format(q.get("output_format") or DEFAULT_FORMAT)
         self.voice = gw.resolve_voice(ws.path_params["voice_id"], owner)
         off = q.get("apply_text_normalization", "").lower() == "off"
