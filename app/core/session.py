@@ -66,12 +66,17 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
+# an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
+_OPEN_NAME = re.compile(r"<\s*/?\s*([A-Za-z]*)$")
+_ELEMENT_NAMES = ("break", "emotion", "speed", "volume", "phoneme", "spell")
 
 
 def _ends_in_a_tag(text: str) -> bool:
     """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
     which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
     if _OPEN_BRACKET.search(text):
+        return True
+    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in _ELEMENT_NAMES):
         return True
     try:
         split_breaks(text)

@@ -193,6 +193,31 @@ def test_a_tag_split_across_messages_is_refused_once_and_the_socket_goes_on():
     assert [m["code"] for m in closing if m["type"] == "error"] == ["unsupported_tag"], closing
 
 
+@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br"])
+def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it(cut):
+    """A tag whose first message ends inside the element's name (`Hi <emo`, then `tion value=...`): the message
+    that completes it is refused, and the half before it goes with it; it was kept and read aloud ("Hi <emo") by
+    the next flush, as no pattern of a whole element name saw it as a tag's start."""
+    rest = {"<": 'emotion value="happy"/>', "<emo": 'tion value="happy"/>', "< /": "speed>", "<SPE": 'ED ratio="2"/>'}
+    completes = rest.get(cut, 'eak time="soon"/>')
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text=f"Hi {cut}")
+        ws.send(type="text", text=f"{completes} there. And on")
+        err = await ws.next_json()
+        ws.send(type="text", text=" we go.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] in ("unsupported_tag", "bad_text"), err
+    assert texts == ["we go."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["we go."]
+
+
 @pytest.mark.parametrize(
     "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
 )
