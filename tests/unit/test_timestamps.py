@@ -178,3 +178,43 @@ def test_the_silence_threshold_is_the_loud_frames_percentile():
         clock._energy = np.random.default_rng(n).random(n).astype(np.float32)
         want = float(np.percentile(clock._energy, 90)) * 10 ** (-QUIET_DB / 20)
         assert clock._threshold() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000])
+def test_no_word_is_reported_before_its_audio_has_left_the_resampler(rate):
+    """A resampled socket: its resampler holds back its last block (up to ~40 ms) until the next chunk, so the words
+    of a chunk are those that end within the audio sent, not the audio handed to the encoder (the hostile pass: a
+    first word ending at 238 ms came after 205 ms of 24 kHz audio, at every resampled rate)."""
+    import asyncio
+
+    from engine.contract import records as m
+    from tests.unit.test_pipeline import engine_stats, open_session, shut
+
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="session.config", timestamps="estimated", sample_rate=rate)
+        ws.send(type="text", text="Hi there my good old friend, how are you?", flush=True)
+        stream = await engine.started(1)
+        audio = speech(2.0, seed=3)
+        for at in range(0, len(audio), 4410):
+            stream._deliver(m.Audio(stream.rid, 0, audio[at : at + 4410]))
+        stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
+        seen, sent, late = [], 0, []
+        async with asyncio.timeout(10):
+            while not seen or seen[-1] != "flushed":
+                msg = await ws.out.get()
+                if isinstance(msg, bytes):
+                    sent += len(msg) // 2
+                    continue
+                seen.append(msg["type"])
+                if msg["type"] == "audio.words":
+                    late += [
+                        (w["word"], w["end_ms"], sent * 1e3 / rate)
+                        for w in msg["words"]
+                        if w["end_ms"] > sent * 1e3 / rate + 0.05
+                    ]
+        await shut(ws, task)
+        return seen, late
+
+    seen, late = asyncio.run(go())
+    assert seen.count("audio.words") >= 2 and not late, (seen, late)
