@@ -218,3 +218,38 @@ def test_no_word_is_reported_before_its_audio_has_left_the_resampler(rate):
 
     seen, late = asyncio.run(go())
     assert seen.count("audio.words") >= 2 and not late, (seen, late)
+
+
+def test_a_barge_in_on_a_resampled_socket_reports_the_audio_sent():
+    """`cancelled.heard`'s audio_ms (and its words) are of the audio that left the resampler, not the ~40 ms it still
+    held when the cancel came (it said 2,000 ms of a reply of which 1,9xx ms had been sent at 16 kHz)."""
+    import asyncio
+
+    from engine.contract import records as m
+    from tests.unit.test_pipeline import open_session, shut
+
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="session.config", sample_rate=16000)
+        ws.send(type="text", text="Hi there my good old friend, how are you?", flush=True)
+        stream = await engine.started(1)
+        audio = speech(2.0, seed=3)
+        for at in range(0, len(audio), 4410):
+            stream._deliver(m.Audio(stream.rid, 0, audio[at : at + 4410]))
+        sent = 0
+        async with asyncio.timeout(10):
+            while sent < 31000:  # (2 s at 16 kHz is 32,000 samples, its last block held back)
+                msg = await ws.out.get()
+                sent += len(msg) // 2 if isinstance(msg, bytes) else 0
+        await asyncio.sleep(0.1)
+        while not ws.out.empty():
+            msg = ws.out.get_nowait()
+            sent += len(msg) // 2 if isinstance(msg, bytes) else 0
+        ws.send(type="cancel")
+        cancelled = await ws.until("cancelled")
+        await shut(ws, task)
+        return cancelled[-1], sent
+
+    cancelled, sent = asyncio.run(go())
+    heard = cancelled["heard"][0]
+    assert sent < 32000 and heard["audio_ms"] <= sent / 16 + 0.1, (heard, sent / 16)
