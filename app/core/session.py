@@ -44,6 +44,7 @@ from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
+from app.core.tag_vocabulary import markup_in
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -466,8 +467,11 @@ class StreamingSession:
         except RequestError as e:
             # refused whole: nothing of this message is queued. The half of a break or emotion tag that an earlier
             # message left open goes with it (its sentence was refused): kept, its `<` would refuse every later
-            # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags)
-            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and _ends_in_a_tag(before) else before
+            # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags). So does
+            # buffered text holding a whole tag whose sentence this message completed (`Hi <emo`, `tion value=x/>
+            # there. And`, ` more.`): kept, it was refused again with every later text of the context
+            refused = _ends_in_a_tag(before) or markup_in(before) is not None
+            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and refused else before
             raise
         finally:
             self._drop_empty_buffers()

@@ -218,6 +218,31 @@ def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it
     assert texts == ["we go."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["we go."]
 
 
+@pytest.mark.parametrize("halves", [("Hi <emo", 'tion value="happy"/> there. And'), ("Hi [hap", "py] there. And")])
+def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_the_context_for_good(halves):
+    """The tag is whole once the second message is buffered, but its sentence ends only with the third: that message
+    is refused, and the buffered sentence holding the tag goes with it. It was kept, and refused again with every
+    later text of the context: the context could never speak again (the hostile pass)."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        for half in halves:
+            ws.send(type="text", text=half)
+        ws.send(type="text", text=" more. ")
+        err = await ws.next_json()
+        ws.send(type="text", text="Fine.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert [m["type"] for m in seen if m["type"] == "error"] == [], seen
+    assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
+
+
 @pytest.mark.parametrize(
     "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
 )
