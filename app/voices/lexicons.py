@@ -25,6 +25,7 @@ import re
 import secrets
 import threading
 import time
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -160,7 +161,9 @@ def rules_from_pls(data: bytes) -> list[Rule]:
 
 
 def _word_char(c: str) -> bool:
-    return c.isalnum() or c == "_"  # what a regex's \w matches in text
+    # what a regex's \w matches in text, and the marks that belong to the letter before them (a combining accent,
+    # an Indic vowel sign or virama): "cafe" is not a whole word of "cafe\u0301", nor "नमस" of "नमस्ते"
+    return c.isalnum() or c == "_" or unicodedata.category(c)[0] == "M"
 
 
 class Aliases:

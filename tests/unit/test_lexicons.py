@@ -109,6 +109,16 @@ def test_aliases_replace_whole_words_case_sensitively():
     assert apply_rules("New York is New.", rules) == "New York City is Old."  # the longest match first
 
 
+def test_a_letter_s_combining_mark_is_part_of_its_word():
+    """A word spelled with combining marks (decomposed accents, Indic vowel signs and viramas) is not a grapheme
+    that ends before the mark: "cafe" -> "kaffee" read "cafe\u0301" as "kaffee\u0301", and "नमस" replaced the start of
+    "नमस्ते", leaving its virama on the alias (the hostile pass)."""
+    rules = (Rule("cafe", "kaffee"), Rule("नमस", "hi"), Rule("e", "E"))
+    assert apply_rules("cafe\u0301 au lait, cafe.", rules) == "cafe\u0301 au lait, kaffee."
+    assert apply_rules("नमस्ते नमस", rules) == "नमस्ते hi"
+    assert apply_rules("\u0301e x", rules) == "\u0301e x"  # a mark before it: not a word's start either
+
+
 def _regex_rules(text: str, rules: tuple[Rule, ...]) -> str:
     """The rule as a regex says it: whole words, the first rule of a grapheme, the longest grapheme first."""
     table: dict[str, str] = {}
