@@ -153,7 +153,7 @@ class Playback:
                         await stage.on_utterance_start(u)
                         started = True
                     data = await encode(u.encoder, pcm)
-                    timeline.feed(pcm)
+                    timeline.feed(pcm, u.encoder.native_out)  # (words and spans: only as far as the audio sent)
                     if data:
                         await stage.on_audio(u, data, timeline.take())
         async with stage.send_lock:

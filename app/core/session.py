@@ -44,6 +44,7 @@ from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
+from app.core.tag_vocabulary import markup_in
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -66,12 +67,17 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
+# an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
+_OPEN_NAME = re.compile(r"<\s*/?\s*([A-Za-z]*)$")
+_ELEMENT_NAMES = ("break", "emotion", "speed", "volume", "phoneme", "spell")
 
 
 def _ends_in_a_tag(text: str) -> bool:
     """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
     which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
     if _OPEN_BRACKET.search(text):
+        return True
+    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in _ELEMENT_NAMES):
         return True
     try:
         split_breaks(text)
@@ -461,8 +467,11 @@ class StreamingSession:
         except RequestError as e:
             # refused whole: nothing of this message is queued. The half of a break or emotion tag that an earlier
             # message left open goes with it (its sentence was refused): kept, its `<` would refuse every later
-            # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags)
-            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and _ends_in_a_tag(before) else before
+            # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags). So does
+            # buffered text holding a whole tag whose sentence this message completed (`Hi <emo`, `tion value=x/>
+            # there. And`, ` more.`): kept, it was refused again with every later text of the context
+            refused = _ends_in_a_tag(before) or markup_in(before) is not None
+            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and refused else before
             raise
         finally:
             self._drop_empty_buffers()

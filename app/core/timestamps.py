@@ -152,6 +152,9 @@ class AudioTimeline:
     def __init__(self, words: bool = True) -> None:
         self.words = words
         self.samples = 0  # handed to the encoder
+        # of those, out of the encoder (a resampler holds back its last block until more comes): a word is reported,
+        # and a message's span ends, only where the audio sent reaches (`feed`'s `sent`; without it, all of it)
+        self._out = 0
         self._clock: WordClock | None = None
         self._offset = 0.0  # where the utterance playing began on the timeline
         self._taken = 0  # samples covered by the messages taken
@@ -168,22 +171,26 @@ class AudioTimeline:
         self._clock = WordClock(text) if self.words else None
         return self._clock
 
-    def feed(self, pcm: np.ndarray) -> None:
-        """Audio of the utterance (int16, 44.1 kHz), as handed to the encoder."""
+    def feed(self, pcm: np.ndarray, sent: int | None = None) -> None:
+        """Audio of the utterance (int16, 44.1 kHz), as handed to the encoder. `sent`: how much of the timeline's
+        audio (44.1 kHz samples) the encoder has put out so far (Encoder.native_out: a resampler holds back up to
+        ~40 ms), where it is not all of it."""
         self.samples += len(pcm)
+        self._out = self.samples if sent is None else max(self._out, min(sent, self.samples))
         if self._clock is not None:
-            self._moved(self._clock.feed(pcm))
+            self._moved(self._clock.feed(pcm, (self._out / SAMPLE_RATE) - self._offset))
 
     def end(self) -> None:
-        """The utterance's audio is complete: its words left share it."""
+        """The utterance's audio is complete (and out of the encoder): its words left share it."""
+        self._out = self.samples
         if self._clock is not None:
             self._moved(self._clock.finish())
             self._clock = None
 
     def take(self) -> Chunk:
-        """What the next message covers: the audio since the last one, the words completed since."""
-        chunk = Chunk(self._taken / SAMPLE_RATE, self.sent_s, self._pending)
-        self._taken, self._pending = self.samples, []
+        """What the next message covers: the audio sent since the last one, the words completed since."""
+        chunk = Chunk(self._taken / SAMPLE_RATE, self._out / SAMPLE_RATE, self._pending)
+        self._taken, self._pending = self._out, []
         return chunk
 
     def _moved(self, words: list[WordTime]) -> None:
@@ -213,8 +220,9 @@ class WordClock:
     def done(self) -> bool:
         return self._next >= len(self.words)
 
-    def feed(self, pcm: np.ndarray) -> list[WordTime]:
-        """More of the utterance's audio (int16 at 44.1 kHz, as sent): the words it now holds."""
+    def feed(self, pcm: np.ndarray, out_s: float | None = None) -> list[WordTime]:
+        """More of the utterance's audio (int16 at 44.1 kHz, as handed to the encoder): the words it now holds.
+        `out_s`: how much of it has been sent (the rest is held in the encoder): no word is placed past it."""
         self._measure(pcm)
         if self.done or not self._total:
             return []
@@ -224,6 +232,8 @@ class WordClock:
             return []
         span = max(self._total / SYLLABLES_PER_S, sent_s - start)  # the sentence's length as known so far
         voiced_to = self._voiced_end()  # a word is placed only in voiced audio: never in a pause or the tail
+        if out_s is not None:
+            voiced_to = min(voiced_to, out_s)
         out = []
         while not self.done:
             end = start + span * float(self._ends[self._next]) / self._total

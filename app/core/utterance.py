@@ -132,8 +132,10 @@ class Utterance:
         self._move(S.CANCELLED)
 
     def heard(self) -> dict[str, Any]:
-        """What its listener got before a barge-in: the audio sent and the words it covers."""
-        audio_s = self.samples / SAMPLE_RATE
+        """What its listener got before a barge-in: the audio sent and the words it covers (of the audio played,
+        what its encoder has put out: a resampler holds back its last block, up to ~40 ms, until the next chunk)."""
+        samples = self.samples if self.encoder is None else min(self.samples, self.encoder.native_out)
+        audio_s = samples / SAMPLE_RATE
         out: dict[str, Any] = {"utterance_id": self.id, "text": self.text, "audio_ms": round(audio_s * 1e3, 1)}
         if self.clock is not None:
             out["words"] = self.clock.spoken(audio_s)

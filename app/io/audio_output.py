@@ -430,6 +430,16 @@ class Encoder:
             self._file = StreamEncoder("wav", sample_rate, whole=True)
         self._header = wav_header(sample_rate, encoding) if wav and self._file is None else b""
         self.threaded = encoding in COMPRESSED
+        self._in = 0  # 44.1 kHz samples taken in
+        self._out = 0  # samples at the output rate put out (to the file encoder, for a compressed format)
+
+    @property
+    def native_out(self) -> int:
+        """How many of the 44.1 kHz samples taken in are out of the resampler (all of them without one; the
+        resampler holds back its last block, up to ~40 ms, until more comes or the last call)."""
+        if self._rs is None:
+            return self._in
+        return min(self._in, self._out * NATIVE_RATE // self.sample_rate)
 
     @property
     def first_samples(self) -> int:
@@ -445,9 +455,13 @@ class Encoder:
 
     def encode(self, pcm16: np.ndarray, last: bool = False) -> bytes:
         head, self._header = self._header, b""
+        self._in += len(pcm16)
         if self._rs is None and self.encoding == "pcm_s16le" and self._file is None:
             return head + pcm16.astype("<i2", copy=False).tobytes()
         x = self.float32(pcm16, last)
+        self._out += len(x)
+        if last:
+            self._out = max(self._out, -(-self._in * self.sample_rate // NATIVE_RATE))  # all of it is out
         if self._file is not None:
             data = self._file.write(x)
             return head + (data + self._file.close() if last else data)

@@ -25,6 +25,7 @@ import re
 import secrets
 import threading
 import time
+import unicodedata
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -129,6 +130,21 @@ def rules_from_json(rules: object) -> list[Rule]:
     return out
 
 
+def _pls_text(element: Any) -> str:
+    """A PLS grapheme's or alias's text. One that holds an element (`<alias><break time="1s"/></alias>`,
+    `x<sub>y</sub>z`) is refused: only its text before the element was read (the alias was "" or "x"), the rest
+    dropped in silence, and an alias is plain text (the JSON rules refuse a tag in it)."""
+    if len(element):
+        name = str(element[0].tag).rpartition("}")[2]
+        kind = str(element.tag).rpartition("}")[2]
+        raise RequestError(
+            G.BAD_LEXICON,
+            f"a <lexeme>'s <{kind}> holds the element <{name[:40]}> after {(element.text or '')[:40]!r}: a grapheme "
+            "and an alias are plain text, so put breaks and tags in the text itself",
+        )
+    return element.text or ""
+
+
 def rules_from_pls(data: bytes) -> list[Rule]:
     """A W3C PLS lexicon: each lexeme's graphemes read as its alias; a lexeme with a phoneme is refused. Run it in a
     worker thread: it is parsed PLS_FEED_BYTES at a time."""
@@ -147,8 +163,8 @@ def rules_from_pls(data: bytes) -> list[Rule]:
     for lexeme in root:
         if lexeme.tag not in (f"{_PLS_NS}lexeme", "lexeme"):
             continue
-        graphemes = [g.text or "" for g in lexeme if g.tag in (f"{_PLS_NS}grapheme", "grapheme")]
-        aliases = [a.text or "" for a in lexeme if a.tag in (f"{_PLS_NS}alias", "alias")]
+        graphemes = [_pls_text(g) for g in lexeme if g.tag in (f"{_PLS_NS}grapheme", "grapheme")]
+        aliases = [_pls_text(a) for a in lexeme if a.tag in (f"{_PLS_NS}alias", "alias")]
         if any(p.tag in (f"{_PLS_NS}phoneme", "phoneme") for p in lexeme) and not aliases:
             raise _phoneme_refused(graphemes[0] if graphemes else "?")
         if not graphemes or not aliases:
@@ -160,7 +176,9 @@ def rules_from_pls(data: bytes) -> list[Rule]:
 
 
 def _word_char(c: str) -> bool:
-    return c.isalnum() or c == "_"  # what a regex's \w matches in text
+    # what a regex's \w matches in text, and the marks that belong to the letter before them (a combining accent,
+    # an Indic vowel sign or virama): "cafe" is not a whole word of "cafe\u0301", nor "नमस" of "नमस्ते"
+    return c.isalnum() or c == "_" or unicodedata.category(c)[0] == "M"
 
 
 class Aliases:

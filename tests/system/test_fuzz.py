@@ -1796,7 +1796,16 @@ def test_fuzz_align_records(engine_client, calls):
             "description": anything,
         },
     ),
-    pls=st.binary(max_size=200) | st.sampled_from([b"<lexicon/>", b"<lexicon><lexeme/></lexicon>"]),
+    pls=st.binary(max_size=200)
+    | st.sampled_from(
+        [
+            b"<lexicon/>",
+            b"<lexicon><lexeme/></lexicon>",
+            # an element inside an alias or a grapheme (refused: only its text before the element was read)
+            b'<lexicon><lexeme><grapheme>a</grapheme><alias><break time="1s"/></alias></lexeme></lexicon>',
+            b"<lexicon><lexeme><grapheme>a<b/>c</grapheme><alias>x<sub>y</sub>z</alias></lexeme></lexicon>",
+        ]
+    ),
 )
 @example(body={"description": float("inf"), "name": float("nan")}, pls=b"")
 @example(body={"name": "d", "rules": [{"string_to_replace": "a\ud800", "alias": "b"}]}, pls=b"")

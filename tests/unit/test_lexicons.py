@@ -103,10 +103,35 @@ def test_an_alias_holding_a_tag_is_refused_it_would_be_read_aloud(alias):
     assert rules_from_json([{"grapheme": "lt", "alias": "less than <3 [1]"}]) == [Rule("lt", "less than <3 [1]")]
 
 
+@pytest.mark.parametrize(
+    "alias",
+    [b'<alias><break time="1s"/></alias>', b"<alias>x<sub>y</sub>z</alias>", b"<alias>a<emphasis>b</emphasis></alias>"],
+)
+def test_a_pls_alias_holding_an_element_is_refused(alias):
+    """An element inside a PLS alias: its text before the element was taken and the rest dropped in silence
+    (`<alias><break time="1s"/></alias>` read "tomato" as nothing, `x<sub>y</sub>z` as "x"; the hostile pass), while
+    the JSON rules refuse a break or tag in an alias."""
+    with pytest.raises(RequestError) as e:
+        rules_from_pls(PLS.replace(b"<alias>tomahto</alias>", alias))
+    assert e.value.code == "bad_lexicon" and "plain text" in str(e.value), str(e.value)
+    with pytest.raises(RequestError):
+        rules_from_pls(PLS.replace(b"<grapheme>tomato</grapheme>", b"<grapheme>to<b/>mato</grapheme>"))
+
+
 def test_aliases_replace_whole_words_case_sensitively():
     rules = (Rule("tomato", "tomahto"), Rule("New York", "New York City"), Rule("New", "Old"))
     assert apply_rules("A tomato, tomatoes, Tomato.", rules) == "A tomahto, tomatoes, Tomato."
     assert apply_rules("New York is New.", rules) == "New York City is Old."  # the longest match first
+
+
+def test_a_letter_s_combining_mark_is_part_of_its_word():
+    """A word spelled with combining marks (decomposed accents, Indic vowel signs and viramas) is not a grapheme
+    that ends before the mark: "cafe" -> "kaffee" read "cafe\u0301" as "kaffee\u0301", and "नमस" replaced the start of
+    "नमस्ते", leaving its virama on the alias (the hostile pass)."""
+    rules = (Rule("cafe", "kaffee"), Rule("नमस", "hi"), Rule("e", "E"))
+    assert apply_rules("cafe\u0301 au lait, cafe.", rules) == "cafe\u0301 au lait, kaffee."
+    assert apply_rules("नमस्ते नमस", rules) == "नमस्ते hi"
+    assert apply_rules("\u0301e x", rules) == "\u0301e x"  # a mark before it: not a word's start either
 
 
 def _regex_rules(text: str, rules: tuple[Rule, ...]) -> str:

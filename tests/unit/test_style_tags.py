@@ -193,6 +193,56 @@ def test_a_tag_split_across_messages_is_refused_once_and_the_socket_goes_on():
     assert [m["code"] for m in closing if m["type"] == "error"] == ["unsupported_tag"], closing
 
 
+@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br"])
+def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it(cut):
+    """A tag whose first message ends inside the element's name (`Hi <emo`, then `tion value=...`): the message
+    that completes it is refused, and the half before it goes with it; it was kept and read aloud ("Hi <emo") by
+    the next flush, as no pattern of a whole element name saw it as a tag's start."""
+    rest = {"<": 'emotion value="happy"/>', "<emo": 'tion value="happy"/>', "< /": "speed>", "<SPE": 'ED ratio="2"/>'}
+    completes = rest.get(cut, 'eak time="soon"/>')
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text=f"Hi {cut}")
+        ws.send(type="text", text=f"{completes} there. And on")
+        err = await ws.next_json()
+        ws.send(type="text", text=" we go.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] in ("unsupported_tag", "bad_text"), err
+    assert texts == ["we go."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["we go."]
+
+
+@pytest.mark.parametrize("halves", [("Hi <emo", 'tion value="happy"/> there. And'), ("Hi [hap", "py] there. And")])
+def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_the_context_for_good(halves):
+    """The tag is whole once the second message is buffered, but its sentence ends only with the third: that message
+    is refused, and the buffered sentence holding the tag goes with it. It was kept, and refused again with every
+    later text of the context: the context could never speak again (the hostile pass)."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        for half in halves:
+            ws.send(type="text", text=half)
+        ws.send(type="text", text=" more. ")
+        err = await ws.next_json()
+        ws.send(type="text", text="Fine.", flush=True)
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert [m["type"] for m in seen if m["type"] == "error"] == [], seen
+    assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
+
+
 @pytest.mark.parametrize(
     "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
 )

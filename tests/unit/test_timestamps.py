@@ -178,3 +178,78 @@ def test_the_silence_threshold_is_the_loud_frames_percentile():
         clock._energy = np.random.default_rng(n).random(n).astype(np.float32)
         want = float(np.percentile(clock._energy, 90)) * 10 ** (-QUIET_DB / 20)
         assert clock._threshold() == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("rate", [8000, 16000, 24000])
+def test_no_word_is_reported_before_its_audio_has_left_the_resampler(rate):
+    """A resampled socket: its resampler holds back its last block (up to ~40 ms) until the next chunk, so the words
+    of a chunk are those that end within the audio sent, not the audio handed to the encoder (the hostile pass: a
+    first word ending at 238 ms came after 205 ms of 24 kHz audio, at every resampled rate)."""
+    import asyncio
+
+    from engine.contract import records as m
+    from tests.unit.test_pipeline import engine_stats, open_session, shut
+
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="session.config", timestamps="estimated", sample_rate=rate)
+        ws.send(type="text", text="Hi there my good old friend, how are you?", flush=True)
+        stream = await engine.started(1)
+        audio = speech(2.0, seed=3)
+        for at in range(0, len(audio), 4410):
+            stream._deliver(m.Audio(stream.rid, 0, audio[at : at + 4410]))
+        stream._deliver(m.Finished(stream.rid, "eos", stats=engine_stats(1)))
+        seen, sent, late = [], 0, []
+        async with asyncio.timeout(10):
+            while not seen or seen[-1] != "flushed":
+                msg = await ws.out.get()
+                if isinstance(msg, bytes):
+                    sent += len(msg) // 2
+                    continue
+                seen.append(msg["type"])
+                if msg["type"] == "audio.words":
+                    late += [
+                        (w["word"], w["end_ms"], sent * 1e3 / rate)
+                        for w in msg["words"]
+                        if w["end_ms"] > sent * 1e3 / rate + 0.05
+                    ]
+        await shut(ws, task)
+        return seen, late
+
+    seen, late = asyncio.run(go())
+    assert seen.count("audio.words") >= 2 and not late, (seen, late)
+
+
+def test_a_barge_in_on_a_resampled_socket_reports_the_audio_sent():
+    """`cancelled.heard`'s audio_ms (and its words) are of the audio that left the resampler, not the ~40 ms it still
+    held when the cancel came (it said 2,000 ms of a reply of which 1,9xx ms had been sent at 16 kHz)."""
+    import asyncio
+
+    from engine.contract import records as m
+    from tests.unit.test_pipeline import open_session, shut
+
+    async def go():
+        _session, ws, engine, task = await open_session()
+        ws.send(type="session.config", sample_rate=16000)
+        ws.send(type="text", text="Hi there my good old friend, how are you?", flush=True)
+        stream = await engine.started(1)
+        audio = speech(2.0, seed=3)
+        for at in range(0, len(audio), 4410):
+            stream._deliver(m.Audio(stream.rid, 0, audio[at : at + 4410]))
+        sent = 0
+        async with asyncio.timeout(10):
+            while sent < 31000:  # (2 s at 16 kHz is 32,000 samples, its last block held back)
+                msg = await ws.out.get()
+                sent += len(msg) // 2 if isinstance(msg, bytes) else 0
+        await asyncio.sleep(0.1)
+        while not ws.out.empty():
+            msg = ws.out.get_nowait()
+            sent += len(msg) // 2 if isinstance(msg, bytes) else 0
+        ws.send(type="cancel")
+        cancelled = await ws.until("cancelled")
+        await shut(ws, task)
+        return cancelled[-1], sent
+
+    cancelled, sent = asyncio.run(go())
+    heard = cancelled["heard"][0]
+    assert sent < 32000 and heard["audio_ms"] <= sent / 16 + 0.1, (heard, sent / 16)
