@@ -71,12 +71,13 @@ def check_sample_rate(
 
 
 def check_context_id(value: object, code: str = G.BAD_MESSAGE) -> str | None:
-    """A client's context id: None when absent, else a string of 1-128 characters."""
+    """A client's context id: None when absent, else a string of 1-128 characters of valid Unicode (it is echoed
+    in every message about its context: a lone surrogate has no UTF-8 form for a client to read)."""
     if value is None:
         return None
     if not isinstance(value, str) or not 0 < len(value) <= MAX_CONTEXT_ID:
         raise RequestError(code, f"context_id must be a string of 1-{MAX_CONTEXT_ID} characters")
-    return value
+    return check_text(value, "context_id", code)
 
 
 def check_flag(data: dict[str, Any], key: str, code: str = G.BAD_MESSAGE) -> bool:

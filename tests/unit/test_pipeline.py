@@ -391,6 +391,27 @@ def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
 
 
+def test_a_context_id_with_a_lone_surrogate_is_refused_not_echoed():
+    """A context id is echoed in every message about its context: one with a lone surrogate (JSON's "\\ud800", no
+    UTF-8 form) is refused as its text would be (the hostile pass: it was accepted and echoed back)."""
+
+    async def go():
+        _session, ws, engine, task = await open_session()
+        raw = '{"type":"text","text":"Hello.","context_id":"c\\ud800","flush":true}'
+        ws.inbox.put_nowait({"type": "websocket.receive", "text": raw})
+        err = await ws.next_json()
+        ws.send(type="text", text="Still here.", flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] == "bad_message" and "context_id" in err["message"], err
+    assert "context_id" not in err
+    assert texts == ["Still here."] and [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
+
+
 def test_queued_messages_are_handled_one_step_of_the_event_loop_each():
     """uvicorn's WebSocket protocol queues every message of one read at once, and a queue's get returns without
     yielding while it holds one: a client pipelining thousands of small messages (64 KB of `{"type":"nope"}` is
