@@ -507,23 +507,37 @@ class StreamingSession:
     ) -> None:
         """Speak what a context (None: every context) has buffered now; `answer` once all audio of the text
         sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
-        complete: its last utterance ends the context's continuation (app/core/continuation.py)."""
+        complete: its last utterance ends the context's continuation (app/core/continuation.py).
+
+        A refused text (past --max-pending-utterances: it stays buffered for a later flush; else a tag split across
+        messages: dropped, as it can never be spoken, so that the next flush and the close are not refused for it
+        again) refuses the flush: no `answer`. One context's refusal is raised, for the message's own error; a
+        flush of every context speaks every other context's text and reports each refusal naming its context (it
+        stopped at the first, leaving the contexts after it unspoken and that refusal without its context)."""
+        refused: list[tuple[str, RequestError]] = []
+        flushed: list[str] = []
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 before = buf.text
                 try:
                     self._enqueue(c, buf.flush(), enforce_limit)
+                    flushed.append(c)
                 except RequestError as e:
                     if e.code == G.TOO_MANY_UTTERANCES:
-                        buf.text = before  # still buffered; a later flush can speak it
-                    # else the text itself is refused (a tag split across messages): dropped, as it can never be
-                    # spoken, so that the next flush and the close are not refused for it again
-                    self._drop_empty_buffers()
-                    raise
+                        buf.text = before
+                    refused.append((c, e))
         self._drop_empty_buffers()
+        if refused and ctx is not None:
+            raise refused[0][1]
         if end_turn:
-            self.end_turn(ctx)
-        if answer is not None:
+            if refused:
+                for c in flushed:
+                    self.end_turn(c)
+            else:
+                self.end_turn(ctx)
+        for c, refusal in refused:
+            await self.error(refusal.code, str(refusal), **self.error_context({"type": "flush", "context_id": c}))
+        if answer is not None and not refused:
             await self.add_mark(ctx, answer)
 
     def end_turn(self, ctx: str | None) -> None:
@@ -586,12 +600,7 @@ class StreamingSession:
         limit), answer every mark, then `on_closed`. A cancel still stops the rest."""
         if self._closing:
             return
-        for _ in range(len(self.buffers) + 1):  # each refused buffer is dropped (see flush): the others are spoken
-            try:
-                await self.flush(None, enforce_limit=False)
-                break
-            except RequestError as e:
-                await self.error(e.code, str(e))
+        await self.flush(None, enforce_limit=False)  # a refused buffer is dropped and reported (see flush)
         self._closing = True
         self.lanes.wake()
         self.check_closed()

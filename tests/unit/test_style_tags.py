@@ -226,6 +226,33 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
     assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
 
 
+def test_a_flush_of_every_context_speaks_the_others_and_names_the_refused_one():
+    """A flush without a context whose first context's buffered text is refused (a tag split across messages) still
+    speaks the other contexts' text, and its error names the refused context; the flush gets no `flushed`. It
+    stopped at the first refusal: the contexts after it stayed unspoken, and the error named none (the hostile
+    pass)."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text="Hi [hap", context_id="a")
+        ws.send(type="text", text="py] there", context_id="a")
+        ws.send(type="text", text="Fine", context_id="b")
+        ws.send(type="flush")
+        err = await ws.next_json()
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("audio.done")
+        ws.send(type="flush", context_id="b")
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert (err["type"], err["code"], err.get("context_id")) == ("error", "unsupported_tag", "a"), err
+    assert texts == ["Fine"] and [m["context_id"] for m in seen if m["type"] == "audio.start"] == ["b"]
+    assert [m for m in seen if m["type"] in ("error", "flushed")] == [{"type": "flushed", "context_id": "b"}]
+
+
 @pytest.mark.parametrize(
     "text", ['Hi <emotion\nvalue="happy"/> there.', 'Hi <emotion value="' + "a" * 400 + '"/> there.', "Hi <emotion"]
 )
