@@ -535,8 +535,8 @@ class StreamingSession:
                     self.end_turn(c)
             else:
                 self.end_turn(ctx)
-        for c, refusal in refused:
-            await self.error(refusal.code, str(refusal), **self.error_context({"type": "flush", "context_id": c}))
+        for c, refusal in refused:  # (named as the client's own flush of that context would be)
+            await self.error(refusal.code, str(refusal), **self.error_context(dict(type="flush", context_id=c)))
         if answer is not None and not refused:
             await self.add_mark(ctx, answer)
 
