@@ -150,8 +150,14 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     run = asyncio.create_task(running)
 
     step("1. a spoken turn")
-    spoken = await speak(worker, col, "Hello there. How are you today?", "the first turn")
-    await asyncio.sleep(1.0)  # the service times its words against the audio: the last ones come after it
+    text = "Hello there. How are you today?"
+    spoken = await speak(worker, col, text, "the first turn")
+    # the service times its words against the audio, so the last ones come after it: wait for them (a fixed second
+    # was too short on a loaded machine); Deepgram sends no word times and gets that second
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (1.0 if kind == "deepgram" else 15.0)
+    while len(col.words) < len(text.split()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
     first_words = list(col.words)
 
     step(f"2a. replies interrupted while the LLM still streams them (turn 1: {spoken} bytes)")

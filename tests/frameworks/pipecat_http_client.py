@@ -38,8 +38,14 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         col = Collector()
         worker, running = await make_worker(Pipeline([make_service(kind, base, key, voice, session), col]))
         run = asyncio.create_task(running)
-        audio = await speak(worker, col, "Hello there. How are you today?", "the turn")
-        await asyncio.sleep(1.0)  # the service times its words against the audio: the last ones come after it
+        text = "Hello there. How are you today?"
+        audio = await speak(worker, col, text, "the turn")
+        # the service times its words against the audio, so the last ones come after it: wait for them (a fixed
+        # second was too short on a loaded machine); the services without word times get that second
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (15.0 if kind == "elevenlabs" else 1.0)
+        while len(col.words) < len(text.split()) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         await worker.queue_frame(EndFrame())
         await within(run, "the pipeline to end")
     return {
