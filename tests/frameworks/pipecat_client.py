@@ -144,6 +144,15 @@ async def speak(worker, col: Collector, text: str, what: str) -> int:
     return 0
 
 
+async def timed_words(col: Collector, text: str, timed: bool) -> None:
+    """Wait for the words of `text` the service times against its audio (so the last come after it): up to 15 s (a
+    fixed second was too short on a loaded machine); a service without word times (`timed` false) gets a second."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (15.0 if timed else 1.0)
+    while len(col.words) < len(text.split()) and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def main(kind: str, base: str, key: str, voice: str) -> dict:
     col = Collector()
     worker, running = await make_worker(Pipeline([make_service(kind, base, key, voice), col]))
@@ -152,12 +161,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
     step("1. a spoken turn")
     text = "Hello there. How are you today?"
     spoken = await speak(worker, col, text, "the first turn")
-    # the service times its words against the audio, so the last ones come after it: wait for them (a fixed second
-    # was too short on a loaded machine); Deepgram sends no word times and gets that second
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + (1.0 if kind == "deepgram" else 15.0)
-    while len(col.words) < len(text.split()) and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await timed_words(col, text, kind != "deepgram")  # (Deepgram sends no word times)
     first_words = list(col.words)
 
     step(f"2a. replies interrupted while the LLM still streams them (turn 1: {spoken} bytes)")

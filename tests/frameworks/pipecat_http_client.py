@@ -16,7 +16,7 @@ import sys
 import aiohttp
 from pipecat.frames.frames import EndFrame
 from pipecat.pipeline.pipeline import Pipeline
-from pipecat_client import RATE, Collector, make_worker, speak, within  # the same directory
+from pipecat_client import RATE, Collector, make_worker, speak, timed_words, within  # the same directory
 
 
 def make_service(kind: str, base: str, key: str, voice: str, session: aiohttp.ClientSession):
@@ -40,12 +40,7 @@ async def main(kind: str, base: str, key: str, voice: str) -> dict:
         run = asyncio.create_task(running)
         text = "Hello there. How are you today?"
         audio = await speak(worker, col, text, "the turn")
-        # the service times its words against the audio, so the last ones come after it: wait for them (a fixed
-        # second was too short on a loaded machine); the services without word times get that second
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (15.0 if kind == "elevenlabs" else 1.0)
-        while len(col.words) < len(text.split()) and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await timed_words(col, text, kind == "elevenlabs")  # (only its with-timestamps route times words)
         await worker.queue_frame(EndFrame())
         await within(run, "the pipeline to end")
     return {

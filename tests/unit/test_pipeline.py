@@ -192,6 +192,32 @@ async def shut(ws: FakeSocket, task: asyncio.Task) -> None:
         await task
 
 
+def refused_then_spoken(
+    messages: list[dict | str], spoken: str, emotions: bool = True
+) -> tuple[dict, list[dict], list[str]]:
+    """On a socket: send `messages` (a dict: a `text` message's fields; a str: a message's raw JSON), read the error
+    they draw, then send `spoken` with a flush -> (that error, what the socket sent up to `flushed`, the texts the
+    engine was given). emotions=False: no emotion directions loaded (an emotion tag cannot be applied)."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        if not emotions:
+            session.gw.prompts = SimpleNamespace(emotion=None)
+        for message in messages:
+            if isinstance(message, str):
+                ws.inbox.put_nowait({"type": "websocket.receive", "text": message})
+            else:
+                ws.send(type="text", **message)
+        err = await ws.next_json()
+        ws.send(type="text", text=spoken, flush=True)
+        engine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    return asyncio.run(go())
+
+
 def test_close_with_a_full_queue_still_speaks_everything_and_closes():
     """3 queued utterances (the limit) plus unterminated text, then close."""
 
@@ -375,18 +401,7 @@ def test_utterances_play_in_order_and_the_next_one_is_prefetched():
 
 def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     """Text side: no `internal`, no lost session."""
-
-    async def go():
-        _session, ws, engine, task = await open_session()
-        ws.inbox.put_nowait({"type": "websocket.receive", "text": '{"type":"text","text":"\\ud800 hello."}'})
-        err = await ws.next_json()
-        ws.send(type="text", text="Still here.", flush=True)
-        engine.play(await engine.started(1))
-        seen = await ws.until("flushed")
-        await shut(ws, task)
-        return err, seen
-
-    err, seen = asyncio.run(go())
+    err, seen, _ = refused_then_spoken(['{"type":"text","text":"\\ud800 hello."}'], "Still here.")
     assert err["type"] == "error" and err["code"] == "bad_text"
     assert [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
 
@@ -395,18 +410,8 @@ def test_a_context_id_with_a_lone_surrogate_is_refused_not_echoed():
     """A context id is echoed in every message about its context: one with a lone surrogate (JSON's "\\ud800", no
     UTF-8 form) is refused as its text would be (the hostile pass: it was accepted and echoed back)."""
 
-    async def go():
-        _session, ws, engine, task = await open_session()
-        raw = '{"type":"text","text":"Hello.","context_id":"c\\ud800","flush":true}'
-        ws.inbox.put_nowait({"type": "websocket.receive", "text": raw})
-        err = await ws.next_json()
-        ws.send(type="text", text="Still here.", flush=True)
-        engine.play(await engine.started(1))
-        seen = await ws.until("flushed")
-        await shut(ws, task)
-        return err, seen, engine.texts
-
-    err, seen, texts = asyncio.run(go())
+    raw = '{"type":"text","text":"Hello.","context_id":"c\\ud800","flush":true}'
+    err, seen, texts = refused_then_spoken([raw], "Still here.")
     assert err["type"] == "error" and err["code"] == "bad_message" and "context_id" in err["message"], err
     assert "context_id" not in err
     assert texts == ["Still here."] and [d["text"] for d in seen if d["type"] == "audio.start"] == ["Still here."]
@@ -452,17 +457,7 @@ def test_queued_messages_are_handled_one_step_of_the_event_loop_each():
 
 
 def test_a_text_whose_flush_is_no_boolean_is_refused_whole():
-    async def go():
-        _session, ws, engine, task = await open_session()
-        ws.send(type="text", text="Not this.", flush="false")
-        err = await ws.next_json()
-        ws.send(type="text", text="This one.", flush=True)
-        engine.play(await engine.started(1))
-        seen = await ws.until("flushed")
-        await shut(ws, task)
-        return err, seen, engine.texts
-
-    err, seen, texts = asyncio.run(go())
+    err, seen, texts = refused_then_spoken([{"text": "Not this.", "flush": "false"}], "This one.")
     assert (err["type"], err["code"]) == ("error", "bad_message")
     assert texts == ["This one."] and [d["text"] for d in seen if d["type"] == "audio.start"] == ["This one."]
 

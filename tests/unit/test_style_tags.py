@@ -17,7 +17,7 @@ from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 from app.voices.library import Voice
 from engine.frontend.emotion import EmotionDirections
-from tests.unit.test_pipeline import FakeEngine, fake_gateway, open_session, shut
+from tests.unit.test_pipeline import FakeEngine, fake_gateway, open_session, refused_then_spoken, shut
 
 
 def tags(parts: list) -> list:
@@ -146,30 +146,12 @@ def test_a_refused_tag_queues_nothing_and_keeps_the_style():
     asyncio.run(go())
 
 
-def refused_then_spoken(messages: list[dict], spoken: str) -> tuple[dict, list[dict], list[str]]:
-    """On a socket: send the `text` messages (their fields), read the error they draw, then send `spoken` with a
-    flush -> (that error, what the socket sent up to `flushed`, the texts the engine was given)."""
-
-    async def go():
-        session, ws, engine, task = await open_session()
-        session.gw.prompts = SimpleNamespace(emotion=None)
-        for message in messages:
-            ws.send(type="text", **message)
-        err = await ws.next_json()
-        ws.send(type="text", text=spoken, flush=True)
-        FakeEngine.play(await engine.started(1))
-        seen = await ws.until("flushed")
-        await shut(ws, task)
-        return err, seen, engine.texts
-
-    return asyncio.run(go())
-
-
 def test_a_message_with_a_refused_tag_is_refused_whole_on_the_socket():
     """The sentences before a refused tag in the same message are not spoken: a message's tags are checked when
     it arrives, before the buffer hands out any sentence of it; the socket goes on."""
 
-    err, seen, texts = refused_then_spoken([{"text": "Quiet now. [whispering] Sleep.", "flush": True}], "Fine [1].")
+    sent = [{"text": "Quiet now. [whispering] Sleep.", "flush": True}]
+    err, seen, texts = refused_then_spoken(sent, "Fine [1].", emotions=False)
     assert err["type"] == "error" and err["code"] == "unsupported_tag", err
     assert texts == ["Fine [1]."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine [1]."]
 
@@ -209,7 +191,8 @@ def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it
     rest = {"<": 'emotion value="happy"/>', "<emo": 'tion value="happy"/>', "< /": "speed>", "<SPE": 'ED ratio="2"/>'}
     completes = rest.get(cut, 'eak time="soon"/>')
 
-    err, seen, texts = refused_then_spoken([{"text": f"Hi {cut}"}, {"text": f"{completes} there. And on"}], " we go.")
+    sent = [{"text": f"Hi {cut}"}, {"text": f"{completes} there. And on"}]
+    err, seen, texts = refused_then_spoken(sent, " we go.", emotions=False)
     assert err["type"] == "error" and err["code"] in ("unsupported_tag", "bad_text"), err
     assert texts == ["we go."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["we go."]
 
@@ -220,7 +203,8 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
     is refused, and the buffered sentence holding the tag goes with it. It was kept, and refused again with every
     later text of the context: the context could never speak again (the hostile pass)."""
 
-    err, seen, texts = refused_then_spoken([*({"text": half} for half in halves), {"text": " more. "}], "Fine.")
+    sent = [*({"text": half} for half in halves), {"text": " more. "}]
+    err, seen, texts = refused_then_spoken(sent, "Fine.", emotions=False)
     assert err["type"] == "error" and err["code"] == "unsupported_tag", err
     assert [m["type"] for m in seen if m["type"] == "error"] == [], seen
     assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
