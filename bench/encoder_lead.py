@@ -12,8 +12,8 @@ what the engine's model of that player counted. No GPU and no server: the schedu
 
 The schedule: call 0 of the size the engine picks for the output's `first_samples` (engine/dac/schedule.py
 `first_size`, for admission's `first_call_samples` at that period), ready after its frames plus the codebook delay,
-then 10 frames every 10 steps; each call's audio reaches the client `DELIVERY_ITERATIONS` periods after its last
-frame (engine/runtime/admission.py).
+then 10 frames every 10 steps; each call's audio reaches the client `delivery_iterations` periods after its last
+frame (engine/runtime/admission.py, EngineSettings.admission_delivery_iterations).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from app.io.audio_output import COMPRESSED, WAV_ENCODINGS, Encoder, first_sample
 from engine.contract.constants import SAMPLE_RATE
 from engine.dac.codec import HOP
 from engine.dac.schedule import DELAY, ChunkSchedule
-from engine.runtime.admission import DELIVERY_ITERATIONS, RealtimeAdmission
+from engine.runtime.admission import RealtimeAdmission
 
 LAG = 4757  # the 44.1 kHz DAC's lag in samples (engine/dac/incremental.py)
 OUTPUTS = (
@@ -75,7 +75,7 @@ def lead(encoding: str, rate: int, period_s: float, seconds: float, prebuffer_s:
     while sum(sizes) < seconds * SAMPLE_RATE:
         sizes.append(schedule.frames * HOP)
         steps.append(steps[-1] + schedule.frames)
-    arrivals = [(k + DELIVERY_ITERATIONS) * period_s for k in steps]
+    arrivals = [(k + admission.delivery_iterations) * period_s for k in steps]
     signal = (np.random.default_rng(0).standard_normal(sum(sizes)) * 3000).astype(np.int16)
     enc, writes, at = Encoder(encoding, rate), [], 0
     for n in sizes:

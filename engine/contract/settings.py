@@ -195,6 +195,18 @@ class EngineSettings:
             hi=MAX_SPRINTS,
         ),
     )
+    # a sprint runs only while it shortens the mean wait for first audio of the streams that wait for it by at
+    # least this share (engine/runtime/admission.py `sprint_gain`): with a few streams a sprint of a few rows costs
+    # nearly a whole step and would slow the newcomers it leaves out; at 128 streams it costs about half of one
+    first_audio_sprint_gain: float = field(
+        default=0.1,
+        metadata=flag(
+            "a first-audio sprint runs only while it shortens the mean wait for first audio of the streams "
+            "waiting for it by at least this share",
+            lo=0.0,
+            hi=1.0,
+        ),
+    )
     compile: bool = field(
         default=True,
         metadata=flag(
@@ -292,9 +304,9 @@ class EngineSettings:
     )
     # realtime: admit while every playing stream's slack (the audio its player, started admission_prebuffer_ms
     # after the stream's first byte, still holds when its next chunk lands) stays above this, after the prefill
-    # a new stream costs (engine/runtime/admission.py). A stream that has just sent its first chunk has ~70 ms
-    # of slack at ~10 ms iterations (its 43 ms of audio and its player's 150 ms prebuffer, less 12 iterations
-    # to its next chunk), so a higher floor holds the door shut whenever a young stream plays
+    # a new stream costs (engine/runtime/admission.py). A stream that has just sent its first chunk has ~80 ms
+    # of slack at ~10 ms iterations (its 43 ms of audio and its player's 150 ms prebuffer, less 11 iterations
+    # to its next chunk's sending), so a much higher floor holds the door shut whenever a young stream plays
     # (docs/architecture.md)
     admission_lead_floor_ms: float = field(
         default=40.0,
@@ -303,6 +315,17 @@ class EngineSettings:
             "(ms) when its next chunk lands",
             lo=0.0,
             hi=_NEVER,
+        ),
+    )
+    # a stream's next chunk reaches its player this many iterations after its last frame is generated: the frames
+    # read back in an iteration go to the dac_decoder in that iteration, and its calls land by the next one's start
+    # (engine/runtime/scheduler.py `_step`); what admission's slack counts beyond the frames still to come
+    admission_delivery_iterations: int = field(
+        default=1,
+        metadata=flag(
+            "realtime admission: iterations from a chunk's last frame to its audio's sending, in the slack estimate",
+            lo=0,
+            hi=8,
         ),
     )
     admission_prebuffer_ms: float = field(

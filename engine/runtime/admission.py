@@ -20,16 +20,9 @@ from engine.contract.settings import EngineSettings
 _DEFAULTS = EngineSettings()  # the defaults live there (the engine's settings); tests build the controller alone
 
 PERIOD_WINDOW = 32  # iterations whose mean period the period gate predicts from
-DELIVERY_ITERATIONS = 2  # a chunk's dac_decoder call is launched, lands and is sent within ~2 iterations
 # an iteration longer than this while streams play is a slip: at the lead floor (40 ms) it leaves a playing stream
 # no margin, so the streams' stalls come in bursts that every listener hears at once (Stats.late_iterations)
 LATE_PERIOD_S = 3 * FRAME_S
-# A sprint gives its streams two frames in (plain + sprint) instead of one in plain, and every other stream one frame
-# in (plain + sprint): worth it only while the sprint is short beside the plain iteration. At half, the sprinters go
-# at least 1.33x as fast and the others at least 0.67x; with 2-8 streams a step of a few rows costs ~0.9 of the
-# whole batch's (the weights' read), and sprints there slowed the newcomers left out of them (seed table c = 4:
-# first audio 66 ms on an H100 with them, docs/benchmarks.md)
-SPRINT_MAX_SHARE = 0.5
 # What a sprint costs is measured only from iterations that ran one, so a cost measured too high (while the load
 # ramped, the plain period's median lagged it) would keep every later sprint out and never be measured again: while
 # the sprints' own measured cost keeps them out, one runs as a probe every this many decode steps (an H200 run at 128
@@ -48,6 +41,9 @@ class RealtimeAdmission:
     cold_start: int = 8  # streams admitted per iteration while no period is measured
     max_starting: int = _DEFAULTS.admission_max_starting  # admitted streams whose players have not started yet
     max_dac_backlog: float = 1.0  # iterations of dac_decoder work queued (ready, not launched): past it, behind
+    # iterations from a chunk's last frame to its sending (EngineSettings.admission_delivery_iterations)
+    delivery_iterations: int = _DEFAULTS.admission_delivery_iterations
+    sprint_gain: float = _DEFAULTS.first_audio_sprint_gain  # the least share of first-audio wait a sprint saves
     enabled: bool = True
     period_s: float = 0.0  # mean iteration period over the last PERIOD_WINDOW while streams run (0: nothing yet)
     cost_s: float = 0.0  # mean iteration period per stream
@@ -73,6 +69,8 @@ class RealtimeAdmission:
             lead_floor_s=settings.admission_lead_floor_ms / 1e3,
             prebuffer_s=settings.admission_prebuffer_ms / 1e3,
             max_starting=settings.admission_max_starting,
+            delivery_iterations=settings.admission_delivery_iterations,
+            sprint_gain=settings.first_audio_sprint_gain,
             enabled=mode == "realtime",
         )
 
@@ -85,6 +83,8 @@ class RealtimeAdmission:
             raise ValueError("lead_floor_s and prebuffer_s must be >= 0")
         if self.max_starting < 2:  # a guided request starts with its twin: two at once
             raise ValueError("max_starting must be >= 2")
+        if self.delivery_iterations < 0 or not 0 <= self.sprint_gain <= 1:
+            raise ValueError("delivery_iterations must be >= 0 and sprint_gain in [0, 1]")
 
     @property
     def bound_s(self) -> float:
@@ -119,21 +119,35 @@ class RealtimeAdmission:
             self.cost_s = statistics.fmean(self._costs)
         self._last_launch = now if streams else None
 
-    def may_sprint(self, k: int) -> bool:
-        """May this iteration run its k-th first-audio sprint step (EngineSettings.first_audio_sprints)? While a
-        plain iteration with k of them stays under the bound the playing streams keep ahead of real time, so the
-        sprints take only the room that admission leaves (none once the engine is full); and only while a sprint
-        is short beside the plain iteration (SPRINT_MAX_SHARE). Nothing measured yet: no. Without realtime
-        admission: yes. While only the sprints' own measured cost keeps them out, the first one runs every
-        SPRINT_PROBE_LAUNCHES decode steps to measure it again (`sprint_launched` restarts the count)."""
+    def may_sprint(self, k: int, riding: float = 1.0) -> bool:
+        """May this iteration run its k-th first-audio sprint step (EngineSettings.first_audio_sprints), which carries
+        the share `riding` of the streams waiting for their first audio? While a plain iteration with k of them
+        stays under the bound the playing streams keep ahead of real time, so the sprints take only the room that
+        admission leaves (none once the engine is full); and only while they shorten the mean wait of the
+        streams waiting for first audio by at least `sprint_gain` (`first_audio_wait`). Nothing measured yet: no.
+        Without realtime admission: yes. While only the sprints' own measured cost keeps them out, the first one
+        runs every SPRINT_PROBE_LAUNCHES decode steps to measure it again (`sprint_launched` restarts the count)."""
         if not self.enabled:
             return True
         if not self._plain:
             return False
         plain = statistics.median(self._plain)
-        if self.sprint_s <= SPRINT_MAX_SHARE * plain and plain + k * self.sprint_s <= self.bound_s:
+        if plain + k * self.sprint_s <= self.bound_s and self.first_audio_wait(k, riding) <= 1 - self.sprint_gain:
             return True
         return k == 1 and plain < self.bound_s and self._unsprinted >= SPRINT_PROBE_LAUNCHES
+
+    def first_audio_wait(self, k: int, riding: float) -> float:
+        """The mean wait for first audio of the streams waiting for it, with k sprints an iteration against none
+        (as a share): the share `riding` that rides in them gets k + 1 frames in a plain iteration plus k sprints,
+        the others one. With a few streams a sprint of a few rows costs ~0.9 of the whole step (the weights'
+        read): with half of them riding their mean wait grows (seed table c = 4 on an H100: 66 ms with sprints),
+        and with all it shrinks by 5 %; at 128 streams on an H100 a sprint costs about half of a plain
+        iteration, and every newcomer riding waits 25 % less."""
+        plain = statistics.median(self._plain) if self._plain else 0.0
+        if plain <= 0:
+            return 1.0
+        longer = 1 + k * self.sprint_s / plain
+        return longer * (riding / (k + 1) + 1 - riding)
 
     def sprint_launched(self) -> None:
         """A sprint step was launched: the next probe is SPRINT_PROBE_LAUNCHES steps away (its period is told later:
@@ -149,27 +163,29 @@ class RealtimeAdmission:
     def slack_s(self, lead_s: float, frames_to_next: int) -> float:
         """The lead left when the stream's next chunk lands: `frames_to_next` more frames, then its call
         and delivery, at the measured period (the lead itself while nothing is measured)."""
-        return lead_s - (frames_to_next + DELIVERY_ITERATIONS) * self.period_s if frames_to_next >= 0 else lead_s
+        if frames_to_next < 0:
+            return lead_s
+        return lead_s - (frames_to_next + self.delivery_iterations) * self.period_s
 
     def first_chunk_s(self, frames_to_next: int) -> float:
         """The audio a new stream's first chunk must bring so that the stream, once it plays, does not hold the
         door shut (its slack when its next chunk lands, `frames_to_next` frames later, at the measured period,
         stays at the floor). A client that could take less (no resampler, or one that starts at once) gets a
         smaller first call, and so its first audio sooner, only while the period leaves room for it: at
-        ~10 ms iterations a 10-frame call's 8 ms of audio leaves ~38 ms of slack, under the 40 ms floor, and
-        every young stream would hold newcomers back until its next chunk."""
+        11 ms iterations a 10-frame call's 8 ms of audio would leave ~37 ms of slack (158 - 11 x 11), under the
+        40 ms floor, and every young stream would hold newcomers back until its next chunk."""
         if not self.enabled or self.period_s == 0:
             return 0.0
-        need = self.lead_floor_s + (frames_to_next + DELIVERY_ITERATIONS) * self.period_s - self.prebuffer_s
+        need = self.lead_floor_s + (frames_to_next + self.delivery_iterations) * self.period_s - self.prebuffer_s
         return max(0.0, need)
 
     def first_call_samples(self, client_holds: int, frames_to_next: int) -> int:
         """What a new stream's first DAC call must bring: what its client's encoder takes in before it outputs
         anything (SubmitRequest.first_samples), which it keeps holding back from the player after, plus what
         keeps the stream's slack at the floor (`first_chunk_s`). So an MP3 client at 24 kHz (3,208) gets the
-        16-frame call (3,435 samples, first audio after 24 steps) while iterations stay under ~9.6 ms; past that
-        its player would hold ~32 ms when the next chunk lands (bench/encoder_lead.py at 11 ms), and it waits for
-        call 1 of a 10-frame call 0 (28 steps), whose player then holds ~84 ms."""
+        16-frame call (3,435 samples, first audio after 24 steps) while iterations stay under ~10.4 ms (the period
+        gate's bound at the default headroom); past that it waits for call 1 of a 10-frame call 0 (28 steps),
+        whose player then holds ~84 ms when a chunk lands (bench/encoder_lead.py at 11 ms)."""
         return client_holds + round(self.first_chunk_s(frames_to_next) * SAMPLE_RATE)
 
     def held_s(self, delivered_s: float, first_audio: float, now: float) -> float:

@@ -367,8 +367,10 @@ class Scheduler:
         # sprints take only the room nobody waits for: while a newcomer is held at the door they would lengthen
         # the iterations its admission waits on (H200, FP8, 256 offered: first audio p95 299 -> 366 ms with them)
         for k in range(1, self.sprints + 1 if launched and not self._door_held else 1):
-            rows = self._sprint_rows(len(plan.decode)) if self.admission.may_sprint(k) else []
-            if not rows:
+            if not self.admission.may_sprint(k):  # (before the pass over the streams: no room with every one riding)
+                break
+            rows, riding = self._sprint_rows(len(plan.decode))
+            if not rows or (riding < 1 and not self.admission.may_sprint(k, riding)):
                 break
             with node_range("sprint"):
                 launched.append(self.llm.decode_start(rows))
@@ -378,8 +380,9 @@ class Scheduler:
             launched, self._inflight = self._inflight, launched
         return launched
 
-    def _sprint_rows(self, decoding: int) -> list[Sequence]:
-        """The rows of a first-audio sprint step (step.py `sprint_rows`) beside `decoding` rows of the step."""
+    def _sprint_rows(self, decoding: int) -> tuple[list[Sequence], float]:
+        """The rows of a first-audio sprint step beside `decoding` rows of the step, and the share of the streams
+        waiting for first audio that ride in it (step.py `sprint_rows`)."""
         return sprint_rows(
             self.running.values(), decoding, self.llm.wants_step, self.streams.owner, self.dac.first_call_need
         )

@@ -147,29 +147,35 @@ def sprint_rows(
     wants_step: Callable[[Sequence], bool],
     owner: Mapping[int, Job],
     first_call_need: Callable[[int], int | None],
-) -> list[Sequence]:
-    """The rows of a first-audio sprint step: the streams whose first DAC call still waits for frames (with a
-    frame already launched, so the step follows it on the device), nearest to that call first, a guided
-    request with its twin; at most SPRINT_MAX_ROWS and half the `decoding` rows of the iteration's step
-    (a sprint of every row would be just another step: no stream would gain on the others). `owner`: each DAC
-    stream's request (continuation.py `Streams.owner`); `first_call_need(stream)`: the frames its first DAC call
-    needs, None once it has run (`StreamingDecoder.first_call_need`)."""
+) -> tuple[list[Sequence], float]:
+    """The rows of a first-audio sprint step and the share of the streams waiting for their first audio that ride
+    in it (admission.py `may_sprint`). Waiting: a stream whose first DAC call still needs frames that it has yet
+    to launch (a prompt still in prefill too). Riding: those with a frame already launched (so the step follows
+    it on the device), nearest to that call first, a guided request with its twin; at most SPRINT_MAX_ROWS and
+    half the `decoding` rows of the iteration's step (a sprint of every row would be just another step: no
+    stream would gain on the others).
+    `owner`: each DAC stream's request (continuation.py `Streams.owner`); `first_call_need(stream)`: the frames its
+    first DAC call needs, None once it has run (`StreamingDecoder.first_call_need`)."""
     budget = min(SPRINT_MAX_ROWS, decoding // 2)
     if budget <= 0:
-        return []
+        return [], 0.0
     found: list[tuple[int, Job]] = []  # (frames its first call still needs, job)
+    waiting = 0
     for job in jobs:
         seq = job.seq
-        if seq.finish_reason is not None or seq.in_prefill or not seq.launched or not wants_step(seq):
-            continue
-        if owner.get(job.chain.stream) is not job:  # a continued reply's stream: its audio is playing
+        if seq.finish_reason is not None or owner.get(job.chain.stream) is not job:  # (a continued reply: playing)
             continue
         need = first_call_need(job.chain.stream)
-        if need is not None and seq.launched < need:
+        if need is None or (seq.launched and (seq.launched >= need or not (seq.in_prefill or wants_step(seq)))):
+            continue  # no first call to wait for, or its frames are all launched (its budget's too)
+        waiting += 1
+        if seq.launched and not seq.in_prefill:
             found.append((need - seq.launched, job))
     rows: list[Sequence] = []
+    riders = 0
     for _, job in sorted(found, key=lambda f: f[0]):
         if len(rows) + len(job.rows) > budget:
             break
         rows += job.rows
-    return rows
+        riders += 1
+    return rows, riders / waiting if waiting else 0.0

@@ -642,10 +642,10 @@ def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine,
             observe(now, streams, prefilled, sprinted)
 
         def rec_rows(decoding: int):
-            rows = sprint_rows(decoding)
+            rows, riding = sprint_rows(decoding)
             if rows:
                 launched.append(len(told) - 1)
-            return rows
+            return rows, riding
 
         sched.admission.observe_launch, sched._sprint_rows = rec_observe, rec_rows
         assert inbox.try_put(*req(1, "A long running stream.", 60, seed=1).encode())
@@ -718,10 +718,10 @@ class _MeasuredPeriod(RealtimeAdmission):
         pass
 
 
-@pytest.mark.parametrize(("period_ms", "first_frames"), [(9.0, 10), (10.0, 13)])
+@pytest.mark.parametrize(("period_ms", "first_frames"), [(10.0, 10), (11.0, 13)])
 def test_a_first_call_that_would_hold_the_door_is_made_larger(engine: Engine, period_ms: float, first_frames: int):
     """A client that could take a 10-frame call 0 (first_samples=1) gets it while the period leaves its young
-    stream's slack at the admission floor; at ~10 ms iterations the 8 ms of audio it brings would not, and the
+    stream's slack at the admission floor; at 11 ms iterations the 8 ms of audio it brings would not, and the
     stream gets the 13-frame call (43 ms) instead (RealtimeAdmission.first_chunk_s). Its audio is the same."""
     engine.dac = StreamingDecoder(engine.codec, ChunkSchedule(), slots=2 * SLOTS)
     inbox, out = ShmRing.create(1 << 20), ShmRing.create(16 << 20)

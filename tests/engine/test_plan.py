@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+import pytest
 
 from engine.contract.records import SamplingParams
 from engine.llm.node import Sequence
@@ -212,8 +213,14 @@ def _sprint(
     jobs: list[Job], decoding: int, needs: Mapping[int, int | None], owner: dict[int, Job] | None = None
 ) -> list[int]:
     """The sprint's rows' rids; `needs`: each stream's frames its first DAC call needs (a stream not named: none)."""
+    return _rids(_sprint_riding(jobs, decoding, needs, owner)[0])
+
+
+def _sprint_riding(
+    jobs: list[Job], decoding: int, needs: Mapping[int, int | None], owner: dict[int, Job] | None = None
+) -> tuple[list[Sequence], float]:
     owned = owner if owner is not None else {j.chain.stream: j for j in jobs}
-    return _rids(sprint_rows(jobs, decoding, _wants_step, owned, needs.get))
+    return sprint_rows(jobs, decoding, _wants_step, owned, needs.get)
 
 
 def test_a_sprint_carries_the_streams_nearest_to_their_first_call_first() -> None:
@@ -240,6 +247,19 @@ def test_a_sprint_leaves_out_what_would_not_gain_first_audio() -> None:
     owner[7] = done
     needs: dict[int, int | None] = {1: 21, 2: 21, 3: 21, 4: 200, 5: 21, 6: None, 7: 21, 8: 21}
     assert _sprint(jobs, 32, needs, owner) == [8]
+    # of the streams waiting for first audio (2 in prefill, 3 before its first frame, 8), one rides
+    assert _sprint_riding(jobs, 32, needs, owner)[1] == pytest.approx(1 / 3)
+
+
+def test_the_share_riding_counts_every_stream_left_out_of_the_sprint() -> None:
+    """admission.py `may_sprint` weighs a sprint by the share of the streams waiting for first audio that ride in it:
+    those past the row budget are left out (their wait grows by the sprint's cost)."""
+    jobs = [_job(i, launched=i) for i in range(1, 9)]
+    needs = {j.seq.rid: 18 for j in jobs}
+    assert _sprint_riding(jobs, 16, needs)[1] == 1.0  # 8 rows of a 16-row step: all ride
+    rows, riding = _sprint_riding(jobs, 8, needs)
+    assert _rids(rows) == [8, 7, 6, 5] and riding == 0.5  # half the step's 8 rows: the four nearest
+    assert _sprint_riding(jobs, 1, needs) == ([], 0.0)
 
 
 def test_a_sprint_has_at_most_sprint_max_rows_and_none_beside_a_single_row() -> None:

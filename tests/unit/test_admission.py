@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
+from engine.contract.settings import EngineSettings
 from engine.runtime.admission import FRAME_S, LATE_PERIOD_S, Gate, RealtimeAdmission
 
 
@@ -119,8 +122,16 @@ def test_slack_is_the_lead_left_when_the_next_chunk_lands():
     assert adm.slack_s(0.2, frames_to_next=8) == 0.2  # nothing measured: the lead
     adm.observe_launch(0.0, 10)
     adm.observe_launch(10e-3, 10)
-    assert abs(adm.slack_s(0.2, frames_to_next=8) - 0.1) < 1e-9  # 8 frames, then 2 iterations to deliver it
+    # 8 frames, then an iteration to deliver it: the frames read back in an iteration go to the dac_decoder in it,
+    # and its calls are sent at the next one's start (tests/engine/test_overlap.py)
+    assert adm.delivery_iterations == EngineSettings().admission_delivery_iterations == 1
+    assert adm.slack_s(0.2, frames_to_next=8) == pytest.approx(0.11)
     assert adm.slack_s(0.2, frames_to_next=-1) == 0.2  # no chunk comes on its own (a held sentence end)
+    adm.delivery_iterations = 2  # --admission-delivery-iterations 2 (the count before the chunks came sooner)
+    assert adm.slack_s(0.2, frames_to_next=8) == pytest.approx(0.1)
+    assert adm.first_chunk_s(12) == pytest.approx(0.03)  # 40 ms floor + 14 iterations - 150 ms of prebuffer
+    adm.delivery_iterations = 1
+    assert adm.first_chunk_s(12) == pytest.approx(0.02)
 
 
 def test_lead_is_how_long_a_player_prebuffering_150_ms_can_go_without_audio():
@@ -334,14 +345,14 @@ def test_twice_what_fits_offered_never_stalls_a_playing_stream():
 
 def test_a_first_chunk_brings_what_keeps_the_door_open():
     """first_chunk_s: the audio a new stream's first chunk needs for its slack to stay at the floor when its
-    next chunk (10 frames on) lands: none while the period leaves room (or nothing is measured, or realtime
-    admission is off), more than a 10-frame call's 363 samples at ~10 ms iterations, less than a 13-frame
-    call's 1,899 until ~12.8 ms (past the 0.9 x 11.6 ms the period gate allows)."""
+    next chunk (10 frames on, then an iteration to send it) lands: none while the period leaves room (or nothing
+    is measured, or realtime admission is off), more than a 10-frame call's 363 samples at 11 ms iterations, less
+    than a 13-frame call's 1,899 until ~13.9 ms (past the 0.9 x 11.6 ms the period gate allows)."""
     adm = RealtimeAdmission(lead_floor_s=0.040, prebuffer_s=0.150)
     assert adm.first_chunk_s(10) == 0.0  # nothing measured
-    adm.period_s = 0.009
-    assert adm.first_chunk_s(10) == 0.0  # 150 + 0 - 12 x 9 = 42 ms of slack
     adm.period_s = 0.010
+    assert adm.first_chunk_s(10) == 0.0  # 150 + 0 - 11 x 10 = 40 ms of slack
+    adm.period_s = 0.011
     assert 363 / 44100 < adm.first_chunk_s(10) < 1899 / 44100
     adm.period_s = 0.9 * FRAME_S
     assert adm.first_chunk_s(10) < 1899 / 44100
@@ -386,13 +397,13 @@ def test_may_sprint_only_while_the_iteration_stays_under_the_bound():
     assert RealtimeAdmission(enabled=False).may_sprint(2)
 
 
-def test_no_sprint_that_costs_about_what_the_iteration_does():
-    """With a few streams a sprint step costs nearly what the whole step does: the sprinting streams would gain
-    little and the others lose half their pace, so once a sprint is measured at more than SPRINT_MAX_SHARE of the
-    plain iteration, none runs (until the plain iteration grows past twice its cost)."""
-    from engine.runtime.admission import SPRINT_MAX_SHARE
-
+def test_a_sprint_runs_only_while_it_shortens_the_wait_for_first_audio():
+    """With a few streams a sprint step costs nearly what the whole step does: the streams riding in it gain
+    little, and those waiting for first audio that it leaves out wait longer. A sprint runs only while the mean
+    wait for first audio of the streams waiting for it shrinks by at least `sprint_gain` (default 10 %):
+    (1 + sprint / plain) x (riding / 2 + 1 - riding) <= 0.9."""
     a = RealtimeAdmission(headroom=0.9, max_wait_s=5.0)
+    assert a.sprint_gain == EngineSettings().first_audio_sprint_gain == 0.1
     t = 0.0
     for _ in range(8):  # plain 3 ms iterations (a handful of streams)
         a.observe_launch(t, 4)
@@ -402,12 +413,19 @@ def test_no_sprint_that_costs_about_what_the_iteration_does():
         t += 0.0025
         a.observe_launch(t, 4, sprinted=1)
         t += 0.003
-    assert a.sprint_s == pytest.approx(0.0025, rel=0.05) and a.sprint_s > SPRINT_MAX_SHARE * 0.003
-    assert not a.may_sprint(1)  # 5.5 ms would still be under the bound, but the others would lose 45 % of their pace
-    for _ in range(40):  # load grew: plain 7 ms iterations
+    assert a.sprint_s == pytest.approx(0.0025, rel=0.05)
+    # 5.5 ms would still be under the bound, but every rider would wait 92 % as long: not worth slowing the rest
+    assert a.first_audio_wait(1, 1.0) == pytest.approx(5.5 / 6, rel=0.05) and not a.may_sprint(1)
+    for _ in range(40):  # load grew: plain 7 ms iterations (a sprint ~36 % of one)
         a.observe_launch(t, 128)
         t += 0.007
-    assert a.may_sprint(1)
+    assert a.first_audio_wait(1, 1.0) == pytest.approx(9.5 / 14, rel=0.05) and a.may_sprint(1)
+    assert a.may_sprint(1, riding=0.75)  # 1.36 x 0.625 = 0.85
+    assert not a.may_sprint(1, riding=0.5)  # 1.36 x 0.75 = 1.02: the half left out lose more than the riders gain
+    # with 65 % riding: 1.36 x 0.675 = 0.92, a gain of 8 %: under the default bar, over a lower one
+    assert not a.may_sprint(1, riding=0.65) and replace(a, sprint_gain=0.05).may_sprint(1, riding=0.65)
+    with pytest.raises(ValueError):
+        RealtimeAdmission(sprint_gain=1.5)
 
 
 def test_a_sprint_cost_measured_too_high_is_measured_again():
@@ -421,7 +439,7 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
     for _ in range(8):
         a.observe_launch(t, 128)
         t += 0.007
-    a.sprint_s = 0.006  # measured while the load ramped: more than half of the 7 ms plain iteration
+    a.sprint_s = 0.006  # measured while the load ramped: 86 % of the 7 ms plain iteration (no gain of 10 %)
     assert not a.may_sprint(1)
     probes = 0
     for _ in range(20 * SPRINT_PROBE_LAUNCHES):
@@ -434,7 +452,7 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
         if a.sprint_s <= 0.0035:
             break
     assert a.sprint_s == pytest.approx(0.0035, abs=5e-4) and 2 <= probes <= 4
-    assert a.may_sprint(1)  # back under half the plain iteration: every iteration may sprint
+    assert a.may_sprint(1)  # a worthwhile gain again: every iteration may sprint
 
     # a probe is due after SPRINT_PROBE_LAUNCHES decode steps: iterations that launch none (paced, prefill only) do
     # not count, and a probe that found no stream to sprint stays due until one is launched
@@ -466,8 +484,8 @@ def test_a_sprint_cost_measured_too_high_is_measured_again():
 def test_a_first_call_brings_what_the_encoder_holds_back_and_keeps_the_door_open():
     """first_call_samples: an encoder that holds 3,208 samples before its first whole frame (MP3 at 24 kHz) gets a
     first call of 3,208 samples while iterations leave room (the 16-frame call's 3,435 bring it), and that plus
-    what keeps the slack at the floor past ~9.6 ms (then call 1 of a 10-frame stream serves it); a PCM client's
-    86 stays within the 10-frame call's 363 until ~9.7 ms."""
+    what keeps the slack at the floor past ~10.4 ms (then call 1 of a 10-frame stream serves it); a PCM client's
+    86 stays within the 10-frame call's 363 until ~10.6 ms."""
     from engine.dac.schedule import ChunkSchedule
 
     adm, lag = RealtimeAdmission(lead_floor_s=0.040, prebuffer_s=0.150), 4757

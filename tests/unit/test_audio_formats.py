@@ -381,7 +381,7 @@ def test_the_encoder_lead_bench_gives_what_each_encoder_holds_back_from_a_player
     """bench/encoder_lead.py: at 44.1 kHz raw samples nothing is held back (the player has what the engine counts);
     a resampler or a codec holds some back, never all of the lead at a steady 9.7 ms iteration; an MP3 listener's
     first audio is a whole frame, which the 16-frame call 0 brings (24 steps) while iterations leave room (7 ms),
-    and call 1 of a 10-frame call 0 past that (28 steps at 9.7 ms: admission.py `first_call_samples`)."""
+    and call 1 of a 10-frame call 0 past that (28 steps at 10.5 ms: admission.py `first_call_samples`)."""
     import json
 
     from bench.encoder_lead import OUTPUTS, lead, main
@@ -391,7 +391,8 @@ def test_the_encoder_lead_bench_gives_what_each_encoder_holds_back_from_a_player
     assert raw["first_audio_steps"] == 18
     mp3 = lead("mp3", 24000, 0.007, 2.0, 0.15)
     assert mp3["first_audio_steps"] == 24 and mp3["most_held_ms"] > 0
-    assert lead("mp3", 24000, 0.0097, 2.0, 0.15)["first_audio_steps"] == 28
+    assert lead("mp3", 24000, 0.0097, 2.0, 0.15)["first_audio_steps"] == 24
+    assert lead("mp3", 24000, 0.0105, 2.0, 0.15)["first_audio_steps"] == 28
     main(["--periods", "9.7", "--seconds", "2", "--json", str(tmp_path / "lead.json")])
     rows = json.loads((tmp_path / "lead.json").read_text())
     assert len(rows) == len(OUTPUTS) and all(r["client_min_lead_ms"] > 0 for r in rows)
