@@ -17,13 +17,13 @@ _GIB = 1 << 30
 MAX_DEFAULT_NORMALIZATION_WORKERS = 16
 MAX_WORKERS = 64  # --workers: gateway processes
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")  # --log-level: logging's and uvicorn's names alike
-# Fixed companions of two limits below (their rules: app/io/bodies.py, app/core/admission.py `Conversation`):
+# Fixed companions of two limits below (their rules: app/io/bodies.py, app/core/door_policy.py `Conversation`):
 SMALL_BODY = 64 << 10  # bytes: a request body this small is never refused by --max-body-bytes-in-flight (nor counted)
 # seconds of held room each second of audio a session plays earns it, up to --conversation-hold-s: a conversation
 # that speaks a third of the time keeps its room across its pauses; tiny utterances earn next to nothing
 HOLD_PER_AUDIO_S = 2.0
 # --refusal-storm-per-s's default: a client waiting its Retry-After (>= 1 s) never makes a process refuse this fast,
-# while a few clients retrying at once make it refuse thousands of times a second (app/core/admission.py RefusalPace)
+# while a few clients retrying at once make it refuse thousands of times a second (app/core/door_policy.py RefusalPace)
 STORM_REFUSALS_PER_S = 100.0
 # --refusal-budget-per-s's default: one process's refusals a second (~0.1 ms of CPU each: a quarter of a core) past
 # which the door holds them longer (RefusalPace)
@@ -181,7 +181,7 @@ class Limits:
             zero_ok=True,
         ),
     )
-    # The door (app/core/admission.py): a new stream predicted to wait longer than this for an engine is
+    # The door (app/core/door_policy.py): a new stream predicted to wait longer than this for an engine is
     # refused at once (503, Retry-After) instead of queued
     max_queue_ms: float = field(
         default=250.0,
@@ -203,7 +203,7 @@ class Limits:
             zero_ok=True,
         ),
     )
-    # ... and under a retry storm (app/core/admission.py `RefusalPace`) the door answers its refusals after a hold
+    # ... and under a retry storm (app/core/door_policy.py `RefusalPace`) the door answers its refusals after a hold
     refusal_hold_ms: float = field(
         default=20.0,
         metadata=_limit(

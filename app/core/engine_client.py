@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from app.core.admission import EngineLoad, FirstAudio, StartRate
+from app.core.door_policy import EngineLoad, FirstAudio, StartRate
 from app.core.shared import OPEN, SharedCounts
 from app.settings import Limits
 from engine.contract import records as m
@@ -228,7 +228,7 @@ class EngineClient:
         self.log_level = log_level
         self.info: dict[str, Any] = {}  # its Ready record's info() (/readyz), once it is ready
         self.stats: m.Stats | None = None  # its last Stats record
-        self.start_rate = StartRate()  # streams it started per second (the door, app/core/admission.py)
+        self.start_rate = StartRate()  # streams it started per second (the door, app/core/door_policy.py)
         self.first_audio = FirstAudio()  # how long its starts took lately to their first audio (the door)
         self.ready = asyncio.Event()
         self.restarts = 0
@@ -549,7 +549,7 @@ class EngineClient:
         return free
 
     def load(self) -> EngineLoad:
-        """What the door (app/core/admission.py) reads of this engine."""
+        """What the door (app/core/door_policy.py) reads of this engine."""
         st = self.stats
         return EngineLoad(
             self.headroom(), st.waiting if st is not None else 0, self.start_rate.per_s, self.first_audio.recent()

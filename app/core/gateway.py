@@ -20,8 +20,8 @@ import numpy as np
 import soundfile as sf
 import soxr
 
-from app.core.admission import Conversations, Decision, RefusalPace, decide
 from app.core.continuation import Chain, Link
+from app.core.door_policy import Conversations, Decision, RefusalPace, decide
 from app.core.emotion import check_emotion, emotion_directions
 from app.core.engine_client import (
     AttachedEngineClient,
@@ -211,7 +211,7 @@ class Gateway:
         self.link = link
         self._metrics_task: asyncio.Task[None] | None = None
         self._clip_embeddings: OrderedDict[bytes, np.ndarray] = OrderedDict()  # sha256 of a clip -> embedding
-        # admitted streaming sessions (app/core/admission.py); the other gateway processes read how many are held
+        # admitted streaming sessions (app/core/door_policy.py); the other gateway processes read how many are held
         self.conversations = Conversations(None if link is None else lambda n: link.counts.set(link.channel, HELD, n))
         self._refused: Decision | None = None  # the door's last refusal, and until when it stands
         self._refused_until = 0.0
@@ -259,7 +259,7 @@ class Gateway:
 
     # ---- the door --------------------------------------------------------------------------------
     def admission(self) -> Decision:
-        """Whether a new stream may start now (app/core/admission.py), from the ready engines' loads and the
+        """Whether a new stream may start now (app/core/door_policy.py), from the ready engines' loads and the
         room held for admitted conversations (every gateway process's)."""
         loads = [e.load() for e in self.engines if e.ready.is_set()]
         limits = self.settings.limits

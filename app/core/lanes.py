@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Collection, Iterator, Mapping
 from typing import Any
 
-from app.core.admission import Conversation
+from app.core.door_policy import Conversation
 from app.core.gateway import Gateway
 from app.core.pipeline import DEFAULT_CONTEXT, UtterancePipeline
 from app.io.errors import GatewayError as G

@@ -109,7 +109,7 @@ class Metrics:
         self.door_refusals = Counter(
             "zonos_door_refusals",
             "New streams refused at the door before any of them was read: no engine "
-            "could start them within --max-queue-ms (engine_busy; app/core/admission.py) or the server drains "
+            "could start them within --max-queue-ms (engine_busy; app/core/door_policy.py) or the server drains "
             "(shutting_down), by where: at the connection's request head (head) or in a route (app)",
             ["at"],
             registry=r,
@@ -117,7 +117,7 @@ class Metrics:
         self.door_refusals_held = Counter(
             "zonos_door_refusals_held",
             "Refusals at the door (the request head's or a route's) answered after a hold: the process was under a "
-            "storm of refused clients retrying at once (--refusal-hold-ms, app/core/admission.py RefusalPace)",
+            "storm of refused clients retrying at once (--refusal-hold-ms, app/core/door_policy.py RefusalPace)",
             registry=r,
         )
         self.door_refusal_seconds = Histogram(

@@ -25,9 +25,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from app.core.admission import Conversation
 from app.core.breaks import split_breaks
 from app.core.continuation import Chain
+from app.core.door_policy import Conversation
 from app.core.gateway import Gateway, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.playout import PlayoutClock

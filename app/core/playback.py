@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from app.core.admission import Conversation
+from app.core.door_policy import Conversation
 from app.core.engine_client import EngineUnavailable
 from app.core.gateway import Gateway
 from app.core.lanes import Answer, Lane, Lanes
@@ -76,7 +76,7 @@ class Stage(Protocol):
 class Playback:
     """A session's pumps, one per lane, and the alignments beside them. `gw`: the engine's aligner; `lanes`: what is
     played; `turns`: whether a context's idle lane is kept for its open turn; `conversation`: what the door holds
-    room for, earned by the audio played (app/core/admission.py); `name`: of its tasks."""
+    room for, earned by the audio played (app/core/door_policy.py); `name`: of its tasks."""
 
     def __init__(self, gw: Gateway, lanes: Lanes, turns: Turns, conversation: Conversation, name: str) -> None:
         self._gw, self._lanes, self._turns, self._conversation, self._name = gw, lanes, turns, conversation, name

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
-from app.core.admission import Conversation
 from app.core.breaks import split_breaks
+from app.core.door_policy import Conversation
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
 from app.core.lanes import Answer, Lanes
@@ -128,7 +128,7 @@ class StreamingSession:
         # newcomer took over from it (`Gateway.evict`) is not given back when it ends
         self.places = Places(server=False)
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
-        # what the door holds room for (app/core/admission.py)
+        # what the door holds room for (app/core/door_policy.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
         self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation)
         self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)

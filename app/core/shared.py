@@ -1,5 +1,5 @@
 """Counts that several gateway processes (`--workers N`, app/workers.py) share, so that they behave as one server:
-the session limit, and the door's view of each engine's load (app/core/admission.py).
+the session limit, and the door's view of each engine's load (app/core/door_policy.py).
 
 The supervisor makes one table in shared memory (a multiprocessing Array of int64) and hands it to every gateway
 process as it starts. Each process has one row, which only it writes: publishing a count takes no lock, and a

@@ -1,5 +1,5 @@
 """The door at the connection: a new stream that no engine could start within --max-queue-ms, or whose first audio
-would come past --first-audio-budget-ms (app/core/admission.py), and every new stream while the server drains
+would come past --first-audio-budget-ms (app/core/door_policy.py), and every new stream while the server drains
 (`shutting_down`), is refused from its request head, before the app runs (app/io/http_protocol.py calls
 `HeadDoor` once a head is complete).
 
@@ -7,7 +7,7 @@ A storm of refused clients that retry at once is mostly refusals, so a refusal m
 WebSocket handshake or protocol object, no ASGI scope, middleware or route, no body or message read, no key
 checked (a refusal says only "busy", whoever asks), no log line. The answer is the one the route itself gives
 (app/core/gateway.py `Gateway.refusal`, the API's error shape): HTTP 503 with `Retry-After` and the request id,
-and the connection closed; under a retry storm, after a short hold (app/core/admission.py `RefusalPace`, one per
+and the connection closed; under a retry storm, after a short hold (app/core/door_policy.py `RefusalPace`, one per
 process: the routes' refusals count and are held too). The routes that start a stream still ask the door themselves
 (`Gateway.admit`), for what this one leaves to them: a server without this protocol (Ray Serve's proxy), a
 browser's request (an `Origin` header: the app answers with its CORS and origin rules), a percent-encoded path, a

@@ -5,7 +5,7 @@ in the API's own shape, then the session run to its end, counted among the gatew
 A dialect refuses a handshake as those services do, with an HTTP response to the upgrade (the WebSocket
 Denial Response extension). Our own socket refuses in band, as it always has: accepted, the error as its
 first message, closed 1008 (1013, "try again later", at the session limit). A stream the door refuses
-(app/core/admission.py: it could not start or have its first audio in time; or the server drains) gets HTTP 503
+(app/core/door_policy.py: it could not start or have its first audio in time; or the server drains) gets HTTP 503
 with `Retry-After` on every socket, ours too, before the socket is accepted or a message is read: the cheapest
 answer a retrying client can get, and the one a load balancer understands.
 """

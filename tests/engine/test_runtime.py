@@ -430,7 +430,7 @@ def test_closing_a_loading_engine_stops_it_at_once():
 
 
 def test_the_client_times_each_start_to_its_first_audio(rt):
-    """What the door adds to a newcomer's wait (app/core/admission.py FirstAudio): each fresh stream's time
+    """What the door adds to a newcomer's wait (app/core/door_policy.py FirstAudio): each fresh stream's time
     from its `started` to its first audio record, as the gateway saw them, and once enough starts came, their
     p90 in the load the door reads."""
     lt, client = rt

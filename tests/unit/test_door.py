@@ -1,4 +1,4 @@
-"""The door's rule (app/core/admission.py): admit a newcomer that can start within --max-queue-ms."""
+"""The door's rule (app/core/door_policy.py): admit a newcomer that can start within --max-queue-ms."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from app.core import admission
-from app.core.admission import (
+from app.core import door_policy
+from app.core.door_policy import (
     FIRST_AUDIO_WINDOW_S,
     Conversation,
     Conversations,
@@ -56,7 +56,7 @@ def test_a_burst_at_a_light_engine_is_admitted_while_its_room_covers_the_queue()
     engine started lately (its start rate then measures the demand, not what it can start). Room that only
     part of the queue fits in leaves the rest of it ahead of the newcomer."""
     burst = [EngineLoad(headroom=5, waiting=3, start_rate=0.8, first_audio_s=0.04)]
-    assert decide(burst, held=0, max_queue_s=0.25, first_audio_budget_s=0.25) == admission.Decision(True, 0.0, 0)
+    assert decide(burst, held=0, max_queue_s=0.25, first_audio_budget_s=0.25) == door_policy.Decision(True, 0.0, 0)
     assert not decide(burst, held=2, max_queue_s=0.25).admitted  # held conversations take the last of the room
     partial = [EngineLoad(headroom=3, waiting=5, start_rate=20.0)]  # 2 of the queue and the newcomer wait
     assert decide(partial, held=0, max_queue_s=0.25).wait_s == 0.15
@@ -145,7 +145,7 @@ def test_a_conversation_is_held_between_its_utterances_only():
 
 
 class Clock:
-    """admission's clock, moved by hand."""
+    """door_policy's clock, moved by hand."""
 
     def __init__(self) -> None:
         self.t = 1000.0
@@ -163,7 +163,7 @@ def test_one_frame_utterances_do_not_keep_a_hold_and_real_speech_does(monkeypatc
     would run out keeps it no longer than its first pause; a conversation that speaks a third of the time keeps it
     over every pause."""
     clock = Clock()
-    monkeypatch.setattr(admission, "time", clock)
+    monkeypatch.setattr(door_policy, "time", clock)
     hold = 10.0
 
     def run(utterance_s: float, pause_s: float, turns: int) -> list[bool]:
@@ -396,10 +396,10 @@ def test_the_head_door_knows_every_route_that_starts_a_stream(tmp_path):
 
 
 def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
-    """app/core/admission.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
+    """app/core/door_policy.py RefusalPace: refusals at a client's Retry-After pace are answered at once; once a process
     refuses STORM_REFUSALS_PER_S or faster, each is held between half and all of the hold (the clients refused
     together come back apart), until a quiet window."""
-    from app.core.admission import PACE_WINDOW_S, RefusalPace
+    from app.core.door_policy import PACE_WINDOW_S, RefusalPace
     from app.settings import STORM_REFUSALS_PER_S
 
     pace = RefusalPace(0.02)
@@ -420,7 +420,7 @@ def test_refusals_are_held_only_under_a_retry_storm(monkeypatch):
 def test_the_head_door_holds_its_refusals_under_a_storm(tmp_path):
     """The head door's refusals (here: the server drains) carry the pace's hold, --refusal-hold-ms, counted."""
     from app.__main__ import parse_args
-    from app.core.admission import PACE_WINDOW_S
+    from app.core.door_policy import PACE_WINDOW_S
     from app.server import create_app
     from app.settings import STORM_REFUSALS_PER_S
 
@@ -460,7 +460,7 @@ def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
     import time
 
     from app.__main__ import parse_args
-    from app.core.admission import PACE_WINDOW_S
+    from app.core.door_policy import PACE_WINDOW_S
     from app.io.errors import RequestError
     from app.server import create_app
     from app.settings import STORM_REFUSALS_PER_S
@@ -487,7 +487,7 @@ def test_the_routes_refusals_count_and_are_held_with_the_head_doors(tmp_path):
 
 def test_every_refusal_is_held_with_no_storm_rate():
     """--refusal-storm-per-s 0: the first refusal is held already; with no hold (--refusal-hold-ms 0) none is."""
-    from app.core.admission import RefusalPace
+    from app.core.door_policy import RefusalPace
 
     always = RefusalPace(0.02, storm_per_s=0.0)
     assert all(0.01 <= always.hold(now=float(t)) <= 0.02 for t in range(5))  # one a second
@@ -516,7 +516,7 @@ def test_a_storm_past_the_budget_is_held_longer_up_to_the_longest_hold():
     the longest hold (REFUSAL_HOLD_MAX_S) keeps within the budget are answered at that hold, never later."""
     import random
 
-    from app.core.admission import RefusalPace
+    from app.core.door_policy import RefusalPace
     from app.settings import REFUSAL_HOLD_MAX_S
 
     rng = random.Random(7)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from app.core import admission
+from app.core import door_policy
 from app.core import session as session_module
 from app.core.emotion import check_emotion
 from app.core.engine_client import Event, Stream
@@ -598,7 +598,7 @@ def test_a_queued_utterance_holds_no_encoder_until_it_plays():
 
 
 def test_a_break_holds_the_door_no_room():
-    """The door holds room for a conversation by the audio it plays (app/core/admission.py Conversation); a break
+    """The door holds room for a conversation by the audio it plays (app/core/door_policy.py Conversation); a break
     (silence the gateway makes, no engine work) is no speech: a client sending a 0.1 s break every few seconds on
     each of a few sockets held every slot of the door for free, and newcomers were refused."""
 
@@ -621,7 +621,7 @@ def test_a_break_holds_the_door_no_room():
 
 
 class _Clock:
-    """The door's clock (app/core/admission.py), moved by hand."""
+    """The door's clock (app/core/door_policy.py), moved by hand."""
 
     def __init__(self) -> None:
         self.t = time.monotonic()
@@ -638,7 +638,7 @@ def test_a_hold_is_kept_by_the_audio_a_session_plays(monkeypatch, samples, pause
     forever at no cost, and newcomers were refused: a hold now lasts while the session's audio plays at a real pace
     and then for what its audio earned. A session speaking 1 s sentences with 2 s pauses keeps it."""
     clock = _Clock()
-    monkeypatch.setattr(admission, "time", clock)
+    monkeypatch.setattr(door_policy, "time", clock)
 
     async def go() -> list[bool]:
         session, ws, engine, task = await open_session(Limits(conversation_hold_s=10.0))

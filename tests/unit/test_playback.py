@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from app.core.admission import Conversation
+from app.core.door_policy import Conversation
 from app.core.engine_client import EngineUnavailable
 from app.core.lanes import Answer, Lane, Lanes
 from app.core.options import SynthesisOptions
