@@ -173,7 +173,7 @@ fi
 # overload: far more offered than fits; admitted streams must not stall, the rest are answered
 [ -n "${OVERLOAD-256}" ] && timeout $(( ${OVERLOAD_S:-60} + 60 )) $LIVE \
   --levels ${OVERLOAD:-256} --duration ${OVERLOAD_S:-60} --warmup 5 --stop-after-fail 0 --out "$OUT/overload.json"
-curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_paced|^zonos_engine_admission_held"
+curl -s localhost:8000/metrics | grep -E "^zonos_engine_(step|period|headroom)_ms |^zonos_engine_(plain_period|sprint_cost)_ms_by|^zonos_engine_paced|^zonos_engine_admission_held"
 grep -E "slow iteration|decode steps paused|gc pause|Traceback|recompil" /tmp/server.log | head -30
 [ -n "${REQS-30}" ] && timeout ${WS_BENCH_S:-150} $CLIENT_PIN python3 bench/ws_bench.py --concurrency 1 2 4 8 --requests ${REQS:-30} \
   --json "$OUT/ws_bench.json"

@@ -208,6 +208,19 @@ class Metrics:
                 e,
                 registry=r,
             ),
+            "plain_period_ms": EngineGauge(
+                "zonos_engine_plain_period_ms_by_engine",
+                "Median iteration period of this engine without a prefill or a first-audio sprint in it (ms)",
+                e,
+                registry=r,
+            ),
+            "sprint_cost_ms": EngineGauge(
+                "zonos_engine_sprint_cost_ms_by_engine",
+                "What a first-audio sprint step adds to this engine's iteration, as measured (ms): sprints run while "
+                "the plain period plus this stays under the realtime bound",
+                e,
+                registry=r,
+            ),
             "finished": EngineGauge(
                 "zonos_engine_finished_by_engine",
                 "Requests this engine ran to their end (since it started)",
@@ -293,6 +306,8 @@ class Metrics:
                 "finished",
                 "cancelled",
                 "period_ms",
+                "plain_period_ms",
+                "sprint_cost_ms",
                 "paced",
                 "starting",
                 "mixed_frames",

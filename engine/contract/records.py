@@ -783,6 +783,11 @@ class Stats(Record):
     period_ms: float = 0.0  # the measured iteration period
     min_slack_ms: float | None = None  # the smallest slack over the streams playing (engine/runtime/admission.py)
     prefill_cost_ms: float = 0.0  # what a prefill adds to its iteration (admission charges it to every stream)
+    # a first-audio sprint runs while plain_period_ms + sprint_cost_ms stays under the realtime bound (and saves the
+    # newcomers enough of their wait: admission.py `may_sprint`): the median iteration with neither a prefill nor a
+    # sprint, and what a sprint step adds to its iteration, as measured
+    plain_period_ms: float = 0.0
+    sprint_cost_ms: float = 0.0
     admissible: int | None = None  # streams that may start now (None: not known)
     starting: int = 0  # admitted streams whose players have not started (admission's slow start counts them)
     dac_in_flight: int = 0

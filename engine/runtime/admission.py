@@ -90,6 +90,11 @@ class RealtimeAdmission:
     def bound_s(self) -> float:
         return self.headroom * FRAME_S
 
+    @property
+    def plain_s(self) -> float:
+        """The median iteration period without a prefill or a sprint over the last PERIOD_WINDOW (0: none yet)."""
+        return statistics.median(self._plain) if self._plain else 0.0
+
     def observe_launch(self, now: float, streams: int, prefilled: bool = False, sprinted: int = 0) -> None:
         """Called at every decode-step launch with the number of streams it carries; `prefilled`: the
         iteration since the last launch ran a prefill; `sprinted`: the period holds that many first-audio sprint
@@ -131,7 +136,7 @@ class RealtimeAdmission:
             return True
         if not self._plain:
             return False
-        plain = statistics.median(self._plain)
+        plain = self.plain_s
         if plain + k * self.sprint_s <= self.bound_s and self.first_audio_wait(k, riding) <= 1 - self.sprint_gain:
             return True
         return k == 1 and plain < self.bound_s and self._unsprinted >= SPRINT_PROBE_LAUNCHES
@@ -143,7 +148,7 @@ class RealtimeAdmission:
         read): with half of them riding their mean wait grows (seed table c = 4 on an H100: 66 ms with sprints),
         and with all it shrinks by 5 %; at 128 streams on an H100 a sprint costs about half of a plain
         iteration, and every newcomer riding waits 25 % less."""
-        plain = statistics.median(self._plain) if self._plain else 0.0
+        plain = self.plain_s
         if plain <= 0:
             return 1.0
         longer = 1 + k * self.sprint_s / plain

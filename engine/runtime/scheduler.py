@@ -624,6 +624,8 @@ class Scheduler:
                 period_ms=round(self.admission.period_s * 1e3, 3),
                 min_slack_ms=round(min_slack * 1e3, 1) if min_slack is not None else None,
                 prefill_cost_ms=round(self.admission.prefill_s * 1e3, 3),
+                plain_period_ms=round(self.admission.plain_s * 1e3, 3),
+                sprint_cost_ms=round(self.admission.sprint_s * 1e3, 3),
                 # streams that may start now (the gateway's placement reads it; slots bound it too)
                 admissible=self.admission.admissible(
                     streams, min_slack, len(self.llm.free_slots), starting, self._dac_backlog()

@@ -658,6 +658,14 @@ def test_admission_measures_a_sprint_in_the_period_that_holds_it(engine: Engine,
         assert launched, "the newcomer sprinted"
         lag = 2 if overlap else 1
         assert [i for i, n in enumerate(told) for _ in range(n)] == [i + lag for i in launched if i + lag < len(told)]
+        # the engine's stats carry what the sprint gate weighs (the gateway's metrics show them)
+        sent: list[m.Stats] = []
+        sched.outbox.send = lambda key, record, **kw: sent.append(record) or True  # type: ignore[method-assign]
+        sched._last_stats = float("-inf")
+        sched._maybe_stats()
+        stats = sent[-1]
+        assert stats.sprint_cost_ms == round(sched.admission.sprint_s * 1e3, 3)
+        assert stats.plain_period_ms == round(sched.admission.plain_s * 1e3, 3) > 0
         while sched.running or sched._inflight:
             with engine.llm_stream():
                 sched.iterate()

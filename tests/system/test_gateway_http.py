@@ -68,6 +68,8 @@ def test_service_endpoints(server):
         "zonos_engine_late_iterations_by_engine",
         "zonos_engine_loop_preempted_by_engine",
         "zonos_engine_sprint_frames_by_engine",
+        "zonos_engine_plain_period_ms_by_engine",
+        "zonos_engine_sprint_cost_ms_by_engine",
     ):
         assert name in text, name
 
