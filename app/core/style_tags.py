@@ -20,7 +20,10 @@ Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the
 utterance it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no
 in-text control for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>`
-(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule). None of them is ever read aloud as markup.
+(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<say-as>`
+and `<audio>` (UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`, `<p>` and `<s>` (WRAPPER_ELEMENTS), asks for
+nothing: its tags are taken out (`unwrap`) and the text inside them spoken. None of them is ever read aloud as
+markup.
 """
 
 from __future__ import annotations
@@ -41,13 +44,17 @@ from app.core.tag_vocabulary import (
     TAG_WORDS,
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
+    WRAPPER_ELEMENTS,
 )
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
 MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
-_ELEMENT = re.compile(rf"<\s*/?\s*(speed|volume|phoneme)\b[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_UNSUPPORTED = "|".join(re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS, key=len, reverse=True))
+_ELEMENT = re.compile(rf"<\s*/?\s*({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_WRAPPERS = "|".join(sorted(WRAPPER_ELEMENTS))
+_WRAPPER = re.compile(rf"<\s*/?\s*(?:{_WRAPPERS})(?=[\s/>])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 _VALUE = re.compile(r"""\bvalue\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
@@ -96,10 +103,11 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
     tags is returned as it is (one piece), its spell elements spelled (none, if they spell nothing). A malformed
     `<emotion>` element is refused (`bad_text`). `partial`: a streamed message, whose last element may still be
-    arriving (its opening with no `>` after it)."""
-    tags = _tags(text, partial)
+    arriving (its opening with no `>` after it). SSML's structural tags are taken out first (`unwrap`)."""
+    plain = unwrap(text)
+    tags = _tags(plain, partial)
     if not tags:
-        spoken = spell_out(text)
+        spoken = spell_out(plain)
         # an element that spells nothing leaves nothing to say: no piece, as a text of only tags (`<spell></spell>`
         # was an utterance of no audio on a socket, and a 200 of no audio over HTTP where `[neutral]` is empty_text)
         return [spoken] if spoken is text or spoken.strip() else []
@@ -110,14 +118,32 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     for start, end, tag in tags:
         if start < pos:  # inside the tag before it (`<emotion value="[happy]"/>`): part of that one
             continue
-        before = spell_out(text[pos:start]).strip()
+        before = spell_out(plain[pos:start]).strip()
         if before:
             out.append(before)
         out.append(tag)
         pos = end
-    rest = spell_out(text[pos:]).strip()
+    rest = spell_out(plain[pos:]).strip()
     if rest:
         out.append(rest)
+    return out
+
+
+def unwrap(text: str) -> str:
+    """`text` without SSML's structural tags (`<speak ...>`, `<p>`, `<s>` and their closings: WRAPPER_ELEMENTS), the
+    text inside them kept; where a tag stood between two words (`Hello.</p><p>There`) a space keeps them apart."""
+    if "<" not in text:
+        return text
+    pieces = [piece for piece in _WRAPPER.split(text) if piece]
+    if len(pieces) == 1 and len(pieces[0]) == len(text):
+        return text
+    out = ""
+    for piece in pieces:
+        if out and not out[-1].isspace() and piece[0].isalnum():
+            out += " "
+        elif out and out[-1] == " " and piece[0] == " ":  # (`and <p> more`: one space, not two)
+            piece = piece[1:]
+        out += piece
     return out
 
 

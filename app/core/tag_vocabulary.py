@@ -82,16 +82,21 @@ UNSUPPORTED_TAGS = frozenset(
 )
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
-# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme): tags,
-# refused (the request's own speed still applies)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme"})
+# Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme, and SSML's
+# prosody, emphasis, say-as and audio, which an agent written for an SSML engine sends): tags, refused, so that the
+# client hears of it rather than "prosody rate equals slow" (the request's own speed still applies)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "say-as", "audio"})
+# SSML's structure (the document, paragraphs, sentences), which asks for nothing ZONOS2 would do otherwise: its tags
+# are taken out and the text inside them spoken
+WRAPPER_ELEMENTS = frozenset({"speak", "p", "s"})
+_ELEMENT_NAMES = "|".join(re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS | {"spell"}, key=len, reverse=True))
 
 # a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
 BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-# an element's opening (Cartesia's speed, volume and spell, ElevenLabs' SSML phoneme; an emotion element's below): one
+# an element's opening (UNSUPPORTED_ELEMENTS' and Cartesia's spell; an emotion element's below): one
 # that does not start a whole element was cut (a newline ends a sentence at once, a long tag is cut at the utterance
 # budget) and is refused, so that no half of it is read aloud
-ELEMENT_OPEN = re.compile(r"<\s*/?\s*(speed|volume|phoneme|spell)\b", re.IGNORECASE)
+ELEMENT_OPEN = re.compile(rf"<\s*/?\s*({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)
 EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
 
 

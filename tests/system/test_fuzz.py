@@ -161,6 +161,11 @@ short_text = (
             '<speed ratio="1.5"/>Fast. <volume ratio=0.5 /> quiet </speed>.',
             "Hi <spell\n>x</spell>.",
             'Say <phoneme alphabet="ipa" ph="x">tomato</phoneme>.',
+            # SSML: structure taken out (speak, p, s), controls refused (prosody, emphasis, say-as, audio), cut ones
+            '<speak version="1.1"><p><s>Hi.</s></p><p>There</p></speak>',
+            '<speak>Say <prosody rate="slow">this</prosody> <emphasis>now</emphasis>.</speak>',
+            '<say-as interpret-as="characters">AB</say-as> <audio src="x.wav"/> <speak></speak> a <s b',
+            "Hi <prosody\nrate=2>x.",
             'Wait <break time="1s"></break> now. </break>',
         ]
     )

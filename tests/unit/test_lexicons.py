@@ -86,6 +86,7 @@ def test_rules_from_json_take_elevenlabs_rules_and_refuse_phonemes():
         "[happy] yes",
         '<emotion value="calm"/>',
         "<speed ratio=2/>",
+        '<prosody rate="slow">',
         "x</break>",
     ],
 )

@@ -334,12 +334,63 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
     assert err.code == "unsupported_tag" and "phoneme input" in str(err) and queued == 0, str(err)
 
 
+@pytest.mark.parametrize(
+    ("tag", "name"),
+    [
+        ('<prosody rate="slow">', "prosody"),
+        ("</prosody>", "prosody"),
+        ('<emphasis level="strong">', "emphasis"),
+        ('<say-as interpret-as="characters">', "say-as"),
+        ('<audio src="https://example.com/a.wav"/>', "audio"),
+    ],
+)
+def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
+    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<say-as>`, `<audio>`: each was read aloud
+    as markup ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
+    assert tags(split_tags(f"Before {tag} after.")) == ["Before", name, "after."]
+
+    async def go():
+        pipe = pipeline(directions())
+        with pytest.raises(RequestError) as e:
+            pipe.add([f"Fine so far. {tag} Then."], SynthesisOptions(), voice(), None)
+        queued = len(pipe)
+        pipe.close()
+        return e.value, queued
+
+    err, queued = asyncio.run(go())
+    assert err.code == "unsupported_tag" and name in str(err) and queued == 0, str(err)
+
+
+@pytest.mark.parametrize(
+    ("text", "spoken"),
+    [
+        ("<speak><p>Hello there.</p><p>How are you?</p></speak>", ["Hello there. How are you?"]),
+        ('<speak version="1.1" xmlns="http://www.w3.org/2001/10/synthesis"><s>One</s><s>two</s>.</speak>', ["One two."]),  # noqa: E501
+        ("Hello <p>world</p>.", ["Hello world."]),
+        ("and <p> more", ["and more"]),
+        ("<SPEAK>Case</Speak>", ["Case"]),
+        ("<speak></speak>", []),
+        # not SSML's structure: text, spoken as written (a tag needs its '>'; other names are not these)
+        ("a <s b and <pre> or <sub>", ["a <s b and <pre> or <sub>"]),
+    ],
+)
+def test_ssml_structure_is_taken_out_and_its_text_spoken(text, spoken):
+    """`<speak>`, `<p>` and `<s>` ask for nothing ZONOS2 would do otherwise: their tags are taken out (a space where
+    one stood between two words), the text inside them spoken and reported as spoken."""
+    assert split_tags(text) == spoken
+    assert split_tags(f"<speak>[happy] {text}</speak>")[0] == StyleTag("happy", "[happy]")
+
+
 @pytest.mark.parametrize("text", ["Code <spell\nAB</spell>.", 'Go <speed ratio="' + "1" * 300 + '"/> on.'])
 def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
     with pytest.raises(RequestError) as e:
         split_tags(text)
     assert e.value.code == "bad_text"
     assert split_tags("Code <spell", partial=True) == ["Code <spell"]  # a streamed tag, still arriving
+    with pytest.raises(RequestError) as e:
+        split_tags('Say <prosody rate="slow" and go.')  # SSML's unsupported ones too
+    assert e.value.code == "bad_text"
+    assert split_tags("Say <prosody", partial=True) == ["Say <prosody"]
 
 
 def test_a_spell_element_on_the_socket_reaches_the_engine_spelled():
