@@ -365,7 +365,10 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
     ("text", "spoken"),
     [
         ("<speak><p>Hello there.</p><p>How are you?</p></speak>", ["Hello there. How are you?"]),
-        ('<speak version="1.1" xmlns="http://www.w3.org/2001/10/synthesis"><s>One</s><s>two</s>.</speak>', ["One two."]),  # noqa: E501
+        (
+            '<speak version="1.1" xmlns="http://www.w3.org/2001/10/synthesis"><s>One</s><s>two</s>.</speak>',
+            ["One two."],
+        ),
         ("Hello <p>world</p>.", ["Hello world."]),
         ("and <p> more", ["and more"]),
         ("<SPEAK>Case</Speak>", ["Case"]),
