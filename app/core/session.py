@@ -44,7 +44,7 @@ from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
-from app.core.tag_vocabulary import markup_in
+from app.core.tag_vocabulary import ELEMENT_NAMES, markup_in
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -69,7 +69,6 @@ CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
 # an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
 _OPEN_NAME = re.compile(r"<\s*/?\s*([A-Za-z]*)$")
-_ELEMENT_NAMES = ("break", "emotion", "speed", "volume", "phoneme", "spell")
 
 
 def _ends_in_a_tag(text: str) -> bool:
@@ -77,7 +76,7 @@ def _ends_in_a_tag(text: str) -> bool:
     which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
     if _OPEN_BRACKET.search(text):
         return True
-    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in _ELEMENT_NAMES):
+    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
         return True
     try:
         split_breaks(text)

@@ -89,11 +89,18 @@ UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emph
 # SSML's structure (the document, paragraphs, sentences), which asks for nothing ZONOS2 would do otherwise: its tags
 # are taken out and the text inside them spoken
 WRAPPER_ELEMENTS = frozenset({"speak", "p", "s"})
-_ELEMENT_NAMES = "|".join(re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS | {"spell"}, key=len, reverse=True))
+# every inline element's name: a text that ends inside one (`Hi <emo`, `Hi <pros`) ends in a tag still arriving
+ELEMENT_NAMES = frozenset({"break", "emotion", "spell", *UNSUPPORTED_ELEMENTS, *WRAPPER_ELEMENTS})
+# the elements whose opening must end with its '>' in its sentence (breaks' and emotions' are below): `<speak` too,
+# whose attributes a pretty-printed document puts on lines of their own (a newline ends a sentence, and each half was
+# read aloud: "speak version equals"); not `<p` and `<s`, which ordinary text writes (`a <s b`, `x<p`)
+_ELEMENT_NAMES = "|".join(
+    re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS | {"spell", "speak"}, key=len, reverse=True)
+)
 
 # a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
 BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-# an element's opening (UNSUPPORTED_ELEMENTS' and Cartesia's spell; an emotion element's below): one
+# an element's opening (UNSUPPORTED_ELEMENTS', Cartesia's spell and SSML's speak; an emotion element's below): one
 # that does not start a whole element was cut (a newline ends a sentence at once, a long tag is cut at the utterance
 # budget) and is refused, so that no half of it is read aloud
 ELEMENT_OPEN = re.compile(rf"<\s*/?\s*({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)

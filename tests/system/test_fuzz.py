@@ -166,6 +166,11 @@ short_text = (
             '<speak>Say <prosody rate="slow">this</prosody> <emphasis>now</emphasis>.</speak>',
             '<say-as interpret-as="characters">AB</say-as> <audio src="x.wav"/> <speak></speak> a <s b',
             "Hi <prosody\nrate=2>x.",
+            # SSML: a quoted '>', a pretty-printed <speak> cut by its newline, a long one, not tags, cut names
+            '<speak a="x>y"><s/>Hi<p/>there</speak> if a<s and b>c then x<p',
+            '<speak version="1.0"\n xmlns="http://www.w3.org/2001/10/synthesis">\n<p>Hello.</p>\n</speak>',
+            '<speak x="' + "a" * 300 + '">Hi</speak> <spea',
+            "Hi <pros",
             'Wait <break time="1s"></break> now. </break>',
         ]
     )

@@ -183,12 +183,14 @@ def test_a_tag_split_across_messages_is_refused_once_and_the_socket_goes_on():
     assert [m["code"] for m in closing if m["type"] == "error"] == ["unsupported_tag"], closing
 
 
-@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br"])
+@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br", "<pros", "<say", "<emph"])
 def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it(cut):
     """A tag whose first message ends inside the element's name (`Hi <emo`, then `tion value=...`): the message
     that completes it is refused, and the half before it goes with it; it was kept and read aloud ("Hi <emo") by
     the next flush, as no pattern of a whole element name saw it as a tag's start."""
     rest = {"<": 'emotion value="happy"/>', "<emo": 'tion value="happy"/>', "< /": "speed>", "<SPE": 'ED ratio="2"/>'}
+    # SSML's (the hostile pass: the session's list of element names lacked them, and "Hi <pros" was read aloud)
+    rest |= {"<pros": 'ody rate="slow">', "<say": '-as interpret-as="date">', "<emph": "asis>"}
     completes = rest.get(cut, 'eak time="soon"/>')
 
     sent = [{"text": f"Hi {cut}"}, {"text": f"{completes} there. And on"}]
@@ -373,8 +375,11 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         ("and <p> more", ["and more"]),
         ("<SPEAK>Case</Speak>", ["Case"]),
         ("<speak></speak>", []),
+        ('<speak a="x>y">Hi</speak>', ["Hi"]),  # a quoted '>' is the attribute's (its rest was read aloud: 'y">Hi')
+        ("<speak version=\"1.0\"\n  xml:lang='en-US'><p xml:lang=en>Hi</p></speak>", ["Hi"]),
         # not SSML's structure: text, spoken as written (a tag needs its '>'; other names are not these)
         ("a <s b and <pre> or <sub>", ["a <s b and <pre> or <sub>"]),
+        ("if a<s and b>c then x<p", ["if a<s and b>c then x<p"]),  # no tag: 'and b' was taken out as its attributes
     ],
 )
 def test_ssml_structure_is_taken_out_and_its_text_spoken(text, spoken):
@@ -384,7 +389,16 @@ def test_ssml_structure_is_taken_out_and_its_text_spoken(text, spoken):
     assert split_tags(f"<speak>[happy] {text}</speak>")[0] == StyleTag("happy", "[happy]")
 
 
-@pytest.mark.parametrize("text", ["Code <spell\nAB</spell>.", 'Go <speed ratio="' + "1" * 300 + '"/> on.'])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Code <spell\nAB</spell>.",
+        'Go <speed ratio="' + "1" * 300 + '"/> on.',
+        # a pretty-printed document's `<speak` cut by a newline (its halves were read aloud), a speak tag too long
+        '<speak version="1.0"',
+        '<speak version="1.0" xmlns="' + "x" * 300 + '">Hi.</speak>',
+    ],
+)
 def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
     with pytest.raises(RequestError) as e:
         split_tags(text)
@@ -408,3 +422,47 @@ def test_a_spell_element_on_the_socket_reaches_the_engine_spelled():
     seen, texts = asyncio.run(go())
     assert texts == ["Your PIN is 4 7 1 1."], texts
     assert [m["text"] for m in seen if m["type"] == "audio.start"] == ["Your PIN is 4 7 1 1."]
+
+
+def test_ssml_streamed_word_by_word_reaches_the_engine_and_the_client_without_its_markup():
+    """An agent's SSML arrives cut anywhere (`<spe` + `ak ...>`, `Hello.</p>` + `<p>There`): the buffer joins the
+    halves, and the engine, `audio.start` and the word times see only the words."""
+
+    async def go():
+        _, ws, engine, task = await open_session()
+        pieces = ["<spe", 'ak version="1.1" xml:lang="en-US">', "<p><s>Hello", ".</s></p><", "p>There", "</p></speak>"]
+        for piece in pieces:
+            ws.send(type="text", text=piece)
+        ws.send(type="flush")
+
+        async def play_all():  # each utterance it starts (how many: the segmenter's)
+            for n in range(1, 10):
+                FakeEngine.play(await engine.started(n))
+
+        player = asyncio.create_task(play_all())
+        seen = await ws.until("flushed")
+        player.cancel()
+        await shut(ws, task)
+        return seen, engine.texts
+
+    seen, texts = asyncio.run(go())
+    assert [m for m in seen if m["type"] == "error"] == [], seen
+    assert " ".join(texts) == "Hello. There", texts
+    assert " ".join(m["text"] for m in seen if m["type"] == "audio.start") == "Hello. There", seen
+
+
+def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_read_aloud():
+    """A newline ends a sentence: a `<speak` whose attributes go on the next line was two sentences of markup,
+    spoken ("speak version equals 1.0", "xmlns equals ..."); now bad_text, before any audio."""
+    text = '<speak version="1.0"\n       xmlns="http://www.w3.org/2001/10/synthesis">\n  <p>Hello.</p>\n</speak>'
+
+    async def go():
+        chunks = 0
+        with pytest.raises(RequestError) as e:
+            async for _ in speak(fake_gateway(), "openai", text, SynthesisOptions(), None, None):
+                chunks += 1
+        return e.value.code, chunks
+
+    assert asyncio.run(go()) == ("bad_text", 0)
+    one_line = text.replace("\n      ", "")  # on one line the tag is whole: taken out
+    assert [p.strip() for p in split_tags(one_line)] == ["Hello."]
