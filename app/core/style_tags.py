@@ -45,15 +45,15 @@ from app.core.tag_vocabulary import (
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
     WRAPPER_ELEMENTS,
+    names_pattern,
 )
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
 MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
-_UNSUPPORTED = "|".join(re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS, key=len, reverse=True))
+_UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRAPPER_ELEMENTS)
 _ELEMENT = re.compile(rf"<\s*/?\s*({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
-_WRAPPERS = "|".join(sorted(WRAPPER_ELEMENTS))
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
 _ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX}}}'|[^\s"'<>=/]{{1,{TAG_MAX}}})"""

@@ -94,9 +94,14 @@ ELEMENT_NAMES = frozenset({"break", "emotion", "spell", *UNSUPPORTED_ELEMENTS, *
 # the elements whose opening must end with its '>' in its sentence (breaks' and emotions' are below): `<speak` too,
 # whose attributes a pretty-printed document puts on lines of their own (a newline ends a sentence, and each half was
 # read aloud: "speak version equals"); not `<p` and `<s`, which ordinary text writes (`a <s b`, `x<p`)
-_ELEMENT_NAMES = "|".join(
-    re.escape(n) for n in sorted(UNSUPPORTED_ELEMENTS | {"spell", "speak"}, key=len, reverse=True)
-)
+
+
+def names_pattern(names: frozenset[str] | set[str]) -> str:
+    """A regex alternation of element names, the longest first (so that `say-as` is never read as a shorter name)."""
+    return "|".join(re.escape(n) for n in sorted(names, key=lambda n: (-len(n), n)))
+
+
+_ELEMENT_NAMES = names_pattern(UNSUPPORTED_ELEMENTS | {"spell", "speak"})
 
 # a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
 BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")

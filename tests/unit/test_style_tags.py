@@ -303,20 +303,26 @@ def test_a_spell_element_of_nothing_is_nothing_to_say(text):
     assert asyncio.run(go()) == ([], "empty_text")
 
 
+def refused_on_add(text: str) -> tuple[RequestError, int]:
+    """The error a session's pipeline raises adding `text`, and the utterances it queued (none: refused whole)."""
+
+    async def go():
+        pipe = pipeline(directions())
+        with pytest.raises(RequestError) as e:
+            pipe.add([text], SynthesisOptions(), voice(), None)
+        queued = len(pipe)
+        pipe.close()
+        return e.value, queued
+
+    return asyncio.run(go())
+
+
 @pytest.mark.parametrize("tag", ['<speed ratio="1.5"/>', "<volume ratio=0.5 />", "</speed>"])
 def test_cartesia_speed_and_volume_tags_are_refused_not_spoken(tag):
     """ZONOS2 has no in-text control for them: unsupported_tag, and nothing of the text is queued."""
     assert tags(split_tags(f"Before {tag} after.")) == ["Before", tag.split()[0].strip("</>"), "after."]
 
-    async def go():
-        pipe = pipeline(directions())
-        with pytest.raises(RequestError) as e:
-            pipe.add([f"Fine so far. {tag} Then faster."], SynthesisOptions(), voice(), None)
-        queued = len(pipe)
-        pipe.close()
-        return e.value, queued
-
-    err, queued = asyncio.run(go())
+    err, queued = refused_on_add(f"Fine so far. {tag} Then faster.")
     assert err.code == "unsupported_tag" and "no in-text control" in str(err) and queued == 0, str(err)
 
 
@@ -324,15 +330,7 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
     """ElevenLabs' SSML `<phoneme alphabet ph>word</phoneme>`: ZONOS2 has no phoneme input (a dictionary's phoneme rule
     is refused too); it was read aloud as markup."""
 
-    async def go():
-        pipe = pipeline(directions())
-        with pytest.raises(RequestError) as e:
-            pipe.add(['Say <phoneme alphabet="ipa" ph="t@meItoU">tomato</phoneme>.'], SynthesisOptions(), voice(), None)
-        queued = len(pipe)
-        pipe.close()
-        return e.value, queued
-
-    err, queued = asyncio.run(go())
+    err, queued = refused_on_add('Say <phoneme alphabet="ipa" ph="t@meItoU">tomato</phoneme>.')
     assert err.code == "unsupported_tag" and "phoneme input" in str(err) and queued == 0, str(err)
 
 
@@ -351,15 +349,7 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
     as markup ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
     assert tags(split_tags(f"Before {tag} after.")) == ["Before", name, "after."]
 
-    async def go():
-        pipe = pipeline(directions())
-        with pytest.raises(RequestError) as e:
-            pipe.add([f"Fine so far. {tag} Then."], SynthesisOptions(), voice(), None)
-        queued = len(pipe)
-        pipe.close()
-        return e.value, queued
-
-    err, queued = asyncio.run(go())
+    err, queued = refused_on_add(f"Fine so far. {tag} Then.")
     assert err.code == "unsupported_tag" and name in str(err) and queued == 0, str(err)
 
 
