@@ -1,5 +1,6 @@
 """Inline breaks: `<break time="500ms"/>` (ElevenLabs' and Cartesia's syntax; also "1.5s") in a text is that
-much silence, exactly, between the speech before and after it. The speech after a break continues the speech
+much silence, exactly, between the speech before and after it; SSML's `<break strength="strong"/>` (and a bare
+`<break/>`, SSML's medium) is the silence of its strength (STRENGTH_S). The speech after a break continues the speech
 before it (the same continuation chain: a break does not reset the voice)."""
 
 from __future__ import annotations
@@ -21,14 +22,21 @@ BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts
 # an element's end (`<break time="1s"></break>`, as XML writers and SSML-writing LLMs send it): nothing to do, not text
 BREAK_END = re.compile(r"<\s*/\s*break\s*>", re.IGNORECASE)
 _BREAK_END_SPACED = re.compile(r"\s*<\s*/\s*break\s*>\s*", re.IGNORECASE)
+# SSML's break strengths as silence (Azure's documented durations; SSML 1.1 names them, leaves the length to the
+# engine): a break with a time is that time; "none" is no break at all (the words either side join); a bare
+# <break/> is "medium", as SSML and Azure read it
+STRENGTH_S = {"none": 0.0, "x-weak": 0.25, "weak": 0.5, "medium": 0.75, "strong": 1.0, "x-strong": 1.25}
+DEFAULT_STRENGTH = "medium"
+_STRENGTH = re.compile(r"""\bstrength\s*=\s*(["']?)\s*([a-z-]*)\s*\1""", re.IGNORECASE)
+_TIME_ATTR = re.compile(r"\btime\s*=", re.IGNORECASE)
 _TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
 def split_breaks(text: str, partial: bool = False) -> list[str | float]:
-    """The text's pieces in order: spoken text (str, never empty or blank) and breaks (seconds). A break tag
-    without a valid time is refused (`bad_text`), never spoken as text; an element's end (`</break>`) is dropped (a
-    text of nothing else has no pieces). `partial`: a streamed message, whose last tag may still be arriving (its
-    opening with no `>` after it)."""
+    """The text's pieces in order: spoken text (str, never empty or blank) and breaks (seconds). A break tag with
+    an invalid time or strength is refused (`bad_text`), never spoken as text; `strength="none"` joins the words
+    either side; an element's end (`</break>`) is dropped (a text of nothing else has no pieces). `partial`: a
+    streamed message, whose last tag may still be arriving (its opening with no `>` after it)."""
     out: list[str | float] = []
     if BREAK_END.search(text):
         text = _BREAK_END_SPACED.sub(" ", text).strip()
@@ -45,24 +53,44 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
             )
     if len(tags) > MAX_BREAKS:
         raise RequestError(G.BAD_TEXT, f"at most {MAX_BREAKS} breaks in one text")
+    pending = ""  # the spoken text since the last break (across `strength="none"` tags, which join it)
     for m in tags:
-        before = text[pos : m.start()]
-        if before.strip():
-            out.append(before.strip())
-        t = _TIME.search(m.group(1))
-        if t is None:
-            raise RequestError(G.BAD_TEXT, f'a break needs a time such as time="500ms" or "1.5s": {m.group(0)[:60]!r}')
-        seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
-        # at least one sample of silence (a shorter one was none: a text of only such a break made an empty answer)
-        if round(seconds * SAMPLE_RATE) < 1 or seconds > MAX_BREAK_S:
-            written = f"{t.group(1)} {t.group(2).lower()}"  # (as written: 10.0001 s was "not 10 s" in :g)
-            raise RequestError(
-                G.BAD_TEXT,
-                f"a break is at least one sample (1/{SAMPLE_RATE} s) and at most {MAX_BREAK_S:g} s, not {written}",
-            )
-        out.append(seconds)
+        segment = text[pos : m.start()]
+        pending += segment.lstrip() if pending.endswith(" ") else segment
         pos = m.end()
+        seconds = break_seconds(m.group(0), m.group(1))
+        if seconds == 0.0:
+            pending = pending.rstrip() + " "
+            continue
+        if pending.strip():
+            out.append(pending.strip())
+        pending = ""
+        out.append(seconds)
     rest = text[pos:]
-    if rest.strip() or not out:
+    rest = pending + (rest.lstrip() if pending.endswith(" ") else rest)
+    if rest.strip() or not (out or tags):
         out.append(rest if not out else rest.strip())
     return out
+
+
+def break_seconds(tag: str, attributes: str) -> float:
+    """A break tag's silence: its time, else its strength's (STRENGTH_S; 0.0 is "none"), else medium's. A time
+    that is not one (`time="soon"`), or out of range, and an unknown strength are refused (`bad_text`)."""
+    t = _TIME.search(attributes)
+    if t is None:
+        if _TIME_ATTR.search(attributes):
+            raise RequestError(G.BAD_TEXT, f"a break's time is a number with ms or s, as 500ms or 1.5s: {tag[:60]!r}")
+        s = _STRENGTH.search(attributes)
+        strength = s.group(2).lower() if s else DEFAULT_STRENGTH
+        if strength not in STRENGTH_S:
+            raise RequestError(G.BAD_TEXT, f"a break's strength is one of {', '.join(STRENGTH_S)}: {tag[:60]!r}")
+        return STRENGTH_S[strength]
+    seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
+    # at least one sample of silence (a shorter one was none: a text of only such a break made an empty answer)
+    if round(seconds * SAMPLE_RATE) < 1 or seconds > MAX_BREAK_S:
+        written = f"{t.group(1)} {t.group(2).lower()}"  # (as written: 10.0001 s was "not 10 s" in :g)
+        raise RequestError(
+            G.BAD_TEXT,
+            f"a break is at least one sample (1/{SAMPLE_RATE} s) and at most {MAX_BREAK_S:g} s, not {written}",
+        )
+    return seconds

@@ -24,6 +24,24 @@ def test_breaks_split_the_text():
     assert split_breaks("") == [""]
 
 
+def test_a_break_of_a_strength_is_its_silence():
+    """SSML's strengths (Azure's durations), a bare <break/> as medium; a time wins over a strength; "none" joins
+    the words either side (a text of nothing else has no pieces, as a text of only `</break>`)."""
+    assert split_breaks('A <break strength="x-weak"/> B <break strength=weak/> C') == ["A", 0.25, "B", 0.5, "C"]
+    assert split_breaks("A <break/> B <break strength='STRONG' /> C <break strength=\"x-strong\"/>") == [
+        "A",
+        0.75,
+        "B",
+        1.0,
+        "C",
+        1.25,
+    ]
+    assert split_breaks('A <break strength="medium" time="20ms"/> B') == ["A", 0.02, "B"]
+    assert split_breaks('one<break strength="none"/>two <break strength="none"/> three.') == ["one two three."]
+    assert split_breaks('<break strength="none"/> ') == []
+    assert split_breaks('A <break strength="none"/><break time="1s"/>B') == ["A", 1.0, "B"]
+
+
 def test_a_break_elements_end_is_dropped_not_spoken():
     """`<break time="1s"></break>` (XML writers and SSML-writing LLMs close the element): the end was read aloud."""
     assert split_breaks('Hi <break time="1s"></break> there.') == ["Hi", 1.0, "there."]
@@ -42,9 +60,17 @@ def test_a_break_elements_end_is_dropped_not_spoken():
 
 @pytest.mark.parametrize(
     "tag",
-    ['<break time="soon"/>', "<break/>", '<break time="0ms"/>', '<break time="11s"/>', '<break strength="strong"/>'],
+    [
+        '<break time="soon"/>',
+        '<break time=""/>',
+        '<break time="0ms"/>',
+        '<break time="11s"/>',
+        '<break strength="loud"/>',
+        '<break strength=""/>',
+        '<break time="later" strength="strong"/>',
+    ],
 )
-def test_a_break_without_a_valid_time_is_refused(tag):
+def test_a_break_without_a_valid_time_or_strength_is_refused(tag):
     with pytest.raises(RequestError) as e:
         split_breaks(f"Before {tag} after.")
     assert e.value.code == "bad_text"
