@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
-from app.core.breaks import split_breaks
+from app.core.breaks import TAG_MAX, split_breaks
 from app.core.door_policy import Conversation
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
@@ -69,6 +69,24 @@ CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
 # an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
 _OPEN_NAME = re.compile(r"<\s*/?\s*([A-Za-z]*)$")
+
+
+# an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag
+_OPEN_ELEMENT = re.compile(r"<\s*/?\s*([A-Za-z-]+)[^<>]*$")
+
+
+def unfinished_tag_start(text: str) -> int | None:
+    """Where a tag still arriving begins at the end of buffered text (a bracket or an element of ours cut inside its
+    name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
+    Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
+    (`Hi <spea` spoken, then `k>`)."""
+    if m := _OPEN_BRACKET.search(text):
+        return m.start()
+    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
+        return m.start()
+    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
+        return len(text) - len(text[-TAG_MAX:]) + m.start()
+    return None
 
 
 def _ends_in_a_tag(text: str) -> bool:
@@ -502,7 +520,12 @@ class StreamingSession:
         self.on_queued(ctx, added)
 
     async def flush(
-        self, ctx: str | None, answer: Answer | None = None, enforce_limit: bool = True, end_turn: bool = True
+        self,
+        ctx: str | None,
+        answer: Answer | None = None,
+        enforce_limit: bool = True,
+        end_turn: bool = True,
+        as_it_comes: bool = False,
     ) -> None:
         """Speak what a context (None: every context) has buffered now; `answer` once all audio of the text
         sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
@@ -512,19 +535,25 @@ class StreamingSession:
         messages: dropped, as it can never be spoken, so that the next flush and the close are not refused for it
         again) refuses the flush: no `answer`. One context's refusal is raised, for the message's own error; a
         flush of every context speaks every other context's text and reports each refusal naming its context (it
-        stopped at the first, leaving the contexts after it unspoken and that refusal without its context)."""
+        stopped at the first, leaving the contexts after it unspoken and that refusal without its context).
+        as_it_comes: the client did not ask for this flush (a hold's timer, a dialect that speaks text as it comes): a
+        tag still arriving at the end stays buffered for the text that completes it (`unfinished_tag_start`)."""
         refused: list[tuple[str, RequestError]] = []
         flushed: list[str] = []
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 before = buf.text
+                cut = unfinished_tag_start(before) if as_it_comes else None
+                tail = before[cut:] if cut is not None else ""
+                buf.text = before[: len(before) - len(tail)]
                 try:
                     self._enqueue(c, buf.flush(), enforce_limit)
                     flushed.append(c)
                 except RequestError as e:
                     if e.code == G.TOO_MANY_UTTERANCES:
-                        buf.text = before
+                        buf.text, tail = before, ""
                     refused.append((c, e))
+                buf.text += tail
         self._drop_empty_buffers()
         if refused and ctx is not None:
             raise refused[0][1]
@@ -635,7 +664,7 @@ class StreamingSession:
         if self._closing or not self.buffered(ctx).strip():
             return
         try:
-            await self.flush(ctx, end_turn=False)  # the hold timer: more text of the turn may follow
+            await self.flush(ctx, end_turn=False, as_it_comes=True)  # the hold timer: more text of the turn may follow
         except RequestError as e:  # too many utterances queued: it stays buffered for a later flush
             await self.error(e.code, str(e), **self.error_context({"context_id": ctx}))
         except Exception as e:  # the client is gone (a failed send); the session is ending

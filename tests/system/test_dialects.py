@@ -706,6 +706,27 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
     assert len(el_audio(run(go()), "auto")) == 2 * resampled(reply_frames([20] * 3) * 512, 24000)
 
 
+def test_elevenlabs_auto_mode_keeps_a_tag_still_arriving_for_the_text_that_completes_it(srv):
+    """auto_mode speaks each text as it comes: a break cut across two texts (inside its name, then inside its
+    attributes) waits for its end instead of being read aloud (`<brea` spoken, then `k time=...` refused)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=True))
+        for t in ("Wait <brea", "k ti", 'me="200ms"/> now. ', "And on."):
+            await ws.send(json.dumps({"text": t, "context_id": "cut"}))
+        await ws.send(json.dumps({"text": "", "context_id": "cut", "flush": True}))
+        await ws.send(json.dumps({"context_id": "cut", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "cut", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
+    assert chars.split() == ["Wait", "now.", "And", "on."], chars
+    assert len(el_audio(log, "cut")) >= 0.2 * 24000 * 2
+
+
 def test_elevenlabs_close_context_ends_the_turn_it_still_speaks(start_server):
     """With auto_mode a text (here flushed with it) is one more sentence of the turn: its stream is held for
     the next. A close_context ends the turn: the held tail is decoded at once, on a server whose continuation
@@ -946,6 +967,25 @@ def test_cartesia_continuations_then_done(srv):
     assert ends[-1] <= len(ca_audio(log, "k1")) / 2 / 24000 + 0.02
     # max_buffer_delay_ms 0: each transcript is spoken as it comes ("Hello there. How " is two utterances)
     assert abs(len(ca_audio(log, "k1")) // 2 - resampled(reply_frames([20] * 3) * 512, 24000)) <= 6
+
+
+def test_cartesia_zero_buffer_delay_keeps_a_tag_still_arriving_for_the_text_that_completes_it(srv):
+    """max_buffer_delay_ms 0 speaks each transcript as it comes: a break cut inside its name waits for its end
+    (it was read aloud, `<brea`, and the rest refused)."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        for t in ("Hello <brea", 'k time="300ms"/> there.'):
+            await ws.send(ca_request("cut", t, True, max_buffer_delay_ms=0))
+        await ws.send(ca_request("cut", "", False, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        await ca_until(ws, "cut", "done", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    words = [w for m in log if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]]
+    assert words == ["Hello", "there."] and len(ca_audio(log, "cut")) >= 0.3 * 24000 * 2
 
 
 def test_cartesia_buffered_sentences_and_flush_done(srv):

@@ -11,6 +11,7 @@ import pytest
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline, speak
+from app.core.session import unfinished_tag_start
 from app.core.style_tags import StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL, TAG_WORDS
 from app.core.text_buffer import TextBuffer
@@ -210,6 +211,28 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
     assert err["type"] == "error" and err["code"] == "unsupported_tag", err
     assert [m["type"] for m in seen if m["type"] == "error"] == [], seen
     assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
+
+
+@pytest.mark.parametrize(
+    "text, kept",
+    [
+        ("Hi <spea", "<spea"),
+        ('Hi <break time="1', '<break time="1'),
+        ("Hi [hap", "[hap"),
+        ('x <emotion value="ha', '<emotion value="ha'),
+        ("Hi </spe", "</spe"),
+        ("Hi <", "<"),
+        ("Hi <b>", ""),  # not of ours, and whole
+        ('Hi <break time="1s"/> there', ""),
+        ("Hi <foo bar", ""),  # not an element of ours: text
+        ("[1] and [", "["),
+    ],
+)
+def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):
+    """A hold's timer, auto_mode and a zero buffer delay speak what is buffered without the client's flush: a tag
+    still arriving at its end stays for the text that completes it (session.py `unfinished_tag_start`)."""
+    start = unfinished_tag_start(text)
+    assert (text[start:] if start is not None else "") == kept
 
 
 def test_a_flush_of_every_context_speaks_the_others_and_names_the_refused_one():

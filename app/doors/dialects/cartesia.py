@@ -185,7 +185,7 @@ class CartesiaSession(StreamingSession):
             await self.flush(ctx, answer=self._flush_done(c, c.flush_id + 1), end_turn=False)
             c.flush_id += 1
         elif c.buffer_delay_ms == 0:
-            await self.flush(ctx, end_turn=False)
+            await self.flush(ctx, end_turn=False, as_it_comes=True)
 
     def _open(self, ctx: str, data: dict[str, Any], lexicon: Aliases) -> Context:
         """A new context (its caller has checked its room: `check_room`); `lexicon`: the rules its

@@ -244,7 +244,7 @@ class ElevenLabsSession(StreamingSession):
         # with auto_mode, a flush that carries text (LiveKit's every sentence) is one more sentence of the turn,
         # so a LiveKit reply is one voice and one DAC stream, as pipecat's
         if speak:
-            await self.flush(ctx, end_turn=ends_input)
+            await self.flush(ctx, end_turn=ends_input, as_it_comes=not flush)
             last = self.last_queued(ctx)
             if last is not None and ends_input:
                 c.flushed_upto = last
