@@ -3,9 +3,9 @@ emotion words that both the tags and OpenAI's `instructions` name, and `markup_i
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/instructions.py maps an
 instruction's words onto the emotion axes, app/voices/lexicons.py refuses a pronunciation rule whose alias holds a
-tag. Of app/ it imports only breaks.py's openings (and breaks.py only io/errors.py), so each of them can import it:
-the options import the dictionaries, and the tags and the instructions import the options (tests/unit/test_contract.py:
-no import circle).
+tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element. Of app/ it imports only breaks.py's
+openings (and breaks.py only io/errors.py), so each of them can import it: the options import the dictionaries, and
+the tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
 """
 
 from __future__ import annotations

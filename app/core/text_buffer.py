@@ -7,7 +7,8 @@ text after it ("Dr. " could still be followed by "Smith"), and after a period on
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
 takes one frame per byte), at a clause mark or a space if there is one, never inside a character or an
-inline tag.
+inline tag. No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`, `<spell>`), or after its opening
+while its closing is still to come.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ _JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
 _PERIOD_END = re.compile(r"\.[\"'”’)\]]*\s*$")
 _COMPLETE_WORD = re.compile(r"\S\s")
 # An element whose text is read otherwise (app/core/style_tags.py: spelled, or as its alias) is spoken whole: a sentence
-# is not cut inside one, nor after its opening before its closing has come (the segmenter cut `<sub alias="United
-# States">U.` from `S.</sub> is big.`, and each half was refused)
+# is not cut inside one, nor after its opening before its closing has come (the segmenter cuts `<sub alias="United
+# States">U.` from `S.</sub> is big.`: two halves, neither of them an element, each refused)
 _SPOKEN_WHOLE = READ_AS_ELEMENTS | {"spell"}
 _WHOLE_OPEN = re.compile(rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 _WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
