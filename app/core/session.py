@@ -45,7 +45,7 @@ from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import ELEMENT_NAMES, markup_in
-from app.core.text_buffer import TextBuffer
+from app.core.text_buffer import TextBuffer, spoken_whole
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
 from app.core.utterance import Utterance
@@ -79,7 +79,10 @@ def unfinished_tag_start(text: str) -> int | None:
     """Where a tag still arriving begins at the end of buffered text (a bracket or an element of ours cut inside its
     name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
     Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
-    (`Hi <spea` spoken, then `k>`)."""
+    (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
+    its sentence would be refused)."""
+    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
+        return spans[-1][0]
     if m := _OPEN_BRACKET.search(text):
         return m.start()
     if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):

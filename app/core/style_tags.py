@@ -20,10 +20,14 @@ Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the
 utterance it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no
 in-text control for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>`
-(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<say-as>`
-and `<audio>` (UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`, `<p>` and `<s>` (WRAPPER_ELEMENTS), asks for
-nothing: its tags are taken out (`unwrap`) and the text inside them spoken. None of them is ever read aloud as
-markup.
+(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>` and `<audio>`
+(UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`, `<p>` and `<s>` (WRAPPER_ELEMENTS), asks for nothing: its tags
+are taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are
+replaced by what they say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits,
+telephone) becomes a spell element of its text, one of a number (cardinal, number) its text, read as written; any
+other interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken
+and reported. Such an element is whole in its sentence (the text buffer cuts none inside one); an opening or closing
+left alone, an empty alias or one holding a tag are `bad_text`. None of them is ever read aloud as markup.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ from app.core.tag_vocabulary import (
     ELEMENT_OPEN,
     EMOTION_OPEN,
     NEUTRAL,
+    READ_AS_ELEMENTS,
     TAG_EMOTIONS,
     TAG_WORDS,
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
     WRAPPER_ELEMENTS,
+    markup_in,
     names_pattern,
 )
 from app.io.errors import GatewayError as G
@@ -60,7 +66,29 @@ _ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX
 _WRAPPER = re.compile(rf"<\s*/?\s*(?:{_WRAPPERS})(?=[\s/>])(?:{_ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
-_VALUE = re.compile(r"""\bvalue\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
+# SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
+# written (the text normalizer reads its numbers)
+SAY_AS_SPELLED = ("characters", "spell-out", "verbatim", "digits", "telephone")
+SAY_AS_READ = ("cardinal", "number")
+_READ_AS = names_pattern(READ_AS_ELEMENTS)
+# a whole say-as or sub element: its opening (name="value" attributes), its text (no tag in it) and its closing
+_READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
+# an opening or a closing of one that no whole element holds
+_READ_AS_TAG = re.compile(rf"<\s*(/?)\s*({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
+
+
+def _attribute(name: str) -> re.Pattern[str]:
+    """A tag's attribute `name` (any case), its value "quoted", 'quoted' or bare."""
+    return re.compile(rf"""\b{re.escape(name)}\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
+
+
+_VALUE, _INTERPRET_AS, _ALIAS = _attribute("value"), _attribute("interpret-as"), _attribute("alias")
+
+
+def _value(attribute: re.Pattern[str], attributes: str) -> str:
+    """The value of `attribute` in a tag's attributes, stripped ("" when it has none)."""
+    v = attribute.search(attributes)
+    return next((g for g in v.groups() if g is not None), "").strip() if v else ""
 
 
 @dataclass(frozen=True)
@@ -93,8 +121,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         if m.group(1):  # </emotion>: the element's end
             found.append((m.start(), m.end(), StyleTag(NEUTRAL, m.group(0))))
             continue
-        v = _VALUE.search(m.group(2))
-        value = next((g for g in v.groups() if g is not None), "").strip().lower() if v else ""
+        value = _value(_VALUE, m.group(2)).lower()
         if not value:
             raise RequestError(G.BAD_TEXT, f'an emotion tag needs a value such as value="happy": {m.group(0)[:60]!r}')
         found.append((m.start(), m.end(), StyleTag(value, m.group(0))))
@@ -106,8 +133,9 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
     tags is returned as it is (one piece), its spell elements spelled (none, if they spell nothing). A malformed
     `<emotion>` element is refused (`bad_text`). `partial`: a streamed message, whose last element may still be
-    arriving (its opening with no `>` after it). SSML's structural tags are taken out first (`unwrap`)."""
-    plain = unwrap(text)
+    arriving (its opening with no `>` after it). SSML's structural tags are taken out first (`unwrap`), and its say-as
+    and sub elements replaced by what they say (`read_as`)."""
+    plain = read_as(unwrap(text), partial)
     tags = _tags(plain, partial)
     if not tags:
         spoken = spell_out(plain)
@@ -148,6 +176,45 @@ def unwrap(text: str) -> str:
             piece = piece[1:]
         out += piece
     return out
+
+
+def read_as(text: str, partial: bool = False) -> str:
+    """`text` with SSML's `<say-as>` and `<sub>` elements replaced by what they say: a say-as whose interpret-as spells
+    (SAY_AS_SPELLED) by a `<spell>` element of its text, one read as written (SAY_AS_READ) by its text, a sub by its
+    alias. Another interpret-as (or none) is refused (`unsupported_tag`); an alias empty or holding a tag, and an
+    opening or closing whose element is not whole in the text (a sentence cut left it alone; never read aloud), are
+    `bad_text`. `partial`: a streamed message, whose elements may open or close in another message (its own tags are
+    checked; the element is when its sentence is spoken)."""
+    if "<" not in text:
+        return text
+    text = _READ_AS_ELEMENT.sub(lambda m: _read(m.group(1), m.group(2), m.group(0), m.group(3)), text)
+    for m in _READ_AS_TAG.finditer(text):
+        if not m.group(1):
+            _read(m.group(2), m.group(3), m.group(0), "")
+        if not partial:
+            whole = "its opening, text and closing in one sentence"
+            raise RequestError(G.BAD_TEXT, f"a {m.group(2).lower()} element is whole, {whole}: {m.group(0)[:60]!r}")
+    return _READ_AS_TAG.sub("", text) if partial else text
+
+
+def _read(name: str, attributes: str, written: str, text: str) -> str:
+    """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
+    if name.lower() == "sub":
+        alias = _value(_ALIAS, attributes)
+        if not alias or markup_in(alias) is not None:
+            what = "a sub's alias is the text spoken: not empty, no tag in it"
+            raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
+        return alias
+    kind = _value(_INTERPRET_AS, attributes).lower()
+    if kind in SAY_AS_SPELLED:
+        return f"<spell>{text}</spell>"
+    if kind in SAY_AS_READ:
+        return text
+    raise RequestError(
+        G.UNSUPPORTED_TAG,
+        f"{written[:60]}: ZONOS2 reads say-as with interpret-as {', '.join(SAY_AS_SPELLED)} (spelled) or "
+        f"{', '.join(SAY_AS_READ)} (as written) only",
+    )
 
 
 def _spelled(text: str) -> str:

@@ -3,9 +3,9 @@ emotion words that both the tags and OpenAI's `instructions` name, and `markup_i
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/instructions.py maps an
 instruction's words onto the emotion axes, app/voices/lexicons.py refuses a pronunciation rule whose alias holds a
-tag. Of app/ it imports only breaks.py's openings (and breaks.py only io/errors.py), so each of them can import it:
-the options import the dictionaries, and the tags and the instructions import the options (tests/unit/test_contract.py:
-no import circle).
+tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element. Of app/ it imports only breaks.py's
+openings (and breaks.py only io/errors.py), so each of them can import it: the options import the dictionaries, and
+the tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
 """
 
 from __future__ import annotations
@@ -83,14 +83,17 @@ UNSUPPORTED_TAGS = frozenset(
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
 # Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme, and SSML's
-# prosody, emphasis, say-as and audio, which an agent written for an SSML engine sends): tags, refused, so that the
-# client hears of it rather than "prosody rate equals slow" (the request's own speed still applies)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "say-as", "audio"})
+# prosody, emphasis and audio, which an agent written for an SSML engine sends): tags, refused, so that the client
+# hears of it rather than "prosody rate equals slow" (the request's own speed still applies)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio"})
 # SSML's structure (the document, paragraphs, sentences), which asks for nothing ZONOS2 would do otherwise: its tags
 # are taken out and the text inside them spoken
 WRAPPER_ELEMENTS = frozenset({"speak", "p", "s"})
+# SSML's elements whose text is read otherwise (say-as spelled or as written, by its interpret-as; sub as its alias):
+# each is whole in the sentence it is spoken in (the text buffer cuts none inside one)
+READ_AS_ELEMENTS = frozenset({"say-as", "sub"})
 # every inline element's name: a text that ends inside one (`Hi <emo`, `Hi <pros`) ends in a tag still arriving
-ELEMENT_NAMES = frozenset({"break", "emotion", "spell", *UNSUPPORTED_ELEMENTS, *WRAPPER_ELEMENTS})
+ELEMENT_NAMES = frozenset({"break", "emotion", "spell", *UNSUPPORTED_ELEMENTS, *WRAPPER_ELEMENTS, *READ_AS_ELEMENTS})
 # the elements whose opening must end with its '>' in its sentence (breaks' and emotions' are below): `<speak` too,
 # whose attributes a pretty-printed document puts on lines of their own (a newline ends a sentence, and each half was
 # read aloud: "speak version equals"); not `<p` and `<s`, which ordinary text writes (`a <s b`, `x<p`)
@@ -101,13 +104,13 @@ def names_pattern(names: frozenset[str] | set[str]) -> str:
     return "|".join(re.escape(n) for n in sorted(names, key=lambda n: (-len(n), n)))
 
 
-_ELEMENT_NAMES = names_pattern(UNSUPPORTED_ELEMENTS | {"spell", "speak"})
+_ELEMENT_NAMES = names_pattern(UNSUPPORTED_ELEMENTS | READ_AS_ELEMENTS | {"spell", "speak"})
 
 # a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
 BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-# an element's opening (UNSUPPORTED_ELEMENTS', Cartesia's spell and SSML's speak; an emotion element's below): one
-# that does not start a whole element was cut (a newline ends a sentence at once, a long tag is cut at the utterance
-# budget) and is refused, so that no half of it is read aloud
+# an element's opening (UNSUPPORTED_ELEMENTS', READ_AS_ELEMENTS', Cartesia's spell and SSML's speak; an emotion
+# element's below): one that does not start a whole element was cut (a newline ends a sentence at once, a long tag is
+# cut at the utterance budget) and is refused, so that no half of it is read aloud
 ELEMENT_OPEN = re.compile(rf"<\s*/?\s*({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)
 EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
 

@@ -7,7 +7,8 @@ text after it ("Dr. " could still be followed by "Smith"), and after a period on
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
 takes one frame per byte), at a clause mark or a space if there is one, never inside a character or an
-inline tag.
+inline tag. No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`, `<spell>`), or after its opening
+while its closing is still to come.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import unicodedata
 import sentencex
 
 from app.core.breaks import TAG_MAX
+from app.core.tag_vocabulary import READ_AS_ELEMENTS, names_pattern
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
@@ -30,10 +32,30 @@ _JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
 # ("J. R. R. To" splits, "J. R. R. Tolkien" does not): such an end is certain once that word is complete.
 _PERIOD_END = re.compile(r"\.[\"'”’)\]]*\s*$")
 _COMPLETE_WORD = re.compile(r"\S\s")
+# An element whose text is read otherwise (app/core/style_tags.py: spelled, or as its alias) is spoken whole: a sentence
+# is not cut inside one, nor after its opening before its closing has come (the segmenter cuts `<sub alias="United
+# States">U.` from `S.</sub> is big.`: two halves, neither of them an element, each refused)
+_SPOKEN_WHOLE = READ_AS_ELEMENTS | {"spell"}
+_WHOLE_OPEN = re.compile(rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
 
 
 def segmenter_language(language: str) -> str:
     return _SEGMENTER_LANGUAGE.get(language, language.split("_")[0] or "en")
+
+
+def spoken_whole(text: str) -> list[tuple[int, int]]:
+    """Where each element spoken whole (`_SPOKEN_WHOLE`) starts and ends in `text`, in order; one not closed yet (its
+    closing still to come) ends past the text, at len(text) + 1."""
+    spans: list[tuple[int, int]] = []
+    pos = 0
+    while m := _WHOLE_OPEN.search(text, pos):
+        close = _WHOLE_CLOSE[m.group(1).lower()].search(text, m.end())
+        spans.append((m.start(), close.end() if close else len(text) + 1))
+        if close is None:
+            break
+        pos = close.end()
+    return spans
 
 
 def utf8_len(text: str) -> int:
@@ -121,7 +143,20 @@ class TextBuffer:
         segments = [s for s in sentencex.segment(segmenter_language(self.language), text) if s]
         if "".join(segments) != text:  # the segmenter keeps every character; if it ever does not, cut nothing
             return [text]
-        return segments
+        spans = spoken_whole(text) if "<" in text else []
+        if not spans:
+            return segments
+        joined: list[str] = []
+        pos, i = 0, 0
+        for s in segments:  # a cut inside an element joins its two sides
+            while i < len(spans) and spans[i][1] <= pos:
+                i += 1
+            if joined and i < len(spans) and spans[i][0] < pos:
+                joined[-1] += s
+            else:
+                joined.append(s)
+            pos += len(s)
+        return joined
 
     def _complete(self) -> list[str]:
         out: list[str] = []

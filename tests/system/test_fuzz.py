@@ -164,10 +164,16 @@ short_text = (
             '<speed ratio="1.5"/>Fast. <volume ratio=0.5 /> quiet </speed>.',
             "Hi <spell\n>x</spell>.",
             'Say <phoneme alphabet="ipa" ph="x">tomato</phoneme>.',
-            # SSML: structure taken out (speak, p, s), controls refused (prosody, emphasis, say-as, audio), cut ones
+            # SSML: structure taken out (speak, p, s), controls refused (prosody, emphasis, audio), cut ones
             '<speak version="1.1"><p><s>Hi.</s></p><p>There</p></speak>',
             '<speak>Say <prosody rate="slow">this</prosody> <emphasis>now</emphasis>.</speak>',
             '<say-as interpret-as="characters">AB</say-as> <audio src="x.wav"/> <speak></speak> a <s b',
+            # SSML's say-as (spelled, read as written, refused) and sub (its alias; bad_text without one or cut)
+            "<SAY-AS interpret-as='digits'>4.7</say-as> <say-as interpret-as=cardinal>12</say-as>. Next.",
+            '<say-as interpret-as="date">1/2</say-as> <say-as>x</say-as>',
+            '<sub alias="United States">U.S.</sub> is big. Next. <sub alias="">x</sub>',
+            "H<sub>2</sub>O <sub alias='[happy]'>y</sub> <sub alias=\"x\">a\nb</sub> </sub> <sub alias=z",
+            '<say-as interpret-as="characters">A. B C D E F G H</say-as> then <sub alias="x">open',
             "Hi <prosody\nrate=2>x.",
             # SSML: a quoted '>', a pretty-printed <speak> cut by its newline, a long one, not tags, cut names
             '<speak a="x>y"><s/>Hi<p/>there</speak> if a<s and b>c then x<p',

@@ -549,6 +549,36 @@ def test_openai_sse_speaks_every_sentence(server):
     assert abs(len(pcm) // 2 - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
 
 
+def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
+    """SSML's `<sub alias>` is spoken as its alias and `<say-as interpret-as="characters">` spelled: the words an HTTP
+    answer reports (ElevenLabs' with-timestamps alignment) are those, and a period inside an element does not cut its
+    sentence (two utterances' audio, not three); a say-as ZONOS2 cannot read, a sub without its alias: 400."""
+    buf = io.BytesIO()
+    np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("ssml.npy", buf.getvalue())}, data={"name": "ssml"})
+    assert r.status_code in (200, 201), r.text
+    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">AB</say-as>. Next.'
+    r = httpx.post(
+        f"{server.url}/v1/text-to-speech/{r.json()['id']}/with-timestamps",
+        params={"output_format": "pcm_24000", "zonos_params": json.dumps(ONE)},
+        json={"text": text},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    spoken = "".join(doc["alignment"]["characters"])
+    assert spoken.split() == ["The", "United", "States", "code", "is", "A", "B.", "Next."], spoken
+    samples = len(base64.b64decode(doc["audio_base64"])) // 2
+    assert abs(samples - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
+    for refused, code in [
+        ('On <say-as interpret-as="date">2026-12-07</say-as>.', "unsupported_tag"),
+        ("H<sub>2</sub>O.", "bad_text"),
+        ('The <sub alias="United States">U.S.\n</sub> is big.', "bad_text"),  # cut by its newline
+    ]:
+        r = speech(server, input=refused, response_format="pcm")
+        assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+
+
 @pytest.mark.parametrize(
     "route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text"), ("/v1/audio/speech", "instructions")]
 )

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from app.core.breaks import split_breaks
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline, speak
@@ -184,14 +185,15 @@ def test_a_tag_split_across_messages_is_refused_once_and_the_socket_goes_on():
     assert [m["code"] for m in closing if m["type"] == "error"] == ["unsupported_tag"], closing
 
 
-@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br", "<pros", "<say", "<emph"])
+@pytest.mark.parametrize("cut", ["<", "<emo", "< /", "<SPE", "<br", "<pros", "<say", "<emph", "<su"])
 def test_a_tag_cut_inside_its_name_is_dropped_with_the_message_that_completes_it(cut):
     """A tag whose first message ends inside the element's name (`Hi <emo`, then `tion value=...`): the message
     that completes it is refused, and the half before it goes with it; it was kept and read aloud ("Hi <emo") by
     the next flush, as no pattern of a whole element name saw it as a tag's start."""
     rest = {"<": 'emotion value="happy"/>', "<emo": 'tion value="happy"/>', "< /": "speed>", "<SPE": 'ED ratio="2"/>'}
     # SSML's (the hostile pass: the session's list of element names lacked them, and "Hi <pros" was read aloud)
-    rest |= {"<pros": 'ody rate="slow">', "<say": '-as interpret-as="date">', "<emph": "asis>"}
+    rest |= {"<pros": 'ody rate="slow">', "<say": '-as interpret-as="date">1/2</say-as>', "<emph": "asis>"}
+    rest |= {"<su": 'b alias="">x</sub>'}
     completes = rest.get(cut, 'eak time="soon"/>')
 
     sent = [{"text": f"Hi {cut}"}, {"text": f"{completes} there. And on"}]
@@ -220,6 +222,10 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
         ('Hi <break time="1', '<break time="1'),
         ("Hi [hap", "[hap"),
         ('x <emotion value="ha', '<emotion value="ha'),
+        ('Hi <sub alias="x">U.S.', '<sub alias="x">U.S.'),  # an element whose closing is still to come
+        ('Hi <say-as interpret-as="digits">12</say-as', '<say-as interpret-as="digits">12</say-as'),
+        ('Hi <sub alias="x">y</sub>', ""),
+        ("Hi <su", "<su"),
         ("Hi </spe", "</spe"),
         ("Hi <", "<"),
         ("Hi <b>", ""),  # not of ours, and whole
@@ -363,13 +369,12 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
         ('<prosody rate="slow">', "prosody"),
         ("</prosody>", "prosody"),
         ('<emphasis level="strong">', "emphasis"),
-        ('<say-as interpret-as="characters">', "say-as"),
         ('<audio src="https://example.com/a.wav"/>', "audio"),
     ],
 )
 def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
-    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<say-as>`, `<audio>`: each was read aloud
-    as markup ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
+    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<audio>`: each was read aloud as markup
+    ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
     assert tags(split_tags(f"Before {tag} after.")) == ["Before", name, "after."]
 
     err, queued = refused_on_add(f"Fine so far. {tag} Then.")
@@ -391,7 +396,7 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         ('<speak a="x>y">Hi</speak>', ["Hi"]),  # a quoted '>' is the attribute's (its rest was read aloud: 'y">Hi')
         ("<speak version=\"1.0\"\n  xml:lang='en-US'><p xml:lang=en>Hi</p></speak>", ["Hi"]),
         # not SSML's structure: text, spoken as written (a tag needs its '>'; other names are not these)
-        ("a <s b and <pre> or <sub>", ["a <s b and <pre> or <sub>"]),
+        ("a <s b and <pre> or <subtotal>", ["a <s b and <pre> or <subtotal>"]),
         ("if a<s and b>c then x<p", ["if a<s and b>c then x<p"]),  # no tag: 'and b' was taken out as its attributes
     ],
 )
@@ -479,3 +484,95 @@ def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_
     assert asyncio.run(go()) == ("bad_text", 0)
     one_line = text.replace("\n      ", "")  # on one line the tag is whole: taken out
     assert [p.strip() for p in split_tags(one_line)] == ["Hello."]
+
+
+# SSML's say-as and sub (an agent written for Polly, Google or Azure sends them): say-as was refused whatever it
+# asked for, and sub read aloud as its written text ("U.S."), not its alias
+@pytest.mark.parametrize(
+    "text, spoken",
+    [
+        ('Code <say-as interpret-as="characters">AB12</say-as>.', ["Code A B 1 2."]),
+        ("<SAY-AS Interpret-As='Spell-Out'>ok</Say-As> then", ["o k then"]),
+        ("Pin <say-as interpret-as=digits>4711</say-as>", ["Pin 4 7 1 1"]),
+        ('Call <say-as interpret-as="telephone">555-01</say-as>', ["Call 5 5 5 - 0 1"]),
+        ('<say-as interpret-as="verbatim">A.B.C.</say-as> ok.', ["A . B . C . ok."]),
+        ('Buy <say-as interpret-as="cardinal">12</say-as> eggs.', ["Buy 12 eggs."]),  # the normalizer reads it
+        ("<say-as interpret-as='number'>3</say-as> [happy] yes", ["3", "happy", "yes"]),
+        ('The <sub alias="United States">U.S.</sub> is big.', ["The United States is big."]),
+        ("<SUB ALIAS='World Wide Web'>WWW</sub> and <sub alias=NASA>N</sub>.", ["World Wide Web and NASA."]),
+        ('<speak><sub alias="a > b">x</sub></speak>', ["a > b"]),  # a quoted '>' is the alias's
+        ('<say-as interpret-as="characters"></say-as>', []),  # nothing to say, as <spell></spell>
+    ],
+)
+def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
+    assert tags(split_tags(text)) == spoken
+
+
+@pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None])
+def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
+    attribute = "" if kind is None else f' interpret-as="{kind}"'
+    err, queued = refused_on_add(f"Fine so far. <say-as{attribute}>12/7</say-as> Then.")
+    assert err.code == "unsupported_tag" and queued == 0, str(err)
+    assert all(k in str(err) for k in ("characters", "spell-out", "verbatim", "digits", "telephone", "cardinal"))
+    with pytest.raises(RequestError) as e:
+        split_tags(f"<say-as{attribute}>12", partial=True)  # a streamed opening is checked as it comes
+    assert e.value.code == "unsupported_tag"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "H<sub>2</sub>O",  # no alias
+        '<sub alias="">x</sub>',
+        "<sub alias=' '>x</sub>",
+        '<sub alias="[happy] hi">x</sub>',  # a tag in the alias
+        "<sub alias=\"a <break time='1s'/> b\">x</sub>",
+        '<sub alias="x">U.S.',  # an element a sentence cut left open, or closed
+        "S.</sub> is big.",
+        '<say-as interpret-as="characters">A',
+        "B</say-as> ok",
+        '<sub alias="x"/>',
+        '<sub alias="x">a <break time="1s"/> b</sub>',
+    ],
+)
+def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text):
+    """Never read aloud: `bad_text` when its sentence is spoken (the pipeline splits at the break first)."""
+    with pytest.raises(RequestError) as e:
+        for piece in split_breaks(text):
+            if isinstance(piece, str):
+                split_tags(piece)
+    assert e.value.code == "bad_text", str(e.value)
+    err, queued = refused_on_add(f"Fine so far. {text} Then.")
+    assert err.code == "bad_text" and queued == 0, str(err)
+
+
+@pytest.mark.parametrize(
+    "text", ['Say <sub alias="United States">U.S.', "U.S.</sub> is big.", 'Say <sub alias="Uni', "</say-as> x"]
+)
+def test_a_streamed_message_may_open_or_close_an_element_another_message_completes(text):
+    assert split_tags(text, partial=True)  # checked when its sentence is spoken
+
+
+def test_ssml_sub_and_say_as_streamed_on_the_socket_reach_the_engine_and_the_client_as_they_say():
+    """Word by word, as an LLM streams them: the engine and `audio.start` get the alias and the spelled text, one
+    sentence however many periods the elements hold; a say-as of a date is refused, the socket goes on."""
+
+    async def go():
+        _, ws, engine, task = await open_session()
+        text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">A.B.</say-as> ok.'
+        for piece in text.split(" "):
+            ws.send(type="text", text=piece + " ")
+        ws.send(type="flush")
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return seen, engine.texts
+
+    seen, texts = asyncio.run(go())
+    assert texts == ["The United States code is A . B . ok."], texts
+    assert [m["text"] for m in seen if m["type"] == "audio.start"] == texts
+
+    sent = [{"text": 'On <say-as interpret-as="date">2026-12-07</say-as>.', "flush": True}]
+    err, seen, texts = refused_then_spoken(sent, '<sub alias="Fine">F</sub>.')
+    assert err["type"] == "error" and err["code"] == "unsupported_tag" and "characters" in err["message"], err
+    assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]

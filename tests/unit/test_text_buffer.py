@@ -158,6 +158,28 @@ def test_a_long_sentence_is_never_cut_inside_a_tag():
     assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<sub alias="United States">U.S.</sub> is big. Next.',
+        '<say-as interpret-as="characters">A.B.C.</say-as> it is. Next.',
+        'Go <sub alias="doctor">Dr.</sub> Smith. Next.',
+        'Code <SAY-AS interpret-as="characters">X. Y Z</say-as> ok. Next.',  # words after the period, inside
+        "Spell <spell>A.B.</spell> now. Next.",
+    ],
+)
+def test_a_sentence_is_not_cut_inside_an_element_read_as_a_whole(text, step):
+    """The segmenter cut `<sub alias="United States">U.` from `S.</sub> is big.` (its halves were refused: each an
+    element not whole), whatever pieces the text arrives in; nor is text cut after an opening whose closing is still
+    to come."""
+    assert stream(text, step) == [text.removesuffix(" Next."), "Next."]
+    buf = TextBuffer(500)
+    assert buf.append('Say <sub alias="x">A. B C D E ') == [] and buf.append("F</sub> now. And so ") == [
+        'Say <sub alias="x">A. B C D E F</sub> now.'
+    ]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=400),
