@@ -83,12 +83,12 @@ UNSUPPORTED_TAGS = frozenset(
 TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every bracket word that is a tag
 
 # Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme, and SSML's
-# prosody, emphasis and audio, which an agent written for an SSML engine sends): tags, refused, so that the client
-# hears of it rather than "prosody rate equals slow" (the request's own speed still applies)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio"})
-# SSML's structure (the document, paragraphs, sentences), which asks for nothing ZONOS2 would do otherwise: its tags
-# are taken out and the text inside them spoken
-WRAPPER_ELEMENTS = frozenset({"speak", "p", "s"})
+# prosody, emphasis, audio, voice and lang, which an agent written for an SSML engine sends): tags, refused, so that
+# the client hears of it rather than "prosody rate equals slow" (the request's own speed, voice and language apply)
+UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "voice", "lang"})
+# SSML's structure (the document, paragraphs, sentences) and its marks, which ask for nothing ZONOS2 would speak
+# otherwise: their tags are taken out and the text inside them spoken (a mark's point is not reported)
+WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "mark"})
 # SSML's elements whose text is read otherwise (say-as spelled or as written, by its interpret-as; sub as its alias):
 # each is whole in the sentence it is spoken in (the text buffer cuts none inside one)
 READ_AS_ELEMENTS = frozenset({"say-as", "sub"})

@@ -141,6 +141,7 @@ short_text = (
             "<break/>",
             '<break strength="x-strong"/> a <break strength="none"/> b <break strength="loud"/>',
             "<break strength=none/>",
+            '<speak>Go <mark name="m1"/>on <voice name="x">hi</voice> <lang xml:lang="fr">oui</lang></speak>',
             '<break strength="" time=""/>',
             "<break time=1s>x",
             "[happy] Hi.",

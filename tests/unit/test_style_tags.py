@@ -370,11 +370,13 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
         ("</prosody>", "prosody"),
         ('<emphasis level="strong">', "emphasis"),
         ('<audio src="https://example.com/a.wav"/>', "audio"),
+        ('<voice name="en-US-Jenny">', "voice"),
+        ('<lang xml:lang="fr-FR">', "lang"),
     ],
 )
 def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
-    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<audio>`: each was read aloud as markup
-    ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
+    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<audio>`, `<voice>`, `<lang>`: each was
+    read aloud as markup ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
     assert tags(split_tags(f"Before {tag} after.")) == ["Before", name, "after."]
 
     err, queued = refused_on_add(f"Fine so far. {tag} Then.")
@@ -392,6 +394,7 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         ("Hello <p>world</p>.", ["Hello world."]),
         ("and <p> more", ["and more"]),
         ("<SPEAK>Case</Speak>", ["Case"]),
+        ("Go <mark name=\"here\"/>on<mark name='x'></mark>.", ["Go on."]),
         ("<speak></speak>", []),
         ('<speak a="x>y">Hi</speak>', ["Hi"]),  # a quoted '>' is the attribute's (its rest was read aloud: 'y">Hi')
         ("<speak version=\"1.0\"\n  xml:lang='en-US'><p xml:lang=en>Hi</p></speak>", ["Hi"]),
