@@ -71,8 +71,13 @@ _OPEN_BRACKET = re.compile(r"\[\s*[A-Za-z]*\s*$")  # a bracket tag's first half:
 _OPEN_NAME = re.compile(r"<\s*/?\s*([A-Za-z]*)$")
 
 
-# an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag
-_OPEN_ELEMENT = re.compile(r"<\s*/?\s*([A-Za-z-]+)[^<>]*$")
+# an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
+# and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
+# perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
+# `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
+_ATTRIBUTES = r"""(?:\s+[\w:.-]+\s*=\s*(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>=/]+))*"""
+_ATTRIBUTE_ARRIVING = r"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>=/]*))?)?"""
+_OPEN_ELEMENT = re.compile(rf"<\s*/?\s*([A-Za-z-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*/?\s*$)")
 
 
 def unfinished_tag_start(text: str) -> int | None:

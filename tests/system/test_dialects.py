@@ -988,6 +988,29 @@ def test_cartesia_zero_buffer_delay_keeps_a_tag_still_arriving_for_the_text_that
     assert words == ["Hello", "there."] and len(ca_audio(log, "cut")) >= 0.3 * 24000 * 2
 
 
+def test_cartesia_zero_buffer_delay_speaks_prose_after_a_less_than_sign(srv):
+    """max_buffer_delay_ms 0: `x < s.` is prose, not a tag still arriving (a `<`, an element's name, then words that
+    are no attributes): spoken as it comes, before the context ends (it was held back to the end of the turn)."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("lt", "We need x < s. Then go on. ", True, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        words: list[str] = []
+        async with asyncio.timeout(60):
+            while words[-1:] != ["on."]:
+                m = await recv_json(ws)
+                log.append(m)
+                assert m["type"] in ("chunk", "timestamps"), m
+                words += m["word_timestamps"]["words"] if m["type"] == "timestamps" else []
+        await ws.send(ca_request("lt", "", False, max_buffer_delay_ms=0))
+        await ca_until(ws, "lt", "done", log)
+        await ws.close()
+        return words
+
+    assert run(go()) == ["We", "need", "x", "<", "s.", "Then", "go", "on."]
+
+
 def test_cartesia_buffered_sentences_and_flush_done(srv):
     """Without max_buffer_delay_ms 0, sentences are cut as on our socket; flush with continue answers
     flush_done (flush_id 1) after the audio of the text before it. Each chunk carries the flush id of its text, as
