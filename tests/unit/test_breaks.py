@@ -42,6 +42,13 @@ def test_a_break_of_a_strength_is_its_silence():
     assert split_breaks('A <break strength="none"/><break time="1s"/>B') == ["A", 1.0, "B"]
 
 
+def test_a_breaks_attributes_are_whole_names():
+    """`data-strength="none"` or `x:time="5s"` is another attribute: the break is medium (it was read as its strength,
+    joining the words, or as its time)."""
+    assert split_breaks('A <break data-strength="none"/> B <break x:time="5s"/> C') == ["A", 0.75, "B", 0.75, "C"]
+    assert split_breaks('A <break data-time="5s" time="1s"/> B') == ["A", 1.0, "B"]
+
+
 def test_a_break_elements_end_is_dropped_not_spoken():
     """`<break time="1s"></break>` (XML writers and SSML-writing LLMs close the element): the end was read aloud."""
     assert split_breaks('Hi <break time="1s"></break> there.') == ["Hi", 1.0, "there."]
@@ -68,6 +75,7 @@ def test_a_break_elements_end_is_dropped_not_spoken():
         '<break strength="loud"/>',
         '<break strength=""/>',
         '<break time="later" strength="strong"/>',
+        '<break time="500ms" strength="loud"/>',  # (the time won, the strength was not looked at)
     ],
 )
 def test_a_break_without_a_valid_time_or_strength_is_refused(tag):
