@@ -57,7 +57,7 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
     pending = ""  # the spoken text since the last break (across `strength="none"` tags, which join it)
     for m in tags:
         segment = text[pos : m.start()]
-        pending += segment.lstrip() if pending.endswith(" ") else segment
+        pending = _joined(pending, segment) if pending.endswith(" ") else pending + segment
         pos = m.end()
         seconds = break_seconds(m.group(0), m.group(1))
         if seconds == 0.0:
@@ -68,10 +68,22 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
         pending = ""
         out.append(seconds)
     rest = text[pos:]
-    rest = pending + (rest.lstrip() if pending.endswith(" ") else rest)
+    rest = _joined(pending, rest) if pending.endswith(" ") else pending + rest
     if rest.strip() or not (out or tags):
         out.append(rest if not out else rest.strip())
     return out
+
+
+# what follows a word without a space: a `strength="none"` break before it joins the words with none
+_CLOSING = re.compile(r"\s*[,.;:!?…)\]}»”’、。，！？；：]")
+
+
+def _joined(pending: str, segment: str) -> str:
+    """The text before a `strength="none"` break (a space after it) and the text after: one space between the words,
+    none before a closing mark (`Hello<break strength="none"/>, world` is "Hello, world": "Hello , world" made ","
+    a word of its own in the word times)."""
+    segment = segment.lstrip()
+    return (pending.rstrip() if _CLOSING.match(segment) else pending) + segment
 
 
 def break_seconds(tag: str, attributes: str) -> float:

@@ -42,6 +42,18 @@ def test_a_break_of_a_strength_is_its_silence():
     assert split_breaks('A <break strength="none"/><break time="1s"/>B') == ["A", 1.0, "B"]
 
 
+def test_a_none_break_before_a_closing_mark_joins_without_a_space():
+    """`Hello<break strength="none"/>, world`: "Hello, world" ("Hello , world" made "," a word of the word times)."""
+    assert split_breaks(
+        'Hello<break strength="none"/>, world. Yes <break strength="none"/> . Ok<break strength="none"/>!'
+    ) == ["Hello, world. Yes. Ok!"]
+    assert split_breaks('A<break strength="none"/>(b) <break strength="none"/>c<break time="1s"/>d') == [
+        "A (b) c",
+        1.0,
+        "d",
+    ]
+
+
 def test_a_breaks_attributes_are_whole_names():
     """`data-strength="none"` or `x:time="5s"` is another attribute: the break is medium (it was read as its strength,
     joining the words, or as its time)."""
