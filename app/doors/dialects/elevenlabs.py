@@ -311,7 +311,8 @@ class ElevenLabsSession(StreamingSession):
         `Context.kept_by_close`) speaks that tail as the client's own flush would, or refuses it (a cut tag: bad_text,
         naming the context). The close dropped it in silence, prose (`x <`) with it."""
         try:
-            await self.flush(c.id, enforce_limit=False, end_turn=False)  # (no more text comes: as `close`)
+            # (within --max-pending-utterances: an id used again could have its close queue past it again and again)
+            await self.flush(c.id, end_turn=False)
         except RequestError as e:
             await self.error(e.code, str(e), **self.error_context({"context_id": c.id}))
             return
