@@ -27,9 +27,10 @@ _BREAK_END_SPACED = re.compile(r"\s*<\s*/\s*break\s*>\s*", re.IGNORECASE)
 # <break/> is "medium", as SSML and Azure read it
 STRENGTH_S = {"none": 0.0, "x-weak": 0.25, "weak": 0.5, "medium": 0.75, "strong": 1.0, "x-strong": 1.25}
 DEFAULT_STRENGTH = "medium"
-_STRENGTH = re.compile(r"""\bstrength\s*=\s*(["']?)\s*([a-z-]*)\s*\1""", re.IGNORECASE)
-_TIME_ATTR = re.compile(r"\btime\s*=", re.IGNORECASE)
-_TIME = re.compile(r"""\btime\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
+# (an attribute's name is whole: `data-strength=` and `x:time=` are other attributes, not the break's)
+_STRENGTH = re.compile(r"""(?<![\w:.-])strength\s*=\s*(["']?)\s*([a-z-]*)\s*\1""", re.IGNORECASE)
+_TIME_ATTR = re.compile(r"(?<![\w:.-])time\s*=", re.IGNORECASE)
+_TIME = re.compile(r"""(?<![\w:.-])time\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
 
 
 def split_breaks(text: str, partial: bool = False) -> list[str | float]:
@@ -56,7 +57,7 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
     pending = ""  # the spoken text since the last break (across `strength="none"` tags, which join it)
     for m in tags:
         segment = text[pos : m.start()]
-        pending += segment.lstrip() if pending.endswith(" ") else segment
+        pending = _joined(pending, segment) if pending.endswith(" ") else pending + segment
         pos = m.end()
         seconds = break_seconds(m.group(0), m.group(1))
         if seconds == 0.0:
@@ -67,23 +68,36 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
         pending = ""
         out.append(seconds)
     rest = text[pos:]
-    rest = pending + (rest.lstrip() if pending.endswith(" ") else rest)
+    rest = _joined(pending, rest) if pending.endswith(" ") else pending + rest
     if rest.strip() or not (out or tags):
         out.append(rest if not out else rest.strip())
     return out
 
 
+# what follows a word without a space: a `strength="none"` break before it joins the words with none
+_CLOSING = re.compile(r"\s*[,.;:!?…)\]}»”’、。，！？；：]")
+
+
+def _joined(pending: str, segment: str) -> str:
+    """The text before a `strength="none"` break (a space after it) and the text after: one space between the words,
+    none before a closing mark (`Hello<break strength="none"/>, world` is "Hello, world": "Hello , world" made ","
+    a word of its own in the word times)."""
+    segment = segment.lstrip()
+    return (pending.rstrip() if _CLOSING.match(segment) else pending) + segment
+
+
 def break_seconds(tag: str, attributes: str) -> float:
     """A break tag's silence: its time, else its strength's (STRENGTH_S; 0.0 is "none"), else medium's. A time
-    that is not one (`time="soon"`), or out of range, and an unknown strength are refused (`bad_text`)."""
+    that is not one (`time="soon"`), or out of range, and an unknown strength (beside a time too: it was ignored
+    there) are refused (`bad_text`)."""
+    s = _STRENGTH.search(attributes)
+    strength = s.group(2).lower() if s else DEFAULT_STRENGTH
+    if strength not in STRENGTH_S:
+        raise RequestError(G.BAD_TEXT, f"a break's strength is one of {', '.join(STRENGTH_S)}: {tag[:60]!r}")
     t = _TIME.search(attributes)
     if t is None:
         if _TIME_ATTR.search(attributes):
             raise RequestError(G.BAD_TEXT, f"a break's time is a number with ms or s, as 500ms or 1.5s: {tag[:60]!r}")
-        s = _STRENGTH.search(attributes)
-        strength = s.group(2).lower() if s else DEFAULT_STRENGTH
-        if strength not in STRENGTH_S:
-            raise RequestError(G.BAD_TEXT, f"a break's strength is one of {', '.join(STRENGTH_S)}: {tag[:60]!r}")
         return STRENGTH_S[strength]
     seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
     # at least one sample of silence (a shorter one was none: a text of only such a break made an empty answer)

@@ -60,13 +60,13 @@ from engine.frontend.emotion import EmotionDirections
 
 MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
 _UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRAPPER_ELEMENTS)
-_ELEMENT = re.compile(rf"<\s*/?\s*({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+_ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
 _ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX}}}'|[^\s"'<>=/]{{1,{TAG_MAX}}})"""
-_WRAPPER = re.compile(rf"<\s*/?\s*(?:{_WRAPPERS})(?=[\s/>])(?:{_ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
-_SPELL = re.compile(r"<\s*(/?)\s*spell\s*/?\s*>", re.IGNORECASE)
-_EMOTION = re.compile(rf"<\s*(/?)\s*emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
+_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{_ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
+_SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
+_EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
 # written (the text normalizer reads its numbers)
 SAY_AS_SPELLED = ("characters", "spell-out", "verbatim", "digits", "telephone")
@@ -75,7 +75,7 @@ _READ_AS = names_pattern(READ_AS_ELEMENTS)
 # a whole say-as or sub element: its opening (name="value" attributes), its text (no tag in it) and its closing
 _READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
 # an opening or a closing of one that no whole element holds
-_READ_AS_TAG = re.compile(rf"<\s*(/?)\s*({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
+_READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
 
 
 def _attribute(name: str) -> re.Pattern[str]:

@@ -111,8 +111,8 @@ BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
 # an element's opening (UNSUPPORTED_ELEMENTS', READ_AS_ELEMENTS', Cartesia's spell and SSML's speak; an emotion
 # element's below): one that does not start a whole element was cut (a newline ends a sentence at once, a long tag is
 # cut at the utterance budget) and is refused, so that no half of it is read aloud
-ELEMENT_OPEN = re.compile(rf"<\s*/?\s*({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)
-EMOTION_OPEN = re.compile(r"<\s*/?\s*emotion\b", re.IGNORECASE)
+ELEMENT_OPEN = re.compile(rf"<\s*(?:/\s*)?({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)
+EMOTION_OPEN = re.compile(r"<\s*(?:/\s*)?emotion\b", re.IGNORECASE)
 
 
 def markup_in(text: str) -> str | None:

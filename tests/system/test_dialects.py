@@ -369,6 +369,26 @@ def test_elevenlabs_single_context_stream_input(srv):
     assert sum(m.get("isFinal") is True for m in log) == 1, log
 
 
+@pytest.mark.parametrize("auto_mode", [False, True])
+def test_elevenlabs_stream_input_end_with_a_cut_tag_is_refused_and_still_ends(srv, auto_mode):
+    """The end of input whose buffered text holds a tag never completed: bad_text, what came before it spoken, then
+    isFinal and the close (the refused flush left the socket open with no isFinal: the client waited forever)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=auto_mode))
+        await ws.send(json.dumps({"text": " "}))
+        await ws.send(json.dumps({"text": "Hello there. "}))
+        await ws.send(json.dumps({"text": 'Wait <break time="1'}))
+        await ws.send(json.dumps({"text": ""}))
+        return await json_until_closed(ws), ws.close_code
+
+    log, code = run(go())
+    assert [m["error"] for m in log if "error" in m] == ["bad_text"]
+    assert log[-1] == {"isFinal": True} and code == 1000
+    chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
+    assert chars.split() == ["Hello", "there."] + (["Wait"] if auto_mode else []), chars
+
+
 def test_elevenlabs_stream_input_ignores_close_context(srv):
     """stream-input has no contexts: a close_context is ignored, as ElevenLabs ignores it there, and the rest of its
     message is taken: all the text is spoken once the input ends, then the one isFinal. It closed the one stream's
@@ -727,6 +747,37 @@ def test_elevenlabs_auto_mode_keeps_a_tag_still_arriving_for_the_text_that_compl
     assert len(el_audio(log, "cut")) >= 0.2 * 24000 * 2
 
 
+@pytest.mark.parametrize(
+    "texts, spoken, refused",
+    [
+        (["Is two ", "<"], ["Is", "two", "<"], False),  # prose: `<` might have begun a tag
+        (["Wait ", '<break time="1'], ["Wait"], True),  # a tag never completed
+    ],
+    ids=["prose", "cut-tag"],
+)
+def test_elevenlabs_auto_mode_close_context_speaks_or_refuses_a_tail_kept_for_a_tag(srv, texts, spoken, refused):
+    """auto_mode keeps a tag still arriving at the end of its texts for the text that completes it; a close_context
+    that ends the input (before the context's audio plays) speaks that tail as a flush would, or refuses it with
+    bad_text naming the context, then isFinal: it was dropped in silence (`x <`, the end of a sentence, lost)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=True))
+        for t in texts:
+            await ws.send(json.dumps({"text": t, "context_id": "tail"}))
+        await ws.send(json.dumps({"context_id": "tail", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        while not (m := await recv_json(ws)).get("isFinal"):
+            log.append(m)
+        await ws.close()
+        return log
+
+    log = run(go())
+    chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
+    errors = [m for m in log if "error" in m]
+    assert chars.split() == spoken, chars
+    assert errors == ([{"error": "bad_text", "message": errors[0]["message"], "contextId": "tail"}] if refused else [])
+
+
 def test_elevenlabs_close_context_ends_the_turn_it_still_speaks(start_server):
     """With auto_mode a text (here flushed with it) is one more sentence of the turn: its stream is held for
     the next. A close_context ends the turn: the held tail is decoded at once, on a server whose continuation
@@ -986,6 +1037,29 @@ def test_cartesia_zero_buffer_delay_keeps_a_tag_still_arriving_for_the_text_that
     log = run(go())
     words = [w for m in log if m["type"] == "timestamps" for w in m["word_timestamps"]["words"]]
     assert words == ["Hello", "there."] and len(ca_audio(log, "cut")) >= 0.3 * 24000 * 2
+
+
+def test_cartesia_zero_buffer_delay_speaks_prose_after_a_less_than_sign(srv):
+    """max_buffer_delay_ms 0: `x < s.` is prose, not a tag still arriving (a `<`, an element's name, then words that
+    are no attributes): spoken as it comes, before the context ends (it was held back to the end of the turn)."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        await ws.send(ca_request("lt", "We need x < s. Then go on. ", True, max_buffer_delay_ms=0))
+        log: list[dict[str, Any]] = []
+        words: list[str] = []
+        async with asyncio.timeout(60):
+            while words[-1:] != ["on."]:
+                m = await recv_json(ws)
+                log.append(m)
+                assert m["type"] in ("chunk", "timestamps"), m
+                words += m["word_timestamps"]["words"] if m["type"] == "timestamps" else []
+        await ws.send(ca_request("lt", "", False, max_buffer_delay_ms=0))
+        await ca_until(ws, "lt", "done", log)
+        await ws.close()
+        return words
+
+    assert run(go()) == ["We", "need", "x", "<", "s.", "Then", "go", "on."]
 
 
 def test_cartesia_buffered_sentences_and_flush_done(srv):

@@ -182,6 +182,11 @@ short_text = (
             '<speak x="' + "a" * 300 + '">Hi</speak> <spea',
             "Hi <pros",
             'Wait <break time="1s"></break> now. </break>',
+            # prose after a '<' and an element's name; a none-break before a mark; odd break attributes; a long run
+            # of spaces after a '<' (its patterns were quadratic in it)
+            "We need x < s. Then go on. if a <s and b",
+            'Hello<break strength="none"/>, world <break time="1s" strength="loud"/> <break data-strength="none"/>',
+            "<" + " " * 1990 + "x.",
         ]
     )
 )

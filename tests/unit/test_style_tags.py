@@ -232,6 +232,15 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
         ('Hi <break time="1s"/> there', ""),
         ("Hi <foo bar", ""),  # not an element of ours: text
         ("[1] and [", "["),
+        ("Hi <break ti", "<break ti"),
+        ('Hi <break time = "1s" /', '<break time = "1s" /'),
+        ('<speak version="1.0" xml:lang="en', '<speak version="1.0" xml:lang="en'),
+        ("x < s and", "< s and"),  # (`and=...` may still come)
+        # prose after a `<` and an element's name: no tag (it was held back, and an ElevenLabs close_context dropped it)
+        ("We need x < s. Then go on. ", ""),
+        ("if a <s and b", ""),
+        ("x < speed limit here", ""),
+        ('x <break time="1s" then more', ""),
     ],
 )
 def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):

@@ -293,6 +293,8 @@ class ElevenLabsSession(StreamingSession):
         if c.closing:  # closed twice: the client wants none of it any more (pipecat on a barge-in)
             await self.cancel(ctx)
             return
+        if self.auto_mode and not c.said and self.buffered(ctx):
+            await self._speak_the_tail(c)
         c.closing = True
         # What it still speaks plays on (see Context.kept_by_close); the rest is dropped and stops now. No
         # text follows in it: what plays on ends its turn (its held tail is decoded now, not after the grace).
@@ -302,6 +304,21 @@ class ElevenLabsSession(StreamingSession):
         await self.cancel(ctx, after=c.kept_by_close)
         self.end_turn(ctx)
         await self.add_mark(ctx, lambda: self._final(c))
+
+    async def _speak_the_tail(self, c: Context) -> None:
+        """auto_mode spoke every text as it came but a tag still arriving at its end (session.py
+        `unfinished_tag_start`): a close that ends the input (none of the context's audio sent yet:
+        `Context.kept_by_close`) speaks that tail as the client's own flush would, or refuses it (a cut tag: bad_text,
+        naming the context). The close dropped it in silence, prose (`x <`) with it."""
+        try:
+            # (within --max-pending-utterances: an id used again could have its close queue past it again and again)
+            await self.flush(c.id, end_turn=False)
+        except RequestError as e:
+            await self.error(e.code, str(e), **self.error_context({"context_id": c.id}))
+            return
+        last = self.last_queued(c.id)
+        if last is not None:
+            c.auto_upto = last
 
     async def _final(self, c: Context) -> None:
         """Under the send lock: the context's last message."""
@@ -321,7 +338,10 @@ class ElevenLabsSession(StreamingSession):
         if self.closing:  # the input has ended already: its one isFinal is on its way (a close is idempotent)
             return
         c = self._open(DEFAULT_CONTEXT, {})
-        await self.flush(DEFAULT_CONTEXT)
+        try:  # (no more text comes: past --max-pending-utterances too, as `close`)
+            await self.flush(DEFAULT_CONTEXT, enforce_limit=False)
+        except RequestError as e:  # a tag the input left cut: refused (dropped), and the input still ends
+            await self.error(e.code, str(e))
         c.closing = True
         await self.add_mark(DEFAULT_CONTEXT, lambda: self._final(c))
         await self.close()
