@@ -132,6 +132,7 @@ async def speak(worker, col: Collector, text: str, what: str) -> int:
         col.turn_start = col.audio
         col.stopped.clear()
         col.spoken.clear()
+        col.words.clear()  # (a silent attempt's text, pushed whole by pipecat, is not this turn's words)
         await worker.queue_frame(TTSSpeakFrame(text))
         await within(col.stopped.wait(), f"{what}'s TTSStoppedFrame")
         while col.audio > col.turn_start and not col.spoken.is_set():  # a stop from before; its own follows
