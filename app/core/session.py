@@ -67,8 +67,9 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
-# an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
-_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z]*)$")
+# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`: a name may hold a hyphen): no pattern of a whole
+# name sees it yet
+_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z-]*)$")
 
 
 # an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,

@@ -227,6 +227,10 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
         ('Hi <sub alias="x">y</sub>', ""),
         ("Hi <su", "<su"),
         ("Hi </spe", "</spe"),
+        # cut at or after the hyphen of say-as' name (it was read aloud: `Code <say-`, then `as interpret-as=...`)
+        ("Code <say-", "<say-"),
+        ("Code <SAY-A", "<SAY-A"),
+        ("Code </say-", "</say-"),
         ("Hi <", "<"),
         ("Hi <b>", ""),  # not of ours, and whole
         ('Hi <break time="1s"/> there', ""),
