@@ -78,18 +78,18 @@ _READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<
 _READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
 
 
-def _attribute(name: str) -> re.Pattern[str]:
-    """A tag's attribute `name` (any case), its value "quoted", 'quoted' or bare."""
-    return re.compile(rf"""\b{re.escape(name)}\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
+# a tag's attribute: its whole name and its value, "quoted", 'quoted' or bare; read from the tag's first attribute on,
+# so that a name's end (`data-alias`) or a quoted value (`title="alias=x"`) is never taken for another attribute
+_ATTRIBUTE_VALUE = re.compile(r"""([\w:.-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
+_VALUE, _INTERPRET_AS, _ALIAS = "value", "interpret-as", "alias"
 
 
-_VALUE, _INTERPRET_AS, _ALIAS = _attribute("value"), _attribute("interpret-as"), _attribute("alias")
-
-
-def _value(attribute: re.Pattern[str], attributes: str) -> str:
-    """The value of `attribute` in a tag's attributes, stripped ("" when it has none)."""
-    v = attribute.search(attributes)
-    return next((g for g in v.groups() if g is not None), "").strip() if v else ""
+def _value(name: str, attributes: str) -> str:
+    """The value of the attribute `name` (any case) in a tag's attributes, stripped ("" when it has none)."""
+    for a in _ATTRIBUTE_VALUE.finditer(attributes):
+        if a.group(1).lower() == name:
+            return next(g for g in a.groups()[1:] if g is not None).strip()
+    return ""
 
 
 @dataclass(frozen=True)

@@ -518,13 +518,19 @@ def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_
         ("<SUB ALIAS='World Wide Web'>WWW</sub> and <sub alias=NASA>N</sub>.", ["World Wide Web and NASA."]),
         ('<speak><sub alias="a > b">x</sub></speak>', ["a > b"]),  # a quoted '>' is the alias's
         ('<say-as interpret-as="characters"></say-as>', []),  # nothing to say, as <spell></spell>
+        # an attribute's name is whole, and a quoted value is no attribute: `data-alias` was the alias,
+        # `title="alias=x"` gave x, `data-interpret-as` the say-as' kind (and `data-value` an emotion's)
+        ('<sub data-alias="x" alias="United States">U.S.</sub>', ["United States"]),
+        ('<sub title="alias=x" alias="United States">U.S.</sub>', ["United States"]),
+        ('<say-as data-interpret-as="date" interpret-as="characters">AB</say-as>', ["A B"]),
+        ('<emotion data-value="sad" value="happy"/> hi', ["happy", "hi"]),
     ],
 )
 def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
     assert tags(split_tags(text)) == spoken
 
 
-@pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None])
+@pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None, 'date" data-interpret-as="digits'])
 def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
     attribute = "" if kind is None else f' interpret-as="{kind}"'
     err, queued = refused_on_add(f"Fine so far. <say-as{attribute}>12/7</say-as> Then.")
@@ -549,6 +555,7 @@ def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
         "B</say-as> ok",
         '<sub alias="x"/>',
         '<sub alias="x">a <break time="1s"/> b</sub>',
+        '<sub data-alias="x">y</sub>',  # no alias: `data-alias` is another attribute
     ],
 )
 def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text):
