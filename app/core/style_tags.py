@@ -28,7 +28,7 @@ SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by what they say (
 (cardinal, number) its text, read as written; any other interpret-as is refused with `unsupported_tag`; `<sub
 alias="United States">U.S.</sub>` is its alias, spoken and reported. Such an element is whole in its sentence (the
 text buffer cuts none inside one); an opening or closing left alone, an empty alias or one holding a tag are
-`bad_text`. None of them is ever read aloud as markup.
+`bad_text`. None of them is ever read aloud as markup, nor is an XML character reference (`&amp;` is `&`: `unescape`).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ def _read(name: str, attributes: str, written: str, text: str) -> str:
     """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
     if name.lower() == "sub":
         alias = _value(_ALIAS, attributes)
-        if not alias or markup_in(alias) is not None:
+        if not unescape(alias).strip() or markup_in(unescape(alias)) is not None:
             what = "a sub's alias is the text spoken: not empty, no tag in it"
             raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
         return alias
@@ -231,20 +231,41 @@ def _spelled(text: str) -> str:
     return " ".join(chars)
 
 
+def unescape(text: str) -> str:
+    """`text` with XML's character references replaced by their characters (`&amp;` `&lt;` `&gt;` `&quot;` `&apos;`,
+    `&#233;`, `&#xE9;`), once: an SSML writer escapes every `&` and `<` of its text, and the reference is no word to
+    read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
+    space; any other `&` is text."""
+    return _REFERENCE.sub(_referenced, text) if "&" in text else text
+
+
+_REFERENCE = re.compile(r"&(?:(amp|lt|gt|quot|apos)|#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6}));")
+_NAMED = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+
+
+def _referenced(m: re.Match[str]) -> str:
+    if m.group(1):
+        return _NAMED[m.group(1)]
+    code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
+    c = chr(code) if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF else ""
+    return " " if c.isspace() else c if c.isprintable() else ""
+
+
 def spell_out(text: str) -> str:
-    """`text` with each `<spell>...</spell>` element (Cartesia's) replaced by its characters spelled out. A
-    sentence cut may leave an element's opening or closing alone in a text: what follows a lone opening, or
-    precedes a lone closing, is spelled; a tag is never left in the text."""
+    """`text` with each `<spell>...</spell>` element (Cartesia's) replaced by its characters spelled out, and its
+    character references by their characters (`unescape`; a spelled one is one character). A sentence cut may leave an
+    element's opening or closing alone in a text: what follows a lone opening, or precedes a lone closing, is spelled;
+    a tag is never left in the text."""
     marks = list(_SPELL.finditer(text))
     if not marks:
-        return text
+        return unescape(text)
     out: list[str] = []
     pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
     for m in marks:
-        piece = text[pos : m.start()]
+        piece = unescape(text[pos : m.start()])
         out.append(_spelled(piece) if inside else piece)
         inside, pos = not m.group(1), m.end()
-    rest = text[pos:]
+    rest = unescape(text[pos:])
     out.append(_spelled(rest) if inside else rest)
     return "".join(out)
 

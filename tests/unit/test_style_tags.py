@@ -524,6 +524,11 @@ def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_
         ('<sub title="alias=x" alias="United States">U.S.</sub>', ["United States"]),
         ('<say-as data-interpret-as="date" interpret-as="characters">AB</say-as>', ["A B"]),
         ('<emotion data-value="sad" value="happy"/> hi', ["happy", "hi"]),
+        # XML's character references (an SSML writer must escape '&' and '<'): the character, never read aloud
+        ('<sub alias="AT&amp;T">ATT</sub> calls.', ["AT&T calls."]),
+        ('<say-as interpret-as="characters">A&amp;B&#49;&#x32;</say-as>', ["A & B 1 2"]),
+        ("<speak>Tom &amp; Jo &lt;3 &quot;a&quot; &apos;o&apos; &#233;t&#xE9;</speak>", ["Tom & Jo <3 \"a\" 'o' été"]),
+        ("<spell>&lt;b&gt;</spell> &amp;amp; &bogus; & a &#0;b&#xD800;c", ["< b > &amp; &bogus; & a bc"]),
     ],
 )
 def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
@@ -556,6 +561,8 @@ def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
         '<sub alias="x"/>',
         '<sub alias="x">a <break time="1s"/> b</sub>',
         '<sub data-alias="x">y</sub>',  # no alias: `data-alias` is another attribute
+        '<sub alias="&#32;">x</sub>',  # an alias of a space
+        '<sub alias="a &lt;break time=&quot;1s&quot;/&gt;">x</sub>',  # a tag in the alias, escaped
     ],
 )
 def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text):
