@@ -259,15 +259,20 @@ def spell_out(text: str) -> str:
     marks = list(_SPELL.finditer(text))
     if not marks:
         return unescape(text)
-    out: list[str] = []
+    out = ""
     pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
-    for m in marks:
-        piece = unescape(text[pos : m.start()])
-        out.append(_spelled(piece) if inside else piece)
-        inside, pos = not m.group(1), m.end()
-    rest = unescape(text[pos:])
-    out.append(_spelled(rest) if inside else rest)
-    return "".join(out)
+    spelled = False  # (what `out` ends with)
+    for m in [*marks, None]:
+        piece = unescape(text[pos : m.start() if m is not None else len(text)])
+        piece = _spelled(piece) if inside else piece
+        # a spelled character is a word of its own: apart from a word or a spelled character beside it
+        if piece and out and (inside or spelled) and out[-1].isalnum() and piece[0].isalnum():
+            out += " "
+        out += piece
+        spelled = inside if piece else spelled
+        if m is not None:
+            inside, pos = not m.group(1), m.end()
+    return out
 
 
 def styled_options(

@@ -306,6 +306,10 @@ def test_an_emotion_tag_cut_by_a_newline_or_the_budget_is_refused_not_spoken(tex
         ("[happy] It is <spell>x-é</spell>", ["happy", "It is x - é"]),  # a combining accent stays on its letter
         ("A sentence cut leaves <spell>Q.", ["A sentence cut leaves Q ."]),  # the rest of the text is spelled
         ("R2</spell> was the code.", ["R 2 was the code."]),  # its opening was in the sentence before
+        # a spelled character is a word of its own beside a word or another spelled element ("A BC D", "IDA B"), and
+        # keeps its punctuation
+        ("<spell>AB</spell><spell>CD</spell>", ["A B C D"]),
+        ('ID<say-as interpret-as="characters">AB</say-as>x, (<spell>Q</spell>).', ["ID A B x, (Q)."]),
     ],
 )
 def test_a_spell_element_is_spoken_character_by_character(text, spoken):
