@@ -101,6 +101,11 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
         for m in _TAG.finditer(sentence, 0, fit + TAG_MAX):  # never inside a tag: its halves would be read as text
             if m.start() < cut < m.end() and m.start() > 0:
                 cut = m.start()
+        # nor inside an element spoken whole (its halves would be refused), unless it begins the piece (longer than the
+        # budget: no cut keeps it whole); one ending past the next budget's characters is as long
+        for start, end in spoken_whole(sentence[: fit + max_bytes]) if "<" in sentence[:cut] else ():
+            if start < cut < end and start > 0:
+                cut = start
         cut = max(cut, 1)
         piece = sentence[:cut].strip()
         if piece:

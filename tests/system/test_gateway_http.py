@@ -580,6 +580,15 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
 
 
+@pytest.mark.parametrize("words", [20, 22])
+def test_a_sentence_past_the_budget_is_not_cut_inside_a_sub(server, words):
+    """A sentence longer than the utterance budget (141 bytes here) whose budget cut fell at a space of a sub's text
+    (`...<sub alias="Big Apple">New York` | `City</sub> is big.`) was refused, 400 bad_text: the cut moves before it."""
+    text = "Word " * words + 'in <sub alias="Big Apple">New York City</sub> is big.'
+    r = speech(server, input=text, response_format="pcm")
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     "route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text"), ("/v1/audio/speech", "instructions")]
 )

@@ -158,6 +158,22 @@ def test_a_long_sentence_is_never_cut_inside_a_tag():
     assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
 
 
+@pytest.mark.parametrize(
+    "element",
+    ['<sub alias="Big Apple">New York City</sub>', '<say-as interpret-as="characters">AB CD EF</say-as>'],
+)
+@pytest.mark.parametrize("words", range(40, 50))
+def test_a_long_sentence_is_never_cut_inside_an_element_spoken_whole(element, words):
+    """A cut that would fall inside a say-as or sub element (at a space of its text) moves before its opening: each
+    half was refused (bad_text, a valid sentence's audio lost) when the budget's cut fell there. One longer than the
+    budget is still cut (and refused)."""
+    s = "word " * words + f"the {element} is big today."
+    pieces = split_to_budget(s, 250)
+    assert sum(element[:4] in p for p in pieces) == 1 and any(element in p for p in pieces), pieces
+    assert " ".join(pieces) == s.strip() and all(utf8_len(p) <= 250 for p in pieces)
+    assert [element[:4] in p for p in split_to_budget(element + " x", 20)].count(True) == 1  # longer: cut
+
+
 @pytest.mark.parametrize("step", [1, 3, 1000])
 @pytest.mark.parametrize(
     "text",
