@@ -193,7 +193,7 @@ def read_as(text: str, partial: bool = False) -> str:
         if not m.group(1):
             _read(m.group(2), m.group(3), m.group(0), "")
         if not partial:
-            whole = "its opening, text and closing in one sentence"
+            whole = "its opening, text and closing in one sentence, no longer than an utterance"
             raise RequestError(G.BAD_TEXT, f"a {m.group(2).lower()} element is whole, {whole}: {m.group(0)[:60]!r}")
     return _READ_AS_TAG.sub("", text) if partial else text
 

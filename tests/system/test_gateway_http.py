@@ -589,6 +589,13 @@ def test_a_sentence_past_the_budget_is_not_cut_inside_a_sub(server, words):
     assert r.status_code == 200, r.text
 
 
+def test_a_break_before_a_long_sentence_without_spaces_is_not_cut_at_its_own_space(server):
+    """CJK text past the budget after a break: the cut fell at the break's own space (`<break` | `time=...`), 400
+    bad_text; the break and the text are spoken."""
+    r = speech(server, input='<break time="100ms"/>' + "数" * 60, response_format="pcm")
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize(
     "route, field", [("/v1/audio/speech", "input"), ("/tts/generate", "text"), ("/v1/audio/speech", "instructions")]
 )
