@@ -67,9 +67,9 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
-# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`: a name may hold a hyphen): no pattern of a whole
-# name sees it yet
-_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z-]*)$")
+# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
+# colon): no pattern of a whole name sees it yet
+_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 
 
 # an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
@@ -78,7 +78,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z-]*)$")
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
 _ATTRIBUTES = r"""(?:\s+[\w:.-]+\s*=\s*(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>=/]+))*"""
 _ATTRIBUTE_ARRIVING = r"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>=/]*))?)?"""
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
 
 
 def unfinished_tag_start(text: str) -> int | None:

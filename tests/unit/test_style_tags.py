@@ -231,6 +231,8 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
         ("Code <say-", "<say-"),
         ("Code <SAY-A", "<SAY-A"),
         ("Code </say-", "</say-"),
+        ("Hi <amazon:eff", "<amazon:eff"),
+        ('Hi <mstts:express-as style="chee', '<mstts:express-as style="chee'),
         ("Hi <", "<"),
         ("Hi <b>", ""),  # not of ours, and whole
         ('Hi <break time="1s"/> there', ""),
@@ -389,6 +391,14 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
         ('<audio src="https://example.com/a.wav"/>', "audio"),
         ('<voice name="en-US-Jenny">', "voice"),
         ('<lang xml:lang="fr-FR">', "lang"),
+        # the vendors' own: Amazon Polly's and Azure's (they were read aloud, "amazon effect name equals whispered")
+        ('<amazon:effect name="whispered">', "amazon:effect"),
+        ("</amazon:effect>", "amazon:effect"),
+        ('<amazon:domain name="news">', "amazon:domain"),
+        ("<amazon:breath/>", "amazon:breath"),
+        ('<AMAZON:AUTO-BREATHS volume="x-loud">', "amazon:auto-breaths"),
+        ('<mstts:express-as style="cheerful" styledegree="2">', "mstts:express-as"),
+        ('<mstts:silence type="Sentenceboundary" value="200ms"/>', "mstts:silence"),
     ],
 )
 def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
