@@ -484,7 +484,16 @@ class StreamingSession:
             )
         opts, voice, clip = self.settings_for(ctx)
         # its own breaks and tags: refused whole, now (its last tag may still be arriving)
-        inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
+        try:
+            inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
+        except RequestError:
+            # the message that was to complete a tag the buffer ends in (`Hi <pros`, `ody rate="slow">x</prosody>`): the
+            # half goes with it, as when the sentence that completes it is refused below (kept, it was read aloud with
+            # the next text: `Hi <pros more.`)
+            if (held := self.buffers.get(ctx)) is not None and _ends_in_a_tag(held.text):
+                held.text = ""
+                self._drop_empty_buffers()
+            raise
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text

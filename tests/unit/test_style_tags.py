@@ -216,6 +216,23 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
 
 
 @pytest.mark.parametrize(
+    "halves",
+    [
+        ("Hi <pros", 'ody rate="slow">a</prosody> there.'),
+        ("Hi <amazon:eff", 'ect name="whispered">a</amazon:effect> there.'),
+        ('Hi <break time="1', 's"/> [whispering] there.'),
+    ],
+)
+def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halves):
+    """The second half of a cut tag comes in a message refused for its own tags (a whole `</prosody>`, `[whispering]`):
+    the buffered first half goes with it, as when the sentence that completes it is refused. It was kept, and read
+    aloud with the next text: `Hi <pros more.`"""
+    err, seen, texts = refused_then_spoken([{"text": half} for half in halves], " more.", emotions=False)
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert texts == ["more."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["more."]
+
+
+@pytest.mark.parametrize(
     "text, kept",
     [
         ("Hi <spea", "<spea"),
