@@ -67,8 +67,9 @@ DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another 
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
 _OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
-# an element's opening cut inside its name (`<emo`, `</`, `<`): no pattern of a whole name sees it yet
-_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z]*)$")
+# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
+# colon): no pattern of a whole name sees it yet
+_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 
 
 # an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
@@ -77,7 +78,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z]*)$")
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
 _ATTRIBUTES = r"""(?:\s+[\w:.-]+\s*=\s*(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>=/]+))*"""
 _ATTRIBUTE_ARRIVING = r"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>=/]*))?)?"""
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
 
 
 def unfinished_tag_start(text: str) -> int | None:
@@ -483,7 +484,16 @@ class StreamingSession:
             )
         opts, voice, clip = self.settings_for(ctx)
         # its own breaks and tags: refused whole, now (its last tag may still be arriving)
-        inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
+        try:
+            inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
+        except RequestError:
+            # the message that was to complete a tag the buffer ends in (`Hi <pros`, `ody rate="slow">x</prosody>`): the
+            # half goes with it, as when the sentence that completes it is refused below (kept, it was read aloud with
+            # the next text: `Hi <pros more.`)
+            if (held := self.buffers.get(ctx)) is not None and _ends_in_a_tag(held.text):
+                held.text = ""
+                self._drop_empty_buffers()
+            raise
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text

@@ -17,18 +17,19 @@ refused with `unsupported_tag`, never spoken as text and never dropped; a malfor
 `bad_text`.
 
 Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED_TAG and VOLUME_TAG write):
-`<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the
-utterance it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no
-in-text control for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>`
-(ZONOS2 has no phoneme input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>`,
-`<voice>` and `<lang>` (UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`, `<p>` and `<s>`, and its `<mark>`
-(WRAPPER_ELEMENTS) ask for nothing spoken: their tags are taken out (`unwrap`) and the text inside them spoken.
-SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by what they say (`read_as`): a say-as that spells
-(interpret-as characters, spell-out, verbatim, digits, telephone) becomes a spell element of its text, one of a number
-(cardinal, number) its text, read as written; any other interpret-as is refused with `unsupported_tag`; `<sub
-alias="United States">U.S.</sub>` is its alias, spoken and reported. Such an element is whole in its sentence (the
-text buffer cuts none inside one); an opening or closing left alone, an empty alias or one holding a tag are
-`bad_text`. None of them is ever read aloud as markup.
+`<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the utterance
+it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control
+for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme
+input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>`, `<voice>` and `<lang>`, and
+Polly's and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure,
+`<speak>`, `<p>` and `<s>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are taken out
+(`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by what they
+say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits, telephone) becomes a spell
+element of its text, one of a number (cardinal, number) its text, read as written; any other interpret-as is refused
+with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and reported. Such an element is
+whole in its sentence (the text buffer cuts none inside one); an opening or closing left alone, an empty alias or one
+holding a tag are `bad_text`. None of them is ever read aloud as markup, nor is an XML character reference (`&amp;` is
+`&`: `unescape`).
 """
 
 from __future__ import annotations
@@ -78,18 +79,18 @@ _READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<
 _READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
 
 
-def _attribute(name: str) -> re.Pattern[str]:
-    """A tag's attribute `name` (any case), its value "quoted", 'quoted' or bare."""
-    return re.compile(rf"""\b{re.escape(name)}\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""", re.IGNORECASE)
+# a tag's attribute: its whole name and its value, "quoted", 'quoted' or bare; read from the tag's first attribute on,
+# so that a name's end (`data-alias`) or a quoted value (`title="alias=x"`) is never taken for another attribute
+_ATTRIBUTE_VALUE = re.compile(r"""([\w:.-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
+_VALUE, _INTERPRET_AS, _ALIAS = "value", "interpret-as", "alias"
 
 
-_VALUE, _INTERPRET_AS, _ALIAS = _attribute("value"), _attribute("interpret-as"), _attribute("alias")
-
-
-def _value(attribute: re.Pattern[str], attributes: str) -> str:
-    """The value of `attribute` in a tag's attributes, stripped ("" when it has none)."""
-    v = attribute.search(attributes)
-    return next((g for g in v.groups() if g is not None), "").strip() if v else ""
+def _value(name: str, attributes: str) -> str:
+    """The value of the attribute `name` (any case) in a tag's attributes, stripped ("" when it has none)."""
+    for a in _ATTRIBUTE_VALUE.finditer(attributes):
+        if a.group(1).lower() == name:
+            return next(g for g in a.groups()[1:] if g is not None).strip()
+    return ""
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def read_as(text: str, partial: bool = False) -> str:
         if not m.group(1):
             _read(m.group(2), m.group(3), m.group(0), "")
         if not partial:
-            whole = "its opening, text and closing in one sentence"
+            whole = "its opening, text and closing in one sentence, no longer than an utterance"
             raise RequestError(G.BAD_TEXT, f"a {m.group(2).lower()} element is whole, {whole}: {m.group(0)[:60]!r}")
     return _READ_AS_TAG.sub("", text) if partial else text
 
@@ -202,7 +203,7 @@ def _read(name: str, attributes: str, written: str, text: str) -> str:
     """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
     if name.lower() == "sub":
         alias = _value(_ALIAS, attributes)
-        if not alias or markup_in(alias) is not None:
+        if not unescape(alias).strip() or markup_in(unescape(alias)) is not None:
             what = "a sub's alias is the text spoken: not empty, no tag in it"
             raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
         return alias
@@ -231,22 +232,48 @@ def _spelled(text: str) -> str:
     return " ".join(chars)
 
 
+def unescape(text: str) -> str:
+    """`text` with XML's character references replaced by their characters (`&amp;` `&lt;` `&gt;` `&quot;` `&apos;`,
+    `&#233;`, `&#xE9;`), once: an SSML writer escapes every `&` and `<` of its text, and the reference is no word to
+    read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
+    space; any other `&` is text."""
+    return _REFERENCE.sub(_referenced, text) if "&" in text else text
+
+
+_REFERENCE = re.compile(r"&(?:(amp|lt|gt|quot|apos)|#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6}));")
+_NAMED = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+
+
+def _referenced(m: re.Match[str]) -> str:
+    if m.group(1):
+        return _NAMED[m.group(1)]
+    code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
+    c = chr(code) if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF else ""
+    return " " if c.isspace() else c if c.isprintable() else ""
+
+
 def spell_out(text: str) -> str:
-    """`text` with each `<spell>...</spell>` element (Cartesia's) replaced by its characters spelled out. A
-    sentence cut may leave an element's opening or closing alone in a text: what follows a lone opening, or
-    precedes a lone closing, is spelled; a tag is never left in the text."""
+    """`text` with each `<spell>...</spell>` element (Cartesia's) replaced by its characters spelled out, and its
+    character references by their characters (`unescape`; a spelled one is one character). A sentence cut may leave an
+    element's opening or closing alone in a text: what follows a lone opening, or precedes a lone closing, is spelled;
+    a tag is never left in the text."""
     marks = list(_SPELL.finditer(text))
     if not marks:
-        return text
-    out: list[str] = []
+        return unescape(text)
+    out = ""
     pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
-    for m in marks:
-        piece = text[pos : m.start()]
-        out.append(_spelled(piece) if inside else piece)
-        inside, pos = not m.group(1), m.end()
-    rest = text[pos:]
-    out.append(_spelled(rest) if inside else rest)
-    return "".join(out)
+    spelled = False  # (what `out` ends with)
+    for m in [*marks, None]:
+        piece = unescape(text[pos : m.start() if m is not None else len(text)])
+        piece = _spelled(piece) if inside else piece
+        # a spelled character is a word of its own: apart from a word or a spelled character beside it
+        if piece and out and (inside or spelled) and out[-1].isalnum() and piece[0].isalnum():
+            out += " "
+        out += piece
+        spelled = inside if piece else spelled
+        if m is not None:
+            inside, pos = not m.group(1), m.end()
+    return out
 
 
 def styled_options(

@@ -85,7 +85,27 @@ TAG_WORDS = frozenset(TAG_EMOTIONS) | UNSUPPORTED_TAGS | {NEUTRAL}  # every brac
 # Inline elements ZONOS2 has no in-text control for (Cartesia's speed and volume, ElevenLabs' SSML phoneme, and SSML's
 # prosody, emphasis, audio, voice and lang, which an agent written for an SSML engine sends): tags, refused, so that
 # the client hears of it rather than "prosody rate equals slow" (the request's own speed, voice and language apply)
-UNSUPPORTED_ELEMENTS = frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "voice", "lang"})
+# and the vendors' own SSML elements (Amazon Polly's `amazon:`, Azure's `mstts:`), which an agent written for them
+# sends: ZONOS2 has none of their controls (whispering, a speaking style, breaths, a domain's reading); were read aloud
+VENDOR_ELEMENTS = frozenset(
+    {
+        "amazon:effect",
+        "amazon:domain",
+        "amazon:breath",
+        "amazon:auto-breaths",
+        "amazon:emotion",
+        "mstts:express-as",
+        "mstts:silence",
+        "mstts:viseme",
+        "mstts:backgroundaudio",
+        "mstts:audioduration",
+        "mstts:voiceconversion",
+        "mstts:ttsembedding",
+    }
+)
+UNSUPPORTED_ELEMENTS = (
+    frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "voice", "lang"}) | VENDOR_ELEMENTS
+)
 # SSML's structure (the document, paragraphs, sentences) and its marks, which ask for nothing ZONOS2 would speak
 # otherwise: their tags are taken out and the text inside them spoken (a mark's point is not reported)
 WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "mark"})

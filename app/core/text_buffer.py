@@ -85,10 +85,13 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
         fit = len(sentence[:max_bytes].encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore"))
         head = sentence[:fit]
         cut = 0
-        clauses = [m.end() for m in _CLAUSE.finditer(head)]
+        # a tag the piece begins with is no place to cut: its spaces are not the text's (`<break time="1s"/>` then CJK
+        # text was cut at the break's own space, both halves refused)
+        lead = m.end() if (m := _TAG.match(sentence)) and m.end() < fit else 0
+        clauses = [m.end() for m in _CLAUSE.finditer(head, lead)]
         if clauses and clauses[-1] >= fit // 2:
             cut = clauses[-1]
-        elif (space := max(head.rfind(" "), head.rfind("\n"), head.rfind("\t"))) > 0:
+        elif (space := max(head.rfind(" ", lead), head.rfind("\n", lead), head.rfind("\t", lead))) > 0:
             cut = space
         else:  # no space (CJK, emoji, a long word): cut between characters, not inside a cluster
             cut = fit
@@ -101,6 +104,11 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
         for m in _TAG.finditer(sentence, 0, fit + TAG_MAX):  # never inside a tag: its halves would be read as text
             if m.start() < cut < m.end() and m.start() > 0:
                 cut = m.start()
+        # nor inside an element spoken whole (its halves would be refused), unless it begins the piece (longer than the
+        # budget: no cut keeps it whole); one ending past the next budget's characters is as long
+        for start, end in spoken_whole(sentence[: fit + max_bytes]) if "<" in sentence[:cut] else ():
+            if start < cut < end and start > 0:
+                cut = start
         cut = max(cut, 1)
         piece = sentence[:cut].strip()
         if piece:

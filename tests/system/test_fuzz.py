@@ -176,6 +176,11 @@ short_text = (
             "H<sub>2</sub>O <sub alias='[happy]'>y</sub> <sub alias=\"x\">a\nb</sub> </sub> <sub alias=z",
             '<say-as interpret-as="characters">A. B C D E F G H</say-as> then <sub alias="x">open',
             "Hi <prosody\nrate=2>x.",
+            # attribute names whole (data-alias is none), character references (in an alias, spelled, in the text)
+            '<sub data-alias="x">y</sub> <sub title="alias=x" alias="AT&amp;T">ATT</sub> &lt;3 &#0; &#xD800; &amp;amp;',
+            "<say-as interpret-as='characters'>A&amp;B&#x32;</say-as> <sub alias='&lt;break/&gt;'>x</sub> Code <say-",
+            # the vendors' elements (refused), one cut inside its name
+            '<speak><amazon:effect name="whispered">Hi</amazon:effect> <mstts:silence value="1s"/> <amazon:eff',
             # SSML: a quoted '>', a pretty-printed <speak> cut by its newline, a long one, not tags, cut names
             '<speak a="x>y"><s/>Hi<p/>there</speak> if a<s and b>c then x<p',
             '<speak version="1.0"\n xmlns="http://www.w3.org/2001/10/synthesis">\n<p>Hello.</p>\n</speak>',

@@ -557,7 +557,7 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
     np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
     r = httpx.post(server.url + "/v1/voices", files={"embedding": ("ssml.npy", buf.getvalue())}, data={"name": "ssml"})
     assert r.status_code in (200, 201), r.text
-    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">AB</say-as>. Next.'
+    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">AB</say-as>. Q&amp;A.'
     r = httpx.post(
         f"{server.url}/v1/text-to-speech/{r.json()['id']}/with-timestamps",
         params={"output_format": "pcm_24000", "zonos_params": json.dumps(ONE)},
@@ -567,16 +567,33 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
     assert r.status_code == 200, r.text
     doc = r.json()
     spoken = "".join(doc["alignment"]["characters"])
-    assert spoken.split() == ["The", "United", "States", "code", "is", "A", "B.", "Next."], spoken
+    assert spoken.split() == ["The", "United", "States", "code", "is", "A", "B.", "Q&A."], spoken  # `&amp;` is `&`
     samples = len(base64.b64decode(doc["audio_base64"])) // 2
     assert abs(samples - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
     for refused, code in [
         ('On <say-as interpret-as="date">2026-12-07</say-as>.', "unsupported_tag"),
         ("H<sub>2</sub>O.", "bad_text"),
         ('The <sub alias="United States">U.S.\n</sub> is big.', "bad_text"),  # cut by its newline
+        ('A <sub alias="x &lt;break time=&quot;1s&quot;/&gt;">y</sub>.', "bad_text"),  # a tag in its alias, escaped
     ]:
         r = speech(server, input=refused, response_format="pcm")
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+
+
+@pytest.mark.parametrize("words", [20, 22])
+def test_a_sentence_past_the_budget_is_not_cut_inside_a_sub(server, words):
+    """A sentence longer than the utterance budget (141 bytes here) whose budget cut fell at a space of a sub's text
+    (`...<sub alias="Big Apple">New York` | `City</sub> is big.`) was refused, 400 bad_text: the cut moves before it."""
+    text = "Word " * words + 'in <sub alias="Big Apple">New York City</sub> is big.'
+    r = speech(server, input=text, response_format="pcm")
+    assert r.status_code == 200, r.text
+
+
+def test_a_break_before_a_long_sentence_without_spaces_is_not_cut_at_its_own_space(server):
+    """CJK text past the budget after a break: the cut fell at the break's own space (`<break` | `time=...`), 400
+    bad_text; the break and the text are spoken."""
+    r = speech(server, input='<break time="100ms"/>' + "数" * 60, response_format="pcm")
+    assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize(

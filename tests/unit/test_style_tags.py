@@ -216,6 +216,23 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
 
 
 @pytest.mark.parametrize(
+    "halves",
+    [
+        ("Hi <pros", 'ody rate="slow">a</prosody> there.'),
+        ("Hi <amazon:eff", 'ect name="whispered">a</amazon:effect> there.'),
+        ('Hi <break time="1', 's"/> [whispering] there.'),
+    ],
+)
+def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halves):
+    """The second half of a cut tag comes in a message refused for its own tags (a whole `</prosody>`, `[whispering]`):
+    the buffered first half goes with it, as when the sentence that completes it is refused. It was kept, and read
+    aloud with the next text: `Hi <pros more.`"""
+    err, seen, texts = refused_then_spoken([{"text": half} for half in halves], " more.", emotions=False)
+    assert err["type"] == "error" and err["code"] == "unsupported_tag", err
+    assert texts == ["more."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["more."]
+
+
+@pytest.mark.parametrize(
     "text, kept",
     [
         ("Hi <spea", "<spea"),
@@ -227,6 +244,12 @@ def test_a_split_tag_whose_sentence_a_later_message_completes_does_not_refuse_th
         ('Hi <sub alias="x">y</sub>', ""),
         ("Hi <su", "<su"),
         ("Hi </spe", "</spe"),
+        # cut at or after the hyphen of say-as' name (it was read aloud: `Code <say-`, then `as interpret-as=...`)
+        ("Code <say-", "<say-"),
+        ("Code <SAY-A", "<SAY-A"),
+        ("Code </say-", "</say-"),
+        ("Hi <amazon:eff", "<amazon:eff"),
+        ('Hi <mstts:express-as style="chee', '<mstts:express-as style="chee'),
         ("Hi <", "<"),
         ("Hi <b>", ""),  # not of ours, and whole
         ('Hi <break time="1s"/> there', ""),
@@ -302,6 +325,10 @@ def test_an_emotion_tag_cut_by_a_newline_or_the_budget_is_refused_not_spoken(tex
         ("[happy] It is <spell>x-é</spell>", ["happy", "It is x - é"]),  # a combining accent stays on its letter
         ("A sentence cut leaves <spell>Q.", ["A sentence cut leaves Q ."]),  # the rest of the text is spelled
         ("R2</spell> was the code.", ["R 2 was the code."]),  # its opening was in the sentence before
+        # a spelled character is a word of its own beside a word or another spelled element ("A BC D", "IDA B"), and
+        # keeps its punctuation
+        ("<spell>AB</spell><spell>CD</spell>", ["A B C D"]),
+        ('ID<say-as interpret-as="characters">AB</say-as>x, (<spell>Q</spell>).', ["ID A B x, (Q)."]),
     ],
 )
 def test_a_spell_element_is_spoken_character_by_character(text, spoken):
@@ -381,6 +408,14 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
         ('<audio src="https://example.com/a.wav"/>', "audio"),
         ('<voice name="en-US-Jenny">', "voice"),
         ('<lang xml:lang="fr-FR">', "lang"),
+        # the vendors' own: Amazon Polly's and Azure's (they were read aloud, "amazon effect name equals whispered")
+        ('<amazon:effect name="whispered">', "amazon:effect"),
+        ("</amazon:effect>", "amazon:effect"),
+        ('<amazon:domain name="news">', "amazon:domain"),
+        ("<amazon:breath/>", "amazon:breath"),
+        ('<AMAZON:AUTO-BREATHS volume="x-loud">', "amazon:auto-breaths"),
+        ('<mstts:express-as style="cheerful" styledegree="2">', "mstts:express-as"),
+        ('<mstts:silence type="Sentenceboundary" value="200ms"/>', "mstts:silence"),
     ],
 )
 def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
@@ -514,13 +549,24 @@ def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_
         ("<SUB ALIAS='World Wide Web'>WWW</sub> and <sub alias=NASA>N</sub>.", ["World Wide Web and NASA."]),
         ('<speak><sub alias="a > b">x</sub></speak>', ["a > b"]),  # a quoted '>' is the alias's
         ('<say-as interpret-as="characters"></say-as>', []),  # nothing to say, as <spell></spell>
+        # an attribute's name is whole, and a quoted value is no attribute: `data-alias` was the alias,
+        # `title="alias=x"` gave x, `data-interpret-as` the say-as' kind (and `data-value` an emotion's)
+        ('<sub data-alias="x" alias="United States">U.S.</sub>', ["United States"]),
+        ('<sub title="alias=x" alias="United States">U.S.</sub>', ["United States"]),
+        ('<say-as data-interpret-as="date" interpret-as="characters">AB</say-as>', ["A B"]),
+        ('<emotion data-value="sad" value="happy"/> hi', ["happy", "hi"]),
+        # XML's character references (an SSML writer must escape '&' and '<'): the character, never read aloud
+        ('<sub alias="AT&amp;T">ATT</sub> calls.', ["AT&T calls."]),
+        ('<say-as interpret-as="characters">A&amp;B&#49;&#x32;</say-as>', ["A & B 1 2"]),
+        ("<speak>Tom &amp; Jo &lt;3 &quot;a&quot; &apos;o&apos; &#233;t&#xE9;</speak>", ["Tom & Jo <3 \"a\" 'o' été"]),
+        ("<spell>&lt;b&gt;</spell> &amp;amp; &bogus; & a &#0;b&#xD800;c", ["< b > &amp; &bogus; & a bc"]),
     ],
 )
 def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
     assert tags(split_tags(text)) == spoken
 
 
-@pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None])
+@pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None, 'date" data-interpret-as="digits'])
 def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
     attribute = "" if kind is None else f' interpret-as="{kind}"'
     err, queued = refused_on_add(f"Fine so far. <say-as{attribute}>12/7</say-as> Then.")
@@ -545,6 +591,9 @@ def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
         "B</say-as> ok",
         '<sub alias="x"/>',
         '<sub alias="x">a <break time="1s"/> b</sub>',
+        '<sub data-alias="x">y</sub>',  # no alias: `data-alias` is another attribute
+        '<sub alias="&#32;">x</sub>',  # an alias of a space
+        '<sub alias="a &lt;break time=&quot;1s&quot;/&gt;">x</sub>',  # a tag in the alias, escaped
     ],
 )
 def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text):

@@ -154,8 +154,34 @@ def test_a_long_sentence_is_never_cut_inside_a_tag():
     """A cut that would fall inside a break or style tag moves before it: its halves would be spoken as text."""
     s = 'Words words words <emotion value="happy"/> more words.'
     assert split_to_budget(s, 30) == ["Words words words", '<emotion value="happy"/> more', "words."]
-    assert split_to_budget("Some words [ happy ] then more.", 16) == ["Some words", "[ happy ]", "then more."]
+    # (a tag a piece begins with is no place to cut: `then` fits after it)
+    assert split_to_budget("Some words [ happy ] then more.", 16) == ["Some words", "[ happy ] then", "more."]
     assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
+
+
+@pytest.mark.parametrize("tag", ['<break time="1s"/>', '<emotion value="happy"/>', '<say-as interpret-as="digits">'])
+def test_a_tag_that_begins_a_long_sentence_without_spaces_is_not_cut_at_its_own_space(tag):
+    """A sentence past the budget with no space but those inside the tag it begins with (CJK text after a break): the
+    cut fell at the tag's own space ('<break' | 'time="1s"/>数数...'), and both halves were refused (bad_text)."""
+    text = tag + "数" * 300
+    pieces = split_to_budget(text, 500)
+    assert pieces[0].startswith(tag) and "".join(pieces) == text and all(utf8_len(p) <= 500 for p in pieces), pieces
+
+
+@pytest.mark.parametrize(
+    "element",
+    ['<sub alias="Big Apple">New York City</sub>', '<say-as interpret-as="characters">AB CD EF</say-as>'],
+)
+@pytest.mark.parametrize("words", range(40, 50))
+def test_a_long_sentence_is_never_cut_inside_an_element_spoken_whole(element, words):
+    """A cut that would fall inside a say-as or sub element (at a space of its text) moves before its opening: each
+    half was refused (bad_text, a valid sentence's audio lost) when the budget's cut fell there. One longer than the
+    budget is still cut (and refused)."""
+    s = "word " * words + f"the {element} is big today."
+    pieces = split_to_budget(s, 250)
+    assert sum(element[:4] in p for p in pieces) == 1 and any(element in p for p in pieces), pieces
+    assert " ".join(pieces) == s.strip() and all(utf8_len(p) <= 250 for p in pieces)
+    assert [element[:4] in p for p in split_to_budget(element + " x", 20)].count(True) == 1  # longer: cut
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
