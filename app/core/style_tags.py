@@ -20,16 +20,16 @@ Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the utterance
 it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control
 for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme
-input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>`, `<voice>` and `<lang>`, and
-Polly's and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure,
-`<speak>`, `<p>` and `<s>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are taken out
-(`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by what they
-say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits, telephone) becomes a spell
-element of its text, one of a number (cardinal, number) its text, read as written; any other interpret-as is refused
-with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and reported. Such an element is
-whole in its sentence (the text buffer cuts none inside one); an opening or closing left alone, an empty alias or one
-holding a tag are `bad_text`. None of them is ever read aloud as markup, nor is an XML character reference (`&amp;` is
-`&`: `unescape`).
+input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
+and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`,
+`<p>`, `<s>` and Azure's wrapping `<voice>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are
+taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
+what they say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits, telephone)
+becomes a spell element of its text, one of a number (cardinal, number) its text, read as written; any other
+interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and
+reported. Such an element is whole in its sentence (the text buffer cuts none inside one); an opening or closing left
+alone, an empty alias or one holding a tag are `bad_text`. None of them is ever read aloud as markup, nor is an XML
+character reference (`&amp;` is `&`: `unescape`).
 """
 
 from __future__ import annotations

@@ -104,11 +104,13 @@ VENDOR_ELEMENTS = frozenset(
     }
 )
 UNSUPPORTED_ELEMENTS = (
-    frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "voice", "lang"}) | VENDOR_ELEMENTS
+    frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "lang"}) | VENDOR_ELEMENTS
 )
-# SSML's structure (the document, paragraphs, sentences) and its marks, which ask for nothing ZONOS2 would speak
-# otherwise: their tags are taken out and the text inside them spoken (a mark's point is not reported)
-WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "mark"})
+# SSML's structure (the document, paragraphs, sentences; `<voice>`, in which an Azure document wraps all its text, so
+# that refusing it refused every Azure-written text) and its marks, which ask for nothing ZONOS2 would speak otherwise:
+# their tags are taken out and the text inside them spoken by the request's voice (a voice element names none of
+# ours; a mark's point is not reported)
+WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "voice", "mark"})
 # SSML's elements whose text is read otherwise (say-as spelled or as written, by its interpret-as; sub as its alias):
 # each is whole in the sentence it is spoken in (the text buffer cuts none inside one)
 READ_AS_ELEMENTS = frozenset({"say-as", "sub"})

@@ -406,7 +406,6 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
         ("</prosody>", "prosody"),
         ('<emphasis level="strong">', "emphasis"),
         ('<audio src="https://example.com/a.wav"/>', "audio"),
-        ('<voice name="en-US-Jenny">', "voice"),
         ('<lang xml:lang="fr-FR">', "lang"),
         # the vendors' own: Amazon Polly's and Azure's (they were read aloud, "amazon effect name equals whispered")
         ('<amazon:effect name="whispered">', "amazon:effect"),
@@ -419,7 +418,7 @@ def test_an_ssml_phoneme_element_is_refused_not_spoken():
     ],
 )
 def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, name):
-    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<audio>`, `<voice>`, `<lang>`: each was
+    """An agent written for an SSML engine sends `<prosody>`, `<emphasis>`, `<audio>`, `<lang>`: each was
     read aloud as markup ("prosody rate equals slow"); now unsupported_tag, and nothing of the text is queued."""
     assert tags(split_tags(f"Before {tag} after.")) == ["Before", name, "after."]
 
@@ -438,6 +437,11 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         ("Hello <p>world</p>.", ["Hello world."]),
         ("and <p> more", ["and more"]),
         ("<SPEAK>Case</Speak>", ["Case"]),
+        # Azure's documents wrap every text in a voice element: the request's voice speaks it
+        (
+            '<speak version="1.0" xml:lang="en-US"><voice name="en-US-JennyNeural">Hi there.</voice></speak>',
+            ["Hi there."],
+        ),
         ("Go <mark name=\"here\"/>on<mark name='x'></mark>.", ["Go on."]),
         ("<speak></speak>", []),
         ('<speak a="x>y">Hi</speak>', ["Hi"]),  # a quoted '>' is the attribute's (its rest was read aloud: 'y">Hi')
