@@ -1238,6 +1238,33 @@ def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, co
     assert ca_audio(log, "good")
 
 
+def test_cartesia_a_refused_message_ends_its_context_as_its_error_says(srv):
+    """An error says done: true: the context is over. A refused `continue: false` (a cut tag at its flush) while the
+    context's earlier sentences still played was followed by their chunks and never by a done; now nothing of the
+    context follows the error, and another context plays."""
+
+    async def go():
+        ws = await ca_connect(srv)
+        queued = " ".join(f"Sentence {i} is queued before the refusal." for i in range(6))
+        await ws.send(ca_request("k", queued + " And ", True))
+        log: list[dict[str, Any]] = [await recv_json(ws)]  # its audio has begun
+        await ws.send(ca_request("k", 'a cut <break time="1', False))
+        err = await recv_json(ws)
+        while err["type"] != "error":  # (chunks sent before the refusal)
+            log.append(err)
+            err = await recv_json(ws)
+        before = len(log)
+        await ws.send(ca_request("other", "Still here.", False))
+        await ca_until(ws, "other", "done", log)
+        await ws.close()
+        return err, log[before:]
+
+    err, after = run(go())
+    assert err["context_id"] == "k" and err["done"] is True and err["title"] == "bad_text", err
+    assert [m["type"] for m in after if m["context_id"] == "k"] == [], after
+    assert ca_audio(after, "other")
+
+
 def test_cartesia_voice_embedding_of_our_size(srv):
     emb = np.random.default_rng(3).standard_normal(2048).astype(np.float32).tolist()
 

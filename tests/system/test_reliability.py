@@ -1563,6 +1563,42 @@ def test_deepgram_refused_flush_takes_no_sequence_id(limited):
     assert flushed == {"type": "Flushed", "sequence_id": 0}
 
 
+@slow
+def test_cartesia_too_many_utterances_is_no_end_of_its_context(limited):
+    """Every other error ends its Cartesia context (done: true); a refusal for too many queued utterances (3 may be
+    queued here) is not one: done: false, and the context goes on to its done."""
+    q = "cartesia_version=2026-03-01&zonos_params=" + json.dumps({"max_frames": 60}).replace(" ", "")
+    fmt = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
+    voice = [0.01] * 2048  # (no voice in this server's library)
+
+    def req(text: str, cont: bool) -> str:
+        return json.dumps(
+            {
+                "transcript": text,
+                "continue": cont,
+                "context_id": "k",
+                "voice": {"mode": "embedding", "embedding": voice},
+            }
+            | {"model_id": "sonic-3.5", "output_format": fmt, "language": "en"}
+        )
+
+    async def go():
+        async with websockets.connect(limited.url.replace("http", "ws") + "/tts/websocket?" + q, max_size=None) as ws:
+            await ws.send(req("Alpha one. Beta two. Gamma three. Delta four. Epsilon five. Zeta six. And", True))
+            msgs: list[dict[str, Any]] = []
+            while not msgs or msgs[-1]["type"] != "error":
+                msgs.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+            err = msgs[-1]
+            await ws.send(req(" on.", False))
+            while msgs[-1]["type"] != "done":
+                msgs.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+            return err, msgs
+
+    err, msgs = run(go())
+    assert err["error_code"] == "too_many_utterances" and err["done"] is False, err
+    assert msgs[-1] == {"type": "done", "done": True, "status_code": 206, "context_id": "k"}
+
+
 # ---- request heads, the host rule, normalization's budgets (one block) ---------------------
 def raw_exchange(port: int, head: bytes, timeout: float = 60, until: bytes | None = None) -> tuple[bytes, bool]:
     """Send `head`, read until the server closes (or, given `until`, has sent it): (everything it sent,

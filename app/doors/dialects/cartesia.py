@@ -143,7 +143,9 @@ class CartesiaSession(StreamingSession):
             "type": "error",
             "context_id": ctx if isinstance(ctx, str) else None,
             "status_code": _STATUS.get(code, 400),
-            "done": True,
+            # an error ends its context (`_end_refused`), but for a refusal for too many queued utterances: its text
+            # and id wait for a later flush
+            "done": code != G.TOO_MANY_UTTERANCES,
             "error": message,
             "title": code,
             "message": message,
@@ -155,6 +157,30 @@ class CartesiaSession(StreamingSession):
 
     # ---- messages ----------------------------------------------------------------------------------
     async def on_message(self, data: dict[str, Any]) -> None:
+        ctx = data.get("context_id")
+        before = self.ctxs.get(ctx) if isinstance(ctx, str) else None
+        reopens = before is not None and before.ended  # (an id used again before its done: the ended one plays on)
+        try:
+            await self._on_message(data)
+        except RequestError as e:
+            if not reopens:
+                await self._end_refused(ctx, e)
+            raise
+
+    async def _end_refused(self, ctx: object, e: RequestError) -> None:
+        """A refused message ends the context it names, as an error of a sentence does (its error says done: true,
+        and chunks of its earlier sentences followed it, with no done after them), but for too many queued
+        utterances, whose text and id wait for a later flush (done: false). Dropped under the send lock: no chunk
+        of it follows the error."""
+        if e.code == G.TOO_MANY_UTTERANCES or not isinstance(ctx, str) or ctx not in self.ctxs:
+            return
+        for c in self._chain(ctx):
+            c.failed = True
+        self.ctxs.pop(ctx, None)
+        async with self.send_lock:
+            self.drop(ctx)
+
+    async def _on_message(self, data: dict[str, Any]) -> None:
         ctx = check_context_id(data.get("context_id"))
         if check_flag(data, "cancel"):
             if ctx is None:
