@@ -479,16 +479,24 @@ def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
     assert split_tags("Say <prosody", partial=True) == ["Say <prosody"]
 
 
-def test_a_spell_element_on_the_socket_reaches_the_engine_spelled():
+def spoken_on_socket(*messages: dict) -> tuple[list[dict], list[str]]:
+    """Send `messages` on a session of our socket, the last a flush of one utterance: (what the client got up to
+    `flushed`, the texts the engine was asked to speak)."""
+
     async def go():
         _, ws, engine, task = await open_session()
-        ws.send(type="text", text="Your PIN is <spell>4711</spell>.", flush=True)
+        for m in messages:
+            ws.send(**m)
         FakeEngine.play(await engine.started(1))
         seen = await ws.until("flushed")
         await shut(ws, task)
         return seen, engine.texts
 
-    seen, texts = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_spell_element_on_the_socket_reaches_the_engine_spelled():
+    seen, texts = spoken_on_socket(dict(type="text", text="Your PIN is <spell>4711</spell>.", flush=True))
     assert texts == ["Your PIN is 4 7 1 1."], texts
     assert [m["text"] for m in seen if m["type"] == "audio.start"] == ["Your PIN is 4 7 1 1."]
 
@@ -622,18 +630,9 @@ def test_ssml_sub_and_say_as_streamed_on_the_socket_reach_the_engine_and_the_cli
     """Word by word, as an LLM streams them: the engine and `audio.start` get the alias and the spelled text, one
     sentence however many periods the elements hold; a say-as of a date is refused, the socket goes on."""
 
-    async def go():
-        _, ws, engine, task = await open_session()
-        text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">A.B.</say-as> ok.'
-        for piece in text.split(" "):
-            ws.send(type="text", text=piece + " ")
-        ws.send(type="flush")
-        FakeEngine.play(await engine.started(1))
-        seen = await ws.until("flushed")
-        await shut(ws, task)
-        return seen, engine.texts
-
-    seen, texts = asyncio.run(go())
+    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">A.B.</say-as> ok.'
+    words = [dict(type="text", text=piece + " ") for piece in text.split(" ")]
+    seen, texts = spoken_on_socket(*words, dict(type="flush"))
     assert texts == ["The United States code is A . B . ok."], texts
     assert [m["text"] for m in seen if m["type"] == "audio.start"] == texts
 
