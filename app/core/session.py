@@ -89,21 +89,27 @@ def unfinished_tag_start(text: str) -> int | None:
     its sentence would be refused)."""
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         return spans[-1][0]
+    if (start := _cut_start(text)) is not None:
+        return start
+    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
+        return len(text) - len(text[-TAG_MAX:]) + m.start()
+    return None
+
+
+def _cut_start(text: str) -> int | None:
+    """Where a tag cut inside its name begins at the end of `text` (a bracket's first half, or an element's opening
+    whose name so far begins one of ours), None if it ends in none."""
     if m := _OPEN_BRACKET.search(text):
         return m.start()
     if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
         return m.start()
-    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
-        return len(text) - len(text[-TAG_MAX:]) + m.start()
     return None
 
 
 def _ends_in_a_tag(text: str) -> bool:
     """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
     which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
-    if _OPEN_BRACKET.search(text):
-        return True
-    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
+    if _cut_start(text) is not None:
         return True
     try:
         split_breaks(text)

@@ -203,7 +203,8 @@ def _read(name: str, attributes: str, written: str, text: str) -> str:
     """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
     if name.lower() == "sub":
         alias = _value(_ALIAS, attributes)
-        if not unescape(alias).strip() or markup_in(unescape(alias)) is not None:
+        spoken = unescape(alias)
+        if not spoken.strip() or markup_in(spoken) is not None:
             what = "a sub's alias is the text spoken: not empty, no tag in it"
             raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
         return alias
