@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
-from app.core.breaks import TAG_MAX, split_breaks
+from app.core.breaks import split_breaks
 from app.core.door_policy import Conversation
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
@@ -44,7 +44,7 @@ from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
-from app.core.tag_vocabulary import ELEMENT_NAMES, markup_in
+from app.core.tag_vocabulary import ATTRIBUTE, ATTRIBUTE_ARRIVING, ELEMENT_NAMES, TAG_MAX, markup_in
 from app.core.text_buffer import TextBuffer, spoken_whole
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -76,9 +76,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 # and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
 # perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
-_ATTRIBUTES = r"""(?:\s+[\w:.-]+\s*=\s*(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>=/]+))*"""
-_ATTRIBUTE_ARRIVING = r"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>=/]*))?)?"""
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?=(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
 
 
 def unfinished_tag_start(text: str) -> int | None:

@@ -39,19 +39,21 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from app.core.breaks import TAG_MAX
 from app.core.options import SynthesisOptions
 from app.core.tag_vocabulary import (
+    ATTRIBUTE,
     BRACKET,
     ELEMENT_OPEN,
     EMOTION_OPEN,
     NEUTRAL,
     READ_AS_ELEMENTS,
     TAG_EMOTIONS,
+    TAG_MAX,
     TAG_WORDS,
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
     WRAPPER_ELEMENTS,
+    attributes,
     markup_in,
     names_pattern,
 )
@@ -64,8 +66,7 @@ _UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRA
 _ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
-_ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX}}}'|[^\s"'<>=/]{{1,{TAG_MAX}}})"""
-_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{_ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
+_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
@@ -74,23 +75,9 @@ SAY_AS_SPELLED = ("characters", "spell-out", "verbatim", "digits", "telephone")
 SAY_AS_READ = ("cardinal", "number")
 _READ_AS = names_pattern(READ_AS_ELEMENTS)
 # a whole say-as or sub element: its opening (name="value" attributes), its text (no tag in it) and its closing
-_READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
+_READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
 # an opening or a closing of one that no whole element holds
-_READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
-
-
-# a tag's attribute: its whole name and its value, "quoted", 'quoted' or bare; read from the tag's first attribute on,
-# so that a name's end (`data-alias`) or a quoted value (`title="alias=x"`) is never taken for another attribute
-_ATTRIBUTE_VALUE = re.compile(r"""([\w:.-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
-_VALUE, _INTERPRET_AS, _ALIAS = "value", "interpret-as", "alias"
-
-
-def _value(name: str, attributes: str) -> str:
-    """The value of the attribute `name` (any case) in a tag's attributes, stripped ("" when it has none)."""
-    for a in _ATTRIBUTE_VALUE.finditer(attributes):
-        if a.group(1).lower() == name:
-            return next(g for g in a.groups()[1:] if g is not None).strip()
-    return ""
+_READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -123,7 +110,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         if m.group(1):  # </emotion>: the element's end
             found.append((m.start(), m.end(), StyleTag(NEUTRAL, m.group(0))))
             continue
-        value = _value(_VALUE, m.group(2)).lower()
+        value = attributes(m.group(2), m.group(0)).get("value", "").strip().lower()
         if not value:
             raise RequestError(G.BAD_TEXT, f'an emotion tag needs a value such as value="happy": {m.group(0)[:60]!r}')
         found.append((m.start(), m.end(), StyleTag(value, m.group(0))))
@@ -199,16 +186,16 @@ def read_as(text: str, partial: bool = False) -> str:
     return _READ_AS_TAG.sub("", text) if partial else text
 
 
-def _read(name: str, attributes: str, written: str, text: str) -> str:
+def _read(name: str, attribute_text: str, written: str, text: str) -> str:
     """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
     if name.lower() == "sub":
-        alias = _value(_ALIAS, attributes)
+        alias = attributes(attribute_text, written).get("alias", "").strip()
         spoken = unescape(alias)
         if not spoken.strip() or markup_in(spoken) is not None:
             what = "a sub's alias is the text spoken: not empty, no tag in it"
             raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
         return alias
-    kind = _value(_INTERPRET_AS, attributes).lower()
+    kind = attributes(attribute_text, written).get("interpret-as", "").strip().lower()
     if kind in SAY_AS_SPELLED:
         return f"<spell>{text}</spell>"
     if kind in SAY_AS_READ:

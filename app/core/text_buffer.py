@@ -18,8 +18,7 @@ import unicodedata
 
 import sentencex
 
-from app.core.breaks import TAG_MAX
-from app.core.tag_vocabulary import READ_AS_ELEMENTS, names_pattern
+from app.core.tag_vocabulary import READ_AS_ELEMENTS, TAG_MAX, names_pattern
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}

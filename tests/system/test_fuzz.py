@@ -192,6 +192,9 @@ short_text = (
             "We need x < s. Then go on. if a <s and b",
             'Hello<break strength="none"/>, world <break time="1s" strength="loud"/> <break data-strength="none"/>',
             "<" + " " * 1990 + "x.",
+            # attributes read as attributes: a quoted value is none, attributes that are no pairs are bad_text
+            '<break foo="strength=none"/> <break data="time=2s"/> <break time="1sx"/> <break time="1s" loud/>',
+            "<emotion value='happy' loud/> x <emotion title=\"value=sad\"/> <break time=1s strength='weak\"/>",
         ]
     )
 )

@@ -48,7 +48,17 @@ def test_brackets_outside_the_table_are_text(text):
     assert "smug" not in TAG_WORDS
 
 
-@pytest.mark.parametrize("tag", ["<emotion/>", '<emotion value=""/>', "<emotion intensity='high'/>"])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "<emotion/>",
+        '<emotion value=""/>',
+        "<emotion intensity='high'/>",
+        '<emotion title="value=sad"/>',  # a quoted value is no attribute
+        "<emotion value='happy' loud/>",  # attributes that are none (app/core/tag_vocabulary.py `attributes`)
+        '<emotion value="happy"intensity="high"/>',
+    ],
+)
 def test_an_emotion_tag_without_a_value_is_refused(tag):
     with pytest.raises(RequestError) as e:
         split_tags(f"Before {tag} after.")
