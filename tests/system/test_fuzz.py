@@ -195,6 +195,10 @@ short_text = (
             # attributes read as attributes: a quoted value is none, attributes that are no pairs are bad_text
             '<break foo="strength=none"/> <break data="time=2s"/> <break time="1sx"/> <break time="1s" loud/>',
             "<emotion value='happy' loud/> x <emotion title=\"value=sad\"/> <break time=1s strength='weak\"/>",
+            # character references cut across messages (held back while spoken as it comes), a bare '&' at the end
+            "Call AT&am",
+            "p;T or &#x1",
+            "F600; & x &",
         ]
     )
 )

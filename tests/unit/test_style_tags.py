@@ -274,6 +274,25 @@ def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halv
         ("if a <s and b", ""),
         ("x < speed limit here", ""),
         ('x <break time="1s" then more', ""),
+        # an XML character reference cut before its ';' (`AT&am` was spoken, then `p;T`), as long as it may be one, and
+        # the word it is in (`AT&amp;T` is one word)
+        ("Call AT&am", "AT&am"),
+        ("AT&", "AT&"),
+        ("(Tom&#", "Tom&#"),
+        ("x &#12", "&#12"),
+        ("x &#", "&#"),
+        ("x &#X1f", "&#X1f"),
+        ("it's &apos", "&apos"),
+        ("&amp;T &l", "&l"),
+        ('<sub alias="AT&am', '<sub alias="AT&am'),  # (the tag's start)
+        ("AT& T", ""),  # a bare '&' before a space: text
+        ("AT&\n", ""),
+        ("AT&b", ""),  # no reference's name begins so
+        ("AT&AM", ""),  # (names are lower case)
+        ("AT&amp;", ""),  # whole
+        ("x &#12345678", ""),  # past the largest code point's digits
+        ("x &#x1234567", ""),
+        ("x &#1a", ""),
     ],
 )
 def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):
