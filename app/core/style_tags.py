@@ -18,9 +18,10 @@ refused with `unsupported_tag`, never spoken as text and never dropped; a malfor
 
 Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED_TAG and VOLUME_TAG write):
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the utterance
-it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control
-for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme
-input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
+it stands in (`spell_out`), a bracket's too (`<spell>[laughs]</spell>` is "[ l a u g h s ]": no tag in spelled text);
+`<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control for, refused with
+`unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme input, as for a
+dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
 and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`,
 `<p>`, `<s>` and Azure's wrapping `<voice>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are
 taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
@@ -88,9 +89,11 @@ class StyleTag:
 
 def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     found = []
+    # a bracket in spelled text is characters to spell (`<say-as interpret-as="characters">[laughs]</say-as>`), no tag
+    spelled = [(start, end) for start, end, inside in _spell_pieces(text) if inside] if "<" in text else []
     for m in BRACKET.finditer(text):
         word = m.group(1).lower()
-        if word in TAG_WORDS:
+        if word in TAG_WORDS and not any(start <= m.start() < end for start, end in spelled):
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
     last_end = text.rfind(">")
     whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
@@ -263,23 +266,34 @@ def spell_out(text: str) -> str:
     character references by their characters (`unescape`; a spelled one is one character). A sentence cut may leave an
     element's opening or closing alone in a text: what follows a lone opening, or precedes a lone closing, is spelled;
     a tag is never left in the text."""
-    marks = list(_SPELL.finditer(text))
-    if not marks:
+    pieces = _spell_pieces(text)
+    if len(pieces) == 1:
         return unescape(text)
     out = ""
-    pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
     spelled = False  # (what `out` ends with)
-    for m in [*marks, None]:
-        piece = unescape(text[pos : m.start() if m is not None else len(text)])
+    for start, end, inside in pieces:
+        piece = unescape(text[start:end])
         piece = _spelled(piece) if inside else piece
         # a spelled character is a word of its own: apart from a word or a spelled character beside it
         if piece and out and (inside or spelled) and out[-1].isalnum() and piece[0].isalnum():
             out += " "
         out += piece
         spelled = inside if piece else spelled
+    return out
+
+
+def _spell_pieces(text: str) -> list[tuple[int, int, bool]]:
+    """`text` between its spell elements' openings and closings: each piece's start, end and whether it is spelled
+    (what follows an opening, and what precedes a closing that comes first: its element began in an earlier sentence).
+    One piece, not spelled, when it holds none."""
+    marks = list(_SPELL.finditer(text))
+    pieces: list[tuple[int, int, bool]] = []
+    pos, inside = 0, bool(marks) and bool(marks[0].group(1))
+    for m in [*marks, None]:
+        pieces.append((pos, m.start() if m is not None else len(text), inside))
         if m is not None:
             inside, pos = not m.group(1), m.end()
-    return out
+    return pieces
 
 
 def styled_options(

@@ -199,6 +199,8 @@ short_text = (
             "Call AT&am",
             "p;T or &#x1",
             "F600; & x &",
+            # a bracket in spelled text is characters, no tag
+            '<say-as interpret-as="characters">[laughs]</say-as> <spell>[happy] x</spell> [sad] <spell>[whispering]',
         ]
     )
 )

@@ -607,6 +607,35 @@ def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
     assert tags(split_tags(text)) == spoken
 
 
+@pytest.mark.parametrize(
+    "text, spoken",
+    [
+        ('<say-as interpret-as="characters">[laughs]</say-as>', ["[ l a u g h s ]"]),
+        ("Say <spell>[Happy]</spell> [sad] now", ["Say [ H a p p y ]", "sad", "now"]),
+        ("<SPELL>x [ neutral ]</spell>", ["x [ n e u t r a l ]"]),
+        # a spell element a sentence cut left open or closed: its side is spelled, the other side's tags are tags
+        ("Code <spell>a[whispering]", ["Code a [ w h i s p e r i n g ]"]),
+        ("[calm]b</spell> [sad] c", ["[ c a l m ] b", "sad", "c"]),
+        ("[happy] <spell>ab</spell>", ["happy", "a b"]),
+    ],
+)
+def test_a_bracket_in_spelled_text_is_spelled_not_a_tag(text, spoken):
+    """Spelled text (`<spell>`, say-as characters) is characters to spell, brackets too: `[laughs]` in it was a tag,
+    refused (unsupported_tag), and `[happy]` styled the text after it and was not spelled."""
+    assert tags(split_tags(text)) == spoken
+
+
+def test_a_bracket_in_spelled_text_is_queued_spelled_on_a_server_without_emotions():
+    async def go():
+        pipe = pipeline(None)  # no emotion directions: a tag would be refused
+        texts = ['Say <say-as interpret-as="characters">[laughs]</say-as>.', "<spell>[happy]</spell>"]
+        added = pipe.add(texts, SynthesisOptions(), voice(), None)
+        pipe.close()
+        return [u.text for u in added]
+
+    assert asyncio.run(go()) == ["Say [ l a u g h s ].", "[ h a p p y ]"]
+
+
 @pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None, 'date" data-interpret-as="digits'])
 def test_a_say_as_zonos2_cannot_read_is_refused_naming_those_it_can(kind):
     attribute = "" if kind is None else f' interpret-as="{kind}"'
