@@ -268,6 +268,9 @@ def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halv
         ("Hi <break ti", "<break ti"),
         ('Hi <break time = "1s" /', '<break time = "1s" /'),
         ('<speak version="1.0" xml:lang="en', '<speak version="1.0" xml:lang="en'),
+        # a quoted value may hold '>' (`<speak a="x>y">` is a tag): one still arriving too (it was spoken)
+        ('Hi <sub alias="a > b', '<sub alias="a > b'),
+        ("Hi <speak a='x>y' b=\"2", "<speak a='x>y' b=\"2"),
         ("x < s and", "< s and"),  # (`and=...` may still come)
         # prose after a `<` and an element's name: no tag (it was held back, and an ElevenLabs close_context dropped it)
         ("We need x < s. Then go on. ", ""),
