@@ -43,8 +43,15 @@ from app.core.options import SynthesisOptions
 from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
-from app.core.style_tags import reference_start, split_tags
-from app.core.tag_vocabulary import ATTRIBUTE, ATTRIBUTE_ARRIVING, ELEMENT_NAMES, TAG_MAX, markup_in
+from app.core.style_tags import split_tags
+from app.core.tag_vocabulary import (
+    ATTRIBUTE,
+    ATTRIBUTE_ARRIVING,
+    ELEMENT_NAMES,
+    TAG_MAX,
+    markup_in,
+    reference_start,
+)
 from app.core.text_buffer import TextBuffer, spoken_whole
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -85,7 +92,7 @@ def unfinished_tag_start(text: str) -> int | None:
     Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
     (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
     its sentence would be refused), and an XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was
-    spoken, then "p;T"; app/core/style_tags.py `reference_start`)."""
+    spoken, then "p;T"; app/core/tag_vocabulary.py `reference_start`)."""
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         return spans[-1][0]
     if (start := _cut_start(text)) is not None:

@@ -48,6 +48,8 @@ from app.core.tag_vocabulary import (
     EMOTION_OPEN,
     NEUTRAL,
     READ_AS_ELEMENTS,
+    REFERENCE,
+    REFERENCE_NAMES,
     TAG_EMOTIONS,
     TAG_MAX,
     TAG_WORDS,
@@ -228,34 +230,12 @@ def unescape(text: str) -> str:
     `&#233;`, `&#xE9;`), once: an SSML writer escapes every `&` and `<` of its text, and the reference is no word to
     read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
     space; any other `&` is text."""
-    return _REFERENCE.sub(_referenced, text) if "&" in text else text
-
-
-_NAMED = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
-_DECIMALS, _HEXES, _LETTERS = 7, 6, max(map(len, _NAMED))  # a reference's digits (U+10FFFF) and letters at most
-_REFERENCE = re.compile(rf"&(?:({'|'.join(_NAMED)})|#([0-9]{{1,{_DECIMALS}}})|#[xX]([0-9a-fA-F]{{1,{_HEXES}}}));")
-# a reference cut before its ';' at the end of a text (`&`, `&am`, `&#`, `&#12`, `&#x1F`): more text may complete it
-_REFERENCE_ARRIVING = re.compile(
-    rf"&(?:#(?:[0-9]{{0,{_DECIMALS}}}|[xX][0-9a-fA-F]{{0,{_HEXES}}})|([a-z]{{0,{_LETTERS}}}))\Z"
-)
-
-
-def reference_start(text: str) -> int | None:
-    """Where the word of an XML character reference still arriving begins at the end of `text` (`AT&am`, `x &#12`:
-    what follows may complete it, `p;T`; the word with it, so that `AT&amp;T` is one word, not `AT` and `&T`), None if
-    it ends in none (`&b`, `& `, `&amp;`: text, or a whole reference)."""
-    m = _REFERENCE_ARRIVING.search(text, max(0, len(text) - 3 - _DECIMALS))
-    if m is None or (m.group(1) is not None and not any(n.startswith(m.group(1)) for n in _NAMED)):
-        return None
-    start = m.start()
-    while start > 0 and text[start - 1].isalnum():
-        start -= 1
-    return start
+    return REFERENCE.sub(_referenced, text) if "&" in text else text
 
 
 def _referenced(m: re.Match[str]) -> str:
     if m.group(1):
-        return _NAMED[m.group(1)]
+        return REFERENCE_NAMES[m.group(1)]
     code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
     c = chr(code) if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF else ""
     return " " if c.isspace() else c if c.isprintable() else ""

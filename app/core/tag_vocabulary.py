@@ -3,7 +3,8 @@ emotion words that both the tags and OpenAI's `instructions` name, and `markup_i
 
 It also holds how a tag is written: its bound (TAG_MAX), an attribute (`ATTRIBUTE`, `name="value"`) and the one
 reader of a tag's attributes (`attributes`), which every element that reads one uses (a break's time and strength, an
-emotion's value, a say-as' interpret-as, a sub's alias).
+emotion's value, a say-as' interpret-as, a sub's alias); and how XML's character references are (`REFERENCE`, and
+`reference_start`, one still arriving).
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/breaks.py reads its breaks,
 app/core/instructions.py maps an instruction's words onto the emotion axes, app/voices/lexicons.py refuses a
@@ -54,6 +55,33 @@ def attributes(text: str, written: str) -> dict[str, str]:
         what = 'a tag\'s attributes are name="value" pairs (quotes optional), a space before each'
         raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
     return found
+
+
+# XML's character references (an SSML writer escapes every '&' and '<' of its text): `&amp;` and the other four names,
+# `&#233;`, `&#xE9;` (app/core/style_tags.py `unescape` reads them); the text buffer cuts none
+REFERENCE_NAMES = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+# a reference's digits (U+10FFFF) and letters at most
+_DECIMALS, _HEXES, _LETTERS = 7, 6, max(map(len, REFERENCE_NAMES))
+REFERENCE = re.compile(
+    rf"&(?:({'|'.join(REFERENCE_NAMES)})|#([0-9]{{1,{_DECIMALS}}})|#[xX]([0-9a-fA-F]{{1,{_HEXES}}}));"
+)
+# a reference cut before its ';' at the end of a text (`&`, `&am`, `&#`, `&#12`, `&#x1F`): more text may complete it
+_REFERENCE_ARRIVING = re.compile(
+    rf"&(?:#(?:[0-9]{{0,{_DECIMALS}}}|[xX][0-9a-fA-F]{{0,{_HEXES}}})|([a-z]{{0,{_LETTERS}}}))\Z"
+)
+
+
+def reference_start(text: str) -> int | None:
+    """Where the word of an XML character reference still arriving begins at the end of `text` (`AT&am`, `x &#12`:
+    what follows may complete it, `p;T`; the word with it, so that `AT&amp;T` is one word, not `AT` and `&T`), None if
+    it ends in none (`&b`, `& `, `&amp;`: text, or a whole reference)."""
+    m = _REFERENCE_ARRIVING.search(text, max(0, len(text) - 3 - _DECIMALS))
+    if m is None or (m.group(1) is not None and not any(n.startswith(m.group(1)) for n in REFERENCE_NAMES)):
+        return None
+    start = m.start()
+    while start > 0 and text[start - 1].isalnum():
+        start -= 1
+    return start
 
 
 # The emotion words of OpenAI's `instructions` (app/core/instructions.py, docs/clients.md), each a bracket tag too:
