@@ -7,30 +7,22 @@ from __future__ import annotations
 
 import re
 
+from app.core.tag_vocabulary import BREAK_END, BREAK_OPEN, TAG_MAX, attributes
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.contract.constants import SAMPLE_RATE
 
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
 MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
-# characters inside a tag's < > at most (a break's, an emotion element's): the text buffer never cuts inside one,
-# and the patterns look no further for its end (unbounded, each opening with no end looks through the rest of the
-# text: 1666 "<break" in one message take the event loop 0.25 s)
-TAG_MAX = 200
 _TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
-BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
-# an element's end (`<break time="1s"></break>`, as XML writers and SSML-writing LLMs send it): nothing to do, not text
-BREAK_END = re.compile(r"<\s*/\s*break\s*>", re.IGNORECASE)
 _BREAK_END_SPACED = re.compile(r"\s*<\s*/\s*break\s*>\s*", re.IGNORECASE)
 # SSML's break strengths as silence (Azure's documented durations; SSML 1.1 names them, leaves the length to the
 # engine): a break with a time is that time; "none" is no break at all (the words either side join); a bare
 # <break/> is "medium", as SSML and Azure read it
 STRENGTH_S = {"none": 0.0, "x-weak": 0.25, "weak": 0.5, "medium": 0.75, "strong": 1.0, "x-strong": 1.25}
 DEFAULT_STRENGTH = "medium"
-# (an attribute's name is whole: `data-strength=` and `x:time=` are other attributes, not the break's)
-_STRENGTH = re.compile(r"""(?<![\w:.-])strength\s*=\s*(["']?)\s*([a-z-]*)\s*\1""", re.IGNORECASE)
-_TIME_ATTR = re.compile(r"(?<![\w:.-])time\s*=", re.IGNORECASE)
-_TIME = re.compile(r"""(?<![\w:.-])time\s*=\s*["']?\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*["']?""", re.IGNORECASE)
+# a break's time: a number and its unit, 500ms or 1.5s (spaces around them allowed)
+_TIME = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*(ms|s)\s*", re.IGNORECASE)
 
 
 def split_breaks(text: str, partial: bool = False) -> list[str | float]:
@@ -86,19 +78,20 @@ def _joined(pending: str, segment: str) -> str:
     return (pending.rstrip() if _CLOSING.match(segment) else pending) + segment
 
 
-def break_seconds(tag: str, attributes: str) -> float:
-    """A break tag's silence: its time, else its strength's (STRENGTH_S; 0.0 is "none"), else medium's. A time
-    that is not one (`time="soon"`), or out of range, and an unknown strength (beside a time too: it was ignored
-    there) are refused (`bad_text`)."""
-    s = _STRENGTH.search(attributes)
-    strength = s.group(2).lower() if s else DEFAULT_STRENGTH
+def break_seconds(tag: str, attribute_text: str) -> float:
+    """A break tag's silence (`tag` as written, `attribute_text` what follows its name): its time, else its strength's
+    (STRENGTH_S; 0.0 is "none"), else medium's. A time that is not one (`time="soon"`, `time="1sx"`), or out of range,
+    an unknown strength (beside a time too: it was ignored there) and attributes that are none (`attributes`) are
+    refused (`bad_text`)."""
+    found = attributes(attribute_text, tag)
+    strength = found.get("strength", DEFAULT_STRENGTH).strip().lower()
     if strength not in STRENGTH_S:
         raise RequestError(G.BAD_TEXT, f"a break's strength is one of {', '.join(STRENGTH_S)}: {tag[:60]!r}")
-    t = _TIME.search(attributes)
-    if t is None:
-        if _TIME_ATTR.search(attributes):
-            raise RequestError(G.BAD_TEXT, f"a break's time is a number with ms or s, as 500ms or 1.5s: {tag[:60]!r}")
+    if "time" not in found:
         return STRENGTH_S[strength]
+    t = _TIME.fullmatch(found["time"])
+    if t is None:
+        raise RequestError(G.BAD_TEXT, f"a break's time is a number with ms or s, as 500ms or 1.5s: {tag[:60]!r}")
     seconds = float(t.group(1)) / (1000.0 if t.group(2).lower() == "ms" else 1.0)
     # at least one sample of silence (a shorter one was none: a text of only such a break made an empty answer)
     if round(seconds * SAMPLE_RATE) < 1 or seconds > MAX_BREAK_S:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from starlette.websockets import WebSocket, WebSocketState
 
-from app.core.breaks import TAG_MAX, split_breaks
+from app.core.breaks import split_breaks
 from app.core.door_policy import Conversation
 from app.core.gateway import Gateway
 from app.core.hold import Hold, Holds
@@ -44,7 +44,14 @@ from app.core.pipeline import inline_pieces, text_buffer
 from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
-from app.core.tag_vocabulary import ELEMENT_NAMES, markup_in
+from app.core.tag_vocabulary import (
+    ATTRIBUTE,
+    ATTRIBUTE_ARRIVING,
+    ELEMENT_NAMES,
+    TAG_MAX,
+    markup_in,
+    reference_start,
+)
 from app.core.text_buffer import TextBuffer, spoken_whole
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
@@ -76,9 +83,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 # and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
 # perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
-_ATTRIBUTES = r"""(?:\s+[\w:.-]+\s*=\s*(?:"[^"<>]*"|'[^'<>]*'|[^\s"'<>=/]+))*"""
-_ATTRIBUTE_ARRIVING = r"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<>]*|'[^'<>]*|[^\s"'<>=/]*))?)?"""
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={_ATTRIBUTES}{_ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?=(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
 
 
 def unfinished_tag_start(text: str) -> int | None:
@@ -86,14 +91,15 @@ def unfinished_tag_start(text: str) -> int | None:
     name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
     Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
     (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
-    its sentence would be refused)."""
+    its sentence would be refused), and an XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was
+    spoken, then "p;T"; app/core/tag_vocabulary.py `reference_start`)."""
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         return spans[-1][0]
     if (start := _cut_start(text)) is not None:
         return start
     if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
         return len(text) - len(text[-TAG_MAX:]) + m.start()
-    return None
+    return reference_start(text)
 
 
 def _cut_start(text: str) -> int | None:

@@ -18,9 +18,10 @@ refused with `unsupported_tag`, never spoken as text and never dropped; a malfor
 
 Cartesia's other inline elements (what pipecat's CartesiaTTSService.SPELL, SPEED_TAG and VOLUME_TAG write):
 `<spell>AB12</spell>` is not a tag but spelled text: its characters are spoken one by one ("A B 1 2"), in the utterance
-it stands in (`spell_out`); `<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control
-for, refused with `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme
-input, as for a dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
+it stands in (`spell_out`), a bracket's too (`<spell>[laughs]</spell>` is "[ l a u g h s ]": no tag in spelled text);
+`<speed ratio="1.5"/>` and `<volume ratio="0.5"/>` are tags ZONOS2 has no in-text control for, refused with
+`unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme input, as for a
+dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
 and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`,
 `<p>`, `<s>` and Azure's wrapping `<voice>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are
 taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
@@ -39,19 +40,23 @@ import re
 import unicodedata
 from dataclasses import dataclass
 
-from app.core.breaks import TAG_MAX
 from app.core.options import SynthesisOptions
 from app.core.tag_vocabulary import (
+    ATTRIBUTE,
     BRACKET,
     ELEMENT_OPEN,
     EMOTION_OPEN,
     NEUTRAL,
     READ_AS_ELEMENTS,
+    REFERENCE,
+    REFERENCE_NAMES,
     TAG_EMOTIONS,
+    TAG_MAX,
     TAG_WORDS,
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
     WRAPPER_ELEMENTS,
+    attributes,
     markup_in,
     names_pattern,
 )
@@ -64,8 +69,7 @@ _UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRA
 _ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
-_ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX}}}'|[^\s"'<>=/]{{1,{TAG_MAX}}})"""
-_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{_ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
+_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
 _SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
@@ -74,23 +78,9 @@ SAY_AS_SPELLED = ("characters", "spell-out", "verbatim", "digits", "telephone")
 SAY_AS_READ = ("cardinal", "number")
 _READ_AS = names_pattern(READ_AS_ELEMENTS)
 # a whole say-as or sub element: its opening (name="value" attributes), its text (no tag in it) and its closing
-_READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{_ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
+_READ_AS_ELEMENT = re.compile(rf"<\s*({_READ_AS})((?:{ATTRIBUTE})*)\s*>([^<]*)<\s*/\s*\1\s*>", re.IGNORECASE)
 # an opening or a closing of one that no whole element holds
-_READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{_ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
-
-
-# a tag's attribute: its whole name and its value, "quoted", 'quoted' or bare; read from the tag's first attribute on,
-# so that a name's end (`data-alias`) or a quoted value (`title="alias=x"`) is never taken for another attribute
-_ATTRIBUTE_VALUE = re.compile(r"""([\w:.-]+)\s*=\s*(?:"([^"]*)"|'([^']*)'|([^\s"'/>]+))""")
-_VALUE, _INTERPRET_AS, _ALIAS = "value", "interpret-as", "alias"
-
-
-def _value(name: str, attributes: str) -> str:
-    """The value of the attribute `name` (any case) in a tag's attributes, stripped ("" when it has none)."""
-    for a in _ATTRIBUTE_VALUE.finditer(attributes):
-        if a.group(1).lower() == name:
-            return next(g for g in a.groups()[1:] if g is not None).strip()
-    return ""
+_READ_AS_TAG = re.compile(rf"<\s*(?:(/)\s*)?({_READ_AS})(?=[\s/>])((?:{ATTRIBUTE})*)\s*(?:/\s*)?>", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -101,9 +91,11 @@ class StyleTag:
 
 def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     found = []
+    # a bracket in spelled text is characters to spell (`<say-as interpret-as="characters">[laughs]</say-as>`), no tag
+    spelled = [(start, end) for start, end, inside in _spell_pieces(text) if inside] if "<" in text else []
     for m in BRACKET.finditer(text):
         word = m.group(1).lower()
-        if word in TAG_WORDS:
+        if word in TAG_WORDS and not any(start <= m.start() < end for start, end in spelled):
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
     last_end = text.rfind(">")
     whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
@@ -123,7 +115,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         if m.group(1):  # </emotion>: the element's end
             found.append((m.start(), m.end(), StyleTag(NEUTRAL, m.group(0))))
             continue
-        value = _value(_VALUE, m.group(2)).lower()
+        value = attributes(m.group(2), m.group(0)).get("value", "").strip().lower()
         if not value:
             raise RequestError(G.BAD_TEXT, f'an emotion tag needs a value such as value="happy": {m.group(0)[:60]!r}')
         found.append((m.start(), m.end(), StyleTag(value, m.group(0))))
@@ -199,16 +191,16 @@ def read_as(text: str, partial: bool = False) -> str:
     return _READ_AS_TAG.sub("", text) if partial else text
 
 
-def _read(name: str, attributes: str, written: str, text: str) -> str:
+def _read(name: str, attribute_text: str, written: str, text: str) -> str:
     """What a say-as or sub element (its name, attributes, as written, its text) says; refused as `read_as` says."""
     if name.lower() == "sub":
-        alias = _value(_ALIAS, attributes)
+        alias = attributes(attribute_text, written).get("alias", "").strip()
         spoken = unescape(alias)
         if not spoken.strip() or markup_in(spoken) is not None:
             what = "a sub's alias is the text spoken: not empty, no tag in it"
             raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
         return alias
-    kind = _value(_INTERPRET_AS, attributes).lower()
+    kind = attributes(attribute_text, written).get("interpret-as", "").strip().lower()
     if kind in SAY_AS_SPELLED:
         return f"<spell>{text}</spell>"
     if kind in SAY_AS_READ:
@@ -238,16 +230,12 @@ def unescape(text: str) -> str:
     `&#233;`, `&#xE9;`), once: an SSML writer escapes every `&` and `<` of its text, and the reference is no word to
     read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
     space; any other `&` is text."""
-    return _REFERENCE.sub(_referenced, text) if "&" in text else text
-
-
-_REFERENCE = re.compile(r"&(?:(amp|lt|gt|quot|apos)|#([0-9]{1,7})|#[xX]([0-9a-fA-F]{1,6}));")
-_NAMED = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+    return REFERENCE.sub(_referenced, text) if "&" in text else text
 
 
 def _referenced(m: re.Match[str]) -> str:
     if m.group(1):
-        return _NAMED[m.group(1)]
+        return REFERENCE_NAMES[m.group(1)]
     code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
     c = chr(code) if code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF else ""
     return " " if c.isspace() else c if c.isprintable() else ""
@@ -258,23 +246,34 @@ def spell_out(text: str) -> str:
     character references by their characters (`unescape`; a spelled one is one character). A sentence cut may leave an
     element's opening or closing alone in a text: what follows a lone opening, or precedes a lone closing, is spelled;
     a tag is never left in the text."""
-    marks = list(_SPELL.finditer(text))
-    if not marks:
+    pieces = _spell_pieces(text)
+    if len(pieces) == 1:
         return unescape(text)
     out = ""
-    pos, inside = 0, bool(marks[0].group(1))  # a closing first: its element began in an earlier sentence
     spelled = False  # (what `out` ends with)
-    for m in [*marks, None]:
-        piece = unescape(text[pos : m.start() if m is not None else len(text)])
+    for start, end, inside in pieces:
+        piece = unescape(text[start:end])
         piece = _spelled(piece) if inside else piece
         # a spelled character is a word of its own: apart from a word or a spelled character beside it
         if piece and out and (inside or spelled) and out[-1].isalnum() and piece[0].isalnum():
             out += " "
         out += piece
         spelled = inside if piece else spelled
+    return out
+
+
+def _spell_pieces(text: str) -> list[tuple[int, int, bool]]:
+    """`text` between its spell elements' openings and closings: each piece's start, end and whether it is spelled
+    (what follows an opening, and what precedes a closing that comes first: its element began in an earlier sentence).
+    One piece, not spelled, when it holds none."""
+    marks = list(_SPELL.finditer(text))
+    pieces: list[tuple[int, int, bool]] = []
+    pos, inside = 0, bool(marks) and bool(marks[0].group(1))
+    for m in [*marks, None]:
+        pieces.append((pos, m.start() if m is not None else len(text), inside))
         if m is not None:
             inside, pos = not m.group(1), m.end()
-    return out
+    return pieces
 
 
 def styled_options(

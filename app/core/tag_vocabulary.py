@@ -1,18 +1,88 @@
 """The inline tags' vocabulary: which words and elements of a text are tags rather than words to read, the
 emotion words that both the tags and OpenAI's `instructions` name, and `markup_in`, the first tag a text holds.
 
-Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/instructions.py maps an
-instruction's words onto the emotion axes, app/voices/lexicons.py refuses a pronunciation rule whose alias holds a
-tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element. Of app/ it imports only breaks.py's
-openings (and breaks.py only io/errors.py), so each of them can import it: the options import the dictionaries, and
-the tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
+It also holds how a tag is written: its bound (TAG_MAX), an attribute (`ATTRIBUTE`, `name="value"`) and the one
+reader of a tag's attributes (`attributes`), which every element that reads one uses (a break's time and strength, an
+emotion's value, a say-as' interpret-as, a sub's alias); and how XML's character references are (`REFERENCE`, and
+`reference_start`, one still arriving).
+
+Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/breaks.py reads its breaks,
+app/core/instructions.py maps an instruction's words onto the emotion axes, app/voices/lexicons.py refuses a
+pronunciation rule whose alias holds a tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element.
+Of app/ it imports only io/errors.py, so each of them can import it: the options import the dictionaries, and the
+tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
 """
 
 from __future__ import annotations
 
 import re
 
-from app.core.breaks import BREAK_END, BREAK_OPEN
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
+
+# characters inside a tag's < > at most (a break's, an emotion element's): the text buffer never cuts inside one,
+# and the patterns look no further for its end (unbounded, each opening with no end looks through the rest of the
+# text: 1666 "<break" in one message take the event loop 0.25 s)
+TAG_MAX = 200
+BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
+# an element's end (`<break time="1s"></break>`, as XML writers and SSML-writing LLMs send it): nothing to do, not text
+BREAK_END = re.compile(r"<\s*/\s*break\s*>", re.IGNORECASE)
+
+# A tag's attribute, as a pattern: a space, its name (whole: `data-alias` is no alias), `=` and its value, "quoted",
+# 'quoted' (a quoted value may hold '>', not '<') or bare (no space, quote, '<', '>', '=' or '/'); `name="value"` only,
+# so that text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is no attributes
+ATTRIBUTE = rf"""\s+[\w:.-]+\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}"|'[^'<]{{0,{TAG_MAX}}}'|[^\s"'<>=/]{{1,{TAG_MAX}}})"""
+# the last attribute of a tag still arriving (`ti`, `time=`, `time="1`), or none
+ATTRIBUTE_ARRIVING = rf"""(?:\s+[\w:.-]*(?:\s*=\s*(?:"[^"<]{{0,{TAG_MAX}}}|'[^'<]{{0,{TAG_MAX}}}|[^\s"'<>=/]*))?)?"""
+_ATTRIBUTE = re.compile(ATTRIBUTE)
+_TAG_END = re.compile(r"\s*(?:/\s*)?")  # what may follow a tag's attributes before its '>'
+
+
+def attributes(text: str, written: str) -> dict[str, str]:
+    """A tag's attributes, `text` being what follows its name up to its '>' (a closing '/' with it): each name (lower
+    case) -> its value as written (quotes off, character references kept), the first of a name kept. Read attribute
+    by attribute, so that a quoted value (`foo="strength=none"`) is never read as another attribute. Text that is not
+    attributes (a stray quote, a name without a value, no space between two) is refused (`bad_text`), naming the tag
+    as `written`."""
+    found: dict[str, str] = {}
+    pos = 0
+    while m := _ATTRIBUTE.match(text, pos):
+        name, _, value = m.group(0).partition("=")
+        value = value.strip()
+        found.setdefault(name.strip().lower(), value[1:-1] if value[0] in "\"'" else value)
+        pos = m.end()
+    if not _TAG_END.fullmatch(text, pos):
+        what = 'a tag\'s attributes are name="value" pairs (quotes optional), a space before each'
+        raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
+    return found
+
+
+# XML's character references (an SSML writer escapes every '&' and '<' of its text): `&amp;` and the other four names,
+# `&#233;`, `&#xE9;` (app/core/style_tags.py `unescape` reads them); the text buffer cuts none
+REFERENCE_NAMES = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}
+# a reference's digits (U+10FFFF) and letters at most
+_DECIMALS, _HEXES, _LETTERS = 7, 6, max(map(len, REFERENCE_NAMES))
+REFERENCE = re.compile(
+    rf"&(?:({'|'.join(REFERENCE_NAMES)})|#([0-9]{{1,{_DECIMALS}}})|#[xX]([0-9a-fA-F]{{1,{_HEXES}}}));"
+)
+# a reference cut before its ';' at the end of a text (`&`, `&am`, `&#`, `&#12`, `&#x1F`): more text may complete it
+_REFERENCE_ARRIVING = re.compile(
+    rf"&(?:#(?:[0-9]{{0,{_DECIMALS}}}|[xX][0-9a-fA-F]{{0,{_HEXES}}})|([a-z]{{0,{_LETTERS}}}))\Z"
+)
+
+
+def reference_start(text: str) -> int | None:
+    """Where the word of an XML character reference still arriving begins at the end of `text` (`AT&am`, `x &#12`:
+    what follows may complete it, `p;T`; the word with it, so that `AT&amp;T` is one word, not `AT` and `&T`), None if
+    it ends in none (`&b`, `& `, `&amp;`: text, or a whole reference)."""
+    m = _REFERENCE_ARRIVING.search(text, max(0, len(text) - 3 - _DECIMALS))
+    if m is None or (m.group(1) is not None and not any(n.startswith(m.group(1)) for n in REFERENCE_NAMES)):
+        return None
+    start = m.start()
+    while start > 0 and text[start - 1].isalnum():
+        start -= 1
+    return start
+
 
 # The emotion words of OpenAI's `instructions` (app/core/instructions.py, docs/clients.md), each a bracket tag too:
 # word (its stem: "cheerful" also matches "cheerfully") -> (valence, arousal) on the emotion axes

@@ -6,9 +6,9 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte), at a clause mark or a space if there is one, never inside a character or an
-inline tag. No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`, `<spell>`), or after its opening
-while its closing is still to come.
+takes one frame per byte), at a clause mark or a space if there is one, never inside a character, an
+inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`,
+`<spell>`), or after its opening while its closing is still to come.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import unicodedata
 
 import sentencex
 
-from app.core.breaks import TAG_MAX
-from app.core.tag_vocabulary import READ_AS_ELEMENTS, names_pattern
+from app.core.tag_vocabulary import READ_AS_ELEMENTS, REFERENCE, TAG_MAX, names_pattern
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
 # Where a too-long sentence is best cut: after a clause mark (ASCII ones need a space after them).
 _CLAUSE = re.compile(r"[,;:)\]](?=\s)|\s[–—-](?=\s)|[、，；：]")
-# A break or style tag (app/core/breaks.py, app/core/style_tags.py): a cut moves before one it would split.
-_TAG = re.compile(rf"<[^<>]{{0,{TAG_MAX}}}>|\[[^\[\]]{{0,40}}\]")
+# A break or style tag (app/core/breaks.py, app/core/style_tags.py), or a character reference: a cut moves before one it
+# would split (`&a`, `mp;` were each read as text)
+_TAG = re.compile(rf"<[^<>]{{0,{TAG_MAX}}}>|\[[^\[\]]{{0,40}}\]|{REFERENCE.pattern}")
 _JOINERS = {"\u200d", "\u20e3"}  # zero-width joiner, combining keycap
 # A period can end an abbreviation or an initial, and the segmenter decides by the word after it
 # ("J. R. R. To" splits, "J. R. R. Tolkien" does not): such an end is certain once that word is complete.

@@ -732,8 +732,10 @@ def test_elevenlabs_auto_mode_texts_then_close_context_speaks_them_all(srv):
         (("Wait <brea", "k ti", 'me="200ms"/> now. ', "And on."), ["Wait", "now.", "And", "on."]),
         # cut after the hyphen of say-as' name: `<say-` was read aloud, then the rest of the opening as prose
         (("Code <say-", "a", 's interpret-as="digits">12</say-as>. ', "Now."), ["Code", "1", "2.", "Now."]),
+        # an XML character reference cut before its ';': `&am` was read aloud, then `p;T`
+        (("Call AT&am", "p;T or &#6", "5; now. ", "Ok."), ["Call", "AT&T", "or", "A", "now.", "Ok."]),
     ],
-    ids=["break", "say-as"],
+    ids=["break", "say-as", "reference"],
 )
 def test_elevenlabs_auto_mode_keeps_a_tag_still_arriving_for_the_text_that_completes_it(srv, texts, spoken):
     """auto_mode speaks each text as it comes: a break cut across two texts (inside its name, then inside its

@@ -192,6 +192,15 @@ short_text = (
             "We need x < s. Then go on. if a <s and b",
             'Hello<break strength="none"/>, world <break time="1s" strength="loud"/> <break data-strength="none"/>',
             "<" + " " * 1990 + "x.",
+            # attributes read as attributes: a quoted value is none, attributes that are no pairs are bad_text
+            '<break foo="strength=none"/> <break data="time=2s"/> <break time="1sx"/> <break time="1s" loud/>',
+            "<emotion value='happy' loud/> x <emotion title=\"value=sad\"/> <break time=1s strength='weak\"/>",
+            # character references cut across messages (held back while spoken as it comes), a bare '&' at the end
+            "Call AT&am",
+            "p;T or &#x1",
+            "F600; & x &",
+            # a bracket in spelled text is characters, no tag
+            '<say-as interpret-as="characters">[laughs]</say-as> <spell>[happy] x</spell> [sad] <spell>[whispering]',
         ]
     )
 )

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from app.core.breaks import TAG_MAX, split_breaks
+from app.core.breaks import split_breaks
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline
 from app.core.session import unfinished_tag_start
 from app.core.style_tags import split_tags
-from app.core.tag_vocabulary import markup_in
+from app.core.tag_vocabulary import TAG_MAX, attributes, markup_in
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
 from tests.unit.test_pipeline import fake_gateway
@@ -62,6 +62,50 @@ def test_a_breaks_attributes_are_whole_names():
     joining the words, or as its time)."""
     assert split_breaks('A <break data-strength="none"/> B <break x:time="5s"/> C') == ["A", 0.75, "B", 0.75, "C"]
     assert split_breaks('A <break data-time="5s" time="1s"/> B') == ["A", 1.0, "B"]
+
+
+@pytest.mark.parametrize(
+    "text, pieces",
+    [
+        # a quoted value is no attribute: `foo="strength=none"` joined the words, `data="time=2s"` was a 2 s break
+        ('A <break foo="strength=none"/> B', ["A", 0.75, "B"]),
+        ('A <break data="time=2s"/> B', ["A", 0.75, "B"]),
+        ("A <break title='time=\"1s\"' strength=weak/> B", ["A", 0.5, "B"]),
+        ('A <break alt="x time=3s" time="1s"/> B', ["A", 1.0, "B"]),
+        # what worked stays: bare values, either quote, any case, spaces around '=' and the value, the first of a name
+        ("A <break time=1s/> B <break strength=none/> C", ["A", 1.0, "B C"]),
+        ("A <BREAK TIME = '1.5S' /> B <break Strength=\"STRONG\" > C", ["A", 1.5, "B", 1.0, "C"]),
+        ('A <break time=" 2s "/> B <break time="1s" time="3s"/>', ["A", 2.0, "B", 1.0]),
+    ],
+)
+def test_a_breaks_attributes_are_read_as_attributes(text, pieces):
+    assert split_breaks(text) == pieces
+
+
+@pytest.mark.parametrize(
+    "tag",
+    [
+        '<break time="1sx"/>',  # (read as 1 s: the time's pattern stopped where it matched)
+        '<break time="1s" junk/>',  # a name without a value
+        '<break time="1s"strength="weak"/>',  # no space between two
+        '<break "time=1s"/>',  # a stray quoted value
+        "<break time='1s\"/>",  # quotes that do not match
+    ],
+)
+def test_a_break_whose_attributes_are_none_is_refused(tag):
+    with pytest.raises(RequestError) as e:
+        split_breaks(f"Before {tag} after.")
+    assert e.value.code == "bad_text", str(e.value)
+
+
+def test_one_reader_takes_every_tags_attributes():
+    """`attributes` (app/core/tag_vocabulary.py) reads the break's, the emotion's, the say-as' and the sub's."""
+    assert attributes(""" a=1 B='x y' c = "p=q" d="" a="again" /""", "t") == {"a": "1", "b": "x y", "c": "p=q", "d": ""}
+    assert attributes("", "t") == {} and attributes(" / ", "t") == {}
+    for text in (" a", ' a="1"b="2"', " a=", ' a="1', " =1", ' a="1" "b"', " a=x/y"):
+        with pytest.raises(RequestError) as e:
+            attributes(text, "<t" + text + ">")
+        assert e.value.code == "bad_text" and "name=" in str(e.value), (text, str(e.value))
 
 
 def test_a_break_elements_end_is_dropped_not_spoken():

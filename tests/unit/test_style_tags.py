@@ -48,7 +48,17 @@ def test_brackets_outside_the_table_are_text(text):
     assert "smug" not in TAG_WORDS
 
 
-@pytest.mark.parametrize("tag", ["<emotion/>", '<emotion value=""/>', "<emotion intensity='high'/>"])
+@pytest.mark.parametrize(
+    "tag",
+    [
+        "<emotion/>",
+        '<emotion value=""/>',
+        "<emotion intensity='high'/>",
+        '<emotion title="value=sad"/>',  # a quoted value is no attribute
+        "<emotion value='happy' loud/>",  # attributes that are none (app/core/tag_vocabulary.py `attributes`)
+        '<emotion value="happy"intensity="high"/>',
+    ],
+)
 def test_an_emotion_tag_without_a_value_is_refused(tag):
     with pytest.raises(RequestError) as e:
         split_tags(f"Before {tag} after.")
@@ -258,12 +268,34 @@ def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halv
         ("Hi <break ti", "<break ti"),
         ('Hi <break time = "1s" /', '<break time = "1s" /'),
         ('<speak version="1.0" xml:lang="en', '<speak version="1.0" xml:lang="en'),
+        # a quoted value may hold '>' (`<speak a="x>y">` is a tag): one still arriving too (it was spoken)
+        ('Hi <sub alias="a > b', '<sub alias="a > b'),
+        ("Hi <speak a='x>y' b=\"2", "<speak a='x>y' b=\"2"),
         ("x < s and", "< s and"),  # (`and=...` may still come)
         # prose after a `<` and an element's name: no tag (it was held back, and an ElevenLabs close_context dropped it)
         ("We need x < s. Then go on. ", ""),
         ("if a <s and b", ""),
         ("x < speed limit here", ""),
         ('x <break time="1s" then more', ""),
+        # an XML character reference cut before its ';' (`AT&am` was spoken, then `p;T`), as long as it may be one, and
+        # the word it is in (`AT&amp;T` is one word)
+        ("Call AT&am", "AT&am"),
+        ("AT&", "AT&"),
+        ("(Tom&#", "Tom&#"),
+        ("x &#12", "&#12"),
+        ("x &#", "&#"),
+        ("x &#X1f", "&#X1f"),
+        ("it's &apos", "&apos"),
+        ("&amp;T &l", "&l"),
+        ('<sub alias="AT&am', '<sub alias="AT&am'),  # (the tag's start)
+        ("AT& T", ""),  # a bare '&' before a space: text
+        ("AT&\n", ""),
+        ("AT&b", ""),  # no reference's name begins so
+        ("AT&AM", ""),  # (names are lower case)
+        ("AT&amp;", ""),  # whole
+        ("x &#12345678", ""),  # past the largest code point's digits
+        ("x &#x1234567", ""),
+        ("x &#1a", ""),
     ],
 )
 def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):
@@ -576,6 +608,35 @@ def test_a_pretty_printed_speak_tag_cut_by_its_newline_is_refused_over_http_not_
 )
 def test_ssml_say_as_and_sub_are_spoken_as_they_say(text, spoken):
     assert tags(split_tags(text)) == spoken
+
+
+@pytest.mark.parametrize(
+    "text, spoken",
+    [
+        ('<say-as interpret-as="characters">[laughs]</say-as>', ["[ l a u g h s ]"]),
+        ("Say <spell>[Happy]</spell> [sad] now", ["Say [ H a p p y ]", "sad", "now"]),
+        ("<SPELL>x [ neutral ]</spell>", ["x [ n e u t r a l ]"]),
+        # a spell element a sentence cut left open or closed: its side is spelled, the other side's tags are tags
+        ("Code <spell>a[whispering]", ["Code a [ w h i s p e r i n g ]"]),
+        ("[calm]b</spell> [sad] c", ["[ c a l m ] b", "sad", "c"]),
+        ("[happy] <spell>ab</spell>", ["happy", "a b"]),
+    ],
+)
+def test_a_bracket_in_spelled_text_is_spelled_not_a_tag(text, spoken):
+    """Spelled text (`<spell>`, say-as characters) is characters to spell, brackets too: `[laughs]` in it was a tag,
+    refused (unsupported_tag), and `[happy]` styled the text after it and was not spelled."""
+    assert tags(split_tags(text)) == spoken
+
+
+def test_a_bracket_in_spelled_text_is_queued_spelled_on_a_server_without_emotions():
+    async def go():
+        pipe = pipeline(None)  # no emotion directions: a tag would be refused
+        texts = ['Say <say-as interpret-as="characters">[laughs]</say-as>.', "<spell>[happy]</spell>"]
+        added = pipe.add(texts, SynthesisOptions(), voice(), None)
+        pipe.close()
+        return [u.text for u in added]
+
+    assert asyncio.run(go()) == ["Say [ l a u g h s ].", "[ h a p p y ]"]
 
 
 @pytest.mark.parametrize("kind", ["date", "time", "ordinal", "currency", "", None, 'date" data-interpret-as="digits'])

@@ -159,6 +159,16 @@ def test_a_long_sentence_is_never_cut_inside_a_tag():
     assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
 
 
+@pytest.mark.parametrize("reference", ["&amp;", "&#233;", "&#x1F600;"])
+def test_a_long_sentence_without_spaces_is_never_cut_inside_a_character_reference(reference):
+    """A cut between characters (no space: CJK) moves before a reference it would split: `&a` and `mp;` were each
+    spoken as text."""
+    for n in range(12):
+        pieces = split_to_budget("数" * n + reference + "数" * 12, 20)
+        assert "".join(pieces) == "数" * n + reference + "数" * 12
+        assert [p for p in pieces if "&" in p and reference not in p] == [], pieces
+
+
 @pytest.mark.parametrize("tag", ['<break time="1s"/>', '<emotion value="happy"/>', '<say-as interpret-as="digits">'])
 def test_a_tag_that_begins_a_long_sentence_without_spaces_is_not_cut_at_its_own_space(tag):
     """A sentence past the budget with no space but those inside the tag it begins with (CJK text after a break): the
