@@ -315,3 +315,22 @@ def test_word_times_are_on_the_decoded_audio(encoding, rate):
     assert words[0].start_s == pytest.approx(0.2 + lag / rate, abs=0.011)  # where the decoded audio's voice begins
     assert chunks[0].start_s == 0 and all(a.end_s == b.start_s for a, b in itertools.pairwise(chunks))
     assert chunks[-1].end_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)  # the decoded audio's end
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate", "bit_rate"),
+    [("mp3", 44100, 32000), ("mp3", 44100, 192000), ("mp3", 22050, 32000), ("opus", 48000, 192000)],
+)
+def test_the_codec_delay_is_the_same_at_every_bit_rate(encoding, rate, bit_rate):
+    """`codec_delay` is measured at each rate's own bit rate; a client's (ElevenLabs' mp3_44100_32 ... _192,
+    opus_48000_32 ... _192) decodes with the same delay."""
+    import soxr
+
+    from app.io.audio_output import Encoder, codec_delay, decode_output
+
+    audio = speech(0.3, lead_s=0.05, seed=4)
+    enc = Encoder(encoding, rate, bit_rate=bit_rate)
+    heard, heard_rate = decode_output(enc.encode(audio, last=True), encoding, rate)
+    ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
+    assert _lag(heard, ref) * rate / heard_rate == codec_delay(encoding, rate)
+    assert enc.heard_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)
