@@ -138,7 +138,9 @@ class Playback:
         assert u.output is not None
         u.encoder = u.encoder or u.output.encoder()
         started = False
-        timeline = AudioTimeline(words=stage.words_for(u))  # what each message covers (app/core/timestamps.py)
+        # what each message covers, on the audio its listener's decoder plays: each utterance has an encoder of its own,
+        # a stream whose decoded audio begins with its codec's delay (app/core/timestamps.py)
+        timeline = AudioTimeline(words=stage.words_for(u), heard=u.encoder)
         u.clock = timeline.begin(u.text)
         u.aligned = stage.aligned_for(u) and self._gw.engine.aligns and u.silence_s is None and bool(u.text.strip())
         sent: list[np.ndarray] | None = [] if u.aligned else None
@@ -153,7 +155,7 @@ class Playback:
                         await stage.on_utterance_start(u)
                         started = True
                     data = await encode(u.encoder, pcm)
-                    timeline.feed(pcm, u.encoder.native_out)  # (words and spans: only as far as the audio sent)
+                    timeline.feed(pcm, u.encoder.native_heard)  # (words: only as far as the audio a decoder has)
                     if data:
                         await stage.on_audio(u, data, timeline.take())
         async with stage.send_lock:
@@ -175,20 +177,22 @@ class Playback:
             if sent is not None:
                 lane.aligning.add((u.context_id, u.seq))
                 pcm = np.concatenate(sent) if sent else np.zeros(0, np.int16)
-                task = asyncio.create_task(self._align(lane, u, pcm, stage), name=f"align-{self._name}")
+                task = asyncio.create_task(self._align(lane, u, pcm, timeline, stage), name=f"align-{self._name}")
                 self._align_tasks.add(task)
                 task.add_done_callback(functools.partial(self._aligned, stage))
 
-    async def _align(self, lane: Lane, u: Utterance, pcm: np.ndarray, stage: Stage) -> None:
-        """u's audio as sent (44.1 kHz) and its text through the engine's aligner, then `on_aligned` and the
-        marks that waited for it. It runs beside the lane (the next utterance's audio never waits for it); an
-        utterance the aligner cannot take (no letter to align, audio too short for its text) or an engine
-        that cannot answer in time keeps its estimate."""
+    async def _align(self, lane: Lane, u: Utterance, pcm: np.ndarray, timeline: AudioTimeline, stage: Stage) -> None:
+        """u's audio as sent (44.1 kHz) and its text through the engine's aligner, then `on_aligned` (the times on
+        `timeline`'s clock, as the estimate's) and the marks that waited for it. It runs beside the lane (the next
+        utterance's audio never waits for it); an utterance the aligner cannot take (no letter to align, audio too
+        short for its text) or an engine that cannot answer in time keeps its estimate."""
         words = None
         try:
             got = await self._gw.engine.align(pcm, SAMPLE_RATE, u.text, timeout=ALIGN_WAIT_S)
             words = aligned_words(u.text, got)
-            if words is None:
+            if words is not None:
+                words = timeline.on_heard_clock(words)
+            else:
                 log.warning("utterance %s: the aligner's words are not its text's; its estimate stands", u.id)
         except (ValueError, EngineUnavailable) as e:
             log.info("utterance %s keeps its estimated word times: %s", u.id, e)

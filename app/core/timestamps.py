@@ -11,6 +11,12 @@ engine's aligner, and its measured word times follow the estimate as `"source": 
 app/core/playback.py hands them to the session, whose dialect sends them in its shape: docs/protocol.md "Word
 timestamps").
 
+The times are on the audio a listener's decoder plays (`AudioTimeline`'s `heard`, the encoder: app/io/audio_output.py
+`Encoder.lead_s` and `heard_s`): a compressed stream's decoder plays its codec's delay first (MP3's 1,105 samples,
+AAC's 1,024: docs/protocol.md "Word timestamps"), so every time is moved that much later, here and nowhere else
+(`AudioTimeline.on_heard_clock`), and an utterance's audio ends where its decoded audio does (the last frame's
+padding included), where the next utterance's clock begins.
+
 The estimate streams: a word is placed once the audio sent reaches its estimated end (the total length is
 still unknown: it is reckoned from a speaking rate, stretched to the audio sent when that runs longer), and
 the words left when the utterance ends share the audio left, so the times are monotonic, every word gets
@@ -22,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -135,34 +142,69 @@ def char_alignment_seconds(chars: list[CharTime]) -> dict[str, list] | None:
 
 @dataclass
 class Chunk:
-    """What one audio message covers: its span of the audio (seconds on the timeline's clock) and the words that
-    span completes (none unless the timeline estimates words)."""
+    """What one audio message covers: its span of the audio (seconds on the timeline's clock: the decoded audio,
+    its codec's delay in its first message) and the words that span completes (none unless the timeline estimates
+    words)."""
 
     start_s: float
     end_s: float
     words: list[WordTime] = field(default_factory=list)
 
 
+class Heard(Protocol):
+    """What a listener's decoder makes of one encoded stream (app/io/audio_output.py `Encoder`)."""
+
+    @property
+    def lead_s(self) -> float:
+        """The seconds it plays before the stream's first sample (the codec's delay)."""
+        ...
+
+    @property
+    def heard_s(self) -> float:
+        """The seconds it has made of the bytes out so far, the lead included."""
+        ...
+
+
 class AudioTimeline:
     """The audio of utterances played one after another on one stream (an utterance of a socket, the whole text of
     an HTTP response), as it is handed to the encoder: what each message covers, and, with `words`, the words
     each completes (a WordClock per utterance, its times moved onto the timeline's clock). Every message's
-    words are taken once, in order: the times the client gets are monotonic and cover every word."""
+    words are taken once, in order: the times the client gets are monotonic and cover every word.
 
-    def __init__(self, words: bool = True) -> None:
+    `heard`: the stream's encoder. The timeline's clock is then the audio its listener's decoder plays: every time
+    is its lead later (`on_heard_clock`), a message's span ends where the decoded audio of the bytes out so far
+    does (`Heard.heard_s`), and the last one where the stream's does (its last frame's padding included). Without
+    one, the clock is the samples handed in."""
+
+    def __init__(self, words: bool = True, heard: Heard | None = None) -> None:
         self.words = words
+        self.heard = heard  # (set by an HTTP answer once its encoder is made)
         self.samples = 0  # handed to the encoder
         # of those, out of the encoder (a resampler holds back its last block until more comes): a word is reported,
         # and a message's span ends, only where the audio sent reaches (`feed`'s `sent`; without it, all of it)
         self._out = 0
         self._clock: WordClock | None = None
-        self._offset = 0.0  # where the utterance playing began on the timeline
-        self._taken = 0  # samples covered by the messages taken
+        self._offset = 0.0  # where the utterance playing began on the timeline (of the samples handed in)
+        self._taken_s = 0.0  # where the messages taken end (the timeline's clock)
         self._pending: list[WordTime] = []
 
     @property
     def sent_s(self) -> float:
+        """The samples handed in, in seconds."""
         return self.samples / SAMPLE_RATE
+
+    @property
+    def end_s(self) -> float:
+        """Where the audio out so far ends on the timeline's clock (the listener's decoded audio, with `heard`)."""
+        return self._out / SAMPLE_RATE if self.heard is None else self.heard.heard_s
+
+    def on_heard_clock(self, words: list[WordTime], offset_s: float = 0.0) -> list[WordTime]:
+        """Words timed from the first sample of an utterance that began `offset_s` into the samples handed in, on
+        the timeline's clock: the one place where the codec's delay (`Heard.lead_s`) moves a word time."""
+        shift = offset_s + (self.heard.lead_s if self.heard is not None else 0.0)
+        if not shift:
+            return words
+        return [dataclasses.replace(w, start_s=w.start_s + shift, end_s=w.end_s + shift) for w in words]
 
     def begin(self, text: str) -> WordClock | None:
         """An utterance of `text` begins here: its word clock (None without `words`)."""
@@ -189,16 +231,12 @@ class AudioTimeline:
 
     def take(self) -> Chunk:
         """What the next message covers: the audio sent since the last one, the words completed since."""
-        chunk = Chunk(self._taken / SAMPLE_RATE, self._out / SAMPLE_RATE, self._pending)
-        self._taken, self._pending = self._out, []
+        chunk = Chunk(self._taken_s, max(self._taken_s, self.end_s), self._pending)
+        self._taken_s, self._pending = chunk.end_s, []
         return chunk
 
     def _moved(self, words: list[WordTime]) -> None:
-        if self._offset:
-            words = [
-                dataclasses.replace(w, start_s=w.start_s + self._offset, end_s=w.end_s + self._offset) for w in words
-            ]
-        self._pending += words
+        self._pending += self.on_heard_clock(words, self._offset)
 
 
 class WordClock:

@@ -9,6 +9,9 @@ the encoders from the engine's int16 PCM at 44.1 kHz to the bytes a client asked
   builds one from its own names (ours, OpenAI's, ElevenLabs' `pcm_24000`, Cartesia's, Deepgram's).
 * `first_samples`: how much of the engine's audio an encoder takes in before it outputs anything, which the
   request tells the engine (SubmitRequest.first_samples) so that its first DAC call is no larger than needed.
+* `codec_delay`: how much audio a listener's decoder plays before an encoder's first sample (MP3's and AAC's
+  priming), which the word times sent with it are moved by (`Encoder.lead_s`, `Encoder.heard_s`:
+  app/core/timestamps.py).
 
 The HTTP file formats, streamed as the audio is generated, through LAME (lameenc) and FFmpeg's libraries (PyAV):
 
@@ -432,6 +435,10 @@ class Encoder:
         self.threaded = encoding in COMPRESSED
         self._in = 0  # 44.1 kHz samples taken in
         self._out = 0  # samples at the output rate put out (to the file encoder, for a compressed format)
+        # MP3's and AAC's frames out, counted by FFmpeg's parser of the format (`heard_s`)
+        self._parser = _frame_parser(encoding) if encoding in FRAME_SAMPLES else None
+        self._frames = 0
+        self._made = 0  # samples at the output rate the resampler made (`_out` counts them all out at the last call)
 
     @property
     def native_out(self) -> int:
@@ -445,6 +452,28 @@ class Encoder:
     def first_samples(self) -> int:
         """What the engine's first audio must bring for this encoder to output any (`first_samples`)."""
         return first_samples(self.encoding, self.sample_rate)
+
+    @property
+    def lead_s(self) -> float:
+        """Seconds of audio a listener's decoder plays before the stream's first sample (`codec_delay`: MP3's and
+        AAC's priming, ~0 for the others): the word times of what this encoder sends are that much later."""
+        return codec_delay(self.encoding, self.sample_rate) / self.sample_rate
+
+    @property
+    def heard_s(self) -> float:
+        """Seconds of audio a decoder makes of the bytes out so far, the lead included: MP3's and AAC's whole frames
+        (each a fixed count of samples, `FRAME_SAMPLES`; once closed, the lead, the audio and the last frame's
+        padding), the samples themselves for the others (FLAC and Opus hold back up to a frame of them until the
+        next write: what a decoder has of the stream is up to that much less)."""
+        if self._parser is not None:
+            return self._frames * frame_samples(self.encoding, self.sample_rate) / self.sample_rate
+        return (self._in if self._rs is None else self._made) / self.sample_rate + self.lead_s
+
+    @property
+    def native_heard(self) -> int:
+        """How many of the 44.1 kHz samples taken in a decoder has played from the bytes out so far (`heard_s`
+        less the lead; at most `native_out`)."""
+        return min(self.native_out, max(0, int((self.heard_s - self.lead_s) * NATIVE_RATE + 1e-6)))
 
     def float32(self, pcm16: np.ndarray, last: bool = False) -> np.ndarray:
         """int16 at 44.1 kHz -> float32 at the output rate (the streaming resampler)."""
@@ -460,11 +489,16 @@ class Encoder:
             return head + pcm16.astype("<i2", copy=False).tobytes()
         x = self.float32(pcm16, last)
         self._out += len(x)
+        self._made += len(x)
         if last:
             self._out = max(self._out, -(-self._in * self.sample_rate // NATIVE_RATE))  # all of it is out
         if self._file is not None:
             data = self._file.write(x)
-            return head + (data + self._file.close() if last else data)
+            if last:
+                data += self._file.close()
+            if self._parser is not None and data:
+                self._frames += len(self._parser.parse(data))
+            return head + data
         return head + sample_bytes(x, self.encoding)
 
 
@@ -490,6 +524,96 @@ def _mp3_frames(data: bytes) -> int:
     import av
 
     return len(av.CodecContext.create("mp3", "r").parse(data))
+
+
+# The samples each frame of a format decodes to: MP3's (MPEG-1 Layer III at 32-48 kHz; MPEG-2 and 2.5 below, half as
+# many) and ADTS AAC-LC's (FFmpeg's encoder writes one raw block a frame)
+FRAME_SAMPLES = {"mp3": 1152, "aac": 1024}
+# The formats' demuxers (FFmpeg's, through PyAV) that `decode_output` reads a stream with
+_DEMUXERS = {"mp3": "mp3", "aac": "aac", "opus": "ogg", "flac": "flac"}
+
+
+def frame_samples(encoding: str, sample_rate: int) -> int:
+    """The samples one frame of `encoding` (one of FRAME_SAMPLES) at `sample_rate` decodes to."""
+    n = FRAME_SAMPLES[encoding]
+    return n // 2 if encoding == "mp3" and sample_rate < 32000 else n
+
+
+def _frame_parser(encoding: str):  # -> av.CodecContext (PyAV is loaded by the first compressed answer)
+    import av
+
+    return av.CodecContext.create(encoding, "r")
+
+
+def decode_output(data: bytes, encoding: str, sample_rate: int) -> tuple[np.ndarray, int]:
+    """An encoder's output (one of ENCODINGS, raw, or COMPRESSED) as a listener's decoder makes it: float32 samples
+    and their rate. A compressed stream goes through FFmpeg's demuxer and decoder (PyAV), as a streaming player
+    plays it: nothing trimmed but what the stream itself says (Ogg Opus's pre-skip; MP3 and ADTS carry no such
+    field here); libopus decodes at 48 kHz whatever the stream's rate."""
+    if encoding == "pcm_f32le":
+        return np.frombuffer(data, "<f4").astype(np.float32), sample_rate
+    if encoding in G711:
+        return g711_decode(data, encoding).astype(np.float32), sample_rate
+    if encoding not in COMPRESSED:
+        return np.frombuffer(data, "<i2").astype(np.float32) / 32768.0, sample_rate
+    if not data:
+        return np.zeros(0, np.float32), sample_rate
+    import av
+
+    pieces, rate = [], sample_rate
+    with av.open(io.BytesIO(data), "r", format=_DEMUXERS[encoding]) as container:
+        for frame in container.decode(audio=0):
+            pieces.append(frame.to_ndarray().astype(np.float32).reshape(-1))  # (mono: one plane or one row)
+            rate = frame.sample_rate
+    return (np.concatenate(pieces) if pieces else np.zeros(0, np.float32)), rate
+
+
+# What `codec_delay` found with the pinned codecs (requirements.txt), in samples at the output's rate: LAME's encoder
+# delay (576) and the MP3 decoder's (529) at every rate; FFmpeg's AAC priming (1,024), which ADTS cannot tell a
+# decoder to skip; 0 for Opus (Ogg's pre-skip is in its header: FFmpeg and browsers trim it), FLAC and the samples
+# (the resampler is aligned: app/io/resample.py). Each is compared with what is measured (a difference is logged:
+# another codec build), and the measurement is what is used.
+_DELAY_SEEN = {("mp3", r): 1105 for r in RATES} | {("aac", r): 1024 for r in AAC_BIT_RATE}
+
+
+def _xcorr_lag(x: np.ndarray, ref: np.ndarray) -> int:
+    """The lag (>= 0) at which `ref` best matches `x` (FFT cross-correlation)."""
+    n = 1 << (len(x) + len(ref)).bit_length()
+    corr = np.fft.irfft(np.fft.rfft(x, n) * np.conj(np.fft.rfft(ref, n)), n)
+    return int(np.argmax(corr[: max(1, len(x))]))
+
+
+@functools.cache
+def codec_delay(encoding: str, sample_rate: int) -> int:
+    """The samples (at `sample_rate`) a listener's decoder plays before the first sample of an `Encoder`'s stream:
+    its codec's delay as a decoder sees it (MP3's 1,105: 25 ms at 44.1 kHz, 46 ms at 24 kHz; AAC's 1,024) and the
+    resampler's (none). Asked of the encoders themselves, once per output: a fresh encoder's stream of a noise burst
+    after 50 ms of silence, decoded (`decode_output`), against the burst resampled to the decoder's rate in one call
+    (soxr VHQ: aligned); the lag of their best match. A stream of several utterances has it at each: every utterance
+    has its own encoder (app/core/playback.py), a new stream whose decoded audio begins with it again."""
+    if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
+        return 0
+    import soxr
+
+    rng = np.random.default_rng(0)
+    burst = np.convolve(rng.standard_normal(NATIVE_RATE // 8), np.ones(4) / 4, "same") * 0.1  # (speech-like band)
+    signal = np.concatenate([np.zeros(NATIVE_RATE // 20), burst]).astype(np.float32)  # (the last call flushes it all)
+    pcm16 = np.round(signal * 32768).astype(np.int16)
+    decoded, rate = decode_output(Encoder(encoding, sample_rate).encode(pcm16, last=True), encoding, sample_rate)
+    ref = pcm16.astype(np.float32) / 32768.0
+    if rate != NATIVE_RATE:
+        ref = soxr.resample(ref, NATIVE_RATE, rate, "VHQ")
+    delay = round(_xcorr_lag(decoded, ref) * sample_rate / rate)
+    seen = _DELAY_SEEN.get((encoding, sample_rate), 0)
+    if delay != seen:
+        log.warning(
+            "%s at %d Hz: a decoder's delay is %d samples, not the %d seen (another codec build)",
+            encoding,
+            sample_rate,
+            delay,
+            seen,
+        )
+    return delay
 
 
 @functools.cache
@@ -525,8 +649,9 @@ def first_samples(encoding: str, sample_rate: int) -> int:
 
 
 def warm_outputs() -> None:
-    """Ask `first_samples` of every output an encoder offers, once, at start (in a worker thread; ~0.2 s). Asked by a
-    request, a new output's search (a few ms; AAC's 0.1-0.2 s) held the event loop, every socket's audio, and
+    """Ask `first_samples` and `codec_delay` of every output an encoder offers, once, at start (in a worker thread;
+    ~0.5 s). Asked by a request, a new output's search (a few ms; AAC's 0.1-0.2 s) held the event loop, every socket's
+    audio, and
     the codec libraries it loads first (PyAV, soxr, libsamplerate) stayed outside the startup heap that is
     frozen out of the collector's passes: ~8,000 objects that every full collection walked."""
     for encoding in ENCODINGS + COMPRESSED:
@@ -536,6 +661,7 @@ def warm_outputs() -> None:
             except RequestError:
                 continue
             first_samples(encoding, rate)
+            codec_delay(encoding, rate)
 
 
 # The codecs' own threads: audio on its way to a listener never waits behind the bulk work of the loop's default

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from app.io.audio_output import g711_decode
+from app.io.audio_output import decode_output, g711_decode
 from engine.frontend.longform import reply_frames
 from tests.system.test_gateway_http import EXTRA_SAMPLES, decode, wav_clip
 from tests.unit.test_audio_formats import AAC_EXTRA, decode_aac
@@ -740,9 +740,17 @@ def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
         sent += len(base64.b64decode(x["audio_base64"])) / 2 / 16000
         if x["alignment"] is not None:
             assert x["alignment"]["character_end_times_seconds"][-1] <= sent + 0.01, (x["alignment"], sent)
-    # an MP3 answer: the words ride on the encoder's pieces; all of them, and the audio's end is its length
+    # an MP3 answer: the words ride on the encoder's pieces; all of them, on the decoded audio: as late as the codec's
+    # delay (1,105 samples: a decoder plays them before the first sample), and the last ends where that audio does
     mp3 = el(dsrv, "/with-timestamps", query="output_format=mp3_44100_128").json()
-    assert check_alignment(mp3["alignment"], None) == TWO.split()
+    heard, rate = decode_output(base64.b64decode(mp3["audio_base64"]), "mp3", 44100)
+    assert check_alignment(mp3["alignment"], len(heard) / rate) == TWO.split()
+    pcm_chars, mp3_chars = doc["alignment"], mp3["alignment"]
+    assert mp3_chars["characters"] == pcm_chars["characters"]
+    for t_pcm, t_mp3 in zip(
+        pcm_chars["character_start_times_seconds"][:-1], mp3_chars["character_start_times_seconds"], strict=False
+    ):  # (but the last space, which runs to each answer's end)
+        assert t_mp3 - t_pcm == pytest.approx(1105 / 44100, abs=2e-4), (t_pcm, t_mp3)
 
 
 @pytest.mark.parametrize(

@@ -349,6 +349,69 @@ def test_elevenlabs_mp3_output(srv):
     assert audio[:3] == b"ID3" or (audio[0] == 0xFF and audio[1] & 0xE0 == 0xE0), audio[:4]
 
 
+def _el_word_starts(log: list[dict[str, Any]]) -> list[tuple[str, float]]:
+    """Each word of a context's alignment (sync_alignment: one clock) and its first character's start (ms)."""
+    words: list[tuple[str, float]] = []
+    prev = " "
+    for a in (m["alignment"] for m in log if "audio" in m and m["alignment"] is not None):
+        for ch, t in zip(a["chars"], a["charStartTimesMs"], strict=True):
+            if ch != " " and prev == " ":
+                words.append((ch, t))
+            elif ch != " ":
+                words[-1] = (words[-1][0] + ch, words[-1][1])
+            prev = ch
+    return words
+
+
+def _lag(x: np.ndarray, ref: np.ndarray) -> int:
+    """Where `ref` lies in `x` (samples): the best match of a cross-correlation."""
+    n = 1 << (len(x) + len(ref)).bit_length()
+    corr = np.fft.irfft(np.fft.rfft(x, n) * np.conj(np.fft.rfft(ref, n)), n)
+    return int(np.argmax(corr[: len(x)]))
+
+
+def test_elevenlabs_mp3_word_times_are_on_the_decoded_audio(srv):
+    """mp3_22050_32 (LiveKit's default format) with sync_alignment (LiveKit's default): each utterance's MP3 is a
+    stream of its own (an encoder per utterance), whose decoded audio begins with the codec's delay (1,105 samples,
+    50 ms) and ends on a whole frame. The alignment is on that decoded audio: every word's time is the time it has on
+    pcm_22050 (the same seeded audio) moved by where its utterance's audio lies in the decoded MP3 (found by
+    cross-correlation), and a client that adds up each message's alignment (pipecat) ends where the decoded audio
+    does. (The times were on the samples handed to the encoder: 50 ms early in the first sentence, 105 ms in the
+    second; the messages' alignment 210 ms short of the audio.)"""
+    from app.io.audio_output import decode_output
+
+    p = {**FAST, "long_form": False}  # two independent 20-frame sentences: 10,240 samples each
+
+    async def go(fmt: str, sync: bool = True) -> list[dict[str, Any]]:
+        ws = await el_connect(el_url(srv, fmt=fmt, p=p) + ("&sync_alignment=true" if sync else ""))
+        await ws.send(json.dumps({"text": "Hello there. How are you today? ", "context_id": "c1", "flush": True}))
+        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c1", log)
+        await ws.close()
+        return log
+
+    pcm_log, mp3_log, mp3_messages = run(go("pcm_22050")), run(go("mp3_22050_32")), run(go("mp3_22050_32", False))
+    pcm = np.frombuffer(el_audio(pcm_log, "c1"), "<i2").astype(np.float32) / 32768
+    n1 = resampled(SAMPLES, 22050)
+    assert len(pcm) == 2 * n1
+    heard, rate = decode_output(el_audio(mp3_log, "c1"), "mp3", 22050)
+    assert rate == 22050
+    first, second = _lag(heard, pcm[:n1]), _lag(heard, pcm[n1:]) - n1
+    assert first == 1105 and second > first  # the delay, and again after the first sentence's last frame
+    plain, timed = _el_word_starts(pcm_log), _el_word_starts(mp3_log)
+    assert [w for w, _ in timed] == [w for w, _ in plain] == ["Hello", "there.", "How", "are", "you", "today?"]
+    for i, ((_, t_pcm), (_, t_mp3)) in enumerate(zip(plain, timed, strict=True)):
+        shift = (first if i < 2 else second) / rate * 1e3
+        assert abs(t_mp3 - t_pcm - shift) < 0.2, (i, t_pcm, t_mp3, shift)
+    clock = 0.0
+    for m in (m for m in mp3_messages if "audio" in m):  # each message's alignment ends where its audio does
+        a = m["alignment"]
+        clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
+    whole, _ = decode_output(el_audio(mp3_messages, "c1"), "mp3", 22050)
+    assert abs(clock / 1e3 - len(whole) / rate) < 0.002, (clock, len(whole) / rate)
+
+
 def test_elevenlabs_single_context_stream_input(srv):
     """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes. The end
     sent again while the rest still plays changes nothing: one isFinal."""

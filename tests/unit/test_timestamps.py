@@ -253,3 +253,84 @@ def test_a_barge_in_on_a_resampled_socket_reports_the_audio_sent():
     cancelled, sent = asyncio.run(go())
     heard = cancelled["heard"][0]
     assert sent < 32000 and heard["audio_ms"] <= sent / 16 + 0.1, (heard, sent / 16)
+
+
+def _lag(x: np.ndarray, ref: np.ndarray) -> int:
+    """Where `ref` lies in `x` (samples): the best match of a cross-correlation."""
+    n = 1 << (len(x) + len(ref)).bit_length()
+    corr = np.fft.irfft(np.fft.rfft(x, n) * np.conj(np.fft.rfft(ref, n)), n)
+    return int(np.argmax(corr[: len(x)]))
+
+
+def _outputs() -> list[tuple[str, int]]:
+    from app.io.audio_output import COMPRESSED, RATES, OutputFormat
+    from app.io.errors import RequestError
+
+    out = [("pcm_s16le", r) for r in RATES if r != SAMPLE_RATE] + [("mulaw", 8000)]
+    for encoding, rate in itertools.product(COMPRESSED, RATES):
+        try:
+            out.append((OutputFormat(encoding, rate).check().encoding, rate))
+        except RequestError:
+            continue
+    return out
+
+
+@pytest.mark.parametrize(("encoding", "rate"), _outputs())
+def test_word_times_are_on_the_decoded_audio(encoding, rate):
+    """Each output's stream, decoded as a listener's player decodes it (PyAV: FFmpeg's demuxers and decoders): the
+    audio lies as late in it as the codec's delay (MP3 1,105 samples at every rate: 25 ms at 44.1 kHz, 46 ms at
+    24 kHz; AAC 1,024; Opus, FLAC and the resampler 0), found here by cross-correlation; the timeline's word times
+    are moved by just that, its messages' spans run on to the decoded audio's end (the last frame's padding), and
+    no word is given before the decoded audio sent reaches it. (The times were on the samples handed in: MP3's and
+    AAC's were early by the delay.)"""
+    import soxr
+
+    from app.io.audio_output import Encoder, codec_delay, decode_output
+
+    audio = speech(0.6, lead_s=0.2, tail_s=0.2, seed=3)
+    enc = Encoder(encoding, rate)
+    timeline = AudioTimeline(heard=enc)
+    plain = AudioTimeline()  # the same audio's times on the samples handed in (given as far as the same audio)
+    timeline.begin(TEXT), plain.begin(TEXT)
+    data, chunks = b"", []
+    for piece in np.array_split(audio, 9):  # (as app/core/playback.py: encoded, then fed up to what is heard)
+        data += enc.encode(piece)
+        timeline.feed(piece, enc.native_heard)
+        plain.feed(piece, enc.native_heard)
+        chunks.append(timeline.take())
+        assert all(w.end_s <= chunks[-1].end_s + 1e-9 for w in chunks[-1].words)  # within the audio out
+    data += enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end(), plain.end()
+    chunks.append(timeline.take())
+    words, estimate = [w for c in chunks for w in c.words], plain.take().words
+
+    heard, heard_rate = decode_output(data, encoding, rate)
+    ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
+    lag = _lag(heard, ref) * rate / heard_rate  # (Opus decodes at 48 kHz)
+    assert lag == codec_delay(encoding, rate) == {"mp3": 1105, "aac": 1024}.get(encoding, 0)
+    assert [w.word for w in words] == [w.word for w in estimate] == TEXT.split()
+    for w, e in zip(words, estimate, strict=True):
+        assert w.start_s - e.start_s == pytest.approx(lag / rate, abs=1e-9)
+        assert w.end_s - e.end_s == pytest.approx(lag / rate, abs=1e-9)
+    assert words[0].start_s == pytest.approx(0.2 + lag / rate, abs=0.011)  # where the decoded audio's voice begins
+    assert chunks[0].start_s == 0 and all(a.end_s == b.start_s for a, b in itertools.pairwise(chunks))
+    assert chunks[-1].end_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)  # the decoded audio's end
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate", "bit_rate"),
+    [("mp3", 44100, 32000), ("mp3", 44100, 192000), ("mp3", 22050, 32000), ("opus", 48000, 192000)],
+)
+def test_the_codec_delay_is_the_same_at_every_bit_rate(encoding, rate, bit_rate):
+    """`codec_delay` is measured at each rate's own bit rate; a client's (ElevenLabs' mp3_44100_32 ... _192,
+    opus_48000_32 ... _192) decodes with the same delay."""
+    import soxr
+
+    from app.io.audio_output import Encoder, codec_delay, decode_output
+
+    audio = speech(0.3, lead_s=0.05, seed=4)
+    enc = Encoder(encoding, rate, bit_rate=bit_rate)
+    heard, heard_rate = decode_output(enc.encode(audio, last=True), encoding, rate)
+    ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
+    assert _lag(heard, ref) * rate / heard_rate == codec_delay(encoding, rate)
+    assert enc.heard_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)
