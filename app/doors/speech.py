@@ -98,7 +98,12 @@ async def unless_gone(work: asyncio.Future[T], request: Request, what: str) -> T
             await asyncio.wait((work,))
     if work.cancelled():
         raise RequestError(G.CLIENT_GONE, f"the client left before {what}")  # counted where it is answered
-    return work.result()
+    try:
+        return work.result()
+    finally:
+        # a failed work's exception (StopAsyncIteration from a stream with no audio) holds a traceback through this
+        # frame, and this frame the task that holds the exception: a cycle that only the collector freed
+        del work, gone
 
 
 async def first_chunk(
