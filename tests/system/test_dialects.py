@@ -159,6 +159,20 @@ async def el_until_final(ws, ctx: str, log: list[dict[str, Any]]) -> None:
         assert "error" not in m, m
 
 
+async def el_spoken_context(url: str, *texts: str) -> list[dict[str, Any]]:
+    """Every message of one context c1 that speaks `texts` (each sent as it is, the last flushed) and closes."""
+    ws = await el_connect(url)
+    for i, text in enumerate(texts):
+        await ws.send(
+            json.dumps({"text": text, "context_id": "c1", **({"flush": True} if i == len(texts) - 1 else {})})
+        )
+    await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+    log: list[dict[str, Any]] = []
+    await el_until_final(ws, "c1", log)
+    await ws.close()
+    return log
+
+
 async def el_close_once_it_plays(srv, ws, ctx: str, log: list[dict[str, Any]]) -> float:
     """A barge-in: wait for ctx's first audio, then close_context once, and read to its isFinal (into log).
     The engine's cancelled count before the close."""
@@ -216,17 +230,7 @@ def test_elevenlabs_sync_alignment_is_on_the_contexts_clock(srv):
     timeline): two sentences' alignment runs on the context's audio clock, never backwards or negative, and
     ends within the audio sent; messages that complete no word carry none."""
 
-    async def go():
-        ws = await el_connect(el_url(srv) + "&sync_alignment=true")
-        await ws.send(json.dumps({"text": " ", "context_id": "c1"}))
-        await ws.send(json.dumps({"text": "Hello there. How are you today? ", "context_id": "c1", "flush": True}))
-        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
-        log: list[dict[str, Any]] = []
-        await el_until_final(ws, "c1", log)
-        await ws.close()
-        return log
-
-    log = run(go())
+    log = run(el_spoken_context(el_url(srv) + "&sync_alignment=true", " ", "Hello there. How are you today? "))
     aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
     assert "".join(c for a in aligned for c in a["chars"]).split() == ["Hello", "there.", "How", "are", "you", "today?"]
     starts = [t for a in aligned for t in a["charStartTimesMs"]]
@@ -382,16 +386,11 @@ def test_elevenlabs_mp3_word_times_are_on_the_decoded_audio(srv):
 
     p = {**FAST, "long_form": False}  # two independent 20-frame sentences: 10,240 samples each
 
-    async def go(fmt: str, sync: bool = True) -> list[dict[str, Any]]:
-        ws = await el_connect(el_url(srv, fmt=fmt, p=p) + ("&sync_alignment=true" if sync else ""))
-        await ws.send(json.dumps({"text": "Hello there. How are you today? ", "context_id": "c1", "flush": True}))
-        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
-        log: list[dict[str, Any]] = []
-        await el_until_final(ws, "c1", log)
-        await ws.close()
-        return log
+    def go(fmt: str, sync: bool = True) -> list[dict[str, Any]]:
+        url = el_url(srv, fmt=fmt, p=p) + ("&sync_alignment=true" if sync else "")
+        return run(el_spoken_context(url, "Hello there. How are you today? "))
 
-    pcm_log, mp3_log, mp3_messages = run(go("pcm_22050")), run(go("mp3_22050_32")), run(go("mp3_22050_32", False))
+    pcm_log, mp3_log, mp3_messages = go("pcm_22050"), go("mp3_22050_32"), go("mp3_22050_32", False)
     pcm = np.frombuffer(el_audio(pcm_log, "c1"), "<i2").astype(np.float32) / 32768
     n1 = resampled(SAMPLES, 22050)
     assert len(pcm) == 2 * n1
