@@ -275,6 +275,21 @@ def test_every_message_type_of_our_socket_is_in_the_protocol_doc_and_no_other() 
     assert set(protocol_table("Client → server")) == taken
 
 
+@pytest.mark.parametrize("dialect", ["elevenlabs", "cartesia", "deepgram"])
+def test_every_field_the_dialects_write_is_in_their_doc(dialect: str) -> None:
+    """The keys of the dicts a dialect's socket and HTTP routes write (their messages, headers and bodies, and the
+    tables of names they read) are each named in docs/dialects.md: a client reads the shapes there."""
+    doc = text("docs/dialects.md")
+    written = {
+        key
+        for path in (f"app/doors/dialects/{dialect}.py", f"app/doors/dialects/{dialect}_http.py")
+        for key in re.findall(r'"([A-Za-z_]+)": ', text(path))
+    }
+    assert len(written) > 5  # (the pattern finds them)
+    missing = sorted(k for k in written if not re.search(rf"(?<![\w-]){k}", doc))
+    assert not missing, f"docs/dialects.md does not name the {dialect} fields {missing}"
+
+
 def test_every_field_of_our_client_messages_is_in_its_protocol_row() -> None:
     rows = protocol_table("Client → server")
     source = inspect.getsource(ws.Session)
@@ -394,6 +409,19 @@ def test_every_code_our_socket_can_send_is_in_the_protocol_doc() -> None:
     doc = text("docs/protocol.md")
     missing = sorted(c for c in raised - set(NOT_ON_OUR_SOCKET) if f"`{c}`" not in doc)
     assert not missing, f"codes our socket can send that docs/protocol.md does not name: {missing}"
+
+
+def test_the_openai_field_table_is_the_routes_fields() -> None:
+    """docs/clients.md's table of `POST /v1/audio/speech` fields: every OpenAI field the route takes (and `null`),
+    OpenAI's voice names as the route knows them, every response_format it takes with its aliases."""
+    from app.doors.openai_speech import _OPENAI_FIELDS, OPENAI_VOICES
+    from app.io.audio_output import FORMAT_ALIASES, FORMATS
+
+    doc = text("docs/clients.md").split("## OpenAI SDK (Python)", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", doc, flags=re.M)}
+    assert set(rows) == _OPENAI_FIELDS | {"null"}
+    assert set(re.findall(r"`(\w+)`", rows["voice"].split("(", 1)[1].split(")", 1)[0])) == OPENAI_VOICES
+    assert set(re.findall(r"`(\w+)`", rows["response_format"])) == set(FORMATS) | set(FORMAT_ALIASES)
 
 
 def metric_names() -> list[str]:
