@@ -748,7 +748,7 @@ def test_the_pinned_symbols_are_found() -> None:
 
 
 @cache
-def test_names() -> frozenset[str]:
+def known_tests() -> frozenset[str]:
     """Every test function and test file (its name without .py) of tests/."""
     names = set()
     for p in (ROOT / "tests").rglob("test_*.py"):
@@ -761,5 +761,5 @@ def test_every_test_a_doc_names_exists(name: str) -> None:
     """reliability.md's tables of tests, "`test_idle_session_is_closed`": a test renamed or removed is a reference
     that leads nowhere. A name may be a test's prefix (a parametrized family: `test_clip_limits[...]`)."""
     named = set(re.findall(r"(?<![\w/.:-])(test_\w+)(?![\w/])", text(name)))
-    missing = sorted(n for n in named if n not in test_names() and not any(t.startswith(n) for t in test_names()))
+    missing = sorted(n for n in named if n not in known_tests() and not any(t.startswith(n) for t in known_tests()))
     assert not missing, f"{name} names tests that do not exist: {missing}"
