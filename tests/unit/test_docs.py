@@ -477,6 +477,29 @@ def test_every_repository_path_a_doc_names_exists(name: str) -> None:
     assert not missing, f"{name} names paths that do not exist: {missing}"
 
 
+OUTSIDE_FILES = {"tts_ui.html"}  # the reference server's web UI (docs/clients.md), not ours
+
+
+@cache
+def repository_file_names() -> frozenset[str]:
+    """The names of the repository's files (hidden folders but .ci, such as the virtualenvs and .git, left out)."""
+    names: set[str] = set()
+    for _, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d == ".ci" or (not d.startswith(".") and d not in ("data", "__pycache__"))]
+        names.update(files)
+    return frozenset(names)
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_every_file_a_doc_names_by_its_name_alone_exists(name: str) -> None:
+    """docs/architecture.md's tree (`admission.py (the rule), profile.py (...)`), "`model.py`, no torchaudio
+    needed": a bare file name is some file of the repository (a path is checked whole above); `*_http.py` is a
+    pattern."""
+    named = set(re.findall(r"(?<![\w/.*-])([A-Za-z_][\w-]*\.(?:py|js|sh|yaml|toml|html|css))\b", text(name)))
+    missing = sorted(named - repository_file_names() - OUTSIDE_FILES)
+    assert not missing, f"{name} names files the repository does not have: {missing}"
+
+
 def test_the_scripts_the_docs_run_are_executable() -> None:
     """`scripts/serve`, `deploy/setup-ray.sh`, `.ci/run`: run as the docs write them, not through bash."""
     script = r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b"
