@@ -460,6 +460,26 @@ def test_the_lists_of_error_codes_name_only_codes(name: str, start: str, end: st
     assert not unknown, f"{name} lists codes no API answers with: {unknown}"
 
 
+# A status the code's table does not give, which a doc names with its reason: RequestError's status override
+OTHER_STATUSES = {("voice_store_unavailable", 507)}  # a full disk (app/voices/library.py `_store_error`)
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_a_status_a_doc_gives_a_code_is_its_status(name: str) -> None:
+    """ "413 `upload_too_large`", "`host_not_allowed` (403)": the status app/io/errors.py's `http_status` gives it."""
+    from app.io.errors import http_status
+
+    codes = {c.value for c in CODES}
+    said = [(int(s), c) for s, c in re.findall(r"\b([45]\d\d) `(\w+)`", prose(name))]
+    said += [(int(s), c) for c, s in re.findall(r"`(\w+)` \(([45]\d\d)[),;:]", prose(name))]
+    wrong = sorted(
+        f"{s} {c} (its status: {http_status(c)})"
+        for s, c in said
+        if c in codes and s != http_status(c) and (c, s) not in OTHER_STATUSES
+    )
+    assert not wrong, f"{name} gives codes statuses they do not have: {wrong}"
+
+
 def test_the_protocol_doc_gives_each_engine_code_its_http_status() -> None:
     doc = prose("docs/protocol.md")
     m = re.search(r"400 for (.*?); 503 for (.*?); an unknown engine code is a bug and answers 500 `internal`", doc)
