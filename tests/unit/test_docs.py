@@ -806,3 +806,12 @@ def test_every_test_a_doc_names_exists(name: str) -> None:
     named = set(re.findall(r"(?<![\w/.:-])(test_\w+)(?![\w/])", text(name)))
     missing = sorted(n for n in named if n not in known_tests() and not any(t.startswith(n) for t in known_tests()))
     assert not missing, f"{name} names tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_class_member_a_user_doc_names_exists(name: str) -> None:
+    """`Gateway.embed_clip`, `RealtimeAdmission.first_audio_wait`, `EngineSettings.cpus`: a class of app/ or engine/
+    has that member (a bare class name may be another project's, `TimedString`; a dotted one is ours)."""
+    members_named = {s for s in references(name) if "." in s and CLASS_SPAN.fullmatch(s) and not FILE_SPAN.fullmatch(s)}
+    missing = sorted(s for s in members_named if not reference_exists(s))
+    assert not missing, f"{name} names class members the code does not have: {missing}"
