@@ -253,6 +253,31 @@ def test_every_route_a_doc_names_is_served(tmp_path: Path) -> None:
     assert not unknown, f"the docs name routes the gateway does not serve: {unknown}"
 
 
+def test_every_method_a_doc_gives_a_route_is_served(tmp_path: Path) -> None:
+    """ "`GET/PATCH/DELETE /v1/voices/{id}`", "`POST /tts/bytes`": the route takes that method (a 405 otherwise)."""
+    from app.server import create_app
+    from app.settings import GatewaySettings
+
+    served = [
+        (re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(r.path)) + "$"), getattr(r, "methods", None) or set())
+        for r in create_app(GatewaySettings(data_dir=tmp_path)).routes
+        if "{path:" not in getattr(r, "path", "{path:")
+    ]
+    said = [
+        (methods.split("/"), re.sub(r"\[/\{id\}\]$", "", path.rstrip(".")), n)
+        for n in CHECKED_DOCS
+        for methods, path in re.findall(
+            r"\b((?:GET|POST|PUT|PATCH|DELETE)(?:/(?:GET|POST|PUT|PATCH|DELETE))*)`? `?(/[\w/{}.-]*)", prose(n)
+        )
+    ]
+    assert len(said) > 30
+    wrong = []
+    for methods, path, n in said:
+        allowed = set().union(*(m for rx, m in served if rx.match(path)))
+        wrong += [f"{n}: {m} {path}" for m in methods if m not in allowed]
+    assert not wrong, f"the docs give routes methods they do not take: {wrong}"
+
+
 def protocol_table(heading: str) -> dict[str, str]:
     """A table of docs/protocol.md under `## heading`: its first column's `name` -> the row."""
     doc = text("docs/protocol.md")
