@@ -243,6 +243,45 @@ def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halv
 
 
 @pytest.mark.parametrize(
+    "messages",
+    [
+        # an ElevenLabs v3 reply streamed token by token, ending in a tag ZONOS2 refuses, then the turn's flush
+        [{"text": "That is funny."}, {"text": " ["}, {"text": "laughs"}, {"text": "]"}, {"text": "", "flush": True}],
+        # the message completing a cut tag also completes its sentence, the one before it waiting on the period rule
+        [{"text": "That is funny. <br"}, {"text": 'eak time="soon"/> there. And more'}],
+        [{"text": "That is funny. [whisp"}, {"text": "ering] there. And more"}],
+    ],
+)
+def test_a_sentence_of_earlier_messages_before_a_refused_one_is_still_spoken(messages):
+    """A tag split across messages refuses its sentence (and the message or flush that completed it), not the
+    sentence before it, whole in the earlier, accepted messages and held back only until the text after it came
+    (the period rule): it was dropped with the refused one, never spoken, its message having drawn no error."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        for m in messages:
+            ws.send(type="text", **m)
+        err = await ws.next_json()
+        ws.send(type="text", text=" Fine.", flush=True)
+
+        async def play_all():  # each utterance it starts
+            for n in range(1, 10):
+                FakeEngine.play(await engine.started(n))
+
+        player = asyncio.create_task(play_all())
+        seen = await ws.until("flushed")
+        player.cancel()
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] in ("unsupported_tag", "bad_text"), err
+    assert texts == ["That is funny.", "Fine."], texts
+    assert [m["text"] for m in seen if m["type"] == "audio.start"] == texts, seen
+
+
+@pytest.mark.parametrize(
     "text, kept",
     [
         ("Hi <spea", "<spea"),
