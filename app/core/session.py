@@ -91,8 +91,9 @@ def unfinished_tag_start(text: str) -> int | None:
     name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
     Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
     (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
-    its sentence would be refused), and an XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was
-    spoken, then "p;T"; app/core/tag_vocabulary.py `reference_start`)."""
+    its sentence would be refused), and so does XML's markup whose end has not come (`<!-- a note`, `<?xml`), and an
+    XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was spoken, then "p;T";
+    app/core/tag_vocabulary.py `reference_start`)."""
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         return spans[-1][0]
     if (start := _cut_start(text)) is not None:

@@ -520,6 +520,13 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         # not SSML's structure: text, spoken as written (a tag needs its '>'; other names are not these)
         ("a <s b and <pre> or <subtotal>", ["a <s b and <pre> or <subtotal>"]),
         ("if a<s and b>c then x<p", ["if a<s and b>c then x<p"]),  # no tag: 'and b' was taken out as its attributes
+        # XML's own markup around the elements (the W3C's examples begin with the declaration): read aloud, "xml
+        # version equals 1.0"
+        ('<?xml version="1.0" encoding="UTF-8"?><speak version="1.0">Hello.</speak>', ["Hello."]),
+        ("<?xml version='1.0'?><speak>Hi <!-- a note. Really? --> there.</speak>", ["Hi there."]),
+        ('<!DOCTYPE speak PUBLIC "-//W3C//DTD SYNTHESIS 1.0//EN" "synthesis.dtd"><speak>Hi</speak>', ["Hi"]),
+        ("Hi<!---->there <?pi x?>now", ["Hi there now"]),
+        ("a --> b and c <! d", ["a --> b and c <! d"]),  # an arrow, and `<!` with no comment: text
     ],
 )
 def test_ssml_structure_is_taken_out_and_its_text_spoken(text, spoken):
@@ -717,6 +724,62 @@ def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text)
     assert e.value.code == "bad_text", str(e.value)
     err, queued = refused_on_add(f"Fine so far. {text} Then.")
     assert err.code == "bad_text" and queued == 0, str(err)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'A <<p>break time="1s"/> B',
+        'A <<s>break strength="strong"/> B',
+        "A <<mark name='m'/>break/> B",
+        "A </<p>break> B",
+        'A <<sub alias="break">x</sub> time="1s"/> B',
+        "A <<sub alias='break time=\"1s\"/>'>x</sub> B",
+        'A <<say-as interpret-as="cardinal">break time="1s"/></say-as> B',
+    ],
+)
+def test_a_break_tag_that_taking_out_a_tag_would_make_is_refused_not_spoken(text):
+    """Breaks are taken out of a text before SSML's structure and its say-as and sub elements (app/core/pipeline.py
+    `inline_pieces`): a `<` before one of those and text after it made a break tag once the element was taken out or
+    replaced (`A <<p>break time="1s"/> B`), read aloud as "A < break time equals 1 s"; `bad_text`, as a cut one."""
+    with pytest.raises(RequestError) as e:
+        for piece in split_breaks(text):
+            if isinstance(piece, str):
+                split_tags(piece)
+    assert e.value.code == "bad_text", str(e.value)
+    assert "break" in str(e.value)
+    err, queued = refused_on_add(f"Fine so far. {text} Then.")
+    assert err.code == "bad_text" and queued == 0, str(err)
+    assert split_tags('A <p>B</p> <break time="1', partial=True) == ['A B <break time="1']  # a streamed one arriving
+
+
+@pytest.mark.parametrize(
+    "text", ["Hi <!-- a note", "Hi <?xml version='1.0'", "<!DOCTYPE speak", 'Hi <?xml a="' + "x" * 300]
+)
+def test_xml_markup_not_whole_in_its_sentence_is_refused_not_spoken(text):
+    """A comment, a declaration or a document type with no end in its sentence: `bad_text`, as a cut element (a
+    streamed message may leave one open for the next)."""
+    with pytest.raises(RequestError) as e:
+        split_tags(f"{text} there.")
+    assert e.value.code == "bad_text", str(e.value)
+    assert split_tags(text, partial=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        ("Hi <!", "<!"),
+        ("Hi <!-", "<!-"),
+        ("Hi <!-- a note. More", "<!-- a note. More"),
+        ("Hi <?xm", "<?xm"),
+        ('<?xml version="1.0" enc', '<?xml version="1.0" enc'),
+        ("Hi <!-- a --> there", ""),
+        ('<?xml version="1.0"?> Hi', ""),
+    ],
+)
+def test_speaking_as_it_comes_keeps_xml_markup_still_arriving(text, kept):
+    start = unfinished_tag_start(text)
+    assert (text[start:] if start is not None else "") == kept
 
 
 @pytest.mark.parametrize(

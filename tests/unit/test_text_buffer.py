@@ -203,6 +203,7 @@ def test_a_long_sentence_is_never_cut_inside_an_element_spoken_whole(element, wo
         'Go <sub alias="doctor">Dr.</sub> Smith. Next.',
         'Code <SAY-AS interpret-as="characters">X. Y Z</say-as> ok. Next.',  # words after the period, inside
         "Spell <spell>A.B.</spell> now. Next.",
+        "Hi <!-- Note. This is how. Really? --> there. Next.",  # a comment (taken out: cut, each half was refused)
     ],
 )
 def test_a_sentence_is_not_cut_inside_an_element_read_as_a_whole(text, step):
