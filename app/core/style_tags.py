@@ -114,7 +114,8 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     for o in XML_MARKUP_OPEN.finditer(text):  # (whole ones were taken out: `unwrap`)
         if not (partial and last_end < o.start()):
             cut = text[o.start() : o.start() + 60]
-            raise RequestError(G.BAD_TEXT, f"XML's markup ends with '>' in the same sentence: {cut!r}")
+            what = f"XML's markup ends with '>' in its sentence, within {TAG_MAX} characters (a comment holds no '--')"
+            raise RequestError(G.BAD_TEXT, f"{what}: {cut!r}")
     for m in _ELEMENT.finditer(text):
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
     elements = list(_EMOTION.finditer(text))

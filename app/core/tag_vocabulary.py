@@ -209,9 +209,10 @@ EMOTION_OPEN = re.compile(r"<\s*(?:/\s*)?emotion\b", re.IGNORECASE)
 # XML's own markup an SSML document may hold around its elements (the W3C's examples begin with the declaration): the
 # declaration and other processing instructions (`<?xml version="1.0"?>`), comments and the document type ask for
 # nothing spoken, and are taken out as SSML's structure is (app/core/style_tags.py `unwrap`); each is whole in its
-# sentence (the text buffer cuts no comment), else `bad_text`. An arrow (`-->`) and a `<!` that opens none are text
+# sentence (the text buffer cuts no comment), else `bad_text`. A comment holds no `--` (XML's rule: so one opening
+# that is no comment, of many, costs a few characters' look). An arrow (`-->`) and a `<!` that opens none are text
 XML_MARKUP = re.compile(
-    rf"<\?[^<>]{{0,{TAG_MAX}}}\?>|<!--(?:[^-]|-(?!->)){{0,{TAG_MAX}}}-->|<!DOCTYPE\b[^<>]{{0,{TAG_MAX}}}>",
+    rf"<\?[^<>]{{0,{TAG_MAX}}}\?>|<!--(?:[^-]|-(?!-)){{0,{TAG_MAX}}}-->|<!DOCTYPE\b[^<>]{{0,{TAG_MAX}}}>",
     re.IGNORECASE,
 )
 XML_MARKUP_OPEN = re.compile(r"<(?:\?|!--|!DOCTYPE\b)", re.IGNORECASE)

@@ -754,15 +754,17 @@ def test_a_break_tag_that_taking_out_a_tag_would_make_is_refused_not_spoken(text
 
 
 @pytest.mark.parametrize(
-    "text", ["Hi <!-- a note", "Hi <?xml version='1.0'", "<!DOCTYPE speak", 'Hi <?xml a="' + "x" * 300]
+    "text",
+    ["Hi <!-- a note", "Hi <?xml version='1.0'", "<!DOCTYPE speak", 'Hi <?xml a="' + "x" * 300, "a <!-- b -- c -->"],
 )
 def test_xml_markup_not_whole_in_its_sentence_is_refused_not_spoken(text):
-    """A comment, a declaration or a document type with no end in its sentence: `bad_text`, as a cut element (a
-    streamed message may leave one open for the next)."""
+    """A comment, a declaration or a document type with no end in its sentence (or a comment holding `--`, which XML
+    forbids): `bad_text`, as a cut element (a streamed message may leave one open for the next)."""
     with pytest.raises(RequestError) as e:
         split_tags(f"{text} there.")
     assert e.value.code == "bad_text", str(e.value)
-    assert split_tags(text, partial=True)
+    if ">" not in text:  # (a comment holding `--` is no comment, arriving or not)
+        assert split_tags(text, partial=True)
 
 
 @pytest.mark.parametrize(
