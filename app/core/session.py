@@ -45,8 +45,7 @@ from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import (
-    ATTRIBUTE,
-    ATTRIBUTE_ARRIVING,
+    ATTRIBUTES_ARRIVING,
     ELEMENT_NAMES,
     TAG_MAX,
     markup_in,
@@ -83,7 +82,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 # and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
 # perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?=(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={ATTRIBUTES_ARRIVING})")
 
 
 def unfinished_tag_start(text: str) -> int | None:

@@ -64,6 +64,7 @@ from app.core.tag_vocabulary import (
     attributes,
     markup_in,
     names_pattern,
+    still_arriving,
 )
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -108,7 +109,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     last_end = text.rfind(">")
     whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
     for o in ELEMENT_OPEN.finditer(text):
-        if o.start() not in whole and not (partial and last_end < o.start()):
+        if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
             raise RequestError(G.BAD_TEXT, f"a {name} tag must end with '>' in the same sentence: {cut!r}")
     for o in XML_MARKUP_OPEN.finditer(text):  # (whole ones were taken out: `unwrap`)
@@ -121,7 +122,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
     for o in EMOTION_OPEN.finditer(text):
-        if o.start() not in whole and not (partial and last_end < o.start()):
+        if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut = text[o.start() : o.start() + 60]
             raise RequestError(G.BAD_TEXT, f"an emotion tag must end with '>' in the same sentence: {cut!r}")
     for m in elements:

@@ -58,6 +58,18 @@ def attributes(text: str, written: str) -> dict[str, str]:
     return found
 
 
+# what follows an element's name in an opening still arriving at the end of a text: attributes, the last perhaps cut
+# (`alias="a >`: a quoted value may hold '>'), a closing '/' perhaps
+ATTRIBUTES_ARRIVING = rf"(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?\Z"
+_ARRIVING = re.compile(ATTRIBUTES_ARRIVING)
+
+
+def still_arriving(text: str, name_end: int) -> bool:
+    """Whether the element opening whose name ends at `name_end` runs to the end of `text` as attributes still
+    arriving: a streamed message's last tag, which a later message completes."""
+    return _ARRIVING.match(text, name_end) is not None
+
+
 # XML's character references (an SSML writer escapes every '&' and '<' of its text): `&amp;` and the other four names,
 # `&#233;`, `&#xE9;` (app/core/style_tags.py `unescape` reads them); the text buffer cuts none
 REFERENCE_NAMES = {"amp": "&", "lt": "<", "gt": ">", "quot": '"', "apos": "'"}

@@ -785,10 +785,27 @@ def test_speaking_as_it_comes_keeps_xml_markup_still_arriving(text, kept):
 
 
 @pytest.mark.parametrize(
-    "text", ['Say <sub alias="United States">U.S.', "U.S.</sub> is big.", 'Say <sub alias="Uni', "</say-as> x"]
+    "text",
+    [
+        'Say <sub alias="United States">U.S.',
+        "U.S.</sub> is big.",
+        'Say <sub alias="Uni',
+        "</say-as> x",
+        # cut inside a quoted value that holds '>' (whole, `<sub alias="a > b">x</sub>` is spoken "a > b"): the message
+        # was refused, the opening "must end with '>'" (a '>' came after it: the value's)
+        'Say <sub alias="a >',
+        "Say <speak a='x>y' b=\"2",
+    ],
 )
 def test_a_streamed_message_may_open_or_close_an_element_another_message_completes(text):
     assert split_tags(text, partial=True)  # checked when its sentence is spoken
+
+
+def test_an_element_whose_quoted_value_holds_a_gt_streamed_in_two_messages_is_spoken_once_whole():
+    seen, texts = spoken_on_socket(
+        dict(type="text", text='Say <sub alias="a >'), dict(type="text", text=' b">x</sub> now.', flush=True)
+    )
+    assert [m for m in seen if m["type"] == "error"] == [] and texts == ["Say a > b now."], (seen, texts)
 
 
 def test_ssml_sub_and_say_as_streamed_on_the_socket_reach_the_engine_and_the_client_as_they_say():
