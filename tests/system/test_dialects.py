@@ -451,6 +451,46 @@ def test_elevenlabs_stream_input_end_with_a_cut_tag_is_refused_and_still_ends(sr
     assert chars.split() == ["Hello", "there."] + (["Wait"] if auto_mode else []), chars
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        # text, flush and close_context in one message, its text refused: the error came and no isFinal, ever
+        [{"text": "Hello there. "}, {"text": "Hi [laughs] more.", "flush": True, "close_context": True}],
+        [{"text": "Hello there. "}, {"text": 'Hi <break time="x"/> more.', "flush": True, "close_context": True}],
+        # a flush refused for a tag split across messages, then the close: the sentence before it, queued, was
+        # dropped by the close (the refused flush covered nothing), no audio at all
+        [{"text": "Hello there. Hi <br"}, {"text": 'eak time="x"/> more.', "flush": True}, {"close_context": True}],
+        [
+            {"text": "Hello there."},
+            {"text": " ["},
+            {"text": "laughs"},
+            {"text": "]"},
+            {"flush": True},
+            {"close_context": True},
+        ],
+    ],
+)
+def test_elevenlabs_a_refused_text_or_flush_before_close_context_still_speaks_the_rest_and_ends(srv, messages):
+    """A close_context whose message, or the flush before it, is refused: the error, the context's text before the
+    refused sentence spoken, then its isFinal (as a close_socket after a refused message still closes)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps({"text": " ", "context_id": "c"}))
+        for m in messages:
+            await ws.send(json.dumps({**m, "context_id": "c"}))
+        log: list[dict[str, Any]] = []
+        while not (m := await recv_json(ws, 30)).get("isFinal"):
+            log.append(m)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert [m["error"] for m in log if "error" in m] in (["unsupported_tag"], ["bad_text"]), log
+    chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
+    assert chars.split() == ["Hello", "there."], chars
+
+
 def test_elevenlabs_stream_input_ignores_close_context(srv):
     """stream-input has no contexts: a close_context is ignored, as ElevenLabs ignores it there, and the rest of its
     message is taken: all the text is spoken once the input ends, then the one isFinal. It closed the one stream's
