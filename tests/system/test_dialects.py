@@ -1594,6 +1594,41 @@ def test_deepgram_word_by_word_as_livekit_sends_it(srv):
     assert abs(len(run(go())) // 2 - resampled(REPLY2, 16000)) <= 4  # two sentences, not five
 
 
+@pytest.mark.parametrize(
+    "words",
+    [
+        # LiveKit's plugin sends a word a Speak: a break tag's words are two messages, each fine on its own
+        ["Hello", "there.", "Wait", "<break", 'time="soon"/>', "now."],
+        ["Hello", "there.", "On", "<say-as", 'interpret-as="date">12/7</say-as>.'],
+    ],
+)
+def test_deepgram_a_flush_refused_for_a_sentence_still_answers_flushed(srv, words):
+    """A Flush whose buffered text holds a sentence refused once whole (a tag split across Speak messages): a Warning,
+    and the Flushed after the rest's audio all the same; no Flushed came, and LiveKit's plugin waits for one for ever
+    (a Warning it only logs). The next Flush's sequence id follows it."""
+
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        for word in words:
+            await ws.send(json.dumps({"type": "Speak", "text": word + " "}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        log: list[Any] = []
+        with contextlib.suppress(AssertionError):  # (dg_until fails at the Warning)
+            await dg_until(ws, "Flushed", log)
+        warnings = [m for m in log if isinstance(m, dict) and m["type"] == "Warning"]
+        flushed = await dg_until(ws, "Flushed", log) if log[-1] != {"type": "Flushed", "sequence_id": 0} else log[-1]
+        await ws.send(json.dumps({"type": "Speak", "text": "Again."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        second = await dg_until(ws, "Flushed", [])
+        await ws.close()
+        return warnings, flushed, dg_audio(log), second
+
+    warnings, flushed, audio, second = run(go())
+    assert [w["warn_code"] for w in warnings] in (["bad_text"], ["unsupported_tag"]), warnings
+    assert flushed == {"type": "Flushed", "sequence_id": 0} and second == {"type": "Flushed", "sequence_id": 1}
+    assert abs(len(audio) // 2 - resampled(SAMPLES, 16000)) <= 2  # the sentence before the refused one
+
+
 def test_deepgram_clear_stops_the_gpu_work(srv):
     """Clear drops the text and the audio: the engine stops, Cleared comes and stands for the Flush it
     dropped (no Flushed of it follows: pipecat would end its next turn at it), and no audio follows; the next
