@@ -38,10 +38,11 @@ _COMPLETE_WORD = re.compile(r"\S\s")
 _SPOKEN_WHOLE = READ_AS_ELEMENTS | {"spell"}
 # So is XML's markup, taken out whole (app/core/tag_vocabulary.py XML_MARKUP: a comment, a declaration, a document
 # type), from its opening to its end: the segmenter cut `Hi <!` from `-- a note -->` and `<?` from `xml ...?>`, and
-# the comment's sentences apart, each half refused
+# the comment's sentences apart, each half refused. (A `<!` opens one only as `<!--` or `<!DOCTYPE`, or cut before
+# either: prose's `<!` held every sentence after it)
 _XML_ENDS = {"<!--": "-->", "<?": "?>", "<!": ">"}
 _WHOLE_OPEN = re.compile(
-    rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>|(<!--|<\?|<!)", re.IGNORECASE
+    rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>|(<!--|<\?|<!(?=-|D|\Z))", re.IGNORECASE
 )
 _WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
 _WHOLE_CLOSE |= {opening: re.compile(re.escape(end)) for opening, end in _XML_ENDS.items()}
