@@ -45,8 +45,7 @@ from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import (
-    ATTRIBUTE,
-    ATTRIBUTE_ARRIVING,
+    ATTRIBUTES_ARRIVING,
     ELEMENT_NAMES,
     TAG_MAX,
     markup_in,
@@ -83,7 +82,7 @@ _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
 # and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
 # perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
 # `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?=(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?$)")
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={ATTRIBUTES_ARRIVING})")
 
 
 def unfinished_tag_start(text: str) -> int | None:
@@ -91,8 +90,9 @@ def unfinished_tag_start(text: str) -> int | None:
     name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
     Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
     (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
-    its sentence would be refused), and an XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was
-    spoken, then "p;T"; app/core/tag_vocabulary.py `reference_start`)."""
+    its sentence would be refused), and so does XML's markup whose end has not come (`<!-- a note`, `<?xml`), and an
+    XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was spoken, then "p;T";
+    app/core/tag_vocabulary.py `reference_start`)."""
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         return spans[-1][0]
     if (start := _cut_start(text)) is not None:
@@ -509,16 +509,22 @@ class StreamingSession:
         buf = self.buffers.get(ctx) or self.buffers.setdefault(ctx, text_buffer(self.gw, opts.language))
         buf.language = opts.language
         before = buf.text
+        sentences = buf.append(text)
         try:
-            self._enqueue(ctx, buf.append(text))
+            self._enqueue(ctx, sentences)
         except RequestError as e:
             # refused whole: nothing of this message is queued. The half of a break or emotion tag that an earlier
             # message left open goes with it (its sentence was refused): kept, its `<` would refuse every later
             # sentence of the context, since no later text can close that tag (docs/protocol.md, Style tags). So does
             # buffered text holding a whole tag whose sentence this message completed (`Hi <emo`, `tion value=x/>
-            # there. And`, ` more.`): kept, it was refused again with every later text of the context
+            # there. And`, ` more.`): kept, it was refused again with every later text of the context. The sentences
+            # of earlier messages before the refused one are spoken (`_queue_until_refused`)
+            if e.code == G.TOO_MANY_UTTERANCES:
+                buf.text = before
+                raise
+            taken = self._queue_until_refused(ctx, sentences, before)
             refused = _ends_in_a_tag(before) or markup_in(before) is not None
-            buf.text = "" if e.code != G.TOO_MANY_UTTERANCES and refused else before
+            buf.text = "" if refused else before[taken:]
             raise
         finally:
             self._drop_empty_buffers()
@@ -549,6 +555,29 @@ class StreamingSession:
         added = lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
         self.on_queued(ctx, added)
 
+    def _queue_until_refused(self, ctx: str, sentences: list[str], within: str) -> int:
+        """Queue the sentences ahead of the first one refused that lie whole in `within`, text of earlier messages (each
+        taken when it came); how much of `within` they took. A refused sentence (a tag split across messages, checked
+        once it is whole) is refused with the message or flush that completed it, not the sentences before it: held
+        back only until text came after them (the period rule: `That is funny.`, then ` [laughs]` and a flush), they
+        were dropped with it, their messages having drawn no error."""
+        opts, voice, clip = self.settings_for(ctx)
+        taken: list[str] = []
+        pos = 0
+        for sentence in sentences:
+            at = within.find(sentence, pos)
+            if at < 0:
+                break
+            try:
+                inline_pieces(self.gw, [sentence], opts, voice, clip)
+            except RequestError:
+                break
+            taken.append(sentence)
+            pos = at + len(sentence)
+        if taken:
+            self._enqueue(ctx, taken, enforce_limit=False)  # (within the buffer's limit: they were buffered)
+        return pos
+
     async def flush(
         self,
         ctx: str | None,
@@ -576,12 +605,15 @@ class StreamingSession:
                 cut = unfinished_tag_start(before) if as_it_comes else None
                 tail = before[cut:] if cut is not None else ""
                 buf.text = before[: len(before) - len(tail)]
+                sentences = buf.flush()
                 try:
-                    self._enqueue(c, buf.flush(), enforce_limit)
+                    self._enqueue(c, sentences, enforce_limit)
                     flushed.append(c)
                 except RequestError as e:
                     if e.code == G.TOO_MANY_UTTERANCES:
                         buf.text, tail = before, ""
+                    else:
+                        self._queue_until_refused(c, sentences, before)
                     refused.append((c, e))
                 buf.text += tail
         self._drop_empty_buffers()

@@ -29,8 +29,9 @@ what they say (`read_as`): a say-as that spells (interpret-as characters, spell-
 becomes a spell element of its text, one of a number (cardinal, number) its text, read as written; any other
 interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and
 reported. Such an element is whole in its sentence (the text buffer cuts none inside one); an opening or closing left
-alone, an empty alias or one holding a tag are `bad_text`. None of them is ever read aloud as markup, nor is an XML
-character reference (`&amp;` is `&`: `unescape`).
+alone, an empty alias or one holding a tag are `bad_text`, and so is a break tag their taking out would make of the
+text around them (`A <<p>break time="1s"/>`: breaks were taken out before). None of them is ever read aloud as markup,
+nor is an XML character reference (`&amp;` is `&`: `unescape`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from app.core.options import SynthesisOptions
 from app.core.tag_vocabulary import (
     ATTRIBUTE,
     BRACKET,
+    BREAK_END,
+    BREAK_OPEN,
     ELEMENT_OPEN,
     EMOTION_OPEN,
     NEUTRAL,
@@ -56,9 +59,12 @@ from app.core.tag_vocabulary import (
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
     WRAPPER_ELEMENTS,
+    XML_MARKUP,
+    XML_MARKUP_OPEN,
     attributes,
     markup_in,
     names_pattern,
+    still_arriving,
 )
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
@@ -69,7 +75,10 @@ _UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRA
 _ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
-_WRAPPER = re.compile(rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>", re.IGNORECASE)
+# (and XML's own markup: a declaration, a comment, a document type)
+_WRAPPER = re.compile(
+    rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>|{XML_MARKUP.pattern}", re.IGNORECASE
+)
 _SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
@@ -100,15 +109,20 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     last_end = text.rfind(">")
     whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
     for o in ELEMENT_OPEN.finditer(text):
-        if o.start() not in whole and not (partial and last_end < o.start()):
+        if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
             raise RequestError(G.BAD_TEXT, f"a {name} tag must end with '>' in the same sentence: {cut!r}")
+    for o in XML_MARKUP_OPEN.finditer(text):  # (whole ones were taken out: `unwrap`)
+        if not (partial and last_end < o.start()):
+            cut = text[o.start() : o.start() + 60]
+            what = f"XML's markup ends with '>' in its sentence, within {TAG_MAX} characters (a comment holds no '--')"
+            raise RequestError(G.BAD_TEXT, f"{what}: {cut!r}")
     for m in _ELEMENT.finditer(text):
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
     for o in EMOTION_OPEN.finditer(text):
-        if o.start() not in whole and not (partial and last_end < o.start()):
+        if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut = text[o.start() : o.start() + 60]
             raise RequestError(G.BAD_TEXT, f"an emotion tag must end with '>' in the same sentence: {cut!r}")
     for m in elements:
@@ -130,6 +144,8 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     arriving (its opening with no `>` after it). SSML's structural tags are taken out first (`unwrap`), and its say-as
     and sub elements replaced by what they say (`read_as`)."""
     plain = read_as(unwrap(text), partial)
+    if plain != text:
+        _no_break_made(text, plain)
     tags = _tags(plain, partial)
     if not tags:
         spoken = spell_out(plain)
@@ -152,6 +168,17 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
     if rest:
         out.append(rest)
     return out
+
+
+def _no_break_made(text: str, plain: str) -> None:
+    """Refused (`bad_text`) when taking out `text`'s structure and reading its say-as and sub elements (`plain`) made a
+    break tag of the text around one (`A <<p>break time="1s"/>`, `<<sub alias="break">x</sub>/>`): breaks were taken
+    out before (app/core/pipeline.py `inline_pieces`), and it was read aloud."""
+    for pattern in (BREAK_OPEN, BREAK_END):
+        made = list(pattern.finditer(plain))
+        if len(made) > len(pattern.findall(text)):
+            cut = plain[made[-1].start() : made[-1].start() + 40]
+            raise RequestError(G.BAD_TEXT, f"a break tag is whole as written, not made by taking out a tag: {cut!r}")
 
 
 def unwrap(text: str) -> str:

@@ -3,8 +3,9 @@ emotion words that both the tags and OpenAI's `instructions` name, and `markup_i
 
 It also holds how a tag is written: its bound (TAG_MAX), an attribute (`ATTRIBUTE`, `name="value"`) and the one
 reader of a tag's attributes (`attributes`), which every element that reads one uses (a break's time and strength, an
-emotion's value, a say-as' interpret-as, a sub's alias); and how XML's character references are (`REFERENCE`, and
-`reference_start`, one still arriving).
+emotion's value, a say-as' interpret-as, a sub's alias); how XML's character references are (`REFERENCE`, and
+`reference_start`, one still arriving); and XML's own markup around SSML's elements (`XML_MARKUP`: a declaration, a
+comment, a document type, taken out).
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/breaks.py reads its breaks,
 app/core/instructions.py maps an instruction's words onto the emotion axes, app/voices/lexicons.py refuses a
@@ -55,6 +56,18 @@ def attributes(text: str, written: str) -> dict[str, str]:
         what = 'a tag\'s attributes are name="value" pairs (quotes optional), a space before each'
         raise RequestError(G.BAD_TEXT, f"{what}: {written[:60]!r}")
     return found
+
+
+# what follows an element's name in an opening still arriving at the end of a text: attributes, the last perhaps cut
+# (`alias="a >`: a quoted value may hold '>'), a closing '/' perhaps
+ATTRIBUTES_ARRIVING = rf"(?:{ATTRIBUTE})*{ATTRIBUTE_ARRIVING}\s*(?:/\s*)?\Z"
+_ARRIVING = re.compile(ATTRIBUTES_ARRIVING)
+
+
+def still_arriving(text: str, name_end: int) -> bool:
+    """Whether the element opening whose name ends at `name_end` runs to the end of `text` as attributes still
+    arriving: a streamed message's last tag, which a later message completes."""
+    return _ARRIVING.match(text, name_end) is not None
 
 
 # XML's character references (an SSML writer escapes every '&' and '<' of its text): `&amp;` and the other four names,
@@ -205,12 +218,22 @@ BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
 # cut at the utterance budget) and is refused, so that no half of it is read aloud
 ELEMENT_OPEN = re.compile(rf"<\s*(?:/\s*)?({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)
 EMOTION_OPEN = re.compile(r"<\s*(?:/\s*)?emotion\b", re.IGNORECASE)
+# XML's own markup an SSML document may hold around its elements (the W3C's examples begin with the declaration): the
+# declaration and other processing instructions (`<?xml version="1.0"?>`), comments and the document type ask for
+# nothing spoken, and are taken out as SSML's structure is (app/core/style_tags.py `unwrap`); each is whole in its
+# sentence (the text buffer cuts no comment), else `bad_text`. A comment holds no `--` (XML's rule: so one opening
+# that is no comment, of many, costs a few characters' look). An arrow (`-->`) and a `<!` that opens none are text
+XML_MARKUP = re.compile(
+    rf"<\?[^<>]{{0,{TAG_MAX}}}\?>|<!--(?:[^-]|-(?!-)){{0,{TAG_MAX}}}-->|<!DOCTYPE\b[^<>]{{0,{TAG_MAX}}}>",
+    re.IGNORECASE,
+)
+XML_MARKUP_OPEN = re.compile(r"<(?:\?|!--|!DOCTYPE\b)", re.IGNORECASE)
 
 
 def markup_in(text: str) -> str | None:
     """The first inline tag `text` holds, whole or cut (a break, a style tag, a Cartesia element), or None: for
     text that is read as it is, with no tags taken out of it (a pronunciation rule's alias)."""
-    opens = [m for p in (BREAK_OPEN, BREAK_END, EMOTION_OPEN, ELEMENT_OPEN) if (m := p.search(text))]
+    opens = [m for p in (BREAK_OPEN, BREAK_END, EMOTION_OPEN, ELEMENT_OPEN, XML_MARKUP_OPEN) if (m := p.search(text))]
     opens += [m for m in BRACKET.finditer(text) if m.group(1).lower() in TAG_WORDS][:1]
     first = min(opens, key=lambda m: m.start(), default=None)
     return None if first is None else text[first.start() : first.start() + 40]

@@ -36,8 +36,16 @@ _COMPLETE_WORD = re.compile(r"\S\s")
 # is not cut inside one, nor after its opening before its closing has come (the segmenter cuts `<sub alias="United
 # States">U.` from `S.</sub> is big.`: two halves, neither of them an element, each refused)
 _SPOKEN_WHOLE = READ_AS_ELEMENTS | {"spell"}
-_WHOLE_OPEN = re.compile(rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
+# So is XML's markup, taken out whole (app/core/tag_vocabulary.py XML_MARKUP: a comment, a declaration, a document
+# type), from its opening to its end: the segmenter cut `Hi <!` from `-- a note -->` and `<?` from `xml ...?>`, and
+# the comment's sentences apart, each half refused. (A `<!` opens one only as `<!--` or `<!DOCTYPE`, or cut before
+# either: prose's `<!` held every sentence after it)
+_XML_ENDS = {"<!--": "-->", "<?": "?>", "<!": ">"}
+_WHOLE_OPEN = re.compile(
+    rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>|(<!--|<\?|<!(?=-|D|\Z))", re.IGNORECASE
+)
 _WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
+_WHOLE_CLOSE |= {opening: re.compile(re.escape(end)) for opening, end in _XML_ENDS.items()}
 
 
 def segmenter_language(language: str) -> str:
@@ -45,12 +53,12 @@ def segmenter_language(language: str) -> str:
 
 
 def spoken_whole(text: str) -> list[tuple[int, int]]:
-    """Where each element spoken whole (`_SPOKEN_WHOLE`) starts and ends in `text`, in order; one not closed yet (its
-    closing still to come) ends past the text, at len(text) + 1."""
+    """Where each element spoken whole (`_SPOKEN_WHOLE`, and XML's markup: `_XML_ENDS`) starts and ends in `text`, in
+    order; one not closed yet (its closing still to come) ends past the text, at len(text) + 1."""
     spans: list[tuple[int, int]] = []
     pos = 0
     while m := _WHOLE_OPEN.search(text, pos):
-        close = _WHOLE_CLOSE[m.group(1).lower()].search(text, m.end())
+        close = _WHOLE_CLOSE[m.group(1).lower() if m.group(1) else m.group(2)].search(text, m.end())
         spans.append((m.start(), close.end() if close else len(text) + 1))
         if close is None:
             break

@@ -451,6 +451,46 @@ def test_elevenlabs_stream_input_end_with_a_cut_tag_is_refused_and_still_ends(sr
     assert chars.split() == ["Hello", "there."] + (["Wait"] if auto_mode else []), chars
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        # text, flush and close_context in one message, its text refused: the error came and no isFinal, ever
+        [{"text": "Hello there. "}, {"text": "Hi [laughs] more.", "flush": True, "close_context": True}],
+        [{"text": "Hello there. "}, {"text": 'Hi <break time="x"/> more.', "flush": True, "close_context": True}],
+        # a flush refused for a tag split across messages, then the close: the sentence before it, queued, was
+        # dropped by the close (the refused flush covered nothing), no audio at all
+        [{"text": "Hello there. Hi <br"}, {"text": 'eak time="x"/> more.', "flush": True}, {"close_context": True}],
+        [
+            {"text": "Hello there."},
+            {"text": " ["},
+            {"text": "laughs"},
+            {"text": "]"},
+            {"flush": True},
+            {"close_context": True},
+        ],
+    ],
+)
+def test_elevenlabs_a_refused_text_or_flush_before_close_context_still_speaks_the_rest_and_ends(srv, messages):
+    """A close_context whose message, or the flush before it, is refused: the error, the context's text before the
+    refused sentence spoken, then its isFinal (as a close_socket after a refused message still closes)."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        await ws.send(json.dumps({"text": " ", "context_id": "c"}))
+        for m in messages:
+            await ws.send(json.dumps({**m, "context_id": "c"}))
+        log: list[dict[str, Any]] = []
+        while not (m := await recv_json(ws, 30)).get("isFinal"):
+            log.append(m)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert [m["error"] for m in log if "error" in m] in (["unsupported_tag"], ["bad_text"]), log
+    chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
+    assert chars.split() == ["Hello", "there."], chars
+
+
 def test_elevenlabs_stream_input_ignores_close_context(srv):
     """stream-input has no contexts: a close_context is ignored, as ElevenLabs ignores it there, and the rest of its
     message is taken: all the text is spoken once the input ends, then the one isFinal. It closed the one stream's
@@ -1552,6 +1592,41 @@ def test_deepgram_word_by_word_as_livekit_sends_it(srv):
         return dg_audio(log)
 
     assert abs(len(run(go())) // 2 - resampled(REPLY2, 16000)) <= 4  # two sentences, not five
+
+
+@pytest.mark.parametrize(
+    "words",
+    [
+        # LiveKit's plugin sends a word a Speak: a break tag's words are two messages, each fine on its own
+        ["Hello", "there.", "Wait", "<break", 'time="soon"/>', "now."],
+        ["Hello", "there.", "On", "<say-as", 'interpret-as="date">12/7</say-as>.'],
+    ],
+)
+def test_deepgram_a_flush_refused_for_a_sentence_still_answers_flushed(srv, words):
+    """A Flush whose buffered text holds a sentence refused once whole (a tag split across Speak messages): a Warning,
+    and the Flushed after the rest's audio all the same; no Flushed came, and LiveKit's plugin waits for one for ever
+    (a Warning it only logs). The next Flush's sequence id follows it."""
+
+    async def go():
+        ws = await dg_connect(dg_url(srv))
+        for word in words:
+            await ws.send(json.dumps({"type": "Speak", "text": word + " "}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        log: list[Any] = []
+        with contextlib.suppress(AssertionError):  # (dg_until fails at the Warning)
+            await dg_until(ws, "Flushed", log)
+        warnings = [m for m in log if isinstance(m, dict) and m["type"] == "Warning"]
+        flushed = await dg_until(ws, "Flushed", log) if log[-1] != {"type": "Flushed", "sequence_id": 0} else log[-1]
+        await ws.send(json.dumps({"type": "Speak", "text": "Again."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        second = await dg_until(ws, "Flushed", [])
+        await ws.close()
+        return warnings, flushed, dg_audio(log), second
+
+    warnings, flushed, audio, second = run(go())
+    assert [w["warn_code"] for w in warnings] in (["bad_text"], ["unsupported_tag"]), warnings
+    assert flushed == {"type": "Flushed", "sequence_id": 0} and second == {"type": "Flushed", "sequence_id": 1}
+    assert abs(len(audio) // 2 - resampled(SAMPLES, 16000)) <= 2  # the sentence before the refused one
 
 
 def test_deepgram_clear_stops_the_gpu_work(srv):

@@ -201,6 +201,12 @@ short_text = (
             "F600; & x &",
             # a bracket in spelled text is characters, no tag
             '<say-as interpret-as="characters">[laughs]</say-as> <spell>[happy] x</spell> [sad] <spell>[whispering]',
+            # a break made by taking out a tag (bad_text, it was read aloud), a reference cut at a message's end
+            'A <<p>break time="1s"/> B </<s>break> <<sub alias="break/">x</sub>> Tom &am',
+            "AT&T &#x65E5" + "日" * 170 + "&#x65E5;" * 3,
+            # XML's markup: taken out whole (a declaration, a comment, a document type), cut ones bad_text
+            '<?xml version="1.0"?><!DOCTYPE speak><speak>Hi <!-- a. b? --> there.</speak> a --> b <!-- open <?x',
+            "<!" * 40 + "<?" * 40 + "<!--" * 40,
         ]
     )
 )

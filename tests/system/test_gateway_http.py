@@ -580,6 +580,31 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
         assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
 
 
+def test_an_ssml_document_with_xml_markup_is_spoken_without_it_over_http(server):
+    """A document as the W3C's examples write one, its declaration first and a comment inside: the words reported (and
+    spoken) are its text's; they were "xml version equals 1.0 ...". A break that taking out a tag would make is 400."""
+    buf = io.BytesIO()
+    np.save(buf, np.random.default_rng(6).standard_normal(2048).astype(np.float32))
+    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("w3c.npy", buf.getvalue())}, data={"name": "w3c"})
+    assert r.status_code in (200, 201), r.text
+    text = (
+        '<?xml version="1.0"?><!DOCTYPE speak><speak version="1.1" xmlns="http://www.w3.org/2001/10/synthesis">'
+        "<!-- The greeting. Keep it short? --><p>Hello there.</p></speak>"
+    )
+    r = httpx.post(
+        f"{server.url}/v1/text-to-speech/{r.json()['id']}/with-timestamps",
+        params={"output_format": "pcm_24000", "zonos_params": json.dumps(ONE)},
+        json={"text": text},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    spoken = "".join(r.json()["alignment"]["characters"])
+    assert spoken.split() == ["Hello", "there."], spoken
+    for refused in ['A <<p>break time="1s"/> B.', "Hi <!-- a note\n--> there."]:
+        r = speech(server, input=refused, response_format="pcm")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_text", r.text
+
+
 @pytest.mark.parametrize("words", [20, 22])
 def test_a_sentence_past_the_budget_is_not_cut_inside_a_sub(server, words):
     """A sentence longer than the utterance budget (141 bytes here) whose budget cut fell at a space of a sub's text

@@ -243,6 +243,45 @@ def test_a_message_refused_on_its_own_takes_the_half_tag_it_was_to_complete(halv
 
 
 @pytest.mark.parametrize(
+    "messages",
+    [
+        # an ElevenLabs v3 reply streamed token by token, ending in a tag ZONOS2 refuses, then the turn's flush
+        [{"text": "That is funny."}, {"text": " ["}, {"text": "laughs"}, {"text": "]"}, {"text": "", "flush": True}],
+        # the message completing a cut tag also completes its sentence, the one before it waiting on the period rule
+        [{"text": "That is funny. <br"}, {"text": 'eak time="soon"/> there. And more'}],
+        [{"text": "That is funny. [whisp"}, {"text": "ering] there. And more"}],
+    ],
+)
+def test_a_sentence_of_earlier_messages_before_a_refused_one_is_still_spoken(messages):
+    """A tag split across messages refuses its sentence (and the message or flush that completed it), not the
+    sentence before it, whole in the earlier, accepted messages and held back only until the text after it came
+    (the period rule): it was dropped with the refused one, never spoken, its message having drawn no error."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        for m in messages:
+            ws.send(type="text", **m)
+        err = await ws.next_json()
+        ws.send(type="text", text=" Fine.", flush=True)
+
+        async def play_all():  # each utterance it starts
+            for n in range(1, 10):
+                FakeEngine.play(await engine.started(n))
+
+        player = asyncio.create_task(play_all())
+        seen = await ws.until("flushed")
+        player.cancel()
+        await shut(ws, task)
+        return err, seen, engine.texts
+
+    err, seen, texts = asyncio.run(go())
+    assert err["type"] == "error" and err["code"] in ("unsupported_tag", "bad_text"), err
+    assert texts == ["That is funny.", "Fine."], texts
+    assert [m["text"] for m in seen if m["type"] == "audio.start"] == texts, seen
+
+
+@pytest.mark.parametrize(
     "text, kept",
     [
         ("Hi <spea", "<spea"),
@@ -481,6 +520,13 @@ def test_ssml_elements_zonos2_has_no_control_for_are_refused_not_spoken(tag, nam
         # not SSML's structure: text, spoken as written (a tag needs its '>'; other names are not these)
         ("a <s b and <pre> or <subtotal>", ["a <s b and <pre> or <subtotal>"]),
         ("if a<s and b>c then x<p", ["if a<s and b>c then x<p"]),  # no tag: 'and b' was taken out as its attributes
+        # XML's own markup around the elements (the W3C's examples begin with the declaration): read aloud, "xml
+        # version equals 1.0"
+        ('<?xml version="1.0" encoding="UTF-8"?><speak version="1.0">Hello.</speak>', ["Hello."]),
+        ("<?xml version='1.0'?><speak>Hi <!-- a note. Really? --> there.</speak>", ["Hi there."]),
+        ('<!DOCTYPE speak PUBLIC "-//W3C//DTD SYNTHESIS 1.0//EN" "synthesis.dtd"><speak>Hi</speak>', ["Hi"]),
+        ("Hi<!---->there <?pi x?>now", ["Hi there now"]),
+        ("a --> b and c <! d", ["a --> b and c <! d"]),  # an arrow, and `<!` with no comment: text
     ],
 )
 def test_ssml_structure_is_taken_out_and_its_text_spoken(text, spoken):
@@ -681,10 +727,85 @@ def test_a_sub_without_alias_or_an_element_not_whole_is_refused_not_spoken(text)
 
 
 @pytest.mark.parametrize(
-    "text", ['Say <sub alias="United States">U.S.', "U.S.</sub> is big.", 'Say <sub alias="Uni', "</say-as> x"]
+    "text",
+    [
+        'A <<p>break time="1s"/> B',
+        'A <<s>break strength="strong"/> B',
+        "A <<mark name='m'/>break/> B",
+        "A </<p>break> B",
+        'A <<sub alias="break">x</sub> time="1s"/> B',
+        "A <<sub alias='break time=\"1s\"/>'>x</sub> B",
+        'A <<say-as interpret-as="cardinal">break time="1s"/></say-as> B',
+    ],
+)
+def test_a_break_tag_that_taking_out_a_tag_would_make_is_refused_not_spoken(text):
+    """Breaks are taken out of a text before SSML's structure and its say-as and sub elements (app/core/pipeline.py
+    `inline_pieces`): a `<` before one of those and text after it made a break tag once the element was taken out or
+    replaced (`A <<p>break time="1s"/> B`), read aloud as "A < break time equals 1 s"; `bad_text`, as a cut one."""
+    with pytest.raises(RequestError) as e:
+        for piece in split_breaks(text):
+            if isinstance(piece, str):
+                split_tags(piece)
+    assert e.value.code == "bad_text", str(e.value)
+    assert "break" in str(e.value)
+    err, queued = refused_on_add(f"Fine so far. {text} Then.")
+    assert err.code == "bad_text" and queued == 0, str(err)
+    assert split_tags('A <p>B</p> <break time="1', partial=True) == ['A B <break time="1']  # a streamed one arriving
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["Hi <!-- a note", "Hi <?xml version='1.0'", "<!DOCTYPE speak", 'Hi <?xml a="' + "x" * 300, "a <!-- b -- c -->"],
+)
+def test_xml_markup_not_whole_in_its_sentence_is_refused_not_spoken(text):
+    """A comment, a declaration or a document type with no end in its sentence (or a comment holding `--`, which XML
+    forbids): `bad_text`, as a cut element (a streamed message may leave one open for the next)."""
+    with pytest.raises(RequestError) as e:
+        split_tags(f"{text} there.")
+    assert e.value.code == "bad_text", str(e.value)
+    if ">" not in text:  # (a comment holding `--` is no comment, arriving or not)
+        assert split_tags(text, partial=True)
+
+
+@pytest.mark.parametrize(
+    ("text", "kept"),
+    [
+        ("Hi <!", "<!"),
+        ("Hi <!-", "<!-"),
+        ("Hi <!-- a note. More", "<!-- a note. More"),
+        ("Hi <?xm", "<?xm"),
+        ('<?xml version="1.0" enc', '<?xml version="1.0" enc'),
+        ("Hi <!-- a --> there", ""),
+        ('<?xml version="1.0"?> Hi', ""),
+    ],
+)
+def test_speaking_as_it_comes_keeps_xml_markup_still_arriving(text, kept):
+    start = unfinished_tag_start(text)
+    assert (text[start:] if start is not None else "") == kept
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'Say <sub alias="United States">U.S.',
+        "U.S.</sub> is big.",
+        'Say <sub alias="Uni',
+        "</say-as> x",
+        # cut inside a quoted value that holds '>' (whole, `<sub alias="a > b">x</sub>` is spoken "a > b"): the message
+        # was refused, the opening "must end with '>'" (a '>' came after it: the value's)
+        'Say <sub alias="a >',
+        "Say <speak a='x>y' b=\"2",
+    ],
 )
 def test_a_streamed_message_may_open_or_close_an_element_another_message_completes(text):
     assert split_tags(text, partial=True)  # checked when its sentence is spoken
+
+
+def test_an_element_whose_quoted_value_holds_a_gt_streamed_in_two_messages_is_spoken_once_whole():
+    seen, texts = spoken_on_socket(
+        dict(type="text", text='Say <sub alias="a >'), dict(type="text", text=' b">x</sub> now.', flush=True)
+    )
+    assert [m for m in seen if m["type"] == "error"] == [] and texts == ["Say a > b now."], (seen, texts)
 
 
 def test_ssml_sub_and_say_as_streamed_on_the_socket_reach_the_engine_and_the_client_as_they_say():

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.core.session import unfinished_tag_start
 from app.core.text_buffer import TextBuffer, split_to_budget, utf8_len
 
 ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
@@ -195,6 +196,15 @@ def test_a_long_sentence_is_never_cut_inside_an_element_spoken_whole(element, wo
 
 
 @pytest.mark.parametrize("step", [1, 3, 1000])
+def test_a_bang_that_opens_no_xml_markup_does_not_hold_the_sentences_after_it(step):
+    """`<!` opens XML's markup only as `<!--` or `<!DOCTYPE` (or cut before either): prose's `<!` held every sentence
+    after it as one, to the flush (and, spoken as it comes, held them all back)."""
+    assert stream("Wow <! that is it. Next one. More.", step) == ["Wow <!", "that is it.", "Next one.", "More."]
+    assert unfinished_tag_start("Wow <! that is it. Next") is None
+    assert [unfinished_tag_start(t) for t in ("Hi <!", "Hi <!-", "Hi <!DOC", "Hi <!-- a")] == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
 @pytest.mark.parametrize(
     "text",
     [
@@ -203,6 +213,7 @@ def test_a_long_sentence_is_never_cut_inside_an_element_spoken_whole(element, wo
         'Go <sub alias="doctor">Dr.</sub> Smith. Next.',
         'Code <SAY-AS interpret-as="characters">X. Y Z</say-as> ok. Next.',  # words after the period, inside
         "Spell <spell>A.B.</spell> now. Next.",
+        "Hi <!-- Note. This is how. Really? --> there. Next.",  # a comment (taken out: cut, each half was refused)
     ],
 )
 def test_a_sentence_is_not_cut_inside_an_element_read_as_a_whole(text, step):

@@ -91,8 +91,18 @@ class DeepgramSession(StreamingSession):
                 raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, "Speak needs a text string")
             self.append_text(DEFAULT_CONTEXT, text)
         elif kind == "Flush":
-            # a Flush that is refused (too_many_utterances) takes no sequence id: the next one gets it
-            await self.flush(DEFAULT_CONTEXT, answer={"type": "Flushed", "sequence_id": self.sequence})
+            answer = {"type": "Flushed", "sequence_id": self.sequence}
+            try:
+                await self.flush(DEFAULT_CONTEXT, answer=answer)
+            except RequestError as e:
+                if e.code == G.TOO_MANY_UTTERANCES:  # its text stays buffered; no sequence id: the next Flush gets it
+                    raise
+                # a sentence refused once whole (a tag split across Speak messages: LiveKit sends a word a message),
+                # dropped: the Warning, then the Flushed after the rest's audio all the same. A client's segment ends
+                # at its Flushed (LiveKit's plugin waits for it, and only logs a Warning): none came
+                await self.error(e.code, str(e))
+                self.end_turn(DEFAULT_CONTEXT)
+                await self.add_mark(DEFAULT_CONTEXT, answer)
             self.sequence += 1
         elif kind == "Clear":
             # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService

@@ -235,8 +235,17 @@ class ElevenLabsSession(StreamingSession):
             return  # {"text": ""}: a keepalive
         self.check_room(ctx)  # (before its dictionaries are read: a refused context costs no reading)
         c = self._open(ctx, data, await self._lexicon(ctx, data))
+        # A refusal (the text's tags, or a flush's sentence holding a tag split across messages) with a close in the
+        # message: the error, then the rest is done, as the client asked (as a close_socket after a refused message
+        # still closes): its context's earlier text flushed, then its isFinal (none came: the client waited for ever)
+        refusal: RequestError | None = None
         if text:
-            self.append_text(ctx, text)
+            try:
+                self.append_text(ctx, text)
+            except RequestError as e:
+                if not close:
+                    raise
+                refusal = e
         # For a close, with auto_mode a flush that carries text is one more text spoken as it comes (LiveKit's
         # plugin flushes every sentence so); a text-less flush, or one with the close, ends the turn's input.
         ends_input = flush and (not self.auto_mode or not text or close)
@@ -244,12 +253,23 @@ class ElevenLabsSession(StreamingSession):
         # with auto_mode, a flush that carries text (LiveKit's every sentence) is one more sentence of the turn,
         # so a LiveKit reply is one voice and one DAC stream, as pipecat's
         if speak:
-            await self.flush(ctx, end_turn=ends_input, as_it_comes=not flush)
-            last = self.last_queued(ctx)
-            if last is not None and ends_input:
-                c.flushed_upto = last
-            elif last is not None:
-                c.auto_upto = last
+            try:
+                await self.flush(ctx, end_turn=ends_input, as_it_comes=not flush)
+            except RequestError as e:
+                if not close:
+                    raise
+                refusal = refusal or e
+            finally:
+                # what it queued, refused or not (the sentences before a refused one are: session.py
+                # `_queue_until_refused`), is what a close still speaks: a refused flush covered nothing, and the
+                # close that followed it dropped the whole turn unspoken
+                last = self.last_queued(ctx)
+                if last is not None and ends_input:
+                    c.flushed_upto = last
+                elif last is not None:
+                    c.auto_upto = last
+        if refusal is not None:
+            await self.error(refusal.code, str(refusal), **self.error_context(data))
         if close:  # text + flush + close_context in one message: spoken, then isFinal
             await self._close_context(ctx)
 
