@@ -1,13 +1,17 @@
 """The docs say what the code does: every flag, route, message, params key and error code they name exists, the
-ones that exist are written down where a user looks, the commands they show name real scripts and flags, and
-their links resolve; every file and symbol the contributing guide names exists. docs/benchmarks.md,
-docs/changelog.md and docs/bench-summaries/ record measurements of past builds and are left out."""
+ones that exist are written down where a user looks (every code our socket's modules raise in docs/protocol.md),
+the params tables' defaults are the options' own, the commands they show name real scripts and flags and the
+README's commands do what it says, and their links resolve; every file and symbol the contributing guide names
+exists, and so does every symbol a user doc pins to a file and every variable or constant a doc names.
+docs/benchmarks.md, docs/changelog.md and docs/bench-summaries/ record measurements of past builds and are left
+out."""
 
 from __future__ import annotations
 
 import argparse
 import ast
 import inspect
+import json
 import os
 import re
 from functools import cache
@@ -16,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from app.__main__ import build_parser
-from app.core.options import PARAM_KEYS
+from app.core.options import LONG_FORM_KEYS, PARAM_KEYS, SynthesisOptions
 from app.doors import ws
 from app.io.errors import GatewayError
 from engine.contract.errors import EngineError
 from engine.contract.flags import add_flags
 from engine.contract.settings import WeightSources
+from engine.frontend.textnorm import SUPPORTED_LANGUAGES
 
 ROOT = Path(__file__).resolve().parents[2]
 USER_DOCS = [
@@ -248,6 +253,31 @@ def test_every_route_a_doc_names_is_served(tmp_path: Path) -> None:
     assert not unknown, f"the docs name routes the gateway does not serve: {unknown}"
 
 
+def test_every_method_a_doc_gives_a_route_is_served(tmp_path: Path) -> None:
+    """ "`GET/PATCH/DELETE /v1/voices/{id}`", "`POST /tts/bytes`": the route takes that method (a 405 otherwise)."""
+    from app.server import create_app
+    from app.settings import GatewaySettings
+
+    served = [
+        (re.compile(re.sub(r"\\\{[^}]*\\\}", "[^/]+", re.escape(r.path)) + "$"), getattr(r, "methods", None) or set())
+        for r in create_app(GatewaySettings(data_dir=tmp_path)).routes
+        if "{path:" not in getattr(r, "path", "{path:")
+    ]
+    said = [
+        (methods.split("/"), re.sub(r"\[/\{id\}\]$", "", path.rstrip(".")), n)
+        for n in CHECKED_DOCS
+        for methods, path in re.findall(
+            r"\b((?:GET|POST|PUT|PATCH|DELETE)(?:/(?:GET|POST|PUT|PATCH|DELETE))*)`? `?(/[\w/{}.-]*)", prose(n)
+        )
+    ]
+    assert len(said) > 30
+    wrong = []
+    for methods, path, n in said:
+        allowed = set().union(*(m for rx, m in served if rx.match(path)))
+        wrong += [f"{n}: {m} {path}" for m in methods if m not in allowed]
+    assert not wrong, f"the docs give routes methods they do not take: {wrong}"
+
+
 def protocol_table(heading: str) -> dict[str, str]:
     """A table of docs/protocol.md under `## heading`: its first column's `name` -> the row."""
     doc = text("docs/protocol.md")
@@ -268,6 +298,21 @@ def test_every_message_type_of_our_socket_is_in_the_protocol_doc_and_no_other() 
     assert {"session.created", "audio.start", "error"} <= sent and {"text", "cancel"} <= taken  # (the patterns hold)
     assert set(protocol_table("Server → client")) == sent
     assert set(protocol_table("Client → server")) == taken
+
+
+@pytest.mark.parametrize("dialect", ["elevenlabs", "cartesia", "deepgram"])
+def test_every_field_the_dialects_write_is_in_their_doc(dialect: str) -> None:
+    """The keys of the dicts a dialect's socket and HTTP routes write (their messages, headers and bodies, and the
+    tables of names they read) are each named in docs/dialects.md: a client reads the shapes there."""
+    doc = text("docs/dialects.md")
+    written = {
+        key
+        for path in (f"app/doors/dialects/{dialect}.py", f"app/doors/dialects/{dialect}_http.py")
+        for key in re.findall(r'"([A-Za-z_]+)": ', text(path))
+    }
+    assert len(written) > 5  # (the pattern finds them)
+    missing = sorted(k for k in written if not re.search(rf"(?<![\w-]){k}", doc))
+    assert not missing, f"docs/dialects.md does not name the {dialect} fields {missing}"
 
 
 def test_every_field_of_our_client_messages_is_in_its_protocol_row() -> None:
@@ -306,6 +351,53 @@ def test_the_params_tables_list_every_params_key_and_no_other() -> None:
     assert keys - {"session.config", "text", "flush", "cancel", "close"} == PARAM_KEYS
 
 
+def option_default(key: str) -> object:
+    """What a params key is when a request leaves it out (SynthesisOptions, the one place every API starts from)."""
+    opts = SynthesisOptions()
+    emotion = {"emotion_enabled": "enabled", "emotion_sliders": "sliders", "emotion_valence": "valence"}
+    emotion |= {"emotion_arousal": "arousal", "emotion_strength": "strength"}
+    for obj, attr in (
+        (opts.sampling, key),
+        (opts.long_form, LONG_FORM_KEYS.get(key, "")),
+        (opts.emotion, emotion.get(key, "")),
+        (opts.cond, key),
+        (opts, key),
+    ):
+        if attr and hasattr(obj, attr):
+            return getattr(obj, attr)
+    raise KeyError(key)
+
+
+def test_the_params_tables_give_each_key_its_default() -> None:
+    """docs/protocol.md's params tables: a default that is a value (`1.15`, `true`, `{}`, `word`, `en_us`), not words
+    ("random", "server limit", "off"), is the key's default."""
+    doc = text("docs/protocol.md").split("## Server → client")[0]
+    checked, wrong = 0, []
+    for line in doc.splitlines():
+        m = re.match(r"\| (`\w+`(?: / `\w+`)*) \| (.*?) \|", line)
+        if not m or m.group(1) in ("`session.config`", "`text`", "`flush`", "`cancel`", "`close`"):
+            continue
+        keys = re.findall(r"`(\w+)`", m.group(1))
+        cells = m.group(2).split(" / ")  # one default for all the row's keys, or one each
+        for key, cell in zip(keys, cells * len(keys) if len(cells) == 1 else cells, strict=True):
+            try:
+                said = json.loads(cell.strip("`"))
+            except ValueError:
+                if not re.fullmatch(r"`\w+`", cell):
+                    continue  # words ("random", "server limit"), not a value
+                said = cell.strip("`")
+            checked += 1
+            if said != option_default(key):
+                wrong.append(f"{key}: {cell} (default {option_default(key)!r})")
+    assert checked >= 25 and not wrong, f"{checked} keys checked; wrong defaults: {wrong}"
+
+
+def test_the_language_row_lists_the_languages_the_normalizer_takes() -> None:
+    row = re.search(r"^\| `language` \|.*\|(.*)\|$", text("docs/protocol.md"), flags=re.M)
+    assert row is not None
+    assert re.findall(r"\b[a-z]{2,3}(?:_[a-z]{2})?\b", row.group(1).split(":", 1)[1]) == list(SUPPORTED_LANGUAGES)
+
+
 CODES = [*GatewayError, *EngineError]
 
 
@@ -315,6 +407,46 @@ def test_every_error_code_is_documented(code: GatewayError | EngineError) -> Non
     API reads (the dialects' own in docs/dialects.md)."""
     where = ["docs/protocol.md"] if isinstance(code, EngineError) else USER_DOCS
     assert any(re.search(rf"`{re.escape(code.value)}`", text(n)) for n in where), f"no doc of {where} names `{code}`"
+
+
+# The modules whose codes a client of our own socket (/v1/tts/ws) can get: its door, the handshake, the session core
+# and the checks it runs. Exempt: the dialects' own (a lane per context) and what is counted but never sent.
+SOCKET_MODULES = [
+    "app/doors/ws.py",
+    "app/doors/handshake.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "app/core").glob("*.py"))),
+    *(f"app/io/{n}.py" for n in ("auth", "checks", "json_input", "query_input")),
+    "app/voices/lexicons.py",
+]
+NOT_ON_OUR_SOCKET = {"too_many_contexts": "the dialects' (docs/dialects.md)", "client_stalled": "counted only"}
+
+
+def test_every_code_our_socket_can_send_is_in_the_protocol_doc() -> None:
+    """A code the socket's modules raise (`G.X`, `E.X`) is one docs/protocol.md names: a client reads its codes
+    there, not in the enum (a new one raised on the socket and written only elsewhere fails here)."""
+    members = {"G": GatewayError, "E": EngineError}
+    raised = {
+        members[e][name].value
+        for path in SOCKET_MODULES
+        for e, name in re.findall(r"\b([GE])\.([A-Z][A-Z_]+)\b", text(path))
+    }
+    assert {"bad_message", "buffer_full", "engine_busy", "upload_too_large"} <= raised  # (the pattern finds them)
+    doc = text("docs/protocol.md")
+    missing = sorted(c for c in raised - set(NOT_ON_OUR_SOCKET) if f"`{c}`" not in doc)
+    assert not missing, f"codes our socket can send that docs/protocol.md does not name: {missing}"
+
+
+def test_the_openai_field_table_is_the_routes_fields() -> None:
+    """docs/clients.md's table of `POST /v1/audio/speech` fields: every OpenAI field the route takes (and `null`),
+    OpenAI's voice names as the route knows them, every response_format it takes with its aliases."""
+    from app.doors.openai_speech import _OPENAI_FIELDS, OPENAI_VOICES
+    from app.io.audio_output import FORMAT_ALIASES, FORMATS
+
+    doc = text("docs/clients.md").split("## OpenAI SDK (Python)", 1)[1].split("\n## ", 1)[0]
+    rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \| (.*) \|$", doc, flags=re.M)}
+    assert set(rows) == _OPENAI_FIELDS | {"null"}
+    assert set(re.findall(r"`(\w+)`", rows["voice"].split("(", 1)[1].split(")", 1)[0])) == OPENAI_VOICES
+    assert set(re.findall(r"`(\w+)`", rows["response_format"])) == set(FORMATS) | set(FORMAT_ALIASES)
 
 
 def metric_names() -> list[str]:
@@ -353,6 +485,26 @@ def test_the_lists_of_error_codes_name_only_codes(name: str, start: str, end: st
     assert not unknown, f"{name} lists codes no API answers with: {unknown}"
 
 
+# A status the code's table does not give, which a doc names with its reason: RequestError's status override
+OTHER_STATUSES = {("voice_store_unavailable", 507)}  # a full disk (app/voices/library.py `_store_error`)
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_a_status_a_doc_gives_a_code_is_its_status(name: str) -> None:
+    """ "413 `upload_too_large`", "`host_not_allowed` (403)": the status app/io/errors.py's `http_status` gives it."""
+    from app.io.errors import http_status
+
+    codes = {c.value for c in CODES}
+    said = [(int(s), c) for s, c in re.findall(r"\b([45]\d\d) `(\w+)`", prose(name))]
+    said += [(int(s), c) for c, s in re.findall(r"`(\w+)` \(([45]\d\d)[),;:]", prose(name))]
+    wrong = sorted(
+        f"{s} {c} (its status: {http_status(c)})"
+        for s, c in said
+        if c in codes and s != http_status(c) and (c, s) not in OTHER_STATUSES
+    )
+    assert not wrong, f"{name} gives codes statuses they do not have: {wrong}"
+
+
 def test_the_protocol_doc_gives_each_engine_code_its_http_status() -> None:
     doc = prose("docs/protocol.md")
     m = re.search(r"400 for (.*?); 503 for (.*?); an unknown engine code is a bug and answers 500 `internal`", doc)
@@ -370,12 +522,65 @@ def test_every_repository_path_a_doc_names_exists(name: str) -> None:
     assert not missing, f"{name} names paths that do not exist: {missing}"
 
 
+OUTSIDE_FILES = {"tts_ui.html"}  # the reference server's web UI (docs/clients.md), not ours
+
+
+@cache
+def repository_file_names() -> frozenset[str]:
+    """The names of the repository's files (hidden folders but .ci, such as the virtualenvs and .git, left out)."""
+    names: set[str] = set()
+    for _, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d == ".ci" or (not d.startswith(".") and d not in ("data", "__pycache__"))]
+        names.update(files)
+    return frozenset(names)
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_every_file_a_doc_names_by_its_name_alone_exists(name: str) -> None:
+    """docs/architecture.md's tree (`admission.py (the rule), profile.py (...)`), "`model.py`, no torchaudio
+    needed": a bare file name is some file of the repository (a path is checked whole above); `*_http.py` is a
+    pattern."""
+    named = set(re.findall(r"(?<![\w/.*-])([A-Za-z_][\w-]*\.(?:py|js|sh|yaml|toml|html|css))\b", text(name)))
+    missing = sorted(named - repository_file_names() - OUTSIDE_FILES)
+    assert not missing, f"{name} names files the repository does not have: {missing}"
+
+
 def test_the_scripts_the_docs_run_are_executable() -> None:
     """`scripts/serve`, `deploy/setup-ray.sh`, `.ci/run`: run as the docs write them, not through bash."""
     script = r"(?<![\w/.-])((?:scripts|\.ci)/[\w-]+|deploy/[\w-]+\.sh)\b"
     named = {p for n in CHECKED_DOCS for p in re.findall(script, text(n))}
     assert {"scripts/serve", "scripts/test", "deploy/setup-ray.sh"} <= named
     assert not [p for p in named if not os.access(ROOT / p, os.X_OK)]
+
+
+def script_lines(path: str) -> list[str]:
+    """A script's commands: its lines without comments."""
+    return [s for line in text(path).splitlines() if (s := line.split(" #", 1)[0].strip()) and not s.startswith("#")]
+
+
+def test_the_readme_commands_do_what_it_says() -> None:
+    """README "Two commands": `scripts/serve` and `scripts/test` both run `scripts/setup` (the test script with the
+    browser), the server gets the serve script's arguments, the tests run in two pytest-xdist workers by file
+    (`-n 2 --dist loadfile`, one process with `TEST_WORKERS=0`), `--fast` runs ruff, mypy, tests/unit and
+    tests/engine without the slow tests, and `.ci/run` runs `.ci/install-check`, then `scripts/test`."""
+    readme = prose("README.md")
+    for said in (
+        "Both run `scripts/setup`",
+        "`.ci/run` checks a plain `pip install .` (`.ci/install-check`), then runs `scripts/test`",
+        "`scripts/test --fast` is the lane to run on every change: ruff, mypy, `tests/unit` and `tests/engine` "
+        "without the slow tests",
+        "`-n 2 --dist loadfile`; `TEST_WORKERS=0 scripts/test` runs one process",
+    ):
+        assert said in readme, f"the README no longer says {said!r}: update this test with it"
+    serve, test, ci = script_lines("scripts/serve"), script_lines("scripts/test"), script_lines(".ci/run")
+    assert "scripts/setup" in serve and 'exec .venv/bin/python -m app "$@"' in serve
+    assert "scripts/setup --browser" in test and "scripts/setup" in test
+    assert {".venv/bin/ruff check .", ".venv/bin/ruff format --check .", ".venv/bin/mypy"} <= set(test)
+    assert 'workers=(-n "${TEST_WORKERS:-2}" --dist loadfile)' in test
+    assert '[ "${TEST_WORKERS:-2}" = 0 ] && workers=()' in test
+    fast = [s for s in test if "tests/unit tests/engine" in s]
+    assert fast and '-m "not slow"' in fast[0]
+    assert ci.index(".ci/install-check") < ci.index("exec scripts/test -q")
 
 
 def anchors(name: str) -> set[str]:
@@ -537,3 +742,101 @@ def test_every_reference_of_the_contributing_guide_exists() -> None:
 )
 def test_a_reference_exists_only_where_its_file_defines_it(span: str, exists: bool) -> None:
     assert reference_exists(span) is exists
+
+
+# ---- names and symbols of the code ------------------------------------------------------------------------------
+CAPS_NAME = re.compile(r"\b[A-Z][A-Z0-9]*_[A-Z0-9_]*[A-Z0-9]\b")  # ZONOS_API_KEYS, HOL_GRACE_S, PARAM_KEYS
+PLACEHOLDERS = {"PREV_CODES", "YOUR_CODE"}  # `--context-codes PREV_CODES.npy`, `RequestError(G.YOUR_CODE, ...)`
+
+
+@cache
+def source_words() -> frozenset[str]:
+    """Every such name the repository's code, scripts and configuration hold (docs aside)."""
+    words: set[str] = set()
+    for folder in ("app", "engine", "bench", "tests", "scripts", "deploy", ".ci"):
+        for p in (ROOT / folder).rglob("*"):
+            if p.is_file() and p.suffix in {"", ".py", ".sh", ".js", ".yaml", ".toml", ".json"}:
+                words |= set(CAPS_NAME.findall(p.read_text(encoding="utf-8", errors="replace")))
+    return frozenset(words | set(CAPS_NAME.findall(text("pyproject.toml"))))
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_every_variable_and_constant_a_doc_names_exists(name: str) -> None:
+    """`ZONOS_API_KEYS`, `TEST_WORKERS`, `HOLD_PER_AUDIO_S`, `UNSUPPORTED_TAGS`: an environment variable, constant
+    or code a doc names is read or defined somewhere in the code (one renamed there is a lie here)."""
+    unknown = sorted(set(CAPS_NAME.findall(text(name))) - source_words() - PLACEHOLDERS)
+    assert not unknown, f"{name} names variables or constants no code has: {unknown}"
+
+
+# A user doc pins a symbol to its file: "app/core/tag_vocabulary.py `attributes`", "(`codec_delay`,
+# app/io/audio_output.py)", "`parse_options` in app/core/options.py".
+CODE_FILE = r"((?:app|engine|bench|tests|scripts|deploy)/[\w./-]*\.(?:py|js|sh))"
+PINNED = [
+    re.compile(CODE_FILE + r",? `([A-Za-z_][\w.]*)`"),
+    re.compile(r"`([A-Za-z_][\w.]*)`,? (?:in |\()?" + CODE_FILE),
+]
+
+
+def pinned_symbols(name: str) -> list[tuple[str, str]]:
+    t = prose(name)
+    return [(m[1], m[2]) for m in PINNED[0].finditer(t)] + [(m[2], m[1]) for m in PINNED[1].finditer(t)]
+
+
+def pinned_symbol_exists(path: str, symbol: str) -> bool:
+    """The file defines it (a module's or class's name), or a class of the file has it (`_step` beside
+    `Scheduler.iterate`), or a class of the code does (`EngineSettings.cpus`, engine/contract/cpus.py: two
+    references side by side), or the file assigns, defines or quotes it (a local list, an env variable, a report
+    key)."""
+    if not (ROOT / path).is_file():
+        return False
+    if reference_exists(f"{path}:{symbol}") or (CLASS_SPAN.fullmatch(symbol) and reference_exists(symbol)):
+        return True
+    if path.endswith(".py"):
+        classes = [n for n in ast.walk(module(path)) if isinstance(n, ast.ClassDef)]
+        if any(symbol in members(c) for c in classes):
+            return True
+    word = re.escape(symbol.rsplit(".", 1)[-1])
+    defined = rf"\b(?:def|class|function|const|let|var)\s+{word}\b|\b{word}\s*(?::|=(?!=))|[\"']{word}[\"']"
+    return re.search(defined, text(path)) is not None
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_symbol_a_user_doc_pins_to_a_file_is_there(name: str) -> None:
+    pins = pinned_symbols(name)
+    missing = sorted({f"{p} `{s}`" for p, s in pins if not pinned_symbol_exists(p, s)})
+    assert not missing, f"{name} names symbols their files do not have: {missing}"
+
+
+def test_the_pinned_symbols_are_found() -> None:
+    pins = [pin for n in USER_DOCS for pin in pinned_symbols(n)]
+    assert len(pins) > 30 and ("app/core/options.py", "parse_options") in pins, len(pins)
+    assert not pinned_symbol_exists("app/core/options.py", "no_such_function")
+    assert not pinned_symbol_exists("app/static/session.js", "no_such_function")
+    assert pinned_symbol_exists("app/static/session.js", "stall")
+
+
+@cache
+def known_tests() -> frozenset[str]:
+    """Every test function and test file (its name without .py) of tests/."""
+    names = set()
+    for p in (ROOT / "tests").rglob("test_*.py"):
+        names |= {p.stem, *re.findall(r"^\s*(?:async )?def (test_\w+)", text(str(p.relative_to(ROOT))), flags=re.M)}
+    return frozenset(names)
+
+
+@pytest.mark.parametrize("name", CHECKED_DOCS)
+def test_every_test_a_doc_names_exists(name: str) -> None:
+    """reliability.md's tables of tests, "`test_idle_session_is_closed`": a test renamed or removed is a reference
+    that leads nowhere. A name may be a test's prefix (a parametrized family: `test_clip_limits[...]`)."""
+    named = set(re.findall(r"(?<![\w/.:-])(test_\w+)(?![\w/])", text(name)))
+    missing = sorted(n for n in named if n not in known_tests() and not any(t.startswith(n) for t in known_tests()))
+    assert not missing, f"{name} names tests that do not exist: {missing}"
+
+
+@pytest.mark.parametrize("name", USER_DOCS)
+def test_every_class_member_a_user_doc_names_exists(name: str) -> None:
+    """`Gateway.embed_clip`, `RealtimeAdmission.first_audio_wait`, `EngineSettings.cpus`: a class of app/ or engine/
+    has that member (a bare class name may be another project's, `TimedString`; a dotted one is ours)."""
+    members_named = {s for s in references(name) if "." in s and CLASS_SPAN.fullmatch(s) and not FILE_SPAN.fullmatch(s)}
+    missing = sorted(s for s in members_named if not reference_exists(s))
+    assert not missing, f"{name} names class members the code does not have: {missing}"
