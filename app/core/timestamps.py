@@ -229,9 +229,16 @@ class AudioTimeline:
             self._moved(self._clock.finish())
             self._clock = None
 
-    def take(self) -> Chunk:
-        """What the next message covers: the audio sent since the last one, the words completed since."""
-        chunk = Chunk(self._taken_s, max(self._taken_s, self.end_s), self._pending)
+    def take(self, final: bool = False) -> Chunk:
+        """What the next message covers: the audio sent since the last one, the words completed since. `final`: the
+        stream's last message, its encoder closed: no word lies past the stream's end (one that decodes to less than
+        its codec's delay, an utterance that put no audio out, has its words, moved by the delay, past its end: they
+        end with it, as on the samples)."""
+        end_s = max(self._taken_s, self.end_s)
+        words = self._pending
+        if final and words and words[-1].end_s > end_s:
+            words = [dataclasses.replace(w, start_s=min(w.start_s, end_s), end_s=min(w.end_s, end_s)) for w in words]
+        chunk = Chunk(self._taken_s, end_s, words)
         self._taken_s, self._pending = chunk.end_s, []
         return chunk
 

@@ -334,3 +334,49 @@ def test_the_codec_delay_is_the_same_at_every_bit_rate(encoding, rate, bit_rate)
     ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
     assert _lag(heard, ref) * rate / heard_rate == codec_delay(encoding, rate)
     assert enc.heard_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)
+
+
+@pytest.mark.parametrize(("encoding", "rate"), [("mp3", 8000), ("mp3", 22050), ("mp3", 44100), ("aac", 16000)])
+@pytest.mark.parametrize("samples", [0, 1])
+def test_an_utterance_with_no_audio_out_has_no_word_past_its_end(encoding, rate, samples):
+    """An utterance whose audio is empty, or too short for its encoder to put any frame out (one sample at
+    mp3_8000 or aac_16000: the resampler makes none of it): its stream decodes to nothing, so its words,
+    which share no audio, are at its end (0), as on a sample encoding. (They were at the codec's delay, 138 ms at
+    mp3_8000, past the end of an empty stream: a client that adds up the messages' alignments ran ahead.)"""
+    from app.io.audio_output import Encoder, decode_output
+
+    enc = Encoder(encoding, rate)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hello there.")
+    pcm = speech(samples / SAMPLE_RATE)
+    data = enc.encode(pcm)
+    timeline.feed(pcm, enc.native_heard)
+    data += enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunk = timeline.take(final=True)  # (as app/core/playback.py takes an utterance's last message)
+    heard = len(decode_output(data, encoding, rate)[0]) if data else 0
+    assert chunk.end_s == enc.heard_s == heard / rate
+    assert [w.word for w in chunk.words] == ["Hello", "there."]
+    assert all(0 <= w.start_s <= w.end_s <= chunk.end_s for w in chunk.words), (chunk, heard)
+
+
+def test_an_utterance_shorter_than_a_frame_ends_on_its_padded_frames():
+    """A hundred samples (2 ms) at mp3_8000: its stream is whole frames (576 samples each, MPEG-2.5), the delay
+    (1,105 samples) and the padding included; its words lie in it, the delay later."""
+    from app.io.audio_output import Encoder, codec_delay, decode_output, frame_samples
+
+    assert [frame_samples("mp3", r) for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)] == [576] * 4 + [1152] * 3
+    enc = Encoder("mp3", 8000)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hi.")
+    pcm = speech(100 / SAMPLE_RATE)
+    data = enc.encode(pcm)
+    timeline.feed(pcm, enc.native_heard)
+    data += enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunk = timeline.take(final=True)
+    decoded, rate = decode_output(data, "mp3", 8000)
+    assert len(decoded) % 576 == 0 and len(decoded) >= codec_delay("mp3", 8000) + 18
+    assert chunk.end_s == pytest.approx(len(decoded) / rate, abs=1e-9)
+    (word,) = chunk.words
+    assert codec_delay("mp3", 8000) / 8000 <= word.start_s <= word.end_s <= chunk.end_s
