@@ -330,6 +330,7 @@ def test_the_codec_delay_is_the_same_at_every_bit_rate(encoding, rate, bit_rate)
 
     audio = speech(0.3, lead_s=0.05, seed=4)
     enc = Encoder(encoding, rate, bit_rate=bit_rate)
+    enc.follow()  # (its frames counted: heard_s)
     heard, heard_rate = decode_output(enc.encode(audio, last=True), encoding, rate)
     ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
     assert _lag(heard, ref) * rate / heard_rate == codec_delay(encoding, rate)
@@ -380,3 +381,36 @@ def test_an_utterance_shorter_than_a_frame_ends_on_its_padded_frames():
     assert chunk.end_s == pytest.approx(len(decoded) / rate, abs=1e-9)
     (word,) = chunk.words
     assert codec_delay("mp3", 8000) / 8000 <= word.start_s <= word.end_s <= chunk.end_s
+
+
+def test_only_an_encoder_whose_decoded_audio_is_followed_counts_its_frames(monkeypatch):
+    """FFmpeg's frame parser costs 4-9 % of an MP3 chunk's encoding (10 frames, 5,120 samples): only an encoder a
+    timeline follows (AudioTimeline's `heard`: a socket's utterance, an HTTP answer with word times) runs it; a plain
+    MP3 or AAC answer (most of them) does not. A followed one counts from its first frame: `heard_s` is its decoded
+    length."""
+    import app.io.audio_output as audio_output
+    from app.io.audio_output import Encoder, decode_output
+
+    made: list[str] = []
+    real = audio_output._frame_parser
+
+    def counting(encoding: str):  # (-> av.CodecContext)
+        made.append(encoding)
+        return real(encoding)
+
+    monkeypatch.setattr(audio_output, "_frame_parser", counting)
+    audio = speech(0.3, seed=5)
+    for encoding in ("mp3", "aac"):
+        Encoder(encoding, 24000).encode(audio, last=True)
+    assert made == []
+    enc = Encoder("mp3", 24000)
+    AudioTimeline(heard=enc)
+    data = enc.encode(audio[:5120]) + enc.encode(audio[5120:], last=True)
+    assert made == ["mp3"]
+    assert enc.heard_s == len(decode_output(data, "mp3", 24000)[0]) / 24000
+    late = Encoder("mp3", 24000)
+    late.encode(audio[:5120])
+    with pytest.raises(RuntimeError):  # its frames are counted from its first, or not at all
+        AudioTimeline(heard=late)
+    with pytest.raises(RuntimeError):
+        late.heard_s  # noqa: B018
