@@ -461,9 +461,10 @@ class Encoder:
 
     def follow(self) -> None:
         """Count the frames put out, for `heard_s`: asked (before the first `encode`) by a timeline whose word times
-        follow this encoder's decoded audio (app/core/timestamps.py AudioTimeline's `heard`). Only then: FFmpeg's
-        frame parser costs 4-9 % of an MP3 chunk's encoding (10 frames, 5,120 samples), which an answer without word
-        times (most of them) has no use for."""
+        follow this encoder's decoded audio (app/core/timestamps.py AudioTimeline's `heard`); its MP3 or AAC then
+        comes out in whole frames, each as soon as it is complete. Only then: FFmpeg's frame parser costs 4-9 % of an
+        MP3 chunk's encoding (10 frames, 5,120 samples), which an answer without word times (most of them) has no
+        use for."""
         if self.encoding not in FRAME_SAMPLES or self._parser is not None:
             return
         if self._in:
@@ -509,8 +510,15 @@ class Encoder:
             data = self._file.write(x)
             if last:
                 data += self._file.close()
-            if self._parser is not None and data:
-                self._frames += len(self._parser.parse(data))
+            if self._parser is not None and (data or last):
+                # whole frames only (LAME hands out a frame's first bytes long before the rest): what is sent is
+                # what a decoder plays, and a stream cut off (a barge-in) ends on a frame, not with a piece of one
+                # that a decoder fed the next stream too reads with that stream's first frame
+                frames = self._parser.parse(data) if data else []
+                if last:
+                    frames += self._parser.parse(None)  # (the parser's buffer: nothing, the last frame is whole)
+                self._frames += len(frames)
+                data = b"".join(bytes(f) for f in frames)
             return head + data
         return head + sample_bytes(x, self.encoding)
 

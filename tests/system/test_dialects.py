@@ -411,6 +411,66 @@ def test_elevenlabs_mp3_word_times_are_on_the_decoded_audio(srv):
     assert abs(clock / 1e3 - len(whole) / rate) < 0.002, (clock, len(whole) / rate)
 
 
+def _mp3_frames_heard(data: bytes, rate: int) -> float:
+    """Seconds a streaming decoder plays of `data`, which must be whole MP3 frames (576 samples below 32 kHz)."""
+    import av
+
+    frames = av.CodecContext.create("mp3", "r").parse(data)
+    assert sum(f.size for f in frames) == len(data), "a frame cut off"
+    return len(frames) * (576 if rate < 32000 else 1152) / rate
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["pipecat", "livekit"])
+def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
+    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format): a close_context once words have come.
+    No word time any message gave lies past the decoded audio the client got (its whole frames, the codec's delay
+    included); on the message clock (pipecat) the alignments add up to just that audio, on the context's clock
+    (LiveKit) they are monotonic; isFinal ends it and nothing of the context follows. Every message's audio is
+    whole frames: the context's audio ends on one, where the barge-in cut it (LAME hands out a frame's first bytes
+    long before the rest: every message ended with 20-360 bytes of the next frame, which a decoder fed the socket's
+    audio as one stream read with the next context's first frame, a corrupt frame and a lost one)."""
+
+    async def go() -> list[dict[str, Any]]:
+        url = el_url(srv, fmt="mp3_22050_32", p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
+        ws = await el_connect(url)
+        await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
+        for t in ("One two three four five six seven eight nine ten. ", "Eleven twelve thirteen. "):
+            await ws.send(json.dumps({"text": t, "context_id": "reply"}))
+        log: list[dict[str, Any]] = []
+        words = 0
+        while words < 3:  # some words have come with the audio
+            m = await recv_json(ws)
+            assert "error" not in m, m
+            log.append(m)
+            a = m.get("alignment")
+            words += sum(1 for ch in (a or {}).get("chars", []) if ch == " ") if m.get("audio") is not None else 0
+        await ws.send(json.dumps({"context_id": "reply", "close_context": True}))
+        await el_until_final(ws, "reply", log)
+        with contextlib.suppress(TimeoutError):  # nothing of it after its isFinal
+            log.append(await asyncio.wait_for(recv_json(ws), 0.5))
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert log[-1] == {"isFinal": True, "contextId": "reply"}
+    for m in log:
+        if m.get("audio"):
+            _mp3_frames_heard(base64.b64decode(m["audio"]), 22050)
+    heard_ms = _mp3_frames_heard(el_audio(log, "reply"), 22050) * 1e3
+    aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
+    assert aligned
+    if sync:
+        starts = [t for a in aligned for t in a["charStartTimesMs"]]
+        ends = [t + d for a in aligned for t, d in zip(a["charStartTimesMs"], a["charDurationsMs"], strict=True)]
+        assert starts == sorted(starts) and max(ends) <= heard_ms + 0.1, (max(ends), heard_ms)
+    else:
+        clock = 0.0
+        for a in aligned:
+            assert a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] >= 0
+            clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
+        assert abs(clock - heard_ms) < 0.5 * len(aligned), (clock, heard_ms)
+
+
 def test_elevenlabs_single_context_stream_input(srv):
     """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes. The end
     sent again while the rest still plays changes nothing: one isFinal."""

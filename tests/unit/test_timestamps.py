@@ -414,3 +414,33 @@ def test_only_an_encoder_whose_decoded_audio_is_followed_counts_its_frames(monke
         AudioTimeline(heard=late)
     with pytest.raises(RuntimeError):
         late.heard_s  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate", "bit_rate"),
+    [("mp3", r, None) for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)]
+    + [("mp3", 22050, 32000), ("mp3", 44100, 128000), ("aac", 24000, None)],
+)
+def test_a_followed_encoder_puts_out_whole_frames(encoding, rate, bit_rate):
+    """An encoder a timeline follows (a socket's utterance, an HTTP answer with word times) puts out whole frames
+    only, each as soon as it is complete: every piece a message carries is what a decoder plays of it (`heard_s`
+    grows by it), and the stream is the bytes a plain encoder makes. (LAME hands out a frame's first bytes long
+    before the rest: every 5,120-sample piece ended with 20-360 bytes of a frame, which a barge-in left a decoder.)"""
+    import av
+
+    from app.io.audio_output import Encoder, frame_samples
+
+    audio = speech(1.2, seed=6)
+    plain, enc = Encoder(encoding, rate, bit_rate=bit_rate), Encoder(encoding, rate, bit_rate=bit_rate)
+    enc.follow()
+    ours, theirs = b"", b""
+    pieces = [*np.array_split(audio, 10), np.zeros(0, np.int16)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        before = enc.heard_s
+        data = enc.encode(piece, last=last)
+        frames = av.CodecContext.create(encoding, "r").parse(data)
+        assert sum(f.size for f in frames) == len(data), i
+        assert enc.heard_s - before == pytest.approx(len(frames) * frame_samples(encoding, rate) / rate, abs=1e-9)
+        ours, theirs = ours + data, theirs + plain.encode(piece, last=last)
+    assert ours == theirs
