@@ -444,3 +444,21 @@ def test_a_followed_encoder_puts_out_whole_frames(encoding, rate, bit_rate):
         assert enc.heard_s - before == pytest.approx(len(frames) * frame_samples(encoding, rate) / rate, abs=1e-9)
         ours, theirs = ours + data, theirs + plain.encode(piece, last=last)
     assert ours == theirs
+
+
+def test_a_stream_cut_off_then_the_next_one_decode_as_one():
+    """A barge-in at mp3_22050_32: the utterance's stream stops where its last message did (no last call), and the
+    next context's stream follows on the socket. A decoder fed both as one plays each whole (the cut one's frames,
+    then the next one's): the cut one ended on a frame. (It ended with a piece of a frame, which FFmpeg's decoder
+    read with the next stream's first bytes and refused: "Invalid data found".)"""
+    from app.io.audio_output import Encoder, decode_output
+
+    audio = speech(0.7, seed=7)
+    cut = Encoder("mp3", 22050, bit_rate=32000)
+    AudioTimeline(heard=cut)  # (a socket's utterance: followed)
+    first = b"".join(cut.encode(piece) for piece in np.array_split(audio, 6))
+    nxt = Encoder("mp3", 22050, bit_rate=32000)
+    AudioTimeline(heard=nxt)
+    second = nxt.encode(audio, last=True)
+    both, rate = decode_output(first + second, "mp3", 22050)
+    assert len(both) / rate == pytest.approx(cut.heard_s + nxt.heard_s, abs=1e-9)
