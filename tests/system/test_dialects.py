@@ -14,6 +14,7 @@ import base64
 import contextlib
 import functools
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -409,6 +410,47 @@ def test_elevenlabs_mp3_word_times_are_on_the_decoded_audio(srv):
         clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
     whole, _ = decode_output(el_audio(mp3_messages, "c1"), "mp3", 22050)
     assert abs(clock / 1e3 - len(whole) / rate) < 0.002, (clock, len(whole) / rate)
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [("mp3_22050_32", 22050), ("mp3_44100_128", 44100), ("opus_48000_64", 48000)])
+def test_elevenlabs_word_times_of_many_utterances_on_one_context_clock(srv, fmt, rate):
+    """Four sentences on one context (sync_alignment: one clock): each utterance is a stream of its own, so on the
+    decoded audio the k-th starts after the k streams before it, each its codec's delay and its last frame's
+    padding longer than its samples (MP3), or just as long (Opus: 0 delay, its end trimmed). Each word's time is
+    its time on the same seeded audio as samples (pcm at the rate) moved by where its utterance lies in the decoded
+    audio (cross-correlation): the clock adds every utterance's padding, and never goes back."""
+    from app.io.audio_output import decode_output
+
+    p = {**FAST, "long_form": False}
+    text = "Hello there. How are you today? Fine, thanks. See you soon. "
+
+    async def go(f: str) -> list[dict[str, Any]]:
+        ws = await el_connect(el_url(srv, fmt=f, p=p) + "&sync_alignment=true")
+        await ws.send(json.dumps({"text": text, "context_id": "c1", "flush": True}))
+        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c1", log)
+        await ws.close()
+        return log
+
+    pcm_log, log = run(go(f"pcm_{rate}")), run(go(fmt))
+    pcm = np.frombuffer(el_audio(pcm_log, "c1"), "<i2").astype(np.float32) / 32768
+    n1 = resampled(SAMPLES, rate)
+    assert len(pcm) == 4 * n1
+    heard, heard_rate = decode_output(el_audio(log, "c1"), fmt.split("_")[0], rate)
+    assert heard_rate == rate
+    lags = [_lag(heard, pcm[k * n1 : (k + 1) * n1]) - k * n1 for k in range(4)]
+    if fmt.startswith("opus"):
+        assert lags == [0, 0, 0, 0]
+    else:  # the delay, then the delay and the padding of every utterance before
+        assert lags[0] == 1105 and all(b - a > 1105 for a, b in itertools.pairwise(lags)), lags
+    plain, timed = _el_word_starts(pcm_log), _el_word_starts(log)
+    assert [w for w, _ in timed] == [w for w, _ in plain] == text.split()
+    sentence = [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3]  # each word's utterance
+    for i, ((_, t_pcm), (_, t)) in enumerate(zip(plain, timed, strict=True)):
+        assert abs(t - t_pcm - lags[sentence[i]] / rate * 1e3) < 0.2, (i, t_pcm, t, lags)
+    starts = [t for m in log if "audio" in m and m["alignment"] for t in m["alignment"]["charStartTimesMs"]]
+    assert starts == sorted(starts)
 
 
 def _mp3_frames_heard(data: bytes, rate: int) -> float:
