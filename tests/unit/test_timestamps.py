@@ -384,7 +384,7 @@ def test_an_utterance_shorter_than_a_frame_ends_on_its_padded_frames():
 
 
 def test_only_an_encoder_whose_decoded_audio_is_followed_counts_its_frames(monkeypatch):
-    """FFmpeg's frame parser costs 4-9 % of an MP3 chunk's encoding (10 frames, 5,120 samples): only an encoder a
+    """FFmpeg's frame parser costs 1-3 % of an MP3 chunk's encoding (5,120 samples): only an encoder a
     timeline follows (AudioTimeline's `heard`: a socket's utterance, an HTTP answer with word times) runs it; a plain
     MP3 or AAC answer (most of them) does not. A followed one counts from its first frame: `heard_s` is its decoded
     length."""
