@@ -168,7 +168,7 @@ class Playback:
                 await stage.on_utterance_start(u)
             tail = await encode(u.encoder, np.zeros(0, np.int16), last=True)
             timeline.end()
-            chunk = timeline.take()
+            chunk = timeline.take(final=True)
             if tail:
                 await stage.on_audio(u, tail, chunk)
             elif chunk.words or chunk.end_s > chunk.start_s:

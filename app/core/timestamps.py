@@ -164,6 +164,10 @@ class Heard(Protocol):
         """The seconds it has made of the bytes out so far, the lead included."""
         ...
 
+    def follow(self) -> None:
+        """Keep count of what it makes (`heard_s`) from the stream's first byte on."""
+        ...
+
 
 class AudioTimeline:
     """The audio of utterances played one after another on one stream (an utterance of a socket, the whole text of
@@ -178,7 +182,9 @@ class AudioTimeline:
 
     def __init__(self, words: bool = True, heard: Heard | None = None) -> None:
         self.words = words
-        self.heard = heard  # (set by an HTTP answer once its encoder is made)
+        self.heard: Heard | None = None
+        if heard is not None:
+            self.follow(heard)
         self.samples = 0  # handed to the encoder
         # of those, out of the encoder (a resampler holds back its last block until more comes): a word is reported,
         # and a message's span ends, only where the audio sent reaches (`feed`'s `sent`; without it, all of it)
@@ -187,6 +193,12 @@ class AudioTimeline:
         self._offset = 0.0  # where the utterance playing began on the timeline (of the samples handed in)
         self._taken_s = 0.0  # where the messages taken end (the timeline's clock)
         self._pending: list[WordTime] = []
+
+    def follow(self, heard: Heard) -> None:
+        """The timeline's clock is `heard`'s decoded audio (an HTTP answer's, once its encoder is made), before the
+        stream's first byte."""
+        heard.follow()
+        self.heard = heard
 
     @property
     def sent_s(self) -> float:
@@ -229,9 +241,16 @@ class AudioTimeline:
             self._moved(self._clock.finish())
             self._clock = None
 
-    def take(self) -> Chunk:
-        """What the next message covers: the audio sent since the last one, the words completed since."""
-        chunk = Chunk(self._taken_s, max(self._taken_s, self.end_s), self._pending)
+    def take(self, final: bool = False) -> Chunk:
+        """What the next message covers: the audio sent since the last one, the words completed since. `final`: the
+        stream's last message, its encoder closed: no word lies past the stream's end (one that decodes to less than
+        its codec's delay, an utterance that put no audio out, has its words, moved by the delay, past its end: they
+        end with it, as on the samples)."""
+        end_s = max(self._taken_s, self.end_s)
+        words = self._pending
+        if final and words and words[-1].end_s > end_s:
+            words = [dataclasses.replace(w, start_s=min(w.start_s, end_s), end_s=min(w.end_s, end_s)) for w in words]
+        chunk = Chunk(self._taken_s, end_s, words)
         self._taken_s, self._pending = chunk.end_s, []
         return chunk
 

@@ -253,7 +253,7 @@ async def speech_response(
     framing = framing or Framing()
     enc = fmt.encoder(whole=whole)
     if framing.timeline is not None:  # its times on the audio the listener's decoder plays (the codec's delay first)
-        framing.timeline.heard = enc
+        framing.timeline.follow(enc)
     hold = AnswerHold(gw.answers) if whole else None  # refused here, before any engine work, when the bound is full
     speech = speak(gw, api, text, replace(opts, first_samples=enc.first_samples), voice, None, framing.timeline, stitch)
     chunks = await first_chunk(speech, request, hold)

@@ -704,6 +704,28 @@ def check_alignment(a: dict, audio_s: float | None) -> list[str]:
     return "".join(chars).split()
 
 
+@pytest.mark.parametrize("fmt", ["mp3_22050_32", "mp3_44100_32", "mp3_44100_192", "opus_48000_64"])
+def test_elevenlabs_http_with_timestamps_at_every_compressed_format(dsrv, fmt):
+    """Both with-timestamps forms at ElevenLabs' MP3 formats (MPEG-2 at 22.05 kHz: 576-sample frames; MPEG-1 at
+    44.1 kHz) and Opus: one stream per answer, its codec's delay once at its start; the alignment's last end is the
+    decoded audio's end (the last frame's padding included), every word in order, and the lines' alignments are
+    monotonic across lines, none past the answer's decoded audio."""
+    from app.io.audio_output import codec_delay, decode_output
+
+    kind, rate, _ = fmt.split("_")
+    encoding, rate_hz = {"mp3": "mp3", "opus": "opus"}[kind], int(rate)
+    doc = el(dsrv, "/with-timestamps", query=f"output_format={fmt}").json()
+    heard, heard_rate = decode_output(base64.b64decode(doc["audio_base64"]), encoding, rate_hz)
+    assert check_alignment(doc["alignment"], len(heard) / heard_rate) == TWO.split()
+    assert doc["alignment"]["character_start_times_seconds"][0] >= codec_delay(encoding, rate_hz) / rate_hz - 1e-4
+    lines = [json.loads(x) for x in el(dsrv, "/stream/with-timestamps", query=f"output_format={fmt}").text.splitlines()]
+    audio = b"".join(base64.b64decode(x["audio_base64"]) for x in lines)
+    heard, heard_rate = decode_output(audio, encoding, rate_hz)
+    aligned = [x["alignment"] for x in lines if x["alignment"] is not None]
+    merged = {k: [v for a in aligned for v in a[k]] for k in aligned[0]}
+    assert check_alignment(merged, len(heard) / heard_rate) == TWO.split()
+
+
 def test_elevenlabs_http_routes_stream_the_same_speech(dsrv):
     """convert, stream, and both with-timestamps forms: one pipeline, the same seeded audio. The with-timestamps
     forms carry the estimated alignment of every word (normalized_alignment the same): the document's covers the

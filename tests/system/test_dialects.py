@@ -14,6 +14,7 @@ import base64
 import contextlib
 import functools
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -409,6 +410,107 @@ def test_elevenlabs_mp3_word_times_are_on_the_decoded_audio(srv):
         clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
     whole, _ = decode_output(el_audio(mp3_messages, "c1"), "mp3", 22050)
     assert abs(clock / 1e3 - len(whole) / rate) < 0.002, (clock, len(whole) / rate)
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [("mp3_22050_32", 22050), ("mp3_44100_128", 44100), ("opus_48000_64", 48000)])
+def test_elevenlabs_word_times_of_many_utterances_on_one_context_clock(srv, fmt, rate):
+    """Four sentences on one context (sync_alignment: one clock): each utterance is a stream of its own, so on the
+    decoded audio the k-th starts after the k streams before it, each its codec's delay and its last frame's
+    padding longer than its samples (MP3), or just as long (Opus: 0 delay, its end trimmed). Each word's time is
+    its time on the same seeded audio as samples (pcm at the rate) moved by where its utterance lies in the decoded
+    audio (cross-correlation): the clock adds every utterance's padding, and never goes back."""
+    from app.io.audio_output import decode_output
+
+    p = {**FAST, "long_form": False}
+    text = "Hello there. How are you today? Fine, thanks. See you soon. "
+
+    async def go(f: str) -> list[dict[str, Any]]:
+        ws = await el_connect(el_url(srv, fmt=f, p=p) + "&sync_alignment=true")
+        await ws.send(json.dumps({"text": text, "context_id": "c1", "flush": True}))
+        await ws.send(json.dumps({"context_id": "c1", "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "c1", log)
+        await ws.close()
+        return log
+
+    pcm_log, log = run(go(f"pcm_{rate}")), run(go(fmt))
+    pcm = np.frombuffer(el_audio(pcm_log, "c1"), "<i2").astype(np.float32) / 32768
+    n1 = resampled(SAMPLES, rate)
+    assert len(pcm) == 4 * n1
+    heard, heard_rate = decode_output(el_audio(log, "c1"), fmt.split("_")[0], rate)
+    assert heard_rate == rate
+    lags = [_lag(heard, pcm[k * n1 : (k + 1) * n1]) - k * n1 for k in range(4)]
+    if fmt.startswith("opus"):
+        assert lags == [0, 0, 0, 0]
+    else:  # the delay, then the delay and the padding of every utterance before
+        assert lags[0] == 1105 and all(b - a > 1105 for a, b in itertools.pairwise(lags)), lags
+    plain, timed = _el_word_starts(pcm_log), _el_word_starts(log)
+    assert [w for w, _ in timed] == [w for w, _ in plain] == text.split()
+    sentence = [0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3]  # each word's utterance
+    for i, ((_, t_pcm), (_, t)) in enumerate(zip(plain, timed, strict=True)):
+        assert abs(t - t_pcm - lags[sentence[i]] / rate * 1e3) < 0.2, (i, t_pcm, t, lags)
+    starts = [t for m in log if "audio" in m and m["alignment"] for t in m["alignment"]["charStartTimesMs"]]
+    assert starts == sorted(starts)
+
+
+def _mp3_frames_heard(data: bytes, rate: int) -> float:
+    """Seconds a streaming decoder plays of `data`, which must be whole MP3 frames (576 samples below 32 kHz)."""
+    import av
+
+    frames = av.CodecContext.create("mp3", "r").parse(data)
+    assert sum(f.size for f in frames) == len(data), "a frame cut off"
+    return len(frames) * (576 if rate < 32000 else 1152) / rate
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["pipecat", "livekit"])
+def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
+    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format): a close_context once words have come.
+    No word time any message gave lies past the decoded audio the client got (its whole frames, the codec's delay
+    included); on the message clock (pipecat) the alignments add up to just that audio, on the context's clock
+    (LiveKit) they are monotonic; isFinal ends it and nothing of the context follows. Every message's audio is
+    whole frames: the context's audio ends on one, where the barge-in cut it (LAME hands out a frame's first bytes
+    long before the rest: every message ended with 20-360 bytes of the next frame, which a decoder fed the socket's
+    audio as one stream read with the next context's first frame, a corrupt frame and a lost one)."""
+
+    async def go() -> list[dict[str, Any]]:
+        url = el_url(srv, fmt="mp3_22050_32", p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
+        ws = await el_connect(url)
+        await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
+        for t in ("One two three four five six seven eight nine ten. ", "Eleven twelve thirteen. "):
+            await ws.send(json.dumps({"text": t, "context_id": "reply"}))
+        log: list[dict[str, Any]] = []
+        words = 0
+        while words < 3:  # some words have come with the audio
+            m = await recv_json(ws)
+            assert "error" not in m, m
+            log.append(m)
+            a = m.get("alignment")
+            words += sum(1 for ch in (a or {}).get("chars", []) if ch == " ") if m.get("audio") is not None else 0
+        await ws.send(json.dumps({"context_id": "reply", "close_context": True}))
+        await el_until_final(ws, "reply", log)
+        with contextlib.suppress(TimeoutError):  # nothing of it after its isFinal
+            log.append(await asyncio.wait_for(recv_json(ws), 0.5))
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert log[-1] == {"isFinal": True, "contextId": "reply"}
+    for m in log:
+        if m.get("audio"):
+            _mp3_frames_heard(base64.b64decode(m["audio"]), 22050)
+    heard_ms = _mp3_frames_heard(el_audio(log, "reply"), 22050) * 1e3
+    aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
+    assert aligned
+    if sync:
+        starts = [t for a in aligned for t in a["charStartTimesMs"]]
+        ends = [t + d for a in aligned for t, d in zip(a["charStartTimesMs"], a["charDurationsMs"], strict=True)]
+        assert starts == sorted(starts) and max(ends) <= heard_ms + 0.1, (max(ends), heard_ms)
+    else:
+        clock = 0.0
+        for a in aligned:
+            assert a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] >= 0
+            clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
+        assert abs(clock - heard_ms) < 0.5 * len(aligned), (clock, heard_ms)
 
 
 def test_elevenlabs_single_context_stream_input(srv):

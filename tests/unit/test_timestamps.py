@@ -330,7 +330,135 @@ def test_the_codec_delay_is_the_same_at_every_bit_rate(encoding, rate, bit_rate)
 
     audio = speech(0.3, lead_s=0.05, seed=4)
     enc = Encoder(encoding, rate, bit_rate=bit_rate)
+    enc.follow()  # (its frames counted: heard_s)
     heard, heard_rate = decode_output(enc.encode(audio, last=True), encoding, rate)
     ref = soxr.resample(audio.astype(np.float32) / 32768, SAMPLE_RATE, heard_rate, "VHQ")
     assert _lag(heard, ref) * rate / heard_rate == codec_delay(encoding, rate)
     assert enc.heard_s == pytest.approx(len(heard) / heard_rate, abs=1e-9)
+
+
+@pytest.mark.parametrize(("encoding", "rate"), [("mp3", 8000), ("mp3", 22050), ("mp3", 44100), ("aac", 16000)])
+@pytest.mark.parametrize("samples", [0, 1])
+def test_an_utterance_with_no_audio_out_has_no_word_past_its_end(encoding, rate, samples):
+    """An utterance whose audio is empty, or too short for its encoder to put any frame out (one sample at
+    mp3_8000 or aac_16000: the resampler makes none of it): its stream decodes to nothing, so its words,
+    which share no audio, are at its end (0), as on a sample encoding. (They were at the codec's delay, 138 ms at
+    mp3_8000, past the end of an empty stream: a client that adds up the messages' alignments ran ahead.)"""
+    from app.io.audio_output import Encoder, decode_output
+
+    enc = Encoder(encoding, rate)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hello there.")
+    pcm = speech(samples / SAMPLE_RATE)
+    data = enc.encode(pcm)
+    timeline.feed(pcm, enc.native_heard)
+    data += enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunk = timeline.take(final=True)  # (as app/core/playback.py takes an utterance's last message)
+    heard = len(decode_output(data, encoding, rate)[0]) if data else 0
+    assert chunk.end_s == enc.heard_s == heard / rate
+    assert [w.word for w in chunk.words] == ["Hello", "there."]
+    assert all(0 <= w.start_s <= w.end_s <= chunk.end_s for w in chunk.words), (chunk, heard)
+
+
+def test_an_utterance_shorter_than_a_frame_ends_on_its_padded_frames():
+    """A hundred samples (2 ms) at mp3_8000: its stream is whole frames (576 samples each, MPEG-2.5), the delay
+    (1,105 samples) and the padding included; its words lie in it, the delay later."""
+    from app.io.audio_output import Encoder, codec_delay, decode_output, frame_samples
+
+    assert [frame_samples("mp3", r) for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)] == [576] * 4 + [1152] * 3
+    enc = Encoder("mp3", 8000)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hi.")
+    pcm = speech(100 / SAMPLE_RATE)
+    data = enc.encode(pcm)
+    timeline.feed(pcm, enc.native_heard)
+    data += enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunk = timeline.take(final=True)
+    decoded, rate = decode_output(data, "mp3", 8000)
+    assert len(decoded) % 576 == 0 and len(decoded) >= codec_delay("mp3", 8000) + 18
+    assert chunk.end_s == pytest.approx(len(decoded) / rate, abs=1e-9)
+    (word,) = chunk.words
+    assert codec_delay("mp3", 8000) / 8000 <= word.start_s <= word.end_s <= chunk.end_s
+
+
+def test_only_an_encoder_whose_decoded_audio_is_followed_counts_its_frames(monkeypatch):
+    """FFmpeg's frame parser costs 1-3 % of an MP3 chunk's encoding (5,120 samples): only an encoder a
+    timeline follows (AudioTimeline's `heard`: a socket's utterance, an HTTP answer with word times) runs it; a plain
+    MP3 or AAC answer (most of them) does not. A followed one counts from its first frame: `heard_s` is its decoded
+    length."""
+    import app.io.audio_output as audio_output
+    from app.io.audio_output import Encoder, decode_output
+
+    made: list[str] = []
+    real = audio_output._frame_parser
+
+    def counting(encoding: str):  # (-> av.CodecContext)
+        made.append(encoding)
+        return real(encoding)
+
+    monkeypatch.setattr(audio_output, "_frame_parser", counting)
+    audio = speech(0.3, seed=5)
+    for encoding in ("mp3", "aac"):
+        Encoder(encoding, 24000).encode(audio, last=True)
+    assert made == []
+    enc = Encoder("mp3", 24000)
+    AudioTimeline(heard=enc)
+    data = enc.encode(audio[:5120]) + enc.encode(audio[5120:], last=True)
+    assert made == ["mp3"]
+    assert enc.heard_s == len(decode_output(data, "mp3", 24000)[0]) / 24000
+    late = Encoder("mp3", 24000)
+    late.encode(audio[:5120])
+    with pytest.raises(RuntimeError):  # its frames are counted from its first, or not at all
+        AudioTimeline(heard=late)
+    with pytest.raises(RuntimeError):
+        late.heard_s  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate", "bit_rate"),
+    [("mp3", r, None) for r in (8000, 16000, 22050, 24000, 32000, 44100, 48000)]
+    + [("mp3", 22050, 32000), ("mp3", 44100, 128000), ("aac", 24000, None)],
+)
+def test_a_followed_encoder_puts_out_whole_frames(encoding, rate, bit_rate):
+    """An encoder a timeline follows (a socket's utterance, an HTTP answer with word times) puts out whole frames
+    only, each as soon as it is complete: every piece a message carries is what a decoder plays of it (`heard_s`
+    grows by it), and the stream is the bytes a plain encoder makes. (LAME hands out a frame's first bytes long
+    before the rest: every 5,120-sample piece ended with 20-360 bytes of a frame, which a barge-in left a decoder.)"""
+    import av
+
+    from app.io.audio_output import Encoder, frame_samples
+
+    audio = speech(1.2, seed=6)
+    plain, enc = Encoder(encoding, rate, bit_rate=bit_rate), Encoder(encoding, rate, bit_rate=bit_rate)
+    enc.follow()
+    ours, theirs = b"", b""
+    pieces = [*np.array_split(audio, 10), np.zeros(0, np.int16)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        before = enc.heard_s
+        data = enc.encode(piece, last=last)
+        frames = av.CodecContext.create(encoding, "r").parse(data)
+        assert sum(f.size for f in frames) == len(data), i
+        assert enc.heard_s - before == pytest.approx(len(frames) * frame_samples(encoding, rate) / rate, abs=1e-9)
+        ours, theirs = ours + data, theirs + plain.encode(piece, last=last)
+    assert ours == theirs
+
+
+def test_a_stream_cut_off_then_the_next_one_decode_as_one():
+    """A barge-in at mp3_22050_32: the utterance's stream stops where its last message did (no last call), and the
+    next context's stream follows on the socket. A decoder fed both as one plays each whole (the cut one's frames,
+    then the next one's): the cut one ended on a frame. (It ended with a piece of a frame, which FFmpeg's decoder
+    read with the next stream's first bytes and refused: "Invalid data found".)"""
+    from app.io.audio_output import Encoder, decode_output
+
+    audio = speech(0.7, seed=7)
+    cut = Encoder("mp3", 22050, bit_rate=32000)
+    AudioTimeline(heard=cut)  # (a socket's utterance: followed)
+    first = b"".join(cut.encode(piece) for piece in np.array_split(audio, 6))
+    nxt = Encoder("mp3", 22050, bit_rate=32000)
+    AudioTimeline(heard=nxt)
+    second = nxt.encode(audio, last=True)
+    both, rate = decode_output(first + second, "mp3", 22050)
+    assert len(both) / rate == pytest.approx(cut.heard_s + nxt.heard_s, abs=1e-9)

@@ -181,7 +181,7 @@ class _Base64Document:
         return self._open() + base64.b64encode(data[:cut])
 
     def end(self) -> bytes:
-        self._chars = run_to(self._chars + char_times(self.timeline.take().words), self.timeline.end_s, 0.0)
+        self._chars = run_to(self._chars + char_times(self.timeline.take(final=True).words), self.timeline.end_s, 0.0)
         tail = json.dumps(_alignments(self._chars))[1:]  # '"alignment": {...}, ...}'
         return self._open() + base64.b64encode(self._rest) + b'", ' + tail.encode()
 
@@ -203,7 +203,7 @@ class _Lines:
         return self._line(data, char_times(self.timeline.take().words))
 
     def end(self) -> bytes:
-        chars = run_to(char_times(self.timeline.take().words), self.timeline.end_s, self._last)
+        chars = run_to(char_times(self.timeline.take(final=True).words), self.timeline.end_s, self._last)
         return self._line(b"", chars) if chars else b""
 
     def _line(self, data: bytes, chars: list[CharTime]) -> bytes:
