@@ -549,15 +549,15 @@ def test_openai_sse_speaks_every_sentence(server):
     assert abs(len(pcm) // 2 - pcm24k_samples(reply_frames([FRAMES] * 2))) <= 2
 
 
-def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
-    """SSML's `<sub alias>` is spoken as its alias and `<say-as interpret-as="characters">` spelled: the words an HTTP
-    answer reports (ElevenLabs' with-timestamps alignment) are those, and a period inside an element does not cut its
-    sentence (two utterances' audio, not three); a say-as ZONOS2 cannot read, a sub without its alias: 400."""
+def spoken_with_timestamps(server, text: str, voice: str, seed: int) -> dict:
+    """ElevenLabs' with-timestamps answer (pcm_24000, one-sentence params) for `text` in a new voice `voice` made of a
+    seeded embedding: what an HTTP answer reports it spoke."""
     buf = io.BytesIO()
-    np.save(buf, np.random.default_rng(5).standard_normal(2048).astype(np.float32))
-    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("ssml.npy", buf.getvalue())}, data={"name": "ssml"})
+    np.save(buf, np.random.default_rng(seed).standard_normal(2048).astype(np.float32))
+    r = httpx.post(
+        server.url + "/v1/voices", files={"embedding": (f"{voice}.npy", buf.getvalue())}, data={"name": voice}
+    )
     assert r.status_code in (200, 201), r.text
-    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">AB</say-as>. Q&amp;A.'
     r = httpx.post(
         f"{server.url}/v1/text-to-speech/{r.json()['id']}/with-timestamps",
         params={"output_format": "pcm_24000", "zonos_params": json.dumps(ONE)},
@@ -565,7 +565,15 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
         timeout=120,
     )
     assert r.status_code == 200, r.text
-    doc = r.json()
+    return r.json()
+
+
+def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
+    """SSML's `<sub alias>` is spoken as its alias and `<say-as interpret-as="characters">` spelled: the words an HTTP
+    answer reports (ElevenLabs' with-timestamps alignment) are those, and a period inside an element does not cut its
+    sentence (two utterances' audio, not three); a say-as ZONOS2 cannot read, a sub without its alias: 400."""
+    text = 'The <sub alias="United States">U.S.</sub> code is <say-as interpret-as="characters">AB</say-as>. Q&amp;A.'
+    doc = spoken_with_timestamps(server, text, "ssml", seed=5)
     spoken = "".join(doc["alignment"]["characters"])
     assert spoken.split() == ["The", "United", "States", "code", "is", "A", "B.", "Q&A."], spoken  # `&amp;` is `&`
     samples = len(base64.b64decode(doc["audio_base64"])) // 2
@@ -583,22 +591,11 @@ def test_ssml_sub_and_say_as_are_spoken_as_they_say_over_http(server):
 def test_an_ssml_document_with_xml_markup_is_spoken_without_it_over_http(server):
     """A document as the W3C's examples write one, its declaration first and a comment inside: the words reported (and
     spoken) are its text's; they were "xml version equals 1.0 ...". A break that taking out a tag would make is 400."""
-    buf = io.BytesIO()
-    np.save(buf, np.random.default_rng(6).standard_normal(2048).astype(np.float32))
-    r = httpx.post(server.url + "/v1/voices", files={"embedding": ("w3c.npy", buf.getvalue())}, data={"name": "w3c"})
-    assert r.status_code in (200, 201), r.text
     text = (
         '<?xml version="1.0"?><!DOCTYPE speak><speak version="1.1" xmlns="http://www.w3.org/2001/10/synthesis">'
         "<!-- The greeting. Keep it short? --><p>Hello there.</p></speak>"
     )
-    r = httpx.post(
-        f"{server.url}/v1/text-to-speech/{r.json()['id']}/with-timestamps",
-        params={"output_format": "pcm_24000", "zonos_params": json.dumps(ONE)},
-        json={"text": text},
-        timeout=120,
-    )
-    assert r.status_code == 200, r.text
-    spoken = "".join(r.json()["alignment"]["characters"])
+    spoken = "".join(spoken_with_timestamps(server, text, "w3c", seed=6)["alignment"]["characters"])
     assert spoken.split() == ["Hello", "there."], spoken
     for refused in ['A <<p>break time="1s"/> B.', "Hi <!-- a note\n--> there."]:
         r = speech(server, input=refused, response_format="pcm")

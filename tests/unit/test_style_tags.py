@@ -26,6 +26,20 @@ def tags(parts: list) -> list:
     return [p.name if isinstance(p, StyleTag) else p for p in parts]
 
 
+async def played_until_flushed(ws, engine) -> list:
+    """The socket's messages up to its `flushed`, each utterance it starts played (how many: the segmenter's)."""
+
+    async def play_all() -> None:
+        for n in range(1, 10):
+            FakeEngine.play(await engine.started(n))
+
+    player = asyncio.create_task(play_all())
+    try:
+        return await ws.until("flushed")
+    finally:
+        player.cancel()
+
+
 def test_tags_split_the_text():
     assert split_tags("No tags.") == ["No tags."]
     assert split_tags("  ") == ["  "]  # a text without tags is as it was
@@ -265,13 +279,7 @@ def test_a_sentence_of_earlier_messages_before_a_refused_one_is_still_spoken(mes
         err = await ws.next_json()
         ws.send(type="text", text=" Fine.", flush=True)
 
-        async def play_all():  # each utterance it starts
-            for n in range(1, 10):
-                FakeEngine.play(await engine.started(n))
-
-        player = asyncio.create_task(play_all())
-        seen = await ws.until("flushed")
-        player.cancel()
+        seen = await played_until_flushed(ws, engine)
         await shut(ws, task)
         return err, seen, engine.texts
 
@@ -590,13 +598,7 @@ def test_ssml_streamed_word_by_word_reaches_the_engine_and_the_client_without_it
             ws.send(type="text", text=piece)
         ws.send(type="flush")
 
-        async def play_all():  # each utterance it starts (how many: the segmenter's)
-            for n in range(1, 10):
-                FakeEngine.play(await engine.started(n))
-
-        player = asyncio.create_task(play_all())
-        seen = await ws.until("flushed")
-        player.cancel()
+        seen = await played_until_flushed(ws, engine)
         await shut(ws, task)
         return seen, engine.texts
 
