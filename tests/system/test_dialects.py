@@ -32,6 +32,7 @@ import websockets
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.doors.dialects.common import dialect_options
+from app.io.audio_output import ogg_pages
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from engine.frontend.config import Zonos2Config, preset_params
@@ -462,18 +463,40 @@ def _mp3_frames_heard(data: bytes, rate: int) -> float:
     return len(frames) * (576 if rate < 32000 else 1152) / rate
 
 
+def _whole_pieces_heard(data: bytes, fmt: str) -> float:
+    """Seconds a streaming decoder plays of a stream `data` (ElevenLabs' `fmt`: MP3 or Opus), which must be whole MP3
+    frames or Ogg pages; for Opus, FFmpeg's decoder (PyAV), an Ogg stream with no audio page yet playing nothing."""
+    import av
+
+    from app.io.audio_output import decode_output
+
+    kind, rate = fmt.split("_")[:2]
+    if kind == "mp3":
+        return _mp3_frames_heard(data, int(rate))
+    assert ogg_pages(data)[1] == b"", "a page cut off"
+    try:
+        decoded, decoded_rate = decode_output(data, "opus", int(rate))
+    except av.error.EOFError:  # (its header pages only)
+        return 0.0
+    return len(decoded) / decoded_rate
+
+
+@pytest.mark.parametrize("fmt", ["mp3_22050_32", "opus_48000_64"])
 @pytest.mark.parametrize("sync", [False, True], ids=["pipecat", "livekit"])
-def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
-    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format): a close_context once words have come.
-    No word time any message gave lies past the decoded audio the client got (its whole frames, the codec's delay
-    included); on the message clock (pipecat) the alignments add up to just that audio, on the context's clock
-    (LiveKit) they are monotonic; isFinal ends it and nothing of the context follows. Every message's audio is
-    whole frames: the context's audio ends on one, where the barge-in cut it (LAME hands out a frame's first bytes
-    long before the rest: every message ended with 20-360 bytes of the next frame, which a decoder fed the socket's
-    audio as one stream read with the next context's first frame, a corrupt frame and a lost one)."""
+def test_elevenlabs_barge_in_gives_no_word_past_the_audio_sent(srv, sync, fmt):
+    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format) and opus_48000_64: a close_context once
+    words have come. No word time any message gave lies past the decoded audio the client got (its whole frames or
+    pages, the codec's delay included, Opus's pre-skip trimmed); on the message clock (pipecat) the alignments add up
+    to just that audio, on the context's clock (LiveKit) they are monotonic; isFinal ends it and nothing of the context
+    follows. Every message's audio is whole frames (MP3) or pages (Ogg): the context's audio ends on one, where the
+    barge-in cut it (LAME hands out a frame's first bytes long before the rest: every message ended with 20-360 bytes
+    of the next frame, which a decoder fed the socket's audio as one stream read with the next context's first frame,
+    a corrupt frame and a lost one). (At Opus the messages said the samples handed to the encoder, which holds back
+    up to two 20 ms packets, its own and the Ogg muxer's, less the 6.5 ms pre-skip: the alignments ran up to ~34 ms
+    past the audio sent.)"""
 
     async def go() -> list[dict[str, Any]]:
-        url = el_url(srv, fmt="mp3_22050_32", p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
+        url = el_url(srv, fmt=fmt, p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
         ws = await el_connect(url)
         await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
         for t in ("One two three four five six seven eight nine ten. ", "Eleven twelve thirteen. "):
@@ -495,10 +518,12 @@ def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
 
     log = run(go())
     assert log[-1] == {"isFinal": True, "contextId": "reply"}
-    for m in log:
-        if m.get("audio"):
+    for m in log:  # (each whole: frames, or pages)
+        if m.get("audio") and fmt.startswith("opus"):
+            assert ogg_pages(base64.b64decode(m["audio"]))[1] == b""
+        elif m.get("audio"):
             _mp3_frames_heard(base64.b64decode(m["audio"]), 22050)
-    heard_ms = _mp3_frames_heard(el_audio(log, "reply"), 22050) * 1e3
+    heard_ms = _whole_pieces_heard(el_audio(log, "reply"), fmt) * 1e3
     aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
     assert aligned
     if sync:
