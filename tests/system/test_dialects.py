@@ -538,6 +538,52 @@ def test_elevenlabs_barge_in_gives_no_word_past_the_audio_sent(srv, sync, fmt):
         assert abs(clock - heard_ms) < 0.5 * len(aligned), (clock, heard_ms)
 
 
+@pytest.mark.parametrize("fmt", ["mp3_22050_32", "mp3_44100_128", "opus_48000_64", "pcm_24000"])
+def test_elevenlabs_http_lines_give_no_word_before_its_audio(srv, fmt):
+    """/stream/with-timestamps, sentences whose audio (150 frames, 1.7 s) outlasts their words' estimate, so that words
+    are placed as the audio comes: every line's alignment describes audio of that line or of the lines before it (as
+    ElevenLabs' lines do): no character ends past the decoded audio of the lines up to it, and the last one ends where
+    the answer's decoded audio does. (The words were placed on the samples handed to the encoder, before it encoded
+    them: a line's words ran past its audio by up to what the encoder held, LAME's ~1,100 samples plus a frame.)"""
+    import av
+
+    from app.io.audio_output import decode_output, frame_samples
+
+    kind, rate, *_ = fmt.split("_")
+    encoding = {"mp3": "mp3", "opus": "opus", "pcm": "pcm_s16le"}[kind]
+    text = "Hello, friend. How are you?"
+    r = httpx.post(
+        f"{srv.url}/v1/text-to-speech/Ada/stream/with-timestamps?output_format={fmt}"
+        f"&zonos_params={params({'max_frames': 150, 'ignore_eos': True, 'seed': 1})}",
+        json={"text": text, "model_id": "eleven_flash_v2_5"},
+        headers={"xi-api-key": KEY},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text[:300]
+    lines = [json.loads(x) for x in r.text.splitlines()]
+    audio, late, heard_s = b"", [], 0.0
+    for i, line in enumerate(lines):
+        audio += base64.b64decode(line["audio_base64"])
+        if kind == "mp3":  # (whole frames: FFmpeg's probe wants more than one or two to read a stream)
+            heard_s = len(av.CodecContext.create("mp3", "r").parse(audio)) * frame_samples("mp3", int(rate)) / int(rate)
+        else:
+            try:
+                decoded, decoded_rate = decode_output(audio, encoding, int(rate))
+                heard_s = len(decoded) / decoded_rate
+            except av.error.EOFError:  # (an Ogg stream's header pages only: no audio yet)
+                heard_s = 0.0
+        if line["alignment"] is not None:
+            ends = line["alignment"]["character_end_times_seconds"]
+            late += [(i, end, round(heard_s, 4)) for end in ends if end > heard_s + 1e-4]
+    assert not late, late
+    decoded, decoded_rate = decode_output(audio, encoding, int(rate))
+    assert heard_s == pytest.approx(len(decoded) / decoded_rate, abs=1e-9)
+    aligned = [x["alignment"] for x in lines if x["alignment"] is not None]
+    ends = [e for a in aligned for e in a["character_end_times_seconds"]]
+    assert ends == sorted(ends) and ends[-1] == pytest.approx(heard_s, abs=1e-4)
+    assert "".join(c for a in aligned for c in a["characters"]).split() == text.split()
+
+
 def test_elevenlabs_single_context_stream_input(srv):
     """The older socket: {"text": ""} ends the input; the rest is spoken, isFinal, the socket closes. The end
     sent again while the rest still plays changes nothing: one isFinal."""

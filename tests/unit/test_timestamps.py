@@ -530,3 +530,32 @@ def test_an_opus_stream_cut_off_then_the_next_one_decode_as_one():
     assert len(cut_alone) / rate == pytest.approx(cut.heard_s, abs=1e-9)
     assert len(both) / rate == pytest.approx(cut.heard_s + nxt.heard_s, abs=1e-9)
 
+
+def test_the_words_an_utterance_leaves_wait_for_their_audio():
+    """An HTTP answer is one stream: its encoder (mp3_22050_32) still holds the end of a sentence when the next one
+    begins, so the words that sentence's end placed come in the first message whose decoded audio reaches them, not
+    before (they came with the next message whatever it held: a word 130 ms past its line's audio); the last message
+    has every word left."""
+    from app.io.audio_output import Encoder
+
+    enc = Encoder("mp3", 22050, bit_rate=32000)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hello there, my friend.")
+    first = speech(0.5, seed=9)
+    enc.encode(first)
+    timeline.feed(first, enc.native_heard)
+    taken = timeline.take().words
+    timeline.end()  # (the sentence's audio is all handed in; its last ~1,700 samples are in LAME)
+    timeline.begin("How are you?")
+    chunks = []
+    for piece in np.array_split(speech(0.6, seed=10), 12):
+        enc.encode(piece)
+        timeline.feed(piece, enc.native_heard)
+        chunks.append(timeline.take())
+        assert all(w.end_s <= chunks[-1].end_s + 1e-9 for w in chunks[-1].words), len(chunks)
+    enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunks.append(timeline.take(final=True))
+    words = [w.word for w in taken] + [w.word for c in chunks for w in c.words]
+    assert words == ["Hello", "there,", "my", "friend.", "How", "are", "you?"]
+    assert "friend." not in [w.word for w in chunks[0].words]  # (its audio not out of LAME yet: in a later message)
