@@ -472,8 +472,9 @@ def test_flac_and_opus_are_heard_as_far_as_their_bytes_out_decode(encoding, rate
     """FLAC's and Opus's encoders hold back up to a frame (FLAC_BLOCK samples; a 20 ms Opus packet, and the Ogg muxer
     its last packet until the next one): after every piece `heard_s` is what a decoder (PyAV) makes of the bytes out
     so far (Opus's pre-skip trimmed), closed the whole audio; every piece is whole pages (Ogg) or frames (FLAC), and
-    no word a message gives lies past it. (`heard_s` was the samples taken in: 20-48 ms ahead of the bytes, so a
-    word came before its audio, and a barge-in's messages said more audio than the client got.)"""
+    no word a message gives lies past it. (`heard_s` was the samples taken in: up to a FLAC frame ahead of the bytes,
+    48 ms at 24 kHz, 144 at 8 kHz, and up to 46 ms at Opus, so a word came before its audio, and a barge-in's
+    messages said more audio than the client got.)"""
     import av
 
     from app.io.audio_output import FLAC_BLOCK, Encoder, decode_output, ogg_pages
@@ -513,8 +514,10 @@ def test_an_opus_stream_cut_off_then_the_next_one_decode_as_one():
     """A barge-in at opus_48000_64 (ElevenLabs' socket): the utterance's Ogg stream stops where its last message did
     (whole pages, no end-of-stream page), and the next context's stream follows on the socket. A decoder fed both as
     one plays each (FFmpeg's demuxer takes the next stream's header pages as such): the cut one's packets less its
-    pre-skip, then the next one's, as long as `heard_s` said of each. (It said the samples taken in: 26.5 ms more of
-    the cut one, the packet its encoder held, and the one the Ogg muxer held, less the pre-skip.)"""
+    pre-skip, then the next one's, as long as `heard_s` said of each. (It said the samples taken in: 34 ms more of the
+    cut one than a decoder plays: the part of a packet its encoder held, the packet the Ogg muxer held, the pre-skip.)
+    Only the lengths: FFmpeg's Opus decoder is not reset at the next stream's header, so that stream's first 20-40 ms
+    decode unlike it does alone (after a whole stream too)"""
     from app.io.audio_output import Encoder, decode_output, ogg_pages
 
     audio = speech(0.7, seed=7)
