@@ -398,8 +398,9 @@ async def speak(
 ) -> AsyncGenerator[np.ndarray, None]:
     """int16 PCM at 44.1 kHz for a whole text (the HTTP routes): every sentence, in order, the next one
     generating while the current one streams. An utterance's error is raised (a RequestError with its
-    HTTP status); closing the iterator (the client is gone) cancels the engine work. `timeline`: fed with the
-    audio before it is yielded, an utterance begun and ended around its audio (the words each piece completes:
+    HTTP status); closing the iterator (the client is gone) cancels the engine work. `timeline`: an utterance begun
+    before its first audio is yielded and ended once its last was taken; the taker feeds it each piece once encoded,
+    as far as a decoder plays the bytes out (app/doors/speech.py; the words each piece completes:
     app/core/timestamps.py). `stitch` (request stitching, app/core/stitching.py): its chain starts from
     `stitch.seed`, and once every sentence was sent its end state goes to `stitch.done` (before the iterator
     ends)."""
@@ -435,8 +436,6 @@ async def speak(
                         u.mark_failed(too_long)
                         gw.metrics.utterance_failed(api, too_long)  # (the door that answers counts its code no more)
                     left -= len(x)
-                    if timeline is not None:
-                        timeline.feed(x)
                     yield x
                     if u.error is too_long:
                         break

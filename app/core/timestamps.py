@@ -242,16 +242,21 @@ class AudioTimeline:
             self._clock = None
 
     def take(self, final: bool = False) -> Chunk:
-        """What the next message covers: the audio sent since the last one, the words completed since. `final`: the
-        stream's last message, its encoder closed: no word lies past the stream's end (one that decodes to less than
-        its codec's delay, an utterance that put no audio out, has its words, moved by the delay, past its end: they
-        end with it, as on the samples)."""
+        """What the next message covers: the audio sent since the last one, the words completed since that end within
+        it (the words an ended utterance left wait for the audio a decoder has to reach them: an HTTP answer's encoder
+        still holds its last audio when its next utterance begins). `final`: the stream's last message, its encoder
+        closed: every word left, none past the stream's end (one that decodes to less than its codec's delay, an
+        utterance that put no audio out, has its words, moved by the delay, past its end: they end with it, as on the
+        samples)."""
         end_s = max(self._taken_s, self.end_s)
-        words = self._pending
+        words, self._pending = self._pending, []
         if final and words and words[-1].end_s > end_s:
             words = [dataclasses.replace(w, start_s=min(w.start_s, end_s), end_s=min(w.end_s, end_s)) for w in words]
+        elif not final:
+            heard = next((i for i, w in enumerate(words) if w.end_s > end_s + 1e-9), len(words))
+            words, self._pending = words[:heard], words[heard:]
         chunk = Chunk(self._taken_s, end_s, words)
-        self._taken_s, self._pending = chunk.end_s, []
+        self._taken_s = chunk.end_s
         return chunk
 
     def _moved(self, words: list[WordTime]) -> None:

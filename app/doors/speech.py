@@ -225,7 +225,8 @@ class Framing:
     """How encoded audio goes on the wire: as it is (the default), or wrapped (base64 JSON lines, events).
     `chunk(data)` wraps a piece, `end()` closes the body, `error(e)` is an error after the audio began
     (None: the response is cut off). `timeline`: the framing sends word times, and reads there what each piece
-    covers (app/core/timestamps.py AudioTimeline, fed by the pipeline as the audio is encoded)."""
+    covers (app/core/timestamps.py AudioTimeline: its utterances begun and ended by the pipeline, fed here with each
+    piece once encoded)."""
 
     chunk: Callable[[bytes], bytes] = field(default=lambda data: data)
     end: Callable[[], bytes] = field(default=lambda: b"")
@@ -264,6 +265,8 @@ async def speech_response(
                 if hold is not None:  # the encoder holds it until the end: 16-bit samples at the answer's rate
                     hold.grow(-(-len(x) * 2 * fmt.sample_rate // SAMPLE_RATE))
                 data = await encode(enc, x)
+                if framing.timeline is not None:  # (its words: only as far as the audio a decoder has of the bytes out)
+                    framing.timeline.feed(x, enc.native_heard)
                 if data:
                     yield framing.chunk(data)
         except RequestError as e:  # a sentence after the first failed

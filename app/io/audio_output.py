@@ -29,7 +29,8 @@ The HTTP file formats, streamed as the audio is generated, through LAME (lameenc
 * `aac`: AAC-LC in ADTS frames (a header on every frame, so a stream needs no file header), FFmpeg's
   native encoder through PyAV; the muxer flushes after every packet.
 * `opus`: libopus in Ogg through PyAV, a page per 20 ms packet (`OPUS_BIT_RATE`, VBR): a third of the CPU
-  of libsndfile's Opus encoder, whose setup had no way to ask for less, and its first page as soon.
+  of libsndfile's Opus encoder, whose setup had no way to ask for less, and its first page as soon. FFmpeg's Ogg
+  muxer writes a packet's page when the next packet comes (PyAV has no call that flushes it sooner).
 
 `StreamEncoder(fmt, rate, whole=True)` encodes the same way and hands out the finished file at the end, its
 header complete (FLAC's sample count and MD5, written into a seekable buffer; WAV's sizes): what a client gets
@@ -42,6 +43,7 @@ instead of the `audioop` module that Python 3.13 removed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import io
 import logging
@@ -106,6 +108,7 @@ MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its comman
 # Opus (libopus, VBR) bit rates: what libopus chose for speech at each rate on its own, set explicitly
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
 OPUS_RATES = tuple(OPUS_BIT_RATE)
+OPUS_GRANULE_RATE = 48000  # Ogg Opus counts samples (granule positions, its header's pre-skip) at 48 kHz at any rate
 OPUS_PAGE_MS = 20  # an Ogg page per Opus packet: FFmpeg's default page of 1 s would hold the first audio back
 # samples in a FLAC frame: a frame goes out whole, so a stream holds back up to one (26 ms at 44.1 kHz, 48 at 24 kHz;
 # libsndfile's 4,096 held 93 / 171 ms); 576, FLAC's smallest standard size, would halve that for more frame overhead
@@ -197,6 +200,10 @@ class _MuxSink(io.RawIOBase):
         self._pending += memoryview(b).cast("B")
         return len(b)
 
+    @property
+    def pending(self) -> bytearray:
+        return self._pending
+
     def take(self) -> bytes:
         data = bytes(self._pending)
         self._pending.clear()
@@ -235,6 +242,15 @@ class FfmpegEncoder:
         if sample_format is not None:
             self._stream.codec_context.format = sample_format
         self._out.start_encoding()  # the container's header (Ogg's first pages) now: the first write hands it out
+        # What a decoder plays of the bytes out (`played`): the samples (at `sample_rate`) of the packets out. FLAC's
+        # muxer writes each packet as it comes; Ogg's holds the last one until the next (it closes a page when the next
+        # packet would overfill it), so an Ogg packet is out once its page is: the pages out are read for it
+        self._ogg = _OggPackets(2) if container == "ogg" else None  # (Ogg Opus's header packets: OpusHead, OpusTags)
+        self._queued: collections.deque[int] = collections.deque()  # the durations of the packets muxed, not yet out
+        self.played = 0
+        head = self._sink.getvalue() if isinstance(self._sink, io.BytesIO) else bytes(self._sink.pending)
+        # the samples of the first packets a decoder drops (Opus's pre-skip, in its header)
+        self.trimmed = opus_pre_skip(head) * sample_rate / OPUS_GRANULE_RATE if codec == "libopus" else 0.0
 
     def write(self, samples: np.ndarray) -> bytes:
         if len(samples):
@@ -242,13 +258,59 @@ class FfmpegEncoder:
                 np.ascontiguousarray(samples, np.float32)[None, :], format="flt", layout="mono"
             )
             frame.sample_rate = self.sample_rate
-            self._out.mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
-        return self._sink.take() if isinstance(self._sink, _MuxSink) else b""
+            self._mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
+        return self._take()
+
+    def _mux(self, packets: list) -> None:  # (av.Packet, in the codec's time base: 1 / sample_rate)
+        if isinstance(self._sink, _MuxSink):  # (a whole file's bytes are all out at the end)
+            self._queued.extend(p.duration or 0 for p in packets)
+        self._out.mux(packets)
+
+    def _take(self) -> bytes:
+        if not isinstance(self._sink, _MuxSink):
+            return b""
+        data = self._sink.take()
+        for _ in range(self._ogg.ended(data) if self._ogg is not None else len(self._queued)):
+            self.played += self._queued.popleft()
+        return data
 
     def close(self) -> bytes:
-        self._out.mux(self._stream.encode(None))
+        self._mux(self._stream.encode(None))
         self._out.close()
-        return self._sink.take() if isinstance(self._sink, _MuxSink) else self._sink.getvalue()
+        return self._take() if isinstance(self._sink, _MuxSink) else self._sink.getvalue()
+
+
+def ogg_pages(data: bytes) -> tuple[list[bytes], bytes]:
+    """The whole Ogg pages `data` begins with (each: a 27-byte header, its segment table of lacing values, their
+    bytes) and the rest, a page cut short (ValueError where a page does not begin where the last one ended)."""
+    pages, at = [], 0
+    while len(data) - at >= 27:
+        if data[at : at + 4] != b"OggS":
+            raise ValueError("an Ogg page does not begin where the last one ended")
+        count = data[at + 26]
+        lacing = data[at + 27 : at + 27 + count]
+        size = 27 + count + sum(lacing)
+        if len(lacing) < count or len(data) - at < size:
+            break
+        pages.append(data[at : at + size])
+        at += size
+    return pages, data[at:]
+
+
+class _OggPackets:
+    """Counts the packets that end in an Ogg stream's pages as its bytes come (a packet ends at a lacing value below
+    255), past the stream's first `headers` packets."""
+
+    def __init__(self, headers: int) -> None:
+        self._headers = headers
+        self._rest = b""  # a page not whole yet (the muxer writes whole pages: none)
+
+    def ended(self, data: bytes) -> int:
+        pages, self._rest = ogg_pages(self._rest + data)
+        count = sum(1 for page in pages for n in page[27 : 27 + page[26]] if n < 255)
+        skipped = min(count, self._headers)
+        self._headers -= skipped
+        return count - skipped
 
 
 def aac_encoder(sample_rate: int) -> FfmpegEncoder:
@@ -281,6 +343,15 @@ def opus_encoder(sample_rate: int, bit_rate: int | None = None) -> FfmpegEncoder
     lo, hi = OPUS_BIT_RATE_RANGE
     bits = OPUS_BIT_RATE[sample_rate] if bit_rate is None else min(max(bit_rate, lo), hi)
     return FfmpegEncoder("ogg", "libopus", sample_rate, bits, page_duration=str(OPUS_PAGE_MS * 1000))
+
+
+def opus_pre_skip(head: bytes) -> int:
+    """The pre-skip of an Ogg Opus stream's header (its OpusHead, in the first page): the samples at 48 kHz of its first
+    packets that a decoder drops (libopus's look-ahead: 312)."""
+    at = head.find(b"OpusHead")
+    if at < 0 or len(head) < at + 12:
+        raise ValueError("no OpusHead in the Ogg stream's first bytes")
+    return int(struct.unpack_from("<H", head, at + 10)[0])
 
 
 def mp3_bit_rate(sample_rate: int, bit_rate: int | None = None) -> int:
@@ -357,6 +428,13 @@ class StreamEncoder:
             return g711_encode(x, self.fmt)
         assert self._frames is not None
         return self._frames.write(x)
+
+    @property
+    def played(self) -> float:
+        """FLAC's and Opus's (FfmpegEncoder's packets): the samples a decoder plays of the bytes out so far, the stream
+        not closed: its packets' samples less Opus's pre-skip (its end trimming is in the last page only)."""
+        assert isinstance(self._frames, FfmpegEncoder)
+        return max(0.0, self._frames.played - self._frames.trimmed)
 
     def close(self) -> bytes:
         if self._frames is not None:
@@ -439,6 +517,7 @@ class Encoder:
         self._parser = None
         self._frames = 0
         self._made = 0  # samples at the output rate the resampler made (`_out` counts them all out at the last call)
+        self._closed = False  # the last call came
 
     @property
     def native_out(self) -> int:
@@ -475,12 +554,16 @@ class Encoder:
     def heard_s(self) -> float:
         """Seconds of audio a decoder makes of the bytes out so far, the lead included: MP3's and AAC's whole frames
         (each a fixed count of samples, `FRAME_SAMPLES`; once closed, the lead, the audio and the last frame's
-        padding), the samples themselves for the others (FLAC and Opus hold back up to a frame of them until the
-        next write: what a decoder has of the stream is up to that much less)."""
+        padding); FLAC's and Opus's packets out (`PACKETS_PLAYED`: up to a frame or two less than the samples taken in;
+        Opus's less its pre-skip; once closed, the audio itself: Opus's last page trims its last packet's padding); the
+        samples themselves for the others."""
         if self.encoding in FRAME_SAMPLES:
             if self._parser is None:
                 raise RuntimeError("the frames of an encoder nothing follows are not counted: follow() it first")
             return self._frames * frame_samples(self.encoding, self.sample_rate) / self.sample_rate
+        if self.encoding in PACKETS_PLAYED and not self._closed:
+            assert self._file is not None
+            return self._file.played / self.sample_rate + self.lead_s
         return (self._in if self._rs is None else self._made) / self.sample_rate + self.lead_s
 
     @property
@@ -506,6 +589,7 @@ class Encoder:
         self._made += len(x)
         if last:
             self._out = max(self._out, -(-self._in * self.sample_rate // NATIVE_RATE))  # all of it is out
+            self._closed = True
         if self._file is not None:
             data = self._file.write(x)
             if last:
@@ -550,6 +634,10 @@ def _mp3_frames(data: bytes) -> int:
 # The samples each frame of a format decodes to: MP3's (MPEG-1 Layer III at 32-48 kHz; MPEG-2 and 2.5 below, half as
 # many) and ADTS AAC-LC's (FFmpeg's encoder writes one raw block a frame)
 FRAME_SAMPLES = {"mp3": 1152, "aac": 1024}
+# The formats whose encoders hold back up to a frame of the samples taken in (FLAC's FLAC_BLOCK; Opus's 20 ms packet,
+# and Ogg's muxer the last packet until the next) and put out whole frames or pages: a decoder has their packets'
+# samples out (`heard_s`)
+PACKETS_PLAYED = ("flac", "opus")
 # The formats' demuxers (FFmpeg's, through PyAV) that `decode_output` reads a stream with
 _DEMUXERS = {"mp3": "mp3", "aac": "aac", "opus": "ogg", "flac": "flac"}
 

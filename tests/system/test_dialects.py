@@ -32,6 +32,7 @@ import websockets
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
 from app.doors.dialects.common import dialect_options
+from app.io.audio_output import ogg_pages
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from engine.frontend.config import Zonos2Config, preset_params
@@ -462,18 +463,40 @@ def _mp3_frames_heard(data: bytes, rate: int) -> float:
     return len(frames) * (576 if rate < 32000 else 1152) / rate
 
 
+def _whole_pieces_heard(data: bytes, fmt: str) -> float:
+    """Seconds a streaming decoder plays of a stream `data` (ElevenLabs' `fmt`: MP3 or Opus), which must be whole MP3
+    frames or Ogg pages; for Opus, FFmpeg's decoder (PyAV), an Ogg stream with no audio page yet playing nothing."""
+    import av
+
+    from app.io.audio_output import decode_output
+
+    kind, rate = fmt.split("_")[:2]
+    if kind == "mp3":
+        return _mp3_frames_heard(data, int(rate))
+    assert ogg_pages(data)[1] == b"", "a page cut off"
+    try:
+        decoded, decoded_rate = decode_output(data, "opus", int(rate))
+    except av.error.EOFError:  # (its header pages only)
+        return 0.0
+    return len(decoded) / decoded_rate
+
+
+@pytest.mark.parametrize("fmt", ["mp3_22050_32", "opus_48000_64"])
 @pytest.mark.parametrize("sync", [False, True], ids=["pipecat", "livekit"])
-def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
-    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format): a close_context once words have come.
-    No word time any message gave lies past the decoded audio the client got (its whole frames, the codec's delay
-    included); on the message clock (pipecat) the alignments add up to just that audio, on the context's clock
-    (LiveKit) they are monotonic; isFinal ends it and nothing of the context follows. Every message's audio is
-    whole frames: the context's audio ends on one, where the barge-in cut it (LAME hands out a frame's first bytes
-    long before the rest: every message ended with 20-360 bytes of the next frame, which a decoder fed the socket's
-    audio as one stream read with the next context's first frame, a corrupt frame and a lost one)."""
+def test_elevenlabs_barge_in_gives_no_word_past_the_audio_sent(srv, sync, fmt):
+    """A barge-in mid-utterance on mp3_22050_32 (LiveKit's default format) and opus_48000_64: a close_context once
+    words have come. No word time any message gave lies past the decoded audio the client got (its whole frames or
+    pages, the codec's delay included, Opus's pre-skip trimmed); on the message clock (pipecat) the alignments add up
+    to just that audio, on the context's clock (LiveKit) they are monotonic; isFinal ends it and nothing of the context
+    follows. Every message's audio is whole frames (MP3) or pages (Ogg): the context's audio ends on one, where the
+    barge-in cut it (LAME hands out a frame's first bytes long before the rest: every message ended with 20-360 bytes
+    of the next frame, which a decoder fed the socket's audio as one stream read with the next context's first frame,
+    a corrupt frame and a lost one). (At Opus the messages said the samples handed to the encoder, which holds back
+    up to two 20 ms packets, its own and the Ogg muxer's, less the 6.5 ms pre-skip: the alignments ran up to ~34 ms
+    past the audio sent.)"""
 
     async def go() -> list[dict[str, Any]]:
-        url = el_url(srv, fmt="mp3_22050_32", p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
+        url = el_url(srv, fmt=fmt, p=LONG, auto_mode=True) + ("&sync_alignment=true" if sync else "")
         ws = await el_connect(url)
         await ws.send(json.dumps({"text": " ", "context_id": "reply"}))
         for t in ("One two three four five six seven eight nine ten. ", "Eleven twelve thirteen. "):
@@ -495,10 +518,12 @@ def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
 
     log = run(go())
     assert log[-1] == {"isFinal": True, "contextId": "reply"}
-    for m in log:
-        if m.get("audio"):
+    for m in log:  # (each whole: frames, or pages)
+        if m.get("audio") and fmt.startswith("opus"):
+            assert ogg_pages(base64.b64decode(m["audio"]))[1] == b""
+        elif m.get("audio"):
             _mp3_frames_heard(base64.b64decode(m["audio"]), 22050)
-    heard_ms = _mp3_frames_heard(el_audio(log, "reply"), 22050) * 1e3
+    heard_ms = _whole_pieces_heard(el_audio(log, "reply"), fmt) * 1e3
     aligned = [m["alignment"] for m in log if "audio" in m and m["alignment"] is not None]
     assert aligned
     if sync:
@@ -511,6 +536,52 @@ def test_elevenlabs_mp3_barge_in_gives_no_word_past_the_audio_sent(srv, sync):
             assert a["charStartTimesMs"][-1] + a["charDurationsMs"][-1] >= 0
             clock += a["charStartTimesMs"][-1] + a["charDurationsMs"][-1]
         assert abs(clock - heard_ms) < 0.5 * len(aligned), (clock, heard_ms)
+
+
+@pytest.mark.parametrize("fmt", ["mp3_22050_32", "mp3_44100_128", "opus_48000_64", "pcm_24000"])
+def test_elevenlabs_http_lines_give_no_word_before_its_audio(srv, fmt):
+    """/stream/with-timestamps, sentences whose audio (150 frames, 1.7 s) outlasts their words' estimate, so that words
+    are placed as the audio comes: every line's alignment describes audio of that line or of the lines before it (as
+    ElevenLabs' lines do): no character ends past the decoded audio of the lines up to it, and the last one ends where
+    the answer's decoded audio does. (The words were placed on the samples handed to the encoder, before it encoded
+    them: a line's words ran past its audio by up to what the encoder held, LAME's ~1,100 samples plus a frame.)"""
+    import av
+
+    from app.io.audio_output import decode_output, frame_samples
+
+    kind, rate, *_ = fmt.split("_")
+    encoding = {"mp3": "mp3", "opus": "opus", "pcm": "pcm_s16le"}[kind]
+    text = "Hello, friend. How are you?"
+    r = httpx.post(
+        f"{srv.url}/v1/text-to-speech/Ada/stream/with-timestamps?output_format={fmt}"
+        f"&zonos_params={params({'max_frames': 150, 'ignore_eos': True, 'seed': 1})}",
+        json={"text": text, "model_id": "eleven_flash_v2_5"},
+        headers={"xi-api-key": KEY},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text[:300]
+    lines = [json.loads(x) for x in r.text.splitlines()]
+    audio, late, heard_s = b"", [], 0.0
+    for i, line in enumerate(lines):
+        audio += base64.b64decode(line["audio_base64"])
+        if kind == "mp3":  # (whole frames: FFmpeg's probe wants more than one or two to read a stream)
+            heard_s = len(av.CodecContext.create("mp3", "r").parse(audio)) * frame_samples("mp3", int(rate)) / int(rate)
+        else:
+            try:
+                decoded, decoded_rate = decode_output(audio, encoding, int(rate))
+                heard_s = len(decoded) / decoded_rate
+            except av.error.EOFError:  # (an Ogg stream's header pages only: no audio yet)
+                heard_s = 0.0
+        if line["alignment"] is not None:
+            ends = line["alignment"]["character_end_times_seconds"]
+            late += [(i, end, round(heard_s, 4)) for end in ends if end > heard_s + 1e-4]
+    assert not late, late
+    decoded, decoded_rate = decode_output(audio, encoding, int(rate))
+    assert heard_s == pytest.approx(len(decoded) / decoded_rate, abs=1e-9)
+    aligned = [x["alignment"] for x in lines if x["alignment"] is not None]
+    ends = [e for a in aligned for e in a["character_end_times_seconds"]]
+    assert ends == sorted(ends) and ends[-1] == pytest.approx(heard_s, abs=1e-4)
+    assert "".join(c for a in aligned for c in a["characters"]).split() == text.split()
 
 
 def test_elevenlabs_single_context_stream_input(srv):

@@ -462,3 +462,103 @@ def test_a_stream_cut_off_then_the_next_one_decode_as_one():
     second = nxt.encode(audio, last=True)
     both, rate = decode_output(first + second, "mp3", 22050)
     assert len(both) / rate == pytest.approx(cut.heard_s + nxt.heard_s, abs=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("encoding", "rate"),
+    [("opus", r) for r in (8000, 16000, 24000, 48000)] + [("flac", r) for r in (8000, 22050, 24000, 44100, 48000)],
+)
+def test_flac_and_opus_are_heard_as_far_as_their_bytes_out_decode(encoding, rate):
+    """FLAC's and Opus's encoders hold back up to a frame (FLAC_BLOCK samples; a 20 ms Opus packet, and the Ogg muxer
+    its last packet until the next one): after every piece `heard_s` is what a decoder (PyAV) makes of the bytes out
+    so far (Opus's pre-skip trimmed), closed the whole audio; every piece is whole pages (Ogg) or frames (FLAC), and
+    no word a message gives lies past it. (`heard_s` was the samples taken in: up to a FLAC frame ahead of the bytes,
+    48 ms at 24 kHz, 144 at 8 kHz, and up to 46 ms at Opus, so a word came before its audio, and a barge-in's
+    messages said more audio than the client got.)"""
+    import av
+
+    from app.io.audio_output import FLAC_BLOCK, Encoder, decode_output, ogg_pages
+
+    audio = speech(0.8, lead_s=0.1, seed=8)
+    enc = Encoder(encoding, rate)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin(TEXT)
+    data = b""
+    pieces = [*np.array_split(audio, 11), np.zeros(0, np.int16)]
+    for i, piece in enumerate(pieces):
+        last = i == len(pieces) - 1
+        out = enc.encode(piece, last=last)
+        if encoding == "opus":
+            assert ogg_pages(out)[1] == b"", i  # (whole pages)
+        elif i:  # (the first piece: the stream's header, then frames)
+            assert not out or out[:2] in (b"\xff\xf8", b"\xff\xf9"), i
+        data += out
+        if last:
+            timeline.end()
+        else:
+            timeline.feed(piece, enc.native_heard)
+        chunk = timeline.take(final=last)
+        try:
+            decoded, decoded_rate = decode_output(data, encoding, rate)
+        except av.error.EOFError:  # (FFmpeg's demuxer finds no audio packet after the header: nothing to play)
+            decoded, decoded_rate = np.zeros(0, np.float32), rate
+        assert enc.heard_s == pytest.approx(len(decoded) / decoded_rate, abs=1e-9), i
+        assert chunk.end_s == pytest.approx(enc.heard_s, abs=1e-9)
+        assert all(w.end_s <= chunk.end_s + 1e-9 for w in chunk.words), (i, chunk)
+        if encoding == "flac" and not last:
+            assert len(decoded) % FLAC_BLOCK == 0
+    assert len(decoded) / decoded_rate == pytest.approx(len(audio) / SAMPLE_RATE, abs=1.5 / rate)
+
+
+def test_an_opus_stream_cut_off_then_the_next_one_decode_as_one():
+    """A barge-in at opus_48000_64 (ElevenLabs' socket): the utterance's Ogg stream stops where its last message did
+    (whole pages, no end-of-stream page), and the next context's stream follows on the socket. A decoder fed both as
+    one plays each (FFmpeg's demuxer takes the next stream's header pages as such): the cut one's packets less its
+    pre-skip, then the next one's, as long as `heard_s` said of each. (It said the samples taken in: 34 ms more of the
+    cut one than a decoder plays: the part of a packet its encoder held, the packet the Ogg muxer held, the pre-skip.)
+    Only the lengths: FFmpeg's Opus decoder is not reset at the next stream's header, so that stream's first 20-40 ms
+    decode unlike it does alone (after a whole stream too)"""
+    from app.io.audio_output import Encoder, decode_output, ogg_pages
+
+    audio = speech(0.7, seed=7)
+    cut = Encoder("opus", 48000, bit_rate=64000)
+    AudioTimeline(heard=cut)
+    first = b"".join(cut.encode(piece) for piece in np.array_split(audio, 6))
+    nxt = Encoder("opus", 48000, bit_rate=64000)
+    AudioTimeline(heard=nxt)
+    second = nxt.encode(audio, last=True)
+    assert ogg_pages(first)[1] == b""
+    cut_alone, rate = decode_output(first, "opus", 48000)
+    both, rate = decode_output(first + second, "opus", 48000)
+    assert len(cut_alone) / rate == pytest.approx(cut.heard_s, abs=1e-9)
+    assert len(both) / rate == pytest.approx(cut.heard_s + nxt.heard_s, abs=1e-9)
+
+
+def test_the_words_an_utterance_leaves_wait_for_their_audio():
+    """An HTTP answer is one stream: its encoder (mp3_22050_32) still holds the end of a sentence when the next one
+    begins, so the words that sentence's end placed come in the first message whose decoded audio reaches them, not
+    before (they came with the next message whatever it held: a word 130 ms past its line's audio); the last message
+    has every word left."""
+    from app.io.audio_output import Encoder
+
+    enc = Encoder("mp3", 22050, bit_rate=32000)
+    timeline = AudioTimeline(heard=enc)
+    timeline.begin("Hello there, my friend.")
+    first = speech(0.5, seed=9)
+    enc.encode(first)
+    timeline.feed(first, enc.native_heard)
+    taken = timeline.take().words
+    timeline.end()  # (the sentence's audio is all handed in; its last ~1,700 samples are in LAME)
+    timeline.begin("How are you?")
+    chunks = []
+    for piece in np.array_split(speech(0.6, seed=10), 12):
+        enc.encode(piece)
+        timeline.feed(piece, enc.native_heard)
+        chunks.append(timeline.take())
+        assert all(w.end_s <= chunks[-1].end_s + 1e-9 for w in chunks[-1].words), len(chunks)
+    enc.encode(np.zeros(0, np.int16), last=True)
+    timeline.end()
+    chunks.append(timeline.take(final=True))
+    words = [w.word for w in taken] + [w.word for c in chunks for w in c.words]
+    assert words == ["Hello", "there,", "my", "friend.", "How", "are", "you?"]
+    assert "friend." not in [w.word for w in chunks[0].words]  # (its audio not out of LAME yet: in a later message)
