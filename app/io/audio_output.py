@@ -31,6 +31,8 @@ The HTTP file formats, streamed as the audio is generated, through LAME (lameenc
 * `opus`: libopus in Ogg through PyAV, a page per 20 ms packet (`OPUS_BIT_RATE`, VBR): a third of the CPU
   of libsndfile's Opus encoder, whose setup had no way to ask for less, and its first page as soon. FFmpeg's Ogg
   muxer writes a packet's page when the next packet comes (PyAV has no call that flushes it sooner).
+  Every stream begins with 20 ms of silence inside its pre-skip (`OPUS_LEAD_IN_MS`): a socket's utterances are a
+  chain of streams, which FFmpeg's decoder plays without a reset between them.
 
 `StreamEncoder(fmt, rate, whole=True)` encodes the same way and hands out the finished file at the end, its
 header complete (FLAC's sample count and MD5, written into a seekable buffer; WAV's sizes): what a client gets
@@ -110,6 +112,13 @@ OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 6
 OPUS_RATES = tuple(OPUS_BIT_RATE)
 OPUS_GRANULE_RATE = 48000  # Ogg Opus counts samples (granule positions, its header's pre-skip) at 48 kHz at any rate
 OPUS_PAGE_MS = 20  # an Ogg page per Opus packet: FFmpeg's default page of 1 s would hold the first audio back
+# Every Ogg Opus stream begins with a packet of digital silence (one 20 ms frame, OPUS_PAGE_MS) inside its pre-skip: a
+# socket sends a context's utterances as a chain of streams, one per utterance, and a decoder that is not reset at the
+# next stream's header (FFmpeg's, native and libopus: ffmpeg, ffplay, PyAV) decoded that stream with the last one's
+# state, its first 20 ms up to 10x too loud (CELT codes a band's energy as a change from the last frame's); a silent
+# frame sets both the encoder's and any decoder's energies to the same floor, so the stream decodes sample for sample
+# as it does alone. Every decoder drops the pre-skip (RFC 7845), this frame with it.
+OPUS_LEAD_IN_MS = OPUS_PAGE_MS
 # samples in a FLAC frame: a frame goes out whole, so a stream holds back up to one (26 ms at 44.1 kHz, 48 at 24 kHz;
 # libsndfile's 4,096 held 93 / 171 ms); 576, FLAC's smallest standard size, would halve that for more frame overhead
 FLAC_BLOCK = 1152
@@ -248,18 +257,36 @@ class FfmpegEncoder:
         self._ogg = _OggPackets(2) if container == "ogg" else None  # (Ogg Opus's header packets: OpusHead, OpusTags)
         self._queued: collections.deque[int] = collections.deque()  # the durations of the packets muxed, not yet out
         self.played = 0
+        if codec == "libopus":  # (the silent lead-in, OPUS_LEAD_IN_MS)
+            self._lead_in()
         head = self._sink.getvalue() if isinstance(self._sink, io.BytesIO) else bytes(self._sink.pending)
         # the samples of the first packets a decoder drops (Opus's pre-skip, in its header)
         self.trimmed = opus_pre_skip(head) * sample_rate / OPUS_GRANULE_RATE if codec == "libopus" else 0.0
 
+    def _lead_in(self) -> None:
+        """Encode OPUS_LEAD_IN_MS of silence (its packet held by the muxer until the first audio's comes) and add it
+        to the pre-skip of the header the muxer wrote (not taken yet), so that decoders drop it."""
+        assert isinstance(self._sink, _MuxSink)
+        self._encode(np.zeros(self.sample_rate * OPUS_LEAD_IN_MS // 1000, np.float32))
+        pages, _ = ogg_pages(bytes(self._sink.pending))
+        head = bytearray(pages[0])  # (OpusHead, alone on the stream's first page)
+        at = head.index(b"OpusHead") + _OPUS_HEAD_PRE_SKIP
+        pre_skip = struct.unpack_from("<H", head, at)[0] + OPUS_GRANULE_RATE * OPUS_LEAD_IN_MS // 1000
+        struct.pack_into("<H", head, at, pre_skip)
+        ogg_checksum(head)
+        self._sink.pending[: len(head)] = head
+
     def write(self, samples: np.ndarray) -> bytes:
+        self._encode(samples)
+        return self._take()
+
+    def _encode(self, samples: np.ndarray) -> None:
         if len(samples):
             frame = self._av.AudioFrame.from_ndarray(
                 np.ascontiguousarray(samples, np.float32)[None, :], format="flt", layout="mono"
             )
             frame.sample_rate = self.sample_rate
             self._mux(self._stream.encode(frame))  # PyAV regroups the samples into the codec's frames
-        return self._take()
 
     def _mux(self, packets: list) -> None:  # (av.Packet, in the codec's time base: 1 / sample_rate)
         if isinstance(self._sink, _MuxSink):  # (a whole file's bytes are all out at the end)
@@ -295,6 +322,29 @@ def ogg_pages(data: bytes) -> tuple[list[bytes], bytes]:
         pages.append(data[at : at + size])
         at += size
     return pages, data[at:]
+
+
+@functools.cache
+def _ogg_crc_table() -> tuple[int, ...]:
+    """Ogg's page checksum: CRC-32 with the polynomial 0x04C11DB7, neither reflected nor inverted (RFC 3533)."""
+    table = []
+    for i in range(256):
+        c = i << 24
+        for _ in range(8):
+            c = ((c << 1) ^ 0x04C11DB7) if c & 0x80000000 else c << 1
+        table.append(c & 0xFFFFFFFF)
+    return tuple(table)
+
+
+def ogg_checksum(page: bytearray) -> None:
+    """Set an Ogg page's checksum field (bytes 22-25) to the checksum of the page with that field zero (a page whose
+    bytes were changed: libogg and FFmpeg's demuxer drop a page whose checksum is wrong)."""
+    table = _ogg_crc_table()
+    page[22:26] = bytes(4)
+    crc = 0
+    for b in page:
+        crc = ((crc << 8) & 0xFFFFFFFF) ^ table[(crc >> 24) ^ b]
+    struct.pack_into("<I", page, 22, crc)
 
 
 class _OggPackets:
@@ -345,13 +395,16 @@ def opus_encoder(sample_rate: int, bit_rate: int | None = None) -> FfmpegEncoder
     return FfmpegEncoder("ogg", "libopus", sample_rate, bits, page_duration=str(OPUS_PAGE_MS * 1000))
 
 
+_OPUS_HEAD_PRE_SKIP = 10  # where OpusHead's 16-bit pre-skip is (RFC 7845 5.1: the magic, the version, the channels)
+
+
 def opus_pre_skip(head: bytes) -> int:
     """The pre-skip of an Ogg Opus stream's header (its OpusHead, in the first page): the samples at 48 kHz of its first
-    packets that a decoder drops (libopus's look-ahead: 312)."""
+    packets that a decoder drops (libopus's look-ahead, 312, and the silent lead-in, OPUS_LEAD_IN_MS: 1,272)."""
     at = head.find(b"OpusHead")
-    if at < 0 or len(head) < at + 12:
+    if at < 0 or len(head) < at + _OPUS_HEAD_PRE_SKIP + 2:
         raise ValueError("no OpusHead in the Ogg stream's first bytes")
-    return int(struct.unpack_from("<H", head, at + 10)[0])
+    return int(struct.unpack_from("<H", head, at + _OPUS_HEAD_PRE_SKIP)[0])
 
 
 def mp3_bit_rate(sample_rate: int, bit_rate: int | None = None) -> int:
@@ -732,19 +785,22 @@ def first_samples(encoding: str, sample_rate: int) -> int:
     at its start, app/io/resample.py; all within the engine's first 10-frame DAC call) and, for a compressed
     format, its codec (LAME's and AAC's frames and look-ahead, FLAC's blocks (FLAC_BLOCK), Opus's Ogg
     pages). Asked of the encoders themselves, once per output: fresh encoders fed more and more (more input
-    never gives less output). Audio means bytes past those a codec writes on its first write whatever it
-    holds (Ogg's and FLAC's headers), and for MP3 a whole frame: LAME hands out the first bytes of a frame
-    long before the rest (at 24 kHz 157 of the first frame's 192 bytes after 1,554 samples, the rest after
-    3,208), which no streaming player can play, so a first call sized for those bytes left an MP3 listener's
-    first audio to the next call, 10 steps later; 1 at the native rate in a sample encoding (nothing held
-    back)."""
+    never gives less output). Audio means bytes a decoder plays: FLAC's and Opus's packets past their headers
+    (`Encoder.native_heard`: Opus's first page past its header is its silent lead-in, which decoders drop with the
+    pre-skip), AAC's frames, and for MP3 a whole frame: LAME hands out the first bytes of a frame long before the
+    rest (at 24 kHz 157 of the first frame's 192 bytes after 1,554 samples, the rest after 3,208), which no
+    streaming player can play, so a first call sized for those bytes left an MP3 listener's first audio to the next
+    call, 10 steps later; 1 at the native rate in a sample encoding (nothing held back)."""
     if encoding not in COMPRESSED and sample_rate == NATIVE_RATE:
         return 1
     header = len(StreamEncoder(encoding, sample_rate).write(np.zeros(1, np.float32))) if encoding in COMPRESSED else 0
     signal = (np.random.default_rng(0).standard_normal(NATIVE_RATE) * 3000).astype(np.int16)
 
     def outputs(n: int) -> bool:
-        data = Encoder(encoding, sample_rate).encode(signal[:n])
+        enc = Encoder(encoding, sample_rate)
+        data = enc.encode(signal[:n])
+        if encoding in PACKETS_PLAYED:  # (Opus's first page past its header is its silent lead-in, all pre-skip)
+            return enc.native_heard > 0
         return bool(_mp3_frames(data)) if encoding == "mp3" else len(data) > header
 
     seen = _FIRST_SAMPLES_SEEN.get((encoding, sample_rate))

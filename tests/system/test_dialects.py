@@ -443,6 +443,12 @@ def test_elevenlabs_word_times_of_many_utterances_on_one_context_clock(srv, fmt,
     lags = [_lag(heard, pcm[k * n1 : (k + 1) * n1]) - k * n1 for k in range(4)]
     if fmt.startswith("opus"):
         assert lags == [0, 0, 0, 0]
+        # a chain of four Ogg Opus streams, each utterance's beginning with its first message; decoded as one (FFmpeg's
+        # decoder, not reset at a stream's header), each plays as it does alone (the silent lead-in in its pre-skip)
+        links = _ogg_links(log, "c1")
+        assert len(links) == 4
+        alone = [decode_output(link, "opus", rate)[0] for link in links]
+        assert np.array_equal(heard, np.concatenate(alone))
     else:  # the delay, then the delay and the padding of every utterance before
         assert lags[0] == 1105 and all(b - a > 1105 for a, b in itertools.pairwise(lags)), lags
     plain, timed = _el_word_starts(pcm_log), _el_word_starts(log)
@@ -452,6 +458,21 @@ def test_elevenlabs_word_times_of_many_utterances_on_one_context_clock(srv, fmt,
         assert abs(t - t_pcm - lags[sentence[i]] / rate * 1e3) < 0.2, (i, t_pcm, t, lags)
     starts = [t for m in log if "audio" in m and m["alignment"] for t in m["alignment"]["charStartTimesMs"]]
     assert starts == sorted(starts)
+
+
+def _ogg_links(log: list[dict[str, Any]], ctx: str) -> list[bytes]:
+    """A context's Ogg streams, one per utterance: a stream begins with a page flagged 'beginning of stream' (its
+    header type's flag 0x02: RFC 3533), which only an utterance's first audio message begins with."""
+    links: list[bytes] = []
+    for m in log:
+        if m.get("audio") and m.get("contextId") == ctx:
+            data = base64.b64decode(m["audio"])
+            pages, _ = ogg_pages(data)
+            assert not any(page[5] & 2 for page in pages[1:]), "a stream begins inside a message"
+            if pages[0][5] & 2:
+                links.append(b"")
+            links[-1] += data
+    return links
 
 
 def _mp3_frames_heard(data: bytes, rate: int) -> float:
