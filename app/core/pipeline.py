@@ -80,8 +80,9 @@ def inline_pieces(
 ) -> tuple[list[tuple[str | MarkedText | float, SynthesisOptions]], StyleTag | None]:
     """The utterances `texts` become, in order: spoken text with its options (a style tag's emotion applied:
     app/core/style_tags.py; MarkedText: with the marks it holds, its text perhaps empty) or a break's seconds
-    (app/core/breaks.py), and the style tag in effect after them (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken.
-    `partial`: `texts` is a streamed message, whose last tag may still be arriving."""
+    (app/core/breaks.py), and the style tag in effect after them (`style`: the one in effect before). Raises the
+    RequestError of a break or tag that cannot be taken. `partial`: `texts` is a streamed message, whose last tag may
+    still be arriving."""
     styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
 
     def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once

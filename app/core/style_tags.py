@@ -23,8 +23,11 @@ it stands in (`spell_out`), a bracket's too (`<spell>[laughs]</spell>` is "[ l a
 `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme input, as for a
 dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
 and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`,
-`<p>`, `<s>` and Azure's wrapping `<voice>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are
-taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
+`<p>`, `<s>` and Azure's wrapping `<voice>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are taken out
+(`unwrap`) and the text inside them spoken. SSML's `<mark name="..."/>` is not spoken either: a named point of the
+text (`Mark`), kept with the text around it (`MarkedText`: a mark does not cut an utterance) for our socket to report
+once the audio before it is sent (app/core/timestamps.py `MarkTime`); a mark without a good name is `bad_text`
+(`mark_name`). SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
 what they say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits, telephone)
 becomes a spell element of its text, one of a number (cardinal, number) its text, read as written; any other
 interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and
@@ -280,6 +283,7 @@ def read_as(text: str, partial: bool = False) -> str:
             _read(m.group(2), m.group(3), m.group(0), "")
         if not partial:
             whole = "its opening, text and closing in one sentence, no longer than an utterance"
+            whole += ", its text without tags (a mark goes before or after it)" if MARK.search(text) else ""
             raise RequestError(G.BAD_TEXT, f"a {m.group(2).lower()} element is whole, {whole}: {m.group(0)[:60]!r}")
     return _READ_AS_TAG.sub("", text) if partial else text
 
