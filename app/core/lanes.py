@@ -65,12 +65,17 @@ class Lanes(Mapping[str, Lane]):
     marks wait for, and when their listeners will have heard their audio."""
 
     def __init__(
-        self, gw: Gateway, api: str, per_context: bool, conversation: Conversation | None = None, marks: bool = False
+        self,
+        gw: Gateway,
+        api: str,
+        per_context: bool,
+        conversation: Conversation | None = None,
+        ssml_marks: bool = False,
     ) -> None:
         """`conversation`: the session as the door sees it, told of each engine request its lanes send and end;
-        `marks`: the session reports SSML's marks (its pipelines' utterances carry them)."""
+        `ssml_marks`: the session reports SSML's marks (its pipelines' utterances carry them)."""
         self._gw, self._api = gw, api
-        self._marks = marks
+        self._ssml_marks = ssml_marks
         self._conversation = conversation
         self.per_context = per_context
         self._lanes: dict[str, Lane] = {}
@@ -104,11 +109,11 @@ class Lanes(Mapping[str, Lane]):
                 released=self.released,
                 numbers=self._numbers,
                 conversation=self._conversation,
-                marks=self._marks,
+                ssml_marks=self._ssml_marks,
             )
             if self.per_context
             else UtterancePipeline(
-                self._gw, self._api, numbers=self._numbers, conversation=self._conversation, marks=self._marks
+                self._gw, self._api, numbers=self._numbers, conversation=self._conversation, ssml_marks=self._ssml_marks
             )
         )
         lane = self._lanes[key] = Lane(key, pipe)

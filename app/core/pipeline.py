@@ -123,17 +123,17 @@ class UtterancePipeline:
         released: Callable[[], None] | None = None,
         numbers: Iterator[int] | None = None,
         conversation: Conversation | None = None,
-        marks: bool = False,
+        ssml_marks: bool = False,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
         of several contexts shares its engine work among their pipelines: app/core/lanes.py). `numbers`: its
         utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
         it is idle and the next text starts another, whose utterances must still number after those before).
-        `conversation`: its session as the door sees it, told of each engine request sent and ended. `marks`: its
+        `conversation`: its session as the door sees it, told of each engine request sent and ended. `ssml_marks`: its
         consumer reports SSML's marks (our socket: app/core/style_tags.py `Mark`), which its utterances then carry (else
         they are taken out of the text, unreported)."""
         self.gw, self.api = gw, api
-        self.marks = marks
+        self.ssml_marks = ssml_marks
         self.conversation = conversation
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
         self.may_start, self.released = may_start, released
@@ -176,7 +176,7 @@ class UtterancePipeline:
         for piece, piece_opts in pieces:
             marks: tuple[tuple[int, str], ...] = ()
             if isinstance(piece, MarkedText):
-                marks = piece.marks if self.marks else ()
+                marks = piece.marks if self.ssml_marks else ()
                 if not piece.text and not marks:  # marks alone, unreported: nothing to say
                     continue
                 piece = piece.text or 0.0  # marks alone: an utterance of no audio where they stand (as a break of none)

@@ -171,7 +171,7 @@ class StreamingSession:
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/door_policy.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
-        self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation, marks=self.reports_marks)
+        self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation, ssml_marks=self.reports_marks)
         self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)

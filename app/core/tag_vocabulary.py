@@ -9,7 +9,8 @@ comment, a document type, taken out).
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/breaks.py reads its breaks,
 app/core/instructions.py maps an instruction's words onto the emotion axes, app/voices/lexicons.py refuses a
-pronunciation rule whose alias holds a tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element.
+pronunciation rule whose alias holds a tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element
+and keeps the marks (`MARK`) that follow a sentence with it.
 Of app/ it imports only io/errors.py, so each of them can import it: the options import the dictionaries, and the
 tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
 """

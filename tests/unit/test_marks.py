@@ -16,11 +16,16 @@ from app.core.style_tags import MarkedText, StyleTag, split_tags
 from app.core.tag_vocabulary import MARK_NAME_MAX
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline, WordClock
+from app.doors.dialects.cartesia import CartesiaSession
+from app.doors.dialects.deepgram import DeepgramSession
+from app.doors.dialects.elevenlabs import ElevenLabsSession
+from app.doors.ws import Session
 from app.io.errors import RequestError
 from engine.contract.constants import SAMPLE_RATE
 from tests.unit.test_pipeline import TIMEOUT, FakeEngine, fake_gateway, open_session, shut
 from tests.unit.test_timestamps import speech
 
+DIALECTS = (ElevenLabsSession, CartesiaSession, DeepgramSession)
 BINARY = "<audio>"  # a binary frame, in a socket's messages as `received` lists them
 
 
@@ -308,6 +313,7 @@ def test_the_dialects_and_http_take_marks_out_unreported_as_before():
     added, texts, chunks = asyncio.run(go())
     assert [(u.text, u.marks) for u in added] == [("Hi there.", ())]
     assert texts[-1] == "Go on." and chunks
+    assert Session.reports_marks and not any(d.reports_marks for d in DIALECTS)  # (whose lanes' pipelines these are)
 
 
 async def _spoken_over_http(gw, text: str):
