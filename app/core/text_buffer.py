@@ -51,7 +51,6 @@ _WHOLE_CLOSE |= {opening: re.compile(re.escape(end)) for opening, end in _XML_EN
 # SSML's marks at a sentence's start (the segmenter leaves `you.<mark name="x"/> ` a sentence's end and puts the mark
 # before the next one) belong to the sentence before them: reported after its last word, not after the next one starts
 _LEADING_MARKS = re.compile(rf"(?:\s*{MARK.pattern})+\s*", re.IGNORECASE)
-_TRAILING_MARKS = re.compile(rf"(?:{MARK.pattern}\s*)+$", re.IGNORECASE)
 
 
 def segmenter_language(language: str) -> str:
@@ -133,6 +132,22 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
     return parts
 
 
+def _before_marks(segment: str) -> str:
+    """`segment` without the marks (and whitespace) it ends with: where its text ends (a period's place). Its marks
+    are found once, and the ones at its end walked back (a pattern anchored at the end was tried from every mark of it:
+    quadratic in a message of marks)."""
+    end = len(segment.rstrip())
+    if not segment.endswith(">", 0, end):
+        return segment
+    for m in reversed(list(MARK.finditer(segment, 0, end))):
+        if m.end() != end:
+            break
+        end = m.start()
+        while end and segment[end - 1].isspace():
+            end -= 1
+    return segment[:end]
+
+
 def _marks_kept_before(segments: list[str]) -> list[str]:
     """`segments` with the marks that begin one moved to the end of the one before it (`_LEADING_MARKS`); a segment
     of marks alone is no sentence of its own."""
@@ -206,7 +221,7 @@ class TextBuffer:
         # period: once the first word after it is complete).
         segments = self._segments(self.text)
         keep = 1
-        ended = _TRAILING_MARKS.sub("", segments[-2]) if len(segments) > 1 else ""  # (the period before its marks)
+        ended = _before_marks(segments[-2]) if len(segments) > 1 else ""  # (the period before its marks)
         if len(segments) > 1 and _PERIOD_END.search(ended) and not _COMPLETE_WORD.search(segments[-1]):
             keep = 2
         if len(segments) > keep:
