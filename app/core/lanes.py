@@ -64,9 +64,18 @@ class Lanes(Mapping[str, Lane]):
     """A session's lanes by key (a context's id, or DEFAULT_CONTEXT for the one lane of every context), what their
     marks wait for, and when their listeners will have heard their audio."""
 
-    def __init__(self, gw: Gateway, api: str, per_context: bool, conversation: Conversation | None = None) -> None:
-        """`conversation`: the session as the door sees it, told of each engine request its lanes send and end."""
+    def __init__(
+        self,
+        gw: Gateway,
+        api: str,
+        per_context: bool,
+        conversation: Conversation | None = None,
+        ssml_marks: bool = False,
+    ) -> None:
+        """`conversation`: the session as the door sees it, told of each engine request its lanes send and end;
+        `ssml_marks`: the session reports SSML's marks (its pipelines' utterances carry them)."""
         self._gw, self._api = gw, api
+        self._ssml_marks = ssml_marks
         self._conversation = conversation
         self.per_context = per_context
         self._lanes: dict[str, Lane] = {}
@@ -100,9 +109,12 @@ class Lanes(Mapping[str, Lane]):
                 released=self.released,
                 numbers=self._numbers,
                 conversation=self._conversation,
+                ssml_marks=self._ssml_marks,
             )
             if self.per_context
-            else UtterancePipeline(self._gw, self._api, numbers=self._numbers, conversation=self._conversation)
+            else UtterancePipeline(
+                self._gw, self._api, numbers=self._numbers, conversation=self._conversation, ssml_marks=self._ssml_marks
+            )
         )
         lane = self._lanes[key] = Lane(key, pipe)
         return lane

@@ -32,7 +32,7 @@ from app.core.gateway import Gateway, utterance_bytes
 from app.core.options import SynthesisOptions
 from app.core.playout import PlayoutClock
 from app.core.stitching import Stitch
-from app.core.style_tags import StyleTag, split_tags, styled_options
+from app.core.style_tags import MarkedText, StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline
@@ -77,11 +77,12 @@ def inline_pieces(
     clip: tuple[np.ndarray, int] | None,
     style: StyleTag | None = None,
     partial: bool = False,
-) -> tuple[list[tuple[str | float, SynthesisOptions]], StyleTag | None]:
+) -> tuple[list[tuple[str | MarkedText | float, SynthesisOptions]], StyleTag | None]:
     """The utterances `texts` become, in order: spoken text with its options (a style tag's emotion applied:
-    app/core/style_tags.py) or a break's seconds (app/core/breaks.py), and the style tag in effect after them
-    (`style`: the one in effect before). Raises the RequestError of a break or tag that cannot be taken.
-    `partial`: `texts` is a streamed message, whose last tag may still be arriving."""
+    app/core/style_tags.py; MarkedText: with the marks it holds, its text perhaps empty) or a break's seconds
+    (app/core/breaks.py), and the style tag in effect after them (`style`: the one in effect before). Raises the
+    RequestError of a break or tag that cannot be taken. `partial`: `texts` is a streamed message, whose last tag may
+    still be arriving."""
     styled: dict[StyleTag | None, SynthesisOptions] = {None: opts}
 
     def options(tag: StyleTag | None) -> SynthesisOptions:  # each tag's options, checked once
@@ -95,7 +96,7 @@ def inline_pieces(
             gw.check_emotion(styled[tag], voice, clip is not None)
         return styled[tag]
 
-    pieces: list[tuple[str | float, SynthesisOptions]] = []
+    pieces: list[tuple[str | MarkedText | float, SynthesisOptions]] = []
     for text in texts:
         for piece in split_breaks(text, partial):
             if not isinstance(piece, str):
@@ -122,13 +123,17 @@ class UtterancePipeline:
         released: Callable[[], None] | None = None,
         numbers: Iterator[int] | None = None,
         conversation: Conversation | None = None,
+        ssml_marks: bool = False,
     ) -> None:
         """`may_start(pipe)`: whether it may start engine work now, and `released()`: it has none left (a session
         of several contexts shares its engine work among their pipelines: app/core/lanes.py). `numbers`: its
         utterances' numbers (`seq`), a session's own (it outlives a pipeline: a lane of its own context ends when
         it is idle and the next text starts another, whose utterances must still number after those before).
-        `conversation`: its session as the door sees it, told of each engine request sent and ended."""
+        `conversation`: its session as the door sees it, told of each engine request sent and ended. `ssml_marks`: its
+        consumer reports SSML's marks (our socket: app/core/style_tags.py `Mark`), which its utterances then carry (else
+        they are taken out of the text, unreported)."""
         self.gw, self.api = gw, api
+        self.ssml_marks = ssml_marks
         self.conversation = conversation
         self.depth = max(1, depth or gw.settings.limits.max_inflight_per_session)
         self.may_start, self.released = may_start, released
@@ -169,6 +174,12 @@ class UtterancePipeline:
             self.styles[context_id] = style
         added = []
         for piece, piece_opts in pieces:
+            marks: tuple[tuple[int, str], ...] = ()
+            if isinstance(piece, MarkedText):
+                marks = piece.marks if self.ssml_marks else ()
+                if not piece.text and not marks:  # marks alone, unreported: nothing to say
+                    continue
+                piece = piece.text or 0.0  # marks alone: an utterance of no audio where they stand (as a break of none)
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
             fmt = output() if output is not None else None
@@ -185,6 +196,7 @@ class UtterancePipeline:
                 voice=voice,
                 clip=clip,
                 output=fmt,
+                marks=marks,
             )
             if not isinstance(piece, str):  # a break: no engine work, and the chain goes on after it
                 u.silence_s = piece

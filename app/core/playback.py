@@ -141,7 +141,7 @@ class Playback:
         # what each message covers, on the audio its listener's decoder plays: each utterance has an encoder of its own,
         # a stream whose decoded audio begins with its codec's delay (app/core/timestamps.py)
         timeline = AudioTimeline(words=stage.words_for(u), heard=u.encoder)
-        u.clock = timeline.begin(u.text)
+        u.clock = timeline.begin(u.text, u.marks)  # (marks: only where the session reports them)
         u.aligned = stage.aligned_for(u) and self._gw.engine.aligns and u.silence_s is None and bool(u.text.strip())
         sent: list[np.ndarray] | None = [] if u.aligned else None
         async with contextlib.aclosing(lane.pipe.play(u)) as chunks:
@@ -171,7 +171,7 @@ class Playback:
             chunk = timeline.take(final=True)
             if tail:
                 await stage.on_audio(u, tail, chunk)
-            elif chunk.words or chunk.end_s > chunk.start_s:
+            elif chunk.words or chunk.marks or chunk.end_s > chunk.start_s:
                 await stage.on_words(u, chunk)
             await stage.on_utterance_done(u)
             if sent is not None:

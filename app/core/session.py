@@ -137,6 +137,9 @@ class ClientStalled(Exception):
 class StreamingSession:
     api = "ws"  # the metrics label of its utterances
     lane_per_context = False
+    # SSML's marks are reported (`on_audio`'s chunk carries them: app/core/timestamps.py); else they are taken out of
+    # the text unreported, as the dialects' APIs have no such event
+    reports_marks = False
     # When each context has its own lane: the contexts a session holds at most, those with buffered text or queued
     # audio and those idle in an open turn (`kept_contexts`), and the dialect's code for a context refused past it
     max_contexts = 64
@@ -168,7 +171,7 @@ class StreamingSession:
         self.message_chars = 0  # the characters of the message being handled (`_receive_loop`)
         # what the door holds room for (app/core/door_policy.py)
         self.conversation = Conversation(self.limits.conversation_hold_s)
-        self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation)
+        self.lanes = Lanes(gw, self.api, self.lane_per_context, self.conversation, ssml_marks=self.reports_marks)
         self._holds = Holds(f"hold-{self.id}")  # the timers that speak held-back text (`hold_for`)
         # contexts whose turn is open: text came since the turn's end (a flush that ends it, a close, a cancel).
         # While the server drains, such a turn is spoken to its end and no new one is taken (`append_text`)
@@ -197,7 +200,7 @@ class StreamingSession:
         await self.send_bytes_locked(data)
 
     async def on_words(self, u: Utterance, chunk: Chunk) -> None:
-        """The words u's audio completes after its last audio message (the encoder had nothing left to
+        """The words (and marks) u's audio completes after its last audio message (the encoder had nothing left to
         send with them). Called under the send lock."""
 
     def words_for(self, u: Utterance) -> bool:

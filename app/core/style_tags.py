@@ -23,8 +23,11 @@ it stands in (`spell_out`), a bracket's too (`<spell>[laughs]</spell>` is "[ l a
 `unsupported_tag` like [whispering]; so is ElevenLabs' SSML `<phoneme ...>` (ZONOS2 has no phoneme input, as for a
 dictionary's phoneme rule), and SSML's `<prosody>`, `<emphasis>`, `<audio>` and `<lang>`, and Polly's
 and Azure's own (`<amazon:effect>`, `<mstts:express-as>`, ...: UNSUPPORTED_ELEMENTS). SSML's structure, `<speak>`,
-`<p>`, `<s>` and Azure's wrapping `<voice>`, and its `<mark>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are
-taken out (`unwrap`) and the text inside them spoken. SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
+`<p>`, `<s>` and Azure's wrapping `<voice>` (WRAPPER_ELEMENTS) ask for nothing spoken: their tags are taken out
+(`unwrap`) and the text inside them spoken. SSML's `<mark name="..."/>` is not spoken either: a named point of the
+text (`Mark`), kept with the text around it (`MarkedText`: a mark does not cut an utterance) for our socket to report
+once the audio before it is sent (app/core/timestamps.py `MarkTime`); a mark without a good name is `bad_text`
+(`mark_name`). SSML's `<say-as>` and `<sub>` (READ_AS_ELEMENTS) are replaced by
 what they say (`read_as`): a say-as that spells (interpret-as characters, spell-out, verbatim, digits, telephone)
 becomes a spell element of its text, one of a number (cardinal, number) its text, read as written; any other
 interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.</sub>` is its alias, spoken and
@@ -49,6 +52,9 @@ from app.core.tag_vocabulary import (
     BREAK_OPEN,
     ELEMENT_OPEN,
     EMOTION_OPEN,
+    MARK,
+    MARK_ELEMENT,
+    MARK_NAME_MAX,
     NEUTRAL,
     READ_AS_ELEMENTS,
     REFERENCE,
@@ -76,9 +82,13 @@ _ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX
 # a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
 # text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
 # (and XML's own markup: a declaration, a comment, a document type)
+# (and XML's own markup: a declaration, a comment, a document type; and a mark's closing, `<mark name="x"></mark>`)
 _WRAPPER = re.compile(
-    rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>|{XML_MARKUP.pattern}", re.IGNORECASE
+    rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>|{XML_MARKUP.pattern}"
+    rf"|<\s*/\s*{MARK_ELEMENT}\s*>",
+    re.IGNORECASE,
 )
+
 _SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
 _EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
@@ -98,8 +108,42 @@ class StyleTag:
     written: str  # the tag as the text has it (for errors)
 
 
-def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
-    found = []
+@dataclass(frozen=True)
+class Mark:
+    """SSML's `<mark name="..."/>`: a named point of the text, not spoken (`mark_name` checks it)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class MarkedText:
+    """Spoken text with the marks it holds: each (where it stands in `text`, a character index: the words that end by
+    then are before it; its name), in order. `text` may be empty: marks with no text beside them (between two breaks
+    or style tags, or a text of marks alone)."""
+
+    text: str
+    marks: tuple[tuple[int, str], ...]
+
+
+def mark_name(written: str, attribute_text: str) -> str:
+    """The name of a mark (as `written`; `attribute_text`, what follows its element name), its character references
+    read: refused (`bad_text`) when it has none, an empty one, one longer than MARK_NAME_MAX characters, or one
+    holding markup or a character that is not printable (a name is echoed back, never spoken)."""
+    name = attributes(attribute_text, written).get("name")
+    if name is None:
+        raise RequestError(G.BAD_TEXT, f'a mark needs a name, such as <mark name="here"/>: {written[:60]!r}')
+    name = unescape(name)
+    if not name.strip():
+        raise RequestError(G.BAD_TEXT, f"a mark's name is not empty: {written[:60]!r}")
+    if len(name) > MARK_NAME_MAX:
+        raise RequestError(G.BAD_TEXT, f"a mark's name is at most {MARK_NAME_MAX} characters: {written[:60]!r}")
+    if "<" in name or ">" in name or markup_in(name) is not None or not name.isprintable():
+        raise RequestError(G.BAD_TEXT, f"a mark's name holds no markup and only printable characters: {written[:60]!r}")
+    return name
+
+
+def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag | Mark]]:
+    found: list[tuple[int, int, StyleTag | Mark]] = []
     # a bracket in spelled text is characters to spell (`<say-as interpret-as="characters">[laughs]</say-as>`), no tag
     spelled = [(start, end) for start, end, inside in _spell_pieces(text) if inside] if "<" in text else []
     for m in BRACKET.finditer(text):
@@ -107,7 +151,8 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
         if word in TAG_WORDS and not any(start <= m.start() < end for start, end in spelled):
             found.append((m.start(), m.end(), StyleTag(word, m.group(0))))
     last_end = text.rfind(">")
-    whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text))}
+    marks = list(MARK.finditer(text))
+    whole = {m.start() for m in (*_ELEMENT.finditer(text), *_SPELL.finditer(text), *marks)}
     for o in ELEMENT_OPEN.finditer(text):
         if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
@@ -119,6 +164,8 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
             raise RequestError(G.BAD_TEXT, f"{what}: {cut!r}")
     for m in _ELEMENT.finditer(text):
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
+    for m in marks:
+        found.append((m.start(), m.end(), Mark(mark_name(m.group(0), m.group(1)))))
     elements = list(_EMOTION.finditer(text))
     whole = {m.start() for m in elements}
     for o in EMOTION_OPEN.finditer(text):
@@ -137,37 +184,63 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag]]:
     return found
 
 
-def split_tags(text: str, partial: bool = False) -> list[str | StyleTag]:
-    """The text's pieces in order: spoken text (str, stripped, never blank) and style tags. A text without
+def split_tags(text: str, partial: bool = False) -> list[str | StyleTag | MarkedText]:
+    """The text's pieces in order: spoken text (str, stripped, never blank), style tags, and spoken text with the marks
+    it holds (MarkedText: a mark does not cut the text, and its text may be empty: marks alone). A text without
     tags is returned as it is (one piece), its spell elements spelled (none, if they spell nothing). A malformed
-    `<emotion>` element is refused (`bad_text`). `partial`: a streamed message, whose last element may still be
+    `<emotion>` element or mark is refused (`bad_text`). `partial`: a streamed message, whose last element may still be
     arriving (its opening with no `>` after it). SSML's structural tags are taken out first (`unwrap`), and its say-as
     and sub elements replaced by what they say (`read_as`)."""
     plain = read_as(unwrap(text), partial)
-    if plain != text:
-        _no_break_made(text, plain)
+    spoken = MARK.sub("", plain) if "<" in plain else plain  # (marks are taken out below, a space kept between words)
+    if spoken != text:
+        _no_break_made(text, spoken)
     tags = _tags(plain, partial)
     if not tags:
-        spoken = spell_out(plain)
+        said = spell_out(plain)
         # an element that spells nothing leaves nothing to say: no piece, as a text of only tags (`<spell></spell>`
         # was an utterance of no audio on a socket, and a 200 of no audio over HTTP where `[neutral]` is empty_text)
-        return [spoken] if spoken is text or spoken.strip() else []
-    if len(tags) > MAX_TAGS:
+        return [said] if said is text or said.strip() else []
+    if sum(isinstance(tag, StyleTag) for _, _, tag in tags) > MAX_TAGS:
         raise RequestError(G.BAD_TEXT, f"at most {MAX_TAGS} style tags in one text")
-    out: list[str | StyleTag] = []
+    out: list[str | StyleTag | MarkedText] = []
+    run, marks = "", []  # the text since the last style tag, and where its marks stand in it
     pos = 0
     for start, end, tag in tags:
         if start < pos:  # inside the tag before it (`<emotion value="[happy]"/>`): part of that one
             continue
-        before = spell_out(plain[pos:start]).strip()
-        if before:
-            out.append(before)
-        out.append(tag)
+        run = _joined(run, spell_out(plain[pos:start]))
+        if isinstance(tag, Mark):
+            marks.append((len(run), tag.name))
+        else:
+            out += _spoken(run, marks)
+            run, marks = "", []
+            out.append(tag)
         pos = end
-    rest = spell_out(plain[pos:]).strip()
-    if rest:
-        out.append(rest)
+    out += _spoken(_joined(run, spell_out(plain[pos:])), marks)
     return out
+
+
+def _spoken(run: str, marks: list[tuple[int, str]]) -> list[str | MarkedText]:
+    """The piece of a text between two style tags (`run`, unstripped) and the marks in it: none when it is blank and
+    holds no mark, its text when it holds none."""
+    text = run.strip()
+    if not marks:
+        return [text] if text else []
+    lead = len(run) - len(run.lstrip())
+    return [MarkedText(text, tuple((min(max(0, at - lead), len(text)), name) for at, name in marks))]
+
+
+def _joined(before: str, piece: str) -> str:
+    """`piece` after `before`, where a tag taken out stood between them: a space keeps two words apart
+    (`Hello.</p><p>There`), and two spaces are one (`and <p> more`)."""
+    if not before or not piece:
+        return before + piece
+    if not before[-1].isspace() and piece[0].isalnum():
+        return before + " " + piece
+    if before[-1] == " " and piece[0] == " ":
+        return before + piece[1:]
+    return before + piece
 
 
 def _no_break_made(text: str, plain: str) -> None:
@@ -191,11 +264,7 @@ def unwrap(text: str) -> str:
         return text
     out = ""
     for piece in pieces:
-        if out and not out[-1].isspace() and piece[0].isalnum():
-            out += " "
-        elif out and out[-1] == " " and piece[0] == " ":  # (`and <p> more`: one space, not two)
-            piece = piece[1:]
-        out += piece
+        out = _joined(out, piece)
     return out
 
 
@@ -214,6 +283,7 @@ def read_as(text: str, partial: bool = False) -> str:
             _read(m.group(2), m.group(3), m.group(0), "")
         if not partial:
             whole = "its opening, text and closing in one sentence, no longer than an utterance"
+            whole += ", its text without tags (a mark goes before or after it)" if MARK.search(text) else ""
             raise RequestError(G.BAD_TEXT, f"a {m.group(2).lower()} element is whole, {whole}: {m.group(0)[:60]!r}")
     return _READ_AS_TAG.sub("", text) if partial else text
 

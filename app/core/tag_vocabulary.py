@@ -9,7 +9,8 @@ comment, a document type, taken out).
 
 Its readers: app/core/style_tags.py splits a text at its tags and applies them, app/core/breaks.py reads its breaks,
 app/core/instructions.py maps an instruction's words onto the emotion axes, app/voices/lexicons.py refuses a
-pronunciation rule whose alias holds a tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element.
+pronunciation rule whose alias holds a tag, app/core/text_buffer.py cuts no sentence inside a say-as or sub element
+and keeps the marks (`MARK`) that follow a sentence with it.
 Of app/ it imports only io/errors.py, so each of them can import it: the options import the dictionaries, and the
 tags and the instructions import the options (tests/unit/test_contract.py: no import circle).
 """
@@ -190,15 +191,22 @@ UNSUPPORTED_ELEMENTS = (
     frozenset({"speed", "volume", "phoneme", "prosody", "emphasis", "audio", "lang"}) | VENDOR_ELEMENTS
 )
 # SSML's structure (the document, paragraphs, sentences; `<voice>`, in which an Azure document wraps all its text, so
-# that refusing it refused every Azure-written text) and its marks, which ask for nothing ZONOS2 would speak otherwise:
-# their tags are taken out and the text inside them spoken by the request's voice (a voice element names none of
-# ours; a mark's point is not reported)
-WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "voice", "mark"})
+# that refusing it refused every Azure-written text), which asks for nothing ZONOS2 would speak otherwise: its tags
+# are taken out and the text inside them spoken by the request's voice (a voice element names none of ours)
+WRAPPER_ELEMENTS = frozenset({"speak", "p", "s", "voice"})
+# SSML's `<mark name="..."/>`: a named point of the text, never spoken, reported on our socket once the audio before it
+# has been sent (app/core/style_tags.py `Mark`, docs/protocol.md "Marks"); its name is echoed back, so it is bounded
+MARK_ELEMENT = "mark"
+MARK_NAME_MAX = 128  # characters of a mark's name at most (its character references read)
+# a whole mark: its attributes (read by `attributes`, which refuses any that are not name="value" pairs) and its '>'
+MARK = re.compile(rf"<\s*{MARK_ELEMENT}(?![\w-])([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's elements whose text is read otherwise (say-as spelled or as written, by its interpret-as; sub as its alias):
 # each is whole in the sentence it is spoken in (the text buffer cuts none inside one)
 READ_AS_ELEMENTS = frozenset({"say-as", "sub"})
 # every inline element's name: a text that ends inside one (`Hi <emo`, `Hi <pros`) ends in a tag still arriving
-ELEMENT_NAMES = frozenset({"break", "emotion", "spell", *UNSUPPORTED_ELEMENTS, *WRAPPER_ELEMENTS, *READ_AS_ELEMENTS})
+ELEMENT_NAMES = frozenset(
+    {"break", "emotion", "spell", MARK_ELEMENT, *UNSUPPORTED_ELEMENTS, *WRAPPER_ELEMENTS, *READ_AS_ELEMENTS}
+)
 # the elements whose opening must end with its '>' in its sentence (breaks' and emotions' are below): `<speak` too,
 # whose attributes a pretty-printed document puts on lines of their own (a newline ends a sentence, and each half was
 # read aloud: "speak version equals"); not `<p` and `<s`, which ordinary text writes (`a <s b`, `x<p`)
@@ -209,11 +217,11 @@ def names_pattern(names: frozenset[str] | set[str]) -> str:
     return "|".join(re.escape(n) for n in sorted(names, key=lambda n: (-len(n), n)))
 
 
-_ELEMENT_NAMES = names_pattern(UNSUPPORTED_ELEMENTS | READ_AS_ELEMENTS | {"spell", "speak"})
+_ELEMENT_NAMES = names_pattern(UNSUPPORTED_ELEMENTS | READ_AS_ELEMENTS | {"spell", "speak", MARK_ELEMENT})
 
 # a bracket holding one word: a tag when the word is of TAG_WORDS (`[happy]`), text otherwise (`[1]`, `[smug]`)
 BRACKET = re.compile(r"\[\s*([A-Za-z]+)\s*\]")
-# an element's opening (UNSUPPORTED_ELEMENTS', READ_AS_ELEMENTS', Cartesia's spell and SSML's speak; an emotion
+# an element's opening (UNSUPPORTED_ELEMENTS', READ_AS_ELEMENTS', Cartesia's spell, SSML's speak and mark; an emotion
 # element's below): one that does not start a whole element was cut (a newline ends a sentence at once, a long tag is
 # cut at the utterance budget) and is refused, so that no half of it is read aloud
 ELEMENT_OPEN = re.compile(rf"<\s*(?:/\s*)?({_ELEMENT_NAMES})(?![\w-])", re.IGNORECASE)

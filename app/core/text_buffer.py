@@ -18,7 +18,7 @@ import unicodedata
 
 import sentencex
 
-from app.core.tag_vocabulary import READ_AS_ELEMENTS, REFERENCE, TAG_MAX, names_pattern
+from app.core.tag_vocabulary import MARK, READ_AS_ELEMENTS, REFERENCE, TAG_MAX, names_pattern
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
@@ -46,6 +46,11 @@ _WHOLE_OPEN = re.compile(
 )
 _WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
 _WHOLE_CLOSE |= {opening: re.compile(re.escape(end)) for opening, end in _XML_ENDS.items()}
+
+
+# SSML's marks at a sentence's start (the segmenter leaves `you.<mark name="x"/> ` a sentence's end and puts the mark
+# before the next one) belong to the sentence before them: reported after its last word, not after the next one starts
+_LEADING_MARKS = re.compile(rf"(?:\s*{MARK.pattern})+\s*", re.IGNORECASE)
 
 
 def segmenter_language(language: str) -> str:
@@ -127,6 +132,35 @@ def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
     return parts
 
 
+def _before_marks(segment: str) -> str:
+    """`segment` without the marks (and whitespace) it ends with: where its text ends (a period's place). Its marks
+    are found once, and the ones at its end walked back (a pattern anchored at the end was tried from every mark of it:
+    quadratic in a message of marks)."""
+    end = len(segment.rstrip())
+    if not segment.endswith(">", 0, end):
+        return segment
+    for m in reversed(list(MARK.finditer(segment, 0, end))):
+        if m.end() != end:
+            break
+        end = m.start()
+        while end and segment[end - 1].isspace():
+            end -= 1
+    return segment[:end]
+
+
+def _marks_kept_before(segments: list[str]) -> list[str]:
+    """`segments` with the marks that begin one moved to the end of the one before it (`_LEADING_MARKS`); a segment
+    of marks alone is no sentence of its own."""
+    out: list[str] = []
+    for s in segments:
+        if out and (m := _LEADING_MARKS.match(s)):
+            out[-1] += m.group(0)
+            s = s[m.end() :]
+        if s:
+            out.append(s)
+    return out
+
+
 class TextBuffer:
     def __init__(self, max_utterance_bytes: int, language: str = "en_us") -> None:
         self.max_bytes = max(8, max_utterance_bytes)
@@ -161,7 +195,7 @@ class TextBuffer:
             return [text]
         spans = spoken_whole(text) if "<" in text else []
         if not spans:
-            return segments
+            return _marks_kept_before(segments) if "<" in text else segments
         joined: list[str] = []
         pos, i = 0, 0
         for s in segments:  # a cut inside an element joins its two sides
@@ -172,7 +206,7 @@ class TextBuffer:
             else:
                 joined.append(s)
             pos += len(s)
-        return joined
+        return _marks_kept_before(joined)
 
     def _complete(self) -> list[str]:
         out: list[str] = []
@@ -187,7 +221,8 @@ class TextBuffer:
         # period: once the first word after it is complete).
         segments = self._segments(self.text)
         keep = 1
-        if len(segments) > 1 and _PERIOD_END.search(segments[-2]) and not _COMPLETE_WORD.search(segments[-1]):
+        ended = _before_marks(segments[-2]) if len(segments) > 1 else ""  # (the period before its marks)
+        if len(segments) > 1 and _PERIOD_END.search(ended) and not _COMPLETE_WORD.search(segments[-1]):
             keep = 2
         if len(segments) > keep:
             for sentence in segments[:-keep]:

@@ -21,6 +21,10 @@ The estimate streams: a word is placed once the audio sent reaches its estimated
 still unknown: it is reckoned from a speaking rate, stretched to the audio sent when that runs longer), and
 the words left when the utterance ends share the audio left, so the times are monotonic, every word gets
 one, and none lies past the audio sent when it is reported.
+
+SSML's marks (app/core/style_tags.py `Mark`) ride on the same clock: a mark is reached when the word before it is
+placed, at that word's end (a mark before the utterance's first word: at its start, reported with its first audio),
+so it is reported in the words' order, after the audio before it, and never past the audio sent (`MarkTime`).
 """
 
 from __future__ import annotations
@@ -62,6 +66,15 @@ class WordTime:
             "char_start": self.char_start,
             "char_end": self.char_end,
         }
+
+
+@dataclass(frozen=True)
+class MarkTime:
+    """An SSML mark reached: its name and its time (the end of the word before it; the utterance's start when none
+    is), on the same clock as the words'."""
+
+    name: str
+    time_s: float
 
 
 def aligned_words(text: str, words: tuple[tuple[str, float, float], ...]) -> list[WordTime] | None:
@@ -143,12 +156,13 @@ def char_alignment_seconds(chars: list[CharTime]) -> dict[str, list] | None:
 @dataclass
 class Chunk:
     """What one audio message covers: its span of the audio (seconds on the timeline's clock: the decoded audio,
-    its codec's delay in its first message) and the words that span completes (none unless the timeline estimates
-    words)."""
+    its codec's delay in its first message), the words that span completes (none unless the timeline estimates
+    words) and the marks it reaches (its utterances' `marks`)."""
 
     start_s: float
     end_s: float
     words: list[WordTime] = field(default_factory=list)
+    marks: list[MarkTime] = field(default_factory=list)
 
 
 class Heard(Protocol):
@@ -193,6 +207,7 @@ class AudioTimeline:
         self._offset = 0.0  # where the utterance playing began on the timeline (of the samples handed in)
         self._taken_s = 0.0  # where the messages taken end (the timeline's clock)
         self._pending: list[WordTime] = []
+        self._marks: list[MarkTime] = []  # reached, not taken yet
 
     def follow(self, heard: Heard) -> None:
         """The timeline's clock is `heard`'s decoded audio (an HTTP answer's, once its encoder is made), before the
@@ -212,17 +227,24 @@ class AudioTimeline:
 
     def on_heard_clock(self, words: list[WordTime], offset_s: float = 0.0) -> list[WordTime]:
         """Words timed from the first sample of an utterance that began `offset_s` into the samples handed in, on
-        the timeline's clock: the one place where the codec's delay (`Heard.lead_s`) moves a word time."""
-        shift = offset_s + (self.heard.lead_s if self.heard is not None else 0.0)
+        the timeline's clock: the one place where the codec's delay (`Heard.lead_s`) moves a word time (and a mark's,
+        `_shift`)."""
+        shift = self._shift(offset_s)
         if not shift:
             return words
         return [dataclasses.replace(w, start_s=w.start_s + shift, end_s=w.end_s + shift) for w in words]
 
-    def begin(self, text: str) -> WordClock | None:
-        """An utterance of `text` begins here: its word clock (None without `words`)."""
+    def _shift(self, offset_s: float) -> float:
+        return offset_s + (self.heard.lead_s if self.heard is not None else 0.0)
+
+    def begin(self, text: str, marks: tuple[tuple[int, str], ...] = ()) -> WordClock | None:
+        """An utterance of `text` begins here: its word clock (None without `words` and `marks`). `marks`: the SSML
+        marks in `text` (index, name: app/core/style_tags.py MarkedText), reached on the word clock."""
         self.end()
         self._offset = self.sent_s
-        self._clock = WordClock(text) if self.words else None
+        self._clock = WordClock(text, marks) if self.words or marks else None
+        if self._clock is not None:
+            self._moved([])  # (a mark before its first word: reached now)
         return self._clock
 
     def feed(self, pcm: np.ndarray, sent: int | None = None) -> None:
@@ -242,32 +264,48 @@ class AudioTimeline:
             self._clock = None
 
     def take(self, final: bool = False) -> Chunk:
-        """What the next message covers: the audio sent since the last one, the words completed since that end within
-        it (the words an ended utterance left wait for the audio a decoder has to reach them: an HTTP answer's encoder
-        still holds its last audio when its next utterance begins). `final`: the stream's last message, its encoder
-        closed: every word left, none past the stream's end (one that decodes to less than its codec's delay, an
-        utterance that put no audio out, has its words, moved by the delay, past its end: they end with it, as on the
-        samples)."""
+        """What the next message covers: the audio sent since the last one, the words completed (and marks reached)
+        since that end within it (the words an ended utterance left wait for the audio a decoder has to reach them:
+        an HTTP answer's encoder still holds its last audio when its next utterance begins). `final`: the stream's
+        last message, its encoder closed: every word left, none past the stream's end (one that decodes to less than
+        its codec's delay, an utterance that put no audio out, has its words, moved by the delay, past its end: they
+        end with it, as on the samples)."""
         end_s = max(self._taken_s, self.end_s)
         words, self._pending = self._pending, []
-        if final and words and words[-1].end_s > end_s:
-            words = [dataclasses.replace(w, start_s=min(w.start_s, end_s), end_s=min(w.end_s, end_s)) for w in words]
-        elif not final:
+        marks, self._marks = self._marks, []
+        if final:
+            if words and words[-1].end_s > end_s:
+                words = [
+                    dataclasses.replace(w, start_s=min(w.start_s, end_s), end_s=min(w.end_s, end_s)) for w in words
+                ]
+            if marks and marks[-1].time_s > end_s:
+                marks = [dataclasses.replace(k, time_s=min(k.time_s, end_s)) for k in marks]
+        else:  # what a decoder has not reached yet waits for a later message
             heard = next((i for i, w in enumerate(words) if w.end_s > end_s + 1e-9), len(words))
             words, self._pending = words[:heard], words[heard:]
-        chunk = Chunk(self._taken_s, end_s, words)
+            reached = next((i for i, k in enumerate(marks) if k.time_s > end_s + 1e-9), len(marks))
+            marks, self._marks = marks[:reached], marks[reached:]
+        chunk = Chunk(self._taken_s, end_s, words, marks)
         self._taken_s = chunk.end_s
         return chunk
 
     def _moved(self, words: list[WordTime]) -> None:
-        self._pending += self.on_heard_clock(words, self._offset)
+        if self.words:
+            self._pending += self.on_heard_clock(words, self._offset)
+        if self._clock is not None and (reached := self._clock.take_marks()):
+            shift = self._shift(self._offset)
+            self._marks += [dataclasses.replace(k, time_s=k.time_s + shift) for k in reached]
 
 
 class WordClock:
     """The streaming estimate of one utterance's word times (module docstring)."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, marks: tuple[tuple[int, str], ...] = ()) -> None:
         self.words = [(m.group(), m.start(), m.end()) for m in _WORD.finditer(text)]
+        # each mark: how many words come before it (those that end by its index), and its name; in order
+        self._marks = [(sum(end <= at for _, _, end in self.words), name) for at, name in marks]
+        self._reached: list[MarkTime] = [MarkTime(name, 0.0) for before, name in self._marks if not before]
+        del self._marks[: len(self._reached)]
         weights = [syllables(w) for w, _, _ in self.words]
         self._ends = np.cumsum(weights) if weights else np.zeros(0)
         self._total = float(self._ends[-1]) if weights else 0.0
@@ -281,6 +319,11 @@ class WordClock:
     @property
     def done(self) -> bool:
         return self._next >= len(self.words)
+
+    def take_marks(self) -> list[MarkTime]:
+        """The marks reached since the last call (times from the utterance's first sample)."""
+        reached, self._reached = self._reached, []
+        return reached
 
     def feed(self, pcm: np.ndarray, out_s: float | None = None) -> list[WordTime]:
         """More of the utterance's audio (int16 at 44.1 kHz, as handed to the encoder): the words it now holds.
@@ -374,4 +417,6 @@ class WordClock:
         end = max(end, start)
         self._next += 1
         self._placed_to = end
+        while self._marks and self._marks[0][0] <= self._next:  # the marks after this word
+            self._reached.append(MarkTime(self._marks.pop(0)[1], end))
         return WordTime(word, start, end, a, b)

@@ -82,6 +82,8 @@ class Utterance:
     clock: WordClock | None = None  # its word times, when its session wants them (app/core/timestamps.py)
     aligned: bool = False  # its measured word times will follow its audio (the engine's aligner; app/core/playback.py)
     silence_s: float | None = None  # what it is: a break (app/core/breaks.py) of this much silence, no engine work
+    # SSML's marks in its text, reported on the word clock (app/core/style_tags.py MarkedText: index in `text`, name)
+    marks: tuple[tuple[int, str], ...] = ()
     # its life (the mark_* methods alone write these)
     state: UtteranceState = UtteranceState.QUEUED
     start_task: asyncio.Task[None] | None = None

@@ -49,6 +49,7 @@ class Session(StreamingSession):
     utterances play in the order their sentences completed)."""
 
     api = "ws"
+    reports_marks = True  # SSML's `<mark name="..."/>`: a `mark` message once the audio before it is sent
 
     def __init__(self, ws: WebSocket, gw: Gateway, owner: str) -> None:
         super().__init__(ws, gw, owner)
@@ -337,6 +338,16 @@ class Session(StreamingSession):
     async def on_words(self, u: Utterance, chunk: Chunk) -> None:
         if self.timestamps and chunk.words:
             await self._words(u, chunk.words, SOURCE)
+        for mark in chunk.marks:  # with or without timestamps, as Azure's bookmarks (on the word clock: words_for)
+            await self.send_json_locked(
+                {
+                    "type": "mark",
+                    "context_id": u.context_id,
+                    "utterance_id": u.id,
+                    "name": mark.name,
+                    "time_ms": round(mark.time_s * 1e3, 1),
+                }
+            )
 
     def aligned_for(self, u: Utterance) -> bool:
         return self.timestamps is True  # "estimated": the streamed estimate only, never the aligner

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from app.core.options import PARAM_KEYS
+from app.core.tag_vocabulary import MARK_NAME_MAX
 from app.doors.openai_speech import SPEECH_FIELDS as _SPEECH_FIELDS
 from app.doors.reference import GENERATE_FIELDS as _GENERATE_FIELDS
 from app.doors.voices import BLEND_FIELDS, RENAME_FIELDS, UPLOAD_PARTS
@@ -58,6 +59,7 @@ SERVER_TYPES = {
     "audio.done",
     "flushed",
     "cancelled",
+    "mark",
     "session.closed",
     "error",
     "audio.words",  # session.config `timestamps`: estimated, and with the fuzz server's aligner, aligned
@@ -204,6 +206,13 @@ short_text = (
             # a break made by taking out a tag (bad_text, it was read aloud), a reference cut at a message's end
             'A <<p>break time="1s"/> B </<s>break> <<sub alias="break/">x</sub>> Tom &am',
             "AT&T &#x65E5" + "日" * 170 + "&#x65E5;" * 3,
+            # SSML's marks (reported on our socket): at the start, two in a row, at the end, between sentences, alone
+            # between breaks, cut across messages; without a name, empty, too long, with markup, malformed (bad_text)
+            '<mark name="a"/>Go<mark name=b/><mark name=\'c\'></mark> on.<mark name="d"/> <mark name="e"/> Next.',
+            '<break time="50ms"/><mark name="alone"/><break time="50ms"/> x <ma',
+            'rk name="cut"/> y. <mark name="x',
+            '<mark/> <mark name=""/> <mark name="' + "m" * (MARK_NAME_MAX + 1) + '"/> <mark name="&lt;b&gt;"/>',
+            '<mark name="[happy]"/> <mark name="a" loud/> <mark id="x"/> <mark name="ok"></mark> </mark>',
             # XML's markup: taken out whole (a declaration, a comment, a document type), cut ones bad_text
             '<?xml version="1.0"?><!DOCTYPE speak><speak>Hi <!-- a. b? --> there.</speak> a --> b <!-- open <?x',
             "<!" * 40 + "<?" * 40 + "<!--" * 40,
@@ -211,6 +220,8 @@ short_text = (
     )
 )
 # texts with style tags for a server with emotion directions (happy, sad: named; valence, arousal: axes)
+# a mark of any name (its quotes and references too) before any text
+marked_text = st.builds(lambda name, t: f'<mark name="{name}"/>{t}', st.text(max_size=MARK_NAME_MAX + 2), short_text)
 tagged_text = st.sampled_from(
     ["[happy] Hi.", "Hi [sad] there.", '<emotion value="calm"/> Go.', "[neutral] x.", "[smug] y.", "[laughs] z."]
 ) | st.builds(lambda w, t: f"[{w}] {t}", st.sampled_from(["happy", "content", "angry", "whisper", "x"]), short_text)
@@ -331,7 +342,13 @@ def message(kind: str, fields: dict[str, st.SearchStrategy]) -> st.SearchStrateg
 ctx = st.text(min_size=0, max_size=140) | anything
 ws_json = st.one_of(
     message(
-        "text", {"text": short_text | anything, "context_id": ctx, "flush": st.booleans() | anything, "extra": anything}
+        "text",
+        {
+            "text": short_text | marked_text | anything,
+            "context_id": ctx,
+            "flush": st.booleans() | anything,
+            "extra": anything,
+        },
     ),
     message("flush", {"context_id": ctx}),
     message("cancel", {"context_id": ctx}),
@@ -376,6 +393,9 @@ def check_reply(d: Any) -> None:
     if d["type"] == "audio.words":
         assert d["source"] in ("estimated", "aligned") and isinstance(d["utterance_id"], str), d
         assert all(0 <= w["start_ms"] <= w["end_ms"] and isinstance(w["word"], str) for w in d["words"]), d
+    if d["type"] == "mark":
+        assert isinstance(d["name"], str) and 0 < len(d["name"]) <= MARK_NAME_MAX and "<" not in d["name"], d
+        assert isinstance(d["utterance_id"], str) and isinstance(d["context_id"], str) and d["time_ms"] >= 0, d
     if d["type"] == "error":
         assert CODE.match(str(d.get("code"))) and d["code"] != "internal", d
         assert isinstance(d.get("message"), str), d
@@ -426,6 +446,15 @@ DEEP = "[" * 100_000 + "]" * 100_000
         json.dumps({"type": "flush", "extra": 1}),
         json.dumps({"type": "cancel", "context_id": "default"}),
         json.dumps({"type": "text", "text": "Hi.", "flush": True}),
+    ]
+)
+# SSML's marks: reported in order, once each, before the flushed, on streamed halves too; bad ones refused
+@example(
+    frames=[
+        json.dumps({"type": "session.config", "timestamps": "estimated"}),
+        json.dumps({"type": "text", "text": '<mark name="a"/>Hello<mark name="b"/> there.<mark name="c"/> Next <ma'}),
+        json.dumps({"type": "text", "text": 'rk name="d"/>one.', "flush": True}),
+        json.dumps({"type": "text", "text": '<mark name=""/> x. <mark/> y.', "flush": True}),
     ]
 )
 def test_fuzz_websocket_messages(fuzz_server, frames):

@@ -446,6 +446,50 @@ def test_a_break_is_exact_silence_and_the_voice_goes_on_after_it(server):
     assert err["code"] == "bad_text" and "break" in err["message"]
 
 
+def test_marks_come_with_their_audio_and_none_after_a_barge_in(server):
+    """SSML's `<mark name="..."/>` without word times asked for: a `mark` message after audio of its utterance, in the
+    text's order, its time within the audio sent, before its `audio.done` and the `flushed`; a barge-in before a mark's
+    words were sent reports it never; a mark with an empty name is bad_text (docs/protocol.md "Marks")."""
+
+    async def go():
+        c = await connect(server, params={"seed": 1, "max_frames": 60, "ignore_eos": True})
+        text = '<speak><mark name="start"/>Hello there<mark name="mid"/>.<mark name="end"/> How are you?</speak>'
+        await c.send(type="text", text=text, flush=True)
+        seen: list = []  # each message, and a mark with the audio its utterance had sent by then (bytes)
+        while not seen or seen[-1]["type"] != "flushed":
+            seen.append(await c.recv())
+            if seen[-1]["type"] == "mark":
+                seen[-1]["sent"] = len(c.audio[c.current or ""])
+        await c.send(type="session.config", params={"seed": 2, "max_frames": 2000, "ignore_eos": True})
+        await c.until("session.updated")
+        await c.send(type="text", text='<mark name="begin"/>A long one that plays for a while<mark name="far"/>.')
+        await c.send(type="flush")
+        await c.until("audio.start")
+        await c.audio_bytes(44100)  # half a second of 44.1 kHz s16 audio
+        await c.send(type="cancel")
+        await c.until("cancelled")
+        await c.send(type="text", text='Bye <mark name=""/> now.', flush=True)
+        err = await c.until("error")
+        await c.send(type="text", text="Bye.", flush=True)
+        after = [await c.recv()]
+        while after[-1]["type"] != "flushed":
+            after.append(await c.recv())
+        await c.ws.close()
+        return seen, c.log, err
+
+    seen, log, err = run(go())
+    marks = [m for m in seen if m["type"] == "mark"]
+    assert [(m["utterance_id"], m["name"]) for m in marks] == [("u_1", "start"), ("u_1", "mid"), ("u_1", "end")]
+    assert all(m["sent"] > 0 and m["time_ms"] <= m["sent"] / 2 / 44.1 + 1e-6 for m in marks), marks
+    assert [m["time_ms"] for m in marks] == sorted(m["time_ms"] for m in marks)
+    kinds = [m["type"] for m in seen]
+    assert kinds.index("audio.done") > max(i for i, k in enumerate(kinds) if k == "mark") and kinds[-1] == "flushed"
+    assert [m["text"] for m in seen if m["type"] == "audio.start"] == ["Hello there.", "How are you?"]
+    later = [m["name"] for m in log[len(seen) :] if m["type"] == "mark"]
+    assert later == ["begin"], later  # `far`: its words never sent
+    assert err["code"] == "bad_text" and "mark" in err["message"]
+
+
 def test_a_refused_message_names_its_context(server):
     """An error that refuses a text, flush or cancel names the context the message was for, as an utterance's error
     does: without it, a client that had begun a new turn (the demo page's next Speak, on a context of its own) took
