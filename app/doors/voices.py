@@ -140,7 +140,7 @@ async def store_clips(
     gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True, details: dict | None = None
 ) -> Stored:
     """Clips -> a library voice (their embeddings averaged), or the voice these same clips already are."""
-    vid = VoiceStore.clip_id(owner, datas)
+    vid = await VoiceStore.clip_id_off_loop(owner, datas)  # (up to 80 MB: not on the event loop)
     existing = gw.voices.find(vid)
     if existing is not None:
         return _dedup(gw, existing, owner, name, rename)
