@@ -45,7 +45,7 @@ from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
 from app.voices.lexicons import MAX_RULES, Aliases, LexiconStore, apply_rules_off_loop, rules_from_json
-from app.voices.library import AUDIO_SUFFIXES, MAX_NAME, Voice, VoiceStore, parse_embedding_file
+from app.voices.library import AUDIO_SUFFIXES, INLINE_HASH, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
 from engine.contract.errors import EngineError as E
@@ -59,7 +59,6 @@ METRICS_REFRESH_S = 1.0  # several gateway processes: how often each writes its 
 log = logging.getLogger("gateway")
 
 CLIP_CACHE = 256  # embeddings of recent request/session clips kept (8 KiB each)
-INLINE_HASH = 1 << 16  # bytes: a larger clip is hashed in a worker thread
 PREVIEW_S = 10.0  # of a voice's first clip kept as its preview
 PREVIEW_MAX_RATE = 48000  # Hz: a preview of a clip at a higher rate is resampled to it
 DOOR_MEMO_S = 0.005  # a refusal at the door stands this long before the door decides again

@@ -149,10 +149,12 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
             p[key] = data[key]
     opts = parse_options(p, gw.settings.limits.max_frames, cfg=gw.cfg)
     voice = with_emotion(gw, data, opts, await speaker_source(gw, data, owner))
-    stream = data.get("stream", True)
-    if stream is not None and not isinstance(stream, bool):  # "false" is a string, and truthy
+    stream = data.get("stream")
+    if stream is None:  # left out or null (a client that serializes every field): the reference's default, a stream
+        stream = True
+    if not isinstance(stream, bool):  # "false" is a string, and truthy
         raise RequestError(G.BAD_PARAMS, "stream must be true or false")
-    return GenerateRequest(text, opts, voice, float(fade_ms), bool(stream))
+    return GenerateRequest(text, opts, voice, float(fade_ms), stream)
 
 
 def with_emotion(gw: Gateway, data: dict[str, Any], opts: SynthesisOptions, voice: Voice | None) -> Voice | None:

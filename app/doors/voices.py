@@ -65,14 +65,14 @@ async def create_voice(request: Request) -> Response:
     lim = gw.settings.limits
     owner = _owner(request)
     most = lim.max_upload_bytes * MAX_CLIPS + FORM_OVERHEAD
-    length = int(request.headers.get("content-length") or 0)
-    if length > most:
-        raise RequestError(G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip", 413)
+    # a declared length past `most` is refused at once, a chunked body as soon as it passes it (Starlette's form parser
+    # spools a file part of any size to disk); within the process's bound on bodies read at once, or 503
+    # too_many_uploads
+    admit_body(request, most, G.UPLOAD_TOO_LARGE, f"uploads are limited to {lim.max_upload_bytes} bytes per clip")
     # a media type's name is case-insensitive (RFC 9110 8.3.1), as Starlette's form parser reads it:
     # "Multipart/Form-Data" was refused here, then parsed fine
     if not request.headers.get("content-type", "").lstrip().lower().startswith("multipart/form-data"):
         raise RequestError(G.BAD_UPLOAD, "send multipart/form-data with a 'file' (clip) or 'embedding' part")
-    admit_body(request, most)  # within the process's bound on bodies read at once, or 503 too_many_uploads
     try:
         form = await request.form(max_files=MAX_CLIPS + 1, max_fields=8, max_part_size=lim.max_upload_bytes)
     except RequestError:  # the body past the bound as it arrived (app/io/bodies.py)
@@ -140,7 +140,7 @@ async def store_clips(
     gw: Gateway, owner: str, datas: list[bytes], name: str, rename: bool = True, details: dict | None = None
 ) -> Stored:
     """Clips -> a library voice (their embeddings averaged), or the voice these same clips already are."""
-    vid = VoiceStore.clip_id(owner, datas)
+    vid = await VoiceStore.clip_id_off_loop(owner, datas)  # (up to 80 MB: not on the event loop)
     existing = gw.voices.find(vid)
     if existing is not None:
         return _dedup(gw, existing, owner, name, rename)

@@ -8,7 +8,11 @@ them all together, so that many uploads at once cannot exhaust the process's mem
   taken from the bound, or it is refused at once, 503 `too_many_uploads` with `Retry-After`, in its API's error
   shape (the route's own RequestError handling).
 * Every body is metered as it arrives (`BodyBound`, the app's middleware, wraps `receive`): a body without a
-  declared length, or longer than declared, takes its bytes as they come, and is refused when they do not fit.
+  declared length, or longer than declared, takes its bytes as they come, and is refused when they do not fit,
+  or at once when they pass the route's own limit (`admit_body`'s `max_bytes`: 413, the connection closed). A
+  multipart form's file parts are bounded by nothing else: Starlette's parser writes them to a temporary file
+  whatever their size (its `max_part_size` bounds only the text fields), and a chunked 512 MB "clip" to
+  POST /v1/voices was spooled to disk and then read whole into memory before the clip's size was checked.
 * A request gives its share back when its answer begins (the body is parsed and its clip decoded and embedded by
   then: a speech route answers once its first audio is ready) or when it ends, whichever comes first; a speech
   route gives it back once its first audio is ready (`body_done`), as a whole-file answer begins only at its end.
@@ -70,6 +74,9 @@ class BodyLedger:
     def __init__(self, budget: BodyBudget) -> None:
         self.budget = budget
         self.held = 0
+        # the route's own limit on this body (`admit_body`): past it, as it arrives, the refusal it makes
+        self.most: int | None = None
+        self.too_large: Callable[[], RequestError] | None = None
 
     def cover(self, size: int) -> None:
         """The body is (or is declared to be) `size` bytes: hold that much, or RequestError too_many_uploads."""
@@ -90,18 +97,24 @@ class BodyLedger:
             self.held = 0
 
 
-def admit_body(request: Request, max_bytes: int) -> None:
+def admit_body(request: Request, max_bytes: int, code: str = G.BODY_TOO_LARGE, message: str | None = None) -> None:
     """Before a route reads its body: its declared length is held from the bound, or RequestError
-    too_many_uploads (503, Retry-After); past the route's own `max_bytes`, body_too_large (413), so that no
-    declared length holds more than a body the route takes. A body without a declared length is metered as it
-    arrives (the route's reading bounds it)."""
+    too_many_uploads (503, Retry-After); past the route's own `max_bytes`, `code` (body_too_large, 413) with
+    `message`, so that no declared length holds more of the bound than a body the route takes. A body without a
+    declared length is metered as it arrives, and refused the same way once past `max_bytes` (`BodyBound`)."""
+
+    def too_large() -> RequestError:
+        return RequestError(code, message or f"request bodies are limited to {max_bytes} bytes")
+
     declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large()
+    ledger = request.scope.get("state", {}).get(_LEDGER)
+    if ledger is None:  # an app without BodyBound (a route mounted alone) has the route's own reading only
+        return
+    ledger.most, ledger.too_large = max_bytes, too_large
     if declared.isdigit():
-        if int(declared) > max_bytes:
-            raise RequestError(G.BODY_TOO_LARGE, f"request bodies are limited to {max_bytes} bytes")
-        ledger = request.scope.get("state", {}).get(_LEDGER)
-        if ledger is not None:  # None: an app without BodyBound (a route mounted alone) has the route's limit only
-            ledger.cover(int(declared))
+        ledger.cover(int(declared))
 
 
 def body_done(request: Request) -> None:
@@ -160,7 +173,14 @@ class BodyBound:
             if message["type"] == "http.request" and ledgers:
                 received += len(message.get("body", b""))
                 complete = not message.get("more_body", False)
-                ledgers[0].cover(received)
+                ledger = ledgers[0]
+                if ledger.most is not None and ledger.too_large is not None and received > ledger.most:
+                    release()
+                    refusal = ledger.too_large()
+                    # the rest of the body is not read: the connection ends with this answer
+                    refusal.headers["Connection"] = "close"
+                    raise refusal
+                ledger.cover(received)
             return message
 
         async def releasing_send(message: Message) -> None:

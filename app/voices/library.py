@@ -9,6 +9,7 @@ voice without running the speaker encoder again. Default voices come from a fold
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import contextlib
 import copy
@@ -41,6 +42,9 @@ MAX_REF_QUOTED = 80  # characters of an unknown voice's name or id that its erro
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
 MAX_NAME = 64
+# bytes hashed on the event loop; more are hashed in a worker thread (hashlib releases the GIL for large inputs): a
+# request's clips are up to 8 of --max-upload-bytes, 80 MB, ~40-150 ms of sha256 during which every session waited
+INLINE_HASH = 1 << 16
 _NAME_CHARS = r"\w .,'()+&\-"
 _NAME_OK = re.compile(rf"^[{_NAME_CHARS}]{{1,{MAX_NAME}}}$", re.UNICODE)
 
@@ -470,6 +474,13 @@ class VoiceStore:
         for c in clips:
             h.update(hashlib.sha256(c).digest())
         return "v_" + h.hexdigest()[:16]
+
+    @staticmethod
+    async def clip_id_off_loop(owner: str, clips: builtins.list[bytes]) -> str:
+        """`clip_id`, in a worker thread when the clips are more than INLINE_HASH bytes (an upload's)."""
+        if sum(map(len, clips)) <= INLINE_HASH:
+            return VoiceStore.clip_id(owner, clips)
+        return await asyncio.to_thread(VoiceStore.clip_id, owner, clips)
 
     def find(self, voice_id: str) -> Voice | None:
         self._sync(voice_id=voice_id)

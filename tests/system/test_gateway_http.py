@@ -541,6 +541,24 @@ def test_tts_generate_speaks_every_sentence(server, stream):
     assert len(r.content) == reply_frames([FRAMES] * 3) * 512 * 4
 
 
+def test_tts_generate_stream_null_is_the_default_stream(server):
+    """`stream: null` (a client that serializes every field) is the field left out, as a null is on every route: the
+    reference's default, a stream (chunked, no length); it was read as false, a whole answer held until its last sample
+    (and counted against --max-whole-answer-bytes)."""
+    framing = {}
+    for stream in (None, True, False):
+        with httpx.stream(
+            "POST",
+            server.url + "/tts/generate",
+            timeout=120,
+            json={"text": "One.", "max_tokens": FRAMES, "ignore_eos": True, "stream": stream},
+        ) as r:
+            assert r.status_code == 200, r.read()
+            framing[stream] = "content-length" in r.headers
+            assert len(r.read()) == reply_frames([FRAMES]) * 512 * 4
+    assert framing == {None: False, True: False, False: True}
+
+
 def test_openai_sse_speaks_every_sentence(server):
     r = speech(server, input="One. Two.", response_format="pcm", stream_format="sse", params=ONE)
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]

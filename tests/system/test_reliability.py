@@ -712,6 +712,40 @@ def test_request_body_limit_before_reading(limited):
 
 
 @slow
+def test_a_chunked_upload_past_its_limit_is_cut_as_it_arrives(limited):
+    """A multipart upload with no declared length (chunked) is refused as soon as it passes the route's limit, with the
+    rest of it unsent: 413 in the route's code, and the connection closed. Starlette's form parser spools a file part of
+    any size to disk (its max_part_size bounds text fields only): a chunked 512 MB clip to POST /v1/voices was written
+    to disk, then read whole into the gateway's memory, before its size was refused; a lexicon file likewise to disk."""
+    routes = [
+        # (8 clips of --max-upload-bytes 300000, and the form's overhead; a PLS file of 1 MiB and the overhead)
+        (b"/v1/voices", b"file", 8 * 300_000 + 65536, "upload_too_large"),
+        (b"/v1/pronunciation-dictionaries/add-from-file", b"file", (1 << 20) + 65536, "body_too_large"),
+    ]
+    for path, part, limit, code in routes:
+        with socket.create_connection(("127.0.0.1", limited.port), timeout=30) as s:
+            s.sendall(
+                b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary=xyz\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n" % path
+            )
+            head = b'--xyz\r\nContent-Disposition: form-data; name="%s"; filename="a.wav"\r\n\r\n' % part
+            s.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+            piece = b"\0" * 65536
+            for _ in range(limit // len(piece) + 2):  # past the limit; the body's end never comes
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+            answer = b""
+            while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+                got = s.recv(65536)  # (before the fix: none until the body's deadline, then 408)
+                assert got, answer
+                answer += got
+        head_lines, _, body = answer.partition(b"\r\n\r\n")
+        assert head_lines.startswith(b"HTTP/1.1 413"), answer[:300]
+        assert b"connection: close" in head_lines.lower()
+        assert code.encode() in body, body
+    assert gauge(limited, "zonos_request_body_bytes") == 0
+
+
+@slow
 def test_request_bodies_read_at_once_are_bounded(limited):
     """--max-body-bytes-in-flight (400000 here): while an upload holds most of the bound, every other large body is
     refused before it is read, 503 too_many_uploads with Retry-After in its API's shape (ours, /tts/speakers' with

@@ -121,6 +121,47 @@ def test_a_small_body_that_stops_arriving_is_cut_too():
     assert budget.taken == 0
 
 
+def test_a_chunked_body_past_the_routes_limit_is_cut_as_it_arrives():
+    """A body with no declared length is refused once what has arrived passes the route's own limit (admit_body's
+    max_bytes), in the route's code, the rest unread and the connection closed: a multipart form's file part is bounded
+    by nothing else (Starlette's parser spools it to disk whatever its size), and a chunked 512 MB clip to
+    POST /v1/voices was read whole before its size was checked."""
+    budget = BodyBudget(1 << 30)
+    bound = BodyBound(None, budget, grace_s=60)  # type: ignore[arg-type]
+    chunk = b"x" * 100_000
+    read: list[int] = []
+
+    async def receive() -> dict:
+        read.append(len(chunk))
+        return {"type": "http.request", "body": chunk, "more_body": len(read) < 30}  # 3 MB
+
+    async def go() -> tuple[list[RequestError], list[dict]]:
+        raised: list[RequestError] = []
+        sent: list[dict] = []
+
+        async def app(scope, receive, send):
+            request = Request(scope, receive)
+            try:
+                admit_body(request, 250_000)
+                async for _ in request.stream():
+                    pass
+            except RequestError as e:
+                raised.append(e)
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": []}
+        await asyncio.wait_for(BodyBound(app, bound.budget, bound.grace_s)(scope, receive, send), 60)
+        return raised, sent
+
+    raised, _ = asyncio.run(go())
+    assert [(e.code, e.status, str(e), e.headers) for e in raised] == [
+        ("body_too_large", 413, "request bodies are limited to 250000 bytes", {"Connection": "close"})
+    ]
+    assert sum(read) == 300_000 and budget.taken == 0  # the first read past the limit, and its share given back
+
+
 def test_a_body_that_has_arrived_has_no_deadline():
     """Once the whole body is in, the route may wait for its client (a speech route, for its first audio) as long
     as it needs: no deadline then."""

@@ -980,6 +980,49 @@ def test_clips_of_one_upload_are_decoded_one_at_a_time(tmp_path):
     assert gw.voices.preview_bytes(voice) == preview_wav(np.full(16000, 0.1, np.float32), 8000)
 
 
+def test_an_uploads_clips_are_hashed_off_the_event_loop(tmp_path, monkeypatch):
+    """An upload's voice id is a hash of its clips, up to 8 of --max-upload-bytes (80 MB: ~40-150 ms of sha256): it is
+    computed in a worker thread, as a request's inline clip is (Gateway.embed_clip), not on the event loop while every
+    session waits (hostile pass); a few small clips are hashed inline. The same id either way."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.doors.voices import store_clips
+    from app.voices.library import INLINE_HASH
+
+    threads: list[int] = []
+    real = VoiceStore.clip_id
+
+    def spy(owner: str, clips: list[bytes]) -> str:
+        threads.append(threading.get_ident())
+        return real(owner, clips)
+
+    monkeypatch.setattr(VoiceStore, "clip_id", staticmethod(spy))
+
+    async def decode_clip(data: bytes) -> tuple[np.ndarray, int]:
+        return np.full(8000, 0.1, np.float32), 8000
+
+    async def embed_samples(samples: np.ndarray, sr: int) -> np.ndarray:
+        return np.full(D, 0.5, np.float32)
+
+    gw = SimpleNamespace(
+        voices=VoiceStore(tmp_path, D),
+        cfg=SimpleNamespace(speaker_embedding_dim=D),
+        decode_clip=decode_clip,
+        embed_samples=embed_samples,
+    )
+
+    async def upload(clips: list[bytes]) -> tuple[str, int]:
+        stored = await store_clips(gw, "o", clips, "V")  # type: ignore[arg-type]
+        return stored.voice.id, threading.get_ident()
+
+    big = [bytes([i]) * INLINE_HASH for i in range(2)]
+    vid, loop_thread = asyncio.run(upload(big))
+    assert vid == real("o", big) and threads == [threads[0]] and threads[0] != loop_thread
+    _, loop_thread = asyncio.run(upload([b"\1", b"\2"]))
+    assert threads[1] == loop_thread  # small: inline
+
+
 def test_a_voices_public_form_copies_nothing_of_its_embedding():
     """`GET /v1/voices` answers each voice's public form on the event loop: it was `asdict`, which deep-copies every
     field, the embedding included (8 KB each), then dropped it: 1000 voices took ~18 ms a listing, and four clients
