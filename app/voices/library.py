@@ -36,9 +36,11 @@ import numpy as np
 
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
+from engine.contract.records import EMBEDDING_ABS_MAX, embedding_in_bounds
 
 log = logging.getLogger("gateway.voices")
 MAX_REF_QUOTED = 80  # characters of an unknown voice's name or id that its error quotes
+EMBEDDING_VALUES = f"each value finite and within ±{EMBEDDING_ABS_MAX:g}"  # (the engine's bound, `embedding_in_bounds`)
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg", ".mp3", ".oga", ".opus"}
 MAX_NAME = 64
@@ -209,8 +211,8 @@ def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
             arr = arr.mean(axis=0)
     if arr.shape != (dim,):
         raise VoiceError(G.BAD_EMBEDDING, f"embedding must have shape ({dim},) or (N, {dim}), got {shape}")
-    if not np.isfinite(arr).all():
-        raise VoiceError(G.BAD_EMBEDDING, "embedding contains NaN or infinite values")
+    if not embedding_in_bounds(arr):
+        raise VoiceError(G.BAD_EMBEDDING, EMBEDDING_VALUES)
     return np.array(arr, dtype=np.float32)  # a writable copy, not a view of the upload
 
 
@@ -323,8 +325,8 @@ class VoiceStore:
             if emb.shape != (self.dim,):
                 log.warning("voice %s has dimension %s, this model needs %d: skipped", d.name, emb.shape, self.dim)
                 return None
-            if not np.isfinite(emb).all():
-                raise ValueError("embedding.npy holds NaN or infinite values")
+            if not embedding_in_bounds(emb):
+                raise ValueError(f"embedding.npy: {EMBEDDING_VALUES}")
             return Voice(**meta, embedding=emb)
         except Exception as e:  # a damaged voice folder must not stop the server
             log.warning("skipping unreadable voice folder %s: %s", d, e)
@@ -508,8 +510,8 @@ class VoiceStore:
         if self.error:
             raise VoiceError(G.VOICE_STORE_UNAVAILABLE, self.error)
         embedding = np.asarray(embedding, dtype=np.float32)
-        if embedding.shape != (self.dim,) or not np.isfinite(embedding).all():
-            raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} finite values")
+        if embedding.shape != (self.dim,) or not embedding_in_bounds(embedding):
+            raise VoiceError(G.BAD_EMBEDDING, f"embedding must be {self.dim} values: {EMBEDDING_VALUES}")
         with self._writer():
             if self.max_per_owner:
                 self._sync(force=True)  # (shared: what every process stored, read under the lock)

@@ -86,6 +86,18 @@ SEED_LIMIT = 2**63  # the sampler's int64 seed
 # |cfg_scale|, |prefix_cfg_scale|, |emotion_cfg_scale| (engine/guidance.py): the reference takes any float;
 # guided logits scale with it, and past this they are noise
 CFG_SCALE_MAX = 100.0
+# |each value of a speaker embedding| (a voice stored, uploaded or sent inline, and a submit record's): real x-vectors
+# stay within a few hundred; a finite 3e38 overflowed the speaker projections (2048 -> 1024 -> 2048 in bf16) to inf,
+# the prompt's first row became NaN, and the request sampled noise until its frame cap (988 frames for "Hello there.")
+EMBEDDING_ABS_MAX = 1e6
+
+
+def embedding_in_bounds(embedding: np.ndarray) -> bool:
+    """Every value finite and within EMBEDDING_ABS_MAX (NaN and inf are not)."""
+    with np.errstate(invalid="ignore"):
+        return bool((np.abs(embedding) <= EMBEDDING_ABS_MAX).all())
+
+
 # SubmitRequest.first_samples: what a client's encoder holds back before its first output (a resampler or a codec:
 # up to ~0.5 s, /tts/generate's fade_out_ms up to 5 s)
 FIRST_SAMPLES_MAX = 10 * SAMPLE_RATE
@@ -387,6 +399,10 @@ class SubmitRequest(Record):
             n_prompt += 4 * n
         rest = _floats(buf[n_prompt:], None, "a submit record's voice", rid) if len(buf) > n_prompt else None
         kind = v["speaker"]
+        if kind == "embedding" and rest is not None and not embedding_in_bounds(rest):
+            raise MalformedRecord(
+                f"a submit record's speaker embedding must be finite, within ±{EMBEDDING_ABS_MAX:g}", rid
+            )
         return cls(
             rid=rid,
             prompt=prompt,

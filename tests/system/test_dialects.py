@@ -1633,13 +1633,15 @@ def test_cartesia_a_url_setting_repeated_with_another_value_is_refused(srv, quer
         ["1"] * 2048,
         [True] * 2048,
         [1e39] * 2048,
+        [3e38] * 2048,  # finite in float32, past the speaker projections' range (noise to the frame cap)
+        [0.1] * 2047 + [2e6],
         [0.1] * 2047,
         [0.1] * 2049,
         None,
     ],
 )
 def test_cartesia_malformed_embedding_is_bad_message_and_other_contexts_play_on(srv, embedding):
-    """The voice.embedding must be exactly 2048 finite JSON numbers; anything else is bad_message on
+    """The voice.embedding must be exactly 2048 JSON numbers within the engine's bound; anything else is bad_message on
     that context while another context of the socket plays on to its done."""
 
     async def go():

@@ -248,6 +248,7 @@ b64 = (
     | st.just(base64.b64encode(small_wav()).decode())
     | st.just("data:audio/wav;base64," + base64.b64encode(small_wav()).decode())
     | st.just(base64.b64encode(npy(np.ones(2048, np.float32))).decode())
+    | st.just(base64.b64encode(npy(np.full(2048, 3e38, np.float32))).decode())  # finite, past EMBEDDING_ABS_MAX
     | st.just(base64.b64encode(npy(np.ones(7, np.float32))).decode())
     | st.text(max_size=40)
 )

@@ -50,8 +50,9 @@ from app.io.checks import check_context_id, check_flag, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
-from app.voices.library import Voice
+from app.voices.library import EMBEDDING_VALUES, Voice
 from engine.contract.constants import SAMPLE_RATE
+from engine.contract.records import embedding_in_bounds
 
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
@@ -447,19 +448,19 @@ def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
 
 
 def embedding_vector(value: Any, dim: int) -> np.ndarray:
-    """`voice.embedding`: exactly `dim` JSON numbers (not booleans, not strings), each finite in float32,
-    as float32; anything else is bad_message (on its context: the socket and its other contexts go on)."""
-    bad = RequestError(G.BAD_MESSAGE, f"voice.embedding must be a list of {dim} finite numbers (a ZONOS2 voice)")
+    """`voice.embedding`: exactly `dim` JSON numbers (not booleans, not strings), each within the engine's bound
+    (`embedding_in_bounds`), as float32; anything else is bad_message (on its context: the socket and its other
+    contexts go on)."""
+    bad = RequestError(G.BAD_MESSAGE, f"voice.embedding must be a list of {dim} numbers, {EMBEDDING_VALUES} (a voice)")
     if not isinstance(value, list) or len(value) != dim or not all(type(x) in (int, float) for x in value):
         raise bad
     try:
         emb = np.array(value, dtype=np.float64)
     except OverflowError:  # an integer past float64, such as 10**400
         raise bad from None
-    with np.errstate(over="ignore"):
-        emb = emb.astype(np.float32)  # past float32's range: inf, refused below
-    if not np.isfinite(emb).all():
+    if not embedding_in_bounds(emb):
         raise bad
+    emb = emb.astype(np.float32)
     return emb
 
 
