@@ -80,6 +80,7 @@ _OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first 
 # an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
 # colon): no pattern of a whole name sees it yet
 _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
+_SPELL_OPENING = re.compile(r"<\s*spell\s*>", re.IGNORECASE)
 _CUT_NAME = re.compile(r"</?([A-Za-z:-]+)$")  # one cut inside its name for certain: a letter of it, right after its '<'
 
 
@@ -118,7 +119,8 @@ def broken_tag_start(text: str) -> int | None:
     text = text.rstrip()
     if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
         start = spans[-1][0]
-        return None if text[start:] in ("<!", "<?") else start
+        # (a spell element's opening left alone spells to the end of its text: app/core/style_tags.py `spell_out`)
+        return None if text[start:] in ("<!", "<?") or _SPELL_OPENING.match(text, start) else start
     if (m := _OPEN_BRACKET.search(text)) and (word := m.group(0)[1:].strip().lower()):
         return m.start() if any(w.startswith(word) for w in TAG_WORDS) else None
     if (m := _CUT_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):

@@ -955,6 +955,7 @@ def test_the_buffer_limit_counts_a_cdata_sections_text_as_the_buffer_holds_it():
         ("Call AT&am", None),
         ("Hi <foo", None),
         ("Hi <b> there", None),
+        ("Hi <spell>AB", None),  # (an opening left alone spells to the end of its text)
     ],
 )
 def test_a_tag_cut_at_the_end_of_a_flushed_text_is_found_prose_is_not(text, broken):
