@@ -33,7 +33,7 @@ from app.core.options import SynthesisOptions
 from app.core.playout import PlayoutClock
 from app.core.stitching import Stitch
 from app.core.style_tags import MarkedText, StyleTag, split_tags, styled_options
-from app.core.tag_vocabulary import NEUTRAL
+from app.core.tag_vocabulary import NEUTRAL, cdata_as_text
 from app.core.text_buffer import TextBuffer
 from app.core.timestamps import AudioTimeline
 from app.core.utterance import Utterance, UtteranceState
@@ -416,9 +416,11 @@ async def speak(
     app/core/timestamps.py). `stitch` (request stitching, app/core/stitching.py): its chain starts from
     `stitch.seed`, and once every sentence was sent its end state goes to `stitch.done` (before the iterator
     ends)."""
-    # the limits on breaks and tags hold for the whole text (its sentences are split one by one later)
-    split_breaks(text)
-    split_tags(text)
+    # the limits on breaks and tags hold for the whole text (its sentences are split one by one later); a CDATA
+    # section's content is text, none of its tags (`split_text`'s buffer reads it so)
+    plain = cdata_as_text(text)
+    split_breaks(plain)
+    split_tags(plain)
     sentences = split_text(gw, text, opts.language)
     pipe = UtterancePipeline(gw, api)
     chain = None

@@ -46,8 +46,12 @@ from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import (
     ATTRIBUTES_ARRIVING,
+    CDATA_OPEN,
     ELEMENT_NAMES,
     TAG_MAX,
+    TAG_WORDS,
+    cdata_as_text,
+    cdata_tail,
     markup_in,
     reference_start,
 )
@@ -76,6 +80,8 @@ _OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first 
 # an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
 # colon): no pattern of a whole name sees it yet
 _OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
+_SPELL_OPENING = re.compile(r"<\s*spell\s*>", re.IGNORECASE)
+_CUT_NAME = re.compile(r"</?([A-Za-z:-]+)$")  # one cut inside its name for certain: a letter of it, right after its '<'
 
 
 # an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
@@ -100,6 +106,29 @@ def unfinished_tag_start(text: str) -> int | None:
     if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
         return len(text) - len(text[-TAG_MAX:]) + m.start()
     return reference_start(text)
+
+
+def broken_tag_start(text: str) -> int | None:
+    """Where a tag cut at the end of text the client's own flush speaks begins (`Hi <brea`, `Hi <break time="1`, `[hap`,
+    `<sub alias="x">U.S.` with no closing, `<!-- a note`, a CDATA section with no `]]>`), None if it ends in none: no
+    text can complete it now, so it is refused (`bad_text`) and the text before it spoken (`flush`; read aloud, the
+    half of a name was "less than brea"). What may be prose is spoken: a `<`, `</`, `<!` or `<?` with nothing after it
+    (`Is two <`), a name after a space (`if a < b`) or one letter right after a word (`if a<b`), a bracket whose word
+    begins no tag word (`[note`), an XML character reference cut (`AT&am`: as written). Spaces after it are none of
+    its (LiveKit's Deepgram plugin sends each word with one)."""
+    text = text.rstrip()
+    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
+        start = spans[-1][0]
+        # (a spell element's opening left alone spells to the end of its text: app/core/style_tags.py `spell_out`)
+        return None if text[start:] in ("<!", "<?") or _SPELL_OPENING.match(text, start) else start
+    if (m := _OPEN_BRACKET.search(text)) and (word := m.group(0)[1:].strip().lower()):
+        return m.start() if any(w.startswith(word) for w in TAG_WORDS) else None
+    if (m := _CUT_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
+        after_word = m.start() > 0 and text[m.start() - 1].isalnum()
+        return None if after_word and len(m.group(1)) == 1 else m.start()
+    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
+        return len(text) - len(text[-TAG_MAX:]) + m.start()
+    return None
 
 
 def _cut_start(text: str) -> int | None:
@@ -491,8 +520,16 @@ class StreamingSession:
                 "reconnect (another replica)",
             )
         self.check_room(ctx)
+        # what it adds to the buffer: a CDATA section's text as written (the buffer holds it so: text_buffer.py
+        # `append`), with the section an earlier message opened (`<![CDATA[`, then `<break/>]]>`: text, not a break)
+        held = self.buffers.get(ctx)
+        tail = cdata_tail(held.text) if held is not None else None
+        going_on = held.text[tail:] if held is not None and tail is not None else ""
+        if not (going_on + text).startswith(CDATA_OPEN):
+            going_on = ""
+        checked = cdata_as_text(going_on + text)
         buffered = sum(len(b) for b in self.buffers.values())
-        if buffered + len(text) > self.limits.max_buffer_chars:
+        if buffered + len(checked) - len(going_on) > self.limits.max_buffer_chars:
             raise RequestError(
                 G.BUFFER_FULL if buffered else G.TEXT_TOO_LONG,
                 f"at most {self.limits.max_buffer_chars} characters may wait to be spoken",
@@ -500,12 +537,12 @@ class StreamingSession:
         opts, voice, clip = self.settings_for(ctx)
         # its own breaks and tags: refused whole, now (its last tag may still be arriving)
         try:
-            inline_pieces(self.gw, [text], opts, voice, clip, partial=True)
+            inline_pieces(self.gw, [checked], opts, voice, clip, partial=True)
         except RequestError:
             # the message that was to complete a tag the buffer ends in (`Hi <pros`, `ody rate="slow">x</prosody>`): the
             # half goes with it, as when the sentence that completes it is refused below (kept, it was read aloud with
             # the next text: `Hi <pros more.`)
-            if (held := self.buffers.get(ctx)) is not None and _ends_in_a_tag(held.text):
+            if held is not None and _ends_in_a_tag(held.text):
                 held.text = ""
                 self._drop_empty_buffers()
             raise
@@ -599,28 +636,38 @@ class StreamingSession:
         flush of every context speaks every other context's text and reports each refusal naming its context (it
         stopped at the first, leaving the contexts after it unspoken and that refusal without its context).
         as_it_comes: the client did not ask for this flush (a hold's timer, a dialect that speaks text as it comes): a
-        tag still arriving at the end stays buffered for the text that completes it (`unfinished_tag_start`)."""
+        tag still arriving at the end stays buffered for the text that completes it (`unfinished_tag_start`). The
+        client's own flush (or close) refuses a tag cut at the end that no text can complete now (`broken_tag_start`:
+        `Hi <brea`, an LLM stopped mid-tag) with `bad_text`, and speaks the text before it."""
         refused: list[tuple[str, RequestError]] = []
         flushed: list[str] = []
         for c, buf in list(self.buffers.items()):
             if ctx is None or c == ctx:
                 before = buf.text
-                cut = unfinished_tag_start(before) if as_it_comes else None
+                cut = unfinished_tag_start(before) if as_it_comes else broken_tag_start(before)
                 tail = before[cut:] if cut is not None else ""
                 buf.text = before[: len(before) - len(tail)]
+                broken, tail = ("", tail) if as_it_comes else (tail, "")  # (a broken tag is dropped)
                 sentences = buf.flush()
                 try:
                     self._enqueue(c, sentences, enforce_limit)
-                    flushed.append(c)
                 except RequestError as e:
                     if e.code == G.TOO_MANY_UTTERANCES:
                         buf.text, tail = before, ""
                     else:
                         self._queue_until_refused(c, sentences, before)
                     refused.append((c, e))
+                else:
+                    flushed.append(c)  # (its turn ends: what it has is queued)
+                    if broken:
+                        cut_off = "cut at the end of the text flushed, which no text can complete now"
+                        what = f"a tag {cut_off} (the text before it is spoken)"
+                        refused.append((c, RequestError(G.BAD_TEXT, f"{what}: {broken[:60]!r}")))
                 buf.text += tail
         self._drop_empty_buffers()
         if refused and ctx is not None:
+            if end_turn and flushed:  # (a broken tag refused: the text before it is the turn's)
+                self.end_turn(ctx)
             raise refused[0][1]
         if end_turn:
             if refused:
@@ -632,6 +679,12 @@ class StreamingSession:
             await self.error(refusal.code, str(refusal), **self.error_context(dict(type="flush", context_id=c)))
         if answer is not None and not refused:
             await self.add_mark(ctx, answer)
+
+    def discard(self, ctx: str) -> None:
+        """Drop what a context has buffered, not what it has queued: text refused for good."""
+        if (buf := self.buffers.get(ctx)) is not None:
+            buf.clear()
+        self._drop_empty_buffers()
 
     def end_turn(self, ctx: str | None) -> None:
         """A context's (None: every context's) text is complete: its last queued utterance ends its

@@ -34,7 +34,9 @@ interpret-as is refused with `unsupported_tag`; `<sub alias="United States">U.S.
 reported. Such an element is whole in its sentence (the text buffer cuts none inside one); an opening or closing left
 alone, an empty alias or one holding a tag are `bad_text`, and so is a break tag their taking out would make of the
 text around them (`A <<p>break time="1s"/>`: breaks were taken out before). None of them is ever read aloud as markup,
-nor is an XML character reference (`&amp;` is `&`: `unescape`).
+nor is an XML character reference (`&amp;` is `&`: `unescape`). A CDATA section's content is text as written, no tag in
+it (`<![CDATA[<break time="1s"/>]]>` is those characters: app/core/tag_vocabulary.py `cdata_as_text`, which the text
+buffer and the HTTP routes' whole texts apply first); one with no `]]>` is `bad_text`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from app.core.tag_vocabulary import (
     BRACKET,
     BREAK_END,
     BREAK_OPEN,
+    CDATA_END,
+    CDATA_OPEN,
     ELEMENT_OPEN,
     EMOTION_OPEN,
     MARK,
@@ -157,10 +161,12 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag | Mark]]:
         if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
             cut, name = text[o.start() : o.start() + 60], o.group(1).lower()
             raise RequestError(G.BAD_TEXT, f"a {name} tag must end with '>' in the same sentence: {cut!r}")
-    for o in XML_MARKUP_OPEN.finditer(text):  # (whole ones were taken out: `unwrap`)
+    for o in XML_MARKUP_OPEN.finditer(text):  # (whole ones were taken out: `unwrap`; a CDATA section's is text)
         if not (partial and last_end < o.start()):
             cut = text[o.start() : o.start() + 60]
             what = f"XML's markup ends with '>' in its sentence, within {TAG_MAX} characters (a comment holds no '--')"
+            if cut.startswith(CDATA_OPEN):
+                what = f"a CDATA section ends with {CDATA_END!r} in its text"
             raise RequestError(G.BAD_TEXT, f"{what}: {cut!r}")
     for m in _ELEMENT.finditer(text):
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))

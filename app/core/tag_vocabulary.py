@@ -235,7 +235,56 @@ XML_MARKUP = re.compile(
     rf"<\?[^<>]{{0,{TAG_MAX}}}\?>|<!--(?:[^-]|-(?!-)){{0,{TAG_MAX}}}-->|<!DOCTYPE\b[^<>]{{0,{TAG_MAX}}}>",
     re.IGNORECASE,
 )
-XML_MARKUP_OPEN = re.compile(r"<(?:\?|!--|!DOCTYPE\b)", re.IGNORECASE)
+# (and an opening of a CDATA section no `]]>` ends: `cdata_as_text` leaves one only while its end may still come)
+XML_MARKUP_OPEN = re.compile(r"<(?:\?|!--|!DOCTYPE\b|(?-i:!\[CDATA\[))", re.IGNORECASE)
+
+# XML's CDATA sections (`<![CDATA[if a < b && c]]>`): their content is text, as written, whatever it holds (markup in
+# one is no markup: `<![CDATA[<break time="1s"/>]]>` is those characters, spoken, not a break), as Azure's and Polly's
+# XML readers take it; an SSML writer wraps text with `&` and `<` in one rather than escape them. `cdata_as_text` makes
+# each one's content text the rest of the gateway reads as written: its `&`, `<`, `>` and brackets as XML character
+# references (`unescape` turns them back into the characters, spoken; no tag, break or bracket tag is read in them)
+CDATA_OPEN, CDATA_END = "<![CDATA[", "]]>"
+_AS_WRITTEN = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "[": "&#91;", "]": "&#93;"}
+_NOT_AS_WRITTEN = re.compile(r"[&<>\[\]]")
+# at the end of a text: a section still open (its opening, then the `]` or `]]` that may begin its end), or its
+# opening cut (`<`, `<!`, ..., `<![CDATA`): what a later message may go on with
+_CDATA_TAIL = re.compile(r"<!\[CDATA\[\]{0,2}\Z|<(?:!(?:\[(?:C(?:D(?:A(?:T(?:A)?)?)?)?)?)?)?\Z")
+
+
+def _as_written(content: str) -> str:
+    return _NOT_AS_WRITTEN.sub(lambda m: _AS_WRITTEN[m.group(0)], content)
+
+
+def cdata_as_text(text: str) -> str:
+    """`text` with each CDATA section's content as text (`cdata_as_text('a <![CDATA[<b> & c]]>')` is
+    `'a &lt;b&gt; &amp; c'`). A section with no end yet (a streamed message's, whose `]]>` a later one brings) has its
+    content so far as text before its opening, which stays at the end with a `]` or `]]` that may begin its end
+    (`'<![CDATA[a]'` is `'a<![CDATA[]'`): so its text is cut into sentences as any text is, and the tail left is a few
+    characters (the text buffer cuts none inside it, `cdata_tail` finds it for the text that goes on). Twice is once."""
+    if CDATA_OPEN not in text:
+        return text
+    out: list[str] = []
+    pos = 0
+    while (start := text.find(CDATA_OPEN, pos)) >= 0:
+        out.append(text[pos:start])
+        content = start + len(CDATA_OPEN)
+        end = text.find(CDATA_END, content)
+        if end < 0:
+            rest = text[content:]
+            held = min(2, len(rest) - len(rest.rstrip("]")))
+            out += [_as_written(rest[: len(rest) - held]), CDATA_OPEN, rest[len(rest) - held :]]
+            return "".join(out)
+        out.append(_as_written(text[content:end]))
+        pos = end + len(CDATA_END)
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def cdata_tail(text: str) -> int | None:
+    """Where a CDATA section still open (`cdata_as_text`'s tail), or its opening cut (`Say <![CD`), begins at the end of
+    `text`, None if it ends in neither: the text that follows goes on from there."""
+    m = _CDATA_TAIL.search(text, max(0, len(text) - len(CDATA_OPEN) - 2))
+    return None if m is None else m.start()
 
 
 def markup_in(text: str) -> str | None:

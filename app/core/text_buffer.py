@@ -8,7 +8,8 @@ complete (the segmenter's decision depends on that word); a newline ends a sente
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
 takes one frame per byte), at a clause mark or a space if there is one, never inside a character, an
 inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`,
-`<spell>`), or after its opening while its closing is still to come.
+`<spell>`), or after its opening while its closing is still to come. A CDATA section's content is text as written
+(`append`), cut into sentences as any text.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ import unicodedata
 
 import sentencex
 
-from app.core.tag_vocabulary import MARK, READ_AS_ELEMENTS, REFERENCE, TAG_MAX, names_pattern
+from app.core.tag_vocabulary import (
+    CDATA_END,
+    CDATA_OPEN,
+    MARK,
+    READ_AS_ELEMENTS,
+    REFERENCE,
+    TAG_MAX,
+    cdata_as_text,
+    cdata_tail,
+    names_pattern,
+)
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
@@ -39,10 +50,14 @@ _SPOKEN_WHOLE = READ_AS_ELEMENTS | {"spell"}
 # So is XML's markup, taken out whole (app/core/tag_vocabulary.py XML_MARKUP: a comment, a declaration, a document
 # type), from its opening to its end: the segmenter cut `Hi <!` from `-- a note -->` and `<?` from `xml ...?>`, and
 # the comment's sentences apart, each half refused. (A `<!` opens one only as `<!--` or `<!DOCTYPE`, or cut before
-# either: prose's `<!` held every sentence after it)
-_XML_ENDS = {"<!--": "-->", "<?": "?>", "<!": ">"}
+# either: prose's `<!` held every sentence after it). And a CDATA section still open at the end of the buffer
+# (`cdata_as_text`: its opening, perhaps a `]` or two; its text before it is the buffer's) or its opening cut
+# (`<![CD`): held back as a whole tag is, up to its `]]>`
+_XML_ENDS = {"<!--": "-->", "<?": "?>", "<!": ">", CDATA_OPEN: CDATA_END, "<![": CDATA_END}
 _WHOLE_OPEN = re.compile(
-    rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>|(<!--|<\?|<!(?=-|D|\Z))", re.IGNORECASE
+    rf"<\s*({names_pattern(_SPOKEN_WHOLE)})(?![\w-])[^<>]{{0,{TAG_MAX}}}>"
+    rf"|(<!--|<\?|(?-i:{re.escape(CDATA_OPEN)})|(?-i:<!\[(?=(?:C(?:D(?:A(?:T(?:A)?)?)?)?)?\Z))|<!(?=-|D|\Z))",
+    re.IGNORECASE,
 )
 _WHOLE_CLOSE = {name: re.compile(rf"<\s*/\s*{re.escape(name)}\s*>", re.IGNORECASE) for name in _SPOKEN_WHOLE}
 _WHOLE_CLOSE |= {opening: re.compile(re.escape(end)) for opening, end in _XML_ENDS.items()}
@@ -171,8 +186,14 @@ class TextBuffer:
         return len(self.text)
 
     def append(self, text: str) -> list[str]:
-        """Add text; return the complete sentences that can be spoken now."""
-        self.text += text
+        """Add text; return the complete sentences that can be spoken now. A CDATA section's content is text as written
+        (app/core/tag_vocabulary.py `cdata_as_text`), its sentences cut as any text's: one still open at the end is
+        the few characters of its opening, the rest of it goes on from there."""
+        tail = cdata_tail(self.text) if "<" in self.text[-len(CDATA_OPEN) - 2 :] else None
+        if tail is None:
+            self.text += cdata_as_text(text)
+        else:
+            self.text = self.text[:tail] + cdata_as_text(self.text[tail:] + text)
         return self._complete()
 
     def flush(self) -> list[str]:

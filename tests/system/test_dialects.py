@@ -627,8 +627,9 @@ def test_elevenlabs_single_context_stream_input(srv):
 
 @pytest.mark.parametrize("auto_mode", [False, True])
 def test_elevenlabs_stream_input_end_with_a_cut_tag_is_refused_and_still_ends(srv, auto_mode):
-    """The end of input whose buffered text holds a tag never completed: bad_text, what came before it spoken, then
-    isFinal and the close (the refused flush left the socket open with no isFinal: the client waited forever)."""
+    """The end of input whose buffered text holds a tag never completed: bad_text, what came before it spoken (its
+    own sentence's words too, `Wait`: without auto_mode they were refused with the tag), then isFinal and the close
+    (the refused flush left the socket open with no isFinal: the client waited forever)."""
 
     async def go():
         ws = await el_connect(el_url(srv, kind="stream-input", auto_mode=auto_mode))
@@ -642,7 +643,7 @@ def test_elevenlabs_stream_input_end_with_a_cut_tag_is_refused_and_still_ends(sr
     assert [m["error"] for m in log if "error" in m] == ["bad_text"]
     assert log[-1] == {"isFinal": True} and code == 1000
     chars = "".join(c for m in log if m.get("alignment") for c in m["alignment"]["chars"])
-    assert chars.split() == ["Hello", "there."] + (["Wait"] if auto_mode else []), chars
+    assert chars.split() == ["Hello", "there.", "Wait"], chars
 
 
 @pytest.mark.parametrize(
@@ -1060,8 +1061,9 @@ def test_elevenlabs_auto_mode_keeps_a_tag_still_arriving_for_the_text_that_compl
     [
         (["Is two ", "<"], ["Is", "two", "<"], False),  # prose: `<` might have begun a tag
         (["Wait ", '<break time="1'], ["Wait"], True),  # a tag never completed
+        (["Wait ", "<brea"], ["Wait"], True),  # one cut inside its name (it was spoken, "Wait <brea")
     ],
-    ids=["prose", "cut-tag"],
+    ids=["prose", "cut-tag", "cut-name"],
 )
 def test_elevenlabs_auto_mode_close_context_speaks_or_refuses_a_tail_kept_for_a_tag(srv, texts, spoken, refused):
     """auto_mode keeps a tag still arriving at the end of its texts for the text that completes it; a close_context

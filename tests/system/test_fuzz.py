@@ -216,6 +216,17 @@ short_text = (
             # XML's markup: taken out whole (a declaration, a comment, a document type), cut ones bad_text
             '<?xml version="1.0"?><!DOCTYPE speak><speak>Hi <!-- a. b? --> there.</speak> a --> b <!-- open <?x',
             "<!" * 40 + "<?" * 40 + "<!--" * 40,
+            # CDATA sections: their content text as written (markup in one is none), split across messages, long (past
+            # the utterance budget), left open at a message's end or cut in their opening; many openings
+            'Say <![CDATA[<break time="1s"/> & [happy] <!-- x -->]]> now. <![CDATA[a]]]]><![CDATA[>]]>',
+            "Code <![CDATA[if (a < b && c[0] > d) { x(); }",
+            "]] ]]> done. <![CD",
+            'ATA[<break time="soon"/>. <sub alias="x">' + "<&[]> " * 120 + "]]",
+            "<![CDATA[" * 60 + "]]>" * 3,
+            # tags cut at the end of a text the client flushes (refused, the text before spoken), prose that is not
+            "Hi <brea",
+            'Wait <break time="1',
+            "Is two < if a<b see [note [hap",
         ]
     )
 )

@@ -1850,3 +1850,77 @@ def test_an_http_utterances_error_is_counted_once_and_the_cap_counts_as_an_error
     assert _errors(gw, "internal") == 1.0 and _requests(gw, "openai", "error") == 1.0
     gw = asyncio.run(capped())
     assert _errors(gw, "audio_too_long") == 1.0 and _requests(gw, "openai", "error") == 1.0
+
+
+async def deepgram_session(limits: Limits | None = None) -> tuple[Any, FakeSocket, asyncio.Task]:
+    """A Deepgram session (`/v1/speak`, linear16 at 24 kHz) on the fake engine, running, its Metadata read."""
+    from app.doors.dialects.deepgram import DeepgramSession
+
+    gw = fake_gateway(limits)
+    ws = FakeSocket()
+    ws.query_params = {}  # type: ignore[attr-defined]
+    task = asyncio.create_task(DeepgramSession(ws, gw, "").run())  # type: ignore[arg-type]
+    assert (await ws.next_json())["type"] == "Metadata"
+    return gw, ws, task
+
+
+async def deepgram_until(ws: FakeSocket, kind: str, engine: FakeEngine, first: int = 1) -> list[dict[str, Any]]:
+    """The session's JSON messages up to its first of `kind`, every utterance it starts from the `first`-th on played
+    meanwhile."""
+
+    async def play_all() -> None:
+        for n in itertools.count(first):
+            FakeEngine.play(await engine.started(n))
+
+    player = asyncio.create_task(play_all())
+    try:
+        seen = []
+        while not seen or seen[-1]["type"] != kind:
+            seen.append(await ws.next_json())
+        return seen
+    finally:
+        player.cancel()
+
+
+def test_deepgram_a_flush_refused_for_too_many_utterances_still_answers_flushed():
+    """A Flush refused past --max-pending-utterances (too_many_utterances) got a Warning and no Flushed: LiveKit's
+    plugin waits for the Flushed of each segment's Flush (and only logs a Warning), pipecat ends its turn's audio
+    there; both hung. Now the Warning, then its Flushed (its own sequence id) after the audio queued before it; its
+    text is dropped (kept, the next Flush spoke it in the next segment's place), and the next Flush's id follows."""
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+        gw, ws, task = await deepgram_session(Limits(max_pending_utterances=2))
+        ws.send(type="Speak", text="One. Two. Three")  # `One.` queued; `Two. Three` waits for a word after it
+        ws.send(type="Flush")  # two more: past the limit while `One.` plays
+        seen = [await ws.next_json()]
+        seen += await deepgram_until(ws, "Flushed", gw.fake)
+        ws.send(type="Speak", text="Again.")
+        ws.send(type="Flush")
+        again = await deepgram_until(ws, "Flushed", gw.fake, first=2)
+        await shut(ws, task)
+        return seen, again, gw.fake.texts
+
+    seen, again, texts = asyncio.run(go())
+    # (a Warning each: the Flush's, and the hold timer's had the machine stalled past its 0.3 s before the Flush)
+    assert {m.get("warn_code") for m in seen[:-1]} == {"too_many_utterances"}, seen
+    assert seen[-1] == {"type": "Flushed", "sequence_id": 0} and again == [{"type": "Flushed", "sequence_id": 1}]
+    assert texts == ["One.", "Again."], texts
+
+
+def test_deepgram_a_tag_cut_at_the_flush_is_refused_and_the_rest_spoken_then_flushed():
+    """LiveKit's plugin sends a word a Speak, each with a space after it: an LLM that stopped mid-tag (`<brea`) leaves
+    `Wait <brea ` for the Flush. The words before it are spoken (they were, and `<brea` with them, as text), the cut
+    tag refused with a Warning, then the Flushed."""
+
+    async def go() -> tuple[list[dict[str, Any]], list[str]]:
+        gw, ws, task = await deepgram_session()
+        for word in ("Hello", "there.", "Wait", "<brea"):
+            ws.send(type="Speak", text=word + " ")
+        ws.send(type="Flush")
+        seen = await deepgram_until(ws, "Flushed", gw.fake)
+        await shut(ws, task)
+        return seen, gw.fake.texts
+
+    seen, texts = asyncio.run(go())
+    assert [(m["type"], m.get("warn_code")) for m in seen] == [("Warning", "bad_text"), ("Flushed", None)], seen
+    assert seen[-1]["sequence_id"] == 0 and texts == ["Hello there.", "Wait"], texts

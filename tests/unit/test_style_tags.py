@@ -12,11 +12,12 @@ from app.core.breaks import split_breaks
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline, speak
-from app.core.session import unfinished_tag_start
+from app.core.session import broken_tag_start, unfinished_tag_start
 from app.core.style_tags import StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL, TAG_WORDS
 from app.core.text_buffer import TextBuffer
 from app.io.errors import RequestError
+from app.settings import Limits
 from app.voices.library import Voice
 from engine.frontend.emotion import EmotionDirections
 from tests.unit.test_pipeline import FakeEngine, fake_gateway, open_session, refused_then_spoken, shut
@@ -565,15 +566,14 @@ def test_a_spell_or_speed_tag_without_its_end_is_refused_not_spoken(text):
 
 
 def spoken_on_socket(*messages: dict) -> tuple[list[dict], list[str]]:
-    """Send `messages` on a session of our socket, the last a flush of one utterance: (what the client got up to
-    `flushed`, the texts the engine was asked to speak)."""
+    """Send `messages` on a session of our socket, the last a flush: (what the client got up to `flushed`, the texts
+    the engine was asked to speak)."""
 
     async def go():
         _, ws, engine, task = await open_session()
         for m in messages:
             ws.send(**m)
-        FakeEngine.play(await engine.started(1))
-        seen = await ws.until("flushed")
+        seen = await played_until_flushed(ws, engine)
         await shut(ws, task)
         return seen, engine.texts
 
@@ -823,3 +823,193 @@ def test_ssml_sub_and_say_as_streamed_on_the_socket_reach_the_engine_and_the_cli
     err, seen, texts = refused_then_spoken(sent, '<sub alias="Fine">F</sub>.')
     assert err["type"] == "error" and err["code"] == "unsupported_tag" and "characters" in err["message"], err
     assert texts == ["Fine."] and [m["text"] for m in seen if m["type"] == "audio.start"] == ["Fine."]
+
+
+# ---- XML's CDATA sections: their content is text, as written -----------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "spoken"),
+    [
+        # markup in one is none (XML's rule, Azure's and Polly's reading): those characters, not a break, not a tag
+        ('Say <![CDATA[<break time="1s"/>]]> now.', 'Say <break time="1s"/> now.'),
+        ("Tom <![CDATA[& Jerry [happy] <b>x</b> &amp;]]>.", "Tom & Jerry [happy] <b>x</b> &amp;."),
+        ("<speak><p><![CDATA[if a < b]]></p></speak>", "if a < b"),
+        ('Use <![CDATA[a]]]]><![CDATA[>b]]> <break time="1s"/> x.', "Use a]]>b"),  # (an end written so; a break)
+        ('<sub alias="United States"><![CDATA[U.S.]]></sub> ok.', "United States ok."),
+        ('<say-as interpret-as="characters"><![CDATA[A&B]]></say-as>.', "A & B."),
+    ],
+)
+def test_a_cdata_sections_content_is_spoken_as_written_no_tag_in_it(text, spoken):
+    """`<![CDATA[...]]>` was read aloud as markup ("CDATA"), its content's tags taken as tags: a break in one was a
+    pause. Its content is text, spoken as written, on the socket and over HTTP (the whole text's checks too)."""
+    seen, texts = spoken_on_socket(dict(type="text", text=text, flush=True))
+    assert [m for m in seen if m["type"] == "error"] == [], seen
+    assert " ".join(texts).startswith(spoken), texts
+    assert " ".join(m["text"] for m in seen if m["type"] == "audio.start").startswith(spoken)
+
+    async def over_http() -> list[str]:
+        gw = fake_gateway()
+        player = asyncio.create_task(_play_all(gw.fake))
+        async for _ in speak(gw, "openai", text, SynthesisOptions(), None, None):
+            pass
+        player.cancel()
+        return gw.fake.texts
+
+    assert " ".join(asyncio.run(over_http())).startswith(spoken)
+
+
+async def _collect(gen) -> None:
+    async for _ in gen:
+        pass
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Say <![CDATA[a < b ", '<break time="soon"/> ', "[laughs] & c]]> done."],
+        ["Say <", "![CD", "ATA[a < b ", '<break time="soon"/> [laughs] & c]', "]", "> done."],
+        ["Say <![CDATA[a < b ", '<break time="soon"/> [laughs] & c]]', "> done."],
+    ],
+)
+def test_a_cdata_section_streamed_across_messages_is_text_until_its_end(pieces):
+    """A section opened in one message (or its opening cut, `<![CD`) and ended in a later one: the messages between hold
+    its text, markup included (`<break time="soon"/>` was refused as a bad break, `[laughs]` as a tag ZONOS2 has no
+    control for), and the text after its end is read as any."""
+    seen, texts = spoken_on_socket(*(dict(type="text", text=p) for p in pieces), dict(type="flush"))
+    assert [m for m in seen if m["type"] == "error"] == [], seen
+    spoken = 'Say a < b <break time="soon"/> [laughs] & c done.'
+    assert " ".join(texts).split() == spoken.split(" "), texts
+
+
+def test_a_cdata_section_longer_than_an_utterance_is_spoken_whole_as_text_in_pieces():
+    """A section's text is cut into utterances as any text is (the budget), none of them refused or holding its
+    markup: a long one streamed word by word, markup in it."""
+    words = ("Code <![CDATA[" + " ".join(f"a<{i}> &" for i in range(200)) + "]]> end.").split(" ")
+    seen, texts = spoken_on_socket(*(dict(type="text", text=w + " ") for w in words), dict(type="flush"))
+    assert [m for m in seen if m["type"] == "error"] == [], seen
+    assert len(texts) > 2 and all("CDATA" not in t and "&amp;" not in t for t in texts), texts
+    assert " ".join(texts).split() == ["Code", *(w for i in range(200) for w in (f"a<{i}>", "&")), "end."]
+
+
+@pytest.mark.parametrize("text", ["Say <![CDATA[a < b", "<![CDATA[x]] there.", "Say <![CDATA[ a ]]"])
+def test_a_cdata_section_with_no_end_is_refused_not_read_aloud(text):
+    """Over HTTP (a whole text) a section whose `]]>` never comes is `bad_text`, as an open comment is."""
+
+    async def go() -> RequestError:
+        with pytest.raises(RequestError) as e:
+            async for _ in speak(fake_gateway(), "openai", text, SynthesisOptions(), None, None):
+                pass
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.code == "bad_text" and "CDATA" in str(err), str(err)
+
+
+def test_the_buffer_limit_counts_a_cdata_sections_text_as_the_buffer_holds_it():
+    """The buffer holds a section's `<`, `&`, `>` and brackets as character references (their characters once
+    spoken): the --max-buffer-chars check counts them so, or a message could fill it past its limit."""
+
+    async def go() -> tuple[dict, dict]:
+        _, ws, engine, task = await open_session(Limits(max_buffer_chars=100))
+        ws.send(type="text", text="<![CDATA[" + "<" * 30 + "]]>")  # 42 characters sent, 120 held
+        refused = await ws.next_json()
+        ws.send(type="text", text="<![CDATA[" + "<" * 10 + "]]>", flush=True)  # 22 sent, 40 held
+        FakeEngine.play(await engine.started(1))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return refused, seen[-1]
+
+    refused, flushed = asyncio.run(go())
+    assert refused["code"] == "text_too_long" and flushed["type"] == "flushed", (refused, flushed)
+
+
+# ---- a tag cut at the end of text the client flushes ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "broken"),
+    [
+        ("Hi <brea", "<brea"),
+        ("Hi <brea ", "<brea"),  # (LiveKit's Deepgram plugin sends each word with a space after it)
+        ('Hi <break time="1', '<break time="1'),
+        ("Hi <break ", "<break"),
+        ("Hi </pros", "</pros"),
+        ("Hi <b", "<b"),
+        ("Hi x<br", "<br"),
+        ("Hi [hap", "[hap"),
+        ("Hi [laughs ", "[laughs"),
+        ('Hi <sub alias="x">U.S.', '<sub alias="x">U.S.'),
+        ("Hi <!-- a note", "<!-- a note"),
+        ("Hi <!-", "<!-"),
+        ("Hi a<![CDATA[", "<![CDATA["),
+        ("Hi <![CD", "<![CD"),
+        ("Hi <amazon:eff", "<amazon:eff"),
+        # prose: no tag for certain
+        ("Is two <", None),
+        ("Is two < ", None),
+        ("Hi </", None),
+        ("Hi <!", None),
+        ("Hi <?", None),
+        ("if a < b", None),
+        ("if a<b", None),
+        ("see [note", None),
+        ("see [1", None),
+        ("Call AT&am", None),
+        ("Hi <foo", None),
+        ("Hi <b> there", None),
+        ("Hi <spell>AB", None),  # (an opening left alone spells to the end of its text)
+    ],
+)
+def test_a_tag_cut_at_the_end_of_a_flushed_text_is_found_prose_is_not(text, broken):
+    start = broken_tag_start(text)
+    assert (text[start:].rstrip() if start is not None else None) == broken
+
+
+@pytest.mark.parametrize(
+    ("text", "spoken"),
+    [
+        ("Hi <brea", "Hi"),  # was spoken "Hi <brea"
+        ('Hi <break time="1', "Hi"),  # was bad_text, "Hi" unspoken
+        ('Well. Hi <emotion value="ha', "Well. Hi"),
+        ("Hi [hap", "Hi"),
+        ("Hi <pros", "Hi"),
+        ('Hi <sub alias="x">U.S.', "Hi"),
+    ],
+)
+@pytest.mark.parametrize("end", ["flush", "close"])
+def test_a_tag_cut_at_the_clients_flush_is_refused_and_the_text_before_it_spoken(text, spoken, end):
+    """An LLM that stopped mid-tag, then the client's flush (or close): the text before the tag is spoken and the cut
+    tag refused with `bad_text` naming the context, never read aloud, whichever point it was cut at (inside its name
+    it was spoken as text, "Hi less than brea"; after it the whole sentence was refused, its words unspoken)."""
+
+    async def go() -> tuple[list[dict], list[str]]:
+        session, ws, engine, task = await open_session()
+        session.gw.prompts = SimpleNamespace(emotion=None)
+        ws.send(type="text", text=text, context_id="c")
+        ws.send(type="flush" if end == "flush" else "close")
+        player = asyncio.create_task(_play_all(engine))
+        seen = await ws.until("error")
+        if end == "close":
+            seen += await ws.until("session.closed")
+        else:
+            ws.send(type="text", text="Next.", context_id="c", flush=True)
+            seen += await ws.until("flushed")
+        player.cancel()
+        await shut(ws, task)
+        return seen, engine.texts
+
+    seen, texts = asyncio.run(go())
+    errors = [m for m in seen if m["type"] == "error"]
+    assert [(m["code"], m.get("context_id")) for m in errors] == [("bad_text", "c")], errors
+    assert " ".join(texts).split() == spoken.split() + (["Next."] if end == "flush" else []), texts
+    assert [m for m in seen if m["type"] == "flushed"] == (
+        [{"type": "flushed", "context_id": "c"}] if end == "flush" else []
+    )
+
+
+async def _play_all(engine) -> None:
+    for n in range(1, 10):
+        FakeEngine.play(await engine.started(n))
+
+
+@pytest.mark.parametrize("text", ["Is two <", "if a<b", "see [note", "Call AT&am"])
+def test_prose_at_the_clients_flush_is_spoken(text):
+    seen, texts = spoken_on_socket(dict(type="text", text=text, flush=True))
+    assert [m for m in seen if m["type"] == "error"] == [] and texts == [text], (seen, texts)

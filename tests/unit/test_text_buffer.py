@@ -237,3 +237,45 @@ def test_every_character_is_spoken_once_in_order(text, step, budget):
     pieces = stream(text, step, budget=budget)
     assert "".join("".join(p.split()) for p in pieces) == "".join(text.split())
     assert all(p.strip() and utf8_len(p) <= budget for p in pieces)
+
+
+CDATA_TEXT = 'Say <![CDATA[a < bc. Tom & [x] <break time="1s"/>]]> then. <![CDATA[<p>!]]> Done.'
+CDATA_SENTENCES = [
+    "Say a &lt; bc.",
+    'Tom &amp; &#91;x&#93; &lt;break time="1s"/&gt; then.',
+    "&lt;p&gt;!",
+    "Done.",
+]
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 9, 11, 1000])
+def test_a_cdata_sections_text_is_cut_as_text_whatever_pieces_it_arrives_in(step):
+    """A CDATA section's content is held as text (its markup as character references, which the rest of the gateway
+    speaks as the characters): its sentences are cut as any text's, the same whatever pieces it arrives in, and no
+    piece of its opening or end is left in them (a section cut across messages was read aloud as markup)."""
+    assert stream(CDATA_TEXT, step) == CDATA_SENTENCES
+
+
+@pytest.mark.parametrize(
+    ("text", "held"),
+    [
+        ("Hi. <![CDATA[a. b", "a. b<![CDATA["),  # its text so far is text: only its opening waits for its end
+        ("Hi. <![CDATA[a. b]", "a. b<![CDATA[]"),  # (a `]` may begin its end)
+        ("Hi. <![CD", "<![CD"),
+        ("Hi. <!", "<!"),
+    ],
+)
+def test_a_cdata_section_still_open_holds_back_only_its_opening(text, held):
+    buf = TextBuffer(500)
+    assert buf.append(text) in ([], ["Hi."]) and buf.text.endswith(held), buf.text
+    start = unfinished_tag_start(buf.text)
+    assert start is not None and buf.text[start:].startswith("<!"), buf.text
+
+
+def test_a_cdata_section_past_the_budget_is_cut_into_pieces_of_text():
+    """A section longer than an utterance: its text cut at the budget, between words, each piece text (it began a
+    piece spoken whole, and was cut inside, its halves refused)."""
+    words = " ".join(f"w{i}<" for i in range(60))
+    out = stream(f"<![CDATA[{words}]]>", 7, budget=100)
+    assert len(out) > 2 and all(utf8_len(s) <= 100 for s in out), out
+    assert " ".join(out).split() == [f"w{i}&lt;" for i in range(60)], out

@@ -3,10 +3,10 @@ pipecat's `DeepgramTTSService` and LiveKit's deepgram plugin speak) on the sessi
 
 In: `{"type": "Speak", "text"}` appends text (sentences are cut as on our own socket; a buffered sentence
 end is spoken once no text has come for 0.3 s), `{"type": "Flush"}` speaks what is buffered and is answered
-by `{"type": "Flushed", "sequence_id"}` after its audio, `{"type": "Clear"}` drops everything and stops the
-GPU work, answered by `{"type": "Cleared", "sequence_id"}` (no audio of the cleared text follows it, nor a
-`Flushed` of a Flush whose text it dropped),
-`{"type": "Close"}` speaks what is left, answers the flushes, and closes the socket (1000).
+by `{"type": "Flushed", "sequence_id"}` after its audio (a refused one too, after its Warning), `{"type": "Clear"}`
+drops everything and stops the GPU work, answered by `{"type": "Cleared", "sequence_id"}` (no audio of the cleared
+text follows it, nor a `Flushed` of a Flush whose text it dropped), `{"type": "Close"}` speaks what is left, answers
+the flushes, and closes the socket (1000).
 Out: binary audio (raw: linear16, mulaw or alaw at `sample_rate`), `{"type": "Metadata", ...}` once the
 socket opens, `Flushed`, `Cleared`, `{"type": "Warning", ...}` for a message it cannot take and
 `{"type": "Error", ...}` for a sentence that failed.
@@ -91,19 +91,24 @@ class DeepgramSession(StreamingSession):
                 raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, "Speak needs a text string")
             self.append_text(DEFAULT_CONTEXT, text)
         elif kind == "Flush":
+            # every Flush is answered by one Flushed, its sequence id the count of Flushes before it (or by a Cleared
+            # that dropped its text), refused or not: a client's segment ends at its Flushed (LiveKit's plugin waits
+            # for it after each segment, pipecat ends its turn's audio context there; both only log a Warning), and
+            # none came for a refused one
             answer = {"type": "Flushed", "sequence_id": self.sequence}
+            self.sequence += 1
             try:
                 await self.flush(DEFAULT_CONTEXT, answer=answer)
             except RequestError as e:
-                if e.code == G.TOO_MANY_UTTERANCES:  # its text stays buffered; no sequence id: the next Flush gets it
-                    raise
-                # a sentence refused once whole (a tag split across Speak messages: LiveKit sends a word a message),
-                # dropped: the Warning, then the Flushed after the rest's audio all the same. A client's segment ends
-                # at its Flushed (LiveKit's plugin waits for it, and only logs a Warning): none came
+                # a sentence refused once whole (a tag split across Speak messages: LiveKit sends a word a message) is
+                # dropped, a tag cut at the end too (`Hi <brea`), and the rest spoken; past --max-pending-utterances
+                # (too_many_utterances) the text is dropped: kept, a later Flush spoke it in the next segment's place.
+                # The Warning, then the Flushed after the audio queued before it
+                if e.code == G.TOO_MANY_UTTERANCES:
+                    self.discard(DEFAULT_CONTEXT)
                 await self.error(e.code, str(e))
                 self.end_turn(DEFAULT_CONTEXT)
                 await self.add_mark(DEFAULT_CONTEXT, answer)
-            self.sequence += 1
         elif kind == "Clear":
             # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
             # ends whichever turn is playing at a Flushed, by then the next one)
