@@ -129,8 +129,12 @@ def job_for(req: m.SubmitRequest, cfg: Zonos2Config, max_len: int, n_slots: int,
     speaker = emotion = uncond_speaker = None
     if req.speaker_embedding is not None:
         spk = req.speaker_embedding
-        if spk.shape != (cfg.speaker_embedding_dim,) or not np.isfinite(spk).all():
-            raise Refused(E.BAD_VOICE, f"speaker embedding must have {cfg.speaker_embedding_dim} finite values")
+        if spk.shape != (cfg.speaker_embedding_dim,) or not m.embedding_in_bounds(spk):
+            raise Refused(
+                E.BAD_VOICE,
+                f"speaker embedding must have {cfg.speaker_embedding_dim} values, finite and within"
+                f" ±{m.EMBEDDING_ABS_MAX:g}",
+            )
         speaker = to_device(spk, device)
     has_speaker = req.speaker_embedding is not None or req.clip is not None
     # emotion (records.SubmitRequest): a wrong size is this request's error, never a shape error in a prefill

@@ -227,7 +227,9 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
         nan_spk = replace(request("x", 10), speaker_embedding=np.full(cfg.speaker_embedding_dim, np.nan, np.float32))
         short_clip = replace(request("x", 10), clip=np.zeros(100, np.float32), clip_sr=24000)
         loud_clip = replace(request("x", 10), clip=np.full(24000, 3e38, np.float32), clip_sr=24000)
-        requests = (too_long, bad_params, bad_spk, nan_spk, short_clip, loud_clip)
+        # finite, past EMBEDDING_ABS_MAX: it overflowed the speaker projections, noise to the frame cap
+        huge_spk = replace(request("x", 10), speaker_embedding=np.full(cfg.speaker_embedding_dim, 3e38, np.float32))
+        requests = (too_long, bad_params, bad_spk, nan_spk, short_clip, loud_clip, huge_spk)
         results = [await collect(client, r) for r in requests]
         ok = await collect(client, request("still fine", 12, seed=1))
         return results, ok
@@ -240,6 +242,7 @@ def test_bad_requests_get_errors_and_engine_lives(rt):
         "bad_voice",
         "bad_audio",
         "bad_audio",
+        "bad_voice",
     ]
     assert ok[1].type == m.FINISHED and cfg.speaker_embedding_dim == 2048
 
