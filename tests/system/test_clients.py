@@ -1009,6 +1009,12 @@ def test_deepgram_rest_formats(dsrv):
         ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
         ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        # numbers Python's float() reads and no client means: 0_3 was 3.0 (spoken at triple speed), +1, " 1",
+        # 1e0 and a full-width 1 were 1.0; nan, inf and 1e400 were bad_params, not Deepgram's code
+        *[
+            (f"speed={v}", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER")
+            for v in ("0_3", "%2B1", "%201", "1e0", "%EF%BC%91", "nan", "inf", "1e400", "0x1", "1.", ".5", "-1")
+        ],
         # a setting given twice with different values (the last was taken in silence)
         ("encoding=linear16&sample_rate=8000&sample_rate=16000", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("encoding=mp3&encoding=linear16", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),

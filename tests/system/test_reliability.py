@@ -1523,6 +1523,21 @@ def test_numbers_in_urls_take_ascii_digits_only():
     assert query_int({"seed": ""}, "seed") is None and query_int({}, "seed") is None
 
 
+def test_fractions_in_urls_take_ascii_digits_and_a_point_only():
+    """Deepgram's `?speed=`: float() read "0_3" as 3.0, and took signs, spaces, exponents, "nan", "inf" and
+    full-width digits."""
+    from app.io.errors import RequestError
+    from app.io.query_input import fraction, query_fraction
+
+    bad = ("0_3", "1_0", "+1", "-1", " 1", "1 ", "", "nan", "NaN", "inf", "-inf", "1e400", "1e0", "0x10", "１", "1.")
+    for text in (*bad, ".5", "1.2.3", "²", "1" * 19, "1." + "1" * 19):
+        with pytest.raises(RequestError) as e:
+            fraction(text, "speed", "INVALID_QUERY_PARAMETER")
+        assert e.value.code == "INVALID_QUERY_PARAMETER" and "speed" in str(e.value), text
+    assert fraction("1", "x") == 1.0 and fraction("0.85", "x") == 0.85 and fraction("1.50", "x") == 1.5
+    assert query_fraction({"speed": ""}, "speed") is None and query_fraction({}, "speed") is None
+
+
 @slow
 def test_unicode_digit_in_our_socket_url_is_a_coded_error(server):
     async def go():
