@@ -1658,19 +1658,33 @@ deepgram_query = st.lists(
 )
 
 
+# the key headers: a blank Authorization (a client's empty key) beside the key header hides it not; a wrong one does
+deepgram_auth = st.sampled_from(
+    [
+        {"Authorization": f"Token {DIALECT_KEY}"},
+        {"Authorization": f"Bearer {DIALECT_KEY}"},
+        {"Authorization": "Token", "X-API-Key": DIALECT_KEY},
+        {"Authorization": "Bearer", "xi-api-key": DIALECT_KEY},
+        {"Authorization": "Bearer wrong", "X-API-Key": DIALECT_KEY},
+        {"Authorization": "Token", "X-API-Key": ""},
+    ]
+)
+
+
 @FUZZ
 @given(
     data=dialect_body({"text": short_text | anything}, {"text": "Hello there."}),
     query=deepgram_query,
     ctype=content_types,
+    auth=deepgram_auth,
 )
-def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype):
+def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype, auth):
     r = httpx.post(
         f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}",
         params=query,
         content=data,
         timeout=60,
-        headers={"content-type": ctype, "Authorization": f"Token {DIALECT_KEY}"},
+        headers={"content-type": ctype, **auth},
     )
     check_dialect(r, lambda b: b["err_code"])
 

@@ -1400,6 +1400,38 @@ def test_which_routes_a_key_guards(keyed):
     assert "GET /metrics?api_key=[redacted]" in log and "/v1/tts/ws?api_key=[redacted]" in log
 
 
+def test_a_blank_credential_hides_no_other():
+    """`Authorization: Bearer ` with no token (an SDK's empty api_key) hid a valid X-API-Key: 401. A blank
+    credential is none given; the first one given is the key, a wrong one too."""
+    from app.io.auth import api_key_from
+
+    for blank in ("Bearer ", "Bearer", "Token   ", "bearer \t"):
+        assert api_key_from({"authorization": blank, "x-api-key": "k"}, {}) == "k", blank
+        assert api_key_from({"authorization": blank, "xi-api-key": "k"}, {}) == "k", blank
+        assert api_key_from({"authorization": blank}, {"api_key": "k"}) == "k", blank
+        assert api_key_from({"authorization": blank}, {}) is None, blank
+    assert api_key_from({"x-api-key": " ", "xi-api-key": "k"}, {}) == "k"
+    assert api_key_from({"x-api-key": ""}, {"api_key": " "}) is None
+    # the first credential given is the key, right or wrong: no trying one after another
+    assert api_key_from({"authorization": "Bearer wrong", "x-api-key": "k"}, {}) == "wrong"
+    assert api_key_from({"authorization": "Bearer  k "}, {}) == "k"
+    assert api_key_from({"authorization": "Basic dXNlcg==", "x-api-key": "k"}, {}) == "k"  # not a key scheme
+
+
+def test_a_blank_bearer_beside_a_valid_key_header_is_served(keyed):
+    # (what a server reads of "Bearer ": the header's trailing space is not its value; httpx refuses to send it)
+    blank = {"Authorization": "Bearer", "X-API-Key": KEY}
+    assert httpx.get(keyed.url + "/v1/models", headers=blank).status_code == 200
+    assert httpx.get(keyed.url + f"/v1/models?api_key={KEY}", headers={"Authorization": "Bearer"}).status_code == 200
+    assert_json_error(httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer"}), 401, "unauthorized")
+
+    async def first(headers: dict[str, str]) -> dict[str, Any]:
+        async with websockets.connect(keyed.ws_url, additional_headers=headers) as ws:
+            return json.loads(await ws.recv())
+
+    assert run(first(blank))["type"] == "session.created"
+
+
 # ---- the engine does not outlive its gateway --------------------------------------------
 def _proc_gone(pid: int) -> bool:
     try:
