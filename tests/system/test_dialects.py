@@ -1517,6 +1517,12 @@ def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
         # as the HTTP routes refuse them (the socket ignored them: a number as language, a config that is no object)
         ({"language": 5}, "bad_message"),
         ({"generation_config": "fast"}, "bad_message"),
+        # fields not used hold Cartesia's types (they were ignored whatever they held)
+        ({"model_id": 2}, "bad_message"),
+        ({"duration": "long"}, "bad_message"),
+        ({"use_original_timestamps": "no"}, "bad_message"),
+        ({"generation_config": {"volume": [2]}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": ["fast"]}}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):

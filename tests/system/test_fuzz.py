@@ -486,7 +486,7 @@ def test_a_text_frame_that_is_not_utf8_closes_1007_without_a_traceback(fuzz_serv
 
 # ---- HTTP ----------------------------------------------------------------------------------------------
 openai_values = {
-    "model": st.sampled_from(["zonos2", "tts-1"]) | anything,
+    "model": st.sampled_from(["zonos2", "tts-1", "gpt-4o-mini-tts", ""]) | anything,
     "input": short_text | anything,
     "voice": st.sampled_from(["alloy", "nobody"]) | anything,
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
@@ -962,9 +962,24 @@ ca_output = (
     )
     | anything
 )
+# Cartesia's fields that are accepted and not used (type-checked: app/doors/dialects/cartesia.py check_unused)
+ca_unused = {
+    "model_id": st.sampled_from(["sonic-2", "sonic-english", "sonic-3.5"]) | anything,
+    "add_phoneme_timestamps": st.booleans() | anything,
+    "use_normalized_timestamps": st.booleans() | anything,
+    "use_original_timestamps": st.booleans() | anything,
+}
+ca_voice_controls = (
+    st.fixed_dictionaries(
+        {}, optional={"speed": st.sampled_from(["fast", 0.5]) | anything, "emotion": st.just(["positivity"]) | anything}
+    )
+    | anything
+)
 ca_message = st.fixed_dictionaries(
     {},
     optional={
+        **ca_unused,
+        "duration": st.just(5) | anything,
         "transcript": short_text | anything,
         "continue": st.booleans() | anything,
         "context_id": dialect_ctx(),
@@ -972,13 +987,20 @@ ca_message = st.fixed_dictionaries(
         "cancel": st.booleans() | anything,
         "voice": st.fixed_dictionaries(
             {"mode": st.sampled_from(["id", "embedding", "clone"]) | anything},
-            optional={"id": st.sampled_from(["Fuzzed", "Nobody"]) | anything, "embedding": embedding},
+            optional={
+                "id": st.sampled_from(["Fuzzed", "Nobody"]) | anything,
+                "embedding": embedding,
+                "__experimental_controls": ca_voice_controls,
+            },
         )
         | anything,
         "output_format": ca_output,
         "language": st.sampled_from(["en", "de", "xx"]) | anything,
         "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
-        "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
+        "generation_config": st.fixed_dictionaries(
+            {},
+            optional={"speed": st.floats(0, 3) | extreme | anything, "volume": anything, "emotion": anything},
+        )
         | anything,
         "speed": extreme | anything,
     },
@@ -1563,19 +1585,27 @@ cartesia_values = {
             "mode": st.sampled_from(["id", "embedding", "clone"]) | anything,
             "id": st.sampled_from(["Ada", "nobody"]) | anything,
             "embedding": st.lists(st.floats(allow_nan=True), max_size=4) | anything,
+            "__experimental_controls": ca_voice_controls,
         },
     )
     | anything,
     "output_format": cartesia_format | anything,
     "generation_config": st.fixed_dictionaries(
-        {}, optional={"speed": st.floats(-1, 3) | anything, "volume": anything, "emotion": anything}
+        {},
+        optional={
+            "speed": st.floats(-1, 3) | anything,
+            "volume": st.floats(0, 3) | anything,
+            "emotion": st.sampled_from(["neutral", "angry"]) | anything,
+        },
     )
     | anything,
-    "speed": anything,
+    "speed": st.sampled_from(["slow", "normal", 1.0]) | anything,
     "context_id": st.text(max_size=140) | anything,
     "add_timestamps": anything,
     "pronunciation_dict_id": st.sampled_from(["pd_0000000000000000", "x"]) | anything,
-    "duration": anything,
+    "duration": st.sampled_from([5, 2.5]) | anything,
+    # documented and not used: Cartesia's types are checked (ca_unused)
+    **ca_unused,
 }
 CARTESIA_VALID = {
     "transcript": "Hello there.",
