@@ -1922,7 +1922,14 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
 
 @pytest.mark.parametrize(
     "query, code",
-    [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"), ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")],
+    [
+        ("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"),
+        ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS"),
+        # ?speed, which the socket ignored whatever it held (Deepgram's socket takes it, as the REST route does)
+        ("speed=0_3", "INVALID_QUERY_PARAMETER"),
+        ("speed=nan", "INVALID_QUERY_PARAMETER"),
+        ("speed=9", "BAD_PARAMS"),
+    ],
 )
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
     """A Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
@@ -1934,6 +1941,14 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
 
     resp = run(go())
     assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
+
+
+def test_deepgram_socket_takes_a_speed(srv):
+    async def go():
+        ws = await dg_connect(ws_url(srv, "/v1/speak?model=Ada&speed=1.1"))  # (it checks the Metadata)
+        await ws.close()
+
+    run(go())
 
 
 @pytest.mark.parametrize(

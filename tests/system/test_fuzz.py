@@ -792,6 +792,9 @@ query_value = (
             "180",
             "181",
             "on",
+            "1.1",  # (Deepgram's speed)
+            "0_3",  # (float() read it as 3.0)
+            "nan",
         ]
     )
 )
@@ -825,7 +828,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "zonos_params"],
 }
 
 
