@@ -5,11 +5,10 @@ they arrive (WebSocket `params`, the HTTP routes' fields, a dialect's mapped fie
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.io.checks import whole_number
+from app.io.checks import finite, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -91,15 +90,6 @@ class SynthesisOptions:
     # no client option: what the request's output encoder takes in before it outputs anything, set by its door
     # (app/io/audio_output.py first_samples; None: not said), so the engine sizes the first DAC call for it
     first_samples: int | None = None
-
-
-def finite(value: int | float) -> bool:
-    """A finite number: JSON carries integers of any size, and math.isfinite raises OverflowError on one past
-    float's range (10**400), which is no number any field takes."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
 
 
 def _typed(key: str, value: Any, kind: type) -> Any:

@@ -31,7 +31,7 @@ from app.io.audio_output import (
     OutputFormat,
 )
 from app.io.auth import require_key
-from app.io.checks import check_sample_rate, check_text, text_field
+from app.io.checks import check_sample_rate, check_text, check_types, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -59,6 +59,9 @@ _OPENAI_FIELDS = {
 # the speaker fields) and every key of `params` at the top level (`extra_body={"seed": 3}`).
 SPEECH_FIELDS = _OPENAI_FIELDS | SPEAKER_FIELDS | PARAM_KEYS | {"speaking_rate_enabled"}
 _RATE_KEYS = ("speed", "speaking_rate", "speaking_rate_bucket")
+# OpenAI's fields accepted and not used (there is one model), with the JSON types OpenAI documents ("tts-1",
+# "gpt-4o-mini-tts": any name is taken)
+_UNUSED: dict[str, tuple[type, ...]] = {"model": (str,)}
 NULL_IS_DEFAULT = frozenset({"response_format", "stream_format", "sample_rate"})  # a null is the default
 # the sample format of the raw formats, in X-Audio-Format (the reference's /tts/generate says "float32")
 RAW_SAMPLE_FORMATS = {"pcm": "int16", "mulaw": "mulaw", "alaw": "alaw"}
@@ -82,6 +85,7 @@ async def parse_speech(gw: Gateway, data: dict[str, Any], owner: str, streamed: 
     """The body, checked whole. `streamed`: the client asked for a stream otherwise than in the body (the
     openai SDK's with_streaming_response)."""
     check_fields(data, SPEECH_FIELDS, G.BAD_PARAMS)
+    check_types(data, _UNUSED, G.BAD_PARAMS)
     text = text_field(data, "input", gw.settings.limits.max_http_chars)
     # null is the field left out, as it is for speed, instructions and stream (clients that serialize every field)
     data = {k: v for k, v in data.items() if v is not None or k not in NULL_IS_DEFAULT}

@@ -162,7 +162,7 @@ async def store_clips(
         dim=gw.cfg.speaker_embedding_dim,
         details={"clips": len(embs), "seconds": round(seconds, 2)} | (details or {}),
     )
-    stored = gw.voices.add(voice, np.mean(embs, axis=0), preview)
+    stored = await gw.voices.add_off_loop(voice, np.mean(embs, axis=0), preview)
     if stored is not voice:  # another request stored these clips first (meanwhile): as if it had come before
         return _dedup(gw, stored, owner, name, rename)
     return Stored(voice, True)
@@ -179,7 +179,7 @@ async def store_embedding(
     if existing is not None:
         return _dedup(gw, existing, owner, name, rename)
     voice = Voice(id=vid, name=name, owner=owner, source="embedding", dim=len(emb), details=details or {})
-    stored = gw.voices.add(voice, emb)
+    stored = await gw.voices.add_off_loop(voice, emb)
     if stored is not voice:  # another request stored this array first (meanwhile): as if it had come before
         return _dedup(gw, stored, owner, name, rename)
     return Stored(voice, True)
@@ -212,7 +212,7 @@ async def blend_voices(request: Request) -> Response:
     voice = Voice(
         id=vid, name=name, owner=owner, source="blend", dim=len(emb), details={"a": a.id, "b": b.id, "t": float(t)}
     )
-    stored = gw.voices.add(voice, emb)
+    stored = await gw.voices.add_off_loop(voice, emb)
     if stored is not voice:  # the same blend, stored first by another request
         return JSONResponse(stored.public() | {"deduplicated": True}, status_code=200)
     return JSONResponse(voice.public(), status_code=201)

@@ -29,16 +29,21 @@ def api_key_from(headers: Mapping[str, str], query: Mapping[str, str]) -> str | 
     (OpenAI) or `Token` (Deepgram), `X-API-Key` (ours, Cartesia), `xi-api-key` (ElevenLabs), `?api_key=`. An
     `?api_key=` read (no key header) given twice with different values raises RequestError(unauthorized),
     the keys not shown: which one the client meant is not known (the last was taken). Its callers read a key
-    only where the gateway has keys (`require_key`, `authorized`, app/doors/handshake.py `serve`)."""
-    auth = headers.get("authorization", "")
-    scheme, _, token = auth.partition(" ")
-    if scheme.lower() in ("bearer", "token"):
-        return token.strip() or None
-    key = headers.get("x-api-key") or headers.get("xi-api-key")
-    if key:
-        return key
+    only where the gateway has keys (`require_key`, `authorized`, app/doors/handshake.py `serve`).
+
+    The first credential given is the key, in that order; a blank one (`Authorization: Bearer ` with no token, an
+    empty `X-API-Key`) is none given, and hides no later one: an SDK or proxy that always sends its own header,
+    empty when it has no key, beside the one that holds the key (an OpenAI client's empty `api_key` beside an
+    `X-API-Key` set in `default_headers`) was a 401. A wrong key given first is still wrong."""
+    scheme, _, token = headers.get("authorization", "").strip().partition(" ")
+    if scheme.lower() in ("bearer", "token") and token.strip():
+        return token.strip()
+    for name in ("x-api-key", "xi-api-key"):
+        key = headers.get(name, "").strip()
+        if key:
+            return key
     check_single(query, ("api_key",), G.UNAUTHORIZED, secret=True)
-    return query.get("api_key") or None
+    return (query.get("api_key") or "").strip() or None
 
 
 def key_ok(key: str | None, keys: tuple[str, ...]) -> bool:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from app.io.errors import GatewayError as G
@@ -43,6 +44,39 @@ def text_field(data: dict[str, Any], key: str, limit: int) -> str:
     if len(text) > limit:
         raise RequestError(G.TEXT_TOO_LONG, f"{key} is limited to {limit} characters")
     return check_text(text, key)
+
+
+def finite(value: int | float) -> bool:
+    """A finite number: JSON carries integers of any size, and math.isfinite raises OverflowError on one past
+    float's range (10**400), which is no number any field takes."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+# how a refusal names the JSON types a field may hold (the Python types json.loads gives; a number is float here)
+_JSON_TYPES = {str: "a string", bool: "true or false", float: "a number", dict: "an object", list: "an array"}
+
+
+def _of_types(value: object, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # (a bool is an int to Python, never a number to JSON)
+        return bool in types
+    if isinstance(value, int | float):
+        return float in types and finite(value)
+    return isinstance(value, types)
+
+
+def check_types(data: Mapping[str, Any], types: Mapping[str, tuple[type, ...]], code: str, prefix: str = "") -> None:
+    """The one rule for fields a route accepts and does not use (OpenAI's `model`, ElevenLabs' `model_id`,
+    Cartesia's `model_id`, `duration`, ...): each holds a JSON type its vendor documents, `types[key]` (`float`: a
+    finite JSON number, an integer too; `str`, `bool`, `dict`, `list`), or null (as left out); else
+    RequestError(code) naming it (`prefix`: where the object sits, "voice."). What the vendor would refuse is not
+    ignored in silence: `"model": ["tts-1"]` was taken as no model."""
+    for key, allowed in types.items():
+        value = data.get(key)
+        if value is not None and not _of_types(value, allowed):
+            raise RequestError(code, f"{prefix}{key} must be {' or '.join(_JSON_TYPES[t] for t in allowed)}")
 
 
 def whole_number(value: object) -> int | None:

@@ -867,6 +867,26 @@ def cartesia(dsrv, path: str, output_format: dict, key: str = DIALECT_KEY, query
 RAW16 = {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 24000}
 
 
+def test_cartesia_http_takes_the_fields_it_does_not_use(dsrv):
+    """Cartesia's documented fields this gateway does not use, as its clients send them (pipecat's
+    use_original_timestamps, LiveKit's older __experimental_controls, Sonic-3's generation_config), are taken."""
+    r = cartesia(
+        dsrv,
+        "/tts/bytes",
+        RAW16,
+        model_id="sonic-english",
+        duration=5,
+        speed="slow",
+        add_timestamps=True,
+        add_phoneme_timestamps=False,
+        use_normalized_timestamps=None,
+        use_original_timestamps=True,
+        generation_config={"volume": 1, "emotion": "neutral", "speed": 1.0},
+        voice={"mode": "id", "id": "Ada", "__experimental_controls": {"speed": "fast", "emotion": ["positivity:high"]}},
+    )
+    assert r.status_code == 200 and r.content, r.text
+
+
 def test_cartesia_bytes_and_sse(dsrv):
     raw = cartesia(dsrv, "/tts/bytes", RAW16)
     assert raw.status_code == 200 and raw.headers["content-type"] == "audio/pcm"
@@ -934,6 +954,26 @@ def test_cartesia_bytes_and_sse(dsrv):
         ("/tts/bytes", RAW16, DIALECT_KEY, {"transcript": ""}, 400, "empty_text"),
         ("/tts/bytes", RAW16, DIALECT_KEY, {"generation_config": []}, 400, "bad_params"),
         ("/tts/sse", RAW16, DIALECT_KEY, {"context_id": ""}, 400, "bad_params"),
+        # fields not used hold Cartesia's types (they were ignored whatever they held), as ElevenLabs' do
+        *[
+            ("/tts/bytes", RAW16, DIALECT_KEY, extra, 400, code)
+            for extra, code in (
+                ({"model_id": 3}, "bad_params"),
+                ({"model_id": ["sonic-2"]}, "bad_params"),
+                ({"duration": "5s"}, "bad_params"),
+                ({"duration": True}, "bad_params"),
+                ({"speed": [1]}, "bad_params"),
+                ({"add_timestamps": "yes"}, "bad_params"),
+                ({"add_phoneme_timestamps": 1}, "bad_params"),
+                ({"use_normalized_timestamps": "true"}, "bad_params"),
+                ({"use_original_timestamps": {}}, "bad_params"),
+                ({"generation_config": {"volume": "loud"}}, "bad_params"),
+                ({"generation_config": {"emotion": ["happy"]}}, "bad_params"),
+                ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": "fast"}}, "bad_message"),
+                ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": []}}}, "bad_message"),
+                ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": "x"}}}, "bad_message"),
+            )
+        ],
     ],
 )
 def test_cartesia_http_errors(dsrv, path, fmt, key, extra, status, code):
@@ -1009,6 +1049,12 @@ def test_deepgram_rest_formats(dsrv):
         ("encoding=mp3&container=wav", DIALECT_KEY, None, 400, "UNSUPPORTED_CONTAINER"),
         ("callback=https://example.invalid/hook", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("speed=fast", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
+        # numbers Python's float() reads and no client means: 0_3 was 3.0 (spoken at triple speed), +1, " 1",
+        # 1e0 and a full-width 1 were 1.0; nan, inf and 1e400 were bad_params, not Deepgram's code
+        *[
+            (f"speed={v}", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER")
+            for v in ("0_3", "%2B1", "%201", "1e0", "%EF%BC%91", "nan", "inf", "1e400", "0x1", "1.", ".5", "-1")
+        ],
         # a setting given twice with different values (the last was taken in silence)
         ("encoding=linear16&sample_rate=8000&sample_rate=16000", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),
         ("encoding=mp3&encoding=linear16", DIALECT_KEY, None, 400, "INVALID_QUERY_PARAMETER"),

@@ -1519,6 +1519,12 @@ def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
         # as the HTTP routes refuse them (the socket ignored them: a number as language, a config that is no object)
         ({"language": 5}, "bad_message"),
         ({"generation_config": "fast"}, "bad_message"),
+        # fields not used hold Cartesia's types (they were ignored whatever they held)
+        ({"model_id": 2}, "bad_message"),
+        ({"duration": "long"}, "bad_message"),
+        ({"use_original_timestamps": "no"}, "bad_message"),
+        ({"generation_config": {"volume": [2]}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": ["fast"]}}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
@@ -1918,7 +1924,14 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
 
 @pytest.mark.parametrize(
     "query, code",
-    [("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"), ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS")],
+    [
+        ("sample_rate=%C2%B2", "INVALID_QUERY_PARAMETER"),
+        ("zonos_params=%7B%22temperature%22%3A1e39%7D", "BAD_PARAMS"),
+        # ?speed, which the socket ignored whatever it held (Deepgram's socket takes it, as the REST route does)
+        ("speed=0_3", "INVALID_QUERY_PARAMETER"),
+        ("speed=nan", "INVALID_QUERY_PARAMETER"),
+        ("speed=9", "BAD_PARAMS"),
+    ],
 )
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
     """A Unicode digit, or a sampling value past its bound, is a 400 in Deepgram's shape."""
@@ -1930,6 +1943,14 @@ def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
 
     resp = run(go())
     assert resp.status_code == 400 and json.loads(resp.body)["err_code"] == code
+
+
+def test_deepgram_socket_takes_a_speed(srv):
+    async def go():
+        ws = await dg_connect(ws_url(srv, "/v1/speak?model=Ada&speed=1.1"))  # (it checks the Metadata)
+        await ws.close()
+
+    run(go())
 
 
 @pytest.mark.parametrize(
@@ -1980,8 +2001,19 @@ def test_deepgram_a_url_key_repeated_with_another_value_is_refused(srv):
         assert "api_key is given 2 times" in body["err_msg"] and KEY not in body["err_msg"], body
 
 
-@pytest.mark.parametrize("speed, status", [("nan", 400), ("inf", 400), ("9", 400), ("0.01", 400), ("1.1", 200)])
-def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status):
+@pytest.mark.parametrize(
+    "speed, status, code",
+    [
+        # not a number as a URL writes one (app/io/query_input.py): the query's code
+        ("nan", 400, "INVALID_QUERY_PARAMETER"),
+        ("inf", 400, "INVALID_QUERY_PARAMETER"),
+        # outside every API's bounds
+        ("9", 400, "BAD_PARAMS"),
+        ("0.01", 400, "BAD_PARAMS"),
+        ("1.1", 200, None),
+    ],
+)
+def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status, code):
     """?speed is a finite number within every API's speed bounds, refused naming it in Deepgram's shape even
     on a model without speaking-rate buckets (which ignores it)."""
     r = httpx.post(
@@ -1992,7 +2024,7 @@ def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status):
     )
     assert r.status_code == status, r.text[:300]
     if status == 400:
-        assert r.json()["err_code"] == "BAD_PARAMS" and "speed" in r.json()["err_msg"], r.text
+        assert r.json()["err_code"] == code and "speed" in r.json()["err_msg"], r.text
 
 
 @pytest.mark.parametrize("speed", [float("nan"), float("inf"), 9.0, 0.01, "1.2", True])

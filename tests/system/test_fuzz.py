@@ -497,7 +497,7 @@ def test_a_text_frame_that_is_not_utf8_closes_1007_without_a_traceback(fuzz_serv
 
 # ---- HTTP ----------------------------------------------------------------------------------------------
 openai_values = {
-    "model": st.sampled_from(["zonos2", "tts-1"]) | anything,
+    "model": st.sampled_from(["zonos2", "tts-1", "gpt-4o-mini-tts", ""]) | anything,
     "input": short_text | anything,
     "voice": st.sampled_from(["alloy", "nobody"]) | anything,
     "response_format": st.sampled_from(["pcm", "wav", "mp3", "flac", "opus", "aac"]) | anything,
@@ -803,6 +803,9 @@ query_value = (
             "180",
             "181",
             "on",
+            "1.1",  # (Deepgram's speed)
+            "0_3",  # (float() read it as 3.0)
+            "nan",
         ]
     )
 )
@@ -836,7 +839,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "zonos_params"],
 }
 
 
@@ -973,9 +976,24 @@ ca_output = (
     )
     | anything
 )
+# Cartesia's fields that are accepted and not used (type-checked: app/doors/dialects/cartesia.py check_unused)
+ca_unused = {
+    "model_id": st.sampled_from(["sonic-2", "sonic-english", "sonic-3.5"]) | anything,
+    "add_phoneme_timestamps": st.booleans() | anything,
+    "use_normalized_timestamps": st.booleans() | anything,
+    "use_original_timestamps": st.booleans() | anything,
+}
+ca_voice_controls = (
+    st.fixed_dictionaries(
+        {}, optional={"speed": st.sampled_from(["fast", 0.5]) | anything, "emotion": st.just(["positivity"]) | anything}
+    )
+    | anything
+)
 ca_message = st.fixed_dictionaries(
     {},
     optional={
+        **ca_unused,
+        "duration": st.just(5) | anything,
         "transcript": short_text | anything,
         "continue": st.booleans() | anything,
         "context_id": dialect_ctx(),
@@ -983,13 +1001,20 @@ ca_message = st.fixed_dictionaries(
         "cancel": st.booleans() | anything,
         "voice": st.fixed_dictionaries(
             {"mode": st.sampled_from(["id", "embedding", "clone"]) | anything},
-            optional={"id": st.sampled_from(["Fuzzed", "Nobody"]) | anything, "embedding": embedding},
+            optional={
+                "id": st.sampled_from(["Fuzzed", "Nobody"]) | anything,
+                "embedding": embedding,
+                "__experimental_controls": ca_voice_controls,
+            },
         )
         | anything,
         "output_format": ca_output,
         "language": st.sampled_from(["en", "de", "xx"]) | anything,
         "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
-        "generation_config": st.fixed_dictionaries({}, optional={"speed": st.floats(0, 3) | extreme | anything})
+        "generation_config": st.fixed_dictionaries(
+            {},
+            optional={"speed": st.floats(0, 3) | extreme | anything, "volume": anything, "emotion": anything},
+        )
         | anything,
         "speed": extreme | anything,
     },
@@ -1574,19 +1599,27 @@ cartesia_values = {
             "mode": st.sampled_from(["id", "embedding", "clone"]) | anything,
             "id": st.sampled_from(["Ada", "nobody"]) | anything,
             "embedding": st.lists(st.floats(allow_nan=True), max_size=4) | anything,
+            "__experimental_controls": ca_voice_controls,
         },
     )
     | anything,
     "output_format": cartesia_format | anything,
     "generation_config": st.fixed_dictionaries(
-        {}, optional={"speed": st.floats(-1, 3) | anything, "volume": anything, "emotion": anything}
+        {},
+        optional={
+            "speed": st.floats(-1, 3) | anything,
+            "volume": st.floats(0, 3) | anything,
+            "emotion": st.sampled_from(["neutral", "angry"]) | anything,
+        },
     )
     | anything,
-    "speed": anything,
+    "speed": st.sampled_from(["slow", "normal", 1.0]) | anything,
     "context_id": st.text(max_size=140) | anything,
     "add_timestamps": anything,
     "pronunciation_dict_id": st.sampled_from(["pd_0000000000000000", "x"]) | anything,
-    "duration": anything,
+    "duration": st.sampled_from([5, 2.5]) | anything,
+    # documented and not used: Cartesia's types are checked (ca_unused)
+    **ca_unused,
 }
 CARTESIA_VALID = {
     "transcript": "Hello there.",
@@ -1651,6 +1684,12 @@ deepgram_query = st.lists(
                 "1.1",
                 "nan",
                 "inf",
+                "0_3",  # (float() read it as 3.0)
+                "+1",
+                " 1",
+                "1e0",
+                "１",
+                "1e400",
                 "9",
                 "0.01",
                 "-1",
@@ -1663,19 +1702,33 @@ deepgram_query = st.lists(
 )
 
 
+# the key headers: a blank Authorization (a client's empty key) beside the key header hides it not; a wrong one does
+deepgram_auth = st.sampled_from(
+    [
+        {"Authorization": f"Token {DIALECT_KEY}"},
+        {"Authorization": f"Bearer {DIALECT_KEY}"},
+        {"Authorization": "Token", "X-API-Key": DIALECT_KEY},
+        {"Authorization": "Bearer", "xi-api-key": DIALECT_KEY},
+        {"Authorization": "Bearer wrong", "X-API-Key": DIALECT_KEY},
+        {"Authorization": "Token", "X-API-Key": ""},
+    ]
+)
+
+
 @FUZZ
 @given(
     data=dialect_body({"text": short_text | anything}, {"text": "Hello there."}),
     query=deepgram_query,
     ctype=content_types,
+    auth=deepgram_auth,
 )
-def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype):
+def test_fuzz_deepgram_http(dialect_fuzz_server, data, query, ctype, auth):
     r = httpx.post(
         f"{dialect_fuzz_server.url}/v1/speak?{FAST_Q}",
         params=query,
         content=data,
         timeout=60,
-        headers={"content-type": ctype, "Authorization": f"Token {DIALECT_KEY}"},
+        headers={"content-type": ctype, **auth},
     )
     check_dialect(r, lambda b: b["err_code"])
 

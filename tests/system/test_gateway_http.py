@@ -150,11 +150,23 @@ def test_openai_sse(server):
         ({"input": "x", "params": {"quality_buckets": {"nosuch": 1}}}, 400, "bad_params"),
         ({"input": "x", "params": {"top_k": 5000}}, 400, "bad_params"),
         ({"input": "x", "speed": 2.0, "params": {"speaking_rate_bucket": 3}}, 400, "bad_params"),
+        # `model` is not used, but is a string as OpenAI documents (these were taken as no model, in silence)
+        ({"input": "x", "model": ["tts-1"]}, 400, "bad_params"),
+        ({"input": "x", "model": 1}, 400, "bad_params"),
+        ({"input": "x", "model": {"id": "tts-1"}}, 400, "bad_params"),
+        ({"input": "x", "model": False}, 400, "bad_params"),
     ],
 )
 def test_openai_bad_input(server, body, status, code):
     r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
     assert r.status_code == status and r.json()["error"]["code"] == code
+
+
+def test_openai_takes_any_model_name(server):
+    """The names clients send (the openai SDK's, LiveKit's and pipecat's defaults), null as left out."""
+    for model in ("tts-1", "tts-1-hd", "gpt-4o-mini-tts", "zonos2", "", None):
+        r = speech(server, input="Any model.", model=model, response_format="pcm")
+        assert r.status_code == 200, (model, r.text)
 
 
 def test_openai_nulls_are_the_defaults(server):

@@ -1400,6 +1400,38 @@ def test_which_routes_a_key_guards(keyed):
     assert "GET /metrics?api_key=[redacted]" in log and "/v1/tts/ws?api_key=[redacted]" in log
 
 
+def test_a_blank_credential_hides_no_other():
+    """`Authorization: Bearer ` with no token (an SDK's empty api_key) hid a valid X-API-Key: 401. A blank
+    credential is none given; the first one given is the key, a wrong one too."""
+    from app.io.auth import api_key_from
+
+    for blank in ("Bearer ", "Bearer", "Token   ", "bearer \t"):
+        assert api_key_from({"authorization": blank, "x-api-key": "k"}, {}) == "k", blank
+        assert api_key_from({"authorization": blank, "xi-api-key": "k"}, {}) == "k", blank
+        assert api_key_from({"authorization": blank}, {"api_key": "k"}) == "k", blank
+        assert api_key_from({"authorization": blank}, {}) is None, blank
+    assert api_key_from({"x-api-key": " ", "xi-api-key": "k"}, {}) == "k"
+    assert api_key_from({"x-api-key": ""}, {"api_key": " "}) is None
+    # the first credential given is the key, right or wrong: no trying one after another
+    assert api_key_from({"authorization": "Bearer wrong", "x-api-key": "k"}, {}) == "wrong"
+    assert api_key_from({"authorization": "Bearer  k "}, {}) == "k"
+    assert api_key_from({"authorization": "Basic dXNlcg==", "x-api-key": "k"}, {}) == "k"  # not a key scheme
+
+
+def test_a_blank_bearer_beside_a_valid_key_header_is_served(keyed):
+    # (what a server reads of "Bearer ": the header's trailing space is not its value; httpx refuses to send it)
+    blank = {"Authorization": "Bearer", "X-API-Key": KEY}
+    assert httpx.get(keyed.url + "/v1/models", headers=blank).status_code == 200
+    assert httpx.get(keyed.url + f"/v1/models?api_key={KEY}", headers={"Authorization": "Bearer"}).status_code == 200
+    assert_json_error(httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer"}), 401, "unauthorized")
+
+    async def first(headers: dict[str, str]) -> dict[str, Any]:
+        async with websockets.connect(keyed.ws_url, additional_headers=headers) as ws:
+            return json.loads(await ws.recv())
+
+    assert run(first(blank))["type"] == "session.created"
+
+
 # ---- the engine does not outlive its gateway --------------------------------------------
 def _proc_gone(pid: int) -> bool:
     try:
@@ -1521,6 +1553,21 @@ def test_numbers_in_urls_take_ascii_digits_only():
         assert e.value.code == "bad_params" and e.value.status == 400 and "sample_rate" in str(e.value), bad
     assert decimal("24000", "x") == 24000 and decimal("007", "x") == 7
     assert query_int({"seed": ""}, "seed") is None and query_int({}, "seed") is None
+
+
+def test_fractions_in_urls_take_ascii_digits_and_a_point_only():
+    """Deepgram's `?speed=`: float() read "0_3" as 3.0, and took signs, spaces, exponents, "nan", "inf" and
+    full-width digits."""
+    from app.io.errors import RequestError
+    from app.io.query_input import fraction, query_fraction
+
+    bad = ("0_3", "1_0", "+1", "-1", " 1", "1 ", "", "nan", "NaN", "inf", "-inf", "1e400", "1e0", "0x10", "１", "1.")
+    for text in (*bad, ".5", "1.2.3", "²", "1" * 19, "1." + "1" * 19):
+        with pytest.raises(RequestError) as e:
+            fraction(text, "speed", "INVALID_QUERY_PARAMETER")
+        assert e.value.code == "INVALID_QUERY_PARAMETER" and "speed" in str(e.value), text
+    assert fraction("1", "x") == 1.0 and fraction("0.85", "x") == 0.85 and fraction("1.50", "x") == 1.5
+    assert query_fraction({"speed": ""}, "speed") is None and query_fraction({}, "speed") is None
 
 
 @slow

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import errno
 import io
 import json
@@ -1113,3 +1114,121 @@ def test_a_lone_surrogate_in_a_stored_meta_json_does_not_break_the_listing(tmp_p
     assert v.id == "v_old" and v.details == {"original_name": "e\ufffd.npy", "clips": ["a\ufffd", {"\ufffdk": "v"}]}
     body = JSONResponse({"voices": [x.public() for x in reloaded.list("")]}).body  # raised UnicodeEncodeError
     assert "e\ufffd.npy" in body.decode("utf-8")
+
+
+def test_a_writer_stalled_in_another_process_does_not_stall_the_event_loop(tmp_path, monkeypatch):
+    """--workers: `add` took the shared store's file lock, and rescanned every voice's folder under it, on the event
+    loop: while another process held the lock (a stalled writer), every session of this one waited. It runs in a
+    worker thread now: the loop serves others meanwhile, and the voice is stored once the lock is free."""
+    import fcntl
+    import threading
+    from types import SimpleNamespace
+
+    from app.doors import voices as voice_doors
+
+    dim = 2048
+    gw = SimpleNamespace(
+        cfg=SimpleNamespace(speaker_embedding_dim=dim), voices=VoiceStore(tmp_path, dim, shared=True, max_per_owner=3)
+    )
+    elsewhere = open(tmp_path / ".lock", "a")  # noqa: SIM115 (another process's writer: flock, one holder a file)
+    fcntl.flock(elsewhere, fcntl.LOCK_EX)
+    released, at_lock = threading.Event(), threading.Event()
+    flock = fcntl.flock
+
+    def spy(f, op):
+        at_lock.set()  # (the add is at the lock: on the event loop's thread before, blocking it)
+        return flock(f, op)
+
+    monkeypatch.setattr(voices_mod.fcntl, "flock", spy)
+
+    def release() -> None:
+        if not released.is_set():
+            released.set()
+            elsewhere.close()
+
+    guard = threading.Timer(30, release)  # hang guard: the code before this fix waited here, the loop blocked
+    guard.start()
+
+    async def go():
+        task = asyncio.create_task(voice_doors.store_embedding(gw, "", npy(rand(1, dim)), "Ada"))
+        while not at_lock.is_set():
+            await asyncio.sleep(0.01)
+        served_while_held = not released.is_set()
+        listing = gw.voices.list("")  # another request, served meanwhile
+        release()
+        return served_while_held, listing, await task
+
+    try:
+        served_while_held, listing, stored = asyncio.run(go())
+    finally:
+        release()
+        guard.cancel()
+    assert served_while_held and listing == []
+    assert stored.created and gw.voices.get("Ada", "").id == stored.voice.id
+
+
+def test_two_adds_of_one_key_at_once_are_counted_one_after_the_other(tmp_path, monkeypatch):
+    """`add` runs in worker threads: two uploads of one key at once both counted the key's voices below
+    --max-voices-per-key, then both wrote (on the event loop the count and the write were one step)."""
+    import threading
+
+    store = VoiceStore(tmp_path, DIM, max_per_owner=1)
+    both_counted = threading.Barrier(2, timeout=2)
+    write = store._write
+
+    def slow_write(voice, preview_wav):
+        with contextlib.suppress(threading.BrokenBarrierError):
+            both_counted.wait()  # (with the writers one at a time, the other never counts meanwhile: 2 s)
+        return write(voice, preview_wav)
+
+    monkeypatch.setattr(store, "_write", slow_write)
+
+    def voice(i: int) -> Voice:
+        return Voice(id=f"v_{i}", name=f"n{i}", owner="k", source="embedding", dim=DIM)
+
+    async def go():
+        adds = (store.add_off_loop(voice(i), rand(i, DIM)) for i in range(2))
+        return await asyncio.gather(*adds, return_exceptions=True)
+
+    results = asyncio.run(go())
+    assert sorted(type(r).__name__ for r in results) == ["Voice", "VoiceError"], results
+    assert [r.code for r in results if isinstance(r, VoiceError)] == ["too_many_voices"]
+    assert len(VoiceStore(tmp_path, DIM).list("k")) == 1
+
+
+def test_a_rescan_listed_before_an_add_landed_does_not_drop_it(tmp_path, monkeypatch):
+    """Shared store, `add` in a worker thread: a rescan that listed the folders before the add's write landed, and
+    applied its listing after the add put the voice in memory, dropped it (until a rescan came due: a listing right
+    after an upload lacked it). Rescans and the add's update take turns now."""
+    import threading
+
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])  # no rescan comes due by itself
+    store = VoiceStore(tmp_path, DIM, shared=True)
+    listed, go_on = threading.Event(), threading.Event()
+    scandir = os.scandir
+
+    class SlowListing:
+        def __init__(self, path):
+            self.entries = list(scandir(path))
+
+        def __enter__(self):
+            listed.set()
+            go_on.wait(30)  # (hang guard)
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(voices_mod.os, "scandir", SlowListing)
+    scanner = threading.Thread(target=store._sync, kwargs={"force": True})
+    scanner.start()
+    assert listed.wait(30)
+    monkeypatch.setattr(voices_mod.os, "scandir", scandir)
+    adder = threading.Thread(target=add, args=(store, "v_new", "New"))
+    adder.start()
+    adder.join(1)  # (it waits for the rescan now; before, it was done: its voice in memory)
+    go_on.set()
+    scanner.join(30)
+    adder.join(30)
+    assert [v.id for v in store.list("")] == ["v_new"]

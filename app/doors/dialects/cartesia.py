@@ -46,7 +46,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag, whole_number
+from app.io.checks import check_context_id, check_flag, check_types, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
@@ -54,6 +54,21 @@ from app.voices.library import EMBEDDING_VALUES, Voice
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import embedding_in_bounds
 
+# fields of a generation request (the socket's and the HTTP routes') that are accepted and not used, with the JSON
+# types Cartesia documents (checked: a `"model_id": 3` is refused as Cartesia refuses it, never ignored in silence).
+# `speed` is its older field, a number (read: language_and_speed) or a name ("slow"); pipecat sends
+# `use_original_timestamps`. `add_timestamps` is a flag (check_flag), read on the socket and not on the HTTP routes.
+_UNUSED: dict[str, tuple[type, ...]] = {
+    "model_id": (str,),
+    "duration": (float,),
+    "speed": (float, str),
+    "add_phoneme_timestamps": (bool,),
+    "use_normalized_timestamps": (bool,),
+    "use_original_timestamps": (bool,),
+}
+_UNUSED_GENERATION_CONFIG: dict[str, tuple[type, ...]] = {"volume": (float,), "emotion": (str,)}
+# voice.__experimental_controls (older LiveKit plugins): a speed (a name or a number) and a list of emotions
+_UNUSED_VOICE_CONTROLS: dict[str, tuple[type, ...]] = {"speed": (float, str), "emotion": (list,)}
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
@@ -194,6 +209,7 @@ class CartesiaSession(StreamingSession):
         transcript = data.get("transcript")
         if not isinstance(transcript, str):
             raise RequestError(G.BAD_MESSAGE, "transcript must be a string")
+        check_unused(data, G.BAD_MESSAGE)  # every request's (pipecat repeats model_id on each)
         cont = check_flag(data, "continue")
         flush = check_flag(data, "flush")
         ctx = ctx or "ctx_" + secrets.token_hex(8)
@@ -401,6 +417,16 @@ def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
     return [pid]
 
 
+def check_unused(data: dict[str, Any], code: str) -> None:
+    """A generation request's fields that are not used hold Cartesia's types (check_types), else `code`
+    (the socket's bad_message, the HTTP routes' bad_params). `generation_config` that is no object is refused
+    by language_and_speed."""
+    check_types(data, _UNUSED, code)
+    config = data.get("generation_config")
+    if isinstance(config, dict):
+        check_types(config, _UNUSED_GENERATION_CONFIG, code, "generation_config.")
+
+
 def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:
     """A request's `language` and speed (the socket's context and the HTTP routes' body): `language` a string and
     `generation_config` an object, else `code`; the speed is `generation_config.speed`, else a numeric top-level
@@ -434,6 +460,10 @@ def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
     or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
     if not isinstance(spec, dict):
         raise RequestError(G.BAD_MESSAGE, 'voice must be an object: {"mode": "id", "id": ...}')
+    controls = spec.get("__experimental_controls")  # not used (older LiveKit plugins' speed and emotions)
+    check_types(spec, {"__experimental_controls": (dict,)}, G.BAD_MESSAGE, "voice.")
+    if controls is not None:
+        check_types(controls, _UNUSED_VOICE_CONTROLS, G.BAD_MESSAGE, "voice.__experimental_controls.")
     mode = spec.get("mode", "id")
     if mode == "id":
         ref = spec.get("id")

@@ -14,7 +14,7 @@ Body as on the WebSocket (app/doors/dialects/cartesia.py): `transcript`, `voice`
 our voices, or `{"mode": "embedding", "embedding"}` of 2048 numbers), `output_format`, `language`,
 `generation_config.speed` (or a numeric `speed`), `pronunciation_dict_id` (one of our stored dictionaries);
 `model_id`, `duration`, `generation_config.volume` / `emotion` and the timestamp switches are accepted and not
-used. Auth:
+used (held to Cartesia's types: check_unused). Auth:
 `X-API-Key` or `Authorization: Bearer`; `Cartesia-Version` is accepted and not checked. Errors:
 `{"error", "title", "message", "status_code"}`.
 """
@@ -32,13 +32,19 @@ from starlette.responses import Response
 
 from app.core.gateway import Gateway
 from app.core.options import SynthesisOptions
-from app.doors.dialects.cartesia import language_and_speed, output_format, pronunciation_dict, voice_of
+from app.doors.dialects.cartesia import (
+    check_unused,
+    language_and_speed,
+    output_format,
+    pronunciation_dict,
+    voice_of,
+)
 from app.doors.dialects.cartesia import refusal_body as cartesia_error
 from app.doors.dialects.common import dialect_options
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, text_field, whole_number
+from app.io.checks import check_context_id, check_flag, text_field, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.library import Voice
@@ -66,6 +72,8 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
 
 
 async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
+    check_unused(data, G.BAD_PARAMS)
+    check_flag(data, "add_timestamps", G.BAD_PARAMS)  # checked as on the socket, not used (no timestamps here)
     lang, speed = language_and_speed(data, G.BAD_PARAMS)
     opts = dialect_options(gw, request.query_params, language=lang, speed=speed)
     lexicon = await gw.lexicon(pronunciation_dict(data), owner)

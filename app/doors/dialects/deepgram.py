@@ -32,7 +32,7 @@ from app.doors.handshake import serve
 from app.io.audio_output import G711_RATE, OutputFormat
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import check_single, query_int
+from app.io.query_input import check_single, query_fraction, query_int
 
 # The query settings a connection or a request reads (its socket's and its HTTP route's): each one given twice
 # with different values is refused (the last was taken in silence). `tag`, `bit_rate` and `mip_opt_out` are not
@@ -50,7 +50,8 @@ class DeepgramSession(StreamingSession):
         super().__init__(ws, gw, owner)
         q = ws.query_params
         check_single(q, QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
-        self.opts = dialect_options(gw, q)
+        # ?speed (Deepgram's socket takes it as its REST route does): a number as a URL writes one, then its bounds
+        self.opts = dialect_options(gw, q, speed=query_fraction(q, "speed", G.DEEPGRAM_INVALID_QUERY_PARAMETER))
         name = (q.get("encoding") or "linear16").lower()
         if name not in ENCODINGS:
             raise RequestError(G.DEEPGRAM_UNSUPPORTED_ENCODING, f"encoding must be one of {list(ENCODINGS)}")

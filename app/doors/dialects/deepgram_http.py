@@ -28,7 +28,7 @@ from app.io.audio_output import OutputFormat
 from app.io.checks import text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.query_input import check_single, query_int
+from app.io.query_input import check_single, query_fraction, query_int
 
 _SAMPLES = deepgram.ENCODINGS
 _COMPRESSED = {"mp3": "mp3", "opus": "opus", "flac": "flac", "aac": "aac"}
@@ -73,12 +73,7 @@ async def speak(request: Request) -> Response:
     model = q.get("model") or ""
     voice = gw.resolve_voice(model, owner) if model else None
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
-    speed = None
-    if q.get("speed"):
-        try:
-            speed = float(q["speed"])
-        except ValueError:
-            raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "speed must be a number") from None
+    speed = query_fraction(q, "speed", G.DEEPGRAM_INVALID_QUERY_PARAMETER)  # its bounds: dialect_options
     opts = dialect_options(gw, q, speed=speed)
     request_id = str(uuid.uuid4())
     headers = {

@@ -39,7 +39,7 @@ from starlette.websockets import WebSocket
 
 from app.core.gateway import Gateway
 from app.core.hold import Hold
-from app.core.options import SynthesisOptions, finite
+from app.core.options import SynthesisOptions
 from app.core.pipeline import DEFAULT_CONTEXT
 from app.core.session import StreamingSession
 from app.core.timestamps import Chunk, char_alignment
@@ -47,7 +47,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag
+from app.io.checks import check_context_id, check_flag, finite
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import check_single, query_int

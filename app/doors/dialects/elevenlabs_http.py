@@ -55,7 +55,7 @@ from app.doors.dialects.elevenlabs import refusal_body as elevenlabs_error
 from app.doors.dialects.http import errors_as, open_request
 from app.doors.speech import Framing, speech_response
 from app.io.audio_output import OutputFormat
-from app.io.checks import text_field
+from app.io.checks import check_types, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 
@@ -87,9 +87,7 @@ def _request_ids(data: dict[str, Any], key: str) -> list[str]:
 
 
 async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
-    for key, types in _UNUSED.items():
-        if data.get(key) is not None and not isinstance(data[key], types):
-            raise RequestError(G.BAD_PARAMS, f"{key} must be a {' or '.join(t.__name__ for t in types)}")
+    check_types(data, _UNUSED, G.BAD_PARAMS)
     _request_ids(data, "next_request_ids")  # checked, not used
     lang = data.get("language_code")
     if lang is not None and not isinstance(lang, str):
