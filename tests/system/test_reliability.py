@@ -1613,9 +1613,10 @@ def test_voice_names_and_references_must_be_strings(server):
 
 
 @slow
-def test_deepgram_refused_flush_takes_no_sequence_id(limited):
-    """A Flush refused with too_many_utterances (3 may be queued here) does not use up a sequence id: the
-    next Flush is answered Flushed 0."""
+def test_deepgram_refused_flush_takes_its_sequence_id(limited):
+    """A Flush refused with too_many_utterances (3 may be queued here) takes its sequence id as every Flush does (its
+    Warning, then the Cleared that drops the queue answers it: no Flushed 0 comes), so the next Flush is answered
+    Flushed 1 and the ids the client counts skip nothing."""
     q = "zonos_params=" + json.dumps({"max_frames": 600, "ignore_eos": True}).replace(" ", "")
 
     async def go():
@@ -1637,11 +1638,12 @@ def test_deepgram_refused_flush_takes_no_sequence_id(limited):
             await ws.send(json.dumps({"type": "Clear"}))
             await until("Cleared")
             await ws.send(json.dumps({"type": "Flush"}))
-            return warning, await until("Flushed")
+            return warning, await until("Flushed"), msgs
 
-    warning, flushed = run(go())
+    warning, flushed, msgs = run(go())
     assert warning["warn_code"] == "too_many_utterances", warning
-    assert flushed == {"type": "Flushed", "sequence_id": 0}
+    assert flushed == {"type": "Flushed", "sequence_id": 1}
+    assert [m["type"] for m in msgs if m["type"] in ("Flushed", "Cleared")] == ["Cleared", "Flushed"], msgs
 
 
 @slow
