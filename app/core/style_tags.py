@@ -201,6 +201,8 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag | Marked
     spoken = MARK.sub("", plain) if "<" in plain else plain  # (marks are taken out below, a space kept between words)
     if spoken != text:
         _no_break_made(text, spoken)
+    if spoken != plain:
+        _no_tag_made_of_marks(plain, spoken)
     tags = _tags(plain, partial)
     if not tags:
         said = spell_out(plain)
@@ -247,6 +249,20 @@ def _joined(before: str, piece: str) -> str:
     if before[-1] == " " and piece[0] == " ":
         return before + piece[1:]
     return before + piece
+
+
+def _no_tag_made_of_marks(text: str, spoken: str) -> None:
+    """Refused (`bad_text`) when taking the marks out of `text` (`spoken`) made a tag of the text around one: a mark
+    inside a tag (`[hap<mark name="m"/>py]`, `<emo<mark name="m"/>tion value="sad"/>`) is outside every tag once taken
+    out, and the tag's text, whole again, was read aloud (`[happy]` spoken as words)."""
+
+    def found(pattern: re.Pattern[str], where: str) -> list[re.Match[str]]:
+        return [m for m in pattern.finditer(where) if pattern is not BRACKET or m.group(1).lower() in TAG_WORDS]
+
+    for pattern in (BREAK_OPEN, BREAK_END, EMOTION_OPEN, ELEMENT_OPEN, BRACKET):
+        if len(made := found(pattern, spoken)) > len(found(pattern, text)):
+            cut = spoken[made[-1].start() : made[-1].start() + 40]
+            raise RequestError(G.BAD_TEXT, f"a mark stands outside every tag, not inside one: {cut!r}")
 
 
 def _no_break_made(text: str, plain: str) -> None:
