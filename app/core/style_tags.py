@@ -136,6 +136,8 @@ def mark_name(written: str, attribute_text: str) -> str:
     name = attributes(attribute_text, written).get("name")
     if name is None:
         raise RequestError(G.BAD_TEXT, f'a mark needs a name, such as <mark name="here"/>: {written[:60]!r}')
+    if any(not _printable_reference(m) for m in REFERENCE.finditer(name)):  # (`unescape` drops it: the name changed)
+        raise RequestError(G.BAD_TEXT, f"a mark's name holds only printable characters: {written[:60]!r}")
     name = unescape(name)
     if not name.strip():
         raise RequestError(G.BAD_TEXT, f"a mark's name is not empty: {written[:60]!r}")
@@ -350,6 +352,14 @@ def unescape(text: str) -> str:
     read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
     space; any other `&` is text."""
     return REFERENCE.sub(_referenced, text) if "&" in text else text
+
+
+def _printable_reference(m: re.Match[str]) -> bool:
+    """Whether a character reference (a REFERENCE match) names a printable character (`&#x202E;`, `&#0;` do not)."""
+    if m.group(1):
+        return True
+    code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
+    return code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF and chr(code).isprintable()
 
 
 def _referenced(m: re.Match[str]) -> str:

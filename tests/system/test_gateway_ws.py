@@ -492,12 +492,19 @@ def test_marks_come_with_their_audio_and_none_after_a_barge_in(server):
 
 @pytest.mark.parametrize(
     "text",
-    ['[hap<mark name="m"/>py] Hello there.', '<emo<mark name="m"/>tion value="happy"/> Hello there.'],
+    [
+        '[hap<mark name="m"/>py] Hello there.',
+        '<emo<mark name="m"/>tion value="happy"/> Hello there.',
+        '<mark name="&#x202E;evil"/> Hello there.',
+        '<mark name="a&#0;b"/> Hello there.',
+    ],
 )
-def test_a_mark_inside_a_tag_is_bad_text_not_the_tag_read_aloud(server, text):
+def test_a_mark_inside_a_tag_or_naming_what_cannot_be_printed_is_bad_text(server, text):
     """A mark inside a bracket tag or an element's opening: taken out, it left the tag whole as text, and `[happy]`
-    (the text of the utterance the engine read) was spoken as words (hostile pass). Refused (bad_text) as a mark inside
-    a sub is (docs/protocol.md "Marks"); the next text is spoken."""
+    (the text of the utterance the engine read) was spoken as words. A name with a reference to a character that is
+    not printable (a bidi override, NUL), as the character itself is: the reference was dropped and the mark reported
+    under another name (`evil`, `ab`) (hostile pass). Refused (bad_text) as a mark inside a sub is (docs/protocol.md
+    "Marks"); the next text is spoken."""
 
     async def go():
         c = await connect(server, params={"seed": 1, "max_frames": 10, "ignore_eos": True})
