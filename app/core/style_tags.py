@@ -136,6 +136,8 @@ def mark_name(written: str, attribute_text: str) -> str:
     name = attributes(attribute_text, written).get("name")
     if name is None:
         raise RequestError(G.BAD_TEXT, f'a mark needs a name, such as <mark name="here"/>: {written[:60]!r}')
+    if any(not _printable_reference(m) for m in REFERENCE.finditer(name)):  # (`unescape` drops it: the name changed)
+        raise RequestError(G.BAD_TEXT, f"a mark's name holds only printable characters: {written[:60]!r}")
     name = unescape(name)
     if not name.strip():
         raise RequestError(G.BAD_TEXT, f"a mark's name is not empty: {written[:60]!r}")
@@ -201,6 +203,8 @@ def split_tags(text: str, partial: bool = False) -> list[str | StyleTag | Marked
     spoken = MARK.sub("", plain) if "<" in plain else plain  # (marks are taken out below, a space kept between words)
     if spoken != text:
         _no_break_made(text, spoken)
+    if spoken != plain:
+        _no_tag_made_of_marks(plain, spoken)
     tags = _tags(plain, partial)
     if not tags:
         said = spell_out(plain)
@@ -247,6 +251,20 @@ def _joined(before: str, piece: str) -> str:
     if before[-1] == " " and piece[0] == " ":
         return before + piece[1:]
     return before + piece
+
+
+def _no_tag_made_of_marks(text: str, spoken: str) -> None:
+    """Refused (`bad_text`) when taking the marks out of `text` (`spoken`) made a tag of the text around one: a mark
+    inside a tag (`[hap<mark name="m"/>py]`, `<emo<mark name="m"/>tion value="sad"/>`) is outside every tag once taken
+    out, and the tag's text, whole again, was read aloud (`[happy]` spoken as words)."""
+
+    def found(pattern: re.Pattern[str], where: str) -> list[re.Match[str]]:
+        return [m for m in pattern.finditer(where) if pattern is not BRACKET or m.group(1).lower() in TAG_WORDS]
+
+    for pattern in (BREAK_OPEN, BREAK_END, EMOTION_OPEN, ELEMENT_OPEN, BRACKET):
+        if len(made := found(pattern, spoken)) > len(found(pattern, text)):
+            cut = spoken[made[-1].start() : made[-1].start() + 40]
+            raise RequestError(G.BAD_TEXT, f"a mark stands outside every tag, not inside one: {cut!r}")
 
 
 def _no_break_made(text: str, plain: str) -> None:
@@ -334,6 +352,14 @@ def unescape(text: str) -> str:
     read. A reference to a character that has no sound (a control character, a surrogate) is dropped, to whitespace a
     space; any other `&` is text."""
     return REFERENCE.sub(_referenced, text) if "&" in text else text
+
+
+def _printable_reference(m: re.Match[str]) -> bool:
+    """Whether a character reference (a REFERENCE match) names a printable character (`&#x202E;`, `&#0;` do not)."""
+    if m.group(1):
+        return True
+    code = int(m.group(2), 10) if m.group(2) else int(m.group(3), 16)
+    return code <= 0x10FFFF and not 0xD800 <= code <= 0xDFFF and chr(code).isprintable()
 
 
 def _referenced(m: re.Match[str]) -> str:

@@ -217,7 +217,10 @@ def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
 
 
 def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
-    """Spherical interpolation of directions, linear interpolation of norms (the reference's blend)."""
+    """Spherical interpolation of directions, linear interpolation of norms (the reference's blend). A blend out of the
+    engine's bounds (`embedding_in_bounds`) is refused (bad_blend): two voices within them may blend past them (one at
+    the bound on every axis, one on one axis: 1.6e7 at t=0.5), which every door would refuse as an embedding the
+    client never gave."""
     if not 0.0 <= t <= 1.0:
         raise VoiceError(G.BAD_BLEND, "t must be in [0, 1]")
     a, b = a.astype(np.float64), b.astype(np.float64)  # (float32's dot left opposite voices 3e-4 rad apart)
@@ -233,7 +236,10 @@ def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:
         direction = (1 - t) * ua + t * ub
     else:
         direction = (np.sin((1 - t) * omega) * ua + np.sin(t * omega) * ub) / np.sin(omega)
-    return (direction * ((1 - t) * na + t * nb)).astype(np.float32)
+    blend = (direction * ((1 - t) * na + t * nb)).astype(np.float32)
+    if not embedding_in_bounds(blend):
+        raise VoiceError(G.BAD_BLEND, f"the blend of these voices is out of an embedding's bounds ({EMBEDDING_VALUES})")
+    return blend
 
 
 def _folder_mark(d: Path | os.DirEntry[str]) -> tuple[int, int]:

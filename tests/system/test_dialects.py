@@ -30,6 +30,7 @@ import pytest
 import websockets
 
 from app.core.gateway import Gateway
+from app.core.lanes import MAX_PENDING_ANSWERS
 from app.core.options import SynthesisOptions
 from app.doors.dialects.common import dialect_options
 from app.io.audio_output import ogg_pages
@@ -1858,6 +1859,35 @@ def test_deepgram_clear_stops_the_gpu_work(srv):
     assert cleared == {"type": "Cleared", "sequence_id": 0}
     assert after == [{"type": "Flushed", "sequence_id": 1}]
     engine_stopped(srv, before)
+
+
+def test_deepgram_a_storm_of_flushes_behind_a_reply_is_each_answered(srv):
+    """More Flushes waiting for one reply's audio than a session keeps answers for (MAX_PENDING_ANSWERS): each is
+    answered, none refused. Each Flush's own answer was an entry of its own: past the bound a Flush got a Warning
+    (buffer_full) and no Flushed, and the ids of the answers that came skipped it (hostile pass). The Cleared stands for
+    them all, and the next Flush's Flushed takes the next id."""
+    storm = MAX_PENDING_ANSWERS + 4
+
+    async def go():
+        ws = await dg_connect(dg_url(srv, LONG))
+        await ws.send(json.dumps({"type": "Speak", "text": "A long reply the client flushes again and again."}))
+        await ws.send(json.dumps({"type": "Flush"}))
+        while not isinstance(await asyncio.wait_for(ws.recv(), 90), bytes):
+            pass
+        for _ in range(storm):
+            await ws.send(json.dumps({"type": "Flush"}))
+        await ws.send(json.dumps({"type": "Clear"}))
+        log: list[Any] = []
+        cleared = await dg_until(ws, "Cleared", log)
+        await ws.send(json.dumps({"type": "Flush"}))
+        after = await dg_until(ws, "Flushed", log)
+        await ws.close()
+        return cleared, after, [m for m in log if isinstance(m, dict)]
+
+    cleared, after, messages = run(go())
+    assert [m for m in messages if m["type"] == "Warning"] == []
+    assert cleared == {"type": "Cleared", "sequence_id": storm}
+    assert after == {"type": "Flushed", "sequence_id": storm + 1}
 
 
 def test_deepgram_close_speaks_the_rest_then_closes(srv):

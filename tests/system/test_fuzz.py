@@ -213,6 +213,9 @@ short_text = (
             'rk name="cut"/> y. <mark name="x',
             '<mark/> <mark name=""/> <mark name="' + "m" * (MARK_NAME_MAX + 1) + '"/> <mark name="&lt;b&gt;"/>',
             '<mark name="[happy]"/> <mark name="a" loud/> <mark id="x"/> <mark name="ok"></mark> </mark>',
+            # a mark inside a tag (bad_text: taken out, it left the tag whole as text, read aloud)
+            '[hap<mark name="m"/>py] x. <emo<mark name="n"/>tion value="sad"/> y. <bre<mark name="o"/>ak time="1s"/>',
+            '<mark name="&#x202E;evil"/> <mark name="a&#0;b"/> <mark name="&#xD800;"/> <mark name="&#x1F600;"/> x.',
             # XML's markup: taken out whole (a declaration, a comment, a document type), cut ones bad_text
             '<?xml version="1.0"?><!DOCTYPE speak><speak>Hi <!-- a. b? --> there.</speak> a --> b <!-- open <?x',
             "<!" * 40 + "<?" * 40 + "<!--" * 40,

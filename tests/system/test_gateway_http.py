@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from engine.contract.records import EMBEDDING_ABS_MAX
 from engine.frontend.longform import reply_frames
 from tests.conftest import API_KEYS, KEYED, ONE_SLOT
 
@@ -330,6 +331,30 @@ def test_embedding_import_export_blend(server):
         },
     )
     assert r.status_code == 200 and len(r.content) == 20 * 512 * 4
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_blend_out_of_the_embedding_bounds_is_bad_blend_on_every_route(server, stream):
+    """Two voices within EMBEDDING_ABS_MAX whose blend is not (one with every value at the bound, one with one: their
+    SLERP's norm is the norms' mean, along a direction near one axis: 1.6e7 at t=0.5) are refused as a blend
+    (`bad_blend`, 400) by /v1/voices/blend and by /tts/generate's blend fields. The blend route said `bad_embedding`
+    of an embedding the client never gave, and /tts/generate sent the engine the blend, which its submit refuses
+    (hostile pass)."""
+    ones, axis = np.full(2048, EMBEDDING_ABS_MAX, np.float32), np.zeros(2048, np.float32)
+    axis[0] = EMBEDDING_ABS_MAX
+    ids = []
+    for i, e in enumerate((ones, axis)):
+        buf = io.BytesIO()
+        np.save(buf, e)
+        r = httpx.post(server.url + "/v1/voices", files={"embedding": (f"edge{i}.npy", buf.getvalue())})
+        assert r.status_code in (200, 201), r.text
+        ids.append(r.json()["id"])
+    r = httpx.post(server.url + "/v1/voices/blend", json={"a": ids[0], "b": ids[1], "t": 0.5})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_blend", r.text
+    body = {"text": "Blend.", "max_tokens": 20, "ignore_eos": True, "stream": stream}
+    body |= {"speaker_blend_embedding_id_a": ids[0], "speaker_blend_embedding_id_b": ids[1], "speaker_blend_t": 0.5}
+    r = httpx.post(server.url + "/tts/generate", timeout=120, json=body)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "bad_blend", (r.status_code, r.content[:200])
 
 
 @pytest.mark.parametrize(

@@ -490,6 +490,36 @@ def test_marks_come_with_their_audio_and_none_after_a_barge_in(server):
     assert err["code"] == "bad_text" and "mark" in err["message"]
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[hap<mark name="m"/>py] Hello there.',
+        '<emo<mark name="m"/>tion value="happy"/> Hello there.',
+        '<mark name="&#x202E;evil"/> Hello there.',
+        '<mark name="a&#0;b"/> Hello there.',
+    ],
+)
+def test_a_mark_inside_a_tag_or_naming_what_cannot_be_printed_is_bad_text(server, text):
+    """A mark inside a bracket tag or an element's opening: taken out, it left the tag whole as text, and `[happy]`
+    (the text of the utterance the engine read) was spoken as words. A name with a reference to a character that is
+    not printable (a bidi override, NUL), as the character itself is: the reference was dropped and the mark reported
+    under another name (`evil`, `ab`) (hostile pass). Refused (bad_text) as a mark inside a sub is (docs/protocol.md
+    "Marks"); the next text is spoken."""
+
+    async def go():
+        c = await connect(server, params={"seed": 1, "max_frames": 10, "ignore_eos": True})
+        await c.send(type="text", text=text, flush=True)
+        first = await c.recv()
+        await c.send(type="text", text="Bye.", flush=True)
+        await c.until("flushed")
+        await c.ws.close()
+        return first, c.log
+
+    first, log = run(go())
+    assert first["type"] == "error" and first["code"] == "bad_text" and "mark" in first["message"], first
+    assert [m["text"] for m in log if m["type"] == "audio.start"] == ["Bye."]
+
+
 def test_a_refused_message_names_its_context(server):
     """An error that refuses a text, flush or cancel names the context the message was for, as an utterance's error
     does: without it, a client that had begun a new turn (the demo page's next Speak, on a context of its own) took

@@ -63,6 +63,7 @@ class DeepgramSession(StreamingSession):
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.request_id = str(uuid.uuid4())
         self.sequence = 0  # Flushes so far
+        self.answered = 0  # Flushes answered so far (each by its Flushed, or all so far by a Cleared)
 
     def output_for(self, ctx: str) -> OutputFormat:
         return self.format
@@ -96,7 +97,7 @@ class DeepgramSession(StreamingSession):
             # that dropped its text), refused or not: a client's segment ends at its Flushed (LiveKit's plugin waits
             # for it after each segment, pipecat ends its turn's audio context there; both only log a Warning), and
             # none came for a refused one
-            answer = {"type": "Flushed", "sequence_id": self.sequence}
+            answer = self._flushed
             self.sequence += 1
             try:
                 await self.flush(DEFAULT_CONTEXT, answer=answer)
@@ -113,6 +114,7 @@ class DeepgramSession(StreamingSession):
         elif kind == "Clear":
             # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
             # ends whichever turn is playing at a Flushed, by then the next one)
+            self.answered = self.sequence
             await self.cancel(
                 None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)}, supersedes=True
             )
@@ -122,6 +124,15 @@ class DeepgramSession(StreamingSession):
             raise RequestError(
                 G.DEEPGRAM_INVALID_MESSAGE, f"unknown message type {kind!r}: send Speak, Flush, Clear or Close"
             )
+
+    async def _flushed(self) -> None:
+        """The answer of every Flush (under the send lock): the next Flushed, its sequence id the count of Flushes
+        answered before it (they are answered in order). One answer for all, so the Flushes that wait for the same
+        audio are one entry of their lane (app/core/lanes.py `Lane.add` counts them): a dict of each Flush's own id was
+        an entry each, and past MAX_PENDING_ANSWERS (a storm of Flushes behind one reply's audio) a Flush got a
+        Warning (buffer_full) and no Flushed, the one thing its client waits for."""
+        await self.send_json_locked({"type": "Flushed", "sequence_id": self.answered})
+        self.answered += 1
 
     async def on_utterance_error(self, u: Utterance) -> None:
         assert u.error is not None
