@@ -6,10 +6,10 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte), at a clause mark or a space if there is one, never inside a character, an
-inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`,
-`<spell>`), or after its opening while its closing is still to come. A CDATA section's content is text as written
-(`append`), cut into sentences as any text.
+takes one frame per byte; its marks, never spoken, count nothing), at a clause mark or a space if there is one, never
+inside a character, an inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole
+(`<sub>`, `<say-as>`, `<spell>`), or after its opening while its closing is still to come. A CDATA section's content
+is text as written (`append`), cut into sentences as any text.
 """
 
 from __future__ import annotations
