@@ -106,7 +106,7 @@ def _attached(ch: str) -> bool:
 def _spoken_fit(text: str, max_bytes: int) -> int | None:
     """The characters of the longest prefix of `text` whose spoken part is at most max_bytes UTF-8 bytes, or None when
     all of it is. A mark is not spoken (it is taken out before the engine, whose prompt is cut to the budget again as
-    spoken: Gateway.start_utterance), so it costs nothing: a mark after every word left a sentence of 60 words 10
+    spoken: Gateway.start_utterance), so it costs nothing: a mark after every word left a sentence of 60 words 5
     utterances. Looks no further than the prefix (and its marks), so a long text costs in proportion to its pieces."""
     pos, room = 0, max_bytes
     while True:

@@ -155,7 +155,7 @@ def test_long_sentences_are_cut_at_clauses_then_spaces():
 
 @pytest.mark.parametrize("step", [7, 100_000])
 def test_marks_are_not_spoken_and_cost_nothing_of_the_budget(step):
-    """A mark after every word (a voice agent's word-by-word bookmarks) made a sentence of 60 words 10 utterances: its
+    """A mark after every word (a voice agent's word-by-word bookmarks) made a sentence of 60 words 5 utterances: its
     marks counted as the text the prompt holds, which the gateway takes them out of. One utterance now; a sentence whose
     words pass the budget is still cut by them, each piece's spoken text within it, nothing lost."""
     sentence = " ".join(f'word{i}<mark name="after-word-{i}"/>' for i in range(60)) + "."
