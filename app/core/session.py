@@ -527,7 +527,7 @@ class StreamingSession:
         going_on = held.text[tail:] if held is not None and tail is not None else ""
         if not (going_on + text).startswith(CDATA_OPEN):
             going_on = ""
-        checked = cdata_as_text(going_on + text)
+        checked = cdata_as_text(going_on + text, held.text[:tail] if going_on and held is not None else "")
         buffered = sum(len(b) for b in self.buffers.values())
         if buffered + len(checked) - len(going_on) > self.limits.max_buffer_chars:
             raise RequestError(

@@ -42,16 +42,19 @@ _TAG_END = re.compile(r"\s*(?:/\s*)?")  # what may follow a tag's attributes bef
 
 def attributes(text: str, written: str) -> dict[str, str]:
     """A tag's attributes, `text` being what follows its name up to its '>' (a closing '/' with it): each name (lower
-    case) -> its value as written (quotes off, character references kept), the first of a name kept. Read attribute
-    by attribute, so that a quoted value (`foo="strength=none"`) is never read as another attribute. Text that is not
-    attributes (a stray quote, a name without a value, no space between two) is refused (`bad_text`), naming the tag
-    as `written`."""
+    case) -> its value as written (quotes off, character references kept). Read attribute by attribute, so that a
+    quoted value (`foo="strength=none"`) is never read as another attribute. Text that is not attributes (a stray
+    quote, a name without a value, no space between two) or a name twice (XML forbids it) is refused (`bad_text`),
+    naming the tag as `written`."""
     found: dict[str, str] = {}
     pos = 0
     while m := _ATTRIBUTE.match(text, pos):
         name, _, value = m.group(0).partition("=")
-        value = value.strip()
-        found.setdefault(name.strip().lower(), value[1:-1] if value[0] in "\"'" else value)
+        name, value = name.strip().lower(), value.strip()
+        # XML forbids a name twice in one tag (`<mark name="a" name="b"/>` reported `a`, another reader may take `b`)
+        if name in found:
+            raise RequestError(G.BAD_TEXT, f"a tag names each attribute once, not {name!r} twice: {written[:60]!r}")
+        found[name] = value[1:-1] if value[0] in "\"'" else value
         pos = m.end()
     if not _TAG_END.fullmatch(text, pos):
         what = 'a tag\'s attributes are name="value" pairs (quotes optional), a space before each'
@@ -255,12 +258,17 @@ def _as_written(content: str) -> str:
     return _NOT_AS_WRITTEN.sub(lambda m: _AS_WRITTEN[m.group(0)], content)
 
 
-def cdata_as_text(text: str) -> str:
+# the text before a CDATA opening that puts it in an element's attribute value (`<mark name="`): an opening, a space
+_IN_ATTRIBUTE_VALUE = re.compile(r"<\s*[\w:.-]+\s[^<>]*=\s*[\"']?\Z")
+
+
+def cdata_as_text(text: str, before: str = "") -> str:
     """`text` with each CDATA section's content as text (`cdata_as_text('a <![CDATA[<b> & c]]>')` is
     `'a &lt;b&gt; &amp; c'`). A section with no end yet (a streamed message's, whose `]]>` a later one brings) has its
     content so far as text before its opening, which stays at the end with a `]` or `]]` that may begin its end
     (`'<![CDATA[a]'` is `'a<![CDATA[]'`): so its text is cut into sentences as any text is, and the tail left is a few
-    characters (the text buffer cuts none inside it, `cdata_tail` finds it for the text that goes on). Twice is once."""
+    characters (the text buffer cuts none inside it, `cdata_tail` finds it for the text that goes on, `before` the text
+    before that tail). Twice is once."""
     if CDATA_OPEN not in text:
         return text
     out: list[str] = []
@@ -269,6 +277,16 @@ def cdata_as_text(text: str) -> str:
         out.append(text[pos:start])
         content = start + len(CDATA_OPEN)
         end = text.find(CDATA_END, content)
+        lead = before[-TAG_MAX:] if pos == 0 else ""  # (the text `text` goes on from: a section at its start)
+        if _IN_ATTRIBUTE_VALUE.search(lead + text[max(pos, start - TAG_MAX) : start]):
+            # XML has no markup in an attribute's value: the section is no section there but its characters as written
+            # (`<mark name="<![CDATA[x]]>"/>` named `x`, `time="<![CDATA[1s]]>"` paused), a value the tag refuses; one
+            # with no end yet stays as written, whole: the text buffer holds it to its end (`]]>`), the tag refused then
+            if end < 0:
+                return "".join(out) + text[start:]
+            out.append(_as_written(text[start : end + len(CDATA_END)]))
+            pos = end + len(CDATA_END)
+            continue
         if end < 0:
             rest = text[content:]
             held = min(2, len(rest) - len(rest.rstrip("]")))

@@ -6,10 +6,10 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte), at a clause mark or a space if there is one, never inside a character, an
-inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole (`<sub>`, `<say-as>`,
-`<spell>`), or after its opening while its closing is still to come. A CDATA section's content is text as written
-(`append`), cut into sentences as any text.
+takes one frame per byte; its marks, never spoken, count nothing), at a clause mark or a space if there is one, never
+inside a character, an inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole
+(`<sub>`, `<say-as>`, `<spell>`), or after its opening while its closing is still to come. A CDATA section's content
+is text as written (`append`), cut into sentences as any text.
 """
 
 from __future__ import annotations
@@ -103,14 +103,33 @@ def _attached(ch: str) -> bool:
     )
 
 
+def _spoken_fit(text: str, max_bytes: int) -> int | None:
+    """The characters of the longest prefix of `text` whose spoken part is at most max_bytes UTF-8 bytes, or None when
+    all of it is. A mark is not spoken (it is taken out before the engine, whose prompt is cut to the budget again as
+    spoken: Gateway.start_utterance), so it costs nothing: a mark after every word left a sentence of 60 words 5
+    utterances. Looks no further than the prefix (and its marks), so a long text costs in proportion to its pieces."""
+    pos, room = 0, max_bytes
+    while True:
+        # the next mark that begins within the budget's characters (a mark past them, or longer than a tag, counts
+        # as text: a cut too early, never too late)
+        window = pos + room + 1
+        m = MARK.search(text, pos, window + TAG_MAX + 16) if "<" in text[pos:window] else None
+        end = m.start() if m is not None and m.start() < window else len(text)
+        chunk = text[pos : min(end, window)]
+        if utf8_len(chunk) > room:  # past the budget within this text: the most of it that fits
+            return pos + len(chunk[:room].encode("utf-8", "surrogatepass")[:room].decode("utf-8", "ignore"))
+        if end == len(text) or m is None:
+            return None
+        room -= utf8_len(chunk)
+        pos = m.end()
+
+
 def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
-    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes, nothing lost. Each cut looks at the next
-    max_bytes characters only (they hold at least max_bytes bytes), so a long text costs in proportion to its pieces."""
+    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes spoken (marks cost nothing: `_spoken_fit`), nothing
+    lost. Each cut looks at the next piece's characters only, so a long text costs in proportion to its pieces."""
     parts: list[str] = []
     sentence = sentence.strip()
-    while utf8_len(sentence[: max_bytes + 1]) > max_bytes:
-        # the longest prefix that fits, in characters
-        fit = len(sentence[:max_bytes].encode("utf-8", "surrogatepass")[:max_bytes].decode("utf-8", "ignore"))
+    while (fit := _spoken_fit(sentence, max_bytes)) is not None:  # the longest prefix that fits, in characters
         head = sentence[:fit]
         cut = 0
         # a tag the piece begins with is no place to cut: its spaces are not the text's (`<break time="1s"/>` then CJK
@@ -193,7 +212,7 @@ class TextBuffer:
         if tail is None:
             self.text += cdata_as_text(text)
         else:
-            self.text = self.text[:tail] + cdata_as_text(self.text[tail:] + text)
+            self.text = self.text[:tail] + cdata_as_text(self.text[tail:] + text, self.text[:tail])
         return self._complete()
 
     def flush(self) -> list[str]:
@@ -251,7 +270,7 @@ class TextBuffer:
             self.text = "".join(segments[-keep:])
         # A run-on text without a sentence end is still spoken once it passes the utterance budget (whitespace
         # alone is nothing to speak: it has no pieces, and is dropped below).
-        if utf8_len(self.text) > self.max_bytes and self.text.strip():
+        if _spoken_fit(self.text, self.max_bytes) is not None and self.text.strip():
             pieces = split_to_budget(self.text, self.max_bytes)
             out.extend(pieces[:-1])
             self.text = self.text[self.text.rfind(pieces[-1]) :]  # keeps the whitespace after it

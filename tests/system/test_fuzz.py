@@ -216,6 +216,12 @@ short_text = (
             # a mark inside a tag (bad_text: taken out, it left the tag whole as text, read aloud)
             '[hap<mark name="m"/>py] x. <emo<mark name="n"/>tion value="sad"/> y. <bre<mark name="o"/>ak time="1s"/>',
             '<mark name="&#x202E;evil"/> <mark name="a&#0;b"/> <mark name="&#xD800;"/> <mark name="&#x1F600;"/> x.',
+            # an attribute twice, a CDATA section in an attribute's value (whole, cut across messages): bad_text; a mark
+            # after every word of a long sentence and 400 marks alone (marks cost nothing of the utterance budget)
+            '<mark name="a" name="b"/> x. <break time="1s" TIME="2s"/> y. <mark name="<![CDATA[x]]>"/> z.',
+            '<break time="<![CDATA[1s]]>"/> w. <mark name="<![CDATA[',
+            'x]]>"/> v. ' + " ".join(f'w{i}<mark name="m{i}"/>' for i in range(200)) + ".",
+            "".join(f'<mark name="n{i}"/>' for i in range(400)) + " u.",
             # XML's markup: taken out whole (a declaration, a comment, a document type), cut ones bad_text
             '<?xml version="1.0"?><!DOCTYPE speak><speak>Hi <!-- a. b? --> there.</speak> a --> b <!-- open <?x',
             "<!" * 40 + "<?" * 40 + "<!--" * 40,

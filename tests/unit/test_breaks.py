@@ -72,10 +72,10 @@ def test_a_breaks_attributes_are_whole_names():
         ('A <break data="time=2s"/> B', ["A", 0.75, "B"]),
         ("A <break title='time=\"1s\"' strength=weak/> B", ["A", 0.5, "B"]),
         ('A <break alt="x time=3s" time="1s"/> B', ["A", 1.0, "B"]),
-        # what worked stays: bare values, either quote, any case, spaces around '=' and the value, the first of a name
+        # what worked stays: bare values, either quote, any case, spaces around '=' and the value
         ("A <break time=1s/> B <break strength=none/> C", ["A", 1.0, "B C"]),
         ("A <BREAK TIME = '1.5S' /> B <break Strength=\"STRONG\" > C", ["A", 1.5, "B", 1.0, "C"]),
-        ('A <break time=" 2s "/> B <break time="1s" time="3s"/>', ["A", 2.0, "B", 1.0]),
+        ('A <break time=" 2s "/> B <break time="1s"/>', ["A", 2.0, "B", 1.0]),
     ],
 )
 def test_a_breaks_attributes_are_read_as_attributes(text, pieces):
@@ -90,6 +90,8 @@ def test_a_breaks_attributes_are_read_as_attributes(text, pieces):
         '<break time="1s"strength="weak"/>',  # no space between two
         '<break "time=1s"/>',  # a stray quoted value
         "<break time='1s\"/>",  # quotes that do not match
+        '<break time="1s" time="2s"/>',  # an attribute twice (XML forbids it: the first was taken)
+        '<break time="1s" TIME="2s"/>',
     ],
 )
 def test_a_break_whose_attributes_are_none_is_refused(tag):
@@ -98,9 +100,25 @@ def test_a_break_whose_attributes_are_none_is_refused(tag):
     assert e.value.code == "bad_text", str(e.value)
 
 
+@pytest.mark.parametrize(
+    "messages", [['A <break time="<![CDATA[1s]]>"/> after.'], ['A <break time="<![CDATA[', '1s]]>"/> after.']]
+)
+def test_a_cdata_section_in_a_breaks_time_is_no_time(messages):
+    """XML has no markup in an attribute's value: `time="<![CDATA[1s]]>"` paused 1 s, its section read as its
+    content; now the section is its characters, no time (whole, or split across messages)."""
+    buffer = TextBuffer(500)
+    sentences = [s for m in [*messages, " Next. "] for s in buffer.append(m)]
+    assert sentences[1:] == [], sentences  # (the tag is held whole, to its section's end)
+    with pytest.raises(RequestError) as e:
+        for piece in split_breaks(sentences[0]):  # (as the pipeline reads a sentence: its breaks, then its tags)
+            if isinstance(piece, str):
+                split_tags(piece)
+    assert e.value.code == "bad_text", str(e.value)
+
+
 def test_one_reader_takes_every_tags_attributes():
     """`attributes` (app/core/tag_vocabulary.py) reads the break's, the emotion's, the say-as' and the sub's."""
-    assert attributes(""" a=1 B='x y' c = "p=q" d="" a="again" /""", "t") == {"a": "1", "b": "x y", "c": "p=q", "d": ""}
+    assert attributes(""" a=1 B='x y' c = "p=q" d="" /""", "t") == {"a": "1", "b": "x y", "c": "p=q", "d": ""}
     assert attributes("", "t") == {} and attributes(" / ", "t") == {}
     for text in (" a", ' a="1"b="2"', " a=", ' a="1', " =1", ' a="1" "b"', " a=x/y"):
         with pytest.raises(RequestError) as e:

@@ -74,12 +74,28 @@ def test_a_mark_is_a_point_of_its_text_never_spoken(text, pieces):
         ('Go <mark name="a\tb"/> on.', "printable"),
         ('Go <mark name="a" loud/> on.', 'name="value" pairs'),
         ('Go <mark name="a" on.', "must end with '>'"),
+        ('Go <mark name="a" name="b"/> on.', "each attribute once"),  # (XML forbids it: `a` was reported)
+        ('Go <mark name="a" NAME="a"/> on.', "each attribute once"),
     ],
 )
 def test_a_bad_mark_is_refused_with_bad_text_never_read_aloud(text, why):
     with pytest.raises(RequestError) as e:
         split_tags(text)
     assert e.value.code == "bad_text" and why in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "messages", [['Go <mark name="<![CDATA[x]]>"/> on.'], ['Go <mark name="<![CDATA[', 'x]]>"/> on.']]
+)
+def test_a_cdata_section_in_a_mark_name_is_no_name(messages):
+    """XML has no markup in an attribute's value: `name="<![CDATA[x]]>"` was reported as `x`, its section read as its
+    content; now the section is its characters, refused (whole, or split across messages)."""
+    buffer = TextBuffer(500)
+    sentences = [s for m in [*messages, " Next. "] for s in buffer.append(m)]
+    assert len(sentences) == 1, sentences  # (the tag is held whole, to its section's end)
+    with pytest.raises(RequestError) as e:
+        split_tags(sentences[0])
+    assert e.value.code == "bad_text", str(e.value)
 
 
 def test_a_mark_name_of_the_longest_length_is_taken():

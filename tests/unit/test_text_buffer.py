@@ -3,6 +3,8 @@ UTF-8 budget of one utterance."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -149,6 +151,25 @@ def test_long_sentences_are_cut_at_clauses_then_spaces():
         "and then more words here and there and everywhere",
     ]
     assert split_to_budget("aaaa bbbb cccc", 9) == ["aaaa", "bbbb cccc"]
+
+
+@pytest.mark.parametrize("step", [7, 100_000])
+def test_marks_are_not_spoken_and_cost_nothing_of_the_budget(step):
+    """A mark after every word (a voice agent's word-by-word bookmarks) made a sentence of 60 words 5 utterances: its
+    marks counted as the text the prompt holds, which the gateway takes them out of. One utterance now; a sentence whose
+    words pass the budget is still cut by them, each piece's spoken text within it, nothing lost."""
+    sentence = " ".join(f'word{i}<mark name="after-word-{i}"/>' for i in range(60)) + "."
+    assert utf8_len(sentence) > 1500 and utf8_len(re.sub(r"<[^>]*>", "", sentence)) < 500
+    buffer = TextBuffer(500)
+    out = [s for i in range(0, len(sentence) + 7, step) for s in buffer.append((sentence + " Next. ")[i : i + step])]
+    assert out == [sentence] and split_to_budget(sentence, 500) == [sentence]
+    marks_alone = "".join(f'<mark name="m{i}"/>' for i in range(600))
+    assert split_to_budget(marks_alone, 500) == [marks_alone]
+    long = " ".join(f'w{i}<mark name="m{i}"/>' for i in range(600))
+    pieces = split_to_budget(long, 500)
+    assert " ".join(pieces) == long and len(pieces) == 6
+    assert all(utf8_len(re.sub(r"<[^>]*>", "", p)) <= 500 for p in pieces)
+    assert split_to_budget("a" * 1000, 500) == ["a" * 500] * 2  # (text alone as before)
 
 
 def test_a_long_sentence_is_never_cut_inside_a_tag():
