@@ -32,11 +32,13 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
 from engine.contract.constants import SAMPLE_RATE
+
+_T = TypeVar("_T")
 
 SOURCE = "estimated"  # what the client is told these times are
 ALIGNED = "aligned"  # the source of times measured by the engine's aligner (`aligned_words`)
@@ -281,10 +283,8 @@ class AudioTimeline:
             if marks and marks[-1].time_s > end_s:
                 marks = [dataclasses.replace(k, time_s=min(k.time_s, end_s)) for k in marks]
         else:  # what a decoder has not reached yet waits for a later message
-            heard = next((i for i, w in enumerate(words) if w.end_s > end_s + 1e-9), len(words))
-            words, self._pending = words[:heard], words[heard:]
-            reached = next((i for i, k in enumerate(marks) if k.time_s > end_s + 1e-9), len(marks))
-            marks, self._marks = marks[:reached], marks[reached:]
+            words, self._pending = _split_at(words, [w.end_s for w in words], end_s)
+            marks, self._marks = _split_at(marks, [k.time_s for k in marks], end_s)
         chunk = Chunk(self._taken_s, end_s, words, marks)
         self._taken_s = chunk.end_s
         return chunk
@@ -295,6 +295,12 @@ class AudioTimeline:
         if self._clock is not None and (reached := self._clock.take_marks()):
             shift = self._shift(self._offset)
             self._marks += [dataclasses.replace(k, time_s=k.time_s + shift) for k in reached]
+
+
+def _split_at(items: list[_T], times: list[float], end_s: float) -> tuple[list[_T], list[_T]]:
+    """`items` (in time order) up to the first whose time is past `end_s`, and the rest."""
+    cut = next((i for i, t in enumerate(times) if t > end_s + 1e-9), len(items))
+    return items[:cut], items[cut:]
 
 
 class WordClock:
