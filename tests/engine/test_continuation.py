@@ -198,13 +198,9 @@ def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
 
 @pytest.fixture(scope="module")
 def rt():
-    import asyncio
+    from engine.contract.settings import EngineSettings
+    from tests.asyncloop import running_engine
 
-    from app.core.engine_client import EngineClient
-    from engine.contract.settings import EngineSettings, WeightSources
-    from tests.asyncloop import LoopThread
-
-    lt = LoopThread()
     # a long flush lead: on 2 busy cores the next chunk must never lose the race to the flush
     settings = EngineSettings(
         device="cpu",
@@ -216,16 +212,8 @@ def rt():
         continuation_flush_lead_ms=-1e9,
         continuation_grace_ms=1e9,
     )
-    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
-
-    async def start() -> None:
-        await client.start()
-        await asyncio.wait_for(client.ready.wait(), 180)
-
-    lt.run(start(), timeout=200)
-    yield lt, client
-    lt.run(client.close())
-    lt.close()
+    with running_engine(settings) as rt:
+        yield rt
 
 
 TEXTS = ["One.", "Two two.", "Three three three.", "Four.", "Five five."]
