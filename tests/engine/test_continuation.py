@@ -16,6 +16,7 @@ from engine.dac.codec import HOP, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline, to_int16
 from engine.frontend.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
+from tests.engine.test_dac_streaming import snr_db
 
 EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/engine/test_dac_streaming.py)
 
@@ -31,10 +32,6 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def codec() -> Codec:
     return Codec.random("tiny", seed=0)
-
-
-def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - x) ** 2), 1e-30)))
 
 
 def chunk(rng: np.random.Generator, eos: int, c: int) -> tuple[np.ndarray, int, int]:
