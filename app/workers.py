@@ -35,14 +35,13 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from app.core.engine_client import RING_BYTES, spawn_environment
+from app.core.engine_client import RING_BYTES, spawn_engine
 from app.core.gateway import engine_settings
 from app.core.shared import SharedCounts
 from app.settings import GatewaySettings, usable_cpus
 from engine.contract import records as m
 from engine.contract.cpus import gateway_cpus, pin
 from engine.contract.lifeline import Lifeline, close_quietly, open_lifeline, watch_parent
-from engine.contract.process import run_engine
 from engine.contract.rings import ShmRing
 from engine.contract.segments import remove_stale_segments
 
@@ -98,19 +97,10 @@ class EngineProcess:
     def spawn(self) -> None:
         self.started = time.monotonic()
         self.rings = [(ShmRing.create(RING_BYTES), ShmRing.create(RING_BYTES)) for _ in range(self.channels)]
-        lifeline, self._lifeline_w = open_lifeline()
         specs = [(inbox.spec(), events.spec()) for inbox, events in self.rings]
-        self.proc = mp.get_context("spawn").Process(
-            target=run_engine,
-            args=(self.settings.weights, self.engine, specs, self.settings.log_level, lifeline),
-            name=f"zonos-engine-{self.index}",
-            daemon=True,
+        self.proc, self._lifeline_w = spawn_engine(
+            self.settings.weights, self.engine, specs, self.settings.log_level, f"zonos-engine-{self.index}", self.env
         )
-        try:
-            with spawn_environment(self.env):
-                self.proc.start()
-        finally:
-            close_quietly(lifeline.fd)  # the child has its own copy now
         log.info(
             "engine %d (%s): process %s started with %d channels", self.index, self.device, self.proc.pid, self.channels
         )

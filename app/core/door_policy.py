@@ -50,7 +50,7 @@ class EngineLoad:
     headroom: float  # streams it can start now (EngineClient.headroom: free slots, realtime admission)
     waiting: int  # requests in its queue at its last Stats record
     start_rate: float | None  # streams it started per second lately (None: not measured yet)
-    first_audio_s: float | None = None  # its streams' start -> first audio lately, the median (None: not known)
+    first_audio_s: float | None = None  # its streams' start -> first audio lately, the p90 (None: not known)
 
 
 @dataclass(frozen=True)

@@ -197,6 +197,33 @@ def spawn_environment(env: dict[str, str]) -> Iterator[None]:
                     os.environ[k] = v
 
 
+def spawn_engine(
+    weights: WeightSources,
+    settings: EngineSettings,
+    channels: list[tuple[RingSpec, RingSpec]],
+    log_level: str,
+    name: str,
+    env: dict[str, str],
+) -> tuple[mp.process.BaseProcess, int]:
+    """Start an engine process (spawned, `env` in its environment) on the rings of `channels`: the one start of an
+    engine, for one gateway process (EngineClient) and for the supervisor of several (app/workers.py). Returns it
+    and the write end of its lifeline: the engine exits by itself (and unlinks the rings) once the process holding
+    that end is gone, as it watches for EOF on the pipe; keep the end until the engine has been reaped."""
+    lifeline, lifeline_w = open_lifeline()
+    proc = mp.get_context("spawn").Process(
+        target=run_engine, args=(weights, settings, channels, log_level, lifeline), name=name, daemon=True
+    )
+    try:
+        with spawn_environment(env):
+            proc.start()
+    except BaseException:
+        close_quietly(lifeline_w)  # no engine to watch it
+        raise
+    finally:
+        close_quietly(lifeline.fd)  # the child has its own copy now
+    return proc, lifeline_w
+
+
 class EngineClient:
     def __init__(
         self,
@@ -268,21 +295,14 @@ class EngineClient:
         self.ready.clear()
         self._inbox = ShmRing.create(self.ring_bytes)
         self._events = ShmRing.create(self.ring_bytes)
-        ctx = mp.get_context("spawn")
-        # The engine exits by itself (and unlinks the rings) once this process is gone: it watches for
-        # EOF on a pipe whose only write end we keep until the engine has been reaped.
-        lifeline, self._lifeline_w = open_lifeline()
-        self._proc = ctx.Process(
-            target=run_engine,
-            args=(self.weights, self.settings, [(self._inbox.spec(), self._events.spec())], self.log_level, lifeline),
-            name=f"zonos-engine{self._tag}",
-            daemon=True,
+        self._proc, self._lifeline_w = spawn_engine(
+            self.weights,
+            self.settings,
+            [(self._inbox.spec(), self._events.spec())],
+            self.log_level,
+            f"zonos-engine{self._tag}",
+            self.env,
         )
-        try:
-            with spawn_environment(self.env):
-                self._proc.start()
-        finally:
-            close_quietly(lifeline.fd)  # the child has its own copy now
         self._reader = AsyncRingReader(self._events)
         self._tasks.append(asyncio.create_task(self._dispatch(self._reader), name=f"engine-dispatch{self._tag}"))
         log.info(

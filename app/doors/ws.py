@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -34,8 +33,6 @@ from app.io.json_input import check_fields
 from app.io.query_input import check_single, query_int
 from engine.contract.constants import HOP, SAMPLE_RATE
 from engine.contract.errors import EngineError
-
-log = logging.getLogger("gateway.ws")
 
 # the URL settings a session reads (`Session.from_query`)
 QUERY_KEYS = ("encoding", "sample_rate", "voice")

@@ -16,6 +16,7 @@ from engine.dac.codec import HOP, Codec
 from engine.dac.schedule import DELAY, ChunkSchedule
 from engine.dac.streaming import StreamingDecoder, decode_offline, to_int16
 from engine.frontend.longform import BOUNDARY_TRIM, trim_chunk_codes, windowed_context_indices
+from tests.engine.test_dac_streaming import snr_db
 
 EXACT_DB = 100.0  # streamed vs one-shot, fp32 on CPU: float rounding only (as tests/engine/test_dac_streaming.py)
 
@@ -31,10 +32,6 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def codec() -> Codec:
     return Codec.random("tiny", seed=0)
-
-
-def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
-    return float(10 * np.log10(np.sum(ref**2) / max(np.sum((ref - x) ** 2), 1e-30)))
 
 
 def chunk(rng: np.random.Generator, eos: int, c: int) -> tuple[np.ndarray, int, int]:
@@ -198,13 +195,9 @@ def test_drop_in_the_middle_of_a_continued_stream_frees_its_slot(codec: Codec):
 
 @pytest.fixture(scope="module")
 def rt():
-    import asyncio
+    from engine.contract.settings import EngineSettings
+    from tests.asyncloop import running_engine
 
-    from app.core.engine_client import EngineClient
-    from engine.contract.settings import EngineSettings, WeightSources
-    from tests.asyncloop import LoopThread
-
-    lt = LoopThread()
     # a long flush lead: on 2 busy cores the next chunk must never lose the race to the flush
     settings = EngineSettings(
         device="cpu",
@@ -216,16 +209,8 @@ def rt():
         continuation_flush_lead_ms=-1e9,
         continuation_grace_ms=1e9,
     )
-    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
-
-    async def start() -> None:
-        await client.start()
-        await asyncio.wait_for(client.ready.wait(), 180)
-
-    lt.run(start(), timeout=200)
-    yield lt, client
-    lt.run(client.close())
-    lt.close()
+    with running_engine(settings) as rt:
+        yield rt
 
 
 TEXTS = ["One.", "Two two.", "Three three three.", "Four.", "Five five."]

@@ -17,7 +17,7 @@ from engine.contract.records import SamplingParams
 from engine.contract.settings import EngineSettings, WeightSources
 from engine.frontend.config import Zonos2Config, preset_params
 from engine.frontend.prompt import Conditioning, PromptBuilder
-from tests.asyncloop import LoopThread
+from tests.asyncloop import LoopThread, running_engine
 
 PB = PromptBuilder(Zonos2Config.from_dict(preset_params("tiny")))
 SLOTS, QUEUE = 4, 3
@@ -25,20 +25,11 @@ SLOTS, QUEUE = 4, 3
 
 @pytest.fixture(scope="module")
 def rt():
-    lt = LoopThread()
     settings = EngineSettings(
         device="cpu", max_batch=SLOTS, max_queue=QUEUE, max_context=1024, prefill_chunk=64, stats_interval_s=0.2
     )
-    client = EngineClient(WeightSources(), settings, ring_bytes=8 << 20)
-
-    async def start() -> None:
-        await client.start()
-        await asyncio.wait_for(client.ready.wait(), 180)
-
-    lt.run(start(), timeout=200)
-    yield lt, client
-    lt.run(client.close())
-    lt.close()
+    with running_engine(settings) as rt:
+        yield rt
 
 
 def request(text: str, max_frames: int, ignore_eos: bool = True, **params: Any) -> m.SubmitRequest:

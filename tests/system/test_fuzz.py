@@ -1759,25 +1759,12 @@ def test_dialect_server_healthy_after_fuzzing(dialect_fuzz_server):
 # ---- continuation records between the gateway and the engine (issue 22) ------------------------------------
 @pytest.fixture(scope="module")
 def engine_client(aligner_checkpoint):
-    from app.core.engine_client import EngineClient
     from engine.contract.settings import EngineSettings, WeightSources
-    from tests.asyncloop import LoopThread
+    from tests.asyncloop import running_engine
 
-    lt = LoopThread()
-    client = EngineClient(
-        WeightSources(aligner_path=aligner_checkpoint),
-        EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512, stats_interval_s=0.1),
-        ring_bytes=8 << 20,
-    )
-
-    async def start() -> None:
-        await client.start()
-        await asyncio.wait_for(client.ready.wait(), 180)
-
-    lt.run(start(), timeout=200)
-    yield lt, client
-    lt.run(client.close())
-    lt.close()
+    settings = EngineSettings(device="cpu", max_batch=3, max_queue=4, max_context=512, stats_interval_s=0.1)
+    with running_engine(settings, WeightSources(aligner_path=aligner_checkpoint)) as rt:
+        yield rt
 
 
 rid_values = st.integers(-3, 40) | st.integers(-(2**63), 2**63 - 1)

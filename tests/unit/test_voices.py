@@ -605,6 +605,15 @@ def embedding_of(server, ref: str) -> np.ndarray:
     return np.load(io.BytesIO(r.content), allow_pickle=False)
 
 
+def assert_clear_error(r: httpx.Response, status: int, code: str) -> None:
+    """Our error shape, with that status and code, and a message about the file, not Python's objects (issue 17.10)."""
+    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
+    message = r.json()["error"]["message"]
+    assert message and set(r.json()) == {"error"}
+    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):
+        assert internal not in message, message
+
+
 def upload_embedding(server, arr_bytes: bytes, name: str | None, filename: str = "e.npy") -> httpx.Response:
     return post_voice(server, {"embedding": (filename, arr_bytes, "application/octet-stream")}, name)
 
@@ -730,11 +739,7 @@ def test_bad_blends(server, body, status, code):
     created(upload_embedding(server, npy(rand(31) * 2), "tv blend A"))
     created(upload_embedding(server, npy(rand(32)), "tv blend B"))
     r = httpx.post(server.url + "/v1/voices/blend", json=body)
-    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
-    message = r.json()["error"]["message"]
-    assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
-        assert internal not in message, message
+    assert_clear_error(r, status, code)
 
 
 @pytest.mark.slow
@@ -846,11 +851,7 @@ def test_bad_voice_uploads(server, case):
     files, status, code = BAD_UPLOADS[case]
     data = {"name": "no/slashes"} if case == "bad_name" else None
     r = httpx.post(server.url + "/v1/voices", files=files, data=data, timeout=60)
-    assert r.status_code == status and r.json()["error"]["code"] == code, r.text
-    message = r.json()["error"]["message"]
-    assert message and set(r.json()) == {"error"}
-    for internal in ("object at 0x", "_io.", "ring capacity", "Traceback"):  # issue 17.10: about the file
-        assert internal not in message, message
+    assert_clear_error(r, status, code)
 
 
 @pytest.mark.slow
