@@ -1099,14 +1099,21 @@ async def dialect_exchange(base: str, dialect: str, messages: list[Any]) -> None
                 return d.get("type") == "Flushed" and seen["Cleared"] == clears
 
         await ws.send(json.dumps(probe))
+        ids: list[int] = []  # Deepgram's sequence ids, as they come: each answer's above every one before it
         while True:
             msg = await asyncio.wait_for(ws.recv(), 60)
             if isinstance(msg, bytes):
                 continue
             d = json.loads(msg)
             check_dialect_reply(dialect, d)
+            if dialect == "deepgram" and d["type"] in ("Flushed", "Cleared"):
+                assert type(d["sequence_id"]) is int and (not ids or d["sequence_id"] > ids[-1]), (ids, d)
+                ids.append(d["sequence_id"])
             if done(d):
                 break
+        if dialect == "deepgram":  # every Flush took an id (the probe's too), answered by the probe's Flushed at last
+            flushes = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("type") == "Flush")
+            assert ids[-1] >= flushes - 1, (ids, flushes)
 
 
 def ends_the_socket(m: Any) -> bool:
@@ -1140,6 +1147,9 @@ ISSUE_21_EMBEDDINGS = [
 @FUZZ_SMALL
 @given(case=dialect_case)
 @example(case=("cartesia", ISSUE_21_EMBEDDINGS))
+# a Clear before any Flush and after every one was answered takes an id of its own (its Cleared repeated id 0)
+@example(case=("deepgram", [{"type": "Clear"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Clear"}]))
+@example(case=("deepgram", [{"type": "Speak", "text": "One. "}, *[{"type": "Flush"}] * 2, {"type": "Clear"}]))
 @example(
     case=(
         "deepgram",
