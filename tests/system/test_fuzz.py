@@ -848,7 +848,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "zonos_params"],
 }
 
 
@@ -893,6 +893,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/tts/ws", {"sample_rate": "²"}))
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
+@example(where=("/v1/speak", {"bit_rate": "-1"}))
 @example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 @example(where=("/v1/tts/ws", [("sample_rate", "8000"), ("sample_rate", "24000")]))
 @example(where=("/v1/text-to-speech/Fuzzed/stream-input", [("output_format", "pcm_16000"), ("output_format", "")]))
@@ -959,7 +960,7 @@ el_message = st.fixed_dictionaries(
             {},
             optional={
                 "speed": st.floats(0, 5) | extreme | anything,
-                "stability": st.floats(0, 1) | anything,
+                "stability": st.floats(0, 1) | extreme | anything,
                 "similarity_boost": st.floats(0, 1) | anything,
                 "style": st.floats(0, 1) | anything,
                 "use_speaker_boost": st.booleans() | anything,
@@ -1022,7 +1023,11 @@ ca_message = st.fixed_dictionaries(
         "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
         "generation_config": st.fixed_dictionaries(
             {},
-            optional={"speed": st.floats(0, 3) | extreme | anything, "volume": anything, "emotion": anything},
+            optional={
+                "speed": st.floats(0, 3) | extreme | anything,
+                "volume": st.floats(0, 3) | extreme | anything,
+                "emotion": anything,
+            },
         )
         | anything,
         "speed": extreme | anything,
@@ -1632,7 +1637,7 @@ cartesia_format = st.fixed_dictionaries(
         "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
         "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1, 24000.0, 24000.5])
         | anything,
-        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | anything,
+        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | extreme | anything,
     },
 )
 cartesia_values = {
@@ -1654,7 +1659,7 @@ cartesia_values = {
         {},
         optional={
             "speed": st.floats(-1, 3) | anything,
-            "volume": st.floats(0, 3) | anything,
+            "volume": st.floats(0, 3) | extreme | anything,
             "emotion": st.sampled_from(["neutral", "angry"]) | anything,
         },
     )

@@ -18,6 +18,7 @@ socket opens, `Flushed`, `Cleared`, `{"type": "Warning", ...}` for a message it 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -35,12 +36,19 @@ from app.io.errors import RequestError
 from app.io.query_input import check_single, query_fraction, query_int
 
 # The query settings a connection or a request reads (its socket's and its HTTP route's): each one given twice
-# with different values is refused (the last was taken in silence). `tag`, `bit_rate` and `mip_opt_out` are not
-# read, and Deepgram takes `tag` more than once.
-QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "callback", "zonos_params")
+# with different values is refused (the last was taken in silence). `tag` and `mip_opt_out` are not read, and
+# Deepgram takes `tag` more than once; `bit_rate` is checked and not used (check_bit_rate).
+QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "zonos_params")
 # Deepgram's raw encodings (its socket's and its HTTP route's), and their default rates
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_RATE = {"linear16": 24000, "mulaw": G711_RATE, "alaw": G711_RATE}
+
+
+def check_bit_rate(query: Mapping[str, str]) -> None:
+    """`?bit_rate` (the socket's and the HTTP route's) is not used (our raw samples have none, and our compressed
+    encodings keep Deepgram's fixed rates), but it is the integer Deepgram takes: ASCII digits (query_int), else
+    INVALID_QUERY_PARAMETER. It was taken whatever it held (`-1`, `nan`, `1e400`)."""
+    query_int(query, "bit_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
 
 
 class DeepgramSession(StreamingSession):
@@ -50,6 +58,7 @@ class DeepgramSession(StreamingSession):
         super().__init__(ws, gw, owner)
         q = ws.query_params
         check_single(q, QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
+        check_bit_rate(q)
         # ?speed (Deepgram's socket takes it as its REST route does): a number as a URL writes one, then its bounds
         self.opts = dialect_options(gw, q, speed=query_fraction(q, "speed", G.DEEPGRAM_INVALID_QUERY_PARAMETER))
         name = (q.get("encoding") or "linear16").lower()
