@@ -631,6 +631,11 @@ def test_fuzz_openai_speech(fuzz_server, data, ctype):
     ).encode(),
     ctype="application/json",
 )
+# a falsy non-number as fade_out_ms and a non-boolean switch (taken as 0 and as true): bad_params
+@example(
+    data=json.dumps({"text": "Hi.", "max_tokens": 5, "fade_out_ms": False, "speaking_rate_enabled": "false"}).encode(),
+    ctype="application/json",
+)
 def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
