@@ -12,8 +12,9 @@ import numpy as np
 from app.core.options import SynthesisOptions
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.voices.library import Voice
-from engine.frontend.emotion import EmotionDirections, EmotionError
+from app.voices.library import EMBEDDING_VALUES, Voice
+from engine.contract.records import embedding_in_bounds
+from engine.frontend.emotion import EMOTION_FIELDS, STRENGTH_LIMIT, WEIGHT_LIMIT, EmotionDirections, EmotionError
 
 
 @functools.cache
@@ -59,11 +60,14 @@ def emotion_embedding(
             f"model's projected speaker row has {hidden_dim} values",
         )
     try:
-        if embedding is None:  # a clip with 'proj' directions: the delta alone
-            return EmotionConditioning(None, directions.delta(req, req.speaker_key))
-        emb, delta = directions.apply(embedding, req)
+        with np.errstate(over="ignore", invalid="ignore"):  # (an overflow is refused just below, not warned of)
+            if embedding is None:  # a clip with 'proj' directions: the delta alone
+                return EmotionConditioning(None, _in_bounds(directions.delta(req, req.speaker_key)))
+            emb, delta = directions.apply(embedding, req)
     except EmotionError as e:
         raise RequestError(G.BAD_PARAMS, str(e)) from None
+    _in_bounds(emb)
+    _in_bounds(delta)
     # the emotion-CFG twin (engine/guidance.py): 'proj' drops the delta; raw/lda needs the embedding before
     plain = (
         np.asarray(embedding, dtype=np.float32).reshape(-1)
@@ -71,6 +75,31 @@ def emotion_embedding(
         else None
     )
     return EmotionConditioning(emb, delta, plain)
+
+
+# what the emotion fields may hold (engine/frontend/emotion.py parse_request bounds each), named in a refusal of what
+# they make of a voice
+_FIELDS_AND_RANGES = (
+    f"{', '.join(f for f in EMOTION_FIELDS if f != 'emotion_enabled')} (weights within ±{WEIGHT_LIMIT:g}, the "
+    f"strength within ±{STRENGTH_LIMIT:g})"
+)
+
+
+def _in_bounds(vector: np.ndarray | None) -> np.ndarray | None:
+    """`vector` (the speaker embedding an emotion moved, or its 'proj' delta) if it is within the engine's bound on
+    conditioning vectors (EMBEDDING_ABS_MAX: every value finite), else bad_params here, at the door. Each field is
+    within its own range, but their product with the voice and the folder's directions and calibration is not: a voice
+    near the bound (±1e6 on every axis) moved by an emotion has values past it (the rotation spreads its norm), and
+    the engine refused the request with bad_voice, an embedding the client never gave; a folder whose directions or
+    calibrated strengths overflow float32 gave NaN. A 'proj' delta (the engine checks only that it is finite) is held
+    to the same bound: it is added to the projected speaker row, and far past it the model's float32 norms overflow."""
+    if vector is not None and not embedding_in_bounds(vector):
+        raise RequestError(
+            G.BAD_PARAMS,
+            f"this emotion ({_FIELDS_AND_RANGES}) takes the voice's conditioning out of the engine's bounds "
+            f"({EMBEDDING_VALUES}): lower emotion_strength or the weights, or use another voice",
+        )
+    return vector
 
 
 def check_emotion(

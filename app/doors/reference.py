@@ -18,7 +18,7 @@ from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, pa
 from app.core.pipeline import speak
 from app.doors.speech import AnswerHold, cut_off, first_chunk, held_or_streamed, read_json
 from app.io.auth import require_key
-from app.io.checks import base64_payload, text_field
+from app.io.checks import base64_payload, check_flag, check_number, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -86,9 +86,8 @@ class GenerateRequest:
 async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> GenerateRequest:
     """A /tts/generate body, checked whole, as the one request it is."""
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
-    fade_ms = data.get("fade_out_ms") or 0.0
-    if isinstance(fade_ms, bool) or not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= MAX_FADE_OUT_MS:
-        raise RequestError(G.BAD_PARAMS, f"fade_out_ms must be in 0..{MAX_FADE_OUT_MS}")
+    # (`or 0.0` took any falsy value as no fade: false, "", [] and {} passed as the number 0)
+    fade_ms = check_number(data, "fade_out_ms", 0, MAX_FADE_OUT_MS) or 0.0
     check_fields(data, GENERATE_FIELDS, G.BAD_PARAMS)
     p: dict[str, Any] = {}
     for ours, theirs in (
@@ -117,11 +116,12 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
         if isinstance(mt, bool) or not isinstance(mt, int) or mt <= 0:
             raise RequestError(G.BAD_PARAMS, "max_tokens must be a positive integer")
         p["max_frames"] = min(mt, gw.settings.limits.max_frames)
-    if data.get("speaking_rate_enabled"):
+    # switches are JSON booleans: a truthy "false" or 1 turned the speaking rate on (check_flag)
+    if check_flag(data, "speaking_rate_enabled", G.BAD_PARAMS):
         for k in ("speaking_rate_bucket", "speaking_rate", "speed"):
             if data.get(k) is not None:
                 p[k] = data[k]
-    if data.get("quality_enabled", True) is False:
+    if data.get("quality_enabled") is not None and not check_flag(data, "quality_enabled", G.BAD_PARAMS):
         p["quality_buckets"] = None
     else:
         qb = data.get("quality_buckets", "default")

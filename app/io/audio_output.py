@@ -106,6 +106,9 @@ MP3_BIT_RATES = {
     3: (8, 16, 24, 32, 40, 48, 56, 64),
 }
 OPUS_BIT_RATE_RANGE = (6000, 256000)  # what libopus takes for one channel (bit/s; its 510 kbit/s is for two)
+# a bit rate a client may ask of MP3 or Opus (bit/s; the nearest the codec offers is used): from the lowest either
+# offers to the highest (MP3's 320 kbit/s). Past it, a negative, a 0 or a 10**400 was taken as the nearest in silence
+BIT_RATE_RANGE = (OPUS_BIT_RATE_RANGE[0], max(max(r) for r in MP3_BIT_RATES.values()) * 1000)
 MP3_QUALITY = 5  # LAME's algorithm quality (0 best, 9 fastest): 5 is its command line's and FFmpeg's default
 # Opus (libopus, VBR) bit rates: what libopus chose for speech at each rate on its own, set explicitly
 OPUS_BIT_RATE = {8000: 20000, 12000: 24000, 16000: 28000, 24000: 36000, 48000: 60000}
@@ -530,6 +533,10 @@ class OutputFormat:
             else "sample rate must be one of"
         )
         check_sample_rate(self.sample_rate, rates, code, what, f", not {self.sample_rate}")
+        lo, hi = BIT_RATE_RANGE
+        if self.bit_rate is not None and not lo <= self.bit_rate <= hi:
+            shown = str(self.bit_rate)[:40]
+            raise RequestError(code, f"bit_rate must be in {lo}..{hi} bit/s (the nearest a codec offers), not {shown}")
         return self
 
     @property

@@ -79,6 +79,21 @@ def check_types(data: Mapping[str, Any], types: Mapping[str, tuple[type, ...]], 
             raise RequestError(code, f"{prefix}{key} must be {' or '.join(_JSON_TYPES[t] for t in allowed)}")
 
 
+def check_number(
+    data: Mapping[str, Any], key: str, lo: float, hi: float, code: str = G.BAD_PARAMS, prefix: str = ""
+) -> float | None:
+    """A number field bounded to its vendor's documented range (ElevenLabs' `voice_settings.stability`, 0..1;
+    Cartesia's `generation_config.volume`, 0.5..2), read or not: None when absent or null, else a JSON number (not a
+    boolean), finite and within lo..hi, else RequestError(code) naming it (`prefix`: where the object sits) and its
+    range. A type check alone took 1e308 or -5 as the vendor would not, and ignored it in silence."""
+    value = data.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value) or not lo <= value <= hi:
+        raise RequestError(code, f"{prefix}{key} must be a number in {lo:g}..{hi:g}, not {str(value)[:40]!r}")
+    return float(value)
+
+
 def whole_number(value: object) -> int | None:
     """A JSON number that is whole, as an int: 24000 or 24000.0 (a client's float that is an integer: Python's
     24000.0 is serialized so); None for anything else (a boolean, 24000.5, NaN, an infinity, a string)."""

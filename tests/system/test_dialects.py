@@ -1525,6 +1525,9 @@ def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
         ({"duration": "long"}, "bad_message"),
         ({"use_original_timestamps": "no"}, "bad_message"),
         ({"generation_config": {"volume": [2]}}, "bad_message"),
+        # ... and its documented range (0.5..2: any finite number was taken and ignored)
+        ({"generation_config": {"volume": 5}}, "bad_message"),
+        ({"generation_config": {"volume": -1e300}}, "bad_message"),
         ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": ["fast"]}}, "bad_message"),
     ],
 )
@@ -1961,6 +1964,11 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
         ("speed=0_3", "INVALID_QUERY_PARAMETER"),
         ("speed=nan", "INVALID_QUERY_PARAMETER"),
         ("speed=9", "BAD_PARAMS"),
+        # ?bit_rate, not used, was taken whatever it held: the integer Deepgram takes
+        ("bit_rate=-1", "INVALID_QUERY_PARAMETER"),
+        ("bit_rate=nan", "INVALID_QUERY_PARAMETER"),
+        ("bit_rate=1e400", "INVALID_QUERY_PARAMETER"),
+        ("bit_rate=48000&bit_rate=32000", "INVALID_QUERY_PARAMETER"),
     ],
 )
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
@@ -2055,6 +2063,21 @@ def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status, c
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["err_code"] == code and "speed" in r.json()["err_msg"], r.text
+
+
+@pytest.mark.parametrize("bit_rate, status", [("-1", 400), ("nan", 400), ("1" + "0" * 400, 400), ("48000", 200)])
+def test_deepgram_http_bit_rate_is_the_integer_deepgram_takes(srv, bit_rate, status):
+    """The REST route's ?bit_rate is not used, but it is ASCII digits as Deepgram takes it (it was taken whatever it
+    held), refused naming it in Deepgram's shape."""
+    r = httpx.post(
+        f"{srv.url}/v1/speak?model=Ada&container=none&bit_rate={bit_rate}&zonos_params={params(FAST)}",
+        json={"text": "Hello there."},
+        headers={"Authorization": f"Token {KEY}"},
+        timeout=120,
+    )
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["err_code"] == "INVALID_QUERY_PARAMETER" and "bit_rate" in r.json()["err_msg"], r.text
 
 
 @pytest.mark.parametrize("speed", [float("nan"), float("inf"), 9.0, 0.01, "1.2", True])
@@ -2285,6 +2308,34 @@ def test_the_dialects_output_formats_carry_their_bit_rates():
     assert output_format("mp3_22050_32").bit_rate == 32000 and output_format("pcm_24000").bit_rate is None
     mp3 = _format({"container": "mp3", "sample_rate": 44100, "bit_rate": 96000}, ("raw", "wav", "mp3"))
     assert (mp3.encoding, mp3.sample_rate, mp3.bit_rate) == ("mp3", 44100, 96000)
+
+
+@pytest.mark.parametrize("bit_rate", [-1, 0, 5999, 320001, 10**400], ids=["-1", "0", "5999", "320001", "10**400"])
+def test_cartesia_mp3_bit_rate_past_what_any_codec_offers_is_refused(bit_rate):
+    """Cartesia's mp3 `bit_rate` is taken as the nearest the codec offers, but only within what any codec offers
+    (BIT_RATE_RANGE): a negative, a 0 or a 10**400 was taken as 8 or 320 kbit/s in silence (no server: the parser)."""
+    from app.doors.dialects.cartesia_http import _format
+    from app.io.errors import RequestError
+
+    with pytest.raises(RequestError) as e:
+        _format({"container": "mp3", "sample_rate": 44100, "bit_rate": bit_rate}, ("raw", "wav", "mp3"))
+    assert e.value.code == "unsupported_format" and "6000..320000" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "volume", [0.49, 2.01, -1, 1e308, 10**400, True, "loud"], ids=["0.49", "2.01", "-1", "1e308", "10**400", "t", "s"]
+)
+def test_cartesia_http_volume_is_held_to_cartesias_range(volume):
+    """`generation_config.volume` is not used, but held to Cartesia's documented range (0.5..2) on the HTTP routes as
+    on the socket: any finite number was taken (no server: the check both share)."""
+    from app.doors.dialects.cartesia import check_unused
+    from app.io.errors import RequestError
+
+    check_unused({"generation_config": {"volume": 0.5}}, "bad_params")
+    check_unused({"generation_config": {"volume": 2}}, "bad_params")
+    with pytest.raises(RequestError) as e:
+        check_unused({"generation_config": {"volume": volume}}, "bad_params")
+    assert e.value.code == "bad_params" and "generation_config.volume" in str(e.value), str(e.value)
 
 
 def test_stored_pronunciation_dictionaries_reach_every_dialect(srv):

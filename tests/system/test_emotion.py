@@ -391,6 +391,65 @@ def upload_voice(url: str, emb: np.ndarray, name: str) -> str:
     return r.json()["id"]
 
 
+def test_routes_refuse_an_emotion_that_takes_the_voice_out_of_bounds_before_the_engine(emotion_server):
+    """A voice near the engine's bound (±1e6 on every axis: accepted inline and uploaded) with an emotion whose fields
+    are each in range: the engine refused it (400 bad_voice, an embedding the client never gave); now every route
+    answers bad_params naming the emotion fields and the bound, before any engine work: /tts/generate,
+    /v1/audio/speech, Cartesia's /tts/bytes (its `zonos_params`) and our socket's session.config (at once, the
+    session going on)."""
+    import asyncio
+    from urllib.parse import quote
+
+    import httpx
+    import websockets
+
+    from tests.wsclient import Client
+
+    srv, _ = emotion_server
+    near = np.full(2048, 1e6, np.float32)
+    near[0] = -1e6
+    emotion = {"emotion_enabled": True, "emotion_sliders": {"happy": 10}, "emotion_strength": 10}
+    answers = [
+        httpx.post(
+            srv.url + "/tts/generate",
+            json={"text": "Feel it.", "stream": False, "speaker_embedding_base64": npy_b64(near), **emotion},
+            timeout=60,
+        ),
+        httpx.post(
+            srv.url + "/v1/audio/speech",
+            json={"input": "Feel it.", "speaker_embedding_base64": npy_b64(near), **emotion},
+            timeout=60,
+        ),
+    ]
+    for r in answers:
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_params", r.text
+        assert "emotion_strength" in r.text and "1e+06" in r.text, r.text
+    r = httpx.post(
+        srv.url + "/tts/bytes?zonos_params=" + quote(json.dumps(emotion)),
+        json={
+            "transcript": "Feel it.",
+            "voice": {"mode": "embedding", "embedding": near.tolist()},
+            "output_format": {"container": "raw", "encoding": "pcm_s16le", "sample_rate": 8000},
+        },
+        timeout=60,
+    )
+    assert r.status_code == 400 and "emotion_strength" in r.text and "1e+06" in r.text, r.text
+    voice = upload_voice(srv.url, near, "near-bound")
+
+    async def config() -> tuple[dict, dict]:
+        async with websockets.connect(srv.ws_url, max_size=None) as ws:
+            c = Client(ws)
+            await c.recv()
+            await c.send(type="session.config", voice=voice, params=emotion)
+            refused = await c.recv()
+            await c.send(type="session.config", voice=voice, params={"emotion_enabled": False})
+            return refused, await c.recv()
+
+    refused, after = asyncio.run(config())
+    assert refused["type"] == "error" and refused["code"] == "bad_params", refused
+    assert "emotion_strength" in refused["message"] and after["type"] == "session.updated", (refused, after)
+
+
 def test_websocket_params_apply_emotion(emotion_server):
     """The WebSocket's params take the same fields: the audio is that of the injected vector as the voice."""
     import asyncio
@@ -791,6 +850,47 @@ def test_prompt_factory_sends_the_emotion_the_engine_needs(tmp_path):
     for bad in (101.0, float("nan"), "2", True):
         with pytest.raises(RequestError, match="emotion_cfg_scale"):
             parse_options(fields | {"emotion_cfg_scale": bad}, 100, cfg=cfg)
+
+
+def test_an_emotion_that_takes_the_voice_out_of_the_engines_bounds_is_refused_at_the_door(tmp_path):
+    """Each emotion field is within its range, but what they make of the voice need not be: a voice near the engine's
+    bound (EMBEDDING_ABS_MAX, ±1e6) moved by an emotion ('raw': the rotation spreads its norm), a 'proj' folder whose
+    directions are huge but finite, or calibrated strengths that overflow float32 (NaN). The gateway passed them and the
+    engine refused the request (bad_voice: an embedding the client never gave), or, a finite 'proj' delta, took it.
+    Now bad_params at the door (check_emotion, which every route calls, and PromptFactory.request), naming the fields,
+    their ranges and the bound; the same voice and folder without the emotion pass."""
+    from app.core.emotion import check_emotion
+    from app.core.options import parse_options
+    from app.core.prompts import PromptFactory
+    from app.io.errors import RequestError
+    from app.voices.library import Voice
+    from engine.frontend.config import Zonos2Config, preset_params
+
+    cfg = Zonos2Config.from_dict(preset_params("tiny"))
+    n = cfg.speaker_embedding_dim
+    write_folder(tmp_path / "raw", dim=n)
+    write_folder(tmp_path / "huge", space="proj", dim=cfg.dim)
+    np.save(tmp_path / "huge" / "happy.npy", np.full(cfg.dim, 1e30, np.float32))
+    write_folder(tmp_path / "overflow", dim=n, calibration={"global_default": 1e38})
+    at_bound = np.full(n, 1e6, np.float32)
+    at_bound[0] = -1e6
+    voice = Voice(id="v", name="v", owner="", source="embedding", dim=n, embedding=at_bound)
+    plain = Voice(id="p", name="p", owner="", source="embedding", dim=n, embedding=base_embedding(n))
+    emotion = parse_options({"emotion_enabled": True, "emotion_sliders": {"happy": 10}, "emotion_strength": 10}, 100)
+    none = parse_options({}, 100)
+    prompt = np.zeros((4, 10), np.int64)
+    for folder, v in (("raw", voice), ("huge", plain), ("overflow", plain)):
+        dirs = EmotionDirections.load(tmp_path / folder)
+        check_emotion(dirs, none, v, cfg.dim)  # no emotion: the voice as it is
+        for check in (
+            lambda dirs=dirs, v=v: check_emotion(dirs, emotion, v, cfg.dim),
+            lambda dirs=dirs, v=v: PromptFactory(cfg, dirs).request(prompt, emotion, 50, v.embedding),
+        ):
+            with pytest.raises(RequestError) as e:
+                check()
+            assert e.value.code == "bad_params", folder
+            for named in ("emotion_sliders", "emotion_strength", "±10", "within ±1e+06"):
+                assert named in str(e.value), (folder, str(e.value))
 
 
 def test_gateway_serves_proj_directions(start_server, tmp_path):

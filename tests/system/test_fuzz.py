@@ -631,6 +631,11 @@ def test_fuzz_openai_speech(fuzz_server, data, ctype):
     ).encode(),
     ctype="application/json",
 )
+# a falsy non-number as fade_out_ms and a non-boolean switch (taken as 0 and as true): bad_params
+@example(
+    data=json.dumps({"text": "Hi.", "max_tokens": 5, "fade_out_ms": False, "speaking_rate_enabled": "false"}).encode(),
+    ctype="application/json",
+)
 def test_fuzz_tts_generate(fuzz_server, data, ctype):
     check_http(post(fuzz_server.url + "/tts/generate", data, ctype))
 
@@ -848,7 +853,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "zonos_params"],
 }
 
 
@@ -893,6 +898,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/tts/ws", {"sample_rate": "²"}))
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
+@example(where=("/v1/speak", {"bit_rate": "-1"}))
 @example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 @example(where=("/v1/tts/ws", [("sample_rate", "8000"), ("sample_rate", "24000")]))
 @example(where=("/v1/text-to-speech/Fuzzed/stream-input", [("output_format", "pcm_16000"), ("output_format", "")]))
@@ -959,7 +965,7 @@ el_message = st.fixed_dictionaries(
             {},
             optional={
                 "speed": st.floats(0, 5) | extreme | anything,
-                "stability": st.floats(0, 1) | anything,
+                "stability": st.floats(0, 1) | extreme | anything,
                 "similarity_boost": st.floats(0, 1) | anything,
                 "style": st.floats(0, 1) | anything,
                 "use_speaker_boost": st.booleans() | anything,
@@ -1022,7 +1028,11 @@ ca_message = st.fixed_dictionaries(
         "max_buffer_delay_ms": st.sampled_from([0, 10, 3000, 5001, -1, 10**400, 0.0, 0.5]) | extreme | anything,
         "generation_config": st.fixed_dictionaries(
             {},
-            optional={"speed": st.floats(0, 3) | extreme | anything, "volume": anything, "emotion": anything},
+            optional={
+                "speed": st.floats(0, 3) | extreme | anything,
+                "volume": st.floats(0, 3) | extreme | anything,
+                "emotion": anything,
+            },
         )
         | anything,
         "speed": extreme | anything,
@@ -1099,14 +1109,21 @@ async def dialect_exchange(base: str, dialect: str, messages: list[Any]) -> None
                 return d.get("type") == "Flushed" and seen["Cleared"] == clears
 
         await ws.send(json.dumps(probe))
+        ids: list[int] = []  # Deepgram's sequence ids, as they come: each answer's above every one before it
         while True:
             msg = await asyncio.wait_for(ws.recv(), 60)
             if isinstance(msg, bytes):
                 continue
             d = json.loads(msg)
             check_dialect_reply(dialect, d)
+            if dialect == "deepgram" and d["type"] in ("Flushed", "Cleared"):
+                assert type(d["sequence_id"]) is int and (not ids or d["sequence_id"] > ids[-1]), (ids, d)
+                ids.append(d["sequence_id"])
             if done(d):
                 break
+        if dialect == "deepgram":  # every Flush took an id (the probe's too), answered by the probe's Flushed at last
+            flushes = 1 + sum(1 for m in messages if isinstance(m, dict) and m.get("type") == "Flush")
+            assert ids[-1] >= flushes - 1, (ids, flushes)
 
 
 def ends_the_socket(m: Any) -> bool:
@@ -1140,6 +1157,9 @@ ISSUE_21_EMBEDDINGS = [
 @FUZZ_SMALL
 @given(case=dialect_case)
 @example(case=("cartesia", ISSUE_21_EMBEDDINGS))
+# a Clear before any Flush and after every one was answered takes an id of its own (its Cleared repeated id 0)
+@example(case=("deepgram", [{"type": "Clear"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Clear"}]))
+@example(case=("deepgram", [{"type": "Speak", "text": "One. "}, *[{"type": "Flush"}] * 2, {"type": "Clear"}]))
 @example(
     case=(
         "deepgram",
@@ -1241,13 +1261,30 @@ def emotion_fuzz_server(start_server, tmp_path_factory):
 
 emotion_fields = [k for k in typical_params if k.startswith(("emotion_", "long_form", "cfg_", "prefix_cfg"))]
 emotion_voice = {"speaker_embedding_base64": base64.b64encode(npy(np.ones(2048, np.float32))).decode()}
+# a voice near the engine's bound (±1e6 on every axis): any emotion moves it past the bound, which the gateway refuses
+# (bad_params) before the engine would (bad_voice)
+_NEAR_BOUND = np.full(2048, 1e6, np.float32)
+_NEAR_BOUND[0] = -1e6
+near_bound_voice = {"speaker_embedding_base64": base64.b64encode(npy(_NEAR_BOUND)).decode()}
+emotion_voices = {
+    "speaker_embedding_base64": st.sampled_from([emotion_voice, near_bound_voice]).map(
+        lambda v: v["speaker_embedding_base64"]
+    )
+}
+EMOTION_AT_THE_BOUND = {"emotion_enabled": True, "emotion_sliders": {"happy": 10}, "emotion_strength": 10}
+
+
+def check_emotion_http(r: httpx.Response) -> None:
+    """check_http, and no engine refusal of a voice: what the emotion makes of one is the gateway's to refuse."""
+    check_http(r)
+    assert r.status_code == 200 or r.json()["error"]["code"] != "bad_voice", r.text
 
 
 @FUZZ
 @given(
     data=body(
-        set(emotion_fields),
-        {},
+        {*emotion_fields, "speaker_embedding_base64"},
+        emotion_voices,
         {
             "text": "Hello there.",
             "max_tokens": 5,
@@ -1271,15 +1308,20 @@ emotion_voice = {"speaker_embedding_base64": base64.b64encode(npy(np.ones(2048, 
         }
     ).encode()
 )
+@example(
+    data=json.dumps(
+        {"text": "Hi.", "max_tokens": 5, "stream": False, **EMOTION_AT_THE_BOUND, **near_bound_voice}
+    ).encode()
+)
 def test_fuzz_tts_generate_emotion(emotion_fuzz_server, data):
-    check_http(post(emotion_fuzz_server.url + "/tts/generate", data, "application/json"))
+    check_emotion_http(post(emotion_fuzz_server.url + "/tts/generate", data, "application/json"))
 
 
 @FUZZ
 @given(
     data=body(
-        {*emotion_fields, "input"},
-        {"input": tagged_text | short_text},
+        {*emotion_fields, "input", "speaker_embedding_base64"},
+        {"input": tagged_text | short_text, **emotion_voices},
         {
             "input": "Hello there.",
             "response_format": "pcm",
@@ -1290,8 +1332,13 @@ def test_fuzz_tts_generate_emotion(emotion_fuzz_server, data):
         },
     )
 )
+@example(
+    data=json.dumps(
+        {"input": "Hi.", "response_format": "pcm", "max_frames": 5, **EMOTION_AT_THE_BOUND, **near_bound_voice}
+    ).encode()
+)
 def test_fuzz_openai_speech_emotion(emotion_fuzz_server, data):
-    check_http(post(emotion_fuzz_server.url + "/v1/audio/speech", data, "application/json"))
+    check_emotion_http(post(emotion_fuzz_server.url + "/v1/audio/speech", data, "application/json"))
 
 
 # An integer past float's range (JSON carries any: 1 followed by 400 zeros) in a number field: math.isfinite
@@ -1595,7 +1642,7 @@ cartesia_format = st.fixed_dictionaries(
         "encoding": st.sampled_from(["pcm_s16le", "pcm_f32le", "pcm_mulaw", "pcm_alaw", "pcm_s24le"]) | anything,
         "sample_rate": st.sampled_from([8000, 16000, 22050, 24000, 44100, 48000, 11025, 0, -1, 24000.0, 24000.5])
         | anything,
-        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | anything,
+        "bit_rate": st.integers(-1, 10**6) | st.sampled_from([128000.0, 0.5]) | extreme | anything,
     },
 )
 cartesia_values = {
@@ -1617,7 +1664,7 @@ cartesia_values = {
         {},
         optional={
             "speed": st.floats(-1, 3) | anything,
-            "volume": st.floats(0, 3) | anything,
+            "volume": st.floats(0, 3) | extreme | anything,
             "emotion": st.sampled_from(["neutral", "angry"]) | anything,
         },
     )

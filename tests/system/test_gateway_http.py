@@ -240,6 +240,14 @@ def test_tts_generate_reference_compatible(server):
         ({"text": "x", "topk": 5000}, "bad_params"),
         ({"text": "x", "quality_buckets": {"lufs": 99}}, "bad_params"),
         ({"text": "x", "quality_values": {"nosuch": 1.0}}, "bad_params"),
+        # a number is a JSON number, a switch a JSON boolean: any falsy value was no fade, a truthy "false" or 1
+        # turned the speaking rate on, and a "no" left the quality conditioning on
+        ({"text": "x", "fade_out_ms": False}, "bad_params"),
+        ({"text": "x", "fade_out_ms": ""}, "bad_params"),
+        ({"text": "x", "fade_out_ms": []}, "bad_params"),
+        ({"text": "x", "speaking_rate_enabled": "false"}, "bad_params"),
+        ({"text": "x", "speaking_rate_enabled": 1}, "bad_params"),
+        ({"text": "x", "quality_enabled": "no"}, "bad_params"),
     ],
 )
 def test_tts_generate_bad_input(server, body, code):

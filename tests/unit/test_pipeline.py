@@ -1924,3 +1924,76 @@ def test_deepgram_a_tag_cut_at_the_flush_is_refused_and_the_rest_spoken_then_flu
     seen, texts = asyncio.run(go())
     assert [(m["type"], m.get("warn_code")) for m in seen] == [("Warning", "bad_text"), ("Flushed", None)], seen
     assert seen[-1]["sequence_id"] == 0 and texts == ["Hello there.", "Wait"], texts
+
+
+def test_deepgram_sequence_ids_never_repeat_nor_go_back():
+    """Deepgram documents `sequence_id` as the id of the response (Flushed and Cleared alike; its examples give the
+    first one 0). A Clear with no Flush to drop (before any Flush, or after every one was answered) takes an id of its
+    own: its Cleared carried the last Flush's id, `max(0, flushes - 1)`, so a Clear before any Flush answered Cleared 0
+    and the next Flush Flushed 0 too, and one after Flushed 0 answered Cleared 0 again: a client counting the answers
+    read the cleared id as its new reply's. Each answer's id is above every one before it."""
+
+    async def go() -> list[dict[str, Any]]:
+        gw, ws, task = await deepgram_session()
+        ws.send(type="Clear")  # nothing to drop: before any Flush
+        seen = [await ws.next_json()]
+        ws.send(type="Speak", text="Hello there.")
+        ws.send(type="Flush")
+        seen += await deepgram_until(ws, "Flushed", gw.fake)
+        ws.send(type="Clear")  # every Flush answered: nothing to drop
+        seen.append(await ws.next_json())
+        ws.send(type="Flush")  # nothing buffered: answered at once
+        seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert [(m["type"], m["sequence_id"]) for m in seen] == [
+        ("Cleared", 0),
+        ("Flushed", 1),
+        ("Cleared", 2),
+        ("Flushed", 3),
+    ], seen
+
+
+def test_deepgram_a_clear_that_waits_for_the_send_lock_takes_its_id_after_the_answers_before_it():
+    """A Clear that comes while the pump holds the send lock to answer the Flush whose audio it has just sent: that
+    Flushed goes out first, then the Cleared. The Cleared's id and the count of answers were set when the Clear
+    arrived, before it had the lock: the Flushed going out meanwhile took id 1 (no Flush had it) and the Cleared after
+    it went back to 0. Ids are now taken under the send lock, in the order the answers go out."""
+    from app.doors.dialects.deepgram import DeepgramSession
+
+    async def go() -> list[dict[str, Any]]:
+        gw = fake_gateway()
+        ws = FakeSocket()
+        ws.query_params = {}  # type: ignore[attr-defined]
+        session = DeepgramSession(ws, gw, "")  # type: ignore[arg-type]
+        playback = session.playback
+        armed = False
+
+        async def answer_marks(lane: Any, stage: Any) -> None:
+            nonlocal armed
+            async with stage.send_lock:
+                if armed:  # the Clear arrives now: its handler waits for the lock behind this
+                    armed = False
+                    ws.send(type="Clear")
+                    for _ in range(50):
+                        await asyncio.sleep(0)
+                await playback.answer_marks_locked(lane, stage)
+
+        playback._answer_marks = answer_marks  # type: ignore[method-assign]
+        task = asyncio.create_task(session.run())
+        assert (await ws.next_json())["type"] == "Metadata"
+        ws.send(type="Speak", text="Hello there.")
+        ws.send(type="Flush")
+        stream = await gw.fake.started(1)
+        armed = True
+        FakeEngine.play(stream)
+        seen = await ws.until("Cleared")
+        ws.send(type="Flush")
+        seen.append(await ws.next_json())
+        await shut(ws, task)
+        return seen
+
+    seen = asyncio.run(go())
+    assert [(m["type"], m["sequence_id"]) for m in seen] == [("Flushed", 0), ("Cleared", 1), ("Flushed", 2)], seen

@@ -46,7 +46,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag, check_types, whole_number
+from app.io.checks import check_context_id, check_flag, check_number, check_types, whole_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.voices.lexicons import Aliases
@@ -66,7 +66,8 @@ _UNUSED: dict[str, tuple[type, ...]] = {
     "use_normalized_timestamps": (bool,),
     "use_original_timestamps": (bool,),
 }
-_UNUSED_GENERATION_CONFIG: dict[str, tuple[type, ...]] = {"volume": (float,), "emotion": (str,)}
+_UNUSED_GENERATION_CONFIG: dict[str, tuple[type, ...]] = {"emotion": (str,)}
+VOLUME_RANGE = (0.5, 2.0)  # generation_config.volume, Cartesia's documented range (not used: check_unused)
 # voice.__experimental_controls (older LiveKit plugins): a speed (a name or a number) and a list of emotions
 _UNUSED_VOICE_CONTROLS: dict[str, tuple[type, ...]] = {"speed": (float, str), "emotion": (list,)}
 DEFAULT_BUFFER_DELAY_MS = 3000
@@ -418,13 +419,14 @@ def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
 
 
 def check_unused(data: dict[str, Any], code: str) -> None:
-    """A generation request's fields that are not used hold Cartesia's types (check_types), else `code`
+    """A generation request's fields that are not used hold Cartesia's types (check_types) and ranges, else `code`
     (the socket's bad_message, the HTTP routes' bad_params). `generation_config` that is no object is refused
     by language_and_speed."""
     check_types(data, _UNUSED, code)
     config = data.get("generation_config")
     if isinstance(config, dict):
         check_types(config, _UNUSED_GENERATION_CONFIG, code, "generation_config.")
+        check_number(config, "volume", *VOLUME_RANGE, code, "generation_config.")
 
 
 def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:

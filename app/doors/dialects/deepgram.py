@@ -18,6 +18,7 @@ socket opens, `Flushed`, `Cleared`, `{"type": "Warning", ...}` for a message it 
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket
@@ -35,12 +36,19 @@ from app.io.errors import RequestError
 from app.io.query_input import check_single, query_fraction, query_int
 
 # The query settings a connection or a request reads (its socket's and its HTTP route's): each one given twice
-# with different values is refused (the last was taken in silence). `tag`, `bit_rate` and `mip_opt_out` are not
-# read, and Deepgram takes `tag` more than once.
-QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "callback", "zonos_params")
+# with different values is refused (the last was taken in silence). `tag` and `mip_opt_out` are not read, and
+# Deepgram takes `tag` more than once; `bit_rate` is checked and not used (check_bit_rate).
+QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "zonos_params")
 # Deepgram's raw encodings (its socket's and its HTTP route's), and their default rates
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_RATE = {"linear16": 24000, "mulaw": G711_RATE, "alaw": G711_RATE}
+
+
+def check_bit_rate(query: Mapping[str, str]) -> None:
+    """`?bit_rate` (the socket's and the HTTP route's) is not used (our raw samples have none, and our compressed
+    encodings keep Deepgram's fixed rates), but it is the integer Deepgram takes: ASCII digits (query_int), else
+    INVALID_QUERY_PARAMETER. It was taken whatever it held (`-1`, `nan`, `1e400`)."""
+    query_int(query, "bit_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
 
 
 class DeepgramSession(StreamingSession):
@@ -50,6 +58,7 @@ class DeepgramSession(StreamingSession):
         super().__init__(ws, gw, owner)
         q = ws.query_params
         check_single(q, QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
+        check_bit_rate(q)
         # ?speed (Deepgram's socket takes it as its REST route does): a number as a URL writes one, then its bounds
         self.opts = dialect_options(gw, q, speed=query_fraction(q, "speed", G.DEEPGRAM_INVALID_QUERY_PARAMETER))
         name = (q.get("encoding") or "linear16").lower()
@@ -62,8 +71,10 @@ class DeepgramSession(StreamingSession):
         self.voice = gw.resolve_voice(self.model, owner) if self.model else None
         gw.check_emotion(self.opts, self.voice)  # the voice is fixed at connect: refused now, not per utterance
         self.request_id = str(uuid.uuid4())
-        self.sequence = 0  # Flushes so far
-        self.answered = 0  # Flushes answered so far (each by its Flushed, or all so far by a Cleared)
+        # sequence ids (Deepgram: "the sequence ID of the response", 0 first, for Flushed and Cleared alike): each Flush
+        # takes the next, and so does a Clear that drops no Flush; a Cleared that drops some carries the last one's
+        self.sequence = 0  # ids taken so far
+        self.answered = 0  # ids answered so far (each Flush's by its Flushed, or all up to its own by a Cleared)
 
     def output_for(self, ctx: str) -> OutputFormat:
         return self.format
@@ -93,10 +104,10 @@ class DeepgramSession(StreamingSession):
                 raise RequestError(G.DEEPGRAM_INVALID_MESSAGE, "Speak needs a text string")
             self.append_text(DEFAULT_CONTEXT, text)
         elif kind == "Flush":
-            # every Flush is answered by one Flushed, its sequence id the count of Flushes before it (or by a Cleared
-            # that dropped its text), refused or not: a client's segment ends at its Flushed (LiveKit's plugin waits
-            # for it after each segment, pipecat ends its turn's audio context there; both only log a Warning), and
-            # none came for a refused one
+            # every Flush takes the next sequence id and is answered by one Flushed carrying it (or by a Cleared that
+            # dropped its text), refused or not: a client's segment ends at its Flushed (LiveKit's plugin waits for it
+            # after each segment, pipecat ends its turn's audio context there; both only log a Warning), and none came
+            # for a refused one
             answer = self._flushed
             self.sequence += 1
             try:
@@ -114,10 +125,7 @@ class DeepgramSession(StreamingSession):
         elif kind == "Clear":
             # Cleared answers the flushes it dropped: no Flushed of theirs follows (pipecat's DeepgramTTSService
             # ends whichever turn is playing at a Flushed, by then the next one)
-            self.answered = self.sequence
-            await self.cancel(
-                None, answer={"type": "Cleared", "sequence_id": max(0, self.sequence - 1)}, supersedes=True
-            )
+            await self.cancel(None, answer=self._cleared, supersedes=True)
         elif kind == "Close":
             await self.close()
         else:
@@ -126,13 +134,24 @@ class DeepgramSession(StreamingSession):
             )
 
     async def _flushed(self) -> None:
-        """The answer of every Flush (under the send lock): the next Flushed, its sequence id the count of Flushes
-        answered before it (they are answered in order). One answer for all, so the Flushes that wait for the same
-        audio are one entry of their lane (app/core/lanes.py `Lane.add` counts them): a dict of each Flush's own id was
-        an entry each, and past MAX_PENDING_ANSWERS (a storm of Flushes behind one reply's audio) a Flush got a
-        Warning (buffer_full) and no Flushed, the one thing its client waits for."""
+        """The answer of every Flush (under the send lock): the next Flushed, its sequence id the next one not yet
+        answered (Flushes are answered in order, and a Clear answers every one before it). One answer for all, so the
+        Flushes that wait for the same audio are one entry of their lane (app/core/lanes.py `Lane.add` counts them): a
+        dict of each Flush's own id was an entry each, and past MAX_PENDING_ANSWERS (a storm of Flushes behind one
+        reply's audio) a Flush got a Warning (buffer_full) and no Flushed, the one thing its client waits for."""
         await self.send_json_locked({"type": "Flushed", "sequence_id": self.answered})
         self.answered += 1
+
+    async def _cleared(self) -> None:
+        """A Clear's answer (under the send lock, after the drop): the Cleared, its sequence id the last unanswered
+        Flush's (it stands for every one it dropped), or, none left to answer (a Clear before any Flush, or after every
+        one was answered), an id of its own. Each answer's id is thus above every one sent before it, and each id is
+        answered once: a Cleared that took the last Flush's id when it dropped none (0 before any Flush) repeated an
+        id, and one read before the lock let a Flushed that went out meanwhile take an id no Flush had."""
+        if self.answered == self.sequence:
+            self.sequence += 1
+        self.answered = self.sequence
+        await self.send_json_locked({"type": "Cleared", "sequence_id": self.sequence - 1})
 
     async def on_utterance_error(self, u: Utterance) -> None:
         assert u.error is not None

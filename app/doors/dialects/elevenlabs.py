@@ -47,7 +47,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag, finite
+from app.io.checks import check_context_id, check_flag, check_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import check_single, query_int
@@ -117,11 +117,7 @@ def voice_settings_speed(settings: Any, code: str) -> Any:
     if not isinstance(settings, dict):
         raise RequestError(code, "voice_settings must be an object")
     for key in _UNIT_SETTINGS:
-        value = settings.get(key)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or not finite(value) or not 0 <= value <= 1
-        ):
-            raise RequestError(G.BAD_PARAMS, f"voice_settings.{key} must be a number in 0..1, not {str(value)[:40]!r}")
+        check_number(settings, key, 0, 1, G.BAD_PARAMS, "voice_settings.")
     check_flag(settings, "use_speaker_boost", G.BAD_PARAMS)
     return settings.get("speed")
 
