@@ -34,7 +34,7 @@ from app.core.playout import PlayoutClock
 from app.core.stitching import Stitch
 from app.core.style_tags import MarkedText, StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL, cdata_as_text
-from app.core.text_buffer import TextBuffer
+from app.core.text_buffer import TextBuffer, broken_tag_start, cut_tag_refusal
 from app.core.timestamps import AudioTimeline
 from app.core.utterance import Utterance, UtteranceState
 from app.io.audio_output import OutputFormat, first_samples
@@ -419,6 +419,10 @@ async def speak(
     # the limits on breaks and tags hold for the whole text (its sentences are split one by one later); a CDATA
     # section's content is text, none of its tags (`split_text`'s buffer reads it so)
     plain = cdata_as_text(text)
+    # a whole text, as our socket's text at the client's flush: no text can complete a tag cut at its end (`Hi <brea`,
+    # an LLM stopped mid-tag), which was read aloud ("Hi less than brea"); prose that may end so (`a < b`) is spoken
+    if (cut := broken_tag_start(plain)) is not None:
+        raise cut_tag_refusal(plain, cut, "nothing of the text is spoken")
     split_breaks(plain)
     split_tags(plain)
     sentences = split_text(gw, text, opts.language)

@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core.session import unfinished_tag_start
-from app.core.text_buffer import TextBuffer, split_to_budget, utf8_len
+from app.core.text_buffer import TextBuffer, split_to_budget, unfinished_tag_start, utf8_len
 
 ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
 ISSUE_SENTENCES = ["Dr. Smith paid $5.50 on Jan. 3rd, 2026.", "He left at 5 p.m. today."]
