@@ -6,7 +6,7 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte; its marks, never spoken, count nothing), at a clause mark or a space if there is one, never
+takes one frame per byte; its tags, never spoken, count nothing), at a clause mark or a space if there is one, never
 inside a character, an inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole
 (`<sub>`, `<say-as>`, `<spell>`), or after its opening while its closing is still to come. A CDATA section's content
 is text as written (`append`), cut into sentences as any text.
@@ -32,6 +32,7 @@ from app.core.tag_vocabulary import (
     REFERENCE,
     TAG_MAX,
     TAG_WORDS,
+    UNSPOKEN_TAG,
     cdata_as_text,
     cdata_tail,
     names_pattern,
@@ -189,17 +190,21 @@ def _attached(ch: str) -> bool:
     )
 
 
-def _spoken_fit(text: str, max_bytes: int) -> int | None:
+def _spoken_fit(text: str, max_bytes: int, unspoken: re.Pattern[str] | None = UNSPOKEN_TAG) -> int | None:
     """The characters of the longest prefix of `text` whose spoken part is at most max_bytes UTF-8 bytes, or None when
-    all of it is. A mark is not spoken (it is taken out before the engine, whose prompt is cut to the budget again as
-    spoken: Gateway.start_utterance), so it costs nothing: a mark after every word left a sentence of 60 words 5
-    utterances. Looks no further than the prefix (and its marks), so a long text costs in proportion to its pieces."""
+    all of it is. A tag that is never spoken (`unspoken`: a mark, a break, a style tag, SSML's structure; each taken out
+    before the engine, whose prompt is cut to the budget again as spoken: Gateway.start_utterance) costs nothing, nor
+    does the space before it: a mark after every word left a sentence of 60 words 5 utterances, 8 breaks in a sentence
+    of 45 bytes 5 at a budget of 60. Looks no further than the prefix (and its tags), so a long text costs in proportion
+    to its pieces. `unspoken` None: every character is spoken (the gateway's cut of the spoken text)."""
     pos, room = 0, max_bytes
     while True:
-        # the next mark that begins within the budget's characters (a mark past them, or longer than a tag, counts
-        # as text: a cut too early, never too late)
+        # the next tag that begins within the budget's characters (one past them, or longer than a tag, counts as
+        # text: a cut too early, never too late)
         window = pos + room + 1
-        m = MARK.search(text, pos, window + TAG_MAX + 16) if "<" in text[pos:window] else None
+        ahead = text[pos:window]
+        tagged = unspoken is not None and ("<" in ahead or "[" in ahead)
+        m = unspoken.search(text, pos, window + TAG_MAX + 16) if tagged and unspoken is not None else None
         end = m.start() if m is not None and m.start() < window else len(text)
         chunk = text[pos : min(end, window)]
         if utf8_len(chunk) > room:  # past the budget within this text: the most of it that fits
@@ -210,12 +215,15 @@ def _spoken_fit(text: str, max_bytes: int) -> int | None:
         pos = m.end()
 
 
-def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
-    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes spoken (marks cost nothing: `_spoken_fit`), nothing
-    lost. Each cut looks at the next piece's characters only, so a long text costs in proportion to its pieces."""
+def split_to_budget(sentence: str, max_bytes: int, spoken_only: bool = True) -> list[str]:
+    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes spoken (its tags cost nothing: `_spoken_fit`),
+    nothing lost. Each cut looks at the next piece's characters only, so a long text costs in proportion to its pieces.
+    `spoken_only` False: the text is all spoken, every character counted (the gateway's cut of a spoken text, whose
+    `<mark name="x"/>` is a CDATA section's characters, read aloud: free, 100 of them were one piece of 1,600 bytes)."""
     parts: list[str] = []
     sentence = sentence.strip()
-    while (fit := _spoken_fit(sentence, max_bytes)) is not None:  # the longest prefix that fits, in characters
+    unspoken = UNSPOKEN_TAG if spoken_only else None
+    while (fit := _spoken_fit(sentence, max_bytes, unspoken)) is not None:  # the longest prefix that fits (characters)
         head = sentence[:fit]
         cut = 0
         # a tag the piece begins with is no place to cut: its spaces are not the text's (`<break time="1s"/>` then CJK

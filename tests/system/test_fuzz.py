@@ -240,6 +240,8 @@ short_text = (
             'Hi <break time="1s"',
             "So a < b and x<3",
             "Hi </pros ",
+            # breaks and style tags cost nothing of the utterance budget: a sentence past it with tags between its words
+            " ".join(f'word{i} <break time="1ms"/> [calm] <p>' for i in range(15)) + " end " * 80 + ".",
         ]
     )
 )

@@ -171,13 +171,55 @@ def test_marks_are_not_spoken_and_cost_nothing_of_the_budget(step):
     assert split_to_budget("a" * 1000, 500) == ["a" * 500] * 2  # (text alone as before)
 
 
+@pytest.mark.parametrize(
+    "tag",
+    [
+        '<break time="100ms"/>',
+        '<break strength="none"/>',
+        "<break/></break>",
+        '<emotion value="happy"/>',
+        "</emotion>",
+        "[ happy ]",
+        "<p><s>",
+        "<!-- a note -->",
+        '<mark name="m"/>',
+    ],
+)
+def test_breaks_and_style_tags_cost_nothing_of_the_budget(tag):
+    """The utterance budget counts what is spoken: a sentence with breaks and style tags (each taken out before the
+    engine, as a mark is) is cut into no more pieces than the same sentence without them. Counted, 8 breaks in a
+    sentence of 45 bytes at a budget of 60 cut it into 5 requests where it is one."""
+    words = [f"word{i}" for i in range(9)]
+    plain = " ".join(words) + "."
+    tagged = f" {tag} ".join(words) + "."
+    assert utf8_len(plain) < 60 < utf8_len(tagged)
+    assert len(split_to_budget(tagged, 60)) == len(split_to_budget(plain, 60)) == 1
+    buffer = TextBuffer(60)
+    assert buffer.append(tagged + " Next. ") == [tagged]
+    # past the budget the spoken words still are cut by it, nothing lost, never inside a tag
+    long = f" {tag} ".join(f"w{i}" for i in range(100)) + "."
+    pieces = split_to_budget(long, 60)
+    assert " ".join(pieces) == long and len(pieces) == len(split_to_budget(" ".join(f"w{i}" for i in range(100)), 60))
+
+
+def test_the_gateways_cut_of_spoken_text_counts_every_character():
+    """The gateway cuts the spoken text (normalized, its tags long taken out) to the budget again: there a tag's
+    characters are spoken (a CDATA section's content as written), each one a byte of the prompt, none free: 100 marks
+    as text were one piece of 1,600 bytes past a budget of 50."""
+    spoken = '<mark name="x"/> [happy] <break time="1s"/>' * 40
+    pieces = split_to_budget(spoken, 50, spoken_only=False)
+    assert all(utf8_len(p) <= 50 for p in pieces) and "".join(pieces).replace(" ", "") == spoken.replace(" ", "")
+
+
 def test_a_long_sentence_is_never_cut_inside_a_tag():
     """A cut that would fall inside a break or style tag moves before it: its halves would be spoken as text."""
-    s = 'Words words words <emotion value="happy"/> more words.'
-    assert split_to_budget(s, 30) == ["Words words words", '<emotion value="happy"/> more', "words."]
+    s = 'Words words words <speed ratio="1.5"/> more words.'  # (a tag refused later: its characters counted)
+    assert split_to_budget(s, 30) == ["Words words words", '<speed ratio="1.5"/> more', "words."]
     # (a tag a piece begins with is no place to cut: `then` fits after it)
-    assert split_to_budget("Some words [ happy ] then more.", 16) == ["Some words", "[ happy ] then", "more."]
-    assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
+    assert split_to_budget("Some words [ note ] then more.", 16) == ["Some words", "[ note ] then", "more."]
+    # (a break costs nothing: the cut falls by the words)
+    said = 'Say it <break time="1s"/> and on and on'
+    assert split_to_budget(said, 12) == ['Say it <break time="1s"/> and', "on and on"]
 
 
 @pytest.mark.parametrize("reference", ["&amp;", "&#233;", "&#x1F600;"])
@@ -196,7 +238,8 @@ def test_a_tag_that_begins_a_long_sentence_without_spaces_is_not_cut_at_its_own_
     cut fell at the tag's own space ('<break' | 'time="1s"/>数数...'), and both halves were refused (bad_text)."""
     text = tag + "数" * 300
     pieces = split_to_budget(text, 500)
-    assert pieces[0].startswith(tag) and "".join(pieces) == text and all(utf8_len(p) <= 500 for p in pieces), pieces
+    spoken = [utf8_len(p.replace(tag, "")) for p in pieces]  # (a break or emotion tag costs nothing)
+    assert pieces[0].startswith(tag) and "".join(pieces) == text and all(n <= 500 for n in spoken), pieces
 
 
 @pytest.mark.parametrize(
