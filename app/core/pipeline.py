@@ -162,17 +162,15 @@ class UtterancePipeline:
         clip: tuple[np.ndarray, int] | None,
         context_id: str = DEFAULT_CONTEXT,
         output: Callable[[], OutputFormat] | None = None,
+        room: Callable[[int], None] | None = None,
     ) -> list[Utterance]:
         """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
         style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
-        anything is queued, when a break or a tag cannot be taken. output: each one's output (a session's),
-        whose encoder's `first_samples` its engine request carries."""
+        anything is queued, when a break or a tag cannot be taken, or by `room`, told how many utterances they
+        become (a session's bound on its queue: each of them is queued, not each sentence). output: each one's output
+        (a session's), whose encoder's `first_samples` its engine request carries."""
         pieces, style = inline_pieces(self.gw, texts, opts, voice, clip, self.styles.get(context_id))
-        if style is None:
-            self.styles.pop(context_id, None)
-        else:
-            self.styles[context_id] = style
-        added = []
+        queued: list[tuple[str | float, SynthesisOptions, tuple[tuple[int, str], ...]]] = []
         for piece, piece_opts in pieces:
             marks: tuple[tuple[int, str], ...] = ()
             if isinstance(piece, MarkedText):
@@ -180,6 +178,15 @@ class UtterancePipeline:
                 if not piece.text and not marks:  # marks alone, unreported: nothing to say
                     continue
                 piece = piece.text or 0.0  # marks alone: an utterance of no audio where they stand (as a break of none)
+            queued.append((piece, piece_opts, marks))
+        if room is not None:
+            room(len(queued))
+        if style is None:
+            self.styles.pop(context_id, None)
+        else:
+            self.styles[context_id] = style
+        added = []
+        for piece, piece_opts, marks in queued:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
             fmt = output() if output is not None else None

@@ -522,15 +522,27 @@ class StreamingSession:
             return
         queued = sum(len(lane.pipe) for lane in self.lanes.values())
         if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
-            raise RequestError(
-                G.TOO_MANY_UTTERANCES,
-                f"at most {self.limits.max_pending_utterances} utterances may be queued "
-                f"({queued} are); this text was not accepted",
-            )
+            self._too_many(queued)  # (at once: each sentence is one utterance at least)
+
+        def room(adding: int) -> None:
+            # what is queued is each utterance the sentences become (their text between breaks and style tags, each
+            # break's silence), not each sentence: one sentence of short breaks and marks was ~30 of them, counted one
+            if enforce_limit and queued + adding > self.limits.max_pending_utterances:
+                self._too_many(queued)
+
         opts, voice, clip = self.settings_for(ctx)
         lane = self.playback.lane(ctx, self)
-        added = lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
+        added = lane.pipe.add(
+            sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx), room=room
+        )
         self.on_queued(ctx, added)
+
+    def _too_many(self, queued: int) -> None:
+        raise RequestError(
+            G.TOO_MANY_UTTERANCES,
+            f"at most {self.limits.max_pending_utterances} utterances may be queued ({queued} are); this text was not "
+            "accepted",
+        )
 
     def _queue_until_refused(self, ctx: str, sentences: list[str], within: str) -> int:
         """Queue the sentences ahead of the first one refused that lie whole in `within`, text of earlier messages (each

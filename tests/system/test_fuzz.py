@@ -242,6 +242,9 @@ short_text = (
             "Hi </pros ",
             # breaks and style tags cost nothing of the utterance budget: a sentence past it with tags between its words
             " ".join(f'word{i} <break time="1ms"/> [calm] <p>' for i in range(15)) + " end " * 80 + ".",
+            # short breaks and marks, no sentence end (messages of them add up in the buffer): each utterance they
+            # become counts against --max-pending-utterances, not each sentence
+            "".join(f'w <break time="1ms"/><mark name="m{i}"/>' for i in range(16)),
         ]
     )
 )

@@ -239,6 +239,33 @@ def test_close_with_a_full_queue_still_speaks_everything_and_closes():
     assert texts == ["One.", "Two.", "Three.", "Four"]
 
 
+def test_the_pending_limit_bounds_the_utterances_queued_not_the_sentences():
+    """--max-pending-utterances counts what is queued: each utterance a sentence becomes (its text between breaks and
+    style tags, each break's silence, marks alone between two breaks). One sentence of 6 short breaks is 13 of them,
+    one sentence counted: queued past a limit of 8 (a 10 K message of them queued ~500 for one session). Refused whole
+    with too_many_utterances, nothing of it queued and its text kept buffered, as past the limit in sentences; a
+    normal text of several sentences is spoken as ever."""
+    breaks = " ".join(f'w{i} <break time="1ms"/><mark name="m{i}"/>' for i in range(6)) + " end."
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+        _session, ws, engine, task = await open_session(Limits(max_pending_utterances=8))
+        ws.send(type="text", text=breaks, flush=True)
+        refused = await ws.until("error")
+        ws.send(type="cancel")
+        await ws.until("cancelled")
+        ws.send(type="text", text="One. Two. Three. Four. Five.", flush=True)
+        for n in range(1, 6):
+            engine.play(await engine.started(n))
+        seen = await ws.until("flushed")
+        await shut(ws, task)
+        return refused, seen, engine.texts
+
+    refused, seen, texts = asyncio.run(go())
+    assert refused[-1]["code"] == "too_many_utterances" and "at most 8" in refused[-1]["message"], refused
+    assert not [d for d in refused if d["type"] == "audio.start"], refused
+    assert texts == ["One.", "Two.", "Three.", "Four.", "Five."] and not [d for d in seen if d["type"] == "error"]
+
+
 def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
     """The server drains (a SIGTERM): a session closes with 1012 once nothing is buffered, queued or playing and no
     message came for DRAIN_QUIET_S, not while its turn's text is still arriving or speaking."""
