@@ -526,8 +526,10 @@ class StreamingSession:
 
         def room(adding: int) -> None:
             # what is queued is each utterance the sentences become (their text between breaks and style tags, each
-            # break's silence), not each sentence: one sentence of short breaks and marks was ~30 of them, counted one
-            if enforce_limit and queued + adding > self.limits.max_pending_utterances:
+            # break's silence), not each sentence: one sentence of short breaks and marks was ~30 of them, counted one.
+            # An empty queue takes them whole (a text's breaks and tags are bounded: breaks.py MAX_BREAKS, style_tags.py
+            # MAX_TAGS): one sentence of 16 breaks is 33 utterances, past the default limit, and was never taken
+            if enforce_limit and queued and queued + adding > self.limits.max_pending_utterances:
                 self._too_many(queued)
 
         opts, voice, clip = self.settings_for(ctx)

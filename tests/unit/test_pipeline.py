@@ -242,28 +242,37 @@ def test_close_with_a_full_queue_still_speaks_everything_and_closes():
 def test_the_pending_limit_bounds_the_utterances_queued_not_the_sentences():
     """--max-pending-utterances counts what is queued: each utterance a sentence becomes (its text between breaks and
     style tags, each break's silence, marks alone between two breaks). One sentence of 6 short breaks is 13 of them,
-    one sentence counted: queued past a limit of 8 (a 10 K message of them queued ~500 for one session). Refused whole
-    with too_many_utterances, nothing of it queued and its text kept buffered, as past the limit in sentences; a
-    normal text of several sentences is spoken as ever."""
+    one sentence counted: queued past a limit of 8 behind an utterance playing (a 10 K text of them queued ~500 for one
+    session). Refused whole with too_many_utterances, nothing of it queued and its text kept buffered, as past the
+    limit in sentences. An empty queue takes it whole (else a sentence of more breaks than the limit could never be
+    spoken); a normal text of several sentences is spoken as ever."""
     breaks = " ".join(f'w{i} <break time="1ms"/><mark name="m{i}"/>' for i in range(6)) + " end."
 
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
         _session, ws, engine, task = await open_session(Limits(max_pending_utterances=8))
+        ws.send(type="text", text="Playing.", flush=True)
+        await engine.started(1)
         ws.send(type="text", text=breaks, flush=True)
         refused = await ws.until("error")
         ws.send(type="cancel")
         await ws.until("cancelled")
-        ws.send(type="text", text="One. Two. Three. Four. Five.", flush=True)
-        for n in range(1, 6):
+        await ws.until("flushed")  # ("Playing."'s, its text dropped)
+        ws.send(type="text", text=breaks, flush=True)  # (nothing queued: taken whole)
+        for n in range(2, 9):
             engine.play(await engine.started(n))
         seen = await ws.until("flushed")
+        ws.send(type="text", text="One. Two. Three. Four. Five.", flush=True)
+        for n in range(9, 14):
+            engine.play(await engine.started(n))
+        seen += await ws.until("flushed")
         await shut(ws, task)
         return refused, seen, engine.texts
 
     refused, seen, texts = asyncio.run(go())
     assert refused[-1]["code"] == "too_many_utterances" and "at most 8" in refused[-1]["message"], refused
-    assert not [d for d in refused if d["type"] == "audio.start"], refused
-    assert texts == ["One.", "Two.", "Three.", "Four.", "Five."] and not [d for d in seen if d["type"] == "error"]
+    assert not [d for d in refused if d["type"] == "audio.start"] and texts[0] == "Playing.", refused
+    assert texts[1:] == [*(f"w{i}" for i in range(6)), "end.", "One.", "Two.", "Three.", "Four.", "Five."], texts
+    assert not [d for d in seen if d["type"] == "error"], seen
 
 
 def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
