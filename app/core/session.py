@@ -581,6 +581,8 @@ class StreamingSession:
         sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
         complete: its last utterance ends the context's continuation (app/core/continuation.py).
 
+        A flush whose answer has no room (`buffer_full`: Lanes.room_for_answer) is refused before anything of it is
+        queued: its text stays buffered for a later flush (it was spoken, and the flush refused).
         A refused text (past --max-pending-utterances: it stays buffered for a later flush; else a tag split across
         messages: dropped, as it can never be spoken, so that the next flush and the close are not refused for it
         again) refuses the flush: no `answer`. One context's refusal is raised, for the message's own error; a
@@ -590,6 +592,8 @@ class StreamingSession:
         tag still arriving at the end stays buffered for the text that completes it (`unfinished_tag_start`). The
         client's own flush (or close) refuses a tag cut at the end that no text can complete now (`broken_tag_start`:
         `Hi <brea`, an LLM stopped mid-tag) with `bad_text`, and speaks the text before it."""
+        if answer is not None and any(b.text.strip() for c, b in self.buffers.items() if ctx is None or c == ctx):
+            self.lanes.room_for_answer()  # (past its bound: refused before its text is queued, none of it spoken)
         refused: list[tuple[str, RequestError]] = []
         flushed: list[str] = []
         for c, buf in list(self.buffers.items()):

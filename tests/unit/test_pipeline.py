@@ -275,6 +275,44 @@ def test_the_pending_limit_bounds_the_utterances_queued_not_the_sentences():
     assert not [d for d in seen if d["type"] == "error"], seen
 
 
+def test_a_flush_refused_for_buffer_full_speaks_nothing_of_its_text(monkeypatch):
+    """Past the answers a session keeps waiting (MAX_PENDING_ANSWERS: 2 here, 4,096 in production), a flush is
+    refused with buffer_full: its text was queued and spoken first, the error saying otherwise. Refused before its text
+    is queued now: a flush message's text stays buffered (a later flush speaks it), a text message with `flush` is
+    refused whole (none of it taken)."""
+    from app.core import lanes as lanes_module
+
+    monkeypatch.setattr(lanes_module, "MAX_PENDING_ANSWERS", 2)
+
+    async def go() -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any]], list[str]]:
+        _session, ws, engine, task = await open_session()
+        for ctx in ("a", "b"):  # two answers waiting for their audio
+            ws.send(type="text", text=f"{ctx.upper()} one.", context_id=ctx, flush=True)
+        await engine.started(2)
+        ws.send(type="text", text="C whole.", context_id="c", flush=True)
+        refused = await ws.until("error")
+        ws.send(type="text", text="C kept.", context_id="c")
+        ws.send(type="flush", context_id="c")
+        refused += await ws.until("error")
+        texts = list(engine.texts)
+        for n in (1, 2):
+            engine.play(await engine.started(n))
+        seen = await ws.until("flushed")
+        seen += await ws.until("flushed")
+        ws.send(type="flush", context_id="c")  # (room again: its text spoken now)
+        engine.play(await engine.started(3))
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return refused, texts, seen, engine.texts
+
+    refused, texts_then, seen, texts = asyncio.run(go())
+    errors = [d for d in refused if d["type"] == "error"]
+    assert [(d["code"], d["context_id"]) for d in errors] == [("buffer_full", "c")] * 2, errors
+    assert texts_then == ["A one.", "B one."], texts_then  # neither refused text was queued
+    assert texts == ["A one.", "B one.", "C kept."] and not [d for d in seen if d["type"] == "error"], seen
+    assert [d["context_id"] for d in seen if d["type"] == "flushed"] == ["a", "b", "c"], seen
+
+
 def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
     """The server drains (a SIGTERM): a session closes with 1012 once nothing is buffered, queued or playing and no
     message came for DRAIN_QUIET_S, not while its turn's text is still arriving or speaking."""
