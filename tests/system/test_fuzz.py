@@ -232,6 +232,9 @@ short_text = (
             "]] ]]> done. <![CD",
             'ATA[<break time="soon"/>. <sub alias="x">' + "<&[]> " * 120 + "]]",
             "<![CDATA[" * 60 + "]]>" * 3,
+            # a section's content of several sentences, a mark and a cut-looking tag in it (its sentences are cut as
+            # prose's, none of it read as markup)
+            '<![CDATA[One. <mark name="m"/> Two? ]] <break time="1s" three.]]> after.',
             # tags cut at the end of a text the client flushes (refused, the text before spoken), prose that is not
             "Hi <brea",
             'Wait <break time="1',

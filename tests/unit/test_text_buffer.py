@@ -9,6 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.core.breaks import split_breaks
+from app.core.style_tags import split_tags
 from app.core.text_buffer import TextBuffer, split_to_budget, unfinished_tag_start, utf8_len
 
 ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
@@ -342,3 +344,33 @@ def test_a_cdata_section_past_the_budget_is_cut_into_pieces_of_text():
     out = stream(f"<![CDATA[{words}]]>", 7, budget=100)
     assert len(out) > 2 and all(utf8_len(s) <= 100 for s in out), out
     assert " ".join(out).split() == [f"w{i}&lt;" for i in range(60)], out
+
+
+@pytest.mark.parametrize("budget", [12, 20, 500])
+def test_a_cdata_section_cut_into_sentences_anywhere_speaks_its_content_as_written(budget):
+    """A CDATA section's content is cut into sentences and budget pieces as prose is (7 to 24 pieces here, most of them
+    inside the section), wherever the messages that bring it are cut (at every character, into three): harmless. The
+    buffer holds its content as character references (`cdata_as_text`), so no piece holds its markup (`]]>` never read
+    aloud, the second half of a cut never parsed as tags): each piece's breaks and tags (what a session queues:
+    `split_breaks`, `split_tags`) are none, nothing is refused, and the characters spoken are the content's, in order
+    (a cut only moves where one utterance ends: a word longer than a tiny budget is cut, as in prose)."""
+    content = (
+        'One. <break time="1s"/> & [happy] a < b? <mark name="m"/> ]] Two; <!-- x --> three <sub alias="x">U.S.</sub>.'
+    )
+    text = "Say <![CDATA[" + content + " Four.]]> after."
+    expected = "".join(["Say", *content.split(), "Four.", "after."])
+    counts = set()
+    for i in range(len(text) + 1):
+        for j in {i, min(len(text), i + 3), min(len(text), i + 11)}:
+            buffer = TextBuffer(budget)
+            pieces = buffer.append(text[:i]) + buffer.append(text[i:j]) + buffer.append(text[j:]) + buffer.flush()
+            spoken: list[str] = []
+            for piece in pieces:
+                parts = split_breaks(piece)
+                assert all(isinstance(p, str) for p in parts), (i, j, piece)  # no break made of its content
+                tagged = [t for p in parts for t in split_tags(str(p))]
+                assert all(isinstance(t, str) for t in tagged), (i, j, piece)  # nor a tag, nor a mark
+                spoken += [str(t) for t in tagged]
+            assert "".join("".join(spoken).split()) == expected, (i, j, pieces)
+            counts.add(len(pieces))
+    assert min(counts) >= (7 if budget == 500 else 16), counts
