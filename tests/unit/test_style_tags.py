@@ -347,7 +347,7 @@ def test_a_sentence_of_earlier_messages_before_a_refused_one_is_still_spoken(mes
 )
 def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):
     """A hold's timer, auto_mode and a zero buffer delay speak what is buffered without the client's flush: a tag
-    still arriving at its end stays for the text that completes it (session.py `unfinished_tag_start`)."""
+    still arriving at its end stays for the text that completes it (text_buffer.py `unfinished_tag_start`)."""
     start = unfinished_tag_start(text)
     assert (text[start:] if start is not None else "") == kept
 
