@@ -72,7 +72,13 @@ class Limits:
             zero_ok=True,
         ),
     )
-    max_pending_utterances: int = field(default=32, metadata=_limit("queued utterances per session", 100_000))
+    max_pending_utterances: int = field(
+        default=32,
+        metadata=_limit(
+            "queued utterances per session (each a sentence becomes: its text between breaks and tags, each break)",
+            100_000,
+        ),
+    )
     max_inflight_per_session: int = field(
         default=2, metadata=_limit("utterances generating at once per session (current + next)", 1024)
     )

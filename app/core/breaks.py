@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import re
 
-from app.core.tag_vocabulary import BREAK_END, BREAK_OPEN, TAG_MAX, attributes
+from app.core.tag_vocabulary import BREAK_END, BREAK_OPEN, BREAK_TAG, attributes
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.contract.constants import SAMPLE_RATE
 
 MAX_BREAK_S = 10.0  # one break at most (ElevenLabs allows 3 s; a longer pause is the client's to make)
 MAX_BREAKS = 16  # breaks in one text (each is an utterance of the session's queue)
-_TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 _BREAK_END_SPACED = re.compile(r"\s*<\s*/\s*break\s*>\s*", re.IGNORECASE)
 # SSML's break strengths as silence (Azure's documented durations; SSML 1.1 names them, leaves the length to the
 # engine): a break with a time is that time; "none" is no break at all (the words either side join); a bare
@@ -36,7 +35,7 @@ def split_breaks(text: str, partial: bool = False) -> list[str | float]:
         if not text:
             return out
     pos = 0
-    tags = list(_TAG.finditer(text))
+    tags = list(BREAK_TAG.finditer(text))
     whole = {m.start() for m in tags}
     last_end = text.rfind(">")
     for o in BREAK_OPEN.finditer(text):

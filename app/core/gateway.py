@@ -494,7 +494,7 @@ class Gateway:
         if not text.strip():  # the rules left nothing to say ("Um" read as ""): no engine work, no audio
             return None
         budget = utterance_bytes(self)
-        pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]
+        pieces = split_to_budget(text, budget, spoken_only=False) if utf8_len(text) > budget else [text]
         embedding = voice.embedding if voice is not None else None
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)

@@ -181,10 +181,20 @@ class Lanes(Mapping[str, Lane]):
         if last is None:
             return False
         assert lane is not None
-        if sum(x.entries for x in self._lanes.values()) >= MAX_PENDING_ANSWERS:
-            raise RequestError(G.BUFFER_FULL, f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio")
+        self.room_for_answer()
         lane.add((ctx, last), answer)
         return True
+
+    def room_for_answer(self) -> None:
+        """Refused (`buffer_full`) when MAX_PENDING_ANSWERS answers wait for their audio already. A flush asks before it
+        queues its text (app/core/session.py `flush`), so that the flush refused has spoken nothing of it: its text
+        was queued and spoken, and the flush refused after it."""
+        if sum(x.entries for x in self._lanes.values()) >= MAX_PENDING_ANSWERS:
+            raise RequestError(
+                G.BUFFER_FULL,
+                f"at most {MAX_PENDING_ANSWERS} flushes may wait for their audio: this one was not taken, and nothing "
+                "of its text spoken (it stays buffered for a later flush)",
+            )
 
     def take_due(self, lane: Lane) -> list[list[Any]]:
         """The lane's marks whose text has all been played (or dropped), as [answer, count], taken from it; the

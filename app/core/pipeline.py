@@ -34,7 +34,7 @@ from app.core.playout import PlayoutClock
 from app.core.stitching import Stitch
 from app.core.style_tags import MarkedText, StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL, cdata_as_text
-from app.core.text_buffer import TextBuffer
+from app.core.text_buffer import TextBuffer, broken_tag_start, cut_tag_refusal
 from app.core.timestamps import AudioTimeline
 from app.core.utterance import Utterance, UtteranceState
 from app.io.audio_output import OutputFormat, first_samples
@@ -162,17 +162,15 @@ class UtterancePipeline:
         clip: tuple[np.ndarray, int] | None,
         context_id: str = DEFAULT_CONTEXT,
         output: Callable[[], OutputFormat] | None = None,
+        room: Callable[[int], None] | None = None,
     ) -> list[Utterance]:
         """Queue the utterances of `texts` (sentences, in order): their breaks are utterances of silence, their
         style tags set the emotion of the text after them (app/core/style_tags.py). Refused whole, before
-        anything is queued, when a break or a tag cannot be taken. output: each one's output (a session's),
-        whose encoder's `first_samples` its engine request carries."""
+        anything is queued, when a break or a tag cannot be taken, or by `room`, told how many utterances they
+        become (a session's bound on its queue: each of them is queued, not each sentence). output: each one's output
+        (a session's), whose encoder's `first_samples` its engine request carries."""
         pieces, style = inline_pieces(self.gw, texts, opts, voice, clip, self.styles.get(context_id))
-        if style is None:
-            self.styles.pop(context_id, None)
-        else:
-            self.styles[context_id] = style
-        added = []
+        queued: list[tuple[str | float, SynthesisOptions, tuple[tuple[int, str], ...]]] = []
         for piece, piece_opts in pieces:
             marks: tuple[tuple[int, str], ...] = ()
             if isinstance(piece, MarkedText):
@@ -180,6 +178,15 @@ class UtterancePipeline:
                 if not piece.text and not marks:  # marks alone, unreported: nothing to say
                     continue
                 piece = piece.text or 0.0  # marks alone: an utterance of no audio where they stand (as a break of none)
+            queued.append((piece, piece_opts, marks))
+        if room is not None:
+            room(len(queued))
+        if style is None:
+            self.styles.pop(context_id, None)
+        else:
+            self.styles[context_id] = style
+        added = []
+        for piece, piece_opts, marks in queued:
             seq = next(self._seq)
             text = piece if isinstance(piece, str) else ""
             fmt = output() if output is not None else None
@@ -419,6 +426,10 @@ async def speak(
     # the limits on breaks and tags hold for the whole text (its sentences are split one by one later); a CDATA
     # section's content is text, none of its tags (`split_text`'s buffer reads it so)
     plain = cdata_as_text(text)
+    # a whole text, as our socket's text at the client's flush: no text can complete a tag cut at its end (`Hi <brea`,
+    # an LLM stopped mid-tag), which was read aloud ("Hi less than brea"); prose that may end so (`a < b`) is spoken
+    if (cut := broken_tag_start(plain)) is not None:
+        raise cut_tag_refusal(plain, cut, "nothing of the text is spoken")
     split_breaks(plain)
     split_tags(plain)
     sentences = split_text(gw, text, opts.language)

@@ -25,7 +25,6 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import secrets
 import time
 from collections.abc import Callable, Coroutine
@@ -45,17 +44,18 @@ from app.core.playback import Playback
 from app.core.shared import Places
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import (
-    ATTRIBUTES_ARRIVING,
     CDATA_OPEN,
-    ELEMENT_NAMES,
-    TAG_MAX,
-    TAG_WORDS,
     cdata_as_text,
     cdata_tail,
     markup_in,
-    reference_start,
 )
-from app.core.text_buffer import TextBuffer, spoken_whole
+from app.core.text_buffer import (
+    TextBuffer,
+    broken_tag_start,
+    cut_name_start,
+    cut_tag_refusal,
+    unfinished_tag_start,
+)
 from app.core.timestamps import Chunk, WordTime
 from app.core.turns import Turns, stale
 from app.core.utterance import Utterance
@@ -76,75 +76,12 @@ DRAIN_POLL_S = 0.05
 DRAIN_CLOSE_CODE = 1012  # "service restart": the client reconnects (to another replica)
 # why a session ends by itself (`StreamingSession._outcome`): a close, a drain, or evicted at the session limit
 CLOSED, DRAINED, EVICTED = "closed", "drained", "evicted"
-_OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
-# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
-# colon): no pattern of a whole name sees it yet
-_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
-_SPELL_OPENING = re.compile(r"<\s*spell\s*>", re.IGNORECASE)
-_CUT_NAME = re.compile(r"</?([A-Za-z:-]+)$")  # one cut inside its name for certain: a letter of it, right after its '<'
-
-
-# an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
-# and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
-# perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
-# `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
-_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={ATTRIBUTES_ARRIVING})")
-
-
-def unfinished_tag_start(text: str) -> int | None:
-    """Where a tag still arriving begins at the end of buffered text (a bracket or an element of ours cut inside its
-    name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
-    Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
-    (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
-    its sentence would be refused), and so does XML's markup whose end has not come (`<!-- a note`, `<?xml`), and an
-    XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was spoken, then "p;T";
-    app/core/tag_vocabulary.py `reference_start`)."""
-    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
-        return spans[-1][0]
-    if (start := _cut_start(text)) is not None:
-        return start
-    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
-        return len(text) - len(text[-TAG_MAX:]) + m.start()
-    return reference_start(text)
-
-
-def broken_tag_start(text: str) -> int | None:
-    """Where a tag cut at the end of text the client's own flush speaks begins (`Hi <brea`, `Hi <break time="1`, `[hap`,
-    `<sub alias="x">U.S.` with no closing, `<!-- a note`, a CDATA section with no `]]>`), None if it ends in none: no
-    text can complete it now, so it is refused (`bad_text`) and the text before it spoken (`flush`; read aloud, the
-    half of a name was "less than brea"). What may be prose is spoken: a `<`, `</`, `<!` or `<?` with nothing after it
-    (`Is two <`), a name after a space (`if a < b`) or one letter right after a word (`if a<b`), a bracket whose word
-    begins no tag word (`[note`), an XML character reference cut (`AT&am`: as written). Spaces after it are none of
-    its (LiveKit's Deepgram plugin sends each word with one)."""
-    text = text.rstrip()
-    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
-        start = spans[-1][0]
-        # (a spell element's opening left alone spells to the end of its text: app/core/style_tags.py `spell_out`)
-        return None if text[start:] in ("<!", "<?") or _SPELL_OPENING.match(text, start) else start
-    if (m := _OPEN_BRACKET.search(text)) and (word := m.group(0)[1:].strip().lower()):
-        return m.start() if any(w.startswith(word) for w in TAG_WORDS) else None
-    if (m := _CUT_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
-        after_word = m.start() > 0 and text[m.start() - 1].isalnum()
-        return None if after_word and len(m.group(1)) == 1 else m.start()
-    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
-        return len(text) - len(text[-TAG_MAX:]) + m.start()
-    return None
-
-
-def _cut_start(text: str) -> int | None:
-    """Where a tag cut inside its name begins at the end of `text` (a bracket's first half, or an element's opening
-    whose name so far begins one of ours), None if it ends in none."""
-    if m := _OPEN_BRACKET.search(text):
-        return m.start()
-    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
-        return m.start()
-    return None
 
 
 def _ends_in_a_tag(text: str) -> bool:
     """Whether buffered text ends inside a tag still arriving: a break or emotion opening with no `>` after it,
     which a streamed message may leave (app/core/breaks.py `partial`), or a bracket not yet closed."""
-    if _cut_start(text) is not None:
+    if cut_name_start(text) is not None:
         return True
     try:
         split_breaks(text)
@@ -585,15 +522,29 @@ class StreamingSession:
             return
         queued = sum(len(lane.pipe) for lane in self.lanes.values())
         if enforce_limit and queued + len(sentences) > self.limits.max_pending_utterances:
-            raise RequestError(
-                G.TOO_MANY_UTTERANCES,
-                f"at most {self.limits.max_pending_utterances} utterances may be queued "
-                f"({queued} are); this text was not accepted",
-            )
+            self._too_many(queued)  # (at once: each sentence is one utterance at least)
+
+        def room(adding: int) -> None:
+            # what is queued is each utterance the sentences become (their text between breaks and style tags, each
+            # break's silence), not each sentence: one sentence of short breaks and marks was ~30 of them, counted one.
+            # An empty queue takes them whole (a text's breaks and tags are bounded: breaks.py MAX_BREAKS, style_tags.py
+            # MAX_TAGS): one sentence of 16 breaks is 33 utterances, past the default limit, and was never taken
+            if enforce_limit and queued and queued + adding > self.limits.max_pending_utterances:
+                self._too_many(queued)
+
         opts, voice, clip = self.settings_for(ctx)
         lane = self.playback.lane(ctx, self)
-        added = lane.pipe.add(sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx))
+        added = lane.pipe.add(
+            sentences, opts, voice, clip, context_id=ctx, output=lambda: self.output_for(ctx), room=room
+        )
         self.on_queued(ctx, added)
+
+    def _too_many(self, queued: int) -> None:
+        raise RequestError(
+            G.TOO_MANY_UTTERANCES,
+            f"at most {self.limits.max_pending_utterances} utterances may be queued ({queued} are); this text was not "
+            "accepted",
+        )
 
     def _queue_until_refused(self, ctx: str, sentences: list[str], within: str) -> int:
         """Queue the sentences ahead of the first one refused that lie whole in `within`, text of earlier messages (each
@@ -630,6 +581,8 @@ class StreamingSession:
         sent before it has been sent (at once when nothing of it is queued). end_turn: the turn's text is
         complete: its last utterance ends the context's continuation (app/core/continuation.py).
 
+        A flush whose answer has no room (`buffer_full`: Lanes.room_for_answer) is refused before anything of it is
+        queued: its text stays buffered for a later flush (it was spoken, and the flush refused).
         A refused text (past --max-pending-utterances: it stays buffered for a later flush; else a tag split across
         messages: dropped, as it can never be spoken, so that the next flush and the close are not refused for it
         again) refuses the flush: no `answer`. One context's refusal is raised, for the message's own error; a
@@ -639,6 +592,8 @@ class StreamingSession:
         tag still arriving at the end stays buffered for the text that completes it (`unfinished_tag_start`). The
         client's own flush (or close) refuses a tag cut at the end that no text can complete now (`broken_tag_start`:
         `Hi <brea`, an LLM stopped mid-tag) with `bad_text`, and speaks the text before it."""
+        if answer is not None and any(b.text.strip() for c, b in self.buffers.items() if ctx is None or c == ctx):
+            self.lanes.room_for_answer()  # (past its bound: refused before its text is queued, none of it spoken)
         refused: list[tuple[str, RequestError]] = []
         flushed: list[str] = []
         for c, buf in list(self.buffers.items()):
@@ -660,9 +615,7 @@ class StreamingSession:
                 else:
                     flushed.append(c)  # (its turn ends: what it has is queued)
                     if broken:
-                        cut_off = "cut at the end of the text flushed, which no text can complete now"
-                        what = f"a tag {cut_off} (the text before it is spoken)"
-                        refused.append((c, RequestError(G.BAD_TEXT, f"{what}: {broken[:60]!r}")))
+                        refused.append((c, cut_tag_refusal(broken, 0, "the text before it is spoken")))
                 buf.text += tail
         self._drop_empty_buffers()
         if refused and ctx is not None:

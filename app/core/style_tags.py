@@ -56,20 +56,19 @@ from app.core.tag_vocabulary import (
     CDATA_OPEN,
     ELEMENT_OPEN,
     EMOTION_OPEN,
+    EMOTION_TAG,
     MARK,
-    MARK_ELEMENT,
     MARK_NAME_MAX,
     NEUTRAL,
     READ_AS_ELEMENTS,
     REFERENCE,
     REFERENCE_NAMES,
+    STRUCTURE_TAG,
     TAG_EMOTIONS,
     TAG_MAX,
     TAG_WORDS,
     UNSUPPORTED_ELEMENTS,
     UNSUPPORTED_TAGS,
-    WRAPPER_ELEMENTS,
-    XML_MARKUP,
     XML_MARKUP_OPEN,
     attributes,
     markup_in,
@@ -81,20 +80,10 @@ from app.io.errors import RequestError
 from engine.frontend.emotion import EmotionDirections
 
 MAX_TAGS = 16  # tags in one text (each starts an utterance of the session's queue)
-_UNSUPPORTED, _WRAPPERS = names_pattern(UNSUPPORTED_ELEMENTS), names_pattern(WRAPPER_ELEMENTS)
+_UNSUPPORTED = names_pattern(UNSUPPORTED_ELEMENTS)
 _ELEMENT = re.compile(rf"<\s*(?:/\s*)?({_UNSUPPORTED})(?![\w-])[^<>]{{0,{TAG_MAX}}}>", re.IGNORECASE)
-# a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
-# text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
-# (and XML's own markup: a declaration, a comment, a document type)
-# (and XML's own markup: a declaration, a comment, a document type; and a mark's closing, `<mark name="x"></mark>`)
-_WRAPPER = re.compile(
-    rf"<\s*(?:/\s*)?(?:{_WRAPPERS})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>|{XML_MARKUP.pattern}"
-    rf"|<\s*/\s*{MARK_ELEMENT}\s*>",
-    re.IGNORECASE,
-)
 
 _SPELL = re.compile(r"<\s*(?:(/)\s*)?spell\s*(?:/\s*)?>", re.IGNORECASE)
-_EMOTION = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 # SSML's say-as: the interpret-as values whose text is spelled (as Cartesia's <spell>), and those whose text is read as
 # written (the text normalizer reads its numbers)
 SAY_AS_SPELLED = ("characters", "spell-out", "verbatim", "digits", "telephone")
@@ -174,7 +163,7 @@ def _tags(text: str, partial: bool) -> list[tuple[int, int, StyleTag | Mark]]:
         found.append((m.start(), m.end(), StyleTag(m.group(1).lower(), m.group(0))))
     for m in marks:
         found.append((m.start(), m.end(), Mark(mark_name(m.group(0), m.group(1)))))
-    elements = list(_EMOTION.finditer(text))
+    elements = list(EMOTION_TAG.finditer(text))
     whole = {m.start() for m in elements}
     for o in EMOTION_OPEN.finditer(text):
         if o.start() not in whole and not (partial and (last_end < o.start() or still_arriving(text, o.end()))):
@@ -283,7 +272,7 @@ def unwrap(text: str) -> str:
     text inside them kept; where a tag stood between two words (`Hello.</p><p>There`) a space keeps them apart."""
     if "<" not in text:
         return text
-    pieces = [piece for piece in _WRAPPER.split(text) if piece]
+    pieces = [piece for piece in STRUCTURE_TAG.split(text) if piece]
     if len(pieces) == 1 and len(pieces[0]) == len(text):
         return text
     out = ""

@@ -29,6 +29,8 @@ TAG_MAX = 200
 BREAK_OPEN = re.compile(r"<\s*break\b", re.IGNORECASE)  # an opening that starts no whole tag was cut: refused
 # an element's end (`<break time="1s"></break>`, as XML writers and SSML-writing LLMs send it): nothing to do, not text
 BREAK_END = re.compile(r"<\s*/\s*break\s*>", re.IGNORECASE)
+# a whole break tag: its attributes (app/core/breaks.py reads them) and its '>'
+BREAK_TAG = re.compile(rf"<\s*break\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
 
 # A tag's attribute, as a pattern: a space, its name (whole: `data-alias` is no alias), `=` and its value, "quoted",
 # 'quoted' (a quoted value may hold '>', not '<') or bare (no space, quote, '<', '>', '=' or '/'); `name="value"` only,
@@ -303,6 +305,27 @@ def cdata_tail(text: str) -> int | None:
     `text`, None if it ends in neither: the text that follows goes on from there."""
     m = _CDATA_TAIL.search(text, max(0, len(text) - len(CDATA_OPEN) - 2))
     return None if m is None else m.start()
+
+
+# A whole emotion element's opening or closing (app/core/style_tags.py reads its value)
+EMOTION_TAG = re.compile(rf"<\s*(?:(/)\s*)?emotion\b([^<>]{{0,{TAG_MAX}}})>", re.IGNORECASE)
+# a structural tag: its name, attributes (`name="value"`, a quoted value may hold '>') and its '>'; only these, so that
+# text between a '<s' and a '>' that is no tag (`if a<s and b>c`) is spoken, not taken out with them
+# (app/core/style_tags.py `unwrap`); and XML's own markup (a declaration, a comment, a document type), and a mark's
+# closing (`</mark>`)
+STRUCTURE_TAG = re.compile(
+    rf"<\s*(?:/\s*)?(?:{names_pattern(WRAPPER_ELEMENTS)})(?=[\s/>])(?:{ATTRIBUTE})*\s*(?:/\s*)?>|{XML_MARKUP.pattern}"
+    rf"|<\s*/\s*{MARK_ELEMENT}\s*>",
+    re.IGNORECASE,
+)
+# A bracket tag (a word of TAG_WORDS: `[happy]`, `[ Laughs ]`); any other bracket is text
+BRACKET_TAG = re.compile(rf"\[\s*(?:{names_pattern(TAG_WORDS)})\s*\]", re.IGNORECASE)
+# What a text's tags are that is never spoken (each taken out before the engine), with a whitespace before it (the
+# words either side are one space apart once it is out): a mark, a break, an emotion or bracket tag, SSML's structure
+# and XML's markup. The utterance budget counts none of it (app/core/text_buffer.py `split_to_budget`): counted, a
+# sentence with tags was cut into more requests than the same words without them
+_UNSPOKEN = (MARK, BREAK_TAG, BREAK_END, EMOTION_TAG, BRACKET_TAG, STRUCTURE_TAG)
+UNSPOKEN_TAG = re.compile(r"\s?(?:" + "|".join(p.pattern for p in _UNSPOKEN) + ")", re.IGNORECASE)
 
 
 def markup_in(text: str) -> str | None:

@@ -6,10 +6,13 @@ Streaming rule: a sentence is handed out only once its end is certain, that is o
 text after it ("Dr. " could still be followed by "Smith"), and after a period once the word after it is
 complete (the segmenter's decision depends on that word); a newline ends a sentence at once; `flush`
 hands out the rest. A sentence longer than the utterance budget is cut, by its UTF-8 length (the prompt
-takes one frame per byte; its marks, never spoken, count nothing), at a clause mark or a space if there is one, never
+takes one frame per byte; its tags, never spoken, count nothing), at a clause mark or a space if there is one, never
 inside a character, an inline tag or a character reference (`&amp;`). No sentence ends inside an element spoken whole
 (`<sub>`, `<say-as>`, `<spell>`), or after its opening while its closing is still to come. A CDATA section's content
 is text as written (`append`), cut into sentences as any text.
+Where a text ends inside a tag is read here too: one still arriving (`unfinished_tag_start`, kept for the text that
+completes it) and one no text can complete (`broken_tag_start`: a socket's text at the client's flush, and an HTTP
+route's whole text, app/core/pipeline.py `speak`), refused alike (`cut_tag_refusal`).
 """
 
 from __future__ import annotations
@@ -20,16 +23,23 @@ import unicodedata
 import sentencex
 
 from app.core.tag_vocabulary import (
+    ATTRIBUTES_ARRIVING,
     CDATA_END,
     CDATA_OPEN,
+    ELEMENT_NAMES,
     MARK,
     READ_AS_ELEMENTS,
     REFERENCE,
     TAG_MAX,
+    TAG_WORDS,
+    UNSPOKEN_TAG,
     cdata_as_text,
     cdata_tail,
     names_pattern,
+    reference_start,
 )
+from app.io.errors import GatewayError as G
+from app.io.errors import RequestError
 
 # The gateway's text-normalization languages (engine.frontend.textnorm) -> sentencex language codes.
 _SEGMENTER_LANGUAGE = {"cmn": "zh", "zh": "zh", "pt_br": "pt", "fr_fr": "fr", "en_us": "en", "en_gb": "en"}
@@ -86,6 +96,83 @@ def spoken_whole(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+_OPEN_BRACKET = re.compile(r"\[\s*(?:[A-Za-z]+\s*)?$")  # a bracket tag's first half: `[hap` (app/core/style_tags.py)
+# an element's opening cut inside its name (`<emo`, `</`, `<`, `<say-`, `<amazon:eff`: a name may hold a hyphen or a
+# colon): no pattern of a whole name sees it yet
+_OPEN_NAME = re.compile(r"<\s*(?:/\s*)?([A-Za-z:-]*)$")
+_SPELL_OPENING = re.compile(r"<\s*spell\s*>", re.IGNORECASE)
+_CUT_NAME = re.compile(r"</?([A-Za-z:-]+)$")  # one cut inside its name for certain: a letter of it, right after its '<'
+
+
+# an element's opening with its name whole and its `>` not yet come (`<break time="1`): its name says if it is a tag,
+# and what follows the name must be attributes as a tag writes them (`name="value"`, quotes optional), the last one
+# perhaps still arriving (`ti`, `time=`, `time="1`): prose after a `<` and an element's name (`x < s. Then go on.`,
+# `if a <s and b`) is no tag, and was held back until the client's flush (or dropped by an ElevenLabs close_context)
+_OPEN_ELEMENT = re.compile(rf"<\s*(?:/\s*)?([A-Za-z:-]+)(?={ATTRIBUTES_ARRIVING})")
+
+
+def unfinished_tag_start(text: str) -> int | None:
+    """Where a tag still arriving begins at the end of buffered text (a bracket or an element of ours cut inside its
+    name or attributes), None if it ends in none: speaking as it comes (a hold's timer, ElevenLabs' auto_mode,
+    Cartesia's zero buffer delay) keeps that tail for the text that completes it, which it would read aloud
+    (`Hi <spea` spoken, then `k>`). So does an element spoken whole whose closing has not come (`<sub alias="x">U.S.`:
+    its sentence would be refused), and so does XML's markup whose end has not come (`<!-- a note`, `<?xml`), and an
+    XML character reference cut before its `;` (`AT&am`, then `p;T`: "AT&am" was spoken, then "p;T";
+    app/core/tag_vocabulary.py `reference_start`)."""
+    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
+        return spans[-1][0]
+    if (start := cut_name_start(text)) is not None:
+        return start
+    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
+        return len(text) - len(text[-TAG_MAX:]) + m.start()
+    return reference_start(text)
+
+
+def broken_tag_start(text: str) -> int | None:
+    """Where a tag cut at the end of text the client's own flush speaks begins (`Hi <brea`, `Hi <break time="1`, `[hap`,
+    `<sub alias="x">U.S.` with no closing, `<!-- a note`, a CDATA section with no `]]>`), None if it ends in none: no
+    text can complete it now, so it is refused (`bad_text`) and the text before it spoken (`flush`; read aloud, the
+    half of a name was "less than brea"). What may be prose is spoken: a `<`, `</`, `<!` or `<?` with nothing after it
+    (`Is two <`), a name after a space (`if a < b`) or one letter right after a word (`if a<b`), a bracket whose word
+    begins no tag word (`[note`), an XML character reference cut (`AT&am`: as written). Spaces after it are none of
+    its (LiveKit's Deepgram plugin sends each word with one)."""
+    text = text.rstrip()
+    if "<" in text and (spans := spoken_whole(text)) and spans[-1][1] > len(text):
+        start = spans[-1][0]
+        # (a spell element's opening left alone spells to the end of its text: app/core/style_tags.py `spell_out`)
+        return None if text[start:] in ("<!", "<?") or _SPELL_OPENING.match(text, start) else start
+    if (m := _OPEN_BRACKET.search(text)) and (word := m.group(0)[1:].strip().lower()):
+        return m.start() if any(w.startswith(word) for w in TAG_WORDS) else None
+    if (m := _CUT_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
+        after_word = m.start() > 0 and text[m.start() - 1].isalnum()
+        return None if after_word and len(m.group(1)) == 1 else m.start()
+    if (m := _OPEN_ELEMENT.search(text[-TAG_MAX:])) and m.group(1).lower() in ELEMENT_NAMES:
+        return len(text) - len(text[-TAG_MAX:]) + m.start()
+    return None
+
+
+def cut_name_start(text: str) -> int | None:
+    """Where a tag cut inside its name begins at the end of `text` (a bracket's first half, or an element's opening
+    whose name so far begins one of ours), None if it ends in none."""
+    if m := _OPEN_BRACKET.search(text):
+        return m.start()
+    if (m := _OPEN_NAME.search(text)) and any(n.startswith(m.group(1).lower()) for n in ELEMENT_NAMES):
+        return m.start()
+    return None
+
+
+# The refusal of a tag cut at the end of a text that is complete (`broken_tag_start`: no text can complete the tag):
+# our socket's and the dialects' flush and close (the text before it spoken), and an HTTP route's whole text (refused
+# whole, 400), in one wording that names the tag
+CUT_TAG = "a tag cut at the end of the text, which no text can complete"
+
+
+def cut_tag_refusal(text: str, start: int, what_is_spoken: str) -> RequestError:
+    """The `bad_text` refusal of the tag cut at `start` of a complete `text` (`broken_tag_start`), naming it;
+    `what_is_spoken`: what comes of the text before it."""
+    return RequestError(G.BAD_TEXT, f"{CUT_TAG} ({what_is_spoken}): {text[start:].rstrip()[:60]!r}")
+
+
 def utf8_len(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
@@ -103,17 +190,21 @@ def _attached(ch: str) -> bool:
     )
 
 
-def _spoken_fit(text: str, max_bytes: int) -> int | None:
+def _spoken_fit(text: str, max_bytes: int, unspoken: re.Pattern[str] | None = UNSPOKEN_TAG) -> int | None:
     """The characters of the longest prefix of `text` whose spoken part is at most max_bytes UTF-8 bytes, or None when
-    all of it is. A mark is not spoken (it is taken out before the engine, whose prompt is cut to the budget again as
-    spoken: Gateway.start_utterance), so it costs nothing: a mark after every word left a sentence of 60 words 5
-    utterances. Looks no further than the prefix (and its marks), so a long text costs in proportion to its pieces."""
+    all of it is. A tag that is never spoken (`unspoken`: a mark, a break, a style tag, SSML's structure; each taken out
+    before the engine, whose prompt is cut to the budget again as spoken: Gateway.start_utterance) costs nothing, nor
+    does the space before it: a mark after every word left a sentence of 60 words 5 utterances, 8 breaks in a sentence
+    of 45 bytes 5 at a budget of 60. Looks no further than the prefix (and its tags), so a long text costs in proportion
+    to its pieces. `unspoken` None: every character is spoken (the gateway's cut of the spoken text)."""
     pos, room = 0, max_bytes
     while True:
-        # the next mark that begins within the budget's characters (a mark past them, or longer than a tag, counts
-        # as text: a cut too early, never too late)
+        # the next tag that begins within the budget's characters (one past them, or longer than a tag, counts as
+        # text: a cut too early, never too late)
         window = pos + room + 1
-        m = MARK.search(text, pos, window + TAG_MAX + 16) if "<" in text[pos:window] else None
+        ahead = text[pos:window]
+        tagged = unspoken is not None and ("<" in ahead or "[" in ahead)
+        m = unspoken.search(text, pos, window + TAG_MAX + 16) if tagged and unspoken is not None else None
         end = m.start() if m is not None and m.start() < window else len(text)
         chunk = text[pos : min(end, window)]
         if utf8_len(chunk) > room:  # past the budget within this text: the most of it that fits
@@ -124,12 +215,15 @@ def _spoken_fit(text: str, max_bytes: int) -> int | None:
         pos = m.end()
 
 
-def split_to_budget(sentence: str, max_bytes: int) -> list[str]:
-    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes spoken (marks cost nothing: `_spoken_fit`), nothing
-    lost. Each cut looks at the next piece's characters only, so a long text costs in proportion to its pieces."""
+def split_to_budget(sentence: str, max_bytes: int, spoken_only: bool = True) -> list[str]:
+    """Cut a sentence into pieces of at most max_bytes UTF-8 bytes spoken (its tags cost nothing: `_spoken_fit`),
+    nothing lost. Each cut looks at the next piece's characters only, so a long text costs in proportion to its pieces.
+    `spoken_only` False: the text is all spoken, every character counted (the gateway's cut of a spoken text, whose
+    `<mark name="x"/>` is a CDATA section's characters, read aloud: free, 100 of them were one piece of 1,600 bytes)."""
     parts: list[str] = []
     sentence = sentence.strip()
-    while (fit := _spoken_fit(sentence, max_bytes)) is not None:  # the longest prefix that fits, in characters
+    unspoken = UNSPOKEN_TAG if spoken_only else None
+    while (fit := _spoken_fit(sentence, max_bytes, unspoken)) is not None:  # the longest prefix that fits (characters)
         head = sentence[:fit]
         cut = 0
         # a tag the piece begins with is no place to cut: its spaces are not the text's (`<break time="1s"/>` then CJK

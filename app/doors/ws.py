@@ -320,6 +320,8 @@ class Session(StreamingSession):
 
     async def _on_text(self, data: dict[str, Any]) -> None:
         ctx, text, flush = self._text_message(data)
+        if flush:  # a flush its answer has no room for (buffer_full) refuses the message whole: none of it is spoken
+            self.lanes.room_for_answer()
         self.append_text(ctx, text)
         if flush:
             await self.flush(ctx, answer={"type": "flushed", "context_id": ctx})

@@ -2338,6 +2338,56 @@ def test_cartesia_http_volume_is_held_to_cartesias_range(volume):
     assert e.value.code == "bad_params" and "generation_config.volume" in str(e.value), str(e.value)
 
 
+# Every HTTP speech route: its URL (a fast, seeded request), the body of a text, and how its error body names the code
+HTTP_SPEECH = {
+    "/v1/audio/speech": (
+        f"/v1/audio/speech?zonos_params={params(FAST)}",
+        lambda t: {"input": t, "response_format": "pcm", "params": FAST},
+        lambda b: b["error"]["code"],
+        lambda b: b["error"]["message"],
+    ),
+    "/tts/generate": (
+        "/tts/generate",
+        lambda t: {"text": t, "max_tokens": 5, "ignore_eos": True, "stream": False},
+        lambda b: b["error"]["code"],
+        lambda b: b["error"]["message"],
+    ),
+    "elevenlabs": (
+        f"/v1/text-to-speech/Ada?output_format=pcm_24000&zonos_params={params(FAST)}",
+        lambda t: {"text": t},
+        lambda b: b["detail"]["status"],
+        lambda b: b["detail"]["message"],
+    ),
+    "cartesia": (
+        f"/tts/bytes?zonos_params={params(FAST)}",
+        lambda t: json.loads(ca_request("c1", t, False)),
+        lambda b: b["title"],
+        lambda b: b["message"],
+    ),
+    "deepgram": (
+        f"/v1/speak?model=Ada&container=none&zonos_params={params(FAST)}",
+        lambda t: {"text": t},
+        lambda b: b["err_code"].lower(),
+        lambda b: b["err_msg"],
+    ),
+}
+
+
+@pytest.mark.parametrize("route", sorted(HTTP_SPEECH))
+def test_a_tag_cut_at_the_end_of_an_http_text_is_bad_text_on_every_route(srv, route):
+    """A whole text that ends inside a cut tag (`Hi <brea`: it was spoken, "Hi less than brea") is complete, as our
+    socket's text is at the client's flush: 400 bad_text naming the tag, by one rule on every HTTP speech route; prose
+    that may end so (`a < b`, `x<3`) is spoken."""
+    url, body, code, message = HTTP_SPEECH[route]
+    headers = {"X-API-Key": KEY, "xi-api-key": KEY, "Authorization": f"Token {KEY}", "Cartesia-Version": "2026-03-01"}
+    for text, tag in (("Hi <brea", "<brea"), ('Hi <break time="1s"', '<break time="1s"')):
+        r = httpx.post(srv.url + url, headers=headers, json=body(text), timeout=120)
+        assert r.status_code == 400 and code(r.json()) == "bad_text", r.text
+        assert repr(tag) in message(r.json()) and "no text can complete" in message(r.json()), r.text
+    r = httpx.post(srv.url + url, headers=headers, json=body("So a < b and x<3"), timeout=120)
+    assert r.status_code == 200, r.text
+
+
 def test_stored_pronunciation_dictionaries_reach_every_dialect(srv):
     """A stored dictionary named by ElevenLabs' `pronunciation_dictionary_locators` (a context's first message,
     the HTTP body) and Cartesia's `pronunciation_dict_id` (socket and HTTP) is applied: its alias makes the sentence

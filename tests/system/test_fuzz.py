@@ -232,10 +232,22 @@ short_text = (
             "]] ]]> done. <![CD",
             'ATA[<break time="soon"/>. <sub alias="x">' + "<&[]> " * 120 + "]]",
             "<![CDATA[" * 60 + "]]>" * 3,
+            # a section's content of several sentences, a mark and a cut-looking tag in it (its sentences are cut as
+            # prose's, none of it read as markup)
+            '<![CDATA[One. <mark name="m"/> Two? ]] <break time="1s" three.]]> after.',
             # tags cut at the end of a text the client flushes (refused, the text before spoken), prose that is not
             "Hi <brea",
             'Wait <break time="1',
             "Is two < if a<b see [note [hap",
+            # a whole text (HTTP) ending in a cut tag: bad_text naming it; prose ending in a '<' is spoken
+            'Hi <break time="1s"',
+            "So a < b and x<3",
+            "Hi </pros ",
+            # breaks and style tags cost nothing of the utterance budget: a sentence past it with tags between its words
+            " ".join(f'word{i} <break time="1ms"/> [calm] <p>' for i in range(15)) + " end " * 80 + ".",
+            # short breaks and marks, no sentence end (messages of them add up in the buffer): each utterance they
+            # become counts against --max-pending-utterances, not each sentence
+            "".join(f'w <break time="1ms"/><mark name="m{i}"/>' for i in range(16)),
         ]
     )
 )

@@ -11,10 +11,9 @@ import pytest
 from app.core.breaks import split_breaks
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline
-from app.core.session import unfinished_tag_start
 from app.core.style_tags import split_tags
 from app.core.tag_vocabulary import TAG_MAX, attributes, markup_in
-from app.core.text_buffer import TextBuffer
+from app.core.text_buffer import TextBuffer, unfinished_tag_start
 from app.io.errors import RequestError
 from tests.unit.test_pipeline import fake_gateway
 

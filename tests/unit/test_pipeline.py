@@ -239,6 +239,80 @@ def test_close_with_a_full_queue_still_speaks_everything_and_closes():
     assert texts == ["One.", "Two.", "Three.", "Four"]
 
 
+def test_the_pending_limit_bounds_the_utterances_queued_not_the_sentences():
+    """--max-pending-utterances counts what is queued: each utterance a sentence becomes (its text between breaks and
+    style tags, each break's silence, marks alone between two breaks). One sentence of 6 short breaks is 13 of them,
+    one sentence counted: queued past a limit of 8 behind an utterance playing (a 10 K text of them queued ~500 for one
+    session). Refused whole with too_many_utterances, nothing of it queued and its text kept buffered, as past the
+    limit in sentences. An empty queue takes it whole (else a sentence of more breaks than the limit could never be
+    spoken); a normal text of several sentences is spoken as ever."""
+    breaks = " ".join(f'w{i} <break time="1ms"/><mark name="m{i}"/>' for i in range(6)) + " end."
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+        _session, ws, engine, task = await open_session(Limits(max_pending_utterances=8))
+        ws.send(type="text", text="Playing.", flush=True)
+        await engine.started(1)
+        ws.send(type="text", text=breaks, flush=True)
+        refused = await ws.until("error")
+        ws.send(type="cancel")
+        await ws.until("cancelled")
+        await ws.until("flushed")  # ("Playing."'s, its text dropped)
+        ws.send(type="text", text=breaks, flush=True)  # (nothing queued: taken whole)
+        for n in range(2, 9):
+            engine.play(await engine.started(n))
+        seen = await ws.until("flushed")
+        ws.send(type="text", text="One. Two. Three. Four. Five.", flush=True)
+        for n in range(9, 14):
+            engine.play(await engine.started(n))
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return refused, seen, engine.texts
+
+    refused, seen, texts = asyncio.run(go())
+    assert refused[-1]["code"] == "too_many_utterances" and "at most 8" in refused[-1]["message"], refused
+    assert not [d for d in refused if d["type"] == "audio.start"] and texts[0] == "Playing.", refused
+    assert texts[1:] == [*(f"w{i}" for i in range(6)), "end.", "One.", "Two.", "Three.", "Four.", "Five."], texts
+    assert not [d for d in seen if d["type"] == "error"], seen
+
+
+def test_a_flush_refused_for_buffer_full_speaks_nothing_of_its_text(monkeypatch):
+    """Past the answers a session keeps waiting (MAX_PENDING_ANSWERS: 2 here, 4,096 in production), a flush is
+    refused with buffer_full: its text was queued and spoken first, the error saying otherwise. Refused before its text
+    is queued now: a flush message's text stays buffered (a later flush speaks it), a text message with `flush` is
+    refused whole (none of it taken)."""
+    from app.core import lanes as lanes_module
+
+    monkeypatch.setattr(lanes_module, "MAX_PENDING_ANSWERS", 2)
+
+    async def go() -> tuple[list[dict[str, Any]], list[str], list[dict[str, Any]], list[str]]:
+        _session, ws, engine, task = await open_session()
+        for ctx in ("a", "b"):  # two answers waiting for their audio
+            ws.send(type="text", text=f"{ctx.upper()} one.", context_id=ctx, flush=True)
+        await engine.started(2)
+        ws.send(type="text", text="C whole.", context_id="c", flush=True)
+        refused = await ws.until("error")
+        ws.send(type="text", text="C kept.", context_id="c")
+        ws.send(type="flush", context_id="c")
+        refused += await ws.until("error")
+        texts = list(engine.texts)
+        for n in (1, 2):
+            engine.play(await engine.started(n))
+        seen = await ws.until("flushed")
+        seen += await ws.until("flushed")
+        ws.send(type="flush", context_id="c")  # (room again: its text spoken now)
+        engine.play(await engine.started(3))
+        seen += await ws.until("flushed")
+        await shut(ws, task)
+        return refused, texts, seen, engine.texts
+
+    refused, texts_then, seen, texts = asyncio.run(go())
+    errors = [d for d in refused if d["type"] == "error"]
+    assert [(d["code"], d["context_id"]) for d in errors] == [("buffer_full", "c")] * 2, errors
+    assert texts_then == ["A one.", "B one."], texts_then  # neither refused text was queued
+    assert texts == ["A one.", "B one.", "C kept."] and not [d for d in seen if d["type"] == "error"], seen
+    assert [d["context_id"] for d in seen if d["type"] == "flushed"] == ["a", "b", "c"], seen
+
+
 def test_a_draining_session_closes_only_once_its_turn_is_spoken(monkeypatch):
     """The server drains (a SIGTERM): a session closes with 1012 once nothing is buffered, queued or playing and no
     message came for DRAIN_QUIET_S, not while its turn's text is still arriving or speaking."""

@@ -12,10 +12,9 @@ from app.core.breaks import split_breaks
 from app.core.emotion import check_emotion
 from app.core.options import SynthesisOptions
 from app.core.pipeline import UtterancePipeline, speak
-from app.core.session import broken_tag_start, unfinished_tag_start
 from app.core.style_tags import StyleTag, split_tags, styled_options
 from app.core.tag_vocabulary import NEUTRAL, TAG_WORDS
-from app.core.text_buffer import TextBuffer
+from app.core.text_buffer import TextBuffer, broken_tag_start, unfinished_tag_start
 from app.io.errors import RequestError
 from app.settings import Limits
 from app.voices.library import Voice
@@ -348,7 +347,7 @@ def test_a_sentence_of_earlier_messages_before_a_refused_one_is_still_spoken(mes
 )
 def test_speaking_as_it_comes_keeps_a_tag_still_arriving(text, kept):
     """A hold's timer, auto_mode and a zero buffer delay speak what is buffered without the client's flush: a tag
-    still arriving at its end stays for the text that completes it (session.py `unfinished_tag_start`)."""
+    still arriving at its end stays for the text that completes it (text_buffer.py `unfinished_tag_start`)."""
     start = unfinished_tag_start(text)
     assert (text[start:] if start is not None else "") == kept
 
@@ -1013,3 +1012,51 @@ async def _play_all(engine) -> None:
 def test_prose_at_the_clients_flush_is_spoken(text):
     seen, texts = spoken_on_socket(dict(type="text", text=text, flush=True))
     assert [m for m in seen if m["type"] == "error"] == [] and texts == [text], (seen, texts)
+
+
+def spoken_over_http(text: str) -> tuple[RequestError | None, list[str]]:
+    """What an HTTP route makes of a whole text (app/core/pipeline.py `speak`, which every HTTP speech route speaks
+    through): its refusal, or None, and the texts its utterances sent the engine."""
+
+    async def go() -> tuple[RequestError | None, list[str]]:
+        gw = fake_gateway()
+        player = asyncio.create_task(_play_all(gw.fake))
+        try:
+            await _collect(speak(gw, "openai", text, SynthesisOptions(), None, None))
+        except RequestError as e:
+            return e, gw.fake.texts
+        finally:
+            player.cancel()
+        return None, gw.fake.texts
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    ("text", "tag"),
+    [
+        ("Hi <brea", "<brea"),  # was spoken, "Hi less than brea"
+        ("Hi <brea ", "<brea"),
+        ('Hi <break time="1s"', '<break time="1s"'),
+        ("Well. Hi </pros", "</pros"),
+        ("Hi [hap", "[hap"),
+        ('Hi <emotion value="ha', '<emotion value="ha'),
+        ('Hi <sub alias="x">U.S.', '<sub alias="x">U.S.'),
+        ("Hi <!-- a note", "<!-- a note"),
+        ("Say <![CDATA[a < b", "<![CDATA["),
+    ],
+)
+def test_a_tag_cut_at_the_end_of_a_whole_http_text_is_bad_text_naming_it(text, tag):
+    """A whole text (HTTP) is complete, as our socket's text is at the client's flush: a tag cut at its end is refused
+    (`bad_text`, naming the tag) by the one rule the socket's flush applies (`broken_tag_start`), before any engine
+    work; it was spoken as text (`Hi <brea`: "Hi less than brea") or refused for another reason."""
+    err, texts = spoken_over_http(text)
+    assert err is not None and err.code == "bad_text" and repr(tag) in str(err), err
+    assert "no text can complete" in str(err) and texts == [], (str(err), texts)
+
+
+@pytest.mark.parametrize("text", ["a < b", "x<3", "Is two <", "if a<b", "see [note", "Call AT&am", "Hi <foo"])
+def test_prose_at_the_end_of_a_whole_http_text_is_spoken(text):
+    """What may be prose at a text's end (no tag's prefix, as the parser reads tags) is spoken as today."""
+    err, texts = spoken_over_http(text)
+    assert err is None and texts == [text], (err, texts)

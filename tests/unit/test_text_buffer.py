@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.core.session import unfinished_tag_start
-from app.core.text_buffer import TextBuffer, split_to_budget, utf8_len
+from app.core.breaks import split_breaks
+from app.core.style_tags import split_tags
+from app.core.text_buffer import TextBuffer, split_to_budget, unfinished_tag_start, utf8_len
 
 ISSUE_TEXT = "Dr. Smith paid $5.50 on Jan. 3rd, 2026. He left at 5 p.m. today."
 ISSUE_SENTENCES = ["Dr. Smith paid $5.50 on Jan. 3rd, 2026.", "He left at 5 p.m. today."]
@@ -172,13 +173,55 @@ def test_marks_are_not_spoken_and_cost_nothing_of_the_budget(step):
     assert split_to_budget("a" * 1000, 500) == ["a" * 500] * 2  # (text alone as before)
 
 
+@pytest.mark.parametrize(
+    "tag",
+    [
+        '<break time="100ms"/>',
+        '<break strength="none"/>',
+        "<break/></break>",
+        '<emotion value="happy"/>',
+        "</emotion>",
+        "[ happy ]",
+        "<p><s>",
+        "<!-- a note -->",
+        '<mark name="m"/>',
+    ],
+)
+def test_breaks_and_style_tags_cost_nothing_of_the_budget(tag):
+    """The utterance budget counts what is spoken: a sentence with breaks and style tags (each taken out before the
+    engine, as a mark is) is cut into no more pieces than the same sentence without them. Counted, 8 breaks in a
+    sentence of 45 bytes at a budget of 60 cut it into 5 requests where it is one."""
+    words = [f"word{i}" for i in range(9)]
+    plain = " ".join(words) + "."
+    tagged = f" {tag} ".join(words) + "."
+    assert utf8_len(plain) < 60 < utf8_len(tagged)
+    assert len(split_to_budget(tagged, 60)) == len(split_to_budget(plain, 60)) == 1
+    buffer = TextBuffer(60)
+    assert buffer.append(tagged + " Next. ") == [tagged]
+    # past the budget the spoken words still are cut by it, nothing lost, never inside a tag
+    long = f" {tag} ".join(f"w{i}" for i in range(100)) + "."
+    pieces = split_to_budget(long, 60)
+    assert " ".join(pieces) == long and len(pieces) == len(split_to_budget(" ".join(f"w{i}" for i in range(100)), 60))
+
+
+def test_the_gateways_cut_of_spoken_text_counts_every_character():
+    """The gateway cuts the spoken text (normalized, its tags long taken out) to the budget again: there a tag's
+    characters are spoken (a CDATA section's content as written), each one a byte of the prompt, none free: 100 marks
+    as text were one piece of 1,600 bytes past a budget of 50."""
+    spoken = '<mark name="x"/> [happy] <break time="1s"/>' * 40
+    pieces = split_to_budget(spoken, 50, spoken_only=False)
+    assert all(utf8_len(p) <= 50 for p in pieces) and "".join(pieces).replace(" ", "") == spoken.replace(" ", "")
+
+
 def test_a_long_sentence_is_never_cut_inside_a_tag():
     """A cut that would fall inside a break or style tag moves before it: its halves would be spoken as text."""
-    s = 'Words words words <emotion value="happy"/> more words.'
-    assert split_to_budget(s, 30) == ["Words words words", '<emotion value="happy"/> more', "words."]
+    s = 'Words words words <speed ratio="1.5"/> more words.'  # (a tag refused later: its characters counted)
+    assert split_to_budget(s, 30) == ["Words words words", '<speed ratio="1.5"/> more', "words."]
     # (a tag a piece begins with is no place to cut: `then` fits after it)
-    assert split_to_budget("Some words [ happy ] then more.", 16) == ["Some words", "[ happy ] then", "more."]
-    assert split_to_budget('Say it <break time="1s"/> and on', 24) == ["Say it", '<break time="1s"/> and', "on"]
+    assert split_to_budget("Some words [ note ] then more.", 16) == ["Some words", "[ note ] then", "more."]
+    # (a break costs nothing: the cut falls by the words)
+    said = 'Say it <break time="1s"/> and on and on'
+    assert split_to_budget(said, 12) == ['Say it <break time="1s"/> and', "on and on"]
 
 
 @pytest.mark.parametrize("reference", ["&amp;", "&#233;", "&#x1F600;"])
@@ -197,7 +240,8 @@ def test_a_tag_that_begins_a_long_sentence_without_spaces_is_not_cut_at_its_own_
     cut fell at the tag's own space ('<break' | 'time="1s"/>数数...'), and both halves were refused (bad_text)."""
     text = tag + "数" * 300
     pieces = split_to_budget(text, 500)
-    assert pieces[0].startswith(tag) and "".join(pieces) == text and all(utf8_len(p) <= 500 for p in pieces), pieces
+    spoken = [utf8_len(p.replace(tag, "")) for p in pieces]  # (a break or emotion tag costs nothing)
+    assert pieces[0].startswith(tag) and "".join(pieces) == text and all(n <= 500 for n in spoken), pieces
 
 
 @pytest.mark.parametrize(
@@ -300,3 +344,33 @@ def test_a_cdata_section_past_the_budget_is_cut_into_pieces_of_text():
     out = stream(f"<![CDATA[{words}]]>", 7, budget=100)
     assert len(out) > 2 and all(utf8_len(s) <= 100 for s in out), out
     assert " ".join(out).split() == [f"w{i}&lt;" for i in range(60)], out
+
+
+@pytest.mark.parametrize("budget", [12, 20, 500])
+def test_a_cdata_section_cut_into_sentences_anywhere_speaks_its_content_as_written(budget):
+    """A CDATA section's content is cut into sentences and budget pieces as prose is (7 to 24 pieces here, most of them
+    inside the section), wherever the messages that bring it are cut (at every character, into three): harmless. The
+    buffer holds its content as character references (`cdata_as_text`), so no piece holds its markup (`]]>` never read
+    aloud, the second half of a cut never parsed as tags): each piece's breaks and tags (what a session queues:
+    `split_breaks`, `split_tags`) are none, nothing is refused, and the characters spoken are the content's, in order
+    (a cut only moves where one utterance ends: a word longer than a tiny budget is cut, as in prose)."""
+    content = (
+        'One. <break time="1s"/> & [happy] a < b? <mark name="m"/> ]] Two; <!-- x --> three <sub alias="x">U.S.</sub>.'
+    )
+    text = "Say <![CDATA[" + content + " Four.]]> after."
+    expected = "".join(["Say", *content.split(), "Four.", "after."])
+    counts = set()
+    for i in range(len(text) + 1):
+        for j in {i, min(len(text), i + 3), min(len(text), i + 11)}:
+            buffer = TextBuffer(budget)
+            pieces = buffer.append(text[:i]) + buffer.append(text[i:j]) + buffer.append(text[j:]) + buffer.flush()
+            spoken: list[str] = []
+            for piece in pieces:
+                parts = split_breaks(piece)
+                assert all(isinstance(p, str) for p in parts), (i, j, piece)  # no break made of its content
+                tagged = [t for p in parts for t in split_tags(str(p))]
+                assert all(isinstance(t, str) for t in tagged), (i, j, piece)  # nor a tag, nor a mark
+                spoken += [str(t) for t in tagged]
+            assert "".join("".join(spoken).split()) == expected, (i, j, pieces)
+            counts.add(len(pieces))
+    assert min(counts) >= (7 if budget == 500 else 16), counts
