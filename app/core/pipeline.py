@@ -422,6 +422,13 @@ async def speak(
     split_breaks(plain)
     split_tags(plain)
     sentences = split_text(gw, text, opts.language)
+    if opts.lexicon:
+        # an utterance its aliases make too long is refused now, before any engine work: found at its turn, it cut off
+        # the stream of the sentences before it (a 200 whose audio ends mid-text), or came as a 400 after them
+        pieces, _ = inline_pieces(gw, sentences, opts, voice, clip)
+        spoken = [p.text if isinstance(p, MarkedText) else p for p, _ in pieces]
+        lexicon = opts.lexicon
+        await asyncio.to_thread(lambda: [gw.aliased(t, lexicon) for t in spoken if isinstance(t, str)])
     pipe = UtterancePipeline(gw, api)
     chain = None
     if stitch is not None:
