@@ -18,7 +18,7 @@ from app.core.options import GUIDANCE_KEYS, LONG_FORM_KEYS, SynthesisOptions, pa
 from app.core.pipeline import speak
 from app.doors.speech import AnswerHold, cut_off, first_chunk, held_or_streamed, read_json
 from app.io.auth import require_key
-from app.io.checks import base64_payload, text_field
+from app.io.checks import base64_payload, check_flag, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
@@ -90,6 +90,8 @@ async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> Gener
     if isinstance(fade_ms, bool) or not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= MAX_FADE_OUT_MS:
         raise RequestError(G.BAD_PARAMS, f"fade_out_ms must be in 0..{MAX_FADE_OUT_MS}")
     check_fields(data, GENERATE_FIELDS, G.BAD_PARAMS)
+    for flag in ("speaking_rate_enabled", "quality_enabled"):  # booleans: a "false" is a truthy string, and turned the
+        check_flag(data, flag, G.BAD_PARAMS)  # speaking rate on (null: the default, quality on and the rate off)
     p: dict[str, Any] = {}
     for ours, theirs in (
         ("temperature", "temperature"),
