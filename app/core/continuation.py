@@ -116,6 +116,20 @@ class Chain:
         self.cont.add(prev.text, stream.kept)
         return self._window(stream)
 
+    async def pass_over(self, link: Link) -> None:
+        """A link with nothing to say (its pronunciation rules left no text: no engine work) is passed over, as a break
+        is: it stands for the link before it, so the next link continues that one's stream and `end` ends it. Settled
+        with no stream, it ended the chain there: the sentence after it started a fresh stream (the voice reset), and
+        the one before it held its tail until the continuation grace (its audio's end, and the turn's flush, waited)."""
+        prev, link.prev = link.prev, None
+        if prev is None:
+            link.settle()
+            return
+        await prev.settled.wait()
+        link.settle(prev.text, prev.stream)
+        if link.final and link.stream is not None:  # the turn ended on it (`end` found no stream then)
+            link.stream.end()
+
     def _window(self, stream: Stream | None) -> Context:
         text, codes = self.cont.window()
         smaller = [w for w in (self.cont.window(anchor=False),) if len(w[1]) < len(codes)]

@@ -486,6 +486,8 @@ class Gateway:
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         if not text.strip():  # the rules left nothing to say ("Um" read as ""): no engine work, no audio
+            if chain is not None and link is not None:  # the chain goes on through it, as through a break
+                await chain.pass_over(link)
             return None
         budget = utterance_bytes(self)
         pieces = split_to_budget(text, budget) if utf8_len(text) > budget else [text]

@@ -612,7 +612,7 @@ def test_aliases_that_grow_an_utterance_past_its_limit_are_refused(server):
 def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
     """A rule that reads a filler word as nothing ("Um" -> ""): a sentence of only that word went to the engine as an
     empty prompt, which a real model babbles to its frame limit. It is an utterance of no audio now (audio.start,
-    audio.done with no frames, as a break of none); the sentences around it are spoken."""
+    audio.done with no frames, as a break of none); the sentences around it are spoken, one continuation chain."""
 
     async def go():
         c = await connect(
@@ -630,6 +630,10 @@ def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
     empty = done[next(m["utterance_id"] for m in c.log if m["type"] == "audio.start" and m["text"] == "Um")]
     assert empty["frames"] is None and empty["audio_ms"] == 0, empty
     assert sum(s["frames"] or 0 for s in done.values()) == 10  # the two sentences around it: 5 frames each
+    # passed over as a break is: the sentence after it continues the one before it (one voice, one stream); the chain
+    # ended at it, "So it goes." started a fresh stream and "Right." held its tail for the continuation grace
+    right = next(m["utterance_id"] for m in c.log if m["type"] == "audio.start" and m["text"] == "Right.")
+    assert done[right]["engine"]["continued"] is True, done[right]
 
 
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
