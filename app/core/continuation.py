@@ -118,9 +118,11 @@ class Chain:
 
     async def pass_over(self, link: Link) -> None:
         """A link with nothing to say (its pronunciation rules left no text: no engine work) is passed over, as a break
-        is: it stands for the link before it, so the next link continues that one's stream and `end` ends it. Settled
-        with no stream, it ended the chain there: the sentence after it started a fresh stream (the voice reset), and
-        the one before it held its tail until the continuation grace (its audio's end, and the turn's flush, waited)."""
+        is: it stands for the link before it, so the next link continues that one's stream and `end` ends it (a turn
+        that ends on it: here, once that stream's kept frames are in, which `state` holds). Settled with no stream, it
+        ended the chain there: the sentence after it started a fresh stream (the voice reset), the one before it held
+        its tail until the continuation grace (its audio's end, and the turn's flush, waited), and a stitched request
+        ending on it kept no state."""
         prev, link.prev = link.prev, None
         if prev is None:
             link.settle()
@@ -128,6 +130,8 @@ class Chain:
         await prev.settled.wait()
         link.settle(prev.text, prev.stream)
         if link.final and link.stream is not None:  # the turn ended on it (`end` found no stream then)
+            # once its kept frames are in (the end of its generation: ended before, it would keep none for `state`)
+            await link.stream.kept_ready.wait()
             link.stream.end()
 
     def _window(self, stream: Stream | None) -> Context:
