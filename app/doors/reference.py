@@ -86,7 +86,9 @@ class GenerateRequest:
 async def parse_generate(gw: Gateway, data: dict[str, Any], owner: str) -> GenerateRequest:
     """A /tts/generate body, checked whole, as the one request it is."""
     text = text_field(data, "text", gw.settings.limits.max_http_chars)
-    fade_ms = data.get("fade_out_ms") or 0.0
+    fade_ms = data.get("fade_out_ms")
+    if fade_ms is None:  # (not `or 0.0`: a "", false, [] or {} passed as no fade)
+        fade_ms = 0.0
     if isinstance(fade_ms, bool) or not isinstance(fade_ms, int | float) or not 0 <= fade_ms <= MAX_FADE_OUT_MS:
         raise RequestError(G.BAD_PARAMS, f"fade_out_ms must be in 0..{MAX_FADE_OUT_MS}")
     check_fields(data, GENERATE_FIELDS, G.BAD_PARAMS)
