@@ -9,7 +9,9 @@ that request's DAC stream. Every link is submitted `hold` (non-final: no trailin
 last BOUNDARY_TRIM frames dropped, its stream kept open) unless it is known to be the last: `Chain.end`
 (an HTTP text's end, a WebSocket flush, close) makes the last link final, or, when it is already
 submitted, asks the engine to flush its stream. A link whose request failed or was cancelled, or an
-utterance of several engine requests (PieceStream), starts the chain over: the next utterance is fresh.
+utterance of several engine requests (PieceStream), starts the chain over (`Chain.leave`): the next utterance is
+fresh, and the stream of the one before it ends now, as nothing continues it. An utterance with nothing to say (its
+pronunciation rules left no text) is passed over, as a break is (`Chain.pass_over`).
 
 Across HTTP requests (ElevenLabs request stitching, app/core/stitching.py) a chain starts from the state an
 earlier request's chain ended in (`seed`: its first utterance continues that window, on a DAC stream of its
@@ -42,11 +44,23 @@ class Link:
     text: str = ""  # the spoken (normalized) text it was generated from, once submitted
     stream: Stream | None = None  # its engine request, once submitted as a chain member
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # submitted, or given up (stream None)
+    orphaned: bool = False  # the link after it left the chain (`Chain.leave`): nothing continues its stream
 
     def settle(self, text: str = "", stream: Stream | None = None) -> None:
         if not self.settled.is_set():
             self.text, self.stream = text, stream
             self.settled.set()
+            if self.orphaned and stream is not None:  # (submitted held: nothing will continue it)
+                stream.end()
+
+    def orphan(self) -> None:
+        """Nothing continues this link's stream: it ends now (or as soon as it is submitted), rather than being held
+        for the continuation grace (the engine flushes a held stream that no chunk continues only after
+        --continuation-grace-ms, while its player runs low: its tail, and with it its audio.done, the turn's
+        flushed and for a short sentence all of its audio, waited that long)."""
+        self.orphaned = True
+        if self.stream is not None:
+            self.stream.end()
 
 
 @dataclass
@@ -115,6 +129,15 @@ class Chain:
             return Context("", np.zeros((0, 9), np.int64), None)
         self.cont.add(prev.text, stream.kept)
         return self._window(stream)
+
+    def leave(self, link: Link) -> None:
+        """A link that makes no chunk of the chain (an utterance of several engine requests, PieceStream, or one that
+        failed or was cancelled before its chunk was submitted) starts the chain over: the link after it is fresh, and
+        the link before it (whose stream only this one would have continued) is orphaned: its stream ends now."""
+        prev, link.prev = link.prev, None
+        link.settle()
+        if prev is not None:
+            prev.orphan()
 
     async def pass_over(self, link: Link) -> None:
         """A link with nothing to say (its pronunciation rules left no text: no engine work) is passed over, as a break

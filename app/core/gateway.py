@@ -494,8 +494,8 @@ class Gateway:
         embedding = voice.embedding if voice is not None else None
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
-        if link is not None:
-            link.settle()  # an utterance of several requests is no chain member: the next starts fresh
+        if chain is not None and link is not None:
+            chain.leave(link)  # an utterance of several requests is no chain member: the next starts fresh
         limit = opts.max_frames or self.settings.limits.max_frames  # the utterance's, however many requests
         # (a method, not a closure: a closure's cells would live as long as this coroutine, which waits for the
         # chain's turn above while the utterances before it play, objects the collector's full passes walk)

@@ -262,8 +262,10 @@ class UtterancePipeline:
                 stream.when_ended(self.conversation.generated)
             u.mark_generating(stream)
         finally:
-            if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
-                u.link.settle()
+            # failed or cancelled: the next utterance of its context starts fresh, and the one before ends now (a no-op
+            # once its chunk was submitted)
+            if u.chain is not None and u.link is not None:
+                u.chain.leave(u.link)
 
     def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
         """Drop the queued utterances of a context (None: all), only those queued after utterance number

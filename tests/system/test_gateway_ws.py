@@ -636,6 +636,35 @@ def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
     assert done[right]["engine"]["continued"] is True, done[right]
 
 
+def test_a_sentence_that_leaves_the_chain_ends_the_one_before_it_at_once(start_server):
+    """A sentence that continues no chain (one whose aliases make it several engine requests, one refused before it was
+    submitted, one its aliases leave empty) ends the held stream of the sentence before it now: it was held for the
+    continuation grace, which the engine waits out (here 10 minutes: the hang guard below), so that sentence's tail,
+    its audio.done and the turn's flushed (and all the audio of a sentence shorter than the held margin) waited."""
+    srv = start_server("--continuation-grace-ms", "600000")
+    grow = [
+        {"grapheme": "zork", "alias": "word " * 50},
+        {"grapheme": "zz", "alias": "b" * 256},
+        {"grapheme": "Um", "alias": ""},
+    ]
+    text = "Right.\nSay zork now.\nAgain.\n" + "zz " * 10 + "\nOnce more.\nUm\nAnd on."
+
+    async def go():
+        c = await connect(srv, params={"seed": 1, "max_frames": 5, "ignore_eos": True}, lexicon=grow)
+        await c.send(type="text", text=text, flush=True)
+        while (await c.recv(timeout=120))["type"] != "flushed":  # (a hang guard: the grace is 600 s)
+            pass
+        await c.ws.close()
+        return c
+
+    c = run(go())
+    starts = [m["text"] for m in c.log if m["type"] == "audio.start"]
+    errors = [m["code"] for m in c.log if m["type"] == "error"]
+    assert starts == ["Right.", "Say zork now.", "Again.", "Once more.", "Um", "And on."] and errors == [
+        "text_too_long"
+    ]
+
+
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
     """Uploaded as PLS and as rules, listed, used by our session.config `lexicon` (the alias reaches the
     model: the prompt grows by it), refused for phonemes, kept across a restart, deleted."""
