@@ -9,7 +9,9 @@ that request's DAC stream. Every link is submitted `hold` (non-final: no trailin
 last BOUNDARY_TRIM frames dropped, its stream kept open) unless it is known to be the last: `Chain.end`
 (an HTTP text's end, a WebSocket flush, close) makes the last link final, or, when it is already
 submitted, asks the engine to flush its stream. A link whose request failed or was cancelled, or an
-utterance of several engine requests (PieceStream), starts the chain over: the next utterance is fresh.
+utterance of several engine requests (PieceStream), starts the chain over (`Chain.leave`): the next utterance is
+fresh, and the stream of the one before it ends now, as nothing continues it. An utterance with nothing to say (its
+pronunciation rules left no text) is passed over, as a break is (`Chain.pass_over`).
 
 Across HTTP requests (ElevenLabs request stitching, app/core/stitching.py) a chain starts from the state an
 earlier request's chain ended in (`seed`: its first utterance continues that window, on a DAC stream of its
@@ -42,11 +44,23 @@ class Link:
     text: str = ""  # the spoken (normalized) text it was generated from, once submitted
     stream: Stream | None = None  # its engine request, once submitted as a chain member
     settled: asyncio.Event = field(default_factory=asyncio.Event)  # submitted, or given up (stream None)
+    orphaned: bool = False  # the link after it left the chain (`Chain.leave`): nothing continues its stream
 
     def settle(self, text: str = "", stream: Stream | None = None) -> None:
         if not self.settled.is_set():
             self.text, self.stream = text, stream
             self.settled.set()
+            if self.orphaned and stream is not None:  # (submitted held: nothing will continue it)
+                stream.end()
+
+    def orphan(self) -> None:
+        """Nothing continues this link's stream: it ends now (or as soon as it is submitted), rather than being held
+        for the continuation grace (the engine flushes a held stream that no chunk continues only after
+        --continuation-grace-ms, while its player runs low: its tail, and with it its audio.done, the turn's
+        flushed and for a short sentence all of its audio, waited that long)."""
+        self.orphaned = True
+        if self.stream is not None:
+            self.stream.end()
 
 
 @dataclass
@@ -115,6 +129,33 @@ class Chain:
             return Context("", np.zeros((0, 9), np.int64), None)
         self.cont.add(prev.text, stream.kept)
         return self._window(stream)
+
+    def leave(self, link: Link) -> None:
+        """A link that makes no chunk of the chain (an utterance of several engine requests, PieceStream, or one that
+        failed or was cancelled before its chunk was submitted) starts the chain over: the link after it is fresh, and
+        the link before it (whose stream only this one would have continued) is orphaned: its stream ends now."""
+        prev, link.prev = link.prev, None
+        link.settle()
+        if prev is not None:
+            prev.orphan()
+
+    async def pass_over(self, link: Link) -> None:
+        """A link with nothing to say (its pronunciation rules left no text: no engine work) is passed over, as a break
+        is: it stands for the link before it, so the next link continues that one's stream and `end` ends it (a turn
+        that ends on it: here, once that stream's kept frames are in, which `state` holds). Settled with no stream, it
+        ended the chain there: the sentence after it started a fresh stream (the voice reset), the one before it held
+        its tail until the continuation grace (its audio's end, and the turn's flush, waited), and a stitched request
+        ending on it kept no state."""
+        prev, link.prev = link.prev, None
+        if prev is None:
+            link.settle()
+            return
+        await prev.settled.wait()
+        link.settle(prev.text, prev.stream)
+        if link.final and link.stream is not None:  # the turn ended on it (`end` found no stream then)
+            # once its kept frames are in (the end of its generation: ended before, it would keep none for `state`)
+            await link.stream.kept_ready.wait()
+            link.stream.end()
 
     def _window(self, stream: Stream | None) -> Context:
         text, codes = self.cont.window()

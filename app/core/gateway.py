@@ -44,7 +44,7 @@ from app.io.bodies import BodyBudget
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.settings import GatewaySettings
-from app.voices.lexicons import MAX_RULES, Aliases, LexiconStore, apply_rules_off_loop, rules_from_json
+from app.voices.lexicons import MAX_RULES, Aliases, LexiconStore, apply_rules, rules_from_json
 from app.voices.library import AUDIO_SUFFIXES, INLINE_HASH, MAX_NAME, Voice, VoiceStore, parse_embedding_file
 from engine.contract import records as m
 from engine.contract.constants import HOP
@@ -482,29 +482,38 @@ class Gateway:
                 G.TEXT_TOO_LONG, f"an utterance is limited to {self.settings.limits.max_text_chars} characters"
             )
         if opts.lexicon:  # pronunciation dictionaries, before normalization: the aliases are written text too
-            text = await apply_rules_off_loop(text, opts.lexicon)
-            if len(text) > self.settings.limits.max_text_chars:
-                raise RequestError(
-                    G.TEXT_TOO_LONG,
-                    f"the pronunciation rules make this utterance {len(text)} characters, more than the "
-                    f"{self.settings.limits.max_text_chars} an utterance may have",
-                )
+            text = await asyncio.to_thread(self.aliased, text, opts.lexicon)  # (thousands of rules: ms of lookups)
         if opts.text_normalization and self.normalizer is not None:
             text = await self.normalizer.normalize(text, opts.language, owner)
         if not text.strip():  # the rules left nothing to say ("Um" read as ""): no engine work, no audio
+            if chain is not None and link is not None:  # the chain goes on through it, as through a break
+                await chain.pass_over(link)
             return None
         budget = utterance_bytes(self)
         pieces = split_to_budget(text, budget, spoken_only=False) if utf8_len(text) > budget else [text]
         embedding = voice.embedding if voice is not None else None
         if chain is not None and link is not None and len(pieces) == 1:
             return await self._continue(chain, link, pieces[0], opts, embedding, clip)
-        if link is not None:
-            link.settle()  # an utterance of several requests is no chain member: the next starts fresh
+        if chain is not None and link is not None:
+            chain.leave(link)  # an utterance of several requests is no chain member: the next starts fresh
         limit = opts.max_frames or self.settings.limits.max_frames  # the utterance's, however many requests
         # (a method, not a closure: a closure's cells would live as long as this coroutine, which waits for the
         # chain's turn above while the utterances before it play, objects the collector's full passes walk)
         submit = functools.partial(self._submit, opts, embedding, clip)
         return submit(pieces[0], limit) if len(pieces) == 1 else PieceStream(submit, pieces, limit)
+
+    def aliased(self, text: str, lexicon: Aliases) -> str:
+        """An utterance's text with its pronunciation rules applied, or text_too_long when they make it longer than an
+        utterance may be (`start_utterance`; an HTTP text checks each of its utterances so before any engine work:
+        app/core/pipeline.py `speak`). Run it in a worker thread."""
+        text = apply_rules(text, lexicon)
+        if len(text) > self.settings.limits.max_text_chars:
+            raise RequestError(
+                G.TEXT_TOO_LONG,
+                f"the pronunciation rules make this utterance {len(text)} characters, more than the "
+                f"{self.settings.limits.max_text_chars} an utterance may have",
+            )
+        return text
 
     def _submit(
         self,

@@ -269,8 +269,10 @@ class UtterancePipeline:
                 stream.when_ended(self.conversation.generated)
             u.mark_generating(stream)
         finally:
-            if u.link is not None:  # failed or cancelled: the next utterance of its context starts fresh
-                u.link.settle()
+            # failed or cancelled: the next utterance of its context starts fresh, and the one before ends now (a no-op
+            # once its chunk was submitted)
+            if u.chain is not None and u.link is not None:
+                u.chain.leave(u.link)
 
     def cancel(self, context_id: str | None = None, after: int | None = None) -> list[Utterance]:
         """Drop the queued utterances of a context (None: all), only those queued after utterance number
@@ -433,6 +435,13 @@ async def speak(
     split_breaks(plain)
     split_tags(plain)
     sentences = split_text(gw, text, opts.language)
+    if opts.lexicon:
+        # an utterance its aliases make too long is refused now, before any engine work: found at its turn, it cut off
+        # the stream of the sentences before it (a 200 whose audio ends mid-text), or came as a 400 after them
+        pieces, _ = inline_pieces(gw, sentences, opts, voice, clip)
+        spoken = [p.text if isinstance(p, MarkedText) else p for p, _ in pieces]
+        lexicon = opts.lexicon
+        await asyncio.to_thread(lambda: [gw.aliased(t, lexicon) for t in spoken if isinstance(t, str)])
     pipe = UtterancePipeline(gw, api)
     chain = None
     if stitch is not None:

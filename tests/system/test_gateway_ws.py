@@ -612,7 +612,7 @@ def test_aliases_that_grow_an_utterance_past_its_limit_are_refused(server):
 def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
     """A rule that reads a filler word as nothing ("Um" -> ""): a sentence of only that word went to the engine as an
     empty prompt, which a real model babbles to its frame limit. It is an utterance of no audio now (audio.start,
-    audio.done with no frames, as a break of none); the sentences around it are spoken."""
+    audio.done with no frames, as a break of none); the sentences around it are spoken, one continuation chain."""
 
     async def go():
         c = await connect(
@@ -630,6 +630,39 @@ def test_an_utterance_its_aliases_leave_empty_is_no_engine_work(server):
     empty = done[next(m["utterance_id"] for m in c.log if m["type"] == "audio.start" and m["text"] == "Um")]
     assert empty["frames"] is None and empty["audio_ms"] == 0, empty
     assert sum(s["frames"] or 0 for s in done.values()) == 10  # the two sentences around it: 5 frames each
+    # passed over as a break is: the sentence after it continues the one before it (one voice, one stream); the chain
+    # ended at it, "So it goes." started a fresh stream and "Right." held its tail for the continuation grace
+    right = next(m["utterance_id"] for m in c.log if m["type"] == "audio.start" and m["text"] == "Right.")
+    assert done[right]["engine"]["continued"] is True, done[right]
+
+
+def test_a_sentence_that_leaves_the_chain_ends_the_one_before_it_at_once(start_server):
+    """A sentence that continues no chain (one whose aliases make it several engine requests, one refused before it was
+    submitted, one its aliases leave empty) ends the held stream of the sentence before it now: it was held for the
+    continuation grace, which the engine waits out (here 10 minutes: the hang guard below), so that sentence's tail,
+    its audio.done and the turn's flushed (and all the audio of a sentence shorter than the held margin) waited."""
+    srv = start_server("--continuation-grace-ms", "600000")
+    grow = [
+        {"grapheme": "zork", "alias": "word " * 50},
+        {"grapheme": "zz", "alias": "b" * 256},
+        {"grapheme": "Um", "alias": ""},
+    ]
+    text = "Right.\nSay zork now.\nAgain.\n" + "zz " * 10 + "\nOnce more.\nUm\nAnd on."
+
+    async def go():
+        c = await connect(srv, params={"seed": 1, "max_frames": 5, "ignore_eos": True}, lexicon=grow)
+        await c.send(type="text", text=text, flush=True)
+        while (await c.recv(timeout=120))["type"] != "flushed":  # (a hang guard: the grace is 600 s)
+            pass
+        await c.ws.close()
+        return c
+
+    c = run(go())
+    starts = [m["text"] for m in c.log if m["type"] == "audio.start"]
+    errors = [m["code"] for m in c.log if m["type"] == "error"]
+    assert starts == ["Right.", "Say zork now.", "Again.", "Once more.", "Um", "And on."] and errors == [
+        "text_too_long"
+    ]
 
 
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):

@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from engine.frontend.longform import BOUNDARY_TRIM
 from engine.frontend.prompt import SILENCE_FRAMES
 
 pytestmark = pytest.mark.slow
@@ -140,3 +141,27 @@ def test_a_request_cut_off_keeps_nothing(server, voices):
         next(r.iter_bytes())
     r = tts(server.url, KEYS[0], voice, B_TEXT, 5, previous_request_ids=[cut])
     assert r.status_code == 400 and cut in r.text
+
+
+def test_a_request_ending_in_a_sentence_its_rules_leave_empty_can_be_continued(server, voices):
+    """A last sentence its pronunciation rules leave with nothing to say ("Um" read as "") is passed over as a break
+    is: the request ends in the state of the sentence before it, which a later request continues (the chain ended at
+    the empty sentence, so the request kept no state: its id was refused as unknown)."""
+    voice = voices[0]
+    made = httpx.post(
+        server.url + "/v1/pronunciation-dictionaries/add-from-rules",
+        headers={"xi-api-key": KEYS[0]},
+        json={"name": "fillers", "rules": [{"type": "alias", "string_to_replace": "Um", "alias": ""}]},
+        timeout=60,
+    )
+    assert made.status_code == 200, made.text
+    locators = [{"pronunciation_dictionary_id": made.json()["id"]}]
+    since = server.log.stat().st_size
+    a = tts(server.url, KEYS[0], voice, A_TEXT + "\nUm", 13, pronunciation_dictionary_locators=locators)
+    assert a.status_code == 200 and a.content, a.text
+    fresh = tts(server.url, KEYS[0], voice, B_TEXT, 10)
+    b = tts(server.url, KEYS[0], voice, B_TEXT, 11, previous_request_ids=[a.headers["request-id"]])
+    assert fresh.status_code == b.status_code == 200, b.text
+    prompts = dict((n, p) for p, n in engine_requests(server.log, since))
+    # A's text and kept frames teacher-forced (held for the empty sentence: its last BOUNDARY_TRIM frames not kept)
+    assert prompts[11] == prompts[10] - len(SILENCE_FRAMES) + len(A_TEXT) + 1 + 13 - BOUNDARY_TRIM

@@ -69,6 +69,66 @@ def test_a_seeded_chain_continues_the_kept_window_and_ends_in_its_own_state():
     assert Chain(LongFormOptions()).state() is None
 
 
+class Held:
+    """A held (non-final) request's stream as the chain sees it: its kept frames, and whether it was ended."""
+
+    def __init__(self, rid: int, kept: np.ndarray) -> None:
+        self.rid, self.kept, self.ended = rid, kept, False
+        self.kept_ready = asyncio.Event()
+        self.kept_ready.set()
+
+    def end(self) -> None:
+        self.ended = True
+
+
+def test_a_link_with_nothing_to_say_is_passed_over_as_a_break_is():
+    """An utterance its pronunciation rules leave empty (no engine work) stands for the link before it: the next link
+    continues that one's stream (it started a fresh stream: the voice reset), a turn that ends on it ends that stream
+    (it held its tail for the continuation grace), and the state a later request continues holds it."""
+
+    async def go(last_is_empty: bool):
+        chain = Chain(LongFormOptions(), keep=True)
+        first, empty = chain.link(), chain.link()
+        await chain.context(first)
+        held = Held(3, codes(4, 7))
+        first.settle("Right.", held)  # type: ignore[arg-type]
+        if last_is_empty:
+            chain.end()  # the turn ends on the empty link, before it is passed over
+            await chain.pass_over(empty)
+            return held, None, chain.state()
+        await chain.pass_over(empty)
+        ctx = await chain.context(chain.link())
+        return held, ctx, None
+
+    held, ctx, _ = asyncio.run(go(False))
+    assert ctx is not None and ctx.prev is held and ctx.text == "Right." and len(ctx.codes) == 4 and not held.ended
+    held, _, after = asyncio.run(go(True))
+    assert held.ended and after is not None and after.index == 1 and after.window()[0] == "Right."
+
+
+def test_a_link_that_leaves_the_chain_ends_the_stream_before_it():
+    """A link that makes no chunk (several engine requests, or failed before its chunk) leaves the chain: the next link
+    starts fresh, and the stream before it, which only it would have continued, ends at once (or once submitted)."""
+
+    async def go(submitted_first: bool):
+        chain = Chain(LongFormOptions())
+        first, leaving = chain.link(), chain.link()
+        await chain.context(first)
+        held = Held(3, codes(4, 7))
+        if submitted_first:
+            first.settle("Right.", held)  # type: ignore[arg-type]
+        chain.leave(leaving)
+        ended_before_settle = held.ended
+        first.settle("Right.", held)  # type: ignore[arg-type]  # (a no-op when settled above)
+        ctx = await chain.context(chain.link())
+        return held.ended, ended_before_settle, ctx
+
+    ended, _, ctx = asyncio.run(go(True))
+    assert ended and ctx.prev is None and ctx.text == ""  # fresh
+    ended, before, _ = asyncio.run(go(False))
+    assert ended and not before  # ended as soon as it was submitted
+
+
 def test_a_seeded_request_that_speaks_only_breaks_keeps_the_window_it_continued():
     """A request of breaks alone (`<break time="1s"/>`) continuing a kept one links no utterance: the voice's
     window goes on through it unchanged (a break does not reset the voice), so its own id can be continued."""
