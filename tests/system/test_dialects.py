@@ -832,6 +832,46 @@ def test_elevenlabs_voice_settings_out_of_elevenlabs_ranges_are_refused(srv, set
 
 
 @pytest.mark.parametrize(
+    "config, code",
+    [
+        ({"chunk_length_schedule": [20]}, "bad_params"),
+        ({"chunk_length_schedule": [120, 501]}, "bad_params"),
+        ({"chunk_length_schedule": ["120"]}, "bad_params"),
+        ({"chunk_length_schedule": [True]}, "bad_params"),
+        ({"chunk_length_schedule": [10**400]}, "bad_params"),
+        ({"chunk_length_schedule": 120}, "bad_params"),
+        ("fast", "bad_message"),
+    ],
+)
+def test_elevenlabs_generation_config_is_held_to_elevenlabs_schedule(srv, config, code):
+    """`generation_config.chunk_length_schedule` paces nothing here (sentences are cut as on our own socket), but
+    ElevenLabs takes only a list of numbers each in 50..500: anything else is refused here as there, naming the
+    field (it was ignored whatever it held: a client learned of its bug only on ElevenLabs); the socket goes on."""
+    err, log = _el_refused_then_good(
+        srv, {"text": "Nope. ", "context_id": "bad", "generation_config": config, "flush": True}
+    )
+    assert err.get("error") == code and "generation_config" in err["message"], err
+    assert err.get("contextId") == "bad" and el_audio(log, "good") and not el_audio(log, "bad"), log
+
+
+def test_elevenlabs_a_schedule_within_elevenlabs_range_is_accepted(srv):
+    """LiveKit's plugin sends a schedule on every context's first message: one within 50..500 opens it."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        config = {"chunk_length_schedule": [50, 120.0, 500]}
+        await ws.send(json.dumps({"text": " ", "context_id": "a", "generation_config": config}))
+        await ws.send(json.dumps({"text": "Hello there. ", "context_id": "a", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "a", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert el_audio(log, "a") and not [m for m in log if "error" in m], log
+
+
+@pytest.mark.parametrize(
     "bad",
     [{"flush": "true"}, {"flush": 1}, {"close_context": "true"}, {"close_context": 1}, {"close_socket": "yes"}],
 )
@@ -1529,6 +1569,15 @@ def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
         ({"generation_config": {"volume": 5}}, "bad_message"),
         ({"generation_config": {"volume": -1e300}}, "bad_message"),
         ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": ["fast"]}}, "bad_message"),
+        # ... and the ranges Cartesia documents (they were ignored whatever number or name they held)
+        ({"duration": 0}, "bad_message"),
+        ({"duration": -5}, "bad_message"),
+        ({"duration": 10**400}, "bad_message"),
+        ({"speed": "warp"}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": 2}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": "faster"}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": ["joy"]}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": [3]}}}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
@@ -2331,11 +2380,82 @@ def test_cartesia_http_volume_is_held_to_cartesias_range(volume):
     from app.doors.dialects.cartesia import check_unused
     from app.io.errors import RequestError
 
-    check_unused({"generation_config": {"volume": 0.5}}, "bad_params")
-    check_unused({"generation_config": {"volume": 2}}, "bad_params")
+    check_unused({"generation_config": {"volume": 0.5}}, "bad_params", 900.0)
+    check_unused({"generation_config": {"volume": 2}}, "bad_params", 900.0)
     with pytest.raises(RequestError) as e:
-        check_unused({"generation_config": {"volume": volume}}, "bad_params")
+        check_unused({"generation_config": {"volume": volume}}, "bad_params", 900.0)
     assert e.value.code == "bad_params" and "generation_config.volume" in str(e.value), str(e.value)
+
+
+def _ca_bytes(srv, change: dict[str, Any]) -> httpx.Response:
+    """POST /tts/bytes: a short request with `change` in its body."""
+    return httpx.post(
+        f"{srv.url}/tts/bytes?zonos_params={params(FAST)}",
+        headers={"X-API-Key": KEY, "Cartesia-Version": "2026-03-01"},
+        json={**json.loads(ca_request("h", "Hello there.", False)), **change},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, field, code",
+    [
+        ({"duration": 0}, "duration", "bad_params"),
+        ({"duration": -1}, "duration", "bad_params"),
+        ({"duration": 1e6}, "duration", "bad_params"),  # past --max-request-audio-s: no request of ours is that long
+        ({"duration": True}, "duration", "bad_params"),
+        ({"speed": "warp"}, "speed", "bad_params"),
+        # (a `voice` refusal is bad_message on every Cartesia route)
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": -1.5}}},
+            "controls.speed",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": True}}},
+            "controls.speed",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": "anger"}}},
+            "emotion",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": ["anger:max"]}}},
+            "emotion",
+            "bad_message",
+        ),
+    ],
+)
+def test_cartesia_http_unused_fields_are_held_to_cartesias_ranges(srv, change, field, code):
+    """`duration` (the most seconds of audio: positive, and within what one request of ours may speak), the older
+    top-level speed's names and `voice.__experimental_controls` (a speed name or a number in -1..1, emotions
+    `name[:level]` of Cartesia's five names and four levels) are not used, but refused as Cartesia refuses them,
+    naming the field; they were taken whatever they held."""
+    r = _ca_bytes(srv, change)
+    assert r.status_code == 400 and r.json()["title"] == code and field in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"duration": 2.5},
+        {"speed": "slowest"},
+        {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": -1}}},
+        {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": "fastest"}}},
+        {
+            "voice": {
+                "mode": "id",
+                "id": "Ada",
+                "__experimental_controls": {"emotion": ["positivity:high", "curiosity"]},
+            }
+        },
+    ],
+)
+def test_cartesia_http_what_cartesia_documents_is_accepted(srv, change):
+    r = _ca_bytes(srv, change)
+    assert r.status_code == 200 and r.content, r.text[:300]
 
 
 def test_stored_pronunciation_dictionaries_reach_every_dialect(srv):

@@ -972,6 +972,14 @@ el_message = st.fixed_dictionaries(
             },
         )
         | anything,
+        # not used, held to ElevenLabs' schedule: a list of numbers each in 50..500
+        "generation_config": st.fixed_dictionaries(
+            {},
+            optional={
+                "chunk_length_schedule": st.lists(st.integers(40, 510) | extreme | anything, max_size=5) | anything
+            },
+        )
+        | anything,
         "pronunciation_dictionary_locators": st.lists(
             st.fixed_dictionaries({"pronunciation_dictionary_id": st.sampled_from(["pd_0000000000000000", "x"])}),
             max_size=2,
@@ -1000,7 +1008,13 @@ ca_unused = {
 }
 ca_voice_controls = (
     st.fixed_dictionaries(
-        {}, optional={"speed": st.sampled_from(["fast", 0.5]) | anything, "emotion": st.just(["positivity"]) | anything}
+        {},
+        optional={
+            # Cartesia's: a name or a number in -1..1; tags "name" or "name:level" of its five names and four levels
+            "speed": st.sampled_from(["fast", "fastest", "warp", 0.5, -1, 1.5]) | extreme | anything,
+            "emotion": st.sampled_from([["positivity"], ["positivity:high", "curiosity"], ["joy"], ["anger:max"]])
+            | anything,
+        },
     )
     | anything
 )
@@ -1008,7 +1022,7 @@ ca_message = st.fixed_dictionaries(
     {},
     optional={
         **ca_unused,
-        "duration": st.just(5) | anything,
+        "duration": st.sampled_from([5, 2.5, 0, -1, 1e6]) | extreme | anything,  # (0, --max-request-audio-s]
         "transcript": short_text | anything,
         "continue": st.booleans() | anything,
         "context_id": dialect_ctx(),
@@ -1035,7 +1049,7 @@ ca_message = st.fixed_dictionaries(
             },
         )
         | anything,
-        "speed": extreme | anything,
+        "speed": st.sampled_from(["slow", "slowest", "warp"]) | extreme | anything,
     },
 )
 dg_message = st.fixed_dictionaries(
@@ -1157,6 +1171,26 @@ ISSUE_21_EMBEDDINGS = [
 @FUZZ_SMALL
 @given(case=dialect_case)
 @example(case=("cartesia", ISSUE_21_EMBEDDINGS))
+# ElevenLabs' schedule out of its range, Cartesia's older controls out of theirs, a duration past ours: refused
+@example(case=("elevenlabs", [{"text": " ", "context_id": "c", "generation_config": {"chunk_length_schedule": [20]}}]))
+@example(
+    case=(
+        "cartesia",
+        [
+            {**VALID_CA, "transcript": "x", "context_id": "d", "duration": 10**400},
+            {**VALID_CA, "transcript": "x", "context_id": "s", "speed": "warp"},
+            {
+                **VALID_CA,
+                "transcript": "x",
+                "voice": {
+                    "mode": "id",
+                    "id": "Fuzzed",
+                    "__experimental_controls": {"speed": 2, "emotion": ["joy:max"]},
+                },
+            },
+        ],
+    )
+)
 # a Clear before any Flush and after every one was answered takes an id of its own (its Cleared repeated id 0)
 @example(case=("deepgram", [{"type": "Clear"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Clear"}]))
 @example(case=("deepgram", [{"type": "Speak", "text": "One. "}, *[{"type": "Flush"}] * 2, {"type": "Clear"}]))
@@ -1669,11 +1703,11 @@ cartesia_values = {
         },
     )
     | anything,
-    "speed": st.sampled_from(["slow", "normal", 1.0]) | anything,
+    "speed": st.sampled_from(["slow", "normal", "fastest", "warp", 1.0]) | anything,
     "context_id": st.text(max_size=140) | anything,
     "add_timestamps": anything,
     "pronunciation_dict_id": st.sampled_from(["pd_0000000000000000", "x"]) | anything,
-    "duration": st.sampled_from([5, 2.5]) | anything,
+    "duration": st.sampled_from([5, 2.5, 0, -1, 1e6]) | extreme | anything,
     # documented and not used: Cartesia's types are checked (ca_unused)
     **ca_unused,
 }
