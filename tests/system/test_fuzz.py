@@ -664,6 +664,7 @@ def voices(fuzz_server) -> dict[str, str]:
 @example(name=12, label=True, t=0.5)
 @example(name="n" * 65, label="n" * 65, t=0.5)
 @example(name="clip\ud800.npy", label=None, t=0.5)  # a file name the voice keeps: it must be valid text
+@example(name="tv null t", label=None, t=None)  # null is t left out (0.5), as /tts/generate's speaker_blend_t
 def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
     """A name or label is a string or nothing: never turned into "12" or "True"; no 5xx; one name rule on every
     route (a name too long is refused, never cut). A speaker's file name is kept in its voice (original_name): one
