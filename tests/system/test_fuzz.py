@@ -854,7 +854,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "mip_opt_out", "zonos_params"],
 }
 
 
@@ -900,6 +900,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
 @example(where=("/v1/speak", {"bit_rate": "-1"}))
+@example(where=("/v1/speak", {"mip_opt_out": "yes"}))
 @example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 @example(where=("/v1/tts/ws", [("sample_rate", "8000"), ("sample_rate", "24000")]))
 @example(where=("/v1/text-to-speech/Fuzzed/stream-input", [("output_format", "pcm_16000"), ("output_format", "")]))
@@ -1786,6 +1787,9 @@ deepgram_query = st.lists(
                 "-1",
                 "²",
                 "",
+                "true",  # (mip_opt_out: a boolean, not used)
+                "False",
+                "yes",
             ]
         ),
     ),
