@@ -873,7 +873,14 @@ def test_elevenlabs_a_schedule_within_elevenlabs_range_is_accepted(srv):
 
 @pytest.mark.parametrize(
     "bad",
-    [{"flush": "true"}, {"flush": 1}, {"close_context": "true"}, {"close_context": 1}, {"close_socket": "yes"}],
+    [
+        {"flush": "true"},
+        {"flush": 1},
+        {"close_context": "true"},
+        {"close_context": 1},
+        {"close_socket": "yes"},
+        {"try_trigger_generation": "true"},  # (ElevenLabs' deprecated switch: not used, but a boolean)
+    ],
 )
 def test_elevenlabs_a_flag_that_is_not_a_boolean_is_refused_not_dropped(srv, bad):
     """flush, close_context and close_socket are JSON booleans: a "true" or a 1 is bad_message naming the field,

@@ -963,6 +963,7 @@ el_message = st.fixed_dictionaries(
         "flush": st.booleans() | anything,
         "close_context": st.booleans() | anything,
         "close_socket": st.just(False) | anything,
+        "try_trigger_generation": st.booleans() | anything,
         "voice_settings": st.fixed_dictionaries(
             {},
             optional={

@@ -241,6 +241,7 @@ class ElevenLabsSession(StreamingSession):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
         flush = check_flag(data, "flush")
         check_generation_config(data.get("generation_config"), G.BAD_MESSAGE)  # (before anything of it is done)
+        check_flag(data, "try_trigger_generation")  # ElevenLabs' deprecated switch: not used (a flush speaks)
         # auto_mode speaks every text as it comes: a flush each
         speak = flush or (self.auto_mode and bool(text))
         if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
