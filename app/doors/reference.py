@@ -22,7 +22,7 @@ from app.io.checks import base64_payload, check_flag, check_number, text_field
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.json_input import check_fields
-from app.voices.library import Voice, parse_embedding_file, slerp
+from app.voices.library import Voice, blend_t, parse_embedding_file, slerp
 from engine.contract.constants import SAMPLE_RATE
 from engine.contract.records import HISTORY
 from engine.frontend.emotion import EMOTION_FIELDS
@@ -194,13 +194,10 @@ async def speaker_source(gw: Gateway, data: dict[str, Any], owner: str) -> Voice
     if any(blend):
         if not all(blend):
             raise RequestError(G.BAD_PARAMS, "a blend needs both speaker_blend_embedding_id_a and _b")
-        t = data.get("speaker_blend_t")
-        t = 0.5 if t is None else t
-        if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
-            raise RequestError(G.BAD_PARAMS, "speaker_blend_t must be in [0, 1]")
+        t = blend_t(data, "speaker_blend_t", G.BAD_PARAMS)
         a, b = (gw.resolve_voice(x, owner) for x in blend)
         assert a is not None and b is not None and a.embedding is not None and b.embedding is not None
-        emb = slerp(a.embedding, b.embedding, float(t))
+        emb = slerp(a.embedding, b.embedding, t)
         return Voice(id="blend", name="blend", owner=owner, source="blend", dim=len(emb), embedding=emb)
     return None
 

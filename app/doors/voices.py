@@ -26,6 +26,7 @@ from app.voices.library import (
     Voice,
     VoiceError,
     VoiceStore,
+    blend_t,
     derived_name,
     parse_embedding_file,
     slerp,
@@ -191,9 +192,7 @@ async def blend_voices(request: Request) -> Response:
     owner = _owner(request)
     data = await read_json(request, BLEND_BODY_BYTES)
     check_fields(data, BLEND_FIELDS, G.BAD_PARAMS)
-    t = data.get("t", 0.5)
-    if isinstance(t, bool) or not isinstance(t, int | float) or not 0 <= t <= 1:
-        raise RequestError(G.BAD_BLEND, "t must be a number in [0, 1]")
+    t = blend_t(data, "t", G.BAD_BLEND)
     if not all(isinstance(data.get(k), str) and data[k] for k in ("a", "b")):
         raise RequestError(G.BAD_BLEND, "a blend needs two voices: 'a' and 'b' (ids or names)")
     a, b = gw.voices.get(data["a"], owner), gw.voices.get(data["b"], owner)
@@ -208,10 +207,8 @@ async def blend_voices(request: Request) -> Response:
         if given is not None and existing.name != name:
             existing = gw.voices.rename(vid, owner, name)
         return JSONResponse(existing.public() | {"deduplicated": True}, status_code=200)
-    emb = slerp(a.embedding, b.embedding, float(t))
-    voice = Voice(
-        id=vid, name=name, owner=owner, source="blend", dim=len(emb), details={"a": a.id, "b": b.id, "t": float(t)}
-    )
+    emb = slerp(a.embedding, b.embedding, t)
+    voice = Voice(id=vid, name=name, owner=owner, source="blend", dim=len(emb), details={"a": a.id, "b": b.id, "t": t})
     stored = await gw.voices.add_off_loop(voice, emb)
     if stored is not voice:  # the same blend, stored first by another request
         return JSONResponse(stored.public() | {"deduplicated": True}, status_code=200)

@@ -79,19 +79,31 @@ def check_types(data: Mapping[str, Any], types: Mapping[str, tuple[type, ...]], 
             raise RequestError(code, f"{prefix}{key} must be {' or '.join(_JSON_TYPES[t] for t in allowed)}")
 
 
+def bounded_number(value: object, name: str, lo: float, hi: float, code: str, lo_open: bool = False) -> float:
+    """`value` as a JSON number (not a boolean), finite and within lo..hi (above lo, never at it, when `lo_open`:
+    a length of 0 s), else RequestError(code) naming it (`name`) and its range."""
+    number = value if not isinstance(value, bool) and isinstance(value, int | float) and finite(value) else None
+    if number is not None and (lo < number if lo_open else lo <= number) and number <= hi:
+        return float(number)
+    span = f"above {lo:g}, up to {hi:g}" if lo_open else f"in {lo:g}..{hi:g}"
+    raise RequestError(code, f"{name} must be a number {span}, not {str(value)[:40]!r}")
+
+
 def check_number(
-    data: Mapping[str, Any], key: str, lo: float, hi: float, code: str = G.BAD_PARAMS, prefix: str = ""
+    data: Mapping[str, Any],
+    key: str,
+    lo: float,
+    hi: float,
+    code: str = G.BAD_PARAMS,
+    prefix: str = "",
+    lo_open: bool = False,
 ) -> float | None:
     """A number field bounded to its vendor's documented range (ElevenLabs' `voice_settings.stability`, 0..1;
-    Cartesia's `generation_config.volume`, 0.5..2), read or not: None when absent or null, else a JSON number (not a
-    boolean), finite and within lo..hi, else RequestError(code) naming it (`prefix`: where the object sits) and its
-    range. A type check alone took 1e308 or -5 as the vendor would not, and ignored it in silence."""
+    Cartesia's `generation_config.volume`, 0.5..2), read or not: None when absent or null, else `bounded_number`
+    (`prefix`: where the object sits). A type check alone took 1e308 or -5 as the vendor would not, and ignored it
+    in silence."""
     value = data.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not finite(value) or not lo <= value <= hi:
-        raise RequestError(code, f"{prefix}{key} must be a number in {lo:g}..{hi:g}, not {str(value)[:40]!r}")
-    return float(value)
+    return None if value is None else bounded_number(value, prefix + key, lo, hi, code, lo_open)
 
 
 def whole_number(value: object) -> int | None:

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, cast
 
 import numpy as np
 
+from app.io.checks import check_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from engine.contract.records import EMBEDDING_ABS_MAX, embedding_in_bounds
@@ -214,6 +215,17 @@ def parse_embedding_file(data: bytes, dim: int) -> np.ndarray:
     if not embedding_in_bounds(arr):
         raise VoiceError(G.BAD_EMBEDDING, EMBEDDING_VALUES)
     return np.array(arr, dtype=np.float32)  # a writable copy, not a view of the upload
+
+
+BLEND_T = 0.5  # a blend's position between its two voices when the request leaves it out
+
+
+def blend_t(data: dict[str, Any], key: str, code: str) -> float:
+    """A blend's position between its voices, `data[key]` (`/v1/voices/blend`'s `t`, `/tts/generate`'s
+    `speaker_blend_t`): a number in 0..1, else RequestError(code); left out or null, BLEND_T (null is the field left
+    out, on both routes: `"t": null` was refused by one and halfway on the other)."""
+    t = check_number(data, key, 0, 1, code)
+    return BLEND_T if t is None else t
 
 
 def slerp(a: np.ndarray, b: np.ndarray, t: float) -> np.ndarray:

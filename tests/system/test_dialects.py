@@ -832,8 +832,55 @@ def test_elevenlabs_voice_settings_out_of_elevenlabs_ranges_are_refused(srv, set
 
 
 @pytest.mark.parametrize(
+    "config, code",
+    [
+        ({"chunk_length_schedule": [20]}, "bad_params"),
+        ({"chunk_length_schedule": [120, 501]}, "bad_params"),
+        ({"chunk_length_schedule": ["120"]}, "bad_params"),
+        ({"chunk_length_schedule": [True]}, "bad_params"),
+        ({"chunk_length_schedule": [10**400]}, "bad_params"),
+        ({"chunk_length_schedule": 120}, "bad_params"),
+        ("fast", "bad_message"),
+    ],
+)
+def test_elevenlabs_generation_config_is_held_to_elevenlabs_schedule(srv, config, code):
+    """`generation_config.chunk_length_schedule` paces nothing here (sentences are cut as on our own socket), but
+    ElevenLabs takes only a list of numbers each in 50..500: anything else is refused here as there, naming the
+    field (it was ignored whatever it held: a client learned of its bug only on ElevenLabs); the socket goes on."""
+    err, log = _el_refused_then_good(
+        srv, {"text": "Nope. ", "context_id": "bad", "generation_config": config, "flush": True}
+    )
+    assert err.get("error") == code and "generation_config" in err["message"], err
+    assert err.get("contextId") == "bad" and el_audio(log, "good") and not el_audio(log, "bad"), log
+
+
+def test_elevenlabs_a_schedule_within_elevenlabs_range_is_accepted(srv):
+    """LiveKit's plugin sends a schedule on every context's first message: one within 50..500 opens it."""
+
+    async def go():
+        ws = await el_connect(el_url(srv, auto_mode=False))
+        config = {"chunk_length_schedule": [50, 120.0, 500]}
+        await ws.send(json.dumps({"text": " ", "context_id": "a", "generation_config": config}))
+        await ws.send(json.dumps({"text": "Hello there. ", "context_id": "a", "flush": True, "close_context": True}))
+        log: list[dict[str, Any]] = []
+        await el_until_final(ws, "a", log)
+        await ws.close()
+        return log
+
+    log = run(go())
+    assert el_audio(log, "a") and not [m for m in log if "error" in m], log
+
+
+@pytest.mark.parametrize(
     "bad",
-    [{"flush": "true"}, {"flush": 1}, {"close_context": "true"}, {"close_context": 1}, {"close_socket": "yes"}],
+    [
+        {"flush": "true"},
+        {"flush": 1},
+        {"close_context": "true"},
+        {"close_context": 1},
+        {"close_socket": "yes"},
+        {"try_trigger_generation": "true"},  # (ElevenLabs' deprecated switch: not used, but a boolean)
+    ],
 )
 def test_elevenlabs_a_flag_that_is_not_a_boolean_is_refused_not_dropped(srv, bad):
     """flush, close_context and close_socket are JSON booleans: a "true" or a 1 is bad_message naming the field,
@@ -1529,6 +1576,15 @@ def test_cartesia_a_whole_number_sent_as_a_float_is_that_integer(srv):
         ({"generation_config": {"volume": 5}}, "bad_message"),
         ({"generation_config": {"volume": -1e300}}, "bad_message"),
         ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": ["fast"]}}, "bad_message"),
+        # ... and the ranges Cartesia documents (they were ignored whatever number or name they held)
+        ({"duration": 0}, "bad_message"),
+        ({"duration": -5}, "bad_message"),
+        ({"duration": 10**400}, "bad_message"),
+        ({"speed": "warp"}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": 2}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": "faster"}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": ["joy"]}}}, "bad_message"),
+        ({"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": [3]}}}, "bad_message"),
     ],
 )
 def test_cartesia_errors_name_the_context_and_the_socket_goes_on(srv, change, code):
@@ -1969,6 +2025,10 @@ def test_deepgram_browser_subprotocol_auth_and_refusals(srv):
         ("bit_rate=nan", "INVALID_QUERY_PARAMETER"),
         ("bit_rate=1e400", "INVALID_QUERY_PARAMETER"),
         ("bit_rate=48000&bit_rate=32000", "INVALID_QUERY_PARAMETER"),
+        # ?mip_opt_out, not used, was taken whatever it held: the boolean Deepgram takes
+        ("mip_opt_out=maybe", "INVALID_QUERY_PARAMETER"),
+        ("mip_opt_out=1", "INVALID_QUERY_PARAMETER"),
+        ("mip_opt_out=true&mip_opt_out=false", "INVALID_QUERY_PARAMETER"),
     ],
 )
 def test_deepgram_bad_numbers_in_the_url_are_refused(srv, query, code):
@@ -2063,6 +2123,25 @@ def test_deepgram_http_speed_is_checked_whatever_the_model(srv, speed, status, c
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["err_code"] == code and "speed" in r.json()["err_msg"], r.text
+
+
+@pytest.mark.parametrize(
+    "query, status",
+    [("mip_opt_out=yes", 400), ("mip_opt_out=", 400), ("mip_opt_out=true", 200), ("mip_opt_out=False", 200)],
+)
+def test_deepgram_mip_opt_out_is_the_boolean_deepgram_takes(srv, query, status):
+    """?mip_opt_out (Deepgram's model-improvement opt-out, a boolean) has no counterpart here and is not used, but a
+    value Deepgram would refuse is refused naming it, on the REST route as on the socket (it was taken whatever it
+    held)."""
+    r = httpx.post(
+        f"{srv.url}/v1/speak?model=Ada&container=none&{query}&zonos_params={params(FAST)}",
+        json={"text": "Hello there."},
+        headers={"Authorization": f"Token {KEY}"},
+        timeout=120,
+    )
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["err_code"] == "INVALID_QUERY_PARAMETER" and "mip_opt_out" in r.json()["err_msg"], r.text
 
 
 @pytest.mark.parametrize("bit_rate, status", [("-1", 400), ("nan", 400), ("1" + "0" * 400, 400), ("48000", 200)])
@@ -2331,10 +2410,10 @@ def test_cartesia_http_volume_is_held_to_cartesias_range(volume):
     from app.doors.dialects.cartesia import check_unused
     from app.io.errors import RequestError
 
-    check_unused({"generation_config": {"volume": 0.5}}, "bad_params")
-    check_unused({"generation_config": {"volume": 2}}, "bad_params")
+    check_unused({"generation_config": {"volume": 0.5}}, "bad_params", 900.0)
+    check_unused({"generation_config": {"volume": 2}}, "bad_params", 900.0)
     with pytest.raises(RequestError) as e:
-        check_unused({"generation_config": {"volume": volume}}, "bad_params")
+        check_unused({"generation_config": {"volume": volume}}, "bad_params", 900.0)
     assert e.value.code == "bad_params" and "generation_config.volume" in str(e.value), str(e.value)
 
 
@@ -2386,6 +2465,77 @@ def test_a_tag_cut_at_the_end_of_an_http_text_is_bad_text_on_every_route(srv, ro
         assert repr(tag) in message(r.json()) and "no text can complete" in message(r.json()), r.text
     r = httpx.post(srv.url + url, headers=headers, json=body("So a < b and x<3"), timeout=120)
     assert r.status_code == 200, r.text
+
+
+def _ca_bytes(srv, change: dict[str, Any]) -> httpx.Response:
+    """POST /tts/bytes: a short request with `change` in its body."""
+    return httpx.post(
+        f"{srv.url}/tts/bytes?zonos_params={params(FAST)}",
+        headers={"X-API-Key": KEY, "Cartesia-Version": "2026-03-01"},
+        json={**json.loads(ca_request("h", "Hello there.", False)), **change},
+        timeout=120,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, field, code",
+    [
+        ({"duration": 0}, "duration", "bad_params"),
+        ({"duration": -1}, "duration", "bad_params"),
+        ({"duration": 1e6}, "duration", "bad_params"),  # past --max-request-audio-s: no request of ours is that long
+        ({"duration": True}, "duration", "bad_params"),
+        ({"speed": "warp"}, "speed", "bad_params"),
+        # (a `voice` refusal is bad_message on every Cartesia route)
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": -1.5}}},
+            "controls.speed",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": True}}},
+            "controls.speed",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": "anger"}}},
+            "emotion",
+            "bad_message",
+        ),
+        (
+            {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"emotion": ["anger:max"]}}},
+            "emotion",
+            "bad_message",
+        ),
+    ],
+)
+def test_cartesia_http_unused_fields_are_held_to_cartesias_ranges(srv, change, field, code):
+    """`duration` (the most seconds of audio: positive, and within what one request of ours may speak), the older
+    top-level speed's names and `voice.__experimental_controls` (a speed name or a number in -1..1, emotions
+    `name[:level]` of Cartesia's five names and four levels) are not used, but refused as Cartesia refuses them,
+    naming the field; they were taken whatever they held."""
+    r = _ca_bytes(srv, change)
+    assert r.status_code == 400 and r.json()["title"] == code and field in r.json()["message"], r.text
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"duration": 2.5},
+        {"speed": "slowest"},
+        {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": -1}}},
+        {"voice": {"mode": "id", "id": "Ada", "__experimental_controls": {"speed": "fastest"}}},
+        {
+            "voice": {
+                "mode": "id",
+                "id": "Ada",
+                "__experimental_controls": {"emotion": ["positivity:high", "curiosity"]},
+            }
+        },
+    ],
+)
+def test_cartesia_http_what_cartesia_documents_is_accepted(srv, change):
+    r = _ca_bytes(srv, change)
+    assert r.status_code == 200 and r.content, r.text[:300]
 
 
 def test_stored_pronunciation_dictionaries_reach_every_dialect(srv):

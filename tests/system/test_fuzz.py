@@ -676,6 +676,7 @@ def voices(fuzz_server) -> dict[str, str]:
 @example(name=12, label=True, t=0.5)
 @example(name="n" * 65, label="n" * 65, t=0.5)
 @example(name="clip\ud800.npy", label=None, t=0.5)  # a file name the voice keeps: it must be valid text
+@example(name="tv null t", label=None, t=None)  # null is t left out (0.5), as /tts/generate's speaker_blend_t
 def test_fuzz_voice_names(fuzz_server, voices, name, label, t):
     """A name or label is a string or nothing: never turned into "12" or "True"; no 5xx; one name rule on every
     route (a name too long is refused, never cut). A speaker's file name is kept in its voice (original_name): one
@@ -865,7 +866,7 @@ SOCKETS = {  # path -> the query keys it reads
         "language_code",
     ],
     "/tts/websocket": ["cartesia_version", "zonos_params"],
-    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "zonos_params"],
+    "/v1/speak": ["model", "encoding", "sample_rate", "speed", "bit_rate", "mip_opt_out", "zonos_params"],
 }
 
 
@@ -911,6 +912,7 @@ def check_refusal(resp: Any) -> None:
 @example(where=("/v1/text-to-speech/Fuzzed/multi-stream-input", {"output_format": "pcm_²", "seed": "²"}))
 @example(where=("/v1/speak", {"zonos_params": '{"temperature": 1e39}'}))
 @example(where=("/v1/speak", {"bit_rate": "-1"}))
+@example(where=("/v1/speak", {"mip_opt_out": "yes"}))
 @example(where=("/v1/speak", [("sample_rate", "8000"), ("sample_rate", "24000")]))  # a repeated setting
 @example(where=("/v1/tts/ws", [("sample_rate", "8000"), ("sample_rate", "24000")]))
 @example(where=("/v1/text-to-speech/Fuzzed/stream-input", [("output_format", "pcm_16000"), ("output_format", "")]))
@@ -973,6 +975,7 @@ el_message = st.fixed_dictionaries(
         "flush": st.booleans() | anything,
         "close_context": st.booleans() | anything,
         "close_socket": st.just(False) | anything,
+        "try_trigger_generation": st.booleans() | anything,
         "voice_settings": st.fixed_dictionaries(
             {},
             optional={
@@ -981,6 +984,14 @@ el_message = st.fixed_dictionaries(
                 "similarity_boost": st.floats(0, 1) | anything,
                 "style": st.floats(0, 1) | anything,
                 "use_speaker_boost": st.booleans() | anything,
+            },
+        )
+        | anything,
+        # not used, held to ElevenLabs' schedule: a list of numbers each in 50..500
+        "generation_config": st.fixed_dictionaries(
+            {},
+            optional={
+                "chunk_length_schedule": st.lists(st.integers(40, 510) | extreme | anything, max_size=5) | anything
             },
         )
         | anything,
@@ -1012,7 +1023,13 @@ ca_unused = {
 }
 ca_voice_controls = (
     st.fixed_dictionaries(
-        {}, optional={"speed": st.sampled_from(["fast", 0.5]) | anything, "emotion": st.just(["positivity"]) | anything}
+        {},
+        optional={
+            # Cartesia's: a name or a number in -1..1; tags "name" or "name:level" of its five names and four levels
+            "speed": st.sampled_from(["fast", "fastest", "warp", 0.5, -1, 1.5]) | extreme | anything,
+            "emotion": st.sampled_from([["positivity"], ["positivity:high", "curiosity"], ["joy"], ["anger:max"]])
+            | anything,
+        },
     )
     | anything
 )
@@ -1020,7 +1037,7 @@ ca_message = st.fixed_dictionaries(
     {},
     optional={
         **ca_unused,
-        "duration": st.just(5) | anything,
+        "duration": st.sampled_from([5, 2.5, 0, -1, 1e6]) | extreme | anything,  # (0, --max-request-audio-s]
         "transcript": short_text | anything,
         "continue": st.booleans() | anything,
         "context_id": dialect_ctx(),
@@ -1047,7 +1064,7 @@ ca_message = st.fixed_dictionaries(
             },
         )
         | anything,
-        "speed": extreme | anything,
+        "speed": st.sampled_from(["slow", "slowest", "warp"]) | extreme | anything,
     },
 )
 dg_message = st.fixed_dictionaries(
@@ -1169,6 +1186,26 @@ ISSUE_21_EMBEDDINGS = [
 @FUZZ_SMALL
 @given(case=dialect_case)
 @example(case=("cartesia", ISSUE_21_EMBEDDINGS))
+# ElevenLabs' schedule out of its range, Cartesia's older controls out of theirs, a duration past ours: refused
+@example(case=("elevenlabs", [{"text": " ", "context_id": "c", "generation_config": {"chunk_length_schedule": [20]}}]))
+@example(
+    case=(
+        "cartesia",
+        [
+            {**VALID_CA, "transcript": "x", "context_id": "d", "duration": 10**400},
+            {**VALID_CA, "transcript": "x", "context_id": "s", "speed": "warp"},
+            {
+                **VALID_CA,
+                "transcript": "x",
+                "voice": {
+                    "mode": "id",
+                    "id": "Fuzzed",
+                    "__experimental_controls": {"speed": 2, "emotion": ["joy:max"]},
+                },
+            },
+        ],
+    )
+)
 # a Clear before any Flush and after every one was answered takes an id of its own (its Cleared repeated id 0)
 @example(case=("deepgram", [{"type": "Clear"}, {"type": "Flush"}, {"type": "Clear"}, {"type": "Clear"}]))
 @example(case=("deepgram", [{"type": "Speak", "text": "One. "}, *[{"type": "Flush"}] * 2, {"type": "Clear"}]))
@@ -1681,11 +1718,11 @@ cartesia_values = {
         },
     )
     | anything,
-    "speed": st.sampled_from(["slow", "normal", 1.0]) | anything,
+    "speed": st.sampled_from(["slow", "normal", "fastest", "warp", 1.0]) | anything,
     "context_id": st.text(max_size=140) | anything,
     "add_timestamps": anything,
     "pronunciation_dict_id": st.sampled_from(["pd_0000000000000000", "x"]) | anything,
-    "duration": st.sampled_from([5, 2.5]) | anything,
+    "duration": st.sampled_from([5, 2.5, 0, -1, 1e6]) | extreme | anything,
     # documented and not used: Cartesia's types are checked (ca_unused)
     **ca_unused,
 }
@@ -1763,6 +1800,9 @@ deepgram_query = st.lists(
                 "-1",
                 "²",
                 "",
+                "true",  # (mip_opt_out: a boolean, not used)
+                "False",
+                "yes",
             ]
         ),
     ),

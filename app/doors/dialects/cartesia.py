@@ -56,11 +56,12 @@ from engine.contract.records import embedding_in_bounds
 
 # fields of a generation request (the socket's and the HTTP routes') that are accepted and not used, with the JSON
 # types Cartesia documents (checked: a `"model_id": 3` is refused as Cartesia refuses it, never ignored in silence).
-# `speed` is its older field, a number (read: language_and_speed) or a name ("slow"); pipecat sends
+# `speed` is its older field, a number (read: language_and_speed) or one of SPEED_NAMES; pipecat sends
 # `use_original_timestamps`. `add_timestamps` is a flag (check_flag), read on the socket and not on the HTTP routes.
+# `duration` (the most seconds of audio Cartesia makes, cutting the rest) is a number above 0, and within what one
+# request of ours may speak (--max-request-audio-s): check_unused.
 _UNUSED: dict[str, tuple[type, ...]] = {
     "model_id": (str,),
-    "duration": (float,),
     "speed": (float, str),
     "add_phoneme_timestamps": (bool,),
     "use_normalized_timestamps": (bool,),
@@ -68,8 +69,13 @@ _UNUSED: dict[str, tuple[type, ...]] = {
 }
 _UNUSED_GENERATION_CONFIG: dict[str, tuple[type, ...]] = {"emotion": (str,)}
 VOLUME_RANGE = (0.5, 2.0)  # generation_config.volume, Cartesia's documented range (not used: check_unused)
-# voice.__experimental_controls (older LiveKit plugins): a speed (a name or a number) and a list of emotions
-_UNUSED_VOICE_CONTROLS: dict[str, tuple[type, ...]] = {"speed": (float, str), "emotion": (list,)}
+# Cartesia's older, deprecated speed and emotion controls (not used): the named speeds of the top-level `speed` and of
+# voice.__experimental_controls (older LiveKit plugins), whose `speed` may also be a number in CONTROL_SPEED_RANGE (0:
+# the default) and whose `emotion` is a list of tags, "name" or "name:level"
+SPEED_NAMES = ("slowest", "slow", "normal", "fast", "fastest")
+CONTROL_SPEED_RANGE = (-1.0, 1.0)
+EMOTION_NAMES = ("anger", "positivity", "surprise", "sadness", "curiosity")
+EMOTION_LEVELS = ("lowest", "low", "high", "highest")
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
@@ -210,7 +216,7 @@ class CartesiaSession(StreamingSession):
         transcript = data.get("transcript")
         if not isinstance(transcript, str):
             raise RequestError(G.BAD_MESSAGE, "transcript must be a string")
-        check_unused(data, G.BAD_MESSAGE)  # every request's (pipecat repeats model_id on each)
+        check_unused(data, G.BAD_MESSAGE, self.gw.settings.limits.max_request_audio_s)  # (pipecat repeats model_id)
         cont = check_flag(data, "continue")
         flush = check_flag(data, "flush")
         ctx = ctx or "ctx_" + secrets.token_hex(8)
@@ -418,15 +424,53 @@ def pronunciation_dict(data: dict[str, Any]) -> list[str] | None:
     return [pid]
 
 
-def check_unused(data: dict[str, Any], code: str) -> None:
+def check_unused(data: dict[str, Any], code: str, max_audio_s: float) -> None:
     """A generation request's fields that are not used hold Cartesia's types (check_types) and ranges, else `code`
-    (the socket's bad_message, the HTTP routes' bad_params). `generation_config` that is no object is refused
-    by language_and_speed."""
+    (the socket's bad_message, the HTTP routes' bad_params); `duration` within (0, max_audio_s] (a request of ours
+    never speaks longer). `generation_config` that is no object is refused by language_and_speed,
+    `voice.__experimental_controls` by voice_of (check_voice_controls)."""
     check_types(data, _UNUSED, code)
+    _check_speed_name(data.get("speed"), "speed", code)
+    check_number(data, "duration", 0, max_audio_s, code, lo_open=True)
     config = data.get("generation_config")
     if isinstance(config, dict):
         check_types(config, _UNUSED_GENERATION_CONFIG, code, "generation_config.")
         check_number(config, "volume", *VOLUME_RANGE, code, "generation_config.")
+
+
+def _check_speed_name(value: Any, name: str, code: str) -> None:
+    """A named speed of Cartesia's older controls (a number is checked where it is read)."""
+    if isinstance(value, str) and value not in SPEED_NAMES:
+        raise RequestError(code, f"{name} must be a number or one of {', '.join(SPEED_NAMES)}, not {value[:40]!r}")
+
+
+def check_voice_controls(controls: Any, code: str) -> None:
+    """`voice.__experimental_controls` (Cartesia's deprecated controls, older LiveKit plugins; not used), held to what
+    Cartesia documents, else `code` naming the field: an object; `speed` one of SPEED_NAMES or a number in -1..1;
+    `emotion` a list of tags, each an emotion name alone or "name:level". Any name or number was taken."""
+    check_types({"__experimental_controls": controls}, {"__experimental_controls": (dict,)}, code, "voice.")
+    if controls is None:
+        return
+    where = "voice.__experimental_controls."
+    speed = controls.get("speed")
+    if isinstance(speed, str):
+        _check_speed_name(speed, where + "speed", code)
+    else:
+        check_number(controls, "speed", *CONTROL_SPEED_RANGE, code, where)
+    emotion = controls.get("emotion")
+    if emotion is None:
+        return
+    if not isinstance(emotion, list) or not all(isinstance(tag, str) and _emotion_tag(tag) for tag in emotion):
+        raise RequestError(
+            code,
+            f"{where}emotion must be a list of tags: one of {', '.join(EMOTION_NAMES)}, alone or followed by "
+            f"':' and one of {', '.join(EMOTION_LEVELS)} (\"positivity:high\")",
+        )
+
+
+def _emotion_tag(tag: str) -> bool:
+    name, colon, level = tag.partition(":")
+    return name in EMOTION_NAMES and (not colon or level in EMOTION_LEVELS)
 
 
 def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:
@@ -462,10 +506,8 @@ def voice_of(gw: Gateway, owner: str, spec: Any) -> Voice | None:
     or `{"mode": "embedding", "embedding"}`, a ZONOS2 speaker embedding."""
     if not isinstance(spec, dict):
         raise RequestError(G.BAD_MESSAGE, 'voice must be an object: {"mode": "id", "id": ...}')
-    controls = spec.get("__experimental_controls")  # not used (older LiveKit plugins' speed and emotions)
-    check_types(spec, {"__experimental_controls": (dict,)}, G.BAD_MESSAGE, "voice.")
-    if controls is not None:
-        check_types(controls, _UNUSED_VOICE_CONTROLS, G.BAD_MESSAGE, "voice.__experimental_controls.")
+    # not used (older LiveKit plugins'); bad_message as every `voice` refusal, on the HTTP routes too
+    check_voice_controls(spec.get("__experimental_controls"), G.BAD_MESSAGE)
     mode = spec.get("mode", "id")
     if mode == "id":
         ref = spec.get("id")

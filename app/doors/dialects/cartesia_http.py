@@ -13,8 +13,8 @@
 Body as on the WebSocket (app/doors/dialects/cartesia.py): `transcript`, `voice` (`{"mode": "id", "id"}`, one of
 our voices, or `{"mode": "embedding", "embedding"}` of 2048 numbers), `output_format`, `language`,
 `generation_config.speed` (or a numeric `speed`), `pronunciation_dict_id` (one of our stored dictionaries);
-`model_id`, `duration`, `generation_config.volume` / `emotion` and the timestamp switches are accepted and not
-used (held to Cartesia's types: check_unused). Auth:
+`model_id`, `duration`, `generation_config.volume` / `emotion`, the older speed names and controls and the timestamp
+switches are accepted and not used (held to Cartesia's types and ranges: check_unused, check_voice_controls). Auth:
 `X-API-Key` or `Authorization: Bearer`; `Cartesia-Version` is accepted and not checked. Errors:
 `{"error", "title", "message", "status_code"}`.
 """
@@ -72,7 +72,7 @@ def _format(spec: Any, containers: tuple[str, ...]) -> OutputFormat:
 
 
 async def _options(gw: Gateway, request: Request, data: dict[str, Any], owner: str) -> SynthesisOptions:
-    check_unused(data, G.BAD_PARAMS)
+    check_unused(data, G.BAD_PARAMS, gw.settings.limits.max_request_audio_s)
     check_flag(data, "add_timestamps", G.BAD_PARAMS)  # checked as on the socket, not used (no timestamps here)
     lang, speed = language_and_speed(data, G.BAD_PARAMS)
     opts = dialect_options(gw, request.query_params, language=lang, speed=speed)

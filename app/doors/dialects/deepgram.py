@@ -36,19 +36,36 @@ from app.io.errors import RequestError
 from app.io.query_input import check_single, query_fraction, query_int
 
 # The query settings a connection or a request reads (its socket's and its HTTP route's): each one given twice
-# with different values is refused (the last was taken in silence). `tag` and `mip_opt_out` are not read, and
-# Deepgram takes `tag` more than once; `bit_rate` is checked and not used (check_bit_rate).
-QUERY_KEYS = ("model", "encoding", "container", "sample_rate", "speed", "bit_rate", "callback", "zonos_params")
+# with different values is refused (the last was taken in silence). `tag` is not read, and Deepgram takes it more
+# than once; `bit_rate` and `mip_opt_out` are checked and not used (check_unused_query).
+QUERY_KEYS = (
+    "model",
+    "encoding",
+    "container",
+    "sample_rate",
+    "speed",
+    "bit_rate",
+    "mip_opt_out",
+    "callback",
+    "zonos_params",
+)
 # Deepgram's raw encodings (its socket's and its HTTP route's), and their default rates
 ENCODINGS = {"linear16": "pcm_s16le", "mulaw": "mulaw", "alaw": "alaw"}
 DEFAULT_RATE = {"linear16": 24000, "mulaw": G711_RATE, "alaw": G711_RATE}
 
 
-def check_bit_rate(query: Mapping[str, str]) -> None:
-    """`?bit_rate` (the socket's and the HTTP route's) is not used (our raw samples have none, and our compressed
-    encodings keep Deepgram's fixed rates), but it is the integer Deepgram takes: ASCII digits (query_int), else
-    INVALID_QUERY_PARAMETER. It was taken whatever it held (`-1`, `nan`, `1e400`)."""
+def check_unused_query(query: Mapping[str, str]) -> None:
+    """The URL settings (the socket's and the HTTP route's) that are not used, held to what Deepgram takes, else
+    INVALID_QUERY_PARAMETER naming them; each was taken whatever it held. `?bit_rate` (our raw samples have none, our
+    compressed encodings keep Deepgram's fixed rates) is an integer: ASCII digits (query_int; `-1`, `nan`, `1e400`
+    were taken); `?mip_opt_out` (the opt-out of Deepgram's model improvement program: nothing of ours is kept to
+    improve a model) is a boolean, `true` or `false` in any case (`yes`, `1` were taken)."""
     query_int(query, "bit_rate", G.DEEPGRAM_INVALID_QUERY_PARAMETER)
+    opt_out = query.get("mip_opt_out")
+    if opt_out is not None and opt_out.lower() not in ("true", "false"):
+        raise RequestError(
+            G.DEEPGRAM_INVALID_QUERY_PARAMETER, f"mip_opt_out must be true or false, not {opt_out[:40]!r}"
+        )
 
 
 class DeepgramSession(StreamingSession):
@@ -58,7 +75,7 @@ class DeepgramSession(StreamingSession):
         super().__init__(ws, gw, owner)
         q = ws.query_params
         check_single(q, QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
-        check_bit_rate(q)
+        check_unused_query(q)
         # ?speed (Deepgram's socket takes it as its REST route does): a number as a URL writes one, then its bounds
         self.opts = dialect_options(gw, q, speed=query_fraction(q, "speed", G.DEEPGRAM_INVALID_QUERY_PARAMETER))
         name = (q.get("encoding") or "linear16").lower()

@@ -6,9 +6,9 @@ Body `{"text"}`. Query: `model` (one of our voices; without it the model's own v
 (`linear16` default, `mulaw`, `alaw`, `mp3`, `opus`, `flac`, `aac`), `container` (`wav`, the default for the
 sample encodings, with 'unknown length' sizes as every streamed WAV; `none` for raw samples; `ogg` for opus),
 `sample_rate` (linear16 24000 by default, G.711 8000, FLAC 48000; MP3 and AAC are 22050 and Opus 48000, as
-on Deepgram), `speed` (our speed); `bit_rate` (ASCII digits), `mip_opt_out` and `tag` are accepted and not used;
-`callback` is refused (the audio is the answer). Auth: `Authorization: Token KEY` (or Bearer). The audio streams as it
-is generated. Errors: `{"err_code", "err_msg", "request_id"}`.
+on Deepgram), `speed` (our speed); `bit_rate` (ASCII digits), `mip_opt_out` (true or false) and `tag` are accepted
+and not used; `callback` is refused (the audio is the answer). Auth: `Authorization: Token KEY` (or Bearer). The
+audio streams as it is generated. Errors: `{"err_code", "err_msg", "request_id"}`.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ async def speak(request: Request) -> Response:
     gw, owner, data = await open_request(request)
     q = request.query_params
     check_single(q, deepgram.QUERY_KEYS, G.DEEPGRAM_INVALID_QUERY_PARAMETER)
-    deepgram.check_bit_rate(q)
+    deepgram.check_unused_query(q)
     if q.get("callback"):
         raise RequestError(G.DEEPGRAM_INVALID_QUERY_PARAMETER, "callback is not supported: the audio is the response")
     fmt = http_format(q)

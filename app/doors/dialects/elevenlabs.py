@@ -19,7 +19,8 @@ maps onto our encoders, and the other URL options with a fixed set of values are
 every text message
 as it comes (the client sends whole sentences), otherwise sentences are cut as on our own socket.
 `voice_settings.speed` maps to our speed; stability, similarity_boost, style and use_speaker_boost have no
-counterpart and are ignored (held to ElevenLabs' ranges: voice_settings_speed). Every audio message carries
+counterpart and are ignored (held to ElevenLabs' ranges: voice_settings_speed), as is `generation_config` (its
+`chunk_length_schedule` held to ElevenLabs' range: check_generation_config). Every audio message carries
 `alignment` (and the same as `normalizedAlignment`):
 the characters of the words its audio completes, with estimated times (app/core/timestamps.py), in ms from the
 message's first sample (ElevenLabs' WebSocket: timecodes restart with each message; pipecat adds them up), or
@@ -47,7 +48,7 @@ from app.core.utterance import Utterance
 from app.doors.dialects.common import MAX_CONTEXTS, QUIET_S, dialect_options, forget_idle
 from app.doors.handshake import serve
 from app.io.audio_output import OutputFormat
-from app.io.checks import check_context_id, check_flag, check_number
+from app.io.checks import bounded_number, check_context_id, check_flag, check_number
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
 from app.io.query_input import check_single, query_int
@@ -120,6 +121,28 @@ def voice_settings_speed(settings: Any, code: str) -> Any:
         check_number(settings, key, 0, 1, G.BAD_PARAMS, "voice_settings.")
     check_flag(settings, "use_speaker_boost", G.BAD_PARAMS)
     return settings.get("speed")
+
+
+# generation_config.chunk_length_schedule: each item is a count of characters in ElevenLabs' documented range
+CHUNK_LENGTH_RANGE = (50, 500)
+
+
+def check_generation_config(config: Any, code: str) -> None:
+    """ElevenLabs' `generation_config` (the sockets' messages): ignored (no character schedule paces our sentences:
+    they are cut as on our own socket, or spoken as they come with auto_mode), but held to what ElevenLabs takes: an
+    object (else `code`) whose `chunk_length_schedule` is a list of numbers each in 50..500 (else bad_params naming
+    it). A schedule ElevenLabs refuses ([20], ["120"]) was ignored here, so a client learned of its bug only there."""
+    if config is None:
+        return
+    if not isinstance(config, dict):
+        raise RequestError(code, "generation_config must be an object")
+    schedule = config.get("chunk_length_schedule")
+    if schedule is None:
+        return
+    if not isinstance(schedule, list):
+        raise RequestError(G.BAD_PARAMS, "generation_config.chunk_length_schedule must be a list of numbers")
+    for i, item in enumerate(schedule):
+        bounded_number(item, f"generation_config.chunk_length_schedule[{i}]", *CHUNK_LENGTH_RANGE, G.BAD_PARAMS)
 
 
 def _flag(value: str | None) -> bool:
@@ -217,6 +240,8 @@ class ElevenLabsSession(StreamingSession):
         if text is not None and not isinstance(text, str):
             raise RequestError(G.BAD_MESSAGE, "text must be a string")
         flush = check_flag(data, "flush")
+        check_generation_config(data.get("generation_config"), G.BAD_MESSAGE)  # (before anything of it is done)
+        check_flag(data, "try_trigger_generation")  # ElevenLabs' deprecated switch: not used (a flush speaks)
         # auto_mode speaks every text as it comes: a flush each
         speak = flush or (self.auto_mode and bool(text))
         if close and not speak:  # text that is not spoken is dropped by the close: nothing to open for it
