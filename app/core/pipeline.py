@@ -228,17 +228,23 @@ class UtterancePipeline:
         return added
 
     def prefetch(self) -> None:
-        """Keep the first `depth` utterances generating: the one playing and the next ones. The utterances of
-        a continuation chain all start: each generates only once the one before it has (app/core/continuation.py),
-        and the one before cannot end its audio until the next continues its stream (or it is flushed). Without
-        `may_start`'s leave, only the links of a chain already started start (the turn in progress goes on)."""
+        """Keep the first `depth` utterances generating: the one playing and the next ones. The later links of a
+        continuation chain already started start too, wherever they stand: each generates only once the one before it
+        has (app/core/continuation.py), and the one before cannot end its audio until the next continues its stream
+        (or it is flushed). A chain's first link waits for its place within `depth` like any utterance: our socket
+        plays every context in one lane, and a sentence in each of N contexts (N chains) started all N at once, past
+        --max-inflight-per-session. Without `may_start`'s leave, only the links of a chain already started start (the
+        turn in progress goes on)."""
         free = self.may_start is None or self.may_start(self)
         running = {id(u.chain) for u in self.queue if u.start_task is not None and u.chain is not None}
         for i, u in enumerate(self.queue):
-            if u.start_task is None and u.silence_s is None and (i < self.depth or u.chain is not None):
-                if not free and id(u.chain) not in running:
-                    continue
+            if u.start_task is not None or u.silence_s is not None:
+                continue
+            going_on = u.chain is not None and id(u.chain) in running  # a later link of a chain started
+            if (i < self.depth and free) or going_on:
                 u.mark_starting(asyncio.create_task(self._start(u), name=f"start-{u.id}"))
+                if u.chain is not None:
+                    running.add(id(u.chain))
                 self._turn.set()
 
     def started(self) -> bool:

@@ -483,7 +483,8 @@ class VoiceStore:
         """By id, else by name (newest wins)."""
         self._sync(voice_id=ref)
         v = self._lookup(ref, owner)
-        while v is not None and self._gone(v):  # deleted by another process: perhaps another voice has this name
+        # deleted or renamed by another process: perhaps another voice has this name (one renamed, or stored since)
+        while v is not None and self._changed(v):
             v = self._lookup(ref, owner)
         if v is None and self.shared:  # perhaps a voice another gateway has just added
             self._take_new()
@@ -524,20 +525,39 @@ class VoiceStore:
         self._sync(voice_id=voice_id)
         with self._lock:
             v = self._voices.get(voice_id)
-        return None if v is None or self._gone(v) else v
+        while v is not None and self._changed(v):
+            with self._lock:
+                v = self._voices.get(voice_id)
+        return v
 
-    def _gone(self, voice: Voice) -> bool:
-        """Shared store: whether `voice`, in this process's memory, was deleted on disk by another process since this
-        one's last rescan (its folder is gone: one stat); if so it is dropped here at once. Without the look, for up
-        to SHARED_RESCAN_S after a delete through one process, the other used the deleted voice, and an upload of the
-        same clip or array through it answered 200 `deduplicated` with the voice's id from memory and wrote nothing:
-        the voice the client was told it has was gone (404) in every process at their next rescans."""
-        if not self.shared or voice.source == "default" or (self.root / voice.id / "meta.json").exists():
+    def _changed(self, voice: Voice) -> bool:
+        """Shared store: whether `voice`, in this process's memory, was deleted or renamed on disk by another process
+        since this one read it (its folder gone, or changed: one stat); if so memory is made what the disk holds at
+        once (the voice dropped, or read again), and the caller looks again. Without the look, for up to
+        SHARED_RESCAN_S after a delete through one process, the other used the deleted voice, and an upload of the same
+        clip or array through it answered 200 `deduplicated` with the voice's id from memory and wrote nothing: the
+        voice the client was told it has was gone (404) in every process at their next rescans. And for up to
+        SHARED_MIN_RESCAN_S after a rename, the other answered the old name with the renamed voice, also when a new
+        voice had been stored under that name: speech in the wrong voice."""
+        if not self.shared or voice.source == "default":
             return False
+        folder = self.root / voice.id
+        try:
+            st = os.stat(folder)
+            mark: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:  # deleted (set aside, then removed)
+            mark = None
+        if mark is not None and self._seen.get(voice.id) == mark:
+            return False
+        fresh = self._read_folder(folder) if mark is not None else None
         with self._lock:
             if self._voices.get(voice.id) is voice:
-                del self._voices[voice.id]
-                self._seen.pop(voice.id, None)
+                if fresh is not None and mark is not None:
+                    self._voices[voice.id] = fresh
+                    self._seen[voice.id] = mark
+                else:
+                    del self._voices[voice.id]
+                    self._seen.pop(voice.id, None)
         return True
 
     async def add_off_loop(self, voice: Voice, embedding: np.ndarray, preview_wav: bytes | None = None) -> Voice:

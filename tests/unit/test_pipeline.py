@@ -473,6 +473,36 @@ def test_utterances_play_in_order_and_the_next_one_is_prefetched():
     assert all(d["stats"]["ttfa_ms"] is not None and d["stats"]["rtf"] is not None for d in done)
 
 
+@pytest.mark.parametrize("contexts", [6, 1])
+def test_sentences_each_flushed_or_in_contexts_of_their_own_generate_at_most_max_inflight_at_once(contexts):
+    """Our socket plays every context in one lane. A sentence that starts a continuation chain was started however far
+    back in the queue it stood (the rule for a chain's later links, which must continue the one before), and a
+    sentence starts a chain in a context of its own, or after a flush (the turn's end): a client that sent one sentence
+    to each of 12 contexts had 12 engine requests at once (measured: `open` 12, 4 waiting for a slot on a CPU server's
+    8), and so did a voice agent sending each sentence of a reply with its flush, past --max-inflight-per-session (2):
+    one socket filling the engine's queue (and, reading nothing, holding it until the send timeout). Now only the links
+    of a chain already started start beyond that depth (hostile pass)."""
+
+    async def go():
+        session, ws, engine, task = await open_session()
+        for i in range(6):
+            ws.send(type="text", text=f"Context {i % contexts} speaks.", context_id=f"c{i % contexts}", flush=True)
+        ws.send(type="flush", context_id="nothing-queued")  # answered at once, once the texts before it are handled
+        assert (await ws.until("flushed"))[-1]["context_id"] == "nothing-queued"
+        queue = session.lanes[DEFAULT_CONTEXT].pipe.queue
+        assert len(queue) == 6 and all(u.chain is not None for u in queue)  # (each the first of its chain)
+        generating = sum(u.start_task is not None for u in queue)
+        for n in range(1, 7):  # each one played lets the next start
+            engine.play(await engine.started(n))
+        seen = [d for _ in range(6) for d in await ws.until("flushed")]
+        await shut(ws, task)
+        return generating, seen
+
+    generating, seen = asyncio.run(go())
+    assert generating == 2  # (it was 6: every sentence)
+    assert [d["context_id"] for d in seen if d["type"] == "audio.start"] == [f"c{i % contexts}" for i in range(6)]
+
+
 def test_lone_surrogate_is_a_coded_error_and_the_session_goes_on():
     """Text side: no `internal`, no lost session."""
     err, seen, _ = refused_then_spoken(['{"type":"text","text":"\\ud800 hello."}'], "Still here.")

@@ -517,6 +517,29 @@ def test_a_voice_deleted_by_another_process_is_gone_at_once_here_too(tmp_path):
     assert VoiceStore(tmp_path, DIM).get("v_a", "").name == "Back" and one.get("v_a", "").name == "Back"
 
 
+def test_a_voice_renamed_by_another_process_answers_to_its_new_name_only_at_once(tmp_path, monkeypatch):
+    """One process renames a voice, then stores a new voice under the old name (a client that keeps a name for its
+    newest voice); the other still held the voice in memory under its old name (its rescan not due: up to
+    SHARED_MIN_RESCAN_S). Its lookups of the old name answered with the renamed voice: speech in the wrong voice, the
+    new voice's name unknown (measured with --workers 2, the hostile pass). Now a voice found in memory whose folder
+    changed is read again first (the stat `_gone` made already)."""
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])  # no rescan comes due by itself
+    one, two = VoiceStore(tmp_path, DIM, shared=True), VoiceStore(tmp_path, DIM, shared=True)
+    add(one, "v_a", "Alice", seed=1, created_at=1.0)
+    two._sync(force=True)
+    assert two.get("Alice", "").id == "v_a"
+    one.rename("v_a", "", "Old Alice")
+    add(one, "v_b", "Alice", seed=2, created_at=2.0)
+    assert two.get("Alice", "").id == "v_b"  # (it was v_a: the voice renamed away)
+    assert two.get("Old Alice", "").id == "v_a" and two.find("v_a").name == "Old Alice"
+    one.rename("v_b", "", "Bob")
+    with pytest.raises(VoiceError) as err:
+        two.get("Alice", "")  # no voice has this name now
+    assert err.value.code == "unknown_voice"
+    assert two.get("Bob", "").id == "v_b" and one.get("Bob", "").id == "v_b"
+
+
 def test_a_voice_deleted_while_another_process_stores_it_again_lands(tmp_path, monkeypatch):
     """One process stores a voice whose folder is already there (the same clip, stored before) just as another
     process deletes it: the folder in the way was gone by the time it was read, and setting it aside found nothing to
