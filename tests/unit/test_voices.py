@@ -1258,3 +1258,54 @@ def test_a_rescan_listed_before_an_add_landed_does_not_drop_it(tmp_path, monkeyp
     scanner.join(30)
     adder.join(30)
     assert [v.id for v in store.list("")] == ["v_new"]
+
+
+def test_a_name_uploaded_through_another_process_just_after_a_miss_is_found_at_its_first_lookup(tmp_path, monkeypatch):
+    """A name looked up and not found through one process, then uploaded through another, then looked up again:
+    the second lookup was unknown_voice until SHARED_MISS_LOOK_S had passed since the miss (measured with --workers
+    2: 404 twice, 200 after 60 ms), the limit on how often a miss rescans. Now a miss within that limit still lists
+    the folder's names when the folder changed (no stat per voice) and reads only the folders it has not seen: a new
+    voice is found at once, a deleted one is gone from a listing at once, and misses of names that exist nowhere read
+    no folder and list the folder only after a change (the clock stands still: no rescan comes due by itself). A
+    voice renamed there within that limit still waits for it (its folder's name does not change: docs/scaling.md)."""
+    now = [1000.0]
+    monkeypatch.setattr(voices_mod.time, "monotonic", lambda: now[0])
+    one, two = VoiceStore(tmp_path, DIM, shared=True), VoiceStore(tmp_path, DIM, shared=True)
+    with pytest.raises(VoiceError):
+        two.get("Later", "")  # the miss
+    add(one, "v_later", "Later")  # the upload, through the other process
+    assert two.get("Later", "").id == "v_later"  # (it was unknown_voice)
+    add(one, "v_gone", "Gone")
+    with pytest.raises(VoiceError):
+        two.get("nobody", "")  # a miss that rescans: the folder changed since the last rescan
+    add(one, "v_next", "Next")  # within the limit of that rescan
+    assert two.get("Next", "").id == "v_next"
+    one.delete("v_gone", "")
+    add(one, "v_listed", "Listed")
+    assert sorted(v.name for v in two.list("")) == ["Later", "Listed", "Next"]  # (it showed Gone, not Listed)
+    listings, reads = [0], [0]
+    scandir, listdir, read_folder = os.scandir, os.listdir, VoiceStore._read_folder
+
+    def counted(listing):
+        def counted_listing(path):
+            listings[0] += 1
+            return listing(path)
+
+        return counted_listing
+
+    def counted_read(self, d):
+        reads[0] += 1
+        return read_folder(self, d)
+
+    monkeypatch.setattr(voices_mod.os, "scandir", counted(scandir))  # (a rescan's listing)
+    monkeypatch.setattr(voices_mod.os, "listdir", counted(listdir))  # (a listing of names)
+    monkeypatch.setattr(VoiceStore, "_read_folder", counted_read)
+    for _ in range(20):  # a storm of misses, the folder unchanged
+        with pytest.raises(VoiceError):
+            two.get("nobody", "")
+    assert (listings[0], reads[0]) == (0, 0)
+    add(one, "v_more", "More")
+    for _ in range(20):  # the same, the folder changed once: listed once, the new folder read once
+        with pytest.raises(VoiceError):
+            two.get("nobody", "")
+    assert (listings[0], reads[0]) == (1, 1)
