@@ -316,6 +316,13 @@ class Gateway:
         places.server = True  # taken over (a place of its key, if it holds one, it gives back as it ends)
         return Newcomer(places, victim, Places(server=True))
 
+    def session_closed(self, session: LiveSession, places: Places) -> None:
+        """A session's socket is closed (app/doors/handshake.py: as soon as its client can see it, again as the session
+        ends): its `places` given back, so a client that reconnects at once takes them, and no newcomer takes them over
+        (it is idle no more, `idle_longest`). Once: it holds none after."""
+        self.live.discard(session)
+        self.sessions.release(places)
+
     def give_back(self, newcomer: Newcomer) -> None:
         """A new session that was not made gives back the places it took (not those it was to take over)."""
         places, takes = newcomer.places, newcomer.takes
