@@ -38,6 +38,7 @@ from app.core.normalization import NormalizationPool, default_workers
 from app.core.options import SynthesisOptions
 from app.core.prompts import PromptFactory
 from app.core.shared import HELD, Places, SessionCount
+from app.core.stats import summed_stats
 from app.core.stitching import StitchStore, model_identity
 from app.core.text_buffer import split_to_budget, utf8_len
 from app.io.bodies import BodyBudget
@@ -314,6 +315,13 @@ class Gateway:
             raise RequestError(G.TOO_MANY_SESSIONS, "the server is at its session limit; retry later")
         places.server = True  # taken over (a place of its key, if it holds one, it gives back as it ends)
         return Newcomer(places, victim, Places(server=True))
+
+    def session_closed(self, session: LiveSession, places: Places) -> None:
+        """A session's socket is closed (app/doors/handshake.py: as soon as its client can see it, again as the session
+        ends): its `places` given back, so a client that reconnects at once takes them, and no newcomer takes them over
+        (it is idle no more, `idle_longest`). Once: it holds none after."""
+        self.live.discard(session)
+        self.sessions.release(places)
 
     def give_back(self, newcomer: Newcomer) -> None:
         """A new session that was not made gives back the places it took (not those it was to take over)."""
@@ -643,21 +651,23 @@ class Gateway:
 class PieceStream:
     """An utterance whose spoken text takes more than one engine request, read as one Stream: the pieces
     play in order, the next one submitted when the one before starts to be read (so one generates ahead,
-    as in the pipeline); one `finished` at the end with the frames of all, or the first error. The frame
-    limit is the utterance's: each piece may take what the pieces before it left, and the audio stops at
-    the limit (`max_frames`)."""
+    as in the pipeline); one `finished` at the end with the stats of all (app/core/stats.py `summed_stats`), or
+    the first error. The frame limit is the utterance's: each piece may take what the pieces before it left, and
+    the audio stops at the limit (`max_frames`, `_end_at_limit`)."""
 
     def __init__(self, submit: Callable[[str, int], Stream], pieces: list[str], max_frames: int) -> None:
         self._submit = submit
         self._pending = deque(pieces[1:])
-        self._limit = max_frames
         self._left = max_frames * HOP  # samples the utterance may still play
         self.current: Stream = submit(pieces[0], max_frames)
         self.ahead: Stream | None = None
+        # the frames the one playing and the one ahead were submitted with, and the samples read of the one playing
+        self._current_limit, self._ahead_limit, self._current_read = max_frames, 0, 0
         self.done = False
-        self._frames = 0
+        self._stats: list[m.RequestStats] = []  # of the pieces ended so far, in order
+        self._cut_samples = 0  # the audio played of a piece cancelled at the utterance's limit (no stats of its own)
         self._reason: str | None = None  # the first piece that did not end on its own (max_frames)
-        self._finished_sent = False
+        self._at_limit = False  # the audio reached the limit: nothing more plays; the one playing ends
         self._on_end: Callable[[], None] | None = None  # (`when_ended`)
 
     def when_ended(self, told: Callable[[], None]) -> None:
@@ -679,8 +689,9 @@ class PieceStream:
     async def __anext__(self) -> Event:
         while not self.done:
             if self.ahead is None and self._pending:
+                self._ahead_limit = max(1, self._left // HOP)
                 try:
-                    self.ahead = self._submit(self._pending.popleft(), max(1, self._left // HOP))
+                    self.ahead = self._submit(self._pending.popleft(), self._ahead_limit)
                 except RequestError as e:
                     self.cancel()
                     return m.Error(self.current.rid, E.of(e.code), str(e))
@@ -689,32 +700,47 @@ class PieceStream:
             except StopAsyncIteration:  # (a stream always ends with an event; this is the guard)
                 ev = m.Finished(self.current.rid, m.CANCELLED)
             if isinstance(ev, m.Finished):
-                self._frames += ev.stats.frames if ev.stats is not None else 0
+                if ev.stats is not None:
+                    self._stats.append(ev.stats)
                 if ev.reason != "eos" and self._reason is None:
                     self._reason = ev.reason
                 if self.ahead is not None and ev.reason != m.CANCELLED:
                     self.current, self.ahead = self.ahead, None
+                    self._current_limit, self._current_read = self._ahead_limit, 0
                     continue
                 self._ended()
-                stats = dataclasses.replace(ev.stats, frames=self._frames) if ev.stats is not None else None
+                stats = summed_stats(self._stats, self._cut_samples)
                 return dataclasses.replace(ev, reason=self._reason or ev.reason, stats=stats)
             if isinstance(ev, m.Error):
                 self.cancel()
             elif isinstance(ev, m.Audio):
+                if self._at_limit:  # (the engine stops a piece at its own limit; this is the guard)
+                    continue
                 if len(ev.pcm) >= self._left:  # the utterance's limit: this much of this piece, nothing after
                     ev = dataclasses.replace(ev, pcm=ev.pcm[: self._left])
+                    self._current_read += len(ev.pcm)
+                    self._left = 0
                     self._end_at_limit()
-                self._left -= len(ev.pcm)
+                else:
+                    self._left -= len(ev.pcm)
+                    self._current_read += len(ev.pcm)
             return ev
-        if self._reason == "max_frames" and self._left == 0 and not self._finished_sent:
-            self._finished_sent = True
-            return m.Finished(self.current.rid, "max_frames")
         raise StopAsyncIteration
 
     def _end_at_limit(self) -> None:
-        """The utterance reached its frame limit: the pieces in flight stop, and it finishes as max_frames."""
-        self.cancel()
-        self._reason = "max_frames"
+        """The utterance reached its frame limit: nothing more plays, the piece ahead and those not sent are dropped,
+        and it finishes as max_frames once the one playing has ended, with the stats of all. A piece that reached
+        its own limit there (the first always does: it was sent with the utterance's) ends on the engine right
+        after this audio, with its stats; one sent with more (while the one before it played) is cancelled, and the
+        audio played of it counts as its frames."""
+        self._at_limit, self._reason = True, "max_frames"
+        self._pending.clear()
+        if self.ahead is not None:
+            self.ahead.cancel()
+            self.ahead = None
+        if self._current_read < self._current_limit * HOP:
+            self._cut_samples = self._current_read
+            self.current.cancel()
 
     def cancel(self) -> None:
         self._ended()

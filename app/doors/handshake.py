@@ -13,6 +13,7 @@ answer a retrying client can get, and the one a load balancer understands.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from app.core.shared import Places
 from app.io.auth import api_key_from, key_ok, origin_allowed
 from app.io.errors import GatewayError as G
 from app.io.errors import RequestError
-from app.io.ws_protocol import handshake_denied
+from app.io.ws_protocol import WHEN_CLOSED, handshake_denied
 from engine.contract.errors import EngineError
 
 log = logging.getLogger("gateway.session")
@@ -70,6 +71,11 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
     gw.metrics.sessions.inc()
     gw.conversations.add(session.conversation)  # room is held for its utterances while it is active
     gw.live.add(session)
+    # its places are given back as soon as its client can see the socket closed (its close answered), before the
+    # session's cleanup: a client that reconnects at once (a voice agent does) is not refused too_many_sessions
+    when_closed = ws.scope.get("extensions", {}).get(WHEN_CLOSED)
+    if when_closed is not None:
+        when_closed(functools.partial(gw.session_closed, session, session.places))
     if gw.draining:  # admitted just before the drain began
         session.drain()
     try:
@@ -87,9 +93,8 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
                 await ws.send_text(json.dumps(msg))
             await ws.close(1011)
     finally:
-        gw.live.discard(session)
+        gw.session_closed(session, session.places)  # (unless given back at the close; less what a newcomer took over)
         gw.conversations.discard(session.conversation)
-        gw.sessions.release(session.places)  # (less what a newcomer took over: `Gateway.evict`)
         gw.metrics.sessions.dec()
 
 

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextvars
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.frames import Frame
+from websockets.http11 import Request
 from websockets.protocol import State
 
 from app.io.read_slices import SlicedReads
@@ -28,6 +30,12 @@ PONG_BACKLOG = 1 << 20
 # WebSocket Denial Response extension: app/doors/handshake.py `deny`, app/io/auth.py `HostCheck`): uvicorn logs
 # once the app returns.
 handshake_denied: contextvars.ContextVar[bool] = contextvars.ContextVar("ws_denied", default=False)
+
+
+# The key, among a WebSocket scope's extensions, of `when_closed(told)`: `told()` is called once the socket is closed
+# as its client sees it (app/doors/handshake.py gives its session's places back then). Only this server's protocol
+# offers it: an app served otherwise (a test client) does what it waits for as it ends.
+WHEN_CLOSED = "zonos.when_closed"
 
 
 class _DenialLogFilter(logging.Filter):
@@ -55,6 +63,44 @@ class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self._joined: bytearray | None = None  # a fragmented message's pieces so far, joined (`handle_cont`)
         self._lobby: dict[Any, None] | None = None  # its server's connections at --max-connections (`join_lobby`)
+        self._closed = False  # a close frame was sent or received, or the connection lost (`when_closed`)
+        self._on_closed: Callable[[], None] | None = None
+
+    # ---- the moment its client can see it closed (`WHEN_CLOSED`) ------------------------------------------------
+    def handle_connect(self, event: Request) -> None:
+        super().handle_connect(event)
+        scope = getattr(self, "scope", None)  # (none for a refused upgrade)
+        if scope is not None:
+            scope["extensions"][WHEN_CLOSED] = self.when_closed
+
+    def when_closed(self, told: Callable[[], None]) -> None:
+        """`told()` once the socket is closed as its client can see it: before the client's close frame is answered,
+        as the app's close frame (or one for a protocol error) is written, or when the connection is lost; at once if
+        it was. A session's cleanup comes later (its engine work stopped, its tasks ended): a client that reconnects as
+        soon as its close is answered finds what `told` gives back already given back."""
+        if self._closed:
+            told()
+        else:
+            self._on_closed = told
+
+    def _closing(self) -> None:
+        self._closed = True
+        told, self._on_closed = self._on_closed, None
+        if told is not None:
+            told()
+
+    def handle_close(self, event: Frame) -> None:
+        self._closing()  # before uvicorn answers the client's close (or takes the answer to its own)
+        super().handle_close(event)
+
+    def handle_parser_exception(self) -> None:
+        self._closing()  # uvicorn closes the socket (1002, 1007, 1009): its close frame is written next
+        super().handle_parser_exception()
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "websocket.close" and self.handshake_complete:
+            self._closing()  # the app closes an accepted socket: its close frame is written next
+        await super().send(message)
 
     # ---- the connection cap (app/io/http_protocol.py): a socket whose closing handshake waits makes room ---------
     def join_lobby(self, lobby: dict[Any, None]) -> None:
@@ -105,6 +151,7 @@ class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
         super().start_keepalive()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._closing()
         self._backlog.clear()
         if self._lobby is not None:
             self._lobby.pop(self, None)

@@ -665,6 +665,28 @@ def test_a_sentence_that_leaves_the_chain_ends_the_one_before_it_at_once(start_s
     ]
 
 
+def test_a_sentence_of_several_requests_cut_at_max_frames_counts_its_frames(server):
+    """A sentence its aliases make several engine requests, cut at the session's max_frames: its audio.done said
+    `frames: null` and `engine: {}` (the piece playing was cancelled at the limit and its finish made up) although
+    its 10 frames of audio were sent. They are counted now, with the engine's stats, and the reason is max_frames."""
+
+    async def go():
+        c = await connect(
+            server,
+            params={"seed": 1, "max_frames": 10, "ignore_eos": True},
+            lexicon=[{"grapheme": "zork", "alias": "word " * 50}],
+        )
+        await c.send(type="text", text="Say zork now.", flush=True)
+        done = await c.until("audio.done")
+        await c.ws.close()
+        return done["stats"]
+
+    stats = run(go())
+    assert stats["finish_reason"] == "max_frames" and stats["frames"] == 10, stats
+    assert stats["audio_ms"] == round(10 * 512 / 44100 * 1e3, 2) and stats["engine"]["frames"] == 10, stats
+    assert stats["engine"]["audio_s"] == round(10 * 512 / 44100, 4) and stats["engine"]["ttfa_ms"] is not None
+
+
 def test_pronunciation_dictionaries_through_the_elevenlabs_routes_and_our_socket(start_server, tmp_path):
     """Uploaded as PLS and as rules, listed, used by our session.config `lexicon` (the alias reaches the
     model: the prompt grows by it), refused for phonemes, kept across a restart, deleted."""

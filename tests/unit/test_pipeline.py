@@ -884,6 +884,45 @@ def test_the_pieces_of_one_utterance_share_its_frame_limit():
     assert engine.streams[-1].done
 
 
+def test_a_sentence_cut_at_max_frames_reports_the_frames_of_its_pieces():
+    """audio.done's `frames` and engine stats count every piece also when the utterance's limit cuts it (they were
+    null, the piece playing cancelled and its finish made up). The first piece, sent with the utterance's limit,
+    reaches it with its own: it is not cancelled, its finish (right after its last audio) is waited for. A later one,
+    sent with more while the one before played, is cancelled at the limit: the audio played of it counts."""
+    from app.core.gateway import PieceStream
+
+    async def own_limit():
+        engine = FakeEngine()
+        events = {"a": [_audio(6 * 512), _audio(4 * 512)], "b": [_audio()]}  # b: still generating
+        submit, _ = _piece_submitter(engine, events)
+        stream = PieceStream(submit, ["a", "b"], 10)
+        seen = [await stream.__anext__(), await stream.__anext__()]
+        engine.streams[0]._deliver(_finished("max_frames", frames=10))  # the engine's, after the limit's audio
+        seen += [ev async for ev in stream]
+        return seen, engine
+
+    seen, engine = asyncio.run(own_limit())
+    assert sum(len(ev.pcm) for ev in seen if isinstance(ev, m.Audio)) == 10 * 512
+    end = seen[-1]
+    assert isinstance(end, m.Finished) and end.reason == "max_frames" and end.stats is not None
+    assert end.stats.frames == 10 and end.stats.audio_s == round(10 * 512 / 44100, 4)
+    assert engine.cancelled == [engine.streams[1].rid]  # the one ahead; the first ended on the engine
+
+    async def cancelled_at_limit():
+        engine = FakeEngine()
+        events = {"a": [_audio(3 * 512), _finished(frames=3)], "b": [_audio(3 * 512), _audio(3 * 512)]}
+        submit, _ = _piece_submitter(engine, events)
+        return [ev async for ev in PieceStream(submit, ["a", "b"], 8)], engine
+
+    seen, engine = asyncio.run(cancelled_at_limit())
+    assert [len(ev.pcm) for ev in seen if isinstance(ev, m.Audio)] == [3 * 512, 3 * 512, 2 * 512]
+    end = seen[-1]
+    assert isinstance(end, m.Finished) and end.reason == "max_frames" and end.stats is not None
+    assert end.stats.frames == 3 + 5 and end.stats.audio_s == round(8 * 512 / 44100, 4)
+    assert end.stats.ttfa_ms == engine_stats(3).ttfa_ms  # the first piece's first audio
+    assert engine.limits == [8, 8] and engine.cancelled == [engine.streams[1].rid]
+
+
 def test_cancelling_pieces_stops_the_one_playing_and_the_one_ahead():
     from app.core.gateway import PieceStream
 
