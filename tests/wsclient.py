@@ -41,11 +41,18 @@ class Client:
                 return d
 
     async def audio_bytes(self, n: int, timeout: float = 60) -> None:
-        """Read until the current utterance has at least n bytes of audio."""
-        assert self.current is not None
-        while len(self.audio[self.current]) < n:
+        """Read until the current utterance has at least n bytes of audio; an utterance that ends with fewer (the
+        random test model may end one at its first frame, with no audio) fails here rather than waiting out the
+        timeout or counting the next utterance's bytes."""
+        uid = self.current
+        assert uid is not None
+        while len(self.audio[uid]) < n:
             msg = await asyncio.wait_for(self.ws.recv(), timeout)
             if isinstance(msg, bytes):
-                self.audio[self.current] += msg
-            else:
-                self.log.append(json.loads(msg))
+                self.audio[uid] += msg
+                continue
+            d = json.loads(msg)
+            self.log.append(d)
+            if d["type"] in ("audio.done", "error") and d.get("utterance_id") == uid:
+                self.current = None
+                raise AssertionError(f"utterance {uid} ended ({d['type']}) after {len(self.audio[uid])} of {n} bytes")
