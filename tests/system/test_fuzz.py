@@ -1025,7 +1025,7 @@ ca_voice_controls = (
     st.fixed_dictionaries(
         {},
         optional={
-            # Cartesia's: a name or a number in -1..1; tags "name" or "name:level" of its five names and four levels
+            # Cartesia's: a name or a number in -1..1; tags: strings of 1..64 characters (names not checked)
             "speed": st.sampled_from(["fast", "fastest", "warp", 0.5, -1, 1.5]) | extreme | anything,
             "emotion": st.sampled_from([["positivity"], ["positivity:high", "curiosity"], ["joy"], ["anger:max"]])
             | anything,

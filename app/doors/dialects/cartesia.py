@@ -71,11 +71,11 @@ _UNUSED_GENERATION_CONFIG: dict[str, tuple[type, ...]] = {"emotion": (str,)}
 VOLUME_RANGE = (0.5, 2.0)  # generation_config.volume, Cartesia's documented range (not used: check_unused)
 # Cartesia's older, deprecated speed and emotion controls (not used): the named speeds of the top-level `speed` and of
 # voice.__experimental_controls (older LiveKit plugins), whose `speed` may also be a number in CONTROL_SPEED_RANGE (0:
-# the default) and whose `emotion` is a list of tags, "name" or "name:level"
+# the default) and whose `emotion` is a list of tags ("positivity:high"; their names are not checked: Cartesia's list
+# changed between versions, and clients send newer names, "happy", "natural", there)
 SPEED_NAMES = ("slowest", "slow", "normal", "fast", "fastest")
 CONTROL_SPEED_RANGE = (-1.0, 1.0)
-EMOTION_NAMES = ("anger", "positivity", "surprise", "sadness", "curiosity")
-EMOTION_LEVELS = ("lowest", "low", "high", "highest")
+CONTROL_EMOTION_TAG_MAX = 64  # characters of one emotion tag (Cartesia's are at most 19: "positivity:highest")
 DEFAULT_BUFFER_DELAY_MS = 3000
 MAX_BUFFER_DELAY_MS = 5000  # Cartesia's range is 0-5000
 _ENCODINGS = {"pcm_s16le": "pcm_s16le", "pcm_f32le": "pcm_f32le", "pcm_mulaw": "mulaw", "pcm_alaw": "alaw"}
@@ -447,7 +447,7 @@ def _check_speed_name(value: Any, name: str, code: str) -> None:
 def check_voice_controls(controls: Any, code: str) -> None:
     """`voice.__experimental_controls` (Cartesia's deprecated controls, older LiveKit plugins; not used), held to what
     Cartesia documents, else `code` naming the field: an object; `speed` one of SPEED_NAMES or a number in -1..1;
-    `emotion` a list of tags, each an emotion name alone or "name:level". Any name or number was taken."""
+    `emotion` a list of tags, each a non-empty string (its name not checked). Any name or number was taken."""
     check_types({"__experimental_controls": controls}, {"__experimental_controls": (dict,)}, code, "voice.")
     if controls is None:
         return
@@ -460,17 +460,14 @@ def check_voice_controls(controls: Any, code: str) -> None:
     emotion = controls.get("emotion")
     if emotion is None:
         return
-    if not isinstance(emotion, list) or not all(isinstance(tag, str) and _emotion_tag(tag) for tag in emotion):
+    if not isinstance(emotion, list) or not all(
+        isinstance(tag, str) and 0 < len(tag) <= CONTROL_EMOTION_TAG_MAX for tag in emotion
+    ):
         raise RequestError(
             code,
-            f"{where}emotion must be a list of tags: one of {', '.join(EMOTION_NAMES)}, alone or followed by "
-            f"':' and one of {', '.join(EMOTION_LEVELS)} (\"positivity:high\")",
+            f"{where}emotion must be a list of tags, strings of 1..{CONTROL_EMOTION_TAG_MAX} characters "
+            '("positivity:high")',
         )
-
-
-def _emotion_tag(tag: str) -> bool:
-    name, colon, level = tag.partition(":")
-    return name in EMOTION_NAMES and (not colon or level in EMOTION_LEVELS)
 
 
 def language_and_speed(data: dict[str, Any], code: str) -> tuple[str | None, Any]:
