@@ -152,6 +152,9 @@ class SlicedWebSocketProtocol(SlicedReads, WebSocketsSansIOProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closing()
+        scope = getattr(self, "scope", None)  # its `when_closed` there holds it: a cycle the collector alone would free
+        if scope is not None:
+            scope["extensions"].pop(WHEN_CLOSED, None)
         self._backlog.clear()
         if self._lobby is not None:
             self._lobby.pop(self, None)
