@@ -21,7 +21,7 @@ import soundfile as sf
 import soxr
 
 from app.core.continuation import Chain, Link
-from app.core.door_policy import Conversations, Decision, RefusalPace, decide
+from app.core.door_policy import Conversation, Conversations, Decision, RefusalPace, decide
 from app.core.emotion import check_emotion, emotion_directions
 from app.core.engine_client import (
     AttachedEngineClient,
@@ -70,6 +70,7 @@ class LiveSession(Protocol):
 
     owner: str
     places: Places  # what it holds in the session counts (app/doors/handshake.py)
+    conversation: Conversation  # the room held for its next utterance (the door counts it)
 
     def drain(self) -> None: ...
     def idle_s(self, now: float) -> float | None: ...
@@ -319,8 +320,10 @@ class Gateway:
     def session_closed(self, session: LiveSession, places: Places) -> None:
         """A session's socket is closed (app/doors/handshake.py: as soon as its client can see it, again as the session
         ends): its `places` given back, so a client that reconnects at once takes them, and no newcomer takes them over
-        (it is idle no more, `idle_longest`). Once: it holds none after."""
+        (it is idle no more, `idle_longest`); the room held for its conversation's next utterance too, as it has none
+        (the door refused a client that reconnected at once for a closed session's room). Once: it holds none after."""
         self.live.discard(session)
+        self.conversations.discard(session.conversation)
         self.sessions.release(places)
 
     def give_back(self, newcomer: Newcomer) -> None:

@@ -94,7 +94,6 @@ async def serve_session(ws: WebSocket, gw: Gateway, session: StreamingSession) -
             await ws.close(1011)
     finally:
         gw.session_closed(session, session.places)  # (unless given back at the close; less what a newcomer took over)
-        gw.conversations.discard(session.conversation)
         gw.metrics.sessions.dec()
 
 
